@@ -6,7 +6,7 @@ BIN     := $(VENV)/bin
 # `torch==2.13.0` is the CPU wheel on this machine's local disk; on a GPU machine the same pin
 # resolves to PyPI's CUDA build. Override with e.g. `make TORCH_SPEC='torch==2.5.1' demo`.
 TORCH_SPEC ?= torch==2.13.0
-QUESTION ?= What must the Debian Project Leader do to appoint a Delegate?
+QUESTION ?= What was Maria Curie the first female recipient of?
 # The embedded defaults live in installed packages, so nothing needs the (unreachable) model hub.
 export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
