@@ -1,0 +1,3 @@
+from ragbudget.cli import main
+
+main()

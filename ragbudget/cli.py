@@ -1,0 +1,314 @@
+"""The ``ragbudget`` command: a thin click layer over the library.
+
+Library errors (:class:`ragbudget.errors.RagBudgetError`) become a one-line message and exit code 1
+here and only here; click's usage errors exit with 2. Commands that print data take ``--json``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from collections.abc import Callable
+from functools import wraps
+from typing import Any
+
+import click
+
+from .errors import RagBudgetError
+
+DEFAULT_INDEX_DIR = ".ragbudget"
+
+_CACHE_KINDS = ["dynamic", "static", "offloaded", "quantized"]
+
+
+def _echo_json(data: Any) -> None:
+    click.echo(json.dumps(data, indent=2, ensure_ascii=False, default=str))
+
+
+def _user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Turn library errors into ``Error: ...`` and exit code 1, never a traceback."""
+
+    @wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except RagBudgetError as exc:
+            raise click.ClickException(str(exc)) from None
+        except (OSError, MemoryError) as exc:
+            raise click.ClickException(f"{type(exc).__name__}: {exc}") from None
+
+    return wrapper
+
+
+def _index_dir_option(fn: Callable[..., Any]) -> Callable[..., Any]:
+    return click.option(
+        "--index-dir",
+        default=DEFAULT_INDEX_DIR,
+        show_default=True,
+        envvar="RAGBUDGET_INDEX_DIR",
+        type=click.Path(file_okay=False),
+        help="Folder holding the index.",
+    )(fn)
+
+
+def _model_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Options shared by every command that plans a budget."""
+    options = [
+        click.option("--model", default=None, help="Generator: HF id, local folder or .gguf (default: packaged SmolLM2-135M-Instruct)."),
+        click.option("--gpu", default=None, help='auto (free CUDA memory), a GPU name ("RTX 4090") or a size ("24GiB").'),
+        click.option("--concurrency", default=1, show_default=True, type=click.IntRange(min=1), help="Requests sharing the KV memory."),
+        click.option("--max-new-tokens", default=256, show_default=True, type=click.IntRange(min=1), help="Output tokens reserved per request."),
+        click.option("--kv-dtype", default=None, type=click.Choice(["fp32", "fp16", "bf16", "fp8", "int8", "int4", "int2"]), help="KV cache dtype (default: the model's)."),
+        click.option("--cache", default="dynamic", show_default=True, type=click.Choice(_CACHE_KINDS), help="transformers cache kind."),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="ragbudget")
+@click.option("-v", "--verbose", count=True, help="More logging (-v info, -vv debug).")
+def cli(verbose: int) -> None:
+    """ragbudget: RAG whose prompts always fit the GPU's memory."""
+    level = logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+
+
+# --- index / search / stats / verify -------------------------------------------------------------
+
+
+@cli.command()
+@click.argument("paths", nargs=-1, required=True, type=click.Path())
+@_index_dir_option
+@click.option("--embedder", default=None, help="sentence-transformers model id or path (default: packaged all-MiniLM-L6-v2).")
+@click.option("--include", multiple=True, help="Glob of files to include (repeatable).")
+@click.option("--exclude", multiple=True, help="Glob of files to exclude (repeatable).")
+@click.option("--max-file-mb", default=50.0, show_default=True, type=float, help="Skip files larger than this.")
+@click.option("--min-tokens", default=300, show_default=True, type=click.IntRange(min=1))
+@click.option("--max-tokens", default=500, show_default=True, type=click.IntRange(min=1))
+@click.option("--rebuild", is_flag=True, help="Rebuild from scratch instead of incrementally.")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+@_user_errors
+def index(paths: tuple[str, ...], index_dir: str, embedder: str | None, include: tuple[str, ...],
+          exclude: tuple[str, ...], max_file_mb: float, min_tokens: int, max_tokens: int,
+          rebuild: bool, as_json: bool) -> None:
+    """Index files and folders (incremental: unchanged files cost one stat)."""
+    from .pipeline import Pipeline
+
+    pipe = Pipeline(index_dir, embedder=embedder)
+    with _Progress(enabled=not as_json) as progress:
+        summary = pipe.index(
+            list(paths),
+            include=list(include) or None,
+            exclude=list(exclude) or None,
+            max_bytes=int(max_file_mb * 1024 * 1024),
+            min_tokens=min_tokens,
+            max_tokens=max_tokens,
+            rebuild=rebuild,
+            progress=progress,
+        )
+    data = summary.to_dict()
+    if as_json:
+        _echo_json(data)
+        return
+    click.echo(_format_index_summary(data))
+
+
+def _format_index_summary(s: dict[str, Any]) -> str:
+    lines = [
+        f"indexed {s.get('files_indexed', 0)} file(s), {s.get('files_unchanged', 0)} unchanged, "
+        f"{s.get('files_removed', 0)} removed, {len(s.get('skipped', []))} skipped",
+        f"chunks: {s.get('chunks_total', 0)} in index, {s.get('chunks_added', 0)} added, "
+        f"{s.get('chunks_embedded', 0)} embedded ({s.get('windows_pooled', 0)} over-long chunks pooled over windows)",
+        f"duplicates removed: {s.get('exact_duplicates', 0)} exact, {s.get('near_duplicates', 0)} near",
+        f"header/footer lines removed: {s.get('furniture_lines_removed', 0)}",
+        f"time: {s.get('seconds', 0.0):.1f} s",
+    ]
+    if s.get("rebuilt"):
+        lines.append(f"rebuilt from scratch: {s.get('rebuild_reason') or s.get('rebuilt')}")
+    for skip in s.get("skipped", []):
+        if isinstance(skip, dict):
+            path, reason, detail = skip.get("path"), skip.get("reason"), skip.get("detail", "")
+        else:
+            path, reason, detail = (list(skip) + ["", "", ""])[:3]
+        lines.append(f"  skipped {path}: {reason}" + (f" ({detail})" if detail else ""))
+    return "\n".join(lines)
+
+
+class _Progress:
+    """Drives tqdm bars from the index's progress callback ``(phase, done, total)``."""
+
+    def __init__(self, *, enabled: bool) -> None:
+        self.enabled = enabled and sys.stderr.isatty() or bool(os.environ.get("RAGBUDGET_PROGRESS"))
+        self._bars: dict[str, Any] = {}
+
+    def __enter__(self) -> _Progress:
+        return self
+
+    def __call__(self, phase: str, done: int, total: int | None = None) -> None:
+        if not self.enabled:
+            return
+        from tqdm import tqdm
+
+        bar = self._bars.get(phase)
+        if bar is None:
+            bar = self._bars[phase] = tqdm(total=total, desc=phase, unit="", leave=True, file=sys.stderr)
+        if total is not None and bar.total != total:
+            bar.total = total
+        bar.n = done
+        bar.refresh()
+
+    def __exit__(self, *exc: object) -> None:
+        for bar in self._bars.values():
+            bar.close()
+
+
+@cli.command()
+@click.argument("query")
+@_index_dir_option
+@click.option("-k", "k", default=5, show_default=True, type=click.IntRange(min=1))
+@click.option("--json", "as_json", is_flag=True)
+@_user_errors
+def search(query: str, index_dir: str, k: int, as_json: bool) -> None:
+    """Show the chunks closest to QUERY, with score, source, offsets and page."""
+    from .pipeline import Pipeline
+
+    hits = Pipeline(index_dir).search(query, k=k)
+    if as_json:
+        _echo_json([h.to_dict() for h in hits])
+        return
+    for rank, hit in enumerate(hits, 1):
+        src = hit.sources[0]
+        page = f" p.{src.page_start}" if src.page_start else ""
+        more = f" (+{len(hit.sources) - 1} duplicate source(s))" if len(hit.sources) > 1 else ""
+        click.echo(f"{rank}. {hit.score:.3f}  {src.path}{page} [{src.start}:{src.end}]{more}")
+        snippet = " ".join(hit.text.split())
+        click.echo(f"   {snippet[:200]}{'…' if len(snippet) > 200 else ''}")
+
+
+@cli.command()
+@_index_dir_option
+@click.option("--json", "as_json", is_flag=True)
+@_user_errors
+def stats(index_dir: str, as_json: bool) -> None:
+    """Counts and settings of the index."""
+    from .index import Index
+
+    data = Index.open(index_dir).stats()
+    if as_json:
+        _echo_json(data)
+        return
+    for key, value in data.items():
+        click.echo(f"{key}: {value}")
+
+
+@cli.command()
+@_index_dir_option
+@click.option("--json", "as_json", is_flag=True)
+@_user_errors
+def verify(index_dir: str, as_json: bool) -> None:
+    """Check checksums and id mappings of the index; exit 1 when it is damaged."""
+    from .index import Index
+
+    report = Index.open(index_dir).verify()
+    data = report.to_dict()
+    if as_json:
+        _echo_json(data)
+    else:
+        click.echo("index OK" if report.ok else "index DAMAGED")
+        for problem in data.get("problems", []):
+            click.echo(f"  {problem}")
+    if not report.ok:
+        sys.exit(1)
+
+
+# --- budget / ask ----------------------------------------------------------------------------------
+
+
+@cli.command()
+@_model_options
+@click.option("--context-tokens", default=None, type=click.IntRange(min=1), help="Plan for this context length per request.")
+@click.option("--utilization", default=0.9, show_default=True, type=click.FloatRange(0.05, 1.0), help="Share of GPU memory ragbudget may plan with.")
+@click.option("--plot", "plot_path", default=None, type=click.Path(dir_okay=False), help="Write a PNG of the memory plan.")
+@click.option("--json", "as_json", is_flag=True)
+@_user_errors
+def budget(model: str | None, gpu: str | None, concurrency: int, max_new_tokens: int,
+           kv_dtype: str | None, cache: str, context_tokens: int | None, utilization: float,
+           plot_path: str | None, as_json: bool) -> None:
+    """The memory plan: KV bytes per token, capacity, tokens per request, concurrency."""
+    from .budget import format_plan, plan_budget
+
+    plan = plan_budget(
+        model, gpu=gpu, concurrency=concurrency, max_new_tokens=max_new_tokens,
+        context_tokens=context_tokens, kv_dtype=kv_dtype, cache=cache, utilization=utilization,
+    )
+    if plot_path:
+        from .budget import plot_plan
+
+        plot_plan(plan, plot_path)
+    if as_json:
+        _echo_json(plan.to_dict())
+    else:
+        click.echo(format_plan(plan))
+        if plot_path:
+            click.echo(f"plot written to {plot_path}")
+
+
+@cli.command()
+@click.argument("question")
+@_index_dir_option
+@_model_options
+@click.option("--context-tokens", default=None, type=click.IntRange(min=1), help="Cap the retrieved context below what memory allows.")
+@click.option("--fetch-k", default=50, show_default=True, type=click.IntRange(min=1), help="Candidates fetched from the index.")
+@click.option("--order", default="relevance", show_default=True, type=click.Choice(["relevance", "document", "lost_in_middle"]))
+@click.option("--explain", is_flag=True, help="Print the budget report as a table.")
+@click.option("--no-stream", is_flag=True, help="Print the answer at the end instead of streaming it.")
+@click.option("--json", "as_json", is_flag=True)
+@_user_errors
+def ask(question: str, index_dir: str, model: str | None, gpu: str | None, concurrency: int,
+        max_new_tokens: int, kv_dtype: str | None, cache: str, context_tokens: int | None,
+        fetch_k: int, order: str, explain: bool, no_stream: bool, as_json: bool) -> None:
+    """Answer QUESTION from the index within the memory budget, citing sources."""
+    from .pipeline import Pipeline, format_report
+
+    pipe = Pipeline(
+        index_dir, model=model, gpu=gpu, concurrency=concurrency, max_new_tokens=max_new_tokens,
+        kv_dtype=kv_dtype, cache=cache, fetch_k=fetch_k, order=order,
+    )
+    streaming = not as_json and not no_stream
+    on_text = (lambda piece: click.echo(piece, nl=False)) if streaming else None
+    answer = pipe.ask(question, context_tokens=context_tokens, on_text=on_text)
+    if as_json:
+        _echo_json(answer.to_dict())
+        return
+    if streaming:
+        click.echo()
+    else:
+        click.echo(answer.text)
+    click.echo()
+    click.echo("Sources:")
+    for i, src in enumerate(answer.sources, 1):
+        page = f", page {src['page']}" if src.get("page") else ""
+        click.echo(f"  [{i}] {src['path']}{page} [{src['start']}:{src['end']}] score {src['score']:.3f}")
+    if explain:
+        click.echo()
+        click.echo(format_report(answer.report))
+    else:
+        b = answer.report["budget"]
+        click.echo(
+            f"\nbudget: {b['kv_bytes_per_token']} KV bytes/token, context {b['context_tokens_used']}"
+            f"/{b['context_tokens_allowed']} tokens, prompt {b['prompt_tokens']} tokens, "
+            f"max_new_tokens {b['max_new_tokens']}"
+        )
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console entry point (``ragbudget``)."""
+    cli.main(args=argv, prog_name="ragbudget")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()
