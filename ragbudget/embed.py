@@ -1,0 +1,369 @@
+"""Embedders: text → unit-length float32 vectors, with no text silently dropped.
+
+A 300–500 token chunk is longer than all-MiniLM-L6-v2's 256 word-piece window, and
+sentence-transformers would quietly truncate its tail. :class:`Embedder` therefore splits an
+over-long text by the embedding model's *own* tokenizer into windows that fit, embeds every window,
+and pools them (mean of the unit window vectors weighted by window length, re-normalized), so a fact
+that only appears at the end of a chunk still moves its vector. ``pooling="truncate"`` keeps the
+plain behaviour, for comparison.
+
+Two implementations:
+
+* :class:`SentenceTransformerEmbedder` — any sentence-transformers model (default: the packaged
+  all-MiniLM-L6-v2), loaded lazily on first use or by :meth:`~Embedder.warm_up`;
+* :class:`HashEmbedder` — a deterministic, model-free bag-of-words hasher for tests (like
+  Haystack's mock embedders): texts sharing words get similar vectors.
+
+>>> e = HashEmbedder(dim=64)
+>>> v = e.embed_documents(["the cat sat", "a dog ran"])
+>>> v.shape, v.dtype.name
+((2, 64), 'float32')
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .errors import ConfigError, ModelError
+
+if TYPE_CHECKING:
+    import numpy as np
+
+__all__ = [
+    "EmbedResult",
+    "Embedder",
+    "HashEmbedder",
+    "SentenceTransformerEmbedder",
+    "embedder_from_spec",
+]
+
+_POOLINGS = ("windows", "truncate")
+
+
+@dataclass(frozen=True)
+class EmbedResult:
+    """Vectors for a list of texts plus how many windows each text needed.
+
+    ``vectors`` is ``(n, dim)`` float32 with unit rows; ``windows[i]`` is 1 for a text that fit the
+    model's window (or was truncated), more for a text embedded window by window and pooled.
+    ``texts_fed`` is exactly what was handed to the model (the window texts), for benchmarks.
+    """
+
+    vectors: np.ndarray
+    windows: tuple[int, ...]
+    texts_fed: int = 0
+
+    @property
+    def pooled(self) -> int:
+        """How many texts needed more than one window."""
+        return sum(1 for w in self.windows if w > 1)
+
+
+class Embedder:
+    """Base class: windowing and pooling over two model-specific primitives.
+
+    Subclasses set ``id``, ``dim``, ``max_tokens`` (content tokens per window, special tokens
+    excluded) and implement :meth:`_token_spans` (character spans of the model's tokens) and
+    :meth:`_encode` (one vector per text, each text already within ``max_tokens``).
+    """
+
+    id: str = "embedder"
+    pooling: str = "windows"
+    #: Tokens shared by consecutive windows so a sentence cut at a boundary is seen whole once.
+    window_overlap: int = 16
+
+    # -- to implement -------------------------------------------------------------------------
+    @property
+    def dim(self) -> int:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    @property
+    def max_tokens(self) -> int:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _token_spans(self, texts: Sequence[str]) -> list[list[tuple[int, int]]]:
+        raise NotImplementedError  # pragma: no cover - abstract
+
+    def _encode(self, texts: Sequence[str]) -> np.ndarray:
+        raise NotImplementedError  # pragma: no cover - abstract
+
+    # -- public -------------------------------------------------------------------------------
+    def warm_up(self) -> None:
+        """Load the model now (idempotent). Embedding calls do it on first use anyway."""
+
+    def spec(self) -> dict[str, Any]:
+        """JSON-able description stored in the index manifest (and used to rebuild the embedder)."""
+        return {"kind": "custom", "id": self.id, "dim": self.dim, "pooling": self.pooling}
+
+    def embed_documents(self, texts: Sequence[str]) -> np.ndarray:
+        """Unit float32 vectors, one row per text, every token of every text taken into account."""
+        return self.embed(texts).vectors
+
+    def embed_query(self, text: str) -> np.ndarray:
+        """One unit float32 vector of shape ``(dim,)``."""
+        return self.embed([text]).vectors[0]
+
+    def windows_of(self, texts: Sequence[str]) -> list[list[str]]:
+        """The window texts each text is embedded as (one window when it fits the model)."""
+        spans_list = self._token_spans(texts) if self.pooling == "windows" else [[] for _ in texts]
+        out: list[list[str]] = []
+        size = self.max_tokens
+        # The step keeps an overlap, but never less than half a window of progress.
+        step = max(size - self.window_overlap, max(1, size // 2))
+        for text, spans in zip(texts, spans_list):
+            if len(spans) <= size:
+                out.append([text])
+                continue
+            wins = []
+            i = 0
+            while True:
+                j = min(i + size, len(spans))
+                wins.append(text[spans[i][0] : spans[j - 1][1]])
+                if j >= len(spans):
+                    break
+                i += step
+            out.append(wins)
+        return out
+
+    def embed(self, texts: Sequence[str]) -> EmbedResult:
+        """Embed ``texts``; see :class:`EmbedResult`. All windows go to the model in one call, so
+        its own length-sorted batching applies across texts."""
+        import numpy as np
+
+        texts = list(texts)
+        if not texts:
+            return EmbedResult(np.zeros((0, self.dim), dtype=np.float32), ())
+        windows = self.windows_of(texts)
+        flat = [w for ws in windows for w in ws]
+        vecs = _normalize(np.asarray(self._encode(flat), dtype=np.float32))
+        if len(flat) == len(texts):
+            return EmbedResult(vecs, tuple(1 for _ in texts), len(flat))
+        out = np.empty((len(texts), vecs.shape[1]), dtype=np.float32)
+        pos = 0
+        for i, ws in enumerate(windows):
+            if len(ws) == 1:
+                out[i] = vecs[pos]
+            else:
+                # Weight by window length in characters: the short last window of a chunk should
+                # not count as much as a full one (characters track tokens closely enough here).
+                w = np.array([len(s) for s in ws], dtype=np.float32)
+                out[i] = (vecs[pos : pos + len(ws)] * w[:, None]).sum(axis=0)
+            pos += len(ws)
+        return EmbedResult(_normalize(out), tuple(len(ws) for ws in windows), len(flat))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(id={self.id!r}, pooling={self.pooling!r})"
+
+
+def _normalize(x: np.ndarray) -> np.ndarray:
+    import numpy as np
+
+    norms = np.linalg.norm(x, axis=1, keepdims=True)
+    # An all-zero vector (empty text in HashEmbedder) stays zero rather than becoming NaN.
+    return (x / np.where(norms == 0, 1.0, norms)).astype(np.float32, copy=False)
+
+
+class SentenceTransformerEmbedder(Embedder):
+    """A sentence-transformers model (default: packaged all-MiniLM-L6-v2), loaded on first use.
+
+    ``model`` is ``None``/``"default"`` (the packaged MiniLM), a hub id or a local folder;
+    ``device`` defaults to CPU unless CUDA is available; ``pooling`` is ``"windows"`` (embed every
+    window of an over-long text and pool) or ``"truncate"`` (the model's own truncation).
+
+    >>> e = SentenceTransformerEmbedder()          # doctest: +SKIP
+    >>> e.embed_query("where is the cat?").shape   # doctest: +SKIP
+    (384,)
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        device: str | None = None,
+        batch_size: int = 32,
+        pooling: str = "windows",
+        window_overlap: int = 16,
+    ) -> None:
+        if pooling not in _POOLINGS:
+            raise ConfigError(f"pooling must be one of {_POOLINGS}, got {pooling!r}")
+        if batch_size < 1:
+            raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
+        self.model_name = model
+        self.id = _model_id(model)
+        self.device = device
+        self.batch_size = batch_size
+        self.pooling = pooling
+        self.window_overlap = window_overlap
+        self._model: Any = None
+
+    def warm_up(self) -> None:
+        if self._model is not None:
+            return
+        from .models import resolve_embedder
+
+        path = resolve_embedder(self.model_name)
+        try:
+            from sentence_transformers import SentenceTransformer
+
+            device = self.device
+            if device is None:
+                import torch
+
+                device = "cuda" if torch.cuda.is_available() else "cpu"
+            self._model = SentenceTransformer(path, device=device)
+        except Exception as exc:
+            raise ModelError(
+                f"could not load embedding model {self.id!r} from {path!r}: {exc}; pass a "
+                "sentence-transformers model id or local folder (offline: a local folder)"
+            ) from exc
+
+    @property
+    def model(self) -> Any:
+        """The loaded ``SentenceTransformer`` (loads it on first access)."""
+        self.warm_up()
+        return self._model
+
+    @property
+    def dim(self) -> int:
+        m = self.model
+        get = getattr(m, "get_embedding_dimension", None) or m.get_sentence_embedding_dimension
+        return int(get())
+
+    @property
+    def max_tokens(self) -> int:
+        # max_seq_length counts [CLS] and [SEP]; two more tokens of slack absorb re-tokenization
+        # differences at window edges (a window cut inside a word re-tokenizes its first piece).
+        specials = self.model.tokenizer.num_special_tokens_to_add(pair=False)
+        return max(8, int(self.model.max_seq_length) - specials - 2)
+
+    def spec(self) -> dict[str, Any]:
+        return {
+            "kind": "sentence-transformers",
+            "id": self.id,
+            "model": self.model_name,
+            "dim": self.dim,
+            "max_tokens": self.max_tokens,
+            "pooling": self.pooling,
+            "window_overlap": self.window_overlap,
+        }
+
+    def _token_spans(self, texts: Sequence[str]) -> list[list[tuple[int, int]]]:
+        tok = self.model.tokenizer
+        enc = tok(
+            list(texts),
+            add_special_tokens=False,
+            return_offsets_mapping=True,
+            return_attention_mask=False,
+            return_token_type_ids=False,
+            truncation=False,
+            verbose=False,
+        )
+        return [[(int(a), int(b)) for a, b in offs] for offs in enc["offset_mapping"]]
+
+    def _encode(self, texts: Sequence[str]) -> np.ndarray:
+        # encode() sorts by length internally, so one call over all windows batches well.
+        return self.model.encode(
+            list(texts),
+            batch_size=self.batch_size,
+            convert_to_numpy=True,
+            normalize_embeddings=True,
+            show_progress_bar=False,
+        )
+
+
+def _model_id(model: str | None) -> str:
+    from .models import DEFAULT_EMBEDDER, _EMBEDDER_ALIASES
+
+    if model is None or model.lower() in _EMBEDDER_ALIASES:
+        return DEFAULT_EMBEDDER
+    return model
+
+
+_WORD = re.compile(r"\w+", re.UNICODE)
+
+
+class HashEmbedder(Embedder):
+    """Deterministic model-free embedder for tests: hashed bag of lower-cased words.
+
+    Each word adds ±1 at a position chosen by its BLAKE2 hash, so texts sharing words score
+    higher. ``max_tokens`` (words per window) enables the same windowing as a real model; ``None``
+    means one window of any length.
+
+    >>> e = HashEmbedder(dim=32)
+    >>> round(float(e.embed_query("red apple") @ e.embed_query("apple, red")), 4)
+    1.0
+    """
+
+    def __init__(
+        self, dim: int = 64, *, max_tokens: int | None = None, pooling: str = "windows"
+    ) -> None:
+        if dim < 2:
+            raise ConfigError(f"dim must be >= 2, got {dim}")
+        if pooling not in _POOLINGS:
+            raise ConfigError(f"pooling must be one of {_POOLINGS}, got {pooling!r}")
+        self._dim = dim
+        self._max = max_tokens
+        self.pooling = pooling
+        self.window_overlap = 0 if max_tokens is None else min(4, max_tokens // 4)
+        self.id = f"hash-{dim}" + (f"-w{max_tokens}" if max_tokens else "")
+
+    @property
+    def dim(self) -> int:
+        return self._dim
+
+    @property
+    def max_tokens(self) -> int:
+        return self._max if self._max is not None else 1 << 30
+
+    def spec(self) -> dict[str, Any]:
+        return {
+            "kind": "hash",
+            "id": self.id,
+            "dim": self._dim,
+            "max_tokens": self._max,
+            "pooling": self.pooling,
+        }
+
+    def _token_spans(self, texts: Sequence[str]) -> list[list[tuple[int, int]]]:
+        return [[m.span() for m in _WORD.finditer(t)] for t in texts]
+
+    def _encode(self, texts: Sequence[str]) -> np.ndarray:
+        import numpy as np
+
+        out = np.zeros((len(texts), self._dim), dtype=np.float32)
+        limit = self.max_tokens
+        for i, text in enumerate(texts):
+            for n, m in enumerate(_WORD.finditer(text.lower())):
+                if n >= limit:  # like a real model: tokens past the window are ignored
+                    break
+                h = hashlib.blake2b(m.group().encode(), digest_size=8).digest()
+                v = int.from_bytes(h, "little")
+                out[i, v % self._dim] += 1.0 if (v >> 63) else -1.0
+        return out
+
+
+def embedder_from_spec(spec: dict[str, Any], **kwargs: Any) -> Embedder:
+    """Rebuild the embedder an index was built with, from its manifest ``spec``.
+
+    >>> embedder_from_spec(HashEmbedder(dim=16).spec()).id
+    'hash-16'
+    """
+    kind = spec.get("kind")
+    if kind == "hash":
+        return HashEmbedder(
+            int(spec["dim"]), max_tokens=spec.get("max_tokens"), pooling=spec.get("pooling", "windows")
+        )
+    if kind == "sentence-transformers":
+        return SentenceTransformerEmbedder(
+            spec.get("model"),
+            pooling=spec.get("pooling", "windows"),
+            window_overlap=int(spec.get("window_overlap", 16)),
+            **kwargs,
+        )
+    raise ConfigError(
+        f"the index was built with a custom embedder ({spec.get('id')!r}); pass embedder= to search"
+    )
