@@ -1,0 +1,1257 @@
+"""The on-disk index: FAISS vectors + SQLite metadata + a JSON manifest, crash-safe and incremental.
+
+Layout of an index folder (default ``.ragbudget/``)::
+
+    manifest.json          names the current generation, settings, counts and sha256 checksums
+    faiss.<gen>.index      exact inner-product index (IndexFlatIP in IndexIDMap2), ids = chunk ids
+    hnsw.<gen>.index       optional approximate index over the same vectors (``approx="hnsw"``)
+    meta.<gen>.sqlite      chunks, sources (every duplicate location), files (drives incremental runs)
+    lock                   flock'ed by the one writer
+
+**Atomicity.** A writer never modifies the files of the current generation: it copies the SQLite
+file to ``meta.<gen+1>.sqlite.tmp``, edits the copy, writes the new FAISS file beside the old one,
+fsyncs, renames the temp files into place, and only then atomically replaces ``manifest.json``
+(write temp, fsync, rename, fsync folder). The manifest rename is the commit point: a crash at any
+moment leaves the old manifest naming the old, untouched files — or the new manifest naming new,
+complete ones. Leftover temp files and stale generations are removed by the next writer. The previous
+generation is kept so a reader that has just read the manifest can still open its files.
+
+**No code is executed on load**: FAISS files go through ``faiss.read_index``, metadata through
+SQLite and JSON; there is no pickle. Every file is checked against its manifest sha256 before use,
+so a truncated or bit-flipped file raises :class:`~ragbudget.errors.IndexCorruptError` naming it.
+
+**Incremental runs.** Files whose size and mtime_ns match the files table are not opened; if they
+differ, the content sha256 decides. A changed file replaces only its own sources; chunks whose text
+(content hash) is already in the index are never re-embedded; chunks left without any source are
+dropped. Changed embedder, chunking or dedup settings trigger a full rebuild (vectors are still reused
+by content hash when only chunking/dedup changed).
+
+>>> from ragbudget.embed import HashEmbedder
+>>> idx = Index("/tmp/rb-doctest-index")                      # doctest: +SKIP
+>>> idx.build(["docs/"], embedder=HashEmbedder()).chunks_total  # doctest: +SKIP
+42
+>>> idx.search("how do I appoint a delegate?", k=3)[0].sources  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .errors import (
+    ConfigError,
+    IndexCorruptError,
+    IndexLockedError,
+    IndexNotFoundError,
+    LoadError,
+)
+from .types import Source
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from .embed import Embedder
+
+__all__ = [
+    "DEFAULT_INDEX_DIR",
+    "FORMAT_VERSION",
+    "Hit",
+    "Index",
+    "IndexSummary",
+    "ProgressCallback",
+    "VerifyReport",
+]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_INDEX_DIR = ".ragbudget"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+LOCK = "lock"
+_GEN_FILE = re.compile(r"^(faiss|hnsw|meta)\.(\d+)\.(index|sqlite)$")
+
+#: ``progress(phase, done, total)``: phases ``"files"`` (files to (re)index) then ``"embed"``
+#: (chunks embedded; ``total`` grows as files are chunked), then ``"write"``.
+ProgressCallback = Callable[[str, int, "int | None"], None]
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS chunks (
+    id INTEGER PRIMARY KEY,
+    text TEXT NOT NULL,
+    n_tokens INTEGER NOT NULL,
+    headings TEXT NOT NULL DEFAULT '[]',
+    content_hash TEXT NOT NULL,
+    minhash BLOB,
+    windows INTEGER NOT NULL DEFAULT 0
+);
+CREATE INDEX IF NOT EXISTS chunks_hash ON chunks(content_hash);
+CREATE TABLE IF NOT EXISTS sources (
+    chunk_id INTEGER NOT NULL,
+    path TEXT NOT NULL,
+    start INTEGER NOT NULL,
+    "end" INTEGER NOT NULL,
+    page_start INTEGER,
+    page_end INTEGER,
+    ord INTEGER NOT NULL
+);
+CREATE INDEX IF NOT EXISTS sources_chunk ON sources(chunk_id, ord);
+CREATE INDEX IF NOT EXISTS sources_path ON sources(path, start);
+CREATE TABLE IF NOT EXISTS files (
+    path TEXT PRIMARY KEY,
+    size INTEGER NOT NULL,
+    mtime_ns INTEGER NOT NULL,
+    sha256 TEXT,
+    status TEXT NOT NULL,
+    reason TEXT,
+    detail TEXT,
+    n_chunks INTEGER NOT NULL DEFAULT 0,
+    furniture INTEGER NOT NULL DEFAULT 0
+);
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+"""
+
+
+# --------------------------------------------------------------------------------------------------
+# records
+
+
+@dataclass(frozen=True)
+class Hit:
+    """A chunk returned by search (``score`` = cosine similarity) or fetched by id (``score`` 0).
+
+    ``sources`` lists every place the text appears (exact and near duplicates), first the one whose
+    text is stored.
+    """
+
+    chunk_id: int
+    score: float
+    text: str
+    n_tokens: int
+    headings: tuple[str, ...] = ()
+    sources: tuple[Source, ...] = ()
+    windows: int = 1
+
+    @property
+    def source(self) -> Source | None:
+        """The first (text-owning) source."""
+        return self.sources[0] if self.sources else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "chunk_id": self.chunk_id,
+            "score": round(float(self.score), 6),
+            "text": self.text,
+            "n_tokens": self.n_tokens,
+            "headings": list(self.headings),
+            "sources": [s.to_dict() for s in self.sources],
+            "windows": self.windows,
+        }
+
+
+@dataclass(frozen=True)
+class IndexSummary:
+    """What one :meth:`Index.build` run did. ``skipped`` holds ``(path, reason, detail)`` triples."""
+
+    files_seen: int = 0
+    files_indexed: int = 0
+    files_unchanged: int = 0
+    files_removed: int = 0
+    skipped: tuple[tuple[str, str, str], ...] = ()
+    chunks_total: int = 0
+    chunks_added: int = 0
+    chunks_removed: int = 0
+    chunks_embedded: int = 0
+    chunks_reused: int = 0
+    exact_duplicates: int = 0
+    near_duplicates: int = 0
+    furniture_lines_removed: int = 0
+    windows_pooled: int = 0
+    windows_embedded: int = 0
+    seconds: float = 0.0
+    embed_seconds: float = 0.0
+    rebuilt: bool = False
+    rebuild_reason: str = ""
+    generation: int = 0
+    committed: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["skipped"] = [{"path": p, "reason": r, "detail": x} for p, r, x in self.skipped]
+        d["seconds"] = round(self.seconds, 3)
+        d["embed_seconds"] = round(self.embed_seconds, 3)
+        return d
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """Result of :meth:`Index.verify`: ``ok`` when ``problems`` is empty."""
+
+    ok: bool
+    problems: tuple[str, ...] = ()
+    checked: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"ok": self.ok, "problems": list(self.problems), "checked": dict(self.checked)}
+
+
+# --------------------------------------------------------------------------------------------------
+# small file helpers
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):  # some filesystems refuse fsync on a directory
+        _fsync_file(path)
+
+
+def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _count(value: Any) -> int:
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, int):
+        return value
+    try:
+        return len(value)
+    except TypeError:
+        return 0
+
+
+class _Lock:
+    """Exclusive, non-blocking ``flock`` on ``<dir>/lock``; released by the kernel if we die."""
+
+    def __init__(self, folder: Path) -> None:
+        self.path = folder / LOCK
+        self.fd: int | None = None
+
+    def __enter__(self) -> _Lock:
+        import fcntl
+
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            try:
+                holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+            finally:
+                os.close(fd)
+            raise IndexLockedError(
+                f"another process (pid {holder}) is writing the index in {self.path.parent}; wait "
+                "for it to finish or use another --index-dir (readers are not blocked)"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        self.fd = fd
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import fcntl
+
+        if self.fd is not None:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self.fd, 0)
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            os.close(self.fd)
+            self.fd = None
+
+
+# --------------------------------------------------------------------------------------------------
+# the index
+
+
+class Index:
+    """An index folder: open it to search, or build/update it from files.
+
+    ``Index(path)`` never touches the disk until used; :meth:`open` requires an existing index.
+    Reading loads the manifest-named generation, checks sha256 checksums (``verify_checksums``),
+    and keeps the FAISS index in memory and the SQLite file open read-only.
+
+    >>> idx = Index.open(".ragbudget")            # doctest: +SKIP
+    >>> [h.sources[0].path for h in idx.search("delegate", k=2)]  # doctest: +SKIP
+    """
+
+    def __init__(self, path: str | os.PathLike[str] = DEFAULT_INDEX_DIR, *,
+                 verify_checksums: bool = True, use_approx: bool = True) -> None:
+        self.path = Path(path)
+        self.verify_checksums = verify_checksums
+        self.use_approx = use_approx
+        self._manifest: dict[str, Any] | None = None
+        self._faiss: Any = None
+        self._approx: Any = None
+        self._db: sqlite3.Connection | None = None
+        self._embedder: Embedder | None = None
+        self._lock = threading.RLock()
+
+    def __repr__(self) -> str:
+        return f"Index({str(self.path)!r})"
+
+    # -- opening -------------------------------------------------------------------------------
+
+    @classmethod
+    def open(cls, path: str | os.PathLike[str] = DEFAULT_INDEX_DIR, **kwargs: Any) -> Index:
+        """Open an existing index (raises :class:`IndexNotFoundError` when there is none)."""
+        idx = cls(path, **kwargs)
+        idx._read_manifest()
+        return idx
+
+    @property
+    def exists(self) -> bool:
+        return (self.path / MANIFEST).is_file()
+
+    @property
+    def manifest(self) -> dict[str, Any]:
+        """The manifest of the generation in use (read on first access)."""
+        if self._manifest is None:
+            self._read_manifest()
+        assert self._manifest is not None
+        return self._manifest
+
+    def _read_manifest(self) -> dict[str, Any]:
+        mpath = self.path / MANIFEST
+        if not mpath.is_file():
+            raise IndexNotFoundError(
+                f"no index in {self.path} (no {MANIFEST}); build one with `ragbudget index PATH "
+                f"--index-dir {self.path}`"
+            )
+        try:
+            data = json.loads(mpath.read_text(encoding="utf-8"))
+            if not isinstance(data, dict) or data.get("format") != "ragbudget-index":
+                raise ValueError("not a ragbudget manifest")
+            int(data["generation"])
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+            raise IndexCorruptError(
+                f"index manifest {mpath} is unreadable ({exc}); rebuild the index with "
+                "`ragbudget index PATH --rebuild`"
+            ) from exc
+        if int(data.get("format_version", 0)) > FORMAT_VERSION:
+            raise IndexCorruptError(
+                f"{mpath} has format version {data.get('format_version')}, this ragbudget reads "
+                f"up to {FORMAT_VERSION}; upgrade ragbudget or rebuild the index"
+            )
+        self._manifest = data
+        return data
+
+    def _check_file(self, entry: dict[str, Any]) -> Path:
+        p = self.path / entry["file"]
+        if not p.is_file():
+            raise IndexCorruptError(f"index file {p} is missing; rebuild the index")
+        size = p.stat().st_size
+        if size != int(entry.get("bytes", size)):
+            raise IndexCorruptError(
+                f"index file {p} is {size} bytes, the manifest says {entry['bytes']} "
+                "(truncated or overwritten); rebuild the index"
+            )
+        if self.verify_checksums and _sha256_file(p) != entry["sha256"]:
+            raise IndexCorruptError(
+                f"index file {p} fails its sha256 checksum (corrupted); rebuild the index"
+            )
+        return p
+
+    def _load(self) -> None:
+        """Load the manifest-named generation into memory (retrying if a writer just swapped it)."""
+        if self._faiss is not None:
+            return
+        with self._lock:
+            if self._faiss is not None:
+                return
+            for attempt in range(3):
+                m = self._read_manifest()
+                try:
+                    self._faiss, self._approx, self._db = self._open_generation(m)
+                    return
+                except IndexCorruptError:
+                    # The writer may have committed a newer generation and removed this one
+                    # between our manifest read and the file opens; re-read once or twice.
+                    if attempt == 2 or self._read_manifest().get("generation") == m["generation"]:
+                        raise
+
+    def _open_generation(self, m: dict[str, Any]) -> tuple[Any, Any, sqlite3.Connection]:
+        import faiss
+
+        fpath = self._check_file(m["faiss"])
+        spath = self._check_file(m["sqlite"])
+        try:
+            flat = faiss.read_index(str(fpath))
+        except Exception as exc:  # faiss raises RuntimeError on a malformed file
+            raise IndexCorruptError(f"index file {fpath} could not be read by faiss: {exc}") from exc
+        approx = None
+        if self.use_approx and m.get("approx"):
+            apath = self._check_file(m["approx"])
+            try:
+                approx = faiss.read_index(str(apath))
+                approx.index.hnsw.efSearch = int(m["approx"].get("ef_search", 128))
+            except Exception as exc:
+                raise IndexCorruptError(f"index file {apath} could not be read: {exc}") from exc
+        # immutable=1: generation files never change after commit, so SQLite needs no locks.
+        try:
+            db = sqlite3.connect(f"file:{spath}?mode=ro&immutable=1", uri=True,
+                                 check_same_thread=False)
+            gen = db.execute("SELECT value FROM meta WHERE key='generation'").fetchone()
+        except sqlite3.DatabaseError as exc:
+            raise IndexCorruptError(f"index file {spath} is not a readable SQLite file: {exc}") from exc
+        if gen is None or int(gen[0]) != int(m["generation"]):
+            db.close()
+            raise IndexCorruptError(
+                f"{spath} belongs to generation {gen and gen[0]}, the manifest names "
+                f"{m['generation']}; rebuild the index"
+            )
+        return flat, approx, db
+
+    def close(self) -> None:
+        """Release the in-memory index and the SQLite handle (reopened on next use)."""
+        with self._lock:
+            if self._db is not None:
+                self._db.close()
+            self._db = self._faiss = self._approx = None
+            self._manifest = None
+
+    def reload(self) -> None:
+        """Pick up the newest committed generation."""
+        self.close()
+        self._load()
+
+    def __enter__(self) -> Index:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- reading -------------------------------------------------------------------------------
+
+    @property
+    def embedder(self) -> Embedder:
+        """The embedder the index was built with (rebuilt from the manifest, loaded lazily)."""
+        if self._embedder is None:
+            from .embed import embedder_from_spec
+
+            self._embedder = embedder_from_spec(self.manifest["embedder"])
+        return self._embedder
+
+    def search(self, query: str, k: int = 5, *, embedder: Embedder | None = None) -> list[Hit]:
+        """The ``k`` chunks most similar to ``query`` (cosine), best first."""
+        emb = embedder or self.embedder
+        self._check_embedder(emb)
+        return self.search_vector(emb.embed_query(query), k)
+
+    def _check_embedder(self, emb: Embedder) -> None:
+        from .errors import IndexMismatchError
+
+        want = self.manifest["embedder"]
+        if emb.id != want.get("id"):
+            raise IndexMismatchError(
+                f"the index was built with embedder {want.get('id')!r}, the query would be embedded "
+                f"with {emb.id!r}; search with the same embedder or rebuild the index"
+            )
+
+    def search_vector(self, vector: Any, k: int = 5) -> list[Hit]:
+        """Search with a ready query vector (unit length, the index's dimension)."""
+        import numpy as np
+
+        if k < 1:
+            raise ConfigError(f"k must be >= 1, got {k}")
+        self._load()
+        q = np.ascontiguousarray(np.asarray(vector, dtype=np.float32).reshape(1, -1))
+        d = int(self.manifest["dim"])
+        if q.shape[1] != d:
+            raise ConfigError(f"query vector has dimension {q.shape[1]}, the index has {d}")
+        index = self._approx if self._approx is not None else self._faiss
+        scores, ids = index.search(q, k)
+        pairs = [(int(i), float(s)) for i, s in zip(ids[0], scores[0]) if i >= 0]
+        by_id = {h.chunk_id: h for h in self.get_chunks([i for i, _ in pairs])}
+        return [_with_score(by_id[i], s) for i, s in pairs if i in by_id]
+
+    def get_chunks(self, ids: Iterable[int]) -> list[Hit]:
+        """Chunks by id, in the order given (unknown ids are left out); ``score`` is 0."""
+        ids = [int(i) for i in ids]
+        if not ids:
+            return []
+        self._load()
+        assert self._db is not None
+        with self._lock:
+            marks = ",".join("?" * len(ids))
+            rows = self._db.execute(
+                f"SELECT id, text, n_tokens, headings, windows FROM chunks WHERE id IN ({marks})", ids
+            ).fetchall()
+            srcs: dict[int, list[Source]] = {}
+            for cid, path, start, end, ps, pe in self._db.execute(
+                f'SELECT chunk_id, path, start, "end", page_start, page_end FROM sources '
+                f"WHERE chunk_id IN ({marks}) ORDER BY chunk_id, ord",
+                ids,
+            ):
+                srcs.setdefault(cid, []).append(Source(path, start, end, ps, pe))
+        found = {
+            r[0]: Hit(r[0], 0.0, r[1], r[2], tuple(json.loads(r[3])), tuple(srcs.get(r[0], ())), r[4])
+            for r in rows
+        }
+        return [found[i] for i in ids if i in found]
+
+    def chunks_of(self, path: str) -> list[tuple[Source, int]]:
+        """Every ``(source, chunk_id)`` located in file ``path``, in document order."""
+        self._load()
+        assert self._db is not None
+        with self._lock:
+            rows = self._db.execute(
+                'SELECT chunk_id, path, start, "end", page_start, page_end FROM sources '
+                "WHERE path = ? ORDER BY start, \"end\"",
+                (str(path),),
+            ).fetchall()
+        return [(Source(p, s, e, ps, pe), cid) for cid, p, s, e, ps, pe in rows]
+
+    def neighbors(self, chunk_id: int, *, path: str | None = None) -> tuple[Hit | None, Hit | None]:
+        """The chunks just before and after ``chunk_id`` in the same document (its first source,
+        or the source in ``path``); ``None`` at either end. Lets a selector merge adjacent chunks
+        (compare ``Source.end``/``start`` to see whether they touch)."""
+        hit = next(iter(self.get_chunks([chunk_id])), None)
+        if hit is None or not hit.sources:
+            return None, None
+        src = next((s for s in hit.sources if path is None or s.path == path), hit.sources[0])
+        seq = self.chunks_of(src.path)
+        pos = next(i for i, (s, c) in enumerate(seq) if c == chunk_id and s.start == src.start)
+        prev = seq[pos - 1][1] if pos > 0 else None
+        nxt = seq[pos + 1][1] if pos + 1 < len(seq) else None
+        got = {h.chunk_id: h for h in self.get_chunks([i for i in (prev, nxt) if i is not None])}
+        return (got.get(prev) if prev is not None else None, got.get(nxt) if nxt is not None else None)
+
+    def stats(self) -> dict[str, Any]:
+        """Counts and settings, from the manifest (no file is read beyond it)."""
+        m = self.manifest
+        return {
+            "index_dir": str(self.path),
+            "generation": m["generation"],
+            "updated": m.get("updated"),
+            "embedder": m["embedder"].get("id"),
+            "dim": m["dim"],
+            "pooling": m["embedder"].get("pooling"),
+            "chunking": m.get("chunking"),
+            "dedup": m.get("dedup"),
+            "approx": (m.get("approx") or {}).get("kind"),
+            **m.get("counts", {}),
+            "bytes": sum(int((m.get(k) or {}).get("bytes", 0)) for k in ("faiss", "sqlite", "approx")),
+        }
+
+    def verify(self) -> VerifyReport:
+        """Check everything: checksums, FAISS ids ↔ chunk rows one-to-one, every chunk has a
+        source, every source names an indexed file, counts match the manifest."""
+        import faiss
+        import numpy as np
+
+        problems: list[str] = []
+        checked: dict[str, Any] = {}
+        try:
+            m = self._read_manifest()
+            self.close()
+            self._manifest = m
+            self._load()
+        except (IndexCorruptError, IndexNotFoundError) as exc:
+            return VerifyReport(False, (str(exc),), checked)
+        assert self._db is not None
+        db = self._db
+        ids = faiss.vector_to_array(self._faiss.id_map).astype(np.int64)
+        checked["vectors"] = int(self._faiss.ntotal)
+        if len(ids) != len(np.unique(ids)):
+            problems.append("a FAISS id appears more than once")
+        chunk_ids = np.array([r[0] for r in db.execute("SELECT id FROM chunks")], dtype=np.int64)
+        checked["chunks"] = len(chunk_ids)
+        only_faiss = np.setdiff1d(ids, chunk_ids)
+        only_db = np.setdiff1d(chunk_ids, ids)
+        if len(only_faiss):
+            problems.append(f"{len(only_faiss)} FAISS id(s) without a chunk row, e.g. {only_faiss[:5].tolist()}")
+        if len(only_db):
+            problems.append(f"{len(only_db)} chunk row(s) without a vector, e.g. {only_db[:5].tolist()}")
+        if self._faiss.d != int(m["dim"]):
+            problems.append(f"FAISS dimension {self._faiss.d} != manifest dim {m['dim']}")
+        if self._approx is not None and self._approx.ntotal != self._faiss.ntotal:
+            problems.append(f"approximate index has {self._approx.ntotal} vectors, flat has {self._faiss.ntotal}")
+        orphans = db.execute(
+            "SELECT COUNT(*) FROM chunks WHERE id NOT IN (SELECT chunk_id FROM sources)"
+        ).fetchone()[0]
+        if orphans:
+            problems.append(f"{orphans} chunk(s) without any source")
+        dangling = db.execute(
+            "SELECT COUNT(*) FROM sources WHERE chunk_id NOT IN (SELECT id FROM chunks)"
+        ).fetchone()[0]
+        if dangling:
+            problems.append(f"{dangling} source(s) pointing at no chunk")
+        unknown = db.execute(
+            "SELECT COUNT(*) FROM sources WHERE path NOT IN "
+            "(SELECT path FROM files WHERE status='indexed')"
+        ).fetchone()[0]
+        if unknown:
+            problems.append(f"{unknown} source(s) naming a file that is not indexed")
+        checked["sources"] = db.execute("SELECT COUNT(*) FROM sources").fetchone()[0]
+        checked["files"] = db.execute("SELECT COUNT(*) FROM files").fetchone()[0]
+        counts = m.get("counts", {})
+        if counts.get("chunks") not in (None, checked["chunks"]):
+            problems.append(f"manifest counts {counts['chunks']} chunks, SQLite has {checked['chunks']}")
+        integrity = db.execute("PRAGMA quick_check").fetchone()[0]
+        if integrity != "ok":
+            problems.append(f"SQLite quick_check: {integrity}")
+        checked["generation"] = m["generation"]
+        return VerifyReport(not problems, tuple(problems), checked)
+
+    # -- writing -------------------------------------------------------------------------------
+
+    def build(
+        self,
+        paths: Sequence[str | os.PathLike[str]] | str | os.PathLike[str],
+        *,
+        embedder: Embedder | None = None,
+        min_tokens: int = 300,
+        max_tokens: int = 500,
+        overlap: int = 0,
+        tokenizer: Any = None,
+        dedup: str = "near",
+        near_threshold: float = 0.85,
+        num_perm: int = 128,
+        include: Sequence[str] | None = None,
+        exclude: Sequence[str] | None = None,
+        max_bytes: int | None = None,
+        clean: bool = True,
+        approx: str | None = None,
+        rebuild: bool = False,
+        batch_files: int = 16,
+        embed_batch: int = 256,
+        progress: ProgressCallback | None = None,
+    ) -> IndexSummary:
+        """Index ``paths`` (files or folders), incrementally. Returns an :class:`IndexSummary`.
+
+        The index ends up describing exactly the files found under ``paths`` now: new and changed
+        files are (re)indexed, vanished ones removed. ``dedup`` is ``"near"`` (content hash +
+        MinHash at ``near_threshold``), ``"exact"`` or ``"none"``; ``approx="hnsw"`` also writes
+        an HNSW index used by search. Settings that change the vectors or the chunks (embedder,
+        chunking, dedup) trigger a full rebuild, reported in ``rebuild_reason``.
+        Files stream through in batches of ``batch_files``; chunks are embedded ``embed_batch`` at a
+        time, so memory grows with the batch, not the corpus (plus 4·dim bytes per stored vector).
+        """
+        if isinstance(paths, (str, os.PathLike)):
+            paths = [paths]
+        if dedup not in ("near", "exact", "none"):
+            raise ConfigError(f"dedup must be 'near', 'exact' or 'none', got {dedup!r}")
+        if approx not in (None, "hnsw"):
+            raise ConfigError(f"approx must be None or 'hnsw', got {approx!r}")
+        if not 0 < min_tokens <= max_tokens:
+            raise ConfigError(f"need 0 < min_tokens <= max_tokens, got {min_tokens}, {max_tokens}")
+        from .tokens import get_tokenizer
+
+        tok = get_tokenizer(tokenizer)
+        settings = {
+            "chunking": {"min_tokens": min_tokens, "max_tokens": max_tokens, "overlap": overlap,
+                         "tokenizer": tok.name},
+            "dedup": {"mode": dedup, "threshold": near_threshold if dedup == "near" else None,
+                      "num_perm": num_perm if dedup == "near" else None},
+        }
+        self.path.mkdir(parents=True, exist_ok=True)
+        with _Lock(self.path):
+            self.close()
+            builder = _Builder(
+                self, [str(p) for p in paths], embedder=embedder, tokenizer=tok, settings=settings,
+                include=include, exclude=exclude, max_bytes=max_bytes, clean=clean, approx=approx,
+                rebuild=rebuild, batch_files=max(1, batch_files), embed_batch=max(1, embed_batch),
+                progress=progress,
+            )
+            try:
+                return builder.run()
+            finally:
+                builder.cleanup()
+                self.close()
+
+    update = build
+
+
+def _with_score(hit: Hit, score: float) -> Hit:
+    return Hit(hit.chunk_id, score, hit.text, hit.n_tokens, hit.headings, hit.sources, hit.windows)
+
+
+# --------------------------------------------------------------------------------------------------
+# the writer
+
+
+_EMBEDDER_IDENTITY = ("kind", "id", "pooling", "max_tokens", "window_overlap")
+
+
+def _identity(spec: dict[str, Any]) -> dict[str, Any]:
+    # Compared without loading the model: a re-run on an unchanged corpus must cost a stat per file.
+    return {k: spec.get(k) for k in _EMBEDDER_IDENTITY if k != "max_tokens" or spec.get("kind") == "hash"}
+
+
+def _light_spec(emb: Embedder) -> dict[str, Any]:
+    from .embed import HashEmbedder, SentenceTransformerEmbedder
+
+    if isinstance(emb, SentenceTransformerEmbedder):
+        return {"kind": "sentence-transformers", "id": emb.id, "model": emb.model_name,
+                "pooling": emb.pooling, "window_overlap": emb.window_overlap}
+    if isinstance(emb, HashEmbedder):
+        return emb.spec()
+    return {"kind": "custom", "id": emb.id, "pooling": getattr(emb, "pooling", None)}
+
+
+class _Builder:
+    """One writer run. Holds the new generation's SQLite connection and FAISS index."""
+
+    def __init__(self, idx: Index, paths: list[str], *, embedder: Embedder | None, tokenizer: Any,
+                 settings: dict[str, Any], include: Any, exclude: Any, max_bytes: int | None,
+                 clean: bool, approx: str | None, rebuild: bool, batch_files: int, embed_batch: int,
+                 progress: ProgressCallback | None) -> None:
+        self.idx = idx
+        self.dir = idx.path
+        self.paths = paths
+        self.embedder = embedder
+        self.tok = tokenizer
+        self.settings = settings
+        self.include, self.exclude, self.max_bytes, self.clean = include, exclude, max_bytes, clean
+        self.approx = approx
+        self.rebuild = rebuild
+        self.batch_files = batch_files
+        self.embed_batch = embed_batch
+        self.progress = progress or (lambda phase, done, total=None: None)
+        self.t0 = time.perf_counter()
+        self.stats: dict[str, Any] = {k: 0 for k in (
+            "files_indexed", "files_unchanged", "files_removed", "chunks_added", "chunks_removed",
+            "chunks_embedded", "chunks_reused", "exact_duplicates", "near_duplicates",
+            "furniture_lines_removed", "windows_pooled", "windows_embedded")}
+        self.embed_seconds = 0.0
+        self.skipped: list[tuple[str, str, str]] = []
+        self.db: sqlite3.Connection | None = None
+        self.faiss: Any = None
+        self.tmp_db: Path | None = None
+        self.pending: list[tuple[int, str]] = []
+        self.embed_total = 0
+        self.near: Any = None
+        self.sig_dtype: str | None = None
+        self.reuse: tuple[sqlite3.Connection, Any] | None = None
+        self.old: dict[str, Any] | None = None
+        self.changed = False
+
+    # -- setup ---------------------------------------------------------------------------------
+
+    def cleanup(self) -> None:
+        if self.db is not None:
+            with contextlib.suppress(Exception):
+                self.db.close()
+        if self.reuse is not None:
+            with contextlib.suppress(Exception):
+                self.reuse[0].close()
+        if self.tmp_db is not None and self.tmp_db.exists():
+            self.tmp_db.unlink()
+
+    def _clean_leftovers(self, keep: set[int]) -> None:
+        """Remove temp files of crashed writers and generations older than the previous one."""
+        for p in self.dir.iterdir():
+            if p.name.endswith(".tmp") or p.name.endswith("-journal"):
+                with contextlib.suppress(OSError):
+                    p.unlink()
+                continue
+            mt = _GEN_FILE.match(p.name)
+            if mt and int(mt.group(2)) not in keep:
+                with contextlib.suppress(OSError):
+                    p.unlink()
+
+    def _resolve_embedder(self) -> tuple[Embedder, str]:
+        """Pick the embedder and say why a full rebuild is needed (``""`` when not)."""
+        from .embed import SentenceTransformerEmbedder, embedder_from_spec
+
+        old = self.old
+        if self.embedder is None:
+            self.embedder = embedder_from_spec(old["embedder"]) if old else SentenceTransformerEmbedder()
+        if old is None:
+            return self.embedder, ""
+        reasons = []
+        if self.rebuild:
+            reasons.append("rebuild requested")
+        if int(old.get("format_version", 0)) != FORMAT_VERSION:
+            reasons.append(f"index format {old.get('format_version')} -> {FORMAT_VERSION}")
+        if _identity(old["embedder"]) != _identity(_light_spec(self.embedder)):
+            reasons.append(f"embedder changed: {old['embedder'].get('id')} -> {self.embedder.id}"
+                           f" (pooling {old['embedder'].get('pooling')} -> {self.embedder.pooling})")
+        for key in ("chunking", "dedup"):
+            if old.get(key) != self.settings[key]:
+                reasons.append(f"{key} settings changed: {old.get(key)} -> {self.settings[key]}")
+        return self.embedder, "; ".join(reasons)
+
+    def _open_old(self) -> tuple[Any, Path | None, str]:
+        """Load the current generation for copying; a damaged one means a rebuild."""
+        try:
+            self.old = self.idx._read_manifest()
+        except IndexNotFoundError:
+            return None, None, ""
+        except IndexCorruptError as exc:
+            return None, None, f"previous index unreadable: {exc}"
+        try:
+            flat, _, db = self.idx._open_generation(self.old)
+            db.close()
+        except IndexCorruptError as exc:
+            self.old = None
+            return None, None, f"previous index damaged: {exc}"
+        return flat, self.dir / self.old["sqlite"]["file"], ""
+
+    def run(self) -> IndexSummary:
+        from .loaders import scan
+
+        old_flat, old_db_path, damaged = self._open_old()
+        gen = int(self.old["generation"]) + 1 if self.old else 1
+        if not self.old and (self.dir / MANIFEST).exists():
+            # Damaged manifest: continue after the highest generation number on disk.
+            gens = [int(m.group(2)) for p in self.dir.iterdir() if (m := _GEN_FILE.match(p.name))]
+            gen = max(gens, default=0) + 1
+        self.gen = gen
+        self._clean_leftovers(keep={gen - 1} if self.old else set())
+        emb, reason = self._resolve_embedder()
+        reason = reason or damaged
+        self.rebuilt = bool(reason) or (self.rebuild and self.old is not None)
+        self.reason = reason
+        if self.old and not reason:
+            self.sig_dtype = self.old.get("dedup_signature_dtype")
+
+        self.tmp_db = self.dir / f"meta.{gen}.sqlite.tmp"
+        if self.old and not reason:
+            assert old_db_path is not None
+            shutil.copyfile(old_db_path, self.tmp_db)
+            self.faiss = old_flat
+        else:
+            if self.old and old_db_path is not None and old_flat is not None and (
+                _identity(self.old["embedder"]) == _identity(_light_spec(emb))
+            ):
+                # Only chunking/dedup changed: old vectors are still valid for identical texts.
+                rdb = sqlite3.connect(f"file:{old_db_path}?mode=ro&immutable=1", uri=True)
+                self.reuse = (rdb, old_flat)
+            self.faiss = None
+        self.db = sqlite3.connect(self.tmp_db)
+        self.db.executescript(_SCHEMA)
+        # The temp copy is private until renamed: no journal needed; the rename commits it.
+        self.db.execute("PRAGMA journal_mode=OFF")
+        self.db.execute("PRAGMA synchronous=OFF")
+        self.changed = bool(reason) or self.old is None
+
+        # -- 1. what changed: one stat per file, content sha256 only when the stat differs.
+        found = scan(self.paths, include=self.include, exclude=self.exclude,
+                     **({"max_bytes": self.max_bytes} if self.max_bytes else {}))
+        known = {r[0]: r[1:] for r in self.db.execute(
+            "SELECT path, size, mtime_ns, sha256, status, reason, detail FROM files")}
+        seen: set[str] = set()
+        self.n_seen = len(found.files) + len(found.skipped)
+        for s in found.skipped:
+            path, why, detail = str(s.path), str(s.reason), str(getattr(s, "detail", "") or "")
+            self.skipped.append((path, why, detail))
+            seen.add(path)
+            prev = known.get(path)
+            if prev is None or prev[3] != "skipped" or prev[4] != why:
+                if prev is not None and prev[3] == "indexed":
+                    self._drop_sources(path)
+                    self.stats["files_removed"] += 1
+                self._record_file(path, -1, -1, None, "skipped", why, detail)
+                self.changed = True
+        todo: list[tuple[str, int, int, str | None]] = []
+        for f in found.files:
+            path = str(f.path)
+            seen.add(path)
+            prev = known.get(path)
+            if prev is not None and prev[0] == f.size and prev[1] == f.mtime_ns:
+                self._unchanged(path, prev)
+                continue
+            if prev is not None and prev[0] == f.size:
+                try:
+                    digest = _sha256_file(Path(path))
+                except OSError as exc:
+                    self.skipped.append((path, "unreadable", str(exc)))
+                    continue
+                if digest == prev[2]:
+                    # Touched but identical: record the new mtime, re-read nothing.
+                    self.db.execute("UPDATE files SET mtime_ns=? WHERE path=?", (f.mtime_ns, path))
+                    self.changed = True
+                    self._unchanged(path, prev)
+                    continue
+                todo.append((path, f.size, f.mtime_ns, digest))
+            else:
+                todo.append((path, f.size, f.mtime_ns, None))
+        gone = [p for p in known if p not in seen]
+        for path in gone:
+            self._drop_file(path)
+            if known[path][3] == "indexed":
+                self.stats["files_removed"] += 1
+        for path, *_ in todo:
+            if path in known:
+                self._drop_sources(path)
+        if gone or todo:
+            self.changed = True
+
+        # -- 2. load, clean, chunk, dedup, embed; files stream in batches.
+        self.progress("files", 0, len(todo))
+        for start in range(0, len(todo), self.batch_files):
+            for path, size, mtime_ns, digest in todo[start : start + self.batch_files]:
+                self._index_file(path, size, mtime_ns, digest)
+            self.progress("files", min(start + self.batch_files, len(todo)), len(todo))
+            if len(self.pending) >= self.embed_batch:
+                self._flush()
+        self._flush()
+
+        if not self.changed:
+            # Nothing to commit: no new generation, the current one stays.
+            return self._summary(committed=False)
+
+        # -- 3. chunks left without any source disappear, from SQLite and FAISS alike.
+        orphans = [r[0] for r in self.db.execute(
+            "SELECT id FROM chunks WHERE id NOT IN (SELECT chunk_id FROM sources)")]
+        if orphans:
+            import numpy as np
+
+            self.db.executemany("DELETE FROM chunks WHERE id=?", [(i,) for i in orphans])
+            if self.faiss is not None:
+                self.faiss.remove_ids(np.array(orphans, dtype=np.int64))
+            self.stats["chunks_removed"] += len(orphans)
+        self._commit()
+        return self._summary(committed=True)
+
+    def _unchanged(self, path: str, prev: tuple[Any, ...]) -> None:
+        if prev[3] == "indexed":
+            self.stats["files_unchanged"] += 1
+        else:
+            self.skipped.append((path, prev[4] or "skipped", prev[5] or ""))
+
+    # -- per file ------------------------------------------------------------------------------
+
+    def _drop_sources(self, path: str) -> None:
+        assert self.db is not None
+        self.db.execute("DELETE FROM sources WHERE path=?", (path,))
+
+    def _drop_file(self, path: str) -> None:
+        assert self.db is not None
+        self._drop_sources(path)
+        self.db.execute("DELETE FROM files WHERE path=?", (path,))
+
+    def _index_file(self, path: str, size: int, mtime_ns: int, digest: str | None) -> None:
+        from .chunking import chunk_document
+        from .loaders import load_document
+
+        assert self.db is not None
+        try:
+            if digest is None:
+                digest = _sha256_file(Path(path))
+            doc = load_document(path, clean=self.clean)
+        except LoadError as exc:
+            self._record_file(path, size, mtime_ns, digest, "skipped", exc.reason, str(exc))
+            self.skipped.append((path, exc.reason, str(exc)))
+            return
+        except OSError as exc:
+            self._record_file(path, size, mtime_ns, digest, "skipped", "unreadable", str(exc))
+            self.skipped.append((path, "unreadable", str(exc)))
+            return
+        furniture = _count(doc.meta.get("furniture_removed", 0))
+        self.stats["furniture_lines_removed"] += furniture
+        ch = self.settings["chunking"]
+        chunks = chunk_document(doc, min_tokens=ch["min_tokens"], max_tokens=ch["max_tokens"],
+                                overlap=ch["overlap"], tokenizer=self.tok)
+        for ord_, c in enumerate(chunks):
+            if c.text.strip():
+                self._add_chunk(path, c, ord_)
+        self._record_file(path, size, mtime_ns, digest, "indexed", None, None, len(chunks), furniture)
+        self.stats["files_indexed"] += 1
+
+    def _record_file(self, path: str, size: int, mtime_ns: int, digest: str | None, status: str,
+                     reason: str | None, detail: str | None, n_chunks: int = 0,
+                     furniture: int = 0) -> None:
+        assert self.db is not None
+        self.db.execute(
+            "INSERT OR REPLACE INTO files (path, size, mtime_ns, sha256, status, reason, detail, "
+            "n_chunks, furniture) VALUES (?,?,?,?,?,?,?,?,?)",
+            (path, size, mtime_ns, digest, status, reason, detail, n_chunks, furniture),
+        )
+
+    def _near_index(self) -> Any:
+        """MinHash LSH over the chunks that still have a source, built from stored signatures."""
+        if self.near is None:
+            import numpy as np
+
+            from .dedup import NearDupIndex
+
+            d = self.settings["dedup"]
+            self.near = NearDupIndex(threshold=d["threshold"], num_perm=d["num_perm"])
+            dtype = self.sig_dtype
+            assert self.db is not None
+            for cid, blob in self.db.execute(
+                "SELECT id, minhash FROM chunks WHERE minhash IS NOT NULL AND id IN "
+                "(SELECT chunk_id FROM sources)"
+            ):
+                if dtype:
+                    self.near.insert(cid, np.frombuffer(blob, dtype=dtype))
+        return self.near
+
+    def _add_chunk(self, path: str, c: Any, ord_: int) -> None:
+        from .dedup import content_hash
+
+        assert self.db is not None
+        mode = self.settings["dedup"]["mode"]
+        h = content_hash(c.text) if mode != "none" else hashlib.sha256(c.text.encode()).hexdigest()
+        src = (path, c.start, c.end, c.page_start, c.page_end)
+        row = self.db.execute("SELECT id FROM chunks WHERE content_hash=? LIMIT 1", (h,)).fetchone()
+        if row is not None:
+            has_src = self.db.execute("SELECT 1 FROM sources WHERE chunk_id=? LIMIT 1",
+                                      (row[0],)).fetchone()
+            if has_src:
+                self.stats["exact_duplicates"] += 1
+            else:
+                # An orphan of a changed file, same text again: revive it, no re-embedding.
+                self.stats["chunks_reused"] += 1
+                self.db.execute("UPDATE chunks SET headings=? WHERE id=?",
+                                (json.dumps(list(c.headings)), row[0]))
+                if mode == "near":
+                    sig_row = self.db.execute("SELECT minhash FROM chunks WHERE id=?", (row[0],)).fetchone()
+                    if sig_row[0] is not None and self.sig_dtype:
+                        import numpy as np
+
+                        self._near_index().insert(row[0], np.frombuffer(sig_row[0], dtype=self.sig_dtype))
+            self._add_source(row[0], src)
+            return
+        sig = None
+        if mode == "near":
+            from .dedup import minhash_signature
+
+            sig = minhash_signature(c.text, num_perm=self.settings["dedup"]["num_perm"])
+            self.sig_dtype = str(sig.dtype)
+            near = self._near_index()
+            match = near.query(sig)
+            if match:
+                self.stats["near_duplicates"] += 1
+                self._add_source(int(min(match)), src)  # lowest id: a stable, deterministic pick
+                return
+        cur = self.db.execute(
+            "INSERT INTO chunks (text, n_tokens, headings, content_hash, minhash, windows) "
+            "VALUES (?,?,?,?,?,0)",
+            (c.text, int(c.n_tokens), json.dumps(list(c.headings)), h,
+             sig.tobytes() if sig is not None else None),
+        )
+        cid = int(cur.lastrowid)
+        if sig is not None:
+            self._near_index().insert(cid, sig)
+        self._add_source(cid, src)
+        self.stats["chunks_added"] += 1
+        self.pending.append((cid, c.text))
+        self.embed_total += 1
+        if len(self.pending) >= self.embed_batch:
+            self._flush()
+
+    def _add_source(self, cid: int, src: tuple[Any, ...]) -> None:
+        assert self.db is not None
+        n = self.db.execute("SELECT COALESCE(MAX(ord), -1) + 1 FROM sources WHERE chunk_id=?",
+                            (cid,)).fetchone()[0]
+        self.db.execute(
+            'INSERT INTO sources (chunk_id, path, start, "end", page_start, page_end, ord) '
+            "VALUES (?,?,?,?,?,?,?)", (cid, *src, n))
+
+    # -- vectors -------------------------------------------------------------------------------
+
+    def _ensure_faiss(self, dim: int) -> None:
+        if self.faiss is None:
+            import faiss
+
+            self.faiss = faiss.IndexIDMap2(faiss.IndexFlatIP(dim))
+
+    def _flush(self) -> None:
+        if not self.pending:
+            return
+        import numpy as np
+
+        assert self.db is not None
+        batch, self.pending = self.pending, []
+        ids = np.array([i for i, _ in batch], dtype=np.int64)
+        vecs: np.ndarray | None = None
+        windows = [1] * len(batch)
+        todo = list(range(len(batch)))
+        if self.reuse is not None:
+            vecs, todo = self._reuse_vectors(batch)
+        if todo:
+            emb = self.embedder
+            assert emb is not None
+            t = time.perf_counter()
+            res = emb.embed([batch[i][1] for i in todo])
+            self.embed_seconds += time.perf_counter() - t
+            if vecs is None:
+                vecs = np.zeros((len(batch), res.vectors.shape[1]), dtype=np.float32)
+            vecs[todo] = res.vectors
+            for j, w in zip(todo, res.windows):
+                windows[j] = w
+            self.stats["chunks_embedded"] += len(todo)
+            self.stats["windows_pooled"] += res.pooled
+            self.stats["windows_embedded"] += res.texts_fed
+        assert vecs is not None
+        self._ensure_faiss(vecs.shape[1])
+        if self.faiss.d != vecs.shape[1]:
+            raise ConfigError(
+                f"embedder {self.embedder and self.embedder.id!r} gives {vecs.shape[1]}-d vectors, "
+                f"the index holds {self.faiss.d}-d; rebuild with --rebuild"
+            )
+        self.faiss.add_with_ids(np.ascontiguousarray(vecs), ids)
+        self.db.executemany("UPDATE chunks SET windows=? WHERE id=?",
+                            [(w, int(i)) for w, i in zip(windows, ids)])
+        self.progress("embed", self.stats["chunks_embedded"] + self.stats["chunks_reused"],
+                      self.embed_total)
+
+    def _reuse_vectors(self, batch: list[tuple[int, str]]) -> tuple[Any, list[int]]:
+        import numpy as np
+
+        from .dedup import content_hash
+
+        rdb, old_flat = self.reuse  # type: ignore[misc]
+        vecs = np.zeros((len(batch), old_flat.d), dtype=np.float32)
+        todo = []
+        for j, (_, text) in enumerate(batch):
+            row = rdb.execute("SELECT id FROM chunks WHERE content_hash=? LIMIT 1",
+                              (content_hash(text),)).fetchone()
+            if row is None:
+                todo.append(j)
+                continue
+            try:
+                vecs[j] = old_flat.reconstruct(int(row[0]))
+                self.stats["chunks_reused"] += 1
+            except RuntimeError:
+                todo.append(j)
+        return vecs, todo
+
+    # -- commit --------------------------------------------------------------------------------
+
+    def _commit(self) -> None:
+        import faiss
+
+        assert self.db is not None and self.tmp_db is not None
+        gen = self.gen
+        emb = self.embedder
+        assert emb is not None
+        if self.faiss is None:
+            self._ensure_faiss(emb.dim)
+        self.progress("write", 0, 3)
+        self.db.execute("INSERT OR REPLACE INTO meta VALUES ('generation', ?)", (str(gen),))
+        self.db.commit()
+        counts = {
+            "chunks": self.db.execute("SELECT COUNT(*) FROM chunks").fetchone()[0],
+            "sources": self.db.execute("SELECT COUNT(*) FROM sources").fetchone()[0],
+            "files": self.db.execute(
+                "SELECT COUNT(*) FROM files WHERE status='indexed'").fetchone()[0],
+            "files_skipped": self.db.execute(
+                "SELECT COUNT(*) FROM files WHERE status!='indexed'").fetchone()[0],
+            "vectors": int(self.faiss.ntotal),
+            "windowed_chunks": self.db.execute(
+                "SELECT COUNT(*) FROM chunks WHERE windows>1").fetchone()[0],
+        }
+        self.counts = counts
+        self.db.close()
+        self.db = None
+        _fsync_file(self.tmp_db)
+        spath = self.dir / f"meta.{gen}.sqlite"
+        os.replace(self.tmp_db, spath)
+        self.tmp_db = None
+        self.progress("write", 1, 3)
+
+        fpath = self.dir / f"faiss.{gen}.index"
+        ftmp = fpath.with_name(fpath.name + ".tmp")
+        faiss.write_index(self.faiss, str(ftmp))
+        _fsync_file(ftmp)
+        os.replace(ftmp, fpath)
+        approx_entry = None
+        if self.approx == "hnsw":
+            approx_entry = self._write_hnsw(gen)
+        self.progress("write", 2, 3)
+
+        spec = emb.spec() if (self.counts["vectors"] or self.old is None or self.rebuilt) else self.old["embedder"]
+        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        manifest = {
+            "format": "ragbudget-index",
+            "format_version": FORMAT_VERSION,
+            "generation": gen,
+            "created": (self.old or {}).get("created", now) if not self.rebuilt else now,
+            "updated": now,
+            "embedder": spec,
+            "dim": int(self.faiss.d),
+            "pooling": spec.get("pooling"),
+            "chunking": self.settings["chunking"],
+            "dedup": self.settings["dedup"],
+            "dedup_signature_dtype": self.sig_dtype,
+            "faiss": {"kind": "IndexIDMap2(IndexFlatIP)", "file": fpath.name,
+                      "bytes": fpath.stat().st_size, "sha256": _sha256_file(fpath)},
+            "approx": approx_entry,
+            "sqlite": {"file": spath.name, "bytes": spath.stat().st_size,
+                       "sha256": _sha256_file(spath)},
+            "counts": counts,
+            "last_run": self._summary(committed=True).to_dict(),
+        }
+        _fsync_dir(self.dir)
+        _write_json_atomic(self.dir / MANIFEST, manifest)  # the commit point
+        self.progress("write", 3, 3)
+        self._clean_leftovers(keep={gen, gen - 1})
+
+    def _write_hnsw(self, gen: int) -> dict[str, Any]:
+        import faiss
+
+        n, d = int(self.faiss.ntotal), int(self.faiss.d)
+        ids = faiss.vector_to_array(self.faiss.id_map)
+        vecs = self.faiss.index.reconstruct_n(0, n) if n else None
+        m, ef_c, ef_s = 32, 80, 128
+        hnsw = faiss.IndexHNSWFlat(d, m, faiss.METRIC_INNER_PRODUCT)
+        hnsw.hnsw.efConstruction = ef_c
+        wrapped = faiss.IndexIDMap(hnsw)
+        if n:
+            wrapped.add_with_ids(vecs, ids)
+        path = self.dir / f"hnsw.{gen}.index"
+        tmp = path.with_name(path.name + ".tmp")
+        faiss.write_index(wrapped, str(tmp))
+        _fsync_file(tmp)
+        os.replace(tmp, path)
+        return {"kind": "hnsw", "file": path.name, "bytes": path.stat().st_size,
+                "sha256": _sha256_file(path), "M": m, "ef_construction": ef_c, "ef_search": ef_s}
+
+    def _summary(self, *, committed: bool) -> IndexSummary:
+        if committed and hasattr(self, "counts"):
+            total = self.counts["chunks"]
+        else:
+            total = self._count_chunks()
+        return IndexSummary(
+            files_seen=getattr(self, "n_seen", 0),
+            skipped=tuple(self.skipped),
+            chunks_total=total,
+            seconds=time.perf_counter() - self.t0,
+            embed_seconds=self.embed_seconds,
+            rebuilt=self.rebuilt,
+            rebuild_reason=self.reason,
+            generation=self.gen if committed else self.gen - 1,
+            committed=committed,
+            **self.stats,
+        )
+
+    def _count_chunks(self) -> int:
+        if self.db is not None:
+            return int(self.db.execute("SELECT COUNT(*) FROM chunks").fetchone()[0])
+        return 0
+
