@@ -1,0 +1,652 @@
+"""Exact KV-cache memory from a model config alone (no weights).
+
+Every decoder layer gets a frozen *spec* (the idea of vLLM's ``kv_cache_interface.py``) that knows
+how many elements it stores per token, or per sequence for recurrent state:
+
+* :class:`FullAttentionSpec`  — MHA / GQA / MQA, ``2 × kv_heads × head_dim`` per token;
+* :class:`SlidingWindowSpec`  — the same, but at most a window of tokens at steady state;
+* :class:`MLAAttentionSpec`   — DeepSeek-V2/V3 multi-head latent attention;
+* :class:`MambaSpec`          — conv + SSM / linear-attention state, a constant per sequence;
+* :class:`NoCacheSpec`        — layers that keep nothing (KV-sharing consumers, MLP-only layers).
+
+:func:`kv_cache_bytes` then sums them for a number of tokens, a batch, a cache kind and a dtype.
+The numbers are checked to the byte against the tensors transformers' caches really hold
+(``tests/test_kvcache.py``).
+
+What transformers 5.x really keeps (read from ``transformers/cache_utils.py``):
+
+* ``DynamicLayer`` concatenates, so a full-attention layer holds exactly the tokens seen.
+* ``DynamicSlidingWindowLayer`` keeps the *last ``sliding_window - 1``* tokens (the current token
+  makes the window), but as a **view** of the concatenated tensor: right after an un-chunked
+  prefill of ``P`` tokens every sliding layer still pins storage for all ``P`` tokens, and only the
+  next decode step shrinks it to ``window`` tokens. The budget therefore uses the *peak*.
+* ``StaticLayer`` pre-allocates ``max_cache_len``; ``StaticSlidingWindowLayer`` ``min(max_cache_len,
+  window)``.
+* DeepSeek-V3 in transformers 5.x caches the compressed latent (``kv_lora_rank`` + ``qk_rope_head_dim``,
+  one "head"), like vLLM / SGLang; transformers 4.x cached the decompressed per-head K and V
+  (``mla="decompressed"`` models that).
+* Qwen3-Next's gated-delta-net keeps a conv state in the model dtype and a float32 recurrent state.
+
+>>> cfg = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64,
+...        "num_attention_heads": 4, "num_key_value_heads": 2, "torch_dtype": "bfloat16"}
+>>> kv_cache_bytes(cfg, 10, normalize=False)   # 2 layers × 2 (K,V) × 2 heads × 16 dims × 10 × 2 bytes
+2560
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, Union
+
+from .errors import ConfigError, ModelError
+
+__all__ = [
+    "CACHE_KINDS",
+    "FullAttentionSpec",
+    "KVEstimate",
+    "LayerSpec",
+    "MLAAttentionSpec",
+    "MambaSpec",
+    "NoCacheSpec",
+    "SlidingWindowSpec",
+    "dtype_bits",
+    "estimate_kv",
+    "kv_bytes_per_token",
+    "kv_cache_bytes",
+    "layer_specs",
+    "model_dtype",
+    "text_config",
+]
+
+CACHE_KINDS = ("dynamic", "static", "offloaded", "quantized")
+BACKENDS = ("transformers", "vllm", "sglang")
+
+_DTYPE_BITS = {
+    "float32": 32, "fp32": 32, "float": 32,
+    "float16": 16, "fp16": 16, "half": 16,
+    "bfloat16": 16, "bf16": 16,
+    "float8": 8, "fp8": 8, "fp8_e4m3": 8, "fp8_e5m2": 8, "float8_e4m3fn": 8, "float8_e5m2": 8,
+    "int8": 8, "uint8": 8, "int4": 4, "nf4": 4, "fp4": 4, "int2": 2,
+}  # fmt: skip
+
+
+def dtype_bits(dtype: Any) -> int:
+    """Bits per element of a dtype given as a string (``"bf16"``, ``"torch.float16"``, ``"fp8"``)
+    or a ``torch.dtype``.
+
+    >>> dtype_bits("bf16"), dtype_bits("torch.float32"), dtype_bits("fp8")
+    (16, 32, 8)
+    """
+    name = str(dtype).lower().removeprefix("torch.")
+    if name in _DTYPE_BITS:
+        return _DTYPE_BITS[name]
+    raise ConfigError(
+        f"unknown dtype {dtype!r}; use one of fp32, fp16, bf16, fp8 (or int8/int4 for weights)"
+    )
+
+
+def _ceil_bytes(elements: int, bits: int) -> int:
+    # Sub-byte dtypes pack several elements per byte; a partial byte still costs a whole one.
+    return (elements * bits + 7) // 8
+
+
+# --------------------------------------------------------------------------------------------
+# Config access: a dict or a transformers PretrainedConfig, normalized through transformers
+# --------------------------------------------------------------------------------------------
+
+ConfigLike = Union[Mapping[str, Any], Any]
+
+
+class _Cfg:
+    """Uniform attribute access over a dict or a config object (missing → default)."""
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def get(self, *names: str, default: Any = None) -> Any:
+        for name in names:
+            if isinstance(self.obj, Mapping):
+                value = self.obj.get(name)
+            else:
+                try:
+                    value = getattr(self.obj, name, None)
+                except Exception:  # some configs raise on unknown attributes
+                    value = None
+            if value is not None:
+                return value
+        return default
+
+
+def text_config(config: ConfigLike) -> ConfigLike:
+    """The decoder text config: ``text_config`` of multimodal configs (Gemma 3, Llava, …), else
+    the config itself. Works on dicts and on transformers configs."""
+    if not isinstance(config, Mapping):
+        getter = getattr(config, "get_text_config", None)
+        if getter is not None:
+            try:
+                return getter(decoder=True)
+            except TypeError:
+                return getter()
+        return config
+    for key in ("text_config", "language_config", "llm_config"):
+        sub = config.get(key)
+        if isinstance(sub, Mapping) and sub:
+            merged = dict(sub)
+            # Multimodal configs often keep the dtype on the outer config only.
+            for k in ("torch_dtype", "dtype"):
+                if k not in merged and k in config:
+                    merged[k] = config[k]
+            return merged
+    return config
+
+
+def model_dtype(config: ConfigLike, default: str = "bfloat16") -> str:
+    """The model's dtype name (``torch_dtype`` / ``dtype`` of the config), ``default`` if absent.
+
+    The budget is for a GPU, where models are loaded in their checkpoint dtype; bf16 is the
+    common default of modern checkpoints, so an unknown dtype plans for bf16.
+    """
+    for cfg in (config, text_config(config)):
+        value = _Cfg(cfg).get("torch_dtype", "dtype")
+        if value is not None:
+            name = str(value).removeprefix("torch.")
+            if name in _DTYPE_BITS:
+                return name
+    return default
+
+
+@lru_cache(maxsize=64)
+def _normalized_from_json(blob: str) -> Any:
+    from transformers import AutoConfig  # lazy: heavy import
+
+    d = json.loads(blob)
+    model_type = d.pop("model_type")
+    for k in ("architectures", "auto_map", "transformers_version", "_name_or_path"):
+        d.pop(k, None)
+    return AutoConfig.for_model(model_type, **d)
+
+
+def _normalize(config: ConfigLike, normalize: bool) -> ConfigLike:
+    """Let transformers apply its per-family defaults (``layer_types``, ``head_dim``, windows) when
+    it knows the model type; fall back to the raw dict (with ragbudget's own heuristics)."""
+    if not normalize or not isinstance(config, Mapping) or "model_type" not in config:
+        return text_config(config)
+    try:
+        obj = _normalized_from_json(json.dumps(dict(config), sort_keys=True, default=str))
+    except Exception:  # unknown model type, or transformers rejects the dict: use heuristics
+        return text_config(config)
+    return text_config(obj)
+
+
+# --------------------------------------------------------------------------------------------
+# Layer specs
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FullAttentionSpec:
+    """A layer that keeps K and V for every token: ``num_kv_heads × (head_size + v_head_size)``
+    elements per token."""
+
+    num_kv_heads: int
+    head_size: int
+    v_head_size: int
+
+    kind = "full_attention"
+
+    @property
+    def elements_per_token(self) -> int:
+        return self.num_kv_heads * (self.head_size + self.v_head_size)
+
+    def tokens_held(self, tokens: int, *, cache: str = "dynamic", max_cache_len: int | None = None,
+                    peak: bool = False, prefill_tokens: int | None = None) -> int:
+        """Token slots this layer holds for one sequence after ``tokens`` tokens entered it."""
+        if cache == "static":
+            return max_cache_len if max_cache_len is not None else tokens
+        return tokens
+
+    state_elements = 0
+
+
+@dataclass(frozen=True)
+class SlidingWindowSpec(FullAttentionSpec):
+    """Sliding-window (or chunked) attention: at most a window of tokens is needed.
+
+    transformers' ``DynamicSlidingWindowLayer`` keeps ``window - 1`` tokens (a view of the last
+    concatenation, so its storage is larger right after a multi-token update — see ``peak``);
+    ``StaticSlidingWindowLayer`` allocates ``min(max_cache_len, window)``.
+    """
+
+    sliding_window: int = 0
+
+    kind = "sliding_attention"
+
+    def tokens_held(self, tokens: int, *, cache: str = "dynamic", max_cache_len: int | None = None,
+                    peak: bool = False, prefill_tokens: int | None = None) -> int:
+        w = self.sliding_window
+        if cache == "static":
+            return min(max_cache_len if max_cache_len is not None else tokens, w)
+        if not peak:
+            return min(tokens, w - 1)
+        # Storage pinned by the view: the whole prefill right after it, then at most `w` tokens
+        # (w - 1 kept + the token being decoded) at each decode step.
+        prefill = tokens if prefill_tokens is None else min(prefill_tokens, tokens)
+        return max(prefill, min(tokens, w))
+
+
+@dataclass(frozen=True)
+class MLAAttentionSpec:
+    """DeepSeek-V2/V3 multi-head latent attention.
+
+    ``latent=True``: one compressed vector of ``kv_lora_rank + qk_rope_head_dim`` per token (vLLM,
+    SGLang, transformers ≥ 5). ``latent=False``: decompressed per-head K (``qk_nope + qk_rope``)
+    and V (``v_head_dim``), as transformers 4.x cached it.
+    """
+
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    qk_nope_head_dim: int
+    v_head_dim: int
+    num_heads: int
+    latent: bool = True
+
+    kind = "mla_attention"
+
+    @property
+    def elements_per_token(self) -> int:
+        if self.latent:
+            return self.kv_lora_rank + self.qk_rope_head_dim
+        return self.num_heads * (self.qk_nope_head_dim + self.qk_rope_head_dim + self.v_head_dim)
+
+    def tokens_held(self, tokens: int, *, cache: str = "dynamic", max_cache_len: int | None = None,
+                    peak: bool = False, prefill_tokens: int | None = None) -> int:
+        if cache == "static":
+            return max_cache_len if max_cache_len is not None else tokens
+        return tokens
+
+    state_elements = 0
+
+
+@dataclass(frozen=True)
+class MambaSpec:
+    """A recurrent layer (Mamba, Mamba-2, gated delta net, short conv): a fixed state per
+    sequence, ``conv_elements`` in the model dtype and ``ssm_elements`` in ``ssm_dtype_bits``
+    (``0`` = model dtype)."""
+
+    conv_elements: int
+    ssm_elements: int
+    ssm_dtype_bits: int = 0
+
+    kind = "mamba"
+    elements_per_token = 0
+
+    def tokens_held(self, tokens: int, **_: Any) -> int:
+        return 0
+
+    @property
+    def state_elements(self) -> int:
+        return self.conv_elements + self.ssm_elements
+
+    def state_bytes(self, bits: int) -> int:
+        ssm_bits = self.ssm_dtype_bits or bits
+        return _ceil_bytes(self.conv_elements, bits) + _ceil_bytes(self.ssm_elements, ssm_bits)
+
+
+@dataclass(frozen=True)
+class NoCacheSpec:
+    """A layer that stores nothing (KV-sharing consumer, MLP/MoE-only layer)."""
+
+    kind = "none"
+    elements_per_token = 0
+    state_elements = 0
+
+    def tokens_held(self, tokens: int, **_: Any) -> int:
+        return 0
+
+
+LayerSpec = Union[FullAttentionSpec, SlidingWindowSpec, MLAAttentionSpec, MambaSpec, NoCacheSpec]
+
+
+def _attention_shape(c: _Cfg) -> tuple[int, int, int]:
+    """(num_kv_heads, head_dim, v_head_dim) under every family's attribute names."""
+    heads = c.get("num_attention_heads", "n_head", "num_heads", "n_heads", "encoder_attention_heads")
+    hidden = c.get("hidden_size", "n_embd", "d_model", "dim", "model_dim")
+    if heads is None or hidden is None:
+        raise ModelError(
+            "the config has no attention shape (num_attention_heads/n_head and hidden_size/n_embd); "
+            "pass a decoder-only model config"
+        )
+    mt = str(c.get("model_type", default="")).lower()
+    # Falcon: new_decoder_architecture uses num_kv_heads; else multi_query means one KV head.
+    if mt == "falcon":
+        if c.get("new_decoder_architecture", default=False):
+            kv = c.get("num_kv_heads", "num_key_value_heads", default=heads)
+        elif c.get("multi_query", default=True):
+            kv = 1
+        else:
+            kv = heads
+    elif c.get("multi_query", default=False) is True:  # GPT-BigCode / StarCoder
+        kv = 1
+    else:
+        kv = c.get("num_key_value_heads", "num_kv_heads", "n_head_kv", "multi_query_group_num",
+                   "num_key_value_groups_", default=heads)
+    head_dim = c.get("head_dim", "attention_head_size", "kv_channels", default=None)
+    if not isinstance(head_dim, int) or head_dim <= 0:
+        head_dim = int(hidden) // int(heads)
+    v_head_dim = c.get("v_head_dim", default=None) if mt.startswith("deepseek") else None
+    return int(kv), int(head_dim), int(v_head_dim or head_dim)
+
+
+def _num_layers(c: _Cfg) -> int:
+    n = c.get("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers")
+    if n is None:
+        raise ModelError("the config has no number of layers (num_hidden_layers / n_layer)")
+    return int(n)
+
+
+def _default_layer_types(c: _Cfg, n: int) -> list[str]:
+    """transformers' per-family ``layer_types`` defaults, for raw dicts it could not normalize."""
+    lt = c.get("layer_types", "layers_block_type")
+    if isinstance(lt, (list, tuple)) and len(lt) == n:
+        return [str(x) for x in lt]
+    mt = str(c.get("model_type", default="")).lower()
+    window = c.get("sliding_window")
+    if mt in ("gemma2", "gpt_oss"):
+        return ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
+    if mt in ("gemma3", "gemma3_text", "cohere2"):
+        pattern = int(c.get("sliding_window_pattern", "_sliding_window_pattern",
+                            default=6 if mt != "cohere2" else 4))
+        return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+    if mt in ("olmo3",):
+        return ["sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(n)]
+    if mt.startswith("qwen2") or mt.startswith("qwen3"):
+        if not c.get("use_sliding_window", default=False) or window is None:
+            return ["full_attention"] * n
+        mwl = int(c.get("max_window_layers", default=n))
+        return ["sliding_attention" if i >= mwl else "full_attention" for i in range(n)]
+    if window is not None:
+        return ["sliding_attention"] * n
+    if c.get("attention_chunk_size") is not None:
+        return ["chunked_attention"] * n
+    return ["full_attention"] * n
+
+
+def _mamba_spec(c: _Cfg, layer_type: str) -> MambaSpec:
+    mt = str(c.get("model_type", default="")).lower()
+    if c.get("linear_num_value_heads") is not None:  # Qwen3-Next gated delta net
+        kh, kd = int(c.get("linear_num_key_heads")), int(c.get("linear_key_head_dim"))
+        vh, vd = int(c.get("linear_num_value_heads")), int(c.get("linear_value_head_dim"))
+        conv = (2 * kh * kd + vh * vd) * int(c.get("linear_conv_kernel_dim", default=4))
+        # The delta-rule recurrence runs and stores its state in float32 (modeling_qwen3_next.py).
+        return MambaSpec(conv_elements=conv, ssm_elements=vh * kd * vd, ssm_dtype_bits=32)
+    hidden = int(c.get("hidden_size", "d_model"))
+    d_conv = int(c.get("mamba_d_conv", "conv_kernel", "d_conv", default=4))
+    d_state = int(c.get("mamba_d_state", "state_size", "ssm_state_size", "d_state", default=16))
+    expand = int(c.get("mamba_expand", "expand", default=2))
+    d_inner = int(c.get("mamba_d_ssm", "intermediate_size_mamba", default=0) or expand * hidden)
+    n_heads = c.get("mamba_n_heads", "num_heads_mamba", "n_mamba_heads")
+    if n_heads is not None or mt in ("mamba2", "falcon_h1", "bamba", "zamba2", "nemotron_h"):
+        # Mamba-2: conv over x, B, C; state per head of shape (head_dim, d_state).
+        groups = int(c.get("mamba_n_groups", "n_groups", default=1))
+        n_heads = int(n_heads or c.get("num_heads", default=d_inner // 64))
+        d_head = c.get("mamba_d_head", "head_dim", default=None)
+        d_head = int(d_head) if isinstance(d_head, int) else d_inner // n_heads
+        conv = (d_inner + 2 * groups * d_state) * d_conv
+        return MambaSpec(conv_elements=conv, ssm_elements=n_heads * d_head * d_state)
+    # Mamba-1 (Jamba, Mamba): conv over x only; state (d_inner, d_state).
+    return MambaSpec(conv_elements=d_inner * d_conv, ssm_elements=d_inner * d_state)
+
+
+_LINEAR_TYPES = {"linear_attention", "conv", "mamba", "mamba2", "ssm", "recurrent"}
+_SLIDING_TYPES = {"sliding_attention", "chunked_attention", "local", "local_attention",
+                  "reference_sliding_attention"}
+_NONE_TYPES = {"dummy", "moe", "mlp", "none"}
+
+
+def layer_specs(
+    config: ConfigLike,
+    *,
+    backend: str = "transformers",
+    mla: str = "auto",
+    normalize: bool = True,
+) -> tuple[LayerSpec, ...]:
+    """One frozen spec per decoder layer, from a config dict or a transformers config.
+
+    ``backend`` matters for MLA only (all backends named here cache the latent; ``mla=
+    "decompressed"`` models transformers 4.x). ``normalize`` lets transformers fill in per-family
+    defaults for a raw dict (slower the first time: it imports transformers).
+
+    >>> specs = layer_specs({"model_type": "gemma2", "num_hidden_layers": 4, "hidden_size": 64,
+    ...     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+    ...     "sliding_window": 8}, normalize=False)
+    >>> [s.kind for s in specs]
+    ['sliding_attention', 'full_attention', 'sliding_attention', 'full_attention']
+    """
+    if backend not in BACKENDS:
+        raise ConfigError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if mla not in ("auto", "latent", "decompressed"):
+        raise ConfigError(f"mla must be 'auto', 'latent' or 'decompressed', got {mla!r}")
+    cfg = _normalize(config, normalize)
+    c = _Cfg(cfg)
+    n = _num_layers(c)
+    types = _default_layer_types(c, n)
+    kv_lora = c.get("kv_lora_rank")
+    if kv_lora is not None:
+        heads = int(c.get("num_attention_heads"))
+        spec: LayerSpec = MLAAttentionSpec(
+            kv_lora_rank=int(kv_lora),
+            qk_rope_head_dim=int(c.get("qk_rope_head_dim", default=64)),
+            qk_nope_head_dim=int(c.get("qk_nope_head_dim", default=128)),
+            v_head_dim=int(c.get("v_head_dim", default=128)),
+            num_heads=heads,
+            latent=(mla != "decompressed"),
+        )
+        return tuple(NoCacheSpec() if t in _NONE_TYPES else spec for t in types)
+    kv, hd, vd = _attention_shape(c)
+    window = c.get("sliding_window", "attention_chunk_size")
+    specs: list[LayerSpec] = []
+    sharing = c.get("kv_sharing_modes")
+    for i, t in enumerate(types):
+        t = t.lower()
+        if t in _NONE_TYPES or (isinstance(sharing, (list, tuple)) and sharing[i] == "reuse"):
+            specs.append(NoCacheSpec())
+        elif t in _LINEAR_TYPES:
+            specs.append(_mamba_spec(c, t))
+        elif t in _SLIDING_TYPES:
+            w = c.get("attention_chunk_size") if t == "chunked_attention" else window
+            if w is None:
+                raise ModelError(f"layer {i} is {t} but the config has no sliding_window")
+            specs.append(SlidingWindowSpec(num_kv_heads=kv, head_size=hd, v_head_size=vd,
+                                           sliding_window=int(w)))
+        elif t in ("hybrid", "attention", "full_attention", "global", "global_attention"):
+            specs.append(FullAttentionSpec(num_kv_heads=kv, head_size=hd, v_head_size=vd))
+        else:
+            raise ModelError(
+                f"layer {i} has an unknown layer type {t!r}; ragbudget knows full/sliding/chunked "
+                "attention, MLA and mamba/linear-attention layers"
+            )
+    return tuple(specs)
+
+
+# --------------------------------------------------------------------------------------------
+# Bytes
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KVEstimate:
+    """KV memory of one configuration: ``steady`` (after the tokens are in the cache) and
+    ``peak`` (the most the cache pins at any time, e.g. the full prefill on sliding layers);
+    ``per_layer`` is the steady bytes of each layer."""
+
+    steady_bytes: int
+    peak_bytes: int
+    per_layer: tuple[int, ...]
+    kv_dtype: str
+    cache: str
+
+
+def _dtype_for(config: ConfigLike, kv_dtype: str | None) -> tuple[str, int]:
+    name = kv_dtype or model_dtype(config)
+    return name, dtype_bits(name)
+
+
+def _layer_bytes(spec: LayerSpec, tokens: int, *, bits: int, batch_size: int, cache: str,
+                 max_cache_len: int | None, peak: bool, prefill_tokens: int | None,
+                 backend: str, block_size: int) -> int:
+    if isinstance(spec, NoCacheSpec):
+        return 0
+    if isinstance(spec, MambaSpec):
+        return batch_size * spec.state_bytes(bits)
+    held = spec.tokens_held(tokens, cache=cache, max_cache_len=max_cache_len, peak=peak,
+                            prefill_tokens=prefill_tokens)
+    if backend in ("vllm", "sglang") and block_size > 1:
+        # Paged caches allocate whole blocks of `block_size` tokens per sequence.
+        held = math.ceil(held / block_size) * block_size
+    return batch_size * _ceil_bytes(spec.elements_per_token * held, bits)
+
+
+def _quantized_layer_bytes(spec: LayerSpec, tokens: int, *, bits: int, batch_size: int,
+                           nbits: int, q_group_size: int, residual_length: int,
+                           quant_backend: str) -> int:
+    """transformers' QuantizedCache (full-attention layers only).
+
+    ``fp8``: every token in float8 plus one float32 scale for K and one for V (exact).
+    ``quanto``/``hqq``: packed ``nbits`` integers, a scale and a zero-point (model dtype) per group
+    of ``q_group_size``, and up to ``residual_length - 1`` full-precision tokens not yet flushed
+    (an upper bound: the flush point depends on the prefill length).
+    """
+    if not isinstance(spec, (FullAttentionSpec, MLAAttentionSpec)):
+        return 0 if isinstance(spec, NoCacheSpec) else _layer_bytes(
+            spec, tokens, bits=bits, batch_size=batch_size, cache="dynamic", max_cache_len=None,
+            peak=False, prefill_tokens=None, backend="transformers", block_size=1)
+    elements = spec.elements_per_token * tokens * batch_size
+    if quant_backend == "fp8":
+        return elements + 2 * 4
+    groups = math.ceil(elements / q_group_size)
+    residual = spec.elements_per_token * min(tokens, residual_length - 1) * batch_size
+    return _ceil_bytes(elements, nbits) + groups * 2 * _ceil_bytes(1, bits) + _ceil_bytes(residual, bits)
+
+
+def estimate_kv(
+    config: ConfigLike,
+    tokens: int,
+    *,
+    batch_size: int = 1,
+    kv_dtype: str | None = None,
+    cache: str = "dynamic",
+    backend: str = "transformers",
+    max_cache_len: int | None = None,
+    prefill_tokens: int | None = None,
+    block_size: int = 16,
+    mla: str = "auto",
+    quant_backend: str = "quanto",
+    nbits: int = 4,
+    q_group_size: int = 64,
+    residual_length: int = 128,
+    offload_only_non_sliding: bool = False,
+    normalize: bool = True,
+) -> KVEstimate:
+    """Steady and peak KV bytes on the accelerator for ``batch_size`` sequences of ``tokens``.
+
+    ``cache``: ``"dynamic"`` (grows), ``"static"`` (pre-allocates ``max_cache_len``, default
+    ``tokens``), ``"offloaded"`` (only the layers in flight stay on the GPU: the one being updated
+    plus the one prefetched; recurrent layers, and sliding layers when
+    ``offload_only_non_sliding``, stay resident), ``"quantized"`` (see ``quant_backend``: quanto,
+    hqq or fp8). ``kv_dtype`` defaults to the model dtype (bf16 if the config has none).
+    ``prefill_tokens``: the largest single forward (default: all ``tokens`` at once).
+    ``backend="vllm"``/``"sglang"`` rounds token slots up to whole ``block_size`` pages.
+    """
+    if cache not in CACHE_KINDS:
+        raise ConfigError(f"cache must be one of {CACHE_KINDS}, got {cache!r}")
+    if tokens < 0 or batch_size < 1:
+        raise ConfigError(f"need tokens >= 0 and batch_size >= 1, got {tokens} and {batch_size}")
+    if cache == "static" and max_cache_len is not None and tokens > max_cache_len:
+        raise ConfigError(f"{tokens} tokens do not fit a static cache of max_cache_len={max_cache_len}")
+    specs = layer_specs(config, backend=backend, mla=mla, normalize=normalize)
+    name, bits = _dtype_for(config, kv_dtype)
+    kw = dict(bits=bits, batch_size=batch_size, max_cache_len=max_cache_len,
+              prefill_tokens=prefill_tokens, backend=backend, block_size=block_size)
+    if cache == "quantized":
+        per = tuple(_quantized_layer_bytes(s, tokens, bits=bits, batch_size=batch_size, nbits=nbits,
+                                           q_group_size=q_group_size,
+                                           residual_length=residual_length,
+                                           quant_backend=quant_backend) for s in specs)
+        # Re-quantizing concatenates dequantized + residual + new states in full precision.
+        transient = max((batch_size * _ceil_bytes(s.elements_per_token * tokens, bits)
+                         for s in specs), default=0)
+        return KVEstimate(sum(per), sum(per) + transient, per, "int%d" % nbits
+                          if quant_backend != "fp8" else "fp8", cache)
+    base = "static" if cache == "static" else "dynamic"
+    per = tuple(_layer_bytes(s, tokens, cache=base, peak=False, **kw) for s in specs)
+    per_peak = tuple(_layer_bytes(s, tokens, cache=base, peak=True, **kw) for s in specs)
+    if cache == "offloaded":
+        resident, offloaded = [], []
+        for s, b in zip(specs, per_peak):
+            stays = isinstance(s, MambaSpec) or (offload_only_non_sliding
+                                                 and isinstance(s, SlidingWindowSpec))
+            (resident if stays else offloaded).append(b)
+        # In flight: the layer being updated and the next one being prefetched.
+        in_flight = sum(sorted(offloaded, reverse=True)[:2])
+        steady = sum(resident) + (max(offloaded) if offloaded else 0)
+        return KVEstimate(steady, sum(resident) + in_flight, per, name, cache)
+    return KVEstimate(sum(per), sum(per_peak), per, name, cache)
+
+
+def kv_cache_bytes(
+    config: ConfigLike,
+    tokens: int,
+    *,
+    batch_size: int = 1,
+    kv_dtype: str | None = None,
+    cache: str = "dynamic",
+    backend: str = "transformers",
+    max_cache_len: int | None = None,
+    peak: bool = False,
+    **kwargs: Any,
+) -> int:
+    """Bytes of KV cache (plus recurrent state) for ``batch_size`` sequences of ``tokens`` tokens.
+
+    ``peak=False`` gives the steady size (what the cache tensors hold after the tokens are in);
+    ``peak=True`` the most they pin at once. Other keywords as in :func:`estimate_kv`.
+
+    >>> cfg = {"model_type": "mistral", "num_hidden_layers": 1, "hidden_size": 32,
+    ...        "num_attention_heads": 2, "num_key_value_heads": 1, "sliding_window": 4,
+    ...        "torch_dtype": "float32"}
+    >>> kv_cache_bytes(cfg, 100, normalize=False), kv_cache_bytes(cfg, 100, peak=True, normalize=False)
+    (384, 12800)
+    """
+    est = estimate_kv(config, tokens, batch_size=batch_size, kv_dtype=kv_dtype, cache=cache,
+                      backend=backend, max_cache_len=max_cache_len, **kwargs)
+    return est.peak_bytes if peak else est.steady_bytes
+
+
+def kv_bytes_per_token(
+    config: ConfigLike,
+    *,
+    kv_dtype: str | None = None,
+    backend: str = "transformers",
+    include_sliding: bool = False,
+    mla: str = "auto",
+    normalize: bool = True,
+) -> int:
+    """Bytes the cache grows by per token per sequence once past every sliding window (only
+    full-attention and MLA layers grow); ``include_sliding=True`` gives the rate below the
+    windows (every attention layer grows).
+
+    >>> kv_bytes_per_token({"model_type": "llama", "num_hidden_layers": 32, "hidden_size": 4096,
+    ...     "num_attention_heads": 32, "num_key_value_heads": 8}, normalize=False)
+    131072
+    """
+    specs = layer_specs(config, backend=backend, mla=mla, normalize=normalize)
+    _, bits = _dtype_for(config, kv_dtype)
+    total = 0
+    for s in specs:
+        if isinstance(s, SlidingWindowSpec) and not include_sliding:
+            continue
+        total += s.elements_per_token
+    return _ceil_bytes(total, bits)

@@ -1,0 +1,259 @@
+"""KV-cache estimates against the tensors transformers' caches really hold (to the byte)."""
+
+from __future__ import annotations
+
+import pytest
+
+from ragbudget.errors import ConfigError, ModelError
+from ragbudget.kvcache import (
+    FullAttentionSpec,
+    MLAAttentionSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+    dtype_bits,
+    estimate_kv,
+    kv_bytes_per_token,
+    kv_cache_bytes,
+    layer_specs,
+)
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+WINDOW = 8
+_BASE = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+             pad_token_id=0, bos_token_id=1, eos_token_id=2)
+_SMALL = dict(vocab_size=128, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+# Tiny configs of real architectures; sizes chosen so head_dim != hidden/heads where the family
+# allows it (Qwen3, Gemma) and windows are crossed by the longer prompts.
+ARCHS: dict[str, dict] = {
+    "llama": _BASE,
+    "mistral": dict(_BASE, sliding_window=WINDOW),
+    "qwen2": dict(_BASE),
+    "qwen3": dict(_BASE, head_dim=24),
+    "gemma2": dict(_BASE, head_dim=24, sliding_window=WINDOW),
+    "gemma3_text": dict(_BASE, head_dim=24, sliding_window=WINDOW, num_hidden_layers=6,
+                        sliding_window_pattern=3),
+    "phi3": dict(_BASE, sliding_window=WINDOW),
+    "gpt2": dict(_SMALL, n_embd=64, n_layer=3, n_head=4, n_positions=256),
+    "gpt_neox": dict(_SMALL, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                     num_attention_heads=4, max_position_embeddings=256),
+    "falcon": dict(_SMALL, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                   multi_query=True, new_decoder_architecture=False),
+    "opt": dict(_SMALL, hidden_size=64, ffn_dim=128, num_hidden_layers=3, num_attention_heads=4,
+                max_position_embeddings=256, word_embed_proj_dim=64),
+    "bloom": dict(_SMALL, hidden_size=64, n_layer=3, n_head=4),
+    "gptj": dict(_SMALL, n_embd=64, n_layer=3, n_head=4, rotary_dim=8, n_positions=256),
+    "deepseek_v3": dict(_BASE, num_hidden_layers=3, num_key_value_heads=4, moe_intermediate_size=32,
+                        kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
+                        qk_nope_head_dim=16, v_head_dim=12, n_routed_experts=4,
+                        num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1),
+    "gpt_oss": dict(_BASE, head_dim=16, sliding_window=WINDOW, num_local_experts=4,
+                    num_experts_per_tok=2),
+    "qwen3_next": dict(_BASE, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                       linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+                       num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                       shared_expert_intermediate_size=32, full_attention_interval=2),
+}
+SLIDING = ["mistral", "gemma2", "gemma3_text", "phi3", "gpt_oss"]
+
+
+@pytest.fixture(scope="module")
+def models():
+    """Tiny randomly initialized models, built once per module (CPU, float32)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    torch.manual_seed(0)
+    built = {}
+    for mt, kw in ARCHS.items():
+        cfg = AutoConfig.for_model(mt, **kw)
+        built[mt] = (cfg, AutoModelForCausalLM.from_config(cfg).eval())
+    return built
+
+
+def _tensors(cache):
+    for layer in cache.layers:
+        for name in ("keys", "values"):
+            t = getattr(layer, name, None)
+            if t is not None:
+                yield t
+        for d in ("conv_states", "recurrent_states"):
+            for t in (getattr(layer, d, None) or {}).values():
+                if t is not None:
+                    yield t
+        for name in ("_quantized_keys", "_quantized_values"):
+            q = getattr(layer, name, None)
+            if isinstance(q, tuple):
+                yield from (t for t in q if isinstance(t, torch.Tensor))
+
+
+def cache_nbytes(cache) -> int:
+    """Bytes of every tensor the cache holds (logical sizes)."""
+    return sum(t.nbytes for t in _tensors(cache))
+
+
+def cache_storage_bytes(cache) -> int:
+    """Bytes of the storages the cache pins (a view of a larger tensor pins all of it)."""
+    seen = {}
+    for t in _tensors(cache):
+        s = t.untyped_storage()
+        seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())
+
+
+def _generate(model, prompt: int, new: int, batch: int = 1, **kw):
+    ids = torch.randint(3, 128, (batch, prompt))
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                         min_new_tokens=new, do_sample=False, return_dict_in_generate=True,
+                         pad_token_id=0, **kw)
+    return out.past_key_values
+
+
+def _as_dict(mt, cfg):
+    return cfg.to_dict() | {"model_type": mt}
+
+
+@pytest.mark.parametrize("mt", list(ARCHS))
+@pytest.mark.parametrize("prompt", [5, 13])
+def test_dynamic_cache_exact(models, mt, prompt):
+    cfg, model = models[mt]
+    new = 4
+    cache = _generate(model, prompt, new, batch=2)
+    tokens = prompt + new - 1  # the last generated token is never fed back
+    measured = cache_nbytes(cache)
+    assert kv_cache_bytes(cfg, tokens, batch_size=2, kv_dtype="float32") == measured
+    assert kv_cache_bytes(_as_dict(mt, cfg), tokens, batch_size=2, kv_dtype="float32") == measured
+
+
+@pytest.mark.parametrize("mt", ["llama", "gemma2", "mistral", "qwen3", "deepseek_v3", "gpt_oss"])
+def test_static_cache_exact(models, mt):
+    cfg, model = models[mt]
+    prompt, new = 11, 3
+    cache = _generate(model, prompt, new, cache_implementation="static")
+    # generate() sizes the static cache to prompt + max_new_tokens - 1 (the last token is never fed).
+    est = kv_cache_bytes(cfg, prompt + new - 1, kv_dtype="float32", cache="static",
+                         max_cache_len=prompt + new - 1)
+    assert est == cache_nbytes(cache)
+
+
+@pytest.mark.parametrize("mt", SLIDING)
+def test_sliding_prefill_peak_pins_full_prompt(models, mt):
+    """Right after an un-chunked prefill, sliding layers pin storage for the whole prompt."""
+    cfg, model = models[mt]
+    prompt = 3 * WINDOW
+    ids = torch.randint(3, 128, (1, prompt))
+    with torch.no_grad():
+        cache = model(ids, use_cache=True).past_key_values
+    assert cache_storage_bytes(cache) == kv_cache_bytes(cfg, prompt, kv_dtype="float32", peak=True)
+    assert cache_nbytes(cache) == kv_cache_bytes(cfg, prompt, kv_dtype="float32")
+    assert cache_nbytes(cache) < cache_storage_bytes(cache)
+
+
+def test_fp8_quantized_cache_exact(models):
+    cfg, model = models["llama"]
+    prompt, new = 9, 4
+    cache = _generate(model, prompt, new, cache_implementation="quantized",
+                      cache_config={"backend": "fp8"})
+    est = kv_cache_bytes(cfg, prompt + new - 1, cache="quantized", quant_backend="fp8")
+    assert est == cache_nbytes(cache)
+
+
+def test_bf16_model_uses_config_dtype(models):
+    cfg, model = models["qwen3"]
+    m16 = model.to(torch.bfloat16)
+    try:
+        cache = _generate(m16, 7, 3)
+        d = _as_dict("qwen3", cfg) | {"torch_dtype": "bfloat16"}
+        assert kv_cache_bytes(d, 9) == cache_nbytes(cache)
+    finally:
+        model.to(torch.float32)
+
+
+@pytest.mark.parametrize("mt", list(ARCHS))
+def test_heuristics_match_transformers_normalization(models, mt):
+    cfg, _ = models[mt]
+    d = _as_dict(mt, cfg)
+    assert layer_specs(d, normalize=False) == layer_specs(d, normalize=True)
+
+
+def test_quanto_cache_if_installed(models):
+    pytest.importorskip("optimum.quanto")
+    cfg, model = models["llama"]
+    prompt, new = 9, 4
+    cache = _generate(model, prompt, new, cache_implementation="quantized",
+                      cache_config={"backend": "quanto", "nbits": 4, "q_group_size": 16,
+                                    "residual_length": 8})
+    est = kv_cache_bytes(cfg, prompt + new - 1, kv_dtype="float32", cache="quantized",
+                         q_group_size=16, residual_length=8)
+    assert est > 0
+
+
+# ---- pure unit tests (no model) -------------------------------------------------------------
+
+LLAMA8B = {"model_type": "llama", "num_hidden_layers": 32, "hidden_size": 4096,
+           "num_attention_heads": 32, "num_key_value_heads": 8, "torch_dtype": "bfloat16"}
+
+
+def test_llama8b_bytes_per_token():
+    # 2 (K,V) × 32 layers × 8 heads × 128 dims × 2 bytes = 128 KiB per token.
+    assert kv_bytes_per_token(LLAMA8B, normalize=False) == 131072
+    assert kv_cache_bytes(LLAMA8B, 1000, normalize=False) == 131072 * 1000
+    assert kv_cache_bytes(LLAMA8B, 1000, kv_dtype="fp8", normalize=False) == 65536 * 1000
+
+
+def test_specs_kinds():
+    g = layer_specs({"model_type": "gemma2", "num_hidden_layers": 2, "hidden_size": 64,
+                     "num_attention_heads": 4, "head_dim": 32, "sliding_window": 4},
+                    normalize=False)
+    assert g == (SlidingWindowSpec(4, 32, 32, sliding_window=4), FullAttentionSpec(4, 32, 32))
+    ds = layer_specs({"model_type": "deepseek_v3", "num_hidden_layers": 1, "hidden_size": 64,
+                      "num_attention_heads": 4, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
+                      "qk_nope_head_dim": 128, "v_head_dim": 128}, normalize=False)
+    assert ds[0] == MLAAttentionSpec(512, 64, 128, 128, 4, latent=True)
+    assert ds[0].elements_per_token == 576
+    dec = layer_specs({"model_type": "deepseek_v3", "num_hidden_layers": 1, "hidden_size": 64,
+                       "num_attention_heads": 4, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
+                       "qk_nope_head_dim": 128, "v_head_dim": 128}, normalize=False,
+                      mla="decompressed")
+    assert dec[0].elements_per_token == 4 * (128 + 64 + 128)
+
+
+def test_mamba_state_is_constant():
+    cfg = {"model_type": "jamba", "num_hidden_layers": 2, "hidden_size": 64,
+           "num_attention_heads": 4, "layer_types": ["mamba", "full_attention"],
+           "mamba_d_state": 16, "mamba_d_conv": 4, "mamba_expand": 2, "torch_dtype": "float32"}
+    specs = layer_specs(cfg, normalize=False)
+    assert specs[0] == MambaSpec(conv_elements=128 * 4, ssm_elements=128 * 16)
+    a = kv_cache_bytes(cfg, 10, normalize=False)
+    b = kv_cache_bytes(cfg, 20, normalize=False)
+    assert b - a == 10 * 2 * 64 * 4  # only the attention layer grows
+
+
+def test_static_and_offloaded_and_vllm_blocks():
+    assert kv_cache_bytes(LLAMA8B, 10, cache="static", max_cache_len=100, normalize=False) == \
+        131072 * 100
+    est = estimate_kv(LLAMA8B, 100, cache="offloaded", normalize=False)
+    assert est.peak_bytes == 2 * 4096 * 100  # two layers in flight
+    assert kv_cache_bytes(LLAMA8B, 17, backend="vllm", normalize=False) == 131072 * 32
+    with pytest.raises(ConfigError):
+        kv_cache_bytes(LLAMA8B, 200, cache="static", max_cache_len=100, normalize=False)
+
+
+def test_text_config_nesting_and_errors():
+    outer = {"model_type": "gemma3", "torch_dtype": "bfloat16",
+             "text_config": {"model_type": "gemma3_text", "num_hidden_layers": 6,
+                             "hidden_size": 64, "num_attention_heads": 4,
+                             "num_key_value_heads": 1, "head_dim": 32, "sliding_window": 4}}
+    specs = layer_specs(outer, normalize=False)
+    assert [s.kind for s in specs].count("full_attention") == 1
+    assert kv_cache_bytes(outer, 2, normalize=False) == 6 * 2 * 32 * 2 * 2
+    with pytest.raises(ModelError):
+        layer_specs({"model_type": "x"}, normalize=False)
+    with pytest.raises(ConfigError):
+        dtype_bits("float7")
+    with pytest.raises(ConfigError):
+        kv_cache_bytes(LLAMA8B, 1, cache="paged", normalize=False)
