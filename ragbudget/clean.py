@@ -21,9 +21,10 @@ Safety rules, each one a tested invariant:
   at most :data:`ZONE` lines per edge go and body text in the middle of a page is never touched;
 * deterministic, and the output is never longer than the input (lines are only deleted).
 
->>> pages = [f"Manual, page {i} of 3\\nbody text {i}\\nmore body" for i in range(1, 4)]
->>> strip_headers_footers(pages)
-['body text 1\\nmore body', 'body text 2\\nmore body', 'body text 3\\nmore body']
+>>> body = ["Alpha beta.", "Gamma delta.", "Epsilon.", "Zeta eta.", "Theta iota."]
+>>> pages = [f"ACME Manual\\n{b}\\n{b.upper()}\\nPage {i} of 5" for i, b in enumerate(body, 1)]
+>>> strip_headers_footers(pages)[:2]
+['Alpha beta.\\nALPHA BETA.', 'Gamma delta.\\nGAMMA DELTA.']
 """
 
 from __future__ import annotations
@@ -60,6 +61,8 @@ _RUN_MIN = 3
 # A page-number sequence needs this many pages, covering at least half of its span.
 _PAGENO_MIN = 3
 _PAGENO_DENSITY = 0.5
+# Share of the pages with text that stripping may empty before the result is distrusted.
+_MAX_EMPTIED = 0.5
 # Running heads are short; a long line carrying a matching number is more likely prose.
 _PAGENO_MAX_LEN = 120
 
@@ -289,6 +292,13 @@ def find_furniture(
         gone.sort()
         per_page.append(len(gone))
         removed.extend((p, i) for i in gone)
+    # Document-level brake: furniture is a few lines per page. If the rules would empty most of
+    # the pages that have text, the "pages" are something else (repeated form letters, a table
+    # split into tiny pages) and nothing is removed rather than gutting the document.
+    with_text = [p for p, z in enumerate(zones) if z]
+    emptied = sum(1 for p in with_text if per_page[p] == len(zones[p]) and len(zones[p]) <= 2 * ZONE)
+    if with_text and emptied > _MAX_EMPTIED * len(with_text):
+        removed, per_page = [], [0] * n
     patterns = tuple(sorted({keys[loc] for loc in removed}))
     return StripReport(
         removed=len(removed), patterns=patterns, per_page=tuple(per_page), lines=tuple(removed)
