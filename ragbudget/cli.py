@@ -305,6 +305,55 @@ def ask(question: str, index_dir: str, model: str | None, gpu: str | None, concu
         )
 
 
+# --- chat / serve ----------------------------------------------------------------------------------
+
+
+@cli.command()
+@_index_dir_option
+@_model_options
+@click.option("--history-share", default=0.3, show_default=True, type=click.FloatRange(0.0, 1.0, max_open=True), help="Share of the prompt room history may take; retrieval gets the rest.")
+@click.option("--summary-max-tokens", default=128, show_default=True, type=click.IntRange(min=1), help="Cap of the rolling summary of older turns.")
+@click.option("--recent-turns", default=2, show_default=True, type=click.IntRange(min=0), help="Turns kept verbatim when they fit.")
+@click.option("--context-tokens", default=None, type=click.IntRange(min=1), help="Cap the retrieved context below what memory allows.")
+@click.option("--no-stream", is_flag=True, help="Print each answer at the end instead of streaming it.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per turn.")
+@_user_errors
+def chat(index_dir: str, model: str | None, gpu: str | None, concurrency: int, max_new_tokens: int,
+         kv_dtype: str | None, cache: str, history_share: float, summary_max_tokens: int,
+         recent_turns: int, context_tokens: int | None, no_stream: bool, as_json: bool) -> None:
+    """Multi-turn chat on stdin (one question per line; /reset, /exit), inside the memory budget."""
+    from .chat import Conversation, run_chat
+    from .pipeline import Pipeline
+
+    pipe = Pipeline(index_dir, model=model, gpu=gpu, concurrency=concurrency, max_new_tokens=max_new_tokens,
+                    kv_dtype=kv_dtype, cache=cache)
+    conversation = Conversation(pipe, history_share=history_share, summary_max_tokens=summary_max_tokens,
+                                recent_turns=recent_turns, context_tokens=context_tokens)
+    interactive = sys.stdin.isatty()
+    run_chat(conversation, click.get_text_stream("stdin"), lambda text: click.echo(text, nl=False),
+             as_json=as_json, stream=interactive and not no_stream, prompt="> " if interactive else None)
+
+
+@cli.command()
+@_index_dir_option
+@_model_options
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (loopback by default).")
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
+@click.option("--api-key", default=None, envvar="RAGBUDGET_API_KEY", help="Require 'Authorization: Bearer KEY' (env RAGBUDGET_API_KEY).")
+@click.option("--model-name", default=None, help="Model id clients send (default: the generator's id; 'ragbudget' always works).")
+@_user_errors
+def serve(index_dir: str, model: str | None, gpu: str | None, concurrency: int, max_new_tokens: int,
+          kv_dtype: str | None, cache: str, host: str, port: int, api_key: str | None,
+          model_name: str | None) -> None:
+    """OpenAI-compatible HTTP server (/v1/chat/completions, /v1/retrieve, /metrics) with KV admission."""
+    from .pipeline import Pipeline
+    from .server import serve as run_server
+
+    pipe = Pipeline(index_dir, model=model, gpu=gpu, concurrency=concurrency, max_new_tokens=max_new_tokens,
+                    kv_dtype=kv_dtype, cache=cache)
+    run_server(pipe, host=host, port=port, api_key=api_key, model_name=model_name)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console entry point (``ragbudget``)."""
     cli.main(args=argv, prog_name="ragbudget")

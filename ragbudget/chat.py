@@ -1,0 +1,694 @@
+"""Conversation memory inside the one memory budget.
+
+A chat turn's prompt holds the earlier conversation, the retrieved context and the question, and
+the KV cache must also hold the reserved output. All of it shares *one* per-request budget
+(``pipeline.plan.max_context_tokens``)::
+
+    total = fixed (chat template + system + question) + history + context + output
+
+* the question of the current turn is never truncated (a question that alone does not fit is a
+  :class:`~ragbudget.errors.BudgetError`);
+* ``output`` is the reserved ``max_new_tokens``;
+* ``history`` may take at most ``history_share`` of what is left after fixed and output (default
+  0.3: retrieval is favoured); whatever history does not use goes to retrieval;
+* when the verbatim turns do not fit that share, the older ones are folded into a rolling summary
+  written by the same generator (capped at ``summary_max_tokens``); the last ``recent_turns`` stay
+  verbatim as long as they fit.
+
+History tokens are counted exactly in the generator's tokenizer *after* the chat template: the cost
+of a set of messages is ``len(template(with them)) - len(template(without them))``, which includes
+the role markers and separators the template adds around each message.
+
+Follow-up questions ("what about its footer?") are expanded for retrieval with the salient terms of
+the previous question(s), so the index sees what "its" refers to; the generator still gets the
+question verbatim, with the conversation as history.
+
+>>> from ragbudget.pipeline import Pipeline     # doctest: +SKIP
+>>> chat = Conversation(Pipeline(".ragbudget"))  # doctest: +SKIP
+>>> turn = chat.ask("How are page headers removed?")  # doctest: +SKIP
+>>> turn = chat.ask("what about its footer?")         # doctest: +SKIP
+>>> turn.budget.to_dict()                              # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import re
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .errors import BudgetError, ConfigError, RagBudgetError
+
+__all__ = [
+    "ChatTurn",
+    "Conversation",
+    "Turn",
+    "TurnBudget",
+    "expand_query",
+    "fit_history",
+    "format_turn",
+    "is_follow_up",
+    "run_chat",
+]
+
+Message = dict[str, str]
+
+SUMMARY_PREFIX = "Summary of the earlier conversation: "
+
+_SUMMARY_SYSTEM = (
+    "You keep a running summary of a conversation between a user and an assistant that answers "
+    "from documents. Write a short factual summary: the topics and names the user asked about and "
+    "the key facts of the answers. No preamble."
+)
+
+# A placeholder system message used only to *measure* messages: templates that insert a default
+# system prompt when the first message is not a system one (SmolLM2, Qwen) would otherwise charge
+# or refund that prompt to whatever is measured.
+_MEASURE_SYSTEM: Message = {"role": "system", "content": "system"}
+
+_WORD = re.compile(r"[\w][\w'-]*")
+# Words that point back at something said before; a question using them, or a very short one, is
+# treated as a follow-up. Deliberately small: a false positive only adds a few related terms to
+# the retrieval query, a false negative retrieves for the bare question.
+_ANAPHORA = frozenset(
+    "it its it's this that these those they them their theirs he him his she her hers there "
+    "former latter same above previous earlier one ones".split()
+)
+_FOLLOW_UP_OPENERS = ("what about", "how about", "and", "also", "what else", "anything else", "same for")
+_STOPWORDS = frozenset(
+    """a about above after again against all am an and any are as at be because been before being
+    below between both but by can could did do does doing down during each few for from further had
+    has have having here how i if in into is just me more most my no nor not now of off on once only
+    or other our out over own same should so some such than that the then there these they this
+    those through to too under until up very was we were what when where which while who whom why
+    will with would you your yours it its it's their them he she his her please tell explain
+    describe give show know say said also else anything something thing things get got""".split()
+)
+
+
+# --- records --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One finished exchange kept in memory: the question, the answer text, and what was
+    retrieved for it."""
+
+    question: str
+    answer: str
+    retrieval_query: str = ""
+
+
+@dataclass(frozen=True)
+class TurnBudget:
+    """Where the tokens of one turn went (all in the generator's tokens, after the chat template).
+
+    ``summary + recent + context_used + fixed <= prompt_allowed`` and
+    ``prompt + output <= total``; ``overrun`` is True when the pipeline reported a prompt that
+    broke that bound (it should never happen; tests assert it).
+    """
+
+    total: int
+    output: int
+    prompt_allowed: int
+    fixed: int
+    history_allowed: int
+    summary: int
+    recent: int
+    context_allowed: int
+    context_used: int
+    prompt: int
+    turns_verbatim: int
+    turns_summarized: int
+    summary_updated: bool
+    overrun: bool
+
+    @property
+    def history(self) -> int:
+        return self.summary + self.recent
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "history": self.history}
+
+
+@dataclass(frozen=True)
+class ChatTurn:
+    """The result of :meth:`Conversation.ask`: the pipeline's answer plus the memory accounting."""
+
+    question: str
+    retrieval_query: str
+    answer: Any
+    budget: TurnBudget
+    summary: str = ""
+
+    @property
+    def text(self) -> str:
+        return str(getattr(self.answer, "text", ""))
+
+    @property
+    def sources(self) -> list[dict[str, Any]]:
+        return list(getattr(self.answer, "sources", []) or [])
+
+    def to_dict(self) -> dict[str, Any]:
+        answer = self.answer.to_dict() if hasattr(self.answer, "to_dict") else {"text": self.text}
+        return {
+            "question": self.question,
+            "retrieval_query": self.retrieval_query,
+            "answer": answer,
+            "memory": self.budget.to_dict(),
+            "summary": self.summary,
+        }
+
+
+# --- token accounting -----------------------------------------------------------------------------
+
+
+class _Meter:
+    """Exact token counts of chat messages in the generator's tokenizer, after its chat template.
+
+    Falls back to counting message contents plus a fixed per-message overhead when the tokenizer
+    has no chat template (fakes, base models); the fallback overestimates rather than under.
+    """
+
+    # ChatML-style wrappers cost about 4-6 tokens per message; 8 keeps the fallback on the safe side.
+    FALLBACK_OVERHEAD = 8
+
+    def __init__(self, pipeline: Any) -> None:
+        gen = getattr(pipeline, "generator", None)
+        counter = getattr(gen, "token_counter", None)
+        self._tok = counter if counter is not None and hasattr(counter, "count") else None
+        if self._tok is not None:
+            self.count: Callable[[str], int] = self._tok.count
+        elif callable(counter):
+            self.count = counter
+        else:
+            raise ConfigError(
+                "the pipeline's generator has no token_counter; Conversation needs the generator's "
+                "tokenizer to keep history inside the budget"
+            )
+        hf = getattr(gen, "tokenizer", None)
+        hf = getattr(hf, "hf", hf)  # a ragbudget HFTokenizer wraps the transformers one
+        self._template = hf if hf is not None and callable(getattr(hf, "apply_chat_template", None)) else None
+        if self._template is not None and getattr(self._template, "chat_template", "") is None:
+            self._template = None  # a base model's tokenizer: apply_chat_template would raise
+
+    def render(self, messages: Sequence[Message]) -> int:
+        """Tokens of ``messages`` as the model sees them, with the generation prompt."""
+        if self._template is not None:
+            text = self._template.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+            return self.count(text)
+        return sum(self.count(m["content"]) + self.FALLBACK_OVERHEAD for m in messages)
+
+    def cost(self, messages: Sequence[Message], question: str) -> int:
+        """Exact tokens ``messages`` add when placed before ``question`` (0 for none)."""
+        if not messages:
+            return 0
+        user = {"role": "user", "content": question}
+        return self.render([_MEASURE_SYSTEM, *messages, user]) - self.render([_MEASURE_SYSTEM, user])
+
+    def truncate(self, text: str, max_tokens: int) -> str:
+        """``text`` cut to at most ``max_tokens`` tokens (at a token boundary; whole text if it fits)."""
+        if max_tokens <= 0:
+            return ""
+        if self.count(text) <= max_tokens:
+            return text
+        if self._tok is not None and hasattr(self._tok, "encode") and hasattr(self._tok, "decode"):
+            ids = self._tok.encode(text)[:max_tokens]
+            out = self._tok.decode(ids)
+            # Decoding can merge pieces differently; shave until the recount fits.
+            while out and self.count(out) > max_tokens:
+                ids = ids[:-1]
+                out = self._tok.decode(ids)
+            return out
+        words = text.split()
+        lo, hi = 0, len(words)  # largest word prefix that fits
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.count(" ".join(words[:mid])) <= max_tokens:
+                lo = mid
+            else:
+                hi = mid - 1
+        return " ".join(words[:lo])
+
+
+def _plan_numbers(pipeline: Any, max_new_tokens: int | None) -> tuple[int, int]:
+    """(total tokens per request, reserved output tokens) from the pipeline's budget plan."""
+    plan = getattr(pipeline, "plan", None)
+    total = getattr(plan, "max_context_tokens", None)
+    if not isinstance(total, int) or total <= 0:
+        raise ConfigError("the pipeline has no budget plan with max_context_tokens; cannot budget a conversation")
+    output = max_new_tokens if max_new_tokens is not None else getattr(plan, "max_new_tokens", None)
+    if not isinstance(output, int) or output <= 0:
+        output = getattr(pipeline, "max_new_tokens", 256)
+    return total, int(output)
+
+
+def fit_history(
+    pipeline: Any,
+    history: Sequence[Message],
+    question: str,
+    *,
+    share: float = 0.3,
+    max_new_tokens: int | None = None,
+) -> tuple[list[Message], int]:
+    """Keep the newest messages of ``history`` whose exact template cost fits ``share`` of the
+    prompt room left by ``question`` and the reserved output; return ``(kept, n_dropped)``.
+
+    This is the stateless policy of the HTTP server (each request carries its own history and
+    there is no memory to summarize into): the oldest messages go first, system messages last.
+    Pipelines without a plan or token counter (test fakes) get the history back unchanged.
+    """
+    history = [dict(m) for m in history]
+    if not history:
+        return [], 0
+    try:
+        meter = _Meter(pipeline)
+        total, output = _plan_numbers(pipeline, max_new_tokens)
+    except ConfigError:
+        return history, 0
+    fixed = meter.render([_MEASURE_SYSTEM, {"role": "user", "content": question}])
+    allowed = int(max(0, total - output - fixed) * share)
+    if meter.cost(history, question) <= allowed:
+        return history, 0
+    # Drop order: oldest non-system message first; system messages (instructions) only at the end.
+    order = [i for i, m in enumerate(history) if m["role"] != "system"]
+    order += [i for i, m in enumerate(history) if m["role"] == "system"]
+    dropped: set[int] = set()
+    for i in order:
+        dropped.add(i)
+        kept = [m for j, m in enumerate(history) if j not in dropped]
+        if meter.cost(kept, question) <= allowed:
+            return kept, len(dropped)
+    return [], len(history)
+
+
+# --- follow-up expansion --------------------------------------------------------------------------
+
+
+def _words(text: str) -> list[str]:
+    return [w.lower() for w in _WORD.findall(text)]
+
+
+def is_follow_up(question: str) -> bool:
+    """True when ``question`` leans on earlier turns: it uses a pronoun or demonstrative
+    ("its footer"), opens like a continuation ("what about ..."), or has at most three content
+    words.
+
+    >>> is_follow_up("what about its footer?"), is_follow_up("How does dedup treat PDF copies of text files?")
+    (True, False)
+    """
+    words = _words(question)
+    if not words:
+        return False
+    lowered = " ".join(words)
+    if any(lowered == opener or lowered.startswith(opener + " ") for opener in _FOLLOW_UP_OPENERS):
+        return True
+    if any(w in _ANAPHORA for w in words):
+        return True
+    return len([w for w in words if w not in _STOPWORDS]) <= 3
+
+
+def expand_query(question: str, previous: Sequence[str], *, max_terms: int = 24) -> str:
+    """The retrieval query for ``question``: itself when it stands alone, else itself followed by
+    the salient terms (content words, first occurrence order, newest question first) of the
+    ``previous`` retrieval queries that it does not already contain.
+
+    >>> expand_query("what about its footer?", ["How are page headers stripped from PDFs?"])
+    'what about its footer? page headers stripped pdfs'
+    """
+    if not previous or not is_follow_up(question):
+        return question
+    seen = set(_words(question))
+    terms: list[str] = []
+    for prev in reversed(previous):  # newest first: the most likely referent
+        for w in _words(prev):
+            if w in _STOPWORDS or w in seen or len(w) < 2:
+                continue
+            seen.add(w)
+            terms.append(w)
+            if len(terms) >= max_terms:
+                break
+        if len(terms) >= max_terms:
+            break
+    return f"{question} {' '.join(terms)}" if terms else question
+
+
+# --- the conversation -----------------------------------------------------------------------------
+
+Summarizer = Callable[[str, Sequence[Turn], int], str]
+
+
+@dataclass
+class _State:
+    turns: list[Turn] = field(default_factory=list)  # verbatim turns, oldest first
+    summary: str = ""
+    summarized: int = 0  # turns folded into the summary so far
+
+
+class Conversation:
+    """A multi-turn chat over a :class:`~ragbudget.pipeline.Pipeline`, inside its memory budget.
+
+    ``history_share`` (0 ≤ share < 1) caps the history's part of the prompt room; the rest, and
+    whatever history leaves unused, goes to retrieved context. ``recent_turns`` turns are kept
+    verbatim when they fit; older ones are folded into a summary of at most
+    ``summary_max_tokens`` tokens written by the pipeline's generator (or by ``summarizer(previous
+    summary, turns, max_tokens)`` if given). ``max_new_tokens`` and ``context_tokens`` default to
+    the pipeline's. ``expand_follow_ups`` rewrites follow-up questions for retrieval (see
+    :func:`expand_query`).
+
+    >>> chat = Conversation(pipeline, history_share=0.3, recent_turns=2)  # doctest: +SKIP
+    >>> chat.ask("What does the footer contain?").budget.summary          # doctest: +SKIP
+    0
+    """
+
+    def __init__(
+        self,
+        pipeline: Any,
+        *,
+        history_share: float = 0.3,
+        summary_max_tokens: int = 128,
+        recent_turns: int = 2,
+        max_new_tokens: int | None = None,
+        context_tokens: int | None = None,
+        expand_follow_ups: bool = True,
+        summarizer: Summarizer | None = None,
+        summary_role: str = "system",
+    ) -> None:
+        if not 0.0 <= history_share < 1.0:
+            raise ConfigError(f"history_share must be in [0, 1) (the rest goes to retrieval), got {history_share}")
+        if summary_max_tokens < 1:
+            raise ConfigError(f"summary_max_tokens must be >= 1, got {summary_max_tokens}")
+        if recent_turns < 0:
+            raise ConfigError(f"recent_turns must be >= 0, got {recent_turns}")
+        if summary_role not in ("system", "user", "assistant"):
+            raise ConfigError(f"summary_role must be system, user or assistant, got {summary_role!r}")
+        self.pipeline = pipeline
+        self.history_share = history_share
+        self.summary_max_tokens = summary_max_tokens
+        self.recent_turns = recent_turns
+        self.max_new_tokens = max_new_tokens
+        self.context_tokens = context_tokens
+        self.expand_follow_ups = expand_follow_ups
+        self.summary_role = summary_role
+        self._summarizer = summarizer
+        self._meter = _Meter(pipeline)
+        self._state = _State()
+        self._ask_params = _parameters(pipeline.ask)
+
+    # -- state --
+
+    @property
+    def turns(self) -> list[Turn]:
+        """The turns kept verbatim, oldest first."""
+        return list(self._state.turns)
+
+    @property
+    def summary(self) -> str:
+        """The rolling summary of the turns folded so far ('' before the first fold)."""
+        return self._state.summary
+
+    @property
+    def turns_summarized(self) -> int:
+        return self._state.summarized
+
+    def reset(self) -> None:
+        """Forget the conversation (turns and summary)."""
+        self._state = _State()
+
+    def history_messages(self, turns: Sequence[Turn] | None = None, summary: str | None = None) -> list[Message]:
+        """The chat messages standing for the conversation so far: the summary, then the turns."""
+        turns = self._state.turns if turns is None else turns
+        summary = self._state.summary if summary is None else summary
+        messages: list[Message] = []
+        if summary:
+            messages.append({"role": self.summary_role, "content": SUMMARY_PREFIX + summary})
+        for t in turns:
+            messages.append({"role": "user", "content": t.question})
+            messages.append({"role": "assistant", "content": t.answer})
+        return messages
+
+    # -- one turn --
+
+    def ask(self, question: str, *, on_text: Callable[[str], Any] | None = None, cancel: Any = None) -> ChatTurn:
+        """Answer ``question`` with the conversation as history; fold older turns into the summary
+        first when history would overflow its share. Raises
+        :class:`~ragbudget.errors.BudgetError` when the question alone leaves no room."""
+        if not isinstance(question, str) or not question.strip():
+            raise ConfigError("the question is empty")
+        total, output = _plan_numbers(self.pipeline, self.max_new_tokens)
+        prompt_allowed = total - output
+        fixed = self._meter.render([_MEASURE_SYSTEM, {"role": "user", "content": question}])
+        room = prompt_allowed - fixed
+        if room <= 0:
+            raise BudgetError(
+                f"the question alone takes {fixed} prompt tokens but the budget allows {prompt_allowed} "
+                f"({total} per request minus {output} reserved for the answer); shorten the question, "
+                "lower max_new_tokens, or plan for a larger GPU",
+                needed=fixed + output,
+                available=total,
+            )
+        history_allowed = int(room * self.history_share)
+        summary_updated = self._fit(question, history_allowed)
+
+        history = self.history_messages()
+        summary_msgs = history[:1] if self._state.summary else []
+        summary_tokens = self._meter.cost(summary_msgs, question)
+        history_tokens = self._meter.cost(history, question)
+        recent_tokens = history_tokens - summary_tokens
+        context_allowed = room - history_tokens
+        if self.context_tokens is not None:
+            context_allowed = min(context_allowed, self.context_tokens)
+
+        previous = [t.retrieval_query or t.question for t in self._state.turns[-max(1, self.recent_turns):]]
+        retrieval_query = expand_query(question, previous) if self.expand_follow_ups else question
+        kwargs: dict[str, Any] = {
+            "context_tokens": max(0, context_allowed),
+            "max_new_tokens": output,
+            "history": history or None,
+        }
+        if on_text is not None:
+            kwargs["on_text"] = on_text
+        if cancel is not None:
+            kwargs["cancel"] = cancel
+        asked = question
+        if retrieval_query != question:
+            if "retrieval_query" in self._ask_params:
+                kwargs["retrieval_query"] = retrieval_query
+            else:
+                # Older pipelines retrieve for the question text itself; give it the referent.
+                asked = f"{question}\n(Follow-up; earlier topic: {retrieval_query[len(question):].strip()})"
+        answer = self.pipeline.ask(asked, **kwargs)
+
+        report = getattr(answer, "report", {}) or {}
+        b = report.get("budget") or {}
+        context_used = int(b.get("context_tokens_used") or 0)
+        prompt = int(b.get("prompt_tokens") or (fixed + history_tokens + context_used))
+        budget = TurnBudget(
+            total=total,
+            output=output,
+            prompt_allowed=prompt_allowed,
+            fixed=fixed,
+            history_allowed=history_allowed,
+            summary=summary_tokens,
+            recent=recent_tokens,
+            context_allowed=max(0, context_allowed),
+            context_used=context_used,
+            prompt=prompt,
+            turns_verbatim=len(self._state.turns),
+            turns_summarized=self._state.summarized,
+            summary_updated=summary_updated,
+            overrun=prompt + output > total or history_tokens > history_allowed,
+        )
+        if isinstance(report, dict):
+            report["memory"] = budget.to_dict()
+        text = str(getattr(answer, "text", ""))
+        self._state.turns.append(Turn(question=question, answer=text, retrieval_query=retrieval_query))
+        return ChatTurn(question=question, retrieval_query=retrieval_query, answer=answer, budget=budget,
+                        summary=self._state.summary)
+
+    # -- folding --
+
+    def _fit(self, question: str, allowed: int) -> bool:
+        """Fold turns into the summary until summary + verbatim turns fit ``allowed`` tokens.
+        Returns True when the summary changed."""
+        state = self._state
+        if self._meter.cost(self.history_messages(), question) <= allowed:
+            return False
+        # First fold everything older than the recent turns in one summarization call; then, if the
+        # recent turns alone are still too large, fold them one at a time (oldest first).
+        keep = min(self.recent_turns, len(state.turns))
+        cut = len(state.turns) - keep
+        changed = False
+        while True:
+            if cut > 0:
+                self._fold(state.turns[:cut], allowed)
+                state.turns = state.turns[cut:]
+                changed = True
+            if self._meter.cost(self.history_messages(), question) <= allowed:
+                return changed
+            if not state.turns:
+                break
+            cut = 1
+        # Only the summary is left and it is still over: cut it to the room there is.
+        overhead = self._meter.cost(self.history_messages(summary="x"), question) - self._meter.count("x")
+        state.summary = self._meter.truncate(state.summary, max(0, allowed - overhead - 4))
+        while state.summary and self._meter.cost(self.history_messages(), question) > allowed:
+            state.summary = self._meter.truncate(state.summary, self._meter.count(state.summary) - 4)
+        return True
+
+    def _fold(self, turns: Sequence[Turn], allowed: int) -> None:
+        state = self._state
+        cap = max(1, min(self.summary_max_tokens, allowed))
+        text = ""
+        if self._summarizer is not None:
+            text = self._summarizer(state.summary, list(turns), cap)
+        else:
+            text = self._generate_summary(state.summary, turns, cap)
+        text = " ".join(text.split())
+        if not text:
+            text = _extractive_summary(state.summary, turns)
+        state.summary = self._meter.truncate(text, cap)
+        state.summarized += len(turns)
+
+    def _generate_summary(self, previous: str, turns: Sequence[Turn], cap: int) -> str:
+        """Ask the pipeline's generator for the new summary, inside the same per-request budget."""
+        gen = getattr(self.pipeline, "generator", None)
+        if gen is None or not callable(getattr(gen, "generate", None)):
+            return ""
+        total, _ = _plan_numbers(self.pipeline, self.max_new_tokens)
+        prompt_room = total - cap
+        # Keep answers short in the transcript (the summary needs their gist, not their length),
+        # then drop the oldest lines until the summarization prompt fits the budget.
+        lines = []
+        for t in turns:
+            lines.append(f"User: {t.question}")
+            lines.append(f"Assistant: {self._meter.truncate(t.answer, 96)}")
+        while True:
+            messages = _summary_messages(previous, lines, cap)
+            if self._meter.render(messages) <= prompt_room or len(lines) <= 2:
+                break
+            lines = lines[2:]
+        if self._meter.render(messages) > prompt_room:
+            return ""  # even one exchange does not fit: the extractive fallback takes over
+        admission = getattr(self.pipeline, "admission", None)
+        reserve = getattr(admission, "reserve", None)
+        needed = self._meter.render(messages) + cap
+        if callable(reserve):
+            with reserve(needed):
+                result = _call_generate(gen, messages, cap)
+        else:
+            result = _call_generate(gen, messages, cap)
+        return str(getattr(result, "text", result) or "")
+
+
+def _summary_messages(previous: str, lines: Sequence[str], cap: int) -> list[Message]:
+    words = max(10, int(cap * 0.6))  # ~0.75 words per token, with slack so the cap rarely cuts
+    user = ""
+    if previous:
+        user += f"Summary so far: {previous}\n\n"
+    user += "New exchanges:\n" + "\n".join(lines)
+    user += f"\n\nWrite the updated summary in at most {words} words."
+    return [{"role": "system", "content": _SUMMARY_SYSTEM}, {"role": "user", "content": user}]
+
+
+def _call_generate(gen: Any, messages: list[Message], max_new_tokens: int) -> Any:
+    """Call ``gen.generate`` with chat messages, whatever the name of its first parameter."""
+    if "messages" in _parameters(gen.generate, var_keyword=False):
+        return gen.generate(messages=messages, max_new_tokens=max_new_tokens)
+    return gen.generate(messages, max_new_tokens=max_new_tokens)
+
+
+def _extractive_summary(previous: str, turns: Sequence[Turn]) -> str:
+    """Fallback summary when the generator produced nothing: the questions asked and the first
+    sentence of each answer."""
+    parts = [previous] if previous else []
+    for t in turns:
+        first = re.split(r"(?<=[.!?])\s", t.answer.strip(), maxsplit=1)[0] if t.answer.strip() else ""
+        parts.append(f"Asked: {t.question.strip()} Answer: {first}".strip())
+    return " ".join(parts)
+
+
+def _parameters(fn: Any, *, var_keyword: bool = True) -> set[str]:
+    """Names ``fn`` accepts as keywords; with ``var_keyword``, a ``**kwargs`` accepts
+    ``retrieval_query`` too."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return set()
+    names = set(params)
+    if var_keyword and any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        names.add("retrieval_query")
+    return names
+
+
+# --- the interactive loop -------------------------------------------------------------------------
+
+
+def format_turn(turn: ChatTurn) -> str:
+    """A turn's sources and memory accounting as the ``ragbudget chat`` command prints them."""
+    lines = []
+    if turn.sources:
+        lines.append("Sources:")
+        for i, src in enumerate(turn.sources, 1):
+            page = f", page {src['page']}" if src.get("page") else ""
+            score = src.get("score")
+            score_text = f" score {score:.3f}" if isinstance(score, (int, float)) else ""
+            lines.append(f"  [{i}] {src.get('path')}{page} [{src.get('start')}:{src.get('end')}]{score_text}")
+    b = turn.budget
+    lines.append(
+        f"memory: summary {b.summary}, recent {b.recent} ({b.turns_verbatim} turn(s)), context "
+        f"{b.context_used}/{b.context_allowed}, output {b.output} tokens; prompt {b.prompt}+{b.output}"
+        f"/{b.total}; {b.turns_summarized} turn(s) summarized"
+        + ("; summary updated" if b.summary_updated else "")
+        + (f"; retrieval query: {turn.retrieval_query!r}" if turn.retrieval_query != turn.question else "")
+    )
+    return "\n".join(lines)
+
+
+def run_chat(
+    conversation: Conversation,
+    lines: Iterable[str],
+    write: Callable[[str], Any],
+    *,
+    as_json: bool = False,
+    stream: bool = False,
+    prompt: str | None = None,
+) -> int:
+    """Read questions from ``lines`` (stdin, one per line) and ``write`` answers with citations and
+    the turn's memory report; ``/reset`` forgets the conversation, ``/exit`` (or end of input)
+    stops. With ``as_json`` each turn is one JSON line. Errors of one turn (too long, overloaded)
+    are printed and the loop goes on. Returns the number of questions answered."""
+    answered = 0
+    if prompt:
+        write(prompt)
+    for raw in lines:
+        line = raw.strip()
+        if not line:
+            pass
+        elif line in ("/exit", "/quit"):
+            break
+        elif line == "/reset":
+            conversation.reset()
+            write("(conversation reset)\n")
+        else:
+            try:
+                if stream and not as_json:
+                    turn = conversation.ask(line, on_text=write)
+                    write("\n\n")
+                else:
+                    turn = conversation.ask(line)
+                    if not as_json:
+                        write(turn.text + "\n\n")
+            except RagBudgetError as exc:
+                write(f"Error: {exc}\n")
+            else:
+                answered += 1
+                if as_json:
+                    write(json.dumps(turn.to_dict(), ensure_ascii=False, default=str) + "\n")
+                else:
+                    write(format_turn(turn) + "\n\n")
+        if prompt:
+            write(prompt)
+    return answered

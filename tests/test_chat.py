@@ -1,0 +1,461 @@
+"""Conversation memory: one budget for history, context and output; summary folding; follow-ups.
+
+A model-free fake pipeline (word tokenizer with a ChatML-like template) stands in for the real one;
+it lays out its prompt the way ragbudget's prompt does (system, history, context + question) and
+records every prompt it built, so overruns are checked against what the "model" actually got.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import types
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ragbudget.chat import (
+    SUMMARY_PREFIX,
+    Conversation,
+    _Meter,
+    expand_query,
+    fit_history,
+    is_follow_up,
+)
+from ragbudget.errors import BudgetError, ConfigError
+
+# --- fakes ----------------------------------------------------------------------------------------
+
+
+class WordTokenizer:
+    """One token per whitespace-separated word; ids from a growing vocabulary."""
+
+    name = "words"
+
+    def __init__(self) -> None:
+        self.vocab: dict[str, int] = {}
+        self.words: list[str] = []
+
+    def encode(self, text: str) -> list[int]:
+        ids = []
+        for w in text.split():
+            if w not in self.vocab:
+                self.vocab[w] = len(self.words)
+                self.words.append(w)
+            ids.append(self.vocab[w])
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        return " ".join(self.words[i] for i in ids)
+
+    def count(self, text: str) -> int:
+        return len(text.split())
+
+
+class ChatTemplate:
+    """ChatML-like: every message costs its words plus two marker tokens."""
+
+    chat_template = "chatml"
+
+    def apply_chat_template(self, messages: list[dict[str, str]], *, tokenize: bool = False,
+                            add_generation_prompt: bool = False) -> str:
+        assert tokenize is False
+        out = "".join(f"<start>{m['role']} {m['content']} <end>\n" for m in messages)
+        return out + ("<start>assistant " if add_generation_prompt else "")
+
+
+@dataclass
+class FakeGeneration:
+    text: str
+
+
+class FakeGenerator:
+    def __init__(self, summary_words: int = 500, summary_text: str | None = None) -> None:
+        self.tokenizer = ChatTemplate()
+        self.token_counter = WordTokenizer()
+        self.calls: list[dict[str, Any]] = []
+        self.summary_words = summary_words
+        self.summary_text = summary_text
+
+    def generate(self, messages: list[dict[str, str]], *, max_new_tokens: int) -> FakeGeneration:
+        self.calls.append({"messages": messages, "max_new_tokens": max_new_tokens})
+        if self.summary_text is not None:
+            return FakeGeneration(self.summary_text)
+        # A long-winded "summary": the words of the transcript, more than the cap allows, so the
+        # cap is what keeps it short.
+        words = re.findall(r"\w+", messages[-1]["content"])
+        return FakeGeneration(" ".join(words[: self.summary_words]))
+
+
+@dataclass
+class FakePlan:
+    max_context_tokens: int
+    max_new_tokens: int
+
+
+@dataclass
+class FakeAnswer:
+    text: str
+    sources: list[dict[str, Any]]
+    report: dict[str, Any]
+
+
+CORPUS = {
+    "pdf-headers": "The PDF cleaner strips running page headers that repeat at the top of PDF pages",
+    "pdf-footer": "The PDF cleaner also removes the page footer with page numbers at the bottom of PDF pages",
+    "html-footer": "HTML boilerplate such as the site footer and navigation links is removed by trafilatura",
+    "kv-budget": "The KV cache budget is computed from free GPU memory and bytes per token",
+    "dedup": "Near duplicate chunks are removed with MinHash signatures over word shingles",
+}
+
+SYSTEM = "Answer from the documents and cite them"
+
+
+@dataclass
+class FakePipeline:
+    """Builds its prompt as [system, *history, user(context + question)] and checks the budget."""
+
+    total: int = 400
+    max_new: int = 40
+    answer_words: int = 40
+    generator: FakeGenerator = field(default_factory=FakeGenerator)
+    calls: list[dict[str, Any]] = field(default_factory=list)
+    overruns: int = 0
+
+    def __post_init__(self) -> None:
+        self.plan = FakePlan(self.total, self.max_new)
+
+    def _render(self, messages: list[dict[str, str]]) -> int:
+        text = self.generator.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.generator.token_counter.count(text)
+
+    def ask(self, question: str, *, context_tokens: int | None = None, max_new_tokens: int | None = None,
+            on_text: Any = None, cancel: Any = None, history: list[dict[str, str]] | None = None,
+            retrieval_query: str | None = None) -> FakeAnswer:
+        max_new = max_new_tokens or self.max_new
+        history = list(history or [])
+        query = set(re.findall(r"\w+", (retrieval_query or question).lower()))
+        ranked = sorted(CORPUS.items(), key=lambda kv: (-len(query & set(re.findall(r"\w+", kv[1].lower()))), kv[0]))
+        chosen: list[tuple[str, str]] = []
+        used = 0
+        for cid, text in ranked:
+            cost = len(text.split()) + 2  # "[n]" label + separator
+            if context_tokens is not None and used + cost > context_tokens:
+                continue
+            trial = chosen + [(cid, text)]
+            if self._prompt_tokens(question, history, trial) + max_new > self.total:
+                continue
+            chosen, used = trial, used + cost
+        prompt = self._prompt_tokens(question, history, chosen)
+        if prompt + max_new > self.total:
+            self.overruns += 1
+        self.calls.append({"question": question, "history": history, "retrieval_query": retrieval_query,
+                           "chunks": [c for c, _ in chosen], "context_tokens": context_tokens, "prompt": prompt})
+        n = len(self.calls)
+        text = " ".join(f"answer{n}-word{i}" for i in range(self.answer_words))
+        if on_text:
+            on_text(text)
+        return FakeAnswer(
+            text=text,
+            sources=[{"path": cid, "start": 0, "end": 1, "page": None, "score": 1.0} for cid, _ in chosen],
+            report={"budget": {"context_tokens_allowed": context_tokens, "context_tokens_used": used,
+                               "prompt_tokens": prompt, "max_new_tokens": max_new, "kv_bytes_per_token": 1}},
+        )
+
+    @staticmethod
+    def _user(question: str, chunks: list[tuple[str, str]]) -> str:
+        ctx = " ".join(f"[{i}] {t} |" for i, (_, t) in enumerate(chunks, 1))
+        return f"{ctx} Question: {question}" if chunks else f"Question: {question}"
+
+    def _prompt_tokens(self, question: str, history: list[dict[str, str]], chunks: list[tuple[str, str]]) -> int:
+        messages = [{"role": "system", "content": SYSTEM}, *history,
+                    {"role": "user", "content": self._user(question, chunks)}]
+        return self._render(messages)
+
+
+# --- the budget ---------------------------------------------------------------------------------------
+
+
+def test_ten_turns_over_budget_keep_answering_with_summary_and_no_overrun() -> None:
+    pipe = FakePipeline(total=400, max_new=40, answer_words=40)
+    chat = Conversation(pipe, history_share=0.3, summary_max_tokens=30, recent_turns=2)
+    questions = [f"Question number {i} about the PDF cleaner and the KV budget?" for i in range(10)]
+    turns = [chat.ask(q) for q in questions]
+
+    # History grew past its share: the summary engaged, and every turn still fits.
+    assert any(t.budget.summary_updated for t in turns)
+    assert chat.turns_summarized > 0 and chat.summary
+    assert pipe.overruns == 0
+    for t, call in zip(turns, pipe.calls):
+        b = t.budget
+        assert not b.overrun
+        assert b.prompt + b.output <= b.total
+        assert b.summary + b.recent <= b.history_allowed
+        # The summary text is capped at 30; the rest is its prefix and the template markers.
+        assert b.summary <= 30 + len(SUMMARY_PREFIX.split()) + 2
+        assert b.context_used <= b.context_allowed
+        assert call["question"] == t.question  # never truncated, never rewritten for the generator
+        assert call["prompt"] == b.prompt
+    # Without memory management, the 10th turn's verbatim history alone (9 turns x ~55 tokens)
+    # would not fit the 400-token request; the summary is what made room.
+    full = _Meter(pipe).cost(chat.history_messages(turns=[*_all_turns(turns)], summary=""), questions[-1])
+    assert full > 400
+    # The most recent turns are verbatim in the last prompt, the summary comes first.
+    last_history = pipe.calls[-1]["history"]
+    assert last_history[0]["content"].startswith(SUMMARY_PREFIX)
+    assert last_history[-2] == {"role": "user", "content": questions[-2]}
+    assert last_history[-1]["content"] == turns[-2].text
+
+
+def _all_turns(turns: list[Any]) -> list[Any]:
+    from ragbudget.chat import Turn
+
+    return [Turn(t.question, t.text) for t in turns]
+
+
+def test_history_accounting_is_exact_after_the_template() -> None:
+    pipe = FakePipeline(total=2000, max_new=40, answer_words=12)
+    chat = Conversation(pipe, history_share=0.5, recent_turns=5)
+    chat.ask("What does the PDF cleaner strip?")
+    turn = chat.ask("How is the KV budget computed from GPU memory?")
+    call = pipe.calls[-1]
+    # Recompute the prompt without the history: the difference is what history really cost.
+    without = pipe._prompt_tokens(call["question"], [], [(c, CORPUS[c]) for c in call["chunks"]])
+    assert turn.budget.summary + turn.budget.recent == call["prompt"] - without
+    assert turn.budget.summary == 0 and turn.budget.turns_verbatim == 1
+
+
+def test_report_shows_tokens_for_summary_recent_context_and_output() -> None:
+    pipe = FakePipeline()
+    turn = Conversation(pipe).ask("How is the KV budget computed?")
+    memory = turn.to_dict()["memory"]
+    for key in ("summary", "recent", "context_used", "context_allowed", "output", "total", "prompt", "history"):
+        assert key in memory
+    assert memory["output"] == 40
+    assert turn.answer.report["memory"] == memory
+
+
+def test_history_share_is_configurable_and_retrieval_gets_the_rest() -> None:
+    small, large = FakePipeline(), FakePipeline()
+    a = Conversation(small, history_share=0.1)
+    b = Conversation(large, history_share=0.6)
+    for q in ("First question about dedup shingles?", "Second question about PDF headers?",
+              "Third question about the KV budget?"):
+        ta, tb = a.ask(q), b.ask(q)
+    assert ta.budget.history_allowed < tb.budget.history_allowed
+    assert ta.budget.history <= ta.budget.history_allowed
+    assert ta.budget.context_allowed > tb.budget.context_allowed
+    # Unused history share is not wasted: it goes to retrieval.
+    room = ta.budget.prompt_allowed - ta.budget.fixed
+    assert ta.budget.context_allowed == room - ta.budget.history
+
+
+def test_zero_history_share_keeps_no_history() -> None:
+    pipe = FakePipeline()
+    chat = Conversation(pipe, history_share=0.0)
+    chat.ask("What is MinHash used for?")
+    turn = chat.ask("And the KV budget?")
+    assert turn.budget.history == 0
+    assert pipe.calls[-1]["history"] == []
+    assert pipe.overruns == 0
+
+
+def test_summary_comes_from_the_generator_and_is_capped() -> None:
+    pipe = FakePipeline(total=300, max_new=40, answer_words=50)
+    chat = Conversation(pipe, summary_max_tokens=20, recent_turns=1)
+    for i in range(5):
+        chat.ask(f"Question {i} on the KV budget and GPU memory?")
+    assert pipe.generator.calls, "the summary must be written by the pipeline's generator"
+    assert all(c["max_new_tokens"] <= 20 for c in pipe.generator.calls)
+    assert pipe.generator.token_counter.count(chat.summary) <= 20
+    # The summarization prompt also fits the one per-request budget.
+    for c in pipe.generator.calls:
+        assert pipe._render(c["messages"]) + c["max_new_tokens"] <= 300
+
+
+def test_empty_generator_summary_falls_back_to_extractive() -> None:
+    pipe = FakePipeline(total=300, max_new=40, answer_words=50, generator=FakeGenerator(summary_text=""))
+    chat = Conversation(pipe, summary_max_tokens=40, recent_turns=1)
+    for i in range(5):
+        chat.ask(f"Question {i} on MinHash shingles?")
+    assert chat.summary.startswith("Asked:")
+    assert pipe.overruns == 0
+
+
+def test_custom_summarizer_and_reset() -> None:
+    seen: list[int] = []
+
+    def summarize(previous: str, turns: Any, cap: int) -> str:
+        seen.append(len(turns))
+        return f"{previous} folded {len(turns)}".strip()
+
+    pipe = FakePipeline(total=300, answer_words=50)
+    chat = Conversation(pipe, summarizer=summarize, recent_turns=1)
+    for i in range(6):
+        chat.ask(f"Question {i} about PDF footers?")
+    assert seen and chat.summary.startswith("folded")
+    assert not pipe.generator.calls
+    chat.reset()
+    assert chat.summary == "" and chat.turns == [] and chat.turns_summarized == 0
+    chat.ask("Fresh start: what is dedup?")
+    assert pipe.calls[-1]["history"] == []
+
+
+def test_question_is_never_truncated_and_too_long_is_a_budget_error() -> None:
+    pipe = FakePipeline(total=200, max_new=40)
+    long_q = " ".join(["word"] * 120) + "?"
+    turn = Conversation(pipe).ask(long_q)
+    assert pipe.calls[-1]["question"] == long_q and turn.question == long_q
+    with pytest.raises(BudgetError, match="question alone"):
+        Conversation(pipe).ask(" ".join(["word"] * 400))
+
+
+def test_invalid_settings_are_config_errors() -> None:
+    pipe = FakePipeline()
+    for kwargs in ({"history_share": 1.0}, {"history_share": -0.1}, {"summary_max_tokens": 0},
+                   {"recent_turns": -1}, {"summary_role": "tool"}):
+        with pytest.raises(ConfigError):
+            Conversation(pipe, **kwargs)
+    with pytest.raises(ConfigError):
+        Conversation(pipe).ask("   ")
+
+
+# --- follow-ups -----------------------------------------------------------------------------------
+
+
+def test_follow_up_retrieves_the_right_chunks() -> None:
+    pipe = FakePipeline(total=400, max_new=40)
+    chat = Conversation(pipe, context_tokens=22)  # room for one chunk: the top one must be right
+    chat.ask("How does the PDF cleaner strip page headers?")
+    turn = chat.ask("what about its footer?")
+    assert "pdf" in turn.retrieval_query and "cleaner" in turn.retrieval_query
+    assert pipe.calls[-1]["question"] == "what about its footer?"
+    assert pipe.calls[-1]["chunks"] == ["pdf-footer"]
+    # Without expansion the bare question ties with the HTML footer (alphabetical tie-break).
+    plain = FakePipeline(total=400, max_new=40)
+    chat2 = Conversation(plain, context_tokens=22, expand_follow_ups=False)
+    chat2.ask("How does the PDF cleaner strip page headers?")
+    chat2.ask("what about its footer?")
+    assert plain.calls[-1]["chunks"] != ["pdf-footer"]
+
+
+def test_follow_up_without_retrieval_query_support_is_put_in_the_question() -> None:
+    class OldPipeline(FakePipeline):
+        def ask(self, question: str, *, context_tokens: int | None = None, max_new_tokens: int | None = None,
+                on_text: Any = None, cancel: Any = None, history: Any = None) -> FakeAnswer:
+            return super().ask(question, context_tokens=context_tokens, max_new_tokens=max_new_tokens,
+                               history=history)
+
+    pipe = OldPipeline()
+    chat = Conversation(pipe)
+    chat.ask("How does the PDF cleaner strip page headers?")
+    chat.ask("what about its footer?")
+    asked = pipe.calls[-1]["question"]
+    assert asked.startswith("what about its footer?") and "pdf" in asked
+
+
+@pytest.mark.parametrize(
+    ("question", "expected"),
+    [
+        ("what about its footer?", True),
+        ("And the R manual?", True),
+        ("Why is that?", True),
+        ("How are they removed?", True),
+        ("footers?", True),
+        ("How does the chunker split long Markdown sections into pieces?", False),
+        ("Which system calls return EINTR when interrupted by a signal handler?", False),
+    ],
+)
+def test_is_follow_up(question: str, expected: bool) -> None:
+    assert is_follow_up(question) is expected
+
+
+def test_expand_query_uses_newest_previous_question_first() -> None:
+    q = expand_query("what about its footer?", ["KV budget basics?", "How are PDF page headers stripped?"])
+    assert q.startswith("what about its footer? pdf page headers stripped")
+    assert expand_query("Which system calls return EINTR on signals?", ["PDF headers?"]) == (
+        "Which system calls return EINTR on signals?")
+    assert expand_query("what about it?", []) == "what about it?"
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.text(min_size=1, max_size=80), st.lists(st.text(max_size=80), max_size=3))
+def test_expand_query_keeps_the_question_intact(question: str, previous: list[str]) -> None:
+    out = expand_query(question, previous, max_terms=10)
+    assert out.startswith(question)
+    assert len(out.split()) <= len(question.split()) + 10
+
+
+# --- stateless fitting (the server's policy) -------------------------------------------------------
+
+
+def test_fit_history_drops_oldest_first_and_keeps_system() -> None:
+    pipe = FakePipeline(total=200, max_new=40)
+    history = [{"role": "system", "content": "Be brief."}]
+    for i in range(10):
+        history += [{"role": "user", "content": f"question {i} " + "x " * 10},
+                    {"role": "assistant", "content": f"answer {i} " + "y " * 10}]
+    kept, dropped = fit_history(pipe, history, "final question?", share=0.3)
+    assert dropped > 0 and kept
+    assert kept[0] == {"role": "system", "content": "Be brief."}
+    assert kept[-1] == history[-1]
+    meter = _Meter(pipe)
+    fixed = meter.render([{"role": "system", "content": "system"}, {"role": "user", "content": "final question?"}])
+    assert meter.cost(kept, "final question?") <= int((200 - 40 - fixed) * 0.3)
+    assert fit_history(pipe, history[:3], "q?", share=0.9) == (history[:3], 0)
+
+
+def test_fit_history_leaves_fakes_without_a_plan_alone() -> None:
+    history = [{"role": "user", "content": "hi"}]
+    assert fit_history(object(), history, "q?") == (history, 0)
+
+
+# --- the chat loop and the CLI --------------------------------------------------------------------
+
+
+def test_run_chat_reads_lines_and_handles_commands() -> None:
+    import io
+
+    from ragbudget.chat import run_chat
+
+    pipe = FakePipeline()
+    chat = Conversation(pipe)
+    out = io.StringIO()
+    stdin = io.StringIO("How is the KV budget computed?\n\n/reset\nwhat about its footer?\n/exit\nnever asked\n")
+    n = run_chat(chat, stdin, out.write)
+    text = out.getvalue()
+    assert n == 2 and len(pipe.calls) == 2
+    assert "Sources:" in text and "[1]" in text
+    assert "memory:" in text and "summary" in text
+    assert "conversation reset" in text
+    assert pipe.calls[1]["history"] == []  # /reset forgot the first turn
+    assert all(c["question"] != "never asked" for c in pipe.calls)
+
+
+def test_chat_command_with_piped_stdin(monkeypatch: pytest.MonkeyPatch) -> None:
+    from click.testing import CliRunner
+
+    from ragbudget.cli import cli
+
+    made: list[FakePipeline] = []
+
+    def factory(*args: Any, **kwargs: Any) -> FakePipeline:
+        made.append(FakePipeline())
+        return made[-1]
+
+    fake_module = types.ModuleType("ragbudget.pipeline")
+    fake_module.Pipeline = factory  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "ragbudget.pipeline", fake_module)
+    result = CliRunner().invoke(cli, ["chat", "--history-share", "0.2", "--recent-turns", "1"],
+                                input="What is MinHash?\nand its shingles?\n/exit\n")
+    assert result.exit_code == 0, result.output
+    assert len(made[0].calls) == 2
+    assert "Sources:" in result.output
+    result = CliRunner().invoke(cli, ["chat", "--json"], input="What is MinHash?\n")
+    assert result.exit_code == 0, result.output
+    assert '"memory"' in result.output
+    result = CliRunner().invoke(cli, ["chat", "--history-share", "1.5"], input="")
+    assert result.exit_code == 2
