@@ -1,0 +1,513 @@
+"""Structure-aware chunking with exact token counts and exact character offsets.
+
+:func:`chunk_text` cuts a text into chunks of ``min_tokens``–``max_tokens`` tokens, preferring (in
+this order) a heading, a blank-line paragraph break, a line break after a sentence or before a list
+item, a sentence end inside a line, any other line break, a word boundary, and, only for a "word"
+longer than ``max_tokens`` on its own, a token boundary. Every chunk satisfies
+``text[c.start:c.end] == c.text`` and ``c.n_tokens == len(tokenizer.encode(c.text))``.
+
+How it stays about as fast as one tokenizer pass
+------------------------------------------------
+The document is encoded **once** (tiktoken, into a numpy buffer); the character offset of every
+token boundary is recovered from the byte length of each token id (a vectorised lookup), so the
+token count between any two positions is a ``searchsorted``. Boundaries are found with a handful
+of regular expressions over the whole text, and cuts are planned on those numbers.
+
+BPE is not additive over concatenation in general, but tiktoken's ``cl100k_base`` first splits the
+text with a regular expression and merges only inside each piece. At some positions the split is
+provably *local*: cutting there gives the same pieces on both sides as in the whole text (see
+:data:`_EXACT_POINT`: the end of a word followed by a space, a letter or digit followed by a line
+break, the start of a line that has text). Between two such points the count read from the
+whole-text encoding is exact, so a chunk's exact count only needs its first and last few
+characters re-encoded. Other tokenizers (Hugging Face, o200k, custom) take the slower, equally
+exact path: every chunk is re-encoded and shrunk if it ran over.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import re
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .errors import ConfigError
+from .tokens import TiktokenTokenizer, Tokenizer, get_tokenizer
+from .types import Chunk, Document
+
+__all__ = ["chunk_document", "chunk_text", "chunk_texts"]
+
+# Boundary levels: lower is preferred. Within the allowed window the chunker cuts at the best
+# level present, and among equals at the last one (larger chunks, fewer of them).
+_HEADING, _PARAGRAPH, _LINE_SENTENCE, _SENTENCE, _LINE, _WORD, _TOKEN = range(7)
+
+# Unicode White_Space, spelled out: Python's ``\s`` also matches U+001C..U+001F, which the
+# tokenizer's regex (Rust ``\s``) does not, and the exactness argument depends on agreeing with it.
+_WS = "\t\n\x0b\x0c\r \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
+_WS_NONL = "\t\x0b\x0c \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
+
+# Positions where cl100k's pre-tokenizer splits the text the same way whether or not the text is
+# cut there (so token counts add up across the cut):
+#  (a) after a non-space, before a space that is not a line break;
+#  (b) after a letter or digit, before a line break (after punctuation, "[\r\n]*" glues the
+#      newlines to the punctuation piece, so that is NOT such a point);
+#  (c) after "\n", before spaces-then-text (a blank line or trailing spaces would merge pieces).
+_EXACT_POINT = re.compile(
+    rf"(?<=[^{_WS}])(?=[{_WS_NONL}])|(?<=[^\W_])(?=[\r\n])|(?<=\n)(?=[{_WS_NONL}]*[^{_WS}])"
+)
+# cl100k_base's pre-tokenizer pattern: the exact fast path is enabled only for this pattern.
+_CL100K_PAT = (
+    r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+"""
+    r"""|\s++$|\s*[\r\n]|\s+(?!\S)|\s"""
+)
+
+# Separators. Each match is a whitespace run; the left chunk ends at m.start(), the next one
+# starts at m.end() (chunks never start or end with whitespace).
+_PARA_RE = re.compile(rf"[{_WS}]*\n[ \t]*\n[{_WS}]*")
+_LINE_RE = re.compile(r"[ \t]*\n[ \t]*(?=\S)")
+_CLOSERS = "\"'”’)\\]»"
+_LINE_SENT_RE = re.compile(rf"(?<=[.!?:;{_CLOSERS}])[ \t]*\n[ \t]*(?=\S)")
+_LIST_LINE_RE = re.compile(r"[ \t]*\n[ \t]*(?=(?:[-*•+–]|\d{1,3}[.)]|\(?[a-zA-Z0-9]\))[ \t])")
+# A sentence end inside a line: terminal punctuation (+ closing quotes) then spaces then a
+# capital, digit or opening quote. Single capitals ("J. Smith") and common abbreviations and
+# list markers at a line start ("  1. The") are not sentence ends.
+_SENT_RE = re.compile(
+    r"(?<!\b[A-Z])(?<!\bMr)(?<!\bMrs)(?<!\bMs)(?<!\bDr)(?<!\bSt)(?<!\bvs)(?<!\be\.g)(?<!\bi\.e)"
+    r"(?<!\bcf)(?<!\bNo)(?<!\bFig)(?<!\n\d)(?<!\n \d)(?<!\n  \d)(?<!\n   \d)(?<!\n    \d)"
+    rf"[.!?][{_CLOSERS}]*([ \t]+)(?=[\"'“‘(\[]?[A-Z0-9])"
+)
+_WORD_RE = re.compile(rf"[{_WS}]+")
+_WORD_START = re.compile(rf"[{_WS}]+(?=[^{_WS}])")
+_BLANK_BEFORE = re.compile(r"\n[ \t]*\n[ \t]*$")
+
+# Headings, found line by line with MULTILINE patterns (a few hundred per document at most).
+_MD_HEAD = re.compile(r"^[ ]{0,3}(#{1,6})[ \t]+(\S[^\n]*?)[ \t#]*$", re.M)
+_RST_HEAD = re.compile(r"^([^\s][^\n]{0,120}?)[ \t]*\n([=\-~^\"'*+#`:.])\2{2,}[ \t]*$", re.M)
+_NUM_HEAD = re.compile(
+    r"^[ \t]{0,4}((?:\d{1,3}\.)*\d{1,3}\.?|[A-Z]\.(?:\d{1,3}\.)*\d{0,3})[ \t]+"
+    r"([A-Z][^\n]{0,90}?)[ \t]*(?=\n[ \t]*\n|\n[=\-~^\"'*+#`:.]{3,}[ \t]*\n|\Z)",
+    re.M,
+)
+_CHAPTER_HEAD = re.compile(
+    r"^[ \t]{0,4}((?:Chapter|CHAPTER|Appendix|APPENDIX|Part|PART)[ \t]+[0-9IVXLA-Z]{1,6}\b[^\n]{0,90})$",
+    re.M,
+)
+_CAPS_HEAD = re.compile(r"^([A-Z][A-Z0-9 /&(),'-]{2,40})[ \t]*$(?=\n(?:[ \t]+\S|[ \t]*\n))", re.M)
+
+
+@dataclass(frozen=True)
+class _Heading:
+    start: int  # first character of the heading line
+    depth: int
+    title: str
+
+
+def chunk_text(
+    text: str,
+    *,
+    min_tokens: int = 300,
+    max_tokens: int = 500,
+    overlap: int = 0,
+    tokenizer: Any = None,
+) -> list[Chunk]:
+    """Cut ``text`` into chunks of at most ``max_tokens`` tokens, preferring structural boundaries.
+
+    Chunks hold between ``min_tokens`` and ``max_tokens`` tokens, except the last chunk of the
+    text (a short tail is avoided when possible: cuts that would leave fewer than ``min_tokens``
+    behind are used only when nothing else fits) and text that cannot be cut at a word boundary
+    inside the window. ``overlap`` repeats about that many tokens of the previous chunk at the
+    start of the next one (starting at a word). Leading and trailing whitespace is never part of
+    a chunk; a text that is only whitespace gives no chunks. The result is deterministic.
+
+    >>> cs = chunk_text("# Intro\\n\\nHello world. " * 3, min_tokens=4, max_tokens=12)
+    >>> [(c.text, c.n_tokens, c.headings) for c in cs][:2]
+    [('# Intro\\n\\nHello world. # Intro', 8, ('Intro',)), ('Hello world. # Intro\\n\\nHello world.', 9, ('Intro',))]
+    """
+    _check(min_tokens, max_tokens, overlap)
+    tok = get_tokenizer(tokenizer)
+    return _Chunker(text, tok, min_tokens, max_tokens, overlap).run()
+
+
+def chunk_texts(
+    texts: Sequence[str],
+    *,
+    min_tokens: int = 300,
+    max_tokens: int = 500,
+    overlap: int = 0,
+    tokenizer: Any = None,
+    workers: int = 1,
+) -> list[list[Chunk]]:
+    """:func:`chunk_text` over many texts; ``workers > 1`` runs texts in a thread pool.
+
+    tiktoken releases the GIL while encoding, so on a multi-core machine the encoding (most of
+    the cost) overlaps between texts; the boundary planning itself is Python and serialises.
+    """
+    _check(min_tokens, max_tokens, overlap)
+    tok = get_tokenizer(tokenizer)
+
+    def one(t: str) -> list[Chunk]:
+        return _Chunker(t, tok, min_tokens, max_tokens, overlap).run()
+
+    if workers <= 1 or len(texts) < 2:
+        return [one(t) for t in texts]
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        return list(pool.map(one, texts))
+
+
+def chunk_document(doc: Document, **kw: Any) -> list[Chunk]:
+    """:func:`chunk_text` over ``doc.text``, with ``page_start``/``page_end`` set when paginated.
+
+    Pages are 1-based and taken from :meth:`Document.page_of` of the chunk's first and last
+    character, so a chunk running over a page break says so.
+
+    >>> d = Document(path="a.txt", pages=["Page one text.", "Page two text."])
+    >>> [(c.page_start, c.page_end) for c in chunk_document(d, min_tokens=1, max_tokens=4)]
+    [(1, 1), (2, 2)]
+    """
+    text = doc.text
+    chunks = chunk_text(text, **kw)
+    if not doc.paginated:
+        return chunks
+    starts = doc.page_starts
+    out = []
+    for c in chunks:
+        first = max(1, bisect.bisect_right(starts, c.start))
+        last = max(1, bisect.bisect_right(starts, max(c.start, c.end - 1)))
+        out.append(
+            Chunk(c.text, c.start, c.end, c.n_tokens, c.headings, page_start=first, page_end=last)
+        )
+    return out
+
+
+def _check(min_tokens: int, max_tokens: int, overlap: int) -> None:
+    # One character can take up to 4 byte-level tokens; below 8 a chunk might not fit one.
+    if not isinstance(max_tokens, int) or max_tokens < 8:
+        raise ConfigError(f"max_tokens must be an integer >= 8, got {max_tokens!r}")
+    if not isinstance(min_tokens, int) or not 0 <= min_tokens <= max_tokens:
+        raise ConfigError(
+            f"min_tokens must be between 0 and max_tokens ({max_tokens}), got {min_tokens!r}; "
+            "lower min_tokens or raise max_tokens"
+        )
+    if not isinstance(overlap, int) or overlap < 0 or overlap > max_tokens // 2:
+        raise ConfigError(
+            f"overlap must be between 0 and max_tokens // 2 ({max_tokens // 2}), got {overlap!r}"
+        )
+
+
+@functools.lru_cache(maxsize=4)
+def _token_byte_lengths(enc: Any) -> np.ndarray:
+    """Byte length of every token id of a tiktoken encoding (0 for unused ids)."""
+    lens = np.zeros(enc.n_vocab, dtype=np.int64)
+    for b, rank in enc._mergeable_ranks.items():
+        lens[rank] = len(b)
+    return lens
+
+
+def _fast_encoding(tok: Tokenizer) -> Any:
+    """The tiktoken ``Encoding`` when the exact fast path applies, else ``None``."""
+    if not isinstance(tok, TiktokenTokenizer):
+        return None
+    enc = tok._enc
+    if getattr(enc, "_pat_str", None) != _CL100K_PAT or not hasattr(enc, "_mergeable_ranks"):
+        return None
+    return enc
+
+
+class _Chunker:
+    """One text's chunking state; :meth:`run` returns the chunks."""
+
+    def __init__(self, text: str, tok: Tokenizer, lo: int, hi: int, overlap: int) -> None:
+        self.text, self.tok, self.lo, self.hi, self.overlap = text, tok, lo, hi, overlap
+        self.enc = _fast_encoding(tok)
+
+    # -- token positions -------------------------------------------------------------------
+
+    def _token_boundaries(self) -> np.ndarray:
+        """Character offset of every token boundary (``tb[0] == 0``, ``tb[-1] == len(text)``)."""
+        text = self.text
+        if self.enc is not None:
+            ids = self.enc.encode_to_numpy(text, allowed_special=set(), disallowed_special=())
+            nbytes = _token_byte_lengths(self.enc)[ids]
+            bend = np.empty(len(ids) + 1, dtype=np.int64)
+            bend[0] = 0
+            np.cumsum(nbytes, out=bend[1:])
+            if text.isascii():
+                return bend
+            # Byte offsets → character offsets: count UTF-8 lead bytes before each offset. A
+            # token that ends inside a multi-byte character maps to the end of that character.
+            raw = np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
+            lead = np.empty(len(raw) + 1, dtype=np.int64)
+            lead[0] = 0
+            np.cumsum((raw & 0xC0) != 0x80, out=lead[1:])
+            return lead[bend]
+        # Generic tokenizer: count per line and spread each line's tokens evenly over its
+        # characters. Only used for planning; final counts are re-encoded exactly.
+        points = [0]
+        pos = 0
+        for line in text.splitlines(keepends=True):
+            n = self.tok.count(line)
+            for k in range(1, n + 1):
+                points.append(pos + round(len(line) * k / n))
+            pos += len(line)
+        if len(points) > 1:
+            points[-1] = len(text)
+        return np.asarray(points, dtype=np.int64)
+
+    # -- boundaries --------------------------------------------------------------------------
+
+    def _headings(self) -> list[_Heading]:
+        text = self.text
+        found: dict[int, _Heading] = {}
+        rst_levels: dict[str, int] = {}
+        for m in _RST_HEAD.finditer(text):
+            title, under = m.group(1).strip(), m.group(2)
+            line2 = m.group(0).split("\n")[1].strip()
+            if len(line2) < len(title) or not any(ch.isalnum() for ch in title):
+                continue
+            depth = rst_levels.setdefault(under, len(rst_levels) + 1)
+            num = re.match(r"((?:\d+\.)*\d+)\.?\s", title + " ")
+            if num:
+                depth = num.group(1).count(".") + 1
+            found[m.start()] = _Heading(m.start(), depth, title)
+        for m in _MD_HEAD.finditer(text):
+            found[m.start()] = _Heading(m.start(), len(m.group(1)), m.group(2).strip())
+        for m in _NUM_HEAD.finditer(text):
+            if m.start() in found:
+                continue
+            # A numbered heading stands alone: blank line (or start of text) before it too,
+            # which tells "1. Introduction" from the first item of a numbered list.
+            pre = text[max(0, m.start() - 200) : m.start()]
+            if m.start() > 0 and not _BLANK_BEFORE.search(pre):
+                if m.start() > 200 or pre.strip():
+                    continue
+            title = m.group(2)
+            if title[-1] in ".,;:" or len(title) > 80:
+                continue
+            depth = m.group(1).rstrip(".").count(".") + 1
+            found[m.start()] = _Heading(m.start(), depth, f"{m.group(1)} {title}".strip())
+        for rx in (_CHAPTER_HEAD, _CAPS_HEAD):
+            for m in rx.finditer(text):
+                if m.start() not in found:
+                    found[m.start()] = _Heading(m.start(), 1, m.group(1).strip())
+        return [found[k] for k in sorted(found)]
+
+    def _candidates(self, headings: list[_Heading]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """All structural cut points: (left end, next start, level), sorted by left end."""
+        text = self.text
+        ends: list[int] = []
+        nexts: list[int] = []
+        levels: list[int] = []
+
+        def add(rx: re.Pattern[str], level: int, group: int = 0) -> None:
+            for m in rx.finditer(text):
+                ends.append(m.start(group))
+                nexts.append(m.end(group))
+                levels.append(level)
+
+        add(_PARA_RE, _PARAGRAPH)
+        add(_LINE_SENT_RE, _LINE_SENTENCE)
+        add(_LIST_LINE_RE, _LINE_SENTENCE)
+        add(_SENT_RE, _SENTENCE, 1)
+        add(_LINE_RE, _LINE)
+        for h in headings:
+            # The heading line may be indented: the next chunk starts at its first character.
+            nxt = h.start
+            while nxt < len(text) and text[nxt] in " \t":
+                nxt += 1
+            end = h.start
+            while end > 0 and text[end - 1].isspace():
+                end -= 1
+            if 0 < end < nxt:
+                ends.append(end)
+                nexts.append(nxt)
+                levels.append(_HEADING)
+        if not ends:
+            empty = np.zeros(0, dtype=np.int64)
+            return empty, empty, empty
+        e = np.asarray(ends, dtype=np.int64)
+        n = np.asarray(nexts, dtype=np.int64)
+        lv = np.asarray(levels, dtype=np.int64)
+        # One candidate per left end, keeping the best level (and its widest separator).
+        order = np.lexsort((-n, lv, e))
+        e, n, lv = e[order], n[order], lv[order]
+        keep = np.ones(len(e), dtype=bool)
+        keep[1:] = e[1:] != e[:-1]
+        return e[keep], n[keep], lv[keep]
+
+    # -- exact counts --------------------------------------------------------------------------
+
+    def _count(self, s: int, e: int) -> int:
+        """Exact token count of ``text[s:e]``."""
+        text = self.text
+        if self.enc is None or e - s < 64:
+            return self.tok.count(text[s:e])
+        # First and last exact points strictly inside the chunk; between them the whole-text
+        # encoding is exact (module docstring), so only the two ends are re-encoded.
+        head = _EXACT_POINT.search(text, s + 1, min(e, s + 400))
+        tail = None
+        for m in _EXACT_POINT.finditer(text, max(s + 1, e - 400), e):
+            tail = m
+        if head is None or tail is None or tail.start() <= head.start():
+            return self.tok.count(text[s:e])
+        p1, p2 = head.start(), tail.start()
+        if p2 < e and not self._exact_inside(p2, e):
+            return self.tok.count(text[s:e])
+        tb = self.tb
+        k1 = int(np.searchsorted(tb, p1))
+        k2 = int(np.searchsorted(tb, p2))
+        if tb[k1] != p1 or tb[k2] != p2:  # not a token boundary: the argument does not hold
+            return self.tok.count(text[s:e])
+        return self.tok.count(text[s:p1]) + (k2 - k1) + self.tok.count(text[p2:e])
+
+    def _exact_inside(self, p: int, e: int) -> bool:
+        """A type-(c) point must see its line's text before ``e``; (a)/(b) are local."""
+        if self.text[p - 1] != "\n":
+            return True
+        q = p
+        while q < e and self.text[q] in " \t\x0b\x0c\x85\xa0":
+            q += 1
+        return q < e
+
+    # -- planning ----------------------------------------------------------------------------
+
+    def _ti(self, pos: int) -> int:
+        return int(np.searchsorted(self.tb, pos))
+
+    def run(self) -> list[Chunk]:
+        text = self.text
+        stripped = text.strip()
+        if not stripped:
+            return []
+        doc_start = len(text) - len(text.lstrip())
+        doc_end = len(text.rstrip())
+        self.tb = tb = self._token_boundaries()
+        headings = self._headings()
+        c_end, c_next, c_lvl = self._candidates(headings)
+        c_ti = np.searchsorted(tb, c_end)
+        t_end = self._ti(doc_end)
+        head_pos = [h.start for h in headings]
+        paths = _heading_paths(headings)
+
+        chunks: list[Chunk] = []
+        s = doc_start
+        guard = 0
+        while s < doc_end:
+            guard += 1
+            if guard > 4 * len(text) + 10:  # cannot happen; a safety net against a planning bug
+                raise RuntimeError("chunker made no progress")
+            t_s = self._ti(s)
+            budget = self.hi
+            while True:
+                e, nxt = self._choose(s, t_s, t_end, doc_end, budget, c_end, c_next, c_lvl, c_ti)
+                # Separators are whitespace runs, but odd spaces (U+001C..) may sit at their
+                # edges: chunks neither start nor end with whitespace.
+                while e > s + 1 and text[e - 1].isspace():
+                    e -= 1
+                while nxt < doc_end and text[nxt].isspace():
+                    nxt += 1
+                n = self._count(s, e)
+                if n <= self.hi:
+                    break
+                # The plan used whole-text counts; the exact count ran over: shrink and retry.
+                budget -= max(1, n - self.hi)
+                if budget < 1:
+                    e, nxt, n = self._token_cut(s, 1)
+                    break
+            hi = bisect.bisect_right(head_pos, s) - 1
+            chunks.append(Chunk(text[s:e], s, e, n, paths[hi] if hi >= 0 else ()))
+            if nxt >= doc_end:
+                break
+            s = self._overlap_start(s, e, nxt) if self.overlap else nxt
+        return chunks
+
+    def _choose(self, s, t_s, t_end, doc_end, budget, c_end, c_next, c_lvl, c_ti):  # type: ignore[no-untyped-def]
+        """Pick the end of the chunk starting at ``s``: returns (end, start of the next chunk)."""
+        if t_end - t_s <= budget:
+            return doc_end, doc_end
+        lo_t = t_s + min(self.lo, budget)
+        hi_t = t_s + budget
+        i = int(np.searchsorted(c_end, s, side="right"))
+        j0 = i + int(np.searchsorted(c_ti[i:], lo_t, side="left"))
+        j1 = i + int(np.searchsorted(c_ti[i:], hi_t, side="right"))
+        if j1 > j0:
+            lv = c_lvl[j0:j1]
+            # Prefer cuts that leave at least min_tokens behind, so the tail is not tiny.
+            ok = (t_end - c_ti[j0:j1]) >= self.lo
+            if ok.any():
+                lv = np.where(ok, lv, lv + 100)
+            best = int(lv.min())
+            k = j0 + int(np.flatnonzero(lv == best)[-1])
+            return int(c_end[k]), int(c_next[k])
+        # No structural boundary in the window: cut at the last word boundary that fits.
+        e, nxt = self._word_cut(s, hi_t)
+        if e is not None:
+            return e, nxt
+        # A single "word" longer than the budget: cut at a token boundary.
+        e, nxt, _ = self._token_cut(s, budget)
+        return e, nxt
+
+    def _word_cut(self, s: int, hi_t: int) -> tuple[int | None, int]:
+        tb = self.tb
+        limit = int(tb[min(hi_t, len(tb) - 1)])
+        best = None
+        for m in _WORD_RE.finditer(self.text, s + 1, limit + 1):
+            if m.start() <= limit and m.start() > s:
+                best = m
+        if best is None:
+            return None, 0
+        return best.start(), best.end()
+
+    def _token_cut(self, s: int, budget: int) -> tuple[int, int, int]:
+        """Cut after at most ``budget`` tokens from ``s``; exact by re-encoding."""
+        tb = self.tb
+        t_s = self._ti(s)
+        k = budget
+        while True:
+            e = int(tb[min(t_s + k, len(tb) - 1)])
+            e = max(e, s + 1)
+            n = self.tok.count(self.text[s:e])
+            if n <= self.hi or e == s + 1:
+                break
+            k -= max(1, n - self.hi)
+        nxt = e
+        while nxt < len(self.text) and self.text[nxt] in _WS_CHARS:
+            nxt += 1
+        # Do not end inside whitespace: the next chunk starts at text.
+        e2 = len(self.text[s:e].rstrip()) + s
+        if e2 > s:
+            n = self.tok.count(self.text[s:e2]) if e2 != e else n
+            e = e2
+        return e, nxt, n
+
+    def _overlap_start(self, s: int, e: int, nxt: int) -> int:
+        """Start of the next chunk: a word start about ``overlap`` tokens before ``e``."""
+        t_target = self._ti(e) - self.overlap
+        pos = int(self.tb[max(0, t_target)])
+        pos = max(pos, s + 1)
+        if pos >= e:
+            return nxt
+        m = _WORD_START.search(self.text, pos - 1, e)
+        if m is None or m.end() >= e:
+            return nxt
+        return max(m.end(), s + 1)
+
+
+_WS_CHARS = frozenset("\t\n\x0b\x0c\r \x85\xa0\u1680\u2028\u2029\u202f\u205f\u3000") | {
+    chr(c) for c in range(0x2000, 0x200B)
+}
+
+
+def _heading_paths(headings: Iterable[_Heading]) -> list[tuple[str, ...]]:
+    """The heading path in effect at each heading (that heading included)."""
+    stack: list[_Heading] = []
+    out = []
+    for h in headings:
+        while stack and stack[-1].depth >= h.depth:
+            stack.pop()
+        stack.append(h)
+        out.append(tuple(x.title for x in stack))
+    return out
