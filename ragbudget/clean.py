@@ -41,6 +41,8 @@ __all__ = [
     "StripReport",
     "apply_report",
     "edge_keys",
+    "find_known",
+    "fold_line",
     "find_furniture",
     "mask_line",
     "strip_headers_footers",
@@ -210,7 +212,10 @@ def _runs(pset: Sequence[int]) -> list[list[int]]:
 
 
 def find_furniture(
-    pages: Sequence[str], *, known: Collection[str] = (), trust_page_numbers: bool = False
+    pages: Sequence[str],
+    *,
+    known: Collection[str] = (),
+    trust_page_numbers: bool = False,
 ) -> StripReport:
     """Find the header/footer lines of ``pages`` without changing them.
 
@@ -305,6 +310,47 @@ def find_furniture(
     )
 
 
+def fold_line(line: str) -> str:
+    """Whitespace- and case-folded line, digits kept: the key for corpus-wide boilerplate.
+
+    Digits are kept across documents because there they tell documents apart ("Constitution
+    (v1.6)" vs "(v1.7)"); a navigation bar or licence footer repeats exactly.
+
+    >>> fold_line("  Home |   Blog ")
+    'home | blog'
+    """
+    return " ".join(line.split()).casefold()
+
+
+def find_known(pages: Sequence[str], known: Collection[str]) -> StripReport:
+    """Edge lines whose :func:`fold_line` key is in ``known`` (corpus boilerplate), peeled inwards.
+
+    The same peel as :func:`find_furniture` (at most :data:`ZONE` lines per edge, stops at the
+    first other line) with no per-document rule, so it may run on already-cleaned pages.
+    """
+    split = [page.split("\n") for page in pages]
+    removed: list[tuple[int, int]] = []
+    per_page = []
+    patterns = set()
+    for p, lines in enumerate(split):
+        nonempty = [i for i, line in enumerate(lines) if line.strip()]
+        gone: list[int] = []
+        for order in (nonempty[:ZONE], list(reversed(nonempty[-ZONE:]))):
+            for i in order:
+                key = fold_line(lines[i])
+                if i in gone or key not in known:
+                    break
+                gone.append(i)
+                patterns.add(key)
+        gone.sort()
+        per_page.append(len(gone))
+        removed.extend((p, i) for i in gone)
+    return StripReport(
+        removed=len(removed), patterns=tuple(sorted(patterns)), per_page=tuple(per_page),
+        lines=tuple(removed),
+    )
+
+
 def apply_report(pages: Sequence[str], report: StripReport) -> list[str]:
     """Delete the lines listed in ``report`` from ``pages`` (the rest is left byte for byte)."""
     drop: dict[int, set[int]] = defaultdict(set)
@@ -365,6 +411,6 @@ def strip_headers_footers(
 
 
 def edge_keys(pages: Iterable[str]) -> list[set[str]]:
-    """Per page, the masked keys of its edge-zone lines (used for corpus-wide statistics)."""
+    """Per page, the :func:`fold_line` keys of its edge-zone lines (for corpus-wide statistics)."""
     split = [page.split("\n") for page in pages]
-    return [{mask_line(lines[i]) for i in zone} for lines, zone in zip(split, _zones(split))]
+    return [{fold_line(lines[i]) for i in zone} for lines, zone in zip(split, _zones(split))]
