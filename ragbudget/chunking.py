@@ -59,6 +59,8 @@ _WS_NONL = "\t\x0b\x0c \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000
 _EXACT_POINT = re.compile(
     rf"(?<=[^{_WS}])(?=[{_WS_NONL}])|(?<=[^\W_])(?=[\r\n])|(?<=\n)(?=[{_WS_NONL}]*[^{_WS}])"
 )
+# Below this many characters re-encoding a chunk is as cheap as patching its ends.
+_FAST_MIN_CHARS = 64
 # cl100k_base's pre-tokenizer pattern: the exact fast path is enabled only for this pattern.
 _CL100K_PAT = (
     r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+"""
@@ -343,7 +345,7 @@ class _Chunker:
     def _count(self, s: int, e: int) -> int:
         """Exact token count of ``text[s:e]``."""
         text = self.text
-        if self.enc is None or e - s < 64:
+        if self.enc is None or e - s < _FAST_MIN_CHARS:
             return self.tok.count(text[s:e])
         # First and last exact points strictly inside the chunk; between them the whole-text
         # encoding is exact (module docstring), so only the two ends are re-encoded.
@@ -357,8 +359,10 @@ class _Chunker:
         if p2 < e and not self._exact_inside(p2, e):
             return self.tok.count(text[s:e])
         tb = self.tb
-        k1 = int(np.searchsorted(tb, p1))
-        k2 = int(np.searchsorted(tb, p2))
+        # A token ending inside a multi-byte character maps to that character's end, so a
+        # position may appear more than once in tb: the last one has every such token before it.
+        k1 = int(np.searchsorted(tb, p1, side="right")) - 1
+        k2 = int(np.searchsorted(tb, p2, side="right")) - 1
         if tb[k1] != p1 or tb[k2] != p2:  # not a token boundary: the argument does not hold
             return self.tok.count(text[s:e])
         return self.tok.count(text[s:p1]) + (k2 - k1) + self.tok.count(text[p2:e])

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from ragbudget import chunking
 from ragbudget.chunking import chunk_document, chunk_text, chunk_texts
 from ragbudget.errors import ConfigError
 from ragbudget.tokens import get_tokenizer
@@ -55,6 +56,20 @@ def test_invariants_on_arbitrary_text(text: str, lo: int, span: int) -> None:
     chunks = chunk_text(text, min_tokens=lo, max_tokens=hi)
     _check(text, chunks, lo, hi)
     assert chunk_text(text, min_tokens=lo, max_tokens=hi) == chunks  # deterministic
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(text=_TEXT, lo=st.integers(0, 40), span=st.integers(8, 80))
+def test_exact_counts_from_patched_ends(text: str, lo: int, span: int) -> None:
+    # Force the fast path (whole-text counts + re-encoded ends) even for tiny chunks, so the
+    # exactness argument is exercised on every kind of boundary.
+    old = chunking._FAST_MIN_CHARS
+    chunking._FAST_MIN_CHARS = 0
+    try:
+        chunks = chunk_text(text * 3, min_tokens=lo, max_tokens=lo + span)
+    finally:
+        chunking._FAST_MIN_CHARS = old
+    _check(text * 3, chunks, lo, lo + span)
 
 
 @settings(max_examples=100, deadline=None)
