@@ -1,0 +1,468 @@
+"""Choose the retrieved chunks that fit a hard token budget, exactly.
+
+``select_chunks`` turns the top ``fetch_k`` retrieval hits into the context of one prompt:
+
+1. drop hits under ``min_score`` (``below_cutoff``) and exact repeats of a better hit (``duplicate``);
+2. drop near-repeats of a better hit (``redundant``: word-set overlap ≥ ``redundancy``) and give the
+   rest an MMR value ``lambda_ * relevance - (1 - lambda_) * max overlap with a better hit``;
+3. solve a 0/1 knapsack over the exact cost of each chunk in the *generator's* tokens (text +
+   its label/separator overhead) — a DP over tokens, so a small chunk further down the list fills
+   the space a top-k-then-truncate strategy would waste;
+4. merge chunks that are adjacent in the same file into one passage (one label instead of two; the
+   merged passage is recounted exactly), then spend the tokens this frees on the next best chunks;
+5. order the passages (``relevance``, ``document`` or ``lost_in_middle``).
+
+A chunk is never cut, except when the single best chunk alone is larger than the whole budget: it is
+then cut at the last sentence boundary that fits and marked ``truncated``. The cap is never
+exceeded; every candidate not used is listed in ``dropped`` with its reason.
+
+The module only needs ``count_tokens: Callable[[str], int]``; numpy speeds up the DP.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import ConfigError
+from .types import Source
+
+__all__ = ["ORDERS", "Candidate", "Dropped", "Selection", "SelectedChunk", "select_chunks"]
+
+#: Context orders. ``lost_in_middle`` puts the best passages at both ends of the context, where
+#: models attend most (Liu et al. 2023, "Lost in the Middle").
+ORDERS = ("relevance", "document", "lost_in_middle")
+
+DROP_REASONS = ("duplicate", "below_cutoff", "redundant", "over_budget")
+
+# Above this many budget tokens the exact DP table (items x tokens booleans) gets large; the greedy
+# density pass alone is used instead (its gap to optimal is at most one chunk's value).
+_DP_MAX_CELLS = 20_000_000
+# Values are kept strictly positive so that the DP always prefers adding a chunk that fits: that is
+# what guarantees the fill (unused tokens < the largest unused candidate's cost).
+_MIN_VALUE = 1e-3
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A retrieval hit as the selector sees it (anything with these attributes works, e.g. a
+    ``ragbudget.index.Hit``)."""
+
+    chunk_id: str
+    text: str
+    score: float
+    sources: tuple[Source, ...] = ()
+    headings: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class SelectedChunk:
+    """One passage of the context: a chunk, or several adjacent chunks of one file merged.
+
+    ``n_tokens`` counts ``text`` in the generator's tokenizer; ``cost`` adds the label/separator
+    overhead and is what the budget is charged.
+    """
+
+    chunk_ids: tuple[str, ...]
+    text: str
+    score: float
+    n_tokens: int
+    cost: int
+    sources: tuple[Source, ...] = ()
+    headings: tuple[str, ...] = ()
+    truncated: bool = False
+
+    @property
+    def chunk_id(self) -> str:
+        return self.chunk_ids[0]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "chunk_ids": list(self.chunk_ids),
+            "score": round(self.score, 6),
+            "n_tokens": self.n_tokens,
+            "cost": self.cost,
+            "truncated": self.truncated,
+            "headings": list(self.headings),
+            "sources": [s.to_dict() for s in self.sources],
+            "text": self.text,
+        }
+
+
+@dataclass(frozen=True)
+class Dropped:
+    """A candidate left out, and why: one of ``duplicate``, ``below_cutoff``, ``redundant``,
+    ``over_budget``."""
+
+    chunk_id: str
+    reason: str
+    score: float
+    n_tokens: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "chunk_id": self.chunk_id,
+            "reason": self.reason,
+            "score": round(self.score, 6),
+            "n_tokens": self.n_tokens,
+        }
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The chosen context. ``tokens_used`` (sum of passage costs) never exceeds ``tokens_allowed``."""
+
+    chunks: tuple[SelectedChunk, ...]
+    tokens_used: int
+    tokens_allowed: int
+    dropped: tuple[Dropped, ...] = ()
+    order: str = "relevance"
+    n_candidates: int = 0
+
+    @property
+    def fill(self) -> float:
+        """``tokens_used / tokens_allowed`` (1.0 for a zero budget)."""
+        return self.tokens_used / self.tokens_allowed if self.tokens_allowed else 1.0
+
+    @property
+    def text(self) -> str:
+        """The passages joined by blank lines (for recall checks; prompts use their own layout)."""
+        return "\n\n".join(c.text for c in self.chunks)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "order": self.order,
+            "tokens_used": self.tokens_used,
+            "tokens_allowed": self.tokens_allowed,
+            "fill": round(self.fill, 4),
+            "n_candidates": self.n_candidates,
+            "chunks": [c.to_dict() for c in self.chunks],
+            "dropped": [d.to_dict() for d in self.dropped],
+        }
+
+
+@dataclass(eq=False)
+class _Item:
+    ids: tuple[str, ...]
+    text: str
+    score: float
+    sources: tuple[Source, ...]
+    headings: tuple[str, ...]
+    n_tokens: int
+    cost: int
+    rank: int  # position in the candidate list (score order); tie-break
+    value: float = 0.0
+    words: frozenset[str] = field(default_factory=frozenset)
+    truncated: bool = False
+
+
+_WORD = re.compile(r"\w+")
+_SENTENCE_END = re.compile(r"(?<=[.!?。！？])[\"')\]]*\s+|\n\s*")
+
+
+def _words(text: str) -> frozenset[str]:
+    return frozenset(_WORD.findall(text.lower()))
+
+
+def _overlap(a: frozenset[str], b: frozenset[str]) -> float:
+    """Containment of the smaller word set in the larger: 1.0 when one chunk repeats the other."""
+    if not a or not b:
+        return 0.0
+    return len(a & b) / min(len(a), len(b))
+
+
+def _norm(text: str) -> str:
+    return " ".join(text.split()).lower()
+
+
+def select_chunks(
+    question: str,
+    candidates: Iterable[Any],
+    *,
+    budget_tokens: int,
+    count_tokens: Callable[[str], int],
+    chunk_overhead: int | Callable[[Any], int] = 0,
+    lambda_: float = 0.7,
+    order: str = "relevance",
+    min_score: float | None = None,
+    redundancy: float = 0.9,
+    merge_adjacent: bool = True,
+    max_merge_gap: int = 2,
+    truncate_oversize: bool = True,
+    similarity: Callable[[Any, Any], float] | None = None,
+) -> Selection:
+    """Pick the subset of ``candidates`` that maximizes relevance minus redundancy under a hard cap.
+
+    ``candidates`` are retrieval hits in score order (objects with ``chunk_id``, ``text``,
+    ``score``, optional ``sources``/``headings``). ``budget_tokens`` is what the passages may cost
+    in total; each passage costs ``count_tokens(text) + chunk_overhead`` (an int, or a function of
+    the passage giving its label/separator tokens). ``question`` is not used for scoring (the
+    scores already are) but kept for custom ``similarity`` functions and logging.
+
+    >>> hits = [Candidate("a", "Paris is the capital of France.", 0.9),
+    ...         Candidate("b", "Lyon is a city in France.", 0.5)]
+    >>> sel = select_chunks("capital?", hits, budget_tokens=8, count_tokens=lambda s: len(s.split()))
+    >>> [c.chunk_id for c in sel.chunks], sel.tokens_used, [d.reason for d in sel.dropped]
+    (['a'], 6, ['over_budget'])
+    """
+    if order not in ORDERS:
+        raise ConfigError(f"order must be one of {', '.join(ORDERS)}; got {order!r}")
+    if budget_tokens < 0:
+        raise ConfigError(f"budget_tokens must be ≥ 0; got {budget_tokens}")
+    if not 0.0 <= lambda_ <= 1.0:
+        raise ConfigError(f"lambda_ must be in [0, 1]; got {lambda_}")
+    overhead_of: Callable[[Any], int] = (
+        chunk_overhead if callable(chunk_overhead) else (lambda _c, _o=int(chunk_overhead): _o)
+    )
+
+    cands = list(candidates)
+    # Stable sort by score: ties keep retrieval order, so results are deterministic.
+    ranked = sorted(range(len(cands)), key=lambda i: -float(cands[i].score))
+    dropped: list[Dropped] = []
+    items: list[_Item] = []
+    seen_text: set[str] = set()
+    for rank, i in enumerate(ranked):
+        c = cands[i]
+        cid, text, score = str(c.chunk_id), str(c.text), float(c.score)
+        sources = tuple(getattr(c, "sources", ()) or ())
+        headings = tuple(getattr(c, "headings", ()) or ())
+        if min_score is not None and score < min_score:
+            dropped.append(Dropped(cid, "below_cutoff", score, _safe_count(count_tokens, text)))
+            continue
+        key = _norm(text)
+        n = count_tokens(text)
+        if key in seen_text or not key:
+            dropped.append(Dropped(cid, "duplicate", score, n))
+            continue
+        seen_text.add(key)
+        item = _Item((cid,), text, score, sources, headings, n, 0, rank, words=_words(text))
+        item.cost = n + int(overhead_of(_as_chunk(item)))
+        items.append(item)
+
+    # MMR against better-ranked kept items. Exact MMR is sequential over the *selected* set; scoring
+    # against every better candidate instead is a static approximation that lets a knapsack choose
+    # the subset (a redundant pair is still never both worth full value).
+    if items:
+        hi = max(it.score for it in items)
+        lo = min(it.score for it in items)
+        span = hi - lo
+    kept: list[_Item] = []
+    for it in items:
+        rel = 1.0 if not items or span <= 0 else 0.05 + 0.95 * (it.score - lo) / span
+        red = 0.0
+        for k in kept:
+            sim = (
+                similarity(_as_chunk(it), _as_chunk(k)) if similarity else _overlap(it.words, k.words)
+            )
+            red = max(red, sim)
+        if red >= redundancy:
+            dropped.append(Dropped(it.ids[0], "redundant", it.score, it.n_tokens))
+            continue
+        it.value = max(_MIN_VALUE, lambda_ * rel - (1.0 - lambda_) * red)
+        kept.append(it)
+
+    chosen: list[_Item] = []
+    if kept:
+        best = kept[0]
+        if best.cost > budget_tokens and truncate_oversize:
+            cut = _truncate(best, budget_tokens, count_tokens, overhead_of)
+            if cut is not None:
+                chosen, rest = [cut], kept[1:]
+            else:
+                rest = kept
+        else:
+            rest = kept
+        room = budget_tokens - sum(c.cost for c in chosen)
+        chosen += _knapsack(rest, room)
+        if merge_adjacent and len(chosen) > 1:
+            chosen = _merge(chosen, count_tokens, overhead_of, max_merge_gap)
+            # Merging saves a label per pair: spend the freed tokens on the best leftovers.
+            chosen_ids = {cid for c in chosen for cid in c.ids}
+            room = budget_tokens - sum(c.cost for c in chosen)
+            for it in sorted(rest, key=lambda x: (-x.value / max(1, x.cost), x.rank)):
+                if it.ids[0] not in chosen_ids and it.cost <= room:
+                    chosen.append(it)
+                    chosen_ids.add(it.ids[0])
+                    room -= it.cost
+            chosen = _merge(chosen, count_tokens, overhead_of, max_merge_gap)
+
+    used_ids = {cid for c in chosen for cid in c.ids}
+    for it in kept:
+        if it.ids[0] not in used_ids:
+            dropped.append(Dropped(it.ids[0], "over_budget", it.score, it.n_tokens))
+
+    used = sum(c.cost for c in chosen)
+    # The invariant the whole library rests on; a violation is a bug here, not a user error.
+    assert used <= budget_tokens, (used, budget_tokens)
+    passages = tuple(_as_chunk(c) for c in _order(chosen, order))
+    return Selection(
+        chunks=passages,
+        tokens_used=used,
+        tokens_allowed=budget_tokens,
+        dropped=tuple(dropped),
+        order=order,
+        n_candidates=len(cands),
+    )
+
+
+def _safe_count(count_tokens: Callable[[str], int], text: str) -> int:
+    return count_tokens(text)
+
+
+def _as_chunk(it: _Item) -> SelectedChunk:
+    return SelectedChunk(
+        chunk_ids=it.ids,
+        text=it.text,
+        score=it.score,
+        n_tokens=it.n_tokens,
+        cost=it.cost,
+        sources=it.sources,
+        headings=it.headings,
+        truncated=it.truncated,
+    )
+
+
+def _knapsack(items: Sequence[_Item], capacity: int) -> list[_Item]:
+    """Exact 0/1 knapsack over integer token costs (numpy DP), greedy by density when too big."""
+    fits = [it for it in items if it.cost <= capacity]
+    if not fits or capacity <= 0:
+        return [it for it in fits if it.cost <= 0]
+    if sum(it.cost for it in fits) <= capacity:
+        return list(fits)
+    if len(fits) * (capacity + 1) > _DP_MAX_CELLS:
+        return _greedy(fits, capacity)
+    import numpy as np
+
+    dp = np.zeros(capacity + 1)
+    take = np.zeros((len(fits), capacity + 1), dtype=bool)
+    for i, it in enumerate(fits):
+        c = it.cost
+        if c == 0:
+            dp += it.value
+            take[i, :] = True
+            continue
+        cand = dp[:-c] + it.value
+        better = cand > dp[c:] + 1e-12
+        take[i, c:] = better
+        dp[c:] = np.where(better, cand, dp[c:])
+    out, w = [], capacity
+    for i in range(len(fits) - 1, -1, -1):
+        if take[i, w]:
+            out.append(fits[i])
+            w -= fits[i].cost
+    out.reverse()
+    # The DP maximizes value; a greedy top-up can only add (values > 0 means the DP already left
+    # nothing that fits, but float ties can), so run it for safety.
+    room = capacity - sum(it.cost for it in out)
+    taken = {id(x) for x in out}
+    for it in fits:
+        if id(it) not in taken and it.cost <= room:
+            out.append(it)
+            room -= it.cost
+    return out
+
+
+def _greedy(items: Sequence[_Item], capacity: int) -> list[_Item]:
+    out, room = [], capacity
+    for it in sorted(items, key=lambda x: (-x.value / max(1, x.cost), x.rank)):
+        if it.cost <= room:
+            out.append(it)
+            room -= it.cost
+    return out
+
+
+def _truncate(
+    it: _Item, budget: int, count_tokens: Callable[[str], int], overhead_of: Callable[[Any], int]
+) -> _Item | None:
+    """Longest prefix of ``it`` ending at a sentence boundary (else a word boundary) that fits."""
+
+    def cost_of(prefix: str) -> tuple[int, int]:
+        probe = _Item(it.ids, prefix, it.score, it.sources, it.headings, 0, 0, it.rank)
+        n = count_tokens(prefix)
+        return n, n + int(overhead_of(_as_chunk(probe)))
+
+    text = it.text
+    for pattern in (_SENTENCE_END, re.compile(r"\s+")):
+        cuts = sorted({m.start() for m in pattern.finditer(text) if 0 < m.start() < len(text)})
+        # Binary search: cost grows with the prefix length (monotone up to BPE noise, which the
+        # final exact check below absorbs by stepping back).
+        lo, hi, best = 0, len(cuts) - 1, -1
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            if cost_of(text[: cuts[mid]].rstrip())[1] <= budget:
+                best, lo = mid, mid + 1
+            else:
+                hi = mid - 1
+        while best >= 0:
+            prefix = text[: cuts[best]].rstrip()
+            n, cost = cost_of(prefix)
+            if prefix and cost <= budget:
+                src = tuple(_shorten(s, len(prefix)) for s in it.sources[:1]) + it.sources[1:]
+                return _Item(
+                    it.ids, prefix, it.score, src, it.headings, n, cost, it.rank,
+                    value=it.value, words=it.words, truncated=True,
+                )
+            best -= 1
+    return None
+
+
+def _shorten(s: Source, length: int) -> Source:
+    return Source(s.path, s.start, min(s.end, s.start + length), s.page_start, s.page_end)
+
+
+def _merge(
+    chosen: list[_Item],
+    count_tokens: Callable[[str], int],
+    overhead_of: Callable[[Any], int],
+    max_gap: int,
+) -> list[_Item]:
+    """Merge passages whose (single-source) spans touch in the same file; recount exactly and keep
+    a merge only if it does not cost more than the two passages apart."""
+    mergeable = [c for c in chosen if len(c.sources) == 1 and not c.truncated]
+    others = [c for c in chosen if len(c.sources) != 1 or c.truncated]
+    mergeable.sort(key=lambda c: (c.sources[0].path, c.sources[0].start))
+    out: list[_Item] = []
+    for c in mergeable:
+        prev = out[-1] if out else None
+        if prev is not None:
+            a, b = prev.sources[0], c.sources[0]
+            if a.path == b.path and 0 <= b.start - a.end <= max_gap:
+                sep = "\n" if b.start > a.end else ""
+                text = prev.text + sep + c.text
+                src = Source(
+                    a.path,
+                    a.start,
+                    b.end,
+                    a.page_start if a.page_start is not None else b.page_start,
+                    b.page_end if b.page_end is not None else a.page_end,
+                )
+                merged = _Item(
+                    prev.ids + c.ids, text, max(prev.score, c.score), (src,),
+                    prev.headings or c.headings, 0, 0, min(prev.rank, c.rank),
+                    value=prev.value + c.value, words=prev.words | c.words,
+                )
+                merged.n_tokens = count_tokens(text)
+                merged.cost = merged.n_tokens + int(overhead_of(_as_chunk(merged)))
+                if merged.cost <= prev.cost + c.cost:
+                    out[-1] = merged
+                    continue
+        out.append(c)
+    return out + others
+
+
+def _order(chosen: list[_Item], order: str) -> list[_Item]:
+    by_rel = sorted(chosen, key=lambda c: (-c.score, c.rank))
+    if order == "relevance":
+        return by_rel
+    if order == "document":
+        def key(c: _Item) -> tuple[str, int, int]:
+            s = c.sources[0] if c.sources else None
+            return (s.path if s else "\uffff", s.start if s else 0, c.rank)
+
+        return sorted(chosen, key=key)
+    # lost_in_middle: ranks 1, 3, 5, ... from the front, 2, 4, 6, ... from the back.
+    front = by_rel[0::2]
+    back = by_rel[1::2]
+    return front + back[::-1]

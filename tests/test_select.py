@@ -1,0 +1,178 @@
+"""Budgeted chunk selection: the hard cap (property), fill, merge, order, dropped reasons."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ragbudget.errors import ConfigError
+from ragbudget.select import Candidate, select_chunks
+from ragbudget.types import Source
+
+
+def words(text: str) -> int:
+    """A fast model-free counter: one token per whitespace-separated word."""
+    return len(text.split())
+
+
+def cand(cid: str, n: int, score: float, path: str = "doc", start: int | None = None) -> Candidate:
+    # Distinct vocabulary per chunk so the redundancy filter never fires by accident.
+    text = " ".join(f"{cid}w{i}" for i in range(n))
+    src = (Source(path, start, start + len(text)),) if start is not None else ()
+    return Candidate(cid, text, score, sources=src)
+
+
+@st.composite
+def cases(draw: st.DrawFn) -> tuple[list[Candidate], int, int, bool]:
+    # Few draws per example (sizes and scores come from a seeded Random) keep 10,000 cases fast.
+    n = draw(st.integers(0, 25))
+    budget = draw(st.integers(0, 1500))
+    overhead = draw(st.integers(0, 12))
+    adjacent = draw(st.booleans())
+    rnd = random.Random(draw(st.integers(0, 2**32 - 1)))
+    cands, pos = [], 0
+    for i in range(n):
+        c = cand(f"c{i}", rnd.randint(1, 120), rnd.uniform(-1, 1), path="p",
+                 start=pos if adjacent else None)
+        pos += len(c.text) + rnd.randint(0, 3)
+        cands.append(c)
+    return cands, budget, overhead, adjacent
+
+
+@settings(max_examples=10_000, deadline=None, suppress_health_check=list(HealthCheck))
+@given(cases(), st.sampled_from(["relevance", "document", "lost_in_middle"]))
+def test_never_over_budget_and_every_candidate_accounted(case, order) -> None:
+    cands, budget, overhead, _ = case
+    sel = select_chunks("q", cands, budget_tokens=budget, count_tokens=words,
+                        chunk_overhead=overhead, order=order)
+    assert sel.tokens_used <= budget
+    assert sel.tokens_used == sum(words(c.text) + overhead for c in sel.chunks)
+    used = [cid for c in sel.chunks for cid in c.chunk_ids]
+    assert len(used) == len(set(used))
+    assert sorted(used + [d.chunk_id for d in sel.dropped]) == sorted(c.chunk_id for c in cands)
+    # Only the best chunk may be truncated, and only when it alone exceeds the budget.
+    for c in sel.chunks:
+        if c.truncated:
+            best = max(cands, key=lambda x: x.score)
+            assert c.chunk_ids == (best.chunk_id,) or words(best.text) + overhead > budget
+
+
+@settings(max_examples=2_000, deadline=None)
+@given(
+    st.lists(st.integers(1, 20), min_size=1, max_size=40),
+    st.integers(0, 8),
+    st.integers(400, 1200),
+)
+def test_fills_at_least_95_percent_when_candidates_allow(sizes, overhead, budget) -> None:
+    cands = [cand(f"c{i}", s, 1.0 - i / 100) for i, s in enumerate(sizes)]
+    total = sum(s + overhead for s in sizes)
+    sel = select_chunks("q", cands, budget_tokens=budget, count_tokens=words, chunk_overhead=overhead)
+    if total >= budget:
+        # Every chunk costs ≤ 28 ≤ 5% of a 560+ budget; below that, allow one chunk of slack.
+        assert sel.tokens_used >= budget - max(s + overhead for s in sizes)
+        if budget >= 560:
+            assert sel.fill >= 0.95
+    else:
+        assert sel.tokens_used == total
+
+
+def test_knapsack_beats_top_k_then_truncate() -> None:
+    # The best chunk (60) fits; the second (50) does not; three small ones fill the rest.
+    cands = [cand("a", 60, 0.9), cand("b", 50, 0.8), cand("c", 12, 0.7), cand("d", 12, 0.6),
+             cand("e", 12, 0.5)]
+    sel = select_chunks("q", cands, budget_tokens=100, count_tokens=words)
+    ids = [c.chunk_id for c in sel.chunks]
+    assert ids == ["a", "c", "d", "e"]
+    assert sel.tokens_used == 96 and not any(c.truncated for c in sel.chunks)
+    assert [(d.chunk_id, d.reason) for d in sel.dropped] == [("b", "over_budget")]
+
+
+def test_dropped_reasons() -> None:
+    base = cand("a", 10, 0.9)
+    cands = [
+        base,
+        Candidate("dup", "  " + base.text.upper() + " ", 0.8),  # same text up to case/space
+        Candidate("red", base.text + " extra", 0.7),  # contains all of a's words
+        cand("low", 5, 0.05),
+        cand("big", 95, 0.6),
+    ]
+    sel = select_chunks("q", cands, budget_tokens=40, count_tokens=words, min_score=0.1)
+    reasons = {d.chunk_id: d.reason for d in sel.dropped}
+    assert reasons == {"dup": "duplicate", "red": "redundant", "low": "below_cutoff",
+                       "big": "over_budget"}
+    assert [c.chunk_id for c in sel.chunks] == ["a"]
+
+
+def test_merges_adjacent_chunks_of_one_file_and_counts_exactly() -> None:
+    a = cand("a", 10, 0.9, path="f", start=0)
+    b = cand("b", 10, 0.5, path="f", start=a.sources[0].end + 1)
+    c = cand("c", 10, 0.8, path="g", start=0)
+    sel = select_chunks("q", [a, c, b], budget_tokens=100, count_tokens=words, chunk_overhead=5)
+    merged = [p for p in sel.chunks if len(p.chunk_ids) > 1]
+    assert len(merged) == 1 and merged[0].chunk_ids == ("a", "b")
+    assert merged[0].text == a.text + "\n" + b.text
+    assert merged[0].sources == (Source("f", 0, b.sources[0].end),)
+    assert merged[0].cost == 20 + 5
+    assert sel.tokens_used == 25 + 15
+
+
+def test_merge_frees_tokens_for_another_chunk() -> None:
+    # Apart, a+b+c cost 3*(10+10)=60 > 50; merged a+b cost 30 and c then fits.
+    a = cand("a", 10, 0.9, path="f", start=0)
+    b = cand("b", 10, 0.8, path="f", start=a.sources[0].end + 1)
+    c = cand("c", 10, 0.1, path="g", start=0)
+    sel = select_chunks("q", [a, b, c], budget_tokens=50, count_tokens=words, chunk_overhead=10)
+    assert sorted(cid for p in sel.chunks for cid in p.chunk_ids) == ["a", "b", "c"]
+    assert sel.tokens_used == 50 and not sel.dropped
+
+
+def test_orders() -> None:
+    cands = [cand(f"c{i}", 5, 1 - i / 10, path="f", start=100 * (5 - i)) for i in range(5)]
+    kw = dict(budget_tokens=100, count_tokens=words, merge_adjacent=False)
+    rel = select_chunks("q", cands, order="relevance", **kw)
+    assert [c.chunk_id for c in rel.chunks] == ["c0", "c1", "c2", "c3", "c4"]
+    doc = select_chunks("q", cands, order="document", **kw)
+    assert [c.chunk_id for c in doc.chunks] == ["c4", "c3", "c2", "c1", "c0"]
+    lim = select_chunks("q", cands, order="lost_in_middle", **kw)
+    assert [c.chunk_id for c in lim.chunks] == ["c0", "c2", "c4", "c3", "c1"]
+
+
+def test_truncates_only_the_single_oversize_best_chunk_at_a_sentence() -> None:
+    text = "One two three. Four five six. Seven eight nine ten. Eleven twelve."
+    big = Candidate("big", text, 0.9, sources=(Source("f", 0, len(text)),))
+    small = cand("s", 2, 0.5)
+    sel = select_chunks("q", [big, small], budget_tokens=9, count_tokens=words)
+    first = sel.chunks[0]
+    assert first.truncated and first.text == "One two three. Four five six."
+    assert first.sources[0].end == len(first.text)
+    assert [c.chunk_id for c in sel.chunks] == ["big", "s"] and sel.tokens_used == 8
+    # A non-best oversize chunk is dropped, never cut.
+    sel2 = select_chunks("q", [small, Candidate("big", text, 0.1)], budget_tokens=9,
+                         count_tokens=words)
+    assert [c.chunk_id for c in sel2.chunks] == ["s"]
+    assert [d.reason for d in sel2.dropped] == ["over_budget"]
+
+
+def test_mmr_prefers_diverse_chunks() -> None:
+    a = Candidate("a", "alpha beta gamma delta epsilon zeta", 0.9)
+    near = Candidate("near", "alpha beta gamma delta epsilon eta", 0.85)  # 5/6 overlap
+    other = Candidate("other", "one two three four five six", 0.8)
+    sel = select_chunks("q", [a, near, other], budget_tokens=12, count_tokens=words, lambda_=0.5)
+    assert [c.chunk_id for c in sel.chunks] == ["a", "other"]
+
+
+def test_to_dict_and_fill() -> None:
+    sel = select_chunks("q", [cand("a", 5, 1.0)], budget_tokens=10, count_tokens=words,
+                        chunk_overhead=1)
+    d = sel.to_dict()
+    assert d["tokens_used"] == 6 and d["fill"] == 0.6 and d["chunks"][0]["chunk_ids"] == ["a"]
+
+
+def test_bad_config() -> None:
+    with pytest.raises(ConfigError, match="order"):
+        select_chunks("q", [], budget_tokens=1, count_tokens=words, order="random")
+    with pytest.raises(ConfigError, match="budget_tokens"):
+        select_chunks("q", [], budget_tokens=-1, count_tokens=words)
