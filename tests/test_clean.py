@@ -1,0 +1,318 @@
+"""Header/footer stripping: exact cases, invariants (hypothesis), and measured quality on real
+documents (the shared PDFs and man pages)."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import defaultdict
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ragbudget.clean import (
+    StripReport,
+    find_furniture,
+    find_known,
+    fold_line,
+    mask_line,
+    strip_headers_footers,
+)
+
+
+_SYLLABLES = ["ka", "lo", "mi", "ne", "ru", "sa", "ti", "vo", "pe", "du"]
+
+
+def _word(k: int) -> str:
+    # a distinct digit-free word per k, so masked body lines never repeat across pages
+    out = ""
+    while True:
+        out += _SYLLABLES[k % 10]
+        k //= 10
+        if not k:
+            return out
+
+
+def _body(i: int, n: int = 6) -> str:
+    return "\n".join(f"The {_word(i * 100 + j)} line of body text, unique to its page." for j in range(n))
+
+
+# --------------------------------------------------------------------------------------------------
+# exact cases
+
+
+def test_mask_line_folds_numbers_whitespace_and_case():
+    assert mask_line("Page 3 of 40") == mask_line("page  4 of 40") == "page # of #"
+    assert mask_line("52   Chapter 6. Package") == mask_line("53 Chapter 6. Package")
+    assert mask_line("Guide iv") == mask_line("Guide 12") == "guide #"
+    assert mask_line("Linux man-pages 6.03   2023-02-05   2") == "linux man-pages #.# #-#-# #"
+
+
+def test_page_x_of_y_header_and_footer_removed():
+    pages = [f"ACME Corp - Annual Report\n{_body(i)}\nPage {i + 1} of 5" for i in range(5)]
+    out, rep = strip_headers_footers(pages, report=True)
+    assert out == [_body(i) for i in range(5)]
+    assert rep.removed == 10
+    assert rep.per_page == (2,) * 5
+    assert set(rep.patterns) == {"acme corp - annual report", "page # of #"}
+
+
+def test_recto_verso_footers_alternate():
+    # verso: "N  Chapter 2. Title"; recto: "2.3. Section title  N"; chapter openings: bare "N".
+    pages = []
+    for i in range(12):
+        n = i + 1
+        foot = f"{n}   Chapter 2. Archive" if n % 2 == 0 else f"2.3. Copyright considerations   {n}"
+        pages.append(f"{_body(i)}\n{foot}")
+    out, rep = strip_headers_footers(pages, report=True)
+    assert out == [_body(i) for i in range(12)]
+
+
+def test_running_heads_change_per_chapter():
+    heads = ["Chapter 4: Factors"] * 4 + ["Chapter 5: Arrays and matrices"] * 5 + ["Chapter 6: Lists"] * 4
+    pages = [f"{h}   {n + 20}\n{_body(n)}" for n, h in enumerate(heads)]
+    assert strip_headers_footers(pages) == [_body(n) for n in range(len(heads))]
+
+
+def test_running_heads_without_numbers_in_runs():
+    heads = ["Part One: Getting Started"] * 4 + ["Part Two: Going Further"] * 4
+    pages = [f"{h}\n{_body(n)}" for n, h in enumerate(heads)]
+    assert strip_headers_footers(pages) == [_body(n) for n in range(8)]
+
+
+def test_bare_page_numbers_and_roman_front_matter():
+    front = [f"{_body(i)}\n{r}" for i, r in enumerate(["i", "ii", "iii", "iv"])]
+    main = [f"{_body(10 + i)}\n{i + 1}" for i in range(8)]
+    assert strip_headers_footers(front + main) == [_body(i) for i in range(4)] + [_body(10 + i) for i in range(8)]
+
+
+def test_one_and_two_page_documents_untouched_without_corpus_patterns():
+    one = ["Company Confidential\nhello\nPage 1 of 1"]
+    two = ["Company Confidential\nhello\nPage 1 of 2", "Company Confidential\nworld\nPage 2 of 2"]
+    assert strip_headers_footers(one) == one
+    assert strip_headers_footers(two) == two
+    # A corpus-wide pattern (masked key) is honoured even on one page.
+    assert strip_headers_footers(one, known={"company confidential"}) == ["hello\nPage 1 of 1"]
+
+
+def test_middle_page_of_three_page_document_survives():
+    # Haystack's DocumentCleaner ignores first and last page, so on 3 pages the "longest common
+    # n-gram" is the whole middle page, which it then deletes everywhere.
+    pages = ["Intro text about apples.\nMore apples.", "Middle text about pears.\nMore pears.", "End text."]
+    assert strip_headers_footers(pages) == pages
+
+
+def test_repeated_line_between_body_lines_is_kept():
+    pages = [f"Header X\nfirst {_word(i)}\nNote: see appendix\n{_body(i)}" for i in range(6)]
+    out = strip_headers_footers(pages)
+    # Header goes; the repeated note sits below a body line, so the peel stops before it.
+    assert all(p.startswith(f"first {_word(i)}\nNote: see appendix") for i, p in enumerate(out))
+
+
+def test_punctuation_only_lines_are_not_furniture():
+    pages = [f"Manual\n{_body(i)}\n}}" for i in range(6)]
+    out = strip_headers_footers(pages)
+    assert all(p.endswith("}") for p in out)
+    assert not any(p.startswith("Manual") for p in out)
+
+
+def test_brake_when_stripping_would_empty_most_pages():
+    pages = ["Form A\nsigned", "Form A\nsigned", "Form A\nsigned", "Form A\nsigned"]
+    assert strip_headers_footers(pages) == pages
+
+
+def test_numbers_inside_a_line_are_not_page_numbers():
+    # Table rows whose middle number happens to match the page index are not page numbers, even
+    # when page numbers are trusted (only the first/last word, or N in "N / M", counts).
+    pages = [f"{_body(i)}\nKERN_LEVEL {i + 1} conditions {_word(i)}" for i in range(6)]
+    assert strip_headers_footers(pages, trust_page_numbers=True) == pages
+
+
+def test_trust_page_numbers_takes_unique_section_footers():
+    pages = [f"Manual, Release 4\n{_body(i)}\n{i + 1}.1. Section {_word(i)} title {i + 1}" for i in range(6)]
+    strict = strip_headers_footers(pages)
+    assert all(re.search(r"title \d+$", p) for p in strict)  # unique masked forms are kept
+    trusted = strip_headers_footers(pages, trust_page_numbers=True)
+    assert trusted == [_body(i) for i in range(6)]
+
+
+def test_one_page_number_line_per_page():
+    # "Chapter 1" under "Guide 1 / 5" carries the same number; only the outermost line goes.
+    pages = [f"Guide {i + 1} / 5\n" + ("Chapter 1\n" if i == 0 else "") + _body(i) for i in range(5)]
+    out = strip_headers_footers(pages, trust_page_numbers=True)
+    assert out[0].startswith("Chapter 1\n")
+
+
+def test_report_lines_point_at_removed_lines():
+    pages = [f"Head\n\n{_body(i)}\n\nfoot {i + 1}" for i in range(4)]
+    rep = find_furniture(pages)
+    assert isinstance(rep, StripReport)
+    for p, i in rep.lines:
+        assert pages[p].split("\n")[i] in ("Head", f"foot {p + 1}")
+
+
+def test_find_known_uses_exact_folded_lines():
+    pages = ["Home | Blog\n# Post\ntext", "Home|Blog\ntext"]
+    rep = find_known(pages, {fold_line("Home  | Blog")})
+    assert rep.lines == ((0, 0),)
+
+
+# --------------------------------------------------------------------------------------------------
+# invariants
+
+_LINES = st.sampled_from(
+    ["Manual v2", "Page 1 of 9", "Page 7 of 9", "12", "iv", "}", "", "   ", "Chapter 3: Intro  14",
+     "alpha beta", "gamma", "delta epsilon 3", "Copyright 2024 ACME"]
+) | st.text(alphabet="abcxyz019 .-", max_size=20)
+_PAGES = st.lists(st.lists(_LINES, max_size=8).map("\n".join), max_size=9)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_PAGES)
+def test_strip_is_deterministic_and_never_grows(pages):
+    a, rep = strip_headers_footers(pages, report=True)
+    b = strip_headers_footers(list(pages))
+    assert a == b
+    assert len(a) == len(pages)
+    for before, after in zip(pages, a):
+        assert len(after) <= len(before)
+        # lines only deleted: the output lines are a subsequence of the input lines
+        it = iter(before.split("\n"))
+        assert all(any(x == y for y in it) for x in after.split("\n")) or after == ""
+    assert rep.removed == sum(rep.per_page) == len(rep.lines)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_PAGES)
+def test_never_removes_a_line_whose_masked_form_is_on_one_page(pages):
+    rep = find_furniture(pages)
+    on_pages: dict[str, set[int]] = defaultdict(set)
+    for p, page in enumerate(pages):
+        for line in page.split("\n"):
+            on_pages[mask_line(line)].add(p)
+    for p, i in rep.lines:
+        assert len(on_pages[mask_line(pages[p].split("\n")[i])]) >= 2
+    if len(pages) <= 2:
+        assert rep.removed == 0
+
+
+# --------------------------------------------------------------------------------------------------
+# measured on the shared real documents
+
+_PDFS = ("policy.pdf", "maint-guide.en.pdf", "R-intro.pdf")
+# Printed page number of 0-based PDF page i, read off the documents (README of shared/data):
+# (arabic offset, range of roman front-matter pages, roman offset).
+_PAGE_NUMBERS = {
+    "policy.pdf": (-9, range(2, 10), -1),
+    "maint-guide.en.pdf": (-5, range(1, 6), 1),
+    "R-intro.pdf": (-5, range(2, 6), -1),
+}
+_ROMAN = ["", "i", "ii", "iii", "iv", "v", "vi", "vii", "viii", "ix", "x"]
+
+
+def _printed(name: str, i: int) -> str:
+    if name not in _PAGE_NUMBERS:
+        return str(i + 1)  # man pages: plain 1, 2, 3
+    arabic, front, roman = _PAGE_NUMBERS[name]
+    return _ROMAN[i + roman] if i in front else str(i + arabic)
+
+
+def ground_truth(name: str, pages: list[str]) -> tuple[set, set, set]:
+    """(furniture, extended furniture, body) as sets of (page, line) positions.
+
+    * furniture: a line among the first/last 3 non-empty lines of a page whose digit-masked form
+      repeats in those zones on >= 30% of the pages (and >= 2), and has a letter or digit;
+    * extended: furniture plus a first/last-two line whose first or last word (or N in "N / M")
+      is the page's printed number (section-title footers, per-chapter running heads);
+    * body: lines of >= 40 characters that are not extended furniture.
+    """
+    zones, key_pages = [], defaultdict(set)
+    for p, page in enumerate(pages):
+        lines = page.split("\n")
+        ne = [i for i, line in enumerate(lines) if line.strip()]
+        zones.append((set(ne[:3] + ne[-3:]), set(ne[:2] + ne[-2:])))
+        for i in zones[-1][0]:
+            key_pages[mask_line(lines[i])].add(p)
+    need = max(2, math.ceil(0.3 * len(pages)))
+    furniture, extended, body = set(), set(), set()
+    for p, page in enumerate(pages):
+        printed = _printed(name, p)
+        for i, line in enumerate(page.split("\n")):
+            key, words = mask_line(line), line.split()
+            if i in zones[p][0] and len(key_pages[key]) >= need and re.search(r"[^\W_]|#", key):
+                furniture.add((p, i))
+                extended.add((p, i))
+                continue
+            if i in zones[p][1] and len(line.strip()) <= 120 and (
+                printed in (words[0], words[-1])
+                or (len(words) >= 3 and words[-3] == printed and words[-2] == "/")
+            ):
+                extended.add((p, i))
+                continue
+            if len(line.strip()) >= 40:
+                body.add((p, i))
+    return furniture, extended, body
+
+
+@pytest.fixture(scope="session")
+def real_pages(shared_data) -> dict[str, list[str]]:
+    """Uncleaned pages of the 3 shared PDFs (through our PDF loader) and the 40 man pages."""
+    from ragbudget.loaders import load_document
+
+    out = {}
+    for name in _PDFS:
+        out[name] = load_document(shared_data / "pdf" / name, clean=False).pages
+    for path in sorted((shared_data / "manpages").glob("*.txt")):
+        out[path.name] = load_document(path, clean=False).pages
+    return out
+
+
+def _measure(real_pages, **options) -> dict[str, float]:
+    tot = defaultdict(int)
+    for name, pages in real_pages.items():
+        furniture, extended, body = ground_truth(name, pages)
+        removed = set(find_furniture(pages, **options).lines)
+        tot["furniture"] += len(furniture)
+        tot["furniture_removed"] += len(furniture & removed)
+        tot["extended"] += len(extended)
+        tot["extended_removed"] += len(extended & removed)
+        tot["body"] += len(body)
+        tot["body_removed"] += len(body & removed)
+    return {
+        "removal": tot["furniture_removed"] / tot["furniture"],
+        "extended_removal": tot["extended_removed"] / tot["extended"],
+        "body_loss": tot["body_removed"] / tot["body"],
+        **tot,
+    }
+
+
+@pytest.mark.shared_data
+def test_real_documents_headers_footers_removed_body_kept(real_pages):
+    assert len(real_pages) == 43
+    assert sum(len(p) for n, p in real_pages.items() if n in _PDFS) == 369
+    m = _measure(real_pages)
+    assert m["furniture"] > 600
+    assert m["removal"] >= 0.98, m
+    assert m["body_loss"] <= 0.005, m
+    # Unique section-title footers are kept by the one-page rule; most page-number lines still go.
+    assert m["extended_removal"] >= 0.90, m
+
+
+@pytest.mark.shared_data
+def test_real_documents_trusting_page_numbers(real_pages):
+    m = _measure(real_pages, trust_page_numbers=True)
+    assert m["removal"] >= 0.98, m
+    assert m["extended_removal"] >= 0.98, m
+    assert m["body_loss"] <= 0.005, m
+
+
+@pytest.mark.shared_data
+def test_real_documents_known_running_heads(real_pages):
+    policy = strip_headers_footers(real_pages["policy.pdf"])
+    assert not any("Debian Policy Manual, Release 4.6.2.0" in p for p in policy[12:])
+    rintro = strip_headers_footers(real_pages["R-intro.pdf"])
+    assert not any(p.startswith("Chapter 5: Arrays and matrices") for p in rintro)
+    close = strip_headers_footers(real_pages["close.2.txt"])
+    assert not any("System Calls Manual" in p or "Linux man-pages 6.03" in p for p in close)
+    assert close[0].lstrip().startswith("NAME")
