@@ -151,7 +151,7 @@ def model_dtype(config: ConfigLike, default: str = "bfloat16") -> str:
     common default of modern checkpoints, so an unknown dtype plans for bf16.
     """
     for cfg in (config, text_config(config)):
-        value = _Cfg(cfg).get("torch_dtype", "dtype")
+        value = _Cfg(cfg).get("dtype", "torch_dtype")
         if value is not None:
             name = str(value).removeprefix("torch.")
             if name in _DTYPE_BITS:

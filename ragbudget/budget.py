@@ -1,0 +1,593 @@
+"""The GPU memory budget: how many tokens one request may hold, at what concurrency.
+
+    usable   = gpu_bytes × utilization            (0.9 by default, like vLLM)
+    needed   = weights + activations(prefill) + KV(peak, concurrency × context)
+    max_context_tokens = the largest context (prompt + generated) per request with needed ≤ usable,
+                         capped by the model's max_position_embeddings
+
+Weights come from a loaded model (parameter + buffer bytes), local safetensors headers, or the
+parameter count implied by the config × the weight dtype. Activations are a prefill-peak
+estimate (see :func:`estimate_activation_bytes`), replaced by a measured value once a real CUDA run
+was recorded with :func:`record_calibration`. KV is exact per layer type (:mod:`ragbudget.kvcache`).
+
+>>> plan = plan_budget("meta-llama/Llama-3.1-8B-Instruct", gpu="RTX 4090")
+>>> plan.kv_bytes_per_token, plan.limited_by
+(131072, 'memory')
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import BudgetError, ConfigError
+from .gpus import GiB, GPUInfo, resolve_gpu
+from .kvcache import (
+    _Cfg,
+    _normalize,
+    dtype_bits,
+    estimate_kv,
+    kv_bytes_per_token,
+    layer_specs,
+    model_dtype,
+    text_config,
+)
+
+__all__ = [
+    "BudgetPlan",
+    "count_parameters",
+    "estimate_activation_bytes",
+    "estimate_weights_bytes",
+    "format_plan",
+    "lookup_calibration",
+    "plan_budget",
+    "plot_plan",
+    "record_calibration",
+]
+
+MiB = 1 << 20
+
+
+# --------------------------------------------------------------------------------------------
+# Weights
+# --------------------------------------------------------------------------------------------
+
+
+def count_parameters(config: Any) -> int:
+    """Parameters of a decoder-only LM from its config (embeddings, attention incl. MLA, dense or
+    MoE MLP, norms, untied head). Exact for Llama/Mistral/Qwen2/Qwen3/Gemma/Mixtral-style models
+    (checked in tests); an estimate for other families (biases and norm details differ).
+
+    >>> count_parameters({"model_type": "llama", "vocab_size": 32000, "hidden_size": 4096,
+    ...     "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32})
+    6738415616
+    """
+    c = _Cfg(text_config(config) if isinstance(config, Mapping) else _normalize(config, False))
+    mt = str(c.get("model_type", default="")).lower()
+    H = int(c.get("hidden_size", "n_embd", "d_model"))
+    n_layers = int(c.get("num_hidden_layers", "n_layer", "num_layers"))
+    heads = int(c.get("num_attention_heads", "n_head", "num_heads"))
+    V = int(c.get("vocab_size", default=32000))
+    I = int(c.get("intermediate_size", "ffn_dim", "n_inner", default=0) or 4 * H)
+    kv = int(c.get("num_key_value_heads", "num_kv_heads", default=heads))
+    hd = c.get("head_dim")
+    hd = int(hd) if isinstance(hd, int) and hd > 0 else H // heads
+    bias = bool(c.get("attention_bias", default=mt in ("qwen2", "qwen2_moe", "gpt_oss")))
+    # Attention projections
+    if c.get("kv_lora_rank") is not None:
+        q_lora = c.get("q_lora_rank")
+        nope, rope = int(c.get("qk_nope_head_dim")), int(c.get("qk_rope_head_dim"))
+        vhd, kvr = int(c.get("v_head_dim")), int(c.get("kv_lora_rank"))
+        qk = nope + rope
+        q = H * heads * qk if q_lora is None else H * q_lora + q_lora + q_lora * heads * qk
+        attn = q + H * (kvr + rope) + kvr + kvr * heads * (nope + vhd) + heads * vhd * H
+    else:
+        attn = H * heads * hd + 2 * H * kv * hd + heads * hd * H
+        if bias:
+            attn += heads * hd + 2 * kv * hd + (H if mt == "gpt_oss" else 0)
+        if mt in ("qwen3", "qwen3_moe", "gemma3", "gemma3_text", "olmo2"):
+            attn += 2 * hd  # q_norm / k_norm
+        if mt == "gpt_oss":
+            attn += heads  # attention sinks
+    # MLP: gated (3 matrices) unless GPT-2/NeoX-style (2 matrices)
+    gated = mt not in ("gpt2", "gpt_neox", "opt", "bloom", "gptj", "falcon", "phi", "starcoder2")
+    mats = 3 if gated else 2
+    experts = c.get("num_local_experts", "n_routed_experts", "num_experts")
+    mlp_layers = []
+    for i in range(n_layers):
+        if experts:
+            first_dense = int(c.get("first_k_dense_replace", default=0))
+            if i < first_dense:
+                mlp_layers.append(mats * H * I)
+                continue
+            E = int(experts)
+            mI = int(c.get("moe_intermediate_size", default=I))
+            p = E * mats * H * mI + H * E  # experts + router
+            if mt == "gpt_oss":
+                p += E * (2 * mI + H) + E  # expert biases + router bias
+            shared = c.get("n_shared_experts")
+            if shared:
+                p += mats * H * mI * int(shared)
+            sh_i = c.get("shared_expert_intermediate_size")
+            if sh_i:
+                p += mats * H * int(sh_i) + H  # shared expert + its gate
+            mlp_layers.append(p)
+        else:
+            mlp_layers.append(mats * H * I)
+    norms_per_layer = 4 * H if mt.startswith("gemma2") or mt.startswith("gemma3") else 2 * H
+    total = n_layers * (attn + norms_per_layer) + sum(mlp_layers)
+    total += V * H + H  # embeddings + final norm
+    if not c.get("tie_word_embeddings", default=mt.startswith("gemma")):
+        total += V * H
+    return int(total)
+
+
+def estimate_weights_bytes(config: Any, *, weight_dtype: str | None = None) -> int:
+    """Weight bytes = :func:`count_parameters` × bits of ``weight_dtype`` (default: the model
+    dtype; ``"int8"``, ``"int4"``/``"nf4"``, ``"fp8"`` model bitsandbytes / GPTQ-style storage,
+    without the small per-group scales)."""
+    bits = dtype_bits(weight_dtype or model_dtype(config))
+    return (count_parameters(config) * bits + 7) // 8
+
+
+def _module_bytes(model: Any) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters()) + sum(
+        b.numel() * b.element_size() for b in model.buffers()
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Activations
+# --------------------------------------------------------------------------------------------
+
+
+def estimate_activation_bytes(
+    config: Any,
+    tokens: int,
+    *,
+    batch_size: int = 1,
+    dtype: str | None = None,
+    attn_implementation: str = "sdpa",
+    logits: str = "last",
+) -> int:
+    """Peak transient memory of one prefill forward of ``tokens`` tokens × ``batch_size``.
+
+    A layer-local model of what is alive at once: the residual stream and its normed copy, the
+    Q/K/V projections, either the attention scores (``"eager"`` materializes ``heads × L × L``
+    in the model dtype plus a float32 softmax; ``"sdpa"``/flash kernels do not) or the MLP
+    intermediates (gate, up, product), whichever is larger, plus the logits (``"last"``: one
+    float32 row per sequence, what ``generate`` keeps; ``"all"``: every position). It is an
+    estimate; :func:`record_calibration` replaces it with measurements.
+    """
+    c = _Cfg(_normalize(config, True))
+    d = dtype_bits(dtype or model_dtype(config)) // 8 or 1
+    H = int(c.get("hidden_size", "n_embd", "d_model"))
+    heads = int(c.get("num_attention_heads", "n_head", "num_heads"))
+    kv = int(c.get("num_key_value_heads", "num_kv_heads", default=heads))
+    hd = c.get("head_dim")
+    hd = int(hd) if isinstance(hd, int) and hd > 0 else H // heads
+    I = int(c.get("intermediate_size", "ffn_dim", default=0) or 4 * H)
+    experts = c.get("num_local_experts", "n_routed_experts", "num_experts")
+    if experts:
+        mI = int(c.get("moe_intermediate_size", default=I))
+        topk = int(c.get("num_experts_per_tok", default=2))
+        I = max(mI * topk, I if c.get("first_k_dense_replace") else 0)
+    V = int(c.get("vocab_size", default=32000))
+    bt = batch_size * tokens
+    stream = 3 * bt * H * d  # residual, normed input, layer output
+    qkv = bt * (heads + 2 * kv) * hd * d
+    if attn_implementation == "eager":
+        # scores + float32 softmax + probs in model dtype; K/V repeated to all heads (repeat_kv)
+        attn = batch_size * heads * tokens * tokens * (2 * d + 4) + 2 * bt * heads * hd * d
+    else:
+        attn = bt * heads * hd * d  # output only; kernels tile the scores
+    mlp = 3 * bt * I * d
+    logit_rows = batch_size if logits == "last" else bt
+    logits_bytes = logit_rows * V * (d + 4)  # lm_head output + float32 copy in generate
+    return int(stream + qkv + max(attn, mlp) + logits_bytes)
+
+
+# --------------------------------------------------------------------------------------------
+# Calibration (measured peaks after real CUDA runs)
+# --------------------------------------------------------------------------------------------
+
+_CAL_LOCK = threading.Lock()
+
+
+def _calibration_path() -> Path:
+    from .models import cache_dir
+
+    return cache_dir() / "calibration.json"
+
+
+def _cal_key(gpu_name: str, model: str, dtype: str, cache: str) -> str:
+    return "|".join(str(x).lower() for x in (gpu_name, model, dtype, cache))
+
+
+def record_calibration(
+    *,
+    gpu_name: str,
+    model: str,
+    dtype: str,
+    cache: str,
+    tokens: int,
+    batch_size: int,
+    measured_peak_bytes: int,
+    weights_bytes: int,
+    kv_bytes: int,
+) -> dict[str, Any]:
+    """Record a measured peak (``torch.cuda.max_memory_allocated`` during ``generate``) so the
+    next plan for the same (GPU, model, dtype, cache) uses the measured activation overhead.
+
+    Stored in ``cache_dir()/calibration.json`` as activation bytes per prefill token; the largest
+    ratio seen is kept, so the budget stays on the safe side.
+    """
+    if tokens <= 0 or batch_size <= 0:
+        raise ConfigError("record_calibration needs tokens > 0 and batch_size > 0")
+    residual = max(0, int(measured_peak_bytes) - int(weights_bytes) - int(kv_bytes))
+    per_token = residual / (tokens * batch_size)
+    path = _calibration_path()
+    key = _cal_key(gpu_name, model, dtype, cache)
+    with _CAL_LOCK:
+        data: dict[str, Any] = {}
+        if path.is_file():
+            try:
+                data = json.loads(path.read_text())
+            except (OSError, ValueError):
+                data = {}  # a corrupt calibration file is rebuilt, never fatal
+        old = data.get(key, {})
+        entry = {
+            "activation_bytes_per_token": max(per_token, old.get("activation_bytes_per_token", 0)),
+            "measured_peak_bytes": int(measured_peak_bytes),
+            "tokens": int(tokens),
+            "batch_size": int(batch_size),
+            "runs": int(old.get("runs", 0)) + 1,
+        }
+        data[key] = entry
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+        os.replace(tmp, path)  # atomic: concurrent readers see the old or the new file
+    return entry
+
+
+def lookup_calibration(gpu_name: str, model: str, dtype: str, cache: str) -> dict[str, Any] | None:
+    """The recorded calibration for (GPU, model, dtype, cache), or ``None``."""
+    path = _calibration_path()
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text()).get(_cal_key(gpu_name, model, dtype, cache))
+    except (OSError, ValueError):
+        return None
+
+
+# --------------------------------------------------------------------------------------------
+# The plan
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BudgetPlan:
+    """What fits: bytes, tokens and concurrency for one model on one GPU. Sizes are bytes."""
+
+    model: str
+    gpu_name: str
+    gpu_source: str
+    gpu_bytes: int
+    usable_bytes: int
+    utilization: float
+    weights_bytes: int
+    weights_source: str
+    activation_bytes: int
+    activation_source: str
+    kv_bytes_per_token: int
+    kv_bytes_per_token_peak: int
+    kv_fixed_bytes_per_sequence: int
+    kv_capacity_tokens: int
+    max_context_tokens: int
+    max_prompt_tokens: int
+    max_new_tokens: int
+    concurrency: int
+    max_concurrency: int
+    concurrency_context_tokens: int
+    model_max_tokens: int
+    limited_by: str
+    cache: str
+    kv_dtype: str
+    backend: str
+    kv_bytes_at_max: int
+    free_bytes_at_max: int
+    concurrency_curve: tuple[tuple[int, int], ...] = ()
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict (tuples become lists)."""
+        d = asdict(self)
+        d["concurrency_curve"] = [list(x) for x in self.concurrency_curve]
+        d["notes"] = list(self.notes)
+        return d
+
+
+def _model_max(cfg: Any) -> int:
+    c = _Cfg(text_config(cfg) if isinstance(cfg, Mapping) else cfg)
+    v = c.get("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length",
+              "n_ctx", default=None)
+    return int(v) if v else 4096
+
+
+def _resolve_model(model: Any, config: Any) -> tuple[str, Any, Any]:
+    """(name, config, loaded module or None)."""
+    module = None
+    if model is not None and not isinstance(model, (str, os.PathLike)):
+        module = model
+        config = config if config is not None else getattr(model, "config", None)
+        name = getattr(config, "_name_or_path", None) or type(model).__name__
+        if config is None:
+            raise ConfigError("a loaded model without .config: pass config=")
+        return str(name), config, module
+    if config is not None:
+        name = str(model) if model is not None else str(_Cfg(config).get("_name_or_path",
+                                                                          default="config"))
+        return name, config, None
+    from .models import load_model_config
+
+    cfg = load_model_config(None if model is None else str(model))
+    name = str(model) if model is not None else str(cfg.get("_name_or_path", "default"))
+    return name, cfg, None
+
+
+def plan_budget(
+    model: Any = None,
+    *,
+    gpu: str | int | None = None,
+    concurrency: int = 1,
+    max_new_tokens: int = 256,
+    context_tokens: int | None = None,
+    kv_dtype: str | None = None,
+    cache: str = "dynamic",
+    weights_bytes: int | None = None,
+    weight_dtype: str | None = None,
+    utilization: float = 0.9,
+    backend: str = "transformers",
+    config: Any = None,
+    attn_implementation: str = "sdpa",
+    max_cache_len: int | None = None,
+) -> BudgetPlan:
+    """Plan the memory budget of ``model`` (hub id, shipped name, local path, loaded module, or
+    ``None`` for the default generator) on ``gpu`` (see :func:`ragbudget.gpus.resolve_gpu`).
+
+    Raises :class:`~ragbudget.errors.BudgetError` when not even ``max_new_tokens`` + 1 tokens fit
+    for ``concurrency`` requests, saying what was needed, what is available and what to change.
+
+    >>> p = plan_budget("Qwen/Qwen3-8B", gpu="24GiB", concurrency=4, max_new_tokens=512)
+    >>> p.max_prompt_tokens == p.max_context_tokens - 512
+    True
+    """
+    if not 0 < utilization <= 1:
+        raise ConfigError(f"utilization must be in (0, 1], got {utilization}")
+    if concurrency < 1 or max_new_tokens < 1:
+        raise ConfigError("concurrency and max_new_tokens must be >= 1")
+    name, cfg, module = _resolve_model(model, config)
+    info: GPUInfo = resolve_gpu(gpu)
+    notes = list(info.notes)
+    kvd = kv_dtype or model_dtype(cfg)
+    if module is not None and kv_dtype is None:
+        kvd = str(getattr(module, "dtype", kvd)).removeprefix("torch.")
+    norm = _normalize(cfg, True)
+    specs = layer_specs(norm, backend=backend, normalize=False)
+
+    # Weights
+    if weights_bytes is not None:
+        wbytes, wsrc = int(weights_bytes), "explicit"
+    elif module is not None:
+        wbytes, wsrc = _module_bytes(module), "loaded model (parameters + buffers)"
+    else:
+        wbytes, wsrc = 0, ""
+        local = Path(str(model)).expanduser() if model is not None else None
+        if local is not None and local.exists() and weight_dtype is None:
+            from .models import weights_bytes_from_files
+
+            files = weights_bytes_from_files(local)
+            if files is not None and not list(local.glob("*.gguf")) and local.suffix != ".gguf":
+                wbytes, wsrc = files, "safetensors headers"
+        if not wsrc:
+            wbytes = estimate_weights_bytes(cfg, weight_dtype=weight_dtype)
+            wsrc = f"parameter count × {weight_dtype or model_dtype(cfg)}"
+            if isinstance(cfg, Mapping) and cfg.get("_gguf_file"):
+                notes.append("GGUF weights are dequantized by transformers when loaded: planned "
+                             f"at {weight_dtype or model_dtype(cfg)}, not the GGUF file size")
+            qc = cfg.get("quantization_config") if isinstance(cfg, Mapping) else None
+            if qc and weight_dtype is None:
+                notes.append(f"checkpoint is quantized ({qc.get('quant_method')}); weights planned "
+                             "at the model dtype — pass weight_dtype to plan its real storage")
+    usable = int(info.bytes * utilization)
+    model_max = _model_max(cfg)
+
+    cal = lookup_calibration(info.name, name, kvd, cache)
+
+    def act(tokens: int, batch: int) -> int:
+        if cal is not None:
+            return int(cal["activation_bytes_per_token"] * tokens * batch)
+        return estimate_activation_bytes(norm, tokens, batch_size=batch, dtype=kvd,
+                                         attn_implementation=attn_implementation)
+
+    act_src = ("calibrated (measured on this GPU)" if cal is not None
+               else f"estimate ({attn_implementation} prefill)")
+
+    def kv(tokens: int, batch: int) -> int:
+        mcl = max_cache_len if cache == "static" and max_cache_len else tokens
+        return estimate_kv(norm, tokens, batch_size=batch, kv_dtype=kvd, cache=cache,
+                           backend=backend, max_cache_len=mcl, normalize=False).peak_bytes
+
+    def needed(tokens: int, batch: int) -> int:
+        return wbytes + act(tokens, batch) + kv(tokens, batch)
+
+    def max_tokens(batch: int, cap: int) -> int:
+        if needed(1, batch) > usable:
+            return 0
+        lo, hi = 1, cap
+        if needed(hi, batch) <= usable:
+            return hi
+        while lo < hi:  # largest t with needed(t) <= usable
+            mid = (lo + hi + 1) // 2
+            if needed(mid, batch) <= usable:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    if wbytes >= usable:
+        raise BudgetError(
+            f"{name}: the weights alone need {wbytes / GiB:.2f} GiB but only {usable / GiB:.2f} GiB "
+            f"is usable ({utilization:.0%} of {info.bytes / GiB:.2f} GiB on {info.name}); use a "
+            "smaller or quantized model (weight_dtype='int4'/'int8'), or a larger GPU",
+            needed=wbytes, available=usable, unit="bytes")
+    t_mem = max_tokens(concurrency, 1 << 24)
+    max_ctx = min(t_mem, model_max)
+    limited_by = "model" if t_mem >= model_max else "memory"
+    if max_ctx < max_new_tokens + 1:
+        need = needed(max_new_tokens + 1, concurrency)
+        raise BudgetError(
+            f"{name} on {info.name}: {concurrency} request(s) of {max_new_tokens + 1} tokens need "
+            f"{need / GiB:.2f} GiB (weights {wbytes / GiB:.2f} + activations "
+            f"{act(max_new_tokens + 1, concurrency) / GiB:.2f} + KV "
+            f"{kv(max_new_tokens + 1, concurrency) / GiB:.2f}) but {usable / GiB:.2f} GiB is "
+            "usable; lower max_new_tokens or concurrency, use kv_dtype='fp8' or a quantized/"
+            "offloaded cache, or a smaller model",
+            needed=max_new_tokens + 1, available=max_ctx, unit="tokens")
+    t_one = max_tokens(1, 1 << 24)
+
+    # Concurrency at the target context (or at the model maximum).
+    target = context_tokens if context_tokens is not None else model_max
+    max_conc = 0
+    if needed(target, 1) <= usable:
+        lo, hi = 1, 1
+        while needed(target, hi * 2) <= usable and hi < (1 << 20):
+            hi *= 2
+        lo, hi = hi, hi * 2
+        while lo < hi - 1:
+            mid = (lo + hi) // 2
+            if needed(target, mid) <= usable:
+                lo = mid
+            else:
+                hi = mid
+        max_conc = lo
+
+    curve = []
+    n = 1
+    while n <= max(concurrency, 1 << 10):
+        t = min(max_tokens(n, 1 << 24), model_max)
+        if t < max_new_tokens + 1:
+            break
+        curve.append((n, t))
+        n *= 2
+
+    est_max = estimate_kv(norm, max_ctx, batch_size=concurrency, kv_dtype=kvd, cache=cache,
+                          backend=backend, max_cache_len=max_cache_len or max_ctx,
+                          normalize=False)
+    act_at_max = act(max_ctx, concurrency)
+    per_tok = kv_bytes_per_token(norm, kv_dtype=kvd, backend=backend, normalize=False)
+    per_tok_peak = kv_bytes_per_token(norm, kv_dtype=kvd, backend=backend, normalize=False,
+                                      include_sliding=True)
+    fixed = estimate_kv(norm, 0, kv_dtype=kvd, cache="dynamic", backend=backend,
+                        normalize=False).steady_bytes
+    if any(s.kind == "sliding_attention" for s in specs) and cache == "dynamic":
+        notes.append("sliding-window layers pin the whole prefill until the first decode step "
+                     "(transformers DynamicSlidingWindowLayer): the budget uses that peak")
+    if cache == "quantized":
+        notes.append("quantized cache (quanto/hqq): an upper bound, the residual window is "
+                     "counted full")
+    if limited_by == "model":
+        notes.append(f"context capped by the model's max_position_embeddings ({model_max})")
+    return BudgetPlan(
+        model=name, gpu_name=info.name, gpu_source=info.source, gpu_bytes=info.bytes,
+        usable_bytes=usable, utilization=utilization, weights_bytes=wbytes, weights_source=wsrc,
+        activation_bytes=act_at_max, activation_source=act_src, kv_bytes_per_token=per_tok,
+        kv_bytes_per_token_peak=per_tok_peak, kv_fixed_bytes_per_sequence=fixed,
+        kv_capacity_tokens=t_one, max_context_tokens=max_ctx,
+        max_prompt_tokens=max_ctx - max_new_tokens, max_new_tokens=max_new_tokens,
+        concurrency=concurrency, max_concurrency=max_conc, concurrency_context_tokens=target,
+        model_max_tokens=model_max,
+        limited_by=limited_by, cache=cache, kv_dtype=kvd, backend=backend,
+        kv_bytes_at_max=est_max.peak_bytes,
+        free_bytes_at_max=max(0, usable - wbytes - act_at_max - est_max.peak_bytes),
+        concurrency_curve=tuple(curve), notes=tuple(notes),
+    )
+
+
+def _h(n: int) -> str:
+    if n >= GiB:
+        return f"{n / GiB:.2f} GiB"
+    if n >= MiB:
+        return f"{n / MiB:.1f} MiB"
+    return f"{n / 1024:.1f} KiB" if n >= 1024 else f"{n} B"
+
+
+def format_plan(plan: BudgetPlan) -> str:
+    """A readable table of a plan (for the CLI)."""
+    rows = [
+        ("model", plan.model),
+        ("gpu", f"{plan.gpu_name} ({plan.gpu_source})"),
+        ("memory", f"{_h(plan.gpu_bytes)} × {plan.utilization:.2f} = {_h(plan.usable_bytes)} usable"),
+        ("weights", f"{_h(plan.weights_bytes)} ({plan.weights_source})"),
+        ("activations", f"{_h(plan.activation_bytes)} ({plan.activation_source})"),
+        ("kv cache", f"{plan.cache}, {plan.kv_dtype}, {plan.backend}"),
+        ("kv per token", f"{_h(plan.kv_bytes_per_token)} (below sliding windows: "
+                         f"{_h(plan.kv_bytes_per_token_peak)})"),
+        ("kv at max", f"{_h(plan.kv_bytes_at_max)} for {plan.concurrency} × "
+                      f"{plan.max_context_tokens:,} tokens"),
+        ("kv capacity", f"{plan.kv_capacity_tokens:,} tokens (one sequence)"),
+        ("max context", f"{plan.max_context_tokens:,} tokens per request (limited by "
+                        f"{plan.limited_by}; model max {plan.model_max_tokens:,})"),
+        ("max prompt", f"{plan.max_prompt_tokens:,} tokens + {plan.max_new_tokens} new"),
+        ("concurrency", f"{plan.concurrency} (max {plan.max_concurrency} requests of "
+                        f"{plan.concurrency_context_tokens:,} tokens)"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    lines = [f"{k.ljust(width)}  {v}" for k, v in rows]
+    if plan.concurrency_curve:
+        lines.append("tokens per request by concurrency: " + ", ".join(
+            f"{n}→{t:,}" for n, t in plan.concurrency_curve[:8]))
+    lines += [f"note: {n}" for n in plan.notes]
+    return "\n".join(lines)
+
+
+def plot_plan(plan: BudgetPlan, path: str | os.PathLike[str]) -> str:
+    """Save a two-panel PNG: memory split (weights / activations / KV / free) and tokens allowed
+    per request against concurrency. Needs matplotlib (``pip install ragbudget[plot]``)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise ConfigError("plotting needs matplotlib: pip install matplotlib") from e
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    parts = [("weights", plan.weights_bytes), ("activations", plan.activation_bytes),
+             ("KV", plan.kv_bytes_at_max), ("free", plan.free_bytes_at_max)]
+    bottom = 0.0
+    for label, v in parts:
+        a.bar([0], [v / GiB], bottom=[bottom], label=f"{label} {v / GiB:.1f} GiB")
+        bottom += v / GiB
+    a.axhline(plan.usable_bytes / GiB, color="k", ls="--", lw=1, label="usable")
+    a.set_xticks([])
+    a.set_ylabel("GiB")
+    a.set_title(f"{plan.gpu_name}: {plan.usable_bytes / GiB:.1f} GiB usable")
+    a.legend(fontsize=8)
+    if plan.concurrency_curve:
+        xs, ys = zip(*plan.concurrency_curve)
+        b.plot(xs, ys, marker="o")
+        b.set_xscale("log", base=2)
+    b.set_xlabel("concurrent requests")
+    b.set_ylabel("max tokens per request")
+    b.set_title(plan.model[:40])
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return str(path)

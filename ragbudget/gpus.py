@@ -1,0 +1,182 @@
+"""How much accelerator memory there is to plan against.
+
+``resolve_gpu(None)`` / ``"auto"`` reads the free memory of ``cuda:0`` (``torch.cuda.mem_get_info``:
+free, not total — other processes' memory is not ours); without a GPU it plans against the host's
+available RAM and says so. A name (``"RTX 4090"``, ``"a100 80gb"``, ``"M3 Max"``) is looked up in
+:data:`GPU_TABLE`; a size (``"24GiB"``, ``"24GB"``, ``"16g"``, ``25769803776``) is taken as is.
+
+Sizes: ``GiB``/``G``/``g`` are powers of two (2**30), ``GB`` is SI (10**9) — "24GB" is
+22.35 GiB. Table entries are the marketed capacities in GiB, which is what the driver reports
+up to a few hundred MiB of reserved memory.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+import sys
+from dataclasses import dataclass
+
+from .errors import ConfigError
+
+__all__ = ["GPU_TABLE", "GPUInfo", "host_available_bytes", "parse_size", "resolve_gpu"]
+
+GiB = 1 << 30
+
+#: Marketed memory (GiB) of common accelerators. Apple entries are unified memory shared with
+#: the OS: by default macOS lets the GPU wire about 75% of it (``recommendedMaxWorkingSetSize``).
+GPU_TABLE: dict[str, float] = {
+    # NVIDIA consumer
+    "RTX 3060": 12, "RTX 3070": 8, "RTX 3080": 10, "RTX 3080 Ti": 12, "RTX 3090": 24,
+    "RTX 3090 Ti": 24, "RTX 4060": 8, "RTX 4060 Ti": 16, "RTX 4070": 12, "RTX 4070 Ti": 12,
+    "RTX 4070 Ti Super": 16, "RTX 4080": 16, "RTX 4080 Super": 16, "RTX 4090": 24,
+    "RTX 5070": 12, "RTX 5070 Ti": 16, "RTX 5080": 16, "RTX 5090": 32,
+    # NVIDIA workstation / inference
+    "RTX A4000": 16, "RTX A5000": 24, "RTX A6000": 48, "RTX 6000 Ada": 48,
+    "RTX PRO 6000 Blackwell": 96, "T4": 16, "A10": 24, "A10G": 24, "L4": 24, "L40": 48,
+    "L40S": 48, "V100 16GB": 16, "V100 32GB": 32,
+    # NVIDIA datacenter
+    "A100 40GB": 40, "A100 80GB": 80, "H100 80GB": 80, "H100 NVL": 94, "H200": 141,
+    "GH200": 96, "B200": 180, "B300": 288,
+    # AMD
+    "MI210": 64, "MI250X": 128, "MI300X": 192, "MI325X": 256, "RX 7900 XTX": 24,
+    # Apple unified memory (the largest configuration of each chip)
+    "M1 Max": 64, "M1 Ultra": 128, "M2 Max": 96, "M2 Ultra": 192, "M3 Max": 128,
+    "M3 Ultra": 512, "M4 Pro": 64, "M4 Max": 128,
+}  # fmt: skip
+
+#: Short names that mean a specific table entry.
+_ALIASES = {"a100": "A100 80GB", "h100": "H100 80GB", "v100": "V100 32GB"}
+
+
+@dataclass(frozen=True)
+class GPUInfo:
+    """Memory to plan against: ``bytes`` from ``source`` (``"cuda:0 free memory"``, ``"table"``,
+    ``"explicit size"``, ``"host RAM (no GPU)"``), with a human ``name`` and ``notes``."""
+
+    name: str
+    bytes: int
+    source: str
+    notes: tuple[str, ...] = ()
+
+
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+_UNITS = {"b": 1, "k": 1 << 10, "ki": 1 << 10, "kib": 1 << 10, "kb": 10**3,
+          "m": 1 << 20, "mi": 1 << 20, "mib": 1 << 20, "mb": 10**6,
+          "g": 1 << 30, "gi": 1 << 30, "gib": 1 << 30, "gb": 10**9,
+          "t": 1 << 40, "ti": 1 << 40, "tib": 1 << 40, "tb": 10**12}  # fmt: skip
+
+
+def parse_size(text: str | int | float) -> int:
+    """Bytes from ``"24GiB"``, ``"24GB"`` (SI), ``"16g"``, ``"512MiB"`` or a number of bytes.
+
+    >>> parse_size("24GiB"), parse_size("24GB"), parse_size("16g"), parse_size(1024)
+    (25769803776, 24000000000, 17179869184, 1024)
+    """
+    if isinstance(text, bool):
+        raise ConfigError(f"not a memory size: {text!r}")
+    if isinstance(text, (int, float)):
+        if text <= 0:
+            raise ConfigError(f"memory size must be positive, got {text}")
+        return int(text)
+    m = _SIZE_RE.match(text)
+    if not m:
+        raise ConfigError(f"not a memory size: {text!r} (use e.g. 24GiB, 24GB, 16g or bytes)")
+    value, unit = float(m.group(1)), (m.group(2) or "b").lower()
+    if value <= 0:
+        raise ConfigError(f"memory size must be positive, got {text!r}")
+    return int(value * _UNITS[unit])
+
+
+def _norm(name: str) -> str:
+    name = name.lower()
+    for word in ("nvidia", "geforce", "tesla", "amd", "radeon", "instinct", "apple", "quadro"):
+        name = name.replace(word, "")
+    name = name.replace("gib", "gb")
+    return re.sub(r"[^a-z0-9]", "", name)
+
+
+def _lookup(name: str) -> str:
+    key = _norm(name)
+    table = {_norm(k): k for k in GPU_TABLE}
+    if key in table:
+        return table[key]
+    if key in _ALIASES:
+        return _ALIASES[key]
+    # A unique table entry that starts with what was typed ("rtx 4070 ti s" → Ti Super).
+    starts = [v for k, v in table.items() if k.startswith(key)]
+    if len(starts) == 1:
+        return starts[0]
+    close = difflib.get_close_matches(key, list(table), n=5, cutoff=0.5)
+    names = [table[c] for c in close] or starts[:5]
+    raise ConfigError(
+        f"unknown GPU {name!r}"
+        + (f"; did you mean: {', '.join(names)}?" if names else "")
+        + " Pass a size instead (e.g. --gpu 24GiB), or one of: "
+        + ", ".join(GPU_TABLE)
+    )
+
+
+def host_available_bytes() -> int:
+    """Available host RAM (psutil, else ``MemAvailable`` of /proc/meminfo)."""
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except ImportError:
+        pass
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    raise ConfigError("cannot read the host's available memory; pass --gpu with a size")
+
+
+def _cuda_free() -> tuple[str, int, int] | None:
+    # Avoid importing torch (seconds) on machines that visibly have no NVIDIA driver.
+    if "torch" not in sys.modules and not (
+        os.path.exists("/dev/nvidiactl") or os.path.exists("/dev/kfd")
+    ):
+        return None
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        free, total = torch.cuda.mem_get_info(0)
+        return torch.cuda.get_device_name(0), int(free), int(total)
+    except Exception:
+        return None
+
+
+def resolve_gpu(gpu: str | int | None = None) -> GPUInfo:
+    """The memory to plan against (see the module docstring).
+
+    >>> resolve_gpu("RTX 4090").bytes == 24 * 2**30
+    True
+    >>> resolve_gpu("24GiB").source
+    'explicit size'
+    """
+    if gpu is None or (isinstance(gpu, str) and gpu.strip().lower() in ("", "auto")):
+        cuda = _cuda_free()
+        if cuda is not None:
+            name, free, total = cuda
+            return GPUInfo(name=name, bytes=free, source="cuda:0 free memory",
+                           notes=(f"{name}: {free / GiB:.1f} GiB free of {total / GiB:.1f} GiB",))
+        avail = host_available_bytes()
+        return GPUInfo(name="host RAM", bytes=avail, source="host RAM (no GPU)",
+                       notes=("no CUDA device: planning against available host RAM "
+                              f"({avail / GiB:.1f} GiB); pass --gpu to plan for a GPU",))
+    if isinstance(gpu, (int, float)) or _SIZE_RE.match(str(gpu)):
+        size = parse_size(gpu)
+        return GPUInfo(name=f"{size / GiB:.1f} GiB", bytes=size, source="explicit size")
+    name = _lookup(str(gpu))
+    notes: tuple[str, ...] = ()
+    if name.startswith("M") and name[1:2].isdigit():
+        notes = ("Apple unified memory is shared with the OS; by default the GPU may use about "
+                 "75% of it",)
+    return GPUInfo(name=name, bytes=int(GPU_TABLE[name] * GiB), source="table", notes=notes)

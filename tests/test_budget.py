@@ -1,0 +1,197 @@
+"""The memory budget: weights, activations, capacity, errors, calibration, offline configs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from ragbudget.budget import (
+    BudgetPlan,
+    count_parameters,
+    estimate_activation_bytes,
+    format_plan,
+    lookup_calibration,
+    plan_budget,
+    plot_plan,
+    record_calibration,
+)
+from ragbudget.errors import BudgetError, ConfigError, ModelError
+from ragbudget.gpus import GiB
+from ragbudget.kvcache import kv_cache_bytes
+from ragbudget.models import list_model_configs, load_model_config
+
+REQUIRED_KEYS = {"kv_bytes_per_token", "weights_bytes", "activation_bytes", "gpu_bytes",
+                 "kv_capacity_tokens", "max_context_tokens", "max_concurrency", "limited_by"}
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("RAGBUDGET_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+def test_llama8b_on_4090_offline():
+    p = plan_budget("meta-llama/Llama-3.1-8B-Instruct", gpu="RTX 4090")
+    assert p.kv_bytes_per_token == 131072
+    assert p.weights_bytes == 8_030_261_248 * 2  # published parameter count × bf16
+    assert p.limited_by == "memory"
+    assert p.max_prompt_tokens == p.max_context_tokens - p.max_new_tokens
+    # The plan fits, and one more token would not.
+    used = p.weights_bytes + p.activation_bytes + p.kv_bytes_at_max
+    assert used <= p.usable_bytes
+    d = p.to_dict()
+    assert REQUIRED_KEYS <= set(d)
+    json.dumps(d)
+    assert "max context" in format_plan(p)
+
+
+def test_context_decreases_with_concurrency():
+    p = plan_budget("Qwen/Qwen3-8B", gpu="24GiB", concurrency=1)
+    q = plan_budget("Qwen/Qwen3-8B", gpu="24GiB", concurrency=8)
+    assert q.max_context_tokens < p.max_context_tokens
+    curve = [t for _, t in p.concurrency_curve]
+    assert curve == sorted(curve, reverse=True)
+
+
+def test_model_limit_and_max_concurrency():
+    p = plan_budget("HuggingFaceTB/SmolLM2-135M-Instruct", gpu="H100", concurrency=2)
+    assert p.limited_by == "model" and p.max_context_tokens == 8192
+    assert p.max_concurrency > 2
+    q = plan_budget("HuggingFaceTB/SmolLM2-135M-Instruct", gpu="H100", context_tokens=1024)
+    assert q.max_concurrency > p.max_concurrency
+
+
+def test_fp8_kv_doubles_capacity_roughly():
+    a = plan_budget("meta-llama/Llama-3.1-8B-Instruct", gpu="RTX 4090", max_new_tokens=64)
+    b = plan_budget("meta-llama/Llama-3.1-8B-Instruct", gpu="RTX 4090", max_new_tokens=64,
+                    kv_dtype="fp8")
+    assert b.kv_bytes_per_token * 2 == a.kv_bytes_per_token
+    assert b.max_context_tokens > a.max_context_tokens
+
+
+def test_budget_error_says_need_have_fix():
+    with pytest.raises(BudgetError) as e:
+        plan_budget("meta-llama/Llama-3.1-70B-Instruct", gpu="RTX 4090")
+    assert "GiB" in str(e.value) and "smaller" in str(e.value)
+    with pytest.raises(BudgetError) as e:
+        plan_budget("meta-llama/Llama-3.1-8B-Instruct", gpu="RTX 4090", concurrency=512,
+                    max_new_tokens=1024)
+    assert e.value.unit == "tokens" and "concurrency" in str(e.value)
+
+
+def test_weights_sources(tmp_path):
+    p = plan_budget("meta-llama/Llama-3.1-8B-Instruct", gpu="H100", weights_bytes=10**9)
+    assert p.weights_bytes == 10**9
+    q = plan_budget("meta-llama/Llama-3.1-8B-Instruct", gpu="H100", weight_dtype="int4")
+    assert q.weights_bytes == (8_030_261_248 * 4 + 7) // 8
+    # Local folder: config.json + safetensors header
+    cfg = load_model_config("HuggingFaceTB/SmolLM2-135M-Instruct")
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    header = json.dumps({"w": {"dtype": "BF16", "shape": [10, 10], "data_offsets": [0, 200]}})
+    raw = header.encode()
+    with open(tmp_path / "model.safetensors", "wb") as f:
+        f.write(len(raw).to_bytes(8, "little") + raw + b"\0" * 200)
+    r = plan_budget(str(tmp_path), gpu="H100")
+    assert r.weights_bytes == 200 and r.weights_source == "safetensors headers"
+
+
+def test_loaded_model_weights():
+    torch = pytest.importorskip("torch")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, max_position_embeddings=128)
+    m = LlamaForCausalLM(cfg)
+    p = plan_budget(m, gpu="1GiB", max_new_tokens=8)
+    real = sum(t.numel() * t.element_size() for t in list(m.parameters()) + list(m.buffers()))
+    assert p.weights_bytes == real
+    assert p.kv_dtype == "float32"
+    assert p.kv_bytes_per_token == kv_cache_bytes(cfg, 1, kv_dtype="float32")
+    del torch
+
+
+def test_calibration_roundtrip():
+    assert lookup_calibration("H100 80GB", "m", "bfloat16", "dynamic") is None
+    e = record_calibration(gpu_name="H100 80GB", model="m", dtype="bfloat16", cache="dynamic",
+                           tokens=1000, batch_size=1, measured_peak_bytes=3000 + 10**6,
+                           weights_bytes=1000, kv_bytes=2000)
+    assert e["activation_bytes_per_token"] == 1000
+    got = lookup_calibration("h100 80gb", "M", "bfloat16", "dynamic")
+    assert got is not None and got["runs"] == 1
+    p = plan_budget("HuggingFaceTB/SmolLM2-135M-Instruct", gpu="H100", kv_dtype="bfloat16")
+    assert p.activation_source.startswith("estimate")
+    record_calibration(gpu_name="H100 80GB", model="HuggingFaceTB/SmolLM2-135M-Instruct",
+                       dtype="bfloat16", cache="dynamic", tokens=100, batch_size=1,
+                       measured_peak_bytes=10**9, weights_bytes=0, kv_bytes=0)
+    q = plan_budget("HuggingFaceTB/SmolLM2-135M-Instruct", gpu="H100", kv_dtype="bfloat16")
+    assert q.activation_source.startswith("calibrated")
+    assert q.activation_bytes == int(10**7 * q.max_context_tokens)
+
+
+def test_eager_activations_grow_quadratically():
+    cfg = load_model_config("meta-llama/Llama-3.2-1B-Instruct")
+    s1 = estimate_activation_bytes(cfg, 1000, attn_implementation="eager")
+    s2 = estimate_activation_bytes(cfg, 2000, attn_implementation="eager")
+    f1 = estimate_activation_bytes(cfg, 1000)
+    f2 = estimate_activation_bytes(cfg, 2000)
+    assert s2 / s1 > 3 and f2 / f1 < 2.2
+
+
+def test_shipped_configs_are_complete():
+    ids = list_model_configs()
+    assert len(ids) >= 15
+    for hub in ids:
+        cfg = load_model_config(hub)
+        assert cfg["_name_or_path"] == hub
+        assert count_parameters(cfg) > 10**8
+    for hub in ("google/gemma-3-4b-it", "openai/gpt-oss-20b", "mistralai/Mixtral-8x7B-Instruct-v0.1"):
+        assert plan_budget(hub, gpu="B300", max_new_tokens=16).max_context_tokens > 16
+
+
+def test_model_config_resolution(tmp_path):
+    assert load_model_config("llama-3.1-8b")["_name_or_path"] == "meta-llama/Llama-3.1-8B-Instruct"
+    assert load_model_config("qwen3-8B")["num_hidden_layers"] == 36
+    assert load_model_config(None)["hidden_size"] == 576
+    with pytest.raises(ModelError, match="Shipped"):
+        load_model_config("no-such-model-xyz")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 8}))
+    assert load_model_config(str(tmp_path))["hidden_size"] == 8
+
+
+def test_gguf_default_generator_config():
+    from ragbudget.models import resolve_generator
+
+    try:
+        ref = resolve_generator()
+    except ModelError:
+        pytest.skip("default generator not installed")
+    cfg = load_model_config(os.path.join(ref.path, ref.gguf_file))
+    snap = load_model_config("HuggingFaceTB/SmolLM2-135M-Instruct")
+    for k in ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
+              "intermediate_size", "max_position_embeddings", "vocab_size"):
+        assert cfg[k] == snap[k], k
+    assert cfg["_gguf_tensor_bytes"] > 0
+
+
+def test_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    p = plan_budget("Qwen/Qwen3-4B", gpu="RTX 4090")
+    out = plot_plan(p, tmp_path / "plan.png")
+    assert os.path.getsize(out) > 1000
+
+
+def test_bad_arguments():
+    with pytest.raises(ConfigError):
+        plan_budget("Qwen/Qwen3-4B", gpu="RTX 4090", utilization=1.5)
+    with pytest.raises(ConfigError):
+        plan_budget("Qwen/Qwen3-4B", gpu="RTX 4090", concurrency=0)
+
+
+def test_import_stays_light():
+    code = ("import sys, ragbudget.budget, ragbudget.kvcache, ragbudget.gpus; "
+            "assert 'torch' not in sys.modules and 'transformers' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
