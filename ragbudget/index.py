@@ -414,7 +414,8 @@ class Index:
             apath = self._check_file(m["approx"])
             try:
                 approx = faiss.read_index(str(apath))
-                approx.index.hnsw.efSearch = int(m["approx"].get("ef_search", 128))
+                faiss.ParameterSpace().set_index_parameter(
+                    approx, "efSearch", int(m["approx"].get("ef_search", 128)))
             except Exception as exc:
                 raise IndexCorruptError(f"index file {apath} could not be read: {exc}") from exc
         # immutable=1: generation files never change after commit, so SQLite needs no locks.
@@ -664,8 +665,10 @@ class Index:
             raise ConfigError(f"dedup must be 'near', 'exact' or 'none', got {dedup!r}")
         if approx not in (None, "hnsw"):
             raise ConfigError(f"approx must be None or 'hnsw', got {approx!r}")
-        if not 0 < min_tokens <= max_tokens:
-            raise ConfigError(f"need 0 < min_tokens <= max_tokens, got {min_tokens}, {max_tokens}")
+        if not 0 <= min_tokens <= max_tokens:
+            raise ConfigError(
+                f"need 0 <= min_tokens <= max_tokens, got min_tokens={min_tokens}, "
+                f"max_tokens={max_tokens}; lower min_tokens or raise max_tokens")
         from .tokens import get_tokenizer
 
         tok = get_tokenizer(tokenizer)
