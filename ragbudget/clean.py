@@ -91,7 +91,7 @@ def mask_line(line: str) -> str:
     """
     words = []
     for word in line.split():
-        if _ROMAN.match(word):
+        if _ROMAN.match(word) and (len(word) > 1 or word in "ivxIVX"):
             words.append("#")
         else:
             words.append(_DIGITS.sub("#", word.casefold()))
@@ -116,6 +116,8 @@ class StripReport:
 def _roman_value(token: str) -> int | None:
     # Lower-case only: upper-case "I", "C", "MD" are words or initials far more often than numbers.
     if not token or not token.islower() or not _ROMAN.match(token):
+        return None
+    if len(token) == 1 and token not in "ivx":  # a lone "c", "d", "l", "m" is a letter
         return None
     total = 0
     for a, b in zip(token, token[1:] + " "):
@@ -256,7 +258,9 @@ def find_furniture(
         # left in place costs nothing, a closing brace taken out breaks the code.
         if len(pset) < 2 or n < 3 or not _HAS_WORD.search(key):
             continue
-        if len(pset) >= max(2, math.ceil(_GLOBAL_SHARE * n)):
+        # Short documents: 2 pages suffice up to 4 pages (a man page's header is on pages 2-3 of
+        # 3); from 5 pages on, 2 agreeing pages are too easily a coincidence.
+        if len(pset) >= (2 if n <= 4 else max(3, math.ceil(_GLOBAL_SHARE * n))):
             furniture.update((key, p) for p in pset)
             continue
         for parity in (0, 1):
@@ -301,7 +305,8 @@ def find_furniture(
     # the pages that have text, the "pages" are something else (repeated form letters, a table
     # split into tiny pages) and nothing is removed rather than gutting the document.
     with_text = [p for p, z in enumerate(zones) if z]
-    emptied = sum(1 for p in with_text if per_page[p] == len(zones[p]) and len(zones[p]) <= 2 * ZONE)
+    n_lines = [sum(1 for line in lines if line.strip()) for lines in split]
+    emptied = sum(1 for p in with_text if per_page[p] == n_lines[p])
     if with_text and emptied > _MAX_EMPTIED * len(with_text):
         removed, per_page = [], [0] * n
     patterns = tuple(sorted({keys[loc] for loc in removed}))

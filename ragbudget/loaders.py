@@ -539,11 +539,11 @@ def _html_to_text(markup: str, path: str) -> tuple[str, str]:
         elif tag == "br":
             flush()
         elif tag in _BLOCK_TAGS:
-            block_break()
-            if tag == "li":
+            if tag == "li":  # list items stay on consecutive lines
+                flush()
                 buf.append("- ")
-            elif tag in ("td", "th"):
-                buf.append(" | ")
+            else:
+                block_break()
             if el.text:
                 buf.append(el.text)
             inner = in_article or tag in ("article", "main")
