@@ -316,3 +316,11 @@ def test_real_documents_known_running_heads(real_pages):
     close = strip_headers_footers(real_pages["close.2.txt"])
     assert not any("System Calls Manual" in p or "Linux man-pages 6.03" in p for p in close)
     assert close[0].lstrip().startswith("NAME")
+
+
+def test_docstring_examples():
+    import doctest
+
+    import ragbudget.clean
+
+    assert doctest.testmod(ragbudget.clean).failed == 0

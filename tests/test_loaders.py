@@ -437,3 +437,11 @@ def test_import_is_light():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_docstring_examples():
+    import doctest
+
+    import ragbudget.loaders
+
+    assert doctest.testmod(ragbudget.loaders).failed == 0

@@ -1,0 +1,226 @@
+"""Header/footer stripping: ragbudget vs Haystack's DocumentCleaner on real documents.
+
+Documents: the 3 typeset PDFs of ``shared/data/pdf`` (369 pages, text extracted with ragbudget's
+pypdfium2 loader, uncleaned) and the 40 groff-rendered man pages of ``shared/data/manpages``
+(260 pages). The same pages go to both cleaners.
+
+Ground truth (built here, independent of either cleaner):
+
+* furniture: a line among the first/last 3 non-empty lines of a page whose digit-masked form
+  repeats in those zones on >= 30% of the document's pages (and on >= 2);
+* extended furniture: furniture plus a first/last-two line whose first or last word (or N in
+  "N / M") is the page's printed page number - per-chapter running heads and section-title
+  footers that a 30% rule cannot see (page-number offsets read off the documents);
+* body: every other line of >= 40 characters.
+
+A line counts as removed when it no longer appears, whole, among the cleaned page's lines
+(per-page multiset of stripped lines, so a partial cut - Haystack removes substrings - counts as
+"not removed" for furniture and as "lost" for body).
+
+Haystack: ``DocumentCleaner(remove_repeated_substrings=True, remove_empty_lines=False,
+remove_extra_whitespaces=False)`` on the pages joined by form feeds. The two whitespace options are
+switched off because they rewrite every line (and join lines), which would make every body line
+"lost"; what is measured is its header/footer logic (``_find_and_remove_header_footer``).
+
+Run: ``.venv/bin/python bench/clean.py`` (``--quick``: man pages and maint-guide only).
+Writes ``bench/out/clean.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import sys
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from ragbudget.clean import find_furniture, mask_line  # noqa: E402
+from ragbudget.loaders import load_document  # noqa: E402
+
+SHARED = Path(os.environ.get("RAGBUDGET_SHARED_DATA", REPO.parent / "shared" / "data"))
+PDFS = ("policy.pdf", "maint-guide.en.pdf", "R-intro.pdf")
+# printed page number of 0-based page i: (arabic offset, roman front-matter pages, roman offset)
+PAGE_NUMBERS = {
+    "policy.pdf": (-9, range(2, 10), -1),
+    "maint-guide.en.pdf": (-5, range(1, 6), 1),
+    "R-intro.pdf": (-5, range(2, 6), -1),
+}
+ROMAN = ["", "i", "ii", "iii", "iv", "v", "vi", "vii", "viii", "ix", "x"]
+
+
+def printed(name: str, i: int) -> str:
+    if name not in PAGE_NUMBERS:
+        return str(i + 1)
+    arabic, front, roman = PAGE_NUMBERS[name]
+    return ROMAN[i + roman] if i in front else str(i + arabic)
+
+
+def ground_truth(name: str, pages: list[str]) -> tuple[set, set, set]:
+    zones, key_pages = [], defaultdict(set)
+    for p, page in enumerate(pages):
+        lines = page.split("\n")
+        ne = [i for i, line in enumerate(lines) if line.strip()]
+        zones.append((set(ne[:3] + ne[-3:]), set(ne[:2] + ne[-2:])))
+        for i in zones[-1][0]:
+            key_pages[mask_line(lines[i])].add(p)
+    need = max(2, math.ceil(0.3 * len(pages)))
+    furniture, extended, body = set(), set(), set()
+    for p, page in enumerate(pages):
+        pn = printed(name, p)
+        for i, line in enumerate(page.split("\n")):
+            key, words = mask_line(line), line.split()
+            if i in zones[p][0] and len(key_pages[key]) >= need and re.search(r"[^\W_]|#", key):
+                furniture.add((p, i))
+                extended.add((p, i))
+                continue
+            if i in zones[p][1] and len(line.strip()) <= 120 and (
+                pn in (words[0], words[-1]) or (len(words) >= 3 and words[-3] == pn and words[-2] == "/")
+            ):
+                extended.add((p, i))
+                continue
+            if len(line.strip()) >= 40:
+                body.add((p, i))
+    return furniture, extended, body
+
+
+def removed_positions(before: list[str], after: list[str]) -> set[tuple[int, int]]:
+    """Positions of lines no longer present whole in the cleaned page (multiset, stripped)."""
+    assert len(before) == len(after), "page count changed"
+    out = set()
+    for p, (b, a) in enumerate(zip(before, after)):
+        left = Counter(line.strip() for line in a.split("\n"))
+        for i, line in enumerate(b.split("\n")):
+            key = line.strip()
+            if left[key] > 0:
+                left[key] -= 1
+            else:
+                out.add((p, i))
+    return out
+
+
+def ragbudget_clean(pages: list[str], trust: bool) -> list[str]:
+    from ragbudget.clean import apply_report
+
+    return apply_report(pages, find_furniture(pages, trust_page_numbers=trust))
+
+
+def haystack_cleaner():
+    from haystack import Document as HDocument
+    from haystack.components.preprocessors import DocumentCleaner
+
+    cleaner = DocumentCleaner(
+        remove_repeated_substrings=True, remove_empty_lines=False, remove_extra_whitespaces=False
+    )
+
+    def run(pages: list[str]) -> list[str]:
+        out = cleaner.run(documents=[HDocument(content="\f".join(pages))])["documents"][0].content
+        return out.split("\f")
+
+    return run
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="man pages and maint-guide only")
+    args = parser.parse_args()
+    if not SHARED.is_dir():
+        sys.exit(f"shared data not found at {SHARED}; set RAGBUDGET_SHARED_DATA")
+
+    docs: dict[str, list[str]] = {}
+    t0 = time.perf_counter()
+    for name in (("maint-guide.en.pdf",) if args.quick else PDFS):
+        docs[name] = load_document(SHARED / "pdf" / name, clean=False).pages
+    for path in sorted((SHARED / "manpages").glob("*.txt")):
+        docs[path.name] = load_document(path, clean=False).pages
+    load_s = time.perf_counter() - t0
+
+    cleaners = {"ragbudget": lambda p: ragbudget_clean(p, False),
+                "ragbudget (trust_page_numbers)": lambda p: ragbudget_clean(p, True)}
+    try:
+        cleaners["haystack DocumentCleaner"] = haystack_cleaner()
+        import haystack
+
+        haystack_version = haystack.__version__
+    except ImportError:
+        haystack_version = None
+        print("haystack-ai not installed (pip install -e '.[bench]'); peer column skipped")
+
+    truth = {name: ground_truth(name, pages) for name, pages in docs.items()}
+    results = {}
+    for label, clean in cleaners.items():
+        per_group: dict[str, Counter] = defaultdict(Counter)
+        seconds = 0.0
+        for name, pages in docs.items():
+            t = time.perf_counter()
+            cleaned = clean(pages)
+            seconds += time.perf_counter() - t
+            gone = removed_positions(pages, cleaned)
+            furniture, extended, body = truth[name]
+            group = "pdf" if name.endswith(".pdf") else "manpages"
+            for g in (group, "all"):
+                c = per_group[g]
+                c["furniture"] += len(furniture)
+                c["furniture_removed"] += len(furniture & gone)
+                c["extended"] += len(extended)
+                c["extended_removed"] += len(extended & gone)
+                c["body"] += len(body)
+                c["body_lost"] += len(body & gone)
+                c["pages_emptied"] += sum(
+                    1 for b, a in zip(pages, cleaned) if b.strip() and not a.strip()
+                    and sum(1 for line in b.split("\n") if len(line.strip()) >= 40) >= 3
+                )
+        results[label] = {
+            "seconds": round(seconds, 3),
+            "groups": {
+                g: {
+                    **dict(c),
+                    "removal_pct": round(100 * c["furniture_removed"] / max(1, c["furniture"]), 2),
+                    "extended_removal_pct": round(100 * c["extended_removed"] / max(1, c["extended"]), 2),
+                    "body_loss_pct": round(100 * c["body_lost"] / max(1, c["body"]), 3),
+                }
+                for g, c in per_group.items()
+            },
+        }
+
+    n_pages = sum(len(p) for p in docs.values())
+    print(f"{len(docs)} documents, {n_pages} pages (extraction {load_s:.1f}s, not counted below)")
+    header = f"{'cleaner':32} {'group':9} {'furniture removed':>18} {'extended removed':>17} {'body lost':>10} {'pages wiped':>11} {'time s':>7}"
+    print(header)
+    print("-" * len(header))
+    base = results["ragbudget"]["seconds"]
+    for label, r in results.items():
+        for g in ("pdf", "manpages", "all"):
+            if g not in r["groups"]:
+                continue
+            c = r["groups"][g]
+            t = f"{r['seconds']:7.2f}" if g == "all" else ""
+            print(
+                f"{label:32} {g:9} {c['removal_pct']:>7.2f}% ({c['furniture_removed']:>4}/{c['furniture']:<4})"
+                f" {c['extended_removal_pct']:>7.2f}% ({c['extended_removed']:>4}/{c['extended']:<4})"
+                f" {c['body_loss_pct']:>9.3f}% {c['pages_emptied']:>11} {t:>7}"
+            )
+    if "haystack DocumentCleaner" in results:
+        h = results["haystack DocumentCleaner"]["seconds"]
+        print(f"time ratio haystack / ragbudget: {h / max(base, 1e-9):.1f}x")
+    out = REPO / "bench" / "out"
+    out.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "documents": len(docs),
+        "pages": n_pages,
+        "quick": args.quick,
+        "haystack_version": haystack_version,
+        "results": results,
+    }
+    (out / "clean.json").write_text(json.dumps(payload, indent=2))
+    print(f"wrote {out / 'clean.json'}")
+
+
+if __name__ == "__main__":
+    main()
