@@ -1,0 +1,489 @@
+"""Budgeted retrieve-then-generate: the one object most users need.
+
+:class:`Pipeline` ties the stages together — index, memory plan, selection, prompt, generation —
+so that every request's prompt provably fits the KV memory it was planned for:
+
+1. the memory plan (:func:`ragbudget.budget.plan_budget`) gives the tokens one request may hold
+   (``max_context_tokens``) for this model, GPU, cache kind and concurrency;
+2. ``max_new_tokens`` is reserved for the answer; the rest is the prompt allowance;
+3. the chat template, system prompt, history and question are measured in the generator's own
+   tokenizer; what remains is the context allowance (optionally capped by ``context_tokens``);
+4. the selector packs the best retrieved chunks into that allowance exactly, and the rendered
+   prompt is counted once more before it reaches ``generate``;
+5. admission control reserves ``prompt + max_new_tokens`` KV tokens for the duration of the call,
+   so concurrent requests never oversubscribe the capacity the plan computed.
+
+>>> rb = Pipeline(".ragbudget")                          # doctest: +SKIP
+>>> rb.index(["data/"]).chunks_total                    # doctest: +SKIP
+>>> a = rb.ask("What was Maria Curie the first female recipient of?")  # doctest: +SKIP
+>>> a.text, a.report["budget"]["context_tokens_used"]   # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .errors import BudgetError, ConfigError
+
+if TYPE_CHECKING:
+    from .admission import AdmissionController
+    from .budget import BudgetPlan
+    from .embed import Embedder
+    from .generate import Generator
+    from .index import Hit, Index, IndexSummary
+    from .prompt import Prompt, PromptBuilder
+    from .select import Selection
+
+__all__ = ["Answer", "Pipeline", "format_report", "make_embedder"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_INDEX_DIR = ".ragbudget"
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A generated answer with its citations and the full account of how it was budgeted.
+
+    ``sources[i]`` is citation ``[i + 1]`` in ``text``: ``{path, start, end, page, page_end,
+    score}``. ``report`` holds ``budget`` (kv_bytes_per_token, context_tokens_allowed/used,
+    prompt_tokens, max_new_tokens, …), ``plan`` (the memory plan), ``selection``, ``dropped``
+    (every candidate not used, with its reason), ``oom_steps`` and ``timings``.
+    """
+
+    text: str
+    sources: list[dict[str, Any]]
+    report: dict[str, Any]
+    finish_reason: str = "stop"
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``ask --json`` document: ``answer``, ``sources``, ``budget``, ``dropped``, ``report``."""
+        return {
+            "answer": self.text,
+            "sources": self.sources,
+            "budget": self.report.get("budget", {}),
+            "dropped": self.report.get("dropped", []),
+            "finish_reason": self.finish_reason,
+            "report": {k: v for k, v in self.report.items() if k not in ("budget", "dropped")},
+        }
+
+
+def make_embedder(spec: Any = None) -> Embedder | None:
+    """An embedder from a CLI-style spec: ``None`` (the index's own, or the packaged MiniLM),
+    ``"hash"`` / ``"hash:384"`` (the deterministic model-free test embedder), or a
+    sentence-transformers model id or path. Embedder objects pass through."""
+    if spec is None or not isinstance(spec, str):
+        return spec
+    from .embed import HashEmbedder, SentenceTransformerEmbedder
+
+    if spec == "hash" or spec.startswith("hash:"):
+        dim = spec.partition(":")[2]
+        try:
+            return HashEmbedder(int(dim) if dim else 384)
+        except ValueError:
+            raise ConfigError(f"embedder {spec!r}: expected hash or hash:<dim>, e.g. hash:384") from None
+    return SentenceTransformerEmbedder(spec)
+
+
+class Pipeline:
+    """Index documents and answer questions inside a GPU memory budget.
+
+    Everything heavy (models, the FAISS index) loads on first use, so constructing a pipeline is
+    free and ``budget``-only use never loads a model. Thread-safe: concurrent :meth:`ask` calls
+    are admitted only while their summed KV reservations fit the plan's capacity.
+
+    Args:
+        index_dir: folder of the index (created by :meth:`index`).
+        model: generator — HF id, local folder or ``.gguf`` (default: packaged SmolLM2-135M).
+        gpu: ``"auto"``/``None`` (free CUDA memory, else host RAM), a GPU name or a size.
+        embedder: embedder for indexing (default: the index's own, else packaged MiniLM).
+        concurrency: requests planned to share the KV memory.
+        max_new_tokens: output tokens reserved per request.
+        kv_dtype, cache: KV cache dtype and kind (dynamic, static, offloaded, quantized).
+        fetch_k: candidates fetched from the index before selection.
+        order: context order — ``relevance``, ``document`` or ``lost_in_middle``.
+        utilization: share of the memory the plan may use (0.9 as vLLM).
+        queue_size, queue_timeout: admission control's bounded queue.
+        generator: an already built :class:`~ragbudget.generate.Generator` to share.
+
+    >>> rb = Pipeline(".ragbudget", gpu="RTX 4090", concurrency=4)   # doctest: +SKIP
+    >>> rb.plan.max_context_tokens                                  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        index_dir: str | os.PathLike[str] = DEFAULT_INDEX_DIR,
+        *,
+        model: str | None = None,
+        gpu: str | int | None = None,
+        embedder: Any = None,
+        concurrency: int = 1,
+        max_new_tokens: int = 256,
+        kv_dtype: str | None = None,
+        cache: str = "dynamic",
+        fetch_k: int = 50,
+        order: str = "relevance",
+        utilization: float = 0.9,
+        queue_size: int = 64,
+        queue_timeout: float = 30.0,
+        system_prompt: str | None = None,
+        generator: Generator | None = None,
+    ) -> None:
+        if concurrency < 1:
+            raise ConfigError(f"concurrency must be ≥ 1, got {concurrency}")
+        if max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens must be ≥ 1, got {max_new_tokens}")
+        if fetch_k < 1:
+            raise ConfigError(f"fetch_k must be ≥ 1, got {fetch_k}")
+        self.index_dir = Path(index_dir)
+        self.model = model
+        self.gpu = gpu
+        self.concurrency = concurrency
+        self.max_new_tokens = max_new_tokens
+        self.kv_dtype = kv_dtype
+        self.cache = cache
+        self.fetch_k = fetch_k
+        self.order = order
+        self.utilization = utilization
+        self.queue_size = queue_size
+        self.queue_timeout = queue_timeout
+        self.system_prompt = system_prompt
+        self._embedder_spec = embedder
+        self._embedder: Embedder | None = None
+        self._generator = generator
+        self._index: Index | None = None
+        self._plans: dict[int, BudgetPlan] = {}
+        self._builder: PromptBuilder | None = None
+        self._admission: AdmissionController | None = None
+        self._lock = threading.RLock()
+
+    def __repr__(self) -> str:
+        return (
+            f"Pipeline({str(self.index_dir)!r}, model={self.model!r}, gpu={self.gpu!r}, "
+            f"concurrency={self.concurrency})"
+        )
+
+    # -- lazily built parts ---------------------------------------------------------------------
+
+    @property
+    def embedder(self) -> Embedder | None:
+        """The embedder given at construction (``None``: the index decides)."""
+        if self._embedder is None and self._embedder_spec is not None:
+            self._embedder = make_embedder(self._embedder_spec)
+        return self._embedder
+
+    @property
+    def generator(self) -> Generator:
+        """The generator (loaded on first use; the packaged SmolLM2 by default)."""
+        with self._lock:
+            if self._generator is None:
+                from .generate import Generator
+
+                self._generator = Generator(self.model)
+            return self._generator
+
+    @property
+    def store(self) -> Index:
+        """The opened index (raises :class:`~ragbudget.errors.IndexNotFoundError` if none)."""
+        with self._lock:
+            if self._index is None:
+                from .index import Index
+
+                self._index = Index.open(self.index_dir)
+            return self._index
+
+    @property
+    def plan(self) -> BudgetPlan:
+        """The memory plan for the configured ``max_new_tokens``."""
+        return self.plan_for(self.max_new_tokens)
+
+    def plan_for(self, max_new_tokens: int) -> BudgetPlan:
+        """The memory plan reserving ``max_new_tokens`` (cached per value)."""
+        with self._lock:
+            plan = self._plans.get(max_new_tokens)
+            if plan is None:
+                from .budget import plan_budget
+
+                # A loaded generator knows its real weights; before that the plan reads the config.
+                loaded = self._generator is not None and self._generator.loaded
+                plan = plan_budget(
+                    self._generator.model if loaded else self.model,
+                    config=self._generator.config if loaded else None,
+                    gpu=self.gpu,
+                    concurrency=self.concurrency,
+                    max_new_tokens=max_new_tokens,
+                    kv_dtype=self.kv_dtype,
+                    cache=self.cache,
+                    utilization=self.utilization,
+                )
+                self._plans[max_new_tokens] = plan
+            return plan
+
+    @property
+    def admission(self) -> AdmissionController:
+        """Admission control sized from the plan's KV capacity (shared by all threads)."""
+        with self._lock:
+            if self._admission is None:
+                from .admission import AdmissionController
+
+                self._admission = AdmissionController(
+                    self.plan.kv_capacity_tokens,
+                    max_queue=self.queue_size,
+                    timeout=self.queue_timeout,
+                )
+            return self._admission
+
+    @property
+    def prompt_builder(self) -> PromptBuilder:
+        with self._lock:
+            if self._builder is None:
+                from .prompt import PromptBuilder
+
+                self._builder = PromptBuilder(self.generator.tokenizer, system_prompt=self.system_prompt)
+            return self._builder
+
+    # -- indexing and search ----------------------------------------------------------------------
+
+    def index(self, paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], **options: Any) -> IndexSummary:
+        """Index files and folders into ``index_dir`` (incremental). ``options`` go to
+        :meth:`ragbudget.index.Index.build` (``include``, ``exclude``, ``max_bytes``,
+        ``min_tokens``, ``max_tokens``, ``rebuild``, ``progress``, …)."""
+        from .index import Index
+
+        with self._lock:
+            if self._index is not None:
+                self._index.close()
+                self._index = None
+            return Index(self.index_dir).build(paths, embedder=self.embedder, **options)
+
+    def search(self, query: str, k: int = 5) -> list[Hit]:
+        """The ``k`` chunks most similar to ``query`` (cosine), with all their sources."""
+        if not query or not query.strip():
+            raise ConfigError("the query is empty")
+        return self.store.search(query, k=k, embedder=self.embedder)
+
+    # -- budgeted retrieval -------------------------------------------------------------------------
+
+    def _prompt(
+        self,
+        question: str,
+        *,
+        context_tokens: int | None,
+        max_new_tokens: int,
+        history: Sequence[dict[str, str]] | None,
+        retrieval_query: str | None,
+    ) -> tuple[Prompt, BudgetPlan, dict[str, float]]:
+        """Plan, retrieve, select and render: the prompt that fits, and how long each step took."""
+        from .prompt import build_prompt
+
+        if not isinstance(question, str) or not question.strip():
+            raise ConfigError("the question is empty")
+        if context_tokens is not None and context_tokens < 0:
+            raise ConfigError(f"context_tokens must be ≥ 0, got {context_tokens}")
+        timings: dict[str, float] = {}
+        t0 = time.perf_counter()
+        plan = self.plan_for(max_new_tokens)
+        builder = self.prompt_builder
+        timings["plan_s"] = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        history = list(history or [])
+        fixed = builder.fixed_tokens(question, history=history)
+        max_prompt = plan.max_prompt_tokens
+        if fixed > max_prompt:
+            raise BudgetError(
+                f"the system prompt, history and question alone take {fixed} tokens but "
+                f"{plan.model} on {plan.gpu_name} allows {max_prompt} prompt tokens per request "
+                f"({plan.max_context_tokens} minus {max_new_tokens} reserved for the answer); "
+                "shorten the question or history, lower max_new_tokens or concurrency, use a "
+                "quantized/fp8 or offloaded KV cache, or a GPU with more memory",
+                needed=fixed + max_new_tokens,
+                available=plan.max_context_tokens,
+            )
+        if context_tokens is not None:
+            max_prompt = min(max_prompt, fixed + context_tokens)
+        hits = self.search(retrieval_query or question, k=self.fetch_k)
+        timings["retrieve_s"] = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        prompt = build_prompt(
+            question,
+            hits,
+            tokenizer=builder.tokenizer,
+            max_prompt_tokens=max_prompt,
+            builder=builder,
+            history=history,
+            order=self.order,
+        )
+        timings["select_s"] = time.perf_counter() - t0
+        return prompt, plan, timings
+
+    def retrieve(
+        self,
+        question: str,
+        *,
+        context_tokens: int | None = None,
+        max_new_tokens: int | None = None,
+        history: Sequence[dict[str, str]] | None = None,
+        retrieval_query: str | None = None,
+    ) -> Selection:
+        """The chunks that best answer ``question`` and fit this request's context allowance.
+
+        ``context_tokens`` caps the context below what memory allows. ``Selection.tokens_allowed``
+        is the allowance in the generator's tokens, ``tokens_used`` what the chosen passages cost
+        (labels included), ``dropped`` every candidate left out with its reason.
+        """
+        prompt, _, _ = self._prompt(
+            question,
+            context_tokens=context_tokens,
+            max_new_tokens=max_new_tokens or self.max_new_tokens,
+            history=history,
+            retrieval_query=retrieval_query,
+        )
+        return prompt.selection
+
+    def ask(
+        self,
+        question: str,
+        *,
+        context_tokens: int | None = None,
+        max_new_tokens: int | None = None,
+        history: Sequence[dict[str, str]] | None = None,
+        retrieval_query: str | None = None,
+        on_text: Callable[[str], Any] | None = None,
+        cancel: threading.Event | None = None,
+        **generate_options: Any,
+    ) -> Answer:
+        """Retrieve, select within the budget, and generate an answer citing its sources.
+
+        ``on_text`` receives the answer as it streams; setting ``cancel`` stops generation early
+        (and frees the KV reservation). ``generate_options`` (``do_sample``, ``temperature``,
+        ``top_p``, …) go to :meth:`ragbudget.generate.Generator.generate`.
+        Raises :class:`~ragbudget.errors.BudgetError` when the question cannot fit, and
+        :class:`~ragbudget.errors.OverloadedError` when admission control's queue is full.
+        """
+        new_tokens = max_new_tokens or self.max_new_tokens
+        t_start = time.perf_counter()
+        prompt, plan, timings = self._prompt(
+            question,
+            context_tokens=context_tokens,
+            max_new_tokens=new_tokens,
+            history=history,
+            retrieval_query=retrieval_query,
+        )
+        reserve = prompt.n_tokens + new_tokens
+        t0 = time.perf_counter()
+        with self.admission.reserve(reserve):
+            timings["queue_s"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            gen = self.generator.generate(
+                prompt,
+                max_new_tokens=new_tokens,
+                cache=self.cache,
+                kv_dtype=self.kv_dtype,
+                on_text=on_text,
+                cancel=cancel,
+                **generate_options,
+            )
+            timings["generate_s"] = time.perf_counter() - t0
+        timings["total_s"] = time.perf_counter() - t_start
+        final = gen.prompt if getattr(gen, "prompt", None) is not None else prompt
+        return _answer(gen, final, plan, reserve, timings, context_tokens)
+
+
+def _answer(gen: Any, prompt: Prompt, plan: BudgetPlan, reserved: int, timings: dict[str, float],
+            context_cap: int | None) -> Answer:
+    sel = prompt.selection
+    sources = []
+    for passage in prompt.passages:
+        src = passage.sources[0].to_dict() if passage.sources else {}
+        src["score"] = round(float(passage.score), 6)
+        src["chunk_ids"] = list(passage.chunk_ids)
+        src["duplicates"] = [s.to_dict() for s in passage.sources[1:]]
+        sources.append(src)
+    budget = {
+        "kv_bytes_per_token": plan.kv_bytes_per_token,
+        "kv_capacity_tokens": plan.kv_capacity_tokens,
+        "max_context_tokens": plan.max_context_tokens,
+        "max_prompt_tokens": plan.max_prompt_tokens,
+        "context_tokens_allowed": sel.tokens_allowed,
+        "context_tokens_used": sel.tokens_used,
+        "context_tokens_cap": context_cap,
+        "fixed_prompt_tokens": prompt.fixed_tokens,
+        "prompt_tokens": prompt.n_tokens,
+        "max_new_tokens": getattr(gen, "max_new_tokens", None) or plan.max_new_tokens,
+        "new_tokens": getattr(gen, "new_tokens", None),
+        "kv_tokens_reserved": reserved,
+        "limited_by": plan.limited_by,
+        "fill": round(sel.fill, 4),
+    }
+    report = {
+        "budget": budget,
+        "plan": plan.to_dict(),
+        "selection": [p.to_dict() | {"text": None} for p in prompt.passages],
+        "dropped": [d.to_dict() for d in sel.dropped],
+        "oom_steps": [s.to_dict() if hasattr(s, "to_dict") else s for s in getattr(gen, "oom_steps", ())],
+        "timings": {k: round(v, 4) for k, v in timings.items()},
+    }
+    return Answer(
+        text=str(getattr(gen, "text", "")).strip(),
+        sources=sources,
+        report=report,
+        finish_reason=str(getattr(gen, "finish_reason", "stop")),
+    )
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The ``ask --explain`` table: the plan, the budget arithmetic, and every selection decision."""
+    b = report.get("budget", {})
+    p = report.get("plan", {})
+
+    def n(x: Any) -> str:
+        return f"{x:,}" if isinstance(x, int) else str(x)
+
+    gib = 1024**3
+    rows = [
+        ("model", p.get("model", "")),
+        ("memory", f"{p.get('gpu_name', '')} ({p.get('gpu_source', '')}): "
+                   f"{p.get('gpu_bytes', 0) / gib:.2f} GiB × {p.get('utilization', 0.9)}"),
+        ("weights", f"{p.get('weights_bytes', 0) / gib:.3f} GiB ({p.get('weights_source', '')})"),
+        ("activations", f"{p.get('activation_bytes', 0) / gib:.3f} GiB ({p.get('activation_source', '')})"),
+        ("KV bytes/token", f"{n(b.get('kv_bytes_per_token'))} ({p.get('cache', '')}, {p.get('kv_dtype', '')})"),
+        ("KV capacity", f"{n(b.get('kv_capacity_tokens'))} tokens"),
+        ("per request", f"{n(b.get('max_context_tokens'))} tokens (limited by {b.get('limited_by')}, "
+                        f"concurrency {p.get('concurrency', 1)})"),
+        ("reserved output", f"{n(b.get('max_new_tokens'))} tokens"),
+        ("prompt allowed", f"{n(b.get('max_prompt_tokens'))} tokens"),
+        ("fixed prompt", f"{n(b.get('fixed_prompt_tokens'))} tokens (template, system, question)"),
+        ("context", f"{n(b.get('context_tokens_used'))} / {n(b.get('context_tokens_allowed'))} tokens "
+                    f"({100 * float(b.get('fill', 0)):.1f}% filled)"),
+        ("prompt used", f"{n(b.get('prompt_tokens'))} tokens; generated {n(b.get('new_tokens'))}"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    lines = ["Budget", *(f"  {k.ljust(width)}  {v}" for k, v in rows)]
+    sel = report.get("selection", [])
+    lines.append(f"Context: {len(sel)} passage(s)")
+    for i, s in enumerate(sel, 1):
+        src = (s.get("sources") or [{}])[0]
+        page = f" p.{src.get('page')}" if src.get("page") else ""
+        lines.append(f"  [{i}] {src.get('path', '?')}{page}  score {s.get('score', 0):.3f}  "
+                     f"{s.get('cost', 0)} tokens{'  (truncated)' if s.get('truncated') else ''}")
+    dropped = report.get("dropped", [])
+    if dropped:
+        counts: dict[str, int] = {}
+        for d in dropped:
+            counts[d["reason"]] = counts.get(d["reason"], 0) + 1
+        lines.append("Dropped: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())))
+    for step in report.get("oom_steps", []):
+        lines.append(f"OOM step: {step}")
+    t = report.get("timings", {})
+    if t:
+        lines.append("Timings: " + ", ".join(f"{k[:-2]} {v:.2f}s" for k, v in t.items()))
+    return "\n".join(lines)

@@ -1,0 +1,50 @@
+"""The curated public surface: complete, sorted, resolvable, and light to import."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import ragbudget
+
+
+def test_all_is_sorted_and_unique() -> None:
+    assert ragbudget.__all__ == sorted(set(ragbudget.__all__))
+
+
+def test_every_exported_name_resolves() -> None:
+    for name in ragbudget.__all__:
+        assert getattr(ragbudget, name) is not None, name
+
+
+def test_unknown_attribute_is_an_attribute_error() -> None:
+    try:
+        ragbudget.no_such_thing  # noqa: B018
+    except AttributeError as exc:
+        assert "no_such_thing" in str(exc)
+    else:  # pragma: no cover
+        raise AssertionError("expected AttributeError")
+
+
+HEAVY = ("torch", "transformers", "faiss", "sentence_transformers")
+
+
+def test_import_is_light() -> None:
+    # A fresh interpreter: importing the package and touching the light stages must not pull in
+    # the heavy libraries (they cost seconds and gigabytes; a CLI --help must stay instant).
+    code = (
+        "import sys, ragbudget\n"
+        "ragbudget.Document; ragbudget.chunk_text; ragbudget.strip_headers_footers\n"
+        "ragbudget.load_document; ragbudget.kv_cache_bytes; ragbudget.plan_budget\n"
+        "ragbudget.select_chunks; ragbudget.Pipeline; ragbudget.Index; ragbudget.Generator\n"
+        "import ragbudget.cli\n"
+        f"print([m for m in {HEAVY!r} if m in sys.modules])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_errors_refine_builtins() -> None:
+    assert issubclass(ragbudget.ConfigError, ValueError)
+    assert issubclass(ragbudget.IndexNotFoundError, LookupError)
+    assert issubclass(ragbudget.BudgetError, ragbudget.RagBudgetError)
