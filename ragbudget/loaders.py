@@ -51,6 +51,8 @@ from .types import Document
 __all__ = [
     "DEFAULT_MAX_BYTES",
     "IGNORED_DIRS",
+    "LOAD_ERROR_REASONS",
+    "SCAN_SKIP_REASONS",
     "SUPPORTED_EXTENSIONS",
     "BoilerplateFilter",
     "FileInfo",
@@ -82,6 +84,16 @@ _FORMATS = {
 SUPPORTED_EXTENSIONS = frozenset(_FORMATS)
 #: Folder names never walked into (besides any name starting with a dot).
 IGNORED_DIRS = frozenset({".git", ".hg", ".svn", "__pycache__", "node_modules", ".ragbudget"})
+
+#: ``LoadError.reason`` values raised by :func:`load_document`.
+LOAD_ERROR_REASONS = frozenset(
+    {"binary", "too_large", "unreadable", "empty", "encrypted", "malformed", "unsupported"}
+)
+#: Extra :class:`Skipped` reasons produced by :func:`scan` itself.
+SCAN_SKIP_REASONS = frozenset(
+    {"missing", "hidden", "ignored", "excluded", "unsupported", "too_large", "special", "symlink",
+     "symlink_loop", "outside_root", "broken_link", "duplicate", "unreadable"}
+)
 
 # Bytes inspected for binary detection and BOM-less UTF-16: enough to see past a short header.
 _HEAD = 8192
@@ -560,7 +572,10 @@ def _html_to_text(markup: str, path: str) -> tuple[str, str]:
         if el.tail:
             buf.append(el.tail)
 
-    walk(container, container.tag in ("article", "main"))
+    try:
+        walk(container, container.tag in ("article", "main"))
+    except RecursionError as exc:  # thousands of nested elements: hostile or broken markup
+        raise LoadError(f"{path}: HTML nested too deeply to read", path=path, reason="malformed") from exc
     flush()
     text = re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip()
     if text and title and not any(line.startswith("#") for line in lines):

@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
 from ragbudget.errors import LoadError
 from ragbudget.loaders import (
@@ -445,3 +447,45 @@ def test_docstring_examples():
     import ragbudget.loaders
 
     assert doctest.testmod(ragbudget.loaders).failed == 0
+
+
+_TEXT = st.text(
+    alphabet=st.characters(blacklist_categories=("Cc", "Cs"), blacklist_characters="\ufffd\ufeff"),
+    min_size=1,
+    max_size=60,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(_TEXT, st.lists(st.integers(min_value=0, max_value=200), max_size=5))
+def test_invalid_bytes_are_counted_never_dropped(text, cuts):
+    # 0xFF is never valid UTF-8; inserted between characters of a text that has real multi-byte
+    # UTF-8, each one must come back as exactly one counted U+FFFD.
+    assume(any(ord(c) > 127 for c in text))
+    positions = sorted({min(c, len(text)) for c in cuts})
+    pieces, prev = [], 0
+    for pos in positions:
+        pieces.append(text[prev:pos].encode("utf-8"))
+        prev = pos
+    pieces.append(text[prev:].encode("utf-8"))
+    bad = b"\xff".join(pieces)
+    assume(not bad.startswith((b"\xff\xfe", b"\xfe\xff")))
+    try:
+        decoded, encoding, replaced = decode_bytes(bad)
+    except LoadError as exc:  # the NUL/UTF-16 heuristics may call odd inputs binary; never crash
+        assert exc.reason == "binary"
+        return
+    assert encoding == "utf-8"
+    assert replaced == len(positions)
+    assert decoded.replace("\ufffd", "") == text
+
+
+def test_deeply_nested_html_is_malformed_not_a_crash(tmp_path: Path):
+    p = tmp_path / "deep.html"
+    p.write_text("<div>" * 20000 + "x" + "</div>" * 20000)
+    try:
+        doc = load_document(p)
+    except LoadError as exc:
+        assert exc.reason in ("malformed", "empty")
+    else:
+        assert "x" in doc.text
