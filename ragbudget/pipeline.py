@@ -294,8 +294,8 @@ class Pipeline:
         timings["plan_s"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
-        history = list(history or [])
-        fixed = builder.fixed_tokens(question, history=history)
+        builder = builder.with_history(history)
+        fixed = builder.fixed_tokens(question)
         max_prompt = plan.max_prompt_tokens
         if fixed > max_prompt:
             raise BudgetError(
@@ -319,7 +319,6 @@ class Pipeline:
             tokenizer=builder.tokenizer,
             max_prompt_tokens=max_prompt,
             builder=builder,
-            history=history,
             order=self.order,
         )
         timings["select_s"] = time.perf_counter() - t0

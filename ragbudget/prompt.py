@@ -24,6 +24,7 @@ instructions inside it, and markup that could close a block (``</source>``) or f
 
 from __future__ import annotations
 
+import copy
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
@@ -132,6 +133,16 @@ class PromptBuilder:
         self.system_prompt = DEFAULT_SYSTEM_PROMPT if system_prompt is None else system_prompt
         self._counts: dict[str, int] = {}
         self._system_role = True
+        self.history: tuple[dict[str, str], ...] = ()
+
+    def with_history(self, history: Sequence[dict[str, str]] | None) -> PromptBuilder:
+        """A builder that places ``history`` (earlier chat turns, oldest first) between the system
+        prompt and the question. It shares this builder's token-count memo."""
+        if not history:
+            return self
+        b = copy.copy(self)
+        b.history = tuple({"role": str(m["role"]), "content": str(m["content"])} for m in history)
+        return b
 
     # -- counting ---------------------------------------------------------------------------
     def count(self, text: str) -> int:
@@ -173,11 +184,17 @@ class PromptBuilder:
 
     def messages(self, question: str, passages: Sequence[Any]) -> list[dict[str, str]]:
         user = self.user_message(question, passages)
+        history = list(self.history)
         if not self.system_prompt:
-            return [{"role": "user", "content": user}]
+            return [*history, {"role": "user", "content": user}]
         if not self._system_role:
+            if history:  # the rules go into the first user turn when there is no system role
+                first = history[0]
+                history[0] = {"role": first["role"], "content": f"{self.system_prompt}\n\n{first['content']}"}
+                return [*history, {"role": "user", "content": user}]
             return [{"role": "user", "content": f"{self.system_prompt}\n\n{user}"}]
-        return [{"role": "system", "content": self.system_prompt}, {"role": "user", "content": user}]
+        return [{"role": "system", "content": self.system_prompt}, *history,
+                {"role": "user", "content": user}]
 
     def render_text(self, messages: Sequence[dict[str, str]]) -> str:
         hf = self.tokenizer.hf
@@ -189,8 +206,9 @@ class PromptBuilder:
                 # Some templates (Gemma, Mistral v1) reject a system turn: fold it into the user's.
                 if self._system_role and messages and messages[0]["role"] == "system":
                     self._system_role = False
-                    merged = [{"role": "user",
-                               "content": f"{messages[0]['content']}\n\n{messages[1]['content']}"}]
+                    merged = [{"role": messages[1]["role"],
+                               "content": f"{messages[0]['content']}\n\n{messages[1]['content']}"},
+                              *messages[2:]]
                     return self.render_text(merged)
                 raise ConfigError(f"the tokenizer's chat template failed: {exc}") from exc
         parts = [f"{m['role'].capitalize()}: {m['content']}" for m in messages]
