@@ -180,16 +180,24 @@ def estimate_activation_bytes(
     V = int(c.get("vocab_size", default=32000))
     bt = batch_size * tokens
     stream = 3 * bt * H * d  # residual, normed input, layer output
-    qkv = bt * (heads + 2 * kv) * hd * d
+    # Q/K/V projections, plus the new K/V copied into the cache by the first concatenation.
+    qkv = bt * (heads + 2 * kv) * hd * d + 2 * bt * kv * hd * d
+    sliding = any(s.kind == "sliding_attention" for s in layer_specs(c.obj, normalize=False))
+    l2 = batch_size * tokens * tokens
     if attn_implementation == "eager":
-        # scores + float32 softmax + probs in model dtype; K/V repeated to all heads (repeat_kv)
-        attn = batch_size * heads * tokens * tokens * (2 * d + 4) + 2 * bt * heads * hd * d
+        # `softmax(scores, dtype=float32).to(dtype)` holds the scores, the float32 softmax and the
+        # cast copy at once; K/V are repeated to all heads (repeat_kv); the additive float masks
+        # (one per attention type: full, sliding) live for the whole forward.
+        attn = l2 * heads * (2 * d + 4) + 2 * bt * heads * hd * d
+        masks = l2 * d * (2 if sliding else 1)
     else:
         attn = bt * heads * hd * d  # output only; kernels tile the scores
+        # Causal full attention needs no mask (is_causal); sliding layers get a boolean one.
+        masks = l2 if sliding else 0
     mlp = 3 * bt * I * d
     logit_rows = batch_size if logits == "last" else bt
     logits_bytes = logit_rows * V * (d + 4)  # lm_head output + float32 copy in generate
-    return int(stream + qkv + max(attn, mlp) + logits_bytes)
+    return int(stream + qkv + max(attn, mlp) + masks + logits_bytes)
 
 
 # --------------------------------------------------------------------------------------------

@@ -195,3 +195,40 @@ def test_import_stays_light():
     code = ("import sys, ragbudget.budget, ragbudget.kvcache, ragbudget.gpus; "
             "assert 'torch' not in sys.modules and 'transformers' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+_TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+             pad_token_id=0)
+PARAM_CASES = {
+    "llama": _TINY, "mistral": dict(_TINY, sliding_window=8), "qwen2": _TINY,
+    "qwen3": dict(_TINY, head_dim=24), "gemma2": dict(_TINY, head_dim=24),
+    "gemma3_text": dict(_TINY, head_dim=24), "phi3": _TINY,
+    "mixtral": dict(_TINY, num_local_experts=4, num_experts_per_tok=2),
+    "qwen3_moe": dict(_TINY, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+    "deepseek_v3": dict(_TINY, num_key_value_heads=4, moe_intermediate_size=32, kv_lora_rank=16,
+                        q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12,
+                        n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+                        first_k_dense_replace=1),
+    "gpt_oss": dict(_TINY, head_dim=16, num_local_experts=4, num_experts_per_tok=2),
+}
+
+
+@pytest.mark.parametrize("mt", list(PARAM_CASES))
+@pytest.mark.parametrize("tied", [False, True])
+def test_count_parameters_exact(mt, tied):
+    pytest.importorskip("torch")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(mt, **PARAM_CASES[mt], tie_word_embeddings=tied)
+    model = AutoModelForCausalLM.from_config(cfg)
+    real = sum(p.numel() for p in model.parameters())
+    assert count_parameters(cfg.to_dict() | {"model_type": mt}) == real
+
+
+def test_gpu_validate_dry_run():
+    script = os.path.join(os.path.dirname(__file__), "..", "bench", "gpu_validate.py")
+    out = subprocess.run([sys.executable, script, "--dry-run", "--quick"], capture_output=True,
+                         text=True, check=True, env=os.environ | {"HF_HUB_OFFLINE": "1"})
+    assert "Llama-3.2-1B" in out.stdout and "Gemma-2-2B-like" in out.stdout
+    assert "predicted" in out.stdout
