@@ -1,0 +1,417 @@
+"""Index benchmark: overhead over the bare embedding model, windowed pooling vs truncation,
+incremental re-runs, search latency (flat and HNSW), peak memory at 1x and 4x a corpus.
+
+    .venv/bin/python bench/index.py            # ~5 min on 2 cores
+    .venv/bin/python bench/index.py --quick    # ~1 min
+    .venv/bin/python bench/index.py --part latency --n 100000
+
+Writes bench/out/index.json. Corpus: SQuAD dev articles (one file per article, paragraphs joined),
+Linux man2 pages and a Debian manual PDF from ../shared/data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import resource
+import shutil
+import sqlite3
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import numpy as np  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = Path(os.environ.get("RAGBUDGET_SHARED_DATA", REPO.parent / "shared" / "data"))
+OUT = REPO / "bench" / "out"
+
+
+def _stand_ins() -> None:
+    """Until every stage module exists, borrow the test stand-ins (reported in the output)."""
+    try:
+        import ragbudget.dedup  # noqa: F401
+        import ragbudget.loaders  # noqa: F401
+    except ImportError:
+        sys.path.insert(0, str(REPO / "tests"))
+        import test_index  # noqa: F401  (installs stand-ins for the missing modules)
+
+
+def squad() -> list[dict]:
+    return json.loads((SHARED / "squad" / "squaddev_v1.1.json").read_text())["data"]
+
+
+def slug(s: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "_", s)[:40]
+
+
+def make_corpus(root: Path, *, articles: int, manpages: int, pdf: bool, copy: int = 0) -> dict:
+    """Write the corpus; ``copy`` > 0 makes a distinct variant (for the 4x memory run)."""
+    root.mkdir(parents=True, exist_ok=True)
+    files = {}
+    for i, art in enumerate(squad()[:articles]):
+        paras = [p["context"] for p in art["paragraphs"]]
+        if copy:
+            paras = [f"(copy {copy}) {p}" for p in paras]
+        text = f"# {art['title'].replace('_', ' ')}\n\n" + "\n\n".join(paras) + "\n"
+        p = root / f"squad_{i:02d}_{slug(art['title'])}.txt"
+        p.write_text(text, encoding="utf-8")
+        files[str(p.resolve())] = art["title"]
+    for src in sorted((SHARED / "manpages").glob("*.txt"))[:manpages]:
+        dst = root / src.name
+        if copy:
+            dst.write_text(f"copy {copy}\n" + src.read_text(encoding="utf-8"), encoding="utf-8")
+        else:
+            shutil.copyfile(src, dst)
+    if pdf and not copy:
+        shutil.copyfile(SHARED / "pdf" / "maint-guide.en.pdf", root / "maint-guide.en.pdf")
+    return files
+
+
+def pct(xs: list[float], q: float) -> float:
+    return float(np.percentile(np.array(xs), q))
+
+
+# --- 1. full index vs the model alone; windows vs truncation ------------------------------------
+
+
+def part_embed(args: argparse.Namespace, tmp: Path) -> dict:
+    from ragbudget.embed import SentenceTransformerEmbedder
+    from ragbudget.index import Index
+
+    articles, manpages, pdf = (6, 4, False) if args.quick else (48, 40, True)
+    corpus = tmp / "corpus"
+    titles = make_corpus(corpus, articles=articles, manpages=manpages, pdf=pdf)
+    emb = SentenceTransformerEmbedder()
+    t = time.perf_counter()
+    emb.warm_up()
+    load_s = time.perf_counter() - t
+    model = emb.model
+    # Warm the model once so neither side pays first-call costs.
+    model.encode(["warm up"] * 8, batch_size=8)
+
+    ix = Index(tmp / "ix")
+    summary = ix.build([str(corpus)], embedder=emb)
+    idx = Index.open(ix.path)
+    hits = idx.get_chunks(range(1, summary.chunks_total * 4 + 10))
+    texts = [h.text for h in hits]
+    windows = emb.windows_of(texts)
+    flat = [w for ws in windows for w in ws]
+
+    t = time.perf_counter()
+    model.encode(flat, batch_size=emb.batch_size, normalize_embeddings=True, show_progress_bar=False)
+    model_windows_s = time.perf_counter() - t
+    t = time.perf_counter()
+    trunc = model.encode(texts, batch_size=emb.batch_size, normalize_embeddings=True, show_progress_bar=False)
+    model_trunc_s = time.perf_counter() - t
+    win_vecs = np.vstack([idx._faiss.reconstruct(h.chunk_id) for h in hits])
+
+    # Retrieval on SQuAD questions: a hit is a top-5 chunk from the right article file that
+    # contains a gold answer. "tail" questions have their answer only past the first window.
+    by_path: dict[str, list[int]] = {}
+    for j, h in enumerate(hits):
+        for s in h.sources:
+            by_path.setdefault(s.path, []).append(j)
+    title_to_path = {v: k for k, v in titles.items()}
+    rnd = random.Random(0)
+    qs = []
+    for art in squad()[:articles]:
+        path = title_to_path[art["title"]]
+        for p in art["paragraphs"]:
+            for qa in p["qas"]:
+                answers = {a["text"] for a in qa["answers"]}
+                gold = [j for j in by_path.get(path, []) if any(a in texts[j] for a in answers)]
+                if gold:
+                    tail = all(not any(a in windows[j][0] for a in answers) for j in gold)
+                    qs.append((qa["question"], set(gold), tail))
+    rnd.shuffle(qs)
+    qs = qs[: (150 if args.quick else 600)]
+    qv = model.encode([q for q, _, _ in qs], batch_size=64, normalize_embeddings=True, show_progress_bar=False)
+
+    def recall(mat: np.ndarray, only_tail: bool) -> tuple[float, int]:
+        top = np.argsort(-(qv @ mat.T), axis=1)[:, :5]
+        sel = [(set(top[i]), g) for i, (_, g, tl) in enumerate(qs) if tl or not only_tail]
+        return (sum(1 for t5, g in sel if t5 & g) / max(1, len(sel)), len(sel))
+
+    r_win, n_all = recall(win_vecs, False)
+    r_tr, _ = recall(np.asarray(trunc), False)
+    r_win_t, n_tail = recall(win_vecs, True)
+    r_tr_t, _ = recall(np.asarray(trunc), True)
+    overhead_s = summary.seconds - model_windows_s
+    return {
+        "corpus": {"squad_articles": articles, "manpages": manpages, "pdf": pdf,
+                   "files": summary.files_seen, "chunks": summary.chunks_total},
+        "summary": summary.to_dict(),
+        "model_load_s": round(load_s, 2),
+        "index_wall_s": round(summary.seconds, 2),
+        "model_alone_windows_s": round(model_windows_s, 2),
+        "index_over_model": round(summary.seconds / model_windows_s, 3),
+        "non_model_overhead_pct": round(100 * overhead_s / model_windows_s, 1),
+        "windows_fed": len(flat),
+        "chunks_needing_windows": sum(1 for w in windows if len(w) > 1),
+        "model_truncate_s": round(model_trunc_s, 2),
+        "windows_extra_model_time_pct": round(100 * (model_windows_s / model_trunc_s - 1), 1),
+        "recall@5_windows": round(r_win, 3),
+        "recall@5_truncate": round(r_tr, 3),
+        "questions": n_all,
+        "tail_questions": n_tail,
+        "recall@5_tail_windows": round(r_win_t, 3),
+        "recall@5_tail_truncate": round(r_tr_t, 3),
+    }
+
+
+# --- 2. incremental re-runs on 1,000 files --------------------------------------------------------
+
+
+def part_rerun(args: argparse.Namespace, tmp: Path) -> dict:
+    from ragbudget.embed import SentenceTransformerEmbedder
+    from ragbudget.index import Index
+
+    corpus = tmp / "thousand"
+    corpus.mkdir()
+    paras = [p["context"] for a in squad() for p in a["paragraphs"]][:1000]
+    for i, p in enumerate(paras):
+        # --quick keeps the first sentence only: the embedding is setup, not what is measured.
+        text = p.split(". ")[0] + "." if args.quick else p
+        (corpus / f"p{i:04d}.txt").write_text(text + "\n", encoding="utf-8")
+    ix = Index(tmp / "ix1000")
+    first = ix.build([str(corpus)], embedder=SentenceTransformerEmbedder())
+    # A fresh, unloaded embedder: an unchanged re-run must not even load the model.
+    again = ix.build([str(corpus)], embedder=SentenceTransformerEmbedder())
+    victim = corpus / "p0500.txt"
+    st = victim.stat()
+    os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    touched = ix.build([str(corpus)], embedder=SentenceTransformerEmbedder())
+    victim.write_text(victim.read_text() + "One more sentence about nothing.\n")
+    edited = ix.build([str(corpus)], embedder=SentenceTransformerEmbedder())
+    return {
+        "files": len(paras),
+        "first_s": round(first.seconds, 2),
+        "unchanged_rerun_s": round(again.seconds, 3),
+        "unchanged_rerun_embedded": again.chunks_embedded,
+        "touched_rerun_s": round(touched.seconds, 3),
+        "touched_rerun_embedded": touched.chunks_embedded,
+        "edited_one_file_s": round(edited.seconds, 3),
+        "edited_one_file_embedded": edited.chunks_embedded,
+    }
+
+
+# --- 3. search latency at N chunks ----------------------------------------------------------------
+
+
+def synthetic_index(folder: Path, n: int, dim: int, *, clustered: bool, hnsw: bool) -> np.ndarray:
+    """Write an index of ``n`` chunks with synthetic vectors through the index's own on-disk
+    format (same schema, manifest and checksums as a real build)."""
+    import faiss
+
+    from ragbudget import index as I
+
+    rng = np.random.default_rng(0)
+    if clustered:
+        # Mixture of 2,000 topics: real embeddings cluster; uniform random ones do not.
+        centers = rng.standard_normal((2000, dim)).astype(np.float32)
+        x = centers[rng.integers(0, 2000, n)] + 0.6 * rng.standard_normal((n, dim)).astype(np.float32)
+    else:
+        x = rng.standard_normal((n, dim)).astype(np.float32)
+    x /= np.linalg.norm(x, axis=1, keepdims=True)
+    folder.mkdir(parents=True, exist_ok=True)
+    ids = np.arange(1, n + 1, dtype=np.int64)
+    flat = faiss.IndexIDMap2(faiss.IndexFlatIP(dim))
+    flat.add_with_ids(x, ids)
+    faiss.write_index(flat, str(folder / "faiss.1.index"))
+    db = sqlite3.connect(folder / "meta.1.sqlite")
+    db.executescript(I._SCHEMA)
+    db.executemany("INSERT INTO chunks (id, text, n_tokens, headings, content_hash, windows) VALUES (?,?,?,?,?,1)",
+                   ((int(i), f"chunk {i} " * 40, 400, "[]", f"h{i}") for i in ids))
+    db.executemany('INSERT INTO sources VALUES (?,?,?,?,?,?,0)',
+                   ((int(i), f"doc{i // 50}.txt", (i % 50) * 2000, (i % 50) * 2000 + 1999, None, None) for i in ids))
+    db.executemany("INSERT INTO files VALUES (?,?,?,?,?,?,?,?,?)",
+                   ((f"doc{j}.txt", 1, 1, "x", "indexed", None, None, 50, 0) for j in range(n // 50 + 1)))
+    db.execute("INSERT INTO meta VALUES ('generation', '1')")
+    db.commit()
+    db.close()
+    entry = lambda f: {"file": f, "bytes": (folder / f).stat().st_size, "sha256": I._sha256_file(folder / f)}  # noqa: E731
+    approx = None
+    if hnsw:
+        h = faiss.IndexHNSWFlat(dim, 32, faiss.METRIC_INNER_PRODUCT)
+        h.hnsw.efConstruction = 80
+        w = faiss.IndexIDMap(h)
+        w.add_with_ids(x, ids)
+        faiss.write_index(w, str(folder / "hnsw.1.index"))
+        approx = {"kind": "hnsw", **entry("hnsw.1.index"), "M": 32, "ef_construction": 80, "ef_search": 128}
+    I._write_json_atomic(folder / "manifest.json", {
+        "format": "ragbudget-index", "format_version": 1, "generation": 1, "dim": dim,
+        "embedder": {"kind": "hash", "id": f"hash-{dim}", "dim": dim, "pooling": "windows"},
+        "faiss": entry("faiss.1.index"), "sqlite": entry("meta.1.sqlite"), "approx": approx,
+        "counts": {"chunks": n}})
+    return x
+
+
+def part_latency(args: argparse.Namespace, tmp: Path) -> dict:
+    import faiss
+
+    from ragbudget.index import Index
+
+    n = args.n or (20_000 if args.quick else 100_000)
+    dim = 384
+    out: dict = {"n": n, "dim": dim, "faiss_threads": faiss.omp_get_max_threads(),
+                 "loadavg": open("/proc/loadavg").read().split()[:3]}
+    rng = np.random.default_rng(1)
+    for name, clustered, hnsw in (("flat_random", False, False), ("flat+hnsw_clustered", True, True)):
+        folder = tmp / f"lat_{name}"
+        t = time.perf_counter()
+        x = synthetic_index(folder, n, dim, clustered=clustered, hnsw=hnsw)
+        build_s = time.perf_counter() - t
+        # Queries: perturbed corpus vectors (realistic: a query lands near some chunks).
+        qi = rng.integers(0, n, 300)
+        q = x[qi] + 0.5 * rng.standard_normal((300, dim)).astype(np.float32) / np.sqrt(dim) * 4
+        q /= np.linalg.norm(q, axis=1, keepdims=True)
+        flat = Index.open(folder, use_approx=False)
+        t = time.perf_counter()
+        flat._load()
+        open_s = time.perf_counter() - t
+        res = {"build_s": round(build_s, 1), "open_s": round(open_s, 3)}
+        variants = [("flat", flat)]
+        if hnsw:
+            variants.append(("hnsw", Index.open(folder)))
+        truth = None
+        for vname, idx in variants:
+            idx.search_vector(q[0], 10)  # warm
+            lat, found = [], []
+            for v in q:
+                t = time.perf_counter()
+                hits = idx.search_vector(v, 10)
+                lat.append((time.perf_counter() - t) * 1e3)
+                found.append({h.chunk_id for h in hits})
+            r = {"p50_ms": round(pct(lat, 50), 2), "p99_ms": round(pct(lat, 99), 2)}
+            if vname == "flat":
+                truth = found
+            else:
+                assert truth is not None
+                r["recall@10_vs_flat"] = round(statistics.mean(len(a & b) / 10 for a, b in zip(found, truth)), 4)
+                for ef in (32, 64, 256):
+                    faiss.ParameterSpace().set_index_parameter(idx._approx, "efSearch", ef)
+                    got, lat2 = [], []
+                    for v in q:
+                        t = time.perf_counter()
+                        got.append({h.chunk_id for h in idx.search_vector(v, 10)})
+                        lat2.append((time.perf_counter() - t) * 1e3)
+                    r[f"ef{ef}"] = {"recall@10": round(statistics.mean(len(a & b) / 10 for a, b in zip(got, truth)), 4),
+                                    "p50_ms": round(pct(lat2, 50), 2), "p99_ms": round(pct(lat2, 99), 2)}
+            res[vname] = r
+        out[name] = res
+        shutil.rmtree(folder, ignore_errors=True)
+    return out
+
+
+# --- 4. peak RSS at 1x and 4x a corpus --------------------------------------------------------------
+
+_RSS_CHILD = """
+import resource, sys, json
+sys.path.insert(0, {repo!r})
+sys.path.insert(0, {repo!r} + "/bench")
+import index as bench_index
+bench_index._stand_ins()
+from ragbudget.index import Index
+from ragbudget.embed import HashEmbedder
+import faiss, ragbudget.chunking, ragbudget.dedup, ragbudget.loaders
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+s = Index({ix!r}).build({paths!r}, embedder=HashEmbedder(dim=384), dedup="exact")
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(json.dumps({{"base_mb": base / 1024, "peak_mb": peak / 1024, "chunks": s.chunks_total, "files": s.files_indexed}}))
+"""
+
+
+def part_rss(args: argparse.Namespace, tmp: Path) -> dict:
+    articles, manpages = (8, 8) if args.quick else (48, 40)
+    roots = []
+    for c in range(4):
+        root = tmp / f"rss{c}"
+        make_corpus(root, articles=articles, manpages=manpages, pdf=False, copy=c + 1)
+        roots.append(str(root))
+    out = {}
+    for label, paths in (("1x", roots[:1]), ("4x", roots)):
+        code = _RSS_CHILD.format(repo=str(REPO), ix=str(tmp / f"rssix_{label}"), paths=paths)
+        res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+        d = json.loads(res.stdout.strip().splitlines()[-1])
+        d["growth_mb"] = round(d["peak_mb"] - d["base_mb"], 1)
+        out[label] = {k: round(v, 1) if isinstance(v, float) else v for k, v in d.items()}
+    out["note"] = "HashEmbedder(384), dedup=exact; growth = peak RSS - RSS after imports"
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--part", choices=["all", "embed", "rerun", "latency", "rss"], default="all")
+    ap.add_argument("--n", type=int, default=0, help="chunks for the latency part")
+    ap.add_argument("--out", default=str(OUT / "index.json"))
+    args = ap.parse_args()
+    _stand_ins()
+    results: dict = {"quick": args.quick, "cpus": os.cpu_count(),
+                     "stand_in_modules": sorted(m for m in sys.modules if m.startswith("ragbudget.")
+                                                and getattr(sys.modules[m], "__file__", None) is None)}
+    out_path = Path(args.out)
+    if out_path.exists() and args.part != "all":
+        results = {**json.loads(out_path.read_text()), **results}
+    parts = ["embed", "rerun", "latency", "rss"] if args.part == "all" else [args.part]
+    with tempfile.TemporaryDirectory(prefix="rb-bench-index-") as d:
+        for part in parts:
+            t = time.perf_counter()
+            results[part] = globals()[f"part_{part}"](args, Path(d))
+            results[part]["part_seconds"] = round(time.perf_counter() - t, 1)
+            print(f"[{part}] done in {results[part]['part_seconds']} s", file=sys.stderr, flush=True)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(results, indent=2))
+    report(results)
+
+
+def report(r: dict) -> None:
+    rows = []
+    if "embed" in r:
+        e = r["embed"]
+        rows += [
+            ("index wall / model alone (same windows)", f"{e['index_over_model']:.3f}x", "<= 1.15x"),
+            ("non-model overhead", f"{e['non_model_overhead_pct']}%", "<= 15%"),
+            ("chunks needing windows", f"{e['chunks_needing_windows']}/{e['corpus']['chunks']}", ""),
+            ("extra model time, windows vs truncation", f"+{e['windows_extra_model_time_pct']}%", ""),
+            ("SQuAD recall@5 windows vs truncate", f"{e['recall@5_windows']} vs {e['recall@5_truncate']} (n={e['questions']})", ""),
+            ("  tail-answer questions", f"{e['recall@5_tail_windows']} vs {e['recall@5_tail_truncate']} (n={e['tail_questions']})", ""),
+        ]
+    if "rerun" in r:
+        x = r["rerun"]
+        rows += [
+            ("unchanged re-run, 1,000 files", f"{x['unchanged_rerun_s']} s, {x['unchanged_rerun_embedded']} embedded", "<= 2 s, 0"),
+            ("one file touched (mtime only)", f"{x['touched_rerun_s']} s, {x['touched_rerun_embedded']} embedded", "0"),
+            ("one file edited", f"{x['edited_one_file_s']} s, {x['edited_one_file_embedded']} embedded", ""),
+        ]
+    if "latency" in r:
+        lt = r["latency"]
+        f, h = lt["flat_random"]["flat"], lt["flat+hnsw_clustered"]
+        rows += [
+            (f"flat search @{lt['n']} (random)", f"p50 {f['p50_ms']} ms, p99 {f['p99_ms']} ms", "<= 5 / 20 ms"),
+            (f"flat search @{lt['n']} (clustered)", f"p50 {h['flat']['p50_ms']} ms, p99 {h['flat']['p99_ms']} ms", ""),
+            (f"hnsw search @{lt['n']} (ef=128)", f"p50 {h['hnsw']['p50_ms']} ms, p99 {h['hnsw']['p99_ms']} ms, recall@10 {h['hnsw']['recall@10_vs_flat']}", ">= 0.95"),
+        ]
+    if "rss" in r:
+        s = r["rss"]
+        rows += [("peak RSS growth 1x / 4x corpus", f"{s['1x']['growth_mb']} / {s['4x']['growth_mb']} MB "
+                  f"({s['1x']['chunks']} / {s['4x']['chunks']} chunks)", "grows with batch")]
+    w = max(len(a) for a, _, _ in rows)
+    print(f"{'metric':<{w}}  {'measured':<48}  target")
+    for a, b, c in rows:
+        print(f"{a:<{w}}  {b:<48}  {c}")
+
+
+if __name__ == "__main__":
+    main()
