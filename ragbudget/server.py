@@ -1,0 +1,935 @@
+"""``ragbudget serve``: an OpenAI-compatible HTTP server whose admission follows the KV budget.
+
+Endpoints (all JSON; errors are OpenAI-style ``{"error": {"message", "type", "param", "code"}}``):
+
+* ``POST /v1/chat/completions`` — the OpenAI chat schema; ``stream: true`` sends server-sent events
+  in OpenAI chunk format ending with ``data: [DONE]``. The retrieved sources come back in an extra
+  top-level ``sources`` field (and in the final chunk when streaming), the budget report in
+  ``ragbudget``. The last message is the question; earlier messages are the history.
+* ``POST /v1/retrieve`` — the chunks that fit the budget for a query (no generation).
+* ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text format).
+
+Admission: every chat request goes through ``pipeline.ask``, which reserves its KV tokens with the
+pipeline's :class:`~ragbudget.admission.AdmissionController`. A request runs only while the summed
+reservations fit the KV capacity; others wait in a bounded queue for a bounded time; beyond that
+the controller raises :class:`~ragbudget.errors.OverloadedError` and the client gets ``429`` with
+``Retry-After`` — never a 5xx, never an OOM. Model work runs in a bounded thread pool, off the event
+loop, so ``/health`` answers throughout. A client that disconnects sets the request's cancel event,
+which stops generation and frees the reservation at once.
+
+>>> from ragbudget.pipeline import Pipeline                  # doctest: +SKIP
+>>> app = create_app(Pipeline(".ragbudget"), api_key="s3cret")  # doctest: +SKIP
+>>> import uvicorn; uvicorn.run(app, host="127.0.0.1", port=8000)  # doctest: +SKIP
+
+``fastapi`` and ``uvicorn`` are the ``serve`` extra; they are imported when :func:`create_app` or
+:func:`serve` is called, not when this module is imported.
+"""
+
+# No ``from __future__ import annotations`` here: FastAPI reads the route functions' annotations
+# (``request: Request``) at runtime, and Request is imported lazily inside create_app.
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import math
+import os
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import BudgetError, ConfigError, OverloadedError, RagBudgetError
+
+__all__ = [
+    "DEFAULT_MAX_BODY_BYTES",
+    "LOOPBACK_HOSTS",
+    "Metrics",
+    "background_server",
+    "create_app",
+    "serve",
+]
+
+log = logging.getLogger(__name__)
+
+#: 1 MiB is far above any question plus a long chat history, and small enough that a hostile body
+#: cannot cost memory.
+DEFAULT_MAX_BODY_BYTES = 1 << 20
+LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")
+API_KEY_ENV = "RAGBUDGET_API_KEY"
+
+# Roles accepted in ``messages``; ``developer`` is the newer OpenAI name for ``system``.
+_ROLES = {"system", "developer", "user", "assistant"}
+# Sampling fields the OpenAI client may send. They are validated for type and otherwise ignored:
+# the generator decodes greedily so that answers are reproducible.
+_NUMERIC_IGNORED = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "seed")
+
+# Latency buckets (seconds): from a cached answer on a GPU to a long CPU generation.
+_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+# --- errors ---------------------------------------------------------------------------------------
+
+
+class _APIError(Exception):
+    """An error answered to the client as an OpenAI error object."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",  # noqa: A002 - the OpenAI field name
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def _retry_after(seconds: float) -> str:
+    # Retry-After takes whole seconds; round up so that a client honoring it does not come back
+    # before the queue had a chance to drain.
+    return str(max(1, math.ceil(seconds)))
+
+
+def _error_from_exception(exc: BaseException) -> _APIError:
+    """Map a library error to the HTTP answer. Overload is 429 (never 5xx); a request that can
+    never fit the budget is the client's problem (400); anything else is a 500 without traceback."""
+    if isinstance(exc, _APIError):
+        return exc
+    if isinstance(exc, OverloadedError):
+        return _APIError(
+            429,
+            f"{exc} (retry after the Retry-After header)",
+            type="rate_limit_error",
+            code="overloaded",
+            headers={"Retry-After": _retry_after(exc.retry_after)},
+        )
+    if isinstance(exc, BudgetError):
+        return _APIError(400, str(exc), code="context_length_exceeded", param="messages")
+    if isinstance(exc, ConfigError):
+        return _APIError(400, str(exc), code="invalid_value")
+    if isinstance(exc, RagBudgetError):
+        return _APIError(500, f"{type(exc).__name__}: {exc}", type="server_error", code="internal_error")
+    log.exception("unexpected error while serving a request", exc_info=exc)
+    return _APIError(500, f"internal error: {type(exc).__name__}", type="server_error", code="internal_error")
+
+
+# --- metrics --------------------------------------------------------------------------------------
+
+
+class _Histogram:
+    """A Prometheus histogram (cumulative buckets, sum, count) for one label set."""
+
+    def __init__(self, buckets: Sequence[float] = _BUCKETS) -> None:
+        self.buckets = tuple(buckets)
+        self.counts = [0] * (len(self.buckets) + 1)  # last slot is +Inf
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        for i, bound in enumerate(self.buckets):
+            if value <= bound:
+                self.counts[i] += 1
+                break
+        else:
+            self.counts[-1] += 1
+        self.sum += value
+        self.count += 1
+
+
+def _labels(pairs: dict[str, str]) -> str:
+    if not pairs:
+        return ""
+    inner = ",".join(f'{k}="{str(v).replace(chr(92), chr(92) * 2).replace(chr(34), chr(92) + chr(34))}"' for k, v in sorted(pairs.items()))
+    return "{" + inner + "}"
+
+
+class Metrics:
+    """Counters and histograms of the server, rendered in the Prometheus text format (0.0.4).
+
+    Thread-safe: observations come from the event loop and from worker threads.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.requests: dict[tuple[str, str], int] = {}
+        self.oom_steps = 0
+        self.cancelled = 0
+        self.rejected = 0
+        self.tokens_prompt = 0
+        self.tokens_completion = 0
+        self.in_flight = 0
+        self.histograms: dict[tuple[str, tuple[tuple[str, str], ...]], _Histogram] = {}
+
+    def count_request(self, endpoint: str, status: int) -> None:
+        with self._lock:
+            key = (endpoint, str(status))
+            self.requests[key] = self.requests.get(key, 0) + 1
+            if status == 429:
+                self.rejected += 1
+
+    def observe(self, name: str, value: float, **labels: str) -> None:
+        key = (name, tuple(sorted(labels.items())))
+        with self._lock:
+            hist = self.histograms.get(key)
+            if hist is None:
+                hist = self.histograms[key] = _Histogram()
+            hist.observe(value)
+
+    def add(self, field: str, value: int = 1) -> None:
+        with self._lock:
+            setattr(self, field, getattr(self, field) + value)
+
+    def render(self, gauges: dict[str, tuple[str, float]]) -> str:
+        """The exposition text; ``gauges`` maps metric name to (help, value) read at scrape time."""
+        out: list[str] = []
+
+        def metric(name: str, kind: str, help_: str) -> None:
+            out.append(f"# HELP {name} {help_}")
+            out.append(f"# TYPE {name} {kind}")
+
+        with self._lock:
+            metric("ragbudget_requests_total", "counter", "HTTP requests answered, by endpoint and status.")
+            for (endpoint, status), n in sorted(self.requests.items()):
+                out.append(f"ragbudget_requests_total{_labels({'endpoint': endpoint, 'status': status})} {n}")
+            for name, help_, value in (
+                ("ragbudget_rejected_total", "Requests refused with 429 by admission control.", self.rejected),
+                ("ragbudget_cancelled_total", "Requests whose client disconnected before the end.", self.cancelled),
+                ("ragbudget_oom_steps_total", "Steps taken down the OOM fallback ladder.", self.oom_steps),
+                ("ragbudget_prompt_tokens_total", "Prompt tokens processed.", self.tokens_prompt),
+                ("ragbudget_completion_tokens_total", "Tokens generated.", self.tokens_completion),
+            ):
+                metric(name, "counter", help_)
+                out.append(f"{name} {value}")
+            metric("ragbudget_requests_in_flight", "gauge", "Chat/retrieve requests being served (running or queued).")
+            out.append(f"ragbudget_requests_in_flight {self.in_flight}")
+            for name, (help_, value) in sorted(gauges.items()):
+                metric(name, "gauge", help_)
+                out.append(f"{name} {_fmt(value)}")
+            by_name: dict[str, list[tuple[tuple[tuple[str, str], ...], _Histogram]]] = {}
+            for (name, labels), hist in self.histograms.items():
+                by_name.setdefault(name, []).append((labels, hist))
+            for name in sorted(by_name):
+                metric(name, "histogram", _HISTOGRAM_HELP.get(name, name))
+                for labels, hist in sorted(by_name[name], key=lambda x: x[0]):
+                    base = dict(labels)
+                    cumulative = 0
+                    for bound, n in zip(hist.buckets, hist.counts):
+                        cumulative += n
+                        out.append(f"{name}_bucket{_labels({**base, 'le': _fmt(bound)})} {cumulative}")
+                    cumulative += hist.counts[-1]
+                    out.append(f"{name}_bucket{_labels({**base, 'le': '+Inf'})} {cumulative}")
+                    out.append(f"{name}_sum{_labels(base)} {_fmt(hist.sum)}")
+                    out.append(f"{name}_count{_labels(base)} {hist.count}")
+        return "\n".join(out) + "\n"
+
+
+_HISTOGRAM_HELP = {
+    "ragbudget_request_duration_seconds": "Time from request to the last byte of the answer.",
+    "ragbudget_time_to_first_token_seconds": "Streaming: time from request to the first text.",
+    "ragbudget_queue_wait_seconds": "Time a request waited for KV admission.",
+}
+
+
+def _fmt(value: float) -> str:
+    if isinstance(value, int) or float(value).is_integer():
+        return str(int(value))
+    return repr(float(value))
+
+
+def _admission_stats(pipeline: Any) -> dict[str, float]:
+    """Read the admission controller's state whatever shape its stats take (a ``stats()`` dict or
+    attributes). Missing values are left out rather than invented."""
+    adm = getattr(pipeline, "admission", None)
+    if adm is None:
+        return {}
+    raw: dict[str, Any] = {}
+    stats = getattr(adm, "stats", None)
+    if callable(stats):
+        try:
+            value = stats()
+            raw = value if isinstance(value, dict) else getattr(value, "__dict__", {}) or {}
+            if not raw and hasattr(value, "_asdict"):
+                raw = value._asdict()
+            if not raw and hasattr(value, "__dataclass_fields__"):
+                raw = {k: getattr(value, k) for k in value.__dataclass_fields__}
+        except Exception:  # stats are best effort; never fail a scrape
+            raw = {}
+    elif isinstance(stats, dict):
+        raw = stats
+    out: dict[str, float] = {}
+    aliases = {
+        "running": ("running", "active", "n_running"),
+        "queued": ("queued", "waiting", "queue_depth", "n_queued"),
+        "admitted_tokens": ("admitted_tokens", "reserved_tokens", "tokens_reserved", "in_use_tokens", "used_tokens"),
+        "capacity_tokens": ("capacity_tokens", "capacity"),
+    }
+    for key, names in aliases.items():
+        for name in names:
+            value = raw.get(name, getattr(adm, name, None)) if raw else getattr(adm, name, None)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                out[key] = float(value)
+                break
+    return out
+
+
+# --- request parsing -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _ChatRequest:
+    model: str
+    question: str
+    history: list[dict[str, str]]
+    stream: bool
+    include_usage: bool
+    max_tokens: int | None
+    context_tokens: int | None
+
+
+def _content_text(content: Any, where: str) -> str:
+    """A message's text: a string, or a list of ``{"type": "text", "text": ...}`` parts."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for i, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise _APIError(
+                    400,
+                    f"{where}.content[{i}] must be a text part {{'type': 'text', 'text': str}}; "
+                    "images, audio and files are not supported",
+                    param=f"{where}.content",
+                    code="invalid_type",
+                )
+            parts.append(part["text"])
+        return "\n".join(parts)
+    raise _APIError(400, f"{where}.content must be a string or a list of text parts, got {type(content).__name__}",
+                    param=f"{where}.content", code="invalid_type")
+
+
+def _opt_int(body: dict[str, Any], name: str, *, minimum: int = 1) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _APIError(400, f"'{name}' must be an integer, got {type(value).__name__}", param=name, code="invalid_type")
+    if value < minimum:
+        raise _APIError(400, f"'{name}' must be >= {minimum}, got {value}", param=name, code="invalid_value")
+    return value
+
+
+def _parse_chat(body: Any, models: Sequence[str]) -> _ChatRequest:
+    if not isinstance(body, dict):
+        raise _APIError(400, f"the request body must be a JSON object, got {type(body).__name__}", code="invalid_type")
+    model = body.get("model")
+    if model is None:
+        raise _APIError(400, "missing required parameter 'model'", param="model", code="missing_required_parameter")
+    if not isinstance(model, str):
+        raise _APIError(400, f"'model' must be a string, got {type(model).__name__}", param="model", code="invalid_type")
+    if model not in models:
+        raise _APIError(404, f"the model {model!r} does not exist; this server serves {', '.join(map(repr, models))}",
+                        param="model", code="model_not_found")
+    messages = body.get("messages")
+    if messages is None:
+        raise _APIError(400, "missing required parameter 'messages'", param="messages", code="missing_required_parameter")
+    if not isinstance(messages, list):
+        raise _APIError(400, f"'messages' must be a list, got {type(messages).__name__}", param="messages", code="invalid_type")
+    if not messages:
+        raise _APIError(400, "'messages' must not be empty: send at least one user message", param="messages",
+                        code="empty_array")
+    parsed: list[dict[str, str]] = []
+    for i, msg in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(msg, dict):
+            raise _APIError(400, f"{where} must be an object, got {type(msg).__name__}", param=where, code="invalid_type")
+        role = msg.get("role")
+        if role not in _ROLES:
+            raise _APIError(400, f"{where}.role must be one of system, developer, user, assistant; got {role!r}"
+                            " (tool calls are not supported)", param=f"{where}.role", code="invalid_value")
+        content = msg.get("content")
+        if content is None:
+            raise _APIError(400, f"{where}.content is required", param=f"{where}.content", code="missing_required_parameter")
+        parsed.append({"role": "system" if role == "developer" else role, "content": _content_text(content, where)})
+    last = parsed[-1]
+    if last["role"] != "user":
+        raise _APIError(400, f"the last message must be the user's question, got role {last['role']!r}",
+                        param=f"messages[{len(parsed) - 1}].role", code="invalid_value")
+    if not last["content"].strip():
+        raise _APIError(400, "the last user message is empty: there is no question to answer",
+                        param=f"messages[{len(parsed) - 1}].content", code="invalid_value")
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise _APIError(400, f"'stream' must be a boolean, got {type(stream).__name__}", param="stream", code="invalid_type")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise _APIError(400, "'stream_options' must be an object", param="stream_options", code="invalid_type")
+    n = _opt_int(body, "n")
+    if n not in (None, 1):
+        raise _APIError(400, f"'n' must be 1 (one answer per request), got {n}", param="n", code="invalid_value")
+    for name in _NUMERIC_IGNORED:
+        value = body.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise _APIError(400, f"'{name}' must be a number, got {type(value).__name__}", param=name, code="invalid_type")
+    max_tokens = _opt_int(body, "max_completion_tokens")
+    if max_tokens is None:
+        max_tokens = _opt_int(body, "max_tokens")
+    return _ChatRequest(
+        model=model,
+        question=last["content"],
+        history=parsed[:-1],
+        stream=stream,
+        include_usage=bool(options.get("include_usage", False)),
+        max_tokens=max_tokens,
+        context_tokens=_opt_int(body, "context_tokens"),
+    )
+
+
+# --- answers --------------------------------------------------------------------------------------
+
+
+def _report(answer: Any) -> dict[str, Any]:
+    report = getattr(answer, "report", None)
+    return report if isinstance(report, dict) else {}
+
+
+def _usage(answer: Any, counter: Callable[[str], int] | None) -> dict[str, int]:
+    report = _report(answer)
+    budget = report.get("budget") or {}
+    prompt = int(budget.get("prompt_tokens") or report.get("prompt_tokens") or 0)
+    completion = report.get("new_tokens")
+    if completion is None:
+        completion = (report.get("generation") or {}).get("new_tokens")
+    if completion is None and counter is not None:
+        completion = counter(getattr(answer, "text", "") or "")
+    completion = int(completion or 0)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _finish_reason(answer: Any) -> str:
+    report = _report(answer)
+    reason = report.get("finish_reason") or (report.get("generation") or {}).get("finish_reason") or "stop"
+    # OpenAI knows stop/length/content_filter/tool_calls; ragbudget's "cancelled" or "eos" map to stop.
+    return "length" if reason in ("length", "max_tokens", "max_new_tokens") else "stop"
+
+
+def _queue_wait(report: dict[str, Any]) -> float | None:
+    timings = report.get("timings") or {}
+    for key in ("queue_wait", "queue", "admission_wait", "admission", "wait"):
+        value = timings.get(key)
+        if isinstance(value, (int, float)):
+            return float(value)
+    return None
+
+
+def _result(fut: "asyncio.Future[Any]") -> Any:
+    """``fut``'s result, with any exception turned into the HTTP error it maps to, inside the
+    route (errors that escape a route reach Starlette's 500 middleware, which also re-raises)."""
+    try:
+        return fut.result()
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        raise _error_from_exception(exc) from None
+
+
+def _sse(data: Any) -> bytes:
+    text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {text}\n\n".encode()
+
+
+# --- the app --------------------------------------------------------------------------------------
+
+
+def create_app(
+    pipeline: Any,
+    *,
+    api_key: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    model_name: str | None = None,
+    max_workers: int = 64,
+    history_share: float = 0.3,
+    disconnect_poll_s: float = 0.1,
+) -> Any:
+    """Build the FastAPI app serving ``pipeline`` (a :class:`ragbudget.pipeline.Pipeline` or
+    anything with its ``ask``/``retrieve``/``admission``/``generator`` surface).
+
+    ``api_key`` (default ``$RAGBUDGET_API_KEY``) makes every endpoint but ``/health`` require
+    ``Authorization: Bearer <key>``. ``model_name`` is the id clients send as ``model`` (default:
+    the generator's model id, also accepted as ``"ragbudget"``). ``max_workers`` bounds the threads
+    doing model work: a request arriving when all are busy (running or queued for admission) is
+    answered 429 at once instead of waiting unboundedly. ``history_share`` caps the share of the
+    prompt budget that earlier messages may take (oldest messages are dropped beyond it; see
+    :func:`ragbudget.chat.fit_history`).
+
+    >>> app = create_app(pipeline)  # doctest: +SKIP
+    """
+    from fastapi import FastAPI, Request
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+
+    if api_key is None:
+        api_key = os.environ.get(API_KEY_ENV) or None
+    if max_body_bytes < 1:
+        raise ConfigError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
+    if max_workers < 1:
+        raise ConfigError(f"max_workers must be >= 1, got {max_workers}")
+    if not 0.0 <= history_share < 1.0:
+        raise ConfigError(f"history_share must be in [0, 1), got {history_share}")
+    served = model_name or _default_model_name(pipeline)
+    models = [served] if served == "ragbudget" else [served, "ragbudget"]
+    metrics = Metrics()
+    executor = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="ragbudget-serve")
+    slots = threading.BoundedSemaphore(max_workers)
+    started = time.time()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Any) -> AsyncIterator[None]:
+        yield
+        # Stop handing out work; running generations see their cancel events when the loop dies.
+        executor.shutdown(wait=False, cancel_futures=True)
+
+    app = FastAPI(title="ragbudget", version=_version(), docs_url=None, redoc_url=None, openapi_url=None,
+                  lifespan=lifespan)
+    app.state.pipeline = pipeline
+    app.state.metrics = metrics
+    app.state.executor = executor
+
+    def error_response(err: _APIError) -> Any:
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+    @app.exception_handler(_APIError)
+    async def _api_error(request: Request, exc: _APIError) -> Any:
+        return error_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Any:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        err = _APIError(exc.status_code, str(exc.detail), code=code)
+        return JSONResponse(err.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> Any:
+        return error_response(_APIError(400, str(exc), code="invalid_request"))
+
+    @app.exception_handler(RagBudgetError)
+    async def _library_error(request: Request, exc: RagBudgetError) -> Any:
+        return error_response(_error_from_exception(exc))
+
+    @app.exception_handler(Exception)
+    async def _any_error(request: Request, exc: Exception) -> Any:  # last resort (ServerErrorMiddleware)
+        return error_response(_error_from_exception(exc))
+
+    app.add_middleware(_Guard, api_key=api_key, metrics=metrics)
+
+    async def read_json(request: Request) -> Any:
+        """The body as JSON, refusing more than ``max_body_bytes`` before reading it all."""
+        length = request.headers.get("content-length")
+        if length is not None:
+            try:
+                declared = int(length)
+            except ValueError:
+                raise _APIError(400, f"invalid Content-Length {length!r}", code="invalid_request") from None
+            if declared > max_body_bytes:
+                raise _APIError(413, f"request body of {declared} bytes exceeds the limit of {max_body_bytes} bytes",
+                                code="request_too_large")
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_body_bytes:
+                raise _APIError(413, f"request body exceeds the limit of {max_body_bytes} bytes",
+                                code="request_too_large")
+            chunks.append(chunk)
+        raw = b"".join(chunks)
+        if not raw.strip():
+            raise _APIError(400, "the request body is empty; send a JSON object", code="invalid_json")
+        try:
+            return json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise _APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+
+    def acquire_slot() -> None:
+        if not slots.acquire(blocking=False):
+            # Every worker is busy (running or already waiting for admission): queueing here too
+            # would be an unbounded queue in front of the bounded one.
+            raise _APIError(429, f"server busy: {max_workers} requests already in progress",
+                            type="rate_limit_error", code="overloaded", headers={"Retry-After": "1"})
+        metrics.add("in_flight", 1)
+
+    def release_slot() -> None:
+        metrics.add("in_flight", -1)
+        slots.release()
+
+    def submit(fn: Callable[[], Any]) -> asyncio.Future[Any]:
+        """Run ``fn`` on the worker pool; the slot is released when it ends, however it ends."""
+        acquire_slot()
+
+        def run() -> Any:
+            try:
+                return fn()
+            finally:
+                release_slot()
+
+        try:
+            return asyncio.get_running_loop().run_in_executor(executor, run)
+        except BaseException:
+            release_slot()
+            raise
+
+    async def run_blocking(fn: Callable[[], Any]) -> Any:
+        fut = submit(fn)
+        await asyncio.wait({fut})
+        return _result(fut)
+
+    async def wait_or_cancel(request: Request, fut: asyncio.Future[Any], cancel: threading.Event) -> Any:
+        """Await ``fut``; if the client goes away meanwhile, set ``cancel`` (frees the KV
+        reservation) and still wait for the worker to wind down."""
+        while True:
+            done, _ = await asyncio.wait({fut}, timeout=disconnect_poll_s)
+            if done:
+                return _result(fut)
+            if not cancel.is_set() and await request.is_disconnected():
+                cancel.set()
+                metrics.add("cancelled", 1)
+
+    def counter() -> Callable[[str], int] | None:
+        gen = getattr(pipeline, "generator", None)
+        tc = getattr(gen, "token_counter", None)
+        if tc is None:
+            return None
+        return tc.count if hasattr(tc, "count") else tc
+
+    def record_answer(answer: Any) -> dict[str, int]:
+        report = _report(answer)
+        usage = _usage(answer, counter())
+        metrics.add("tokens_prompt", usage["prompt_tokens"])
+        metrics.add("tokens_completion", usage["completion_tokens"])
+        steps = report.get("oom_steps") or []
+        metrics.add("oom_steps", len(steps) if isinstance(steps, (list, tuple)) else int(steps or 0))
+        wait = _queue_wait(report)
+        if wait is not None:
+            metrics.observe("ragbudget_queue_wait_seconds", wait)
+        return usage
+
+    def ask_kwargs(req: _ChatRequest) -> dict[str, Any]:
+        from .chat import fit_history
+
+        history, _ = fit_history(pipeline, req.history, req.question, share=history_share,
+                                 max_new_tokens=req.max_tokens)
+        return {"context_tokens": req.context_tokens, "max_new_tokens": req.max_tokens, "history": history or None}
+
+    # --- routes ---
+
+    @app.get("/health")
+    async def health() -> Any:
+        stats = _admission_stats(pipeline)
+        return {"status": "ok", "model": served, "uptime_s": round(time.time() - started, 3),
+                "in_flight": metrics.in_flight, **{k: int(v) for k, v in stats.items()}}
+
+    @app.get("/metrics")
+    async def metrics_endpoint() -> Any:
+        stats = _admission_stats(pipeline)
+        gauges = {}
+        help_ = {
+            "running": ("ragbudget_running_requests", "Requests holding a KV reservation."),
+            "queued": ("ragbudget_queue_depth", "Requests waiting for KV admission."),
+            "admitted_tokens": ("ragbudget_admitted_kv_tokens", "KV tokens reserved by running requests."),
+            "capacity_tokens": ("ragbudget_kv_capacity_tokens", "KV tokens the budget admits at once."),
+        }
+        for key, (name, text) in help_.items():
+            if key in stats:
+                gauges[name] = (text, stats[key])
+        return PlainTextResponse(metrics.render(gauges), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def list_models() -> Any:
+        return {"object": "list", "data": [
+            {"id": m, "object": "model", "created": int(started), "owned_by": "ragbudget"} for m in models
+        ]}
+
+    @app.post("/v1/retrieve")
+    async def retrieve(request: Request) -> Any:
+        body = await read_json(request)
+        if not isinstance(body, dict):
+            raise _APIError(400, "the request body must be a JSON object", code="invalid_type")
+        query = body.get("query")
+        if not isinstance(query, str) or not query.strip():
+            raise _APIError(400, "'query' must be a non-empty string", param="query",
+                            code="missing_required_parameter" if query is None else "invalid_value")
+        k = _opt_int(body, "k")
+        context_tokens = _opt_int(body, "context_tokens")
+        if k is not None:
+            hits = await run_blocking(lambda: pipeline.search(query, k=k))
+            return {"object": "list", "query": query, "data": [_to_dict(h) for h in hits]}
+        selection = await run_blocking(lambda: pipeline.retrieve(query, context_tokens=context_tokens))
+        return {
+            "object": "list",
+            "query": query,
+            "data": [_to_dict(c) for c in getattr(selection, "chunks", ())],
+            "tokens_used": getattr(selection, "tokens_used", None),
+            "tokens_allowed": getattr(selection, "tokens_allowed", None),
+            "dropped": [_to_dict(d) for d in getattr(selection, "dropped", ())],
+        }
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Any:
+        t0 = time.perf_counter()
+        req = _parse_chat(await read_json(request), models)
+        completion_id = f"chatcmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        cancel = threading.Event()
+        kwargs = ask_kwargs(req)
+        if not req.stream:
+            fut = submit(lambda: pipeline.ask(req.question, cancel=cancel, **kwargs))
+            answer = await wait_or_cancel(request, fut, cancel)
+            usage = record_answer(answer)
+            return {
+                "id": completion_id,
+                "object": "chat.completion",
+                "created": created,
+                "model": req.model,
+                "choices": [{
+                    "index": 0,
+                    "message": {"role": "assistant", "content": getattr(answer, "text", "")},
+                    "finish_reason": _finish_reason(answer),
+                    "logprobs": None,
+                }],
+                "usage": usage,
+                "sources": list(getattr(answer, "sources", []) or []),
+                "ragbudget": _report(answer),
+            }
+
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+
+        def put(kind: str, value: Any) -> None:
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, (kind, value))
+            except RuntimeError:  # the loop is gone (server shutting down): nobody is listening
+                cancel.set()
+
+        def work() -> None:
+            try:
+                answer = pipeline.ask(req.question, cancel=cancel, on_text=lambda piece: put("text", piece), **kwargs)
+            except BaseException as exc:  # handed to the event loop, which answers the client
+                put("error", exc)
+            else:
+                put("done", answer)
+
+        fut = submit(work)
+        # Wait for the first event before committing to a 200 stream: admission happens inside
+        # ask(), so an overloaded server must still be able to answer 429 with Retry-After.
+        getter = asyncio.ensure_future(events.get())
+        while True:
+            done, _ = await asyncio.wait({getter}, timeout=disconnect_poll_s)
+            if done:
+                first = getter.result()
+                break
+            if await request.is_disconnected():
+                cancel.set()
+                metrics.add("cancelled", 1)
+                getter.cancel()
+                await asyncio.wait({fut})
+                return Response(status_code=499)
+        if first[0] == "error":
+            raise _error_from_exception(first[1])
+
+        def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> bytes:
+            return _sse({
+                "id": completion_id, "object": "chat.completion.chunk", "created": created, "model": req.model,
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}], **extra,
+            })
+
+        async def body_iter() -> AsyncIterator[bytes]:
+            event = first
+            first_token_seen = False
+            finished = False
+            try:
+                yield chunk({"role": "assistant", "content": ""})
+                while True:
+                    kind, value = event
+                    if kind == "text":
+                        if value:
+                            if not first_token_seen:
+                                first_token_seen = True
+                                metrics.observe("ragbudget_time_to_first_token_seconds", time.perf_counter() - t0)
+                            yield chunk({"content": value})
+                    elif kind == "error":
+                        err = _error_from_exception(value)
+                        yield _sse(err.body())
+                        yield _sse("[DONE]")
+                        finished = True
+                        return
+                    else:  # done
+                        usage = record_answer(value)
+                        extra: dict[str, Any] = {"sources": list(getattr(value, "sources", []) or []),
+                                                 "ragbudget": _report(value)}
+                        if req.include_usage:
+                            extra["usage"] = usage
+                        yield chunk({}, _finish_reason(value), **extra)
+                        yield _sse("[DONE]")
+                        finished = True
+                        return
+                    event = await events.get()
+            finally:
+                if not finished:
+                    # The client went away mid-stream (or the server is stopping): stop generating
+                    # now so the KV reservation is freed at once.
+                    cancel.set()
+                    metrics.add("cancelled", 1)
+
+        return StreamingResponse(body_iter(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    return app
+
+
+_ENDPOINTS = {"/health", "/metrics", "/v1/models", "/v1/retrieve", "/v1/chat/completions"}
+
+
+class _Guard:
+    """Pure ASGI middleware: bearer-token check, then counting and timing of every request.
+
+    Pure ASGI (not ``BaseHTTPMiddleware``) so that streaming responses and client-disconnect
+    detection pass through untouched; the duration covers a streamed answer to its last byte.
+    """
+
+    def __init__(self, app: Any, *, api_key: str | None, metrics: Metrics) -> None:
+        self.app = app
+        self.api_key = api_key.encode() if api_key else None
+        self.metrics = metrics
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        t0 = time.perf_counter()
+        path = scope.get("path", "")
+        endpoint = path if path in _ENDPOINTS else "other"
+        if self.api_key is not None and path != "/health":
+            header = dict(scope.get("headers") or []).get(b"authorization", b"")
+            scheme, _, token = header.partition(b" ")
+            # compare_digest: the comparison time does not reveal how much of the key matched.
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):
+                err = _APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                                code="invalid_api_key")
+                body = json.dumps(err.body()).encode()
+                await send({"type": "http.response.start", "status": 401, "headers": [
+                    (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                    (b"www-authenticate", b"Bearer")]})
+                await send({"type": "http.response.body", "body": body})
+                self.metrics.count_request(endpoint, 401)
+                return
+        status = 500
+
+        async def send_wrapper(message: dict[str, Any]) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            self.metrics.count_request(endpoint, status)
+            if endpoint not in ("/health", "/metrics", "other"):
+                self.metrics.observe("ragbudget_request_duration_seconds", time.perf_counter() - t0,
+                                     endpoint=endpoint)
+
+
+def _to_dict(obj: Any) -> Any:
+    if hasattr(obj, "to_dict"):
+        return obj.to_dict()
+    if isinstance(obj, dict):
+        return obj
+    return getattr(obj, "__dict__", str(obj))
+
+
+def _default_model_name(pipeline: Any) -> str:
+    gen = getattr(pipeline, "generator", None)
+    for obj, attr in ((gen, "model_id"), (gen, "model_name"), (pipeline, "model_name")):
+        value = getattr(obj, attr, None) if obj is not None else None
+        if isinstance(value, str) and value:
+            return value
+    model = getattr(gen, "model", None)
+    value = getattr(model, "id", None)
+    if isinstance(value, str) and value:
+        return value
+    return "ragbudget"
+
+
+def _version() -> str:
+    from . import __version__
+
+    return __version__
+
+
+def serve(
+    pipeline: Any,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str | None = None,
+    log_level: str = "info",
+    **app_options: Any,
+) -> None:
+    """Run the server with uvicorn until interrupted. Loopback by default; binding another address
+    without an API key logs a warning, since anyone who can reach the port can use the GPU."""
+    import uvicorn
+
+    if api_key is None:
+        api_key = os.environ.get(API_KEY_ENV) or None
+    if host not in LOOPBACK_HOSTS and not api_key:
+        log.warning("serving on %s without an API key: anyone who can reach port %d can use the model "
+                    "(pass --api-key or set %s)", host, port, API_KEY_ENV)
+    app = create_app(pipeline, api_key=api_key, **app_options)
+    uvicorn.run(app, host=host, port=port, log_level=log_level)
+
+
+@contextlib.contextmanager
+def background_server(app: Any, *, host: str = "127.0.0.1", port: int = 0, startup_timeout: float = 30.0) -> Iterator[str]:
+    """Run ``app`` with uvicorn in a daemon thread (an ephemeral port by default) and yield its base
+    URL, e.g. ``http://127.0.0.1:53412``; the server is stopped on exit. For tests and benchmarks.
+
+    >>> with background_server(create_app(pipeline)) as url:  # doctest: +SKIP
+    ...     httpx.get(url + "/health").json()
+    """
+    import uvicorn
+
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on",
+                            timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, name="ragbudget-uvicorn", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + startup_timeout
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            server.should_exit = True
+            raise RuntimeError(f"the server did not start on {host}:{port}")
+        time.sleep(0.01)
+    sock = server.servers[0].sockets[0]
+    bound = sock.getsockname()[1]
+    shown = f"[{host}]" if ":" in host else host
+    try:
+        yield f"http://{shown}:{bound}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)

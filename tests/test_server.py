@@ -1,0 +1,455 @@
+"""``ragbudget serve``: OpenAI compatibility, admission (429, never 5xx), disconnects, bad input.
+
+A real uvicorn server on 127.0.0.1 (ephemeral port, background thread) serves a fast, deterministic
+fake pipeline; the official ``openai`` client and httpx talk to it over loopback only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from ragbudget.errors import BudgetError, OverloadedError
+from ragbudget.server import Metrics, background_server, create_app
+
+MODEL = "fake-model"
+
+# --- fakes ----------------------------------------------------------------------------------------
+
+
+class FakeAdmission:
+    """Token reservations against a capacity, with a bounded wait queue and a wait timeout."""
+
+    def __init__(self, capacity: int, *, max_queue: int = 4, timeout: float = 2.0) -> None:
+        self.capacity = capacity
+        self.max_queue = max_queue
+        self.timeout = timeout
+        self.used = 0
+        self.running = 0
+        self.queued = 0
+        self.peak = 0
+        self._cond = threading.Condition()
+
+    @contextlib.contextmanager
+    def reserve(self, tokens: int) -> Iterator[None]:
+        with self._cond:
+            if tokens > self.capacity:
+                raise BudgetError("too big", needed=tokens, available=self.capacity)
+            if self.used + tokens > self.capacity:
+                if self.queued >= self.max_queue:
+                    raise OverloadedError("queue full", retry_after=1.5)
+                self.queued += 1
+                try:
+                    ok = self._cond.wait_for(lambda: self.used + tokens <= self.capacity, self.timeout)
+                finally:
+                    self.queued -= 1
+                if not ok:
+                    raise OverloadedError("wait timed out", retry_after=0.2)
+            self.used += tokens
+            self.running += 1
+            self.peak = max(self.peak, self.used)
+        try:
+            yield
+        finally:
+            with self._cond:
+                self.used -= tokens
+                self.running -= 1
+                self._cond.notify_all()
+
+    def stats(self) -> dict[str, int]:
+        with self._cond:
+            return {"running": self.running, "queued": self.queued, "admitted_tokens": self.used,
+                    "capacity_tokens": self.capacity}
+
+
+@dataclass
+class FakeAnswer:
+    text: str
+    sources: list[dict[str, Any]]
+    report: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"text": self.text, "sources": self.sources, "report": self.report}
+
+
+@dataclass
+class FakeChunk:
+    text: str
+    score: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"text": self.text, "score": self.score}
+
+
+@dataclass
+class FakeSelection:
+    chunks: tuple[FakeChunk, ...]
+    tokens_used: int
+    tokens_allowed: int
+    dropped: tuple[Any, ...] = ()
+
+
+class FakeGenerator:
+    model_id = MODEL
+    token_counter = None
+
+
+SOURCE = {"path": "data/guide.md", "start": 0, "end": 42, "page": 3, "score": 0.91}
+
+
+@dataclass
+class FakePipeline:
+    capacity: int = 1000
+    per_request: int = 400
+    max_queue: int = 4
+    timeout: float = 2.0
+    words: int = 6
+    token_delay: float = 0.0
+    fail: BaseException | None = None
+    calls: list[dict[str, Any]] = field(default_factory=list)
+    cancelled: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.admission = FakeAdmission(self.capacity, max_queue=self.max_queue, timeout=self.timeout)
+        self.generator = FakeGenerator()
+
+    def ask(self, question: str, *, context_tokens: int | None = None, max_new_tokens: int | None = None,
+            on_text: Any = None, cancel: threading.Event | None = None,
+            history: list[dict[str, str]] | None = None) -> FakeAnswer:
+        self.calls.append({"question": question, "history": history, "max_new_tokens": max_new_tokens,
+                           "context_tokens": context_tokens})
+        if self.fail is not None:
+            raise self.fail
+        t0 = time.perf_counter()
+        with self.admission.reserve(self.per_request):
+            waited = time.perf_counter() - t0
+            out = []
+            n = min(self.words, max_new_tokens or self.words)
+            for i in range(n):
+                if cancel is not None and (cancel.wait(self.token_delay) if self.token_delay else cancel.is_set()):
+                    self.cancelled.append(question)
+                    break
+                piece = f"word{i} "
+                out.append(piece)
+                if on_text is not None:
+                    on_text(piece)
+        return FakeAnswer(
+            text="".join(out),
+            sources=[dict(SOURCE)],
+            report={"budget": {"context_tokens_allowed": 300, "context_tokens_used": 120, "prompt_tokens": 150,
+                               "max_new_tokens": max_new_tokens or 256, "kv_bytes_per_token": 4096},
+                    "new_tokens": len(out), "finish_reason": "length" if len(out) == max_new_tokens else "eos",
+                    "oom_steps": [], "timings": {"queue_wait": waited}},
+        )
+
+    def retrieve(self, question: str, *, context_tokens: int | None = None) -> FakeSelection:
+        self.calls.append({"retrieve": question})
+        return FakeSelection((FakeChunk("chunk about " + question, 0.8),), 20, context_tokens or 300)
+
+    def search(self, query: str, k: int = 5) -> list[FakeChunk]:
+        self.calls.append({"search": query})
+        return [FakeChunk(f"hit {i}", 1.0 - i / 10) for i in range(k)]
+
+
+@contextlib.contextmanager
+def running(pipe: FakePipeline, **options: Any) -> Iterator[str]:
+    with background_server(create_app(pipe, **options)) as url:
+        yield url
+
+
+def client(url: str, key: str = "unused") -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=30)
+
+
+def user(text: str = "What is in the guide?") -> list[dict[str, str]]:
+    return [{"role": "user", "content": text}]
+
+
+# --- OpenAI compatibility -------------------------------------------------------------------------
+
+
+def test_openai_client_non_streaming_with_sources() -> None:
+    pipe = FakePipeline()
+    with running(pipe) as url:
+        resp = client(url).chat.completions.create(model=MODEL, messages=[
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Earlier question?"},
+            {"role": "assistant", "content": "Earlier answer."},
+            {"role": "user", "content": "What is in the guide?"},
+        ], max_tokens=4)
+    assert resp.object == "chat.completion"
+    assert resp.choices[0].message.role == "assistant"
+    assert resp.choices[0].message.content == "word0 word1 word2 word3 "
+    assert resp.choices[0].finish_reason == "length"
+    assert resp.usage is not None and resp.usage.prompt_tokens == 150 and resp.usage.completion_tokens == 4
+    extra = resp.model_extra or {}
+    assert extra["sources"] == [SOURCE]
+    assert extra["ragbudget"]["budget"]["prompt_tokens"] == 150
+    call = pipe.calls[-1]
+    assert call["question"] == "What is in the guide?" and call["max_new_tokens"] == 4
+    assert call["history"] == [{"role": "system", "content": "Be brief."},
+                               {"role": "user", "content": "Earlier question?"},
+                               {"role": "assistant", "content": "Earlier answer."}]
+
+
+def test_openai_client_streaming_with_sources_in_final_chunk() -> None:
+    pipe = FakePipeline(words=5)
+    with running(pipe) as url:
+        stream = client(url).chat.completions.create(model=MODEL, messages=user(), stream=True,
+                                                     stream_options={"include_usage": True})
+        chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == "word0 word1 word2 word3 word4 "
+    assert chunks[0].choices[0].delta.role == "assistant"
+    final = chunks[-1]
+    assert final.choices[0].finish_reason == "stop"
+    assert (final.model_extra or {})["sources"] == [SOURCE]
+    assert final.usage is not None and final.usage.completion_tokens == 5
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+
+
+def test_raw_stream_ends_with_done() -> None:
+    with running(FakePipeline(words=2)) as url:
+        r = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": user(), "stream": True})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = [line[len("data: "):] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["sources"] == [SOURCE]
+
+
+def test_models_health_metrics_and_retrieve() -> None:
+    pipe = FakePipeline()
+    with running(pipe) as url:
+        models = [m.id for m in client(url).models.list()]
+        client(url).chat.completions.create(model="ragbudget", messages=user())
+        health = httpx.get(url + "/health").json()
+        retrieved = httpx.post(url + "/v1/retrieve", json={"query": "footers", "context_tokens": 100}).json()
+        searched = httpx.post(url + "/v1/retrieve", json={"query": "footers", "k": 3}).json()
+        metrics = httpx.get(url + "/metrics")
+    assert models == [MODEL, "ragbudget"]
+    assert health["status"] == "ok" and health["admitted_tokens"] == 0 and health["queued"] == 0
+    assert retrieved["data"][0]["text"] == "chunk about footers" and retrieved["tokens_allowed"] == 100
+    assert len(searched["data"]) == 3
+    text = metrics.text
+    assert metrics.headers["content-type"].startswith("text/plain")
+    for name in ("ragbudget_requests_total", "ragbudget_queue_depth", "ragbudget_admitted_kv_tokens",
+                 "ragbudget_oom_steps_total", "ragbudget_request_duration_seconds_bucket",
+                 "ragbudget_queue_wait_seconds_count", "ragbudget_kv_capacity_tokens"):
+        assert name in text, name
+    assert 'ragbudget_requests_total{endpoint="/v1/chat/completions",status="200"} 1' in text
+    assert 'ragbudget_request_duration_seconds_bucket{endpoint="/v1/chat/completions",le="+Inf"} 1' in text
+
+
+# --- bad requests ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        (b"{not json", 400, None),
+        (b"", 400, None),
+        (b"[1, 2]", 400, None),
+        (json.dumps({"model": MODEL, "messages": []}).encode(), 400, "messages"),
+        (json.dumps({"model": MODEL}).encode(), 400, "messages"),
+        (json.dumps({"model": MODEL, "messages": "hi"}).encode(), 400, "messages"),
+        (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": 5}]}).encode(), 400, "messages[0].content"),
+        (json.dumps({"model": MODEL, "messages": [{"role": "tool", "content": "x"}]}).encode(), 400, "messages[0].role"),
+        (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "  "}]}).encode(), 400, "messages[0].content"),
+        (json.dumps({"model": MODEL, "messages": [{"role": "assistant", "content": "x"}]}).encode(), 400, "messages[0].role"),
+        (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}).encode(), 400,
+         "messages[0].content"),
+        (json.dumps({"model": MODEL, "messages": user(), "stream": "yes"}).encode(), 400, "stream"),
+        (json.dumps({"model": MODEL, "messages": user(), "max_tokens": "10"}).encode(), 400, "max_tokens"),
+        (json.dumps({"model": MODEL, "messages": user(), "max_tokens": 0}).encode(), 400, "max_tokens"),
+        (json.dumps({"model": MODEL, "messages": user(), "temperature": "hot"}).encode(), 400, "temperature"),
+        (json.dumps({"model": MODEL, "messages": user(), "n": 2}).encode(), 400, "n"),
+        (json.dumps({"model": 7, "messages": user()}).encode(), 400, "model"),
+        (json.dumps({"messages": user()}).encode(), 400, "model"),
+        (json.dumps({"model": "gpt-4o", "messages": user()}).encode(), 404, "model"),
+    ],
+)
+def test_bad_requests_get_openai_errors_and_never_reach_the_model(body: bytes, status: int, param: str | None) -> None:
+    pipe = FakePipeline()
+    with running(pipe) as url:
+        r = httpx.post(url + "/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["param"] == param
+    assert pipe.calls == []
+
+
+def test_oversized_body_is_413() -> None:
+    pipe = FakePipeline()
+    with running(pipe, max_body_bytes=2000) as url:
+        big = {"model": MODEL, "messages": user("x" * 5000)}
+        r = httpx.post(url + "/v1/chat/completions", json=big)
+
+        def chunked() -> Iterator[bytes]:  # no Content-Length: the limit applies while reading
+            yield json.dumps(big).encode()
+
+        r2 = httpx.post(url + "/v1/chat/completions", content=chunked())
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    assert r2.status_code == 413
+    assert pipe.calls == []
+
+
+def test_unknown_route_and_method_are_openai_errors() -> None:
+    with running(FakePipeline()) as url:
+        r = httpx.get(url + "/v1/nothing")
+        r2 = httpx.get(url + "/v1/chat/completions")
+    assert r.status_code == 404 and "error" in r.json()
+    assert r2.status_code == 405 and "error" in r2.json()
+
+
+def test_openai_client_raises_typed_errors() -> None:
+    with running(FakePipeline()) as url:
+        with pytest.raises(openai.NotFoundError):
+            client(url).chat.completions.create(model="nope", messages=user())
+        with pytest.raises(openai.BadRequestError):
+            client(url).chat.completions.create(model=MODEL, messages=[])
+
+
+def test_budget_error_is_400_and_unexpected_error_is_500_without_traceback() -> None:
+    with running(FakePipeline(fail=BudgetError("question too long", needed=9000, available=2048))) as url:
+        r = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": user()})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    with running(FakePipeline(fail=RuntimeError("secret internals"))) as url:
+        r = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": user()})
+    assert r.status_code == 500 and "secret" not in r.text and r.json()["error"]["type"] == "server_error"
+
+
+# --- authentication -------------------------------------------------------------------------------
+
+
+def test_api_key_required_when_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    pipe = FakePipeline()
+    with running(pipe, api_key="s3cret") as url:
+        r = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": user()})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert r.headers["www-authenticate"] == "Bearer"
+        assert httpx.get(url + "/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert httpx.get(url + "/metrics").status_code == 401
+        assert httpx.get(url + "/health").status_code == 200
+        with pytest.raises(openai.AuthenticationError):
+            client(url, "wrong").chat.completions.create(model=MODEL, messages=user())
+        ok = client(url, "s3cret").chat.completions.create(model=MODEL, messages=user())
+        assert ok.choices[0].message.content
+    assert len(pipe.calls) == 1
+    monkeypatch.setenv("RAGBUDGET_API_KEY", "from-env")
+    with running(FakePipeline()) as url:
+        assert httpx.get(url + "/v1/models").status_code == 401
+        assert httpx.get(url + "/v1/models", headers={"Authorization": "Bearer from-env"}).status_code == 200
+
+
+# --- admission ------------------------------------------------------------------------------------
+
+
+def test_overload_is_429_with_retry_after_streaming_or_not() -> None:
+    with running(FakePipeline(fail=OverloadedError("queue full", retry_after=2.2))) as url:
+        r = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": user()})
+        rs = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": user(), "stream": True})
+        with pytest.raises(openai.RateLimitError):
+            client(url).chat.completions.create(model=MODEL, messages=user())
+    for resp in (r, rs):
+        assert resp.status_code == 429
+        assert resp.headers["retry-after"] == "3"
+        assert resp.json()["error"]["type"] == "rate_limit_error"
+
+
+def test_worker_pool_full_is_429_not_an_unbounded_queue() -> None:
+    pipe = FakePipeline(capacity=400, per_request=400, words=2000, token_delay=0.02, max_queue=10, timeout=10)
+    with running(pipe, max_workers=1) as url:
+        with httpx.stream("POST", url + "/v1/chat/completions",
+                          json={"model": MODEL, "messages": user(), "stream": True}) as first:
+            lines = first.iter_lines()  # keep a reference: dropping it would close the stream
+            next(lines)  # the one worker is now busy
+            r = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": user()})
+    assert r.status_code == 429 and r.headers["retry-after"] == "1"
+
+
+def _wait_until(predicate: Any, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()
+
+
+def test_disconnect_mid_stream_frees_the_reservation() -> None:
+    pipe = FakePipeline(words=500, token_delay=0.02)  # ~10 s if nobody cancels
+    with running(pipe) as url:
+        with httpx.stream("POST", url + "/v1/chat/completions",
+                          json={"model": MODEL, "messages": user("stream me"), "stream": True}) as r:
+            lines = r.iter_lines()
+            next(lines)
+            next(lines)
+            assert pipe.admission.used == 400
+        # Closing the response closed the connection: the server must cancel and free at once.
+        assert _wait_until(lambda: pipe.admission.used == 0 and pipe.cancelled == ["stream me"])
+        assert "ragbudget_cancelled_total 1" in httpx.get(url + "/metrics").text
+
+
+def test_disconnect_while_waiting_non_streaming_frees_the_reservation() -> None:
+    pipe = FakePipeline(words=500, token_delay=0.02)
+    with running(pipe) as url:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": user("slow")}, timeout=0.5)
+        assert _wait_until(lambda: pipe.admission.used == 0 and pipe.cancelled == ["slow"])
+
+
+def _load_bench() -> Any:
+    path = Path(__file__).resolve().parents[1] / "bench" / "load.py"
+    spec = importlib.util.spec_from_file_location("ragbudget_bench_load", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while being created
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_short_load_only_200_or_429_and_health_throughout() -> None:
+    """24 concurrent clients against a budget that admits 2 requests and queues 3."""
+    bench = _load_bench()
+    pipe = FakePipeline(capacity=800, per_request=400, words=10, token_delay=0.005, max_queue=3, timeout=0.5)
+    with running(pipe) as url:
+        result = bench.run_load(url, clients=24, requests_per_client=3, stream_share=0.5, model=MODEL,
+                                time_limit=60)
+    statuses = result["statuses"]
+    assert set(statuses) <= {"200", "429"}, statuses
+    assert statuses.get("200", 0) > 0
+    assert result["errors_5xx"] == 0 and result["transport_errors"] == 0
+    assert result["missing_retry_after"] == 0
+    assert result["health"]["failed"] == 0 and result["health"]["ok"] > 0
+    assert pipe.admission.peak <= 800  # never more admitted than the capacity
+    assert _wait_until(lambda: pipe.admission.used == 0 and pipe.admission.queued == 0)
+
+
+def test_metrics_exposition_format() -> None:
+    m = Metrics()
+    m.count_request("/v1/chat/completions", 200)
+    m.count_request("/v1/chat/completions", 429)
+    m.observe("ragbudget_queue_wait_seconds", 0.3)
+    m.observe("ragbudget_queue_wait_seconds", 99.0)
+    text = m.render({"ragbudget_queue_depth": ("Requests waiting.", 2)})
+    assert "# TYPE ragbudget_queue_wait_seconds histogram" in text
+    assert 'ragbudget_queue_wait_seconds_bucket{le="0.25"} 0' in text
+    assert 'ragbudget_queue_wait_seconds_bucket{le="0.5"} 1' in text
+    assert 'ragbudget_queue_wait_seconds_bucket{le="+Inf"} 2' in text
+    assert "ragbudget_queue_wait_seconds_count 2" in text
+    assert "ragbudget_rejected_total 1" in text
+    assert "ragbudget_queue_depth 2" in text
+    assert text.endswith("\n")
