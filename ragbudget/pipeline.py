@@ -159,7 +159,7 @@ class Pipeline:
         self._embedder: Embedder | None = None
         self._generator = generator
         self._index: Index | None = None
-        self._plans: dict[int, BudgetPlan] = {}
+        self._plans: dict[tuple[int, bool], BudgetPlan] = {}
         self._builder: PromptBuilder | None = None
         self._admission: AdmissionController | None = None
         self._lock = threading.RLock()
@@ -207,12 +207,13 @@ class Pipeline:
     def plan_for(self, max_new_tokens: int) -> BudgetPlan:
         """The memory plan reserving ``max_new_tokens`` (cached per value)."""
         with self._lock:
-            plan = self._plans.get(max_new_tokens)
+            # A loaded generator knows its real weights and dtype; before that the plan reads the
+            # config. Plans made before loading are kept apart from the ones made after.
+            loaded = self._generator is not None and bool(getattr(self._generator, "loaded", False))
+            plan = self._plans.get((max_new_tokens, loaded))
             if plan is None:
                 from .budget import plan_budget
 
-                # A loaded generator knows its real weights; before that the plan reads the config.
-                loaded = self._generator is not None and self._generator.loaded
                 plan = plan_budget(
                     self._generator.model if loaded else self.model,
                     config=self._generator.config if loaded else None,
@@ -223,7 +224,7 @@ class Pipeline:
                     cache=self.cache,
                     utilization=self.utilization,
                 )
-                self._plans[max_new_tokens] = plan
+                self._plans[(max_new_tokens, loaded)] = plan
             return plan
 
     @property
@@ -289,8 +290,10 @@ class Pipeline:
             raise ConfigError(f"context_tokens must be ≥ 0, got {context_tokens}")
         timings: dict[str, float] = {}
         t0 = time.perf_counter()
+        builder = self.prompt_builder  # loads the generator first, so the plan sees its real size
+        timings["load_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
         plan = self.plan_for(max_new_tokens)
-        builder = self.prompt_builder
         timings["plan_s"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()

@@ -81,3 +81,65 @@ def test_search_without_an_index_is_a_user_error(runner: CliRunner, tmp_path: Pa
     result = runner.invoke(cli, ["search", "anything", "--index-dir", str(tmp_path / "none")])
     assert result.exit_code == 1
     assert "Traceback" not in result.output
+
+
+def _hostile_folder(root: Path) -> Path:
+    """Good files next to ones every loader must refuse without stopping the run."""
+    import gzip
+    import os
+
+    docs = root / "docs"
+    docs.mkdir()
+    (docs / "good.md").write_text("# Title\n\nThe quick brown fox jumps over the lazy dog.\n" * 20)
+    (docs / "good.txt.gz").write_bytes(gzip.compress(b"Compressed text about lighthouses.\n" * 30))
+    (docs / "binary.txt").write_bytes(bytes(range(256)) * 8)
+    (docs / "empty.txt").write_text("")
+    (docs / "latin1.txt").write_bytes("caf\xe9 cr\xe8me br\xfbl\xe9e\n".encode("latin-1") * 20)
+    (docs / "truncated.pdf").write_bytes(b"%PDF-1.4\n1 0 obj\n<< /Type /Catalog")
+    (docs / "unknown.xyz").write_text("not a supported type")
+    os.symlink(docs, docs / "loop")
+    os.symlink("/etc", docs / "outside")
+    os.mkfifo(docs / "fifo.txt")
+    return docs
+
+
+def test_index_survives_a_hostile_folder(runner: CliRunner, tmp_path: Path) -> None:
+    docs = _hostile_folder(tmp_path)
+    index_dir = tmp_path / "idx"
+    result = runner.invoke(cli, ["index", str(docs), "--index-dir", str(index_dir),
+                                 "--embedder", "hash:64", "--json"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.output)
+    assert summary["files_indexed"] == 3  # good.md, good.txt.gz, latin1.txt
+    reasons = {Path(s["path"]).name: s["reason"] for s in summary["skipped"]}
+    assert reasons.get("binary.txt") == "binary"
+    assert reasons.get("empty.txt") == "empty"
+    assert reasons.get("truncated.pdf") == "malformed"
+    assert reasons.get("unknown.xyz") == "unsupported"
+    assert "fifo.txt" in reasons
+    # The search and verify commands work on what was indexed.
+    hits = json.loads(runner.invoke(cli, ["search", "lighthouses", "--index-dir", str(index_dir),
+                                          "-k", "1", "--json"]).output)
+    assert hits[0]["sources"][0]["path"].endswith("good.txt.gz")
+    assert runner.invoke(cli, ["verify", "--index-dir", str(index_dir)]).exit_code == 0
+    # Human-readable summary names every skip with its reason.
+    again = runner.invoke(cli, ["index", str(docs), "--index-dir", str(index_dir), "--embedder", "hash:64"])
+    assert again.exit_code == 0, again.output
+    assert "skipped" in again.output and "binary" in again.output
+
+
+@pytest.mark.slow
+def test_demo_path_with_the_embedded_models(runner: CliRunner, tmp_path: Path, repo_data: Path) -> None:
+    """`make demo`: index data/ with MiniLM, answer with SmolLM2, cite the right article."""
+    index_dir = str(tmp_path / "idx")
+    result = runner.invoke(cli, ["index", str(repo_data), "--index-dir", index_dir, "--json"])
+    assert result.exit_code == 0, result.output
+    result = runner.invoke(cli, ["ask", "What was Maria Curie the first female recipient of?",
+                                 "--index-dir", index_dir, "--max-new-tokens", "48", "--json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.output)
+    assert "nobel" in doc["answer"].lower()
+    assert doc["sources"][0]["path"].endswith("Warsaw.md")
+    b = doc["budget"]
+    assert b["prompt_tokens"] + b["max_new_tokens"] <= doc["report"]["plan"]["max_context_tokens"]
+    assert b["context_tokens_used"] <= b["context_tokens_allowed"]

@@ -1,0 +1,194 @@
+"""Pipeline: plan -> retrieve -> select -> prompt -> admitted generation, end to end.
+
+Model-free by default: a word-level fake tokenizer (no chat template, so the plain layout is used)
+and a fake generator that records the prompt it was given. The real embedded models run in the
+``slow`` test at the bottom (the `make demo` path).
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ragbudget import BudgetError, ConfigError, IndexNotFoundError, Pipeline
+
+_TOKEN = re.compile(r"\w+|[^\w\s]|\s+")
+
+
+class WordTokenizer:
+    """HF-shaped tokenizer: one id per word, punctuation mark or whitespace run."""
+
+    chat_template = None
+    name_or_path = "word-tokenizer"
+
+    def __init__(self) -> None:
+        self.vocab: dict[str, int] = {}
+        self.inverse: dict[int, str] = {}
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        ids = []
+        for piece in _TOKEN.findall(text):
+            if piece not in self.vocab:
+                self.vocab[piece] = len(self.vocab)
+                self.inverse[self.vocab[piece]] = piece
+            ids.append(self.vocab[piece])
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return "".join(self.inverse[i] for i in ids)
+
+
+@dataclass
+class FakeGeneration:
+    text: str
+    prompt_tokens: int
+    new_tokens: int
+    max_new_tokens: int
+    finish_reason: str = "stop"
+    oom_steps: tuple = ()
+    prompt: Any = None
+
+
+@dataclass
+class FakeGenerator:
+    """Stands in for ragbudget.generate.Generator: records prompts, answers with a fixed text."""
+
+    answer: str = "The Nobel Prize [1]."
+    delay: float = 0.0
+    tokenizer: WordTokenizer = field(default_factory=WordTokenizer)
+    prompts: list[Any] = field(default_factory=list)
+    loaded: bool = False
+    model: Any = None
+    config: Any = None
+
+    def generate(self, prompt: Any, *, max_new_tokens: int, on_text: Any = None, cancel: Any = None,
+                 **_: Any) -> FakeGeneration:
+        self.prompts.append(prompt)
+        if self.delay:
+            time.sleep(self.delay)
+        if on_text:
+            for word in self.answer.split(" "):
+                on_text(word + " ")
+        return FakeGeneration(self.answer, prompt.n_tokens, len(self.answer.split()), max_new_tokens,
+                              prompt=prompt)
+
+
+@pytest.fixture(scope="module")
+def indexed(tmp_path_factory: pytest.TempPathFactory, repo_data: Path) -> Path:
+    """The repo's data/ corpus indexed once with the model-free hash embedder."""
+    index_dir = tmp_path_factory.mktemp("pipe") / "idx"
+    summary = Pipeline(index_dir, embedder="hash:256").index([repo_data])
+    assert summary.files_indexed >= 8 and summary.chunks_total > 20
+    return index_dir
+
+
+def _pipe(index_dir: Path, **kw: Any) -> tuple[Pipeline, FakeGenerator]:
+    gen = kw.pop("generator", None) or FakeGenerator()
+    kw.setdefault("gpu", "16GiB")
+    return Pipeline(index_dir, generator=gen, **kw), gen
+
+
+QUESTION = "What was Maria Curie the first female recipient of?"
+
+
+def test_retrieve_fits_the_context_cap_exactly(indexed: Path) -> None:
+    pipe, _ = _pipe(indexed)
+    for cap in (50, 300, 1200):
+        sel = pipe.retrieve(QUESTION, context_tokens=cap)
+        assert sel.tokens_allowed <= cap
+        assert sel.tokens_used <= sel.tokens_allowed
+        assert sel.chunks, "something fits in every cap tried here"
+        if cap >= 1200:
+            assert sel.fill >= 0.8  # plenty of candidates: the knapsack fills the budget
+
+
+def test_ask_prompt_fits_the_plan_and_keeps_the_question(indexed: Path) -> None:
+    pipe, gen = _pipe(indexed, max_new_tokens=64)
+    answer = pipe.ask(QUESTION)
+    prompt = gen.prompts[-1]
+    plan = pipe.plan_for(64)
+    assert prompt.n_tokens <= plan.max_prompt_tokens
+    assert prompt.n_tokens + 64 <= plan.max_context_tokens
+    assert QUESTION in prompt.messages[-1]["content"]
+    b = answer.report["budget"]
+    assert b["prompt_tokens"] == prompt.n_tokens
+    assert b["context_tokens_used"] <= b["context_tokens_allowed"]
+    assert b["max_new_tokens"] == 64
+    assert b["kv_bytes_per_token"] == plan.kv_bytes_per_token
+    doc = answer.to_dict()
+    assert set(doc) >= {"answer", "sources", "budget", "dropped"}
+    assert doc["sources"] and set(doc["sources"][0]) >= {"path", "start", "end", "page", "score"}
+    # The Warsaw article holds the answer; the hash embedder shares its words with the question.
+    assert any("Warsaw" in s["path"] for s in doc["sources"])
+    for d in doc["dropped"]:
+        assert d["reason"] in {"duplicate", "below_cutoff", "redundant", "over_budget"}
+
+
+def test_small_gpu_shrinks_the_context(indexed: Path) -> None:
+    # SmolLM2-135M (bf16 estimate ~260 MiB weights, 22.5 KiB KV per token) on 320 MiB: memory,
+    # not the model's 8k window, limits the request, and the context shrinks to match.
+    big, _ = _pipe(indexed, gpu="16GiB")
+    small, gen = _pipe(indexed, gpu="320MiB")
+    assert small.plan.limited_by == "memory"
+    assert small.plan.max_context_tokens < big.plan.max_context_tokens
+    small.ask(QUESTION)
+    assert gen.prompts[-1].n_tokens <= small.plan.max_prompt_tokens
+
+
+def test_question_that_cannot_fit_is_a_budget_error(indexed: Path) -> None:
+    pipe, _ = _pipe(indexed, gpu="320MiB")
+    long_question = "why " * (pipe.plan.max_prompt_tokens + 10)
+    with pytest.raises(BudgetError) as err:
+        pipe.ask(long_question)
+    assert "question" in str(err.value) and err.value.needed > err.value.available
+
+
+def test_streaming_and_bad_input(indexed: Path) -> None:
+    pipe, _ = _pipe(indexed)
+    pieces: list[str] = []
+    answer = pipe.ask(QUESTION, on_text=pieces.append)
+    assert "".join(pieces).strip() == answer.text
+    with pytest.raises(ConfigError):
+        pipe.ask("   ")
+    with pytest.raises(ConfigError):
+        Pipeline(indexed, concurrency=0)
+
+
+def test_missing_index_is_a_clear_error(tmp_path: Path) -> None:
+    pipe, _ = _pipe(tmp_path / "nothing-here")
+    with pytest.raises(IndexNotFoundError):
+        pipe.search("anything")
+
+
+def test_concurrent_asks_never_oversubscribe_the_kv_capacity(indexed: Path) -> None:
+    gen = FakeGenerator(delay=0.05)
+    pipe, _ = _pipe(indexed, generator=gen, gpu="300MiB", max_new_tokens=32)
+    capacity = pipe.admission.stats().capacity_tokens
+    assert capacity == pipe.plan.kv_capacity_tokens
+    peak = 0
+    stop = threading.Event()
+
+    def watch() -> None:
+        nonlocal peak
+        while not stop.is_set():
+            peak = max(peak, pipe.admission.stats().admitted_tokens)
+            time.sleep(0.002)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    threads = [threading.Thread(target=pipe.ask, args=(QUESTION,)) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    stop.set()
+    watcher.join()
+    assert len(gen.prompts) == 8
+    assert 0 < peak <= capacity
