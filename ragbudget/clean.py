@@ -285,7 +285,7 @@ def find_furniture(
 
     removed: list[tuple[int, int]] = []
     per_page = []
-    for p, (lines, zone) in enumerate(zip(split, zones)):
+    for p, lines in enumerate(split):
         nonempty = [i for i, line in enumerate(lines) if line.strip()]
         gone: list[int] = []
         # Peel inwards from each edge; the first non-furniture line ends the peel, so a repeated

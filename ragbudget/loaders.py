@@ -727,7 +727,8 @@ def load_document(
             raw_pages, meta["paginated"] = paginate_text(text)
 
     pages = [_normalise(p) for p in raw_pages]
-    removed, patterns = 0, ()
+    removed: int = 0
+    patterns: tuple[str, ...] = ()
     if clean:
         report = find_furniture(pages, trust_page_numbers=trust_page_numbers)
         pages = apply_report(pages, report)

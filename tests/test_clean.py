@@ -20,7 +20,6 @@ from ragbudget.clean import (
     strip_headers_footers,
 )
 
-
 _SYLLABLES = ["ka", "lo", "mi", "ne", "ru", "sa", "ti", "vo", "pe", "du"]
 
 

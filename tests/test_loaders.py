@@ -264,7 +264,7 @@ def test_form_feeds_make_pages_and_trailing_empty_page_dropped(tmp_path: Path):
 def test_fixed_length_pages_detected():
     pages = []
     for n in range(1, 5):
-        lines = ["", "", f"demo(1)            User Commands            demo(1)", ""]
+        lines = ["", "", "demo(1)            User Commands            demo(1)", ""]
         lines += [f"       {'abcdefgh'[n]}{'pqrstuvwxyz'[k % 11]}{k // 11} line of body text" for k in range(58)]
         lines += ["", f"demo 1.0                 2024-01-0{n}                 {n}", "", ""]
         assert len(lines) == 66
