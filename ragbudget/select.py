@@ -50,7 +50,7 @@ class Candidate:
     """A retrieval hit as the selector sees it (anything with these attributes works, e.g. a
     ``ragbudget.index.Hit``)."""
 
-    chunk_id: str
+    chunk_id: Any  # str or int (the index's row id); kept as given
     text: str
     score: float
     sources: tuple[Source, ...] = ()
@@ -65,7 +65,7 @@ class SelectedChunk:
     overhead and is what the budget is charged.
     """
 
-    chunk_ids: tuple[str, ...]
+    chunk_ids: tuple[Any, ...]
     text: str
     score: float
     n_tokens: int
@@ -75,7 +75,7 @@ class SelectedChunk:
     truncated: bool = False
 
     @property
-    def chunk_id(self) -> str:
+    def chunk_id(self) -> Any:
         return self.chunk_ids[0]
 
     def to_dict(self) -> dict[str, Any]:
@@ -96,7 +96,7 @@ class Dropped:
     """A candidate left out, and why: one of ``duplicate``, ``below_cutoff``, ``redundant``,
     ``over_budget``."""
 
-    chunk_id: str
+    chunk_id: Any
     reason: str
     score: float
     n_tokens: int
@@ -145,7 +145,7 @@ class Selection:
 
 @dataclass(eq=False)
 class _Item:
-    ids: tuple[str, ...]
+    ids: tuple[Any, ...]
     text: str
     score: float
     sources: tuple[Source, ...]
@@ -225,7 +225,7 @@ def select_chunks(
     seen_text: set[str] = set()
     for rank, i in enumerate(ranked):
         c = cands[i]
-        cid, text, score = str(c.chunk_id), str(c.text), float(c.score)
+        cid, text, score = c.chunk_id, str(c.text), float(c.score)
         sources = tuple(getattr(c, "sources", ()) or ())
         headings = tuple(getattr(c, "headings", ()) or ())
         if min_score is not None and score < min_score:

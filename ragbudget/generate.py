@@ -1,0 +1,607 @@
+"""Capped generation with a local transformers model, and an out-of-memory fallback ladder.
+
+:class:`Generator` loads lazily (``warm_up()`` is idempotent). The default model is the packaged
+SmolLM2-135M-Instruct GGUF; transformers dequantizes a GGUF on load (~40 s for SmolLM2), so the
+converted model and tokenizer are saved once under ``cache_dir()/converted/`` and later loads take
+seconds.
+
+:meth:`Generator.generate` never lets an OOM kill the process. On ``torch.cuda.OutOfMemoryError``
+(``MemoryError`` on CPU) it frees cached memory and walks down a bounded ladder, recording each
+step in :attr:`Generation.oom_steps`:
+
+1. ``drop_chunks`` — rebuild the prompt without the lower-scored half of its passages (twice at
+   most; needs a rebuildable prompt such as :class:`ragbudget.prompt.Prompt`);
+2. ``quantized_cache`` (when quanto/hqq is installed) or ``offloaded_cache`` — a smaller KV cache;
+3. ``no_cache`` — ``use_cache=False``: slow, but the KV cache is gone;
+
+then it raises :class:`~ragbudget.errors.BudgetError` listing what it tried.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import importlib.util
+import logging
+import os
+import queue
+import shutil
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import BudgetError, ConfigError, ModelError
+from .models import ModelRef, cache_dir, resolve_generator
+from .tokens import HFTokenizer
+
+__all__ = ["CACHES", "Generation", "Generator", "OOMStep", "is_oom"]
+
+log = logging.getLogger(__name__)
+
+#: KV cache layouts ``generate`` accepts (transformers ``cache_implementation`` names).
+CACHES = ("dynamic", "static", "offloaded", "quantized")
+
+#: How many times the ladder halves the passages before touching the cache.
+MAX_DROP_STEPS = 2
+
+
+@dataclass(frozen=True)
+class OOMStep:
+    """One rung of the OOM ladder: what was done, why, and the prompt size before/after."""
+
+    action: str  # "drop_chunks" | "quantized_cache" | "offloaded_cache" | "no_cache"
+    reason: str  # the error that triggered it
+    prompt_tokens_before: int
+    prompt_tokens_after: int
+    cache: str  # the cache layout of the retry
+    use_cache: bool = True
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "action": self.action,
+            "reason": self.reason,
+            "prompt_tokens_before": self.prompt_tokens_before,
+            "prompt_tokens_after": self.prompt_tokens_after,
+            "cache": self.cache,
+            "use_cache": self.use_cache,
+        }
+
+
+@dataclass(frozen=True)
+class Generation:
+    """A finished answer. ``finish_reason`` is ``"stop"`` (EOS or a stop string) or ``"length"``
+    (hit ``max_new_tokens``). ``prompt`` is the prompt finally used (fewer passages if the OOM
+    ladder dropped some), when one was given."""
+
+    text: str
+    prompt_tokens: int
+    new_tokens: int
+    finish_reason: str
+    seconds: float
+    oom_steps: tuple[OOMStep, ...] = ()
+    cache: str = "dynamic"
+    peak_memory_bytes: int | None = None
+    prompt: Any = field(default=None, repr=False, compare=False)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "text": self.text,
+            "prompt_tokens": self.prompt_tokens,
+            "new_tokens": self.new_tokens,
+            "finish_reason": self.finish_reason,
+            "seconds": round(self.seconds, 4),
+            "cache": self.cache,
+            "peak_memory_bytes": self.peak_memory_bytes,
+            "oom_steps": [s.to_dict() for s in self.oom_steps],
+        }
+
+
+def is_oom(exc: BaseException) -> bool:
+    """True for out-of-memory errors: CUDA OOM, ``MemoryError``, and backends' RuntimeErrors."""
+    if isinstance(exc, MemoryError):
+        return True
+    try:
+        import torch
+
+        if isinstance(exc, torch.cuda.OutOfMemoryError):
+            return True
+    except Exception:  # torch missing or without CUDA bindings
+        pass
+    return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
+
+
+def _free_memory() -> None:
+    gc.collect()
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    except Exception:
+        pass
+
+
+def _quant_backend() -> str | None:
+    for mod, name in (("optimum.quanto", "quanto"), ("hqq", "HQQ")):
+        try:
+            if importlib.util.find_spec(mod) is not None:
+                return name
+        except (ImportError, ValueError):
+            continue
+    return None
+
+
+def _torch_dtype(dtype: Any) -> Any:
+    import torch
+
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    names = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
+             "float": "float32"}
+    name = names.get(str(dtype).lower(), str(dtype).lower().removeprefix("torch."))
+    value = getattr(torch, name, None)
+    if not isinstance(value, torch.dtype):
+        raise ConfigError(f"unknown dtype {dtype!r}; use float32, bfloat16 or float16")
+    return value
+
+
+class _CallbackStreamer:
+    """A transformers streamer that decodes incrementally and hands text pieces to a callback.
+
+    It decodes the whole answer so far and emits the new suffix, holding back a trailing
+    replacement character so a multi-byte character split over tokens is emitted whole.
+    """
+
+    def __init__(self, tokenizer: Any, callback: Callable[[str], None], n_prompt: int) -> None:
+        self.tok = tokenizer
+        self.cb = callback
+        self.ids: list[int] = []
+        self.sent = 0
+        self.skip = n_prompt  # transformers first puts the prompt itself
+
+    def put(self, value: Any) -> None:
+        ids = value.reshape(-1).tolist()
+        if self.skip:
+            n = min(self.skip, len(ids))
+            ids, self.skip = ids[n:], self.skip - n
+        if not ids:
+            return
+        self.ids.extend(ids)
+        text = self.tok.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return
+        if len(text) > self.sent:
+            self.cb(text[self.sent:])
+            self.sent = len(text)
+
+    def end(self) -> None:
+        text = self.tok.decode(self.ids, skip_special_tokens=True)
+        if len(text) > self.sent:
+            self.cb(text[self.sent:])
+            self.sent = len(text)
+
+
+class Generator:
+    """A local causal LM that answers prompts under a token cap.
+
+    ``model``: ``None``/``"default"`` for the packaged SmolLM2-135M-Instruct, a local folder, a
+    ``.gguf`` file, a hub id (only when the hub is reachable), or a :class:`ModelRef`.
+    ``device``: ``"cuda"``, ``"cpu"``, ``"cuda:1"``… (default: CUDA when available).
+    ``dtype``: default float32 on CPU, bfloat16 on CUDA.
+
+    >>> gen = Generator()                                    # doctest: +SKIP
+    >>> gen.generate([{"role": "user", "content": "Hi"}], max_new_tokens=8).finish_reason  # doctest: +SKIP
+    'length'
+    """
+
+    def __init__(
+        self,
+        model: str | ModelRef | None = None,
+        *,
+        device: str | None = None,
+        dtype: Any = None,
+        attn_implementation: str | None = None,
+    ) -> None:
+        self._spec = model
+        self._device_arg = device
+        self._dtype_arg = dtype
+        self._attn = attn_implementation
+        self._model: Any = None
+        self._tokenizer: Any = None
+        self._counter: HFTokenizer | None = None
+        self._ref: ModelRef | None = model if isinstance(model, ModelRef) else None
+        self._device: str | None = None
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_objects(
+        cls, model: Any, tokenizer: Any, *, model_ref: ModelRef | None = None
+    ) -> Generator:
+        """Wrap an already loaded transformers model and tokenizer (tests, custom loading)."""
+        g = cls(model_ref)
+        g._model, g._tokenizer = model, tokenizer
+        g._counter = HFTokenizer(tokenizer)
+        g._ref = model_ref or ModelRef(id=str(getattr(model.config, "_name_or_path", "") or
+                                               type(model).__name__))
+        g._device = str(next(model.parameters()).device)
+        return g
+
+    def __repr__(self) -> str:
+        state = "loaded" if self._model is not None else "not loaded"
+        return f"Generator({self.model_ref.id!r}, device={self._device or self._device_arg!r}, {state})"
+
+    # -- loading ------------------------------------------------------------------------------
+    @property
+    def model_ref(self) -> ModelRef:
+        if self._ref is None:
+            self._ref = resolve_generator(self._spec if isinstance(self._spec, str) else None)
+        return self._ref
+
+    def warm_up(self) -> Generator:
+        """Load the model and tokenizer (once; later calls return at once)."""
+        if self._model is not None:
+            return self
+        with self._lock:
+            if self._model is None:
+                self._load()
+        return self
+
+    def _load(self) -> None:
+        import torch
+
+        ref = self.model_ref
+        device = self._device_arg or ("cuda" if torch.cuda.is_available() else "cpu")
+        dtype = _torch_dtype(self._dtype_arg) or (
+            torch.bfloat16 if device.startswith("cuda") else torch.float32
+        )
+        kwargs: dict[str, Any] = {"dtype": dtype}
+        if self._attn:
+            kwargs["attn_implementation"] = self._attn
+        try:
+            if ref.gguf_file:
+                model, tok = self._load_gguf(ref, kwargs)
+            else:
+                from transformers import AutoModelForCausalLM, AutoTokenizer
+
+                tok = AutoTokenizer.from_pretrained(ref.source)
+                model = AutoModelForCausalLM.from_pretrained(ref.source, **kwargs)
+        except (OSError, ValueError, ImportError) as exc:
+            raise ModelError(
+                f"could not load generator {ref.id!r} from {ref.source!r}: {exc}. Pass --model "
+                "with a local transformers folder or .gguf file (the hub is only used when "
+                "reachable and HF_HUB_OFFLINE is unset)"
+            ) from exc
+        model = model.to(device).eval()
+        if tok.pad_token_id is None and tok.eos_token_id is not None:
+            tok.pad_token = tok.eos_token  # generate() wants a pad id even for one sequence
+        self._model, self._tokenizer = model, tok
+        self._counter = HFTokenizer(tok, name=ref.id)
+        self._device = device
+
+    def _load_gguf(self, ref: ModelRef, kwargs: dict[str, Any]) -> tuple[Any, Any]:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        assert ref.path is not None and ref.gguf_file is not None
+        gguf = Path(ref.path) / ref.gguf_file
+        st = gguf.stat()
+        # Size + mtime identify the file cheaply; a replaced GGUF gets a fresh conversion.
+        key = hashlib.sha256(f"{gguf.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()
+        target = cache_dir() / "converted" / f"{Path(ref.gguf_file).stem}-{key[:12]}"
+        if (target / "config.json").is_file():
+            try:
+                tok = AutoTokenizer.from_pretrained(target)
+                model = AutoModelForCausalLM.from_pretrained(target, **kwargs)
+                return model, tok
+            except (OSError, ValueError) as exc:
+                log.warning("converted cache %s unusable (%s); converting again", target, exc)
+        t0 = time.perf_counter()
+        tok = AutoTokenizer.from_pretrained(ref.path, gguf_file=ref.gguf_file)
+        model = AutoModelForCausalLM.from_pretrained(ref.path, gguf_file=ref.gguf_file, **kwargs)
+        log.info("converted %s in %.1fs", gguf.name, time.perf_counter() - t0)
+        q = getattr(model, "hf_quantizer", None)
+        if q is not None:
+            if getattr(q, "packed_modules", None):
+                # Weights kept in GGUF blocks with matmul kernels (a GPU): smaller in memory, but
+                # transformers cannot save them; keep this load, skip the cache.
+                return model, tok
+            # Fully dequantized (the CPU fallback): a plain dense model; forget the quantizer so
+            # save_pretrained writes ordinary safetensors.
+            model.hf_quantizer = None
+            if hasattr(model.config, "quantization_config"):
+                del model.config.quantization_config
+            for attr in ("is_quantized", "quantization_method"):
+                if attr in vars(model):
+                    delattr(model, attr)
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = target.parent / f".{target.name}.tmp{os.getpid()}"
+            shutil.rmtree(tmp, ignore_errors=True)
+            model.save_pretrained(tmp)
+            tok.save_pretrained(tmp)
+            try:
+                os.rename(tmp, target)  # atomic; a concurrent converter may have won the race
+            except OSError:
+                shutil.rmtree(tmp, ignore_errors=True)
+        except OSError as exc:  # a read-only cache only costs the next load its speed
+            log.warning("could not cache the converted model in %s: %s", target, exc)
+        return model, tok
+
+    @property
+    def model(self) -> Any:
+        return self.warm_up()._model
+
+    @property
+    def tokenizer(self) -> Any:
+        """The Hugging Face tokenizer (``apply_chat_template``)."""
+        return self.warm_up()._tokenizer
+
+    @property
+    def token_counter(self) -> HFTokenizer:
+        """The generator's tokenizer as a :class:`~ragbudget.tokens.HFTokenizer` (budgets count in it)."""
+        self.warm_up()
+        assert self._counter is not None
+        return self._counter
+
+    @property
+    def config(self) -> Any:
+        return self.model.config
+
+    @property
+    def device(self) -> str:
+        return self.warm_up()._device or "cpu"
+
+    # -- generation ---------------------------------------------------------------------------
+    def _ids_of(self, prompt: Any) -> list[int]:
+        if hasattr(prompt, "input_ids") and not isinstance(prompt, dict):
+            return list(prompt.input_ids)
+        if isinstance(prompt, str):
+            prompt = [{"role": "user", "content": prompt}]
+        if isinstance(prompt, Sequence) and prompt and isinstance(prompt[0], dict):
+            text = self.tokenizer.apply_chat_template(list(prompt), tokenize=False,
+                                                      add_generation_prompt=True)
+            return list(self.tokenizer.encode(text, add_special_tokens=False))
+        if isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt):
+            return list(prompt)
+        raise ConfigError(
+            "prompt must be token ids, chat messages [{'role', 'content'}], a string, or a "
+            f"ragbudget.prompt.Prompt; got {type(prompt).__name__}"
+        )
+
+    def generate(
+        self,
+        prompt: Any,
+        *,
+        max_new_tokens: int = 256,
+        cache: str = "dynamic",
+        kv_dtype: str | None = None,
+        do_sample: bool = False,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        seed: int | None = None,
+        stop: Sequence[str] | None = None,
+        on_text: Callable[[str], None] | None = None,
+        streamer: Any = None,
+        oom_ladder: bool = True,
+    ) -> Generation:
+        """Generate at most ``max_new_tokens`` tokens for ``prompt``.
+
+        ``prompt``: a :class:`ragbudget.prompt.Prompt` (rebuildable with fewer passages on OOM),
+        token ids (chat template already applied), chat messages, or a plain user string.
+        Greedy unless ``do_sample``; ``temperature``/``top_p``/``top_k`` pass through.
+        ``on_text`` receives decoded text pieces as they are produced (``streamer`` takes any
+        transformers streamer instead). ``stop`` strings end the answer early (excluded from
+        ``text``). Text already streamed is not taken back if an OOM retry restarts the answer.
+        """
+        if cache not in CACHES:
+            raise ConfigError(f"cache must be one of {', '.join(CACHES)}; got {cache!r}")
+        if max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens must be ≥ 1; got {max_new_tokens}")
+        if cache == "quantized" and _quant_backend() is None:
+            raise ConfigError("cache='quantized' needs a quantization backend: "
+                              "`pip install optimum-quanto` (or hqq), or use another cache")
+        self.warm_up()
+        current = prompt
+        ids = self._ids_of(current)
+        steps: list[OOMStep] = []
+        use_cache, cur_cache, drops = True, cache, 0
+        t0 = time.perf_counter()
+        while True:
+            try:
+                out, peak = self._run(ids, max_new_tokens=max_new_tokens, cache=cur_cache,
+                                      kv_dtype=kv_dtype, use_cache=use_cache,
+                                      do_sample=do_sample, temperature=temperature, top_p=top_p,
+                                      top_k=top_k, seed=seed, stop=stop, on_text=on_text,
+                                      streamer=streamer)
+                break
+            except Exception as exc:
+                if not (oom_ladder and is_oom(exc)):
+                    raise
+                _free_memory()
+                reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                before = len(ids)
+                # Rung 1: fewer passages (if the prompt can be rebuilt).
+                smaller = None
+                if drops < MAX_DROP_STEPS and hasattr(current, "without_lowest"):
+                    n = len(getattr(current, "passages", ()) or ())
+                    smaller = current.without_lowest(max(1, (n + 1) // 2)) if n else None
+                if smaller is not None:
+                    drops += 1
+                    current, ids = smaller, self._ids_of(smaller)
+                    steps.append(OOMStep("drop_chunks", reason, before, len(ids), cur_cache,
+                                         use_cache))
+                    continue
+                # Rung 2: a smaller KV cache.
+                if use_cache and cur_cache not in ("quantized", "offloaded"):
+                    cur_cache = "quantized" if _quant_backend() else "offloaded"
+                    steps.append(OOMStep(f"{cur_cache}_cache", reason, before, before, cur_cache))
+                    continue
+                # Rung 3: no KV cache at all.
+                if use_cache:
+                    use_cache, cur_cache = False, "dynamic"
+                    steps.append(OOMStep("no_cache", reason, before, before, "none", False))
+                    continue
+                tried = ", ".join(s.action for s in steps) or "nothing"
+                raise BudgetError(
+                    f"out of memory generating {max_new_tokens} tokens after a {before}-token "
+                    f"prompt, even after the fallback ladder ({tried}): {reason}. Lower "
+                    "max_new_tokens or the context budget, lower concurrency, or free GPU memory",
+                    needed=before + max_new_tokens,
+                    available=None,
+                ) from exc
+        seconds = time.perf_counter() - t0
+        new = out[len(ids):]
+        text, finish = self._finish(new, max_new_tokens, stop)
+        gen = Generation(
+            text=text,
+            prompt_tokens=len(ids),
+            new_tokens=len(new),
+            finish_reason=finish,
+            seconds=seconds,
+            oom_steps=tuple(steps),
+            cache=cur_cache if use_cache else "none",
+            peak_memory_bytes=peak,
+            prompt=current if hasattr(current, "input_ids") else None,
+        )
+        if peak is not None:
+            self._calibrate(gen, peak, kv_dtype)
+        return gen
+
+    def stream(self, prompt: Any, **options: Any) -> Iterator[str | Generation]:
+        """Yield text pieces as they are generated, then the final :class:`Generation`.
+
+        Generation runs in a worker thread; iterate to the end (the last item is the
+        ``Generation``). Errors from the worker are re-raised here.
+        """
+        q: queue.Queue[tuple[str, Any]] = queue.Queue()
+
+        def work() -> None:
+            try:
+                g = self.generate(prompt, on_text=lambda s: q.put(("text", s)), **options)
+                q.put(("done", g))
+            except BaseException as exc:  # handed to the consumer thread
+                q.put(("error", exc))
+
+        threading.Thread(target=work, daemon=True, name="ragbudget-generate").start()
+        while True:
+            kind, value = q.get()
+            if kind == "text":
+                yield value
+            elif kind == "done":
+                yield value
+                return
+            else:
+                raise value
+
+    def _finish(self, new: list[int], max_new_tokens: int, stop: Sequence[str] | None) -> tuple[str, str]:
+        tok = self._tokenizer
+        eos = self._eos_ids()
+        text = tok.decode(new, skip_special_tokens=True)
+        finish = "length" if len(new) >= max_new_tokens else "stop"
+        if new and new[-1] in eos:
+            finish = "stop"
+        for s in stop or ():
+            pos = text.find(s)
+            if s and pos >= 0:
+                text, finish = text[:pos], "stop"
+        return text.strip(), finish
+
+    def _eos_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for src in (getattr(self._model, "generation_config", None), self._tokenizer):
+            e = getattr(src, "eos_token_id", None)
+            if isinstance(e, int):
+                ids.add(e)
+            elif isinstance(e, (list, tuple)):
+                ids.update(int(x) for x in e)
+        return ids
+
+    def _run(
+        self,
+        ids: list[int],
+        *,
+        max_new_tokens: int,
+        cache: str,
+        kv_dtype: str | None,
+        use_cache: bool,
+        do_sample: bool,
+        temperature: float | None,
+        top_p: float | None,
+        top_k: int | None,
+        seed: int | None,
+        stop: Sequence[str] | None,
+        on_text: Callable[[str], None] | None,
+        streamer: Any,
+    ) -> tuple[list[int], int | None]:
+        import torch
+
+        model, tok = self._model, self._tokenizer
+        device = self._device or "cpu"
+        input_ids = torch.tensor([ids], dtype=torch.long, device=device)
+        kw: dict[str, Any] = {
+            "input_ids": input_ids,
+            "attention_mask": torch.ones_like(input_ids),
+            "max_new_tokens": max_new_tokens,
+            "do_sample": do_sample,
+            "use_cache": use_cache,
+            "pad_token_id": tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
+        }
+        if do_sample:
+            if seed is not None:
+                torch.manual_seed(seed)
+            kw.update({k: v for k, v in (("temperature", temperature), ("top_p", top_p),
+                                         ("top_k", top_k)) if v is not None})
+        else:
+            # The model's generation_config may ship sampling defaults; greedy must not warn.
+            kw.update(temperature=None, top_p=None, top_k=None)
+        if use_cache and cache != "dynamic":
+            kw["cache_implementation"] = cache
+            if cache == "quantized":
+                bits = {"int2": 2, "int4": 4, "int8": 8}.get(str(kv_dtype or "int4").lower(), 4)
+                kw["cache_config"] = {"backend": _quant_backend() or "quanto", "nbits": bits}
+        if stop:
+            kw["stop_strings"] = list(stop)
+            kw["tokenizer"] = tok
+        if on_text is not None:
+            kw["streamer"] = _CallbackStreamer(tok, on_text, len(ids))
+        elif streamer is not None:
+            kw["streamer"] = streamer
+        cuda = device.startswith("cuda")
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        with torch.inference_mode():
+            out = model.generate(**kw)
+        seq = out.sequences if hasattr(out, "sequences") else out
+        peak = int(torch.cuda.max_memory_allocated(device)) if cuda else None
+        return list(seq[0].tolist()), peak
+
+    def _calibrate(self, gen: Generation, peak: int, kv_dtype: str | None) -> None:
+        """Feed a measured CUDA peak to the budget planner (best effort, never fails a request)."""
+        try:
+            import torch
+
+            from . import budget, kvcache
+
+            record = getattr(budget, "record_calibration", None)
+            if record is None:
+                return
+            model = self._model
+            tokens = gen.prompt_tokens + gen.new_tokens
+            dtype = kv_dtype or str(model.dtype).removeprefix("torch.")
+            weights = sum(p.numel() * p.element_size() for p in model.parameters()) + sum(
+                b.numel() * b.element_size() for b in model.buffers())
+            kv = kvcache.kv_cache_bytes(model.config, tokens, kv_dtype=dtype,
+                                        cache=gen.cache if gen.cache in CACHES else "dynamic")
+            name = getattr(model.config, "_name_or_path", None) or type(model).__name__
+            record(gpu_name=torch.cuda.get_device_name(self._device), model=str(name),
+                   dtype=dtype, cache=gen.cache, tokens=gen.prompt_tokens, batch_size=1,
+                   measured_peak_bytes=peak, weights_bytes=weights, kv_bytes=kv)
+        except Exception as exc:  # calibration is an optimization, not a requirement
+            log.debug("calibration not recorded: %s", exc)
