@@ -275,6 +275,11 @@ def scan(
                     skip(path, rel, "symlink_loop", f"link to enclosing folder {real}")
                     continue
             if stat.S_ISDIR(st.st_mode):
+                # A folder matching an exclude pattern ("build", "drafts/") is pruned whole
+                # instead of listing every file below it as excluded.
+                if exclude and (_matches(rel, exclude) or _matches(rel + "/", exclude)):
+                    skip(path, rel, "excluded", "folder matches an exclude pattern")
+                    continue
                 real = os.path.realpath(path)
                 if real in visited_dirs:
                     skip(path, rel, "duplicate", f"folder already walked as {real}")

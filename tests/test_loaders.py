@@ -202,7 +202,9 @@ def test_scan_include_exclude_and_links(tmp_path: Path):
     only_md = scan(tmp_path, include=["*.md"], exclude=["drafts/*"])
     assert [f.rel for f in only_md.files] == ["a.md"]
     reasons = {s.rel: s.reason for s in only_md.skipped}
-    assert reasons == {"alias.md": "duplicate", "b.txt": "excluded", "drafts/c.md": "excluded"}
+    assert reasons == {"alias.md": "duplicate", "b.txt": "excluded", "drafts": "excluded"}
+    pruned = scan(tmp_path, exclude=["drafts"])
+    assert {s.rel: s.reason for s in pruned.skipped} == {"alias.md": "duplicate", "drafts": "excluded"}
     no_links = scan(tmp_path, follow_symlinks=False)
     assert {s.rel: s.reason for s in no_links.skipped} == {"alias.md": "symlink"}
     # a file given directly, and a missing path
