@@ -22,6 +22,10 @@ remove_extra_whitespaces=False)`` on the pages joined by form feeds. The two whi
 switched off because they rewrite every line (and join lines), which would make every body line
 "lost"; what is measured is its header/footer logic (``_find_and_remove_header_footer``).
 
+Haystack's choice among equally long common n-grams follows Python's set order, so its output
+changes with ``PYTHONHASHSEED``; the bench re-runs it under seeds 0..N-1 (``--seeds``) and prints
+the range.
+
 Run: ``.venv/bin/python bench/clean.py`` (``--quick``: man pages and maint-guide only).
 Writes ``bench/out/clean.json``.
 """
@@ -129,6 +133,9 @@ def haystack_cleaner():
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="man pages and maint-guide only")
+    parser.add_argument("--seeds", type=int, default=3,
+                        help="re-run Haystack under PYTHONHASHSEED=0..N-1 (its output depends on set order)")
+    parser.add_argument("--only-haystack", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if not SHARED.is_dir():
         sys.exit(f"shared data not found at {SHARED}; set RAGBUDGET_SHARED_DATA")
@@ -143,6 +150,8 @@ def main() -> None:
 
     cleaners = {"ragbudget": lambda p: ragbudget_clean(p, False),
                 "ragbudget (trust_page_numbers)": lambda p: ragbudget_clean(p, True)}
+    if args.only_haystack:
+        cleaners = {}
     try:
         cleaners["haystack DocumentCleaner"] = haystack_cleaner()
         import haystack
@@ -189,6 +198,22 @@ def main() -> None:
             },
         }
 
+    if args.only_haystack:
+        print(json.dumps(results["haystack DocumentCleaner"]["groups"]["all"]))
+        return
+    seeds = {}
+    if "haystack DocumentCleaner" in results and args.seeds > 0:
+        # Haystack picks among equally long common n-grams by iterating a set of strings, so its
+        # output changes with Python's hash seed; each seed runs in a fresh interpreter.
+        import subprocess
+
+        for seed in range(args.seeds):
+            cmd = [sys.executable, __file__, "--only-haystack"] + (["--quick"] if args.quick else [])
+            env = {**os.environ, "PYTHONHASHSEED": str(seed)}
+            out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
+            seeds[seed] = json.loads(out.strip().splitlines()[-1])
+        results["haystack DocumentCleaner"]["hash_seeds"] = seeds
+
     n_pages = sum(len(p) for p in docs.values())
     print(f"{len(docs)} documents, {n_pages} pages (extraction {load_s:.1f}s, not counted below)")
     header = f"{'cleaner':32} {'group':9} {'furniture removed':>18} {'extended removed':>17} {'body lost':>10} {'pages wiped':>11} {'time s':>7}"
@@ -206,6 +231,12 @@ def main() -> None:
                 f" {c['extended_removal_pct']:>7.2f}% ({c['extended_removed']:>4}/{c['extended']:<4})"
                 f" {c['body_loss_pct']:>9.3f}% {c['pages_emptied']:>11} {t:>7}"
             )
+    if seeds:
+        lost = [c["body_loss_pct"] for c in seeds.values()]
+        removal = [c["removal_pct"] for c in seeds.values()]
+        print(f"haystack over PYTHONHASHSEED=0..{len(seeds) - 1}: furniture removed "
+              f"{min(removal):.2f}-{max(removal):.2f}%, body lost {min(lost):.3f}-{max(lost):.3f}% "
+              "(ragbudget is deterministic)")
     if "haystack DocumentCleaner" in results:
         h = results["haystack DocumentCleaner"]["seconds"]
         print(f"time ratio haystack / ragbudget: {h / max(base, 1e-9):.1f}x")
