@@ -654,7 +654,7 @@ class Index:
         overlap: int = 0,
         tokenizer: Any = None,
         dedup: str = "near",
-        near_threshold: float = 0.85,
+        near_threshold: float = 0.8,
         num_perm: int = 128,
         include: Sequence[str] | None = None,
         exclude: Sequence[str] | None = None,
@@ -995,9 +995,23 @@ class _Builder:
         ch = self.settings["chunking"]
         chunks = chunk_document(doc, min_tokens=ch["min_tokens"], max_tokens=ch["max_tokens"],
                                 overlap=ch["overlap"], tokenizer=self.tok)
-        for ord_, c in enumerate(chunks):
-            if c.text.strip():
-                self._add_chunk(path, c, ord_)
+        chunks = [c for c in chunks if c.text.strip()]
+        mode = self.settings["dedup"]["mode"]
+        # Hashes and signatures for a whole file at once: the batch functions vectorise.
+        if mode == "none":
+            hashes = [hashlib.sha256(c.text.encode()).hexdigest() for c in chunks]
+        else:
+            from .dedup import content_hashes
+
+            hashes = content_hashes([c.text for c in chunks])
+        sigs: Any = [None] * len(chunks)
+        if mode == "near" and chunks:
+            from .dedup import minhash_signatures
+
+            sigs = minhash_signatures([c.text for c in chunks],
+                                      num_perm=self.settings["dedup"]["num_perm"])
+        for c, h, sig in zip(chunks, hashes, sigs):
+            self._add_chunk(path, c, h, sig)
         self._record_file(path, size, mtime_ns, digest, "indexed", None, None, len(chunks), furniture)
         self.stats["files_indexed"] += 1
 
@@ -1030,12 +1044,9 @@ class _Builder:
                     self.near.insert(cid, np.frombuffer(blob, dtype=dtype))
         return self.near
 
-    def _add_chunk(self, path: str, c: Any, ord_: int) -> None:
-        from .dedup import content_hash
-
+    def _add_chunk(self, path: str, c: Any, h: str, sig: Any) -> None:
         assert self.db is not None
         mode = self.settings["dedup"]["mode"]
-        h = content_hash(c.text) if mode != "none" else hashlib.sha256(c.text.encode()).hexdigest()
         src = (path, c.start, c.end, c.page_start, c.page_end)
         row = self.db.execute("SELECT id FROM chunks WHERE content_hash=? LIMIT 1", (h,)).fetchone()
         if row is not None:
@@ -1056,17 +1067,13 @@ class _Builder:
                         self._near_index().insert(row[0], np.frombuffer(sig_row[0], dtype=self.sig_dtype))
             self._add_source(row[0], src)
             return
-        sig = None
-        if mode == "near":
-            from .dedup import minhash_signature
-
-            sig = minhash_signature(c.text, num_perm=self.settings["dedup"]["num_perm"])
+        if sig is not None:
             self.sig_dtype = str(sig.dtype)
-            near = self._near_index()
-            match = near.query(sig)
+            match = self._near_index().query(sig)
             if match:
+                # Most similar first (ties: earliest inserted), so the pick is deterministic.
                 self.stats["near_duplicates"] += 1
-                self._add_source(int(min(match)), src)  # lowest id: a stable, deterministic pick
+                self._add_source(int(match[0]), src)
                 return
         cur = self.db.execute(
             "INSERT INTO chunks (text, n_tokens, headings, content_hash, minhash, windows) "
