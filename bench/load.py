@@ -37,6 +37,7 @@ from urllib.parse import urlparse
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from a checkout without relying on the editable install
 OUT = ROOT / "bench" / "out" / "load.json"
 LOOPBACK = {"127.0.0.1", "::1", "localhost"}
 
@@ -137,8 +138,9 @@ class SimulatedPipeline:
             del scratch
         return _Answer("".join(out), [{"path": "sim.txt", "start": 0, "end": 1, "page": None, "score": 1.0}],
                        {"budget": {"prompt_tokens": 100, "context_tokens_used": 50, "context_tokens_allowed": 60,
-                                   "max_new_tokens": max_new_tokens or self.words, "kv_bytes_per_token": 0},
-                        "new_tokens": len(out), "oom_steps": [], "timings": {"queue_wait": waited}})
+                                   "max_new_tokens": max_new_tokens or self.words, "kv_bytes_per_token": 0,
+                                   "new_tokens": len(out)},
+                        "oom_steps": [], "timings": {"queue_s": waited}})
 
     def retrieve(self, question: str, *, context_tokens: int | None = None) -> Any:
         return type("Sel", (), {"chunks": (), "tokens_used": 0, "tokens_allowed": context_tokens or 0})()
@@ -178,13 +180,13 @@ def _one_request(http: httpx.Client, url: str, model: str, stream: bool, max_tok
                     elif data.get("choices") and data["choices"][0].get("finish_reason"):
                         final = data
             if final is not None:
-                out["queue_wait"] = ((final.get("ragbudget") or {}).get("timings") or {}).get("queue_wait")
+                out["queue_wait"] = ((final.get("ragbudget") or {}).get("timings") or {}).get("queue_s")
     else:
         r = http.post(url + "/v1/chat/completions", json=body)
         out["status"] = r.status_code
         out["retry_after"] = r.headers.get("retry-after")
         if r.status_code == 200:
-            out["queue_wait"] = ((r.json().get("ragbudget") or {}).get("timings") or {}).get("queue_wait")
+            out["queue_wait"] = ((r.json().get("ragbudget") or {}).get("timings") or {}).get("queue_s")
     out["latency"] = time.perf_counter() - t0
     return out
 

@@ -193,6 +193,20 @@ class _Meter:
         self._template = hf if hf is not None and callable(getattr(hf, "apply_chat_template", None)) else None
         if self._template is not None and getattr(self._template, "chat_template", "") is None:
             self._template = None  # a base model's tokenizer: apply_chat_template would raise
+        # The pipeline's own prompt builder, when it has one: measuring with it *is* measuring the
+        # prompt the model will get (same system prompt, layout and template).
+        builder = getattr(pipeline, "prompt_builder", None)
+        ok = callable(getattr(builder, "fixed_tokens", None)) and callable(getattr(builder, "with_history", None))
+        self._builder = builder if ok else None
+
+    def fixed(self, question: str) -> int:
+        """Prompt tokens of ``question`` with no history and no context: the part never cut.
+
+        With a real pipeline this is its prompt builder's own count (system prompt, sources
+        wrapper, question, template), so the accounting matches the prompt the model gets."""
+        if self._builder is not None:
+            return int(self._builder.fixed_tokens(question))
+        return self.render([_MEASURE_SYSTEM, {"role": "user", "content": question}])
 
     def render(self, messages: Sequence[Message]) -> int:
         """Tokens of ``messages`` as the model sees them, with the generation prompt."""
@@ -205,6 +219,8 @@ class _Meter:
         """Exact tokens ``messages`` add when placed before ``question`` (0 for none)."""
         if not messages:
             return 0
+        if self._builder is not None:
+            return int(self._builder.with_history(list(messages)).fixed_tokens(question)) - self.fixed(question)
         user = {"role": "user", "content": question}
         return self.render([_MEASURE_SYSTEM, *messages, user]) - self.render([_MEASURE_SYSTEM, user])
 
@@ -235,7 +251,8 @@ class _Meter:
 
 def _plan_numbers(pipeline: Any, max_new_tokens: int | None) -> tuple[int, int]:
     """(total tokens per request, reserved output tokens) from the pipeline's budget plan."""
-    plan = getattr(pipeline, "plan", None)
+    plan_for = getattr(pipeline, "plan_for", None)
+    plan = plan_for(max_new_tokens) if callable(plan_for) and max_new_tokens else getattr(pipeline, "plan", None)
     total = getattr(plan, "max_context_tokens", None)
     if not isinstance(total, int) or total <= 0:
         raise ConfigError("the pipeline has no budget plan with max_context_tokens; cannot budget a conversation")
@@ -268,7 +285,7 @@ def fit_history(
         total, output = _plan_numbers(pipeline, max_new_tokens)
     except ConfigError:
         return history, 0
-    fixed = meter.render([_MEASURE_SYSTEM, {"role": "user", "content": question}])
+    fixed = meter.fixed(question)
     allowed = int(max(0, total - output - fixed) * share)
     if meter.cost(history, question) <= allowed:
         return history, 0
@@ -439,7 +456,7 @@ class Conversation:
             raise ConfigError("the question is empty")
         total, output = _plan_numbers(self.pipeline, self.max_new_tokens)
         prompt_allowed = total - output
-        fixed = self._meter.render([_MEASURE_SYSTEM, {"role": "user", "content": question}])
+        fixed = self._meter.fixed(question)
         room = prompt_allowed - fixed
         if room <= 0:
             raise BudgetError(

@@ -413,9 +413,9 @@ def _usage(answer: Any, counter: Callable[[str], int] | None) -> dict[str, int]:
     report = _report(answer)
     budget = report.get("budget") or {}
     prompt = int(budget.get("prompt_tokens") or report.get("prompt_tokens") or 0)
-    completion = report.get("new_tokens")
+    completion = budget.get("new_tokens")
     if completion is None:
-        completion = (report.get("generation") or {}).get("new_tokens")
+        completion = report.get("new_tokens")
     if completion is None and counter is not None:
         completion = counter(getattr(answer, "text", "") or "")
     completion = int(completion or 0)
@@ -424,14 +424,14 @@ def _usage(answer: Any, counter: Callable[[str], int] | None) -> dict[str, int]:
 
 def _finish_reason(answer: Any) -> str:
     report = _report(answer)
-    reason = report.get("finish_reason") or (report.get("generation") or {}).get("finish_reason") or "stop"
+    reason = getattr(answer, "finish_reason", None) or report.get("finish_reason") or "stop"
     # OpenAI knows stop/length/content_filter/tool_calls; ragbudget's "cancelled" or "eos" map to stop.
     return "length" if reason in ("length", "max_tokens", "max_new_tokens") else "stop"
 
 
 def _queue_wait(report: dict[str, Any]) -> float | None:
     timings = report.get("timings") or {}
-    for key in ("queue_wait", "queue", "admission_wait", "admission", "wait"):
+    for key in ("queue_s", "queue_wait", "queue", "admission_wait", "wait"):
         value = timings.get(key)
         if isinstance(value, (int, float)):
             return float(value)
@@ -864,22 +864,24 @@ def _to_dict(obj: Any) -> Any:
 
 
 def _default_model_name(pipeline: Any) -> str:
+    # Never touch ``generator.model``: on a real Generator that loads the weights.
     gen = getattr(pipeline, "generator", None)
-    for obj, attr in ((gen, "model_id"), (gen, "model_name"), (pipeline, "model_name")):
+    ref = getattr(gen, "model_ref", None)
+    for obj, attr in ((ref, "id"), (gen, "model_id"), (pipeline, "model_name")):
         value = getattr(obj, attr, None) if obj is not None else None
         if isinstance(value, str) and value:
-            return value
-    model = getattr(gen, "model", None)
-    value = getattr(model, "id", None)
-    if isinstance(value, str) and value:
-        return value
+            # A local path is no name to show clients; a hub id ("org/name") is.
+            return os.path.basename(value.rstrip("/\\")) if os.path.isabs(value) or value.startswith(".") else value
     return "ragbudget"
 
 
 def _version() -> str:
-    from . import __version__
+    try:
+        from importlib.metadata import version
 
-    return __version__
+        return version("ragbudget")
+    except Exception:  # not installed (a bare checkout on sys.path)
+        return "0"
 
 
 def serve(

@@ -8,8 +8,6 @@ records every prompt it built, so overruns are checked against what the "model" 
 from __future__ import annotations
 
 import re
-import sys
-import types
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -446,9 +444,7 @@ def test_chat_command_with_piped_stdin(monkeypatch: pytest.MonkeyPatch) -> None:
         made.append(FakePipeline())
         return made[-1]
 
-    fake_module = types.ModuleType("ragbudget.pipeline")
-    fake_module.Pipeline = factory  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "ragbudget.pipeline", fake_module)
+    monkeypatch.setattr("ragbudget.pipeline.Pipeline", factory)
     result = CliRunner().invoke(cli, ["chat", "--history-share", "0.2", "--recent-turns", "1"],
                                 input="What is MinHash?\nand its shingles?\n/exit\n")
     assert result.exit_code == 0, result.output
@@ -459,3 +455,118 @@ def test_chat_command_with_piped_stdin(monkeypatch: pytest.MonkeyPatch) -> None:
     assert '"memory"' in result.output
     result = CliRunner().invoke(cli, ["chat", "--history-share", "1.5"], input="")
     assert result.exit_code == 2
+
+
+# --- with the real Pipeline (hash embedder, fake ChatML generator) ---------------------------------
+
+_PIECE = re.compile(r"<\|[a-z_]+\|>|\w+|[^\w\s]|\s+")
+
+
+class ChatMLTokenizer:
+    """HF-shaped: one id per word / punctuation / whitespace run / special marker, with a ChatML
+    chat template like SmolLM2's."""
+
+    chat_template = "chatml"
+    name_or_path = "chatml-words"
+
+    def __init__(self) -> None:
+        self.vocab: dict[str, int] = {}
+        self.inverse: dict[int, str] = {}
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        ids = []
+        for piece in _PIECE.findall(text):
+            if piece not in self.vocab:
+                self.vocab[piece] = len(self.vocab)
+                self.inverse[self.vocab[piece]] = piece
+            ids.append(self.vocab[piece])
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return "".join(self.inverse[i] for i in ids)
+
+    def apply_chat_template(self, messages: list[dict[str, str]], tokenize: bool = False,
+                            add_generation_prompt: bool = False) -> str:
+        out = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+        return out + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+
+
+@dataclass
+class RealishGeneration:
+    text: str
+    prompt_tokens: int
+    new_tokens: int
+    max_new_tokens: int
+    finish_reason: str = "length"
+    oom_steps: tuple = ()
+    prompt: Any = None
+
+
+@dataclass
+class ChatMLGenerator:
+    """The Generator surface Pipeline and Conversation use; answers are long on purpose."""
+
+    tokenizer: ChatMLTokenizer = field(default_factory=ChatMLTokenizer)
+    loaded: bool = False
+    model: Any = None
+    config: Any = None
+    prompts: list[Any] = field(default_factory=list)
+    summaries: int = 0
+
+    @property
+    def token_counter(self) -> Any:
+        from ragbudget.tokens import HFTokenizer
+
+        return HFTokenizer(self.tokenizer)
+
+    def generate(self, prompt: Any, *, max_new_tokens: int, on_text: Any = None, cancel: Any = None,
+                 **_: Any) -> RealishGeneration:
+        if isinstance(prompt, list):  # a summary request (chat messages)
+            self.summaries += 1
+            text = " ".join(re.findall(r"\w+", prompt[-1]["content"])[: max_new_tokens])
+            return RealishGeneration(text, 0, max_new_tokens, max_new_tokens)
+        self.prompts.append(prompt)
+        words = [f"detail{i}" for i in range(max_new_tokens // 2)]
+        text = " ".join(words)
+        if on_text:
+            on_text(text)
+        return RealishGeneration(text, prompt.n_tokens, len(self.tokenizer.encode(text)), max_new_tokens,
+                                 prompt=prompt)
+
+
+@pytest.fixture(scope="module")
+def hash_index(tmp_path_factory: pytest.TempPathFactory, repo_data: Any) -> Any:
+    pytest.importorskip("ragbudget.dedup")  # the indexer needs it (landing in parallel)
+    from ragbudget.pipeline import Pipeline
+
+    index_dir = tmp_path_factory.mktemp("chat") / "idx"
+    Pipeline(index_dir, embedder="hash:256").index([repo_data])
+    return index_dir
+
+
+def test_ten_turns_with_the_real_pipeline_and_prompt_builder(hash_index: Any) -> None:
+    from ragbudget.pipeline import Pipeline
+
+    gen = ChatMLGenerator()
+    # 0.3 GiB for SmolLM2-135M leaves a few hundred tokens per request: history overflows fast.
+    pipe = Pipeline(hash_index, generator=gen, gpu="0.3GiB", max_new_tokens=48)
+    total = pipe.plan.max_context_tokens
+    assert total < 1000
+    chat = Conversation(pipe, history_share=0.3, summary_max_tokens=24, recent_turns=2)
+    questions = ["What is the Debian social contract?", "What does it promise about free software?",
+                 "How many versions of it are there?", "Who wrote the constitution?",
+                 "What about its amendments?", "What is Warsaw known for?", "And its university?",
+                 "Which system call creates a pipe?", "What does it return on error?", "Thanks, and dup2?"]
+    for q in questions:
+        turn = chat.ask(q)
+        b = turn.budget
+        report = turn.answer.report["budget"]
+        assert not b.overrun
+        assert report["prompt_tokens"] + 48 <= total
+        # Exact: the pipeline's own fixed part (system + history + question, template included)
+        # is what Conversation measured as fixed + summary + recent.
+        assert report["fixed_prompt_tokens"] == b.fixed + b.summary + b.recent
+        assert b.summary + b.recent <= b.history_allowed
+        assert gen.prompts[-1].question == q  # the question reached the prompt whole
+    assert chat.turns_summarized > 0 and gen.summaries > 0
+    assert chat.summary and pipe.admission.stats().admitted_tokens == 0

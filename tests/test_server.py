@@ -79,6 +79,7 @@ class FakeAnswer:
     text: str
     sources: list[dict[str, Any]]
     report: dict[str, Any]
+    finish_reason: str = "stop"
 
     def to_dict(self) -> dict[str, Any]:
         return {"text": self.text, "sources": self.sources, "report": self.report}
@@ -149,9 +150,10 @@ class FakePipeline:
             text="".join(out),
             sources=[dict(SOURCE)],
             report={"budget": {"context_tokens_allowed": 300, "context_tokens_used": 120, "prompt_tokens": 150,
-                               "max_new_tokens": max_new_tokens or 256, "kv_bytes_per_token": 4096},
-                    "new_tokens": len(out), "finish_reason": "length" if len(out) == max_new_tokens else "eos",
-                    "oom_steps": [], "timings": {"queue_wait": waited}},
+                               "max_new_tokens": max_new_tokens or 256, "kv_bytes_per_token": 4096,
+                               "new_tokens": len(out)},
+                    "oom_steps": [], "timings": {"queue_s": waited}},
+            finish_reason="length" if len(out) == max_new_tokens else "eos",
         )
 
     def retrieve(self, question: str, *, context_tokens: int | None = None) -> FakeSelection:
@@ -453,3 +455,21 @@ def test_metrics_exposition_format() -> None:
     assert "ragbudget_rejected_total 1" in text
     assert "ragbudget_queue_depth 2" in text
     assert text.endswith("\n")
+
+
+def test_serve_command_passes_options_and_env_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    from click.testing import CliRunner
+
+    from ragbudget.cli import cli
+
+    made: list[dict[str, Any]] = []
+    served: list[dict[str, Any]] = []
+    monkeypatch.setattr("ragbudget.pipeline.Pipeline", lambda *a, **kw: made.append(kw) or FakePipeline())
+    monkeypatch.setattr("ragbudget.server.serve", lambda pipe, **kw: served.append(kw))
+    monkeypatch.setenv("RAGBUDGET_API_KEY", "env-key")
+    result = CliRunner().invoke(cli, ["serve", "--port", "0", "--concurrency", "3", "--gpu", "24GiB"])
+    assert result.exit_code == 0, result.output
+    assert served == [{"host": "127.0.0.1", "port": 0, "api_key": "env-key", "model_name": None}]
+    assert made[0]["concurrency"] == 3 and made[0]["gpu"] == "24GiB"
+    result = CliRunner().invoke(cli, ["serve", "--port", "70000"])
+    assert result.exit_code == 2
