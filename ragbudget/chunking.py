@@ -42,7 +42,8 @@ from .types import Chunk, Document
 __all__ = ["chunk_document", "chunk_text", "chunk_texts"]
 
 # Boundary levels: lower is preferred. Within the allowed window the chunker cuts at the best
-# level present, and among equals at the last one (larger chunks, fewer of them).
+# level present, and among equals at the last one (larger chunks, fewer of them), except for
+# headings (the first one; see _Chunker._choose).
 _HEADING, _PARAGRAPH, _LINE_SENTENCE, _SENTENCE, _LINE, _WORD, _TOKEN = range(7)
 
 # Unicode White_Space, spelled out: Python's ``\s`` also matches U+001C..U+001F, which the
@@ -123,9 +124,9 @@ def chunk_text(
     start of the next one (starting at a word). Leading and trailing whitespace is never part of
     a chunk; a text that is only whitespace gives no chunks. The result is deterministic.
 
-    >>> cs = chunk_text("# Intro\\n\\nHello world. " * 3, min_tokens=4, max_tokens=12)
-    >>> [(c.text, c.n_tokens, c.headings) for c in cs][:2]
-    [('# Intro\\n\\nHello world. # Intro', 8, ('Intro',)), ('Hello world. # Intro\\n\\nHello world.', 9, ('Intro',))]
+    >>> text = "# Setup\\n\\nInstall it. Then run it.\\n\\n## Usage\\n\\nCall chunk_text on a string."
+    >>> [(c.text, c.n_tokens, c.headings) for c in chunk_text(text, min_tokens=4, max_tokens=12)]
+    [('# Setup\\n\\nInstall it. Then run it.', 10, ('Setup',)), ('## Usage\\n\\nCall chunk_text on a string.', 10, ('Setup', 'Usage'))]
     """
     _check(min_tokens, max_tokens, overlap)
     tok = get_tokenizer(tokenizer)
@@ -164,8 +165,8 @@ def chunk_document(doc: Document, **kw: Any) -> list[Chunk]:
     Pages are 1-based and taken from :meth:`Document.page_of` of the chunk's first and last
     character, so a chunk running over a page break says so.
 
-    >>> d = Document(path="a.txt", pages=["Page one text.", "Page two text."])
-    >>> [(c.page_start, c.page_end) for c in chunk_document(d, min_tokens=1, max_tokens=4)]
+    >>> d = Document(path="a.txt", pages=["Page one has some text.", "Page two has more."])
+    >>> [(c.page_start, c.page_end) for c in chunk_document(d, min_tokens=1, max_tokens=8)]
     [(1, 1), (2, 2)]
     """
     text = doc.text
@@ -568,10 +569,14 @@ class _Chunker:
         if j1 > j0:
             # Best level wins, the last one among equals; cuts leaving fewer than min_tokens
             # behind (a tiny tail) only when nothing else is in the window.
+            # Headings are the exception: the *first* one past min_tokens, so a chunk boundary
+            # depends only on the text just before it, and chunks of two versions of a
+            # document re-align at every section (what cross-version dedup needs).
             tail_ok = t_end - self.lo
             best_key, k = None, j0
             for j in range(j0, j1):
-                key = (c_lvl[j] + (0 if c_ti[j] <= tail_ok else 100), -j)
+                lvl = c_lvl[j]
+                key = (lvl + (0 if c_ti[j] <= tail_ok else 100), j if lvl == _HEADING else -j)
                 if best_key is None or key < best_key:
                     best_key, k = key, j
             return c_end[k], c_next[k]
