@@ -167,7 +167,7 @@ _LINES = st.sampled_from(
 _PAGES = st.lists(st.lists(_LINES, max_size=8).map("\n".join), max_size=9)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(_PAGES)
 def test_strip_is_deterministic_and_never_grows(pages):
     a, rep = strip_headers_footers(pages, report=True)
@@ -182,7 +182,7 @@ def test_strip_is_deterministic_and_never_grows(pages):
     assert rep.removed == sum(rep.per_page) == len(rep.lines)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(_PAGES)
 def test_never_removes_a_line_whose_masked_form_is_on_one_page(pages):
     rep = find_furniture(pages)

@@ -458,7 +458,7 @@ _TEXT = st.text(
 )
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(_TEXT, st.lists(st.integers(min_value=0, max_value=200), max_size=5))
 def test_invalid_bytes_are_counted_never_dropped(text, cuts):
     # 0xFF is never valid UTF-8; inserted between characters of a text that has real multi-byte
