@@ -1119,7 +1119,7 @@ class _Builder:
         windows = [1] * len(batch)
         todo = list(range(len(batch)))
         if self.reuse is not None:
-            vecs, todo = self._reuse_vectors(batch)
+            vecs, todo = self._reuse_vectors(batch, windows)
         if todo:
             emb = self.embedder
             assert emb is not None
@@ -1147,7 +1147,7 @@ class _Builder:
         self.progress("embed", self.stats["chunks_embedded"] + self.stats["chunks_reused"],
                       self.embed_total)
 
-    def _reuse_vectors(self, batch: list[tuple[int, str]]) -> tuple[Any, list[int]]:
+    def _reuse_vectors(self, batch: list[tuple[int, str]], windows: list[int]) -> tuple[Any, list[int]]:
         import numpy as np
 
         from .dedup import content_hash
@@ -1156,13 +1156,14 @@ class _Builder:
         vecs = np.zeros((len(batch), old_flat.d), dtype=np.float32)
         todo = []
         for j, (_, text) in enumerate(batch):
-            row = rdb.execute("SELECT id FROM chunks WHERE content_hash=? LIMIT 1",
+            row = rdb.execute("SELECT id, windows FROM chunks WHERE content_hash=? LIMIT 1",
                               (content_hash(text),)).fetchone()
             if row is None:
                 todo.append(j)
                 continue
             try:
                 vecs[j] = old_flat.reconstruct(int(row[0]))
+                windows[j] = int(row[1])
                 self.stats["chunks_reused"] += 1
             except RuntimeError:
                 todo.append(j)

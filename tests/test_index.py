@@ -314,6 +314,21 @@ def test_settings_change_triggers_rebuild_with_reason(ix: Index, corpus: Path) -
     assert s.rebuilt and "requested" in s.rebuild_reason
 
 
+def test_tail_of_a_long_chunk_is_retrievable(ix: Index, tmp_path: Path) -> None:
+    corpus = tmp_path / "long"
+    corpus.mkdir()
+    filler = " ".join(f"filler{i}" for i in range(120))
+    (corpus / "long.txt").write_text(filler + " The tailfactzz sits at the very end.\n")
+    (corpus / "other.txt").write_text(" ".join(f"other{i}" for i in range(20)) + "\n")
+    # A 30-word model window: the 125-word chunk needs 5 windows, and its tail must count.
+    emb = HashEmbedder(dim=256, max_tokens=30)
+    s = ix.build([str(corpus)], embedder=emb, min_tokens=10, max_tokens=400)
+    assert s.windows_pooled == 1 and s.windows_embedded > s.chunks_embedded
+    hit = Index.open(ix.path).search("tailfactzz", k=1)[0]
+    assert "tailfactzz" in hit.text and hit.windows >= 4 and hit.score > 0.05
+    assert Index.open(ix.path).stats()["windowed_chunks"] == 1
+
+
 def test_skipped_files_are_reported(ix: Index, corpus: Path) -> None:
     (corpus / "blob.bin").write_bytes(b"\x00\x01\x02" * 100)
     s = build(ix, corpus)
