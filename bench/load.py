@@ -292,19 +292,75 @@ def run_load(
     }
 
 
-def _rss() -> int | None:
+def _rss(pid: int | None = None) -> int | None:
     try:
         import psutil
 
-        return int(psutil.Process(os.getpid()).memory_info().rss)
+        return int(psutil.Process(pid or os.getpid()).memory_info().rss)
     except Exception:
         return None
 
 
-def _settle_rss() -> int | None:
+def _settle_rss(pid: int | None = None) -> int | None:
     gc.collect()
-    time.sleep(0.2)
-    return _rss()
+    time.sleep(1.0)  # let the server finish closing connections and freeing request state
+    return _rss(pid)
+
+
+def _make_pipeline(opts: dict[str, Any]) -> tuple[Any, str, str]:
+    if opts.get("index_dir"):
+        from ragbudget.pipeline import Pipeline
+
+        pipe: Any = Pipeline(opts["index_dir"], concurrency=opts["admit"], max_new_tokens=opts["max_new_tokens"],
+                             gpu=opts.get("gpu"), queue_size=opts["max_queue"], queue_timeout=opts["queue_timeout"])
+        pipe.ask("warm up", max_new_tokens=2)  # load the models before the baseline
+        return pipe, "real", f"ragbudget.admission (capacity {pipe.admission.stats().capacity_tokens} tokens)"
+    pipe = SimulatedPipeline(admit=opts["admit"], max_queue=opts["max_queue"], timeout=opts["queue_timeout"],
+                             words=opts["words"], token_delay=opts["token_delay"])
+    return pipe, "simulated", pipe.admission_kind
+
+
+def _serve_child(opts: dict[str, Any]) -> None:
+    """Child process: serve the pipeline on an ephemeral loopback port, print the URL, and run
+    until the parent closes stdin."""
+    from ragbudget.server import background_server, create_app
+
+    pipe, mode, kind = _make_pipeline(opts)
+    with background_server(create_app(pipe, model_name="bench")) as url:
+        print(json.dumps({"url": url, "mode": mode, "admission": kind}), flush=True)
+        sys.stdin.read()
+
+
+@contextlib.contextmanager
+def _server(opts: dict[str, Any], *, in_process: bool) -> Iterator[tuple[str, int, str, str]]:
+    """Yield (url, server pid, mode, admission kind)."""
+    if in_process:
+        from ragbudget.server import background_server, create_app
+
+        pipe, mode, kind = _make_pipeline(opts)
+        with background_server(create_app(pipe, model_name="bench")) as url:
+            yield url, os.getpid(), mode, kind
+        return
+    import subprocess
+
+    # A separate process: the 64 client threads must not share the server's GIL, and its memory
+    # is measured on its own.
+    child = subprocess.Popen([sys.executable, __file__, "--serve-child", json.dumps(opts)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None
+        line = child.stdout.readline()
+        if not line:
+            raise SystemExit("the server process did not start")
+        info = json.loads(line)
+        yield info["url"], child.pid, info["mode"], info["admission"]
+    finally:
+        if child.stdin:
+            child.stdin.close()
+        try:
+            child.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            child.kill()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -318,36 +374,46 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--words", type=int, default=32, help="Simulated tokens per answer.")
     ap.add_argument("--token-delay", type=float, default=0.01, help="Simulated seconds per token.")
     ap.add_argument("--index-dir", default=None, help="Serve a real Pipeline on this index instead of the simulation.")
+    ap.add_argument("--gpu", default=None, help="Real mode: GPU to plan for (default: auto).")
     ap.add_argument("--max-new-tokens", type=int, default=16, help="Real mode: output tokens per request.")
     ap.add_argument("--time-limit", type=float, default=120.0)
     ap.add_argument("--stream-share", type=float, default=0.5)
+    ap.add_argument("--rounds", type=int, default=2, help="Load rounds (memory must plateau, not grow).")
+    ap.add_argument("--in-process", action="store_true", help="Run the server in this process (shares the GIL).")
+    ap.add_argument("--serve-child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.serve_child:
+        _serve_child(json.loads(args.serve_child))
+        return 0
     if args.quick:
-        args.clients, args.requests, args.words = 32, 2, 16
+        args.clients, args.requests, args.words, args.rounds = 32, 2, 16, 1
+    opts = {"index_dir": args.index_dir, "admit": args.admit, "max_queue": args.max_queue,
+            "queue_timeout": args.queue_timeout, "words": args.words, "token_delay": args.token_delay,
+            "max_new_tokens": args.max_new_tokens, "gpu": args.gpu}
 
-    from ragbudget.server import background_server, create_app
-
-    rss_start = _settle_rss()
-    if args.index_dir:
-        from ragbudget.pipeline import Pipeline
-
-        pipe: Any = Pipeline(args.index_dir, concurrency=args.admit, max_new_tokens=args.max_new_tokens)
-        pipe.ask("warm up", max_new_tokens=2)  # load the models before the baseline
-        mode, admission_kind = "real", type(pipe.admission).__module__
-    else:
-        pipe = SimulatedPipeline(admit=args.admit, max_queue=args.max_queue, timeout=args.queue_timeout,
-                                 words=args.words, token_delay=args.token_delay)
-        mode, admission_kind = "simulated", pipe.admission_kind
-    app = create_app(pipe, model_name="bench")
-    with background_server(app) as url:
+    with _server(opts, in_process=args.in_process) as (url, pid, mode, admission_kind):
         # Baseline once the server is up and one request has been served (lazy imports done).
         httpx.post(url + "/v1/chat/completions", json={"model": "bench", "messages": [{"role": "user", "content": "hi"}]},
-                   timeout=120)
-        rss_base = _settle_rss()
-        result = run_load(url, clients=args.clients, requests_per_client=args.requests,
-                          stream_share=args.stream_share, model="bench", time_limit=args.time_limit,
-                          max_tokens=args.max_new_tokens if args.index_dir else None)
-        rss_after = _settle_rss()
+                   timeout=300)
+        rss_base = _settle_rss(pid)
+        rounds, rss_rounds = [], []
+        for _ in range(args.rounds):
+            rounds.append(run_load(url, clients=args.clients, requests_per_client=args.requests,
+                                   stream_share=args.stream_share, model="bench", time_limit=args.time_limit,
+                                   max_tokens=args.max_new_tokens if args.index_dir else None))
+            rss_rounds.append(_settle_rss(pid))
+        rss_after = rss_rounds[-1]
+        # The figures are the first round's; later rounds only show whether memory keeps growing
+        # (a leak) or plateaus (allocator high-water mark), and must keep the contract too.
+        result = rounds[0]
+        for later in rounds[1:]:
+            for key in ("errors_5xx", "transport_errors", "stream_errors", "missing_retry_after"):
+                result[key] += later[key]
+            result["health"]["failed"] += later["health"]["failed"]
+            for status, n in later["statuses"].items():
+                result.setdefault("later_rounds_statuses", {})
+                result["later_rounds_statuses"][status] = result["later_rounds_statuses"].get(status, 0) + n
+        result["rss_after_each_round_mb"] = [r and round(r / 2**20, 1) for r in rss_rounds]
         metrics = httpx.get(url + "/metrics").text
     result.update({
         "mode": mode,
@@ -355,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
         "admit": args.admit,
         "max_queue": args.max_queue,
         "queue_timeout_s": args.queue_timeout,
-        "rss_start_mb": rss_start and round(rss_start / 2**20, 1),
+        "server": "in-process" if args.in_process else "subprocess",
         "rss_baseline_mb": rss_base and round(rss_base / 2**20, 1),
         "rss_after_mb": rss_after and round(rss_after / 2**20, 1),
         "rss_delta_mb": (rss_after - rss_base) / 2**20 if rss_after and rss_base else None,
@@ -366,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
     ok_contract = (
         result["errors_5xx"] == 0 and result["transport_errors"] == 0 and result["stream_errors"] == 0
         and result["missing_retry_after"] == 0 and result["health"]["failed"] == 0
-        and set(result["statuses"]) <= {"200", "429"}
+        and set(result["statuses"]) <= {"200", "429"} and set(result.get("later_rounds_statuses", {})) <= {"200", "429"}
     )
     result["contract_ok"] = ok_contract
 
@@ -374,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
         return "-" if v is None else (f"{v:.3f}{unit}" if isinstance(v, float) else f"{v}{unit}")
 
     rows = [
-        ("mode / admission", f"{mode} / {admission_kind}, admits {args.admit}, queue {args.max_queue}, wait {args.queue_timeout}s"),
+        ("mode / admission", f"{mode} / {admission_kind}, admits {args.admit}, queue {args.max_queue}, wait {args.queue_timeout}s ({result['server']} server)"),
         ("clients x requests", f"{args.clients} x {args.requests} = {result['requests']} sent in {f(result['wall_s'], ' s')}"),
         ("statuses", ", ".join(f"{k}: {v}" for k, v in sorted(result["statuses"].items()))),
         ("5xx / transport / stream errors", f"{result['errors_5xx']} / {result['transport_errors']} / {result['stream_errors']}"),
@@ -386,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
         ("/health ok / failed, max latency", f"{result['health']['ok']} / {result['health']['failed']}, {f(result['health']['max_s'], ' s')}"),
         ("max running / queued / admitted tokens", f"{result['health']['max_running']} / {result['health']['max_queued']} / {result['health']['max_admitted_tokens']}"),
         ("OOM-ladder steps", f(result["oom_steps_total"])),
-        ("RSS baseline -> after (MB)", f"{f(result['rss_baseline_mb'])} -> {f(result['rss_after_mb'])} (delta {f(result['rss_delta_mb'])})"),
+        ("RSS baseline -> after each round (MB)", f"{f(result['rss_baseline_mb'])} -> {result['rss_after_each_round_mb']}"),
         ("contract (only 200/429+Retry-After, health up)", "OK" if ok_contract else "VIOLATED"),
     ]
     width = max(len(r[0]) for r in rows)
