@@ -74,6 +74,11 @@ def _model_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 def cli(verbose: int) -> None:
     """ragbudget: RAG whose prompts always fit the GPU's memory."""
     level = logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
+    if verbose == 0:
+        # transformers' per-tensor "Loading weights" bars drown the answer; -v brings them back.
+        # (Read when transformers is first imported, which every command does lazily, later.)
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
 
 
