@@ -32,9 +32,12 @@ install: $(VENV)/.installed
 
 dev: $(VENV)/.dev
 
+# A CPU prefills about a thousand tokens in seconds but 8k (SmolLM2's whole window, which host RAM
+# allows) in minutes: the demo caps the context. On a GPU, `make demo DEMO_CAP=` lifts the cap.
+DEMO_CAP ?= --context-tokens 1024
 demo: install
-	$(BIN)/ragbudget index data/
-	$(BIN)/ragbudget ask "$(QUESTION)" --explain
+	$(BIN)/ragbudget index data/ --exclude model_configs
+	$(BIN)/ragbudget ask "$(QUESTION)" $(DEMO_CAP) --max-new-tokens 64 --explain
 
 test: dev
 	$(BIN)/python -m pytest -q

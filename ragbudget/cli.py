@@ -134,12 +134,18 @@ def _format_index_summary(s: dict[str, Any]) -> str:
     ]
     if s.get("rebuilt"):
         lines.append(f"rebuilt from scratch: {s.get('rebuild_reason') or s.get('rebuilt')}")
+    # What the user asked to leave out (hidden, VCS, excluded) is counted; everything else that
+    # could not be indexed is listed with its reason.
+    quiet = {"hidden", "ignored", "excluded"}
+    left_out = 0
     for skip in s.get("skipped", []):
-        if isinstance(skip, dict):
-            path, reason, detail = skip.get("path"), skip.get("reason"), skip.get("detail", "")
-        else:
-            path, reason, detail = (list(skip) + ["", "", ""])[:3]
+        path, reason, detail = skip.get("path"), skip.get("reason"), skip.get("detail", "")
+        if reason in quiet:
+            left_out += 1
+            continue
         lines.append(f"  skipped {path}: {reason}" + (f" ({detail})" if detail else ""))
+    if left_out:
+        lines.append(f"  ({left_out} hidden, VCS or excluded path(s) left out)")
     return "\n".join(lines)
 
 

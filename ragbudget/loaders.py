@@ -252,6 +252,11 @@ def scan(
             if entry.name.startswith("."):
                 skip(path, rel, "hidden")
                 continue
+            # An excluded name is dropped before anything else is asked of it (a link pointing
+            # outside the root that the user excluded is not worth a warning).
+            if exclude and (_matches(rel, exclude) or _matches(rel + "/", exclude)):
+                skip(path, rel, "excluded", "matches an exclude pattern")
+                continue
             is_link = entry.is_symlink()
             if is_link and not follow_symlinks:
                 skip(path, rel, "symlink", "follow_symlinks=False")
