@@ -541,7 +541,8 @@ def format_plan(plan: BudgetPlan) -> str:
     """A readable table of a plan (for the CLI)."""
     rows = [
         ("model", plan.model),
-        ("gpu", f"{plan.gpu_name} ({plan.gpu_source})"),
+        ("gpu", plan.gpu_source if plan.gpu_source.startswith(plan.gpu_name)
+         else f"{plan.gpu_name} ({plan.gpu_source})"),
         ("memory", f"{_h(plan.gpu_bytes)} × {plan.utilization:.2f} = {_h(plan.usable_bytes)} usable"),
         ("weights", f"{_h(plan.weights_bytes)} ({plan.weights_source})"),
         ("activations", f"{_h(plan.activation_bytes)} ({plan.activation_source})"),

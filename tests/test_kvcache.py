@@ -180,18 +180,6 @@ def test_heuristics_match_transformers_normalization(models, mt):
     assert layer_specs(d, normalize=False) == layer_specs(d, normalize=True)
 
 
-def test_quanto_cache_if_installed(models):
-    pytest.importorskip("optimum.quanto")
-    cfg, model = models["llama"]
-    prompt, new = 9, 4
-    cache = _generate(model, prompt, new, cache_implementation="quantized",
-                      cache_config={"backend": "quanto", "nbits": 4, "q_group_size": 16,
-                                    "residual_length": 8})
-    est = kv_cache_bytes(cfg, prompt + new - 1, kv_dtype="float32", cache="quantized",
-                         q_group_size=16, residual_length=8)
-    assert est > 0
-
-
 # ---- pure unit tests (no model) -------------------------------------------------------------
 
 LLAMA8B = {"model_type": "llama", "num_hidden_layers": 32, "hidden_size": 4096,
