@@ -200,12 +200,17 @@ def _check(min_tokens: int, max_tokens: int, overlap: int) -> None:
 
 
 @functools.lru_cache(maxsize=4)
-def _token_byte_lengths(enc: Any) -> np.ndarray:
-    """Byte length of every token id of a tiktoken encoding (0 for unused ids)."""
-    lens = np.zeros(enc.n_vocab, dtype=np.int64)
+def _token_char_counts(enc: Any) -> np.ndarray:
+    """For every token id: how many UTF-8 lead bytes (characters begun) its bytes hold.
+
+    Summed over a text's tokens this gives character offsets of the token boundaries without
+    decoding anything; a token ending inside a multi-byte character maps to that character's
+    end (its lead byte was counted already).
+    """
+    counts = np.zeros(enc.n_vocab, dtype=np.int64)
     for b, rank in enc._mergeable_ranks.items():
-        lens[rank] = len(b)
-    return lens
+        counts[rank] = sum(1 for byte in b if byte & 0xC0 != 0x80)
+    return counts
 
 
 def _fast_encoding(tok: Tokenizer) -> Any:
@@ -232,19 +237,9 @@ class _Chunker:
         text = self.text
         if self.enc is not None:
             ids = self.enc.encode_to_numpy(text, allowed_special=set(), disallowed_special=())
-            nbytes = _token_byte_lengths(self.enc)[ids]
-            bend = np.empty(len(ids) + 1, dtype=np.int64)
-            bend[0] = 0
-            np.cumsum(nbytes, out=bend[1:])
-            if text.isascii():
-                return bend
-            # Byte offsets → character offsets: count UTF-8 lead bytes before each offset. A
-            # token that ends inside a multi-byte character maps to the end of that character.
-            raw = np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
-            lead = np.empty(len(raw) + 1, dtype=np.int64)
-            lead[0] = 0
-            np.cumsum((raw & 0xC0) != 0x80, out=lead[1:])
-            return lead[bend]
+            tb = np.zeros(len(ids) + 1, dtype=np.int64)
+            np.cumsum(_token_char_counts(self.enc)[ids], out=tb[1:])
+            return tb
         # Generic tokenizer: count per line and spread each line's tokens evenly over its
         # characters. Only used for planning; final counts are re-encoded exactly.
         points = [0]
@@ -507,12 +502,24 @@ class _Chunker:
         doc_start = len(text) - len(text.lstrip())
         doc_end = len(text.rstrip())
         if self.enc is not None and len(text) >= PARALLEL_ENCODE_MIN_CHARS:
-            # tiktoken releases the GIL: encode in a helper thread while this thread finds the
-            # boundaries (regex + numpy), so the wall time is about the encode alone.
-            future = _encode_pool().submit(self._token_boundaries)
+            # tiktoken releases the GIL: the text is encoded in helper threads (in pieces cut at
+            # line starts, where the encoding provably splits the same way, so the ids are
+            # those of one whole-text encode) while this thread finds the boundaries.
+            pool = _encode_pool()
+            pieces = min(_cpus(), len(text) // PARALLEL_PIECE_CHARS + 1)
+            cuts = [0, *_line_start_cuts(text, pieces), len(text)]
+            enc = self.enc
+            futures = [
+                pool.submit(
+                    enc.encode_to_numpy, text[a:b], allowed_special=set(), disallowed_special=()
+                )
+                for a, b in zip(cuts, cuts[1:])
+            ]
             headings = self._headings()
             c_end, c_next, c_lvl = self._candidates(headings)
-            self.tb = tb = future.result()
+            ids = np.concatenate([f.result() for f in futures])
+            self.tb = tb = np.zeros(len(ids) + 1, dtype=np.int64)
+            np.cumsum(_token_char_counts(enc)[ids], out=tb[1:])
         else:
             self.tb = tb = self._token_boundaries()
             headings = self._headings()
@@ -696,17 +703,43 @@ _WS_CHARS = frozenset("\t\n\x0b\x0c\r \x85\xa0\u1680\u2028\u2029\u202f\u205f\u30
 }
 
 
-#: Texts at least this long are encoded in a helper thread while boundaries are found.
+#: Texts at least this long are encoded in helper threads while boundaries are found.
 PARALLEL_ENCODE_MIN_CHARS = 20_000
+#: ...in pieces of about this many characters (at most one per core).
+PARALLEL_PIECE_CHARS = 100_000
+
+
+@functools.lru_cache(maxsize=1)
+def _cpus() -> int:
+    import os
+
+    return os.cpu_count() or 1
+
+
+def _line_start_cuts(text: str, pieces: int) -> list[int]:
+    """Up to ``pieces - 1`` increasing cut positions right after a newline and before text.
+
+    Cutting there splits tiktoken's pre-tokenisation exactly (a newline-ending piece on the
+    left, a fresh piece on the right), so encoding the parts gives the whole text's ids.
+    """
+    cuts: list[int] = []
+    n = len(text)
+    for i in range(1, pieces):
+        p = text.find("\n", max(i * n // pieces, cuts[-1] if cuts else 0))
+        while p != -1 and (p + 1 >= n or text[p + 1].isspace()):
+            p = text.find("\n", p + 1)
+        if p == -1:
+            break
+        if not cuts or p + 1 > cuts[-1]:
+            cuts.append(p + 1)
+    return cuts
 
 
 @functools.lru_cache(maxsize=1)
 def _encode_pool() -> ThreadPoolExecutor:
     # Tasks in this pool never wait on other tasks, so sharing it between chunk_texts workers
     # cannot deadlock.
-    import os
-
-    return ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="rb-enc")
+    return ThreadPoolExecutor(max_workers=min(8, _cpus()), thread_name_prefix="rb-enc")
 
 
 def _heading_paths(headings: Iterable[_Heading]) -> list[tuple[str, ...]]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from unittest import mock
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -70,6 +71,31 @@ def test_exact_counts_from_patched_ends(text: str, lo: int, span: int) -> None:
     finally:
         chunking._FAST_MIN_CHARS = old
     _check(text * 3, chunks, lo, lo + span)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(text=_TEXT)
+def test_parallel_piecewise_encoding_is_exact(text: str) -> None:
+    # Encode in many pieces cut at line starts (as the threaded path does on big texts): the
+    # chunks must be identical to the single-encode result.
+    text = text * 4
+    serial = chunk_text(text, min_tokens=5, max_tokens=30)
+    old = (chunking.PARALLEL_ENCODE_MIN_CHARS, chunking.PARALLEL_PIECE_CHARS)
+    chunking.PARALLEL_ENCODE_MIN_CHARS, chunking.PARALLEL_PIECE_CHARS = 0, 1
+    try:
+        with mock.patch.object(chunking, "_cpus", lambda: 8):  # more pieces than this machine
+            parallel = chunk_text(text, min_tokens=5, max_tokens=30)
+    finally:
+        chunking.PARALLEL_ENCODE_MIN_CHARS, chunking.PARALLEL_PIECE_CHARS = old
+    assert parallel == serial
+
+
+def test_line_start_cuts_split_the_encoding_exactly() -> None:
+    text = "Intro.\n\n  indented\nplain line\n\n\nAfter blanks \r\nCRLF line.\n" * 50
+    cuts = [0, *chunking._line_start_cuts(text, 8), len(text)]
+    assert len(cuts) > 2
+    pieces = [TOK.encode(text[a:b]) for a, b in zip(cuts, cuts[1:])]
+    assert sum(pieces, []) == TOK.encode(text)
 
 
 @settings(max_examples=100, deadline=None)
