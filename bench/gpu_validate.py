@@ -33,9 +33,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ["RAGBUDGET_CACHE"] = tempfile.mkdtemp(prefix="ragbudget-gpu-validate-")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ragbudget.budget import estimate_activation_bytes, estimate_weights_bytes  # noqa: E402
-from ragbudget.kvcache import kv_cache_bytes  # noqa: E402
-from ragbudget.models import load_model_config  # noqa: E402
+from ragbudget.budget import estimate_activation_bytes, estimate_weights_bytes
+from ragbudget.kvcache import kv_cache_bytes
+from ragbudget.models import load_model_config
 
 MiB = 1 << 20
 NEW_TOKENS = 16

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -33,11 +32,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ragbudget.budget import plan_budget  # noqa: E402
-from ragbudget.errors import BudgetError  # noqa: E402
-from ragbudget.gpus import GiB  # noqa: E402
-from ragbudget.kvcache import kv_bytes_per_token, text_config  # noqa: E402
-from ragbudget.models import load_model_config  # noqa: E402
+from ragbudget.budget import plan_budget
+from ragbudget.errors import BudgetError
+from ragbudget.gpus import GiB
+from ragbudget.kvcache import kv_bytes_per_token, text_config
+from ragbudget.models import load_model_config
 
 MODELS = [
     "meta-llama/Llama-3.2-3B-Instruct",

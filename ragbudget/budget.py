@@ -119,7 +119,7 @@ def count_parameters(config: Any) -> int:
             mlp_layers.append(p)
         else:
             mlp_layers.append(mats * H * I)
-    norms_per_layer = 4 * H if mt.startswith("gemma2") or mt.startswith("gemma3") else 2 * H
+    norms_per_layer = 4 * H if mt.startswith(("gemma2", "gemma3")) else 2 * H
     total = n_layers * (attn + norms_per_layer) + sum(mlp_layers)
     total += V * H + H  # embeddings + final norm
     if not c.get("tie_word_embeddings", default=mt.startswith("gemma")):
@@ -414,7 +414,18 @@ def plan_budget(
             if qc and weight_dtype is None:
                 notes.append(f"checkpoint is quantized ({qc.get('quant_method')}); weights planned "
                              "at the model dtype — pass weight_dtype to plan its real storage")
-    usable = int(info.bytes * utilization)
+    gpu_bytes = info.bytes
+    if module is not None and info.source == "cuda:0 free memory":
+        # Free memory already excludes a loaded model's weights: add them back, or they would be
+        # subtracted twice.
+        on_gpu = sum(t.numel() * t.element_size()
+                     for t in list(module.parameters()) + list(module.buffers())
+                     if t.device.type == "cuda")
+        if on_gpu:
+            gpu_bytes += on_gpu
+            notes.append(f"the loaded model's {on_gpu / GiB:.2f} GiB on the GPU counted as "
+                         "available to it (free memory excludes them)")
+    usable = int(gpu_bytes * utilization)
     model_max = _model_max(cfg)
 
     cal = lookup_calibration(info.name, name, kvd, cache)
@@ -453,7 +464,7 @@ def plan_budget(
     if wbytes >= usable:
         raise BudgetError(
             f"{name}: the weights alone need {wbytes / GiB:.2f} GiB but only {usable / GiB:.2f} GiB "
-            f"is usable ({utilization:.0%} of {info.bytes / GiB:.2f} GiB on {info.name}); use a "
+            f"is usable ({utilization:.0%} of {gpu_bytes / GiB:.2f} GiB on {info.name}); use a "
             "smaller or quantized model (weight_dtype='int4'/'int8'), or a larger GPU",
             needed=wbytes, available=usable, unit="bytes")
     t_mem = max_tokens(concurrency, 1 << 24)
@@ -514,7 +525,7 @@ def plan_budget(
     if limited_by == "model":
         notes.append(f"context capped by the model's max_position_embeddings ({model_max})")
     return BudgetPlan(
-        model=name, gpu_name=info.name, gpu_source=info.source, gpu_bytes=info.bytes,
+        model=name, gpu_name=info.name, gpu_source=info.source, gpu_bytes=gpu_bytes,
         usable_bytes=usable, utilization=utilization, weights_bytes=wbytes, weights_source=wsrc,
         activation_bytes=act_at_max, activation_source=act_src, kv_bytes_per_token=per_tok,
         kv_bytes_per_token_peak=per_tok_peak, kv_fixed_bytes_per_sequence=fixed,
@@ -547,16 +558,16 @@ def format_plan(plan: BudgetPlan) -> str:
         ("weights", f"{_h(plan.weights_bytes)} ({plan.weights_source})"),
         ("activations", f"{_h(plan.activation_bytes)} ({plan.activation_source})"),
         ("kv cache", f"{plan.cache}, {plan.kv_dtype}, {plan.backend}"),
-        ("kv per token", f"{_h(plan.kv_bytes_per_token)} (below sliding windows: "
-                         f"{_h(plan.kv_bytes_per_token_peak)})"),
-        ("kv at max", f"{_h(plan.kv_bytes_at_max)} for {plan.concurrency} × "
-                      f"{plan.max_context_tokens:,} tokens"),
+        ("kv per token", (f"{_h(plan.kv_bytes_per_token)} (below sliding windows: "
+                         f"{_h(plan.kv_bytes_per_token_peak)})")),
+        ("kv at max", (f"{_h(plan.kv_bytes_at_max)} for {plan.concurrency} × "
+                      f"{plan.max_context_tokens:,} tokens")),
         ("kv capacity", f"{plan.kv_capacity_tokens:,} tokens (one sequence)"),
-        ("max context", f"{plan.max_context_tokens:,} tokens per request (limited by "
-                        f"{plan.limited_by}; model max {plan.model_max_tokens:,})"),
+        ("max context", (f"{plan.max_context_tokens:,} tokens per request (limited by "
+                        f"{plan.limited_by}; model max {plan.model_max_tokens:,})")),
         ("max prompt", f"{plan.max_prompt_tokens:,} tokens + {plan.max_new_tokens} new"),
-        ("concurrency", f"{plan.concurrency} (max {plan.max_concurrency} requests of "
-                        f"{plan.concurrency_context_tokens:,} tokens)"),
+        ("concurrency", (f"{plan.concurrency} (max {plan.max_concurrency} requests of "
+                        f"{plan.concurrency_context_tokens:,} tokens)")),
     ]
     width = max(len(k) for k, _ in rows)
     lines = [f"{k.ljust(width)}  {v}" for k, v in rows]

@@ -68,7 +68,7 @@ _UNITS = {"b": 1, "k": 1 << 10, "ki": 1 << 10, "kib": 1 << 10, "kb": 10**3,
           "t": 1 << 40, "ti": 1 << 40, "tib": 1 << 40, "tb": 10**12}  # fmt: skip
 
 
-def parse_size(text: str | int | float) -> int:
+def parse_size(text: str | float) -> int:
     """Bytes from ``"24GiB"``, ``"24GB"`` (SI), ``"16g"``, ``"512MiB"`` or a number of bytes.
 
     >>> parse_size("24GiB"), parse_size("24GB"), parse_size("16g"), parse_size(1024)
@@ -149,7 +149,7 @@ def _cuda_free() -> tuple[str, int, int] | None:
             return None
         free, total = torch.cuda.mem_get_info(0)
         return torch.cuda.get_device_name(0), int(free), int(total)
-    except Exception:
+    except Exception:  # noqa: BLE001 - a broken CUDA setup means "no GPU", never a crash
         return None
 
 
@@ -169,14 +169,14 @@ def resolve_gpu(gpu: str | int | None = None) -> GPUInfo:
                            notes=(f"{name}: {free / GiB:.1f} GiB free of {total / GiB:.1f} GiB",))
         avail = host_available_bytes()
         return GPUInfo(name="host RAM", bytes=avail, source="host RAM (no GPU)",
-                       notes=("no CUDA device: planning against available host RAM "
-                              f"({avail / GiB:.1f} GiB); pass --gpu to plan for a GPU",))
+                       notes=(("no CUDA device: planning against available host RAM "
+                              f"({avail / GiB:.1f} GiB); pass --gpu to plan for a GPU"),))
     if isinstance(gpu, (int, float)) or _SIZE_RE.match(str(gpu)):
         size = parse_size(gpu)
         return GPUInfo(name=f"{size / GiB:.1f} GiB", bytes=size, source="explicit size")
     name = _lookup(str(gpu))
     notes: tuple[str, ...] = ()
     if name.startswith("M") and name[1:2].isdigit():
-        notes = ("Apple unified memory is shared with the OS; by default the GPU may use about "
-                 "75% of it",)
+        notes = (("Apple unified memory is shared with the OS; by default the GPU may use about "
+                 "75% of it"),)
     return GPUInfo(name=name, bytes=int(GPU_TABLE[name] * GiB), source="table", notes=notes)

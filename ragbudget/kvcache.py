@@ -40,7 +40,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Union
+from typing import Any
 
 from .errors import ConfigError, ModelError
 
@@ -98,7 +98,7 @@ def _ceil_bytes(elements: int, bits: int) -> int:
 # Config access: a dict or a transformers PretrainedConfig, normalized through transformers
 # --------------------------------------------------------------------------------------------
 
-ConfigLike = Union[Mapping[str, Any], Any]
+ConfigLike = Mapping[str, Any] | Any
 
 
 class _Cfg:
@@ -114,7 +114,7 @@ class _Cfg:
             else:
                 try:
                     value = getattr(self.obj, name, None)
-                except Exception:  # some configs raise on unknown attributes
+                except Exception:  # noqa: BLE001 - some configs raise on unknown attributes
                     value = None
             if value is not None:
                 return value
@@ -177,7 +177,7 @@ def _normalize(config: ConfigLike, normalize: bool) -> ConfigLike:
         return text_config(config)
     try:
         obj = _normalized_from_json(json.dumps(dict(config), sort_keys=True, default=str))
-    except Exception:  # unknown model type, or transformers rejects the dict: use heuristics
+    except Exception:  # noqa: BLE001 - unknown model type or a rejected dict: use heuristics
         return text_config(config)
     return text_config(obj)
 
@@ -308,7 +308,7 @@ class NoCacheSpec:
         return 0
 
 
-LayerSpec = Union[FullAttentionSpec, SlidingWindowSpec, MLAAttentionSpec, MambaSpec, NoCacheSpec]
+LayerSpec = FullAttentionSpec | SlidingWindowSpec | MLAAttentionSpec | MambaSpec | NoCacheSpec
 
 
 def _attention_shape(c: _Cfg) -> tuple[int, int, int]:
@@ -363,7 +363,7 @@ def _default_layer_types(c: _Cfg, n: int) -> list[str]:
         return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
     if mt in ("olmo3",):
         return ["sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(n)]
-    if mt.startswith("qwen2") or mt.startswith("qwen3"):
+    if mt.startswith(("qwen2", "qwen3")):
         if not c.get("use_sliding_window", default=False) or window is None:
             return ["full_attention"] * n
         mwl = int(c.get("max_window_layers", default=n))
@@ -569,8 +569,8 @@ def estimate_kv(
         raise ConfigError(f"{tokens} tokens do not fit a static cache of max_cache_len={max_cache_len}")
     specs = layer_specs(config, backend=backend, mla=mla, normalize=normalize)
     name, bits = _dtype_for(config, kv_dtype)
-    kw = dict(bits=bits, batch_size=batch_size, max_cache_len=max_cache_len,
-              prefill_tokens=prefill_tokens, backend=backend, block_size=block_size)
+    kw = {"bits": bits, "batch_size": batch_size, "max_cache_len": max_cache_len,
+              "prefill_tokens": prefill_tokens, "backend": backend, "block_size": block_size}
     if cache == "quantized":
         per = tuple(_quantized_layer_bytes(s, tokens, bits=bits, batch_size=batch_size, nbits=nbits,
                                            q_group_size=q_group_size,
@@ -579,7 +579,7 @@ def estimate_kv(
         # Re-quantizing concatenates dequantized + residual + new states in full precision.
         transient = max((batch_size * _ceil_bytes(s.elements_per_token * tokens, bits)
                          for s in specs), default=0)
-        return KVEstimate(sum(per), sum(per) + transient, per, "int%d" % nbits
+        return KVEstimate(sum(per), sum(per) + transient, per, f"int{nbits}"
                           if quant_backend != "fp8" else "fp8", cache)
     base = "static" if cache == "static" else "dynamic"
     per = tuple(_layer_bytes(s, tokens, cache=base, peak=False, **kw) for s in specs)

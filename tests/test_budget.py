@@ -10,7 +10,6 @@ import sys
 import pytest
 
 from ragbudget.budget import (
-    BudgetPlan,
     count_parameters,
     estimate_activation_bytes,
     format_plan,
@@ -20,7 +19,6 @@ from ragbudget.budget import (
     record_calibration,
 )
 from ragbudget.errors import BudgetError, ConfigError, ModelError
-from ragbudget.gpus import GiB
 from ragbudget.kvcache import kv_cache_bytes
 from ragbudget.models import list_model_configs, load_model_config
 
@@ -197,9 +195,9 @@ def test_import_stays_light():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-_TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-             pad_token_id=0)
+_TINY = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+             "pad_token_id": 0}
 PARAM_CASES = {
     "llama": _TINY, "mistral": dict(_TINY, sliding_window=8), "qwen2": _TINY,
     "qwen3": dict(_TINY, head_dim=24), "gemma2": dict(_TINY, head_dim=24),

@@ -7,8 +7,8 @@ import pytest
 from ragbudget.errors import ConfigError, ModelError
 from ragbudget.kvcache import (
     FullAttentionSpec,
-    MLAAttentionSpec,
     MambaSpec,
+    MLAAttentionSpec,
     SlidingWindowSpec,
     dtype_bits,
     estimate_kv,
@@ -21,10 +21,10 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 WINDOW = 8
-_BASE = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-             pad_token_id=0, bos_token_id=1, eos_token_id=2)
-_SMALL = dict(vocab_size=128, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+_BASE = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+             "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+_SMALL = {"vocab_size": 128, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 
 # Tiny configs of real architectures; sizes chosen so head_dim != hidden/heads where the family
 # allows it (Qwen3, Gemma) and windows are crossed by the longer prompts.
