@@ -21,6 +21,7 @@ The module only needs ``count_tokens: Callable[[str], int]``; numpy speeds up th
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -163,7 +164,9 @@ _SENTENCE_END = re.compile(r"(?<=[.!?。！？])[\"')\]]*\s+|\n\s*")
 
 
 def _words(text: str) -> frozenset[str]:
-    return frozenset(_WORD.findall(text.lower()))
+    # Words of 4+ characters (and numbers): a cheap, language-agnostic stand-in for dropping
+    # stop words, so "the/of/and" do not make every pair of chunks look redundant.
+    return frozenset(w for w in _WORD.findall(text.lower()) if len(w) > 3 or w.isdigit())
 
 
 def _overlap(a: frozenset[str], b: frozenset[str]) -> float:
@@ -185,6 +188,7 @@ def select_chunks(
     count_tokens: Callable[[str], int],
     chunk_overhead: int | Callable[[Any], int] = 0,
     lambda_: float = 0.7,
+    temperature: float = 0.1,
     order: str = "relevance",
     min_score: float | None = None,
     redundancy: float = 0.9,
@@ -201,6 +205,11 @@ def select_chunks(
     the passage giving its label/separator tokens). ``question`` is not used for scoring (the
     scores already are) but kept for custom ``similarity`` functions and logging.
 
+    A chunk's value is ``exp((score - best_score) / temperature)`` (``temperature`` in score units:
+    0.1 suits cosine similarities), times ``1 - (1 - lambda_) * penalty`` where ``penalty`` grows
+    from 0 to 1 as its word overlap with a better hit goes from 0.5 to 1 (``redundancy`` and above
+    drops it). ``similarity(a, b) -> [0, 1]`` replaces the word overlap (e.g. embedding cosine).
+
     >>> hits = [Candidate("a", "Paris is the capital of France.", 0.9),
     ...         Candidate("b", "Lyon is a city in France.", 0.5)]
     >>> sel = select_chunks("capital?", hits, budget_tokens=8, count_tokens=lambda s: len(s.split()))
@@ -211,6 +220,8 @@ def select_chunks(
         raise ConfigError(f"order must be one of {', '.join(ORDERS)}; got {order!r}")
     if budget_tokens < 0:
         raise ConfigError(f"budget_tokens must be ≥ 0; got {budget_tokens}")
+    if temperature <= 0:
+        raise ConfigError(f"temperature must be > 0; got {temperature}")
     if not 0.0 <= lambda_ <= 1.0:
         raise ConfigError(f"lambda_ must be in [0, 1]; got {lambda_}")
     overhead_of: Callable[[Any], int] = (
@@ -244,13 +255,15 @@ def select_chunks(
     # MMR against better-ranked kept items. Exact MMR is sequential over the *selected* set; scoring
     # against every better candidate instead is a static approximation that lets a knapsack choose
     # the subset (a redundant pair is still never both worth full value).
-    if items:
-        hi = max(it.score for it in items)
-        lo = min(it.score for it in items)
-        span = hi - lo
+    #
+    # Relevance is exp((score - best) / temperature), not a linear rescale: retrieval quality is
+    # concentrated in the first few hits, and with flat values a knapsack would happily trade the
+    # 2nd-best chunk for two small 20th-ranked ones. Overlap below 0.5 is ordinary topical overlap
+    # (same article, same entities) and costs nothing; above it the penalty grows linearly.
+    hi = max((it.score for it in items), default=0.0)
     kept: list[_Item] = []
     for it in items:
-        rel = 1.0 if not items or span <= 0 else 0.05 + 0.95 * (it.score - lo) / span
+        rel = math.exp(max(-50.0, (it.score - hi) / temperature))
         red = 0.0
         for k in kept:
             sim = (
@@ -260,7 +273,8 @@ def select_chunks(
         if red >= redundancy:
             dropped.append(Dropped(it.ids[0], "redundant", it.score, it.n_tokens))
             continue
-        it.value = max(_MIN_VALUE, lambda_ * rel - (1.0 - lambda_) * red)
+        penalty = max(0.0, (red - 0.5) / 0.5)
+        it.value = max(_MIN_VALUE, rel * (1.0 - (1.0 - lambda_) * penalty))
         kept.append(it)
 
     chosen: list[_Item] = []

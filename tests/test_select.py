@@ -20,7 +20,7 @@ def words(text: str) -> int:
 
 def cand(cid: str, n: int, score: float, path: str = "doc", start: int | None = None) -> Candidate:
     # Distinct vocabulary per chunk so the redundancy filter never fires by accident.
-    text = " ".join(f"{cid}w{i}" for i in range(n))
+    text = " ".join(f"{cid}word{i}" for i in range(n))
     src = (Source(path, start, start + len(text)),) if start is not None else ()
     return Candidate(cid, text, score, sources=src)
 
@@ -159,7 +159,7 @@ def test_truncates_only_the_single_oversize_best_chunk_at_a_sentence() -> None:
 def test_mmr_prefers_diverse_chunks() -> None:
     a = Candidate("a", "alpha beta gamma delta epsilon zeta", 0.9)
     near = Candidate("near", "alpha beta gamma delta epsilon eta", 0.85)  # 5/6 overlap
-    other = Candidate("other", "one two three four five six", 0.8)
+    other = Candidate("other", "seven eight nine ten eleven twelve", 0.84)
     sel = select_chunks("q", [a, near, other], budget_tokens=12, count_tokens=words, lambda_=0.5)
     assert [c.chunk_id for c in sel.chunks] == ["a", "other"]
 
