@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import itertools
 import re
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -72,15 +73,10 @@ _CL100K_PAT = (
 # ahead quickly (a leading lookbehind or ``[ \t]*`` made one of these 20x slower than encoding).
 # A candidate is (left end, next start, level); the left end may still have trailing spaces,
 # which the planner strips.
-_BLANK_RE = re.compile(r"\n[ \t]*\n")
-_LINE_RE = re.compile(r"\n[ \t]*(?=\S)")
 _CLOSERS = "\"'”’)\\]»"
-_SENT_END_CHARS = frozenset(".!?:;")
-_LIST_MARK = re.compile(r"(?:[-*•+–]|\d{1,3}[.)]|\(?[a-zA-Z0-9]\))[ \t]")
-# A sentence end inside a line: terminal punctuation (+ closing quotes) then spaces then a
-# capital, digit or opening quote. Initials ("J. Smith"), common abbreviations and list
-# markers at a line start ("  1. The") are filtered out afterwards (see _ABBREV).
-_SENT_RE = re.compile(rf"[.!?][{_CLOSERS}]*([ \t]+)(?=[\"'“‘(\[]?[A-Z0-9])")
+# A sentence end inside a line is terminal punctuation (+ closing quotes), spaces, then a
+# capital, digit or opening quote (found with numpy in _candidates). Short words before the
+# period are checked against common abbreviations here.
 _ABBREV = re.compile(r"(?:^|[\s(])(?:[A-Z]|Mr|Mrs|Ms|Dr|St|vs|e\.g|i\.e|cf|No|Fig|\d{1,3})$")
 _WORD_RE = re.compile(rf"[{_WS}]+")
 _WORD_START = re.compile(rf"[{_WS}]+(?=[^{_WS}])")
@@ -331,8 +327,10 @@ class _Chunker:
                 continue
             depth = m.group(1).rstrip(".").count(".") + 1
             found[start] = _Heading(start, depth, f"{m.group(1)} {title}".strip())
-        chapter = (indent <= 4) & ((c0 == 67) | (c0 == 65) | (c0 == 80))  # C, A, P
-        caps = (indent == 0) & upper0
+        # "Chapter", "Appendix", "Part" (any case) and ALL-CAPS lines: check two characters
+        # before running a regex (most lines of prose start with a capital too).
+        chapter = (indent <= 4) & _is_chapter0(c0) & _is_chapter1(c1)
+        caps = (indent == 0) & upper0 & (_is_upper(c1) | ((c1 >= 48) & (c1 <= 57)))
         for mask, rx in ((chapter, _CHAPTER_HEAD), (caps, _CAPS_HEAD)):
             for i in np.flatnonzero(mask):
                 start = int(starts[i])
@@ -408,28 +406,28 @@ class _Chunker:
         levels.extend([_SENTENCE] * int(ok.sum()))
         for h in headings:
             # The heading line may be indented: the next chunk starts at its first character.
-            nxt = h.start
-            while nxt < n_text and text[nxt] in " \t":
-                nxt += 1
+            first_char = h.start
+            while first_char < n_text and text[first_char] in " \t":
+                first_char += 1
             end = h.start
             while end > 0 and text[end - 1].isspace():
                 end -= 1
-            if 0 < end < nxt:
+            if 0 < end < first_char:
                 ends.append(end)
-                nexts.append(nxt)
+                nexts.append(first_char)
                 levels.append(_HEADING)
         if not ends:
             empty = np.zeros(0, dtype=np.int64)
             return empty, empty, empty
         e = np.asarray(ends, dtype=np.int64)
-        n = np.asarray(nexts, dtype=np.int64)
+        nx = np.asarray(nexts, dtype=np.int64)
         lv = np.asarray(levels, dtype=np.int64)
         # One candidate per left end, keeping the best level (and its widest separator).
-        order = np.lexsort((-n, lv, e))
-        e, n, lv = e[order], n[order], lv[order]
+        order = np.lexsort((-nx, lv, e))
+        e, nx, lv = e[order], nx[order], lv[order]
         keep = np.ones(len(e), dtype=bool)
         keep[1:] = e[1:] != e[:-1]
-        return e[keep], n[keep], lv[keep]
+        return e[keep], nx[keep], lv[keep]
 
     # -- exact counts --------------------------------------------------------------------------
 
@@ -513,7 +511,7 @@ class _Chunker:
                 pool.submit(
                     enc.encode_to_numpy, text[a:b], allowed_special=set(), disallowed_special=()
                 )
-                for a, b in zip(cuts, cuts[1:])
+                for a, b in itertools.pairwise(cuts)
             ]
             headings = self._headings()
             c_end, c_next, c_lvl = self._candidates(headings)
@@ -669,6 +667,8 @@ _is_closer = _CharSet(_CLOSERS)
 _is_opener = _CharSet("\"'“‘([«")
 _is_sent_end = _CharSet(".!?:;")
 _is_bullet = _CharSet("-*•+–")
+_is_chapter0 = _CharSet("CAP")
+_is_chapter1 = _CharSet("hHpPaA")
 _is_underline = _CharSet("=-~^\"'*+#`:.")
 # ASCII and Latin letters (up to U+024F): enough for sentence starts and abbreviation checks.
 _UPPER_TABLE = np.array([chr(i).isupper() for i in range(0x250)], dtype=bool)
@@ -688,12 +688,25 @@ def _is_blank(cp: np.ndarray) -> np.ndarray:
 
 
 def _skip(pad: np.ndarray, pos: np.ndarray, pred: Any) -> np.ndarray:
-    """Advance each position while ``pred(pad[pos])``; the NUL padding stops every walk."""
+    """Advance each position while ``pred(pad[pos])``; the NUL padding stops every walk.
+
+    Short runs (indentation) are walked a step at a time on the positions still moving; after
+    8 steps the rest jump with a whole-text "next position where pred is false" table (page
+    breaks padded with long blank runs would otherwise cost one numpy pass per character).
+    """
     pos = pos.copy()
     active = np.flatnonzero(pred(pad[pos]))
+    steps = 0
     while active.size:
+        if steps == 8:
+            mask = pred(pad)
+            idx = np.where(mask, len(mask), np.arange(len(mask)))
+            nxt = np.minimum.accumulate(idx[::-1])[::-1]
+            pos[active] = nxt[pos[active]]
+            break
         pos[active] += 1
         active = active[pred(pad[pos[active]])]
+        steps += 1
     return pos
 
 
