@@ -389,6 +389,7 @@ class Generator:
         stop: Sequence[str] | None = None,
         on_text: Callable[[str], None] | None = None,
         streamer: Any = None,
+        cancel: threading.Event | None = None,
         oom_ladder: bool = True,
     ) -> Generation:
         """Generate at most ``max_new_tokens`` tokens for ``prompt``.
@@ -398,7 +399,9 @@ class Generator:
         Greedy unless ``do_sample``; ``temperature``/``top_p``/``top_k`` pass through.
         ``on_text`` receives decoded text pieces as they are produced (``streamer`` takes any
         transformers streamer instead). ``stop`` strings end the answer early (excluded from
-        ``text``). Text already streamed is not taken back if an OOM retry restarts the answer.
+        ``text``). Setting ``cancel`` (a ``threading.Event``) stops after the current token
+        (``finish_reason="cancelled"``). Text already streamed is not taken back if an OOM retry
+        restarts the answer.
         """
         if cache not in CACHES:
             raise ConfigError(f"cache must be one of {', '.join(CACHES)}; got {cache!r}")
@@ -419,7 +422,7 @@ class Generator:
                                       kv_dtype=kv_dtype, use_cache=use_cache,
                                       do_sample=do_sample, temperature=temperature, top_p=top_p,
                                       top_k=top_k, seed=seed, stop=stop, on_text=on_text,
-                                      streamer=streamer)
+                                      streamer=streamer, cancel=cancel)
                 break
             except Exception as exc:
                 if not (oom_ladder and is_oom(exc)):
@@ -459,6 +462,8 @@ class Generator:
         seconds = time.perf_counter() - t0
         new = out[len(ids):]
         text, finish = self._finish(new, max_new_tokens, stop)
+        if cancel is not None and cancel.is_set() and finish != "stop":
+            finish = "cancelled"
         gen = Generation(
             text=text,
             prompt_tokens=len(ids),
@@ -539,6 +544,7 @@ class Generator:
         stop: Sequence[str] | None,
         on_text: Callable[[str], None] | None,
         streamer: Any,
+        cancel: threading.Event | None = None,
     ) -> tuple[list[int], int | None]:
         import torch
 
@@ -569,6 +575,16 @@ class Generator:
         if stop:
             kw["stop_strings"] = list(stop)
             kw["tokenizer"] = tok
+        if cancel is not None:
+            from transformers import StoppingCriteria, StoppingCriteriaList
+
+            class _Cancel(StoppingCriteria):
+                def __call__(self, input_ids: Any, scores: Any, **kwargs: Any) -> Any:
+                    done = cancel.is_set()
+                    return torch.full((input_ids.shape[0],), done, dtype=torch.bool,
+                                      device=input_ids.device)
+
+            kw["stopping_criteria"] = StoppingCriteriaList([_Cancel()])
         if on_text is not None:
             kw["streamer"] = _CallbackStreamer(tok, on_text, len(ids))
         elif streamer is not None:

@@ -24,7 +24,6 @@ instructions inside it, and markup that could close a block (``</source>``) or f
 
 from __future__ import annotations
 
-import copy
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
@@ -136,12 +135,26 @@ class PromptBuilder:
         self.history: tuple[dict[str, str], ...] = ()
 
     def with_history(self, history: Sequence[dict[str, str]] | None) -> PromptBuilder:
-        """A builder that places ``history`` (earlier chat turns, oldest first) between the system
-        prompt and the question. It shares this builder's token-count memo."""
+        """A builder whose prompts carry ``history`` (earlier ``user``/``assistant`` turns) between
+        the system prompt and the question; it shares this builder's token-count memo. The
+        history is part of the fixed cost: never cut here (fit it first, e.g. ``chat.fit_history``).
+        """
         if not history:
-            return self
-        b = copy.copy(self)
-        b.history = tuple({"role": str(m["role"]), "content": str(m["content"])} for m in history)
+            return self if not self.history else self._copy(())
+        turns = []
+        for m in history:
+            role, content = m.get("role"), m.get("content")
+            if role not in ("user", "assistant", "system") or not isinstance(content, str):
+                raise ConfigError(
+                    f"history turns need role user/assistant/system and text content; got {m!r}"
+                )
+            turns.append({"role": str(role), "content": escape_data(content)})
+        return self._copy(tuple(turns))
+
+    def _copy(self, history: tuple[dict[str, str], ...]) -> PromptBuilder:
+        b = PromptBuilder.__new__(PromptBuilder)
+        b.__dict__.update(self.__dict__)
+        b.history = history
         return b
 
     # -- counting ---------------------------------------------------------------------------

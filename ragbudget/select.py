@@ -188,7 +188,7 @@ def select_chunks(
     count_tokens: Callable[[str], int],
     chunk_overhead: int | Callable[[Any], int] = 0,
     lambda_: float = 0.7,
-    temperature: float = 0.1,
+    temperature: float = 0.02,
     order: str = "relevance",
     min_score: float | None = None,
     redundancy: float = 0.9,
@@ -206,7 +206,7 @@ def select_chunks(
     scores already are) but kept for custom ``similarity`` functions and logging.
 
     A chunk's value is ``exp((score - best_score) / temperature)`` (``temperature`` in score units:
-    0.1 suits cosine similarities), times ``1 - (1 - lambda_) * penalty`` where ``penalty`` grows
+    0.02 suits cosine similarities), times ``1 - (1 - lambda_) * penalty`` where ``penalty`` grows
     from 0 to 1 as its word overlap with a better hit goes from 0.5 to 1 (``redundancy`` and above
     drops it). ``similarity(a, b) -> [0, 1]`` replaces the word overlap (e.g. embedding cosine).
 

@@ -88,7 +88,8 @@ def test_sampling_passes_options_through(gen, faulty) -> None:
 
 
 def test_oom_ladder_drops_chunks_then_cache_then_no_cache(gen, faulty) -> None:
-    prompt = build_prompt("which id?", corpus(), tokenizer=gen.tokenizer, max_prompt_tokens=3000)
+    prompt = build_prompt("which id?", corpus(), tokenizer=gen.tokenizer, max_prompt_tokens=3000,
+                          redundancy=1.01)
     n0 = len(prompt.passages)
     assert n0 >= 8
     f = faulty({1, 2, 3, 4})
@@ -162,3 +163,17 @@ def test_smollm2_short_capped_answer() -> None:
     g = gen.generate(prompt, max_new_tokens=24)
     assert g.new_tokens <= 24 and g.prompt_tokens == prompt.n_tokens <= 400
     assert "1889" in g.text
+
+
+def test_cancel_stops_early(gen) -> None:
+    import threading
+
+    ev = threading.Event()
+    pieces: list[str] = []
+
+    def on_text(s: str) -> None:
+        pieces.append(s)
+        ev.set()  # cancel as soon as the first text arrives
+
+    g = gen.generate("hi", max_new_tokens=40, on_text=on_text, cancel=ev)
+    assert g.finish_reason in ("cancelled", "stop") and g.new_tokens < 40

@@ -160,7 +160,8 @@ def test_mmr_prefers_diverse_chunks() -> None:
     a = Candidate("a", "alpha beta gamma delta epsilon zeta", 0.9)
     near = Candidate("near", "alpha beta gamma delta epsilon eta", 0.85)  # 5/6 overlap
     other = Candidate("other", "seven eight nine ten eleven twelve", 0.84)
-    sel = select_chunks("q", [a, near, other], budget_tokens=12, count_tokens=words, lambda_=0.5)
+    sel = select_chunks("q", [a, near, other], budget_tokens=12, count_tokens=words, lambda_=0.5,
+                        temperature=0.1)
     assert [c.chunk_id for c in sel.chunks] == ["a", "other"]
 
 
