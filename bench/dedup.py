@@ -33,17 +33,17 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from chunking import OUT, SHARED, load_corpus  # noqa: E402  (bench/chunking.py)
+from chunking import OUT, SHARED, load_corpus
 
-from ragbudget.chunking import chunk_text  # noqa: E402
-from ragbudget.dedup import (  # noqa: E402
+from ragbudget.chunking import chunk_text
+from ragbudget.dedup import (
     DEFAULT_NUM_PERM,
     DEFAULT_SHINGLE,
     DEFAULT_THRESHOLD,
     Deduplicator,
     dedup,
 )
-from ragbudget.types import Chunk, Source  # noqa: E402
+from ragbudget.types import Chunk, Source
 
 
 def squad_and_disfl() -> tuple[list[str], list[str], list[int]]:

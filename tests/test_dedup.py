@@ -87,7 +87,7 @@ def test_estimated_jaccard_tracks_true_jaccard() -> None:
         keep = rng.randint(100, 300)
         other = base[:keep] + rng.sample(vocab, 300 - keep)
         a, b = " ".join(base), " ".join(other)
-        sh = lambda ws: {tuple(ws[i : i + 3]) for i in range(len(ws) - 2)}  # noqa: E731
+        sh = lambda ws: {tuple(ws[i : i + 3]) for i in range(len(ws) - 2)}
         sa, sb = sh(base), sh(other)
         true = len(sa & sb) / len(sa | sb)
         errors.append(abs(estimate_jaccard(minhash_signature(a), minhash_signature(b)) - true))
