@@ -16,7 +16,6 @@ import json
 import os
 import random
 import re
-import resource
 import shutil
 import sqlite3
 import statistics
@@ -30,21 +29,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import numpy as np  # noqa: E402
+import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("RAGBUDGET_SHARED_DATA", REPO.parent / "shared" / "data"))
 OUT = REPO / "bench" / "out"
-
-
-def _stand_ins() -> None:
-    """Until every stage module exists, borrow the test stand-ins (reported in the output)."""
-    try:
-        import ragbudget.dedup  # noqa: F401
-        import ragbudget.loaders  # noqa: F401
-    except ImportError:
-        sys.path.insert(0, str(REPO / "tests"))
-        import test_index  # noqa: F401  (installs stand-ins for the missing modules)
 
 
 def squad() -> list[dict]:
@@ -242,7 +231,7 @@ def synthetic_index(folder: Path, n: int, dim: int, *, clustered: bool, hnsw: bo
     db.execute("INSERT INTO meta VALUES ('generation', '1')")
     db.commit()
     db.close()
-    entry = lambda f: {"file": f, "bytes": (folder / f).stat().st_size, "sha256": I._sha256_file(folder / f)}  # noqa: E731
+    entry = lambda f: {"file": f, "bytes": (folder / f).stat().st_size, "sha256": I._sha256_file(folder / f)}
     approx = None
     if hnsw:
         h = faiss.IndexHNSWFlat(dim, 32, faiss.METRIC_INNER_PRODUCT)
@@ -267,7 +256,7 @@ def part_latency(args: argparse.Namespace, tmp: Path) -> dict:
     n = args.n or (20_000 if args.quick else 100_000)
     dim = 384
     out: dict = {"n": n, "dim": dim, "faiss_threads": faiss.omp_get_max_threads(),
-                 "loadavg": open("/proc/loadavg").read().split()[:3]}
+                 "loadavg": Path("/proc/loadavg").read_text().split()[:3]}
     rng = np.random.default_rng(1)
     for name, clustered, hnsw in (("flat_random", False, False), ("flat+hnsw_clustered", True, True)):
         folder = tmp / f"lat_{name}"
@@ -321,9 +310,6 @@ def part_latency(args: argparse.Namespace, tmp: Path) -> dict:
 _RSS_CHILD = """
 import resource, sys, json
 sys.path.insert(0, {repo!r})
-sys.path.insert(0, {repo!r} + "/bench")
-import index as bench_index
-bench_index._stand_ins()
 from ragbudget.index import Index
 from ragbudget.embed import HashEmbedder
 import faiss, ragbudget.chunking, ragbudget.dedup, ragbudget.loaders
@@ -359,10 +345,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=0, help="chunks for the latency part")
     ap.add_argument("--out", default=str(OUT / "index.json"))
     args = ap.parse_args()
-    _stand_ins()
-    results: dict = {"quick": args.quick, "cpus": os.cpu_count(),
-                     "stand_in_modules": sorted(m for m in sys.modules if m.startswith("ragbudget.")
-                                                and getattr(sys.modules[m], "__file__", None) is None)}
+    results: dict = {"quick": args.quick, "cpus": os.cpu_count()}
     out_path = Path(args.out)
     if out_path.exists() and args.part != "all":
         results = {**json.loads(out_path.read_text()), **results}
@@ -407,8 +390,9 @@ def report(r: dict) -> None:
         ]
     if "rss" in r:
         s = r["rss"]
-        rows += [("peak RSS growth 1x / 4x corpus", f"{s['1x']['growth_mb']} / {s['4x']['growth_mb']} MB "
-                  f"({s['1x']['chunks']} / {s['4x']['chunks']} chunks)", "grows with batch")]
+        growth = (f"{s['1x']['growth_mb']} / {s['4x']['growth_mb']} MB "
+                  f"({s['1x']['chunks']} / {s['4x']['chunks']} chunks)")
+        rows += [("peak RSS growth 1x / 4x corpus", growth, "grows with batch")]
     w = max(len(a) for a, _, _ in rows)
     print(f"{'metric':<{w}}  {'measured':<48}  target")
     for a, b, c in rows:

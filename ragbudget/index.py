@@ -61,6 +61,7 @@ from .types import Source
 
 if TYPE_CHECKING:
     import numpy as np
+    from typing_extensions import Self
 
     from .embed import Embedder
 
@@ -259,7 +260,7 @@ class _Lock:
         self.path = folder / LOCK
         self.fd: int | None = None
 
-    def __enter__(self) -> _Lock:
+    def __enter__(self) -> Self:
         import fcntl
 
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -453,7 +454,7 @@ class Index:
         self.close()
         self._load()
 
-    def __enter__(self) -> Index:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -713,6 +714,10 @@ class Index:
     update = build
 
 
+def _no_progress(phase: str, done: int, total: int | None = None) -> None:
+    """Default progress callback: nothing to report to."""
+
+
 def _with_score(hit: Hit, score: float) -> Hit:
     return Hit(hit.chunk_id, score, hit.text, hit.n_tokens, hit.headings, hit.sources, hit.windows)
 
@@ -758,7 +763,7 @@ class _Builder:
         self.rebuild = rebuild
         self.batch_files = batch_files
         self.embed_batch = embed_batch
-        self.progress = progress or (lambda phase, done, total=None: None)
+        self.progress: ProgressCallback = progress or _no_progress
         self.t0 = time.perf_counter()
         self.stats: dict[str, Any] = {k: 0 for k in (
             "files_indexed", "files_unchanged", "files_removed", "chunks_added", "chunks_removed",
@@ -878,8 +883,8 @@ class _Builder:
         self.changed = bool(reason) or self.old is None
 
         # -- 1. what changed: one stat per file, content sha256 only when the stat differs.
-        found = scan(self.paths, include=self.include, exclude=self.exclude,
-                     **({"max_bytes": self.max_bytes} if self.max_bytes else {}))
+        scan_opts: dict[str, Any] = {"max_bytes": self.max_bytes} if self.max_bytes else {}
+        found = scan(self.paths, include=self.include, exclude=self.exclude, **scan_opts)
         known = {r[0]: r[1:] for r in self.db.execute(
             "SELECT path, size, mtime_ns, sha256, status, reason, detail FROM files")}
         seen: set[str] = set()
@@ -896,6 +901,7 @@ class _Builder:
                 self._record_file(path, -1, -1, None, "skipped", why, detail)
                 self.changed = True
         todo: list[tuple[str, int, int, str | None]] = []
+        digest: str | None
         for f in found.files:
             path = str(f.path)
             seen.add(path)
@@ -1081,6 +1087,7 @@ class _Builder:
             (c.text, int(c.n_tokens), json.dumps(list(c.headings)), h,
              sig.tobytes() if sig is not None else None),
         )
+        assert cur.lastrowid is not None
         cid = int(cur.lastrowid)
         if sig is not None:
             self._near_index().insert(cid, sig)
@@ -1135,13 +1142,14 @@ class _Builder:
             self.stats["windows_pooled"] += res.pooled
             self.stats["windows_embedded"] += res.texts_fed
         assert vecs is not None
+        vecs = np.ascontiguousarray(vecs, dtype=np.float32)
         self._ensure_faiss(vecs.shape[1])
         if self.faiss.d != vecs.shape[1]:
             raise ConfigError(
                 f"embedder {self.embedder and self.embedder.id!r} gives {vecs.shape[1]}-d vectors, "
                 f"the index holds {self.faiss.d}-d; rebuild with --rebuild"
             )
-        self.faiss.add_with_ids(np.ascontiguousarray(vecs), ids)
+        self.faiss.add_with_ids(vecs, ids)
         self.db.executemany("UPDATE chunks SET windows=? WHERE id=?",
                             [(w, int(i)) for w, i in zip(windows, ids)])
         self.progress("embed", self.stats["chunks_embedded"] + self.stats["chunks_reused"],
@@ -1250,13 +1258,12 @@ class _Builder:
 
         n, d = int(self.faiss.ntotal), int(self.faiss.d)
         ids = faiss.vector_to_array(self.faiss.id_map)
-        vecs = self.faiss.index.reconstruct_n(0, n) if n else None
         m, ef_c, ef_s = 32, 80, 128
         hnsw = faiss.IndexHNSWFlat(d, m, faiss.METRIC_INNER_PRODUCT)
         hnsw.hnsw.efConstruction = ef_c
         wrapped = faiss.IndexIDMap(hnsw)
-        if n:
-            wrapped.add_with_ids(vecs, ids)
+        if n:  # the flat index stores vectors in id_map order
+            wrapped.add_with_ids(self.faiss.index.reconstruct_n(0, n), ids)
         path = self.dir / f"hnsw.{gen}.index"
         tmp = path.with_name(path.name + ".tmp")
         faiss.write_index(wrapped, str(tmp))

@@ -15,8 +15,6 @@ import subprocess
 import sys
 import textwrap
 import time
-import types
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -32,92 +30,8 @@ from ragbudget.errors import (
     IndexLockedError,
     IndexMismatchError,
     IndexNotFoundError,
-    LoadError,
 )
 from ragbudget.index import Hit, Index, IndexSummary, _Lock
-from ragbudget.types import Document
-
-
-# --- stand-ins for stages still being written (used only when the real module is missing) -------
-def _install_stand_ins() -> None:  # pragma: no cover - depends on which modules exist
-    try:
-        import ragbudget.loaders  # noqa: F401
-    except ImportError:
-        mod = types.ModuleType("ragbudget.loaders")
-
-        @dataclass
-        class FileInfo:
-            path: str
-            size: int
-            mtime_ns: int
-
-        @dataclass
-        class Skipped:
-            path: str
-            reason: str
-            detail: str = ""
-
-        @dataclass
-        class ScanResult:
-            files: list
-            skipped: list
-
-        def scan(paths, *, include=None, exclude=None, max_bytes=10**8, follow_symlinks=True):  # type: ignore[no-untyped-def]
-            files, skipped = [], []
-            for p in paths:
-                found = [p] if os.path.isfile(p) else [
-                    os.path.join(d, f) for d, _, fs in os.walk(p) for f in fs]
-                for q in sorted(found):
-                    if q.endswith(".bin"):
-                        skipped.append(Skipped(os.path.abspath(q), "binary"))
-                        continue
-                    s = os.stat(q)
-                    files.append(FileInfo(os.path.abspath(q), s.st_size, s.st_mtime_ns))
-            return ScanResult(files, skipped)
-
-        def load_document(path, *, clean=True):  # type: ignore[no-untyped-def]
-            raw = Path(path).read_bytes()
-            if raw.startswith(b"\xff\xfe\x00BAD"):
-                raise LoadError("unreadable test file", path=str(path), reason="corrupt")
-            return Document(path=str(path), pages=[raw.decode()], meta={"furniture_removed": 0})
-
-        mod.scan, mod.load_document = scan, load_document  # type: ignore[attr-defined]
-        sys.modules["ragbudget.loaders"] = mod
-    try:
-        import ragbudget.dedup  # noqa: F401
-    except ImportError:
-        mod = types.ModuleType("ragbudget.dedup")
-
-        def content_hash(text: str) -> str:
-            return hashlib.sha256(" ".join(text.split()).lower().encode()).hexdigest()
-
-        def minhash_signature(text: str, num_perm: int = 128) -> np.ndarray:
-            from datasketch import MinHash
-
-            m, w = MinHash(num_perm=num_perm), text.lower().split()
-            for i in range(max(1, len(w) - 2)):
-                m.update(" ".join(w[i : i + 3]).encode())
-            return m.hashvalues.astype(np.uint64)
-
-        class NearDupIndex:
-            def __init__(self, threshold: float = 0.85, num_perm: int = 128) -> None:
-                self.t, self.s = threshold, {}
-
-            def insert(self, k, sig):  # type: ignore[no-untyped-def]
-                self.s[k] = sig
-
-            def remove(self, k):  # type: ignore[no-untyped-def]
-                self.s.pop(k, None)
-
-            def query(self, sig):  # type: ignore[no-untyped-def]
-                return [k for k, v in self.s.items() if float((v == sig).mean()) >= self.t]
-
-        mod.content_hash, mod.minhash_signature, mod.NearDupIndex = (  # type: ignore[attr-defined]
-            content_hash, minhash_signature, NearDupIndex)
-        sys.modules["ragbudget.dedup"] = mod
-
-
-_install_stand_ins()
 
 EMB = HashEmbedder(dim=256)
 OPTS = {"min_tokens": 20, "max_tokens": 60}
@@ -480,7 +394,7 @@ _CHILD = """
 import sys
 sys.path.insert(0, {tests!r})
 import test_index as t
-import faiss, ragbudget.chunking, ragbudget.dedup, ragbudget.loaders
+import faiss, ragbudget.chunking, ragbudget.dedup, ragbudget.loaders  # imported before "ready"
 from ragbudget.index import Index
 print("ready", flush=True)
 Index({ix!r}).build([{corpus!r}], embedder=t.EMB, batch_files=2, embed_batch=8, **t.OPTS)
