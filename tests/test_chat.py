@@ -570,3 +570,33 @@ def test_ten_turns_with_the_real_pipeline_and_prompt_builder(hash_index: Any) ->
         assert gen.prompts[-1].question == q  # the question reached the prompt whole
     assert chat.turns_summarized > 0 and gen.summaries > 0
     assert chat.summary and pipe.admission.stats().admitted_tokens == 0
+
+
+# --- the real default models (slow) ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def real_pipeline(tmp_path_factory: pytest.TempPathFactory, repo_data: Any) -> Any:
+    from ragbudget.pipeline import Pipeline
+
+    index_dir = tmp_path_factory.mktemp("chat-real") / "idx"
+    Pipeline(index_dir).index([repo_data / "manpages"])  # packaged MiniLM; a small corpus
+    # 0.3 GiB for SmolLM2-135M: ~500 tokens per request (and short CPU prefills).
+    return Pipeline(index_dir, gpu="0.3GiB", max_new_tokens=12)
+
+
+@pytest.mark.slow
+def test_real_models_conversation_with_summary_and_follow_up(real_pipeline: Any) -> None:
+    chat = Conversation(real_pipeline, history_share=0.08, summary_max_tokens=16, recent_turns=1)
+    questions = ["Which system call creates a pipe?", "What does it return on error?", "what about close?"]
+    turns = [chat.ask(q) for q in questions]
+    total = real_pipeline.plan.max_context_tokens
+    for t in turns:
+        report = t.answer.report["budget"]
+        assert not t.budget.overrun and report["prompt_tokens"] + 12 <= total
+        assert report["fixed_prompt_tokens"] == t.budget.fixed + t.budget.summary + t.budget.recent
+        assert t.text.strip()
+    assert turns[0].sources
+    assert chat.turns_summarized > 0 and chat.summary
+    assert real_pipeline.generator.token_counter.count(chat.summary) <= 16
+    assert turns[1].retrieval_query != questions[1]  # the follow-up was expanded for retrieval

@@ -473,3 +473,29 @@ def test_serve_command_passes_options_and_env_key(monkeypatch: pytest.MonkeyPatc
     assert made[0]["concurrency"] == 3 and made[0]["gpu"] == "24GiB"
     result = CliRunner().invoke(cli, ["serve", "--port", "70000"])
     assert result.exit_code == 2
+
+
+# --- the real default models (slow) ----------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_real_models_through_the_openai_client(tmp_path: Path, repo_data: Path) -> None:
+    from ragbudget.pipeline import Pipeline
+
+    index_dir = tmp_path / "idx"
+    Pipeline(index_dir).index([repo_data / "manpages"])  # packaged MiniLM; a small corpus
+    pipe = Pipeline(index_dir, gpu="0.3GiB", max_new_tokens=8)  # short CPU prefills
+    with running(pipe) as url:
+        models = [m.id for m in client(url).models.list()]
+        resp = client(url).chat.completions.create(
+            model="ragbudget", messages=[{"role": "user", "content": "Which system call creates a pipe?"}], max_tokens=8)
+        chunks = list(client(url).chat.completions.create(
+            model=models[0], messages=[{"role": "user", "content": "What does dup2 do?"}], stream=True, max_tokens=8))
+        metrics = httpx.get(url + "/metrics").text
+    assert "SmolLM2" in models[0]
+    assert resp.choices[0].message.content and (resp.model_extra or {})["sources"]
+    assert resp.usage is not None and 0 < resp.usage.completion_tokens <= 8
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text.strip() and (chunks[-1].model_extra or {})["sources"]
+    assert 'ragbudget_requests_total{endpoint="/v1/chat/completions",status="200"} 2' in metrics
+    assert pipe.admission.stats().admitted_tokens == 0
