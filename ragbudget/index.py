@@ -521,18 +521,23 @@ class Index:
             return []
         self._load()
         assert self._db is not None
+        rows: list[tuple[Any, ...]] = []
+        srcs: dict[int, list[Source]] = {}
         with self._lock:
-            marks = ",".join("?" * len(ids))
-            rows = self._db.execute(
-                f"SELECT id, text, n_tokens, headings, windows FROM chunks WHERE id IN ({marks})", ids
-            ).fetchall()
-            srcs: dict[int, list[Source]] = {}
-            for cid, path, start, end, ps, pe in self._db.execute(
-                f'SELECT chunk_id, path, start, "end", page_start, page_end FROM sources '
-                f"WHERE chunk_id IN ({marks}) ORDER BY chunk_id, ord",
-                ids,
-            ):
-                srcs.setdefault(cid, []).append(Source(path, start, end, ps, pe))
+            # SQLite caps bound parameters per statement; 900 stays under every build's limit.
+            for lo in range(0, len(ids), 900):
+                part = ids[lo : lo + 900]
+                marks = ",".join("?" * len(part))
+                rows += self._db.execute(
+                    f"SELECT id, text, n_tokens, headings, windows FROM chunks WHERE id IN ({marks})",
+                    part,
+                ).fetchall()
+                for cid, path, start, end, ps, pe in self._db.execute(
+                    f'SELECT chunk_id, path, start, "end", page_start, page_end FROM sources '
+                    f"WHERE chunk_id IN ({marks}) ORDER BY chunk_id, ord",
+                    part,
+                ):
+                    srcs.setdefault(cid, []).append(Source(path, start, end, ps, pe))
         found = {
             r[0]: Hit(r[0], 0.0, r[1], r[2], tuple(json.loads(r[3])), tuple(srcs.get(r[0], ())), r[4])
             for r in rows
