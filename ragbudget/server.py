@@ -485,6 +485,20 @@ def create_app(
     from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
+    class _ClosingStream(StreamingResponse):
+        """A streaming response that calls ``on_close`` when it is over, even when the client
+        disconnected before the body iterator ever started (its ``finally`` would not run)."""
+
+        def __init__(self, content: Any, *, on_close: Callable[[], None], **kwargs: Any) -> None:
+            super().__init__(content, **kwargs)
+            self._on_close = on_close
+
+        async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+            try:
+                await super().__call__(scope, receive, send)
+            finally:
+                self._on_close()
+
     if api_key is None:
         api_key = os.environ.get(API_KEY_ENV) or None
     if max_body_bytes < 1:
@@ -499,11 +513,14 @@ def create_app(
     executor = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="ragbudget-serve")
     slots = threading.BoundedSemaphore(max_workers)
     started = time.time()
+    active: set[threading.Event] = set()  # cancel events of the requests in progress
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Any) -> AsyncIterator[None]:
         yield
-        # Stop handing out work; running generations see their cancel events when the loop dies.
+        # Shutting down: stop running generations (frees their reservations) and queued work.
+        for event in list(active):
+            event.set()
         executor.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="ragbudget", version=_version(), docs_url=None, redoc_url=None, openapi_url=None,
@@ -629,12 +646,29 @@ def create_app(
             metrics.observe("ragbudget_queue_wait_seconds", wait)
         return usage
 
-    def ask_kwargs(req: _ChatRequest) -> dict[str, Any]:
+    server_max_new = getattr(pipeline, "max_new_tokens", None)
+
+    def run_ask(req: _ChatRequest, cancel: threading.Event, on_text: Callable[[str], Any] | None = None) -> Any:
+        """The model work of one chat request (in a worker thread: fitting the history renders
+        chat templates, and the first call may load the tokenizer)."""
         from .chat import fit_history
 
-        history, _ = fit_history(pipeline, req.history, req.question, share=history_share,
-                                 max_new_tokens=req.max_tokens)
-        return {"context_tokens": req.context_tokens, "max_new_tokens": req.max_tokens, "history": history or None}
+        # max_tokens can lower the reserved output, not raise it past what the server planned for
+        # (each distinct value is also a memory plan the pipeline caches).
+        max_new = req.max_tokens
+        if isinstance(server_max_new, int) and max_new is not None:
+            max_new = min(max_new, server_max_new)
+        history, dropped = fit_history(pipeline, req.history, req.question, share=history_share,
+                                       max_new_tokens=max_new)
+        kwargs: dict[str, Any] = {"context_tokens": req.context_tokens, "max_new_tokens": max_new,
+                                  "history": history or None, "cancel": cancel}
+        if on_text is not None:
+            kwargs["on_text"] = on_text
+        answer = pipeline.ask(req.question, **kwargs)
+        report = _report(answer)
+        if dropped:
+            report["history_dropped"] = dropped
+        return answer
 
     # --- routes ---
 
@@ -696,9 +730,20 @@ def create_app(
         completion_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         cancel = threading.Event()
-        kwargs = ask_kwargs(req)
+        active.add(cancel)
+        try:
+            response = await _chat(request, req, cancel, t0, completion_id, created)
+        except BaseException:
+            active.discard(cancel)
+            raise
+        if not isinstance(response, StreamingResponse):
+            active.discard(cancel)
+        return response  # a stream leaves `active` when it is closed (see _closing)
+
+    async def _chat(request: Request, req: _ChatRequest, cancel: threading.Event, t0: float,
+                    completion_id: str, created: int) -> Any:
         if not req.stream:
-            fut = submit(lambda: pipeline.ask(req.question, cancel=cancel, **kwargs))
+            fut = submit(lambda: run_ask(req, cancel))
             answer = await wait_or_cancel(request, fut, cancel)
             usage = record_answer(answer)
             return {
@@ -728,7 +773,7 @@ def create_app(
 
         def work() -> None:
             try:
-                answer = pipeline.ask(req.question, cancel=cancel, on_text=lambda piece: put("text", piece), **kwargs)
+                answer = run_ask(req, cancel, lambda piece: put("text", piece))
             except BaseException as exc:  # handed to the event loop, which answers the client
                 put("error", exc)
             else:
@@ -758,10 +803,20 @@ def create_app(
                 "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}], **extra,
             })
 
+        state = {"finished": False}
+
+        def closed() -> None:
+            """The response is over, whichever way: if the answer did not reach its end (client
+            gone, even before the body started, or server stopping), stop generating now so the
+            KV reservation is freed at once."""
+            active.discard(cancel)
+            if not state["finished"] and not cancel.is_set():
+                cancel.set()
+                metrics.add("cancelled", 1)
+
         async def body_iter() -> AsyncIterator[bytes]:
             event = first
             first_token_seen = False
-            finished = False
             try:
                 yield chunk({"role": "assistant", "content": ""})
                 while True:
@@ -776,7 +831,7 @@ def create_app(
                         err = _error_from_exception(value)
                         yield _sse(err.body())
                         yield _sse("[DONE]")
-                        finished = True
+                        state["finished"] = True
                         return
                     else:  # done
                         usage = record_answer(value)
@@ -786,18 +841,14 @@ def create_app(
                             extra["usage"] = usage
                         yield chunk({}, _finish_reason(value), **extra)
                         yield _sse("[DONE]")
-                        finished = True
+                        state["finished"] = True
                         return
                     event = await events.get()
             finally:
-                if not finished:
-                    # The client went away mid-stream (or the server is stopping): stop generating
-                    # now so the KV reservation is freed at once.
-                    cancel.set()
-                    metrics.add("cancelled", 1)
+                closed()
 
-        return StreamingResponse(body_iter(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return _ClosingStream(body_iter(), on_close=closed, media_type="text/event-stream",
+                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     return app
 
@@ -891,10 +942,14 @@ def serve(
     port: int = 8000,
     api_key: str | None = None,
     log_level: str = "info",
+    warm_up: bool = True,
     **app_options: Any,
 ) -> None:
     """Run the server with uvicorn until interrupted. Loopback by default; binding another address
-    without an API key logs a warning, since anyone who can reach the port can use the GPU."""
+    without an API key logs a warning, since anyone who can reach the port can use the GPU.
+
+    ``warm_up`` loads the generator and computes the memory plan before listening, so a broken
+    model fails at start and the first request is not the slow one."""
     import uvicorn
 
     if api_key is None:
@@ -902,8 +957,17 @@ def serve(
     if host not in LOOPBACK_HOSTS and not api_key:
         log.warning("serving on %s without an API key: anyone who can reach port %d can use the model "
                     "(pass --api-key or set %s)", host, port, API_KEY_ENV)
+    if warm_up:
+        gen = getattr(pipeline, "generator", None)
+        if callable(getattr(gen, "warm_up", None)):
+            gen.warm_up()
+        plan = getattr(pipeline, "plan", None)
+        if plan is not None:
+            log.info("memory plan: %s tokens per request, KV capacity %s tokens",
+                     getattr(plan, "max_context_tokens", "?"), getattr(plan, "kv_capacity_tokens", "?"))
     app = create_app(pipeline, api_key=api_key, **app_options)
-    uvicorn.run(app, host=host, port=port, log_level=log_level)
+    # Bounded graceful shutdown: open streams are cancelled by the app's lifespan, not awaited forever.
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=10)
 
 
 @contextlib.contextmanager

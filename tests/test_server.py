@@ -499,3 +499,14 @@ def test_real_models_through_the_openai_client(tmp_path: Path, repo_data: Path) 
     assert text.strip() and (chunks[-1].model_extra or {})["sources"]
     assert 'ragbudget_requests_total{endpoint="/v1/chat/completions",status="200"} 2' in metrics
     assert pipe.admission.stats().admitted_tokens == 0
+
+
+def test_max_tokens_cannot_exceed_the_planned_output() -> None:
+    pipe = FakePipeline(words=50)
+    pipe.max_new_tokens = 3  # type: ignore[attr-defined]  # what the server planned for
+    with running(pipe) as url:
+        resp = client(url).chat.completions.create(model=MODEL, messages=user(), max_tokens=1000)
+        resp2 = client(url).chat.completions.create(model=MODEL, messages=user(), max_tokens=2)
+    assert [c["max_new_tokens"] for c in pipe.calls] == [3, 2]
+    assert resp.usage is not None and resp.usage.completion_tokens == 3
+    assert resp2.choices[0].finish_reason == "length"
