@@ -680,7 +680,9 @@ class Index:
         an HNSW index used by search. Settings that change the vectors or the chunks (embedder,
         chunking, dedup) trigger a full rebuild, reported in ``rebuild_reason``.
         Files stream through in batches of ``batch_files``; chunks are embedded ``embed_batch`` at a
-        time, so memory grows with the batch, not the corpus (plus 4·dim bytes per stored vector).
+        time, so memory grows with the batch, not the corpus — except for what every chunk keeps in
+        memory during a build: its vector (4·dim bytes, 1.5 KB for MiniLM) and, with
+        ``dedup="near"``, its MinHash signature in the LSH index (4·num_perm bytes + buckets).
         """
         if isinstance(paths, (str, os.PathLike)):
             paths = [paths]
