@@ -42,13 +42,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from ragbudget.chunking import chunk_text  # noqa: E402
-from ragbudget.models import resolve_embedder  # noqa: E402
-from ragbudget.prompt import DEFAULT_SYSTEM_PROMPT, PromptBuilder, build_prompt  # noqa: E402
-from ragbudget.select import Candidate  # noqa: E402
-from ragbudget.types import Source  # noqa: E402
+from ragbudget.chunking import chunk_text
+from ragbudget.models import resolve_embedder
+from ragbudget.prompt import DEFAULT_SYSTEM_PROMPT, PromptBuilder, build_prompt
+from ragbudget.select import Candidate
+from ragbudget.types import Source
 
 SQUAD = Path(os.environ.get("RAGBUDGET_SHARED_DATA", ROOT.parent / "shared" / "data")) / "squad" / "squaddev_v1.1.json"
 OUT = ROOT / "bench" / "out"
@@ -135,7 +135,6 @@ def main() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     t_start = time.time()
 
-    from transformers import AutoTokenizer
 
     from ragbudget.generate import Generator
 
@@ -228,7 +227,7 @@ def main() -> None:
 
     print(f"\nanswer recall in the selected context, {n} questions, {len(articles)} SQuAD dev "
           "articles (retrieval within the question's own article)")
-    print(f"{'budget':>7} {'first_n':>8} {'top%d_trunc' % args.top_k:>11} {'greedy_fill':>11} "
+    print(f"{'budget':>7} {'first_n':>8} {f'top{args.top_k}_trunc':>11} {'greedy_fill':>11} "
           f"{'ragbudget':>10} {'vs first':>9} {'vs topk':>8} {'vs greedy':>9} {'fill':>6} "
           f"{'overruns':>9}")
     for b in BUDGETS:
@@ -296,7 +295,7 @@ def main() -> None:
 
     result = {
         "questions": n, "articles": [a["title"] for a in articles], "chunks": len(all_texts),
-        "retrieval": "within the question's own article (MiniLM cosine), fetch_k=%d" % args.fetch_k,
+        "retrieval": f"within the question's own article (MiniLM cosine), fetch_k={args.fetch_k}",
         "chunking": f"ragbudget.chunking.chunk_text min={args.chunk_min} max={args.chunk_max} cl100k",
         "budgets": list(BUDGETS), "recall": rec,
         "fill": {b: float(np.mean(v)) for b, v in fill.items()},

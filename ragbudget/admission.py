@@ -58,7 +58,7 @@ class AdmissionStats:
 
 
 class _Waiter:
-    __slots__ = ("tokens", "event", "granted", "loop", "future")
+    __slots__ = ("event", "future", "granted", "loop", "tokens")
 
     def __init__(self, tokens: int) -> None:
         self.tokens = tokens

@@ -112,7 +112,7 @@ def is_oom(exc: BaseException) -> bool:
 
         if isinstance(exc, torch.cuda.OutOfMemoryError):
             return True
-    except Exception:  # torch missing or without CUDA bindings
+    except Exception:  # noqa: BLE001, S110 - torch missing or without CUDA bindings
         pass
     return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
 
@@ -124,7 +124,7 @@ def _free_memory() -> None:
 
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    except Exception:
+    except Exception:  # noqa: BLE001, S110 - freeing memory is best effort
         pass
 
 
@@ -491,7 +491,7 @@ class Generator:
             try:
                 g = self.generate(prompt, on_text=lambda s: q.put(("text", s)), **options)
                 q.put(("done", g))
-            except BaseException as exc:  # handed to the consumer thread
+            except BaseException as exc:  # noqa: BLE001 - handed to the consumer thread
                 q.put(("error", exc))
 
         threading.Thread(target=work, daemon=True, name="ragbudget-generate").start()
@@ -619,5 +619,5 @@ class Generator:
             record(gpu_name=torch.cuda.get_device_name(self._device), model=str(name),
                    dtype=dtype, cache=gen.cache, tokens=gen.prompt_tokens, batch_size=1,
                    measured_peak_bytes=peak, weights_bytes=weights, kv_bytes=kv)
-        except Exception as exc:  # calibration is an optimization, not a requirement
+        except Exception as exc:  # noqa: BLE001 - calibration is an optimization, not a requirement
             log.debug("calibration not recorded: %s", exc)

@@ -30,7 +30,7 @@ from typing import Any
 from .errors import ConfigError
 from .types import Source
 
-__all__ = ["ORDERS", "Candidate", "Dropped", "Selection", "SelectedChunk", "select_chunks"]
+__all__ = ["ORDERS", "Candidate", "Dropped", "SelectedChunk", "Selection", "select_chunks"]
 
 #: Context orders. ``lost_in_middle`` puts the best passages at both ends of the context, where
 #: models attend most (Liu et al. 2023, "Lost in the Middle").

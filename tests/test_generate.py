@@ -5,14 +5,13 @@ from __future__ import annotations
 import random
 
 import pytest
+from _tiny_lm import tiny_model, tiny_tokenizer
 
 from ragbudget.errors import BudgetError, ConfigError
 from ragbudget.generate import Generation, Generator, _quant_backend, is_oom
 from ragbudget.prompt import build_prompt
 from ragbudget.select import Candidate
 from ragbudget.types import Source
-
-from _tiny_lm import tiny_model, tiny_tokenizer
 
 
 @pytest.fixture(scope="module")

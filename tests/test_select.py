@@ -131,7 +131,7 @@ def test_merge_frees_tokens_for_another_chunk() -> None:
 
 def test_orders() -> None:
     cands = [cand(f"c{i}", 5, 1 - i / 10, path="f", start=100 * (5 - i)) for i in range(5)]
-    kw = dict(budget_tokens=100, count_tokens=words, merge_adjacent=False)
+    kw = {"budget_tokens": 100, "count_tokens": words, "merge_adjacent": False}
     rel = select_chunks("q", cands, order="relevance", **kw)
     assert [c.chunk_id for c in rel.chunks] == ["c0", "c1", "c2", "c3", "c4"]
     doc = select_chunks("q", cands, order="document", **kw)
