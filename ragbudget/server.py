@@ -514,6 +514,7 @@ def create_app(
     slots = threading.BoundedSemaphore(max_workers)
     started = time.time()
     active: set[threading.Event] = set()  # cancel events of the requests in progress
+    hold = {"seconds": 1.0}  # EWMA of answered chat requests' duration, for Retry-After
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Any) -> AsyncIterator[None]:
@@ -636,6 +637,9 @@ def create_app(
 
     def record_answer(answer: Any) -> dict[str, int]:
         report = _report(answer)
+        total = (report.get("timings") or {}).get("total_s")
+        if isinstance(total, (int, float)):
+            hold["seconds"] = 0.8 * hold["seconds"] + 0.2 * float(total)
         usage = _usage(answer, counter())
         metrics.add("tokens_prompt", usage["prompt_tokens"])
         metrics.add("tokens_completion", usage["completion_tokens"])
@@ -740,8 +744,22 @@ def create_app(
             active.discard(cancel)
         return response  # a stream leaves `active` when it is closed (see _closing)
 
+    def reject_if_queue_full() -> None:
+        """Answer 429 before any retrieval work when admission's queue is already full.
+
+        Only a shortcut: building the prompt (embedding, selection) costs CPU, and under overload
+        every refused request would pay it first. Racy by nature; the controller still decides."""
+        adm = getattr(pipeline, "admission", None)
+        max_queue = getattr(adm, "max_queue", None)
+        stats = _admission_stats(pipeline)
+        if isinstance(max_queue, int) and "queued" in stats and stats["queued"] >= max_queue:
+            raise _APIError(429, f"server overloaded: {int(stats['queued'])} requests already wait for KV memory",
+                            type="rate_limit_error", code="overloaded",
+                            headers={"Retry-After": _retry_after(hold["seconds"])})
+
     async def _chat(request: Request, req: _ChatRequest, cancel: threading.Event, t0: float,
                     completion_id: str, created: int) -> Any:
+        reject_if_queue_full()
         if not req.stream:
             fut = submit(lambda: run_ask(req, cancel))
             answer = await wait_or_cancel(request, fut, cancel)

@@ -510,3 +510,26 @@ def test_max_tokens_cannot_exceed_the_planned_output() -> None:
     assert [c["max_new_tokens"] for c in pipe.calls] == [3, 2]
     assert resp.usage is not None and resp.usage.completion_tokens == 3
     assert resp2.choices[0].finish_reason == "length"
+
+
+def test_full_queue_is_refused_before_any_retrieval_work() -> None:
+    pipe = FakePipeline(capacity=400, per_request=400, words=2000, token_delay=0.02, max_queue=1, timeout=30)
+    with running(pipe) as url:
+        with httpx.stream("POST", url + "/v1/chat/completions",
+                          json={"model": MODEL, "messages": user("runs"), "stream": True}) as first:
+            lines = first.iter_lines()
+            next(lines)  # running
+            def wait_in_queue() -> None:
+                # Admitted once "runs" is cancelled, then cut short when the server stops.
+                with contextlib.suppress(httpx.HTTPError):
+                    httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": user("waits")},
+                               timeout=5)
+
+            waiting = threading.Thread(target=wait_in_queue)
+            waiting.start()
+            assert _wait_until(lambda: pipe.admission.queued == 1)
+            n_calls = len(pipe.calls)
+            r = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": user("refused")})
+            assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
+            assert len(pipe.calls) == n_calls  # refused before pipeline.ask was even called
+        waiting.join(timeout=30)
