@@ -276,7 +276,7 @@ class SentenceTransformerEmbedder(Embedder):
 
 
 def _model_id(model: str | None) -> str:
-    from .models import DEFAULT_EMBEDDER, _EMBEDDER_ALIASES
+    from .models import _EMBEDDER_ALIASES, DEFAULT_EMBEDDER
 
     if model is None or model.lower() in _EMBEDDER_ALIASES:
         return DEFAULT_EMBEDDER
