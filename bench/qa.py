@@ -325,7 +325,8 @@ def main() -> None:
         ax.grid(alpha=0.3)
         ax.legend()
         fig.tight_layout()
-        png = ROOT / "bench" / ("qa_recall_quick.png" if args.quick else "qa_recall.png")
+        # Only a full run replaces the committed plot; --quick writes into the ignored bench/out.
+        png = OUT / "qa_recall_quick.png" if args.quick else ROOT / "bench" / "qa_recall.png"
         fig.savefig(png, dpi=120)
         print(f"plot: {png.relative_to(ROOT)}")
     except ImportError:

@@ -176,3 +176,18 @@ def test_cancel_stops_early(gen) -> None:
 
     g = gen.generate("hi", max_new_tokens=40, on_text=on_text, cancel=ev)
     assert g.finish_reason in ("cancelled", "stop") and g.new_tokens < 40
+
+
+def test_calibration_hook_records_measured_peak(gen, monkeypatch) -> None:
+    import torch
+
+    from ragbudget import budget
+
+    seen: dict = {}
+    monkeypatch.setattr(budget, "record_calibration", lambda **kw: seen.update(kw))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "FakeGPU 80GB")
+    g = Generation(text="x", prompt_tokens=100, new_tokens=5, finish_reason="length", seconds=1.0)
+    gen._calibrate(g, 123_456_789, None)
+    assert seen["gpu_name"] == "FakeGPU 80GB" and seen["measured_peak_bytes"] == 123_456_789
+    assert seen["tokens"] == 100 and seen["batch_size"] == 1 and seen["cache"] == "dynamic"
+    assert seen["weights_bytes"] > 0 and seen["kv_bytes"] > 0
