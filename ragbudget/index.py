@@ -57,7 +57,7 @@ from .errors import (
     IndexNotFoundError,
     LoadError,
 )
-from .types import Source
+from .types import Document, Source
 
 if TYPE_CHECKING:
     import numpy as np
@@ -943,10 +943,23 @@ class _Builder:
             self.changed = True
 
         # -- 2. load, clean, chunk, dedup, embed; files stream in batches.
+        # Corpus boilerplate (a navigation line on every HTML page, a licence footer on every
+        # note) is learned from the documents loaded in this run, batch after batch. Documents
+        # indexed in earlier runs are not re-stripped when a pattern first appears later.
+        from .loaders import BoilerplateFilter
+
+        corpus = BoilerplateFilter() if self.clean else None
         self.progress("files", 0, len(todo))
         for start in range(0, len(todo), self.batch_files):
+            loaded = []
             for path, size, mtime_ns, digest in todo[start : start + self.batch_files]:
-                self._index_file(path, size, mtime_ns, digest)
+                doc, digest = self._load_file(path, size, mtime_ns, digest)
+                if doc is not None:
+                    loaded.append((doc, path, size, mtime_ns, digest))
+            if corpus is not None:
+                corpus.observe(doc for doc, *_ in loaded)
+            for doc, *facts in loaded:
+                self._index_doc(corpus.strip(doc) if corpus else doc, *facts)
             self.progress("files", min(start + self.batch_files, len(todo)), len(todo))
             if len(self.pending) >= self.embed_batch:
                 self._flush()
@@ -986,24 +999,27 @@ class _Builder:
         self._drop_sources(path)
         self.db.execute("DELETE FROM files WHERE path=?", (path,))
 
-    def _index_file(self, path: str, size: int, mtime_ns: int, digest: str | None) -> None:
-        from .chunking import chunk_document
+    def _load_file(self, path: str, size: int, mtime_ns: int, digest: str | None) -> tuple[Document | None, str | None]:
+        """Load one file (and hash it when not hashed yet), or record why it was skipped."""
         from .loaders import load_document
 
-        assert self.db is not None
         try:
             if digest is None:
                 digest = _sha256_file(Path(path))
-            doc = load_document(path, clean=self.clean)
+            return load_document(path, clean=self.clean), digest
         except LoadError as exc:
-            self._record_file(path, size, mtime_ns, digest, "skipped", exc.reason, str(exc))
-            self.skipped.append((path, exc.reason, str(exc)))
-            return
+            reason, detail = exc.reason, str(exc)
         except OSError as exc:
-            self._record_file(path, size, mtime_ns, digest, "skipped", "unreadable", str(exc))
-            self.skipped.append((path, "unreadable", str(exc)))
-            return
-        furniture = _count(doc.meta.get("furniture_removed", 0))
+            reason, detail = "unreadable", str(exc)
+        self._record_file(path, size, mtime_ns, digest, "skipped", reason, detail)
+        self.skipped.append((path, reason, detail))
+        return None, digest
+
+    def _index_doc(self, doc: Document, path: str, size: int, mtime_ns: int, digest: str | None) -> None:
+        from .chunking import chunk_document
+
+        assert self.db is not None
+        furniture = _count(doc.meta.get("furniture_removed", 0)) + _count(doc.meta.get("boilerplate_removed", 0))
         self.stats["furniture_lines_removed"] += furniture
         ch = self.settings["chunking"]
         chunks = chunk_document(doc, min_tokens=ch["min_tokens"], max_tokens=ch["max_tokens"],

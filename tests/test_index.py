@@ -509,3 +509,21 @@ IndexMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 test_index_state_machine = IndexMachine.TestCase
+
+
+def test_corpus_boilerplate_is_stripped_at_index_time(tmp_path: Path) -> None:
+    """A navigation line on every page of a site is not content: it never reaches a chunk."""
+    site = tmp_path / "site"
+    site.mkdir()
+    topics = ["lighthouses", "glaciers", "volcanoes", "tides", "comets"]
+    for i, topic in enumerate(topics):
+        body = " ".join(f"Paragraph {j} about {topic} and their history." for j in range(40))
+        (site / f"page{i}.md").write_text(
+            f"Home | Products | Pricing | Contact us today\n\n# {topic.title()}\n\n{body}\n")
+    summary = Index(tmp_path / "idx").build([site], embedder=EMB, min_tokens=20, max_tokens=200)
+    assert summary.files_indexed == 5
+    assert summary.furniture_lines_removed >= 5
+    with Index.open(tmp_path / "idx") as idx:
+        texts = [h.text for h in idx.search("glaciers history", k=50)]
+    assert texts and not any("Pricing" in t for t in texts)
+    assert any("glaciers" in t for t in texts)
