@@ -328,18 +328,25 @@ def _serve_child(opts: dict[str, Any]) -> None:
     pipe, mode, kind = _make_pipeline(opts)
     with background_server(create_app(pipe, model_name="bench")) as url:
         print(json.dumps({"url": url, "mode": mode, "admission": kind}), flush=True)
-        sys.stdin.read()
+        # "rss" on stdin: collect garbage (an idle server may hold cyclic garbage, e.g. exception
+        # frames, that the automatic GC has not reached yet) and answer the resident memory.
+        for line in sys.stdin:
+            if line.strip() == "rss":
+                gc.collect()
+                time.sleep(0.5)
+                print(json.dumps({"rss": _rss()}), flush=True)
 
 
 @contextlib.contextmanager
-def _server(opts: dict[str, Any], *, in_process: bool) -> Iterator[tuple[str, int, str, str]]:
-    """Yield (url, server pid, mode, admission kind)."""
+def _server(opts: dict[str, Any], *, in_process: bool) -> Iterator[tuple[str, Any, str, str]]:
+    """Yield (url, a function returning the server's RSS after a garbage collection, mode,
+    admission kind)."""
     if in_process:
         from ragbudget.server import background_server, create_app
 
         pipe, mode, kind = _make_pipeline(opts)
         with background_server(create_app(pipe, model_name="bench")) as url:
-            yield url, os.getpid(), mode, kind
+            yield url, _settle_rss, mode, kind
         return
     import subprocess
 
@@ -353,7 +360,14 @@ def _server(opts: dict[str, Any], *, in_process: bool) -> Iterator[tuple[str, in
         if not line:
             raise SystemExit("the server process did not start")
         info = json.loads(line)
-        yield info["url"], child.pid, info["mode"], info["admission"]
+
+        def child_rss() -> int | None:
+            assert child.stdin is not None and child.stdout is not None
+            child.stdin.write("rss\n")
+            child.stdin.flush()
+            return json.loads(child.stdout.readline())["rss"]
+
+        yield info["url"], child_rss, info["mode"], info["admission"]
     finally:
         if child.stdin:
             child.stdin.close()
@@ -391,17 +405,17 @@ def main(argv: list[str] | None = None) -> int:
             "queue_timeout": args.queue_timeout, "words": args.words, "token_delay": args.token_delay,
             "max_new_tokens": args.max_new_tokens, "gpu": args.gpu}
 
-    with _server(opts, in_process=args.in_process) as (url, pid, mode, admission_kind):
+    with _server(opts, in_process=args.in_process) as (url, server_rss, mode, admission_kind):
         # Baseline once the server is up and one request has been served (lazy imports done).
         httpx.post(url + "/v1/chat/completions", json={"model": "bench", "messages": [{"role": "user", "content": "hi"}]},
                    timeout=300)
-        rss_base = _settle_rss(pid)
+        rss_base = server_rss()
         rounds, rss_rounds = [], []
         for _ in range(args.rounds):
             rounds.append(run_load(url, clients=args.clients, requests_per_client=args.requests,
                                    stream_share=args.stream_share, model="bench", time_limit=args.time_limit,
                                    max_tokens=args.max_new_tokens if args.index_dir else None))
-            rss_rounds.append(_settle_rss(pid))
+            rss_rounds.append(server_rss())
         rss_after = rss_rounds[-1]
         # The figures are the first round's; later rounds only show whether memory keeps growing
         # (a leak) or plateaus (allocator high-water mark), and must keep the contract too.
