@@ -391,7 +391,7 @@ class Pipeline:
                 cache=self.cache,
                 kv_dtype=self.kv_dtype,
                 on_text=on_text,
-                **({"cancel": cancel} if cancel is not None else {}),
+                cancel=cancel,
                 **generate_options,
             )
             timings["generate_s"] = time.perf_counter() - t0
