@@ -326,7 +326,7 @@ def _serve_child(opts: dict[str, Any]) -> None:
     from ragbudget.server import background_server, create_app
 
     pipe, mode, kind = _make_pipeline(opts)
-    with background_server(create_app(pipe, model_name="bench")) as url:
+    with background_server(create_app(pipe, model_name="bench", max_workers=opts["max_workers"])) as url:
         print(json.dumps({"url": url, "mode": mode, "admission": kind}), flush=True)
         # "rss" on stdin: collect garbage (an idle server may hold cyclic garbage, e.g. exception
         # frames, that the automatic GC has not reached yet) and answer the resident memory.
@@ -345,7 +345,7 @@ def _server(opts: dict[str, Any], *, in_process: bool) -> Iterator[tuple[str, An
         from ragbudget.server import background_server, create_app
 
         pipe, mode, kind = _make_pipeline(opts)
-        with background_server(create_app(pipe, model_name="bench")) as url:
+        with background_server(create_app(pipe, model_name="bench", max_workers=opts["max_workers"])) as url:
             yield url, _settle_rss, mode, kind
         return
     import subprocess
@@ -392,6 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=16, help="Real mode: output tokens per request.")
     ap.add_argument("--time-limit", type=float, default=120.0)
     ap.add_argument("--stream-share", type=float, default=0.5)
+    ap.add_argument("--max-workers", type=int, default=64, help="Server threads for model work (create_app).")
     ap.add_argument("--rounds", type=int, default=2, help="Load rounds (memory must plateau, not grow).")
     ap.add_argument("--in-process", action="store_true", help="Run the server in this process (shares the GIL).")
     ap.add_argument("--serve-child", default=None, help=argparse.SUPPRESS)
@@ -403,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
         args.clients, args.requests, args.words, args.rounds = 32, 2, 16, 1
     opts = {"index_dir": args.index_dir, "admit": args.admit, "max_queue": args.max_queue,
             "queue_timeout": args.queue_timeout, "words": args.words, "token_delay": args.token_delay,
-            "max_new_tokens": args.max_new_tokens, "gpu": args.gpu}
+            "max_new_tokens": args.max_new_tokens, "gpu": args.gpu, "max_workers": args.max_workers}
 
     with _server(opts, in_process=args.in_process) as (url, server_rss, mode, admission_kind):
         # Baseline once the server is up and one request has been served (lazy imports done).
