@@ -126,10 +126,22 @@ def index(paths: tuple[str, ...], index_dir: str, embedder: str | None, include:
     click.echo(_format_index_summary(data))
 
 
+def _show(path: str) -> str:
+    """A stored (absolute, resolved) path as the user would type it: relative to the current
+    folder when it lies below it. JSON output keeps the stored path."""
+    try:
+        rel = os.path.relpath(path)
+    except ValueError:  # another drive on Windows
+        return path
+    return path if rel.startswith("..") else rel
+
+
 def _format_index_summary(s: dict[str, Any]) -> str:
+    quiet = {"hidden", "ignored", "excluded"}  # what the user asked to leave out
+    n_skipped = sum(1 for skip in s.get("skipped", []) if skip.get("reason") not in quiet)
     lines = [
         f"indexed {s.get('files_indexed', 0)} file(s), {s.get('files_unchanged', 0)} unchanged, "
-        f"{s.get('files_removed', 0)} removed, {len(s.get('skipped', []))} skipped",
+        f"{s.get('files_removed', 0)} removed, {n_skipped} skipped",
         f"chunks: {s.get('chunks_total', 0)} in index, {s.get('chunks_added', 0)} added, "
         f"{s.get('chunks_embedded', 0)} embedded ({s.get('windows_pooled', 0)} over-long chunks pooled over windows)",
         f"duplicates removed: {s.get('exact_duplicates', 0)} exact, {s.get('near_duplicates', 0)} near",
@@ -138,9 +150,8 @@ def _format_index_summary(s: dict[str, Any]) -> str:
     ]
     if s.get("rebuilt"):
         lines.append(f"rebuilt from scratch: {s.get('rebuild_reason') or s.get('rebuilt')}")
-    # What the user asked to leave out (hidden, VCS, excluded) is counted; everything else that
-    # could not be indexed is listed with its reason.
-    quiet = {"hidden", "ignored", "excluded"}
+    # What the user asked to leave out is counted; everything else that could not be indexed is
+    # listed with its reason.
     left_out = 0
     for skip in s.get("skipped", []):
         path, reason, detail = skip.get("path"), skip.get("reason"), skip.get("detail", "")
@@ -199,7 +210,7 @@ def search(query: str, index_dir: str, k: int, as_json: bool) -> None:
         src = hit.sources[0]
         page = f" p.{src.page_start}" if src.page_start else ""
         more = f" (+{len(hit.sources) - 1} duplicate source(s))" if len(hit.sources) > 1 else ""
-        click.echo(f"{rank}. {hit.score:.3f}  {src.path}{page} [{src.start}:{src.end}]{more}")
+        click.echo(f"{rank}. {hit.score:.3f}  {_show(src.path)}{page} [{src.start}:{src.end}]{more}")
         snippet = " ".join(hit.text.split())
         click.echo(f"   {snippet[:200]}{'…' if len(snippet) > 200 else ''}")
 
@@ -307,7 +318,7 @@ def ask(question: str, index_dir: str, model: str | None, gpu: str | None, concu
     click.echo("Sources:")
     for i, src in enumerate(answer.sources, 1):
         page = f", page {src['page']}" if src.get("page") else ""
-        click.echo(f"  [{i}] {src['path']}{page} [{src['start']}:{src['end']}] score {src['score']:.3f}")
+        click.echo(f"  [{i}] {_show(src['path'])}{page} [{src['start']}:{src['end']}] score {src['score']:.3f}")
     if explain:
         click.echo()
         click.echo(format_report(answer.report))

@@ -244,6 +244,11 @@ class Generator:
             self._ref = resolve_generator(self._spec if isinstance(self._spec, str) else None)
         return self._ref
 
+    @property
+    def loaded(self) -> bool:
+        """Whether the model is in memory (then a budget can use its real size and dtype)."""
+        return self._model is not None
+
     def warm_up(self) -> Generator:
         """Load the model and tokenizer (once; later calls return at once)."""
         if self._model is not None:

@@ -442,6 +442,12 @@ def _answer(gen: Any, prompt: Prompt, plan: BudgetPlan, reserved: int, timings: 
     )
 
 
+def _where(plan: dict[str, Any]) -> str:
+    """``RTX 4090 (table)``, ``host RAM (no GPU)``: the name, and where it came from if that adds."""
+    name, source = str(plan.get("gpu_name", "")), str(plan.get("gpu_source", ""))
+    return source if source.startswith(name) else f"{name} ({source})" if source else name
+
+
 def format_report(report: dict[str, Any]) -> str:
     """The ``ask --explain`` table: the plan, the budget arithmetic, and every selection decision."""
     b = report.get("budget", {})
@@ -453,8 +459,7 @@ def format_report(report: dict[str, Any]) -> str:
     gib = 1024**3
     rows = [
         ("model", p.get("model", "")),
-        ("memory", f"{p.get('gpu_name', '')} ({p.get('gpu_source', '')}): "
-                   f"{p.get('gpu_bytes', 0) / gib:.2f} GiB × {p.get('utilization', 0.9)}"),
+        ("memory", f"{_where(p)}: {p.get('gpu_bytes', 0) / gib:.2f} GiB × {p.get('utilization', 0.9)}"),
         ("weights", f"{p.get('weights_bytes', 0) / gib:.3f} GiB ({p.get('weights_source', '')})"),
         ("activations", f"{p.get('activation_bytes', 0) / gib:.3f} GiB ({p.get('activation_source', '')})"),
         ("KV bytes/token", f"{n(b.get('kv_bytes_per_token'))} ({p.get('cache', '')}, {p.get('kv_dtype', '')})"),
