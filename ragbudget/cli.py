@@ -79,6 +79,8 @@ def cli(verbose: int) -> None:
         # (Read when transformers is first imported, which every command does lazily, later.)
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+        if "transformers" in sys.modules:  # already imported (an embedding host): tell it directly
+            sys.modules["transformers"].utils.logging.disable_progress_bar()
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
 
 

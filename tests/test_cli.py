@@ -28,7 +28,7 @@ def test_budget_json_offline_for_a_shipped_model(runner: CliRunner) -> None:
         cli, ["budget", "--model", "meta-llama/Llama-3.1-8B-Instruct", "--gpu", "RTX 4090", "--json"]
     )
     assert result.exit_code == 0, result.output
-    plan = json.loads(result.output)
+    plan = json.loads(result.stdout)
     for key in ("kv_bytes_per_token", "weights_bytes", "activation_bytes", "gpu_bytes",
                 "kv_capacity_tokens", "max_context_tokens", "max_concurrency", "limited_by"):
         assert key in plan, key
@@ -41,8 +41,8 @@ def test_budget_json_offline_for_a_shipped_model(runner: CliRunner) -> None:
 
 def test_budget_concurrency_divides_the_capacity(runner: CliRunner) -> None:
     args = ["budget", "--model", "Qwen/Qwen2.5-7B-Instruct", "--gpu", "24GiB", "--json"]
-    one = json.loads(runner.invoke(cli, args).output)
-    four = json.loads(runner.invoke(cli, [*args, "--concurrency", "4"]).output)
+    one = json.loads(runner.invoke(cli, args).stdout)
+    four = json.loads(runner.invoke(cli, [*args, "--concurrency", "4"]).stdout)
     assert one["limited_by"] == "model" and one["max_context_tokens"] == 32768
     assert four["limited_by"] == "memory"
     # Four requests share the same KV memory: each may hold at most a quarter of it.
@@ -109,7 +109,7 @@ def test_index_survives_a_hostile_folder(runner: CliRunner, tmp_path: Path) -> N
     result = runner.invoke(cli, ["index", str(docs), "--index-dir", str(index_dir),
                                  "--embedder", "hash:64", "--json"])
     assert result.exit_code == 0, result.output
-    summary = json.loads(result.output)
+    summary = json.loads(result.stdout)
     assert summary["files_indexed"] == 3  # good.md, good.txt.gz, latin1.txt
     reasons = {Path(s["path"]).name: s["reason"] for s in summary["skipped"]}
     assert reasons.get("binary.txt") == "binary"
@@ -119,7 +119,7 @@ def test_index_survives_a_hostile_folder(runner: CliRunner, tmp_path: Path) -> N
     assert "fifo.txt" in reasons
     # The search and verify commands work on what was indexed.
     hits = json.loads(runner.invoke(cli, ["search", "lighthouses", "--index-dir", str(index_dir),
-                                          "-k", "1", "--json"]).output)
+                                          "-k", "1", "--json"]).stdout)
     assert hits[0]["sources"][0]["path"].endswith("good.txt.gz")
     assert runner.invoke(cli, ["verify", "--index-dir", str(index_dir)]).exit_code == 0
     # Human-readable summary names every skip with its reason.
@@ -135,11 +135,12 @@ def test_demo_path_with_the_embedded_models(runner: CliRunner, tmp_path: Path, r
     result = runner.invoke(cli, ["index", str(repo_data), "--index-dir", index_dir, "--json"])
     assert result.exit_code == 0, result.output
     result = runner.invoke(cli, ["ask", "What was Maria Curie the first female recipient of?",
-                                 "--index-dir", index_dir, "--max-new-tokens", "48", "--json"])
+                                 "--index-dir", index_dir, "--max-new-tokens", "48", "--context-tokens", "1024", "--json"])
     assert result.exit_code == 0, result.output
-    doc = json.loads(result.output)
+    doc = json.loads(result.stdout)
     assert "nobel" in doc["answer"].lower()
     assert doc["sources"][0]["path"].endswith("Warsaw.md")
     b = doc["budget"]
     assert b["prompt_tokens"] + b["max_new_tokens"] <= doc["report"]["plan"]["max_context_tokens"]
     assert b["context_tokens_used"] <= b["context_tokens_allowed"]
+    assert b["context_tokens_allowed"] <= 1024
