@@ -34,9 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import re
 import sys
 import time
 from collections import Counter, defaultdict
@@ -44,56 +42,13 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))  # the ground truth is the tests' own definition
 
-from ragbudget.clean import find_furniture, mask_line  # noqa: E402
+from ragbudget.clean import find_furniture  # noqa: E402
 from ragbudget.loaders import load_document  # noqa: E402
+from _furniture_truth import PDFS, ground_truth  # noqa: E402
 
 SHARED = Path(os.environ.get("RAGBUDGET_SHARED_DATA", REPO.parent / "shared" / "data"))
-PDFS = ("policy.pdf", "maint-guide.en.pdf", "R-intro.pdf")
-# printed page number of 0-based page i: (arabic offset, roman front-matter pages, roman offset)
-PAGE_NUMBERS = {
-    "policy.pdf": (-9, range(2, 10), -1),
-    "maint-guide.en.pdf": (-5, range(1, 6), 1),
-    "R-intro.pdf": (-5, range(2, 6), -1),
-}
-ROMAN = ["", "i", "ii", "iii", "iv", "v", "vi", "vii", "viii", "ix", "x"]
-
-
-def printed(name: str, i: int) -> str:
-    if name not in PAGE_NUMBERS:
-        return str(i + 1)
-    arabic, front, roman = PAGE_NUMBERS[name]
-    return ROMAN[i + roman] if i in front else str(i + arabic)
-
-
-def ground_truth(name: str, pages: list[str]) -> tuple[set, set, set]:
-    zones, key_pages = [], defaultdict(set)
-    for p, page in enumerate(pages):
-        lines = page.split("\n")
-        ne = [i for i, line in enumerate(lines) if line.strip()]
-        zones.append((set(ne[:3] + ne[-3:]), set(ne[:2] + ne[-2:])))
-        for i in zones[-1][0]:
-            key_pages[mask_line(lines[i])].add(p)
-    need = max(2, math.ceil(0.3 * len(pages)))
-    furniture, extended, body = set(), set(), set()
-    for p, page in enumerate(pages):
-        pn = printed(name, p)
-        for i, line in enumerate(page.split("\n")):
-            key, words = mask_line(line), line.split()
-            if i in zones[p][0] and len(key_pages[key]) >= need and re.search(r"[^\W_]|#", key):
-                furniture.add((p, i))
-                extended.add((p, i))
-                continue
-            if i in zones[p][1] and len(line.strip()) <= 120 and (
-                pn in (words[0], words[-1]) or (len(words) >= 3 and words[-3] == pn and words[-2] == "/")
-            ):
-                extended.add((p, i))
-                continue
-            if len(line.strip()) >= 40:
-                body.add((p, i))
-    return furniture, extended, body
-
-
 def removed_positions(before: list[str], after: list[str]) -> set[tuple[int, int]]:
     """Positions of lines no longer present whole in the cleaned page (multiset, stripped)."""
     assert len(before) == len(after), "page count changed"

@@ -15,6 +15,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from _fakes import WordTokenizer as HFWordTokenizer
+
 from ragbudget.chat import (
     SUMMARY_PREFIX,
     Conversation,
@@ -459,36 +461,8 @@ def test_chat_command_with_piped_stdin(monkeypatch: pytest.MonkeyPatch) -> None:
 
 # --- with the real Pipeline (hash embedder, fake ChatML generator) ---------------------------------
 
-_PIECE = re.compile(r"<\|[a-z_]+\|>|\w+|[^\w\s]|\s+")
-
-
-class ChatMLTokenizer:
-    """HF-shaped: one id per word / punctuation / whitespace run / special marker, with a ChatML
-    chat template like SmolLM2's."""
-
-    chat_template = "chatml"
-    name_or_path = "chatml-words"
-
-    def __init__(self) -> None:
-        self.vocab: dict[str, int] = {}
-        self.inverse: dict[int, str] = {}
-
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        ids = []
-        for piece in _PIECE.findall(text):
-            if piece not in self.vocab:
-                self.vocab[piece] = len(self.vocab)
-                self.inverse[self.vocab[piece]] = piece
-            ids.append(self.vocab[piece])
-        return ids
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
-        return "".join(self.inverse[i] for i in ids)
-
-    def apply_chat_template(self, messages: list[dict[str, str]], tokenize: bool = False,
-                            add_generation_prompt: bool = False) -> str:
-        out = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
-        return out + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+def ChatMLTokenizer() -> HFWordTokenizer:  # noqa: N802 - reads as the class it stands for
+    return HFWordTokenizer(chatml=True)
 
 
 @dataclass
@@ -506,7 +480,7 @@ class RealishGeneration:
 class ChatMLGenerator:
     """The Generator surface Pipeline and Conversation use; answers are long on purpose."""
 
-    tokenizer: ChatMLTokenizer = field(default_factory=ChatMLTokenizer)
+    tokenizer: HFWordTokenizer = field(default_factory=ChatMLTokenizer)
     loaded: bool = False
     model: Any = None
     config: Any = None

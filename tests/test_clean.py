@@ -3,11 +3,11 @@ documents (the shared PDFs and man pages)."""
 
 from __future__ import annotations
 
-import math
 import re
 from collections import defaultdict
 
 import pytest
+from _furniture_truth import PDFS, ground_truth
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -199,68 +199,13 @@ def test_never_removes_a_line_whose_masked_form_is_on_one_page(pages):
 # --------------------------------------------------------------------------------------------------
 # measured on the shared real documents
 
-_PDFS = ("policy.pdf", "maint-guide.en.pdf", "R-intro.pdf")
-# Printed page number of 0-based PDF page i, read off the documents (README of shared/data):
-# (arabic offset, range of roman front-matter pages, roman offset).
-_PAGE_NUMBERS = {
-    "policy.pdf": (-9, range(2, 10), -1),
-    "maint-guide.en.pdf": (-5, range(1, 6), 1),
-    "R-intro.pdf": (-5, range(2, 6), -1),
-}
-_ROMAN = ["", "i", "ii", "iii", "iv", "v", "vi", "vii", "viii", "ix", "x"]
-
-
-def _printed(name: str, i: int) -> str:
-    if name not in _PAGE_NUMBERS:
-        return str(i + 1)  # man pages: plain 1, 2, 3
-    arabic, front, roman = _PAGE_NUMBERS[name]
-    return _ROMAN[i + roman] if i in front else str(i + arabic)
-
-
-def ground_truth(name: str, pages: list[str]) -> tuple[set, set, set]:
-    """(furniture, extended furniture, body) as sets of (page, line) positions.
-
-    * furniture: a line among the first/last 3 non-empty lines of a page whose digit-masked form
-      repeats in those zones on >= 30% of the pages (and >= 2), and has a letter or digit;
-    * extended: furniture plus a first/last-two line whose first or last word (or N in "N / M")
-      is the page's printed number (section-title footers, per-chapter running heads);
-    * body: lines of >= 40 characters that are not extended furniture.
-    """
-    zones, key_pages = [], defaultdict(set)
-    for p, page in enumerate(pages):
-        lines = page.split("\n")
-        ne = [i for i, line in enumerate(lines) if line.strip()]
-        zones.append((set(ne[:3] + ne[-3:]), set(ne[:2] + ne[-2:])))
-        for i in zones[-1][0]:
-            key_pages[mask_line(lines[i])].add(p)
-    need = max(2, math.ceil(0.3 * len(pages)))
-    furniture, extended, body = set(), set(), set()
-    for p, page in enumerate(pages):
-        printed = _printed(name, p)
-        for i, line in enumerate(page.split("\n")):
-            key, words = mask_line(line), line.split()
-            if i in zones[p][0] and len(key_pages[key]) >= need and re.search(r"[^\W_]|#", key):
-                furniture.add((p, i))
-                extended.add((p, i))
-                continue
-            if i in zones[p][1] and len(line.strip()) <= 120 and (
-                printed in (words[0], words[-1])
-                or (len(words) >= 3 and words[-3] == printed and words[-2] == "/")
-            ):
-                extended.add((p, i))
-                continue
-            if len(line.strip()) >= 40:
-                body.add((p, i))
-    return furniture, extended, body
-
-
 @pytest.fixture(scope="session")
 def real_pages(shared_data) -> dict[str, list[str]]:
     """Uncleaned pages of the 3 shared PDFs (through our PDF loader) and the 40 man pages."""
     from ragbudget.loaders import load_document
 
     out = {}
-    for name in _PDFS:
+    for name in PDFS:
         out[name] = load_document(shared_data / "pdf" / name, clean=False).pages
     for path in sorted((shared_data / "manpages").glob("*.txt")):
         out[path.name] = load_document(path, clean=False).pages
@@ -289,7 +234,7 @@ def _measure(real_pages, **options) -> dict[str, float]:
 @pytest.mark.shared_data
 def test_real_documents_headers_footers_removed_body_kept(real_pages):
     assert len(real_pages) == 43
-    assert sum(len(p) for n, p in real_pages.items() if n in _PDFS) == 369
+    assert sum(len(p) for n, p in real_pages.items() if n in PDFS) == 369
     m = _measure(real_pages)
     assert m["furniture"] > 600
     assert m["removal"] >= 0.98, m

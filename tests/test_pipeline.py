@@ -7,8 +7,6 @@ and a fake generator that records the prompt it was given. The real embedded mod
 
 from __future__ import annotations
 
-import re
-import shutil
 import threading
 import time
 from dataclasses import dataclass, field
@@ -16,34 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _fakes import WordTokenizer
 
 from ragbudget import BudgetError, ConfigError, IndexNotFoundError, Pipeline
-
-_TOKEN = re.compile(r"\w+|[^\w\s]|\s+")
-
-
-class WordTokenizer:
-    """HF-shaped tokenizer: one id per word, punctuation mark or whitespace run."""
-
-    chat_template = None
-    name_or_path = "word-tokenizer"
-
-    def __init__(self) -> None:
-        self.vocab: dict[str, int] = {}
-        self.inverse: dict[int, str] = {}
-
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        ids = []
-        for piece in _TOKEN.findall(text):
-            if piece not in self.vocab:
-                self.vocab[piece] = len(self.vocab)
-                self.inverse[self.vocab[piece]] = piece
-            ids.append(self.vocab[piece])
-        return ids
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
-        return "".join(self.inverse[i] for i in ids)
-
 
 @dataclass
 class FakeGeneration:
