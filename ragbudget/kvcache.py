@@ -262,11 +262,8 @@ class MLAAttentionSpec:
             return self.kv_lora_rank + self.qk_rope_head_dim
         return self.num_heads * (self.qk_nope_head_dim + self.qk_rope_head_dim + self.v_head_dim)
 
-    def tokens_held(self, tokens: int, *, cache: str = "dynamic", max_cache_len: int | None = None,
-                    peak: bool = False, prefill_tokens: int | None = None) -> int:
-        if cache == "static":
-            return max_cache_len if max_cache_len is not None else tokens
-        return tokens
+    # MLA layers attend to every token: they hold what a full-attention layer holds.
+    tokens_held = FullAttentionSpec.tokens_held
 
     state_elements = 0
 
