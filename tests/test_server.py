@@ -484,7 +484,7 @@ def test_real_models_through_the_openai_client(tmp_path: Path, repo_data: Path) 
 
     index_dir = tmp_path / "idx"
     Pipeline(index_dir).index([repo_data / "manpages"])  # packaged MiniLM; a small corpus
-    pipe = Pipeline(index_dir, gpu="0.3GiB", max_new_tokens=8)  # short CPU prefills
+    pipe = Pipeline(index_dir, gpu="0.6GiB", max_new_tokens=8)  # short CPU prefills
     with running(pipe) as url:
         models = [m.id for m in client(url).models.list()]
         resp = client(url).chat.completions.create(
