@@ -58,6 +58,7 @@ _EXPORTS: dict[str, str] = {
     "AdmissionController": "admission",
     "Pipeline": "pipeline",
     "Answer": "pipeline",
+    "Conversation": "chat",
 }
 
 __all__ = sorted([*_EXPORTS, "__version__"])
@@ -79,6 +80,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from .admission import AdmissionController
     from .budget import BudgetPlan, plan_budget
+    from .chat import Conversation
     from .chunking import chunk_document, chunk_text
     from .clean import strip_headers_footers
     from .dedup import Deduplicator, content_hash
