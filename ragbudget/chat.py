@@ -682,9 +682,11 @@ def run_chat(
         write(prompt)
     for raw in lines:
         line = raw.strip()
-        if not line:
-            pass
-        elif line in ("/exit", "/quit"):
+        if not line:  # an empty line just asks for the prompt again
+            if prompt:
+                write(prompt)
+            continue
+        if line in ("/exit", "/quit"):
             break
         elif line == "/reset":
             conversation.reset()

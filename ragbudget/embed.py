@@ -22,6 +22,7 @@ Two implementations:
 
 from __future__ import annotations
 
+import abc
 import hashlib
 import re
 from collections.abc import Sequence
@@ -63,7 +64,7 @@ class EmbedResult:
         return sum(1 for w in self.windows if w > 1)
 
 
-class Embedder:
+class Embedder(abc.ABC):
     """Base class: windowing and pooling over two model-specific primitives.
 
     Subclasses set ``id``, ``dim``, ``max_tokens`` (content tokens per window, special tokens
@@ -78,18 +79,22 @@ class Embedder:
 
     # -- to implement -------------------------------------------------------------------------
     @property
-    def dim(self) -> int:  # pragma: no cover - abstract
-        raise NotImplementedError
+    @abc.abstractmethod
+    def dim(self) -> int:
+        """Vector dimension."""
 
     @property
-    def max_tokens(self) -> int:  # pragma: no cover - abstract
-        raise NotImplementedError
+    @abc.abstractmethod
+    def max_tokens(self) -> int:
+        """Content tokens per window (special tokens excluded)."""
 
+    @abc.abstractmethod
     def _token_spans(self, texts: Sequence[str]) -> list[list[tuple[int, int]]]:
-        raise NotImplementedError  # pragma: no cover - abstract
+        """Character spans of the model's tokens, per text."""
 
+    @abc.abstractmethod
     def _encode(self, texts: Sequence[str]) -> np.ndarray:
-        raise NotImplementedError  # pragma: no cover - abstract
+        """One unit vector per text, each text already within ``max_tokens``."""
 
     # -- public -------------------------------------------------------------------------------
     def warm_up(self) -> None:
