@@ -9,6 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from ragbudget.cli import cli
+from _fakes import make_pdf
 
 
 @pytest.fixture()
@@ -96,6 +97,10 @@ def _hostile_folder(root: Path) -> Path:
     (docs / "empty.txt").write_text("")
     (docs / "latin1.txt").write_bytes("caf\xe9 cr\xe8me br\xfbl\xe9e\n".encode("latin-1") * 20)
     (docs / "truncated.pdf").write_bytes(b"%PDF-1.4\n1 0 obj\n<< /Type /Catalog")
+    (docs / "secret.pdf").write_bytes(make_pdf(["Classified lighthouse keeper notes"], password="pw"))
+    (docs / "manual.pdf").write_bytes(make_pdf(["Chapter one about harbours", "Chapter two about tides"]))
+    (docs / "huge.txt").write_bytes(b"word " * 300_000)  # 1.5 MB, over the --max-file-mb 1 below
+    (docs / "locked.txt").write_text("a file nobody may read\n" * 10)
     (docs / "unknown.xyz").write_text("not a supported type")
     os.symlink(docs, docs / "loop")
     os.symlink("/etc", docs / "outside")
@@ -103,19 +108,42 @@ def _hostile_folder(root: Path) -> Path:
     return docs
 
 
-def test_index_survives_a_hostile_folder(runner: CliRunner, tmp_path: Path) -> None:
+def test_index_survives_a_hostile_folder(runner: CliRunner, tmp_path: Path,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    import builtins
+    import os
+    import time
+
     docs = _hostile_folder(tmp_path)
+    os.chmod(docs / "locked.txt", 0)
+    # Tests run as root, which reads a chmod 000 file anyway: refuse it the way the kernel refuses
+    # an ordinary user, so the loader's handling of EACCES is what is exercised.
+    real_open = builtins.open
+
+    def guarded_open(file, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if str(file).endswith("locked.txt"):
+            raise PermissionError(13, "Permission denied", str(file))
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", guarded_open)
     index_dir = tmp_path / "idx"
+    t0 = time.monotonic()
     result = runner.invoke(cli, ["index", str(docs), "--index-dir", str(index_dir),
-                                 "--embedder", "hash:64", "--json"])
+                                 "--embedder", "hash:64", "--max-file-mb", "1", "--json"])
+    assert time.monotonic() - t0 < 120  # bounded: nothing blocks on the FIFO or the loop
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout)
-    assert summary["files_indexed"] == 3  # good.md, good.txt.gz, latin1.txt
+    assert summary["files_indexed"] == 4  # good.md, good.txt.gz, latin1.txt, manual.pdf
     reasons = {Path(s["path"]).name: s["reason"] for s in summary["skipped"]}
     assert reasons.get("binary.txt") == "binary"
     assert reasons.get("empty.txt") == "empty"
     assert reasons.get("truncated.pdf") == "malformed"
     assert reasons.get("unknown.xyz") == "unsupported"
+    assert reasons.get("secret.pdf") == "encrypted"
+    assert reasons.get("huge.txt") == "too_large"
+    assert reasons.get("locked.txt") == "unreadable"
+    assert reasons.get("loop") == "symlink_loop"
+    assert reasons.get("outside") == "outside_root"
     assert "fifo.txt" in reasons
     # The search and verify commands work on what was indexed.
     hits = json.loads(runner.invoke(cli, ["search", "lighthouses", "--index-dir", str(index_dir),

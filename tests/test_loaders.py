@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import builtins
 import gzip
-import io
 import os
 import subprocess
 import sys
@@ -28,41 +27,7 @@ from ragbudget.loaders import (
     strip_corpus_boilerplate,
 )
 from ragbudget.types import Document
-
-
-def make_pdf(pages: list[str], password: str | None = None) -> bytes:
-    """A small real PDF with one Helvetica text line per input line, written by pypdf."""
-    from pypdf import PdfWriter
-    from pypdf.generic import DecodedStreamObject, DictionaryObject, NameObject
-
-    writer = PdfWriter()
-    font = writer._add_object(
-        DictionaryObject(
-            {
-                NameObject("/Type"): NameObject("/Font"),
-                NameObject("/Subtype"): NameObject("/Type1"),
-                NameObject("/BaseFont"): NameObject("/Helvetica"),
-            }
-        )
-    )
-    for text in pages:
-        page = writer.add_blank_page(612, 792)
-        page[NameObject("/Resources")] = DictionaryObject(
-            {NameObject("/Font"): DictionaryObject({NameObject("/F1"): font})}
-        )
-        stream = DecodedStreamObject()
-        stream.set_data(
-            b"".join(
-                b"BT /F1 12 Tf 72 %d Td (%s) Tj ET\n" % (720 - 16 * i, line.encode())
-                for i, line in enumerate(text.split("\n"))
-            )
-        )
-        page[NameObject("/Contents")] = writer._add_object(stream)
-    if password:
-        writer.encrypt(user_password=password, owner_password=password + "-owner")
-    buf = io.BytesIO()
-    writer.write(buf)
-    return buf.getvalue()
+from _fakes import make_pdf
 
 
 def _load_error(path, **kw) -> LoadError:
