@@ -284,6 +284,10 @@ class Generator:
                 "reachable and HF_HUB_OFFLINE is unset)"
             ) from exc
         model = model.to(device).eval()
+        if ref.gguf_file:
+            # A converted GGUF would otherwise be named after its cache folder in plans,
+            # errors and calibration records: keep the name the user knows.
+            model.config._name_or_path = ref.id
         if tok.pad_token_id is None and tok.eos_token_id is not None:
             tok.pad_token = tok.eos_token  # generate() wants a pad id even for one sequence
         self._model, self._tokenizer = model, tok
