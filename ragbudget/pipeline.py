@@ -289,6 +289,7 @@ class Pipeline:
         if context_tokens is not None and context_tokens < 0:
             raise ConfigError(f"context_tokens must be ≥ 0, got {context_tokens}")
         timings: dict[str, float] = {}
+        self.store  # noqa: B018 - a missing or damaged index fails fast, before any model loads
         t0 = time.perf_counter()
         builder = self.prompt_builder  # loads the generator first, so the plan sees its real size
         timings["load_s"] = time.perf_counter() - t0

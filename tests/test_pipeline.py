@@ -165,3 +165,16 @@ def test_concurrent_asks_never_oversubscribe_the_kv_capacity(indexed: Path) -> N
     watcher.join()
     assert len(gen.prompts) == 8
     assert 0 < peak <= capacity
+
+
+def test_ask_without_an_index_fails_before_loading_a_model(tmp_path: Path) -> None:
+    class Untouchable:
+        loaded = False
+
+        @property
+        def tokenizer(self) -> Any:
+            raise AssertionError("the generator was loaded before the index was checked")
+
+    pipe = Pipeline(tmp_path / "nothing-here", generator=Untouchable())  # type: ignore[arg-type]
+    with pytest.raises(IndexNotFoundError):
+        pipe.ask(QUESTION)
