@@ -155,9 +155,9 @@ class AdmissionController:
         wait = self.timeout if timeout is None else timeout
         assert waiter.future is not None
         try:
-            await asyncio.wait_for(asyncio.shield(waiter.future), wait)
-        except asyncio.TimeoutError:
-            pass
+            # A timeout is settled below by _finish_wait (granted meanwhile, or refused).
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(waiter.future), wait)
         except asyncio.CancelledError:
             # The caller went away: leave the queue, or give back what was granted meanwhile.
             if self._abandon(waiter):

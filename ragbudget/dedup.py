@@ -15,6 +15,7 @@ them and rebuild the LSH index without the text.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import unicodedata
 from collections.abc import Hashable, Iterable, Sequence
@@ -490,10 +491,8 @@ class NearDupIndex:
         for bucket, k in zip(self._buckets, keys):
             members = bucket.get(k)
             if members is not None:
-                try:
+                with contextlib.suppress(ValueError):
                     members.remove(key)
-                except ValueError:
-                    pass
                 if not members:
                     del bucket[k]
 

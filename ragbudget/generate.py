@@ -19,6 +19,7 @@ then it raises :class:`~ragbudget.errors.BudgetError` listing what it tried.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import hashlib
 import importlib.util
@@ -107,25 +108,22 @@ def is_oom(exc: BaseException) -> bool:
     """True for out-of-memory errors: CUDA OOM, ``MemoryError``, and backends' RuntimeErrors."""
     if isinstance(exc, MemoryError):
         return True
-    try:
+    # torch missing or without CUDA bindings: then only the generic checks apply.
+    with contextlib.suppress(Exception):
         import torch
 
         if isinstance(exc, torch.cuda.OutOfMemoryError):
             return True
-    except Exception:  # noqa: BLE001, S110 - torch missing or without CUDA bindings
-        pass
     return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
 
 
 def _free_memory() -> None:
     gc.collect()
-    try:
+    with contextlib.suppress(Exception):  # freeing memory is best effort
         import torch
 
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    except Exception:  # noqa: BLE001, S110 - freeing memory is best effort
-        pass
 
 
 def _quant_backend() -> str | None:

@@ -12,6 +12,7 @@ up to a few hundred MiB of reserved memory.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import os
 import re
@@ -120,19 +121,14 @@ def _lookup(name: str) -> str:
 
 def host_available_bytes() -> int:
     """Available host RAM (psutil, else ``MemAvailable`` of /proc/meminfo)."""
-    try:
+    with contextlib.suppress(ImportError):
         import psutil
 
         return int(psutil.virtual_memory().available)
-    except ImportError:
-        pass
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
     raise ConfigError("cannot read the host's available memory; pass --gpu with a size")
 
 

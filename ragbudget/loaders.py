@@ -31,6 +31,7 @@ globs), ``special`` (FIFO, socket, device), ``symlink`` (links not followed), ``
 
 from __future__ import annotations
 
+import contextlib
 import codecs
 import errno
 import fnmatch
@@ -395,22 +396,19 @@ def decode_bytes(data: bytes, *, path: str = "", html: bool = False) -> tuple[st
             path=path,
             reason="binary",
         )
-    try:
+    with contextlib.suppress(UnicodeDecodeError):
         return data.decode("utf-8"), "utf-8", 0
-    except UnicodeDecodeError:
-        pass
     if _UTF8_MULTIBYTE.search(data):
         text, replaced = _decode_counting(data, "utf-8")
         return text, "utf-8", replaced
     if html:
         m = _META_CHARSET.search(head)
         if m:
-            try:
+            # An unknown or lying <meta charset> falls through to detection.
+            with contextlib.suppress(LookupError, UnicodeError):
                 enc = codecs.lookup(m.group(1).decode("ascii")).name
                 text, replaced = _decode_counting(data, enc)
                 return text, enc, replaced
-            except (LookupError, UnicodeError):
-                pass
     enc = _guess_legacy(data)
     text, replaced = _decode_counting(data, enc)
     return text, enc, replaced
