@@ -28,6 +28,7 @@ from __future__ import annotations
 import bisect
 import functools
 import itertools
+import os
 import re
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -138,19 +139,29 @@ def chunk_texts(
     tokenizer: Any = None,
     workers: int = 1,
 ) -> list[list[Chunk]]:
-    """:func:`chunk_text` over many texts; ``workers > 1`` runs texts in a thread pool.
+    """:func:`chunk_text` over many texts, in order; ``workers > 1`` spreads them over processes.
 
-    tiktoken releases the GIL while encoding, so on a multi-core machine the encoding (most of
-    the cost) overlaps between texts; the boundary planning itself is Python and serialises.
+    The boundary planning is Python and holds the GIL, so threads only overlap tiktoken's
+    encoding; worker *processes* run whole texts side by side. They are used when the batch is
+    large enough to repay starting them (:data:`PROCESS_MIN_CHARS`) and the tokenizer can be
+    rebuilt from its name in a worker (tiktoken encodings: the default). Otherwise, e.g. with a
+    Hugging Face tokenizer object, a thread pool is used. The result is the same either way.
+
+    >>> [len(cs) for cs in chunk_texts(["One short text.", "", "Another one."], workers=2)]
+    [1, 0, 1]
     """
     _check(min_tokens, max_tokens, overlap)
     tok = get_tokenizer(tokenizer)
+    texts = list(texts)
+    if workers <= 1 or len(texts) < 2:
+        return [_Chunker(t, tok, min_tokens, max_tokens, overlap).run() for t in texts]
+    total = sum(map(len, texts))
+    if isinstance(tok, TiktokenTokenizer) and total >= PROCESS_MIN_CHARS:
+        return _chunk_in_processes(texts, tok.name, (min_tokens, max_tokens, overlap), workers)
 
     def one(t: str) -> list[Chunk]:
         return _Chunker(t, tok, min_tokens, max_tokens, overlap).run()
 
-    if workers <= 1 or len(texts) < 2:
-        return [one(t) for t in texts]
     with ThreadPoolExecutor(max_workers=workers) as pool:
         return list(pool.map(one, texts))
 
@@ -724,8 +735,6 @@ PARALLEL_PIECE_CHARS = 100_000
 
 @functools.lru_cache(maxsize=1)
 def _cpus() -> int:
-    import os
-
     return os.cpu_count() or 1
 
 
@@ -753,6 +762,80 @@ def _encode_pool() -> ThreadPoolExecutor:
     # Tasks in this pool never wait on other tasks, so sharing it between chunk_texts workers
     # cannot deadlock.
     return ThreadPoolExecutor(max_workers=min(8, _cpus()), thread_name_prefix="rb-enc")
+
+
+# A forked child inherits the cached pool object but not its threads: forget it there.
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_encode_pool.cache_clear)
+
+
+#: :func:`chunk_texts` uses worker processes only for batches of at least this many characters:
+#: below it, starting them costs more than they save.
+PROCESS_MIN_CHARS = 1_000_000
+
+
+def _chunk_in_processes(
+    texts: list[str], encoding: str, sizes: tuple[int, int, int], workers: int
+) -> list[list[Chunk]]:
+    """Chunk ``texts`` in ``workers`` processes; results come back in input order."""
+    import multiprocessing as mp
+    import threading
+    from concurrent.futures import ProcessPoolExecutor
+
+    # Batches of whole texts, a few per worker so a long document does not leave the others
+    # idle at the end; each batch is a list of (position, text).
+    total = sum(map(len, texts))
+    target = max(64_000, total // (workers * 8))
+    order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))  # longest first
+    batches: list[list[tuple[int, str]]] = []
+    current: list[tuple[int, str]] = []
+    size = 0
+    for i in order:
+        current.append((i, texts[i]))
+        size += len(texts[i])
+        if size >= target:
+            batches.append(current)
+            current, size = [], 0
+    if current:
+        batches.append(current)
+    # fork shares the loaded encoding with the workers for free (a fresh interpreter needs about a
+    # second to import and load it), but forking a process that runs other threads can deadlock
+    # the child on a lock held at that moment, so it is used only while no other thread runs
+    # (this module's idle encode helpers hold no lock while they wait for work).
+    methods = mp.get_all_start_methods()
+    others = [t for t in threading.enumerate()
+              if t is not threading.current_thread() and not t.name.startswith("rb-enc")]
+    if "fork" in methods and not others:
+        ctx = mp.get_context("fork")
+    else:
+        ctx = mp.get_context("forkserver" if "forkserver" in methods else "spawn")
+    out: list[list[Chunk]] = [[] for _ in texts]
+    with ProcessPoolExecutor(
+        max_workers=min(workers, len(batches)), mp_context=ctx,
+        initializer=_process_init, initargs=(encoding,),
+    ) as pool:
+        for part in pool.map(_chunk_batch, batches, [sizes] * len(batches)):
+            for i, chunks in part:
+                out[i] = chunks
+    return out
+
+
+_WORKER_TOKENIZER: list[Tokenizer] = []
+
+
+def _process_init(encoding: str) -> None:
+    # Each worker is one of ``workers`` processes already: no helper encode threads inside it.
+    global PARALLEL_ENCODE_MIN_CHARS
+    PARALLEL_ENCODE_MIN_CHARS = 1 << 62
+    _WORKER_TOKENIZER[:] = [get_tokenizer(encoding)]
+
+
+def _chunk_batch(
+    batch: list[tuple[int, str]], sizes: tuple[int, int, int]
+) -> list[tuple[int, list[Chunk]]]:
+    tok = _WORKER_TOKENIZER[0]
+    lo, hi, overlap = sizes
+    return [(i, _Chunker(t, tok, lo, hi, overlap).run()) for i, t in batch]
 
 
 def _heading_paths(headings: Iterable[_Heading]) -> list[tuple[str, ...]]:

@@ -9,6 +9,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from _fakes import WordTokenizer as HFWordTokenizer
+
 from ragbudget import chunking
 from ragbudget.chunking import chunk_document, chunk_text, chunk_texts
 from ragbudget.errors import ConfigError
@@ -217,6 +219,38 @@ def test_chunk_texts_matches_chunk_text() -> None:
     texts = ["alpha beta. " * 100, "", "gamma\n\ndelta " * 50]
     one = [chunk_text(t, min_tokens=10, max_tokens=40) for t in texts]
     assert chunk_texts(texts, min_tokens=10, max_tokens=40, workers=2) == one
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_chunk_texts_in_processes(monkeypatch: pytest.MonkeyPatch, method: str) -> None:
+    """Worker processes give exactly the sequential result, in input order, with either start
+    method (spawn is what platforms without fork, or a threaded parent, fall back to)."""
+    import multiprocessing as mp
+
+    if method not in mp.get_all_start_methods():
+        pytest.skip(f"{method} start method not available")
+    texts = [("Sentence number %d is here. " % i) * (40 + 13 * i) for i in range(7)] + ["", "x"]
+    one = [chunk_text(t, min_tokens=20, max_tokens=60) for t in texts]
+    monkeypatch.setattr(chunking, "PROCESS_MIN_CHARS", 0)
+    if method == "spawn":
+        monkeypatch.setattr(mp, "get_all_start_methods", lambda: ["spawn"])
+    used: list[str] = []
+    real = mp.get_context
+    monkeypatch.setattr(mp, "get_context", lambda m=None: (used.append(m), real(m))[1])
+    assert chunk_texts(texts, min_tokens=20, max_tokens=60, workers=2) == one
+    assert used == [method]
+
+
+def test_chunk_texts_other_tokenizer_uses_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tokenizer object that a worker process cannot rebuild by name stays in this process."""
+    monkeypatch.setattr(chunking, "PROCESS_MIN_CHARS", 0)
+    monkeypatch.setattr(chunking, "_chunk_in_processes", lambda *a: pytest.fail("used processes"))
+    from ragbudget.tokens import HFTokenizer
+
+    tok = HFTokenizer(HFWordTokenizer())
+    texts = ["word " * 300, "more words here " * 100]
+    one = [chunk_text(t, min_tokens=20, max_tokens=60, tokenizer=tok) for t in texts]
+    assert chunk_texts(texts, min_tokens=20, max_tokens=60, tokenizer=tok, workers=2) == one
 
 
 @pytest.mark.shared_data
