@@ -13,7 +13,8 @@
 5. order the passages (``relevance``, ``document`` or ``lost_in_middle``).
 
 A chunk is never cut, except when the single best chunk alone is larger than the whole budget: it is
-then cut at the last sentence boundary that fits and marked ``truncated``. The cap is never
+then cut to the window of whole sentences (words, if no sentence fits) that fits and covers the
+question's words best — not just its beginning — and marked ``truncated``. The cap is never
 exceeded; every candidate not used is listed in ``dropped`` with its reason.
 
 The module only needs ``count_tokens: Callable[[str], int]``; numpy speeds up the DP.
@@ -202,8 +203,8 @@ def select_chunks(
     ``candidates`` are retrieval hits in score order (objects with ``chunk_id``, ``text``,
     ``score``, optional ``sources``/``headings``). ``budget_tokens`` is what the passages may cost
     in total; each passage costs ``count_tokens(text) + chunk_overhead`` (an int, or a function of
-    the passage giving its label/separator tokens). ``question`` is not used for scoring (the
-    scores already are) but kept for custom ``similarity`` functions and logging.
+    the passage giving its label/separator tokens). ``question`` does not change the ranking (the
+    scores already carry it); it picks which window of sentences of an oversize best chunk is kept.
 
     A chunk's value is ``exp((score - best_score) / temperature)`` (``temperature`` in score units:
     0.02 suits cosine similarities), times ``1 - (1 - lambda_) * penalty`` where ``penalty`` grows
@@ -281,7 +282,7 @@ def select_chunks(
     if kept:
         best = kept[0]
         if best.cost > budget_tokens and truncate_oversize:
-            cut = _truncate(best, budget_tokens, count_tokens, overhead_of)
+            cut = _truncate(best, budget_tokens, count_tokens, overhead_of, question)
             if cut is not None:
                 chosen, rest = [cut], kept[1:]
             else:
@@ -387,43 +388,97 @@ def _greedy(items: Sequence[_Item], capacity: int) -> list[_Item]:
     return out
 
 
-def _truncate(
-    it: _Item, budget: int, count_tokens: Callable[[str], int], overhead_of: Callable[[Any], int]
-) -> _Item | None:
-    """Longest prefix of ``it`` ending at a sentence boundary (else a word boundary) that fits."""
+# Question words that say nothing about where the answer is.
+_QSTOP = frozenset("""
+a an and are as at be been but by can could did do does for from had has have how i if in into is
+it its of on or so than that the their them then there these they this those to was were what when
+where which who whom whose why will with would you your
+""".split())
 
-    def cost_of(prefix: str) -> tuple[int, int]:
-        probe = _Item(it.ids, prefix, it.score, it.sources, it.headings, 0, 0, it.rank)
-        n = count_tokens(prefix)
-        return n, n + int(overhead_of(_as_chunk(probe)))
+
+def _terms(text: str) -> set[str]:
+    # A 6-character prefix is a crude, language-agnostic stemmer: "founded"/"founding" meet.
+    return {w[:6] for w in _WORD.findall(text.lower()) if w not in _QSTOP and (len(w) > 2 or w.isdigit())}
+
+
+def _truncate(
+    it: _Item, budget: int, count_tokens: Callable[[str], int], overhead_of: Callable[[Any], int],
+    question: str = "",
+) -> _Item | None:
+    """The window of whole sentences of ``it`` (else of words) that fits ``budget`` and best covers
+    the question's words; ties (and a question sharing no word) keep the earliest window.
+
+    Coverage weights each question word by how rare it is among the chunk's sentences (a word in
+    every sentence says nothing about where the answer is). Every candidate window is counted
+    exactly, so the result always fits.
+    """
+
+    def cost_of(piece: str) -> int:
+        probe = _Item(it.ids, piece, it.score, it.sources, it.headings, 0, 0, it.rank)
+        return count_tokens(piece) + int(overhead_of(_as_chunk(probe)))
 
     text = it.text
+    qterms = _terms(question)
     for pattern in (_SENTENCE_END, re.compile(r"\s+")):
-        cuts = sorted({m.start() for m in pattern.finditer(text) if 0 < m.start() < len(text)})
-        # Binary search: cost grows with the prefix length (monotone up to BPE noise, which the
-        # final exact check below absorbs by stepping back).
-        lo, hi, best = 0, len(cuts) - 1, -1
-        while lo <= hi:
-            mid = (lo + hi) // 2
-            if cost_of(text[: cuts[mid]].rstrip())[1] <= budget:
-                best, lo = mid, mid + 1
-            else:
-                hi = mid - 1
-        while best >= 0:
-            prefix = text[: cuts[best]].rstrip()
-            n, cost = cost_of(prefix)
-            if prefix and cost <= budget:
-                src = tuple(_shorten(s, len(prefix)) for s in it.sources[:1]) + it.sources[1:]
-                return _Item(
-                    it.ids, prefix, it.score, src, it.headings, n, cost, it.rank,
-                    value=it.value, words=it.words, truncated=True,
-                )
-            best -= 1
+        # Units: the text between consecutive separators (a sentence, or a word).
+        seps = [m for m in pattern.finditer(text) if 0 < m.start() and m.end() < len(text)]
+        starts = [0] + [m.end() for m in seps]
+        ends = [m.start() for m in seps] + [len(text)]
+        units = [(a, b) for a, b in zip(starts, ends) if text[a:b].strip()]
+        if not units:
+            continue
+        unit_terms = [_terms(text[a:b]) & qterms for a, b in units]
+        df: dict[str, int] = {}
+        for ts in unit_terms:
+            for t in ts:
+                df[t] = df.get(t, 0) + 1
+        weight = {t: math.log(1.0 + len(units) / d) for t, d in df.items()}
+
+        def piece(i: int, j: int) -> str:
+            return text[units[i][0] : units[j][1]].strip()
+
+        fits: dict[tuple[int, int], int] = {}
+
+        def ok(i: int, j: int) -> bool:
+            if (i, j) not in fits:
+                fits[(i, j)] = cost_of(piece(i, j))
+            return fits[(i, j)] <= budget
+
+        # Two pointers: the longest fitting window for each start. The end never needs to move
+        # back by more than BPE noise, so this costs O(units) exact counts, not O(units²).
+        best: tuple[float, int, int] | None = None
+        j = 0
+        for i in range(len(units)):
+            j = max(j, i)
+            while j >= i and not ok(i, j):
+                j -= 1
+            if j < i:
+                j = i
+                continue
+            while j + 1 < len(units) and ok(i, j + 1):
+                j += 1
+            covered: set[str] = set().union(*unit_terms[i : j + 1])
+            value = sum(weight[t] for t in covered)
+            if best is None or value > best[0] + 1e-12:
+                best = (value, i, j)
+        if best is None:
+            continue
+        _, i, j = best
+        kept = piece(i, j)
+        offset = units[i][0] + (len(text[units[i][0] :]) - len(text[units[i][0] :].lstrip()))
+        src = tuple(_shorten(s, offset, len(kept)) for s in it.sources[:1]) + it.sources[1:]
+        cut = _Item(it.ids, kept, it.score, src, it.headings, count_tokens(kept), 0, it.rank,
+                    value=it.value, words=it.words, truncated=True)
+        # Recount with the shortened source: a label that names offsets or pages may change.
+        cut.cost = cut.n_tokens + int(overhead_of(_as_chunk(cut)))
+        if cut.cost <= budget:
+            return cut
     return None
 
 
-def _shorten(s: Source, length: int) -> Source:
-    return Source(s.path, s.start, min(s.end, s.start + length), s.page_start, s.page_end)
+def _shorten(s: Source, offset: int, length: int) -> Source:
+    start = min(s.end, s.start + offset)
+    return Source(s.path, start, min(s.end, start + length), s.page_start, s.page_end)
 
 
 def _merge(

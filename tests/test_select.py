@@ -156,6 +156,48 @@ def test_truncates_only_the_single_oversize_best_chunk_at_a_sentence() -> None:
     assert [d.reason for d in sel2.dropped] == ["over_budget"]
 
 
+def test_oversize_best_chunk_keeps_the_window_that_answers_the_question() -> None:
+    text = ("The guild met in the old hall. Members paid dues every spring. "
+            "The hall burned down in 1871. Afterwards the guild moved to the harbour office.")
+    big = Candidate("big", text, 0.9, sources=(Source("f", 100, 100 + len(text)),))
+    sel = select_chunks("When did the hall burn down?", [big], budget_tokens=12, count_tokens=words)
+    (c,) = sel.chunks
+    assert c.truncated and "burned down in 1871." in c.text
+    assert words(c.text) <= 12 and sel.tokens_used <= 12
+    # The shortened source points at the kept window in the original text.
+    start = c.sources[0].start - 100
+    assert text[start : start + len(c.text)] == c.text
+    assert c.sources[0].end - c.sources[0].start == len(c.text)
+    # No word in common with the question: the beginning is kept, as before.
+    sel = select_chunks("xyzzy?", [big], budget_tokens=12, count_tokens=words)
+    assert sel.chunks[0].text.startswith("The guild met")
+
+
+def test_oversize_window_falls_back_to_words_and_weights_rare_terms() -> None:
+    # One long "sentence": the cut is a window of words around the rare question word.
+    text = " ".join(["river"] * 30 + ["zeppelin", "landed"] + ["river"] * 30)
+    sel = select_chunks("Where did the zeppelin land by the river?", [Candidate("x", text, 1.0)],
+                        budget_tokens=10, count_tokens=words)
+    (c,) = sel.chunks
+    assert c.truncated and "zeppelin" in c.text and words(c.text) <= 10
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.lists(st.sampled_from(["Alpha beta.", "Gamma delta epsilon!", "Zeta", "eta?", "\n",
+                                 "theta iota kappa lambda.", "  "]), min_size=1, max_size=40),
+       st.text(max_size=40), st.integers(0, 30), st.integers(0, 5))
+def test_best_window_cut_never_overruns(parts, question, budget, overhead) -> None:
+    text = " ".join(parts)
+    if not text.strip():
+        return
+    sel = select_chunks(question, [Candidate("x", text, 1.0, sources=(Source("f", 0, len(text)),))],
+                        budget_tokens=budget, count_tokens=words, chunk_overhead=overhead)
+    assert sel.tokens_used <= budget
+    for c in sel.chunks:
+        assert c.text and c.text in text
+        assert text[c.sources[0].start : c.sources[0].end] == c.text
+
+
 def test_mmr_prefers_diverse_chunks() -> None:
     a = Candidate("a", "alpha beta gamma delta epsilon zeta", 0.9)
     near = Candidate("near", "alpha beta gamma delta epsilon eta", 0.85)  # 5/6 overlap
