@@ -150,19 +150,103 @@ def _torch_dtype(dtype: Any) -> Any:
     return value
 
 
+def _stop_list(stop: str | Sequence[str] | None) -> list[str]:
+    """``stop`` as a list of non-empty strings (a bare string is one stop string)."""
+    if stop is None:
+        return []
+    items = [stop] if isinstance(stop, str) else list(stop)
+    for s in items:
+        if not isinstance(s, str):
+            raise ConfigError(f"stop must be a string or a list of strings; got an item {s!r}")
+    return [s for s in items if s]
+
+
+def _sampling(do_sample: bool | None, temperature: float | None, top_p: float | None,
+              top_k: int | None, seed: int | None) -> bool:
+    """Validate the sampling options and decide whether to sample (see ``Generator.generate``)."""
+    if temperature is not None and not (isinstance(temperature, (int, float)) and 0 <= temperature < float("inf")):
+        raise ConfigError(f"temperature must be a number >= 0 (0 is greedy); got {temperature!r}")
+    if top_p is not None and not (isinstance(top_p, (int, float)) and 0 <= top_p <= 1):
+        raise ConfigError(f"top_p must be in [0, 1]; got {top_p!r}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0):
+        raise ConfigError(f"top_k must be an integer >= 0 (0 keeps every token); got {top_k!r}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise ConfigError(f"seed must be an integer; got {seed!r}")
+    sample = bool(temperature) if do_sample is None else do_sample
+    # Temperature 0 and top_p 0 are the limits of sampling where only the best token is left:
+    # greedy decoding, which transformers would otherwise refuse (division by zero).
+    return sample and temperature != 0 and top_p != 0
+
+
+def _seeded_sampler(seed: int, temperature: float | None, top_p: float | None, top_k: int | None) -> Any:
+    """A logits processor that samples the next token (temperature, top-k, top-p, in transformers'
+    order) with its own ``torch.Generator`` seeded by ``seed`` and leaves only that token
+    possible; greedy decoding then takes it."""
+    import torch
+    from transformers import LogitsProcessor
+
+    class _SeededSampler(LogitsProcessor):
+        def __init__(self) -> None:
+            self.rng: Any = None
+
+        def __call__(self, input_ids: Any, scores: Any) -> Any:
+            if self.rng is None:  # on the scores' device: multinomial needs a generator there
+                self.rng = torch.Generator(device=scores.device)
+                self.rng.manual_seed(seed % 2**64)
+            logits = scores.float()
+            if temperature:
+                logits = logits / temperature
+            if top_k:
+                kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[..., -1:]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            if top_p is not None and top_p < 1:
+                ordered, order = torch.sort(logits, descending=True)
+                probs = ordered.softmax(-1)
+                # Keep the smallest prefix reaching top_p; the best token is always kept.
+                drop = probs.cumsum(-1) - probs >= top_p
+                ordered = ordered.masked_fill(drop, float("-inf"))
+                logits = torch.full_like(logits, float("-inf")).scatter(-1, order, ordered)
+            choice = torch.multinomial(logits.softmax(-1), 1, generator=self.rng)
+            out = torch.full_like(scores, float("-inf"))
+            return out.scatter(-1, choice, 0.0)
+
+    return _SeededSampler()
+
+
 class _CallbackStreamer:
     """A transformers streamer that decodes incrementally and hands text pieces to a callback.
 
     It decodes the whole answer so far and emits the new suffix, holding back a trailing
-    replacement character so a multi-byte character split over tokens is emitted whole.
+    replacement character so a multi-byte character split over tokens is emitted whole. With
+    ``stop`` strings it also holds back any tail that could be the start of one, and emits nothing
+    from the first stop string on: a stream never shows text the final answer does not contain
+    (transformers hands the streamer the token that completes a stop string before its stopping
+    criteria end the generation).
     """
 
-    def __init__(self, tokenizer: Any, callback: Callable[[str], None], n_prompt: int) -> None:
+    def __init__(self, tokenizer: Any, callback: Callable[[str], None], n_prompt: int,
+                 stop: Sequence[str] = ()) -> None:
         self.tok = tokenizer
         self.cb = callback
         self.ids: list[int] = []
         self.sent = 0
         self.skip = n_prompt  # transformers first puts the prompt itself
+        self.stop = tuple(s for s in stop if s)
+        self.stopped = False
+
+    def _emit(self, text: str, final: bool) -> None:
+        if self.stopped:
+            return
+        end = len(text)
+        if self.stop:
+            cut = _first_stop(text, self.stop)
+            if cut is not None:
+                end, self.stopped = cut, True
+            elif not final:
+                end -= _partial_stop(text, self.stop)
+        if end > self.sent:
+            self.cb(text[self.sent:end])
+            self.sent = end
 
     def put(self, value: Any) -> None:
         ids = value.reshape(-1).tolist()
@@ -175,15 +259,28 @@ class _CallbackStreamer:
         text = self.tok.decode(self.ids, skip_special_tokens=True)
         if text.endswith("\ufffd"):
             return
-        if len(text) > self.sent:
-            self.cb(text[self.sent:])
-            self.sent = len(text)
+        self._emit(text, final=False)
 
     def end(self) -> None:
-        text = self.tok.decode(self.ids, skip_special_tokens=True)
-        if len(text) > self.sent:
-            self.cb(text[self.sent:])
-            self.sent = len(text)
+        self._emit(self.tok.decode(self.ids, skip_special_tokens=True), final=True)
+
+
+def _first_stop(text: str, stop: Sequence[str]) -> int | None:
+    """Where the earliest stop string starts in ``text`` (None if none occurs)."""
+    found = [pos for pos in (text.find(s) for s in stop if s) if pos >= 0]
+    return min(found) if found else None
+
+
+def _partial_stop(text: str, stop: Sequence[str]) -> int:
+    """Length of the longest tail of ``text`` that is a proper prefix of a stop string: text a
+    streamer must hold back until the next token says whether the stop string completes."""
+    best = 0
+    for s in stop:
+        for n in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:n]):
+                best = n
+                break
+    return best
 
 
 class Generator:
@@ -388,12 +485,12 @@ class Generator:
         max_new_tokens: int = 256,
         cache: str = "dynamic",
         kv_dtype: str | None = None,
-        do_sample: bool = False,
+        do_sample: bool | None = None,
         temperature: float | None = None,
         top_p: float | None = None,
         top_k: int | None = None,
         seed: int | None = None,
-        stop: Sequence[str] | None = None,
+        stop: str | Sequence[str] | None = None,
         on_text: Callable[[str], None] | None = None,
         streamer: Any = None,
         cancel: threading.Event | None = None,
@@ -403,12 +500,19 @@ class Generator:
 
         ``prompt``: a :class:`ragbudget.prompt.Prompt` (rebuildable with fewer passages on OOM),
         token ids (chat template already applied), chat messages, or a plain user string.
-        Greedy unless ``do_sample``; ``temperature``/``top_p``/``top_k`` pass through.
+        Sampling follows the OpenAI convention: greedy when ``temperature`` is absent or 0,
+        sampling when it is > 0 (``do_sample`` forces either; ``top_p``/``top_k`` shape the
+        sampling and are ignored by greedy decoding; ``top_p=0`` is greedy). ``seed`` makes sampling
+        reproducible: it seeds a generator private to this call, so concurrent requests do not
+        disturb each other's draws (torch's global RNG is left alone). Without a seed, sampling is
+        transformers' own (``do_sample=True`` with the warpers passed through).
+
         ``on_text`` receives decoded text pieces as they are produced (``streamer`` takes any
-        transformers streamer instead). ``stop`` strings end the answer early (excluded from
-        ``text``). Setting ``cancel`` (a ``threading.Event``) stops after the current token
-        (``finish_reason="cancelled"``). Text already streamed is not taken back if an OOM retry
-        restarts the answer.
+        transformers streamer instead). ``stop`` (a string or a list of strings) ends the answer at
+        the first stop string, which ``text`` and the streamed pieces exclude
+        (``finish_reason="stop"``). Setting ``cancel`` (a ``threading.Event``) stops after the
+        current token (``finish_reason="cancelled"``). Text already streamed is not taken back if
+        an OOM retry restarts the answer.
         """
         if cache not in CACHES:
             raise ConfigError(f"cache must be one of {', '.join(CACHES)}; got {cache!r}")
@@ -417,6 +521,8 @@ class Generator:
         if cache == "quantized" and _quant_backend() is None:
             raise ConfigError("cache='quantized' needs a quantization backend: "
                               "`pip install optimum-quanto` (or hqq), or use another cache")
+        stop = _stop_list(stop)
+        do_sample = _sampling(do_sample, temperature, top_p, top_k, seed)
         self.warm_up()
         current = prompt
         ids = self._ids_of(current)
@@ -519,10 +625,9 @@ class Generator:
         finish = "length" if len(new) >= max_new_tokens else "stop"
         if new and new[-1] in eos:
             finish = "stop"
-        for s in stop or ():
-            pos = text.find(s)
-            if s and pos >= 0:
-                text, finish = text[:pos], "stop"
+        cut = _first_stop(text, stop or ())
+        if cut is not None:
+            text, finish = text[:cut], "stop"
         return text.strip(), finish
 
     def _eos_ids(self) -> set[int]:
@@ -548,7 +653,7 @@ class Generator:
         top_p: float | None,
         top_k: int | None,
         seed: int | None,
-        stop: Sequence[str] | None,
+        stop: Sequence[str],
         on_text: Callable[[str], None] | None,
         streamer: Any,
         cancel: threading.Event | None = None,
@@ -566,9 +671,14 @@ class Generator:
             "use_cache": use_cache,
             "pad_token_id": tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
         }
-        if do_sample:
-            if seed is not None:
-                torch.manual_seed(seed)
+        processors: list[Any] = []
+        if do_sample and seed is not None:
+            # Sample in a logits processor with a generator private to this call, then let
+            # greedy decoding pick the one token left: reproducible per seed even while other
+            # threads sample (torch.manual_seed would reseed the process-wide RNG they share).
+            processors.append(_seeded_sampler(seed, temperature, top_p, top_k))
+            kw.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+        elif do_sample:
             kw.update({k: v for k, v in (("temperature", temperature), ("top_p", top_p),
                                          ("top_k", top_k)) if v is not None})
         else:
@@ -582,6 +692,10 @@ class Generator:
         if stop:
             kw["stop_strings"] = list(stop)
             kw["tokenizer"] = tok
+        if processors:
+            from transformers import LogitsProcessorList
+
+            kw["logits_processor"] = LogitsProcessorList(processors)
         if cancel is not None:
             from transformers import StoppingCriteria, StoppingCriteriaList
 
@@ -593,7 +707,7 @@ class Generator:
 
             kw["stopping_criteria"] = StoppingCriteriaList([_Cancel()])
         if on_text is not None:
-            kw["streamer"] = _CallbackStreamer(tok, on_text, len(ids))
+            kw["streamer"] = _CallbackStreamer(tok, on_text, len(ids), stop or ())
         elif streamer is not None:
             kw["streamer"] = streamer
         cuda = device.startswith("cuda")

@@ -79,11 +79,65 @@ def test_prompt_forms_and_streaming(gen) -> None:
 
 def test_sampling_passes_options_through(gen, faulty) -> None:
     f = faulty(set())
-    gen.generate("hi", max_new_tokens=3, do_sample=True, temperature=0.7, top_p=0.9, seed=1)
+    gen.generate("hi", max_new_tokens=3, temperature=0.7, top_p=0.9, top_k=20)
     kw = f.calls[-1]
-    assert kw["do_sample"] and kw["temperature"] == 0.7 and kw["top_p"] == 0.9
+    assert kw["do_sample"] and kw["temperature"] == 0.7 and kw["top_p"] == 0.9 and kw["top_k"] == 20
+    # Absent or zero temperature is greedy (the OpenAI convention), whatever top_p says.
+    for options in ({}, {"temperature": 0}, {"temperature": 0.0, "top_p": 0.5}, {"temperature": 1.0, "top_p": 0}):
+        gen.generate("hi", max_new_tokens=3, **options)
+        kw = f.calls[-1]
+        assert kw["do_sample"] is False and kw["temperature"] is None and "logits_processor" not in kw, options
+    # A seed samples with a private generator inside a logits processor (greedy then takes its pick).
+    gen.generate("hi", max_new_tokens=3, temperature=0.7, seed=1)
+    kw = f.calls[-1]
+    assert kw["do_sample"] is False and len(kw["logits_processor"]) == 1
     gen.generate("hi", max_new_tokens=3, cache="static")
     assert f.calls[-1]["cache_implementation"] == "static"
+
+
+def test_seed_makes_sampling_reproducible_and_leaves_the_global_rng_alone(gen) -> None:
+    import torch
+
+    torch.manual_seed(123)
+    before = torch.random.get_rng_state()
+    a = gen.generate("hi", max_new_tokens=12, temperature=1.0, seed=7)
+    assert torch.equal(torch.random.get_rng_state(), before)
+    b = gen.generate("hi", max_new_tokens=12, temperature=1.0, seed=7)
+    others = {gen.generate("hi", max_new_tokens=12, temperature=1.0, seed=s).text for s in (8, 9, 10)}
+    greedy = gen.generate("hi", max_new_tokens=12)
+    assert a.text == b.text and a.new_tokens == b.new_tokens
+    assert others - {a.text}, "other seeds must sample other answers"
+    assert a.text != greedy.text
+    # Top-k 1 and a tiny top_p leave only the best token: sampling then equals greedy decoding.
+    for options in ({"top_k": 1}, {"top_p": 1e-6}):
+        assert gen.generate("hi", max_new_tokens=12, temperature=1.5, seed=3, **options).text == greedy.text
+
+
+def test_seeded_sampling_is_independent_of_other_threads(gen) -> None:
+    import threading
+
+    alone = gen.generate("hi", max_new_tokens=10, temperature=1.0, seed=42).text
+    results: list[str] = []
+
+    def noise() -> None:
+        for s in range(4):
+            gen.generate("hello", max_new_tokens=10, temperature=1.0, seed=s)
+            gen.generate("hello", max_new_tokens=10, temperature=1.0)  # transformers' own sampling
+
+    t = threading.Thread(target=noise)
+    t.start()
+    for _ in range(3):
+        results.append(gen.generate("hi", max_new_tokens=10, temperature=1.0, seed=42).text)
+    t.join()
+    assert results == [alone] * 3
+
+
+@pytest.mark.parametrize("options", [{"temperature": -1}, {"temperature": float("nan")}, {"top_p": 1.5},
+                                     {"top_p": -0.1}, {"top_k": -2}, {"seed": 1.5}, {"seed": True},
+                                     {"stop": [3]}])
+def test_invalid_sampling_options_are_config_errors(gen, options) -> None:
+    with pytest.raises(ConfigError):
+        gen.generate("hi", max_new_tokens=2, **options)
 
 
 def test_oom_ladder_drops_chunks_then_cache_then_no_cache(gen, faulty) -> None:
@@ -137,14 +191,65 @@ def test_is_oom() -> None:
     assert not is_oom(RuntimeError("shape mismatch")) and not is_oom(ValueError("out of memory"))
 
 
+def _printable_stop(text: str) -> str:
+    """Two ASCII letters/digits from the middle of ``text`` (the byte-level tiny model also emits
+    replacement characters, which no tokenizer can stop on)."""
+    for i in range(3, len(text) - 1):
+        if text[i:i + 2].isascii() and text[i:i + 2].isalnum():
+            return text[i:i + 2]
+    raise AssertionError(f"no printable pair in {text!r}")
+
+
 def test_stop_strings(gen) -> None:
-    full = gen.generate("hi", max_new_tokens=12)
-    if len(full.text) < 3:
-        pytest.skip("random model produced too little text to cut")
-    stop = full.text[2:4]
-    cut = gen.generate("hi", max_new_tokens=12, stop=[stop])
+    full = gen.generate("hi", max_new_tokens=20)
+    assert full.finish_reason == "length"
+    stop = _printable_stop(full.text)
+    cut = gen.generate("hi", max_new_tokens=20, stop=[stop, "never-appears"])
     assert cut.finish_reason == "stop" and stop not in cut.text
-    assert full.text.startswith(cut.text)
+    assert cut.text == full.text[:full.text.index(stop)].strip()
+    # transformers' stop_strings ended the generation itself, not just our trimming.
+    assert cut.new_tokens < full.new_tokens
+    assert gen.generate("hi", max_new_tokens=20, stop=stop).text == cut.text  # a bare string works too
+
+
+def test_streamed_text_never_shows_a_stop_string(gen) -> None:
+    full = gen.generate("hi", max_new_tokens=20)
+    stop = _printable_stop(full.text)
+    pieces: list[str] = []
+    cut = gen.generate("hi", max_new_tokens=20, stop=[stop], on_text=pieces.append)
+    assert "".join(pieces).strip() == cut.text and stop not in "".join(pieces)
+    items = list(gen.stream("hi", max_new_tokens=20, stop=[stop]))
+    assert "".join(items[:-1]).strip() == cut.text and items[-1].finish_reason == "stop"
+
+
+class _CharTokenizer:
+    """One token per character (ids are code points)."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(map(chr, ids))
+
+
+def _stream(text: str, stop: list[str]) -> list[str]:
+    import torch
+
+    from ragbudget.generate import _CallbackStreamer
+
+    pieces: list[str] = []
+    s = _CallbackStreamer(_CharTokenizer(), pieces.append, 0, stop)
+    for ch in text:
+        s.put(torch.tensor([ord(ch)]))
+    s.end()
+    return pieces
+
+
+def test_streamer_holds_back_partial_stop_strings() -> None:
+    # "EN" could start "END": held back until the next character decides.
+    assert _stream("abcENxyz", ["END"]) == ["a", "b", "c", "ENx", "y", "z"]
+    assert _stream("abcENDxyz", ["END"]) == ["a", "b", "c"]
+    assert "".join(_stream("say ###stop now", ["##s", "top"])) == "say #"
+    # A partial stop at the very end is text: the generation ended without completing it.
+    assert "".join(_stream("abcEN", ["END"])) == "abcEN"
+    assert "".join(_stream("abc", [])) == "abc"
 
 
 def test_generator_is_lazy() -> None:
