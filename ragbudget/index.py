@@ -5,7 +5,9 @@ Layout of an index folder (default ``.ragbudget/``)::
     manifest.json          names the current generation, settings, counts and sha256 checksums
     faiss.<gen>.index      exact inner-product index (IndexFlatIP in IndexIDMap2), ids = chunk ids
     hnsw.<gen>.index       optional approximate index over the same vectors (``approx="hnsw"``)
-    meta.<gen>.sqlite      chunks, sources (every duplicate location), files (drives incremental runs)
+    meta.<gen>.sqlite      chunks, sources (every duplicate location), files (drives incremental runs),
+                           chunks_fts: an FTS5 (BM25) table over the chunk texts, kept in sync with
+                           ``chunks`` by triggers, so it is written by the same atomic generation
     lock                   flock'ed by the one writer
 
 **Atomicity.** A writer never modifies the files of the current generation: it copies the SQLite
@@ -25,6 +27,12 @@ differ, the content sha256 decides. A changed file replaces only its own sources
 (content hash) is already in the index are never re-embedded; chunks left without any source are
 dropped. Changed embedder, chunking or dedup settings trigger a full rebuild (vectors are still reused
 by content hash when only chunking/dedup changed).
+
+**Hybrid search.** ``search(..., hybrid=True)`` fuses the dense FAISS candidates with BM25 candidates
+from the FTS5 table (reciprocal rank fusion by default, or normalized score fusion). An index built
+before the table existed still opens: the table is built in memory on first lexical use (logged),
+and the next ``build``/``update`` stores it. A Python whose SQLite lacks FTS5 logs that once and
+searches dense only.
 
 >>> from ragbudget.embed import HashEmbedder
 >>> idx = Index("/tmp/rb-doctest-index")                      # doctest: +SKIP
@@ -68,11 +76,15 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_INDEX_DIR",
     "FORMAT_VERSION",
+    "FUSIONS",
     "Hit",
     "Index",
     "IndexSummary",
     "ProgressCallback",
     "VerifyReport",
+    "fts5_available",
+    "fts_match_query",
+    "fuse_scores",
 ]
 
 log = logging.getLogger(__name__)
@@ -122,6 +134,199 @@ CREATE TABLE IF NOT EXISTS files (
 );
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
+
+# BM25 over the chunk texts. A plain (content-storing) FTS5 table, not an external-content one: it
+# costs a second copy of the text, but it can be checked row by row against ``chunks`` on a
+# read-only connection (verify), and SQLite 3.40 (this Python's) has no contentless deletes.
+# Porter stemming: questions say "founded" where the text says "founding".
+FTS_TOKENIZE = "porter unicode61 remove_diacritics 2"
+_FTS_SCHEMA = f"""
+CREATE VIRTUAL TABLE IF NOT EXISTS chunks_fts USING fts5(text, tokenize='{FTS_TOKENIZE}');
+CREATE TRIGGER IF NOT EXISTS chunks_fts_ai AFTER INSERT ON chunks BEGIN
+    INSERT INTO chunks_fts(rowid, text) VALUES (new.id, new.text);
+END;
+CREATE TRIGGER IF NOT EXISTS chunks_fts_ad AFTER DELETE ON chunks BEGIN
+    DELETE FROM chunks_fts WHERE rowid = old.id;
+END;
+CREATE TRIGGER IF NOT EXISTS chunks_fts_au AFTER UPDATE OF text ON chunks BEGIN
+    UPDATE chunks_fts SET text = new.text WHERE rowid = old.id;
+END;
+"""
+
+#: Fusion methods of hybrid search: ``rrf`` (reciprocal rank fusion, Cormack et al. 2009) and
+#: ``score`` (min-max normalized scores, weighted sum).
+FUSIONS = ("rrf", "score")
+# RRF's k: 60 is the constant of the original paper and of Elasticsearch/Weaviate/LlamaIndex.
+_RRF_K = 60
+# Words that carry no retrieval signal in a question; OR-ing them would only make every chunk match.
+_STOP = frozenset("""
+a an and are as at be been but by can could did do does for from had has have how i if in into is
+it its of on or should so than that the their them then there these they this those to was were what
+when where which who whom whose why will with would you your yours me my we our us he she his her
+""".split())
+_FTS_WORD = re.compile(r"\w+")
+_FTS_MAX_TERMS = 64
+
+_fts5_ok: bool | None = None
+_fts5_warned = False
+
+
+def fts5_available() -> bool:
+    """Whether this Python's SQLite has FTS5 (checked once, on an in-memory database)."""
+    global _fts5_ok
+    if _fts5_ok is None:
+        try:
+            con = sqlite3.connect(":memory:")
+            try:
+                con.execute("CREATE VIRTUAL TABLE t USING fts5(x)")
+                _fts5_ok = True
+            finally:
+                con.close()
+        except sqlite3.Error:
+            _fts5_ok = False
+    return _fts5_ok
+
+
+def _warn_no_fts5() -> None:
+    global _fts5_warned
+    if not _fts5_warned:
+        _fts5_warned = True
+        log.warning(
+            "this Python's SQLite (%s) has no FTS5: lexical (BM25) search is off and hybrid "
+            "search falls back to dense only; use a Python built with a full SQLite to enable it",
+            sqlite3.sqlite_version,
+        )
+
+
+def fts_match_query(text: str, *, max_terms: int = _FTS_MAX_TERMS) -> str:
+    """An FTS5 ``MATCH`` expression for free text: its words, each quoted, joined by ``OR``.
+
+    Every word becomes a quoted string (a ``"`` inside is doubled), so FTS5 syntax in the user's
+    text — quotes, ``AND``/``NOT``/``NEAR``, ``*``, ``^``, column filters, parentheses — is matched
+    as plain words and never raises. Stop words are left out unless nothing else is left; repeated
+    words count once; at most ``max_terms`` words. ``""`` when the text has no word at all.
+
+    >>> fts_match_query('Who founded "Apple" AND NOT Microsoft*?')
+    '"founded" OR "apple" OR "microsoft"'
+    """
+    words = list(dict.fromkeys(w.lower() for w in _FTS_WORD.findall(text)))
+    kept = [w for w in words if w not in _STOP and w not in ("and", "or", "not", "near")] or words
+    return " OR ".join('"' + w.replace('"', '""') + '"' for w in kept[:max_terms])
+
+
+def _bm25(db: sqlite3.Connection, query: str, k: int, *,
+          ids: Sequence[int] | None = None) -> list[tuple[int, float]]:
+    """``(chunk_id, bm25)`` best first (bm25 negated so higher is better), from ``chunks_fts``.
+
+    With ``ids``, only those chunks are scored (their BM25 still uses whole-corpus statistics).
+    A query FTS5 still refuses is logged and answers ``[]``: a question must never fail on syntax.
+    """
+    expr = fts_match_query(query)
+    if not expr or k < 1:
+        return []
+    sql = "SELECT rowid, -bm25(chunks_fts) FROM chunks_fts WHERE chunks_fts MATCH ?"
+    params: list[Any] = [expr]
+    if ids is not None:
+        ids = [int(i) for i in ids][:900]  # under every SQLite build's bound-parameter limit
+        if not ids:
+            return []
+        sql += f" AND rowid IN ({','.join('?' * len(ids))})"
+        params += ids
+    sql += " ORDER BY bm25(chunks_fts) LIMIT ?"
+    params.append(int(k))
+    try:
+        return [(int(i), float(s)) for i, s in db.execute(sql, params)]
+    except sqlite3.Error as exc:
+        log.warning("lexical search skipped for %r: %s", query[:80], exc)
+        return []
+
+
+def _ensure_fts(db: sqlite3.Connection) -> str:
+    """Create the FTS table and its triggers on a writable connection and fill it if it was missing.
+
+    Returns ``"ok"`` (was there), ``"created"`` (created and back-filled from ``chunks``) or
+    ``"unavailable"`` (no FTS5 in this SQLite).
+    """
+    if not fts5_available():
+        _warn_no_fts5()
+        return "unavailable"
+    had = db.execute("SELECT 1 FROM sqlite_master WHERE name='chunks_fts'").fetchone() is not None
+    db.executescript(_FTS_SCHEMA)
+    if had:
+        return "ok"
+    db.execute("INSERT INTO chunks_fts(rowid, text) SELECT id, text FROM chunks")
+    return "created"
+
+
+def fuse_scores(
+    dense: dict[Any, float],
+    lexical: dict[Any, float],
+    *,
+    method: str = "rrf",
+    lexical_weight: float = 0.5,
+) -> list[tuple[Any, float]]:
+    """Fuse dense and lexical scores of the same items; ``(id, score)`` best first.
+
+    ``dense`` maps ids to similarities (higher is better), ``lexical`` ids to BM25 scores (higher
+    is better); an id missing from one mapping did not come up in that search. ``method``:
+
+    * ``"rrf"``: ``(1 - w) / (60 + dense rank) + w / (60 + lexical rank)`` (ranks from 1);
+    * ``"score"``: ``(1 - w) · d + w · l``, the dense scores min-max normalized over the
+      candidates, the lexical ones divided by their maximum (BM25 is ≥ 0 and an absent chunk
+      matched no query word: 0, not merely the lowest candidate); a missing score counts as 0.
+
+    ``w = lexical_weight`` (0: dense order only, 1: lexical only). The fused value is then mapped
+    linearly onto the range of the dense scores given, so the result keeps the units of a cosine
+    similarity — what ``select_chunks``'s ``temperature`` is tuned for. Ties keep dense order, then
+    lexical order.
+
+    >>> fuse_scores({"a": 0.9, "b": 0.8}, {"b": 12.0}, lexical_weight=0.5)
+    [('b', 0.9), ('a', 0.8)]
+    """
+    if method not in FUSIONS:
+        raise ConfigError(f"fusion must be one of {', '.join(FUSIONS)}; got {method!r}")
+    if not 0.0 <= lexical_weight <= 1.0:
+        raise ConfigError(f"lexical_weight must be in [0, 1]; got {lexical_weight}")
+    d_order = sorted(dense, key=lambda i: -dense[i])
+    l_order = sorted(lexical, key=lambda i: -lexical[i])
+    ids = list(dict.fromkeys(d_order + l_order))
+    if not ids:
+        return []
+    w = lexical_weight
+    fused: dict[Any, float] = {}
+    if method == "rrf":
+        d_rank = {i: r for r, i in enumerate(d_order, 1)}
+        l_rank = {i: r for r, i in enumerate(l_order, 1)}
+        for i in ids:
+            f = 0.0
+            if i in d_rank:
+                f += (1.0 - w) / (_RRF_K + d_rank[i])
+            if i in l_rank:
+                f += w / (_RRF_K + l_rank[i])
+            fused[i] = f
+    else:
+        def normalized(m: dict[Any, float], *, from_zero: bool) -> dict[Any, float]:
+            if not m:
+                return {}
+            lo, hi = min(m.values()), max(m.values())
+            if from_zero and lo >= 0 and hi > 0:
+                return {i: v / hi for i, v in m.items()}
+            return {i: (v - lo) / (hi - lo) if hi > lo else 1.0 for i, v in m.items()}
+
+        dn = normalized(dense, from_zero=False)
+        ln = normalized(lexical, from_zero=True)
+        for i in ids:
+            fused[i] = (1.0 - w) * dn.get(i, 0.0) + w * ln.get(i, 0.0)
+    pos = {i: n for n, i in enumerate(ids)}
+    ranked = sorted(ids, key=lambda i: (-fused[i], pos[i]))
+    if dense:
+        lo, hi = min(dense.values()), max(dense.values())
+    else:
+        lo, hi = 0.0, 1.0
+    f_lo, f_hi = min(fused.values()), max(fused.values())
+    span = f_hi - f_lo
+    return [(i, round(hi if span <= 0 else lo + (fused[i] - f_lo) / span * (hi - lo), 9))
+            for i in ranked]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -322,6 +527,9 @@ class Index:
         self._faiss: Any = None
         self._approx: Any = None
         self._db: sqlite3.Connection | None = None
+        # Where BM25 queries go: the generation's SQLite file, or an in-memory FTS table built
+        # on demand for an index written before the table existed; False: no FTS5 here.
+        self._lex_db: sqlite3.Connection | bool | None = None
         self._embedder: Embedder | None = None
         self._lock = threading.RLock()
 
@@ -444,6 +652,9 @@ class Index:
     def close(self) -> None:
         """Release the in-memory index and the SQLite handle (reopened on next use)."""
         with self._lock:
+            if isinstance(self._lex_db, sqlite3.Connection) and self._lex_db is not self._db:
+                self._lex_db.close()
+            self._lex_db = None
             if self._db is not None:
                 self._db.close()
             self._db = self._faiss = self._approx = None
@@ -471,11 +682,117 @@ class Index:
             self._embedder = embedder_from_spec(self.manifest["embedder"])
         return self._embedder
 
-    def search(self, query: str, k: int = 5, *, embedder: Embedder | None = None) -> list[Hit]:
-        """The ``k`` chunks most similar to ``query`` (cosine), best first."""
+    def search(self, query: str, k: int = 5, *, embedder: Embedder | None = None,
+               hybrid: bool = False, lexical_weight: float = 0.5, fusion: str = "rrf",
+               candidates: int | None = None) -> list[Hit]:
+        """The ``k`` chunks that best match ``query``, best first.
+
+        Dense by default: ``score`` is the cosine similarity. With ``hybrid=True`` the top
+        ``candidates`` (default ``max(k, 50)``) of the dense search and of a BM25 search over the
+        chunk texts are fused with :func:`fuse_scores` (``fusion``: ``"rrf"`` or ``"score"``,
+        ``lexical_weight`` 0 = dense only), and ``score`` is the fused value on the dense
+        candidates' cosine scale. Without FTS5 in this SQLite, hybrid search logs that once and
+        returns the dense hits.
+
+        >>> idx.search("who founded the guild?", k=5, hybrid=True)[0].score   # doctest: +SKIP
+        """
         emb = embedder or self.embedder
         self._check_embedder(emb)
-        return self.search_vector(emb.embed_query(query), k)
+        if k < 1:
+            raise ConfigError(f"k must be >= 1, got {k}")
+        if fusion not in FUSIONS:
+            raise ConfigError(f"fusion must be one of {', '.join(FUSIONS)}; got {fusion!r}")
+        if not 0.0 <= lexical_weight <= 1.0:
+            raise ConfigError(f"lexical_weight must be in [0, 1]; got {lexical_weight}")
+        vector = emb.embed_query(query)
+        if not hybrid or lexical_weight == 0.0:
+            return self.search_vector(vector, k)
+        pool = max(k, candidates or 50)
+        lexical = dict(self._lexical(query, pool))
+        if not lexical:  # no FTS5, or no query word in any chunk: the dense search, unchanged
+            return self.search_vector(vector, k)
+        dense_hits = self.search_vector(vector, pool)
+        dense = {h.chunk_id: h.score for h in dense_hits}
+        missing = [i for i in lexical if i not in dense]
+        # A chunk found only by BM25 still gets its real cosine (vectors are in the flat index),
+        # so score fusion normalizes true similarities, not a guess.
+        dense.update(self._cosines(vector, missing))
+        fused = fuse_scores(dense, lexical, method=fusion, lexical_weight=lexical_weight)[:k]
+        known = {h.chunk_id: h for h in dense_hits}
+        need = [i for i, _ in fused if i not in known]
+        known.update({h.chunk_id: h for h in self.get_chunks(need)})
+        return [_with_score(known[i], s) for i, s in fused if i in known]
+
+    def search_lexical(self, query: str, k: int = 5) -> list[Hit]:
+        """The ``k`` chunks with the best BM25 score for ``query`` (``score`` = BM25, higher is
+        better). Any text is safe: FTS5 syntax in it is matched as plain words
+        (:func:`fts_match_query`). ``[]`` without FTS5 (logged once)."""
+        if k < 1:
+            raise ConfigError(f"k must be >= 1, got {k}")
+        pairs = self._lexical(query, k)
+        by_id = {h.chunk_id: h for h in self.get_chunks([i for i, _ in pairs])}
+        return [_with_score(by_id[i], s) for i, s in pairs if i in by_id]
+
+    @property
+    def has_lexical(self) -> bool:
+        """Whether the generation in use stores its FTS5 table (older indexes do not)."""
+        self._load()
+        assert self._db is not None
+        with self._lock:
+            return self._db.execute(
+                "SELECT 1 FROM sqlite_master WHERE name='chunks_fts'").fetchone() is not None
+
+    def _lexical(self, query: str, k: int) -> list[tuple[int, float]]:
+        db = self._lexical_db()
+        if db is None:
+            return []
+        with self._lock:
+            return _bm25(db, query, k)
+
+    def _lexical_db(self) -> sqlite3.Connection | None:
+        self._load()
+        with self._lock:
+            if self._lex_db is None:
+                if not fts5_available():
+                    _warn_no_fts5()
+                    self._lex_db = False
+                elif self.has_lexical:
+                    self._lex_db = self._db
+                else:
+                    self._lex_db = self._build_lexical_in_memory()
+            return self._lex_db or None
+
+    def _build_lexical_in_memory(self) -> sqlite3.Connection:
+        """BM25 for an index written before the FTS table: built from the chunk texts, kept for
+        this session only (the generation files are immutable; the next writer run stores it)."""
+        assert self._db is not None
+        t = time.perf_counter()
+        mem = sqlite3.connect(":memory:", check_same_thread=False)
+        mem.execute(f"CREATE VIRTUAL TABLE chunks_fts USING fts5(text, tokenize='{FTS_TOKENIZE}')")
+        n = 0
+        cur = self._db.execute("SELECT id, text FROM chunks")
+        while rows := cur.fetchmany(2048):
+            mem.executemany("INSERT INTO chunks_fts(rowid, text) VALUES (?, ?)", rows)
+            n += len(rows)
+        log.warning(
+            "the index in %s was built without the lexical (FTS5) table; built it in memory for "
+            "this session (%d chunks, %.2fs). Re-run `ragbudget index` on the same folders to "
+            "store it (nothing is re-embedded)", self.path, n, time.perf_counter() - t)
+        return mem
+
+    def _cosines(self, vector: Any, ids: Sequence[int]) -> dict[int, float]:
+        import numpy as np
+
+        if not ids:
+            return {}
+        q = np.asarray(vector, dtype=np.float32).reshape(-1)
+        out = {}
+        for i in ids:
+            try:
+                out[int(i)] = float(self._faiss.reconstruct(int(i)) @ q)
+            except RuntimeError:  # no vector for this id (verify reports such an index)
+                continue
+        return out
 
     def _check_embedder(self, emb: Embedder) -> None:
         from .errors import IndexMismatchError
@@ -584,6 +901,7 @@ class Index:
             "chunking": m.get("chunking"),
             "dedup": m.get("dedup"),
             "approx": (m.get("approx") or {}).get("kind"),
+            "lexical": (m.get("lexical") or {}).get("kind"),
             **m.get("counts", {}),
             "bytes": sum(int((m.get(k) or {}).get("bytes", 0)) for k in ("faiss", "sqlite", "approx")),
         }
@@ -642,6 +960,26 @@ class Index:
         counts = m.get("counts", {})
         if counts.get("chunks") not in (None, checked["chunks"]):
             problems.append(f"manifest counts {counts['chunks']} chunks, SQLite has {checked['chunks']}")
+        if db.execute("SELECT 1 FROM sqlite_master WHERE name='chunks_fts'").fetchone():
+            fts_ids = np.array([r[0] for r in db.execute("SELECT rowid FROM chunks_fts")],
+                               dtype=np.int64)
+            checked["lexical_rows"] = len(fts_ids)
+            if len(fts_ids) != len(np.unique(fts_ids)):
+                problems.append("a chunk id has more than one lexical (FTS) row")
+            only_fts = np.setdiff1d(fts_ids, chunk_ids)
+            no_fts = np.setdiff1d(chunk_ids, fts_ids)
+            if len(only_fts):
+                problems.append(f"{len(only_fts)} lexical (FTS) row(s) without a chunk row, "
+                                f"e.g. {only_fts[:5].tolist()}")
+            if len(no_fts):
+                problems.append(f"{len(no_fts)} chunk(s) without a lexical (FTS) row, "
+                                f"e.g. {no_fts[:5].tolist()}")
+            stale = db.execute("SELECT COUNT(*) FROM chunks c JOIN chunks_fts f ON f.rowid = c.id "
+                               "WHERE f.text != c.text").fetchone()[0]
+            if stale:
+                problems.append(f"{stale} lexical (FTS) row(s) whose text differs from the chunk")
+        else:
+            checked["lexical_rows"] = None  # an older index: built in memory on demand
         integrity = db.execute("PRAGMA quick_check").fetchone()[0]
         if integrity != "ok":
             problems.append(f"SQLite quick_check: {integrity}")
@@ -788,6 +1126,7 @@ class _Builder:
         self.reuse: tuple[sqlite3.Connection, Any] | None = None
         self.old: dict[str, Any] | None = None
         self.changed = False
+        self.lexical = "unavailable"
 
     # -- setup ---------------------------------------------------------------------------------
 
@@ -887,7 +1226,12 @@ class _Builder:
         # The temp copy is private until renamed: no journal needed; the rename commits it.
         self.db.execute("PRAGMA journal_mode=OFF")
         self.db.execute("PRAGMA synchronous=OFF")
+        self.lexical = _ensure_fts(self.db)
         self.changed = bool(reason) or self.old is None
+        if self.lexical == "created" and self.old is not None and not reason:
+            # An index from before the FTS table: this run stores it even if no file changed.
+            log.info("adding the lexical (FTS5) table to the index in %s", self.dir)
+            self.changed = True
 
         # -- 1. what changed: one stat per file, content sha256 only when the stat differs.
         scan_opts: dict[str, Any] = {"max_bytes": self.max_bytes} if self.max_bytes else {}
@@ -1225,6 +1569,8 @@ class _Builder:
             "windowed_chunks": self.db.execute(
                 "SELECT COUNT(*) FROM chunks WHERE windows>1").fetchone()[0],
         }
+        if self.lexical != "unavailable":
+            counts["lexical_rows"] = self.db.execute("SELECT COUNT(*) FROM chunks_fts").fetchone()[0]
         self.counts = counts
         self.db.close()
         self.db = None
@@ -1266,6 +1612,8 @@ class _Builder:
             "faiss": {"kind": "IndexIDMap2(IndexFlatIP)", "file": fpath.name,
                       "bytes": fpath.stat().st_size, "sha256": _sha256_file(fpath)},
             "approx": approx_entry,
+            "lexical": ({"kind": "sqlite-fts5", "table": "chunks_fts", "tokenize": FTS_TOKENIZE}
+                        if self.lexical != "unavailable" else None),
             "sqlite": {"file": spath.name, "bytes": spath.stat().st_size,
                        "sha256": _sha256_file(spath)},
             "counts": counts,

@@ -31,7 +31,7 @@ from ragbudget.errors import (
     IndexMismatchError,
     IndexNotFoundError,
 )
-from ragbudget.index import Hit, Index, IndexSummary, _Lock
+from ragbudget.index import Hit, Index, IndexSummary, _Lock, fts_match_query, fuse_scores
 
 EMB = HashEmbedder(dim=256)
 OPTS = {"min_tokens": 20, "max_tokens": 60}
@@ -496,6 +496,13 @@ class IndexMachine(RuleBasedStateMachine):
         report = idx.verify()
         assert report.ok, report.problems
         assert report.checked["vectors"] == report.checked["chunks"]
+        # Every FAISS id has exactly one lexical (FTS) row, with the chunk's text, and no other.
+        import faiss
+
+        assert idx._db is not None
+        fts = [r[0] for r in idx._db.execute("SELECT rowid FROM chunks_fts")]
+        assert sorted(fts) == sorted(faiss.vector_to_array(idx._faiss.id_map).tolist())
+        assert report.checked["lexical_rows"] == report.checked["chunks"]
         idx.close()
 
     def teardown(self) -> None:
@@ -527,3 +534,170 @@ def test_corpus_boilerplate_is_stripped_at_index_time(tmp_path: Path) -> None:
         texts = [h.text for h in idx.search("glaciers history", k=50)]
     assert texts and not any("Pricing" in t for t in texts)
     assert any("glaciers" in t for t in texts)
+
+
+# --- lexical (FTS5) search and hybrid fusion ---------------------------------------------------------
+
+
+HOSTILE = ['"', '""', "'", 'he said "hi', "AND", "OR NOT", "NEAR(a b, 2)", "*", "a*", "^start",
+           "text: foo", "col:x OR", "(((", ")", "- -", "\\", "\x00", "", "   ", "?!", "🙂 émigré",
+           'marker3zz" OR "x', "SELECT * FROM chunks; --", "{a b}", "a + b", "NOT marker3zz"]
+
+
+def test_fts_match_query_quotes_every_word() -> None:
+    assert fts_match_query('Who founded "Apple" AND NOT Microsoft*?') == '"founded" OR "apple" OR "microsoft"'
+    assert fts_match_query("the of and") == '"the" OR "of" OR "and"'  # only stop words: kept
+    assert fts_match_query("?!") == ""
+    assert fts_match_query(" ".join(f"w{i}" for i in range(100))).count(" OR ") == 63
+
+
+def test_hostile_queries_never_raise(ix: Index, corpus: Path) -> None:
+    build(ix, corpus)
+    o = Index.open(ix.path)
+    for q in HOSTILE:
+        assert isinstance(o.search_lexical(q, k=3), list)
+        if q.strip():
+            assert isinstance(o.search(q, k=3, hybrid=True), list)
+    assert o.search_lexical('NOT marker3zz"', k=1)[0].text.count("marker3zz") == 1
+
+
+@pytest.mark.parametrize("fusion", ["rrf", "score"])
+def test_random_text_queries_never_raise(tmp_path_factory: pytest.TempPathFactory, fusion: str) -> None:
+    import math
+
+    from hypothesis import given
+
+    root = tmp_path_factory.mktemp("fz")
+    ix = Index(root / "ix")
+    build(ix, write_corpus(root / "c", n=2))
+    o = Index.open(ix.path)
+
+    @settings(max_examples=200, deadline=None)
+    @given(st.text(max_size=60))
+    def run(q: str) -> None:
+        hits = o.search_lexical(q, k=3)
+        assert all(math.isfinite(h.score) for h in hits)
+        if q.strip():
+            assert all(math.isfinite(h.score) for h in o.search(q, k=3, hybrid=True, fusion=fusion))
+
+    run()
+
+
+def test_hybrid_search_finds_and_scores(ix: Index, corpus: Path) -> None:
+    build(ix, corpus)
+    o = Index.open(ix.path)
+    assert o.has_lexical and o.stats()["lexical"] == "sqlite-fts5"
+    lex = o.search_lexical("marker4zz", k=3)
+    assert lex and "marker4zz" in lex[0].text and lex[0].score > 0
+    dense = o.search("marker4zz", k=10)
+    for fusion in ("rrf", "score"):
+        hyb = o.search("marker4zz", k=10, hybrid=True, fusion=fusion)
+        assert "marker4zz" in hyb[0].text
+        assert [h.score for h in hyb] == sorted((h.score for h in hyb), reverse=True)
+        # Fused scores stay on the dense cosine scale (selection's temperature assumes it).
+        lo, hi = min(h.score for h in dense), max(h.score for h in dense)
+        assert all(lo - 1e-6 <= h.score <= hi + 1e-6 for h in hyb)
+    # lexical_weight=0 or hybrid=False: the dense search exactly.
+    assert [h.chunk_id for h in o.search("marker4zz", k=10, hybrid=True, lexical_weight=0)] == \
+        [h.chunk_id for h in dense]
+    with pytest.raises(ConfigError):
+        o.search("x", hybrid=True, fusion="max")
+    with pytest.raises(ConfigError):
+        o.search("x", hybrid=True, lexical_weight=1.5)
+
+
+def test_fuse_scores_orders() -> None:
+    dense = {"a": 0.9, "b": 0.8, "c": 0.7, "d": 0.6}
+    lexical = {"d": 20.0, "c": 10.0, "e": 5.0}
+    for method in ("rrf", "score"):
+        assert [i for i, _ in fuse_scores(dense, lexical, method=method, lexical_weight=0.0)][:4] == \
+            ["a", "b", "c", "d"]
+        assert [i for i, _ in fuse_scores(dense, lexical, method=method, lexical_weight=1.0)][:3] == \
+            ["d", "c", "e"]
+        fused = fuse_scores(dense, lexical, method=method, lexical_weight=0.5)
+        assert sorted(i for i, _ in fused) == ["a", "b", "c", "d", "e"]
+        assert fused[0][1] == 0.9 and fused[-1][1] == 0.6  # mapped onto the dense range
+    # RRF: found by both beats first in one only (c: ranks 3 and 2; a: rank 1 dense only).
+    rrf = [i for i, _ in fuse_scores(dense, lexical, method="rrf", lexical_weight=0.5)]
+    assert rrf.index("c") < rrf.index("a") and rrf.index("d") < rrf.index("a")
+    # Ties keep dense order.
+    assert [i for i, _ in fuse_scores({"x": 0.5, "y": 0.5}, {}, method="score")] == ["x", "y"]
+    assert fuse_scores({}, {}) == []
+    with pytest.raises(ConfigError):
+        fuse_scores(dense, lexical, method="nope")
+
+
+def _strip_fts(ix: Index) -> None:
+    """Make the current generation look like one written before the FTS table existed."""
+    import sqlite3
+
+    f = _current(ix, "sqlite")
+    con = sqlite3.connect(f)
+    for t in ("chunks_fts_ai", "chunks_fts_ad", "chunks_fts_au"):
+        con.execute(f"DROP TRIGGER {t}")
+    con.execute("DROP TABLE chunks_fts")
+    con.commit()
+    con.execute("VACUUM")
+    con.close()
+    m = json.loads((ix.path / "manifest.json").read_text())
+    m["sqlite"].update(bytes=f.stat().st_size, sha256=hashlib.sha256(f.read_bytes()).hexdigest())
+    m.pop("lexical", None)
+    m["counts"].pop("lexical_rows", None)
+    (ix.path / "manifest.json").write_text(json.dumps(m))
+
+
+def test_index_without_fts_table_opens_and_is_upgraded(ix: Index, corpus: Path,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    build(ix, corpus)
+    _strip_fts(ix)
+    o = Index.open(ix.path)
+    assert not o.has_lexical
+    assert o.verify().ok and o.verify().checked["lexical_rows"] is None
+    with caplog.at_level("WARNING", logger="ragbudget.index"):
+        hits = o.search("marker2zz", k=3, hybrid=True)
+    assert "marker2zz" in hits[0].text
+    assert "without the lexical (FTS5) table" in caplog.text and "ragbudget index" in caplog.text
+    assert "marker2zz" in o.search_lexical("marker2zz", k=1)[0].text
+    o.close()
+    # The next run stores the table even though no file changed; nothing is re-embedded.
+    s = build(ix, corpus)
+    assert s.committed and s.chunks_embedded == 0 and s.generation == 2
+    o = Index.open(ix.path)
+    assert o.has_lexical and o.verify().ok
+    assert o.verify().checked["lexical_rows"] == o.stats()["chunks"]
+
+
+def test_no_fts5_falls_back_to_dense(ix: Index, corpus: Path, monkeypatch: pytest.MonkeyPatch,
+                                     caplog: pytest.LogCaptureFixture) -> None:
+    import ragbudget.index as mod
+
+    monkeypatch.setattr(mod, "_fts5_ok", False)
+    monkeypatch.setattr(mod, "_fts5_warned", False)
+    with caplog.at_level("WARNING", logger="ragbudget.index"):
+        build(ix, corpus)
+    assert "has no FTS5" in caplog.text
+    o = Index.open(ix.path)
+    assert o.stats()["lexical"] is None and not o.has_lexical
+    assert [h.chunk_id for h in o.search("marker1zz", k=5, hybrid=True)] == \
+        [h.chunk_id for h in o.search("marker1zz", k=5)]
+    assert o.search_lexical("marker1zz") == [] and o.verify().ok
+
+
+def test_verify_detects_fts_out_of_sync(ix: Index, corpus: Path) -> None:
+    import sqlite3
+
+    build(ix, corpus)
+    f = _current(ix, "sqlite")
+    con = sqlite3.connect(f)
+    con.execute("DELETE FROM chunks_fts WHERE rowid = (SELECT MIN(id) FROM chunks)")
+    con.execute("INSERT INTO chunks_fts(rowid, text) VALUES (999999, 'stray')")
+    con.execute("UPDATE chunks_fts SET text = 'changed' WHERE rowid = (SELECT MAX(id) FROM chunks)")
+    con.commit()
+    con.close()
+    m = json.loads((ix.path / "manifest.json").read_text())
+    m["sqlite"].update(bytes=f.stat().st_size, sha256=hashlib.sha256(f.read_bytes()).hexdigest())
+    (ix.path / "manifest.json").write_text(json.dumps(m))
+    problems = " | ".join(Index.open(ix.path).verify().problems)
+    assert "without a lexical (FTS) row" in problems
+    assert "lexical (FTS) row(s) without a chunk row" in problems
+    assert "text differs" in problems
