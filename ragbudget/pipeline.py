@@ -108,6 +108,10 @@ class Pipeline:
         max_new_tokens: output tokens reserved per request.
         kv_dtype, cache: KV cache dtype and kind (dynamic, static, offloaded, quantized).
         fetch_k: candidates fetched from the index before selection.
+        hybrid: fuse dense (FAISS) and lexical (BM25, SQLite FTS5) candidates (default on);
+            ``False`` searches dense only.
+        lexical_weight: weight of the lexical ranking in the fusion (0 = dense only).
+        fusion: ``"rrf"`` (reciprocal rank fusion) or ``"score"`` (normalized scores).
         order: context order — ``relevance``, ``document`` or ``lost_in_middle``.
         utilization: share of the memory the plan may use (0.9 as vLLM).
         queue_size, queue_timeout: admission control's bounded queue.
@@ -129,6 +133,9 @@ class Pipeline:
         kv_dtype: str | None = None,
         cache: str = "dynamic",
         fetch_k: int = 50,
+        hybrid: bool = True,
+        lexical_weight: float = 0.5,
+        fusion: str = "rrf",
         order: str = "relevance",
         utilization: float = 0.9,
         queue_size: int = 64,
@@ -142,6 +149,11 @@ class Pipeline:
             raise ConfigError(f"max_new_tokens must be ≥ 1, got {max_new_tokens}")
         if fetch_k < 1:
             raise ConfigError(f"fetch_k must be ≥ 1, got {fetch_k}")
+        if not 0.0 <= lexical_weight <= 1.0:
+            raise ConfigError(f"lexical_weight must be in [0, 1], got {lexical_weight}; "
+                              "use 0 (or hybrid=False) for dense-only search")
+        if fusion not in ("rrf", "score"):
+            raise ConfigError(f"fusion must be 'rrf' or 'score', got {fusion!r}")
         self.index_dir = Path(index_dir)
         self.model = model
         self.gpu = gpu
@@ -150,6 +162,9 @@ class Pipeline:
         self.kv_dtype = kv_dtype
         self.cache = cache
         self.fetch_k = fetch_k
+        self.hybrid = hybrid
+        self.lexical_weight = lexical_weight
+        self.fusion = fusion
         self.order = order
         self.utilization = utilization
         self.queue_size = queue_size
@@ -265,10 +280,13 @@ class Pipeline:
             return Index(self.index_dir).build(paths, embedder=self.embedder, **options)
 
     def search(self, query: str, k: int = 5) -> list[Hit]:
-        """The ``k`` chunks most similar to ``query`` (cosine), with all their sources."""
+        """The ``k`` chunks that best match ``query``, with all their sources: hybrid (dense +
+        BM25, fused; ``score`` on the cosine scale) unless the pipeline has ``hybrid=False``."""
         if not query or not query.strip():
             raise ConfigError("the query is empty")
-        return self.store.search(query, k=k, embedder=self.embedder)
+        return self.store.search(query, k=k, embedder=self.embedder, hybrid=self.hybrid,
+                                 lexical_weight=self.lexical_weight, fusion=self.fusion,
+                                 candidates=max(k, self.fetch_k))
 
     # -- budgeted retrieval -------------------------------------------------------------------------
 
