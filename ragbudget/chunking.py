@@ -447,27 +447,42 @@ class _Chunker:
         text = self.text
         if self.enc is None or e - s < _FAST_MIN_CHARS:
             return self.tok.count(text[s:e])
-        # First and last exact points strictly inside the chunk; between them the whole-text
-        # encoding is exact (module docstring), so only the two ends are re-encoded. The usual
-        # point is a word end before a plain space, found with str.find; the regex is the
-        # fallback for text without such spaces.
+        # A chunk that starts a line starts at an exact point; one that ends a sentence inside
+        # a line, a word before a line break, or the text, ends at one: that end needs no
+        # re-encoding (when it is also a token boundary, checked below).
+        s_exact = s == 0 or (text[s - 1] == "\n" and not text[s].isspace())
+        e_exact = (
+            e == len(text)
+            or (not text[e - 1].isspace() and text[e] in _WS_NONL_CHARS)
+            or (text[e - 1].isascii() and text[e - 1].isalnum() and text[e] in "\r\n")
+        )
+        # Otherwise the first and last exact points strictly inside the chunk; between them the
+        # whole-text encoding is exact (module docstring), so only the two ends are re-encoded.
+        # The usual point is a word end before a plain space, found with str.find; the regex is
+        # the fallback for text without such spaces.
         p1 = p2 = -1
-        p = text.find(" ", s + 1, e)
-        for _ in range(32):
-            if p < 0 or not text[p - 1].isspace():
-                break
-            p = text.find(" ", p + 1, e)
+        if s_exact:
+            p1 = s
         else:
-            p = -1
-        p1 = p
-        p = text.rfind(" ", s + 1, e)
-        for _ in range(32):
-            if p < 0 or not text[p - 1].isspace():
-                break
-            p = text.rfind(" ", s + 1, p)
+            p = text.find(" ", s + 1, e)
+            for _ in range(32):
+                if p < 0 or not text[p - 1].isspace():
+                    break
+                p = text.find(" ", p + 1, e)
+            else:
+                p = -1
+            p1 = p
+        if e_exact:
+            p2 = e
         else:
-            p = -1
-        p2 = p
+            p = text.rfind(" ", s + 1, e)
+            for _ in range(32):
+                if p < 0 or not text[p - 1].isspace():
+                    break
+                p = text.rfind(" ", s + 1, p)
+            else:
+                p = -1
+            p2 = p
         if p1 < 0 or p2 < 0:
             head = _EXACT_POINT.search(text, s + 1, min(e, s + 400))
             tail = None
@@ -487,7 +502,9 @@ class _Chunker:
         k2 = int(tb.searchsorted(p2, side="right")) - 1
         if tb[k1] != p1 or tb[k2] != p2:  # not a token boundary: the argument does not hold
             return self.tok.count(text[s:e])
-        return self.tok.count(text[s:p1]) + (k2 - k1) + self.tok.count(text[p2:e])
+        head_n = self.tok.count(text[s:p1]) if p1 > s else 0
+        tail_n = self.tok.count(text[p2:e]) if p2 < e else 0
+        return head_n + (k2 - k1) + tail_n
 
     def _exact_inside(self, p: int, e: int) -> bool:
         """A type-(c) point must see its line's text before ``e``; (a)/(b) are local."""
@@ -722,6 +739,9 @@ def _skip(pad: np.ndarray, pos: np.ndarray, pred: Any) -> np.ndarray:
 
 
 _NUMBER_PREFIX = re.compile(r"((?:\d+\.)*\d+)\.?\s")
+_WS_NONL_CHARS = frozenset("\t\x0b\x0c \x85\xa0\u1680\u2028\u2029\u202f\u205f\u3000") | {
+    chr(c) for c in range(0x2000, 0x200B)
+}
 _WS_CHARS = frozenset("\t\n\x0b\x0c\r \x85\xa0\u1680\u2028\u2029\u202f\u205f\u3000") | {
     chr(c) for c in range(0x2000, 0x200B)
 }
