@@ -303,7 +303,7 @@ def _rss(pid: int | None = None) -> int | None:
 
 def _settle_rss(pid: int | None = None) -> int | None:
     gc.collect()
-    time.sleep(1.0)  # let the server finish closing connections and freeing request state
+    time.sleep(1.5)  # let the server close connections, free request state and trim when idle
     return _rss(pid)
 
 
@@ -323,17 +323,21 @@ def _make_pipeline(opts: dict[str, Any]) -> tuple[Any, str, str]:
 def _serve_child(opts: dict[str, Any]) -> None:
     """Child process: serve the pipeline on an ephemeral loopback port, print the URL, and run
     until the parent closes stdin."""
-    from ragbudget.server import background_server, create_app
+    from ragbudget.server import background_server, create_app, limit_malloc_arenas
 
+    # As `ragbudget serve` does, before the models load and any worker thread starts.
+    if opts.get("malloc_arenas"):
+        limit_malloc_arenas(opts["malloc_arenas"])
     pipe, mode, kind = _make_pipeline(opts)
-    with background_server(create_app(pipe, model_name="bench", max_workers=opts["max_workers"])) as url:
+    app = create_app(pipe, model_name="bench", max_workers=opts["max_workers"], trim_memory=opts["trim"])
+    with background_server(app) as url:
         print(json.dumps({"url": url, "mode": mode, "admission": kind}), flush=True)
         # "rss" on stdin: collect garbage (an idle server may hold cyclic garbage, e.g. exception
         # frames, that the automatic GC has not reached yet) and answer the resident memory.
         for line in sys.stdin:
             if line.strip() == "rss":
                 gc.collect()
-                time.sleep(0.5)
+                time.sleep(1.5)  # past the server's idle-trim delay (0.5 s after the last request)
                 print(json.dumps({"rss": _rss()}), flush=True)
 
 
@@ -345,7 +349,8 @@ def _server(opts: dict[str, Any], *, in_process: bool) -> Iterator[tuple[str, An
         from ragbudget.server import background_server, create_app
 
         pipe, mode, kind = _make_pipeline(opts)
-        with background_server(create_app(pipe, model_name="bench", max_workers=opts["max_workers"])) as url:
+        app = create_app(pipe, model_name="bench", max_workers=opts["max_workers"], trim_memory=opts["trim"])
+        with background_server(app) as url:
             yield url, _settle_rss, mode, kind
         return
     import subprocess
@@ -393,7 +398,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--time-limit", type=float, default=120.0)
     ap.add_argument("--stream-share", type=float, default=0.5)
     ap.add_argument("--max-workers", type=int, default=64, help="Server threads for model work (create_app).")
-    ap.add_argument("--rounds", type=int, default=2, help="Load rounds (memory must plateau, not grow).")
+    ap.add_argument("--rounds", type=int, default=3, help="Load rounds (memory must plateau, not grow).")
+    ap.add_argument("--no-trim", action="store_true",
+                    help="Server does not return freed heap to the OS when idle (create_app trim_memory=False).")
+    ap.add_argument("--malloc-arenas", type=int, default=2,
+                    help="Cap glibc malloc arenas in the server as `ragbudget serve` does (0: leave the allocator alone).")
     ap.add_argument("--in-process", action="store_true", help="Run the server in this process (shares the GIL).")
     ap.add_argument("--serve-child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -404,7 +413,8 @@ def main(argv: list[str] | None = None) -> int:
         args.clients, args.requests, args.words, args.rounds = 32, 2, 16, 1
     opts = {"index_dir": args.index_dir, "admit": args.admit, "max_queue": args.max_queue,
             "queue_timeout": args.queue_timeout, "words": args.words, "token_delay": args.token_delay,
-            "max_new_tokens": args.max_new_tokens, "gpu": args.gpu, "max_workers": args.max_workers}
+            "max_new_tokens": args.max_new_tokens, "gpu": args.gpu, "max_workers": args.max_workers,
+            "trim": not args.no_trim, "malloc_arenas": args.malloc_arenas}
 
     with _server(opts, in_process=args.in_process) as (url, server_rss, mode, admission_kind):
         # Baseline once the server is up and one request has been served (lazy imports done).
@@ -440,6 +450,11 @@ def main(argv: list[str] | None = None) -> int:
         "rss_baseline_mb": rss_base and round(rss_base / 2**20, 1),
         "rss_after_mb": rss_after and round(rss_after / 2**20, 1),
         "rss_delta_mb": (rss_after - rss_base) / 2**20 if rss_after and rss_base else None,
+        # Growth per round: a leak keeps it positive round after round; a plateau goes to ~0.
+        "rss_growth_per_round_mb": [round((b - a) / 2**20, 1) for a, b in zip([rss_base, *rss_rounds], rss_rounds)]
+        if rss_base and all(rss_rounds) else None,
+        "trim_memory": not args.no_trim,
+        "malloc_arenas": args.malloc_arenas or None,
         "oom_steps_total": next((int(line.split()[-1]) for line in metrics.splitlines()
                                  if line.startswith("ragbudget_oom_steps_total ")), None),
         "command": "bench/load.py " + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -468,6 +483,8 @@ def main(argv: list[str] | None = None) -> int:
         ("max running / queued / admitted tokens", f"{result['health']['max_running']} / {result['health']['max_queued']} / {result['health']['max_admitted_tokens']}"),
         ("OOM-ladder steps", f(result["oom_steps_total"])),
         ("RSS baseline -> after each round (MB)", f"{f(result['rss_baseline_mb'])} -> {result['rss_after_each_round_mb']}"),
+        ("RSS growth per round (MB)", f"{result['rss_growth_per_round_mb']} (trim {'on' if not args.no_trim else 'off'}, "
+                                      f"malloc arenas {args.malloc_arenas or 'default'})"),
         ("contract (only 200/429+Retry-After, health up)", "OK" if ok_contract else "VIOLATED"),
     ]
     width = max(len(r[0]) for r in rows)

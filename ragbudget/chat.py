@@ -13,7 +13,12 @@ the KV cache must also hold the reserved output. All of it shares *one* per-requ
   0.3: retrieval is favoured); whatever history does not use goes to retrieval;
 * when the verbatim turns do not fit that share, the older ones are folded into a rolling summary
   written by the same generator (capped at ``summary_max_tokens``); the last ``recent_turns`` stay
-  verbatim as long as they fit.
+  verbatim as long as they fit;
+* system messages a client sends with its history are instructions: like the question, they are
+  never folded or cut (they count in ``fixed``).
+
+The HTTP server uses the same machinery: :meth:`Conversation.from_messages` loads the history a
+request carries (OpenAI ``messages``), and :meth:`Conversation.ask` fits, summarizes and answers.
 
 History tokens are counted exactly in the generator's tokenizer *after* the chat template: the cost
 of a set of messages is ``len(template(with them)) - len(template(without them))``, which includes
@@ -124,6 +129,7 @@ class TurnBudget:
     turns_summarized: int
     summary_updated: bool
     overrun: bool
+    system: int = 0  # the client's system messages (part of ``fixed``: never cut)
 
     @property
     def history(self) -> int:
@@ -170,6 +176,8 @@ class _Meter:
 
     Falls back to counting message contents plus a fixed per-message overhead when the tokenizer
     has no chat template (fakes, base models); the fallback overestimates rather than under.
+    Raises :class:`~ragbudget.errors.ConfigError` when the pipeline's generator has no token
+    counter (then nothing can be measured).
     """
 
     # ChatML-style wrappers cost about 4-6 tokens per message; 8 keeps the fallback on the safe side.
@@ -273,8 +281,9 @@ def fit_history(
     """Keep the newest messages of ``history`` whose exact template cost fits ``share`` of the
     prompt room left by ``question`` and the reserved output; return ``(kept, n_dropped)``.
 
-    This is the stateless policy of the HTTP server (each request carries its own history and
-    there is no memory to summarize into): the oldest messages go first, system messages last.
+    The cheap alternative to :meth:`Conversation.from_messages` (which folds old turns into a
+    summary instead, at the cost of a generator call): the oldest messages go first, system
+    messages last.
     Pipelines without a plan or token counter (test fakes) get the history back unchanged.
     """
     history = [dict(m) for m in history]
@@ -362,6 +371,7 @@ class _State:
     turns: list[Turn] = field(default_factory=list)  # verbatim turns, oldest first
     summary: str = ""
     summarized: int = 0  # turns folded into the summary so far
+    system: list[Message] = field(default_factory=list)  # the client's instructions, never folded
 
 
 class Conversation:
@@ -373,7 +383,8 @@ class Conversation:
     ``summary_max_tokens`` tokens written by the pipeline's generator (or by ``summarizer(previous
     summary, turns, max_tokens)`` if given). ``max_new_tokens`` and ``context_tokens`` default to
     the pipeline's. ``expand_follow_ups`` rewrites follow-up questions for retrieval (see
-    :func:`expand_query`).
+    :func:`expand_query`). :meth:`from_messages` starts from an existing history (what an HTTP
+    request carries).
 
     >>> chat = Conversation(pipeline, history_share=0.3, recent_turns=2)  # doctest: +SKIP
     >>> chat.ask("What does the footer contain?").budget.summary          # doctest: +SKIP
@@ -414,6 +425,44 @@ class Conversation:
         self._state = _State()
         self._ask_params = _parameters(pipeline.ask)
 
+    @classmethod
+    def from_messages(cls, pipeline: Any, messages: Sequence[Message], **options: Any) -> Conversation:
+        """A conversation whose history is ``messages`` (OpenAI-style ``{"role", "content"}``,
+        oldest first, without the question to answer): each ``user`` message and the
+        ``assistant`` reply after it form a turn; ``system`` messages are kept as instructions (a
+        system message starting with :data:`SUMMARY_PREFIX` is taken back as the summary).
+        ``options`` are the constructor's. The next :meth:`ask` folds whatever does not fit into
+        the summary, as for a conversation held in memory.
+
+        >>> chat = Conversation.from_messages(pipeline, [{"role": "user", "content": "Hi"},
+        ...                                              {"role": "assistant", "content": "Hello"}])  # doctest: +SKIP
+        >>> chat.ask("What about its footer?").budget.turns_verbatim  # doctest: +SKIP
+        1
+        """
+        conv = cls(pipeline, **options)
+        state = conv._state
+        question: str | None = None
+        for i, m in enumerate(messages):
+            role, content = m.get("role"), m.get("content")
+            if not isinstance(content, str) or role not in ("system", "user", "assistant"):
+                raise ConfigError(f"history message {i} must have role system/user/assistant and text "
+                                  f"content; got {m!r}")
+            if role == "system":
+                if content.startswith(SUMMARY_PREFIX) and not state.summary:
+                    state.summary = content[len(SUMMARY_PREFIX):]
+                else:
+                    state.system.append({"role": "system", "content": content})
+            elif role == "user":
+                if question is not None:  # two user messages in a row: the first got no answer
+                    state.turns.append(Turn(question=question, answer=""))
+                question = content
+            else:
+                state.turns.append(Turn(question=question or "", answer=content))
+                question = None
+        if question is not None:
+            state.turns.append(Turn(question=question, answer=""))
+        return conv
+
     # -- state --
 
     @property
@@ -431,56 +480,74 @@ class Conversation:
         return self._state.summarized
 
     def reset(self) -> None:
-        """Forget the conversation (turns and summary)."""
+        """Forget the conversation (turns, summary and system messages)."""
         self._state = _State()
 
     def history_messages(self, turns: Sequence[Turn] | None = None, summary: str | None = None) -> list[Message]:
-        """The chat messages standing for the conversation so far: the summary, then the turns."""
+        """The chat messages standing for the conversation so far: the system messages, the
+        summary, then the turns."""
         turns = self._state.turns if turns is None else turns
         summary = self._state.summary if summary is None else summary
-        messages: list[Message] = []
+        messages: list[Message] = list(self._state.system)
         if summary:
             messages.append({"role": self.summary_role, "content": SUMMARY_PREFIX + summary})
         for t in turns:
-            messages.append({"role": "user", "content": t.question})
-            messages.append({"role": "assistant", "content": t.answer})
+            # A turn loaded from a client's messages may lack one side (an assistant greeting
+            # first, two user messages in a row); an empty message would only cost template tokens.
+            if t.question or not t.answer:
+                messages.append({"role": "user", "content": t.question})
+            if t.answer or not t.question:
+                messages.append({"role": "assistant", "content": t.answer})
         return messages
+
+    def _history_cost(self, question: str, *, turns: Sequence[Turn] | None = None,
+                      summary: str | None = None) -> int:
+        """Tokens of the summary and turns (not the system messages, which are fixed)."""
+        system = self._state.system
+        return (self._meter.cost(self.history_messages(turns, summary), question)
+                - (self._meter.cost(system, question) if system else 0))
 
     # -- one turn --
 
-    def ask(self, question: str, *, on_text: Callable[[str], Any] | None = None, cancel: Any = None) -> ChatTurn:
+    def ask(self, question: str, *, on_text: Callable[[str], Any] | None = None, cancel: Any = None,
+            **generate_options: Any) -> ChatTurn:
         """Answer ``question`` with the conversation as history; fold older turns into the summary
-        first when history would overflow its share. Raises
-        :class:`~ragbudget.errors.BudgetError` when the question alone leaves no room."""
+        first when history would overflow its share. ``generate_options`` (``temperature``,
+        ``top_p``, ``seed``, ``stop``, …) go to ``pipeline.ask`` for the answer; the summary is
+        always written greedily. Raises :class:`~ragbudget.errors.BudgetError` when the question
+        (with the client's system messages) alone leaves no room."""
         if not isinstance(question, str) or not question.strip():
             raise ConfigError("the question is empty")
         total, output = _plan_numbers(self.pipeline, self.max_new_tokens)
         prompt_allowed = total - output
-        fixed = self._meter.fixed(question)
+        system_tokens = self._meter.cost(self._state.system, question) if self._state.system else 0
+        fixed = self._meter.fixed(question) + system_tokens
         room = prompt_allowed - fixed
         if room <= 0:
+            what = "the question and system messages" if system_tokens else "the question"
             raise BudgetError(
-                f"the question alone takes {fixed} prompt tokens but the budget allows {prompt_allowed} "
+                f"{what} alone take {fixed} prompt tokens but the budget allows {prompt_allowed} "
                 f"({total} per request minus {output} reserved for the answer); shorten the question, "
                 "lower max_new_tokens, or plan for a larger GPU",
                 needed=fixed + output,
                 available=total,
             )
         history_allowed = int(room * self.history_share)
-        summary_updated = self._fit(question, history_allowed)
+        summary_updated = self._fit(question, history_allowed, cancel=cancel)
 
         history = self.history_messages()
-        summary_msgs = history[:1] if self._state.summary else []
-        summary_tokens = self._meter.cost(summary_msgs, question)
-        history_tokens = self._meter.cost(history, question)
+        summary_tokens = self._history_cost(question, turns=[]) if self._state.summary else 0
+        history_tokens = self._history_cost(question)
         recent_tokens = history_tokens - summary_tokens
         context_allowed = room - history_tokens
         if self.context_tokens is not None:
             context_allowed = min(context_allowed, self.context_tokens)
 
         previous = [t.retrieval_query or t.question for t in self._state.turns[-max(1, self.recent_turns):]]
+        previous = [p for p in previous if p]
         retrieval_query = expand_query(question, previous) if self.expand_follow_ups else question
         kwargs: dict[str, Any] = {
+            **generate_options,
             "context_tokens": max(0, context_allowed),
             "max_new_tokens": output,
             "history": history or None,
@@ -517,6 +584,7 @@ class Conversation:
             turns_summarized=self._state.summarized,
             summary_updated=summary_updated,
             overrun=prompt + output > total or history_tokens > history_allowed,
+            system=system_tokens,
         )
         if isinstance(report, dict):
             report["memory"] = budget.to_dict()
@@ -527,11 +595,11 @@ class Conversation:
 
     # -- folding --
 
-    def _fit(self, question: str, allowed: int) -> bool:
+    def _fit(self, question: str, allowed: int, *, cancel: Any = None) -> bool:
         """Fold turns into the summary until summary + verbatim turns fit ``allowed`` tokens.
         Returns True when the summary changed."""
         state = self._state
-        if self._meter.cost(self.history_messages(), question) <= allowed:
+        if self._history_cost(question) <= allowed:
             return False
         # First fold everything older than the recent turns in one summarization call; then, if the
         # recent turns alone are still too large, fold them one at a time (oldest first).
@@ -540,36 +608,36 @@ class Conversation:
         changed = False
         while True:
             if cut > 0:
-                self._fold(state.turns[:cut], allowed)
+                self._fold(state.turns[:cut], allowed, cancel=cancel)
                 state.turns = state.turns[cut:]
                 changed = True
-            if self._meter.cost(self.history_messages(), question) <= allowed:
+            if self._history_cost(question) <= allowed:
                 return changed
             if not state.turns:
                 break
             cut = 1
         # Only the summary is left and it is still over: cut it to the room there is.
-        overhead = self._meter.cost(self.history_messages(summary="x"), question) - self._meter.count("x")
+        overhead = self._history_cost(question, summary="x") - self._meter.count("x")
         state.summary = self._meter.truncate(state.summary, max(0, allowed - overhead - 4))
-        while state.summary and self._meter.cost(self.history_messages(), question) > allowed:
+        while state.summary and self._history_cost(question) > allowed:
             state.summary = self._meter.truncate(state.summary, self._meter.count(state.summary) - 4)
         return True
 
-    def _fold(self, turns: Sequence[Turn], allowed: int) -> None:
+    def _fold(self, turns: Sequence[Turn], allowed: int, *, cancel: Any = None) -> None:
         state = self._state
         cap = max(1, min(self.summary_max_tokens, allowed))
         text = ""
         if self._summarizer is not None:
             text = self._summarizer(state.summary, list(turns), cap)
         else:
-            text = self._generate_summary(state.summary, turns, cap)
+            text = self._generate_summary(state.summary, turns, cap, cancel=cancel)
         text = " ".join(text.split())
         if not text:
             text = _extractive_summary(state.summary, turns)
         state.summary = self._meter.truncate(text, cap)
         state.summarized += len(turns)
 
-    def _generate_summary(self, previous: str, turns: Sequence[Turn], cap: int) -> str:
+    def _generate_summary(self, previous: str, turns: Sequence[Turn], cap: int, *, cancel: Any = None) -> str:
         """Ask the pipeline's generator for the new summary, inside the same per-request budget."""
         gen = getattr(self.pipeline, "generator", None)
         if gen is None or not callable(getattr(gen, "generate", None)):
@@ -580,7 +648,7 @@ class Conversation:
         # then drop the oldest lines until the summarization prompt fits the budget.
         lines = []
         for t in turns:
-            lines.append(f"User: {t.question}")
+            lines.append(f"User: {self._meter.truncate(t.question, 192)}")
             lines.append(f"Assistant: {self._meter.truncate(t.answer, 96)}")
         while True:
             messages = _summary_messages(previous, lines, cap)
@@ -594,9 +662,9 @@ class Conversation:
         needed = self._meter.render(messages) + cap
         if callable(reserve):
             with reserve(needed):
-                result = _call_generate(gen, messages, cap)
+                result = _call_generate(gen, messages, cap, cancel)
         else:
-            result = _call_generate(gen, messages, cap)
+            result = _call_generate(gen, messages, cap, cancel)
         return str(getattr(result, "text", result) or "")
 
 
@@ -610,11 +678,16 @@ def _summary_messages(previous: str, lines: Sequence[str], cap: int) -> list[Mes
     return [{"role": "system", "content": _SUMMARY_SYSTEM}, {"role": "user", "content": user}]
 
 
-def _call_generate(gen: Any, messages: list[Message], max_new_tokens: int) -> Any:
-    """Call ``gen.generate`` with chat messages, whatever the name of its first parameter."""
-    if "messages" in _parameters(gen.generate, var_keyword=False):
-        return gen.generate(messages=messages, max_new_tokens=max_new_tokens)
-    return gen.generate(messages, max_new_tokens=max_new_tokens)
+def _call_generate(gen: Any, messages: list[Message], max_new_tokens: int, cancel: Any = None) -> Any:
+    """Call ``gen.generate`` with chat messages, whatever the name of its first parameter (and
+    with ``cancel`` when it takes one: a client that leaves also stops its summary)."""
+    params = _parameters(gen.generate, var_keyword=False)
+    kwargs: dict[str, Any] = {"max_new_tokens": max_new_tokens}
+    if cancel is not None and "cancel" in params:
+        kwargs["cancel"] = cancel
+    if "messages" in params:
+        return gen.generate(messages=messages, **kwargs)
+    return gen.generate(messages, **kwargs)
 
 
 def _extractive_summary(previous: str, turns: Sequence[Turn]) -> str:

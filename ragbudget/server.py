@@ -29,11 +29,15 @@ which stops generation and frees the reservation at once.
 # (``request: Request``) at runtime, and Request is imported lazily inside create_app.
 import asyncio
 import contextlib
+import ctypes
+import functools
 import hmac
 import json
 import logging
 import math
 import os
+import platform
+import sys
 import threading
 import time
 import uuid
@@ -50,6 +54,8 @@ __all__ = [
     "Metrics",
     "background_server",
     "create_app",
+    "limit_malloc_arenas",
+    "release_memory",
     "serve",
 ]
 
@@ -63,9 +69,14 @@ API_KEY_ENV = "RAGBUDGET_API_KEY"
 
 # Roles accepted in ``messages``; ``developer`` is the newer OpenAI name for ``system``.
 _ROLES = {"system", "developer", "user", "assistant"}
-# Sampling fields the OpenAI client may send. They are validated for type and otherwise ignored:
-# the generator decodes greedily so that answers are reproducible.
-_NUMERIC_IGNORED = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "seed")
+# OpenAI sampling fields that reach the generator, with their accepted ranges (OpenAI's own).
+_SAMPLING_RANGES = {"temperature": (0.0, 2.0), "top_p": (0.0, 1.0)}
+# Accepted and range-checked for compatibility, but without an equivalent in the generator: the
+# OpenAI penalties are additive on token counts, transformers' repetition_penalty is multiplicative,
+# and passing one off as the other would change answers in ways the client did not ask for.
+_NUMERIC_IGNORED = {"presence_penalty": (-2.0, 2.0), "frequency_penalty": (-2.0, 2.0)}
+#: OpenAI accepts up to 4 stop sequences.
+MAX_STOP = 4
 
 # Latency buckets (seconds): from a cached answer on a GPU to a long CPU generation.
 _BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -287,6 +298,92 @@ def _admission_stats(pipeline: Any) -> dict[str, float]:
     return out
 
 
+# --- memory ---------------------------------------------------------------------------------------
+#
+# glibc gives threads their own malloc arenas (up to 8 per core) and keeps the memory freed in them
+# for reuse instead of returning it to the OS. A server whose worker threads each build prompts,
+# embed queries and run the model ends a load burst with a few hundred MB of free-but-resident
+# heap per round: RSS climbs with every burst and never returns to its baseline. Two remedies,
+# both no-ops off glibc: fewer arenas (mallopt M_ARENA_MAX, at serve start), and giving the free
+# pages back (malloc_trim) once the server goes idle.
+
+_M_ARENA_MAX = -8  # glibc's mallopt parameter number (malloc.h)
+
+
+@functools.lru_cache(maxsize=1)
+def _glibc() -> Any:
+    """glibc through ctypes, or None (musl, macOS, Windows: their allocators need no help here)."""
+    if not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc":
+        return None
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+    if not (hasattr(libc, "malloc_trim") and hasattr(libc, "mallopt")):
+        return None
+    libc.malloc_trim.argtypes = [ctypes.c_size_t]
+    libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    return libc
+
+
+def release_memory() -> bool:
+    """Return the heap memory freed so far to the OS (glibc ``malloc_trim(0)``: the free pages of
+    every arena, not only the top of the main heap). True when something was released; False
+    also off glibc. Costs a few milliseconds per GB of heap; the server calls it when idle."""
+    libc = _glibc()
+    return bool(libc.malloc_trim(0)) if libc is not None else False
+
+
+def limit_malloc_arenas(n: int = 2) -> bool:
+    """Cap glibc's malloc arenas at ``n`` (``mallopt(M_ARENA_MAX, n)``, what ``MALLOC_ARENA_MAX=n``
+    does), for the threads that allocate from now on. A thread pool doing model work otherwise
+    spreads its garbage over up to 8 arenas per core. An explicit ``MALLOC_ARENA_MAX`` in the
+    environment wins. Returns True when the limit was set."""
+    if n < 1:
+        raise ConfigError(f"the malloc arena limit must be >= 1, got {n}")
+    libc = _glibc()
+    if libc is None or os.environ.get("MALLOC_ARENA_MAX"):
+        return False
+    return bool(libc.mallopt(_M_ARENA_MAX, n))
+
+
+class _IdleTrimmer:
+    """One daemon thread that calls :func:`release_memory` once the server has been idle (no
+    request in flight) for ``delay`` seconds after a burst; requests never wait for it."""
+
+    def __init__(self, idle: Callable[[], bool], delay: float = 0.5) -> None:
+        self.idle = idle
+        self.delay = delay
+        self.trims = 0
+        self._poke = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def poke(self) -> None:
+        """A request just ended: trim if the server is still idle ``delay`` seconds from now."""
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="ragbudget-trim", daemon=True)
+                self._thread.start()
+        self._poke.set()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._poke.set()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._poke.wait()
+            self._poke.clear()
+            # Debounce: within a burst the server is idle only for instants; trim after it.
+            while not self._stop.wait(self.delay) and self._poke.is_set():
+                self._poke.clear()
+            if not self._stop.is_set() and self.idle():
+                release_memory()
+                self.trims += 1
+
+
 # --- request parsing -----------------------------------------------------------------------------
 
 
@@ -299,6 +396,7 @@ class _ChatRequest:
     include_usage: bool
     max_tokens: int | None
     context_tokens: int | None
+    sampling: dict[str, Any]  # temperature / top_p / seed / stop as sent (absent ones left out)
 
 
 def _content_text(content: Any, where: str) -> str:
@@ -331,6 +429,50 @@ def _opt_int(body: dict[str, Any], name: str, *, minimum: int = 1) -> int | None
     if value < minimum:
         raise _APIError(400, f"'{name}' must be >= {minimum}, got {value}", param=name, code="invalid_value")
     return value
+
+
+def _number(body: dict[str, Any], name: str, low: float, high: float) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _APIError(400, f"'{name}' must be a number, got {type(value).__name__}", param=name, code="invalid_type")
+    if not low <= value <= high:  # also refuses NaN
+        raise _APIError(400, f"'{name}' must be between {low:g} and {high:g}, got {value}", param=name,
+                        code="invalid_value")
+    return value
+
+
+def _parse_sampling(body: dict[str, Any]) -> dict[str, Any]:
+    """The sampling options for ``generate``: temperature (absent or 0 is greedy), top_p, seed and
+    stop (a string or up to :data:`MAX_STOP` strings), validated as OpenAI does."""
+    out: dict[str, Any] = {}
+    for name, (low, high) in _SAMPLING_RANGES.items():
+        value = _number(body, name, low, high)
+        if value is not None:
+            out[name] = value
+    for name, (low, high) in _NUMERIC_IGNORED.items():
+        _number(body, name, low, high)
+    seed = body.get("seed")
+    if seed is not None:
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise _APIError(400, f"'seed' must be an integer, got {type(seed).__name__}", param="seed", code="invalid_type")
+        if not -(2**63) <= seed < 2**64:
+            raise _APIError(400, f"'seed' must fit in 64 bits, got {seed}", param="seed", code="invalid_value")
+        out["seed"] = seed
+    stop = body.get("stop")
+    if stop is not None:
+        items = [stop] if isinstance(stop, str) else stop
+        if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+            raise _APIError(400, "'stop' must be a string or a list of strings", param="stop", code="invalid_type")
+        if len(items) > MAX_STOP:
+            raise _APIError(400, f"'stop' takes at most {MAX_STOP} sequences, got {len(items)}", param="stop",
+                            code="invalid_value")
+        if any(not s for s in items):
+            raise _APIError(400, "'stop' sequences must not be empty strings", param="stop", code="invalid_value")
+        if items:
+            out["stop"] = list(items)
+    return out
 
 
 def _parse_chat(body: Any, models: Sequence[str]) -> _ChatRequest:
@@ -383,10 +525,7 @@ def _parse_chat(body: Any, models: Sequence[str]) -> _ChatRequest:
     n = _opt_int(body, "n")
     if n not in (None, 1):
         raise _APIError(400, f"'n' must be 1 (one answer per request), got {n}", param="n", code="invalid_value")
-    for name in _NUMERIC_IGNORED:
-        value = body.get(name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-            raise _APIError(400, f"'{name}' must be a number, got {type(value).__name__}", param=name, code="invalid_type")
+    sampling = _parse_sampling(body)
     max_tokens = _opt_int(body, "max_completion_tokens")
     if max_tokens is None:
         max_tokens = _opt_int(body, "max_tokens")
@@ -398,6 +537,7 @@ def _parse_chat(body: Any, models: Sequence[str]) -> _ChatRequest:
         include_usage=bool(options.get("include_usage", False)),
         max_tokens=max_tokens,
         context_tokens=_opt_int(body, "context_tokens"),
+        sampling=sampling,
     )
 
 
@@ -465,6 +605,9 @@ def create_app(
     model_name: str | None = None,
     max_workers: int = 64,
     history_share: float = 0.3,
+    summary_max_tokens: int = 128,
+    recent_turns: int = 2,
+    trim_memory: bool = True,
     disconnect_poll_s: float = 0.1,
 ) -> Any:
     """Build the FastAPI app serving ``pipeline`` (a :class:`ragbudget.pipeline.Pipeline` or
@@ -474,9 +617,20 @@ def create_app(
     ``Authorization: Bearer <key>``. ``model_name`` is the id clients send as ``model`` (default:
     the generator's model id, also accepted as ``"ragbudget"``). ``max_workers`` bounds the threads
     doing model work: a request arriving when all are busy (running or queued for admission) is
-    answered 429 at once instead of waiting unboundedly. ``history_share`` caps the share of the
-    prompt budget that earlier messages may take (oldest messages are dropped beyond it; see
-    :func:`ragbudget.chat.fit_history`).
+    answered 429 at once instead of waiting unboundedly.
+
+    A request's earlier messages are its history, budgeted exactly as ``ragbudget chat`` does it
+    (:meth:`ragbudget.chat.Conversation.from_messages`): history may take ``history_share`` of the
+    prompt room (retrieval gets the rest); when the turns do not fit, the older ones are folded
+    into a summary of at most ``summary_max_tokens`` tokens written by the same generator, the
+    last ``recent_turns`` stay verbatim, system messages and the question are never cut, and a
+    follow-up question is expanded for retrieval. The response's ``ragbudget.memory`` gives the
+    tokens of summary, recent turns, context and output and the number of turns summarized.
+    Pipelines without a token counter (test fakes) get the history verbatim.
+
+    ``trim_memory`` returns the heap freed by a burst of requests to the OS once the server is
+    idle again (glibc ``malloc_trim``; see :func:`release_memory`), so resident memory goes back
+    to its baseline between bursts instead of ratcheting up.
 
     >>> app = create_app(pipeline)  # doctest: +SKIP
     """
@@ -507,6 +661,9 @@ def create_app(
         raise ConfigError(f"max_workers must be >= 1, got {max_workers}")
     if not 0.0 <= history_share < 1.0:
         raise ConfigError(f"history_share must be in [0, 1), got {history_share}")
+    if summary_max_tokens < 1 or recent_turns < 0:
+        raise ConfigError(f"summary_max_tokens must be >= 1 and recent_turns >= 0, got {summary_max_tokens} "
+                          f"and {recent_turns}")
     served = model_name or _default_model_name(pipeline)
     models = [served] if served == "ragbudget" else [served, "ragbudget"]
     metrics = Metrics()
@@ -514,6 +671,7 @@ def create_app(
     slots = threading.BoundedSemaphore(max_workers)
     started = time.time()
     active: set[threading.Event] = set()  # cancel events of the requests in progress
+    trimmer = _IdleTrimmer(lambda: metrics.in_flight == 0) if trim_memory and _glibc() is not None else None
     hold = {"seconds": 1.0}  # EWMA of answered chat requests' duration, for Retry-After
 
     @contextlib.asynccontextmanager
@@ -523,12 +681,15 @@ def create_app(
         for event in list(active):
             event.set()
         executor.shutdown(wait=False, cancel_futures=True)
+        if trimmer is not None:
+            trimmer.stop()
 
     app = FastAPI(title="ragbudget", version=_version(), docs_url=None, redoc_url=None, openapi_url=None,
                   lifespan=lifespan)
     app.state.pipeline = pipeline
     app.state.metrics = metrics
     app.state.executor = executor
+    app.state.trimmer = trimmer
 
     def error_response(err: _APIError) -> Any:
         return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
@@ -595,6 +756,8 @@ def create_app(
     def release_slot() -> None:
         metrics.add("in_flight", -1)
         slots.release()
+        if trimmer is not None:
+            trimmer.poke()
 
     def submit(fn: Callable[[], Any]) -> asyncio.Future[Any]:
         """Run ``fn`` on the worker pool; the slot is released when it ends, however it ends."""
@@ -651,28 +814,40 @@ def create_app(
         return usage
 
     server_max_new = getattr(pipeline, "max_new_tokens", None)
+    # Only a pipeline with a memory plan can budget history (a Pipeline always has one; test fakes
+    # and custom pipelines may not, and then get the history verbatim).
+    budgeted = callable(getattr(pipeline, "plan_for", None)) or getattr(pipeline, "plan", None) is not None
 
     def run_ask(req: _ChatRequest, cancel: threading.Event, on_text: Callable[[str], Any] | None = None) -> Any:
         """The model work of one chat request (in a worker thread: fitting the history renders
-        chat templates, and the first call may load the tokenizer)."""
-        from .chat import fit_history
+        chat templates and may summarize, and the first call may load the tokenizer)."""
+        from .chat import Conversation
 
         # max_tokens can lower the reserved output, not raise it past what the server planned for
         # (each distinct value is also a memory plan the pipeline caches).
         max_new = req.max_tokens
         if isinstance(server_max_new, int) and max_new is not None:
             max_new = min(max_new, server_max_new)
-        history, dropped = fit_history(pipeline, req.history, req.question, share=history_share,
-                                       max_new_tokens=max_new)
+        conversation = None
+        if budgeted:
+            try:
+                conversation = Conversation.from_messages(
+                    pipeline, req.history, history_share=history_share, summary_max_tokens=summary_max_tokens,
+                    recent_turns=recent_turns, max_new_tokens=max_new, context_tokens=req.context_tokens)
+            except ConfigError:
+                pass  # nothing to measure history with (a generator without a token counter)
+        if conversation is not None:
+            turn = conversation.ask(req.question, on_text=on_text, cancel=cancel, **req.sampling)
+            answer = turn.answer
+            report = _report(answer)
+            if turn.summary:
+                report["history_summary"] = turn.summary
+            return answer
         kwargs: dict[str, Any] = {"context_tokens": req.context_tokens, "max_new_tokens": max_new,
-                                  "history": history or None, "cancel": cancel}
+                                  "history": req.history or None, "cancel": cancel, **req.sampling}
         if on_text is not None:
             kwargs["on_text"] = on_text
-        answer = pipeline.ask(req.question, **kwargs)
-        report = _report(answer)
-        if dropped:
-            report["history_dropped"] = dropped
-        return answer
+        return pipeline.ask(req.question, **kwargs)
 
     # --- routes ---
 
@@ -961,14 +1136,20 @@ def serve(
     api_key: str | None = None,
     log_level: str = "info",
     warm_up: bool = True,
+    malloc_arenas: int | None = 2,
     **app_options: Any,
 ) -> None:
     """Run the server with uvicorn until interrupted. Loopback by default; binding another address
     without an API key logs a warning, since anyone who can reach the port can use the GPU.
 
     ``warm_up`` loads the generator and computes the memory plan before listening, so a broken
-    model fails at start and the first request is not the slow one."""
+    model fails at start and the first request is not the slow one. ``malloc_arenas`` caps glibc's
+    malloc arenas before any worker thread starts (see :func:`limit_malloc_arenas`; ``None``
+    leaves the allocator alone)."""
     import uvicorn
+
+    if malloc_arenas is not None:
+        limit_malloc_arenas(malloc_arenas)
 
     if api_key is None:
         api_key = os.environ.get(API_KEY_ENV) or None

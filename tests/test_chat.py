@@ -459,6 +459,142 @@ def test_chat_command_with_piped_stdin(monkeypatch: pytest.MonkeyPatch) -> None:
     assert result.exit_code == 2
 
 
+# --- history carried by a request (the HTTP server) ---------------------------------------------------
+
+
+def _messages(n_turns: int, answer_words: int = 40) -> list[dict[str, str]]:
+    out = [{"role": "system", "content": "Answer in English."}]
+    for i in range(n_turns):
+        out.append({"role": "user", "content": f"Question number {i} about the PDF cleaner and the KV budget?"})
+        out.append({"role": "assistant", "content": " ".join(f"reply{i}-word{j}" for j in range(answer_words))})
+    return out
+
+
+def test_from_messages_loads_turns_system_messages_and_a_returned_summary() -> None:
+    pipe = FakePipeline()
+    chat = Conversation.from_messages(pipe, [
+        {"role": "assistant", "content": "Hello, ask me about the docs."},
+        {"role": "system", "content": "Be brief."},
+        {"role": "system", "content": SUMMARY_PREFIX + "the user asked about dedup"},
+        {"role": "user", "content": "What is MinHash?"},
+        {"role": "assistant", "content": "A signature."},
+        {"role": "user", "content": "unanswered"},
+    ], recent_turns=5)
+    assert chat.summary == "the user asked about dedup"
+    assert [(t.question, t.answer) for t in chat.turns] == [
+        ("", "Hello, ask me about the docs."), ("What is MinHash?", "A signature."), ("unanswered", "")]
+    assert chat.history_messages() == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "system", "content": SUMMARY_PREFIX + "the user asked about dedup"},
+        {"role": "assistant", "content": "Hello, ask me about the docs."},
+        {"role": "user", "content": "What is MinHash?"},
+        {"role": "assistant", "content": "A signature."},
+        {"role": "user", "content": "unanswered"},
+    ]
+    with pytest.raises(ConfigError):
+        Conversation.from_messages(pipe, [{"role": "tool", "content": "x"}])
+
+
+def test_system_messages_are_fixed_never_folded() -> None:
+    pipe = FakePipeline(total=400, max_new=40, answer_words=40)
+    turn = Conversation.from_messages(pipe, _messages(8), summary_max_tokens=30).ask("And the footer?")
+    b = turn.budget
+    history = pipe.calls[-1]["history"]
+    assert history[0] == {"role": "system", "content": "Answer in English."}
+    assert history[1]["content"].startswith(SUMMARY_PREFIX)
+    assert b.turns_summarized + b.turns_verbatim == 8 and b.turns_summarized >= 6 and b.system > 0
+    assert not b.overrun and pipe.overruns == 0 and b.summary + b.recent <= b.history_allowed
+    # A system prompt that leaves no room is refused, not cut.
+    huge = [{"role": "system", "content": "rule " * 400}]
+    with pytest.raises(BudgetError, match="system messages"):
+        Conversation.from_messages(pipe, huge).ask("hi?")
+
+
+def test_generate_options_reach_the_pipeline_but_not_the_summary() -> None:
+    seen: list[dict[str, Any]] = []
+
+    class OptionsPipeline(FakePipeline):
+        def ask(self, question: str, **kwargs: Any) -> FakeAnswer:
+            seen.append({k: kwargs.pop(k) for k in ("temperature", "seed", "stop") if k in kwargs})
+            return super().ask(question, **kwargs)
+
+    pipe = OptionsPipeline(total=400, max_new=40)
+    Conversation.from_messages(pipe, _messages(8)).ask("Next?", temperature=0.5, seed=3, stop=["END"])
+    assert seen == [{"temperature": 0.5, "seed": 3, "stop": ["END"]}]
+    assert pipe.generator.calls and all(set(c) == {"messages", "max_new_tokens"} for c in pipe.generator.calls)
+
+
+@pytest.fixture
+def chat_server() -> Any:
+    from ragbudget.server import background_server, create_app
+
+    def start(pipe: Any, **options: Any) -> Any:
+        return background_server(create_app(pipe, **options))
+
+    return start
+
+
+def test_http_ten_turns_over_budget_are_summarized_with_no_overrun(chat_server: Any) -> None:
+    """The client resends the whole conversation each turn (as OpenAI clients do); the server folds
+    what does not fit into a summary instead of dropping turns, and every prompt fits."""
+    import openai
+
+    pipe = FakePipeline(total=400, max_new=40, answer_words=40)
+    messages: list[dict[str, str]] = [{"role": "system", "content": "Answer in English."}]
+    memories = []
+    with chat_server(pipe, summary_max_tokens=30, recent_turns=2) as url:
+        c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        for i in range(10):
+            messages.append({"role": "user", "content": f"Question number {i} about the PDF cleaner and the KV budget?"})
+            stream = i % 2 == 1
+            if stream:
+                chunks = list(c.chat.completions.create(model="ragbudget", messages=messages, stream=True))
+                text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+                extra = chunks[-1].model_extra or {}
+            else:
+                resp = c.chat.completions.create(model="ragbudget", messages=messages)
+                text, extra = resp.choices[0].message.content or "", resp.model_extra or {}
+            memories.append(extra["ragbudget"]["memory"])
+            messages.append({"role": "assistant", "content": text})
+    assert pipe.overruns == 0
+    for m in memories:
+        assert not m["overrun"] and m["prompt"] + m["output"] <= m["total"]
+        for key in ("summary", "recent", "context_used", "output", "turns_summarized"):
+            assert key in m
+    assert memories[-1]["turns_summarized"] >= 7 and memories[-1]["summary"] > 0
+    assert memories[0]["turns_summarized"] == 0 and memories[0]["summary"] == 0
+    last = pipe.calls[-1]["history"]
+    assert last[0]["content"] == "Answer in English." and last[1]["content"].startswith(SUMMARY_PREFIX)
+    assert last[-2]["content"] == messages[-4]["content"]  # the most recent turns stay verbatim
+    assert pipe.generator.calls  # the summaries came from the generator
+
+
+def test_http_follow_up_is_expanded_for_retrieval(chat_server: Any) -> None:
+    import httpx
+
+    pipe = FakePipeline(total=400, max_new=40)
+    with chat_server(pipe) as url:
+        r = httpx.post(url + "/v1/chat/completions", timeout=30, json={
+            "model": "ragbudget", "context_tokens": 22, "messages": [
+                {"role": "user", "content": "How does the PDF cleaner strip page headers?"},
+                {"role": "assistant", "content": "It drops lines repeated at the top of pages."},
+                {"role": "user", "content": "what about its footer?"}]})
+    assert r.status_code == 200, r.text
+    assert pipe.calls[-1]["question"] == "what about its footer?"
+    assert "pdf" in pipe.calls[-1]["retrieval_query"] and pipe.calls[-1]["chunks"] == ["pdf-footer"]
+
+
+def test_http_question_too_long_for_the_budget_is_a_400(chat_server: Any) -> None:
+    import httpx
+
+    pipe = FakePipeline(total=200, max_new=40)
+    with chat_server(pipe) as url:
+        r = httpx.post(url + "/v1/chat/completions", timeout=30, json={
+            "model": "ragbudget", "messages": [{"role": "user", "content": "word " * 400}]})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert pipe.calls == []
+
+
 # --- with the real Pipeline (hash embedder, fake ChatML generator) ---------------------------------
 
 def ChatMLTokenizer() -> HFWordTokenizer:  # noqa: N802 - reads as the class it stands for

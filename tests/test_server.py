@@ -128,9 +128,9 @@ class FakePipeline:
 
     def ask(self, question: str, *, context_tokens: int | None = None, max_new_tokens: int | None = None,
             on_text: Any = None, cancel: threading.Event | None = None,
-            history: list[dict[str, str]] | None = None) -> FakeAnswer:
+            history: list[dict[str, str]] | None = None, **generate_options: Any) -> FakeAnswer:
         self.calls.append({"question": question, "history": history, "max_new_tokens": max_new_tokens,
-                           "context_tokens": context_tokens})
+                           "context_tokens": context_tokens, "options": generate_options})
         if self.fail is not None:
             raise self.fail
         t0 = time.perf_counter()
@@ -222,6 +222,94 @@ def test_openai_client_streaming_with_sources_in_final_chunk() -> None:
     assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
 
 
+def test_openai_client_sampling_options_reach_the_pipeline() -> None:
+    pipe = FakePipeline()
+    with running(pipe) as url:
+        c = client(url)
+        c.chat.completions.create(model=MODEL, messages=user(), temperature=0.7, top_p=0.9, seed=42, stop="END")
+        list(c.chat.completions.create(model=MODEL, messages=user(), stream=True, temperature=0, seed=1,
+                                       stop=["a", "b", "c", "d"], presence_penalty=0.5, max_completion_tokens=3))
+        c.chat.completions.create(model=MODEL, messages=user())
+    assert pipe.calls[0]["options"] == {"temperature": 0.7, "top_p": 0.9, "seed": 42, "stop": ["END"]}
+    assert pipe.calls[1]["options"] == {"temperature": 0, "seed": 1, "stop": ["a", "b", "c", "d"]}
+    assert pipe.calls[1]["max_new_tokens"] == 3
+    assert pipe.calls[2]["options"] == {}  # nothing sent: the generator's greedy default
+
+
+def test_openai_client_validation_errors_are_typed() -> None:
+    pipe = FakePipeline()
+    with running(pipe) as url:
+        for options in ({"temperature": -1}, {"stop": ["1", "2", "3", "4", "5"]}, {"top_p": 2}):
+            with pytest.raises(openai.BadRequestError) as err:
+                client(url).chat.completions.create(model=MODEL, messages=user(), **options)
+            assert err.value.status_code == 400 and err.value.param == next(iter(options))
+    assert pipe.calls == []
+
+
+class TinyLMPipeline:
+    """A pipeline surface over a real :class:`~ragbudget.generate.Generator` with the tiny random
+    Llama: the sampling and stop options go all the way to transformers ``generate``."""
+
+    def __init__(self) -> None:
+        from _tiny_lm import tiny_model, tiny_tokenizer
+
+        from ragbudget.generate import Generator
+
+        self.generator = Generator.from_objects(tiny_model(), tiny_tokenizer())
+
+    def ask(self, question: str, *, context_tokens: int | None = None, max_new_tokens: int | None = None,
+            history: Any = None, on_text: Any = None, cancel: Any = None, **options: Any) -> FakeAnswer:
+        g = self.generator.generate([*(history or []), {"role": "user", "content": question}],
+                                    max_new_tokens=max_new_tokens or 20, on_text=on_text, cancel=cancel, **options)
+        return FakeAnswer(text=g.text, sources=[], finish_reason=g.finish_reason,
+                          report={"budget": {"prompt_tokens": g.prompt_tokens, "new_tokens": g.new_tokens}})
+
+
+@pytest.fixture(scope="module")
+def tiny_url() -> Iterator[str]:
+    with running(TinyLMPipeline(), model_name=MODEL) as url:  # type: ignore[arg-type]
+        yield url
+
+
+def _stream_text(chunks: list[Any]) -> str:
+    return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+
+def test_stop_trims_the_answer_streaming_or_not(tiny_url: str) -> None:
+    from test_generate import _printable_stop
+
+    c = client(tiny_url)
+    full = c.chat.completions.create(model=MODEL, messages=user(), max_tokens=20)
+    text = full.choices[0].message.content or ""
+    assert full.choices[0].finish_reason == "length"
+    stop = _printable_stop(text)
+    expected = text[:text.index(stop)].strip()
+    cut = c.chat.completions.create(model=MODEL, messages=user(), max_tokens=20, stop=[stop, "zzz"])
+    assert cut.choices[0].message.content == expected and cut.choices[0].finish_reason == "stop"
+    assert cut.usage is not None and full.usage is not None
+    assert cut.usage.completion_tokens < full.usage.completion_tokens  # generation really stopped
+    chunks = list(c.chat.completions.create(model=MODEL, messages=user(), max_tokens=20, stop=stop, stream=True))
+    streamed = _stream_text(chunks)
+    assert stop not in streamed and streamed.strip() == expected
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_temperature_and_seed_reach_the_generator(tiny_url: str) -> None:
+    c = client(tiny_url)
+
+    def answer(**options: Any) -> str:
+        return c.chat.completions.create(model=MODEL, messages=user(), max_tokens=12, **options).choices[0].message.content or ""
+
+    greedy = answer()
+    assert answer(temperature=0) == greedy == answer(temperature=0, seed=5)  # 0 or absent: greedy
+    sampled = answer(temperature=1.0, seed=5)
+    assert sampled == answer(temperature=1.0, seed=5) != greedy  # a seed reproduces the sample
+    assert {answer(temperature=1.0, seed=s) for s in (6, 7, 8)} - {sampled}
+    streamed = _stream_text(list(c.chat.completions.create(model=MODEL, messages=user(), max_tokens=12,
+                                                          temperature=1.0, seed=5, stream=True)))
+    assert streamed.strip() == sampled
+
+
 def test_raw_stream_ends_with_done() -> None:
     with running(FakePipeline(words=2)) as url:
         r = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": user(), "stream": True})
@@ -276,6 +364,15 @@ def test_models_health_metrics_and_retrieve() -> None:
         (json.dumps({"model": MODEL, "messages": user(), "max_tokens": "10"}).encode(), 400, "max_tokens"),
         (json.dumps({"model": MODEL, "messages": user(), "max_tokens": 0}).encode(), 400, "max_tokens"),
         (json.dumps({"model": MODEL, "messages": user(), "temperature": "hot"}).encode(), 400, "temperature"),
+        (json.dumps({"model": MODEL, "messages": user(), "temperature": -1}).encode(), 400, "temperature"),
+        (json.dumps({"model": MODEL, "messages": user(), "temperature": 2.5}).encode(), 400, "temperature"),
+        (json.dumps({"model": MODEL, "messages": user(), "top_p": 1.5}).encode(), 400, "top_p"),
+        (json.dumps({"model": MODEL, "messages": user(), "seed": 1.5}).encode(), 400, "seed"),
+        (json.dumps({"model": MODEL, "messages": user(), "seed": True}).encode(), 400, "seed"),
+        (json.dumps({"model": MODEL, "messages": user(), "stop": ["a", "b", "c", "d", "e"]}).encode(), 400, "stop"),
+        (json.dumps({"model": MODEL, "messages": user(), "stop": [""]}).encode(), 400, "stop"),
+        (json.dumps({"model": MODEL, "messages": user(), "stop": 3}).encode(), 400, "stop"),
+        (json.dumps({"model": MODEL, "messages": user(), "presence_penalty": 3}).encode(), 400, "presence_penalty"),
         (json.dumps({"model": MODEL, "messages": user(), "n": 2}).encode(), 400, "n"),
         (json.dumps({"model": 7, "messages": user()}).encode(), 400, "model"),
         (json.dumps({"messages": user()}).encode(), 400, "model"),
