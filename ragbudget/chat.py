@@ -745,11 +745,14 @@ def run_chat(
     as_json: bool = False,
     stream: bool = False,
     prompt: str | None = None,
+    generate_options: dict[str, Any] | None = None,
 ) -> int:
     """Read questions from ``lines`` (stdin, one per line) and ``write`` answers with citations and
     the turn's memory report; ``/reset`` forgets the conversation, ``/exit`` (or end of input)
     stops. With ``as_json`` each turn is one JSON line. Errors of one turn (too long, overloaded)
-    are printed and the loop goes on. Returns the number of questions answered."""
+    are printed and the loop goes on. ``generate_options`` (temperature, seed, stop, …) go to
+    every answer. Returns the number of questions answered."""
+    options = dict(generate_options or {})
     answered = 0
     if prompt:
         write(prompt)
@@ -767,10 +770,10 @@ def run_chat(
         else:
             try:
                 if stream and not as_json:
-                    turn = conversation.ask(line, on_text=write)
+                    turn = conversation.ask(line, on_text=write, **options)
                     write("\n\n")
                 else:
-                    turn = conversation.ask(line)
+                    turn = conversation.ask(line, **options)
                     if not as_json:
                         write(turn.text + "\n\n")
             except RagBudgetError as exc:

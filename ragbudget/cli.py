@@ -53,6 +53,30 @@ def _index_dir_option(fn: Callable[..., Any]) -> Callable[..., Any]:
     )(fn)
 
 
+def _sampling_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``--temperature --top-p --seed --stop``, handed to the command as one ``sampling`` dict
+    of the options given (for ``Generator.generate``; absent temperature or 0 is greedy)."""
+
+    @wraps(fn)
+    def wrapper(*args: Any, temperature: float | None, top_p: float | None, seed: int | None,
+                stop: tuple[str, ...], **kwargs: Any) -> Any:
+        sampling: dict[str, Any] = {k: v for k, v in (("temperature", temperature), ("top_p", top_p),
+                                                       ("seed", seed)) if v is not None}
+        if stop:
+            sampling["stop"] = list(stop)
+        return fn(*args, sampling=sampling, **kwargs)
+
+    options = [
+        click.option("--temperature", default=None, type=click.FloatRange(0.0, 2.0), help="Sample at this temperature (default, or 0: greedy)."),
+        click.option("--top-p", default=None, type=click.FloatRange(0.0, 1.0), help="Nucleus sampling mass (with --temperature > 0)."),
+        click.option("--seed", default=None, type=int, help="Make sampling reproducible."),
+        click.option("--stop", multiple=True, help="End the answer at this string (repeatable)."),
+    ]
+    for option in reversed(options):
+        wrapper = option(wrapper)
+    return wrapper
+
+
 def _model_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Options shared by every command that plans a budget."""
     options = [
@@ -295,10 +319,12 @@ def budget(model: str | None, gpu: str | None, concurrency: int, max_new_tokens:
 @click.option("--explain", is_flag=True, help="Print the budget report as a table.")
 @click.option("--no-stream", is_flag=True, help="Print the answer at the end instead of streaming it.")
 @click.option("--json", "as_json", is_flag=True)
+@_sampling_options
 @_user_errors
 def ask(question: str, index_dir: str, model: str | None, gpu: str | None, concurrency: int,
         max_new_tokens: int, kv_dtype: str | None, cache: str, context_tokens: int | None,
-        fetch_k: int, order: str, explain: bool, no_stream: bool, as_json: bool) -> None:
+        fetch_k: int, order: str, explain: bool, no_stream: bool, as_json: bool,
+        sampling: dict[str, Any]) -> None:
     """Answer QUESTION from the index within the memory budget, citing sources."""
     from .pipeline import Pipeline, format_report
 
@@ -308,7 +334,7 @@ def ask(question: str, index_dir: str, model: str | None, gpu: str | None, concu
     )
     streaming = not as_json and not no_stream
     on_text = (lambda piece: click.echo(piece, nl=False)) if streaming else None
-    answer = pipe.ask(question, context_tokens=context_tokens, on_text=on_text)
+    answer = pipe.ask(question, context_tokens=context_tokens, on_text=on_text, **sampling)
     if as_json:
         _echo_json(answer.to_dict())
         return
@@ -345,10 +371,12 @@ def ask(question: str, index_dir: str, model: str | None, gpu: str | None, concu
 @click.option("--context-tokens", default=None, type=click.IntRange(min=1), help="Cap the retrieved context below what memory allows.")
 @click.option("--no-stream", is_flag=True, help="Print each answer at the end instead of streaming it.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per turn.")
+@_sampling_options
 @_user_errors
 def chat(index_dir: str, model: str | None, gpu: str | None, concurrency: int, max_new_tokens: int,
          kv_dtype: str | None, cache: str, history_share: float, summary_max_tokens: int,
-         recent_turns: int, context_tokens: int | None, no_stream: bool, as_json: bool) -> None:
+         recent_turns: int, context_tokens: int | None, no_stream: bool, as_json: bool,
+         sampling: dict[str, Any]) -> None:
     """Multi-turn chat on stdin (one question per line; /reset, /exit), inside the memory budget."""
     from .chat import Conversation, run_chat
     from .pipeline import Pipeline
@@ -359,7 +387,8 @@ def chat(index_dir: str, model: str | None, gpu: str | None, concurrency: int, m
                                 recent_turns=recent_turns, context_tokens=context_tokens)
     interactive = sys.stdin.isatty()
     run_chat(conversation, click.get_text_stream("stdin"), lambda text: click.echo(text, nl=False),
-             as_json=as_json, stream=interactive and not no_stream, prompt="> " if interactive else None)
+             as_json=as_json, stream=interactive and not no_stream, prompt="> " if interactive else None,
+             generate_options=sampling)
 
 
 @cli.command()
@@ -369,17 +398,21 @@ def chat(index_dir: str, model: str | None, gpu: str | None, concurrency: int, m
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
 @click.option("--api-key", default=None, envvar="RAGBUDGET_API_KEY", help="Require 'Authorization: Bearer KEY' (env RAGBUDGET_API_KEY).")
 @click.option("--model-name", default=None, help="Model id clients send (default: the generator's id; 'ragbudget' always works).")
+@click.option("--history-share", default=0.3, show_default=True, type=click.FloatRange(0.0, 1.0, max_open=True), help="Share of the prompt room a request's history may take; retrieval gets the rest.")
+@click.option("--summary-max-tokens", default=128, show_default=True, type=click.IntRange(min=1), help="Cap of the summary older turns are folded into.")
+@click.option("--recent-turns", default=2, show_default=True, type=click.IntRange(min=0), help="Turns kept verbatim when they fit.")
 @_user_errors
 def serve(index_dir: str, model: str | None, gpu: str | None, concurrency: int, max_new_tokens: int,
           kv_dtype: str | None, cache: str, host: str, port: int, api_key: str | None,
-          model_name: str | None) -> None:
+          model_name: str | None, history_share: float, summary_max_tokens: int, recent_turns: int) -> None:
     """OpenAI-compatible HTTP server (/v1/chat/completions, /v1/retrieve, /metrics) with KV admission."""
     from .pipeline import Pipeline
     from .server import serve as run_server
 
     pipe = Pipeline(index_dir, model=model, gpu=gpu, concurrency=concurrency, max_new_tokens=max_new_tokens,
                     kv_dtype=kv_dtype, cache=cache)
-    run_server(pipe, host=host, port=port, api_key=api_key, model_name=model_name)
+    run_server(pipe, host=host, port=port, api_key=api_key, model_name=model_name, history_share=history_share,
+               summary_max_tokens=summary_max_tokens, recent_turns=recent_turns)
 
 
 def main(argv: list[str] | None = None) -> None:

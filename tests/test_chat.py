@@ -459,6 +459,31 @@ def test_chat_command_with_piped_stdin(monkeypatch: pytest.MonkeyPatch) -> None:
     assert result.exit_code == 2
 
 
+def test_sampling_flags_reach_the_pipeline_from_ask_and_chat(monkeypatch: pytest.MonkeyPatch) -> None:
+    from click.testing import CliRunner
+
+    from ragbudget.cli import cli
+
+    seen: list[dict[str, Any]] = []
+
+    class OptionsPipeline(FakePipeline):
+        def ask(self, question: str, **kwargs: Any) -> FakeAnswer:
+            seen.append({k: kwargs.pop(k) for k in ("temperature", "top_p", "seed", "stop") if k in kwargs})
+            return super().ask(question, **kwargs)
+
+    monkeypatch.setattr("ragbudget.pipeline.Pipeline", lambda *a, **kw: OptionsPipeline())
+    flags = ["--temperature", "0.8", "--top-p", "0.9", "--seed", "7", "--stop", "END", "--stop", "###"]
+    result = CliRunner().invoke(cli, ["chat", *flags], input="What is MinHash?\nand its shingles?\n")
+    assert result.exit_code == 0, result.output
+    result = CliRunner().invoke(cli, ["ask", "What is MinHash?", "--no-stream", *flags])
+    assert result.exit_code == 0, result.output
+    expected = {"temperature": 0.8, "top_p": 0.9, "seed": 7, "stop": ["END", "###"]}
+    assert seen == [expected] * 3
+    result = CliRunner().invoke(cli, ["ask", "What is MinHash?", "--no-stream"])
+    assert result.exit_code == 0 and seen[-1] == {}
+    assert CliRunner().invoke(cli, ["ask", "q", "--temperature", "-1"]).exit_code == 2
+
+
 # --- history carried by a request (the HTTP server) ---------------------------------------------------
 
 

@@ -564,9 +564,11 @@ def test_serve_command_passes_options_and_env_key(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr("ragbudget.pipeline.Pipeline", lambda *a, **kw: made.append(kw) or FakePipeline())
     monkeypatch.setattr("ragbudget.server.serve", lambda pipe, **kw: served.append(kw))
     monkeypatch.setenv("RAGBUDGET_API_KEY", "env-key")
-    result = CliRunner().invoke(cli, ["serve", "--port", "0", "--concurrency", "3", "--gpu", "24GiB"])
+    result = CliRunner().invoke(cli, ["serve", "--port", "0", "--concurrency", "3", "--gpu", "24GiB",
+                                      "--history-share", "0.5", "--recent-turns", "1"])
     assert result.exit_code == 0, result.output
-    assert served == [{"host": "127.0.0.1", "port": 0, "api_key": "env-key", "model_name": None}]
+    assert served == [{"host": "127.0.0.1", "port": 0, "api_key": "env-key", "model_name": None,
+                       "history_share": 0.5, "summary_max_tokens": 128, "recent_turns": 1}]
     assert made[0]["concurrency"] == 3 and made[0]["gpu"] == "24GiB"
     result = CliRunner().invoke(cli, ["serve", "--port", "70000"])
     assert result.exit_code == 2
