@@ -25,7 +25,15 @@ What transformers 5.x really keeps (read from ``transformers/cache_utils.py``):
 * DeepSeek-V3 in transformers 5.x caches the compressed latent (``kv_lora_rank`` + ``qk_rope_head_dim``,
   one "head"), like vLLM / SGLang; transformers 4.x cached the decompressed per-head K and V
   (``mla="decompressed"`` models that).
-* Qwen3-Next's gated-delta-net keeps a conv state in the model dtype and a float32 recurrent state.
+* Recurrent layers (Mamba-1/2, Jamba, Bamba, Falcon-H1, Zamba/Zamba2, Nemotron-H, GraniteMoeHybrid,
+  LFM2 short convs, Qwen3-Next / OLMo-Hybrid gated delta nets) keep a conv state in the model dtype
+  and a float32 recurrent state (``LinearAttentionLayer``); ``hybrid`` layers (Falcon-H1,
+  Zamba's shared attention) keep both that state and growing K/V.
+* ``offloaded`` (``DynamicCache(offloading=True)``, ``Cache.update``/``prefetch``/``offload``): before
+  updating an offloaded layer the next offloaded one is prefetched, and the updated one is sent back
+  to the CPU afterwards, so two layers are on the device at once; linear-attention layers are never
+  offloaded, sliding ones stay when ``offload_only_non_sliding`` (False for the dynamic cache,
+  True for ``offloaded_static``). It needs CUDA streams, so it is checked only on a GPU.
 
 >>> cfg = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64,
 ...        "num_attention_heads": 4, "num_key_value_heads": 2, "torch_dtype": "bfloat16"}
@@ -47,6 +55,7 @@ from .errors import ConfigError, ModelError
 __all__ = [
     "CACHE_KINDS",
     "FullAttentionSpec",
+    "HybridSpec",
     "KVEstimate",
     "LayerSpec",
     "MLAAttentionSpec",
@@ -294,6 +303,32 @@ class MambaSpec:
 
 
 @dataclass(frozen=True)
+class HybridSpec:
+    """A layer that runs attention *and* a recurrent mixer (Falcon-H1 in parallel, Zamba/Zamba2 with
+    their shared attention block): transformers' ``LinearAttentionAndFullAttentionLayer`` keeps both
+    the per-token K/V of ``attention`` and the fixed ``state`` of the mixer."""
+
+    attention: FullAttentionSpec
+    state: MambaSpec
+
+    kind = "hybrid"
+
+    @property
+    def elements_per_token(self) -> int:
+        return self.attention.elements_per_token
+
+    @property
+    def state_elements(self) -> int:
+        return self.state.state_elements
+
+    def tokens_held(self, tokens: int, **kw: Any) -> int:
+        return self.attention.tokens_held(tokens, **kw)
+
+    def state_bytes(self, bits: int) -> int:
+        return self.state.state_bytes(bits)
+
+
+@dataclass(frozen=True)
 class NoCacheSpec:
     """A layer that stores nothing (KV-sharing consumer, MLP/MoE-only layer)."""
 
@@ -305,7 +340,8 @@ class NoCacheSpec:
         return 0
 
 
-LayerSpec = FullAttentionSpec | SlidingWindowSpec | MLAAttentionSpec | MambaSpec | NoCacheSpec
+LayerSpec = (FullAttentionSpec | SlidingWindowSpec | MLAAttentionSpec | MambaSpec | HybridSpec
+             | NoCacheSpec)
 
 
 def _attention_shape(c: _Cfg) -> tuple[int, int, int]:
@@ -331,7 +367,8 @@ def _attention_shape(c: _Cfg) -> tuple[int, int, int]:
     else:
         kv = c.get("num_key_value_heads", "num_kv_heads", "n_head_kv", "multi_query_group_num",
                    "num_key_value_groups_", default=heads)
-    head_dim = c.get("head_dim", "attention_head_size", "kv_channels", default=None)
+    head_dim = c.get("head_dim", "attention_head_dim", "attention_head_size", "kv_channels",
+                     default=None)
     if not isinstance(head_dim, int) or head_dim <= 0:
         head_dim = int(hidden) // int(heads)
     v_head_dim = c.get("v_head_dim", default=None) if mt.startswith("deepseek") else None
@@ -341,8 +378,16 @@ def _attention_shape(c: _Cfg) -> tuple[int, int, int]:
 def _num_layers(c: _Cfg) -> int:
     n = c.get("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers")
     if n is None:
+        # Nemotron-H derives its depth from the layer pattern.
+        lt = c.get("layer_types", "layers_block_type", "hybrid_override_pattern")
+        if isinstance(lt, (list, tuple, str)) and lt:
+            return len(lt)
         raise ModelError("the config has no number of layers (num_hidden_layers / n_layer)")
     return int(n)
+
+
+# Nemotron-H's `hybrid_override_pattern`: one character per layer (configuration_nemotron_h.py).
+_PATTERN_TYPES = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
 
 
 def _default_layer_types(c: _Cfg, n: int) -> list[str]:
@@ -352,6 +397,23 @@ def _default_layer_types(c: _Cfg, n: int) -> list[str]:
         return [str(x) for x in lt]
     mt = str(c.get("model_type", default="")).lower()
     window = c.get("sliding_window")
+    pattern = c.get("hybrid_override_pattern")
+    if isinstance(pattern, str) and len(pattern) == n:
+        return [_PATTERN_TYPES.get(ch, "full_attention") for ch in pattern]
+    if mt in ("mamba", "mamba2", "falcon_mamba"):
+        return ["linear_attention"] * n
+    if mt == "falcon_h1":  # attention and Mamba-2 run in parallel in every layer
+        return ["hybrid"] * n
+    if mt in ("jamba", "zamba"):
+        period = int(c.get("attn_layer_period", default=8 if mt == "jamba" else 6))
+        offset = int(c.get("attn_layer_offset", default=4 if mt == "jamba" else 5))
+        attn = "full_attention" if mt == "jamba" else "hybrid"
+        return [attn if i % period == offset else "linear_attention" for i in range(n)]
+    if mt == "bamba":
+        idx = set(c.get("attn_layer_indices", default=()) or ())
+        return ["full_attention" if i in idx else "linear_attention" for i in range(n)]
+    if mt == "granitemoehybrid":
+        return ["linear_attention"] * n
     if mt in ("gemma2", "gpt_oss"):
         return ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
     if mt in ("gemma3", "gemma3_text", "cohere2"):
@@ -372,30 +434,87 @@ def _default_layer_types(c: _Cfg, n: int) -> list[str]:
     return ["full_attention"] * n
 
 
+# transformers keeps every SSM / delta-rule recurrent state in float32 whatever the model dtype
+# (A = -exp(A_log.float()) makes the scan float32; checked on bf16 models of all 14 recurrent
+# families, one per code path kept in tests/test_kvcache.py). Conv states follow the model dtype. Fused CUDA kernels
+# (mamba-ssm, causal-conv1d) are not exercised here.
+_SSM_BITS = 32
+
+
+def _mamba2(c: _Cfg, heads: str, head_dim: str, groups: str, d_state: str, d_conv: str,
+            d_inner: int | None = None, expand: str = "mamba_expand") -> MambaSpec:
+    """Mamba-2 mixer under one family's attribute names.
+
+    transformers caches a conv state over ``x, B, C`` — ``(intermediate + 2 × n_groups × d_state)``
+    channels × ``d_conv`` — and an SSM state ``(n_heads, head_dim, d_state)``
+    (``conv_dim`` / ``ssm_state_size`` in modeling_mamba2/bamba/falcon_h1/nemotron_h/zamba2.py).
+    """
+    n_heads, hd = int(c.get(heads)), int(c.get(head_dim))
+    ds, dc = int(c.get(d_state)), int(c.get(d_conv))
+    if d_inner is None:
+        d_inner = int(c.get(expand) * int(c.get("hidden_size")))
+    conv = (d_inner + 2 * int(c.get(groups, default=1)) * ds) * dc
+    return MambaSpec(conv_elements=conv, ssm_elements=n_heads * hd * ds, ssm_dtype_bits=_SSM_BITS)
+
+
 def _mamba_spec(c: _Cfg, layer_type: str) -> MambaSpec:
+    """The recurrent state of one linear-attention layer, per family (read from each family's
+    modeling file in transformers 5.x; tests/test_kvcache.py checks every one to the byte)."""
     mt = str(c.get("model_type", default="")).lower()
     if c.get("linear_num_value_heads") is not None:  # Qwen3-Next gated delta net
         kh, kd = int(c.get("linear_num_key_heads")), int(c.get("linear_key_head_dim"))
         vh, vd = int(c.get("linear_num_value_heads")), int(c.get("linear_value_head_dim"))
         conv = (2 * kh * kd + vh * vd) * int(c.get("linear_conv_kernel_dim", default=4))
         # The delta-rule recurrence runs and stores its state in float32 (modeling_qwen3_next.py).
-        return MambaSpec(conv_elements=conv, ssm_elements=vh * kd * vd, ssm_dtype_bits=32)
+        return MambaSpec(conv_elements=conv, ssm_elements=vh * kd * vd, ssm_dtype_bits=_SSM_BITS)
     hidden = int(c.get("hidden_size", "d_model"))
+    if mt.startswith("lfm2") or c.get("conv_L_cache") is not None:
+        # LFM2 short convolution: a (hidden, L_cache) conv state and no SSM state.
+        return MambaSpec(conv_elements=hidden * int(c.get("conv_L_cache", default=3)),
+                         ssm_elements=0)
+    if mt in ("mamba", "falcon_mamba"):
+        d_inner = int(c.get("intermediate_size", default=0) or int(c.get("expand", default=2)) * hidden)
+        return MambaSpec(conv_elements=d_inner * int(c.get("conv_kernel", default=4)),
+                         ssm_elements=d_inner * int(c.get("state_size", default=16)),
+                         ssm_dtype_bits=_SSM_BITS)
+    if mt in ("jamba", "zamba"):
+        # Mamba-1: conv over x only, state (d_inner, d_state) (Zamba splits it in heads; same size).
+        d_inner = int(c.get("mamba_expand", default=2)) * hidden
+        return MambaSpec(conv_elements=d_inner * int(c.get("mamba_d_conv", default=4)),
+                         ssm_elements=d_inner * int(c.get("mamba_d_state", default=16)),
+                         ssm_dtype_bits=_SSM_BITS)
+    if mt == "mamba2":
+        return _mamba2(c, "num_heads", "head_dim", "n_groups", "state_size", "conv_kernel",
+                       expand="expand")
+    if mt in ("bamba", "granitemoehybrid"):
+        return _mamba2(c, "mamba_n_heads", "mamba_d_head", "mamba_n_groups", "mamba_d_state",
+                       "mamba_d_conv")
+    if mt == "falcon_h1":
+        d_ssm = c.get("mamba_d_ssm")
+        return _mamba2(c, "mamba_n_heads", "mamba_d_head", "mamba_n_groups", "mamba_d_state",
+                       "mamba_d_conv", d_inner=int(d_ssm) if d_ssm is not None else None)
+    if mt == "nemotron_h":
+        d_inner = int(c.get("mamba_num_heads")) * int(c.get("mamba_head_dim"))
+        return _mamba2(c, "mamba_num_heads", "mamba_head_dim", "n_groups", "ssm_state_size",
+                       "conv_kernel", d_inner=d_inner)
+    if mt == "zamba2":
+        return _mamba2(c, "n_mamba_heads", "mamba_headdim", "mamba_ngroups", "mamba_d_state",
+                       "mamba_d_conv")
+    # Unknown family: Mamba-1 (Mamba-2 when it names mamba heads) under the common names.
     d_conv = int(c.get("mamba_d_conv", "conv_kernel", "d_conv", default=4))
     d_state = int(c.get("mamba_d_state", "state_size", "ssm_state_size", "d_state", default=16))
     expand = int(c.get("mamba_expand", "expand", default=2))
     d_inner = int(c.get("mamba_d_ssm", "intermediate_size_mamba", default=0) or expand * hidden)
-    n_heads = c.get("mamba_n_heads", "num_heads_mamba", "n_mamba_heads")
-    if n_heads is not None or mt in ("mamba2", "falcon_h1", "bamba", "zamba2", "nemotron_h"):
-        # Mamba-2: conv over x, B, C; state per head of shape (head_dim, d_state).
+    n_heads = c.get("mamba_n_heads", "num_heads_mamba", "n_mamba_heads", "mamba_num_heads")
+    if n_heads is not None:
         groups = int(c.get("mamba_n_groups", "n_groups", default=1))
-        n_heads = int(n_heads or c.get("num_heads", default=d_inner // 64))
-        d_head = c.get("mamba_d_head", "head_dim", default=None)
-        d_head = int(d_head) if isinstance(d_head, int) else d_inner // n_heads
+        d_head = c.get("mamba_d_head", "mamba_head_dim", "mamba_headdim", default=None)
+        d_head = int(d_head) if isinstance(d_head, int) else d_inner // int(n_heads)
         conv = (d_inner + 2 * groups * d_state) * d_conv
-        return MambaSpec(conv_elements=conv, ssm_elements=n_heads * d_head * d_state)
-    # Mamba-1 (Jamba, Mamba): conv over x only; state (d_inner, d_state).
-    return MambaSpec(conv_elements=d_inner * d_conv, ssm_elements=d_inner * d_state)
+        return MambaSpec(conv_elements=conv, ssm_elements=int(n_heads) * d_head * d_state,
+                         ssm_dtype_bits=_SSM_BITS)
+    return MambaSpec(conv_elements=d_inner * d_conv, ssm_elements=d_inner * d_state,
+                     ssm_dtype_bits=_SSM_BITS)
 
 
 _LINEAR_TYPES = {"linear_attention", "conv", "mamba", "mamba2", "ssm", "recurrent"}
@@ -443,28 +562,40 @@ def layer_specs(
             latent=(mla != "decompressed"),
         )
         return tuple(NoCacheSpec() if t in _NONE_TYPES else spec for t in types)
-    kv, hd, vd = _attention_shape(c)
     window = c.get("sliding_window", "attention_chunk_size")
     specs: list[LayerSpec] = []
     sharing = c.get("kv_sharing_modes")
+    shape: tuple[int, int, int] | None = None
+
+    def attention(t: str, i: int) -> FullAttentionSpec:
+        nonlocal shape
+        # Pure-recurrent models (Mamba) have no attention shape: read it only when a layer needs it.
+        kv, hd, vd = shape = shape or _attention_shape(c)
+        if t in _SLIDING_TYPES:
+            w = c.get("attention_chunk_size") if t == "chunked_attention" else window
+            if w is None:
+                raise ModelError(f"layer {i} is {t} but the config has no sliding_window")
+            return SlidingWindowSpec(num_kv_heads=kv, head_size=hd, v_head_size=vd,
+                                     sliding_window=int(w))
+        return FullAttentionSpec(num_kv_heads=kv, head_size=hd, v_head_size=vd)
+
     for i, t in enumerate(types):
         t = t.lower()
         if t in _NONE_TYPES or (isinstance(sharing, (list, tuple)) and sharing[i] == "reuse"):
             specs.append(NoCacheSpec())
         elif t in _LINEAR_TYPES:
             specs.append(_mamba_spec(c, t))
-        elif t in _SLIDING_TYPES:
-            w = c.get("attention_chunk_size") if t == "chunked_attention" else window
-            if w is None:
-                raise ModelError(f"layer {i} is {t} but the config has no sliding_window")
-            specs.append(SlidingWindowSpec(num_kv_heads=kv, head_size=hd, v_head_size=vd,
-                                           sliding_window=int(w)))
-        elif t in ("hybrid", "attention", "full_attention", "global", "global_attention"):
-            specs.append(FullAttentionSpec(num_kv_heads=kv, head_size=hd, v_head_size=vd))
+        elif t in ("hybrid", "hybrid_sliding"):
+            specs.append(HybridSpec(
+                attention=attention("sliding_attention" if t == "hybrid_sliding" else "full", i),
+                state=_mamba_spec(c, t)))
+        elif t in _SLIDING_TYPES or t in ("attention", "full_attention", "global",
+                                          "global_attention"):
+            specs.append(attention(t, i))
         else:
             raise ModelError(
                 f"layer {i} has an unknown layer type {t!r}; ragbudget knows full/sliding/chunked "
-                "attention, MLA and mamba/linear-attention layers"
+                "attention, MLA and mamba/linear-attention/hybrid layers"
             )
     return tuple(specs)
 
@@ -499,12 +630,13 @@ def _layer_bytes(spec: LayerSpec, tokens: int, *, bits: int, batch_size: int, ca
         return 0
     if isinstance(spec, MambaSpec):
         return batch_size * spec.state_bytes(bits)
+    state = batch_size * spec.state_bytes(bits) if isinstance(spec, HybridSpec) else 0
     held = spec.tokens_held(tokens, cache=cache, max_cache_len=max_cache_len, peak=peak,
                             prefill_tokens=prefill_tokens)
     if backend in ("vllm", "sglang") and block_size > 1:
         # Paged caches allocate whole blocks of `block_size` tokens per sequence.
         held = math.ceil(held / block_size) * block_size
-    return batch_size * _ceil_bytes(spec.elements_per_token * held, bits)
+    return state + batch_size * _ceil_bytes(spec.elements_per_token * held, bits)
 
 
 def _quantized_layer_bytes(spec: LayerSpec, tokens: int, *, bits: int, batch_size: int,
@@ -643,7 +775,7 @@ def kv_bytes_per_token(
     _, bits = _dtype_for(config, kv_dtype)
     total = 0
     for s in specs:
-        if isinstance(s, SlidingWindowSpec) and not include_sliding:
+        if isinstance(getattr(s, "attention", s), SlidingWindowSpec) and not include_sliding:
             continue
         total += s.elements_per_token
     return _ceil_bytes(total, bits)

@@ -56,7 +56,50 @@ ARCHS: dict[str, dict] = {
                        linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
                        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                        shared_expert_intermediate_size=32, full_attention_interval=2),
+    # Recurrent and hybrid families: conv + SSM states (constant per sequence) next to K/V.
+    "mamba": dict(_SMALL, hidden_size=64, num_hidden_layers=2, state_size=8, conv_kernel=4,
+                  expand=2),
+    "falcon_mamba": dict(_SMALL, hidden_size=64, num_hidden_layers=2, state_size=8, conv_kernel=4,
+                         expand=2),
+    "mamba2": dict(_SMALL, hidden_size=64, num_hidden_layers=2, state_size=8, conv_kernel=4,
+                   expand=2, num_heads=8, head_dim=16, n_groups=2, chunk_size=16),
+    "jamba": dict(_BASE, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+                  expert_layer_offset=1, num_experts=2, mamba_d_state=8, mamba_d_conv=4,
+                  mamba_expand=2, mamba_dt_rank=8, use_mamba_kernels=False),
+    "bamba": dict(_BASE, attn_layer_indices=[1, 3], mamba_n_heads=8, mamba_d_head=16,
+                  mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
+                  mamba_chunk_size=16),
+    "granitemoehybrid": dict(_BASE, layer_types=["mamba", "attention", "mamba", "attention"],
+                             mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=8,
+                             mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=16,
+                             num_local_experts=2, num_experts_per_tok=1,
+                             shared_intermediate_size=64),
+    # Falcon-H1: attention and Mamba-2 in every layer; d_ssm != expand × hidden.
+    "falcon_h1": dict(_BASE, num_hidden_layers=3, mamba_d_ssm=96, mamba_n_heads=6, mamba_d_head=16,
+                      mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
+                      mamba_chunk_size=16, head_dim=16),
+    # Zamba / Zamba2: shared attention blocks on "hybrid" layers, head_dim = 2 × hidden / heads.
+    "zamba": dict(_BASE, num_hidden_layers=6, attn_layer_period=3, attn_layer_offset=2,
+                  n_mamba_heads=2, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
+                  use_mamba_kernels=False),
+    "zamba2": dict(_BASE, layers_block_type=["mamba", "hybrid", "mamba", "hybrid"],
+                   mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_ngroups=2,
+                   mamba_headdim=16, n_mamba_heads=8, num_mem_blocks=1, use_mem_rope=True,
+                   chunk_size=16, adapter_rank=8),
+    # Nemotron-H: attention head_dim (128) differs from the Mamba head dim (16); an MLP-only layer.
+    "nemotron_h": dict(_BASE, hybrid_override_pattern="M*M-", mamba_num_heads=8,
+                       mamba_head_dim=16, n_groups=2, ssm_state_size=8, conv_kernel=4, expand=2,
+                       chunk_size=16),
+    "lfm2": dict(_BASE, layer_types=["conv", "full_attention", "conv", "full_attention"],
+                 conv_L_cache=3, block_ff_dim=128),
+    "lfm2_moe": dict(_BASE, layer_types=["conv", "full_attention", "conv", "full_attention"],
+                     conv_L_cache=3, num_experts=2, num_experts_per_tok=1,
+                     moe_intermediate_size=32, num_dense_layers=1),
+    "olmo_hybrid": dict(_BASE, linear_num_key_heads=2, linear_num_value_heads=2,
+                        linear_key_head_dim=8, linear_value_head_dim=16, linear_conv_kernel_dim=4),
 }
+RECURRENT = ["qwen3_next", "mamba", "falcon_mamba", "mamba2", "jamba", "bamba", "granitemoehybrid",
+             "falcon_h1", "zamba", "zamba2", "nemotron_h", "lfm2", "lfm2_moe", "olmo_hybrid"]
 SLIDING = ["mistral", "gemma2", "gemma3_text", "phi3", "gpt_oss"]
 
 
@@ -129,7 +172,8 @@ def test_dynamic_cache_exact(models, mt, prompt):
     assert kv_cache_bytes(_as_dict(mt, cfg), tokens, batch_size=2, kv_dtype="float32") == measured
 
 
-@pytest.mark.parametrize("mt", ["llama", "gemma2", "mistral", "qwen3", "deepseek_v3", "gpt_oss"])
+@pytest.mark.parametrize("mt", ["llama", "gemma2", "mistral", "qwen3", "deepseek_v3", "gpt_oss",
+                                "jamba", "falcon_h1", "zamba2", "lfm2"])
 def test_static_cache_exact(models, mt):
     cfg, model = models[mt]
     prompt, new = 11, 3
@@ -171,6 +215,31 @@ def test_bf16_model_uses_config_dtype(models):
         assert kv_cache_bytes(d, 9) == cache_nbytes(cache)
     finally:
         model.to(torch.float32)
+
+
+# One family per code path (Mamba-1, Mamba-2, hybrid, short conv, delta net): bf16 on CPU is slow.
+@pytest.mark.parametrize("mt", ["mamba", "bamba", "falcon_h1", "lfm2", "olmo_hybrid"])
+def test_bf16_recurrent_state_dtypes(models, mt):
+    """Conv states follow the model dtype; gated-delta-net recurrent states stay float32."""
+    cfg, model = models[mt]
+    m16 = model.to(torch.bfloat16)
+    try:
+        cache = _generate(m16, 6, 3, batch=2)
+        d = _as_dict(mt, cfg) | {"torch_dtype": "bfloat16"}
+        assert kv_cache_bytes(d, 8, batch_size=2) == cache_nbytes(cache)
+    finally:
+        model.to(torch.float32)
+
+
+@pytest.mark.parametrize("mt", RECURRENT)
+def test_recurrent_state_is_constant(models, mt):
+    """Only attention layers grow: the recurrent part is the same at every length."""
+    cfg, _ = models[mt]
+    specs = layer_specs(cfg)
+    assert any(s.state_elements for s in specs)
+    per_tok = sum(s.elements_per_token for s in specs) * 4
+    assert kv_cache_bytes(cfg, 50, kv_dtype="float32") - kv_cache_bytes(cfg, 10, kv_dtype="float32") \
+        == 40 * per_tok
 
 
 @pytest.mark.parametrize("mt", list(ARCHS))
@@ -215,7 +284,7 @@ def test_mamba_state_is_constant():
            "num_attention_heads": 4, "layer_types": ["mamba", "full_attention"],
            "mamba_d_state": 16, "mamba_d_conv": 4, "mamba_expand": 2, "torch_dtype": "float32"}
     specs = layer_specs(cfg, normalize=False)
-    assert specs[0] == MambaSpec(conv_elements=128 * 4, ssm_elements=128 * 16)
+    assert specs[0] == MambaSpec(conv_elements=128 * 4, ssm_elements=128 * 16, ssm_dtype_bits=32)
     a = kv_cache_bytes(cfg, 10, normalize=False)
     b = kv_cache_bytes(cfg, 20, normalize=False)
     assert b - a == 10 * 2 * 64 * 4  # only the attention layer grows
