@@ -10,7 +10,14 @@ is a fair baseline). For context budgets of 256/512/1,024/2,048 *generator* (Smo
                      blocks, the whole cut to the budget (the usual "top-k, then truncate");
 * ``greedy_fill``    hits by similarity as labeled blocks until the budget, the last one cut
                      mid-way to fill exactly (a budget-aware top-k: k grows with the budget);
-* ``ragbudget``      :func:`ragbudget.prompt.build_prompt` (knapsack selection, exact accounting).
+* ``ragbudget_dense`` :func:`ragbudget.prompt.build_prompt` (knapsack selection, exact
+                     accounting) over the dense hits only (``Pipeline(hybrid=False)``);
+* ``ragbudget``      the same over hybrid hits, as ``Index.search(hybrid=True)`` makes them: the
+                     top ``--fetch-k`` dense and BM25 candidates (SQLite FTS5, the index's own
+                     query escaping) fused by :func:`ragbudget.index.fuse_scores`.
+
+The three baselines rank by dense similarity only, as the frameworks they stand for do by default.
+``--sweep`` also reports ragbudget's recall for both fusion methods and several lexical weights.
 
 Recall = a gold answer (official SQuAD normalization) appears in the selected context. Overruns are
 counted on the real rendered prompt (``len(input_ids) > fixed + N``). Then SmolLM2-135M answers a
@@ -45,6 +52,7 @@ sys.path.insert(0, str(ROOT))
 import numpy as np
 
 from ragbudget.chunking import chunk_text
+from ragbudget.index import FTS_TOKENIZE, FUSIONS, _bm25, fuse_scores
 from ragbudget.models import resolve_embedder
 from ragbudget.prompt import DEFAULT_SYSTEM_PROMPT, PromptBuilder, build_prompt
 from ragbudget.select import Candidate
@@ -120,6 +128,10 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=None,
                     help="select_chunks temperature (default: the library's)")
     ap.add_argument("--top-k", type=int, default=4, help="k of the top-k-then-truncate baseline")
+    ap.add_argument("--fusion", choices=FUSIONS, default="score", help="hybrid fusion method")
+    ap.add_argument("--lexical-weight", type=float, default=0.5, help="hybrid lexical weight")
+    ap.add_argument("--sweep", action="store_true",
+                    help="also measure ragbudget recall for every fusion x lexical weight")
     ap.add_argument("--chunk-min", type=int, default=40)
     ap.add_argument("--chunk-max", type=int, default=160)
     ap.add_argument("--gen-n", type=int, default=200, help="questions answered by SmolLM2")
@@ -170,9 +182,21 @@ def main() -> None:
     print(f"{len(questions)} questions embedded in {time.time() - t0:.1f}s", flush=True)
 
     sel_opts = {} if args.temperature is None else {"temperature": args.temperature}
+    # BM25 per article, in the index's own FTS5 table layout and query path.
+    import sqlite3
+
+    fts = []
+    for cs in chunks_per_article:
+        db = sqlite3.connect(":memory:")
+        db.execute(f"CREATE VIRTUAL TABLE chunks_fts USING fts5(text, tokenize='{FTS_TOKENIZE}')")
+        db.executemany("INSERT INTO chunks_fts(rowid, text) VALUES (?, ?)",
+                       [(j, c.text) for j, c in enumerate(cs)])
+        fts.append(db)
+    sweep = [(f, w) for f in FUSIONS for w in (0.3, 0.5, 0.7)] if args.sweep else []
+    sweep_recall = {f"{f}@{w}": {b: 0 for b in BUDGETS} for f, w in sweep}
     offsets = np.cumsum([0] + [len(c) for c in chunks_per_article])
     first_ids = {}  # article → token ids of the article text (generator tokenizer)
-    strategies = ("first_n", "topk_truncate", "greedy_fill", "ragbudget")
+    strategies = ("first_n", "topk_truncate", "greedy_fill", "ragbudget_dense", "ragbudget")
     recall = {s: {b: 0 for b in BUDGETS} for s in strategies}
     fill = {b: [] for b in BUDGETS}
     overruns = {b: 0 for b in BUDGETS}
@@ -187,6 +211,19 @@ def main() -> None:
         title = articles[ai]["title"]
         hits = [Candidate(f"{ai}:{j}", cs[j].text, float(scores[j]),
                           sources=(Source(f"{title}.txt", cs[j].start, cs[j].end),)) for j in order]
+        lexical = dict(_bm25(fts[ai], q, args.fetch_k))
+
+        def hybrid(method: str, weight: float) -> list[Candidate]:
+            # As Index.search(hybrid=True): top fetch_k of each, lexical-only ones get their cosine.
+            dense = {int(j): float(scores[j]) for j in order}
+            dense.update({j: float(scores[j]) for j in lexical if j not in dense})
+            fused = fuse_scores(dense, lexical, method=method, lexical_weight=weight)
+            return [Candidate(f"{ai}:{j}", cs[j].text, sc,
+                              sources=(Source(f"{title}.txt", cs[j].start, cs[j].end),))
+                    for j, sc in fused[: args.fetch_k]]
+
+        hyb = hybrid(args.fusion, args.lexical_weight)
+        swept = {f"{f}@{w}": hybrid(f, w) for f, w in sweep}
         fixed = builder.fixed_tokens(q)
         if ai not in first_ids:
             first_ids[ai] = tok.encode(articles[ai]["text"], add_special_tokens=False)
@@ -210,8 +247,18 @@ def main() -> None:
                             parts.append(tok.decode(ids[: room - over]))
                         break
                 recall[name][b] += contains_answer("\n".join(parts), answers)
-            # ragbudget: exact selection + rendered prompt.
-            p = build_prompt(q, hits, tokenizer=tok, max_prompt_tokens=fixed + b, builder=builder,
+            # ragbudget: exact selection + rendered prompt (dense-only hits, then hybrid hits).
+            pd = build_prompt(q, hits, tokenizer=tok, max_prompt_tokens=fixed + b, builder=builder,
+                              **sel_opts)
+            recall["ragbudget_dense"][b] += contains_answer(pd.selection.text, answers)
+            for name, pool in swept.items():
+                ps = build_prompt(q, pool, tokenizer=tok, max_prompt_tokens=fixed + b,
+                                  builder=builder, **sel_opts)
+                sweep_recall[name][b] += contains_answer(ps.selection.text, answers)
+            checked += 1
+            if pd.n_tokens > fixed + b or pd.selection.tokens_used > pd.selection.tokens_allowed:
+                overruns[b] += 1
+            p = build_prompt(q, hyb, tokenizer=tok, max_prompt_tokens=fixed + b, builder=builder,
                              **sel_opts)
             recall["ragbudget"][b] += contains_answer(p.selection.text, answers)
             fill[b].append(p.selection.fill)
@@ -227,15 +274,23 @@ def main() -> None:
 
     print(f"\nanswer recall in the selected context, {n} questions, {len(articles)} SQuAD dev "
           "articles (retrieval within the question's own article)")
+    print(f"ragbudget = hybrid ({args.fusion}, lexical_weight={args.lexical_weight}); "
+          "ragbudget_dense = the same selection over dense hits only")
     print(f"{'budget':>7} {'first_n':>8} {f'top{args.top_k}_trunc':>11} {'greedy_fill':>11} "
-          f"{'ragbudget':>10} {'vs first':>9} {'vs topk':>8} {'vs greedy':>9} {'fill':>6} "
-          f"{'overruns':>9}")
+          f"{'rb_dense':>9} {'ragbudget':>10} {'vs first':>9} {'vs topk':>8} {'vs greedy':>9} "
+          f"{'vs dense':>9} {'fill':>6} {'overruns':>9}")
     for b in BUDGETS:
         r = rec["ragbudget"][b]
         print(f"{b:>7} {rec['first_n'][b]:>7.1f}% {rec['topk_truncate'][b]:>10.1f}% "
-              f"{rec['greedy_fill'][b]:>10.1f}% {r:>9.1f}% {r - rec['first_n'][b]:>+9.1f} "
-              f"{r - rec['topk_truncate'][b]:>+8.1f} {r - rec['greedy_fill'][b]:>+9.1f} "
+              f"{rec['greedy_fill'][b]:>10.1f}% {rec['ragbudget_dense'][b]:>8.1f}% {r:>9.1f}% "
+              f"{r - rec['first_n'][b]:>+9.1f} {r - rec['topk_truncate'][b]:>+8.1f} "
+              f"{r - rec['greedy_fill'][b]:>+9.1f} {r - rec['ragbudget_dense'][b]:>+9.1f} "
               f"{100 * np.mean(fill[b]):>5.1f}% {overruns[b]:>9}")
+    sweep_rec = {k: {b: 100.0 * v / n for b, v in d.items()} for k, d in sweep_recall.items()}
+    if sweep_rec:
+        print("\nragbudget recall by fusion@lexical_weight")
+        for k, d in sweep_rec.items():
+            print(f"  {k:>9}: " + "  ".join(f"{b}: {d[b]:5.1f}%" for b in BUDGETS))
     print(f"prompts checked for overruns: {checked}, overruns: {sum(overruns.values())}")
 
     # -- generation ---------------------------------------------------------------------------
@@ -297,7 +352,8 @@ def main() -> None:
         "questions": n, "articles": [a["title"] for a in articles], "chunks": len(all_texts),
         "retrieval": f"within the question's own article (MiniLM cosine), fetch_k={args.fetch_k}",
         "chunking": f"ragbudget.chunking.chunk_text min={args.chunk_min} max={args.chunk_max} cl100k",
-        "budgets": list(BUDGETS), "recall": rec,
+        "hybrid": {"fusion": args.fusion, "lexical_weight": args.lexical_weight},
+        "budgets": list(BUDGETS), "recall": rec, "sweep_recall": sweep_rec,
         "fill": {b: float(np.mean(v)) for b, v in fill.items()},
         "overruns": overruns, "prompts_checked": checked,
         "generation": gs, "generation_full_article": fs, "generation_rows": gen_rows,
@@ -314,7 +370,8 @@ def main() -> None:
         names = {"first_n": "first N tokens",
                  "topk_truncate": f"top-{args.top_k}, then truncate",
                  "greedy_fill": "by similarity until full, last cut",
-                 "ragbudget": "ragbudget (knapsack)"}
+                 "ragbudget_dense": "ragbudget, dense only",
+                 "ragbudget": "ragbudget (hybrid + knapsack)"}
         for s, label in names.items():
             ax.plot(BUDGETS, [rec[s][b] for b in BUDGETS], marker="o", label=label)
         ax.set_xscale("log", base=2)

@@ -111,7 +111,7 @@ class Pipeline:
         hybrid: fuse dense (FAISS) and lexical (BM25, SQLite FTS5) candidates (default on);
             ``False`` searches dense only.
         lexical_weight: weight of the lexical ranking in the fusion (0 = dense only).
-        fusion: ``"rrf"`` (reciprocal rank fusion) or ``"score"`` (normalized scores).
+        fusion: ``"score"`` (normalized scores, default) or ``"rrf"`` (reciprocal rank fusion).
         order: context order — ``relevance``, ``document`` or ``lost_in_middle``.
         utilization: share of the memory the plan may use (0.9 as vLLM).
         queue_size, queue_timeout: admission control's bounded queue.
@@ -135,7 +135,7 @@ class Pipeline:
         fetch_k: int = 50,
         hybrid: bool = True,
         lexical_weight: float = 0.5,
-        fusion: str = "rrf",
+        fusion: str = "score",
         order: str = "relevance",
         utilization: float = 0.9,
         queue_size: int = 64,

@@ -189,7 +189,7 @@ def test_ask_without_an_index_fails_before_loading_a_model(tmp_path: Path) -> No
 def test_hybrid_search_is_default_and_can_be_turned_off(indexed: Path) -> None:
     pipe, _ = _pipe(indexed)
     dense, _ = _pipe(indexed, hybrid=False)
-    assert pipe.hybrid and pipe.fusion == "rrf"
+    assert pipe.hybrid and pipe.fusion == "score"
     hyb = pipe.search(QUESTION, k=8)
     only = dense.search(QUESTION, k=8)
     assert only == pipe.store.search(QUESTION, k=8)  # hybrid=False: the dense search exactly
