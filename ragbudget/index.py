@@ -241,16 +241,26 @@ def _bm25(db: sqlite3.Connection, query: str, k: int, *,
         return []
 
 
-def _ensure_fts(db: sqlite3.Connection) -> str:
+_FTS_TRIGGERS = ("chunks_fts_ai", "chunks_fts_ad", "chunks_fts_au")
+
+
+def _ensure_fts(db: sqlite3.Connection, *, trusted: bool = True) -> str:
     """Create the FTS table and its triggers on a writable connection and fill it if it was missing.
 
-    Returns ``"ok"`` (was there), ``"created"`` (created and back-filled from ``chunks``) or
-    ``"unavailable"`` (no FTS5 in this SQLite).
+    ``trusted=False`` says an existing table may be stale (the generation was written by a Python
+    without FTS5, which had to drop the triggers): it is rebuilt from ``chunks``. Returns ``"ok"``
+    (was there), ``"created"`` (created and back-filled) or ``"unavailable"`` (no FTS5 here; the
+    triggers are dropped so that writing ``chunks`` does not need the missing module).
     """
+    had = db.execute("SELECT 1 FROM sqlite_master WHERE name='chunks_fts'").fetchone() is not None
     if not fts5_available():
         _warn_no_fts5()
+        for t in _FTS_TRIGGERS:
+            db.execute(f"DROP TRIGGER IF EXISTS {t}")
         return "unavailable"
-    had = db.execute("SELECT 1 FROM sqlite_master WHERE name='chunks_fts'").fetchone() is not None
+    if had and not trusted:
+        db.execute("DROP TABLE chunks_fts")
+        had = False
     db.executescript(_FTS_SCHEMA)
     if had:
         return "ok"
@@ -740,9 +750,12 @@ class Index:
 
     @property
     def has_lexical(self) -> bool:
-        """Whether the generation in use stores its FTS5 table (older indexes do not)."""
+        """Whether the generation in use stores an up-to-date FTS5 table (older indexes, and ones
+        written by a Python without FTS5, do not)."""
         self._load()
         assert self._db is not None
+        if not (self._manifest or {}).get("lexical"):
+            return False
         with self._lock:
             return self._db.execute(
                 "SELECT 1 FROM sqlite_master WHERE name='chunks_fts'").fetchone() is not None
@@ -965,7 +978,10 @@ class Index:
         counts = m.get("counts", {})
         if counts.get("chunks") not in (None, checked["chunks"]):
             problems.append(f"manifest counts {counts['chunks']} chunks, SQLite has {checked['chunks']}")
-        if db.execute("SELECT 1 FROM sqlite_master WHERE name='chunks_fts'").fetchone():
+        if not fts5_available():
+            checked["lexical_rows"] = "unchecked: no FTS5 in this SQLite"
+        elif m.get("lexical") and db.execute(
+                "SELECT 1 FROM sqlite_master WHERE name='chunks_fts'").fetchone():
             fts_ids = np.array([r[0] for r in db.execute("SELECT rowid FROM chunks_fts")],
                                dtype=np.int64)
             checked["lexical_rows"] = len(fts_ids)
@@ -1231,7 +1247,9 @@ class _Builder:
         # The temp copy is private until renamed: no journal needed; the rename commits it.
         self.db.execute("PRAGMA journal_mode=OFF")
         self.db.execute("PRAGMA synchronous=OFF")
-        self.lexical = _ensure_fts(self.db)
+        # A table the previous writer did not vouch for in its manifest may be stale: rebuild it.
+        self.lexical = _ensure_fts(
+            self.db, trusted=bool(self.old and not reason and self.old.get("lexical")))
         self.changed = bool(reason) or self.old is None
         if self.lexical == "created" and self.old is not None and not reason:
             # An index from before the FTS table: this run stores it even if no file changed.

@@ -681,6 +681,31 @@ def test_no_fts5_falls_back_to_dense(ix: Index, corpus: Path, monkeypatch: pytes
     assert [h.chunk_id for h in o.search("marker1zz", k=5, hybrid=True)] == \
         [h.chunk_id for h in o.search("marker1zz", k=5)]
     assert o.search_lexical("marker1zz") == [] and o.verify().ok
+    o.close()
+
+
+def test_index_updated_without_fts5_is_repaired_by_the_next_run(
+        ix: Index, corpus: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import ragbudget.index as mod
+
+    build(ix, corpus)
+    monkeypatch.setattr(mod, "_fts5_ok", False)
+    (corpus / "doc0.txt").write_text(make_text(99, unique="fresh7zz"))
+    (corpus / "doc1.txt").unlink()
+    s = build(ix, corpus)  # a Python without FTS5: triggers dropped, the table goes stale
+    assert s.committed and Index.open(ix.path).stats()["lexical"] is None
+    monkeypatch.setattr(mod, "_fts5_ok", True)
+    o = Index.open(ix.path)
+    assert not o.has_lexical  # the stale table is not trusted: built in memory instead
+    assert "fresh7zz" in o.search_lexical("fresh7zz", k=1)[0].text
+    assert not o.search_lexical("marker1zz", k=1)
+    o.close()
+    (corpus / "doc2.txt").write_text(make_text(98))
+    build(ix, corpus)  # FTS5 again: the table is rebuilt from the chunks
+    o = Index.open(ix.path)
+    report = o.verify()
+    assert o.has_lexical and report.ok and report.checked["lexical_rows"] == report.checked["chunks"]
+    assert "fresh7zz" in o.search_lexical("fresh7zz", k=1)[0].text
 
 
 def test_verify_detects_fts_out_of_sync(ix: Index, corpus: Path) -> None:
