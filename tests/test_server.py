@@ -537,6 +537,34 @@ def test_short_load_only_200_or_429_and_health_throughout() -> None:
     assert _wait_until(lambda: pipe.admission.used == 0 and pipe.admission.queued == 0)
 
 
+def test_idle_server_returns_freed_memory_to_the_os(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ragbudget import server
+
+    if server._glibc() is None:
+        pytest.skip("malloc_trim is glibc's")
+    trims: list[int] = []
+    real = server.release_memory
+    monkeypatch.setattr(server, "release_memory", lambda: trims.append(1) or real())
+    app = create_app(FakePipeline(words=3))
+    with background_server(app) as url:
+        assert trims == []  # nothing before the first request
+        for _ in range(3):
+            httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": user()})
+        # One trim once the burst is over and the server stayed idle (not one per request).
+        assert _wait_until(lambda: app.state.trimmer.trims >= 1)
+    assert 1 <= len(trims) <= 3
+    assert create_app(FakePipeline(), trim_memory=False).state.trimmer is None
+
+
+def test_allocator_helpers() -> None:
+    from ragbudget import server
+    from ragbudget.errors import ConfigError
+
+    assert isinstance(server.release_memory(), bool)
+    with pytest.raises(ConfigError):
+        server.limit_malloc_arenas(0)
+
+
 def test_metrics_exposition_format() -> None:
     m = Metrics()
     m.count_request("/v1/chat/completions", 200)
@@ -598,6 +626,22 @@ def test_real_models_through_the_openai_client(tmp_path: Path, repo_data: Path) 
     assert text.strip() and (chunks[-1].model_extra or {})["sources"]
     assert 'ragbudget_requests_total{endpoint="/v1/chat/completions",status="200"} 2' in metrics
     assert pipe.admission.stats().admitted_tokens == 0
+    # Sampling and stop strings reach SmolLM2 through the same path.
+    with running(pipe) as url:
+        c = client(url)
+        ask = [{"role": "user", "content": "What does the pipe system call return?"}]
+
+        def answer(**options: Any) -> Any:
+            return c.chat.completions.create(model="ragbudget", messages=ask, max_tokens=12, **options).choices[0]
+
+        greedy = answer().message.content or ""
+        words = greedy.split()
+        assert len(words) >= 3, greedy
+        stop = " " + words[2]
+        cut = answer(stop=[stop])
+        assert cut.finish_reason == "stop" and cut.message.content == greedy[:greedy.index(stop)].strip()
+        sampled = answer(temperature=1.0, seed=11).message.content
+        assert sampled == answer(temperature=1.0, seed=11).message.content
 
 
 def test_max_tokens_cannot_exceed_the_planned_output() -> None:
