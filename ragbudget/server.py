@@ -5,7 +5,10 @@ Endpoints (all JSON; errors are OpenAI-style ``{"error": {"message", "type", "pa
 * ``POST /v1/chat/completions`` — the OpenAI chat schema; ``stream: true`` sends server-sent events
   in OpenAI chunk format ending with ``data: [DONE]``. The retrieved sources come back in an extra
   top-level ``sources`` field (and in the final chunk when streaming), the budget report in
-  ``ragbudget``. The last message is the question; earlier messages are the history.
+  ``ragbudget``. The last message is the question; earlier messages are the history, budgeted
+  as ``ragbudget chat`` does (older turns folded into a summary when they do not fit).
+  ``temperature`` (absent or 0: greedy), ``top_p``, ``seed``, ``stop`` (up to 4 strings, excluded
+  from the answer, streaming or not) and ``max_tokens`` reach the generator.
 * ``POST /v1/retrieve`` — the chunks that fit the budget for a query (no generation).
 * ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text format).
 
