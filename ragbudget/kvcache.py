@@ -436,8 +436,8 @@ def _default_layer_types(c: _Cfg, n: int) -> list[str]:
 
 # transformers keeps every SSM / delta-rule recurrent state in float32 whatever the model dtype
 # (A = -exp(A_log.float()) makes the scan float32; checked on bf16 models of all 14 recurrent
-# families, one per code path kept in tests/test_kvcache.py). Conv states follow the model dtype. Fused CUDA kernels
-# (mamba-ssm, causal-conv1d) are not exercised here.
+# families, one per code path kept in tests/test_kvcache.py). Conv states follow the model dtype.
+# Fused CUDA kernels (mamba-ssm, causal-conv1d) are not exercised here.
 _SSM_BITS = 32
 
 
@@ -639,26 +639,79 @@ def _layer_bytes(spec: LayerSpec, tokens: int, *, bits: int, batch_size: int, ca
     return state + batch_size * _ceil_bytes(spec.elements_per_token * held, bits)
 
 
-def _quantized_layer_bytes(spec: LayerSpec, tokens: int, *, bits: int, batch_size: int,
-                           nbits: int, q_group_size: int, residual_length: int,
-                           quant_backend: str) -> int:
-    """transformers' QuantizedCache (full-attention layers only).
+QUANT_BACKENDS = ("quanto", "hqq", "fp8")
 
-    ``fp8``: every token in float8 plus one float32 scale for K and one for V (exact).
-    ``quanto``/``hqq``: packed ``nbits`` integers, a scale and a zero-point (model dtype) per group
-    of ``q_group_size``, and up to ``residual_length - 1`` full-precision tokens not yet flushed
-    (an upper bound: the flush point depends on the prefill length).
+
+def _quantized_tensor_bytes(elements: int, *, batch_size: int, nbits: int, q_group_size: int,
+                            axis: int, backend: str, bits: int) -> int:
+    """Bytes of one quantized K or V tensor of ``elements`` values, as the backend stores it.
+
+    quanto (``optimum/quanto/tensor/grouped.py``, ``packed.py``): axis 0 groups the values into
+    ``(G, group)`` rows (``G = elements / group``), packs ``8 // nbits`` rows per uint8 row
+    (``ceil(G / (8 // nbits)) × group`` bytes) and keeps a float scale and a float shift per
+    group in the model dtype (``MaxOptimizer``); axis -1 groups ``(group, G)``.
+    HQQ (``hqq/core/quantize.py``, ``bitpack.py``): axis 0 groups ``(group, G)``, axis 1
+    ``(G, group)``; the first dimension is packed — 8-bit 1 row per row, 4-bit ``rows // 2``,
+    2-bit ``rows // 4``, 1-bit ``rows // 8`` (uint8), 3-bit ``ceil(rows / 10)`` int32 rows — plus
+    a scale and a zero per group in the compute (model) dtype.
     """
-    if not isinstance(spec, (FullAttentionSpec, MLAAttentionSpec)):
-        return 0 if isinstance(spec, NoCacheSpec) else _layer_bytes(
-            spec, tokens, bits=bits, batch_size=batch_size, cache="dynamic", max_cache_len=None,
-            peak=False, prefill_tokens=None, backend="transformers", block_size=1)
-    elements = spec.elements_per_token * tokens * batch_size
-    if quant_backend == "fp8":
-        return elements + 2 * 4
+    if elements == 0:
+        return 0
     groups = math.ceil(elements / q_group_size)
-    residual = spec.elements_per_token * min(tokens, residual_length - 1) * batch_size
-    return _ceil_bytes(elements, nbits) + groups * 2 * _ceil_bytes(1, bits) + _ceil_bytes(residual, bits)
+    meta = 2 * groups * _ceil_bytes(1, bits)
+    if backend == "quanto":
+        per_row = 8 // nbits
+        if axis == 0:
+            return math.ceil(groups / per_row) * q_group_size + meta
+        return math.ceil(q_group_size / per_row) * groups + meta
+    rows, cols = (q_group_size, groups) if axis == 0 else (groups, q_group_size)
+    if nbits == 3:
+        return math.ceil(rows / 10) * 4 * cols + meta
+    pack = {8: 1, 6: 1, 5: 1, 4: 2, 2: 4, 1: 8}[nbits]  # 5/6-bit are stored as 8-bit by HQQ
+    return (rows // pack) * cols + meta
+
+
+def _quantized_layer_bytes(spec: LayerSpec, tokens: int, *, bits: int, batch_size: int,
+                           nbits: int, q_group_size: int, residual_length: int, axis: int,
+                           quant_backend: str, prefill_tokens: int | None,
+                           worst_residual: bool = False) -> int:
+    """transformers' ``QuantizedCache`` (``QuantizedLayer`` / ``Fp8QuantizedLayer`` in
+    ``cache_utils.py``), full-attention layers only.
+
+    ``fp8``: every token in float8 plus one float32 scale for K and one for V.
+    ``quanto``/``hqq``: the prefill is quantized at once; each decode token goes to a
+    full-precision residual, and when the residual would reach ``residual_length`` everything
+    (dequantized + residual + new) is re-quantized and the residual emptied. After ``d`` decode
+    tokens the residual therefore holds ``d mod residual_length`` tokens and the rest is
+    quantized. ``worst_residual`` counts every token quantized *and* a full residual window
+    (an upper bound for any flush phase).
+    """
+    if isinstance(spec, NoCacheSpec):
+        return 0
+    if not isinstance(spec, (FullAttentionSpec, MLAAttentionSpec)) or \
+            isinstance(spec, SlidingWindowSpec):
+        raise ConfigError(
+            f"transformers' QuantizedCache supports only full-attention layers, found a "
+            f"{spec.kind} layer; use cache='dynamic' or 'offloaded' for this model"
+        )
+    if isinstance(spec, MLAAttentionSpec):
+        k_per_token, v_per_token = spec.elements_per_token, 0
+    else:
+        k_per_token = spec.num_kv_heads * spec.head_size
+        v_per_token = spec.num_kv_heads * spec.v_head_size
+    if quant_backend == "fp8":
+        return (k_per_token + v_per_token) * tokens * batch_size + 2 * 4
+    prefill = tokens if prefill_tokens is None else min(prefill_tokens, tokens)
+    if worst_residual:
+        quantized, residual = tokens, min(residual_length - 1, tokens - prefill)
+    else:
+        residual = (tokens - prefill) % residual_length
+        quantized = tokens - residual
+    kw = {"batch_size": batch_size, "nbits": nbits, "q_group_size": q_group_size, "axis": axis,
+          "backend": quant_backend, "bits": bits}
+    return (_quantized_tensor_bytes(k_per_token * quantized * batch_size, **kw)
+            + _quantized_tensor_bytes(v_per_token * quantized * batch_size, **kw)
+            + _ceil_bytes((k_per_token + v_per_token) * residual * batch_size, bits))
 
 
 def estimate_kv(
@@ -677,6 +730,7 @@ def estimate_kv(
     nbits: int = 4,
     q_group_size: int = 64,
     residual_length: int = 128,
+    q_axis: int = 0,
     offload_only_non_sliding: bool = False,
     normalize: bool = True,
 ) -> KVEstimate:
@@ -685,8 +739,10 @@ def estimate_kv(
     ``cache``: ``"dynamic"`` (grows), ``"static"`` (pre-allocates ``max_cache_len``, default
     ``tokens``), ``"offloaded"`` (only the layers in flight stay on the GPU: the one being updated
     plus the one prefetched; recurrent layers, and sliding layers when
-    ``offload_only_non_sliding``, stay resident), ``"quantized"`` (see ``quant_backend``: quanto,
-    hqq or fp8). ``kv_dtype`` defaults to the model dtype (bf16 if the config has none).
+    ``offload_only_non_sliding``, stay resident), ``"quantized"`` (``quant_backend`` quanto, hqq
+    or fp8; ``nbits``, ``q_group_size``, ``residual_length`` and ``q_axis`` as in transformers'
+    ``QuantizedCache``; exact for a ``generate`` whose prompt of ``prefill_tokens`` tokens is
+    prefilled at once, the peak an upper bound for any flush phase). ``kv_dtype`` defaults to the model dtype (bf16 if the config has none).
     ``prefill_tokens``: the largest single forward (default: all ``tokens`` at once).
     ``backend="vllm"``/``"sglang"`` rounds token slots up to whole ``block_size`` pages.
     """
@@ -701,14 +757,22 @@ def estimate_kv(
     kw = {"bits": bits, "batch_size": batch_size, "max_cache_len": max_cache_len,
               "prefill_tokens": prefill_tokens, "backend": backend, "block_size": block_size}
     if cache == "quantized":
-        per = tuple(_quantized_layer_bytes(s, tokens, bits=bits, batch_size=batch_size, nbits=nbits,
-                                           q_group_size=q_group_size,
-                                           residual_length=residual_length,
-                                           quant_backend=quant_backend) for s in specs)
-        # Re-quantizing concatenates dequantized + residual + new states in full precision.
-        transient = max((batch_size * _ceil_bytes(s.elements_per_token * tokens, bits)
-                         for s in specs), default=0)
-        return KVEstimate(sum(per), sum(per) + transient, per, f"int{nbits}"
+        if quant_backend not in QUANT_BACKENDS:
+            raise ConfigError(f"quant_backend must be one of {QUANT_BACKENDS}, got {quant_backend!r}")
+        allowed = {"quanto": (2, 4), "hqq": (1, 2, 3, 4, 8)}.get(quant_backend)
+        if allowed is not None and nbits not in allowed:
+            raise ConfigError(f"{quant_backend} quantizes the KV cache to {allowed} bits, got {nbits}")
+        qkw = {"bits": bits, "batch_size": batch_size, "nbits": nbits,
+               "q_group_size": q_group_size, "residual_length": residual_length, "axis": q_axis,
+               "quant_backend": quant_backend, "prefill_tokens": prefill_tokens}
+        per = tuple(_quantized_layer_bytes(s, tokens, **qkw) for s in specs)
+        worst = sum(_quantized_layer_bytes(s, tokens, worst_residual=True, **qkw) for s in specs)
+        # Each update dequantizes the layer and concatenates dequantized + residual + new states
+        # in full precision (two full-precision copies of one layer at once); fp8 dequantizes once.
+        copies = 1 if quant_backend == "fp8" else 2
+        transient = copies * max((batch_size * _ceil_bytes(s.elements_per_token * tokens, bits)
+                                  for s in specs), default=0)
+        return KVEstimate(sum(per), worst + transient, per, f"int{nbits}"
                           if quant_backend != "fp8" else "fp8", cache)
     base = "static" if cache == "static" else "dynamic"
     per = tuple(_layer_bytes(s, tokens, cache=base, peak=False, **kw) for s in specs)

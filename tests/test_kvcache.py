@@ -118,6 +118,23 @@ def models():
     return built
 
 
+def _leaves(obj):
+    """Plain tensors inside a quantized state: quanto tensor subclasses are flattened, HQQ's
+    ``(W_q, meta)`` and fp8's ``(data, scale)`` tuples walked (meta holds scale and zero)."""
+    if isinstance(obj, torch.Tensor):
+        if type(obj) is not torch.Tensor and hasattr(obj, "__tensor_flatten__"):
+            for name in obj.__tensor_flatten__()[0]:
+                yield from _leaves(getattr(obj, name))
+        else:
+            yield obj
+    elif isinstance(obj, (tuple, list)):
+        for x in obj:
+            yield from _leaves(x)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            yield from _leaves(x)
+
+
 def _tensors(cache):
     for layer in cache.layers:
         for name in ("keys", "values"):
@@ -129,9 +146,7 @@ def _tensors(cache):
                 if t is not None:
                     yield t
         for name in ("_quantized_keys", "_quantized_values"):
-            q = getattr(layer, name, None)
-            if isinstance(q, tuple):
-                yield from (t for t in q if isinstance(t, torch.Tensor))
+            yield from _leaves(getattr(layer, name, None))
 
 
 def cache_nbytes(cache) -> int:
@@ -204,6 +219,95 @@ def test_fp8_quantized_cache_exact(models):
                       cache_config={"backend": "fp8"})
     est = kv_cache_bytes(cfg, prompt + new - 1, cache="quantized", quant_backend="fp8")
     assert est == cache_nbytes(cache)
+
+
+@pytest.fixture(scope="module")
+def quanto():
+    """optimum-quanto, with its CPU unpack kernel replaced by the library's own pure-torch
+    reference (``optimum/quanto/library/unpack.py``): the C++ kernel is JIT-compiled with ninja on
+    first use, which takes minutes on a small machine. Unpacking only dequantizes; the storage
+    layout under test does not depend on it."""
+    pytest.importorskip("optimum.quanto")
+    from optimum.quanto.library.extensions.cpp import ext
+
+    def unpack(packed, bits):
+        return torch.cat([(packed & (2 ** (bits * (i + 1)) - 1)) >> (bits * i)
+                          for i in range(8 // bits)]).to(torch.uint8)
+
+    saved = ext._lib
+    if saved is None:
+        ext._lib = type("PureTorchUnpack", (), {"unpack": staticmethod(unpack)})()
+    yield
+    ext._lib = saved
+
+
+# (backend, nbits, axis_key/value, group): every packing of each backend, both grouping axes.
+# quanto's axis -1 groups across batch × heads × tokens (4 × tokens here), hence the group of 4.
+QUANT_CASES = [("quanto", 2, 0, 16), ("quanto", 4, 0, 16), ("quanto", 4, -1, 4),
+               ("hqq", 1, 0, 16), ("hqq", 2, 0, 16), ("hqq", 3, 0, 16), ("hqq", 4, 0, 16),
+               ("hqq", 8, 0, 16), ("hqq", 4, 1, 16)]
+# (hqq 0.2.8 cannot dequantize its own 3-bit packing on axis 1 when the rows are not a multiple
+# of 10, so that case is left out.)
+
+
+@pytest.mark.parametrize(("backend", "nbits", "axis", "group"), QUANT_CASES)
+@pytest.mark.parametrize("new", [4, 9])
+def test_quantized_cache_exact(models, request, backend, nbits, axis, group, new):
+    """n-bit K/V + scales/zeros + the full-precision residual window, to the byte.
+
+    ``new`` - 1 decode tokens: 3 stay in the residual window (4), or 8 flush it twice."""
+    if backend == "quanto":
+        request.getfixturevalue("quanto")
+    else:
+        pytest.importorskip("hqq")
+    cfg, model = models["llama"]
+    prompt, residual = 9, 4
+    cache = _generate(model, prompt, new, batch=2, cache_implementation="quantized",
+                      cache_config={"backend": backend, "nbits": nbits, "q_group_size": group,
+                                    "residual_length": residual, "axis_key": axis,
+                                    "axis_value": axis})
+    est = kv_cache_bytes(cfg, prompt + new - 1, batch_size=2, kv_dtype="float32",
+                         cache="quantized", quant_backend=backend, nbits=nbits,
+                         q_group_size=group, residual_length=residual, q_axis=axis,
+                         prefill_tokens=prompt)
+    assert est == cache_nbytes(cache)
+    assert est <= kv_cache_bytes(cfg, prompt + new - 1, batch_size=2, kv_dtype="float32",
+                                 cache="quantized", quant_backend=backend, nbits=nbits,
+                                 q_group_size=group, residual_length=residual, q_axis=axis,
+                                 prefill_tokens=prompt, peak=True)
+
+
+@pytest.mark.parametrize("backend", ["quanto", "hqq"])
+def test_quantized_cache_bf16_scales(models, request, backend):
+    """Scales and zero-points are stored in the model dtype."""
+    if backend == "quanto":
+        request.getfixturevalue("quanto")
+    else:
+        pytest.importorskip("hqq")
+    cfg, model = models["llama"]
+    m16 = model.to(torch.bfloat16)
+    try:
+        cache = _generate(m16, 7, 4, cache_implementation="quantized",
+                          cache_config={"backend": backend, "nbits": 4, "q_group_size": 32,
+                                        "residual_length": 2})
+        d = _as_dict("llama", cfg) | {"torch_dtype": "bfloat16"}
+        assert kv_cache_bytes(d, 10, cache="quantized", quant_backend=backend, nbits=4,
+                              q_group_size=32, residual_length=2, prefill_tokens=7) == \
+            cache_nbytes(cache)
+    finally:
+        model.to(torch.float32)
+
+
+def test_quantized_cache_rejects_sliding_and_bad_bits():
+    gemma = {"model_type": "gemma2", "num_hidden_layers": 2, "hidden_size": 64,
+             "num_attention_heads": 4, "head_dim": 32, "sliding_window": 4}
+    with pytest.raises(ConfigError, match="full-attention"):
+        kv_cache_bytes(gemma, 10, cache="quantized", normalize=False)
+    with pytest.raises(ConfigError, match="bits"):
+        kv_cache_bytes(LLAMA8B, 10, cache="quantized", quant_backend="quanto", nbits=3,
+                       normalize=False)
+    with pytest.raises(ConfigError):
+        kv_cache_bytes(LLAMA8B, 10, cache="quantized", quant_backend="int4", normalize=False)
 
 
 def test_bf16_model_uses_config_dtype(models):
