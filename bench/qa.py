@@ -213,7 +213,9 @@ def main() -> None:
                           sources=(Source(f"{title}.txt", cs[j].start, cs[j].end),)) for j in order]
         lexical = dict(_bm25(fts[ai], q, args.fetch_k))
 
-        def hybrid(method: str, weight: float) -> list[Candidate]:
+        def hybrid(method: str, weight: float, scores: np.ndarray = scores, order: np.ndarray = order,
+                   lexical: dict = lexical, ai: int = ai, cs: list = cs, title: str = title
+                   ) -> list[Candidate]:
             # As Index.search(hybrid=True): top fetch_k of each, lexical-only ones get their cosine.
             dense = {int(j): float(scores[j]) for j in order}
             dense.update({j: float(scores[j]) for j in lexical if j not in dense})

@@ -159,11 +159,14 @@ FUSIONS = ("rrf", "score")
 # RRF's k: 60 is the constant of the original paper and of Elasticsearch/Weaviate/LlamaIndex.
 _RRF_K = 60
 # Words that carry no retrieval signal in a question; OR-ing them would only make every chunk match.
-_STOP = frozenset("""
-a an and are as at be been but by can could did do does for from had has have how i if in into is
-it its of on or should so than that the their them then there these they this those to was were what
-when where which who whom whose why will with would you your yours me my we our us he she his her
-""".split())
+_STOP = frozenset((
+    "a", "an", "and", "are", "as", "at", "be", "been", "but", "by", "can", "could", "did", "do",
+    "does", "for", "from", "had", "has", "have", "how", "i", "if", "in", "into", "is", "it", "its",
+    "of", "on", "or", "should", "so", "than", "that", "the", "their", "them", "then", "there",
+    "these", "they", "this", "those", "to", "was", "were", "what", "when", "where", "which", "who",
+    "whom", "whose", "why", "will", "with", "would", "you", "your", "yours", "me", "my", "we",
+    "our", "us", "he", "she", "his", "her",
+))
 _FTS_WORD = re.compile(r"\w+")
 _FTS_MAX_TERMS = 64
 
@@ -778,7 +781,7 @@ class Index:
                     self._lex_db = self._db
                 else:
                     self._lex_db = self._build_lexical_in_memory()
-            return self._lex_db or None
+            return self._lex_db if isinstance(self._lex_db, sqlite3.Connection) else None
 
     def _build_lexical_in_memory(self) -> sqlite3.Connection:
         """BM25 for an index written before the FTS table: built from the chunk texts, kept for

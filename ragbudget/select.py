@@ -389,11 +389,13 @@ def _greedy(items: Sequence[_Item], capacity: int) -> list[_Item]:
 
 
 # Question words that say nothing about where the answer is.
-_QSTOP = frozenset("""
-a an and are as at be been but by can could did do does for from had has have how i if in into is
-it its of on or so than that the their them then there these they this those to was were what when
-where which who whom whose why will with would you your
-""".split())
+_QSTOP = frozenset((
+    "a", "an", "and", "are", "as", "at", "be", "been", "but", "by", "can", "could", "did", "do",
+    "does", "for", "from", "had", "has", "have", "how", "i", "if", "in", "into", "is", "it", "its",
+    "of", "on", "or", "so", "than", "that", "the", "their", "them", "then", "there", "these",
+    "they", "this", "those", "to", "was", "were", "what", "when", "where", "which", "who", "whom",
+    "whose", "why", "will", "with", "would", "you", "your",
+))
 
 
 def _terms(text: str) -> set[str]:
@@ -434,12 +436,12 @@ def _truncate(
                 df[t] = df.get(t, 0) + 1
         weight = {t: math.log(1.0 + len(units) / d) for t, d in df.items()}
 
-        def piece(i: int, j: int) -> str:
-            return text[units[i][0] : units[j][1]].strip()
-
         fits: dict[tuple[int, int], int] = {}
 
-        def ok(i: int, j: int) -> bool:
+        def piece(i: int, j: int, units: list[tuple[int, int]] = units) -> str:
+            return text[units[i][0] : units[j][1]].strip()
+
+        def ok(i: int, j: int, fits: dict[tuple[int, int], int] = fits) -> bool:
             if (i, j) not in fits:
                 fits[(i, j)] = cost_of(piece(i, j))
             return fits[(i, j)] <= budget

@@ -31,7 +31,14 @@ from ragbudget.errors import (
     IndexMismatchError,
     IndexNotFoundError,
 )
-from ragbudget.index import Hit, Index, IndexSummary, _Lock, fts_match_query, fuse_scores
+from ragbudget.index import (
+    Hit,
+    Index,
+    IndexSummary,
+    _Lock,
+    fts_match_query,
+    fuse_scores,
+)
 
 EMB = HashEmbedder(dim=256)
 OPTS = {"min_tokens": 20, "max_tokens": 60}

@@ -18,6 +18,7 @@ from _fakes import WordTokenizer
 
 from ragbudget import BudgetError, ConfigError, IndexNotFoundError, Pipeline
 
+
 @dataclass
 class FakeGeneration:
     text: str
