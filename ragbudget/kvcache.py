@@ -714,6 +714,53 @@ def _quantized_layer_bytes(spec: LayerSpec, tokens: int, *, bits: int, batch_siz
             + _ceil_bytes((k_per_token + v_per_token) * residual * batch_size, bits))
 
 
+def _offloaded(specs: tuple[LayerSpec, ...], tokens: int, per: tuple[int, ...],
+               per_peak: tuple[int, ...], kw: dict[str, Any], name: str, *,
+               only_non_sliding: bool) -> KVEstimate:
+    """Device bytes of transformers' offloaded cache (``Cache.update``, ``prefetch``, ``offload``
+    in ``cache_utils.py``, 5.x).
+
+    Before an offloaded layer is updated the *next* offloaded layer (circularly) is prefetched;
+    after the update the layer goes back to the CPU. So the device holds the resident layers
+    (linear-attention layers are never offloaded; sliding ones stay when ``only_non_sliding``)
+    plus one pair (updated layer, prefetched next layer):
+
+    * first forward (``prefill_tokens``): the next layer is still empty, so one layer with its
+      prefill storage, and at the end the last layer with the first one prefetched back;
+    * decode: the updated layer (a sliding one pins ``window`` tokens through its view) plus the
+      next one, compact after its CPU round trip (``window - 1`` tokens for a sliding layer).
+
+    ``steady`` is what stays after ``generate``: the resident layers and the first offloaded
+    layer, prefetched for a next step that never comes.
+    """
+    prefill = kw["prefill_tokens"]
+    p = tokens if prefill is None else min(prefill, tokens)
+    dyn = {k: v for k, v in kw.items() if k != "prefill_tokens"}
+
+    def size(i: int, t: int, *, peak: bool, prefill_tokens: int | None = None) -> int:
+        return _layer_bytes(specs[i], t, cache="dynamic", peak=peak,
+                            prefill_tokens=prefill_tokens, **dyn)
+
+    def stays(s: LayerSpec) -> bool:
+        return isinstance(s, MambaSpec) or (only_non_sliding and isinstance(s, SlidingWindowSpec))
+
+    res = [i for i, s in enumerate(specs) if stays(s)]
+    off = [i for i, s in enumerate(specs) if not stays(s) and not isinstance(s, NoCacheSpec)]
+    res_steady, res_peak = sum(per[i] for i in res), sum(per_peak[i] for i in res)
+    if not off:
+        return KVEstimate(res_steady, res_peak, per, name, "offloaded")
+    nxt = {i: off[(k + 1) % len(off)] for k, i in enumerate(off)}
+    first = off[0]
+    candidates = [max(size(i, p, peak=True, prefill_tokens=p) for i in off)]
+    if len(off) > 1:
+        candidates.append(size(off[-1], p, peak=True, prefill_tokens=p)
+                          + size(first, p, peak=False))
+    if tokens > p:
+        candidates.append(max(size(i, tokens, peak=True, prefill_tokens=1)
+                              + (per[nxt[i]] if nxt[i] != i else 0) for i in off))
+    return KVEstimate(res_steady + per[first], res_peak + max(candidates), per, name, "offloaded")
+
+
 def estimate_kv(
     config: ConfigLike,
     tokens: int,
@@ -778,15 +825,8 @@ def estimate_kv(
     per = tuple(_layer_bytes(s, tokens, cache=base, peak=False, **kw) for s in specs)
     per_peak = tuple(_layer_bytes(s, tokens, cache=base, peak=True, **kw) for s in specs)
     if cache == "offloaded":
-        resident, offloaded = [], []
-        for s, b in zip(specs, per_peak):
-            stays = isinstance(s, MambaSpec) or (offload_only_non_sliding
-                                                 and isinstance(s, SlidingWindowSpec))
-            (resident if stays else offloaded).append(b)
-        # In flight: the layer being updated and the next one being prefetched.
-        in_flight = sum(sorted(offloaded, reverse=True)[:2])
-        steady = sum(resident) + (max(offloaded) if offloaded else 0)
-        return KVEstimate(steady, sum(resident) + in_flight, per, name, cache)
+        return _offloaded(specs, tokens, per, per_peak, kw, name,
+                          only_non_sliding=offload_only_non_sliding)
     return KVEstimate(sum(per), sum(per_peak), per, name, cache)
 
 

@@ -353,6 +353,55 @@ def test_heuristics_match_transformers_normalization(models, mt):
     assert layer_specs(d, normalize=False) == layer_specs(d, normalize=True)
 
 
+def _cuda_cache_bytes(cache) -> int:
+    """Device storage the cache pins (a sliding layer's view pins its whole concatenation)."""
+    seen = {}
+    for t in _tensors(cache):
+        if t.device.type == "cuda":
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mt", ["llama", "mistral", "jamba"])
+def test_offloaded_cache_keeps_two_layers_in_flight(mt):
+    """transformers' offloaded cache needs CUDA streams (``Cache.update`` calls
+    ``torch.cuda.default_stream``), so this runs on a GPU only. Before each offloaded layer's
+    update the next offloaded layer is prefetched and the updated one is sent back afterwards:
+    the most the device holds is two offloaded layers plus the never-offloaded recurrent state;
+    after ``generate`` the first offloaded layer (prefetched again) stays."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.cache_utils import Cache
+
+    kw = dict(ARCHS[mt], num_hidden_layers=8)
+    cfg = AutoConfig.for_model(mt, **kw)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).eval().to("cuda")
+    seen: list[int] = []
+    original = Cache.offload
+
+    def spy(self, layer_idx, only_non_sliding=True):
+        seen.append(_cuda_cache_bytes(self))  # updated layer + prefetched next, before offload
+        return original(self, layer_idx, only_non_sliding)
+
+    Cache.offload = spy
+    try:
+        prompt, new = 13, 5
+        ids = torch.randint(3, 128, (2, prompt), device="cuda")
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                             min_new_tokens=new, do_sample=False, return_dict_in_generate=True,
+                             pad_token_id=0, cache_implementation="offloaded")
+    finally:
+        Cache.offload = original
+    torch.cuda.synchronize()
+    est = estimate_kv(cfg, prompt + new - 1, batch_size=2, kv_dtype="float32", cache="offloaded",
+                      prefill_tokens=prompt)
+    assert max(seen) == est.peak_bytes
+    assert _cuda_cache_bytes(out.past_key_values) == est.steady_bytes
+    assert cache_nbytes(out.past_key_values) == kv_cache_bytes(cfg, prompt + new - 1, batch_size=2,
+                                                               kv_dtype="float32")
+
+
 # ---- pure unit tests (no model) -------------------------------------------------------------
 
 LLAMA8B = {"model_type": "llama", "num_hidden_layers": 32, "hidden_size": 4096,
@@ -399,6 +448,28 @@ def test_static_and_offloaded_and_vllm_blocks():
         131072 * 100
     est = estimate_kv(LLAMA8B, 100, cache="offloaded", normalize=False)
     assert est.peak_bytes == 2 * 4096 * 100  # two layers in flight
+    assert est.steady_bytes == 4096 * 100  # the first layer, prefetched again after the last
+    dec = estimate_kv(LLAMA8B, 100, cache="offloaded", prefill_tokens=60, normalize=False)
+    assert dec.peak_bytes == 2 * 4096 * 100
+    sw = {"model_type": "mistral", "num_hidden_layers": 4, "hidden_size": 64,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "sliding_window": 8,
+          "torch_dtype": "float32"}
+    per_tok = 2 * 2 * 16 * 4
+    # End of a 13-token prefill: the last layer pins all 13 while the first comes back compact
+    # (7); a decode step holds only 8 (view) + 7.
+    assert kv_cache_bytes(sw, 17, cache="offloaded", prefill_tokens=13, peak=True,
+                          normalize=False) == (13 + 7) * per_tok
+    assert kv_cache_bytes(sw, 17, cache="offloaded", prefill_tokens=5, peak=True,
+                          normalize=False) == (8 + 7) * per_tok
+    assert kv_cache_bytes(sw, 17, cache="offloaded", prefill_tokens=13, normalize=False) == \
+        7 * per_tok
+    jamba = {"model_type": "jamba", "num_hidden_layers": 2, "hidden_size": 64,
+             "num_attention_heads": 4, "layer_types": ["mamba", "full_attention"],
+             "torch_dtype": "float32"}
+    state = kv_cache_bytes(jamba, 0, normalize=False)
+    assert state > 0  # the Mamba layer stays resident, the single attention layer is in flight
+    assert kv_cache_bytes(jamba, 10, cache="offloaded", peak=True, normalize=False) == \
+        state + 10 * 2 * 4 * 16 * 4
     assert kv_cache_bytes(LLAMA8B, 17, backend="vllm", normalize=False) == 131072 * 32
     with pytest.raises(ConfigError):
         kv_cache_bytes(LLAMA8B, 200, cache="static", max_cache_len=100, normalize=False)
