@@ -224,16 +224,63 @@ def test_count_parameters_exact(mt, tied):
     assert count_parameters(cfg.to_dict() | {"model_type": mt}) == real
 
 
-def test_gpu_validate_dry_run(monkeypatch, capsys):
-    import importlib.util
+# ---- bench/gpu_validate.py: its measuring path on the CPU -------------------------------------
 
-    path = os.path.join(os.path.dirname(__file__), "..", "bench", "gpu_validate.py")
+
+@pytest.fixture(scope="module")
+def gpu_validate():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "gpu_validate.py"
     spec = importlib.util.spec_from_file_location("gpu_validate", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    monkeypatch.setattr(sys, "argv", ["gpu_validate.py", "--dry-run", "--quick"])
-    assert mod.main() == 0
+    return mod
+
+
+def test_gpu_validate_dry_run(gpu_validate, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("RAGBUDGET_CACHE", str(tmp_path / "cache"))
+    assert gpu_validate.main(["--dry-run", "--quick", "--out", str(tmp_path / "gv.json")]) == 0
     out = capsys.readouterr().out
     assert "Llama-3.2-1B" in out and "Gemma-2-2B-like" in out and "predicted" in out
-    p = mod.predict(mod.architectures()["Llama-3.2-1B"], 512)
+    p = gpu_validate.predict(gpu_validate.architectures()["Llama-3.2-1B"], 512, "bfloat16")
     assert p["predicted"] == p["weights"] + p["activations"] + p["kv_peak"]
+
+
+def test_gpu_validate_cpu_dry_run_measures_exact_cache(gpu_validate, tmp_path, monkeypatch,
+                                                      capsys):
+    """`--device cpu --quick`: tiny versions of the same architectures go through build, generate
+    and the cache-bytes check, and the table and JSON come out."""
+    pytest.importorskip("torch")
+    monkeypatch.setenv("RAGBUDGET_CACHE", str(tmp_path / "cache"))  # run() points it elsewhere
+    out = tmp_path / "gv.json"
+    assert gpu_validate.main(["--device", "cpu", "--quick", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 3 * len(gpu_validate.CPU_CONTEXTS["quick"])
+    assert all(r["kv_exact"] for r in rows), [r.get("failed") for r in rows]
+    text = capsys.readouterr().out
+    assert "kv exact in 6/6" in text and "FAILED" not in text
+
+
+def test_gpu_validate_reports_failed_cases_in_the_table(gpu_validate, tmp_path, monkeypatch,
+                                                        capsys):
+    monkeypatch.setenv("RAGBUDGET_CACHE", str(tmp_path / "cache"))
+
+    def broken(cfg, device, dtype):
+        raise RuntimeError("CUDA out of memory (simulated)")
+
+    monkeypatch.setattr(gpu_validate, "build", broken)
+    rows = gpu_validate.run(device="cpu", quick=True, dry_run=False, out=tmp_path / "gv.json")
+    assert rows and all("build: RuntimeError: CUDA out of memory" in r["failed"] for r in rows)
+    assert all(r["predicted"] > 0 for r in rows)  # predictions still printed
+    text = capsys.readouterr().out
+    assert text.count("FAILED") == len(rows) and f"{len(rows)} failed" in text
+
+
+def test_gpu_validate_without_cuda_skips_with_a_message(gpu_validate, capsys):
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present: the real run is not a unit test")
+    assert gpu_validate.main([]) == 0
+    assert "no CUDA device; skipping" in capsys.readouterr().out

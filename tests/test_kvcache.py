@@ -168,7 +168,8 @@ def _generate(model, prompt: int, new: int, batch: int = 1, **kw):
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
                          min_new_tokens=new, do_sample=False, return_dict_in_generate=True,
                          pad_token_id=0, **kw)
-    return out.past_key_values
+    # transformers 5.x names it `cache` (`past_key_values` is a deprecated alias).
+    return out.cache if getattr(out, "cache", None) is not None else out.past_key_values
 
 
 def _as_dict(mt, cfg):
@@ -397,8 +398,9 @@ def test_offloaded_cache_keeps_two_layers_in_flight(mt):
     est = estimate_kv(cfg, prompt + new - 1, batch_size=2, kv_dtype="float32", cache="offloaded",
                       prefill_tokens=prompt)
     assert max(seen) == est.peak_bytes
-    assert _cuda_cache_bytes(out.past_key_values) == est.steady_bytes
-    assert cache_nbytes(out.past_key_values) == kv_cache_bytes(cfg, prompt + new - 1, batch_size=2,
+    cache = out.cache if getattr(out, "cache", None) is not None else out.past_key_values
+    assert _cuda_cache_bytes(cache) == est.steady_bytes
+    assert cache_nbytes(cache) == kv_cache_bytes(cfg, prompt + new - 1, batch_size=2,
                                                                kv_dtype="float32")
 
 
