@@ -9,6 +9,13 @@ queue wait, health latency.
     .venv/bin/python bench/load.py --quick             # simulated generator, ~10 s
     .venv/bin/python bench/load.py                     # 64 clients x 4 requests, admits 3
     .venv/bin/python bench/load.py --index-dir .ragbudget --admit 2   # the real default models
+    .venv/bin/python bench/load.py --index-dir DIR --gpu 0.7GiB --clients 16 --requests 2 \
+        --max-queue 8 --queue-timeout 60 --rounds 5 --max-new-tokens 8 --max-workers 16 [--no-trim --malloc-arenas 0]
+
+Memory: the server's RSS is read after a garbage collection and 1.5 s of idleness, at baseline
+(after one warm-up request) and after every round; it must plateau, not climb round after round.
+``--no-trim --malloc-arenas 0`` runs the server as it was before the fix (glibc keeps the freed
+heap of every worker thread's arena), for the before/after comparison.
 
 The simulated pipeline sleeps per token (no model) but uses ragbudget's real AdmissionController
 when it is importable, so the admission path is the production one. Loopback addresses only; every
@@ -384,7 +391,7 @@ def _server(opts: dict[str, Any], *, in_process: bool) -> Iterator[tuple[str, An
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="32 clients x 2 requests, short generations.")
+    ap.add_argument("--quick", action="store_true", help="32 clients x 2 requests, short generations, 3 rounds.")
     ap.add_argument("--clients", type=int, default=64)
     ap.add_argument("--requests", type=int, default=4, help="Requests per client.")
     ap.add_argument("--admit", type=int, default=3, help="Requests the KV budget admits at once (simulated / --concurrency).")
@@ -410,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
         _serve_child(json.loads(args.serve_child))
         return 0
     if args.quick:
-        args.clients, args.requests, args.words, args.rounds = 32, 2, 16, 1
+        args.clients, args.requests, args.words, args.rounds = 32, 2, 16, 3
     opts = {"index_dir": args.index_dir, "admit": args.admit, "max_queue": args.max_queue,
             "queue_timeout": args.queue_timeout, "words": args.words, "token_delay": args.token_delay,
             "max_new_tokens": args.max_new_tokens, "gpu": args.gpu, "max_workers": args.max_workers,
