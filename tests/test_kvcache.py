@@ -176,8 +176,12 @@ def _as_dict(mt, cfg):
     return cfg.to_dict() | {"model_type": mt}
 
 
-@pytest.mark.parametrize("mt", list(ARCHS))
-@pytest.mark.parametrize("prompt", [5, 13])
+# Below and beyond the sliding window; recurrent families once (their state does not grow, and
+# test_recurrent_state_is_constant covers the attention part's growth).
+DYNAMIC_CASES = [(mt, p) for mt in ARCHS for p in ((13,) if mt in RECURRENT else (5, 13))]
+
+
+@pytest.mark.parametrize(("mt", "prompt"), DYNAMIC_CASES)
 def test_dynamic_cache_exact(models, mt, prompt):
     cfg, model = models[mt]
     new = 4
@@ -252,11 +256,11 @@ QUANT_CASES = [("quanto", 2, 0, 16), ("quanto", 4, 0, 16), ("quanto", 4, -1, 4),
 
 
 @pytest.mark.parametrize(("backend", "nbits", "axis", "group"), QUANT_CASES)
-@pytest.mark.parametrize("new", [4, 9])
+@pytest.mark.parametrize("new", [7])
 def test_quantized_cache_exact(models, request, backend, nbits, axis, group, new):
     """n-bit K/V + scales/zeros + the full-precision residual window, to the byte.
 
-    ``new`` - 1 decode tokens: 3 stay in the residual window (4), or 8 flush it twice."""
+    6 decode tokens: the residual window (4) is flushed once, then holds 2 tokens."""
     if backend == "quanto":
         request.getfixturevalue("quanto")
     else:
@@ -329,9 +333,9 @@ def test_bf16_recurrent_state_dtypes(models, mt):
     cfg, model = models[mt]
     m16 = model.to(torch.bfloat16)
     try:
-        cache = _generate(m16, 6, 3, batch=2)
+        cache = _generate(m16, 4, 2)  # bf16 scans are slow on CPU: keep it short
         d = _as_dict(mt, cfg) | {"torch_dtype": "bfloat16"}
-        assert kv_cache_bytes(d, 8, batch_size=2) == cache_nbytes(cache)
+        assert kv_cache_bytes(d, 5) == cache_nbytes(cache)
     finally:
         model.to(torch.float32)
 
