@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import BudgetError, ConfigError
+from .errors import BudgetError, ConfigError, ModelError
 from .gpus import GiB, GPUInfo, resolve_gpu
 from .kvcache import (
     _Cfg,
@@ -58,10 +58,54 @@ MiB = 1 << 20
 # --------------------------------------------------------------------------------------------
 
 
+def _has_recurrent(config: Any) -> bool:
+    try:
+        specs = layer_specs(config, normalize=False)
+    except (ModelError, ConfigError):
+        return False
+    return any(s.kind in ("mamba", "hybrid") for s in specs)
+
+
+def _meta_parameter_count(config: Any) -> int:
+    """Parameters of the model transformers builds from ``config``, on the meta device (no
+    memory, no weights); shared (tied) parameters count once."""
+    import torch  # lazy: heavy imports
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    if isinstance(config, Mapping):
+        d = dict(config)
+        model_type = d.pop("model_type", None)
+        for k in ("architectures", "auto_map", "transformers_version", "_name_or_path",
+                  "quantization_config"):
+            d.pop(k, None)
+        try:
+            config = AutoConfig.for_model(model_type, **d)
+        except Exception as exc:  # unknown model type or fields it rejects
+            raise ModelError(
+                f"cannot count the parameters of a {model_type!r} config ({exc}); pass "
+                "weights_bytes= or a model whose weights can be read"
+            ) from exc
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception as exc:  # transformers cannot build it
+        raise ModelError(
+            f"cannot build {type(config).__name__} to count its parameters ({exc}); pass "
+            "weights_bytes= instead"
+        ) from exc
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    return sum(p.numel() for p in model.parameters())
+
+
 def count_parameters(config: Any) -> int:
     """Parameters of a decoder-only LM from its config (embeddings, attention incl. MLA, dense or
     MoE MLP, norms, untied head). Exact for Llama/Mistral/Qwen2/Qwen3/Gemma/Mixtral-style models
     (checked in tests); an estimate for other families (biases and norm details differ).
+    Recurrent/hybrid models are counted exactly by building them on the meta device.
 
     >>> count_parameters({"model_type": "llama", "vocab_size": 32000, "hidden_size": 4096,
     ...     "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32})
@@ -69,6 +113,10 @@ def count_parameters(config: Any) -> int:
     """
     c = _Cfg(text_config(config) if isinstance(config, Mapping) else _normalize(config, False))
     mt = str(c.get("model_type", default="")).lower()
+    if c.get("num_attention_heads", "n_head", "num_heads") is None or _has_recurrent(config):
+        # Recurrent and hybrid families (Mamba, Jamba, Falcon-H1, Nemotron-H, …) have mixers
+        # this formula does not know: count what transformers would build.
+        return _meta_parameter_count(config)
     H = int(c.get("hidden_size", "n_embd", "d_model"))
     n_layers = int(c.get("num_hidden_layers", "n_layer", "num_layers"))
     heads = int(c.get("num_attention_heads", "n_head", "num_heads"))
@@ -167,10 +215,11 @@ def estimate_activation_bytes(
     c = _Cfg(_normalize(config, True))
     d = dtype_bits(dtype or model_dtype(config)) // 8 or 1
     H = int(c.get("hidden_size", "n_embd", "d_model"))
-    heads = int(c.get("num_attention_heads", "n_head", "num_heads"))
+    # Pure recurrent models (Mamba) have no attention: their mixer is sized like an MLP below.
+    heads = int(c.get("num_attention_heads", "n_head", "num_heads", default=0))
     kv = int(c.get("num_key_value_heads", "num_kv_heads", default=heads))
     hd = c.get("head_dim")
-    hd = int(hd) if isinstance(hd, int) and hd > 0 else H // heads
+    hd = int(hd) if isinstance(hd, int) and hd > 0 else (H // heads if heads else 0)
     I = int(c.get("intermediate_size", "ffn_dim", default=0) or 4 * H)
     experts = c.get("num_local_experts", "n_routed_experts", "num_experts")
     if experts:

@@ -224,6 +224,37 @@ def test_count_parameters_exact(mt, tied):
     assert count_parameters(cfg.to_dict() | {"model_type": mt}) == real
 
 
+_SMALL = {"vocab_size": 128, "hidden_size": 64, "pad_token_id": 0, "bos_token_id": 1,
+          "eos_token_id": 2}
+RECURRENT_CASES = {
+    "mamba": dict(_SMALL, num_hidden_layers=2, state_size=8, conv_kernel=4, expand=2),
+    "jamba": dict(_SMALL, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, attn_layer_period=2, attn_layer_offset=1,
+                  expert_layer_period=2, expert_layer_offset=1, num_experts=2,
+                  mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=8),
+    "nemotron_h": dict(_SMALL, intermediate_size=128, num_attention_heads=4,
+                       num_key_value_heads=2, hybrid_override_pattern="M*M-", mamba_num_heads=8,
+                       mamba_head_dim=16, n_groups=2, ssm_state_size=8, conv_kernel=4,
+                       expand=2, chunk_size=16),
+}
+
+
+@pytest.mark.parametrize("mt", list(RECURRENT_CASES))
+def test_recurrent_models_are_counted_and_planned(mt):
+    """Mamba/hybrid mixers are counted by building the model on the meta device (exact), and
+    their constant state enters the plan as fixed bytes per sequence."""
+    pytest.importorskip("torch")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(mt, **RECURRENT_CASES[mt])
+    real = sum(p.numel() for p in AutoModelForCausalLM.from_config(cfg).parameters())
+    d = cfg.to_dict() | {"model_type": mt, "torch_dtype": "bfloat16"}
+    assert count_parameters(d) == real
+    plan = plan_budget(config=d, gpu="1GiB", max_new_tokens=16)
+    assert plan.kv_fixed_bytes_per_sequence == kv_cache_bytes(d, 0) > 0
+    assert plan.max_context_tokens > 16
+
+
 # ---- bench/gpu_validate.py: its measuring path on the CPU -------------------------------------
 
 
