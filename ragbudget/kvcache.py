@@ -7,6 +7,7 @@ how many elements it stores per token, or per sequence for recurrent state:
 * :class:`SlidingWindowSpec`  — the same, but at most a window of tokens at steady state;
 * :class:`MLAAttentionSpec`   — DeepSeek-V2/V3 multi-head latent attention;
 * :class:`MambaSpec`          — conv + SSM / linear-attention state, a constant per sequence;
+* :class:`HybridSpec`         — attention and a recurrent mixer in the same layer (Falcon-H1);
 * :class:`NoCacheSpec`        — layers that keep nothing (KV-sharing consumers, MLP-only layers).
 
 :func:`kv_cache_bytes` then sums them for a number of tokens, a batch, a cache kind and a dtype.
@@ -34,6 +35,11 @@ What transformers 5.x really keeps (read from ``transformers/cache_utils.py``):
   to the CPU afterwards, so two layers are on the device at once; linear-attention layers are never
   offloaded, sliding ones stay when ``offload_only_non_sliding`` (False for the dynamic cache,
   True for ``offloaded_static``). It needs CUDA streams, so it is checked only on a GPU.
+* ``quantized`` (``QuantizedLayer``): the prefill is quantized at once, decode tokens wait in a
+  full-precision residual that is re-quantized with everything when it would reach
+  ``residual_length``; quanto and HQQ pack the n-bit values and keep a scale and a zero-point per
+  group in the model dtype (exact layouts in :func:`_quantized_tensor_bytes`); fp8 keeps every
+  token in float8 plus one float32 scale for K and one for V.
 
 >>> cfg = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64,
 ...        "num_attention_heads": 4, "num_key_value_heads": 2, "torch_dtype": "bfloat16"}
