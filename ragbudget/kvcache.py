@@ -27,7 +27,8 @@ What transformers 5.x really keeps (read from ``transformers/cache_utils.py``):
   one "head"), like vLLM / SGLang; transformers 4.x cached the decompressed per-head K and V
   (``mla="decompressed"`` models that).
 * Recurrent layers (Mamba-1/2, Jamba, Bamba, Falcon-H1, Zamba/Zamba2, Nemotron-H, GraniteMoeHybrid,
-  LFM2 short convs, Qwen3-Next / OLMo-Hybrid gated delta nets) keep a conv state in the model dtype
+  LFM2/LFM3 short convs, Qwen3-Next / Qwen3.5 / OLMo-Hybrid / Lara gated delta nets) keep a conv
+  state in the model dtype
   and a float32 recurrent state (``LinearAttentionLayer``); ``hybrid`` layers (Falcon-H1,
   Zamba's shared attention) keep both that state and growing K/V.
 * ``offloaded`` (``DynamicCache(offloading=True)``, ``Cache.update``/``prefetch``/``offload``): before
