@@ -28,9 +28,8 @@ What transformers 5.x really keeps (read from ``transformers/cache_utils.py``):
   (``mla="decompressed"`` models that).
 * Recurrent layers (Mamba-1/2, Jamba, Bamba, Falcon-H1, Zamba/Zamba2, Nemotron-H, GraniteMoeHybrid,
   LFM2/LFM3 short convs, Qwen3-Next / Qwen3.5 / OLMo-Hybrid / Lara gated delta nets) keep a conv
-  state in the model dtype
-  and a float32 recurrent state (``LinearAttentionLayer``); ``hybrid`` layers (Falcon-H1,
-  Zamba's shared attention) keep both that state and growing K/V.
+  state in the model dtype and a float32 recurrent state (``LinearAttentionLayer``); ``hybrid``
+  layers (Falcon-H1, Zamba's shared attention) keep both that state and growing K/V.
 * ``offloaded`` (``DynamicCache(offloading=True)``, ``Cache.update``/``prefetch``/``offload``): before
   updating an offloaded layer the next offloaded one is prefetched, and the updated one is sent back
   to the CPU afterwards, so two layers are on the device at once; linear-attention layers are never
