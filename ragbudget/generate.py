@@ -126,14 +126,31 @@ def _free_memory() -> None:
             torch.cuda.empty_cache()
 
 
-def _quant_backend() -> str | None:
-    for mod, name in (("optimum.quanto", "quanto"), ("hqq", "HQQ")):
+def _quant_backend(device: str | None = None) -> str | None:
+    """The installed quantized-cache backend transformers should use (its spelling), or None.
+
+    On a CPU, quanto compiles its C++ kernels at the first decode step (minutes), so only hqq
+    (pure torch) is offered there.
+    """
+    on_cpu = device is not None and not str(device).startswith(("cuda", "xpu", "mps"))
+    for mod, name in (("optimum.quanto", "quanto"), ("hqq", "hqq")):
+        if on_cpu and name == "quanto":
+            continue
         try:
             if importlib.util.find_spec(mod) is not None:
                 return name
         except (ImportError, ValueError):
             continue
     return None
+
+
+def _smaller_cache(device: str) -> str | None:
+    """The OOM ladder's second rung on ``device``: a quantized cache where a backend runs there,
+    else an offloaded one on CUDA (transformers' offloading calls ``torch.cuda`` streams), else
+    None (the rung is skipped)."""
+    if _quant_backend(device):
+        return "quantized"
+    return "offloaded" if str(device).startswith("cuda") else None
 
 
 def _torch_dtype(dtype: Any) -> Any:
@@ -521,6 +538,10 @@ class Generator:
         if cache == "quantized" and _quant_backend() is None:
             raise ConfigError("cache='quantized' needs a quantization backend: "
                               "`pip install optimum-quanto` (or hqq), or use another cache")
+        if cache == "offloaded" and not self.device.startswith("cuda"):
+            raise ConfigError(f"cache='offloaded' needs a CUDA device (transformers moves layers "
+                              f"with CUDA streams); the model is on {self.device!r}: use the "
+                              "dynamic, static or quantized cache there")
         stop = _stop_list(stop)
         do_sample = _sampling(do_sample, temperature, top_p, top_k, seed)
         self.warm_up()
@@ -555,8 +576,9 @@ class Generator:
                                          use_cache))
                     continue
                 # Rung 2: a smaller KV cache.
-                if use_cache and cur_cache not in ("quantized", "offloaded"):
-                    cur_cache = "quantized" if _quant_backend() else "offloaded"
+                smaller_cache = _smaller_cache(self.device)
+                if use_cache and cur_cache not in ("quantized", "offloaded") and smaller_cache:
+                    cur_cache = smaller_cache
                     steps.append(OOMStep(f"{cur_cache}_cache", reason, before, before, cur_cache))
                     continue
                 # Rung 3: no KV cache at all.
@@ -688,7 +710,8 @@ class Generator:
             kw["cache_implementation"] = cache
             if cache == "quantized":
                 bits = {"int2": 2, "int4": 4, "int8": 8}.get(str(kv_dtype or "int4").lower(), 4)
-                kw["cache_config"] = {"backend": _quant_backend() or "quanto", "nbits": bits}
+                kw["cache_config"] = {"backend": _quant_backend(self.device) or _quant_backend()
+                                      or "quanto", "nbits": bits}
         if stop:
             kw["stop_strings"] = list(stop)
             kw["tokenizer"] = tok

@@ -8,7 +8,8 @@ import pytest
 from _tiny_lm import tiny_model, tiny_tokenizer
 
 from ragbudget.errors import BudgetError, ConfigError
-from ragbudget.generate import Generation, Generator, _quant_backend, is_oom
+from ragbudget import generate as generate_mod
+from ragbudget.generate import Generation, Generator, _quant_backend, _smaller_cache, is_oom
 from ragbudget.prompt import build_prompt
 from ragbudget.select import Candidate
 from ragbudget.types import Source
@@ -140,7 +141,9 @@ def test_invalid_sampling_options_are_config_errors(gen, options) -> None:
         gen.generate("hi", max_new_tokens=2, **options)
 
 
-def test_oom_ladder_drops_chunks_then_cache_then_no_cache(gen, faulty) -> None:
+def test_oom_ladder_drops_chunks_then_cache_then_no_cache(gen, faulty, monkeypatch) -> None:
+    # As on a GPU with a quantization backend (the rung's choice per device is tested below).
+    monkeypatch.setattr(generate_mod, "_smaller_cache", lambda device: "quantized")
     prompt = build_prompt("which id?", corpus(), tokenizer=gen.tokenizer, max_prompt_tokens=3000,
                           redundancy=1.01)
     n0 = len(prompt.passages)
@@ -148,7 +151,7 @@ def test_oom_ladder_drops_chunks_then_cache_then_no_cache(gen, faulty) -> None:
     f = faulty({1, 2, 3, 4})
     g = gen.generate(prompt, max_new_tokens=4)
     actions = [s.action for s in g.oom_steps]
-    cache = "quantized" if _quant_backend() else "offloaded"
+    cache = "quantized"
     assert actions == ["drop_chunks", "drop_chunks", f"{cache}_cache", "no_cache"]
     s1, s2 = g.oom_steps[:2]
     assert s1.prompt_tokens_before == prompt.n_tokens > s1.prompt_tokens_after
@@ -164,17 +167,53 @@ def test_oom_ladder_drops_chunks_then_cache_then_no_cache(gen, faulty) -> None:
     assert g.cache == "none" and g.prompt_tokens == s2.prompt_tokens_after and g.new_tokens <= 4
 
 
-def test_oom_ladder_gives_up_with_budget_error_and_stays_usable(gen, faulty) -> None:
+def test_oom_ladder_gives_up_with_budget_error_and_stays_usable(gen, faulty, monkeypatch) -> None:
     import torch
 
+    monkeypatch.setattr(generate_mod, "_smaller_cache", lambda device: "offloaded")
     f = faulty(set(range(1, 10)), exc=torch.cuda.OutOfMemoryError)
     with pytest.raises(BudgetError) as err:
         gen.generate([1, 2, 3, 4, 5], max_new_tokens=3)
-    cache = "quantized" if _quant_backend() else "offloaded"
-    assert f"{cache}_cache, no_cache" in str(err.value) and "Lower max_new_tokens" in str(err.value)
+    assert "offloaded_cache, no_cache" in str(err.value) and "Lower max_new_tokens" in str(err.value)
     assert len(f.calls) == 3  # plain ids cannot be rebuilt: cache rung, no-cache rung, give up
     f.fail_on = set()
     assert gen.generate([1, 2, 3, 4, 5], max_new_tokens=3).new_tokens <= 3  # still usable
+
+
+def test_oom_ladder_skips_the_cache_rung_where_no_smaller_cache_runs(gen, faulty, monkeypatch) -> None:
+    """On a CPU without hqq (quanto would compile kernels for minutes; offloading needs CUDA)
+    the ladder goes straight from the prompt to use_cache=False."""
+    monkeypatch.setattr(generate_mod, "_quant_backend", lambda device=None: None)
+    f = faulty({1})
+    g = gen.generate([1, 2, 3, 4, 5], max_new_tokens=3)
+    assert [s.action for s in g.oom_steps] == ["no_cache"] and g.cache == "none"
+    assert f.calls[1]["use_cache"] is False
+
+
+@pytest.mark.parametrize(
+    ("device", "installed", "want"),
+    [
+        ("cuda:0", {"optimum.quanto", "hqq"}, "quantized"),
+        ("cuda:0", set(), "offloaded"),
+        ("cpu", {"optimum.quanto"}, None),
+        ("cpu", {"optimum.quanto", "hqq"}, "quantized"),
+        ("cpu", set(), None),
+    ],
+)
+def test_smaller_cache_per_device(monkeypatch, device, installed, want) -> None:
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name in installed else None)
+    assert _smaller_cache(device) == want
+    backend = _quant_backend(device)
+    if want == "quantized":
+        # transformers only accepts the lower-case spellings.
+        assert backend == ("quanto" if device.startswith("cuda") else "hqq")
+
+
+def test_offloaded_cache_on_cpu_is_a_clear_error(gen) -> None:
+    with pytest.raises(ConfigError, match="needs a CUDA device"):
+        gen.generate("hi", max_new_tokens=2, cache="offloaded")
 
 
 def test_non_oom_errors_are_not_swallowed(gen, faulty) -> None:
