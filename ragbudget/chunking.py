@@ -460,29 +460,8 @@ class _Chunker:
         # whole-text encoding is exact (module docstring), so only the two ends are re-encoded.
         # The usual point is a word end before a plain space, found with str.find; the regex is
         # the fallback for text without such spaces.
-        p1 = p2 = -1
-        if s_exact:
-            p1 = s
-        else:
-            p = text.find(" ", s + 1, e)
-            for _ in range(32):
-                if p < 0 or not text[p - 1].isspace():
-                    break
-                p = text.find(" ", p + 1, e)
-            else:
-                p = -1
-            p1 = p
-        if e_exact:
-            p2 = e
-        else:
-            p = text.rfind(" ", s + 1, e)
-            for _ in range(32):
-                if p < 0 or not text[p - 1].isspace():
-                    break
-                p = text.rfind(" ", s + 1, p)
-            else:
-                p = -1
-            p2 = p
+        p1 = s if s_exact else _space_point(text, s + 1, e, last=False)
+        p2 = e if e_exact else _space_point(text, s + 1, e, last=True)
         if p1 < 0 or p2 < 0:
             head = _EXACT_POINT.search(text, s + 1, min(e, s + 400))
             tail = None
@@ -665,6 +644,17 @@ class _Chunker:
         if m is None or m.end() >= e:
             return nxt
         return max(m.end(), s + 1)
+
+
+def _space_point(text: str, lo: int, hi: int, *, last: bool) -> int:
+    """The first (or last) plain space in ``text[lo:hi]`` right after a non-space — a word end
+    before a space, an exact point of type (a) — or -1 (none within 32 tries)."""
+    p = text.rfind(" ", lo, hi) if last else text.find(" ", lo, hi)
+    for _ in range(32):
+        if p < 0 or not text[p - 1].isspace():
+            return p
+        p = text.rfind(" ", lo, p) if last else text.find(" ", p + 1, hi)
+    return -1
 
 
 # str.isspace for every code point up to U+3000 (nothing above it is a space).
