@@ -792,45 +792,53 @@ def _chunk_in_processes(
     import threading
     from concurrent.futures import ProcessPoolExecutor
 
-    # Batches of whole texts, a few per worker so a long document does not leave the others
-    # idle at the end; each batch is a list of (position, text).
+    # Batches of whole texts (their positions), a few per worker so a long document does not
+    # leave the others idle at the end.
     total = sum(map(len, texts))
     target = max(64_000, total // (workers * 8))
     order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))  # longest first
-    batches: list[list[tuple[int, str]]] = []
-    current: list[tuple[int, str]] = []
+    batches: list[list[int]] = []
+    current: list[int] = []
     size = 0
     for i in order:
-        current.append((i, texts[i]))
+        current.append(i)
         size += len(texts[i])
         if size >= target:
             batches.append(current)
             current, size = [], 0
     if current:
         batches.append(current)
-    # fork shares the loaded encoding with the workers for free (a fresh interpreter needs about a
-    # second to import and load it), but forking a process that runs other threads can deadlock
-    # the child on a lock held at that moment, so it is used only while no other thread runs
-    # (this module's idle encode helpers hold no lock while they wait for work).
+    # fork shares the loaded encoding and the texts with the workers for free (a fresh
+    # interpreter needs about a second to import and load the encoding), but forking a process
+    # that runs other threads can deadlock the child on a lock held at that moment, so it is
+    # used only while no other thread runs (this module's idle encode helpers hold no lock while
+    # they wait for work).
     methods = mp.get_all_start_methods()
     others = [t for t in threading.enumerate()
               if t is not threading.current_thread() and not t.name.startswith("rb-enc")]
-    if "fork" in methods and not others:
-        ctx = mp.get_context("fork")
-    else:
-        ctx = mp.get_context("forkserver" if "forkserver" in methods else "spawn")
+    forked = "fork" in methods and not others
+    ctx = mp.get_context("fork" if forked else "forkserver" if "forkserver" in methods else "spawn")
+    # Workers get positions (and, unless forked, the texts) and send back offsets, counts and
+    # headings only: the parent slices the chunk texts itself.
+    jobs = [[(i, None if forked else texts[i]) for i in batch] for batch in batches]
     out: list[list[Chunk]] = [[] for _ in texts]
-    with ProcessPoolExecutor(
-        max_workers=min(workers, len(batches)), mp_context=ctx,
-        initializer=_process_init, initargs=(encoding,),
-    ) as pool:
-        for part in pool.map(_chunk_batch, batches, [sizes] * len(batches)):
-            for i, chunks in part:
-                out[i] = chunks
+    _FORK_TEXTS[:] = [texts] if forked else []
+    try:
+        with ProcessPoolExecutor(
+            max_workers=min(workers, len(batches)), mp_context=ctx,
+            initializer=_process_init, initargs=(encoding,),
+        ) as pool:
+            for part in pool.map(_chunk_batch, jobs, [sizes] * len(jobs)):
+                for i, spans in part:
+                    t = texts[i]
+                    out[i] = [Chunk(t[s:e], s, e, n, h) for s, e, n, h in spans]
+    finally:
+        _FORK_TEXTS.clear()
     return out
 
 
 _WORKER_TOKENIZER: list[Tokenizer] = []
+_FORK_TEXTS: list[list[str]] = []  # the batch's texts, seen by forked workers
 
 
 def _process_init(encoding: str) -> None:
@@ -841,11 +849,16 @@ def _process_init(encoding: str) -> None:
 
 
 def _chunk_batch(
-    batch: list[tuple[int, str]], sizes: tuple[int, int, int]
-) -> list[tuple[int, list[Chunk]]]:
+    batch: list[tuple[int, str | None]], sizes: tuple[int, int, int]
+) -> list[tuple[int, list[tuple[int, int, int, tuple[str, ...]]]]]:
     tok = _WORKER_TOKENIZER[0]
     lo, hi, overlap = sizes
-    return [(i, _Chunker(t, tok, lo, hi, overlap).run()) for i, t in batch]
+    out = []
+    for i, text in batch:
+        t = _FORK_TEXTS[0][i] if text is None else text
+        chunks = _Chunker(t, tok, lo, hi, overlap).run()
+        out.append((i, [(c.start, c.end, c.n_tokens, c.headings) for c in chunks]))
+    return out
 
 
 def _heading_paths(headings: Iterable[_Heading]) -> list[tuple[str, ...]]:
