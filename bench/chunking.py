@@ -1,13 +1,14 @@
 """Chunking throughput and size discipline: ragbudget vs tiktoken encode and peer chunkers.
 
-    .venv/bin/python bench/chunking.py            # full corpus (~6 MB), 3 timed rounds each
+    .venv/bin/python bench/chunking.py            # full corpus (~4 MB), 3 interleaved rounds
     .venv/bin/python bench/chunking.py --quick    # ~1 MB, 1 round
 
 Corpus: the shared manuals (plain-text twins and the three PDFs' text via pypdfium2), the 40 man
 pages and the 48 SQuAD dev articles (paragraphs joined by blank lines). All chunkers get chunk
 size 500 tokens of tiktoken cl100k_base (the offline copy) and are built afresh in every timed
 round (semchunk memoizes token counts inside a chunker). Throughput is MB of input text per
-second, best of the rounds. Size discipline counts tokens of every chunk with cl100k_base;
+second, the median of the rounds (interleaved: every chunker once per round; ratios are
+medians of per-round ratios). Size discipline counts tokens of every chunk with cl100k_base;
 "in range" is the share of non-final chunks (all but each document's last) with 300-500 tokens;
 "mid-sentence" is the share of chunks whose text ends without terminal punctuation and is not
 followed by a blank line or the end of the document. Results: bench/out/chunking.json.
@@ -19,6 +20,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -168,44 +170,63 @@ def main() -> None:
     mb = sum(len(t.encode("utf-8")) for t in texts) / 1e6
     print(f"corpus: {len(texts)} documents, {mb:.2f} MB, threads available: {os.cpu_count()}")
 
-    def timed(fn: Callable[[], object]) -> float:
-        best = float("inf")
-        for _ in range(rounds):
-            t0 = time.perf_counter()
-            fn()
-            best = min(best, time.perf_counter() - t0)
-        return best
-
-    results: dict[str, dict[str, float | int | str]] = {}
-    t = timed(lambda: [enc.encode_ordinary(x) for x in texts])
-    results["tiktoken encode (1 thread)"] = {"mb_s": mb / t, "threads": 1}
-    chunkers = make_chunkers(enc)
+    # Rounds are interleaved (every contender once per round, best round kept) so that a slow
+    # patch of a shared machine hits all of them alike instead of whichever ran then.
+    runs: dict[str, Callable[[], object]] = {
+        "tiktoken encode (1 thread)": lambda: [enc.encode_ordinary(x) for x in texts],
+    }
+    threads: dict[str, int] = {"tiktoken encode (1 thread)": 1}
     outputs: dict[str, list[list[str]]] = {}
-    for name, factory in chunkers.items():
-        holder: dict[str, list[list[str]]] = {}
+    for name, factory in make_chunkers(enc).items():
 
-        def run(factory=factory, holder=holder) -> None:  # type: ignore[no-untyped-def]
+        def run(factory=factory, name=name) -> None:  # type: ignore[no-untyped-def]
             fn = factory()
-            holder["out"] = [fn(x) for x in texts]
+            outputs[name] = [fn(x) for x in texts]
 
+        runs[name] = run
+        threads[name] = (os.cpu_count() or 1) if "helper" in name else 1
+
+    def many(processes: bool) -> None:
+        chunking.PARALLEL_ENCODE_MIN_CHARS = 20_000
+        saved = chunking.PROCESS_MIN_CHARS
+        chunking.PROCESS_MIN_CHARS = saved if processes else 1 << 62
         try:
-            t = timed(run)
-        except Exception as exc:  # noqa: BLE001 - a failing peer must not hide the others
-            print(f"{name} failed: {exc!r}", file=sys.stderr)
-            continue
-        outputs[name] = holder["out"]
-        threads = os.cpu_count() if "helper" in name else 1
-        results[name] = {"mb_s": mb / t, "threads": threads}
-    # Worker processes are started (forked) inside every timed call: no warm pool is reused.
-    t = timed(lambda: chunk_texts(texts, min_tokens=LO, max_tokens=SIZE, workers=2))
-    results["ragbudget (chunk_texts, 2 processes)"] = {"mb_s": mb / t, "threads": 2}
-    chunking.PROCESS_MIN_CHARS, saved = 1 << 62, chunking.PROCESS_MIN_CHARS
-    t = timed(lambda: chunk_texts(texts, min_tokens=LO, max_tokens=SIZE, workers=2))
-    chunking.PROCESS_MIN_CHARS = saved
-    results["ragbudget (chunk_texts, 2 threads)"] = {"mb_s": mb / t, "threads": 2}
+            # Worker processes are started (forked) inside every call: no warm pool is reused.
+            chunk_texts(texts, min_tokens=LO, max_tokens=SIZE, workers=2)
+        finally:
+            chunking.PROCESS_MIN_CHARS = saved
+
+    runs["ragbudget (chunk_texts, 2 processes)"] = lambda: many(True)
+    runs["ragbudget (chunk_texts, 2 threads)"] = lambda: many(False)
+    threads["ragbudget (chunk_texts, 2 processes)"] = threads["ragbudget (chunk_texts, 2 threads)"] = 2
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, fn in list(runs.items()):
+            t0 = time.perf_counter()
+            try:
+                fn()
+            except Exception as exc:  # noqa: BLE001 - a failing peer must not hide the others
+                print(f"{name} failed: {exc!r}", file=sys.stderr)
+                del runs[name]
+                continue
+            times[name].append(time.perf_counter() - t0)
+    # Speeds are medians over rounds; ratios are medians of the per-round ratios (each round
+    # times everyone back to back, so a ratio is not skewed by the machine's speed drifting).
+    enc_name, peer_name = "tiktoken encode (1 thread)", "chonkie RecursiveChunker"
+    results: dict[str, dict[str, float | int | str]] = {}
+    for name in runs:
+        ts = times[name]
+        r: dict[str, float | int | str] = {"mb_s": mb / statistics.median(ts), "threads": threads[name],
+                                           "seconds": ts}
+        r["x_tiktoken_encode"] = statistics.median(e / t for e, t in zip(times[enc_name], ts))
+        if peer_name in runs:
+            r["x_chonkie"] = statistics.median(c / t for c, t in zip(times[peer_name], ts))
+        results[name] = r
 
     # Size discipline, measured the same way for everyone.
     for name, per_doc in outputs.items():
+        if name not in results:
+            continue
         sizes, inside, nonfinal, mid, n = [], 0, 0, 0, 0
         for text, chunks in zip(texts, per_doc):
             counts = [len(enc.encode_ordinary(c)) for c in chunks]
@@ -223,23 +244,24 @@ def main() -> None:
             mid_sentence=mid / max(1, n),
         )
 
-    enc_rate = results["tiktoken encode (1 thread)"]["mb_s"]
     boundary_peers = ["semchunk", "chonkie RecursiveChunker", "LangChain RecursiveCharacterTextSplitter"]
-    fastest_peer = max((results[p]["mb_s"] for p in boundary_peers if p in results), default=None)
-    print(f"\nload average before the run: {load_before}")
-    print(f"\n{'chunker':44} {'MB/s':>6} {'×enc':>5} {'×peer':>6} {'chunks':>6} "
+    fastest = max((p for p in boundary_peers if p in results), key=lambda p: results[p]["mb_s"], default=None)
+    print(f"\nload average before the run: {load_before}; medians of {rounds} interleaved rounds")
+    if fastest:
+        print(f"fastest boundary-aware peer: {fastest}")
+    print(f"\n{'chunker':44} {'MB/s':>6} {'×enc':>5} {'×chonkie':>8} {'chunks':>6} "
           f"{'in300-500':>9} {'max':>5} {'mid-sent':>8}")
     for name, r in results.items():
-        ratio_peer = f"{r['mb_s'] / fastest_peer:6.2f}" if fastest_peer else "     -"
+        ratio_peer = f"{r['x_chonkie']:8.2f}" if "x_chonkie" in r else "       -"
         extra = (
             f"{r['chunks']:6d} {r['in_range']:9.1%} {r['max_tokens']:5d} {r['mid_sentence']:8.1%}"
             if "chunks" in r
             else ""
         )
-        print(f"{name[:44]:44} {r['mb_s']:6.2f} {r['mb_s'] / enc_rate:5.2f} {ratio_peer} {extra}")
-        r["x_tiktoken_encode"] = r["mb_s"] / enc_rate
-        if fastest_peer:
-            r["x_fastest_boundary_peer"] = r["mb_s"] / fastest_peer
+        print(f"{name[:44]:44} {r['mb_s']:6.2f} {r['x_tiktoken_encode']:5.2f} {ratio_peer} {extra}")
+        if fastest:
+            r["x_fastest_boundary_peer"] = statistics.median(
+                c / t for c, t in zip(times[fastest], times[name]))
     OUT.mkdir(parents=True, exist_ok=True)
     payload = {
         "corpus_mb": mb,

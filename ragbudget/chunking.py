@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import gc
 import itertools
 import os
 import re
@@ -823,6 +824,10 @@ def _chunk_in_processes(
     jobs = [[(i, None if forked else texts[i]) for i in batch] for batch in batches]
     out: list[list[Chunk]] = [[] for _ in texts]
     _FORK_TEXTS[:] = [texts] if forked else []
+    if forked:
+        # A forked child shares the parent's heap copy-on-write; its garbage collector would
+        # walk (and so copy) every object of a large parent. Frozen objects are not walked.
+        gc.freeze()
     try:
         with ProcessPoolExecutor(
             max_workers=min(workers, len(batches)), mp_context=ctx,
@@ -834,6 +839,8 @@ def _chunk_in_processes(
                     out[i] = [Chunk(t[s:e], s, e, n, h) for s, e, n, h in spans]
     finally:
         _FORK_TEXTS.clear()
+        if forked:
+            gc.unfreeze()
     return out
 
 
