@@ -53,28 +53,49 @@ def _index_dir_option(fn: Callable[..., Any]) -> Callable[..., Any]:
     )(fn)
 
 
-def _sampling_options(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``--temperature --top-p --seed --stop``, handed to the command as one ``sampling`` dict
-    of the options given (for ``Generator.generate``; absent temperature or 0 is greedy)."""
+def _option_group(dest: str, options: dict[str, Any], build: Callable[..., dict[str, Any]]) -> Callable[..., Any]:
+    """A decorator adding click ``options`` (parameter name -> option) that reach the command as
+    one keyword ``dest``: ``build(**their values)``."""
 
-    @wraps(fn)
-    def wrapper(*args: Any, temperature: float | None, top_p: float | None, seed: int | None,
-                stop: tuple[str, ...], **kwargs: Any) -> Any:
-        sampling: dict[str, Any] = {k: v for k, v in (("temperature", temperature), ("top_p", top_p),
-                                                       ("seed", seed)) if v is not None}
-        if stop:
-            sampling["stop"] = list(stop)
-        return fn(*args, sampling=sampling, **kwargs)
+    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+        @wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            values = {name: kwargs.pop(name) for name in options}
+            return fn(*args, **{dest: build(**values)}, **kwargs)
 
-    options = [
-        click.option("--temperature", default=None, type=click.FloatRange(0.0, 2.0), help="Sample at this temperature (default, or 0: greedy)."),
-        click.option("--top-p", default=None, type=click.FloatRange(0.0, 1.0), help="Nucleus sampling mass (with --temperature > 0)."),
-        click.option("--seed", default=None, type=int, help="Make sampling reproducible."),
-        click.option("--stop", multiple=True, help="End the answer at this string (repeatable)."),
-    ]
-    for option in reversed(options):
-        wrapper = option(wrapper)
-    return wrapper
+        for option in reversed(list(options.values())):
+            wrapper = option(wrapper)
+        return wrapper
+
+    return decorate
+
+
+def _sampling(temperature: float | None, top_p: float | None, seed: int | None,
+              stop: tuple[str, ...]) -> dict[str, Any]:
+    sampling: dict[str, Any] = {k: v for k, v in (("temperature", temperature), ("top_p", top_p),
+                                                   ("seed", seed)) if v is not None}
+    if stop:
+        sampling["stop"] = list(stop)
+    return sampling
+
+
+#: ``--temperature --top-p --seed --stop``, handed to the command as one ``sampling`` dict of the
+#: options given (for ``Generator.generate``; absent temperature or 0 is greedy).
+_sampling_options = _option_group("sampling", {
+    "temperature": click.option("--temperature", default=None, type=click.FloatRange(0.0, 2.0), help="Sample at this temperature (default, or 0: greedy)."),
+    "top_p": click.option("--top-p", default=None, type=click.FloatRange(0.0, 1.0), help="Nucleus sampling mass (with --temperature > 0)."),
+    "seed": click.option("--seed", default=None, type=int, help="Make sampling reproducible."),
+    "stop": click.option("--stop", multiple=True, help="End the answer at this string (repeatable)."),
+}, _sampling)
+
+#: ``--retrieval --lexical-weight --fusion``, handed to the command as ``retrieval``: the
+#: ``Pipeline`` keywords of hybrid (BM25 + dense) or dense-only search.
+_retrieval_options = _option_group("retrieval", {
+    "retrieval": click.option("--retrieval", default="hybrid", show_default=True, type=click.Choice(["hybrid", "dense"]), help="BM25 fused with embeddings, or embeddings only."),
+    "lexical_weight": click.option("--lexical-weight", default=0.5, show_default=True, type=click.FloatRange(0.0, 1.0), help="Weight of BM25 in the fused score."),
+    "fusion": click.option("--fusion", default="score", show_default=True, type=click.Choice(["score", "rrf"]), help="Normalized score fusion or reciprocal rank fusion."),
+}, lambda retrieval, lexical_weight, fusion: {"hybrid": retrieval == "hybrid",
+                                               "lexical_weight": lexical_weight, "fusion": fusion})
 
 
 def _model_options(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -223,12 +244,13 @@ class _Progress:
 @_index_dir_option
 @click.option("-k", "k", default=5, show_default=True, type=click.IntRange(min=1))
 @click.option("--json", "as_json", is_flag=True)
+@_retrieval_options
 @_user_errors
-def search(query: str, index_dir: str, k: int, as_json: bool) -> None:
+def search(query: str, index_dir: str, k: int, as_json: bool, retrieval: dict[str, Any]) -> None:
     """Show the chunks closest to QUERY, with score, source, offsets and page."""
     from .pipeline import Pipeline
 
-    hits = Pipeline(index_dir).search(query, k=k)
+    hits = Pipeline(index_dir, **retrieval).search(query, k=k)
     if as_json:
         _echo_json([h.to_dict() for h in hits])
         return
@@ -320,17 +342,18 @@ def budget(model: str | None, gpu: str | None, concurrency: int, max_new_tokens:
 @click.option("--no-stream", is_flag=True, help="Print the answer at the end instead of streaming it.")
 @click.option("--json", "as_json", is_flag=True)
 @_sampling_options
+@_retrieval_options
 @_user_errors
 def ask(question: str, index_dir: str, model: str | None, gpu: str | None, concurrency: int,
         max_new_tokens: int, kv_dtype: str | None, cache: str, context_tokens: int | None,
         fetch_k: int, order: str, explain: bool, no_stream: bool, as_json: bool,
-        sampling: dict[str, Any]) -> None:
+        sampling: dict[str, Any], retrieval: dict[str, Any]) -> None:
     """Answer QUESTION from the index within the memory budget, citing sources."""
     from .pipeline import Pipeline, format_report
 
     pipe = Pipeline(
         index_dir, model=model, gpu=gpu, concurrency=concurrency, max_new_tokens=max_new_tokens,
-        kv_dtype=kv_dtype, cache=cache, fetch_k=fetch_k, order=order,
+        kv_dtype=kv_dtype, cache=cache, fetch_k=fetch_k, order=order, **retrieval,
     )
     streaming = not as_json and not no_stream
     on_text = (lambda piece: click.echo(piece, nl=False)) if streaming else None
@@ -372,17 +395,18 @@ def ask(question: str, index_dir: str, model: str | None, gpu: str | None, concu
 @click.option("--no-stream", is_flag=True, help="Print each answer at the end instead of streaming it.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per turn.")
 @_sampling_options
+@_retrieval_options
 @_user_errors
 def chat(index_dir: str, model: str | None, gpu: str | None, concurrency: int, max_new_tokens: int,
          kv_dtype: str | None, cache: str, history_share: float, summary_max_tokens: int,
          recent_turns: int, context_tokens: int | None, no_stream: bool, as_json: bool,
-         sampling: dict[str, Any]) -> None:
+         sampling: dict[str, Any], retrieval: dict[str, Any]) -> None:
     """Multi-turn chat on stdin (one question per line; /reset, /exit), inside the memory budget."""
     from .chat import Conversation, run_chat
     from .pipeline import Pipeline
 
     pipe = Pipeline(index_dir, model=model, gpu=gpu, concurrency=concurrency, max_new_tokens=max_new_tokens,
-                    kv_dtype=kv_dtype, cache=cache)
+                    kv_dtype=kv_dtype, cache=cache, **retrieval)
     conversation = Conversation(pipe, history_share=history_share, summary_max_tokens=summary_max_tokens,
                                 recent_turns=recent_turns, context_tokens=context_tokens)
     interactive = sys.stdin.isatty()
@@ -401,16 +425,18 @@ def chat(index_dir: str, model: str | None, gpu: str | None, concurrency: int, m
 @click.option("--history-share", default=0.3, show_default=True, type=click.FloatRange(0.0, 1.0, max_open=True), help="Share of the prompt room a request's history may take; retrieval gets the rest.")
 @click.option("--summary-max-tokens", default=128, show_default=True, type=click.IntRange(min=1), help="Cap of the summary older turns are folded into.")
 @click.option("--recent-turns", default=2, show_default=True, type=click.IntRange(min=0), help="Turns kept verbatim when they fit.")
+@_retrieval_options
 @_user_errors
 def serve(index_dir: str, model: str | None, gpu: str | None, concurrency: int, max_new_tokens: int,
           kv_dtype: str | None, cache: str, host: str, port: int, api_key: str | None,
-          model_name: str | None, history_share: float, summary_max_tokens: int, recent_turns: int) -> None:
+          model_name: str | None, history_share: float, summary_max_tokens: int, recent_turns: int,
+          retrieval: dict[str, Any]) -> None:
     """OpenAI-compatible HTTP server (/v1/chat/completions, /v1/retrieve, /metrics) with KV admission."""
     from .pipeline import Pipeline
     from .server import serve as run_server
 
     pipe = Pipeline(index_dir, model=model, gpu=gpu, concurrency=concurrency, max_new_tokens=max_new_tokens,
-                    kv_dtype=kv_dtype, cache=cache)
+                    kv_dtype=kv_dtype, cache=cache, **retrieval)
     run_server(pipe, host=host, port=port, api_key=api_key, model_name=model_name, history_share=history_share,
                summary_max_tokens=summary_max_tokens, recent_turns=recent_turns)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
@@ -172,3 +173,35 @@ def test_demo_path_with_the_embedded_models(runner: CliRunner, tmp_path: Path, r
     assert b["prompt_tokens"] + b["max_new_tokens"] <= doc["report"]["plan"]["max_context_tokens"]
     assert b["context_tokens_used"] <= b["context_tokens_allowed"]
     assert b["context_tokens_allowed"] <= 1024
+
+
+def test_search_retrieval_options(runner: CliRunner, tmp_path: Path) -> None:
+    """`--retrieval dense` is the embedding search alone; the default fuses BM25 in; `--fusion`
+    and `--lexical-weight` reach the pipeline."""
+    from ragbudget import Pipeline
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i in range(12):
+        (docs / f"n{i}.txt").write_text(f"Note {i} about harbours, tides and ships. " * 30)
+    (docs / "zebra.txt").write_text("The quagga was a subspecies of zebra. " * 30)
+    index_dir = str(tmp_path / "idx")
+    assert runner.invoke(cli, ["index", str(docs), "--index-dir", index_dir, "--embedder", "hash:64"]).exit_code == 0
+    args = ["search", "quagga", "--index-dir", index_dir, "-k", "3", "--json"]
+    dense = runner.invoke(cli, [*args, "--retrieval", "dense"])
+    hybrid = runner.invoke(cli, args)
+    rrf = runner.invoke(cli, [*args, "--fusion", "rrf", "--lexical-weight", "0.7"])
+    assert dense.exit_code == hybrid.exit_code == rrf.exit_code == 0, dense.output + hybrid.output
+    def ranked(out: Any) -> list[tuple[int, float]]:
+        return [(h["chunk_id"], round(h["score"], 5)) for h in json.loads(out.stdout)]
+
+    def expected(**kw: Any) -> list[tuple[int, float]]:
+        return [(h.chunk_id, round(h.score, 5)) for h in Pipeline(index_dir, **kw).search("quagga", k=3)]
+
+    assert ranked(dense) == expected(hybrid=False)
+    assert ranked(hybrid) == expected()  # hybrid is the default
+    assert ranked(rrf) == expected(fusion="rrf", lexical_weight=0.7)
+    assert ranked(dense) != ranked(hybrid) != ranked(rrf)  # each option changes the scores
+    assert json.loads(hybrid.stdout)[0]["sources"][0]["path"].endswith("zebra.txt")
+    bad = runner.invoke(cli, [*args, "--fusion", "sum"])
+    assert bad.exit_code == 2
