@@ -710,23 +710,27 @@ def _skip(pad: np.ndarray, pos: np.ndarray, pred: Any) -> np.ndarray:
     """Advance each position while ``pred(pad[pos])``; the NUL padding stops every walk.
 
     Short runs (indentation) are walked a step at a time on the positions still moving; after
-    8 steps the rest jump with a whole-text "next position where pred is false" table (page
-    breaks padded with long blank runs would otherwise cost one numpy pass per character).
+    8 steps the few left (page breaks padded with long blank runs) look ahead 64 characters at a
+    time, so a long run costs a few small passes, never one over the whole text.
     """
     pos = pos.copy()
     active = np.flatnonzero(pred(pad[pos]))
     steps = 0
+    last = len(pad) - 1  # padding: pred is false there
     while active.size:
-        if steps == 8:
-            mask = pred(pad)
-            idx = np.where(mask, len(mask), np.arange(len(mask)))
-            nxt = np.minimum.accumulate(idx[::-1])[::-1]
-            pos[active] = nxt[pos[active]]
-            break
+        if steps >= 8:
+            window = pred(pad[np.minimum(pos[active, None] + _LOOKAHEAD, last)])
+            stopped = ~window.all(axis=1)
+            pos[active] += np.where(stopped, (~window).argmax(axis=1), len(_LOOKAHEAD))
+            active = active[~stopped]
+            continue
         pos[active] += 1
         active = active[pred(pad[pos[active]])]
         steps += 1
     return pos
+
+
+_LOOKAHEAD = np.arange(64)
 
 
 _NUMBER_PREFIX = re.compile(r"((?:\d+\.)*\d+)\.?\s")
