@@ -221,24 +221,62 @@ def test_chunk_texts_matches_chunk_text() -> None:
     assert chunk_texts(texts, min_tokens=10, max_tokens=40, workers=2) == one
 
 
+_PROCESS_CHECK = """
+import json, sys
+import multiprocessing as mp
+from ragbudget import chunking
+from ragbudget.chunking import chunk_text, chunk_texts
+
+method = sys.argv[1]
+if method == "spawn":  # as on a platform without fork, or with a threaded parent
+    mp.get_all_start_methods = lambda: ["spawn"]
+used = []
+real = mp.get_context
+mp.get_context = lambda m=None: (used.append(m), real(m))[1]
+chunking.PROCESS_MIN_CHARS = 0
+texts = [("Sentence number %d is here. " % i) * (40 + 13 * i) for i in range(7)] + ["", "x"]
+one = [chunk_text(t, min_tokens=20, max_tokens=60) for t in texts]
+print(json.dumps({"same": chunk_texts(texts, min_tokens=20, max_tokens=60, workers=2) == one,
+                  "used": used}))
+"""
+
+
 @pytest.mark.parametrize("method", ["fork", "spawn"])
-def test_chunk_texts_in_processes(monkeypatch: pytest.MonkeyPatch, method: str) -> None:
+def test_chunk_texts_in_processes(method: str) -> None:
     """Worker processes give exactly the sequential result, in input order, with either start
-    method (spawn is what platforms without fork, or a threaded parent, fall back to)."""
+    method. Run in a fresh interpreter: fork is chosen only while no other thread runs, and a
+    test session has threads left by other tests."""
+    import json
     import multiprocessing as mp
+    import subprocess
+    import sys
 
     if method not in mp.get_all_start_methods():
         pytest.skip(f"{method} start method not available")
-    texts = [("Sentence number %d is here. " % i) * (40 + 13 * i) for i in range(7)] + ["", "x"]
-    one = [chunk_text(t, min_tokens=20, max_tokens=60) for t in texts]
-    monkeypatch.setattr(chunking, "PROCESS_MIN_CHARS", 0)
-    if method == "spawn":
-        monkeypatch.setattr(mp, "get_all_start_methods", lambda: ["spawn"])
+    out = subprocess.run([sys.executable, "-c", _PROCESS_CHECK, method], capture_output=True,
+                         text=True, timeout=300, check=True)
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"same": True, "used": [method]}
+
+
+def test_chunk_texts_avoids_fork_while_other_threads_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    import multiprocessing as mp
+    import threading
+
+    started, stop = threading.Event(), threading.Event()
+    other = threading.Thread(target=lambda: (started.set(), stop.wait()), daemon=True)
+    other.start()
+    started.wait()
     used: list[str] = []
     real = mp.get_context
     monkeypatch.setattr(mp, "get_context", lambda m=None: (used.append(m), real(m))[1])
-    assert chunk_texts(texts, min_tokens=20, max_tokens=60, workers=2) == one
-    assert used == [method]
+    monkeypatch.setattr(chunking, "PROCESS_MIN_CHARS", 0)
+    texts = ["One sentence here. " * 200, "Another text. " * 150]
+    one = [chunk_text(t, min_tokens=20, max_tokens=60) for t in texts]
+    try:
+        assert chunk_texts(texts, min_tokens=20, max_tokens=60, workers=2) == one
+    finally:
+        stop.set()
+    assert used and used[0] != "fork"
 
 
 def test_chunk_texts_other_tokenizer_uses_threads(monkeypatch: pytest.MonkeyPatch) -> None:
