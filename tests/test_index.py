@@ -346,6 +346,22 @@ def _current(ix: Index, key: str) -> Path:
     return ix.path / m[key]["file"]
 
 
+def _tamper_sqlite(ix: Index, *statements: str) -> None:
+    """Run SQL on the current metadata file and re-seal its manifest checksum, as a buggy writer
+    would: the checksums pass, the content does not."""
+    import sqlite3
+
+    f = _current(ix, "sqlite")
+    con = sqlite3.connect(f)
+    for sql in statements:
+        con.execute(sql)
+    con.commit()
+    con.close()
+    m = json.loads((ix.path / "manifest.json").read_text())
+    m["sqlite"].update(bytes=f.stat().st_size, sha256=hashlib.sha256(f.read_bytes()).hexdigest())
+    (ix.path / "manifest.json").write_text(json.dumps(m))
+
+
 @pytest.mark.parametrize("key", ["faiss", "sqlite"])
 @pytest.mark.parametrize("damage", ["truncate", "bitflip"])
 def test_damaged_file_raises_corrupt_error_naming_it(ix: Index, corpus: Path, key: str, damage: str) -> None:
@@ -378,17 +394,8 @@ def test_garbage_manifest_is_a_corrupt_error(ix: Index, corpus: Path) -> None:
 
 def test_verify_detects_id_mapping_problems(ix: Index, corpus: Path) -> None:
     """Checksums pass but the content is inconsistent (a buggy writer): verify says so."""
-    import sqlite3
-
     build(ix, corpus)
-    f = _current(ix, "sqlite")
-    con = sqlite3.connect(f)
-    con.execute("DELETE FROM chunks WHERE id = (SELECT MIN(id) FROM chunks)")
-    con.commit()
-    con.close()
-    m = json.loads((ix.path / "manifest.json").read_text())
-    m["sqlite"].update(bytes=f.stat().st_size, sha256=hashlib.sha256(f.read_bytes()).hexdigest())
-    (ix.path / "manifest.json").write_text(json.dumps(m))
+    _tamper_sqlite(ix, "DELETE FROM chunks WHERE id = (SELECT MIN(id) FROM chunks)")
     report = Index.open(ix.path).verify()
     assert not report.ok
     assert any("without a chunk row" in p for p in report.problems)
@@ -716,19 +723,10 @@ def test_index_updated_without_fts5_is_repaired_by_the_next_run(
 
 
 def test_verify_detects_fts_out_of_sync(ix: Index, corpus: Path) -> None:
-    import sqlite3
-
     build(ix, corpus)
-    f = _current(ix, "sqlite")
-    con = sqlite3.connect(f)
-    con.execute("DELETE FROM chunks_fts WHERE rowid = (SELECT MIN(id) FROM chunks)")
-    con.execute("INSERT INTO chunks_fts(rowid, text) VALUES (999999, 'stray')")
-    con.execute("UPDATE chunks_fts SET text = 'changed' WHERE rowid = (SELECT MAX(id) FROM chunks)")
-    con.commit()
-    con.close()
-    m = json.loads((ix.path / "manifest.json").read_text())
-    m["sqlite"].update(bytes=f.stat().st_size, sha256=hashlib.sha256(f.read_bytes()).hexdigest())
-    (ix.path / "manifest.json").write_text(json.dumps(m))
+    _tamper_sqlite(ix, "DELETE FROM chunks_fts WHERE rowid = (SELECT MIN(id) FROM chunks)",
+                   "INSERT INTO chunks_fts(rowid, text) VALUES (999999, 'stray')",
+                   "UPDATE chunks_fts SET text = 'changed' WHERE rowid = (SELECT MAX(id) FROM chunks)")
     problems = " | ".join(Index.open(ix.path).verify().problems)
     assert "without a lexical (FTS) row" in problems
     assert "lexical (FTS) row(s) without a chunk row" in problems
