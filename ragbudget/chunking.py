@@ -737,9 +737,7 @@ _NUMBER_PREFIX = re.compile(r"((?:\d+\.)*\d+)\.?\s")
 _WS_NONL_CHARS = frozenset("\t\x0b\x0c \x85\xa0\u1680\u2028\u2029\u202f\u205f\u3000") | {
     chr(c) for c in range(0x2000, 0x200B)
 }
-_WS_CHARS = frozenset("\t\n\x0b\x0c\r \x85\xa0\u1680\u2028\u2029\u202f\u205f\u3000") | {
-    chr(c) for c in range(0x2000, 0x200B)
-}
+_WS_CHARS = _WS_NONL_CHARS | {"\n", "\r"}
 
 
 #: Texts at least this long are encoded in helper threads while boundaries are found.
