@@ -37,9 +37,12 @@ question verbatim, with the conversation as history.
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import json
 import re
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -49,6 +52,7 @@ from .errors import BudgetError, ConfigError, RagBudgetError
 __all__ = [
     "ChatTurn",
     "Conversation",
+    "SummaryCache",
     "Turn",
     "TurnBudget",
     "expand_query",
@@ -130,6 +134,7 @@ class TurnBudget:
     summary_updated: bool
     overrun: bool
     system: int = 0  # the client's system messages (part of ``fixed``: never cut)
+    summary_cached: int = 0  # turns whose summary this turn took from a SummaryCache (no generate)
 
     @property
     def history(self) -> int:
@@ -366,12 +371,79 @@ def expand_query(question: str, previous: Sequence[str], *, max_terms: int = 24)
 Summarizer = Callable[[str, Sequence[Turn], int], str]
 
 
+class SummaryCache:
+    """Rolling summaries of conversation prefixes, shared by the requests of one server.
+
+    An HTTP client resends its whole history with every request, so without memory between
+    requests each over-long one would summarize all of its older turns again. The cache maps a
+    prefix (the summary it started from plus the turns folded into it, chained through SHA-256)
+    to the summary written for it: the next request of the same conversation starts from the
+    longest cached prefix and folds only the turns that are new, exactly as an in-memory
+    :class:`Conversation` would, and a retried request costs no generation at all. Summaries are
+    written greedily, so a cached one is the one that would be written again. Thread-safe; the
+    least recently used of more than ``max_entries`` summaries are forgotten.
+    """
+
+    def __init__(self, max_entries: int = 1024) -> None:
+        if max_entries < 1:
+            raise ConfigError(f"max_entries must be >= 1, got {max_entries}")
+        self.max_entries = max_entries
+        self.hits = 0
+        self.misses = 0
+        self._data: OrderedDict[str, str] = OrderedDict()
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def root(summary: str, summary_max_tokens: int) -> str:
+        """The key of a conversation before any fold: the summary it starts from (a client may
+        send one back) and the summary's length cap."""
+        return _digest("root", str(summary_max_tokens), summary)
+
+    @staticmethod
+    def extend(key: str, turn: Turn) -> str:
+        """The key of the prefix ``key`` with ``turn`` folded in after it."""
+        return _digest(key, turn.question, turn.answer)
+
+    def get(self, key: str) -> str | None:
+        with self._lock:
+            value = self._data.get(key)
+            if value is None:
+                self.misses += 1
+            else:
+                self.hits += 1
+                self._data.move_to_end(key)
+            return value
+
+    def put(self, key: str, summary: str) -> None:
+        with self._lock:
+            self._data[key] = summary
+            self._data.move_to_end(key)
+            while len(self._data) > self.max_entries:
+                self._data.popitem(last=False)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._data)
+
+
+def _digest(*parts: str) -> str:
+    h = hashlib.sha256()
+    for part in parts:
+        data = part.encode("utf-8", "surrogatepass")
+        # Length-prefixed, so ("ab", "c") and ("a", "bc") never collide.
+        h.update(len(data).to_bytes(8, "little"))
+        h.update(data)
+    return h.hexdigest()
+
+
 @dataclass
 class _State:
     turns: list[Turn] = field(default_factory=list)  # verbatim turns, oldest first
     summary: str = ""
     summarized: int = 0  # turns folded into the summary so far
     system: list[Message] = field(default_factory=list)  # the client's instructions, never folded
+    # SummaryCache key of the current summary (None until the first fold looks it up).
+    fold_key: str | None = None
 
 
 class Conversation:
@@ -384,7 +456,8 @@ class Conversation:
     summary, turns, max_tokens)`` if given). ``max_new_tokens`` and ``context_tokens`` default to
     the pipeline's. ``expand_follow_ups`` rewrites follow-up questions for retrieval (see
     :func:`expand_query`). :meth:`from_messages` starts from an existing history (what an HTTP
-    request carries).
+    request carries); a shared ``summary_cache`` (:class:`SummaryCache`) lets such one-request
+    conversations reuse the summaries earlier requests wrote for the same older turns.
 
     >>> chat = Conversation(pipeline, history_share=0.3, recent_turns=2)  # doctest: +SKIP
     >>> chat.ask("What does the footer contain?").budget.summary          # doctest: +SKIP
@@ -403,6 +476,7 @@ class Conversation:
         expand_follow_ups: bool = True,
         summarizer: Summarizer | None = None,
         summary_role: str = "system",
+        summary_cache: SummaryCache | None = None,
     ) -> None:
         if not 0.0 <= history_share < 1.0:
             raise ConfigError(f"history_share must be in [0, 1) (the rest goes to retrieval), got {history_share}")
@@ -421,6 +495,8 @@ class Conversation:
         self.expand_follow_ups = expand_follow_ups
         self.summary_role = summary_role
         self._summarizer = summarizer
+        self.summary_cache = summary_cache
+        self._cached_turns = 0
         self._meter = _Meter(pipeline)
         self._state = _State()
         self._ask_params = _parameters(pipeline.ask)
@@ -583,6 +659,7 @@ class Conversation:
             turns_verbatim=len(self._state.turns),
             turns_summarized=self._state.summarized,
             summary_updated=summary_updated,
+            summary_cached=self._cached_turns,
             overrun=prompt + output > total or history_tokens > history_allowed,
             system=system_tokens,
         )
@@ -599,13 +676,18 @@ class Conversation:
         """Fold turns into the summary until summary + verbatim turns fit ``allowed`` tokens.
         Returns True when the summary changed."""
         state = self._state
+        self._cached_turns = 0
         if self._history_cost(question) <= allowed:
             return False
         # First fold everything older than the recent turns in one summarization call; then, if the
         # recent turns alone are still too large, fold them one at a time (oldest first).
         keep = min(self.recent_turns, len(state.turns))
         cut = len(state.turns) - keep
-        changed = False
+        resumed = self._resume_from_cache(cut)
+        cut -= resumed
+        changed = resumed > 0
+        if changed and self._history_cost(question) <= allowed:
+            return True
         while True:
             if cut > 0:
                 self._fold(state.turns[:cut], allowed, cancel=cancel)
@@ -625,6 +707,17 @@ class Conversation:
 
     def _fold(self, turns: Sequence[Turn], allowed: int, *, cancel: Any = None) -> None:
         state = self._state
+        key = None
+        if self.summary_cache is not None and state.fold_key is not None:
+            key = state.fold_key
+            for t in turns:
+                key = SummaryCache.extend(key, t)
+            cached = self.summary_cache.get(key)
+            if cached is not None:
+                state.summary, state.fold_key = cached, key
+                state.summarized += len(turns)
+                self._cached_turns += len(turns)
+                return
         cap = max(1, min(self.summary_max_tokens, allowed))
         text = ""
         if self._summarizer is not None:
@@ -636,6 +729,32 @@ class Conversation:
             text = _extractive_summary(state.summary, turns)
         state.summary = self._meter.truncate(text, cap)
         state.summarized += len(turns)
+        if key is not None:
+            state.fold_key = key
+            self.summary_cache.put(key, state.summary)
+
+    def _resume_from_cache(self, cut: int) -> int:
+        """Replace the oldest of the ``cut`` turns about to be folded by the longest prefix of
+        them whose summary is cached (a request resending its conversation folds only what is new
+        since the last one). Returns how many turns that took off."""
+        state, cache = self._state, self.summary_cache
+        if cache is None:
+            return 0
+        if state.fold_key is None:
+            state.fold_key = SummaryCache.root(state.summary, self.summary_max_tokens)
+        keys, key = [], state.fold_key
+        for t in state.turns[:cut]:
+            key = SummaryCache.extend(key, t)
+            keys.append(key)
+        for j in range(len(keys), 0, -1):
+            summary = cache.get(keys[j - 1])
+            if summary is not None:
+                state.summary, state.fold_key = summary, keys[j - 1]
+                state.summarized += j
+                state.turns = state.turns[j:]
+                self._cached_turns += j
+                return j
+        return 0
 
     def _generate_summary(self, previous: str, turns: Sequence[Turn], cap: int, *, cancel: Any = None) -> str:
         """Ask the pipeline's generator for the new summary, inside the same per-request budget."""

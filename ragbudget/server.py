@@ -186,6 +186,7 @@ class Metrics:
         self.rejected = 0
         self.tokens_prompt = 0
         self.tokens_completion = 0
+        self.summary_turns_cached = 0
         self.in_flight = 0
         self.histograms: dict[tuple[str, tuple[tuple[str, str], ...]], _Histogram] = {}
 
@@ -226,6 +227,9 @@ class Metrics:
                 ("ragbudget_oom_steps_total", "Steps taken down the OOM fallback ladder.", self.oom_steps),
                 ("ragbudget_prompt_tokens_total", "Prompt tokens processed.", self.tokens_prompt),
                 ("ragbudget_completion_tokens_total", "Tokens generated.", self.tokens_completion),
+                ("ragbudget_summary_cache_turns_total",
+                 "History turns whose summary came from the summary cache instead of a generate call.",
+                 self.summary_turns_cached),
             ):
                 metric(name, "counter", help_)
                 out.append(f"{name} {value}")
@@ -610,6 +614,7 @@ def create_app(
     history_share: float = 0.3,
     summary_max_tokens: int = 128,
     recent_turns: int = 2,
+    summary_cache_size: int = 1024,
     trim_memory: bool = True,
     disconnect_poll_s: float = 0.1,
 ) -> Any:
@@ -629,6 +634,9 @@ def create_app(
     last ``recent_turns`` stay verbatim, system messages and the question are never cut, and a
     follow-up question is expanded for retrieval. The response's ``ragbudget.memory`` gives the
     tokens of summary, recent turns, context and output and the number of turns summarized.
+    Summaries are remembered across requests (:class:`ragbudget.chat.SummaryCache`, the
+    ``summary_cache_size`` most recent; 0 turns that off): a client resending its conversation
+    pays only for folding the turns that are new since its last request.
     Pipelines without a token counter (test fakes) get the history verbatim.
 
     ``trim_memory`` returns the heap freed by a burst of requests to the OS once the server is
@@ -667,6 +675,8 @@ def create_app(
     if summary_max_tokens < 1 or recent_turns < 0:
         raise ConfigError(f"summary_max_tokens must be >= 1 and recent_turns >= 0, got {summary_max_tokens} "
                           f"and {recent_turns}")
+    if summary_cache_size < 0:
+        raise ConfigError(f"summary_cache_size must be >= 0 (0: no cache), got {summary_cache_size}")
     served = model_name or _default_model_name(pipeline)
     models = [served] if served == "ragbudget" else [served, "ragbudget"]
     metrics = Metrics()
@@ -820,6 +830,11 @@ def create_app(
     # Only a pipeline with a memory plan can budget history (a Pipeline always has one; test fakes
     # and custom pipelines may not, and then get the history verbatim).
     budgeted = callable(getattr(pipeline, "plan_for", None)) or getattr(pipeline, "plan", None) is not None
+    summary_cache = None
+    if budgeted and summary_cache_size > 0:
+        from .chat import SummaryCache
+
+        summary_cache = SummaryCache(summary_cache_size)
 
     def run_ask(req: _ChatRequest, cancel: threading.Event, on_text: Callable[[str], Any] | None = None) -> Any:
         """The model work of one chat request (in a worker thread: fitting the history renders
@@ -836,11 +851,14 @@ def create_app(
             try:
                 conversation = Conversation.from_messages(
                     pipeline, req.history, history_share=history_share, summary_max_tokens=summary_max_tokens,
-                    recent_turns=recent_turns, max_new_tokens=max_new, context_tokens=req.context_tokens)
+                    recent_turns=recent_turns, max_new_tokens=max_new, context_tokens=req.context_tokens,
+                    summary_cache=summary_cache)
             except ConfigError:
                 pass  # nothing to measure history with (a generator without a token counter)
         if conversation is not None:
             turn = conversation.ask(req.question, on_text=on_text, cancel=cancel, **req.sampling)
+            if turn.budget.summary_cached:
+                metrics.add("summary_turns_cached", turn.budget.summary_cached)
             answer = turn.answer
             report = _report(answer)
             if turn.summary:

@@ -20,6 +20,8 @@ from _fakes import WordTokenizer as HFWordTokenizer
 from ragbudget.chat import (
     SUMMARY_PREFIX,
     Conversation,
+    SummaryCache,
+    Turn,
     _Meter,
     expand_query,
     fit_history,
@@ -549,6 +551,84 @@ def test_generate_options_reach_the_pipeline_but_not_the_summary() -> None:
     assert pipe.generator.calls and all(set(c) == {"messages", "max_new_tokens"} for c in pipe.generator.calls)
 
 
+def _resend(cache: SummaryCache | None, turns: int, **options: Any) -> tuple[FakePipeline, list[Any]]:
+    """A client that resends its whole conversation every turn (one ``from_messages`` per
+    request, as the HTTP server does), sharing ``cache`` between requests."""
+    pipe = FakePipeline(total=400, max_new=40, answer_words=40)
+    messages: list[dict[str, str]] = [{"role": "system", "content": "Answer in English."}]
+    results = []
+    for i in range(turns):
+        question = f"Question number {i} about the PDF cleaner and the KV budget?"
+        turn = Conversation.from_messages(pipe, messages, summary_cache=cache, **options).ask(question)
+        results.append(turn)
+        messages += [{"role": "user", "content": question}, {"role": "assistant", "content": turn.text}]
+    return pipe, results
+
+
+def test_summary_cache_makes_resent_histories_fold_like_one_conversation() -> None:
+    """With the cache, each request folds only the turns that are new since the last one, and the
+    prompts are the ones an in-memory conversation builds; without it, every request summarizes
+    all of its older turns again."""
+    options = {"summary_max_tokens": 30, "recent_turns": 2}
+    memory_pipe = FakePipeline(total=400, max_new=40, answer_words=40)
+    chat = Conversation(memory_pipe, **options)
+    chat._state.system.append({"role": "system", "content": "Answer in English."})
+    for i in range(10):
+        chat.ask(f"Question number {i} about the PDF cleaner and the KV budget?")
+
+    cache = SummaryCache()
+    cached_pipe, turns = _resend(cache, 10, **options)
+    plain_pipe, _ = _resend(None, 10, **options)
+
+    assert [c["history"] for c in cached_pipe.calls] == [c["history"] for c in memory_pipe.calls]
+    assert len(cached_pipe.generator.calls) == len(memory_pipe.generator.calls)
+    assert cached_pipe.overruns == 0 and not any(t.budget.overrun for t in turns)
+    # After the first fold every request resumes from the cache and folds one new turn only.
+    folded = [t for t in turns if t.budget.turns_summarized]
+    assert folded[0].budget.summary_cached == 0
+    assert all(t.budget.summary_cached == t.budget.turns_summarized - 1 for t in folded[1:])
+    assert cache.hits == len(folded) - 1
+    for call in cached_pipe.generator.calls[1:]:
+        assert call["messages"][-1]["content"].count("User: ") == 1
+    # Without the cache the same requests re-summarize the whole prefix each time.
+    old_turns = sum(c["messages"][-1]["content"].count("User: ") for c in plain_pipe.generator.calls)
+    assert old_turns > 2 * sum(c["messages"][-1]["content"].count("User: ") for c in cached_pipe.generator.calls)
+
+
+def test_summary_cache_serves_a_retried_request_without_generating() -> None:
+    cache = SummaryCache()
+    pipe = FakePipeline(total=400, max_new=40, answer_words=40)
+    first = Conversation.from_messages(pipe, _messages(8), summary_max_tokens=30, summary_cache=cache).ask("Next?")
+    calls = len(pipe.generator.calls)
+    assert calls and first.budget.summary_cached == 0
+    again = Conversation.from_messages(pipe, _messages(8), summary_max_tokens=30, summary_cache=cache).ask("Next?")
+    assert len(pipe.generator.calls) == calls  # no new summary was written
+    assert again.summary == first.summary and again.budget.summary_cached == first.budget.turns_summarized
+    assert pipe.calls[-1]["history"] == pipe.calls[-2]["history"]
+    # Another cap, another root: a summary written for 30 tokens is not reused for 20.
+    Conversation.from_messages(pipe, _messages(8), summary_max_tokens=20, summary_cache=cache).ask("Next?")
+    assert len(pipe.generator.calls) > calls
+    # An edited earlier turn is another prefix too.
+    edited = _messages(8)
+    edited[1]["content"] = "A different first question about dedup?"
+    before = len(pipe.generator.calls)
+    turn = Conversation.from_messages(pipe, edited, summary_max_tokens=30, summary_cache=cache).ask("Next?")
+    assert len(pipe.generator.calls) == before + calls and turn.budget.summary_cached == 0
+
+
+def test_summary_cache_is_bounded_and_validated() -> None:
+    cache = SummaryCache(max_entries=2)
+    root = SummaryCache.root("", 128)
+    keys = [SummaryCache.extend(root, Turn(f"q{i}", f"a{i}")) for i in range(3)]
+    for k in keys:
+        cache.put(k, k[:8])
+    assert len(cache) == 2 and cache.get(keys[0]) is None and cache.get(keys[2]) == keys[2][:8]
+    assert SummaryCache.extend(root, Turn("ab", "c")) != SummaryCache.extend(root, Turn("a", "bc"))
+    assert SummaryCache.root("", 128) != SummaryCache.root("", 64) != SummaryCache.root("x", 64)
+    with pytest.raises(ConfigError, match="max_entries"):
+        SummaryCache(0)
+
+
 @pytest.fixture
 def chat_server() -> Any:
     from ragbudget.server import background_server, create_app
@@ -592,6 +672,32 @@ def test_http_ten_turns_over_budget_are_summarized_with_no_overrun(chat_server: 
     assert last[0]["content"] == "Answer in English." and last[1]["content"].startswith(SUMMARY_PREFIX)
     assert last[-2]["content"] == messages[-4]["content"]  # the most recent turns stay verbatim
     assert pipe.generator.calls  # the summaries came from the generator
+
+
+@pytest.mark.parametrize("cache_size", [1024, 0])
+def test_http_summaries_are_cached_between_requests(chat_server: Any, cache_size: int) -> None:
+    """A client resending its conversation pays for folding only its new turns; the counter in
+    /metrics says how many turns came from the cache. ``summary_cache_size=0`` turns it off."""
+    import httpx
+
+    pipe = FakePipeline(total=400, max_new=40, answer_words=40)
+    messages: list[dict[str, str]] = []
+    cached = []
+    with chat_server(pipe, summary_max_tokens=30, recent_turns=2, summary_cache_size=cache_size) as url:
+        for i in range(8):
+            messages.append({"role": "user", "content": f"Question number {i} about the PDF cleaner and the KV budget?"})
+            r = httpx.post(url + "/v1/chat/completions", timeout=30, json={"model": "ragbudget", "messages": messages})
+            assert r.status_code == 200, r.text
+            cached.append(r.json()["ragbudget"]["memory"]["summary_cached"])
+            messages.append({"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]})
+        scraped = httpx.get(url + "/metrics", timeout=30).text
+    counter = int(re.search(r"^ragbudget_summary_cache_turns_total (\d+)$", scraped, re.M).group(1))
+    assert counter == sum(cached)
+    transcripts = [c["messages"][-1]["content"].count("User: ") for c in pipe.generator.calls]
+    if cache_size:
+        assert counter > 0 and all(n == 1 for n in transcripts[1:])
+    else:
+        assert counter == 0 and max(transcripts) > 2
 
 
 def test_http_follow_up_is_expanded_for_retrieval(chat_server: Any) -> None:
