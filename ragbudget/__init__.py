@@ -58,6 +58,7 @@ _EXPORTS: dict[str, str] = {
     "AdmissionController": "admission",
     "Pipeline": "pipeline",
     "Answer": "pipeline",
+    "AnswerStream": "pipeline",
     "Conversation": "chat",
 }
 
@@ -102,7 +103,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from .index import Index
     from .kvcache import kv_cache_bytes
     from .loaders import load_document, scan
-    from .pipeline import Answer, Pipeline
+    from .pipeline import Answer, AnswerStream, Pipeline
     from .select import Selection, select_chunks
     from .tokens import get_tokenizer
     from .types import Chunk, Document, Source

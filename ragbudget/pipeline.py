@@ -21,8 +21,10 @@ so that every request's prompt provably fits the KV memory it was planned for:
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
+import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -41,7 +43,7 @@ if TYPE_CHECKING:
     from .prompt import Prompt, PromptBuilder
     from .select import Selection
 
-__all__ = ["Answer", "Pipeline", "format_report", "make_embedder"]
+__all__ = ["Answer", "AnswerStream", "Pipeline", "format_report", "make_embedder"]
 
 log = logging.getLogger(__name__)
 
@@ -417,6 +419,162 @@ class Pipeline:
         timings["total_s"] = time.perf_counter() - t_start
         final = gen.prompt if getattr(gen, "prompt", None) is not None else prompt
         return _answer(gen, final, plan, reserve, timings, context_tokens)
+
+    def stream(self, question: str, **options: Any) -> AnswerStream:
+        """:meth:`ask`, as an iterator over the answer's text while it is generated; the
+        :class:`Answer` is the stream's ``answer`` at the end. ``options`` are :meth:`ask`'s
+        (but ``on_text`` and ``cancel``, which the stream owns). Breaking out of the loop or
+        closing the stream cancels the generation."""
+        return AnswerStream(self.ask, question, _stream_options(options))
+
+    def astream(self, question: str, **options: Any) -> AnswerStream:
+        """:meth:`stream` for asyncio (``async for piece in rb.astream(q)``): the model runs in a
+        thread, pieces arrive through the running event loop, which is never blocked."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            raise ConfigError("astream() needs a running event loop (call it inside `async def`); "
+                              "use stream() from synchronous code") from None
+        return AnswerStream(self.ask, question, _stream_options(options), loop=loop)
+
+    async def aask(self, question: str, **options: Any) -> Answer:
+        """:meth:`ask` without blocking the event loop; cancelling the awaiting task cancels the
+        generation (and frees its KV reservation)."""
+        stream = self.astream(question, **options)
+        try:
+            async for _ in stream:
+                pass
+        except BaseException:
+            await asyncio.shield(stream.aclose())
+            raise
+        assert stream.answer is not None
+        return stream.answer
+
+
+def _stream_options(options: dict[str, Any]) -> dict[str, Any]:
+    taken = sorted(k for k in ("on_text", "cancel") if k in options)
+    if taken:
+        raise ConfigError(f"a stream delivers the text and cancels itself; drop {', '.join(taken)} "
+                          "(use ask() to pass your own)")
+    return options
+
+
+_DONE = object()  # end-of-stream marker in an AnswerStream's queue
+
+
+class AnswerStream:
+    """The text of one answer as it is generated, from :meth:`Pipeline.stream` (``for piece in
+    stream``) or :meth:`Pipeline.astream` (``async for piece in stream``).
+
+    Generation runs in its own thread; ``answer`` holds the :class:`Answer` (sources, report)
+    once the iteration has ended, and an error the request raised (a
+    :class:`~ragbudget.errors.BudgetError`, say) is raised by the iteration. Leaving early —
+    ``break``, ``close()``/``aclose()`` or the ``with``/``async with`` block — cancels the
+    generation, which frees its KV reservation at the next token (as a disconnecting HTTP client
+    does); ``answer`` then holds what was generated so far.
+
+    >>> with rb.stream("How is the Project Leader elected?") as stream:  # doctest: +SKIP
+    ...     for piece in stream:
+    ...         print(piece, end="", flush=True)
+    >>> stream.answer.sources                                          # doctest: +SKIP
+    """
+
+    def __init__(self, ask: Callable[..., Answer], question: str, options: dict[str, Any],
+                 loop: asyncio.AbstractEventLoop | None = None) -> None:
+        self.answer: Answer | None = None
+        self._error: BaseException | None = None
+        self._cancel = threading.Event()
+        self._loop = loop
+        self._sync: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._async: asyncio.Queue[Any] | None = asyncio.Queue() if loop is not None else None
+        self._ended = False
+        self._thread = threading.Thread(target=self._run, args=(ask, question, options),
+                                        name="rb-stream", daemon=True)
+        self._thread.start()
+
+    def _put(self, item: Any) -> None:
+        if self._async is None:
+            self._sync.put(item)
+        else:
+            try:
+                self._loop.call_soon_threadsafe(self._async.put_nowait, item)  # type: ignore[union-attr]
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                self._cancel.set()
+
+    def _run(self, ask: Callable[..., Answer], question: str, options: dict[str, Any]) -> None:
+        try:
+            self.answer = ask(question, on_text=self._put, cancel=self._cancel, **options)
+        except BaseException as e:  # handed to the iterating thread, raised there
+            self._error = e
+        finally:
+            self._put(_DONE)
+
+    def _item(self, item: Any) -> str:
+        if item is _DONE:
+            self._ended = True
+            if self._error is not None:
+                error, self._error = self._error, None
+                raise error
+            raise StopIteration
+        return str(item)
+
+    @property
+    def cancelled(self) -> bool:
+        """Whether the stream was left before its end (the generation was told to stop)."""
+        return self._cancel.is_set()
+
+    # -- sync --
+
+    def __iter__(self) -> AnswerStream:
+        return self
+
+    def __next__(self) -> str:
+        if self._async is not None:
+            raise ConfigError("this stream came from astream(): iterate it with `async for`")
+        if self._ended:
+            raise StopIteration
+        return self._item(self._sync.get())
+
+    def close(self) -> None:
+        """Stop the generation (if it still runs) and wait for its thread to end."""
+        if not self._ended:
+            self._cancel.set()
+        self._thread.join()
+        self._ended = True
+
+    def __enter__(self) -> AnswerStream:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- async --
+
+    def __aiter__(self) -> AnswerStream:
+        return self
+
+    async def __anext__(self) -> str:
+        if self._async is None:
+            raise ConfigError("this stream came from stream(): iterate it with `for`")
+        if self._ended:
+            raise StopAsyncIteration
+        try:
+            return self._item(await self._async.get())
+        except StopIteration:
+            raise StopAsyncIteration from None
+
+    async def aclose(self) -> None:
+        """Stop the generation (if it still runs) and wait for its thread without blocking the loop."""
+        if not self._ended:
+            self._cancel.set()
+        await asyncio.to_thread(self._thread.join)
+        self._ended = True
+
+    async def __aenter__(self) -> AnswerStream:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.aclose()
 
 
 def _answer(gen: Any, prompt: Prompt, plan: BudgetPlan, reserved: int, timings: dict[str, float],

@@ -36,6 +36,8 @@ class FakeGenerator:
 
     answer: str = "The Nobel Prize [1]."
     delay: float = 0.0
+    word_delay: float = 0.0  # between streamed words (a slow model, for cancellation tests)
+    cancelled: int = 0
     tokenizer: WordTokenizer = field(default_factory=WordTokenizer)
     prompts: list[Any] = field(default_factory=list)
     loaded: bool = False
@@ -49,7 +51,12 @@ class FakeGenerator:
             time.sleep(self.delay)
         if on_text:
             for word in self.answer.split(" "):
+                if cancel is not None and cancel.is_set():
+                    self.cancelled += 1
+                    return FakeGeneration(self.answer, prompt.n_tokens, 0, max_new_tokens,
+                                          finish_reason="cancelled", prompt=prompt)
                 on_text(word + " ")
+                time.sleep(self.word_delay)
         return FakeGeneration(self.answer, prompt.n_tokens, len(self.answer.split()), max_new_tokens,
                               prompt=prompt)
 
@@ -139,6 +146,89 @@ def test_streaming_and_bad_input(indexed: Path) -> None:
         pipe.ask("   ")
     with pytest.raises(ConfigError):
         Pipeline(indexed, concurrency=0)
+
+
+def test_stream_yields_the_answer_text_and_then_the_answer(indexed: Path) -> None:
+    pipe, gen = _pipe(indexed)
+    with pipe.stream(QUESTION, max_new_tokens=32) as stream:
+        pieces = list(stream)
+    assert "".join(pieces).strip() == stream.answer.text == gen.answer
+    assert stream.answer.sources == pipe.ask(QUESTION, max_new_tokens=32).sources
+    assert stream.answer.report["budget"]["max_new_tokens"] == 32 and not stream.cancelled
+    assert list(stream) == []  # an ended stream stays ended
+
+
+def test_leaving_a_stream_early_cancels_and_frees_the_reservation(indexed: Path) -> None:
+    gen = FakeGenerator(answer=" ".join(f"w{i}" for i in range(200)), word_delay=0.01)
+    pipe, _ = _pipe(indexed, generator=gen)
+    for piece in (stream := pipe.stream(QUESTION)):
+        assert pipe.admission.stats().admitted_tokens > 0  # the request holds its KV tokens
+        break
+    stream.close()
+    assert stream.cancelled and gen.cancelled == 1 and stream.answer.finish_reason == "cancelled"
+    assert pipe.admission.stats().admitted_tokens == 0
+    assert pipe.ask(QUESTION).text  # the pipeline serves the next request
+
+
+def test_stream_errors_reach_the_caller(indexed: Path) -> None:
+    pipe, _ = _pipe(indexed, gpu="320MiB")
+    with pytest.raises(BudgetError, match="question"):
+        list(pipe.stream("why " * (pipe.plan.max_prompt_tokens + 10)))
+    with pytest.raises(ConfigError, match="on_text"):
+        pipe.stream(QUESTION, on_text=print)
+    with pytest.raises(ConfigError, match="running event loop"):
+        pipe.astream(QUESTION)
+
+
+def test_astream_and_aask_do_not_block_the_event_loop(indexed: Path) -> None:
+    import asyncio
+
+    gen = FakeGenerator(answer=" ".join(f"w{i}" for i in range(20)), word_delay=0.01)
+    pipe, _ = _pipe(indexed, generator=gen)
+
+    async def main() -> tuple[list[str], Any, Any, int]:
+        ticks = 0
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0.005)
+
+        t = asyncio.create_task(ticker())
+        pieces = []
+        async with pipe.astream(QUESTION) as stream:
+            async for piece in stream:
+                pieces.append(piece)
+        with pytest.raises(ConfigError, match="async for"):
+            next(stream)
+        answers = await asyncio.gather(*(pipe.aask(QUESTION) for _ in range(3)))
+        t.cancel()
+        return pieces, stream.answer, answers, ticks
+
+    pieces, answer, answers, ticks = asyncio.run(main())
+    assert "".join(pieces).strip() == answer.text == gen.answer
+    assert [a.text for a in answers] == [gen.answer] * 3
+    assert ticks >= 20  # the loop kept running while the model "generated" (~0.2 s per answer)
+
+
+def test_cancelling_aask_cancels_the_generation(indexed: Path) -> None:
+    import asyncio
+
+    gen = FakeGenerator(answer=" ".join(f"w{i}" for i in range(500)), word_delay=0.01)
+    pipe, _ = _pipe(indexed, generator=gen)
+
+    async def main() -> None:
+        task = asyncio.create_task(pipe.aask(QUESTION))
+        await asyncio.sleep(0.2)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    t0 = time.perf_counter()
+    asyncio.run(main())
+    assert time.perf_counter() - t0 < 3  # not the 5 s the whole answer would take
+    assert gen.cancelled == 1 and pipe.admission.stats().admitted_tokens == 0
 
 
 def test_missing_index_is_a_clear_error(tmp_path: Path) -> None:
