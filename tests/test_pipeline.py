@@ -197,19 +197,21 @@ def test_astream_and_aask_do_not_block_the_event_loop(indexed: Path) -> None:
 
         t = asyncio.create_task(ticker())
         pieces = []
+        seen = []  # the ticker's count at each piece: it must move while the model "generates"
         async with pipe.astream(QUESTION) as stream:
             async for piece in stream:
                 pieces.append(piece)
+                seen.append(ticks)
         with pytest.raises(ConfigError, match="async for"):
             next(stream)
         answers = await asyncio.gather(*(pipe.aask(QUESTION) for _ in range(3)))
         t.cancel()
-        return pieces, stream.answer, answers, ticks
+        return pieces, stream.answer, answers, seen
 
-    pieces, answer, answers, ticks = asyncio.run(main())
+    pieces, answer, answers, seen = asyncio.run(main())
     assert "".join(pieces).strip() == answer.text == gen.answer
     assert [a.text for a in answers] == [gen.answer] * 3
-    assert ticks >= 20  # the loop kept running while the model "generated" (~0.2 s per answer)
+    assert seen[-1] > seen[0]  # the loop kept running between the pieces
 
 
 def test_cancelling_aask_cancels_the_generation(indexed: Path) -> None:
@@ -225,9 +227,8 @@ def test_cancelling_aask_cancels_the_generation(indexed: Path) -> None:
         with pytest.raises(asyncio.CancelledError):
             await task
 
-    t0 = time.perf_counter()
     asyncio.run(main())
-    assert time.perf_counter() - t0 < 3  # not the 5 s the whole answer would take
+    # The generation stopped before its 500 words, and its KV tokens went back.
     assert gen.cancelled == 1 and pipe.admission.stats().admitted_tokens == 0
 
 
