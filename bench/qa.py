@@ -119,6 +119,41 @@ def embed(texts: list[str], cache: Path) -> np.ndarray:
     return arr
 
 
+def summary(rows: list[dict]) -> dict:
+    """n, EM and F1 (in %), mean prompt tokens and seconds of a list of answered questions."""
+    if not rows:
+        return {"n": 0}
+    return {"n": len(rows), "em": 100 * np.mean([r["em"] for r in rows]),
+            "f1": 100 * np.mean([r["f1"] for r in rows]),
+            "mean_prompt_tokens": float(np.mean([r["prompt_tokens"] for r in rows])),
+            "mean_seconds": float(np.mean([r["seconds"] for r in rows]))}
+
+
+def print_generation(gen_rows: list[dict], full_rows: list[dict], *, budget: int, max_new_tokens: int,
+                     skipped: int | None = None) -> None:
+    """EM/F1 with the budgeted context and with the full article, and — since only some articles
+    fit the window — the budgeted context again on exactly the questions the full article answered."""
+    gs, fs = summary(gen_rows), summary(full_rows)
+    print(f"\nSmolLM2-135M-Instruct answers (greedy, max_new_tokens={max_new_tokens}, CPU)")
+
+    def line(label: str, st: dict) -> None:
+        print(f"  {label:<34} n={st['n']:>3} EM {st['em']:4.1f} F1 {st['f1']:5.1f} "
+              f"(mean prompt {st['mean_prompt_tokens']:5.0f} tokens, {st['mean_seconds']:4.1f} s/answer)")
+
+    if gs["n"]:
+        line(f"ragbudget {budget}-token context:", gs)
+        in_context = np.mean([r["recall"] for r in gen_rows if "recall" in r] or [np.nan])
+        print(f"  {'':<34} answer in the selected context: {100 * in_context:.1f}%")
+    if fs["n"]:
+        line("full article (where it fits):", fs)
+        if skipped:
+            print(f"  {'':<34} {skipped} questions skipped: their article is over the window")
+        by_question = {r["question"]: r for r in gen_rows}
+        paired = [by_question[r["question"]] for r in full_rows if r["question"] in by_question]
+        if paired:
+            line("ragbudget, the same questions:", summary(paired))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="2 articles, 60 questions, 3 answers")
@@ -140,7 +175,14 @@ def main() -> None:
     ap.add_argument("--full-n", type=int, default=0, help="also answer with the full article")
     ap.add_argument("--max-new-tokens", type=int, default=24)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--report", type=Path, default=None, metavar="QA_JSON",
+                    help="print the EM/F1 summary of an earlier run's qa.json and exit")
     args = ap.parse_args()
+    if args.report is not None:
+        r = json.loads(args.report.read_text())
+        print_generation(r["generation_rows"], r["full_rows"], budget=r["args"]["gen_budget"],
+                         max_new_tokens=r["args"]["max_new_tokens"], skipped=r.get("full_skipped_too_long"))
+        return
     if args.quick:
         args.articles, args.max_questions, args.full_n = 2, 100, 0
         args.gen_n = min(args.gen_n, 2)
@@ -314,6 +356,7 @@ def main() -> None:
         if len(gen_rows) % 10 == 0:
             print(f"  answered {len(gen_rows)} ({time.time() - t0:.0f}s)", flush=True)
     full_rows = []
+    skipped_full = 0
     t1 = time.time()
     window = int(getattr(gen.config, "max_position_embeddings", 8192))
     for qi in sample[: args.full_n]:
@@ -325,6 +368,7 @@ def main() -> None:
         p = build_prompt(q, [whole], tokenizer=tok, max_prompt_tokens=window - args.max_new_tokens,
                          builder=builder, truncate_oversize=False)
         if not p.passages:
+            skipped_full += 1
             continue  # the article does not fit the window
         g = gen.generate(p, max_new_tokens=args.max_new_tokens)
         pred = re.sub(r"\[\d+\]", "", g.text).strip()
@@ -332,23 +376,9 @@ def main() -> None:
                           "em": max(exact_match(pred, a) for a in answers),
                           "f1": max(f1_score(pred, a) for a in answers), "seconds": g.seconds})
 
-    def summary(rows: list[dict]) -> dict:
-        if not rows:
-            return {"n": 0}
-        return {"n": len(rows), "em": 100 * np.mean([r["em"] for r in rows]),
-                "f1": 100 * np.mean([r["f1"] for r in rows]),
-                "mean_prompt_tokens": float(np.mean([r["prompt_tokens"] for r in rows])),
-                "mean_seconds": float(np.mean([r["seconds"] for r in rows]))}
-
     gs, fs = summary(gen_rows), summary(full_rows)
-    print(f"\nSmolLM2-135M-Instruct answers (greedy, max_new_tokens={args.max_new_tokens}, CPU)")
-    if gs["n"]:
-        print(f"  ragbudget {args.gen_budget}-token context: n={gs['n']} EM {gs['em']:.1f} "
-              f"F1 {gs['f1']:.1f} (mean prompt {gs['mean_prompt_tokens']:.0f} tokens, "
-              f"{gs['mean_seconds']:.1f}s/answer)")
-    if fs["n"]:
-        print(f"  full article:                 n={fs['n']} EM {fs['em']:.1f} F1 {fs['f1']:.1f} "
-              f"(mean prompt {fs['mean_prompt_tokens']:.0f} tokens, {fs['mean_seconds']:.1f}s/answer)")
+    print_generation(gen_rows, full_rows, budget=args.gen_budget, max_new_tokens=args.max_new_tokens,
+                     skipped=skipped_full)
 
     result = {
         "questions": n, "articles": [a["title"] for a in articles], "chunks": len(all_texts),
@@ -359,7 +389,8 @@ def main() -> None:
         "fill": {b: float(np.mean(v)) for b, v in fill.items()},
         "overruns": overruns, "prompts_checked": checked,
         "generation": gs, "generation_full_article": fs, "generation_rows": gen_rows,
-        "full_rows": full_rows, "args": vars(args), "seconds": time.time() - t_start,
+        "full_rows": full_rows, "full_skipped_too_long": skipped_full, "args": vars(args),
+        "seconds": time.time() - t_start,
     }
     (OUT / "qa.json").write_text(json.dumps(result, indent=1))
     try:
