@@ -1,0 +1,34 @@
+"""The scripts in examples/ run as documented (so the README's pointers to them cannot rot)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from test_server import FakePipeline, running
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "RAGBUDGET_BASE_URL": "http://127.0.0.1:9/v1"}
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=120, env=env)
+
+
+def test_openai_client_example_streams_an_answer_with_sources() -> None:
+    pipe = FakePipeline(words=5)
+    with running(pipe, api_key="secret") as url:
+        out = _run(str(EXAMPLES / "openai_client.py"), "What is in the guide?",
+                   "--base-url", url + "/v1", "--api-key", "secret")
+    assert out.returncode == 0, out.stderr
+    assert "word0 word1 word2 word3 word4" in out.stdout
+    assert "[1] data/guide.md page 3 score 0.91" in out.stdout
+    assert pipe.calls[-1]["question"] == "What is in the guide?"
+
+
+def test_budgeted_qa_example_parses_its_options() -> None:
+    out = _run(str(EXAMPLES / "budgeted_qa.py"), "--help")
+    assert out.returncode == 0, out.stderr
+    assert "--gpu" in out.stdout and "--context-tokens" in out.stdout
