@@ -36,6 +36,7 @@ _EXPORTS: dict[str, str] = {
     "IndexMismatchError": "errors",
     "BudgetError": "errors",
     "OverloadedError": "errors",
+    "RequestCancelled": "errors",
     # stages
     "load_document": "loaders",
     "scan": "loaders",
@@ -98,6 +99,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
         ModelError,
         OverloadedError,
         RagBudgetError,
+        RequestCancelled,
     )
     from .generate import Generator
     from .index import Index

@@ -23,7 +23,11 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import BudgetError, ConfigError, OverloadedError
+from .errors import BudgetError, ConfigError, OverloadedError, RequestCancelled
+
+# How often a waiter with a cancel event looks at it: threading.Event cannot wake on either of two
+# events, and 50 ms is well below the latency of any request that has to queue.
+CANCEL_POLL_S = 0.05
 
 __all__ = ["AdmissionController", "AdmissionStats", "Reservation"]
 
@@ -129,19 +133,35 @@ class AdmissionController:
                 timed_out_total=self._timed_out,
             )
 
-    def acquire(self, tokens: int, *, timeout: float | None = None) -> Reservation:
-        """Block until ``tokens`` fit, in arrival order; return the :class:`Reservation`."""
+    def acquire(self, tokens: int, *, timeout: float | None = None,
+                cancel: threading.Event | None = None) -> Reservation:
+        """Block until ``tokens`` fit, in arrival order; return the :class:`Reservation`.
+
+        Setting ``cancel`` while waiting leaves the queue at once (within
+        ``CANCEL_POLL_S``) and raises :class:`~ragbudget.errors.RequestCancelled`: a client
+        that went away must not keep its place, nor keep its thread until the timeout."""
         waiter = self._enqueue(tokens)
         if waiter.granted:
             return Reservation(self, waiter.tokens)
         wait = self.timeout if timeout is None else timeout
-        waiter.event.wait(wait)
+        if cancel is None:
+            waiter.event.wait(wait)
+        else:
+            deadline = time.monotonic() + wait
+            while not waiter.event.wait(max(0.0, min(CANCEL_POLL_S, deadline - time.monotonic()))):
+                if cancel.is_set():
+                    if self._abandon(waiter):  # granted just now: give it back
+                        self._release(Reservation(self, waiter.tokens))
+                    raise RequestCancelled(f"cancelled while waiting for {waiter.tokens} KV-cache tokens")
+                if time.monotonic() >= deadline:
+                    break
         return self._finish_wait(waiter, wait)
 
     @contextlib.contextmanager
-    def reserve(self, tokens: int, *, timeout: float | None = None) -> Iterator[Reservation]:
+    def reserve(self, tokens: int, *, timeout: float | None = None,
+                cancel: threading.Event | None = None) -> Iterator[Reservation]:
         """``with ctl.reserve(n):`` — hold ``n`` tokens for the duration of the block."""
-        r = self.acquire(tokens, timeout=timeout)
+        r = self.acquire(tokens, timeout=timeout, cancel=cancel)
         try:
             yield r
         finally:

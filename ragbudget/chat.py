@@ -379,9 +379,12 @@ class SummaryCache:
     prefix (the summary it started from plus the turns folded into it, chained through SHA-256)
     to the summary written for it: the next request of the same conversation starts from the
     longest cached prefix and folds only the turns that are new, exactly as an in-memory
-    :class:`Conversation` would, and a retried request costs no generation at all. Summaries are
-    written greedily, so a cached one is the one that would be written again. Thread-safe; the
-    least recently used of more than ``max_entries`` summaries are forgotten.
+    :class:`Conversation` would, and a retried request costs no generation at all. A cached
+    summary is the one that conversation, held in memory, would have at that point: written
+    greedily by an earlier request, in the room that request had. One cut short by a client that
+    left is never kept, and a summary cut to fit a request with less room than its writer's starts
+    a chain of its own. Thread-safe; the least recently used of more than ``max_entries``
+    summaries are forgotten.
     """
 
     def __init__(self, max_entries: int = 1024) -> None:
@@ -413,6 +416,19 @@ class SummaryCache:
                 self.hits += 1
                 self._data.move_to_end(key)
             return value
+
+    def longest(self, keys: Sequence[str]) -> tuple[int, str] | None:
+        """``(j, summary)`` for the longest cached ``keys[:j]`` (``keys[j - 1]`` cached), or
+        None; one lookup in the hit/miss counts."""
+        with self._lock:
+            for j in range(len(keys), 0, -1):
+                value = self._data.get(keys[j - 1])
+                if value is not None:
+                    self.hits += 1
+                    self._data.move_to_end(keys[j - 1])
+                    return j, value
+            self.misses += 1
+            return None
 
     def put(self, key: str, summary: str) -> None:
         with self._lock:
@@ -700,38 +716,54 @@ class Conversation:
             cut = 1
         # Only the summary is left and it is still over: cut it to the room there is.
         overhead = self._history_cost(question, summary="x") - self._meter.count("x")
-        state.summary = self._meter.truncate(state.summary, max(0, allowed - overhead - 4))
+        summary = self._meter.truncate(state.summary, max(0, allowed - overhead - 4))
+        state.summary = summary
         while state.summary and self._history_cost(question) > allowed:
             state.summary = self._meter.truncate(state.summary, self._meter.count(state.summary) - 4)
+        self._set_summary(state.summary)
         return True
 
     def _fold(self, turns: Sequence[Turn], allowed: int, *, cancel: Any = None) -> None:
-        state = self._state
+        state, cache = self._state, self.summary_cache
+        cap = max(1, min(self.summary_max_tokens, allowed))
         key = None
-        if self.summary_cache is not None and state.fold_key is not None:
+        if cache is not None and state.fold_key is not None:
             key = state.fold_key
             for t in turns:
                 key = SummaryCache.extend(key, t)
-            cached = self.summary_cache.get(key)
+            cached = cache.get(key)
             if cached is not None:
-                state.summary, state.fold_key = cached, key
                 state.summarized += len(turns)
                 self._cached_turns += len(turns)
+                if self._meter.count(cached) <= cap:
+                    state.summary, state.fold_key = cached, key
+                else:  # written for a request with more room: cut it, and it is no longer that prefix
+                    self._set_summary(self._meter.truncate(cached, cap))
                 return
-        cap = max(1, min(self.summary_max_tokens, allowed))
-        text = ""
+        complete = True
         if self._summarizer is not None:
             text = self._summarizer(state.summary, list(turns), cap)
         else:
-            text = self._generate_summary(state.summary, turns, cap, cancel=cancel)
+            text, complete = self._generate_summary(state.summary, turns, cap, cancel=cancel)
         text = " ".join(text.split())
         if not text:
             text = _extractive_summary(state.summary, turns)
-        state.summary = self._meter.truncate(text, cap)
         state.summarized += len(turns)
-        if key is not None:
-            state.fold_key = key
-            self.summary_cache.put(key, state.summary)
+        summary = self._meter.truncate(text, cap)
+        # A summary cut short by the client leaving is not what this conversation would hold had
+        # the client stayed: it is used for this request only, never cached.
+        if key is not None and complete:
+            state.summary, state.fold_key = summary, key
+            cache.put(key, summary)  # type: ignore[union-attr]
+        else:
+            self._set_summary(summary)
+
+    def _set_summary(self, summary: str) -> None:
+        """Replace the summary by one no cached prefix stands for; later folds chain from it."""
+        state = self._state
+        state.summary = summary
+        if state.fold_key is not None:
+            state.fold_key = SummaryCache.root(summary, self.summary_max_tokens)
 
     def _resume_from_cache(self, cut: int) -> int:
         """Replace the oldest of the ``cut`` turns about to be folded by the longest prefix of
@@ -746,21 +778,25 @@ class Conversation:
         for t in state.turns[:cut]:
             key = SummaryCache.extend(key, t)
             keys.append(key)
-        for j in range(len(keys), 0, -1):
-            summary = cache.get(keys[j - 1])
-            if summary is not None:
-                state.summary, state.fold_key = summary, keys[j - 1]
-                state.summarized += j
-                state.turns = state.turns[j:]
-                self._cached_turns += j
-                return j
-        return 0
+        found = cache.longest(keys)
+        if found is None:
+            return 0
+        j, summary = found
+        state.summary, state.fold_key = summary, keys[j - 1]
+        state.summarized += j
+        state.turns = state.turns[j:]
+        self._cached_turns += j
+        return j
 
-    def _generate_summary(self, previous: str, turns: Sequence[Turn], cap: int, *, cancel: Any = None) -> str:
-        """Ask the pipeline's generator for the new summary, inside the same per-request budget."""
+    def _generate_summary(self, previous: str, turns: Sequence[Turn], cap: int, *,
+                          cancel: Any = None) -> tuple[str, bool]:
+        """Ask the pipeline's generator for the new summary, inside the same per-request budget.
+        Returns the text and whether it was written to the end (not stopped by ``cancel``)."""
         gen = getattr(self.pipeline, "generator", None)
         if gen is None or not callable(getattr(gen, "generate", None)):
-            return ""
+            return "", True
+        if cancel is not None and cancel.is_set():
+            return "", False  # the client has gone: no generation for it
         total, _ = _plan_numbers(self.pipeline, self.max_new_tokens)
         prompt_room = total - cap
         # Keep answers short in the transcript (the summary needs their gist, not their length),
@@ -775,7 +811,7 @@ class Conversation:
                 break
             lines = lines[2:]
         if self._meter.render(messages) > prompt_room:
-            return ""  # even one exchange does not fit: the extractive fallback takes over
+            return "", True  # even one exchange does not fit: the extractive fallback takes over
         admission = getattr(self.pipeline, "admission", None)
         reserve = getattr(admission, "reserve", None)
         needed = self._meter.render(messages) + cap
@@ -784,7 +820,8 @@ class Conversation:
                 result = _call_generate(gen, messages, cap, cancel)
         else:
             result = _call_generate(gen, messages, cap, cancel)
-        return str(getattr(result, "text", result) or "")
+        stopped = getattr(result, "finish_reason", None) == "cancelled" or (cancel is not None and cancel.is_set())
+        return str(getattr(result, "text", result) or ""), not stopped
 
 
 def _summary_messages(previous: str, lines: Sequence[str], cap: int) -> list[Message]:

@@ -33,6 +33,7 @@ __all__ = [
     "ModelError",
     "OverloadedError",
     "RagBudgetError",
+    "RequestCancelled",
 ]
 
 
@@ -103,3 +104,9 @@ class OverloadedError(RagBudgetError):
     def __init__(self, message: str, *, retry_after: float = 1.0) -> None:
         super().__init__(message)
         self.retry_after = retry_after
+
+
+class RequestCancelled(RagBudgetError):
+    """A request's ``cancel`` event was set while it waited for admission: it left the queue
+    without holding any KV memory. (:meth:`ragbudget.pipeline.Pipeline.ask` turns this into an
+    answer with ``finish_reason="cancelled"``.)"""

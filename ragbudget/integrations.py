@@ -30,6 +30,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["haystack_retriever", "langchain_retriever", "llamaindex_retriever", "passages"]
 
+# The metadata a LlamaIndex synthesizer shows its LLM with each passage (a citation needs these).
+_LLM_VISIBLE = ("path", "page", "citation")
 # What retrieve() takes; anything else is a typo better caught when the adapter is built.
 _RETRIEVE_OPTIONS = frozenset({"context_tokens", "max_new_tokens", "history"})
 
@@ -136,9 +138,10 @@ def _llamaindex_class() -> type:
             out = []
             for text, meta in _select(self._pipeline, query_bundle.query_str, self._options):
                 node = schema.TextNode(text=text, metadata=meta, id_="|".join(meta["chunk_ids"]))
-                # The prompt's own layout already labels sources; keep the bulky report out of
-                # what LlamaIndex's synthesizers paste into their prompts.
-                node.excluded_llm_metadata_keys = list(meta)
+                # LlamaIndex's synthesizers paste metadata into their prompts: show the LLM where
+                # the passage is from, keep the bookkeeping (and the budget report) out of it.
+                hidden = [k for k in meta if k not in _LLM_VISIBLE]
+                node.excluded_llm_metadata_keys = hidden
                 node.excluded_embed_metadata_keys = list(meta)
                 out.append(schema.NodeWithScore(node=node, score=meta["score"]))
             return out
@@ -177,5 +180,8 @@ def _haystack_class() -> type:
 
 def haystack_retriever(pipeline: Any, **options: Any) -> Any:
     """A Haystack 2 component (``run(query) -> {"documents": list[Document]}``) to put before a
-    ``PromptBuilder`` in a Haystack ``Pipeline``, returning the passages ragbudget selects."""
+    ``PromptBuilder`` in a Haystack ``Pipeline``, returning the passages ragbudget selects.
+
+    It holds a live :class:`~ragbudget.pipeline.Pipeline` (loaded models, an open index), so a
+    Haystack pipeline containing it is built in code: ``Pipeline.dumps()``/YAML cannot save it."""
     return _haystack_class()(pipeline, _check_options(options))

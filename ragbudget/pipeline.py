@@ -27,12 +27,12 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .errors import BudgetError, ConfigError
+from .errors import BudgetError, ConfigError, RequestCancelled
 
 if TYPE_CHECKING:
     from .admission import AdmissionController
@@ -402,9 +402,26 @@ class Pipeline:
             retrieval_query=retrieval_query,
         )
         reserve = prompt.n_tokens + new_tokens
+
+        def cancelled() -> Answer:
+            # Left before generation began (while queued, or just as it was admitted): nothing to
+            # generate, but the answer still says what the request would have been.
+            timings["total_s"] = time.perf_counter() - t_start
+            nothing = _Cancelled(max_new_tokens=new_tokens)
+            return _answer(nothing, prompt, plan, reserve, timings, context_tokens)
+
+        if cancel is not None and cancel.is_set():
+            return cancelled()
         t0 = time.perf_counter()
-        with self.admission.reserve(reserve):
+        try:
+            reservation = self.admission.acquire(reserve, cancel=cancel)
+        except RequestCancelled:
             timings["queue_s"] = time.perf_counter() - t0
+            return cancelled()
+        with reservation:  # released however generation ends
+            timings["queue_s"] = time.perf_counter() - t0
+            if cancel is not None and cancel.is_set():
+                return cancelled()
             t0 = time.perf_counter()
             gen = self.generator.generate(
                 prompt,
@@ -462,6 +479,17 @@ def _stream_options(options: dict[str, Any]) -> dict[str, Any]:
 _DONE = object()  # end-of-stream marker in an AnswerStream's queue
 
 
+@dataclass(frozen=True)
+class _Cancelled:
+    """What :func:`_answer` needs of a generation that never started."""
+
+    max_new_tokens: int
+    text: str = ""
+    new_tokens: int = 0
+    finish_reason: str = "cancelled"
+    oom_steps: tuple[Any, ...] = ()
+
+
 class AnswerStream:
     """The text of one answer as it is generated, from :meth:`Pipeline.stream` (``for piece in
     stream``) or :meth:`Pipeline.astream` (``async for piece in stream``).
@@ -469,9 +497,11 @@ class AnswerStream:
     Generation runs in its own thread; ``answer`` holds the :class:`Answer` (sources, report)
     once the iteration has ended, and an error the request raised (a
     :class:`~ragbudget.errors.BudgetError`, say) is raised by the iteration. Leaving early —
-    ``break``, ``close()``/``aclose()`` or the ``with``/``async with`` block — cancels the
-    generation, which frees its KV reservation at the next token (as a disconnecting HTTP client
-    does); ``answer`` then holds what was generated so far.
+    ``break``, an exception in the loop, ``close()``/``aclose()`` or the end of a
+    ``with``/``async with`` block — cancels the request: it leaves the admission queue if it was
+    waiting there, or stops at the next token and frees its KV reservation (as a disconnecting
+    HTTP client does); ``answer`` then holds what was generated so far (``finish_reason
+    "cancelled"``), and ``error`` an error the request raised after it was left.
 
     >>> with rb.stream("How is the Project Leader elected?") as stream:  # doctest: +SKIP
     ...     for piece in stream:
@@ -519,14 +549,30 @@ class AnswerStream:
         return str(item)
 
     @property
+    def error(self) -> BaseException | None:
+        """An error the request raised that the iteration did not (it was left before the end)."""
+        return self._error
+
+    @property
     def cancelled(self) -> bool:
         """Whether the stream was left before its end (the generation was told to stop)."""
         return self._cancel.is_set()
 
     # -- sync --
 
-    def __iter__(self) -> AnswerStream:
-        return self
+    def __iter__(self) -> Iterator[str]:
+        # A generator, not ``self``: a ``for`` loop left by ``break`` or an exception drops it,
+        # and its ``finally`` cancels the generation then and there.
+        if self._async is not None:
+            raise ConfigError("this stream came from astream(): iterate it with `async for`")
+        try:
+            while True:
+                try:
+                    yield self.__next__()
+                except StopIteration:
+                    return
+        finally:
+            self.close()
 
     def __next__(self) -> str:
         if self._async is not None:
@@ -550,8 +596,22 @@ class AnswerStream:
 
     # -- async --
 
-    def __aiter__(self) -> AnswerStream:
-        return self
+    def __aiter__(self) -> AsyncIterator[str]:
+        if self._async is None:
+            raise ConfigError("this stream came from stream(): iterate it with `for`")
+        return self._pieces()
+
+    async def _pieces(self) -> AsyncIterator[str]:
+        # As __iter__: an ``async for`` left early finalizes this generator (through the event
+        # loop's async-generator hooks), which cancels the generation.
+        try:
+            while True:
+                try:
+                    yield await self.__anext__()
+                except StopAsyncIteration:
+                    return
+        finally:
+            await self.aclose()
 
     async def __anext__(self) -> str:
         if self._async is None:

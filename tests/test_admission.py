@@ -10,7 +10,7 @@ import time
 import pytest
 
 from ragbudget.admission import AdmissionController
-from ragbudget.errors import BudgetError, ConfigError, OverloadedError
+from ragbudget.errors import BudgetError, ConfigError, OverloadedError, RequestCancelled
 
 
 def wait_until(pred, timeout: float = 10.0) -> None:
@@ -117,6 +117,35 @@ def test_wait_timeout_leaves_queue_and_unblocks_next() -> None:
     with ctl.reserve(4):  # the timed-out head no longer blocks anybody
         assert ctl.stats().admitted_tokens == 10
     r.release()
+
+
+def test_cancel_leaves_the_queue_before_the_timeout() -> None:
+    ctl = AdmissionController(100, max_queue=1, timeout=60.0)
+    held = ctl.acquire(100)
+    cancel = threading.Event()
+    outcome: list[BaseException | None] = []
+
+    def wait() -> None:
+        try:
+            ctl.acquire(50, cancel=cancel)
+            outcome.append(None)
+        except BaseException as e:  # noqa: BLE001 - recorded for the assertion
+            outcome.append(e)
+
+    t = threading.Thread(target=wait)
+    t.start()
+    while ctl.stats().queued == 0:
+        time.sleep(0.005)
+    cancel.set()
+    t.join(timeout=10)  # the 60 s timeout would fail the assertions below, not hang the suite
+    assert not t.is_alive() and isinstance(outcome[0], RequestCancelled)
+    assert ctl.stats().queued == 0 and ctl.stats().timed_out_total == 0
+    # Its place is free again: another request can queue (max_queue=1) and is admitted in turn.
+    later = threading.Thread(target=lambda: ctl.acquire(50, cancel=threading.Event()).release())
+    later.start()
+    held.release()
+    later.join(timeout=10)
+    assert not later.is_alive() and ctl.stats().admitted_tokens == 0
 
 
 def test_oversize_and_bad_config() -> None:

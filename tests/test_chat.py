@@ -616,6 +616,40 @@ def test_summary_cache_serves_a_retried_request_without_generating() -> None:
     assert len(pipe.generator.calls) == before + calls and turn.budget.summary_cached == 0
 
 
+def test_a_summary_cut_short_by_a_leaving_client_is_never_cached() -> None:
+    import threading
+
+    class Leaving(FakeGenerator):
+        """The client disconnects during the summary: the generator stops early, as the real one
+        does (partial text, finish_reason "cancelled", no exception)."""
+
+        def __init__(self, cancel: threading.Event) -> None:
+            super().__init__()
+            self.cancel = cancel
+
+        def generate(self, messages: list[dict[str, str]], *, max_new_tokens: int, cancel: Any = None) -> Any:
+            self.calls.append({"messages": messages, "max_new_tokens": max_new_tokens})
+            self.cancel.set()
+            return type("G", (), {"text": "Summary", "finish_reason": "cancelled"})()
+
+    cache = SummaryCache()
+    cancel = threading.Event()
+    pipe = FakePipeline(total=400, max_new=40, answer_words=40, generator=Leaving(cancel))
+    Conversation.from_messages(pipe, _messages(8), summary_max_tokens=30, summary_cache=cache).ask(
+        "Next?", cancel=cancel)
+    assert len(pipe.generator.calls) == 1 and len(cache) == 0
+    # Already gone before the summary: nothing is generated for it, and nothing cached.
+    Conversation.from_messages(pipe, _messages(8), summary_max_tokens=30, summary_cache=cache).ask(
+        "Next?", cancel=cancel)
+    assert len(pipe.generator.calls) == 1 and len(cache) == 0
+    # The retry of a client that stays gets a real summary, not the one cut short.
+    retry_pipe = FakePipeline(total=400, max_new=40, answer_words=40)
+    turn = Conversation.from_messages(retry_pipe, _messages(8), summary_max_tokens=30,
+                                      summary_cache=cache).ask("Next?")
+    assert turn.budget.summary_cached == 0 and retry_pipe.generator.calls and turn.summary != "Summary"
+    assert len(cache) > 0
+
+
 def test_summary_cache_is_bounded_and_validated() -> None:
     cache = SummaryCache(max_entries=2)
     root = SummaryCache.root("", 128)

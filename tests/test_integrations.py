@@ -101,10 +101,12 @@ def test_llamaindex_retriever(pipe: Pipeline) -> None:
     assert [n.node.get_content() for n in nodes] == [c.text for c in sel.chunks]
     assert [n.score for n in nodes] == [round(c.score, 6) for c in sel.chunks]
     _check_metadata([n.node.metadata for n in nodes], sel)
-    # The metadata stays out of what LlamaIndex pastes into an LLM prompt.
+    # An LLM prompt built by LlamaIndex shows where each passage is from, not the bookkeeping.
     from llama_index.core.schema import MetadataMode
 
-    assert nodes[0].node.get_content(metadata_mode=MetadataMode.LLM) == sel.chunks[0].text
+    shown = nodes[0].node.get_content(metadata_mode=MetadataMode.LLM)
+    assert sel.chunks[0].text in shown and "leader.md" in shown and "citation: 1" in shown
+    assert "tokens_allowed" not in shown and "chunk_ids" not in shown
 
 
 def test_haystack_component_in_a_pipeline(pipe: Pipeline) -> None:

@@ -170,6 +170,34 @@ def test_leaving_a_stream_early_cancels_and_frees_the_reservation(indexed: Path)
     assert pipe.ask(QUESTION).text  # the pipeline serves the next request
 
 
+def test_break_alone_cancels_a_stream(indexed: Path) -> None:
+    gen = FakeGenerator(answer=" ".join(f"w{i}" for i in range(500)), word_delay=0.01)
+    pipe, _ = _pipe(indexed, generator=gen)
+    stream = pipe.stream(QUESTION)
+    for _piece in stream:
+        break  # no close(), no with: leaving the loop is enough
+    assert stream.cancelled and gen.cancelled == 1
+    assert stream.answer.finish_reason == "cancelled" and pipe.admission.stats().admitted_tokens == 0
+
+
+def test_closing_a_queued_stream_leaves_the_queue_without_generating(indexed: Path) -> None:
+    gen = FakeGenerator()
+    pipe, _ = _pipe(indexed, generator=gen, queue_timeout=60.0)
+    capacity = pipe.admission.stats().capacity_tokens
+    held = pipe.admission.acquire(capacity)  # the GPU is busy
+    try:
+        stream = pipe.stream(QUESTION)
+        while pipe.admission.stats().queued == 0:
+            time.sleep(0.005)
+        stream.close()
+        # Had close() waited for the 60 s queue timeout, the answer would be an OverloadedError.
+        assert stream.error is None and stream.answer.finish_reason == "cancelled"
+        assert stream.answer.text == "" and stream.answer.report["budget"]["prompt_tokens"] > 0
+        assert pipe.admission.stats().queued == 0 and not gen.prompts
+    finally:
+        held.release()
+
+
 def test_stream_errors_reach_the_caller(indexed: Path) -> None:
     pipe, _ = _pipe(indexed, gpu="320MiB")
     with pytest.raises(BudgetError, match="question"):
@@ -222,7 +250,8 @@ def test_cancelling_aask_cancels_the_generation(indexed: Path) -> None:
 
     async def main() -> None:
         task = asyncio.create_task(pipe.aask(QUESTION))
-        await asyncio.sleep(0.2)
+        while not gen.prompts:  # generating
+            await asyncio.sleep(0.01)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
