@@ -47,7 +47,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .errors import BudgetError, ConfigError, RagBudgetError
+from .errors import BudgetError, ConfigError, RagBudgetError, RequestCancelled
 
 __all__ = [
     "ChatTurn",
@@ -816,8 +816,13 @@ class Conversation:
         reserve = getattr(admission, "reserve", None)
         needed = self._meter.render(messages) + cap
         if callable(reserve):
-            with reserve(needed):
-                result = _call_generate(gen, messages, cap, cancel)
+            # A client leaving while the summary waits for KV memory leaves the queue too.
+            wait = {"cancel": cancel} if cancel is not None and "cancel" in _parameters(reserve) else {}
+            try:
+                with reserve(needed, **wait):
+                    result = _call_generate(gen, messages, cap, cancel)
+            except RequestCancelled:
+                return "", False
         else:
             result = _call_generate(gen, messages, cap, cancel)
         stopped = getattr(result, "finish_reason", None) == "cancelled" or (cancel is not None and cancel.is_set())

@@ -650,6 +650,27 @@ def test_a_summary_cut_short_by_a_leaving_client_is_never_cached() -> None:
     assert len(cache) > 0
 
 
+def test_a_summary_waiting_for_memory_leaves_the_queue_when_the_client_leaves() -> None:
+    import threading
+
+    from ragbudget.admission import AdmissionController
+
+    pipe = FakePipeline(total=400, max_new=40, answer_words=40)
+    pipe.admission = AdmissionController(1000, timeout=60.0)  # type: ignore[attr-defined]
+    held = pipe.admission.acquire(1000)  # the GPU is busy
+    cache, cancel, done = SummaryCache(), threading.Event(), []
+    chat = Conversation.from_messages(pipe, _messages(8), summary_max_tokens=30, summary_cache=cache)
+    t = threading.Thread(target=lambda: done.append(chat.ask("Next?", cancel=cancel)))
+    t.start()
+    while pipe.admission.stats().queued == 0:
+        threading.Event().wait(0.005)
+    cancel.set()
+    t.join(timeout=10)  # not the 60 s admission timeout
+    held.release()
+    assert done and not pipe.generator.calls and len(cache) == 0
+    assert done[0].summary.startswith("Asked:")  # the extractive fallback, for this request only
+
+
 def test_summary_cache_is_bounded_and_validated() -> None:
     cache = SummaryCache(max_entries=2)
     root = SummaryCache.root("", 128)
