@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import io
 import re
+from dataclasses import dataclass, field
+from typing import Any
 
-__all__ = ["WordTokenizer", "make_pdf"]
+__all__ = ["GeneratorStub", "WordTokenizer", "make_pdf"]
 
 _PIECE = re.compile(r"<\|[a-z_]+\|>|\w+|[^\w\s]|\s+")
 
@@ -74,3 +76,14 @@ def make_pdf(pages: list[str], password: str | None = None) -> bytes:
     buf = io.BytesIO()
     writer.write(buf)
     return buf.getvalue()
+
+
+@dataclass
+class GeneratorStub:
+    """What a Pipeline reads from its generator before generating: the tokenizer (prompts are
+    counted in it), and no model loaded. Fakes that also generate extend it."""
+
+    tokenizer: Any = field(default_factory=WordTokenizer)
+    loaded: bool = False
+    model: Any = None
+    config: Any = None

@@ -15,6 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from _fakes import GeneratorStub
 from _fakes import WordTokenizer as HFWordTokenizer
 
 from ragbudget.chat import (
@@ -799,13 +800,10 @@ class RealishGeneration:
 
 
 @dataclass
-class ChatMLGenerator:
+class ChatMLGenerator(GeneratorStub):
     """The Generator surface Pipeline and Conversation use; answers are long on purpose."""
 
     tokenizer: HFWordTokenizer = field(default_factory=ChatMLTokenizer)
-    loaded: bool = False
-    model: Any = None
-    config: Any = None
     prompts: list[Any] = field(default_factory=list)
     summaries: int = 0
 

@@ -6,12 +6,11 @@ framework is not installed (they are in the ``dev`` extra, so CI runs them).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
-from _fakes import WordTokenizer
+from _fakes import GeneratorStub
 
 from ragbudget import ConfigError, Pipeline
 from ragbudget.integrations import (
@@ -36,22 +35,12 @@ QUESTION = "How is the Project Leader elected?"
 CAP = 60  # context tokens: room for some of the four documents, not all
 
 
-@dataclass
-class FakeGenerator:
-    """All retrieval needs of a generator: its tokenizer (nothing is generated here)."""
-
-    tokenizer: WordTokenizer = field(default_factory=WordTokenizer)
-    loaded: bool = False
-    model: Any = None
-    config: Any = None
-
-
 @pytest.fixture(scope="module")
 def pipe(tmp_path_factory: pytest.TempPathFactory) -> Pipeline:
     docs = tmp_path_factory.mktemp("docs")
     for name, text in TOPICS.items():
         (docs / name).write_text(text * 3)
-    pipe = Pipeline(tmp_path_factory.mktemp("idx") / "idx", embedder="hash:256", generator=FakeGenerator(),
+    pipe = Pipeline(tmp_path_factory.mktemp("idx") / "idx", embedder="hash:256", generator=GeneratorStub(),
                     gpu="16GiB")
     pipe.index([docs])
     return pipe
