@@ -144,17 +144,22 @@ class AdmissionController:
         if waiter.granted:
             return Reservation(self, waiter.tokens)
         wait = self.timeout if timeout is None else timeout
-        if cancel is None:
-            waiter.event.wait(wait)
-        else:
-            deadline = time.monotonic() + wait
-            while not waiter.event.wait(max(0.0, min(CANCEL_POLL_S, deadline - time.monotonic()))):
-                if cancel.is_set():
-                    if self._abandon(waiter):  # granted just now: give it back
-                        self._release(Reservation(self, waiter.tokens))
-                    raise RequestCancelled(f"cancelled while waiting for {waiter.tokens} KV-cache tokens")
-                if time.monotonic() >= deadline:
-                    break
+        try:
+            if cancel is None:
+                waiter.event.wait(wait)
+            else:
+                deadline = time.monotonic() + wait
+                while not waiter.event.wait(max(0.0, min(CANCEL_POLL_S, deadline - time.monotonic()))):
+                    if cancel.is_set():
+                        raise RequestCancelled(f"cancelled while waiting for {waiter.tokens} KV-cache tokens")
+                    if time.monotonic() >= deadline:
+                        break
+        except BaseException:
+            # Cancelled, or interrupted (KeyboardInterrupt): leave the queue — a waiter left at
+            # its head would block everyone — and give back tokens granted meanwhile.
+            if self._abandon(waiter):
+                self._release(Reservation(self, waiter.tokens))
+            raise
         return self._finish_wait(waiter, wait)
 
     @contextlib.contextmanager

@@ -420,6 +420,8 @@ class SummaryCache:
     def longest(self, keys: Sequence[str]) -> tuple[int, str] | None:
         """``(j, summary)`` for the longest cached ``keys[:j]`` (``keys[j - 1]`` cached), or
         None; one lookup in the hit/miss counts."""
+        if not keys:
+            return None
         with self._lock:
             for j in range(len(keys), 0, -1):
                 value = self._data.get(keys[j - 1])

@@ -503,6 +503,11 @@ class AnswerStream:
     HTTP client does); ``answer`` then holds what was generated so far (``finish_reason
     "cancelled"``), and ``error`` an error the request raised after it was left.
 
+    A ``for`` loop owns the stream: dropping its iterator (``next(iter(stream))``,
+    ``itertools.islice``) cancels it too; to take pieces one at a time, call ``next(stream)``.
+    After ``break`` in an ``async for``, the cancel runs in a task the event loop schedules;
+    ``async with`` cancels before the block is left.
+
     >>> with rb.stream("How is the Project Leader elected?") as stream:  # doctest: +SKIP
     ...     for piece in stream:
     ...         print(piece, end="", flush=True)
@@ -602,8 +607,8 @@ class AnswerStream:
         return self._pieces()
 
     async def _pieces(self) -> AsyncIterator[str]:
-        # As __iter__: an ``async for`` left early finalizes this generator (through the event
-        # loop's async-generator hooks), which cancels the generation.
+        # As __iter__, but later: an ``async for`` left early has this generator finalized by a
+        # task the event loop's async-generator hooks schedule, which then cancels.
         try:
             while True:
                 try:

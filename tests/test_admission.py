@@ -148,6 +148,24 @@ def test_cancel_leaves_the_queue_before_the_timeout() -> None:
     assert not later.is_alive() and ctl.stats().admitted_tokens == 0
 
 
+def test_an_interrupted_waiter_leaves_the_queue() -> None:
+    """A KeyboardInterrupt (or any exception) in the wait must not leave a waiter at the head of
+    the queue, blocking everyone behind it, nor tokens granted to nobody."""
+    ctl = AdmissionController(100, max_queue=4, timeout=60.0)
+    held = ctl.acquire(100)
+
+    class Interrupting(threading.Event):
+        def is_set(self) -> bool:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        ctl.acquire(60, cancel=Interrupting())
+    assert ctl.stats().queued == 0
+    held.release()
+    with ctl.reserve(100, timeout=1.0):  # nobody is left holding or blocking tokens
+        assert ctl.stats().admitted_tokens == 100
+
+
 def test_oversize_and_bad_config() -> None:
     ctl = AdmissionController(10)
     with pytest.raises(BudgetError) as err:
