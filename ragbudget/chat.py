@@ -718,8 +718,7 @@ class Conversation:
             cut = 1
         # Only the summary is left and it is still over: cut it to the room there is.
         overhead = self._history_cost(question, summary="x") - self._meter.count("x")
-        summary = self._meter.truncate(state.summary, max(0, allowed - overhead - 4))
-        state.summary = summary
+        state.summary = self._meter.truncate(state.summary, max(0, allowed - overhead - 4))
         while state.summary and self._history_cost(question) > allowed:
             state.summary = self._meter.truncate(state.summary, self._meter.count(state.summary) - 4)
         self._set_summary(state.summary)

@@ -22,6 +22,7 @@ so that every request's prompt provably fits the KV memory it was planned for:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import queue
@@ -457,15 +458,18 @@ class Pipeline:
     async def aask(self, question: str, **options: Any) -> Answer:
         """:meth:`ask` without blocking the event loop; cancelling the awaiting task cancels the
         generation (and frees its KV reservation)."""
-        stream = self.astream(question, **options)
+        cancel = threading.Event()
+        work = asyncio.ensure_future(
+            asyncio.to_thread(self.ask, question, cancel=cancel, **_stream_options(options)))
         try:
-            async for _ in stream:
-                pass
-        except BaseException:
-            await asyncio.shield(stream.aclose())
+            return await asyncio.shield(work)
+        except asyncio.CancelledError:
+            # The request stops at its next token (or leaves the admission queue); wait for that,
+            # so its KV memory is free when the cancellation reaches the caller.
+            cancel.set()
+            with contextlib.suppress(BaseException):
+                await work
             raise
-        assert stream.answer is not None
-        return stream.answer
 
 
 def _stream_options(options: dict[str, Any]) -> dict[str, Any]:

@@ -49,13 +49,15 @@ class FakeGenerator:
         self.prompts.append(prompt)
         if self.delay:
             time.sleep(self.delay)
-        if on_text:
-            for word in self.answer.split(" "):
-                if cancel is not None and cancel.is_set():
-                    self.cancelled += 1
-                    return FakeGeneration(self.answer, prompt.n_tokens, 0, max_new_tokens,
-                                          finish_reason="cancelled", prompt=prompt)
+        # Like the real generator, cancel is checked at every token, streamed or not.
+        for word in self.answer.split(" "):
+            if cancel is not None and cancel.is_set():
+                self.cancelled += 1
+                return FakeGeneration(self.answer, prompt.n_tokens, 0, max_new_tokens,
+                                      finish_reason="cancelled", prompt=prompt)
+            if on_text:
                 on_text(word + " ")
+            if self.word_delay:
                 time.sleep(self.word_delay)
         return FakeGeneration(self.answer, prompt.n_tokens, len(self.answer.split()), max_new_tokens,
                               prompt=prompt)
