@@ -12,7 +12,7 @@ export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install dev demo test test-fast bench clean
+.PHONY: install dev demo test test-fast bench gpu-check clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -48,6 +48,12 @@ test-fast: dev
 bench: dev
 	$(BIN)/pip install -q -e ".[bench]"
 	$(BIN)/python bench/run_all.py
+
+# On the lent GPU machine: its own python3 (torch, CUDA, transformers, pytest), no venv, no pip.
+# Memory components graded one by one, then the CUDA tests; exits non-zero on any miss (< 5 min).
+GPU_PY ?= python3
+gpu-check:
+	$(GPU_PY) bench/gpu_check.py
 
 clean:
 	rm -rf $(VENV) .ragbudget .pytest_cache .hypothesis
