@@ -159,11 +159,18 @@ def text_config(config: ConfigLike) -> ConfigLike:
     return config
 
 
-def model_dtype(config: ConfigLike, default: str = "bfloat16") -> str:
-    """The model's dtype name (``torch_dtype`` / ``dtype`` of the config), ``default`` if absent.
+def model_dtype(config: ConfigLike, default: str = "float32") -> str:
+    """The model's dtype name (``dtype``, or the deprecated ``torch_dtype``, of the config),
+    ``default`` if absent.
 
-    The budget is for a GPU, where models are loaded in their checkpoint dtype; bf16 is the
-    common default of modern checkpoints, so an unknown dtype plans for bf16.
+    An absent dtype plans for float32 because that is what transformers allocates then:
+    ``from_config`` and ``from_pretrained(dtype="auto")`` on a config without a dtype fall back to
+    ``torch.get_default_dtype()`` (transformers ``modeling_utils._get_dtype``). Guessing bf16 would
+    halve the estimate — the direction that runs out of memory; a model really loaded in bf16 is
+    planned with ``kv_dtype``/``weight_dtype`` (or its loaded dtype) instead.
+
+    >>> model_dtype({"torch_dtype": "bfloat16"}), model_dtype({"dtype": "float16"}), model_dtype({})
+    ('bfloat16', 'float16', 'float32')
     """
     for cfg in (config, text_config(config)):
         value = _Cfg(cfg).get("dtype", "torch_dtype")

@@ -516,3 +516,45 @@ def test_text_config_nesting_and_errors():
         dtype_bits("float7")
     with pytest.raises(ConfigError):
         kv_cache_bytes(LLAMA8B, 1, cache="paged", normalize=False)
+
+
+# ---- the dtype a config-only estimate assumes: never below what transformers allocates ----------
+
+_DT_BASE = dict(_BASE, num_hidden_layers=2)
+
+
+@pytest.mark.parametrize("given, load_dtype, expect", [
+    ({}, None, torch.float32),                               # no dtype anywhere: torch's default
+    ({"dtype": "bfloat16"}, "auto", torch.bfloat16),         # the config's dtype, as "auto" reads it
+    ({"torch_dtype": "float16"}, "auto", torch.float16),     # the deprecated spelling, same rule
+    ({"torch_dtype": "bfloat16"}, torch.float32, torch.float32),  # a load-time dtype wins
+])
+def test_config_only_estimate_never_below_the_allocated_cache(given, load_dtype, expect, tmp_path):
+    """``kv_cache_bytes(config)`` without ``kv_dtype`` must plan the dtype transformers really
+    allocates (float32 when the config names none), and a load-time ``dtype`` is planned by
+    passing it as ``kv_dtype`` — checked against the cache tensors of a real ``generate``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model("llama", **_DT_BASE)
+    cfg.save_pretrained(tmp_path)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg)
+    import json
+
+    on_disk = json.loads((tmp_path / "config.json").read_text())
+    on_disk.pop("dtype", None)
+    on_disk.pop("torch_dtype", None)
+    on_disk.update(given)
+    (tmp_path / "config.json").write_text(json.dumps(on_disk))
+    model.save_pretrained(tmp_path)  # weights in float32; the config decides what "auto" loads
+    (tmp_path / "config.json").write_text(json.dumps(on_disk))
+    kwargs = {} if load_dtype is None else {"dtype": load_dtype}
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, **kwargs).eval()
+    assert loaded.dtype == expect
+    ids = torch.randint(3, 128, (1, 9))
+    out = loaded.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4,
+                          min_new_tokens=4, do_sample=False, return_dict_in_generate=True,
+                          pad_token_id=0)
+    cache = out.cache if getattr(out, "cache", None) is not None else out.past_key_values
+    planned_dtype = None if load_dtype in (None, "auto") else str(load_dtype).removeprefix("torch.")
+    assert kv_cache_bytes(on_disk, 9 + 4 - 1, kv_dtype=planned_dtype) == cache_nbytes(cache)
