@@ -1,4 +1,4 @@
-"""The curated public surface: complete, sorted, resolvable, and light to import."""
+"""The curated public surface: complete, from its defining modules, resolvable, and light to import."""
 
 from __future__ import annotations
 
@@ -8,8 +8,25 @@ import sys
 import ragbudget
 
 
-def test_all_is_sorted_and_unique() -> None:
-    assert ragbudget.__all__ == sorted(set(ragbudget.__all__))
+def test_every_error_is_exported() -> None:
+    # A new error class that users cannot import from `ragbudget` cannot be caught by name.
+    import inspect
+
+    from ragbudget import errors
+
+    defined = {name for name, obj in vars(errors).items()
+               if inspect.isclass(obj) and issubclass(obj, Exception) and obj.__module__ == errors.__name__}
+    assert defined, "ragbudget.errors defines no error classes"
+    assert defined - set(ragbudget.__all__) == set()
+
+
+def test_each_export_comes_from_the_module_that_defines_it() -> None:
+    # `_EXPORTS` maps a name to its defining module; a stale entry (a name moved or re-exported
+    # elsewhere) would make `ragbudget.X` a different object than the one the docs describe.
+    for name, module in ragbudget._EXPORTS.items():
+        value = getattr(ragbudget, name)
+        if hasattr(value, "__module__"):
+            assert value.__module__ == f"ragbudget.{module}", (name, value.__module__)
 
 
 def test_every_exported_name_resolves() -> None:
