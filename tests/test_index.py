@@ -1018,3 +1018,13 @@ def test_checkpoint_of_another_embedder_is_dropped(tmp_path: Path) -> None:
     s = Index(ixdir).build([str(corpus)], embedder=HashEmbedder(dim=64), embed_batch=2, **OPTS)
     assert s.chunks_resumed == 0 and s.chunks_embedded == s.chunks_total
     assert not (ixdir / "embed.checkpoint").exists()
+
+
+def test_guessed_encoding_is_a_warning_in_the_summary(ix: Index, corpus: Path) -> None:
+    (corpus / "legacy.txt").write_bytes(("Le café de Zürich est naïve. " * 10).encode("cp1252"))
+    s = build(ix, corpus)
+    assert [(p, "cp1252" in m) for p, m in s.warnings] == [("corpus/legacy.txt", True)]
+    assert s.to_dict()["warnings"][0]["path"] == "corpus/legacy.txt"
+    idx = Index.open(ix.path)
+    assert "café de Zürich" in idx.search("Zürich café", k=1)[0].text
+    assert "cp1252" in next(f for f in idx.sources() if f.path == "corpus/legacy.txt").warning
