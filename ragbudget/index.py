@@ -6,9 +6,11 @@ Layout of an index folder (default ``.ragbudget/``)::
     faiss.<gen>.index      exact inner-product index (IndexFlatIP in IndexIDMap2), ids = chunk ids
     hnsw.<gen>.index       optional approximate index over the same vectors (``approx="hnsw"``)
     meta.<gen>.sqlite      chunks, sources (every duplicate location), files (drives incremental runs),
+                           roots (the paths given to build, with their display labels),
                            chunks_fts: an FTS5 (BM25) table over the chunk texts, kept in sync with
                            ``chunks`` by triggers, so it is written by the same atomic generation
     lock                   flock'ed by the one writer
+    embed.checkpoint       vectors embedded by an unfinished run (only while one is, or was killed)
 
 **Atomicity.** A writer never modifies the files of the current generation: it copies the SQLite
 file to ``meta.<gen+1>.sqlite.tmp``, edits the copy, writes the new FAISS file beside the old one,
@@ -21,6 +23,17 @@ generation is kept so a reader that has just read the manifest can still open it
 **No code is executed on load**: FAISS files go through ``faiss.read_index``, metadata through
 SQLite and JSON; there is no pickle. Every file is checked against its manifest sha256 before use,
 so a truncated or bit-flipped file raises :class:`~ragbudget.errors.IndexCorruptError` naming it.
+
+**Roots and removal.** ``build(paths)`` adds and updates: each path must exist (else nothing is
+written), is recorded in the ``roots`` table with a short label, and only indexed files that
+vanished from under a given path are removed (``prune=True`` mirrors the given paths exactly). A
+run that would remove all indexed files, or more than a few and a fifth of them, needs
+``allow_removal`` (see :data:`REMOVAL_GUARD_FILES`). Paths are stored absolute (the files table
+drives incremental runs) and shown relative to their root, prefixed by its label.
+
+**Resumable embedding.** Each embedded batch is appended to ``embed.checkpoint`` (fsync'ed); a
+run killed before its commit leaves it, and the next run reuses those vectors; the commit removes
+it.
 
 **Incremental runs.** Files whose size and mtime_ns match the files table are not opened; if they
 differ, the content sha256 decides. A changed file replaces only its own sources; chunks whose text
@@ -1719,12 +1732,18 @@ class _Builder:
             scan_paths += [r.path for r in extra]
             scope += extra
 
+        shielded: list[_Root] = []  # folders the walk could not read: their files are kept
+
         def in_scope(path: str) -> bool:
+            if any(r.covers(path) for r in shielded):
+                return False
             return self.prune or any(r.covers(path) for r in scope)
 
         # -- 1. what changed: one stat per file, content sha256 only when the stat differs.
         scan_opts: dict[str, Any] = {"max_bytes": self.max_bytes} if self.max_bytes else {}
         found = scan(scan_paths, include=self.include, exclude=self.exclude, **scan_opts)
+        shielded += [_Root(_canon(str(s.path)), "", "dir") for s in found.skipped
+                     if s.reason in ("unreadable", "missing")]
         known = {} if rebuilding else before
         self.old_indexed = {p for p, v in before.items() if v[3] == "indexed"}
         seen: set[str] = set()

@@ -1028,3 +1028,21 @@ def test_guessed_encoding_is_a_warning_in_the_summary(ix: Index, corpus: Path) -
     idx = Index.open(ix.path)
     assert "café de Zürich" in idx.search("Zürich café", k=1)[0].text
     assert "cp1252" in next(f for f in idx.sources() if f.path == "corpus/legacy.txt").warning
+
+
+def test_files_under_an_unreadable_folder_are_kept(ix: Index, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    corpus = write_corpus(tmp_path / "c", n=2)
+    write_corpus(corpus / "sub", n=2, start_seed=30)
+    build(ix, corpus)
+    real_scandir = os.scandir
+
+    def refusing(path):  # type: ignore[no-untyped-def]
+        if str(path).endswith("sub"):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_scandir(path)
+
+    monkeypatch.setattr(os, "scandir", refusing)
+    s = build(ix, corpus)
+    assert s.files_removed == 0 and any(r == "unreadable" for _, r, _ in s.skipped)
+    assert {"c/sub/doc0.txt", "c/sub/doc1.txt"} <= {f.path for f in Index.open(ix.path).sources()}
