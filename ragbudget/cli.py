@@ -318,7 +318,8 @@ def sources(index_dir: str, show_all: bool, absolute_paths: bool, as_json: bool)
     """List the files the index holds: path, status, chunks and pages, one line each."""
     from .index import Index
 
-    files = Index.open(index_dir, absolute_paths=absolute_paths).sources()
+    idx = Index.open(index_dir, absolute_paths=absolute_paths)
+    files = idx.sources()
     shown = [f for f in files if show_all or f.reason not in _QUIET_SKIPS]
     if as_json:
         _echo_json([f.to_dict() for f in shown])
@@ -331,8 +332,9 @@ def sources(index_dir: str, show_all: bool, absolute_paths: bool, as_json: bool)
         click.echo(f"{f.chunks:>6}  {pages:>5}  {status:<20}  {f.path}{note}")
     indexed = sum(1 for f in files if f.status == "indexed")
     left_out = len(files) - len(shown)
-    click.echo(f"{indexed} file(s) indexed, {len(files) - indexed} skipped, "
-               f"{sum(f.chunks for f in files)} chunks"
+    click.echo(f"{indexed} file(s) indexed, {len(files) - indexed} skipped; "
+               f"{sum(f.chunks for f in files)} chunks cut from them, "
+               f"{idx.stats().get('chunks', 0)} in the index after dedup"
                + (f" ({left_out} hidden, VCS or excluded path(s) not listed; --all lists them)"
                   if left_out else ""))
 

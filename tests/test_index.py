@@ -927,6 +927,8 @@ def _drop_roots(ix: Index) -> None:
     db_path = ix.path / m["sqlite"]["file"]
     con = sqlite3.connect(db_path)
     con.execute("DROP TABLE roots")
+    for col in ("n_pages", "warning"):  # the files table of that time (SQLite >= 3.35)
+        con.execute(f"ALTER TABLE files DROP COLUMN {col}")
     con.commit()
     con.close()
     m["sqlite"]["bytes"] = db_path.stat().st_size
@@ -942,6 +944,7 @@ def test_index_without_roots_opens_with_a_fallback_and_is_upgraded(
     with caplog.at_level("WARNING", logger="ragbudget.index"):
         idx = Index.open(ix.path)
         assert idx.search("marker2zz", k=1)[0].sources[0].path == "corpus/doc2.txt"
+        assert {f.path for f in idx.sources()} == {f"corpus/doc{i}.txt" for i in range(6)}
     assert any("records no roots" in r.getMessage() for r in caplog.records)
     assert idx.verify().ok
     s = build(ix, corpus)  # nothing changed on disk, but the roots get recorded
@@ -949,6 +952,7 @@ def test_index_without_roots_opens_with_a_fallback_and_is_upgraded(
     caplog.clear()
     with caplog.at_level("WARNING", logger="ragbudget.index"):
         assert Index.open(ix.path).roots() == ["corpus"]
+        assert all(f.pages is None and f.chunks > 0 for f in Index.open(ix.path).sources())
     assert not any("records no roots" in r.getMessage() for r in caplog.records)
 
 
