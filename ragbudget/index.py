@@ -1530,7 +1530,7 @@ class _Builder:
     def __init__(self, idx: Index, paths: list[str], *, embedder: Embedder | None, tokenizer: Any,
                  settings: dict[str, Any], include: Any, exclude: Any, max_bytes: int | None,
                  clean: bool, approx: str | None, rebuild: bool, batch_files: int, embed_batch: int,
-                 progress: ProgressCallback | None, roots: list[tuple[str, str]] = (),  # type: ignore[assignment]
+                 progress: ProgressCallback | None, roots: Sequence[tuple[str, str]] = (),
                  prune: bool = False, allow_removal: bool = False) -> None:
         self.idx = idx
         self.given = list(roots)

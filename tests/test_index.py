@@ -1050,3 +1050,29 @@ def test_files_under_an_unreadable_folder_are_kept(ix: Index, tmp_path: Path,
     s = build(ix, corpus)
     assert s.files_removed == 0 and any(r == "unreadable" for _, r, _ in s.skipped)
     assert {"c/sub/doc0.txt", "c/sub/doc1.txt"} <= {f.path for f in Index.open(ix.path).sources()}
+
+
+def test_checkpoint_keeps_whole_records_and_drops_a_torn_tail(tmp_path: Path) -> None:
+    from ragbudget.index import _Checkpoint
+
+    ident = {"kind": "hash", "id": "hash-4"}
+    ck = _Checkpoint(tmp_path, ident)
+    ck.add(["a", "b"], np.eye(2, 4, dtype=np.float32), [1, 2])
+    ck.add(["c"], np.ones((1, 4), dtype=np.float32), [1])
+    ck.close()
+    path = tmp_path / "embed.checkpoint"
+    data = path.read_bytes()
+    path.write_bytes(data[:-5])  # killed in the middle of the last record
+    again = _Checkpoint(tmp_path, ident)
+    assert sorted(again.vectors) == sorted(_Checkpoint.key(t) for t in "ab")
+    vec, windows = again.get("b")  # type: ignore[misc]
+    assert windows == 2 and vec.tolist() == [0.0, 1.0, 0.0, 0.0]
+    again.add(["c"], np.ones((1, 4), dtype=np.float32), [1])  # appends after the last whole one
+    again.close()
+    assert len(_Checkpoint(tmp_path, ident).vectors) == 3
+    flipped = bytearray(path.read_bytes())
+    flipped[-10] ^= 0xFF  # a damaged record fails its crc and is not used
+    path.write_bytes(bytes(flipped))
+    assert _Checkpoint(tmp_path, ident).get("c") is None
+    _Checkpoint(tmp_path, {"kind": "hash", "id": "hash-8"})  # another embedder: dropped
+    assert not path.exists()
