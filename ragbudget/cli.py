@@ -141,15 +141,21 @@ def cli(verbose: int) -> None:
 @click.option("--max-file-mb", default=50.0, show_default=True, type=float, help="Skip files larger than this.")
 @click.option("--min-tokens", default=300, show_default=True, type=click.IntRange(min=1))
 @click.option("--max-tokens", default=500, show_default=True, type=click.IntRange(min=1))
-@click.option("--rebuild", is_flag=True, help="Rebuild from scratch instead of incrementally.")
+@click.option("--rebuild", is_flag=True, help="Re-read and re-embed every indexed root (and PATHS) from scratch.")
+@click.option("--prune", is_flag=True, help="Mirror PATHS exactly: also remove indexed files that are not under them (other roots included).")
+@click.option("--allow-removal", is_flag=True, help="Allow a run that removes all indexed files, or more than 5 and over 20% of them.")
 @click.option("--approx", type=click.Choice(["hnsw"]), default=None, help="Also build an approximate (HNSW) index for large corpora (recall@10 ≈ 0.98, ~2 ms at 100k chunks).")
 @click.option("--dedup", type=click.Choice(["near", "exact", "none"]), default="near", show_default=True, help="Duplicate chunk removal.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @_user_errors
 def index(paths: tuple[str, ...], index_dir: str, embedder: str | None, include: tuple[str, ...],
           exclude: tuple[str, ...], max_file_mb: float, min_tokens: int, max_tokens: int,
-          rebuild: bool, approx: str | None, dedup: str, as_json: bool) -> None:
-    """Index files and folders (incremental: unchanged files cost one stat)."""
+          rebuild: bool, prune: bool, allow_removal: bool, approx: str | None, dedup: str,
+          as_json: bool) -> None:
+    """Add files and folders to the index, or update them (unchanged files cost one stat).
+
+    Files indexed from other paths stay; a file that vanished from under PATHS is removed.
+    A PATH that does not exist is an error and changes nothing."""
     from .pipeline import Pipeline
 
     pipe = Pipeline(index_dir, embedder=embedder)
@@ -162,6 +168,8 @@ def index(paths: tuple[str, ...], index_dir: str, embedder: str | None, include:
             min_tokens=min_tokens,
             max_tokens=max_tokens,
             rebuild=rebuild,
+            prune=prune,
+            allow_removal=allow_removal,
             approx=approx,
             dedup=dedup,
             progress=progress,
@@ -186,11 +194,16 @@ def _show(path: str) -> str:
 def _format_index_summary(s: dict[str, Any]) -> str:
     quiet = {"hidden", "ignored", "excluded"}  # what the user asked to leave out
     n_skipped = sum(1 for skip in s.get("skipped", []) if skip.get("reason") not in quiet)
+    kept = s.get("files_kept", 0)
+    resumed = s.get("chunks_resumed", 0)
     lines = [
-        f"indexed {s.get('files_indexed', 0)} file(s), {s.get('files_unchanged', 0)} unchanged, "
-        f"{s.get('files_removed', 0)} removed, {n_skipped} skipped",
+        f"files: {s.get('files_added', 0)} added, {s.get('files_updated', 0)} updated, "
+        f"{s.get('files_removed', 0)} removed, {s.get('files_unchanged', 0)} unchanged, "
+        f"{n_skipped} skipped" + (f"; {kept} under other roots kept" if kept else ""),
         f"chunks: {s.get('chunks_total', 0)} in index, {s.get('chunks_added', 0)} added, "
-        f"{s.get('chunks_embedded', 0)} embedded ({s.get('windows_pooled', 0)} over-long chunks pooled over windows)",
+        f"{s.get('chunks_removed', 0)} removed, {s.get('chunks_embedded', 0)} embedded "
+        f"({s.get('windows_pooled', 0)} over-long chunks pooled over windows"
+        + (f"; {resumed} taken from an interrupted run" if resumed else "") + ")",
         f"duplicates removed: {s.get('exact_duplicates', 0)} exact, {s.get('near_duplicates', 0)} near",
         f"header/footer lines removed: {s.get('furniture_lines_removed', 0)}",
         f"time: {s.get('seconds', 0.0):.1f} s",
@@ -208,6 +221,10 @@ def _format_index_summary(s: dict[str, Any]) -> str:
         lines.append(f"  skipped {path}: {reason}" + (f" ({detail})" if detail else ""))
     if left_out:
         lines.append(f"  ({left_out} hidden, VCS or excluded path(s) left out)")
+    for warning in s.get("warnings", []):
+        lines.append(f"  warning {warning.get('path')}: {warning.get('message')}")
+    if not s.get("committed", True):
+        lines.append("nothing changed: the index is as it was")
     return "\n".join(lines)
 
 
@@ -243,22 +260,31 @@ class _Progress:
 @click.argument("query")
 @_index_dir_option
 @click.option("-k", "k", default=5, show_default=True, type=click.IntRange(min=1))
+@click.option("--absolute-paths", is_flag=True, help="Show absolute file paths instead of paths relative to the indexed roots.")
 @click.option("--json", "as_json", is_flag=True)
 @_retrieval_options
 @_user_errors
-def search(query: str, index_dir: str, k: int, as_json: bool, retrieval: dict[str, Any]) -> None:
+def search(query: str, index_dir: str, k: int, absolute_paths: bool, as_json: bool,
+           retrieval: dict[str, Any]) -> None:
     """Show the chunks closest to QUERY, with score, source, offsets and page."""
     from .pipeline import Pipeline
 
-    hits = Pipeline(index_dir, **retrieval).search(query, k=k)
+    pipe = Pipeline(index_dir, **retrieval)
+    hits = pipe.search(query, k=k)
+    # Sources carry display paths (root label + path below it); the local opt-in maps them back.
+    where = (lambda p: pipe.store.absolute_path(p) or p) if absolute_paths else (lambda p: p)
     if as_json:
-        _echo_json([h.to_dict() for h in hits])
+        data = [h.to_dict() for h in hits]
+        for d in data:
+            for src in d["sources"]:
+                src["path"] = where(src["path"])
+        _echo_json(data)
         return
     for rank, hit in enumerate(hits, 1):
         src = hit.sources[0]
         page = f" p.{src.page_start}" if src.page_start else ""
         more = f" (+{len(hit.sources) - 1} duplicate source(s))" if len(hit.sources) > 1 else ""
-        click.echo(f"{rank}. {hit.score:.3f}  {_show(src.path)}{page} [{src.start}:{src.end}]{more}")
+        click.echo(f"{rank}. {hit.score:.3f}  {where(src.path)}{page} [{src.start}:{src.end}]{more}")
         snippet = " ".join(hit.text.split())
         click.echo(f"   {snippet[:200]}{'…' if len(snippet) > 200 else ''}")
 
@@ -277,6 +303,40 @@ def stats(index_dir: str, as_json: bool) -> None:
         return
     for key, value in data.items():
         click.echo(f"{key}: {value}")
+
+
+_QUIET_SKIPS = ("hidden", "ignored", "excluded")  # left out on purpose: counted, not listed
+
+
+@cli.command()
+@_index_dir_option
+@click.option("--all", "show_all", is_flag=True, help="Also list hidden, VCS and excluded paths.")
+@click.option("--absolute-paths", is_flag=True, help="Show absolute file paths instead of paths relative to the indexed roots.")
+@click.option("--json", "as_json", is_flag=True)
+@_user_errors
+def sources(index_dir: str, show_all: bool, absolute_paths: bool, as_json: bool) -> None:
+    """List the files the index holds: path, status, chunks and pages, one line each."""
+    from .index import Index
+
+    idx = Index.open(index_dir, absolute_paths=absolute_paths)
+    files = idx.sources()
+    shown = [f for f in files if show_all or f.reason not in _QUIET_SKIPS]
+    if as_json:
+        _echo_json([f.to_dict() for f in shown])
+        return
+    click.echo(f"{'chunks':>6}  {'pages':>5}  {'status':<20}  path")
+    for f in shown:
+        status = f.status if f.status == "indexed" else f"{f.status}: {f.reason}"
+        pages = str(f.pages) if f.pages else "-"
+        note = f"  ({f.warning})" if f.warning else ""
+        click.echo(f"{f.chunks:>6}  {pages:>5}  {status:<20}  {f.path}{note}")
+    indexed = sum(1 for f in files if f.status == "indexed")
+    left_out = len(files) - len(shown)
+    click.echo(f"{indexed} file(s) indexed, {len(files) - indexed} skipped; "
+               f"{sum(f.chunks for f in files)} chunks cut from them, "
+               f"{idx.stats().get('chunks', 0)} in the index after dedup"
+               + (f" ({left_out} hidden, VCS or excluded path(s) not listed; --all lists them)"
+                  if left_out else ""))
 
 
 @cli.command()

@@ -5,6 +5,7 @@ into exit codes (1 for any ``RagBudgetError``); the library never calls ``sys.ex
 
     RagBudgetError
     ├── ConfigError (ValueError)        bad argument, option or configuration value
+    │   └── InputPathError               a path given to index is missing or unreadable
     ├── LoadError                        a document could not be read (the indexer logs and skips it)
     ├── ModelError                       a model, tokenizer or config could not be loaded
     ├── IndexError_ (LookupError)        the on-disk index
@@ -29,6 +30,7 @@ __all__ = [
     "IndexLockedError",
     "IndexMismatchError",
     "IndexNotFoundError",
+    "InputPathError",
     "LoadError",
     "ModelError",
     "OverloadedError",
@@ -43,6 +45,18 @@ class RagBudgetError(Exception):
 
 class ConfigError(RagBudgetError, ValueError):
     """An argument, option or configuration value is invalid."""
+
+
+class InputPathError(ConfigError):
+    """A file or folder given to index is missing, unreadable, or not a file or folder.
+
+    Raised before anything is written: the index is left exactly as it was. ``paths`` lists the
+    offending paths as given.
+    """
+
+    def __init__(self, message: str, *, paths: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.paths = paths
 
 
 class LoadError(RagBudgetError):

@@ -6,9 +6,11 @@ Layout of an index folder (default ``.ragbudget/``)::
     faiss.<gen>.index      exact inner-product index (IndexFlatIP in IndexIDMap2), ids = chunk ids
     hnsw.<gen>.index       optional approximate index over the same vectors (``approx="hnsw"``)
     meta.<gen>.sqlite      chunks, sources (every duplicate location), files (drives incremental runs),
+                           roots (the paths given to build, with their display labels),
                            chunks_fts: an FTS5 (BM25) table over the chunk texts, kept in sync with
                            ``chunks`` by triggers, so it is written by the same atomic generation
     lock                   flock'ed by the one writer
+    embed.checkpoint       vectors embedded by an unfinished run (only while one is, or was killed)
 
 **Atomicity.** A writer never modifies the files of the current generation: it copies the SQLite
 file to ``meta.<gen+1>.sqlite.tmp``, edits the copy, writes the new FAISS file beside the old one,
@@ -21,6 +23,17 @@ generation is kept so a reader that has just read the manifest can still open it
 **No code is executed on load**: FAISS files go through ``faiss.read_index``, metadata through
 SQLite and JSON; there is no pickle. Every file is checked against its manifest sha256 before use,
 so a truncated or bit-flipped file raises :class:`~ragbudget.errors.IndexCorruptError` naming it.
+
+**Roots and removal.** ``build(paths)`` adds and updates: each path must exist (else nothing is
+written), is recorded in the ``roots`` table with a short label, and only indexed files that
+vanished from under a given path are removed (``prune=True`` mirrors the given paths exactly). A
+run that would remove all indexed files, or more than a few and a fifth of them, needs
+``allow_removal`` (see :data:`REMOVAL_GUARD_FILES`). Paths are stored absolute (the files table
+drives incremental runs) and shown relative to their root, prefixed by its label.
+
+**Resumable embedding.** Each embedded batch is appended to ``embed.checkpoint`` (fsync'ed); a
+run killed before its commit leaves it, and the next run reuses those vectors; the commit removes
+it.
 
 **Incremental runs.** Files whose size and mtime_ns match the files table are not opened; if they
 differ, the content sha256 decides. A changed file replaces only its own sources; chunks whose text
@@ -51,7 +64,10 @@ import os
 import re
 import shutil
 import sqlite3
+import stat
+import struct
 import threading
+import zlib
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -63,6 +79,7 @@ from .errors import (
     IndexCorruptError,
     IndexLockedError,
     IndexNotFoundError,
+    InputPathError,
     LoadError,
 )
 from .types import Document, Source
@@ -80,7 +97,10 @@ __all__ = [
     "Hit",
     "Index",
     "IndexSummary",
+    "IndexedFile",
     "ProgressCallback",
+    "REMOVAL_GUARD_FILES",
+    "REMOVAL_GUARD_SHARE",
     "VerifyReport",
     "fts5_available",
     "fts_match_query",
@@ -130,10 +150,31 @@ CREATE TABLE IF NOT EXISTS files (
     reason TEXT,
     detail TEXT,
     n_chunks INTEGER NOT NULL DEFAULT 0,
-    furniture INTEGER NOT NULL DEFAULT 0
+    furniture INTEGER NOT NULL DEFAULT 0,
+    n_pages INTEGER,
+    warning TEXT
 );
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS roots (
+    path TEXT PRIMARY KEY,
+    label TEXT NOT NULL UNIQUE,
+    kind TEXT NOT NULL
+);
 """
+# Columns added to ``files`` after the first release: an older generation gets them on copy.
+_FILES_ADDED_COLUMNS = (("n_pages", "INTEGER"), ("warning", "TEXT"))
+
+#: The removal guard: without ``allow_removal`` (``--allow-removal``) or ``prune``, a run may
+#: remove at most ``REMOVAL_GUARD_FILES`` indexed files, or more only while they are at most
+#: ``REMOVAL_GUARD_SHARE`` of the indexed files, and never all of them. Deleting a few notes is
+#: everyday editing; a fifth of the corpus gone at once is far more often an unmounted drive, an
+#: emptied or wrong folder than a real clean-up, and costs a full re-embed to undo.
+REMOVAL_GUARD_FILES = 5
+REMOVAL_GUARD_SHARE = 0.2
+
+# Embedded batches of the run in progress, appended and fsync'ed per batch, so a re-run after a
+# kill reuses them (see ``_Checkpoint``). Not a generation file: ``_clean_leftovers`` keeps it.
+CHECKPOINT = "embed.checkpoint"
 
 # BM25 over the chunk texts. A plain (content-storing) FTS5 table, not an external-content one: it
 # costs a second copy of the text, but it can be checked row by row against ``chunks`` on a
@@ -386,7 +427,16 @@ class Hit:
 
 @dataclass(frozen=True)
 class IndexSummary:
-    """What one :meth:`Index.build` run did. ``skipped`` holds ``(path, reason, detail)`` triples."""
+    """What one :meth:`Index.build` run did. ``skipped`` holds ``(path, reason, detail)`` triples,
+    ``warnings`` ``(path, message)`` pairs (e.g. a file decoded by a guessed legacy encoding); paths
+    are display paths (see :attr:`Index.absolute_paths`).
+
+    ``files_indexed`` = ``files_added`` (new to the index) + ``files_updated`` (changed, or
+    re-read by a rebuild); ``files_removed`` counts indexed files that left the index;
+    ``files_kept`` the indexed files under other roots, left untouched. ``chunks_reused`` counts
+    vectors not embedded again, ``chunks_resumed`` the part of them taken from the checkpoint of
+    an interrupted run.
+    """
 
     files_seen: int = 0
     files_indexed: int = 0
@@ -409,13 +459,39 @@ class IndexSummary:
     rebuild_reason: str = ""
     generation: int = 0
     committed: bool = False
+    files_added: int = 0
+    files_updated: int = 0
+    files_kept: int = 0
+    chunks_resumed: int = 0
+    warnings: tuple[tuple[str, str], ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["skipped"] = [{"path": p, "reason": r, "detail": x} for p, r, x in self.skipped]
+        d["warnings"] = [{"path": p, "message": m} for p, m in self.warnings]
         d["seconds"] = round(self.seconds, 3)
         d["embed_seconds"] = round(self.embed_seconds, 3)
         return d
+
+
+@dataclass(frozen=True)
+class IndexedFile:
+    """One file the index knows (:meth:`Index.sources`): ``path`` is its display path,
+    ``status`` ``"indexed"`` or ``"skipped"`` (``reason``/``detail`` say why), ``chunks`` the
+    chunks cut from it (before dedup), ``pages`` its page count when it has real pages,
+    ``warning`` e.g. a guessed text encoding."""
+
+    path: str
+    status: str
+    chunks: int = 0
+    pages: int | None = None
+    size: int | None = None
+    reason: str | None = None
+    detail: str | None = None
+    warning: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
 
 
 @dataclass(frozen=True)
@@ -476,6 +552,142 @@ def _count(value: Any) -> int:
         return 0
 
 
+def _under(path: str, root: str) -> bool:
+    """Whether ``path`` is ``root`` or lies below it (both absolute, resolved)."""
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+
+
+def _canon(path: str) -> str:
+    """An absolute path whose folder is resolved but whose last part is kept (a broken link or a
+    skipped entry keeps its own name): the key of a ``files`` row."""
+    path = os.path.abspath(path)
+    return os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path))
+
+
+@dataclass(frozen=True)
+class _Root:
+    """A path given to :meth:`Index.build`: resolved absolute ``path``, short unique ``label``
+    (its base name, ``-2``… on a clash) shown instead of the path, ``kind`` ``dir`` or ``file``."""
+
+    path: str
+    label: str
+    kind: str
+
+    def covers(self, path: str) -> bool:
+        return path == self.path or (self.kind == "dir" and _under(path, self.path))
+
+
+class _Roots:
+    """Maps stored absolute paths to display paths (``<root label>/<path below the root>``) and
+    back. The most specific root wins when roots nest."""
+
+    def __init__(self, roots: Iterable[_Root] = ()) -> None:
+        self.roots = sorted(roots, key=lambda r: (-len(r.path), r.path))
+        self.by_label = {r.label: r for r in self.roots}
+        self._shown: dict[str, str] = {}
+
+    def root_of(self, path: str) -> _Root | None:
+        return next((r for r in self.roots if r.covers(path)), None)
+
+    def display(self, path: str) -> str:
+        shown = self._shown.get(path)
+        if shown is None:
+            r = self.root_of(path)
+            if r is None:  # not under any root (never expected): the name alone, never the path
+                shown = os.path.basename(path) or path
+            elif path == r.path:
+                shown = r.label
+            else:
+                shown = r.label + "/" + os.path.relpath(path, r.path).replace(os.sep, "/")
+            self._shown[path] = shown
+        return shown
+
+    def absolute(self, path: str) -> str | None:
+        """The stored absolute path of a display path (an absolute path is returned as is)."""
+        if os.path.isabs(path):
+            return path
+        label, _, rest = path.partition("/")
+        r = self.by_label.get(label)
+        if r is None or (rest and r.kind != "dir"):
+            return None
+        return os.path.join(r.path, *rest.split("/")) if rest else r.path
+
+    def labels(self) -> list[str]:
+        return sorted(self.by_label)
+
+    def scrub(self, text: str | None) -> str | None:
+        """``text`` (an error detail) with every root's absolute path replaced by its label."""
+        if text:
+            for r in self.roots:
+                text = text.replace(r.path, r.label)
+        return text
+
+
+def _new_label(path: str, taken: set[str]) -> str:
+    base = os.path.basename(path.rstrip(os.sep)) or "root"
+    label, n = base, 1
+    while label in taken:
+        n += 1
+        label = f"{base}-{n}"
+    return label
+
+
+def _fallback_root(paths: Iterable[str]) -> _Root | None:
+    """For an index written before roots were recorded: the common folder of its files."""
+    files = [p for p in paths if os.path.isabs(p)]
+    if not files:
+        return None
+    common = os.path.commonpath(files)
+    if common in files:  # a single file (or one file and a path below it, impossible): its folder
+        common = os.path.dirname(common)
+    return _Root(common, _new_label(common, set()), "dir")
+
+
+def _read_roots(db: sqlite3.Connection) -> list[_Root]:
+    try:
+        return [_Root(p, lab, kind) for p, lab, kind in db.execute("SELECT path, label, kind FROM roots")]
+    except sqlite3.OperationalError:  # a generation written before the table existed
+        return []
+
+
+def _check_roots(paths: Sequence[str], index_dir: Path) -> list[tuple[str, str]]:
+    """``(resolved path, kind)`` of every path given to index; raises :class:`InputPathError`
+    naming each one that is missing, unreadable, or not a file or folder (before anything is
+    written)."""
+    good: list[tuple[str, str]] = []
+    bad: list[tuple[str, str]] = []
+    for p in paths:
+        try:
+            st = os.stat(p)
+        except FileNotFoundError:
+            bad.append((p, "no such file or folder"))
+            continue
+        except OSError as exc:
+            bad.append((p, exc.strerror or str(exc)))
+            continue
+        if stat.S_ISDIR(st.st_mode):
+            kind, mode = "dir", os.R_OK | os.X_OK
+        elif stat.S_ISREG(st.st_mode):
+            kind, mode = "file", os.R_OK
+        else:
+            bad.append((p, "not a file or folder"))
+            continue
+        if not os.access(p, mode):
+            bad.append((p, "permission denied"))
+            continue
+        good.append((os.path.realpath(p), kind))
+    if bad:
+        what = "; ".join(f"{p!r}: {why}" for p, why in bad)
+        state = ("the index in {} is unchanged".format(index_dir) if (index_dir / MANIFEST).exists()
+                 else f"no index was created in {index_dir}")
+        raise InputPathError(
+            f"cannot index {what}. Nothing was indexed or removed ({state}); check the "
+            "path, or pass only the files and folders that exist",
+            paths=tuple(p for p, _ in bad),
+        )
+    return good
+
+
 class _Lock:
     """Exclusive, non-blocking ``flock`` on ``<dir>/lock``; released by the kernel if we die."""
 
@@ -527,14 +739,24 @@ class Index:
     Reading loads the manifest-named generation, checks sha256 checksums (``verify_checksums``),
     and keeps the FAISS index in memory and the SQLite file open read-only.
 
+    **Paths.** The index records the roots it was given (each folder or file passed to
+    :meth:`build`, labelled by its base name). Every path it returns (``Source.path``,
+    :meth:`sources`, summaries) is a *display path*: the root's label, then the path below it
+    (``notes/deep/guide.pdf``), never an absolute filesystem path, so nothing private reaches a
+    prompt, a log or an HTTP client. ``absolute_paths=True`` (a local CLI's opt-in) returns the
+    absolute paths instead; :meth:`absolute_path` maps one display path back. Methods taking a
+    path accept either form.
+
     >>> idx = Index.open(".ragbudget")            # doctest: +SKIP
     >>> [h.sources[0].path for h in idx.search("delegate", k=2)]  # doctest: +SKIP
     """
 
     def __init__(self, path: str | os.PathLike[str] = DEFAULT_INDEX_DIR, *,
                  verify_checksums: bool = True, use_approx: bool = True,
-                 search_threads: int | None = 1) -> None:
+                 search_threads: int | None = 1, absolute_paths: bool = False) -> None:
         self.path = Path(path)
+        self.absolute_paths = absolute_paths
+        self._roots: _Roots | None = None
         self.verify_checksums = verify_checksums
         self.use_approx = use_approx
         # One query is memory-bound: extra OpenMP threads barely help, and on busy cores their
@@ -627,6 +849,7 @@ class Index:
                 m = self._read_manifest()
                 try:
                     self._faiss, self._approx, self._db = self._open_generation(m)
+                    self._roots = self._load_roots(self._db)
                     return
                 except IndexCorruptError:
                     # The writer may have committed a newer generation and removed this one
@@ -667,6 +890,56 @@ class Index:
             )
         return flat, approx, db
 
+    def _load_roots(self, db: sqlite3.Connection) -> _Roots:
+        roots = _read_roots(db)
+        if not roots:
+            fallback = _fallback_root(r[0] for r in db.execute("SELECT path FROM files"))
+            if fallback is not None:
+                log.warning(
+                    "the index in %s records no roots (written by an older ragbudget): paths are "
+                    "shown relative to their common folder, as %s/...; the next `ragbudget index` "
+                    "run records the roots", self.path, fallback.label)
+                roots = [fallback]
+        return _Roots(roots)
+
+    def _show(self, path: str) -> str:
+        if self.absolute_paths:
+            return path
+        assert self._roots is not None
+        return self._roots.display(path)
+
+    def absolute_path(self, path: str) -> str | None:
+        """The absolute filesystem path of a display path (``Source.path``), for local tools
+        that open the file; ``None`` when no recorded root matches. Never send it to a client.
+
+        >>> idx.absolute_path("notes/deep/guide.pdf")        # doctest: +SKIP
+        '/home/me/notes/deep/guide.pdf'
+        """
+        self._load()
+        assert self._roots is not None
+        return self._roots.absolute(path)
+
+    def roots(self) -> list[str]:
+        """The labels of the recorded roots (the first part of every display path)."""
+        self._load()
+        assert self._roots is not None
+        return self._roots.labels()
+
+    def sources(self) -> list[IndexedFile]:
+        """Every file the index knows, indexed or skipped, by display path."""
+        self._load()
+        assert self._db is not None
+        with self._lock:
+            cols = {r[1] for r in self._db.execute("PRAGMA table_info(files)")}
+            extra = ", ".join(c if c in cols else "NULL" for c, _ in _FILES_ADDED_COLUMNS)
+            rows = self._db.execute(
+                f"SELECT path, status, n_chunks, size, reason, detail, {extra} FROM files").fetchall()
+        scrub = (lambda t: t) if self.absolute_paths else self._roots.scrub  # type: ignore[union-attr]
+        out = [IndexedFile(self._show(p), st_, int(n or 0), pages, size if size >= 0 else None,
+                           reason, scrub(detail), warning)
+               for p, st_, n, size, reason, detail, pages, warning in rows]
+        return sorted(out, key=lambda f: f.path)
+
     def close(self) -> None:
         """Release the in-memory index and the SQLite handle (reopened on next use)."""
         with self._lock:
@@ -677,6 +950,7 @@ class Index:
                 self._db.close()
             self._db = self._faiss = self._approx = None
             self._manifest = None
+            self._roots = None
 
     def reload(self) -> None:
         """Pick up the newest committed generation."""
@@ -875,7 +1149,7 @@ class Index:
                     f"WHERE chunk_id IN ({marks}) ORDER BY chunk_id, ord",
                     part,
                 ):
-                    srcs.setdefault(cid, []).append(Source(path, start, end, ps, pe))
+                    srcs.setdefault(cid, []).append(Source(self._show(path), start, end, ps, pe))
         found = {
             r[0]: Hit(r[0], 0.0, r[1], r[2], tuple(json.loads(r[3])), tuple(srcs.get(r[0], ())), r[4])
             for r in rows
@@ -883,16 +1157,20 @@ class Index:
         return [found[i] for i in ids if i in found]
 
     def chunks_of(self, path: str) -> list[tuple[Source, int]]:
-        """Every ``(source, chunk_id)`` located in file ``path``, in document order."""
+        """Every ``(source, chunk_id)`` located in file ``path`` (a display path, as in
+        ``Source.path``, or an absolute one), in document order."""
         self._load()
-        assert self._db is not None
+        assert self._db is not None and self._roots is not None
+        stored = self._roots.absolute(str(path))
+        if stored is None:
+            return []
         with self._lock:
             rows = self._db.execute(
                 'SELECT chunk_id, path, start, "end", page_start, page_end FROM sources '
                 "WHERE path = ? ORDER BY start, \"end\"",
-                (str(path),),
+                (stored,),
             ).fetchall()
-        return [(Source(p, s, e, ps, pe), cid) for cid, p, s, e, ps, pe in rows]
+        return [(Source(self._show(p), s, e, ps, pe), cid) for cid, p, s, e, ps, pe in rows]
 
     def neighbors(self, chunk_id: int, *, path: str | None = None) -> tuple[Hit | None, Hit | None]:
         """The chunks just before and after ``chunk_id`` in the same document (its first source,
@@ -901,7 +1179,10 @@ class Index:
         hit = next(iter(self.get_chunks([chunk_id])), None)
         if hit is None or not hit.sources:
             return None, None
-        src = next((s for s in hit.sources if path is None or s.path == path), hit.sources[0])
+        assert self._roots is not None
+        want = None if path is None else self._roots.absolute(str(path))
+        src = next((s for s in hit.sources
+                    if want is None or self._roots.absolute(s.path) == want), hit.sources[0])
         seq = self.chunks_of(src.path)
         pos = next(i for i, (s, c) in enumerate(seq) if c == chunk_id and s.start == src.start)
         prev = seq[pos - 1][1] if pos > 0 else None
@@ -923,6 +1204,7 @@ class Index:
             "dedup": m.get("dedup"),
             "approx": (m.get("approx") or {}).get("kind"),
             "lexical": (m.get("lexical") or {}).get("kind"),
+            "roots": [r.get("label") for r in m.get("roots") or ()],
             **m.get("counts", {}),
             "bytes": sum(int((m.get(k) or {}).get("bytes", 0)) for k in ("faiss", "sqlite", "approx")),
         }
@@ -1030,14 +1312,26 @@ class Index:
         clean: bool = True,
         approx: str | None = None,
         rebuild: bool = False,
+        prune: bool = False,
+        allow_removal: bool = False,
         batch_files: int = 16,
         embed_batch: int = 256,
         progress: ProgressCallback | None = None,
     ) -> IndexSummary:
         """Index ``paths`` (files or folders), incrementally. Returns an :class:`IndexSummary`.
 
-        The index ends up describing exactly the files found under ``paths`` now: new and changed
-        files are (re)indexed, vanished ones removed. ``dedup`` is ``"near"`` (content hash +
+        A run **adds and updates**: new and changed files under ``paths`` are (re)indexed, files
+        under other roots indexed earlier are kept, and only indexed files that vanished from
+        under one of ``paths`` (a folder: anything below it; a file: that file) are removed.
+        ``prune=True`` mirrors ``paths`` exactly: every indexed file not found under them now is
+        removed. Every path must exist and be readable, else :class:`InputPathError` is raised
+        before anything is written (a typo never empties an index). A run that would remove all
+        indexed files, or more than :data:`REMOVAL_GUARD_FILES` files and more than
+        :data:`REMOVAL_GUARD_SHARE` of them, raises :class:`ConfigError` and changes nothing,
+        unless ``allow_removal`` or ``prune`` says the removal is meant. ``rebuild=True`` re-reads
+        and re-embeds every file of every recorded root (and of ``paths``); with ``prune``, of
+        ``paths`` only. Embedded batches are checkpointed, so a run that was killed resumes
+        without embedding them again. ``dedup`` is ``"near"`` (content hash +
         MinHash at ``near_threshold``), ``"exact"`` or ``"none"``; ``approx="hnsw"`` also writes
         an HNSW index used by search. Settings that change the vectors or the chunks (embedder,
         chunking, dedup) trigger a full rebuild, reported in ``rebuild_reason``.
@@ -1065,14 +1359,16 @@ class Index:
             "dedup": {"mode": dedup, "threshold": near_threshold if dedup == "near" else None,
                       "num_perm": num_perm if dedup == "near" else None},
         }
+        given = [os.fspath(p) for p in paths]
+        roots = _check_roots(given, self.path)  # before the folder or the lock file is created
         self.path.mkdir(parents=True, exist_ok=True)
         with _Lock(self.path):
             self.close()
             builder = _Builder(
-                self, [str(p) for p in paths], embedder=embedder, tokenizer=tok, settings=settings,
+                self, given, embedder=embedder, tokenizer=tok, settings=settings,
                 include=include, exclude=exclude, max_bytes=max_bytes, clean=clean, approx=approx,
                 rebuild=rebuild, batch_files=max(1, batch_files), embed_batch=max(1, embed_batch),
-                progress=progress,
+                progress=progress, roots=roots, prune=prune, allow_removal=allow_removal,
             )
             try:
                 return builder.run()
@@ -1114,14 +1410,136 @@ def _light_spec(emb: Embedder) -> dict[str, Any]:
     return {"kind": "custom", "id": emb.id, "pooling": getattr(emb, "pooling", None)}
 
 
+class _Checkpoint:
+    """Vectors embedded by the run in progress, kept across a kill so a re-run resumes.
+
+    ``embed.checkpoint`` in the index folder: a header (magic, length, JSON: embedder identity and
+    dimension), then fixed-size records ``sha256(text) | windows (u32) | vector (dim × f32) |
+    crc32``, appended and fsync'ed once per embedded batch. Loading keeps the records up to the
+    first torn or damaged one; a file written for another embedder is deleted. The writer removes
+    it once its vectors are committed (or when a run had nothing to commit). Keyed by the text
+    itself, so it holds whatever chunking, dedup or file order the re-run has.
+    """
+
+    MAGIC = b"RBEMBCK1"
+
+    def __init__(self, folder: Path, identity: dict[str, Any]) -> None:
+        self.path = folder / CHECKPOINT
+        self.identity = json.loads(json.dumps(identity))  # as it reads back from JSON
+        self.vectors: dict[bytes, tuple[Any, int]] = {}
+        self.dim: int | None = None
+        self.valid_bytes = 0
+        self.fd: int | None = None
+        self._load()
+
+    @staticmethod
+    def key(text: str) -> bytes:
+        return hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()
+
+    def _record_size(self) -> int:
+        assert self.dim is not None
+        return 32 + 4 + 4 * self.dim + 4
+
+    def _load(self) -> None:
+        import numpy as np
+
+        try:
+            data = self.path.read_bytes()
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            log.warning("ignoring the embedding checkpoint %s: %s", self.path, exc)
+            return
+        try:
+            if not data.startswith(self.MAGIC):
+                raise ValueError("not a checkpoint")
+            (n,) = struct.unpack_from("<I", data, len(self.MAGIC))
+            start = len(self.MAGIC) + 4
+            header = json.loads(data[start : start + n])
+            pos = start + n
+        except (ValueError, struct.error) as exc:
+            log.warning("removing an unreadable embedding checkpoint %s (%s)", self.path, exc)
+            self._unlink()
+            return
+        if header.get("identity") != self.identity:
+            log.info("removing the embedding checkpoint %s: written for another embedder", self.path)
+            self._unlink()
+            return
+        self.dim = int(header["dim"])
+        size = self._record_size()
+        while pos + size <= len(data):
+            rec = data[pos : pos + size]
+            if zlib.crc32(rec[:-4]) != struct.unpack("<I", rec[-4:])[0]:
+                break  # a torn or damaged tail: keep what came before
+            (windows,) = struct.unpack_from("<I", rec, 32)
+            self.vectors[rec[:32]] = (np.frombuffer(rec[36:-4], dtype="<f4").copy(), int(windows))
+            pos += size
+        self.valid_bytes = pos
+        if self.vectors:
+            log.info("resuming from %d embedded chunks checkpointed by an interrupted run",
+                     len(self.vectors))
+
+    def get(self, text: str) -> tuple[Any, int] | None:
+        return self.vectors.get(self.key(text))
+
+    def add(self, texts: Sequence[str], vectors: Any, windows: Sequence[int]) -> None:
+        """Append one embedded batch and fsync it."""
+        import numpy as np
+
+        vecs = np.ascontiguousarray(vectors, dtype="<f4")
+        if self.fd is None:
+            if self.dim is not None and self.dim != vecs.shape[1]:
+                self._unlink()
+            if self.dim is None or self.valid_bytes == 0:
+                self.dim = int(vecs.shape[1])
+                header = json.dumps({"identity": self.identity, "dim": self.dim}).encode()
+                self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                os.write(self.fd, self.MAGIC + struct.pack("<I", len(header)) + header)
+            else:
+                self.fd = os.open(self.path, os.O_WRONLY)
+                os.ftruncate(self.fd, self.valid_bytes)  # drop a torn tail before appending
+                os.lseek(self.fd, 0, os.SEEK_END)
+        out = bytearray()
+        for text, vec, w in zip(texts, vecs, windows):
+            rec = self.key(text) + struct.pack("<I", int(w)) + vec.tobytes()
+            out += rec + struct.pack("<I", zlib.crc32(rec))
+        os.write(self.fd, bytes(out))
+        os.fsync(self.fd)
+
+    def close(self) -> None:
+        if self.fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
+            self.fd = None
+
+    def _unlink(self) -> None:
+        self.close()
+        with contextlib.suppress(OSError):
+            self.path.unlink()
+        self.vectors, self.dim, self.valid_bytes = {}, None, 0
+
+    def remove(self) -> None:
+        """The run committed (or had nothing to commit): the checkpoint is spent."""
+        self._unlink()
+        _fsync_dir(self.path.parent)
+
+
 class _Builder:
     """One writer run. Holds the new generation's SQLite connection and FAISS index."""
 
     def __init__(self, idx: Index, paths: list[str], *, embedder: Embedder | None, tokenizer: Any,
                  settings: dict[str, Any], include: Any, exclude: Any, max_bytes: int | None,
                  clean: bool, approx: str | None, rebuild: bool, batch_files: int, embed_batch: int,
-                 progress: ProgressCallback | None) -> None:
+                 progress: ProgressCallback | None, roots: Sequence[tuple[str, str]] = (),
+                 prune: bool = False, allow_removal: bool = False) -> None:
         self.idx = idx
+        self.given = list(roots)
+        self.prune = prune
+        self.allow_removal = allow_removal
+        self.roots: list[_Root] = []
+        self.warnings: list[tuple[str, str]] = []
+        self.old_indexed: set[str] = set()
+        self.checkpoint: _Checkpoint | None = None
         self.dir = idx.path
         self.paths = paths
         self.embedder = embedder
@@ -1137,7 +1555,8 @@ class _Builder:
         self.stats: dict[str, Any] = {k: 0 for k in (
             "files_indexed", "files_unchanged", "files_removed", "chunks_added", "chunks_removed",
             "chunks_embedded", "chunks_reused", "exact_duplicates", "near_duplicates",
-            "furniture_lines_removed", "windows_pooled", "windows_embedded")}
+            "furniture_lines_removed", "windows_pooled", "windows_embedded", "files_added",
+            "files_updated", "files_kept", "chunks_resumed")}
         self.embed_seconds = 0.0
         self.skipped: list[tuple[str, str, str]] = []
         self.db: sqlite3.Connection | None = None
@@ -1161,6 +1580,8 @@ class _Builder:
         if self.reuse is not None:
             with contextlib.suppress(Exception):
                 self.reuse[0].close()
+        if self.checkpoint is not None:
+            self.checkpoint.close()
         if self.tmp_db is not None and self.tmp_db.exists():
             self.tmp_db.unlink()
 
@@ -1247,6 +1668,10 @@ class _Builder:
             self.faiss = None
         self.db = sqlite3.connect(self.tmp_db)
         self.db.executescript(_SCHEMA)
+        have = {r[1] for r in self.db.execute("PRAGMA table_info(files)")}
+        for col, decl in _FILES_ADDED_COLUMNS:
+            if col not in have:
+                self.db.execute(f"ALTER TABLE files ADD COLUMN {col} {decl}")
         # The temp copy is private until renamed: no journal needed; the rename commits it.
         self.db.execute("PRAGMA journal_mode=OFF")
         self.db.execute("PRAGMA synchronous=OFF")
@@ -1258,23 +1683,79 @@ class _Builder:
             # An index from before the FTS table: this run stores it even if no file changed.
             log.info("adding the lexical (FTS5) table to the index in %s", self.dir)
             self.changed = True
+        self.checkpoint = _Checkpoint(self.dir, _identity(_light_spec(emb)))
+
+        # -- 0. roots: what the index held before, and which part of it this run may remove.
+        rebuilding = bool(reason)
+        if rebuilding and old_db_path is not None:
+            with contextlib.closing(sqlite3.connect(
+                    f"file:{old_db_path}?mode=ro&immutable=1", uri=True)) as odb:
+                before_roots = _read_roots(odb)
+                before = {r[0]: r[1:] for r in odb.execute(
+                    "SELECT path, size, mtime_ns, sha256, status, reason, detail FROM files")}
+        else:
+            before_roots = _read_roots(self.db)
+            before = {r[0]: r[1:] for r in self.db.execute(
+                "SELECT path, size, mtime_ns, sha256, status, reason, detail FROM files")}
+        legacy = [p for p in before if not os.path.isabs(p)]
+        if legacy:
+            # Skipped entries of older versions were keyed by the path as typed (relative to
+            # wherever that run started); they hold no chunks and are found again by a scan.
+            self.db.executemany("DELETE FROM files WHERE path=?", [(p,) for p in legacy])
+            before = {p: v for p, v in before.items() if os.path.isabs(p)}
+            self.changed = True
+        if not before_roots and before:
+            fallback = _fallback_root(before)
+            if fallback is not None:
+                log.warning("the index in %s records no roots (written by an older ragbudget); "
+                            "recording %s as the root of its files", self.dir, fallback.label)
+                before_roots = [fallback]
+        roots = list(before_roots)
+        for real, kind in self.given:
+            if not any(r.covers(real) for r in roots):
+                roots.append(_Root(real, _new_label(real, {r.label for r in roots}), kind))
+        self.roots = roots
+        scope = [_Root(real, "", kind) for real, kind in self.given]
+        scan_paths = list(self.paths)
+        if rebuilding and not self.prune:
+            # A rebuild re-reads every recorded root, not only the ones named this time.
+            extra = [r for r in before_roots if not any(g.covers(r.path) for g in scope)]
+            missing = [r for r in extra if not os.path.exists(r.path)]
+            if missing:
+                raise InputPathError(
+                    f"a rebuild re-reads every root of the index, and {len(missing)} of them are "
+                    f"missing: {', '.join(repr(r.label) for r in missing)} (its files are in the "
+                    "index). Nothing was changed; restore them, or pass prune=True (--prune) to "
+                    "rebuild from the given paths only",
+                    paths=tuple(r.label for r in missing))
+            extra.sort(key=lambda r: len(r.path))  # outer folders first: nested ones are walked once
+            scan_paths += [r.path for r in extra]
+            scope += extra
+
+        shielded: list[_Root] = []  # folders the walk could not read: their files are kept
+
+        def in_scope(path: str) -> bool:
+            if any(r.covers(path) for r in shielded):
+                return False
+            return self.prune or any(r.covers(path) for r in scope)
 
         # -- 1. what changed: one stat per file, content sha256 only when the stat differs.
         scan_opts: dict[str, Any] = {"max_bytes": self.max_bytes} if self.max_bytes else {}
-        found = scan(self.paths, include=self.include, exclude=self.exclude, **scan_opts)
-        known = {r[0]: r[1:] for r in self.db.execute(
-            "SELECT path, size, mtime_ns, sha256, status, reason, detail FROM files")}
+        found = scan(scan_paths, include=self.include, exclude=self.exclude, **scan_opts)
+        shielded += [_Root(_canon(str(s.path)), "", "dir") for s in found.skipped
+                     if s.reason in ("unreadable", "missing")]
+        known = {} if rebuilding else before
+        self.old_indexed = {p for p, v in before.items() if v[3] == "indexed"}
         seen: set[str] = set()
         self.n_seen = len(found.files) + len(found.skipped)
         for s in found.skipped:
-            path, why, detail = str(s.path), str(s.reason), str(getattr(s, "detail", "") or "")
+            path, why, detail = _canon(str(s.path)), str(s.reason), str(getattr(s, "detail", "") or "")
             self.skipped.append((path, why, detail))
             seen.add(path)
             prev = known.get(path)
             if prev is None or prev[3] != "skipped" or prev[4] != why:
                 if prev is not None and prev[3] == "indexed":
                     self._drop_sources(path)
-                    self.stats["files_removed"] += 1
                 self._record_file(path, -1, -1, None, "skipped", why, detail)
                 self.changed = True
         todo: list[tuple[str, int, int, str | None]] = []
@@ -1301,15 +1782,21 @@ class _Builder:
                 todo.append((path, f.size, f.mtime_ns, digest))
             else:
                 todo.append((path, f.size, f.mtime_ns, None))
-        gone = [p for p in known if p not in seen]
+        found_paths = {str(f.path) for f in found.files}
+        leaving = sorted(p for p in self.old_indexed if p not in found_paths and in_scope(p))
+        self._guard_removal(leaving)
+        self.stats["files_removed"] = len(leaving)
+        self.stats["files_kept"] = sum(1 for p in self.old_indexed if not in_scope(p))
+        gone = [p for p in known if p not in seen and in_scope(p)]
         for path in gone:
             self._drop_file(path)
-            if known[path][3] == "indexed":
-                self.stats["files_removed"] += 1
         for path, *_ in todo:
             if path in known:
                 self._drop_sources(path)
         if gone or todo:
+            self.changed = True
+        if {(r.path, r.label, r.kind) for r in self._final_roots()} != {
+                (r.path, r.label, r.kind) for r in _read_roots(self.db)}:
             self.changed = True
 
         # -- 2. load, clean, chunk, dedup, embed; files stream in batches.
@@ -1337,6 +1824,7 @@ class _Builder:
 
         if not self.changed:
             # Nothing to commit: no new generation, the current one stays.
+            self.checkpoint.remove()
             return self._summary(committed=False)
 
         # -- 3. chunks left without any source disappear, from SQLite and FAISS alike.
@@ -1349,8 +1837,38 @@ class _Builder:
             if self.faiss is not None:
                 self.faiss.remove_ids(np.array(orphans, dtype=np.int64))
             self.stats["chunks_removed"] += len(orphans)
+        self.roots = self._final_roots()
+        self.db.execute("DELETE FROM roots")
+        self.db.executemany("INSERT INTO roots (path, label, kind) VALUES (?,?,?)",
+                            [(r.path, r.label, r.kind) for r in self.roots])
         self._commit()
+        self.checkpoint.remove()  # after the commit point: its vectors are in the index now
         return self._summary(committed=True)
+
+    def _final_roots(self) -> list[_Root]:
+        """The roots to record: the ones given to this run, and earlier ones still holding a file."""
+        assert self.db is not None
+        given = {real for real, _ in self.given}
+        paths = [r[0] for r in self.db.execute("SELECT path FROM files")]
+        return [r for r in self.roots if r.path in given or any(r.covers(p) for p in paths)]
+
+    def _guard_removal(self, leaving: list[str]) -> None:
+        """Refuse (before anything is written) a run that would remove much of the index,
+        unless the caller said removal is meant."""
+        n, total = len(leaving), len(self.old_indexed)
+        if not n or self.allow_removal or self.prune:
+            return
+        if n < total and (n <= REMOVAL_GUARD_FILES or n <= REMOVAL_GUARD_SHARE * total):
+            return
+        shown = _Roots(self.roots)
+        examples = ", ".join(shown.display(p) for p in leaving[:3]) + (", ..." if n > 3 else "")
+        what = "all" if n == total else f"{n} of the"
+        raise ConfigError(
+            f"this run would remove {what} {total} indexed file(s) ({examples}): they are no "
+            "longer found under the given paths. Nothing was changed. If they were really "
+            "deleted, run again with --allow-removal (allow_removal=True); check that the "
+            "folder is the right one and is mounted"
+        )
 
     def _unchanged(self, path: str, prev: tuple[Any, ...]) -> None:
         if prev[3] == "indexed":
@@ -1411,17 +1929,24 @@ class _Builder:
                                       num_perm=self.settings["dedup"]["num_perm"])
         for c, h, sig in zip(chunks, hashes, sigs):
             self._add_chunk(path, c, h, sig)
-        self._record_file(path, size, mtime_ns, digest, "indexed", None, None, len(chunks), furniture)
+        warning = doc.meta.get("encoding_warning") or None
+        if warning:
+            self.warnings.append((path, str(warning)))
+        pages = int(doc.meta.get("n_pages") or len(doc.pages)) if doc.paginated else None
+        self._record_file(path, size, mtime_ns, digest, "indexed", None, None, len(chunks), furniture,
+                          pages, warning)
         self.stats["files_indexed"] += 1
+        self.stats["files_updated" if path in self.old_indexed else "files_added"] += 1
 
     def _record_file(self, path: str, size: int, mtime_ns: int, digest: str | None, status: str,
                      reason: str | None, detail: str | None, n_chunks: int = 0,
-                     furniture: int = 0) -> None:
+                     furniture: int = 0, pages: int | None = None, warning: str | None = None) -> None:
         assert self.db is not None
         self.db.execute(
             "INSERT OR REPLACE INTO files (path, size, mtime_ns, sha256, status, reason, detail, "
-            "n_chunks, furniture) VALUES (?,?,?,?,?,?,?,?,?)",
-            (path, size, mtime_ns, digest, status, reason, detail, n_chunks, furniture),
+            "n_chunks, furniture, n_pages, warning) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+            (path, size, mtime_ns, digest, status, reason, detail, n_chunks, furniture, pages,
+             warning),
         )
 
     def _near_index(self) -> Any:
@@ -1520,6 +2045,19 @@ class _Builder:
         todo = list(range(len(batch)))
         if self.reuse is not None:
             vecs, todo = self._reuse_vectors(batch, windows)
+        if todo and self.checkpoint is not None and self.checkpoint.vectors:
+            left = []
+            for j in todo:
+                got = self.checkpoint.get(batch[j][1])
+                if got is None or (vecs is not None and got[0].shape[0] != vecs.shape[1]):
+                    left.append(j)
+                    continue
+                if vecs is None:
+                    vecs = np.zeros((len(batch), got[0].shape[0]), dtype=np.float32)
+                vecs[j], windows[j] = got
+                self.stats["chunks_reused"] += 1
+                self.stats["chunks_resumed"] += 1
+            todo = left
         if todo:
             emb = self.embedder
             assert emb is not None
@@ -1531,6 +2069,8 @@ class _Builder:
             vecs[todo] = res.vectors
             for j, w in zip(todo, res.windows):
                 windows[j] = w
+            if self.checkpoint is not None:
+                self.checkpoint.add([batch[j][1] for j in todo], res.vectors, res.windows)
             self.stats["chunks_embedded"] += len(todo)
             self.stats["windows_pooled"] += res.pooled
             self.stats["windows_embedded"] += res.texts_fed
@@ -1643,6 +2183,7 @@ class _Builder:
             "sqlite": {"file": spath.name, "bytes": spath.stat().st_size,
                        "sha256": _sha256_file(spath)},
             "counts": counts,
+            "roots": [{"label": r.label, "kind": r.kind} for r in sorted(self.roots, key=lambda r: r.label)],
             "last_run": self._summary(committed=True).to_dict(),
         }
         _fsync_dir(self.dir)
@@ -1674,9 +2215,11 @@ class _Builder:
             total = self.counts["chunks"]
         else:
             total = self._count_chunks()
+        shown = _Roots(self.roots)
         return IndexSummary(
             files_seen=getattr(self, "n_seen", 0),
-            skipped=tuple(self.skipped),
+            skipped=tuple((shown.display(p), r, shown.scrub(d) or "") for p, r, d in self.skipped),
+            warnings=tuple((shown.display(p), m) for p, m in self.warnings),
             chunks_total=total,
             seconds=time.perf_counter() - self.t0,
             embed_seconds=self.embed_seconds,

@@ -365,23 +365,35 @@ def decode_bytes(data: bytes, *, path: str = "", html: bool = False) -> tuple[st
 
     Order: byte-order mark (UTF-8/16/32); BOM-less UTF-16 by NUL pattern; strict UTF-8; UTF-8 with
     replacements when the bytes hold real multi-byte UTF-8 sequences (a mostly-UTF-8 file with a
-    few bad bytes); an HTML ``<meta charset>``; charset-normalizer's best guess (ties go to
-    cp1252). Every invalid byte becomes U+FFFD and is counted in ``replaced_chars``.
+    few bad bytes); an HTML ``<meta charset>``; then a legacy code page: cp1252 (latin-1 when
+    cp1252 leaves a byte undefined) unless charset-normalizer finds text that reads clearly
+    better in another one (Cyrillic, Greek, Central European...). Every invalid byte becomes
+    U+FFFD and is counted in ``replaced_chars``. :func:`load_document` records a guessed
+    encoding or replaced bytes as ``meta["encoding_warning"]``.
 
     >>> decode_bytes("café".encode("utf-16"))[1:]
     ('utf-16-le', 0)
     >>> decode_bytes(b"ok \\xff\\xfe caf\\xc3\\xa9")
     ('ok \\ufffd\\ufffd café', 'utf-8', 2)
+    >>> decode_bytes("Zürich café".encode("cp1252"))[1:]
+    ('cp1252', 0)
     """
+    text, encoding, replaced, _ = _decode(data, path=path, html=html)
+    return text, encoding, replaced
+
+
+def _decode(data: bytes, *, path: str, html: bool) -> tuple[str, str, int, bool]:
+    """:func:`decode_bytes`, and whether the encoding was guessed (no BOM, not UTF-8, no charset
+    declared)."""
     for bom, enc in _BOMS:
         if data.startswith(bom):
             text, replaced = _decode_counting(data[len(bom) :], enc)
-            return text, enc, replaced
+            return text, enc, replaced, False
     head = data[:_HEAD]
     utf16 = _bomless_utf16(head)
     if utf16:
         text, replaced = _decode_counting(data, utf16)
-        return text, utf16, replaced
+        return text, utf16, replaced, False
     if b"\x00" in head:
         raise LoadError(
             f"{path}: looks binary (NUL bytes in the first {_HEAD} bytes); only text, HTML and "
@@ -397,10 +409,10 @@ def decode_bytes(data: bytes, *, path: str = "", html: bool = False) -> tuple[st
             reason="binary",
         )
     with contextlib.suppress(UnicodeDecodeError):
-        return data.decode("utf-8"), "utf-8", 0
+        return data.decode("utf-8"), "utf-8", 0, False
     if _UTF8_MULTIBYTE.search(data):
         text, replaced = _decode_counting(data, "utf-8")
-        return text, "utf-8", replaced
+        return text, "utf-8", replaced, False
     if html:
         m = _META_CHARSET.search(head)
         if m:
@@ -408,26 +420,47 @@ def decode_bytes(data: bytes, *, path: str = "", html: bool = False) -> tuple[st
             with contextlib.suppress(LookupError, UnicodeError):
                 enc = codecs.lookup(m.group(1).decode("ascii")).name
                 text, replaced = _decode_counting(data, enc)
-                return text, enc, replaced
+                return text, enc, replaced, False
     enc = _guess_legacy(data)
     text, replaced = _decode_counting(data, enc)
-    return text, enc, replaced
+    return text, enc, replaced, True
+
+
+# How much worse than the detector's best guess the Western reading may look (charset-normalizer's
+# "mess" ratio, 0 = clean) and still win: short or plain texts give the detector almost nothing,
+# and it then ranks exotic pages (mac_latin2, cp775, even UTF-16) level with cp1252, which turned
+# "café" into "cafť". Text really written in another page reads far messier as cp1252 (Russian
+# in cp1251 scores > 0.3, Polish in cp1250 > 1), so the margin only settles near-ties.
+_WESTERN_MARGIN = 0.02
+# Mess is measured on the start of the text: enough to judge, bounded for big files.
+_MESS_SAMPLE = 65536
 
 
 def _guess_legacy(data: bytes) -> str:
+    """The code page of text that is not UTF-8: cp1252 (latin-1 if cp1252 leaves a byte
+    undefined) unless the detector's best guess reads clearly cleaner."""
+    try:
+        western, text = "cp1252", data.decode("cp1252")
+    except UnicodeDecodeError:
+        western, text = "latin_1", data.decode("latin-1")
     try:
         import charset_normalizer
-    except ImportError:  # optional in spirit: fall back to cp1252, the commonest legacy page
-        return "cp1252"
-    matches = list(charset_normalizer.from_bytes(data))
+        from charset_normalizer.md import mess_ratio
+    except ImportError:  # optional in spirit: the commonest legacy page
+        return western
+    # UTF-16/32 without a BOM was ruled out by the NUL-pattern test before we got here.
+    matches = [m for m in charset_normalizer.from_bytes(data)
+               if not codecs.lookup(m.encoding).name.startswith(("utf_16", "utf_32"))]
     if not matches:
-        return "cp1252"
+        return western
     best = min(m.chaos for m in matches)
+    if mess_ratio(text[:_MESS_SAMPLE], 1.0) <= best + _WESTERN_MARGIN:
+        return western
     tied = {codecs.lookup(m.encoding).name for m in matches if m.chaos <= best + 1e-9}
     for enc in _PREFERRED_TIES:
         if codecs.lookup(enc).name in tied:
             return codecs.lookup(enc).name
-    return codecs.lookup(matches[0].encoding).name
+    return codecs.lookup(min(matches, key=lambda m: m.chaos).encoding).name
 
 
 # --------------------------------------------------------------------------------------------------
@@ -693,7 +726,8 @@ def load_document(
     removed by :func:`~ragbudget.clean.strip_headers_footers` (``boilerplate``: corpus-wide
     line keys from :meth:`BoilerplateFilter.patterns`, removed at page edges too). ``meta`` holds ``format``, ``encoding``,
     ``replaced_chars``, ``paginated``, ``n_pages``, ``size``, ``mtime``, ``mtime_ns``,
-    ``compressed``, ``furniture_removed``, ``furniture_patterns`` and, for HTML, ``title``.
+    ``compressed``, ``furniture_removed``, ``furniture_patterns``, for HTML ``title``, and
+    ``encoding_warning`` when the text encoding was guessed or bytes had to be replaced.
 
     Raises :class:`~ragbudget.errors.LoadError` with ``reason`` in ``binary``, ``too_large``,
     ``unreadable``, ``empty``, ``encrypted``, ``malformed``, ``unsupported``.
@@ -725,8 +759,15 @@ def load_document(
         raw_pages = _pdf_pages(data, spath)
         meta.update(encoding="pdf", replaced_chars=0, paginated=True)
     else:
-        text, encoding, replaced = decode_bytes(data, path=spath, html=fmt == "html")
+        text, encoding, replaced, guessed = _decode(data, path=spath, html=fmt == "html")
         meta.update(encoding=encoding, replaced_chars=replaced)
+        notes = []
+        if guessed:
+            notes.append(f"not UTF-8: decoded as {encoding} (a guess; save it as UTF-8 to be sure)")
+        if replaced:
+            notes.append(f"{replaced} undecodable byte(s) replaced by U+FFFD")
+        if notes:
+            meta["encoding_warning"] = "; ".join(notes)
         if fmt == "html":
             text, title = _html_to_text(text, spath)
             meta["title"] = title

@@ -205,3 +205,141 @@ def test_search_retrieval_options(runner: CliRunner, tmp_path: Path) -> None:
     assert json.loads(hybrid.stdout)[0]["sources"][0]["path"].endswith("zebra.txt")
     bad = runner.invoke(cli, [*args, "--fusion", "sum"])
     assert bad.exit_code == 2
+
+
+# --- index: a typo never empties an index; runs add; removal is scoped, guarded, explicit ----------
+
+
+def _notes(root: Path, name: str, n: int, word: str) -> Path:
+    folder = root / name
+    folder.mkdir(parents=True)
+    for i in range(n):
+        (folder / f"{word}{i}.txt").write_text(f"Note {i} about {word}s and their {word}ly habits. " * 30)
+    return folder
+
+
+def _index(runner: CliRunner, index_dir: Path, *args: str) -> Any:
+    return runner.invoke(cli, ["index", *args, "--index-dir", str(index_dir), "--embedder", "hash:64"])
+
+
+def _stats(runner: CliRunner, index_dir: Path) -> dict[str, Any]:
+    result = runner.invoke(cli, ["stats", "--index-dir", str(index_dir), "--json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def test_index_typo_is_exit_1_and_leaves_the_index_alone(runner: CliRunner, tmp_path: Path) -> None:
+    corpus = _notes(tmp_path, "corpus", 5, "otter")
+    idx = tmp_path / "idx"
+    assert _index(runner, idx, str(corpus)).exit_code == 0
+    before = _stats(runner, idx)
+    result = _index(runner, idx, str(tmp_path / "corpuz"))
+    assert result.exit_code == 1
+    assert result.output.startswith("Error: ") and result.output.count("\n") == 1
+    assert "corpuz" in result.output and "Traceback" not in result.output
+    after = _stats(runner, idx)
+    assert after["chunks"] == before["chunks"] > 0 and after["generation"] == before["generation"]
+
+
+def test_index_missing_path_into_a_new_folder_creates_nothing(runner: CliRunner, tmp_path: Path) -> None:
+    idx = tmp_path / "fresh"
+    result = _index(runner, idx, str(tmp_path / "does-not-exist"))
+    assert result.exit_code == 1 and "no index was created" in result.output
+    assert not idx.exists()
+    assert runner.invoke(cli, ["stats", "--index-dir", str(idx)]).exit_code == 1
+
+
+def test_index_a_then_b_keeps_both(runner: CliRunner, tmp_path: Path) -> None:
+    a = _notes(tmp_path, "a", 2, "otter")
+    b = _notes(tmp_path, "b", 3, "heron")
+    idx = tmp_path / "idx"
+    assert _index(runner, idx, str(a)).exit_code == 0
+    result = _index(runner, idx, str(b))
+    assert result.exit_code == 0, result.output
+    assert "files: 3 added, 0 updated, 0 removed" in result.output
+    assert "2 under other roots kept" in result.output
+    listing = runner.invoke(cli, ["sources", "--index-dir", str(idx), "--json"])
+    assert listing.exit_code == 0, listing.output
+    assert sorted(f["path"] for f in json.loads(listing.stdout)) == [
+        "a/otter0.txt", "a/otter1.txt", "b/heron0.txt", "b/heron1.txt", "b/heron2.txt"]
+    # A vanished file under the other root is kept until that root is indexed again.
+    (a / "otter1.txt").unlink()
+    assert "0 removed" in _index(runner, idx, str(b)).output
+    result = _index(runner, idx, str(a))
+    assert result.exit_code == 0 and "1 removed" in result.output
+
+
+def test_index_mass_removal_needs_a_flag_and_prune_mirrors(runner: CliRunner, tmp_path: Path) -> None:
+    a = _notes(tmp_path, "a", 10, "otter")
+    b = _notes(tmp_path, "b", 2, "heron")
+    idx = tmp_path / "idx"
+    assert _index(runner, idx, str(a)).exit_code == 0
+    assert _index(runner, idx, str(b)).exit_code == 0
+    for i in range(6):  # 6 of 12 files: more than 5 and more than 20 %
+        (a / f"otter{i}.txt").unlink()
+    before = _stats(runner, idx)
+    refused = _index(runner, idx, str(a))
+    assert refused.exit_code == 1 and "remove 6 of the 12 indexed file(s)" in refused.output
+    assert _stats(runner, idx)["generation"] == before["generation"]
+    allowed = _index(runner, idx, str(a), "--allow-removal")
+    assert allowed.exit_code == 0 and "6 removed" in allowed.output, allowed.output
+    # --prune mirrors the given paths: b's files go too (and it is explicit, so no guard).
+    pruned = _index(runner, idx, str(a), "--prune")
+    assert pruned.exit_code == 0 and "2 removed" in pruned.output, pruned.output
+    listing = json.loads(runner.invoke(cli, ["sources", "--index-dir", str(idx), "--json"]).stdout)
+    assert sorted(f["path"] for f in listing) == [f"a/otter{i}.txt" for i in range(6, 10)]
+
+
+def test_index_emptied_folder_is_refused_without_allow_removal(runner: CliRunner, tmp_path: Path) -> None:
+    corpus = _notes(tmp_path, "mnt", 3, "otter")
+    idx = tmp_path / "idx"
+    assert _index(runner, idx, str(corpus)).exit_code == 0
+    for p in corpus.iterdir():
+        p.unlink()
+    before = _stats(runner, idx)
+    result = _index(runner, idx, str(corpus))
+    assert result.exit_code == 1 and "remove all 3 indexed file(s)" in result.output
+    assert "--allow-removal" in result.output and result.output.count("\n") == 1
+    assert _stats(runner, idx)["chunks"] == before["chunks"]
+    allowed = _index(runner, idx, str(corpus), "--allow-removal")
+    assert allowed.exit_code == 0 and "3 removed" in allowed.output
+
+
+def test_sources_lists_files_with_chunks_and_skips(runner: CliRunner, tmp_path: Path) -> None:
+    corpus = _notes(tmp_path, "corpus", 2, "otter")
+    (corpus / "blob.bin").write_bytes(b"\x00" * 10)
+    (corpus / ".hidden.txt").write_text("secret")
+    (corpus / "old.txt").write_bytes(("Un café naïve à Zürich. " * 20).encode("cp1252"))
+    idx = tmp_path / "idx"
+    summary = _index(runner, idx, str(corpus))
+    assert summary.exit_code == 0
+    assert "warning corpus/old.txt: not UTF-8: decoded as cp1252" in summary.output
+    result = runner.invoke(cli, ["sources", "--index-dir", str(idx)])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert lines[0].split() == ["chunks", "pages", "status", "path"]
+    row = next(line for line in lines if line.endswith("corpus/otter0.txt"))
+    assert row.split()[0].isdigit() and int(row.split()[0]) >= 1 and "indexed" in row
+    assert any("skipped: unsupported" in line and "corpus/blob.bin" in line for line in lines)
+    assert not any(".hidden.txt" in line for line in lines)
+    assert lines[-1].startswith("3 file(s) indexed, 2 skipped") and "--all" in lines[-1]
+    assert str(tmp_path) not in result.output
+    every = runner.invoke(cli, ["sources", "--index-dir", str(idx), "--all"])
+    assert ".hidden.txt" in every.output
+
+
+def test_search_paths_are_relative_unless_asked(runner: CliRunner, tmp_path: Path) -> None:
+    corpus = _notes(tmp_path / "home" / "me", "notes", 2, "otter")
+    idx = tmp_path / "idx"
+    assert _index(runner, idx, str(corpus)).exit_code == 0
+    args = ["search", "otters", "--index-dir", str(idx), "-k", "1"]
+    as_json = runner.invoke(cli, [*args, "--json"])
+    assert as_json.exit_code == 0, as_json.output
+    assert str(tmp_path) not in as_json.stdout
+    assert json.loads(as_json.stdout)[0]["sources"][0]["path"].startswith("notes/otter")
+    text = runner.invoke(cli, args)
+    assert "notes/otter" in text.output and str(tmp_path) not in text.output
+    absolute = runner.invoke(cli, [*args, "--json", "--absolute-paths"])
+    path = json.loads(absolute.stdout)[0]["sources"][0]["path"]
+    assert path.startswith(str(corpus.resolve())) and Path(path).is_file()
+    assert str(corpus.resolve()) in runner.invoke(cli, [*args, "--absolute-paths"]).output

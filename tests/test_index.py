@@ -30,6 +30,7 @@ from ragbudget.errors import (
     IndexLockedError,
     IndexMismatchError,
     IndexNotFoundError,
+    InputPathError,
 )
 from ragbudget.index import (
     Hit,
@@ -96,10 +97,12 @@ def test_build_search_and_summary(ix: Index, corpus: Path) -> None:
     json.dumps(s.to_dict())  # JSON-able for the CLI
     hits = Index.open(ix.path).search("marker3zz", k=3)
     assert hits and isinstance(hits[0], Hit)
-    assert hits[0].sources[0].path.endswith("doc3.txt")
+    assert hits[0].sources[0].path == "corpus/doc3.txt"  # relative to the root, labelled by it
     assert "marker3zz" in hits[0].text
     src = hits[0].sources[0]
-    assert Path(src.path).read_text()[src.start : src.end] == hits[0].text
+    file = Index.open(ix.path).absolute_path(src.path)
+    assert file == str((corpus / "doc3.txt").resolve())
+    assert Path(file).read_text()[src.start : src.end] == hits[0].text
     assert hits[0].score >= hits[-1].score
     d = hits[0].to_dict()
     assert d["sources"][0]["path"] == src.path and json.dumps(d)
@@ -198,7 +201,7 @@ def test_duplicate_sources_are_all_kept_and_shrink_on_delete(ix: Index, tmp_path
     assert s.exact_duplicates >= 2 * n_chunks - 1 and s.chunks_embedded == n_chunks
     hit = Index.open(ix.path).search("shared9zz", k=1)[0]
     assert {Path(x.path).name for x in hit.sources} == {"a.txt", "b.txt", "c.txt"}
-    owner = Path(hit.sources[0].path)
+    owner = Path(Index.open(ix.path).absolute_path(hit.sources[0].path) or "")
     owner.unlink()  # the file whose text the chunk holds
     s = build(ix, corpus)
     assert s.chunks_total == n_chunks and s.chunks_embedded == 0
@@ -411,7 +414,8 @@ import test_index as t
 import faiss, ragbudget.chunking, ragbudget.dedup, ragbudget.loaders  # imported before "ready"
 from ragbudget.index import Index
 print("ready", flush=True)
-Index({ix!r}).build([{corpus!r}], embedder=t.EMB, batch_files=2, embed_batch=8, **t.OPTS)
+Index({ix!r}).build([{corpus!r}], embedder=t.EMB, batch_files=2, embed_batch=8, allow_removal=True,
+                    **t.OPTS)
 print("done", flush=True)
 """
 
@@ -459,7 +463,8 @@ def test_kill_minus_9_at_random_moments_never_breaks_the_index(tmp_path: Path) -
         assert now == before or now <= after, trial  # the old index or the new one, never a mix
         idx.close()
     assert kills >= 5  # most trials really were killed mid-run
-    s = build(Index(ixdir), corpus)
+    # Killed runs leave their deletions pending: the catch-up run may remove many files at once.
+    s = build(Index(ixdir), corpus, allow_removal=True)
     assert Index.open(ixdir).verify().ok and paths_in_index(Index.open(ixdir)) <= _file_sets(corpus)
     leftovers = [p.name for p in ixdir.iterdir() if p.name.endswith(".tmp")]
     assert not leftovers and s.committed in (True, False)
@@ -499,7 +504,8 @@ class IndexMachine(RuleBasedStateMachine):
 
     @rule()
     def reindex(self) -> None:
-        s = build(self.ix, self.corpus, embed_batch=4)
+        # Random deletions may take every file at once: removal is meant here.
+        s = build(self.ix, self.corpus, embed_batch=4, allow_removal=True)
         assert s.chunks_embedded <= s.chunks_added
 
     @invariant()
@@ -731,3 +737,342 @@ def test_verify_detects_fts_out_of_sync(ix: Index, corpus: Path) -> None:
     assert "without a lexical (FTS) row" in problems
     assert "lexical (FTS) row(s) without a chunk row" in problems
     assert "text differs" in problems
+
+
+# --- roots: a typo never empties an index; runs add; removal is scoped and guarded --------------
+
+
+def chunk_count(ix: Index) -> int:
+    return int(Index.open(ix.path).stats()["chunks"])
+
+
+def test_missing_root_is_an_error_and_changes_nothing(ix: Index, corpus: Path, tmp_path: Path) -> None:
+    build(ix, corpus)
+    before, gen = chunk_count(ix), Index.open(ix.path).stats()["generation"]
+    files_before = sorted(p.name for p in ix.path.iterdir())
+    with pytest.raises(InputPathError, match="corpuz.*no such file") as err:
+        ix.build([str(tmp_path / "corpuz")], embedder=EMB, **OPTS)
+    assert isinstance(err.value, ConfigError) and "unchanged" in str(err.value)
+    assert chunk_count(ix) == before and Index.open(ix.path).stats()["generation"] == gen
+    assert sorted(p.name for p in ix.path.iterdir()) == files_before
+    # One good path next to a missing one: still nothing is done.
+    with pytest.raises(InputPathError):
+        ix.build([str(corpus), str(tmp_path / "nope.txt")], embedder=EMB, **OPTS)
+    assert Index.open(ix.path).stats()["generation"] == gen
+
+
+def test_missing_root_into_a_new_folder_creates_nothing(tmp_path: Path) -> None:
+    target = tmp_path / "new-index"
+    with pytest.raises(InputPathError, match="no index was created"):
+        Index(target).build([str(tmp_path / "missing")], embedder=EMB)
+    assert not target.exists()
+
+
+def test_special_and_unreadable_roots_are_errors(tmp_path: Path, corpus: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    os.mkfifo(tmp_path / "pipe")
+    with pytest.raises(InputPathError, match="not a file or folder"):
+        Index(tmp_path / "ix").build([str(tmp_path / "pipe")], embedder=EMB)
+    # Tests may run as root, who reads everything: refuse the folder the way the kernel would.
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode, **kw: False if str(p) == str(corpus)
+                        else real_access(p, mode, **kw))
+    with pytest.raises(InputPathError, match="permission denied"):
+        Index(tmp_path / "ix").build([str(corpus)], embedder=EMB)
+    assert not (tmp_path / "ix").exists()
+
+
+def test_indexing_a_second_folder_adds_to_the_first(ix: Index, tmp_path: Path) -> None:
+    a = write_corpus(tmp_path / "a", n=3)
+    b = write_corpus(tmp_path / "b", n=2, start_seed=50)
+    build(ix, a)
+    s = build(ix, b)
+    assert s.files_added == 2 and s.files_removed == 0 and s.files_kept == 3
+    idx = Index.open(ix.path)
+    shown = {f.path for f in idx.sources()}
+    assert shown == {"a/doc0.txt", "a/doc1.txt", "a/doc2.txt", "b/doc0.txt", "b/doc1.txt"}
+    assert idx.roots() == ["a", "b"] and idx.stats()["roots"] == ["a", "b"]
+    assert "marker1zz" in idx.search("marker1zz", k=1)[0].text
+    assert idx.verify().ok
+
+
+def test_removal_is_scoped_to_the_given_roots(ix: Index, tmp_path: Path) -> None:
+    a = write_corpus(tmp_path / "a", n=6)
+    b = write_corpus(tmp_path / "b", n=6, start_seed=50)
+    build(ix, a)
+    build(ix, b)
+    (a / "doc1.txt").unlink()
+    (b / "doc2.txt").unlink()
+    s = build(ix, b)  # only b's vanished file goes; a's is kept until a is indexed again
+    assert s.files_removed == 1 and s.files_kept == 6
+    shown = {f.path for f in Index.open(ix.path).sources()}
+    assert "b/doc2.txt" not in shown and "a/doc1.txt" in shown
+    s = build(ix, a)
+    assert s.files_removed == 1 and "a/doc1.txt" not in {f.path for f in Index.open(ix.path).sources()}
+    # A single-file root scopes removal to that file.
+    single = tmp_path / "single.txt"
+    single.write_text(make_text(99, unique="singlezz"))
+    build(ix, single)
+    assert "single.txt" in {f.path for f in Index.open(ix.path).sources()}
+    assert Index.open(ix.path).verify().ok
+
+
+def test_prune_mirrors_exactly_the_given_paths(ix: Index, tmp_path: Path) -> None:
+    a = write_corpus(tmp_path / "a", n=2)
+    b = write_corpus(tmp_path / "b", n=2, start_seed=50)
+    build(ix, a)
+    build(ix, b)
+    s = build(ix, b, prune=True)
+    assert s.files_removed == 2 and s.files_kept == 0
+    idx = Index.open(ix.path)
+    assert {f.path for f in idx.sources()} == {"b/doc0.txt", "b/doc1.txt"}
+    assert idx.roots() == ["b"]  # a root left without files is forgotten
+    assert idx.verify().ok
+
+
+def test_mass_removal_needs_an_explicit_flag(ix: Index, tmp_path: Path) -> None:
+    corpus = write_corpus(tmp_path / "c", n=20)
+    build(ix, corpus)
+    gen = Index.open(ix.path).stats()["generation"]
+    for i in range(6):  # 6 files (> 5) and 30 % (> 20 %)
+        (corpus / f"doc{i}.txt").unlink()
+    with pytest.raises(ConfigError, match=r"remove 6 of the 20 indexed file\(s\).*--allow-removal"):
+        build(ix, corpus)
+    assert Index.open(ix.path).stats()["generation"] == gen and chunk_count(ix) > 0
+    s = build(ix, corpus, allow_removal=True)
+    assert s.files_removed == 6 and s.committed
+    # A few deletions are everyday editing: no flag needed.
+    (corpus / "doc6.txt").unlink()
+    assert build(ix, corpus).files_removed == 1
+
+
+def test_emptied_root_never_empties_the_index(ix: Index, tmp_path: Path) -> None:
+    corpus = write_corpus(tmp_path / "mnt", n=2)
+    build(ix, corpus)
+    for p in corpus.iterdir():  # an unmounted drive: the folder is there, its files are not
+        p.unlink()
+    before = chunk_count(ix)
+    with pytest.raises(ConfigError, match="remove all 2 indexed"):
+        build(ix, corpus)
+    assert chunk_count(ix) == before
+    s = build(ix, corpus, prune=True)  # the explicit mirror may empty it
+    assert s.files_removed == 2 and s.chunks_total == 0
+
+
+def test_rebuild_keeps_every_root_and_needs_them_all(ix: Index, tmp_path: Path) -> None:
+    a = write_corpus(tmp_path / "a", n=2)
+    b = write_corpus(tmp_path / "b", n=2, start_seed=50)
+    build(ix, a)
+    build(ix, b)
+    s = build(ix, b, rebuild=True)
+    assert s.rebuilt and s.files_indexed == 4 and s.files_removed == 0
+    assert len(Index.open(ix.path).sources()) == 4
+    # A settings change rebuilds too: still every root.
+    s = build(ix, b, max_tokens=80)
+    assert s.rebuilt and len(Index.open(ix.path).sources()) == 4
+    import shutil
+
+    shutil.rmtree(a)
+    with pytest.raises(InputPathError, match="'a'"):
+        build(ix, b, max_tokens=80, rebuild=True)
+    s = build(ix, b, max_tokens=80, rebuild=True, prune=True)
+    assert {f.path for f in Index.open(ix.path).sources()} == {"b/doc0.txt", "b/doc1.txt"}
+
+
+def test_paths_are_shown_relative_to_their_root(ix: Index, tmp_path: Path) -> None:
+    notes = tmp_path / "home" / "me" / "notes"
+    (notes / "deep").mkdir(parents=True)
+    (notes / "deep" / "guide.txt").write_text(make_text(3, unique="guidezz"))
+    (notes / "top.txt").write_text(make_text(4))
+    (notes / "blob.bin").write_bytes(b"\x00" * 64)
+    s = build(ix, notes)
+    private = str(tmp_path)
+    assert private not in json.dumps(s.to_dict())
+    idx = Index.open(ix.path)
+    hit = idx.search("guidezz", k=1)[0]
+    assert hit.sources[0].path == "notes/deep/guide.txt"
+    for h in idx.search("kaba lode", k=10) + idx.get_chunks(range(1, 100)):
+        assert private not in json.dumps(h.to_dict())
+    assert private not in json.dumps([f.to_dict() for f in idx.sources()])
+    # Lookups take the display path (and still the absolute one).
+    seq = idx.chunks_of("notes/deep/guide.txt")
+    assert seq and seq == idx.chunks_of(str((notes / "deep" / "guide.txt").resolve()))
+    assert idx.neighbors(seq[0][1], path="notes/deep/guide.txt")[0] is None
+    assert idx.absolute_path("notes/deep/guide.txt") == str((notes / "deep" / "guide.txt").resolve())
+    assert idx.absolute_path("elsewhere/x.txt") is None
+    # The local opt-in: absolute paths.
+    local = Index.open(ix.path, absolute_paths=True)
+    assert local.search("guidezz", k=1)[0].sources[0].path == str((notes / "deep" / "guide.txt").resolve())
+
+
+def test_roots_with_the_same_name_get_distinct_labels(ix: Index, tmp_path: Path) -> None:
+    one = write_corpus(tmp_path / "x" / "docs", n=1)
+    two = write_corpus(tmp_path / "y" / "docs", n=1, start_seed=40)
+    build(ix, one)
+    build(ix, two)
+    assert {f.path for f in Index.open(ix.path).sources()} == {"docs/doc0.txt", "docs-2/doc0.txt"}
+    # A folder inside a recorded root adds no root: paths keep their form.
+    sub = one / "sub"
+    sub.mkdir()
+    (sub / "n.txt").write_text(make_text(77))
+    build(ix, sub)
+    assert "docs/sub/n.txt" in {f.path for f in Index.open(ix.path).sources()}
+
+
+def _drop_roots(ix: Index) -> None:
+    """Make the current generation look like one written before roots were recorded."""
+    import sqlite3
+
+    m = json.loads((ix.path / "manifest.json").read_text())
+    db_path = ix.path / m["sqlite"]["file"]
+    con = sqlite3.connect(db_path)
+    con.execute("DROP TABLE roots")
+    for col in ("n_pages", "warning"):  # the files table of that time (SQLite >= 3.35)
+        con.execute(f"ALTER TABLE files DROP COLUMN {col}")
+    con.commit()
+    con.close()
+    m["sqlite"]["bytes"] = db_path.stat().st_size
+    m["sqlite"]["sha256"] = hashlib.sha256(db_path.read_bytes()).hexdigest()
+    m.pop("roots", None)
+    (ix.path / "manifest.json").write_text(json.dumps(m))
+
+
+def test_index_without_roots_opens_with_a_fallback_and_is_upgraded(
+        ix: Index, corpus: Path, caplog: pytest.LogCaptureFixture) -> None:
+    build(ix, corpus)
+    _drop_roots(ix)
+    with caplog.at_level("WARNING", logger="ragbudget.index"):
+        idx = Index.open(ix.path)
+        assert idx.search("marker2zz", k=1)[0].sources[0].path == "corpus/doc2.txt"
+        assert {f.path for f in idx.sources()} == {f"corpus/doc{i}.txt" for i in range(6)}
+    assert any("records no roots" in r.getMessage() for r in caplog.records)
+    assert idx.verify().ok
+    s = build(ix, corpus)  # nothing changed on disk, but the roots get recorded
+    assert s.committed and s.files_unchanged == 6 and s.chunks_embedded == 0
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="ragbudget.index"):
+        assert Index.open(ix.path).roots() == ["corpus"]
+        assert all(f.pages is None and f.chunks > 0 for f in Index.open(ix.path).sources())
+    assert not any("records no roots" in r.getMessage() for r in caplog.records)
+
+
+def test_sources_lists_files_with_chunk_counts(ix: Index, corpus: Path) -> None:
+    (corpus / "blob.bin").write_bytes(b"\x00\x01" * 50)
+    (corpus / "paged.txt").write_text("first page text here\fsecond page text here\f")
+    build(ix, corpus)
+    files = {f.path: f for f in Index.open(ix.path).sources()}
+    assert files["corpus/doc0.txt"].status == "indexed" and files["corpus/doc0.txt"].chunks >= 3
+    assert files["corpus/doc0.txt"].pages is None
+    assert files["corpus/paged.txt"].pages == 2
+    assert files["corpus/blob.bin"].status == "skipped" and files["corpus/blob.bin"].reason == "unsupported"
+
+
+# --- a killed build resumes from its checkpoint ------------------------------------------------------
+
+_KILLED_CHILD = """
+import os, signal, sys
+sys.path.insert(0, {tests!r})
+import test_index as t
+from ragbudget.embed import HashEmbedder
+from ragbudget.index import Index
+
+class Dies(HashEmbedder):
+    calls = 0
+    def embed(self, texts, **kw):
+        Dies.calls += 1
+        if Dies.calls == 3:  # two batches are embedded and checkpointed, the third never ends
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().embed(texts, **kw)
+
+Index({ix!r}).build([{corpus!r}], embedder=Dies(dim=256), embed_batch=8, **t.OPTS)
+"""
+
+
+def test_killed_first_build_resumes_without_re_embedding(tmp_path: Path) -> None:
+    corpus = write_corpus(tmp_path / "corpus", n=12)
+    ixdir = tmp_path / "ix"
+    code = _KILLED_CHILD.format(tests=str(Path(__file__).parent), ix=str(ixdir), corpus=str(corpus))
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert child.returncode == -signal.SIGKILL, child.stderr
+    assert not (ixdir / "manifest.json").exists() and (ixdir / "embed.checkpoint").is_file()
+    s = build(Index(ixdir), corpus, embed_batch=8)
+    assert s.chunks_resumed == 16 and s.chunks_reused == 16
+    assert s.chunks_embedded == s.chunks_total - 16 > 0
+    assert not (ixdir / "embed.checkpoint").exists()  # spent once committed
+    clean = tmp_path / "clean"
+    ref = build(Index(clean), corpus, embed_batch=8)
+    assert ref.chunks_total == s.chunks_total
+    got, want = Index.open(ixdir), Index.open(clean)
+    assert got.verify().ok
+    ids = range(1, s.chunks_total + 1)
+    assert [h.to_dict() for h in got.get_chunks(ids)] == [h.to_dict() for h in want.get_chunks(ids)]
+    got._load()
+    want._load()
+    for i in ids:
+        assert np.array_equal(got._faiss.reconstruct(i), want._faiss.reconstruct(i))
+
+
+def test_checkpoint_of_another_embedder_is_dropped(tmp_path: Path) -> None:
+    corpus = write_corpus(tmp_path / "corpus", n=3)
+    ixdir = tmp_path / "ix"
+    code = _KILLED_CHILD.format(tests=str(Path(__file__).parent), ix=str(ixdir), corpus=str(corpus))
+    code = code.replace("embed_batch=8", "embed_batch=2")
+    subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert (ixdir / "embed.checkpoint").is_file()
+    s = Index(ixdir).build([str(corpus)], embedder=HashEmbedder(dim=64), embed_batch=2, **OPTS)
+    assert s.chunks_resumed == 0 and s.chunks_embedded == s.chunks_total
+    assert not (ixdir / "embed.checkpoint").exists()
+
+
+def test_guessed_encoding_is_a_warning_in_the_summary(ix: Index, corpus: Path) -> None:
+    (corpus / "legacy.txt").write_bytes(("Le café de Zürich est naïve. " * 10).encode("cp1252"))
+    s = build(ix, corpus)
+    assert [(p, "cp1252" in m) for p, m in s.warnings] == [("corpus/legacy.txt", True)]
+    assert s.to_dict()["warnings"][0]["path"] == "corpus/legacy.txt"
+    idx = Index.open(ix.path)
+    assert "café de Zürich" in idx.search("Zürich café", k=1)[0].text
+    assert "cp1252" in next(f for f in idx.sources() if f.path == "corpus/legacy.txt").warning
+
+
+def test_files_under_an_unreadable_folder_are_kept(ix: Index, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    corpus = write_corpus(tmp_path / "c", n=2)
+    write_corpus(corpus / "sub", n=2, start_seed=30)
+    build(ix, corpus)
+    real_scandir = os.scandir
+
+    def refusing(path):  # type: ignore[no-untyped-def]
+        if str(path).endswith("sub"):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_scandir(path)
+
+    monkeypatch.setattr(os, "scandir", refusing)
+    s = build(ix, corpus)
+    assert s.files_removed == 0 and any(r == "unreadable" for _, r, _ in s.skipped)
+    assert {"c/sub/doc0.txt", "c/sub/doc1.txt"} <= {f.path for f in Index.open(ix.path).sources()}
+
+
+def test_checkpoint_keeps_whole_records_and_drops_a_torn_tail(tmp_path: Path) -> None:
+    from ragbudget.index import _Checkpoint
+
+    ident = {"kind": "hash", "id": "hash-4"}
+    ck = _Checkpoint(tmp_path, ident)
+    ck.add(["a", "b"], np.eye(2, 4, dtype=np.float32), [1, 2])
+    ck.add(["c"], np.ones((1, 4), dtype=np.float32), [1])
+    ck.close()
+    path = tmp_path / "embed.checkpoint"
+    data = path.read_bytes()
+    path.write_bytes(data[:-5])  # killed in the middle of the last record
+    again = _Checkpoint(tmp_path, ident)
+    assert sorted(again.vectors) == sorted(_Checkpoint.key(t) for t in "ab")
+    vec, windows = again.get("b")  # type: ignore[misc]
+    assert windows == 2 and vec.tolist() == [0.0, 1.0, 0.0, 0.0]
+    again.add(["c"], np.ones((1, 4), dtype=np.float32), [1])  # appends after the last whole one
+    again.close()
+    assert len(_Checkpoint(tmp_path, ident).vectors) == 3
+    flipped = bytearray(path.read_bytes())
+    flipped[-10] ^= 0xFF  # a damaged record fails its crc and is not used
+    path.write_bytes(bytes(flipped))
+    assert _Checkpoint(tmp_path, ident).get("c") is None
+    _Checkpoint(tmp_path, {"kind": "hash", "id": "hash-8"})  # another embedder: dropped
+    assert not path.exists()

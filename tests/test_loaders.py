@@ -456,3 +456,33 @@ def test_deeply_nested_html_is_malformed_not_a_crash(tmp_path: Path):
         assert exc.reason in ("malformed", "empty")
     else:
         assert "x" in doc.text
+
+
+# Short Western texts give the detector almost nothing: it ranked mac_latin2, cp775 or even
+# UTF-16 level with cp1252 and turned "café" into "cafť" or "Zürich" into CJK.
+@pytest.mark.parametrize("text", ["café", "naïve", "Zürich", "We met at the café.\n",
+                                  "Meeting in Zürich\n", "Un café naïve à Zürich.",
+                                  "The café in Zürich served a naïve crème brûlée.\n"])
+@pytest.mark.parametrize("legacy", ["cp1252", "latin-1"])
+def test_weak_guesses_prefer_western_code_pages(text, legacy):
+    decoded, encoding, replaced = decode_bytes(text.encode(legacy))
+    assert decoded == text and replaced == 0
+    assert encoding in ("cp1252", "latin_1")
+
+
+@pytest.mark.parametrize(("text", "legacy"), [
+    ("Привет, как дела? Это простой текст на русском языке для проверки кодировки.\n", "cp1251"),
+    ("Καλημέρα, αυτό είναι ένα απλό ελληνικό κείμενο για δοκιμή.\n", "cp1253"),
+    ("Příliš žluťoučký kůň úpěl ďábelské ódy.\n", "cp1250"),
+])
+def test_clear_non_western_text_keeps_its_code_page(text, legacy):
+    assert decode_bytes(text.encode(legacy)) == (text, legacy, 0)
+
+
+def test_guessed_encoding_is_a_warning_in_meta(tmp_path: Path):
+    (tmp_path / "notes.txt").write_bytes("Un café naïve à Zürich.\n".encode("cp1252"))
+    (tmp_path / "plain.txt").write_text("Un café naïve à Zürich.\n", encoding="utf-8")
+    doc = load_document(tmp_path / "notes.txt")
+    assert doc.text == "Un café naïve à Zürich."
+    assert "decoded as cp1252" in doc.meta["encoding_warning"]
+    assert "encoding_warning" not in load_document(tmp_path / "plain.txt").meta
