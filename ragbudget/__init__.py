@@ -27,6 +27,7 @@ _EXPORTS: dict[str, str] = {
     "Source": "types",
     "RagBudgetError": "errors",
     "ConfigError": "errors",
+    "InputPathError": "errors",
     "LoadError": "errors",
     "ModelError": "errors",
     "IndexError_": "errors",
