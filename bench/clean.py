@@ -195,7 +195,7 @@ def main() -> None:
 
     n_pages = sum(len(p) for p, _ in inputs.values())
     print(f"{len(inputs)} document extractions, {n_pages} pages; pdftotext: {poppler}")
-    cols = ["furniture", "page_number_lines", *KINDS, "body lost"]
+    cols = ["furniture", "page_number_lines", *KINDS, "body lost", "other lines"]
     print(f"{'cleaner':31} {'group':20} " + " ".join(f"{c[:12]:>12}" for c in cols))
     for label, r in results.items():
         for g, s in r["groups"].items():
@@ -203,7 +203,7 @@ def main() -> None:
                      *(s[f"{k}_removed_pct"] for k in KINDS)]
             body = s["body_lost_pct"]
             print(f"{label:31} {g:20} " + " ".join(f"{'-' if v is None else f'{v:.2f}%':>12}" for v in cells)
-                  + f" {body:>11.3f}%")
+                  + f" {body:>11.3f}% {s['counts'].get('other_removed', 0):>12}")
         print(f"{'':31} time {r['seconds']:.2f} s")
     for label, r in results.items():
         for doc, s in r["documents"].items():
