@@ -176,39 +176,48 @@ def classify(name: str, pages: list[str]) -> tuple[dict, set, list]:
     return furniture, body, misses
 
 
-def removed_lines(before: list[str], after: list[str]) -> set[tuple[int, int]]:
-    """Positions of ``before`` lines no longer present, whole, in the cleaned page.
+def removed_lines(before: list[str], after: list[str]) -> tuple[set, set]:
+    """``(gone, cut)``: positions of ``before`` lines absent whole from their cleaned page.
 
     Per-page multiset of whitespace-stripped lines, so a cleaner may also trim blank edges or
-    re-indent; a partial cut (a substring removed from a line) counts as "not removed" for
-    furniture and as "lost" for body.
+    re-indent. ``cut`` holds the absent lines of which a part is left (a cleaner that removes
+    substrings leaves ``" 5 / 57"`` of ``"Guide 5 / 57"``); ``gone`` the others. A cut furniture
+    line is not removed; a cut body line is lost.
     """
     if len(before) != len(after):
         raise ValueError(f"page count changed: {len(before)} -> {len(after)}")
-    out = set()
+    gone, cut = set(), set()
     for p, (b, a) in enumerate(zip(before, after)):
         left: dict[str, int] = {}
         for line in a.split("\n"):
             left[line.strip()] = left.get(line.strip(), 0) + 1
+        absent = []
         for i, line in enumerate(b.split("\n")):
             if left.get(line.strip(), 0) > 0:
                 left[line.strip()] -= 1
             else:
-                out.add((p, i))
-    return out
+                absent.append((i, line.strip()))
+        residue = [r for r, k in left.items() if k > 0 and r]
+        for i, line in absent:
+            # a cleaner that cuts keeps the start or the end of the line
+            kept = any(line.startswith(r) or line.endswith(r) for r in residue)
+            (cut if kept else gone).add((p, i))
+    return gone, cut
 
 
 def score(name: str, before: list[str], after: list[str]) -> dict[str, int]:
     """Counts for one document: ``<kind>`` / ``<kind>_removed`` per kind, ``furniture``,
     ``page_number_lines`` (lines carrying the printed number), ``body`` and their ``_removed``;
-    ``other_removed``: removed non-empty lines that are neither furniture nor body (short lines:
+    ``furniture_cut``: furniture lines only partly removed (not counted as removed);
+    ``other_removed``: removed or cut non-empty lines that are neither furniture nor body (short lines:
     headings, list items, figure labels — wrongly removed, but not counted as body loss)."""
     furniture, body, misses = classify(name, before)
     if misses:
         raise AssertionError(f"{name}: the truth does not fit this extraction: {misses[:3]}")
-    gone = removed_lines(before, after)
+    gone, cut = removed_lines(before, after)
     out = {key: 0 for kind in KINDS for key in (kind, kind + "_removed")}
     out.update(furniture=0, furniture_removed=0, page_number_lines=0, page_number_lines_removed=0)
+    out["furniture_cut"] = len(set(furniture) & cut)
     for pos, (kind, numbered) in furniture.items():
         hit = int(pos in gone)
         out[kind] += 1
@@ -219,9 +228,9 @@ def score(name: str, before: list[str], after: list[str]) -> dict[str, int]:
             out["page_number_lines"] += 1
             out["page_number_lines_removed"] += hit
     out["body"] = len(body)
-    out["body_removed"] = len(body & gone)
+    out["body_removed"] = len(body & (gone | cut))
     lines = [page.split("\n") for page in before]
     out["other_removed"] = sum(
-        1 for p, i in gone - body if (p, i) not in furniture and lines[p][i].strip()
+        1 for p, i in (gone | cut) - body if (p, i) not in furniture and lines[p][i].strip()
     )
     return out
