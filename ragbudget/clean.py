@@ -266,13 +266,14 @@ def find_furniture(
         pageno_keys[keys[(p, i)]].add(p)
     # The edge(s) where this document prints its page numbers: at least _PAGENO_MIN pages whose
     # outermost line there carries the number.
-    edge_count = defaultdict(int)
+    edge_count: dict[str, int] = defaultdict(int)
     for edge in pageno.values():
         if edge:
             edge_count[edge] += 1
     number_edges = {edge for edge, count in edge_count.items() if count >= _PAGENO_MIN}
 
-    # (key, page) pairs judged furniture. Every rule needs the key on >= 2 pages of this document.
+    # (key, page) pairs judged furniture. Every rule in this loop needs the key on >= 2 pages of
+    # this document; the page-number rule after it vouches for single outermost lines.
     furniture: set[tuple[str, int]] = set()
     n_parity = [len(range(0, n, 2)), len(range(1, n, 2))]
     for key, pset in key_pages.items():
