@@ -311,14 +311,12 @@ def find_furniture(
     # The page-number sequence vouches for them when the line is the outermost one of its page,
     # on the edge where the document prints its numbers; the lone "1" under a man page's first
     # page goes the same way. A line that repeats and carries the number was taken above.
-    if n >= _PAGENO_MIN:
-        for (p, i), edge in pageno.items():
-            if edge in number_edges:
-                furniture.add((keys[(p, i)], p))
+    # These go by position, not by key: a copy of the line elsewhere on the page stays.
+    pinned = {loc for loc, edge in pageno.items() if edge in number_edges}
     if trust_page_numbers:
         # Opt-in: the page-number sequence alone is enough, wherever in the edge zone the line
         # sits (under a fixed footer, on the other edge).
-        furniture.update((keys[loc], loc[0]) for loc in pageno)
+        pinned.update(pageno)
 
     removed: list[tuple[int, int]] = []
     per_page = []
@@ -331,7 +329,7 @@ def find_furniture(
             for i in order:
                 if i in gone:
                     break
-                if (keys[(p, i)], p) in furniture:
+                if (keys[(p, i)], p) in furniture or (p, i) in pinned:
                     gone.append(i)
                 else:
                     break

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from _furniture_truth import classify, removed_lines, score
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from ragbudget.clean import (
@@ -236,6 +236,7 @@ _NUMBERED = st.lists(
 
 @settings(max_examples=200, deadline=None)
 @given(_PAGES | _NUMBERED)
+@example(["Manual v2", "1\ndelta epsilon 3\ndelta epsilon 3", "4", "5"])  # a copy above the head
 def test_a_line_on_one_page_goes_only_as_an_outermost_page_number(pages):
     rep = find_furniture(pages)
     on_pages: dict[str, set[int]] = defaultdict(set)
