@@ -10,13 +10,21 @@ and removes the lines that repeat across pages. It does better than exact-match 
 * running heads that change per chapter (``"Chapter 5: Arrays and matrices   25"``) repeat within a
   run of nearby pages;
 * lines carrying the printed page number are recognised by the page-number *sequence*: the number
-  minus the page index is the same on many pages (roman front matter gets its own sequence).
+  minus the page index is the same on many pages (roman front matter gets its own sequence);
+* section running heads that carry the current title and the page number (``"2.3. Copyright
+  considerations  9"``, ``"2  CONTENTS"``, a one-page chapter's ``"Chapter 13: Packages  84"``)
+  go even when their text occurs once: the page-number sequence vouches for the outermost line
+  of the edge where the document prints its numbers. Lengths are measured with whitespace
+  collapsed, so ``pdftotext -layout`` heads padded to the page width count as short.
 
 Safety rules, each one a tested invariant:
 
 * a line is removed only if its masked key is found in the edge zone of at least two pages of the
-  document (or is a corpus-wide pattern passed in ``known``), so a line whose masked form appears on
-  one page only is never removed, and nothing is removed from a 1-2 page document on its own;
+  document (or is a corpus-wide pattern passed in ``known``), or it is the outermost line of its
+  page, on the document's page-number edge, and ends or starts with the number of a page-number
+  sequence seen on at least three pages; nothing is removed from a 1-2 page document on its own;
+* a line of numbers only ("12", "x", "2 11345") is removed only as a page number, never for
+  merely repeating;
 * lines are peeled from the page edges inwards and the first non-furniture line stops the peel, so
   at most :data:`ZONE` lines per edge go and body text in the middle of a page is never touched;
 * deterministic, and the output is never longer than the input (lines are only deleted).
@@ -162,13 +170,18 @@ def _zones(pages: Sequence[list[str]]) -> list[list[int]]:
 
 def _page_number_hits(
     pages: Sequence[list[str]], zones: Sequence[list[int]]
-) -> set[tuple[int, int]]:
-    """Zone lines that carry the printed page number, found as dense (kind, offset) sequences."""
+) -> dict[tuple[int, int], str | None]:
+    """Zone lines that carry the printed page number, found as dense (kind, offset) sequences.
+
+    Maps each ``(page, line)`` to its edge, ``"top"`` or ``"bottom"``, when it is the outermost
+    non-empty line there, else to None.
+    """
     candidates: dict[tuple[str, int], set[int]] = defaultdict(set)
     per_line: dict[tuple[int, int], set[tuple[str, int]]] = {}
     for p, (lines, zone) in enumerate(zip(pages, zones)):
         for i in zone:
-            if len(lines[i].strip()) > _PAGENO_MAX_LEN:
+            # Collapsed: pdftotext -layout pads a running head to the page width with spaces.
+            if len(" ".join(lines[i].split())) > _PAGENO_MAX_LEN:
                 continue
             keys = {(kind, value - p) for kind, value in _number_tokens(lines[i])}
             if keys:
@@ -200,7 +213,10 @@ def _page_number_hits(
         rank = (min(from_top, from_bottom), 0 if from_bottom <= from_top else 1, i)
         if p not in best or rank < best[p]:
             best[p] = rank
-    return {(p, rank[2]) for p, rank in best.items()}
+    out: dict[tuple[int, int], str | None] = {}
+    for p, (depth, side, i) in best.items():
+        out[(p, i)] = None if depth else ("bottom" if side == 0 else "top")
+    return out
 
 
 def _runs(pset: Sequence[int]) -> list[list[int]]:
@@ -223,9 +239,11 @@ def find_furniture(
 
     ``known`` holds masked keys (see :func:`mask_line`) already established as boilerplate across
     a corpus (see ``ragbudget.loaders.BoilerplateFilter``); they count as furniture at page edges
-    even in a one-page document. With ``trust_page_numbers=True`` a line that carries the page
-    number of a dense page-number sequence is furniture even when it occurs on one page only
-    (unique section-title footers, the lone ``1`` under the first page of a man page).
+    even in a one-page document. By default a line that carries the page number of a dense
+    page-number sequence is furniture even when it occurs on one page only (a section-title
+    footer, the lone ``1`` under the first page of a man page) if it is the outermost line of
+    its page on the edge where the document's page numbers sit; ``trust_page_numbers=True``
+    takes such a line anywhere in the edge zone.
     """
     split = [page.split("\n") for page in pages]
     zones = _zones(split)
@@ -242,12 +260,20 @@ def find_furniture(
 
     # Keys of the first and last non-empty line of each page.
     outermost = [{keys[(p, z[0])], keys[(p, z[-1])]} if z else set() for p, z in enumerate(zones)]
-    pageno = _page_number_hits(split, zones) if n >= _PAGENO_MIN else set()
+    pageno = _page_number_hits(split, zones) if n >= _PAGENO_MIN else {}
     pageno_keys: dict[str, set[int]] = defaultdict(set)
     for p, i in pageno:
         pageno_keys[keys[(p, i)]].add(p)
+    # The edge(s) where this document prints its page numbers: at least _PAGENO_MIN pages whose
+    # outermost line there carries the number.
+    edge_count: dict[str, int] = defaultdict(int)
+    for edge in pageno.values():
+        if edge:
+            edge_count[edge] += 1
+    number_edges = {edge for edge, count in edge_count.items() if count >= _PAGENO_MIN}
 
-    # (key, page) pairs judged furniture. Every rule needs the key on >= 2 pages of this document.
+    # (key, page) pairs judged furniture. Every rule in this loop needs the key on >= 2 pages of
+    # this document; the page-number rule after it vouches for single outermost lines.
     furniture: set[tuple[str, int]] = set()
     n_parity = [len(range(0, n, 2)), len(range(1, n, 2))]
     for key, pset in key_pages.items():
@@ -255,8 +281,11 @@ def find_furniture(
             furniture.update((key, p) for p in pset)
             continue
         # Punctuation-only lines ("}", "---") repeat at page edges in code listings; a rule line
-        # left in place costs nothing, a closing brace taken out breaks the code.
-        if len(pset) < 2 or n < 3 or not _HAS_WORD.search(key):
+        # left in place costs nothing, a closing brace taken out breaks the code. A lone number
+        # ("12", "x") or a row of numbers ("2 11345") goes only as a page number (below): as a
+        # repeated key it also matches axis ticks, table cells, program output and listing
+        # line numbers.
+        if len(pset) < 2 or n < 3 or not _HAS_WORD.search(key) or set(key.split()) == {"#"}:
             continue
         # Short documents: 2 pages suffice up to 4 pages (a man page's header is on pages 2-3 of
         # 3); from 5 pages on, 2 agreeing pages are too easily a coincidence.
@@ -277,11 +306,17 @@ def find_furniture(
         # Page-number evidence: the masked line repeats and its number follows the page sequence.
         if len(pageno_keys.get(key, ())) >= 2:
             furniture.update((key, p) for p in pageno_keys[key])
+    # Section running heads ("2.3. Copyright considerations  9", "Chapter 13: Packages  84",
+    # "2  CONTENTS") carry the current title, so their masked form is often on one page only.
+    # The page-number sequence vouches for them when the line is the outermost one of its page,
+    # on the edge where the document prints its numbers; the lone "1" under a man page's first
+    # page goes the same way. A line that repeats and carries the number was taken above.
+    # These go by position, not by key: a copy of the line elsewhere on the page stays.
+    pinned = {loc for loc, edge in pageno.items() if edge in number_edges}
     if trust_page_numbers:
-        # Opt-in: the page-number sequence alone is enough, so a footer such as "2.3. Copyright
-        # considerations 9" that occurs on a single page goes too (this gives up the "seen on
-        # two pages" guarantee for lines that carry the page number).
-        furniture.update((keys[loc], loc[0]) for loc in pageno)
+        # Opt-in: the page-number sequence alone is enough, wherever in the edge zone the line
+        # sits (under a fixed footer, on the other edge).
+        pinned.update(pageno)
 
     removed: list[tuple[int, int]] = []
     per_page = []
@@ -294,7 +329,7 @@ def find_furniture(
             for i in order:
                 if i in gone:
                     break
-                if (keys[(p, i)], p) in furniture:
+                if (keys[(p, i)], p) in furniture or (p, i) in pinned:
                     gone.append(i)
                 else:
                     break

@@ -3,12 +3,14 @@ documents (the shared PDFs and man pages)."""
 
 from __future__ import annotations
 
+import gzip
 import re
-from collections import defaultdict
+from collections import Counter, defaultdict
+from pathlib import Path
 
 import pytest
-from _furniture_truth import PDFS, ground_truth
-from hypothesis import given, settings
+from _furniture_truth import classify, removed_lines, score
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from ragbudget.clean import (
@@ -128,12 +130,50 @@ def test_numbers_inside_a_line_are_not_page_numbers():
     assert strip_headers_footers(pages, trust_page_numbers=True) == pages
 
 
-def test_trust_page_numbers_takes_unique_section_footers():
+def test_section_running_heads_go_by_default():
+    # "N.N. Section title N" on one page each: the page-number sequence vouches for them.
     pages = [f"Manual, Release 4\n{_body(i)}\n{i + 1}.1. Section {_word(i)} title {i + 1}" for i in range(6)]
+    assert strip_headers_footers(pages) == [_body(i) for i in range(6)]
+
+
+def test_one_page_chapter_running_head_and_contents_heads():
+    # texinfo: a one-page chapter's head occurs once; Sphinx: "CONTENTS 1" / "2  CONTENTS".
+    heads = ["CONTENTS   1", "2   CONTENTS"] + [f"Chapter {k}: {_word(k)} things   {k + 2}" for k in range(1, 7)]
+    pages = [f"{h}\n{_body(k)}" for k, h in enumerate(heads)]
+    assert strip_headers_footers(pages) == [_body(k) for k in range(len(heads))]
+
+
+def test_layout_padded_running_heads():
+    # pdftotext -layout pads a running head to the page width: 150 spaces before the number.
+    pages = [f"Chapter {k // 2}: {_word(k // 2)}{' ' * 150}{k + 1}\n{_body(k)}" for k in range(8)]
+    assert strip_headers_footers(pages) == [_body(k) for k in range(8)]
+
+
+def test_lone_page_number_under_first_man_page():
+    head = "close(2)        System Calls Manual        close(2)"
+    pages = [f"NAME\n{_body(0)}\n\n          1"] + [
+        f"{head}\n{_body(i)}\nLinux man-pages 6.03   2023-02-0{i}   {i + 1}" for i in range(1, 4)
+    ]
+    out = strip_headers_footers(pages)
+    assert out[0] == f"NAME\n{_body(0)}\n"
+    assert out[1:] == [_body(i) for i in range(1, 4)]
+
+
+def test_unique_number_line_off_the_page_number_edge_needs_trust():
+    # The section head sits under a fixed "(c) ACME" line and page numbers are printed at the
+    # bottom: not the outermost line, so only trust_page_numbers takes it.
+    pages = [f"{_body(i)}\n{i + 1}.1. Section {_word(i)} title {i + 1}\n(c) ACME Corp" for i in range(6)]
     strict = strip_headers_footers(pages)
-    assert all(re.search(r"title \d+$", p) for p in strict)  # unique masked forms are kept
-    trusted = strip_headers_footers(pages, trust_page_numbers=True)
-    assert trusted == [_body(i) for i in range(6)]
+    assert all(re.search(r"title \d+$", p) for p in strict)
+    assert strip_headers_footers(pages, trust_page_numbers=True) == [_body(i) for i in range(6)]
+
+
+def test_repeated_lone_numbers_that_are_not_page_numbers_stay():
+    # A plot's axis label "x", a table cell "0" or a row of program output at the bottom of
+    # every page repeats, but does not follow the page numbers: it is content.
+    for cell in ("x", "0", "   2 11345"):
+        pages = [f"Guide {i + 1}\n{_body(i)}\n{cell}" for i in range(6)]
+        assert strip_headers_footers(pages) == [f"{_body(i)}\n{cell}" for i in range(6)]
 
 
 def test_one_page_number_line_per_page():
@@ -182,82 +222,188 @@ def test_strip_is_deterministic_and_never_grows(pages):
     assert rep.removed == sum(rep.per_page) == len(rep.lines)
 
 
-@settings(max_examples=150, deadline=None)
-@given(_PAGES)
-def test_never_removes_a_line_whose_masked_form_is_on_one_page(pages):
+_NUMBERED = st.lists(
+    st.tuples(st.lists(_LINES, max_size=6),
+              st.sampled_from(["", "{n}", "Chapter {n}: Intro  {n}", "{n}.1. Title {n}", "see page {n}"]),
+              st.sampled_from(["top", "bottom"]), st.integers(0, 3)),
+    max_size=9,
+).map(lambda spec: [
+    "\n".join(([extra.format(n=i + off)] if edge == "top" and extra else []) + body
+               + ([extra.format(n=i + off)] if edge == "bottom" and extra else []))
+    for i, (body, extra, edge, off) in enumerate(spec)
+])
+
+
+@settings(max_examples=200, deadline=None)
+@given(_PAGES | _NUMBERED)
+@example(["Manual v2", "1\ndelta epsilon 3\ndelta epsilon 3", "4", "5"])  # a copy above the head
+def test_a_line_on_one_page_goes_only_as_an_outermost_page_number(pages):
     rep = find_furniture(pages)
     on_pages: dict[str, set[int]] = defaultdict(set)
     for p, page in enumerate(pages):
         for line in page.split("\n"):
             on_pages[mask_line(line)].add(p)
     for p, i in rep.lines:
-        assert len(on_pages[mask_line(pages[p].split("\n")[i])]) >= 2
+        lines = pages[p].split("\n")
+        if len(on_pages[mask_line(lines[i])]) >= 2:
+            continue
+        # a one-off line: the outermost non-empty line of its page, starting or ending with a number
+        nonempty = [j for j, line in enumerate(lines) if line.strip()]
+        assert i in (nonempty[0], nonempty[-1])
+        words = lines[i].split()
+        assert any(w.isdigit() or re.fullmatch("[ivxlcdm]+", w) for w in (words[0], words[-1]))
+        assert len(pages) >= 3
     if len(pages) <= 2:
         assert rep.removed == 0
 
 
 # --------------------------------------------------------------------------------------------------
-# measured on the shared real documents
+# measured on the shared real documents, graded by the hand-written truth (tests/_furniture_truth.py)
+
+_PDFS = ("policy.pdf", "maint-guide.en.pdf", "R-intro.pdf")
+_LAYOUT = Path(__file__).parent / "data" / "pdftotext"
+# Floors under the measured figures (bench/results/clean.json), per extractor.
+# Misses: policy.pdf page 143, a blank verso whose chapter head wraps over two lines
+# ("134Chapter 18. … (from old Packaging" / "Manual)"), in both extractions.
+FURNITURE_MIN = {"pypdfium2": 0.995, "pdftotext": 0.995, "groff": 1.0}
+PAGENO_MIN = {"pypdfium2": 0.995, "pdftotext": 0.995, "groff": 1.0}
+TRUSTED_MIN = {"pypdfium2": 0.995, "pdftotext": 0.995, "groff": 1.0}
+
 
 @pytest.fixture(scope="session")
-def real_pages(shared_data) -> dict[str, list[str]]:
-    """Uncleaned pages of the 3 shared PDFs (through our PDF loader) and the 40 man pages."""
+def real_pages(shared_data) -> dict[tuple[str, str], tuple[list[str], Path]]:
+    """Uncleaned pages per (extractor, document), with the file the loader reads.
+
+    ``pypdfium2``: ragbudget's loader; ``pdftotext``: ``pdftotext -layout`` output (poppler-utils
+    22.12.0, committed in tests/data/pdftotext), raw ``\\f`` pages; ``groff``: the man pages.
+    """
     from ragbudget.loaders import load_document
 
     out = {}
-    for name in PDFS:
-        out[name] = load_document(shared_data / "pdf" / name, clean=False).pages
+    for name in _PDFS:
+        out[("pypdfium2", name)] = (load_document(shared_data / "pdf" / name, clean=False).pages,
+                                    shared_data / "pdf" / name)
+        gz = _LAYOUT / (name[:-4] + ".layout.txt.gz")
+        out[("pdftotext", name)] = (gzip.decompress(gz.read_bytes()).decode().split("\f")[:-1], gz)
     for path in sorted((shared_data / "manpages").glob("*.txt")):
-        out[path.name] = load_document(path, clean=False).pages
+        out[("groff", path.name)] = (path.read_text(encoding="utf-8").split("\f")[:-1], path)
     return out
 
 
-def _measure(real_pages, **options) -> dict[str, float]:
-    tot = defaultdict(int)
-    for name, pages in real_pages.items():
-        furniture, extended, body = ground_truth(name, pages)
-        removed = set(find_furniture(pages, **options).lines)
-        tot["furniture"] += len(furniture)
-        tot["furniture_removed"] += len(furniture & removed)
-        tot["extended"] += len(extended)
-        tot["extended_removed"] += len(extended & removed)
-        tot["body"] += len(body)
-        tot["body_removed"] += len(body & removed)
-    return {
-        "removal": tot["furniture_removed"] / tot["furniture"],
-        "extended_removal": tot["extended_removed"] / tot["extended"],
-        "body_loss": tot["body_removed"] / tot["body"],
-        **tot,
-    }
+def _measure(real_pages, extractor: str, clean) -> Counter:
+    tot: Counter = Counter()
+    for (ex, name), (pages, path) in real_pages.items():
+        if ex == extractor:
+            before, after = clean(pages, path)
+            tot.update(score(name, before, after))
+    return tot
+
+
+def _strip(**options):
+    return lambda pages, path: (pages, strip_headers_footers(pages, **options))
+
+
+def _loader(pages, path):
+    from ragbudget.loaders import load_document
+
+    return load_document(path, clean=False).pages, load_document(path).pages
+
+
+def _pct(c: Counter, what: str, of: str) -> float:
+    return c[what] / c[of]
 
 
 @pytest.mark.shared_data
-def test_real_documents_headers_footers_removed_body_kept(real_pages):
-    assert len(real_pages) == 43
-    assert sum(len(p) for n, p in real_pages.items() if n in PDFS) == 369
-    m = _measure(real_pages)
-    assert m["furniture"] > 600
-    assert m["removal"] >= 0.98, m
-    assert m["body_loss"] <= 0.005, m
-    # Unique section-title footers are kept by the one-page rule; most page-number lines still go.
-    assert m["extended_removal"] >= 0.90, m
+def test_truth_fits_every_extraction(real_pages):
+    # The hand-written patterns are found on every page they were read on, in both extractions.
+    assert len(real_pages) == 46
+    for (ex, name), (pages, _) in real_pages.items():
+        furniture, body, misses = classify(name, pages)
+        assert not misses, (ex, name, misses[:3])
+        assert furniture and body
+    pdf = {ex: sum(len(classify(n, p)[0]) for (e, n), (p, _) in real_pages.items() if e == ex)
+           for ex in ("pypdfium2", "pdftotext")}
+    assert pdf == {"pypdfium2": 524, "pdftotext": 524}
+
+
+def test_grading_counts_cuts_and_losses():
+    before = ["Guide 5 / 57\n" + "x" * 50 + "\nshort", "Guide 6 / 57\nbody"]
+    gone, cut = removed_lines(before, [" 5 / 57\nshort", "body"])
+    assert cut == {(0, 0)} and gone == {(0, 1), (1, 0)}
 
 
 @pytest.mark.shared_data
-def test_real_documents_trusting_page_numbers(real_pages):
-    m = _measure(real_pages, trust_page_numbers=True)
-    assert m["removal"] >= 0.98, m
-    assert m["extended_removal"] >= 0.98, m
-    assert m["body_loss"] <= 0.005, m
+def test_the_figures_can_fail(real_pages):
+    # Doing nothing removes no furniture; peeling 3 lines off every edge blindly loses body.
+    def peel(pages, path):
+        out = []
+        for page in pages:
+            lines = page.split("\n")
+            keep = [i for i, line in enumerate(lines) if line.strip()][3:-3]
+            out.append("\n".join(lines[i] for i in keep))
+        return pages, out
+
+    for extractor in ("pypdfium2", "pdftotext"):
+        assert _measure(real_pages, extractor, lambda pages, path: (pages, pages))["furniture_removed"] == 0
+        c = _measure(real_pages, extractor, peel)
+        assert _pct(c, "body_removed", "body") > 0.05, c
+
+
+@pytest.mark.shared_data
+@pytest.mark.parametrize("extractor", ["pypdfium2", "pdftotext", "groff"])
+@pytest.mark.parametrize("path", ["strip", "loader"])
+def test_real_documents_furniture_removed_body_kept(real_pages, extractor, path):
+    c = _measure(real_pages, extractor, _strip() if path == "strip" else _loader)
+    assert _pct(c, "body_removed", "body") <= 0.005, c
+    assert _pct(c, "furniture_removed", "furniture") >= FURNITURE_MIN[extractor], c
+    assert _pct(c, "page_number_lines_removed", "page_number_lines") >= PAGENO_MIN[extractor], c
+    assert c["running_head_removed"] == c["running_head"], c
+    assert c["running_foot_removed"] == c["running_foot"], c
+    assert c["page_number_removed"] == c["page_number"], c
+    if c["section_running_head"]:
+        assert _pct(c, "section_running_head_removed", "section_running_head") >= 0.99, c
+    # short non-furniture lines (headings, labels, program output) wrongly removed
+    assert c["other_removed"] == 0, c
+
+
+@pytest.mark.shared_data
+@pytest.mark.parametrize("extractor", ["pypdfium2", "pdftotext", "groff"])
+def test_real_documents_trusting_page_numbers(real_pages, extractor):
+    c = _measure(real_pages, extractor, _strip(trust_page_numbers=True))
+    assert _pct(c, "body_removed", "body") <= 0.005, c
+    assert _pct(c, "furniture_removed", "furniture") >= TRUSTED_MIN[extractor], c
+
+
+@pytest.mark.shared_data
+def test_text_without_furniture_loses_no_body(shared_data):
+    # The plain-text twins and the Debian Constitution versions have no page furniture: through
+    # the loader nothing goes, and cut into artificial pages no line of >= 40 characters goes.
+    from ragbudget.loaders import load_document
+
+    files = sorted((shared_data / "pdf" / "twins").glob("*.txt")) + sorted(
+        (shared_data / "versions").glob("*.txt"))
+    body = lost = 0
+    for path in files:
+        assert load_document(path).pages == load_document(path, clean=False).pages, path
+        lines = path.read_text(encoding="utf-8").split("\n")
+        for size in (40, 66):
+            pages = ["\n".join(lines[i:i + size]) for i in range(0, len(lines), size)]
+            split = [page.split("\n") for page in pages]
+            gone, cut = removed_lines(pages, strip_headers_footers(pages))
+            gone |= cut
+            lost += sum(1 for p, i in gone if len(" ".join(split[p][i].split())) >= 40)
+            body += sum(1 for page in split for line in page if len(" ".join(line.split())) >= 40)
+    assert body > 25_000
+    assert lost == 0
 
 
 @pytest.mark.shared_data
 def test_real_documents_known_running_heads(real_pages):
-    policy = strip_headers_footers(real_pages["policy.pdf"])
+    policy = strip_headers_footers(real_pages[("pypdfium2", "policy.pdf")][0])
     assert not any("Debian Policy Manual, Release 4.6.2.0" in p for p in policy[12:])
-    rintro = strip_headers_footers(real_pages["R-intro.pdf"])
+    rintro = strip_headers_footers(real_pages[("pypdfium2", "R-intro.pdf")][0])
     assert not any(p.startswith("Chapter 5: Arrays and matrices") for p in rintro)
-    close = strip_headers_footers(real_pages["close.2.txt"])
+    close = strip_headers_footers(real_pages[("groff", "close.2.txt")][0])
     assert not any("System Calls Manual" in p or "Linux man-pages 6.03" in p for p in close)
     assert close[0].lstrip().startswith("NAME")
 
