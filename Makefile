@@ -12,7 +12,7 @@ export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install dev demo test test-fast bench gpu-check clean
+.PHONY: install dev demo test test-fast llama-server bench gpu-check clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -39,8 +39,17 @@ demo: install
 	$(BIN)/ragbudget index data/ --exclude model_configs
 	$(BIN)/ragbudget ask "$(QUESTION)" $(DEMO_CAP) --max-new-tokens 64 --explain
 
+# The real-engine tests run against llama.cpp's llama-server, built once from the sources the
+# llama-cpp-python sdist vendors and cached under ~/.cache/ragbudget/llama-server (about 6 minutes
+# of 2 cores the first time, a stat afterwards). `make test-fast` neither builds nor needs it.
+LLAMA_SERVER_BUILD := PYTHON=$(BIN)/python tools/build-llama-server
+
 test: dev
-	$(BIN)/python -m pytest -q
+	server="$$($(LLAMA_SERVER_BUILD) || $(LLAMA_SERVER_BUILD))" && \
+	RAGBUDGET_LLAMA_SERVER="$$server" $(BIN)/python -m pytest -q
+
+llama-server: dev
+	$(LLAMA_SERVER_BUILD)
 
 test-fast: dev
 	$(BIN)/python -m pytest -q -m "not slow"
