@@ -8,7 +8,11 @@ Endpoints (all JSON; errors are OpenAI-style ``{"error": {"message", "type", "pa
   ``ragbudget``. The last message is the question; earlier messages are the history, budgeted
   as ``ragbudget chat`` does (older turns folded into a summary when they do not fit).
   ``temperature`` (absent or 0: greedy), ``top_p``, ``seed``, ``stop`` (up to 4 strings, excluded
-  from the answer, streaming or not) and ``max_tokens`` reach the generator.
+  from the answer, streaming or not) and ``max_tokens`` reach the generator. A ``max_tokens``
+  above the server's ``max_new_tokens`` is a 400 naming both (OpenAI's rule past a model's limit),
+  and so is any field the server would otherwise ignore: unknown ones, and the OpenAI features
+  ragbudget does not implement (``tools``, ``logprobs``, ``response_format`` other than text, …)
+  unless sent with their do-nothing default.
 * ``POST /v1/retrieve`` — the chunks that fit the budget for a query (no generation).
 * ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text format).
 
@@ -19,6 +23,13 @@ the controller raises :class:`~ragbudget.errors.OverloadedError` and the client 
 ``Retry-After`` — never a 5xx, never an OOM. Model work runs in a bounded thread pool, off the event
 loop, so ``/health`` answers throughout. A client that disconnects sets the request's cancel event,
 which stops generation and frees the reservation at once.
+
+Only the server's own faults are 5xx. A malformed body, or one nested deeper than
+:data:`MAX_JSON_DEPTH`, is a 400; a client that leaves before its answer (even in the middle of
+its body) is counted as 499, without a traceback; an index that is missing or damaged is a 503,
+and ``/health`` then answers 503 too. :func:`serve` refuses to start on such an index or a port it
+cannot bind. Responses never carry an absolute path, nor host memory figures unless
+``expose_plan``.
 
 >>> from ragbudget.pipeline import Pipeline                  # doctest: +SKIP
 >>> app = create_app(Pipeline(".ragbudget"), api_key="s3cret")  # doctest: +SKIP
