@@ -13,7 +13,8 @@ Endpoints (all JSON; errors are OpenAI-style ``{"error": {"message", "type", "pa
   and so is any field the server would otherwise ignore: unknown ones, and the OpenAI features
   ragbudget does not implement (``tools``, ``logprobs``, ``response_format`` other than text, …)
   unless sent with their do-nothing default.
-* ``POST /v1/retrieve`` — the chunks that fit the budget for a query (no generation).
+* ``POST /v1/retrieve`` — the chunks that fit the budget for a query (no generation); with ``k``
+  (at most :data:`MAX_RETRIEVE_K`), the ``k`` best hits instead.
 * ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text format).
 
 Admission: every chat request goes through ``pipeline.ask``, which reserves its KV tokens with the
@@ -78,6 +79,7 @@ __all__ = [
     "DEFAULT_MAX_BODY_BYTES",
     "LOOPBACK_HOSTS",
     "MAX_JSON_DEPTH",
+    "MAX_RETRIEVE_K",
     "Metrics",
     "background_server",
     "create_app",
@@ -109,6 +111,8 @@ MAX_STOP = 4
 #: messages, message, content parts, part); the limit leaves room for clients' extra fields while
 #: a hostile 50,000-deep body is refused before anything recurses over it.
 MAX_JSON_DEPTH = 32
+#: Most chunks ``/v1/retrieve`` returns for ``k``.
+MAX_RETRIEVE_K = 1000
 # The status answered (and counted in /metrics) when the client left before its answer: nginx's
 # "client closed request". Nobody reads it; it keeps client disconnects apart from server errors.
 CLIENT_CLOSED = 499
@@ -982,7 +986,7 @@ def create_app(
                              "arrays and objects)", code="invalid_json")
         try:
             value = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an integer of > 4300 digits
             raise _APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
         except RecursionError:  # deeper than the interpreter's recursion limit
             raise too_deep from None
@@ -1201,6 +1205,9 @@ def create_app(
             raise _APIError(400, "'query' must be a non-empty string", param="query",
                             code="missing_required_parameter" if query is None else "invalid_value")
         k = _opt_int(body, "k")
+        if k is not None and k > MAX_RETRIEVE_K:
+            # The search allocates k scores up front: a huge k is a memory error, not an answer.
+            raise _APIError(400, f"'k' must be <= {MAX_RETRIEVE_K}, got {k}", param="k", code="invalid_value")
         context_tokens = _opt_int(body, "context_tokens")
         require_index()
         if k is not None:

@@ -393,6 +393,17 @@ def test_bad_requests_get_openai_errors_and_never_reach_the_model(body: bytes, s
     assert pipe.calls == []
 
 
+def test_hostile_values_are_400_not_a_server_error() -> None:
+    pipe = FakePipeline()
+    with running(pipe) as url:
+        big_int = b'{"model": "fake-model", "messages": [], "seed": ' + b"9" * 5000 + b"}"
+        r = httpx.post(url + "/v1/chat/completions", content=big_int, headers={"content-type": "application/json"})
+        r2 = httpx.post(url + "/v1/retrieve", json={"query": "footers", "k": 10**12})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    assert r2.status_code == 400 and r2.json()["error"]["param"] == "k"
+    assert pipe.calls == []
+
+
 def test_oversized_body_is_413() -> None:
     pipe = FakePipeline()
     with running(pipe, max_body_bytes=2000) as url:
