@@ -990,8 +990,9 @@ def create_app(
             raise _APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
         except RecursionError:  # deeper than the interpreter's recursion limit
             raise too_deep from None
-        if _json_depth_exceeds(value, MAX_JSON_DEPTH):
-            raise too_deep
+        problem = _json_problem(value, MAX_JSON_DEPTH)
+        if problem is not None:
+            raise _APIError(400, problem, code="invalid_json")
         return value
 
     def acquire_slot() -> None:
@@ -1441,17 +1442,30 @@ class _Guard:
                                      endpoint=endpoint)
 
 
-def _json_depth_exceeds(value: Any, limit: int) -> bool:
-    """Whether parsed JSON nests arrays/objects more than ``limit`` deep (iterative: no recursion
-    for a hostile body to exhaust)."""
+def _json_problem(value: Any, limit: int) -> str | None:
+    """What makes parsed JSON unfit to serve, or None: arrays/objects nested more than ``limit``
+    deep, or a string holding an unpaired UTF-16 surrogate (``"\\ud800"`` is valid JSON but no
+    text: echoing it, or tokenizing it, fails). Iterative: no recursion for a hostile body to
+    exhaust."""
     stack = [(value, 1)]
     while stack:
         obj, depth = stack.pop()
-        if isinstance(obj, (dict, list)):
+        if isinstance(obj, str):
+            if not obj.isascii():
+                try:
+                    obj.encode("utf-8")
+                except UnicodeEncodeError:
+                    return ("the request body holds an unpaired UTF-16 surrogate escape (such as \\ud800), "
+                            "which is no text")
+        elif isinstance(obj, (dict, list)):
             if depth > limit:
-                return True
-            stack.extend((v, depth + 1) for v in (obj.values() if isinstance(obj, dict) else obj))
-    return False
+                return f"the request body is nested too deep (more than {limit} levels of arrays and objects)"
+            if isinstance(obj, dict):
+                stack.extend((k, depth + 1) for k in obj)
+                stack.extend((v, depth + 1) for v in obj.values())
+            else:
+                stack.extend((v, depth + 1) for v in obj)
+    return None
 
 
 def _to_dict(obj: Any) -> Any:

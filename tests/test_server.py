@@ -399,6 +399,11 @@ def test_hostile_values_are_400_not_a_server_error() -> None:
         big_int = b'{"model": "fake-model", "messages": [], "seed": ' + b"9" * 5000 + b"}"
         r = httpx.post(url + "/v1/chat/completions", content=big_int, headers={"content-type": "application/json"})
         r2 = httpx.post(url + "/v1/retrieve", json={"query": "footers", "k": 10**12})
+        lone = [httpx.post(url + endpoint, content=json.dumps(body).encode(), headers={"content-type": "application/json"})
+                for endpoint, body in (("/v1/retrieve", {"query": "\ud800"}),
+                                       ("/v1/chat/completions", {"model": MODEL, "messages": user("a \udfff")}))]
+    for resp in lone:  # valid JSON, but no text to echo or tokenize (was a 500 from the serializer)
+        assert resp.status_code == 400 and "surrogate" in resp.json()["error"]["message"], resp.text
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
     assert r2.status_code == 400 and r2.json()["error"]["param"] == "k"
     assert pipe.calls == []
