@@ -1547,7 +1547,12 @@ def serve(
         # Bounded graceful shutdown: open streams are cancelled by the app's lifespan, not awaited forever.
         config = uvicorn.Config(app, host=host, port=sock.getsockname()[1], log_level=log_level,
                                 timeout_graceful_shutdown=10)
-        uvicorn.Server(config).run(sockets=[sock])
+        try:
+            uvicorn.Server(config).run(sockets=[sock])
+        except KeyboardInterrupt:
+            # uvicorn shut down gracefully on Ctrl-C/SIGINT, then re-raised the signal: a stop
+            # asked for is a normal end (exit 0 on the CLI), not an "Aborted!".
+            log.info("server stopped")
     finally:
         sock.close()
 

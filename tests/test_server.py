@@ -1032,3 +1032,45 @@ def test_expose_plan_sends_the_memory_plan_but_still_no_private_path(tmp_index: 
     assert all(str(root) not in body for body in bodies)
     assert answer["ragbudget"]["plan"]["gpu_bytes"] > 0 and "kv_bytes_per_token" in answer["ragbudget"]["budget"]
     assert "GiB" in bodies[-1]  # the budget error as the library words it
+
+
+_SERVE_SCRIPT = """
+import sys
+from ragbudget.server import serve
+
+class Pipe:  # the least a pipeline needs to be served: /health, /v1/models, /metrics
+    max_new_tokens = 8
+
+serve(Pipe(), port=int(sys.argv[1]), log_level="warning", malloc_arenas=None)
+"""
+
+
+def test_serve_listens_on_the_socket_it_bound_and_stops_on_sigint() -> None:
+    import os
+    import signal
+    import subprocess
+
+    with socket.socket() as probe:  # a free port (tiny race with other processes; loopback only)
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    proc = subprocess.Popen([sys.executable, "-c", _SERVE_SCRIPT, str(port)], cwd=root, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        def up() -> bool:
+            try:
+                return httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200
+            except httpx.TransportError:
+                return proc.poll() is not None  # stop waiting if it died
+        assert _wait_until(up, timeout=30) and proc.poll() is None, proc.communicate(timeout=5)
+        assert httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"][0]["id"] == "ragbudget"
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            _, err = proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            _, err = proc.communicate()
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err
