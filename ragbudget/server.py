@@ -1134,6 +1134,11 @@ def create_app(
             health_state["problem"] = None
         return health_state["problem"]
 
+    # Open the index now, off any request: a later first /health then never waits on the
+    # pipeline's lock (a worker may hold it for seconds while it loads the model).
+    with contextlib.suppress(RagBudgetError):
+        current_store()
+
     def index_roots() -> list[str]:
         """The folders the index was built from, when its manifest records them (paths below
         one are shown relative to it); empty otherwise (absolute paths shrink to file names)."""

@@ -656,7 +656,7 @@ def test_real_models_through_the_openai_client(tmp_path: Path, repo_data: Path) 
         ask = [{"role": "user", "content": "What does the pipe system call return?"}]
 
         def answer(**options: Any) -> Any:
-            return c.chat.completions.create(model="ragbudget", messages=ask, max_tokens=12, **options).choices[0]
+            return c.chat.completions.create(model="ragbudget", messages=ask, max_tokens=8, **options).choices[0]
 
         greedy = answer().message.content or ""
         words = greedy.split()
