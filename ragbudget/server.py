@@ -1339,6 +1339,8 @@ def create_app(
             if not state["finished"] and not cancel.is_set():
                 cancel.set()
                 metrics.add("cancelled", 1)
+                # The 200 is sent, but the client left before the end: /metrics counts a 499.
+                request.scope[_CLIENT_LEFT] = True
 
         async def body_iter() -> AsyncIterator[bytes]:
             event = first
@@ -1380,6 +1382,8 @@ def create_app(
     return app
 
 
+# Set in the ASGI scope by a streamed answer whose client left before its end (see _Guard).
+_CLIENT_LEFT = "ragbudget.client_left"
 _ENDPOINTS = {"/health", "/metrics", "/v1/models", "/v1/retrieve", "/v1/chat/completions"}
 
 
@@ -1441,6 +1445,8 @@ class _Guard:
                         (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
                     await send({"type": "http.response.body", "body": body})
         finally:
+            if scope.get(_CLIENT_LEFT):
+                status = CLIENT_CLOSED
             self.metrics.count_request(endpoint, status)
             if endpoint not in ("/health", "/metrics", "other"):
                 self.metrics.observe("ragbudget_request_duration_seconds", time.perf_counter() - t0,

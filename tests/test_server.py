@@ -519,6 +519,9 @@ def test_disconnect_mid_stream_frees_the_reservation() -> None:
         # Closing the response closed the connection: the server must cancel and free at once.
         assert _wait_until(lambda: pipe.admission.used == 0 and pipe.cancelled == ["stream me"])
         assert "ragbudget_cancelled_total 1" in httpx.get(url + "/metrics").text
+        # The 200 had been sent, but the answer never reached its client: a 499, not a 200.
+        assert _wait_until(lambda: 'endpoint="/v1/chat/completions",status="499"} 1' in httpx.get(url + "/metrics").text)
+        assert 'endpoint="/v1/chat/completions",status="200"' not in httpx.get(url + "/metrics").text
 
 
 def test_disconnect_while_waiting_non_streaming_frees_the_reservation() -> None:
