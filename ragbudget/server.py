@@ -673,8 +673,8 @@ def _parse_chat(body: Any, models: Sequence[str], *, max_tokens_limit: int | Non
         max_tokens = _opt_int(body, max_name)
     if max_tokens is not None and max_tokens_limit is not None and max_tokens > max_tokens_limit:
         raise _APIError(400, f"'{max_name}' is {max_tokens} but this server generates at most {max_tokens_limit} "
-                        f"tokens per answer (ragbudget serve --max-new-tokens); send at most {max_tokens_limit} or leave it out",
-                        param=max_name, code="invalid_value")
+                        "tokens per answer (ragbudget serve --max-new-tokens); "
+                        f"send at most {max_tokens_limit} or leave it out", param=max_name, code="invalid_value")
     return _ChatRequest(
         model=model,
         question=last["content"],
@@ -1064,7 +1064,8 @@ def create_app(
         return usage
 
     server_max_new = getattr(pipeline, "max_new_tokens", None)
-    max_tokens_limit = server_max_new if isinstance(server_max_new, int) and not isinstance(server_max_new, bool) else None
+    max_tokens_limit = (server_max_new if isinstance(server_max_new, int) and not isinstance(server_max_new, bool)
+                        else None)
     # Only a pipeline with a memory plan can budget history (a Pipeline always has one; test fakes
     # and custom pipelines may not, and then get the history verbatim).
     budgeted = callable(getattr(pipeline, "plan_for", None)) or getattr(pipeline, "plan", None) is not None
@@ -1585,7 +1586,8 @@ def _bind_socket(host: str, port: int) -> socket.socket:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                              flags=socket.AI_PASSIVE)[0]
     except socket.gaierror as exc:
-        raise ConfigError(f"cannot bind to {host!r}: {exc.strerror}; pass --host 127.0.0.1 or a local address") from None
+        raise ConfigError(f"cannot bind to {host!r}: {exc.strerror}; pass --host 127.0.0.1 or a local "
+                          "address") from None
     sock = socket.socket(family, kind, proto)
     try:
         # As uvicorn: a port left in TIME_WAIT by a previous run can be reused at once, but one
