@@ -485,20 +485,24 @@ def chat(index_dir: str, model: str | None, gpu: str | None, concurrency: int, m
 @click.option("--history-share", default=0.3, show_default=True, type=click.FloatRange(0.0, 1.0, max_open=True), help="Share of the prompt room a request's history may take; retrieval gets the rest.")
 @click.option("--summary-max-tokens", default=128, show_default=True, type=click.IntRange(min=1), help="Cap of the summary older turns are folded into.")
 @click.option("--recent-turns", default=2, show_default=True, type=click.IntRange(min=0), help="Turns kept verbatim when they fit.")
+@click.option("--expose-plan", is_flag=True, help="Send the memory plan and host memory figures (GPU, free/usable bytes) in responses.")
 @_retrieval_options
 @_user_errors
 def serve(index_dir: str, model: str | None, gpu: str | None, concurrency: int, max_new_tokens: int,
           kv_dtype: str | None, cache: str, host: str, port: int, api_key: str | None,
           model_name: str | None, history_share: float, summary_max_tokens: int, recent_turns: int,
-          retrieval: dict[str, Any]) -> None:
-    """OpenAI-compatible HTTP server (/v1/chat/completions, /v1/retrieve, /metrics) with KV admission."""
+          expose_plan: bool, retrieval: dict[str, Any]) -> None:
+    """OpenAI-compatible HTTP server (/v1/chat/completions, /v1/retrieve, /metrics) with KV admission.
+
+    Refuses to start (exit 1) when the index is missing or damaged or the port cannot be bound.
+    A request's max_tokens above --max-new-tokens is answered 400, as on OpenAI past a model's limit."""
     from .pipeline import Pipeline
     from .server import serve as run_server
 
     pipe = Pipeline(index_dir, model=model, gpu=gpu, concurrency=concurrency, max_new_tokens=max_new_tokens,
                     kv_dtype=kv_dtype, cache=cache, **retrieval)
     run_server(pipe, host=host, port=port, api_key=api_key, model_name=model_name, history_share=history_share,
-               summary_max_tokens=summary_max_tokens, recent_turns=recent_turns)
+               summary_max_tokens=summary_max_tokens, recent_turns=recent_turns, expose_plan=expose_plan)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -8,8 +8,13 @@ Endpoints (all JSON; errors are OpenAI-style ``{"error": {"message", "type", "pa
   ``ragbudget``. The last message is the question; earlier messages are the history, budgeted
   as ``ragbudget chat`` does (older turns folded into a summary when they do not fit).
   ``temperature`` (absent or 0: greedy), ``top_p``, ``seed``, ``stop`` (up to 4 strings, excluded
-  from the answer, streaming or not) and ``max_tokens`` reach the generator.
-* ``POST /v1/retrieve`` — the chunks that fit the budget for a query (no generation).
+  from the answer, streaming or not) and ``max_tokens`` reach the generator. A ``max_tokens``
+  above the server's ``max_new_tokens`` is a 400 naming both (OpenAI's rule past a model's limit),
+  and so is any field the server would otherwise ignore: unknown ones, and the OpenAI features
+  ragbudget does not implement (``tools``, ``logprobs``, ``response_format`` other than text, …)
+  unless sent with their do-nothing default.
+* ``POST /v1/retrieve`` — the chunks that fit the budget for a query (no generation); with ``k``
+  (at most :data:`MAX_RETRIEVE_K`), the ``k`` best hits instead.
 * ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text format).
 
 Admission: every chat request goes through ``pipeline.ask``, which reserves its KV tokens with the
@@ -19,6 +24,13 @@ the controller raises :class:`~ragbudget.errors.OverloadedError` and the client 
 ``Retry-After`` — never a 5xx, never an OOM. Model work runs in a bounded thread pool, off the event
 loop, so ``/health`` answers throughout. A client that disconnects sets the request's cancel event,
 which stops generation and frees the reservation at once.
+
+Only the server's own faults are 5xx. A malformed body, or one nested deeper than
+:data:`MAX_JSON_DEPTH`, is a 400; a client that leaves before its answer (even in the middle of
+its body) is counted as 499, without a traceback; an index that is missing or damaged is a 503,
+and ``/health`` then answers 503 too. :func:`serve` refuses to start on such an index or a port it
+cannot bind. Responses never carry an absolute path, nor host memory figures unless
+``expose_plan``.
 
 >>> from ragbudget.pipeline import Pipeline                  # doctest: +SKIP
 >>> app = create_app(Pipeline(".ragbudget"), api_key="s3cret")  # doctest: +SKIP
@@ -33,6 +45,7 @@ which stops generation and frees the reservation at once.
 import asyncio
 import contextlib
 import ctypes
+import errno
 import functools
 import hmac
 import json
@@ -40,6 +53,8 @@ import logging
 import math
 import os
 import platform
+import re
+import socket
 import sys
 import threading
 import time
@@ -49,11 +64,22 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import BudgetError, ConfigError, OverloadedError, RagBudgetError
+from .errors import (
+    BudgetError,
+    ConfigError,
+    IndexError_,
+    IndexNotFoundError,
+    ModelError,
+    OverloadedError,
+    RagBudgetError,
+    RequestCancelled,
+)
 
 __all__ = [
     "DEFAULT_MAX_BODY_BYTES",
     "LOOPBACK_HOSTS",
+    "MAX_JSON_DEPTH",
+    "MAX_RETRIEVE_K",
     "Metrics",
     "background_server",
     "create_app",
@@ -74,12 +100,50 @@ API_KEY_ENV = "RAGBUDGET_API_KEY"
 _ROLES = {"system", "developer", "user", "assistant"}
 # OpenAI sampling fields that reach the generator, with their accepted ranges (OpenAI's own).
 _SAMPLING_RANGES = {"temperature": (0.0, 2.0), "top_p": (0.0, 1.0)}
-# Accepted and range-checked for compatibility, but without an equivalent in the generator: the
-# OpenAI penalties are additive on token counts, transformers' repetition_penalty is multiplicative,
-# and passing one off as the other would change answers in ways the client did not ask for.
-_NUMERIC_IGNORED = {"presence_penalty": (-2.0, 2.0), "frequency_penalty": (-2.0, 2.0)}
+# Range-checked as OpenAI does, then refused unless 0 (see _UNSUPPORTED): the generator has no
+# equivalent. The OpenAI penalties are additive on token counts, transformers'
+# repetition_penalty is multiplicative, and passing one off as the other would change answers in
+# ways the client did not ask for.
+_PENALTY_RANGES = {"presence_penalty": (-2.0, 2.0), "frequency_penalty": (-2.0, 2.0)}
 #: OpenAI accepts up to 4 stop sequences.
 MAX_STOP = 4
+#: Deepest nesting of arrays/objects a request body may have. A chat request needs 5 (body,
+#: messages, message, content parts, part); the limit leaves room for clients' extra fields while
+#: a hostile 50,000-deep body is refused before anything recurses over it.
+MAX_JSON_DEPTH = 32
+#: Most chunks ``/v1/retrieve`` returns for ``k``.
+MAX_RETRIEVE_K = 1000
+# The status answered (and counted in /metrics) when the client left before its answer: nginx's
+# "client closed request". Nobody reads it; it keeps client disconnects apart from server errors.
+CLIENT_CLOSED = 499
+
+# OpenAI request fields ragbudget does not implement, with the values that ask for nothing (they
+# pass, since clients send them as defaults); any other value is a 400 naming the field, rather
+# than an answer that silently ignores what the client asked for.
+_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "tools": (None, []),
+    "tool_choice": (None, "none", "auto"),
+    "parallel_tool_calls": (None, True, False),
+    "functions": (None, []),
+    "function_call": (None, "none", "auto"),
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "response_format": (None, {"type": "text"}),
+    "logit_bias": (None, {}),
+    "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0),
+    "modalities": (None, ["text"]),
+    "audio": (None,),
+    "prediction": (None,),
+    "reasoning_effort": (None,),
+    "web_search_options": (None,),
+}
+# Fields with no effect on the answer (bookkeeping on OpenAI's side), accepted and not used.
+_NO_EFFECT = {"user", "metadata", "store", "service_tier"}
+# Everything /v1/chat/completions reads; ``context_tokens`` is ragbudget's own extra.
+_CHAT_FIELDS = {"model", "messages", "stream", "stream_options", "n", "temperature", "top_p", "seed", "stop",
+                "max_tokens", "max_completion_tokens", "context_tokens"} | set(_UNSUPPORTED) | _NO_EFFECT
+_RETRIEVE_FIELDS = {"query", "k", "context_tokens"}
 
 # Latency buckets (seconds): from a cached answer on a GPU to a long CPU generation.
 _BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -119,9 +183,12 @@ def _retry_after(seconds: float) -> str:
     return str(max(1, math.ceil(seconds)))
 
 
-def _error_from_exception(exc: BaseException) -> _APIError:
-    """Map a library error to the HTTP answer. Overload is 429 (never 5xx); a request that can
-    never fit the budget is the client's problem (400); anything else is a 500 without traceback."""
+def _error_from_exception(exc: BaseException, *, expose_plan: bool = False) -> _APIError:
+    """Map an exception to the HTTP answer. Only the server's own faults are 5xx: overload is 429,
+    a request that can never fit the budget or a bad value is 400, a client that left is 499; an
+    index or model the server cannot use is 503, anything else 500. The 5xx messages name the
+    error's type only: its text (paths, memory figures) goes to the server's log, not the client.
+    ``expose_plan`` keeps host memory figures in a budget error's message (``--expose-plan``)."""
     if isinstance(exc, _APIError):
         return exc
     if isinstance(exc, OverloadedError):
@@ -133,13 +200,44 @@ def _error_from_exception(exc: BaseException) -> _APIError:
             headers={"Retry-After": _retry_after(exc.retry_after)},
         )
     if isinstance(exc, BudgetError):
-        return _APIError(400, str(exc), code="context_length_exceeded", param="messages")
+        return _APIError(400, str(exc) if expose_plan else _budget_message(exc), code="context_length_exceeded",
+                         param="messages")
     if isinstance(exc, ConfigError):
-        return _APIError(400, str(exc), code="invalid_value")
+        return _APIError(400, _scrub_text(str(exc)), code="invalid_value")
+    if isinstance(exc, RequestCancelled) or _is_client_disconnect(exc):
+        return _APIError(CLIENT_CLOSED, "the client disconnected before its answer", code="client_disconnected")
+    if isinstance(exc, IndexError_):
+        log.error("the index is unavailable: %s", exc)
+        return _index_unavailable(exc)
+    if isinstance(exc, ModelError):
+        log.error("the model is unavailable: %s", exc)
+        return _APIError(503, f"the server's model is unavailable ({type(exc).__name__}); details in the server "
+                         "log", type="server_error", code="model_unavailable")
     if isinstance(exc, RagBudgetError):
-        return _APIError(500, f"{type(exc).__name__}: {exc}", type="server_error", code="internal_error")
+        log.error("error while serving a request: %s: %s", type(exc).__name__, exc)
+        return _APIError(500, f"internal error: {type(exc).__name__}", type="server_error", code="internal_error")
     log.exception("unexpected error while serving a request", exc_info=exc)
     return _APIError(500, f"internal error: {type(exc).__name__}", type="server_error", code="internal_error")
+
+
+def _index_unavailable(exc: BaseException) -> _APIError:
+    return _APIError(503, f"the server's index is unavailable ({type(exc).__name__}); its operator must build, "
+                     "rebuild or restore it (details in the server log)", type="server_error",
+                     code="index_unavailable")
+
+
+def _is_client_disconnect(exc: BaseException) -> bool:
+    # starlette.requests.ClientDisconnect, matched by name so this module imports no starlette.
+    return type(exc).__name__ == "ClientDisconnect" and type(exc).__module__.startswith("starlette")
+
+
+def _budget_message(exc: BudgetError) -> str:
+    """A budget error in tokens only: the library's message names the GPU and its free/usable
+    bytes, which a client has no business knowing (``--expose-plan`` sends it as is)."""
+    fix = "shorten the question or the history, or ask for fewer max_tokens"
+    if exc.unit == "tokens" and exc.needed is not None and exc.available is not None:
+        return f"the request needs {exc.needed} tokens but this server allows {exc.available} per request; {fix}"
+    return f"the request does not fit this server's memory budget; {fix}"
 
 
 # --- metrics --------------------------------------------------------------------------------------
@@ -458,7 +556,7 @@ def _parse_sampling(body: dict[str, Any]) -> dict[str, Any]:
         value = _number(body, name, low, high)
         if value is not None:
             out[name] = value
-    for name, (low, high) in _NUMERIC_IGNORED.items():
+    for name, (low, high) in _PENALTY_RANGES.items():
         _number(body, name, low, high)
     seed = body.get("seed")
     if seed is not None:
@@ -482,9 +580,40 @@ def _parse_sampling(body: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _parse_chat(body: Any, models: Sequence[str]) -> _ChatRequest:
+def _check_fields(body: dict[str, Any], known: set[str]) -> None:
+    """Refuse unknown fields, as OpenAI does, rather than answer as if they had not been sent."""
+    for name in body:
+        if name not in known:
+            raise _APIError(400, f"unrecognized request argument supplied: {name!r}", param=name,
+                            code="unknown_parameter")
+
+
+def _neutral(value: Any, ok: Any) -> bool:
+    if ok is None or isinstance(ok, bool):
+        return value is ok
+    if isinstance(ok, (int, float)):
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and value == ok
+    return type(value) is type(ok) and value == ok
+
+
+def _check_unsupported_values(body: dict[str, Any]) -> None:
+    """The OpenAI features ragbudget does not implement are a 400 naming the field, unless sent
+    with the value that asks for nothing (``logprobs: false``, ``tools: []``,
+    ``response_format: {"type": "text"}``, a 0 penalty, …)."""
+    for name, neutral in _UNSUPPORTED.items():
+        value = body.get(name)
+        if not any(_neutral(value, ok) for ok in neutral):
+            raise _APIError(400, f"'{name}' is not supported by ragbudget (got {json.dumps(value)[:80]}); "
+                            "leave it out", param=name, code="unsupported_parameter")
+
+
+def _parse_chat(body: Any, models: Sequence[str], *, max_tokens_limit: int | None = None) -> _ChatRequest:
+    """Validate a chat completion request. ``max_tokens_limit`` is the most output tokens the
+    server reserves per answer: a larger ``max_tokens`` is a 400 naming both (as OpenAI answers
+    a value past the model's limit), never silently lowered."""
     if not isinstance(body, dict):
         raise _APIError(400, f"the request body must be a JSON object, got {type(body).__name__}", code="invalid_type")
+    _check_fields(body, _CHAT_FIELDS)
     model = body.get("model")
     if model is None:
         raise _APIError(400, "missing required parameter 'model'", param="model", code="missing_required_parameter")
@@ -532,10 +661,20 @@ def _parse_chat(body: Any, models: Sequence[str]) -> _ChatRequest:
     n = _opt_int(body, "n")
     if n not in (None, 1):
         raise _APIError(400, f"'n' must be 1 (one answer per request), got {n}", param="n", code="invalid_value")
+    if not isinstance(options.get("include_usage", False), bool):
+        raise _APIError(400, "'stream_options.include_usage' must be a boolean", param="stream_options",
+                        code="invalid_type")
     sampling = _parse_sampling(body)
-    max_tokens = _opt_int(body, "max_completion_tokens")
+    _check_unsupported_values(body)
+    max_name = "max_completion_tokens"
+    max_tokens = _opt_int(body, max_name)
     if max_tokens is None:
-        max_tokens = _opt_int(body, "max_tokens")
+        max_name = "max_tokens"
+        max_tokens = _opt_int(body, max_name)
+    if max_tokens is not None and max_tokens_limit is not None and max_tokens > max_tokens_limit:
+        raise _APIError(400, f"'{max_name}' is {max_tokens} but this server generates at most {max_tokens_limit} "
+                        "tokens per answer (ragbudget serve --max-new-tokens); "
+                        f"send at most {max_tokens_limit} or leave it out", param=max_name, code="invalid_value")
     return _ChatRequest(
         model=model,
         question=last["content"],
@@ -554,6 +693,72 @@ def _parse_chat(body: Any, models: Sequence[str]) -> _ChatRequest:
 def _report(answer: Any) -> dict[str, Any]:
     report = getattr(answer, "report", None)
     return report if isinstance(report, dict) else {}
+
+
+# What of an answer's report a client sees without ``expose_plan``: the budget figures of the
+# request itself (tokens allowed, used, reserved), never the host's (GPU name, free/total/usable
+# bytes, weights, KV capacity and bytes per token: together they describe the machine).
+_PUBLIC_BUDGET = ("max_context_tokens", "max_prompt_tokens", "context_tokens_allowed", "context_tokens_used",
+                  "context_tokens_cap", "fixed_prompt_tokens", "prompt_tokens", "max_new_tokens", "new_tokens",
+                  "kv_tokens_reserved", "limited_by", "fill")
+# An OOM step's "reason" is the allocator's message (total, free and reserved bytes of the GPU).
+_PUBLIC_OOM_STEP = ("action", "prompt_tokens_before", "prompt_tokens_after", "cache", "use_cache")
+_PUBLIC_REPORT = ("selection", "dropped", "timings", "memory", "history_summary")
+
+
+def _public_report(report: dict[str, Any], *, expose_plan: bool, roots: Sequence[str] = ()) -> dict[str, Any]:
+    """The ``ragbudget`` field of a response: the whole report with ``expose_plan``, otherwise
+    only the figures describing the request (a whitelist: a field added to the report later stays
+    private until it is added here). Paths are made relative either way (:func:`_public_paths`)."""
+    if expose_plan:
+        return _public_paths(report, roots)
+    out: dict[str, Any] = {k: report[k] for k in _PUBLIC_REPORT if k in report}
+    budget = report.get("budget")
+    if isinstance(budget, dict):
+        out["budget"] = {k: budget[k] for k in _PUBLIC_BUDGET if k in budget}
+    steps = report.get("oom_steps")
+    if isinstance(steps, (list, tuple)):
+        out["oom_steps"] = [{k: v for k, v in step.items() if k in _PUBLIC_OOM_STEP} if isinstance(step, dict)
+                            else {} for step in steps]
+    return _public_paths(out, roots)
+
+
+def _public_path(path: str, roots: Sequence[str] = ()) -> str:
+    """``path`` as a client may see it: unchanged when relative; an absolute path becomes the
+    part below the index's root that holds it, or its file name. The server never tells a
+    client where its files live."""
+    if not (os.path.isabs(path) or (len(path) > 2 and path[1] == ":" and path[2] in "/\\")):
+        return path
+    for root in roots:
+        root = root.rstrip("/\\")
+        if root and path.startswith(root) and path[len(root):len(root) + 1] in ("/", "\\"):
+            rel = path[len(root) + 1:]
+            if rel:
+                return rel
+    return path.replace("\\", "/").rstrip("/").rsplit("/", 1)[-1]
+
+
+# Keys whose string values are filesystem paths in ragbudget's records.
+_PATH_KEYS = {"path", "file", "index_dir", "source_path"}
+
+
+def _public_paths(obj: Any, roots: Sequence[str] = ()) -> Any:
+    """A copy of a JSON-ready ``obj`` with every path-valued field made public (:func:`_public_path`)."""
+    if isinstance(obj, dict):
+        return {k: _public_path(v, roots) if k in _PATH_KEYS and isinstance(v, str) else _public_paths(v, roots)
+                for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_public_paths(v, roots) for v in obj]
+    return obj
+
+
+# An absolute POSIX path of two or more components inside a message (``/home/ann/idx/x.md``).
+_ABS_PATH = re.compile(r"(?<![\w.~/-])/(?:[\w.@+-]+/)+[\w.@+-]*")
+
+
+def _scrub_text(text: str) -> str:
+    """A message for a client with any absolute path in it reduced to its last component."""
+    return _ABS_PATH.sub(lambda m: m.group(0).rstrip("/").rsplit("/", 1)[-1] or "/", text)
 
 
 def _usage(answer: Any, counter: Callable[[str], int] | None) -> dict[str, int]:
@@ -585,7 +790,7 @@ def _queue_wait(report: dict[str, Any]) -> float | None:
     return None
 
 
-def _result(fut: "asyncio.Future[Any]") -> Any:
+def _result(fut: "asyncio.Future[Any]", to_error: Callable[[BaseException], _APIError] = _error_from_exception) -> Any:
     """``fut``'s result, with any exception turned into the HTTP error it maps to, inside the
     route (errors that escape a route reach Starlette's 500 middleware, which also re-raises)."""
     try:
@@ -593,7 +798,7 @@ def _result(fut: "asyncio.Future[Any]") -> Any:
     except asyncio.CancelledError:
         raise
     except Exception as exc:
-        raise _error_from_exception(exc) from None
+        raise to_error(exc) from None
 
 
 def _sse(data: Any) -> bytes:
@@ -617,6 +822,7 @@ def create_app(
     summary_cache_size: int = 1024,
     trim_memory: bool = True,
     disconnect_poll_s: float = 0.1,
+    expose_plan: bool = False,
 ) -> Any:
     """Build the FastAPI app serving ``pipeline`` (a :class:`ragbudget.pipeline.Pipeline` or
     anything with its ``ask``/``retrieve``/``admission``/``generator`` surface).
@@ -642,6 +848,11 @@ def create_app(
     ``trim_memory`` returns the heap freed by a burst of requests to the OS once the server is
     idle again (glibc ``malloc_trim``; see :func:`release_memory`), so resident memory goes back
     to its baseline between bursts instead of ratcheting up.
+
+    Responses carry no host memory figures (GPU name, free/total/usable bytes, weights, KV
+    capacity; budget errors in tokens only) unless ``expose_plan`` is set, and never an absolute
+    path: a source path is shown below the index's root, or as a file name. ``/health`` answers
+    503 while the index cannot be opened, and so do the requests that need it.
 
     >>> app = create_app(pipeline)  # doctest: +SKIP
     """
@@ -686,6 +897,9 @@ def create_app(
     active: set[threading.Event] = set()  # cancel events of the requests in progress
     trimmer = _IdleTrimmer(lambda: metrics.in_flight == 0) if trim_memory and _glibc() is not None else None
     hold = {"seconds": 1.0}  # EWMA of answered chat requests' duration, for Retry-After
+    # Why the index cannot serve (None: it can); "sticky" when a request met the failure rather
+    # than the probe in index_problem(), which cannot clear it.
+    health_state: dict[str, Any] = {"problem": None, "sticky": False, "store": None}
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Any) -> AsyncIterator[None]:
@@ -723,13 +937,19 @@ def create_app(
 
     @app.exception_handler(RagBudgetError)
     async def _library_error(request: Request, exc: RagBudgetError) -> Any:
-        return error_response(_error_from_exception(exc))
+        return error_response(to_api_error(exc))
 
     @app.exception_handler(Exception)
     async def _any_error(request: Request, exc: Exception) -> Any:  # last resort (ServerErrorMiddleware)
-        return error_response(_error_from_exception(exc))
+        return error_response(to_api_error(exc))
 
     app.add_middleware(_Guard, api_key=api_key, metrics=metrics)
+
+    def to_api_error(exc: BaseException) -> _APIError:
+        err = _error_from_exception(exc, expose_plan=expose_plan)
+        if isinstance(exc, IndexError_):  # /health says so until a request succeeds again
+            health_state["problem"], health_state["sticky"] = err.message, True
+        return err
 
     async def read_json(request: Request) -> Any:
         """The body as JSON, refusing more than ``max_body_bytes`` before reading it all."""
@@ -744,19 +964,36 @@ def create_app(
                                 code="request_too_large")
         chunks: list[bytes] = []
         size = 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > max_body_bytes:
-                raise _APIError(413, f"request body exceeds the limit of {max_body_bytes} bytes",
-                                code="request_too_large")
-            chunks.append(chunk)
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > max_body_bytes:
+                    raise _APIError(413, f"request body exceeds the limit of {max_body_bytes} bytes",
+                                    code="request_too_large")
+                chunks.append(chunk)
+        except Exception as exc:
+            if not _is_client_disconnect(exc):
+                raise
+            # The client left before sending the body its Content-Length promised: nobody will
+            # read an answer; counted as 499 (client closed request), not as a server error.
+            metrics.add("cancelled", 1)
+            raise _APIError(CLIENT_CLOSED, "the client disconnected before sending its whole body",
+                            code="client_disconnected") from None
         raw = b"".join(chunks)
         if not raw.strip():
             raise _APIError(400, "the request body is empty; send a JSON object", code="invalid_json")
+        too_deep = _APIError(400, f"the request body is nested too deep (more than {MAX_JSON_DEPTH} levels of "
+                             "arrays and objects)", code="invalid_json")
         try:
-            return json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            value = json.loads(raw)
+        except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an integer of > 4300 digits
             raise _APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+        except RecursionError:  # deeper than the interpreter's recursion limit
+            raise too_deep from None
+        problem = _json_problem(value, MAX_JSON_DEPTH)
+        if problem is not None:
+            raise _APIError(400, problem, code="invalid_json")
+        return value
 
     def acquire_slot() -> None:
         if not slots.acquire(blocking=False):
@@ -791,7 +1028,7 @@ def create_app(
     async def run_blocking(fn: Callable[[], Any]) -> Any:
         fut = submit(fn)
         await asyncio.wait({fut})
-        return _result(fut)
+        return _result(fut, to_api_error)
 
     async def wait_or_cancel(request: Request, fut: asyncio.Future[Any], cancel: threading.Event) -> Any:
         """Await ``fut``; if the client goes away meanwhile, set ``cancel`` (frees the KV
@@ -799,7 +1036,7 @@ def create_app(
         while True:
             done, _ = await asyncio.wait({fut}, timeout=disconnect_poll_s)
             if done:
-                return _result(fut)
+                return _result(fut, to_api_error)
             if not cancel.is_set() and await request.is_disconnected():
                 cancel.set()
                 metrics.add("cancelled", 1)
@@ -827,6 +1064,8 @@ def create_app(
         return usage
 
     server_max_new = getattr(pipeline, "max_new_tokens", None)
+    max_tokens_limit = (server_max_new if isinstance(server_max_new, int) and not isinstance(server_max_new, bool)
+                        else None)
     # Only a pipeline with a memory plan can budget history (a Pipeline always has one; test fakes
     # and custom pipelines may not, and then get the history verbatim).
     budgeted = callable(getattr(pipeline, "plan_for", None)) or getattr(pipeline, "plan", None) is not None
@@ -842,10 +1081,8 @@ def create_app(
         from .chat import Conversation
 
         # max_tokens can lower the reserved output, not raise it past what the server planned for
-        # (each distinct value is also a memory plan the pipeline caches).
+        # (each distinct value is also a memory plan the pipeline caches): _parse_chat refused more.
         max_new = req.max_tokens
-        if isinstance(server_max_new, int) and max_new is not None:
-            max_new = min(max_new, server_max_new)
         conversation = None
         if budgeted:
             try:
@@ -872,11 +1109,76 @@ def create_app(
 
     # --- routes ---
 
+    def current_store() -> Any:
+        """The pipeline's opened index (None: a pipeline without one), kept once opened: later
+        checks are a stat of its manifest, and never wait on the pipeline's lock (held while it
+        plans or loads a model) on the event loop. Raises what opening it raises."""
+        if health_state["store"] is None:
+            health_state["store"] = getattr(pipeline, "store", None)  # a Pipeline opens its index here
+        return health_state["store"]
+
+    def index_problem() -> str | None:
+        """Why the index cannot serve right now, or None. Cheap enough for every request. A
+        request that met a damaged index also makes /health unready until one succeeds again."""
+        try:
+            store = current_store()
+            if store is not None and getattr(store, "exists", True) is False:
+                raise IndexNotFoundError(f"the index in {getattr(store, 'path', '?')} is gone")
+        except RagBudgetError as exc:
+            if health_state["problem"] is None or health_state["sticky"]:
+                log.error("the index is unavailable: %s", exc)
+            health_state["problem"] = _index_unavailable(exc).message
+            health_state["sticky"] = False
+            return health_state["problem"]
+        if health_state["problem"] is not None and not health_state["sticky"]:
+            log.info("the index is available again")
+            health_state["problem"] = None
+        return health_state["problem"]
+
+    # Open the index now, off any request: a later first /health then never waits on the
+    # pipeline's lock (a worker may hold it for seconds while it loads the model).
+    with contextlib.suppress(RagBudgetError):
+        current_store()
+
+    def index_roots() -> list[str]:
+        """The folders the index was built from, when its manifest records them (paths below
+        one are shown relative to it); empty otherwise (absolute paths shrink to file names)."""
+        try:
+            store = current_store()
+            manifest = getattr(store, "manifest", None) if store is not None else None
+        except Exception:  # noqa: BLE001 - no roots is the safe answer
+            return []
+        if not isinstance(manifest, dict):
+            return []
+        roots = manifest.get("roots", manifest.get("root"))
+        roots = [roots] if isinstance(roots, str) else roots
+        return sorted((r for r in roots or () if isinstance(r, str)), key=len, reverse=True)
+
+    def public(obj: Any) -> Any:
+        return _public_paths(obj, index_roots())
+
+    def report_for(answer: Any) -> dict[str, Any]:
+        return _public_report(_report(answer), expose_plan=expose_plan, roots=index_roots())
+
+    def require_index() -> None:
+        """Refuse a request up front (503) while the index cannot be opened at all."""
+        if index_problem() is not None and not health_state["sticky"]:
+            raise _APIError(503, str(health_state["problem"]), type="server_error", code="index_unavailable")
+
+    def index_ok() -> None:
+        health_state["problem"], health_state["sticky"] = None, False
+
     @app.get("/health")
     async def health() -> Any:
         stats = _admission_stats(pipeline)
-        return {"status": "ok", "model": served, "uptime_s": round(time.time() - started, 3),
-                "in_flight": metrics.in_flight, **{k: int(v) for k, v in stats.items()}}
+        problem = index_problem()
+        body = {"status": "ok" if problem is None else "unavailable", "model": served,
+                "uptime_s": round(time.time() - started, 3), "in_flight": metrics.in_flight,
+                **{k: int(v) for k, v in stats.items()}}
+        if problem is not None:
+            body["error"] = problem
+            return JSONResponse(body, status_code=503)
+        return body
 
     @app.get("/metrics")
     async def metrics_endpoint() -> Any:
@@ -904,29 +1206,37 @@ def create_app(
         body = await read_json(request)
         if not isinstance(body, dict):
             raise _APIError(400, "the request body must be a JSON object", code="invalid_type")
+        _check_fields(body, _RETRIEVE_FIELDS)
         query = body.get("query")
         if not isinstance(query, str) or not query.strip():
             raise _APIError(400, "'query' must be a non-empty string", param="query",
                             code="missing_required_parameter" if query is None else "invalid_value")
         k = _opt_int(body, "k")
+        if k is not None and k > MAX_RETRIEVE_K:
+            # The search allocates k scores up front: a huge k is a memory error, not an answer.
+            raise _APIError(400, f"'k' must be <= {MAX_RETRIEVE_K}, got {k}", param="k", code="invalid_value")
         context_tokens = _opt_int(body, "context_tokens")
+        require_index()
         if k is not None:
             hits = await run_blocking(lambda: pipeline.search(query, k=k))
-            return {"object": "list", "query": query, "data": [_to_dict(h) for h in hits]}
+            index_ok()
+            return {"object": "list", "query": query, "data": public([_to_dict(h) for h in hits])}
         selection = await run_blocking(lambda: pipeline.retrieve(query, context_tokens=context_tokens))
+        index_ok()
         return {
             "object": "list",
             "query": query,
-            "data": [_to_dict(c) for c in getattr(selection, "chunks", ())],
+            "data": public([_to_dict(c) for c in getattr(selection, "chunks", ())]),
             "tokens_used": getattr(selection, "tokens_used", None),
             "tokens_allowed": getattr(selection, "tokens_allowed", None),
-            "dropped": [_to_dict(d) for d in getattr(selection, "dropped", ())],
+            "dropped": public([_to_dict(d) for d in getattr(selection, "dropped", ())]),
         }
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
         t0 = time.perf_counter()
-        req = _parse_chat(await read_json(request), models)
+        req = _parse_chat(await read_json(request), models, max_tokens_limit=max_tokens_limit)
+        require_index()
         completion_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         cancel = threading.Event()
@@ -959,6 +1269,9 @@ def create_app(
         if not req.stream:
             fut = submit(lambda: run_ask(req, cancel))
             answer = await wait_or_cancel(request, fut, cancel)
+            if cancel.is_set():  # the client left: nobody reads the answer (counted as 499)
+                return Response(status_code=CLIENT_CLOSED)
+            index_ok()
             usage = record_answer(answer)
             return {
                 "id": completion_id,
@@ -972,8 +1285,8 @@ def create_app(
                     "logprobs": None,
                 }],
                 "usage": usage,
-                "sources": list(getattr(answer, "sources", []) or []),
-                "ragbudget": _report(answer),
+                "sources": public(list(getattr(answer, "sources", []) or [])),
+                "ragbudget": report_for(answer),
             }
 
         loop = asyncio.get_running_loop()
@@ -1009,7 +1322,7 @@ def create_app(
                 await asyncio.wait({fut})
                 return Response(status_code=499)
         if first[0] == "error":
-            raise _error_from_exception(first[1])
+            raise to_api_error(first[1])
 
         def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> bytes:
             return _sse({
@@ -1027,6 +1340,8 @@ def create_app(
             if not state["finished"] and not cancel.is_set():
                 cancel.set()
                 metrics.add("cancelled", 1)
+                # The 200 is sent, but the client left before the end: /metrics counts a 499.
+                request.scope[_CLIENT_LEFT] = True
 
         async def body_iter() -> AsyncIterator[bytes]:
             event = first
@@ -1042,15 +1357,16 @@ def create_app(
                                 metrics.observe("ragbudget_time_to_first_token_seconds", time.perf_counter() - t0)
                             yield chunk({"content": value})
                     elif kind == "error":
-                        err = _error_from_exception(value)
+                        err = to_api_error(value)
                         yield _sse(err.body())
                         yield _sse("[DONE]")
                         state["finished"] = True
                         return
                     else:  # done
+                        index_ok()
                         usage = record_answer(value)
-                        extra: dict[str, Any] = {"sources": list(getattr(value, "sources", []) or []),
-                                                 "ragbudget": _report(value)}
+                        extra: dict[str, Any] = {"sources": public(list(getattr(value, "sources", []) or [])),
+                                                 "ragbudget": report_for(value)}
                         if req.include_usage:
                             extra["usage"] = usage
                         yield chunk({}, _finish_reason(value), **extra)
@@ -1067,6 +1383,8 @@ def create_app(
     return app
 
 
+# Set in the ASGI scope by a streamed answer whose client left before its end (see _Guard).
+_CLIENT_LEFT = "ragbudget.client_left"
 _ENDPOINTS = {"/health", "/metrics", "/v1/models", "/v1/retrieve", "/v1/chat/completions"}
 
 
@@ -1104,20 +1422,62 @@ class _Guard:
                 self.metrics.count_request(endpoint, 401)
                 return
         status = 500
+        started = False
 
         async def send_wrapper(message: dict[str, Any]) -> None:
-            nonlocal status
+            nonlocal status, started
             if message["type"] == "http.response.start":
                 status = message["status"]
+                started = True
             await send(message)
 
         try:
             await self.app(scope, receive, send_wrapper)
+        except Exception as exc:
+            # Whatever escaped the routes' handlers ends here, answered once and logged once
+            # (re-raising would add uvicorn's "Exception in ASGI application" traceback). A client
+            # that left mid-request is no server error: 499, no traceback.
+            err = _error_from_exception(exc)
+            status = err.status
+            if not started and status != CLIENT_CLOSED:
+                body = json.dumps(err.body()).encode()
+                with contextlib.suppress(Exception):  # the connection may be gone too
+                    await send({"type": "http.response.start", "status": status, "headers": [
+                        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+                    await send({"type": "http.response.body", "body": body})
         finally:
+            if scope.get(_CLIENT_LEFT):
+                status = CLIENT_CLOSED
             self.metrics.count_request(endpoint, status)
             if endpoint not in ("/health", "/metrics", "other"):
                 self.metrics.observe("ragbudget_request_duration_seconds", time.perf_counter() - t0,
                                      endpoint=endpoint)
+
+
+def _json_problem(value: Any, limit: int) -> str | None:
+    """What makes parsed JSON unfit to serve, or None: arrays/objects nested more than ``limit``
+    deep, or a string holding an unpaired UTF-16 surrogate (``"\\ud800"`` is valid JSON but no
+    text: echoing it, or tokenizing it, fails). Iterative: no recursion for a hostile body to
+    exhaust."""
+    stack = [(value, 1)]
+    while stack:
+        obj, depth = stack.pop()
+        if isinstance(obj, str):
+            if not obj.isascii():
+                try:
+                    obj.encode("utf-8")
+                except UnicodeEncodeError:
+                    return ("the request body holds an unpaired UTF-16 surrogate escape (such as \\ud800), "
+                            "which is no text")
+        elif isinstance(obj, (dict, list)):
+            if depth > limit:
+                return f"the request body is nested too deep (more than {limit} levels of arrays and objects)"
+            if isinstance(obj, dict):
+                stack.extend((k, depth + 1) for k in obj)
+                stack.extend((v, depth + 1) for v in obj.values())
+            else:
+                stack.extend((v, depth + 1) for v in obj)
+    return None
 
 
 def _to_dict(obj: Any) -> Any:
@@ -1158,36 +1518,95 @@ def serve(
     log_level: str = "info",
     warm_up: bool = True,
     malloc_arenas: int | None = 2,
+    expose_plan: bool = False,
     **app_options: Any,
 ) -> None:
     """Run the server with uvicorn until interrupted. Loopback by default; binding another address
     without an API key logs a warning, since anyone who can reach the port can use the GPU.
 
+    Refuses to start rather than serve errors: an index that is missing or damaged raises its
+    :class:`~ragbudget.errors.IndexError_`, a port that cannot be bound (in use, not allowed) a
+    :class:`~ragbudget.errors.ConfigError` saying which, both before any model is loaded (the
+    CLI turns them into one line and exit code 1).
+
     ``warm_up`` loads the generator and computes the memory plan before listening, so a broken
     model fails at start and the first request is not the slow one. ``malloc_arenas`` caps glibc's
     malloc arenas before any worker thread starts (see :func:`limit_malloc_arenas`; ``None``
-    leaves the allocator alone)."""
+    leaves the allocator alone). ``expose_plan`` sends the memory plan and host memory figures
+    in responses (see :func:`create_app`); off by default."""
     import uvicorn
 
-    if malloc_arenas is not None:
-        limit_malloc_arenas(malloc_arenas)
+    _check_ready(pipeline)
+    sock = _bind_socket(host, port)
+    try:
+        if malloc_arenas is not None:
+            limit_malloc_arenas(malloc_arenas)
 
-    if api_key is None:
-        api_key = os.environ.get(API_KEY_ENV) or None
-    if host not in LOOPBACK_HOSTS and not api_key:
-        log.warning("serving on %s without an API key: anyone who can reach port %d can use the model "
-                    "(pass --api-key or set %s)", host, port, API_KEY_ENV)
-    if warm_up:
-        gen = getattr(pipeline, "generator", None)
-        if callable(getattr(gen, "warm_up", None)):
-            gen.warm_up()
-        plan = getattr(pipeline, "plan", None)
-        if plan is not None:
-            log.info("memory plan: %s tokens per request, KV capacity %s tokens",
-                     getattr(plan, "max_context_tokens", "?"), getattr(plan, "kv_capacity_tokens", "?"))
-    app = create_app(pipeline, api_key=api_key, **app_options)
-    # Bounded graceful shutdown: open streams are cancelled by the app's lifespan, not awaited forever.
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=10)
+        if api_key is None:
+            api_key = os.environ.get(API_KEY_ENV) or None
+        if host not in LOOPBACK_HOSTS and not api_key:
+            log.warning("serving on %s without an API key: anyone who can reach port %d can use the model "
+                        "(pass --api-key or set %s)", host, port, API_KEY_ENV)
+        if warm_up:
+            gen = getattr(pipeline, "generator", None)
+            if callable(getattr(gen, "warm_up", None)):
+                gen.warm_up()
+            plan = getattr(pipeline, "plan", None)
+            if plan is not None:
+                log.info("memory plan: %s tokens per request, KV capacity %s tokens",
+                         getattr(plan, "max_context_tokens", "?"), getattr(plan, "kv_capacity_tokens", "?"))
+        app = create_app(pipeline, api_key=api_key, expose_plan=expose_plan, **app_options)
+        # Bounded graceful shutdown: open streams are cancelled by the app's lifespan, not awaited forever.
+        config = uvicorn.Config(app, host=host, port=sock.getsockname()[1], log_level=log_level,
+                                timeout_graceful_shutdown=10)
+        try:
+            uvicorn.Server(config).run(sockets=[sock])
+        except KeyboardInterrupt:
+            # uvicorn shut down gracefully on Ctrl-C/SIGINT, then re-raised the signal: a stop
+            # asked for is a normal end (exit 0 on the CLI), not an "Aborted!".
+            log.info("server stopped")
+    finally:
+        sock.close()
+
+
+def _check_ready(pipeline: Any) -> None:
+    """Raise what keeps ``pipeline`` from serving: its index missing (``IndexNotFoundError``) or
+    damaged (``IndexCorruptError``: the manifest or a file it names unreadable, truncated or
+    gone). Loads the index, not the models. A pipeline without an index (``store``) passes."""
+    store = getattr(pipeline, "store", None)  # a Pipeline opens its index here, or raises
+    reload = getattr(store, "reload", None)
+    if callable(reload):
+        reload()  # reads the generation's files: a truncated or missing one fails here, not per request
+
+
+def _bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (what uvicorn would bind, handed to it), or a
+    :class:`~ragbudget.errors.ConfigError` in one line when the port is taken or not allowed."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as exc:
+        raise ConfigError(f"cannot bind to {host!r}: {exc.strerror}; pass --host 127.0.0.1 or a local "
+                          "address") from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        # As uvicorn: a port left in TIME_WAIT by a previous run can be reused at once, but one
+        # another process listens on cannot.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            msg = f"port {port} on {host} is in use; pass --port or stop the other server"
+        elif exc.errno == errno.EACCES:
+            msg = f"no permission to bind port {port} on {host}; pass a --port above 1023"
+        elif exc.errno == errno.EADDRNOTAVAIL:
+            msg = f"{host} is not an address of this machine; pass --host 127.0.0.1 or a local address"
+        else:
+            msg = f"cannot bind port {port} on {host}: {exc.strerror or exc}"
+        raise ConfigError(msg) from None
+    sock.set_inheritable(True)
+    return sock
 
 
 @contextlib.contextmanager

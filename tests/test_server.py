@@ -9,6 +9,8 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
+import logging
+import socket
 import sys
 import threading
 import time
@@ -20,6 +22,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from _fakes import GeneratorStub
 
 from ragbudget.errors import BudgetError, OverloadedError
 from ragbudget.server import Metrics, background_server, create_app
@@ -228,7 +231,7 @@ def test_openai_client_sampling_options_reach_the_pipeline() -> None:
         c = client(url)
         c.chat.completions.create(model=MODEL, messages=user(), temperature=0.7, top_p=0.9, seed=42, stop="END")
         list(c.chat.completions.create(model=MODEL, messages=user(), stream=True, temperature=0, seed=1,
-                                       stop=["a", "b", "c", "d"], presence_penalty=0.5, max_completion_tokens=3))
+                                       stop=["a", "b", "c", "d"], presence_penalty=0, max_completion_tokens=3))
         c.chat.completions.create(model=MODEL, messages=user())
     assert pipe.calls[0]["options"] == {"temperature": 0.7, "top_p": 0.9, "seed": 42, "stop": ["END"]}
     assert pipe.calls[1]["options"] == {"temperature": 0, "seed": 1, "stop": ["a", "b", "c", "d"]}
@@ -390,6 +393,22 @@ def test_bad_requests_get_openai_errors_and_never_reach_the_model(body: bytes, s
     assert pipe.calls == []
 
 
+def test_hostile_values_are_400_not_a_server_error() -> None:
+    pipe = FakePipeline()
+    with running(pipe) as url:
+        big_int = b'{"model": "fake-model", "messages": [], "seed": ' + b"9" * 5000 + b"}"
+        r = httpx.post(url + "/v1/chat/completions", content=big_int, headers={"content-type": "application/json"})
+        r2 = httpx.post(url + "/v1/retrieve", json={"query": "footers", "k": 10**12})
+        lone = [httpx.post(url + endpoint, content=json.dumps(body).encode(), headers={"content-type": "application/json"})
+                for endpoint, body in (("/v1/retrieve", {"query": "\ud800"}),
+                                       ("/v1/chat/completions", {"model": MODEL, "messages": user("a \udfff")}))]
+    for resp in lone:  # valid JSON, but no text to echo or tokenize (was a 500 from the serializer)
+        assert resp.status_code == 400 and "surrogate" in resp.json()["error"]["message"], resp.text
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    assert r2.status_code == 400 and r2.json()["error"]["param"] == "k"
+    assert pipe.calls == []
+
+
 def test_oversized_body_is_413() -> None:
     pipe = FakePipeline()
     with running(pipe, max_body_bytes=2000) as url:
@@ -500,6 +519,9 @@ def test_disconnect_mid_stream_frees_the_reservation() -> None:
         # Closing the response closed the connection: the server must cancel and free at once.
         assert _wait_until(lambda: pipe.admission.used == 0 and pipe.cancelled == ["stream me"])
         assert "ragbudget_cancelled_total 1" in httpx.get(url + "/metrics").text
+        # The 200 had been sent, but the answer never reached its client: a 499, not a 200.
+        assert _wait_until(lambda: 'endpoint="/v1/chat/completions",status="499"} 1' in httpx.get(url + "/metrics").text)
+        assert 'endpoint="/v1/chat/completions",status="200"' not in httpx.get(url + "/metrics").text
 
 
 def test_disconnect_while_waiting_non_streaming_frees_the_reservation() -> None:
@@ -508,6 +530,8 @@ def test_disconnect_while_waiting_non_streaming_frees_the_reservation() -> None:
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": user("slow")}, timeout=0.5)
         assert _wait_until(lambda: pipe.admission.used == 0 and pipe.cancelled == ["slow"])
+        # Counted as the client's doing (499), not as an answered request.
+        assert _wait_until(lambda: 'endpoint="/v1/chat/completions",status="499"} 1' in httpx.get(url + "/metrics").text)
 
 
 def _load_bench() -> Any:
@@ -596,8 +620,11 @@ def test_serve_command_passes_options_and_env_key(monkeypatch: pytest.MonkeyPatc
                                       "--history-share", "0.5", "--recent-turns", "1"])
     assert result.exit_code == 0, result.output
     assert served == [{"host": "127.0.0.1", "port": 0, "api_key": "env-key", "model_name": None,
-                       "history_share": 0.5, "summary_max_tokens": 128, "recent_turns": 1}]
+                       "history_share": 0.5, "summary_max_tokens": 128, "recent_turns": 1, "expose_plan": False}]
     assert made[0]["concurrency"] == 3 and made[0]["gpu"] == "24GiB"
+    result = CliRunner().invoke(cli, ["serve", "--port", "0", "--expose-plan"])
+    assert result.exit_code == 0, result.output
+    assert served[-1]["expose_plan"] is True
     result = CliRunner().invoke(cli, ["serve", "--port", "70000"])
     assert result.exit_code == 2
 
@@ -632,7 +659,7 @@ def test_real_models_through_the_openai_client(tmp_path: Path, repo_data: Path) 
         ask = [{"role": "user", "content": "What does the pipe system call return?"}]
 
         def answer(**options: Any) -> Any:
-            return c.chat.completions.create(model="ragbudget", messages=ask, max_tokens=12, **options).choices[0]
+            return c.chat.completions.create(model="ragbudget", messages=ask, max_tokens=8, **options).choices[0]
 
         greedy = answer().message.content or ""
         words = greedy.split()
@@ -644,11 +671,18 @@ def test_real_models_through_the_openai_client(tmp_path: Path, repo_data: Path) 
         assert sampled == answer(temperature=1.0, seed=11).message.content
 
 
-def test_max_tokens_cannot_exceed_the_planned_output() -> None:
+def test_max_tokens_past_the_planned_output_is_400_not_clamped() -> None:
+    # One rule, as on the CLI and on OpenAI: a value past the limit is an error naming both.
     pipe = FakePipeline(words=50)
     pipe.max_new_tokens = 3  # type: ignore[attr-defined]  # what the server planned for
     with running(pipe) as url:
-        resp = client(url).chat.completions.create(model=MODEL, messages=user(), max_tokens=1000)
+        for name in ("max_tokens", "max_completion_tokens"):
+            for value in (4, 1_000_000_000):
+                with pytest.raises(openai.BadRequestError) as err:
+                    client(url).chat.completions.create(model=MODEL, messages=user(), **{name: value})
+                assert err.value.param == name
+                assert str(value) in err.value.message and "at most 3" in err.value.message
+        resp = client(url).chat.completions.create(model=MODEL, messages=user(), max_tokens=3)
         resp2 = client(url).chat.completions.create(model=MODEL, messages=user(), max_tokens=2)
     assert [c["max_new_tokens"] for c in pipe.calls] == [3, 2]
     assert resp.usage is not None and resp.usage.completion_tokens == 3
@@ -676,3 +710,370 @@ def test_full_queue_is_refused_before_any_retrieval_work() -> None:
             assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
             assert len(pipe.calls) == n_calls  # refused before pipeline.ask was even called
         waiting.join(timeout=30)
+
+
+# --- never a 5xx for a client's doing, never healthy when it cannot serve (issue #19) ---------------
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+        ("tool_choice", "required"),
+        ("functions", [{"name": "f"}]),
+        ("function_call", {"name": "f"}),
+        ("logprobs", True),
+        ("top_logprobs", 3),
+        ("response_format", {"type": "json_object"}),
+        ("logit_bias", {"50256": -100}),
+        ("presence_penalty", 0.5),
+        ("frequency_penalty", -1),
+        ("modalities", ["text", "audio"]),
+        ("audio", {"voice": "alloy", "format": "wav"}),
+        ("reasoning_effort", "high"),
+        ("not_an_openai_field", 1),
+    ],
+)
+def test_fields_ragbudget_would_ignore_are_400_naming_them(field: str, value: Any) -> None:
+    pipe = FakePipeline()
+    with running(pipe) as url:
+        r = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": user(), field: value})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == field and field in err["message"]
+    assert err["code"] in ("unsupported_parameter", "unknown_parameter")
+    assert pipe.calls == []
+
+
+def test_default_values_of_unsupported_fields_pass() -> None:
+    pipe = FakePipeline()
+    with running(pipe) as url:
+        resp = client(url).chat.completions.create(
+            model=MODEL, messages=user(), n=1, logprobs=False, response_format={"type": "text"},
+            presence_penalty=0, frequency_penalty=0.0, tool_choice="none", user="u-1", store=False,
+            logit_bias={}, metadata={"run": "1"})
+        raw = httpx.post(url + "/v1/chat/completions", json={
+            "model": MODEL, "messages": user(), "tools": [], "top_logprobs": 0, "parallel_tool_calls": False,
+            "functions": None, "audio": None})
+        bad = httpx.post(url + "/v1/retrieve", json={"query": "footers", "top_k": 3})
+    assert resp.choices[0].message.content and raw.status_code == 200, raw.text
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "top_k"
+    assert len(pipe.calls) == 2
+
+
+@pytest.mark.parametrize("endpoint", ["/v1/chat/completions", "/v1/retrieve"])
+def test_deeply_nested_json_is_400_not_a_recursion_error(endpoint: str) -> None:
+    pipe = FakePipeline()
+    deep = b"[" * 50_000 + b"]" * 50_000
+    deep_obj = b'{"a":' * 50_000 + b"1" + b"}" * 50_000
+    nested = {"model": MODEL, "messages": user(), "metadata": {}}
+    inner = nested["metadata"]
+    for _ in range(40):  # valid JSON, well under the interpreter's limit, over the server's
+        inner["x"] = {}
+        inner = inner["x"]
+    with running(pipe) as url:
+        responses = [httpx.post(url + endpoint, content=body, headers={"content-type": "application/json"})
+                     for body in (deep, deep_obj, json.dumps(nested).encode())]
+        metrics = httpx.get(url + "/metrics").text
+    for r in responses:
+        assert r.status_code == 400, r.text[:300]
+        err = r.json()["error"]
+        assert err["code"] == "invalid_json" and "nested too deep" in err["message"] and "32" in err["message"]
+    assert 'status="500"' not in metrics
+    assert pipe.calls == []
+
+
+class _Records(logging.Handler):
+    """Collects log records of the server (ragbudget) and of uvicorn, tracebacks included."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    @contextlib.contextmanager
+    def attached(self) -> Iterator[_Records]:
+        # After uvicorn configured its loggers (its dictConfig drops the handlers they had).
+        loggers = [logging.getLogger(n) for n in ("ragbudget", "uvicorn", "uvicorn.error", "uvicorn.access")]
+        for lg in loggers:
+            lg.addHandler(self)
+        try:
+            yield self
+        finally:
+            for lg in loggers:
+                lg.removeHandler(self)
+
+
+def _send_raw(url: str, data: bytes) -> None:
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        sock.sendall(data)
+    # closed: the server's next receive() is an http.disconnect
+
+
+def test_short_body_then_disconnect_is_499_without_traceback() -> None:
+    pipe = FakePipeline()
+    body = json.dumps({"model": MODEL, "messages": user()}).encode()
+    with running(pipe) as url, _Records().attached() as log:
+        for endpoint in ("/v1/chat/completions", "/v1/retrieve"):
+            _send_raw(url, f"POST {endpoint} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                      f"Content-Length: {len(body) + 500}\r\n\r\n".encode() + body[:20])
+
+        def counted() -> bool:
+            text = httpx.get(url + "/metrics").text
+            return all(f'ragbudget_requests_total{{endpoint="{e}",status="499"}} 1' in text
+                       for e in ("/v1/chat/completions", "/v1/retrieve"))
+
+        assert _wait_until(counted), httpx.get(url + "/metrics").text
+        metrics = httpx.get(url + "/metrics").text
+        ok = client(url).chat.completions.create(model=MODEL, messages=user())  # the server carries on
+    assert 'status="500"' not in metrics
+    assert "ragbudget_cancelled_total 2" in metrics
+    tracebacks = [r.getMessage() for r in log.records if r.exc_info or r.levelno >= logging.ERROR]
+    assert tracebacks == []
+    assert ok.choices[0].message.content and len(pipe.calls) == 1
+
+
+def test_every_client_caused_failure_maps_to_4xx_or_499() -> None:
+    from starlette.requests import ClientDisconnect
+
+    from ragbudget.errors import (
+        ConfigError,
+        IndexCorruptError,
+        IndexNotFoundError,
+        ModelError,
+        RagBudgetError,
+        RequestCancelled,
+    )
+    from ragbudget.server import _APIError, _error_from_exception
+
+    client_faults = {
+        ConfigError("context_tokens must be >= 1"): 400,
+        BudgetError("x on RTX 4090: needs 30.00 GiB but 21.60 GiB is usable", needed=9000, available=2048): 400,
+        BudgetError("weights need 9 GiB", needed=9 << 30, available=1 << 30, unit="bytes"): 400,
+        OverloadedError("queue full", retry_after=1.0): 429,
+        RequestCancelled("left the queue"): 499,
+        ClientDisconnect(): 499,
+        _APIError(413, "too large"): 413,
+    }
+    for exc, status in client_faults.items():
+        err = _error_from_exception(exc)
+        assert err.status == status, (exc, err.status)
+        assert "GiB" not in err.message and "RTX" not in err.message
+    assert "9000" in _error_from_exception(BudgetError("a", needed=9000, available=2048)).message
+    assert "GiB" in _error_from_exception(BudgetError("9 GiB", needed=1, available=0), expose_plan=True).message
+    # Only the server's own faults are 5xx, and their text (paths) stays in the server's log.
+    server_faults = {IndexNotFoundError("no index in /srv/private/idx"): 503,
+                     IndexCorruptError("index file /srv/private/idx/x.faiss is truncated"): 503,
+                     ModelError("cannot load /srv/private/model"): 503,
+                     RagBudgetError("odd /srv/private"): 500, RuntimeError("/srv/private"): 500}
+    for exc, status in server_faults.items():
+        err = _error_from_exception(exc)
+        assert err.status == status and err.type == "server_error" and "/srv" not in err.message
+    assert "/srv" not in _error_from_exception(ConfigError("bad file /srv/private/x.md")).message
+
+
+@dataclass
+class _Store:
+    path: str
+    exists: bool = True
+
+
+class IndexedFakePipeline(FakePipeline):
+    """A FakePipeline with an index (``store``) whose folder can go away, as a Pipeline's can."""
+
+    index = _Store("/srv/private/idx")
+
+    @property
+    def store(self) -> _Store:
+        return self.index
+
+
+def test_health_and_requests_are_503_while_the_index_is_unavailable() -> None:
+    from ragbudget.errors import IndexCorruptError
+
+    pipe = IndexedFakePipeline()
+    pipe.index = _Store("/srv/private/idx")
+    with running(pipe) as url:
+        assert httpx.get(url + "/health").json()["status"] == "ok"
+        pipe.index.exists = False  # someone deleted the index folder
+        health = httpx.get(url + "/health")
+        chat = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": user()})
+        retrieve = httpx.post(url + "/v1/retrieve", json={"query": "footers"})
+        pipe.index.exists = True
+        assert httpx.get(url + "/health").status_code == 200
+        # Damage met by a request (not by the probe): 503, and /health unready until one succeeds.
+        pipe.fail = IndexCorruptError("index file /srv/private/idx/a.faiss fails its checksum")
+        broken = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": user()})
+        unready = httpx.get(url + "/health")
+        pipe.fail = None
+        fixed = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": user()})
+        ready = httpx.get(url + "/health")
+        metrics = httpx.get(url + "/metrics").text
+    assert health.status_code == 503 and health.json()["status"] == "unavailable"
+    for r in (chat, retrieve, broken):
+        assert r.status_code == 503 and r.json()["error"]["code"] == "index_unavailable", r.text
+    assert unready.status_code == 503 and fixed.status_code == 200 and ready.json()["status"] == "ok"
+    for r in (health, chat, retrieve, broken, unready):
+        assert "/srv" not in r.text
+    assert 'endpoint="/v1/chat/completions",status="500"' not in metrics
+
+
+def test_a_pipeline_without_an_index_is_not_healthy(tmp_path: Path) -> None:
+    from ragbudget.pipeline import Pipeline
+
+    pipe = Pipeline(tmp_path / "none", generator=GeneratorStub(), gpu="16GiB")  # type: ignore[arg-type]
+    with running(pipe) as url:  # type: ignore[arg-type]
+        health = httpx.get(url + "/health")
+        chat = httpx.post(url + "/v1/chat/completions", json={"model": "ragbudget", "messages": user()})
+    assert health.status_code == 503 and health.json()["status"] == "unavailable"
+    assert chat.status_code == 503 and chat.json()["error"]["code"] == "index_unavailable"
+    assert str(tmp_path) not in health.text + chat.text
+
+
+def _cli(*args: str) -> Any:
+    from click.testing import CliRunner
+
+    from ragbudget.cli import cli
+
+    return CliRunner().invoke(cli, list(args))
+
+
+def test_serve_refuses_to_start_without_a_usable_index(tmp_path: Path) -> None:
+    missing = _cli("serve", "--index-dir", str(tmp_path / "nonexistent"), "--port", "0")
+    damaged_dir = tmp_path / "damaged"
+    damaged_dir.mkdir()
+    (damaged_dir / "manifest.json").write_text("{not json")
+    damaged = _cli("serve", "--index-dir", str(damaged_dir), "--port", "0")
+    for result in (missing, damaged):
+        assert result.exit_code == 1, result.output
+        assert result.output.startswith("Error: ") and result.output.count("\n") == 1, result.output
+        assert "Traceback" not in result.output
+    assert "no index in" in missing.output and "unreadable" in damaged.output
+
+
+def test_serve_on_a_port_in_use_exits_1_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ragbudget.errors import ConfigError
+    from ragbudget.server import serve
+
+    monkeypatch.setattr("ragbudget.pipeline.Pipeline", lambda *a, **kw: FakePipeline())
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = _cli("serve", "--port", str(port))
+        with pytest.raises(ConfigError, match="in use"):
+            serve(FakePipeline(), port=port)
+    assert result.exit_code == 1, result.output
+    assert result.output == f"Error: port {port} on 127.0.0.1 is in use; pass --port or stop the other server\n"
+
+
+# A real index built under tmp_path, a real Pipeline (model-free generator): what clients see.
+
+_HOST_FIGURES = ("gpu_bytes", "usable_bytes", "free_bytes", "weights_bytes", "gpu_name", "GiB", "kv_capacity_tokens",
+                 "kv_bytes_per_token")
+
+
+@pytest.fixture(scope="module")
+def tmp_index(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    from ragbudget.pipeline import Pipeline
+
+    root = tmp_path_factory.mktemp("private-home")
+    docs = root / "docs" / "guides"
+    docs.mkdir(parents=True)
+    (docs / "guide.md").write_text("# Guide\n\nThe page footer of the guide is removed by the cleaner. " * 20)
+    (docs / "leader.md").write_text("# Leader\n\nThe Project Leader is elected every year by the developers. " * 20)
+    Pipeline(root / "idx", embedder="hash:256").index([root / "docs"])
+    return root, root / "idx"
+
+
+def _real_pipeline(index_dir: Path) -> Any:
+    from test_pipeline import FakeGenerator
+
+    from ragbudget.pipeline import Pipeline
+
+    return Pipeline(index_dir, generator=FakeGenerator(answer="Elected [1]."), gpu="16GiB", max_new_tokens=32)
+
+
+def _bodies(url: str) -> list[str]:
+    ask = {"model": "ragbudget", "messages": [{"role": "user", "content": "Who elects the Project Leader?"}]}
+    too_long = {"model": "ragbudget", "messages": user("word " * 12_000)}
+    with httpx.stream("POST", url + "/v1/chat/completions", json={**ask, "stream": True}) as streamed:
+        stream_text = streamed.read().decode()
+    responses = [
+        httpx.post(url + "/v1/chat/completions", json=ask),
+        httpx.post(url + "/v1/retrieve", json={"query": "page footer", "context_tokens": 200}),
+        httpx.post(url + "/v1/retrieve", json={"query": "page footer", "k": 3}),
+        httpx.get(url + "/health"),
+        httpx.post(url + "/v1/chat/completions", json=too_long),
+    ]
+    assert [r.status_code for r in responses] == [200, 200, 200, 200, 400], [r.text[:200] for r in responses]
+    assert "Elected" in responses[0].text and "guide.md" in responses[1].text
+    return [stream_text, *(r.text for r in responses)]
+
+
+def test_responses_carry_no_private_path_nor_host_memory_figures(tmp_index: tuple[Path, Path]) -> None:
+    root, index_dir = tmp_index
+    with running(_real_pipeline(index_dir)) as url:
+        bodies = _bodies(url)
+        answer = httpx.post(url + "/v1/chat/completions", json={"model": "ragbudget", "messages": user()}).json()
+    for body in bodies:
+        assert str(root) not in body and "private-home" not in body
+        for figure in _HOST_FIGURES:
+            assert figure not in body, (figure, body[:300])
+    assert answer["ragbudget"]["budget"]["prompt_tokens"] > 0 and "plan" not in answer["ragbudget"]
+    assert all(not Path(src["path"]).is_absolute() for src in answer["sources"])
+
+
+def test_expose_plan_sends_the_memory_plan_but_still_no_private_path(tmp_index: tuple[Path, Path]) -> None:
+    root, index_dir = tmp_index
+    with running(_real_pipeline(index_dir), expose_plan=True) as url:
+        bodies = _bodies(url)
+        answer = httpx.post(url + "/v1/chat/completions", json={"model": "ragbudget", "messages": user()}).json()
+    assert all(str(root) not in body for body in bodies)
+    assert answer["ragbudget"]["plan"]["gpu_bytes"] > 0 and "kv_bytes_per_token" in answer["ragbudget"]["budget"]
+    assert "GiB" in bodies[-1]  # the budget error as the library words it
+
+
+_SERVE_SCRIPT = """
+import sys
+from ragbudget.server import serve
+
+class Pipe:  # the least a pipeline needs to be served: /health, /v1/models, /metrics
+    max_new_tokens = 8
+
+serve(Pipe(), port=int(sys.argv[1]), log_level="warning", malloc_arenas=None)
+"""
+
+
+def test_serve_listens_on_the_socket_it_bound_and_stops_on_sigint() -> None:
+    import os
+    import signal
+    import subprocess
+
+    with socket.socket() as probe:  # a free port (tiny race with other processes; loopback only)
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    proc = subprocess.Popen([sys.executable, "-c", _SERVE_SCRIPT, str(port)], cwd=root, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        def up() -> bool:
+            try:
+                return httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200
+            except httpx.TransportError:
+                return proc.poll() is not None  # stop waiting if it died
+        assert _wait_until(up, timeout=30) and proc.poll() is None, proc.communicate(timeout=5)
+        assert httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"][0]["id"] == "ragbudget"
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            _, err = proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            _, err = proc.communicate()
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err
