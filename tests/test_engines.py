@@ -519,8 +519,8 @@ def test_missing_and_wrong_api_keys() -> None:
 def test_malformed_json() -> None:
     with Replay("vllm") as srv:
         srv.push("GET", "/v1/models", Resp(text="<html>login</html>", content_type="text/html"))
-        b = _connect(srv, kind="vllm")
-        with pytest.raises(EngineResponseError, match="not JSON") as e:
+        with _connect(srv, kind="vllm") as b, pytest.raises(EngineResponseError,
+                                                             match="not JSON") as e:
             b.capacity()
         _one_line(e.value, "/v1/models")
         assert e.value.body == "<html>login</html>"
@@ -529,9 +529,9 @@ def test_malformed_json() -> None:
 def test_a_hung_server_times_out() -> None:
     with Replay("vllm") as srv:
         srv.push("POST", "/v1/chat/completions", Resp(delay=3.0, json={}))
-        b = _connect(srv, model="m", timeout=0.3)
         t0 = time.perf_counter()
-        with pytest.raises(EngineConnectionError, match="gave no answer within 0.3 s") as e:
+        with _connect(srv, model="m", timeout=0.3) as b, pytest.raises(
+                EngineConnectionError, match="gave no answer within 0.3 s") as e:
             b.generate(USER, max_new_tokens=4)
         assert time.perf_counter() - t0 < 2
         _one_line(e.value, "/v1/chat/completions")
@@ -541,8 +541,8 @@ def test_a_hung_stream_times_out_too() -> None:
     with Replay("vllm") as srv:
         srv.push("POST", "/v1/chat/completions", Resp(delay=3.0, lines=["data: [DONE]"],
                                                       content_type="text/event-stream"))
-        b = _connect(srv, model="m", timeout=0.3)
-        with pytest.raises(EngineConnectionError, match="gave no answer"):
+        with _connect(srv, model="m", timeout=0.3) as b, pytest.raises(
+                EngineConnectionError, match="gave no answer"):
             b.generate(USER, max_new_tokens=4, on_text=lambda s: None)
 
 
