@@ -609,3 +609,29 @@ def test_local_backend_is_a_backend() -> None:
                    stop=["\n"])
     assert g.text == "ok" and stub.kw["max_new_tokens"] == 5 and stub.kw["seed"] == 2
     assert stub.kw["stop"] == ["\n"] and stub.kw["temperature"] == 0.5
+
+
+@dataclass
+class _Hit:
+    chunk_id: str
+    text: str
+    score: float
+
+
+def test_a_real_prompt_is_rebuilt_with_fewer_passages_on_too_long() -> None:
+    from _fakes import WordTokenizer
+
+    from ragbudget.prompt import build_prompt
+
+    hits = [_Hit(f"c{i}", " ".join(f"t{i}x{j}" for j in range(150)), s)
+            for i, s in enumerate((0.9, 0.8, 0.7, 0.6))]
+    prompt = build_prompt("Who leads?", hits, tokenizer=WordTokenizer(chatml=True),
+                          max_prompt_tokens=5000)
+    assert len(prompt.passages) == 4
+    with Replay("llamacpp") as srv, _connect(srv) as b:
+        g = b.generate(prompt, max_new_tokens=16)
+        first, second = srv.calls("POST", "/v1/chat/completions")
+        assert g.prompt is not None and 0 < len(g.prompt.passages) < 4
+        kept = sorted(p.score for p in g.prompt.passages)
+        assert kept == sorted((0.9, 0.8, 0.7, 0.6))[-len(kept):]  # the best survive
+        assert g.prompt_tokens < 512 and second["messages"] == list(g.prompt.messages)
