@@ -76,8 +76,20 @@ def test_given_kind_does_not_probe() -> None:
 def test_detection_of_a_server_that_is_no_engine() -> None:
     with Replay("openai") as srv:
         srv.routes.clear()  # every route 404s
-        with pytest.raises(EngineConnectionError, match="answers none of the engine routes"):
+        with pytest.raises(EngineResponseError, match="answers none of the engine routes") as e:
             _connect(srv)
+        assert "GET /props -> 404" in e.value.body
+
+
+def test_importing_the_engines_stays_light() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, ragbudget.engines, ragbudget.backend\n"
+            "print([m for m in ('torch', 'transformers', 'faiss') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
 def test_unknown_kind_is_a_config_error() -> None:

@@ -24,7 +24,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..backend import CountCache
-from ..errors import ConfigError, EngineAuthError, EngineConnectionError, EngineError
+from ..errors import (
+    ConfigError,
+    EngineAuthError,
+    EngineConnectionError,
+    EngineError,
+    EngineResponseError,
+)
 from ._base import Detection, ServedBackend
 from ._http import HTTP, Retry, root_url
 
@@ -104,9 +110,10 @@ def detect(http: HTTP) -> Detection:
     if models is not None:
         return Detection(kind="openai", how="GET /v1/models only (a generic OpenAI server)",
                          probes=tuple(probes))
-    raise EngineConnectionError(
+    raise EngineResponseError(
         f"{http.root} answers none of the engine routes ({'; '.join(probes)}): is this the "
-        "engine's address? pass kind=… (CLI: --engine-kind) if it is", url=http.root)
+        "engine's address? pass kind=… (CLI: --engine-kind) if it is", url=http.root,
+        body=probes)
 
 
 def connect(
