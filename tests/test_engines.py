@@ -647,3 +647,14 @@ def test_a_real_prompt_is_rebuilt_with_fewer_passages_on_too_long() -> None:
         kept = sorted(p.score for p in g.prompt.passages)
         assert kept == sorted((0.9, 0.8, 0.7, 0.6))[-len(kept):]  # the best survive
         assert g.prompt_tokens < 512 and second["messages"] == list(g.prompt.messages)
+
+
+def test_docstring_examples_run() -> None:
+    import doctest
+
+    import ragbudget.backend
+    import ragbudget.engines._base
+    import ragbudget.engines._http
+
+    for module in (ragbudget.backend, ragbudget.engines._base, ragbudget.engines._http):
+        assert doctest.testmod(module).failed == 0, module.__name__
