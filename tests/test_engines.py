@@ -528,6 +528,16 @@ def test_missing_and_wrong_api_keys() -> None:
             assert b.kind == "llamacpp" and b.generate("Hi", max_new_tokens=2).new_tokens == 2
 
 
+def test_api_key_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ragbudget.engines import api_key_from_env
+
+    monkeypatch.setenv("ENGINE_KEY", "k1")
+    assert api_key_from_env("ENGINE_KEY") == "k1" and api_key_from_env(None) is None
+    monkeypatch.delenv("ENGINE_KEY")
+    with pytest.raises(ConfigError, match="export ENGINE_KEY="):
+        api_key_from_env("ENGINE_KEY")
+
+
 def test_malformed_json() -> None:
     with Replay("vllm") as srv:
         srv.push("GET", "/v1/models", Resp(text="<html>login</html>", content_type="text/html"))

@@ -34,7 +34,16 @@ from ..errors import (
 from ._base import Detection, ServedBackend
 from ._http import HTTP, Retry, root_url
 
-__all__ = ["KINDS", "Detection", "Retry", "ServedBackend", "backend_class", "connect", "detect"]
+__all__ = [
+    "KINDS",
+    "Detection",
+    "Retry",
+    "ServedBackend",
+    "api_key_from_env",
+    "backend_class",
+    "connect",
+    "detect",
+]
 
 #: Engine kinds ``connect`` accepts (besides ``"auto"``).
 KINDS = ("vllm", "sglang", "tgi", "llamacpp", "ollama", "openai")
@@ -45,6 +54,24 @@ KINDS = ("vllm", "sglang", "tgi", "llamacpp", "ollama", "openai")
 # tools/server/server-context.cpp). TGI writes the model id there and Ollama "library", so those
 # two are recognised by their own routes.
 _OWNED_BY = {"vllm": "vllm", "sglang": "sglang", "llamacpp": "llamacpp"}
+
+
+def api_key_from_env(var: str | None) -> str | None:
+    """The API key in environment variable ``var`` (CLI ``--api-key-env VAR``), so a key never
+    appears on a command line; ``None`` when ``var`` is ``None``.
+
+    >>> api_key_from_env(None) is None
+    True
+    """
+    if var is None:
+        return None
+    import os
+
+    key = os.environ.get(var)
+    if not key:
+        raise ConfigError(f"--api-key-env names {var!r}, but that environment variable is unset "
+                          f"or empty: export {var}=<the engine's API key>")
+    return key
 
 
 def backend_class(kind: str) -> type[ServedBackend]:
