@@ -64,6 +64,8 @@ def test_auto_detection_names_each_engine_and_how(kind: str) -> None:
                           "tgi": "GET /info", "ollama": "GET /api/version",
                           "openai": "GET /v1/models only"}[kind]
         assert expected_route in b.detection.how
+        n = len(srv.log)
+        assert b.model_id == b.detection.models[0] and len(srv.log) == n  # no second listing
         assert isinstance(b, Backend)
 
 
@@ -666,5 +668,6 @@ def test_docstring_examples_run() -> None:
     import ragbudget.engines._base
     import ragbudget.engines._http
 
-    for module in (ragbudget.backend, ragbudget.engines._base, ragbudget.engines._http):
+    for module in (ragbudget.backend, ragbudget.engines, ragbudget.engines._base,
+                   ragbudget.engines._http):
         assert doctest.testmod(module).failed == 0, module.__name__

@@ -113,30 +113,31 @@ def detect(http: HTTP) -> Detection:
         return reply.data if reply.status == 200 and isinstance(reply.data, Mapping) else None
 
     models = probe("GET", "/v1/models")
-    for card in (models or {}).get("data", []) if models else []:
-        owner = str(card.get("owned_by", "")) if isinstance(card, Mapping) else ""
+    cards = [c for c in (models or {}).get("data", []) if isinstance(c, Mapping)] if models else []
+    ids = tuple(str(c["id"]) for c in cards if "id" in c)
+
+    def found(kind: str, how: str) -> Detection:
+        return Detection(kind=kind, how=how, probes=tuple(probes), models=ids)
+
+    for card in cards:
+        owner = str(card.get("owned_by", ""))
         if owner in _OWNED_BY:
-            return Detection(kind=_OWNED_BY[owner], how=f'GET /v1/models owned_by="{owner}"',
-                             probes=tuple(probes))
+            return found(_OWNED_BY[owner], f'GET /v1/models owned_by="{owner}"')
     info = probe("GET", "/info")
-    if info and info.get("router") == "text-generation-router" or (
-            info and "max_total_tokens" in info and "max_input_tokens" in info):
-        return Detection(kind="tgi", how="GET /info router/max_total_tokens (TGI)",
-                         probes=tuple(probes))
+    if info and (info.get("router") == "text-generation-router"
+                 or ("max_total_tokens" in info and "max_input_tokens" in info)):
+        return found("tgi", "GET /info router/max_total_tokens (TGI)")
     version = probe("GET", "/api/version")
     if version and "version" in version and len(version) == 1:
-        return Detection(kind="ollama", how="GET /api/version (Ollama)", probes=tuple(probes))
+        return found("ollama", "GET /api/version (Ollama)")
     props = probe("GET", "/props")
     if props and "total_slots" in props:
-        return Detection(kind="llamacpp", how="GET /props total_slots (llama.cpp)",
-                         probes=tuple(probes))
+        return found("llamacpp", "GET /props total_slots (llama.cpp)")
     server_info = probe("GET", "/get_server_info")
     if server_info and "max_total_num_tokens" in server_info:
-        return Detection(kind="sglang", how="GET /get_server_info max_total_num_tokens (SGLang)",
-                         probes=tuple(probes))
+        return found("sglang", "GET /get_server_info max_total_num_tokens (SGLang)")
     if models is not None:
-        return Detection(kind="openai", how="GET /v1/models only (a generic OpenAI server)",
-                         probes=tuple(probes))
+        return found("openai", "GET /v1/models only (a generic OpenAI server)")
     raise EngineResponseError(
         f"{http.root} answers none of the engine routes ({'; '.join(probes)}): is this the "
         "engine's address? pass kind=… (CLI: --engine-kind) if it is", url=http.root,
@@ -180,6 +181,8 @@ def connect(
         extra: dict[str, Any] = {}
         if detection.kind in ("ollama", "openai"):
             extra["tokenizer"] = tokenizer
+        if model is None and detection.models:
+            model = detection.models[0]  # the listing detection already fetched
         return cls(http, model=model, count_cache=count_cache, context_tokens=context_tokens,
                    detection=detection, **extra)
     except BaseException:

@@ -36,12 +36,13 @@ log = logging.getLogger("ragbudget.engines")
 @dataclass(frozen=True, kw_only=True)
 class Detection:
     """How a backend's engine kind was decided: ``kind``, ``how`` (one line: the route and the
-    field that gave it away, or ``"given: kind=…"``) and every ``probes`` made, as
-    ``"GET /route -> 200"``."""
+    field that gave it away, or ``"given: kind=…"``), every ``probes`` made, as
+    ``"GET /route -> 200"``, and the ``models`` that ``GET /v1/models`` listed."""
 
     kind: str
     how: str
     probes: tuple[str, ...] = ()
+    models: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)
