@@ -22,6 +22,23 @@ and says which limit binds, with its number and source. The KV term is advisory 
 go stale between scrapes and hybrid models misreport them — so a plan prints every figure with its
 source and age (:meth:`Capacity.describe`).
 
+How the faces use it (one request)::
+
+    backend = ragbudget.engines.connect(url, kind=kind, api_key=api_key_from_env(var))
+    #         or LocalBackend(Generator(model), gpu=gpu, concurrency=n, max_new_tokens=m)
+    overhead = backend.template_overhead(system_prompt)   # served engines: once per model
+    # (LocalBackend: render([system, user question]).n_tokens − count([question])[0])
+    budget = per_request_tokens(backend.capacity(), max_new_tokens=m,
+                                overhead_tokens=overhead + backend.count([question])[0])
+    counts = backend.count([c.text for c in candidates])  # cached by (model, text digest)
+    prompt = build_prompt(question, candidates, max_prompt_tokens=budget.context_tokens + …)
+    answer = backend.generate(prompt, max_new_tokens=m, sampling=…, on_text=…, cancel=…)
+
+Print ``capacity.describe()`` and ``budget.to_dict()`` in the plan: every figure with its source
+and age. Served-engine errors are :class:`~ragbudget.errors.EngineError` subclasses (one-line
+messages); a too-long answer that survives the backend's one retry arrives as
+:class:`~ragbudget.errors.EngineContextError`, a :class:`~ragbudget.errors.BudgetError`.
+
 >>> cap = Capacity(max_context_tokens=4096, kv_tokens_total=20000, kv_tokens_free=6000,
 ...                max_context_source="GET /v1/models max_model_len",
 ...                kv_free_source="GET /metrics vllm:kv_cache_usage_perc", engine_kind="vllm")

@@ -44,6 +44,10 @@ class Detection:
     probes: tuple[str, ...] = ()
     models: tuple[str, ...] = ()
 
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "how": self.how, "probes": list(self.probes),
+                "models": list(self.models)}
+
 
 @dataclass(frozen=True, kw_only=True)
 class TooLong:
