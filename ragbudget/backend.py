@@ -26,8 +26,7 @@ How the faces use it (one request)::
 
     backend = ragbudget.engines.connect(url, kind=kind, api_key=api_key_from_env(var))
     #         or LocalBackend(Generator(model), gpu=gpu, concurrency=n, max_new_tokens=m)
-    overhead = backend.template_overhead(system_prompt)   # served engines: once per model
-    # (LocalBackend: render([system, user question]).n_tokens − count([question])[0])
+    overhead = template_overhead(backend, system_prompt)  # measured once per model
     budget = per_request_tokens(backend.capacity(), max_new_tokens=m,
                                 overhead_tokens=overhead + backend.count([question])[0])
     counts = backend.count([c.text for c in candidates])  # cached by (model, text digest)
@@ -72,6 +71,7 @@ __all__ = [
     "Sampling",
     "per_request_tokens",
     "prompt_messages",
+    "template_overhead",
     "text_digest",
 ]
 
@@ -364,6 +364,19 @@ def prompt_messages(prompt: Any) -> list[dict[str, str]]:
         "a served engine needs chat messages [{'role', 'content'}], a string, a RenderedPrompt "
         f"or a ragbudget.prompt.Prompt; got {type(prompt).__name__} (token ids cannot be sent)"
     )
+
+
+def template_overhead(backend: Backend, system_prompt: str | None = None) -> int:
+    """Tokens the chat template and ``system_prompt`` add around an empty user turn — the part of
+    every prompt that is neither context nor question. Uses the backend's own cached
+    ``template_overhead`` when it has one (served engines measure it once per model), else
+    renders once.
+    """
+    own = getattr(backend, "template_overhead", None)
+    if callable(own):
+        return int(own(system_prompt))
+    msgs = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    return backend.render([*msgs, {"role": "user", "content": ""}]).n_tokens
 
 
 # -- the local generator as a Backend ------------------------------------------------------------

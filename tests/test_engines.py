@@ -23,6 +23,7 @@ from ragbudget.backend import (
     Sampling,
     per_request_tokens,
     prompt_messages,
+    template_overhead,
     text_digest,
 )
 from ragbudget.engines import KINDS, Retry, connect
@@ -633,6 +634,7 @@ def test_local_backend_is_a_backend() -> None:
                    stop=["\n"])
     assert g.text == "ok" and stub.kw["max_new_tokens"] == 5 and stub.kw["seed"] == 2
     assert stub.kw["stop"] == ["\n"] and stub.kw["temperature"] == 0.5
+    assert template_overhead(b, "Be brief.") == 2 + 4 + 0 + 4 + 3
 
 
 @dataclass
