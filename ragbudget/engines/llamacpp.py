@@ -74,8 +74,12 @@ class LlamaCppBackend(ServedBackend):
         kv_total = n_ctx * slots_n if n_ctx is not None and slots_n is not None else None
         kv_free = running = None
         kv_free_src = load_src = ""
-        notes: list[str] = ["each slot owns n_ctx tokens of KV: a request never uses another "
-                            "slot's room"]
+        # With -np N each slot owns n_ctx = -c ÷ N tokens of KV. llama-server's default (-np
+        # auto: 4 slots, kv_unified, tools/server/server.cpp) instead gives every slot the whole
+        # -c over one shared cache, and no route says which: the per-slot reading is an upper
+        # bound there, so it is labelled as an assumption.
+        notes: list[str] = ["KV total assumes per-slot caches (-np N); with a unified cache "
+                            "(--kv-unified, the default without -np) the slots share n_ctx tokens"]
         reply = self.http.get("/slots", allow={501})
         if reply.status == 200 and isinstance(reply.data, list):
             busy = [s for s in reply.data if isinstance(s, Mapping) and s.get("is_processing")]
@@ -91,7 +95,8 @@ class LlamaCppBackend(ServedBackend):
             max_context_source="GET /props default_generation_settings.n_ctx (per slot)"
             if n_ctx is not None else "",
             kv_tokens_total=kv_total,
-            kv_total_source="GET /props n_ctx × total_slots" if kv_total is not None else "",
+            kv_total_source="GET /props n_ctx × total_slots (per-slot caches assumed)"
+            if kv_total is not None else "",
             kv_tokens_free=kv_free, kv_free_source=kv_free_src,
             running=running, load_source=load_src,
             max_concurrent=slots_n,
