@@ -155,6 +155,23 @@ def test_vllm_without_kv_cache_size_tokens_falls_back_with_a_warning() -> None:
         assert any("hybrid" in n for n in cap.notes)
 
 
+@pytest.mark.parametrize("kind", ["vllm", "sglang", "tgi"])
+def test_without_metrics_the_kv_figures_are_unknown_and_said_so(kind: str) -> None:
+    with Replay(kind) as srv, _connect(srv) as b:
+        srv.push("GET", "/metrics", Resp(404, {"error": "Not Found"}))
+        cap = b.capacity()
+        assert cap.kv_tokens_free is None and cap.running is None and cap.waiting is None
+        assert any("metrics" in n for n in cap.notes)
+        assert cap.max_context_tokens is not None
+
+
+def test_sglang_tokenize_falls_back_to_the_unprefixed_route() -> None:
+    with Replay("sglang") as srv, _connect(srv) as b:
+        srv.routes[("POST", "/tokenize")] = srv.routes.pop(("POST", "/v1/tokenize"))
+        assert b.count(["a b", "c"]) == [2, 1]
+        assert len(srv.calls("POST", "/tokenize")) == 1
+
+
 def test_context_tokens_overrides_the_advertised_window() -> None:
     with Replay("vllm") as srv, _connect(srv, context_tokens=4000) as b:
         cap = b.capacity()
