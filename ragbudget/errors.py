@@ -124,3 +124,87 @@ class RequestCancelled(RagBudgetError):
     """A request's ``cancel`` event was set while it waited for admission: it left the queue
     without holding any KV memory. (:meth:`ragbudget.pipeline.Pipeline.ask` turns this into an
     answer with ``finish_reason="cancelled"``.)"""
+
+
+# -- served engines (ragbudget.engines) ---------------------------------------------------------
+#
+#   RagBudgetError
+#   └── EngineError                      a served engine (vLLM, SGLang, TGI, llama.cpp, Ollama, …)
+#       ├── EngineConnectionError (ConnectionError)  refused, DNS, TLS, timeout / hang
+#       ├── EngineAuthError (PermissionError)        401 / 403
+#       ├── EngineResponseError (ValueError)         malformed JSON, unexpected shape or status
+#       ├── EngineContextError (BudgetError)         the prompt did not fit the server's context
+#       └── EngineOverloadedError (OverloadedError)  429 / 503 still, after a bounded back-off
+#
+# Each message is one line naming the URL and what to check; the CLI prints it without a
+# traceback. The structured fields (``url``, ``kind``, ``status`` and the leaves' figures) are
+# what code should branch on, never the message text.
+
+__all__ += [  # appended here so the list above stays as other branches left it
+    "EngineAuthError",
+    "EngineConnectionError",
+    "EngineContextError",
+    "EngineError",
+    "EngineOverloadedError",
+    "EngineResponseError",
+]
+
+
+class EngineError(RagBudgetError):
+    """A served engine could not be used. ``url`` is the route that failed, ``kind`` the engine
+    kind (``"vllm"``, ``"llamacpp"``, … or ``""`` before detection), ``status`` the HTTP status
+    when there was one; ``body`` the server's structured error (a dict) or the start of its body."""
+
+    def __init__(self, message: str, *, url: str = "", kind: str = "", status: int | None = None,
+                 body: object = None) -> None:
+        Exception.__init__(self, message)
+        self.url = url
+        self.kind = kind
+        self.status = status
+        self.body = body
+
+
+class EngineConnectionError(EngineError, ConnectionError):
+    """No usable answer at all: connection refused, unknown host, TLS failure, or no answer within
+    the timeout (a hung server). Never retried forever: the message says what to check."""
+
+
+class EngineAuthError(EngineError, PermissionError):
+    """The engine refused the credentials (401) or the action (403)."""
+
+
+class EngineResponseError(EngineError, ValueError):
+    """The engine answered, but not with what its API promises: not JSON, a missing field, or an
+    error status that is neither overload nor a too-long prompt."""
+
+
+class EngineContextError(EngineError, BudgetError):
+    """The prompt did not fit the engine's context, even after the one retry with a budget cut by
+    the server's own figures. ``n_prompt_tokens`` and ``n_ctx`` are the server's numbers where it
+    gives them (llama.cpp does), or the client's recount with the server's tokenizer against the
+    server's advertised window otherwise (``source`` says which); ``max_new_tokens`` is what was
+    reserved for the answer. ``needed``/``available`` mirror them for ``except BudgetError``."""
+
+    def __init__(self, message: str, *, url: str = "", kind: str = "", status: int | None = None,
+                 body: object = None, n_prompt_tokens: int | None = None, n_ctx: int | None = None,
+                 max_new_tokens: int | None = None, source: str = "") -> None:
+        EngineError.__init__(self, message, url=url, kind=kind, status=status, body=body)
+        self.n_prompt_tokens = n_prompt_tokens
+        self.n_ctx = n_ctx
+        self.max_new_tokens = max_new_tokens
+        self.source = source
+        self.needed = None if n_prompt_tokens is None else n_prompt_tokens + (max_new_tokens or 0)
+        self.available = n_ctx
+        self.unit = "tokens"
+
+
+class EngineOverloadedError(EngineError, OverloadedError):
+    """The engine kept answering 429/503 through the bounded back-off. ``retry_after`` is the
+    server's last ``Retry-After`` in seconds (or the client's next delay); ``attempts`` how many
+    requests were made."""
+
+    def __init__(self, message: str, *, url: str = "", kind: str = "", status: int | None = None,
+                 body: object = None, retry_after: float = 1.0, attempts: int = 1) -> None:
+        EngineError.__init__(self, message, url=url, kind=kind, status=status, body=body)
+        self.retry_after = retry_after
+        self.attempts = attempts

