@@ -515,10 +515,18 @@ def plan_budget(
             f"{name}: the weights alone need {wbytes / GiB:.2f} GiB but only {usable / GiB:.2f} GiB "
             f"is usable ({utilization:.0%} of {gpu_bytes / GiB:.2f} GiB on {info.name}); use a "
             "smaller or quantized model (weight_dtype='int4'/'int8'), or a larger GPU",
-            needed=wbytes, available=usable, unit="bytes")
+            needed=wbytes, available=usable, unit="bytes", limit="memory")
     t_mem = max_tokens(concurrency, 1 << 24)
     max_ctx = min(t_mem, model_max)
     limited_by = "model" if t_mem >= model_max else "memory"
+    if max_new_tokens + 1 > model_max:
+        # The window binds whatever the memory: say so, and not "buy a bigger GPU".
+        raise BudgetError(
+            f"max_new_tokens {max_new_tokens:,} does not fit the model window: {name} reads at "
+            f"most {model_max:,} tokens (max_position_embeddings), prompt and answer together; "
+            f"lower max_new_tokens (--max-new-tokens) to at most {model_max - 1:,} minus the "
+            "prompt, or use a model with a longer window",
+            needed=max_new_tokens + 1, available=model_max, unit="tokens", limit="window")
     if max_ctx < max_new_tokens + 1:
         need = needed(max_new_tokens + 1, concurrency)
         raise BudgetError(
@@ -526,9 +534,9 @@ def plan_budget(
             f"{need / GiB:.2f} GiB (weights {wbytes / GiB:.2f} + activations "
             f"{act(max_new_tokens + 1, concurrency) / GiB:.2f} + KV "
             f"{kv(max_new_tokens + 1, concurrency) / GiB:.2f}) but {usable / GiB:.2f} GiB is "
-            "usable; lower max_new_tokens or concurrency, use kv_dtype='fp8' or a quantized/"
-            "offloaded cache, or a smaller model",
-            needed=max_new_tokens + 1, available=max_ctx, unit="tokens")
+            f"usable, so memory holds {max_ctx:,} tokens per request; lower max_new_tokens or "
+            "concurrency, use kv_dtype='fp8' or a quantized/offloaded cache, or a smaller model",
+            needed=max_new_tokens + 1, available=max_ctx, unit="tokens", limit="memory")
     t_one = max_tokens(1, 1 << 24)
 
     # Concurrency at the target context (or at the model maximum).
@@ -597,6 +605,16 @@ def _h(n: int) -> str:
     return f"{n / 1024:.1f} KiB" if n >= 1024 else f"{n} B"
 
 
+def _concurrency_line(plan: BudgetPlan) -> str:
+    if plan.max_concurrency >= 1:
+        return (f"{plan.concurrency} (max {plan.max_concurrency:,} requests of "
+                f"{plan.concurrency_context_tokens:,} tokens)")
+    # Not even one request of the target length fits: say what does instead of "max 0".
+    return (f"{plan.concurrency} request(s) of {plan.max_context_tokens:,} tokens each; one "
+            f"request of {plan.concurrency_context_tokens:,} tokens does not fit (memory holds "
+            f"{plan.kv_capacity_tokens:,} tokens for one request)")
+
+
 def format_plan(plan: BudgetPlan) -> str:
     """A readable table of a plan (for the CLI)."""
     rows = [
@@ -607,16 +625,17 @@ def format_plan(plan: BudgetPlan) -> str:
         ("weights", f"{_h(plan.weights_bytes)} ({plan.weights_source})"),
         ("activations", f"{_h(plan.activation_bytes)} ({plan.activation_source})"),
         ("kv cache", f"{plan.cache}, {plan.kv_dtype}, {plan.backend}"),
-        ("kv per token", (f"{_h(plan.kv_bytes_per_token)} (below sliding windows: "
-                         f"{_h(plan.kv_bytes_per_token_peak)})")),
+        # The second figure only exists for models with sliding-window layers.
+        ("kv per token", _h(plan.kv_bytes_per_token) if plan.kv_bytes_per_token_peak
+         == plan.kv_bytes_per_token else (f"{_h(plan.kv_bytes_per_token)} (below sliding "
+                                          f"windows: {_h(plan.kv_bytes_per_token_peak)})")),
         ("kv at max", (f"{_h(plan.kv_bytes_at_max)} for {plan.concurrency} × "
                       f"{plan.max_context_tokens:,} tokens")),
         ("kv capacity", f"{plan.kv_capacity_tokens:,} tokens (one sequence)"),
         ("max context", (f"{plan.max_context_tokens:,} tokens per request (limited by "
                         f"{plan.limited_by}; model max {plan.model_max_tokens:,})")),
         ("max prompt", f"{plan.max_prompt_tokens:,} tokens + {plan.max_new_tokens} new"),
-        ("concurrency", (f"{plan.concurrency} (max {plan.max_concurrency} requests of "
-                        f"{plan.concurrency_context_tokens:,} tokens)")),
+        ("concurrency", _concurrency_line(plan)),
     ]
     width = max(len(k) for k, _ in rows)
     lines = [f"{k.ljust(width)}  {v}" for k, v in rows]

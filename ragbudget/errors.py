@@ -12,7 +12,7 @@ into exit codes (1 for any ``RagBudgetError``); the library never calls ``sys.ex
     │   ├── IndexCorruptError            checksum mismatch, truncated or unreadable file
     │   ├── IndexLockedError             another writer holds the lock
     │   └── IndexMismatchError           index built with another embedder / chunking settings
-    ├── BudgetError                      the request cannot fit the memory budget
+    ├── BudgetError                      the request cannot fit: ``limit`` names what binds
     └── OverloadedError                  admission control: queue full or wait timed out
 
 Leaves subclass the built-in they refine (``ConfigError`` is a ``ValueError``) so callers' existing
@@ -79,9 +79,13 @@ class IndexMismatchError(IndexError_):
 
 
 class BudgetError(RagBudgetError):
-    """The request does not fit the memory budget.
+    """The request does not fit its budget.
 
     ``needed`` and ``available`` are in the unit named by ``unit`` (``"tokens"`` or ``"bytes"``).
+    ``limit`` names the limit that binds — ``"window"`` (the model's context window,
+    ``max_position_embeddings``), ``"memory"`` (KV/weights memory), ``"time"`` or ``"engine"`` (a
+    served engine's own limit) — and the message gives its number, so the fix it suggests is the
+    one that helps (a bigger GPU does not lengthen a model's window).
     """
 
     def __init__(
@@ -91,11 +95,13 @@ class BudgetError(RagBudgetError):
         needed: int | None = None,
         available: int | None = None,
         unit: str = "tokens",
+        limit: str = "memory",
     ) -> None:
         super().__init__(message)
         self.needed = needed
         self.available = available
         self.unit = unit
+        self.limit = limit
 
 
 class OverloadedError(RagBudgetError):
