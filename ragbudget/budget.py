@@ -44,7 +44,10 @@ __all__ = [
     "estimate_activation_bytes",
     "estimate_weights_bytes",
     "format_plan",
+    "context_tokens_for_time",
     "lookup_calibration",
+    "lookup_prefill_speed",
+    "measure_prefill_speed",
     "plan_budget",
     "plot_plan",
     "record_calibration",
@@ -322,6 +325,112 @@ def lookup_calibration(gpu_name: str, model: str, dtype: str, cache: str) -> dic
         return json.loads(path.read_text()).get(_cal_key(gpu_name, model, dtype, cache))
     except (OSError, ValueError):
         return None
+
+
+# --------------------------------------------------------------------------------------------
+# Prefill speed (the time limit of a CPU host)
+# --------------------------------------------------------------------------------------------
+
+#: Default time-to-first-token target (seconds of prefill) on a host without CUDA. A CPU prefills
+#: SmolLM2-135M at a few hundred tokens/s on two cores: the 8k window it allows would take
+#: minutes, what `make demo` used to cap by hand at 1,024 tokens.
+CPU_TTFT_TARGET = 5.0
+# Probe lengths: long enough that the quadratic (attention) term shows, short enough that the
+# one-time probe takes seconds.
+_PREFILL_PROBES = (256, 1024)
+
+
+def _prefill_path() -> Path:
+    from .models import cache_dir
+
+    return cache_dir() / "prefill.json"
+
+
+def _prefill_key(model: str, device: str) -> str:
+    import platform
+
+    threads = os.environ.get("OMP_NUM_THREADS") or str(os.cpu_count())
+    return "|".join(str(x).lower() for x in (model, device, platform.machine(),
+                                              platform.processor(), threads))
+
+
+def lookup_prefill_speed(model: str, device: str) -> dict[str, Any] | None:
+    """The recorded prefill fit ``{"a": s/token, "b": s/token², ...}`` for (model, device,
+    machine, threads), or ``None``."""
+    path = _prefill_path()
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text()).get(_prefill_key(model, device))
+    except (OSError, ValueError):
+        return None
+
+
+def measure_prefill_speed(model: Any, *, name: str, device: str = "cpu",
+                          lengths: tuple[int, ...] = _PREFILL_PROBES) -> dict[str, Any]:
+    """Time one prefill forward of ``model`` (a transformers causal LM) at each of ``lengths``
+    tokens, fit ``seconds = a·n + b·n²`` (the MLP is linear in the tokens, attention quadratic)
+    and record it in ``cache_dir()/prefill.json`` under (``name``, ``device``, machine, threads).
+    Measured once per key; the slower of two measurements is kept, so a busy host errs short.
+    """
+    import time
+
+    import torch  # lazy: heavy imports
+
+    cfg = getattr(model, "config", None)
+    vocab = int(getattr(cfg, "vocab_size", 32000) or 32000)
+    dev = next(model.parameters()).device
+    times: list[tuple[int, float]] = []
+    with torch.no_grad():
+        model(torch.full((1, 16), 1 % vocab, device=dev), use_cache=False)  # warm-up
+        for n in lengths:
+            ids = torch.arange(n, device=dev).remainder(vocab - 1).add(1).unsqueeze(0)
+            t0 = time.perf_counter()
+            model(ids, use_cache=False, logits_to_keep=1)
+            times.append((n, time.perf_counter() - t0))
+    # Least squares through the origin for (a, b); clamp at zero (noise can make one negative).
+    import numpy as np
+
+    x = np.array([[n, n * n] for n, _ in times], dtype=float)
+    y = np.array([t for _, t in times])
+    a, b = (float(v) for v in np.linalg.lstsq(x, y, rcond=None)[0])
+    if b < 0 or a < 0:
+        a, b = max(t / n for n, t in times), 0.0
+    entry = {"a": a, "b": b, "probes": [[n, round(t, 4)] for n, t in times],
+             "tokens_per_second": round(lengths[-1] / times[-1][1], 1)}
+    path = _prefill_path()
+    key = _prefill_key(name, device)
+    with _CAL_LOCK:
+        data: dict[str, Any] = {}
+        if path.is_file():
+            try:
+                data = json.loads(path.read_text())
+            except (OSError, ValueError):
+                data = {}
+        old = data.get(key)
+        if old and old.get("a", 0) * 1024 + old.get("b", 0) * 1024**2 > a * 1024 + b * 1024**2:
+            entry = old
+        data[key] = entry
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+        os.replace(tmp, path)
+    return entry
+
+
+def context_tokens_for_time(speed: Mapping[str, Any], seconds: float) -> int:
+    """The most prompt tokens a prefill of ``seconds`` allows under the fit ``speed``.
+
+    >>> context_tokens_for_time({"a": 0.002, "b": 0.0}, 5.0)
+    2500
+    """
+    a, b = float(speed.get("a", 0.0)), float(speed.get("b", 0.0))
+    if seconds <= 0:
+        return 0
+    if b <= 0:
+        return int(seconds / a) if a > 0 else 1 << 30
+    # b·n² + a·n − seconds = 0, the positive root.
+    return int((-a + (a * a + 4 * b * seconds) ** 0.5) / (2 * b))
 
 
 # --------------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ into exit codes (1 for any ``RagBudgetError``); the library never calls ``sys.ex
 
     RagBudgetError
     ├── ConfigError (ValueError)        bad argument, option or configuration value
+    │   └── ArgumentTypeError (TypeError) an argument of the wrong type (bytes for str, "100" for int)
     ├── LoadError                        a document could not be read (the indexer logs and skips it)
     ├── ModelError                       a model, tokenizer or config could not be loaded
     ├── IndexError_ (LookupError)        the on-disk index
@@ -22,9 +23,11 @@ Leaves subclass the built-in they refine (``ConfigError`` is a ``ValueError``) s
 from __future__ import annotations
 
 __all__ = [
+    "ArgumentTypeError",
     "BudgetError",
     "ConfigError",
     "IndexCorruptError",
+    "IndexEmptyError",
     "IndexError_",
     "IndexLockedError",
     "IndexMismatchError",
@@ -43,6 +46,11 @@ class RagBudgetError(Exception):
 
 class ConfigError(RagBudgetError, ValueError):
     """An argument, option or configuration value is invalid."""
+
+
+class ArgumentTypeError(ConfigError, TypeError):
+    """An argument of a public entry point has the wrong type. Both a ``ConfigError`` (so one
+    ``except`` catches every bad argument) and a ``TypeError`` (what Python itself would raise)."""
 
 
 class LoadError(RagBudgetError):
@@ -76,6 +84,11 @@ class IndexLockedError(IndexError_):
 
 class IndexMismatchError(IndexError_):
     """The index was built with settings incompatible with the ones asked for."""
+
+
+class IndexEmptyError(IndexError_):
+    """The index exists but holds no chunks (it was built from a folder with nothing indexable):
+    a search would answer from nothing."""
 
 
 class BudgetError(RagBudgetError):
