@@ -351,3 +351,21 @@ def test_plan_text_never_says_max_0_requests() -> None:
     assert "max 0" not in line
     assert f"4 request(s) of {plan.max_context_tokens:,} tokens each" in line
     assert "131,072" in line and "does not fit" in line
+
+
+def test_prefill_speed_is_measured_once_and_turns_seconds_into_tokens(tmp_path, monkeypatch) -> None:
+    from _tiny_lm import tiny_model
+
+    from ragbudget.budget import context_tokens_for_time, lookup_prefill_speed, measure_prefill_speed
+
+    monkeypatch.setenv("RAGBUDGET_CACHE", str(tmp_path / "cache"))
+    assert lookup_prefill_speed("tiny", "cpu") is None
+    speed = measure_prefill_speed(tiny_model(), name="tiny", device="cpu", lengths=(32, 128))
+    assert speed["a"] > 0 and speed["b"] >= 0 and [n for n, _ in speed["probes"]] == [32, 128]
+    assert lookup_prefill_speed("tiny", "cpu") == speed
+    assert lookup_prefill_speed("tiny", "cuda:0") is None  # per device
+    # seconds = a·n + b·n²: the cap is the positive root, monotone in the time allowed.
+    fit = {"a": 0.001, "b": 1e-6}
+    n = context_tokens_for_time(fit, 5.0)
+    assert 0.001 * n + 1e-6 * n * n <= 5.0 < 0.001 * (n + 1) + 1e-6 * (n + 1) ** 2
+    assert context_tokens_for_time(fit, 1.0) < n and context_tokens_for_time(fit, 0) == 0
