@@ -383,13 +383,23 @@ def measure_prefill_speed(model: Any, *, name: str, device: str = "cpu",
     vocab = int(getattr(cfg, "vocab_size", 32000) or 32000)
     dev = next(model.parameters()).device
     times: list[tuple[int, float]] = []
+
+    def forward(ids: Any) -> None:
+        try:  # only the last position's logits, as generate computes them
+            model(ids, use_cache=False, logits_to_keep=1)
+        except TypeError:  # a model whose forward has no logits_to_keep
+            model(ids, use_cache=False)
+
     with torch.no_grad():
-        model(torch.full((1, 16), 1 % vocab, device=dev), use_cache=False)  # warm-up
+        forward(torch.full((1, 16), 1 % vocab, device=dev))  # warm-up
         for n in lengths:
             ids = torch.arange(n, device=dev).remainder(vocab - 1).add(1).unsqueeze(0)
-            t0 = time.perf_counter()
-            model(ids, use_cache=False, logits_to_keep=1)
-            times.append((n, time.perf_counter() - t0))
+            best = float("inf")
+            for _ in range(2):  # the faster of two: a spike of other load is not the speed
+                t0 = time.perf_counter()
+                forward(ids)
+                best = min(best, time.perf_counter() - t0)
+            times.append((n, best))
     # Least squares through the origin for (a, b); clamp at zero (noise can make one negative).
     import numpy as np
 

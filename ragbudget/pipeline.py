@@ -436,7 +436,11 @@ class Pipeline:
             if model is None or not hasattr(model, "parameters"):
                 return None  # nothing to measure (a stand-in generator)
             log.info("measuring the prefill speed of %s on %s once (cached)", plan.model, device)
-            speed = measure_prefill_speed(model, name=plan.model, device=device)
+            try:
+                speed = measure_prefill_speed(model, name=plan.model, device=device)
+            except Exception as exc:  # noqa: BLE001 - a speed probe must never fail a question
+                log.warning("prefill speed not measured (%s): no time cap on the context", exc)
+                return None
         prompt_tokens = context_tokens_for_time(speed, float(target))
         # A question is never cut, and a context too small for one passage answers from nothing:
         # the cap keeps room for at least a cut best chunk.
@@ -489,7 +493,10 @@ class Pipeline:
         if context_tokens is not None:
             cap = {"limit": "context_tokens", "tokens": context_tokens}
         else:
-            cap = self._time_cap(plan, fixed)
+            t1 = time.perf_counter()
+            cap = self._time_cap(plan, fixed)  # the first request on a CPU measures the speed
+            timings["time_cap_s"] = time.perf_counter() - t1
+            t0 += timings["time_cap_s"]
         if cap is not None:
             max_prompt = min(max_prompt, fixed + cap["tokens"])
         hits = self.search(retrieval_query or question, k=self.fetch_k)
