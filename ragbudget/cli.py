@@ -367,14 +367,14 @@ def ask(question: str, index_dir: str, model: str | None, gpu: str | None, concu
         _echo_json(answer.to_dict())
         return
     # An answer cut by max_new_tokens ends mid-sentence: mark it, and say what to raise.
-    cut = answer.finish_reason == "length"
+    cut = getattr(answer, "finish_reason", "stop") == "length"
     if streaming:
         click.echo(" […]" if cut else "")
     else:
         click.echo(answer.text + (" […]" if cut else ""))
     if cut:
-        click.echo(f"(answer cut at max_new_tokens={answer.report['budget']['max_new_tokens']}; "
-                   "raise --max-new-tokens)")
+        reserved = answer.report.get("budget", {}).get("max_new_tokens") or max_new_tokens
+        click.echo(f"(answer cut at max_new_tokens={reserved}; raise --max-new-tokens)")
     click.echo()
     click.echo("Sources:")
     for i, src in enumerate(answer.sources, 1):
