@@ -339,7 +339,7 @@ def budget(model: str | None, gpu: str | None, concurrency: int, max_new_tokens:
 @click.option("--fetch-k", default=50, show_default=True, type=click.IntRange(min=1), help="Candidates fetched from the index.")
 @click.option("--order", default="relevance", show_default=True, type=click.Choice(["relevance", "document", "lost_in_middle"]))
 @click.option("--relevance-floor", default=None, type=click.FloatRange(0.0, 1.0), help="Leave out passages scoring under this fraction of the best one's score (default 0.5; 0: fill the allowance).")
-@click.option("--ttft-target", default=None, type=click.FloatRange(min=0.0), help="Seconds of prefill a request may take: caps the context by the measured prefill speed (default 5 on a CPU, none on a GPU; 0: no cap).")
+@click.option("--ttft-target", default=None, type=click.FloatRange(min=0.0), help="Seconds of prefill a request may take: caps the context by the measured prefill speed (default 2 on a CPU, none on a GPU; 0: no cap).")
 @click.option("--explain", is_flag=True, help="Print the budget report as a table.")
 @click.option("--no-stream", is_flag=True, help="Print the answer at the end instead of streaming it.")
 @click.option("--json", "as_json", is_flag=True)

@@ -28,7 +28,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -198,7 +198,7 @@ class Pipeline:
             more passages stop helping instead of filling the whole allowance.
         ttft_target: seconds of prefill a request may take when no ``context_tokens`` is given:
             the context is capped to what the generator's measured prefill speed allows in that
-            time (``limited_by: "time"`` in the report). Default ``None``: 5 s on a host without
+            time (``limited_by: "time"`` in the report). Default ``None``: 2 s on a host without
             CUDA (measured once per model and machine, cached), no cap on a GPU; 0 disables.
 
     >>> rb = Pipeline(".ragbudget", gpu="RTX 4090", concurrency=4)   # doctest: +SKIP
@@ -467,7 +467,7 @@ class Pipeline:
         max_new_tokens = _check_int("max_new_tokens", max_new_tokens, 1)  # type: ignore[assignment]
         _check_text("retrieval_query", retrieval_query, optional=True)
         if history is not None and (isinstance(history, (str, bytes)) or not all(
-                isinstance(m, dict) for m in history)):
+                isinstance(m, Mapping) for m in history)):
             raise ArgumentTypeError("history must be a list of {'role': ..., 'content': ...} "
                                     f"dicts or None, got {_shown(history)}")
         timings: dict[str, float] = {}

@@ -173,6 +173,19 @@ def test_demo_path_with_the_embedded_models(runner: CliRunner, tmp_path: Path, r
     assert b["prompt_tokens"] + b["max_new_tokens"] <= doc["report"]["plan"]["max_context_tokens"]
     assert b["context_tokens_used"] <= b["context_tokens_allowed"]
     assert b["context_tokens_allowed"] <= 1024
+    # With no cap given, the defaults decide: the relevance floor stops the context early, and
+    # on a CPU the measured prefill speed caps it for time (issue #19: the full 7.8k-token
+    # allowance was filled down to a fused score of -0.005 and answered wrongly).
+    result = runner.invoke(cli, ["ask", "What was Maria Curie the first female recipient of?",
+                                 "--index-dir", index_dir, "--max-new-tokens", "48", "--json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert "nobel" in doc["answer"].lower()
+    assert any(d["reason"] == "below_relevance_floor" for d in doc["dropped"])
+    b = doc["budget"]
+    if doc["report"]["plan"]["gpu_source"] == "host RAM (no GPU)":
+        assert b["context_limit"]["limit"] == "time"
+        assert b["context_tokens_allowed"] <= b["context_limit"]["tokens"]
 
 
 def test_search_retrieval_options(runner: CliRunner, tmp_path: Path) -> None:
