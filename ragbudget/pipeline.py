@@ -131,7 +131,9 @@ class Answer:
 
     ``sources[i]`` is citation ``[i + 1]`` in ``text``: ``{path, start, end, page, page_end,
     score}``. ``report`` holds ``budget`` (kv_bytes_per_token, context_tokens_allowed/used,
-    prompt_tokens, max_new_tokens, …), ``plan`` (the memory plan), ``selection``, ``dropped``
+    prompt_tokens, max_new_tokens, ``context_limit`` — what capped the context: ``{"limit":
+    "time", "tokens": …, "ttft_target_s": …}`` or ``{"limit": "context_tokens", …}`` or
+    ``None`` —, …), ``plan`` (the memory plan), ``selection``, ``dropped``
     (every candidate not used, with its reason), ``oom_steps`` and ``timings``.
     """
 
