@@ -27,11 +27,13 @@ _EXPORTS: dict[str, str] = {
     "Source": "types",
     "RagBudgetError": "errors",
     "ConfigError": "errors",
+    "ArgumentTypeError": "errors",
     "InputPathError": "errors",
     "LoadError": "errors",
     "ModelError": "errors",
     "IndexError_": "errors",
     "IndexNotFoundError": "errors",
+    "IndexEmptyError": "errors",
     "IndexCorruptError": "errors",
     "IndexLockedError": "errors",
     "IndexMismatchError": "errors",
@@ -95,6 +97,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from .dedup import Deduplicator, content_hash
     from .embed import HashEmbedder, SentenceTransformerEmbedder
     from .errors import (
+        ArgumentTypeError,
         BudgetError,
         ConfigError,
         EngineAuthError,
@@ -104,6 +107,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
         EngineOverloadedError,
         EngineResponseError,
         IndexCorruptError,
+        IndexEmptyError,
         IndexError_,
         IndexLockedError,
         IndexMismatchError,

@@ -44,7 +44,10 @@ __all__ = [
     "estimate_activation_bytes",
     "estimate_weights_bytes",
     "format_plan",
+    "context_tokens_for_time",
     "lookup_calibration",
+    "lookup_prefill_speed",
+    "measure_prefill_speed",
     "plan_budget",
     "plot_plan",
     "record_calibration",
@@ -325,6 +328,126 @@ def lookup_calibration(gpu_name: str, model: str, dtype: str, cache: str) -> dic
 
 
 # --------------------------------------------------------------------------------------------
+# Prefill speed (the time limit of a CPU host)
+# --------------------------------------------------------------------------------------------
+
+#: Default time-to-first-token target (seconds of prefill) for a generator on the CPU. Two shared
+#: cores prefill SmolLM2-135M at about 630 tokens/s when idle (measured: 1,024 tokens in 1.6 s):
+#: 2 s allows about 1,250 prompt tokens, ~1,140 of context, where `make demo` capped by hand at
+#: 1,024 — and the packaged model answers better from ~1k tokens than from 8k (BENCHMARKS.md).
+CPU_TTFT_TARGET = 2.0
+# Probe lengths: long enough that the quadratic (attention) term shows, short enough that the
+# one-time probe takes seconds.
+_PREFILL_PROBES = (256, 1024)
+
+
+def _prefill_path() -> Path:
+    from .models import cache_dir
+
+    return cache_dir() / "prefill.json"
+
+
+def _prefill_key(model: str, device: str) -> str:
+    import platform
+
+    threads = os.environ.get("OMP_NUM_THREADS") or str(os.cpu_count())
+    return "|".join(str(x).lower() for x in (model, device, platform.machine(),
+                                              platform.processor(), threads))
+
+
+def lookup_prefill_speed(model: str, device: str) -> dict[str, Any] | None:
+    """The recorded prefill fit ``{"a": s/token, "b": s/token², ...}`` for (model, device,
+    machine, threads), or ``None``."""
+    path = _prefill_path()
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text()).get(_prefill_key(model, device))
+    except (OSError, ValueError):
+        return None
+
+
+def measure_prefill_speed(model: Any, *, name: str, device: str = "cpu",
+                          lengths: tuple[int, ...] = _PREFILL_PROBES) -> dict[str, Any]:
+    """Time one prefill forward of ``model`` (a transformers causal LM) at each of ``lengths``
+    tokens, fit ``seconds = a·n + b·n²`` (the MLP is linear in the tokens, attention quadratic)
+    and record it in ``cache_dir()/prefill.json`` under (``name``, ``device``, machine, threads).
+    Measured once per key (delete the file to measure again). A host busy with other work while
+    it is measured records a slower speed, so the cap errs short; when two measurements race,
+    the faster is kept (other load is transient, the machine's speed is not).
+    """
+    import time
+
+    import torch  # lazy: heavy imports
+
+    cfg = getattr(model, "config", None)
+    vocab = int(getattr(cfg, "vocab_size", 32000) or 32000)
+    dev = next(model.parameters()).device
+    times: list[tuple[int, float]] = []
+
+    def forward(ids: Any) -> None:
+        try:  # only the last position's logits, as generate computes them
+            model(ids, use_cache=False, logits_to_keep=1)
+        except TypeError:  # a model whose forward has no logits_to_keep
+            model(ids, use_cache=False)
+
+    with torch.no_grad():
+        forward(torch.full((1, 16), 1 % vocab, device=dev))  # warm-up
+        for n in lengths:
+            ids = torch.arange(n, device=dev).remainder(vocab - 1).add(1).unsqueeze(0)
+            best = float("inf")
+            for _ in range(2):  # the faster of two: a spike of other load is not the speed
+                t0 = time.perf_counter()
+                forward(ids)
+                best = min(best, time.perf_counter() - t0)
+            times.append((n, best))
+    # Least squares through the origin for (a, b); clamp at zero (noise can make one negative).
+    import numpy as np
+
+    x = np.array([[n, n * n] for n, _ in times], dtype=float)
+    y = np.array([t for _, t in times])
+    a, b = (float(v) for v in np.linalg.lstsq(x, y, rcond=None)[0])
+    if b < 0 or a < 0:
+        # Noise (a busy host) made the curve bend the wrong way: the longest probe, linear.
+        a, b = times[-1][1] / times[-1][0], 0.0
+    entry = {"a": a, "b": b, "probes": [[n, round(t, 4)] for n, t in times],
+             "tokens_per_second": round(lengths[-1] / times[-1][1], 1)}
+    path = _prefill_path()
+    key = _prefill_key(name, device)
+    with _CAL_LOCK:
+        data: dict[str, Any] = {}
+        if path.is_file():
+            try:
+                data = json.loads(path.read_text())
+            except (OSError, ValueError):
+                data = {}
+        old = data.get(key)
+        if old and old.get("a", 0) * 1024 + old.get("b", 0) * 1024**2 < a * 1024 + b * 1024**2:
+            entry = old
+        data[key] = entry
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+        os.replace(tmp, path)
+    return entry
+
+
+def context_tokens_for_time(speed: Mapping[str, Any], seconds: float) -> int:
+    """The most prompt tokens a prefill of ``seconds`` allows under the fit ``speed``.
+
+    >>> context_tokens_for_time({"a": 0.002, "b": 0.0}, 5.0)
+    2500
+    """
+    a, b = float(speed.get("a", 0.0)), float(speed.get("b", 0.0))
+    if seconds <= 0:
+        return 0
+    if b <= 0:
+        return int(seconds / a) if a > 0 else 1 << 30
+    # b·n² + a·n − seconds = 0, the positive root.
+    return int((-a + (a * a + 4 * b * seconds) ** 0.5) / (2 * b))
+
+
+# --------------------------------------------------------------------------------------------
 # The plan
 # --------------------------------------------------------------------------------------------
 
@@ -515,10 +638,18 @@ def plan_budget(
             f"{name}: the weights alone need {wbytes / GiB:.2f} GiB but only {usable / GiB:.2f} GiB "
             f"is usable ({utilization:.0%} of {gpu_bytes / GiB:.2f} GiB on {info.name}); use a "
             "smaller or quantized model (weight_dtype='int4'/'int8'), or a larger GPU",
-            needed=wbytes, available=usable, unit="bytes")
+            needed=wbytes, available=usable, unit="bytes", limit="memory")
     t_mem = max_tokens(concurrency, 1 << 24)
     max_ctx = min(t_mem, model_max)
     limited_by = "model" if t_mem >= model_max else "memory"
+    if max_new_tokens + 1 > model_max:
+        # The window binds whatever the memory: say so, and not "buy a bigger GPU".
+        raise BudgetError(
+            f"max_new_tokens {max_new_tokens:,} does not fit the model window: {name} reads at "
+            f"most {model_max:,} tokens (max_position_embeddings), prompt and answer together; "
+            f"lower max_new_tokens (--max-new-tokens) to at most {model_max - 1:,} minus the "
+            "prompt, or use a model with a longer window",
+            needed=max_new_tokens + 1, available=model_max, unit="tokens", limit="window")
     if max_ctx < max_new_tokens + 1:
         need = needed(max_new_tokens + 1, concurrency)
         raise BudgetError(
@@ -526,9 +657,9 @@ def plan_budget(
             f"{need / GiB:.2f} GiB (weights {wbytes / GiB:.2f} + activations "
             f"{act(max_new_tokens + 1, concurrency) / GiB:.2f} + KV "
             f"{kv(max_new_tokens + 1, concurrency) / GiB:.2f}) but {usable / GiB:.2f} GiB is "
-            "usable; lower max_new_tokens or concurrency, use kv_dtype='fp8' or a quantized/"
-            "offloaded cache, or a smaller model",
-            needed=max_new_tokens + 1, available=max_ctx, unit="tokens")
+            f"usable, so memory holds {max_ctx:,} tokens per request; lower max_new_tokens or "
+            "concurrency, use kv_dtype='fp8' or a quantized/offloaded cache, or a smaller model",
+            needed=max_new_tokens + 1, available=max_ctx, unit="tokens", limit="memory")
     t_one = max_tokens(1, 1 << 24)
 
     # Concurrency at the target context (or at the model maximum).
@@ -597,6 +728,16 @@ def _h(n: int) -> str:
     return f"{n / 1024:.1f} KiB" if n >= 1024 else f"{n} B"
 
 
+def _concurrency_line(plan: BudgetPlan) -> str:
+    if plan.max_concurrency >= 1:
+        return (f"{plan.concurrency} (max {plan.max_concurrency:,} requests of "
+                f"{plan.concurrency_context_tokens:,} tokens)")
+    # Not even one request of the target length fits: say what does instead of "max 0".
+    return (f"{plan.concurrency} request(s) of {plan.max_context_tokens:,} tokens each; one "
+            f"request of {plan.concurrency_context_tokens:,} tokens does not fit (memory holds "
+            f"{plan.kv_capacity_tokens:,} tokens for one request)")
+
+
 def format_plan(plan: BudgetPlan) -> str:
     """A readable table of a plan (for the CLI)."""
     rows = [
@@ -607,16 +748,17 @@ def format_plan(plan: BudgetPlan) -> str:
         ("weights", f"{_h(plan.weights_bytes)} ({plan.weights_source})"),
         ("activations", f"{_h(plan.activation_bytes)} ({plan.activation_source})"),
         ("kv cache", f"{plan.cache}, {plan.kv_dtype}, {plan.backend}"),
-        ("kv per token", (f"{_h(plan.kv_bytes_per_token)} (below sliding windows: "
-                         f"{_h(plan.kv_bytes_per_token_peak)})")),
+        # The second figure only exists for models with sliding-window layers.
+        ("kv per token", _h(plan.kv_bytes_per_token) if plan.kv_bytes_per_token_peak
+         == plan.kv_bytes_per_token else (f"{_h(plan.kv_bytes_per_token)} (below sliding "
+                                          f"windows: {_h(plan.kv_bytes_per_token_peak)})")),
         ("kv at max", (f"{_h(plan.kv_bytes_at_max)} for {plan.concurrency} × "
                       f"{plan.max_context_tokens:,} tokens")),
         ("kv capacity", f"{plan.kv_capacity_tokens:,} tokens (one sequence)"),
         ("max context", (f"{plan.max_context_tokens:,} tokens per request (limited by "
                         f"{plan.limited_by}; model max {plan.model_max_tokens:,})")),
         ("max prompt", f"{plan.max_prompt_tokens:,} tokens + {plan.max_new_tokens} new"),
-        ("concurrency", (f"{plan.concurrency} (max {plan.max_concurrency} requests of "
-                        f"{plan.concurrency_context_tokens:,} tokens)")),
+        ("concurrency", _concurrency_line(plan)),
     ]
     width = max(len(k) for k, _ in rows)
     lines = [f"{k.ljust(width)}  {v}" for k, v in rows]

@@ -398,6 +398,8 @@ def budget(model: str | None, gpu: str | None, concurrency: int, max_new_tokens:
 @click.option("--context-tokens", default=None, type=click.IntRange(min=1), help="Cap the retrieved context below what memory allows.")
 @click.option("--fetch-k", default=50, show_default=True, type=click.IntRange(min=1), help="Candidates fetched from the index.")
 @click.option("--order", default="relevance", show_default=True, type=click.Choice(["relevance", "document", "lost_in_middle"]))
+@click.option("--relevance-floor", default=None, type=click.FloatRange(0.0, 1.0), help="Leave out passages scoring under this fraction of the best one's score (default 0.5; 0: fill the allowance).")
+@click.option("--ttft-target", default=None, type=click.FloatRange(min=0.0), help="Seconds of prefill a request may take: caps the context by the measured prefill speed (default 2 on a CPU, none on a GPU; 0: no cap).")
 @click.option("--explain", is_flag=True, help="Print the budget report as a table.")
 @click.option("--no-stream", is_flag=True, help="Print the answer at the end instead of streaming it.")
 @click.option("--json", "as_json", is_flag=True)
@@ -406,14 +408,17 @@ def budget(model: str | None, gpu: str | None, concurrency: int, max_new_tokens:
 @_user_errors
 def ask(question: str, index_dir: str, model: str | None, gpu: str | None, concurrency: int,
         max_new_tokens: int, kv_dtype: str | None, cache: str, context_tokens: int | None,
-        fetch_k: int, order: str, explain: bool, no_stream: bool, as_json: bool,
-        sampling: dict[str, Any], retrieval: dict[str, Any]) -> None:
+        fetch_k: int, order: str, relevance_floor: float | None, ttft_target: float | None,
+        explain: bool, no_stream: bool, as_json: bool, sampling: dict[str, Any],
+        retrieval: dict[str, Any]) -> None:
     """Answer QUESTION from the index within the memory budget, citing sources."""
     from .pipeline import Pipeline, format_report
 
+    tuning = {k: v for k, v in (("relevance_floor", relevance_floor),
+                                ("ttft_target", ttft_target)) if v is not None}
     pipe = Pipeline(
         index_dir, model=model, gpu=gpu, concurrency=concurrency, max_new_tokens=max_new_tokens,
-        kv_dtype=kv_dtype, cache=cache, fetch_k=fetch_k, order=order, **retrieval,
+        kv_dtype=kv_dtype, cache=cache, fetch_k=fetch_k, order=order, **retrieval, **tuning,
     )
     streaming = not as_json and not no_stream
     on_text = (lambda piece: click.echo(piece, nl=False)) if streaming else None
@@ -421,10 +426,15 @@ def ask(question: str, index_dir: str, model: str | None, gpu: str | None, concu
     if as_json:
         _echo_json(answer.to_dict())
         return
+    # An answer cut by max_new_tokens ends mid-sentence: mark it, and say what to raise.
+    cut = getattr(answer, "finish_reason", "stop") == "length"
     if streaming:
-        click.echo()
+        click.echo(" […]" if cut else "")
     else:
-        click.echo(answer.text)
+        click.echo(answer.text + (" […]" if cut else ""))
+    if cut:
+        reserved = answer.report.get("budget", {}).get("max_new_tokens") or max_new_tokens
+        click.echo(f"(answer cut at max_new_tokens={reserved}; raise --max-new-tokens)")
     click.echo()
     click.echo("Sources:")
     for i, src in enumerate(answer.sources, 1):
@@ -435,9 +445,13 @@ def ask(question: str, index_dir: str, model: str | None, gpu: str | None, concu
         click.echo(format_report(answer.report))
     else:
         b = answer.report["budget"]
+        limit = b.get("context_limit") or {}
+        capped = (f" (capped for time: {limit['ttft_target_s']:g} s to the first token on "
+                  f"{limit.get('device', 'cpu')}; --context-tokens or --ttft-target to change)"
+                  if limit.get("limit") == "time" else "")
         click.echo(
             f"\nbudget: {b['kv_bytes_per_token']} KV bytes/token, context {b['context_tokens_used']}"
-            f"/{b['context_tokens_allowed']} tokens, prompt {b['prompt_tokens']} tokens, "
+            f"/{b['context_tokens_allowed']} tokens{capped}, prompt {b['prompt_tokens']} tokens, "
             f"max_new_tokens {b['max_new_tokens']}"
         )
 

@@ -5,16 +5,20 @@ into exit codes (1 for any ``RagBudgetError``); the library never calls ``sys.ex
 
     RagBudgetError
     ├── ConfigError (ValueError)        bad argument, option or configuration value
-    │   └── InputPathError               a path given to index is missing or unreadable
+    │   ├── InputPathError               a path given to index is missing or unreadable
+    │   └── ArgumentTypeError (TypeError) an argument of the wrong type (bytes for str, "100" for int)
     ├── LoadError                        a document could not be read (the indexer logs and skips it)
     ├── ModelError                       a model, tokenizer or config could not be loaded
     ├── IndexError_ (LookupError)        the on-disk index
     │   ├── IndexNotFoundError           no index in that folder yet
     │   ├── IndexCorruptError            checksum mismatch, truncated or unreadable file
     │   ├── IndexLockedError             another writer holds the lock
-    │   └── IndexMismatchError           index built with another embedder / chunking settings
-    ├── BudgetError                      the request cannot fit the memory budget
-    └── OverloadedError                  admission control: queue full or wait timed out
+    │   ├── IndexMismatchError           index built with another embedder / chunking settings
+    │   └── IndexEmptyError              the index holds no chunks (an empty folder was indexed)
+    ├── BudgetError                      the request cannot fit: ``limit`` names what binds
+    ├── OverloadedError                  admission control: queue full or wait timed out
+    ├── RequestCancelled                 the caller cancelled the request (a client left)
+    └── EngineError                      a served engine could not be used (tree below)
 
 Leaves subclass the built-in they refine (``ConfigError`` is a ``ValueError``) so callers' existing
 ``except ValueError`` keeps working.
@@ -23,9 +27,17 @@ Leaves subclass the built-in they refine (``ConfigError`` is a ``ValueError``) s
 from __future__ import annotations
 
 __all__ = [
+    "ArgumentTypeError",
     "BudgetError",
     "ConfigError",
+    "EngineAuthError",
+    "EngineConnectionError",
+    "EngineContextError",
+    "EngineError",
+    "EngineOverloadedError",
+    "EngineResponseError",
     "IndexCorruptError",
+    "IndexEmptyError",
     "IndexError_",
     "IndexLockedError",
     "IndexMismatchError",
@@ -57,6 +69,11 @@ class InputPathError(ConfigError):
     def __init__(self, message: str, *, paths: tuple[str, ...] = ()) -> None:
         super().__init__(message)
         self.paths = paths
+
+
+class ArgumentTypeError(ConfigError, TypeError):
+    """An argument of a public entry point has the wrong type. Both a ``ConfigError`` (so one
+    ``except`` catches every bad argument) and a ``TypeError`` (what Python itself would raise)."""
 
 
 class LoadError(RagBudgetError):
@@ -92,10 +109,19 @@ class IndexMismatchError(IndexError_):
     """The index was built with settings incompatible with the ones asked for."""
 
 
+class IndexEmptyError(IndexError_):
+    """The index exists but holds no chunks (it was built from a folder with nothing indexable):
+    a search would answer from nothing."""
+
+
 class BudgetError(RagBudgetError):
-    """The request does not fit the memory budget.
+    """The request does not fit its budget.
 
     ``needed`` and ``available`` are in the unit named by ``unit`` (``"tokens"`` or ``"bytes"``).
+    ``limit`` names the limit that binds — ``"window"`` (the model's context window,
+    ``max_position_embeddings``), ``"memory"`` (KV/weights memory), ``"time"`` or ``"engine"`` (a
+    served engine's own limit) — and the message gives its number, so the fix it suggests is the
+    one that helps (a bigger GPU does not lengthen a model's window).
     """
 
     def __init__(
@@ -105,11 +131,13 @@ class BudgetError(RagBudgetError):
         needed: int | None = None,
         available: int | None = None,
         unit: str = "tokens",
+        limit: str = "memory",
     ) -> None:
         super().__init__(message)
         self.needed = needed
         self.available = available
         self.unit = unit
+        self.limit = limit
 
 
 class OverloadedError(RagBudgetError):
@@ -139,16 +167,6 @@ class RequestCancelled(RagBudgetError):
 # Each message is one line naming the URL and what to check; the CLI prints it without a
 # traceback. The structured fields (``url``, ``kind``, ``status`` and the leaves' figures) are
 # what code should branch on, never the message text.
-
-__all__ += [  # appended here so the list above stays as other branches left it
-    "EngineAuthError",
-    "EngineConnectionError",
-    "EngineContextError",
-    "EngineError",
-    "EngineOverloadedError",
-    "EngineResponseError",
-]
-
 
 class EngineError(RagBudgetError):
     """A served engine could not be used. ``url`` is the route that failed, ``kind`` the engine

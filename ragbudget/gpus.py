@@ -47,8 +47,14 @@ GPU_TABLE: dict[str, float] = {
     "M3 Ultra": 512, "M4 Pro": 64, "M4 Max": 128,
 }  # fmt: skip
 
-#: Short names that mean a specific table entry.
-_ALIASES = {"a100": "A100 80GB", "h100": "H100 80GB", "v100": "V100 32GB"}
+#: Short names that mean one table entry: "H100" is sold as 80 GB (PCIe and SXM; the 94 GB card
+#: is the "H100 NVL").
+_ALIASES = {"h100": "H100 80GB"}
+#: Short names of GPUs sold with different memory sizes. These are an error listing the choices,
+#: not a pick: the sizes differ 2×, so a guess either plans twice the memory the card has (the
+#: OOM this library exists to prevent) or silently wastes half of it, while naming the exact model
+#: costs one retype.
+_AMBIGUOUS = {"a100": ("A100 40GB", "A100 80GB"), "v100": ("V100 16GB", "V100 32GB")}
 
 
 @dataclass(frozen=True)
@@ -63,6 +69,8 @@ class GPUInfo:
 
 
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+# A size with a sign ("-5GiB", "+8g"): still a size, never a GPU name to look up.
+_SIGNED_SIZE_RE = re.compile(r"^\s*[-+]\s*[0-9]*\.?[0-9]+\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _UNITS = {"b": 1, "k": 1 << 10, "ki": 1 << 10, "kib": 1 << 10, "kb": 10**3,
           "m": 1 << 20, "mi": 1 << 20, "mib": 1 << 20, "mb": 10**6,
           "g": 1 << 30, "gi": 1 << 30, "gib": 1 << 30, "gb": 10**9,
@@ -81,12 +89,17 @@ def parse_size(text: str | float) -> int:
         if text <= 0:
             raise ConfigError(f"memory size must be positive, got {text}")
         return int(text)
+    given = text
+    if _SIGNED_SIZE_RE.match(text):
+        if text.strip().startswith("-"):
+            raise ConfigError(f"memory size must be positive, got {given!r}")
+        text = text.strip()[1:]
     m = _SIZE_RE.match(text)
     if not m:
         raise ConfigError(f"not a memory size: {text!r} (use e.g. 24GiB, 24GB, 16g or bytes)")
     value, unit = float(m.group(1)), (m.group(2) or "b").lower()
     if value <= 0:
-        raise ConfigError(f"memory size must be positive, got {text!r}")
+        raise ConfigError(f"memory size must be positive, got {given!r}")
     return int(value * _UNITS[unit])
 
 
@@ -105,6 +118,14 @@ def _lookup(name: str) -> str:
         return table[key]
     if key in _ALIASES:
         return _ALIASES[key]
+    if key in _AMBIGUOUS:
+        choices = _AMBIGUOUS[key]
+        raise ConfigError(
+            f"GPU {name!r} is sold with "
+            + " and ".join(f"{GPU_TABLE[c]:g} GiB" for c in choices)
+            + f" of memory; name one: {', '.join(repr(c) for c in choices)} (or pass a size, "
+            f"e.g. --gpu {GPU_TABLE[choices[0]]:g}GiB)"
+        )
     # A unique table entry that starts with what was typed ("rtx 4070 ti s" → Ti Super).
     starts = [v for k, v in table.items() if k.startswith(key)]
     if len(starts) == 1:
@@ -167,7 +188,7 @@ def resolve_gpu(gpu: str | int | None = None) -> GPUInfo:
         return GPUInfo(name="host RAM", bytes=avail, source="host RAM (no GPU)",
                        notes=(("no CUDA device: planning against available host RAM "
                               f"({avail / GiB:.1f} GiB); pass --gpu to plan for a GPU"),))
-    if isinstance(gpu, (int, float)) or _SIZE_RE.match(str(gpu)):
+    if isinstance(gpu, (int, float)) or _SIZE_RE.match(str(gpu)) or _SIGNED_SIZE_RE.match(str(gpu)):
         size = parse_size(gpu)
         return GPUInfo(name=f"{size / GiB:.1f} GiB", bytes=size, source="explicit size")
     name = _lookup(str(gpu))

@@ -28,12 +28,12 @@ import os
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .errors import BudgetError, ConfigError, RequestCancelled
+from .errors import ArgumentTypeError, BudgetError, ConfigError, IndexEmptyError, RequestCancelled
 
 if TYPE_CHECKING:
     from .admission import AdmissionController
@@ -50,6 +50,80 @@ log = logging.getLogger(__name__)
 
 DEFAULT_INDEX_DIR = ".ragbudget"
 
+#: Default ``relevance_floor``: candidates scoring under half the best one's fused score are left
+#: out. Chosen on SQuAD dev tuning articles (bench/floor.py, BENCHMARKS.md "Relevance floor"):
+#: answer recall at the default allowance stays at its maximum from 0.3 to 0.5 and falls from 0.6
+#: on, while the context shrinks from 7,667 to 2,689 tokens.
+DEFAULT_RELEVANCE_FLOOR = 0.5
+_CACHE_KINDS = ("dynamic", "static", "offloaded", "quantized")
+
+
+# -- argument checks at the public entry points -------------------------------------------------
+# One place for each: the library's own errors, naming the argument, what was given and what is
+# expected (a TypeError traceback from deep inside a stage says none of that).
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _check_text(name: str, value: Any, *, optional: bool = False) -> str | None:
+    if value is None and optional:
+        return None
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        raise ArgumentTypeError(f"{name} must be str, got {type(value).__name__} "
+                                f"({len(bytes(value))} bytes): decode it first, e.g. "
+                                f"{name}.decode('utf-8')")
+    if not isinstance(value, str):
+        raise ArgumentTypeError(f"{name} must be str, got {type(value).__name__} {_shown(value)}")
+    return value
+
+
+def _check_int(name: str, value: Any, minimum: int, *, optional: bool = False) -> int | None:
+    import numbers
+
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        hint = " (convert it with int())" if isinstance(value, str) else ""
+        raise ArgumentTypeError(f"{name} must be an int ≥ {minimum}"
+                                f"{' or None' if optional else ''}, got "
+                                f"{type(value).__name__} {_shown(value)}{hint}")
+    if value < minimum:
+        raise ConfigError(f"{name} must be ≥ {minimum}, got {value}")
+    return int(value)
+
+
+def _check_number(name: str, value: Any, lo: float, hi: float | None = None, *,
+                  optional: bool = False, lo_open: bool = False) -> float | None:
+    import numbers
+
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ArgumentTypeError(f"{name} must be a number, got {type(value).__name__} {_shown(value)}")
+    bad = value <= lo if lo_open else value < lo
+    if bad or (hi is not None and value > hi) or value != value:  # NaN fails every comparison
+        where = (f"in {'(' if lo_open else '['}{lo:g}, {hi:g}]" if hi is not None
+                 else f"{'>' if lo_open else '≥'} {lo:g}")
+        raise ConfigError(f"{name} must be {where}, got {value}")
+    return float(value)
+
+
+def _check_choice(name: str, value: Any, choices: Sequence[str]) -> str:
+    if value not in choices:
+        raise ConfigError(f"{name} must be one of {', '.join(choices)}; got {_shown(value)}")
+    return str(value)
+
+
+def _check_question(question: Any, name: str = "question") -> str:
+    text = _check_text(name, question)
+    assert text is not None
+    if not text.strip():
+        raise ConfigError(f"the {name} is empty")
+    return text
+
 
 @dataclass(frozen=True)
 class Answer:
@@ -57,7 +131,9 @@ class Answer:
 
     ``sources[i]`` is citation ``[i + 1]`` in ``text``: ``{path, start, end, page, page_end,
     score}``. ``report`` holds ``budget`` (kv_bytes_per_token, context_tokens_allowed/used,
-    prompt_tokens, max_new_tokens, …), ``plan`` (the memory plan), ``selection``, ``dropped``
+    prompt_tokens, max_new_tokens, ``context_limit`` — what capped the context: ``{"limit":
+    "time", "tokens": …, "ttft_target_s": …}`` or ``{"limit": "context_tokens", …}`` or
+    ``None`` —, …), ``plan`` (the memory plan), ``selection``, ``dropped``
     (every candidate not used, with its reason), ``oom_steps`` and ``timings``.
     """
 
@@ -119,6 +195,13 @@ class Pipeline:
         utilization: share of the memory the plan may use (0.9 as vLLM).
         queue_size, queue_timeout: admission control's bounded queue.
         generator: an already built :class:`~ragbudget.generate.Generator` to share.
+        relevance_floor: leave out candidates scoring under this fraction of the best one's
+            score (0 disables; default 0.5, measured in bench/floor.py): the context stops where
+            more passages stop helping instead of filling the whole allowance.
+        ttft_target: seconds of prefill a request may take when no ``context_tokens`` is given:
+            the context is capped to what the generator's measured prefill speed allows in that
+            time (``limited_by: "time"`` in the report). Default ``None``: 2 s on a host without
+            CUDA (measured once per model and machine, cached), no cap on a GPU; 0 disables.
 
     >>> rb = Pipeline(".ragbudget", gpu="RTX 4090", concurrency=4)   # doctest: +SKIP
     >>> rb.plan.max_context_tokens                                  # doctest: +SKIP
@@ -145,18 +228,38 @@ class Pipeline:
         queue_timeout: float = 30.0,
         system_prompt: str | None = None,
         generator: Generator | None = None,
+        relevance_floor: float = DEFAULT_RELEVANCE_FLOOR,
+        ttft_target: float | None = None,
     ) -> None:
-        if concurrency < 1:
-            raise ConfigError(f"concurrency must be ≥ 1, got {concurrency}")
-        if max_new_tokens < 1:
-            raise ConfigError(f"max_new_tokens must be ≥ 1, got {max_new_tokens}")
-        if fetch_k < 1:
-            raise ConfigError(f"fetch_k must be ≥ 1, got {fetch_k}")
-        if not 0.0 <= lexical_weight <= 1.0:
+        from .select import ORDERS
+
+        if not isinstance(index_dir, (str, os.PathLike)):
+            raise ArgumentTypeError(f"index_dir must be a path (str or os.PathLike), got "
+                                    f"{type(index_dir).__name__} {_shown(index_dir)}")
+        _check_text("model", model, optional=True)
+        if gpu is not None and (isinstance(gpu, bool) or not isinstance(gpu, (str, int, float))):
+            raise ArgumentTypeError(f"gpu must be 'auto', a GPU name, a size such as '24GiB' or a "
+                                    f"number of bytes, got {type(gpu).__name__} {_shown(gpu)}")
+        concurrency = _check_int("concurrency", concurrency, 1)  # type: ignore[assignment]
+        max_new_tokens = _check_int("max_new_tokens", max_new_tokens, 1)  # type: ignore[assignment]
+        fetch_k = _check_int("fetch_k", fetch_k, 1)  # type: ignore[assignment]
+        _check_text("kv_dtype", kv_dtype, optional=True)
+        _check_choice("cache", cache, _CACHE_KINDS)
+        if not isinstance(hybrid, bool):
+            raise ArgumentTypeError(f"hybrid must be True or False, got {type(hybrid).__name__} "
+                                    f"{_shown(hybrid)}")
+        _check_number("lexical_weight", lexical_weight, 0.0)
+        if lexical_weight > 1.0:
             raise ConfigError(f"lexical_weight must be in [0, 1], got {lexical_weight}; "
                               "use 0 (or hybrid=False) for dense-only search")
-        if fusion not in ("rrf", "score"):
-            raise ConfigError(f"fusion must be 'rrf' or 'score', got {fusion!r}")
+        _check_choice("fusion", fusion, ("rrf", "score"))
+        _check_choice("order", order, ORDERS)
+        _check_number("utilization", utilization, 0.0, 1.0, lo_open=True)
+        _check_int("queue_size", queue_size, 0)
+        _check_number("queue_timeout", queue_timeout, 0.0)
+        _check_text("system_prompt", system_prompt, optional=True)
+        _check_number("relevance_floor", relevance_floor, 0.0, 1.0)
+        _check_number("ttft_target", ttft_target, 0.0, optional=True)
         self.index_dir = Path(index_dir)
         self.model = model
         self.gpu = gpu
@@ -173,6 +276,8 @@ class Pipeline:
         self.queue_size = queue_size
         self.queue_timeout = queue_timeout
         self.system_prompt = system_prompt
+        self.relevance_floor = float(relevance_floor)
+        self.ttft_target = ttft_target
         self._embedder_spec = embedder
         self._embedder: Embedder | None = None
         self._generator = generator
@@ -282,16 +387,69 @@ class Pipeline:
                 self._index = None
             return Index(self.index_dir).build(paths, embedder=self.embedder, **options)
 
+    def _searchable(self) -> Index:
+        """The opened index, refusing one that holds no chunks: searching it would answer from
+        nothing, silently (a missing index already raises ``IndexNotFoundError``)."""
+        store = self.store
+        counts = store.manifest.get("counts") or {}
+        if int(counts.get("chunks", 1)) == 0:
+            files, skipped = counts.get("files", 0), counts.get("files_skipped", 0)
+            raise IndexEmptyError(
+                f"the index in {self.index_dir} has no chunks ({files} file(s) indexed, "
+                f"{skipped} skipped): there is nothing to search; run `ragbudget index PATH "
+                f"--index-dir {self.index_dir}` on a folder with documents first")
+        return store
+
     def search(self, query: str, k: int = 5) -> list[Hit]:
         """The ``k`` chunks that best match ``query``, with all their sources: hybrid (dense +
-        BM25, fused; ``score`` on the cosine scale) unless the pipeline has ``hybrid=False``."""
-        if not query or not query.strip():
-            raise ConfigError("the query is empty")
-        return self.store.search(query, k=k, embedder=self.embedder, hybrid=self.hybrid,
+        BM25, fused; ``score`` on the cosine scale) unless the pipeline has ``hybrid=False``.
+        Raises :class:`~ragbudget.errors.IndexEmptyError` on an index without chunks."""
+        query = _check_question(query, "query")
+        k = _check_int("k", k, 1)  # type: ignore[assignment]
+        return self._searchable().search(query, k=k, embedder=self.embedder, hybrid=self.hybrid,
                                  lexical_weight=self.lexical_weight, fusion=self.fusion,
                                  candidates=max(k, self.fetch_k))
 
     # -- budgeted retrieval -------------------------------------------------------------------------
+
+    def _time_cap(self, plan: BudgetPlan, fixed: int) -> dict[str, Any] | None:
+        """The context cap a time-to-first-token target sets, or ``None`` when there is none:
+        on a generator running on the CPU (default target ``CPU_TTFT_TARGET``) or when
+        ``ttft_target`` was given. The prefill speed is measured once per model and machine."""
+        from .budget import (
+            CPU_TTFT_TARGET,
+            context_tokens_for_time,
+            lookup_prefill_speed,
+            measure_prefill_speed,
+        )
+
+        gen = self.generator
+        device = str(getattr(gen, "device", "") or "")
+        target = self.ttft_target
+        if target is None:
+            if device != "cpu":
+                return None  # on an accelerator prefill is fast: memory and the window bind
+            target = CPU_TTFT_TARGET
+        if target == 0 or not device:
+            return None
+        speed = lookup_prefill_speed(plan.model, device)
+        if speed is None:
+            model = getattr(gen, "model", None)
+            if model is None or not hasattr(model, "parameters"):
+                return None  # nothing to measure (a stand-in generator)
+            log.info("measuring the prefill speed of %s on %s once (cached)", plan.model, device)
+            try:
+                speed = measure_prefill_speed(model, name=plan.model, device=device)
+            except Exception as exc:  # noqa: BLE001 - a speed probe must never fail a question
+                log.warning("prefill speed not measured (%s): no time cap on the context", exc)
+                return None
+        prompt_tokens = context_tokens_for_time(speed, float(target))
+        # A question is never cut, and a context too small for one passage answers from nothing:
+        # the cap keeps room for at least a cut best chunk.
+        cap = max(_MIN_TIME_CONTEXT, prompt_tokens - fixed)
+        return {"limit": "time", "tokens": cap, "ttft_target_s": float(target),
+                "device": device, "prefill_tokens_in_target": prompt_tokens,
+                "prefill_fit": {k: speed[k] for k in ("a", "b") if k in speed}}
 
     def _prompt(
         self,
@@ -301,16 +459,25 @@ class Pipeline:
         max_new_tokens: int,
         history: Sequence[dict[str, str]] | None,
         retrieval_query: str | None,
-    ) -> tuple[Prompt, BudgetPlan, dict[str, float]]:
-        """Plan, retrieve, select and render: the prompt that fits, and how long each step took."""
+    ) -> tuple[Prompt, BudgetPlan, dict[str, float], dict[str, Any] | None]:
+        """Plan, retrieve, select and render: the prompt that fits, how long each step took, and
+        the cap set on the context (by ``context_tokens`` or by time), if any."""
         from .prompt import build_prompt
 
-        if not isinstance(question, str) or not question.strip():
-            raise ConfigError("the question is empty")
-        if context_tokens is not None and context_tokens < 0:
-            raise ConfigError(f"context_tokens must be ≥ 0, got {context_tokens}")
+        question = _check_question(question)
+        context_tokens = _check_int("context_tokens", context_tokens, 0, optional=True)
+        max_new_tokens = _check_int("max_new_tokens", max_new_tokens, 1)  # type: ignore[assignment]
+        _check_text("retrieval_query", retrieval_query, optional=True)
+        if history is not None and (isinstance(history, (str, bytes)) or not all(
+                isinstance(m, Mapping) for m in history)):
+            raise ArgumentTypeError("history must be a list of {'role': ..., 'content': ...} "
+                                    f"dicts or None, got {_shown(history)}")
         timings: dict[str, float] = {}
-        self.store  # noqa: B018 - a missing or damaged index fails fast, before any model loads
+        # A missing, damaged or empty index fails fast, before any model loads.
+        self._searchable()
+        if not (self._generator is not None and getattr(self._generator, "loaded", False)):
+            # So does a request the model's window or the memory can never hold (config only).
+            self.plan_for(max_new_tokens)
         t0 = time.perf_counter()
         builder = self.prompt_builder  # loads the generator first, so the plan sees its real size
         timings["load_s"] = time.perf_counter() - t0
@@ -323,17 +490,17 @@ class Pipeline:
         fixed = builder.fixed_tokens(question)
         max_prompt = plan.max_prompt_tokens
         if fixed > max_prompt:
-            raise BudgetError(
-                f"the system prompt, history and question alone take {fixed} tokens but "
-                f"{plan.model} on {plan.gpu_name} allows {max_prompt} prompt tokens per request "
-                f"({plan.max_context_tokens} minus {max_new_tokens} reserved for the answer); "
-                "shorten the question or history, lower max_new_tokens or concurrency, use a "
-                "quantized/fp8 or offloaded KV cache, or a GPU with more memory",
-                needed=fixed + max_new_tokens,
-                available=plan.max_context_tokens,
-            )
+            raise _question_too_long(plan, fixed, max_new_tokens)
+        cap: dict[str, Any] | None = None
         if context_tokens is not None:
-            max_prompt = min(max_prompt, fixed + context_tokens)
+            cap = {"limit": "context_tokens", "tokens": context_tokens}
+        else:
+            t1 = time.perf_counter()
+            cap = self._time_cap(plan, fixed)  # the first request on a CPU measures the speed
+            timings["time_cap_s"] = time.perf_counter() - t1
+            t0 += timings["time_cap_s"]
+        if cap is not None:
+            max_prompt = min(max_prompt, fixed + cap["tokens"])
         hits = self.search(retrieval_query or question, k=self.fetch_k)
         timings["retrieve_s"] = time.perf_counter() - t0
 
@@ -345,9 +512,10 @@ class Pipeline:
             max_prompt_tokens=max_prompt,
             builder=builder,
             order=self.order,
+            relevance_floor=self.relevance_floor,
         )
         timings["select_s"] = time.perf_counter() - t0
-        return prompt, plan, timings
+        return prompt, plan, timings, cap
 
     def retrieve(
         self,
@@ -364,10 +532,10 @@ class Pipeline:
         is the allowance in the generator's tokens, ``tokens_used`` what the chosen passages cost
         (labels included), ``dropped`` every candidate left out with its reason.
         """
-        prompt, _, _ = self._prompt(
+        prompt, _, _, _ = self._prompt(
             question,
             context_tokens=context_tokens,
-            max_new_tokens=max_new_tokens or self.max_new_tokens,
+            max_new_tokens=self.max_new_tokens if max_new_tokens is None else max_new_tokens,
             history=history,
             retrieval_query=retrieval_query,
         )
@@ -393,9 +561,12 @@ class Pipeline:
         Raises :class:`~ragbudget.errors.BudgetError` when the question cannot fit, and
         :class:`~ragbudget.errors.OverloadedError` when admission control's queue is full.
         """
-        new_tokens = max_new_tokens or self.max_new_tokens
+        # ``None`` means the pipeline's default; any other value is checked and honored (0 used to
+        # fall back to the default silently).
+        new_tokens = self.max_new_tokens if max_new_tokens is None else max_new_tokens
+        _check_call(on_text, cancel)
         t_start = time.perf_counter()
-        prompt, plan, timings = self._prompt(
+        prompt, plan, timings, cap = self._prompt(
             question,
             context_tokens=context_tokens,
             max_new_tokens=new_tokens,
@@ -409,7 +580,7 @@ class Pipeline:
             # generate, but the answer still says what the request would have been.
             timings["total_s"] = time.perf_counter() - t_start
             nothing = _Cancelled(max_new_tokens=new_tokens)
-            return _answer(nothing, prompt, plan, reserve, timings, context_tokens)
+            return _answer(nothing, prompt, plan, reserve, timings, cap)
 
         if cancel is not None and cancel.is_set():
             return cancelled()
@@ -436,13 +607,14 @@ class Pipeline:
             timings["generate_s"] = time.perf_counter() - t0
         timings["total_s"] = time.perf_counter() - t_start
         final = gen.prompt if getattr(gen, "prompt", None) is not None else prompt
-        return _answer(gen, final, plan, reserve, timings, context_tokens)
+        return _answer(gen, final, plan, reserve, timings, cap)
 
     def stream(self, question: str, **options: Any) -> AnswerStream:
         """:meth:`ask`, as an iterator over the answer's text while it is generated; the
         :class:`Answer` is the stream's ``answer`` at the end. ``options`` are :meth:`ask`'s
         (but ``on_text`` and ``cancel``, which the stream owns). Breaking out of the loop or
         closing the stream cancels the generation."""
+        _check_question(question)
         return AnswerStream(self.ask, question, _stream_options(options))
 
     def astream(self, question: str, **options: Any) -> AnswerStream:
@@ -453,11 +625,13 @@ class Pipeline:
         except RuntimeError:
             raise ConfigError("astream() needs a running event loop (call it inside `async def`); "
                               "use stream() from synchronous code") from None
+        _check_question(question)
         return AnswerStream(self.ask, question, _stream_options(options), loop=loop)
 
     async def aask(self, question: str, **options: Any) -> Answer:
         """:meth:`ask` without blocking the event loop; cancelling the awaiting task cancels the
         generation (and frees its KV reservation)."""
+        _check_question(question)
         cancel = threading.Event()
         work = asyncio.ensure_future(
             asyncio.to_thread(self.ask, question, cancel=cancel, **_stream_options(options)))
@@ -470,6 +644,45 @@ class Pipeline:
             with contextlib.suppress(BaseException):
                 await work
             raise
+
+
+#: Context tokens a time cap always leaves: room for (a cut window of) the best chunk.
+_MIN_TIME_CONTEXT = 256
+
+
+def _check_call(on_text: Any, cancel: Any) -> None:
+    if on_text is not None and not callable(on_text):
+        raise ArgumentTypeError(f"on_text must be a callable taking each piece of text, got "
+                                f"{type(on_text).__name__} {_shown(on_text)}")
+    if cancel is not None and not callable(getattr(cancel, "is_set", None)):
+        raise ArgumentTypeError(f"cancel must be a threading.Event (anything with is_set()), got "
+                                f"{type(cancel).__name__} {_shown(cancel)}")
+
+
+def _question_too_long(plan: BudgetPlan, fixed: int, max_new_tokens: int) -> BudgetError:
+    """The error for a question (with system prompt, history and chat template: ``fixed``
+    tokens) that leaves no room: it names the limit that binds — the model's window, whatever
+    the memory, or the KV memory of this GPU at this concurrency — with its number."""
+    window = plan.model_max_tokens
+    what = "the question (with the system prompt, history and chat template)"
+    if fixed + max_new_tokens > window:
+        if fixed >= window:
+            fix = "shorten the question or history"
+        else:
+            fix = (f"shorten the question or history, or lower max_new_tokens (--max-new-tokens) "
+                   f"to at most {window - fixed:,}")
+        return BudgetError(
+            f"{what} is {fixed:,} tokens and {max_new_tokens:,} are reserved for the answer, but "
+            f"the model window is {window:,} tokens ({plan.model}: max_position_embeddings); "
+            f"{fix}",
+            needed=fixed + max_new_tokens, available=window, limit="window")
+    return BudgetError(
+        f"{what} is {fixed:,} tokens and {max_new_tokens:,} are reserved for the answer, but the "
+        f"KV memory holds {plan.max_context_tokens:,} tokens per request ({plan.model} on "
+        f"{plan.gpu_name}, {plan.usable_bytes / 2**30:.2f} GiB usable, concurrency "
+        f"{plan.concurrency}); shorten the question or history, lower max_new_tokens or "
+        "concurrency, use a quantized/fp8 or offloaded KV cache, or a GPU with more memory",
+        needed=fixed + max_new_tokens, available=plan.max_context_tokens, limit="memory")
 
 
 def _stream_options(options: dict[str, Any]) -> dict[str, Any]:
@@ -647,7 +860,7 @@ class AnswerStream:
 
 
 def _answer(gen: Any, prompt: Prompt, plan: BudgetPlan, reserved: int, timings: dict[str, float],
-            context_cap: int | None) -> Answer:
+            cap: dict[str, Any] | None) -> Answer:
     sel = prompt.selection
     sources = []
     for passage in prompt.passages:
@@ -663,7 +876,10 @@ def _answer(gen: Any, prompt: Prompt, plan: BudgetPlan, reserved: int, timings: 
         "max_prompt_tokens": plan.max_prompt_tokens,
         "context_tokens_allowed": sel.tokens_allowed,
         "context_tokens_used": sel.tokens_used,
-        "context_tokens_cap": context_cap,
+        "context_tokens_cap": cap["tokens"] if cap else None,
+        # What capped the context below the prompt allowance: "context_tokens" (asked for) or
+        # "time" (the time-to-first-token target on a CPU), with its numbers; None: nothing did.
+        "context_limit": cap,
         "fixed_prompt_tokens": prompt.fixed_tokens,
         "prompt_tokens": prompt.n_tokens,
         "max_new_tokens": getattr(gen, "max_new_tokens", None) or plan.max_new_tokens,
@@ -719,6 +935,12 @@ def format_report(report: dict[str, Any]) -> str:
                     f"({100 * float(b.get('fill', 0)):.1f}% filled)"),
         ("prompt used", f"{n(b.get('prompt_tokens'))} tokens; generated {n(b.get('new_tokens'))}"),
     ]
+    limit = b.get("context_limit")
+    if limit:
+        why = (f"time: {limit.get('ttft_target_s', 0):g} s to the first token at the prefill speed "
+               f"measured on {limit.get('device', '?')} (ttft_target; --context-tokens overrides)"
+               if limit.get("limit") == "time" else "asked for (context_tokens)")
+        rows.insert(-2, ("context cap", f"{n(limit.get('tokens'))} tokens, limit {why}"))
     width = max(len(k) for k, _ in rows)
     lines = ["Budget", *(f"  {k.ljust(width)}  {v}" for k, v in rows)]
     sel = report.get("selection", [])

@@ -2,7 +2,10 @@
 
 ``select_chunks`` turns the top ``fetch_k`` retrieval hits into the context of one prompt:
 
-1. drop hits under ``min_score`` (``below_cutoff``) and exact repeats of a better hit (``duplicate``);
+1. drop hits under ``min_score`` (``below_cutoff``), exact repeats of a better hit (``duplicate``)
+   and hits scoring under ``relevance_floor`` × the best hit's score (``below_relevance_floor``:
+   past that point more passages stop helping, they only cost prefill time and distract a small
+   model);
 2. drop near-repeats of a better hit (``redundant``: word-set overlap ≥ ``redundancy``) and give the
    rest an MMR value ``lambda_ * relevance - (1 - lambda_) * max overlap with a better hit``;
 3. solve a 0/1 knapsack over the exact cost of each chunk in the *generator's* tokens (text +
@@ -37,7 +40,7 @@ __all__ = ["ORDERS", "Candidate", "Dropped", "SelectedChunk", "Selection", "sele
 #: models attend most (Liu et al. 2023, "Lost in the Middle").
 ORDERS = ("relevance", "document", "lost_in_middle")
 
-DROP_REASONS = ("duplicate", "below_cutoff", "redundant", "over_budget")
+DROP_REASONS = ("duplicate", "below_cutoff", "below_relevance_floor", "redundant", "over_budget")
 
 # Above this many budget tokens the exact DP table (items x tokens booleans) gets large; the greedy
 # density pass alone is used instead (its gap to optimal is at most one chunk's value).
@@ -95,8 +98,8 @@ class SelectedChunk:
 
 @dataclass(frozen=True)
 class Dropped:
-    """A candidate left out, and why: one of ``duplicate``, ``below_cutoff``, ``redundant``,
-    ``over_budget``."""
+    """A candidate left out, and why: one of ``duplicate``, ``below_cutoff``,
+    ``below_relevance_floor``, ``redundant``, ``over_budget``."""
 
     chunk_id: Any
     reason: str
@@ -192,6 +195,7 @@ def select_chunks(
     temperature: float = 0.02,
     order: str = "relevance",
     min_score: float | None = None,
+    relevance_floor: float = 0.0,
     redundancy: float = 0.9,
     merge_adjacent: bool = True,
     max_merge_gap: int = 2,
@@ -211,6 +215,10 @@ def select_chunks(
     from 0 to 1 as its word overlap with a better hit goes from 0.5 to 1 (``redundancy`` and above
     drops it). ``similarity(a, b) -> [0, 1]`` replaces the word overlap (e.g. embedding cosine).
 
+    ``relevance_floor`` (0 disables) drops every candidate scoring below that fraction of the best
+    candidate's score (when the best is positive): the value above only makes a weak chunk
+    *cheap*, never *absent*, so without a floor a large budget is filled down to unrelated text.
+
     >>> hits = [Candidate("a", "Paris is the capital of France.", 0.9),
     ...         Candidate("b", "Lyon is a city in France.", 0.5)]
     >>> sel = select_chunks("capital?", hits, budget_tokens=8, count_tokens=lambda s: len(s.split()))
@@ -225,6 +233,10 @@ def select_chunks(
         raise ConfigError(f"temperature must be > 0; got {temperature}")
     if not 0.0 <= lambda_ <= 1.0:
         raise ConfigError(f"lambda_ must be in [0, 1]; got {lambda_}")
+    if isinstance(relevance_floor, bool) or not isinstance(relevance_floor, (int, float)) \
+            or not 0.0 <= relevance_floor <= 1.0:
+        raise ConfigError(f"relevance_floor must be a number in [0, 1] (a fraction of the best "
+                          f"candidate's score; 0 disables); got {relevance_floor!r}")
     overhead_of: Callable[[Any], int] = (
         chunk_overhead if callable(chunk_overhead) else (lambda _c, _o=int(chunk_overhead): _o)
     )
@@ -262,6 +274,11 @@ def select_chunks(
     # 2nd-best chunk for two small 20th-ranked ones. Overlap below 0.5 is ordinary topical overlap
     # (same article, same entities) and costs nothing; above it the penalty grows linearly.
     hi = max((it.score for it in items), default=0.0)
+    if relevance_floor > 0 and hi > 0:
+        floor = relevance_floor * hi
+        for it in [it for it in items if it.score < floor]:
+            dropped.append(Dropped(it.ids[0], "below_relevance_floor", it.score, it.n_tokens))
+        items = [it for it in items if it.score >= floor]
     kept: list[_Item] = []
     for it in items:
         rel = math.exp(max(-50.0, (it.score - hi) / temperature))

@@ -315,3 +315,57 @@ def test_gpu_validate_without_cuda_skips_with_a_message(gpu_validate, capsys):
         pytest.skip("a CUDA device is present: the real run is not a unit test")
     assert gpu_validate.main([]) == 0
     assert "no CUDA device; skipping" in capsys.readouterr().out
+
+
+# -- honest errors: every budget error names the limit that binds, with its number ---------------
+
+
+def test_max_new_tokens_over_the_window_blames_the_window_not_memory() -> None:
+    # SmolLM2-135M on 20+ GiB: memory would hold 100k tokens, its 8,192-token window does not.
+    with pytest.raises(BudgetError) as e:
+        plan_budget("HuggingFaceTB/SmolLM2-135M-Instruct", gpu="24GiB", max_new_tokens=100_000)
+    msg = str(e.value)
+    assert e.value.limit == "window" and e.value.available == 8192
+    assert "8,192" in msg and "window" in msg and "max_new_tokens" in msg
+    assert "GPU" not in msg and "GiB" not in msg and "fp8" not in msg
+
+
+def test_memory_error_names_memory_and_its_token_number() -> None:
+    with pytest.raises(BudgetError) as e:
+        plan_budget("meta-llama/Llama-3.1-8B-Instruct", gpu="16GiB", max_new_tokens=4096)
+    assert e.value.limit == "memory"
+    assert "GiB" in str(e.value) and "usable" in str(e.value)
+
+
+def test_plan_text_has_no_sliding_window_figure_without_sliding_layers() -> None:
+    llama = format_plan(plan_budget("meta-llama/Llama-3.1-8B-Instruct", gpu="RTX 4090"))
+    assert "sliding" not in llama
+    gemma = format_plan(plan_budget("google/gemma-3-4b-it", gpu="RTX 4090"))
+    assert "below sliding windows" in gemma
+
+
+def test_plan_text_never_says_max_0_requests() -> None:
+    plan = plan_budget("meta-llama/Llama-3.1-8B-Instruct", gpu="RTX 4090", concurrency=4)
+    assert plan.max_concurrency == 0  # one 131,072-token request does not fit 24 GiB
+    line = next(x for x in format_plan(plan).splitlines() if x.startswith("concurrency"))
+    assert "max 0" not in line
+    assert f"4 request(s) of {plan.max_context_tokens:,} tokens each" in line
+    assert "131,072" in line and "does not fit" in line
+
+
+def test_prefill_speed_is_measured_once_and_turns_seconds_into_tokens(tmp_path, monkeypatch) -> None:
+    from _tiny_lm import tiny_model
+
+    from ragbudget.budget import context_tokens_for_time, lookup_prefill_speed, measure_prefill_speed
+
+    monkeypatch.setenv("RAGBUDGET_CACHE", str(tmp_path / "cache"))
+    assert lookup_prefill_speed("tiny", "cpu") is None
+    speed = measure_prefill_speed(tiny_model(), name="tiny", device="cpu", lengths=(32, 128))
+    assert speed["a"] > 0 and speed["b"] >= 0 and [n for n, _ in speed["probes"]] == [32, 128]
+    assert lookup_prefill_speed("tiny", "cpu") == speed
+    assert lookup_prefill_speed("tiny", "cuda:0") is None  # per device
+    # seconds = a·n + b·n²: the cap is the positive root, monotone in the time allowed.
+    fit = {"a": 0.001, "b": 1e-6}
+    n = context_tokens_for_time(fit, 5.0)
+    assert 0.001 * n + 1e-6 * n * n <= 5.0 < 0.001 * (n + 1) + 1e-6 * (n + 1) ** 2
+    assert context_tokens_for_time(fit, 1.0) < n and context_tokens_for_time(fit, 0) == 0

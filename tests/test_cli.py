@@ -173,6 +173,19 @@ def test_demo_path_with_the_embedded_models(runner: CliRunner, tmp_path: Path, r
     assert b["prompt_tokens"] + b["max_new_tokens"] <= doc["report"]["plan"]["max_context_tokens"]
     assert b["context_tokens_used"] <= b["context_tokens_allowed"]
     assert b["context_tokens_allowed"] <= 1024
+    # With no cap given, the defaults decide: the relevance floor stops the context early, and
+    # on a CPU the measured prefill speed caps it for time (issue #19: the full 7.8k-token
+    # allowance was filled down to a fused score of -0.005 and answered wrongly).
+    result = runner.invoke(cli, ["ask", "What was Maria Curie the first female recipient of?",
+                                 "--index-dir", index_dir, "--max-new-tokens", "48", "--json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert "nobel" in doc["answer"].lower()
+    assert any(d["reason"] == "below_relevance_floor" for d in doc["dropped"])
+    b = doc["budget"]
+    if doc["report"]["plan"]["gpu_source"] == "host RAM (no GPU)":
+        assert b["context_limit"]["limit"] == "time"
+        assert b["context_tokens_allowed"] <= b["context_limit"]["tokens"]
 
 
 def test_search_retrieval_options(runner: CliRunner, tmp_path: Path) -> None:
@@ -343,3 +356,109 @@ def test_search_paths_are_relative_unless_asked(runner: CliRunner, tmp_path: Pat
     path = json.loads(absolute.stdout)[0]["sources"][0]["path"]
     assert path.startswith(str(corpus.resolve())) and Path(path).is_file()
     assert str(corpus.resolve()) in runner.invoke(cli, [*args, "--absolute-paths"]).output
+
+
+# -- hostile cases: honest errors and sensible defaults (issue #19, section 4) --------------------
+
+
+class _CutGenerator:
+    """Stands in for ragbudget.generate.Generator in the CLI: a word tokenizer, no model, and an
+    answer cut at max_new_tokens (finish_reason "length")."""
+
+    def __init__(self, model: Any = None) -> None:
+        from _fakes import WordTokenizer
+
+        self.tokenizer = WordTokenizer()
+        self.loaded = False
+        self.model = None
+        self.config = None
+        self.device = ""  # neither CPU nor GPU: no time cap in these tests
+
+    def generate(self, prompt: Any, *, max_new_tokens: int, on_text: Any = None, **_: Any) -> Any:
+        from types import SimpleNamespace
+
+        text = "The Nobel Prize in Physics, which she shared with her husband and"
+        if on_text:
+            on_text(text)
+        return SimpleNamespace(text=text, prompt_tokens=prompt.n_tokens, new_tokens=max_new_tokens,
+                               max_new_tokens=max_new_tokens, finish_reason="length",
+                               oom_steps=(), prompt=prompt)
+
+
+@pytest.fixture()
+def small_index(runner: CliRunner, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    import ragbudget.generate
+
+    monkeypatch.setattr(ragbudget.generate, "Generator", _CutGenerator)
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "curie.txt").write_text("Maria Curie was the first female recipient of the Nobel Prize. " * 40)
+    (docs / "tides.txt").write_text("Tides rise and fall twice a day along the harbour walls. " * 40)
+    index_dir = str(tmp_path / "idx")
+    result = runner.invoke(cli, ["index", str(docs), "--index-dir", index_dir, "--embedder", "hash:64"])
+    assert result.exit_code == 0, result.output
+    return index_dir
+
+
+def test_ask_long_question_and_huge_max_new_tokens_blame_the_window(runner: CliRunner,
+                                                                     small_index: str) -> None:
+    question = "why " * 12_500  # 50,000 characters
+    args = ["ask", question, "--index-dir", small_index, "--gpu", "24GiB"]
+    for extra, says in ((["--max-new-tokens", "100000"], "max_new_tokens 100,000"),
+                        ([], "model window is 8,192 tokens")):
+        result = runner.invoke(cli, [*args, *extra])
+        assert result.exit_code == 1, result.output
+        assert result.output.startswith("Error: ") and "Traceback" not in result.output
+        assert says in result.output and "8,192" in result.output
+        # Not memory: a bigger GPU or a quantized cache would not help.
+        assert "GPU" not in result.output and "fp8" not in result.output
+
+
+def test_ask_and_search_on_an_empty_index_say_so(runner: CliRunner, tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    index_dir = str(tmp_path / "idx")
+    assert runner.invoke(cli, ["index", str(tmp_path / "empty"), "--index-dir", index_dir,
+                               "--embedder", "hash:64"]).exit_code == 0
+    for args in (["ask", "anything"], ["search", "anything"]):
+        result = runner.invoke(cli, [*args, "--index-dir", index_dir])
+        assert result.exit_code == 1, result.output
+        assert "has no chunks" in result.output and "ragbudget index" in result.output
+
+
+def test_ask_marks_an_answer_cut_at_max_new_tokens(runner: CliRunner, small_index: str) -> None:
+    args = ["ask", "What was Maria Curie the first female recipient of?", "--index-dir", small_index,
+            "--gpu", "24GiB", "--max-new-tokens", "12"]
+    for extra in ([], ["--no-stream"]):
+        result = runner.invoke(cli, [*args, *extra])
+        assert result.exit_code == 0, result.output
+        assert "her husband and […]" in result.output
+        assert "(answer cut at max_new_tokens=12; raise --max-new-tokens)" in result.output
+    doc = json.loads(runner.invoke(cli, [*args, "--json"]).stdout)
+    assert doc["finish_reason"] == "length" and "[…]" not in doc["answer"]
+
+
+def test_ask_relevance_floor_option(runner: CliRunner, small_index: str) -> None:
+    args = ["ask", "Maria Curie Nobel Prize", "--index-dir", small_index, "--gpu", "24GiB", "--json"]
+    off = json.loads(runner.invoke(cli, [*args, "--relevance-floor", "0"]).stdout)
+    assert not [d for d in off["dropped"] if d["reason"] == "below_relevance_floor"]
+    assert runner.invoke(cli, [*args, "--relevance-floor", "2"]).exit_code == 2
+
+
+@pytest.mark.parametrize("gpu,says,not_says", [
+    ("A100", ["'A100 40GB'", "'A100 80GB'"], "unknown GPU"),
+    ("-5GiB", ["memory size must be positive", "-5GiB"], "unknown GPU"),
+    ("0GB", ["memory size must be positive"], "unknown GPU"),
+])
+def test_budget_hostile_gpu_values(runner: CliRunner, gpu: str, says: list[str], not_says: str) -> None:
+    result = runner.invoke(cli, ["budget", "--gpu", gpu])
+    assert result.exit_code == 1, result.output
+    assert all(s in result.output for s in says) and not_says not in result.output
+
+
+def test_budget_text_says_what_fits_for_llama_8b(runner: CliRunner) -> None:
+    result = runner.invoke(cli, ["budget", "--model", "meta-llama/Llama-3.1-8B-Instruct",
+                                 "--gpu", "RTX 4090", "--concurrency", "4"])
+    assert result.exit_code == 0, result.output
+    assert "sliding" not in result.output  # Llama 3.1 has no sliding-window layers
+    assert "max 0" not in result.output
+    assert "4 request(s) of 6,906 tokens each; one request of 131,072 tokens does not fit" in result.output

@@ -58,7 +58,8 @@ def _check_metadata(metas: list[dict[str, Any]], sel: Any) -> None:
     assert sum(m["n_tokens"] for m in metas) <= metas[0]["ragbudget"]["tokens_used"] <= CAP
     report = metas[0]["ragbudget"]
     assert report["tokens_allowed"] == sel.tokens_allowed <= CAP
-    assert {d["reason"] for d in report["dropped"]} <= {"duplicate", "below_cutoff", "redundant", "over_budget"}
+    assert {d["reason"] for d in report["dropped"]} <= {"duplicate", "below_cutoff", "below_relevance_floor",
+                                                      "redundant", "over_budget"}
     assert len(report["dropped"]) == len(sel.dropped)
 
 

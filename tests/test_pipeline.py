@@ -117,7 +117,8 @@ def test_ask_prompt_fits_the_plan_and_keeps_the_question(indexed: Path) -> None:
     # The Warsaw article holds the answer; the hash embedder shares its words with the question.
     assert any("Warsaw" in s["path"] for s in doc["sources"])
     for d in doc["dropped"]:
-        assert d["reason"] in {"duplicate", "below_cutoff", "redundant", "over_budget"}
+        assert d["reason"] in {"duplicate", "below_cutoff", "below_relevance_floor", "redundant",
+                               "over_budget"}
 
 
 def test_small_gpu_shrinks_the_context(indexed: Path) -> None:
@@ -332,3 +333,145 @@ def test_questions_with_search_syntax_are_answered(indexed: Path) -> None:
     for q in ('Who was "Maria Curie', "NOT Curie AND (Warsaw OR *", "Curie NEAR(prize, 2) ^first"):
         sel = pipe.retrieve(q, context_tokens=300)
         assert sel.chunks and sel.tokens_used <= sel.tokens_allowed
+
+
+# -- honest errors and sensible defaults (issue #19, section 4) ---------------------------------
+
+
+def test_budget_errors_name_the_binding_limit(indexed: Path) -> None:
+    from ragbudget.errors import BudgetError
+
+    # 16 GiB holds far more than SmolLM2's 8,192-token window: the window binds, not memory.
+    pipe, gen = _pipe(indexed, gpu="16GiB")
+    with pytest.raises(BudgetError) as e:
+        pipe.ask(QUESTION, max_new_tokens=100_000)
+    assert e.value.limit == "window" and "8,192" in str(e.value)
+    assert "GPU" not in str(e.value) and "fp8" not in str(e.value)
+    with pytest.raises(BudgetError) as e:
+        pipe.ask("why " * 9000)
+    msg = str(e.value)
+    assert e.value.limit == "window" and e.value.available == 8192
+    assert "model window is 8,192 tokens" in msg and "shorten the question" in msg
+    assert "GPU with more memory" not in msg
+    assert not gen.prompts  # nothing was generated
+    # On 320 MiB memory binds, and the message says how many tokens it holds.
+    small, _ = _pipe(indexed, gpu="320MiB")
+    with pytest.raises(BudgetError) as e:
+        small.ask("why " * (small.plan.max_prompt_tokens + 10))
+    assert e.value.limit == "memory"
+    assert f"{small.plan.max_context_tokens:,} tokens per request" in str(e.value)
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda p: p.ask(QUESTION, context_tokens="100"), "context_tokens must be an int"),
+    (lambda p: p.ask(QUESTION, max_new_tokens="64"), "max_new_tokens must be an int"),
+    (lambda p: p.ask(b"hi"), "decode it"),
+    (lambda p: p.ask(42), "question must be str, got int"),
+    (lambda p: p.search(QUESTION, k="3"), "k must be an int"),
+    (lambda p: p.retrieve(QUESTION, context_tokens=1.5), "context_tokens must be an int"),
+    (lambda p: p.ask(QUESTION, on_text="print"), "on_text must be a callable"),
+    (lambda p: p.stream(b"hi"), "decode it"),
+    (lambda p: Pipeline(p.index_dir, concurrency="4"), "concurrency must be an int"),
+    (lambda p: Pipeline(p.index_dir, hybrid="no"), "hybrid must be True or False"),
+    (lambda p: Pipeline(p.index_dir, relevance_floor="high"), "relevance_floor must be a number"),
+])
+def test_wrong_argument_types_are_the_librarys_own_errors(indexed: Path, call: Any, match: str) -> None:
+    from ragbudget.errors import ArgumentTypeError
+
+    pipe, gen = _pipe(indexed)
+    with pytest.raises(ArgumentTypeError, match=match) as e:
+        call(pipe)
+    # One except catches it as a bad argument, another as Python's own TypeError.
+    assert isinstance(e.value, ConfigError) and isinstance(e.value, TypeError)
+    assert not gen.prompts
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda p: p.ask(QUESTION, max_new_tokens=0), "max_new_tokens must be ≥ 1, got 0"),
+    (lambda p: p.ask(QUESTION, context_tokens=-1), "context_tokens must be ≥ 0"),
+    (lambda p: Pipeline(p.index_dir, order="random"), "order must be one of"),
+    (lambda p: Pipeline(p.index_dir, utilization=0), "utilization must be in"),
+    (lambda p: Pipeline(p.index_dir, relevance_floor=1.5), "relevance_floor must be in"),
+    (lambda p: Pipeline(p.index_dir, cache="paged"), "cache must be one of"),
+])
+def test_out_of_range_arguments_are_config_errors(indexed: Path, call: Any, match: str) -> None:
+    pipe, gen = _pipe(indexed)
+    with pytest.raises(ConfigError, match=match):
+        call(pipe)
+    assert not gen.prompts
+
+
+def test_a_given_max_new_tokens_is_honored(indexed: Path) -> None:
+    pipe, gen = _pipe(indexed, max_new_tokens=64)
+    seen: list[int] = []
+    real = gen.generate
+
+    def spy(prompt: Any, *, max_new_tokens: int, **kw: Any) -> Any:
+        seen.append(max_new_tokens)
+        return real(prompt, max_new_tokens=max_new_tokens, **kw)
+
+    gen.generate = spy  # type: ignore[method-assign]
+    answer = pipe.ask(QUESTION, max_new_tokens=1)
+    assert seen == [1] and answer.report["budget"]["max_new_tokens"] == 1
+    pipe.ask(QUESTION)
+    assert seen == [1, 64]
+
+
+def test_an_empty_index_is_an_error_not_an_answer_from_nothing(tmp_path: Path) -> None:
+    from ragbudget.errors import IndexEmptyError
+
+    (tmp_path / "empty").mkdir()
+    index_dir = tmp_path / "idx"
+    assert Pipeline(index_dir, embedder="hash:64").index([tmp_path / "empty"]).chunks_total == 0
+    pipe, gen = _pipe(index_dir)
+    for call in (lambda: pipe.search("anything"), lambda: pipe.ask("anything"),
+                 lambda: pipe.retrieve("anything")):
+        with pytest.raises(IndexEmptyError, match="has no chunks") as e:
+            call()
+        assert str(index_dir) in str(e.value) and "ragbudget index" in str(e.value)
+    assert not gen.prompts
+
+
+def test_relevance_floor_stops_the_context_where_passages_stop_helping(indexed: Path) -> None:
+    floored, _ = _pipe(indexed)  # the default floor
+    full, _ = _pipe(indexed, relevance_floor=0)
+    a = floored.retrieve(QUESTION)
+    b = full.retrieve(QUESTION)
+    best = max(c.score for c in a.chunks)
+    below = [d for d in a.dropped if d.reason == "below_relevance_floor"]
+    assert below and all(d.score < 0.5 * best for d in below)
+    assert all(c.score >= 0.5 * best for c in a.chunks)
+    assert a.tokens_used < b.tokens_used
+    assert not any(d.reason == "below_relevance_floor" for d in b.dropped)
+
+
+@dataclass
+class CPUGenerator(FakeGenerator):
+    device: str = "cpu"
+
+
+def test_cpu_default_context_is_capped_by_measured_prefill_time(indexed: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    import ragbudget.budget as budget
+
+    # 2 ms per prompt token: a 3 s target allows 1,500 prompt tokens.
+    monkeypatch.setattr(budget, "lookup_prefill_speed", lambda model, device: {"a": 0.002, "b": 0.0})
+    pipe, _ = _pipe(indexed, generator=CPUGenerator(), ttft_target=3.0, relevance_floor=0)
+    answer = pipe.ask(QUESTION)
+    b = answer.report["budget"]
+    assert b["context_limit"]["limit"] == "time" and b["context_limit"]["ttft_target_s"] == 3.0
+    assert b["context_tokens_cap"] == 1500 - b["fixed_prompt_tokens"]
+    assert b["context_tokens_allowed"] <= b["context_tokens_cap"]
+    from ragbudget.pipeline import format_report
+
+    assert "limit time: 3 s to the first token" in format_report(answer.report)
+    # The default target applies on a CPU with no ttft_target given; context_tokens overrides it;
+    # 0 disables it; a GPU generator is not capped by default.
+    default, _ = _pipe(indexed, generator=CPUGenerator())
+    assert default.ask(QUESTION).report["budget"]["context_limit"]["ttft_target_s"] == budget.CPU_TTFT_TARGET
+    given = pipe.ask(QUESTION, context_tokens=2000).report["budget"]["context_limit"]
+    assert given == {"limit": "context_tokens", "tokens": 2000}
+    off, _ = _pipe(indexed, generator=CPUGenerator(), ttft_target=0)
+    assert off.ask(QUESTION).report["budget"]["context_limit"] is None
+    gpu, _ = _pipe(indexed, generator=CPUGenerator(device="cuda:0"))
+    assert gpu.ask(QUESTION).report["budget"]["context_limit"] is None

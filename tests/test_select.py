@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ragbudget.errors import ConfigError
-from ragbudget.select import Candidate, select_chunks
+from ragbudget.select import DROP_REASONS, Candidate, select_chunks
 from ragbudget.types import Source
 
 
@@ -219,3 +219,19 @@ def test_bad_config() -> None:
         select_chunks("q", [], budget_tokens=1, count_tokens=words, order="random")
     with pytest.raises(ConfigError, match="budget_tokens"):
         select_chunks("q", [], budget_tokens=-1, count_tokens=words)
+
+
+def test_relevance_floor_drops_weak_candidates_with_their_reason() -> None:
+    hits = [Candidate("a", "Paris is the capital of France.", 0.80),
+            Candidate("b", "France borders Spain and Italy.", 0.45),
+            Candidate("c", "Bananas are yellow.", -0.005)]
+    count = lambda s: len(s.split())  # noqa: E731
+    full = select_chunks("capital?", hits, budget_tokens=100, count_tokens=count)
+    assert [c.chunk_id for c in full.chunks] == ["a", "b", "c"]  # no floor: the budget is filled
+    sel = select_chunks("capital?", hits, budget_tokens=100, count_tokens=count, relevance_floor=0.5)
+    assert [c.chunk_id for c in sel.chunks] == ["a", "b"]
+    assert [(d.chunk_id, d.reason) for d in sel.dropped] == [("c", "below_relevance_floor")]
+    assert "below_relevance_floor" in DROP_REASONS
+    for bad in (-0.1, 1.5, "0.5"):
+        with pytest.raises(ConfigError, match="relevance_floor"):
+            select_chunks("q", hits, budget_tokens=100, count_tokens=count, relevance_floor=bad)
