@@ -181,16 +181,6 @@ def index(paths: tuple[str, ...], index_dir: str, embedder: str | None, include:
     click.echo(_format_index_summary(data))
 
 
-def _show(path: str) -> str:
-    """A stored (absolute, resolved) path as the user would type it: relative to the current
-    folder when it lies below it. JSON output keeps the stored path."""
-    try:
-        rel = os.path.relpath(path)
-    except ValueError:  # another drive on Windows
-        return path
-    return path if rel.startswith("..") else rel
-
-
 def _format_index_summary(s: dict[str, Any]) -> str:
     quiet = {"hidden", "ignored", "excluded"}  # what the user asked to leave out
     n_skipped = sum(1 for skip in s.get("skipped", []) if skip.get("reason") not in quiet)
@@ -402,6 +392,7 @@ def budget(model: str | None, gpu: str | None, concurrency: int, max_new_tokens:
 @click.option("--ttft-target", default=None, type=click.FloatRange(min=0.0), help="Seconds of prefill a request may take: caps the context by the measured prefill speed (default 2 on a CPU, none on a GPU; 0: no cap).")
 @click.option("--explain", is_flag=True, help="Print the budget report as a table.")
 @click.option("--no-stream", is_flag=True, help="Print the answer at the end instead of streaming it.")
+@click.option("--absolute-paths", is_flag=True, help="Show absolute file paths instead of paths relative to the indexed roots.")
 @click.option("--json", "as_json", is_flag=True)
 @_sampling_options
 @_retrieval_options
@@ -409,8 +400,8 @@ def budget(model: str | None, gpu: str | None, concurrency: int, max_new_tokens:
 def ask(question: str, index_dir: str, model: str | None, gpu: str | None, concurrency: int,
         max_new_tokens: int, kv_dtype: str | None, cache: str, context_tokens: int | None,
         fetch_k: int, order: str, relevance_floor: float | None, ttft_target: float | None,
-        explain: bool, no_stream: bool, as_json: bool, sampling: dict[str, Any],
-        retrieval: dict[str, Any]) -> None:
+        explain: bool, no_stream: bool, absolute_paths: bool, as_json: bool,
+        sampling: dict[str, Any], retrieval: dict[str, Any]) -> None:
     """Answer QUESTION from the index within the memory budget, citing sources."""
     from .pipeline import Pipeline, format_report
 
@@ -423,6 +414,9 @@ def ask(question: str, index_dir: str, model: str | None, gpu: str | None, concu
     streaming = not as_json and not no_stream
     on_text = (lambda piece: click.echo(piece, nl=False)) if streaming else None
     answer = pipe.ask(question, context_tokens=context_tokens, on_text=on_text, **sampling)
+    if absolute_paths:  # the prompt only ever saw display paths; the local user may want files
+        for src in answer.sources:
+            src["path"] = pipe.store.absolute_path(src["path"]) or src["path"]
     if as_json:
         _echo_json(answer.to_dict())
         return
@@ -439,7 +433,7 @@ def ask(question: str, index_dir: str, model: str | None, gpu: str | None, concu
     click.echo("Sources:")
     for i, src in enumerate(answer.sources, 1):
         page = f", page {src['page']}" if src.get("page") else ""
-        click.echo(f"  [{i}] {_show(src['path'])}{page} [{src['start']}:{src['end']}] score {src['score']:.3f}")
+        click.echo(f"  [{i}] {src['path']}{page} [{src['start']}:{src['end']}] score {src['score']:.3f}")
     if explain:
         click.echo()
         click.echo(format_report(answer.report))

@@ -437,6 +437,21 @@ def test_ask_marks_an_answer_cut_at_max_new_tokens(runner: CliRunner, small_inde
     assert doc["finish_reason"] == "length" and "[…]" not in doc["answer"]
 
 
+def test_ask_paths_are_relative_unless_asked(runner: CliRunner, small_index: str,
+                                             tmp_path: Path) -> None:
+    args = ["ask", "What was Maria Curie the first female recipient of?", "--index-dir", small_index,
+            "--gpu", "24GiB", "--max-new-tokens", "12"]
+    text = runner.invoke(cli, args)
+    assert text.exit_code == 0, text.output
+    assert "docs/curie.txt" in text.output and str(tmp_path) not in text.output
+    doc = json.loads(runner.invoke(cli, [*args, "--json"]).stdout)
+    assert doc["sources"][0]["path"] == "docs/curie.txt" and str(tmp_path) not in json.dumps(doc)
+    absolute = json.loads(runner.invoke(cli, [*args, "--json", "--absolute-paths"]).stdout)
+    path = Path(absolute["sources"][0]["path"])
+    assert path.is_absolute() and path == (tmp_path / "docs" / "curie.txt").resolve()
+    assert str(path) in runner.invoke(cli, [*args, "--absolute-paths"]).output
+
+
 def test_ask_relevance_floor_option(runner: CliRunner, small_index: str) -> None:
     args = ["ask", "Maria Curie Nobel Prize", "--index-dir", small_index, "--gpu", "24GiB", "--json"]
     off = json.loads(runner.invoke(cli, [*args, "--relevance-floor", "0"]).stdout)
