@@ -456,7 +456,7 @@ class _LightBert:
             from tokenizers import Tokenizer
 
             tokenizer = Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
-        except (OSError, ValueError, KeyError, TypeError, ImportError, Exception):  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - a missing file, odd JSON, no tokenizers: not this layout
             return None  # anything unexpected: the full sentence-transformers path decides
         max_len = min(int(st_config["max_seq_length"]), int(config.get("max_position_embeddings", 512)))
         tokenizer.no_padding()
@@ -504,13 +504,13 @@ class _LightBert:
 
         out = np.empty((len(texts), self.dim), dtype=np.float32)
         for i, text in enumerate(texts):
-            # As sentence-transformers: stripped, special tokens added, cut at max_seq_length.
-            enc = self.tokenizer.encode(str(text).strip())
-            ids = enc.ids
-            if len(ids) > self.max_seq_length:  # keep the final [SEP], as truncation does
-                self.tokenizer.enable_truncation(self.max_seq_length)
-                ids = self.tokenizer.encode(str(text).strip()).ids
-                self.tokenizer.no_truncation()
+            # As sentence-transformers: stripped, cut to max_seq_length with the special tokens
+            # ([CLS] … [SEP]) added after the cut. The shared tokenizer is never reconfigured, so
+            # concurrent queries (the server's threads) are safe.
+            enc = self.tokenizer.encode(str(text).strip(), add_special_tokens=False)
+            if len(enc.ids) > self.max_seq_length - self.specials:
+                enc.truncate(self.max_seq_length - self.specials)
+            ids = self.tokenizer.post_process(enc).ids
             n = len(ids)
             x = (w["embeddings.word_embeddings.weight"][ids].astype(np.float64)
                  + w["embeddings.position_embeddings.weight"][:n]

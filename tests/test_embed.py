@@ -178,3 +178,9 @@ def test_minilm_light_query_path_equals_sentence_transformers(minilm: SentenceTr
     assert got.dtype == np.float32 and light._model is None
     assert np.abs(got - want).max() < 1e-6
     assert (got * want).sum(axis=1).min() > 1 - 1e-6
+    # Past the model's 256 tokens both cut the same way ([CLS] + 254 pieces + [SEP]).
+    lite = light._lite()
+    assert lite is not None
+    cut = lite.encode([FILLER * 14 + TAIL_FACT])
+    plain = minilm.model.encode([FILLER * 14 + TAIL_FACT], normalize_embeddings=True, convert_to_numpy=True)
+    assert np.abs(cut - plain).max() < 1e-6
