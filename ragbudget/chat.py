@@ -930,9 +930,9 @@ def format_turn(turn: ChatTurn, show_path: Callable[[str], str] = str) -> str:
 
 def chat_banner(conversation: Conversation) -> str:
     """One line saying which model answers and what one turn may hold, e.g.
-    ``ragbudget chat · SmolLM2-135M-Instruct · 8192 tokens per turn (256 for the answer, history
-    ≤ 30% of the rest) · KV 9216 B/token · /help for commands``. Reads the pipeline's plan (model
-    config only: no model is loaded for it)."""
+    ``ragbudget chat · SmolLM2-135M-Instruct · 8192 tokens/turn (answer 256, history ≤ 30%) · KV
+    46080 B/token · /help for commands``: the tokens one turn may hold (prompt and answer), the
+    answer's reserve, history's share of the rest. Reads the pipeline's plan (no model load)."""
     pipe = conversation.pipeline
     parts = ["ragbudget chat"]
     try:
@@ -946,7 +946,7 @@ def chat_banner(conversation: Conversation) -> str:
         parts.append(model.rstrip("/\\").rsplit("/", 1)[-1] if model.startswith(("/", ".", "~")) else model)
     if total:
         share = round(conversation.history_share * 100)
-        turn = f"{total} tokens per turn ({output} for the answer, history ≤ {share}% of the rest"
+        turn = f"{total} tokens/turn (answer {output}, history ≤ {share}%"
         if conversation.context_tokens is not None:
             turn += f", context ≤ {conversation.context_tokens}"
         parts.append(turn + ")")

@@ -922,7 +922,7 @@ def test_chat_slash_commands_are_handled_locally_and_never_reach_the_model(monke
     out = result.output
     assert asked == ["What is MinHash?", "/etc/fstab holds what?"]  # a path is a question, not a command
     first = out.splitlines()[0]
-    assert first.startswith("ragbudget chat · fake/slow-model · 4000 tokens per turn (64 for the answer")
+    assert first.startswith("ragbudget chat · fake/slow-model · 4000 tokens/turn (answer 64, history ≤ 30%)")
     assert "KV 1234 B/token" in first and "/help" in first
     assert out.count("Commands (never sent to the model):") == 2 and "/reset" in out and "Ctrl-C" in out
     assert out.count("(no answer yet)") == 2  # before the first answer and after /reset
