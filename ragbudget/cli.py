@@ -421,9 +421,13 @@ def chat(index_dir: str, model: str | None, gpu: str | None, concurrency: int, m
     if interactive:
         history = os.environ.get("RAGBUDGET_CHAT_HISTORY") or str(cache_dir() / "chat_history")
         lines = TerminalLines("> ", history_file=history, write=write)
-    run_chat(conversation, lines, write, as_json=as_json, stream=interactive and not no_stream,
-             generate_options=sampling, banner=None if as_json else chat_banner(conversation),
-             show_path=_show)
+    try:
+        run_chat(conversation, lines, write, as_json=as_json, stream=interactive and not no_stream,
+                 generate_options=sampling, banner=None if as_json else chat_banner(conversation),
+                 show_path=_show)
+    finally:
+        if isinstance(lines, TerminalLines):
+            lines.save()  # also when the loop ended on /exit, not only on Ctrl-D
 
 
 @cli.command()
