@@ -423,8 +423,7 @@ def chat(index_dir: str, model: str | None, gpu: str | None, concurrency: int, m
         lines = TerminalLines("> ", history_file=history, write=write)
     try:
         run_chat(conversation, lines, write, as_json=as_json, stream=interactive and not no_stream,
-                 generate_options=sampling, banner=None if as_json else chat_banner(conversation),
-                 show_path=_show)
+                 generate_options=sampling, banner=None if as_json else chat_banner(conversation))
     finally:
         if isinstance(lines, TerminalLines):
             lines.save()  # also when the loop ended on /exit, not only on Ctrl-D
