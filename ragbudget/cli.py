@@ -469,18 +469,32 @@ def chat(index_dir: str, model: str | None, gpu: str | None, concurrency: int, m
          kv_dtype: str | None, cache: str, history_share: float, summary_max_tokens: int,
          recent_turns: int, context_tokens: int | None, no_stream: bool, as_json: bool,
          sampling: dict[str, Any], retrieval: dict[str, Any]) -> None:
-    """Multi-turn chat on stdin (one question per line; /reset, /exit), inside the memory budget."""
-    from .chat import Conversation, run_chat
+    """Multi-turn chat inside the memory budget: a REPL at a terminal (line editing, history,
+    /help), one question per line when stdin is piped."""
+    from .chat import Conversation, TerminalLines, chat_banner, run_chat
+    from .models import cache_dir
     from .pipeline import Pipeline
 
     pipe = Pipeline(index_dir, model=model, gpu=gpu, concurrency=concurrency, max_new_tokens=max_new_tokens,
                     kv_dtype=kv_dtype, cache=cache, **retrieval)
     conversation = Conversation(pipe, history_share=history_share, summary_max_tokens=summary_max_tokens,
                                 recent_turns=recent_turns, context_tokens=context_tokens)
+
+    def write(text: str) -> None:
+        click.echo(text, nl=False)
+        sys.stdout.flush()  # streamed pieces show as they come
+
     interactive = sys.stdin.isatty()
-    run_chat(conversation, click.get_text_stream("stdin"), lambda text: click.echo(text, nl=False),
-             as_json=as_json, stream=interactive and not no_stream, prompt="> " if interactive else None,
-             generate_options=sampling)
+    lines: Any = click.get_text_stream("stdin")
+    if interactive:
+        history = os.environ.get("RAGBUDGET_CHAT_HISTORY") or str(cache_dir() / "chat_history")
+        lines = TerminalLines("> ", history_file=history, write=write)
+    try:
+        run_chat(conversation, lines, write, as_json=as_json, stream=interactive and not no_stream,
+                 generate_options=sampling, banner=None if as_json else chat_banner(conversation))
+    finally:
+        if isinstance(lines, TerminalLines):
+            lines.save()  # also when the loop ended on /exit, not only on Ctrl-D
 
 
 @cli.command()

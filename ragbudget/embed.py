@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .errors import ConfigError, ModelError
+from .errors import ConfigError, ModelError, RagBudgetError
 
 if TYPE_CHECKING:
     import numpy as np
@@ -192,6 +192,7 @@ class SentenceTransformerEmbedder(Embedder):
         batch_size: int = 32,
         pooling: str = "windows",
         window_overlap: int = 16,
+        light: bool = True,
     ) -> None:
         if pooling not in _POOLINGS:
             raise ConfigError(f"pooling must be one of {_POOLINGS}, got {pooling!r}")
@@ -203,7 +204,26 @@ class SentenceTransformerEmbedder(Embedder):
         self.batch_size = batch_size
         self.pooling = pooling
         self.window_overlap = window_overlap
+        self.light = light
         self._model: Any = None
+        self._light_model: _LightBert | None | bool = None if light else False
+
+    def _lite(self) -> _LightBert | None:
+        """The model read without torch (see :class:`_LightBert`) while the full one is not
+        loaded; ``None`` for a layout it does not cover, or with ``light=False``."""
+        if self._model is not None or self._light_model is False:
+            return None
+        if self._light_model is None:
+            from .models import resolve_embedder
+
+            try:
+                path = resolve_embedder(self.model_name)
+            except RagBudgetError:
+                path = None
+            import os
+
+            self._light_model = (_LightBert.open(path) if path and os.path.isdir(path) else None) or False
+        return self._light_model or None
 
     def warm_up(self) -> None:
         if self._model is not None:
@@ -234,6 +254,9 @@ class SentenceTransformerEmbedder(Embedder):
 
     @property
     def dim(self) -> int:
+        lite = self._lite()
+        if lite is not None:  # from the config files: no model load for an index's manifest
+            return lite.dim
         m = self.model
         get = getattr(m, "get_embedding_dimension", None) or m.get_sentence_embedding_dimension
         return int(get())
@@ -242,8 +265,26 @@ class SentenceTransformerEmbedder(Embedder):
     def max_tokens(self) -> int:
         # max_seq_length counts [CLS] and [SEP]; two more tokens of slack absorb re-tokenization
         # differences at window edges (a window cut inside a word re-tokenizes its first piece).
+        lite = self._lite()
+        if lite is not None:
+            return max(8, lite.max_seq_length - lite.specials - 2)
         specials = self.model.tokenizer.num_special_tokens_to_add(pair=False)
         return max(8, int(self.model.max_seq_length) - specials - 2)
+
+    def embed_query(self, text: str) -> np.ndarray:
+        """One unit vector; a query (a few windows at most) is embedded by the light path when the
+        model allows it and the full model is not loaded: no torch import for a search."""
+        lite = self._lite()
+        if lite is None:
+            return super().embed_query(text)
+        import numpy as np
+
+        windows = self.windows_of([text])[0]
+        vecs = _normalize(np.asarray(lite.encode(windows), dtype=np.float32))  # as embed() does
+        if len(windows) == 1:
+            return vecs[0]
+        w = np.array([len(s) for s in windows], dtype=np.float32)
+        return _normalize(((vecs * w[:, None]).sum(axis=0))[None, :])[0]
 
     def spec(self) -> dict[str, Any]:
         return {
@@ -257,6 +298,9 @@ class SentenceTransformerEmbedder(Embedder):
         }
 
     def _token_spans(self, texts: Sequence[str]) -> list[list[tuple[int, int]]]:
+        lite = self._lite()
+        if lite is not None:  # the same tokenizer.json, without loading transformers
+            return lite.token_spans(texts)
         tok = self.model.tokenizer
         enc = tok(
             list(texts),
@@ -348,6 +392,145 @@ class HashEmbedder(Embedder):
                 h = hashlib.blake2b(m.group().encode(), digest_size=8).digest()
                 v = int.from_bytes(h, "little")
                 out[i, v % self._dim] += 1.0 if (v >> 63) else -1.0
+        return out
+
+
+# --- a light path for the packaged kind of model ---------------------------------------------------
+
+# sentence-transformers module types of a plain BERT + mean pooling + normalize model (the packaged
+# all-MiniLM-L6-v2 and most of its family), the layout the light path reproduces.
+_ST = "sentence_transformers.models."
+_LIGHT_MODULES = (_ST + "Transformer", _ST + "Pooling", _ST + "Normalize")
+
+
+def _read_json(path: Any) -> Any:
+    import json
+
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+class _LightBert:
+    """A folder holding a BERT sentence-transformers model with mean pooling and normalization,
+    read without sentence-transformers, transformers or torch: its ``dim`` and window size come
+    from its config files, its tokenizer is ``tokenizer.json`` through the ``tokenizers`` library
+    (the same Rust tokenizer transformers wraps), and :meth:`encode` runs the BERT forward pass in
+    numpy from ``model.safetensors``, one text at a time (no padding), in float64.
+
+    Importing torch and sentence-transformers costs seconds per process; a query is a dozen
+    tokens. The vectors equal sentence-transformers' to float32 rounding (|Δ| < 1e-6 on unit
+    vectors; tests/test_embed.py checks it against the real model). :meth:`open` returns ``None``
+    for any other layout, and the embedder then loads sentence-transformers as before.
+    """
+
+    def __init__(self, folder: str, dim: int, max_seq_length: int, tokenizer: Any, config: dict[str, Any]) -> None:
+        self.folder = folder
+        self.dim = dim
+        self.max_seq_length = max_seq_length
+        self.tokenizer = tokenizer
+        self.config = config
+        self.specials = int(tokenizer.post_processor.num_special_tokens_to_add(False)) if tokenizer.post_processor else 0
+        self._weights: dict[str, Any] | None = None
+
+    @classmethod
+    def open(cls, folder: str) -> _LightBert | None:
+        import os
+
+        try:
+            modules = _read_json(os.path.join(folder, "modules.json"))
+            types = tuple(m.get("type") for m in modules)
+            if types != _LIGHT_MODULES or modules[0].get("path", "") != "":
+                return None
+            pooling = _read_json(os.path.join(folder, modules[1]["path"], "config.json"))
+            modes = [k for k, v in pooling.items() if k.startswith("pooling_mode_") and v]
+            if modes != ["pooling_mode_mean_tokens"]:
+                return None
+            config = _read_json(os.path.join(folder, "config.json"))
+            st_config = _read_json(os.path.join(folder, "sentence_bert_config.json"))
+            if (config.get("model_type") != "bert" or config.get("hidden_act") != "gelu"
+                    or config.get("position_embedding_type", "absolute") != "absolute"
+                    or st_config.get("do_lower_case") or not st_config.get("max_seq_length")
+                    or int(pooling["word_embedding_dimension"]) != int(config["hidden_size"])
+                    or not os.path.isfile(os.path.join(folder, "model.safetensors"))):
+                return None
+            from tokenizers import Tokenizer
+
+            tokenizer = Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
+        except Exception:  # noqa: BLE001 - a missing file, odd JSON, no tokenizers: not this layout
+            return None  # anything unexpected: the full sentence-transformers path decides
+        max_len = min(int(st_config["max_seq_length"]), int(config.get("max_position_embeddings", 512)))
+        tokenizer.no_padding()
+        tokenizer.no_truncation()
+        return cls(folder, int(pooling["word_embedding_dimension"]), max_len, tokenizer, config)
+
+    def token_spans(self, texts: Sequence[str]) -> list[list[tuple[int, int]]]:
+        encs = self.tokenizer.encode_batch(list(texts), add_special_tokens=False)
+        return [[(int(a), int(b)) for a, b in e.offsets] for e in encs]
+
+    def _load(self) -> dict[str, Any]:
+        if self._weights is None:
+            import os
+
+            from safetensors.numpy import load_file
+
+            raw = load_file(os.path.join(self.folder, "model.safetensors"))
+            # Checkpoints differ by a "bert." prefix; float64 keeps the sums closer to exact than
+            # either float32 implementation, so both round to the same float32 vector.
+            # The word embedding table (most of the bytes) stays float32: rows are converted as used.
+            self._weights = {k.removeprefix("bert."): v if k.endswith("word_embeddings.weight")
+                             else v.astype("float64") for k, v in raw.items()}
+        return self._weights
+
+    def encode(self, texts: Sequence[str]) -> Any:
+        import math
+
+        import numpy as np
+
+        w = self._load()
+        cfg = self.config
+        heads = int(cfg["num_attention_heads"])
+        eps = float(cfg.get("layer_norm_eps", 1e-12))
+
+        def erf(x: Any) -> Any:  # numpy has no erf; math.erf is exact and ~50 ns a call via map
+            return np.fromiter(map(math.erf, x.ravel()), np.float64, x.size).reshape(x.shape)
+
+        def norm(x: Any, name: str) -> Any:
+            mu = x.mean(-1, keepdims=True)
+            var = ((x - mu) ** 2).mean(-1, keepdims=True)
+            return (x - mu) / np.sqrt(var + eps) * w[name + ".weight"] + w[name + ".bias"]
+
+        def dense(x: Any, name: str) -> Any:
+            return x @ w[name + ".weight"].T + w[name + ".bias"]
+
+        out = np.empty((len(texts), self.dim), dtype=np.float32)
+        for i, text in enumerate(texts):
+            # As sentence-transformers: stripped, cut to max_seq_length with the special tokens
+            # ([CLS] … [SEP]) added after the cut. The shared tokenizer is never reconfigured, so
+            # concurrent queries (the server's threads) are safe.
+            enc = self.tokenizer.encode(str(text).strip(), add_special_tokens=False)
+            if len(enc.ids) > self.max_seq_length - self.specials:
+                enc.truncate(self.max_seq_length - self.specials)
+            ids = self.tokenizer.post_process(enc).ids
+            n = len(ids)
+            x = (w["embeddings.word_embeddings.weight"][ids].astype(np.float64)
+                 + w["embeddings.position_embeddings.weight"][:n]
+                 + w["embeddings.token_type_embeddings.weight"][0])
+            x = norm(x, "embeddings.LayerNorm")
+            for layer in range(int(cfg["num_hidden_layers"])):
+                p = f"encoder.layer.{layer}."
+                d = x.shape[1] // heads
+                q, k, v = (dense(x, p + f"attention.self.{m}").reshape(n, heads, d).transpose(1, 0, 2)
+                           for m in ("query", "key", "value"))
+                scores = q @ k.transpose(0, 2, 1) / math.sqrt(d)
+                scores = np.exp(scores - scores.max(-1, keepdims=True))
+                ctx = (scores / scores.sum(-1, keepdims=True)) @ v
+                ctx = ctx.transpose(1, 0, 2).reshape(n, heads * d)
+                x = norm(dense(ctx, p + "attention.output.dense") + x, p + "attention.output.LayerNorm")
+                h = dense(x, p + "intermediate.dense")
+                h = 0.5 * h * (1.0 + erf(h / math.sqrt(2.0)))  # exact GELU, as BERT's "gelu"
+                x = norm(dense(h, p + "output.dense") + x, p + "output.LayerNorm")
+            v = x.mean(axis=0)
+            out[i] = v / max(float(np.linalg.norm(v)), 1e-12)
         return out
 
 

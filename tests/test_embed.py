@@ -154,3 +154,33 @@ def test_minilm_windowed_pooling_keeps_the_tail_retrievable(minilm: SentenceTran
     s_plain = plain.vectors @ q
     assert s_win[0] > s_plain[0] + 0.1  # the tail moved the pooled vector toward the question
     assert int(np.argmax(s_win)) == 0  # and the long chunk now ranks first
+
+
+def test_minilm_dim_and_window_come_from_its_files_without_loading_it() -> None:
+    e = SentenceTransformerEmbedder()
+    assert (e.dim, e.max_tokens) == (384, 252)  # 256 minus [CLS], [SEP] and two of slack
+    assert e.spec()["dim"] == 384 and e._model is None
+    assert SentenceTransformerEmbedder(light=False)._lite() is None
+
+
+@pytest.mark.slow
+def test_minilm_light_query_path_equals_sentence_transformers(minilm: SentenceTransformerEmbedder) -> None:
+    # The query path without torch gives sentence-transformers' vectors to float32 rounding, with
+    # the same tokens, windows, dimension and window size.
+    texts = ["What is MinHash?", "  leading and trailing  ", "Ünïcödé naïve café 東京 🙂", "x",
+             "\n\nnew\tlines\n", FILLER * 3, FILLER * 14 + TAIL_FACT, "[CLS] [SEP] [MASK] <b>tags</b> & 42"]
+    light = SentenceTransformerEmbedder()
+    assert light._lite() is not None
+    assert (light.dim, light.max_tokens) == (minilm.dim, minilm.max_tokens)
+    assert light.windows_of(texts) == minilm.windows_of(texts)
+    got = np.array([light.embed_query(t) for t in texts])
+    want = np.array([minilm.embed_query(t) for t in texts])
+    assert got.dtype == np.float32 and light._model is None
+    assert np.abs(got - want).max() < 1e-6
+    assert (got * want).sum(axis=1).min() > 1 - 1e-6
+    # Past the model's 256 tokens both cut the same way ([CLS] + 254 pieces + [SEP]).
+    lite = light._lite()
+    assert lite is not None
+    cut = lite.encode([FILLER * 14 + TAIL_FACT])
+    plain = minilm.model.encode([FILLER * 14 + TAIL_FACT], normalize_embeddings=True, convert_to_numpy=True)
+    assert np.abs(cut - plain).max() < 1e-6
