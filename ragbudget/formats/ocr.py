@@ -14,8 +14,9 @@ from . import require
 
 __all__ = ["OCR_DPI", "OCR_TIMEOUT_S", "ocr_pdf_pages"]
 
-#: Render resolution: Tesseract is trained on text about 20-30 px high, i.e. 300 dpi for 10 pt.
-OCR_DPI = 300
+#: Render resolution: Tesseract reads text 20-30 px high best: 200 dpi puts 10 pt text near 28 px,
+#: and costs half the time of 300 dpi.
+OCR_DPI = 200
 #: Seconds Tesseract may spend on one page before the page is given up (a bounded run).
 OCR_TIMEOUT_S = 120
 

@@ -190,18 +190,19 @@ def mail() -> None:
 
 
 def scanned_pdf() -> None:
-    """Policy manual pages 5-7: page 5 keeps its text layer; 6 and 7 are rendered to images
-    (150 dpi, grayscale JPEG) and put back as image-only pages, as a scanner makes them."""
+    """Policy manual pages 20, 21 and 23: page 20 keeps its text layer; 21 and 23 (prose) are
+    rendered to images (150 dpi, grayscale JPEG) and put back as image-only pages, as a scanner
+    makes them."""
     import pypdf
     import pypdfium2
 
     src = SHARED / "pdf" / "policy.pdf"
     pdf = pypdfium2.PdfDocument(str(src))
-    images = [pdf[i].render(scale=150 / 72, grayscale=True).to_pil() for i in (5, 6)]
+    images = [pdf[i].render(scale=150 / 72, grayscale=True).to_pil() for i in (20, 22)]
     img_pdf = BUILD / "scan.pdf"
-    images[0].save(img_pdf, "PDF", resolution=150.0, save_all=True, append_images=images[1:], quality=60)
+    images[0].save(img_pdf, "PDF", resolution=150.0, save_all=True, append_images=images[1:], quality=50)
     writer = pypdf.PdfWriter()
-    writer.add_page(pypdf.PdfReader(str(src)).pages[4])
+    writer.add_page(pypdf.PdfReader(str(src)).pages[19])
     for page in pypdf.PdfReader(str(img_pdf)).pages:
         writer.add_page(page)
     with open(HERE / "policy-scanned.pdf", "wb") as fh:
