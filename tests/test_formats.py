@@ -339,3 +339,39 @@ def test_index_a_folder_of_every_format(tmp_path):
         # page numbers, and the file's page_labels (stored by the loader) turn them into labels.
         labels = load_document(tmp_path / src.path).meta["page_labels"]
         assert label in page_label(labels, src.page_start, src.page_end), (query, src)
+
+
+def test_import_stays_light_and_docstrings_run():
+    import doctest
+    import subprocess
+
+    import ragbudget.formats
+
+    code = ("import sys, ragbudget, ragbudget.loaders, ragbudget.formats; "
+            "print([m for m in ('docx', 'pptx', 'pytesseract', 'PIL', 'lxml') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+    assert doctest.testmod(ragbudget.formats).failed == 0
+
+
+def test_cli_index_flags_reach_the_loaders(tmp_path):
+    from click.testing import CliRunner
+
+    from ragbudget.cli import cli
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for name in ("notebook.ipynb", "squad-warsaw.json"):
+        shutil.copy(DATA / name, docs / name)
+    runner = CliRunner()
+    result = runner.invoke(cli, ["index", str(docs), "--index-dir", str(tmp_path / "idx"), "--embedder", "hash:64",
+                                 "--min-tokens", "5", "--max-tokens", "60", "--ipynb-outputs",
+                                 "--json-fields", "context, question", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["files_indexed"] == 2
+    hits = json.loads(runner.invoke(cli, ["search", "1406 words in the Social Contract", "--index-dir",
+                                          str(tmp_path / "idx"), "-k", "3", "--json"]).stdout)
+    assert any("1406 words" in h["text"] for h in hits)  # the output was indexed
+    hits = json.loads(runner.invoke(cli, ["search", "version 1.1", "--index-dir", str(tmp_path / "idx"),
+                                          "-k", "50", "--json"]).stdout)
+    assert not any(h["text"].strip() == "1.1" for h in hits)  # "version" is not a chosen field
