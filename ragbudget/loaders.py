@@ -9,11 +9,14 @@ Three entry points:
 * :func:`iter_documents` does both for a folder, turning load errors into :class:`Skipped`, and
   strips boilerplate repeated across the corpus (:class:`BoilerplateFilter`).
 
-Formats: ``.txt``/``.text``, ``.md``/``.markdown``, ``.rst``, ``.html``/``.htm``/``.xhtml``, ``.pdf``,
-and any of these gzip-compressed (``notes.md.gz``).
+Formats: ``.txt``/``.text``, ``.md``/``.markdown``, ``.rst``, ``.html``/``.htm``/``.xhtml``, ``.pdf``
+here; ``.docx``, ``.pptx``, ``.odt``, ``.epub``, ``.ipynb``, ``.csv``/``.tsv``, ``.json``/``.jsonl``,
+``.eml``/``.mbox`` through :mod:`ragbudget.formats` (one page per slide, cell, row block, chapter,
+message..., named in ``meta["page_labels"]``); any of these gzip-compressed (``notes.md.gz``).
 
 ``LoadError.reason`` tags: ``binary``, ``too_large``, ``unreadable`` (permission or I/O error),
-``empty``, ``encrypted``, ``malformed``, ``unsupported``. :class:`Skipped` reasons from :func:`scan`
+``empty``, ``encrypted``, ``malformed``, ``unsupported``, ``missing_dependency`` (an optional
+library such as python-docx is not installed; the message names the extra). :class:`Skipped` reasons from :func:`scan`
 add ``missing``, ``hidden``, ``ignored`` (VCS/cache folders), ``excluded`` (include/exclude
 globs), ``special`` (FIFO, socket, device), ``symlink`` (links not followed), ``symlink_loop``,
 ``outside_root``, ``broken_link`` and ``duplicate`` (a file already reached by another path).
@@ -400,8 +403,8 @@ def _decode(data: bytes, *, path: str, html: bool) -> tuple[str, str, int, bool]
         return text, utf16, replaced, False
     if b"\x00" in head:
         raise LoadError(
-            f"{path}: looks binary (NUL bytes in the first {_HEAD} bytes); only text, HTML and "
-            "PDF files are read - exclude it or convert it to text",
+            f"{path}: looks binary (NUL bytes in the first {_HEAD} bytes); binary files are read "
+            "only in the formats listed in the README - exclude it or convert it to text",
             path=path,
             reason="binary",
         )
@@ -733,6 +736,13 @@ def load_document(
     ``replaced_chars``, ``paginated``, ``n_pages``, ``size``, ``mtime``, ``mtime_ns``,
     ``compressed``, ``furniture_removed``, ``furniture_patterns``, for HTML ``title``, and
     ``encoding_warning`` when the text encoding was guessed or bytes had to be replaced.
+    Formats read by :mod:`ragbudget.formats` add ``page_labels`` (one per page: ``slide 3``,
+    ``cell 12``, ``rows 41-60``...), ``layout`` (False when pages are records that the
+    header/footer detector must not touch) and their own counts. A PDF adds
+    ``pages_without_text`` (and ``ocr_pages`` with ``options.ocr``). One-line notes for the index
+    summary are in ``warnings`` (also joined into ``encoding_warning``, the key the index shows).
+    ``options`` (:class:`~ragbudget.formats.LoadOptions`) defaults to the one set by
+    :func:`~ragbudget.formats.load_options`.
 
     Raises :class:`~ragbudget.errors.LoadError` with ``reason`` in ``binary``, ``too_large``,
     ``unreadable``, ``empty``, ``encrypted``, ``malformed``, ``unsupported``.

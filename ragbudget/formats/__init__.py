@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import importlib
+import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -178,10 +179,13 @@ def require(module: str, extra: str, path: str, what: str) -> Any:
 def page_label(labels: Sequence[str] | None, page_start: int | None, page_end: int | None = None) -> str | None:
     """A human label for 1-based pages ``page_start..page_end`` given a file's ``page_labels``.
 
-    Without labels it is ``page N`` / ``pages N-M``; with labels the first and last are joined.
+    Without labels it is ``page N`` / ``pages N-M``. Numbered labels of one kind merge into a
+    range (``slides 2-3``, ``rows 1-40``); other labels are joined with `` - ``.
 
     >>> page_label(["slide 1", "slide 2", "slide 3"], 2, 3)
-    'slide 2 - slide 3'
+    'slides 2-3'
+    >>> page_label(["rows 1-20", "rows 21-40"], 1, 2), page_label(["data.title", "data.body"], 1, 2)
+    ('rows 1-40', 'data.title - data.body')
     >>> page_label(None, 4), page_label([], 4, 6), page_label(["cell 1"], 1, 1)
     ('page 4', 'pages 4-6', 'cell 1')
     """
@@ -191,4 +195,12 @@ def page_label(labels: Sequence[str] | None, page_start: int | None, page_end: i
     if not labels or not 1 <= page_start <= len(labels) or not 1 <= end <= len(labels):
         return f"page {page_start}" if end == page_start else f"pages {page_start}-{end}"
     first, last = labels[page_start - 1], labels[end - 1]
-    return first if first == last else f"{first} - {last}"
+    if first == last:
+        return first
+    a, b = _NUMBERED.match(first), _NUMBERED.match(last)
+    if a and b and a["kind"].rstrip("s") == b["kind"].rstrip("s"):
+        return f"{a['kind'].rstrip('s')}s {a['lo']}-{b['hi'] or b['lo']}"
+    return f"{first} - {last}"
+
+
+_NUMBERED = re.compile(r"^(?P<kind>[a-z]+) (?P<lo>\d+)(?:-(?P<hi>\d+))?$")
