@@ -40,7 +40,7 @@ def test_supported_extensions_include_the_new_formats():
                 ".eml", ".mbox"):
         assert ext in SUPPORTED_EXTENSIONS
     result = scan(DATA)
-    assert {Path(s.path).name for s in result.skipped} == {"make_fixtures.py", "README.md"} - {"README.md"}
+    assert {Path(s.path).name for s in result.skipped} == {"make_fixtures.py"}
 
 
 def test_docx_paragraphs_headings_and_section_furniture():
@@ -250,6 +250,22 @@ def test_notebook_damaged_or_old(tmp_path):
     old.write_text(json.dumps({"nbformat": 3, "worksheets": []}))
     err = _error(old)
     assert err.reason == "unsupported" and "nbconvert" in str(err)
+
+
+def test_deeply_nested_json_and_encrypted_odt(tmp_path):
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 200_000 + "]" * 200_000)
+    assert _error(deep).reason == "malformed"
+    odt = tmp_path / "locked.odt"
+    with zipfile.ZipFile(DATA / "social-contract.odt") as src, zipfile.ZipFile(odt, "w") as dst:
+        for info in src.infolist():
+            data = src.read(info)
+            if info.filename == "META-INF/manifest.xml":  # what LibreOffice writes for a password
+                data = data.replace(b'full-path="content.xml" manifest:version="1.2" />',
+                                    b'full-path="content.xml"><manifest:encryption-data/></manifest:file-entry>')
+                assert b"encryption-data" in data
+            dst.writestr(info, data)
+    assert _error(odt).reason == "encrypted"
 
 
 def test_missing_optional_library_is_a_one_line_install_hint(monkeypatch):
