@@ -224,8 +224,9 @@ def main() -> None:
     scanned_pdf()
     tool = shutil.which("msoffcrypto-tool")
     if tool:
-        subprocess.run([tool, "-e", "-p", "secret", str(HERE / "social-contract.docx"),
-                        str(HERE / "protected.docx")], check=True)
+        for ext in ("docx", "pptx"):
+            subprocess.run([tool, "-e", "-p", "secret", str(HERE / f"social-contract.{ext}"),
+                            str(HERE / f"protected.{ext}")], check=True)
     shutil.rmtree(BUILD)
 
 
