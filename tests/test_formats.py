@@ -148,6 +148,20 @@ def test_eml_single_message():
     assert "Subject: Delegates" in doc.text
 
 
+def test_eml_without_text_and_garbage(tmp_path):
+    from email.message import EmailMessage
+
+    m = EmailMessage()
+    m["From"], m["Subject"], m["Message-ID"] = "a@example.org", "scan", "<a@example.org>"
+    m.add_attachment(b"%PDF-1.4 ...", maintype="application", subtype="pdf", filename="scan.pdf")
+    only_attachment = tmp_path / "scan.eml"
+    only_attachment.write_bytes(m.as_bytes())
+    assert _error(only_attachment).reason == "empty"
+    garbage = tmp_path / "garbage.mbox"
+    garbage.write_bytes(b"no separator line here\n" * 10)
+    assert _error(garbage).reason == "malformed"
+
+
 def test_scanned_pdf_pages_are_reported_not_silently_empty(tmp_path):
     doc = load_document(DATA / "policy-scanned.pdf")
     assert doc.meta["pages_without_text"] == 2 and doc.meta["n_pages"] == 3

@@ -55,7 +55,7 @@ def _render(raw: bytes, path: str) -> tuple[str, str]:
     head = [f"{name}: {value}" for name in ("From", "Date", "Subject")
             if (value := _header(msg, name))]
     if not body.strip():
-        raise ValueError("no text part")
+        raise LoadError(f"{path}: the message has no text part (attachments only?)", path=path, reason="empty")
     mid = _header(msg, "Message-ID")
     return mid, "\n".join(head) + "\n\n" + body
 
@@ -88,6 +88,9 @@ def read_mbox(data: bytes, path: str, *, options: LoadOptions, max_bytes: int, f
         raw = re.sub(rb"(?m)^>(>*From )", rb"\1", data[a:b])  # undo mboxrd "From " quoting
         try:
             mid, page = _render(raw, path)
+        except LoadError:
+            broken.append(f"#{n} (no text part)")
+            continue
         except Exception as exc:  # one bad message must not lose the archive (see docstring)
             broken.append(f"#{n} ({type(exc).__name__}: {str(exc)[:80]})")
             continue
