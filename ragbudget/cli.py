@@ -147,19 +147,28 @@ def cli(verbose: int) -> None:
 @click.option("--approx", type=click.Choice(["hnsw"]), default=None, help="Also build an approximate (HNSW) index for large corpora (recall@10 ≈ 0.98, ~2 ms at 100k chunks).")
 @click.option("--dedup", type=click.Choice(["near", "exact", "none"]), default="near", show_default=True, help="Duplicate chunk removal.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+@click.option("--ipynb-outputs", is_flag=True, help="Also index the text outputs of notebook code cells.")
+@click.option("--json-fields", default="", metavar="KEYS", help="Comma-separated JSON key names or key paths (globs) whose strings are indexed; default: every string value.")
+@click.option("--ocr", is_flag=True, help="OCR PDF pages without a text layer (needs ragbudget[ocr] and tesseract-ocr).")
 @_user_errors
 def index(paths: tuple[str, ...], index_dir: str, embedder: str | None, include: tuple[str, ...],
           exclude: tuple[str, ...], max_file_mb: float, min_tokens: int, max_tokens: int,
           rebuild: bool, prune: bool, allow_removal: bool, approx: str | None, dedup: str,
-          as_json: bool) -> None:
+          as_json: bool, ipynb_outputs: bool = False, json_fields: str = "", ocr: bool = False) -> None:
     """Add files and folders to the index, or update them (unchanged files cost one stat).
 
     Files indexed from other paths stay; a file that vanished from under PATHS is removed.
-    A PATH that does not exist is an error and changes nothing."""
+    A PATH that does not exist is an error and changes nothing. Changing --ipynb-outputs,
+    --json-fields or --ocr re-reads only changed files: add --rebuild to apply them to all."""
+    from .formats import LoadOptions, load_options
     from .pipeline import Pipeline
 
     pipe = Pipeline(index_dir, embedder=embedder)
-    with _Progress(enabled=not as_json) as progress:
+    fields = tuple(f.strip() for f in json_fields.split(",") if f.strip())
+    # Index.build does not take loader options yet; load_options makes them the default of every
+    # load_document call it makes (a context variable, same thread).
+    with load_options(LoadOptions(ipynb_outputs=ipynb_outputs, json_fields=fields, ocr=ocr)), \
+            _Progress(enabled=not as_json) as progress:
         summary = pipe.index(
             list(paths),
             include=list(include) or None,

@@ -9,11 +9,14 @@ Three entry points:
 * :func:`iter_documents` does both for a folder, turning load errors into :class:`Skipped`, and
   strips boilerplate repeated across the corpus (:class:`BoilerplateFilter`).
 
-Formats: ``.txt``/``.text``, ``.md``/``.markdown``, ``.rst``, ``.html``/``.htm``/``.xhtml``, ``.pdf``,
-and any of these gzip-compressed (``notes.md.gz``).
+Formats: ``.txt``/``.text``, ``.md``/``.markdown``, ``.rst``, ``.html``/``.htm``/``.xhtml``, ``.pdf``
+here; ``.docx``, ``.pptx``, ``.odt``, ``.epub``, ``.ipynb``, ``.csv``/``.tsv``, ``.json``/``.jsonl``,
+``.eml``/``.mbox`` through :mod:`ragbudget.formats` (one page per slide, cell, row block, chapter,
+message..., named in ``meta["page_labels"]``); any of these gzip-compressed (``notes.md.gz``).
 
 ``LoadError.reason`` tags: ``binary``, ``too_large``, ``unreadable`` (permission or I/O error),
-``empty``, ``encrypted``, ``malformed``, ``unsupported``. :class:`Skipped` reasons from :func:`scan`
+``empty``, ``encrypted``, ``malformed``, ``unsupported``, ``missing_dependency`` (an optional
+library such as python-docx is not installed; the message names the extra). :class:`Skipped` reasons from :func:`scan`
 add ``missing``, ``hidden``, ``ignored`` (VCS/cache folders), ``excluded`` (include/exclude
 globs), ``special`` (FIFO, socket, device), ``symlink`` (links not followed), ``symlink_loop``,
 ``outside_root``, ``broken_link`` and ``duplicate`` (a file already reached by another path).
@@ -47,6 +50,8 @@ from typing import Any
 
 from .clean import apply_report, edge_keys, find_furniture, find_known
 from .errors import ConfigError, LoadError
+from .formats import FORMATS as _CONTAINER_FORMATS
+from .formats import LoadOptions, current_options
 from .types import Document
 
 __all__ = [
@@ -80,6 +85,7 @@ _FORMATS = {
     ".htm": "html",
     ".xhtml": "html",
     ".pdf": "pdf",
+    **_CONTAINER_FORMATS,
 }
 #: File name endings :func:`load_document` reads (each also with ``.gz`` appended).
 SUPPORTED_EXTENSIONS = frozenset(_FORMATS)
@@ -88,7 +94,8 @@ IGNORED_DIRS = frozenset({".git", ".hg", ".svn", "__pycache__", "node_modules", 
 
 #: ``LoadError.reason`` values raised by :func:`load_document`.
 LOAD_ERROR_REASONS = frozenset(
-    {"binary", "too_large", "unreadable", "empty", "encrypted", "malformed", "unsupported"}
+    {"binary", "too_large", "unreadable", "empty", "encrypted", "malformed", "unsupported",
+     "missing_dependency"}
 )
 #: Extra :class:`Skipped` reasons produced by :func:`scan` itself.
 SCAN_SKIP_REASONS = frozenset(
@@ -396,8 +403,8 @@ def _decode(data: bytes, *, path: str, html: bool) -> tuple[str, str, int, bool]
         return text, utf16, replaced, False
     if b"\x00" in head:
         raise LoadError(
-            f"{path}: looks binary (NUL bytes in the first {_HEAD} bytes); only text, HTML and "
-            "PDF files are read - exclude it or convert it to text",
+            f"{path}: looks binary (NUL bytes in the first {_HEAD} bytes); binary files are read "
+            "only in the formats listed in the README - exclude it or convert it to text",
             path=path,
             reason="binary",
         )
@@ -718,6 +725,7 @@ def load_document(
     max_bytes: int = DEFAULT_MAX_BYTES,
     boilerplate: Collection[str] = (),
     trust_page_numbers: bool = False,
+    options: LoadOptions | None = None,
 ) -> Document:
     """Read one file into a :class:`~ragbudget.types.Document`.
 
@@ -728,6 +736,13 @@ def load_document(
     ``replaced_chars``, ``paginated``, ``n_pages``, ``size``, ``mtime``, ``mtime_ns``,
     ``compressed``, ``furniture_removed``, ``furniture_patterns``, for HTML ``title``, and
     ``encoding_warning`` when the text encoding was guessed or bytes had to be replaced.
+    Formats read by :mod:`ragbudget.formats` add ``page_labels`` (one per page: ``slide 3``,
+    ``cell 12``, ``rows 41-60``...), ``layout`` (False when pages are records that the
+    header/footer detector must not touch) and their own counts. A PDF adds
+    ``pages_without_text`` (and ``ocr_pages`` with ``options.ocr``). One-line notes for the index
+    summary are in ``warnings`` (also joined into ``encoding_warning``, the key the index shows).
+    ``options`` (:class:`~ragbudget.formats.LoadOptions`) defaults to the one set by
+    :func:`~ragbudget.formats.load_options`.
 
     Raises :class:`~ragbudget.errors.LoadError` with ``reason`` in ``binary``, ``too_large``,
     ``unreadable``, ``empty``, ``encrypted``, ``malformed``, ``unsupported``.
@@ -754,10 +769,25 @@ def load_document(
     if not data.strip():
         raise LoadError(f"{spath}: the file is empty", path=spath, reason="empty")
 
+    opts = options if options is not None else current_options()
     meta: dict[str, Any] = {"format": fmt, "compressed": gz}
+    warnings: list[str] = []
+    furniture_by_format = 0
+    layout = True  # pages are layout pages: run the repeated-line (furniture) detector on them
     if fmt == "pdf":
         raw_pages = _pdf_pages(data, spath)
         meta.update(encoding="pdf", replaced_chars=0, paginated=True)
+        raw_pages = _text_layer_check(raw_pages, data, spath, opts, meta, warnings)
+    elif fmt in _CONTAINER_FORMATS.values():
+        from . import formats
+
+        loaded = formats.read(fmt, data, spath, options=opts, max_bytes=max_bytes)
+        raw_pages, layout, furniture_by_format = loaded.pages, loaded.clean, loaded.furniture
+        warnings.extend(loaded.warnings)
+        meta.update(loaded.meta)
+        meta.update(paginated=True, page_labels=list(loaded.labels), layout=layout)
+        meta.setdefault("encoding", "utf-8")
+        meta.setdefault("replaced_chars", 0)
     else:
         text, encoding, replaced, guessed = _decode(data, path=spath, html=fmt == "html")
         meta.update(encoding=encoding, replaced_chars=replaced)
@@ -778,7 +808,7 @@ def load_document(
     pages = [_normalise(p) for p in raw_pages]
     removed: int = 0
     patterns: tuple[str, ...] = ()
-    if clean:
+    if clean and layout:
         report = find_furniture(pages, trust_page_numbers=trust_page_numbers)
         pages = apply_report(pages, report)
         removed, patterns = report.removed, report.patterns
@@ -789,17 +819,65 @@ def load_document(
             meta["boilerplate_patterns"] = list(extra.patterns)
     pages = [_trim_page(p) for p in pages]
     if not any(p.strip() for p in pages):
-        detail = "no text layer (a scanned PDF needs OCR first)" if fmt == "pdf" else "no text"
+        if fmt == "pdf":
+            detail = (f"no text layer on any of its {len(pages)} page(s): a scanned PDF; index it "
+                      "with OCR (ragbudget index --ocr, needs ragbudget[ocr] and tesseract-ocr)")
+        else:
+            detail = "no text"
         raise LoadError(f"{spath}: {detail}", path=spath, reason="empty")
     meta.update(
         n_pages=len(pages),
         size=st.st_size,
         mtime=st.st_mtime,
         mtime_ns=st.st_mtime_ns,
-        furniture_removed=removed,
+        furniture_removed=removed + furniture_by_format,
         furniture_patterns=list(patterns),
     )
+    if warnings:
+        meta["warnings"] = warnings
+        # The index surfaces ``encoding_warning`` as the file's one warning today; until it reads
+        # ``warnings`` too, load warnings ride along there so the summary shows them.
+        meta["encoding_warning"] = "; ".join(
+            ([meta["encoding_warning"]] if meta.get("encoding_warning") else []) + warnings)
     return Document(path=spath, pages=pages, meta=meta)
+
+
+def _text_layer_check(pages: list[str], data: bytes, path: str, opts: LoadOptions,
+                      meta: dict[str, Any], warnings: list[str]) -> list[str]:
+    """Count PDF pages without a text layer, OCR them when asked, and say so either way.
+
+    A scanned page is never indexed silently as empty: ``meta["pages_without_text"]`` counts
+    them and a one-line warning names the share; with ``opts.ocr`` they are read by Tesseract
+    (``meta["ocr_pages"]``), and a missing Tesseract is a warning, not a failure, since the pages
+    with text are still worth indexing.
+    """
+    blank = [i for i, p in enumerate(pages) if not p.strip()]
+    meta["pages_without_text"] = len(blank)
+    if not blank:
+        return pages
+    if not opts.ocr:
+        if len(blank) < len(pages):  # all blank: load_document raises "empty" with this advice
+            warnings.append(f"{len(blank)} of {len(pages)} pages have no text layer (scanned?); "
+                            "not indexed without --ocr")
+        return pages
+    from .formats.ocr import ocr_pdf_pages
+
+    try:
+        texts = ocr_pdf_pages(data, blank, path, lang=opts.ocr_lang)
+    except LoadError as exc:
+        warnings.append(f"{len(blank)} of {len(pages)} pages have no text layer and OCR failed: "
+                        + str(exc).removeprefix(f"{path}: "))
+        if len(blank) == len(pages):
+            raise
+        return pages
+    pages = list(pages)
+    for i, text in zip(blank, texts):
+        pages[i] = text
+    meta["ocr_pages"] = len(blank)
+    still = sum(1 for i in blank if not pages[i].strip())
+    warnings.append(f"{len(blank)} of {len(pages)} pages have no text layer: read by OCR"
+                    + (f" ({still} gave no text)" if still else ""))
+    return pages
 
 
 # --------------------------------------------------------------------------------------------------
@@ -845,6 +923,8 @@ class BoilerplateFilter:
 
     @staticmethod
     def _doc_keys(doc: Document) -> set[str]:
+        if doc.meta.get("layout") is False:
+            return set()  # rows, cells, paragraphs: a line repeated across files is content
         per_page = edge_keys(doc.pages)
         if not per_page:
             return set()
@@ -870,7 +950,7 @@ class BoilerplateFilter:
     def strip(self, doc: Document) -> Document:
         """A copy of ``doc`` without edge lines matching the corpus boilerplate of its format."""
         known = self.patterns(str(doc.meta.get("format", "text")))
-        if not known:
+        if not known or doc.meta.get("layout") is False:
             return doc
         report = find_known(doc.pages, known)
         if not report.removed:
