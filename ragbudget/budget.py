@@ -355,16 +355,35 @@ def _prefill_key(model: str, device: str) -> str:
                                               platform.processor(), threads))
 
 
+#: Load (1-minute load average per core) above which a prefill measurement is provisional: other
+#: work shared the cores, so the speed it recorded is too slow. Below ``_IDLE_LOAD`` a provisional
+#: entry is measured again (the faster is kept), so a first probe on a busy host does not cap
+#: every later request for good.
+_BUSY_LOAD = 0.75
+_IDLE_LOAD = 0.5
+
+
+def _load_per_core() -> float:
+    try:
+        return os.getloadavg()[0] / (os.cpu_count() or 1)
+    except (AttributeError, OSError):  # no load average on this platform: assume idle
+        return 0.0
+
+
 def lookup_prefill_speed(model: str, device: str) -> dict[str, Any] | None:
     """The recorded prefill fit ``{"a": s/token, "b": s/token², ...}`` for (model, device,
-    machine, threads), or ``None``."""
+    machine, threads), or ``None`` — also when the recorded one was measured on a busy host
+    (``provisional``) and the host is idle now, so that the caller measures again."""
     path = _prefill_path()
     if not path.is_file():
         return None
     try:
-        return json.loads(path.read_text()).get(_prefill_key(model, device))
+        entry = json.loads(path.read_text()).get(_prefill_key(model, device))
     except (OSError, ValueError):
         return None
+    if entry and entry.get("provisional") and device == "cpu" and _load_per_core() < _IDLE_LOAD:
+        return None
+    return entry
 
 
 def measure_prefill_speed(model: Any, *, name: str, device: str = "cpu",
@@ -373,13 +392,15 @@ def measure_prefill_speed(model: Any, *, name: str, device: str = "cpu",
     tokens, fit ``seconds = a·n + b·n²`` (the MLP is linear in the tokens, attention quadratic)
     and record it in ``cache_dir()/prefill.json`` under (``name``, ``device``, machine, threads).
     Measured once per key (delete the file to measure again). A host busy with other work while
-    it is measured records a slower speed, so the cap errs short; when two measurements race,
-    the faster is kept (other load is transient, the machine's speed is not).
+    it is measured records a slower speed, so the cap errs short: such an entry is marked
+    ``provisional`` (load above ``_BUSY_LOAD`` per core) and measured again once the host is idle;
+    of two measurements the faster is kept (other load is transient, the machine's speed is not).
     """
     import time
 
     import torch  # lazy: heavy imports
 
+    load = _load_per_core()
     cfg = getattr(model, "config", None)
     vocab = int(getattr(cfg, "vocab_size", 32000) or 32000)
     dev = next(model.parameters()).device
@@ -410,8 +431,10 @@ def measure_prefill_speed(model: Any, *, name: str, device: str = "cpu",
     if b < 0 or a < 0:
         # Noise (a busy host) made the curve bend the wrong way: the longest probe, linear.
         a, b = times[-1][1] / times[-1][0], 0.0
+    load = max(load, _load_per_core())
     entry = {"a": a, "b": b, "probes": [[n, round(t, 4)] for n, t in times],
-             "tokens_per_second": round(lengths[-1] / times[-1][1], 1)}
+             "tokens_per_second": round(lengths[-1] / times[-1][1], 1),
+             "load_per_core": round(load, 2), "provisional": device == "cpu" and load > _BUSY_LOAD}
     path = _prefill_path()
     key = _prefill_key(name, device)
     with _CAL_LOCK:
@@ -423,7 +446,8 @@ def measure_prefill_speed(model: Any, *, name: str, device: str = "cpu",
                 data = {}
         old = data.get(key)
         if old and old.get("a", 0) * 1024 + old.get("b", 0) * 1024**2 < a * 1024 + b * 1024**2:
-            entry = old
+            # The faster measurement stands; it stops being provisional once either was idle.
+            entry = dict(old, provisional=bool(old.get("provisional")) and entry["provisional"])
         data[key] = entry
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}")

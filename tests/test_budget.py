@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+import ragbudget.budget
 from ragbudget.budget import (
     count_parameters,
     estimate_activation_bytes,
@@ -359,8 +360,10 @@ def test_prefill_speed_is_measured_once_and_turns_seconds_into_tokens(tmp_path, 
     from ragbudget.budget import context_tokens_for_time, lookup_prefill_speed, measure_prefill_speed
 
     monkeypatch.setenv("RAGBUDGET_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(ragbudget.budget, "_load_per_core", lambda: 0.1)  # an idle host
     assert lookup_prefill_speed("tiny", "cpu") is None
     speed = measure_prefill_speed(tiny_model(), name="tiny", device="cpu", lengths=(32, 128))
+    assert speed["provisional"] is False
     assert speed["a"] > 0 and speed["b"] >= 0 and [n for n, _ in speed["probes"]] == [32, 128]
     assert lookup_prefill_speed("tiny", "cpu") == speed
     assert lookup_prefill_speed("tiny", "cuda:0") is None  # per device
@@ -369,3 +372,30 @@ def test_prefill_speed_is_measured_once_and_turns_seconds_into_tokens(tmp_path, 
     n = context_tokens_for_time(fit, 5.0)
     assert 0.001 * n + 1e-6 * n * n <= 5.0 < 0.001 * (n + 1) + 1e-6 * (n + 1) ** 2
     assert context_tokens_for_time(fit, 1.0) < n and context_tokens_for_time(fit, 0) == 0
+
+
+def test_prefill_measured_on_a_busy_host_is_measured_again_when_idle(tmp_path, monkeypatch) -> None:
+    """A first probe taken while other work shared the cores must not cap every later request:
+    it is provisional, re-measured once the host is idle, and the faster measurement is kept."""
+    from _tiny_lm import tiny_model
+
+    from ragbudget.budget import lookup_prefill_speed, measure_prefill_speed
+
+    monkeypatch.setenv("RAGBUDGET_CACHE", str(tmp_path / "cache"))
+    load = {"now": 3.0}
+    monkeypatch.setattr(ragbudget.budget, "_load_per_core", lambda: load["now"])
+    model = tiny_model()
+    busy = measure_prefill_speed(model, name="tiny", device="cpu", lengths=(32, 128))
+    assert busy["provisional"] is True
+    assert lookup_prefill_speed("tiny", "cpu") == busy  # still busy: use what we have
+    load["now"] = 0.1
+    assert lookup_prefill_speed("tiny", "cpu") is None  # idle now: the caller measures again
+    # Pretend the busy probe was 10x slower than the machine really is.
+    slow = dict(busy, a=busy["a"] * 10, b=busy["b"] * 10)
+    path = tmp_path / "cache" / "prefill.json"
+    data = json.loads(path.read_text())
+    data = {k: slow for k in data}
+    path.write_text(json.dumps(data))
+    again = measure_prefill_speed(model, name="tiny", device="cpu", lengths=(32, 128))
+    assert again["provisional"] is False and again["a"] < slow["a"]
+    assert lookup_prefill_speed("tiny", "cpu") == again
