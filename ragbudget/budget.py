@@ -583,6 +583,11 @@ def plan_budget(
     kvd = kv_dtype or model_dtype(cfg)
     if module is not None and kv_dtype is None:
         kvd = str(getattr(module, "dtype", kvd)).removeprefix("torch.")
+    elif kv_dtype is None and not model_dtype(cfg, default=""):
+        # Over-estimate rather than under: without a dtype transformers allocates float32.
+        notes.append("the model config names no dtype: planned at float32, what transformers "
+                     "allocates without one (pass kv_dtype/weight_dtype, or --kv-dtype, for the "
+                     "dtype you load it in)")
     norm = _normalize(cfg, True)
     specs = layer_specs(norm, backend=backend, normalize=False)
 

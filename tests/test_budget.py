@@ -399,3 +399,20 @@ def test_prefill_measured_on_a_busy_host_is_measured_again_when_idle(tmp_path, m
     again = measure_prefill_speed(model, name="tiny", device="cpu", lengths=(32, 128))
     assert again["provisional"] is False and again["a"] < slow["a"]
     assert lookup_prefill_speed("tiny", "cpu") == again
+
+
+def test_config_without_dtype_plans_float32_and_says_so() -> None:
+    """Never under-estimate: a config that names no dtype is planned at float32 (what
+    transformers allocates then), twice a bf16 guess, and the plan says why."""
+    base = {"model_type": "llama", "num_hidden_layers": 4, "hidden_size": 256,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 512,
+            "vocab_size": 1000, "max_position_embeddings": 4096}
+    plain = plan_budget(config=base, gpu="1GiB", max_new_tokens=16)
+    typed = plan_budget(config=base | {"torch_dtype": "bfloat16"}, gpu="1GiB", max_new_tokens=16)
+    assert plain.kv_dtype == "float32" and typed.kv_dtype == "bfloat16"
+    assert plain.kv_bytes_per_token == 2 * typed.kv_bytes_per_token
+    assert any("names no dtype" in n and "float32" in n for n in plain.notes)
+    assert not any("names no dtype" in n for n in typed.notes)
+    chosen = plan_budget(config=base, gpu="1GiB", max_new_tokens=16, kv_dtype="bfloat16")
+    assert chosen.kv_bytes_per_token == typed.kv_bytes_per_token
+    assert not any("names no dtype" in n for n in chosen.notes)
