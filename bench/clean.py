@@ -41,7 +41,6 @@ import argparse
 import gzip
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -53,8 +52,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "bench"))
 
 from _furniture_truth import KINDS, score  # noqa: E402
+from _results import write  # noqa: E402
 
 from ragbudget.clean import strip_headers_footers  # noqa: E402
 from ragbudget.loaders import load_document  # noqa: E402
@@ -230,35 +231,13 @@ def main() -> None:
             print(f"  {label:31} {doc:32} furniture {s['furniture_removed_pct']}%  page numbers "
                   f"{s['page_number_lines_removed_pct']}%  body lost {s['body_lost_pct']}%")
 
-    import importlib.metadata as md
-
-    def version(pkg: str) -> str | None:
-        try:
-            return md.version(pkg)
-        except md.PackageNotFoundError:
-            return None
-
-    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
-                            capture_output=True, text=True).stdout.strip()
-    dirty = bool(subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "ragbudget"],
-                                capture_output=True, text=True).stdout.strip())
-    payload = {
-        "command": "python bench/clean.py" + (" --quick" if args.quick else "")
-                   + (f" --seeds {args.seeds}" if args.seeds != 10 else ""),
-        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-                    "cpus": os.cpu_count(), "python": platform.python_version()},
-        "versions": {"ragbudget_commit": commit + ("+dirty" if dirty else ""),
-                     "pypdfium2": version("pypdfium2"), "pdftotext": poppler,
-                     "haystack-ai": haystack_version},
+    write("clean", {
+        "extractors": {"pdftotext": poppler, "haystack-ai": haystack_version},
         "truth": "tests/_furniture_truth.py (hand-written patterns, no ragbudget import)",
         "extractions": len(inputs),
         "pages": n_pages,
         "results": results,
-    }
-    out = REPO / "bench" / "results"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "clean.json").write_text(json.dumps(payload, indent=1, ensure_ascii=False) + "\n")
-    print(f"wrote {out / 'clean.json'}")
+    }, packages=("pypdfium2", "haystack-ai"))
     shutil.rmtree(tmp, ignore_errors=True)
 
 

@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import random
 import sqlite3
 import sys
@@ -146,24 +144,18 @@ def main() -> None:
         b, f = k.split("@")
         print(f"{b:>8} {f:>5} {v['recall']:6.1f}% {v['mean_context_tokens']:10.0f} "
               f"{v['mean_passages']:8.1f}")
-    import importlib.metadata as md
 
     result = {
         "split": args.split, "articles": [a["title"] for a in articles], "chunks": len(texts),
         "questions": len(questions), "floors": list(FLOORS), "results": table,
         "setup": "pooled hybrid retrieval (MiniLM + FTS5 BM25, score fusion 0.5), fetch_k "
                  f"{args.fetch_k}, chunk_text defaults, budgets in SmolLM2 tokens",
-        "command": "python bench/floor.py " + " ".join(sys.argv[1:]),
-        "machine": {"platform": platform.platform(), "processor": platform.processor(),
-                    "cpus": os.cpu_count(), "python": platform.python_version()},
-        "versions": {p: md.version(p) for p in ("ragbudget", "torch", "transformers",
-                                                "sentence-transformers", "numpy")},
         "seconds": round(time.time() - t_start, 1), "args": {k: str(v) for k, v in vars(args).items()},
     }
+    from _results import write
+
     out = args.out or (ROOT / "bench" / "results" / f"floor_{args.split}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"written to {out}")
+    write(out.stem, result, folder=out.parent)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,71 @@
+"""Where a benchmark's raw result goes, and what it records about the run that made it.
+
+Every figure in README.md and BENCHMARKS.md points at a committed ``bench/results/<name>.json``;
+:func:`write` stamps it with the command, the machine, the package versions and the commit of the
+library that produced it, so a figure can be traced to one run::
+
+    from _results import write
+    write("dedup", {"quality": ..., "scale": ...}, packages=("datasketch",))
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "bench" / "results"
+#: Always recorded: what every benchmark's figures depend on.
+BASE_PACKAGES = ("torch", "transformers", "sentence-transformers", "faiss-cpu", "numpy", "tiktoken")
+
+
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _git(*args: str) -> str:
+    out = subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True)
+    return out.stdout.strip() if out.returncode == 0 else ""
+
+
+def provenance(packages: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Command, date, machine, versions and the library's commit (``+dirty`` when ragbudget/ has
+    uncommitted changes, so a figure from unreleased code is marked as such)."""
+    commit = _git("rev-parse", "--short", "HEAD")
+    dirty = bool(_git("status", "--porcelain", "ragbudget"))
+    try:
+        load = round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        load = None
+    return {
+        "command": "python " + shlex.join([os.path.relpath(sys.argv[0], REPO), *sys.argv[1:]]),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+                    "cpus": os.cpu_count(), "python": platform.python_version(),
+                    "load_average_1m_at_end": load},
+        "versions": {"ragbudget_commit": commit + ("+dirty" if dirty else ""),
+                     **{p: _version(p) for p in (*BASE_PACKAGES, *packages)}},
+    }
+
+
+def write(name: str, data: dict[str, Any], *, packages: tuple[str, ...] = (),
+          folder: Path | None = None) -> Path:
+    """Write ``data`` with its :func:`provenance` to ``bench/results/<name>.json``; returns the path."""
+    folder = folder or RESULTS
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.json"
+    path.write_text(json.dumps({**provenance(packages), **data}, indent=1, ensure_ascii=False,
+                               default=str) + "\n")
+    print(f"raw result written to {os.path.relpath(path)}")
+    return path
