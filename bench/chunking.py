@@ -11,7 +11,7 @@ second, the median of the rounds (interleaved: every chunker once per round; rat
 medians of per-round ratios). Size discipline counts tokens of every chunk with cl100k_base;
 "in range" is the share of non-final chunks (all but each document's last) with 300-500 tokens;
 "mid-sentence" is the share of chunks whose text ends without terminal punctuation and is not
-followed by a blank line or the end of the document. Results: bench/out/chunking.json.
+followed by a blank line or the end of the document. Raw result: bench/results/chunking.json.
 """
 
 from __future__ import annotations
@@ -273,8 +273,10 @@ def main() -> None:
         "load_average_before": load_before,
         "results": results,
     }
-    (OUT / "chunking.json").write_text(json.dumps(payload, indent=2))
-    print(f"\nwrote {OUT / 'chunking.json'}")
+    from _results import write
+
+    write("chunking", payload, packages=("semchunk", "chonkie", "langchain-text-splitters",
+                                         "llama-index-core", "haystack-ai"))
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@
    chunk-sized texts whose token lengths follow ragbudget's own chunk sizes on the corpus, with
    10% exact copies (re-spaced) and 10% near copies (~1.7% of the words replaced). dedup() time at N/4,
    N/2 and N (linear growth), against the time all-MiniLM-L6-v2 needs to embed the same chunks
-   (timed on a sample, extrapolated). Results: bench/out/dedup.json.
+   (timed on a sample, extrapolated). Raw result: bench/results/dedup.json.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from chunking import OUT, SHARED, load_corpus
+from chunking import SHARED, load_corpus
 
 from ragbudget.chunking import chunk_text
 from ragbudget.dedup import (
@@ -236,9 +236,9 @@ def main() -> None:
                                "dedup_share": share, "threads": os.cpu_count()}
         print(f"all-MiniLM-L6-v2: {per * 1000:.1f} ms/chunk -> {est:.0f}s for {n} chunks; "
               f"dedup is {share:.1%} of that")
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "dedup.json").write_text(json.dumps(results, indent=2))
-    print(f"wrote {OUT / 'dedup.json'}")
+    from _results import write
+
+    write("dedup", results, packages=("datasketch",))
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ Run: ``.venv/bin/python bench/kv_compare.py [--quick]``; writes bench/out/kv_com
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -179,11 +178,11 @@ def main() -> None:
             f"{r['gpupoor_weights'] / GiB:.2f} / {'—' if acc is None else f'{acc / GiB:.2f}'} |")
     table = "\n".join(lines)
     print(table)
-    out = Path(__file__).resolve().parent / "out"
-    out.mkdir(exist_ok=True)
-    (out / "kv_compare.json").write_text(json.dumps({"gpu_bytes": GPU, "rows": rows}, indent=1))
-    (out / "kv_compare.md").write_text(table + "\n")
-    print(f"\nwrote bench/out/kv_compare.{{json,md}} in {time.time() - t0:.1f}s", file=sys.stderr)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _results import write
+
+    write("kv_compare", {"gpu_bytes": GPU, "rows": rows, "table": table,
+                         "seconds": round(time.time() - t0, 1)}, packages=("hf-mem",))
 
 
 if __name__ == "__main__":

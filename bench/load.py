@@ -45,7 +45,6 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without relying on the editable install
-OUT = ROOT / "bench" / "out" / "load.json"
 LOOPBACK = {"127.0.0.1", "::1", "localhost"}
 
 
@@ -497,9 +496,10 @@ def main(argv: list[str] | None = None) -> int:
     width = max(len(r[0]) for r in rows)
     for name, value in rows:
         print(f"{name:<{width}}  {value}")
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps(result, indent=2))
-    print(f"wrote {OUT.relative_to(ROOT)}")
+    sys.path.insert(0, str(ROOT / "bench"))
+    from _results import write
+
+    write("load", result, packages=("fastapi", "uvicorn", "httpx", "psutil"))
     return 0 if ok_contract else 1
 
 

@@ -392,7 +392,10 @@ def main() -> None:
         "full_rows": full_rows, "full_skipped_too_long": skipped_full, "args": vars(args),
         "seconds": time.time() - t_start,
     }
-    (OUT / "qa.json").write_text(json.dumps(result, indent=1))
+    sys.path.insert(0, str(ROOT / "bench"))
+    from _results import write
+
+    write("qa_quick" if args.quick else "qa", result, folder=OUT if args.quick else None)
     try:
         import matplotlib
 
@@ -421,7 +424,7 @@ def main() -> None:
         print(f"plot: {png.relative_to(ROOT)}")
     except ImportError:
         print("matplotlib not installed: no plot")
-    print(f"results: bench/out/qa.json ({time.time() - t_start:.0f}s)")
+    print(f"({time.time() - t_start:.0f}s)")
 
 
 if __name__ == "__main__":
