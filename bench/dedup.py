@@ -194,6 +194,10 @@ def groups_datasketch(texts: list[str]) -> list[int]:
     return rep
 
 
+def pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1%}"
+
+
 def grade(texts: list[str], rep: list[int], positives: set[tuple[int, int]],
           judged: dict[tuple[int, int], bool] | None = None) -> dict[str, float | int]:
     """Recall over ``positives`` (pairs i < j), precision of all predicted pairs."""
@@ -214,9 +218,9 @@ def grade(texts: list[str], rep: list[int], positives: set[tuple[int, int]],
             good += gt_ratio(a, b) >= GT_RATIO
     found = len(positives & predicted)
     return {"positives": len(positives), "found": found,
-            "recall": found / len(positives) if positives else float("nan"),
+            "recall": found / len(positives) if positives else None,
             "predicted_pairs": len(predicted), "correct_pairs": good,
-            "precision": good / len(predicted) if predicted else float("nan")}
+            "precision": good / len(predicted) if predicted else None}  # None: nothing predicted
 
 
 def collect(sides: list[list[str]]) -> tuple[list[str], list[int], int]:
@@ -254,8 +258,8 @@ def cross_positives(texts: list[str], side: list[int]) -> tuple[set[tuple[int, i
 
 def add_up(parts: list[dict[str, float | int]]) -> dict[str, float | int]:
     tot = {k: sum(p[k] for p in parts) for k in ("positives", "found", "predicted_pairs", "correct_pairs")}
-    tot["recall"] = tot["found"] / tot["positives"] if tot["positives"] else float("nan")
-    tot["precision"] = tot["correct_pairs"] / tot["predicted_pairs"] if tot["predicted_pairs"] else float("nan")
+    tot["recall"] = tot["found"] / tot["positives"] if tot["positives"] else None
+    tot["precision"] = tot["correct_pairs"] / tot["predicted_pairs"] if tot["predicted_pairs"] else None
     return tot
 
 
@@ -322,7 +326,7 @@ def near_pdf_twins() -> dict[str, object]:
     for pdf_name, twin_name in (("policy.pdf", "policy.txt"), ("maint-guide.en.pdf", "maint-guide.en.txt")):
         t0 = time.perf_counter()
         pairs = pdf_twin_pairs(SHARED / "pdf" / pdf_name, SHARED / "pdf" / "twins" / twin_name)
-        texts, side, exact = collect([[p for p, _ in pairs], [t for _, t in pairs]])
+        texts, _side, exact = collect([[p for p, _ in pairs], [t for _, t in pairs]])
         index = {t: i for i, t in enumerate(texts)}
         pos, judged, ratios, below = set(), {}, [], 0
         for p, t in pairs:
@@ -543,14 +547,14 @@ def main() -> None:
             if "levels" in res:
                 for lvl, v in res["levels"].items():  # type: ignore[union-attr]
                     print(f"  edits {lvl:>4}: mean ratio {v['mean_gt_ratio']:.3f}; ragbudget recall "
-                          f"{v['ragbudget']['recall']:.1%} precision {v['ragbudget']['precision']:.1%}; "
-                          f"datasketch recall {v['datasketch']['recall']:.1%} precision "
-                          f"{v['datasketch']['precision']:.1%}")
+                          f"{pct(v['ragbudget']['recall'])} precision {pct(v['ragbudget']['precision'])}; "
+                          f"datasketch recall {pct(v['datasketch']['recall'])} precision "
+                          f"{pct(v['datasketch']['precision'])}")
             else:
                 rb, ds = res["ragbudget"], res["datasketch"]  # type: ignore[index]
-                print(f"  {name}: {rb['positives']} pairs; ragbudget recall {rb['recall']:.1%} "
-                      f"precision {rb['precision']:.1%} ({rb['predicted_pairs']} pairs); datasketch "
-                      f"recall {ds['recall']:.1%} precision {ds['precision']:.1%} "
+                print(f"  {name}: {rb['positives']} pairs; ragbudget recall {pct(rb['recall'])} "
+                      f"precision {pct(rb['precision'])} ({rb['predicted_pairs']} pairs); datasketch "
+                      f"recall {pct(ds['recall'])} precision {pct(ds['precision'])} "
                       f"({ds['predicted_pairs']} pairs)")
             print(f"  ({time.perf_counter() - t0:.0f} s)", flush=True)
         results["near_duplicates"] = near
