@@ -689,7 +689,7 @@ def test_index_without_fts_table_opens_and_is_upgraded(ix: Index, corpus: Path,
 
 def test_no_fts5_falls_back_to_dense(ix: Index, corpus: Path, monkeypatch: pytest.MonkeyPatch,
                                      caplog: pytest.LogCaptureFixture) -> None:
-    import ragbudget.index as mod
+    import ragbudget.lexical as mod
 
     monkeypatch.setattr(mod, "_fts5_ok", False)
     monkeypatch.setattr(mod, "_fts5_warned", False)
@@ -706,7 +706,7 @@ def test_no_fts5_falls_back_to_dense(ix: Index, corpus: Path, monkeypatch: pytes
 
 def test_index_updated_without_fts5_is_repaired_by_the_next_run(
         ix: Index, corpus: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import ragbudget.index as mod
+    import ragbudget.lexical as mod
 
     build(ix, corpus)
     monkeypatch.setattr(mod, "_fts5_ok", False)
@@ -1053,7 +1053,7 @@ def test_files_under_an_unreadable_folder_are_kept(ix: Index, tmp_path: Path,
 
 
 def test_checkpoint_keeps_whole_records_and_drops_a_torn_tail(tmp_path: Path) -> None:
-    from ragbudget.index import _Checkpoint
+    from ragbudget.build import _Checkpoint
 
     ident = {"kind": "hash", "id": "hash-4"}
     ck = _Checkpoint(tmp_path, ident)
