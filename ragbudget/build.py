@@ -46,6 +46,7 @@ from .index import (
     _write_json_atomic,
 )
 from .lexical import FTS_TOKENIZE, _ensure_fts
+from .vectors import FlatStore, choose_store, make_store
 from .types import Document, IndexSummary
 
 if TYPE_CHECKING:
@@ -57,6 +58,11 @@ log = logging.getLogger(__name__)
 # Embedded batches of the run in progress, appended and fsync'ed per batch, so a re-run after a
 # kill reuses them (see ``_Checkpoint``). Not a generation file: ``_clean_leftovers`` keeps it.
 CHECKPOINT = "embed.checkpoint"
+
+
+def _store_kind(manifest: dict[str, Any]) -> str:
+    """The kind of search store a manifest names (``flat`` when the exact store searches)."""
+    return str((manifest.get("approx") or {}).get("kind") or "flat")
 
 
 def _no_progress(phase: str, done: int, total: int | None = None) -> None:
@@ -201,7 +207,7 @@ class _Builder:
 
     def __init__(self, idx: Index, paths: list[str], *, embedder: Embedder | None, tokenizer: Any,
                  settings: dict[str, Any], include: Any, exclude: Any, max_bytes: int | None,
-                 clean: bool, approx: str | None, rebuild: bool, batch_files: int, embed_batch: int,
+                 clean: bool, store: str, rebuild: bool, batch_files: int, embed_batch: int,
                  progress: ProgressCallback | None, roots: Sequence[tuple[str, str]] = (),
                  prune: bool = False, allow_removal: bool = False) -> None:
         self.idx = idx
@@ -218,7 +224,8 @@ class _Builder:
         self.tok = tokenizer
         self.settings = settings
         self.include, self.exclude, self.max_bytes, self.clean = include, exclude, max_bytes, clean
-        self.approx = approx
+        self.store = store
+        self.store_report: dict[str, Any] | None = None
         self.rebuild = rebuild
         self.batch_files = batch_files
         self.embed_batch = embed_batch
@@ -232,7 +239,7 @@ class _Builder:
         self.embed_seconds = 0.0
         self.skipped: list[tuple[str, str, str]] = []
         self.db: sqlite3.Connection | None = None
-        self.faiss: Any = None
+        self.flat: FlatStore | None = None
         self.tmp_db: Path | None = None
         self.pending: list[tuple[int, str]] = []
         self.embed_total = 0
@@ -300,7 +307,7 @@ class _Builder:
         except IndexCorruptError as exc:
             return None, None, f"previous index unreadable: {exc}"
         try:
-            flat, _, db = self.idx._open_generation(self.old)
+            flat, _, db = self.idx._open_generation(self.old, writable=True)
             db.close()
         except IndexCorruptError as exc:
             self.old = None
@@ -329,7 +336,7 @@ class _Builder:
         if self.old and not reason:
             assert old_db_path is not None
             shutil.copyfile(old_db_path, self.tmp_db)
-            self.faiss = old_flat
+            self.flat = old_flat
         else:
             if self.old and old_db_path is not None and old_flat is not None and (
                 _identity(self.old["embedder"]) == _identity(_light_spec(emb))
@@ -337,7 +344,7 @@ class _Builder:
                 # Only chunking/dedup changed: old vectors are still valid for identical texts.
                 rdb = sqlite3.connect(f"file:{old_db_path}?mode=ro&immutable=1", uri=True)
                 self.reuse = (rdb, old_flat)
-            self.faiss = None
+            self.flat = None
         self.db = sqlite3.connect(self.tmp_db)
         self.db.executescript(_SCHEMA)
         have = {r[1] for r in self.db.execute("PRAGMA table_info(files)")}
@@ -351,6 +358,10 @@ class _Builder:
         self.lexical = _ensure_fts(
             self.db, trusted=bool(self.old and not reason and self.old.get("lexical")))
         self.changed = bool(reason) or self.old is None
+        if self.old is not None and _store_kind(self.old) != choose_store(
+                self.store, int(self.old.get("counts", {}).get("vectors", 0)), int(self.old["dim"])):
+            # Another search store: derived from the same vectors, so written without a rebuild.
+            self.changed = True
         if self.lexical == "created" and self.old is not None and not reason:
             # An index from before the FTS table: this run stores it even if no file changed.
             log.info("adding the lexical (FTS5) table to the index in %s", self.dir)
@@ -506,8 +517,8 @@ class _Builder:
             import numpy as np
 
             self.db.executemany("DELETE FROM chunks WHERE id=?", [(i,) for i in orphans])
-            if self.faiss is not None:
-                self.faiss.remove_ids(np.array(orphans, dtype=np.int64))
+            if self.flat is not None:
+                self.flat.remove(np.array(orphans, dtype=np.int64))
             self.stats["chunks_removed"] += len(orphans)
         self.roots = self._final_roots()
         self.db.execute("DELETE FROM roots")
@@ -698,11 +709,9 @@ class _Builder:
 
     # -- vectors -------------------------------------------------------------------------------
 
-    def _ensure_faiss(self, dim: int) -> None:
-        if self.faiss is None:
-            import faiss
-
-            self.faiss = faiss.IndexIDMap2(faiss.IndexFlatIP(dim))
+    def _ensure_flat(self, dim: int) -> None:
+        if self.flat is None:
+            self.flat = FlatStore(dim)
 
     def _flush(self) -> None:
         if not self.pending:
@@ -748,13 +757,14 @@ class _Builder:
             self.stats["windows_embedded"] += res.texts_fed
         assert vecs is not None
         vecs = np.ascontiguousarray(vecs, dtype=np.float32)
-        self._ensure_faiss(vecs.shape[1])
-        if self.faiss.d != vecs.shape[1]:
+        self._ensure_flat(vecs.shape[1])
+        assert self.flat is not None
+        if self.flat.dim != vecs.shape[1]:
             raise ConfigError(
                 f"embedder {self.embedder and self.embedder.id!r} gives {vecs.shape[1]}-d vectors, "
-                f"the index holds {self.faiss.d}-d; rebuild with --rebuild"
+                f"the index holds {self.flat.dim}-d; rebuild with --rebuild"
             )
-        self.faiss.add_with_ids(vecs, ids)
+        self.flat.add(ids, vecs)
         self.db.executemany("UPDATE chunks SET windows=? WHERE id=?",
                             [(w, int(i)) for w, i in zip(windows, ids)])
         self.progress("embed", self.stats["chunks_embedded"] + self.stats["chunks_reused"],
@@ -766,7 +776,7 @@ class _Builder:
         from .dedup import content_hash
 
         rdb, old_flat = self.reuse  # type: ignore[misc]
-        vecs = np.zeros((len(batch), old_flat.d), dtype=np.float32)
+        vecs = np.zeros((len(batch), old_flat.dim), dtype=np.float32)
         todo = []
         for j, (_, text) in enumerate(batch):
             row = rdb.execute("SELECT id, windows FROM chunks WHERE content_hash=? LIMIT 1",
@@ -775,24 +785,23 @@ class _Builder:
                 todo.append(j)
                 continue
             try:
-                vecs[j] = old_flat.reconstruct(int(row[0]))
+                vecs[j] = old_flat.vectors([int(row[0])])[0]
                 windows[j] = int(row[1])
                 self.stats["chunks_reused"] += 1
-            except RuntimeError:
+            except KeyError:
                 todo.append(j)
         return vecs, todo
 
     # -- commit --------------------------------------------------------------------------------
 
     def _commit(self) -> None:
-        import faiss
-
         assert self.db is not None and self.tmp_db is not None
         gen = self.gen
         emb = self.embedder
         assert emb is not None
-        if self.faiss is None:  # nothing was ever embedded: an empty index still needs its dim
-            self._ensure_faiss(emb.dim)
+        if self.flat is None:  # nothing was ever embedded: an empty index still needs its dim
+            self._ensure_flat(emb.dim)
+        assert self.flat is not None
         self.progress("write", 0, 3)
         self.db.execute("INSERT OR REPLACE INTO meta VALUES ('generation', ?)", (str(gen),))
         self.db.commit()
@@ -803,7 +812,7 @@ class _Builder:
                 "SELECT COUNT(*) FROM files WHERE status='indexed'").fetchone()[0],
             "files_skipped": self.db.execute(
                 "SELECT COUNT(*) FROM files WHERE status!='indexed'").fetchone()[0],
-            "vectors": int(self.faiss.ntotal),
+            "vectors": self.flat.ntotal,
             "windowed_chunks": self.db.execute(
                 "SELECT COUNT(*) FROM chunks WHERE windows>1").fetchone()[0],
         }
@@ -820,12 +829,10 @@ class _Builder:
 
         fpath = self.dir / f"faiss.{gen}.index"
         ftmp = fpath.with_name(fpath.name + ".tmp")
-        faiss.write_index(self.faiss, str(ftmp))
+        flat_entry = self.flat.save(ftmp)
         _fsync_file(ftmp)
         os.replace(ftmp, fpath)
-        approx_entry = None
-        if self.approx == "hnsw":
-            approx_entry = self._write_hnsw(gen)
+        approx_entry = self._write_search_store(gen)
         self.progress("write", 2, 3)
 
         # Asking a model-backed embedder for its full spec loads the model: skip that when this
@@ -842,14 +849,15 @@ class _Builder:
             "created": (self.old or {}).get("created", now) if not self.rebuilt else now,
             "updated": now,
             "embedder": spec,
-            "dim": int(self.faiss.d),
+            "dim": self.flat.dim,
             "pooling": spec.get("pooling"),
             "chunking": self.settings["chunking"],
             "dedup": self.settings["dedup"],
             "dedup_signature_dtype": self.sig_dtype,
-            "faiss": {"kind": "IndexIDMap2(IndexFlatIP)", "file": fpath.name,
+            "faiss": {**flat_entry, "file": fpath.name,
                       "bytes": fpath.stat().st_size, "sha256": _sha256_file(fpath)},
             "approx": approx_entry,
+            "store": self.store_report,
             "lexical": ({"kind": "sqlite-fts5", "table": "chunks_fts", "tokenize": FTS_TOKENIZE}
                         if self.lexical != "unavailable" else None),
             "sqlite": {"file": spath.name, "bytes": spath.stat().st_size,
@@ -863,24 +871,31 @@ class _Builder:
         self.progress("write", 3, 3)
         self._clean_leftovers(keep={gen, gen - 1})
 
-    def _write_hnsw(self, gen: int) -> dict[str, Any]:
-        import faiss
-
-        n, d = int(self.faiss.ntotal), int(self.faiss.d)
-        ids = faiss.vector_to_array(self.faiss.id_map)
-        m, ef_c, ef_s = 32, 80, 128
-        hnsw = faiss.IndexHNSWFlat(d, m, faiss.METRIC_INNER_PRODUCT)
-        hnsw.hnsw.efConstruction = ef_c
-        wrapped = faiss.IndexIDMap(hnsw)
-        if n:  # the flat index stores vectors in id_map order
-            wrapped.add_with_ids(self.faiss.index.reconstruct_n(0, n), ids)
-        path = self.dir / f"hnsw.{gen}.index"
+    def _write_search_store(self, gen: int) -> dict[str, Any] | None:
+        """Build, tune and write the search store ``store=`` asks for (``None``: the exact one
+        searches). Records the choice and the recall measured in :attr:`store_report`."""
+        assert self.flat is not None
+        n, d = self.flat.ntotal, self.flat.dim
+        kind = choose_store(self.store, n, d)
+        self.store_report = {"requested": self.store, "kind": kind, "recall_at_10": None}
+        if kind == "flat":
+            self.store_report["recall_at_10"] = 1.0
+            return None
+        store = make_store(kind, d, exact=self.flat)
+        report = store.finalize()
+        path = self.dir / f"{kind}.{gen}.index"
         tmp = path.with_name(path.name + ".tmp")
-        faiss.write_index(wrapped, str(tmp))
+        entry = store.save(tmp)
         _fsync_file(tmp)
         os.replace(tmp, path)
-        return {"kind": "hnsw", "file": path.name, "bytes": path.stat().st_size,
-                "sha256": _sha256_file(path), "M": m, "ef_construction": ef_c, "ef_search": ef_s}
+        self.store_report.update(recall_at_10=entry.get("recall_at_10"),
+                                 recall_queries=report.queries, build_seconds=round(report.seconds, 3))
+        if report.recall_at_10 is not None and report.recall_at_10 < store.target:
+            log.warning("the %s store reaches recall@10 %.3f against exact search, below the %.2f "
+                        "target, at its largest search setting (%s)", kind, report.recall_at_10,
+                        store.target, report.params)
+        return {**entry, "file": path.name, "bytes": path.stat().st_size,
+                "sha256": _sha256_file(path)}
 
     def _summary(self, *, committed: bool) -> IndexSummary:
         if committed and hasattr(self, "counts"):

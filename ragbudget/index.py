@@ -4,7 +4,9 @@ Layout of an index folder (default ``.ragbudget/``)::
 
     manifest.json          names the current generation, settings, counts and sha256 checksums
     faiss.<gen>.index      exact inner-product index (IndexFlatIP in IndexIDMap2), ids = chunk ids
-    hnsw.<gen>.index       optional approximate index over the same vectors (``approx="hnsw"``)
+    <store>.<gen>.index    the search store when it is not the exact one: ``hnsw``, ``ivf-flat`` or
+                           ``ivf-pq``, derived from the same vectors (:mod:`ragbudget.vectors`;
+                           ``store="auto"`` picks by size and records the recall it measured)
     meta.<gen>.sqlite      chunks, sources (every duplicate location), files (drives incremental runs),
                            roots (the paths given to build, with their display labels),
                            chunks_fts: an FTS5 (BM25) table over the chunk texts, kept in sync with
@@ -88,6 +90,7 @@ from .lexical import (
     fuse_scores,
 )
 from .types import Hit, IndexedFile, IndexSummary, Source, VerifyReport
+from .vectors import FlatStore
 
 if TYPE_CHECKING:
     import numpy as np
@@ -118,7 +121,7 @@ DEFAULT_INDEX_DIR = ".ragbudget"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 LOCK = "lock"
-_GEN_FILE = re.compile(r"^(faiss|hnsw|meta)\.(\d+)\.(index|sqlite)$")
+_GEN_FILE = re.compile(r"^(faiss|hnsw|ivf-flat|ivf-pq|meta)\.(\d+)\.(index|sqlite)$")
 
 #: ``progress(phase, done, total)``: phases ``"files"`` (files to (re)index) then ``"embed"``
 #: (chunks embedded; ``total`` grows as files are chunked), then ``"write"``.
@@ -406,7 +409,7 @@ class Index:
 
     ``Index(path)`` never touches the disk until used; :meth:`open` requires an existing index.
     ``search_threads`` is the OpenMP thread count for one query (default 1, see the comment in
-    ``__init__``); ``use_approx=False`` searches the exact index even when an HNSW one exists.
+    ``__init__``); ``use_approx=False`` searches the exact store even when the index has an approximate one.
     Reading loads the manifest-named generation, checks sha256 checksums (``verify_checksums``),
     and keeps the FAISS index in memory and the SQLite file open read-only.
 
@@ -435,8 +438,8 @@ class Index:
         # None leaves FAISS's global thread setting alone.
         self.search_threads = search_threads
         self._manifest: dict[str, Any] | None = None
-        self._faiss: Any = None
-        self._approx: Any = None
+        self._flat: FlatStore | None = None  # the exact store: truth, rescoring, verify
+        self._search: Any = None  # the store that answers queries (the flat one by default)
         self._db: sqlite3.Connection | None = None
         # Where BM25 queries go: the generation's SQLite file, or an in-memory FTS table built
         # on demand for an index written before the table existed; False: no FTS5 here.
@@ -511,15 +514,16 @@ class Index:
 
     def _load(self) -> None:
         """Load the manifest-named generation into memory (retrying if a writer just swapped it)."""
-        if self._faiss is not None:
+        if self._flat is not None:
             return
         with self._lock:
-            if self._faiss is not None:
+            if self._flat is not None:
                 return
             for attempt in range(3):
                 m = self._read_manifest()
                 try:
-                    self._faiss, self._approx, self._db = self._open_generation(m)
+                    self._flat, approx, self._db = self._open_generation(m)
+                    self._search = approx if approx is not None else self._flat
                     self._roots = self._load_roots(self._db)
                     return
                 except IndexCorruptError:
@@ -528,24 +532,21 @@ class Index:
                     if attempt == 2 or self._read_manifest().get("generation") == m["generation"]:
                         raise
 
-    def _open_generation(self, m: dict[str, Any]) -> tuple[Any, Any, sqlite3.Connection]:
-        import faiss
+    def _open_generation(self, m: dict[str, Any], *,
+                         writable: bool = False) -> tuple[FlatStore, Any, sqlite3.Connection]:
+        """The exact store, the search store (``None``: the exact one searches) and the SQLite
+        handle of generation ``m``. ``writable``: for a writer, which edits the exact store and
+        derives its own search store (not loaded); a reader with a search store maps the exact
+        matrix read-only instead of loading it (rescoring touches a few rows per query)."""
+        from .vectors import FlatStore, load_store
 
         fpath = self._check_file(m["faiss"])
         spath = self._check_file(m["sqlite"])
-        try:
-            flat = faiss.read_index(str(fpath))
-        except Exception as exc:  # faiss raises RuntimeError on a malformed file
-            raise IndexCorruptError(f"index file {fpath} could not be read by faiss: {exc}") from exc
+        want_approx = not writable and self.use_approx and bool(m.get("approx"))
+        flat = FlatStore.load(fpath, m["faiss"], mmap=want_approx)
         approx = None
-        if self.use_approx and m.get("approx"):
-            apath = self._check_file(m["approx"])
-            try:
-                approx = faiss.read_index(str(apath))
-                faiss.ParameterSpace().set_index_parameter(
-                    approx, "efSearch", int(m["approx"].get("ef_search", 128)))
-            except Exception as exc:
-                raise IndexCorruptError(f"index file {apath} could not be read: {exc}") from exc
+        if want_approx:
+            approx = load_store(self._check_file(m["approx"]), m["approx"], exact=flat)
         # immutable=1: generation files never change after commit, so SQLite needs no locks.
         try:
             db = sqlite3.connect(f"file:{spath}?mode=ro&immutable=1", uri=True,
@@ -619,7 +620,7 @@ class Index:
             self._lex_db = None
             if self._db is not None:
                 self._db.close()
-            self._db = self._faiss = self._approx = None
+            self._db = self._flat = self._search = None
             self._manifest = None
             self._roots = None
 
@@ -755,8 +756,8 @@ class Index:
         out = {}
         for i in ids:
             try:
-                out[int(i)] = float(self._faiss.reconstruct(int(i)) @ q)
-            except RuntimeError:  # no vector for this id (verify reports such an index)
+                out[int(i)] = float(self._flat.vectors([int(i)])[0] @ q)
+            except KeyError:  # no vector for this id (verify reports such an index)
                 continue
         return out
 
@@ -781,18 +782,18 @@ class Index:
         d = int(self.manifest["dim"])
         if q.shape[1] != d:
             raise ConfigError(f"query vector has dimension {q.shape[1]}, the index has {d}")
-        index = self._approx if self._approx is not None else self._faiss
+        store = self._search
         if self.search_threads:
             import faiss
 
             before = faiss.omp_get_max_threads()
             faiss.omp_set_num_threads(self.search_threads)
             try:
-                scores, ids = index.search(q, k)
+                scores, ids = store.search(q, k)
             finally:
                 faiss.omp_set_num_threads(before)
         else:
-            scores, ids = index.search(q, k)
+            scores, ids = store.search(q, k)
         pairs = [(int(i), float(s)) for i, s in zip(ids[0], scores[0]) if i >= 0]
         by_id = {h.chunk_id: h for h in self.get_chunks([i for i, _ in pairs])}
         return [_with_score(by_id[i], s) for i, s in pairs if i in by_id]
@@ -874,6 +875,9 @@ class Index:
             "chunking": m.get("chunking"),
             "dedup": m.get("dedup"),
             "approx": (m.get("approx") or {}).get("kind"),
+            "store": (m.get("store") or {}).get("kind") or (m.get("approx") or {}).get("kind", "flat"),
+            "store_requested": (m.get("store") or {}).get("requested"),
+            "recall_at_10": _recorded_recall(m),
             "lexical": (m.get("lexical") or {}).get("kind"),
             "roots": [r.get("label") for r in m.get("roots") or ()],
             **m.get("counts", {}),
@@ -883,7 +887,6 @@ class Index:
     def verify(self) -> VerifyReport:
         """Check everything: checksums, FAISS ids ↔ chunk rows one-to-one, every chunk has a
         source, every source names an indexed file, counts match the manifest."""
-        import faiss
         import numpy as np
 
         problems: list[str] = []
@@ -897,8 +900,10 @@ class Index:
             return VerifyReport(False, (str(exc),), checked)
         assert self._db is not None
         db = self._db
-        ids = faiss.vector_to_array(self._faiss.id_map).astype(np.int64)
-        checked["vectors"] = int(self._faiss.ntotal)
+        assert self._flat is not None
+        flat, search = self._flat, self._search
+        ids = flat.ids()
+        checked["vectors"] = flat.ntotal
         if len(ids) != len(np.unique(ids)):
             problems.append("a FAISS id appears more than once")
         chunk_ids = np.array([r[0] for r in db.execute("SELECT id FROM chunks")], dtype=np.int64)
@@ -909,10 +914,26 @@ class Index:
             problems.append(f"{len(only_faiss)} FAISS id(s) without a chunk row, e.g. {only_faiss[:5].tolist()}")
         if len(only_db):
             problems.append(f"{len(only_db)} chunk row(s) without a vector, e.g. {only_db[:5].tolist()}")
-        if self._faiss.d != int(m["dim"]):
-            problems.append(f"FAISS dimension {self._faiss.d} != manifest dim {m['dim']}")
-        if self._approx is not None and self._approx.ntotal != self._faiss.ntotal:
-            problems.append(f"approximate index has {self._approx.ntotal} vectors, flat has {self._faiss.ntotal}")
+        if flat.dim != int(m["dim"]):
+            problems.append(f"FAISS dimension {flat.dim} != manifest dim {m['dim']}")
+        if search is not flat:
+            kind = m["approx"].get("kind")
+            if search.ntotal != flat.ntotal:
+                problems.append(f"the {kind} store has {search.ntotal} vectors, flat has {flat.ntotal}")
+            recorded = m["approx"].get("recall_at_10")
+            if recorded is not None:
+                from .vectors import RECALL_TOLERANCE, measure_recall
+
+                # Same seed, same sample of queries as at build time: only a changed store moves it.
+                recall, nq = measure_recall(search, flat, queries=int(m["approx"].get(
+                    "recall_queries") or 200))
+                checked["recall_at_10"] = round(recall, 4)
+                checked["recall_recorded"] = recorded
+                if recall < float(recorded) - RECALL_TOLERANCE:
+                    problems.append(
+                        f"the {kind} store's recall@10 is {recall:.3f} on {nq} queries, the "
+                        f"manifest records {recorded}; rebuild the index (`ragbudget index PATH "
+                        "--rebuild`)")
         orphans = db.execute(
             "SELECT COUNT(*) FROM chunks WHERE id NOT IN (SELECT chunk_id FROM sources)"
         ).fetchone()[0]
@@ -982,6 +1003,7 @@ class Index:
         max_bytes: int | None = None,
         clean: bool = True,
         approx: str | None = None,
+        store: str = "auto",
         rebuild: bool = False,
         prune: bool = False,
         allow_removal: bool = False,
@@ -1003,8 +1025,14 @@ class Index:
         and re-embeds every file of every recorded root (and of ``paths``); with ``prune``, of
         ``paths`` only. Embedded batches are checkpointed, so a run that was killed resumes
         without embedding them again. ``dedup`` is ``"near"`` (content hash +
-        MinHash at ``near_threshold``), ``"exact"`` or ``"none"``; ``approx="hnsw"`` also writes
-        an HNSW index used by search. Settings that change the vectors or the chunks (embedder,
+        MinHash at ``near_threshold``), ``"exact"`` or ``"none"``. ``store`` picks the vector store
+        that answers searches (:mod:`ragbudget.vectors`): ``"auto"`` (exact while the vectors are
+        small enough to scan within the latency target, then HNSW, then IVF-PQ; see
+        :func:`~ragbudget.vectors.choose_store`), ``"flat"``, ``"hnsw"``, ``"ivf"`` (IVF-PQ with
+        exact rescoring) or ``"ivf-flat"``; an approximate store is tuned to recall@10
+        :data:`~ragbudget.vectors.RECALL_TARGET` against exact search, measured on the index's
+        own vectors and recorded in the manifest. ``approx="hnsw"`` is the older spelling of
+        ``store="hnsw"``. Settings that change the vectors or the chunks (embedder,
         chunking, dedup) trigger a full rebuild, reported in ``rebuild_reason``.
         Files stream through in batches of ``batch_files``; chunks are embedded ``embed_batch`` at a
         time, so memory grows with the batch, not the corpus — except for what every chunk keeps in
@@ -1017,6 +1045,12 @@ class Index:
             raise ConfigError(f"dedup must be 'near', 'exact' or 'none', got {dedup!r}")
         if approx not in (None, "hnsw"):
             raise ConfigError(f"approx must be None or 'hnsw', got {approx!r}")
+        if approx is not None:
+            store = approx  # the older spelling of store="hnsw"
+        from .vectors import STORES
+
+        if store not in STORES:
+            raise ConfigError(f"store must be one of {', '.join(STORES)}; got {store!r}")
         if not 0 <= min_tokens <= max_tokens:
             raise ConfigError(
                 f"need 0 <= min_tokens <= max_tokens, got min_tokens={min_tokens}, "
@@ -1039,7 +1073,7 @@ class Index:
 
             builder = _Builder(
                 self, given, embedder=embedder, tokenizer=tok, settings=settings,
-                include=include, exclude=exclude, max_bytes=max_bytes, clean=clean, approx=approx,
+                include=include, exclude=exclude, max_bytes=max_bytes, clean=clean, store=store,
                 rebuild=rebuild, batch_files=max(1, batch_files), embed_batch=max(1, embed_batch),
                 progress=progress, roots=roots, prune=prune, allow_removal=allow_removal,
             )
@@ -1051,6 +1085,15 @@ class Index:
 
     update = build
 
+
+
+def _recorded_recall(m: dict[str, Any]) -> float | None:
+    """The recall@10 the manifest records for its search store (1.0 for exact search; ``None``
+    for an approximate store written before recall was measured)."""
+    if not m.get("approx"):
+        return 1.0
+    r = m["approx"].get("recall_at_10")
+    return None if r is None else float(r)
 
 
 def _with_score(hit: Hit, score: float) -> Hit:

@@ -517,11 +517,9 @@ class IndexMachine(RuleBasedStateMachine):
         assert report.ok, report.problems
         assert report.checked["vectors"] == report.checked["chunks"]
         # Every FAISS id has exactly one lexical (FTS) row, with the chunk's text, and no other.
-        import faiss
-
-        assert idx._db is not None
+        assert idx._db is not None and idx._flat is not None
         fts = [r[0] for r in idx._db.execute("SELECT rowid FROM chunks_fts")]
-        assert sorted(fts) == sorted(faiss.vector_to_array(idx._faiss.id_map).tolist())
+        assert sorted(fts) == sorted(idx._flat.ids().tolist())
         assert report.checked["lexical_rows"] == report.checked["chunks"]
         idx.close()
 
@@ -1009,7 +1007,7 @@ def test_killed_first_build_resumes_without_re_embedding(tmp_path: Path) -> None
     got._load()
     want._load()
     for i in ids:
-        assert np.array_equal(got._faiss.reconstruct(i), want._faiss.reconstruct(i))
+        assert np.array_equal(got._flat.vectors([i]), want._flat.vectors([i]))
 
 
 def test_checkpoint_of_another_embedder_is_dropped(tmp_path: Path) -> None:
