@@ -415,7 +415,7 @@ import faiss, ragbudget.chunking, ragbudget.dedup, ragbudget.loaders  # imported
 from ragbudget.index import Index
 print("ready", flush=True)
 Index({ix!r}).build([{corpus!r}], embedder=t.EMB, batch_files=2, embed_batch=8, allow_removal=True,
-                    **t.OPTS)
+                    store={store!r}, **t.OPTS)
 print("done", flush=True)
 """
 
@@ -424,12 +424,14 @@ def _file_sets(corpus: Path) -> set[str]:
     return {str(p.resolve()) for p in corpus.glob("*.txt")}
 
 
-def test_kill_minus_9_at_random_moments_never_breaks_the_index(tmp_path: Path) -> None:
+@pytest.mark.parametrize("store", ["auto", "ivf"])  # the exact store alone, and with IVF-PQ
+def test_kill_minus_9_at_random_moments_never_breaks_the_index(tmp_path: Path, store: str) -> None:
     rnd = random.Random(1234)
     corpus = write_corpus(tmp_path / "corpus", n=24)
     ixdir = tmp_path / "ix"
-    build(Index(ixdir), corpus)
-    code = _CHILD.format(tests=str(Path(__file__).parent), ix=str(ixdir), corpus=str(corpus))
+    build(Index(ixdir), corpus, store=store)
+    code = _CHILD.format(tests=str(Path(__file__).parent), ix=str(ixdir), corpus=str(corpus),
+                         store=store)
     # Time one full run (after imports) to aim the kills inside the indexing itself.
     for i in range(24):
         (corpus / f"doc{i}.txt").write_text(make_text(1000 + i, unique=f"warm{i}zz"))
@@ -464,7 +466,7 @@ def test_kill_minus_9_at_random_moments_never_breaks_the_index(tmp_path: Path) -
         idx.close()
     assert kills >= 5  # most trials really were killed mid-run
     # Killed runs leave their deletions pending: the catch-up run may remove many files at once.
-    s = build(Index(ixdir), corpus, allow_removal=True)
+    s = build(Index(ixdir), corpus, allow_removal=True, store=store)
     assert Index.open(ixdir).verify().ok and paths_in_index(Index.open(ixdir)) <= _file_sets(corpus)
     leftovers = [p.name for p in ixdir.iterdir() if p.name.endswith(".tmp")]
     assert not leftovers and s.committed in (True, False)
