@@ -243,7 +243,7 @@ class _Builder:
         self.tmp_db: Path | None = None
         self.pending: list[tuple[int, str]] = []
         self.embed_total = 0
-        self.near: Any = None
+        self.dedup: Any = None  # the Deduplicator, loaded from the kept chunks on first use
         self.sig_dtype: str | None = None
         self.reuse: tuple[sqlite3.Connection, Any] | None = None
         self.old: dict[str, Any] | None = None
@@ -597,13 +597,12 @@ class _Builder:
                                 overlap=ch["overlap"], tokenizer=self.tok)
         chunks = [c for c in chunks if c.text.strip()]
         mode = self.settings["dedup"]["mode"]
-        # Hashes and signatures for a whole file at once: the batch functions vectorise.
-        if mode == "none":
-            hashes = [hashlib.sha256(c.text.encode()).hexdigest() for c in chunks]
-        else:
-            from .dedup import content_hashes
+        # Hashes and signatures for a whole file at once: the batch functions vectorise. Every
+        # mode stores the same hash (dedup.content_hash): vector reuse and orphan revival look
+        # chunks up by it, whatever mode wrote them.
+        from .dedup import content_hashes
 
-            hashes = content_hashes([c.text for c in chunks])
+        hashes = content_hashes([c.text for c in chunks])
         sigs: Any = [None] * len(chunks)
         if mode == "near" and chunks:
             from .dedup import minhash_signatures
@@ -632,67 +631,66 @@ class _Builder:
              warning),
         )
 
-    def _near_index(self) -> Any:
-        """MinHash LSH over the chunks that still have a source, built from stored signatures."""
-        if self.near is None:
+    def _dedup(self) -> Any:
+        """The :class:`~ragbudget.dedup.Deduplicator` of this run, holding every chunk that still
+        has a source (built from the stored hashes and signatures: no text is re-read)."""
+        if self.dedup is None:
             import numpy as np
 
-            from .dedup import NearDupIndex
+            from .dedup import DEFAULT_NUM_PERM, DEFAULT_THRESHOLD, DedupDecision, Deduplicator
 
             d = self.settings["dedup"]
-            self.near = NearDupIndex(threshold=d["threshold"], num_perm=d["num_perm"])
-            dtype = self.sig_dtype
-            assert self.db is not None
-            for cid, blob in self.db.execute(
-                "SELECT id, minhash FROM chunks WHERE minhash IS NOT NULL AND id IN "
-                "(SELECT chunk_id FROM sources)"
-            ):
-                if dtype:
-                    self.near.insert(cid, np.frombuffer(blob, dtype=dtype))
-        return self.near
+            mode = d["mode"]
+            self.dedup = Deduplicator(threshold=d["threshold"] or DEFAULT_THRESHOLD,
+                                      num_perm=d["num_perm"] or DEFAULT_NUM_PERM,
+                                      near=mode == "near", exact=mode != "none")
+            if mode != "none":  # "none" never looks a chunk up: nothing to load
+                assert self.db is not None
+                dtype = self.sig_dtype
+                for cid, h, blob in self.db.execute(
+                    "SELECT id, content_hash, minhash FROM chunks WHERE EXISTS "
+                    "(SELECT 1 FROM sources WHERE chunk_id = chunks.id)"
+                ):
+                    sig = (np.frombuffer(blob, dtype=dtype)
+                           if mode == "near" and blob is not None and dtype else None)
+                    # Kept chunks are distinct by construction: placed as they are, not re-decided.
+                    self.dedup.add(cid, decision=DedupDecision("new", None, 0.0, sig, h))
+        return self.dedup
 
     def _add_chunk(self, path: str, c: Any, h: str, sig: Any) -> None:
         assert self.db is not None
-        mode = self.settings["dedup"]["mode"]
         src = (path, c.start, c.end, c.page_start, c.page_end)
-        row = self.db.execute("SELECT id FROM chunks WHERE content_hash=? LIMIT 1", (h,)).fetchone()
-        if row is not None:
-            has_src = self.db.execute("SELECT 1 FROM sources WHERE chunk_id=? LIMIT 1",
-                                      (row[0],)).fetchone()
-            if has_src:
-                self.stats["exact_duplicates"] += 1
-            else:
-                # An orphan of a changed file, same text again: revive it, no re-embedding.
-                self.stats["chunks_reused"] += 1
-                self.db.execute("UPDATE chunks SET headings=? WHERE id=?",
-                                (json.dumps(list(c.headings)), row[0]))
-                if mode == "near":
-                    sig_row = self.db.execute("SELECT minhash FROM chunks WHERE id=?", (row[0],)).fetchone()
-                    if sig_row[0] is not None and self.sig_dtype:
-                        import numpy as np
-
-                        self._near_index().insert(row[0], np.frombuffer(sig_row[0], dtype=self.sig_dtype))
-            self._add_source(row[0], src)
-            return
         if sig is not None:
             self.sig_dtype = str(sig.dtype)
-            match = self._near_index().query(sig)
-            if match:
-                # Most similar first (ties: earliest inserted), so the pick is deterministic.
-                self.stats["near_duplicates"] += 1
-                self._add_source(int(match[0]), src)
-                return
-        cur = self.db.execute(
-            "INSERT INTO chunks (text, n_tokens, headings, content_hash, minhash, windows) "
-            "VALUES (?,?,?,?,?,0)",
-            (c.text, int(c.n_tokens), json.dumps(list(c.headings)), h,
-             sig.tobytes() if sig is not None else None),
-        )
-        assert cur.lastrowid is not None
-        cid = int(cur.lastrowid)
-        if sig is not None:
-            self._near_index().insert(cid, sig)
+        dd = self._dedup()
+        decision = dd.check(digest=h, signature=sig)
+        if decision.kind != "new":
+            # Exact: same normalized text; near: most similar first (ties: earliest inserted).
+            self.stats["exact_duplicates" if decision.kind == "exact" else "near_duplicates"] += 1
+            self._add_source(int(decision.duplicate_of), src)
+            return
+        row = self.db.execute(
+            "SELECT id, minhash FROM chunks WHERE content_hash=? AND NOT EXISTS "
+            "(SELECT 1 FROM sources WHERE chunk_id = chunks.id) LIMIT 1", (h,)).fetchone()
+        if row is not None:
+            # An orphan of a changed file, same text again: revive it, no re-embedding.
+            cid = int(row[0])
+            self.stats["chunks_reused"] += 1
+            self.db.execute("UPDATE chunks SET headings=? WHERE id=?",
+                            (json.dumps(list(c.headings)), cid))
+        else:
+            cur = self.db.execute(
+                "INSERT INTO chunks (text, n_tokens, headings, content_hash, minhash, windows) "
+                "VALUES (?,?,?,?,?,0)",
+                (c.text, int(c.n_tokens), json.dumps(list(c.headings)), h,
+                 sig.tobytes() if sig is not None else None),
+            )
+            assert cur.lastrowid is not None
+            cid = int(cur.lastrowid)
+        dd.add(cid, decision=decision)
         self._add_source(cid, src)
+        if row is not None:
+            return
         self.stats["chunks_added"] += 1
         self.pending.append((cid, c.text))
         self.embed_total += 1
@@ -779,8 +777,11 @@ class _Builder:
         vecs = np.zeros((len(batch), old_flat.dim), dtype=np.float32)
         todo = []
         for j, (_, text) in enumerate(batch):
-            row = rdb.execute("SELECT id, windows FROM chunks WHERE content_hash=? LIMIT 1",
-                              (content_hash(text),)).fetchone()
+            # Indexes written with dedup="none" before it used content_hash stored the sha256
+            # of the raw text: look for either, so their vectors are reused too.
+            raw = hashlib.sha256(text.encode()).hexdigest()
+            row = rdb.execute("SELECT id, windows FROM chunks WHERE content_hash IN (?, ?) LIMIT 1",
+                              (content_hash(text), raw)).fetchone()
             if row is None:
                 todo.append(j)
                 continue

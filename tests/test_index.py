@@ -1076,3 +1076,65 @@ def test_checkpoint_keeps_whole_records_and_drops_a_torn_tail(tmp_path: Path) ->
     assert _Checkpoint(tmp_path, ident).get("c") is None
     _Checkpoint(tmp_path, {"kind": "hash", "id": "hash-8"})  # another embedder: dropped
     assert not path.exists()
+
+
+# --- dedup: one hash function for every mode ----------------------------------------------------------
+
+
+def _twin_corpus(root: Path) -> Path:
+    """Two files sharing one byte-identical paragraph, plus a file of their own each."""
+    root.mkdir(parents=True, exist_ok=True)
+    shared = make_text(77, n_paragraphs=1)
+    (root / "a.txt").write_text(make_text(1, n_paragraphs=2) + "\n" + shared)
+    (root / "b.txt").write_text(make_text(2, n_paragraphs=2) + "\n" + shared)
+    return root
+
+
+def test_dedup_none_keeps_byte_identical_chunks_apart(ix: Index, tmp_path: Path) -> None:
+    corpus = _twin_corpus(tmp_path / "c")
+    kept = build(ix, corpus, dedup="none")
+    assert kept.exact_duplicates == 0 and kept.near_duplicates == 0
+    by_text: dict[str, int] = {}
+    o = Index.open(ix.path)
+    o._load()
+    assert o._db is not None
+    for (text,) in o._db.execute("SELECT text FROM chunks"):
+        by_text[text] = by_text.get(text, 0) + 1
+    assert max(by_text.values()) == 2  # the shared paragraph: one chunk per file, not merged
+    assert all(len(h.sources) == 1 for h in o.get_chunks(
+        [r[0] for r in o._db.execute("SELECT id FROM chunks")]))
+    merged = build(Index(tmp_path / "ix2"), corpus, dedup="exact")
+    assert merged.exact_duplicates >= 1
+    assert merged.chunks_total == kept.chunks_total - merged.exact_duplicates
+
+
+@pytest.mark.parametrize("mode", ["none", "exact", "near"])
+def test_every_mode_stores_the_normalized_content_hash(ix: Index, corpus: Path, mode: str) -> None:
+    from ragbudget.dedup import content_hash
+
+    build(ix, corpus, dedup=mode)
+    o = Index.open(ix.path)
+    o._load()
+    assert o._db is not None
+    rows = o._db.execute("SELECT text, content_hash FROM chunks").fetchall()
+    assert rows and all(h == content_hash(t) for t, h in rows)
+
+
+@pytest.mark.parametrize(("first", "then"), [("none", "exact"), ("exact", "none"), ("none", "near")])
+def test_changing_dedup_reuses_every_vector(ix: Index, tmp_path: Path, first: str, then: str) -> None:
+    corpus = _twin_corpus(tmp_path / "c")
+    build(ix, corpus, dedup=first)
+    s = build(ix, corpus, dedup=then)
+    assert s.rebuilt and "dedup" in s.rebuild_reason
+    assert s.chunks_embedded == 0 and s.chunks_reused == s.chunks_added
+    assert Index.open(ix.path).verify().ok
+
+
+def test_dedup_none_revives_a_changed_files_chunks_without_embedding(ix: Index, tmp_path: Path) -> None:
+    corpus = _twin_corpus(tmp_path / "c")
+    build(ix, corpus, dedup="none")
+    a = corpus / "a.txt"
+    a.write_text(a.read_text() + "\n" + make_text(99, n_paragraphs=1))
+    s = build(ix, corpus, dedup="none")
+    assert s.chunks_reused >= 2 and s.chunks_embedded <= 2
+    assert Index.open(ix.path).verify().ok
