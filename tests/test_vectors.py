@@ -247,3 +247,23 @@ def test_index_written_by_the_previous_version_opens(tmp_path: Path) -> None:
     assert s.chunks_embedded == 0
     o = Index.open(tmp_path / "ix")
     assert o.verify().ok and o.stats()["recall_at_10"] == 1.0
+
+
+def test_cli_store_option_and_stats(docs: Path, tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from ragbudget.cli import cli
+
+    runner = CliRunner()
+    ixdir = str(tmp_path / "ix")
+    r = runner.invoke(cli, ["index", str(docs), "--index-dir", ixdir, "--embedder", "hash:64",
+                            "--min-tokens", "4", "--max-tokens", "12", "--store", "ivf", "--json"])
+    assert r.exit_code == 0, r.output
+    r = runner.invoke(cli, ["stats", "--index-dir", ixdir, "--json"])
+    st = json.loads(r.output)
+    assert st["store"] == "ivf-pq" and st["store_requested"] == "ivf"
+    assert st["recall_at_10"] >= RECALL_TARGET
+    r = runner.invoke(cli, ["verify", "--index-dir", ixdir])
+    assert r.exit_code == 0, r.output
+    r = runner.invoke(cli, ["index", str(docs), "--index-dir", ixdir, "--store", "annoy"])
+    assert r.exit_code != 0 and "annoy" in r.output
