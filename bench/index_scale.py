@@ -15,6 +15,7 @@ and reads its own memory (``/proc/self/status``: RssAnon = private memory, RssFi
 pages touched) before and after opening and after the queries.
 
     python bench/index_scale.py --sizes 10000 100000 1000000 --out bench/results/index_scale.json
+    python bench/index_scale.py --plot bench/results/index_scale.json bench/index_scale.png
 """
 
 from __future__ import annotations
@@ -202,7 +203,9 @@ def main() -> None:
                 continue
             folder = args.work / f"{kind}_{n}"
             print(f"n={n} {kind}: building", flush=True)
+            faiss.omp_set_num_threads(2)  # builds may use both cores; searches use one
             built = write_index(folder, x, kind)
+            faiss.omp_set_num_threads(1)
             k_q = args.flat_queries_1m if kind == "flat" and n >= 1_000_000 else nq
             print(f"n={n} {kind}: built {built}; measuring", flush=True)
             r = {**built, **measure(folder, qpath, tpath, k_q)}
@@ -218,5 +221,39 @@ def main() -> None:
         args.out.write_text(json.dumps(results, indent=1))
 
 
+def plot(results: Path, png: Path) -> None:
+    """p50 latency and recall@10 against index size, one line per store."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    data = json.loads(results.read_text())["sizes"]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    for kind, style in (("flat", "o-"), ("hnsw", "s-"), ("ivf-pq", "^-")):
+        pts = [(int(n), r["stores"][kind]) for n, r in sorted(data.items(), key=lambda t: int(t[0]))
+               if "p50_ms" in r["stores"].get(kind, {})]
+        if not pts:
+            continue
+        ns = [n for n, _ in pts]
+        a.plot(ns, [r["p50_ms"] for _, r in pts], style, label=f"{kind} p50")
+        a.plot(ns, [r["p99_ms"] for _, r in pts], style, alpha=0.35, label=f"{kind} p99")
+        b.plot(ns, [r["recall_at_10_heldout"] for _, r in pts], style, label=kind)
+    a.axhline(5, color="grey", ls=":", lw=1)
+    a.axhline(10, color="grey", ls=":", lw=1)
+    a.set(xscale="log", yscale="log", xlabel="chunks", ylabel="ms per query (1 thread)",
+          title="search latency, Index.search_vector")
+    b.axhline(0.98, color="grey", ls=":", lw=1)
+    b.set(xscale="log", xlabel="chunks", ylabel="recall@10 vs exact (held-out questions)",
+          title="recall", ylim=(0.9, 1.001))
+    a.legend(fontsize=7)
+    b.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--plot"]:
+        plot(Path(sys.argv[2]), Path(sys.argv[3]))
+    else:
+        main()
