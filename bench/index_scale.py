@@ -195,7 +195,9 @@ def main() -> None:
         auto = choose_store("auto", n, x.shape[1])
         row: dict = {"n": n, "real": min(n, len(base)), "synthetic": max(0, n - len(base)),
                      "auto_picks": auto, "flat_fp32_mb": round(n * x.shape[1] * 4 / 1e6, 1),
-                     "truth_s": round(truth_s, 1), "stores": {}}
+                     "truth_s": round(truth_s, 1),
+                     # stores measured by an earlier run of this command are kept
+                     "stores": results["sizes"].get(str(n), {}).get("stores", {})}
         for kind in args.stores:
             if kind == "hnsw" and n > args.hnsw_max:
                 row["stores"][kind] = {"skipped": f"HNSW build over {args.hnsw_max} vectors "

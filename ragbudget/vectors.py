@@ -91,8 +91,10 @@ RECALL_TOLERANCE = 0.02
 # Search-parameter ladders tried by finalize, cheapest first.
 _EF_LADDER = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 _NPROBE_LADDER = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
-# IVF-PQ rescoring: the exact cosine of this many candidates per wanted hit decides the order.
+# IVF-PQ: the PQ codes propose _RESCORE × k candidates, the SQ8 copy keeps _EXACT_TOP × k of
+# them, and the exact cosines of those pick and order the final k.
 _RESCORE = 20
+_EXACT_TOP = 4
 
 
 @dataclass(frozen=True)
@@ -399,9 +401,15 @@ def _nlist(n: int) -> int:
 
 class IVFStore(_Derived):
     """Inverted file: vectors assigned to ``nlist`` k-means cells, a query scans ``nprobe`` of
-    them (tuned by :meth:`finalize`). ``kind="ivf-flat"`` keeps full vectors in the cells;
-    ``kind="ivf-pq"`` keeps product-quantized codes (``pq_m`` bytes per vector) and rescores
-    ``rescore × k`` candidates with the exact vectors, so its order is exact among them."""
+    them (tuned by :meth:`finalize`). ``kind="ivf-flat"`` keeps full vectors in the cells.
+
+    ``kind="ivf-pq"`` keeps product-quantized codes (``pq_m`` bytes per vector) to find
+    ``rescore × k`` candidates, re-ranks them with an 8-bit scalar-quantized copy of the vectors
+    (``IndexRefine``, 1 byte per dimension: a quarter of fp32) down to ``4 × k``, whose exact
+    cosines (from the exact store) pick and order the final ``k``. What it keeps in memory is
+    about 30% of the fp32 matrix; the exact store stays mapped read-only, touched only for the
+    ``4 × k`` rows rescored per query.
+    """
 
     param = "nprobe"
 
@@ -415,6 +423,7 @@ class IVFStore(_Derived):
             params["rescore"] = int(rescore)
         super().__init__(dim, exact=exact, **params, **kw)
         self.kind = kind
+        self._ivf: Any = None  # the IndexIVF inside (nprobe is set there)
 
     def _ladder(self) -> tuple[int, ...]:
         nlist = int(self.params["nlist"] or 1)
@@ -422,8 +431,21 @@ class IVFStore(_Derived):
 
     def _set_param(self, value: int) -> None:
         self.params["nprobe"] = int(value)
-        if self.index is not None:
-            self.index.nprobe = int(value)
+        if self._ivf is not None:
+            self._ivf.nprobe = int(value)
+
+    def _attach(self, index: Any) -> None:
+        """Find the IVF (and the refine stage) inside a built or loaded index."""
+        import faiss
+
+        self.index = index
+        inner = faiss.downcast_index(index.index) if self.kind == "ivf-pq" else index
+        if self.kind == "ivf-pq":
+            inner.k_factor = float(self.params["rescore"]) / _EXACT_TOP  # of the 4k it returns
+            self._refine = inner
+            self._ivf = faiss.downcast_index(inner.base_index)
+        else:
+            self._ivf = inner
 
     def _build(self) -> None:
         import faiss
@@ -436,14 +458,24 @@ class IVFStore(_Derived):
         quantizer = faiss.IndexFlatIP(self.dim)
         if self.kind == "ivf-flat":
             index = faiss.IndexIVFFlat(quantizer, self.dim, nlist, faiss.METRIC_INNER_PRODUCT)
+            self._parts: tuple[Any, ...] = (quantizer,)
         else:
             m, nbits = _pq_shape(self.dim, n)
-            self.params.update(pq_m=m, pq_nbits=nbits)
-            index = faiss.IndexIVFPQ(quantizer, self.dim, nlist, m, nbits,
-                                     faiss.METRIC_INNER_PRODUCT)
-        index.own_fields = True
-        quantizer.this.disown()
-        self.index = index
+            self.params.update(pq_m=m, pq_nbits=nbits, refine="SQ8")
+            ivf = faiss.IndexIVFPQ(quantizer, self.dim, nlist, m, nbits, faiss.METRIC_INNER_PRODUCT)
+            # 64 points per PQ centroid and 15 k-means rounds: the codes only pick the
+            # candidates (the refine stage orders them), and PQ training was 3/4 of the build.
+            ivf.pq.cp.max_points_per_centroid = 64
+            ivf.pq.cp.niter = 15
+            ivf.cp.seed = 1234
+            sq = faiss.IndexScalarQuantizer(self.dim, faiss.ScalarQuantizer.QT_8bit,
+                                            faiss.METRIC_INNER_PRODUCT)
+            refine = faiss.IndexRefine(ivf, sq)
+            index = faiss.IndexIDMap(refine)
+            self._parts = (quantizer, ivf, sq, refine)  # python owns these until written
+        if hasattr(index, "cp"):
+            index.cp.seed = 1234
+        self._attach(index)
         if not n:
             return
         x, ids = self.exact.matrix(), self.exact.ids()
@@ -457,45 +489,38 @@ class IVFStore(_Derived):
         need = max(nlist, 2 ** int(self.params.get("pq_nbits", 0)))
         if len(sample) < need:  # a handful of vectors: repeat them so k-means can run
             sample = np.tile(sample, (-(-need // len(sample)), 1))
-        index.cp.seed = 1234
-        if self.kind == "ivf-pq":
-            # 64 points per PQ centroid and 15 k-means rounds: the codes only pick the
-            # candidates (rescoring orders them exactly), and PQ training was 3/4 of the build.
-            index.pq.cp.max_points_per_centroid = 64
-            index.pq.cp.niter = 15
         index.train(sample)
         index.add_with_ids(x, ids)
         self._set_param(min(int(self.params["nprobe"]), nlist))
 
     def search(self, queries: Any, k: int) -> tuple[np.ndarray, np.ndarray]:
-        if self.kind != "ivf-pq" or self.exact is None:
+        if self.kind != "ivf-pq" or self.exact is None or self.index is None:
             return super().search(queries, k)
         import numpy as np
 
+        # The refine stage (SQ8) keeps _EXACT_TOP × k; their exact cosines pick and order the
+        # final k (a few rows of the mapped exact store per query).
         q = _as_rows(queries, self.dim)
-        _, cand = super().search(q, max(k, int(self.params["rescore"]) * k))
+        _, cand = super().search(q, _EXACT_TOP * k)
         scores = np.full((len(q), k), -np.inf, dtype=np.float32)
         ids = np.full((len(q), k), -1, dtype=np.int64)
         for r in range(len(q)):
             c = cand[r][cand[r] >= 0]
-            if not len(c):
-                continue
-            exact = self.exact.vectors(c) @ q[r]
-            top = np.argsort(-exact, kind="stable")[:k]
-            scores[r, : len(top)], ids[r, : len(top)] = exact[top], c[top]
+            if len(c):
+                exact = self.exact.vectors(c) @ q[r]
+                top = np.argsort(-exact, kind="stable")[:k]
+                scores[r, : len(top)], ids[r, : len(top)] = exact[top], c[top]
         return scores, ids
 
     @classmethod
     def load(cls, path: Path, entry: dict[str, Any], *, exact: FlatStore | None = None) -> IVFStore:
-        import faiss
-
-        index = _read(path)  # written bare: read_index downcasts it to IndexIVFFlat/PQ
+        index = _read(path)  # read_index gives the concrete classes back
         s = cls(int(index.d), exact=exact, kind=entry["kind"], nlist=entry.get("nlist"),
                 nprobe=entry.get("nprobe", 16), rescore=entry.get("rescore", _RESCORE))
-        for key in ("pq_m", "pq_nbits"):
+        for key in ("pq_m", "pq_nbits", "refine"):
             if key in entry:
                 s.params[key] = entry[key]
-        s.index = index
+        s._attach(index)
         s._set_param(s.params["nprobe"])
         return s
 
