@@ -204,6 +204,9 @@ def main() -> None:
                                                   "does not fit this run's time on 2 cores"}
                 continue
             folder = args.work / f"{kind}_{n}"
+            import shutil
+
+            shutil.rmtree(folder, ignore_errors=True)  # left by an interrupted run
             print(f"n={n} {kind}: building", flush=True)
             faiss.omp_set_num_threads(2)  # builds may use both cores; searches use one
             built = write_index(folder, x, kind)

@@ -267,3 +267,16 @@ def test_cli_store_option_and_stats(docs: Path, tmp_path: Path) -> None:
     assert r.exit_code == 0, r.output
     r = runner.invoke(cli, ["index", str(docs), "--index-dir", ixdir, "--store", "annoy"])
     assert r.exit_code != 0 and "annoy" in r.output
+
+
+def test_mapped_flat_store_reads_rows_by_id(exact: FlatStore, tmp_path: Path) -> None:
+    exact.save(tmp_path / "f.index")
+    mapped = FlatStore.load(tmp_path / "f.index", mmap=True)
+    ids = exact.ids()[[5, 0, 2999, 17]]
+    assert mapped.ntotal == 3000 and mapped._index is None  # rows come without loading faiss
+    assert np.array_equal(mapped.vectors(ids), exact.vectors(ids))
+    with pytest.raises(KeyError):
+        mapped.vectors([4])  # ids are 7·i + 3
+    q = exact.vectors(ids)
+    assert np.array_equal(mapped.search(q, 3)[1], exact.search(q, 3)[1])  # maps on demand
+    assert np.array_equal(mapped.ids(), exact.ids())
