@@ -235,15 +235,16 @@ def plot(results: Path, png: Path) -> None:
 
     data = json.loads(results.read_text())["sizes"]
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    for kind, style in (("flat", "o-"), ("hnsw", "s-"), ("ivf-pq", "^-")):
+    for kind, style, color in (("flat", "o-", "C0"), ("hnsw", "s-", "C1"), ("ivf-pq", "^-", "C2")):
         pts = [(int(n), r["stores"][kind]) for n, r in sorted(data.items(), key=lambda t: int(t[0]))
                if "p50_ms" in r["stores"].get(kind, {})]
         if not pts:
             continue
         ns = [n for n, _ in pts]
-        a.plot(ns, [r["p50_ms"] for _, r in pts], style, label=f"{kind} p50")
-        a.plot(ns, [r["p99_ms"] for _, r in pts], style, alpha=0.35, label=f"{kind} p99")
-        b.plot(ns, [r["recall_at_10_heldout"] for _, r in pts], style, label=kind)
+        a.plot(ns, [r["p50_ms"] for _, r in pts], style, color=color, label=f"{kind} p50")
+        a.plot(ns, [r["p99_ms"] for _, r in pts], style, color=color, alpha=0.35,
+               label=f"{kind} p99")
+        b.plot(ns, [r["recall_at_10_heldout"] for _, r in pts], style, color=color, label=kind)
     a.axhline(5, color="grey", ls=":", lw=1)
     a.axhline(10, color="grey", ls=":", lw=1)
     a.set(xscale="log", yscale="log", xlabel="chunks", ylabel="ms per query (1 thread)",
