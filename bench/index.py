@@ -105,7 +105,7 @@ def part_embed(args: argparse.Namespace, tmp: Path) -> dict:
     t = time.perf_counter()
     trunc = model.encode(texts, batch_size=emb.batch_size, normalize_embeddings=True, show_progress_bar=False)
     model_trunc_s = time.perf_counter() - t
-    win_vecs = np.vstack([idx._faiss.reconstruct(h.chunk_id) for h in hits])
+    win_vecs = idx._flat.vectors([h.chunk_id for h in hits])
 
     # Retrieval on SQuAD questions: a hit is a top-5 chunk from the right article file that
     # contains a gold answer. "tail" questions have their answer only past the first window.
@@ -291,7 +291,7 @@ def part_latency(args: argparse.Namespace, tmp: Path) -> dict:
                 assert truth is not None
                 r["recall@10_vs_flat"] = round(statistics.mean(len(a & b) / 10 for a, b in zip(found, truth)), 4)
                 for ef in (32, 64, 256):
-                    faiss.ParameterSpace().set_index_parameter(idx._approx, "efSearch", ef)
+                    idx._search._set_param(ef)
                     got, lat2 = [], []
                     for v in q:
                         t = time.perf_counter()

@@ -559,6 +559,10 @@ class Deduplicator:
     'new'
     >>> d.add("b", "the quick  brown fox jumps over the lazy dog").kind
     'exact'
+
+    ``exact=False`` (with ``near=False``: the indexer's ``dedup="none"``) keeps every text, even
+    byte-identical ones; the content hash is still computed, by the same function, so callers
+    can find a text again (e.g. to reuse its vector). :meth:`check` decides without adding.
     """
 
     def __init__(
@@ -568,9 +572,13 @@ class Deduplicator:
         num_perm: int = DEFAULT_NUM_PERM,
         shingle: int = DEFAULT_SHINGLE,
         near: bool = True,
+        exact: bool = True,
     ) -> None:
+        if near and not exact:
+            raise ConfigError("near-duplicate removal includes exact: pass exact=True with near=True")
         self.index = NearDupIndex(threshold, num_perm)
         self.threshold, self.num_perm, self.shingle, self.near = threshold, num_perm, shingle, near
+        self.exact = exact
         self._by_hash: dict[str, Hashable] = {}  # content hash -> representative
         self._info: dict[Hashable, tuple[str, np.ndarray | None]] = {}  # key -> (hash, sig)
         self._rep: dict[Hashable, Hashable] = {}  # key -> its representative
@@ -593,26 +601,37 @@ class Deduplicator:
     def add(
         self,
         key: Hashable,
-        text: str,
+        text: str = "",
         *,
         signature: np.ndarray | None = None,
         digest: str | None = None,
+        decision: DedupDecision | None = None,
     ) -> DedupDecision:
         """Decide whether ``text`` (stored under ``key``) is new, an exact or a near duplicate.
 
-        ``signature``/``digest`` may be passed when already computed (e.g. restored from disk).
+        ``signature``/``digest`` may be passed when already computed (e.g. restored from disk);
+        ``decision``, from :meth:`check` on the same text (nothing added in between), is taken
+        as is — a caller that needs the decision before it has a key (the indexer: a new
+        chunk's row id) decides once, not twice.
         """
         if key in self._info:
             self.remove(key)
+        if decision is None:
+            decision = self.check(text, signature=signature, digest=digest)
+        return self._place(key, decision.content_hash, decision.signature, decision)
+
+    def check(self, text: str = "", *, signature: np.ndarray | None = None,
+              digest: str | None = None) -> DedupDecision:
+        """What :meth:`add` would decide for ``text``, without adding it."""
         h = digest or content_hash(text)
         sig = signature
         # Exact copies get a signature too: one may be promoted when its original is removed.
         if self.near and sig is None:
             sig = minhash_signature(text, num_perm=self.num_perm, shingle=self.shingle)
-        return self._place(key, h, sig)
+        return self._decide(h, sig)
 
-    def _place(self, key: Hashable, h: str, sig: np.ndarray | None) -> DedupDecision:
-        rep = self._by_hash.get(h)
+    def _decide(self, h: str, sig: np.ndarray | None) -> DedupDecision:
+        rep = self._by_hash.get(h) if self.exact else None
         if rep is not None:
             decision = DedupDecision("exact", rep, 1.0, sig, h)
         else:
@@ -622,11 +641,17 @@ class Deduplicator:
                 if hits:
                     rep, sim = hits[0]
                     decision = DedupDecision("near", rep, sim, sig, h)
+        return decision
+
+    def _place(self, key: Hashable, h: str, sig: np.ndarray | None,
+               decision: DedupDecision | None = None) -> DedupDecision:
+        if decision is None:
+            decision = self._decide(h, sig)
         self._info[key] = (h, sig)
         if decision.kind == "new":
             self._rep[key] = key
             self._members[key] = [key]
-            self._by_hash[h] = key
+            self._by_hash.setdefault(h, key)
             if self.near and sig is not None:
                 self.index.insert(key, sig)
         else:

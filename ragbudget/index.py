@@ -4,7 +4,9 @@ Layout of an index folder (default ``.ragbudget/``)::
 
     manifest.json          names the current generation, settings, counts and sha256 checksums
     faiss.<gen>.index      exact inner-product index (IndexFlatIP in IndexIDMap2), ids = chunk ids
-    hnsw.<gen>.index       optional approximate index over the same vectors (``approx="hnsw"``)
+    <store>.<gen>.index    the search store when it is not the exact one: ``hnsw``, ``ivf-flat`` or
+                           ``ivf-pq``, derived from the same vectors (:mod:`ragbudget.vectors`;
+                           ``store="auto"`` picks by size and records the recall it measured)
     meta.<gen>.sqlite      chunks, sources (every duplicate location), files (drives incremental runs),
                            roots (the paths given to build, with their display labels),
                            chunks_fts: an FTS5 (BM25) table over the chunk texts, kept in sync with
@@ -62,15 +64,12 @@ import json
 import logging
 import os
 import re
-import shutil
 import sqlite3
 import stat
-import struct
 import threading
-import zlib
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -80,9 +79,18 @@ from .errors import (
     IndexLockedError,
     IndexNotFoundError,
     InputPathError,
-    LoadError,
 )
-from .types import Document, Source
+from .lexical import (
+    FTS_TOKENIZE,
+    FUSIONS,
+    _bm25,
+    _warn_no_fts5,
+    fts5_available,
+    fts_match_query,
+    fuse_scores,
+)
+from .types import Hit, IndexedFile, IndexSummary, Source, VerifyReport
+from .vectors import FlatStore
 
 if TYPE_CHECKING:
     import numpy as np
@@ -113,7 +121,7 @@ DEFAULT_INDEX_DIR = ".ragbudget"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 LOCK = "lock"
-_GEN_FILE = re.compile(r"^(faiss|hnsw|meta)\.(\d+)\.(index|sqlite)$")
+_GEN_FILE = re.compile(r"^(faiss|hnsw|ivf-flat|ivf-pq|meta)\.(\d+)\.(index|sqlite)$")
 
 #: ``progress(phase, done, total)``: phases ``"files"`` (files to (re)index) then ``"embed"``
 #: (chunks embedded; ``total`` grows as files are chunked), then ``"write"``.
@@ -171,340 +179,6 @@ _FILES_ADDED_COLUMNS = (("n_pages", "INTEGER"), ("warning", "TEXT"))
 #: emptied or wrong folder than a real clean-up, and costs a full re-embed to undo.
 REMOVAL_GUARD_FILES = 5
 REMOVAL_GUARD_SHARE = 0.2
-
-# Embedded batches of the run in progress, appended and fsync'ed per batch, so a re-run after a
-# kill reuses them (see ``_Checkpoint``). Not a generation file: ``_clean_leftovers`` keeps it.
-CHECKPOINT = "embed.checkpoint"
-
-# BM25 over the chunk texts. A plain (content-storing) FTS5 table, not an external-content one: it
-# costs a second copy of the text, but it can be checked row by row against ``chunks`` on a
-# read-only connection (verify), and SQLite 3.40 (this Python's) has no contentless deletes.
-# Porter stemming: questions say "founded" where the text says "founding".
-FTS_TOKENIZE = "porter unicode61 remove_diacritics 2"
-_FTS_SCHEMA = f"""
-CREATE VIRTUAL TABLE IF NOT EXISTS chunks_fts USING fts5(text, tokenize='{FTS_TOKENIZE}');
-CREATE TRIGGER IF NOT EXISTS chunks_fts_ai AFTER INSERT ON chunks BEGIN
-    INSERT INTO chunks_fts(rowid, text) VALUES (new.id, new.text);
-END;
-CREATE TRIGGER IF NOT EXISTS chunks_fts_ad AFTER DELETE ON chunks BEGIN
-    DELETE FROM chunks_fts WHERE rowid = old.id;
-END;
-CREATE TRIGGER IF NOT EXISTS chunks_fts_au AFTER UPDATE OF text ON chunks BEGIN
-    UPDATE chunks_fts SET text = new.text WHERE rowid = old.id;
-END;
-"""
-
-#: Fusion methods of hybrid search: ``rrf`` (reciprocal rank fusion, Cormack et al. 2009) and
-#: ``score`` (min-max normalized scores, weighted sum).
-FUSIONS = ("rrf", "score")
-# RRF's k: 60 is the constant of the original paper and of Elasticsearch/Weaviate/LlamaIndex.
-_RRF_K = 60
-# Words that carry no retrieval signal in a question; OR-ing them would only make every chunk match.
-_STOP = frozenset((
-    "a", "an", "and", "are", "as", "at", "be", "been", "but", "by", "can", "could", "did", "do",
-    "does", "for", "from", "had", "has", "have", "how", "i", "if", "in", "into", "is", "it", "its",
-    "of", "on", "or", "should", "so", "than", "that", "the", "their", "them", "then", "there",
-    "these", "they", "this", "those", "to", "was", "were", "what", "when", "where", "which", "who",
-    "whom", "whose", "why", "will", "with", "would", "you", "your", "yours", "me", "my", "we",
-    "our", "us", "he", "she", "his", "her",
-))
-_FTS_WORD = re.compile(r"\w+")
-_FTS_MAX_TERMS = 64
-
-_fts5_ok: bool | None = None
-_fts5_warned = False
-
-
-def fts5_available() -> bool:
-    """Whether this Python's SQLite has FTS5 (checked once, on an in-memory database)."""
-    global _fts5_ok
-    if _fts5_ok is None:
-        try:
-            con = sqlite3.connect(":memory:")
-            try:
-                con.execute("CREATE VIRTUAL TABLE t USING fts5(x)")
-                _fts5_ok = True
-            finally:
-                con.close()
-        except sqlite3.Error:
-            _fts5_ok = False
-    return _fts5_ok
-
-
-def _warn_no_fts5() -> None:
-    global _fts5_warned
-    if not _fts5_warned:
-        _fts5_warned = True
-        log.warning(
-            "this Python's SQLite (%s) has no FTS5: lexical (BM25) search is off and hybrid "
-            "search falls back to dense only; use a Python built with a full SQLite to enable it",
-            sqlite3.sqlite_version,
-        )
-
-
-def fts_match_query(text: str, *, max_terms: int = _FTS_MAX_TERMS) -> str:
-    """An FTS5 ``MATCH`` expression for free text: its words, each quoted, joined by ``OR``.
-
-    Every word becomes a quoted string (a ``"`` inside is doubled), so FTS5 syntax in the user's
-    text — quotes, ``AND``/``NOT``/``NEAR``, ``*``, ``^``, column filters, parentheses — is matched
-    as plain words and never raises. Stop words are left out unless nothing else is left; repeated
-    words count once; at most ``max_terms`` words. ``""`` when the text has no word at all.
-
-    >>> fts_match_query('Who founded "Apple" AND NOT Microsoft*?')
-    '"founded" OR "apple" OR "microsoft"'
-    """
-    words = list(dict.fromkeys(w.lower() for w in _FTS_WORD.findall(text)))
-    kept = [w for w in words if w not in _STOP and w not in ("and", "or", "not", "near")] or words
-    return " OR ".join('"' + w.replace('"', '""') + '"' for w in kept[:max_terms])
-
-
-def _bm25(db: sqlite3.Connection, query: str, k: int, *,
-          ids: Sequence[int] | None = None) -> list[tuple[int, float]]:
-    """``(chunk_id, bm25)`` best first (bm25 negated so higher is better), from ``chunks_fts``.
-
-    With ``ids``, only those chunks are scored (their BM25 still uses whole-corpus statistics).
-    A query FTS5 still refuses is logged and answers ``[]``: a question must never fail on syntax.
-    """
-    expr = fts_match_query(query)
-    if not expr or k < 1:
-        return []
-    sql = "SELECT rowid, -bm25(chunks_fts) FROM chunks_fts WHERE chunks_fts MATCH ?"
-    params: list[Any] = [expr]
-    if ids is not None:
-        ids = [int(i) for i in ids][:900]  # under every SQLite build's bound-parameter limit
-        if not ids:
-            return []
-        sql += f" AND rowid IN ({','.join('?' * len(ids))})"
-        params += ids
-    sql += " ORDER BY bm25(chunks_fts) LIMIT ?"
-    params.append(int(k))
-    try:
-        return [(int(i), float(s)) for i, s in db.execute(sql, params)]
-    except sqlite3.Error as exc:
-        log.warning("lexical search skipped for %r: %s", query[:80], exc)
-        return []
-
-
-_FTS_TRIGGERS = ("chunks_fts_ai", "chunks_fts_ad", "chunks_fts_au")
-
-
-def _ensure_fts(db: sqlite3.Connection, *, trusted: bool = True) -> str:
-    """Create the FTS table and its triggers on a writable connection and fill it if it was missing.
-
-    ``trusted=False`` says an existing table may be stale (the generation was written by a Python
-    without FTS5, which had to drop the triggers): it is rebuilt from ``chunks``. Returns ``"ok"``
-    (was there), ``"created"`` (created and back-filled) or ``"unavailable"`` (no FTS5 here; the
-    triggers are dropped so that writing ``chunks`` does not need the missing module).
-    """
-    had = db.execute("SELECT 1 FROM sqlite_master WHERE name='chunks_fts'").fetchone() is not None
-    if not fts5_available():
-        _warn_no_fts5()
-        for t in _FTS_TRIGGERS:
-            db.execute(f"DROP TRIGGER IF EXISTS {t}")
-        return "unavailable"
-    if had and not trusted:
-        db.execute("DROP TABLE chunks_fts")
-        had = False
-    db.executescript(_FTS_SCHEMA)
-    if had:
-        return "ok"
-    db.execute("INSERT INTO chunks_fts(rowid, text) SELECT id, text FROM chunks")
-    return "created"
-
-
-def fuse_scores(
-    dense: dict[Any, float],
-    lexical: dict[Any, float],
-    *,
-    method: str = "score",
-    lexical_weight: float = 0.5,
-) -> list[tuple[Any, float]]:
-    """Fuse dense and lexical scores of the same items; ``(id, score)`` best first.
-
-    ``dense`` maps ids to similarities (higher is better), ``lexical`` ids to BM25 scores (higher
-    is better); an id missing from one mapping did not come up in that search. ``method``:
-
-    * ``"rrf"``: ``(1 - w) / (60 + dense rank) + w / (60 + lexical rank)`` (ranks from 1);
-    * ``"score"``: ``(1 - w) · d + w · l``, the dense scores min-max normalized over the
-      candidates, the lexical ones divided by their maximum (BM25 is ≥ 0 and an absent chunk
-      matched no query word: 0, not merely the lowest candidate); a missing score counts as 0.
-
-    ``w = lexical_weight`` (0: dense order only, 1: lexical only). The fused value is then mapped
-    linearly onto the range of the dense scores given, so the result keeps the units of a cosine
-    similarity — what ``select_chunks``'s ``temperature`` is tuned for. Ties keep dense order, then
-    lexical order.
-
-    ``score`` is the default: on SQuAD (``bench/qa.py --sweep``) it gave the best answer recall
-    at small context budgets, where the order of the first few chunks decides.
-
-    >>> fuse_scores({"a": 0.9, "b": 0.8, "c": 0.5}, {"b": 12.0, "c": 3.0})
-    [('b', 0.9), ('a', 0.7), ('c', 0.5)]
-    >>> fuse_scores({"a": 0.9, "b": 0.8}, {"b": 12.0}, method="rrf")
-    [('b', 0.9), ('a', 0.8)]
-    """
-    if method not in FUSIONS:
-        raise ConfigError(f"fusion must be one of {', '.join(FUSIONS)}; got {method!r}")
-    if not 0.0 <= lexical_weight <= 1.0:
-        raise ConfigError(f"lexical_weight must be in [0, 1]; got {lexical_weight}")
-    d_order = sorted(dense, key=lambda i: -dense[i])
-    l_order = sorted(lexical, key=lambda i: -lexical[i])
-    ids = list(dict.fromkeys(d_order + l_order))
-    if not ids:
-        return []
-    w = lexical_weight
-    fused: dict[Any, float] = {}
-    if method == "rrf":
-        d_rank = {i: r for r, i in enumerate(d_order, 1)}
-        l_rank = {i: r for r, i in enumerate(l_order, 1)}
-        for i in ids:
-            f = 0.0
-            if i in d_rank:
-                f += (1.0 - w) / (_RRF_K + d_rank[i])
-            if i in l_rank:
-                f += w / (_RRF_K + l_rank[i])
-            fused[i] = f
-    else:
-        def normalized(m: dict[Any, float], *, from_zero: bool) -> dict[Any, float]:
-            if not m:
-                return {}
-            lo, hi = min(m.values()), max(m.values())
-            if from_zero and lo >= 0 and hi > 0:
-                return {i: v / hi for i, v in m.items()}
-            return {i: (v - lo) / (hi - lo) if hi > lo else 1.0 for i, v in m.items()}
-
-        dn = normalized(dense, from_zero=False)
-        ln = normalized(lexical, from_zero=True)
-        for i in ids:
-            fused[i] = (1.0 - w) * dn.get(i, 0.0) + w * ln.get(i, 0.0)
-    pos = {i: n for n, i in enumerate(ids)}
-    ranked = sorted(ids, key=lambda i: (-fused[i], pos[i]))
-    if dense:
-        lo, hi = min(dense.values()), max(dense.values())
-    else:
-        lo, hi = 0.0, 1.0
-    f_lo, f_hi = min(fused.values()), max(fused.values())
-    span = f_hi - f_lo
-    return [(i, round(hi if span <= 0 else lo + (fused[i] - f_lo) / span * (hi - lo), 9))
-            for i in ranked]
-
-
-# --------------------------------------------------------------------------------------------------
-# records
-
-
-@dataclass(frozen=True)
-class Hit:
-    """A chunk returned by search (``score`` = cosine similarity) or fetched by id (``score`` 0).
-
-    ``sources`` lists every place the text appears (exact and near duplicates), first the one whose
-    text is stored.
-    """
-
-    chunk_id: int
-    score: float
-    text: str
-    n_tokens: int
-    headings: tuple[str, ...] = ()
-    sources: tuple[Source, ...] = ()
-    windows: int = 1
-
-    @property
-    def source(self) -> Source | None:
-        """The first (text-owning) source."""
-        return self.sources[0] if self.sources else None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "chunk_id": self.chunk_id,
-            "score": round(float(self.score), 6),
-            "text": self.text,
-            "n_tokens": self.n_tokens,
-            "headings": list(self.headings),
-            "sources": [s.to_dict() for s in self.sources],
-            "windows": self.windows,
-        }
-
-
-@dataclass(frozen=True)
-class IndexSummary:
-    """What one :meth:`Index.build` run did. ``skipped`` holds ``(path, reason, detail)`` triples,
-    ``warnings`` ``(path, message)`` pairs (e.g. a file decoded by a guessed legacy encoding); paths
-    are display paths (see :attr:`Index.absolute_paths`).
-
-    ``files_indexed`` = ``files_added`` (new to the index) + ``files_updated`` (changed, or
-    re-read by a rebuild); ``files_removed`` counts indexed files that left the index;
-    ``files_kept`` the indexed files under other roots, left untouched. ``chunks_reused`` counts
-    vectors not embedded again, ``chunks_resumed`` the part of them taken from the checkpoint of
-    an interrupted run.
-    """
-
-    files_seen: int = 0
-    files_indexed: int = 0
-    files_unchanged: int = 0
-    files_removed: int = 0
-    skipped: tuple[tuple[str, str, str], ...] = ()
-    chunks_total: int = 0
-    chunks_added: int = 0
-    chunks_removed: int = 0
-    chunks_embedded: int = 0
-    chunks_reused: int = 0
-    exact_duplicates: int = 0
-    near_duplicates: int = 0
-    furniture_lines_removed: int = 0
-    windows_pooled: int = 0
-    windows_embedded: int = 0
-    seconds: float = 0.0
-    embed_seconds: float = 0.0
-    rebuilt: bool = False
-    rebuild_reason: str = ""
-    generation: int = 0
-    committed: bool = False
-    files_added: int = 0
-    files_updated: int = 0
-    files_kept: int = 0
-    chunks_resumed: int = 0
-    warnings: tuple[tuple[str, str], ...] = ()
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["skipped"] = [{"path": p, "reason": r, "detail": x} for p, r, x in self.skipped]
-        d["warnings"] = [{"path": p, "message": m} for p, m in self.warnings]
-        d["seconds"] = round(self.seconds, 3)
-        d["embed_seconds"] = round(self.embed_seconds, 3)
-        return d
-
-
-@dataclass(frozen=True)
-class IndexedFile:
-    """One file the index knows (:meth:`Index.sources`): ``path`` is its display path,
-    ``status`` ``"indexed"`` or ``"skipped"`` (``reason``/``detail`` say why), ``chunks`` the
-    chunks cut from it (before dedup), ``pages`` its page count when it has real pages,
-    ``warning`` e.g. a guessed text encoding."""
-
-    path: str
-    status: str
-    chunks: int = 0
-    pages: int | None = None
-    size: int | None = None
-    reason: str | None = None
-    detail: str | None = None
-    warning: str | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-@dataclass(frozen=True)
-class VerifyReport:
-    """Result of :meth:`Index.verify`: ``ok`` when ``problems`` is empty."""
-
-    ok: bool
-    problems: tuple[str, ...] = ()
-    checked: dict[str, Any] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"ok": self.ok, "problems": list(self.problems), "checked": dict(self.checked)}
-
 
 # --------------------------------------------------------------------------------------------------
 # small file helpers
@@ -735,7 +409,7 @@ class Index:
 
     ``Index(path)`` never touches the disk until used; :meth:`open` requires an existing index.
     ``search_threads`` is the OpenMP thread count for one query (default 1, see the comment in
-    ``__init__``); ``use_approx=False`` searches the exact index even when an HNSW one exists.
+    ``__init__``); ``use_approx=False`` searches the exact store even when the index has an approximate one.
     Reading loads the manifest-named generation, checks sha256 checksums (``verify_checksums``),
     and keeps the FAISS index in memory and the SQLite file open read-only.
 
@@ -764,8 +438,8 @@ class Index:
         # None leaves FAISS's global thread setting alone.
         self.search_threads = search_threads
         self._manifest: dict[str, Any] | None = None
-        self._faiss: Any = None
-        self._approx: Any = None
+        self._flat: FlatStore | None = None  # the exact store: truth, rescoring, verify
+        self._search: Any = None  # the store that answers queries (the flat one by default)
         self._db: sqlite3.Connection | None = None
         # Where BM25 queries go: the generation's SQLite file, or an in-memory FTS table built
         # on demand for an index written before the table existed; False: no FTS5 here.
@@ -840,15 +514,16 @@ class Index:
 
     def _load(self) -> None:
         """Load the manifest-named generation into memory (retrying if a writer just swapped it)."""
-        if self._faiss is not None:
+        if self._flat is not None:
             return
         with self._lock:
-            if self._faiss is not None:
+            if self._flat is not None:
                 return
             for attempt in range(3):
                 m = self._read_manifest()
                 try:
-                    self._faiss, self._approx, self._db = self._open_generation(m)
+                    self._flat, approx, self._db = self._open_generation(m)
+                    self._search = approx if approx is not None else self._flat
                     self._roots = self._load_roots(self._db)
                     return
                 except IndexCorruptError:
@@ -857,24 +532,21 @@ class Index:
                     if attempt == 2 or self._read_manifest().get("generation") == m["generation"]:
                         raise
 
-    def _open_generation(self, m: dict[str, Any]) -> tuple[Any, Any, sqlite3.Connection]:
-        import faiss
+    def _open_generation(self, m: dict[str, Any], *,
+                         writable: bool = False) -> tuple[FlatStore, Any, sqlite3.Connection]:
+        """The exact store, the search store (``None``: the exact one searches) and the SQLite
+        handle of generation ``m``. ``writable``: for a writer, which edits the exact store and
+        derives its own search store (not loaded); a reader with a search store maps the exact
+        matrix read-only instead of loading it (rescoring touches a few rows per query)."""
+        from .vectors import FlatStore, load_store
 
         fpath = self._check_file(m["faiss"])
         spath = self._check_file(m["sqlite"])
-        try:
-            flat = faiss.read_index(str(fpath))
-        except Exception as exc:  # faiss raises RuntimeError on a malformed file
-            raise IndexCorruptError(f"index file {fpath} could not be read by faiss: {exc}") from exc
+        want_approx = not writable and self.use_approx and bool(m.get("approx"))
+        flat = FlatStore.load(fpath, m["faiss"], mmap=want_approx)
         approx = None
-        if self.use_approx and m.get("approx"):
-            apath = self._check_file(m["approx"])
-            try:
-                approx = faiss.read_index(str(apath))
-                faiss.ParameterSpace().set_index_parameter(
-                    approx, "efSearch", int(m["approx"].get("ef_search", 128)))
-            except Exception as exc:
-                raise IndexCorruptError(f"index file {apath} could not be read: {exc}") from exc
+        if want_approx:
+            approx = load_store(self._check_file(m["approx"]), m["approx"], exact=flat)
         # immutable=1: generation files never change after commit, so SQLite needs no locks.
         try:
             db = sqlite3.connect(f"file:{spath}?mode=ro&immutable=1", uri=True,
@@ -948,7 +620,7 @@ class Index:
             self._lex_db = None
             if self._db is not None:
                 self._db.close()
-            self._db = self._faiss = self._approx = None
+            self._db = self._flat = self._search = None
             self._manifest = None
             self._roots = None
 
@@ -1084,8 +756,8 @@ class Index:
         out = {}
         for i in ids:
             try:
-                out[int(i)] = float(self._faiss.reconstruct(int(i)) @ q)
-            except RuntimeError:  # no vector for this id (verify reports such an index)
+                out[int(i)] = float(self._flat.vectors([int(i)])[0] @ q)
+            except KeyError:  # no vector for this id (verify reports such an index)
                 continue
         return out
 
@@ -1110,18 +782,18 @@ class Index:
         d = int(self.manifest["dim"])
         if q.shape[1] != d:
             raise ConfigError(f"query vector has dimension {q.shape[1]}, the index has {d}")
-        index = self._approx if self._approx is not None else self._faiss
+        store = self._search
         if self.search_threads:
             import faiss
 
             before = faiss.omp_get_max_threads()
             faiss.omp_set_num_threads(self.search_threads)
             try:
-                scores, ids = index.search(q, k)
+                scores, ids = store.search(q, k)
             finally:
                 faiss.omp_set_num_threads(before)
         else:
-            scores, ids = index.search(q, k)
+            scores, ids = store.search(q, k)
         pairs = [(int(i), float(s)) for i, s in zip(ids[0], scores[0]) if i >= 0]
         by_id = {h.chunk_id: h for h in self.get_chunks([i for i, _ in pairs])}
         return [_with_score(by_id[i], s) for i, s in pairs if i in by_id]
@@ -1203,6 +875,9 @@ class Index:
             "chunking": m.get("chunking"),
             "dedup": m.get("dedup"),
             "approx": (m.get("approx") or {}).get("kind"),
+            "store": (m.get("store") or {}).get("kind") or (m.get("approx") or {}).get("kind", "flat"),
+            "store_requested": (m.get("store") or {}).get("requested"),
+            "recall_at_10": _recorded_recall(m),
             "lexical": (m.get("lexical") or {}).get("kind"),
             "roots": [r.get("label") for r in m.get("roots") or ()],
             **m.get("counts", {}),
@@ -1212,7 +887,6 @@ class Index:
     def verify(self) -> VerifyReport:
         """Check everything: checksums, FAISS ids ↔ chunk rows one-to-one, every chunk has a
         source, every source names an indexed file, counts match the manifest."""
-        import faiss
         import numpy as np
 
         problems: list[str] = []
@@ -1226,8 +900,10 @@ class Index:
             return VerifyReport(False, (str(exc),), checked)
         assert self._db is not None
         db = self._db
-        ids = faiss.vector_to_array(self._faiss.id_map).astype(np.int64)
-        checked["vectors"] = int(self._faiss.ntotal)
+        assert self._flat is not None
+        flat, search = self._flat, self._search
+        ids = flat.ids()
+        checked["vectors"] = flat.ntotal
         if len(ids) != len(np.unique(ids)):
             problems.append("a FAISS id appears more than once")
         chunk_ids = np.array([r[0] for r in db.execute("SELECT id FROM chunks")], dtype=np.int64)
@@ -1238,10 +914,26 @@ class Index:
             problems.append(f"{len(only_faiss)} FAISS id(s) without a chunk row, e.g. {only_faiss[:5].tolist()}")
         if len(only_db):
             problems.append(f"{len(only_db)} chunk row(s) without a vector, e.g. {only_db[:5].tolist()}")
-        if self._faiss.d != int(m["dim"]):
-            problems.append(f"FAISS dimension {self._faiss.d} != manifest dim {m['dim']}")
-        if self._approx is not None and self._approx.ntotal != self._faiss.ntotal:
-            problems.append(f"approximate index has {self._approx.ntotal} vectors, flat has {self._faiss.ntotal}")
+        if flat.dim != int(m["dim"]):
+            problems.append(f"FAISS dimension {flat.dim} != manifest dim {m['dim']}")
+        if search is not flat:
+            kind = m["approx"].get("kind")
+            if search.ntotal != flat.ntotal:
+                problems.append(f"the {kind} store has {search.ntotal} vectors, flat has {flat.ntotal}")
+            recorded = m["approx"].get("recall_at_10")
+            if recorded is not None:
+                from .vectors import RECALL_TOLERANCE, measure_recall
+
+                # Same seed, same sample of queries as at build time: only a changed store moves it.
+                recall, nq = measure_recall(search, flat, queries=int(m["approx"].get(
+                    "recall_queries") or 200))
+                checked["recall_at_10"] = round(recall, 4)
+                checked["recall_recorded"] = recorded
+                if recall < float(recorded) - RECALL_TOLERANCE:
+                    problems.append(
+                        f"the {kind} store's recall@10 is {recall:.3f} on {nq} queries, the "
+                        f"manifest records {recorded}; rebuild the index (`ragbudget index PATH "
+                        "--rebuild`)")
         orphans = db.execute(
             "SELECT COUNT(*) FROM chunks WHERE id NOT IN (SELECT chunk_id FROM sources)"
         ).fetchone()[0]
@@ -1311,6 +1003,7 @@ class Index:
         max_bytes: int | None = None,
         clean: bool = True,
         approx: str | None = None,
+        store: str = "auto",
         rebuild: bool = False,
         prune: bool = False,
         allow_removal: bool = False,
@@ -1332,8 +1025,14 @@ class Index:
         and re-embeds every file of every recorded root (and of ``paths``); with ``prune``, of
         ``paths`` only. Embedded batches are checkpointed, so a run that was killed resumes
         without embedding them again. ``dedup`` is ``"near"`` (content hash +
-        MinHash at ``near_threshold``), ``"exact"`` or ``"none"``; ``approx="hnsw"`` also writes
-        an HNSW index used by search. Settings that change the vectors or the chunks (embedder,
+        MinHash at ``near_threshold``), ``"exact"`` or ``"none"``. ``store`` picks the vector store
+        that answers searches (:mod:`ragbudget.vectors`): ``"auto"`` (exact while the vectors are
+        small enough to scan within the latency target, then HNSW, then IVF-PQ; see
+        :func:`~ragbudget.vectors.choose_store`), ``"flat"``, ``"hnsw"``, ``"ivf"`` (IVF-PQ with
+        exact rescoring) or ``"ivf-flat"``; an approximate store is tuned to recall@10
+        :data:`~ragbudget.vectors.RECALL_TARGET` against exact search, measured on the index's
+        own vectors and recorded in the manifest. ``approx="hnsw"`` is the older spelling of
+        ``store="hnsw"``. Settings that change the vectors or the chunks (embedder,
         chunking, dedup) trigger a full rebuild, reported in ``rebuild_reason``.
         Files stream through in batches of ``batch_files``; chunks are embedded ``embed_batch`` at a
         time, so memory grows with the batch, not the corpus — except for what every chunk keeps in
@@ -1346,6 +1045,12 @@ class Index:
             raise ConfigError(f"dedup must be 'near', 'exact' or 'none', got {dedup!r}")
         if approx not in (None, "hnsw"):
             raise ConfigError(f"approx must be None or 'hnsw', got {approx!r}")
+        if approx is not None:
+            store = approx  # the older spelling of store="hnsw"
+        from .vectors import STORES
+
+        if store not in STORES:
+            raise ConfigError(f"store must be one of {', '.join(STORES)}; got {store!r}")
         if not 0 <= min_tokens <= max_tokens:
             raise ConfigError(
                 f"need 0 <= min_tokens <= max_tokens, got min_tokens={min_tokens}, "
@@ -1364,9 +1069,11 @@ class Index:
         self.path.mkdir(parents=True, exist_ok=True)
         with _Lock(self.path):
             self.close()
+            from .build import _Builder
+
             builder = _Builder(
                 self, given, embedder=embedder, tokenizer=tok, settings=settings,
-                include=include, exclude=exclude, max_bytes=max_bytes, clean=clean, approx=approx,
+                include=include, exclude=exclude, max_bytes=max_bytes, clean=clean, store=store,
                 rebuild=rebuild, batch_files=max(1, batch_files), embed_batch=max(1, embed_batch),
                 progress=progress, roots=roots, prune=prune, allow_removal=allow_removal,
             )
@@ -1379,859 +1086,15 @@ class Index:
     update = build
 
 
-def _no_progress(phase: str, done: int, total: int | None = None) -> None:
-    """Default progress callback: nothing to report to."""
+
+def _recorded_recall(m: dict[str, Any]) -> float | None:
+    """The recall@10 the manifest records for its search store (1.0 for exact search; ``None``
+    for an approximate store written before recall was measured)."""
+    if not m.get("approx"):
+        return 1.0
+    r = m["approx"].get("recall_at_10")
+    return None if r is None else float(r)
 
 
 def _with_score(hit: Hit, score: float) -> Hit:
     return Hit(hit.chunk_id, score, hit.text, hit.n_tokens, hit.headings, hit.sources, hit.windows)
-
-
-# --------------------------------------------------------------------------------------------------
-# the writer
-
-
-_EMBEDDER_IDENTITY = ("kind", "id", "pooling", "max_tokens", "window_overlap")
-
-
-def _identity(spec: dict[str, Any]) -> dict[str, Any]:
-    # Compared without loading the model: a re-run on an unchanged corpus must cost a stat per file.
-    return {k: spec.get(k) for k in _EMBEDDER_IDENTITY if k != "max_tokens" or spec.get("kind") == "hash"}
-
-
-def _light_spec(emb: Embedder) -> dict[str, Any]:
-    from .embed import HashEmbedder, SentenceTransformerEmbedder
-
-    if isinstance(emb, SentenceTransformerEmbedder):
-        return {"kind": "sentence-transformers", "id": emb.id, "model": emb.model_name,
-                "pooling": emb.pooling, "window_overlap": emb.window_overlap}
-    if isinstance(emb, HashEmbedder):
-        return emb.spec()
-    return {"kind": "custom", "id": emb.id, "pooling": getattr(emb, "pooling", None)}
-
-
-class _Checkpoint:
-    """Vectors embedded by the run in progress, kept across a kill so a re-run resumes.
-
-    ``embed.checkpoint`` in the index folder: a header (magic, length, JSON: embedder identity and
-    dimension), then fixed-size records ``sha256(text) | windows (u32) | vector (dim × f32) |
-    crc32``, appended and fsync'ed once per embedded batch. Loading keeps the records up to the
-    first torn or damaged one; a file written for another embedder is deleted. The writer removes
-    it once its vectors are committed (or when a run had nothing to commit). Keyed by the text
-    itself, so it holds whatever chunking, dedup or file order the re-run has.
-    """
-
-    MAGIC = b"RBEMBCK1"
-
-    def __init__(self, folder: Path, identity: dict[str, Any]) -> None:
-        self.path = folder / CHECKPOINT
-        self.identity = json.loads(json.dumps(identity))  # as it reads back from JSON
-        self.vectors: dict[bytes, tuple[Any, int]] = {}
-        self.dim: int | None = None
-        self.valid_bytes = 0
-        self.fd: int | None = None
-        self._load()
-
-    @staticmethod
-    def key(text: str) -> bytes:
-        return hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()
-
-    def _record_size(self) -> int:
-        assert self.dim is not None
-        return 32 + 4 + 4 * self.dim + 4
-
-    def _load(self) -> None:
-        import numpy as np
-
-        try:
-            data = self.path.read_bytes()
-        except FileNotFoundError:
-            return
-        except OSError as exc:
-            log.warning("ignoring the embedding checkpoint %s: %s", self.path, exc)
-            return
-        try:
-            if not data.startswith(self.MAGIC):
-                raise ValueError("not a checkpoint")
-            (n,) = struct.unpack_from("<I", data, len(self.MAGIC))
-            start = len(self.MAGIC) + 4
-            header = json.loads(data[start : start + n])
-            pos = start + n
-        except (ValueError, struct.error) as exc:
-            log.warning("removing an unreadable embedding checkpoint %s (%s)", self.path, exc)
-            self._unlink()
-            return
-        if header.get("identity") != self.identity:
-            log.info("removing the embedding checkpoint %s: written for another embedder", self.path)
-            self._unlink()
-            return
-        self.dim = int(header["dim"])
-        size = self._record_size()
-        while pos + size <= len(data):
-            rec = data[pos : pos + size]
-            if zlib.crc32(rec[:-4]) != struct.unpack("<I", rec[-4:])[0]:
-                break  # a torn or damaged tail: keep what came before
-            (windows,) = struct.unpack_from("<I", rec, 32)
-            self.vectors[rec[:32]] = (np.frombuffer(rec[36:-4], dtype="<f4").copy(), int(windows))
-            pos += size
-        self.valid_bytes = pos
-        if self.vectors:
-            log.info("resuming from %d embedded chunks checkpointed by an interrupted run",
-                     len(self.vectors))
-
-    def get(self, text: str) -> tuple[Any, int] | None:
-        return self.vectors.get(self.key(text))
-
-    def add(self, texts: Sequence[str], vectors: Any, windows: Sequence[int]) -> None:
-        """Append one embedded batch and fsync it."""
-        import numpy as np
-
-        vecs = np.ascontiguousarray(vectors, dtype="<f4")
-        if self.fd is None:
-            if self.dim is not None and self.dim != vecs.shape[1]:
-                self._unlink()
-            if self.dim is None or self.valid_bytes == 0:
-                self.dim = int(vecs.shape[1])
-                header = json.dumps({"identity": self.identity, "dim": self.dim}).encode()
-                self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-                os.write(self.fd, self.MAGIC + struct.pack("<I", len(header)) + header)
-            else:
-                self.fd = os.open(self.path, os.O_WRONLY)
-                os.ftruncate(self.fd, self.valid_bytes)  # drop a torn tail before appending
-                os.lseek(self.fd, 0, os.SEEK_END)
-        out = bytearray()
-        for text, vec, w in zip(texts, vecs, windows):
-            rec = self.key(text) + struct.pack("<I", int(w)) + vec.tobytes()
-            out += rec + struct.pack("<I", zlib.crc32(rec))
-        os.write(self.fd, bytes(out))
-        os.fsync(self.fd)
-
-    def close(self) -> None:
-        if self.fd is not None:
-            with contextlib.suppress(OSError):
-                os.close(self.fd)
-            self.fd = None
-
-    def _unlink(self) -> None:
-        self.close()
-        with contextlib.suppress(OSError):
-            self.path.unlink()
-        self.vectors, self.dim, self.valid_bytes = {}, None, 0
-
-    def remove(self) -> None:
-        """The run committed (or had nothing to commit): the checkpoint is spent."""
-        self._unlink()
-        _fsync_dir(self.path.parent)
-
-
-class _Builder:
-    """One writer run. Holds the new generation's SQLite connection and FAISS index."""
-
-    def __init__(self, idx: Index, paths: list[str], *, embedder: Embedder | None, tokenizer: Any,
-                 settings: dict[str, Any], include: Any, exclude: Any, max_bytes: int | None,
-                 clean: bool, approx: str | None, rebuild: bool, batch_files: int, embed_batch: int,
-                 progress: ProgressCallback | None, roots: Sequence[tuple[str, str]] = (),
-                 prune: bool = False, allow_removal: bool = False) -> None:
-        self.idx = idx
-        self.given = list(roots)
-        self.prune = prune
-        self.allow_removal = allow_removal
-        self.roots: list[_Root] = []
-        self.warnings: list[tuple[str, str]] = []
-        self.old_indexed: set[str] = set()
-        self.checkpoint: _Checkpoint | None = None
-        self.dir = idx.path
-        self.paths = paths
-        self.embedder = embedder
-        self.tok = tokenizer
-        self.settings = settings
-        self.include, self.exclude, self.max_bytes, self.clean = include, exclude, max_bytes, clean
-        self.approx = approx
-        self.rebuild = rebuild
-        self.batch_files = batch_files
-        self.embed_batch = embed_batch
-        self.progress: ProgressCallback = progress or _no_progress
-        self.t0 = time.perf_counter()
-        self.stats: dict[str, Any] = {k: 0 for k in (
-            "files_indexed", "files_unchanged", "files_removed", "chunks_added", "chunks_removed",
-            "chunks_embedded", "chunks_reused", "exact_duplicates", "near_duplicates",
-            "furniture_lines_removed", "windows_pooled", "windows_embedded", "files_added",
-            "files_updated", "files_kept", "chunks_resumed")}
-        self.embed_seconds = 0.0
-        self.skipped: list[tuple[str, str, str]] = []
-        self.db: sqlite3.Connection | None = None
-        self.faiss: Any = None
-        self.tmp_db: Path | None = None
-        self.pending: list[tuple[int, str]] = []
-        self.embed_total = 0
-        self.near: Any = None
-        self.sig_dtype: str | None = None
-        self.reuse: tuple[sqlite3.Connection, Any] | None = None
-        self.old: dict[str, Any] | None = None
-        self.changed = False
-        self.lexical = "unavailable"
-
-    # -- setup ---------------------------------------------------------------------------------
-
-    def cleanup(self) -> None:
-        if self.db is not None:
-            with contextlib.suppress(Exception):
-                self.db.close()
-        if self.reuse is not None:
-            with contextlib.suppress(Exception):
-                self.reuse[0].close()
-        if self.checkpoint is not None:
-            self.checkpoint.close()
-        if self.tmp_db is not None and self.tmp_db.exists():
-            self.tmp_db.unlink()
-
-    def _clean_leftovers(self, keep: set[int]) -> None:
-        """Remove temp files of crashed writers and generations older than the previous one."""
-        for p in self.dir.iterdir():
-            if p.name.endswith(".tmp") or p.name.endswith("-journal"):
-                with contextlib.suppress(OSError):
-                    p.unlink()
-                continue
-            mt = _GEN_FILE.match(p.name)
-            if mt and int(mt.group(2)) not in keep:
-                with contextlib.suppress(OSError):
-                    p.unlink()
-
-    def _resolve_embedder(self) -> tuple[Embedder, str]:
-        """Pick the embedder and say why a full rebuild is needed (``""`` when not)."""
-        from .embed import SentenceTransformerEmbedder, embedder_from_spec
-
-        old = self.old
-        if self.embedder is None:
-            self.embedder = embedder_from_spec(old["embedder"]) if old else SentenceTransformerEmbedder()
-        if old is None:
-            return self.embedder, ""
-        reasons = []
-        if self.rebuild:
-            reasons.append("rebuild requested")
-        if int(old.get("format_version", 0)) != FORMAT_VERSION:
-            reasons.append(f"index format {old.get('format_version')} -> {FORMAT_VERSION}")
-        if _identity(old["embedder"]) != _identity(_light_spec(self.embedder)):
-            reasons.append(f"embedder changed: {old['embedder'].get('id')} -> {self.embedder.id}"
-                           f" (pooling {old['embedder'].get('pooling')} -> {self.embedder.pooling})")
-        for key in ("chunking", "dedup"):
-            if old.get(key) != self.settings[key]:
-                reasons.append(f"{key} settings changed: {old.get(key)} -> {self.settings[key]}")
-        return self.embedder, "; ".join(reasons)
-
-    def _open_old(self) -> tuple[Any, Path | None, str]:
-        """Load the current generation for copying; a damaged one means a rebuild."""
-        try:
-            self.old = self.idx._read_manifest()
-        except IndexNotFoundError:
-            return None, None, ""
-        except IndexCorruptError as exc:
-            return None, None, f"previous index unreadable: {exc}"
-        try:
-            flat, _, db = self.idx._open_generation(self.old)
-            db.close()
-        except IndexCorruptError as exc:
-            self.old = None
-            return None, None, f"previous index damaged: {exc}"
-        return flat, self.dir / self.old["sqlite"]["file"], ""
-
-    def run(self) -> IndexSummary:
-        from .loaders import scan
-
-        old_flat, old_db_path, damaged = self._open_old()
-        gen = int(self.old["generation"]) + 1 if self.old else 1
-        if not self.old and (self.dir / MANIFEST).exists():
-            # Damaged manifest: continue after the highest generation number on disk.
-            gens = [int(m.group(2)) for p in self.dir.iterdir() if (m := _GEN_FILE.match(p.name))]
-            gen = max(gens, default=0) + 1
-        self.gen = gen
-        self._clean_leftovers(keep={gen - 1} if self.old else set())
-        emb, reason = self._resolve_embedder()
-        reason = reason or damaged
-        self.rebuilt = bool(reason) or (self.rebuild and self.old is not None)
-        self.reason = reason
-        if self.old and not reason:
-            self.sig_dtype = self.old.get("dedup_signature_dtype")
-
-        self.tmp_db = self.dir / f"meta.{gen}.sqlite.tmp"
-        if self.old and not reason:
-            assert old_db_path is not None
-            shutil.copyfile(old_db_path, self.tmp_db)
-            self.faiss = old_flat
-        else:
-            if self.old and old_db_path is not None and old_flat is not None and (
-                _identity(self.old["embedder"]) == _identity(_light_spec(emb))
-            ):
-                # Only chunking/dedup changed: old vectors are still valid for identical texts.
-                rdb = sqlite3.connect(f"file:{old_db_path}?mode=ro&immutable=1", uri=True)
-                self.reuse = (rdb, old_flat)
-            self.faiss = None
-        self.db = sqlite3.connect(self.tmp_db)
-        self.db.executescript(_SCHEMA)
-        have = {r[1] for r in self.db.execute("PRAGMA table_info(files)")}
-        for col, decl in _FILES_ADDED_COLUMNS:
-            if col not in have:
-                self.db.execute(f"ALTER TABLE files ADD COLUMN {col} {decl}")
-        # The temp copy is private until renamed: no journal needed; the rename commits it.
-        self.db.execute("PRAGMA journal_mode=OFF")
-        self.db.execute("PRAGMA synchronous=OFF")
-        # A table the previous writer did not vouch for in its manifest may be stale: rebuild it.
-        self.lexical = _ensure_fts(
-            self.db, trusted=bool(self.old and not reason and self.old.get("lexical")))
-        self.changed = bool(reason) or self.old is None
-        if self.lexical == "created" and self.old is not None and not reason:
-            # An index from before the FTS table: this run stores it even if no file changed.
-            log.info("adding the lexical (FTS5) table to the index in %s", self.dir)
-            self.changed = True
-        self.checkpoint = _Checkpoint(self.dir, _identity(_light_spec(emb)))
-
-        # -- 0. roots: what the index held before, and which part of it this run may remove.
-        rebuilding = bool(reason)
-        if rebuilding and old_db_path is not None:
-            with contextlib.closing(sqlite3.connect(
-                    f"file:{old_db_path}?mode=ro&immutable=1", uri=True)) as odb:
-                before_roots = _read_roots(odb)
-                before = {r[0]: r[1:] for r in odb.execute(
-                    "SELECT path, size, mtime_ns, sha256, status, reason, detail FROM files")}
-        else:
-            before_roots = _read_roots(self.db)
-            before = {r[0]: r[1:] for r in self.db.execute(
-                "SELECT path, size, mtime_ns, sha256, status, reason, detail FROM files")}
-        legacy = [p for p in before if not os.path.isabs(p)]
-        if legacy:
-            # Skipped entries of older versions were keyed by the path as typed (relative to
-            # wherever that run started); they hold no chunks and are found again by a scan.
-            self.db.executemany("DELETE FROM files WHERE path=?", [(p,) for p in legacy])
-            before = {p: v for p, v in before.items() if os.path.isabs(p)}
-            self.changed = True
-        if not before_roots and before:
-            fallback = _fallback_root(before)
-            if fallback is not None:
-                log.warning("the index in %s records no roots (written by an older ragbudget); "
-                            "recording %s as the root of its files", self.dir, fallback.label)
-                before_roots = [fallback]
-        roots = list(before_roots)
-        for real, kind in self.given:
-            if not any(r.covers(real) for r in roots):
-                roots.append(_Root(real, _new_label(real, {r.label for r in roots}), kind))
-        self.roots = roots
-        scope = [_Root(real, "", kind) for real, kind in self.given]
-        scan_paths = list(self.paths)
-        if rebuilding and not self.prune:
-            # A rebuild re-reads every recorded root, not only the ones named this time.
-            extra = [r for r in before_roots if not any(g.covers(r.path) for g in scope)]
-            missing = [r for r in extra if not os.path.exists(r.path)]
-            if missing:
-                raise InputPathError(
-                    f"a rebuild re-reads every root of the index, and {len(missing)} of them are "
-                    f"missing: {', '.join(repr(r.label) for r in missing)} (its files are in the "
-                    "index). Nothing was changed; restore them, or pass prune=True (--prune) to "
-                    "rebuild from the given paths only",
-                    paths=tuple(r.label for r in missing))
-            extra.sort(key=lambda r: len(r.path))  # outer folders first: nested ones are walked once
-            scan_paths += [r.path for r in extra]
-            scope += extra
-
-        shielded: list[_Root] = []  # folders the walk could not read: their files are kept
-
-        def in_scope(path: str) -> bool:
-            if any(r.covers(path) for r in shielded):
-                return False
-            return self.prune or any(r.covers(path) for r in scope)
-
-        # -- 1. what changed: one stat per file, content sha256 only when the stat differs.
-        scan_opts: dict[str, Any] = {"max_bytes": self.max_bytes} if self.max_bytes else {}
-        found = scan(scan_paths, include=self.include, exclude=self.exclude, **scan_opts)
-        shielded += [_Root(_canon(str(s.path)), "", "dir") for s in found.skipped
-                     if s.reason in ("unreadable", "missing")]
-        known = {} if rebuilding else before
-        self.old_indexed = {p for p, v in before.items() if v[3] == "indexed"}
-        seen: set[str] = set()
-        self.n_seen = len(found.files) + len(found.skipped)
-        for s in found.skipped:
-            path, why, detail = _canon(str(s.path)), str(s.reason), str(getattr(s, "detail", "") or "")
-            self.skipped.append((path, why, detail))
-            seen.add(path)
-            prev = known.get(path)
-            if prev is None or prev[3] != "skipped" or prev[4] != why:
-                if prev is not None and prev[3] == "indexed":
-                    self._drop_sources(path)
-                self._record_file(path, -1, -1, None, "skipped", why, detail)
-                self.changed = True
-        todo: list[tuple[str, int, int, str | None]] = []
-        digest: str | None
-        for f in found.files:
-            path = str(f.path)
-            seen.add(path)
-            prev = known.get(path)
-            if prev is not None and prev[0] == f.size and prev[1] == f.mtime_ns:
-                self._unchanged(path, prev)
-                continue
-            if prev is not None and prev[0] == f.size:
-                try:
-                    digest = _sha256_file(Path(path))
-                except OSError as exc:
-                    self.skipped.append((path, "unreadable", str(exc)))
-                    continue
-                if digest == prev[2]:
-                    # Touched but identical: record the new mtime, re-read nothing.
-                    self.db.execute("UPDATE files SET mtime_ns=? WHERE path=?", (f.mtime_ns, path))
-                    self.changed = True
-                    self._unchanged(path, prev)
-                    continue
-                todo.append((path, f.size, f.mtime_ns, digest))
-            else:
-                todo.append((path, f.size, f.mtime_ns, None))
-        found_paths = {str(f.path) for f in found.files}
-        leaving = sorted(p for p in self.old_indexed if p not in found_paths and in_scope(p))
-        self._guard_removal(leaving)
-        self.stats["files_removed"] = len(leaving)
-        self.stats["files_kept"] = sum(1 for p in self.old_indexed if not in_scope(p))
-        gone = [p for p in known if p not in seen and in_scope(p)]
-        for path in gone:
-            self._drop_file(path)
-        for path, *_ in todo:
-            if path in known:
-                self._drop_sources(path)
-        if gone or todo:
-            self.changed = True
-        if {(r.path, r.label, r.kind) for r in self._final_roots()} != {
-                (r.path, r.label, r.kind) for r in _read_roots(self.db)}:
-            self.changed = True
-
-        # -- 2. load, clean, chunk, dedup, embed; files stream in batches.
-        # Corpus boilerplate (a navigation line on every HTML page, a licence footer on every
-        # note) is learned from the documents loaded in this run, batch after batch. Documents
-        # indexed in earlier runs are not re-stripped when a pattern first appears later.
-        from .loaders import BoilerplateFilter
-
-        corpus = BoilerplateFilter() if self.clean else None
-        self.progress("files", 0, len(todo))
-        for start in range(0, len(todo), self.batch_files):
-            loaded = []
-            for path, size, mtime_ns, digest in todo[start : start + self.batch_files]:
-                doc, digest = self._load_file(path, size, mtime_ns, digest)
-                if doc is not None:
-                    loaded.append((doc, path, size, mtime_ns, digest))
-            if corpus is not None:
-                corpus.observe(doc for doc, *_ in loaded)
-            for doc, *facts in loaded:
-                self._index_doc(corpus.strip(doc) if corpus else doc, *facts)
-            self.progress("files", min(start + self.batch_files, len(todo)), len(todo))
-            if len(self.pending) >= self.embed_batch:
-                self._flush()
-        self._flush()
-
-        if not self.changed:
-            # Nothing to commit: no new generation, the current one stays.
-            self.checkpoint.remove()
-            return self._summary(committed=False)
-
-        # -- 3. chunks left without any source disappear, from SQLite and FAISS alike.
-        orphans = [r[0] for r in self.db.execute(
-            "SELECT id FROM chunks WHERE id NOT IN (SELECT chunk_id FROM sources)")]
-        if orphans:
-            import numpy as np
-
-            self.db.executemany("DELETE FROM chunks WHERE id=?", [(i,) for i in orphans])
-            if self.faiss is not None:
-                self.faiss.remove_ids(np.array(orphans, dtype=np.int64))
-            self.stats["chunks_removed"] += len(orphans)
-        self.roots = self._final_roots()
-        self.db.execute("DELETE FROM roots")
-        self.db.executemany("INSERT INTO roots (path, label, kind) VALUES (?,?,?)",
-                            [(r.path, r.label, r.kind) for r in self.roots])
-        self._commit()
-        self.checkpoint.remove()  # after the commit point: its vectors are in the index now
-        return self._summary(committed=True)
-
-    def _final_roots(self) -> list[_Root]:
-        """The roots to record: the ones given to this run, and earlier ones still holding a file."""
-        assert self.db is not None
-        given = {real for real, _ in self.given}
-        paths = [r[0] for r in self.db.execute("SELECT path FROM files")]
-        return [r for r in self.roots if r.path in given or any(r.covers(p) for p in paths)]
-
-    def _guard_removal(self, leaving: list[str]) -> None:
-        """Refuse (before anything is written) a run that would remove much of the index,
-        unless the caller said removal is meant."""
-        n, total = len(leaving), len(self.old_indexed)
-        if not n or self.allow_removal or self.prune:
-            return
-        if n < total and (n <= REMOVAL_GUARD_FILES or n <= REMOVAL_GUARD_SHARE * total):
-            return
-        shown = _Roots(self.roots)
-        examples = ", ".join(shown.display(p) for p in leaving[:3]) + (", ..." if n > 3 else "")
-        what = "all" if n == total else f"{n} of the"
-        raise ConfigError(
-            f"this run would remove {what} {total} indexed file(s) ({examples}): they are no "
-            "longer found under the given paths. Nothing was changed. If they were really "
-            "deleted, run again with --allow-removal (allow_removal=True); check that the "
-            "folder is the right one and is mounted"
-        )
-
-    def _unchanged(self, path: str, prev: tuple[Any, ...]) -> None:
-        if prev[3] == "indexed":
-            self.stats["files_unchanged"] += 1
-        else:
-            self.skipped.append((path, prev[4] or "skipped", prev[5] or ""))
-
-    # -- per file ------------------------------------------------------------------------------
-
-    def _drop_sources(self, path: str) -> None:
-        assert self.db is not None
-        self.db.execute("DELETE FROM sources WHERE path=?", (path,))
-
-    def _drop_file(self, path: str) -> None:
-        assert self.db is not None
-        self._drop_sources(path)
-        self.db.execute("DELETE FROM files WHERE path=?", (path,))
-
-    def _load_file(self, path: str, size: int, mtime_ns: int, digest: str | None) -> tuple[Document | None, str | None]:
-        """Load one file (and hash it when not hashed yet), or record why it was skipped."""
-        from .loaders import load_document
-
-        try:
-            if digest is None:
-                digest = _sha256_file(Path(path))
-            return load_document(path, clean=self.clean), digest
-        except LoadError as exc:
-            reason, detail = exc.reason, str(exc)
-        except OSError as exc:
-            reason, detail = "unreadable", str(exc)
-        self._record_file(path, size, mtime_ns, digest, "skipped", reason, detail)
-        self.skipped.append((path, reason, detail))
-        return None, digest
-
-    def _index_doc(self, doc: Document, path: str, size: int, mtime_ns: int, digest: str | None) -> None:
-        from .chunking import chunk_document
-
-        assert self.db is not None
-        furniture = _count(doc.meta.get("furniture_removed", 0)) + _count(doc.meta.get("boilerplate_removed", 0))
-        self.stats["furniture_lines_removed"] += furniture
-        ch = self.settings["chunking"]
-        chunks = chunk_document(doc, min_tokens=ch["min_tokens"], max_tokens=ch["max_tokens"],
-                                overlap=ch["overlap"], tokenizer=self.tok)
-        chunks = [c for c in chunks if c.text.strip()]
-        mode = self.settings["dedup"]["mode"]
-        # Hashes and signatures for a whole file at once: the batch functions vectorise.
-        if mode == "none":
-            hashes = [hashlib.sha256(c.text.encode()).hexdigest() for c in chunks]
-        else:
-            from .dedup import content_hashes
-
-            hashes = content_hashes([c.text for c in chunks])
-        sigs: Any = [None] * len(chunks)
-        if mode == "near" and chunks:
-            from .dedup import minhash_signatures
-
-            sigs = minhash_signatures([c.text for c in chunks],
-                                      num_perm=self.settings["dedup"]["num_perm"])
-        for c, h, sig in zip(chunks, hashes, sigs):
-            self._add_chunk(path, c, h, sig)
-        warning = doc.meta.get("encoding_warning") or None
-        if warning:
-            self.warnings.append((path, str(warning)))
-        pages = int(doc.meta.get("n_pages") or len(doc.pages)) if doc.paginated else None
-        self._record_file(path, size, mtime_ns, digest, "indexed", None, None, len(chunks), furniture,
-                          pages, warning)
-        self.stats["files_indexed"] += 1
-        self.stats["files_updated" if path in self.old_indexed else "files_added"] += 1
-
-    def _record_file(self, path: str, size: int, mtime_ns: int, digest: str | None, status: str,
-                     reason: str | None, detail: str | None, n_chunks: int = 0,
-                     furniture: int = 0, pages: int | None = None, warning: str | None = None) -> None:
-        assert self.db is not None
-        self.db.execute(
-            "INSERT OR REPLACE INTO files (path, size, mtime_ns, sha256, status, reason, detail, "
-            "n_chunks, furniture, n_pages, warning) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
-            (path, size, mtime_ns, digest, status, reason, detail, n_chunks, furniture, pages,
-             warning),
-        )
-
-    def _near_index(self) -> Any:
-        """MinHash LSH over the chunks that still have a source, built from stored signatures."""
-        if self.near is None:
-            import numpy as np
-
-            from .dedup import NearDupIndex
-
-            d = self.settings["dedup"]
-            self.near = NearDupIndex(threshold=d["threshold"], num_perm=d["num_perm"])
-            dtype = self.sig_dtype
-            assert self.db is not None
-            for cid, blob in self.db.execute(
-                "SELECT id, minhash FROM chunks WHERE minhash IS NOT NULL AND id IN "
-                "(SELECT chunk_id FROM sources)"
-            ):
-                if dtype:
-                    self.near.insert(cid, np.frombuffer(blob, dtype=dtype))
-        return self.near
-
-    def _add_chunk(self, path: str, c: Any, h: str, sig: Any) -> None:
-        assert self.db is not None
-        mode = self.settings["dedup"]["mode"]
-        src = (path, c.start, c.end, c.page_start, c.page_end)
-        row = self.db.execute("SELECT id FROM chunks WHERE content_hash=? LIMIT 1", (h,)).fetchone()
-        if row is not None:
-            has_src = self.db.execute("SELECT 1 FROM sources WHERE chunk_id=? LIMIT 1",
-                                      (row[0],)).fetchone()
-            if has_src:
-                self.stats["exact_duplicates"] += 1
-            else:
-                # An orphan of a changed file, same text again: revive it, no re-embedding.
-                self.stats["chunks_reused"] += 1
-                self.db.execute("UPDATE chunks SET headings=? WHERE id=?",
-                                (json.dumps(list(c.headings)), row[0]))
-                if mode == "near":
-                    sig_row = self.db.execute("SELECT minhash FROM chunks WHERE id=?", (row[0],)).fetchone()
-                    if sig_row[0] is not None and self.sig_dtype:
-                        import numpy as np
-
-                        self._near_index().insert(row[0], np.frombuffer(sig_row[0], dtype=self.sig_dtype))
-            self._add_source(row[0], src)
-            return
-        if sig is not None:
-            self.sig_dtype = str(sig.dtype)
-            match = self._near_index().query(sig)
-            if match:
-                # Most similar first (ties: earliest inserted), so the pick is deterministic.
-                self.stats["near_duplicates"] += 1
-                self._add_source(int(match[0]), src)
-                return
-        cur = self.db.execute(
-            "INSERT INTO chunks (text, n_tokens, headings, content_hash, minhash, windows) "
-            "VALUES (?,?,?,?,?,0)",
-            (c.text, int(c.n_tokens), json.dumps(list(c.headings)), h,
-             sig.tobytes() if sig is not None else None),
-        )
-        assert cur.lastrowid is not None
-        cid = int(cur.lastrowid)
-        if sig is not None:
-            self._near_index().insert(cid, sig)
-        self._add_source(cid, src)
-        self.stats["chunks_added"] += 1
-        self.pending.append((cid, c.text))
-        self.embed_total += 1
-        if len(self.pending) >= self.embed_batch:
-            self._flush()
-
-    def _add_source(self, cid: int, src: tuple[Any, ...]) -> None:
-        assert self.db is not None
-        n = self.db.execute("SELECT COALESCE(MAX(ord), -1) + 1 FROM sources WHERE chunk_id=?",
-                            (cid,)).fetchone()[0]
-        self.db.execute(
-            'INSERT INTO sources (chunk_id, path, start, "end", page_start, page_end, ord) '
-            "VALUES (?,?,?,?,?,?,?)", (cid, *src, n))
-
-    # -- vectors -------------------------------------------------------------------------------
-
-    def _ensure_faiss(self, dim: int) -> None:
-        if self.faiss is None:
-            import faiss
-
-            self.faiss = faiss.IndexIDMap2(faiss.IndexFlatIP(dim))
-
-    def _flush(self) -> None:
-        if not self.pending:
-            return
-        import numpy as np
-
-        assert self.db is not None
-        batch, self.pending = self.pending, []
-        ids = np.array([i for i, _ in batch], dtype=np.int64)
-        vecs: np.ndarray | None = None
-        windows = [1] * len(batch)
-        todo = list(range(len(batch)))
-        if self.reuse is not None:
-            vecs, todo = self._reuse_vectors(batch, windows)
-        if todo and self.checkpoint is not None and self.checkpoint.vectors:
-            left = []
-            for j in todo:
-                got = self.checkpoint.get(batch[j][1])
-                if got is None or (vecs is not None and got[0].shape[0] != vecs.shape[1]):
-                    left.append(j)
-                    continue
-                if vecs is None:
-                    vecs = np.zeros((len(batch), got[0].shape[0]), dtype=np.float32)
-                vecs[j], windows[j] = got
-                self.stats["chunks_reused"] += 1
-                self.stats["chunks_resumed"] += 1
-            todo = left
-        if todo:
-            emb = self.embedder
-            assert emb is not None
-            t = time.perf_counter()
-            res = emb.embed([batch[i][1] for i in todo])
-            self.embed_seconds += time.perf_counter() - t
-            if vecs is None:
-                vecs = np.zeros((len(batch), res.vectors.shape[1]), dtype=np.float32)
-            vecs[todo] = res.vectors
-            for j, w in zip(todo, res.windows):
-                windows[j] = w
-            if self.checkpoint is not None:
-                self.checkpoint.add([batch[j][1] for j in todo], res.vectors, res.windows)
-            self.stats["chunks_embedded"] += len(todo)
-            self.stats["windows_pooled"] += res.pooled
-            self.stats["windows_embedded"] += res.texts_fed
-        assert vecs is not None
-        vecs = np.ascontiguousarray(vecs, dtype=np.float32)
-        self._ensure_faiss(vecs.shape[1])
-        if self.faiss.d != vecs.shape[1]:
-            raise ConfigError(
-                f"embedder {self.embedder and self.embedder.id!r} gives {vecs.shape[1]}-d vectors, "
-                f"the index holds {self.faiss.d}-d; rebuild with --rebuild"
-            )
-        self.faiss.add_with_ids(vecs, ids)
-        self.db.executemany("UPDATE chunks SET windows=? WHERE id=?",
-                            [(w, int(i)) for w, i in zip(windows, ids)])
-        self.progress("embed", self.stats["chunks_embedded"] + self.stats["chunks_reused"],
-                      self.embed_total)
-
-    def _reuse_vectors(self, batch: list[tuple[int, str]], windows: list[int]) -> tuple[Any, list[int]]:
-        import numpy as np
-
-        from .dedup import content_hash
-
-        rdb, old_flat = self.reuse  # type: ignore[misc]
-        vecs = np.zeros((len(batch), old_flat.d), dtype=np.float32)
-        todo = []
-        for j, (_, text) in enumerate(batch):
-            row = rdb.execute("SELECT id, windows FROM chunks WHERE content_hash=? LIMIT 1",
-                              (content_hash(text),)).fetchone()
-            if row is None:
-                todo.append(j)
-                continue
-            try:
-                vecs[j] = old_flat.reconstruct(int(row[0]))
-                windows[j] = int(row[1])
-                self.stats["chunks_reused"] += 1
-            except RuntimeError:
-                todo.append(j)
-        return vecs, todo
-
-    # -- commit --------------------------------------------------------------------------------
-
-    def _commit(self) -> None:
-        import faiss
-
-        assert self.db is not None and self.tmp_db is not None
-        gen = self.gen
-        emb = self.embedder
-        assert emb is not None
-        if self.faiss is None:  # nothing was ever embedded: an empty index still needs its dim
-            self._ensure_faiss(emb.dim)
-        self.progress("write", 0, 3)
-        self.db.execute("INSERT OR REPLACE INTO meta VALUES ('generation', ?)", (str(gen),))
-        self.db.commit()
-        counts = {
-            "chunks": self.db.execute("SELECT COUNT(*) FROM chunks").fetchone()[0],
-            "sources": self.db.execute("SELECT COUNT(*) FROM sources").fetchone()[0],
-            "files": self.db.execute(
-                "SELECT COUNT(*) FROM files WHERE status='indexed'").fetchone()[0],
-            "files_skipped": self.db.execute(
-                "SELECT COUNT(*) FROM files WHERE status!='indexed'").fetchone()[0],
-            "vectors": int(self.faiss.ntotal),
-            "windowed_chunks": self.db.execute(
-                "SELECT COUNT(*) FROM chunks WHERE windows>1").fetchone()[0],
-        }
-        if self.lexical != "unavailable":
-            counts["lexical_rows"] = self.db.execute("SELECT COUNT(*) FROM chunks_fts").fetchone()[0]
-        self.counts = counts
-        self.db.close()
-        self.db = None
-        _fsync_file(self.tmp_db)
-        spath = self.dir / f"meta.{gen}.sqlite"
-        os.replace(self.tmp_db, spath)
-        self.tmp_db = None
-        self.progress("write", 1, 3)
-
-        fpath = self.dir / f"faiss.{gen}.index"
-        ftmp = fpath.with_name(fpath.name + ".tmp")
-        faiss.write_index(self.faiss, str(ftmp))
-        _fsync_file(ftmp)
-        os.replace(ftmp, fpath)
-        approx_entry = None
-        if self.approx == "hnsw":
-            approx_entry = self._write_hnsw(gen)
-        self.progress("write", 2, 3)
-
-        # Asking a model-backed embedder for its full spec loads the model: skip that when this
-        # run embedded nothing (a touched file, a deletion) and the old spec still holds.
-        if self.old is not None and not self.rebuilt and not self.stats["chunks_embedded"]:
-            spec = self.old["embedder"]
-        else:
-            spec = emb.spec()
-        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        manifest = {
-            "format": "ragbudget-index",
-            "format_version": FORMAT_VERSION,
-            "generation": gen,
-            "created": (self.old or {}).get("created", now) if not self.rebuilt else now,
-            "updated": now,
-            "embedder": spec,
-            "dim": int(self.faiss.d),
-            "pooling": spec.get("pooling"),
-            "chunking": self.settings["chunking"],
-            "dedup": self.settings["dedup"],
-            "dedup_signature_dtype": self.sig_dtype,
-            "faiss": {"kind": "IndexIDMap2(IndexFlatIP)", "file": fpath.name,
-                      "bytes": fpath.stat().st_size, "sha256": _sha256_file(fpath)},
-            "approx": approx_entry,
-            "lexical": ({"kind": "sqlite-fts5", "table": "chunks_fts", "tokenize": FTS_TOKENIZE}
-                        if self.lexical != "unavailable" else None),
-            "sqlite": {"file": spath.name, "bytes": spath.stat().st_size,
-                       "sha256": _sha256_file(spath)},
-            "counts": counts,
-            "roots": [{"label": r.label, "kind": r.kind} for r in sorted(self.roots, key=lambda r: r.label)],
-            "last_run": self._summary(committed=True).to_dict(),
-        }
-        _fsync_dir(self.dir)
-        _write_json_atomic(self.dir / MANIFEST, manifest)  # the commit point
-        self.progress("write", 3, 3)
-        self._clean_leftovers(keep={gen, gen - 1})
-
-    def _write_hnsw(self, gen: int) -> dict[str, Any]:
-        import faiss
-
-        n, d = int(self.faiss.ntotal), int(self.faiss.d)
-        ids = faiss.vector_to_array(self.faiss.id_map)
-        m, ef_c, ef_s = 32, 80, 128
-        hnsw = faiss.IndexHNSWFlat(d, m, faiss.METRIC_INNER_PRODUCT)
-        hnsw.hnsw.efConstruction = ef_c
-        wrapped = faiss.IndexIDMap(hnsw)
-        if n:  # the flat index stores vectors in id_map order
-            wrapped.add_with_ids(self.faiss.index.reconstruct_n(0, n), ids)
-        path = self.dir / f"hnsw.{gen}.index"
-        tmp = path.with_name(path.name + ".tmp")
-        faiss.write_index(wrapped, str(tmp))
-        _fsync_file(tmp)
-        os.replace(tmp, path)
-        return {"kind": "hnsw", "file": path.name, "bytes": path.stat().st_size,
-                "sha256": _sha256_file(path), "M": m, "ef_construction": ef_c, "ef_search": ef_s}
-
-    def _summary(self, *, committed: bool) -> IndexSummary:
-        if committed and hasattr(self, "counts"):
-            total = self.counts["chunks"]
-        else:
-            total = self._count_chunks()
-        shown = _Roots(self.roots)
-        return IndexSummary(
-            files_seen=getattr(self, "n_seen", 0),
-            skipped=tuple((shown.display(p), r, shown.scrub(d) or "") for p, r, d in self.skipped),
-            warnings=tuple((shown.display(p), m) for p, m in self.warnings),
-            chunks_total=total,
-            seconds=time.perf_counter() - self.t0,
-            embed_seconds=self.embed_seconds,
-            rebuilt=self.rebuilt,
-            rebuild_reason=self.reason,
-            generation=self.gen if committed else self.gen - 1,
-            committed=committed,
-            **self.stats,
-        )
-
-    def _count_chunks(self) -> int:
-        if self.db is not None:
-            return int(self.db.execute("SELECT COUNT(*) FROM chunks").fetchone()[0])
-        return 0
-

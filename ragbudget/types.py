@@ -7,10 +7,19 @@ Stages are functions (``load_document``, ``strip_headers_footers``, ``chunk_text
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["PAGE_SEP", "Chunk", "Document", "Source"]
+__all__ = [
+    "PAGE_SEP",
+    "Chunk",
+    "Document",
+    "Hit",
+    "IndexSummary",
+    "IndexedFile",
+    "Source",
+    "VerifyReport",
+]
 
 #: Pages are joined with a single newline: a sentence running over a page break stays one
 #: paragraph for the chunker, while the page boundary offsets are still known exactly.
@@ -95,3 +104,120 @@ class Source:
             "page": self.page_start,
             "page_end": self.page_end,
         }
+
+
+# Records of the index (ragbudget.index re-exports them).
+
+
+@dataclass(frozen=True)
+class Hit:
+    """A chunk returned by search (``score`` = cosine similarity) or fetched by id (``score`` 0).
+
+    ``sources`` lists every place the text appears (exact and near duplicates), first the one whose
+    text is stored.
+    """
+
+    chunk_id: int
+    score: float
+    text: str
+    n_tokens: int
+    headings: tuple[str, ...] = ()
+    sources: tuple[Source, ...] = ()
+    windows: int = 1
+
+    @property
+    def source(self) -> Source | None:
+        """The first (text-owning) source."""
+        return self.sources[0] if self.sources else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "chunk_id": self.chunk_id,
+            "score": round(float(self.score), 6),
+            "text": self.text,
+            "n_tokens": self.n_tokens,
+            "headings": list(self.headings),
+            "sources": [s.to_dict() for s in self.sources],
+            "windows": self.windows,
+        }
+
+
+@dataclass(frozen=True)
+class IndexSummary:
+    """What one :meth:`Index.build` run did. ``skipped`` holds ``(path, reason, detail)`` triples,
+    ``warnings`` ``(path, message)`` pairs (e.g. a file decoded by a guessed legacy encoding); paths
+    are display paths (see :attr:`Index.absolute_paths`).
+
+    ``files_indexed`` = ``files_added`` (new to the index) + ``files_updated`` (changed, or
+    re-read by a rebuild); ``files_removed`` counts indexed files that left the index;
+    ``files_kept`` the indexed files under other roots, left untouched. ``chunks_reused`` counts
+    vectors not embedded again, ``chunks_resumed`` the part of them taken from the checkpoint of
+    an interrupted run.
+    """
+
+    files_seen: int = 0
+    files_indexed: int = 0
+    files_unchanged: int = 0
+    files_removed: int = 0
+    skipped: tuple[tuple[str, str, str], ...] = ()
+    chunks_total: int = 0
+    chunks_added: int = 0
+    chunks_removed: int = 0
+    chunks_embedded: int = 0
+    chunks_reused: int = 0
+    exact_duplicates: int = 0
+    near_duplicates: int = 0
+    furniture_lines_removed: int = 0
+    windows_pooled: int = 0
+    windows_embedded: int = 0
+    seconds: float = 0.0
+    embed_seconds: float = 0.0
+    rebuilt: bool = False
+    rebuild_reason: str = ""
+    generation: int = 0
+    committed: bool = False
+    files_added: int = 0
+    files_updated: int = 0
+    files_kept: int = 0
+    chunks_resumed: int = 0
+    warnings: tuple[tuple[str, str], ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["skipped"] = [{"path": p, "reason": r, "detail": x} for p, r, x in self.skipped]
+        d["warnings"] = [{"path": p, "message": m} for p, m in self.warnings]
+        d["seconds"] = round(self.seconds, 3)
+        d["embed_seconds"] = round(self.embed_seconds, 3)
+        return d
+
+
+@dataclass(frozen=True)
+class IndexedFile:
+    """One file the index knows (:meth:`Index.sources`): ``path`` is its display path,
+    ``status`` ``"indexed"`` or ``"skipped"`` (``reason``/``detail`` say why), ``chunks`` the
+    chunks cut from it (before dedup), ``pages`` its page count when it has real pages,
+    ``warning`` e.g. a guessed text encoding."""
+
+    path: str
+    status: str
+    chunks: int = 0
+    pages: int | None = None
+    size: int | None = None
+    reason: str | None = None
+    detail: str | None = None
+    warning: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """Result of :meth:`Index.verify`: ``ok`` when ``problems`` is empty."""
+
+    ok: bool
+    problems: tuple[str, ...] = ()
+    checked: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"ok": self.ok, "problems": list(self.problems), "checked": dict(self.checked)}

@@ -221,3 +221,20 @@ def test_constitution_versions(shared_data: Path) -> None:
     assert len(changed) >= 2
     groups = [{s.path for s in it.sources} for it in changed]
     assert not any("constitution.1.0.txt" in g and "constitution.1.9.txt" in g for g in groups)
+
+
+def test_deduplicator_without_exact_keeps_identical_texts_and_check_adds_nothing() -> None:
+    from ragbudget.dedup import Deduplicator, content_hash
+    from ragbudget.errors import ConfigError
+
+    text = "The quick brown fox jumps over the lazy dog"
+    keep_all = Deduplicator(near=False, exact=False)
+    a, b = keep_all.add("a", text), keep_all.add("b", text)
+    assert (a.kind, b.kind) == ("new", "new") and a.content_hash == b.content_hash == content_hash(text)
+    d = Deduplicator()
+    d.add("a", text)
+    probe = d.check("the quick  brown fox jumps over the lazy dog")
+    assert probe.kind == "exact" and probe.duplicate_of == "a" and len(d) == 1
+    assert d.add("b", decision=probe).kind == "exact" and d.members("a") == ["a", "b"]
+    with pytest.raises(ConfigError):
+        Deduplicator(near=True, exact=False)

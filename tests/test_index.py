@@ -415,7 +415,7 @@ import faiss, ragbudget.chunking, ragbudget.dedup, ragbudget.loaders  # imported
 from ragbudget.index import Index
 print("ready", flush=True)
 Index({ix!r}).build([{corpus!r}], embedder=t.EMB, batch_files=2, embed_batch=8, allow_removal=True,
-                    **t.OPTS)
+                    store={store!r}, **t.OPTS)
 print("done", flush=True)
 """
 
@@ -424,12 +424,14 @@ def _file_sets(corpus: Path) -> set[str]:
     return {str(p.resolve()) for p in corpus.glob("*.txt")}
 
 
-def test_kill_minus_9_at_random_moments_never_breaks_the_index(tmp_path: Path) -> None:
+@pytest.mark.parametrize("store", ["auto", "ivf"])  # the exact store alone, and with IVF-PQ
+def test_kill_minus_9_at_random_moments_never_breaks_the_index(tmp_path: Path, store: str) -> None:
     rnd = random.Random(1234)
     corpus = write_corpus(tmp_path / "corpus", n=24)
     ixdir = tmp_path / "ix"
-    build(Index(ixdir), corpus)
-    code = _CHILD.format(tests=str(Path(__file__).parent), ix=str(ixdir), corpus=str(corpus))
+    build(Index(ixdir), corpus, store=store)
+    code = _CHILD.format(tests=str(Path(__file__).parent), ix=str(ixdir), corpus=str(corpus),
+                         store=store)
     # Time one full run (after imports) to aim the kills inside the indexing itself.
     for i in range(24):
         (corpus / f"doc{i}.txt").write_text(make_text(1000 + i, unique=f"warm{i}zz"))
@@ -464,7 +466,7 @@ def test_kill_minus_9_at_random_moments_never_breaks_the_index(tmp_path: Path) -
         idx.close()
     assert kills >= 5  # most trials really were killed mid-run
     # Killed runs leave their deletions pending: the catch-up run may remove many files at once.
-    s = build(Index(ixdir), corpus, allow_removal=True)
+    s = build(Index(ixdir), corpus, allow_removal=True, store=store)
     assert Index.open(ixdir).verify().ok and paths_in_index(Index.open(ixdir)) <= _file_sets(corpus)
     leftovers = [p.name for p in ixdir.iterdir() if p.name.endswith(".tmp")]
     assert not leftovers and s.committed in (True, False)
@@ -517,11 +519,9 @@ class IndexMachine(RuleBasedStateMachine):
         assert report.ok, report.problems
         assert report.checked["vectors"] == report.checked["chunks"]
         # Every FAISS id has exactly one lexical (FTS) row, with the chunk's text, and no other.
-        import faiss
-
-        assert idx._db is not None
+        assert idx._db is not None and idx._flat is not None
         fts = [r[0] for r in idx._db.execute("SELECT rowid FROM chunks_fts")]
-        assert sorted(fts) == sorted(faiss.vector_to_array(idx._faiss.id_map).tolist())
+        assert sorted(fts) == sorted(idx._flat.ids().tolist())
         assert report.checked["lexical_rows"] == report.checked["chunks"]
         idx.close()
 
@@ -689,7 +689,7 @@ def test_index_without_fts_table_opens_and_is_upgraded(ix: Index, corpus: Path,
 
 def test_no_fts5_falls_back_to_dense(ix: Index, corpus: Path, monkeypatch: pytest.MonkeyPatch,
                                      caplog: pytest.LogCaptureFixture) -> None:
-    import ragbudget.index as mod
+    import ragbudget.lexical as mod
 
     monkeypatch.setattr(mod, "_fts5_ok", False)
     monkeypatch.setattr(mod, "_fts5_warned", False)
@@ -706,7 +706,7 @@ def test_no_fts5_falls_back_to_dense(ix: Index, corpus: Path, monkeypatch: pytes
 
 def test_index_updated_without_fts5_is_repaired_by_the_next_run(
         ix: Index, corpus: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import ragbudget.index as mod
+    import ragbudget.lexical as mod
 
     build(ix, corpus)
     monkeypatch.setattr(mod, "_fts5_ok", False)
@@ -1009,7 +1009,7 @@ def test_killed_first_build_resumes_without_re_embedding(tmp_path: Path) -> None
     got._load()
     want._load()
     for i in ids:
-        assert np.array_equal(got._faiss.reconstruct(i), want._faiss.reconstruct(i))
+        assert np.array_equal(got._flat.vectors([i]), want._flat.vectors([i]))
 
 
 def test_checkpoint_of_another_embedder_is_dropped(tmp_path: Path) -> None:
@@ -1053,7 +1053,7 @@ def test_files_under_an_unreadable_folder_are_kept(ix: Index, tmp_path: Path,
 
 
 def test_checkpoint_keeps_whole_records_and_drops_a_torn_tail(tmp_path: Path) -> None:
-    from ragbudget.index import _Checkpoint
+    from ragbudget.build import _Checkpoint
 
     ident = {"kind": "hash", "id": "hash-4"}
     ck = _Checkpoint(tmp_path, ident)
@@ -1076,3 +1076,65 @@ def test_checkpoint_keeps_whole_records_and_drops_a_torn_tail(tmp_path: Path) ->
     assert _Checkpoint(tmp_path, ident).get("c") is None
     _Checkpoint(tmp_path, {"kind": "hash", "id": "hash-8"})  # another embedder: dropped
     assert not path.exists()
+
+
+# --- dedup: one hash function for every mode ----------------------------------------------------------
+
+
+def _twin_corpus(root: Path) -> Path:
+    """Two files sharing one byte-identical paragraph, plus a file of their own each."""
+    root.mkdir(parents=True, exist_ok=True)
+    shared = make_text(77, n_paragraphs=1)
+    (root / "a.txt").write_text(make_text(1, n_paragraphs=2) + "\n" + shared)
+    (root / "b.txt").write_text(make_text(2, n_paragraphs=2) + "\n" + shared)
+    return root
+
+
+def test_dedup_none_keeps_byte_identical_chunks_apart(ix: Index, tmp_path: Path) -> None:
+    corpus = _twin_corpus(tmp_path / "c")
+    kept = build(ix, corpus, dedup="none")
+    assert kept.exact_duplicates == 0 and kept.near_duplicates == 0
+    by_text: dict[str, int] = {}
+    o = Index.open(ix.path)
+    o._load()
+    assert o._db is not None
+    for (text,) in o._db.execute("SELECT text FROM chunks"):
+        by_text[text] = by_text.get(text, 0) + 1
+    assert max(by_text.values()) == 2  # the shared paragraph: one chunk per file, not merged
+    assert all(len(h.sources) == 1 for h in o.get_chunks(
+        [r[0] for r in o._db.execute("SELECT id FROM chunks")]))
+    merged = build(Index(tmp_path / "ix2"), corpus, dedup="exact")
+    assert merged.exact_duplicates >= 1
+    assert merged.chunks_total == kept.chunks_total - merged.exact_duplicates
+
+
+@pytest.mark.parametrize("mode", ["none", "exact", "near"])
+def test_every_mode_stores_the_normalized_content_hash(ix: Index, corpus: Path, mode: str) -> None:
+    from ragbudget.dedup import content_hash
+
+    build(ix, corpus, dedup=mode)
+    o = Index.open(ix.path)
+    o._load()
+    assert o._db is not None
+    rows = o._db.execute("SELECT text, content_hash FROM chunks").fetchall()
+    assert rows and all(h == content_hash(t) for t, h in rows)
+
+
+@pytest.mark.parametrize(("first", "then"), [("none", "exact"), ("exact", "none"), ("none", "near")])
+def test_changing_dedup_reuses_every_vector(ix: Index, tmp_path: Path, first: str, then: str) -> None:
+    corpus = _twin_corpus(tmp_path / "c")
+    build(ix, corpus, dedup=first)
+    s = build(ix, corpus, dedup=then)
+    assert s.rebuilt and "dedup" in s.rebuild_reason
+    assert s.chunks_embedded == 0 and s.chunks_reused == s.chunks_added
+    assert Index.open(ix.path).verify().ok
+
+
+def test_dedup_none_revives_a_changed_files_chunks_without_embedding(ix: Index, tmp_path: Path) -> None:
+    corpus = _twin_corpus(tmp_path / "c")
+    build(ix, corpus, dedup="none")
+    a = corpus / "a.txt"
+    a.write_text(a.read_text() + "\n" + make_text(99, n_paragraphs=1))
+    s = build(ix, corpus, dedup="none")
+    assert s.chunks_reused >= 2 and s.chunks_embedded <= 2
+    assert Index.open(ix.path).verify().ok
