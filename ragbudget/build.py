@@ -615,20 +615,22 @@ class _Builder:
         if warning:
             self.warnings.append((path, str(warning)))
         pages = int(doc.meta.get("n_pages") or len(doc.pages)) if doc.paginated else None
+        labels = doc.meta.get("page_labels")
         self._record_file(path, size, mtime_ns, digest, "indexed", None, None, len(chunks), furniture,
-                          pages, warning)
+                          pages, warning, json.dumps(list(labels)) if labels else None)
         self.stats["files_indexed"] += 1
         self.stats["files_updated" if path in self.old_indexed else "files_added"] += 1
 
     def _record_file(self, path: str, size: int, mtime_ns: int, digest: str | None, status: str,
                      reason: str | None, detail: str | None, n_chunks: int = 0,
-                     furniture: int = 0, pages: int | None = None, warning: str | None = None) -> None:
+                     furniture: int = 0, pages: int | None = None, warning: str | None = None,
+                     page_labels: str | None = None) -> None:
         assert self.db is not None
         self.db.execute(
             "INSERT OR REPLACE INTO files (path, size, mtime_ns, sha256, status, reason, detail, "
-            "n_chunks, furniture, n_pages, warning) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+            "n_chunks, furniture, n_pages, warning, page_labels) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
             (path, size, mtime_ns, digest, status, reason, detail, n_chunks, furniture, pages,
-             warning),
+             warning, page_labels),
         )
 
     def _dedup(self) -> Any:

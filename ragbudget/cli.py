@@ -283,7 +283,7 @@ def search(query: str, index_dir: str, k: int, absolute_paths: bool, as_json: bo
         return
     for rank, hit in enumerate(hits, 1):
         src = hit.sources[0]
-        page = f" p.{src.page_start}" if src.page_start else ""
+        page = f" ({src.label})" if src.label else f" p.{src.page_start}" if src.page_start else ""
         more = f" (+{len(hit.sources) - 1} duplicate source(s))" if len(hit.sources) > 1 else ""
         click.echo(f"{rank}. {hit.score:.3f}  {where(src.path)}{page} [{src.start}:{src.end}]{more}")
         snippet = " ".join(hit.text.split())

@@ -160,7 +160,8 @@ CREATE TABLE IF NOT EXISTS files (
     n_chunks INTEGER NOT NULL DEFAULT 0,
     furniture INTEGER NOT NULL DEFAULT 0,
     n_pages INTEGER,
-    warning TEXT
+    warning TEXT,
+    page_labels TEXT
 );
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS roots (
@@ -170,7 +171,9 @@ CREATE TABLE IF NOT EXISTS roots (
 );
 """
 # Columns added to ``files`` after the first release: an older generation gets them on copy.
-_FILES_ADDED_COLUMNS = (("n_pages", "INTEGER"), ("warning", "TEXT"))
+# Columns added after the first format; older files gain them on their next write.
+# page_labels: JSON list naming each page in the format's unit ("slide 3"), or NULL.
+_FILES_ADDED_COLUMNS = (("n_pages", "INTEGER"), ("warning", "TEXT"), ("page_labels", "TEXT"))
 
 #: The removal guard: without ``allow_removal`` (``--allow-removal``) or ``prune``, a run may
 #: remove at most ``REMOVAL_GUARD_FILES`` indexed files, or more only while they are at most
@@ -431,6 +434,7 @@ class Index:
         self.path = Path(path)
         self.absolute_paths = absolute_paths
         self._roots: _Roots | None = None
+        self._page_labels: dict[str, list[str]] | None = None
         self.verify_checksums = verify_checksums
         self.use_approx = use_approx
         # One query is memory-bound: extra OpenMP threads barely help, and on busy cores their
@@ -525,6 +529,7 @@ class Index:
                     self._flat, approx, self._db = self._open_generation(m)
                     self._search = approx if approx is not None else self._flat
                     self._roots = self._load_roots(self._db)
+                    self._page_labels = None
                     return
                 except IndexCorruptError:
                     # The writer may have committed a newer generation and removed this one
@@ -603,7 +608,7 @@ class Index:
         assert self._db is not None
         with self._lock:
             cols = {r[1] for r in self._db.execute("PRAGMA table_info(files)")}
-            extra = ", ".join(c if c in cols else "NULL" for c, _ in _FILES_ADDED_COLUMNS)
+            extra = ", ".join(c if c in cols else "NULL" for c in ("n_pages", "warning"))
             rows = self._db.execute(
                 f"SELECT path, status, n_chunks, size, reason, detail, {extra} FROM files").fetchall()
         scrub = (lambda t: t) if self.absolute_paths else self._roots.scrub  # type: ignore[union-attr]
@@ -623,6 +628,7 @@ class Index:
             self._db = self._flat = self._search = None
             self._manifest = None
             self._roots = None
+            self._page_labels = None
 
     def reload(self) -> None:
         """Pick up the newest committed generation."""
@@ -821,7 +827,7 @@ class Index:
                     f"WHERE chunk_id IN ({marks}) ORDER BY chunk_id, ord",
                     part,
                 ):
-                    srcs.setdefault(cid, []).append(Source(self._show(path), start, end, ps, pe))
+                    srcs.setdefault(cid, []).append(self._source(path, start, end, ps, pe))
         found = {
             r[0]: Hit(r[0], 0.0, r[1], r[2], tuple(json.loads(r[3])), tuple(srcs.get(r[0], ())), r[4])
             for r in rows
@@ -842,7 +848,38 @@ class Index:
                 "WHERE path = ? ORDER BY start, \"end\"",
                 (stored,),
             ).fetchall()
-        return [(Source(self._show(p), s, e, ps, pe), cid) for cid, p, s, e, ps, pe in rows]
+        return [(self._source(p, s, e, ps, pe), cid) for cid, p, s, e, ps, pe in rows]
+
+    def _source(self, path: str, start: int, end: int, ps: int | None, pe: int | None) -> Source:
+        """A stored source row as a :class:`Source`: display path, and the label of its pages
+        where the file's format names them (slide, cell, rows, chapter, message)."""
+        labels = self._labels_of().get(path)
+        label = None
+        if labels:
+            from .formats import page_label
+
+            label = page_label(labels, ps, pe)
+        return Source(self._show(path), start, end, ps, pe, label)
+
+    def _labels_of(self) -> dict[str, list[str]]:
+        """``{stored path: page labels}`` of the files whose format names its pages, read once
+        per loaded generation (few files have them; the rest cost nothing)."""
+        if self._page_labels is None:
+            assert self._db is not None
+            cols = {r[1] for r in self._db.execute("PRAGMA table_info(files)")}
+            rows = self._db.execute(
+                "SELECT path, page_labels FROM files WHERE page_labels IS NOT NULL"
+            ).fetchall() if "page_labels" in cols else []
+            labels: dict[str, list[str]] = {}
+            for path, blob in rows:
+                try:
+                    value = json.loads(blob)
+                except ValueError:
+                    continue  # a damaged row loses its labels, never the source
+                if isinstance(value, list):
+                    labels[path] = [str(x) for x in value]
+            self._page_labels = labels
+        return self._page_labels
 
     def neighbors(self, chunk_id: int, *, path: str | None = None) -> tuple[Hit | None, Hit | None]:
         """The chunks just before and after ``chunk_id`` in the same document (its first source,

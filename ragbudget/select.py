@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import ConfigError
+from .formats import join_labels
 from .types import Source
 
 __all__ = ["ORDERS", "Candidate", "Dropped", "SelectedChunk", "Selection", "select_chunks"]
@@ -497,7 +498,7 @@ def _truncate(
 
 def _shorten(s: Source, offset: int, length: int) -> Source:
     start = min(s.end, s.start + offset)
-    return Source(s.path, start, min(s.end, start + length), s.page_start, s.page_end)
+    return Source(s.path, start, min(s.end, start + length), s.page_start, s.page_end, s.label)
 
 
 def _merge(
@@ -525,6 +526,7 @@ def _merge(
                     b.end,
                     a.page_start if a.page_start is not None else b.page_start,
                     b.page_end if b.page_end is not None else a.page_end,
+                    join_labels(a.label, b.label),
                 )
                 merged = _Item(
                     prev.ids + c.ids, text, max(prev.score, c.score), (src,),

@@ -84,13 +84,18 @@ class Chunk:
 
 @dataclass(frozen=True)
 class Source:
-    """Where a (possibly deduplicated) chunk's text appears: file, character offsets, pages."""
+    """Where a (possibly deduplicated) chunk's text appears: file, character offsets, pages.
+
+    ``label`` names the pages in the unit of the format when it has one (``slide 3``,
+    ``cell 12``, ``rows 41-60``, ``chapter 2``, ``message <id>``; see
+    :func:`ragbudget.formats.page_label`), else ``None`` and ``page`` is a printed page."""
 
     path: str
     start: int
     end: int
     page_start: int | None = None
     page_end: int | None = None
+    label: str | None = None
 
     @property
     def page(self) -> int | None:
@@ -103,6 +108,7 @@ class Source:
             "end": self.end,
             "page": self.page_start,
             "page_end": self.page_end,
+            "label": self.label,
         }
 
 

@@ -370,6 +370,12 @@ def test_index_a_folder_of_every_format(tmp_path):
         labels = load_document(tmp_path / src.path).meta["page_labels"]
         shown = page_label(labels, src.page_start, src.page_end)
         assert label in shown and shown.split()[0] in ("rows", "slide", "slides", "cells", "cell", "message"), shown
+        # ... and the index hands that label out with the source itself.
+        assert src.label == shown and src.to_dict()["label"] == shown
+    # Formats without named pages carry no label; their page numbers stay what they were.
+    pdf = [s for h in ix.search("Debian Policy", k=50, embedder=HashEmbedder(dim=64))
+           for s in h.sources if s.path.endswith(".pdf")]
+    assert pdf and all(s.label is None for s in pdf)
 
 
 def test_import_stays_light_and_docstrings_run():
@@ -406,3 +412,23 @@ def test_cli_index_flags_reach_the_loaders(tmp_path):
     hits = json.loads(runner.invoke(cli, ["search", "version 1.1", "--index-dir", str(tmp_path / "idx"),
                                           "-k", "50", "--json"]).stdout)
     assert not any(h["text"].strip() == "1.1" for h in hits)  # "version" is not a chosen field
+
+
+def test_cli_search_shows_the_unit_of_the_format(tmp_path):
+    from click.testing import CliRunner
+
+    from ragbudget.cli import cli
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    shutil.copy(DATA / "social-contract.pptx", docs / "deck.pptx")
+    runner = CliRunner()
+    result = runner.invoke(cli, ["index", str(docs), "--index-dir", str(tmp_path / "idx"),
+                                 "--embedder", "hash:64", "--min-tokens", "20", "--max-tokens", "120"])
+    assert result.exit_code == 0, result.output
+    out = runner.invoke(cli, ["search", "We promise that the Debian system", "--index-dir",
+                              str(tmp_path / "idx"), "-k", "3"]).output
+    assert "docs/deck.pptx (slide" in out, out
+    hits = json.loads(runner.invoke(cli, ["search", "We promise", "--index-dir", str(tmp_path / "idx"),
+                                          "-k", "3", "--json"]).stdout)
+    assert all(s["label"].startswith("slide") for h in hits for s in h["sources"])

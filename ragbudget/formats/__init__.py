@@ -38,7 +38,8 @@ from typing import Any
 
 from ..errors import ConfigError, LoadError
 
-__all__ = ["FORMATS", "LoadOptions", "Loaded", "current_options", "load_options", "page_label", "read"]
+__all__ = ["FORMATS", "LoadOptions", "Loaded", "current_options", "join_labels", "load_options",
+           "page_label", "read"]
 
 #: File name ending → format name, for the formats read here (``.gz`` may be appended to any).
 FORMATS = {
@@ -194,7 +195,20 @@ def page_label(labels: Sequence[str] | None, page_start: int | None, page_end: i
     end = page_start if page_end is None else page_end
     if not labels or not 1 <= page_start <= len(labels) or not 1 <= end <= len(labels):
         return f"page {page_start}" if end == page_start else f"pages {page_start}-{end}"
-    first, last = labels[page_start - 1], labels[end - 1]
+    return join_labels(labels[page_start - 1], labels[end - 1])
+
+
+def join_labels(first: str | None, last: str | None) -> str | None:
+    """The label of two adjacent spans joined into one (a merged passage), the way
+    :func:`page_label` names a range: numbered labels of one kind become a range.
+
+    >>> join_labels("slide 2", "slide 3"), join_labels("rows 1-20", "rows 21-40")
+    ('slides 2-3', 'rows 1-40')
+    >>> join_labels("cell 4", "cell 4"), join_labels(None, "cell 2"), join_labels("a.b", "c")
+    ('cell 4', 'cell 2', 'a.b - c')
+    """
+    if first is None or last is None:
+        return first if last is None else last
     if first == last:
         return first
     a, b = _NUMBERED.match(first), _NUMBERED.match(last)
