@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -269,6 +269,37 @@ def _cal_key(gpu_name: str, model: str, dtype: str, cache: str) -> str:
     return "|".join(str(x).lower() for x in (gpu_name, model, dtype, cache))
 
 
+def _read_entry(path: Path, key: str) -> dict[str, Any] | None:
+    """``key``'s entry of a small JSON measurement file (calibration, prefill speed), or ``None``;
+    a missing or corrupt file reads as empty, never fatal."""
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text()).get(key)
+    except (OSError, ValueError):
+        return None
+
+
+def _merge_entry(path: Path, key: str,
+                 merge: Callable[[dict[str, Any] | None], dict[str, Any]]) -> dict[str, Any]:
+    """Replace ``key``'s entry by ``merge(old entry)`` under the process lock, atomically: a
+    concurrent reader sees the old file or the new one (temp file + ``os.replace``); a corrupt
+    file is rebuilt. Returns the entry written."""
+    with _CAL_LOCK:
+        data: dict[str, Any] = {}
+        if path.is_file():
+            try:
+                data = json.loads(path.read_text())
+            except (OSError, ValueError):
+                data = {}
+        entry = data[key] = merge(data.get(key))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+        os.replace(tmp, path)
+    return entry
+
+
 def record_calibration(
     *,
     gpu_name: str,
@@ -291,40 +322,23 @@ def record_calibration(
         raise ConfigError("record_calibration needs tokens > 0 and batch_size > 0")
     residual = max(0, int(measured_peak_bytes) - int(weights_bytes) - int(kv_bytes))
     per_token = residual / (tokens * batch_size)
-    path = _calibration_path()
-    key = _cal_key(gpu_name, model, dtype, cache)
-    with _CAL_LOCK:
-        data: dict[str, Any] = {}
-        if path.is_file():
-            try:
-                data = json.loads(path.read_text())
-            except (OSError, ValueError):
-                data = {}  # a corrupt calibration file is rebuilt, never fatal
-        old = data.get(key, {})
-        entry = {
+
+    def merge(old: dict[str, Any] | None) -> dict[str, Any]:
+        old = old or {}
+        return {
             "activation_bytes_per_token": max(per_token, old.get("activation_bytes_per_token", 0)),
             "measured_peak_bytes": int(measured_peak_bytes),
             "tokens": int(tokens),
             "batch_size": int(batch_size),
             "runs": int(old.get("runs", 0)) + 1,
         }
-        data[key] = entry
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-        os.replace(tmp, path)  # atomic: concurrent readers see the old or the new file
-    return entry
+
+    return _merge_entry(_calibration_path(), _cal_key(gpu_name, model, dtype, cache), merge)
 
 
 def lookup_calibration(gpu_name: str, model: str, dtype: str, cache: str) -> dict[str, Any] | None:
     """The recorded calibration for (GPU, model, dtype, cache), or ``None``."""
-    path = _calibration_path()
-    if not path.is_file():
-        return None
-    try:
-        return json.loads(path.read_text()).get(_cal_key(gpu_name, model, dtype, cache))
-    except (OSError, ValueError):
-        return None
+    return _read_entry(_calibration_path(), _cal_key(gpu_name, model, dtype, cache))
 
 
 # --------------------------------------------------------------------------------------------
@@ -374,13 +388,7 @@ def lookup_prefill_speed(model: str, device: str) -> dict[str, Any] | None:
     """The recorded prefill fit ``{"a": s/token, "b": s/token², ...}`` for (model, device,
     machine, threads), or ``None`` — also when the recorded one was measured on a busy host
     (``provisional``) and the host is idle now, so that the caller measures again."""
-    path = _prefill_path()
-    if not path.is_file():
-        return None
-    try:
-        entry = json.loads(path.read_text()).get(_prefill_key(model, device))
-    except (OSError, ValueError):
-        return None
+    entry = _read_entry(_prefill_path(), _prefill_key(model, device))
     if entry and entry.get("provisional") and device == "cpu" and _load_per_core() < _IDLE_LOAD:
         return None
     return entry
@@ -435,25 +443,13 @@ def measure_prefill_speed(model: Any, *, name: str, device: str = "cpu",
     entry = {"a": a, "b": b, "probes": [[n, round(t, 4)] for n, t in times],
              "tokens_per_second": round(lengths[-1] / times[-1][1], 1),
              "load_per_core": round(load, 2), "provisional": device == "cpu" and load > _BUSY_LOAD}
-    path = _prefill_path()
-    key = _prefill_key(name, device)
-    with _CAL_LOCK:
-        data: dict[str, Any] = {}
-        if path.is_file():
-            try:
-                data = json.loads(path.read_text())
-            except (OSError, ValueError):
-                data = {}
-        old = data.get(key)
+    def merge(old: dict[str, Any] | None) -> dict[str, Any]:
         if old and old.get("a", 0) * 1024 + old.get("b", 0) * 1024**2 < a * 1024 + b * 1024**2:
             # The faster measurement stands; it stops being provisional once either was idle.
-            entry = dict(old, provisional=bool(old.get("provisional")) and entry["provisional"])
-        data[key] = entry
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-        os.replace(tmp, path)
-    return entry
+            return dict(old, provisional=bool(old.get("provisional")) and entry["provisional"])
+        return entry
+
+    return _merge_entry(_prefill_path(), _prefill_key(name, device), merge)
 
 
 def context_tokens_for_time(speed: Mapping[str, Any], seconds: float) -> int:
