@@ -479,11 +479,27 @@ class LocalBackend:
     def model_id(self) -> str:
         return self.generator.model_ref.id
 
+    #: Tokens a message costs around its content when the tokenizer has no chat template (a base
+    #: model): ChatML-style wrappers cost about 4-6, so 8 errs on the safe side.
+    FALLBACK_OVERHEAD = 8
+
     def render(self, messages: Sequence[Message]) -> RenderedPrompt:
+        """The model's own chat template, counted in its own tokenizer (exact); a tokenizer
+        without a template counts each message's content plus :attr:`FALLBACK_OVERHEAD`."""
+        from .tokens import HFTokenizer
+
         msgs = tuple(prompt_messages(list(messages)))
-        ids = self.generator._ids_of(list(msgs))
-        return RenderedPrompt(messages=msgs, n_tokens=len(ids), exact=True,
-                              source=f"local tokenizer {self.model_id}", token_ids=tuple(ids))
+        hf = self.generator.tokenizer
+        hf = hf.hf if isinstance(hf, HFTokenizer) else hf
+        counter = self.generator.token_counter
+        if getattr(hf, "chat_template", None):  # a transformers tokenizer attribute, may be unset
+            text = hf.apply_chat_template(list(msgs), tokenize=False, add_generation_prompt=True)
+            return RenderedPrompt(messages=msgs, n_tokens=counter.count(text), exact=True,
+                                  source=f"chat template of {self.model_id}", text=text)
+        n = sum(counter.count(m["content"]) + self.FALLBACK_OVERHEAD for m in msgs)
+        return RenderedPrompt(messages=msgs, n_tokens=n, exact=False,
+                              source=f"{self.model_id} has no chat template: content + "
+                                     f"{self.FALLBACK_OVERHEAD} tokens per message")
 
     def count(self, texts: Sequence[str]) -> list[int]:
         counter = self.generator.token_counter

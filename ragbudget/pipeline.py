@@ -267,6 +267,8 @@ class Pipeline:
             Face tokenizer, folder or id counted with a 2% safety margin (default: tiktoken with
             15%).
         engine_context_tokens: the engine's window, for a server that does not report it.
+        engine_timeout: seconds any one engine reply may take (a whole answer, when not
+            streamed: raise it for long answers on a slow engine).
         backend: any :class:`~ragbudget.backend.Backend` (overrides ``engine`` and ``generator``).
 
     >>> rb = Pipeline(".ragbudget", gpu="RTX 4090", concurrency=4)   # doctest: +SKIP
@@ -302,6 +304,7 @@ class Pipeline:
         api_key_env: str | None = None,
         tokenizer: Any = None,
         engine_context_tokens: int | None = None,
+        engine_timeout: float = 30.0,
         backend: Backend | None = None,
     ) -> None:
         from .select import ORDERS
@@ -337,6 +340,7 @@ class Pipeline:
         _check_text("api_key", api_key, optional=True)
         _check_text("api_key_env", api_key_env, optional=True)
         _check_int("engine_context_tokens", engine_context_tokens, 2, optional=True)
+        _check_number("engine_timeout", engine_timeout, 0.0, lo_open=True)
         if engine is not None or backend is not None:
             from .engines import KINDS
 
@@ -372,6 +376,7 @@ class Pipeline:
         self._api_key, self._api_key_env = api_key, api_key_env
         self._tokenizer = tokenizer
         self.engine_context_tokens = engine_context_tokens
+        self.engine_timeout = float(engine_timeout)
         self._backend: Backend | None = backend
         if backend is not None:
             from .backend import LocalBackend
@@ -446,7 +451,7 @@ class Pipeline:
                     self._backend = connect(
                         self.engine, kind=self.engine_kind, api_key=key, model=self.model,
                         tokenizer=self._tokenizer, context_tokens=self.engine_context_tokens,
-                        count_cache=cache)
+                        timeout=self.engine_timeout, count_cache=cache)
                 else:
                     from .backend import LocalBackend
 
@@ -552,14 +557,29 @@ class Pipeline:
     def _admission_tokens(self) -> int:
         if not self.served:
             return self.plan.kv_capacity_tokens
+        tokens, note = self._engine_admission()
+        if tokens == self.UNLIMITED_TOKENS:
+            log.warning("%s", note)
+        return tokens
+
+    def _engine_admission(self) -> tuple[int, str]:
         cap = self.backend.capacity()
         if cap.kv_tokens_total:
-            return cap.kv_tokens_total
+            return cap.kv_tokens_total, (f"{cap.kv_tokens_total} KV tokens "
+                                         f"({cap.kv_total_source})")
         if cap.max_context_tokens and cap.max_concurrent:
-            return cap.max_context_tokens * cap.max_concurrent
-        log.warning("%s reports no KV cache size nor request slots: admission is open (the "
-                    "engine queues and refuses requests itself)", cap.engine_kind or "the engine")
-        return self.UNLIMITED_TOKENS
+            return cap.max_context_tokens * cap.max_concurrent, (
+                f"{cap.max_context_tokens} tokens × {cap.max_concurrent} requests "
+                f"({cap.max_context_source}; {cap.max_concurrent_source})")
+        return self.UNLIMITED_TOKENS, (
+            f"open: the {cap.engine_kind or 'engine'} reports no KV cache size nor request slots, "
+            "so ragbudget admits every request (the engine queues and refuses them itself)")
+
+    def admission_note(self) -> str:
+        """What admission control is sized from, in one line (``serve`` logs it)."""
+        if not self.served:
+            return f"{self.plan.kv_capacity_tokens} KV tokens (memory plan)"
+        return self._engine_admission()[1]
 
     @property
     def prompt_builder(self) -> PromptBuilder:

@@ -1042,11 +1042,12 @@ def create_app(
                 metrics.add("cancelled", 1)
 
     def counter() -> Callable[[str], int] | None:
-        gen = getattr(pipeline, "generator", None)
-        tc = getattr(gen, "token_counter", None)
-        if tc is None:
+        # The pipeline's generation backend counts (the local tokenizer, or the served engine);
+        # a custom pipeline without one reports the usage its answers carry.
+        backend = getattr(pipeline, "backend", None)
+        if backend is None:
             return None
-        return tc.count if hasattr(tc, "count") else tc
+        return lambda text: int(backend.count([text])[0])
 
     def record_answer(answer: Any) -> dict[str, int]:
         report = _report(answer)
@@ -1489,6 +1490,8 @@ def _to_dict(obj: Any) -> Any:
 
 
 def _default_model_name(pipeline: Any) -> str:
+    if getattr(pipeline, "served", False) is True:  # a Pipeline on a served engine: its model
+        return str(pipeline.backend.model_id)
     # Never touch ``generator.model``: on a real Generator that loads the weights.
     gen = getattr(pipeline, "generator", None)
     ref = getattr(gen, "model_ref", None)
@@ -1547,7 +1550,12 @@ def serve(
         if host not in LOOPBACK_HOSTS and not api_key:
             log.warning("serving on %s without an API key: anyone who can reach port %d can use the model "
                         "(pass --api-key or set %s)", host, port, API_KEY_ENV)
-        if warm_up:
+        if warm_up and getattr(pipeline, "served", False) is True:
+            # Connect now, so a wrong URL, key or engine is one line before listening.
+            for line in pipeline.engine_plan().lines():
+                log.info("engine plan: %s", line)
+            log.info("admission: %s", pipeline.admission_note())
+        elif warm_up:
             gen = getattr(pipeline, "generator", None)
             if callable(getattr(gen, "warm_up", None)):
                 gen.warm_up()
