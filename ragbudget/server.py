@@ -1490,12 +1490,13 @@ def _to_dict(obj: Any) -> Any:
 
 
 def _default_model_name(pipeline: Any) -> str:
-    if getattr(pipeline, "served", False) is True:  # a Pipeline on a served engine: its model
-        return str(pipeline.backend.model_id)
+    served = getattr(pipeline, "served", False) is True  # a Pipeline on a served engine
     # Never touch ``generator.model``: on a real Generator that loads the weights.
-    gen = getattr(pipeline, "generator", None)
+    gen = None if served else getattr(pipeline, "generator", None)
     ref = getattr(gen, "model_ref", None)
-    for obj, attr in ((ref, "id"), (gen, "model_id"), (pipeline, "model_name")):
+    sources = (((pipeline.backend, "model_id"),) if served else
+               ((ref, "id"), (gen, "model_id"), (pipeline, "model_name")))
+    for obj, attr in sources:
         value = getattr(obj, attr, None) if obj is not None else None
         if isinstance(value, str) and value:
             # A local path is no name to show clients; a hub id ("org/name") is.

@@ -125,6 +125,9 @@ def gateway(index_dir: Path, llama_server: str) -> Iterator[str]:
 
 
 def test_serve_engine_with_the_official_openai_client(gateway: str) -> None:
+    health = httpx.get(f"{gateway}/health", timeout=10).json()
+    # llama-server names its model by the GGUF's absolute path: clients see the file name only
+    assert health["model"].endswith(".gguf") and not health["model"].startswith("/")
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=f"{gateway}/v1", api_key="unused", max_retries=0)
     model = client.models.list().data[0].id
