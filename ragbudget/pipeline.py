@@ -646,7 +646,7 @@ class Pipeline:
         )
 
         gen = self.generator
-        device = str(getattr(gen, "device", "") or "")
+        device = str(gen.device or "")
         target = self.ttft_target
         if target is None:
             if device != "cpu":
@@ -656,8 +656,8 @@ class Pipeline:
             return None
         speed = lookup_prefill_speed(plan.model, device)
         if speed is None:
-            model = getattr(gen, "model", None)
-            if model is None or not hasattr(model, "parameters"):
+            model = gen.model
+            if model is None:
                 return None  # nothing to measure (a stand-in generator)
             log.info("measuring the prefill speed of %s on %s once (cached)", plan.model, device)
             try:
@@ -1158,8 +1158,8 @@ def _answer(gen: Any, prompt: Prompt, plan: BudgetPlan | EnginePlan, reserved: i
         "context_limit": cap,
         "fixed_prompt_tokens": prompt.fixed_tokens,
         "prompt_tokens": prompt.n_tokens,
-        "max_new_tokens": getattr(gen, "max_new_tokens", None) or plan.max_new_tokens,
-        "new_tokens": getattr(gen, "new_tokens", None),
+        "max_new_tokens": plan.max_new_tokens,
+        "new_tokens": gen.new_tokens,
         "kv_tokens_reserved": reserved,
         "limited_by": plan.limited_by,
         "fill": round(sel.fill, 4),
@@ -1169,14 +1169,14 @@ def _answer(gen: Any, prompt: Prompt, plan: BudgetPlan | EnginePlan, reserved: i
         "plan": plan.to_dict(),
         "selection": [p.to_dict() | {"text": None} for p in prompt.passages],
         "dropped": [d.to_dict() for d in sel.dropped],
-        "oom_steps": [s.to_dict() if hasattr(s, "to_dict") else s for s in getattr(gen, "oom_steps", ())],
+        "oom_steps": [s.to_dict() for s in gen.oom_steps],
         "timings": {k: round(v, 4) for k, v in timings.items()},
     }
     return Answer(
-        text=str(getattr(gen, "text", "")).strip(),
+        text=str(gen.text).strip(),
         sources=sources,
         report=report,
-        finish_reason=str(getattr(gen, "finish_reason", "stop")),
+        finish_reason=str(gen.finish_reason),
     )
 
 

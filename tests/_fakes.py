@@ -88,6 +88,7 @@ class GeneratorStub:
     model: Any = None
     config: Any = None
     model_ref: Any = field(default_factory=lambda: _Ref("fake/generator"))
+    device: str = ""  # neither CPU nor GPU: no time cap on the context
 
     @property
     def token_counter(self) -> Any:
