@@ -232,7 +232,8 @@ def per_request_tokens(
     if capacity.max_context_tokens is None and capacity.max_prompt_tokens is None:
         raise ConfigError(
             f"the {capacity.engine_kind or 'engine'} did not say its context length; pass "
-            "context_tokens (CLI: --context-tokens) with the window the server was started with"
+            "context_tokens (Pipeline: engine_context_tokens=, CLI: --engine-context-tokens) "
+            "with the window the server was started with"
         )
     if sharing is None:
         load = [x for x in (capacity.running, capacity.waiting) if x is not None]

@@ -230,3 +230,20 @@ def test_cli_engine_errors_are_one_line(indexed: Path, tmp_path: Path,
                                            str(index_dir), "--api-key-env", "RB_TEST_KEY",
                                            "--no-stream"])
         assert result.exit_code == 1 and "Traceback" not in result.output
+
+
+def test_a_generic_server_without_a_window_says_which_option_to_pass(indexed: Path,
+                                                                     tmp_path: Path) -> None:
+    index_dir = _index_copy(indexed, tmp_path)
+    with Replay("openai") as srv:
+        pipe = Pipeline(index_dir, engine=srv.url, max_new_tokens=32)
+        with pytest.raises(ConfigError, match="engine_context_tokens"):
+            pipe.ask(QUESTION)
+        result = CliRunner().invoke(main, ["budget", "--engine", srv.url, "--index-dir",
+                                           str(index_dir)])
+        assert result.exit_code == 1 and "--engine-context-tokens" in result.output
+
+
+def test_engine_options_without_an_engine_are_a_usage_error() -> None:
+    result = CliRunner().invoke(main, ["ask", "q", "--engine-kind", "vllm"])
+    assert result.exit_code == 2 and "need --engine URL" in result.output
