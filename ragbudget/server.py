@@ -1176,6 +1176,14 @@ def create_app(
         body = {"status": "ok" if problem is None else "unavailable", "model": served,
                 "uptime_s": round(time.time() - started, 3), "in_flight": metrics.in_flight,
                 **{k: int(v) for k, v in stats.items()}}
+        if getattr(pipeline, "served", False) is True:
+            # Generation on a served engine: say what admission is sized from, and that it is
+            # open when the engine reports no capacity (read once: the engine's shape is fixed).
+            if "admission" not in health_state:
+                health_state["admission"] = await asyncio.to_thread(pipeline.admission_note)
+            body["admission"] = health_state["admission"]
+            if str(health_state["admission"]).startswith("open"):
+                body.pop("capacity_tokens", None)
         if problem is not None:
             body["error"] = problem
             return JSONResponse(body, status_code=503)

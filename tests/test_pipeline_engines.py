@@ -247,3 +247,30 @@ def test_a_generic_server_without_a_window_says_which_option_to_pass(indexed: Pa
 def test_engine_options_without_an_engine_are_a_usage_error() -> None:
     result = CliRunner().invoke(main, ["ask", "q", "--engine-kind", "vllm"])
     assert result.exit_code == 2 and "need --engine URL" in result.output
+
+
+def test_serve_engine_says_what_admission_is_sized_from(indexed: Path, tmp_path: Path) -> None:
+    from fastapi.testclient import TestClient
+
+    from ragbudget.server import create_app
+
+    index_dir = _index_copy(indexed, tmp_path)
+    with Replay("llamacpp") as srv:
+        pipe = _pipe(index_dir, srv)
+        with TestClient(create_app(pipe)) as client:
+            health = client.get("/health").json()
+            assert health["status"] == "ok" and "GET /props" in health["admission"]
+            r = client.post("/v1/chat/completions", json={
+                "model": "ragbudget", "max_tokens": 16,
+                "messages": [{"role": "user", "content": QUESTION}]})
+            assert r.status_code == 200, r.text
+            body = r.json()
+            assert body["choices"][0]["message"]["content"].startswith("The Project Leader")
+            assert body["sources"] and body["usage"]["completion_tokens"] <= 16
+            sent = srv.calls("POST", "/v1/chat/completions")[-1]
+            assert sent["max_tokens"] == 16
+    with Replay("openai") as srv:  # reports no KV cache and no slots: admission fails open
+        pipe = _pipe(index_dir, srv)
+        with TestClient(create_app(pipe)) as client:
+            health = client.get("/health").json()
+            assert health["admission"].startswith("open") and "capacity_tokens" not in health
