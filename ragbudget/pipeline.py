@@ -233,7 +233,8 @@ class Pipeline:
 
     Args:
         index_dir: folder of the index (created by :meth:`index`).
-        model: generator — HF id, local folder or ``.gguf`` (default: packaged SmolLM2-135M).
+        model: generator — HF id, local folder or ``.gguf`` (default: packaged SmolLM2-135M);
+            with ``engine``, which of the engine's served models (default: the first listed).
         gpu: ``"auto"``/``None`` (free CUDA memory, else host RAM), a GPU name or a size.
         embedder: embedder for indexing (default: the index's own, else packaged MiniLM).
         concurrency: requests planned to share the KV memory.
