@@ -68,6 +68,7 @@ __all__ = [
     "MemoryCountCache",
     "RenderedPrompt",
     "RequestBudget",
+    "SQLiteCountCache",
     "Sampling",
     "per_request_tokens",
     "prompt_messages",
@@ -231,7 +232,8 @@ def per_request_tokens(
     if capacity.max_context_tokens is None and capacity.max_prompt_tokens is None:
         raise ConfigError(
             f"the {capacity.engine_kind or 'engine'} did not say its context length; pass "
-            "context_tokens (CLI: --context-tokens) with the window the server was started with"
+            "context_tokens (Pipeline: engine_context_tokens=, CLI: --engine-context-tokens) "
+            "with the window the server was started with"
         )
     if sharing is None:
         load = [x for x in (capacity.running, capacity.waiting) if x is not None]
@@ -317,6 +319,71 @@ class MemoryCountCache:
         return len(self._data)
 
 
+class SQLiteCountCache:
+    """A :class:`CountCache` in a small SQLite file (WAL), by default ``<index_dir>/counts.sqlite``.
+
+    It lives *outside* the index's atomic generations on purpose: it is a cache that can always
+    be rebuilt (delete the file and the next run counts again), so it needs none of the index's
+    crash safety, and a rebuilt index keeps the counts of chunks whose text did not change (the
+    key is the text's digest, not a chunk id). Safe to share between threads and processes.
+
+    >>> import tempfile, os
+    >>> c = SQLiteCountCache(os.path.join(tempfile.mkdtemp(), "counts.sqlite"))
+    >>> c.put_many("m", {"d1": 3}); c.get_many("m", ["d1", "d2"])
+    {'d1': 3}
+    """
+
+    def __init__(self, path: str | Any) -> None:
+        import sqlite3
+        from pathlib import Path
+
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(str(self.path), timeout=10.0, check_same_thread=False,
+                                   isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.execute("CREATE TABLE IF NOT EXISTS counts (model TEXT NOT NULL, digest TEXT NOT "
+                         "NULL, n INTEGER NOT NULL, PRIMARY KEY (model, digest)) WITHOUT ROWID")
+
+    def __repr__(self) -> str:
+        return f"SQLiteCountCache({str(self.path)!r})"
+
+    def get_many(self, model_id: str, digests: Sequence[str]) -> dict[str, int]:
+        out: dict[str, int] = {}
+        digests = list(dict.fromkeys(digests))
+        with self._lock:
+            for i in range(0, len(digests), 500):  # SQLite's bound-parameter limit
+                part = digests[i:i + 500]
+                rows = self._db.execute(
+                    f"SELECT digest, n FROM counts WHERE model = ? AND digest IN "
+                    f"({','.join('?' * len(part))})", [model_id, *part]).fetchall()
+                out.update((d, int(n)) for d, n in rows)
+        return out
+
+    def put_many(self, model_id: str, counts: Mapping[str, int]) -> None:
+        if not counts:
+            return
+        with self._lock:
+            self._db.execute("BEGIN")
+            try:
+                self._db.executemany("INSERT OR REPLACE INTO counts VALUES (?, ?, ?)",
+                                     [(model_id, d, int(n)) for d, n in counts.items()])
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+
+    def __len__(self) -> int:
+        with self._lock:
+            return int(self._db.execute("SELECT COUNT(*) FROM counts").fetchone()[0])
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+
 # -- the protocol ----------------------------------------------------------------------------------
 @runtime_checkable
 class Backend(Protocol):
@@ -395,14 +462,16 @@ class LocalBackend:
     kind = "local"
 
     def __init__(self, generator: Generator | None = None, *, gpu: Any = None,
-                 concurrency: int = 1, max_new_tokens: int = 256, **plan_options: Any) -> None:
+                 concurrency: int = 1, max_new_tokens: int = 256, cache: str = "dynamic",
+                 kv_dtype: str | None = None, **plan_options: Any) -> None:
         if generator is None:
             from .generate import Generator
 
             generator = Generator()
         self.generator = generator
+        self.cache, self.kv_dtype = cache, kv_dtype
         self._plan_args = dict(gpu=gpu, concurrency=concurrency, max_new_tokens=max_new_tokens,
-                               **plan_options)
+                               cache=cache, kv_dtype=kv_dtype, **plan_options)
 
     def __repr__(self) -> str:
         return f"LocalBackend({self.generator!r})"
@@ -411,11 +480,27 @@ class LocalBackend:
     def model_id(self) -> str:
         return self.generator.model_ref.id
 
+    #: Tokens a message costs around its content when the tokenizer has no chat template (a base
+    #: model): ChatML-style wrappers cost about 4-6, so 8 errs on the safe side.
+    FALLBACK_OVERHEAD = 8
+
     def render(self, messages: Sequence[Message]) -> RenderedPrompt:
+        """The model's own chat template, counted in its own tokenizer (exact); a tokenizer
+        without a template counts each message's content plus :attr:`FALLBACK_OVERHEAD`."""
+        from .tokens import HFTokenizer
+
         msgs = tuple(prompt_messages(list(messages)))
-        ids = self.generator._ids_of(list(msgs))
-        return RenderedPrompt(messages=msgs, n_tokens=len(ids), exact=True,
-                              source=f"local tokenizer {self.model_id}", token_ids=tuple(ids))
+        hf = self.generator.tokenizer
+        hf = hf.hf if isinstance(hf, HFTokenizer) else hf
+        counter = self.generator.token_counter
+        if getattr(hf, "chat_template", None):  # a transformers tokenizer attribute, may be unset
+            text = hf.apply_chat_template(list(msgs), tokenize=False, add_generation_prompt=True)
+            return RenderedPrompt(messages=msgs, n_tokens=counter.count(text), exact=True,
+                                  source=f"chat template of {self.model_id}", text=text)
+        n = sum(counter.count(m["content"]) + self.FALLBACK_OVERHEAD for m in msgs)
+        return RenderedPrompt(messages=msgs, n_tokens=n, exact=False,
+                              source=f"{self.model_id} has no chat template: content + "
+                                     f"{self.FALLBACK_OVERHEAD} tokens per message")
 
     def count(self, texts: Sequence[str]) -> list[int]:
         counter = self.generator.token_counter
@@ -438,11 +523,15 @@ class LocalBackend:
 
     def generate(self, prompt: Any, *, max_new_tokens: int, sampling: Sampling | None = None,
                  stop: Sequence[str] | None = None, on_text: Callable[[str], None] | None = None,
-                 cancel: threading.Event | None = None) -> Generation:
+                 cancel: threading.Event | None = None, **options: Any) -> Generation:
+        """:meth:`Generator.generate <ragbudget.generate.Generator.generate>` with this backend's
+        cache kind and KV dtype; ``options`` are the local generator's own extras (``do_sample``,
+        ``top_k``, ``oom_ladder``), which no served engine takes."""
         s = sampling or Sampling()
         if isinstance(prompt, RenderedPrompt):
             prompt = list(prompt.token_ids) if prompt.token_ids else list(prompt.messages)
         return self.generator.generate(
-            prompt, max_new_tokens=max_new_tokens, temperature=s.temperature, top_p=s.top_p,
-            seed=s.seed, stop=list(stop) if stop else None, on_text=on_text, cancel=cancel,
+            prompt, max_new_tokens=max_new_tokens, cache=self.cache, kv_dtype=self.kv_dtype,
+            temperature=s.temperature, top_p=s.top_p, seed=s.seed,
+            stop=list(stop) if stop else None, on_text=on_text, cancel=cancel, **options,
         )

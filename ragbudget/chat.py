@@ -45,9 +45,12 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import BudgetError, ConfigError, RagBudgetError, RequestCancelled
+
+if TYPE_CHECKING:
+    from .backend import Backend
 
 __all__ = [
     "CHAT_HELP",
@@ -182,35 +185,22 @@ class ChatTurn:
 
 
 class _Meter:
-    """Exact token counts of chat messages in the generator's tokenizer, after its chat template.
+    """Token counts of chat messages after the chat template, by the pipeline's generation
+    backend (:class:`~ragbudget.backend.Backend`: the local model's own tokenizer, or the served
+    engine's — exact where the engine counts, a stated estimate where it cannot).
 
-    Falls back to counting message contents plus a fixed per-message overhead when the tokenizer
-    has no chat template (fakes, base models); the fallback overestimates rather than under.
-    Raises :class:`~ragbudget.errors.ConfigError` when the pipeline's generator has no token
-    counter (then nothing can be measured).
+    Raises :class:`~ragbudget.errors.ConfigError` when the pipeline has no backend (then nothing
+    can be measured).
     """
 
-    # ChatML-style wrappers cost about 4-6 tokens per message; 8 keeps the fallback on the safe side.
-    FALLBACK_OVERHEAD = 8
-
     def __init__(self, pipeline: Any) -> None:
-        gen = getattr(pipeline, "generator", None)
-        counter = getattr(gen, "token_counter", None)
-        self._tok = counter if counter is not None and hasattr(counter, "count") else None
-        if self._tok is not None:
-            self.count: Callable[[str], int] = self._tok.count
-        elif callable(counter):
-            self.count = counter
-        else:
+        backend = getattr(pipeline, "backend", None)  # custom pipelines may have none
+        if backend is None:
             raise ConfigError(
-                "the pipeline's generator has no token_counter; Conversation needs the generator's "
-                "tokenizer to keep history inside the budget"
+                "the pipeline has no generation backend; Conversation needs one to keep history "
+                "inside the budget"
             )
-        hf = getattr(gen, "tokenizer", None)
-        hf = getattr(hf, "hf", hf)  # a ragbudget HFTokenizer wraps the transformers one
-        self._template = hf if hf is not None and callable(getattr(hf, "apply_chat_template", None)) else None
-        if self._template is not None and getattr(self._template, "chat_template", "") is None:
-            self._template = None  # a base model's tokenizer: apply_chat_template would raise
+        self.backend: Backend = backend
         # The pipeline's own prompt builder, when it has one: measuring with it *is* measuring the
         # prompt the model will get (same system prompt, layout and template).
         builder = getattr(pipeline, "prompt_builder", None)
@@ -226,12 +216,13 @@ class _Meter:
             return int(self._builder.fixed_tokens(question))
         return self.render([_MEASURE_SYSTEM, {"role": "user", "content": question}])
 
+    def count(self, text: str) -> int:
+        """Tokens of ``text`` alone."""
+        return int(self.backend.count([text])[0])
+
     def render(self, messages: Sequence[Message]) -> int:
         """Tokens of ``messages`` as the model sees them, with the generation prompt."""
-        if self._template is not None:
-            text = self._template.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
-            return self.count(text)
-        return sum(self.count(m["content"]) + self.FALLBACK_OVERHEAD for m in messages)
+        return int(self.backend.render(list(messages)).n_tokens)
 
     def cost(self, messages: Sequence[Message], question: str) -> int:
         """Exact tokens ``messages`` add when placed before ``question`` (0 for none)."""
@@ -248,14 +239,8 @@ class _Meter:
             return ""
         if self.count(text) <= max_tokens:
             return text
-        if self._tok is not None and hasattr(self._tok, "encode") and hasattr(self._tok, "decode"):
-            ids = self._tok.encode(text)[:max_tokens]
-            out = self._tok.decode(ids)
-            # Decoding can merge pieces differently; shave until the recount fits.
-            while out and self.count(out) > max_tokens:
-                ids = ids[:-1]
-                out = self._tok.decode(ids)
-            return out
+        # At a word boundary: the protocol counts, it does not decode (a served engine's ids are
+        # not ours to decode), and a word prefix keeps the text readable.
         words = text.split()
         lo, hi = 0, len(words)  # largest word prefix that fits
         while lo < hi:
@@ -269,6 +254,10 @@ class _Meter:
 
 def _plan_numbers(pipeline: Any, max_new_tokens: int | None) -> tuple[int, int]:
     """(total tokens per request, reserved output tokens) from the pipeline's budget plan."""
+    if getattr(pipeline, "served", False) is True:
+        # On a served engine: the engine's window (or KV share) for one request, as planned now.
+        eplan = pipeline.engine_plan(max_new_tokens)
+        return eplan.max_context_tokens, eplan.max_new_tokens
     plan_for = getattr(pipeline, "plan_for", None)
     plan = plan_for(max_new_tokens) if callable(plan_for) and max_new_tokens else getattr(pipeline, "plan", None)
     total = getattr(plan, "max_context_tokens", None)
@@ -278,6 +267,22 @@ def _plan_numbers(pipeline: Any, max_new_tokens: int | None) -> tuple[int, int]:
     if not isinstance(output, int) or output <= 0:
         output = getattr(pipeline, "max_new_tokens", 256)
     return total, int(output)
+
+
+def _binding(pipeline: Any, max_new_tokens: int) -> str:
+    """What sets the tokens per request, as the pipeline's own plan says (``""`` when the
+    pipeline's plan does not say)."""
+    if getattr(pipeline, "served", False) is True:
+        b = pipeline.engine_plan(max_new_tokens).budget
+        return f": the engine's {b.binding} limit ({b.binding_source})"
+    plan_for = getattr(pipeline, "plan_for", None)
+    plan = plan_for(max_new_tokens) if callable(plan_for) else None
+    limited_by = getattr(plan, "limited_by", None)
+    if limited_by == "model":
+        return f": the model window ({plan.model}: max_position_embeddings)"  # type: ignore[union-attr]
+    if limited_by == "memory":
+        return f": the KV memory on {plan.gpu_name} at concurrency {plan.concurrency}"  # type: ignore[union-attr]
+    return ""
 
 
 def fit_history(
@@ -626,8 +631,9 @@ class Conversation:
             what = "the question and system messages" if system_tokens else "the question"
             raise BudgetError(
                 f"{what} alone take {fixed} prompt tokens but the budget allows {prompt_allowed} "
-                f"({total} per request minus {output} reserved for the answer); shorten the question, "
-                "lower max_new_tokens, or plan for a larger GPU",
+                f"({total} per request{_binding(self.pipeline, output)} minus {output} reserved "
+                "for the answer); shorten the question, lower max_new_tokens, or plan for a larger "
+                "GPU",
                 needed=fixed + output,
                 available=total,
             )
@@ -802,9 +808,6 @@ class Conversation:
                           cancel: Any = None) -> tuple[str, bool]:
         """Ask the pipeline's generator for the new summary, inside the same per-request budget.
         Returns the text and whether it was written to the end (not stopped by ``cancel``)."""
-        gen = getattr(self.pipeline, "generator", None)
-        if gen is None or not callable(getattr(gen, "generate", None)):
-            return "", True
         if cancel is not None and cancel.is_set():
             return "", False  # the client has gone: no generation for it
         total, _ = _plan_numbers(self.pipeline, self.max_new_tokens)
@@ -830,13 +833,13 @@ class Conversation:
             wait = {"cancel": cancel} if cancel is not None and "cancel" in _parameters(reserve) else {}
             try:
                 with reserve(needed, **wait):
-                    result = _call_generate(gen, messages, cap, cancel)
+                    result = self._meter.backend.generate(messages, max_new_tokens=cap, cancel=cancel)
             except RequestCancelled:
                 return "", False
         else:
-            result = _call_generate(gen, messages, cap, cancel)
-        stopped = getattr(result, "finish_reason", None) == "cancelled" or (cancel is not None and cancel.is_set())
-        return str(getattr(result, "text", result) or ""), not stopped
+            result = self._meter.backend.generate(messages, max_new_tokens=cap, cancel=cancel)
+        stopped = result.finish_reason == "cancelled" or (cancel is not None and cancel.is_set())
+        return str(result.text or ""), not stopped
 
 
 def _summary_messages(previous: str, lines: Sequence[str], cap: int) -> list[Message]:
@@ -847,18 +850,6 @@ def _summary_messages(previous: str, lines: Sequence[str], cap: int) -> list[Mes
     user += "New exchanges:\n" + "\n".join(lines)
     user += f"\n\nWrite the updated summary in at most {words} words."
     return [{"role": "system", "content": _SUMMARY_SYSTEM}, {"role": "user", "content": user}]
-
-
-def _call_generate(gen: Any, messages: list[Message], max_new_tokens: int, cancel: Any = None) -> Any:
-    """Call ``gen.generate`` with chat messages, whatever the name of its first parameter (and
-    with ``cancel`` when it takes one: a client that leaves also stops its summary)."""
-    params = _parameters(gen.generate, var_keyword=False)
-    kwargs: dict[str, Any] = {"max_new_tokens": max_new_tokens}
-    if cancel is not None and "cancel" in params:
-        kwargs["cancel"] = cancel
-    if "messages" in params:
-        return gen.generate(messages=messages, **kwargs)
-    return gen.generate(messages, **kwargs)
 
 
 def _extractive_summary(previous: str, turns: Sequence[Turn]) -> str:

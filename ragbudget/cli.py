@@ -119,6 +119,30 @@ _retrieval_options = _option_group("retrieval", {
                                                "lexical_weight": lexical_weight, "fusion": fusion})
 
 
+def _engine(engine: str | None, engine_kind: str, api_key_env: str | None, tokenizer: str | None,
+            engine_context_tokens: int | None) -> dict[str, Any]:
+    if engine is None:
+        given = [name for name, v in (("--engine-kind", engine_kind != "auto"),
+                                      ("--api-key-env", api_key_env), ("--tokenizer", tokenizer),
+                                      ("--engine-context-tokens", engine_context_tokens)) if v]
+        if given:
+            raise click.UsageError(f"{', '.join(given)} need --engine URL")
+        return {}
+    return {"engine": engine, "engine_kind": engine_kind, "api_key_env": api_key_env,
+            "tokenizer": tokenizer, "engine_context_tokens": engine_context_tokens}
+
+
+#: ``--engine --engine-kind --api-key-env --tokenizer --engine-context-tokens``, handed to the
+#: command as ``engine``: the ``Pipeline`` keywords of generating on a served engine ({} without).
+_engine_options = _option_group("engine", {
+    "engine": click.option("--engine", default=None, metavar="URL", help="Generate on a served engine (vLLM, SGLang, TGI, llama.cpp, Ollama, any OpenAI-compatible server) at URL, e.g. http://127.0.0.1:8080/v1, instead of a local model."),
+    "engine_kind": click.option("--engine-kind", default="auto", show_default=True, type=click.Choice(["auto", "vllm", "sglang", "tgi", "llamacpp", "ollama", "openai"]), help="The engine's kind (auto: probe its routes and say which)."),
+    "api_key_env": click.option("--api-key-env", default=None, metavar="VAR", help="Environment variable holding the engine's API key (never on the command line)."),
+    "tokenizer": click.option("--tokenizer", default=None, metavar="NAME_OR_PATH", help="Local tokenizer for engines that cannot count (Ollama, generic OpenAI): 2%% safety margin (default: tiktoken, 15%%)."),
+    "engine_context_tokens": click.option("--engine-context-tokens", default=None, type=click.IntRange(min=2), help="The engine's context window, for a server that does not report it."),
+}, _engine)
+
+
 def _model_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Options shared by every command that plans a budget."""
     options = [
@@ -390,12 +414,32 @@ def verify(index_dir: str, as_json: bool) -> None:
 @click.option("--utilization", default=0.9, show_default=True, type=click.FloatRange(0.05, 1.0), help="Share of GPU memory ragbudget may plan with.")
 @click.option("--plot", "plot_path", default=None, type=click.Path(dir_okay=False), help="Write a PNG of the memory plan.")
 @click.option("--json", "as_json", is_flag=True)
+@click.option("--index-dir", default=DEFAULT_INDEX_DIR, show_default=True, envvar="RAGBUDGET_INDEX_DIR", type=click.Path(file_okay=False), help="With --engine: where token counts are cached (when the folder exists).")
+@_engine_options
 @_user_errors
 def budget(model: str | None, gpu: str | None, concurrency: int, max_new_tokens: int,
            kv_dtype: str | None, cache: str, context_tokens: int | None, utilization: float,
-           plot_path: str | None, as_json: bool) -> None:
-    """The memory plan: KV bytes per token, capacity, tokens per request, concurrency."""
+           plot_path: str | None, as_json: bool, index_dir: str, engine: dict[str, Any]) -> None:
+    """The memory plan: KV bytes per token, capacity, tokens per request, concurrency.
+
+    With --engine URL: the engine's own figures (each with its source and age) and the context
+    one request may use, with the limit that binds."""
     from .budget import format_plan, plan_budget
+
+    if engine:
+        from .pipeline import Pipeline
+
+        if plot_path:
+            raise click.UsageError("--plot draws a memory plan; an engine's plan is its figures")
+        eplan = Pipeline(index_dir, model=model, max_new_tokens=max_new_tokens,
+                         **engine).engine_plan()
+        if as_json:
+            _echo_json(eplan.to_dict())
+        else:
+            click.echo("\n".join(eplan.lines()))
+            if context_tokens is not None and context_tokens < eplan.budget.context_tokens:
+                click.echo(f"context capped at {context_tokens} tokens (--context-tokens)")
+        return
 
     plan = plan_budget(
         model, gpu=gpu, concurrency=concurrency, max_new_tokens=max_new_tokens,
@@ -428,12 +472,13 @@ def budget(model: str | None, gpu: str | None, concurrency: int, max_new_tokens:
 @click.option("--json", "as_json", is_flag=True)
 @_sampling_options
 @_retrieval_options
+@_engine_options
 @_user_errors
 def ask(question: str, index_dir: str, model: str | None, gpu: str | None, concurrency: int,
         max_new_tokens: int, kv_dtype: str | None, cache: str, context_tokens: int | None,
         fetch_k: int, order: str, relevance_floor: float | None, ttft_target: float | None,
         explain: bool, no_stream: bool, absolute_paths: bool, as_json: bool,
-        sampling: dict[str, Any], retrieval: dict[str, Any]) -> None:
+        sampling: dict[str, Any], retrieval: dict[str, Any], engine: dict[str, Any]) -> None:
     """Answer QUESTION from the index within the memory budget, citing sources."""
     from .pipeline import Pipeline, format_report
 
@@ -442,6 +487,7 @@ def ask(question: str, index_dir: str, model: str | None, gpu: str | None, concu
     pipe = Pipeline(
         index_dir, model=model, gpu=gpu, concurrency=concurrency, max_new_tokens=max_new_tokens,
         kv_dtype=kv_dtype, cache=cache, fetch_k=fetch_k, order=order, **retrieval, **tuning,
+        **engine,
     )
     streaming = not as_json and not no_stream
     on_text = (lambda piece: click.echo(piece, nl=False)) if streaming else None
@@ -453,7 +499,7 @@ def ask(question: str, index_dir: str, model: str | None, gpu: str | None, concu
         _echo_json(answer.to_dict())
         return
     # An answer cut by max_new_tokens ends mid-sentence: mark it, and say what to raise.
-    cut = getattr(answer, "finish_reason", "stop") == "length"
+    cut = answer.finish_reason == "length"
     if streaming:
         click.echo(" […]" if cut else "")
     else:
@@ -469,6 +515,15 @@ def ask(question: str, index_dir: str, model: str | None, gpu: str | None, concu
     if explain:
         click.echo()
         click.echo(format_report(answer.report))
+    elif "engine" in answer.report:
+        b = answer.report["budget"]
+        e = answer.report["engine"]
+        click.echo(
+            f"\nbudget: {e['engine']['kind']} at {e['engine']['url']}, context "
+            f"{b['context_tokens_used']}/{b['context_tokens_allowed']} tokens (limited by "
+            f"{b['limited_by']}), prompt {b['prompt_tokens']} tokens, max_new_tokens "
+            f"{b['max_new_tokens']}; --explain for every figure and its source"
+        )
     else:
         b = answer.report["budget"]
         limit = b.get("context_limit") or {}
@@ -496,11 +551,12 @@ def ask(question: str, index_dir: str, model: str | None, gpu: str | None, concu
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per turn.")
 @_sampling_options
 @_retrieval_options
+@_engine_options
 @_user_errors
 def chat(index_dir: str, model: str | None, gpu: str | None, concurrency: int, max_new_tokens: int,
          kv_dtype: str | None, cache: str, history_share: float, summary_max_tokens: int,
          recent_turns: int, context_tokens: int | None, no_stream: bool, as_json: bool,
-         sampling: dict[str, Any], retrieval: dict[str, Any]) -> None:
+         sampling: dict[str, Any], retrieval: dict[str, Any], engine: dict[str, Any]) -> None:
     """Multi-turn chat inside the memory budget: a REPL at a terminal (line editing, history,
     /help), one question per line when stdin is piped."""
     from .chat import Conversation, TerminalLines, chat_banner, run_chat
@@ -508,7 +564,7 @@ def chat(index_dir: str, model: str | None, gpu: str | None, concurrency: int, m
     from .pipeline import Pipeline
 
     pipe = Pipeline(index_dir, model=model, gpu=gpu, concurrency=concurrency, max_new_tokens=max_new_tokens,
-                    kv_dtype=kv_dtype, cache=cache, **retrieval)
+                    kv_dtype=kv_dtype, cache=cache, **retrieval, **engine)
     conversation = Conversation(pipe, history_share=history_share, summary_max_tokens=summary_max_tokens,
                                 recent_turns=recent_turns, context_tokens=context_tokens)
 
@@ -541,11 +597,12 @@ def chat(index_dir: str, model: str | None, gpu: str | None, concurrency: int, m
 @click.option("--recent-turns", default=2, show_default=True, type=click.IntRange(min=0), help="Turns kept verbatim when they fit.")
 @click.option("--expose-plan", is_flag=True, help="Send the memory plan and host memory figures (GPU, free/usable bytes) in responses.")
 @_retrieval_options
+@_engine_options
 @_user_errors
 def serve(index_dir: str, model: str | None, gpu: str | None, concurrency: int, max_new_tokens: int,
           kv_dtype: str | None, cache: str, host: str, port: int, api_key: str | None,
           model_name: str | None, history_share: float, summary_max_tokens: int, recent_turns: int,
-          expose_plan: bool, retrieval: dict[str, Any]) -> None:
+          expose_plan: bool, retrieval: dict[str, Any], engine: dict[str, Any]) -> None:
     """OpenAI-compatible HTTP server (/v1/chat/completions, /v1/retrieve, /metrics) with KV admission.
 
     Refuses to start (exit 1) when the index is missing or damaged or the port cannot be bound.
@@ -554,7 +611,7 @@ def serve(index_dir: str, model: str | None, gpu: str | None, concurrency: int, 
     from .server import serve as run_server
 
     pipe = Pipeline(index_dir, model=model, gpu=gpu, concurrency=concurrency, max_new_tokens=max_new_tokens,
-                    kv_dtype=kv_dtype, cache=cache, **retrieval)
+                    kv_dtype=kv_dtype, cache=cache, **retrieval, **engine)
     run_server(pipe, host=host, port=port, api_key=api_key, model_name=model_name, history_share=history_share,
                summary_max_tokens=summary_max_tokens, recent_turns=recent_turns, expose_plan=expose_plan)
 

@@ -37,6 +37,7 @@ from .errors import ArgumentTypeError, BudgetError, ConfigError, IndexEmptyError
 
 if TYPE_CHECKING:
     from .admission import AdmissionController
+    from .backend import Backend, Capacity, RequestBudget
     from .budget import BudgetPlan
     from .embed import Embedder
     from .generate import Generator
@@ -44,7 +45,7 @@ if TYPE_CHECKING:
     from .prompt import Prompt, PromptBuilder
     from .select import Selection
 
-__all__ = ["Answer", "AnswerStream", "Pipeline", "format_report", "make_embedder"]
+__all__ = ["Answer", "AnswerStream", "EnginePlan", "Pipeline", "format_report", "make_embedder"]
 
 log = logging.getLogger(__name__)
 
@@ -154,6 +155,58 @@ class Answer:
         }
 
 
+@dataclass(frozen=True)
+class EnginePlan:
+    """The allowance of one request on a served engine: the engine's ``capacity`` (every figure
+    with its source and age) and what :func:`~ragbudget.backend.per_request_tokens` made of it
+    (``budget``: the context tokens, and which limit binds). What :class:`Pipeline` plans with
+    when it generates on an engine, where the local path has a
+    :class:`~ragbudget.budget.BudgetPlan`."""
+
+    capacity: Capacity
+    budget: RequestBudget
+    url: str
+    kind: str
+    detected: str
+    model: str
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.budget.max_new_tokens
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        """Prompt tokens one request may send (template, question, history and context)."""
+        return self.budget.overhead_tokens + self.budget.context_tokens
+
+    @property
+    def max_context_tokens(self) -> int:
+        """Prompt and answer of one request."""
+        return self.max_prompt_tokens + self.budget.max_new_tokens
+
+    def lines(self) -> list[str]:
+        """The plan as printed by ``budget --engine`` and ``ask --explain``: every figure with
+        its source and age, then the allowance and the limit that binds."""
+        b = self.budget
+        out = [f"engine: {self.kind} at {self.url} ({self.detected}); model {self.model}"]
+        out += self.capacity.describe()
+        kv = (f"KV share {b.kv_share} tokens (÷ {b.sharing} sharing) → {b.kv_tokens} for context"
+              if b.kv_share is not None else "KV: not reported (the window alone decides)")
+        out.append(f"window: {b.window_tokens + b.overhead_tokens} prompt tokens → "
+                   f"{b.window_tokens} for context; {kv}")
+        out.append(f"per request: {b.context_tokens} context tokens + {b.overhead_tokens} template "
+                   f"and question + {b.max_new_tokens} answer; limited by {b.binding} "
+                   f"({b.binding_tokens} tokens, {b.binding_source or 'unknown source'})"
+                   + (" — advisory: engine metrics may be stale" if b.advisory else ""))
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"engine": {"url": self.url, "kind": self.kind, "detected": self.detected,
+                           "model": self.model},
+                "capacity": self.capacity.to_dict(), "request": self.budget.to_dict(),
+                "lines": self.lines()}
+
+
 def make_embedder(spec: Any = None) -> Embedder | None:
     """An embedder from a CLI-style spec: ``None`` (the index's own, or the packaged MiniLM),
     ``"hash"`` / ``"hash:384"`` (the deterministic model-free test embedder), or a
@@ -180,7 +233,8 @@ class Pipeline:
 
     Args:
         index_dir: folder of the index (created by :meth:`index`).
-        model: generator — HF id, local folder or ``.gguf`` (default: packaged SmolLM2-135M).
+        model: generator — HF id, local folder or ``.gguf`` (default: packaged SmolLM2-135M);
+            with ``engine``, which of the engine's served models (default: the first listed).
         gpu: ``"auto"``/``None`` (free CUDA memory, else host RAM), a GPU name or a size.
         embedder: embedder for indexing (default: the index's own, else packaged MiniLM).
         concurrency: requests planned to share the KV memory.
@@ -202,6 +256,21 @@ class Pipeline:
             the context is capped to what the generator's measured prefill speed allows in that
             time (``limited_by: "time"`` in the report). Default ``None``: 2 s on a host without
             CUDA (measured once per model and machine, cached), no cap on a GPU; 0 disables.
+        engine: the URL of a served engine (``http://host:8000/v1``) to generate on instead of
+            a local model: vLLM, SGLang, TGI, llama.cpp, Ollama or any OpenAI-compatible server.
+            Counting, the chat template and the capacity then come from the engine
+            (:func:`ragbudget.engines.connect`); the memory options (``gpu``, ``kv_dtype``,
+            ``cache``, ``utilization``, ``ttft_target``) do not apply.
+        engine_kind: ``"auto"`` (probe and say which) or ``vllm``, ``sglang``, ``tgi``,
+            ``llamacpp``, ``ollama``, ``openai``.
+        api_key, api_key_env: the engine's API key, or the environment variable holding it.
+        tokenizer: for engines that cannot count (Ollama, a generic OpenAI server): a Hugging
+            Face tokenizer, folder or id counted with a 2% safety margin (default: tiktoken with
+            15%).
+        engine_context_tokens: the engine's window, for a server that does not report it.
+        engine_timeout: seconds any one engine reply may take (a whole answer, when not
+            streamed: raise it for long answers on a slow engine).
+        backend: any :class:`~ragbudget.backend.Backend` (overrides ``engine`` and ``generator``).
 
     >>> rb = Pipeline(".ragbudget", gpu="RTX 4090", concurrency=4)   # doctest: +SKIP
     >>> rb.plan.max_context_tokens                                  # doctest: +SKIP
@@ -230,6 +299,14 @@ class Pipeline:
         generator: Generator | None = None,
         relevance_floor: float = DEFAULT_RELEVANCE_FLOOR,
         ttft_target: float | None = None,
+        engine: str | None = None,
+        engine_kind: str = "auto",
+        api_key: str | None = None,
+        api_key_env: str | None = None,
+        tokenizer: Any = None,
+        engine_context_tokens: int | None = None,
+        engine_timeout: float = 30.0,
+        backend: Backend | None = None,
     ) -> None:
         from .select import ORDERS
 
@@ -260,6 +337,20 @@ class Pipeline:
         _check_text("system_prompt", system_prompt, optional=True)
         _check_number("relevance_floor", relevance_floor, 0.0, 1.0)
         _check_number("ttft_target", ttft_target, 0.0, optional=True)
+        _check_text("engine", engine, optional=True)
+        _check_text("api_key", api_key, optional=True)
+        _check_text("api_key_env", api_key_env, optional=True)
+        _check_int("engine_context_tokens", engine_context_tokens, 2, optional=True)
+        _check_number("engine_timeout", engine_timeout, 0.0, lo_open=True)
+        if engine is not None or backend is not None:
+            from .engines import KINDS
+
+            _check_choice("engine_kind", engine_kind, ("auto", *KINDS))
+        if engine is not None and generator is not None:
+            raise ConfigError("pass engine= (generate on a served engine) or generator= (a local "
+                              "model), not both")
+        if api_key is not None and api_key_env is not None:
+            raise ConfigError("pass api_key or api_key_env, not both")
         self.index_dir = Path(index_dir)
         self.model = model
         self.gpu = gpu
@@ -281,6 +372,18 @@ class Pipeline:
         self._embedder_spec = embedder
         self._embedder: Embedder | None = None
         self._generator = generator
+        self.engine = engine
+        self.engine_kind = engine_kind
+        self._api_key, self._api_key_env = api_key, api_key_env
+        self._tokenizer = tokenizer
+        self.engine_context_tokens = engine_context_tokens
+        self.engine_timeout = float(engine_timeout)
+        self._backend: Backend | None = backend
+        if backend is not None:
+            from .backend import LocalBackend
+
+            if isinstance(backend, LocalBackend):
+                self._generator = backend.generator
         self._index: Index | None = None
         self._plans: dict[tuple[int, bool], BudgetPlan] = {}
         self._builder: PromptBuilder | None = None
@@ -288,6 +391,9 @@ class Pipeline:
         self._lock = threading.RLock()
 
     def __repr__(self) -> str:
+        if self.engine is not None:
+            return (f"Pipeline({str(self.index_dir)!r}, engine={self.engine!r}, "
+                    f"engine_kind={self.engine_kind!r})")
         return (
             f"Pipeline({str(self.index_dir)!r}, model={self.model!r}, gpu={self.gpu!r}, "
             f"concurrency={self.concurrency})"
@@ -304,13 +410,88 @@ class Pipeline:
 
     @property
     def generator(self) -> Generator:
-        """The generator (loaded on first use; the packaged SmolLM2 by default)."""
+        """The local generator (loaded on first use; the packaged SmolLM2 by default). A
+        pipeline that generates on a served engine has none: :attr:`backend` is what generates."""
         with self._lock:
             if self._generator is None:
+                if self.served:
+                    raise ConfigError(f"this pipeline generates on {self.backend!r}: it has no "
+                                      "local generator (use pipeline.backend)")
                 from .generate import Generator
 
                 self._generator = Generator(self.model)
             return self._generator
+
+    @property
+    def served(self) -> bool:
+        """Whether generation runs on a served engine (``engine=`` or a non-local ``backend=``),
+        decided without connecting."""
+        from .backend import LocalBackend
+
+        if self._backend is not None:
+            return not isinstance(self._backend, LocalBackend)
+        return self.engine is not None
+
+    @property
+    def backend(self) -> Backend:
+        """What generates: the served engine's :class:`~ragbudget.backend.Backend` (connected on
+        first use; token counts cached in ``<index_dir>/counts.sqlite``), or a
+        :class:`~ragbudget.backend.LocalBackend` over :attr:`generator`."""
+        with self._lock:
+            if self._backend is None:
+                if self.engine is not None:
+                    from .backend import CountCache, MemoryCountCache, SQLiteCountCache
+                    from .engines import api_key_from_env, connect
+
+                    key = self._api_key if self._api_key is not None else api_key_from_env(
+                        self._api_key_env)
+                    # Counts persist next to the index (outside its generations: a cache); with
+                    # no index folder yet (``budget --engine``), in memory.
+                    cache: CountCache = (SQLiteCountCache(self.index_dir / "counts.sqlite")
+                                         if self.index_dir.is_dir() else MemoryCountCache())
+                    self._backend = connect(
+                        self.engine, kind=self.engine_kind, api_key=key, model=self.model,
+                        tokenizer=self._tokenizer, context_tokens=self.engine_context_tokens,
+                        timeout=self.engine_timeout, count_cache=cache)
+                else:
+                    from .backend import LocalBackend
+
+                    self._backend = LocalBackend(
+                        self.generator, gpu=self.gpu, concurrency=self.concurrency,
+                        max_new_tokens=self.max_new_tokens, cache=self.cache,
+                        kv_dtype=self.kv_dtype, utilization=self.utilization)
+            return self._backend
+
+    def engine_plan(self, max_new_tokens: int | None = None, *, question: str = "",
+                    history: Sequence[dict[str, str]] | None = None) -> EnginePlan:
+        """The served engine's allowance for one request now: its capacity (each figure with
+        source and age) and the context tokens left after the template, system prompt,
+        ``history``, ``question`` and ``max_new_tokens`` (default: the pipeline's)."""
+        from .backend import per_request_tokens
+
+        new_tokens = self.max_new_tokens if max_new_tokens is None else max_new_tokens
+        _check_int("max_new_tokens", new_tokens, 1)
+        backend = self.backend
+        if not self.served:
+            raise ConfigError("engine_plan() is for a pipeline on a served engine; a local one "
+                              "plans from memory: use plan_for()")
+        builder = self.prompt_builder.with_history(history)
+        fixed = builder.fixed_tokens(question)
+        capacity = backend.capacity()
+        budget = per_request_tokens(capacity, max_new_tokens=new_tokens, overhead_tokens=fixed)
+        return self._engine_plan(capacity, budget)
+
+    def _engine_plan(self, capacity: Capacity, budget: RequestBudget) -> EnginePlan:
+        from .engines import ServedBackend
+
+        backend = self.backend
+        if isinstance(backend, ServedBackend):
+            url, detected = backend.url, backend.detection.how
+        else:
+            url, detected = repr(backend), "given: backend="
+        return EnginePlan(capacity=capacity, budget=budget, url=url,
+                          kind=capacity.engine_kind or "engine", detected=detected,
+                          model=backend.model_id)
 
     @property
     def store(self) -> Index:
@@ -328,11 +509,16 @@ class Pipeline:
         return self.plan_for(self.max_new_tokens)
 
     def plan_for(self, max_new_tokens: int) -> BudgetPlan:
-        """The memory plan reserving ``max_new_tokens`` (cached per value)."""
+        """The memory plan reserving ``max_new_tokens`` (cached per value). Local generation
+        only: a pipeline on a served engine plans from the engine's figures
+        (:meth:`engine_plan`)."""
+        if self.served:
+            raise ConfigError("a pipeline on a served engine has no memory plan; its allowance "
+                              "comes from the engine's own figures: use engine_plan()")
         with self._lock:
             # A loaded generator knows its real weights and dtype; before that the plan reads the
             # config. Plans made before loading are kept apart from the ones made after.
-            loaded = self._generator is not None and bool(getattr(self._generator, "loaded", False))
+            loaded = self._generator is not None and bool(self._generator.loaded)
             plan = self._plans.get((max_new_tokens, loaded))
             if plan is None:
                 from .budget import plan_budget
@@ -352,25 +538,62 @@ class Pipeline:
 
     @property
     def admission(self) -> AdmissionController:
-        """Admission control sized from the plan's KV capacity (shared by all threads)."""
+        """Admission control sized from the plan's KV capacity (shared by all threads). On a
+        served engine: the KV tokens it reports, else its window × request slots; an engine that
+        reports neither is not limited here (fail open — the engine queues and refuses itself)."""
         with self._lock:
             if self._admission is None:
                 from .admission import AdmissionController
 
                 self._admission = AdmissionController(
-                    self.plan.kv_capacity_tokens,
+                    self._admission_tokens(),
                     max_queue=self.queue_size,
                     timeout=self.queue_timeout,
                 )
             return self._admission
 
+    #: Admission capacity when a served engine says nothing of its KV cache or slots.
+    UNLIMITED_TOKENS = 2**62
+
+    def _admission_tokens(self) -> int:
+        if not self.served:
+            return self.plan.kv_capacity_tokens
+        tokens, note = self._engine_admission()
+        if tokens == self.UNLIMITED_TOKENS:
+            log.warning("%s", note)
+        return tokens
+
+    def _engine_admission(self) -> tuple[int, str]:
+        cap = self.backend.capacity()
+        if cap.kv_tokens_total:
+            return cap.kv_tokens_total, (f"{cap.kv_tokens_total} KV tokens "
+                                         f"({cap.kv_total_source})")
+        if cap.max_context_tokens and cap.max_concurrent:
+            return cap.max_context_tokens * cap.max_concurrent, (
+                f"{cap.max_context_tokens} tokens × {cap.max_concurrent} requests "
+                f"({cap.max_context_source}; {cap.max_concurrent_source})")
+        return self.UNLIMITED_TOKENS, (
+            f"open: the {cap.engine_kind or 'engine'} reports no KV cache size nor request slots, "
+            "so ragbudget admits every request (the engine queues and refuses them itself)")
+
+    def admission_note(self) -> str:
+        """What admission control is sized from, in one line (``serve`` logs it)."""
+        if not self.served:
+            return f"{self.plan.kv_capacity_tokens} KV tokens (memory plan)"
+        return self._engine_admission()[1]
+
     @property
     def prompt_builder(self) -> PromptBuilder:
         with self._lock:
             if self._builder is None:
-                from .prompt import PromptBuilder
+                from .prompt import EnginePromptBuilder, PromptBuilder
 
-                self._builder = PromptBuilder(self.generator.tokenizer, system_prompt=self.system_prompt)
+                if self.served:
+                    self._builder = EnginePromptBuilder(self.backend,
+                                                        system_prompt=self.system_prompt)
+                else:
+                    self._builder = PromptBuilder(self.generator.tokenizer,
+                                                  system_prompt=self.system_prompt)
             return self._builder
 
     # -- indexing and search ----------------------------------------------------------------------
@@ -424,7 +647,7 @@ class Pipeline:
         )
 
         gen = self.generator
-        device = str(getattr(gen, "device", "") or "")
+        device = str(gen.device or "")
         target = self.ttft_target
         if target is None:
             if device != "cpu":
@@ -434,8 +657,8 @@ class Pipeline:
             return None
         speed = lookup_prefill_speed(plan.model, device)
         if speed is None:
-            model = getattr(gen, "model", None)
-            if model is None or not hasattr(model, "parameters"):
+            model = gen.model
+            if model is None:
                 return None  # nothing to measure (a stand-in generator)
             log.info("measuring the prefill speed of %s on %s once (cached)", plan.model, device)
             try:
@@ -459,7 +682,7 @@ class Pipeline:
         max_new_tokens: int,
         history: Sequence[dict[str, str]] | None,
         retrieval_query: str | None,
-    ) -> tuple[Prompt, BudgetPlan, dict[str, float], dict[str, Any] | None]:
+    ) -> tuple[Prompt, BudgetPlan | EnginePlan, dict[str, float], dict[str, Any] | None]:
         """Plan, retrieve, select and render: the prompt that fits, how long each step took, and
         the cap set on the context (by ``context_tokens`` or by time), if any."""
         from .prompt import build_prompt
@@ -475,7 +698,11 @@ class Pipeline:
         timings: dict[str, float] = {}
         # A missing, damaged or empty index fails fast, before any model loads.
         self._searchable()
-        if not (self._generator is not None and getattr(self._generator, "loaded", False)):
+        if self.served:
+            return self._engine_prompt(question, context_tokens=context_tokens,
+                                       max_new_tokens=max_new_tokens, history=history,
+                                       retrieval_query=retrieval_query, timings=timings)
+        if not (self._generator is not None and self._generator.loaded):
             # So does a request the model's window or the memory can never hold (config only).
             self.plan_for(max_new_tokens)
         t0 = time.perf_counter()
@@ -514,6 +741,41 @@ class Pipeline:
             order=self.order,
             relevance_floor=self.relevance_floor,
         )
+        timings["select_s"] = time.perf_counter() - t0
+        return prompt, plan, timings, cap
+
+    def _engine_prompt(self, question: str, *, context_tokens: int | None, max_new_tokens: int,
+                       history: Sequence[dict[str, str]] | None, retrieval_query: str | None,
+                       timings: dict[str, float]) -> tuple[Prompt, EnginePlan, dict[str, float],
+                                                           dict[str, Any] | None]:
+        """:meth:`_prompt` on a served engine: the allowance from the engine's capacity
+        (:func:`~ragbudget.backend.per_request_tokens`), counting and the template by the
+        engine."""
+        from .backend import per_request_tokens
+        from .prompt import build_prompt
+
+        t0 = time.perf_counter()
+        backend = self.backend  # connects (and detects the engine kind) on first use
+        builder = self.prompt_builder.with_history(history)
+        timings["load_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        fixed = builder.fixed_tokens(question)
+        capacity = backend.capacity()
+        budget = per_request_tokens(capacity, max_new_tokens=max_new_tokens, overhead_tokens=fixed)
+        plan = self._engine_plan(capacity, budget)
+        timings["plan_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        max_prompt = plan.max_prompt_tokens
+        cap: dict[str, Any] | None = None
+        if context_tokens is not None:
+            cap = {"limit": "context_tokens", "tokens": context_tokens}
+            max_prompt = min(max_prompt, fixed + context_tokens)
+        hits = self.search(retrieval_query or question, k=self.fetch_k)
+        timings["retrieve_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        prompt = build_prompt(question, hits, tokenizer=None, max_prompt_tokens=max_prompt,
+                              builder=builder, order=self.order,
+                              relevance_floor=self.relevance_floor)
         timings["select_s"] = time.perf_counter() - t0
         return prompt, plan, timings, cap
 
@@ -585,6 +847,8 @@ class Pipeline:
         if cancel is not None and cancel.is_set():
             return cancelled()
         t0 = time.perf_counter()
+        sampling, stop, extra = _split_options(generate_options, served=self.served)
+        backend = self.backend
         try:
             reservation = self.admission.acquire(reserve, cancel=cancel)
         except RequestCancelled:
@@ -595,18 +859,11 @@ class Pipeline:
             if cancel is not None and cancel.is_set():
                 return cancelled()
             t0 = time.perf_counter()
-            gen = self.generator.generate(
-                prompt,
-                max_new_tokens=new_tokens,
-                cache=self.cache,
-                kv_dtype=self.kv_dtype,
-                on_text=on_text,
-                cancel=cancel,
-                **generate_options,
-            )
+            gen = backend.generate(prompt, max_new_tokens=new_tokens, sampling=sampling, stop=stop,
+                                   on_text=on_text, cancel=cancel, **extra)
             timings["generate_s"] = time.perf_counter() - t0
         timings["total_s"] = time.perf_counter() - t_start
-        final = gen.prompt if getattr(gen, "prompt", None) is not None else prompt
+        final = gen.prompt if gen.prompt is not None else prompt
         return _answer(gen, final, plan, reserve, timings, cap)
 
     def stream(self, question: str, **options: Any) -> AnswerStream:
@@ -648,6 +905,24 @@ class Pipeline:
 
 #: Context tokens a time cap always leaves: room for (a cut window of) the best chunk.
 _MIN_TIME_CONTEXT = 256
+
+
+def _split_options(options: Mapping[str, Any], *, served: bool
+                   ) -> tuple[Any, list[str] | None, dict[str, Any]]:
+    """``ask``'s generate options as the protocol's ``Sampling`` and ``stop``, and the local
+    generator's own extras (``do_sample``, ``top_k``, …), which a served engine refuses."""
+    from .backend import Sampling
+
+    rest = dict(options)
+    sampling = Sampling(temperature=rest.pop("temperature", None), top_p=rest.pop("top_p", None),
+                        seed=rest.pop("seed", None))
+    stop = rest.pop("stop", None)
+    if isinstance(stop, str):
+        stop = [stop]
+    if rest and served:
+        raise ConfigError(f"{', '.join(sorted(rest))}: not an option of a served engine (it takes "
+                          "temperature, top_p, seed and stop)")
+    return sampling, (list(stop) if stop else None), rest
 
 
 def _check_call(on_text: Any, cancel: Any) -> None:
@@ -859,8 +1134,8 @@ class AnswerStream:
         await self.aclose()
 
 
-def _answer(gen: Any, prompt: Prompt, plan: BudgetPlan, reserved: int, timings: dict[str, float],
-            cap: dict[str, Any] | None) -> Answer:
+def _answer(gen: Any, prompt: Prompt, plan: BudgetPlan | EnginePlan, reserved: int,
+            timings: dict[str, float], cap: dict[str, Any] | None) -> Answer:
     sel = prompt.selection
     sources = []
     for passage in prompt.passages:
@@ -869,6 +1144,8 @@ def _answer(gen: Any, prompt: Prompt, plan: BudgetPlan, reserved: int, timings: 
         src["chunk_ids"] = list(passage.chunk_ids)
         src["duplicates"] = [s.to_dict() for s in passage.sources[1:]]
         sources.append(src)
+    if isinstance(plan, EnginePlan):
+        return _engine_answer(gen, prompt, plan, reserved, timings, cap, sources)
     budget = {
         "kv_bytes_per_token": plan.kv_bytes_per_token,
         "kv_capacity_tokens": plan.kv_capacity_tokens,
@@ -882,8 +1159,8 @@ def _answer(gen: Any, prompt: Prompt, plan: BudgetPlan, reserved: int, timings: 
         "context_limit": cap,
         "fixed_prompt_tokens": prompt.fixed_tokens,
         "prompt_tokens": prompt.n_tokens,
-        "max_new_tokens": getattr(gen, "max_new_tokens", None) or plan.max_new_tokens,
-        "new_tokens": getattr(gen, "new_tokens", None),
+        "max_new_tokens": plan.max_new_tokens,
+        "new_tokens": gen.new_tokens,
         "kv_tokens_reserved": reserved,
         "limited_by": plan.limited_by,
         "fill": round(sel.fill, 4),
@@ -893,15 +1170,50 @@ def _answer(gen: Any, prompt: Prompt, plan: BudgetPlan, reserved: int, timings: 
         "plan": plan.to_dict(),
         "selection": [p.to_dict() | {"text": None} for p in prompt.passages],
         "dropped": [d.to_dict() for d in sel.dropped],
-        "oom_steps": [s.to_dict() if hasattr(s, "to_dict") else s for s in getattr(gen, "oom_steps", ())],
+        "oom_steps": [s.to_dict() for s in gen.oom_steps],
         "timings": {k: round(v, 4) for k, v in timings.items()},
     }
     return Answer(
-        text=str(getattr(gen, "text", "")).strip(),
+        text=str(gen.text).strip(),
         sources=sources,
         report=report,
-        finish_reason=str(getattr(gen, "finish_reason", "stop")),
+        finish_reason=str(gen.finish_reason),
     )
+
+
+def _engine_answer(gen: Any, prompt: Prompt, plan: EnginePlan, reserved: int,
+                   timings: dict[str, float], cap: dict[str, Any] | None,
+                   sources: list[dict[str, Any]]) -> Answer:
+    """The :class:`Answer` of a request generated on a served engine: the same budget keys where
+    they mean the same thing, the engine's figures (with sources and ages) under ``engine``."""
+    sel = prompt.selection
+    b = plan.budget
+    budget = {
+        "max_context_tokens": plan.max_context_tokens,
+        "max_prompt_tokens": plan.max_prompt_tokens,
+        "context_tokens_allowed": sel.tokens_allowed,
+        "context_tokens_used": sel.tokens_used,
+        "context_tokens_cap": cap["tokens"] if cap else None,
+        "context_limit": cap,
+        "fixed_prompt_tokens": prompt.fixed_tokens,
+        "prompt_tokens": prompt.n_tokens,
+        "engine_prompt_tokens": gen.prompt_tokens or None,
+        "max_new_tokens": b.max_new_tokens,
+        "new_tokens": gen.new_tokens,
+        "kv_tokens_reserved": reserved,
+        "limited_by": b.binding,
+        "fill": round(sel.fill, 4),
+    }
+    report = {
+        "budget": budget,
+        "engine": plan.to_dict(),
+        "selection": [p.to_dict() | {"text": None} for p in prompt.passages],
+        "dropped": [d.to_dict() for d in sel.dropped],
+        "oom_steps": [],
+        "timings": {k: round(v, 4) for k, v in timings.items()},
+    }
+    return Answer(text=str(gen.text).strip(), sources=sources, report=report,
+                  finish_reason=str(gen.finish_reason))
 
 
 def _where(plan: dict[str, Any]) -> str:
@@ -919,6 +1231,19 @@ def format_report(report: dict[str, Any]) -> str:
         return f"{x:,}" if isinstance(x, int) else str(x)
 
     gib = 1024**3
+    engine = report.get("engine")
+    if engine:
+        lines = ["Engine", *(f"  {line}" for line in engine.get("lines", []))]
+        rows = [
+            ("reserved output", f"{n(b.get('max_new_tokens'))} tokens (sent as max_tokens)"),
+            ("prompt allowed", f"{n(b.get('max_prompt_tokens'))} tokens"),
+            ("fixed prompt", f"{n(b.get('fixed_prompt_tokens'))} tokens (template, system, question)"),
+            ("context", f"{n(b.get('context_tokens_used'))} / {n(b.get('context_tokens_allowed'))} "
+                        f"tokens ({100 * float(b.get('fill', 0)):.1f}% filled)"),
+            ("prompt used", f"{n(b.get('prompt_tokens'))} tokens (engine counted "
+                            f"{n(b.get('engine_prompt_tokens'))}); generated {n(b.get('new_tokens'))}"),
+        ]
+        return _report_tail(report, lines, rows)
     rows = [
         ("model", p.get("model", "")),
         ("memory", f"{_where(p)}: {p.get('gpu_bytes', 0) / gib:.2f} GiB × {p.get('utilization', 0.9)}"),
@@ -941,8 +1266,12 @@ def format_report(report: dict[str, Any]) -> str:
                f"measured on {limit.get('device', '?')} (ttft_target; --context-tokens overrides)"
                if limit.get("limit") == "time" else "asked for (context_tokens)")
         rows.insert(-2, ("context cap", f"{n(limit.get('tokens'))} tokens, limit {why}"))
+    return _report_tail(report, [], rows)
+
+
+def _report_tail(report: dict[str, Any], lines: list[str], rows: list[tuple[str, str]]) -> str:
     width = max(len(k) for k, _ in rows)
-    lines = ["Budget", *(f"  {k.ljust(width)}  {v}" for k, v in rows)]
+    lines = [*lines, "Budget", *(f"  {k.ljust(width)}  {v}" for k, v in rows)]
     sel = report.get("selection", [])
     lines.append(f"Context: {len(sel)} passage(s)")
     for i, s in enumerate(sel, 1):

@@ -43,6 +43,7 @@ from .tokens import HFTokenizer
 
 __all__ = [
     "DEFAULT_SYSTEM_PROMPT",
+    "EnginePromptBuilder",
     "Prompt",
     "PromptBuilder",
     "build_prompt",
@@ -111,10 +112,13 @@ class Prompt:
     max_prompt_tokens: int
     fixed_tokens: int
     builder: PromptBuilder | None = field(default=None, repr=False, compare=False)
+    #: The prompt's size when a served engine counted it without returning ids (``input_ids``
+    #: is then empty); ``None``: ``len(input_ids)``.
+    token_count: int | None = None
 
     @property
     def n_tokens(self) -> int:
-        return len(self.input_ids)
+        return len(self.input_ids) if self.token_count is None else self.token_count
 
     def without_lowest(self, n: int = 1) -> Prompt | None:
         """The same prompt with the ``n`` lowest-scored passages removed (``None`` when there is
@@ -182,7 +186,7 @@ class PromptBuilder:
         return self._copy(tuple(turns))
 
     def _copy(self, history: tuple[dict[str, str], ...]) -> PromptBuilder:
-        b = PromptBuilder.__new__(PromptBuilder)
+        b = type(self).__new__(type(self))
         b.__dict__.update(self.__dict__)
         b.history = history
         return b
@@ -208,9 +212,19 @@ class PromptBuilder:
         with the widest id it could get (``max_id``), so renumbering never adds a token."""
         return self.count(self.block(passage, max_id)) - self.count(passage.text)
 
+    def prime(self, texts: Sequence[str]) -> None:
+        """Count ``texts`` ahead of selection. Local counting is cheap one text at a time, so
+        this does nothing here; :class:`EnginePromptBuilder` counts them in one batch."""
+
     def fixed_tokens(self, question: str) -> int:
         """Tokens of the whole prompt with no source: everything that is never dropped."""
-        return len(self.render_ids(question, ()))
+        return self.measure(self.messages(question, ()))[1]
+
+    def measure(self, messages: Sequence[dict[str, str]]) -> tuple[tuple[int, ...], int]:
+        """The token ids of ``messages`` rendered with the chat template (generation prompt
+        added), and how many there are."""
+        ids = tuple(self.tokenizer.encode(self.render_text(messages)))
+        return ids, len(ids)
 
     # -- rendering --------------------------------------------------------------------------
     def user_message(self, question: str, passages: Sequence[Any]) -> str:
@@ -261,15 +275,15 @@ class PromptBuilder:
         extra: list[Dropped] = []
         while True:
             msgs = self.messages(question, passages)
-            ids = self.tokenizer.encode(self.render_text(msgs))
-            if len(ids) <= max_prompt_tokens or not passages:
+            ids, n = self.measure(msgs)
+            if n <= max_prompt_tokens or not passages:
                 break
             # A BPE merge across a block boundary cost a token more than measured: give up the
             # least relevant passage rather than cut anything.
             worst = min(range(len(passages)), key=lambda i: passages[i].score)
             p = passages.pop(worst)
             extra += [Dropped(cid, "over_budget", p.score, p.n_tokens) for cid in p.chunk_ids]
-        if len(ids) > max_prompt_tokens:
+        if n > max_prompt_tokens:
             raise _too_small(fixed, max_prompt_tokens)
         if extra or len(passages) != len(selection.chunks):
             selection = replace(selection, chunks=tuple(passages),
@@ -284,7 +298,48 @@ class PromptBuilder:
             max_prompt_tokens=max_prompt_tokens,
             fixed_tokens=fixed,
             builder=self,
+            token_count=None if len(ids) == n else n,
         )
+
+
+class EnginePromptBuilder(PromptBuilder):
+    """A :class:`PromptBuilder` that counts and renders through a
+    :class:`~ragbudget.backend.Backend` — a served engine's own tokenizer and chat template (or
+    its stated local estimate) — instead of a local Hugging Face tokenizer. The layout is the
+    same; ``prime`` counts every candidate in one batch (and the backend's count cache keeps
+    them across runs).
+    """
+
+    def __init__(self, backend: Any, *, system_prompt: str | None = None) -> None:
+        self.backend = backend
+        self.tokenizer = None
+        self.system_prompt = DEFAULT_SYSTEM_PROMPT if system_prompt is None else system_prompt
+        self._counts: dict[str, int] = {}
+        self._system_role = True
+        self.history: tuple[dict[str, str], ...] = ()
+
+    def count(self, text: str) -> int:
+        n = self._counts.get(text)
+        if n is None:
+            n = int(self.backend.count([text])[0])
+            if len(self._counts) < 50_000:
+                self._counts[text] = n
+        return n
+
+    def prime(self, texts: Sequence[str]) -> None:
+        todo = [t for t in dict.fromkeys(texts) if t not in self._counts]
+        if todo:
+            for t, n in zip(todo, self.backend.count(todo)):
+                if len(self._counts) < 50_000:
+                    self._counts[t] = int(n)
+
+    def render_text(self, messages: Sequence[dict[str, str]]) -> str:
+        rendered = self.backend.render(list(messages))
+        return rendered.text if rendered.text is not None else ""
+
+    def measure(self, messages: Sequence[dict[str, str]]) -> tuple[tuple[int, ...], int]:
+        rendered = self.backend.render(list(messages))
+        return tuple(rendered.token_ids or ()), int(rendered.n_tokens)
 
 
 def _too_small(fixed: int, have: int) -> BudgetError:
@@ -324,6 +379,7 @@ def build_prompt(
         raise _too_small(fixed, max_prompt_tokens)
     cands = list(candidates)
     max_id = max(9, len(cands))
+    b.prime([c.text for c in cands] + [b.block(c, max_id) for c in cands])
     selection = select_chunks(
         question,
         cands,

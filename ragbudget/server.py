@@ -1042,11 +1042,12 @@ def create_app(
                 metrics.add("cancelled", 1)
 
     def counter() -> Callable[[str], int] | None:
-        gen = getattr(pipeline, "generator", None)
-        tc = getattr(gen, "token_counter", None)
-        if tc is None:
+        # The pipeline's generation backend counts (the local tokenizer, or the served engine);
+        # a custom pipeline without one reports the usage its answers carry.
+        backend = getattr(pipeline, "backend", None)
+        if backend is None:
             return None
-        return tc.count if hasattr(tc, "count") else tc
+        return lambda text: int(backend.count([text])[0])
 
     def record_answer(answer: Any) -> dict[str, int]:
         report = _report(answer)
@@ -1175,6 +1176,14 @@ def create_app(
         body = {"status": "ok" if problem is None else "unavailable", "model": served,
                 "uptime_s": round(time.time() - started, 3), "in_flight": metrics.in_flight,
                 **{k: int(v) for k, v in stats.items()}}
+        if getattr(pipeline, "served", False) is True:
+            # Generation on a served engine: say what admission is sized from, and that it is
+            # open when the engine reports no capacity (read once: the engine's shape is fixed).
+            if "admission" not in health_state:
+                health_state["admission"] = await asyncio.to_thread(pipeline.admission_note)
+            body["admission"] = health_state["admission"]
+            if str(health_state["admission"]).startswith("open"):
+                body.pop("capacity_tokens", None)
         if problem is not None:
             body["error"] = problem
             return JSONResponse(body, status_code=503)
@@ -1489,10 +1498,13 @@ def _to_dict(obj: Any) -> Any:
 
 
 def _default_model_name(pipeline: Any) -> str:
+    served = getattr(pipeline, "served", False) is True  # a Pipeline on a served engine
     # Never touch ``generator.model``: on a real Generator that loads the weights.
-    gen = getattr(pipeline, "generator", None)
+    gen = None if served else getattr(pipeline, "generator", None)
     ref = getattr(gen, "model_ref", None)
-    for obj, attr in ((ref, "id"), (gen, "model_id"), (pipeline, "model_name")):
+    sources = (((pipeline.backend, "model_id"),) if served else
+               ((ref, "id"), (gen, "model_id"), (pipeline, "model_name")))
+    for obj, attr in sources:
         value = getattr(obj, attr, None) if obj is not None else None
         if isinstance(value, str) and value:
             # A local path is no name to show clients; a hub id ("org/name") is.
@@ -1547,7 +1559,12 @@ def serve(
         if host not in LOOPBACK_HOSTS and not api_key:
             log.warning("serving on %s without an API key: anyone who can reach port %d can use the model "
                         "(pass --api-key or set %s)", host, port, API_KEY_ENV)
-        if warm_up:
+        if warm_up and getattr(pipeline, "served", False) is True:
+            # Connect now, so a wrong URL, key or engine is one line before listening.
+            for line in pipeline.engine_plan().lines():
+                log.info("engine plan: %s", line)
+            log.info("admission: %s", pipeline.admission_note())
+        elif warm_up:
             gen = getattr(pipeline, "generator", None)
             if callable(getattr(gen, "warm_up", None)):
                 gen.warm_up()

@@ -19,6 +19,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _fakes import FakeBackend  # noqa: E402
 
 
 class Words:
@@ -56,6 +59,7 @@ class SlowPipeline:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.plan = Plan()
         self.generator = Generator()
+        self.backend = FakeBackend(self.generator.token_counter)
 
     def ask(self, question: str, *, context_tokens: int | None = None, max_new_tokens: int | None = None,
             on_text: Any = None, cancel: Any = None, history: Any = None, retrieval_query: str | None = None,

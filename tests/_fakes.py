@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["GeneratorStub", "WordTokenizer", "make_pdf"]
+__all__ = ["FakeBackend", "GeneratorStub", "WordTokenizer", "make_pdf"]
 
 _PIECE = re.compile(r"<\|[a-z_]+\|>|\w+|[^\w\s]|\s+")
 
@@ -87,3 +87,73 @@ class GeneratorStub:
     loaded: bool = False
     model: Any = None
     config: Any = None
+    model_ref: Any = field(default_factory=lambda: _Ref("fake/generator"))
+    device: str = ""  # neither CPU nor GPU: no time cap on the context
+
+    @property
+    def token_counter(self) -> Any:
+        from ragbudget.tokens import HFTokenizer
+
+        return HFTokenizer(self.tokenizer)
+
+
+@dataclass(frozen=True)
+class _Ref:
+    id: str
+
+
+class FakeBackend:
+    """The :class:`ragbudget.backend.Backend` protocol, model-free: ``counter.count(text)`` counts,
+    a ``template`` with ``apply_chat_template`` renders (without one, each message costs its
+    content plus 8 tokens, as a template-less local model), ``generate(prompt, max_new_tokens=…)``
+    answers (``cancel`` is passed when it takes one), and ``capacity`` is what it says.
+
+    The one fake generation backend of the tests: fake pipelines hand it to the faces that talk
+    to the protocol (chat's history meter and summaries, the server's usage counts).
+    """
+
+    def __init__(self, counter: Any, *, template: Any = None, generate: Any = None,
+                 capacity: Any = None, model_id: str = "fake/model") -> None:
+        self.counter = counter
+        self.template = template if getattr(template, "chat_template", None) else None
+        self._generate = generate
+        self._capacity = capacity
+        self.model_id = model_id
+
+    def count(self, texts: Any) -> list[int]:
+        return [int(self.counter.count(t)) for t in texts]
+
+    def render(self, messages: Any) -> Any:
+        from ragbudget.backend import RenderedPrompt
+
+        msgs = tuple(dict(m) for m in messages)
+        if self.template is not None:
+            text = self.template.apply_chat_template(list(msgs), tokenize=False,
+                                                     add_generation_prompt=True)
+            return RenderedPrompt(messages=msgs, n_tokens=self.counter.count(text), exact=True,
+                                  source="fake template", text=text)
+        n = sum(self.counter.count(m["content"]) + 8 for m in msgs)
+        return RenderedPrompt(messages=msgs, n_tokens=n, exact=False, source="fake, 8 per message")
+
+    def capacity(self) -> Any:
+        from ragbudget.backend import Capacity
+
+        return self._capacity or Capacity(max_context_tokens=4096, max_context_source="fake")
+
+    def generate(self, prompt: Any, *, max_new_tokens: int, sampling: Any = None, stop: Any = None,
+                 on_text: Any = None, cancel: Any = None) -> Any:
+        import inspect
+
+        from ragbudget.generate import Generation
+
+        if self._generate is None:
+            raise AssertionError("this fake backend does not generate")
+        kwargs: dict[str, Any] = {"max_new_tokens": max_new_tokens}
+        if cancel is not None and "cancel" in inspect.signature(self._generate).parameters:
+            kwargs["cancel"] = cancel
+        out = self._generate(prompt, **kwargs)
+        if isinstance(out, Generation):
+            return out
+        text = str(getattr(out, "text", out) or "")
+        return Generation(text=text, prompt_tokens=0, new_tokens=self.counter.count(text),
+                          finish_reason=str(getattr(out, "finish_reason", "stop")), seconds=0.0)

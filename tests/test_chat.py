@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from _fakes import GeneratorStub
+from _fakes import FakeBackend, GeneratorStub
 from _fakes import WordTokenizer as HFWordTokenizer
 
 from ragbudget.chat import (
@@ -104,6 +104,7 @@ class FakeAnswer:
     text: str
     sources: list[dict[str, Any]]
     report: dict[str, Any]
+    finish_reason: str = "stop"
 
 
 CORPUS = {
@@ -130,6 +131,11 @@ class FakePipeline:
 
     def __post_init__(self) -> None:
         self.plan = FakePlan(self.total, self.max_new)
+
+    @property
+    def backend(self) -> FakeBackend:
+        gen = self.generator
+        return FakeBackend(gen.token_counter, template=gen.tokenizer, generate=gen.generate)
 
     def _render(self, messages: list[dict[str, str]]) -> int:
         text = self.generator.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

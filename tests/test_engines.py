@@ -629,8 +629,13 @@ class _StubGenerator:
         def count(text: str) -> int:
             return len(text.split())
 
-    def _ids_of(self, prompt: Any) -> list[int]:
-        return list(range(render_count(list(prompt))))
+    class tokenizer:  # noqa: N801 - a chat template rendering as many words as the replay counts
+        chat_template = "stub"
+
+        @staticmethod
+        def apply_chat_template(messages: Any, tokenize: bool = False,
+                                add_generation_prompt: bool = False) -> str:
+            return " ".join(["tok"] * render_count(list(messages)))
 
     def generate(self, prompt: Any, **kw: Any) -> Any:
         from ragbudget.generate import Generation

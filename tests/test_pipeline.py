@@ -43,6 +43,7 @@ class FakeGenerator:
     loaded: bool = False
     model: Any = None
     config: Any = None
+    device: str = ""  # neither CPU nor GPU: no time cap unless a test says so
 
     def generate(self, prompt: Any, *, max_new_tokens: int, on_text: Any = None, cancel: Any = None,
                  **_: Any) -> FakeGeneration:

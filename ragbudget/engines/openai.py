@@ -46,6 +46,6 @@ class OpenAIBackend(ServedBackend):
                  f"+{self.counter.margin:.0%} margin): the server has no tokenize route",)
         if window is None and self.context_tokens is None:
             notes += ("the server does not say its context length: pass context_tokens "
-                      "(--context-tokens)",)
+                      "(--engine-context-tokens)",)
         return Capacity(max_context_tokens=window, max_context_source=src,
                         engine_kind=self.kind, notes=notes)
