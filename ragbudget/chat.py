@@ -897,7 +897,7 @@ def format_sources(sources: Sequence[dict[str, Any]], show_path: Callable[[str],
     a stored path into the one printed."""
     lines = ["Sources:"]
     for i, src in enumerate(sources, 1):
-        page = f", page {src['page']}" if src.get("page") else ""
+        page = f", {src['label']}" if src.get("label") else f", page {src['page']}" if src.get("page") else ""
         score = src.get("score")
         score_text = f" score {score:.3f}" if isinstance(score, (int, float)) else ""
         path = show_path(str(src.get("path")))

@@ -510,7 +510,7 @@ def ask(question: str, index_dir: str, model: str | None, gpu: str | None, concu
     click.echo()
     click.echo("Sources:")
     for i, src in enumerate(answer.sources, 1):
-        page = f", page {src['page']}" if src.get("page") else ""
+        page = f", {src['label']}" if src.get("label") else f", page {src['page']}" if src.get("page") else ""
         click.echo(f"  [{i}] {src['path']}{page} [{src['start']}:{src['end']}] score {src['score']:.3f}")
     if explain:
         click.echo()

@@ -31,7 +31,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["haystack_retriever", "langchain_retriever", "llamaindex_retriever", "passages"]
 
 # The metadata a LlamaIndex synthesizer shows its LLM with each passage (a citation needs these).
-_LLM_VISIBLE = ("path", "page", "citation")
+_LLM_VISIBLE = ("path", "page", "label", "citation")
 # What retrieve() takes; anything else is a typo better caught when the adapter is built.
 _RETRIEVE_OPTIONS = frozenset({"context_tokens", "max_new_tokens", "history"})
 

@@ -1276,7 +1276,7 @@ def _report_tail(report: dict[str, Any], lines: list[str], rows: list[tuple[str,
     lines.append(f"Context: {len(sel)} passage(s)")
     for i, s in enumerate(sel, 1):
         src = (s.get("sources") or [{}])[0]
-        page = f" p.{src.get('page')}" if src.get("page") else ""
+        page = f" ({src['label']})" if src.get("label") else f" p.{src.get('page')}" if src.get("page") else ""
         lines.append(f"  [{i}] {src.get('path', '?')}{page}  score {s.get('score', 0):.3f}  "
                      f"{s.get('cost', 0)} tokens{'  (truncated)' if s.get('truncated') else ''}")
     dropped = report.get("dropped", [])

@@ -82,6 +82,8 @@ def source_label(passage: Any) -> str:
     >>> from ragbudget.select import Candidate
     >>> source_label(Candidate("c", "t", 1.0, sources=(Source("/a/b/guide.pdf", 0, 9, page_start=3),)))
     'guide.pdf, page 3'
+    >>> source_label(Candidate("c", "t", 1.0, sources=(Source("deck.pptx", 0, 9, 2, 3, "slides 2-3"),)))
+    'deck.pptx, slides 2-3'
     """
     sources = tuple(getattr(passage, "sources", ()) or ())
     if not sources:
@@ -89,7 +91,9 @@ def source_label(passage: Any) -> str:
     s = sources[0]
     name = re.split(r"[\\/]", str(s.path).rstrip("/\\"))[-1]
     label = " ".join(escape_data(name).split())  # one line, whatever the file is called
-    if s.page_start is not None:
+    if s.label:  # the format's own unit: slide, cell, rows, chapter, message
+        label += f", {' '.join(escape_data(s.label).split())}"
+    elif s.page_start is not None:
         if s.page_end is not None and s.page_end != s.page_start:
             label += f", pages {s.page_start}-{s.page_end}"
         else:
