@@ -148,6 +148,11 @@ def chunk_texts(
     rebuilt from its name in a worker (tiktoken encodings: the default). Otherwise, e.g. with a
     Hugging Face tokenizer object, a thread pool is used. The result is the same either way.
 
+    ``workers=1`` is one process but not always one thread: a text of at least
+    :data:`PARALLEL_ENCODE_MIN_CHARS` characters is encoded by tiktoken in helper threads (at most
+    one per core) while its boundaries are planned; worker processes turn that off, since they
+    already use the cores.
+
     >>> [len(cs) for cs in chunk_texts(["One short text.", "", "Another one."], workers=2)]
     [1, 0, 1]
     """
