@@ -532,5 +532,19 @@ def metric_sum(text: str, name: str) -> float | None:
     return sum(vals) if vals else None
 
 
+def queue_load(text: str, running: str, waiting: str) -> tuple[int | None, int | None, str]:
+    """``(running, waiting, source)`` from an engine's Prometheus gauges of requests running and
+    queued (each ``None`` when the engine does not publish it; ``source`` empty when neither).
+
+    >>> queue_load('r{engine="0"} 2\\nr{engine="1"} 1\\nw 0\\n', "r", "w")
+    (3, 0, 'GET /metrics r / w')
+    >>> queue_load("", "r", "w")
+    (None, None, '')
+    """
+    r, w = metric_sum(text, running), metric_sum(text, waiting)
+    source = f"GET /metrics {running} / {waiting}" if r is not None or w is not None else ""
+    return (None if r is None else int(r)), (None if w is None else int(w)), source
+
+
 def int_or_none(value: Any) -> int | None:
     return _int_or_none(value)

@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 
 from ..backend import Capacity, RenderedPrompt
 from ..errors import EngineResponseError
-from ._base import ServedBackend, int_or_none, metric_sum
+from ._base import ServedBackend, int_or_none, metric_sum, queue_load
 
 __all__ = ["SGLangBackend"]
 
@@ -104,12 +104,8 @@ class SGLangBackend(ServedBackend):
             if used is not None:
                 free = max(0, total - int(used))
                 free_src = "GET /metrics max_total_num_tokens − sglang:num_used_tokens"
-            r = metric_sum(reply.text, "sglang:num_running_reqs")
-            w = metric_sum(reply.text, "sglang:num_queue_reqs")
-            running = None if r is None else int(r)
-            waiting = None if w is None else int(w)
-            if r is not None or w is not None:
-                load_src = "GET /metrics sglang:num_running_reqs / sglang:num_queue_reqs"
+            running, waiting, load_src = queue_load(reply.text, "sglang:num_running_reqs",
+                                                    "sglang:num_queue_reqs")
         else:
             notes.append("no /metrics (start SGLang with --enable-metrics): free KV and load "
                          "unknown, the total pool is used instead")

@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 
 from ..backend import Capacity, RenderedPrompt
 from ..errors import EngineResponseError
-from ._base import ServedBackend, int_or_none, metric_sum
+from ._base import ServedBackend, int_or_none, metric_sum, queue_load
 
 __all__ = ["TGIBackend"]
 
@@ -79,12 +79,8 @@ class TGIBackend(ServedBackend):
                     kv_free = max(0, kv_total - int(cur))
                     kv_free_src = ("GET /metrics tgi_batch_max_total_tokens − "
                                    "tgi_batch_current_max_tokens")
-            r = metric_sum(reply.text, "tgi_batch_current_size")
-            w = metric_sum(reply.text, "tgi_queue_size")
-            running = None if r is None else int(r)
-            waiting = None if w is None else int(w)
-            if r is not None or w is not None:
-                load_src = "GET /metrics tgi_batch_current_size / tgi_queue_size"
+            running, waiting, load_src = queue_load(reply.text, "tgi_batch_current_size",
+                                                    "tgi_queue_size")
         else:
             notes.append("GET /metrics answered 404: KV figures unknown")
         return Capacity(

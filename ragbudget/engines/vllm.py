@@ -29,7 +29,7 @@ from collections.abc import Mapping, Sequence
 
 from ..backend import Capacity, RenderedPrompt
 from ..errors import EngineError, EngineResponseError
-from ._base import ServedBackend, int_or_none, iter_samples, metric_sum
+from ._base import ServedBackend, int_or_none, iter_samples, metric_sum, queue_load
 
 __all__ = ["VLLMBackend"]
 
@@ -98,12 +98,8 @@ class VLLMBackend(ServedBackend):
                 frac = min(1.0, max(0.0, usage / n_usage))  # mean over DP engines
                 kv_free = int(kv_total * (1.0 - frac))
                 kv_free_src = "GET /metrics vllm:kv_cache_usage_perc × KV total"
-            r = metric_sum(text, "vllm:num_requests_running")
-            w = metric_sum(text, "vllm:num_requests_waiting")
-            running = None if r is None else int(r)
-            waiting = None if w is None else int(w)
-            if r is not None or w is not None:
-                load_src = "GET /metrics vllm:num_requests_running / vllm:num_requests_waiting"
+            running, waiting, load_src = queue_load(text, "vllm:num_requests_running",
+                                                    "vllm:num_requests_waiting")
         else:
             notes.append("GET /metrics answered 404: KV figures unknown (the window alone limits)")
         return Capacity(
