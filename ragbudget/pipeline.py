@@ -1144,11 +1144,23 @@ def _answer(gen: Any, prompt: Prompt, plan: BudgetPlan | EnginePlan, reserved: i
         src["chunk_ids"] = list(passage.chunk_ids)
         src["duplicates"] = [s.to_dict() for s in passage.sources[1:]]
         sources.append(src)
+    # The same budget keys wherever they mean the same thing; what only one kind of plan knows
+    # (the local memory plan's bytes, or the engine's figures with sources and ages) besides.
     if isinstance(plan, EnginePlan):
-        return _engine_answer(gen, prompt, plan, reserved, timings, cap, sources)
+        b = plan.budget
+        memory: dict[str, Any] = {}
+        counted = {"engine_prompt_tokens": gen.prompt_tokens or None}
+        max_new, limited_by, oom_steps = b.max_new_tokens, b.binding, []
+        plan_part = {"engine": plan.to_dict()}
+    else:
+        memory = {"kv_bytes_per_token": plan.kv_bytes_per_token,
+                  "kv_capacity_tokens": plan.kv_capacity_tokens}
+        counted = {}
+        max_new, limited_by = plan.max_new_tokens, plan.limited_by
+        oom_steps = [s.to_dict() for s in gen.oom_steps]
+        plan_part = {"plan": plan.to_dict()}
     budget = {
-        "kv_bytes_per_token": plan.kv_bytes_per_token,
-        "kv_capacity_tokens": plan.kv_capacity_tokens,
+        **memory,
         "max_context_tokens": plan.max_context_tokens,
         "max_prompt_tokens": plan.max_prompt_tokens,
         "context_tokens_allowed": sel.tokens_allowed,
@@ -1159,57 +1171,19 @@ def _answer(gen: Any, prompt: Prompt, plan: BudgetPlan | EnginePlan, reserved: i
         "context_limit": cap,
         "fixed_prompt_tokens": prompt.fixed_tokens,
         "prompt_tokens": prompt.n_tokens,
-        "max_new_tokens": plan.max_new_tokens,
+        **counted,
+        "max_new_tokens": max_new,
         "new_tokens": gen.new_tokens,
         "kv_tokens_reserved": reserved,
-        "limited_by": plan.limited_by,
+        "limited_by": limited_by,
         "fill": round(sel.fill, 4),
     }
     report = {
         "budget": budget,
-        "plan": plan.to_dict(),
+        **plan_part,
         "selection": [p.to_dict() | {"text": None} for p in prompt.passages],
         "dropped": [d.to_dict() for d in sel.dropped],
-        "oom_steps": [s.to_dict() for s in gen.oom_steps],
-        "timings": {k: round(v, 4) for k, v in timings.items()},
-    }
-    return Answer(
-        text=str(gen.text).strip(),
-        sources=sources,
-        report=report,
-        finish_reason=str(gen.finish_reason),
-    )
-
-
-def _engine_answer(gen: Any, prompt: Prompt, plan: EnginePlan, reserved: int,
-                   timings: dict[str, float], cap: dict[str, Any] | None,
-                   sources: list[dict[str, Any]]) -> Answer:
-    """The :class:`Answer` of a request generated on a served engine: the same budget keys where
-    they mean the same thing, the engine's figures (with sources and ages) under ``engine``."""
-    sel = prompt.selection
-    b = plan.budget
-    budget = {
-        "max_context_tokens": plan.max_context_tokens,
-        "max_prompt_tokens": plan.max_prompt_tokens,
-        "context_tokens_allowed": sel.tokens_allowed,
-        "context_tokens_used": sel.tokens_used,
-        "context_tokens_cap": cap["tokens"] if cap else None,
-        "context_limit": cap,
-        "fixed_prompt_tokens": prompt.fixed_tokens,
-        "prompt_tokens": prompt.n_tokens,
-        "engine_prompt_tokens": gen.prompt_tokens or None,
-        "max_new_tokens": b.max_new_tokens,
-        "new_tokens": gen.new_tokens,
-        "kv_tokens_reserved": reserved,
-        "limited_by": b.binding,
-        "fill": round(sel.fill, 4),
-    }
-    report = {
-        "budget": budget,
-        "engine": plan.to_dict(),
-        "selection": [p.to_dict() | {"text": None} for p in prompt.passages],
-        "dropped": [d.to_dict() for d in sel.dropped],
-        "oom_steps": [],
+        "oom_steps": oom_steps,
         "timings": {k: round(v, 4) for k, v in timings.items()},
     }
     return Answer(text=str(gen.text).strip(), sources=sources, report=report,
