@@ -37,6 +37,7 @@ question verbatim, with the conversation as history.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
 import json
@@ -970,10 +971,9 @@ class TerminalLines:
         self._readline = readline
         readline.set_history_length(history_length)
         if history_file:
-            try:
+            # First session, or unreadable: start with an empty history.
+            with contextlib.suppress(OSError):
                 readline.read_history_file(history_file)
-            except OSError:  # first session, or unreadable: start with an empty history
-                pass
 
     def save(self) -> None:
         """Write the history file (its folder is created); errors are ignored."""
@@ -981,11 +981,9 @@ class TerminalLines:
             return
         import os
 
-        try:
+        with contextlib.suppress(OSError):  # read-only home, full disk: history is a convenience
             os.makedirs(os.path.dirname(self.history_file) or ".", exist_ok=True)
             self._readline.write_history_file(self.history_file)
-        except OSError:  # read-only home, full disk: history is a convenience
-            pass
 
     def __iter__(self) -> Any:
         try:
@@ -1063,9 +1061,7 @@ def run_chat(
     for raw in lines:
         line = raw.strip()
         word = line.split(maxsplit=1)[0] if line else ""
-        if not line:  # an empty line just asks for the prompt again
-            pass
-        elif _COMMAND.fullmatch(word):
+        if line and _COMMAND.fullmatch(word):
             command = word.lower()
             if command in ("/exit", "/quit"):
                 break
@@ -1084,7 +1080,7 @@ def run_chat(
                     write(format_sources(last.sources, show_path) + "\n")
             else:
                 write(f"unknown command {word}; /help lists the commands\n")
-        else:
+        elif line:  # a question (an empty line just asks for the prompt again)
             cancel = threading.Event()
             try:
                 with _CtrlC(cancel):

@@ -93,7 +93,6 @@ from .types import Hit, IndexedFile, IndexSummary, Source, VerifyReport
 from .vectors import FlatStore
 
 if TYPE_CHECKING:
-    import numpy as np
     from typing_extensions import Self
 
     from .embed import Embedder

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -331,8 +332,10 @@ class FlatStore:
         return cls(int(index.d), index=index)
 
 
-class _Derived:
-    """Shared part of the search stores built from the exact one."""
+class _Derived(ABC):
+    """Shared part of the search stores built from the exact one: a subclass builds its faiss
+    index (:meth:`_build`), names the search settings to try (:meth:`_ladder`) and applies one
+    (:meth:`_set_param`); :meth:`finalize` tunes with them."""
 
     kind = ""
     param = ""  # the search parameter finalize tunes
@@ -375,14 +378,17 @@ class _Derived:
         self.index = None
         return n
 
+    @abstractmethod
     def _set_param(self, value: int) -> None:
-        raise NotImplementedError
+        """Search with ``value`` of :attr:`param` (efSearch, nprobe) from now on."""
 
+    @abstractmethod
     def _build(self) -> None:
-        raise NotImplementedError
+        """(Re)build ``self.index`` from the exact store's vectors."""
 
+    @abstractmethod
     def _ladder(self) -> tuple[int, ...]:
-        raise NotImplementedError
+        """Values of :attr:`param` to try, cheapest first."""
 
     def search(self, queries: Any, k: int) -> tuple[np.ndarray, np.ndarray]:
         import numpy as np

@@ -6,6 +6,7 @@ count. Engine modules subclass :class:`ServedBackend` and fill in the engine's o
 from __future__ import annotations
 
 import logging
+from abc import ABC, abstractmethod
 import math
 import threading
 import time
@@ -22,7 +23,7 @@ from ..backend import (
     prompt_messages,
     text_digest,
 )
-from ..errors import ConfigError, EngineContextError, EngineResponseError
+from ..errors import ConfigError, EngineContextError, EngineError, EngineResponseError
 from ._http import HTTP, Reply, error_message
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -172,12 +173,11 @@ class LocalCounter:
                               margin=self.margin)
 
 
-class ServedBackend:
+class ServedBackend(ABC):
     """A :class:`~ragbudget.backend.Backend` over a served engine's HTTP API.
 
-    Subclasses set ``kind`` and implement :meth:`_capacity`, and counting through either
-    :meth:`_count_batch` (a batch route) or :meth:`_count_one` (run concurrently, ``workers`` at
-    a time), plus :meth:`render`. Generation goes to ``POST /v1/chat/completions`` with
+    Subclasses set ``kind`` and implement :meth:`_capacity`, :meth:`render` and
+    :meth:`_count_uncached` (a batch route, or one request per text through :meth:`_each`). Generation goes to ``POST /v1/chat/completions`` with
     ``max_tokens`` always set. Counts are cached in ``count_cache`` by (model, text digest).
     """
 
@@ -263,25 +263,23 @@ class ServedBackend:
                 self.count_cache.put_many(self.model_id, new)
         return [known[d] for d in digests]
 
+    @abstractmethod
     def _count_uncached(self, texts: list[str]) -> list[int]:
-        batch = self._count_batch(texts)
-        if batch is not None:
-            return batch
+        """Counts of distinct ``texts`` the cache does not hold, by the engine (or its stated
+        local estimate), in order."""
+
+    def _each(self, count_one: Callable[[str], int], texts: list[str]) -> list[int]:
+        """``count_one`` over ``texts`` for an engine with one text per request: concurrently,
+        ``workers`` at a time."""
         if len(texts) == 1:
-            return [self._count_one(texts[0])]
+            return [count_one(texts[0])]
         with ThreadPoolExecutor(max_workers=min(self.workers, len(texts))) as pool:
-            return list(pool.map(self._count_one, texts))
-
-    def _count_batch(self, texts: list[str]) -> list[int] | None:
-        """Counts from one batch request, or ``None`` when the engine has no batch route."""
-        return None
-
-    def _count_one(self, text: str) -> int:
-        raise NotImplementedError
+            return list(pool.map(count_one, texts))
 
     # -- rendering --------------------------------------------------------------------------------
+    @abstractmethod
     def render(self, messages: Sequence[Mapping[str, str]]) -> RenderedPrompt:
-        raise NotImplementedError
+        """The prompt after the engine's chat template, with its token count."""
 
     def template_overhead(self, system_prompt: str | None = None) -> int:
         """Tokens the chat template and ``system_prompt`` add around an empty user turn (the
@@ -311,8 +309,18 @@ class ServedBackend:
         self._window = (cap.max_context_tokens, cap.max_prompt_tokens)
         return cap
 
+    def _version(self, path: str) -> str | None:
+        """The ``version`` a route reports, or ``None`` when it has none (a figure for the plan,
+        never a reason to fail)."""
+        try:
+            data = self.http.get(path).data
+        except EngineError:
+            return None
+        return data.get("version") if isinstance(data, Mapping) else None
+
+    @abstractmethod
     def _capacity(self) -> Capacity:
-        raise NotImplementedError
+        """The engine's own figures (before ``context_tokens`` overrides the window)."""
 
     def _window_figures(self) -> tuple[int | None, int | None]:
         if self._window is None:

@@ -350,10 +350,9 @@ def _retry_after(value: str | None) -> float | None:
         return None
     try:
         return max(0.0, float(value))
-    except ValueError:
-        pass
-    try:
-        when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError):
-        return None
+    except ValueError:  # not delta-seconds: an HTTP date
+        try:
+            when = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError):
+            return None
     return max(0.0, when.timestamp() - time.time())

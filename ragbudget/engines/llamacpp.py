@@ -48,6 +48,9 @@ class LlamaCppBackend(ServedBackend):
                                       url=self.http.url("/tokenize"), kind=self.kind, body=data)
         return [int(t) for t in toks]
 
+    def _count_uncached(self, texts: list[str]) -> list[int]:
+        return self._each(self._count_one, texts)
+
     def _count_one(self, text: str) -> int:
         return len(self._tokenize(text, add_special=False))
 

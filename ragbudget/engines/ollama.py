@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..backend import Capacity, RenderedPrompt, Sampling
-from ..errors import EngineError, EngineResponseError
+from ..errors import EngineResponseError
 from ._base import LocalCounter, ServedBackend, TooLong, int_or_none
 from ._http import Reply, error_message
 
@@ -54,7 +54,7 @@ class OllamaBackend(ServedBackend):
         self.counter = LocalCounter(tokenizer)
         self._num_ctx: int | None = None
 
-    def _count_batch(self, texts: list[str]) -> list[int] | None:
+    def _count_uncached(self, texts: list[str]) -> list[int]:
         return self.counter.count(texts)
 
     def render(self, messages: Sequence[Mapping[str, str]]) -> RenderedPrompt:
@@ -69,11 +69,7 @@ class OllamaBackend(ServedBackend):
 
     def _capacity(self) -> Capacity:
         notes: list[str] = []
-        version = None
-        try:
-            version = (self.http.get("/api/version").data or {}).get("version")
-        except EngineError:
-            pass
+        version = self._version("/api/version")
         trained = None
         show = self.http.post("/api/show", {"model": self.model_id}).data
         info = (show or {}).get("model_info") if isinstance(show, Mapping) else None

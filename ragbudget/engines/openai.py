@@ -29,7 +29,7 @@ class OpenAIBackend(ServedBackend):
         super().__init__(http, **kw)
         self.counter = LocalCounter(tokenizer)
 
-    def _count_batch(self, texts: list[str]) -> list[int] | None:
+    def _count_uncached(self, texts: list[str]) -> list[int]:
         return self.counter.count(texts)
 
     def render(self, messages: Sequence[Mapping[str, str]]) -> RenderedPrompt:

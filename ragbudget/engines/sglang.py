@@ -37,7 +37,7 @@ class SGLangBackend(ServedBackend):
 
     kind = "sglang"
 
-    def _count_batch(self, texts: list[str]) -> list[int] | None:
+    def _count_uncached(self, texts: list[str]) -> list[int]:
         body = {"model": self.model_id, "prompt": texts, "add_special_tokens": False}
         reply = self.http.post("/v1/tokenize", body, allow={404})
         if reply.status == 404:  # older servers route it without the /v1 prefix

@@ -36,6 +36,9 @@ class TGIBackend(ServedBackend):
     kind = "tgi"
     too_long_statuses = frozenset({422})
 
+    def _count_uncached(self, texts: list[str]) -> list[int]:
+        return self._each(self._count_one, texts)
+
     def _count_one(self, text: str) -> int:
         data = self.http.post("/tokenize", {"inputs": text}).data
         if not isinstance(data, list):

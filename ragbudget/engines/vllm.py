@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from ..backend import Capacity, RenderedPrompt
-from ..errors import EngineError, EngineResponseError
+from ..errors import EngineResponseError
 from ._base import ServedBackend, int_or_none, iter_samples, metric_sum, queue_load
 
 __all__ = ["VLLMBackend"]
@@ -38,6 +38,9 @@ class VLLMBackend(ServedBackend):
     """A vLLM OpenAI-compatible server (``vllm serve``)."""
 
     kind = "vllm"
+
+    def _count_uncached(self, texts: list[str]) -> list[int]:
+        return self._each(self._count_one, texts)
 
     def _count_one(self, text: str) -> int:
         data = self.http.post("/tokenize", {"model": self.model_id, "prompt": text,
@@ -68,11 +71,7 @@ class VLLMBackend(ServedBackend):
             if card.get("id") == self.model_id or max_len is None:
                 max_len = int_or_none(card.get("max_model_len"))
                 src = "GET /v1/models max_model_len"
-        version = None
-        try:
-            version = (self.http.get("/version").data or {}).get("version")
-        except EngineError:
-            pass
+        version = self._version("/version")
         notes: list[str] = []
         kv_total = kv_free = running = waiting = None
         kv_total_src = kv_free_src = load_src = ""

@@ -221,10 +221,8 @@ def _odf_text(el: Any) -> str:
                 parts.append(" " * int(child.get(_T + "c", "1") or 1))
             elif tag in (_T + "tab", _T + "line-break"):
                 parts.append(" ")
-            elif tag in (_T + "note", _OFFICE + "annotation", _T + "bookmark-ref"):
-                pass
-            else:
-                walk(child)
+            elif tag not in (_T + "note", _OFFICE + "annotation", _T + "bookmark-ref"):
+                walk(child)  # notes, comments and bookmark references are not body text
             if child.tail:
                 parts.append(child.tail)
 
