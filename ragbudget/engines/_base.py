@@ -400,16 +400,9 @@ class ServedBackend(ABC):
             "model": self.model_id,
             "messages": messages,
             "max_tokens": max_new_tokens,
-            # Greedy unless asked otherwise, as the local generator.
-            "temperature": 0.0 if sampling.greedy else sampling.temperature,
+            **sampling_fields(sampling, stop),
             "stream": stream,
         }
-        if sampling.top_p is not None and not sampling.greedy:
-            body["top_p"] = sampling.top_p
-        if sampling.seed is not None:
-            body["seed"] = sampling.seed
-        if stop:
-            body["stop"] = stop
         if stream:
             body["stream_options"] = {"include_usage": True}
         return body
@@ -538,6 +531,23 @@ def metric_sum(text: str, name: str) -> float | None:
     """The sum of a metric over its label sets (engines publish one series per DP engine)."""
     vals = [v for _, v in iter_samples(text, name)]
     return sum(vals) if vals else None
+
+
+def sampling_fields(sampling: Sampling, stop: Sequence[str] | None) -> dict[str, Any]:
+    """The OpenAI-named sampling fields of a request (also Ollama's ``options``): greedy unless
+    asked otherwise, as the local generator; ``top_p`` only when sampling.
+
+    >>> sampling_fields(Sampling(), ["\\n\\n"])
+    {'temperature': 0.0, 'stop': ['\\n\\n']}
+    """
+    fields: dict[str, Any] = {"temperature": 0.0 if sampling.greedy else sampling.temperature}
+    if sampling.top_p is not None and not sampling.greedy:
+        fields["top_p"] = sampling.top_p
+    if sampling.seed is not None:
+        fields["seed"] = sampling.seed
+    if stop:
+        fields["stop"] = list(stop)
+    return fields
 
 
 def queue_load(text: str, running: str, waiting: str) -> tuple[int | None, int | None, str]:

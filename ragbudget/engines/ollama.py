@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..backend import Capacity, RenderedPrompt, Sampling
 from ..errors import EngineResponseError
-from ._base import LocalCounter, ServedBackend, TooLong, int_or_none
+from ._base import LocalCounter, ServedBackend, TooLong, int_or_none, sampling_fields
 from ._http import Reply, error_message
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -108,13 +108,7 @@ class OllamaBackend(ServedBackend):
             return Generation(text="", prompt_tokens=0, new_tokens=0, finish_reason="cancelled",
                               seconds=0.0, cache="served")
         options: dict[str, Any] = {"num_ctx": self.num_ctx(), "num_predict": max_new_tokens,
-                                   "temperature": 0.0 if sampling.greedy else sampling.temperature}
-        if sampling.top_p is not None and not sampling.greedy:
-            options["top_p"] = sampling.top_p
-        if sampling.seed is not None:
-            options["seed"] = sampling.seed
-        if stop:
-            options["stop"] = stop
+                                   **sampling_fields(sampling, stop)}
         stream = on_text is not None or cancel is not None
         body = {"model": self.model_id, "messages": messages, "stream": stream,
                 "options": options, "truncate": False}
