@@ -454,6 +454,14 @@ class LocalBackend:
     :func:`~ragbudget.budget.plan_budget` for ``gpu``/``concurrency``/``max_new_tokens``
     (``plan_options`` pass through), with the plan's sources.
 
+    ``batching`` (default on where the model supports it): concurrent ``generate`` calls share
+    forward passes through one :class:`~ragbudget.batching.Batcher` (transformers' continuous
+    batching over a paged KV cache); ``False`` runs one ``generate`` per call. The paged cache
+    holds ``batch_kv_tokens`` tokens (default: the plan's KV capacity, on a CPU at most
+    ``concurrency`` windows of the model, since it is allocated up front), and ``capacity()``
+    then reports that cache, block-exact. Calls that need what batching does not do (a static,
+    offloaded or quantized cache, a KV dtype, the OOM ladder, a custom streamer) run unbatched.
+
     >>> backend = LocalBackend(Generator(), gpu="auto")            # doctest: +SKIP
     >>> backend.generate("Hi", max_new_tokens=8).finish_reason      # doctest: +SKIP
     'length'
@@ -463,13 +471,22 @@ class LocalBackend:
 
     def __init__(self, generator: Generator | None = None, *, gpu: Any = None,
                  concurrency: int = 1, max_new_tokens: int = 256, cache: str = "dynamic",
-                 kv_dtype: str | None = None, **plan_options: Any) -> None:
+                 kv_dtype: str | None = None, batching: bool | None = None,
+                 batch_kv_tokens: int | None = None, **plan_options: Any) -> None:
         if generator is None:
             from .generate import Generator
 
             generator = Generator()
+        if batching not in (None, True, False):
+            raise ConfigError(f"batching must be True, False or None (auto); got {batching!r}")
+        if batch_kv_tokens is not None and (isinstance(batch_kv_tokens, bool) or not isinstance(
+                batch_kv_tokens, int) or batch_kv_tokens < 1):
+            raise ConfigError(f"batch_kv_tokens must be an integer >= 1; got {batch_kv_tokens!r}")
         self.generator = generator
         self.cache, self.kv_dtype = cache, kv_dtype
+        self.batching, self.batch_kv_tokens = batching, batch_kv_tokens
+        self._batcher: Any = None
+        self._batch_lock = threading.Lock()
         self._plan_args = dict(gpu=gpu, concurrency=concurrency, max_new_tokens=max_new_tokens,
                                cache=cache, kv_dtype=kv_dtype, **plan_options)
 
@@ -506,17 +523,64 @@ class LocalBackend:
         counter = self.generator.token_counter
         return [counter.count(t) for t in texts]
 
-    def capacity(self) -> Capacity:
+    def _plan(self) -> Any:
         from .budget import plan_budget
 
         g = self.generator
-        plan = plan_budget(g.model if g.loaded else self.model_id, **self._plan_args)
+        return plan_budget(g.model if g.loaded else self.model_id, **self._plan_args)
+
+    @property
+    def batcher(self) -> Any:
+        """The :class:`~ragbudget.batching.Batcher` calls share (loads the model), or None when
+        batching is off or the model cannot be batched (with ``batching=True``, that is a
+        :class:`~ragbudget.errors.ConfigError`)."""
+        if self.batching is False or self.cache != "dynamic" or self.kv_dtype is not None:
+            if self.batching:
+                raise ConfigError("batching uses a paged cache in the model's dtype: drop cache="
+                                  f"{self.cache!r}/kv_dtype={self.kv_dtype!r} or batching=True")
+            return None
+        with self._batch_lock:
+            if self._batcher is None:
+                from .batching import Batcher, batching_unsupported
+
+                reason = batching_unsupported(self.generator)
+                if reason:
+                    if self.batching:
+                        raise ConfigError(f"cannot batch {self.model_id!r}: {reason}; pass "
+                                          "batching=False")
+                    self.batching = False
+                    return None
+                tokens = self.batch_kv_tokens
+                if tokens is None:
+                    plan = self._plan()
+                    tokens = plan.kv_capacity_tokens
+                    if not self.generator.device.startswith(("cuda", "xpu", "mps")):
+                        # Host RAM plans are large and the paged cache is zeroed up front (it
+                        # is all resident): hold `concurrency` full windows, not all of RAM.
+                        tokens = min(tokens, max(1, plan.concurrency) * plan.model_max_tokens)
+                self._batcher = Batcher(self.generator, kv_tokens=max(1, int(tokens)))
+            return self._batcher
+
+    def close(self) -> None:
+        """Stop the batching worker, if one runs (a later ``generate`` starts it again)."""
+        if self._batcher is not None:
+            self._batcher.close()
+
+    def capacity(self) -> Capacity:
+        plan = self._plan()
         src = f"plan_budget ({plan.gpu_name}: {plan.gpu_source})"
+        kv, kv_src = plan.kv_capacity_tokens, src
+        batcher = self.batcher if self.generator.loaded else self._batcher
+        if batcher is not None:
+            lay = batcher.layout
+            kv = lay.capacity_tokens
+            kv_src = (f"paged cache of continuous batching: {lay.num_blocks} blocks × "
+                      f"{lay.page_size} tokens, {lay.total_bytes} bytes")
         return Capacity(
             max_context_tokens=plan.model_max_tokens, max_context_source=f"{plan.model} config",
-            kv_tokens_total=plan.kv_capacity_tokens, kv_total_source=src,
-            kv_tokens_free=plan.kv_capacity_tokens,
-            kv_free_source=f"{src}: free memory when planned",
+            kv_tokens_total=kv, kv_total_source=kv_src,
+            kv_tokens_free=kv,
+            kv_free_source=f"{kv_src}: free when planned",
             max_concurrent=plan.max_concurrency, max_concurrent_source=src,
             engine_kind="local", notes=tuple(plan.notes),
         )
@@ -530,6 +594,14 @@ class LocalBackend:
         s = sampling or Sampling()
         if isinstance(prompt, RenderedPrompt):
             prompt = list(prompt.token_ids) if prompt.token_ids else list(prompt.messages)
+        # The local generator's extras that batching also honours; any other one (the OOM
+        # ladder, a custom streamer) takes the unbatched path.
+        batcher = self.batcher if set(options) <= {"do_sample", "top_k"} else None
+        if batcher is not None:
+            return batcher.generate(  # type: ignore[no-any-return]
+                prompt, max_new_tokens=max_new_tokens, temperature=s.temperature, top_p=s.top_p,
+                seed=s.seed, stop=list(stop) if stop else None, on_text=on_text, cancel=cancel,
+                **options)
         return self.generator.generate(
             prompt, max_new_tokens=max_new_tokens, cache=self.cache, kv_dtype=self.kv_dtype,
             temperature=s.temperature, top_p=s.top_p, seed=s.seed,

@@ -195,10 +195,32 @@ def _sampling(do_sample: bool | None, temperature: float | None, top_p: float | 
     return sample and temperature != 0 and top_p != 0
 
 
+def _draw(scores: Any, rng: Any, temperature: float | None, top_p: float | None,
+          top_k: int | None) -> Any:
+    """Sample one token per row of ``scores`` (temperature, top-k, top-p, in transformers'
+    order) with the generator ``rng``; returns the chosen indices, shape ``[rows, 1]``."""
+    import torch
+
+    logits = scores.float()
+    if temperature:
+        logits = logits / temperature
+    if top_k:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1:
+        ordered, order = torch.sort(logits, descending=True)
+        probs = ordered.softmax(-1)
+        # Keep the smallest prefix reaching top_p; the best token is always kept.
+        drop = probs.cumsum(-1) - probs >= top_p
+        ordered = ordered.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, ordered)
+    return torch.multinomial(logits.softmax(-1), 1, generator=rng)
+
+
 def _seeded_sampler(seed: int, temperature: float | None, top_p: float | None, top_k: int | None) -> Any:
-    """A logits processor that samples the next token (temperature, top-k, top-p, in transformers'
-    order) with its own ``torch.Generator`` seeded by ``seed`` and leaves only that token
-    possible; greedy decoding then takes it."""
+    """A logits processor that samples the next token (:func:`_draw`) with its own
+    ``torch.Generator`` seeded by ``seed`` and leaves only that token possible; greedy decoding
+    then takes it."""
     import torch
     from transformers import LogitsProcessor
 
@@ -210,20 +232,7 @@ def _seeded_sampler(seed: int, temperature: float | None, top_p: float | None, t
             if self.rng is None:  # on the scores' device: multinomial needs a generator there
                 self.rng = torch.Generator(device=scores.device)
                 self.rng.manual_seed(seed % 2**64)
-            logits = scores.float()
-            if temperature:
-                logits = logits / temperature
-            if top_k:
-                kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[..., -1:]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            if top_p is not None and top_p < 1:
-                ordered, order = torch.sort(logits, descending=True)
-                probs = ordered.softmax(-1)
-                # Keep the smallest prefix reaching top_p; the best token is always kept.
-                drop = probs.cumsum(-1) - probs >= top_p
-                ordered = ordered.masked_fill(drop, float("-inf"))
-                logits = torch.full_like(logits, float("-inf")).scatter(-1, order, ordered)
-            choice = torch.multinomial(logits.softmax(-1), 1, generator=self.rng)
+            choice = _draw(scores, self.rng, temperature, top_p, top_k)
             out = torch.full_like(scores, float("-inf"))
             return out.scatter(-1, choice, 0.0)
 
@@ -266,7 +275,10 @@ class _CallbackStreamer:
             self.sent = end
 
     def put(self, value: Any) -> None:
-        ids = value.reshape(-1).tolist()
+        self.feed(value.reshape(-1).tolist())
+
+    def feed(self, ids: list[int]) -> None:
+        """New token ids (the prompt first, as transformers' streamers get it)."""
         if self.skip:
             n = min(self.skip, len(ids))
             ids, self.skip = ids[n:], self.skip - n
@@ -596,9 +608,8 @@ class Generator:
                 ) from exc
         seconds = time.perf_counter() - t0
         new = out[len(ids):]
-        text, finish = self._finish(new, max_new_tokens, stop)
-        if cancel is not None and cancel.is_set() and finish != "stop":
-            finish = "cancelled"
+        text, finish = self._finish(new, max_new_tokens, stop,
+                                    cancelled=cancel is not None and cancel.is_set())
         gen = Generation(
             text=text,
             prompt_tokens=len(ids),
@@ -640,11 +651,14 @@ class Generator:
             else:
                 raise value
 
-    def _finish(self, new: list[int], max_new_tokens: int, stop: Sequence[str] | None) -> tuple[str, str]:
+    def _finish(self, new: list[int], max_new_tokens: int, stop: Sequence[str] | None,
+                cancelled: bool = False) -> tuple[str, str]:
+        """The answer's text and why it ended: EOS or a stop string (``"stop"``), the cap
+        (``"length"``), else a cancellation (``"cancelled"``) when ``cancelled``."""
         tok = self._tokenizer
         eos = self._eos_ids()
         text = tok.decode(new, skip_special_tokens=True)
-        finish = "length" if len(new) >= max_new_tokens else "stop"
+        finish = "length" if len(new) >= max_new_tokens else ("cancelled" if cancelled else "stop")
         if new and new[-1] in eos:
             finish = "stop"
         cut = _first_stop(text, stop or ())

@@ -1,0 +1,350 @@
+"""Batched generation: requests running at once share forward passes.
+
+:class:`Batcher` owns one transformers ``ContinuousBatchingManager`` over a
+:class:`~ragbudget.generate.Generator`'s model: a background thread that puts every running
+request into each forward pass (new prompts are prefilled while others decode) over a paged KV
+cache allocated once, whose size :func:`ragbudget.kvcache.paged_cache_layout` gives to the byte.
+Each caller's thread blocks in :meth:`Batcher.generate` on a queue of its own, so many threads
+calling it at once (the server's) are batched without knowing it.
+
+What stays per request:
+
+* ``max_new_tokens`` and EOS — the manager's own per-request limits;
+* stop strings — checked here on the decoded text after each token; the first one ends the
+  answer (``finish_reason="stop"``, the text cut before it) and the request is cancelled in the
+  manager, which frees its blocks at its next step;
+* sampling and seeds — one logits processor samples each sampled request's row with that
+  request's own ``torch.Generator`` (temperature, top-k, top-p as in
+  :meth:`Generator.generate <ragbudget.generate.Generator.generate>`) and leaves only the drawn
+  token, which the manager's greedy argmax then takes; greedy rows are left alone. A seed
+  therefore gives the same draws whatever else shares the batch;
+* streaming (``on_text``) and cancellation (``cancel``, a ``threading.Event`` looked at every
+  :attr:`Batcher.POLL_S` seconds: a client that leaves returns at once and its blocks are freed).
+
+>>> b = Batcher(Generator(), kv_tokens=8192)                       # doctest: +SKIP
+>>> b.generate("Hi", max_new_tokens=8).finish_reason               # doctest: +SKIP
+'length'
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import queue
+import random
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from .errors import BudgetError, ConfigError, ModelError
+
+if TYPE_CHECKING:  # pragma: no cover - torch and transformers load at first use
+    from .generate import Generation, Generator
+    from .kvcache import PagedCacheLayout
+
+__all__ = ["Batcher", "batching_unsupported"]
+
+log = logging.getLogger(__name__)
+
+#: The logits-processor keyword that carries a request's sampler slot (-1: greedy).
+_SLOT = "ragbudget_slot"
+#: Attention implementations continuous batching runs without switching the model's own (an
+#: eager model would be switched to ``paged|eager``, which plain ``generate`` cannot use).
+_ATTN_OK = ("sdpa", "flash_attention_2", "flash_attention_3", "paged|sdpa")
+
+
+def batching_unsupported(generator: Generator) -> str | None:
+    """Why ``generator``'s model cannot be batched (None when it can). Loads the model."""
+    from .generate import Generator
+
+    if not isinstance(generator, Generator):  # a stand-in with no transformers model behind it
+        return f"{type(generator).__name__} is not a ragbudget Generator"
+    model = generator.model
+    attn = str(getattr(model.config, "_attn_implementation", None))
+    if attn not in _ATTN_OK:
+        return (f"continuous batching needs sdpa or flash attention; the model uses {attn!r} "
+                "(load it with attn_implementation='sdpa')")
+    if not callable(getattr(model, "init_continuous_batching", None)):
+        return "this transformers version has no continuous batching (5.x has)"
+    from .kvcache import paged_cache_layout
+
+    try:
+        paged_cache_layout(model.config, num_blocks=1, kv_dtype=_dtype_name(model))
+    except (ConfigError, ModelError) as exc:
+        return str(exc)
+    return None
+
+
+def _dtype_name(model: Any) -> str:
+    return str(model.dtype).removeprefix("torch.")
+
+
+class _Slot:
+    """One sampled request's draw settings and its private generator (made on the scores'
+    device at the first draw: multinomial needs a generator there)."""
+
+    def __init__(self, seed: int, temperature: float | None, top_p: float | None,
+                 top_k: int | None) -> None:
+        self.seed, self.temperature, self.top_p, self.top_k = seed, temperature, top_p, top_k
+        self.rng: Any = None
+
+
+def _row_sampler(slots: dict[int, _Slot]) -> Any:
+    """A continuous-batching logits-processor list whose one processor samples each sampled
+    request's row with its own generator (see the module docstring)."""
+    import torch
+    from transformers import LogitsProcessorList
+    from transformers.generation.continuous_batching.cb_logits_processors import (
+        ContinuousBatchingLogitsProcessor,
+        ContinuousBatchingLogitsProcessorList,
+    )
+
+    from .generate import _draw
+
+    class _RowSampler(ContinuousBatchingLogitsProcessor):
+        supported_kwargs = {_SLOT: int}
+        ignored_kwargs = ()
+
+        def fill_defaults(self, int32_tensor: Any) -> None:
+            int32_tensor.fill_(-1)
+
+        def prepare_tensor_args(self, requests_with_new_token: list[Any]) -> Any:
+            return torch.tensor([r.state.logit_processor_kwargs.get(_SLOT, -1)
+                                 for r in requests_with_new_token], dtype=torch.int32)
+
+        def __call__(self, scores: Any, tensor_arg: Any) -> Any:
+            for row, n in enumerate(tensor_arg[: scores.size(0)].tolist()):
+                slot = slots.get(n) if n >= 0 else None
+                if slot is None:  # greedy, or a request that left (its token is dropped)
+                    continue
+                if slot.rng is None:
+                    slot.rng = torch.Generator(device=scores.device)
+                    slot.rng.manual_seed(slot.seed % 2**64)
+                choice = _draw(scores[row:row + 1], slot.rng, slot.temperature, slot.top_p,
+                               slot.top_k)
+                only = torch.full_like(scores[row], float("-inf"))
+                scores[row] = only.scatter(-1, choice[0], 0.0)
+            return scores
+
+    processors = ContinuousBatchingLogitsProcessorList(LogitsProcessorList([_RowSampler()]))
+    # transformers counts argument rows only for the processors it converts itself.
+    processors.tensors_required = 1
+    return processors
+
+
+class Batcher:
+    """Continuous batching of concurrent :meth:`generate` calls over one local model.
+
+    ``kv_tokens``: tokens of KV the paged cache holds for all running requests together (rounded
+    up to whole blocks of ``page_size`` tokens and whole sectors: :attr:`layout`); a request
+    longer than that is refused, others wait inside the manager for free blocks.
+    ``max_batch_tokens``: tokens one forward pass takes at most (a long prompt is prefilled in
+    chunks of it), which bounds the activation and attention-mask memory of a step.
+    The manager starts at the first :meth:`generate` and runs until :meth:`close`.
+    """
+
+    #: Seconds between looks at a request's ``cancel`` event while it waits for tokens.
+    POLL_S = 0.02
+
+    def __init__(self, generator: Generator, *, kv_tokens: int, page_size: int = 32,
+                 max_batch_tokens: int = 512) -> None:
+        for name, value, low in (("kv_tokens", kv_tokens, 1), ("page_size", page_size, 4),
+                                 ("max_batch_tokens", max_batch_tokens, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ConfigError(f"{name} must be an integer >= {low}; got {value!r}")
+        self.generator = generator
+        self.kv_tokens, self.page_size, self.max_batch_tokens = kv_tokens, page_size, max_batch_tokens
+        self._lock = threading.Lock()
+        self._manager: Any = None
+        self._routes: dict[str, queue.Queue[Any]] = {}
+        self._slots: dict[int, _Slot] = {}
+        self._ids = itertools.count()
+        self._layout: PagedCacheLayout | None = None
+
+    def __repr__(self) -> str:
+        state = "running" if self.running else "idle"
+        return f"Batcher({self.generator!r}, kv_tokens={self.kv_tokens}, {state})"
+
+    @property
+    def running(self) -> bool:
+        return self._manager is not None and self._manager.is_running()
+
+    @property
+    def layout(self) -> PagedCacheLayout:
+        """The paged cache this batcher allocates (exact bytes, blocks and token capacity)."""
+        if self._layout is None:
+            from .kvcache import paged_cache_layout
+
+            model = self.generator.model
+            self._layout = paged_cache_layout(
+                model.config, num_blocks=math.ceil(self.kv_tokens / self.page_size),
+                page_size=self.page_size, kv_dtype=_dtype_name(model))
+        return self._layout
+
+    @property
+    def cache_tensor(self) -> Any:
+        """The paged cache's one tensor while the manager runs (None otherwise)."""
+        proc = getattr(self._manager, "batch_processor", None)
+        return getattr(getattr(proc, "cache", None), "cache_tensor", None)
+
+    # -- the manager ----------------------------------------------------------------------------
+    def _start(self) -> Any:
+        with self._lock:
+            manager = self._manager
+            if manager is not None and manager.is_running():
+                return manager
+            if manager is not None:  # its loop died (a fatal error): start afresh
+                self._stop(manager)
+            manager = self._manager = self._new_manager()
+            return manager
+
+    def _new_manager(self) -> Any:
+        import torch
+        from transformers import ContinuousBatchingConfig, GenerationConfig
+
+        gen = self.generator.warm_up()
+        model, tok = gen.model, gen.tokenizer
+        reason = batching_unsupported(gen)
+        if reason:
+            raise ConfigError(f"cannot batch {gen.model_ref.id!r}: {reason}")
+        eos = sorted(gen._eos_ids()) or -1
+        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        config = GenerationConfig(do_sample=False, eos_token_id=eos, pad_token_id=pad)
+        cb = ContinuousBatchingConfig(num_blocks=self.layout.num_blocks, page_size=self.page_size,
+                                      max_batch_tokens=self.max_batch_tokens,
+                                      auto_switch_to_flash=False)
+        manager = model.init_continuous_batching(generation_config=config,
+                                                 continuous_batching_config=cb)
+        manager.logit_processor = _row_sampler(self._slots)
+
+        def start() -> None:
+            with torch.inference_mode():  # the loop runs in its starter's inference mode
+                manager.start()
+
+        # A thread inherits daemon-ness from the thread that creates it: start the manager's
+        # loop from a daemon thread so an idle loop never keeps the interpreter from exiting.
+        starter = threading.Thread(target=start, daemon=True, name="ragbudget-batch-start")
+        starter.start()
+        starter.join()
+        threading.Thread(target=self._pump, args=(manager,), daemon=True,
+                         name="ragbudget-batch-results").start()
+        return manager
+
+    def _pump(self, manager: Any) -> None:
+        """Hand each output of ``manager`` to the queue of the request it belongs to."""
+        while True:
+            out = manager.get_result(timeout=0.1)
+            if out is None:
+                if not manager.is_running():
+                    return
+                continue
+            q = self._routes.get(out.request_id)
+            if q is not None:
+                q.put(out)
+
+    @staticmethod
+    def _stop(manager: Any) -> None:
+        try:
+            manager.stop(block=True, timeout=10, hard_stop=True)
+        except Exception as exc:  # noqa: BLE001 - a dead loop may refuse a clean stop
+            log.debug("batching manager did not stop cleanly: %s", exc)
+
+    def close(self) -> None:
+        """Stop the manager (requests still running fail) and free its cache; a later
+        :meth:`generate` starts a new one."""
+        with self._lock:
+            manager, self._manager = self._manager, None
+        if manager is not None:
+            self._stop(manager)
+
+    # -- generation -----------------------------------------------------------------------------
+    def generate(
+        self,
+        prompt: Any,
+        *,
+        max_new_tokens: int = 256,
+        do_sample: bool | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        on_text: Callable[[str], None] | None = None,
+        cancel: threading.Event | None = None,
+    ) -> Generation:
+        """:meth:`Generator.generate <ragbudget.generate.Generator.generate>`'s contract
+        (prompt kinds, sampling, ``stop``, ``on_text``, ``cancel``, the returned
+        :class:`~ragbudget.generate.Generation`, whose ``cache`` is ``"paged"``), batched with
+        every other call running at the same time. No OOM ladder: the cache is allocated once."""
+        from .generate import Generation, _CallbackStreamer, _sampling, _stop_list
+
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens must be ≥ 1; got {max_new_tokens!r}")
+        stops = _stop_list(stop)
+        sample = _sampling(do_sample, temperature, top_p, top_k, seed)
+        gen = self.generator.warm_up()
+        ids = gen._ids_of(prompt)
+        capacity = self.layout.capacity_tokens
+        if len(ids) + max_new_tokens > capacity:
+            raise BudgetError(
+                f"a {len(ids)}-token prompt and {max_new_tokens} new tokens need "
+                f"{len(ids) + max_new_tokens} tokens of KV, more than the whole paged cache "
+                f"({capacity} tokens); shorten the prompt or raise the batch cache "
+                "(LocalBackend(batch_kv_tokens=...))",
+                needed=len(ids) + max_new_tokens, available=capacity)
+        manager = self._start()
+        n = next(self._ids)
+        rid = f"ragbudget-{n}"
+        route: queue.Queue[Any] = queue.Queue()
+        self._routes[rid] = route
+        extra: dict[str, int] = {}
+        if sample:
+            # Unseeded sampling still gets a private generator (fresh entropy): no request ever
+            # draws from torch's global RNG, which the others would disturb.
+            self._slots[n] = _Slot(seed if seed is not None else random.SystemRandom().getrandbits(63),
+                                   temperature, top_p, top_k)
+            extra[_SLOT] = n
+        streamer = None
+        if on_text is not None or stops:
+            streamer = _CallbackStreamer(gen.tokenizer, on_text or (lambda _s: None), 0, stops)
+        tokens: list[int] = []
+        finished = cancelled = False
+        t0 = time.perf_counter()
+        try:
+            if manager.add_request(ids, request_id=rid, max_new_tokens=max_new_tokens,
+                                   streaming=True, **extra) is None:
+                raise ModelError("the batching worker refused the request (it is stopping); retry")
+            while True:
+                if cancel is not None and cancel.is_set():
+                    cancelled = True
+                    break
+                try:
+                    out = route.get(timeout=self.POLL_S)
+                except queue.Empty:
+                    if not manager.is_running():
+                        error = manager.background_thread_status.fatal_error
+                        raise ModelError(f"the batching worker stopped: {error or 'no reason given'}")
+                    continue
+                if out.error is not None:
+                    raise ModelError(f"batched generation failed: {out.error}")
+                new, tokens = out.generated_tokens[len(tokens):], list(out.generated_tokens)
+                if streamer is not None:
+                    streamer.feed(new)
+                if out.is_finished():
+                    finished = True
+                    break
+                if streamer is not None and streamer.stopped:  # a stop string: done here
+                    break
+        finally:
+            self._routes.pop(rid, None)
+            self._slots.pop(n, None)
+            if not finished:  # cancelled, stopped, or failed: free its blocks at the next step
+                manager.cancel_request(rid)
+        if streamer is not None:
+            streamer.end()
+        text, finish = gen._finish(tokens, max_new_tokens, stops, cancelled=cancelled)
+        return Generation(text=text, prompt_tokens=len(ids), new_tokens=len(tokens),
+                          finish_reason=finish, seconds=time.perf_counter() - t0, cache="paged",
+                          prompt=prompt if hasattr(prompt, "input_ids") else None)
