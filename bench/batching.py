@@ -31,10 +31,10 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _results import write  # noqa: E402
+from _results import write
 
-from ragbudget.batching import Batcher  # noqa: E402
-from ragbudget.generate import Generator  # noqa: E402
+from ragbudget.batching import Batcher
+from ragbudget.generate import Generator
 
 TOPICS = ["tides", "volcanoes", "bread yeast", "honeybees", "rainbows", "glaciers", "comets",
           "coral reefs"]

@@ -62,8 +62,8 @@ def test_greedy_answer_and_the_real_paged_cache(gen, batcher) -> None:
 
 
 def test_concurrent_requests_keep_their_own_sampling_seeds_and_caps(gen, batcher) -> None:
-    calls = [dict(prompt=f"question {i}?", max_new_tokens=6 + 3 * i,
-                  temperature=0.9 if i % 2 else None, seed=100 + i) for i in range(6)]
+    calls = [{"prompt": f"question {i}?", "max_new_tokens": 6 + 3 * i,
+                  "temperature": 0.9 if i % 2 else None, "seed": 100 + i} for i in range(6)]
     together = _together(batcher.generate, calls)
     for kw, g in zip(calls, together):
         alone = gen.generate(**kw)  # the unbatched path, one request alone
@@ -80,8 +80,8 @@ def test_streaming_and_stop_strings_per_request(gen, batcher) -> None:
     stop = next(full[k:k + 2] for k in range(3, len(full) - 2) if full.find(full[k:k + 2]) == k)
     pieces: list[str] = []
     g, plain = _together(batcher.generate, [
-        dict(prompt="stream me", max_new_tokens=30, stop=[stop], on_text=pieces.append),
-        dict(prompt="stream me", max_new_tokens=30)])
+        {"prompt": "stream me", "max_new_tokens": 30, "stop": [stop], "on_text": pieces.append},
+        {"prompt": "stream me", "max_new_tokens": 30}])
     assert g.finish_reason == "stop" and g.text == full[:full.find(stop)].strip()
     assert g.new_tokens < 30  # the request ended there, not at the cap
     assert "".join(pieces).strip() == g.text and stop not in "".join(pieces)
@@ -98,8 +98,8 @@ def test_cancel_returns_at_once_and_frees_the_request(gen, batcher) -> None:
 
     t0 = time.perf_counter()
     long, short = _together(batcher.generate, [
-        dict(prompt="long one", max_new_tokens=500, on_text=on_text, cancel=ev),
-        dict(prompt="short one", max_new_tokens=20)])
+        {"prompt": "long one", "max_new_tokens": 500, "on_text": on_text, "cancel": ev},
+        {"prompt": "short one", "max_new_tokens": 20}])
     assert long.finish_reason == "cancelled" and 1 <= long.new_tokens < 500
     assert short.finish_reason == "length" and short.new_tokens == 20
     assert time.perf_counter() - t0 < 30
