@@ -1572,6 +1572,11 @@ def serve(
             if plan is not None:
                 log.info("memory plan: %s tokens per request, KV capacity %s tokens",
                          getattr(plan, "max_context_tokens", "?"), getattr(plan, "kv_capacity_tokens", "?"))
+            # --- admission hook (issue #14): size admission now, from the loaded model's plan
+            # and its measured prefill/decode speed, so the first request does not measure.
+            if callable(getattr(pipeline, "admission_note", None)):
+                log.info("admission: %s", pipeline.admission_note())
+            # --- end admission hook
         app = create_app(pipeline, api_key=api_key, expose_plan=expose_plan, **app_options)
         # Bounded graceful shutdown: open streams are cancelled by the app's lifespan, not awaited forever.
         config = uvicorn.Config(app, host=host, port=sock.getsockname()[1], log_level=log_level,
