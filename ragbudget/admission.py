@@ -556,15 +556,18 @@ class AdmissionController:
             # measured) keeps one decode step of work: it is still there.
             job.served = min(job.served + rate * dt, max(job.prefill, job.work - thr.decode_s))
 
-    def _first_token_locked(self, job: _Job) -> float:
+    def _first_token_locked(self, job: _Job, *, promised_first: bool = False) -> float:
+        """Seconds to ``job``'s first token if it arrived now. ``promised_first``: behind the
+        refused requests told to come back later too (for a refusal's Retry-After: the next
+        one is sent back after them, not at the same second)."""
         assert self.throughput is not None
         now = self._clock()
         self._promises = [p for p in self._promises if p.due > now]
         queued = [w.job for w in self._queue if w.job is not None]
-        # Promised returns go before the newcomer: a client told to come back at t finds the
-        # room it was promised.
+        # A returning client cannot be told from a new one, so admission itself judges every
+        # arrival by the real work only; promises only space out the refusals.
         promised = [_Job(prefill=p.job.prefill, decode=p.job.decode, cost=p.job.cost, ready=p.due)
-                    for p in sorted(self._promises, key=lambda p: p.due)]
+                    for p in sorted(self._promises, key=lambda p: p.due)] if promised_first else []
         first = simulate(self._running_jobs, [*queued, *promised, job],
                          throughput=self.throughput, capacity=self.capacity,
                          ttft_target=self.ttft_target, now=now)
@@ -624,8 +627,10 @@ class AdmissionController:
                 if expected > self.timeout:
                     self._refused_time += 1
                     # Whole seconds, as Retry-After carries them: the client comes back when,
-                    # by the model, the work ahead has drained enough.
-                    retry = float(max(1, math.ceil(expected - self.timeout)))
+                    # by the model, the work ahead (and that of the clients sent back before
+                    # it) has drained enough.
+                    later = self._first_token_locked(job, promised_first=True)
+                    retry = float(max(1, math.ceil(later - self.timeout)))
                     self._promises.append(_Promise(due=self._clock() + retry, job=job))
                     raise OverloadedError(
                         f"the first token would come in about {expected:.0f} s (work already "
@@ -689,9 +694,12 @@ class AdmissionController:
         with self._lock:
             self._timed_out += 1
             retry = self._retry_after_locked(waiter.job)
+        held = (f"{self.capacity_tokens} in all, all in use" if self.memory is None else
+                f"{self._admitted_bytes / 2**20:,.1f} of {self.memory.capacity_bytes / 2**20:,.1f} "
+                f"MiB held by {self._running} running")
         raise OverloadedError(
-            f"waited {wait:.1f}s for {waiter.tokens} KV-cache tokens "
-            f"({self.capacity_tokens} in all, all in use); retry later or raise the timeout",
+            f"waited {wait:.1f}s for {waiter.tokens} KV-cache tokens ({held}); retry later or "
+            "raise the timeout",
             retry_after=retry,
         )
 
@@ -712,8 +720,8 @@ class AdmissionController:
     def _retry_after_locked(self, job: _Job | None = None) -> float:
         if job is not None and self.throughput is not None:
             # From the measured speed: when this request, arriving now, would start.
-            return float(min(600.0, max(1.0, math.ceil(self._first_token_locked(job)
-                                                         - job.prefill))))
+            start = self._first_token_locked(job, promised_first=True) - job.prefill
+            return float(min(600.0, max(1.0, math.ceil(start))))
         # Roughly: one mean hold time per queued request ahead, spread over the running ones.
         per = self._hold * (len(self._queue) + 1) / max(1, self._running)
         return float(min(60.0, max(0.1, round(per, 2))))
