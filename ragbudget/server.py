@@ -393,6 +393,10 @@ def _admission_stats(pipeline: Any) -> dict[str, float]:
         "queued": ("queued", "waiting", "queue_depth", "n_queued"),
         "admitted_tokens": ("admitted_tokens", "reserved_tokens", "tokens_reserved", "in_use_tokens", "used_tokens"),
         "capacity_tokens": ("capacity_tokens", "capacity"),
+        # admission hook (issue #14): memory admission counts bytes (KV + activations).
+        "admitted_bytes": ("admitted_bytes",),
+        "peak_admitted_bytes": ("peak_admitted_bytes",),
+        "refused_for_time_total": ("refused_for_time_total",),
     }
     for key, names in aliases.items():
         for name in names:
