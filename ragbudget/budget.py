@@ -506,7 +506,9 @@ def measure_prefill_speed(model: Any, *, name: str, device: str = "cpu",
             # The faster measurement stands; it stops being provisional once either was idle.
             kept = dict(old, provisional=bool(old.get("provisional")) and entry["provisional"])
             if "decode_s" in decode and decode["decode_s"] < old.get("decode_s", float("inf")):
-                kept.update(decode)  # and the faster decode, wherever it came from
+                kept.update(decode)  # and the faster decode, wherever it came from; taken on a
+                # busy host it is provisional too: measured again once the host is idle
+                kept["provisional"] = bool(kept["provisional"] or entry["provisional"])
             return kept
         if old and "decode_s" in old and old["decode_s"] < entry.get("decode_s", float("inf")):
             return dict(entry, **{k: old[k] for k in ("decode_s", "decode_extra_s",

@@ -439,9 +439,9 @@ def test_time_cap_on_the_plan_and_request_memory_with_its_own_activations() -> N
     assert capped.memory_max_context_tokens == 8192 and capped.ttft_target_s == 2.0
     assert any("capped at 2,000 tokens for time" in n for n in capped.notes)
     # A target above what memory allows records itself and changes nothing else.
-    loose = cap_plan_for_time(plan, {"a": 0.00001, "b": 0.0}, 2.0)
+    loose = cap_plan_for_time(plan, {"a": 2.0**-17, "b": 0.0}, 2.0)
     assert loose.limited_by == "model" and loose.max_context_tokens == 8192
-    assert loose.time_prompt_tokens == 200_000
+    assert loose.time_prompt_tokens == 2**18
 
     # Per request: the memory beside the weights, KV per token, and the prefill activations of
     # its own prompt with the plan's attention (eager holds the L×L scores: far more).
