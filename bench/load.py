@@ -390,6 +390,10 @@ def _server(opts: dict[str, Any], *, in_process: bool) -> Iterator[tuple[str, An
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--defaults", action="store_true",
+                    help="Issue #14: the default `ragbudget serve` on six man pages, bursts of --bursts "
+                         "clients with the openai client; writes bench/results/load.json.")
+    ap.add_argument("--bursts", default="32,64", help="--defaults: burst sizes, comma-separated.")
     ap.add_argument("--quick", action="store_true", help="32 clients x 2 requests, short generations, 3 rounds.")
     ap.add_argument("--clients", type=int, default=64)
     ap.add_argument("--requests", type=int, default=4, help="Requests per client.")
@@ -414,6 +418,14 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.serve_child:
         _serve_child(json.loads(args.serve_child))
+        return 0
+    if args.defaults:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from _results import write
+        from load_defaults import main as defaults
+
+        bursts = tuple(int(x) for x in args.bursts.split(",") if x)
+        write("load", defaults(bursts), packages=("openai", "fastapi", "uvicorn"))
         return 0
     if args.quick:
         args.clients, args.requests, args.words, args.rounds = 32, 2, 16, 3

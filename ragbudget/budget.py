@@ -23,7 +23,7 @@ import threading
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import BudgetError, ConfigError, ModelError
 from .gpus import GiB, GPUInfo, resolve_gpu
@@ -38,8 +38,12 @@ from .kvcache import (
     text_config,
 )
 
+if TYPE_CHECKING:
+    from .admission import MemoryModel, Throughput
+
 __all__ = [
     "BudgetPlan",
+    "cap_plan_for_time",
     "count_parameters",
     "estimate_activation_bytes",
     "estimate_weights_bytes",
@@ -51,6 +55,8 @@ __all__ = [
     "plan_budget",
     "plot_plan",
     "record_calibration",
+    "request_memory",
+    "throughput_from_speed",
 ]
 
 MiB = 1 << 20
@@ -353,6 +359,11 @@ CPU_TTFT_TARGET = 2.0
 # Probe lengths: long enough that the quadratic (attention) term shows, short enough that the
 # one-time probe takes seconds.
 _PREFILL_PROBES = (256, 1024)
+# Decode probe: steps after a short prefill (the cost of a step grows slowly with the context),
+# at one sequence and at a small batch (the marginal cost of a sequence in a shared step).
+_DECODE_CONTEXT = 256
+_DECODE_STEPS = 8
+_DECODE_BATCH = 4
 
 
 def _prefill_path() -> Path:
@@ -395,14 +406,19 @@ def lookup_prefill_speed(model: str, device: str) -> dict[str, Any] | None:
 
 
 def measure_prefill_speed(model: Any, *, name: str, device: str = "cpu",
-                          lengths: tuple[int, ...] = _PREFILL_PROBES) -> dict[str, Any]:
+                          lengths: tuple[int, ...] = _PREFILL_PROBES,
+                          decode_context: int = _DECODE_CONTEXT,
+                          decode_steps: int = _DECODE_STEPS) -> dict[str, Any]:
     """Time one prefill forward of ``model`` (a transformers causal LM) at each of ``lengths``
-    tokens, fit ``seconds = a·n + b·n²`` (the MLP is linear in the tokens, attention quadratic)
-    and record it in ``cache_dir()/prefill.json`` under (``name``, ``device``, machine, threads).
-    Measured once per key (delete the file to measure again). A host busy with other work while
-    it is measured records a slower speed, so the cap errs short: such an entry is marked
-    ``provisional`` (load above ``_BUSY_LOAD`` per core) and measured again once the host is idle;
-    of two measurements the faster is kept (other load is transient, the machine's speed is not).
+    tokens, fit ``seconds = a·n + b·n²`` (the MLP is linear in the tokens, attention quadratic),
+    time ``decode_steps`` decode steps after a ``decode_context``-token prefill at batch 1 and at
+    batch ``_DECODE_BATCH`` (``decode_s`` seconds per step of one sequence, ``decode_extra_s``
+    per further sequence in a shared step), and record it in ``cache_dir()/prefill.json`` under
+    (``name``, ``device``, machine, threads). Measured once per key (delete the file to measure
+    again). A host busy with other work while it is measured records a slower speed, so the cap
+    errs short: such an entry is marked ``provisional`` (load above ``_BUSY_LOAD`` per core) and
+    measured again once the host is idle; of two measurements the faster is kept (other load is
+    transient, the machine's speed is not).
     """
     import time
 
@@ -420,16 +436,57 @@ def measure_prefill_speed(model: Any, *, name: str, device: str = "cpu",
         except TypeError:  # a model whose forward has no logits_to_keep
             model(ids, use_cache=False)
 
+    def ids_of(n: int, batch: int = 1) -> Any:
+        return torch.arange(n, device=dev).remainder(vocab - 1).add(1).unsqueeze(0).repeat(batch, 1)
+
+    def sync() -> None:
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    def decode_step(batch: int) -> float:
+        """Seconds of one decode step of ``batch`` sequences after a ``decode_context`` prefill:
+        the fastest of ``decode_steps`` (a spike of other load is not the speed)."""
+        past = forward_cached(ids_of(decode_context, batch), None)
+        step = ids_of(1, batch)
+        best = float("inf")
+        for _ in range(decode_steps):
+            sync()
+            t0 = time.perf_counter()
+            past = forward_cached(step, past)
+            sync()
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    def forward_cached(ids: Any, past: Any) -> Any:
+        """One forward with the KV cache, returning the cache (transformers 5 names it
+        ``cache``, 4 ``past_key_values``)."""
+        try:
+            out = model(ids, cache=past, use_cache=True, logits_to_keep=1)
+        except TypeError:
+            out = model(ids, past_key_values=past, use_cache=True)
+        cache = getattr(out, "cache", None)
+        return cache if cache is not None else out.past_key_values
+
     with torch.no_grad():
-        forward(torch.full((1, 16), 1 % vocab, device=dev))  # warm-up
+        forward(ids_of(16))  # warm-up
         for n in lengths:
-            ids = torch.arange(n, device=dev).remainder(vocab - 1).add(1).unsqueeze(0)
+            ids = ids_of(n)
             best = float("inf")
             for _ in range(2):  # the faster of two: a spike of other load is not the speed
+                sync()
                 t0 = time.perf_counter()
                 forward(ids)
+                sync()
                 best = min(best, time.perf_counter() - t0)
             times.append((n, best))
+        decode: dict[str, Any] = {}
+        if decode_steps > 0:
+            one = decode_step(1)
+            many = decode_step(_DECODE_BATCH)
+            decode = {"decode_s": one,
+                      "decode_extra_s": max(0.0, (many - one) / (_DECODE_BATCH - 1)),
+                      "decode_context": decode_context,
+                      "decode_tokens_per_second": round(1 / one, 1) if one > 0 else None}
     # Least squares through the origin for (a, b); clamp at zero (noise can make one negative).
     import numpy as np
 
@@ -441,15 +498,41 @@ def measure_prefill_speed(model: Any, *, name: str, device: str = "cpu",
         a, b = times[-1][1] / times[-1][0], 0.0
     load = max(load, _load_per_core())
     entry = {"a": a, "b": b, "probes": [[n, round(t, 4)] for n, t in times],
-             "tokens_per_second": round(lengths[-1] / times[-1][1], 1),
+             "tokens_per_second": round(lengths[-1] / times[-1][1], 1), **decode,
              "load_per_core": round(load, 2), "provisional": device == "cpu" and load > _BUSY_LOAD}
+
     def merge(old: dict[str, Any] | None) -> dict[str, Any]:
         if old and old.get("a", 0) * 1024 + old.get("b", 0) * 1024**2 < a * 1024 + b * 1024**2:
             # The faster measurement stands; it stops being provisional once either was idle.
-            return dict(old, provisional=bool(old.get("provisional")) and entry["provisional"])
+            kept = dict(old, provisional=bool(old.get("provisional")) and entry["provisional"])
+            if "decode_s" in decode and decode["decode_s"] < old.get("decode_s", float("inf")):
+                kept.update(decode)  # and the faster decode, wherever it came from; taken on a
+                # busy host it is provisional too: measured again once the host is idle
+                kept["provisional"] = bool(kept["provisional"] or entry["provisional"])
+            return kept
+        if old and "decode_s" in old and old["decode_s"] < entry.get("decode_s", float("inf")):
+            return dict(entry, **{k: old[k] for k in ("decode_s", "decode_extra_s",
+                                                      "decode_context",
+                                                      "decode_tokens_per_second") if k in old})
         return entry
 
     return _merge_entry(_prefill_path(), _prefill_key(name, device), merge)
+
+
+def throughput_from_speed(speed: Mapping[str, Any], *, batched: bool = False) -> Throughput | None:
+    """The admission model's :class:`~ragbudget.admission.Throughput` from a recorded speed
+    entry, or ``None`` when it has no decode figure (recorded before decode was measured: the
+    caller measures again)."""
+    from .admission import Throughput
+
+    if not speed.get("decode_s"):
+        return None
+    return Throughput(prefill_a=float(speed.get("a", 0.0)), prefill_b=float(speed.get("b", 0.0)),
+                      decode_s=float(speed["decode_s"]), batched=batched,
+                      decode_extra_s=(float(speed["decode_extra_s"])
+                                      if speed.get("decode_extra_s") is not None else None),
+                      source="measured at warm-up" + (" (provisional: the host was busy)"
+                                                       if speed.get("provisional") else ""))
 
 
 def context_tokens_for_time(speed: Mapping[str, Any], seconds: float) -> int:
@@ -505,6 +588,14 @@ class BudgetPlan:
     free_bytes_at_max: int
     concurrency_curve: tuple[tuple[int, int], ...] = ()
     notes: tuple[str, ...] = field(default_factory=tuple)
+    #: The attention implementation the activations were estimated for.
+    attn_implementation: str = "sdpa"
+    #: Set by :func:`cap_plan_for_time`: the time-to-first-token target and the prompt tokens
+    #: the measured prefill speed allows in it; ``memory_max_context_tokens`` is what memory and
+    #: the window alone allow (the figure before the time cap).
+    ttft_target_s: float | None = None
+    time_prompt_tokens: int | None = None
+    memory_max_context_tokens: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict (tuples become lists)."""
@@ -622,6 +713,15 @@ def plan_budget(
             gpu_bytes += on_gpu
             notes.append(f"the loaded model's {on_gpu / GiB:.2f} GiB on the GPU counted as "
                          "available to it (free memory excludes them)")
+    if module is not None and info.source == "host RAM (no GPU)":
+        # Likewise on a CPU host: available RAM was read with the model loaded.
+        in_ram = sum(t.numel() * t.element_size()
+                     for t in list(module.parameters()) + list(module.buffers())
+                     if t.device.type == "cpu")
+        if in_ram:
+            gpu_bytes += in_ram
+            notes.append(f"the loaded model's {in_ram / GiB:.2f} GiB in RAM counted as available "
+                         "to it (available memory excludes them)")
     usable = int(gpu_bytes * utilization)
     model_max = _model_max(cfg)
 
@@ -742,7 +842,74 @@ def plan_budget(
         kv_bytes_at_max=est_max.peak_bytes,
         free_bytes_at_max=max(0, usable - wbytes - act_at_max - est_max.peak_bytes),
         concurrency_curve=tuple(curve), notes=tuple(notes),
+        attn_implementation=attn_implementation,
     )
+
+
+def cap_plan_for_time(plan: BudgetPlan, speed: Mapping[str, Any], ttft_target: float) -> BudgetPlan:
+    """``plan`` with its prompt capped to what a prefill of ``ttft_target`` seconds allows at the
+    measured ``speed`` (:func:`measure_prefill_speed`), when that is less than memory and the
+    window allow: ``limited_by`` becomes ``"time"`` and a note says so, and
+    ``memory_max_context_tokens`` keeps the memory figure. A cap above the memory one only
+    records the target and its tokens.
+
+    >>> p = plan_budget("Qwen/Qwen3-8B", gpu="24GiB", max_new_tokens=256)
+    >>> q = cap_plan_for_time(p, {"a": 0.001, "b": 0.0}, 2.0)
+    >>> q.limited_by, q.max_prompt_tokens, q.max_context_tokens
+    ('time', 2000, 2256)
+    """
+    from dataclasses import replace
+
+    if ttft_target <= 0:
+        return plan
+    prompt = context_tokens_for_time(speed, float(ttft_target))
+    if prompt >= plan.max_prompt_tokens:  # the target does not bind: memory or the window does
+        return replace(plan, ttft_target_s=float(ttft_target), time_prompt_tokens=prompt)
+    rate = prompt / ttft_target
+    note = (f"prompt capped at {prompt:,} tokens for time: {ttft_target:g} s to the first token at "
+            f"the measured prefill speed (~{rate:,.0f} tokens/s); memory allows "
+            f"{plan.max_prompt_tokens:,} (ttft_target / --ttft-target to change)")
+    return replace(plan, max_context_tokens=prompt + plan.max_new_tokens,
+                   max_prompt_tokens=prompt, limited_by="time", ttft_target_s=float(ttft_target),
+                   time_prompt_tokens=prompt,
+                   memory_max_context_tokens=plan.max_context_tokens,
+                   notes=(*plan.notes, note))
+
+
+def request_memory(plan: BudgetPlan, config: Any = None) -> MemoryModel:
+    """What one request pins by ``plan``, for :class:`~ragbudget.admission.AdmissionController`:
+    the memory left beside the weights, the KV bytes per token at their peak (sliding-window
+    layers hold the whole prefill until the first decode step) plus per sequence, and the
+    activation peak of a prefill of the request's own prompt — measured per token when a
+    calibration was recorded, else :func:`estimate_activation_bytes` with the plan's attention
+    implementation (``eager`` materializes the L×L scores, so a long prompt costs far more)."""
+    from .admission import MemoryModel
+
+    cfg = config
+    if cfg is None:
+        from .models import load_model_config
+
+        cfg = load_model_config(plan.model)
+    norm = _normalize(cfg, True)
+    cal = lookup_calibration(plan.gpu_name, plan.model, plan.kv_dtype, plan.cache)
+    attn = plan.attn_implementation
+
+    def activation(tokens: int) -> int:
+        if tokens <= 0:
+            return 0
+        if cal is not None:
+            return int(cal["activation_bytes_per_token"] * tokens)
+        return estimate_activation_bytes(norm, tokens, dtype=plan.kv_dtype,
+                                         attn_implementation=attn)
+
+    source = (f"{plan.gpu_source}: {plan.usable_bytes / GiB:.2f} GiB usable − weights "
+              f"{plan.weights_bytes / GiB:.2f} GiB; per request KV "
+              f"{plan.kv_bytes_per_token_peak:,} B/token + activations of its own prefill "
+              f"({'calibrated' if cal is not None else f'{attn} estimate'})")
+    return MemoryModel(capacity_bytes=max(1, plan.usable_bytes - plan.weights_bytes),
+                       kv_bytes_per_token=plan.kv_bytes_per_token_peak,
+                       kv_fixed_bytes=plan.kv_fixed_bytes_per_sequence,
+                       activation=activation, source=source)
 
 
 def _h(n: int) -> str:

@@ -547,6 +547,7 @@ def ask(question: str, index_dir: str, model: str | None, gpu: str | None, concu
 @click.option("--summary-max-tokens", default=128, show_default=True, type=click.IntRange(min=1), help="Cap of the rolling summary of older turns.")
 @click.option("--recent-turns", default=2, show_default=True, type=click.IntRange(min=0), help="Turns kept verbatim when they fit.")
 @click.option("--context-tokens", default=None, type=click.IntRange(min=1), help="Cap the retrieved context below what memory allows.")
+@click.option("--ttft-target", default=None, type=click.FloatRange(min=0.0), help="Seconds of prefill a request may take: caps the context by the measured prefill speed (default 2 on a CPU, none on a GPU; 0: no cap).")
 @click.option("--no-stream", is_flag=True, help="Print each answer at the end instead of streaming it.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per turn.")
 @_sampling_options
@@ -555,8 +556,9 @@ def ask(question: str, index_dir: str, model: str | None, gpu: str | None, concu
 @_user_errors
 def chat(index_dir: str, model: str | None, gpu: str | None, concurrency: int, max_new_tokens: int,
          kv_dtype: str | None, cache: str, history_share: float, summary_max_tokens: int,
-         recent_turns: int, context_tokens: int | None, no_stream: bool, as_json: bool,
-         sampling: dict[str, Any], retrieval: dict[str, Any], engine: dict[str, Any]) -> None:
+         recent_turns: int, context_tokens: int | None, ttft_target: float | None, no_stream: bool,
+         as_json: bool, sampling: dict[str, Any], retrieval: dict[str, Any],
+         engine: dict[str, Any]) -> None:
     """Multi-turn chat inside the memory budget: a REPL at a terminal (line editing, history,
     /help), one question per line when stdin is piped."""
     from .chat import Conversation, TerminalLines, chat_banner, run_chat
@@ -564,7 +566,7 @@ def chat(index_dir: str, model: str | None, gpu: str | None, concurrency: int, m
     from .pipeline import Pipeline
 
     pipe = Pipeline(index_dir, model=model, gpu=gpu, concurrency=concurrency, max_new_tokens=max_new_tokens,
-                    kv_dtype=kv_dtype, cache=cache, **retrieval, **engine)
+                    kv_dtype=kv_dtype, cache=cache, ttft_target=ttft_target, **retrieval, **engine)
     conversation = Conversation(pipe, history_share=history_share, summary_max_tokens=summary_max_tokens,
                                 recent_turns=recent_turns, context_tokens=context_tokens)
 
@@ -596,13 +598,15 @@ def chat(index_dir: str, model: str | None, gpu: str | None, concurrency: int, m
 @click.option("--summary-max-tokens", default=128, show_default=True, type=click.IntRange(min=1), help="Cap of the summary older turns are folded into.")
 @click.option("--recent-turns", default=2, show_default=True, type=click.IntRange(min=0), help="Turns kept verbatim when they fit.")
 @click.option("--expose-plan", is_flag=True, help="Send the memory plan and host memory figures (GPU, free/usable bytes) in responses.")
+@click.option("--ttft-target", default=None, type=click.FloatRange(min=0.0), help="Seconds of prefill a request may take: caps the context by the measured prefill speed, and a request starts next to others only while its first token stays within it (default 2 on a CPU, none on a GPU; 0: no cap).")
 @_retrieval_options
 @_engine_options
 @_user_errors
 def serve(index_dir: str, model: str | None, gpu: str | None, concurrency: int, max_new_tokens: int,
           kv_dtype: str | None, cache: str, host: str, port: int, api_key: str | None,
           model_name: str | None, history_share: float, summary_max_tokens: int, recent_turns: int,
-          expose_plan: bool, retrieval: dict[str, Any], engine: dict[str, Any]) -> None:
+          expose_plan: bool, ttft_target: float | None, retrieval: dict[str, Any],
+          engine: dict[str, Any]) -> None:
     """OpenAI-compatible HTTP server (/v1/chat/completions, /v1/retrieve, /metrics) with KV admission.
 
     Refuses to start (exit 1) when the index is missing or damaged or the port cannot be bound.
@@ -611,7 +615,7 @@ def serve(index_dir: str, model: str | None, gpu: str | None, concurrency: int, 
     from .server import serve as run_server
 
     pipe = Pipeline(index_dir, model=model, gpu=gpu, concurrency=concurrency, max_new_tokens=max_new_tokens,
-                    kv_dtype=kv_dtype, cache=cache, **retrieval, **engine)
+                    kv_dtype=kv_dtype, cache=cache, ttft_target=ttft_target, **retrieval, **engine)
     run_server(pipe, host=host, port=port, api_key=api_key, model_name=model_name, history_share=history_share,
                summary_max_tokens=summary_max_tokens, recent_turns=recent_turns, expose_plan=expose_plan)
 

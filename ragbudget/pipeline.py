@@ -388,6 +388,8 @@ class Pipeline:
         self._plans: dict[tuple[int, bool], BudgetPlan] = {}
         self._builder: PromptBuilder | None = None
         self._admission: AdmissionController | None = None
+        self._admission_tuned = False
+        self._speed_entry: dict[str, Any] | None = None
         self._lock = threading.RLock()
 
     def __repr__(self) -> str:
@@ -523,8 +525,9 @@ class Pipeline:
             if plan is None:
                 from .budget import plan_budget
 
+                module = self._generator.model if loaded else None
                 plan = plan_budget(
-                    self._generator.model if loaded else self.model,
+                    module if loaded else self.model,
                     config=self._generator.config if loaded else None,
                     gpu=self.gpu,
                     concurrency=self.concurrency,
@@ -532,9 +535,72 @@ class Pipeline:
                     kv_dtype=self.kv_dtype,
                     cache=self.cache,
                     utilization=self.utilization,
+                    # The activations of the attention the loaded model really runs (eager
+                    # materializes the L×L scores); sdpa before it is loaded.
+                    attn_implementation=_attn_in_use(module),
                 )
+                plan = self._cap_for_time(plan)
                 self._plans[(max_new_tokens, loaded)] = plan
             return plan
+
+    def _ttft_target(self) -> float | None:
+        """The time-to-first-token target in force: ``ttft_target`` when given (0: none), else
+        ``CPU_TTFT_TARGET`` for a generator on the CPU and none on an accelerator; ``None`` too
+        while the generator's device is not known without loading it."""
+        from .budget import CPU_TTFT_TARGET
+
+        device = self._device_known()
+        if not device:
+            return None
+        if self.ttft_target is not None:
+            return float(self.ttft_target) or None
+        return CPU_TTFT_TARGET if device == "cpu" else None
+
+    def _device_known(self) -> str:
+        """The generator's device when known without loading a model: a loaded generator's, or
+        a stand-in's (which has no model to load); ``""`` otherwise."""
+        gen = self._generator
+        if gen is None:
+            return ""
+        from .generate import Generator
+
+        if isinstance(gen, Generator) and not gen.loaded:
+            return ""
+        return str(getattr(gen, "device", "") or "")
+
+    def _speed(self, name: str) -> dict[str, Any] | None:
+        """The generator's measured prefill and decode speed on its device: recorded once per
+        model and machine (``cache_dir()/prefill.json``), measured now when missing (a few
+        seconds; ``serve`` does it at warm-up). ``None`` when there is nothing to measure."""
+        from .budget import lookup_prefill_speed, measure_prefill_speed
+
+        device = self._device_known()
+        if not device:
+            return None
+        gen = self._generator
+        speed = lookup_prefill_speed(name, device)
+        model = getattr(gen, "model", None)
+        if (speed is None or "decode_s" not in speed) and model is not None:
+            log.info("measuring the prefill and decode speed of %s on %s once (cached)", name, device)
+            try:
+                speed = measure_prefill_speed(model, name=name, device=device)
+            except Exception as exc:  # noqa: BLE001 - a speed probe must never fail a question
+                log.warning("prefill speed not measured (%s): no time cap on the context", exc)
+        return speed
+
+    def _cap_for_time(self, plan: BudgetPlan) -> BudgetPlan:
+        """``plan`` capped by the time-to-first-token target, when one applies and the speed is
+        known (:func:`~ragbudget.budget.cap_plan_for_time`)."""
+        from .budget import cap_plan_for_time
+
+        target = self._ttft_target()
+        if target is None:
+            return plan
+        speed = self._speed(plan.model)
+        if speed is None:
+            return plan
+        self._speed_entry = speed
+        return cap_plan_for_time(plan, speed, target)
 
     @property
     def admission(self) -> AdmissionController:
@@ -550,7 +616,30 @@ class Pipeline:
                     max_queue=self.queue_size,
                     timeout=self.queue_timeout,
                 )
+            if not self.served and not self._admission_tuned:
+                self._tune_admission(self._admission)
             return self._admission
+
+    def _tune_admission(self, ctl: AdmissionController) -> None:
+        """Once the generator is loaded: count each request's KV *and* its own activation peak
+        against the memory left beside the weights, and its time by the measured prefill and
+        decode speed (the start and refusal rules of :mod:`ragbudget.admission`)."""
+        gen = self._generator
+        if gen is None or not (getattr(gen, "loaded", False) and getattr(gen, "model", None)
+                               is not None):
+            return  # a stand-in or a model not loaded yet: KV tokens only, as sized
+        from .budget import request_memory, throughput_from_speed
+
+        plan = self.plan
+        speed = self._speed_entry or self._speed(plan.model)
+        backend = self._backend
+        # A backend that shares forward passes between running requests says so (``batched``);
+        # without it each request runs its own generate and they share the cores.
+        batched = bool(getattr(backend, "batched", False) or getattr(gen, "batched", False))
+        throughput = throughput_from_speed(speed, batched=batched) if speed else None
+        ctl.configure(memory=request_memory(plan, gen.config), throughput=throughput,
+                      ttft_target=self._ttft_target())
+        self._admission_tuned = True
 
     #: Admission capacity when a served engine says nothing of its KV cache or slots.
     UNLIMITED_TOKENS = 2**62
@@ -579,7 +668,19 @@ class Pipeline:
     def admission_note(self) -> str:
         """What admission control is sized from, in one line (``serve`` logs it)."""
         if not self.served:
-            return f"{self.plan.kv_capacity_tokens} KV tokens (memory plan)"
+            ctl = self.admission
+            parts = [f"{self.plan.kv_capacity_tokens} KV tokens (memory plan)"]
+            if ctl.memory is not None:
+                parts = [f"KV + activations per request in {ctl.memory.capacity_bytes / 2**30:.2f} "
+                         f"GiB ({ctl.memory.source})"]
+            if ctl.throughput is not None:
+                t = ctl.throughput
+                parts.append(f"time: prefill {t.prefill_a * 1e3:.2f} ms/token, decode "
+                             f"{t.decode_s * 1e3:.1f} ms/token ({t.source}); first token within "
+                             f"the queue time-out {self.queue_timeout:g} s, started next to "
+                             "others only within the TTFT target "
+                             f"{ctl.ttft_target if ctl.ttft_target is not None else 'none'}")
+            return "; ".join(parts)
         return self._engine_admission()[1]
 
     @property
@@ -636,42 +737,19 @@ class Pipeline:
     # -- budgeted retrieval -------------------------------------------------------------------------
 
     def _time_cap(self, plan: BudgetPlan, fixed: int) -> dict[str, Any] | None:
-        """The context cap a time-to-first-token target sets, or ``None`` when there is none:
-        on a generator running on the CPU (default target ``CPU_TTFT_TARGET``) or when
-        ``ttft_target`` was given. The prefill speed is measured once per model and machine."""
-        from .budget import (
-            CPU_TTFT_TARGET,
-            context_tokens_for_time,
-            lookup_prefill_speed,
-            measure_prefill_speed,
-        )
-
-        gen = self.generator
-        device = str(gen.device or "")
-        target = self.ttft_target
-        if target is None:
-            if device != "cpu":
-                return None  # on an accelerator prefill is fast: memory and the window bind
-            target = CPU_TTFT_TARGET
-        if target == 0 or not device:
+        """The context cap the plan's time-to-first-token target sets (see :meth:`plan_for`), or
+        ``None`` when there is none: on a generator running on the CPU (default target
+        ``CPU_TTFT_TARGET``) or when ``ttft_target`` was given. The prefill speed is measured
+        once per model and machine."""
+        if plan.time_prompt_tokens is None or plan.ttft_target_s is None:
             return None
-        speed = lookup_prefill_speed(plan.model, device)
-        if speed is None:
-            model = gen.model
-            if model is None:
-                return None  # nothing to measure (a stand-in generator)
-            log.info("measuring the prefill speed of %s on %s once (cached)", plan.model, device)
-            try:
-                speed = measure_prefill_speed(model, name=plan.model, device=device)
-            except Exception as exc:  # noqa: BLE001 - a speed probe must never fail a question
-                log.warning("prefill speed not measured (%s): no time cap on the context", exc)
-                return None
-        prompt_tokens = context_tokens_for_time(speed, float(target))
+        prompt_tokens = plan.time_prompt_tokens
         # A question is never cut, and a context too small for one passage answers from nothing:
         # the cap keeps room for at least a cut best chunk.
         cap = max(_MIN_TIME_CONTEXT, prompt_tokens - fixed)
-        return {"limit": "time", "tokens": cap, "ttft_target_s": float(target),
-                "device": device, "prefill_tokens_in_target": prompt_tokens,
+        speed = self._speed_entry or {}
+        return {"limit": "time", "tokens": cap, "ttft_target_s": plan.ttft_target_s,
+                "device": self._device_known(), "prefill_tokens_in_target": prompt_tokens,
                 "prefill_fit": {k: speed[k] for k in ("a", "b") if k in speed}}
 
     def _prompt(
@@ -715,17 +793,16 @@ class Pipeline:
         t0 = time.perf_counter()
         builder = builder.with_history(history)
         fixed = builder.fixed_tokens(question)
-        max_prompt = plan.max_prompt_tokens
+        # What memory and the window allow: a time cap shortens the context, never refuses a
+        # question, and an explicit context_tokens pins the context whatever the time.
+        max_prompt = _memory_max_prompt(plan)
         if fixed > max_prompt:
             raise _question_too_long(plan, fixed, max_new_tokens)
         cap: dict[str, Any] | None = None
         if context_tokens is not None:
             cap = {"limit": "context_tokens", "tokens": context_tokens}
         else:
-            t1 = time.perf_counter()
-            cap = self._time_cap(plan, fixed)  # the first request on a CPU measures the speed
-            timings["time_cap_s"] = time.perf_counter() - t1
-            t0 += timings["time_cap_s"]
+            cap = self._time_cap(plan, fixed)
         if cap is not None:
             max_prompt = min(max_prompt, fixed + cap["tokens"])
         hits = self.search(retrieval_query or question, k=self.fetch_k)
@@ -850,7 +927,8 @@ class Pipeline:
         sampling, stop, extra = _split_options(generate_options, served=self.served)
         backend = self.backend
         try:
-            reservation = self.admission.acquire(reserve, cancel=cancel)
+            reservation = self.admission.acquire(reserve, prompt_tokens=prompt.n_tokens,
+                                                 cancel=cancel)
         except RequestCancelled:
             timings["queue_s"] = time.perf_counter() - t0
             return cancelled()
@@ -907,6 +985,19 @@ class Pipeline:
 _MIN_TIME_CONTEXT = 256
 
 
+def _memory_max_prompt(plan: BudgetPlan) -> int:
+    """The prompt tokens memory and the window allow, before any time cap."""
+    total = plan.memory_max_context_tokens or plan.max_context_tokens
+    return total - plan.max_new_tokens
+
+
+def _attn_in_use(model: Any) -> str:
+    """The attention implementation a loaded transformers model runs (``sdpa`` when unknown)."""
+    cfg = getattr(model, "config", None)
+    impl = getattr(cfg, "_attn_implementation", None) if cfg is not None else None
+    return str(impl) if isinstance(impl, str) and impl else "sdpa"
+
+
 def _split_options(options: Mapping[str, Any], *, served: bool
                    ) -> tuple[Any, list[str] | None, dict[str, Any]]:
     """``ask``'s generate options as the protocol's ``Sampling`` and ``stop``, and the local
@@ -953,11 +1044,12 @@ def _question_too_long(plan: BudgetPlan, fixed: int, max_new_tokens: int) -> Bud
             needed=fixed + max_new_tokens, available=window, limit="window")
     return BudgetError(
         f"{what} is {fixed:,} tokens and {max_new_tokens:,} are reserved for the answer, but the "
-        f"KV memory holds {plan.max_context_tokens:,} tokens per request ({plan.model} on "
+        f"KV memory holds {_memory_max_prompt(plan) + plan.max_new_tokens:,} tokens per request ({plan.model} on "
         f"{plan.gpu_name}, {plan.usable_bytes / 2**30:.2f} GiB usable, concurrency "
         f"{plan.concurrency}); shorten the question or history, lower max_new_tokens or "
         "concurrency, use a quantized/fp8 or offloaded KV cache, or a GPU with more memory",
-        needed=fixed + max_new_tokens, available=plan.max_context_tokens, limit="memory")
+        needed=fixed + max_new_tokens, available=_memory_max_prompt(plan) + plan.max_new_tokens,
+        limit="memory")
 
 
 def _stream_options(options: dict[str, Any]) -> dict[str, Any]:

@@ -393,6 +393,10 @@ def _admission_stats(pipeline: Any) -> dict[str, float]:
         "queued": ("queued", "waiting", "queue_depth", "n_queued"),
         "admitted_tokens": ("admitted_tokens", "reserved_tokens", "tokens_reserved", "in_use_tokens", "used_tokens"),
         "capacity_tokens": ("capacity_tokens", "capacity"),
+        # admission hook (issue #14): memory admission counts bytes (KV + activations).
+        "admitted_bytes": ("admitted_bytes",),
+        "peak_admitted_bytes": ("peak_admitted_bytes",),
+        "refused_for_time_total": ("refused_for_time_total",),
     }
     for key, names in aliases.items():
         for name in names:
@@ -1572,6 +1576,11 @@ def serve(
             if plan is not None:
                 log.info("memory plan: %s tokens per request, KV capacity %s tokens",
                          getattr(plan, "max_context_tokens", "?"), getattr(plan, "kv_capacity_tokens", "?"))
+            # --- admission hook (issue #14): size admission now, from the loaded model's plan
+            # and its measured prefill/decode speed, so the first request does not measure.
+            if callable(getattr(pipeline, "admission_note", None)):
+                log.info("admission: %s", pipeline.admission_note())
+            # --- end admission hook
         app = create_app(pipeline, api_key=api_key, expose_plan=expose_plan, **app_options)
         # Bounded graceful shutdown: open streams are cancelled by the app's lifespan, not awaited forever.
         config = uvicorn.Config(app, host=host, port=sock.getsockname()[1], log_level=log_level,

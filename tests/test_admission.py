@@ -226,3 +226,123 @@ def test_asyncio_timeout_and_cancel() -> None:
     asyncio.run(main())
     s = ctl.stats()
     assert s.admitted_tokens == 0 and s.timed_out_total == 1
+
+
+# --- memory and time (issue #14) ---------------------------------------------------------------
+
+from ragbudget.admission import MemoryModel, Throughput, simulate  # noqa: E402
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_each_request_pins_its_kv_and_its_own_activation_peak() -> None:
+    # 10 B per KV token; activations grow with the prompt (n²/100 bytes).
+    mem = MemoryModel(capacity_bytes=110_000, kv_bytes_per_token=10,
+                      activation=lambda n: n * n // 100)
+    ctl = AdmissionController(10_000, memory=mem, max_queue=4, timeout=0.05)
+    # A 1,000-token prompt + 500 new: KV 15,000 + activations 10,000 = 25,000 bytes.
+    held = [ctl.acquire(1500, prompt_tokens=1000)]
+    assert ctl.stats().admitted_bytes == 25_000
+    held += [ctl.acquire(1500, prompt_tokens=1000) for _ in range(3)]
+    # KV tokens alone (7,500 of 10,000) would admit a fifth; KV + activations (125,000 B) do not.
+    with pytest.raises(OverloadedError, match="waited"):
+        ctl.acquire(1500, prompt_tokens=1000)
+    # A short request pins little (KV 5,000 + activations 100 B): it fits the 10,000 B left.
+    with ctl.reserve(500, prompt_tokens=100):
+        assert ctl.stats().admitted_bytes == 105_100
+    assert ctl.stats().peak_admitted_bytes == 105_100
+    for r in held:
+        r.release()
+    assert ctl.stats().admitted_bytes == 0 and ctl.stats().admitted_tokens == 0
+
+
+def test_a_request_whose_activations_alone_exceed_memory_is_a_budget_error() -> None:
+    mem = MemoryModel(capacity_bytes=1000, kv_bytes_per_token=1, activation=lambda n: 2 * n)
+    ctl = AdmissionController(1000, memory=mem)
+    with pytest.raises(BudgetError, match="activations of a 600-token prefill"):
+        ctl.acquire(700, prompt_tokens=600)  # 700 KV + 1,200 activations
+    ctl.acquire(700, prompt_tokens=100).release()  # 700 + 200 fits
+
+
+# 1 ms per prompt token, 10 ms per generated token: a 1,000 + 100 request is 2 s of work.
+THR = Throughput(prefill_a=0.001, decode_s=0.01)
+
+
+def test_simulate_processor_sharing_by_hand() -> None:
+    from ragbudget.admission import _Job
+
+    a = _Job(prefill=1.0, decode=1.0, cost=1)
+    b = _Job(prefill=1.0, decode=1.0, cost=1)
+    # Both queued, no target: both start at once and share the host: first tokens at 2 s.
+    assert simulate([], [a, b], throughput=THR, capacity=10, ttft_target=None) == [2.0, 2.0]
+    # With a 1.5 s target b cannot start next to a (its prefill would take 2 s): it waits for a
+    # to finish (2 s) and then prefills alone (1 s).
+    assert simulate([], [a, b], throughput=THR, capacity=10, ttft_target=1.5) == [1.0, 3.0]
+    # Memory for one at a time: the same, whatever the target.
+    assert simulate([], [a, b], throughput=THR, capacity=1, ttft_target=None) == [1.0, 3.0]
+    # A running job with 0.5 s of decode left, and a promise that can arrive only at t=5.
+    r = _Job(prefill=1.0, decode=1.0, cost=1, served=1.5)
+    p = _Job(prefill=1.0, decode=0.0, cost=1, ready=5.0)
+    assert simulate([r], [p], throughput=THR, capacity=1, ttft_target=None) == [6.0]
+
+
+def test_time_refusal_with_retry_after_that_gets_in_when_honoured() -> None:
+    clock = Clock()
+    ctl = AdmissionController(10**6, max_queue=64, timeout=5.0, throughput=THR, ttft_target=1.5,
+                              clock=clock)
+    admitted, refused = [], []
+    for _ in range(8):
+        try:
+            admitted.append(ctl._enqueue(1100, 1000))
+        except OverloadedError as exc:
+            refused.append(exc.retry_after)
+    # Serial (a second prefill next to a running one would take 2 s > 1.5 s): first tokens at
+    # 1, 3, 5 s are within 5 s; the fourth's (7 s) is not.
+    assert len(admitted) == 3 and [w.granted for w in admitted] == [True, False, False]
+    assert len(refused) == 5 and ctl.stats().refused_for_time_total == 5
+    # Each refusal is promised a later time, 2 s (one request's work) apart: no thundering herd.
+    assert refused == [2.0, 4.0, 6.0, 8.0, 10.0]
+    # Honour the first Retry-After with the work done as modelled: the first request finished
+    # and the second has run 1 s of its 2 s, so the returning request gets in.
+    reservations = [ctl._reservation(admitted[0])]
+    clock.t += 2.0
+    reservations[0].release()
+    assert admitted[1].granted
+    back = ctl._enqueue(1100, 1000)
+    assert not back.granted and ctl.stats().queued == 2
+    # A newcomer now (not one of the promised) is told to come after the promised returns.
+    with pytest.raises(OverloadedError) as err:
+        ctl._enqueue(1100, 1000)
+    assert err.value.retry_after > 10.0 - 2.0
+
+
+def test_start_rule_lets_short_prompts_share_the_host() -> None:
+    clock = Clock()
+    ctl = AdmissionController(10**6, timeout=60.0, throughput=THR, ttft_target=1.5, clock=clock)
+    # 200-token prompts (0.2 s alone): next to 5 running ones a prefill takes 1.2 s ≤ 1.5 s.
+    rs = [ctl.acquire(300, prompt_tokens=200) for _ in range(7)]
+    assert ctl.stats().running == 7  # 7th: 0.2 × 7 = 1.4 s
+    w = ctl._enqueue(300, 200)
+    assert not w.granted  # 8th: 1.6 s > 1.5 s: it waits
+    rs[0].release()
+    assert w.granted
+    for r in rs[1:]:
+        r.release()
+
+
+def test_batched_backend_admits_more_next_to_decoding_requests() -> None:
+    from ragbudget.admission import _Job, _first_token_if_started
+
+    job = _Job(prefill=0.5, decode=1.0, cost=1)
+    decoding = [_Job(prefill=0.1, decode=5.0, cost=1, served=1.0) for _ in range(6)]
+    alone = Throughput(prefill_a=0.001, decode_s=0.01)
+    shared = Throughput(prefill_a=0.001, decode_s=0.01, batched=True, decode_extra_s=0.001)
+    # Threads share the cores: 7 ways. A batch shares forward passes: prefill + one batch.
+    assert _first_token_if_started(job, decoding, alone) == pytest.approx(3.5)
+    assert _first_token_if_started(job, decoding, shared) == pytest.approx(1.0)

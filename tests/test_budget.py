@@ -367,6 +367,13 @@ def test_prefill_speed_is_measured_once_and_turns_seconds_into_tokens(tmp_path, 
     assert speed["a"] > 0 and speed["b"] >= 0 and [n for n, _ in speed["probes"]] == [32, 128]
     assert lookup_prefill_speed("tiny", "cpu") == speed
     assert lookup_prefill_speed("tiny", "cuda:0") is None  # per device
+    # Decode is measured with it: a step of one sequence, and the extra of a shared batch.
+    from ragbudget.budget import throughput_from_speed
+
+    assert speed["decode_s"] > 0 and speed["decode_extra_s"] >= 0
+    thr = throughput_from_speed(speed)
+    assert thr is not None and thr.decode_s == speed["decode_s"] and not thr.batched
+    assert throughput_from_speed({"a": 0.001, "b": 0.0}) is None  # an entry from before: measure
     # seconds = a·n + b·n²: the cap is the positive root, monotone in the time allowed.
     fit = {"a": 0.001, "b": 1e-6}
     n = context_tokens_for_time(fit, 5.0)
@@ -416,3 +423,33 @@ def test_config_without_dtype_plans_float32_and_says_so() -> None:
     chosen = plan_budget(config=base, gpu="1GiB", max_new_tokens=16, kv_dtype="bfloat16")
     assert chosen.kv_bytes_per_token == typed.kv_bytes_per_token
     assert not any("names no dtype" in n for n in chosen.notes)
+
+
+def test_time_cap_on_the_plan_and_request_memory_with_its_own_activations() -> None:
+    from ragbudget.budget import cap_plan_for_time, estimate_activation_bytes, request_memory
+
+    cfg = {"model_type": "llama", "vocab_size": 32000, "hidden_size": 1024,
+           "intermediate_size": 4096, "num_hidden_layers": 8, "num_attention_heads": 16,
+           "num_key_value_heads": 4, "max_position_embeddings": 8192, "torch_dtype": "float32"}
+    plan = plan_budget(config=cfg, gpu="8GiB", max_new_tokens=256)
+    assert plan.limited_by == "model" and plan.max_prompt_tokens == 8192 - 256
+    # 1 ms a token: a 2 s target allows 2,000 prompt tokens, below the window: time binds.
+    capped = cap_plan_for_time(plan, {"a": 0.001, "b": 0.0}, 2.0)
+    assert (capped.limited_by, capped.max_prompt_tokens, capped.max_context_tokens) == ("time", 2000, 2256)
+    assert capped.memory_max_context_tokens == 8192 and capped.ttft_target_s == 2.0
+    assert any("capped at 2,000 tokens for time" in n for n in capped.notes)
+    # A target above what memory allows records itself and changes nothing else.
+    loose = cap_plan_for_time(plan, {"a": 2.0**-17, "b": 0.0}, 2.0)
+    assert loose.limited_by == "model" and loose.max_context_tokens == 8192
+    assert loose.time_prompt_tokens == 2**18
+
+    # Per request: the memory beside the weights, KV per token, and the prefill activations of
+    # its own prompt with the plan's attention (eager holds the L×L scores: far more).
+    mem = request_memory(plan, cfg)
+    assert mem.capacity_bytes == plan.usable_bytes - plan.weights_bytes
+    assert mem.kv_bytes_per_token == plan.kv_bytes_per_token_peak
+    assert mem.activation_bytes(1000) == estimate_activation_bytes(cfg, 1000, dtype="float32")
+    eager = request_memory(plan_budget(config=cfg, gpu="8GiB", attn_implementation="eager"), cfg)
+    assert eager.activation_bytes(4000) > 4 * mem.activation_bytes(4000)
+    assert mem.request_bytes(prompt_tokens=1000, tokens=1256) == (
+        mem.kv_fixed_bytes + 1256 * mem.kv_bytes_per_token + mem.activation_bytes(1000))
