@@ -404,7 +404,11 @@ def test_prefill_measured_on_a_busy_host_is_measured_again_when_idle(tmp_path, m
     data = {k: slow for k in data}
     path.write_text(json.dumps(data))
     again = measure_prefill_speed(model, name="tiny", device="cpu", lengths=(32, 128))
-    assert again["provisional"] is False and again["a"] < slow["a"]
+    def at_1k(e: dict) -> float:  # what the merge ranks by: the fitted time of a 1,024-token prefill
+        return e["a"] * 1024 + e["b"] * 1024**2
+
+    # The fit's (a, b) split is noisy on a loaded host; the predicted time is what must improve.
+    assert again["provisional"] is False and at_1k(again) < at_1k(slow)
     assert lookup_prefill_speed("tiny", "cpu") == again
 
 
