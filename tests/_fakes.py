@@ -134,7 +134,7 @@ class FakeBackend:
     * what it saw: ``calls`` (``messages``, ``question``, ``max_new_tokens``, ``sampling``,
       ``stop``), ``cancelled`` (questions stopped by ``cancel``), ``running``/``peak_running``
       (answers being written at once), ``overruns`` (prompts that, with their ``max_new_tokens``,
-      did not fit ``capacity.max_context_tokens``).
+      did not fit ``capacity.max_context_tokens``), ``counted`` (count and render calls).
     """
 
     def __init__(self, counter: Any = None, *, template: Any = None, reply: Any = None,
@@ -152,14 +152,17 @@ class FakeBackend:
         self.calls: list[dict[str, Any]] = []
         self.cancelled: list[str] = []
         self.running = self.peak_running = self.overruns = 0
+        self.counted = 0  # count() and render() calls: the work of building a prompt
         self._lock = threading.Lock()
 
     def count(self, texts: Any) -> list[int]:
+        self.counted += 1
         return [int(self.counter.count(t)) for t in texts]
 
     def render(self, messages: Any) -> Any:
         from ragbudget.backend import RenderedPrompt
 
+        self.counted += 1
         msgs = tuple(dict(m) for m in messages)
         if self.template is not None:
             text = self.template.apply_chat_template(list(msgs), tokenize=False,
@@ -234,17 +237,17 @@ CORPUS = {
 }
 
 
-def corpus_index() -> Any:
-    """A real index of :data:`CORPUS` (``docs/<name>.md``) with the packaged MiniLM embedder,
-    built once per test process into a temporary folder (removed at exit); its path. Read-only:
-    a test that changes an index copies it first."""
+def corpus_index(embedder: str | None = None) -> Any:
+    """A real index of :data:`CORPUS` (``docs/<name>.md``) with the packaged MiniLM embedder (or
+    ``embedder``, e.g. ``"hash:256"`` for a subprocess that should not load a model), built once
+    per test process into a temporary folder (removed at exit); its path. Read-only: a test that
+    changes an index copies it first."""
     import atexit
     import shutil
     import tempfile
     from pathlib import Path
 
-    global _CORPUS_INDEX
-    if _CORPUS_INDEX is None:
+    if embedder not in _CORPUS_INDEX:
         from ragbudget.pipeline import Pipeline
 
         root = Path(tempfile.mkdtemp(prefix="rb-corpus-"))
@@ -253,9 +256,9 @@ def corpus_index() -> Any:
         docs.mkdir()
         for name, text in CORPUS.items():
             (docs / f"{name}.md").write_text(text + ".\n")
-        Pipeline(root / "idx").index([docs])
-        _CORPUS_INDEX = root / "idx"
-    return _CORPUS_INDEX
+        Pipeline(root / "idx", embedder=embedder).index([docs])
+        _CORPUS_INDEX[embedder] = root / "idx"
+    return _CORPUS_INDEX[embedder]
 
 
-_CORPUS_INDEX: Any = None
+_CORPUS_INDEX: dict[str | None, Any] = {}
