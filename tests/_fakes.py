@@ -188,7 +188,7 @@ class FakeBackend:
         n_prompt = self.render(messages).n_tokens
         with self._lock:
             self.calls.append({"messages": messages, "question": question, "sampling": sampling,
-                               "stop": stop, "max_new_tokens": max_new_tokens})
+                               "stop": stop, "max_new_tokens": max_new_tokens, "prompt_tokens": n_prompt})
             window = self.capacity().max_context_tokens
             if window is not None and n_prompt + max_new_tokens > window:
                 self.overruns += 1
