@@ -8,6 +8,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+# The class itself, bound now: tests replace ``ragbudget.pipeline.Pipeline`` (the CLI's) with
+# factories that call corpus_index().
+from ragbudget.pipeline import Pipeline as _Pipeline
+
 __all__ = ["FakeBackend", "GeneratorStub", "WordCounter", "WordTokenizer", "corpus_index", "make_pdf",
            "words_reply"]
 
@@ -248,15 +252,13 @@ def corpus_index(embedder: str | None = None) -> Any:
     from pathlib import Path
 
     if embedder not in _CORPUS_INDEX:
-        from ragbudget.pipeline import Pipeline
-
         root = Path(tempfile.mkdtemp(prefix="rb-corpus-"))
         atexit.register(shutil.rmtree, root, True)
         docs = root / "docs"
         docs.mkdir()
         for name, text in CORPUS.items():
             (docs / f"{name}.md").write_text(text + ".\n")
-        Pipeline(root / "idx", embedder=embedder).index([docs])
+        _Pipeline(root / "idx", embedder=embedder).index([docs])
         _CORPUS_INDEX[embedder] = root / "idx"
     return _CORPUS_INDEX[embedder]
 

@@ -764,6 +764,13 @@ def test_ten_turns_with_the_real_pipeline_and_prompt_builder(hash_index: Any) ->
         assert gen.prompts[-1].question == q  # the question reached the prompt whole
     assert chat.turns_summarized > 0 and gen.summaries > 0
     assert chat.summary and pipe.admission.stats().admitted_tokens == 0
+    # The banner of a local pipeline names its memory plan's figures.
+    from ragbudget.chat import chat_banner
+
+    plan = pipe.plan
+    assert chat_banner(chat) == (f"ragbudget chat · {plan.model.rsplit('/', 1)[-1] if plan.model.startswith('/') else plan.model}"
+                                 f" · {total} tokens/turn (answer 48, history ≤ 30%) · KV {plan.kv_bytes_per_token} "
+                                 "B/token · /help for commands")
 
 
 # --- the real default models (slow) ----------------------------------------------------------------
@@ -799,14 +806,14 @@ def test_real_models_conversation_with_summary_and_follow_up(real_pipeline: Any)
 # --- the REPL (`ragbudget chat` at a terminal and on a pipe) ------------------------------------------
 
 
-def _slow_pipeline_cli(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Patch the CLI's Pipeline with the fake streaming one of tests/_chat_repl.py; return the
-    list of questions it receives."""
+def _slow_pipeline_cli(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Patch the CLI's Pipeline with the streaming one of tests/_chat_repl.py; return a function
+    giving the questions its backend received."""
     import _chat_repl
 
-    _chat_repl.ASKED.clear()
+    _chat_repl.BACKENDS.clear()
     monkeypatch.setattr("ragbudget.pipeline.Pipeline", _chat_repl.SlowPipeline)
-    return _chat_repl.ASKED
+    return lambda: [c["question"] for b in _chat_repl.BACKENDS for c in b.calls]
 
 
 def test_chat_slash_commands_are_handled_locally_and_never_reach_the_model(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -820,13 +827,14 @@ def test_chat_slash_commands_are_handled_locally_and_never_reach_the_model(monke
     result = CliRunner().invoke(cli, ["chat"], input=script)
     assert result.exit_code == 0, result.output
     out = result.output
-    assert asked == ["What is MinHash?", "/etc/fstab holds what?"]  # a path is a question, not a command
+    assert asked() == ["What is MinHash?", "/etc/fstab holds what?"]  # a path is a question, not a command
     first = out.splitlines()[0]
-    assert first.startswith("ragbudget chat · fake/slow-model · 4000 tokens/turn (answer 64, history ≤ 30%)")
-    assert "KV 1234 B/token" in first and "/help" in first
+    assert first == "ragbudget chat · fake/slow-model · 4000 tokens/turn (answer 64, history ≤ 30%) · /help for commands"
     assert out.count("Commands (never sent to the model):") == 2 and "/reset" in out and "Ctrl-C" in out
     assert out.count("(no answer yet)") == 2  # before the first answer and after /reset
-    assert out.count("[1] /docs/1.md") == 1 + 2  # the answer's own block, then /sources twice
+    top = "[1] docs/dedup.md"  # the best source of "What is MinHash?"
+    first_turn = out[:out.index("You asked.", out.index("You asked.") + 1)]  # before the 2nd answer
+    assert first_turn.count(top) == 1 + 2  # the answer's own block, then /sources twice
     assert "unknown command /bogus; /help lists the commands" in out
     assert "(conversation reset)" in out
 
@@ -963,13 +971,13 @@ def test_chat_at_a_terminal_has_history_editing_and_ctrl_c_cancels_an_answer(tmp
     term.send("\x03")  # Ctrl-C at the prompt drops the typed line
     at = term.expect("> ", after=at)
     term.send("/sources\r")
-    at = term.expect("[1] /docs/2.md", after=at)  # the last answer that was not cancelled
+    at = term.expect("[1] docs/dedup.md", after=at)  # the last answer that was not cancelled
     at = term.expect("> ", after=at)
     term.send("\x04")  # Ctrl-D leaves
     assert term.wait() == 0
     out = term.output
     assert "^[[A" not in out
-    assert "word399" not in out  # the slow answer did stop
+    assert "word59" not in out  # the slow answer did stop
     asked = json.loads(out[out.rindex("ASKED: ") + 7:].splitlines()[0])
     assert asked == ["What is MinHash?", "What is MinHash?", "tell me slowly"]
     assert "What is MinHash?" in history.read_text()  # readline's history, kept for next time
