@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import inspect
 import json
 import re
 import threading
@@ -52,6 +51,7 @@ from .errors import BudgetError, ConfigError, RagBudgetError, RequestCancelled
 
 if TYPE_CHECKING:
     from .backend import Backend
+    from .pipeline import Answer, Pipeline
 
 __all__ = [
     "CHAT_HELP",
@@ -79,11 +79,6 @@ _SUMMARY_SYSTEM = (
     "from documents. Write a short factual summary: the topics and names the user asked about and "
     "the key facts of the answers. No preamble."
 )
-
-# A placeholder system message used only to *measure* messages: templates that insert a default
-# system prompt when the first message is not a system one (SmolLM2, Qwen) would otherwise charge
-# or refund that prompt to whatever is measured.
-_MEASURE_SYSTEM: Message = {"role": "system", "content": "system"}
 
 _WORD = re.compile(r"[\w][\w'-]*")
 # Words that point back at something said before; a question using them, or a very short one, is
@@ -158,25 +153,24 @@ class ChatTurn:
 
     question: str
     retrieval_query: str
-    answer: Any
+    answer: Answer
     budget: TurnBudget
     summary: str = ""
     cancelled: bool = False  # ``cancel`` was set: the answer is cut short and not kept in history
 
     @property
     def text(self) -> str:
-        return str(getattr(self.answer, "text", ""))
+        return self.answer.text
 
     @property
     def sources(self) -> list[dict[str, Any]]:
-        return list(getattr(self.answer, "sources", []) or [])
+        return self.answer.sources
 
     def to_dict(self) -> dict[str, Any]:
-        answer = self.answer.to_dict() if hasattr(self.answer, "to_dict") else {"text": self.text}
         return {
             "question": self.question,
             "retrieval_query": self.retrieval_query,
-            "answer": answer,
+            "answer": self.answer.to_dict(),
             "memory": self.budget.to_dict(),
             "summary": self.summary,
         }
@@ -188,34 +182,19 @@ class ChatTurn:
 class _Meter:
     """Token counts of chat messages after the chat template, by the pipeline's generation
     backend (:class:`~ragbudget.backend.Backend`: the local model's own tokenizer, or the served
-    engine's — exact where the engine counts, a stated estimate where it cannot).
-
-    Raises :class:`~ragbudget.errors.ConfigError` when the pipeline has no backend (then nothing
-    can be measured).
+    engine's — exact where the engine counts, a stated estimate where it cannot) and its prompt
+    builder: measuring with the builder *is* measuring the prompt the model will get (same system
+    prompt, layout and template).
     """
 
-    def __init__(self, pipeline: Any) -> None:
-        backend = getattr(pipeline, "backend", None)  # custom pipelines may have none
-        if backend is None:
-            raise ConfigError(
-                "the pipeline has no generation backend; Conversation needs one to keep history "
-                "inside the budget"
-            )
-        self.backend: Backend = backend
-        # The pipeline's own prompt builder, when it has one: measuring with it *is* measuring the
-        # prompt the model will get (same system prompt, layout and template).
-        builder = getattr(pipeline, "prompt_builder", None)
-        ok = callable(getattr(builder, "fixed_tokens", None)) and callable(getattr(builder, "with_history", None))
-        self._builder = builder if ok else None
+    def __init__(self, pipeline: Pipeline) -> None:
+        self.backend: Backend = pipeline.backend
+        self._builder = pipeline.prompt_builder
 
     def fixed(self, question: str) -> int:
-        """Prompt tokens of ``question`` with no history and no context: the part never cut.
-
-        With a real pipeline this is its prompt builder's own count (system prompt, sources
-        wrapper, question, template), so the accounting matches the prompt the model gets."""
-        if self._builder is not None:
-            return int(self._builder.fixed_tokens(question))
-        return self.render([_MEASURE_SYSTEM, {"role": "user", "content": question}])
+        """Prompt tokens of ``question`` with no history and no context: the part never cut (the
+        prompt builder's own count: system prompt, sources wrapper, question, template)."""
+        return int(self._builder.fixed_tokens(question))
 
     def count(self, text: str) -> int:
         """Tokens of ``text`` alone."""
@@ -229,10 +208,7 @@ class _Meter:
         """Exact tokens ``messages`` add when placed before ``question`` (0 for none)."""
         if not messages:
             return 0
-        if self._builder is not None:
-            return int(self._builder.with_history(list(messages)).fixed_tokens(question)) - self.fixed(question)
-        user = {"role": "user", "content": question}
-        return self.render([_MEASURE_SYSTEM, *messages, user]) - self.render([_MEASURE_SYSTEM, user])
+        return int(self._builder.with_history(list(messages)).fixed_tokens(question)) - self.fixed(question)
 
     def truncate(self, text: str, max_tokens: int) -> str:
         """``text`` cut to at most ``max_tokens`` tokens (at a token boundary; whole text if it fits)."""
@@ -253,41 +229,33 @@ class _Meter:
         return " ".join(words[:lo])
 
 
-def _plan_numbers(pipeline: Any, max_new_tokens: int | None) -> tuple[int, int]:
-    """(total tokens per request, reserved output tokens) from the pipeline's budget plan."""
-    if getattr(pipeline, "served", False) is True:
-        # On a served engine: the engine's window (or KV share) for one request, as planned now.
-        eplan = pipeline.engine_plan(max_new_tokens)
+def _plan_numbers(pipeline: Pipeline, max_new_tokens: int | None) -> tuple[int, int]:
+    """(total tokens per request, reserved output tokens) from the pipeline's plan: the memory
+    plan, or on a served engine its window (or KV share) for one request, as planned now."""
+    new_tokens = pipeline.max_new_tokens if max_new_tokens is None else max_new_tokens
+    if pipeline.served:
+        eplan = pipeline.engine_plan(new_tokens)
         return eplan.max_context_tokens, eplan.max_new_tokens
-    plan_for = getattr(pipeline, "plan_for", None)
-    plan = plan_for(max_new_tokens) if callable(plan_for) and max_new_tokens else getattr(pipeline, "plan", None)
-    total = getattr(plan, "max_context_tokens", None)
-    if not isinstance(total, int) or total <= 0:
-        raise ConfigError("the pipeline has no budget plan with max_context_tokens; cannot budget a conversation")
-    output = max_new_tokens if max_new_tokens is not None else getattr(plan, "max_new_tokens", None)
-    if not isinstance(output, int) or output <= 0:
-        output = getattr(pipeline, "max_new_tokens", 256)
-    return total, int(output)
+    plan = pipeline.plan_for(new_tokens)
+    return plan.max_context_tokens, plan.max_new_tokens
 
 
-def _binding(pipeline: Any, max_new_tokens: int) -> str:
+def _binding(pipeline: Pipeline, max_new_tokens: int) -> str:
     """What sets the tokens per request, as the pipeline's own plan says (``""`` when the
-    pipeline's plan does not say)."""
-    if getattr(pipeline, "served", False) is True:
+    plan names no single limit)."""
+    if pipeline.served:
         b = pipeline.engine_plan(max_new_tokens).budget
         return f": the engine's {b.binding} limit ({b.binding_source})"
-    plan_for = getattr(pipeline, "plan_for", None)
-    plan = plan_for(max_new_tokens) if callable(plan_for) else None
-    limited_by = getattr(plan, "limited_by", None)
-    if limited_by == "model":
-        return f": the model window ({plan.model}: max_position_embeddings)"  # type: ignore[union-attr]
-    if limited_by == "memory":
-        return f": the KV memory on {plan.gpu_name} at concurrency {plan.concurrency}"  # type: ignore[union-attr]
+    plan = pipeline.plan_for(max_new_tokens)
+    if plan.limited_by == "model":
+        return f": the model window ({plan.model}: max_position_embeddings)"
+    if plan.limited_by == "memory":
+        return f": the KV memory on {plan.gpu_name} at concurrency {plan.concurrency}"
     return ""
 
 
 def fit_history(
-    pipeline: Any,
+    pipeline: Pipeline,
     history: Sequence[Message],
     question: str,
     *,
@@ -300,16 +268,12 @@ def fit_history(
     The cheap alternative to :meth:`Conversation.from_messages` (which folds old turns into a
     summary instead, at the cost of a generator call): the oldest messages go first, system
     messages last.
-    Pipelines without a plan or token counter (test fakes) get the history back unchanged.
     """
     history = [dict(m) for m in history]
     if not history:
         return [], 0
-    try:
-        meter = _Meter(pipeline)
-        total, output = _plan_numbers(pipeline, max_new_tokens)
-    except ConfigError:
-        return history, 0
+    meter = _Meter(pipeline)
+    total, output = _plan_numbers(pipeline, max_new_tokens)
     fixed = meter.fixed(question)
     allowed = int(max(0, total - output - fixed) * share)
     if meter.cost(history, question) <= allowed:
@@ -495,7 +459,7 @@ class Conversation:
 
     def __init__(
         self,
-        pipeline: Any,
+        pipeline: Pipeline,
         *,
         history_share: float = 0.3,
         summary_max_tokens: int = 128,
@@ -528,10 +492,9 @@ class Conversation:
         self._cached_turns = 0
         self._meter = _Meter(pipeline)
         self._state = _State()
-        self._ask_params = _parameters(pipeline.ask)
 
     @classmethod
-    def from_messages(cls, pipeline: Any, messages: Sequence[Message], **options: Any) -> Conversation:
+    def from_messages(cls, pipeline: Pipeline, messages: Sequence[Message], **options: Any) -> Conversation:
         """A conversation whose history is ``messages`` (OpenAI-style ``{"role", "content"}``,
         oldest first, without the question to answer): each ``user`` message and the
         ``assistant`` reply after it form a turn; ``system`` messages are kept as instructions (a
@@ -652,26 +615,13 @@ class Conversation:
         previous = [t.retrieval_query or t.question for t in self._state.turns[-max(1, self.recent_turns):]]
         previous = [p for p in previous if p]
         retrieval_query = expand_query(question, previous) if self.expand_follow_ups else question
-        kwargs: dict[str, Any] = {
-            **generate_options,
-            "context_tokens": max(0, context_allowed),
-            "max_new_tokens": output,
-            "history": history or None,
-        }
-        if on_text is not None:
-            kwargs["on_text"] = on_text
-        if cancel is not None:
-            kwargs["cancel"] = cancel
-        asked = question
-        if retrieval_query != question:
-            if "retrieval_query" in self._ask_params:
-                kwargs["retrieval_query"] = retrieval_query
-            else:
-                # Older pipelines retrieve for the question text itself; give it the referent.
-                asked = f"{question}\n(Follow-up; earlier topic: {retrieval_query[len(question):].strip()})"
-        answer = self.pipeline.ask(asked, **kwargs)
+        answer = self.pipeline.ask(
+            question, context_tokens=max(0, context_allowed), max_new_tokens=output,
+            history=history or None, on_text=on_text, cancel=cancel,
+            retrieval_query=retrieval_query if retrieval_query != question else None,
+            **generate_options)
 
-        report = getattr(answer, "report", {}) or {}
+        report = answer.report
         b = report.get("budget") or {}
         context_used = int(b.get("context_tokens_used") or 0)
         prompt = int(b.get("prompt_tokens") or (fixed + history_tokens + context_used))
@@ -693,9 +643,8 @@ class Conversation:
             overrun=prompt + output > total or history_tokens > history_allowed,
             system=system_tokens,
         )
-        if isinstance(report, dict):
-            report["memory"] = budget.to_dict()
-        text = str(getattr(answer, "text", ""))
+        report["memory"] = budget.to_dict()
+        text = answer.text
         stopped = cancel is not None and cancel.is_set()
         if not stopped:
             # A cancelled answer is not part of the conversation: the next question is asked as if
@@ -826,19 +775,13 @@ class Conversation:
             lines = lines[2:]
         if self._meter.render(messages) > prompt_room:
             return "", True  # even one exchange does not fit: the extractive fallback takes over
-        admission = getattr(self.pipeline, "admission", None)
-        reserve = getattr(admission, "reserve", None)
         needed = self._meter.render(messages) + cap
-        if callable(reserve):
+        try:
             # A client leaving while the summary waits for KV memory leaves the queue too.
-            wait = {"cancel": cancel} if cancel is not None and "cancel" in _parameters(reserve) else {}
-            try:
-                with reserve(needed, **wait):
-                    result = self._meter.backend.generate(messages, max_new_tokens=cap, cancel=cancel)
-            except RequestCancelled:
-                return "", False
-        else:
-            result = self._meter.backend.generate(messages, max_new_tokens=cap, cancel=cancel)
+            with self.pipeline.admission.reserve(needed, cancel=cancel):
+                result = self._meter.backend.generate(messages, max_new_tokens=cap, cancel=cancel)
+        except RequestCancelled:
+            return "", False
         stopped = result.finish_reason == "cancelled" or (cancel is not None and cancel.is_set())
         return str(result.text or ""), not stopped
 
@@ -861,19 +804,6 @@ def _extractive_summary(previous: str, turns: Sequence[Turn]) -> str:
         first = re.split(r"(?<=[.!?])\s", t.answer.strip(), maxsplit=1)[0] if t.answer.strip() else ""
         parts.append(f"Asked: {t.question.strip()} Answer: {first}".strip())
     return " ".join(parts)
-
-
-def _parameters(fn: Any, *, var_keyword: bool = True) -> set[str]:
-    """Names ``fn`` accepts as keywords; with ``var_keyword``, a ``**kwargs`` accepts
-    ``retrieval_query`` too."""
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return set()
-    names = set(params)
-    if var_keyword and any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        names.add("retrieval_query")
-    return names
 
 
 # --- the interactive loop -------------------------------------------------------------------------
@@ -924,16 +854,21 @@ def chat_banner(conversation: Conversation) -> str:
     """One line saying which model answers and what one turn may hold, e.g.
     ``ragbudget chat · SmolLM2-135M-Instruct · 8192 tokens/turn (answer 256, history ≤ 30%) · KV
     46080 B/token · /help for commands``: the tokens one turn may hold (prompt and answer), the
-    answer's reserve, history's share of the rest. Reads the pipeline's plan (no model load)."""
+    answer's reserve, history's share of the rest. Reads the pipeline's plan (no model load; on
+    a served engine, its figures)."""
     pipe = conversation.pipeline
     parts = ["ragbudget chat"]
+    model, kv = pipe.model, None
     try:
         total, output = _plan_numbers(pipe, conversation.max_new_tokens)
-        plan = getattr(pipe, "plan", None)
-    except RagBudgetError:
-        total, output, plan = 0, 0, None
-    model = getattr(plan, "model", None) or getattr(pipe, "model", None)
-    if isinstance(model, str) and model:
+        if pipe.served:
+            model = pipe.backend.model_id
+        else:
+            plan = pipe.plan_for(output)
+            model, kv = plan.model, plan.kv_bytes_per_token
+    except RagBudgetError:  # the banner says what it can; the first question gets the error
+        total = output = 0
+    if model:
         # A local file or folder is named by its last part; a hub id is kept whole.
         parts.append(model.rstrip("/\\").rsplit("/", 1)[-1] if model.startswith(("/", ".", "~")) else model)
     if total:
@@ -942,8 +877,7 @@ def chat_banner(conversation: Conversation) -> str:
         if conversation.context_tokens is not None:
             turn += f", context ≤ {conversation.context_tokens}"
         parts.append(turn + ")")
-    kv = getattr(plan, "kv_bytes_per_token", None)
-    if isinstance(kv, int) and kv > 0:
+    if kv:
         parts.append(f"KV {kv} B/token")
     parts.append("/help for commands")
     return " · ".join(parts)

@@ -1069,6 +1069,7 @@ class _Cancelled:
 
     max_new_tokens: int
     text: str = ""
+    prompt_tokens: int = 0  # nothing reached the engine
     new_tokens: int = 0
     finish_reason: str = "cancelled"
     oom_steps: tuple[Any, ...] = ()

@@ -62,7 +62,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import (
     BudgetError,
@@ -74,6 +74,12 @@ from .errors import (
     RagBudgetError,
     RequestCancelled,
 )
+
+if TYPE_CHECKING:
+    from .admission import AdmissionController
+    from .backend import Capacity
+    from .index import Index
+    from .pipeline import Answer, Pipeline
 
 __all__ = [
     "DEFAULT_MAX_BODY_BYTES",
@@ -367,44 +373,82 @@ def _fmt(value: float) -> str:
     return repr(float(value))
 
 
-def _admission_stats(pipeline: Any) -> dict[str, float]:
-    """Read the admission controller's state whatever shape its stats take (a ``stats()`` dict or
-    attributes). Missing values are left out rather than invented."""
-    adm = getattr(pipeline, "admission", None)
-    if adm is None:
-        return {}
-    raw: dict[str, Any] = {}
-    stats = getattr(adm, "stats", None)
-    if callable(stats):
-        try:
-            value = stats()
-            raw = value if isinstance(value, dict) else getattr(value, "__dict__", {}) or {}
-            if not raw and hasattr(value, "_asdict"):
-                raw = value._asdict()
-            if not raw and hasattr(value, "__dataclass_fields__"):
-                raw = {k: getattr(value, k) for k in value.__dataclass_fields__}
-        except Exception:  # stats are best effort; never fail a scrape
-            raw = {}
-    elif isinstance(stats, dict):
-        raw = stats
-    out: dict[str, float] = {}
-    aliases = {
-        "running": ("running", "active", "n_running"),
-        "queued": ("queued", "waiting", "queue_depth", "n_queued"),
-        "admitted_tokens": ("admitted_tokens", "reserved_tokens", "tokens_reserved", "in_use_tokens", "used_tokens"),
-        "capacity_tokens": ("capacity_tokens", "capacity"),
-        # admission hook (issue #14): memory admission counts bytes (KV + activations).
-        "admitted_bytes": ("admitted_bytes",),
-        "peak_admitted_bytes": ("peak_admitted_bytes",),
-        "refused_for_time_total": ("refused_for_time_total",),
-    }
-    for key, names in aliases.items():
-        for name in names:
-            value = raw.get(name, getattr(adm, name, None)) if raw else getattr(adm, name, None)
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                out[key] = float(value)
-                break
-    return out
+# What /health and /metrics show of the admission controller's stats.
+# With a memory model admission counts bytes (KV + activations of each request) and, with a
+# measured throughput, refuses for time as well (issue #14).
+_ADMISSION_FIGURES = ("running", "queued", "admitted_tokens", "capacity_tokens", "capacity_bytes",
+                      "admitted_bytes", "peak_admitted_bytes", "refused_for_time_total",
+                      "work_ahead_s")
+
+
+class _EngineLoad:
+    """The served engine's live load, as the gateway admits against it: requests running and
+    waiting, and free KV tokens, where the engine reports them (:meth:`Backend.capacity
+    <ragbudget.backend.Backend.capacity>`), read at most every ``ttl`` seconds (requests in
+    between share the figures; one reading at a time). Fails open: an engine that reports
+    neither its queue nor its free KV, or whose metrics cannot be read, is not limited here (the
+    gateway's own admission still is, and the engine queues and refuses itself); /health and
+    /metrics say so."""
+
+    def __init__(self, pipeline: "Pipeline", ttl: float = 1.0) -> None:
+        self.pipeline, self.ttl = pipeline, ttl
+        self._lock = threading.Lock()
+        self._read_at = -math.inf
+        self._figures: tuple[Capacity | None, str] = (None, "not read yet")
+
+    def read(self) -> "tuple[Capacity | None, str]":
+        """``(capacity, "")``, or ``(None, why)`` when the engine's figures cannot be read.
+        Blocks for the engine's reply (at most once per ``ttl``): call it off the event loop."""
+        from .errors import EngineError
+
+        with self._lock:
+            if time.monotonic() - self._read_at >= self.ttl:
+                try:
+                    self._figures = (self.pipeline.backend.capacity(), "")
+                except EngineError as exc:  # generation will say what is wrong; admission stays open
+                    self._figures = (None, str(exc))
+                self._read_at = time.monotonic()
+            return self._figures
+
+    @staticmethod
+    def refusal(figures: "tuple[Capacity | None, str]", max_new_tokens: int) -> str | None:
+        """Why the engine cannot take a request now, or None. Its waiting queue is non-empty only
+        when it cannot schedule more (vLLM and SGLang schedule while KV blocks are free), so a
+        request sent now would only queue there, past any timeout the client has."""
+        cap, _ = figures
+        if cap is None:
+            return None
+        if cap.waiting:
+            return f"the engine has {cap.waiting} request(s) waiting ({cap.load_source})"
+        if cap.kv_tokens_free is not None and cap.kv_tokens_free < max_new_tokens:
+            return (f"the engine has {cap.kv_tokens_free} free KV tokens, fewer than the "
+                    f"{max_new_tokens} of one answer ({cap.kv_free_source})")
+        return None
+
+    @staticmethod
+    def describe(figures: "tuple[Capacity | None, str]") -> dict[str, Any]:
+        cap, error = figures
+        if cap is None or (cap.waiting is None and cap.kv_tokens_free is None):
+            why = error or f"the {cap.engine_kind if cap else 'engine'} reports neither its queue nor its free KV"
+            return {"open": True, "note": f"open: {why}; only the gateway's own admission limits requests"}
+        return {"open": False, "running": cap.running, "waiting": cap.waiting,
+                "kv_tokens_free": cap.kv_tokens_free, "age_s": round(cap.age(), 3),
+                "sources": [s for s in (cap.load_source, cap.kv_free_source) if s]}
+
+    @classmethod
+    def gauges(cls, figures: "tuple[Capacity | None, str]") -> dict[str, tuple[str, float]]:
+        cap, _ = figures
+        help_open = ("1: the served engine reports neither its queue nor its free KV (or they cannot be "
+                     "read), so requests are not refused for its load (fail open); 0: they are.")
+        out = {"ragbudget_engine_admission_open": (help_open, 1 if cls.describe(figures)["open"] else 0)}
+        if cap is not None:
+            for name, value, help_ in (
+                    ("ragbudget_engine_running_requests", cap.running, "Requests the engine runs (its metrics)."),
+                    ("ragbudget_engine_waiting_requests", cap.waiting, "Requests the engine queues (its metrics)."),
+                    ("ragbudget_engine_kv_free_tokens", cap.kv_tokens_free, "Free KV tokens the engine reports.")):
+                if value is not None:
+                    out[name] = (help_, value)
+        return out
 
 
 # --- memory ---------------------------------------------------------------------------------------
@@ -694,11 +738,6 @@ def _parse_chat(body: Any, models: Sequence[str], *, max_tokens_limit: int | Non
 # --- answers --------------------------------------------------------------------------------------
 
 
-def _report(answer: Any) -> dict[str, Any]:
-    report = getattr(answer, "report", None)
-    return report if isinstance(report, dict) else {}
-
-
 # What of an answer's report a client sees without ``expose_plan``: the budget figures of the
 # request itself (tokens allowed, used, reserved), never the host's (GPU name, free/total/usable
 # bytes, weights, KV capacity and bytes per token: together they describe the machine).
@@ -765,33 +804,15 @@ def _scrub_text(text: str) -> str:
     return _ABS_PATH.sub(lambda m: m.group(0).rstrip("/").rsplit("/", 1)[-1] or "/", text)
 
 
-def _usage(answer: Any, counter: Callable[[str], int] | None) -> dict[str, int]:
-    report = _report(answer)
-    budget = report.get("budget") or {}
-    prompt = int(budget.get("prompt_tokens") or report.get("prompt_tokens") or 0)
-    completion = budget.get("new_tokens")
-    if completion is None:
-        completion = report.get("new_tokens")
-    if completion is None and counter is not None:
-        completion = counter(getattr(answer, "text", "") or "")
-    completion = int(completion or 0)
+def _usage(answer: "Answer") -> dict[str, int]:
+    budget = answer.report["budget"]
+    prompt, completion = int(budget["prompt_tokens"]), int(budget["new_tokens"])
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def _finish_reason(answer: Any) -> str:
-    report = _report(answer)
-    reason = getattr(answer, "finish_reason", None) or report.get("finish_reason") or "stop"
-    # OpenAI knows stop/length/content_filter/tool_calls; ragbudget's "cancelled" or "eos" map to stop.
-    return "length" if reason in ("length", "max_tokens", "max_new_tokens") else "stop"
-
-
-def _queue_wait(report: dict[str, Any]) -> float | None:
-    timings = report.get("timings") or {}
-    for key in ("queue_s", "queue_wait", "queue", "admission_wait", "wait"):
-        value = timings.get(key)
-        if isinstance(value, (int, float)):
-            return float(value)
-    return None
+def _finish_reason(answer: "Answer") -> str:
+    # OpenAI knows stop/length/content_filter/tool_calls; ragbudget's "cancelled" maps to stop.
+    return "length" if answer.finish_reason == "length" else "stop"
 
 
 def _result(fut: "asyncio.Future[Any]", to_error: Callable[[BaseException], _APIError] = _error_from_exception) -> Any:
@@ -814,7 +835,7 @@ def _sse(data: Any) -> bytes:
 
 
 def create_app(
-    pipeline: Any,
+    pipeline: "Pipeline",
     *,
     api_key: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
@@ -828,8 +849,8 @@ def create_app(
     disconnect_poll_s: float = 0.1,
     expose_plan: bool = False,
 ) -> Any:
-    """Build the FastAPI app serving ``pipeline`` (a :class:`ragbudget.pipeline.Pipeline` or
-    anything with its ``ask``/``retrieve``/``admission``/``generator`` surface).
+    """Build the FastAPI app serving ``pipeline`` (a :class:`ragbudget.pipeline.Pipeline`, local
+    or on a served engine).
 
     ``api_key`` (default ``$RAGBUDGET_API_KEY``) makes every endpoint but ``/health`` require
     ``Authorization: Bearer <key>``. ``model_name`` is the id clients send as ``model`` (default:
@@ -847,7 +868,6 @@ def create_app(
     Summaries are remembered across requests (:class:`ragbudget.chat.SummaryCache`, the
     ``summary_cache_size`` most recent; 0 turns that off): a client resending its conversation
     pays only for folding the turns that are new since its last request.
-    Pipelines without a token counter (test fakes) get the history verbatim.
 
     ``trim_memory`` returns the heap freed by a burst of requests to the OS once the server is
     idle again (glibc ``malloc_trim``; see :func:`release_memory`), so resident memory goes back
@@ -904,6 +924,7 @@ def create_app(
     # Why the index cannot serve (None: it can); "sticky" when a request met the failure rather
     # than the probe in index_problem(), which cannot clear it.
     health_state: dict[str, Any] = {"problem": None, "sticky": False, "store": None}
+    engine_load = _EngineLoad(pipeline) if pipeline.served else None
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Any) -> AsyncIterator[None]:
@@ -1045,81 +1066,51 @@ def create_app(
                 cancel.set()
                 metrics.add("cancelled", 1)
 
-    def counter() -> Callable[[str], int] | None:
-        # The pipeline's generation backend counts (the local tokenizer, or the served engine);
-        # a custom pipeline without one reports the usage its answers carry.
-        backend = getattr(pipeline, "backend", None)
-        if backend is None:
-            return None
-        return lambda text: int(backend.count([text])[0])
-
-    def record_answer(answer: Any) -> dict[str, int]:
-        report = _report(answer)
-        total = (report.get("timings") or {}).get("total_s")
-        if isinstance(total, (int, float)):
-            hold["seconds"] = 0.8 * hold["seconds"] + 0.2 * float(total)
-        usage = _usage(answer, counter())
+    def record_answer(answer: "Answer") -> dict[str, int]:
+        report = answer.report
+        hold["seconds"] = 0.8 * hold["seconds"] + 0.2 * float(report["timings"]["total_s"])
+        usage = _usage(answer)
         metrics.add("tokens_prompt", usage["prompt_tokens"])
         metrics.add("tokens_completion", usage["completion_tokens"])
-        steps = report.get("oom_steps") or []
-        metrics.add("oom_steps", len(steps) if isinstance(steps, (list, tuple)) else int(steps or 0))
-        wait = _queue_wait(report)
-        if wait is not None:
-            metrics.observe("ragbudget_queue_wait_seconds", wait)
+        metrics.add("oom_steps", len(report["oom_steps"]))
+        if "queue_s" in report["timings"]:  # absent when the request never reached the queue
+            metrics.observe("ragbudget_queue_wait_seconds", report["timings"]["queue_s"])
         return usage
 
-    server_max_new = getattr(pipeline, "max_new_tokens", None)
-    max_tokens_limit = (server_max_new if isinstance(server_max_new, int) and not isinstance(server_max_new, bool)
-                        else None)
-    # Only a pipeline with a memory plan can budget history (a Pipeline always has one; test fakes
-    # and custom pipelines may not, and then get the history verbatim).
-    budgeted = callable(getattr(pipeline, "plan_for", None)) or getattr(pipeline, "plan", None) is not None
+    max_tokens_limit = pipeline.max_new_tokens
     summary_cache = None
-    if budgeted and summary_cache_size > 0:
+    if summary_cache_size > 0:
         from .chat import SummaryCache
 
         summary_cache = SummaryCache(summary_cache_size)
 
-    def run_ask(req: _ChatRequest, cancel: threading.Event, on_text: Callable[[str], Any] | None = None) -> Any:
+    def run_ask(req: _ChatRequest, cancel: threading.Event,
+                on_text: Callable[[str], Any] | None = None) -> "Answer":
         """The model work of one chat request (in a worker thread: fitting the history renders
         chat templates and may summarize, and the first call may load the tokenizer)."""
         from .chat import Conversation
 
         # max_tokens can lower the reserved output, not raise it past what the server planned for
         # (each distinct value is also a memory plan the pipeline caches): _parse_chat refused more.
-        max_new = req.max_tokens
-        conversation = None
-        if budgeted:
-            try:
-                conversation = Conversation.from_messages(
-                    pipeline, req.history, history_share=history_share, summary_max_tokens=summary_max_tokens,
-                    recent_turns=recent_turns, max_new_tokens=max_new, context_tokens=req.context_tokens,
-                    summary_cache=summary_cache)
-            except ConfigError:
-                pass  # nothing to measure history with (a generator without a token counter)
-        if conversation is not None:
-            turn = conversation.ask(req.question, on_text=on_text, cancel=cancel, **req.sampling)
-            if turn.budget.summary_cached:
-                metrics.add("summary_turns_cached", turn.budget.summary_cached)
-            answer = turn.answer
-            report = _report(answer)
-            if turn.summary:
-                report["history_summary"] = turn.summary
-            return answer
-        kwargs: dict[str, Any] = {"context_tokens": req.context_tokens, "max_new_tokens": max_new,
-                                  "history": req.history or None, "cancel": cancel, **req.sampling}
-        if on_text is not None:
-            kwargs["on_text"] = on_text
-        return pipeline.ask(req.question, **kwargs)
+        conversation = Conversation.from_messages(
+            pipeline, req.history, history_share=history_share, summary_max_tokens=summary_max_tokens,
+            recent_turns=recent_turns, max_new_tokens=req.max_tokens, context_tokens=req.context_tokens,
+            summary_cache=summary_cache)
+        turn = conversation.ask(req.question, on_text=on_text, cancel=cancel, **req.sampling)
+        if turn.budget.summary_cached:
+            metrics.add("summary_turns_cached", turn.budget.summary_cached)
+        if turn.summary:
+            turn.answer.report["history_summary"] = turn.summary
+        return turn.answer
 
     # --- routes ---
 
-    def current_store() -> Any:
-        """The pipeline's opened index (None: a pipeline without one), kept once opened: later
-        checks are a stat of its manifest, and never wait on the pipeline's lock (held while it
-        plans or loads a model) on the event loop. Raises what opening it raises."""
+    def current_store() -> "Index":
+        """The pipeline's opened index, kept once opened: later checks are a stat of its
+        manifest, and never wait on the pipeline's lock (held while it plans or loads a model) on
+        the event loop. Raises what opening it raises."""
         if health_state["store"] is None:
-            health_state["store"] = getattr(pipeline, "store", None)  # a Pipeline opens its index here
+            health_state["store"] = pipeline.store
         return health_state["store"]
 
     def index_problem() -> str | None:
@@ -1127,8 +1118,8 @@ def create_app(
         request that met a damaged index also makes /health unready until one succeeds again."""
         try:
             store = current_store()
-            if store is not None and getattr(store, "exists", True) is False:
-                raise IndexNotFoundError(f"the index in {getattr(store, 'path', '?')} is gone")
+            if not store.exists:
+                raise IndexNotFoundError(f"the index in {store.path} is gone")
         except RagBudgetError as exc:
             if health_state["problem"] is None or health_state["sticky"]:
                 log.error("the index is unavailable: %s", exc)
@@ -1145,25 +1136,13 @@ def create_app(
     with contextlib.suppress(RagBudgetError):
         current_store()
 
-    def index_roots() -> list[str]:
-        """The folders the index was built from, when its manifest records them (paths below
-        one are shown relative to it); empty otherwise (absolute paths shrink to file names)."""
-        try:
-            store = current_store()
-            manifest = getattr(store, "manifest", None) if store is not None else None
-        except Exception:  # noqa: BLE001 - no roots is the safe answer
-            return []
-        if not isinstance(manifest, dict):
-            return []
-        roots = manifest.get("roots", manifest.get("root"))
-        roots = [roots] if isinstance(roots, str) else roots
-        return sorted((r for r in roots or () if isinstance(r, str)), key=len, reverse=True)
-
+    # The index stores display paths (below a root's label); an absolute one (an index built
+    # with absolute paths) is shown by its file name.
     def public(obj: Any) -> Any:
-        return _public_paths(obj, index_roots())
+        return _public_paths(obj)
 
-    def report_for(answer: Any) -> dict[str, Any]:
-        return _public_report(_report(answer), expose_plan=expose_plan, roots=index_roots())
+    def report_for(answer: "Answer") -> dict[str, Any]:
+        return _public_report(answer.report, expose_plan=expose_plan)
 
     def require_index() -> None:
         """Refuse a request up front (503) while the index cannot be opened at all."""
@@ -1173,14 +1152,27 @@ def create_app(
     def index_ok() -> None:
         health_state["problem"], health_state["sticky"] = None, False
 
+    async def admission() -> "AdmissionController | None":
+        """The pipeline's admission controller, kept once built (sizing it plans from memory or
+        asks the engine: done once, off the event loop); None while it cannot be built (the
+        requests then get the error)."""
+        if health_state.get("admission_ctl") is None:
+            with contextlib.suppress(RagBudgetError):
+                health_state["admission_ctl"] = await asyncio.to_thread(lambda: pipeline.admission)
+        return health_state.get("admission_ctl")
+
+    async def admission_stats() -> dict[str, float]:
+        ctl = await admission()
+        stats = ctl.stats().to_dict() if ctl is not None else {}
+        return {k: stats[k] for k in _ADMISSION_FIGURES if k in stats}
+
     @app.get("/health")
     async def health() -> Any:
-        stats = _admission_stats(pipeline)
+        stats = await admission_stats()
         problem = index_problem()
         body = {"status": "ok" if problem is None else "unavailable", "model": served,
-                "uptime_s": round(time.time() - started, 3), "in_flight": metrics.in_flight,
-                **{k: int(v) for k, v in stats.items()}}
-        if getattr(pipeline, "served", False) is True:
+                "uptime_s": round(time.time() - started, 3), "in_flight": metrics.in_flight, **stats}
+        if engine_load is not None:
             # Generation on a served engine: say what admission is sized from, and that it is
             # open when the engine reports no capacity (read once: the engine's shape is fixed).
             if "admission" not in health_state:
@@ -1188,6 +1180,7 @@ def create_app(
             body["admission"] = health_state["admission"]
             if str(health_state["admission"]).startswith("open"):
                 body.pop("capacity_tokens", None)
+            body["engine_load"] = engine_load.describe(await asyncio.to_thread(engine_load.read))
         if problem is not None:
             body["error"] = problem
             return JSONResponse(body, status_code=503)
@@ -1195,17 +1188,26 @@ def create_app(
 
     @app.get("/metrics")
     async def metrics_endpoint() -> Any:
-        stats = _admission_stats(pipeline)
+        stats = await admission_stats()
         gauges = {}
         help_ = {
             "running": ("ragbudget_running_requests", "Requests holding a KV reservation."),
             "queued": ("ragbudget_queue_depth", "Requests waiting for KV admission."),
             "admitted_tokens": ("ragbudget_admitted_kv_tokens", "KV tokens reserved by running requests."),
             "capacity_tokens": ("ragbudget_kv_capacity_tokens", "KV tokens the budget admits at once."),
+            "capacity_bytes": ("ragbudget_admission_capacity_bytes",
+                               "Bytes admission counts requests against (KV + activations)."),
+            "admitted_bytes": ("ragbudget_admitted_bytes", "KV + activation bytes reserved by running requests."),
+            "peak_admitted_bytes": ("ragbudget_peak_admitted_bytes", "Most bytes reserved at once since start."),
+            "refused_for_time_total": ("ragbudget_refused_for_time_total",
+                                       "Requests refused because their first token would come past the queue time-out."),
+            "work_ahead_s": ("ragbudget_work_ahead_seconds", "Estimated single-stream seconds of work admitted and queued."),
         }
         for key, (name, text) in help_.items():
             if key in stats:
                 gauges[name] = (text, stats[key])
+        if engine_load is not None:
+            gauges.update(engine_load.gauges(await asyncio.to_thread(engine_load.read)))
         return PlainTextResponse(metrics.render(gauges), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models")
@@ -1233,16 +1235,16 @@ def create_app(
         if k is not None:
             hits = await run_blocking(lambda: pipeline.search(query, k=k))
             index_ok()
-            return {"object": "list", "query": query, "data": public([_to_dict(h) for h in hits])}
+            return {"object": "list", "query": query, "data": public([h.to_dict() for h in hits])}
         selection = await run_blocking(lambda: pipeline.retrieve(query, context_tokens=context_tokens))
         index_ok()
         return {
             "object": "list",
             "query": query,
-            "data": public([_to_dict(c) for c in getattr(selection, "chunks", ())]),
-            "tokens_used": getattr(selection, "tokens_used", None),
-            "tokens_allowed": getattr(selection, "tokens_allowed", None),
-            "dropped": public([_to_dict(d) for d in getattr(selection, "dropped", ())]),
+            "data": public([c.to_dict() for c in selection.chunks]),
+            "tokens_used": selection.tokens_used,
+            "tokens_allowed": selection.tokens_allowed,
+            "dropped": public([d.to_dict() for d in selection.dropped]),
         }
 
     @app.post("/v1/chat/completions")
@@ -1263,22 +1265,32 @@ def create_app(
             active.discard(cancel)
         return response  # a stream leaves `active` when it is closed (see _closing)
 
-    def reject_if_queue_full() -> None:
-        """Answer 429 before any retrieval work when admission's queue is already full.
+    def overloaded(why: str) -> _APIError:
+        return _APIError(429, f"server overloaded: {why}; retry after the Retry-After header",
+                         type="rate_limit_error", code="overloaded",
+                         headers={"Retry-After": _retry_after(hold["seconds"])})
 
-        Only a shortcut: building the prompt (embedding, selection) costs CPU, and under overload
-        every refused request would pay it first. Racy by nature; the controller still decides."""
-        adm = getattr(pipeline, "admission", None)
-        max_queue = getattr(adm, "max_queue", None)
-        stats = _admission_stats(pipeline)
-        if isinstance(max_queue, int) and "queued" in stats and stats["queued"] >= max_queue:
-            raise _APIError(429, f"server overloaded: {int(stats['queued'])} requests already wait for KV memory",
-                            type="rate_limit_error", code="overloaded",
-                            headers={"Retry-After": _retry_after(hold["seconds"])})
+    async def reject_if_overloaded(req: _ChatRequest) -> None:
+        """Answer 429 before any retrieval work when admission's queue is already full, or when
+        the served engine says it is (its own queue, or no free KV for even the answer).
+
+        A shortcut for the queue: building the prompt (embedding, selection) costs CPU, and under
+        overload every refused request would pay it first. Racy by nature; the controller still
+        decides. The engine's figures are the only word on load from others sharing it."""
+        ctl = await admission()
+        if ctl is not None:
+            queued = ctl.stats().queued
+            if queued >= ctl.max_queue:
+                raise overloaded(f"{queued} requests already wait for KV memory")
+        if engine_load is not None:
+            max_new = pipeline.max_new_tokens if req.max_tokens is None else req.max_tokens
+            why = engine_load.refusal(await asyncio.to_thread(engine_load.read), max_new)
+            if why is not None:
+                raise overloaded(why)
 
     async def _chat(request: Request, req: _ChatRequest, cancel: threading.Event, t0: float,
                     completion_id: str, created: int) -> Any:
-        reject_if_queue_full()
+        await reject_if_overloaded(req)
         if not req.stream:
             fut = submit(lambda: run_ask(req, cancel))
             answer = await wait_or_cancel(request, fut, cancel)
@@ -1293,12 +1305,12 @@ def create_app(
                 "model": req.model,
                 "choices": [{
                     "index": 0,
-                    "message": {"role": "assistant", "content": getattr(answer, "text", "")},
+                    "message": {"role": "assistant", "content": answer.text},
                     "finish_reason": _finish_reason(answer),
                     "logprobs": None,
                 }],
                 "usage": usage,
-                "sources": public(list(getattr(answer, "sources", []) or [])),
+                "sources": public(answer.sources),
                 "ragbudget": report_for(answer),
             }
 
@@ -1378,7 +1390,7 @@ def create_app(
                     else:  # done
                         index_ok()
                         usage = record_answer(value)
-                        extra: dict[str, Any] = {"sources": public(list(getattr(value, "sources", []) or [])),
+                        extra: dict[str, Any] = {"sources": public(value.sources),
                                                  "ragbudget": report_for(value)}
                         if req.include_usage:
                             extra["usage"] = usage
@@ -1493,27 +1505,13 @@ def _json_problem(value: Any, limit: int) -> str | None:
     return None
 
 
-def _to_dict(obj: Any) -> Any:
-    if hasattr(obj, "to_dict"):
-        return obj.to_dict()
-    if isinstance(obj, dict):
-        return obj
-    return getattr(obj, "__dict__", str(obj))
-
-
-def _default_model_name(pipeline: Any) -> str:
-    served = getattr(pipeline, "served", False) is True  # a Pipeline on a served engine
-    # Never touch ``generator.model``: on a real Generator that loads the weights.
-    gen = None if served else getattr(pipeline, "generator", None)
-    ref = getattr(gen, "model_ref", None)
-    sources = (((pipeline.backend, "model_id"),) if served else
-               ((ref, "id"), (gen, "model_id"), (pipeline, "model_name")))
-    for obj, attr in sources:
-        value = getattr(obj, attr, None) if obj is not None else None
-        if isinstance(value, str) and value:
-            # A local path is no name to show clients; a hub id ("org/name") is.
-            return os.path.basename(value.rstrip("/\\")) if os.path.isabs(value) or value.startswith(".") else value
-    return "ragbudget"
+def _default_model_name(pipeline: "Pipeline") -> str:
+    # The engine's model id, or the local model's (its ref: ``generator.model`` would load it).
+    value = pipeline.backend.model_id if pipeline.served else pipeline.generator.model_ref.id
+    if not value:
+        return "ragbudget"
+    # A local path is no name to show clients; a hub id ("org/name") is.
+    return os.path.basename(value.rstrip("/\\")) if os.path.isabs(value) or value.startswith(".") else value
 
 
 def _version() -> str:
@@ -1526,7 +1524,7 @@ def _version() -> str:
 
 
 def serve(
-    pipeline: Any,
+    pipeline: "Pipeline",
     *,
     host: str = "127.0.0.1",
     port: int = 8000,
@@ -1563,24 +1561,19 @@ def serve(
         if host not in LOOPBACK_HOSTS and not api_key:
             log.warning("serving on %s without an API key: anyone who can reach port %d can use the model "
                         "(pass --api-key or set %s)", host, port, API_KEY_ENV)
-        if warm_up and getattr(pipeline, "served", False) is True:
+        if warm_up and pipeline.served:
             # Connect now, so a wrong URL, key or engine is one line before listening.
             for line in pipeline.engine_plan().lines():
                 log.info("engine plan: %s", line)
             log.info("admission: %s", pipeline.admission_note())
         elif warm_up:
-            gen = getattr(pipeline, "generator", None)
-            if callable(getattr(gen, "warm_up", None)):
-                gen.warm_up()
-            plan = getattr(pipeline, "plan", None)
-            if plan is not None:
-                log.info("memory plan: %s tokens per request, KV capacity %s tokens",
-                         getattr(plan, "max_context_tokens", "?"), getattr(plan, "kv_capacity_tokens", "?"))
-            # --- admission hook (issue #14): size admission now, from the loaded model's plan
-            # and its measured prefill/decode speed, so the first request does not measure.
-            if callable(getattr(pipeline, "admission_note", None)):
-                log.info("admission: %s", pipeline.admission_note())
-            # --- end admission hook
+            pipeline.generator.warm_up()
+            plan = pipeline.plan
+            log.info("memory plan: %s tokens per request, KV capacity %s tokens",
+                     plan.max_context_tokens, plan.kv_capacity_tokens)
+            # Size admission now, from the loaded model's plan and its measured prefill/decode
+            # speed, so the first request does not pay for the measurement.
+            log.info("admission: %s", pipeline.admission_note())
         app = create_app(pipeline, api_key=api_key, expose_plan=expose_plan, **app_options)
         # Bounded graceful shutdown: open streams are cancelled by the app's lifespan, not awaited forever.
         config = uvicorn.Config(app, host=host, port=sock.getsockname()[1], log_level=log_level,
@@ -1595,14 +1588,13 @@ def serve(
         sock.close()
 
 
-def _check_ready(pipeline: Any) -> None:
+def _check_ready(pipeline: "Pipeline") -> None:
     """Raise what keeps ``pipeline`` from serving: its index missing (``IndexNotFoundError``) or
     damaged (``IndexCorruptError``: the manifest or a file it names unreadable, truncated or
-    gone). Loads the index, not the models. A pipeline without an index (``store``) passes."""
-    store = getattr(pipeline, "store", None)  # a Pipeline opens its index here, or raises
-    reload = getattr(store, "reload", None)
-    if callable(reload):
-        reload()  # reads the generation's files: a truncated or missing one fails here, not per request
+    gone). Loads the index, not the models."""
+    # Opening the index, then reading the generation's files: a truncated or missing one fails
+    # here, not per request.
+    pipeline.store.reload()
 
 
 def _bind_socket(host: str, port: int) -> socket.socket:

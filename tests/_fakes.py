@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import io
 import re
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["FakeBackend", "GeneratorStub", "WordTokenizer", "make_pdf"]
+# The class itself, bound now: tests replace ``ragbudget.pipeline.Pipeline`` (the CLI's) with
+# factories that call corpus_index().
+from ragbudget.pipeline import Pipeline as _Pipeline
+
+__all__ = ["FakeBackend", "GeneratorStub", "WordCounter", "WordTokenizer", "corpus_index", "make_pdf",
+           "words_reply"]
 
 _PIECE = re.compile(r"<\|[a-z_]+\|>|\w+|[^\w\s]|\s+")
 
@@ -102,30 +108,65 @@ class _Ref:
     id: str
 
 
-class FakeBackend:
-    """The :class:`ragbudget.backend.Backend` protocol, model-free: ``counter.count(text)`` counts,
-    a ``template`` with ``apply_chat_template`` renders (without one, each message costs its
-    content plus 8 tokens, as a template-less local model), ``generate(prompt, max_new_tokens=…)``
-    answers (``cancel`` is passed when it takes one), and ``capacity`` is what it says.
+class WordCounter:
+    """One token per whitespace-separated word."""
 
-    The one fake generation backend of the tests: fake pipelines hand it to the faces that talk
-    to the protocol (chat's history meter and summaries, the server's usage counts).
+    def count(self, text: str) -> int:
+        return len(text.split())
+
+
+def words_reply(n: int = 6) -> Any:
+    """A reply of ``word0 word1 …``: ``n`` words (fewer when ``max_new_tokens`` is lower)."""
+    return lambda messages, max_new_tokens: [f"word{i}" for i in range(min(n, max_new_tokens))]
+
+
+class FakeBackend:
+    """The :class:`ragbudget.backend.Backend` protocol, model-free, for a real
+    :class:`~ragbudget.pipeline.Pipeline` (``Pipeline(index_dir, backend=FakeBackend(…))``, which
+    then plans, admits and budgets history exactly as on a served engine).
+
+    * counting: ``counter.count(text)`` (default: one token per word); rendering: ``template``'s
+      ``apply_chat_template`` when it has a ``chat_template`` (exact), else each message's content
+      plus 8 tokens, as a template-less local model;
+    * ``capacity``: the :class:`~ragbudget.backend.Capacity` it reports (settable; default a
+      4096-token window and nothing else);
+    * generation: ``reply(messages, max_new_tokens)`` gives the answer's pieces (default
+      :func:`words_reply`); they stream one at a time to ``on_text``, ``token_delay`` seconds
+      apart, ``cancel`` is looked at before each (``finish_reason "cancelled"``), a ``stop``
+      string ends the answer before it; ``"length"`` when the answer took all ``max_new_tokens``.
+      ``fail`` (settable) is raised instead of answering;
+    * what it saw: ``calls`` (``messages``, ``question``, ``max_new_tokens``, ``sampling``,
+      ``stop``), ``cancelled`` (questions stopped by ``cancel``), ``running``/``peak_running``
+      (answers being written at once), ``overruns`` (prompts that, with their ``max_new_tokens``,
+      did not fit ``capacity.max_context_tokens``), ``counted`` (count and render calls).
     """
 
-    def __init__(self, counter: Any, *, template: Any = None, generate: Any = None,
-                 capacity: Any = None, model_id: str = "fake/model") -> None:
-        self.counter = counter
+    def __init__(self, counter: Any = None, *, template: Any = None, reply: Any = None,
+                 capacity: Any = None, model_id: str = "fake/model", token_delay: float = 0.0,
+                 fail: BaseException | None = None) -> None:
+        import threading
+
+        self.counter = counter if counter is not None else WordCounter()
         self.template = template if getattr(template, "chat_template", None) else None
-        self._generate = generate
-        self._capacity = capacity
+        self.reply = reply if reply is not None else words_reply()
+        self.capacity_figures = capacity
         self.model_id = model_id
+        self.token_delay = token_delay
+        self.fail = fail
+        self.calls: list[dict[str, Any]] = []
+        self.cancelled: list[str] = []
+        self.running = self.peak_running = self.overruns = 0
+        self.counted = 0  # count() and render() calls: the work of building a prompt
+        self._lock = threading.Lock()
 
     def count(self, texts: Any) -> list[int]:
+        self.counted += 1
         return [int(self.counter.count(t)) for t in texts]
 
     def render(self, messages: Any) -> Any:
         from ragbudget.backend import RenderedPrompt
 
+        self.counted += 1
         msgs = tuple(dict(m) for m in messages)
         if self.template is not None:
             text = self.template.apply_chat_template(list(msgs), tokenize=False,
@@ -138,22 +179,88 @@ class FakeBackend:
     def capacity(self) -> Any:
         from ragbudget.backend import Capacity
 
-        return self._capacity or Capacity(max_context_tokens=4096, max_context_source="fake")
+        return self.capacity_figures or Capacity(max_context_tokens=4096, max_context_source="fake")
 
     def generate(self, prompt: Any, *, max_new_tokens: int, sampling: Any = None, stop: Any = None,
                  on_text: Any = None, cancel: Any = None) -> Any:
-        import inspect
-
+        from ragbudget.backend import prompt_messages
         from ragbudget.generate import Generation
+        from ragbudget.prompt import Prompt
 
-        if self._generate is None:
-            raise AssertionError("this fake backend does not generate")
-        kwargs: dict[str, Any] = {"max_new_tokens": max_new_tokens}
-        if cancel is not None and "cancel" in inspect.signature(self._generate).parameters:
-            kwargs["cancel"] = cancel
-        out = self._generate(prompt, **kwargs)
-        if isinstance(out, Generation):
-            return out
-        text = str(getattr(out, "text", out) or "")
-        return Generation(text=text, prompt_tokens=0, new_tokens=self.counter.count(text),
-                          finish_reason=str(getattr(out, "finish_reason", "stop")), seconds=0.0)
+        messages = prompt_messages(prompt)
+        question = prompt.question if isinstance(prompt, Prompt) else messages[-1]["content"]
+        n_prompt = self.render(messages).n_tokens
+        with self._lock:
+            self.calls.append({"messages": messages, "question": question, "sampling": sampling,
+                               "stop": stop, "max_new_tokens": max_new_tokens, "prompt_tokens": n_prompt})
+            window = self.capacity().max_context_tokens
+            if window is not None and n_prompt + max_new_tokens > window:
+                self.overruns += 1
+        if self.fail is not None:
+            raise self.fail
+        with self._lock:
+            self.running += 1
+            self.peak_running = max(self.peak_running, self.running)
+        out: list[str] = []
+        finish = "stop"
+        try:
+            for i, piece in enumerate(self.reply(messages, max_new_tokens)):
+                stopped = cancel is not None and (cancel.wait(self.token_delay) if self.token_delay
+                                                  else cancel.is_set())
+                if stopped:
+                    self.cancelled.append(question)
+                    finish = "cancelled"
+                    break
+                if self.token_delay and cancel is None:
+                    time.sleep(self.token_delay)
+                if stop and piece.strip() in stop:
+                    break
+                text = piece if i == 0 else " " + piece
+                out.append(text)
+                if on_text is not None:
+                    on_text(text)
+            else:
+                if len(out) >= max_new_tokens:
+                    finish = "length"
+        finally:
+            with self._lock:
+                self.running -= 1
+        text = "".join(out)
+        return Generation(text=text, prompt_tokens=n_prompt, new_tokens=len(out),
+                          finish_reason=finish, seconds=0.0, cache="served")
+
+
+#: The documents of :func:`corpus_index`: one short file each, one chunk each.
+CORPUS = {
+    "pdf-headers": "The PDF cleaner strips running page headers that repeat at the top of PDF pages",
+    "pdf-footer": "The PDF cleaner also removes the page footer with page numbers at the bottom of PDF pages",
+    "html-footer": "HTML boilerplate such as the site footer and navigation links is removed by trafilatura",
+    "kv-budget": "The KV cache budget is computed from free GPU memory and bytes per token",
+    "dedup": "Near duplicate chunks are removed with MinHash signatures over word shingles",
+    "leader": "The Project Leader is elected every year by the developers",
+}
+
+
+def corpus_index(embedder: str | None = None) -> Any:
+    """A real index of :data:`CORPUS` (``docs/<name>.md``) with the packaged MiniLM embedder (or
+    ``embedder``, e.g. ``"hash:256"`` for a subprocess that should not load a model), built once
+    per test process into a temporary folder (removed at exit); its path. Read-only: a test that
+    changes an index copies it first."""
+    import atexit
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    if embedder not in _CORPUS_INDEX:
+        root = Path(tempfile.mkdtemp(prefix="rb-corpus-"))
+        atexit.register(shutil.rmtree, root, True)
+        docs = root / "docs"
+        docs.mkdir()
+        for name, text in CORPUS.items():
+            (docs / f"{name}.md").write_text(text + ".\n")
+        _Pipeline(root / "idx", embedder=embedder).index([docs])
+        _CORPUS_INDEX[embedder] = root / "idx"
+    return _CORPUS_INDEX[embedder]
+
+
+_CORPUS_INDEX: dict[str | None, Any] = {}

@@ -1,8 +1,9 @@
 """Conversation memory: one budget for history, context and output; summary folding; follow-ups.
 
-A model-free fake pipeline (word tokenizer with a ChatML-like template) stands in for the real one;
-it lays out its prompt the way ragbudget's prompt does (system, history, context + question) and
-records every prompt it built, so overruns are checked against what the "model" actually got.
+A real :class:`~ragbudget.pipeline.Pipeline` over a small real index (tests/_fakes.py
+``corpus_index``) generates on the shared model-free ``FakeBackend``: one token per word, a
+ChatML-like template, a window of ``total`` tokens. It records every prompt the "model" got and
+counts the ones that did not fit, so overruns are checked against what it actually received.
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from _fakes import FakeBackend, GeneratorStub
+from _fakes import CORPUS, FakeBackend, GeneratorStub, WordCounter, corpus_index
 from _fakes import WordTokenizer as HFWordTokenizer
 
+from ragbudget.backend import Capacity, Sampling
 from ragbudget.chat import (
     SUMMARY_PREFIX,
     Conversation,
@@ -29,33 +31,9 @@ from ragbudget.chat import (
     is_follow_up,
 )
 from ragbudget.errors import BudgetError, ConfigError
+from ragbudget.pipeline import Pipeline
 
-# --- fakes ----------------------------------------------------------------------------------------
-
-
-class WordTokenizer:
-    """One token per whitespace-separated word; ids from a growing vocabulary."""
-
-    name = "words"
-
-    def __init__(self) -> None:
-        self.vocab: dict[str, int] = {}
-        self.words: list[str] = []
-
-    def encode(self, text: str) -> list[int]:
-        ids = []
-        for w in text.split():
-            if w not in self.vocab:
-                self.vocab[w] = len(self.words)
-                self.words.append(w)
-            ids.append(self.vocab[w])
-        return ids
-
-    def decode(self, ids: list[int]) -> str:
-        return " ".join(self.words[i] for i in ids)
-
-    def count(self, text: str) -> int:
-        return len(text.split())
+# --- the pipeline ---------------------------------------------------------------------------------
 
 
 class ChatTemplate:
@@ -70,126 +48,72 @@ class ChatTemplate:
         return out + ("<start>assistant " if add_generation_prompt else "")
 
 
-@dataclass
-class FakeGeneration:
-    text: str
-
-
-class FakeGenerator:
-    def __init__(self, summary_words: int = 500, summary_text: str | None = None) -> None:
-        self.tokenizer = ChatTemplate()
-        self.token_counter = WordTokenizer()
-        self.calls: list[dict[str, Any]] = []
-        self.summary_words = summary_words
-        self.summary_text = summary_text
-
-    def generate(self, messages: list[dict[str, str]], *, max_new_tokens: int) -> FakeGeneration:
-        self.calls.append({"messages": messages, "max_new_tokens": max_new_tokens})
-        if self.summary_text is not None:
-            return FakeGeneration(self.summary_text)
-        # A long-winded "summary": the words of the transcript, more than the cap allows, so the
-        # cap is what keeps it short.
-        words = re.findall(r"\w+", messages[-1]["content"])
-        return FakeGeneration(" ".join(words[: self.summary_words]))
-
-
-@dataclass
-class FakePlan:
-    max_context_tokens: int
-    max_new_tokens: int
-
-
-@dataclass
-class FakeAnswer:
-    text: str
-    sources: list[dict[str, Any]]
-    report: dict[str, Any]
-    finish_reason: str = "stop"
-
-
-CORPUS = {
-    "pdf-headers": "The PDF cleaner strips running page headers that repeat at the top of PDF pages",
-    "pdf-footer": "The PDF cleaner also removes the page footer with page numbers at the bottom of PDF pages",
-    "html-footer": "HTML boilerplate such as the site footer and navigation links is removed by trafilatura",
-    "kv-budget": "The KV cache budget is computed from free GPU memory and bytes per token",
-    "dedup": "Near duplicate chunks are removed with MinHash signatures over word shingles",
-}
-
 SYSTEM = "Answer from the documents and cite them"
+#: The system prompt of the summaries Conversation asks for (how the fake tells them apart).
+SUMMARY_SYSTEM = "You keep a running summary"
 
 
-@dataclass
-class FakePipeline:
-    """Builds its prompt as [system, *history, user(context + question)] and checks the budget."""
+def _is_summary(messages: list[dict[str, str]]) -> bool:
+    return messages[0]["content"].startswith(SUMMARY_SYSTEM)
 
-    total: int = 400
-    max_new: int = 40
-    answer_words: int = 40
-    generator: FakeGenerator = field(default_factory=FakeGenerator)
-    calls: list[dict[str, Any]] = field(default_factory=list)
-    overruns: int = 0
 
-    def __post_init__(self) -> None:
-        self.plan = FakePlan(self.total, self.max_new)
+def chat_pipeline(*, total: int = 400, max_new: int = 40, answer_words: int = 40, summary_words: int = 500,
+                  summary: Any = None, kv_tokens: int | None = None) -> Pipeline:
+    """A real Pipeline whose FakeBackend has a ``total``-token window (and ``kv_tokens`` of KV, the
+    admission capacity, when given). Answers are ``answer<n>-word<i>`` × ``answer_words``;
+    summaries are the words of the transcript, ``summary_words`` of them (more than the cap
+    allows: the cap is what keeps them short), or what ``summary(messages)`` returns."""
+    n = {"answers": 0}
 
-    @property
-    def backend(self) -> FakeBackend:
-        gen = self.generator
-        return FakeBackend(gen.token_counter, template=gen.tokenizer, generate=gen.generate)
+    def reply(messages: list[dict[str, str]], max_new_tokens: int) -> Any:
+        if _is_summary(messages):
+            if summary is not None:
+                return summary(messages)
+            return re.findall(r"\w+", messages[-1]["content"])[:min(summary_words, max_new_tokens)]
+        n["answers"] += 1
+        return [f"answer{n['answers']}-word{i}" for i in range(min(answer_words, max_new_tokens))]
 
-    def _render(self, messages: list[dict[str, str]]) -> int:
-        text = self.generator.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return self.generator.token_counter.count(text)
+    capacity = Capacity(max_context_tokens=total, max_context_source="fake", kv_tokens_total=kv_tokens,
+                        kv_total_source="fake" if kv_tokens else "")
+    backend = FakeBackend(WordCounter(), template=ChatTemplate(), reply=reply, capacity=capacity)
+    return Pipeline(corpus_index(), backend=backend, max_new_tokens=max_new, system_prompt=SYSTEM,
+                    relevance_floor=0)
 
-    def ask(self, question: str, *, context_tokens: int | None = None, max_new_tokens: int | None = None,
-            on_text: Any = None, cancel: Any = None, history: list[dict[str, str]] | None = None,
-            retrieval_query: str | None = None) -> FakeAnswer:
-        max_new = max_new_tokens or self.max_new
-        history = list(history or [])
-        query = set(re.findall(r"\w+", (retrieval_query or question).lower()))
-        ranked = sorted(CORPUS.items(), key=lambda kv: (-len(query & set(re.findall(r"\w+", kv[1].lower()))), kv[0]))
-        chosen: list[tuple[str, str]] = []
-        used = 0
-        for cid, text in ranked:
-            cost = len(text.split()) + 2  # "[n]" label + separator
-            if context_tokens is not None and used + cost > context_tokens:
-                continue
-            trial = chosen + [(cid, text)]
-            if self._prompt_tokens(question, history, trial) + max_new > self.total:
-                continue
-            chosen, used = trial, used + cost
-        prompt = self._prompt_tokens(question, history, chosen)
-        if prompt + max_new > self.total:
-            self.overruns += 1
-        self.calls.append({"question": question, "history": history, "retrieval_query": retrieval_query,
-                           "chunks": [c for c, _ in chosen], "context_tokens": context_tokens, "prompt": prompt})
-        n = len(self.calls)
-        text = " ".join(f"answer{n}-word{i}" for i in range(self.answer_words))
-        if on_text:
-            on_text(text)
-        return FakeAnswer(
-            text=text,
-            sources=[{"path": cid, "start": 0, "end": 1, "page": None, "score": 1.0} for cid, _ in chosen],
-            report={"budget": {"context_tokens_allowed": context_tokens, "context_tokens_used": used,
-                               "prompt_tokens": prompt, "max_new_tokens": max_new, "kv_bytes_per_token": 1}},
-        )
 
-    @staticmethod
-    def _user(question: str, chunks: list[tuple[str, str]]) -> str:
-        ctx = " ".join(f"[{i}] {t} |" for i, (_, t) in enumerate(chunks, 1))
-        return f"{ctx} Question: {question}" if chunks else f"Question: {question}"
+def fake(pipe: Pipeline) -> FakeBackend:
+    backend = pipe.backend
+    assert isinstance(backend, FakeBackend)
+    return backend
 
-    def _prompt_tokens(self, question: str, history: list[dict[str, str]], chunks: list[tuple[str, str]]) -> int:
-        messages = [{"role": "system", "content": SYSTEM}, *history,
-                    {"role": "user", "content": self._user(question, chunks)}]
-        return self._render(messages)
+
+def answers(pipe: Pipeline) -> list[dict[str, Any]]:
+    """The answer generations the "model" got (not the summaries)."""
+    return [c for c in fake(pipe).calls if not _is_summary(c["messages"])]
+
+
+def summaries(pipe: Pipeline) -> list[dict[str, Any]]:
+    return [c for c in fake(pipe).calls if _is_summary(c["messages"])]
+
+
+def history_of(call: dict[str, Any]) -> list[dict[str, str]]:
+    """The history an answer's prompt carried: between the system prompt and the question."""
+    return call["messages"][1:-1]
+
+
+def prompt_tokens(pipe: Pipeline, messages: list[dict[str, str]]) -> int:
+    return fake(pipe).render(messages).n_tokens
+
+
+def chunks(turn: Any) -> list[str]:
+    """The corpus documents a turn's context held, by name."""
+    return [src["path"].rsplit("/", 1)[-1].removesuffix(".md") for src in turn.sources]
 
 
 # --- the budget ---------------------------------------------------------------------------------------
 
 
 def test_ten_turns_over_budget_keep_answering_with_summary_and_no_overrun() -> None:
-    pipe = FakePipeline(total=400, max_new=40, answer_words=40)
+    pipe = chat_pipeline(total=400, max_new=40, answer_words=40)
     chat = Conversation(pipe, history_share=0.3, summary_max_tokens=30, recent_turns=2)
     questions = [f"Question number {i} about the PDF cleaner and the KV budget?" for i in range(10)]
     turns = [chat.ask(q) for q in questions]
@@ -197,8 +121,8 @@ def test_ten_turns_over_budget_keep_answering_with_summary_and_no_overrun() -> N
     # History grew past its share: the summary engaged, and every turn still fits.
     assert any(t.budget.summary_updated for t in turns)
     assert chat.turns_summarized > 0 and chat.summary
-    assert pipe.overruns == 0
-    for t, call in zip(turns, pipe.calls):
+    assert fake(pipe).overruns == 0
+    for t, call in zip(turns, answers(pipe)):
         b = t.budget
         assert not b.overrun
         assert b.prompt + b.output <= b.total
@@ -207,13 +131,13 @@ def test_ten_turns_over_budget_keep_answering_with_summary_and_no_overrun() -> N
         assert b.summary <= 30 + len(SUMMARY_PREFIX.split()) + 2
         assert b.context_used <= b.context_allowed
         assert call["question"] == t.question  # never truncated, never rewritten for the generator
-        assert call["prompt"] == b.prompt
+        assert call["prompt_tokens"] == b.prompt
     # Without memory management, the 10th turn's verbatim history alone (9 turns x ~55 tokens)
     # would not fit the 400-token request; the summary is what made room.
     full = _Meter(pipe).cost(chat.history_messages(turns=[*_all_turns(turns)], summary=""), questions[-1])
     assert full > 400
     # The most recent turns are verbatim in the last prompt, the summary comes first.
-    last_history = pipe.calls[-1]["history"]
+    last_history = history_of(answers(pipe)[-1])
     assert last_history[0]["content"].startswith(SUMMARY_PREFIX)
     assert last_history[-2] == {"role": "user", "content": questions[-2]}
     assert last_history[-1]["content"] == turns[-2].text
@@ -226,19 +150,19 @@ def _all_turns(turns: list[Any]) -> list[Any]:
 
 
 def test_history_accounting_is_exact_after_the_template() -> None:
-    pipe = FakePipeline(total=2000, max_new=40, answer_words=12)
+    pipe = chat_pipeline(total=2000, max_new=40, answer_words=12)
     chat = Conversation(pipe, history_share=0.5, recent_turns=5)
     chat.ask("What does the PDF cleaner strip?")
     turn = chat.ask("How is the KV budget computed from GPU memory?")
-    call = pipe.calls[-1]
+    call = answers(pipe)[-1]
     # Recompute the prompt without the history: the difference is what history really cost.
-    without = pipe._prompt_tokens(call["question"], [], [(c, CORPUS[c]) for c in call["chunks"]])
-    assert turn.budget.summary + turn.budget.recent == call["prompt"] - without
+    without = prompt_tokens(pipe, [call["messages"][0], call["messages"][-1]])
+    assert history_of(call) and turn.budget.summary + turn.budget.recent == call["prompt_tokens"] - without
     assert turn.budget.summary == 0 and turn.budget.turns_verbatim == 1
 
 
 def test_report_shows_tokens_for_summary_recent_context_and_output() -> None:
-    pipe = FakePipeline()
+    pipe = chat_pipeline()
     turn = Conversation(pipe).ask("How is the KV budget computed?")
     memory = turn.to_dict()["memory"]
     for key in ("summary", "recent", "context_used", "context_allowed", "output", "total", "prompt", "history"):
@@ -248,7 +172,7 @@ def test_report_shows_tokens_for_summary_recent_context_and_output() -> None:
 
 
 def test_history_share_is_configurable_and_retrieval_gets_the_rest() -> None:
-    small, large = FakePipeline(), FakePipeline()
+    small, large = chat_pipeline(), chat_pipeline()
     a = Conversation(small, history_share=0.1)
     b = Conversation(large, history_share=0.6)
     for q in ("First question about dedup shingles?", "Second question about PDF headers?",
@@ -263,35 +187,35 @@ def test_history_share_is_configurable_and_retrieval_gets_the_rest() -> None:
 
 
 def test_zero_history_share_keeps_no_history() -> None:
-    pipe = FakePipeline()
+    pipe = chat_pipeline()
     chat = Conversation(pipe, history_share=0.0)
     chat.ask("What is MinHash used for?")
     turn = chat.ask("And the KV budget?")
     assert turn.budget.history == 0
-    assert pipe.calls[-1]["history"] == []
-    assert pipe.overruns == 0
+    assert history_of(answers(pipe)[-1]) == []
+    assert fake(pipe).overruns == 0
 
 
 def test_summary_comes_from_the_generator_and_is_capped() -> None:
-    pipe = FakePipeline(total=300, max_new=40, answer_words=50)
+    pipe = chat_pipeline(total=300, max_new=40, answer_words=50)
     chat = Conversation(pipe, summary_max_tokens=20, recent_turns=1)
     for i in range(5):
         chat.ask(f"Question {i} on the KV budget and GPU memory?")
-    assert pipe.generator.calls, "the summary must be written by the pipeline's generator"
-    assert all(c["max_new_tokens"] <= 20 for c in pipe.generator.calls)
-    assert pipe.generator.token_counter.count(chat.summary) <= 20
+    assert summaries(pipe), "the summary must be written by the pipeline's generator"
+    assert all(c["max_new_tokens"] <= 20 for c in summaries(pipe))
+    assert WordCounter().count(chat.summary) <= 20
     # The summarization prompt also fits the one per-request budget.
-    for c in pipe.generator.calls:
-        assert pipe._render(c["messages"]) + c["max_new_tokens"] <= 300
+    for c in summaries(pipe):
+        assert prompt_tokens(pipe, c["messages"]) + c["max_new_tokens"] <= 300
 
 
 def test_empty_generator_summary_falls_back_to_extractive() -> None:
-    pipe = FakePipeline(total=300, max_new=40, answer_words=50, generator=FakeGenerator(summary_text=""))
+    pipe = chat_pipeline(total=300, max_new=40, answer_words=50, summary=lambda messages: [])
     chat = Conversation(pipe, summary_max_tokens=40, recent_turns=1)
     for i in range(5):
         chat.ask(f"Question {i} on MinHash shingles?")
     assert chat.summary.startswith("Asked:")
-    assert pipe.overruns == 0
+    assert fake(pipe).overruns == 0
 
 
 def test_custom_summarizer_and_reset() -> None:
@@ -301,29 +225,29 @@ def test_custom_summarizer_and_reset() -> None:
         seen.append(len(turns))
         return f"{previous} folded {len(turns)}".strip()
 
-    pipe = FakePipeline(total=300, answer_words=50)
+    pipe = chat_pipeline(total=300, answer_words=50)
     chat = Conversation(pipe, summarizer=summarize, recent_turns=1)
     for i in range(6):
         chat.ask(f"Question {i} about PDF footers?")
     assert seen and chat.summary.startswith("folded")
-    assert not pipe.generator.calls
+    assert not summaries(pipe)
     chat.reset()
     assert chat.summary == "" and chat.turns == [] and chat.turns_summarized == 0
     chat.ask("Fresh start: what is dedup?")
-    assert pipe.calls[-1]["history"] == []
+    assert history_of(answers(pipe)[-1]) == []
 
 
 def test_question_is_never_truncated_and_too_long_is_a_budget_error() -> None:
-    pipe = FakePipeline(total=200, max_new=40)
+    pipe = chat_pipeline(total=200, max_new=40)
     long_q = " ".join(["word"] * 120) + "?"
     turn = Conversation(pipe).ask(long_q)
-    assert pipe.calls[-1]["question"] == long_q and turn.question == long_q
+    assert answers(pipe)[-1]["question"] == long_q and turn.question == long_q
     with pytest.raises(BudgetError, match="question alone"):
         Conversation(pipe).ask(" ".join(["word"] * 400))
 
 
 def test_invalid_settings_are_config_errors() -> None:
-    pipe = FakePipeline()
+    pipe = chat_pipeline()
     for kwargs in ({"history_share": 1.0}, {"history_share": -0.1}, {"summary_max_tokens": 0},
                    {"recent_turns": -1}, {"summary_role": "tool"}):
         with pytest.raises(ConfigError):
@@ -335,35 +259,22 @@ def test_invalid_settings_are_config_errors() -> None:
 # --- follow-ups -----------------------------------------------------------------------------------
 
 
+FIRST = "How does trafilatura remove HTML boilerplate?"
+
+
 def test_follow_up_retrieves_the_right_chunks() -> None:
-    pipe = FakePipeline(total=400, max_new=40)
-    chat = Conversation(pipe, context_tokens=22)  # room for one chunk: the top one must be right
-    chat.ask("How does the PDF cleaner strip page headers?")
-    turn = chat.ask("what about its footer?")
-    assert "pdf" in turn.retrieval_query and "cleaner" in turn.retrieval_query
-    assert pipe.calls[-1]["question"] == "what about its footer?"
-    assert pipe.calls[-1]["chunks"] == ["pdf-footer"]
-    # Without expansion the bare question ties with the HTML footer (alphabetical tie-break).
-    plain = FakePipeline(total=400, max_new=40)
-    chat2 = Conversation(plain, context_tokens=22, expand_follow_ups=False)
-    chat2.ask("How does the PDF cleaner strip page headers?")
-    chat2.ask("what about its footer?")
-    assert plain.calls[-1]["chunks"] != ["pdf-footer"]
-
-
-def test_follow_up_without_retrieval_query_support_is_put_in_the_question() -> None:
-    class OldPipeline(FakePipeline):
-        def ask(self, question: str, *, context_tokens: int | None = None, max_new_tokens: int | None = None,
-                on_text: Any = None, cancel: Any = None, history: Any = None) -> FakeAnswer:
-            return super().ask(question, context_tokens=context_tokens, max_new_tokens=max_new_tokens,
-                               history=history)
-
-    pipe = OldPipeline()
+    pipe = chat_pipeline(total=400, max_new=40)
     chat = Conversation(pipe)
-    chat.ask("How does the PDF cleaner strip page headers?")
-    chat.ask("what about its footer?")
-    asked = pipe.calls[-1]["question"]
-    assert asked.startswith("what about its footer?") and "pdf" in asked
+    chat.ask(FIRST)
+    turn = chat.ask("what about its footer?")
+    assert "html" in turn.retrieval_query and "trafilatura" in turn.retrieval_query
+    assert answers(pipe)[-1]["question"] == "what about its footer?"  # the generator gets it verbatim
+    assert chunks(turn)[0] == "html-footer"  # the best passage is the right one
+    # Without expansion the bare question's best passage is the PDF footer.
+    plain = chat_pipeline(total=400, max_new=40)
+    chat2 = Conversation(plain, expand_follow_ups=False)
+    chat2.ask(FIRST)
+    assert chunks(chat2.ask("what about its footer?"))[0] != "html-footer"
 
 
 @pytest.mark.parametrize(
@@ -402,7 +313,7 @@ def test_expand_query_keeps_the_question_intact(question: str, previous: list[st
 
 
 def test_fit_history_drops_oldest_first_and_keeps_system() -> None:
-    pipe = FakePipeline(total=200, max_new=40)
+    pipe = chat_pipeline(total=200, max_new=40)
     history = [{"role": "system", "content": "Be brief."}]
     for i in range(10):
         history += [{"role": "user", "content": f"question {i} " + "x " * 10},
@@ -412,14 +323,9 @@ def test_fit_history_drops_oldest_first_and_keeps_system() -> None:
     assert kept[0] == {"role": "system", "content": "Be brief."}
     assert kept[-1] == history[-1]
     meter = _Meter(pipe)
-    fixed = meter.render([{"role": "system", "content": "system"}, {"role": "user", "content": "final question?"}])
+    fixed = meter.fixed("final question?")
     assert meter.cost(kept, "final question?") <= int((200 - 40 - fixed) * 0.3)
     assert fit_history(pipe, history[:3], "q?", share=0.9) == (history[:3], 0)
-
-
-def test_fit_history_leaves_fakes_without_a_plan_alone() -> None:
-    history = [{"role": "user", "content": "hi"}]
-    assert fit_history(object(), history, "q?") == (history, 0)
 
 
 # --- the chat loop and the CLI --------------------------------------------------------------------
@@ -430,18 +336,18 @@ def test_run_chat_reads_lines_and_handles_commands() -> None:
 
     from ragbudget.chat import run_chat
 
-    pipe = FakePipeline()
+    pipe = chat_pipeline()
     chat = Conversation(pipe)
     out = io.StringIO()
     stdin = io.StringIO("How is the KV budget computed?\n\n/reset\nwhat about its footer?\n/exit\nnever asked\n")
     n = run_chat(chat, stdin, out.write)
     text = out.getvalue()
-    assert n == 2 and len(pipe.calls) == 2
+    assert n == 2 and len(answers(pipe)) == 2
     assert "Sources:" in text and "[1]" in text
     assert "memory:" in text and "summary" in text
     assert "conversation reset" in text
-    assert pipe.calls[1]["history"] == []  # /reset forgot the first turn
-    assert all(c["question"] != "never asked" for c in pipe.calls)
+    assert history_of(answers(pipe)[1]) == []  # /reset forgot the first turn
+    assert all(c["question"] != "never asked" for c in answers(pipe))
 
 
 def test_chat_command_with_piped_stdin(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -449,17 +355,17 @@ def test_chat_command_with_piped_stdin(monkeypatch: pytest.MonkeyPatch) -> None:
 
     from ragbudget.cli import cli
 
-    made: list[FakePipeline] = []
+    made: list[Pipeline] = []
 
-    def factory(*args: Any, **kwargs: Any) -> FakePipeline:
-        made.append(FakePipeline())
+    def factory(*args: Any, **kwargs: Any) -> Pipeline:
+        made.append(chat_pipeline())
         return made[-1]
 
     monkeypatch.setattr("ragbudget.pipeline.Pipeline", factory)
     result = CliRunner().invoke(cli, ["chat", "--history-share", "0.2", "--recent-turns", "1"],
                                 input="What is MinHash?\nand its shingles?\n/exit\n")
     assert result.exit_code == 0, result.output
-    assert len(made[0].calls) == 2
+    assert len(answers(made[0])) == 2
     assert "Sources:" in result.output
     result = CliRunner().invoke(cli, ["chat", "--json"], input="What is MinHash?\n")
     assert result.exit_code == 0, result.output
@@ -473,23 +379,21 @@ def test_sampling_flags_reach_the_pipeline_from_ask_and_chat(monkeypatch: pytest
 
     from ragbudget.cli import cli
 
-    seen: list[dict[str, Any]] = []
+    pipe = chat_pipeline()
+    monkeypatch.setattr("ragbudget.pipeline.Pipeline", lambda *a, **kw: pipe)
 
-    class OptionsPipeline(FakePipeline):
-        def ask(self, question: str, **kwargs: Any) -> FakeAnswer:
-            seen.append({k: kwargs.pop(k) for k in ("temperature", "top_p", "seed", "stop") if k in kwargs})
-            return super().ask(question, **kwargs)
+    def seen() -> list[tuple[Any, Any]]:
+        return [(c["sampling"], c["stop"]) for c in answers(pipe)]
 
-    monkeypatch.setattr("ragbudget.pipeline.Pipeline", lambda *a, **kw: OptionsPipeline())
     flags = ["--temperature", "0.8", "--top-p", "0.9", "--seed", "7", "--stop", "END", "--stop", "###"]
     result = CliRunner().invoke(cli, ["chat", *flags], input="What is MinHash?\nand its shingles?\n")
     assert result.exit_code == 0, result.output
     result = CliRunner().invoke(cli, ["ask", "What is MinHash?", "--no-stream", *flags])
     assert result.exit_code == 0, result.output
-    expected = {"temperature": 0.8, "top_p": 0.9, "seed": 7, "stop": ["END", "###"]}
-    assert seen == [expected] * 3
+    expected = (Sampling(temperature=0.8, top_p=0.9, seed=7), ["END", "###"])
+    assert seen() == [expected] * 3
     result = CliRunner().invoke(cli, ["ask", "What is MinHash?", "--no-stream"])
-    assert result.exit_code == 0 and seen[-1] == {}
+    assert result.exit_code == 0 and seen()[-1] == (Sampling(), None)
     assert CliRunner().invoke(cli, ["ask", "q", "--temperature", "-1"]).exit_code == 2
 
 
@@ -505,7 +409,7 @@ def _messages(n_turns: int, answer_words: int = 40) -> list[dict[str, str]]:
 
 
 def test_from_messages_loads_turns_system_messages_and_a_returned_summary() -> None:
-    pipe = FakePipeline()
+    pipe = chat_pipeline()
     chat = Conversation.from_messages(pipe, [
         {"role": "assistant", "content": "Hello, ask me about the docs."},
         {"role": "system", "content": "Be brief."},
@@ -530,14 +434,14 @@ def test_from_messages_loads_turns_system_messages_and_a_returned_summary() -> N
 
 
 def test_system_messages_are_fixed_never_folded() -> None:
-    pipe = FakePipeline(total=400, max_new=40, answer_words=40)
+    pipe = chat_pipeline(total=400, max_new=40, answer_words=40)
     turn = Conversation.from_messages(pipe, _messages(8), summary_max_tokens=30).ask("And the footer?")
     b = turn.budget
-    history = pipe.calls[-1]["history"]
+    history = history_of(answers(pipe)[-1])
     assert history[0] == {"role": "system", "content": "Answer in English."}
     assert history[1]["content"].startswith(SUMMARY_PREFIX)
     assert b.turns_summarized + b.turns_verbatim == 8 and b.turns_summarized >= 6 and b.system > 0
-    assert not b.overrun and pipe.overruns == 0 and b.summary + b.recent <= b.history_allowed
+    assert not b.overrun and fake(pipe).overruns == 0 and b.summary + b.recent <= b.history_allowed
     # A system prompt that leaves no room is refused, not cut.
     huge = [{"role": "system", "content": "rule " * 400}]
     with pytest.raises(BudgetError, match="system messages"):
@@ -545,23 +449,17 @@ def test_system_messages_are_fixed_never_folded() -> None:
 
 
 def test_generate_options_reach_the_pipeline_but_not_the_summary() -> None:
-    seen: list[dict[str, Any]] = []
-
-    class OptionsPipeline(FakePipeline):
-        def ask(self, question: str, **kwargs: Any) -> FakeAnswer:
-            seen.append({k: kwargs.pop(k) for k in ("temperature", "seed", "stop") if k in kwargs})
-            return super().ask(question, **kwargs)
-
-    pipe = OptionsPipeline(total=400, max_new=40)
+    pipe = chat_pipeline(total=400, max_new=40)
     Conversation.from_messages(pipe, _messages(8)).ask("Next?", temperature=0.5, seed=3, stop=["END"])
-    assert seen == [{"temperature": 0.5, "seed": 3, "stop": ["END"]}]
-    assert pipe.generator.calls and all(set(c) == {"messages", "max_new_tokens"} for c in pipe.generator.calls)
+    assert [(c["sampling"], c["stop"]) for c in answers(pipe)] == [(Sampling(temperature=0.5, seed=3), ["END"])]
+    # The summary is written greedily, without the answer's stop strings.
+    assert summaries(pipe) and all(c["sampling"] is None and c["stop"] is None for c in summaries(pipe))
 
 
-def _resend(cache: SummaryCache | None, turns: int, **options: Any) -> tuple[FakePipeline, list[Any]]:
+def _resend(cache: SummaryCache | None, turns: int, **options: Any) -> tuple[Pipeline, list[Any]]:
     """A client that resends its whole conversation every turn (one ``from_messages`` per
     request, as the HTTP server does), sharing ``cache`` between requests."""
-    pipe = FakePipeline(total=400, max_new=40, answer_words=40)
+    pipe = chat_pipeline(total=400, max_new=40, answer_words=40)
     messages: list[dict[str, str]] = [{"role": "system", "content": "Answer in English."}]
     results = []
     for i in range(turns):
@@ -577,7 +475,7 @@ def test_summary_cache_makes_resent_histories_fold_like_one_conversation() -> No
     prompts are the ones an in-memory conversation builds; without it, every request summarizes
     all of its older turns again."""
     options = {"summary_max_tokens": 30, "recent_turns": 2}
-    memory_pipe = FakePipeline(total=400, max_new=40, answer_words=40)
+    memory_pipe = chat_pipeline(total=400, max_new=40, answer_words=40)
     chat = Conversation(memory_pipe, **options)
     chat._state.system.append({"role": "system", "content": "Answer in English."})
     for i in range(10):
@@ -587,73 +485,68 @@ def test_summary_cache_makes_resent_histories_fold_like_one_conversation() -> No
     cached_pipe, turns = _resend(cache, 10, **options)
     plain_pipe, _ = _resend(None, 10, **options)
 
-    assert [c["history"] for c in cached_pipe.calls] == [c["history"] for c in memory_pipe.calls]
-    assert len(cached_pipe.generator.calls) == len(memory_pipe.generator.calls)
-    assert cached_pipe.overruns == 0 and not any(t.budget.overrun for t in turns)
+    assert [history_of(c) for c in answers(cached_pipe)] == [history_of(c) for c in answers(memory_pipe)]
+    assert len(summaries(cached_pipe)) == len(summaries(memory_pipe))
+    assert fake(cached_pipe).overruns == 0 and not any(t.budget.overrun for t in turns)
     # After the first fold every request resumes from the cache and folds one new turn only.
     folded = [t for t in turns if t.budget.turns_summarized]
     assert folded[0].budget.summary_cached == 0
     assert all(t.budget.summary_cached == t.budget.turns_summarized - 1 for t in folded[1:])
     assert cache.hits == len(folded) - 1
-    for call in cached_pipe.generator.calls[1:]:
+    for call in summaries(cached_pipe)[1:]:
         assert call["messages"][-1]["content"].count("User: ") == 1
     # Without the cache the same requests re-summarize the whole prefix each time.
-    old_turns = sum(c["messages"][-1]["content"].count("User: ") for c in plain_pipe.generator.calls)
-    assert old_turns > 2 * sum(c["messages"][-1]["content"].count("User: ") for c in cached_pipe.generator.calls)
+    old_turns = sum(c["messages"][-1]["content"].count("User: ") for c in summaries(plain_pipe))
+    assert old_turns > 2 * sum(c["messages"][-1]["content"].count("User: ") for c in summaries(cached_pipe))
 
 
 def test_summary_cache_serves_a_retried_request_without_generating() -> None:
     cache = SummaryCache()
-    pipe = FakePipeline(total=400, max_new=40, answer_words=40)
+    pipe = chat_pipeline(total=400, max_new=40, answer_words=40)
     first = Conversation.from_messages(pipe, _messages(8), summary_max_tokens=30, summary_cache=cache).ask("Next?")
-    calls = len(pipe.generator.calls)
+    calls = len(summaries(pipe))
     assert calls and first.budget.summary_cached == 0
     again = Conversation.from_messages(pipe, _messages(8), summary_max_tokens=30, summary_cache=cache).ask("Next?")
-    assert len(pipe.generator.calls) == calls  # no new summary was written
+    assert len(summaries(pipe)) == calls  # no new summary was written
     assert again.summary == first.summary and again.budget.summary_cached == first.budget.turns_summarized
-    assert pipe.calls[-1]["history"] == pipe.calls[-2]["history"]
+    assert history_of(answers(pipe)[-1]) == history_of(answers(pipe)[-2])
     # Another cap, another root: a summary written for 30 tokens is not reused for 20.
     Conversation.from_messages(pipe, _messages(8), summary_max_tokens=20, summary_cache=cache).ask("Next?")
-    assert len(pipe.generator.calls) > calls
+    assert len(summaries(pipe)) > calls
     # An edited earlier turn is another prefix too.
     edited = _messages(8)
     edited[1]["content"] = "A different first question about dedup?"
-    before = len(pipe.generator.calls)
+    before = len(summaries(pipe))
     turn = Conversation.from_messages(pipe, edited, summary_max_tokens=30, summary_cache=cache).ask("Next?")
-    assert len(pipe.generator.calls) == before + calls and turn.budget.summary_cached == 0
+    assert len(summaries(pipe)) == before + calls and turn.budget.summary_cached == 0
 
 
 def test_a_summary_cut_short_by_a_leaving_client_is_never_cached() -> None:
     import threading
 
-    class Leaving(FakeGenerator):
-        """The client disconnects during the summary: the generator stops early, as the real one
-        does (partial text, finish_reason "cancelled", no exception)."""
-
-        def __init__(self, cancel: threading.Event) -> None:
-            super().__init__()
-            self.cancel = cancel
-
-        def generate(self, messages: list[dict[str, str]], *, max_new_tokens: int, cancel: Any = None) -> Any:
-            self.calls.append({"messages": messages, "max_new_tokens": max_new_tokens})
-            self.cancel.set()
-            return type("G", (), {"text": "Summary", "finish_reason": "cancelled"})()
-
     cache = SummaryCache()
     cancel = threading.Event()
-    pipe = FakePipeline(total=400, max_new=40, answer_words=40, generator=Leaving(cancel))
+
+    def leaving(messages: Any) -> Any:
+        """The client disconnects during the summary: the backend stops early, as the real ones
+        do (partial text, finish_reason "cancelled", no exception)."""
+        yield "Summary"
+        cancel.set()
+        yield "never"
+
+    pipe = chat_pipeline(total=400, max_new=40, answer_words=40, summary=leaving)
     Conversation.from_messages(pipe, _messages(8), summary_max_tokens=30, summary_cache=cache).ask(
         "Next?", cancel=cancel)
-    assert len(pipe.generator.calls) == 1 and len(cache) == 0
+    assert len(summaries(pipe)) == 1 and len(cache) == 0
     # Already gone before the summary: nothing is generated for it, and nothing cached.
     Conversation.from_messages(pipe, _messages(8), summary_max_tokens=30, summary_cache=cache).ask(
         "Next?", cancel=cancel)
-    assert len(pipe.generator.calls) == 1 and len(cache) == 0
+    assert len(summaries(pipe)) == 1 and len(cache) == 0
     # The retry of a client that stays gets a real summary, not the one cut short.
-    retry_pipe = FakePipeline(total=400, max_new=40, answer_words=40)
+    retry_pipe = chat_pipeline(total=400, max_new=40, answer_words=40)
     turn = Conversation.from_messages(retry_pipe, _messages(8), summary_max_tokens=30,
                                       summary_cache=cache).ask("Next?")
-    assert turn.budget.summary_cached == 0 and retry_pipe.generator.calls and turn.summary != "Summary"
+    assert turn.budget.summary_cached == 0 and summaries(retry_pipe) and turn.summary != "Summary"
     assert len(cache) > 0
 
 
@@ -662,8 +555,9 @@ def test_a_summary_waiting_for_memory_leaves_the_queue_when_the_client_leaves() 
 
     from ragbudget.admission import AdmissionController
 
-    pipe = FakePipeline(total=400, max_new=40, answer_words=40)
-    pipe.admission = AdmissionController(1000, timeout=60.0)  # type: ignore[attr-defined]
+    pipe = Pipeline(corpus_index(), backend=fake(chat_pipeline(kv_tokens=1000)), max_new_tokens=40,
+                    system_prompt=SYSTEM, relevance_floor=0, queue_timeout=60.0)
+    assert isinstance(pipe.admission, AdmissionController) and pipe.admission.capacity_tokens == 1000
     held = pipe.admission.acquire(1000)  # the GPU is busy
     cache, cancel, done = SummaryCache(), threading.Event(), []
     chat = Conversation.from_messages(pipe, _messages(8), summary_max_tokens=30, summary_cache=cache)
@@ -674,7 +568,7 @@ def test_a_summary_waiting_for_memory_leaves_the_queue_when_the_client_leaves() 
     cancel.set()
     t.join(timeout=10)  # not the 60 s admission timeout
     held.release()
-    assert done and not pipe.generator.calls and len(cache) == 0
+    assert done and not summaries(pipe) and len(cache) == 0
     assert done[0].summary.startswith("Asked:")  # the extractive fallback, for this request only
 
 
@@ -706,7 +600,7 @@ def test_http_ten_turns_over_budget_are_summarized_with_no_overrun(chat_server: 
     what does not fit into a summary instead of dropping turns, and every prompt fits."""
     import openai
 
-    pipe = FakePipeline(total=400, max_new=40, answer_words=40)
+    pipe = chat_pipeline(total=400, max_new=40, answer_words=40)
     messages: list[dict[str, str]] = [{"role": "system", "content": "Answer in English."}]
     memories = []
     with chat_server(pipe, summary_max_tokens=30, recent_turns=2) as url:
@@ -723,17 +617,17 @@ def test_http_ten_turns_over_budget_are_summarized_with_no_overrun(chat_server: 
                 text, extra = resp.choices[0].message.content or "", resp.model_extra or {}
             memories.append(extra["ragbudget"]["memory"])
             messages.append({"role": "assistant", "content": text})
-    assert pipe.overruns == 0
+    assert fake(pipe).overruns == 0
     for m in memories:
         assert not m["overrun"] and m["prompt"] + m["output"] <= m["total"]
         for key in ("summary", "recent", "context_used", "output", "turns_summarized"):
             assert key in m
     assert memories[-1]["turns_summarized"] >= 7 and memories[-1]["summary"] > 0
     assert memories[0]["turns_summarized"] == 0 and memories[0]["summary"] == 0
-    last = pipe.calls[-1]["history"]
+    last = history_of(answers(pipe)[-1])
     assert last[0]["content"] == "Answer in English." and last[1]["content"].startswith(SUMMARY_PREFIX)
     assert last[-2]["content"] == messages[-4]["content"]  # the most recent turns stay verbatim
-    assert pipe.generator.calls  # the summaries came from the generator
+    assert summaries(pipe)  # the summaries came from the generator
 
 
 @pytest.mark.parametrize("cache_size", [1024, 0])
@@ -742,7 +636,7 @@ def test_http_summaries_are_cached_between_requests(chat_server: Any, cache_size
     /metrics says how many turns came from the cache. ``summary_cache_size=0`` turns it off."""
     import httpx
 
-    pipe = FakePipeline(total=400, max_new=40, answer_words=40)
+    pipe = chat_pipeline(total=400, max_new=40, answer_words=40)
     messages: list[dict[str, str]] = []
     cached = []
     with chat_server(pipe, summary_max_tokens=30, recent_turns=2, summary_cache_size=cache_size) as url:
@@ -755,7 +649,7 @@ def test_http_summaries_are_cached_between_requests(chat_server: Any, cache_size
         scraped = httpx.get(url + "/metrics", timeout=30).text
     counter = int(re.search(r"^ragbudget_summary_cache_turns_total (\d+)$", scraped, re.M).group(1))
     assert counter == sum(cached)
-    transcripts = [c["messages"][-1]["content"].count("User: ") for c in pipe.generator.calls]
+    transcripts = [c["messages"][-1]["content"].count("User: ") for c in summaries(pipe)]
     if cache_size:
         assert counter > 0 and all(n == 1 for n in transcripts[1:])
     else:
@@ -765,27 +659,27 @@ def test_http_summaries_are_cached_between_requests(chat_server: Any, cache_size
 def test_http_follow_up_is_expanded_for_retrieval(chat_server: Any) -> None:
     import httpx
 
-    pipe = FakePipeline(total=400, max_new=40)
+    pipe = chat_pipeline(total=400, max_new=40)
     with chat_server(pipe) as url:
         r = httpx.post(url + "/v1/chat/completions", timeout=30, json={
-            "model": "ragbudget", "context_tokens": 22, "messages": [
-                {"role": "user", "content": "How does the PDF cleaner strip page headers?"},
-                {"role": "assistant", "content": "It drops lines repeated at the top of pages."},
+            "model": "ragbudget", "messages": [
+                {"role": "user", "content": FIRST},
+                {"role": "assistant", "content": "It extracts the main text of the page."},
                 {"role": "user", "content": "what about its footer?"}]})
     assert r.status_code == 200, r.text
-    assert pipe.calls[-1]["question"] == "what about its footer?"
-    assert "pdf" in pipe.calls[-1]["retrieval_query"] and pipe.calls[-1]["chunks"] == ["pdf-footer"]
+    assert answers(pipe)[-1]["question"] == "what about its footer?"
+    assert r.json()["sources"][0]["path"] == "docs/html-footer.md"  # the bare question finds the PDF one
 
 
 def test_http_question_too_long_for_the_budget_is_a_400(chat_server: Any) -> None:
     import httpx
 
-    pipe = FakePipeline(total=200, max_new=40)
+    pipe = chat_pipeline(total=200, max_new=40)
     with chat_server(pipe) as url:
         r = httpx.post(url + "/v1/chat/completions", timeout=30, json={
             "model": "ragbudget", "messages": [{"role": "user", "content": "word " * 400}]})
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
-    assert pipe.calls == []
+    assert answers(pipe) == []
 
 
 # --- with the real Pipeline (hash embedder, fake ChatML generator) ---------------------------------
@@ -870,6 +764,13 @@ def test_ten_turns_with_the_real_pipeline_and_prompt_builder(hash_index: Any) ->
         assert gen.prompts[-1].question == q  # the question reached the prompt whole
     assert chat.turns_summarized > 0 and gen.summaries > 0
     assert chat.summary and pipe.admission.stats().admitted_tokens == 0
+    # The banner of a local pipeline names its memory plan's figures.
+    from ragbudget.chat import chat_banner
+
+    plan = pipe.plan
+    assert chat_banner(chat) == (f"ragbudget chat · {plan.model.rsplit('/', 1)[-1] if plan.model.startswith('/') else plan.model}"
+                                 f" · {total} tokens/turn (answer 48, history ≤ 30%) · KV {plan.kv_bytes_per_token} "
+                                 "B/token · /help for commands")
 
 
 # --- the real default models (slow) ----------------------------------------------------------------
@@ -905,14 +806,14 @@ def test_real_models_conversation_with_summary_and_follow_up(real_pipeline: Any)
 # --- the REPL (`ragbudget chat` at a terminal and on a pipe) ------------------------------------------
 
 
-def _slow_pipeline_cli(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Patch the CLI's Pipeline with the fake streaming one of tests/_chat_repl.py; return the
-    list of questions it receives."""
+def _slow_pipeline_cli(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Patch the CLI's Pipeline with the streaming one of tests/_chat_repl.py; return a function
+    giving the questions its backend received."""
     import _chat_repl
 
-    _chat_repl.ASKED.clear()
+    _chat_repl.BACKENDS.clear()
     monkeypatch.setattr("ragbudget.pipeline.Pipeline", _chat_repl.SlowPipeline)
-    return _chat_repl.ASKED
+    return lambda: [c["question"] for b in _chat_repl.BACKENDS for c in b.calls]
 
 
 def test_chat_slash_commands_are_handled_locally_and_never_reach_the_model(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -926,13 +827,14 @@ def test_chat_slash_commands_are_handled_locally_and_never_reach_the_model(monke
     result = CliRunner().invoke(cli, ["chat"], input=script)
     assert result.exit_code == 0, result.output
     out = result.output
-    assert asked == ["What is MinHash?", "/etc/fstab holds what?"]  # a path is a question, not a command
+    assert asked() == ["What is MinHash?", "/etc/fstab holds what?"]  # a path is a question, not a command
     first = out.splitlines()[0]
-    assert first.startswith("ragbudget chat · fake/slow-model · 4000 tokens/turn (answer 64, history ≤ 30%)")
-    assert "KV 1234 B/token" in first and "/help" in first
+    assert first == "ragbudget chat · fake/slow-model · 4000 tokens/turn (answer 64, history ≤ 30%) · /help for commands"
     assert out.count("Commands (never sent to the model):") == 2 and "/reset" in out and "Ctrl-C" in out
     assert out.count("(no answer yet)") == 2  # before the first answer and after /reset
-    assert out.count("[1] /docs/1.md") == 1 + 2  # the answer's own block, then /sources twice
+    top = "[1] docs/dedup.md"  # the best source of "What is MinHash?"
+    first_turn = out[:out.index("You asked.", out.index("You asked.") + 1)]  # before the 2nd answer
+    assert first_turn.count(top) == 1 + 2  # the answer's own block, then /sources twice
     assert "unknown command /bogus; /help lists the commands" in out
     assert "(conversation reset)" in out
 
@@ -956,21 +858,23 @@ def test_run_chat_a_cancelled_answer_is_not_kept_in_the_history() -> None:
 
     from ragbudget.chat import run_chat
 
-    class CancellingPipeline(FakePipeline):
-        def ask(self, question: str, **kwargs: Any) -> FakeAnswer:
-            answer = super().ask(question, **kwargs)
-            if "cancel me" in question:
+    class Cancelling(FakeBackend):
+        def generate(self, prompt: Any, **kwargs: Any) -> Any:
+            generation = super().generate(prompt, **kwargs)
+            if "cancel me" in prompt.question:
                 kwargs["cancel"].set()  # as a Ctrl-C in the middle of the answer does
-            return answer
+            return generation
 
-    pipe = CancellingPipeline()
+    base = fake(chat_pipeline())
+    backend = Cancelling(WordCounter(), template=ChatTemplate(), reply=base.reply, capacity=base.capacity_figures)
+    pipe = Pipeline(corpus_index(), backend=backend, max_new_tokens=40, system_prompt=SYSTEM, relevance_floor=0)
     chat = Conversation(pipe)
     out = io.StringIO()
     n = run_chat(chat, io.StringIO("What is MinHash?\nplease cancel me now\nand its shingles?\n"), out.write)
-    assert n == 2 and len(pipe.calls) == 3
+    assert n == 2 and len(answers(pipe)) == 3
     assert "(answer cancelled)" in out.getvalue()
     assert [t.question for t in chat.turns] == ["What is MinHash?", "and its shingles?"]
-    assert "cancel me" not in str(pipe.calls[2]["history"])
+    assert "cancel me" not in str(history_of(answers(pipe)[2]))
 
 
 class _Terminal:
@@ -1067,13 +971,13 @@ def test_chat_at_a_terminal_has_history_editing_and_ctrl_c_cancels_an_answer(tmp
     term.send("\x03")  # Ctrl-C at the prompt drops the typed line
     at = term.expect("> ", after=at)
     term.send("/sources\r")
-    at = term.expect("[1] /docs/2.md", after=at)  # the last answer that was not cancelled
+    at = term.expect("[1] docs/dedup.md", after=at)  # the last answer that was not cancelled
     at = term.expect("> ", after=at)
     term.send("\x04")  # Ctrl-D leaves
     assert term.wait() == 0
     out = term.output
     assert "^[[A" not in out
-    assert "word399" not in out  # the slow answer did stop
+    assert "word59" not in out  # the slow answer did stop
     asked = json.loads(out[out.rindex("ASKED: ") + 7:].splitlines()[0])
     assert asked == ["What is MinHash?", "What is MinHash?", "tell me slowly"]
     assert "What is MinHash?" in history.read_text()  # readline's history, kept for next time

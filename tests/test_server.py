@@ -1,7 +1,10 @@
 """``ragbudget serve``: OpenAI compatibility, admission (429, never 5xx), disconnects, bad input.
 
-A real uvicorn server on 127.0.0.1 (ephemeral port, background thread) serves a fast, deterministic
-fake pipeline; the official ``openai`` client and httpx talk to it over loopback only.
+A real uvicorn server on 127.0.0.1 (ephemeral port, background thread) serves a real
+:class:`~ragbudget.pipeline.Pipeline` over a small real index (tests/_fakes.py ``corpus_index``),
+generating on the shared model-free ``FakeBackend`` (fast, deterministic, scripted); admission is
+the pipeline's own controller. The official ``openai`` client and httpx talk to it over loopback
+only.
 """
 
 from __future__ import annotations
@@ -10,166 +13,66 @@ import contextlib
 import importlib.util
 import json
 import logging
+import shutil
 import socket
 import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
-from _fakes import GeneratorStub
+from _fakes import FakeBackend, GeneratorStub, corpus_index, words_reply
 
+from ragbudget.backend import Capacity, Sampling
 from ragbudget.errors import BudgetError, OverloadedError
+from ragbudget.pipeline import Pipeline
 from ragbudget.server import Metrics, background_server, create_app
 
-MODEL = "fake-model"
-
-# --- fakes ----------------------------------------------------------------------------------------
-
-
-class FakeAdmission:
-    """Token reservations against a capacity, with a bounded wait queue and a wait timeout."""
-
-    def __init__(self, capacity: int, *, max_queue: int = 4, timeout: float = 2.0) -> None:
-        self.capacity = capacity
-        self.max_queue = max_queue
-        self.timeout = timeout
-        self.used = 0
-        self.running = 0
-        self.queued = 0
-        self.peak = 0
-        self._cond = threading.Condition()
-
-    @contextlib.contextmanager
-    def reserve(self, tokens: int) -> Iterator[None]:
-        with self._cond:
-            if tokens > self.capacity:
-                raise BudgetError("too big", needed=tokens, available=self.capacity)
-            if self.used + tokens > self.capacity:
-                if self.queued >= self.max_queue:
-                    raise OverloadedError("queue full", retry_after=1.5)
-                self.queued += 1
-                try:
-                    ok = self._cond.wait_for(lambda: self.used + tokens <= self.capacity, self.timeout)
-                finally:
-                    self.queued -= 1
-                if not ok:
-                    raise OverloadedError("wait timed out", retry_after=0.2)
-            self.used += tokens
-            self.running += 1
-            self.peak = max(self.peak, self.used)
-        try:
-            yield
-        finally:
-            with self._cond:
-                self.used -= tokens
-                self.running -= 1
-                self._cond.notify_all()
-
-    def stats(self) -> dict[str, int]:
-        with self._cond:
-            return {"running": self.running, "queued": self.queued, "admitted_tokens": self.used,
-                    "capacity_tokens": self.capacity}
+MODEL = "fake/model"
+#: With a 1,000-token window and 700 tokens reserved for each answer, one request reserves more
+#: than a third of two windows: ``slots`` windows of KV admit exactly ``slots`` requests at once.
+WINDOW, SLOT_ANSWER = 1000, 700
 
 
-@dataclass
-class FakeAnswer:
-    text: str
-    sources: list[dict[str, Any]]
-    report: dict[str, Any]
-    finish_reason: str = "stop"
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"text": self.text, "sources": self.sources, "report": self.report}
-
-
-@dataclass
-class FakeChunk:
-    text: str
-    score: float
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"text": self.text, "score": self.score}
+def fake_pipeline(*, words: int = 6, token_delay: float = 0.0, slots: int | None = None,
+                  max_queue: int = 4, timeout: float = 2.0, max_new_tokens: int | None = None,
+                  fail: BaseException | None = None, index_dir: Path | None = None) -> Pipeline:
+    """A real Pipeline over the corpus index, generating on a FakeBackend that answers ``words``
+    words, ``token_delay`` seconds apart. ``slots``: the backend reports a window of
+    :data:`WINDOW` tokens and that many request slots, so admission admits that many requests at
+    once (each reserving :data:`SLOT_ANSWER` tokens of answer); None: no limit reported."""
+    capacity = (Capacity(max_context_tokens=WINDOW, max_context_source="fake", max_concurrent=slots,
+                         max_concurrent_source="fake") if slots else None)
+    backend = FakeBackend(reply=words_reply(words), capacity=capacity, token_delay=token_delay, fail=fail)
+    if max_new_tokens is None:
+        max_new_tokens = SLOT_ANSWER if slots else 256
+    return Pipeline(index_dir or corpus_index(), backend=backend, max_new_tokens=max_new_tokens,
+                    queue_size=max_queue, queue_timeout=timeout)
 
 
-@dataclass
-class FakeSelection:
-    chunks: tuple[FakeChunk, ...]
-    tokens_used: int
-    tokens_allowed: int
-    dropped: tuple[Any, ...] = ()
+def fake(pipe: Pipeline) -> FakeBackend:
+    """The pipeline's FakeBackend (what the "model" received)."""
+    backend = pipe.backend
+    assert isinstance(backend, FakeBackend)
+    return backend
 
 
-class FakeGenerator:
-    model_id = MODEL
-    token_counter = None
+def history_of(call: dict[str, Any]) -> list[dict[str, str]]:
+    """The history a generation call's prompt carried: its messages between the pipeline's
+    system prompt and the question (with the context)."""
+    return call["messages"][1:-1]
 
 
-SOURCE = {"path": "data/guide.md", "start": 0, "end": 42, "page": 3, "score": 0.91}
-
-
-@dataclass
-class FakePipeline:
-    capacity: int = 1000
-    per_request: int = 400
-    max_queue: int = 4
-    timeout: float = 2.0
-    words: int = 6
-    token_delay: float = 0.0
-    fail: BaseException | None = None
-    calls: list[dict[str, Any]] = field(default_factory=list)
-    cancelled: list[str] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.admission = FakeAdmission(self.capacity, max_queue=self.max_queue, timeout=self.timeout)
-        self.generator = FakeGenerator()
-
-    def ask(self, question: str, *, context_tokens: int | None = None, max_new_tokens: int | None = None,
-            on_text: Any = None, cancel: threading.Event | None = None,
-            history: list[dict[str, str]] | None = None, **generate_options: Any) -> FakeAnswer:
-        self.calls.append({"question": question, "history": history, "max_new_tokens": max_new_tokens,
-                           "context_tokens": context_tokens, "options": generate_options})
-        if self.fail is not None:
-            raise self.fail
-        t0 = time.perf_counter()
-        with self.admission.reserve(self.per_request):
-            waited = time.perf_counter() - t0
-            out = []
-            n = min(self.words, max_new_tokens or self.words)
-            for i in range(n):
-                if cancel is not None and (cancel.wait(self.token_delay) if self.token_delay else cancel.is_set()):
-                    self.cancelled.append(question)
-                    break
-                piece = f"word{i} "
-                out.append(piece)
-                if on_text is not None:
-                    on_text(piece)
-        return FakeAnswer(
-            text="".join(out),
-            sources=[dict(SOURCE)],
-            report={"budget": {"context_tokens_allowed": 300, "context_tokens_used": 120, "prompt_tokens": 150,
-                               "max_new_tokens": max_new_tokens or 256, "kv_bytes_per_token": 4096,
-                               "new_tokens": len(out)},
-                    "oom_steps": [], "timings": {"queue_s": waited}},
-            finish_reason="length" if len(out) == max_new_tokens else "eos",
-        )
-
-    def retrieve(self, question: str, *, context_tokens: int | None = None) -> FakeSelection:
-        self.calls.append({"retrieve": question})
-        return FakeSelection((FakeChunk("chunk about " + question, 0.8),), 20, context_tokens or 300)
-
-    def search(self, query: str, k: int = 5) -> list[FakeChunk]:
-        self.calls.append({"search": query})
-        return [FakeChunk(f"hit {i}", 1.0 - i / 10) for i in range(k)]
+def reserved(pipe: Pipeline) -> int:
+    return pipe.admission.stats().admitted_tokens
 
 
 @contextlib.contextmanager
-def running(pipe: FakePipeline, **options: Any) -> Iterator[str]:
+def running(pipe: Pipeline, **options: Any) -> Iterator[str]:
     with background_server(create_app(pipe, **options)) as url:
         yield url
 
@@ -178,100 +81,100 @@ def client(url: str, key: str = "unused") -> openai.OpenAI:
     return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=30)
 
 
-def user(text: str = "What is in the guide?") -> list[dict[str, str]]:
+def user(text: str = "How is the KV cache budget computed?") -> list[dict[str, str]]:
     return [{"role": "user", "content": text}]
+
+
+#: The source the default question retrieves first.
+SOURCE_PATH = "docs/kv-budget.md"
 
 
 # --- OpenAI compatibility -------------------------------------------------------------------------
 
 
 def test_openai_client_non_streaming_with_sources() -> None:
-    pipe = FakePipeline()
+    pipe = fake_pipeline()
+    question = user()[0]["content"]
     with running(pipe) as url:
         resp = client(url).chat.completions.create(model=MODEL, messages=[
             {"role": "system", "content": "Be brief."},
             {"role": "user", "content": "Earlier question?"},
             {"role": "assistant", "content": "Earlier answer."},
-            {"role": "user", "content": "What is in the guide?"},
+            {"role": "user", "content": question},
         ], max_tokens=4)
     assert resp.object == "chat.completion"
     assert resp.choices[0].message.role == "assistant"
-    assert resp.choices[0].message.content == "word0 word1 word2 word3 "
+    assert resp.choices[0].message.content == "word0 word1 word2 word3"
     assert resp.choices[0].finish_reason == "length"
-    assert resp.usage is not None and resp.usage.prompt_tokens == 150 and resp.usage.completion_tokens == 4
     extra = resp.model_extra or {}
-    assert extra["sources"] == [SOURCE]
-    assert extra["ragbudget"]["budget"]["prompt_tokens"] == 150
-    call = pipe.calls[-1]
-    assert call["question"] == "What is in the guide?" and call["max_new_tokens"] == 4
-    assert call["history"] == [{"role": "system", "content": "Be brief."},
-                               {"role": "user", "content": "Earlier question?"},
-                               {"role": "assistant", "content": "Earlier answer."}]
+    prompt_tokens = extra["ragbudget"]["budget"]["prompt_tokens"]
+    assert resp.usage is not None and resp.usage.completion_tokens == 4
+    assert resp.usage.prompt_tokens == prompt_tokens > 0
+    assert extra["sources"][0]["path"] == SOURCE_PATH
+    call = fake(pipe).calls[-1]
+    assert call["question"] == question and call["max_new_tokens"] == 4
+    assert history_of(call) == [{"role": "system", "content": "Be brief."},
+                                {"role": "user", "content": "Earlier question?"},
+                                {"role": "assistant", "content": "Earlier answer."}]
 
 
 def test_openai_client_streaming_with_sources_in_final_chunk() -> None:
-    pipe = FakePipeline(words=5)
+    pipe = fake_pipeline(words=5)
     with running(pipe) as url:
         stream = client(url).chat.completions.create(model=MODEL, messages=user(), stream=True,
                                                      stream_options={"include_usage": True})
         chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert text == "word0 word1 word2 word3 word4 "
+    assert text == "word0 word1 word2 word3 word4"
     assert chunks[0].choices[0].delta.role == "assistant"
     final = chunks[-1]
     assert final.choices[0].finish_reason == "stop"
-    assert (final.model_extra or {})["sources"] == [SOURCE]
+    assert (final.model_extra or {})["sources"][0]["path"] == SOURCE_PATH
     assert final.usage is not None and final.usage.completion_tokens == 5
     assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
 
 
 def test_openai_client_sampling_options_reach_the_pipeline() -> None:
-    pipe = FakePipeline()
+    pipe = fake_pipeline()
     with running(pipe) as url:
         c = client(url)
         c.chat.completions.create(model=MODEL, messages=user(), temperature=0.7, top_p=0.9, seed=42, stop="END")
         list(c.chat.completions.create(model=MODEL, messages=user(), stream=True, temperature=0, seed=1,
                                        stop=["a", "b", "c", "d"], presence_penalty=0, max_completion_tokens=3))
         c.chat.completions.create(model=MODEL, messages=user())
-    assert pipe.calls[0]["options"] == {"temperature": 0.7, "top_p": 0.9, "seed": 42, "stop": ["END"]}
-    assert pipe.calls[1]["options"] == {"temperature": 0, "seed": 1, "stop": ["a", "b", "c", "d"]}
-    assert pipe.calls[1]["max_new_tokens"] == 3
-    assert pipe.calls[2]["options"] == {}  # nothing sent: the generator's greedy default
+    calls = fake(pipe).calls
+    assert (calls[0]["sampling"], calls[0]["stop"]) == (Sampling(temperature=0.7, top_p=0.9, seed=42), ["END"])
+    assert (calls[1]["sampling"], calls[1]["stop"]) == (Sampling(temperature=0, seed=1), ["a", "b", "c", "d"])
+    assert calls[1]["max_new_tokens"] == 3
+    assert (calls[2]["sampling"], calls[2]["stop"]) == (Sampling(), None)  # nothing sent: greedy
 
 
 def test_openai_client_validation_errors_are_typed() -> None:
-    pipe = FakePipeline()
+    pipe = fake_pipeline()
     with running(pipe) as url:
         for options in ({"temperature": -1}, {"stop": ["1", "2", "3", "4", "5"]}, {"top_p": 2}):
             with pytest.raises(openai.BadRequestError) as err:
                 client(url).chat.completions.create(model=MODEL, messages=user(), **options)
             assert err.value.status_code == 400 and err.value.param == next(iter(options))
-    assert pipe.calls == []
-
-
-class TinyLMPipeline:
-    """A pipeline surface over a real :class:`~ragbudget.generate.Generator` with the tiny random
-    Llama: the sampling and stop options go all the way to transformers ``generate``."""
-
-    def __init__(self) -> None:
-        from _tiny_lm import tiny_model, tiny_tokenizer
-
-        from ragbudget.generate import Generator
-
-        self.generator = Generator.from_objects(tiny_model(), tiny_tokenizer())
-
-    def ask(self, question: str, *, context_tokens: int | None = None, max_new_tokens: int | None = None,
-            history: Any = None, on_text: Any = None, cancel: Any = None, **options: Any) -> FakeAnswer:
-        g = self.generator.generate([*(history or []), {"role": "user", "content": question}],
-                                    max_new_tokens=max_new_tokens or 20, on_text=on_text, cancel=cancel, **options)
-        return FakeAnswer(text=g.text, sources=[], finish_reason=g.finish_reason,
-                          report={"budget": {"prompt_tokens": g.prompt_tokens, "new_tokens": g.new_tokens}})
+    assert fake(pipe).calls == []
 
 
 @pytest.fixture(scope="module")
 def tiny_url() -> Iterator[str]:
-    with running(TinyLMPipeline(), model_name=MODEL) as url:  # type: ignore[arg-type]
+    """A real Pipeline on a real :class:`~ragbudget.generate.Generator` with the tiny random
+    Llama: the sampling and stop options go all the way to transformers ``generate``."""
+    from _tiny_lm import tiny_model, tiny_tokenizer
+
+    from ragbudget.generate import Generator
+
+    pipe = Pipeline(corpus_index(), generator=Generator.from_objects(tiny_model(), tiny_tokenizer()),
+                    gpu="16GiB", max_new_tokens=20, ttft_target=0)
+    with running(pipe, model_name=MODEL) as url:
         yield url
+
+
+#: A question whose prompt makes the tiny random model write some ASCII (a stop string to cut at).
+TINY_QUESTION = "What does the PDF cleaner strip?"
 
 
 def _stream_text(chunks: list[Any]) -> str:
@@ -282,16 +185,16 @@ def test_stop_trims_the_answer_streaming_or_not(tiny_url: str) -> None:
     from test_generate import _printable_stop
 
     c = client(tiny_url)
-    full = c.chat.completions.create(model=MODEL, messages=user(), max_tokens=20)
+    full = c.chat.completions.create(model=MODEL, messages=user(TINY_QUESTION), max_tokens=20)
     text = full.choices[0].message.content or ""
     assert full.choices[0].finish_reason == "length"
     stop = _printable_stop(text)
     expected = text[:text.index(stop)].strip()
-    cut = c.chat.completions.create(model=MODEL, messages=user(), max_tokens=20, stop=[stop, "zzz"])
+    cut = c.chat.completions.create(model=MODEL, messages=user(TINY_QUESTION), max_tokens=20, stop=[stop, "zzz"])
     assert cut.choices[0].message.content == expected and cut.choices[0].finish_reason == "stop"
     assert cut.usage is not None and full.usage is not None
     assert cut.usage.completion_tokens < full.usage.completion_tokens  # generation really stopped
-    chunks = list(c.chat.completions.create(model=MODEL, messages=user(), max_tokens=20, stop=stop, stream=True))
+    chunks = list(c.chat.completions.create(model=MODEL, messages=user(TINY_QUESTION), max_tokens=20, stop=stop, stream=True))
     streamed = _stream_text(chunks)
     assert stop not in streamed and streamed.strip() == expected
     assert chunks[-1].choices[0].finish_reason == "stop"
@@ -301,29 +204,29 @@ def test_temperature_and_seed_reach_the_generator(tiny_url: str) -> None:
     c = client(tiny_url)
 
     def answer(**options: Any) -> str:
-        return c.chat.completions.create(model=MODEL, messages=user(), max_tokens=12, **options).choices[0].message.content or ""
+        return c.chat.completions.create(model=MODEL, messages=user(TINY_QUESTION), max_tokens=12, **options).choices[0].message.content or ""
 
     greedy = answer()
     assert answer(temperature=0) == greedy == answer(temperature=0, seed=5)  # 0 or absent: greedy
     sampled = answer(temperature=1.0, seed=5)
     assert sampled == answer(temperature=1.0, seed=5) != greedy  # a seed reproduces the sample
     assert {answer(temperature=1.0, seed=s) for s in (6, 7, 8)} - {sampled}
-    streamed = _stream_text(list(c.chat.completions.create(model=MODEL, messages=user(), max_tokens=12,
+    streamed = _stream_text(list(c.chat.completions.create(model=MODEL, messages=user(TINY_QUESTION), max_tokens=12,
                                                           temperature=1.0, seed=5, stream=True)))
     assert streamed.strip() == sampled
 
 
 def test_raw_stream_ends_with_done() -> None:
-    with running(FakePipeline(words=2)) as url:
+    with running(fake_pipeline(words=2)) as url:
         r = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": user(), "stream": True})
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
     events = [line[len("data: "):] for line in r.text.splitlines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
-    assert json.loads(events[-2])["sources"] == [SOURCE]
+    assert json.loads(events[-2])["sources"][0]["path"] == SOURCE_PATH
 
 
 def test_models_health_metrics_and_retrieve() -> None:
-    pipe = FakePipeline()
+    pipe = fake_pipeline()
     with running(pipe) as url:
         models = [m.id for m in client(url).models.list()]
         client(url).chat.completions.create(model="ragbudget", messages=user())
@@ -333,8 +236,9 @@ def test_models_health_metrics_and_retrieve() -> None:
         metrics = httpx.get(url + "/metrics")
     assert models == [MODEL, "ragbudget"]
     assert health["status"] == "ok" and health["admitted_tokens"] == 0 and health["queued"] == 0
-    assert retrieved["data"][0]["text"] == "chunk about footers" and retrieved["tokens_allowed"] == 100
-    assert len(searched["data"]) == 3
+    assert "footer" in retrieved["data"][0]["text"] and retrieved["tokens_allowed"] == 100
+    assert 0 < retrieved["tokens_used"] <= 100
+    assert len(searched["data"]) == 3 and "footer" in searched["data"][0]["text"]
     text = metrics.text
     assert metrics.headers["content-type"].startswith("text/plain")
     for name in ("ragbudget_requests_total", "ragbudget_queue_depth", "ragbudget_admitted_kv_tokens",
@@ -383,18 +287,18 @@ def test_models_health_metrics_and_retrieve() -> None:
     ],
 )
 def test_bad_requests_get_openai_errors_and_never_reach_the_model(body: bytes, status: int, param: str | None) -> None:
-    pipe = FakePipeline()
+    pipe = fake_pipeline()
     with running(pipe) as url:
         r = httpx.post(url + "/v1/chat/completions", content=body, headers={"content-type": "application/json"})
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
     assert err["param"] == param
-    assert pipe.calls == []
+    assert fake(pipe).calls == []
 
 
 def test_hostile_values_are_400_not_a_server_error() -> None:
-    pipe = FakePipeline()
+    pipe = fake_pipeline()
     with running(pipe) as url:
         big_int = b'{"model": "fake-model", "messages": [], "seed": ' + b"9" * 5000 + b"}"
         r = httpx.post(url + "/v1/chat/completions", content=big_int, headers={"content-type": "application/json"})
@@ -406,11 +310,11 @@ def test_hostile_values_are_400_not_a_server_error() -> None:
         assert resp.status_code == 400 and "surrogate" in resp.json()["error"]["message"], resp.text
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
     assert r2.status_code == 400 and r2.json()["error"]["param"] == "k"
-    assert pipe.calls == []
+    assert fake(pipe).calls == []
 
 
 def test_oversized_body_is_413() -> None:
-    pipe = FakePipeline()
+    pipe = fake_pipeline()
     with running(pipe, max_body_bytes=2000) as url:
         big = {"model": MODEL, "messages": user("x" * 5000)}
         r = httpx.post(url + "/v1/chat/completions", json=big)
@@ -421,11 +325,11 @@ def test_oversized_body_is_413() -> None:
         r2 = httpx.post(url + "/v1/chat/completions", content=chunked())
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
     assert r2.status_code == 413
-    assert pipe.calls == []
+    assert fake(pipe).calls == []
 
 
 def test_unknown_route_and_method_are_openai_errors() -> None:
-    with running(FakePipeline()) as url:
+    with running(fake_pipeline()) as url:
         r = httpx.get(url + "/v1/nothing")
         r2 = httpx.get(url + "/v1/chat/completions")
     assert r.status_code == 404 and "error" in r.json()
@@ -433,7 +337,7 @@ def test_unknown_route_and_method_are_openai_errors() -> None:
 
 
 def test_openai_client_raises_typed_errors() -> None:
-    with running(FakePipeline()) as url:
+    with running(fake_pipeline()) as url:
         with pytest.raises(openai.NotFoundError):
             client(url).chat.completions.create(model="nope", messages=user())
         with pytest.raises(openai.BadRequestError):
@@ -441,10 +345,10 @@ def test_openai_client_raises_typed_errors() -> None:
 
 
 def test_budget_error_is_400_and_unexpected_error_is_500_without_traceback() -> None:
-    with running(FakePipeline(fail=BudgetError("question too long", needed=9000, available=2048))) as url:
+    with running(fake_pipeline(fail=BudgetError("question too long", needed=9000, available=2048))) as url:
         r = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": user()})
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
-    with running(FakePipeline(fail=RuntimeError("secret internals"))) as url:
+    with running(fake_pipeline(fail=RuntimeError("secret internals"))) as url:
         r = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": user()})
     assert r.status_code == 500 and "secret" not in r.text and r.json()["error"]["type"] == "server_error"
 
@@ -453,7 +357,7 @@ def test_budget_error_is_400_and_unexpected_error_is_500_without_traceback() -> 
 
 
 def test_api_key_required_when_set(monkeypatch: pytest.MonkeyPatch) -> None:
-    pipe = FakePipeline()
+    pipe = fake_pipeline()
     with running(pipe, api_key="s3cret") as url:
         r = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": user()})
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
@@ -465,9 +369,9 @@ def test_api_key_required_when_set(monkeypatch: pytest.MonkeyPatch) -> None:
             client(url, "wrong").chat.completions.create(model=MODEL, messages=user())
         ok = client(url, "s3cret").chat.completions.create(model=MODEL, messages=user())
         assert ok.choices[0].message.content
-    assert len(pipe.calls) == 1
+    assert len(fake(pipe).calls) == 1
     monkeypatch.setenv("RAGBUDGET_API_KEY", "from-env")
-    with running(FakePipeline()) as url:
+    with running(fake_pipeline()) as url:
         assert httpx.get(url + "/v1/models").status_code == 401
         assert httpx.get(url + "/v1/models", headers={"Authorization": "Bearer from-env"}).status_code == 200
 
@@ -476,7 +380,7 @@ def test_api_key_required_when_set(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_overload_is_429_with_retry_after_streaming_or_not() -> None:
-    with running(FakePipeline(fail=OverloadedError("queue full", retry_after=2.2))) as url:
+    with running(fake_pipeline(fail=OverloadedError("queue full", retry_after=2.2))) as url:
         r = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": user()})
         rs = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": user(), "stream": True})
         with pytest.raises(openai.RateLimitError):
@@ -488,7 +392,7 @@ def test_overload_is_429_with_retry_after_streaming_or_not() -> None:
 
 
 def test_worker_pool_full_is_429_not_an_unbounded_queue() -> None:
-    pipe = FakePipeline(capacity=400, per_request=400, words=2000, token_delay=0.02, max_queue=10, timeout=10)
+    pipe = fake_pipeline(slots=1, words=2000, token_delay=0.02, max_queue=10, timeout=10)
     with running(pipe, max_workers=1) as url:
         with httpx.stream("POST", url + "/v1/chat/completions",
                           json={"model": MODEL, "messages": user(), "stream": True}) as first:
@@ -508,16 +412,16 @@ def _wait_until(predicate: Any, timeout: float = 10.0) -> bool:
 
 
 def test_disconnect_mid_stream_frees_the_reservation() -> None:
-    pipe = FakePipeline(words=500, token_delay=0.02)  # ~10 s if nobody cancels
+    pipe = fake_pipeline(words=500, token_delay=0.02, max_new_tokens=500)  # ~10 s if nobody cancels
     with running(pipe) as url:
         with httpx.stream("POST", url + "/v1/chat/completions",
                           json={"model": MODEL, "messages": user("stream me"), "stream": True}) as r:
             lines = r.iter_lines()
             next(lines)
             next(lines)
-            assert pipe.admission.used == 400
+            assert reserved(pipe) > 500  # the prompt and the 500 tokens of answer
         # Closing the response closed the connection: the server must cancel and free at once.
-        assert _wait_until(lambda: pipe.admission.used == 0 and pipe.cancelled == ["stream me"])
+        assert _wait_until(lambda: reserved(pipe) == 0 and fake(pipe).cancelled == ["stream me"])
         assert "ragbudget_cancelled_total 1" in httpx.get(url + "/metrics").text
         # The 200 had been sent, but the answer never reached its client: a 499, not a 200.
         assert _wait_until(lambda: 'endpoint="/v1/chat/completions",status="499"} 1' in httpx.get(url + "/metrics").text)
@@ -525,11 +429,11 @@ def test_disconnect_mid_stream_frees_the_reservation() -> None:
 
 
 def test_disconnect_while_waiting_non_streaming_frees_the_reservation() -> None:
-    pipe = FakePipeline(words=500, token_delay=0.02)
+    pipe = fake_pipeline(words=500, token_delay=0.02, max_new_tokens=500)
     with running(pipe) as url:
         with pytest.raises(httpx.ReadTimeout):
-            httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": user("slow")}, timeout=0.5)
-        assert _wait_until(lambda: pipe.admission.used == 0 and pipe.cancelled == ["slow"])
+            httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": user("slow")}, timeout=1.5)
+        assert _wait_until(lambda: reserved(pipe) == 0 and fake(pipe).cancelled == ["slow"])
         # Counted as the client's doing (499), not as an answered request.
         assert _wait_until(lambda: 'endpoint="/v1/chat/completions",status="499"} 1' in httpx.get(url + "/metrics").text)
 
@@ -547,7 +451,7 @@ def _load_bench() -> Any:
 def test_short_load_only_200_or_429_and_health_throughout() -> None:
     """24 concurrent clients against a budget that admits 2 requests and queues 3."""
     bench = _load_bench()
-    pipe = FakePipeline(capacity=800, per_request=400, words=10, token_delay=0.005, max_queue=3, timeout=0.5)
+    pipe = fake_pipeline(slots=2, words=10, token_delay=0.005, max_queue=3, timeout=0.5)
     with running(pipe) as url:
         result = bench.run_load(url, clients=24, requests_per_client=3, stream_share=0.5, model=MODEL,
                                 time_limit=60)
@@ -557,8 +461,8 @@ def test_short_load_only_200_or_429_and_health_throughout() -> None:
     assert result["errors_5xx"] == 0 and result["transport_errors"] == 0
     assert result["missing_retry_after"] == 0
     assert result["health"]["failed"] == 0 and result["health"]["ok"] > 0
-    assert pipe.admission.peak <= 800  # never more admitted than the capacity
-    assert _wait_until(lambda: pipe.admission.used == 0 and pipe.admission.queued == 0)
+    assert fake(pipe).peak_running <= 2  # never more admitted than the capacity
+    assert _wait_until(lambda: reserved(pipe) == 0 and pipe.admission.stats().queued == 0)
 
 
 def test_idle_server_returns_freed_memory_to_the_os(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -569,7 +473,7 @@ def test_idle_server_returns_freed_memory_to_the_os(monkeypatch: pytest.MonkeyPa
     trims: list[int] = []
     real = server.release_memory
     monkeypatch.setattr(server, "release_memory", lambda: trims.append(1) or real())
-    app = create_app(FakePipeline(words=3))
+    app = create_app(fake_pipeline(words=3))
     with background_server(app) as url:
         assert trims == []  # nothing before the first request
         for _ in range(3):
@@ -577,7 +481,7 @@ def test_idle_server_returns_freed_memory_to_the_os(monkeypatch: pytest.MonkeyPa
         # One trim once the burst is over and the server stayed idle (not one per request).
         assert _wait_until(lambda: app.state.trimmer.trims >= 1)
     assert 1 <= len(trims) <= 3
-    assert create_app(FakePipeline(), trim_memory=False).state.trimmer is None
+    assert create_app(fake_pipeline(), trim_memory=False).state.trimmer is None
 
 
 def test_allocator_helpers() -> None:
@@ -626,7 +530,8 @@ def test_serve_command_passes_options_and_env_key(monkeypatch: pytest.MonkeyPatc
 
     made: list[dict[str, Any]] = []
     served: list[dict[str, Any]] = []
-    monkeypatch.setattr("ragbudget.pipeline.Pipeline", lambda *a, **kw: made.append(kw) or FakePipeline())
+    pipe = fake_pipeline()
+    monkeypatch.setattr("ragbudget.pipeline.Pipeline", lambda *a, **kw: made.append(kw) or pipe)
     monkeypatch.setattr("ragbudget.server.serve", lambda pipe, **kw: served.append(kw))
     monkeypatch.setenv("RAGBUDGET_API_KEY", "env-key")
     result = CliRunner().invoke(cli, ["serve", "--port", "0", "--concurrency", "3", "--gpu", "24GiB",
@@ -686,8 +591,7 @@ def test_real_models_through_the_openai_client(tmp_path: Path, repo_data: Path) 
 
 def test_max_tokens_past_the_planned_output_is_400_not_clamped() -> None:
     # One rule, as on the CLI and on OpenAI: a value past the limit is an error naming both.
-    pipe = FakePipeline(words=50)
-    pipe.max_new_tokens = 3  # type: ignore[attr-defined]  # what the server planned for
+    pipe = fake_pipeline(words=50, max_new_tokens=3)  # what the server planned for
     with running(pipe) as url:
         for name in ("max_tokens", "max_completion_tokens"):
             for value in (4, 1_000_000_000):
@@ -697,13 +601,13 @@ def test_max_tokens_past_the_planned_output_is_400_not_clamped() -> None:
                 assert str(value) in err.value.message and "at most 3" in err.value.message
         resp = client(url).chat.completions.create(model=MODEL, messages=user(), max_tokens=3)
         resp2 = client(url).chat.completions.create(model=MODEL, messages=user(), max_tokens=2)
-    assert [c["max_new_tokens"] for c in pipe.calls] == [3, 2]
+    assert [c["max_new_tokens"] for c in fake(pipe).calls] == [3, 2]
     assert resp.usage is not None and resp.usage.completion_tokens == 3
     assert resp2.choices[0].finish_reason == "length"
 
 
 def test_full_queue_is_refused_before_any_retrieval_work() -> None:
-    pipe = FakePipeline(capacity=400, per_request=400, words=2000, token_delay=0.02, max_queue=1, timeout=30)
+    pipe = fake_pipeline(slots=1, words=2000, token_delay=0.02, max_queue=1, timeout=30)
     with running(pipe) as url:
         with httpx.stream("POST", url + "/v1/chat/completions",
                           json={"model": MODEL, "messages": user("runs"), "stream": True}) as first:
@@ -717,11 +621,11 @@ def test_full_queue_is_refused_before_any_retrieval_work() -> None:
 
             waiting = threading.Thread(target=wait_in_queue)
             waiting.start()
-            assert _wait_until(lambda: pipe.admission.queued == 1)
-            n_calls = len(pipe.calls)
+            assert _wait_until(lambda: pipe.admission.stats().queued == 1)
+            n_counts = fake(pipe).counted
             r = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": user("refused")})
             assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
-            assert len(pipe.calls) == n_calls  # refused before pipeline.ask was even called
+            assert fake(pipe).counted == n_counts  # refused before its prompt was even measured
         waiting.join(timeout=30)
 
 
@@ -748,18 +652,18 @@ def test_full_queue_is_refused_before_any_retrieval_work() -> None:
     ],
 )
 def test_fields_ragbudget_would_ignore_are_400_naming_them(field: str, value: Any) -> None:
-    pipe = FakePipeline()
+    pipe = fake_pipeline()
     with running(pipe) as url:
         r = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": user(), field: value})
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == field and field in err["message"]
     assert err["code"] in ("unsupported_parameter", "unknown_parameter")
-    assert pipe.calls == []
+    assert fake(pipe).calls == []
 
 
 def test_default_values_of_unsupported_fields_pass() -> None:
-    pipe = FakePipeline()
+    pipe = fake_pipeline()
     with running(pipe) as url:
         resp = client(url).chat.completions.create(
             model=MODEL, messages=user(), n=1, logprobs=False, response_format={"type": "text"},
@@ -771,12 +675,12 @@ def test_default_values_of_unsupported_fields_pass() -> None:
         bad = httpx.post(url + "/v1/retrieve", json={"query": "footers", "top_k": 3})
     assert resp.choices[0].message.content and raw.status_code == 200, raw.text
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "top_k"
-    assert len(pipe.calls) == 2
+    assert len(fake(pipe).calls) == 2
 
 
 @pytest.mark.parametrize("endpoint", ["/v1/chat/completions", "/v1/retrieve"])
 def test_deeply_nested_json_is_400_not_a_recursion_error(endpoint: str) -> None:
-    pipe = FakePipeline()
+    pipe = fake_pipeline()
     deep = b"[" * 50_000 + b"]" * 50_000
     deep_obj = b'{"a":' * 50_000 + b"1" + b"}" * 50_000
     nested = {"model": MODEL, "messages": user(), "metadata": {}}
@@ -793,7 +697,7 @@ def test_deeply_nested_json_is_400_not_a_recursion_error(endpoint: str) -> None:
         err = r.json()["error"]
         assert err["code"] == "invalid_json" and "nested too deep" in err["message"] and "32" in err["message"]
     assert 'status="500"' not in metrics
-    assert pipe.calls == []
+    assert fake(pipe).calls == []
 
 
 class _Records(logging.Handler):
@@ -827,7 +731,7 @@ def _send_raw(url: str, data: bytes) -> None:
 
 
 def test_short_body_then_disconnect_is_499_without_traceback() -> None:
-    pipe = FakePipeline()
+    pipe = fake_pipeline()
     body = json.dumps({"model": MODEL, "messages": user()}).encode()
     with running(pipe) as url, _Records().attached() as log:
         for endpoint in ("/v1/chat/completions", "/v1/retrieve"):
@@ -846,7 +750,7 @@ def test_short_body_then_disconnect_is_499_without_traceback() -> None:
     assert "ragbudget_cancelled_total 2" in metrics
     tracebacks = [r.getMessage() for r in log.records if r.exc_info or r.levelno >= logging.ERROR]
     assert tracebacks == []
-    assert ok.choices[0].message.content and len(pipe.calls) == 1
+    assert ok.choices[0].message.content and len(fake(pipe).calls) == 1
 
 
 def test_every_client_caused_failure_maps_to_4xx_or_499() -> None:
@@ -888,40 +792,25 @@ def test_every_client_caused_failure_maps_to_4xx_or_499() -> None:
     assert "/srv" not in _error_from_exception(ConfigError("bad file /srv/private/x.md")).message
 
 
-@dataclass
-class _Store:
-    path: str
-    exists: bool = True
-
-
-class IndexedFakePipeline(FakePipeline):
-    """A FakePipeline with an index (``store``) whose folder can go away, as a Pipeline's can."""
-
-    index = _Store("/srv/private/idx")
-
-    @property
-    def store(self) -> _Store:
-        return self.index
-
-
-def test_health_and_requests_are_503_while_the_index_is_unavailable() -> None:
+def test_health_and_requests_are_503_while_the_index_is_unavailable(tmp_path: Path) -> None:
     from ragbudget.errors import IndexCorruptError
 
-    pipe = IndexedFakePipeline()
-    pipe.index = _Store("/srv/private/idx")
+    index_dir = tmp_path / "private" / "idx"
+    shutil.copytree(corpus_index(), index_dir)
+    pipe = fake_pipeline(index_dir=index_dir)
     with running(pipe) as url:
         assert httpx.get(url + "/health").json()["status"] == "ok"
-        pipe.index.exists = False  # someone deleted the index folder
+        index_dir.rename(tmp_path / "gone")  # someone moved the index folder away
         health = httpx.get(url + "/health")
         chat = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": user()})
         retrieve = httpx.post(url + "/v1/retrieve", json={"query": "footers"})
-        pipe.index.exists = True
+        (tmp_path / "gone").rename(index_dir)
         assert httpx.get(url + "/health").status_code == 200
         # Damage met by a request (not by the probe): 503, and /health unready until one succeeds.
-        pipe.fail = IndexCorruptError("index file /srv/private/idx/a.faiss fails its checksum")
+        fake(pipe).fail = IndexCorruptError("index file /srv/private/idx/a.faiss fails its checksum")
         broken = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": user()})
         unready = httpx.get(url + "/health")
-        pipe.fail = None
+        fake(pipe).fail = None
         fixed = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": user()})
         ready = httpx.get(url + "/health")
         metrics = httpx.get(url + "/metrics").text
@@ -930,7 +819,7 @@ def test_health_and_requests_are_503_while_the_index_is_unavailable() -> None:
         assert r.status_code == 503 and r.json()["error"]["code"] == "index_unavailable", r.text
     assert unready.status_code == 503 and fixed.status_code == 200 and ready.json()["status"] == "ok"
     for r in (health, chat, retrieve, broken, unready):
-        assert "/srv" not in r.text
+        assert "/srv" not in r.text and str(tmp_path) not in r.text
     assert 'endpoint="/v1/chat/completions",status="500"' not in metrics
 
 
@@ -971,14 +860,15 @@ def test_serve_on_a_port_in_use_exits_1_in_one_line(monkeypatch: pytest.MonkeyPa
     from ragbudget.errors import ConfigError
     from ragbudget.server import serve
 
-    monkeypatch.setattr("ragbudget.pipeline.Pipeline", lambda *a, **kw: FakePipeline())
+    pipe = fake_pipeline()
+    monkeypatch.setattr("ragbudget.pipeline.Pipeline", lambda *a, **kw: pipe)
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
         result = _cli("serve", "--port", str(port))
         with pytest.raises(ConfigError, match="in use"):
-            serve(FakePipeline(), port=port)
+            serve(pipe, port=port)
     assert result.exit_code == 1, result.output
     assert result.output == f"Error: port {port} on 127.0.0.1 is in use; pass --port or stop the other server\n"
 
@@ -1007,7 +897,11 @@ def _real_pipeline(index_dir: Path) -> Any:
 
     from ragbudget.pipeline import Pipeline
 
-    return Pipeline(index_dir, generator=FakeGenerator(answer="Elected [1]."), gpu="16GiB", max_new_tokens=32)
+    from types import SimpleNamespace
+
+    gen = FakeGenerator(answer="Elected [1].")
+    gen.model_ref = SimpleNamespace(id="fake/generator")  # type: ignore[attr-defined]  # what the server names
+    return Pipeline(index_dir, generator=gen, gpu="16GiB", max_new_tokens=32)  # type: ignore[arg-type]
 
 
 def _bodies(url: str) -> list[str]:
@@ -1054,12 +948,13 @@ def test_expose_plan_sends_the_memory_plan_but_still_no_private_path(tmp_index: 
 
 _SERVE_SCRIPT = """
 import sys
+sys.path.insert(0, sys.argv[3])
+from _fakes import FakeBackend
+from ragbudget.pipeline import Pipeline
 from ragbudget.server import serve
 
-class Pipe:  # the least a pipeline needs to be served: /health, /v1/models, /metrics
-    max_new_tokens = 8
-
-serve(Pipe(), port=int(sys.argv[1]), log_level="warning", malloc_arenas=None)
+serve(Pipeline(sys.argv[2], backend=FakeBackend(), max_new_tokens=8), port=int(sys.argv[1]),
+      log_level="warning", malloc_arenas=None)
 """
 
 
@@ -1073,7 +968,8 @@ def test_serve_listens_on_the_socket_it_bound_and_stops_on_sigint() -> None:
         port = probe.getsockname()[1]
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": str(root)}
-    proc = subprocess.Popen([sys.executable, "-c", _SERVE_SCRIPT, str(port)], cwd=root, env=env,
+    proc = subprocess.Popen([sys.executable, "-c", _SERVE_SCRIPT, str(port), str(corpus_index()),
+                             str(Path(__file__).parent)], cwd=root, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         def up() -> bool:
@@ -1082,7 +978,8 @@ def test_serve_listens_on_the_socket_it_bound_and_stops_on_sigint() -> None:
             except httpx.TransportError:
                 return proc.poll() is not None  # stop waiting if it died
         assert _wait_until(up, timeout=30) and proc.poll() is None, proc.communicate(timeout=5)
-        assert httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"][0]["id"] == "ragbudget"
+        models = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"]
+        assert [m["id"] for m in models] == [MODEL, "ragbudget"]
     finally:
         proc.send_signal(signal.SIGINT)
         try:
@@ -1092,3 +989,125 @@ def test_serve_listens_on_the_socket_it_bound_and_stops_on_sigint() -> None:
             _, err = proc.communicate()
     assert proc.returncode == 0, err
     assert "Traceback" not in err
+
+
+# --- a burst larger than the capacity (issue #13) ----------------------------------------------------
+
+
+def test_a_burst_past_capacity_gets_200_or_429_with_retry_after_and_retrying_clients_get_in() -> None:
+    """Admission holds 2 requests and queues 1; 8 clients at once, each answer ~0.3 s. Every
+    response is a 200 or a 429 with Retry-After, and a client that waits what Retry-After says
+    and asks again gets its 200. The index's embedder is the model-free hash one: with MiniLM,
+    embedding 8 queries on two busy cores takes longer than the answers, and the requests would
+    reach admission one by one."""
+    pipe = fake_pipeline(slots=2, max_queue=1, timeout=30, words=6, token_delay=0.05,
+                         index_dir=corpus_index("hash:256"))
+    assert pipe.admission.capacity_tokens == 2 * WINDOW  # the real controller, sized from the backend
+    first: list[httpx.Response] = []
+    attempts: list[int] = []
+    lock = threading.Lock()
+    start = threading.Barrier(8)
+
+    def one_client(url: str) -> None:
+        start.wait()
+        body = {"model": MODEL, "messages": user()}
+        r = httpx.post(url + "/v1/chat/completions", json=body, timeout=30)
+        with lock:
+            first.append(r)
+        tries = 1
+        while r.status_code == 429 and tries < 6:
+            time.sleep(int(r.headers["retry-after"]))  # as the header says: whole seconds
+            r = httpx.post(url + "/v1/chat/completions", json=body, timeout=30)
+            tries += 1
+        assert r.status_code == 200, r.text
+        with lock:
+            attempts.append(tries)
+
+    with running(pipe) as url:
+        clients = [threading.Thread(target=one_client, args=(url,)) for _ in range(8)]
+        for t in clients:
+            t.start()
+        for t in clients:
+            t.join(timeout=60)
+        metrics = httpx.get(url + "/metrics").text
+    statuses = sorted(r.status_code for r in first)
+    assert set(statuses) == {200, 429}, statuses
+    assert statuses.count(200) >= 3  # two ran at once, one waited its turn in the queue
+    for r in first:
+        if r.status_code == 429:
+            assert int(r.headers["retry-after"]) >= 1 and r.json()["error"]["code"] == "overloaded"
+    assert len(attempts) == 8 and max(attempts) > 1  # every client got in, some after waiting
+    assert fake(pipe).peak_running <= 2 and reserved(pipe) == 0
+    assert 'status="5' not in metrics
+
+
+# --- `serve --engine`: admission from the engine's own queue and free KV ------------------------------
+
+
+def _engine_app(srv: Any, tmp_path: Path) -> Any:
+    from fastapi.testclient import TestClient
+
+    index_dir = tmp_path / "idx"
+    shutil.copytree(corpus_index(), index_dir)  # the engine's token counts are cached in it
+    kw = {"engine_context_tokens": 2048} if srv.kind == "openai" else {}
+    return TestClient(create_app(Pipeline(index_dir, engine=srv.url, max_new_tokens=32, **kw)))
+
+
+def _ask(client: Any) -> Any:
+    return client.post("/v1/chat/completions", json={"model": "ragbudget", "messages": user()})
+
+
+@pytest.mark.parametrize(("kind", "options", "why"), [
+    ("vllm", {}, "1 request(s) waiting"),  # the replay's vllm:num_requests_waiting is 1
+    ("llamacpp", {"busy_slots": 4}, "0 free KV tokens"),  # every slot is processing
+])
+def test_engine_with_a_queue_or_no_free_kv_is_429_before_any_work(tmp_path: Path, kind: str,
+                                                                 options: dict[str, Any], why: str) -> None:
+    from _replay import Replay
+
+    with Replay(kind, **options) as srv, _engine_app(srv, tmp_path) as client:
+        r = _ask(client)
+        metrics = client.get("/metrics").text
+        health = client.get("/health").json()
+        sent = srv.calls("POST", "/v1/chat/completions")
+    assert r.status_code == 429, r.text
+    assert int(r.headers["retry-after"]) >= 1 and r.json()["error"]["code"] == "overloaded"
+    assert why in r.json()["error"]["message"]
+    assert sent == []  # nothing reached the engine
+    assert "ragbudget_engine_admission_open 0" in metrics
+    assert health["engine_load"]["open"] is False and health["engine_load"]["sources"]
+
+
+def test_engine_with_room_admits_and_figures_are_reread_at_most_once_a_second(tmp_path: Path) -> None:
+    from _replay import Replay, Resp
+
+    with Replay("vllm") as srv, _engine_app(srv, tmp_path) as client:
+        idle = srv.engine.metrics().replace("vllm:num_requests_waiting{", "x{").replace(
+            "# TYPE vllm:num_requests_waiting gauge", "# TYPE vllm:num_requests_waiting gauge\n"
+            'vllm:num_requests_waiting{engine="0"} 0.0')
+        srv.routes[("GET", "/metrics")] = lambda b: Resp(text=idle, content_type="text/plain")
+        ok = _ask(client)
+        metrics = client.get("/metrics").text
+        # The engine fills up (another client): refused once the figures are re-read.
+        full = idle.replace("vllm:kv_cache_usage_perc{engine=\"0\",model_name=\"Qwen/Qwen3-8B\"} 0.25",
+                            "vllm:kv_cache_usage_perc{engine=\"0\",model_name=\"Qwen/Qwen3-8B\"} 1.0")
+        assert full != idle
+        srv.routes[("GET", "/metrics")] = lambda b: Resp(text=full, content_type="text/plain")
+        time.sleep(1.1)
+        refused = _ask(client)
+    assert ok.status_code == 200, ok.text
+    assert "ragbudget_engine_waiting_requests 0" in metrics and "ragbudget_engine_kv_free_tokens 75000" in metrics
+    assert refused.status_code == 429 and "0 free KV tokens" in refused.json()["error"]["message"]
+
+
+def test_engine_without_metrics_admits_and_says_admission_is_open(tmp_path: Path) -> None:
+    from _replay import Replay
+
+    with Replay("openai") as srv, _engine_app(srv, tmp_path) as client:
+        r = _ask(client)
+        metrics = client.get("/metrics").text
+        health = client.get("/health").json()
+    assert r.status_code == 200, r.text
+    assert "ragbudget_engine_admission_open 1" in metrics
+    assert "ragbudget_engine_waiting_requests" not in metrics
+    assert health["engine_load"]["open"] is True and health["engine_load"]["note"].startswith("open")
