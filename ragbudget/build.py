@@ -53,8 +53,8 @@ from .index import (
     _write_json_atomic,
 )
 from .lexical import FTS_TOKENIZE, _ensure_fts
-from .vectors import FlatStore, choose_store, make_store
 from .types import Document, IndexSummary
+from .vectors import FlatStore, choose_store, make_store
 
 if TYPE_CHECKING:
     from .embed import Embedder

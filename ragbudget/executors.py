@@ -229,7 +229,7 @@ class RayExecutor:
     def _ray(self) -> Any:
         try:
             import ray
-            import ray.data  # noqa: F401 - the Data library is a separate extra of ray
+            import ray.data  # the Data library is a separate extra of ray
         except ImportError as exc:
             raise ExecutorError(
                 f"the Ray executor needs Ray Data, which is not installed ({exc}): "
@@ -249,23 +249,24 @@ class RayExecutor:
         try:
             ray.init(address=self.address, include_dashboard=False, log_to_driver=False,
                      logging_level=logging.WARNING)
-        except Exception as exc:  # Ray raises ConnectionError, RuntimeError, ValueError, ...
+        except Exception as exc:  # noqa: BLE001 - Ray raises ConnectionError, RuntimeError, ...
             where = f"at {self.address!r}" if self.address else "(a local one)"
             raise ExecutorError(f"could not start or join the Ray cluster {where}: "
                                 f"{_one_line(exc)}") from None
         self._owned = True
         return ray
 
-    def _pool(self, ray: Any) -> tuple[int, float, float]:
-        """Actors, CPUs and GPUs per actor for the cluster as it is now."""
+    def _pool(self, ray: Any) -> tuple[int, float | None, float | None]:
+        """Actors, and CPUs or GPUs per actor, for the cluster as it is now."""
         res = ray.cluster_resources()
         cpus, gpus = float(res.get("CPU", 1.0)), int(res.get("GPU", 0))
         if gpus:
-            return self.workers or gpus, 1.0, 1.0
+            # A GPU each, CPUs left to Ray's default (Ray Data calls asking for both experimental).
+            return self.workers or gpus, None, 1.0
         n = self.workers or max(1, int(cpus))
         # Each actor gets an equal share of the CPUs (Ray sets its torch threads to it); more
         # actors than CPUs still run, a fraction of a CPU each.
-        return n, max(cpus // n, 1.0) if n <= cpus else cpus / n, 0.0
+        return n, max(cpus // n, 1.0) if n <= cpus else cpus / n, None
 
     def embed(self, embedder: Embedder, texts: Sequence[str], *, batch_size: int) -> Iterator[Shard]:
         import numpy as np
@@ -291,7 +292,7 @@ class RayExecutor:
                 ds = ds.map_batches(
                     _EmbedActor, fn_constructor_args=(embedder,), batch_size=batch_size,
                     batch_format="numpy", compute=ray.data.ActorPoolStrategy(size=workers),
-                    num_cpus=cpus, num_gpus=gpus or None,
+                    num_cpus=cpus, num_gpus=gpus,
                     max_restarts=self.retries, max_task_retries=self.retries)
             for b in ds.iter_batches(batch_size=None, batch_format="numpy"):
                 yield Shard(positions=np.asarray(b["pos"], dtype=np.int64),

@@ -119,6 +119,38 @@ def test_ray_index_with_minilm_equals_the_local_one(ray_cluster: Any, tmp_path: 
         np.testing.assert_allclose([s for _, s in qa], [s for _, s in qb], atol=1e-4)
 
 
+class ReversedExecutor(LocalExecutor):
+    """The local executor with its shards handed back last first, as a cluster may finish them."""
+
+    def embed(self, embedder: Any, texts: Any, *, batch_size: int) -> Any:
+        return reversed(list(super().embed(embedder, texts, batch_size=batch_size)))
+
+
+def test_shards_may_come_back_in_any_order(tmp_path: Path) -> None:
+    # The builder places each shard's vectors by its positions: a cluster's completion order
+    # must not move a vector to another chunk. Rounds of 64 chunks, batches of 16: four shards.
+    docs = corpus(tmp_path)
+    Index(tmp_path / "local").build([str(docs)], embedder=HashEmbedder(dim=64), **SMALL)
+    rev = ReversedExecutor()
+    rev.round_size = 64
+    Index(tmp_path / "rev").build([str(docs)], embedder=HashEmbedder(dim=64), executor=rev, **SMALL)
+    a, b = contents(tmp_path / "local"), contents(tmp_path / "rev")
+    same_index(a, b, atol=0.0)
+    assert a["hits"] == b["hits"]
+
+
+def test_ray_shards_hold_the_vectors_of_their_positions(ray_cluster: Any) -> None:
+    texts = [f"text {i} about topic {i % 7}" for i in range(50)]
+    emb = HashEmbedder(dim=32)
+    shards = list(RayExecutor(workers=2).embed(emb, texts, batch_size=8))
+    assert sorted(p for s in shards for p in s.positions.tolist()) == list(range(50))
+    for s in shards:
+        want = emb.embed([texts[p] for p in s.positions])
+        np.testing.assert_array_equal(s.vectors, want.vectors)
+        assert s.windows == want.windows
+    assert sum(s.texts_fed for s in shards) == 50
+
+
 # -- failures -----------------------------------------------------------------------------------
 
 def test_a_worker_killed_mid_job_keeps_the_previous_generation(ray_cluster: Any, tmp_path: Path) -> None:
@@ -223,3 +255,11 @@ def test_ray_is_imported_only_by_the_ray_executor() -> None:
     out = subprocess.run([sys.executable, "-c", "import json\n" + code], cwd=REPO, check=True,
                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
+
+
+def test_the_pool_shares_the_cluster_cpus(ray_cluster: Any) -> None:
+    # The 2-CPU test cluster: one actor per CPU by default, the CPUs split between the actors
+    # asked for (Ray sets each actor's torch threads to its share); no GPU asked for without GPUs.
+    assert RayExecutor()._pool(ray_cluster) == (2, 1.0, None)
+    assert RayExecutor(workers=1)._pool(ray_cluster) == (1, 2.0, None)
+    assert RayExecutor(workers=4)._pool(ray_cluster) == (4, 0.5, None)
