@@ -2,7 +2,8 @@
 
 One :class:`_Builder` run holds the index lock (taken by :meth:`Index.build`), copies the current
 generation's SQLite file, scans the roots, loads/cleans/chunks the changed files, drives
-deduplication and the vector store, embeds (checkpointed, so a killed run resumes), and commits by
+deduplication and the vector store, embeds through an executor (:mod:`ragbudget.executors`: in
+process or on Ray; checkpointed, so a killed or failed run resumes), and commits by
 renaming the new files into place and then the manifest. See :mod:`ragbudget.index` for the layout
 and the atomicity argument.
 """
@@ -220,6 +221,7 @@ class _Builder:
                  prune: bool = False, allow_removal: bool = False,
                  executor: EmbedExecutor | None = None) -> None:
         from .executors import LocalExecutor
+
         self.idx = idx
         self.given = list(roots)
         self.prune = prune

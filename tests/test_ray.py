@@ -263,3 +263,11 @@ def test_the_pool_shares_the_cluster_cpus(ray_cluster: Any) -> None:
     assert RayExecutor()._pool(ray_cluster) == (2, 1.0, None)
     assert RayExecutor(workers=1)._pool(ray_cluster) == (1, 2.0, None)
     assert RayExecutor(workers=4)._pool(ray_cluster) == (4, 0.5, None)
+
+
+def test_doctests() -> None:
+    import doctest
+
+    import ragbudget.executors
+
+    assert doctest.testmod(ragbudget.executors).failed == 0
