@@ -271,3 +271,16 @@ def test_doctests() -> None:
     import ragbudget.executors
 
     assert doctest.testmod(ragbudget.executors).failed == 0
+
+
+def test_joining_another_cluster_from_a_connected_process_is_refused(ray_cluster: Any) -> None:
+    # ray.init would quietly keep the first connection: the build would run on the wrong cluster.
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        address = f"127.0.0.1:{listener.getsockname()[1]}"
+        ex = RayExecutor(address=address)
+        ex.check()  # something listens: the probe passes
+        with pytest.raises(ExecutorError, match="already connected to a Ray cluster"):
+            list(ex.embed(HashEmbedder(dim=8), ["text"], batch_size=1))
+    assert ray_cluster.is_initialized()  # the shared cluster is untouched
