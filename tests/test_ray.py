@@ -47,6 +47,22 @@ class DyingEmbedder(HashEmbedder):
         return super().embed(texts)
 
 
+class DyingOnceEmbedder(HashEmbedder):
+    """A HashEmbedder whose worker dies once: the first process to embed removes ``flag`` and
+    exits, as a preempted node would; after that it embeds like HashEmbedder."""
+
+    def __init__(self, dim: int, flag: Path) -> None:
+        super().__init__(dim)
+        self.flag = str(flag)
+
+    def embed(self, texts: Any) -> Any:
+        try:
+            os.remove(self.flag)
+        except FileNotFoundError:
+            return super().embed(texts)
+        os._exit(1)
+
+
 def corpus(root: Path) -> Path:
     docs = root / "docs"
     shutil.copytree(MANPAGES, docs)
@@ -187,6 +203,21 @@ def test_a_worker_killed_mid_job_keeps_the_previous_generation(ray_cluster: Any,
     np.testing.assert_array_equal(
         np.array([v for _, v in sorted(zip([t for _, t, _ in fresh["chunks"]], fresh["vectors"]))]),
         np.array([v for _, v in sorted(zip([t for _, t, _ in resumed["chunks"]], resumed["vectors"]))]))
+
+
+def test_a_worker_that_dies_once_is_restarted_and_the_index_is_the_same(
+        ray_cluster: Any, tmp_path: Path) -> None:
+    docs = corpus(tmp_path)
+    flag = tmp_path / "die-once"
+    flag.touch()
+    got = Index(tmp_path / "ray").build([str(docs)], embedder=DyingOnceEmbedder(64, flag),
+                                        executor=RayExecutor(workers=1, retries=1), **SMALL)
+    assert not flag.exists()  # a worker did die
+    assert got.committed and got.chunks_embedded == got.chunks_added
+    Index(tmp_path / "local").build([str(docs)], embedder=HashEmbedder(dim=64), **SMALL)
+    a, b = contents(tmp_path / "local"), contents(tmp_path / "ray")
+    same_index(a, b, atol=0.0)
+    assert a["hits"] == b["hits"]
 
 
 def free_port() -> int:
