@@ -46,6 +46,7 @@ _EXPORTS: dict[str, str] = {
     "EngineResponseError": "errors",
     "EngineContextError": "errors",
     "EngineOverloadedError": "errors",
+    "ExecutorError": "errors",
     # stages
     "load_document": "loaders",
     "scan": "loaders",
@@ -106,6 +107,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
         EngineError,
         EngineOverloadedError,
         EngineResponseError,
+        ExecutorError,
         IndexCorruptError,
         IndexEmptyError,
         IndexError_,

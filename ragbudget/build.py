@@ -2,7 +2,8 @@
 
 One :class:`_Builder` run holds the index lock (taken by :meth:`Index.build`), copies the current
 generation's SQLite file, scans the roots, loads/cleans/chunks the changed files, drives
-deduplication and the vector store, embeds (checkpointed, so a killed run resumes), and commits by
+deduplication and the vector store, embeds through an executor (:mod:`ragbudget.executors`: in
+process or on Ray; checkpointed, so a killed or failed run resumes), and commits by
 renaming the new files into place and then the manifest. See :mod:`ragbudget.index` for the layout
 and the atomicity argument.
 """
@@ -23,7 +24,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .errors import ConfigError, IndexCorruptError, IndexNotFoundError, InputPathError, LoadError
+from .errors import (
+    ConfigError,
+    ExecutorError,
+    IndexCorruptError,
+    IndexNotFoundError,
+    InputPathError,
+    LoadError,
+)
 from .index import (
     _FILES_ADDED_COLUMNS,
     _GEN_FILE,
@@ -46,11 +54,12 @@ from .index import (
     _write_json_atomic,
 )
 from .lexical import FTS_TOKENIZE, _ensure_fts
-from .vectors import FlatStore, choose_store, make_store
 from .types import Document, IndexSummary
+from .vectors import FlatStore, choose_store, make_store
 
 if TYPE_CHECKING:
     from .embed import Embedder
+    from .executors import EmbedExecutor
     from .index import Index
 
 log = logging.getLogger(__name__)
@@ -209,7 +218,10 @@ class _Builder:
                  settings: dict[str, Any], include: Any, exclude: Any, max_bytes: int | None,
                  clean: bool, store: str, rebuild: bool, batch_files: int, embed_batch: int,
                  progress: ProgressCallback | None, roots: Sequence[tuple[str, str]] = (),
-                 prune: bool = False, allow_removal: bool = False) -> None:
+                 prune: bool = False, allow_removal: bool = False,
+                 executor: EmbedExecutor | None = None) -> None:
+        from .executors import LocalExecutor
+
         self.idx = idx
         self.given = list(roots)
         self.prune = prune
@@ -229,6 +241,10 @@ class _Builder:
         self.rebuild = rebuild
         self.batch_files = batch_files
         self.embed_batch = embed_batch
+        # Where embedding runs (the one seam between local and Ray): chunks to embed are gathered
+        # into rounds of the executor's size, one embed_batch by default, as before.
+        self.executor: EmbedExecutor = executor or LocalExecutor()
+        self.flush_at = self.executor.round_size or embed_batch
         self.progress: ProgressCallback = progress or _no_progress
         self.t0 = time.perf_counter()
         self.stats: dict[str, Any] = {k: 0 for k in (
@@ -253,6 +269,8 @@ class _Builder:
     # -- setup ---------------------------------------------------------------------------------
 
     def cleanup(self) -> None:
+        with contextlib.suppress(Exception):
+            self.executor.close()
         if self.db is not None:
             with contextlib.suppress(Exception):
                 self.db.close()
@@ -317,6 +335,7 @@ class _Builder:
     def run(self) -> IndexSummary:
         from .loaders import scan
 
+        self.executor.check()  # an unreachable cluster fails here, before a file is read
         old_flat, old_db_path, damaged = self._open_old()
         gen = int(self.old["generation"]) + 1 if self.old else 1
         if not self.old and (self.dir / MANIFEST).exists():
@@ -501,7 +520,7 @@ class _Builder:
             for doc, *facts in loaded:
                 self._index_doc(corpus.strip(doc) if corpus else doc, *facts)
             self.progress("files", min(start + self.batch_files, len(todo)), len(todo))
-            if len(self.pending) >= self.embed_batch:
+            if len(self.pending) >= self.flush_at:
                 self._flush()
         self._flush()
 
@@ -696,7 +715,7 @@ class _Builder:
         self.stats["chunks_added"] += 1
         self.pending.append((cid, c.text))
         self.embed_total += 1
-        if len(self.pending) >= self.embed_batch:
+        if len(self.pending) >= self.flush_at:
             self._flush()
 
     def _add_source(self, cid: int, src: tuple[Any, ...]) -> None:
@@ -740,21 +759,7 @@ class _Builder:
                 self.stats["chunks_resumed"] += 1
             todo = left
         if todo:
-            emb = self.embedder
-            assert emb is not None
-            t = time.perf_counter()
-            res = emb.embed([batch[i][1] for i in todo])
-            self.embed_seconds += time.perf_counter() - t
-            if vecs is None:
-                vecs = np.zeros((len(batch), res.vectors.shape[1]), dtype=np.float32)
-            vecs[todo] = res.vectors
-            for j, w in zip(todo, res.windows):
-                windows[j] = w
-            if self.checkpoint is not None:
-                self.checkpoint.add([batch[j][1] for j in todo], res.vectors, res.windows)
-            self.stats["chunks_embedded"] += len(todo)
-            self.stats["windows_pooled"] += res.pooled
-            self.stats["windows_embedded"] += res.texts_fed
+            vecs = self._embed(batch, todo, vecs, windows)
         assert vecs is not None
         vecs = np.ascontiguousarray(vecs, dtype=np.float32)
         self._ensure_flat(vecs.shape[1])
@@ -769,6 +774,52 @@ class _Builder:
                             [(w, int(i)) for w, i in zip(windows, ids)])
         self.progress("embed", self.stats["chunks_embedded"] + self.stats["chunks_reused"],
                       self.embed_total)
+
+    def _embed(self, batch: list[tuple[int, str]], todo: list[int], vecs: Any,
+               windows: list[int]) -> Any:
+        """Embed the texts of ``batch`` at ``todo`` through the executor; fill ``vecs`` and
+        ``windows`` at those rows. Each shard is checkpointed as it arrives, so a failed job
+        keeps what came back."""
+        import numpy as np
+
+        emb = self.embedder
+        assert emb is not None
+        texts = [batch[j][1] for j in todo]
+        done = np.zeros(len(todo), dtype=bool)
+        t = time.perf_counter()
+        try:
+            for shard in self.executor.embed(emb, texts, batch_size=self.embed_batch):
+                if vecs is None:
+                    vecs = np.zeros((len(batch), shard.vectors.shape[1]), dtype=np.float32)
+                rows = [todo[p] for p in shard.positions]
+                vecs[rows] = shard.vectors
+                for j, w in zip(rows, shard.windows):
+                    windows[j] = w
+                done[shard.positions] = True
+                if self.checkpoint is not None:
+                    self.checkpoint.add([batch[j][1] for j in rows], shard.vectors, shard.windows)
+                self.stats["chunks_embedded"] += len(rows)
+                self.stats["windows_pooled"] += sum(1 for w in shard.windows if w > 1)
+                self.stats["windows_embedded"] += shard.texts_fed
+                self.progress("embed", self.stats["chunks_embedded"] + self.stats["chunks_reused"],
+                              self.embed_total)
+        except ExecutorError as exc:
+            kept = len(self.checkpoint.vectors) if self.checkpoint is not None else 0
+            raise ExecutorError(
+                f"{exc}. {self._unchanged_note()}; {self.stats['chunks_embedded'] + kept} embedded "
+                "chunk(s) are checkpointed, so a re-run resumes after them") from None
+        finally:
+            self.embed_seconds += time.perf_counter() - t
+        if not done.all():
+            raise ExecutorError(
+                f"the {self.executor.name} executor returned vectors for {int(done.sum())} of "
+                f"{len(todo)} chunks. {self._unchanged_note()}")
+        return vecs
+
+    def _unchanged_note(self) -> str:
+        if self.old is None:
+            return "No index was written"
+        return f"The index was not changed (generation {self.gen - 1} stays)"
 
     def _reuse_vectors(self, batch: list[tuple[int, str]], windows: list[int]) -> tuple[Any, list[int]]:
         import numpy as np

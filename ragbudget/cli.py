@@ -196,19 +196,36 @@ def cli(verbose: int) -> None:
 @click.option("--ipynb-outputs", is_flag=True, help="Also index the text outputs of notebook code cells.")
 @click.option("--json-fields", default="", metavar="KEYS", help="Comma-separated JSON key names or key paths (globs) whose strings are indexed; default: every string value.")
 @click.option("--ocr", is_flag=True, help="OCR PDF pages without a text layer (needs ragbudget[ocr] and tesseract-ocr).")
+@click.option("--executor", type=click.Choice(["local", "ray"]), default="local", show_default=True, help="Where chunks are embedded: this process, or Ray Data on a Ray cluster (needs ragbudget[ray]).")
+@click.option("--ray-address", default=None, metavar="ADDR", help="Ray cluster to join with --executor ray (host:port, ray://host:port or auto); default: $RAY_ADDRESS, else a local Ray started for this run.")
+@click.option("--embed-workers", default=None, type=click.IntRange(min=1), metavar="N", help="Embedding actors with --executor ray, one model copy each (default: one per GPU, else one per CPU of the cluster).")
 @_user_errors
 def index(paths: tuple[str, ...], index_dir: str, embedder: str | None, include: tuple[str, ...],
           exclude: tuple[str, ...], max_file_mb: float, min_tokens: int, max_tokens: int,
           rebuild: bool, prune: bool, allow_removal: bool, store: str, approx: str | None,
           dedup: str, as_json: bool, ipynb_outputs: bool = False, json_fields: str = "",
-          ocr: bool = False) -> None:
+          ocr: bool = False, executor: str = "local", ray_address: str | None = None,
+          embed_workers: int | None = None) -> None:
     """Add files and folders to the index, or update them (unchanged files cost one stat).
 
     Files indexed from other paths stay; a file that vanished from under PATHS is removed.
     A PATH that does not exist is an error and changes nothing. Changing --ipynb-outputs,
-    --json-fields or --ocr re-reads only changed files: add --rebuild to apply them to all."""
+    --json-fields or --ocr re-reads only changed files: add --rebuild to apply them to all.
+
+    --executor ray embeds on a Ray cluster (Ray Data over an actor pool); the index it writes is
+    the one --executor local writes."""
+    from .errors import ConfigError
+    from .executors import RayExecutor
     from .formats import LoadOptions, load_options
     from .pipeline import Pipeline
+
+    if executor != "ray" and (ray_address is not None or embed_workers is not None):
+        raise ConfigError("--ray-address and --embed-workers apply to --executor ray; add "
+                             "--executor ray, or leave them out to embed in this process")
+    run_on: str | RayExecutor = executor
+    if executor == "ray":
+        run_on = RayExecutor(address=ray_address or os.environ.get("RAY_ADDRESS") or None,
+                             workers=embed_workers)
 
     pipe = Pipeline(index_dir, embedder=embedder)
     fields = tuple(f.strip() for f in json_fields.split(",") if f.strip())
@@ -229,6 +246,7 @@ def index(paths: tuple[str, ...], index_dir: str, embedder: str | None, include:
             store=approx or store,
             dedup=dedup,
             progress=progress,
+            executor=run_on,
         )
     data = summary.to_dict()
     if as_json:

@@ -18,6 +18,7 @@ into exit codes (1 for any ``RagBudgetError``); the library never calls ``sys.ex
     ├── BudgetError                      the request cannot fit: ``limit`` names what binds
     ├── OverloadedError                  admission control: queue full or wait timed out
     ├── RequestCancelled                 the caller cancelled the request (a client left)
+    ├── ExecutorError                    embedding on a cluster failed (Ray unreachable, a worker died)
     └── EngineError                      a served engine could not be used (tree below)
 
 Leaves subclass the built-in they refine (``ConfigError`` is a ``ValueError``) so callers' existing
@@ -36,6 +37,7 @@ __all__ = [
     "EngineError",
     "EngineOverloadedError",
     "EngineResponseError",
+    "ExecutorError",
     "IndexCorruptError",
     "IndexEmptyError",
     "IndexError_",
@@ -152,6 +154,13 @@ class RequestCancelled(RagBudgetError):
     """A request's ``cancel`` event was set while it waited for admission: it left the queue
     without holding any KV memory. (:meth:`ragbudget.pipeline.Pipeline.ask` turns this into an
     answer with ``finish_reason="cancelled"``.)"""
+
+
+class ExecutorError(RagBudgetError):
+    """The executor that embeds an index build could not run it: the Ray cluster is unreachable,
+    Ray is not installed, or the job failed (a worker died more often than it may be restarted).
+    The build stops before its commit point, so the index keeps its previous generation; vectors
+    already returned stay in the embedding checkpoint and a re-run resumes after them."""
 
 
 # -- served engines (ragbudget.engines) ---------------------------------------------------------

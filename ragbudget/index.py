@@ -96,6 +96,7 @@ if TYPE_CHECKING:
     from typing_extensions import Self
 
     from .embed import Embedder
+    from .executors import EmbedExecutor
 
 __all__ = [
     "DEFAULT_INDEX_DIR",
@@ -1046,6 +1047,7 @@ class Index:
         batch_files: int = 16,
         embed_batch: int = 256,
         progress: ProgressCallback | None = None,
+        executor: str | EmbedExecutor = "local",
     ) -> IndexSummary:
         """Index ``paths`` (files or folders), incrementally. Returns an :class:`IndexSummary`.
 
@@ -1067,7 +1069,11 @@ class Index:
         :func:`~ragbudget.vectors.choose_store`), ``"flat"``, ``"hnsw"``, ``"ivf"`` (IVF-PQ with
         exact rescoring) or ``"ivf-flat"``; an approximate store is tuned to recall@10
         :data:`~ragbudget.vectors.RECALL_TARGET` against exact search, measured on the index's
-        own vectors and recorded in the manifest. ``approx="hnsw"`` is the older spelling of
+        own vectors and recorded in the manifest. ``executor`` says where chunks are embedded
+        (:mod:`ragbudget.executors`): ``"local"`` (this process), ``"ray"`` (Ray Data on the
+        cluster ``RAY_ADDRESS`` names, or a local one) or an executor object such as
+        ``RayExecutor(address=..., workers=...)``; the index it writes is the same (vectors equal
+        within float rounding). ``approx="hnsw"`` is the older spelling of
         ``store="hnsw"``. Settings that change the vectors or the chunks (embedder,
         chunking, dedup) trigger a full rebuild, reported in ``rebuild_reason``.
         Files stream through in batches of ``batch_files``; chunks are embedded ``embed_batch`` at a
@@ -1087,6 +1093,9 @@ class Index:
 
         if store not in STORES:
             raise ConfigError(f"store must be one of {', '.join(STORES)}; got {store!r}")
+        from .executors import make_executor
+
+        run_on = make_executor(executor)
         if not 0 <= min_tokens <= max_tokens:
             raise ConfigError(
                 f"need 0 <= min_tokens <= max_tokens, got min_tokens={min_tokens}, "
@@ -1112,6 +1121,7 @@ class Index:
                 include=include, exclude=exclude, max_bytes=max_bytes, clean=clean, store=store,
                 rebuild=rebuild, batch_files=max(1, batch_files), embed_batch=max(1, embed_batch),
                 progress=progress, roots=roots, prune=prune, allow_removal=allow_removal,
+                executor=run_on,
             )
             try:
                 return builder.run()

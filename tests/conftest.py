@@ -95,3 +95,23 @@ def llama_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=15)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[object]:
+    """One small local Ray cluster for every test that needs it (2 CPUs, a 200 MB object store,
+    no dashboard), shut down at the end of the session. Its workers import this checkout's
+    ragbudget and the helpers in tests/ (PYTHONPATH), not an installed copy. Skips when Ray Data
+    is not installed (the ``ray`` extra; ``dev`` installs it)."""
+    ray = pytest.importorskip("ray")
+    pytest.importorskip("ray.data")
+    if ray.is_initialized():  # pragma: no cover - another fixture or plugin started one
+        yield ray
+        return
+    path = os.pathsep.join([str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])
+    ray.init(num_cpus=2, object_store_memory=200 * 1024 * 1024, include_dashboard=False,
+             log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": path.rstrip(os.pathsep)}})
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
