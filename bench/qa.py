@@ -11,6 +11,8 @@ split and writes ``bench/results/qa_<split>.json``:
   ``k``), ``greedy_fill`` and ``ragbudget`` (the library's defaults);
 * ``--dense``: the same for ``greedy_fill`` and ``ragbudget`` over dense-only candidates (what
   hybrid retrieval adds, apart from packing);
+* ``--ablate``: ragbudget without ``fill_remainder`` (the room whole chunks leave stays empty) and
+  without the relevance floor;
 * ``--sweep`` (tuning split only): ragbudget's recall for both fusion methods × lexical weights
   0.3 / 0.5 / 0.7, to check the library's default on data it is not reported on;
 * ``--gen-n N``: SmolLM2-135M-Instruct (CPU, greedy) answers a seeded sample of N questions with
@@ -63,6 +65,11 @@ def configs(args: argparse.Namespace) -> dict[str, dict]:
     if args.dense:
         cfg["greedy_fill_dense"] = {"system": "greedy_fill", "retrieval": {"hybrid": False}}
         cfg["ragbudget_dense"] = {"system": "ragbudget", "retrieval": {"hybrid": False}}
+    if args.ablate:
+        # What each selection stage adds: the room after whole chunks left empty (the behaviour
+        # before fill_remainder), and no relevance floor.
+        cfg["ragbudget_no_fill"] = {"system": "ragbudget", "select": {"fill_remainder": False}}
+        cfg["ragbudget_no_floor"] = {"system": "ragbudget", "select": {"relevance_floor": 0.0}}
     if args.sweep:
         for f in FUSIONS:
             for w in (0.3, 0.5, 0.7):
@@ -120,6 +127,8 @@ def main() -> None:
     ap.add_argument("--chunk-max", type=int, default=500)
     ap.add_argument("--dense", action="store_true", help="also dense-only candidates")
     ap.add_argument("--sweep", action="store_true", help="fusion x lexical weight (tuning split)")
+    ap.add_argument("--ablate", action="store_true",
+                    help="also ragbudget without fill_remainder and without the relevance floor")
     ap.add_argument("--gen-n", type=int, default=0, help="questions answered by SmolLM2")
     ap.add_argument("--gen-budget", type=int, default=512)
     ap.add_argument("--gen-seconds", type=float, default=1800, help="stop generating after this")
