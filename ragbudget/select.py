@@ -232,6 +232,10 @@ def select_chunks(
     >>> hits = [Candidate("a", "Paris is the capital of France.", 0.9),
     ...         Candidate("b", "Lyon is a city in France.", 0.5)]
     >>> sel = select_chunks("capital?", hits, budget_tokens=8, count_tokens=lambda s: len(s.split()))
+    >>> [c.text for c in sel.chunks], sel.tokens_used    # the 2 words left go to "b", cut
+    (['Paris is the capital of France.', 'Lyon is'], 8)
+    >>> sel = select_chunks("capital?", hits, budget_tokens=8, count_tokens=lambda s: len(s.split()),
+    ...                     fill_remainder=False)
     >>> [c.chunk_id for c in sel.chunks], sel.tokens_used, [d.reason for d in sel.dropped]
     (['a'], 6, ['over_budget'])
     """
