@@ -43,21 +43,32 @@ def cases(draw: st.DrawFn) -> tuple[list[Candidate], int, int, bool]:
 
 
 @settings(max_examples=10_000, deadline=None, suppress_health_check=list(HealthCheck))
-@given(cases(), st.sampled_from(["relevance", "document", "lost_in_middle"]))
-def test_never_over_budget_and_every_candidate_accounted(case, order) -> None:
+@given(cases(), st.sampled_from(["relevance", "document", "lost_in_middle"]), st.booleans())
+def test_never_over_budget_and_every_candidate_accounted(case, order, fill_remainder) -> None:
     cands, budget, overhead, _ = case
     sel = select_chunks("q", cands, budget_tokens=budget, count_tokens=words,
-                        chunk_overhead=overhead, order=order)
+                        chunk_overhead=overhead, order=order, fill_remainder=fill_remainder)
     assert sel.tokens_used <= budget
     assert sel.tokens_used == sum(words(c.text) + overhead for c in sel.chunks)
     used = [cid for c in sel.chunks for cid in c.chunk_ids]
     assert len(used) == len(set(used))
     assert sorted(used + [d.chunk_id for d in sel.dropped]) == sorted(c.chunk_id for c in cands)
-    # Only the best chunk may be truncated, and only when it alone exceeds the budget.
-    for c in sel.chunks:
-        if c.truncated:
-            best = max(cands, key=lambda x: x.score)
+    best = max(cands, key=lambda x: x.score) if cands else None
+    cut = [c for c in sel.chunks if c.truncated]
+    if not fill_remainder:
+        # Only the best chunk may be truncated, and only when it alone exceeds the budget.
+        for c in cut:
             assert c.chunk_ids == (best.chunk_id,) or words(best.text) + overhead > budget
+        return
+    # With fill_remainder: at most the oversize best chunk and one chunk cut into the room the
+    # whole ones left, and that one is the best-scored candidate not used whole.
+    assert len(cut) <= 2
+    whole = {cid for c in sel.chunks if not c.truncated for cid in c.chunk_ids}
+    for c in cut:
+        if c.chunk_ids != (best.chunk_id,):
+            (cid,) = c.chunk_ids
+            better = [x for x in cands if x.score > next(y.score for y in cands if y.chunk_id == cid)]
+            assert all(x.chunk_id in whole or x.chunk_id == best.chunk_id for x in better)
 
 
 @settings(max_examples=2_000, deadline=None)
@@ -83,7 +94,7 @@ def test_knapsack_beats_top_k_then_truncate() -> None:
     # The best chunk (60) fits; the second (50) does not; three small ones fill the rest.
     cands = [cand("a", 60, 0.9), cand("b", 50, 0.8), cand("c", 12, 0.7), cand("d", 12, 0.6),
              cand("e", 12, 0.5)]
-    sel = select_chunks("q", cands, budget_tokens=100, count_tokens=words)
+    sel = select_chunks("q", cands, budget_tokens=100, count_tokens=words, fill_remainder=False)
     ids = [c.chunk_id for c in sel.chunks]
     assert ids == ["a", "c", "d", "e"]
     assert sel.tokens_used == 96 and not any(c.truncated for c in sel.chunks)
@@ -99,7 +110,8 @@ def test_dropped_reasons() -> None:
         cand("low", 5, 0.05),
         cand("big", 95, 0.6),
     ]
-    sel = select_chunks("q", cands, budget_tokens=40, count_tokens=words, min_score=0.1)
+    sel = select_chunks("q", cands, budget_tokens=40, count_tokens=words, min_score=0.1,
+                        fill_remainder=False)
     reasons = {d.chunk_id: d.reason for d in sel.dropped}
     assert reasons == {"dup": "duplicate", "red": "redundant", "low": "below_cutoff",
                        "big": "over_budget"}
@@ -144,16 +156,43 @@ def test_truncates_only_the_single_oversize_best_chunk_at_a_sentence() -> None:
     text = "One two three. Four five six. Seven eight nine ten. Eleven twelve."
     big = Candidate("big", text, 0.9, sources=(Source("f", 0, len(text)),))
     small = cand("s", 2, 0.5)
-    sel = select_chunks("q", [big, small], budget_tokens=9, count_tokens=words)
+    sel = select_chunks("q", [big, small], budget_tokens=9, count_tokens=words,
+                        fill_remainder=False)
     first = sel.chunks[0]
     assert first.truncated and first.text == "One two three. Four five six."
     assert first.sources[0].end == len(first.text)
     assert [c.chunk_id for c in sel.chunks] == ["big", "s"] and sel.tokens_used == 8
-    # A non-best oversize chunk is dropped, never cut.
+    # Without fill_remainder a non-best oversize chunk is dropped, never cut.
     sel2 = select_chunks("q", [small, Candidate("big", text, 0.1)], budget_tokens=9,
-                         count_tokens=words)
+                         count_tokens=words, fill_remainder=False)
     assert [c.chunk_id for c in sel2.chunks] == ["s"]
     assert [d.reason for d in sel2.dropped] == ["over_budget"]
+
+
+def test_fill_remainder_cuts_the_next_best_chunk_to_the_window_that_answers() -> None:
+    # The 2nd chunk (22 words) does not fit the 12 words the 1st leaves; the knapsack gives 3 of
+    # them to the small weak chunk and, before fill_remainder, left the other 9 empty (greedy fill
+    # reads the 2nd chunk's beginning there). Now they hold the window of the 2nd chunk that
+    # holds the question's words.
+    text = ("The guild met in the old hall. Members paid dues every spring. "
+            "The hall burned down in 1871. Afterwards the guild moved away.")
+    first = cand("a", 38, 0.9, path="f", start=0)
+    second = Candidate("b", text, 0.85, sources=(Source("g", 50, 50 + len(text)),))
+    weak = cand("c", 3, 0.1)
+    sel = select_chunks("When did the hall burn down?", [first, second, weak], budget_tokens=50,
+                        count_tokens=words)
+    by_id = {c.chunk_id: c for c in sel.chunks}
+    assert set(by_id) == {"a", "b", "c"} and not by_id["a"].truncated
+    assert by_id["b"].truncated and "burned down in 1871." in by_id["b"].text
+    assert sel.tokens_used <= 50 and words(by_id["b"].text) <= 9
+    start = by_id["b"].sources[0].start - 50
+    assert text[start : start + len(by_id["b"].text)] == by_id["b"].text
+    assert sel.dropped == ()
+    # Off: the 9 tokens stay empty and the 2nd chunk is dropped (the old behaviour).
+    off = select_chunks("When did the hall burn down?", [first, second, weak], budget_tokens=50,
+                        count_tokens=words, fill_remainder=False)
+    assert [c.chunk_id for c in off.chunks] == ["a", "c"] and off.tokens_used == 41
+    assert [(d.chunk_id, d.reason) for d in off.dropped] == [("b", "over_budget")]
 
 
 def test_oversize_best_chunk_keeps_the_window_that_answers_the_question() -> None:
