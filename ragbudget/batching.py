@@ -62,6 +62,8 @@ def batching_unsupported(generator: Generator) -> str | None:
     if not isinstance(generator, Generator):  # a stand-in with no transformers model behind it
         return f"{type(generator).__name__} is not a ragbudget Generator"
     model = generator.model
+    if model is None:  # a stand-in (the CLI tests swap ragbudget.generate.Generator for one)
+        return f"{type(generator).__name__} has no transformers model to batch"
     attn = str(getattr(model.config, "_attn_implementation", None))
     if attn not in _ATTN_OK:
         return (f"continuous batching needs sdpa or flash attention; the model uses {attn!r} "
