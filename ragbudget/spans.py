@@ -27,6 +27,11 @@ that one with its own if it needs it too, up to :data:`MAX_CHAIN` sentences back
 (a line starting ``-``, ``*``, ``•``, ``1.``, ``a)``) comes with its lead-in, the nearest sentence
 before the list. Not covered: a pronoun later in a sentence, a lead-in in the previous chunk.
 
+Cost: splitting, BM25 and the exact counts are milliseconds; embedding the pool's sentences is the
+part that costs (about a quarter to a third of the generator's prefill of the same prompt on a
+CPU, cold; nothing once the sentences are cached — see bench/spans_speed.py). On a served engine
+every admission is one count request to the engine.
+
 Citations stay exact: every :class:`Span` has its offsets in the chunk's text (``chunk.text[start:
 end] == span.text``) and in its file (``span.source``), and the page(s) of the chunk it came from
 (exact when the chunk lies on one page; the index keeps no page breaks inside a chunk, so a chunk
