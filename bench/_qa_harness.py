@@ -320,7 +320,9 @@ class Packer:
         if system in ("greedy_fill", "topk_truncate"):
             p = self._fill(cands[:top_k] if system == "topk_truncate" else cands, budget, max_id)
         elif system == "ragbudget":
-            opts = {"relevance_floor": DEFAULT_RELEVANCE_FLOOR, **select_options}
+            # The committed figures are with fill_remainder on (an option, off in the library
+            # until answers are measured with it); --ablate's ragbudget_no_fill row is the default.
+            opts = {"relevance_floor": DEFAULT_RELEVANCE_FLOOR, "fill_remainder": True, **select_options}
             fixed = self.builder.fixed_tokens(question)
             prompt = build_prompt(question, cands, tokenizer=self.tok, max_prompt_tokens=fixed + budget,
                                   builder=self.builder, **opts)

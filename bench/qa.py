@@ -56,7 +56,7 @@ def embed(texts: list[str], cache: Path) -> np.ndarray:
     return arr
 
 LABELS = {"topk_truncate": "top-4 then truncate", "greedy_fill": "greedy fill, last cut",
-          "ragbudget": "ragbudget", "greedy_fill_dense": "greedy fill, dense only",
+          "ragbudget": "ragbudget --fill-remainder", "greedy_fill_dense": "greedy fill, dense only",
           "ragbudget_dense": "ragbudget, dense only"}
 
 

@@ -61,6 +61,7 @@ _EXPORTS: dict[str, str] = {
     "BudgetPlan": "budget",
     "select_chunks": "select",
     "Selection": "select",
+    "select_spans": "spans",
     # stateful nouns
     "Index": "index",
     "SentenceTransformerEmbedder": "embed",
@@ -127,5 +128,6 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from .loaders import load_document, scan
     from .pipeline import Answer, AnswerStream, Pipeline
     from .select import Selection, select_chunks
+    from .spans import select_spans
     from .tokens import get_tokenizer
     from .types import Chunk, Document, Source

@@ -482,6 +482,8 @@ def budget(model: str | None, gpu: str | None, concurrency: int, max_new_tokens:
 @click.option("--context-tokens", default=None, type=click.IntRange(min=1), help="Cap the retrieved context below what memory allows.")
 @click.option("--fetch-k", default=50, show_default=True, type=click.IntRange(min=1), help="Candidates fetched from the index.")
 @click.option("--order", default="relevance", show_default=True, type=click.Choice(["relevance", "document", "lost_in_middle"]))
+@click.option("--pack", default="chunks", show_default=True, type=click.Choice(["chunks", "spans"]), help="Pack whole chunks, or the question's sentences inside the best chunks.")
+@click.option("--fill-remainder", is_flag=True, help="Give the room whole chunks leave to the best part of the next chunk (more answer recall; off by default).")
 @click.option("--relevance-floor", default=None, type=click.FloatRange(0.0, 1.0), help="Leave out passages scoring under this fraction of the best one's score (default 0.5; 0: fill the allowance).")
 @click.option("--ttft-target", default=None, type=click.FloatRange(min=0.0), help="Seconds of prefill a request may take: caps the context by the measured prefill speed (default 2 on a CPU, none on a GPU; 0: no cap).")
 @click.option("--explain", is_flag=True, help="Print the budget report as a table.")
@@ -494,8 +496,8 @@ def budget(model: str | None, gpu: str | None, concurrency: int, max_new_tokens:
 @_user_errors
 def ask(question: str, index_dir: str, model: str | None, gpu: str | None, concurrency: int,
         max_new_tokens: int, kv_dtype: str | None, cache: str, context_tokens: int | None,
-        fetch_k: int, order: str, relevance_floor: float | None, ttft_target: float | None,
-        explain: bool, no_stream: bool, absolute_paths: bool, as_json: bool,
+        fetch_k: int, order: str, pack: str, fill_remainder: bool, relevance_floor: float | None,
+        ttft_target: float | None, explain: bool, no_stream: bool, absolute_paths: bool, as_json: bool,
         sampling: dict[str, Any], retrieval: dict[str, Any], engine: dict[str, Any]) -> None:
     """Answer QUESTION from the index within the memory budget, citing sources."""
     from .pipeline import Pipeline, format_report
@@ -504,8 +506,9 @@ def ask(question: str, index_dir: str, model: str | None, gpu: str | None, concu
                                 ("ttft_target", ttft_target)) if v is not None}
     pipe = Pipeline(
         index_dir, model=model, gpu=gpu, concurrency=concurrency, max_new_tokens=max_new_tokens,
-        kv_dtype=kv_dtype, cache=cache, fetch_k=fetch_k, order=order, **retrieval, **tuning,
-        **engine,
+        kv_dtype=kv_dtype, cache=cache, fetch_k=fetch_k, order=order, pack=pack,
+        fill_remainder=fill_remainder, **retrieval,
+        **tuning, **engine,
     )
     streaming = not as_json and not no_stream
     on_text = (lambda piece: click.echo(piece, nl=False)) if streaming else None

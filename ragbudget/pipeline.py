@@ -33,7 +33,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .errors import ArgumentTypeError, BudgetError, ConfigError, IndexEmptyError, RequestCancelled
+from .errors import (
+    ArgumentTypeError,
+    BudgetError,
+    ConfigError,
+    IndexEmptyError,
+    RequestCancelled,
+)
 
 if TYPE_CHECKING:
     from .admission import AdmissionController
@@ -246,6 +252,12 @@ class Pipeline:
         lexical_weight: weight of the lexical ranking in the fusion (0 = dense only).
         fusion: ``"score"`` (normalized scores, default) or ``"rrf"`` (reciprocal rank fusion).
         order: context order — ``relevance``, ``document`` or ``lost_in_middle``.
+        pack: ``"chunks"`` (whole chunks, default) or ``"spans"``: the question's sentences inside
+            the best chunks, scored with BM25 and the index's embedder
+            (:func:`ragbudget.spans.select_spans`); citations keep exact offsets per sentence.
+        fill_remainder: with ``pack="chunks"``, give the room the whole chunks leave to the best
+            window of the best chunk left out (more answer recall in the context, bench/qa.py;
+            off by default until answer quality is measured with it).
         utilization: share of the memory the plan may use (0.9 as vLLM).
         queue_size, queue_timeout: admission control's bounded queue.
         generator: an already built :class:`~ragbudget.generate.Generator` to share.
@@ -292,6 +304,8 @@ class Pipeline:
         lexical_weight: float = 0.5,
         fusion: str = "score",
         order: str = "relevance",
+        pack: str = "chunks",
+        fill_remainder: bool = False,
         utilization: float = 0.9,
         queue_size: int = 64,
         queue_timeout: float = 30.0,
@@ -331,6 +345,9 @@ class Pipeline:
                               "use 0 (or hybrid=False) for dense-only search")
         _check_choice("fusion", fusion, ("rrf", "score"))
         _check_choice("order", order, ORDERS)
+        from .spans import PACKS
+
+        _check_choice("pack", pack, PACKS)
         _check_number("utilization", utilization, 0.0, 1.0, lo_open=True)
         _check_int("queue_size", queue_size, 0)
         _check_number("queue_timeout", queue_timeout, 0.0)
@@ -363,6 +380,11 @@ class Pipeline:
         self.lexical_weight = lexical_weight
         self.fusion = fusion
         self.order = order
+        self.pack = pack
+        if not isinstance(fill_remainder, bool):
+            raise ArgumentTypeError(f"fill_remainder must be True or False; got {fill_remainder!r}")
+        self.fill_remainder = fill_remainder
+        self._span_scorer: Any = None
         self.utilization = utilization
         self.queue_size = queue_size
         self.queue_timeout = queue_timeout
@@ -817,6 +839,7 @@ class Pipeline:
             builder=builder,
             order=self.order,
             relevance_floor=self.relevance_floor,
+            **self._pack_options(),
         )
         timings["select_s"] = time.perf_counter() - t0
         return prompt, plan, timings, cap
@@ -852,9 +875,22 @@ class Pipeline:
         t0 = time.perf_counter()
         prompt = build_prompt(question, hits, tokenizer=None, max_prompt_tokens=max_prompt,
                               builder=builder, order=self.order,
-                              relevance_floor=self.relevance_floor)
+                              relevance_floor=self.relevance_floor, **self._pack_options())
         timings["select_s"] = time.perf_counter() - t0
         return prompt, plan, timings, cap
+
+    def _pack_options(self) -> dict[str, Any]:
+        """``build_prompt``'s packing keywords: with ``pack="spans"``, one
+        :class:`~ragbudget.spans.SpanScorer` per pipeline over the index's embedder, so sentence
+        vectors are cached across questions."""
+        if self.pack == "chunks":
+            return {"fill_remainder": True} if self.fill_remainder else {}
+        with self._lock:
+            if self._span_scorer is None:
+                from .spans import SpanScorer
+
+                self._span_scorer = SpanScorer(self.embedder or self.store.embedder)
+        return {"pack": self.pack, "span_scorer": self._span_scorer}
 
     def retrieve(
         self,
@@ -1181,7 +1217,7 @@ class AnswerStream:
     def __enter__(self) -> AnswerStream:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     # -- async --
@@ -1223,7 +1259,7 @@ class AnswerStream:
     async def __aenter__(self) -> AnswerStream:
         return self
 
-    async def __aexit__(self, *exc: Any) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
 
@@ -1236,6 +1272,9 @@ def _answer(gen: Any, prompt: Prompt, plan: BudgetPlan | EnginePlan, reserved: i
         src["score"] = round(float(passage.score), 6)
         src["chunk_ids"] = list(passage.chunk_ids)
         src["duplicates"] = [s.to_dict() for s in passage.sources[1:]]
+        if passage.spans:  # span packing: each sentence's exact place in its file
+            src["spans"] = [sp.source.to_dict() if sp.source else {"chunk_id": sp.chunk_id,
+                            "start": sp.start, "end": sp.end} for sp in passage.spans]
         sources.append(src)
     # The same budget keys wherever they mean the same thing; what only one kind of plan knows
     # (the local memory plan's bytes, or the engine's figures with sources and ages) besides.
@@ -1276,6 +1315,8 @@ def _answer(gen: Any, prompt: Prompt, plan: BudgetPlan | EnginePlan, reserved: i
         **plan_part,
         "selection": [p.to_dict() | {"text": None} for p in prompt.passages],
         "dropped": [d.to_dict() for d in sel.dropped],
+        "pack": sel.pack,
+        "spans_dropped": [s.to_dict() | {"text": None} for s in sel.spans_dropped],
         "oom_steps": oom_steps,
         "timings": {k: round(v, 4) for k, v in timings.items()},
     }
@@ -1336,6 +1377,17 @@ def format_report(report: dict[str, Any]) -> str:
     return _report_tail(report, [], rows)
 
 
+def _span_line(sp: dict[str, Any]) -> str:
+    """One span of ``--explain``: where it is, what it cost, why it went in, how it starts."""
+    src = sp.get("source") or {}
+    where = (f"{src.get('start')}:{src.get('end')}" if src else f"{sp.get('start')}:{sp.get('end')}")
+    page = f" p.{src['page']}" if src.get("page") else ""
+    text = " ".join(str(sp.get("text") or "").split())
+    preview = f"  {text[:60]!r}{'…' if len(text) > 60 else ''}" if text else ""
+    return (f"      [{where}]{page}  {sp.get('n_tokens', 0)} tokens  {sp.get('why', '')}  "
+            f"score {float(sp.get('score', 0)):.2f}{preview}")
+
+
 def _report_tail(report: dict[str, Any], lines: list[str], rows: list[tuple[str, str]]) -> str:
     width = max(len(k) for k, _ in rows)
     lines = [*lines, "Budget", *(f"  {k.ljust(width)}  {v}" for k, v in rows)]
@@ -1346,12 +1398,28 @@ def _report_tail(report: dict[str, Any], lines: list[str], rows: list[tuple[str,
         page = f" ({src['label']})" if src.get("label") else f" p.{src.get('page')}" if src.get("page") else ""
         lines.append(f"  [{i}] {src.get('path', '?')}{page}  score {s.get('score', 0):.3f}  "
                      f"{s.get('cost', 0)} tokens{'  (truncated)' if s.get('truncated') else ''}")
+        spans = s.get("spans") or []
+        if spans:
+            label = s.get("cost", 0) - s.get("n_tokens", 0)
+            lines.append(f"      chunk {', '.join(map(str, s.get('chunk_ids', [])))}: "
+                         f"{len(spans)} span(s), {s.get('n_tokens', 0)} tokens of text + "
+                         f"{label} label")
+            lines += [_span_line(sp) for sp in spans]
     dropped = report.get("dropped", [])
     if dropped:
         counts: dict[str, int] = {}
         for d in dropped:
             counts[d["reason"]] = counts.get(d["reason"], 0) + 1
         lines.append("Dropped: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())))
+    left = report.get("spans_dropped", [])
+    if left:
+        per: dict[tuple[Any, str], list[int]] = {}
+        for sp in left:
+            per.setdefault((sp["chunk_id"], sp["why"]), []).append(int(sp["n_tokens"]))
+        lines.append(f"Spans left out: {len(left)} sentence(s), "
+                     f"{sum(int(sp['n_tokens']) for sp in left):,} tokens")
+        lines += [f"  chunk {cid}: {len(ns)} {why} ({sum(ns):,} tokens)"
+                  for (cid, why), ns in per.items()]
     for step in report.get("oom_steps", []):
         lines.append(f"OOM step: {step}")
     t = report.get("timings", {})

@@ -18,8 +18,8 @@ Accounting: the *fixed* cost is the rendered chat template (``add_generation_pro
 source at all — system prompt, role tokens, generation prompt, the ``Sources:`` line and question;
 each source block then costs exactly ``count(block)``, measured on the block string itself. Blocks
 start with ``[`` after a single newline and end with a single newline followed by ``[`` or
-``Question``, never by more whitespace, so byte-level BPE pre-tokenizers (GPT-2's ``\s+(?!\S)`` as
-well as Llama 3's ``\s*[\r\n]+``) split at block boundaries and the sum is exact;
+``Question``, never by more whitespace, so byte-level BPE pre-tokenizers (GPT-2's ``\\s+(?!\\S)`` as
+well as Llama 3's ``\\s*[\r\n]+``) split at block boundaries and the sum is exact;
 :func:`build_prompt` still renders the final prompt, counts it, and drops the lowest-scored passage
 if a boundary merge ever pushed it over.
 
@@ -364,6 +364,8 @@ def build_prompt(
     system_prompt: str | None = None,
     safety_margin: int = 0,
     builder: PromptBuilder | None = None,
+    pack: str = "chunks",
+    span_scorer: Any = None,
     **select_options: Any,
 ) -> Prompt:
     """Select the ``candidates`` that fit and render the prompt, ≤ ``max_prompt_tokens`` exactly.
@@ -371,6 +373,11 @@ def build_prompt(
     ``select_options`` go to :func:`~ragbudget.select.select_chunks` (``order``, ``lambda_``,
     ``min_score``, ...). The system prompt and question are never cut: if they alone exceed the
     budget, :class:`~ragbudget.errors.BudgetError` says by how much.
+
+    ``pack="spans"`` packs the question's sentences inside the best chunks instead of whole chunks
+    (:func:`~ragbudget.spans.select_spans`; ``span_scorer``, a
+    :class:`~ragbudget.spans.SpanScorer`, adds embedding evidence). The accounting is the same:
+    every passage is a labeled block counted exactly, and the rendered prompt is checked.
 
     >>> p = build_prompt("Who?", index.search("Who?", 50), tokenizer=gen.tokenizer,
     ...                  max_prompt_tokens=plan.max_prompt_tokens)   # doctest: +SKIP
@@ -381,16 +388,28 @@ def build_prompt(
     fixed = b.fixed_tokens(question)
     if fixed > max_prompt_tokens:
         raise _too_small(fixed, max_prompt_tokens)
+    from .spans import PACKS
+
+    if pack not in PACKS:
+        raise ConfigError(f"pack must be one of {', '.join(PACKS)}; got {pack!r}")
     cands = list(candidates)
     max_id = max(9, len(cands))
     b.prime([c.text for c in cands] + [b.block(c, max_id) for c in cands])
-    selection = select_chunks(
-        question,
-        cands,
-        budget_tokens=max(0, max_prompt_tokens - fixed - safety_margin),
-        count_tokens=b.count,
-        chunk_overhead=lambda p: b.overhead(p, max_id=max_id),
-        **select_options,
-    )
+    budget = max(0, max_prompt_tokens - fixed - safety_margin)
+    if pack == "spans":
+        from .spans import select_spans
+
+        selection = select_spans(question, cands, budget_tokens=budget, count_tokens=b.count,
+                                 chunk_overhead=lambda p: b.overhead(p, max_id=max_id),
+                                 scorer=span_scorer, prime=b.prime, **select_options)
+    else:
+        selection = select_chunks(
+            question,
+            cands,
+            budget_tokens=budget,
+            count_tokens=b.count,
+            chunk_overhead=lambda p: b.overhead(p, max_id=max_id),
+            **select_options,
+        )
     return b.assemble(question, selection, max_prompt_tokens=max_prompt_tokens)
 

@@ -84,6 +84,10 @@ class SelectedChunk:
     sources: tuple[Source, ...] = ()
     headings: tuple[str, ...] = ()
     truncated: bool = False
+    #: With span packing (:mod:`ragbudget.spans`): the sentences of the chunk(s) that went in, in
+    #: document order, each a :class:`~ragbudget.spans.Span` with its exact offsets and cost.
+    #: Empty for a whole chunk.
+    spans: tuple[Any, ...] = ()
 
     @property
     def chunk_id(self) -> Any:
@@ -98,6 +102,7 @@ class SelectedChunk:
             "truncated": self.truncated,
             "headings": list(self.headings),
             "sources": [s.to_dict() for s in self.sources],
+            "spans": [s.to_dict() for s in self.spans],
             "text": self.text,
         }
 
@@ -131,6 +136,12 @@ class Selection:
     dropped: tuple[Dropped, ...] = ()
     order: str = "relevance"
     n_candidates: int = 0
+    #: ``"chunks"`` (whole chunks) or ``"spans"`` (sentences inside the best chunks).
+    pack: str = "chunks"
+    #: With span packing: the sentences of the considered chunks that were left out, each a
+    #: :class:`~ragbudget.spans.Span` whose ``why`` says why (``over_budget``, ``redundant``,
+    #: ``duplicate``).
+    spans_dropped: tuple[Any, ...] = ()
 
     @property
     def fill(self) -> float:
@@ -145,12 +156,14 @@ class Selection:
     def to_dict(self) -> dict[str, Any]:
         return {
             "order": self.order,
+            "pack": self.pack,
             "tokens_used": self.tokens_used,
             "tokens_allowed": self.tokens_allowed,
             "fill": round(self.fill, 4),
             "n_candidates": self.n_candidates,
             "chunks": [c.to_dict() for c in self.chunks],
             "dropped": [d.to_dict() for d in self.dropped],
+            "spans_dropped": [s.to_dict() for s in self.spans_dropped],
         }
 
 
@@ -206,7 +219,7 @@ def select_chunks(
     merge_adjacent: bool = True,
     max_merge_gap: int = 2,
     truncate_oversize: bool = True,
-    fill_remainder: bool = True,
+    fill_remainder: bool = False,
     similarity: Callable[[Any, Any], float] | None = None,
 ) -> Selection:
     """Pick the subset of ``candidates`` that maximizes relevance minus redundancy under a hard cap.
@@ -223,7 +236,10 @@ def select_chunks(
     drops it). ``similarity(a, b) -> [0, 1]`` replaces the word overlap (e.g. embedding cosine).
 
     ``fill_remainder`` gives the tokens the whole chunks leave unused to the best window of the
-    best chunk left out (above the floor, not redundant), cut to fit; ``False`` leaves them empty.
+    best chunk left out (above the floor, not redundant), cut to fit; ``False`` (the default)
+    leaves them empty. It raises answer recall in the context (bench/qa.py) but is off by default
+    until answers are measured with it: on the demo question SmolLM2-135M answered correctly
+    without the filler and wrongly with it (tests/test_cli.py's demo test).
 
     ``relevance_floor`` (0 disables) drops every candidate scoring below that fraction of the best
     candidate's score (when the best is positive): the value above only makes a weak chunk
@@ -231,14 +247,80 @@ def select_chunks(
 
     >>> hits = [Candidate("a", "Paris is the capital of France.", 0.9),
     ...         Candidate("b", "Lyon is a city in France.", 0.5)]
-    >>> sel = select_chunks("capital?", hits, budget_tokens=8, count_tokens=lambda s: len(s.split()))
+    >>> sel = select_chunks("capital?", hits, budget_tokens=8, count_tokens=lambda s: len(s.split()),
+    ...                     fill_remainder=True)
     >>> [c.text for c in sel.chunks], sel.tokens_used    # the 2 words left go to "b", cut
     (['Paris is the capital of France.', 'Lyon is'], 8)
-    >>> sel = select_chunks("capital?", hits, budget_tokens=8, count_tokens=lambda s: len(s.split()),
-    ...                     fill_remainder=False)
+    >>> sel = select_chunks("capital?", hits, budget_tokens=8, count_tokens=lambda s: len(s.split()))
     >>> [c.chunk_id for c in sel.chunks], sel.tokens_used, [d.reason for d in sel.dropped]
     (['a'], 6, ['over_budget'])
     """
+    _check_options(order=order, budget_tokens=budget_tokens, temperature=temperature,
+                   lambda_=lambda_, relevance_floor=relevance_floor)
+    overhead_of: Callable[[Any], int] = (
+        chunk_overhead if callable(chunk_overhead) else (lambda _c, _o=int(chunk_overhead): _o)
+    )
+
+    cands = list(candidates)
+    kept, dropped = _prepare(cands, count_tokens, overhead_of, lambda_=lambda_,
+                             temperature=temperature, min_score=min_score,
+                             relevance_floor=relevance_floor, redundancy=redundancy,
+                             similarity=similarity)
+
+    chosen: list[_Item] = []
+    if kept:
+        best = kept[0]
+        if best.cost > budget_tokens and truncate_oversize:
+            cut = _truncate(best, budget_tokens, count_tokens, overhead_of, question)
+            if cut is not None:
+                chosen, rest = [cut], kept[1:]
+            else:
+                rest = kept
+        else:
+            rest = kept
+        room = budget_tokens - sum(c.cost for c in chosen)
+        chosen += _knapsack(rest, room)
+        if merge_adjacent and len(chosen) > 1:
+            chosen = _merge(chosen, count_tokens, overhead_of, max_merge_gap)
+            # Merging saves a label per pair: spend the freed tokens on the best leftovers.
+            chosen_ids = {cid for c in chosen for cid in c.ids}
+            room = budget_tokens - sum(c.cost for c in chosen)
+            for it in sorted(rest, key=lambda x: (-x.value / max(1, x.cost), x.rank)):
+                if it.ids[0] not in chosen_ids and it.cost <= room:
+                    chosen.append(it)
+                    chosen_ids.add(it.ids[0])
+                    room -= it.cost
+            chosen = _merge(chosen, count_tokens, overhead_of, max_merge_gap)
+        if fill_remainder:
+            room = budget_tokens - sum(c.cost for c in chosen)
+            chosen_ids = {cid for c in chosen for cid in c.ids}
+            nxt = next((it for it in kept if it.ids[0] not in chosen_ids), None)
+            cut = _truncate(nxt, room, count_tokens, overhead_of, question) if nxt and room > 0 else None
+            if cut is not None:
+                chosen.append(cut)
+
+    used_ids = {cid for c in chosen for cid in c.ids}
+    for it in kept:
+        if it.ids[0] not in used_ids:
+            dropped.append(Dropped(it.ids[0], "over_budget", it.score, it.n_tokens))
+
+    used = sum(c.cost for c in chosen)
+    # The invariant the whole library rests on; a violation is a bug here, not a user error.
+    assert used <= budget_tokens, (used, budget_tokens)
+    passages = tuple(_as_chunk(c) for c in _order(chosen, order))
+    return Selection(
+        chunks=passages,
+        tokens_used=used,
+        tokens_allowed=budget_tokens,
+        dropped=tuple(dropped),
+        order=order,
+        n_candidates=len(cands),
+    )
+
+
+def _check_options(*, order: str, budget_tokens: int, temperature: float, lambda_: float,
+                   relevance_floor: float) -> None:
+    """The settings :func:`select_chunks` and span packing share, checked once."""
     if order not in ORDERS:
         raise ConfigError(f"order must be one of {', '.join(ORDERS)}; got {order!r}")
     if budget_tokens < 0:
@@ -251,11 +333,23 @@ def select_chunks(
             or not 0.0 <= relevance_floor <= 1.0:
         raise ConfigError(f"relevance_floor must be a number in [0, 1] (a fraction of the best "
                           f"candidate's score; 0 disables); got {relevance_floor!r}")
-    overhead_of: Callable[[Any], int] = (
-        chunk_overhead if callable(chunk_overhead) else (lambda _c, _o=int(chunk_overhead): _o)
-    )
 
-    cands = list(candidates)
+
+def _prepare(
+    cands: Sequence[Any],
+    count_tokens: Callable[[str], int],
+    overhead_of: Callable[[Any], int],
+    *,
+    lambda_: float,
+    temperature: float,
+    min_score: float | None,
+    relevance_floor: float,
+    redundancy: float,
+    similarity: Callable[[Any, Any], float] | None,
+) -> tuple[list[_Item], list[Dropped]]:
+    """Steps 1-2 of :func:`select_chunks`: the candidates worth packing, best first, each with its
+    exact cost and MMR value, and the ones left out with their reasons. Span packing
+    (:mod:`ragbudget.spans`) starts from the same list."""
     # Stable sort by score: ties keep retrieval order, so results are deterministic.
     ranked = sorted(range(len(cands)), key=lambda i: -float(cands[i].score))
     dropped: list[Dropped] = []
@@ -308,56 +402,7 @@ def select_chunks(
         penalty = max(0.0, (red - 0.5) / 0.5)
         it.value = max(_MIN_VALUE, rel * (1.0 - (1.0 - lambda_) * penalty))
         kept.append(it)
-
-    chosen: list[_Item] = []
-    if kept:
-        best = kept[0]
-        if best.cost > budget_tokens and truncate_oversize:
-            cut = _truncate(best, budget_tokens, count_tokens, overhead_of, question)
-            if cut is not None:
-                chosen, rest = [cut], kept[1:]
-            else:
-                rest = kept
-        else:
-            rest = kept
-        room = budget_tokens - sum(c.cost for c in chosen)
-        chosen += _knapsack(rest, room)
-        if merge_adjacent and len(chosen) > 1:
-            chosen = _merge(chosen, count_tokens, overhead_of, max_merge_gap)
-            # Merging saves a label per pair: spend the freed tokens on the best leftovers.
-            chosen_ids = {cid for c in chosen for cid in c.ids}
-            room = budget_tokens - sum(c.cost for c in chosen)
-            for it in sorted(rest, key=lambda x: (-x.value / max(1, x.cost), x.rank)):
-                if it.ids[0] not in chosen_ids and it.cost <= room:
-                    chosen.append(it)
-                    chosen_ids.add(it.ids[0])
-                    room -= it.cost
-            chosen = _merge(chosen, count_tokens, overhead_of, max_merge_gap)
-        if fill_remainder:
-            room = budget_tokens - sum(c.cost for c in chosen)
-            chosen_ids = {cid for c in chosen for cid in c.ids}
-            nxt = next((it for it in kept if it.ids[0] not in chosen_ids), None)
-            cut = _truncate(nxt, room, count_tokens, overhead_of, question) if nxt and room > 0 else None
-            if cut is not None:
-                chosen.append(cut)
-
-    used_ids = {cid for c in chosen for cid in c.ids}
-    for it in kept:
-        if it.ids[0] not in used_ids:
-            dropped.append(Dropped(it.ids[0], "over_budget", it.score, it.n_tokens))
-
-    used = sum(c.cost for c in chosen)
-    # The invariant the whole library rests on; a violation is a bug here, not a user error.
-    assert used <= budget_tokens, (used, budget_tokens)
-    passages = tuple(_as_chunk(c) for c in _order(chosen, order))
-    return Selection(
-        chunks=passages,
-        tokens_used=used,
-        tokens_allowed=budget_tokens,
-        dropped=tuple(dropped),
-        order=order,
-        n_candidates=len(cands),
-    )
+    return kept, dropped
 
 
 def _safe_count(count_tokens: Callable[[str], int], text: str) -> int:

@@ -180,7 +180,7 @@ def test_fill_remainder_cuts_the_next_best_chunk_to_the_window_that_answers() ->
     second = Candidate("b", text, 0.85, sources=(Source("g", 50, 50 + len(text)),))
     weak = cand("c", 3, 0.1)
     sel = select_chunks("When did the hall burn down?", [first, second, weak], budget_tokens=50,
-                        count_tokens=words)
+                        count_tokens=words, fill_remainder=True)
     by_id = {c.chunk_id: c for c in sel.chunks}
     assert set(by_id) == {"a", "b", "c"} and not by_id["a"].truncated
     assert by_id["b"].truncated and "burned down in 1871." in by_id["b"].text

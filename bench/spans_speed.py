@@ -1,0 +1,142 @@
+"""What span packing adds per question, against the generator's prefill of the same prompt.
+
+One SQuAD dev article (default ``Normans``, a *test* article of bench/floor.py's splits, never
+tuned on) is chunked with the library defaults and embedded with the packaged MiniLM; each question
+takes the top ``--fetch-k`` chunks by cosine. For each context budget, the prompt is built twice
+with :func:`ragbudget.prompt.build_prompt` — ``pack="chunks"`` and ``pack="spans"`` (a fresh
+:class:`ragbudget.spans.SpanScorer` per question, so every sentence is embedded cold; a second,
+warm pass reuses the scorer) — and SmolLM2-135M's prefill of the span prompt is timed (one forward
+pass, no generation). Added time = spans − chunks, per question; medians reported. Answer-in-
+context (official SQuAD normalization) is recorded alongside as a sanity check, not a result.
+
+    .venv/bin/python bench/spans_speed.py --questions 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import numpy as np  # noqa: E402
+
+from _results import write  # noqa: E402
+from qa import normalize_answer  # noqa: E402
+from ragbudget.chunking import chunk_text  # noqa: E402
+from ragbudget.embed import SentenceTransformerEmbedder  # noqa: E402
+from ragbudget.models import resolve_generator  # noqa: E402
+from ragbudget.prompt import PromptBuilder, build_prompt  # noqa: E402
+from ragbudget.select import Candidate  # noqa: E402
+from ragbudget.spans import SpanScorer  # noqa: E402
+from ragbudget.types import Source  # noqa: E402
+
+SQUAD = ROOT.parent / "shared" / "data" / "squad" / "squaddev_v1.1.json"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--article", default="Normans")
+    ap.add_argument("--questions", type=int, default=20)
+    ap.add_argument("--budgets", default="256,1024")
+    ap.add_argument("--fetch-k", type=int, default=50)
+    ap.add_argument("--out", default="spans_speed")
+    args = ap.parse_args()
+
+    data = json.loads(SQUAD.read_text())["data"]
+    art = next(a for a in data if a["title"] == args.article)
+    text = "\n\n".join(p["context"] for p in art["paragraphs"])
+    qs = [(q["question"], [a["text"] for a in q["answers"]])
+          for p in art["paragraphs"] for q in p["qas"]][: args.questions]
+
+    ref = resolve_generator()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    import torch
+
+    tok = AutoTokenizer.from_pretrained(ref.path, gguf_file=ref.gguf_file)
+    model = AutoModelForCausalLM.from_pretrained(ref.path, gguf_file=ref.gguf_file,
+                                                 torch_dtype=torch.float32).eval()
+    emb = SentenceTransformerEmbedder()
+    emb.warm_up()
+    chunks = chunk_text(text)
+    path = f"{args.article}.txt"
+    vecs = emb.embed_documents([c.text for c in chunks])
+    builder = PromptBuilder(tok)
+
+    def prefill(ids: tuple[int, ...]) -> float:
+        with torch.inference_mode():
+            t = time.perf_counter()
+            model(torch.tensor([ids]))
+            return time.perf_counter() - t
+
+    prefill(tuple(tok.encode("warm up", add_special_tokens=False)))
+    rows = []
+    for q, answers in qs:
+        qv = emb.embed_query(q)
+        order = np.argsort(-(vecs @ qv))[: args.fetch_k]
+        cands = [Candidate(int(i), chunks[i].text, float(vecs[i] @ qv),
+                           sources=(Source(path, chunks[i].start, chunks[i].end),)) for i in order]
+        fixed = builder.fixed_tokens(q)
+        for budget in [int(b) for b in args.budgets.split(",")]:
+            common = dict(tokenizer=tok, max_prompt_tokens=fixed + budget, builder=builder,
+                          relevance_floor=0.5)
+            t = time.perf_counter()
+            pc = build_prompt(q, cands, **common)
+            chunks_s = time.perf_counter() - t
+            scorer = SpanScorer(emb)
+            t = time.perf_counter()
+            ps = build_prompt(q, cands, pack="spans", span_scorer=scorer, **common)
+            spans_cold_s = time.perf_counter() - t
+            t = time.perf_counter()
+            build_prompt(q, cands, pack="spans", span_scorer=scorer, **common)
+            spans_warm_s = time.perf_counter() - t
+            gold = [normalize_answer(a) for a in answers]
+            rows.append({
+                "question": q, "budget": budget,
+                "chunks_s": chunks_s, "spans_cold_s": spans_cold_s, "spans_warm_s": spans_warm_s,
+                "added_cold_s": spans_cold_s - chunks_s, "added_warm_s": spans_warm_s - chunks_s,
+                "prefill_s": prefill(ps.input_ids), "prompt_tokens": ps.n_tokens,
+                "sentences_considered": sum(len(p.spans) for p in ps.selection.chunks)
+                + len(ps.selection.spans_dropped),
+                "in_context_chunks": any(g in normalize_answer(pc.selection.text) for g in gold),
+                "in_context_spans": any(g in normalize_answer(ps.selection.text) for g in gold),
+            })
+            r = rows[-1]
+            print(f"{budget:5d} added cold {1000 * r['added_cold_s']:7.1f} ms  warm "
+                  f"{1000 * r['added_warm_s']:6.1f} ms  prefill {1000 * r['prefill_s']:7.1f} ms  "
+                  f"{r['sentences_considered']} sentences", flush=True)
+    summary = {}
+    for budget in sorted({r["budget"] for r in rows}):
+        rs = [r for r in rows if r["budget"] == budget]
+
+        def med(key: str, rs: list[dict] = rs) -> float:
+            return statistics.median(r[key] for r in rs)
+
+        summary[str(budget)] = {
+            "n": len(rs), "median_added_cold_ms": 1000 * med("added_cold_s"),
+            "median_added_warm_ms": 1000 * med("added_warm_s"),
+            "median_prefill_ms": 1000 * med("prefill_s"),
+            "median_ratio_cold": med("added_cold_s") / med("prefill_s"),
+            "median_sentences": med("sentences_considered"),
+            "in_context_chunks": sum(r["in_context_chunks"] for r in rs) / len(rs),
+            "in_context_spans": sum(r["in_context_spans"] for r in rs) / len(rs),
+        }
+        print(budget, json.dumps(summary[str(budget)]))
+    write(args.out, {"article": args.article, "chunks": len(chunks), "fetch_k": args.fetch_k,
+                     "summary": summary, "rows": rows},
+          packages=("torch", "transformers", "sentence-transformers", "tokenizers"))
+
+
+if __name__ == "__main__":
+    main()

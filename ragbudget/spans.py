@@ -1,0 +1,646 @@
+"""Pack sentences, not whole chunks: the question's spans inside the best retrieved chunks.
+
+A 300–500-token chunk does not fit a 256-token allowance at all, and in a larger one most of a
+chunk is not about the question. :func:`select_spans` keeps chunks as the unit of retrieval and
+provenance but packs at sentence granularity inside the best of them:
+
+1. the chunks are filtered exactly as :func:`~ragbudget.select.select_chunks` filters them (cut-off,
+   duplicates, relevance floor, redundancy), and the best few — until their whole text is
+   ``pool`` × the budget — are split into sentences (and list items) with exact offsets;
+2. each sentence gets evidence for the question: BM25 over the pool's sentences (lexical), cosine
+   to the question with the index's embedder (dense; vectors cached by content hash, see
+   :class:`SpanScorer`), and its chunk's retrieval value (a sentence of the best chunk starts
+   ahead);
+3. sentences are taken greedily by that evidence, discounted by MMR against what is already in
+   (word overlap ≥ ``redundancy`` drops a sentence as ``redundant``), each admission counted
+   exactly: the passage it joins is re-rendered and re-counted in the generator's tokens, label
+   included, so the sum of passage costs never exceeds the budget — the same contract as whole
+   chunks, which :func:`~ragbudget.prompt.build_prompt` then checks on the rendered chat template;
+4. a sentence that cannot stand alone brings its neighbour (the *neighbour rule*, below);
+5. one passage per chunk: its chosen sentences in document order, consecutive ones as the document
+   has them, gaps shown as `` … ``; passages of one file stay in document order.
+
+**Neighbour rule** (simple on purpose, so it can be predicted): a sentence whose first word is a
+pronoun or a connective (``He``, ``It``, ``This``, ``They``, ``However``, ``But``, ``Also``, ``As a
+result``, … — :data:`NEEDS_PREVIOUS`) comes with the sentence before it in the same chunk, and
+that one with its own if it needs it too, up to :data:`MAX_CHAIN` sentences back; a list item
+(a line starting ``-``, ``*``, ``•``, ``1.``, ``a)``) comes with its lead-in, the nearest sentence
+before the list. Not covered: a pronoun later in a sentence, a lead-in in the previous chunk.
+
+Cost: splitting, BM25 and the exact counts are milliseconds; embedding the pool's sentences is the
+part that costs (0.3–0.4× the generator's prefill of the same prompt on a loaded 2-core
+CPU, cold; nothing once the sentences are cached — see bench/spans_speed.py). On a served engine
+every admission is one count request to the engine.
+
+Citations stay exact: every :class:`Span` has its offsets in the chunk's text (``chunk.text[start:
+end] == span.text``) and in its file (``span.source``), and the page(s) of the chunk it came from
+(exact when the chunk lies on one page; the index keeps no page breaks inside a chunk, so a chunk
+over a page break gives its page range).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import ConfigError
+from .select import (
+    Dropped,
+    SelectedChunk,
+    Selection,
+    _check_options,
+    _Item,
+    _order,
+    _prepare,
+    _truncate,
+    _words,
+)
+from .types import Source
+
+__all__ = ["JOINER", "MAX_CHAIN", "NEEDS_PREVIOUS", "PACKS", "Span", "SpanScorer", "bm25",
+           "needs_previous", "select_spans", "split_sentences"]
+
+#: Packing modes: whole chunks (:func:`~ragbudget.select.select_chunks`, the default) or the
+#: question's sentences inside the best chunks (:func:`select_spans`).
+PACKS = ("chunks", "spans")
+
+#: Shown between two non-adjacent runs of sentences of one chunk: the reader (and the model) sees
+#: that text was left out.
+JOINER = " … "
+
+#: How many sentences back the neighbour rule may reach from one chosen sentence.
+MAX_CHAIN = 3
+
+#: First words that make a sentence lean on the one before it (lower case; multi-word ones too).
+NEEDS_PREVIOUS = frozenset((
+    # pronouns and demonstratives
+    "he", "she", "it", "they", "him", "his", "her", "hers", "its", "their", "theirs", "them",
+    "this", "these", "that", "those", "such", "both", "neither",
+    # connectives
+    "however", "but", "and", "or", "nor", "so", "also", "then", "thus", "hence", "therefore",
+    "moreover", "furthermore", "additionally", "instead", "meanwhile", "nevertheless",
+    "nonetheless", "consequently", "otherwise", "likewise", "similarly", "still", "yet",
+    "besides", "accordingly", "afterwards", "later", "here", "there,",
+    "as a result", "in addition", "for example", "for instance", "in contrast", "in turn",
+    "on the other hand", "by contrast", "after that", "at that time", "in this",
+))
+_MULTI = tuple(sorted((p for p in NEEDS_PREVIOUS if " " in p), key=len, reverse=True))
+
+# Defaults of the evidence mix; the weights are renormalized over the parts that are present
+# (no embedder: lexical and chunk only).
+_W_DENSE, _W_LEXICAL, _W_CHUNK = 0.4, 0.4, 0.2
+# A sentence's own token count ± the BPE merge at each end and the joiner: an admission whose
+# estimate is further over the room than this is not counted exactly (it cannot fit).
+_SLACK = 4
+# Word sets this small say nothing about redundancy ("He died." is not a repeat of every other
+# sentence with "died" in it).
+_MIN_REDUNDANCY_WORDS = 3
+
+_WORD = re.compile(r"\w+")
+# A sentence ends at . ! ? (or the CJK ones), after any closing quotes/brackets, before spaces.
+_END = re.compile(r"[.!?。！？][\"'”’)\]]*(?=\s)|[。！？]")
+_LIST_ITEM = re.compile(r"[ \t]*(?:[-*•·–]|\d{1,3}[.)]|[a-zA-Z][.)])[ \t]+\S")
+# Words before a period that do not end a sentence.
+_ABBREV = frozenset((
+    "mr", "mrs", "ms", "dr", "prof", "sr", "jr", "st", "mt", "vs", "etc", "e.g", "i.e", "eg", "ie",
+    "no", "nos", "fig", "figs", "vol", "pp", "ed", "eds", "inc", "ltd", "co", "corp", "jan", "feb",
+    "mar", "apr", "jun", "jul", "aug", "sep", "sept", "oct", "nov", "dec", "approx", "ca", "cf",
+    "al", "gen", "col", "lt", "sgt", "capt", "gov", "rev", "u.s", "u.k",
+))
+# Question words that say nothing about where the answer is (as select's _QSTOP, plus a few).
+_STOP = frozenset((
+    "a", "an", "and", "are", "as", "at", "be", "been", "but", "by", "can", "could", "did", "do",
+    "does", "for", "from", "had", "has", "have", "how", "i", "if", "in", "into", "is", "it", "its",
+    "of", "on", "or", "so", "than", "that", "the", "their", "them", "then", "there", "these",
+    "they", "this", "those", "to", "was", "were", "what", "when", "where", "which", "who", "whom",
+    "whose", "why", "will", "with", "would", "you", "your", "he", "she", "his", "her", "we", "our",
+))
+
+
+@dataclass(frozen=True)
+class Span:
+    """One sentence (or list item) of a chunk, chosen for the context or left out.
+
+    ``start``/``end`` are offsets in the chunk's text (``chunk.text[start:end] == text``);
+    ``source`` is the same text's place in its file (offsets and page(s)). ``score`` is the
+    question's evidence for it (0–1), ``n_tokens`` its own count in the generator's tokens.
+    ``why``: ``question`` (chosen on its own evidence) or ``neighbour`` (kept for a chosen
+    sentence that needs it, see the module's neighbour rule); for a span left out,
+    ``over_budget``, ``redundant`` or ``duplicate``.
+    """
+
+    chunk_id: Any
+    start: int
+    end: int
+    text: str
+    score: float
+    n_tokens: int
+    source: Source | None = None
+    why: str = "question"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "chunk_id": self.chunk_id,
+            "start": self.start,
+            "end": self.end,
+            "score": round(self.score, 6),
+            "n_tokens": self.n_tokens,
+            "why": self.why,
+            "source": self.source.to_dict() if self.source else None,
+            "text": self.text,
+        }
+
+
+def split_sentences(text: str) -> list[tuple[int, int, bool]]:
+    """Sentences and list items of ``text``: ``(start, end, is_list_item)``, whitespace trimmed,
+    in order. A line break always ends a unit; a period after a known abbreviation or a single
+    capital (an initial) does not, nor one followed by a lower-case word.
+
+    >>> t = "Dr. Smith met J. K. Rowling. She left.\\nSteps:\\n- mix\\n- bake"
+    >>> [(t[a:b], item) for a, b, item in split_sentences(t)]
+    [('Dr. Smith met J. K. Rowling.', False), ('She left.', False), ('Steps:', False), ('- mix', True), ('- bake', True)]
+    """
+    out: list[tuple[int, int, bool]] = []
+    pos = 0
+    for line in text.splitlines(keepends=True):
+        lo, hi = pos, pos + len(line)
+        pos = hi
+        body = line.rstrip("\r\n")
+        if not body.strip():
+            continue
+        item = bool(_LIST_ITEM.match(body))
+        start = lo
+        for m in _END.finditer(body):
+            end = lo + m.end()
+            if not _ends_sentence(text, lo + m.start(), end):
+                continue
+            _add(out, text, start, end, item)
+            item = False  # only a line's first sentence is the list item
+            start = end
+        _add(out, text, start, lo + len(body), item)
+    return out
+
+
+def _ends_sentence(text: str, dot: int, end: int) -> bool:
+    if text[dot] != ".":
+        return True
+    word = re.search(r"[\w.]*$", text[max(0, dot - 12) : dot])
+    before = word.group(0).lower() if word else ""
+    if before in _ABBREV or (len(before) == 1 and before.isalpha()):
+        return False
+    nxt = re.match(r"\s*(\S)", text[end : end + 8])
+    return not (nxt and nxt.group(1).islower())
+
+
+def _add(out: list[tuple[int, int, bool]], text: str, a: int, b: int, item: bool) -> None:
+    piece = text[a:b]
+    stripped = piece.strip()
+    if not stripped:
+        return
+    a += len(piece) - len(piece.lstrip())
+    out.append((a, a + len(stripped), item))
+
+
+def needs_previous(sentence: str) -> bool:
+    """Whether ``sentence`` starts with a pronoun or connective (:data:`NEEDS_PREVIOUS`).
+
+    >>> needs_previous("However, the plan failed."), needs_previous("The plan failed.")
+    (True, False)
+    """
+    low = sentence.lstrip(" \t\"'“‘(").lower()
+    if any(low.startswith(p) and not low[len(p) : len(p) + 1].isalnum() for p in _MULTI):
+        return True
+    m = _WORD.match(low)
+    return bool(m) and m.group(0) in NEEDS_PREVIOUS
+
+
+def _stem(word: str) -> str:
+    # A crude stemmer: plural and -ed/-ing endings off, then a 6-character prefix (as select's
+    # oversize-chunk cut), so "supplies"/"supply", "boats"/"boat", "founded"/"founding" meet.
+    if len(word) > 4:
+        if word.endswith("ies"):
+            word = word[:-3] + "y"
+        elif word.endswith("s") and not word.endswith(("ss", "us", "is")):
+            word = word[:-1]
+        elif word.endswith("ing") and len(word) > 5:
+            word = word[:-3]
+        elif word.endswith("ed") and len(word) > 5:
+            word = word[:-2]
+    return word[:6]
+
+
+def _term_list(text: str) -> list[str]:
+    return [_stem(w) for w in _WORD.findall(text.lower())
+            if w not in _STOP and (len(w) > 2 or w.isdigit())]
+
+
+def bm25(question: str, docs: Sequence[str], *, k1: float = 1.2, b: float = 0.75) -> list[float]:
+    """Okapi BM25 of ``question`` against each of ``docs``, the docs themselves the collection
+    (so a word in every sentence of the pool weighs almost nothing).
+
+    >>> [round(x, 3) for x in bm25("capital of France", ["Paris is the capital.", "Lyon is big."])]
+    [0.693, 0.0]
+    """
+    q = set(_term_list(question))
+    terms = [_term_list(d) for d in docs]
+    if not q or not docs:
+        return [0.0] * len(docs)
+    n = len(docs)
+    avg = max(1e-9, sum(len(t) for t in terms) / n)
+    df = {w: sum(1 for t in terms if w in t) for w in q}
+    idf = {w: math.log(1.0 + (n - d + 0.5) / (d + 0.5)) for w, d in df.items()}
+    out = []
+    for t in terms:
+        s = 0.0
+        for w in q:
+            tf = t.count(w)
+            if tf:
+                s += idf[w] * tf * (k1 + 1) / (tf + k1 * (1 - b + b * len(t) / avg))
+        out.append(s)
+    return out
+
+
+class SpanScorer:
+    """Dense evidence for sentences: cosine to the question with ``embedder`` (any
+    :class:`~ragbudget.embed.Embedder`), the sentences embedded in one batch per question and
+    their vectors kept by content hash (up to ``cache_size``), so a chunk seen by an earlier
+    question costs nothing again. Thread-safe.
+
+    >>> from ragbudget.embed import HashEmbedder
+    >>> s = SpanScorer(HashEmbedder())
+    >>> sims = s.similarities("where is Paris", ["Paris is in France.", "Bread is baked."])
+    >>> len(sims), s.cached
+    (2, 3)
+    """
+
+    def __init__(self, embedder: Any, *, cache_size: int = 50_000) -> None:
+        if embedder is None:
+            raise ConfigError("SpanScorer needs an embedder (e.g. the index's own: Index.embedder)")
+        self.embedder = embedder
+        self.cache_size = int(cache_size)
+        self._cache: OrderedDict[bytes, Any] = OrderedDict()
+        self._lock = threading.Lock()
+
+    @property
+    def cached(self) -> int:
+        """Vectors held."""
+        return len(self._cache)
+
+    def similarities(self, question: str, texts: Sequence[str]) -> list[float]:
+        """Cosine of each of ``texts`` to ``question`` (vectors are unit length)."""
+        import numpy as np
+
+        keys = [b"q" + _digest(question)] + [b"d" + _digest(t) for t in texts]
+        with self._lock:
+            have = {k: self._cache[k] for k in keys if k in self._cache}
+        todo = [i for i, k in enumerate(keys) if k not in have]
+        if todo:
+            qi = [i for i in todo if i == 0]
+            di = [i for i in todo if i > 0]
+            if qi:
+                have[keys[0]] = np.asarray(self.embedder.embed_query(question), dtype=np.float32)
+            if di:
+                # Documents, not queries: the same side of the embedder the index's chunks used.
+                vecs = self.embedder.embed_documents([texts[i - 1] for i in di])
+                for i, v in zip(di, vecs):
+                    have[keys[i]] = np.asarray(v, dtype=np.float32)
+            with self._lock:
+                for i in todo:
+                    self._cache[keys[i]] = have[keys[i]]
+                while len(self._cache) > self.cache_size:
+                    self._cache.popitem(last=False)
+        qv = have[keys[0]]
+        return [float(np.dot(qv, have[k])) for k in keys[1:]]
+
+
+def _digest(text: str) -> bytes:
+    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+
+
+@dataclass(eq=False)
+class _Unit:
+    chunk: int  # index into the pool
+    pos: int  # index among its chunk's units
+    start: int
+    end: int
+    text: str
+    item: bool
+    n_tokens: int
+    deps: tuple[int, ...] = ()  # positions in the same chunk it brings along
+    words: frozenset[str] = frozenset()
+    score: float = 0.0
+    red: float = 0.0  # max overlap with what is already chosen
+    why: str = "over_budget"
+
+
+def select_spans(
+    question: str,
+    candidates: Iterable[Any],
+    *,
+    budget_tokens: int,
+    count_tokens: Callable[[str], int],
+    chunk_overhead: int | Callable[[Any], int] = 0,
+    scorer: SpanScorer | None = None,
+    pool: float = 3.0,
+    max_chunks: int = 12,
+    weights: tuple[float, float, float] = (_W_DENSE, _W_LEXICAL, _W_CHUNK),
+    prime: Callable[[Sequence[str]], Any] | None = None,
+    lambda_: float = 0.7,
+    temperature: float = 0.02,
+    order: str = "relevance",
+    min_score: float | None = None,
+    relevance_floor: float = 0.0,
+    redundancy: float = 0.9,
+    similarity: Callable[[Any, Any], float] | None = None,
+    truncate_oversize: bool = True,
+    merge_adjacent: bool = True,
+    max_merge_gap: int = 2,
+) -> Selection:
+    """Pack the question's sentences from the best ``candidates`` under a hard token cap.
+
+    Takes what :func:`~ragbudget.select.select_chunks` takes (same filtering, same costs:
+    ``count_tokens(text) + chunk_overhead`` per passage, ``tokens_used <= budget_tokens``), and:
+    ``scorer`` (a :class:`SpanScorer`; ``None``: lexical and chunk evidence only), ``pool`` (the
+    chunks considered, in score order, stop once their summed cost reaches ``pool`` × the budget;
+    at most ``max_chunks``), ``weights`` (dense, lexical, chunk) of the evidence, ``prime`` (a
+    batch counter to warm ``count_tokens``, e.g. a served engine's). ``merge_adjacent`` and
+    ``max_merge_gap`` are accepted for the same call shape; passages are per chunk here.
+
+    >>> hits = [type("H", (), dict(chunk_id=1, score=0.9, sources=(), text=(
+    ...     "Paris is the capital of France. It has 2 million people. Bread is cheap there.")))()]
+    >>> sel = select_spans("How many million people?", hits, budget_tokens=11,
+    ...                    count_tokens=lambda s: len(s.split()))
+    >>> sel.chunks[0].text, [s.why for s in sel.chunks[0].spans]
+    ('Paris is the capital of France. It has 2 million people.', ['neighbour', 'question'])
+    """
+    _check_options(order=order, budget_tokens=budget_tokens, temperature=temperature,
+                   lambda_=lambda_, relevance_floor=relevance_floor)
+    if not (isinstance(pool, (int, float)) and not isinstance(pool, bool) and pool > 0):
+        raise ConfigError(f"pool must be a number > 0 (the budget multiple of chunk text to "
+                          f"consider); got {pool!r}")
+    if isinstance(max_chunks, bool) or not isinstance(max_chunks, int) or max_chunks < 1:
+        raise ConfigError(f"max_chunks must be an integer ≥ 1; got {max_chunks!r}")
+    if len(weights) != 3 or any(w < 0 for w in weights) or not any(weights):
+        raise ConfigError(f"weights must be three numbers ≥ 0 (dense, lexical, chunk), not all "
+                          f"0; got {weights!r}")
+    del merge_adjacent, max_merge_gap  # one passage per chunk; see the docstring
+    overhead_of: Callable[[Any], int] = (
+        chunk_overhead if callable(chunk_overhead) else (lambda _c, _o=int(chunk_overhead): _o)
+    )
+    cands = list(candidates)
+    kept, dropped = _prepare(cands, count_tokens, overhead_of, lambda_=lambda_,
+                             temperature=temperature, min_score=min_score,
+                             relevance_floor=relevance_floor, redundancy=redundancy,
+                             similarity=similarity)
+
+    # The pool: the best chunks, until their whole text is a few budgets' worth.
+    chunks: list[_Item] = []
+    total = 0
+    for it in kept:
+        if len(chunks) >= max_chunks or (chunks and total >= pool * budget_tokens):
+            break
+        chunks.append(it)
+        total += it.cost
+    outside = kept[len(chunks):]
+
+    units = _units(chunks, count_tokens, prime)
+    _score(question, chunks, units, scorer, weights)
+    chosen = _pack(units, chunks, budget_tokens, count_tokens, overhead_of, lambda_, redundancy)
+
+    passages: list[tuple[_Item, SelectedChunk]] = []
+    for ci, it in enumerate(chunks):
+        mine = [u for u in units if u.chunk == ci and u.pos in chosen.get(ci, ())]
+        if mine:
+            passages.append((it, _passage(it, mine, count_tokens, overhead_of)))
+    if not passages and chunks and budget_tokens > 0 and truncate_oversize:
+        # Not even one sentence fits: the oversize-chunk cut (a window of words) of the best one.
+        cut = _truncate(chunks[0], budget_tokens, count_tokens, overhead_of, question)
+        if cut is not None:
+            passages.append((chunks[0], _cut_passage(chunks[0], cut)))
+            for u in units:
+                if u.chunk == 0:
+                    u.why = "over_budget"
+
+    used_ids = {cid for _, p in passages for cid in p.chunk_ids}
+    for it in [*chunks, *outside]:
+        if it.ids[0] not in used_ids:
+            dropped.append(Dropped(it.ids[0], "over_budget", it.score, it.n_tokens))
+    left_out = tuple(
+        _span(chunks[u.chunk], u, u.why) for u in units
+        if not (u.pos in chosen.get(u.chunk, ()) and chunks[u.chunk].ids[0] in used_ids)
+    )
+    used = sum(p.cost for _, p in passages)
+    # The invariant the whole library rests on; a violation is a bug here, not a user error.
+    assert used <= budget_tokens, (used, budget_tokens)
+    return Selection(
+        chunks=tuple(_ordered(passages, order)),
+        tokens_used=used,
+        tokens_allowed=budget_tokens,
+        dropped=tuple(dropped),
+        order=order,
+        n_candidates=len(cands),
+        pack="spans",
+        spans_dropped=left_out,
+    )
+
+
+def _units(chunks: Sequence[_Item], count_tokens: Callable[[str], int],
+           prime: Callable[[Sequence[str]], Any] | None) -> list[_Unit]:
+    """Every chunk's sentences with their neighbour dependencies; a sentence repeated from a
+    better chunk (chunk overlap, quoted text) is marked ``duplicate`` and never packed."""
+    split = [split_sentences(it.text) for it in chunks]
+    if prime is not None:
+        prime([it.text[a:b] for it, parts in zip(chunks, split) for a, b, _ in parts])
+    out: list[_Unit] = []
+    seen: set[str] = set()
+    for ci, (it, parts) in enumerate(zip(chunks, split)):
+        mine: list[_Unit] = []
+        for pos, (a, b, item) in enumerate(parts):
+            text = it.text[a:b]
+            u = _Unit(ci, pos, a, b, text, item, count_tokens(text), words=_words(text))
+            key = " ".join(text.split()).lower()
+            if key in seen:
+                u.why = "duplicate"
+            seen.add(key)
+            mine.append(u)
+        for u in mine:
+            u.deps = _deps(mine, u.pos)
+        out += mine
+    return out
+
+
+def _deps(units: Sequence[_Unit], pos: int) -> tuple[int, ...]:
+    """The positions ``units[pos]`` brings along under the neighbour rule (nearest first)."""
+    deps: list[int] = []
+    cur = pos
+    while len(deps) < MAX_CHAIN and cur > 0:
+        u = units[cur]
+        if u.item:
+            # A list item's lead-in: the nearest unit before the list (not the items between).
+            lead = cur - 1
+            while lead >= 0 and units[lead].item:
+                lead -= 1
+            if lead < 0:
+                break
+            cur = lead
+        elif needs_previous(u.text):
+            cur -= 1
+        else:
+            break
+        deps.append(cur)
+    return tuple(deps)
+
+
+def _score(question: str, chunks: Sequence[_Item], units: list[_Unit], scorer: SpanScorer | None,
+           weights: tuple[float, float, float]) -> None:
+    """Each unit's evidence in [0, 1]: a weighted mean of dense (cosine over the pool's best),
+    lexical (BM25 over the pool's best) and its chunk's value (already relative to the best)."""
+    if not units:
+        return
+    w_dense, w_lex, w_chunk = weights
+    texts = [u.text for u in units]
+    lex = bm25(question, texts)
+    top_lex = max(lex)
+    dense = [0.0] * len(units)
+    if scorer is not None and w_dense > 0:
+        dense = [max(0.0, s) for s in scorer.similarities(question, texts)]
+    else:
+        w_dense = 0.0
+    top_dense = max(dense)
+    if top_lex <= 0:
+        w_lex = 0.0
+    if top_dense <= 0:
+        w_dense = 0.0
+    norm = (w_dense + w_lex + w_chunk) or 1.0
+    for u, d, x in zip(units, dense, lex):
+        parts = (w_dense * (d / top_dense if top_dense > 0 else 0.0)
+                 + w_lex * (x / top_lex if top_lex > 0 else 0.0)
+                 + w_chunk * chunks[u.chunk].value)
+        u.score = parts / norm
+
+
+def _pack(units: list[_Unit], chunks: Sequence[_Item], budget: int,
+          count_tokens: Callable[[str], int], overhead_of: Callable[[Any], int],
+          lambda_: float, redundancy: float) -> dict[int, set[int]]:
+    """Greedy MMR over the units, every admission counted exactly; ``{chunk: chosen positions}``.
+
+    Greedy, not a knapsack: a unit's cost depends on what its chunk already holds (a gap costs a
+    joiner, a neighbour may already be in), and best-first is what a tight budget needs."""
+    by_chunk: dict[int, list[_Unit]] = {}
+    for u in units:
+        by_chunk.setdefault(u.chunk, []).append(u)
+    chosen: dict[int, set[int]] = {}
+    cost: dict[int, int] = {}
+    room = budget
+    todo = [u for u in units if u.why != "duplicate"]
+    while todo:
+        # The MMR value: evidence, less a share of the overlap with what is already chosen.
+        def value(u: _Unit) -> tuple[float, int, int]:
+            penalty = max(0.0, (u.red - 0.5) / 0.5)
+            return (u.score * (1.0 - (1.0 - lambda_) * penalty), -u.chunk, -u.pos)
+
+        best = max(todo, key=value)
+        todo.remove(best)
+        if best.red >= redundancy:
+            best.why = "redundant"
+            continue
+        have = chosen.get(best.chunk, set())
+        new = [p for p in (best.pos, *best.deps) if p not in have]
+        mine = by_chunk[best.chunk]
+        if sum(mine[p].n_tokens for p in new) > room + _SLACK:
+            continue  # stays over_budget: the room only shrinks
+        trial = sorted(have | set(new))
+        passage = _passage(chunks[best.chunk], [mine[p] for p in trial], count_tokens, overhead_of)
+        delta = passage.cost - cost.get(best.chunk, 0)
+        if delta > room:
+            continue
+        room -= delta
+        cost[best.chunk] = passage.cost
+        chosen[best.chunk] = set(trial)
+        for p in new:
+            mine[p].why = "question" if p == best.pos else "neighbour"
+        added = [mine[p] for p in new]
+        todo = [u for u in todo if u not in added]
+        for u in todo:
+            for a in added:
+                if min(len(u.words), len(a.words)) >= _MIN_REDUNDANCY_WORDS:
+                    u.red = max(u.red, _containment(u.words, a.words))
+        if todo and room + _SLACK < min(u.n_tokens for u in todo):
+            break
+    return chosen
+
+
+def _containment(a: frozenset[str], b: frozenset[str]) -> float:
+    return len(a & b) / min(len(a), len(b))
+
+
+def _passage(it: _Item, units: Sequence[_Unit], count_tokens: Callable[[str], int],
+             overhead_of: Callable[[Any], int]) -> SelectedChunk:
+    """The passage of chunk ``it`` holding ``units`` (document order): consecutive units as the
+    chunk has them, runs joined by :data:`JOINER`; counted exactly, label included."""
+    units = sorted(units, key=lambda u: u.pos)
+    runs: list[tuple[int, int]] = []
+    prev = -2
+    for u in units:
+        if runs and u.pos == prev + 1:
+            runs[-1] = (runs[-1][0], u.end)
+        else:
+            runs.append((u.start, u.end))
+        prev = u.pos
+    text = JOINER.join(it.text[a:b] for a, b in runs)
+    sources = (_narrow(it.sources[0], runs[0][0], runs[-1][1]),) + it.sources[1:] \
+        if it.sources else ()
+    spans = tuple(_span(it, u, u.why) for u in units)
+    probe = SelectedChunk(it.ids, text, it.score, 0, 0, sources, it.headings, spans=spans)
+    n = count_tokens(text)
+    return SelectedChunk(it.ids, text, it.score, n, n + int(overhead_of(probe)), sources,
+                         it.headings, spans=spans)
+
+
+def _cut_passage(it: _Item, cut: _Item) -> SelectedChunk:
+    """The oversize cut of :func:`~ragbudget.select._truncate` as a passage with its one span."""
+    if it.sources and cut.sources:
+        start = cut.sources[0].start - it.sources[0].start
+    else:
+        start = it.text.find(cut.text)
+    span = Span(it.ids[0], start, start + len(cut.text), cut.text, it.value, cut.n_tokens,
+                cut.sources[0] if cut.sources else None, "question")
+    return SelectedChunk(cut.ids, cut.text, cut.score, cut.n_tokens, cut.cost, cut.sources,
+                         cut.headings, truncated=True, spans=(span,))
+
+
+def _span(it: _Item, u: _Unit, why: str) -> Span:
+    src = _narrow(it.sources[0], u.start, u.end) if it.sources else None
+    return Span(it.ids[0], u.start, u.end, u.text, u.score, u.n_tokens, src, why)
+
+
+def _narrow(s: Source, start: int, end: int) -> Source:
+    """``s`` (a chunk's place in its file) narrowed to chunk offsets ``[start, end)``."""
+    a = min(s.end, s.start + start)
+    return Source(s.path, a, min(s.end, s.start + end), s.page_start, s.page_end, s.label)
+
+
+def _ordered(passages: list[tuple[_Item, SelectedChunk]], order: str) -> list[SelectedChunk]:
+    """``order`` over files (a file ranks by its best passage), document order inside a file."""
+    groups: dict[str, list[tuple[_Item, SelectedChunk]]] = {}
+    for it, p in passages:
+        key = p.sources[0].path if p.sources else f"\x00{it.rank}"
+        groups.setdefault(key, []).append((it, p))
+    heads = []
+    for members in groups.values():
+        members.sort(key=lambda m: (m[1].sources[0].start if m[1].sources else 0, m[0].rank))
+        best = min(members, key=lambda m: m[0].rank)[0]
+        heads.append(_Item(best.ids, "", max(m[0].score for m in members),
+                           best.sources if order == "document" else (), (), 0, 0, best.rank))
+    out: list[SelectedChunk] = []
+    by_head = dict(zip((id(h) for h in heads), groups.values()))
+    for h in _order(heads, order):
+        out += [p for _, p in by_head[id(h)]]
+    return out
+
