@@ -422,7 +422,10 @@ def _has_onnxruntime() -> bool:
     import importlib.util
 
     # Both: the runtime runs the model, onnx (its quantizer's dependency) writes the int8 file.
-    return all(importlib.util.find_spec(m) is not None for m in ("onnxruntime", "onnx"))
+    try:
+        return all(importlib.util.find_spec(m) is not None for m in ("onnxruntime", "onnx"))
+    except (ImportError, ValueError):  # a module blocked in sys.modules (None) has no spec
+        return False
 
 
 def _cuda_visible() -> bool:
