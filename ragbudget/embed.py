@@ -791,11 +791,12 @@ class _OnnxBert:
     the graph from :func:`_onnx_file`. :meth:`encode` sorts the texts by token count and batches
     neighbours, so a batch pads to about its own length rather than to the longest window."""
 
-    def __init__(self, layout: _LightBert, session: Any) -> None:
+    def __init__(self, layout: _LightBert, session: Any, *, quantized: bool = False) -> None:
         from tokenizers import Tokenizer
 
         self.layout = layout
         self.session = session
+        self.quantized = quantized
         # Its own tokenizer: truncation configured once, the shared one is never touched.
         import os
 
@@ -820,11 +821,17 @@ class _OnnxBert:
         except Exception as exc:  # noqa: BLE001 - a damaged cache file
             raise ModelError(f"could not load the ONNX model {path!r} ({exc}); delete it to "
                              "export it again") from exc
-        return cls(layout, session)
+        return cls(layout, session, quantized=quantized)
 
     def encode(self, texts: Sequence[str], *, batch_size: int = 32) -> Any:
         import numpy as np
 
+        if self.quantized:
+            # Dynamic int8 quantization scales activations per tensor, so padded neighbours in a
+            # batch would move a text's vector (cos ~0.99 to itself alone). One text per run keeps
+            # each vector a function of its text only (a query equals the same text indexed), and
+            # unpadded runs were faster here too (bench/embed_speed.py notes).
+            batch_size = 1
         # As sentence-transformers: stripped, cut to max_seq_length with the special tokens.
         encs = self.tokenizer.encode_batch([str(t).strip() for t in texts])
         lengths = np.array([len(e.ids) for e in encs])
