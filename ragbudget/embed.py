@@ -10,7 +10,10 @@ plain behaviour, for comparison.
 Two implementations:
 
 * :class:`SentenceTransformerEmbedder` — any sentence-transformers model (default: the packaged
-  all-MiniLM-L6-v2), loaded lazily on first use or by :meth:`~Embedder.warm_up`;
+  all-MiniLM-L6-v2), loaded lazily on first use or by :meth:`~Embedder.warm_up`; for a plain BERT
+  model with mean pooling (the packaged one) it can run on ONNX Runtime instead of torch
+  (``backend="onnx"``: the same vectors to 1e-6; ``"onnx-int8"``: int8 weights, other vectors,
+  another embedder identity), exported once from the local model files into a cache folder;
 * :class:`HashEmbedder` — a deterministic, model-free bag-of-words hasher for tests (like
   Haystack's mock embedders): texts sharing words get similar vectors.
 
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import abc
 import hashlib
+import logging
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,18 +35,24 @@ from typing import TYPE_CHECKING, Any
 
 from .errors import ConfigError, ModelError, RagBudgetError
 
+log = logging.getLogger(__name__)
+
 if TYPE_CHECKING:
     import numpy as np
 
 __all__ = [
+    "BACKENDS",
     "EmbedResult",
     "Embedder",
     "HashEmbedder",
     "SentenceTransformerEmbedder",
     "embedder_from_spec",
+    "split_backend",
 ]
 
 _POOLINGS = ("windows", "truncate")
+#: How :class:`SentenceTransformerEmbedder` runs its model. ``auto`` picks the CPU default.
+BACKENDS = ("auto", "torch", "onnx", "onnx-int8")
 
 
 @dataclass(frozen=True)
@@ -179,6 +189,16 @@ class SentenceTransformerEmbedder(Embedder):
     ``device`` defaults to CPU unless CUDA is available; ``pooling`` is ``"windows"`` (embed every
     window of an over-long text and pool) or ``"truncate"`` (the model's own truncation).
 
+    ``backend`` (one of :data:`BACKENDS`) says what runs the model: ``"torch"`` (sentence-
+    transformers), ``"onnx"`` (ONNX Runtime on a float32 export: the same vectors as torch to
+    ~1e-7, so it reads and extends an index built with torch), ``"onnx-int8"`` (int8 dynamic
+    quantization of that export: faster on CPU, slightly different vectors, so its ``id`` gets a
+    ``+int8`` suffix and an index built with torch is rebuilt rather than mixed), or ``"auto"``:
+    the CPU default (see :data:`AUTO_CPU_BACKEND`) when ``onnxruntime`` is installed, the model
+    has the layout the export covers and no CUDA device is visible, else ``"torch"``. The ONNX
+    backends need ``pip install ragbudget[onnx]``; the export (torch, once per model) goes to
+    ``~/.cache/ragbudget/onnx/<digest of the model files>/`` (``RAGBUDGET_CACHE`` moves it).
+
     >>> e = SentenceTransformerEmbedder()          # doctest: +SKIP
     >>> e.embed_query("where is the cat?").shape   # doctest: +SKIP
     (384,)
@@ -193,39 +213,73 @@ class SentenceTransformerEmbedder(Embedder):
         pooling: str = "windows",
         window_overlap: int = 16,
         light: bool = True,
+        backend: str = "auto",
     ) -> None:
         if pooling not in _POOLINGS:
             raise ConfigError(f"pooling must be one of {_POOLINGS}, got {pooling!r}")
         if batch_size < 1:
             raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
+        if backend not in BACKENDS:
+            raise ConfigError(f"backend must be one of {BACKENDS}, got {backend!r}")
         self.model_name = model
-        self.id = _model_id(model)
         self.device = device
         self.batch_size = batch_size
         self.pooling = pooling
         self.window_overlap = window_overlap
         self.light = light
         self._model: Any = None
-        self._light_model: _LightBert | None | bool = None if light else False
+        self._layout: _LightBert | None | bool = None  # False: read, not a covered layout
+        self._onnx: _OnnxBert | None = None
+        self.backend = self._choose_backend(backend)
+        # int8 vectors are other vectors: a different id keeps them out of a float index (the
+        # builder compares ids and rebuilds instead of mixing); float32 ONNX keeps the torch id.
+        self.id = _model_id(model) + ("+int8" if self.backend == "onnx-int8" else "")
+
+    def _choose_backend(self, backend: str) -> str:
+        if backend in ("onnx", "onnx-int8"):
+            if self.device is not None and self.device != "cpu":
+                raise ConfigError(f"backend {backend!r} runs on the CPU; got device={self.device!r} "
+                                  "(use backend='torch' for a GPU)")
+            if not _has_onnxruntime():
+                raise ConfigError(f"backend {backend!r} needs onnxruntime and onnx: "
+                                  "pip install 'ragbudget[onnx]' (or use backend='torch')")
+            if self._onnx_layout() is None:
+                raise ConfigError(f"backend {backend!r} covers local BERT models with mean pooling "
+                                  f"(like the packaged MiniLM); {self.model_name!r} is not one: "
+                                  "use backend='torch'")
+            return backend
+        if backend == "torch":
+            return backend
+        # auto: ONNX only where it is known to hold (CPU, the covered layout, the runtime there).
+        if (self.device in (None, "cpu") and not _cuda_visible() and _has_onnxruntime()
+                and self._onnx_layout() is not None):
+            return AUTO_CPU_BACKEND
+        if self.device in (None, "cpu") and not _has_onnxruntime() and self._onnx_layout() is not None:
+            log.info("embedding with torch: pip install 'ragbudget[onnx]' for the faster ONNX "
+                     "Runtime backend")
+        return "torch"
+
+    def _onnx_layout(self) -> _LightBert | None:
+        """The config/tokenizer reader of a model the ONNX export covers (``None``: not one);
+        read once, whatever ``light`` says (that only turns the numpy query path off)."""
+        if self._layout is None:
+            self._layout = _open_light(self.model_name) or False
+        return self._layout or None
 
     def _lite(self) -> _LightBert | None:
         """The model read without torch (see :class:`_LightBert`) while the full one is not
         loaded; ``None`` for a layout it does not cover, or with ``light=False``."""
-        if self._model is not None or self._light_model is False:
+        if self._model is not None or not self.light:
             return None
-        if self._light_model is None:
-            from .models import resolve_embedder
-
-            try:
-                path = resolve_embedder(self.model_name)
-            except RagBudgetError:
-                path = None
-            import os
-
-            self._light_model = (_LightBert.open(path) if path and os.path.isdir(path) else None) or False
-        return self._light_model or None
+        return self._onnx_layout()
 
     def warm_up(self) -> None:
+        if self.backend != "torch":
+            if self._onnx is None:
+                layout = self._onnx_layout()
+                assert layout is not None  # checked when the backend was chosen
+                self._onnx = _OnnxBert.load(layout, quantized=self.backend == "onnx-int8")
+            return
         if self._model is not None:
             return
         from .models import resolve_embedder
@@ -248,13 +302,17 @@ class SentenceTransformerEmbedder(Embedder):
 
     @property
     def model(self) -> Any:
-        """The loaded ``SentenceTransformer`` (loads it on first access)."""
-        self.warm_up()
+        """The loaded ``SentenceTransformer`` (loads it on first access; the torch backend)."""
+        if self._model is None:
+            if self.backend != "torch":
+                raise ConfigError(f"this embedder runs on {self.backend!r}: it has no "
+                                  "sentence-transformers model (construct it with backend='torch')")
+            self.warm_up()
         return self._model
 
     @property
     def dim(self) -> int:
-        lite = self._lite()
+        lite = self._lite() or (self._onnx_layout() if self.backend != "torch" else None)
         if lite is not None:  # from the config files: no model load for an index's manifest
             return lite.dim
         m = self.model
@@ -265,7 +323,7 @@ class SentenceTransformerEmbedder(Embedder):
     def max_tokens(self) -> int:
         # max_seq_length counts [CLS] and [SEP]; two more tokens of slack absorb re-tokenization
         # differences at window edges (a window cut inside a word re-tokenizes its first piece).
-        lite = self._lite()
+        lite = self._lite() or (self._onnx_layout() if self.backend != "torch" else None)
         if lite is not None:
             return max(8, lite.max_seq_length - lite.specials - 2)
         specials = self.model.tokenizer.num_special_tokens_to_add(pair=False)
@@ -273,8 +331,9 @@ class SentenceTransformerEmbedder(Embedder):
 
     def embed_query(self, text: str) -> np.ndarray:
         """One unit vector; a query (a few windows at most) is embedded by the light path when the
-        model allows it and the full model is not loaded: no torch import for a search."""
-        lite = self._lite()
+        model allows it and the full model is not loaded: no torch import for a search. An int8
+        embedder embeds queries with its own int8 model, as its documents were."""
+        lite = self._lite() if self.backend != "onnx-int8" else None
         if lite is None:
             return super().embed_query(text)
         import numpy as np
@@ -291,6 +350,7 @@ class SentenceTransformerEmbedder(Embedder):
             "kind": "sentence-transformers",
             "id": self.id,
             "model": self.model_name,
+            "backend": self.backend,
             "dim": self.dim,
             "max_tokens": self.max_tokens,
             "pooling": self.pooling,
@@ -298,7 +358,7 @@ class SentenceTransformerEmbedder(Embedder):
         }
 
     def _token_spans(self, texts: Sequence[str]) -> list[list[tuple[int, int]]]:
-        lite = self._lite()
+        lite = self._lite() or (self._onnx_layout() if self.backend != "torch" else None)
         if lite is not None:  # the same tokenizer.json, without loading transformers
             return lite.token_spans(texts)
         tok = self.model.tokenizer
@@ -314,6 +374,10 @@ class SentenceTransformerEmbedder(Embedder):
         return [[(int(a), int(b)) for a, b in offs] for offs in enc["offset_mapping"]]
 
     def _encode(self, texts: Sequence[str]) -> np.ndarray:
+        if self.backend != "torch":
+            self.warm_up()
+            assert self._onnx is not None
+            return self._onnx.encode(texts, batch_size=self.batch_size)
         # encode() sorts by length internally, so one call over all windows batches well.
         return self.model.encode(
             list(texts),
@@ -322,6 +386,56 @@ class SentenceTransformerEmbedder(Embedder):
             normalize_embeddings=True,
             show_progress_bar=False,
         )
+
+
+#: What ``backend="auto"`` runs on a CPU: chosen by bench/embed_speed.py (BENCHMARKS.md, "Embedding
+#: speed"), where int8 kept SQuAD recall@5 within 0.5 points of torch on held-out articles.
+AUTO_CPU_BACKEND = "onnx-int8"
+
+
+def split_backend(spec: str) -> tuple[str, str | None]:
+    """``"model@backend"`` → ``("model", "backend")``; a spec without a known backend suffix is
+    returned whole (a model path may hold an ``@``).
+
+    >>> split_backend("default@onnx-int8"), split_backend("all-MiniLM-L6-v2")
+    (('default', 'onnx-int8'), ('all-MiniLM-L6-v2', None))
+    """
+    head, sep, tail = spec.rpartition("@")
+    if sep and tail in BACKENDS:
+        return head, tail
+    return spec, None
+
+
+def _open_light(model: str | None) -> _LightBert | None:
+    import os
+
+    from .models import resolve_embedder
+
+    try:
+        path = resolve_embedder(model)
+    except RagBudgetError:
+        return None
+    return _LightBert.open(path) if path and os.path.isdir(path) else None
+
+
+def _has_onnxruntime() -> bool:
+    import importlib.util
+
+    # Both: the runtime runs the model, onnx (its quantizer's dependency) writes the int8 file.
+    try:
+        return all(importlib.util.find_spec(m) is not None for m in ("onnxruntime", "onnx"))
+    except (ImportError, ValueError):  # a module blocked in sys.modules (None) has no spec
+        return False
+
+
+def _cuda_visible() -> bool:
+    """A cheap CUDA probe: importing torch to ask would cost seconds on every CPU run."""
+    import os
+    import sys
+
+    if "torch" in sys.modules:
+        return bool(sys.modules["torch"].cuda.is_available())
+    return os.path.exists("/dev/nvidiactl") and os.environ.get("CUDA_VISIBLE_DEVICES") not in ("", "-1")
 
 
 def _model_id(model: str | None) -> str:
@@ -534,6 +648,208 @@ class _LightBert:
         return out
 
 
+# --- ONNX Runtime for the same kind of model ------------------------------------------------------
+
+#: Bumped when the export below changes, so an old cached file is not reused.
+_EXPORT_VERSION = "1"
+#: Checksums of model folders already hashed in this process (hashing 90 MB costs ~0.2 s).
+_DIGESTS: dict[tuple[str, int, int], str] = {}
+
+
+def _model_digest(folder: str) -> str:
+    import os
+
+    weights = os.path.join(folder, "model.safetensors")
+    st = os.stat(weights)
+    key = (os.path.realpath(weights), st.st_size, st.st_mtime_ns)
+    if key not in _DIGESTS:
+        h = hashlib.sha256(f"ragbudget-onnx-{_EXPORT_VERSION}".encode())
+        for name in ("config.json", "tokenizer.json", "model.safetensors"):
+            with open(os.path.join(folder, name), "rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    h.update(block)
+        _DIGESTS[key] = h.hexdigest()[:16]
+    return _DIGESTS[key]
+
+
+def _cache_root() -> str:
+    import os
+
+    base = os.environ.get("RAGBUDGET_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "ragbudget")
+    return os.path.join(base, "onnx")
+
+
+def _export_onnx(folder: str, out: str) -> None:
+    """Write the model (BERT, mean pooling over the attention mask, L2 normalization: what the
+    sentence-transformers modules of this layout compute) as one ONNX graph."""
+    import warnings
+
+    import torch
+    from transformers import AutoModel
+
+    from transformers.utils import logging as hf_logging
+
+    # Eager attention: the SDPA mask builder of transformers 5 traces into shape constants.
+    hf_logging.disable_progress_bar()  # a one-off export prints no weight-loading bar
+    try:
+        bert = AutoModel.from_pretrained(folder, attn_implementation="eager").eval()
+    finally:
+        hf_logging.enable_progress_bar()
+
+    class MeanPooled(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bert = bert
+
+        def forward(self, input_ids: Any, attention_mask: Any) -> Any:
+            h = self.bert(input_ids=input_ids, attention_mask=attention_mask,
+                          token_type_ids=torch.zeros_like(input_ids)).last_hidden_state
+            m = attention_mask.unsqueeze(-1).to(h.dtype)
+            v = (h * m).sum(1) / m.sum(1).clamp(min=1e-9)
+            return torch.nn.functional.normalize(v, p=2.0, dim=1)
+
+    # Two rows of different lengths, so the traced graph keeps batch, length and padding dynamic.
+    ids = torch.tensor([[101, 2023, 2003, 1037, 102], [101, 7592, 102, 0, 0]])
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        # The TorchScript exporter: the dynamo one needs onnxscript and gives the same graph here.
+        torch.onnx.export(
+            MeanPooled(), (ids, (ids != 0).long()), out,
+            input_names=["input_ids", "attention_mask"], output_names=["embedding"],
+            dynamic_axes={"input_ids": {0: "batch", 1: "tokens"},
+                          "attention_mask": {0: "batch", 1: "tokens"}, "embedding": {0: "batch"}},
+            opset_version=17, dynamo=False,
+        )
+
+
+def _quantize_onnx(src: str, out: str) -> None:
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    # Per-channel int8 weights on the weight MatMuls only: per-tensor scales, or quantizing the
+    # attention products (both inputs dynamic), cost ~0.05 of cosine to the float vectors on
+    # SQuAD paragraphs; this keeps ~0.994 (bench/embed_speed.py measures what that does to recall).
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(logging.ERROR)  # the quantizer logs a "consider pre-processing" hint to root
+    try:
+        quantize_dynamic(src, out, weight_type=QuantType.QInt8, per_channel=True,
+                         extra_options={"MatMulConstBOnly": True})
+    finally:
+        root.setLevel(level)
+
+
+def _onnx_file(folder: str, *, quantized: bool) -> str:
+    """The cached ONNX export of ``folder`` (int8 or float32), written once, atomically: each
+    file goes to a private temporary name and is renamed into place, so a concurrent or killed
+    export never leaves a half-written model to load."""
+    import os
+
+    cache = os.path.join(_cache_root(), _model_digest(folder))
+    fp32 = os.path.join(cache, "model.onnx")
+    want = os.path.join(cache, "model.int8.onnx") if quantized else fp32
+    if os.path.isfile(want):
+        return want
+    try:
+        os.makedirs(cache, exist_ok=True)
+        tmp = f"{want}.{os.getpid()}.tmp"
+        if not os.path.isfile(fp32):
+            ftmp = f"{fp32}.{os.getpid()}.tmp"
+            try:
+                _export_onnx(folder, ftmp)
+                os.replace(ftmp, fp32)
+            finally:
+                if os.path.exists(ftmp):
+                    os.unlink(ftmp)
+        if quantized:
+            try:
+                _quantize_onnx(fp32, tmp)
+                os.replace(tmp, want)
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+    except OSError as exc:
+        raise ModelError(f"could not write the ONNX export of {folder!r} to {cache!r}: {exc}; "
+                         "set RAGBUDGET_CACHE to a writable folder") from exc
+    except Exception as exc:  # noqa: BLE001 - exporter/quantizer errors are many types
+        raise ModelError(f"could not export {folder!r} to ONNX ({type(exc).__name__}: {exc}); "
+                         "use backend='torch'") from exc
+    return want
+
+
+def _threads() -> int:
+    import os
+
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+class _OnnxBert:
+    """A :class:`_LightBert`-layout model on ONNX Runtime: the tokenizer from ``tokenizer.json``,
+    the graph from :func:`_onnx_file`. :meth:`encode` sorts the texts by token count and batches
+    neighbours, so a batch pads to about its own length rather than to the longest window."""
+
+    def __init__(self, layout: _LightBert, session: Any, *, quantized: bool = False) -> None:
+        from tokenizers import Tokenizer
+
+        self.layout = layout
+        self.session = session
+        self.quantized = quantized
+        # Its own tokenizer: truncation configured once, the shared one is never touched.
+        import os
+
+        self.tokenizer = Tokenizer.from_file(os.path.join(layout.folder, "tokenizer.json"))
+        self.tokenizer.no_padding()
+        self.tokenizer.enable_truncation(layout.max_seq_length)
+
+    @classmethod
+    def load(cls, layout: _LightBert, *, quantized: bool) -> _OnnxBert:
+        try:
+            import onnxruntime as ort
+        except ImportError as exc:
+            raise ConfigError("the ONNX backend needs onnxruntime and onnx: pip install "
+                              "'ragbudget[onnx]' (or use backend='torch')") from exc
+        path = _onnx_file(layout.folder, quantized=quantized)
+        opts = ort.SessionOptions()
+        # All the cores this process may use (ORT's default counts the host's physical cores).
+        opts.intra_op_num_threads = _threads()
+        opts.log_severity_level = 3
+        try:
+            session = ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
+        except Exception as exc:  # noqa: BLE001 - a damaged cache file
+            raise ModelError(f"could not load the ONNX model {path!r} ({exc}); delete it to "
+                             "export it again") from exc
+        return cls(layout, session, quantized=quantized)
+
+    def encode(self, texts: Sequence[str], *, batch_size: int = 32) -> Any:
+        import numpy as np
+
+        if self.quantized:
+            # Dynamic int8 quantization scales activations per tensor, so padded neighbours in a
+            # batch would move a text's vector (cos ~0.99 to itself alone). One text per run keeps
+            # each vector a function of its text only (a query equals the same text indexed), and
+            # unpadded runs were faster here too (bench/embed_speed.py notes).
+            batch_size = 1
+        # As sentence-transformers: stripped, cut to max_seq_length with the special tokens.
+        encs = self.tokenizer.encode_batch([str(t).strip() for t in texts])
+        lengths = np.array([len(e.ids) for e in encs])
+        order = np.argsort(-lengths, kind="stable")
+        out = np.empty((len(texts), self.layout.dim), dtype=np.float32)
+        for start in range(0, len(order), batch_size):
+            rows = order[start : start + batch_size]
+            width = int(lengths[rows].max())
+            ids = np.zeros((len(rows), width), dtype=np.int64)
+            mask = np.zeros((len(rows), width), dtype=np.int64)
+            for r, i in enumerate(rows):
+                n = int(lengths[i])
+                ids[r, :n] = encs[i].ids
+                mask[r, :n] = 1
+            out[rows] = self.session.run(None, {"input_ids": ids, "attention_mask": mask})[0]
+        return out
+
+
 def embedder_from_spec(spec: dict[str, Any], **kwargs: Any) -> Embedder:
     """Rebuild the embedder an index was built with, from its manifest ``spec``.
 
@@ -546,8 +862,16 @@ def embedder_from_spec(spec: dict[str, Any], **kwargs: Any) -> Embedder:
             int(spec["dim"]), max_tokens=spec.get("max_tokens"), pooling=spec.get("pooling", "windows")
         )
     if kind == "sentence-transformers":
+        # An index written before backends existed was embedded with torch.
+        backend = kwargs.pop("backend", None) or spec.get("backend") or "torch"
+        if backend in ("onnx", "onnx-int8") and not _has_onnxruntime():
+            if backend == "onnx-int8":  # its vectors come from that model only
+                raise ConfigError("this index was embedded with the int8 ONNX model: pip install "
+                                  "'ragbudget[onnx]' to search or extend it (or rebuild it)")
+            backend = "torch"  # float32 ONNX and torch give the same vectors
         return SentenceTransformerEmbedder(
             spec.get("model"),
+            backend=backend,
             pooling=spec.get("pooling", "windows"),
             window_overlap=int(spec.get("window_overlap", 16)),
             **kwargs,

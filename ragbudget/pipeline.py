@@ -216,10 +216,12 @@ class EnginePlan:
 def make_embedder(spec: Any = None) -> Embedder | None:
     """An embedder from a CLI-style spec: ``None`` (the index's own, or the packaged MiniLM),
     ``"hash"`` / ``"hash:384"`` (the deterministic model-free test embedder), or a
-    sentence-transformers model id or path. Embedder objects pass through."""
+    sentence-transformers model id or path, optionally with ``@backend`` (``default@onnx-int8``,
+    ``all-MiniLM-L6-v2@torch``; see :data:`ragbudget.embed.BACKENDS`). Embedder objects pass
+    through."""
     if spec is None or not isinstance(spec, str):
         return spec
-    from .embed import HashEmbedder, SentenceTransformerEmbedder
+    from .embed import HashEmbedder, SentenceTransformerEmbedder, split_backend
 
     if spec == "hash" or spec.startswith("hash:"):
         dim = spec.partition(":")[2]
@@ -227,7 +229,8 @@ def make_embedder(spec: Any = None) -> Embedder | None:
             return HashEmbedder(int(dim) if dim else 384)
         except ValueError:
             raise ConfigError(f"embedder {spec!r}: expected hash or hash:<dim>, e.g. hash:384") from None
-    return SentenceTransformerEmbedder(spec)
+    model, backend = split_backend(spec)
+    return SentenceTransformerEmbedder(model, backend=backend or "auto")
 
 
 class Pipeline:

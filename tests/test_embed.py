@@ -95,8 +95,13 @@ def test_spec_round_trip() -> None:
 
 
 def test_sentence_transformer_embedder_is_lazy() -> None:
+    from ragbudget.embed import AUTO_CPU_BACKEND, _cuda_visible, _has_onnxruntime
+
     e = SentenceTransformerEmbedder()
-    assert e._model is None and e.id == "all-MiniLM-L6-v2"
+    assert e._model is None and e._onnx is None
+    # auto: the measured CPU default where onnxruntime is installed, torch elsewhere.
+    assert e.backend == (AUTO_CPU_BACKEND if _has_onnxruntime() and not _cuda_visible() else "torch")
+    assert e.id == "all-MiniLM-L6-v2" + ("+int8" if e.backend == "onnx-int8" else "")
     assert "SentenceTransformerEmbedder" in repr(e)
 
 
@@ -115,7 +120,7 @@ def test_importing_embed_and_index_stays_light() -> None:
 
 @pytest.fixture(scope="session")
 def minilm() -> SentenceTransformerEmbedder:
-    e = SentenceTransformerEmbedder()
+    e = SentenceTransformerEmbedder(backend="torch")  # sentence-transformers itself, the reference
     e.warm_up()
     return e
 
@@ -144,7 +149,7 @@ def test_minilm_windowed_pooling_keeps_the_tail_retrievable(minilm: SentenceTran
         "Trains to the coast leave every hour from platform four.",
     ]
     query = "What is the secret password of the lighthouse keeper?"
-    truncating = SentenceTransformerEmbedder(pooling="truncate")
+    truncating = SentenceTransformerEmbedder(pooling="truncate", backend="torch")
     truncating._model = minilm.model  # share the loaded weights
     q = minilm.embed_query(query)
     windowed = minilm.embed([long_chunk, *distractors])
@@ -169,7 +174,7 @@ def test_minilm_light_query_path_equals_sentence_transformers(minilm: SentenceTr
     # the same tokens, windows, dimension and window size.
     texts = ["What is MinHash?", "  leading and trailing  ", "Ünïcödé naïve café 東京 🙂", "x",
              "\n\nnew\tlines\n", FILLER * 3, FILLER * 14 + TAIL_FACT, "[CLS] [SEP] [MASK] <b>tags</b> & 42"]
-    light = SentenceTransformerEmbedder()
+    light = SentenceTransformerEmbedder(backend="torch")  # the float backends' query path
     assert light._lite() is not None
     assert (light.dim, light.max_tokens) == (minilm.dim, minilm.max_tokens)
     assert light.windows_of(texts) == minilm.windows_of(texts)
@@ -184,3 +189,135 @@ def test_minilm_light_query_path_equals_sentence_transformers(minilm: SentenceTr
     cut = lite.encode([FILLER * 14 + TAIL_FACT])
     plain = minilm.model.encode([FILLER * 14 + TAIL_FACT], normalize_embeddings=True, convert_to_numpy=True)
     assert np.abs(cut - plain).max() < 1e-6
+
+
+# --- backends: torch, ONNX Runtime float32, ONNX Runtime int8 ------------------------------------
+
+
+def test_backend_suffix_and_bad_backends() -> None:
+    from ragbudget.embed import split_backend
+    from ragbudget.pipeline import make_embedder
+
+    assert split_backend("default@onnx-int8") == ("default", "onnx-int8")
+    assert split_backend("/models/me@work/minilm") == ("/models/me@work/minilm", None)
+    assert split_backend("x@torch") == ("x", "torch")
+    e = make_embedder("default@torch")
+    assert isinstance(e, SentenceTransformerEmbedder) and e.backend == "torch"
+    assert e.id == "all-MiniLM-L6-v2" and e.spec()["backend"] == "torch"
+    with pytest.raises(ConfigError, match="backend must be one of"):
+        SentenceTransformerEmbedder(backend="tensorrt")
+    with pytest.raises(ConfigError, match="runs on the CPU"):
+        SentenceTransformerEmbedder(backend="onnx", device="cuda")
+
+
+def test_int8_vectors_get_their_own_identity_float_onnx_keeps_torchs() -> None:
+    # The builder rebuilds when the embedder id changes: int8 vectors must never join a float index,
+    # float32 ONNX vectors (equal to torch's, see the slow test) may extend a torch-built one.
+    torch_e = SentenceTransformerEmbedder(backend="torch")
+    fp32 = SentenceTransformerEmbedder(backend="onnx")
+    int8 = SentenceTransformerEmbedder(backend="onnx-int8")
+    assert fp32.id == torch_e.id == "all-MiniLM-L6-v2"
+    assert int8.id == "all-MiniLM-L6-v2+int8"
+    assert (int8.dim, int8.max_tokens) == (384, 252) and int8._onnx is None  # nothing loaded yet
+    back = embedder_from_spec(int8.spec())
+    assert isinstance(back, SentenceTransformerEmbedder) and back.backend == "onnx-int8"
+    # An index written before backends existed was embedded with torch and reopens as torch.
+    old = {k: v for k, v in torch_e.spec().items() if k != "backend"}
+    legacy = embedder_from_spec(old)
+    assert isinstance(legacy, SentenceTransformerEmbedder) and legacy.backend == "torch"
+
+
+def test_without_onnxruntime_a_clear_error_or_torch() -> None:
+    code = (
+        "import sys; sys.modules['onnxruntime'] = None\n"
+        "from ragbudget.embed import SentenceTransformerEmbedder as S, embedder_from_spec\n"
+        "from ragbudget.errors import ConfigError\n"
+        "assert S().backend == 'torch', S().backend\n"
+        "spec = S(backend='torch').spec()\n"
+        "assert embedder_from_spec({**spec, 'backend': 'onnx'}).backend == 'torch'\n"
+        "for make in (lambda: S(backend='onnx-int8'),\n"
+        "             lambda: embedder_from_spec({**spec, 'backend': 'onnx-int8'})):\n"
+        "    try:\n"
+        "        make()\n"
+        "    except ConfigError as exc:\n"
+        "        assert \"pip install 'ragbudget[onnx]'\" in str(exc), exc\n"
+        "    else:\n"
+        "        raise SystemExit('no error')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_a_damaged_cached_export_is_a_model_error(tmp_path, monkeypatch) -> None:
+    import os
+
+    from ragbudget import embed
+    from ragbudget.errors import ModelError
+
+    monkeypatch.setenv("RAGBUDGET_CACHE", str(tmp_path))
+    e = SentenceTransformerEmbedder(backend="onnx-int8")
+    folder = e._onnx_layout().folder  # type: ignore[union-attr]
+    cache = tmp_path / "onnx" / embed._model_digest(folder)
+    cache.mkdir(parents=True)
+    (cache / "model.int8.onnx").write_bytes(b"not an onnx file")
+    with pytest.raises(ModelError, match="delete it"):
+        e.warm_up()
+    assert os.listdir(cache) == ["model.int8.onnx"]  # no export attempted over a present file
+
+
+@pytest.fixture(scope="session")
+def onnx_cache(tmp_path_factory: pytest.TempPathFactory):
+    import os
+
+    old = os.environ.get("RAGBUDGET_CACHE")
+    path = tmp_path_factory.mktemp("onnx-cache")
+    os.environ["RAGBUDGET_CACHE"] = str(path)
+    yield path
+    if old is None:
+        os.environ.pop("RAGBUDGET_CACHE", None)
+    else:
+        os.environ["RAGBUDGET_CACHE"] = old
+
+
+@pytest.mark.slow
+def test_onnx_backends_against_torch(minilm: SentenceTransformerEmbedder, onnx_cache) -> None:
+    # Short, long (several windows) and odd texts in one call: length-sorted batches pad each
+    # batch to its own longest window, and must still give every text its own vector.
+    texts = ["What is MinHash?", FILLER * 14 + TAIL_FACT, "x", "  leading and trailing  ",
+             FILLER * 3, "Ünïcödé naïve café 東京 🙂", FILLER * 30]
+    want = minilm.embed(texts)
+    fp32 = SentenceTransformerEmbedder(backend="onnx", batch_size=3)
+    got = fp32.embed(texts)
+    assert got.windows == want.windows and got.texts_fed == want.texts_fed
+    assert np.abs(got.vectors - want.vectors).max() < 1e-5  # same vectors: may extend a torch index
+    int8 = SentenceTransformerEmbedder(backend="onnx-int8")
+    q = int8.embed(texts)
+    cos = (q.vectors * want.vectors).sum(axis=1)
+    assert cos.min() > 0.97 and cos.max() < 1 - 1e-4  # close, but other vectors (hence its own id)
+    # One text per run: a vector depends on its text only, never on its batch neighbours.
+    assert np.array_equal(int8.embed_query(texts[0]), q.vectors[0])
+    assert np.array_equal(int8.embed(texts[::-1]).vectors[::-1], q.vectors)
+    files = sorted(p.name for p in onnx_cache.rglob("*") if p.is_file())
+    assert files == ["model.int8.onnx", "model.onnx"]  # exported once, nothing temporary left
+    before = [p.stat().st_mtime_ns for p in onnx_cache.rglob("*.onnx")]
+    again = SentenceTransformerEmbedder(backend="onnx-int8")
+    again.warm_up()
+    assert [p.stat().st_mtime_ns for p in onnx_cache.rglob("*.onnx")] == before  # reused
+
+
+@pytest.mark.slow
+def test_an_index_built_with_torch_is_rebuilt_not_mixed_by_int8(tmp_path, onnx_cache) -> None:
+    from ragbudget.index import Index
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.txt").write_text(FILLER + TAIL_FACT)
+    ix = Index(tmp_path / "idx")
+    ix.build([str(docs)], embedder=SentenceTransformerEmbedder(backend="torch"))
+    fp32 = ix.build([str(docs)], embedder=SentenceTransformerEmbedder(backend="onnx"))
+    assert fp32.chunks_embedded == 0  # same identity: nothing re-embedded
+    int8 = ix.build([str(docs)], embedder=SentenceTransformerEmbedder(backend="onnx-int8"))
+    assert int8.chunks_embedded == 1  # a rebuild, never a mix
+    manifest = Index.open(tmp_path / "idx")._read_manifest()
+    assert manifest["embedder"]["id"] == "all-MiniLM-L6-v2+int8"
+    assert manifest["embedder"]["backend"] == "onnx-int8"
