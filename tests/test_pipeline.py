@@ -476,3 +476,31 @@ def test_cpu_default_context_is_capped_by_measured_prefill_time(indexed: Path,
     assert off.ask(QUESTION).report["budget"]["context_limit"] is None
     gpu, _ = _pipe(indexed, generator=CPUGenerator(device="cuda:0"))
     assert gpu.ask(QUESTION).report["budget"]["context_limit"] is None
+
+
+def test_fill_remainder_is_an_option_that_reaches_the_selector(tmp_path: Path) -> None:
+    """``Pipeline(fill_remainder=True)`` (CLI ``ask --fill-remainder``) gives the room the whole
+    chunks leave to a cut of the next chunk; the default leaves it empty (issue #16: more answer
+    in the context, but answers with it are not yet measured, so it is opt-in)."""
+    from _fakes import FakeBackend
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    # Two documents of ~420 words, one chunk each at the default chunk size.
+    (docs / "hall.txt").write_text("The guild met in the old hall by the river every spring. " * 35
+                                   + "The hall burned down in 1871 after a lamp fell over.")
+    (docs / "tides.txt").write_text("The guild recorded tides along the harbour walls each day. " * 35)
+    Pipeline(tmp_path / "idx", embedder="hash:64").index([docs])
+    sizes = []
+    for fill in (False, True):
+        pipe = Pipeline(tmp_path / "idx", backend=FakeBackend(), fill_remainder=fill,
+                        relevance_floor=0.0)
+        sel = pipe.retrieve("When did the guild's hall burn down?", context_tokens=700)
+        assert sel.tokens_used <= sel.tokens_allowed
+        sizes.append((len(sel.chunks), [c.truncated for c in sel.chunks]))
+    (n_off, cut_off), (n_on, cut_on) = sizes
+    assert not any(cut_off) and any(cut_on) and n_on == n_off + 1
+    from ragbudget.errors import ArgumentTypeError
+
+    with pytest.raises(ArgumentTypeError):
+        Pipeline(tmp_path / "idx", backend=FakeBackend(), fill_remainder="yes")
