@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import re
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 # The class itself, bound now: tests replace ``ragbudget.pipeline.Pipeline`` (the CLI's) with
 # factories that call corpus_index().
 from ragbudget.pipeline import Pipeline as _Pipeline
 
-__all__ = ["FakeBackend", "GeneratorStub", "WordCounter", "WordTokenizer", "corpus_index", "make_pdf",
-           "words_reply"]
+__all__ = ["SLOT_ANSWER", "WINDOW", "FakeBackend", "FakeGeneration", "FakeGenerator", "GeneratorStub",
+           "WordCounter", "WordTokenizer", "corpus_index", "fake", "fake_pipeline", "make_pdf",
+           "printable_stop", "running", "words_reply"]
 
 _PIECE = re.compile(r"<\|[a-z_]+\|>|\w+|[^\w\s]|\s+")
 
@@ -264,3 +268,98 @@ def corpus_index(embedder: str | None = None) -> Any:
 
 
 _CORPUS_INDEX: dict[str | None, Any] = {}
+
+
+def printable_stop(text: str) -> str:
+    """Two ASCII letters/digits from the middle of ``text`` (the byte-level tiny model also emits
+    replacement characters, which no tokenizer can stop on)."""
+    for i in range(3, len(text) - 1):
+        if text[i:i + 2].isascii() and text[i:i + 2].isalnum():
+            return text[i:i + 2]
+    raise AssertionError(f"no printable pair in {text!r}")
+
+
+@dataclass
+class FakeGeneration:
+    text: str
+    prompt_tokens: int
+    new_tokens: int
+    max_new_tokens: int
+    finish_reason: str = "stop"
+    oom_steps: tuple = ()
+    prompt: Any = None
+
+
+@dataclass
+class FakeGenerator:
+    """Stands in for ragbudget.generate.Generator: records prompts, answers with a fixed text."""
+
+    answer: str = "The Nobel Prize [1]."
+    delay: float = 0.0
+    word_delay: float = 0.0  # between streamed words (a slow model, for cancellation tests)
+    cancelled: int = 0
+    tokenizer: WordTokenizer = field(default_factory=WordTokenizer)
+    prompts: list[Any] = field(default_factory=list)
+    loaded: bool = False
+    model: Any = None
+    config: Any = None
+    device: str = ""  # neither CPU nor GPU: no time cap unless a test says so
+
+    def generate(self, prompt: Any, *, max_new_tokens: int, on_text: Any = None, cancel: Any = None,
+                 **_: Any) -> FakeGeneration:
+        self.prompts.append(prompt)
+        if self.delay:
+            time.sleep(self.delay)
+        # Like the real generator, cancel is checked at every token, streamed or not.
+        for word in self.answer.split(" "):
+            if cancel is not None and cancel.is_set():
+                self.cancelled += 1
+                return FakeGeneration(self.answer, prompt.n_tokens, 0, max_new_tokens,
+                                      finish_reason="cancelled", prompt=prompt)
+            if on_text:
+                on_text(word + " ")
+            if self.word_delay:
+                time.sleep(self.word_delay)
+        return FakeGeneration(self.answer, prompt.n_tokens, len(self.answer.split()), max_new_tokens,
+                              prompt=prompt)
+
+
+# --- a real Pipeline on the FakeBackend, and a real server in front of it (test_server, test_examples)
+
+#: With a 1,000-token window and 700 tokens reserved for each answer, one request reserves more
+#: than a third of two windows: ``slots`` windows of KV admit exactly ``slots`` requests at once.
+WINDOW, SLOT_ANSWER = 1000, 700
+
+
+def fake_pipeline(*, words: int = 6, token_delay: float = 0.0, slots: int | None = None,
+                  max_queue: int = 4, timeout: float = 2.0, max_new_tokens: int | None = None,
+                  fail: BaseException | None = None, index_dir: Path | None = None) -> _Pipeline:
+    """A real Pipeline over the corpus index, generating on a FakeBackend that answers ``words``
+    words, ``token_delay`` seconds apart. ``slots``: the backend reports a window of
+    :data:`WINDOW` tokens and that many request slots, so admission admits that many requests at
+    once (each reserving :data:`SLOT_ANSWER` tokens of answer); None: no limit reported."""
+    from ragbudget.backend import Capacity
+
+    capacity = (Capacity(max_context_tokens=WINDOW, max_context_source="fake", max_concurrent=slots,
+                         max_concurrent_source="fake") if slots else None)
+    backend = FakeBackend(reply=words_reply(words), capacity=capacity, token_delay=token_delay, fail=fail)
+    if max_new_tokens is None:
+        max_new_tokens = SLOT_ANSWER if slots else 256
+    return _Pipeline(index_dir or corpus_index(), backend=backend, max_new_tokens=max_new_tokens,
+                     queue_size=max_queue, queue_timeout=timeout)
+
+
+def fake(pipe: _Pipeline) -> FakeBackend:
+    """The pipeline's FakeBackend (what the "model" received)."""
+    backend = pipe.backend
+    assert isinstance(backend, FakeBackend)
+    return backend
+
+
+@contextlib.contextmanager
+def running(pipe: _Pipeline, **options: Any) -> Iterator[str]:
+    """``pipe`` served by a real uvicorn server on a loopback port for the block; its URL."""
+    from ragbudget.server import background_server, create_app
+
+    with background_server(create_app(pipe, **options)) as url:
+        yield url

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
-from test_server import FakePipeline, running
+from _fakes import fake, fake_pipeline, running
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
@@ -18,14 +19,17 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_openai_client_example_streams_an_answer_with_sources() -> None:
-    pipe = FakePipeline(words=5)
+    # A real Pipeline over the shared corpus index (tests/_fakes.py), answering five scripted words.
+    pipe = fake_pipeline(words=5)
+    question = "How is the KV cache budget computed?"
     with running(pipe, api_key="secret") as url:
-        out = _run(str(EXAMPLES / "openai_client.py"), "What is in the guide?",
+        out = _run(str(EXAMPLES / "openai_client.py"), question,
                    "--base-url", url + "/v1", "--api-key", "secret")
     assert out.returncode == 0, out.stderr
     assert "word0 word1 word2 word3 word4" in out.stdout
-    assert "[1] data/guide.md page 3 score 0.91" in out.stdout
-    assert pipe.calls[-1]["question"] == "What is in the guide?"
+    # The first source is the corpus document about the KV budget, with its page and score.
+    assert re.search(r"^\[1\] docs/kv-budget\.md page \S+ score 0\.\d+", out.stdout, re.M), out.stdout
+    assert fake(pipe).calls[-1]["question"] == question
 
 
 def test_budgeted_qa_example_parses_its_options() -> None:

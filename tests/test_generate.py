@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from _fakes import printable_stop
 from _tiny_lm import tiny_model, tiny_tokenizer
 
 from ragbudget.errors import BudgetError, ConfigError
@@ -230,19 +231,10 @@ def test_is_oom() -> None:
     assert not is_oom(RuntimeError("shape mismatch")) and not is_oom(ValueError("out of memory"))
 
 
-def _printable_stop(text: str) -> str:
-    """Two ASCII letters/digits from the middle of ``text`` (the byte-level tiny model also emits
-    replacement characters, which no tokenizer can stop on)."""
-    for i in range(3, len(text) - 1):
-        if text[i:i + 2].isascii() and text[i:i + 2].isalnum():
-            return text[i:i + 2]
-    raise AssertionError(f"no printable pair in {text!r}")
-
-
 def test_stop_strings(gen) -> None:
     full = gen.generate("hi", max_new_tokens=20)
     assert full.finish_reason == "length"
-    stop = _printable_stop(full.text)
+    stop = printable_stop(full.text)
     cut = gen.generate("hi", max_new_tokens=20, stop=[stop, "never-appears"])
     assert cut.finish_reason == "stop" and stop not in cut.text
     assert cut.text == full.text[:full.text.index(stop)].strip()
@@ -253,7 +245,7 @@ def test_stop_strings(gen) -> None:
 
 def test_streamed_text_never_shows_a_stop_string(gen) -> None:
     full = gen.generate("hi", max_new_tokens=20)
-    stop = _printable_stop(full.text)
+    stop = printable_stop(full.text)
     pieces: list[str] = []
     cut = gen.generate("hi", max_new_tokens=20, stop=[stop], on_text=pieces.append)
     assert "".join(pieces).strip() == cut.text and stop not in "".join(pieces)

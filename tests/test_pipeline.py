@@ -14,54 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _fakes import WordTokenizer
+from _fakes import FakeGeneration, FakeGenerator, WordTokenizer
 
 from ragbudget import BudgetError, ConfigError, IndexNotFoundError, Pipeline
-
-
-@dataclass
-class FakeGeneration:
-    text: str
-    prompt_tokens: int
-    new_tokens: int
-    max_new_tokens: int
-    finish_reason: str = "stop"
-    oom_steps: tuple = ()
-    prompt: Any = None
-
-
-@dataclass
-class FakeGenerator:
-    """Stands in for ragbudget.generate.Generator: records prompts, answers with a fixed text."""
-
-    answer: str = "The Nobel Prize [1]."
-    delay: float = 0.0
-    word_delay: float = 0.0  # between streamed words (a slow model, for cancellation tests)
-    cancelled: int = 0
-    tokenizer: WordTokenizer = field(default_factory=WordTokenizer)
-    prompts: list[Any] = field(default_factory=list)
-    loaded: bool = False
-    model: Any = None
-    config: Any = None
-    device: str = ""  # neither CPU nor GPU: no time cap unless a test says so
-
-    def generate(self, prompt: Any, *, max_new_tokens: int, on_text: Any = None, cancel: Any = None,
-                 **_: Any) -> FakeGeneration:
-        self.prompts.append(prompt)
-        if self.delay:
-            time.sleep(self.delay)
-        # Like the real generator, cancel is checked at every token, streamed or not.
-        for word in self.answer.split(" "):
-            if cancel is not None and cancel.is_set():
-                self.cancelled += 1
-                return FakeGeneration(self.answer, prompt.n_tokens, 0, max_new_tokens,
-                                      finish_reason="cancelled", prompt=prompt)
-            if on_text:
-                on_text(word + " ")
-            if self.word_delay:
-                time.sleep(self.word_delay)
-        return FakeGeneration(self.answer, prompt.n_tokens, len(self.answer.split()), max_new_tokens,
-                              prompt=prompt)
 
 
 @pytest.fixture(scope="module")

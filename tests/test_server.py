@@ -25,7 +25,19 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from _fakes import FakeBackend, GeneratorStub, corpus_index, words_reply
+from _fakes import (
+    SLOT_ANSWER,
+    WINDOW,
+    FakeBackend,
+    FakeGenerator,
+    GeneratorStub,
+    corpus_index,
+    fake,
+    fake_pipeline,
+    printable_stop,
+    running,
+    words_reply,
+)
 
 from ragbudget.backend import Capacity, Sampling
 from ragbudget.errors import BudgetError, OverloadedError
@@ -33,32 +45,6 @@ from ragbudget.pipeline import Pipeline
 from ragbudget.server import Metrics, background_server, create_app
 
 MODEL = "fake/model"
-#: With a 1,000-token window and 700 tokens reserved for each answer, one request reserves more
-#: than a third of two windows: ``slots`` windows of KV admit exactly ``slots`` requests at once.
-WINDOW, SLOT_ANSWER = 1000, 700
-
-
-def fake_pipeline(*, words: int = 6, token_delay: float = 0.0, slots: int | None = None,
-                  max_queue: int = 4, timeout: float = 2.0, max_new_tokens: int | None = None,
-                  fail: BaseException | None = None, index_dir: Path | None = None) -> Pipeline:
-    """A real Pipeline over the corpus index, generating on a FakeBackend that answers ``words``
-    words, ``token_delay`` seconds apart. ``slots``: the backend reports a window of
-    :data:`WINDOW` tokens and that many request slots, so admission admits that many requests at
-    once (each reserving :data:`SLOT_ANSWER` tokens of answer); None: no limit reported."""
-    capacity = (Capacity(max_context_tokens=WINDOW, max_context_source="fake", max_concurrent=slots,
-                         max_concurrent_source="fake") if slots else None)
-    backend = FakeBackend(reply=words_reply(words), capacity=capacity, token_delay=token_delay, fail=fail)
-    if max_new_tokens is None:
-        max_new_tokens = SLOT_ANSWER if slots else 256
-    return Pipeline(index_dir or corpus_index(), backend=backend, max_new_tokens=max_new_tokens,
-                    queue_size=max_queue, queue_timeout=timeout)
-
-
-def fake(pipe: Pipeline) -> FakeBackend:
-    """The pipeline's FakeBackend (what the "model" received)."""
-    backend = pipe.backend
-    assert isinstance(backend, FakeBackend)
-    return backend
 
 
 def history_of(call: dict[str, Any]) -> list[dict[str, str]]:
@@ -69,12 +55,6 @@ def history_of(call: dict[str, Any]) -> list[dict[str, str]]:
 
 def reserved(pipe: Pipeline) -> int:
     return pipe.admission.stats().admitted_tokens
-
-
-@contextlib.contextmanager
-def running(pipe: Pipeline, **options: Any) -> Iterator[str]:
-    with background_server(create_app(pipe, **options)) as url:
-        yield url
 
 
 def client(url: str, key: str = "unused") -> openai.OpenAI:
@@ -182,13 +162,11 @@ def _stream_text(chunks: list[Any]) -> str:
 
 
 def test_stop_trims_the_answer_streaming_or_not(tiny_url: str) -> None:
-    from test_generate import _printable_stop
-
     c = client(tiny_url)
     full = c.chat.completions.create(model=MODEL, messages=user(TINY_QUESTION), max_tokens=20)
     text = full.choices[0].message.content or ""
     assert full.choices[0].finish_reason == "length"
-    stop = _printable_stop(text)
+    stop = printable_stop(text)
     expected = text[:text.index(stop)].strip()
     cut = c.chat.completions.create(model=MODEL, messages=user(TINY_QUESTION), max_tokens=20, stop=[stop, "zzz"])
     assert cut.choices[0].message.content == expected and cut.choices[0].finish_reason == "stop"
@@ -893,8 +871,6 @@ def tmp_index(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 
 def _real_pipeline(index_dir: Path) -> Any:
-    from test_pipeline import FakeGenerator
-
     from ragbudget.pipeline import Pipeline
 
     from types import SimpleNamespace
