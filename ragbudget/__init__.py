@@ -25,13 +25,15 @@ _EXPORTS: dict[str, str] = {
     "Document": "types",
     "Chunk": "types",
     "Source": "types",
+    "Hit": "types",
+    "IndexSummary": "types",
     "RagBudgetError": "errors",
     "ConfigError": "errors",
     "ArgumentTypeError": "errors",
     "InputPathError": "errors",
     "LoadError": "errors",
     "ModelError": "errors",
-    "IndexError_": "errors",
+    "SearchIndexError": "errors",
     "IndexNotFoundError": "errors",
     "IndexEmptyError": "errors",
     "IndexCorruptError": "errors",
@@ -56,6 +58,7 @@ _EXPORTS: dict[str, str] = {
     "content_hash": "dedup",
     "Deduplicator": "dedup",
     "get_tokenizer": "tokens",
+    "Tokenizer": "tokens",
     "kv_cache_bytes": "kvcache",
     "plan_budget": "budget",
     "BudgetPlan": "budget",
@@ -64,9 +67,12 @@ _EXPORTS: dict[str, str] = {
     "select_spans": "spans",
     # stateful nouns
     "Index": "index",
+    "Embedder": "embed",
     "SentenceTransformerEmbedder": "embed",
     "HashEmbedder": "embed",
     "Generator": "generate",
+    "Generation": "generate",
+    "Backend": "backend",
     "AdmissionController": "admission",
     "Pipeline": "pipeline",
     "Answer": "pipeline",
@@ -91,43 +97,80 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
-    from .admission import AdmissionController
-    from .budget import BudgetPlan, plan_budget
-    from .chat import Conversation
-    from .chunking import chunk_document, chunk_text
-    from .clean import strip_headers_footers
-    from .dedup import Deduplicator, content_hash
-    from .embed import HashEmbedder, SentenceTransformerEmbedder
-    from .errors import (
-        ArgumentTypeError,
-        BudgetError,
-        ConfigError,
-        EngineAuthError,
-        EngineConnectionError,
-        EngineContextError,
-        EngineError,
-        EngineOverloadedError,
-        EngineResponseError,
-        ExecutorError,
-        IndexCorruptError,
-        IndexEmptyError,
-        IndexError_,
-        IndexLockedError,
-        IndexMismatchError,
-        IndexNotFoundError,
-        InputPathError,
-        LoadError,
-        ModelError,
-        OverloadedError,
-        RagBudgetError,
-        RequestCancelled,
+    # `X as X`: an explicit re-export (mypy --no-implicit-reexport, ruff F401).
+    from .admission import AdmissionController as AdmissionController
+    from .backend import Backend as Backend
+    from .budget import (
+        BudgetPlan as BudgetPlan,
+        plan_budget as plan_budget,
     )
-    from .generate import Generator
-    from .index import Index
-    from .kvcache import kv_cache_bytes
-    from .loaders import load_document, scan
-    from .pipeline import Answer, AnswerStream, Pipeline
-    from .select import Selection, select_chunks
-    from .spans import select_spans
-    from .tokens import get_tokenizer
-    from .types import Chunk, Document, Source
+    from .chat import Conversation as Conversation
+    from .chunking import (
+        chunk_document as chunk_document,
+        chunk_text as chunk_text,
+    )
+    from .clean import strip_headers_footers as strip_headers_footers
+    from .dedup import (
+        Deduplicator as Deduplicator,
+        content_hash as content_hash,
+    )
+    from .embed import (
+        Embedder as Embedder,
+        HashEmbedder as HashEmbedder,
+        SentenceTransformerEmbedder as SentenceTransformerEmbedder,
+    )
+    from .errors import (
+        ArgumentTypeError as ArgumentTypeError,
+        BudgetError as BudgetError,
+        ConfigError as ConfigError,
+        EngineAuthError as EngineAuthError,
+        EngineConnectionError as EngineConnectionError,
+        EngineContextError as EngineContextError,
+        EngineError as EngineError,
+        EngineOverloadedError as EngineOverloadedError,
+        EngineResponseError as EngineResponseError,
+        ExecutorError as ExecutorError,
+        IndexCorruptError as IndexCorruptError,
+        IndexEmptyError as IndexEmptyError,
+        IndexLockedError as IndexLockedError,
+        IndexMismatchError as IndexMismatchError,
+        IndexNotFoundError as IndexNotFoundError,
+        InputPathError as InputPathError,
+        LoadError as LoadError,
+        ModelError as ModelError,
+        OverloadedError as OverloadedError,
+        RagBudgetError as RagBudgetError,
+        RequestCancelled as RequestCancelled,
+        SearchIndexError as SearchIndexError,
+    )
+    from .generate import (
+        Generation as Generation,
+        Generator as Generator,
+    )
+    from .index import Index as Index
+    from .kvcache import kv_cache_bytes as kv_cache_bytes
+    from .loaders import (
+        load_document as load_document,
+        scan as scan,
+    )
+    from .pipeline import (
+        Answer as Answer,
+        AnswerStream as AnswerStream,
+        Pipeline as Pipeline,
+    )
+    from .select import (
+        Selection as Selection,
+        select_chunks as select_chunks,
+    )
+    from .spans import select_spans as select_spans
+    from .tokens import (
+        Tokenizer as Tokenizer,
+        get_tokenizer as get_tokenizer,
+    )
+    from .types import (
+        Chunk as Chunk,
+        Document as Document,
+        Hit as Hit,
+        IndexSummary as IndexSummary,
+        Source as Source,
+    )

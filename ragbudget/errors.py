@@ -9,7 +9,7 @@ into exit codes (1 for any ``RagBudgetError``); the library never calls ``sys.ex
     │   └── ArgumentTypeError (TypeError) an argument of the wrong type (bytes for str, "100" for int)
     ├── LoadError                        a document could not be read (the indexer logs and skips it)
     ├── ModelError                       a model, tokenizer or config could not be loaded
-    ├── IndexError_ (LookupError)        the on-disk index
+    ├── SearchIndexError (LookupError)   the on-disk index
     │   ├── IndexNotFoundError           no index in that folder yet
     │   ├── IndexCorruptError            checksum mismatch, truncated or unreadable file
     │   ├── IndexLockedError             another writer holds the lock
@@ -19,7 +19,12 @@ into exit codes (1 for any ``RagBudgetError``); the library never calls ``sys.ex
     ├── OverloadedError                  admission control: queue full or wait timed out
     ├── RequestCancelled                 the caller cancelled the request (a client left)
     ├── ExecutorError                    embedding on a cluster failed (Ray unreachable, a worker died)
-    └── EngineError                      a served engine could not be used (tree below)
+    └── EngineError                      a served engine (vLLM, SGLang, TGI, llama.cpp, Ollama, …)
+        ├── EngineConnectionError (ConnectionError)  refused, DNS, TLS, timeout / hang
+        ├── EngineAuthError (PermissionError)        401 / 403
+        ├── EngineResponseError (ValueError)         malformed JSON, unexpected shape or status
+        ├── EngineContextError (BudgetError)         the prompt did not fit the server's context
+        └── EngineOverloadedError (OverloadedError)  429 / 503 still, after a bounded back-off
 
 Leaves subclass the built-in they refine (``ConfigError`` is a ``ValueError``) so callers' existing
 ``except ValueError`` keeps working.
@@ -40,7 +45,6 @@ __all__ = [
     "ExecutorError",
     "IndexCorruptError",
     "IndexEmptyError",
-    "IndexError_",
     "IndexLockedError",
     "IndexMismatchError",
     "IndexNotFoundError",
@@ -50,6 +54,7 @@ __all__ = [
     "OverloadedError",
     "RagBudgetError",
     "RequestCancelled",
+    "SearchIndexError",
 ]
 
 
@@ -91,27 +96,28 @@ class ModelError(RagBudgetError):
     """A model, tokenizer or model config could not be found or loaded."""
 
 
-class IndexError_(RagBudgetError, LookupError):  # noqa: N801 - avoid shadowing builtins.IndexError
-    """Base class of on-disk index problems."""
+class SearchIndexError(RagBudgetError, LookupError):
+    """Base class of on-disk index problems. (Not ``IndexError``: that would shadow the built-in
+    raised for a sequence index out of range.)"""
 
 
-class IndexNotFoundError(IndexError_):
+class IndexNotFoundError(SearchIndexError):
     """There is no index in the given folder."""
 
 
-class IndexCorruptError(IndexError_):
+class IndexCorruptError(SearchIndexError):
     """An index file is truncated, unreadable or fails its checksum."""
 
 
-class IndexLockedError(IndexError_):
+class IndexLockedError(SearchIndexError):
     """Another process is writing the index."""
 
 
-class IndexMismatchError(IndexError_):
+class IndexMismatchError(SearchIndexError):
     """The index was built with settings incompatible with the ones asked for."""
 
 
-class IndexEmptyError(IndexError_):
+class IndexEmptyError(SearchIndexError):
     """The index exists but holds no chunks (it was built from a folder with nothing indexable):
     a search would answer from nothing."""
 
@@ -164,14 +170,6 @@ class ExecutorError(RagBudgetError):
 
 
 # -- served engines (ragbudget.engines) ---------------------------------------------------------
-#
-#   RagBudgetError
-#   └── EngineError                      a served engine (vLLM, SGLang, TGI, llama.cpp, Ollama, …)
-#       ├── EngineConnectionError (ConnectionError)  refused, DNS, TLS, timeout / hang
-#       ├── EngineAuthError (PermissionError)        401 / 403
-#       ├── EngineResponseError (ValueError)         malformed JSON, unexpected shape or status
-#       ├── EngineContextError (BudgetError)         the prompt did not fit the server's context
-#       └── EngineOverloadedError (OverloadedError)  429 / 503 still, after a bounded back-off
 #
 # Each message is one line naming the URL and what to check; the CLI prints it without a
 # traceback. The structured fields (``url``, ``kind``, ``status`` and the leaves' figures) are
@@ -235,3 +233,13 @@ class EngineOverloadedError(EngineError, OverloadedError):
         EngineError.__init__(self, message, url=url, kind=kind, status=status, body=body)
         self.retry_after = retry_after
         self.attempts = attempts
+
+
+
+def __getattr__(name: str) -> type[SearchIndexError]:
+    # The old name of SearchIndexError, until ragbudget/server.py (edited on another branch)
+    # imports the new one. Resolved here rather than bound, so it is in no listing (``__all__``,
+    # the tree above, ``vars()``). Remove with that change.
+    if name == "IndexError_":
+        return SearchIndexError
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
