@@ -92,7 +92,7 @@ def main() -> None:
                "batched_vs_threads": round(best["batched"]["tokens_per_s"]
                                            / best["threads"]["tokens_per_s"], 2),
                "same_text_as_serial": sum(a == b for a, b in zip(best["batched"]["texts"],
-                                                                best["serial"]["texts"]))}
+                                                                best["serial"]["texts"], strict=True))}
         rows.append(row)
         print(row, flush=True)
     layout = batcher.layout

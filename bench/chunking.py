@@ -211,7 +211,7 @@ def peer_in_pool(factory: Factory, texts: list[str], workers: int) -> list[list[
 
 def discipline(enc, texts: list[str], per_doc: list[list[str]]) -> dict[str, float | int]:  # type: ignore[no-untyped-def]
     sizes, inside, nonfinal, mid, n = [], 0, 0, 0, 0
-    for text, chunks in zip(texts, per_doc):
+    for text, chunks in zip(texts, per_doc, strict=True):
         counts = [len(enc.encode_ordinary(c)) for c in chunks]
         sizes += counts
         nonfinal += max(0, len(counts) - 1)
@@ -304,10 +304,10 @@ def main() -> None:
             if name in failed or not ts:
                 continue
             r: dict[str, object] = {"mb_s": mb / statistics.median(ts), "seconds": ts,
-                                    "ragbudget_x": statistics.median(t / b for t, b in zip(ts, base))}
+                                    "ragbudget_x": statistics.median(t / b for t, b in zip(ts, base, strict=True))}
             if sec == "1 thread":
                 enc_ts = runs["tiktoken encode_ordinary (no chunking)"]
-                r["x_tiktoken_encode"] = statistics.median(e / t for e, t in zip(enc_ts, ts))
+                r["x_tiktoken_encode"] = statistics.median(e / t for e, t in zip(enc_ts, ts, strict=True))
             results[sec][name] = r
     # Size discipline from the single-thread outputs (the pooled runs return the same chunks;
     # checked below for ragbudget).

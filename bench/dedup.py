@@ -87,7 +87,7 @@ def quality() -> dict[str, object]:
     near_false = sum(d.add(f"s{i}", p, digest=f"s{i}").kind != "new" for i, p in enumerate(paras))
     near_recall = sum(
         d.add(f"d{j}", c, digest=f"d{j}").duplicate_of == f"s{g}"
-        for j, (c, g) in enumerate(zip(contexts, gold))
+        for j, (c, g) in enumerate(zip(contexts, gold, strict=True))
     ) / len(contexts)
     t_near = time.perf_counter() - t0
     out: dict[str, object] = {
@@ -160,7 +160,7 @@ def shingle_sets(texts: list[str]) -> list[list[bytes]]:
     out = []
     for text in texts:
         an = _analyse([text])
-        ws = [an.cp[a:b].tobytes().decode("utf-32-le") for a, b in zip(an.word_starts, an.word_ends)]
+        ws = [an.cp[a:b].tobytes().decode("utf-32-le") for a, b in zip(an.word_starts, an.word_ends, strict=True)]
         k = DEFAULT_SHINGLE
         out.append(sorted({" ".join(ws[i : i + k]).encode() for i in range(max(1, len(ws) - k + 1))}))
     return out
@@ -391,7 +391,7 @@ def near_edits(n_base: int = 300, n_neg: int = 1000, seed: int = 0) -> dict[str,
         off = n_base + n_neg
         pos = {(i, off + i) for i in range(n_base)}
         judged = {p: True for p in pos}
-        ratios = [gt_ratio(words(b), words(c)) for b, c in zip(base, copies)]
+        ratios = [gt_ratio(words(b), words(c)) for b, c in zip(base, copies, strict=True)]
         levels[f"{frac:.0%}"] = {
             "ragbudget": grade(texts, groups_ragbudget(texts), pos, judged),
             "datasketch": grade(texts, groups_datasketch(texts), pos, judged),
@@ -463,7 +463,7 @@ def speed(rounds: int) -> dict[str, object]:
     out: dict[str, object] = {"texts": len(texts), "rounds": rounds}
     for k, ts in times.items():
         out[k] = {"median_s": statistics.median(ts), "seconds": ts,
-                  "ragbudget_x": statistics.median(t / b for t, b in zip(ts, base))}
+                  "ragbudget_x": statistics.median(t / b for t, b in zip(ts, base, strict=True))}
     ds = [k for k in runs if k.startswith("datasketch")]
     fastest = min(ds, key=lambda k: out[k]["median_s"])  # type: ignore[index]
     out["fastest_datasketch"] = fastest

@@ -43,8 +43,10 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from _results import write  # noqa: E402
-from qa import f1_score as f1  # noqa: E402  (the official SQuAD normalization and token F1)
-from qa import normalize_answer  # noqa: E402
+from qa import (  # noqa: E402
+    f1_score as f1,  # the official SQuAD normalization and token F1
+    normalize_answer,
+)
 
 SQUAD = Path(os.environ.get("RAGBUDGET_SHARED_DATA", ROOT.parent / "shared" / "data")) / "squad" / "squaddev_v1.1.json"
 

@@ -31,9 +31,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from qa import OUT, ROOT, SQUAD, contains_answer, embed  # noqa: E402  (sets the offline env)
-
 import numpy as np  # noqa: E402
+from qa import OUT, ROOT, SQUAD, contains_answer, embed  # noqa: E402  (sets the offline env)
 
 from ragbudget.chunking import chunk_text  # noqa: E402
 from ragbudget.index import FTS_TOKENIZE, _bm25, fuse_scores  # noqa: E402

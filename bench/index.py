@@ -24,6 +24,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -231,7 +232,9 @@ def synthetic_index(folder: Path, n: int, dim: int, *, clustered: bool, hnsw: bo
     db.execute("INSERT INTO meta VALUES ('generation', '1')")
     db.commit()
     db.close()
-    entry = lambda f: {"file": f, "bytes": (folder / f).stat().st_size, "sha256": I._sha256_file(folder / f)}
+    def entry(f: str) -> dict[str, Any]:
+        return {"file": f, "bytes": (folder / f).stat().st_size, "sha256": I._sha256_file(folder / f)}
+
     approx = None
     if hnsw:
         h = faiss.IndexHNSWFlat(dim, 32, faiss.METRIC_INNER_PRODUCT)
@@ -289,7 +292,8 @@ def part_latency(args: argparse.Namespace, tmp: Path) -> dict:
                 truth = found
             else:
                 assert truth is not None
-                r["recall@10_vs_flat"] = round(statistics.mean(len(a & b) / 10 for a, b in zip(found, truth)), 4)
+                overlap = [len(a & b) / 10 for a, b in zip(found, truth, strict=True)]
+                r["recall@10_vs_flat"] = round(statistics.mean(overlap), 4)
                 for ef in (32, 64, 256):
                     idx._search._set_param(ef)
                     got, lat2 = [], []
@@ -297,8 +301,13 @@ def part_latency(args: argparse.Namespace, tmp: Path) -> dict:
                         t = time.perf_counter()
                         got.append({h.chunk_id for h in idx.search_vector(v, 10)})
                         lat2.append((time.perf_counter() - t) * 1e3)
-                    r[f"ef{ef}"] = {"recall@10": round(statistics.mean(len(a & b) / 10 for a, b in zip(got, truth)), 4),
-                                    "p50_ms": round(pct(lat2, 50), 2), "p99_ms": round(pct(lat2, 99), 2)}
+                    r[f"ef{ef}"] = {
+                        "recall@10": round(
+                            statistics.mean(len(a & b) / 10 for a, b in zip(got, truth, strict=True)), 4
+                        ),
+                        "p50_ms": round(pct(lat2, 50), 2),
+                        "p99_ms": round(pct(lat2, 99), 2),
+                    }
             res[vname] = r
         if not clustered:
             res["encodings"] = scan_variants(x, q)
@@ -315,8 +324,11 @@ def scan_variants(x: np.ndarray, q: np.ndarray, k: int = 10) -> dict:
 
     faiss.omp_set_num_threads(1)
     best = min(_timed(x.sum) for _ in range(5))
-    out: dict = {"read_gb_s": round(x.nbytes / best / 1e9, 2),
-                 "fp32_floor_ms": round(best * 1e3, 2), "fp32_mb": round(x.nbytes / 1e6, 1)}
+    out: dict = {
+        "read_gb_s": round(x.nbytes / best / 1e9, 2),
+        "fp32_floor_ms": round(best * 1e3, 2),
+        "fp32_mb": round(x.nbytes / 1e6, 1),
+    }
     flat = faiss.IndexFlatIP(x.shape[1])
     flat.add(x)
     truth = flat.search(q, k)[1]
@@ -344,8 +356,11 @@ def scan_variants(x: np.ndarray, q: np.ndarray, k: int = 10) -> dict:
             got = fn(i)
             lat.append((time.perf_counter() - t) * 1e3)
             rec.append(len(set(got.tolist()) & set(truth[i].tolist())) / k)
-        out[name] = {"p50_ms": round(pct(lat, 50), 2), "p99_ms": round(pct(lat, 99), 2),
-                     "recall@10": round(statistics.mean(rec), 4)}
+        out[name] = {
+            "p50_ms": round(pct(lat, 50), 2),
+            "p99_ms": round(pct(lat, 99), 2),
+            "recall@10": round(statistics.mean(rec), 4),
+        }
     return out
 
 
@@ -366,7 +381,8 @@ import faiss, ragbudget.chunking, ragbudget.dedup, ragbudget.loaders
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 s = Index({ix!r}).build({paths!r}, embedder=HashEmbedder(dim=384), dedup="exact")
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-print(json.dumps({{"base_mb": base / 1024, "peak_mb": peak / 1024, "chunks": s.chunks_total, "files": s.files_indexed}}))
+print(json.dumps({{"base_mb": base / 1024, "peak_mb": peak / 1024, "chunks": s.chunks_total,
+                  "files": s.files_indexed}}))
 """
 
 
@@ -420,13 +436,25 @@ def report(r: dict) -> None:
             ("non-model overhead", f"{e['non_model_overhead_pct']}%", "<= 15%"),
             ("chunks needing windows", f"{e['chunks_needing_windows']}/{e['corpus']['chunks']}", ""),
             ("extra model time, windows vs truncation", f"+{e['windows_extra_model_time_pct']}%", ""),
-            ("SQuAD recall@5 windows vs truncate", f"{e['recall@5_windows']} vs {e['recall@5_truncate']} (n={e['questions']})", ""),
-            ("  tail-answer questions", f"{e['recall@5_tail_windows']} vs {e['recall@5_tail_truncate']} (n={e['tail_questions']})", ""),
+            (
+                "SQuAD recall@5 windows vs truncate",
+                f"{e['recall@5_windows']} vs {e['recall@5_truncate']} (n={e['questions']})",
+                "",
+            ),
+            (
+                "  tail-answer questions",
+                f"{e['recall@5_tail_windows']} vs {e['recall@5_tail_truncate']} (n={e['tail_questions']})",
+                "",
+            ),
         ]
     if "rerun" in r:
         x = r["rerun"]
         rows += [
-            ("unchanged re-run, 1,000 files", f"{x['unchanged_rerun_s']} s, {x['unchanged_rerun_embedded']} embedded", "<= 2 s, 0"),
+            (
+                "unchanged re-run, 1,000 files",
+                f"{x['unchanged_rerun_s']} s, {x['unchanged_rerun_embedded']} embedded",
+                "<= 2 s, 0",
+            ),
             ("one file touched (mtime only)", f"{x['touched_rerun_s']} s, {x['touched_rerun_embedded']} embedded", "0"),
             ("one file edited", f"{x['edited_one_file_s']} s, {x['edited_one_file_embedded']} embedded", ""),
         ]
@@ -436,21 +464,36 @@ def report(r: dict) -> None:
         rows += [
             (f"flat search @{lt['n']} (random)", f"p50 {f['p50_ms']} ms, p99 {f['p99_ms']} ms", "<= 5 / 20 ms"),
             (f"flat search @{lt['n']} (clustered)", f"p50 {h['flat']['p50_ms']} ms, p99 {h['flat']['p99_ms']} ms", ""),
-            (f"hnsw search @{lt['n']} (ef=128)", f"p50 {h['hnsw']['p50_ms']} ms, p99 {h['hnsw']['p99_ms']} ms, recall@10 {h['hnsw']['recall@10_vs_flat']}", ">= 0.95"),
+            (
+                f"hnsw search @{lt['n']} (ef=128)",
+                f"p50 {h['hnsw']['p50_ms']} ms, p99 {h['hnsw']['p99_ms']} ms, recall@10 "
+                f"{h['hnsw']['recall@10_vs_flat']}",
+                ">= 0.95",
+            ),
         ]
         enc = lt["flat_random"].get("encodings")
         if enc:
-            rows.append((f"fp32 scan read floor ({enc['fp32_mb']} MB at {enc['read_gb_s']} GB/s)",
-                         f"{enc['fp32_floor_ms']} ms", "p50 <= 5 ms needs >= "
-                         f"{enc['fp32_mb'] / 5:.0f} GB/s"))
+            rows.append(
+                (
+                    f"fp32 scan read floor ({enc['fp32_mb']} MB at {enc['read_gb_s']} GB/s)",
+                    f"{enc['fp32_floor_ms']} ms",
+                    f"p50 <= 5 ms needs >= {enc['fp32_mb'] / 5:.0f} GB/s",
+                )
+            )
             for name, v in enc.items():
                 if isinstance(v, dict):
-                    rows.append((f"  bare scan, {name}",
-                                 f"p50 {v['p50_ms']} ms, p99 {v['p99_ms']} ms, recall@10 {v['recall@10']}", ""))
+                    rows.append(
+                        (
+                            f"  bare scan, {name}",
+                            f"p50 {v['p50_ms']} ms, p99 {v['p99_ms']} ms, recall@10 {v['recall@10']}",
+                            "",
+                        )
+                    )
     if "rss" in r:
         s = r["rss"]
-        growth = (f"{s['1x']['growth_mb']} / {s['4x']['growth_mb']} MB "
-                  f"({s['1x']['chunks']} / {s['4x']['chunks']} chunks)")
+        growth = (
+            f"{s['1x']['growth_mb']} / {s['4x']['growth_mb']} MB ({s['1x']['chunks']} / {s['4x']['chunks']} chunks)"
+        )
         rows += [("peak RSS growth 1x / 4x corpus", growth, "grows with batch")]
     w = max(len(a) for a, _, _ in rows)
     print(f"{'metric':<{w}}  {'measured':<48}  target")

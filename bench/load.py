@@ -389,15 +389,21 @@ def _server(opts: dict[str, Any], *, in_process: bool) -> Iterator[tuple[str, An
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--defaults", action="store_true",
-                    help="Issue #14: the default `ragbudget serve` on six man pages, bursts of --bursts "
-                         "clients with the openai client; writes bench/results/load.json.")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument(
+        "--defaults",
+        action="store_true",
+        help="Issue #14: the default `ragbudget serve` on six man pages, bursts of --bursts "
+        "clients with the openai client; writes bench/results/load.json.",
+    )
     ap.add_argument("--bursts", default="32,64", help="--defaults: burst sizes, comma-separated.")
     ap.add_argument("--quick", action="store_true", help="32 clients x 2 requests, short generations, 3 rounds.")
     ap.add_argument("--clients", type=int, default=64)
     ap.add_argument("--requests", type=int, default=4, help="Requests per client.")
-    ap.add_argument("--admit", type=int, default=3, help="Requests the KV budget admits at once (simulated / --concurrency).")
+    ap.add_argument(
+        "--admit", type=int, default=3, help="Requests the KV budget admits at once (simulated / --concurrency)."
+    )
     ap.add_argument("--max-queue", type=int, default=8)
     ap.add_argument("--queue-timeout", type=float, default=2.0)
     ap.add_argument("--words", type=int, default=32, help="Simulated tokens per answer.")
@@ -409,10 +415,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stream-share", type=float, default=0.5)
     ap.add_argument("--max-workers", type=int, default=64, help="Server threads for model work (create_app).")
     ap.add_argument("--rounds", type=int, default=3, help="Load rounds (memory must plateau, not grow).")
-    ap.add_argument("--no-trim", action="store_true",
-                    help="Server does not return freed heap to the OS when idle (create_app trim_memory=False).")
-    ap.add_argument("--malloc-arenas", type=int, default=2,
-                    help="Cap glibc malloc arenas in the server as `ragbudget serve` does (0: leave the allocator alone).")
+    ap.add_argument(
+        "--no-trim",
+        action="store_true",
+        help="Server does not return freed heap to the OS when idle (create_app trim_memory=False).",
+    )
+    ap.add_argument(
+        "--malloc-arenas",
+        type=int,
+        default=2,
+        help="Cap glibc malloc arenas in the server as `ragbudget serve` does (0: leave the allocator alone).",
+    )
     ap.add_argument("--in-process", action="store_true", help="Run the server in this process (shares the GIL).")
     ap.add_argument("--serve-child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -429,21 +442,41 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.quick:
         args.clients, args.requests, args.words, args.rounds = 32, 2, 16, 3
-    opts = {"index_dir": args.index_dir, "admit": args.admit, "max_queue": args.max_queue,
-            "queue_timeout": args.queue_timeout, "words": args.words, "token_delay": args.token_delay,
-            "max_new_tokens": args.max_new_tokens, "gpu": args.gpu, "max_workers": args.max_workers,
-            "trim": not args.no_trim, "malloc_arenas": args.malloc_arenas}
+    opts = {
+        "index_dir": args.index_dir,
+        "admit": args.admit,
+        "max_queue": args.max_queue,
+        "queue_timeout": args.queue_timeout,
+        "words": args.words,
+        "token_delay": args.token_delay,
+        "max_new_tokens": args.max_new_tokens,
+        "gpu": args.gpu,
+        "max_workers": args.max_workers,
+        "trim": not args.no_trim,
+        "malloc_arenas": args.malloc_arenas,
+    }
 
     with _server(opts, in_process=args.in_process) as (url, server_rss, mode, admission_kind):
         # Baseline once the server is up and one request has been served (lazy imports done).
-        httpx.post(url + "/v1/chat/completions", json={"model": "bench", "messages": [{"role": "user", "content": "hi"}]},
-                   timeout=300)
+        httpx.post(
+            url + "/v1/chat/completions",
+            json={"model": "bench", "messages": [{"role": "user", "content": "hi"}]},
+            timeout=300,
+        )
         rss_base = server_rss()
         rounds, rss_rounds = [], []
         for _ in range(args.rounds):
-            rounds.append(run_load(url, clients=args.clients, requests_per_client=args.requests,
-                                   stream_share=args.stream_share, model="bench", time_limit=args.time_limit,
-                                   max_tokens=args.max_new_tokens if args.index_dir else None))
+            rounds.append(
+                run_load(
+                    url,
+                    clients=args.clients,
+                    requests_per_client=args.requests,
+                    stream_share=args.stream_share,
+                    model="bench",
+                    time_limit=args.time_limit,
+                    max_tokens=args.max_new_tokens if args.index_dir else None,
+                )
+            )
             rss_rounds.append(server_rss())
         rss_after = rss_rounds[-1]
         # The figures are the first round's; later rounds only show whether memory keeps growing
@@ -458,29 +491,44 @@ def main(argv: list[str] | None = None) -> int:
                 result["later_rounds_statuses"][status] = result["later_rounds_statuses"].get(status, 0) + n
         result["rss_after_each_round_mb"] = [r and round(r / 2**20, 1) for r in rss_rounds]
         metrics = httpx.get(url + "/metrics").text
-    result.update({
-        "mode": mode,
-        "admission": admission_kind,
-        "admit": args.admit,
-        "max_queue": args.max_queue,
-        "queue_timeout_s": args.queue_timeout,
-        "server": "in-process" if args.in_process else "subprocess",
-        "rss_baseline_mb": rss_base and round(rss_base / 2**20, 1),
-        "rss_after_mb": rss_after and round(rss_after / 2**20, 1),
-        "rss_delta_mb": (rss_after - rss_base) / 2**20 if rss_after and rss_base else None,
-        # Growth per round: a leak keeps it positive round after round; a plateau goes to ~0.
-        "rss_growth_per_round_mb": [round((b - a) / 2**20, 1) for a, b in zip([rss_base, *rss_rounds], rss_rounds)]
-        if rss_base and all(rss_rounds) else None,
-        "trim_memory": not args.no_trim,
-        "malloc_arenas": args.malloc_arenas or None,
-        "oom_steps_total": next((int(line.split()[-1]) for line in metrics.splitlines()
-                                 if line.startswith("ragbudget_oom_steps_total ")), None),
-        "command": "bench/load.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-    })
+    result.update(
+        {
+            "mode": mode,
+            "admission": admission_kind,
+            "admit": args.admit,
+            "max_queue": args.max_queue,
+            "queue_timeout_s": args.queue_timeout,
+            "server": "in-process" if args.in_process else "subprocess",
+            "rss_baseline_mb": rss_base and round(rss_base / 2**20, 1),
+            "rss_after_mb": rss_after and round(rss_after / 2**20, 1),
+            "rss_delta_mb": (rss_after - rss_base) / 2**20 if rss_after and rss_base else None,
+            # Growth per round: a leak keeps it positive round after round; a plateau goes to ~0.
+            "rss_growth_per_round_mb": [
+                round((b - a) / 2**20, 1) for a, b in zip([rss_base, *rss_rounds], rss_rounds, strict=False)
+            ]
+            if rss_base and all(rss_rounds)
+            else None,
+            "trim_memory": not args.no_trim,
+            "malloc_arenas": args.malloc_arenas or None,
+            "oom_steps_total": next(
+                (
+                    int(line.split()[-1])
+                    for line in metrics.splitlines()
+                    if line.startswith("ragbudget_oom_steps_total ")
+                ),
+                None,
+            ),
+            "command": "bench/load.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        }
+    )
     ok_contract = (
-        result["errors_5xx"] == 0 and result["transport_errors"] == 0 and result["stream_errors"] == 0
-        and result["missing_retry_after"] == 0 and result["health"]["failed"] == 0
-        and set(result["statuses"]) <= {"200", "429"} and set(result.get("later_rounds_statuses", {})) <= {"200", "429"}
+        result["errors_5xx"] == 0
+        and result["transport_errors"] == 0
+        and result["stream_errors"] == 0
+        and result["missing_retry_after"] == 0
+        and result["health"]["failed"] == 0
+        and set(result["statuses"]) <= {"200", "429"}
+        and set(result.get("later_rounds_statuses", {})) <= {"200", "429"}
     )
     result["contract_ok"] = ok_contract
 
@@ -488,21 +536,44 @@ def main(argv: list[str] | None = None) -> int:
         return "-" if v is None else (f"{v:.3f}{unit}" if isinstance(v, float) else f"{v}{unit}")
 
     rows = [
-        ("mode / admission", f"{mode} / {admission_kind}, admits {args.admit}, queue {args.max_queue}, wait {args.queue_timeout}s ({result['server']} server)"),
-        ("clients x requests", f"{args.clients} x {args.requests} = {result['requests']} sent in {f(result['wall_s'], ' s')}"),
+        (
+            "mode / admission",
+            f"{mode} / {admission_kind}, admits {args.admit}, queue {args.max_queue}, wait {args.queue_timeout}s "
+            f"({result['server']} server)",
+        ),
+        (
+            "clients x requests",
+            f"{args.clients} x {args.requests} = {result['requests']} sent in {f(result['wall_s'], ' s')}",
+        ),
         ("statuses", ", ".join(f"{k}: {v}" for k, v in sorted(result["statuses"].items()))),
-        ("5xx / transport / stream errors", f"{result['errors_5xx']} / {result['transport_errors']} / {result['stream_errors']}"),
+        (
+            "5xx / transport / stream errors",
+            f"{result['errors_5xx']} / {result['transport_errors']} / {result['stream_errors']}",
+        ),
         ("429 without Retry-After", str(result["missing_retry_after"])),
         ("throughput (200/s)", f(result["throughput_rps"])),
         ("latency 200 p50 / p99", f"{f(result['latency_ok_p50_s'], ' s')} / {f(result['latency_ok_p99_s'], ' s')}"),
         ("latency 429 p50 / p99", f"{f(result['latency_429_p50_s'], ' s')} / {f(result['latency_429_p99_s'], ' s')}"),
         ("queue wait p50 / p99", f"{f(result['queue_wait_p50_s'], ' s')} / {f(result['queue_wait_p99_s'], ' s')}"),
-        ("/health ok / failed, max latency", f"{result['health']['ok']} / {result['health']['failed']}, {f(result['health']['max_s'], ' s')}"),
-        ("max running / queued / admitted tokens", f"{result['health']['max_running']} / {result['health']['max_queued']} / {result['health']['max_admitted_tokens']}"),
+        (
+            "/health ok / failed, max latency",
+            f"{result['health']['ok']} / {result['health']['failed']}, {f(result['health']['max_s'], ' s')}",
+        ),
+        (
+            "max running / queued / admitted tokens",
+            f"{result['health']['max_running']} / {result['health']['max_queued']} / "
+            f"{result['health']['max_admitted_tokens']}",
+        ),
         ("OOM-ladder steps", f(result["oom_steps_total"])),
-        ("RSS baseline -> after each round (MB)", f"{f(result['rss_baseline_mb'])} -> {result['rss_after_each_round_mb']}"),
-        ("RSS growth per round (MB)", f"{result['rss_growth_per_round_mb']} (trim {'on' if not args.no_trim else 'off'}, "
-                                      f"malloc arenas {args.malloc_arenas or 'default'})"),
+        (
+            "RSS baseline -> after each round (MB)",
+            f"{f(result['rss_baseline_mb'])} -> {result['rss_after_each_round_mb']}",
+        ),
+        (
+            "RSS growth per round (MB)",
+            f"{result['rss_growth_per_round_mb']} (trim {'on' if not args.no_trim else 'off'}, "
+            f"malloc arenas {args.malloc_arenas or 'default'})",
+        ),
         ("contract (only 200/429+Retry-After, health up)", "OK" if ok_contract else "VIOLATED"),
     ]
     width = max(len(r[0]) for r in rows)

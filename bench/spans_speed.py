@@ -31,9 +31,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import numpy as np  # noqa: E402
-
 from _results import write  # noqa: E402
 from qa import normalize_answer  # noqa: E402
+
 from ragbudget.chunking import chunk_text  # noqa: E402
 from ragbudget.embed import SentenceTransformerEmbedder  # noqa: E402
 from ragbudget.models import resolve_generator  # noqa: E402
@@ -61,8 +61,8 @@ def main() -> None:
           for p in art["paragraphs"] for q in p["qas"]][: args.questions]
 
     ref = resolve_generator()
-    from transformers import AutoModelForCausalLM, AutoTokenizer
     import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(ref.path, gguf_file=ref.gguf_file)
     model = AutoModelForCausalLM.from_pretrained(ref.path, gguf_file=ref.gguf_file,

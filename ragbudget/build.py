@@ -187,7 +187,7 @@ class _Checkpoint:
                 os.ftruncate(self.fd, self.valid_bytes)  # drop a torn tail before appending
                 os.lseek(self.fd, 0, os.SEEK_END)
         out = bytearray()
-        for text, vec, w in zip(texts, vecs, windows):
+        for text, vec, w in zip(texts, vecs, windows, strict=True):
             rec = self.key(text) + struct.pack("<I", int(w)) + vec.tobytes()
             out += rec + struct.pack("<I", zlib.crc32(rec))
         os.write(self.fd, bytes(out))
@@ -628,7 +628,7 @@ class _Builder:
 
             sigs = minhash_signatures([c.text for c in chunks],
                                       num_perm=self.settings["dedup"]["num_perm"])
-        for c, h, sig in zip(chunks, hashes, sigs):
+        for c, h, sig in zip(chunks, hashes, sigs, strict=True):
             self._add_chunk(path, c, h, sig)
         warning = doc.meta.get("encoding_warning") or None
         if warning:
@@ -771,7 +771,7 @@ class _Builder:
             )
         self.flat.add(ids, vecs)
         self.db.executemany("UPDATE chunks SET windows=? WHERE id=?",
-                            [(w, int(i)) for w, i in zip(windows, ids)])
+                            [(w, int(i)) for w, i in zip(windows, ids, strict=True)])
         self.progress("embed", self.stats["chunks_embedded"] + self.stats["chunks_reused"],
                       self.embed_total)
 
@@ -793,7 +793,7 @@ class _Builder:
                     vecs = np.zeros((len(batch), shard.vectors.shape[1]), dtype=np.float32)
                 rows = [todo[p] for p in shard.positions]
                 vecs[rows] = shard.vectors
-                for j, w in zip(rows, shard.windows):
+                for j, w in zip(rows, shard.windows, strict=True):
                     windows[j] = w
                 done[shard.positions] = True
                 if self.checkpoint is not None:

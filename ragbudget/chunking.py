@@ -124,7 +124,8 @@ def chunk_text(
 
     >>> text = "# Setup\\n\\nInstall it. Then run it.\\n\\n## Usage\\n\\nCall chunk_text on a string."
     >>> [(c.text, c.n_tokens, c.headings) for c in chunk_text(text, min_tokens=4, max_tokens=12)]
-    [('# Setup\\n\\nInstall it. Then run it.', 10, ('Setup',)), ('## Usage\\n\\nCall chunk_text on a string.', 10, ('Setup', 'Usage'))]
+    [('# Setup\\n\\nInstall it. Then run it.', 10, ('Setup',)),
+     ('## Usage\\n\\nCall chunk_text on a string.', 10, ('Setup', 'Usage'))]
     """
     _check(min_tokens, max_tokens, overlap)
     tok = get_tokenizer(tokenizer)
@@ -191,9 +192,7 @@ def chunk_document(doc: Document, **kw: Any) -> list[Chunk]:
     for c in chunks:
         first = max(1, bisect.bisect_right(starts, c.start))
         last = max(1, bisect.bisect_right(starts, max(c.start, c.end - 1)))
-        out.append(
-            Chunk(c.text, c.start, c.end, c.n_tokens, c.headings, page_start=first, page_end=last)
-        )
+        out.append(Chunk(c.text, c.start, c.end, c.n_tokens, c.headings, page_start=first, page_end=last))
     return out
 
 
@@ -207,9 +206,7 @@ def _check(min_tokens: int, max_tokens: int, overlap: int) -> None:
             "lower min_tokens or raise max_tokens"
         )
     if not isinstance(overlap, int) or overlap < 0 or overlap > max_tokens // 2:
-        raise ConfigError(
-            f"overlap must be between 0 and max_tokens // 2 ({max_tokens // 2}), got {overlap!r}"
-        )
+        raise ConfigError(f"overlap must be between 0 and max_tokens // 2 ({max_tokens // 2}), got {overlap!r}")
 
 
 @functools.lru_cache(maxsize=4)
@@ -372,9 +369,7 @@ class _Chunker:
         line = (q < n) & ~_is_space(cq)  # the next line has text (not blank, not the end)
         prev = pad[nl - 1]  # nl - 1 == -1 reads the padding: "no character"
         prev2 = pad[nl - 2]
-        good = _is_sent_end(prev) | (
-            _is_closer(prev) & _is_sent_end(prev2)
-        )
+        good = _is_sent_end(prev) | (_is_closer(prev) & _is_sent_end(prev2))
         # A list item starting the next line: "- x", "* x", "1. x", "12) x", "(a) x", "a) x".
         c0, c1, c2, c3 = cq, pad[q + 1], pad[q + 2], pad[q + 3]
         blank1, blank2, blank3 = _is_blank(c1), _is_blank(c2), _is_blank(c3)
@@ -521,9 +516,7 @@ class _Chunker:
             cuts = [0, *_line_start_cuts(text, pieces), len(text)]
             enc = self.enc
             futures = [
-                pool.submit(
-                    enc.encode_to_numpy, text[a:b], allowed_special=set(), disallowed_special=()
-                )
+                pool.submit(enc.encode_to_numpy, text[a:b], allowed_special=set(), disallowed_special=())
                 for a, b in itertools.pairwise(cuts)
             ]
             headings = self._headings()
@@ -822,8 +815,9 @@ def _chunk_in_processes(
     # used only while no other thread runs (this module's idle encode helpers hold no lock while
     # they wait for work).
     methods = mp.get_all_start_methods()
-    others = [t for t in threading.enumerate()
-              if t is not threading.current_thread() and not t.name.startswith("rb-enc")]
+    others = [
+        t for t in threading.enumerate() if t is not threading.current_thread() and not t.name.startswith("rb-enc")
+    ]
     forked = "fork" in methods and not others
     ctx = mp.get_context("fork" if forked else "forkserver" if "forkserver" in methods else "spawn")
     # Workers get positions (and, unless forked, the texts) and send back offsets, counts and
@@ -837,8 +831,10 @@ def _chunk_in_processes(
         gc.freeze()
     try:
         with ProcessPoolExecutor(
-            max_workers=min(workers, len(batches)), mp_context=ctx,
-            initializer=_process_init, initargs=(encoding,),
+            max_workers=min(workers, len(batches)),
+            mp_context=ctx,
+            initializer=_process_init,
+            initargs=(encoding,),
         ) as pool:
             for part in pool.map(_chunk_batch, jobs, [sizes] * len(jobs)):
                 for i, spans in part:

@@ -128,7 +128,7 @@ def _roman_value(token: str) -> int | None:
     if len(token) == 1 and token not in "ivx":  # a lone "c", "d", "l", "m" is a letter
         return None
     total = 0
-    for a, b in zip(token, token[1:] + " "):
+    for a, b in zip(token, token[1:] + " ", strict=True):
         va, vb = _ROMAN_VALUES[a], _ROMAN_VALUES.get(b, 0)
         total += -va if va < vb else va
     return total
@@ -178,7 +178,7 @@ def _page_number_hits(
     """
     candidates: dict[tuple[str, int], set[int]] = defaultdict(set)
     per_line: dict[tuple[int, int], set[tuple[str, int]]] = {}
-    for p, (lines, zone) in enumerate(zip(pages, zones)):
+    for p, (lines, zone) in enumerate(zip(pages, zones, strict=True)):
         for i in zone:
             # Collapsed: pdftotext -layout pads a running head to the page width with spaces.
             if len(" ".join(lines[i].split())) > _PAGENO_MAX_LEN:
@@ -252,7 +252,7 @@ def find_furniture(
     # key -> pages whose edge zone holds it; and every zone line with its key.
     key_pages: dict[str, set[int]] = defaultdict(set)
     keys: dict[tuple[int, int], str] = {}
-    for p, (lines, zone) in enumerate(zip(split, zones)):
+    for p, (lines, zone) in enumerate(zip(split, zones, strict=True)):
         for i in zone:
             key = mask_line(lines[i])
             keys[(p, i)] = key
@@ -453,4 +453,4 @@ def strip_headers_footers(
 def edge_keys(pages: Iterable[str]) -> list[set[str]]:
     """Per page, the :func:`fold_line` keys of its edge-zone lines (for corpus-wide statistics)."""
     split = [page.split("\n") for page in pages]
-    return [{fold_line(lines[i]) for i in zone} for lines, zone in zip(split, _zones(split))]
+    return [{fold_line(lines[i]) for i in zone} for lines, zone in zip(split, _zones(split), strict=True)]

@@ -102,56 +102,173 @@ def _sampling(temperature: float | None, top_p: float | None, seed: int | None,
 
 #: ``--temperature --top-p --seed --stop``, handed to the command as one ``sampling`` dict of the
 #: options given (for ``Generator.generate``; absent temperature or 0 is greedy).
-_sampling_options = _option_group("sampling", {
-    "temperature": click.option("--temperature", default=None, type=click.FloatRange(0.0, 2.0), help="Sample at this temperature (default, or 0: greedy)."),
-    "top_p": click.option("--top-p", default=None, type=click.FloatRange(0.0, 1.0), help="Nucleus sampling mass (with --temperature > 0)."),
-    "seed": click.option("--seed", default=None, type=int, help="Make sampling reproducible."),
-    "stop": click.option("--stop", multiple=True, help="End the answer at this string (repeatable)."),
-}, _sampling)
+_sampling_options = _option_group(
+    "sampling",
+    {
+        "temperature": click.option(
+            "--temperature",
+            default=None,
+            type=click.FloatRange(0.0, 2.0),
+            help="Sample at this temperature (default, or 0: greedy).",
+        ),
+        "top_p": click.option(
+            "--top-p",
+            default=None,
+            type=click.FloatRange(0.0, 1.0),
+            help="Nucleus sampling mass (with --temperature > 0).",
+        ),
+        "seed": click.option("--seed", default=None, type=int, help="Make sampling reproducible."),
+        "stop": click.option("--stop", multiple=True, help="End the answer at this string (repeatable)."),
+    },
+    _sampling,
+)
 
 #: ``--retrieval --lexical-weight --fusion``, handed to the command as ``retrieval``: the
 #: ``Pipeline`` keywords of hybrid (BM25 + dense) or dense-only search.
-_retrieval_options = _option_group("retrieval", {
-    "retrieval": click.option("--retrieval", default="hybrid", show_default=True, type=click.Choice(["hybrid", "dense"]), help="BM25 fused with embeddings, or embeddings only."),
-    "lexical_weight": click.option("--lexical-weight", default=0.5, show_default=True, type=click.FloatRange(0.0, 1.0), help="Weight of BM25 in the fused score."),
-    "fusion": click.option("--fusion", default="score", show_default=True, type=click.Choice(["score", "rrf"]), help="Normalized score fusion or reciprocal rank fusion."),
-}, lambda retrieval, lexical_weight, fusion: {"hybrid": retrieval == "hybrid",
-                                               "lexical_weight": lexical_weight, "fusion": fusion})
+_retrieval_options = _option_group(
+    "retrieval",
+    {
+        "retrieval": click.option(
+            "--retrieval",
+            default="hybrid",
+            show_default=True,
+            type=click.Choice(["hybrid", "dense"]),
+            help="BM25 fused with embeddings, or embeddings only.",
+        ),
+        "lexical_weight": click.option(
+            "--lexical-weight",
+            default=0.5,
+            show_default=True,
+            type=click.FloatRange(0.0, 1.0),
+            help="Weight of BM25 in the fused score.",
+        ),
+        "fusion": click.option(
+            "--fusion",
+            default="score",
+            show_default=True,
+            type=click.Choice(["score", "rrf"]),
+            help="Normalized score fusion or reciprocal rank fusion.",
+        ),
+    },
+    lambda retrieval, lexical_weight, fusion: {
+        "hybrid": retrieval == "hybrid",
+        "lexical_weight": lexical_weight,
+        "fusion": fusion,
+    },
+)
 
 
-def _engine(engine: str | None, engine_kind: str, api_key_env: str | None, tokenizer: str | None,
-            engine_context_tokens: int | None) -> dict[str, Any]:
+def _engine(
+    engine: str | None,
+    engine_kind: str,
+    api_key_env: str | None,
+    tokenizer: str | None,
+    engine_context_tokens: int | None,
+) -> dict[str, Any]:
     if engine is None:
-        given = [name for name, v in (("--engine-kind", engine_kind != "auto"),
-                                      ("--api-key-env", api_key_env), ("--tokenizer", tokenizer),
-                                      ("--engine-context-tokens", engine_context_tokens)) if v]
+        given = [
+            name
+            for name, v in (
+                ("--engine-kind", engine_kind != "auto"),
+                ("--api-key-env", api_key_env),
+                ("--tokenizer", tokenizer),
+                ("--engine-context-tokens", engine_context_tokens),
+            )
+            if v
+        ]
         if given:
             raise click.UsageError(f"{', '.join(given)} need --engine URL")
         return {}
-    return {"engine": engine, "engine_kind": engine_kind, "api_key_env": api_key_env,
-            "tokenizer": tokenizer, "engine_context_tokens": engine_context_tokens}
+    return {
+        "engine": engine,
+        "engine_kind": engine_kind,
+        "api_key_env": api_key_env,
+        "tokenizer": tokenizer,
+        "engine_context_tokens": engine_context_tokens,
+    }
 
 
 #: ``--engine --engine-kind --api-key-env --tokenizer --engine-context-tokens``, handed to the
 #: command as ``engine``: the ``Pipeline`` keywords of generating on a served engine ({} without).
-_engine_options = _option_group("engine", {
-    "engine": click.option("--engine", default=None, metavar="URL", help="Generate on a served engine (vLLM, SGLang, TGI, llama.cpp, Ollama, any OpenAI-compatible server) at URL, e.g. http://127.0.0.1:8080/v1, instead of a local model."),
-    "engine_kind": click.option("--engine-kind", default="auto", show_default=True, type=click.Choice(["auto", "vllm", "sglang", "tgi", "llamacpp", "ollama", "openai"]), help="The engine's kind (auto: probe its routes and say which)."),
-    "api_key_env": click.option("--api-key-env", default=None, metavar="VAR", help="Environment variable holding the engine's API key (never on the command line)."),
-    "tokenizer": click.option("--tokenizer", default=None, metavar="NAME_OR_PATH", help="Local tokenizer for engines that cannot count (Ollama, generic OpenAI): 2%% safety margin (default: tiktoken, 15%%)."),
-    "engine_context_tokens": click.option("--engine-context-tokens", default=None, type=click.IntRange(min=2), help="The engine's context window, for a server that does not report it."),
-}, _engine)
+_engine_options = _option_group(
+    "engine",
+    {
+        "engine": click.option(
+            "--engine",
+            default=None,
+            metavar="URL",
+            help="Generate on a served engine (vLLM, SGLang, TGI, llama.cpp, Ollama, any OpenAI-compatible server) "
+                 "at URL, e.g. http://127.0.0.1:8080/v1, instead of a local model.",
+        ),
+        "engine_kind": click.option(
+            "--engine-kind",
+            default="auto",
+            show_default=True,
+            type=click.Choice(["auto", "vllm", "sglang", "tgi", "llamacpp", "ollama", "openai"]),
+            help="The engine's kind (auto: probe its routes and say which).",
+        ),
+        "api_key_env": click.option(
+            "--api-key-env",
+            default=None,
+            metavar="VAR",
+            help="Environment variable holding the engine's API key (never on the command line).",
+        ),
+        "tokenizer": click.option(
+            "--tokenizer",
+            default=None,
+            metavar="NAME_OR_PATH",
+            help="Local tokenizer for engines that cannot count (Ollama, generic OpenAI): 2%% safety margin "
+                 "(default: tiktoken, 15%%).",
+        ),
+        "engine_context_tokens": click.option(
+            "--engine-context-tokens",
+            default=None,
+            type=click.IntRange(min=2),
+            help="The engine's context window, for a server that does not report it.",
+        ),
+    },
+    _engine,
+)
 
 
 def _model_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Options shared by every command that plans a budget."""
     options = [
-        click.option("--model", default=None, help="Generator: HF id, local folder or .gguf (default: packaged SmolLM2-135M-Instruct)."),
-        click.option("--gpu", default=None, help='auto (free CUDA memory), a GPU name ("RTX 4090") or a size ("24GiB").'),
-        click.option("--concurrency", default=1, show_default=True, type=click.IntRange(min=1), help="Requests sharing the KV memory."),
-        click.option("--max-new-tokens", default=256, show_default=True, type=click.IntRange(min=1), help="Output tokens reserved per request."),
-        click.option("--kv-dtype", default=None, type=click.Choice(["fp32", "fp16", "bf16", "fp8", "int8", "int4", "int2"]), help="KV cache dtype (default: the model's)."),
-        click.option("--cache", default="dynamic", show_default=True, type=click.Choice(_CACHE_KINDS), help="transformers cache kind."),
+        click.option(
+            "--model",
+            default=None,
+            help="Generator: HF id, local folder or .gguf (default: packaged SmolLM2-135M-Instruct).",
+        ),
+        click.option(
+            "--gpu", default=None, help='auto (free CUDA memory), a GPU name ("RTX 4090") or a size ("24GiB").'
+        ),
+        click.option(
+            "--concurrency",
+            default=1,
+            show_default=True,
+            type=click.IntRange(min=1),
+            help="Requests sharing the KV memory.",
+        ),
+        click.option(
+            "--max-new-tokens",
+            default=256,
+            show_default=True,
+            type=click.IntRange(min=1),
+            help="Output tokens reserved per request.",
+        ),
+        click.option(
+            "--kv-dtype",
+            default=None,
+            type=click.Choice(["fp32", "fp16", "bf16", "fp8", "int8", "int4", "int2"]),
+            help="KV cache dtype (default: the model's).",
+        ),
+        click.option(
+            "--cache",
+            default="dynamic",
+            show_default=True,
+            type=click.Choice(_CACHE_KINDS),
+            help="transformers cache kind.",
+        ),
     ]
     for option in reversed(options):
         fn = option(fn)
@@ -180,32 +297,98 @@ def cli(verbose: int) -> None:
 @cli.command()
 @click.argument("paths", nargs=-1, required=True, type=click.Path())
 @_index_dir_option
-@click.option("--embedder", default=None, help="sentence-transformers model id or path (default: packaged all-MiniLM-L6-v2).")
+@click.option(
+    "--embedder", default=None, help="sentence-transformers model id or path (default: packaged all-MiniLM-L6-v2)."
+)
 @click.option("--include", multiple=True, help="Glob of files to include (repeatable).")
 @click.option("--exclude", multiple=True, help="Glob of files to exclude (repeatable).")
 @click.option("--max-file-mb", default=50.0, show_default=True, type=float, help="Skip files larger than this.")
 @click.option("--min-tokens", default=300, show_default=True, type=click.IntRange(min=1))
 @click.option("--max-tokens", default=500, show_default=True, type=click.IntRange(min=1))
 @click.option("--rebuild", is_flag=True, help="Re-read and re-embed every indexed root (and PATHS) from scratch.")
-@click.option("--prune", is_flag=True, help="Mirror PATHS exactly: also remove indexed files that are not under them (other roots included).")
-@click.option("--allow-removal", is_flag=True, help="Allow a run that removes all indexed files, or more than 5 and over 20% of them.")
-@click.option("--store", type=click.Choice(["auto", "flat", "hnsw", "ivf", "ivf-flat", "ivf-pq"]), default="auto", show_default=True, help="Vector store that answers searches: auto = exact while small, then HNSW, then IVF-PQ (recall@10 measured at build, shown by `stats`).")
+@click.option(
+    "--prune",
+    is_flag=True,
+    help="Mirror PATHS exactly: also remove indexed files that are not under them (other roots included).",
+)
+@click.option(
+    "--allow-removal",
+    is_flag=True,
+    help="Allow a run that removes all indexed files, or more than 5 and over 20% of them.",
+)
+@click.option(
+    "--store",
+    type=click.Choice(["auto", "flat", "hnsw", "ivf", "ivf-flat", "ivf-pq"]),
+    default="auto",
+    show_default=True,
+    help="Vector store that answers searches: auto = exact while small, then HNSW, then IVF-PQ (recall@10 measured "
+         "at build, shown by `stats`).",
+)
 @click.option("--approx", type=click.Choice(["hnsw"]), default=None, help="Older spelling of --store hnsw.")
-@click.option("--dedup", type=click.Choice(["near", "exact", "none"]), default="near", show_default=True, help="Duplicate chunk removal.")
+@click.option(
+    "--dedup",
+    type=click.Choice(["near", "exact", "none"]),
+    default="near",
+    show_default=True,
+    help="Duplicate chunk removal.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @click.option("--ipynb-outputs", is_flag=True, help="Also index the text outputs of notebook code cells.")
-@click.option("--json-fields", default="", metavar="KEYS", help="Comma-separated JSON key names or key paths (globs) whose strings are indexed; default: every string value.")
-@click.option("--ocr", is_flag=True, help="OCR PDF pages without a text layer (needs ragbudget[ocr] and tesseract-ocr).")
-@click.option("--executor", type=click.Choice(["local", "ray"]), default="local", show_default=True, help="Where chunks are embedded: this process, or Ray Data on a Ray cluster (needs ragbudget[ray]).")
-@click.option("--ray-address", default=None, metavar="ADDR", help="Ray cluster to join with --executor ray (host:port, ray://host:port or auto); default: $RAY_ADDRESS, else a local Ray started for this run.")
-@click.option("--embed-workers", default=None, type=click.IntRange(min=1), metavar="N", help="Embedding actors with --executor ray, one model copy each (default: one per GPU, else one per CPU of the cluster).")
+@click.option(
+    "--json-fields",
+    default="",
+    metavar="KEYS",
+    help="Comma-separated JSON key names or key paths (globs) whose strings are indexed; default: every string value.",
+)
+@click.option(
+    "--ocr", is_flag=True, help="OCR PDF pages without a text layer (needs ragbudget[ocr] and tesseract-ocr)."
+)
+@click.option(
+    "--executor",
+    type=click.Choice(["local", "ray"]),
+    default="local",
+    show_default=True,
+    help="Where chunks are embedded: this process, or Ray Data on a Ray cluster (needs ragbudget[ray]).",
+)
+@click.option(
+    "--ray-address",
+    default=None,
+    metavar="ADDR",
+    help="Ray cluster to join with --executor ray (host:port, ray://host:port or auto); default: $RAY_ADDRESS, else "
+         "a local Ray started for this run.",
+)
+@click.option(
+    "--embed-workers",
+    default=None,
+    type=click.IntRange(min=1),
+    metavar="N",
+    help="Embedding actors with --executor ray, one model copy each (default: one per GPU, else one per CPU of the "
+         "cluster).",
+)
 @_user_errors
-def index(paths: tuple[str, ...], index_dir: str, embedder: str | None, include: tuple[str, ...],
-          exclude: tuple[str, ...], max_file_mb: float, min_tokens: int, max_tokens: int,
-          rebuild: bool, prune: bool, allow_removal: bool, store: str, approx: str | None,
-          dedup: str, as_json: bool, ipynb_outputs: bool = False, json_fields: str = "",
-          ocr: bool = False, executor: str = "local", ray_address: str | None = None,
-          embed_workers: int | None = None) -> None:
+def index(
+    paths: tuple[str, ...],
+    index_dir: str,
+    embedder: str | None,
+    include: tuple[str, ...],
+    exclude: tuple[str, ...],
+    max_file_mb: float,
+    min_tokens: int,
+    max_tokens: int,
+    rebuild: bool,
+    prune: bool,
+    allow_removal: bool,
+    store: str,
+    approx: str | None,
+    dedup: str,
+    as_json: bool,
+    ipynb_outputs: bool = False,
+    json_fields: str = "",
+    ocr: bool = False,
+    executor: str = "local",
+    ray_address: str | None = None,
+    embed_workers: int | None = None,
+) -> None:
     """Add files and folders to the index, or update them (unchanged files cost one stat).
 
     Files indexed from other paths stay; a file that vanished from under PATHS is removed.
@@ -220,19 +403,22 @@ def index(paths: tuple[str, ...], index_dir: str, embedder: str | None, include:
     from .pipeline import Pipeline
 
     if executor != "ray" and (ray_address is not None or embed_workers is not None):
-        raise ConfigError("--ray-address and --embed-workers apply to --executor ray; add "
-                             "--executor ray, or leave them out to embed in this process")
+        raise ConfigError(
+            "--ray-address and --embed-workers apply to --executor ray; add "
+            "--executor ray, or leave them out to embed in this process"
+        )
     run_on: str | RayExecutor = executor
     if executor == "ray":
-        run_on = RayExecutor(address=ray_address or os.environ.get("RAY_ADDRESS") or None,
-                             workers=embed_workers)
+        run_on = RayExecutor(address=ray_address or os.environ.get("RAY_ADDRESS") or None, workers=embed_workers)
 
     pipe = Pipeline(index_dir, embedder=embedder)
     fields = tuple(f.strip() for f in json_fields.split(",") if f.strip())
     # Index.build does not take loader options yet; load_options makes them the default of every
     # load_document call it makes (a context variable, same thread).
-    with load_options(LoadOptions(ipynb_outputs=ipynb_outputs, json_fields=fields, ocr=ocr)), \
-            _Progress(enabled=not as_json) as progress:
+    with (
+        load_options(LoadOptions(ipynb_outputs=ipynb_outputs, json_fields=fields, ocr=ocr)),
+        _Progress(enabled=not as_json) as progress,
+    ):
         summary = pipe.index(
             list(paths),
             include=list(include) or None,
@@ -267,7 +453,8 @@ def _format_index_summary(s: dict[str, Any]) -> str:
         f"chunks: {s.get('chunks_total', 0)} in index, {s.get('chunks_added', 0)} added, "
         f"{s.get('chunks_removed', 0)} removed, {s.get('chunks_embedded', 0)} embedded "
         f"({s.get('windows_pooled', 0)} over-long chunks pooled over windows"
-        + (f"; {resumed} taken from an interrupted run" if resumed else "") + ")",
+        + (f"; {resumed} taken from an interrupted run" if resumed else "")
+        + ")",
         f"duplicates removed: {s.get('exact_duplicates', 0)} exact, {s.get('near_duplicates', 0)} near",
         f"header/footer lines removed: {s.get('furniture_lines_removed', 0)}",
         f"time: {s.get('seconds', 0.0):.1f} s",
@@ -324,12 +511,13 @@ class _Progress:
 @click.argument("query")
 @_index_dir_option
 @click.option("-k", "k", default=5, show_default=True, type=click.IntRange(min=1))
-@click.option("--absolute-paths", is_flag=True, help="Show absolute file paths instead of paths relative to the indexed roots.")
+@click.option(
+    "--absolute-paths", is_flag=True, help="Show absolute file paths instead of paths relative to the indexed roots."
+)
 @click.option("--json", "as_json", is_flag=True)
 @_retrieval_options
 @_user_errors
-def search(query: str, index_dir: str, k: int, absolute_paths: bool, as_json: bool,
-           retrieval: dict[str, Any]) -> None:
+def search(query: str, index_dir: str, k: int, absolute_paths: bool, as_json: bool, retrieval: dict[str, Any]) -> None:
     """Show the chunks closest to QUERY, with score, source, offsets and page."""
     from .pipeline import Pipeline
 
@@ -375,7 +563,9 @@ _QUIET_SKIPS = ("hidden", "ignored", "excluded")  # left out on purpose: counted
 @cli.command()
 @_index_dir_option
 @click.option("--all", "show_all", is_flag=True, help="Also list hidden, VCS and excluded paths.")
-@click.option("--absolute-paths", is_flag=True, help="Show absolute file paths instead of paths relative to the indexed roots.")
+@click.option(
+    "--absolute-paths", is_flag=True, help="Show absolute file paths instead of paths relative to the indexed roots."
+)
 @click.option("--json", "as_json", is_flag=True)
 @_user_errors
 def sources(index_dir: str, show_all: bool, absolute_paths: bool, as_json: bool) -> None:
@@ -396,11 +586,12 @@ def sources(index_dir: str, show_all: bool, absolute_paths: bool, as_json: bool)
         click.echo(f"{f.chunks:>6}  {pages:>5}  {status:<20}  {f.path}{note}")
     indexed = sum(1 for f in files if f.status == "indexed")
     left_out = len(files) - len(shown)
-    click.echo(f"{indexed} file(s) indexed, {len(files) - indexed} skipped; "
-               f"{sum(f.chunks for f in files)} chunks cut from them, "
-               f"{idx.stats().get('chunks', 0)} in the index after dedup"
-               + (f" ({left_out} hidden, VCS or excluded path(s) not listed; --all lists them)"
-                  if left_out else ""))
+    click.echo(
+        f"{indexed} file(s) indexed, {len(files) - indexed} skipped; "
+        f"{sum(f.chunks for f in files)} chunks cut from them, "
+        f"{idx.stats().get('chunks', 0)} in the index after dedup"
+        + (f" ({left_out} hidden, VCS or excluded path(s) not listed; --all lists them)" if left_out else "")
+    )
 
 
 @cli.command()
@@ -428,16 +619,44 @@ def verify(index_dir: str, as_json: bool) -> None:
 
 @cli.command()
 @_model_options
-@click.option("--context-tokens", default=None, type=click.IntRange(min=1), help="Plan for this context length per request.")
-@click.option("--utilization", default=0.9, show_default=True, type=click.FloatRange(0.05, 1.0), help="Share of GPU memory ragbudget may plan with.")
-@click.option("--plot", "plot_path", default=None, type=click.Path(dir_okay=False), help="Write a PNG of the memory plan.")
+@click.option(
+    "--context-tokens", default=None, type=click.IntRange(min=1), help="Plan for this context length per request."
+)
+@click.option(
+    "--utilization",
+    default=0.9,
+    show_default=True,
+    type=click.FloatRange(0.05, 1.0),
+    help="Share of GPU memory ragbudget may plan with.",
+)
+@click.option(
+    "--plot", "plot_path", default=None, type=click.Path(dir_okay=False), help="Write a PNG of the memory plan."
+)
 @click.option("--json", "as_json", is_flag=True)
-@click.option("--index-dir", default=DEFAULT_INDEX_DIR, show_default=True, envvar="RAGBUDGET_INDEX_DIR", type=click.Path(file_okay=False), help="With --engine: where token counts are cached (when the folder exists).")
+@click.option(
+    "--index-dir",
+    default=DEFAULT_INDEX_DIR,
+    show_default=True,
+    envvar="RAGBUDGET_INDEX_DIR",
+    type=click.Path(file_okay=False),
+    help="With --engine: where token counts are cached (when the folder exists).",
+)
 @_engine_options
 @_user_errors
-def budget(model: str | None, gpu: str | None, concurrency: int, max_new_tokens: int,
-           kv_dtype: str | None, cache: str, context_tokens: int | None, utilization: float,
-           plot_path: str | None, as_json: bool, index_dir: str, engine: dict[str, Any]) -> None:
+def budget(
+    model: str | None,
+    gpu: str | None,
+    concurrency: int,
+    max_new_tokens: int,
+    kv_dtype: str | None,
+    cache: str,
+    context_tokens: int | None,
+    utilization: float,
+    plot_path: str | None,
+    as_json: bool,
+    index_dir: str,
+    engine: dict[str, Any],
+) -> None:
     """The memory plan: KV bytes per token, capacity, tokens per request, concurrency.
 
     With --engine URL: the engine's own figures (each with its source and age) and the context
@@ -449,8 +668,7 @@ def budget(model: str | None, gpu: str | None, concurrency: int, max_new_tokens:
 
         if plot_path:
             raise click.UsageError("--plot draws a memory plan; an engine's plan is its figures")
-        eplan = Pipeline(index_dir, model=model, max_new_tokens=max_new_tokens,
-                         **engine).engine_plan()
+        eplan = Pipeline(index_dir, model=model, max_new_tokens=max_new_tokens, **engine).engine_plan()
         if as_json:
             _echo_json(eplan.to_dict())
         else:
@@ -460,8 +678,14 @@ def budget(model: str | None, gpu: str | None, concurrency: int, max_new_tokens:
         return
 
     plan = plan_budget(
-        model, gpu=gpu, concurrency=concurrency, max_new_tokens=max_new_tokens,
-        context_tokens=context_tokens, kv_dtype=kv_dtype, cache=cache, utilization=utilization,
+        model,
+        gpu=gpu,
+        concurrency=concurrency,
+        max_new_tokens=max_new_tokens,
+        context_tokens=context_tokens,
+        kv_dtype=kv_dtype,
+        cache=cache,
+        utilization=utilization,
     )
     if plot_path:
         from .budget import plot_plan
@@ -479,36 +703,96 @@ def budget(model: str | None, gpu: str | None, concurrency: int, max_new_tokens:
 @click.argument("question")
 @_index_dir_option
 @_model_options
-@click.option("--context-tokens", default=None, type=click.IntRange(min=1), help="Cap the retrieved context below what memory allows.")
-@click.option("--fetch-k", default=50, show_default=True, type=click.IntRange(min=1), help="Candidates fetched from the index.")
-@click.option("--order", default="relevance", show_default=True, type=click.Choice(["relevance", "document", "lost_in_middle"]))
-@click.option("--pack", default="chunks", show_default=True, type=click.Choice(["chunks", "spans"]), help="Pack whole chunks, or the question's sentences inside the best chunks.")
-@click.option("--fill-remainder", is_flag=True, help="Give the room whole chunks leave to the best part of the next chunk (more answer recall; off by default).")
-@click.option("--relevance-floor", default=None, type=click.FloatRange(0.0, 1.0), help="Leave out passages scoring under this fraction of the best one's score (default 0.5; 0: fill the allowance).")
-@click.option("--ttft-target", default=None, type=click.FloatRange(min=0.0), help="Seconds of prefill a request may take: caps the context by the measured prefill speed (default 2 on a CPU, none on a GPU; 0: no cap).")
+@click.option(
+    "--context-tokens",
+    default=None,
+    type=click.IntRange(min=1),
+    help="Cap the retrieved context below what memory allows.",
+)
+@click.option(
+    "--fetch-k", default=50, show_default=True, type=click.IntRange(min=1), help="Candidates fetched from the index."
+)
+@click.option(
+    "--order", default="relevance", show_default=True, type=click.Choice(["relevance", "document", "lost_in_middle"])
+)
+@click.option(
+    "--pack",
+    default="chunks",
+    show_default=True,
+    type=click.Choice(["chunks", "spans"]),
+    help="Pack whole chunks, or the question's sentences inside the best chunks.",
+)
+@click.option(
+    "--fill-remainder",
+    is_flag=True,
+    help="Give the room whole chunks leave to the best part of the next chunk (more answer recall; off by default).",
+)
+@click.option(
+    "--relevance-floor",
+    default=None,
+    type=click.FloatRange(0.0, 1.0),
+    help="Leave out passages scoring under this fraction of the best one's score (default 0.5; 0: fill the allowance).",
+)
+@click.option(
+    "--ttft-target",
+    default=None,
+    type=click.FloatRange(min=0.0),
+    help="Seconds of prefill a request may take: caps the context by the measured prefill speed (default 2 on a "
+         "CPU, none on a GPU; 0: no cap).",
+)
 @click.option("--explain", is_flag=True, help="Print the budget report as a table.")
 @click.option("--no-stream", is_flag=True, help="Print the answer at the end instead of streaming it.")
-@click.option("--absolute-paths", is_flag=True, help="Show absolute file paths instead of paths relative to the indexed roots.")
+@click.option(
+    "--absolute-paths", is_flag=True, help="Show absolute file paths instead of paths relative to the indexed roots."
+)
 @click.option("--json", "as_json", is_flag=True)
 @_sampling_options
 @_retrieval_options
 @_engine_options
 @_user_errors
-def ask(question: str, index_dir: str, model: str | None, gpu: str | None, concurrency: int,
-        max_new_tokens: int, kv_dtype: str | None, cache: str, context_tokens: int | None,
-        fetch_k: int, order: str, pack: str, fill_remainder: bool, relevance_floor: float | None,
-        ttft_target: float | None, explain: bool, no_stream: bool, absolute_paths: bool, as_json: bool,
-        sampling: dict[str, Any], retrieval: dict[str, Any], engine: dict[str, Any]) -> None:
+def ask(
+    question: str,
+    index_dir: str,
+    model: str | None,
+    gpu: str | None,
+    concurrency: int,
+    max_new_tokens: int,
+    kv_dtype: str | None,
+    cache: str,
+    context_tokens: int | None,
+    fetch_k: int,
+    order: str,
+    pack: str,
+    fill_remainder: bool,
+    relevance_floor: float | None,
+    ttft_target: float | None,
+    explain: bool,
+    no_stream: bool,
+    absolute_paths: bool,
+    as_json: bool,
+    sampling: dict[str, Any],
+    retrieval: dict[str, Any],
+    engine: dict[str, Any],
+) -> None:
     """Answer QUESTION from the index within the memory budget, citing sources."""
     from .pipeline import Pipeline, format_report
 
-    tuning = {k: v for k, v in (("relevance_floor", relevance_floor),
-                                ("ttft_target", ttft_target)) if v is not None}
+    tuning = {k: v for k, v in (("relevance_floor", relevance_floor), ("ttft_target", ttft_target)) if v is not None}
     pipe = Pipeline(
-        index_dir, model=model, gpu=gpu, concurrency=concurrency, max_new_tokens=max_new_tokens,
-        kv_dtype=kv_dtype, cache=cache, fetch_k=fetch_k, order=order, pack=pack,
-        fill_remainder=fill_remainder, **retrieval,
-        **tuning, **engine,
+        index_dir,
+        model=model,
+        gpu=gpu,
+        concurrency=concurrency,
+        max_new_tokens=max_new_tokens,
+        kv_dtype=kv_dtype,
+        cache=cache,
+        fetch_k=fetch_k,
+        order=order,
+        pack=pack,
+        fill_remainder=fill_remainder,
+        **retrieval,
+        **tuning,
+        **engine,
     )
     streaming = not as_json and not no_stream
     on_text = (lambda piece: click.echo(piece, nl=False)) if streaming else None
@@ -548,9 +832,12 @@ def ask(question: str, index_dir: str, model: str | None, gpu: str | None, concu
     else:
         b = answer.report["budget"]
         limit = b.get("context_limit") or {}
-        capped = (f" (capped for time: {limit['ttft_target_s']:g} s to the first token on "
-                  f"{limit.get('device', 'cpu')}; --context-tokens or --ttft-target to change)"
-                  if limit.get("limit") == "time" else "")
+        capped = (
+            f" (capped for time: {limit['ttft_target_s']:g} s to the first token on "
+            f"{limit.get('device', 'cpu')}; --context-tokens or --ttft-target to change)"
+            if limit.get("limit") == "time"
+            else ""
+        )
         click.echo(
             f"\nbudget: {b['kv_bytes_per_token']} KV bytes/token, context {b['context_tokens_used']}"
             f"/{b['context_tokens_allowed']} tokens{capped}, prompt {b['prompt_tokens']} tokens, "
@@ -564,32 +851,90 @@ def ask(question: str, index_dir: str, model: str | None, gpu: str | None, concu
 @cli.command()
 @_index_dir_option
 @_model_options
-@click.option("--history-share", default=0.3, show_default=True, type=click.FloatRange(0.0, 1.0, max_open=True), help="Share of the prompt room history may take; retrieval gets the rest.")
-@click.option("--summary-max-tokens", default=128, show_default=True, type=click.IntRange(min=1), help="Cap of the rolling summary of older turns.")
-@click.option("--recent-turns", default=2, show_default=True, type=click.IntRange(min=0), help="Turns kept verbatim when they fit.")
-@click.option("--context-tokens", default=None, type=click.IntRange(min=1), help="Cap the retrieved context below what memory allows.")
-@click.option("--ttft-target", default=None, type=click.FloatRange(min=0.0), help="Seconds of prefill a request may take: caps the context by the measured prefill speed (default 2 on a CPU, none on a GPU; 0: no cap).")
+@click.option(
+    "--history-share",
+    default=0.3,
+    show_default=True,
+    type=click.FloatRange(0.0, 1.0, max_open=True),
+    help="Share of the prompt room history may take; retrieval gets the rest.",
+)
+@click.option(
+    "--summary-max-tokens",
+    default=128,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Cap of the rolling summary of older turns.",
+)
+@click.option(
+    "--recent-turns",
+    default=2,
+    show_default=True,
+    type=click.IntRange(min=0),
+    help="Turns kept verbatim when they fit.",
+)
+@click.option(
+    "--context-tokens",
+    default=None,
+    type=click.IntRange(min=1),
+    help="Cap the retrieved context below what memory allows.",
+)
+@click.option(
+    "--ttft-target",
+    default=None,
+    type=click.FloatRange(min=0.0),
+    help="Seconds of prefill a request may take: caps the context by the measured prefill speed (default 2 on a "
+         "CPU, none on a GPU; 0: no cap).",
+)
 @click.option("--no-stream", is_flag=True, help="Print each answer at the end instead of streaming it.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per turn.")
 @_sampling_options
 @_retrieval_options
 @_engine_options
 @_user_errors
-def chat(index_dir: str, model: str | None, gpu: str | None, concurrency: int, max_new_tokens: int,
-         kv_dtype: str | None, cache: str, history_share: float, summary_max_tokens: int,
-         recent_turns: int, context_tokens: int | None, ttft_target: float | None, no_stream: bool,
-         as_json: bool, sampling: dict[str, Any], retrieval: dict[str, Any],
-         engine: dict[str, Any]) -> None:
+def chat(
+    index_dir: str,
+    model: str | None,
+    gpu: str | None,
+    concurrency: int,
+    max_new_tokens: int,
+    kv_dtype: str | None,
+    cache: str,
+    history_share: float,
+    summary_max_tokens: int,
+    recent_turns: int,
+    context_tokens: int | None,
+    ttft_target: float | None,
+    no_stream: bool,
+    as_json: bool,
+    sampling: dict[str, Any],
+    retrieval: dict[str, Any],
+    engine: dict[str, Any],
+) -> None:
     """Multi-turn chat inside the memory budget: a REPL at a terminal (line editing, history,
     /help), one question per line when stdin is piped."""
     from .chat import Conversation, TerminalLines, chat_banner, run_chat
     from .models import cache_dir
     from .pipeline import Pipeline
 
-    pipe = Pipeline(index_dir, model=model, gpu=gpu, concurrency=concurrency, max_new_tokens=max_new_tokens,
-                    kv_dtype=kv_dtype, cache=cache, ttft_target=ttft_target, **retrieval, **engine)
-    conversation = Conversation(pipe, history_share=history_share, summary_max_tokens=summary_max_tokens,
-                                recent_turns=recent_turns, context_tokens=context_tokens)
+    pipe = Pipeline(
+        index_dir,
+        model=model,
+        gpu=gpu,
+        concurrency=concurrency,
+        max_new_tokens=max_new_tokens,
+        kv_dtype=kv_dtype,
+        cache=cache,
+        ttft_target=ttft_target,
+        **retrieval,
+        **engine,
+    )
+    conversation = Conversation(
+        pipe,
+        history_share=history_share,
+        summary_max_tokens=summary_max_tokens,
+        recent_turns=recent_turns,
+        context_tokens=context_tokens,
+    )
 
     def write(text: str) -> None:
         click.echo(text, nl=False)
@@ -601,8 +946,15 @@ def chat(index_dir: str, model: str | None, gpu: str | None, concurrency: int, m
         history = os.environ.get("RAGBUDGET_CHAT_HISTORY") or str(cache_dir() / "chat_history")
         lines = TerminalLines("> ", history_file=history, write=write)
     try:
-        run_chat(conversation, lines, write, as_json=as_json, stream=interactive and not no_stream,
-                 generate_options=sampling, banner=None if as_json else chat_banner(conversation))
+        run_chat(
+            conversation,
+            lines,
+            write,
+            as_json=as_json,
+            stream=interactive and not no_stream,
+            generate_options=sampling,
+            banner=None if as_json else chat_banner(conversation),
+        )
     finally:
         if isinstance(lines, TerminalLines):
             lines.save()  # also when the loop ended on /exit, not only on Ctrl-D
@@ -613,21 +965,72 @@ def chat(index_dir: str, model: str | None, gpu: str | None, concurrency: int, m
 @_model_options
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (loopback by default).")
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
-@click.option("--api-key", default=None, envvar="RAGBUDGET_API_KEY", help="Require 'Authorization: Bearer KEY' (env RAGBUDGET_API_KEY).")
-@click.option("--model-name", default=None, help="Model id clients send (default: the generator's id; 'ragbudget' always works).")
-@click.option("--history-share", default=0.3, show_default=True, type=click.FloatRange(0.0, 1.0, max_open=True), help="Share of the prompt room a request's history may take; retrieval gets the rest.")
-@click.option("--summary-max-tokens", default=128, show_default=True, type=click.IntRange(min=1), help="Cap of the summary older turns are folded into.")
-@click.option("--recent-turns", default=2, show_default=True, type=click.IntRange(min=0), help="Turns kept verbatim when they fit.")
-@click.option("--expose-plan", is_flag=True, help="Send the memory plan and host memory figures (GPU, free/usable bytes) in responses.")
-@click.option("--ttft-target", default=None, type=click.FloatRange(min=0.0), help="Seconds of prefill a request may take: caps the context by the measured prefill speed, and a request starts next to others only while its first token stays within it (default 2 on a CPU, none on a GPU; 0: no cap).")
+@click.option(
+    "--api-key",
+    default=None,
+    envvar="RAGBUDGET_API_KEY",
+    help="Require 'Authorization: Bearer KEY' (env RAGBUDGET_API_KEY).",
+)
+@click.option(
+    "--model-name", default=None, help="Model id clients send (default: the generator's id; 'ragbudget' always works)."
+)
+@click.option(
+    "--history-share",
+    default=0.3,
+    show_default=True,
+    type=click.FloatRange(0.0, 1.0, max_open=True),
+    help="Share of the prompt room a request's history may take; retrieval gets the rest.",
+)
+@click.option(
+    "--summary-max-tokens",
+    default=128,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Cap of the summary older turns are folded into.",
+)
+@click.option(
+    "--recent-turns",
+    default=2,
+    show_default=True,
+    type=click.IntRange(min=0),
+    help="Turns kept verbatim when they fit.",
+)
+@click.option(
+    "--expose-plan",
+    is_flag=True,
+    help="Send the memory plan and host memory figures (GPU, free/usable bytes) in responses.",
+)
+@click.option(
+    "--ttft-target",
+    default=None,
+    type=click.FloatRange(min=0.0),
+    help="Seconds of prefill a request may take: caps the context by the measured prefill speed, and a request "
+         "starts next to others only while its first token stays within it (default 2 on a CPU, none on a GPU; 0: "
+         "no cap).",
+)
 @_retrieval_options
 @_engine_options
 @_user_errors
-def serve(index_dir: str, model: str | None, gpu: str | None, concurrency: int, max_new_tokens: int,
-          kv_dtype: str | None, cache: str, host: str, port: int, api_key: str | None,
-          model_name: str | None, history_share: float, summary_max_tokens: int, recent_turns: int,
-          expose_plan: bool, ttft_target: float | None, retrieval: dict[str, Any],
-          engine: dict[str, Any]) -> None:
+def serve(
+    index_dir: str,
+    model: str | None,
+    gpu: str | None,
+    concurrency: int,
+    max_new_tokens: int,
+    kv_dtype: str | None,
+    cache: str,
+    host: str,
+    port: int,
+    api_key: str | None,
+    model_name: str | None,
+    history_share: float,
+    summary_max_tokens: int,
+    recent_turns: int,
+    expose_plan: bool,
+    ttft_target: float | None,
+    retrieval: dict[str, Any],
+    engine: dict[str, Any],
+) -> None:
     """OpenAI-compatible HTTP server (/v1/chat/completions, /v1/retrieve, /metrics) with KV admission.
 
     Refuses to start (exit 1) when the index is missing or damaged or the port cannot be bound.
@@ -635,10 +1038,29 @@ def serve(index_dir: str, model: str | None, gpu: str | None, concurrency: int, 
     from .pipeline import Pipeline
     from .server import serve as run_server
 
-    pipe = Pipeline(index_dir, model=model, gpu=gpu, concurrency=concurrency, max_new_tokens=max_new_tokens,
-                    kv_dtype=kv_dtype, cache=cache, ttft_target=ttft_target, **retrieval, **engine)
-    run_server(pipe, host=host, port=port, api_key=api_key, model_name=model_name, history_share=history_share,
-               summary_max_tokens=summary_max_tokens, recent_turns=recent_turns, expose_plan=expose_plan)
+    pipe = Pipeline(
+        index_dir,
+        model=model,
+        gpu=gpu,
+        concurrency=concurrency,
+        max_new_tokens=max_new_tokens,
+        kv_dtype=kv_dtype,
+        cache=cache,
+        ttft_target=ttft_target,
+        **retrieval,
+        **engine,
+    )
+    run_server(
+        pipe,
+        host=host,
+        port=port,
+        api_key=api_key,
+        model_name=model_name,
+        history_share=history_share,
+        summary_max_tokens=summary_max_tokens,
+        recent_turns=recent_turns,
+        expose_plan=expose_plan,
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -159,7 +159,7 @@ def _canonical_raw(an: _Analysis) -> list[bytes]:
     raw = chars.tobytes()
     b = (an.keep_bounds * 4).tolist()
     e = (an.keep_ends * 4).tolist()
-    return [raw[i:j] for i, j in zip(b, e)]
+    return [raw[i:j] for i, j in zip(b, e, strict=True)]
 
 
 def normalize(text: str) -> str:
@@ -474,7 +474,7 @@ class NearDupIndex:
         self._counter += 1
         if sig[0] == 0xFFFFFFFF and _empty(sig):
             return  # a text without words is similar to nothing
-        for bucket, k in zip(self._buckets, keys):
+        for bucket, k in zip(self._buckets, keys, strict=True):
             members = bucket.get(k)
             if members is None:
                 bucket[k] = [key]
@@ -488,7 +488,7 @@ class NearDupIndex:
             return
         keys = self._keys.pop(key)
         self._order.pop(key, None)
-        for bucket, k in zip(self._buckets, keys):
+        for bucket, k in zip(self._buckets, keys, strict=True):
             members = bucket.get(k)
             if members is not None:
                 with contextlib.suppress(ValueError):
@@ -509,7 +509,7 @@ class NearDupIndex:
         if sig[0] == 0xFFFFFFFF and _empty(sig):
             return []
         cands: list[Hashable] = []
-        for bucket, k in zip(self._buckets, keys):
+        for bucket, k in zip(self._buckets, keys, strict=True):
             members = bucket.get(k)
             if members:
                 cands.extend(members)
@@ -518,7 +518,7 @@ class NearDupIndex:
         cand_list = list(dict.fromkeys(cands))  # unique, in a deterministic order
         mat = np.stack([self._sigs[c] for c in cand_list])
         sims = np.count_nonzero(mat == sig, axis=1) / self.num_perm
-        hits = [(c, float(x)) for c, x in zip(cand_list, sims.tolist()) if x >= self.threshold]
+        hits = [(c, float(x)) for c, x in zip(cand_list, sims.tolist(), strict=True) if x >= self.threshold]
         hits.sort(key=lambda cs: (-cs[1], self._order[cs[0]]))
         return hits
 

@@ -107,7 +107,7 @@ class Embedder(abc.ABC):
         """One unit vector per text, each text already within ``max_tokens``."""
 
     # -- public -------------------------------------------------------------------------------
-    def warm_up(self) -> None:
+    def warm_up(self) -> None:  # noqa: B027 - an optional hook: model-free embedders load nothing
         """Load the model now (idempotent). Embedding calls do it on first use anyway."""
 
     def spec(self) -> dict[str, Any]:
@@ -129,7 +129,7 @@ class Embedder(abc.ABC):
         size = self.max_tokens
         # The step keeps an overlap, but never less than half a window of progress.
         step = max(size - self.window_overlap, max(1, size // 2))
-        for text, spans in zip(texts, spans_list):
+        for text, spans in zip(texts, spans_list, strict=True):
             if len(spans) <= size:
                 out.append([text])
                 continue
@@ -543,7 +543,8 @@ class _LightBert:
         self.max_seq_length = max_seq_length
         self.tokenizer = tokenizer
         self.config = config
-        self.specials = int(tokenizer.post_processor.num_special_tokens_to_add(False)) if tokenizer.post_processor else 0
+        post = tokenizer.post_processor
+        self.specials = int(post.num_special_tokens_to_add(False)) if post else 0
         self._weights: dict[str, Any] | None = None
 
     @classmethod
@@ -561,11 +562,15 @@ class _LightBert:
                 return None
             config = _read_json(os.path.join(folder, "config.json"))
             st_config = _read_json(os.path.join(folder, "sentence_bert_config.json"))
-            if (config.get("model_type") != "bert" or config.get("hidden_act") != "gelu"
-                    or config.get("position_embedding_type", "absolute") != "absolute"
-                    or st_config.get("do_lower_case") or not st_config.get("max_seq_length")
-                    or int(pooling["word_embedding_dimension"]) != int(config["hidden_size"])
-                    or not os.path.isfile(os.path.join(folder, "model.safetensors"))):
+            if (
+                config.get("model_type") != "bert"
+                or config.get("hidden_act") != "gelu"
+                or config.get("position_embedding_type", "absolute") != "absolute"
+                or st_config.get("do_lower_case")
+                or not st_config.get("max_seq_length")
+                or int(pooling["word_embedding_dimension"]) != int(config["hidden_size"])
+                or not os.path.isfile(os.path.join(folder, "model.safetensors"))
+            ):
                 return None
             from tokenizers import Tokenizer
 
@@ -591,8 +596,10 @@ class _LightBert:
             # Checkpoints differ by a "bert." prefix; float64 keeps the sums closer to exact than
             # either float32 implementation, so both round to the same float32 vector.
             # The word embedding table (most of the bytes) stays float32: rows are converted as used.
-            self._weights = {k.removeprefix("bert."): v if k.endswith("word_embeddings.weight")
-                             else v.astype("float64") for k, v in raw.items()}
+            self._weights = {
+                k.removeprefix("bert."): v if k.endswith("word_embeddings.weight") else v.astype("float64")
+                for k, v in raw.items()
+            }
         return self._weights
 
     def encode(self, texts: Sequence[str]) -> Any:
@@ -626,15 +633,19 @@ class _LightBert:
                 enc.truncate(self.max_seq_length - self.specials)
             ids = self.tokenizer.post_process(enc).ids
             n = len(ids)
-            x = (w["embeddings.word_embeddings.weight"][ids].astype(np.float64)
-                 + w["embeddings.position_embeddings.weight"][:n]
-                 + w["embeddings.token_type_embeddings.weight"][0])
+            x = (
+                w["embeddings.word_embeddings.weight"][ids].astype(np.float64)
+                + w["embeddings.position_embeddings.weight"][:n]
+                + w["embeddings.token_type_embeddings.weight"][0]
+            )
             x = norm(x, "embeddings.LayerNorm")
             for layer in range(int(cfg["num_hidden_layers"])):
                 p = f"encoder.layer.{layer}."
                 d = x.shape[1] // heads
-                q, k, v = (dense(x, p + f"attention.self.{m}").reshape(n, heads, d).transpose(1, 0, 2)
-                           for m in ("query", "key", "value"))
+                q, k, v = (
+                    dense(x, p + f"attention.self.{m}").reshape(n, heads, d).transpose(1, 0, 2)
+                    for m in ("query", "key", "value")
+                )
                 scores = q @ k.transpose(0, 2, 1) / math.sqrt(d)
                 scores = np.exp(scores - scores.max(-1, keepdims=True))
                 ctx = (scores / scores.sum(-1, keepdims=True)) @ v
@@ -676,7 +687,8 @@ def _cache_root() -> str:
     import os
 
     base = os.environ.get("RAGBUDGET_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "ragbudget")
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "ragbudget"
+    )
     return os.path.join(base, "onnx")
 
 
@@ -687,7 +699,6 @@ def _export_onnx(folder: str, out: str) -> None:
 
     import torch
     from transformers import AutoModel
-
     from transformers.utils import logging as hf_logging
 
     # Eager attention: the SDPA mask builder of transformers 5 traces into shape constants.
@@ -703,8 +714,9 @@ def _export_onnx(folder: str, out: str) -> None:
             self.bert = bert
 
         def forward(self, input_ids: Any, attention_mask: Any) -> Any:
-            h = self.bert(input_ids=input_ids, attention_mask=attention_mask,
-                          token_type_ids=torch.zeros_like(input_ids)).last_hidden_state
+            h = self.bert(
+                input_ids=input_ids, attention_mask=attention_mask, token_type_ids=torch.zeros_like(input_ids)
+            ).last_hidden_state
             m = attention_mask.unsqueeze(-1).to(h.dtype)
             v = (h * m).sum(1) / m.sum(1).clamp(min=1e-9)
             return torch.nn.functional.normalize(v, p=2.0, dim=1)
@@ -715,11 +727,18 @@ def _export_onnx(folder: str, out: str) -> None:
         warnings.simplefilter("ignore")
         # The TorchScript exporter: the dynamo one needs onnxscript and gives the same graph here.
         torch.onnx.export(
-            MeanPooled(), (ids, (ids != 0).long()), out,
-            input_names=["input_ids", "attention_mask"], output_names=["embedding"],
-            dynamic_axes={"input_ids": {0: "batch", 1: "tokens"},
-                          "attention_mask": {0: "batch", 1: "tokens"}, "embedding": {0: "batch"}},
-            opset_version=17, dynamo=False,
+            MeanPooled(),
+            (ids, (ids != 0).long()),
+            out,
+            input_names=["input_ids", "attention_mask"],
+            output_names=["embedding"],
+            dynamic_axes={
+                "input_ids": {0: "batch", 1: "tokens"},
+                "attention_mask": {0: "batch", 1: "tokens"},
+                "embedding": {0: "batch"},
+            },
+            opset_version=17,
+            dynamo=False,
         )
 
 
@@ -733,8 +752,9 @@ def _quantize_onnx(src: str, out: str) -> None:
     level = root.level
     root.setLevel(logging.ERROR)  # the quantizer logs a "consider pre-processing" hint to root
     try:
-        quantize_dynamic(src, out, weight_type=QuantType.QInt8, per_channel=True,
-                         extra_options={"MatMulConstBOnly": True})
+        quantize_dynamic(
+            src, out, weight_type=QuantType.QInt8, per_channel=True, extra_options={"MatMulConstBOnly": True}
+        )
     finally:
         root.setLevel(level)
 
@@ -769,11 +789,14 @@ def _onnx_file(folder: str, *, quantized: bool) -> str:
                 if os.path.exists(tmp):
                     os.unlink(tmp)
     except OSError as exc:
-        raise ModelError(f"could not write the ONNX export of {folder!r} to {cache!r}: {exc}; "
-                         "set RAGBUDGET_CACHE to a writable folder") from exc
+        raise ModelError(
+            f"could not write the ONNX export of {folder!r} to {cache!r}: {exc}; "
+            "set RAGBUDGET_CACHE to a writable folder"
+        ) from exc
     except Exception as exc:  # noqa: BLE001 - exporter/quantizer errors are many types
-        raise ModelError(f"could not export {folder!r} to ONNX ({type(exc).__name__}: {exc}); "
-                         "use backend='torch'") from exc
+        raise ModelError(
+            f"could not export {folder!r} to ONNX ({type(exc).__name__}: {exc}); use backend='torch'"
+        ) from exc
     return want
 
 
@@ -809,8 +832,9 @@ class _OnnxBert:
         try:
             import onnxruntime as ort
         except ImportError as exc:
-            raise ConfigError("the ONNX backend needs onnxruntime and onnx: pip install "
-                              "'ragbudget[onnx]' (or use backend='torch')") from exc
+            raise ConfigError(
+                "the ONNX backend needs onnxruntime and onnx: pip install 'ragbudget[onnx]' (or use backend='torch')"
+            ) from exc
         path = _onnx_file(layout.folder, quantized=quantized)
         opts = ort.SessionOptions()
         # All the cores this process may use (ORT's default counts the host's physical cores).
@@ -819,8 +843,7 @@ class _OnnxBert:
         try:
             session = ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
         except Exception as exc:  # noqa: BLE001 - a damaged cache file
-            raise ModelError(f"could not load the ONNX model {path!r} ({exc}); delete it to "
-                             "export it again") from exc
+            raise ModelError(f"could not load the ONNX model {path!r} ({exc}); delete it to export it again") from exc
         return cls(layout, session, quantized=quantized)
 
     def encode(self, texts: Sequence[str], *, batch_size: int = 32) -> Any:
@@ -858,16 +881,16 @@ def embedder_from_spec(spec: dict[str, Any], **kwargs: Any) -> Embedder:
     """
     kind = spec.get("kind")
     if kind == "hash":
-        return HashEmbedder(
-            int(spec["dim"]), max_tokens=spec.get("max_tokens"), pooling=spec.get("pooling", "windows")
-        )
+        return HashEmbedder(int(spec["dim"]), max_tokens=spec.get("max_tokens"), pooling=spec.get("pooling", "windows"))
     if kind == "sentence-transformers":
         # An index written before backends existed was embedded with torch.
         backend = kwargs.pop("backend", None) or spec.get("backend") or "torch"
         if backend in ("onnx", "onnx-int8") and not _has_onnxruntime():
             if backend == "onnx-int8":  # its vectors come from that model only
-                raise ConfigError("this index was embedded with the int8 ONNX model: pip install "
-                                  "'ragbudget[onnx]' to search or extend it (or rebuild it)")
+                raise ConfigError(
+                    "this index was embedded with the int8 ONNX model: pip install "
+                    "'ragbudget[onnx]' to search or extend it (or rebuild it)"
+                )
             backend = "torch"  # float32 ONNX and torch give the same vectors
         return SentenceTransformerEmbedder(
             spec.get("model"),
@@ -876,6 +899,4 @@ def embedder_from_spec(spec: dict[str, Any], **kwargs: Any) -> Embedder:
             window_overlap=int(spec.get("window_overlap", 16)),
             **kwargs,
         )
-    raise ConfigError(
-        f"the index was built with a custom embedder ({spec.get('id')!r}); pass embedder= to search"
-    )
+    raise ConfigError(f"the index was built with a custom embedder ({spec.get('id')!r}); pass embedder= to search")

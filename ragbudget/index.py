@@ -355,7 +355,7 @@ def _check_roots(paths: Sequence[str], index_dir: Path) -> list[tuple[str, str]]
         good.append((os.path.realpath(p), kind))
     if bad:
         what = "; ".join(f"{p!r}: {why}" for p, why in bad)
-        state = ("the index in {} is unchanged".format(index_dir) if (index_dir / MANIFEST).exists()
+        state = (f"the index in {index_dir} is unchanged" if (index_dir / MANIFEST).exists()
                  else f"no index was created in {index_dir}")
         raise InputPathError(
             f"cannot index {what}. Nothing was indexed or removed ({state}); check the "
@@ -800,7 +800,7 @@ class Index:
                 faiss.omp_set_num_threads(before)
         else:
             scores, ids = store.search(q, k)
-        pairs = [(int(i), float(s)) for i, s in zip(ids[0], scores[0]) if i >= 0]
+        pairs = [(int(i), float(s)) for i, s in zip(ids[0], scores[0], strict=True) if i >= 0]
         by_id = {h.chunk_id: h for h in self.get_chunks([i for i, _ in pairs])}
         return [_with_score(by_id[i], s) for i, s in pairs if i in by_id]
 

@@ -809,7 +809,8 @@ def estimate_kv(
     ``offload_only_non_sliding``, stay resident), ``"quantized"`` (``quant_backend`` quanto, hqq
     or fp8; ``nbits``, ``q_group_size``, ``residual_length`` and ``q_axis`` as in transformers'
     ``QuantizedCache``; exact for a ``generate`` whose prompt of ``prefill_tokens`` tokens is
-    prefilled at once, the peak an upper bound for any flush phase). ``kv_dtype`` defaults to the model dtype (bf16 if the config has none).
+    prefilled at once, the peak an upper bound for any flush phase). ``kv_dtype`` defaults to the
+    model dtype (bf16 if the config has none).
     ``prefill_tokens``: the largest single forward (default: all ``tokens`` at once).
     ``backend="vllm"``/``"sglang"`` rounds token slots up to whole ``block_size`` pages.
     """
@@ -821,32 +822,44 @@ def estimate_kv(
         raise ConfigError(f"{tokens} tokens do not fit a static cache of max_cache_len={max_cache_len}")
     specs = layer_specs(config, backend=backend, mla=mla, normalize=normalize)
     name, bits = _dtype_for(config, kv_dtype)
-    kw = {"bits": bits, "batch_size": batch_size, "max_cache_len": max_cache_len,
-              "prefill_tokens": prefill_tokens, "backend": backend, "block_size": block_size}
+    kw = {
+        "bits": bits,
+        "batch_size": batch_size,
+        "max_cache_len": max_cache_len,
+        "prefill_tokens": prefill_tokens,
+        "backend": backend,
+        "block_size": block_size,
+    }
     if cache == "quantized":
         if quant_backend not in QUANT_BACKENDS:
             raise ConfigError(f"quant_backend must be one of {QUANT_BACKENDS}, got {quant_backend!r}")
         allowed = {"quanto": (2, 4), "hqq": (1, 2, 3, 4, 8)}.get(quant_backend)
         if allowed is not None and nbits not in allowed:
             raise ConfigError(f"{quant_backend} quantizes the KV cache to {allowed} bits, got {nbits}")
-        qkw = {"bits": bits, "batch_size": batch_size, "nbits": nbits,
-               "q_group_size": q_group_size, "residual_length": residual_length, "axis": q_axis,
-               "quant_backend": quant_backend, "prefill_tokens": prefill_tokens}
+        qkw = {
+            "bits": bits,
+            "batch_size": batch_size,
+            "nbits": nbits,
+            "q_group_size": q_group_size,
+            "residual_length": residual_length,
+            "axis": q_axis,
+            "quant_backend": quant_backend,
+            "prefill_tokens": prefill_tokens,
+        }
         per = tuple(_quantized_layer_bytes(s, tokens, **qkw) for s in specs)
         worst = sum(_quantized_layer_bytes(s, tokens, worst_residual=True, **qkw) for s in specs)
         # Each update dequantizes the layer and concatenates dequantized + residual + new states
         # in full precision (two full-precision copies of one layer at once); fp8 dequantizes once.
         copies = 1 if quant_backend == "fp8" else 2
-        transient = copies * max((batch_size * _ceil_bytes(s.elements_per_token * tokens, bits)
-                                  for s in specs), default=0)
-        return KVEstimate(sum(per), worst + transient, per, f"int{nbits}"
-                          if quant_backend != "fp8" else "fp8", cache)
+        transient = copies * max(
+            (batch_size * _ceil_bytes(s.elements_per_token * tokens, bits) for s in specs), default=0
+        )
+        return KVEstimate(sum(per), worst + transient, per, f"int{nbits}" if quant_backend != "fp8" else "fp8", cache)
     base = "static" if cache == "static" else "dynamic"
     per = tuple(_layer_bytes(s, tokens, cache=base, peak=False, **kw) for s in specs)
     per_peak = tuple(_layer_bytes(s, tokens, cache=base, peak=True, **kw) for s in specs)
     if cache == "offloaded":
-        return _offloaded(specs, tokens, per, per_peak, kw, name,
-                          only_non_sliding=offload_only_non_sliding)
+        return _offloaded(specs, tokens, per, per_peak, kw, name, only_non_sliding=offload_only_non_sliding)
     return KVEstimate(sum(per), sum(per_peak), per, name, cache)
 
 
@@ -873,8 +886,16 @@ def kv_cache_bytes(
     >>> kv_cache_bytes(cfg, 100, normalize=False), kv_cache_bytes(cfg, 100, peak=True, normalize=False)
     (384, 12800)
     """
-    est = estimate_kv(config, tokens, batch_size=batch_size, kv_dtype=kv_dtype, cache=cache,
-                      backend=backend, max_cache_len=max_cache_len, **kwargs)
+    est = estimate_kv(
+        config,
+        tokens,
+        batch_size=batch_size,
+        kv_dtype=kv_dtype,
+        cache=cache,
+        backend=backend,
+        max_cache_len=max_cache_len,
+        **kwargs,
+    )
     return est.peak_bytes if peak else est.steady_bytes
 
 
@@ -950,11 +971,18 @@ class PagedCacheLayout:
         return -(-tokens // self.page_size)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"page_size": self.page_size, "groups": [list(g) for g in self.groups],
-                "bytes_per_page": self.bytes_per_page, "bytes_per_block": self.bytes_per_block,
-                "bytes_per_sector": self.bytes_per_sector, "num_sectors": self.num_sectors,
-                "num_blocks": self.num_blocks, "capacity_tokens": self.capacity_tokens,
-                "total_bytes": self.total_bytes, "kv_dtype": self.kv_dtype}
+        return {
+            "page_size": self.page_size,
+            "groups": [list(g) for g in self.groups],
+            "bytes_per_page": self.bytes_per_page,
+            "bytes_per_block": self.bytes_per_block,
+            "bytes_per_sector": self.bytes_per_sector,
+            "num_sectors": self.num_sectors,
+            "num_blocks": self.num_blocks,
+            "capacity_tokens": self.capacity_tokens,
+            "total_bytes": self.total_bytes,
+            "kv_dtype": self.kv_dtype,
+        }
 
 
 def paged_cache_layout(
@@ -991,12 +1019,15 @@ def paged_cache_layout(
             raise ConfigError(
                 f"layer {i} is {getattr(s, 'kind', type(s).__name__)}: continuous batching's paged "
                 "cache holds full and sliding attention layers with equal K and V head sizes only; "
-                "generate without batching for this model (LocalBackend(batching=False))")
+                "generate without batching for this model (LocalBackend(batching=False))"
+            )
         counts[s.kind] = counts.get(s.kind, 0) + 1
         shapes.add((s.num_kv_heads, s.head_size))
     if len(shapes) != 1:
-        raise ConfigError(f"layers of different KV shapes {sorted(shapes)} cannot share a paged "
-                          "cache; generate without batching for this model")
+        raise ConfigError(
+            f"layers of different KV shapes {sorted(shapes)} cannot share a paged "
+            "cache; generate without batching for this model"
+        )
     ((heads, head_dim),) = shapes
     # K and V of page_size tokens for one layer (FullAttentionCacheAllocator.get_bytes_per_page).
     page = _ceil_bytes(2 * heads * head_dim * page_size, bits)
@@ -1005,6 +1036,12 @@ def paged_cache_layout(
     sector = math.lcm(*group_blocks, 128)
     block = len(specs) * page
     sectors = max(1, math.ceil(num_blocks * block / sector))
-    return PagedCacheLayout(page_size=page_size, groups=tuple(counts.items()),
-                            bytes_per_page=page, bytes_per_block=block, bytes_per_sector=sector,
-                            num_sectors=sectors, kv_dtype=name)
+    return PagedCacheLayout(
+        page_size=page_size,
+        groups=tuple(counts.items()),
+        bytes_per_page=page,
+        bytes_per_block=block,
+        bytes_per_sector=sector,
+        num_sectors=sectors,
+        kv_dtype=name,
+    )

@@ -34,8 +34,8 @@ globs), ``special`` (FIFO, socket, device), ``symlink`` (links not followed), ``
 
 from __future__ import annotations
 
-import contextlib
 import codecs
+import contextlib
 import errno
 import fnmatch
 import gzip
@@ -50,8 +50,7 @@ from typing import Any
 
 from .clean import apply_report, edge_keys, find_furniture, find_known
 from .errors import ConfigError, LoadError
-from .formats import FORMATS as _CONTAINER_FORMATS
-from .formats import LoadOptions, current_options
+from .formats import FORMATS as _CONTAINER_FORMATS, LoadOptions, current_options
 from .types import Document
 
 __all__ = [
@@ -732,8 +731,8 @@ def load_document(
     ``pages`` are the PDF pages, form-feed pages, or detected fixed-length pages of plain text
     (one page otherwise). With ``clean=True`` running headers, footers and page numbers are
     removed by :func:`~ragbudget.clean.strip_headers_footers` (``boilerplate``: corpus-wide
-    line keys from :meth:`BoilerplateFilter.patterns`, removed at page edges too). ``meta`` holds ``format``, ``encoding``,
-    ``replaced_chars``, ``paginated``, ``n_pages``, ``size``, ``mtime``, ``mtime_ns``,
+    line keys from :meth:`BoilerplateFilter.patterns`, removed at page edges too). ``meta`` holds
+    ``format``, ``encoding``, ``replaced_chars``, ``paginated``, ``n_pages``, ``size``, ``mtime``, ``mtime_ns``,
     ``compressed``, ``furniture_removed``, ``furniture_patterns``, for HTML ``title``, and
     ``encoding_warning`` when the text encoding was guessed or bytes had to be replaced.
     Formats read by :mod:`ragbudget.formats` add ``page_labels`` (one per page: ``slide 3``,
@@ -820,8 +819,10 @@ def load_document(
     pages = [_trim_page(p) for p in pages]
     if not any(p.strip() for p in pages):
         if fmt == "pdf":
-            detail = (f"no text layer on any of its {len(pages)} page(s): a scanned PDF; index it "
-                      "with OCR (ragbudget index --ocr, needs ragbudget[ocr] and tesseract-ocr)")
+            detail = (
+                f"no text layer on any of its {len(pages)} page(s): a scanned PDF; index it "
+                "with OCR (ragbudget index --ocr, needs ragbudget[ocr] and tesseract-ocr)"
+            )
         else:
             detail = "no text"
         raise LoadError(f"{spath}: {detail}", path=spath, reason="empty")
@@ -838,12 +839,14 @@ def load_document(
         # The index surfaces ``encoding_warning`` as the file's one warning today; until it reads
         # ``warnings`` too, load warnings ride along there so the summary shows them.
         meta["encoding_warning"] = "; ".join(
-            ([meta["encoding_warning"]] if meta.get("encoding_warning") else []) + warnings)
+            ([meta["encoding_warning"]] if meta.get("encoding_warning") else []) + warnings
+        )
     return Document(path=spath, pages=pages, meta=meta)
 
 
-def _text_layer_check(pages: list[str], data: bytes, path: str, opts: LoadOptions,
-                      meta: dict[str, Any], warnings: list[str]) -> list[str]:
+def _text_layer_check(
+    pages: list[str], data: bytes, path: str, opts: LoadOptions, meta: dict[str, Any], warnings: list[str]
+) -> list[str]:
     """Count PDF pages without a text layer, OCR them when asked, and say so either way.
 
     A scanned page is never indexed silently as empty: ``meta["pages_without_text"]`` counts
@@ -857,26 +860,31 @@ def _text_layer_check(pages: list[str], data: bytes, path: str, opts: LoadOption
         return pages
     if not opts.ocr:
         if len(blank) < len(pages):  # all blank: load_document raises "empty" with this advice
-            warnings.append(f"{len(blank)} of {len(pages)} pages have no text layer (scanned?); "
-                            "not indexed without --ocr")
+            warnings.append(
+                f"{len(blank)} of {len(pages)} pages have no text layer (scanned?); not indexed without --ocr"
+            )
         return pages
     from .formats.ocr import ocr_pdf_pages
 
     try:
         texts = ocr_pdf_pages(data, blank, path, lang=opts.ocr_lang)
     except LoadError as exc:
-        warnings.append(f"{len(blank)} of {len(pages)} pages have no text layer and OCR failed: "
-                        + str(exc).removeprefix(f"{path}: "))
+        warnings.append(
+            f"{len(blank)} of {len(pages)} pages have no text layer and OCR failed: "
+            + str(exc).removeprefix(f"{path}: ")
+        )
         if len(blank) == len(pages):
             raise
         return pages
     pages = list(pages)
-    for i, text in zip(blank, texts):
+    for i, text in zip(blank, texts, strict=True):
         pages[i] = text
     meta["ocr_pages"] = len(blank)
     still = sum(1 for i in blank if not pages[i].strip())
-    warnings.append(f"{len(blank)} of {len(pages)} pages have no text layer: read by OCR"
-                    + (f" ({still} gave no text)" if still else ""))
+    warnings.append(
+        f"{len(blank)} of {len(pages)} pages have no text layer: read by OCR"
+        + (f" ({still} gave no text)" if still else "")
+    )
     return pages
 
 
@@ -919,7 +927,9 @@ class BoilerplateFilter:
         self._df: Counter[tuple[str, str]] = Counter()
 
     def __repr__(self) -> str:
-        return f"BoilerplateFilter(min_docs={self.min_docs}, min_share={self.min_share}, docs={sum(self._docs.values())})"
+        return (
+            f"BoilerplateFilter(min_docs={self.min_docs}, min_share={self.min_share}, docs={sum(self._docs.values())})"
+        )
 
     @staticmethod
     def _doc_keys(doc: Document) -> set[str]:
@@ -980,9 +990,7 @@ class BoilerplateFilter:
         return filt
 
 
-def strip_corpus_boilerplate(
-    docs: Sequence[Document], *, min_docs: int = 3, min_share: float = 0.4
-) -> list[Document]:
+def strip_corpus_boilerplate(docs: Sequence[Document], *, min_docs: int = 3, min_share: float = 0.4) -> list[Document]:
     """Remove page-edge lines repeated across the documents of one batch (see :class:`BoilerplateFilter`)."""
     filt = BoilerplateFilter(min_docs=min_docs, min_share=min_share)
     filt.observe(docs)

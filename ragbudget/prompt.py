@@ -333,7 +333,7 @@ class EnginePromptBuilder(PromptBuilder):
     def prime(self, texts: Sequence[str]) -> None:
         todo = [t for t in dict.fromkeys(texts) if t not in self._counts]
         if todo:
-            for t, n in zip(todo, self.backend.count(todo)):
+            for t, n in zip(todo, self.backend.count(todo), strict=True):
                 if len(self._counts) < 50_000:
                     self._counts[t] = int(n)
 

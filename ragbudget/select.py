@@ -506,10 +506,10 @@ def _truncate(
     qterms = _terms(question)
     for pattern in (_SENTENCE_END, re.compile(r"\s+")):
         # Units: the text between consecutive separators (a sentence, or a word).
-        seps = [m for m in pattern.finditer(text) if 0 < m.start() and m.end() < len(text)]
+        seps = [m for m in pattern.finditer(text) if m.start() > 0 and m.end() < len(text)]
         starts = [0] + [m.end() for m in seps]
         ends = [m.start() for m in seps] + [len(text)]
-        units = [(a, b) for a, b in zip(starts, ends) if text[a:b].strip()]
+        units = [(a, b) for a, b in zip(starts, ends, strict=True) if text[a:b].strip()]
         if not units:
             continue
         unit_terms = [_terms(text[a:b]) & qterms for a, b in units]

@@ -164,7 +164,8 @@ def split_sentences(text: str) -> list[tuple[int, int, bool]]:
 
     >>> t = "Dr. Smith met J. K. Rowling. She left.\\nSteps:\\n- mix\\n- bake"
     >>> [(t[a:b], item) for a, b, item in split_sentences(t)]
-    [('Dr. Smith met J. K. Rowling.', False), ('She left.', False), ('Steps:', False), ('- mix', True), ('- bake', True)]
+    [('Dr. Smith met J. K. Rowling.', False), ('She left.', False), ('Steps:', False), ('- mix', True),
+     ('- bake', True)]
     """
     out: list[tuple[int, int, bool]] = []
     pos = 0
@@ -236,8 +237,7 @@ def _stem(word: str) -> str:
 
 
 def _term_list(text: str) -> list[str]:
-    return [_stem(w) for w in _WORD.findall(text.lower())
-            if w not in _STOP and (len(w) > 2 or w.isdigit())]
+    return [_stem(w) for w in _WORD.findall(text.lower()) if w not in _STOP and (len(w) > 2 or w.isdigit())]
 
 
 def bm25(question: str, docs: Sequence[str], *, k1: float = 1.2, b: float = 0.75) -> list[float]:
@@ -308,7 +308,7 @@ class SpanScorer:
             if di:
                 # Documents, not queries: the same side of the embedder the index's chunks used.
                 vecs = self.embedder.embed_documents([texts[i - 1] for i in di])
-                for i, v in zip(di, vecs):
+                for i, v in zip(di, vecs, strict=True):
                     have[keys[i]] = np.asarray(v, dtype=np.float32)
             with self._lock:
                 for i in todo:
@@ -379,25 +379,35 @@ def select_spans(
     >>> sel.chunks[0].text, [s.why for s in sel.chunks[0].spans]
     ('Paris is the capital of France. It has 2 million people.', ['neighbour', 'question'])
     """
-    _check_options(order=order, budget_tokens=budget_tokens, temperature=temperature,
-                   lambda_=lambda_, relevance_floor=relevance_floor)
+    _check_options(
+        order=order,
+        budget_tokens=budget_tokens,
+        temperature=temperature,
+        lambda_=lambda_,
+        relevance_floor=relevance_floor,
+    )
     if not (isinstance(pool, (int, float)) and not isinstance(pool, bool) and pool > 0):
-        raise ConfigError(f"pool must be a number > 0 (the budget multiple of chunk text to "
-                          f"consider); got {pool!r}")
+        raise ConfigError(f"pool must be a number > 0 (the budget multiple of chunk text to consider); got {pool!r}")
     if isinstance(max_chunks, bool) or not isinstance(max_chunks, int) or max_chunks < 1:
         raise ConfigError(f"max_chunks must be an integer ≥ 1; got {max_chunks!r}")
     if len(weights) != 3 or any(w < 0 for w in weights) or not any(weights):
-        raise ConfigError(f"weights must be three numbers ≥ 0 (dense, lexical, chunk), not all "
-                          f"0; got {weights!r}")
+        raise ConfigError(f"weights must be three numbers ≥ 0 (dense, lexical, chunk), not all 0; got {weights!r}")
     del merge_adjacent, max_merge_gap  # one passage per chunk; see the docstring
     overhead_of: Callable[[Any], int] = (
         chunk_overhead if callable(chunk_overhead) else (lambda _c, _o=int(chunk_overhead): _o)
     )
     cands = list(candidates)
-    kept, dropped = _prepare(cands, count_tokens, overhead_of, lambda_=lambda_,
-                             temperature=temperature, min_score=min_score,
-                             relevance_floor=relevance_floor, redundancy=redundancy,
-                             similarity=similarity)
+    kept, dropped = _prepare(
+        cands,
+        count_tokens,
+        overhead_of,
+        lambda_=lambda_,
+        temperature=temperature,
+        min_score=min_score,
+        relevance_floor=relevance_floor,
+        redundancy=redundancy,
+        similarity=similarity,
+    )
 
     # The pool: the best chunks, until their whole text is a few budgets' worth.
     chunks: list[_Item] = []
@@ -407,7 +417,7 @@ def select_spans(
             break
         chunks.append(it)
         total += it.cost
-    outside = kept[len(chunks):]
+    outside = kept[len(chunks) :]
 
     units = _units(chunks, count_tokens, prime)
     _score(question, chunks, units, scorer, weights)
@@ -432,7 +442,8 @@ def select_spans(
         if it.ids[0] not in used_ids:
             dropped.append(Dropped(it.ids[0], "over_budget", it.score, it.n_tokens))
     left_out = tuple(
-        _span(chunks[u.chunk], u, u.why) for u in units
+        _span(chunks[u.chunk], u, u.why)
+        for u in units
         if not (u.pos in chosen.get(u.chunk, ()) and chunks[u.chunk].ids[0] in used_ids)
     )
     used = sum(p.cost for _, p in passages)
@@ -450,16 +461,17 @@ def select_spans(
     )
 
 
-def _units(chunks: Sequence[_Item], count_tokens: Callable[[str], int],
-           prime: Callable[[Sequence[str]], Any] | None) -> list[_Unit]:
+def _units(
+    chunks: Sequence[_Item], count_tokens: Callable[[str], int], prime: Callable[[Sequence[str]], Any] | None
+) -> list[_Unit]:
     """Every chunk's sentences with their neighbour dependencies; a sentence repeated from a
     better chunk (chunk overlap, quoted text) is marked ``duplicate`` and never packed."""
     split = [split_sentences(it.text) for it in chunks]
     if prime is not None:
-        prime([it.text[a:b] for it, parts in zip(chunks, split) for a, b, _ in parts])
+        prime([it.text[a:b] for it, parts in zip(chunks, split, strict=True) for a, b, _ in parts])
     out: list[_Unit] = []
     seen: set[str] = set()
-    for ci, (it, parts) in enumerate(zip(chunks, split)):
+    for ci, (it, parts) in enumerate(zip(chunks, split, strict=True)):
         mine: list[_Unit] = []
         for pos, (a, b, item) in enumerate(parts):
             text = it.text[a:b]
@@ -497,8 +509,13 @@ def _deps(units: Sequence[_Unit], pos: int) -> tuple[int, ...]:
     return tuple(deps)
 
 
-def _score(question: str, chunks: Sequence[_Item], units: list[_Unit], scorer: SpanScorer | None,
-           weights: tuple[float, float, float]) -> None:
+def _score(
+    question: str,
+    chunks: Sequence[_Item],
+    units: list[_Unit],
+    scorer: SpanScorer | None,
+    weights: tuple[float, float, float],
+) -> None:
     """Each unit's evidence in [0, 1]: a weighted mean of dense (cosine over the pool's best),
     lexical (BM25 over the pool's best) and its chunk's value (already relative to the best)."""
     if not units:
@@ -518,16 +535,24 @@ def _score(question: str, chunks: Sequence[_Item], units: list[_Unit], scorer: S
     if top_dense <= 0:
         w_dense = 0.0
     norm = (w_dense + w_lex + w_chunk) or 1.0
-    for u, d, x in zip(units, dense, lex):
-        parts = (w_dense * (d / top_dense if top_dense > 0 else 0.0)
-                 + w_lex * (x / top_lex if top_lex > 0 else 0.0)
-                 + w_chunk * chunks[u.chunk].value)
+    for u, d, x in zip(units, dense, lex, strict=True):
+        parts = (
+            w_dense * (d / top_dense if top_dense > 0 else 0.0)
+            + w_lex * (x / top_lex if top_lex > 0 else 0.0)
+            + w_chunk * chunks[u.chunk].value
+        )
         u.score = parts / norm
 
 
-def _pack(units: list[_Unit], chunks: Sequence[_Item], budget: int,
-          count_tokens: Callable[[str], int], overhead_of: Callable[[Any], int],
-          lambda_: float, redundancy: float) -> dict[int, set[int]]:
+def _pack(
+    units: list[_Unit],
+    chunks: Sequence[_Item],
+    budget: int,
+    count_tokens: Callable[[str], int],
+    overhead_of: Callable[[Any], int],
+    lambda_: float,
+    redundancy: float,
+) -> dict[int, set[int]]:
     """Greedy MMR over the units, every admission counted exactly; ``{chunk: chosen positions}``.
 
     Greedy, not a knapsack: a unit's cost depends on what its chunk already holds (a gap costs a
@@ -580,8 +605,9 @@ def _containment(a: frozenset[str], b: frozenset[str]) -> float:
     return len(a & b) / min(len(a), len(b))
 
 
-def _passage(it: _Item, units: Sequence[_Unit], count_tokens: Callable[[str], int],
-             overhead_of: Callable[[Any], int]) -> SelectedChunk:
+def _passage(
+    it: _Item, units: Sequence[_Unit], count_tokens: Callable[[str], int], overhead_of: Callable[[Any], int]
+) -> SelectedChunk:
     """The passage of chunk ``it`` holding ``units`` (document order): consecutive units as the
     chunk has them, runs joined by :data:`JOINER`; counted exactly, label included."""
     units = sorted(units, key=lambda u: u.pos)
@@ -594,13 +620,11 @@ def _passage(it: _Item, units: Sequence[_Unit], count_tokens: Callable[[str], in
             runs.append((u.start, u.end))
         prev = u.pos
     text = JOINER.join(it.text[a:b] for a, b in runs)
-    sources = (_narrow(it.sources[0], runs[0][0], runs[-1][1]),) + it.sources[1:] \
-        if it.sources else ()
+    sources = (_narrow(it.sources[0], runs[0][0], runs[-1][1]),) + it.sources[1:] if it.sources else ()
     spans = tuple(_span(it, u, u.why) for u in units)
     probe = SelectedChunk(it.ids, text, it.score, 0, 0, sources, it.headings, spans=spans)
     n = count_tokens(text)
-    return SelectedChunk(it.ids, text, it.score, n, n + int(overhead_of(probe)), sources,
-                         it.headings, spans=spans)
+    return SelectedChunk(it.ids, text, it.score, n, n + int(overhead_of(probe)), sources, it.headings, spans=spans)
 
 
 def _cut_passage(it: _Item, cut: _Item) -> SelectedChunk:
@@ -609,10 +633,19 @@ def _cut_passage(it: _Item, cut: _Item) -> SelectedChunk:
         start = cut.sources[0].start - it.sources[0].start
     else:
         start = it.text.find(cut.text)
-    span = Span(it.ids[0], start, start + len(cut.text), cut.text, it.value, cut.n_tokens,
-                cut.sources[0] if cut.sources else None, "question")
-    return SelectedChunk(cut.ids, cut.text, cut.score, cut.n_tokens, cut.cost, cut.sources,
-                         cut.headings, truncated=True, spans=(span,))
+    span = Span(
+        it.ids[0],
+        start,
+        start + len(cut.text),
+        cut.text,
+        it.value,
+        cut.n_tokens,
+        cut.sources[0] if cut.sources else None,
+        "question",
+    )
+    return SelectedChunk(
+        cut.ids, cut.text, cut.score, cut.n_tokens, cut.cost, cut.sources, cut.headings, truncated=True, spans=(span,)
+    )
 
 
 def _span(it: _Item, u: _Unit, why: str) -> Span:
@@ -636,11 +669,20 @@ def _ordered(passages: list[tuple[_Item, SelectedChunk]], order: str) -> list[Se
     for members in groups.values():
         members.sort(key=lambda m: (m[1].sources[0].start if m[1].sources else 0, m[0].rank))
         best = min(members, key=lambda m: m[0].rank)[0]
-        heads.append(_Item(best.ids, "", max(m[0].score for m in members),
-                           best.sources if order == "document" else (), (), 0, 0, best.rank))
+        heads.append(
+            _Item(
+                best.ids,
+                "",
+                max(m[0].score for m in members),
+                best.sources if order == "document" else (),
+                (),
+                0,
+                0,
+                best.rank,
+            )
+        )
     out: list[SelectedChunk] = []
-    by_head = dict(zip((id(h) for h in heads), groups.values()))
+    by_head = dict(zip((id(h) for h in heads), groups.values(), strict=True))
     for h in _order(heads, order):
         out += [p for _, p in by_head[id(h)]]
     return out
-

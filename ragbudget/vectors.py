@@ -219,7 +219,7 @@ class _RowFile:
         pos = np.minimum(np.searchsorted(self.sorted, ids), max(0, self.ntotal - 1))
         out = np.empty((len(ids), self.dim), dtype=np.float32)
         size = self.dim * 4
-        for j, (i, p) in enumerate(zip(ids.tolist(), pos.tolist())):
+        for j, (i, p) in enumerate(zip(ids.tolist(), pos.tolist(), strict=True)):
             if not self.ntotal or int(self.sorted[p]) != i:
                 raise KeyError(i)
             out[j] = np.frombuffer(os.pread(self.fd, size, self.data + int(self.order[p]) * size),

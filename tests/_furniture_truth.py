@@ -119,7 +119,7 @@ MANPAGE = {
 
 
 def _spec(name: str) -> dict:
-    return DOCS[name] if name in DOCS else MANPAGE
+    return DOCS.get(name, MANPAGE)
 
 
 def printed_number(name: str, page: int) -> str | None:
@@ -187,7 +187,7 @@ def removed_lines(before: list[str], after: list[str]) -> tuple[set, set]:
     if len(before) != len(after):
         raise ValueError(f"page count changed: {len(before)} -> {len(after)}")
     gone, cut = set(), set()
-    for p, (b, a) in enumerate(zip(before, after)):
+    for p, (b, a) in enumerate(zip(before, after, strict=True)):
         left: dict[str, int] = {}
         for line in a.split("\n"):
             left[line.strip()] = left.get(line.strip(), 0) + 1

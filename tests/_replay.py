@@ -60,7 +60,7 @@ class Resp:
 
 
 # -- per-engine shapes ----------------------------------------------------------------------------
-ANSWER = "The Project Leader is elected by the developers every year".split()
+ANSWER = ["The", "Project", "Leader", "is", "elected", "by", "the", "developers", "every", "year"]
 
 
 def _answer(max_tokens: int, stop: list[str] | None = None) -> tuple[list[str], str]:

@@ -57,7 +57,6 @@ def llama_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     packaged SmolLM2 GGUF, ``-c 2048 -np 4``, on a free loopback port, up and healthy; torn
     down after the session. Skips without a binary or the GGUF."""
     import httpx
-
     from _llama import BINARY, CTX, SKIP_REASON, SLOTS, free_port, gguf
 
     if BINARY is None:

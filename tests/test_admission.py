@@ -337,7 +337,7 @@ def test_start_rule_lets_short_prompts_share_the_host() -> None:
 
 
 def test_batched_backend_admits_more_next_to_decoding_requests() -> None:
-    from ragbudget.admission import _Job, _first_token_if_started
+    from ragbudget.admission import _first_token_if_started, _Job
 
     job = _Job(prefill=0.5, decode=1.0, cost=1)
     decoding = [_Job(prefill=0.1, decode=5.0, cost=1, served=1.0) for _ in range(6)]

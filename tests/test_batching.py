@@ -65,7 +65,7 @@ def test_concurrent_requests_keep_their_own_sampling_seeds_and_caps(gen, batcher
     calls = [{"prompt": f"question {i}?", "max_new_tokens": 6 + 3 * i,
                   "temperature": 0.9 if i % 2 else None, "seed": 100 + i} for i in range(6)]
     together = _together(batcher.generate, calls)
-    for kw, g in zip(calls, together):
+    for kw, g in zip(calls, together, strict=False):
         alone = gen.generate(**kw)  # the unbatched path, one request alone
         assert g.text == alone.text and g.new_tokens == alone.new_tokens == kw["max_new_tokens"]
     # A seed draws the same answer whatever shares the batch; another seed draws another.

@@ -43,7 +43,7 @@ def test_llama8b_on_4090_offline():
     used = p.weights_bytes + p.activation_bytes + p.kv_bytes_at_max
     assert used <= p.usable_bytes
     d = p.to_dict()
-    assert REQUIRED_KEYS <= set(d)
+    assert set(d) >= REQUIRED_KEYS
     json.dumps(d)
     assert "max context" in format_plan(p)
 

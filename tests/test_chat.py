@@ -8,16 +8,14 @@ counts the ones that did not fit, so overruns are checked against what it actual
 
 from __future__ import annotations
 
+import contextlib
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
-from _fakes import CORPUS, FakeBackend, GeneratorStub, WordCounter, corpus_index
-from _fakes import WordTokenizer as HFWordTokenizer
+from _fakes import FakeBackend, GeneratorStub, WordCounter, WordTokenizer as HFWordTokenizer, corpus_index
+from hypothesis import given, settings, strategies as st
 
 from ragbudget.backend import Capacity, Sampling
 from ragbudget.chat import (
@@ -122,7 +120,7 @@ def test_ten_turns_over_budget_keep_answering_with_summary_and_no_overrun() -> N
     assert any(t.budget.summary_updated for t in turns)
     assert chat.turns_summarized > 0 and chat.summary
     assert fake(pipe).overruns == 0
-    for t, call in zip(turns, answers(pipe)):
+    for t, call in zip(turns, answers(pipe), strict=False):
         b = t.budget
         assert not b.overrun
         assert b.prompt + b.output <= b.total
@@ -606,7 +604,8 @@ def test_http_ten_turns_over_budget_are_summarized_with_no_overrun(chat_server: 
     with chat_server(pipe, summary_max_tokens=30, recent_turns=2) as url:
         c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
         for i in range(10):
-            messages.append({"role": "user", "content": f"Question number {i} about the PDF cleaner and the KV budget?"})
+            question = f"Question number {i} about the PDF cleaner and the KV budget?"
+            messages.append({"role": "user", "content": question})
             stream = i % 2 == 1
             if stream:
                 chunks = list(c.chat.completions.create(model="ragbudget", messages=messages, stream=True))
@@ -641,7 +640,9 @@ def test_http_summaries_are_cached_between_requests(chat_server: Any, cache_size
     cached = []
     with chat_server(pipe, summary_max_tokens=30, recent_turns=2, summary_cache_size=cache_size) as url:
         for i in range(8):
-            messages.append({"role": "user", "content": f"Question number {i} about the PDF cleaner and the KV budget?"})
+            messages.append(
+                {"role": "user", "content": f"Question number {i} about the PDF cleaner and the KV budget?"}
+            )
             r = httpx.post(url + "/v1/chat/completions", timeout=30, json={"model": "ragbudget", "messages": messages})
             assert r.status_code == 200, r.text
             cached.append(r.json()["ragbudget"]["memory"]["summary_cached"])
@@ -661,11 +662,18 @@ def test_http_follow_up_is_expanded_for_retrieval(chat_server: Any) -> None:
 
     pipe = chat_pipeline(total=400, max_new=40)
     with chat_server(pipe) as url:
-        r = httpx.post(url + "/v1/chat/completions", timeout=30, json={
-            "model": "ragbudget", "messages": [
-                {"role": "user", "content": FIRST},
-                {"role": "assistant", "content": "It extracts the main text of the page."},
-                {"role": "user", "content": "what about its footer?"}]})
+        r = httpx.post(
+            url + "/v1/chat/completions",
+            timeout=30,
+            json={
+                "model": "ragbudget",
+                "messages": [
+                    {"role": "user", "content": FIRST},
+                    {"role": "assistant", "content": "It extracts the main text of the page."},
+                    {"role": "user", "content": "what about its footer?"},
+                ],
+            },
+        )
     assert r.status_code == 200, r.text
     assert answers(pipe)[-1]["question"] == "what about its footer?"
     assert r.json()["sources"][0]["path"] == "docs/html-footer.md"  # the bare question finds the PDF one
@@ -676,13 +684,17 @@ def test_http_question_too_long_for_the_budget_is_a_400(chat_server: Any) -> Non
 
     pipe = chat_pipeline(total=200, max_new=40)
     with chat_server(pipe) as url:
-        r = httpx.post(url + "/v1/chat/completions", timeout=30, json={
-            "model": "ragbudget", "messages": [{"role": "user", "content": "word " * 400}]})
+        r = httpx.post(
+            url + "/v1/chat/completions",
+            timeout=30,
+            json={"model": "ragbudget", "messages": [{"role": "user", "content": "word " * 400}]},
+        )
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
     assert answers(pipe) == []
 
 
 # --- with the real Pipeline (hash embedder, fake ChatML generator) ---------------------------------
+
 
 def ChatMLTokenizer() -> HFWordTokenizer:  # noqa: N802 - reads as the class it stands for
     return HFWordTokenizer(chatml=True)
@@ -713,19 +725,19 @@ class ChatMLGenerator(GeneratorStub):
 
         return HFTokenizer(self.tokenizer)
 
-    def generate(self, prompt: Any, *, max_new_tokens: int, on_text: Any = None, cancel: Any = None,
-                 **_: Any) -> RealishGeneration:
+    def generate(
+        self, prompt: Any, *, max_new_tokens: int, on_text: Any = None, cancel: Any = None, **_: Any
+    ) -> RealishGeneration:
         if isinstance(prompt, list):  # a summary request (chat messages)
             self.summaries += 1
-            text = " ".join(re.findall(r"\w+", prompt[-1]["content"])[: max_new_tokens])
+            text = " ".join(re.findall(r"\w+", prompt[-1]["content"])[:max_new_tokens])
             return RealishGeneration(text, 0, max_new_tokens, max_new_tokens)
         self.prompts.append(prompt)
         words = [f"detail{i}" for i in range(max_new_tokens // 2)]
         text = " ".join(words)
         if on_text:
             on_text(text)
-        return RealishGeneration(text, prompt.n_tokens, len(self.tokenizer.encode(text)), max_new_tokens,
-                                 prompt=prompt)
+        return RealishGeneration(text, prompt.n_tokens, len(self.tokenizer.encode(text)), max_new_tokens, prompt=prompt)
 
 
 @pytest.fixture(scope="module")
@@ -747,10 +759,18 @@ def test_ten_turns_with_the_real_pipeline_and_prompt_builder(hash_index: Any) ->
     total = pipe.plan.max_context_tokens
     assert total < 1000
     chat = Conversation(pipe, history_share=0.3, summary_max_tokens=24, recent_turns=2)
-    questions = ["What is the Debian social contract?", "What does it promise about free software?",
-                 "How many versions of it are there?", "Who wrote the constitution?",
-                 "What about its amendments?", "What is Warsaw known for?", "And its university?",
-                 "Which system call creates a pipe?", "What does it return on error?", "Thanks, and dup2?"]
+    questions = [
+        "What is the Debian social contract?",
+        "What does it promise about free software?",
+        "How many versions of it are there?",
+        "Who wrote the constitution?",
+        "What about its amendments?",
+        "What is Warsaw known for?",
+        "And its university?",
+        "Which system call creates a pipe?",
+        "What does it return on error?",
+        "Thanks, and dup2?",
+    ]
     for q in questions:
         turn = chat.ask(q)
         b = turn.budget
@@ -768,9 +788,11 @@ def test_ten_turns_with_the_real_pipeline_and_prompt_builder(hash_index: Any) ->
     from ragbudget.chat import chat_banner
 
     plan = pipe.plan
-    assert chat_banner(chat) == (f"ragbudget chat · {plan.model.rsplit('/', 1)[-1] if plan.model.startswith('/') else plan.model}"
-                                 f" · {total} tokens/turn (answer 48, history ≤ 30%) · KV {plan.kv_bytes_per_token} "
-                                 "B/token · /help for commands")
+    assert chat_banner(chat) == (
+        f"ragbudget chat · {plan.model.rsplit('/', 1)[-1] if plan.model.startswith('/') else plan.model}"
+        f" · {total} tokens/turn (answer 48, history ≤ 30%) · KV {plan.kv_bytes_per_token} "
+        "B/token · /help for commands"
+    )
 
 
 # --- the real default models (slow) ----------------------------------------------------------------
@@ -822,18 +844,22 @@ def test_chat_slash_commands_are_handled_locally_and_never_reach_the_model(monke
     from ragbudget.cli import cli
 
     asked = _slow_pipeline_cli(monkeypatch)
-    script = ("/sources\nWhat is MinHash?\n/help\n/sources\n/SOURCES\n/bogus\n/?\n"
-              "/etc/fstab holds what?\n/reset\n/sources\n/quit\nnever asked\n")
+    script = (
+        "/sources\nWhat is MinHash?\n/help\n/sources\n/SOURCES\n/bogus\n/?\n"
+        "/etc/fstab holds what?\n/reset\n/sources\n/quit\nnever asked\n"
+    )
     result = CliRunner().invoke(cli, ["chat"], input=script)
     assert result.exit_code == 0, result.output
     out = result.output
     assert asked() == ["What is MinHash?", "/etc/fstab holds what?"]  # a path is a question, not a command
     first = out.splitlines()[0]
-    assert first == "ragbudget chat · fake/slow-model · 4000 tokens/turn (answer 64, history ≤ 30%) · /help for commands"
+    assert (
+        first == "ragbudget chat · fake/slow-model · 4000 tokens/turn (answer 64, history ≤ 30%) · /help for commands"
+    )
     assert out.count("Commands (never sent to the model):") == 2 and "/reset" in out and "Ctrl-C" in out
     assert out.count("(no answer yet)") == 2  # before the first answer and after /reset
     top = "[1] docs/dedup.md"  # the best source of "What is MinHash?"
-    first_turn = out[:out.index("You asked.", out.index("You asked.") + 1)]  # before the 2nd answer
+    first_turn = out[: out.index("You asked.", out.index("You asked.") + 1)]  # before the 2nd answer
     assert first_turn.count(top) == 1 + 2  # the answer's own block, then /sources twice
     assert "unknown command /bogus; /help lists the commands" in out
     assert "(conversation reset)" in out
@@ -929,10 +955,8 @@ class _Terminal:
 
         end = time.monotonic() + timeout
         while time.monotonic() < end:
-            try:
+            with contextlib.suppress(OSError):
                 self.output += os.read(self.fd, 65536).decode("utf-8", "replace")
-            except OSError:
-                pass
             pid, status = os.waitpid(self.pid, os.WNOHANG)
             if pid:
                 return os.waitstatus_to_exitcode(status)
@@ -950,8 +974,13 @@ def test_chat_at_a_terminal_has_history_editing_and_ctrl_c_cancels_an_answer(tmp
 
     driver = Path(__file__).with_name("_chat_repl.py")
     history = tmp_path / "cache" / "chat_history"
-    env = {**os.environ, "TERM": "xterm", "RAGBUDGET_CHAT_HISTORY": str(history),
-           "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "INPUTRC": "/dev/null"}
+    env = {
+        **os.environ,
+        "TERM": "xterm",
+        "RAGBUDGET_CHAT_HISTORY": str(history),
+        "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+        "INPUTRC": "/dev/null",
+    }
     term = _Terminal([sys.executable, str(driver), "chat", "--index-dir", str(tmp_path / "idx")], env)
     at = term.expect("/help for commands")
     at = term.expect("> ", after=at)
@@ -978,7 +1007,7 @@ def test_chat_at_a_terminal_has_history_editing_and_ctrl_c_cancels_an_answer(tmp
     out = term.output
     assert "^[[A" not in out
     assert "word59" not in out  # the slow answer did stop
-    asked = json.loads(out[out.rindex("ASKED: ") + 7:].splitlines()[0])
+    asked = json.loads(out[out.rindex("ASKED: ") + 7 :].splitlines()[0])
     assert asked == ["What is MinHash?", "What is MinHash?", "tell me slowly"]
     assert "What is MinHash?" in history.read_text()  # readline's history, kept for next time
 
@@ -994,8 +1023,13 @@ def test_chat_at_a_terminal_recalls_history_from_the_last_session_and_survives_a
     history = tmp_path / "chat_history"
     history.write_text("Who wrote the footer?\n")
     history.chmod(0o444)
-    env = {**os.environ, "TERM": "xterm", "RAGBUDGET_CHAT_HISTORY": str(history),
-           "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "INPUTRC": "/dev/null"}
+    env = {
+        **os.environ,
+        "TERM": "xterm",
+        "RAGBUDGET_CHAT_HISTORY": str(history),
+        "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+        "INPUTRC": "/dev/null",
+    }
     term = _Terminal([sys.executable, str(driver), "chat"], env)
     at = term.expect("> ")
     term.send("\x1b[A\r")
@@ -1004,7 +1038,7 @@ def test_chat_at_a_terminal_recalls_history_from_the_last_session_and_survives_a
     term.send("/exit\r")
     assert term.wait() == 0
     out = term.output
-    asked = json.loads(out[out.rindex("ASKED: ") + 7:].splitlines()[0])
+    asked = json.loads(out[out.rindex("ASKED: ") + 7 :].splitlines()[0])
     assert asked == ["Who wrote the footer?"]
     assert "Error" not in out and "Traceback" not in out
     if os.geteuid() != 0:  # root writes through a read-only mode

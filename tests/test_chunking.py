@@ -6,10 +6,8 @@ from pathlib import Path
 from unittest import mock
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
 from _fakes import WordTokenizer as HFWordTokenizer
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from ragbudget import chunking
 from ragbudget.chunking import chunk_document, chunk_text, chunk_texts
@@ -36,7 +34,7 @@ _TEXT = st.one_of(
 
 def _check(text: str, chunks, lo: int, hi: int) -> None:
     prev_end = -1
-    for i, c in enumerate(chunks):
+    for c in chunks:
         assert text[c.start : c.end] == c.text
         assert c.text and c.text == c.text.strip()
         assert c.n_tokens == len(TOK.encode(c.text)), (c.text, c.n_tokens)
@@ -44,7 +42,7 @@ def _check(text: str, chunks, lo: int, hi: int) -> None:
         assert c.start >= prev_end  # ordered, no overlap (overlap=0)
         prev_end = c.end
     # Nothing but whitespace is left out.
-    covered = "".join(text[a.end : b.start] for a, b in zip(chunks, chunks[1:]))
+    covered = "".join(text[a.end : b.start] for a, b in zip(chunks, chunks[1:], strict=False))
     assert covered.strip() == ""
     if chunks:
         assert text[: chunks[0].start].strip() == "" and text[chunks[-1].end :].strip() == ""
@@ -96,7 +94,7 @@ def test_line_start_cuts_split_the_encoding_exactly() -> None:
     text = "Intro.\n\n  indented\nplain line\n\n\nAfter blanks \r\nCRLF line.\n" * 50
     cuts = [0, *chunking._line_start_cuts(text, 8), len(text)]
     assert len(cuts) > 2
-    pieces = [TOK.encode(text[a:b]) for a, b in zip(cuts, cuts[1:])]
+    pieces = [TOK.encode(text[a:b]) for a, b in zip(cuts, cuts[1:], strict=False)]
     assert [t for p in pieces for t in p] == TOK.encode(text)
 
 
@@ -115,7 +113,7 @@ def test_word_text_never_splits_words(words: list[str]) -> None:
 @given(text=_TEXT, overlap=st.integers(1, 5))
 def test_overlap_invariants(text: str, overlap: int) -> None:
     chunks = chunk_text(text, min_tokens=6, max_tokens=16, overlap=overlap)
-    for a, b in zip(chunks, chunks[1:]):
+    for a, b in zip(chunks, chunks[1:], strict=False):
         assert a.start < b.start <= a.end + len(text)
     for c in chunks:
         assert text[c.start : c.end] == c.text and c.n_tokens == len(TOK.encode(c.text)) <= 16
@@ -125,7 +123,7 @@ def test_overlap_repeats_the_previous_tail() -> None:
     text = " ".join(f"word{i}" for i in range(400))
     chunks = chunk_text(text, min_tokens=40, max_tokens=60, overlap=10)
     assert len(chunks) > 3
-    for a, b in zip(chunks, chunks[1:]):
+    for a, b in zip(chunks, chunks[1:], strict=False):
         assert b.start < a.end  # overlapping
         assert 5 <= TOK.count(text[b.start : a.end]) <= 12
 

@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 from _furniture_truth import classify, removed_lines, score
-from hypothesis import example, given, settings
-from hypothesis import strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 from ragbudget.clean import (
     StripReport,
@@ -214,7 +213,7 @@ def test_strip_is_deterministic_and_never_grows(pages):
     b = strip_headers_footers(list(pages))
     assert a == b
     assert len(a) == len(pages)
-    for before, after in zip(pages, a):
+    for before, after in zip(pages, a, strict=True):
         assert len(after) <= len(before)
         # lines only deleted: the output lines are a subsequence of the input lines
         it = iter(before.split("\n"))

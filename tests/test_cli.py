@@ -7,10 +7,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _fakes import make_pdf
 from click.testing import CliRunner
 
 from ragbudget.cli import cli
-from _fakes import make_pdf
 
 
 @pytest.fixture()
@@ -164,7 +164,8 @@ def test_demo_path_with_the_embedded_models(runner: CliRunner, tmp_path: Path, r
     result = runner.invoke(cli, ["index", str(repo_data), "--index-dir", index_dir, "--json"])
     assert result.exit_code == 0, result.output
     result = runner.invoke(cli, ["ask", "What was Maria Curie the first female recipient of?",
-                                 "--index-dir", index_dir, "--max-new-tokens", "48", "--context-tokens", "1024", "--json"])
+                                 "--index-dir", index_dir, "--max-new-tokens", "48", "--context-tokens", "1024",
+                                 "--json"])
     assert result.exit_code == 0, result.output
     doc = json.loads(result.stdout)
     assert "nobel" in doc["answer"].lower()
@@ -180,8 +181,18 @@ def test_demo_path_with_the_embedded_models(runner: CliRunner, tmp_path: Path, r
     # With no cap given, the defaults decide: the relevance floor stops the context early, and
     # on a CPU the measured prefill speed caps it for time (issue #19: the full 7.8k-token
     # allowance was filled down to a fused score of -0.005 and answered wrongly).
-    result = runner.invoke(cli, ["ask", "What was Maria Curie the first female recipient of?",
-                                 "--index-dir", index_dir, "--max-new-tokens", "48", "--json"])
+    result = runner.invoke(
+        cli,
+        [
+            "ask",
+            "What was Maria Curie the first female recipient of?",
+            "--index-dir",
+            index_dir,
+            "--max-new-tokens",
+            "48",
+            "--json",
+        ],
+    )
     assert result.exit_code == 0, result.output
     doc = json.loads(result.stdout)
     assert "nobel" in doc["answer"].lower()
@@ -209,6 +220,7 @@ def test_search_retrieval_options(runner: CliRunner, tmp_path: Path) -> None:
     hybrid = runner.invoke(cli, args)
     rrf = runner.invoke(cli, [*args, "--fusion", "rrf", "--lexical-weight", "0.7"])
     assert dense.exit_code == hybrid.exit_code == rrf.exit_code == 0, dense.output + hybrid.output
+
     def ranked(out: Any) -> list[tuple[int, float]]:
         return [(h["chunk_id"], round(h["score"], 5)) for h in json.loads(out.stdout)]
 
@@ -278,7 +290,12 @@ def test_index_a_then_b_keeps_both(runner: CliRunner, tmp_path: Path) -> None:
     listing = runner.invoke(cli, ["sources", "--index-dir", str(idx), "--json"])
     assert listing.exit_code == 0, listing.output
     assert sorted(f["path"] for f in json.loads(listing.stdout)) == [
-        "a/otter0.txt", "a/otter1.txt", "b/heron0.txt", "b/heron1.txt", "b/heron2.txt"]
+        "a/otter0.txt",
+        "a/otter1.txt",
+        "b/heron0.txt",
+        "b/heron1.txt",
+        "b/heron2.txt",
+    ]
     # A vanished file under the other root is kept until that root is indexed again.
     (a / "otter1.txt").unlink()
     assert "0 removed" in _index(runner, idx, str(b)).output
@@ -384,9 +401,15 @@ class _CutGenerator:
         text = "The Nobel Prize in Physics, which she shared with her husband and"
         if on_text:
             on_text(text)
-        return SimpleNamespace(text=text, prompt_tokens=prompt.n_tokens, new_tokens=max_new_tokens,
-                               max_new_tokens=max_new_tokens, finish_reason="length",
-                               oom_steps=(), prompt=prompt)
+        return SimpleNamespace(
+            text=text,
+            prompt_tokens=prompt.n_tokens,
+            new_tokens=max_new_tokens,
+            max_new_tokens=max_new_tokens,
+            finish_reason="length",
+            oom_steps=(),
+            prompt=prompt,
+        )
 
 
 @pytest.fixture()
@@ -404,12 +427,13 @@ def small_index(runner: CliRunner, tmp_path: Path, monkeypatch: pytest.MonkeyPat
     return index_dir
 
 
-def test_ask_long_question_and_huge_max_new_tokens_blame_the_window(runner: CliRunner,
-                                                                     small_index: str) -> None:
+def test_ask_long_question_and_huge_max_new_tokens_blame_the_window(runner: CliRunner, small_index: str) -> None:
     question = "why " * 12_500  # 50,000 characters
     args = ["ask", question, "--index-dir", small_index, "--gpu", "24GiB"]
-    for extra, says in ((["--max-new-tokens", "100000"], "max_new_tokens 100,000"),
-                        ([], "model window is 8,192 tokens")):
+    for extra, says in (
+        (["--max-new-tokens", "100000"], "max_new_tokens 100,000"),
+        ([], "model window is 8,192 tokens"),
+    ):
         result = runner.invoke(cli, [*args, *extra])
         assert result.exit_code == 1, result.output
         assert result.output.startswith("Error: ") and "Traceback" not in result.output
@@ -421,8 +445,12 @@ def test_ask_long_question_and_huge_max_new_tokens_blame_the_window(runner: CliR
 def test_ask_and_search_on_an_empty_index_say_so(runner: CliRunner, tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     index_dir = str(tmp_path / "idx")
-    assert runner.invoke(cli, ["index", str(tmp_path / "empty"), "--index-dir", index_dir,
-                               "--embedder", "hash:64"]).exit_code == 0
+    assert (
+        runner.invoke(
+            cli, ["index", str(tmp_path / "empty"), "--index-dir", index_dir, "--embedder", "hash:64"]
+        ).exit_code
+        == 0
+    )
     for args in (["ask", "anything"], ["search", "anything"]):
         result = runner.invoke(cli, [*args, "--index-dir", index_dir])
         assert result.exit_code == 1, result.output
@@ -430,8 +458,16 @@ def test_ask_and_search_on_an_empty_index_say_so(runner: CliRunner, tmp_path: Pa
 
 
 def test_ask_marks_an_answer_cut_at_max_new_tokens(runner: CliRunner, small_index: str) -> None:
-    args = ["ask", "What was Maria Curie the first female recipient of?", "--index-dir", small_index,
-            "--gpu", "24GiB", "--max-new-tokens", "12"]
+    args = [
+        "ask",
+        "What was Maria Curie the first female recipient of?",
+        "--index-dir",
+        small_index,
+        "--gpu",
+        "24GiB",
+        "--max-new-tokens",
+        "12",
+    ]
     for extra in ([], ["--no-stream"]):
         result = runner.invoke(cli, [*args, *extra])
         assert result.exit_code == 0, result.output
@@ -441,10 +477,17 @@ def test_ask_marks_an_answer_cut_at_max_new_tokens(runner: CliRunner, small_inde
     assert doc["finish_reason"] == "length" and "[…]" not in doc["answer"]
 
 
-def test_ask_paths_are_relative_unless_asked(runner: CliRunner, small_index: str,
-                                             tmp_path: Path) -> None:
-    args = ["ask", "What was Maria Curie the first female recipient of?", "--index-dir", small_index,
-            "--gpu", "24GiB", "--max-new-tokens", "12"]
+def test_ask_paths_are_relative_unless_asked(runner: CliRunner, small_index: str, tmp_path: Path) -> None:
+    args = [
+        "ask",
+        "What was Maria Curie the first female recipient of?",
+        "--index-dir",
+        small_index,
+        "--gpu",
+        "24GiB",
+        "--max-new-tokens",
+        "12",
+    ]
     text = runner.invoke(cli, args)
     assert text.exit_code == 0, text.output
     assert "docs/curie.txt" in text.output and str(tmp_path) not in text.output
@@ -463,11 +506,14 @@ def test_ask_relevance_floor_option(runner: CliRunner, small_index: str) -> None
     assert runner.invoke(cli, [*args, "--relevance-floor", "2"]).exit_code == 2
 
 
-@pytest.mark.parametrize("gpu,says,not_says", [
-    ("A100", ["'A100 40GB'", "'A100 80GB'"], "unknown GPU"),
-    ("-5GiB", ["memory size must be positive", "-5GiB"], "unknown GPU"),
-    ("0GB", ["memory size must be positive"], "unknown GPU"),
-])
+@pytest.mark.parametrize(
+    "gpu,says,not_says",
+    [
+        ("A100", ["'A100 40GB'", "'A100 80GB'"], "unknown GPU"),
+        ("-5GiB", ["memory size must be positive", "-5GiB"], "unknown GPU"),
+        ("0GB", ["memory size must be positive"], "unknown GPU"),
+    ],
+)
 def test_budget_hostile_gpu_values(runner: CliRunner, gpu: str, says: list[str], not_says: str) -> None:
     result = runner.invoke(cli, ["budget", "--gpu", gpu])
     assert result.exit_code == 1, result.output
@@ -475,27 +521,30 @@ def test_budget_hostile_gpu_values(runner: CliRunner, gpu: str, says: list[str],
 
 
 def test_budget_text_says_what_fits_for_llama_8b(runner: CliRunner) -> None:
-    result = runner.invoke(cli, ["budget", "--model", "meta-llama/Llama-3.1-8B-Instruct",
-                                 "--gpu", "RTX 4090", "--concurrency", "4"])
+    result = runner.invoke(
+        cli, ["budget", "--model", "meta-llama/Llama-3.1-8B-Instruct", "--gpu", "RTX 4090", "--concurrency", "4"]
+    )
     assert result.exit_code == 0, result.output
     assert "sliding" not in result.output  # Llama 3.1 has no sliding-window layers
     assert "max 0" not in result.output
     assert "4 request(s) of 6,906 tokens each; one request of 131,072 tokens does not fit" in result.output
 
 
-@pytest.mark.parametrize("module, args, extra", [
-    ("fastapi", ["serve", "--port", "0"], "serve"),
-    ("matplotlib", ["budget", "--gpu", "24GiB", "--plot", "plan.png"], "plot"),
-])
-def test_a_missing_optional_package_names_its_extra(runner: CliRunner, tmp_path: Path,
-                                                    monkeypatch: pytest.MonkeyPatch, module: str,
-                                                    args: list[str], extra: str) -> None:
+@pytest.mark.parametrize(
+    "module, args, extra",
+    [
+        ("fastapi", ["serve", "--port", "0"], "serve"),
+        ("matplotlib", ["budget", "--gpu", "24GiB", "--plot", "plan.png"], "plot"),
+    ],
+)
+def test_a_missing_optional_package_names_its_extra(
+    runner: CliRunner, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, module: str, args: list[str], extra: str
+) -> None:
     docs = tmp_path / "docs"
     docs.mkdir()
     (docs / "a.txt").write_text("Tides rise and fall twice a day along the harbour walls. " * 40)
     index_dir = str(tmp_path / "idx")
-    assert runner.invoke(cli, ["index", str(docs), "--index-dir", index_dir,
-                               "--embedder", "hash:64"]).exit_code == 0
+    assert runner.invoke(cli, ["index", str(docs), "--index-dir", index_dir, "--embedder", "hash:64"]).exit_code == 0
     monkeypatch.chdir(tmp_path)
     monkeypatch.setitem(__import__("sys").modules, module, None)  # importing it now fails
     if args[0] == "serve":

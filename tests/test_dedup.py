@@ -10,8 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from ragbudget.chunking import chunk_text
 from ragbudget.dedup import (
@@ -65,7 +64,7 @@ def test_batch_functions_match_single_ones(texts: list[str]) -> None:
     assert content_hashes(texts) == [content_hash(t) for t in texts]
     sigs = minhash_signatures(texts)
     assert sigs.shape == (len(texts), 128) and sigs.dtype == np.uint32
-    for t, s in zip(texts, sigs):
+    for t, s in zip(texts, sigs, strict=True):
         assert (minhash_signature(t) == s).all()
 
 
@@ -87,8 +86,7 @@ def test_estimated_jaccard_tracks_true_jaccard() -> None:
         keep = rng.randint(100, 300)
         other = base[:keep] + rng.sample(vocab, 300 - keep)
         a, b = " ".join(base), " ".join(other)
-        sh = lambda ws: {tuple(ws[i : i + 3]) for i in range(len(ws) - 2)}
-        sa, sb = sh(base), sh(other)
+        sa, sb = ({tuple(ws[i : i + 3]) for i in range(len(ws) - 2)} for ws in (base, other))
         true = len(sa & sb) / len(sa | sb)
         errors.append(abs(estimate_jaccard(minhash_signature(a), minhash_signature(b)) - true))
     # Standard error at 128 permutations is at most 0.044; no estimate should be far off.
@@ -182,7 +180,7 @@ def test_disflqa_copies_found_and_squad_paragraphs_kept(shared_data: Path) -> No
     squad_keys = [[s.path for s in it.sources if s.path.startswith("squad/")] for it in r.items]
     assert all(len(k) == 1 for k in squad_keys) and len(r.items) == len(paras)
     # Every Disfl-QA context landed with its own SQuAD paragraph.
-    home = {s.path: k[0] for it, k in zip(r.items, squad_keys) for s in it.sources}
+    home = {s.path: k[0] for it, k in zip(r.items, squad_keys, strict=True) for s in it.sources}
     found = sum(home[f"disfl/{j}"] == f"squad/{g}" for j, g in enumerate(gold))
     assert found / len(contexts) >= 0.99
     # Near path alone (exact disabled by making every text distinct) still finds them.
@@ -191,7 +189,7 @@ def test_disflqa_copies_found_and_squad_paragraphs_kept(shared_data: Path) -> No
         d.add(f"s{i}", p, digest=f"s{i}")
     near_hits = sum(
         d.add(f"d{j}", c, digest=f"d{j}").duplicate_of == f"s{g}"
-        for j, (c, g) in enumerate(zip(contexts, gold))
+        for j, (c, g) in enumerate(zip(contexts, gold, strict=True))
     )
     assert near_hits / len(contexts) >= 0.99
 

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-
 from _replay import Replay, Resp, overloaded, render_count
+
 from ragbudget.backend import (
     Backend,
     Capacity,

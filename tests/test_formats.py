@@ -6,7 +6,6 @@ the README there). Everything goes through ``load_document`` and, at the end, ``
 
 from __future__ import annotations
 
-import io
 import json
 import shutil
 import sys

@@ -8,8 +8,8 @@ import pytest
 from _fakes import printable_stop
 from _tiny_lm import tiny_model, tiny_tokenizer
 
-from ragbudget.errors import BudgetError, ConfigError
 from ragbudget import generate as generate_mod
+from ragbudget.errors import BudgetError, ConfigError
 from ragbudget.generate import Generation, Generator, _quant_backend, _smaller_cache, is_oom
 from ragbudget.prompt import build_prompt
 from ragbudget.select import Candidate

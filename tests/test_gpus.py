@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
+from hypothesis import given, strategies as st
 
 from ragbudget.errors import ConfigError
 from ragbudget.gpus import GPU_TABLE, GiB, parse_size, resolve_gpu

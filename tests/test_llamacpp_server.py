@@ -15,8 +15,8 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-
 from _llama import BINARY, CTX, SKIP_REASON, SLOTS
+
 from ragbudget.backend import Backend, per_request_tokens
 from ragbudget.engines import connect
 from ragbudget.errors import EngineContextError

@@ -11,8 +11,8 @@ import time
 from pathlib import Path
 
 import pytest
-from hypothesis import assume, given, settings
-from hypothesis import strategies as st
+from _fakes import make_pdf
+from hypothesis import assume, given, settings, strategies as st
 
 from ragbudget.errors import LoadError
 from ragbudget.loaders import (
@@ -27,7 +27,6 @@ from ragbudget.loaders import (
     strip_corpus_boilerplate,
 )
 from ragbudget.types import Document
-from _fakes import make_pdf
 
 
 def _load_error(path, **kw) -> LoadError:

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
-from _fakes import FakeGeneration, FakeGenerator, WordTokenizer
+from _fakes import FakeGenerator
 
 from ragbudget import BudgetError, ConfigError, IndexNotFoundError, Pipeline
 
@@ -120,7 +120,7 @@ def test_stream_yields_the_answer_text_and_then_the_answer(indexed: Path) -> Non
 def test_leaving_a_stream_early_cancels_and_frees_the_reservation(indexed: Path) -> None:
     gen = FakeGenerator(answer=" ".join(f"w{i}" for i in range(200)), word_delay=0.01)
     pipe, _ = _pipe(indexed, generator=gen)
-    for piece in (stream := pipe.stream(QUESTION)):
+    for _piece in (stream := pipe.stream(QUESTION)):
         assert pipe.admission.stats().admitted_tokens > 0  # the request holds its KV tokens
         break
     stream.close()

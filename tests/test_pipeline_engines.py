@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _replay import Replay, Resp
 from click.testing import CliRunner
 
-from _replay import Replay, Resp
 from ragbudget import Pipeline
 from ragbudget.backend import SQLiteCountCache, text_digest
 from ragbudget.cli import cli as main

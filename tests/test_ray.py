@@ -131,7 +131,7 @@ def test_ray_index_with_minilm_equals_the_local_one(ray_cluster: Any, tmp_path: 
     # within float tolerance, and the same chunks answer the fixed queries in the same order.
     same_index(a, b, atol=1e-5)
     assert [[i for i, _ in q] for q in a["hits"]] == [[i for i, _ in q] for q in b["hits"]]
-    for qa, qb in zip(a["hits"], b["hits"]):
+    for qa, qb in zip(a["hits"], b["hits"], strict=True):
         np.testing.assert_allclose([s for _, s in qa], [s for _, s in qb], atol=1e-4)
 
 
@@ -201,8 +201,8 @@ def test_a_worker_killed_mid_job_keeps_the_previous_generation(ray_cluster: Any,
     Index(tmp_path / "local").build([str(docs)], embedder=HashEmbedder(dim=64), **SMALL)
     fresh, resumed = contents(tmp_path / "local"), contents(path)
     np.testing.assert_array_equal(
-        np.array([v for _, v in sorted(zip([t for _, t, _ in fresh["chunks"]], fresh["vectors"]))]),
-        np.array([v for _, v in sorted(zip([t for _, t, _ in resumed["chunks"]], resumed["vectors"]))]))
+        np.array([v for _, v in sorted(zip([t for _, t, _ in fresh["chunks"]], fresh["vectors"], strict=True))]),
+        np.array([v for _, v in sorted(zip([t for _, t, _ in resumed["chunks"]], resumed["vectors"], strict=True))]))
 
 
 def test_a_worker_that_dies_once_is_restarted_and_the_index_is_the_same(

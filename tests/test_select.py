@@ -5,8 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from ragbudget.errors import ConfigError
 from ragbudget.select import DROP_REASONS, Candidate, select_chunks

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from _llama import BINARY, SKIP_REASON, free_port
+
 from ragbudget import Pipeline
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(BINARY is None, reason=SKIP_REASON)]

@@ -26,9 +26,7 @@ import httpx
 import openai
 import pytest
 from _fakes import (
-    SLOT_ANSWER,
     WINDOW,
-    FakeBackend,
     FakeGenerator,
     GeneratorStub,
     corpus_index,
@@ -36,10 +34,9 @@ from _fakes import (
     fake_pipeline,
     printable_stop,
     running,
-    words_reply,
 )
 
-from ragbudget.backend import Capacity, Sampling
+from ragbudget.backend import Sampling
 from ragbudget.errors import BudgetError, OverloadedError
 from ragbudget.pipeline import Pipeline
 from ragbudget.server import Metrics, background_server, create_app
@@ -172,7 +169,8 @@ def test_stop_trims_the_answer_streaming_or_not(tiny_url: str) -> None:
     assert cut.choices[0].message.content == expected and cut.choices[0].finish_reason == "stop"
     assert cut.usage is not None and full.usage is not None
     assert cut.usage.completion_tokens < full.usage.completion_tokens  # generation really stopped
-    chunks = list(c.chat.completions.create(model=MODEL, messages=user(TINY_QUESTION), max_tokens=20, stop=stop, stream=True))
+    chunks = list(c.chat.completions.create(model=MODEL, messages=user(TINY_QUESTION), max_tokens=20, stop=stop,
+                                            stream=True))
     streamed = _stream_text(chunks)
     assert stop not in streamed and streamed.strip() == expected
     assert chunks[-1].choices[0].finish_reason == "stop"
@@ -182,15 +180,25 @@ def test_temperature_and_seed_reach_the_generator(tiny_url: str) -> None:
     c = client(tiny_url)
 
     def answer(**options: Any) -> str:
-        return c.chat.completions.create(model=MODEL, messages=user(TINY_QUESTION), max_tokens=12, **options).choices[0].message.content or ""
+        return (
+            c.chat.completions.create(model=MODEL, messages=user(TINY_QUESTION), max_tokens=12, **options)
+            .choices[0]
+            .message.content
+            or ""
+        )
 
     greedy = answer()
     assert answer(temperature=0) == greedy == answer(temperature=0, seed=5)  # 0 or absent: greedy
     sampled = answer(temperature=1.0, seed=5)
     assert sampled == answer(temperature=1.0, seed=5) != greedy  # a seed reproduces the sample
     assert {answer(temperature=1.0, seed=s) for s in (6, 7, 8)} - {sampled}
-    streamed = _stream_text(list(c.chat.completions.create(model=MODEL, messages=user(TINY_QUESTION), max_tokens=12,
-                                                          temperature=1.0, seed=5, stream=True)))
+    streamed = _stream_text(
+        list(
+            c.chat.completions.create(
+                model=MODEL, messages=user(TINY_QUESTION), max_tokens=12, temperature=1.0, seed=5, stream=True
+            )
+        )
+    )
     assert streamed.strip() == sampled
 
 
@@ -198,7 +206,7 @@ def test_raw_stream_ends_with_done() -> None:
     with running(fake_pipeline(words=2)) as url:
         r = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": user(), "stream": True})
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
-    events = [line[len("data: "):] for line in r.text.splitlines() if line.startswith("data: ")]
+    events = [line[len("data: ") :] for line in r.text.splitlines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     assert json.loads(events[-2])["sources"][0]["path"] == SOURCE_PATH
 
@@ -219,9 +227,15 @@ def test_models_health_metrics_and_retrieve() -> None:
     assert len(searched["data"]) == 3 and "footer" in searched["data"][0]["text"]
     text = metrics.text
     assert metrics.headers["content-type"].startswith("text/plain")
-    for name in ("ragbudget_requests_total", "ragbudget_queue_depth", "ragbudget_admitted_kv_tokens",
-                 "ragbudget_oom_steps_total", "ragbudget_request_duration_seconds_bucket",
-                 "ragbudget_queue_wait_seconds_count", "ragbudget_kv_capacity_tokens"):
+    for name in (
+        "ragbudget_requests_total",
+        "ragbudget_queue_depth",
+        "ragbudget_admitted_kv_tokens",
+        "ragbudget_oom_steps_total",
+        "ragbudget_request_duration_seconds_bucket",
+        "ragbudget_queue_wait_seconds_count",
+        "ragbudget_kv_capacity_tokens",
+    ):
         assert name in text, name
     assert 'ragbudget_requests_total{endpoint="/v1/chat/completions",status="200"} 1' in text
     assert 'ragbudget_request_duration_seconds_bucket{endpoint="/v1/chat/completions",le="+Inf"} 1' in text
@@ -239,12 +253,31 @@ def test_models_health_metrics_and_retrieve() -> None:
         (json.dumps({"model": MODEL, "messages": []}).encode(), 400, "messages"),
         (json.dumps({"model": MODEL}).encode(), 400, "messages"),
         (json.dumps({"model": MODEL, "messages": "hi"}).encode(), 400, "messages"),
-        (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": 5}]}).encode(), 400, "messages[0].content"),
-        (json.dumps({"model": MODEL, "messages": [{"role": "tool", "content": "x"}]}).encode(), 400, "messages[0].role"),
-        (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "  "}]}).encode(), 400, "messages[0].content"),
-        (json.dumps({"model": MODEL, "messages": [{"role": "assistant", "content": "x"}]}).encode(), 400, "messages[0].role"),
-        (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}).encode(), 400,
-         "messages[0].content"),
+        (
+            json.dumps({"model": MODEL, "messages": [{"role": "user", "content": 5}]}).encode(),
+            400,
+            "messages[0].content",
+        ),
+        (
+            json.dumps({"model": MODEL, "messages": [{"role": "tool", "content": "x"}]}).encode(),
+            400,
+            "messages[0].role",
+        ),
+        (
+            json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "  "}]}).encode(),
+            400,
+            "messages[0].content",
+        ),
+        (
+            json.dumps({"model": MODEL, "messages": [{"role": "assistant", "content": "x"}]}).encode(),
+            400,
+            "messages[0].role",
+        ),
+        (
+            json.dumps({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}).encode(),
+            400,
+            "messages[0].content",
+        ),
         (json.dumps({"model": MODEL, "messages": user(), "stream": "yes"}).encode(), 400, "stream"),
         (json.dumps({"model": MODEL, "messages": user(), "max_tokens": "10"}).encode(), 400, "max_tokens"),
         (json.dumps({"model": MODEL, "messages": user(), "max_tokens": 0}).encode(), 400, "max_tokens"),
@@ -281,9 +314,13 @@ def test_hostile_values_are_400_not_a_server_error() -> None:
         big_int = b'{"model": "fake-model", "messages": [], "seed": ' + b"9" * 5000 + b"}"
         r = httpx.post(url + "/v1/chat/completions", content=big_int, headers={"content-type": "application/json"})
         r2 = httpx.post(url + "/v1/retrieve", json={"query": "footers", "k": 10**12})
-        lone = [httpx.post(url + endpoint, content=json.dumps(body).encode(), headers={"content-type": "application/json"})
-                for endpoint, body in (("/v1/retrieve", {"query": "\ud800"}),
-                                       ("/v1/chat/completions", {"model": MODEL, "messages": user("a \udfff")}))]
+        lone = [
+            httpx.post(url + endpoint, content=json.dumps(body).encode(), headers={"content-type": "application/json"})
+            for endpoint, body in (
+                ("/v1/retrieve", {"query": "\ud800"}),
+                ("/v1/chat/completions", {"model": MODEL, "messages": user("a \udfff")}),
+            )
+        ]
     for resp in lone:  # valid JSON, but no text to echo or tokenize (was a 500 from the serializer)
         assert resp.status_code == 400 and "surrogate" in resp.json()["error"]["message"], resp.text
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
@@ -371,12 +408,11 @@ def test_overload_is_429_with_retry_after_streaming_or_not() -> None:
 
 def test_worker_pool_full_is_429_not_an_unbounded_queue() -> None:
     pipe = fake_pipeline(slots=1, words=2000, token_delay=0.02, max_queue=10, timeout=10)
-    with running(pipe, max_workers=1) as url:
-        with httpx.stream("POST", url + "/v1/chat/completions",
-                          json={"model": MODEL, "messages": user(), "stream": True}) as first:
-            lines = first.iter_lines()  # keep a reference: dropping it would close the stream
-            next(lines)  # the one worker is now busy
-            r = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": user()})
+    body = {"model": MODEL, "messages": user(), "stream": True}
+    with running(pipe, max_workers=1) as url, httpx.stream("POST", url + "/v1/chat/completions", json=body) as first:
+        lines = first.iter_lines()  # keep a reference: dropping it would close the stream
+        next(lines)  # the one worker is now busy
+        r = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": user()})
     assert r.status_code == 429 and r.headers["retry-after"] == "1"
 
 
@@ -392,8 +428,9 @@ def _wait_until(predicate: Any, timeout: float = 10.0) -> bool:
 def test_disconnect_mid_stream_frees_the_reservation() -> None:
     pipe = fake_pipeline(words=500, token_delay=0.02, max_new_tokens=500)  # ~10 s if nobody cancels
     with running(pipe) as url:
-        with httpx.stream("POST", url + "/v1/chat/completions",
-                          json={"model": MODEL, "messages": user("stream me"), "stream": True}) as r:
+        with httpx.stream(
+            "POST", url + "/v1/chat/completions", json={"model": MODEL, "messages": user("stream me"), "stream": True}
+        ) as r:
             lines = r.iter_lines()
             next(lines)
             next(lines)
@@ -402,7 +439,9 @@ def test_disconnect_mid_stream_frees_the_reservation() -> None:
         assert _wait_until(lambda: reserved(pipe) == 0 and fake(pipe).cancelled == ["stream me"])
         assert "ragbudget_cancelled_total 1" in httpx.get(url + "/metrics").text
         # The 200 had been sent, but the answer never reached its client: a 499, not a 200.
-        assert _wait_until(lambda: 'endpoint="/v1/chat/completions",status="499"} 1' in httpx.get(url + "/metrics").text)
+        assert _wait_until(
+            lambda: 'endpoint="/v1/chat/completions",status="499"} 1' in httpx.get(url + "/metrics").text
+        )
         assert 'endpoint="/v1/chat/completions",status="200"' not in httpx.get(url + "/metrics").text
 
 
@@ -413,7 +452,9 @@ def test_disconnect_while_waiting_non_streaming_frees_the_reservation() -> None:
             httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": user("slow")}, timeout=1.5)
         assert _wait_until(lambda: reserved(pipe) == 0 and fake(pipe).cancelled == ["slow"])
         # Counted as the client's doing (499), not as an answered request.
-        assert _wait_until(lambda: 'endpoint="/v1/chat/completions",status="499"} 1' in httpx.get(url + "/metrics").text)
+        assert _wait_until(
+            lambda: 'endpoint="/v1/chat/completions",status="499"} 1' in httpx.get(url + "/metrics").text
+        )
 
 
 def _load_bench() -> Any:
@@ -431,8 +472,7 @@ def test_short_load_only_200_or_429_and_health_throughout() -> None:
     bench = _load_bench()
     pipe = fake_pipeline(slots=2, words=10, token_delay=0.005, max_queue=3, timeout=0.5)
     with running(pipe) as url:
-        result = bench.run_load(url, clients=24, requests_per_client=3, stream_share=0.5, model=MODEL,
-                                time_limit=60)
+        result = bench.run_load(url, clients=24, requests_per_client=3, stream_share=0.5, model=MODEL, time_limit=60)
     statuses = result["statuses"]
     assert set(statuses) <= {"200", "429"}, statuses
     assert statuses.get("200", 0) > 0
@@ -512,11 +552,35 @@ def test_serve_command_passes_options_and_env_key(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr("ragbudget.pipeline.Pipeline", lambda *a, **kw: made.append(kw) or pipe)
     monkeypatch.setattr("ragbudget.server.serve", lambda pipe, **kw: served.append(kw))
     monkeypatch.setenv("RAGBUDGET_API_KEY", "env-key")
-    result = CliRunner().invoke(cli, ["serve", "--port", "0", "--concurrency", "3", "--gpu", "24GiB",
-                                      "--history-share", "0.5", "--recent-turns", "1"])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "serve",
+            "--port",
+            "0",
+            "--concurrency",
+            "3",
+            "--gpu",
+            "24GiB",
+            "--history-share",
+            "0.5",
+            "--recent-turns",
+            "1",
+        ],
+    )
     assert result.exit_code == 0, result.output
-    assert served == [{"host": "127.0.0.1", "port": 0, "api_key": "env-key", "model_name": None,
-                       "history_share": 0.5, "summary_max_tokens": 128, "recent_turns": 1, "expose_plan": False}]
+    assert served == [
+        {
+            "host": "127.0.0.1",
+            "port": 0,
+            "api_key": "env-key",
+            "model_name": None,
+            "history_share": 0.5,
+            "summary_max_tokens": 128,
+            "recent_turns": 1,
+            "expose_plan": False,
+        }
+    ]
     assert made[0]["concurrency"] == 3 and made[0]["gpu"] == "24GiB"
     result = CliRunner().invoke(cli, ["serve", "--port", "0", "--expose-plan"])
     assert result.exit_code == 0, result.output
@@ -538,9 +602,13 @@ def test_real_models_through_the_openai_client(tmp_path: Path, repo_data: Path) 
     with running(pipe) as url:
         models = [m.id for m in client(url).models.list()]
         resp = client(url).chat.completions.create(
-            model="ragbudget", messages=[{"role": "user", "content": "Which system call creates a pipe?"}], max_tokens=8)
-        chunks = list(client(url).chat.completions.create(
-            model=models[0], messages=[{"role": "user", "content": "What does dup2 do?"}], stream=True, max_tokens=8))
+            model="ragbudget", messages=[{"role": "user", "content": "Which system call creates a pipe?"}], max_tokens=8
+        )
+        chunks = list(
+            client(url).chat.completions.create(
+                model=models[0], messages=[{"role": "user", "content": "What does dup2 do?"}], stream=True, max_tokens=8
+            )
+        )
         metrics = httpx.get(url + "/metrics").text
     assert "SmolLM2" in models[0]
     assert resp.choices[0].message.content and (resp.model_extra or {})["sources"]
@@ -562,7 +630,7 @@ def test_real_models_through_the_openai_client(tmp_path: Path, repo_data: Path) 
         assert len(words) >= 3, greedy
         stop = " " + words[2]
         cut = answer(stop=[stop])
-        assert cut.finish_reason == "stop" and cut.message.content == greedy[:greedy.index(stop)].strip()
+        assert cut.finish_reason == "stop" and cut.message.content == greedy[: greedy.index(stop)].strip()
         sampled = answer(temperature=1.0, seed=11).message.content
         assert sampled == answer(temperature=1.0, seed=11).message.content
 
@@ -587,15 +655,18 @@ def test_max_tokens_past_the_planned_output_is_400_not_clamped() -> None:
 def test_full_queue_is_refused_before_any_retrieval_work() -> None:
     pipe = fake_pipeline(slots=1, words=2000, token_delay=0.02, max_queue=1, timeout=30)
     with running(pipe) as url:
-        with httpx.stream("POST", url + "/v1/chat/completions",
-                          json={"model": MODEL, "messages": user("runs"), "stream": True}) as first:
+        with httpx.stream(
+            "POST", url + "/v1/chat/completions", json={"model": MODEL, "messages": user("runs"), "stream": True}
+        ) as first:
             lines = first.iter_lines()
             next(lines)  # running
+
             def wait_in_queue() -> None:
                 # Admitted once "runs" is cancelled, then cut short when the server stops.
                 with contextlib.suppress(httpx.HTTPError):
-                    httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": user("waits")},
-                               timeout=5)
+                    httpx.post(
+                        url + "/v1/chat/completions", json={"model": MODEL, "messages": user("waits")}, timeout=5
+                    )
 
             waiting = threading.Thread(target=wait_in_queue)
             waiting.start()
@@ -644,12 +715,31 @@ def test_default_values_of_unsupported_fields_pass() -> None:
     pipe = fake_pipeline()
     with running(pipe) as url:
         resp = client(url).chat.completions.create(
-            model=MODEL, messages=user(), n=1, logprobs=False, response_format={"type": "text"},
-            presence_penalty=0, frequency_penalty=0.0, tool_choice="none", user="u-1", store=False,
-            logit_bias={}, metadata={"run": "1"})
-        raw = httpx.post(url + "/v1/chat/completions", json={
-            "model": MODEL, "messages": user(), "tools": [], "top_logprobs": 0, "parallel_tool_calls": False,
-            "functions": None, "audio": None})
+            model=MODEL,
+            messages=user(),
+            n=1,
+            logprobs=False,
+            response_format={"type": "text"},
+            presence_penalty=0,
+            frequency_penalty=0.0,
+            tool_choice="none",
+            user="u-1",
+            store=False,
+            logit_bias={},
+            metadata={"run": "1"},
+        )
+        raw = httpx.post(
+            url + "/v1/chat/completions",
+            json={
+                "model": MODEL,
+                "messages": user(),
+                "tools": [],
+                "top_logprobs": 0,
+                "parallel_tool_calls": False,
+                "functions": None,
+                "audio": None,
+            },
+        )
         bad = httpx.post(url + "/v1/retrieve", json={"query": "footers", "top_k": 3})
     assert resp.choices[0].message.content and raw.status_code == 200, raw.text
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "top_k"
@@ -667,8 +757,10 @@ def test_deeply_nested_json_is_400_not_a_recursion_error(endpoint: str) -> None:
         inner["x"] = {}
         inner = inner["x"]
     with running(pipe) as url:
-        responses = [httpx.post(url + endpoint, content=body, headers={"content-type": "application/json"})
-                     for body in (deep, deep_obj, json.dumps(nested).encode())]
+        responses = [
+            httpx.post(url + endpoint, content=body, headers={"content-type": "application/json"})
+            for body in (deep, deep_obj, json.dumps(nested).encode())
+        ]
         metrics = httpx.get(url + "/metrics").text
     for r in responses:
         assert r.status_code == 400, r.text[:300]
@@ -713,13 +805,19 @@ def test_short_body_then_disconnect_is_499_without_traceback() -> None:
     body = json.dumps({"model": MODEL, "messages": user()}).encode()
     with running(pipe) as url, _Records().attached() as log:
         for endpoint in ("/v1/chat/completions", "/v1/retrieve"):
-            _send_raw(url, f"POST {endpoint} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                      f"Content-Length: {len(body) + 500}\r\n\r\n".encode() + body[:20])
+            _send_raw(
+                url,
+                f"POST {endpoint} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body) + 500}\r\n\r\n".encode()
+                + body[:20],
+            )
 
         def counted() -> bool:
             text = httpx.get(url + "/metrics").text
-            return all(f'ragbudget_requests_total{{endpoint="{e}",status="499"}} 1' in text
-                       for e in ("/v1/chat/completions", "/v1/retrieve"))
+            return all(
+                f'ragbudget_requests_total{{endpoint="{e}",status="499"}} 1' in text
+                for e in ("/v1/chat/completions", "/v1/retrieve")
+            )
 
         assert _wait_until(counted), httpx.get(url + "/metrics").text
         metrics = httpx.get(url + "/metrics").text
@@ -760,10 +858,13 @@ def test_every_client_caused_failure_maps_to_4xx_or_499() -> None:
     assert "9000" in _error_from_exception(BudgetError("a", needed=9000, available=2048)).message
     assert "GiB" in _error_from_exception(BudgetError("9 GiB", needed=1, available=0), expose_plan=True).message
     # Only the server's own faults are 5xx, and their text (paths) stays in the server's log.
-    server_faults = {IndexNotFoundError("no index in /srv/private/idx"): 503,
-                     IndexCorruptError("index file /srv/private/idx/x.faiss is truncated"): 503,
-                     ModelError("cannot load /srv/private/model"): 503,
-                     RagBudgetError("odd /srv/private"): 500, RuntimeError("/srv/private"): 500}
+    server_faults = {
+        IndexNotFoundError("no index in /srv/private/idx"): 503,
+        IndexCorruptError("index file /srv/private/idx/x.faiss is truncated"): 503,
+        ModelError("cannot load /srv/private/model"): 503,
+        RagBudgetError("odd /srv/private"): 500,
+        RuntimeError("/srv/private"): 500,
+    }
     for exc, status in server_faults.items():
         err = _error_from_exception(exc)
         assert err.status == status and err.type == "server_error" and "/srv" not in err.message
@@ -853,8 +954,16 @@ def test_serve_on_a_port_in_use_exits_1_in_one_line(monkeypatch: pytest.MonkeyPa
 
 # A real index built under tmp_path, a real Pipeline (model-free generator): what clients see.
 
-_HOST_FIGURES = ("gpu_bytes", "usable_bytes", "free_bytes", "weights_bytes", "gpu_name", "GiB", "kv_capacity_tokens",
-                 "kv_bytes_per_token")
+_HOST_FIGURES = (
+    "gpu_bytes",
+    "usable_bytes",
+    "free_bytes",
+    "weights_bytes",
+    "gpu_name",
+    "GiB",
+    "kv_capacity_tokens",
+    "kv_bytes_per_token",
+)
 
 
 @pytest.fixture(scope="module")
@@ -871,9 +980,9 @@ def tmp_index(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 
 def _real_pipeline(index_dir: Path) -> Any:
-    from ragbudget.pipeline import Pipeline
-
     from types import SimpleNamespace
+
+    from ragbudget.pipeline import Pipeline
 
     gen = FakeGenerator(answer="Elected [1].")
     gen.model_ref = SimpleNamespace(id="fake/generator")  # type: ignore[attr-defined]  # what the server names
@@ -944,15 +1053,22 @@ def test_serve_listens_on_the_socket_it_bound_and_stops_on_sigint() -> None:
         port = probe.getsockname()[1]
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": str(root)}
-    proc = subprocess.Popen([sys.executable, "-c", _SERVE_SCRIPT, str(port), str(corpus_index()),
-                             str(Path(__file__).parent)], cwd=root, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SERVE_SCRIPT, str(port), str(corpus_index()), str(Path(__file__).parent)],
+        cwd=root,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
+
         def up() -> bool:
             try:
                 return httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200
             except httpx.TransportError:
                 return proc.poll() is not None  # stop waiting if it died
+
         assert _wait_until(up, timeout=30) and proc.poll() is None, proc.communicate(timeout=5)
         models = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"]
         assert [m["id"] for m in models] == [MODEL, "ragbudget"]
@@ -976,8 +1092,9 @@ def test_a_burst_past_capacity_gets_200_or_429_with_retry_after_and_retrying_cli
     and asks again gets its 200. The index's embedder is the model-free hash one: with MiniLM,
     embedding 8 queries on two busy cores takes longer than the answers, and the requests would
     reach admission one by one."""
-    pipe = fake_pipeline(slots=2, max_queue=1, timeout=30, words=6, token_delay=0.05,
-                         index_dir=corpus_index("hash:256"))
+    pipe = fake_pipeline(
+        slots=2, max_queue=1, timeout=30, words=6, token_delay=0.05, index_dir=corpus_index("hash:256")
+    )
     assert pipe.admission.capacity_tokens == 2 * WINDOW  # the real controller, sized from the backend
     first: list[httpx.Response] = []
     attempts: list[int] = []
@@ -1033,12 +1150,16 @@ def _ask(client: Any) -> Any:
     return client.post("/v1/chat/completions", json={"model": "ragbudget", "messages": user()})
 
 
-@pytest.mark.parametrize(("kind", "options", "why"), [
-    ("vllm", {}, "1 request(s) waiting"),  # the replay's vllm:num_requests_waiting is 1
-    ("llamacpp", {"busy_slots": 4}, "0 free KV tokens"),  # every slot is processing
-])
-def test_engine_with_a_queue_or_no_free_kv_is_429_before_any_work(tmp_path: Path, kind: str,
-                                                                 options: dict[str, Any], why: str) -> None:
+@pytest.mark.parametrize(
+    ("kind", "options", "why"),
+    [
+        ("vllm", {}, "1 request(s) waiting"),  # the replay's vllm:num_requests_waiting is 1
+        ("llamacpp", {"busy_slots": 4}, "0 free KV tokens"),  # every slot is processing
+    ],
+)
+def test_engine_with_a_queue_or_no_free_kv_is_429_before_any_work(
+    tmp_path: Path, kind: str, options: dict[str, Any], why: str
+) -> None:
     from _replay import Replay
 
     with Replay(kind, **options) as srv, _engine_app(srv, tmp_path) as client:
@@ -1058,15 +1179,22 @@ def test_engine_with_room_admits_and_figures_are_reread_at_most_once_a_second(tm
     from _replay import Replay, Resp
 
     with Replay("vllm") as srv, _engine_app(srv, tmp_path) as client:
-        idle = srv.engine.metrics().replace("vllm:num_requests_waiting{", "x{").replace(
-            "# TYPE vllm:num_requests_waiting gauge", "# TYPE vllm:num_requests_waiting gauge\n"
-            'vllm:num_requests_waiting{engine="0"} 0.0')
+        idle = (
+            srv.engine.metrics()
+            .replace("vllm:num_requests_waiting{", "x{")
+            .replace(
+                "# TYPE vllm:num_requests_waiting gauge",
+                '# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{engine="0"} 0.0',
+            )
+        )
         srv.routes[("GET", "/metrics")] = lambda b: Resp(text=idle, content_type="text/plain")
         ok = _ask(client)
         metrics = client.get("/metrics").text
         # The engine fills up (another client): refused once the figures are re-read.
-        full = idle.replace("vllm:kv_cache_usage_perc{engine=\"0\",model_name=\"Qwen/Qwen3-8B\"} 0.25",
-                            "vllm:kv_cache_usage_perc{engine=\"0\",model_name=\"Qwen/Qwen3-8B\"} 1.0")
+        full = idle.replace(
+            'vllm:kv_cache_usage_perc{engine="0",model_name="Qwen/Qwen3-8B"} 0.25',
+            'vllm:kv_cache_usage_perc{engine="0",model_name="Qwen/Qwen3-8B"} 1.0',
+        )
         assert full != idle
         srv.routes[("GET", "/metrics")] = lambda b: Resp(text=full, content_type="text/plain")
         time.sleep(1.1)

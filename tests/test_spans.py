@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 from _tiny_lm import tiny_tokenizer
 from click.testing import CliRunner
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from ragbudget.embed import HashEmbedder
 from ragbudget.errors import ConfigError

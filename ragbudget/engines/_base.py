@@ -6,10 +6,10 @@ count. Engine modules subclass :class:`ServedBackend` and fill in the engine's o
 from __future__ import annotations
 
 import logging
-from abc import ABC, abstractmethod
 import math
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -177,8 +177,9 @@ class ServedBackend(ABC):
     """A :class:`~ragbudget.backend.Backend` over a served engine's HTTP API.
 
     Subclasses set ``kind`` and implement :meth:`_capacity`, :meth:`render` and
-    :meth:`_count_uncached` (a batch route, or one request per text through :meth:`_each`). Generation goes to ``POST /v1/chat/completions`` with
-    ``max_tokens`` always set. Counts are cached in ``count_cache`` by (model, text digest).
+    :meth:`_count_uncached` (a batch route, or one request per text through :meth:`_each`).
+    Generation goes to ``POST /v1/chat/completions`` with ``max_tokens`` always set.
+    Counts are cached in ``count_cache`` by (model, text digest).
     """
 
     kind: ClassVar[str] = "openai"
@@ -241,7 +242,10 @@ class ServedBackend(ABC):
         except (KeyError, IndexError, TypeError):
             raise EngineResponseError(
                 f"{self.http.url('/v1/models')} lists no model; pass model=… (CLI: --model)",
-                url=self.http.url("/v1/models"), kind=self.kind, body=data) from None
+                url=self.http.url("/v1/models"),
+                kind=self.kind,
+                body=data,
+            ) from None
 
     # -- counting ---------------------------------------------------------------------------------
     def count(self, texts: Sequence[str]) -> list[int]:
@@ -252,12 +256,12 @@ class ServedBackend(ABC):
         if self.count_cache is not None and texts:
             known = dict(self.count_cache.get_many(self.model_id, digests))
         todo: dict[str, str] = {}
-        for d, t in zip(digests, texts):
+        for d, t in zip(digests, texts, strict=True):
             if d not in known:
                 todo.setdefault(d, t)  # each distinct text once
         if todo:
             fresh = self._count_uncached(list(todo.values()))
-            new = dict(zip(todo, fresh))
+            new = dict(zip(todo, fresh, strict=True))
             known.update(new)
             if self.count_cache is not None:
                 self.count_cache.put_many(self.model_id, new)
@@ -288,7 +292,7 @@ class ServedBackend(ABC):
         with self._lock:
             if key in self._overheads:
                 return self._overheads[key]
-        msgs = ([{"role": "system", "content": system_prompt}] if system_prompt else [])
+        msgs = [{"role": "system", "content": system_prompt}] if system_prompt else []
         n = self.render([*msgs, {"role": "user", "content": ""}]).n_tokens
         with self._lock:
             self._overheads[key] = n
@@ -302,10 +306,13 @@ class ServedBackend(ABC):
         if self.context_tokens is not None:
             notes = cap.notes
             if cap.max_context_tokens is not None and cap.max_context_tokens != self.context_tokens:
-                notes += (f"context_tokens={self.context_tokens} given; the engine says "
-                          f"{cap.max_context_tokens} ({cap.max_context_source})",)
-            cap = _replace(cap, max_context_tokens=self.context_tokens,
-                           max_context_source="context_tokens (given)", notes=notes)
+                notes += (
+                    f"context_tokens={self.context_tokens} given; the engine says "
+                    f"{cap.max_context_tokens} ({cap.max_context_source})",
+                )
+            cap = _replace(
+                cap, max_context_tokens=self.context_tokens, max_context_source="context_tokens (given)", notes=notes
+            )
         self._window = (cap.max_context_tokens, cap.max_prompt_tokens)
         return cap
 
@@ -353,16 +360,26 @@ class ServedBackend(ABC):
         current, new_tokens = prompt, max_new_tokens
         for attempt in (1, 2):
             messages = prompt_messages(current)
-            result = self._chat(messages, max_new_tokens=new_tokens, sampling=sampling or Sampling(),
-                                stop=list(stop) if stop else None, on_text=on_text, cancel=cancel,
-                                prompt=current)
+            result = self._chat(
+                messages,
+                max_new_tokens=new_tokens,
+                sampling=sampling or Sampling(),
+                stop=list(stop) if stop else None,
+                on_text=on_text,
+                cancel=cancel,
+                prompt=current,
+            )
             if not isinstance(result, TooLong):
                 return result
             smaller = None if attempt == 2 else self._shrink(current, result, new_tokens)
             if smaller is None:
                 raise self._context_error(result, new_tokens, retried=attempt == 2)
-            log.info("%s: prompt too long (%s prompt tokens, window %s); retrying once smaller",
-                     self.kind, result.n_prompt_tokens, result.n_ctx)
+            log.info(
+                "%s: prompt too long (%s prompt tokens, window %s); retrying once smaller",
+                self.kind,
+                result.n_prompt_tokens,
+                result.n_ctx,
+            )
             current, new_tokens = smaller
         raise AssertionError("unreachable")  # pragma: no cover
 
@@ -372,9 +389,16 @@ class ServedBackend(ABC):
             f"{self.http.url('/v1/chat/completions')}: the prompt does not fit the "
             f"{self.kind} context ({t.n_prompt_tokens} prompt tokens + {max_new_tokens} new vs a "
             f"window of {t.n_ctx}; {t.source}) {what}: lower context_tokens or max_new_tokens, or "
-            "start the engine with a larger context", url=self.http.url("/v1/chat/completions"),
-            kind=self.kind, status=t.status, body=t.body, n_prompt_tokens=t.n_prompt_tokens,
-            n_ctx=t.n_ctx, max_new_tokens=max_new_tokens, source=t.source)
+            "start the engine with a larger context",
+            url=self.http.url("/v1/chat/completions"),
+            kind=self.kind,
+            status=t.status,
+            body=t.body,
+            n_prompt_tokens=t.n_prompt_tokens,
+            n_ctx=t.n_ctx,
+            max_new_tokens=max_new_tokens,
+            source=t.source,
+        )
 
     def _shrink(self, prompt: Any, t: TooLong, max_new_tokens: int) -> tuple[Any, int] | None:
         if t.n_ctx is None:
@@ -394,8 +418,15 @@ class ServedBackend(ABC):
             return prompt, t.n_ctx - t.n_prompt_tokens  # the answer gets what the window leaves
         return None
 
-    def _body(self, messages: list[dict[str, str]], *, max_new_tokens: int, sampling: Sampling,
-              stop: list[str] | None, stream: bool) -> dict[str, Any]:
+    def _body(
+        self,
+        messages: list[dict[str, str]],
+        *,
+        max_new_tokens: int,
+        sampling: Sampling,
+        stop: list[str] | None,
+        stream: bool,
+    ) -> dict[str, Any]:
         body: dict[str, Any] = {
             "model": self.model_id,
             "messages": messages,
@@ -407,19 +438,33 @@ class ServedBackend(ABC):
             body["stream_options"] = {"include_usage": True}
         return body
 
-    def _chat(self, messages: list[dict[str, str]], *, max_new_tokens: int, sampling: Sampling,
-              stop: list[str] | None, on_text: Callable[[str], None] | None,
-              cancel: threading.Event | None, prompt: Any) -> Generation | TooLong:
+    def _chat(
+        self,
+        messages: list[dict[str, str]],
+        *,
+        max_new_tokens: int,
+        sampling: Sampling,
+        stop: list[str] | None,
+        on_text: Callable[[str], None] | None,
+        cancel: threading.Event | None,
+        prompt: Any,
+    ) -> Generation | TooLong:
         from ..generate import Generation
 
         stream = on_text is not None or cancel is not None
-        body = self._body(messages, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
-                          stream=stream)
+        body = self._body(messages, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop, stream=stream)
         path = "/v1/chat/completions"
         t0 = time.perf_counter()
         if cancel is not None and cancel.is_set():
-            return Generation(text="", prompt_tokens=0, new_tokens=0, finish_reason="cancelled",
-                              seconds=0.0, cache="served", prompt=_keep(prompt))
+            return Generation(
+                text="",
+                prompt_tokens=0,
+                new_tokens=0,
+                finish_reason="cancelled",
+                seconds=0.0,
+                cache="served",
+                prompt=_keep(prompt),
+            )
         if not stream:
             reply = self.http.post(path, body, allow=self.too_long_statuses)
             if reply.status != 200:
@@ -444,7 +489,10 @@ class ServedBackend(ABC):
             if "error" in event:  # an error after the stream began (vLLM, llama.cpp, TGI shapes)
                 raise EngineResponseError(
                     f"{self.http.url(path)} failed mid-stream: {error_message(event)}",
-                    url=self.http.url(path), kind=self.kind, body=event)
+                    url=self.http.url(path),
+                    kind=self.kind,
+                    body=event,
+                )
             if event.get("usage"):
                 usage = event["usage"]
             for choice in event.get("choices") or ():
@@ -459,8 +507,9 @@ class ServedBackend(ABC):
             finish = "cancelled"
         return self._generation("".join(pieces), finish or "stop", usage, messages, t0, prompt)
 
-    def _generation(self, text: str, finish: str, usage: Mapping[str, Any],
-                    messages: list[dict[str, str]], t0: float, prompt: Any) -> Generation:
+    def _generation(
+        self, text: str, finish: str, usage: Mapping[str, Any], messages: list[dict[str, str]], t0: float, prompt: Any
+    ) -> Generation:
         from ..generate import Generation
 
         prompt_tokens = usage.get("prompt_tokens")
@@ -469,28 +518,39 @@ class ServedBackend(ABC):
             prompt_tokens = self.render(messages).n_tokens
         if new_tokens is None:
             new_tokens = self.count([text])[0] if text else 0
-        return Generation(text=text, prompt_tokens=int(prompt_tokens or 0),
-                          new_tokens=int(new_tokens), finish_reason=str(finish),
-                          seconds=time.perf_counter() - t0, cache="served", prompt=_keep(prompt))
+        return Generation(
+            text=text,
+            prompt_tokens=int(prompt_tokens or 0),
+            new_tokens=int(new_tokens),
+            finish_reason=str(finish),
+            seconds=time.perf_counter() - t0,
+            cache="served",
+            prompt=_keep(prompt),
+        )
 
     def _shape_error(self, path: str, data: Any) -> EngineResponseError:
         return EngineResponseError(
             f"{self.http.url(path)} answered without the OpenAI chat fields (choices[0]"
             f".message): is this an OpenAI-compatible engine? (kind={self.kind})",
-            url=self.http.url(path), kind=self.kind, body=data)
+            url=self.http.url(path),
+            kind=self.kind,
+            body=data,
+        )
 
-    def _too_long_or_raise(self, reply: Reply, messages: list[dict[str, str]],
-                           max_new_tokens: int) -> TooLong:
+    def _too_long_or_raise(self, reply: Reply, messages: list[dict[str, str]], max_new_tokens: int) -> TooLong:
         t = self._too_long(reply, messages, max_new_tokens)
         if t is None:
             url = self.http.url("/v1/chat/completions")
             raise EngineResponseError(
                 f"{url} answered {reply.status}: {error_message(reply.data, reply.text)}",
-                url=url, kind=self.kind, status=reply.status, body=reply.data)
+                url=url,
+                kind=self.kind,
+                status=reply.status,
+                body=reply.data,
+            )
         return t
 
-    def _too_long(self, reply: Reply, messages: list[dict[str, str]],
-                  max_new_tokens: int) -> TooLong | None:
+    def _too_long(self, reply: Reply, messages: list[dict[str, str]], max_new_tokens: int) -> TooLong | None:
         """Whether an error reply is a too-long prompt. Default (engines whose error bodies carry
         no figures: vLLM, SGLang, TGI): recount the prompt with the server's own tokenizer and
         compare with its advertised window — structured figures, not the message text."""
@@ -500,13 +560,21 @@ class ServedBackend(ABC):
         if max_context is not None:
             limits.append(max_context)
             if n + max_new_tokens > max_context:
-                return TooLong(n_prompt_tokens=n, n_ctx=max_context, status=reply.status,
-                               body=reply.data,
-                               source=f"recount {self.kind} tokenizer vs advertised window")
+                return TooLong(
+                    n_prompt_tokens=n,
+                    n_ctx=max_context,
+                    status=reply.status,
+                    body=reply.data,
+                    source=f"recount {self.kind} tokenizer vs advertised window",
+                )
         if max_prompt is not None and n > max_prompt:
-            return TooLong(n_prompt_tokens=n, n_ctx=max_prompt + max_new_tokens,
-                           status=reply.status, body=reply.data,
-                           source=f"recount {self.kind} tokenizer vs max prompt {max_prompt}")
+            return TooLong(
+                n_prompt_tokens=n,
+                n_ctx=max_prompt + max_new_tokens,
+                status=reply.status,
+                body=reply.data,
+                source=f"recount {self.kind} tokenizer vs max prompt {max_prompt}",
+            )
         return None
 
 

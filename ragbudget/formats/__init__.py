@@ -99,15 +99,21 @@ class LoadOptions:
                               f"pass ({self.json_fields!r},)")
         object.__setattr__(self, "json_fields", tuple(str(f) for f in self.json_fields if str(f)))
         if not self.ocr_lang or not all(p.isalnum() or p == "_" for p in self.ocr_lang.split("+")):
-            raise ConfigError(f"ocr_lang must be Tesseract language codes like 'eng' or 'eng+deu', got {self.ocr_lang!r}")
+            raise ConfigError(
+                f"ocr_lang must be Tesseract language codes like 'eng' or 'eng+deu', got {self.ocr_lang!r}"
+            )
 
     def to_dict(self) -> dict[str, Any]:
-        return {"ipynb_outputs": self.ipynb_outputs, "json_fields": list(self.json_fields),
-                "ocr": self.ocr, "ocr_lang": self.ocr_lang}
+        return {
+            "ipynb_outputs": self.ipynb_outputs,
+            "json_fields": list(self.json_fields),
+            "ocr": self.ocr,
+            "ocr_lang": self.ocr_lang,
+        }
 
 
-_OPTIONS: contextvars.ContextVar[LoadOptions] = contextvars.ContextVar("ragbudget_load_options",
-                                                                       default=LoadOptions())
+# LoadOptions is a frozen dataclass: one shared default cannot be changed through any context.
+_OPTIONS: contextvars.ContextVar[LoadOptions] = contextvars.ContextVar("ragbudget_load_options", default=LoadOptions())  # noqa: B039
 
 
 def current_options() -> LoadOptions:

@@ -84,7 +84,7 @@ def read_mbox(data: bytes, path: str, *, options: LoadOptions, max_bytes: int, f
     pages: list[str] = []
     labels: list[str] = []
     broken: list[str] = []
-    for n, (a, b) in enumerate(zip(starts, bounds), 1):
+    for n, (a, b) in enumerate(zip(starts, bounds, strict=True), 1):
         raw = re.sub(rb"(?m)^>(>*From )", rb"\1", data[a:b])  # undo mboxrd "From " quoting
         try:
             mid, page = _render(raw, path)

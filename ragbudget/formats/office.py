@@ -179,7 +179,7 @@ def read_pptx(data: bytes, path: str, *, options: LoadOptions, max_bytes: int, f
     # are never judged (a deck may repeat a section title on purpose).
     per_line = Counter(line for lines in bodies for line in set(lines))
     repeated = {line for line, c in per_line.items() if c >= max(3, (len(slides) + 1) // 2)}
-    for n, (title_text, lines, note) in enumerate(zip(titles, bodies, notes), 1):
+    for n, (title_text, lines, note) in enumerate(zip(titles, bodies, notes, strict=True), 1):
         kept = [line for line in lines if line not in repeated]
         furniture += len(lines) - len(kept)
         page = ([f"# {title_text}"] if title_text else []) + kept + ([note] if note else [])
@@ -202,9 +202,9 @@ _NS = {
     "table": "urn:oasis:names:tc:opendocument:xmlns:table:1.0",
     "style": "urn:oasis:names:tc:opendocument:xmlns:style:1.0",
 }
-_T = "{%s}" % _NS["text"]
-_TB = "{%s}" % _NS["table"]
-_OFFICE = "{%s}" % _NS["office"]
+_T = "{" + _NS["text"] + "}"
+_TB = "{" + _NS["table"] + "}"
+_OFFICE = "{" + _NS["office"] + "}"
 
 
 def _odf_text(el: Any) -> str:
@@ -288,7 +288,7 @@ def read_odt(data: bytes, path: str, *, options: LoadOptions, max_bytes: int, fm
     furniture = 0
     if styles is not None:
         for kind in ("header", "footer", "header-left", "footer-left", "header-first", "footer-first"):
-            for part in styles.iter("{%s}%s" % (_NS["style"], kind)):
+            for part in styles.iter("{" + _NS["style"] + "}" + kind):
                 furniture += sum(1 for p in part.iter(_T + "p") if _odf_text(p))
     return Loaded(pages, labels, meta={"paragraphs": counts["paragraph"], "tables": counts["table"]},
                   furniture=furniture)
