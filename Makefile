@@ -12,7 +12,7 @@ export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install dev demo test test-fast llama-server bench gpu-check clean
+.PHONY: install dev demo lint test test-fast llama-server bench gpu-check clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -46,14 +46,20 @@ demo: install
 # of 2 cores the first time, a stat afterwards). `make test-fast` neither builds nor needs it.
 LLAMA_SERVER_BUILD := PYTHON=$(BIN)/python tools/build-llama-server
 
-test: dev
+# ruff (lint) and mypy, both configured in pyproject.toml; seconds once mypy's cache is warm.
+# `$(BIN)/ruff format --check .` is not enforced yet (see CONTRIBUTING.md).
+lint: dev
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+
+test: dev lint
 	server="$$($(LLAMA_SERVER_BUILD) || $(LLAMA_SERVER_BUILD))" && \
 	RAGBUDGET_LLAMA_SERVER="$$server" $(BIN)/python -m pytest -q
 
 llama-server: dev
 	$(LLAMA_SERVER_BUILD)
 
-test-fast: dev
+test-fast: dev lint
 	$(BIN)/python -m pytest -q -m "not slow"
 
 bench: dev
