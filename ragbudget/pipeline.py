@@ -630,15 +630,19 @@ class Pipeline:
             return  # a stand-in or a model not loaded yet: KV tokens only, as sized
         from .budget import request_memory, throughput_from_speed
 
+        from .backend import LocalBackend
+
         plan = self.plan
         speed = self._speed_entry or self._speed(plan.model)
-        backend = self._backend
-        # A backend that shares forward passes between running requests says so (``batched``);
-        # without it each request runs its own generate and they share the cores.
-        batched = bool(getattr(backend, "batched", False) or getattr(gen, "batched", False))
-        throughput = throughput_from_speed(speed, batched=batched) if speed else None
-        ctl.configure(memory=request_memory(plan, gen.config), throughput=throughput,
-                      ttft_target=self._ttft_target())
+        backend = self.backend
+        # Batched generation shares forward passes between running requests, and holds their KV
+        # in its paged cache, allocated up front: tokens count against that cache, and only the
+        # activations against the memory left beside the weights and the cache.
+        batcher = backend.batcher if isinstance(backend, LocalBackend) and backend.batched else None
+        throughput = throughput_from_speed(speed, batched=batcher is not None) if speed else None
+        memory = request_memory(plan, gen.config,
+                                paged=batcher.layout if batcher is not None else None)
+        ctl.configure(memory=memory, throughput=throughput, ttft_target=self._ttft_target())
         self._admission_tuned = True
 
     #: Admission capacity when a served engine says nothing of its KV cache or slots.

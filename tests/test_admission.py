@@ -346,3 +346,74 @@ def test_batched_backend_admits_more_next_to_decoding_requests() -> None:
     # Threads share the cores: 7 ways. A batch shares forward passes: prefill + one batch.
     assert _first_token_if_started(job, decoding, alone) == pytest.approx(3.5)
     assert _first_token_if_started(job, decoding, shared) == pytest.approx(1.0)
+
+
+def test_with_a_paged_cache_tokens_count_against_it_and_activations_against_memory() -> None:
+    # KV at 100 B/token would make a 600-token request 60,000 B, far past the 6,000 B of memory:
+    # with the KV in a paged cache allocated up front (1,024 tokens, pages of 32) those bytes are
+    # already resident, so only the activations (8 B per prompt token) count against memory.
+    mem = MemoryModel(capacity_bytes=6_000, kv_bytes_per_token=100, kv_pool_tokens=1024,
+                      kv_pool_page=32, activation=lambda n: 8 * n)
+    ctl = AdmissionController(10**6, memory=mem, max_queue=4, timeout=0.05)
+    a = ctl.acquire(600, prompt_tokens=500)  # 608 pool tokens (19 pages), 4,000 B
+    s = ctl.stats()
+    assert (s.capacity_tokens, s.admitted_tokens, s.admitted_bytes) == (1024, 608, 4000)
+    # Fits memory (4,000 + 800 B) but not the paged cache (608 + 512 > 1,024 tokens): it queues.
+    with pytest.raises(OverloadedError, match="paged cache's 1024 tokens"):
+        ctl.acquire(500, prompt_tokens=100)
+    # Fits the paged cache (608 + 320 tokens) but not memory (4,000 + 2,400 > 6,000 B): queues.
+    with pytest.raises(OverloadedError, match="waited"):
+        ctl.acquire(300, prompt_tokens=300)
+    a.release()
+    with ctl.reserve(500, prompt_tokens=100), ctl.reserve(300, prompt_tokens=300):
+        assert ctl.stats().admitted_tokens == 512 + 320
+    # More than the whole cache can never run.
+    with pytest.raises(BudgetError, match="paged cache of batched generation holds 1024"):
+        ctl.acquire(1100, prompt_tokens=10)
+    assert ctl.stats().admitted_tokens == 0 and ctl.stats().admitted_bytes == 0
+
+
+def test_simulate_counts_the_paged_cache_as_a_second_resource() -> None:
+    from ragbudget.admission import _Job
+
+    a = _Job(prefill=1.0, decode=1.0, cost=1, tokens=600)
+    b = _Job(prefill=1.0, decode=1.0, cost=1, tokens=600)
+    # Memory for both, but the 1,000-token cache for one at a time: b starts when a ends.
+    assert simulate([], [a, b], throughput=THR, capacity=10, ttft_target=None) == [2.0, 2.0]
+    assert simulate([], [a, b], throughput=THR, capacity=10, ttft_target=None,
+                    token_capacity=1000) == [1.0, 3.0]
+
+
+def test_retry_after_is_bounded_by_the_queue_timeout() -> None:
+    # A decode speed measured on a busy host: 10 s a token, so a 100-token answer is 1,000 s.
+    slow = Throughput(prefill_a=0.001, decode_s=10.0)
+    clock = Clock()
+    ctl = AdmissionController(10**6, max_queue=1, timeout=5.0, throughput=slow, ttft_target=0.5,
+                              clock=clock)
+    assert ctl.retry_after_max == 20.0
+    ctl.acquire(1100, prompt_tokens=1000)
+    # A second cannot start next to it (its prefill would pass 0.5 s) and its first token is
+    # ~1,000 s away: refused for time, told to come back within 4 queue time-outs, not in 17 min.
+    with pytest.raises(OverloadedError) as err:
+        ctl._enqueue(1100, 1000)
+    assert 1.0 <= err.value.retry_after <= 20.0 and ctl.stats().refused_for_time_total == 1
+    # The queue-full refusal is bounded the same way.
+    ctl.timeout = 10**6
+    ctl._enqueue(1100, 1000)
+    with pytest.raises(OverloadedError, match="queue limit") as err:
+        ctl._enqueue(1100, 1000)
+    assert 1.0 <= err.value.retry_after <= ctl.retry_after_max
+
+
+def test_would_refuse_looks_without_changing_anything() -> None:
+    clock = Clock()
+    ctl = AdmissionController(10**6, max_queue=64, timeout=5.0, throughput=THR, ttft_target=1.5,
+                              clock=clock)
+    assert ctl.would_refuse(1100, prompt_tokens=1000) is None  # idle: it would start at once
+    for _ in range(3):  # first tokens at 1, 3, 5 s
+        ctl._enqueue(1100, 1000)
+    before = ctl.stats()
+    retry = ctl.would_refuse(1100, prompt_tokens=1000)  # the fourth's at 7 s: 2 s past
+    assert retry == 2.0
+    assert ctl.would_refuse(1100, prompt_tokens=1000) == 2.0  # no promise was made
+    assert ctl.stats() == before  # nothing counted, nothing queued
