@@ -645,6 +645,19 @@ class Pipeline:
         ctl.configure(memory=memory, throughput=throughput, ttft_target=self._ttft_target())
         self._admission_tuned = True
 
+    def admission_estimate(self, max_new_tokens: int | None = None) -> tuple[int, int]:
+        """``(tokens, prompt_tokens)`` a request is expected to reserve, known before its prompt
+        is built: the plan's per-request prompt allowance (capped for time on a CPU) and the
+        answer; on a served engine, its window. For a cheap look at admission (the server's early
+        429) — the real prompt, usually shorter, is what :meth:`ask` reserves."""
+        new = self.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
+        if self.served:
+            window = self.backend.capacity().max_context_tokens or new
+            prompt = max(0, window - new)
+        else:
+            prompt = self.plan_for(new).max_prompt_tokens
+        return prompt + new, prompt
+
     #: Admission capacity when a served engine says nothing of its KV cache or slots.
     UNLIMITED_TOKENS = 2**62
 

@@ -629,6 +629,37 @@ def test_full_queue_is_refused_before_any_retrieval_work() -> None:
         waiting.join(timeout=30)
 
 
+def test_a_request_whose_first_token_would_miss_the_timeout_is_429_before_retrieval(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the controller saturated for time, the 429 (with a bounded Retry-After) comes back
+    before retrieval and prompt building, which on a loaded host take longer than the answer."""
+    from ragbudget.admission import Throughput
+
+    pipe = fake_pipeline(timeout=5.0, index_dir=corpus_index("hash:256"))
+    ctl = pipe.admission  # the real controller; a measured speed: 1 ms/prompt token, 1 s/token
+    ctl.configure(throughput=Throughput(prefill_a=0.001, decode_s=1.0), ttft_target=1.0)
+    searched: list[str] = []
+    search = pipe.search
+    monkeypatch.setattr(pipe, "search", lambda q, k=5: searched.append(q) or search(q, k))
+    # One running request with ~4,000 s of answer left: a 3,840-token prompt (the 4,096 window
+    # less 256 of answer) cannot start next to it within the 1 s target, nor wait 5 s for it.
+    held = ctl.acquire(4096, prompt_tokens=96)
+    with running(pipe) as url:
+        n_counts, t0 = fake(pipe).counted, time.perf_counter()
+        r = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": user()})
+        assert r.status_code == 429 and r.json()["error"]["code"] == "overloaded"
+        assert 1 <= int(r.headers["retry-after"]) <= ctl.retry_after_max == 20
+        assert "past the queue time-out" in r.json()["error"]["message"]
+        assert searched == [] and fake(pipe).counted == n_counts  # no retrieval, no counting
+        assert ctl.stats().refused_for_time_total == 0  # the controller only looked
+        assert "ragbudget_refused_before_retrieval_total 1" in httpx.get(url + "/metrics").text
+        held.release()  # the host is free: the same request runs
+        ok = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": user()},
+                        timeout=30)
+        assert ok.status_code == 200 and len(searched) == 1, ok.text
+        assert time.perf_counter() - t0 < 30
+
+
 # --- never a 5xx for a client's doing, never healthy when it cannot serve (issue #19) ---------------
 
 
