@@ -813,8 +813,7 @@ class Pipeline:
         # What memory and the window allow: a time cap shortens the context, never refuses a
         # question, and an explicit context_tokens pins the context whatever the time.
         max_prompt = _memory_max_prompt(plan)
-        if fixed > max_prompt:
-            raise _question_too_long(plan, fixed, max_new_tokens)
+        prompt_room(plan, fixed, max_new_tokens)  # refuses a question memory cannot hold
         cap: dict[str, Any] | None = None
         if context_tokens is not None:
             cap = {"limit": "context_tokens", "tokens": context_tokens}
@@ -1000,6 +999,28 @@ class Pipeline:
 
 #: Context tokens a time cap always leaves: room for (a cut window of) the best chunk.
 _MIN_TIME_CONTEXT = 256
+
+
+def prompt_room(plan: BudgetPlan, fixed: int, max_new_tokens: int) -> int:
+    """The prompt tokens a request may hold when its question (with the system prompt, history
+    and chat template) costs ``fixed``, by ``plan``: what memory and the model's window allow —
+    a question past that is a :class:`~ragbudget.errors.BudgetError` naming the limit — cut to
+    the plan's time cap when there is one, which never refuses a question and always leaves room
+    for (a cut window of) the best passage. :meth:`Pipeline.ask` and
+    :class:`~ragbudget.chat.Conversation` both decide by it.
+
+    >>> from ragbudget.budget import cap_plan_for_time, plan_budget
+    >>> plan = cap_plan_for_time(plan_budget("Qwen/Qwen3-8B", gpu="24GiB", max_new_tokens=256),
+    ...                          {"a": 0.001, "b": 0.0}, 1.0)
+    >>> prompt_room(plan, 100, 256), prompt_room(plan, 1500, 256)   # 1,000 in time; +256 past it
+    (1000, 1756)
+    """
+    memory = _memory_max_prompt(plan)
+    if fixed > memory:
+        raise _question_too_long(plan, fixed, max_new_tokens)
+    if plan.time_prompt_tokens is None or plan.ttft_target_s is None:
+        return memory
+    return min(memory, fixed + max(_MIN_TIME_CONTEXT, plan.time_prompt_tokens - fixed))
 
 
 def _memory_max_prompt(plan: BudgetPlan) -> int:

@@ -1142,3 +1142,40 @@ def test_engine_without_metrics_admits_and_says_admission_is_open(tmp_path: Path
     assert "ragbudget_engine_admission_open 1" in metrics
     assert "ragbudget_engine_waiting_requests" not in metrics
     assert health["engine_load"]["open"] is True and health["engine_load"]["note"].startswith("open")
+
+
+# --- a context cut for time says so, and a long question is handled alike by ask and chat ---------
+
+
+def test_time_capped_plan_is_named_in_memory_and_a_long_question_is_answered_by_ask_and_chat(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a host where prefill runs 1 ms a token, a 0.2 s target caps the prompt at 200 tokens.
+    A question longer than that is not refused by either path (memory and the window allow it;
+    time only shortens the context), and the response's ``ragbudget.memory`` says the per-request
+    budget was set by time."""
+    import ragbudget.budget
+    from _tiny_lm import tiny_model, tiny_tokenizer
+    from fastapi.testclient import TestClient
+
+    from ragbudget.chat import Conversation
+    from ragbudget.generate import Generator
+
+    monkeypatch.setattr(ragbudget.budget, "lookup_prefill_speed",
+                        lambda model, device: {"a": 0.001, "b": 0.0, "decode_s": 0.01})
+    pipe = Pipeline(corpus_index("hash:256"), max_new_tokens=4, gpu="16GiB", ttft_target=0.2,
+                    generator=Generator.from_objects(tiny_model(), tiny_tokenizer()))
+    assert pipe.plan.limited_by == "time" and pipe.plan.max_prompt_tokens == 200
+    question = "How is the KV cache budget computed? " + "Answer with care. " * 20  # ~400 tokens
+    answer = pipe.ask(question)
+    turn = Conversation(pipe).ask(question)
+    assert answer.report["budget"]["fixed_prompt_tokens"] > 200
+    for budget in (answer.report["budget"], turn.answer.report["budget"]):
+        # Room for a cut best passage past the question, as the time cap always leaves.
+        assert budget["limited_by"] == "time" and budget["context_tokens_used"] > 0
+    assert turn.budget.limited_by == "time" and not turn.budget.overrun
+    assert turn.budget.prompt_allowed == answer.report["budget"]["fixed_prompt_tokens"] + 256
+    r = TestClient(create_app(pipe, model_name=MODEL)).post(
+        "/v1/chat/completions", json={"model": MODEL, "messages": user(question)})
+    assert r.status_code == 200, r.text
+    assert r.json()["ragbudget"]["memory"]["limited_by"] == "time"
+    assert r.json()["ragbudget"]["budget"]["limited_by"] == "time"
