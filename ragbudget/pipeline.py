@@ -390,6 +390,7 @@ class Pipeline:
         self._admission: AdmissionController | None = None
         self._admission_tuned = False
         self._speed_entry: dict[str, Any] | None = None
+        self._speed_checked = float("-inf")
         self._lock = threading.RLock()
 
     def __repr__(self) -> str:
@@ -588,6 +589,48 @@ class Pipeline:
                 log.warning("prefill speed not measured (%s): no time cap on the context", exc)
         return speed
 
+    #: Seconds between two looks at whether a provisional speed can be measured again.
+    SPEED_RECHECK_S = 30.0
+
+    def refresh_speed(self) -> bool:
+        """Measure the prefill and decode speed again when the one in use was taken on a busy
+        host (``provisional``) and both the host and this pipeline are idle now; then plan
+        again (the time cap) and give admission the new speed. True when it measured.
+
+        A server measures at warm-up, often while the host is busy: without this, a speed
+        several times too slow would cap every context and size every Retry-After for the
+        server's life. It looks at most every :attr:`SPEED_RECHECK_S` seconds, and measures
+        only with nothing running or queued (a few seconds, paid by the request that finds the
+        host idle), so requests never compete with the probe."""
+        entry = self._speed_entry
+        if not entry or not entry.get("provisional") or self.served:
+            return False
+        now = time.monotonic()
+        if now - self._speed_checked < self.SPEED_RECHECK_S:
+            return False
+        self._speed_checked = now
+        from .budget import lookup_prefill_speed
+
+        with self._lock:
+            ctl = self._admission
+            if ctl is not None:
+                s = ctl.stats()
+                if s.running or s.queued:
+                    return False
+            plan = self.plan
+            device = self._device_known()
+            if not device or lookup_prefill_speed(plan.model, device) is not None:
+                return False  # still busy: the lookup keeps the provisional entry
+            self._speed_entry = None
+            self._speed_entry = self._speed(plan.model)
+            self._plans.clear()  # the time cap follows the new speed
+            if ctl is not None and self._admission_tuned:
+                self._tune_admission(ctl)
+            log.info("measured the speed again on an idle host: %s",
+                     {k: self._speed_entry.get(k) for k in ("a", "b", "decode_s", "provisional")}
+                     if self._speed_entry else None)
+        return True
+
     def _cap_for_time(self, plan: BudgetPlan) -> BudgetPlan:
         """``plan`` capped by the time-to-first-token target, when one applies and the speed is
         known (:func:`~ragbudget.budget.cap_plan_for_time`)."""
@@ -633,7 +676,7 @@ class Pipeline:
         from .backend import LocalBackend
 
         plan = self.plan
-        speed = self._speed_entry or self._speed(plan.model)
+        speed = self._speed_entry = self._speed_entry or self._speed(plan.model)
         backend = self.backend
         # Batched generation shares forward passes between running requests, and holds their KV
         # in its paged cache, allocated up front: tokens count against that cache, and only the
@@ -921,6 +964,7 @@ class Pipeline:
         new_tokens = self.max_new_tokens if max_new_tokens is None else max_new_tokens
         _check_call(on_text, cancel)
         t_start = time.perf_counter()
+        self.refresh_speed()
         prompt, plan, timings, cap = self._prompt(
             question,
             context_tokens=context_tokens,

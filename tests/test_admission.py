@@ -417,3 +417,30 @@ def test_would_refuse_looks_without_changing_anything() -> None:
     assert retry == 2.0
     assert ctl.would_refuse(1100, prompt_tokens=1000) == 2.0  # no promise was made
     assert ctl.stats() == before  # nothing counted, nothing queued
+
+
+def test_a_speed_measured_on_a_busy_host_is_measured_again_once_idle(tmp_path, monkeypatch) -> None:
+    """A server that warmed up on a busy host must not keep that slow speed (its time cap and its
+    Retry-After) for life: once the host and the pipeline are idle it measures again."""
+    import ragbudget.budget
+    from _tiny_lm import tiny_model, tiny_tokenizer
+
+    from ragbudget.generate import Generator
+    from ragbudget.pipeline import Pipeline
+
+    monkeypatch.setenv("RAGBUDGET_CACHE", str(tmp_path / "cache"))
+    load = {"now": 3.0}
+    monkeypatch.setattr(ragbudget.budget, "_load_per_core", lambda: load["now"])
+    pipe = Pipeline(tmp_path / "index", gpu="16GiB", ttft_target=1.0,
+                    generator=Generator.from_objects(tiny_model(), tiny_tokenizer()))
+    ctl = pipe.admission
+    assert ctl.throughput is not None and "provisional" in ctl.throughput.source
+    pipe.SPEED_RECHECK_S = 0.0
+    assert pipe.refresh_speed() is False  # still busy: nothing measured
+    load["now"] = 0.1
+    held = ctl.acquire(100, prompt_tokens=50)
+    assert pipe.refresh_speed() is False  # a request runs: it would compete with the probe
+    held.release()
+    assert pipe.refresh_speed() is True
+    assert "provisional" not in ctl.throughput.source and pipe.admission is ctl
+    assert pipe.refresh_speed() is False  # measured once: no longer provisional
