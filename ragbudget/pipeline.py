@@ -671,9 +671,8 @@ class Pipeline:
         if gen is None or not (getattr(gen, "loaded", False) and getattr(gen, "model", None)
                                is not None):
             return  # a stand-in or a model not loaded yet: KV tokens only, as sized
-        from .budget import request_memory, throughput_from_speed
-
         from .backend import LocalBackend
+        from .budget import request_memory, throughput_from_speed
 
         plan = self.plan
         speed = self._speed_entry = self._speed_entry or self._speed(plan.model)

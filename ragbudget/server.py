@@ -329,8 +329,8 @@ class Metrics:
             for name, help_, value in (
                 ("ragbudget_rejected_total", "Requests refused with 429 by admission control.", self.rejected),
                 ("ragbudget_refused_before_retrieval_total",
-                 "429s answered before any retrieval or prompt building (queue full, or the first "
-                 "token would come past the queue time-out).", self.refused_early),
+                 ("429s answered before any retrieval or prompt building (queue full, or the "
+                  "first token would come past the queue time-out)."), self.refused_early),
                 ("ragbudget_cancelled_total", "Requests whose client disconnected before the end.", self.cancelled),
                 ("ragbudget_oom_steps_total", "Steps taken down the OOM fallback ladder.", self.oom_steps),
                 ("ragbudget_prompt_tokens_total", "Prompt tokens processed.", self.tokens_prompt),
@@ -1593,6 +1593,14 @@ def serve(
             # Size admission now, from the loaded model's plan and its measured prefill/decode
             # speed, so the first request does not pay for the measurement.
             log.info("admission: %s", pipeline.admission_note())
+            from .backend import LocalBackend
+
+            backend = pipeline.backend
+            if isinstance(backend, LocalBackend) and backend.batched:
+                # Start the batching loop now: its paged cache is allocated (and resident) before
+                # the first request, which admission already counts as taken (see admission).
+                backend.generate("warm-up", max_new_tokens=1)
+                log.info("batched generation: %s", backend.capacity().kv_total_source)
         app = create_app(pipeline, api_key=api_key, expose_plan=expose_plan, **app_options)
         # Bounded graceful shutdown: open streams are cancelled by the app's lifespan, not awaited forever.
         config = uvicorn.Config(app, host=host, port=sock.getsockname()[1], log_level=log_level,

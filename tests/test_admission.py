@@ -337,7 +337,7 @@ def test_start_rule_lets_short_prompts_share_the_host() -> None:
 
 
 def test_batched_backend_admits_more_next_to_decoding_requests() -> None:
-    from ragbudget.admission import _Job, _first_token_if_started
+    from ragbudget.admission import _first_token_if_started, _Job
 
     job = _Job(prefill=0.5, decode=1.0, cost=1)
     decoding = [_Job(prefill=0.1, decode=5.0, cost=1, served=1.0) for _ in range(6)]
@@ -422,9 +422,9 @@ def test_would_refuse_looks_without_changing_anything() -> None:
 def test_a_speed_measured_on_a_busy_host_is_measured_again_once_idle(tmp_path, monkeypatch) -> None:
     """A server that warmed up on a busy host must not keep that slow speed (its time cap and its
     Retry-After) for life: once the host and the pipeline are idle it measures again."""
-    import ragbudget.budget
     from _tiny_lm import tiny_model, tiny_tokenizer
 
+    import ragbudget.budget
     from ragbudget.generate import Generator
     from ragbudget.pipeline import Pipeline
 

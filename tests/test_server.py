@@ -1153,10 +1153,10 @@ def test_time_capped_plan_is_named_in_memory_and_a_long_question_is_answered_by_
     A question longer than that is not refused by either path (memory and the window allow it;
     time only shortens the context), and the response's ``ragbudget.memory`` says the per-request
     budget was set by time."""
-    import ragbudget.budget
     from _tiny_lm import tiny_model, tiny_tokenizer
     from fastapi.testclient import TestClient
 
+    import ragbudget.budget
     from ragbudget.chat import Conversation
     from ragbudget.generate import Generator
 
