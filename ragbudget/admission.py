@@ -604,17 +604,42 @@ class AdmissionController:
                             self._pool(int(tokens)))
             return None if job is None else self._first_token_locked(job)
 
-    def would_refuse(self, tokens: int, *, prompt_tokens: int | None = None) -> float | None:
+    def would_refuse(self, tokens: int, *, prompt_tokens: int | None = None,
+                     refuse: bool = False) -> float | None:
         """The ``retry_after`` a request of ``tokens`` (``prompt_tokens`` of prompt) arriving now
-        would be refused with for time — its first token past the queue time-out — or ``None``
-        when it would not be (or nothing is measured). Changes nothing: a cheap look before
-        building a prompt (the server's early 429); :meth:`acquire` still decides."""
+        is refused with for time — its first token past the queue time-out — or ``None`` when it
+        would not be (or nothing is measured). A cheap look before building a prompt (the
+        server's early 429); :meth:`acquire` still decides for the requests that pass.
+
+        ``refuse=False`` changes nothing. ``refuse=True`` makes it a refusal, as :meth:`acquire`
+        would: counted, and remembered as a promise, so the next refused client is told a later
+        time instead of the same second."""
         if self.throughput is None or self.timeout is None:
             return None
-        expected = self.expected_first_token(tokens, prompt_tokens=prompt_tokens)
-        if expected is None or expected <= self.timeout:
-            return None
-        return float(min(self.retry_after_max, max(1, math.ceil(expected - self.timeout))))
+        tokens = int(tokens)
+        prompt = int(tokens if prompt_tokens is None else prompt_tokens)
+        with self._lock:
+            self._advance_locked()
+            job = self._job(tokens, prompt, self._cost(tokens, prompt), self._pool(tokens))
+            if job is None:
+                return None
+            expected = self._first_token_locked(job)
+            if expected <= self.timeout:
+                return None
+            if refuse:
+                return self._refuse_for_time_locked(job)
+            return float(min(self.retry_after_max, max(1, math.ceil(expected - self.timeout))))
+
+    def _refuse_for_time_locked(self, job: _Job) -> float:
+        """Count a refusal for time and promise the client a return: its ``retry_after``."""
+        assert self.timeout is not None
+        self._refused_time += 1
+        # Whole seconds, as Retry-After carries them: the client comes back when, by the model,
+        # the work ahead (and that of the clients sent back before it) has drained enough.
+        later = self._first_token_locked(job, promised_first=True)
+        retry = float(min(self.retry_after_max, max(1, math.ceil(later - self.timeout))))
+        self._promises.append(_Promise(due=self._clock() + retry, job=job))
+        return retry
 
     # -- internals ----------------------------------------------------------------------------
     def _reservation(self, waiter: _Waiter) -> Reservation:
@@ -734,14 +759,7 @@ class AdmissionController:
             if job is not None and self.timeout is not None:
                 expected = self._first_token_locked(job)
                 if expected > self.timeout:
-                    self._refused_time += 1
-                    # Whole seconds, as Retry-After carries them: the client comes back when,
-                    # by the model, the work ahead (and that of the clients sent back before
-                    # it) has drained enough.
-                    later = self._first_token_locked(job, promised_first=True)
-                    retry = float(min(self.retry_after_max,
-                                      max(1, math.ceil(later - self.timeout))))
-                    self._promises.append(_Promise(due=self._clock() + retry, job=job))
+                    retry = self._refuse_for_time_locked(job)
                     raise OverloadedError(
                         f"the first token would come in about {expected:.0f} s (work already "
                         f"running and queued at the measured speed: {self._running} running, "

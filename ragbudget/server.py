@@ -1295,7 +1295,7 @@ def create_app(
             if ctl.throughput is not None:
                 max_new = pipeline.max_new_tokens if req.max_tokens is None else req.max_tokens
                 tokens, prompt = await asyncio.to_thread(pipeline.admission_estimate, max_new)
-                retry = ctl.would_refuse(tokens, prompt_tokens=prompt)
+                retry = ctl.would_refuse(tokens, prompt_tokens=prompt, refuse=True)
                 if retry is not None:
                     metrics.add("refused_early", 1)
                     raise overloaded(

@@ -444,3 +444,7 @@ def test_a_speed_measured_on_a_busy_host_is_measured_again_once_idle(tmp_path, m
     assert pipe.refresh_speed() is True
     assert "provisional" not in ctl.throughput.source and pipe.admission is ctl
     assert pipe.refresh_speed() is False  # measured once: no longer provisional
+    # As a refusal (the server's early 429): counted, and the next one is sent back later.
+    first = ctl.would_refuse(1100, prompt_tokens=1000, refuse=True)
+    assert first == 2.0 and ctl.stats().refused_for_time_total == 1
+    assert ctl.would_refuse(1100, prompt_tokens=1000, refuse=True) == 4.0

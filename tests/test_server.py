@@ -641,9 +641,10 @@ def test_a_request_whose_first_token_would_miss_the_timeout_is_429_before_retrie
     searched: list[str] = []
     search = pipe.search
     monkeypatch.setattr(pipe, "search", lambda q, k=5: searched.append(q) or search(q, k))
-    # One running request with ~4,000 s of answer left: a 3,840-token prompt (the 4,096 window
-    # less 256 of answer) cannot start next to it within the 1 s target, nor wait 5 s for it.
-    held = ctl.acquire(4096, prompt_tokens=96)
+    # One running request with ~14 s of work left: a 3,840-token prompt (the 4,096 window less
+    # 256 of answer) cannot start next to it within the 1 s target, nor get its first token
+    # within 5 s after it.
+    held = ctl.acquire(4096, prompt_tokens=4086)
     with running(pipe) as url:
         n_counts, t0 = fake(pipe).counted, time.perf_counter()
         r = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": user()})
@@ -651,12 +652,15 @@ def test_a_request_whose_first_token_would_miss_the_timeout_is_429_before_retrie
         assert 1 <= int(r.headers["retry-after"]) <= ctl.retry_after_max == 20
         assert "past the queue time-out" in r.json()["error"]["message"]
         assert searched == [] and fake(pipe).counted == n_counts  # no retrieval, no counting
-        assert ctl.stats().refused_for_time_total == 0  # the controller only looked
-        assert "ragbudget_refused_before_retrieval_total 1" in httpx.get(url + "/metrics").text
+        assert ctl.stats().refused_for_time_total == 1  # counted, its return promised
+        again = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": user()})
+        # The next refused client is sent back after the first one, not at the same second.
+        assert int(again.headers["retry-after"]) > int(r.headers["retry-after"])
+        assert "ragbudget_refused_before_retrieval_total 2" in httpx.get(url + "/metrics").text
         held.release()  # the host is free: the same request runs
         ok = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": user()},
                         timeout=30)
-        assert ok.status_code == 200 and len(searched) == 1, ok.text
+        assert ok.status_code == 200 and len(searched) == 1, ok.text  # promises never block
         assert time.perf_counter() - t0 < 30
 
 
