@@ -45,6 +45,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import math
 import threading
 import time
@@ -150,6 +151,10 @@ class Throughput:
     requests, and a step of ``k`` sequences then costs ``decode_s + (k-1)·decode_extra_s``;
     otherwise each request runs its own steps and they share the cores.
 
+    ``slowdown``: wall seconds per modelled second now, learnt from the requests that ran (the
+    controller's :meth:`~AdmissionController.observe`): a host busy with other work runs the
+    model slower than it was measured, and the time rules must see the speed it has now.
+
     >>> t = Throughput(prefill_a=0.001, prefill_b=0.0, decode_s=0.02)
     >>> round(t.request_seconds(prompt_tokens=1000, new_tokens=100), 3)
     3.0
@@ -161,8 +166,11 @@ class Throughput:
     batched: bool = False
     decode_extra_s: float | None = None
     source: str = ""
+    slowdown: float = 1.0
 
     def __post_init__(self) -> None:
+        if not self.slowdown > 0:
+            raise ConfigError(f"slowdown must be > 0; got {self.slowdown}")
         if self.prefill_a < 0 or self.prefill_b < 0 or self.decode_s <= 0:
             raise ConfigError(f"throughput must be positive: prefill a={self.prefill_a}, "
                               f"b={self.prefill_b}, decode {self.decode_s} s/token")
@@ -187,7 +195,8 @@ class Throughput:
     def to_dict(self) -> dict[str, Any]:
         return {"prefill_a": self.prefill_a, "prefill_b": self.prefill_b,
                 "decode_s": self.decode_s, "batched": self.batched,
-                "decode_extra_s": self.decode_extra_s, "source": self.source}
+                "decode_extra_s": self.decode_extra_s, "source": self.source,
+                "slowdown": self.slowdown}
 
 
 # --------------------------------------------------------------------------------------------
@@ -205,6 +214,7 @@ class _Job:
     cost: int
     tokens: int = 0  # KV tokens held in a pool (counted only against a token capacity)
     served: float = 0.0
+    credit: float = 0.0  # work the model credited while it ran, uncapped (for observe)
     ready: float = float("-inf")
 
     @property
@@ -220,16 +230,18 @@ def _rates(running: Sequence[_Job], thr: Throughput) -> list[float]:
 
     Unbatched: the cores are shared equally (each thread runs its own forward passes). Batched:
     each prefill is one share and the decode batch another; a decoding job gets ``decode_s`` of
-    work per batch step of ``step_seconds(k)`` in its share."""
+    work per batch step of ``step_seconds(k)`` in its share. Both are divided by the host's
+    current ``slowdown``."""
     k = len(running)
     if k == 0:
         return []
+    slow = thr.slowdown
     if not thr.batched:
-        return [1.0 / k] * k
+        return [1.0 / (k * slow)] * k
     decoding = sum(1 for j in running if not j.in_prefill())
     shares = (k - decoding) + (1 if decoding else 0)
     dec_rate = thr.decode_s / (shares * thr.step_seconds(decoding)) if decoding else 0.0
-    return [1.0 / shares if j.in_prefill() else dec_rate for j in running]
+    return [(1.0 / shares if j.in_prefill() else dec_rate) / slow for j in running]
 
 
 def _first_token_if_started(job: _Job, running: Sequence[_Job], thr: Throughput) -> float:
@@ -339,6 +351,7 @@ class AdmissionStats:
     admitted_bytes: int | None = None
     peak_admitted_bytes: int | None = None
     work_ahead_s: float | None = None  # with a throughput: single-stream seconds still to do
+    slowdown: float | None = None  # with a throughput: wall s per measured s, learnt (observe)
 
     @property
     def free_tokens(self) -> int:
@@ -356,7 +369,8 @@ class AdmissionStats:
             "timed_out_total": self.timed_out_total,
             "refused_for_time_total": self.refused_for_time_total,
         }
-        for key in ("capacity_bytes", "admitted_bytes", "peak_admitted_bytes", "work_ahead_s"):
+        for key in ("capacity_bytes", "admitted_bytes", "peak_admitted_bytes", "work_ahead_s",
+                    "slowdown"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
         return out
@@ -392,6 +406,20 @@ class Reservation:
         self.job = job
         self.started = controller._clock()
         self._released = False
+        self._first_seen = False
+
+    def first_token(self) -> None:
+        """Its first token came now: lets the controller compare its prefill with the model
+        (idempotent; see :meth:`AdmissionController.observe`)."""
+        if not self._first_seen and not self._released:
+            self._first_seen = True
+            self.controller._observe_job(self.job, done=None)
+
+    def finish(self, new_tokens: int) -> None:
+        """It ended having generated ``new_tokens`` (call before :meth:`release`): lets the
+        controller compare the whole request with the model."""
+        if not self._released:
+            self.controller._observe_job(self.job, done=int(new_tokens))
 
     def release(self) -> None:
         if not self._released:
@@ -521,6 +549,8 @@ class AdmissionController:
                 admitted_bytes=self._admitted_bytes if mem else None,
                 peak_admitted_bytes=self._peak_bytes if mem else None,
                 work_ahead_s=ahead,
+                slowdown=(round(self.throughput.slowdown, 3) if self.throughput is not None
+                          else None),
             )
 
     def acquire(self, tokens: int, *, prompt_tokens: int | None = None,
@@ -682,6 +712,40 @@ class AdmissionController:
             # A job the model thinks is done while it still runs (it decodes slower than
             # measured) keeps one decode step of work: it is still there.
             job.served = min(job.served + rate * dt, max(job.prefill, job.work - thr.decode_s))
+            job.credit += rate * dt
+
+    #: How far one observation moves the learnt slowdown (in log space), and its bounds.
+    OBSERVE_WEIGHT = 0.5
+    SLOWDOWN_RANGE = (0.1, 100.0)
+
+    def observe(self, ratio: float) -> None:
+        """Learn from one request: ``ratio`` is the work the model credited it while it ran over
+        the work it really did (above 1: the host runs slower than modelled). The throughput's
+        ``slowdown`` moves by ``ratio ** OBSERVE_WEIGHT`` (bounded), so a host that got busy
+        after the measurement — or idle again — is followed within a few requests."""
+        with self._lock:
+            self._observe_locked(ratio)
+
+    def _observe_locked(self, ratio: float) -> None:
+        thr = self.throughput
+        if thr is None or not (ratio > 0 and math.isfinite(ratio)):
+            return
+        lo, hi = self.SLOWDOWN_RANGE
+        slow = min(hi, max(lo, thr.slowdown * ratio ** self.OBSERVE_WEIGHT))
+        self.throughput = dataclasses.replace(thr, slowdown=slow)
+
+    def _observe_job(self, job: _Job | None, *, done: int | None) -> None:
+        """A running job's first token (``done`` None: its prefill is over) or its end with
+        ``done`` new tokens: compare the model's credit with the work really done."""
+        if job is None or self.throughput is None:
+            return
+        with self._lock:
+            self._advance_locked()
+            thr = self.throughput
+            real = job.prefill if done is None else job.prefill + thr.decode_seconds(done)
+            if real <= 0 or job.credit <= 0:
+                return
+            self._observe_locked(job.credit / real)
 
     def _first_token_locked(self, job: _Job, *, promised_first: bool = False) -> float:
         """Seconds to ``job``'s first token if it arrived now. ``promised_first``: behind the

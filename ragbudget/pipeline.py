@@ -996,8 +996,17 @@ class Pipeline:
             if cancel is not None and cancel.is_set():
                 return cancelled()
             t0 = time.perf_counter()
+            shown = on_text
+            if on_text is not None:
+                def shown(piece: str) -> Any:
+                    # The first token tells admission how fast the prefill really was.
+                    reservation.first_token()
+                    return on_text(piece)
+
             gen = backend.generate(prompt, max_new_tokens=new_tokens, sampling=sampling, stop=stop,
-                                   on_text=on_text, cancel=cancel, **extra)
+                                   on_text=shown, cancel=cancel, **extra)
+            # And the whole request how fast it decoded: the time model follows the host.
+            reservation.finish(gen.new_tokens)
             timings["generate_s"] = time.perf_counter() - t0
         timings["total_s"] = time.perf_counter() - t_start
         final = gen.prompt if gen.prompt is not None else prompt

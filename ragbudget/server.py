@@ -382,7 +382,7 @@ def _fmt(value: float) -> str:
 # measured throughput, refuses for time as well (issue #14).
 _ADMISSION_FIGURES = ("running", "queued", "admitted_tokens", "capacity_tokens", "capacity_bytes",
                       "admitted_bytes", "peak_admitted_bytes", "refused_for_time_total",
-                      "work_ahead_s")
+                      "work_ahead_s", "slowdown")
 
 
 class _EngineLoad:
@@ -1206,6 +1206,8 @@ def create_app(
             "refused_for_time_total": ("ragbudget_refused_for_time_total",
                                        "Requests refused because their first token would come past the queue time-out."),
             "work_ahead_s": ("ragbudget_work_ahead_seconds", "Estimated single-stream seconds of work admitted and queued."),
+            "slowdown": ("ragbudget_admission_slowdown",
+                         "Wall seconds per measured second of model work, learnt from the requests that ran."),
         }
         for key, (name, text) in help_.items():
             if key in stats:
@@ -1593,6 +1595,9 @@ def serve(
             # Size admission now, from the loaded model's plan and its measured prefill/decode
             # speed, so the first request does not pay for the measurement.
             log.info("admission: %s", pipeline.admission_note())
+            # Open the index and load its embedder too: the first request does not pay for them,
+            # and the RSS after warm-up is what requests add to.
+            pipeline.search("warm-up", k=1)
             from .backend import LocalBackend
 
             backend = pipeline.backend

@@ -417,6 +417,10 @@ def test_would_refuse_looks_without_changing_anything() -> None:
     assert retry == 2.0
     assert ctl.would_refuse(1100, prompt_tokens=1000) == 2.0  # no promise was made
     assert ctl.stats() == before  # nothing counted, nothing queued
+    # As a refusal (the server's early 429): counted, and the next one is sent back later.
+    first = ctl.would_refuse(1100, prompt_tokens=1000, refuse=True)
+    assert first == 2.0 and ctl.stats().refused_for_time_total == 1
+    assert ctl.would_refuse(1100, prompt_tokens=1000, refuse=True) == 4.0
 
 
 def test_a_speed_measured_on_a_busy_host_is_measured_again_once_idle(tmp_path, monkeypatch) -> None:
@@ -444,7 +448,30 @@ def test_a_speed_measured_on_a_busy_host_is_measured_again_once_idle(tmp_path, m
     assert pipe.refresh_speed() is True
     assert "provisional" not in ctl.throughput.source and pipe.admission is ctl
     assert pipe.refresh_speed() is False  # measured once: no longer provisional
-    # As a refusal (the server's early 429): counted, and the next one is sent back later.
-    first = ctl.would_refuse(1100, prompt_tokens=1000, refuse=True)
-    assert first == 2.0 and ctl.stats().refused_for_time_total == 1
-    assert ctl.would_refuse(1100, prompt_tokens=1000, refuse=True) == 4.0
+
+
+def test_the_model_learns_the_speed_the_host_has_now() -> None:
+    """Measured idle, run busy: each request takes twice what the model says. Observing the
+    requests that ran brings the model's slowdown to 2, and with it the first-token estimate."""
+    clock = Clock()
+    ctl = AdmissionController(10**6, timeout=60.0, throughput=THR, clock=clock)
+    assert ctl.expected_first_token(1100, prompt_tokens=1000) == pytest.approx(1.0)
+    for _ in range(12):
+        r = ctl.acquire(1100, prompt_tokens=1000)  # 1 s prefill + 1 s decode, by the model
+        clock.t += 4.0  # ... took 4 s: prefill 2 s, decode 2 s
+        r.finish(new_tokens=100)
+        r.release()
+    assert ctl.stats().slowdown == pytest.approx(2.0, abs=0.01)
+    assert ctl.expected_first_token(1100, prompt_tokens=1000) == pytest.approx(2.0, abs=0.02)
+    # The first token alone is a sample too: a prefill that took as long as modelled pulls back.
+    r = ctl.acquire(1100, prompt_tokens=1000)
+    clock.t += 2.0
+    r.first_token()
+    r.first_token()  # counted once
+    r.release()
+    assert ctl.stats().slowdown == pytest.approx(2.0, abs=0.01)
+    fast = ctl.acquire(1100, prompt_tokens=1000)
+    clock.t += 0.5  # the host got idle: the prefill took 0.5 s where the model said 2
+    fast.first_token()
+    fast.release()
+    assert ctl.stats().slowdown == pytest.approx(1.0, abs=0.01)
