@@ -20,9 +20,13 @@ token), the host is modelled as one processor shared by the running requests (th
 their own ``generate`` share the cores; a backend that batches shares forward passes, and then
 decoding sequences cost only the marginal step). Two decisions follow from the model:
 
-* *start*: the head of the queue starts when it fits the memory and, if others run, its prefill
-  shared with them still ends within ``ttft_target`` (the time-to-first-token target that also
-  caps the context on a CPU); alone, it always starts;
+* *start*: the head of the queue starts when it fits the memory and, if others run on a backend
+  that does not batch, its prefill shared with them still ends within ``ttft_target`` (the
+  time-to-first-token target that also caps the context on a CPU): threads sharing the cores
+  gain no throughput, so running them one after another gives the same tokens/s and sooner
+  first tokens. Alone it always starts; on a batching backend, whose shared forward passes
+  raise the throughput of all, it starts while its first token still comes within the queue
+  time-out;
 * *arrival*: a request whose expected first token — after the work already running and queued,
   played forward by :func:`simulate` — lies beyond the queue time-out is refused at once with
   :class:`~ragbudget.errors.OverloadedError` and a ``retry_after`` equal to the excess (whole
@@ -254,19 +258,26 @@ def _first_token_if_started(job: _Job, running: Sequence[_Job], thr: Throughput)
 
 def _may_start(job: _Job, running: Sequence[_Job], used: int, capacity: int,
                thr: Throughput | None, ttft_target: float | None, *, used_tokens: int = 0,
-               token_capacity: int | None = None) -> bool:
+               token_capacity: int | None = None, batched_bound: float | None = None) -> bool:
     if used + job.cost > capacity:
         return False
     if token_capacity is not None and used_tokens + job.tokens > token_capacity:
         return False
     if not running or thr is None or ttft_target is None:
         return True  # alone it always starts: otherwise a long prompt would never run
+    if thr.batched:
+        # Sharing forward passes raises the tokens/s of all: it starts next to the others while
+        # its first token still comes within ``batched_bound`` (the queue time-out), not the
+        # TTFT target — with the context capped so that a prefill alone takes the whole target,
+        # that rule would never let a full-length request share a batch.
+        bound = ttft_target if batched_bound is None else max(ttft_target, batched_bound)
+        return _first_token_if_started(job, running, thr) <= bound
     return _first_token_if_started(job, running, thr) <= ttft_target
 
 
 def simulate(running: Sequence[_Job], queued: Sequence[_Job], *, throughput: Throughput,
              capacity: int, ttft_target: float | None, now: float = 0.0,
-             token_capacity: int | None = None) -> list[float]:
+             token_capacity: int | None = None, batched_bound: float | None = None) -> list[float]:
     """Play the model forward from ``now`` with no further arrivals: when does each queued job
     (in FIFO order; a promise no earlier than its ``ready`` time) produce its first token?
 
@@ -288,7 +299,7 @@ def simulate(running: Sequence[_Job], queued: Sequence[_Job], *, throughput: Thr
         used_tokens = sum(j.tokens for j in run)
         while wait and wait[0].ready <= t and _may_start(
                 wait[0], run, used, capacity, throughput, ttft_target, used_tokens=used_tokens,
-                token_capacity=token_capacity):
+                token_capacity=token_capacity, batched_bound=batched_bound):
             job = wait.pop(0)
             ids[id(job)] = index[id(job)]
             run.append(job)
@@ -699,7 +710,7 @@ class AdmissionController:
         return _may_start(probe, self._running_jobs if waiter.job is not None else [],
                           self._admitted_cost_locked(), self.capacity, self.throughput,
                           self.ttft_target, used_tokens=self._admitted_pool,
-                          token_capacity=self.token_capacity)
+                          token_capacity=self.token_capacity, batched_bound=self.timeout)
 
     def _advance_locked(self) -> None:
         """Credit the running jobs with the work the model says they did since the last event."""
@@ -763,7 +774,7 @@ class AdmissionController:
         first = simulate(self._running_jobs, [*queued, *promised, job],
                          throughput=self.throughput, capacity=self.capacity,
                          ttft_target=self.ttft_target, now=now,
-                         token_capacity=self.token_capacity)
+                         token_capacity=self.token_capacity, batched_bound=self.timeout)
         return first[-1] - now
 
     def _enqueue(self, tokens: int, prompt_tokens: int | None,

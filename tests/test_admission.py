@@ -475,3 +475,30 @@ def test_the_model_learns_the_speed_the_host_has_now() -> None:
     fast.first_token()
     fast.release()
     assert ctl.stats().slowdown == pytest.approx(1.0, abs=0.01)
+
+
+def test_a_batching_backend_starts_whatever_fits_and_still_refuses_for_time() -> None:
+    """Batched, sharing raises everyone's tokens/s: a full-length request (its prefill alone
+    takes the whole 1 s target) starts next to the running ones instead of waiting for them all
+    to end; the arrival rule still refuses what would miss the queue time-out."""
+    batched = Throughput(prefill_a=0.001, decode_s=0.01, batched=True, decode_extra_s=0.001)
+    clock = Clock()
+    ctl = AdmissionController(10**6, timeout=8.0, throughput=batched, ttft_target=1.0,
+                              clock=clock)
+    held = [ctl.acquire(1100, prompt_tokens=1000) for _ in range(4)]  # none waits
+    assert ctl.stats().running == 4 and ctl.stats().queued == 0
+    # Prefills share the host: the n-th starts while n × 1 s ≤ 8 s; the 9th is refused.
+    waiting = [ctl._enqueue(1100, 1000) for _ in range(4)]
+    assert [w.granted for w in waiting] == [True] * 4 and ctl.stats().running == 8
+    with pytest.raises(OverloadedError, match="past the queue time-out"):
+        for _ in range(20):
+            waiting.append(ctl._enqueue(1100, 1000))
+    held += [ctl._reservation(w) for w in waiting if w.granted]
+    assert ctl.stats().running == 8 and ctl.stats().refused_for_time_total == 1
+    # Unbatched, the same requests run one at a time (the second would share the cores).
+    serial = AdmissionController(10**6, timeout=8.0, throughput=THR, ttft_target=1.0,
+                                 clock=clock)
+    serial.acquire(1100, prompt_tokens=1000)
+    assert not serial._enqueue(1100, 1000).granted
+    for r in held:
+        r.release()
