@@ -163,7 +163,10 @@ def burst(base: str, n: int, *, pid: int, max_tokens: int | None) -> dict[str, A
     }
 
 
-def main(bursts: tuple[int, ...] = (32, 64), max_tokens: int | None = None) -> dict[str, Any]:
+def main(bursts: tuple[int, ...] = (32, 64), max_tokens: int | None = None,
+         on_burst: Any = None) -> dict[str, Any]:
+    """Run the bursts; ``on_burst(out)`` after each one (the caller writes the partial result, so
+    a run stopped half-way still leaves its raw figures)."""
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     py = sys.executable
     with tempfile.TemporaryDirectory() as tmp:
@@ -207,6 +210,8 @@ def main(bursts: tuple[int, ...] = (32, 64), max_tokens: int | None = None) -> d
                     r["rss_vs_prediction"] = round(r["peak_rss_bytes"] / r["predicted_peak_rss_bytes"], 3)
                 out["bursts"].append(r)
                 print(json.dumps({k: v for k, v in r.items() if k != "rows"}), flush=True)
+                if on_burst is not None:
+                    on_burst(dict(out, partial=len(out["bursts"]) < len(bursts)))
         finally:
             server.terminate()
             server.wait(30)

@@ -218,7 +218,7 @@ class _Job:
     cost: int
     tokens: int = 0  # KV tokens held in a pool (counted only against a token capacity)
     served: float = 0.0
-    credit: float = 0.0  # work the model credited while it ran, uncapped (for observe)
+    credit: float = 0.0  # work the model would have credited at slowdown 1, uncapped (observe)
     ready: float = float("-inf")
 
     @property
@@ -723,26 +723,31 @@ class AdmissionController:
             # A job the model thinks is done while it still runs (it decodes slower than
             # measured) keeps one decode step of work: it is still there.
             job.served = min(job.served + rate * dt, max(job.prefill, job.work - thr.decode_s))
-            job.credit += rate * dt
+            # At slowdown 1: the job's own slowdown is then credit / work done, whatever the
+            # learnt slowdown was while it ran (applying a ratio to a slowdown learnt since would
+            # overshoot when many long requests end together).
+            job.credit += rate * dt * thr.slowdown
 
     #: How far one observation moves the learnt slowdown (in log space), and its bounds.
     OBSERVE_WEIGHT = 0.5
     SLOWDOWN_RANGE = (0.1, 100.0)
 
-    def observe(self, ratio: float) -> None:
-        """Learn from one request: ``ratio`` is the work the model credited it while it ran over
-        the work it really did (above 1: the host runs slower than modelled). The throughput's
-        ``slowdown`` moves by ``ratio ** OBSERVE_WEIGHT`` (bounded), so a host that got busy
-        after the measurement — or idle again — is followed within a few requests."""
+    def observe(self, slowdown: float) -> None:
+        """Learn from one request: ``slowdown`` is the wall time it took over what the measured
+        speed says (above 1: the host runs slower than measured). The throughput's ``slowdown``
+        moves that way in log space by ``OBSERVE_WEIGHT`` (bounded by ``SLOWDOWN_RANGE``), so a
+        host that got busy after the measurement — or idle again — is followed within a few
+        requests."""
         with self._lock:
-            self._observe_locked(ratio)
+            self._observe_locked(slowdown)
 
-    def _observe_locked(self, ratio: float) -> None:
+    def _observe_locked(self, sample: float) -> None:
         thr = self.throughput
-        if thr is None or not (ratio > 0 and math.isfinite(ratio)):
+        if thr is None or not (sample > 0 and math.isfinite(sample)):
             return
         lo, hi = self.SLOWDOWN_RANGE
-        slow = min(hi, max(lo, thr.slowdown * ratio ** self.OBSERVE_WEIGHT))
+        w = self.OBSERVE_WEIGHT
+        slow = min(hi, max(lo, thr.slowdown ** (1 - w) * sample ** w))
         self.throughput = dataclasses.replace(thr, slowdown=slow)
 
     def _observe_job(self, job: _Job | None, *, done: int | None) -> None:

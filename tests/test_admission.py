@@ -502,3 +502,17 @@ def test_a_batching_backend_starts_whatever_fits_and_still_refuses_for_time() ->
     assert not serial._enqueue(1100, 1000).granted
     for r in held:
         r.release()
+
+
+def test_many_requests_ending_together_do_not_overshoot_the_slowdown() -> None:
+    """Four requests that ran side by side on a host twice as slow as measured end at once: each
+    says "2×", so the learnt slowdown approaches 2 and never passes it (each request's own
+    slowdown is taken at the speed it ran at, not against one learnt since)."""
+    clock = Clock()
+    ctl = AdmissionController(10**6, timeout=60.0, throughput=THR, clock=clock)
+    held = [ctl.acquire(1100, prompt_tokens=1000) for _ in range(4)]  # 2 s of work each
+    clock.t += 16.0  # sharing 4 ways the model says 8 s; it took 16
+    for r in held:
+        r.finish(new_tokens=100)
+        r.release()
+    assert 1.8 < ctl.stats().slowdown <= 2.0
