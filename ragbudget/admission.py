@@ -661,9 +661,12 @@ class AdmissionController:
         prompt = int(tokens if prompt_tokens is None else prompt_tokens)
         with self._lock:
             self._advance_locked()
-            job = self._job(tokens, prompt, self._cost(tokens, prompt), self._pool(tokens))
+            cost, pool = self._cost(tokens, prompt), self._pool(tokens)
+            job = self._job(tokens, prompt, cost, pool)
             if job is None:
                 return None
+            if not self._queue and self._may_start_locked(_Waiter(tokens, prompt, cost, job, pool)):
+                return None  # it would start at once, as acquire starts it: never refused idle
             expected = self._first_token_locked(job)
             if expected <= self.timeout:
                 return None

@@ -516,3 +516,17 @@ def test_many_requests_ending_together_do_not_overshoot_the_slowdown() -> None:
         r.finish(new_tokens=100)
         r.release()
     assert 1.8 < ctl.stats().slowdown <= 2.0
+
+
+def test_an_idle_controller_never_refuses_for_time() -> None:
+    """However slow the host has become (a learnt slowdown of 100: a prefill alone takes 100 s,
+    past the 30 s time-out), a request that finds nothing running starts — the early look says
+    so too — else an idle server would refuse every request and never learn the host is fast
+    again."""
+    slow = Throughput(prefill_a=0.001, decode_s=0.01, slowdown=100.0)
+    ctl = AdmissionController(10**6, timeout=30.0, throughput=slow, ttft_target=1.0,
+                              clock=Clock())
+    assert ctl.would_refuse(1100, prompt_tokens=1000, refuse=True) is None
+    r = ctl.acquire(1100, prompt_tokens=1000)
+    assert ctl.would_refuse(1100, prompt_tokens=1000, refuse=True) is not None  # now busy
+    r.release()
