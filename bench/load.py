@@ -438,7 +438,10 @@ def main(argv: list[str] | None = None) -> int:
         from load_defaults import main as defaults
 
         bursts = tuple(int(x) for x in args.bursts.split(",") if x)
-        write("load", defaults(bursts), packages=("openai", "fastapi", "uvicorn"))
+        def save(out: dict[str, Any]) -> None:
+            write("load", out, packages=("openai", "fastapi", "uvicorn"))
+
+        save(defaults(bursts, on_burst=save))
         return 0
     if args.quick:
         args.clients, args.requests, args.words, args.rounds = 32, 2, 16, 3

@@ -6,8 +6,10 @@ user gets), then fires bursts of concurrent chat completions with the official `
 (600 s time-out, no client retries). Each client that gets a 429 sleeps its ``Retry-After`` and
 tries once more; whether that second try gets a 200 is recorded. Recorded per burst: counts of
 200/429/5xx/time-outs, every Retry-After, p50/p99 latency and time to first token (streamed),
-the server's peak RSS (VmHWM) against the plan's prediction (RSS after warm-up + the peak of
-KV + activation bytes admission held, polled from ``/health``).
+the server's peak RSS (VmHWM) against the plan's prediction (RSS after warm-up, which holds the
+weights and the paged KV cache allocated before listening, + the peak of the bytes admission held,
+polled from ``/health``), and the host's load average while it ran (other engineers share the
+cores: a busy host makes every figure slower).
 """
 
 from __future__ import annotations
@@ -99,9 +101,10 @@ def burst(base: str, n: int, *, pid: int, max_tokens: int | None) -> dict[str, A
     def poll() -> None:
         while not done.is_set():
             try:
-                health.append(httpx.get(f"{base}/health", timeout=5).json() | {"t": time.time()})
+                health.append(httpx.get(f"{base}/health", timeout=5).json()
+                              | {"t": time.time(), "load_1m": os.getloadavg()[0]})
             except Exception as exc:  # noqa: BLE001 - recorded: /health must answer throughout
-                health.append({"error": str(exc), "t": time.time()})
+                health.append({"error": str(exc), "t": time.time(), "load_1m": os.getloadavg()[0]})
             done.wait(0.5)
 
     def run(i: int) -> None:
@@ -133,6 +136,7 @@ def burst(base: str, n: int, *, pid: int, max_tokens: int | None) -> dict[str, A
         return c
 
     ok = [r for r in firsts + retries if r.get("status") == 200]
+    loads = [h["load_1m"] for h in health if "load_1m" in h]
     return {
         "clients": n, "wall_s": round(time.perf_counter() - t0, 1),
         "first_try": counts(firsts), "retries": counts(retries),
@@ -144,6 +148,13 @@ def burst(base: str, n: int, *, pid: int, max_tokens: int | None) -> dict[str, A
         "ttft_p50_s": _pct([r["ttft_s"] for r in ok if r.get("ttft_s")], 0.5),
         "ttft_p99_s": _pct([r["ttft_s"] for r in ok if r.get("ttft_s")], 0.99),
         "health_errors": sum(1 for h in health if "error" in h),
+        "load_1m_during": {"min": round(min(loads), 2), "mean": round(statistics.mean(loads), 2),
+                           "max": round(max(loads), 2)} if loads else None,
+        "refused_for_time_total": max((h.get("refused_for_time_total", 0) for h in health),
+                                      default=0),
+        "capacity_bytes": next((h["capacity_bytes"] for h in health if "capacity_bytes" in h), None),
+        "capacity_tokens": next((h["capacity_tokens"] for h in health if "capacity_tokens" in h),
+                                None),
         "peak_running": max((h.get("running", 0) for h in health), default=0),
         "peak_admitted_tokens": max((h.get("admitted_tokens", 0) for h in health), default=0),
         "peak_admitted_bytes": max((h.get("peak_admitted_bytes", 0) or 0 for h in health), default=0),
@@ -152,7 +163,10 @@ def burst(base: str, n: int, *, pid: int, max_tokens: int | None) -> dict[str, A
     }
 
 
-def main(bursts: tuple[int, ...] = (32, 64), max_tokens: int | None = None) -> dict[str, Any]:
+def main(bursts: tuple[int, ...] = (32, 64), max_tokens: int | None = None,
+         on_burst: Any = None) -> dict[str, Any]:
+    """Run the bursts; ``on_burst(out)`` after each one (the caller writes the partial result, so
+    a run stopped half-way still leaves its raw figures)."""
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     py = sys.executable
     with tempfile.TemporaryDirectory() as tmp:
@@ -183,7 +197,12 @@ def main(bursts: tuple[int, ...] = (32, 64), max_tokens: int | None = None) -> d
                     raise SystemExit(Path(tmp, "serve.log").read_text()[-3000:])
                 time.sleep(1)
             baseline = _rss(server.pid)
-            out: dict[str, Any] = {"baseline_rss_bytes": baseline, "bursts": []}
+            # The high-water mark after warm-up (the speed probe's prefills pass through it): a
+            # burst's peak RSS below it is the warm-up's, not the burst's.
+            out: dict[str, Any] = {"baseline_rss_bytes": baseline,
+                                   "warmup_peak_rss_bytes": _hwm(server.pid),
+                                   "load_1m_at_start": os.getloadavg()[0],
+                                   "cpu_count": os.cpu_count(), "bursts": []}
             for n in bursts:
                 r = burst(base, n, pid=server.pid, max_tokens=max_tokens)
                 r["predicted_peak_rss_bytes"] = (baseline or 0) + r["peak_admitted_bytes"]
@@ -191,6 +210,8 @@ def main(bursts: tuple[int, ...] = (32, 64), max_tokens: int | None = None) -> d
                     r["rss_vs_prediction"] = round(r["peak_rss_bytes"] / r["predicted_peak_rss_bytes"], 3)
                 out["bursts"].append(r)
                 print(json.dumps({k: v for k, v in r.items() if k != "rows"}), flush=True)
+                if on_burst is not None:
+                    on_burst(dict(out, partial=len(out["bursts"]) < len(bursts)))
         finally:
             server.terminate()
             server.wait(30)

@@ -3,18 +3,30 @@ can come within the queue's time-out.
 
 Memory. A request reserves its worst case: the KV cache of ``prompt + max_new_tokens`` tokens
 *and* its own activation peak (the prefill of its prompt, with the attention implementation in
-use), given by a :class:`MemoryModel`. Requests run together only while the sum fits. Without a
-memory model the controller counts KV tokens alone against ``capacity_tokens`` (a served engine's
-figure, or a caller that sized it itself).
+use), given by a :class:`MemoryModel`. Requests run together only while the sum fits. Two
+resources are counted, each against its own capacity:
+
+* *bytes* against the memory left beside the weights: each request's activations, and its KV
+  bytes unless the KV lives in a pool allocated up front;
+* *KV tokens* against that pool when there is one (``MemoryModel.kv_pool_tokens``: continuous
+  batching's paged cache, whose bytes are already resident — counting them again per request
+  would double-count), in whole pages.
+
+Without a memory model the controller counts KV tokens alone against ``capacity_tokens`` (a
+served engine's figure, or a caller that sized it itself).
 
 Time. With a measured :class:`Throughput` (prefill ``a·n + b·n²`` seconds, decode seconds per
 token), the host is modelled as one processor shared by the running requests (threads each running
 their own ``generate`` share the cores; a backend that batches shares forward passes, and then
 decoding sequences cost only the marginal step). Two decisions follow from the model:
 
-* *start*: the head of the queue starts when it fits the memory and, if others run, its prefill
-  shared with them still ends within ``ttft_target`` (the time-to-first-token target that also
-  caps the context on a CPU); alone, it always starts;
+* *start*: the head of the queue starts when it fits the memory and, if others run on a backend
+  that does not batch, its prefill shared with them still ends within ``ttft_target`` (the
+  time-to-first-token target that also caps the context on a CPU): threads sharing the cores
+  gain no throughput, so running them one after another gives the same tokens/s and sooner
+  first tokens. Alone it always starts; on a batching backend, whose shared forward passes
+  raise the throughput of all, it starts while its first token still comes within the queue
+  time-out;
 * *arrival*: a request whose expected first token — after the work already running and queued,
   played forward by :func:`simulate` — lies beyond the queue time-out is refused at once with
   :class:`~ragbudget.errors.OverloadedError` and a ``retry_after`` equal to the excess (whole
@@ -37,6 +49,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import math
 import threading
 import time
@@ -71,15 +84,26 @@ class MemoryModel:
     weights): ``kv_fixed_bytes + kv_bytes_per_token × tokens`` of KV cache plus
     ``activation(prompt_tokens)`` bytes, its own prefill peak (``None``: no activations counted).
 
+    ``kv_pool_tokens``: the KV cache is a pool of that many tokens allocated up front (a paged
+    cache, taken in pages of ``kv_pool_page`` tokens). Its bytes are then resident whatever
+    runs, so they belong outside ``capacity_bytes`` (the caller subtracts them), a request's
+    bytes are its activations alone, and its KV counts in tokens against the pool.
+
     >>> m = MemoryModel(capacity_bytes=10_000, kv_bytes_per_token=2, activation=lambda n: 3 * n)
     >>> m.request_bytes(prompt_tokens=100, tokens=150)
     600
+    >>> paged = MemoryModel(capacity_bytes=10_000, kv_bytes_per_token=2, kv_pool_tokens=1024,
+    ...                     kv_pool_page=32, activation=lambda n: 3 * n)
+    >>> paged.request_bytes(prompt_tokens=100, tokens=150), paged.pool_tokens(150)
+    (300, 160)
     """
 
     capacity_bytes: int
     kv_bytes_per_token: int
     kv_fixed_bytes: int = 0
     activation: Callable[[int], int] | None = None
+    kv_pool_tokens: int | None = None
+    kv_pool_page: int = 1
     #: Where the figures came from, for logs and /health (``"plan: host RAM available …"``).
     source: str = ""
 
@@ -89,6 +113,21 @@ class MemoryModel:
                               "weights leave no memory for requests)")
         if self.kv_bytes_per_token < 0 or self.kv_fixed_bytes < 0:
             raise ConfigError("KV bytes per token and per sequence must be >= 0")
+        if self.kv_pool_tokens is not None and self.kv_pool_tokens <= 0:
+            raise ConfigError(f"kv_pool_tokens must be > 0; got {self.kv_pool_tokens} (a paged "
+                              "cache without blocks)")
+        if self.kv_pool_page < 1:
+            raise ConfigError(f"kv_pool_page must be >= 1; got {self.kv_pool_page}")
+
+    @property
+    def pooled(self) -> bool:
+        """Whether the KV lives in a pool allocated up front (counted in tokens, not bytes)."""
+        return self.kv_pool_tokens is not None
+
+    def pool_tokens(self, tokens: int) -> int:
+        """Pool tokens a request of ``tokens`` takes: whole pages."""
+        page = self.kv_pool_page
+        return -(-max(0, int(tokens)) // page) * page
 
     def kv_bytes(self, tokens: int) -> int:
         return self.kv_fixed_bytes + self.kv_bytes_per_token * int(tokens)
@@ -98,8 +137,9 @@ class MemoryModel:
 
     def request_bytes(self, *, prompt_tokens: int, tokens: int) -> int:
         """KV of ``tokens`` (prompt + output) plus the activation peak of a ``prompt_tokens``
-        prefill."""
-        return self.kv_bytes(tokens) + self.activation_bytes(prompt_tokens)
+        prefill; the activations alone when the KV lives in a pool (already resident)."""
+        kv = 0 if self.pooled else self.kv_bytes(tokens)
+        return kv + self.activation_bytes(prompt_tokens)
 
     def tokens_for_bytes(self, nbytes: int) -> int:
         """KV tokens that ``nbytes`` holds (ignoring activations): for the token figures."""
@@ -115,6 +155,10 @@ class Throughput:
     requests, and a step of ``k`` sequences then costs ``decode_s + (k-1)·decode_extra_s``;
     otherwise each request runs its own steps and they share the cores.
 
+    ``slowdown``: wall seconds per modelled second now, learnt from the requests that ran (the
+    controller's :meth:`~AdmissionController.observe`): a host busy with other work runs the
+    model slower than it was measured, and the time rules must see the speed it has now.
+
     >>> t = Throughput(prefill_a=0.001, prefill_b=0.0, decode_s=0.02)
     >>> round(t.request_seconds(prompt_tokens=1000, new_tokens=100), 3)
     3.0
@@ -126,8 +170,11 @@ class Throughput:
     batched: bool = False
     decode_extra_s: float | None = None
     source: str = ""
+    slowdown: float = 1.0
 
     def __post_init__(self) -> None:
+        if not self.slowdown > 0:
+            raise ConfigError(f"slowdown must be > 0; got {self.slowdown}")
         if self.prefill_a < 0 or self.prefill_b < 0 or self.decode_s <= 0:
             raise ConfigError(f"throughput must be positive: prefill a={self.prefill_a}, "
                               f"b={self.prefill_b}, decode {self.decode_s} s/token")
@@ -152,7 +199,8 @@ class Throughput:
     def to_dict(self) -> dict[str, Any]:
         return {"prefill_a": self.prefill_a, "prefill_b": self.prefill_b,
                 "decode_s": self.decode_s, "batched": self.batched,
-                "decode_extra_s": self.decode_extra_s, "source": self.source}
+                "decode_extra_s": self.decode_extra_s, "source": self.source,
+                "slowdown": self.slowdown}
 
 
 # --------------------------------------------------------------------------------------------
@@ -168,7 +216,9 @@ class _Job:
     prefill: float
     decode: float
     cost: int
+    tokens: int = 0  # KV tokens held in a pool (counted only against a token capacity)
     served: float = 0.0
+    credit: float = 0.0  # work the model would have credited at slowdown 1, uncapped (observe)
     ready: float = float("-inf")
 
     @property
@@ -184,16 +234,18 @@ def _rates(running: Sequence[_Job], thr: Throughput) -> list[float]:
 
     Unbatched: the cores are shared equally (each thread runs its own forward passes). Batched:
     each prefill is one share and the decode batch another; a decoding job gets ``decode_s`` of
-    work per batch step of ``step_seconds(k)`` in its share."""
+    work per batch step of ``step_seconds(k)`` in its share. Both are divided by the host's
+    current ``slowdown``."""
     k = len(running)
     if k == 0:
         return []
+    slow = thr.slowdown
     if not thr.batched:
-        return [1.0 / k] * k
+        return [1.0 / (k * slow)] * k
     decoding = sum(1 for j in running if not j.in_prefill())
     shares = (k - decoding) + (1 if decoding else 0)
     dec_rate = thr.decode_s / (shares * thr.step_seconds(decoding)) if decoding else 0.0
-    return [1.0 / shares if j.in_prefill() else dec_rate for j in running]
+    return [(1.0 / shares if j.in_prefill() else dec_rate) / slow for j in running]
 
 
 def _first_token_if_started(job: _Job, running: Sequence[_Job], thr: Throughput) -> float:
@@ -205,37 +257,54 @@ def _first_token_if_started(job: _Job, running: Sequence[_Job], thr: Throughput)
 
 
 def _may_start(job: _Job, running: Sequence[_Job], used: int, capacity: int,
-               thr: Throughput | None, ttft_target: float | None) -> bool:
+               thr: Throughput | None, ttft_target: float | None, *, used_tokens: int = 0,
+               token_capacity: int | None = None, batched_bound: float | None = None) -> bool:
     if used + job.cost > capacity:
+        return False
+    if token_capacity is not None and used_tokens + job.tokens > token_capacity:
         return False
     if not running or thr is None or ttft_target is None:
         return True  # alone it always starts: otherwise a long prompt would never run
+    if thr.batched:
+        # Sharing forward passes raises the tokens/s of all: it starts next to the others while
+        # its first token still comes within ``batched_bound`` (the queue time-out), not the
+        # TTFT target — with the context capped so that a prefill alone takes the whole target,
+        # that rule would never let a full-length request share a batch.
+        bound = ttft_target if batched_bound is None else max(ttft_target, batched_bound)
+        return _first_token_if_started(job, running, thr) <= bound
     return _first_token_if_started(job, running, thr) <= ttft_target
 
 
 def simulate(running: Sequence[_Job], queued: Sequence[_Job], *, throughput: Throughput,
-             capacity: int, ttft_target: float | None, now: float = 0.0) -> list[float]:
+             capacity: int, ttft_target: float | None, now: float = 0.0,
+             token_capacity: int | None = None, batched_bound: float | None = None) -> list[float]:
     """Play the model forward from ``now`` with no further arrivals: when does each queued job
     (in FIFO order; a promise no earlier than its ``ready`` time) produce its first token?
 
     Running jobs share the host by :func:`_rates`; the head of the queue starts by the start rule
-    (memory fits and, next to others, its first token within ``ttft_target``). Returns absolute
+    (its bytes fit ``capacity``, its pool tokens ``token_capacity`` when given, and, next to
+    others, its first token comes within ``ttft_target``). Returns absolute
     times, one per queued job. Jobs are copied: the arguments are not changed.
     """
-    run = [_Job(prefill=j.prefill, decode=j.decode, cost=j.cost, served=j.served) for j in running]
-    wait = [_Job(prefill=j.prefill, decode=j.decode, cost=j.cost, ready=j.ready) for j in queued]
+    run = [_Job(prefill=j.prefill, decode=j.decode, cost=j.cost, tokens=j.tokens, served=j.served)
+           for j in running]
+    wait = [_Job(prefill=j.prefill, decode=j.decode, cost=j.cost, tokens=j.tokens, ready=j.ready)
+            for j in queued]
     index = {id(j): i for i, j in enumerate(wait)}
     first: list[float] = [math.inf] * len(wait)
     ids: dict[int, int] = {}  # running job -> queued index
     t = now
     for _ in range(8 * (len(run) + len(wait)) + 8):  # each job ends two phases: bounded
         used = sum(j.cost for j in run)
-        while wait and wait[0].ready <= t and _may_start(wait[0], run, used, capacity,
-                                                          throughput, ttft_target):
+        used_tokens = sum(j.tokens for j in run)
+        while wait and wait[0].ready <= t and _may_start(
+                wait[0], run, used, capacity, throughput, ttft_target, used_tokens=used_tokens,
+                token_capacity=token_capacity, batched_bound=batched_bound):
             job = wait.pop(0)
             ids[id(job)] = index[id(job)]
             run.append(job)
             used += job.cost
+            used_tokens += job.tokens
             if job.prefill <= 0:
                 first[index[id(job)]] = t
         if not run:
@@ -293,6 +362,7 @@ class AdmissionStats:
     admitted_bytes: int | None = None
     peak_admitted_bytes: int | None = None
     work_ahead_s: float | None = None  # with a throughput: single-stream seconds still to do
+    slowdown: float | None = None  # with a throughput: wall s per measured s, learnt (observe)
 
     @property
     def free_tokens(self) -> int:
@@ -310,19 +380,23 @@ class AdmissionStats:
             "timed_out_total": self.timed_out_total,
             "refused_for_time_total": self.refused_for_time_total,
         }
-        for key in ("capacity_bytes", "admitted_bytes", "peak_admitted_bytes", "work_ahead_s"):
+        for key in ("capacity_bytes", "admitted_bytes", "peak_admitted_bytes", "work_ahead_s",
+                    "slowdown"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
         return out
 
 
 class _Waiter:
-    __slots__ = ("cost", "event", "future", "granted", "job", "loop", "prompt_tokens", "tokens")
+    __slots__ = ("cost", "event", "future", "granted", "job", "loop", "pool", "prompt_tokens",
+                 "tokens")
 
-    def __init__(self, tokens: int, prompt_tokens: int, cost: int, job: _Job | None) -> None:
+    def __init__(self, tokens: int, prompt_tokens: int, cost: int, job: _Job | None,
+                 pool: int = 0) -> None:
         self.tokens = tokens
         self.prompt_tokens = prompt_tokens
         self.cost = cost
+        self.pool = pool  # tokens of a KV pool (paged cache) it holds, in whole pages
         self.job = job
         self.event = threading.Event()
         self.granted = False
@@ -335,13 +409,28 @@ class Reservation:
     (idempotent) gives them back."""
 
     def __init__(self, controller: AdmissionController, tokens: int, *, nbytes: int = 0,
-                 job: _Job | None = None) -> None:
+                 job: _Job | None = None, pool: int = 0) -> None:
         self.controller = controller
         self.tokens = tokens
         self.nbytes = nbytes
+        self.pool = pool
         self.job = job
         self.started = controller._clock()
         self._released = False
+        self._first_seen = False
+
+    def first_token(self) -> None:
+        """Its first token came now: lets the controller compare its prefill with the model
+        (idempotent; see :meth:`AdmissionController.observe`)."""
+        if not self._first_seen and not self._released:
+            self._first_seen = True
+            self.controller._observe_job(self.job, done=None)
+
+    def finish(self, new_tokens: int) -> None:
+        """It ended having generated ``new_tokens`` (call before :meth:`release`): lets the
+        controller compare the whole request with the model."""
+        if not self._released:
+            self.controller._observe_job(self.job, done=int(new_tokens))
 
     def release(self) -> None:
         if not self._released:
@@ -363,13 +452,22 @@ class _Promise:
 
 class AdmissionController:
     """Thread- and asyncio-safe FIFO admission by memory (KV tokens, or KV + activation bytes
-    with a :class:`MemoryModel`) and by time (with a :class:`Throughput`).
+    with a :class:`MemoryModel`, or activation bytes and the tokens of a paged KV pool) and by
+    time (with a :class:`Throughput`).
+
+    Every ``retry_after`` it gives is at most ``MAX_RETRY_FACTOR × timeout`` seconds (and at
+    least 1): past a few queue time-outs the model's estimate says more about the speed it
+    measured (a busy host can make it hours) than about when the host will have room, and a
+    client told to wait an hour has in effect been refused for good.
 
     >>> ctl = AdmissionController(4096, max_queue=8, timeout=5.0)
     >>> with ctl.reserve(1500):
     ...     ctl.stats().admitted_tokens
     1500
     """
+
+    #: Retry-After is bounded by this many queue time-outs (see the class docstring).
+    MAX_RETRY_FACTOR = 4.0
 
     def __init__(self, capacity_tokens: int, *, max_queue: int = 64, timeout: float = 30.0,
                  memory: MemoryModel | None = None, throughput: Throughput | None = None,
@@ -394,6 +492,7 @@ class AdmissionController:
         self._promises: list[_Promise] = []
         self._admitted = 0
         self._admitted_bytes = 0
+        self._admitted_pool = 0
         self._peak_bytes = 0
         self._running = 0
         self._admitted_total = 0
@@ -423,6 +522,20 @@ class AdmissionController:
         """What reservations are counted against: bytes with a memory model, else KV tokens."""
         return self.memory.capacity_bytes if self.memory is not None else self.capacity_tokens
 
+    @property
+    def token_capacity(self) -> int | None:
+        """The KV pool's tokens, when the memory model has one (a paged cache), else ``None``:
+        the second resource, counted beside :attr:`capacity`."""
+        m = self.memory
+        return m.kv_pool_tokens if m is not None and m.pooled else None
+
+    @property
+    def retry_after_max(self) -> float:
+        """The most any ``retry_after`` says: ``MAX_RETRY_FACTOR`` queue time-outs (60 s without
+        a time-out)."""
+        base = self.timeout if self.timeout is not None and self.timeout > 0 else 15.0
+        return float(max(1.0, math.ceil(self.MAX_RETRY_FACTOR * base)))
+
     # -- public API ---------------------------------------------------------------------------
     def stats(self) -> AdmissionStats:
         with self._lock:
@@ -432,11 +545,13 @@ class AdmissionController:
                 ahead = round(sum(max(0.0, j.work - j.served) for j in self._running_jobs)
                               + sum(w.job.work for w in self._queue if w.job is not None), 3)
             mem = self.memory is not None
+            pool = self.token_capacity
             return AdmissionStats(
-                capacity_tokens=self.capacity_tokens,
+                capacity_tokens=pool if pool is not None else self.capacity_tokens,
                 running=self._running,
                 queued=len(self._queue),
-                admitted_tokens=self._admitted,
+                # Against the paged cache: the pages held, which is what its capacity counts.
+                admitted_tokens=self._admitted_pool if pool is not None else self._admitted,
                 admitted_total=self._admitted_total,
                 rejected_total=self._rejected,
                 timed_out_total=self._timed_out,
@@ -445,6 +560,8 @@ class AdmissionController:
                 admitted_bytes=self._admitted_bytes if mem else None,
                 peak_admitted_bytes=self._peak_bytes if mem else None,
                 work_ahead_s=ahead,
+                slowdown=(round(self.throughput.slowdown, 3) if self.throughput is not None
+                          else None),
             )
 
     def acquire(self, tokens: int, *, prompt_tokens: int | None = None,
@@ -523,26 +640,80 @@ class AdmissionController:
         (``None`` without a throughput)."""
         with self._lock:
             self._advance_locked()
-            job = self._job(int(tokens), int(tokens if prompt_tokens is None else prompt_tokens),
-                            self._cost(int(tokens), int(tokens if prompt_tokens is None
-                                                        else prompt_tokens)))
+            prompt = int(tokens if prompt_tokens is None else prompt_tokens)
+            job = self._job(int(tokens), prompt, self._cost(int(tokens), prompt),
+                            self._pool(int(tokens)))
             return None if job is None else self._first_token_locked(job)
+
+    def would_refuse(self, tokens: int, *, prompt_tokens: int | None = None,
+                     refuse: bool = False) -> float | None:
+        """The ``retry_after`` a request of ``tokens`` (``prompt_tokens`` of prompt) arriving now
+        is refused with for time — its first token past the queue time-out — or ``None`` when it
+        would not be (or nothing is measured). A cheap look before building a prompt (the
+        server's early 429); :meth:`acquire` still decides for the requests that pass.
+
+        ``refuse=False`` changes nothing. ``refuse=True`` makes it a refusal, as :meth:`acquire`
+        would: counted, and remembered as a promise, so the next refused client is told a later
+        time instead of the same second."""
+        if self.throughput is None or self.timeout is None:
+            return None
+        tokens = int(tokens)
+        prompt = int(tokens if prompt_tokens is None else prompt_tokens)
+        with self._lock:
+            self._advance_locked()
+            cost, pool = self._cost(tokens, prompt), self._pool(tokens)
+            job = self._job(tokens, prompt, cost, pool)
+            if job is None:
+                return None
+            if not self._queue and self._may_start_locked(_Waiter(tokens, prompt, cost, job, pool)):
+                return None  # it would start at once, as acquire starts it: never refused idle
+            expected = self._first_token_locked(job)
+            if expected <= self.timeout:
+                return None
+            if refuse:
+                return self._refuse_for_time_locked(job)
+            return float(min(self.retry_after_max, max(1, math.ceil(expected - self.timeout))))
+
+    def _refuse_for_time_locked(self, job: _Job) -> float:
+        """Count a refusal for time and promise the client a return: its ``retry_after``."""
+        assert self.timeout is not None
+        self._refused_time += 1
+        # Whole seconds, as Retry-After carries them: the client comes back when, by the model,
+        # the work ahead (and that of the clients sent back before it) has drained enough.
+        later = self._first_token_locked(job, promised_first=True)
+        retry = float(min(self.retry_after_max, max(1, math.ceil(later - self.timeout))))
+        self._promises.append(_Promise(due=self._clock() + retry, job=job))
+        return retry
 
     # -- internals ----------------------------------------------------------------------------
     def _reservation(self, waiter: _Waiter) -> Reservation:
-        return Reservation(self, waiter.tokens, nbytes=waiter.cost, job=waiter.job)
+        return Reservation(self, waiter.tokens, nbytes=waiter.cost, job=waiter.job,
+                           pool=waiter.pool)
+
+    def _pool(self, tokens: int) -> int:
+        """Tokens of the KV pool a request of ``tokens`` holds (0 without a pool)."""
+        m = self.memory
+        return m.pool_tokens(tokens) if m is not None and m.pooled else 0
 
     def _cost(self, tokens: int, prompt_tokens: int) -> int:
         if self.memory is None:
             return tokens
         return self.memory.request_bytes(prompt_tokens=prompt_tokens, tokens=tokens)
 
-    def _job(self, tokens: int, prompt_tokens: int, cost: int) -> _Job | None:
+    def _job(self, tokens: int, prompt_tokens: int, cost: int, pool: int = 0) -> _Job | None:
         thr = self.throughput
         if thr is None:
             return None
         return _Job(prefill=thr.prefill_seconds(prompt_tokens),
-                    decode=thr.decode_seconds(tokens - prompt_tokens), cost=cost)
+                    decode=thr.decode_seconds(tokens - prompt_tokens), cost=cost, tokens=pool)
+
+    def _may_start_locked(self, waiter: _Waiter) -> bool:
+        """The start rule for ``waiter`` now: both resources fit, and time (see the module)."""
+        probe = waiter.job or _Job(prefill=0, decode=0, cost=waiter.cost, tokens=waiter.pool)
+        return _may_start(probe, self._running_jobs if waiter.job is not None else [],
+                          self._admitted_cost_locked(), self.capacity, self.throughput,
+                          self.ttft_target, used_tokens=self._admitted_pool,
+                          token_capacity=self.token_capacity, batched_bound=self.timeout)
 
     def _advance_locked(self) -> None:
         """Credit the running jobs with the work the model says they did since the last event."""
@@ -555,6 +726,45 @@ class AdmissionController:
             # A job the model thinks is done while it still runs (it decodes slower than
             # measured) keeps one decode step of work: it is still there.
             job.served = min(job.served + rate * dt, max(job.prefill, job.work - thr.decode_s))
+            # At slowdown 1: the job's own slowdown is then credit / work done, whatever the
+            # learnt slowdown was while it ran (applying a ratio to a slowdown learnt since would
+            # overshoot when many long requests end together).
+            job.credit += rate * dt * thr.slowdown
+
+    #: How far one observation moves the learnt slowdown (in log space), and its bounds.
+    OBSERVE_WEIGHT = 0.5
+    SLOWDOWN_RANGE = (0.1, 100.0)
+
+    def observe(self, slowdown: float) -> None:
+        """Learn from one request: ``slowdown`` is the wall time it took over what the measured
+        speed says (above 1: the host runs slower than measured). The throughput's ``slowdown``
+        moves that way in log space by ``OBSERVE_WEIGHT`` (bounded by ``SLOWDOWN_RANGE``), so a
+        host that got busy after the measurement — or idle again — is followed within a few
+        requests."""
+        with self._lock:
+            self._observe_locked(slowdown)
+
+    def _observe_locked(self, sample: float) -> None:
+        thr = self.throughput
+        if thr is None or not (sample > 0 and math.isfinite(sample)):
+            return
+        lo, hi = self.SLOWDOWN_RANGE
+        w = self.OBSERVE_WEIGHT
+        slow = min(hi, max(lo, thr.slowdown ** (1 - w) * sample ** w))
+        self.throughput = dataclasses.replace(thr, slowdown=slow)
+
+    def _observe_job(self, job: _Job | None, *, done: int | None) -> None:
+        """A running job's first token (``done`` None: its prefill is over) or its end with
+        ``done`` new tokens: compare the model's credit with the work really done."""
+        if job is None or self.throughput is None:
+            return
+        with self._lock:
+            self._advance_locked()
+            thr = self.throughput
+            real = job.prefill if done is None else job.prefill + thr.decode_seconds(done)
+            if real <= 0 or job.credit <= 0:
+                return
+            self._observe_locked(job.credit / real)
 
     def _first_token_locked(self, job: _Job, *, promised_first: bool = False) -> float:
         """Seconds to ``job``'s first token if it arrived now. ``promised_first``: behind the
@@ -566,11 +776,13 @@ class AdmissionController:
         queued = [w.job for w in self._queue if w.job is not None]
         # A returning client cannot be told from a new one, so admission itself judges every
         # arrival by the real work only; promises only space out the refusals.
-        promised = [_Job(prefill=p.job.prefill, decode=p.job.decode, cost=p.job.cost, ready=p.due)
+        promised = [_Job(prefill=p.job.prefill, decode=p.job.decode, cost=p.job.cost,
+                         tokens=p.job.tokens, ready=p.due)
                     for p in sorted(self._promises, key=lambda p: p.due)] if promised_first else []
         first = simulate(self._running_jobs, [*queued, *promised, job],
                          throughput=self.throughput, capacity=self.capacity,
-                         ttft_target=self.ttft_target, now=now)
+                         ttft_target=self.ttft_target, now=now,
+                         token_capacity=self.token_capacity, batched_bound=self.timeout)
         return first[-1] - now
 
     def _enqueue(self, tokens: int, prompt_tokens: int | None,
@@ -583,6 +795,7 @@ class AdmissionController:
             raise ConfigError(f"prompt_tokens must be between 0 and the {tokens} tokens reserved; "
                               f"got {prompt}")
         cost = self._cost(tokens, prompt)
+        pool = self._pool(tokens)
         if self.memory is None and tokens > self.capacity_tokens:
             raise BudgetError(
                 f"this request needs {tokens} KV-cache tokens but the whole cache holds "
@@ -593,26 +806,30 @@ class AdmissionController:
             )
         if self.memory is not None and cost > self.memory.capacity_bytes:
             m = self.memory
+            kv = (f"{tokens} KV-cache tokens in the paged cache, already allocated" if m.pooled
+                  else f"{tokens} KV-cache tokens {m.kv_bytes(tokens) / 2**20:,.1f} MiB")
             raise BudgetError(
-                f"this request needs {cost / 2**20:,.1f} MiB ({tokens} KV-cache tokens "
-                f"{m.kv_bytes(tokens) / 2**20:,.1f} MiB + the activations of a {prompt}-token "
+                f"this request needs {cost / 2**20:,.1f} MiB ({kv} + the activations of a {prompt}-token "
                 f"prefill {m.activation_bytes(prompt) / 2**20:,.1f} MiB) but "
                 f"{m.capacity_bytes / 2**20:,.1f} MiB is left beside the weights; lower "
                 "max_new_tokens or the context budget, or use a GPU with more memory",
                 needed=tokens,
                 available=m.tokens_for_bytes(m.capacity_bytes - m.activation_bytes(prompt)),
             )
+        if self.token_capacity is not None and pool > self.token_capacity:
+            raise BudgetError(
+                f"this request needs {tokens} KV-cache tokens ({pool} in whole pages) but the "
+                f"paged cache of batched generation holds {self.token_capacity} for all requests "
+                "together; lower max_new_tokens or the context budget, or give the batch cache "
+                "more tokens (LocalBackend(batch_kv_tokens=...))",
+                needed=pool, available=self.token_capacity)
         with self._lock:
             self._advance_locked()
-            job = self._job(tokens, prompt, cost)
-            waiter = _Waiter(tokens, prompt, cost, job)
-            running = self._running_jobs if job is not None else []
+            job = self._job(tokens, prompt, cost, pool)
+            waiter = _Waiter(tokens, prompt, cost, job, pool)
             # Nothing waits and it may start: it runs at once (work conserving — promised returns
             # shape later refusals and their Retry-After, they never hold the host idle).
-            if (not self._queue
-                    and _may_start(job or _Job(prefill=0, decode=0, cost=cost), running,
-                                   self._admitted_cost_locked(), self.capacity,
-                                   self.throughput, self.ttft_target)):
+            if not self._queue and self._may_start_locked(waiter):
                 self._grant(waiter)
                 return waiter
             if len(self._queue) >= self.max_queue:
@@ -625,13 +842,7 @@ class AdmissionController:
             if job is not None and self.timeout is not None:
                 expected = self._first_token_locked(job)
                 if expected > self.timeout:
-                    self._refused_time += 1
-                    # Whole seconds, as Retry-After carries them: the client comes back when,
-                    # by the model, the work ahead (and that of the clients sent back before
-                    # it) has drained enough.
-                    later = self._first_token_locked(job, promised_first=True)
-                    retry = float(max(1, math.ceil(later - self.timeout)))
-                    self._promises.append(_Promise(due=self._clock() + retry, job=job))
+                    retry = self._refuse_for_time_locked(job)
                     raise OverloadedError(
                         f"the first token would come in about {expected:.0f} s (work already "
                         f"running and queued at the measured speed: {self._running} running, "
@@ -652,6 +863,7 @@ class AdmissionController:
         # Called with the lock held.
         waiter.granted = True
         self._admitted += waiter.tokens
+        self._admitted_pool += waiter.pool
         if self.memory is not None:
             self._admitted_bytes += waiter.cost
             self._peak_bytes = max(self._peak_bytes, self._admitted_bytes)
@@ -669,11 +881,7 @@ class AdmissionController:
         # the running requests).
         self._advance_locked()
         while self._queue:
-            head = self._queue[0]
-            probe = head.job or _Job(prefill=0, decode=0, cost=head.cost)
-            if not _may_start(probe, self._running_jobs if head.job is not None else [],
-                              self._admitted_cost_locked(), self.capacity,
-                              self.throughput, self.ttft_target):
+            if not self._may_start_locked(self._queue[0]):
                 break
             self._grant(self._queue.popleft())
 
@@ -697,6 +905,9 @@ class AdmissionController:
         held = (f"{self.capacity_tokens} in all, all in use" if self.memory is None else
                 f"{self._admitted_bytes / 2**20:,.1f} of {self.memory.capacity_bytes / 2**20:,.1f} "
                 f"MiB held by {self._running} running")
+        if self.token_capacity is not None:
+            held += (f", {self._admitted_pool} of the paged cache's {self.token_capacity} "
+                     "tokens")
         raise OverloadedError(
             f"waited {wait:.1f}s for {waiter.tokens} KV-cache tokens ({held}); retry later or "
             "raise the timeout",
@@ -707,6 +918,7 @@ class AdmissionController:
         with self._lock:
             self._advance_locked()
             self._admitted -= r.tokens
+            self._admitted_pool -= r.pool
             if self.memory is not None:
                 self._admitted_bytes -= r.nbytes
             if r.job is not None:
@@ -721,7 +933,7 @@ class AdmissionController:
         if job is not None and self.throughput is not None:
             # From the measured speed: when this request, arriving now, would start.
             start = self._first_token_locked(job, promised_first=True) - job.prefill
-            return float(min(600.0, max(1.0, math.ceil(start))))
+            return float(min(self.retry_after_max, max(1.0, math.ceil(start))))
         # Roughly: one mean hold time per queued request ahead, spread over the running ones.
         per = self._hold * (len(self._queue) + 1) / max(1, self._running)
-        return float(min(60.0, max(0.1, round(per, 2))))
+        return float(min(self.retry_after_max, max(0.1, round(per, 2))))

@@ -561,6 +561,14 @@ class LocalBackend:
                 self._batcher = Batcher(self.generator, kv_tokens=max(1, int(tokens)))
             return self._batcher
 
+    @property
+    def batched(self) -> bool:
+        """Whether plain ``generate`` calls go through the :attr:`batcher` (continuous batching
+        over its paged cache) — what admission needs to know: running requests then share
+        forward passes, and their KV lives in the paged cache allocated up front. Decided, and
+        the model loaded, on first use."""
+        return self.batcher is not None
+
     def close(self) -> None:
         """Stop the batching worker, if one runs (a later ``generate`` starts it again)."""
         if self._batcher is not None:

@@ -40,6 +40,7 @@ from .kvcache import (
 
 if TYPE_CHECKING:
     from .admission import MemoryModel, Throughput
+    from .kvcache import PagedCacheLayout
 
 __all__ = [
     "BudgetPlan",
@@ -876,13 +877,18 @@ def cap_plan_for_time(plan: BudgetPlan, speed: Mapping[str, Any], ttft_target: f
                    notes=(*plan.notes, note))
 
 
-def request_memory(plan: BudgetPlan, config: Any = None) -> MemoryModel:
+def request_memory(plan: BudgetPlan, config: Any = None, *,
+                   paged: PagedCacheLayout | None = None) -> MemoryModel:
     """What one request pins by ``plan``, for :class:`~ragbudget.admission.AdmissionController`:
     the memory left beside the weights, the KV bytes per token at their peak (sliding-window
     layers hold the whole prefill until the first decode step) plus per sequence, and the
     activation peak of a prefill of the request's own prompt — measured per token when a
     calibration was recorded, else :func:`estimate_activation_bytes` with the plan's attention
-    implementation (``eager`` materializes the L×L scores, so a long prompt costs far more)."""
+    implementation (``eager`` materializes the L×L scores, so a long prompt costs far more).
+
+    ``paged``: generation is batched over this paged cache (allocated up front, so resident
+    whatever runs). Its bytes leave the memory beside the weights, and the model counts each
+    request's KV in tokens against the cache (whole pages) and only its activations in bytes."""
     from .admission import MemoryModel
 
     cfg = config
@@ -906,9 +912,28 @@ def request_memory(plan: BudgetPlan, config: Any = None) -> MemoryModel:
               f"{plan.weights_bytes / GiB:.2f} GiB; per request KV "
               f"{plan.kv_bytes_per_token_peak:,} B/token + activations of its own prefill "
               f"({'calibrated' if cal is not None else f'{attn} estimate'})")
-    return MemoryModel(capacity_bytes=max(1, plan.usable_bytes - plan.weights_bytes),
+    free = plan.usable_bytes - plan.weights_bytes
+    if paged is None:
+        return MemoryModel(capacity_bytes=max(1, free),
+                           kv_bytes_per_token=plan.kv_bytes_per_token_peak,
+                           kv_fixed_bytes=plan.kv_fixed_bytes_per_sequence,
+                           activation=activation, source=source)
+    source = (f"{plan.gpu_source}: {plan.usable_bytes / GiB:.2f} GiB usable − weights "
+              f"{plan.weights_bytes / GiB:.2f} GiB − paged KV cache {paged.total_bytes / GiB:.2f} "
+              f"GiB; per request its KV in the paged cache ({paged.capacity_tokens:,} tokens, "
+              f"pages of {paged.page_size}) + activations of its own prefill "
+              f"({'calibrated' if cal is not None else f'{attn} estimate'})")
+    if free - paged.total_bytes <= 0:
+        raise BudgetError(
+            f"the paged KV cache of batched generation ({paged.total_bytes / GiB:.2f} GiB) leaves "
+            f"no memory beside the weights ({plan.weights_bytes / GiB:.2f} GiB of "
+            f"{plan.usable_bytes / GiB:.2f} GiB usable) for activations; give it fewer tokens "
+            "(LocalBackend(batch_kv_tokens=...)) or turn batching off",
+            needed=paged.total_bytes, available=max(0, free))
+    return MemoryModel(capacity_bytes=free - paged.total_bytes,
                        kv_bytes_per_token=plan.kv_bytes_per_token_peak,
                        kv_fixed_bytes=plan.kv_fixed_bytes_per_sequence,
+                       kv_pool_tokens=paged.capacity_tokens, kv_pool_page=paged.page_size,
                        activation=activation, source=source)
 
 

@@ -138,6 +138,10 @@ class TurnBudget:
     overrun: bool
     system: int = 0  # the client's system messages (part of ``fixed``: never cut)
     summary_cached: int = 0  # turns whose summary this turn took from a SummaryCache (no generate)
+    #: What set ``total``: ``"time"`` (the context was cut to the time-to-first-token target at
+    #: the measured prefill speed), ``"memory"``, ``"model"`` (the window), or a served
+    #: engine's binding limit; ``""`` when the report did not say.
+    limited_by: str = ""
 
     @property
     def history(self) -> int:
@@ -590,6 +594,13 @@ class Conversation:
         prompt_allowed = total - output
         system_tokens = self._meter.cost(self._state.system, question) if self._state.system else 0
         fixed = self._meter.fixed(question) + system_tokens
+        if not self.pipeline.served:
+            # The pipeline's own rule (Pipeline.ask decides by it too): memory and the window
+            # bound the question; a time cap never refuses one, it only shortens the context.
+            from .pipeline import prompt_room
+
+            prompt_allowed = prompt_room(self.pipeline.plan_for(output), fixed, output)
+            total = prompt_allowed + output
         room = prompt_allowed - fixed
         if room <= 0:
             what = "the question and system messages" if system_tokens else "the question"
@@ -642,6 +653,7 @@ class Conversation:
             summary_cached=self._cached_turns,
             overrun=prompt + output > total or history_tokens > history_allowed,
             system=system_tokens,
+            limited_by=str(b.get("limited_by") or ""),
         )
         report["memory"] = budget.to_dict()
         text = answer.text

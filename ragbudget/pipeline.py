@@ -415,6 +415,7 @@ class Pipeline:
         self._admission: AdmissionController | None = None
         self._admission_tuned = False
         self._speed_entry: dict[str, Any] | None = None
+        self._speed_checked = float("-inf")
         self._lock = threading.RLock()
 
     def __repr__(self) -> str:
@@ -613,6 +614,48 @@ class Pipeline:
                 log.warning("prefill speed not measured (%s): no time cap on the context", exc)
         return speed
 
+    #: Seconds between two looks at whether a provisional speed can be measured again.
+    SPEED_RECHECK_S = 30.0
+
+    def refresh_speed(self) -> bool:
+        """Measure the prefill and decode speed again when the one in use was taken on a busy
+        host (``provisional``) and both the host and this pipeline are idle now; then plan
+        again (the time cap) and give admission the new speed. True when it measured.
+
+        A server measures at warm-up, often while the host is busy: without this, a speed
+        several times too slow would cap every context and size every Retry-After for the
+        server's life. It looks at most every :attr:`SPEED_RECHECK_S` seconds, and measures
+        only with nothing running or queued (a few seconds, paid by the request that finds the
+        host idle), so requests never compete with the probe."""
+        entry = self._speed_entry
+        if not entry or not entry.get("provisional") or self.served:
+            return False
+        now = time.monotonic()
+        if now - self._speed_checked < self.SPEED_RECHECK_S:
+            return False
+        self._speed_checked = now
+        from .budget import lookup_prefill_speed
+
+        with self._lock:
+            ctl = self._admission
+            if ctl is not None:
+                s = ctl.stats()
+                if s.running or s.queued:
+                    return False
+            plan = self.plan
+            device = self._device_known()
+            if not device or lookup_prefill_speed(plan.model, device) is not None:
+                return False  # still busy: the lookup keeps the provisional entry
+            self._speed_entry = None
+            self._speed_entry = self._speed(plan.model)
+            self._plans.clear()  # the time cap follows the new speed
+            if ctl is not None and self._admission_tuned:
+                self._tune_admission(ctl)
+            log.info("measured the speed again on an idle host: %s",
+                     {k: self._speed_entry.get(k) for k in ("a", "b", "decode_s", "provisional")}
+                     if self._speed_entry else None)
+        return True
+
     def _cap_for_time(self, plan: BudgetPlan) -> BudgetPlan:
         """``plan`` capped by the time-to-first-token target, when one applies and the speed is
         known (:func:`~ragbudget.budget.cap_plan_for_time`)."""
@@ -653,18 +696,34 @@ class Pipeline:
         if gen is None or not (getattr(gen, "loaded", False) and getattr(gen, "model", None)
                                is not None):
             return  # a stand-in or a model not loaded yet: KV tokens only, as sized
+        from .backend import LocalBackend
         from .budget import request_memory, throughput_from_speed
 
         plan = self.plan
-        speed = self._speed_entry or self._speed(plan.model)
-        backend = self._backend
-        # A backend that shares forward passes between running requests says so (``batched``);
-        # without it each request runs its own generate and they share the cores.
-        batched = bool(getattr(backend, "batched", False) or getattr(gen, "batched", False))
-        throughput = throughput_from_speed(speed, batched=batched) if speed else None
-        ctl.configure(memory=request_memory(plan, gen.config), throughput=throughput,
-                      ttft_target=self._ttft_target())
+        speed = self._speed_entry = self._speed_entry or self._speed(plan.model)
+        backend = self.backend
+        # Batched generation shares forward passes between running requests, and holds their KV
+        # in its paged cache, allocated up front: tokens count against that cache, and only the
+        # activations against the memory left beside the weights and the cache.
+        batcher = backend.batcher if isinstance(backend, LocalBackend) and backend.batched else None
+        throughput = throughput_from_speed(speed, batched=batcher is not None) if speed else None
+        memory = request_memory(plan, gen.config,
+                                paged=batcher.layout if batcher is not None else None)
+        ctl.configure(memory=memory, throughput=throughput, ttft_target=self._ttft_target())
         self._admission_tuned = True
+
+    def admission_estimate(self, max_new_tokens: int | None = None) -> tuple[int, int]:
+        """``(tokens, prompt_tokens)`` a request is expected to reserve, known before its prompt
+        is built: the plan's per-request prompt allowance (capped for time on a CPU) and the
+        answer; on a served engine, its window. For a cheap look at admission (the server's early
+        429) — the real prompt, usually shorter, is what :meth:`ask` reserves."""
+        new = self.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
+        if self.served:
+            window = self.backend.capacity().max_context_tokens or new
+            prompt = max(0, window - new)
+        else:
+            prompt = self.plan_for(new).max_prompt_tokens
+        return prompt + new, prompt
 
     #: Admission capacity when a served engine says nothing of its KV cache or slots.
     UNLIMITED_TOKENS = 2**62
@@ -821,8 +880,7 @@ class Pipeline:
         # What memory and the window allow: a time cap shortens the context, never refuses a
         # question, and an explicit context_tokens pins the context whatever the time.
         max_prompt = _memory_max_prompt(plan)
-        if fixed > max_prompt:
-            raise _question_too_long(plan, fixed, max_new_tokens)
+        prompt_room(plan, fixed, max_new_tokens)  # refuses a question memory cannot hold
         cap: dict[str, Any] | None = None
         if context_tokens is not None:
             cap = {"limit": "context_tokens", "tokens": context_tokens}
@@ -944,6 +1002,7 @@ class Pipeline:
         new_tokens = self.max_new_tokens if max_new_tokens is None else max_new_tokens
         _check_call(on_text, cancel)
         t_start = time.perf_counter()
+        self.refresh_speed()
         prompt, plan, timings, cap = self._prompt(
             question,
             context_tokens=context_tokens,
@@ -976,8 +1035,17 @@ class Pipeline:
             if cancel is not None and cancel.is_set():
                 return cancelled()
             t0 = time.perf_counter()
+            shown = on_text
+            if on_text is not None:
+                def shown(piece: str) -> Any:
+                    # The first token tells admission how fast the prefill really was.
+                    reservation.first_token()
+                    return on_text(piece)
+
             gen = backend.generate(prompt, max_new_tokens=new_tokens, sampling=sampling, stop=stop,
-                                   on_text=on_text, cancel=cancel, **extra)
+                                   on_text=shown, cancel=cancel, **extra)
+            # And the whole request how fast it decoded: the time model follows the host.
+            reservation.finish(gen.new_tokens)
             timings["generate_s"] = time.perf_counter() - t0
         timings["total_s"] = time.perf_counter() - t_start
         final = gen.prompt if gen.prompt is not None else prompt
@@ -1022,6 +1090,28 @@ class Pipeline:
 
 #: Context tokens a time cap always leaves: room for (a cut window of) the best chunk.
 _MIN_TIME_CONTEXT = 256
+
+
+def prompt_room(plan: BudgetPlan, fixed: int, max_new_tokens: int) -> int:
+    """The prompt tokens a request may hold when its question (with the system prompt, history
+    and chat template) costs ``fixed``, by ``plan``: what memory and the model's window allow —
+    a question past that is a :class:`~ragbudget.errors.BudgetError` naming the limit — cut to
+    the plan's time cap when there is one, which never refuses a question and always leaves room
+    for (a cut window of) the best passage. :meth:`Pipeline.ask` and
+    :class:`~ragbudget.chat.Conversation` both decide by it.
+
+    >>> from ragbudget.budget import cap_plan_for_time, plan_budget
+    >>> plan = cap_plan_for_time(plan_budget("Qwen/Qwen3-8B", gpu="24GiB", max_new_tokens=256),
+    ...                          {"a": 0.001, "b": 0.0}, 1.0)
+    >>> prompt_room(plan, 100, 256), prompt_room(plan, 1500, 256)   # 1,000 in time; +256 past it
+    (1000, 1756)
+    """
+    memory = _memory_max_prompt(plan)
+    if fixed > memory:
+        raise _question_too_long(plan, fixed, max_new_tokens)
+    if plan.time_prompt_tokens is None or plan.ttft_target_s is None:
+        return memory
+    return min(memory, fixed + max(_MIN_TIME_CONTEXT, plan.time_prompt_tokens - fixed))
 
 
 def _memory_max_prompt(plan: BudgetPlan) -> int:

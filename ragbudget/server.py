@@ -288,6 +288,7 @@ class Metrics:
         self.oom_steps = 0
         self.cancelled = 0
         self.rejected = 0
+        self.refused_early = 0  # of those, refused before their prompt was built
         self.tokens_prompt = 0
         self.tokens_completion = 0
         self.summary_turns_cached = 0
@@ -327,6 +328,9 @@ class Metrics:
                 out.append(f"ragbudget_requests_total{_labels({'endpoint': endpoint, 'status': status})} {n}")
             for name, help_, value in (
                 ("ragbudget_rejected_total", "Requests refused with 429 by admission control.", self.rejected),
+                ("ragbudget_refused_before_retrieval_total",
+                 ("429s answered before any retrieval or prompt building (queue full, or the "
+                  "first token would come past the queue time-out)."), self.refused_early),
                 ("ragbudget_cancelled_total", "Requests whose client disconnected before the end.", self.cancelled),
                 ("ragbudget_oom_steps_total", "Steps taken down the OOM fallback ladder.", self.oom_steps),
                 ("ragbudget_prompt_tokens_total", "Prompt tokens processed.", self.tokens_prompt),
@@ -378,7 +382,7 @@ def _fmt(value: float) -> str:
 # measured throughput, refuses for time as well (issue #14).
 _ADMISSION_FIGURES = ("running", "queued", "admitted_tokens", "capacity_tokens", "capacity_bytes",
                       "admitted_bytes", "peak_admitted_bytes", "refused_for_time_total",
-                      "work_ahead_s")
+                      "work_ahead_s", "slowdown")
 
 
 class _EngineLoad:
@@ -1202,6 +1206,8 @@ def create_app(
             "refused_for_time_total": ("ragbudget_refused_for_time_total",
                                        "Requests refused because their first token would come past the queue time-out."),
             "work_ahead_s": ("ragbudget_work_ahead_seconds", "Estimated single-stream seconds of work admitted and queued."),
+            "slowdown": ("ragbudget_admission_slowdown",
+                         "Wall seconds per measured second of model work, learnt from the requests that ran."),
         }
         for key, (name, text) in help_.items():
             if key in stats:
@@ -1265,23 +1271,38 @@ def create_app(
             active.discard(cancel)
         return response  # a stream leaves `active` when it is closed (see _closing)
 
-    def overloaded(why: str) -> _APIError:
+    def overloaded(why: str, retry_after: float | None = None) -> _APIError:
+        retry = hold["seconds"] if retry_after is None else retry_after
         return _APIError(429, f"server overloaded: {why}; retry after the Retry-After header",
                          type="rate_limit_error", code="overloaded",
-                         headers={"Retry-After": _retry_after(hold["seconds"])})
+                         headers={"Retry-After": _retry_after(retry)})
 
     async def reject_if_overloaded(req: _ChatRequest) -> None:
-        """Answer 429 before any retrieval work when admission's queue is already full, or when
-        the served engine says it is (its own queue, or no free KV for even the answer).
+        """Answer 429 before any retrieval work when admission's queue is already full, when the
+        first token of a request of the plan's per-request size would come past the queue
+        time-out (admission's time rule, :meth:`AdmissionController.would_refuse`), or when the
+        served engine says it is full (its own queue, or no free KV for even the answer).
 
-        A shortcut for the queue: building the prompt (embedding, selection) costs CPU, and under
-        overload every refused request would pay it first. Racy by nature; the controller still
-        decides. The engine's figures are the only word on load from others sharing it."""
+        A shortcut: building the prompt (embedding, retrieval, selection) costs seconds of CPU on
+        a loaded host, and under overload every refused request would pay it first. Racy by
+        nature and judged on an estimate of the prompt; the controller still decides when the
+        real prompt is admitted. The engine's figures are the only word on load from others
+        sharing it."""
         ctl = await admission()
         if ctl is not None:
             queued = ctl.stats().queued
             if queued >= ctl.max_queue:
+                metrics.add("refused_early", 1)
                 raise overloaded(f"{queued} requests already wait for KV memory")
+            if ctl.throughput is not None:
+                max_new = pipeline.max_new_tokens if req.max_tokens is None else req.max_tokens
+                tokens, prompt = await asyncio.to_thread(pipeline.admission_estimate, max_new)
+                retry = ctl.would_refuse(tokens, prompt_tokens=prompt, refuse=True)
+                if retry is not None:
+                    metrics.add("refused_early", 1)
+                    raise overloaded(
+                        f"the first token of a {prompt}-token prompt would come past the queue "
+                        f"time-out of {ctl.timeout:g} s at the measured speed", retry)
         if engine_load is not None:
             max_new = pipeline.max_new_tokens if req.max_tokens is None else req.max_tokens
             why = engine_load.refusal(await asyncio.to_thread(engine_load.read), max_new)
@@ -1574,6 +1595,17 @@ def serve(
             # Size admission now, from the loaded model's plan and its measured prefill/decode
             # speed, so the first request does not pay for the measurement.
             log.info("admission: %s", pipeline.admission_note())
+            # Open the index and load its embedder too: the first request does not pay for them,
+            # and the RSS after warm-up is what requests add to.
+            pipeline.search("warm-up", k=1)
+            from .backend import LocalBackend
+
+            backend = pipeline.backend
+            if isinstance(backend, LocalBackend) and backend.batched:
+                # Start the batching loop now: its paged cache is allocated (and resident) before
+                # the first request, which admission already counts as taken (see admission).
+                backend.generate("warm-up", max_new_tokens=1)
+                log.info("batched generation: %s", backend.capacity().kv_total_source)
         app = create_app(pipeline, api_key=api_key, expose_plan=expose_plan, **app_options)
         # Bounded graceful shutdown: open streams are cancelled by the app's lifespan, not awaited forever.
         config = uvicorn.Config(app, host=host, port=sock.getsockname()[1], log_level=log_level,

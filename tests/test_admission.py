@@ -346,3 +346,187 @@ def test_batched_backend_admits_more_next_to_decoding_requests() -> None:
     # Threads share the cores: 7 ways. A batch shares forward passes: prefill + one batch.
     assert _first_token_if_started(job, decoding, alone) == pytest.approx(3.5)
     assert _first_token_if_started(job, decoding, shared) == pytest.approx(1.0)
+
+
+def test_with_a_paged_cache_tokens_count_against_it_and_activations_against_memory() -> None:
+    # KV at 100 B/token would make a 600-token request 60,000 B, far past the 6,000 B of memory:
+    # with the KV in a paged cache allocated up front (1,024 tokens, pages of 32) those bytes are
+    # already resident, so only the activations (8 B per prompt token) count against memory.
+    mem = MemoryModel(capacity_bytes=6_000, kv_bytes_per_token=100, kv_pool_tokens=1024,
+                      kv_pool_page=32, activation=lambda n: 8 * n)
+    ctl = AdmissionController(10**6, memory=mem, max_queue=4, timeout=0.05)
+    a = ctl.acquire(600, prompt_tokens=500)  # 608 pool tokens (19 pages), 4,000 B
+    s = ctl.stats()
+    assert (s.capacity_tokens, s.admitted_tokens, s.admitted_bytes) == (1024, 608, 4000)
+    # Fits memory (4,000 + 800 B) but not the paged cache (608 + 512 > 1,024 tokens): it queues.
+    with pytest.raises(OverloadedError, match="paged cache's 1024 tokens"):
+        ctl.acquire(500, prompt_tokens=100)
+    # Fits the paged cache (608 + 320 tokens) but not memory (4,000 + 2,400 > 6,000 B): queues.
+    with pytest.raises(OverloadedError, match="waited"):
+        ctl.acquire(300, prompt_tokens=300)
+    a.release()
+    with ctl.reserve(500, prompt_tokens=100), ctl.reserve(300, prompt_tokens=300):
+        assert ctl.stats().admitted_tokens == 512 + 320
+    # More than the whole cache can never run.
+    with pytest.raises(BudgetError, match="paged cache of batched generation holds 1024"):
+        ctl.acquire(1100, prompt_tokens=10)
+    assert ctl.stats().admitted_tokens == 0 and ctl.stats().admitted_bytes == 0
+
+
+def test_simulate_counts_the_paged_cache_as_a_second_resource() -> None:
+    from ragbudget.admission import _Job
+
+    a = _Job(prefill=1.0, decode=1.0, cost=1, tokens=600)
+    b = _Job(prefill=1.0, decode=1.0, cost=1, tokens=600)
+    # Memory for both, but the 1,000-token cache for one at a time: b starts when a ends.
+    assert simulate([], [a, b], throughput=THR, capacity=10, ttft_target=None) == [2.0, 2.0]
+    assert simulate([], [a, b], throughput=THR, capacity=10, ttft_target=None,
+                    token_capacity=1000) == [1.0, 3.0]
+
+
+def test_retry_after_is_bounded_by_the_queue_timeout() -> None:
+    # A decode speed measured on a busy host: 10 s a token, so a 100-token answer is 1,000 s.
+    slow = Throughput(prefill_a=0.001, decode_s=10.0)
+    clock = Clock()
+    ctl = AdmissionController(10**6, max_queue=1, timeout=5.0, throughput=slow, ttft_target=0.5,
+                              clock=clock)
+    assert ctl.retry_after_max == 20.0
+    ctl.acquire(1100, prompt_tokens=1000)
+    # A second cannot start next to it (its prefill would pass 0.5 s) and its first token is
+    # ~1,000 s away: refused for time, told to come back within 4 queue time-outs, not in 17 min.
+    with pytest.raises(OverloadedError) as err:
+        ctl._enqueue(1100, 1000)
+    assert 1.0 <= err.value.retry_after <= 20.0 and ctl.stats().refused_for_time_total == 1
+    # The queue-full refusal is bounded the same way.
+    ctl.timeout = 10**6
+    ctl._enqueue(1100, 1000)
+    with pytest.raises(OverloadedError, match="queue limit") as err:
+        ctl._enqueue(1100, 1000)
+    assert 1.0 <= err.value.retry_after <= ctl.retry_after_max
+
+
+def test_would_refuse_looks_without_changing_anything() -> None:
+    clock = Clock()
+    ctl = AdmissionController(10**6, max_queue=64, timeout=5.0, throughput=THR, ttft_target=1.5,
+                              clock=clock)
+    assert ctl.would_refuse(1100, prompt_tokens=1000) is None  # idle: it would start at once
+    for _ in range(3):  # first tokens at 1, 3, 5 s
+        ctl._enqueue(1100, 1000)
+    before = ctl.stats()
+    retry = ctl.would_refuse(1100, prompt_tokens=1000)  # the fourth's at 7 s: 2 s past
+    assert retry == 2.0
+    assert ctl.would_refuse(1100, prompt_tokens=1000) == 2.0  # no promise was made
+    assert ctl.stats() == before  # nothing counted, nothing queued
+    # As a refusal (the server's early 429): counted, and the next one is sent back later.
+    first = ctl.would_refuse(1100, prompt_tokens=1000, refuse=True)
+    assert first == 2.0 and ctl.stats().refused_for_time_total == 1
+    assert ctl.would_refuse(1100, prompt_tokens=1000, refuse=True) == 4.0
+
+
+def test_a_speed_measured_on_a_busy_host_is_measured_again_once_idle(tmp_path, monkeypatch) -> None:
+    """A server that warmed up on a busy host must not keep that slow speed (its time cap and its
+    Retry-After) for life: once the host and the pipeline are idle it measures again."""
+    from _tiny_lm import tiny_model, tiny_tokenizer
+
+    import ragbudget.budget
+    from ragbudget.generate import Generator
+    from ragbudget.pipeline import Pipeline
+
+    monkeypatch.setenv("RAGBUDGET_CACHE", str(tmp_path / "cache"))
+    load = {"now": 3.0}
+    monkeypatch.setattr(ragbudget.budget, "_load_per_core", lambda: load["now"])
+    pipe = Pipeline(tmp_path / "index", gpu="16GiB", ttft_target=1.0,
+                    generator=Generator.from_objects(tiny_model(), tiny_tokenizer()))
+    ctl = pipe.admission
+    assert ctl.throughput is not None and "provisional" in ctl.throughput.source
+    pipe.SPEED_RECHECK_S = 0.0
+    assert pipe.refresh_speed() is False  # still busy: nothing measured
+    load["now"] = 0.1
+    held = ctl.acquire(100, prompt_tokens=50)
+    assert pipe.refresh_speed() is False  # a request runs: it would compete with the probe
+    held.release()
+    assert pipe.refresh_speed() is True
+    assert "provisional" not in ctl.throughput.source and pipe.admission is ctl
+    assert pipe.refresh_speed() is False  # measured once: no longer provisional
+
+
+def test_the_model_learns_the_speed_the_host_has_now() -> None:
+    """Measured idle, run busy: each request takes twice what the model says. Observing the
+    requests that ran brings the model's slowdown to 2, and with it the first-token estimate."""
+    clock = Clock()
+    ctl = AdmissionController(10**6, timeout=60.0, throughput=THR, clock=clock)
+    assert ctl.expected_first_token(1100, prompt_tokens=1000) == pytest.approx(1.0)
+    for _ in range(12):
+        r = ctl.acquire(1100, prompt_tokens=1000)  # 1 s prefill + 1 s decode, by the model
+        clock.t += 4.0  # ... took 4 s: prefill 2 s, decode 2 s
+        r.finish(new_tokens=100)
+        r.release()
+    assert ctl.stats().slowdown == pytest.approx(2.0, abs=0.01)
+    assert ctl.expected_first_token(1100, prompt_tokens=1000) == pytest.approx(2.0, abs=0.02)
+    # The first token alone is a sample too: a prefill that took as long as modelled pulls back.
+    r = ctl.acquire(1100, prompt_tokens=1000)
+    clock.t += 2.0
+    r.first_token()
+    r.first_token()  # counted once
+    r.release()
+    assert ctl.stats().slowdown == pytest.approx(2.0, abs=0.01)
+    fast = ctl.acquire(1100, prompt_tokens=1000)
+    clock.t += 0.5  # the host got idle: the prefill took 0.5 s where the model said 2
+    fast.first_token()
+    fast.release()
+    assert ctl.stats().slowdown == pytest.approx(1.0, abs=0.01)
+
+
+def test_a_batching_backend_starts_whatever_fits_and_still_refuses_for_time() -> None:
+    """Batched, sharing raises everyone's tokens/s: a full-length request (its prefill alone
+    takes the whole 1 s target) starts next to the running ones instead of waiting for them all
+    to end; the arrival rule still refuses what would miss the queue time-out."""
+    batched = Throughput(prefill_a=0.001, decode_s=0.01, batched=True, decode_extra_s=0.001)
+    clock = Clock()
+    ctl = AdmissionController(10**6, timeout=8.0, throughput=batched, ttft_target=1.0,
+                              clock=clock)
+    held = [ctl.acquire(1100, prompt_tokens=1000) for _ in range(4)]  # none waits
+    assert ctl.stats().running == 4 and ctl.stats().queued == 0
+    # Prefills share the host: the n-th starts while n × 1 s ≤ 8 s; the 9th is refused.
+    waiting = [ctl._enqueue(1100, 1000) for _ in range(4)]
+    assert [w.granted for w in waiting] == [True] * 4 and ctl.stats().running == 8
+    with pytest.raises(OverloadedError, match="past the queue time-out"):
+        for _ in range(20):
+            waiting.append(ctl._enqueue(1100, 1000))
+    held += [ctl._reservation(w) for w in waiting if w.granted]
+    assert ctl.stats().running == 8 and ctl.stats().refused_for_time_total == 1
+    # Unbatched, the same requests run one at a time (the second would share the cores).
+    serial = AdmissionController(10**6, timeout=8.0, throughput=THR, ttft_target=1.0,
+                                 clock=clock)
+    serial.acquire(1100, prompt_tokens=1000)
+    assert not serial._enqueue(1100, 1000).granted
+    for r in held:
+        r.release()
+
+
+def test_many_requests_ending_together_do_not_overshoot_the_slowdown() -> None:
+    """Four requests that ran side by side on a host twice as slow as measured end at once: each
+    says "2×", so the learnt slowdown approaches 2 and never passes it (each request's own
+    slowdown is taken at the speed it ran at, not against one learnt since)."""
+    clock = Clock()
+    ctl = AdmissionController(10**6, timeout=60.0, throughput=THR, clock=clock)
+    held = [ctl.acquire(1100, prompt_tokens=1000) for _ in range(4)]  # 2 s of work each
+    clock.t += 16.0  # sharing 4 ways the model says 8 s; it took 16
+    for r in held:
+        r.finish(new_tokens=100)
+        r.release()
+    assert 1.8 < ctl.stats().slowdown <= 2.0
+
+
+def test_an_idle_controller_never_refuses_for_time() -> None:
+    """However slow the host has become (a learnt slowdown of 100: a prefill alone takes 100 s,
+    past the 30 s time-out), a request that finds nothing running starts — the early look says
+    so too — else an idle server would refuse every request and never learn the host is fast
+    again."""
+    slow = Throughput(prefill_a=0.001, decode_s=0.01, slowdown=100.0)
+    ctl = AdmissionController(10**6, timeout=30.0, throughput=slow, ttft_target=1.0,
+                              clock=Clock())
+    assert ctl.would_refuse(1100, prompt_tokens=1000, refuse=True) is None
+    r = ctl.acquire(1100, prompt_tokens=1000)
+    assert ctl.would_refuse(1100, prompt_tokens=1000, refuse=True) is not None  # now busy
+    r.release()

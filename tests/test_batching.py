@@ -150,3 +150,26 @@ def test_an_eager_model_is_not_batched(gen) -> None:
     assert LocalBackend(eager).generate("hi", max_new_tokens=2).cache == "dynamic"
     with pytest.raises(ConfigError, match="batching=False"):
         LocalBackend(eager, batching=True).generate("hi", max_new_tokens=2)
+
+
+def test_admission_counts_the_paged_cache_when_the_backend_batches(gen, tmp_path, monkeypatch) -> None:
+    from ragbudget.pipeline import Pipeline
+
+    monkeypatch.setenv("RAGBUDGET_CACHE", str(tmp_path / "cache"))  # the speed probe's record
+    backend = LocalBackend(gen, gpu="1GiB", batch_kv_tokens=256)
+    try:
+        assert backend.batched is True
+        rb = Pipeline(tmp_path / "index", backend=backend, gpu="1GiB")
+        ctl = rb.admission
+        layout, plan = backend.batcher.layout, rb.plan
+        # Tokens against the paged cache; bytes: the memory beside the weights and the cache.
+        assert ctl.token_capacity == layout.capacity_tokens == 256
+        assert ctl.memory.capacity_bytes == plan.usable_bytes - plan.weights_bytes - layout.total_bytes
+        assert ctl.throughput is not None and ctl.throughput.batched
+        assert ctl.memory.request_bytes(prompt_tokens=10, tokens=100) == ctl.memory.activation_bytes(10)
+    finally:
+        backend.close()
+    off = LocalBackend(gen, gpu="1GiB", batching=False)
+    assert off.batched is False
+    ctl = Pipeline(tmp_path / "index2", backend=off, gpu="1GiB").admission
+    assert ctl.token_capacity is None and not ctl.throughput.batched

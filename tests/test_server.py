@@ -678,6 +678,41 @@ def test_full_queue_is_refused_before_any_retrieval_work() -> None:
         waiting.join(timeout=30)
 
 
+def test_a_request_whose_first_token_would_miss_the_timeout_is_429_before_retrieval(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the controller saturated for time, the 429 (with a bounded Retry-After) comes back
+    before retrieval and prompt building, which on a loaded host take longer than the answer."""
+    from ragbudget.admission import Throughput
+
+    pipe = fake_pipeline(timeout=5.0, index_dir=corpus_index("hash:256"))
+    ctl = pipe.admission  # the real controller; a measured speed: 1 ms/prompt token, 1 s/token
+    ctl.configure(throughput=Throughput(prefill_a=0.001, decode_s=1.0), ttft_target=1.0)
+    searched: list[str] = []
+    search = pipe.search
+    monkeypatch.setattr(pipe, "search", lambda q, k=5: searched.append(q) or search(q, k))
+    # One running request with ~14 s of work left: a 3,840-token prompt (the 4,096 window less
+    # 256 of answer) cannot start next to it within the 1 s target, nor get its first token
+    # within 5 s after it.
+    held = ctl.acquire(4096, prompt_tokens=4086)
+    with running(pipe) as url:
+        n_counts, t0 = fake(pipe).counted, time.perf_counter()
+        r = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": user()})
+        assert r.status_code == 429 and r.json()["error"]["code"] == "overloaded"
+        assert 1 <= int(r.headers["retry-after"]) <= ctl.retry_after_max == 20
+        assert "past the queue time-out" in r.json()["error"]["message"]
+        assert searched == [] and fake(pipe).counted == n_counts  # no retrieval, no counting
+        assert ctl.stats().refused_for_time_total == 1  # counted, its return promised
+        again = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": user()})
+        # The next refused client is sent back after the first one, not at the same second.
+        assert int(again.headers["retry-after"]) > int(r.headers["retry-after"])
+        assert "ragbudget_refused_before_retrieval_total 2" in httpx.get(url + "/metrics").text
+        held.release()  # the host is free: the same request runs
+        ok = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": user()},
+                        timeout=30)
+        assert ok.status_code == 200 and len(searched) == 1, ok.text  # promises never block
+        assert time.perf_counter() - t0 < 30
+
+
 # --- never a 5xx for a client's doing, never healthy when it cannot serve (issue #19) ---------------
 
 
@@ -1215,3 +1250,40 @@ def test_engine_without_metrics_admits_and_says_admission_is_open(tmp_path: Path
     assert "ragbudget_engine_admission_open 1" in metrics
     assert "ragbudget_engine_waiting_requests" not in metrics
     assert health["engine_load"]["open"] is True and health["engine_load"]["note"].startswith("open")
+
+
+# --- a context cut for time says so, and a long question is handled alike by ask and chat ---------
+
+
+def test_time_capped_plan_is_named_in_memory_and_a_long_question_is_answered_by_ask_and_chat(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a host where prefill runs 1 ms a token, a 0.2 s target caps the prompt at 200 tokens.
+    A question longer than that is not refused by either path (memory and the window allow it;
+    time only shortens the context), and the response's ``ragbudget.memory`` says the per-request
+    budget was set by time."""
+    from _tiny_lm import tiny_model, tiny_tokenizer
+    from fastapi.testclient import TestClient
+
+    import ragbudget.budget
+    from ragbudget.chat import Conversation
+    from ragbudget.generate import Generator
+
+    monkeypatch.setattr(ragbudget.budget, "lookup_prefill_speed",
+                        lambda model, device: {"a": 0.001, "b": 0.0, "decode_s": 0.01})
+    pipe = Pipeline(corpus_index("hash:256"), max_new_tokens=4, gpu="16GiB", ttft_target=0.2,
+                    generator=Generator.from_objects(tiny_model(), tiny_tokenizer()))
+    assert pipe.plan.limited_by == "time" and pipe.plan.max_prompt_tokens == 200
+    question = "How is the KV cache budget computed? " + "Answer with care. " * 20  # ~400 tokens
+    answer = pipe.ask(question)
+    turn = Conversation(pipe).ask(question)
+    assert answer.report["budget"]["fixed_prompt_tokens"] > 200
+    for budget in (answer.report["budget"], turn.answer.report["budget"]):
+        # Room for a cut best passage past the question, as the time cap always leaves.
+        assert budget["limited_by"] == "time" and budget["context_tokens_used"] > 0
+    assert turn.budget.limited_by == "time" and not turn.budget.overrun
+    assert turn.budget.prompt_allowed == answer.report["budget"]["fixed_prompt_tokens"] + 256
+    r = TestClient(create_app(pipe, model_name=MODEL)).post(
+        "/v1/chat/completions", json={"model": MODEL, "messages": user(question)})
+    assert r.status_code == 200, r.text
+    assert r.json()["ragbudget"]["memory"]["limited_by"] == "time"
+    assert r.json()["ragbudget"]["budget"]["limited_by"] == "time"
