@@ -180,7 +180,7 @@ def main(bursts: tuple[int, ...] = (32, 64), max_tokens: int | None = None,
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        log = open(Path(tmp) / "serve.log", "w")
+        log = open(Path(tmp) / "serve.log", "w")  # noqa: SIM115 - the server's stdout for its whole life
         server = subprocess.Popen([py, "-m", "ragbudget.cli", "serve", "--index-dir", str(index),
                                    "--port", str(port)], cwd=ROOT, env=env, stdout=log,
                                   stderr=subprocess.STDOUT)

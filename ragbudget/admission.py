@@ -315,7 +315,7 @@ def simulate(running: Sequence[_Job], queued: Sequence[_Job], *, throughput: Thr
         rates = _rates(run, throughput)
         # The next event: a job ends its prefill or its work, or the head's promise arrives.
         step = math.inf
-        for job, rate in zip(run, rates):
+        for job, rate in zip(run, rates, strict=True):
             edge = job.prefill if job.in_prefill() else job.work
             if rate > 0:
                 step = min(step, (edge - job.served) / rate)
@@ -326,7 +326,7 @@ def simulate(running: Sequence[_Job], queued: Sequence[_Job], *, throughput: Thr
         step = max(step, 0.0)
         t += step
         still: list[_Job] = []
-        for job, rate in zip(run, rates):
+        for job, rate in zip(run, rates, strict=True):
             was_prefill = job.in_prefill()
             job.served += rate * step
             if was_prefill and job.served >= job.prefill - 1e-9:
@@ -722,7 +722,7 @@ class AdmissionController:
         thr = self.throughput
         if thr is None or not self._running_jobs or dt == 0:
             return
-        for job, rate in zip(self._running_jobs, _rates(self._running_jobs, thr)):
+        for job, rate in zip(self._running_jobs, _rates(self._running_jobs, thr), strict=True):
             # A job the model thinks is done while it still runs (it decodes slower than
             # measured) keeps one decode step of work: it is still there.
             job.served = min(job.served + rate * dt, max(job.prefill, job.work - thr.decode_s))

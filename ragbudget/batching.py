@@ -327,7 +327,8 @@ class Batcher:
                 except queue.Empty:
                     if not manager.is_running():
                         error = manager.background_thread_status.fatal_error
-                        raise ModelError(f"the batching worker stopped: {error or 'no reason given'}")
+                        raise ModelError(
+                            f"the batching worker stopped: {error or 'no reason given'}") from None
                     continue
                 if out.error is not None:
                     raise ModelError(f"batched generation failed: {out.error}")

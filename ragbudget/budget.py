@@ -131,7 +131,7 @@ def count_parameters(config: Any) -> int:
     n_layers = int(c.get("num_hidden_layers", "n_layer", "num_layers"))
     heads = int(c.get("num_attention_heads", "n_head", "num_heads"))
     V = int(c.get("vocab_size", default=32000))
-    I = int(c.get("intermediate_size", "ffn_dim", "n_inner", default=0) or 4 * H)
+    inter = int(c.get("intermediate_size", "ffn_dim", "n_inner", default=0) or 4 * H)
     kv = int(c.get("num_key_value_heads", "num_kv_heads", default=heads))
     hd = c.get("head_dim")
     hd = int(hd) if isinstance(hd, int) and hd > 0 else H // heads
@@ -161,10 +161,10 @@ def count_parameters(config: Any) -> int:
         if experts:
             first_dense = int(c.get("first_k_dense_replace", default=0))
             if i < first_dense:
-                mlp_layers.append(mats * H * I)
+                mlp_layers.append(mats * H * inter)
                 continue
             E = int(experts)
-            mI = int(c.get("moe_intermediate_size", default=I))
+            mI = int(c.get("moe_intermediate_size", default=inter))
             p = E * mats * H * mI + H * E  # experts + router
             if mt == "gpt_oss":
                 p += E * (2 * mI + H) + E  # expert biases + router bias
@@ -176,7 +176,7 @@ def count_parameters(config: Any) -> int:
                 p += mats * H * int(sh_i) + H  # shared expert + its gate
             mlp_layers.append(p)
         else:
-            mlp_layers.append(mats * H * I)
+            mlp_layers.append(mats * H * inter)
     norms_per_layer = 4 * H if mt.startswith(("gemma2", "gemma3")) else 2 * H
     total = n_layers * (attn + norms_per_layer) + sum(mlp_layers)
     total += V * H + H  # embeddings + final norm
@@ -230,12 +230,12 @@ def estimate_activation_bytes(
     kv = int(c.get("num_key_value_heads", "num_kv_heads", default=heads))
     hd = c.get("head_dim")
     hd = int(hd) if isinstance(hd, int) and hd > 0 else (H // heads if heads else 0)
-    I = int(c.get("intermediate_size", "ffn_dim", default=0) or 4 * H)
+    inter = int(c.get("intermediate_size", "ffn_dim", default=0) or 4 * H)
     experts = c.get("num_local_experts", "n_routed_experts", "num_experts")
     if experts:
-        mI = int(c.get("moe_intermediate_size", default=I))
+        mI = int(c.get("moe_intermediate_size", default=inter))
         topk = int(c.get("num_experts_per_tok", default=2))
-        I = max(mI * topk, I if c.get("first_k_dense_replace") else 0)
+        inter = max(mI * topk, inter if c.get("first_k_dense_replace") else 0)
     V = int(c.get("vocab_size", default=32000))
     bt = batch_size * tokens
     stream = 3 * bt * H * d  # residual, normed input, layer output
@@ -253,7 +253,7 @@ def estimate_activation_bytes(
         attn = bt * heads * hd * d  # output only; kernels tile the scores
         # Causal full attention needs no mask (is_causal); sliding layers get a boolean one.
         masks = l2 if sliding else 0
-    mlp = 3 * bt * I * d
+    mlp = 3 * bt * inter * d
     logit_rows = batch_size if logits == "last" else bt
     logits_bytes = logit_rows * V * (d + 4)  # lm_head output + float32 copy in generate
     return int(stream + qkv + max(attn, mlp) + masks + logits_bytes)
@@ -1010,7 +1010,7 @@ def plot_plan(plan: BudgetPlan, path: str | os.PathLike[str]) -> str:
     a.set_title(f"{plan.gpu_name}: {plan.usable_bytes / GiB:.1f} GiB usable")
     a.legend(fontsize=8)
     if plan.concurrency_curve:
-        xs, ys = zip(*plan.concurrency_curve)
+        xs, ys = zip(*plan.concurrency_curve, strict=True)
         b.plot(xs, ys, marker="o")
         b.set_xscale("log", base=2)
     b.set_xlabel("concurrent requests")

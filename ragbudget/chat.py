@@ -85,18 +85,171 @@ _WORD = re.compile(r"[\w][\w'-]*")
 # treated as a follow-up. Deliberately small: a false positive only adds a few related terms to
 # the retrieval query, a false negative retrieves for the bare question.
 _ANAPHORA = frozenset(
-    "it its it's this that these those they them their theirs he him his she her hers there "
-    "former latter same above previous earlier one ones".split()
+    [
+        "it",
+        "its",
+        "it's",
+        "this",
+        "that",
+        "these",
+        "those",
+        "they",
+        "them",
+        "their",
+        "theirs",
+        "he",
+        "him",
+        "his",
+        "she",
+        "her",
+        "hers",
+        "there",
+        "former",
+        "latter",
+        "same",
+        "above",
+        "previous",
+        "earlier",
+        "one",
+        "ones",
+    ]
 )
 _FOLLOW_UP_OPENERS = ("what about", "how about", "and", "also", "what else", "anything else", "same for")
 _STOPWORDS = frozenset(
-    """a about above after again against all am an and any are as at be because been before being
-    below between both but by can could did do does doing down during each few for from further had
-    has have having here how i if in into is just me more most my no nor not now of off on once only
-    or other our out over own same should so some such than that the then there these they this
-    those through to too under until up very was we were what when where which while who whom why
-    will with would you your yours it its it's their them he she his her please tell explain
-    describe give show know say said also else anything something thing things get got""".split()
+    [
+        "a",
+        "about",
+        "above",
+        "after",
+        "again",
+        "against",
+        "all",
+        "am",
+        "an",
+        "and",
+        "any",
+        "are",
+        "as",
+        "at",
+        "be",
+        "because",
+        "been",
+        "before",
+        "being",
+        "below",
+        "between",
+        "both",
+        "but",
+        "by",
+        "can",
+        "could",
+        "did",
+        "do",
+        "does",
+        "doing",
+        "down",
+        "during",
+        "each",
+        "few",
+        "for",
+        "from",
+        "further",
+        "had",
+        "has",
+        "have",
+        "having",
+        "here",
+        "how",
+        "i",
+        "if",
+        "in",
+        "into",
+        "is",
+        "just",
+        "me",
+        "more",
+        "most",
+        "my",
+        "no",
+        "nor",
+        "not",
+        "now",
+        "of",
+        "off",
+        "on",
+        "once",
+        "only",
+        "or",
+        "other",
+        "our",
+        "out",
+        "over",
+        "own",
+        "same",
+        "should",
+        "so",
+        "some",
+        "such",
+        "than",
+        "that",
+        "the",
+        "then",
+        "there",
+        "these",
+        "they",
+        "this",
+        "those",
+        "through",
+        "to",
+        "too",
+        "under",
+        "until",
+        "up",
+        "very",
+        "was",
+        "we",
+        "were",
+        "what",
+        "when",
+        "where",
+        "which",
+        "while",
+        "who",
+        "whom",
+        "why",
+        "will",
+        "with",
+        "would",
+        "you",
+        "your",
+        "yours",
+        "it",
+        "its",
+        "it's",
+        "their",
+        "them",
+        "he",
+        "she",
+        "his",
+        "her",
+        "please",
+        "tell",
+        "explain",
+        "describe",
+        "give",
+        "show",
+        "know",
+        "say",
+        "said",
+        "also",
+        "else",
+        "anything",
+        "something",
+        "thing",
+        "things",
+        "get",
+        "got",
+    ]
 )
 
 
@@ -517,11 +670,12 @@ class Conversation:
         for i, m in enumerate(messages):
             role, content = m.get("role"), m.get("content")
             if not isinstance(content, str) or role not in ("system", "user", "assistant"):
-                raise ConfigError(f"history message {i} must have role system/user/assistant and text "
-                                  f"content; got {m!r}")
+                raise ConfigError(
+                    f"history message {i} must have role system/user/assistant and text content; got {m!r}"
+                )
             if role == "system":
                 if content.startswith(SUMMARY_PREFIX) and not state.summary:
-                    state.summary = content[len(SUMMARY_PREFIX):]
+                    state.summary = content[len(SUMMARY_PREFIX) :]
                 else:
                     state.system.append({"role": "system", "content": content})
             elif role == "user":
@@ -572,17 +726,18 @@ class Conversation:
                 messages.append({"role": "assistant", "content": t.answer})
         return messages
 
-    def _history_cost(self, question: str, *, turns: Sequence[Turn] | None = None,
-                      summary: str | None = None) -> int:
+    def _history_cost(self, question: str, *, turns: Sequence[Turn] | None = None, summary: str | None = None) -> int:
         """Tokens of the summary and turns (not the system messages, which are fixed)."""
         system = self._state.system
-        return (self._meter.cost(self.history_messages(turns, summary), question)
-                - (self._meter.cost(system, question) if system else 0))
+        return self._meter.cost(self.history_messages(turns, summary), question) - (
+            self._meter.cost(system, question) if system else 0
+        )
 
     # -- one turn --
 
-    def ask(self, question: str, *, on_text: Callable[[str], Any] | None = None, cancel: Any = None,
-            **generate_options: Any) -> ChatTurn:
+    def ask(
+        self, question: str, *, on_text: Callable[[str], Any] | None = None, cancel: Any = None, **generate_options: Any
+    ) -> ChatTurn:
         """Answer ``question`` with the conversation as history; fold older turns into the summary
         first when history would overflow its share. ``generate_options`` (``temperature``,
         ``top_p``, ``seed``, ``stop``, …) go to ``pipeline.ask`` for the answer; the summary is
@@ -623,14 +778,19 @@ class Conversation:
         if self.context_tokens is not None:
             context_allowed = min(context_allowed, self.context_tokens)
 
-        previous = [t.retrieval_query or t.question for t in self._state.turns[-max(1, self.recent_turns):]]
+        previous = [t.retrieval_query or t.question for t in self._state.turns[-max(1, self.recent_turns) :]]
         previous = [p for p in previous if p]
         retrieval_query = expand_query(question, previous) if self.expand_follow_ups else question
         answer = self.pipeline.ask(
-            question, context_tokens=max(0, context_allowed), max_new_tokens=output,
-            history=history or None, on_text=on_text, cancel=cancel,
+            question,
+            context_tokens=max(0, context_allowed),
+            max_new_tokens=output,
+            history=history or None,
+            on_text=on_text,
+            cancel=cancel,
             retrieval_query=retrieval_query if retrieval_query != question else None,
-            **generate_options)
+            **generate_options,
+        )
 
         report = answer.report
         b = report.get("budget") or {}
@@ -662,8 +822,14 @@ class Conversation:
             # A cancelled answer is not part of the conversation: the next question is asked as if
             # it had never been written (its half is on the user's screen, not in the history).
             self._state.turns.append(Turn(question=question, answer=text, retrieval_query=retrieval_query))
-        return ChatTurn(question=question, retrieval_query=retrieval_query, answer=answer, budget=budget,
-                        summary=self._state.summary, cancelled=stopped)
+        return ChatTurn(
+            question=question,
+            retrieval_query=retrieval_query,
+            answer=answer,
+            budget=budget,
+            summary=self._state.summary,
+            cancelled=stopped,
+        )
 
     # -- folding --
 
@@ -766,8 +932,9 @@ class Conversation:
         self._cached_turns += j
         return j
 
-    def _generate_summary(self, previous: str, turns: Sequence[Turn], cap: int, *,
-                          cancel: Any = None) -> tuple[str, bool]:
+    def _generate_summary(
+        self, previous: str, turns: Sequence[Turn], cap: int, *, cancel: Any = None
+    ) -> tuple[str, bool]:
         """Ask the pipeline's generator for the new summary, inside the same per-request budget.
         Returns the text and whether it was written to the end (not stopped by ``cancel``)."""
         if cancel is not None and cancel.is_set():
@@ -902,8 +1069,14 @@ class TerminalLines:
     read-only) only means no history is kept; a platform without ``readline`` gets plain input.
     """
 
-    def __init__(self, prompt: str = "> ", *, history_file: str | None = None,
-                 write: Callable[[str], Any] | None = None, history_length: int = 1000) -> None:
+    def __init__(
+        self,
+        prompt: str = "> ",
+        *,
+        history_file: str | None = None,
+        write: Callable[[str], Any] | None = None,
+        history_length: int = 1000,
+    ) -> None:
         import sys
 
         self.prompt = prompt

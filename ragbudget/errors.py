@@ -233,13 +233,3 @@ class EngineOverloadedError(EngineError, OverloadedError):
         EngineError.__init__(self, message, url=url, kind=kind, status=status, body=body)
         self.retry_after = retry_after
         self.attempts = attempts
-
-
-
-def __getattr__(name: str) -> type[SearchIndexError]:
-    # The old name of SearchIndexError, until ragbudget/server.py (edited on another branch)
-    # imports the new one. Resolved here rather than bound, so it is in no listing (``__all__``,
-    # the tree above, ``vars()``). Remove with that change.
-    if name == "IndexError_":
-        return SearchIndexError
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -67,12 +67,12 @@ from typing import TYPE_CHECKING, Any
 from .errors import (
     BudgetError,
     ConfigError,
-    IndexError_,
     IndexNotFoundError,
     ModelError,
     OverloadedError,
     RagBudgetError,
     RequestCancelled,
+    SearchIndexError,
 )
 
 if TYPE_CHECKING:
@@ -212,7 +212,7 @@ def _error_from_exception(exc: BaseException, *, expose_plan: bool = False) -> _
         return _APIError(400, _scrub_text(str(exc)), code="invalid_value")
     if isinstance(exc, RequestCancelled) or _is_client_disconnect(exc):
         return _APIError(CLIENT_CLOSED, "the client disconnected before its answer", code="client_disconnected")
-    if isinstance(exc, IndexError_):
+    if isinstance(exc, SearchIndexError):
         log.error("the index is unavailable: %s", exc)
         return _index_unavailable(exc)
     if isinstance(exc, ModelError):
@@ -272,7 +272,10 @@ class _Histogram:
 def _labels(pairs: dict[str, str]) -> str:
     if not pairs:
         return ""
-    inner = ",".join(f'{k}="{str(v).replace(chr(92), chr(92) * 2).replace(chr(34), chr(92) + chr(34))}"' for k, v in sorted(pairs.items()))
+    def escaped(v: str) -> str:  # Prometheus label values: backslash and double quote escaped
+        return str(v).replace("\\", "\\\\").replace('"', '\\"')
+
+    inner = ",".join(f'{k}="{escaped(v)}"' for k, v in sorted(pairs.items()))
     return "{" + inner + "}"
 
 
@@ -328,16 +331,23 @@ class Metrics:
                 out.append(f"ragbudget_requests_total{_labels({'endpoint': endpoint, 'status': status})} {n}")
             for name, help_, value in (
                 ("ragbudget_rejected_total", "Requests refused with 429 by admission control.", self.rejected),
-                ("ragbudget_refused_before_retrieval_total",
-                 ("429s answered before any retrieval or prompt building (queue full, or the "
-                  "first token would come past the queue time-out)."), self.refused_early),
+                (
+                    "ragbudget_refused_before_retrieval_total",
+                    (
+                        "429s answered before any retrieval or prompt building (queue full, or the "
+                        "first token would come past the queue time-out)."
+                    ),
+                    self.refused_early,
+                ),
                 ("ragbudget_cancelled_total", "Requests whose client disconnected before the end.", self.cancelled),
                 ("ragbudget_oom_steps_total", "Steps taken down the OOM fallback ladder.", self.oom_steps),
                 ("ragbudget_prompt_tokens_total", "Prompt tokens processed.", self.tokens_prompt),
                 ("ragbudget_completion_tokens_total", "Tokens generated.", self.tokens_completion),
-                ("ragbudget_summary_cache_turns_total",
-                 "History turns whose summary came from the summary cache instead of a generate call.",
-                 self.summary_turns_cached),
+                (
+                    "ragbudget_summary_cache_turns_total",
+                    "History turns whose summary came from the summary cache instead of a generate call.",
+                    self.summary_turns_cached,
+                ),
             ):
                 metric(name, "counter", help_)
                 out.append(f"{name} {value}")
@@ -354,7 +364,7 @@ class Metrics:
                 for labels, hist in sorted(by_name[name], key=lambda x: x[0]):
                     base = dict(labels)
                     cumulative = 0
-                    for bound, n in zip(hist.buckets, hist.counts):
+                    for bound, n in zip(hist.buckets, hist.counts, strict=False):  # counts may add +Inf
                         cumulative += n
                         out.append(f"{name}_bucket{_labels({**base, 'le': _fmt(bound)})} {cumulative}")
                     cumulative += hist.counts[-1]
@@ -380,9 +390,18 @@ def _fmt(value: float) -> str:
 # What /health and /metrics show of the admission controller's stats.
 # With a memory model admission counts bytes (KV + activations of each request) and, with a
 # measured throughput, refuses for time as well (issue #14).
-_ADMISSION_FIGURES = ("running", "queued", "admitted_tokens", "capacity_tokens", "capacity_bytes",
-                      "admitted_bytes", "peak_admitted_bytes", "refused_for_time_total",
-                      "work_ahead_s", "slowdown")
+_ADMISSION_FIGURES = (
+    "running",
+    "queued",
+    "admitted_tokens",
+    "capacity_tokens",
+    "capacity_bytes",
+    "admitted_bytes",
+    "peak_admitted_bytes",
+    "refused_for_time_total",
+    "work_ahead_s",
+    "slowdown",
+)
 
 
 class _EngineLoad:
@@ -425,8 +444,10 @@ class _EngineLoad:
         if cap.waiting:
             return f"the engine has {cap.waiting} request(s) waiting ({cap.load_source})"
         if cap.kv_tokens_free is not None and cap.kv_tokens_free < max_new_tokens:
-            return (f"the engine has {cap.kv_tokens_free} free KV tokens, fewer than the "
-                    f"{max_new_tokens} of one answer ({cap.kv_free_source})")
+            return (
+                f"the engine has {cap.kv_tokens_free} free KV tokens, fewer than the "
+                f"{max_new_tokens} of one answer ({cap.kv_free_source})"
+            )
         return None
 
     @staticmethod
@@ -435,21 +456,29 @@ class _EngineLoad:
         if cap is None or (cap.waiting is None and cap.kv_tokens_free is None):
             why = error or f"the {cap.engine_kind if cap else 'engine'} reports neither its queue nor its free KV"
             return {"open": True, "note": f"open: {why}; only the gateway's own admission limits requests"}
-        return {"open": False, "running": cap.running, "waiting": cap.waiting,
-                "kv_tokens_free": cap.kv_tokens_free, "age_s": round(cap.age(), 3),
-                "sources": [s for s in (cap.load_source, cap.kv_free_source) if s]}
+        return {
+            "open": False,
+            "running": cap.running,
+            "waiting": cap.waiting,
+            "kv_tokens_free": cap.kv_tokens_free,
+            "age_s": round(cap.age(), 3),
+            "sources": [s for s in (cap.load_source, cap.kv_free_source) if s],
+        }
 
     @classmethod
     def gauges(cls, figures: "tuple[Capacity | None, str]") -> dict[str, tuple[str, float]]:
         cap, _ = figures
-        help_open = ("1: the served engine reports neither its queue nor its free KV (or they cannot be "
-                     "read), so requests are not refused for its load (fail open); 0: they are.")
+        help_open = (
+            "1: the served engine reports neither its queue nor its free KV (or they cannot be "
+            "read), so requests are not refused for its load (fail open); 0: they are."
+        )
         out = {"ragbudget_engine_admission_open": (help_open, 1 if cls.describe(figures)["open"] else 0)}
         if cap is not None:
             for name, value, help_ in (
-                    ("ragbudget_engine_running_requests", cap.running, "Requests the engine runs (its metrics)."),
-                    ("ragbudget_engine_waiting_requests", cap.waiting, "Requests the engine queues (its metrics)."),
-                    ("ragbudget_engine_kv_free_tokens", cap.kv_tokens_free, "Free KV tokens the engine reports.")):
+                ("ragbudget_engine_running_requests", cap.running, "Requests the engine runs (its metrics)."),
+                ("ragbudget_engine_waiting_requests", cap.waiting, "Requests the engine queues (its metrics)."),
+                ("ragbudget_engine_kv_free_tokens", cap.kv_tokens_free, "Free KV tokens the engine reports."),
+            ):
                 if value is not None:
                     out[name] = (help_, value)
         return out
@@ -573,8 +602,12 @@ def _content_text(content: Any, where: str) -> str:
                 )
             parts.append(part["text"])
         return "\n".join(parts)
-    raise _APIError(400, f"{where}.content must be a string or a list of text parts, got {type(content).__name__}",
-                    param=f"{where}.content", code="invalid_type")
+    raise _APIError(
+        400,
+        f"{where}.content must be a string or a list of text parts, got {type(content).__name__}",
+        param=f"{where}.content",
+        code="invalid_type",
+    )
 
 
 def _opt_int(body: dict[str, Any], name: str, *, minimum: int = 1) -> int | None:
@@ -582,7 +615,9 @@ def _opt_int(body: dict[str, Any], name: str, *, minimum: int = 1) -> int | None
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
-        raise _APIError(400, f"'{name}' must be an integer, got {type(value).__name__}", param=name, code="invalid_type")
+        raise _APIError(
+            400, f"'{name}' must be an integer, got {type(value).__name__}", param=name, code="invalid_type"
+        )
     if value < minimum:
         raise _APIError(400, f"'{name}' must be >= {minimum}, got {value}", param=name, code="invalid_value")
     return value
@@ -595,8 +630,9 @@ def _number(body: dict[str, Any], name: str, low: float, high: float) -> float |
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise _APIError(400, f"'{name}' must be a number, got {type(value).__name__}", param=name, code="invalid_type")
     if not low <= value <= high:  # also refuses NaN
-        raise _APIError(400, f"'{name}' must be between {low:g} and {high:g}, got {value}", param=name,
-                        code="invalid_value")
+        raise _APIError(
+            400, f"'{name}' must be between {low:g} and {high:g}, got {value}", param=name, code="invalid_value"
+        )
     return value
 
 
@@ -613,7 +649,9 @@ def _parse_sampling(body: dict[str, Any]) -> dict[str, Any]:
     seed = body.get("seed")
     if seed is not None:
         if isinstance(seed, bool) or not isinstance(seed, int):
-            raise _APIError(400, f"'seed' must be an integer, got {type(seed).__name__}", param="seed", code="invalid_type")
+            raise _APIError(
+                400, f"'seed' must be an integer, got {type(seed).__name__}", param="seed", code="invalid_type"
+            )
         if not -(2**63) <= seed < 2**64:
             raise _APIError(400, f"'seed' must fit in 64 bits, got {seed}", param="seed", code="invalid_value")
         out["seed"] = seed
@@ -623,8 +661,9 @@ def _parse_sampling(body: dict[str, Any]) -> dict[str, Any]:
         if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
             raise _APIError(400, "'stop' must be a string or a list of strings", param="stop", code="invalid_type")
         if len(items) > MAX_STOP:
-            raise _APIError(400, f"'stop' takes at most {MAX_STOP} sequences, got {len(items)}", param="stop",
-                            code="invalid_value")
+            raise _APIError(
+                400, f"'stop' takes at most {MAX_STOP} sequences, got {len(items)}", param="stop", code="invalid_value"
+            )
         if any(not s for s in items):
             raise _APIError(400, "'stop' sequences must not be empty strings", param="stop", code="invalid_value")
         if items:
@@ -636,8 +675,9 @@ def _check_fields(body: dict[str, Any], known: set[str]) -> None:
     """Refuse unknown fields, as OpenAI does, rather than answer as if they had not been sent."""
     for name in body:
         if name not in known:
-            raise _APIError(400, f"unrecognized request argument supplied: {name!r}", param=name,
-                            code="unknown_parameter")
+            raise _APIError(
+                400, f"unrecognized request argument supplied: {name!r}", param=name, code="unknown_parameter"
+            )
 
 
 def _neutral(value: Any, ok: Any) -> bool:
@@ -655,8 +695,12 @@ def _check_unsupported_values(body: dict[str, Any]) -> None:
     for name, neutral in _UNSUPPORTED.items():
         value = body.get(name)
         if not any(_neutral(value, ok) for ok in neutral):
-            raise _APIError(400, f"'{name}' is not supported by ragbudget (got {json.dumps(value)[:80]}); "
-                            "leave it out", param=name, code="unsupported_parameter")
+            raise _APIError(
+                400,
+                f"'{name}' is not supported by ragbudget (got {json.dumps(value)[:80]}); leave it out",
+                param=name,
+                code="unsupported_parameter",
+            )
 
 
 def _parse_chat(body: Any, models: Sequence[str], *, max_tokens_limit: int | None = None) -> _ChatRequest:
@@ -670,43 +714,73 @@ def _parse_chat(body: Any, models: Sequence[str], *, max_tokens_limit: int | Non
     if model is None:
         raise _APIError(400, "missing required parameter 'model'", param="model", code="missing_required_parameter")
     if not isinstance(model, str):
-        raise _APIError(400, f"'model' must be a string, got {type(model).__name__}", param="model", code="invalid_type")
+        raise _APIError(
+            400, f"'model' must be a string, got {type(model).__name__}", param="model", code="invalid_type"
+        )
     if model not in models:
-        raise _APIError(404, f"the model {model!r} does not exist; this server serves {', '.join(map(repr, models))}",
-                        param="model", code="model_not_found")
+        raise _APIError(
+            404,
+            f"the model {model!r} does not exist; this server serves {', '.join(map(repr, models))}",
+            param="model",
+            code="model_not_found",
+        )
     messages = body.get("messages")
     if messages is None:
-        raise _APIError(400, "missing required parameter 'messages'", param="messages", code="missing_required_parameter")
+        raise _APIError(
+            400, "missing required parameter 'messages'", param="messages", code="missing_required_parameter"
+        )
     if not isinstance(messages, list):
-        raise _APIError(400, f"'messages' must be a list, got {type(messages).__name__}", param="messages", code="invalid_type")
+        raise _APIError(
+            400, f"'messages' must be a list, got {type(messages).__name__}", param="messages", code="invalid_type"
+        )
     if not messages:
-        raise _APIError(400, "'messages' must not be empty: send at least one user message", param="messages",
-                        code="empty_array")
+        raise _APIError(
+            400, "'messages' must not be empty: send at least one user message", param="messages", code="empty_array"
+        )
     parsed: list[dict[str, str]] = []
     for i, msg in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(msg, dict):
-            raise _APIError(400, f"{where} must be an object, got {type(msg).__name__}", param=where, code="invalid_type")
+            raise _APIError(
+                400, f"{where} must be an object, got {type(msg).__name__}", param=where, code="invalid_type"
+            )
         role = msg.get("role")
         if role not in _ROLES:
-            raise _APIError(400, f"{where}.role must be one of system, developer, user, assistant; got {role!r}"
-                            " (tool calls are not supported)", param=f"{where}.role", code="invalid_value")
+            raise _APIError(
+                400,
+                f"{where}.role must be one of system, developer, user, assistant; got {role!r}"
+                " (tool calls are not supported)",
+                param=f"{where}.role",
+                code="invalid_value",
+            )
         content = msg.get("content")
         if content is None:
-            raise _APIError(400, f"{where}.content is required", param=f"{where}.content", code="missing_required_parameter")
+            raise _APIError(
+                400, f"{where}.content is required", param=f"{where}.content", code="missing_required_parameter"
+            )
         parsed.append({"role": "system" if role == "developer" else role, "content": _content_text(content, where)})
     last = parsed[-1]
     if last["role"] != "user":
-        raise _APIError(400, f"the last message must be the user's question, got role {last['role']!r}",
-                        param=f"messages[{len(parsed) - 1}].role", code="invalid_value")
+        raise _APIError(
+            400,
+            f"the last message must be the user's question, got role {last['role']!r}",
+            param=f"messages[{len(parsed) - 1}].role",
+            code="invalid_value",
+        )
     if not last["content"].strip():
-        raise _APIError(400, "the last user message is empty: there is no question to answer",
-                        param=f"messages[{len(parsed) - 1}].content", code="invalid_value")
+        raise _APIError(
+            400,
+            "the last user message is empty: there is no question to answer",
+            param=f"messages[{len(parsed) - 1}].content",
+            code="invalid_value",
+        )
     stream = body.get("stream", False)
     if stream is None:
         stream = False
     if not isinstance(stream, bool):
-        raise _APIError(400, f"'stream' must be a boolean, got {type(stream).__name__}", param="stream", code="invalid_type")
+        raise _APIError(
+            400, f"'stream' must be a boolean, got {type(stream).__name__}", param="stream", code="invalid_type"
+        )
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise _APIError(400, "'stream_options' must be an object", param="stream_options", code="invalid_type")
@@ -714,8 +788,9 @@ def _parse_chat(body: Any, models: Sequence[str], *, max_tokens_limit: int | Non
     if n not in (None, 1):
         raise _APIError(400, f"'n' must be 1 (one answer per request), got {n}", param="n", code="invalid_value")
     if not isinstance(options.get("include_usage", False), bool):
-        raise _APIError(400, "'stream_options.include_usage' must be a boolean", param="stream_options",
-                        code="invalid_type")
+        raise _APIError(
+            400, "'stream_options.include_usage' must be a boolean", param="stream_options", code="invalid_type"
+        )
     sampling = _parse_sampling(body)
     _check_unsupported_values(body)
     max_name = "max_completion_tokens"
@@ -724,9 +799,14 @@ def _parse_chat(body: Any, models: Sequence[str], *, max_tokens_limit: int | Non
         max_name = "max_tokens"
         max_tokens = _opt_int(body, max_name)
     if max_tokens is not None and max_tokens_limit is not None and max_tokens > max_tokens_limit:
-        raise _APIError(400, f"'{max_name}' is {max_tokens} but this server generates at most {max_tokens_limit} "
-                        "tokens per answer (ragbudget serve --max-new-tokens); "
-                        f"send at most {max_tokens_limit} or leave it out", param=max_name, code="invalid_value")
+        raise _APIError(
+            400,
+            f"'{max_name}' is {max_tokens} but this server generates at most {max_tokens_limit} "
+            "tokens per answer (ragbudget serve --max-new-tokens); "
+            f"send at most {max_tokens_limit} or leave it out",
+            param=max_name,
+            code="invalid_value",
+        )
     return _ChatRequest(
         model=model,
         question=last["content"],
@@ -745,9 +825,20 @@ def _parse_chat(body: Any, models: Sequence[str], *, max_tokens_limit: int | Non
 # What of an answer's report a client sees without ``expose_plan``: the budget figures of the
 # request itself (tokens allowed, used, reserved), never the host's (GPU name, free/total/usable
 # bytes, weights, KV capacity and bytes per token: together they describe the machine).
-_PUBLIC_BUDGET = ("max_context_tokens", "max_prompt_tokens", "context_tokens_allowed", "context_tokens_used",
-                  "context_tokens_cap", "fixed_prompt_tokens", "prompt_tokens", "max_new_tokens", "new_tokens",
-                  "kv_tokens_reserved", "limited_by", "fill")
+_PUBLIC_BUDGET = (
+    "max_context_tokens",
+    "max_prompt_tokens",
+    "context_tokens_allowed",
+    "context_tokens_used",
+    "context_tokens_cap",
+    "fixed_prompt_tokens",
+    "prompt_tokens",
+    "max_new_tokens",
+    "new_tokens",
+    "kv_tokens_reserved",
+    "limited_by",
+    "fill",
+)
 # An OOM step's "reason" is the allocator's message (total, free and reserved bytes of the GPU).
 _PUBLIC_OOM_STEP = ("action", "prompt_tokens_before", "prompt_tokens_after", "cache", "use_cache")
 _PUBLIC_REPORT = ("selection", "dropped", "timings", "memory", "history_summary")
@@ -765,8 +856,9 @@ def _public_report(report: dict[str, Any], *, expose_plan: bool, roots: Sequence
         out["budget"] = {k: budget[k] for k in _PUBLIC_BUDGET if k in budget}
     steps = report.get("oom_steps")
     if isinstance(steps, (list, tuple)):
-        out["oom_steps"] = [{k: v for k, v in step.items() if k in _PUBLIC_OOM_STEP} if isinstance(step, dict)
-                            else {} for step in steps]
+        out["oom_steps"] = [
+            {k: v for k, v in step.items() if k in _PUBLIC_OOM_STEP} if isinstance(step, dict) else {} for step in steps
+        ]
     return _public_paths(out, roots)
 
 
@@ -778,8 +870,8 @@ def _public_path(path: str, roots: Sequence[str] = ()) -> str:
         return path
     for root in roots:
         root = root.rstrip("/\\")
-        if root and path.startswith(root) and path[len(root):len(root) + 1] in ("/", "\\"):
-            rel = path[len(root) + 1:]
+        if root and path.startswith(root) and path[len(root) : len(root) + 1] in ("/", "\\"):
+            rel = path[len(root) + 1 :]
             if rel:
                 return rel
     return path.replace("\\", "/").rstrip("/").rsplit("/", 1)[-1]
@@ -792,8 +884,10 @@ _PATH_KEYS = {"path", "file", "index_dir", "source_path"}
 def _public_paths(obj: Any, roots: Sequence[str] = ()) -> Any:
     """A copy of a JSON-ready ``obj`` with every path-valued field made public (:func:`_public_path`)."""
     if isinstance(obj, dict):
-        return {k: _public_path(v, roots) if k in _PATH_KEYS and isinstance(v, str) else _public_paths(v, roots)
-                for k, v in obj.items()}
+        return {
+            k: _public_path(v, roots) if k in _PATH_KEYS and isinstance(v, str) else _public_paths(v, roots)
+            for k, v in obj.items()
+        }
     if isinstance(obj, (list, tuple)):
         return [_public_paths(v, roots) for v in obj]
     return obj
@@ -912,8 +1006,9 @@ def create_app(
     if not 0.0 <= history_share < 1.0:
         raise ConfigError(f"history_share must be in [0, 1), got {history_share}")
     if summary_max_tokens < 1 or recent_turns < 0:
-        raise ConfigError(f"summary_max_tokens must be >= 1 and recent_turns >= 0, got {summary_max_tokens} "
-                          f"and {recent_turns}")
+        raise ConfigError(
+            f"summary_max_tokens must be >= 1 and recent_turns >= 0, got {summary_max_tokens} and {recent_turns}"
+        )
     if summary_cache_size < 0:
         raise ConfigError(f"summary_cache_size must be >= 0 (0: no cache), got {summary_cache_size}")
     served = model_name or _default_model_name(pipeline)
@@ -940,8 +1035,9 @@ def create_app(
         if trimmer is not None:
             trimmer.stop()
 
-    app = FastAPI(title="ragbudget", version=_version(), docs_url=None, redoc_url=None, openapi_url=None,
-                  lifespan=lifespan)
+    app = FastAPI(
+        title="ragbudget", version=_version(), docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan
+    )
     app.state.pipeline = pipeline
     app.state.metrics = metrics
     app.state.executor = executor
@@ -976,7 +1072,7 @@ def create_app(
 
     def to_api_error(exc: BaseException) -> _APIError:
         err = _error_from_exception(exc, expose_plan=expose_plan)
-        if isinstance(exc, IndexError_):  # /health says so until a request succeeds again
+        if isinstance(exc, SearchIndexError):  # /health says so until a request succeeds again
             health_state["problem"], health_state["sticky"] = err.message, True
         return err
 
@@ -989,16 +1085,20 @@ def create_app(
             except ValueError:
                 raise _APIError(400, f"invalid Content-Length {length!r}", code="invalid_request") from None
             if declared > max_body_bytes:
-                raise _APIError(413, f"request body of {declared} bytes exceeds the limit of {max_body_bytes} bytes",
-                                code="request_too_large")
+                raise _APIError(
+                    413,
+                    f"request body of {declared} bytes exceeds the limit of {max_body_bytes} bytes",
+                    code="request_too_large",
+                )
         chunks: list[bytes] = []
         size = 0
         try:
             async for chunk in request.stream():
                 size += len(chunk)
                 if size > max_body_bytes:
-                    raise _APIError(413, f"request body exceeds the limit of {max_body_bytes} bytes",
-                                    code="request_too_large")
+                    raise _APIError(
+                        413, f"request body exceeds the limit of {max_body_bytes} bytes", code="request_too_large"
+                    )
                 chunks.append(chunk)
         except Exception as exc:
             if not _is_client_disconnect(exc):
@@ -1006,13 +1106,17 @@ def create_app(
             # The client left before sending the body its Content-Length promised: nobody will
             # read an answer; counted as 499 (client closed request), not as a server error.
             metrics.add("cancelled", 1)
-            raise _APIError(CLIENT_CLOSED, "the client disconnected before sending its whole body",
-                            code="client_disconnected") from None
+            raise _APIError(
+                CLIENT_CLOSED, "the client disconnected before sending its whole body", code="client_disconnected"
+            ) from None
         raw = b"".join(chunks)
         if not raw.strip():
             raise _APIError(400, "the request body is empty; send a JSON object", code="invalid_json")
-        too_deep = _APIError(400, f"the request body is nested too deep (more than {MAX_JSON_DEPTH} levels of "
-                             "arrays and objects)", code="invalid_json")
+        too_deep = _APIError(
+            400,
+            f"the request body is nested too deep (more than {MAX_JSON_DEPTH} levels of arrays and objects)",
+            code="invalid_json",
+        )
         try:
             value = json.loads(raw)
         except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an integer of > 4300 digits
@@ -1028,8 +1132,13 @@ def create_app(
         if not slots.acquire(blocking=False):
             # Every worker is busy (running or already waiting for admission): queueing here too
             # would be an unbounded queue in front of the bounded one.
-            raise _APIError(429, f"server busy: {max_workers} requests already in progress",
-                            type="rate_limit_error", code="overloaded", headers={"Retry-After": "1"})
+            raise _APIError(
+                429,
+                f"server busy: {max_workers} requests already in progress",
+                type="rate_limit_error",
+                code="overloaded",
+                headers={"Retry-After": "1"},
+            )
         metrics.add("in_flight", 1)
 
     def release_slot() -> None:
@@ -1088,8 +1197,7 @@ def create_app(
 
         summary_cache = SummaryCache(summary_cache_size)
 
-    def run_ask(req: _ChatRequest, cancel: threading.Event,
-                on_text: Callable[[str], Any] | None = None) -> "Answer":
+    def run_ask(req: _ChatRequest, cancel: threading.Event, on_text: Callable[[str], Any] | None = None) -> "Answer":
         """The model work of one chat request (in a worker thread: fitting the history renders
         chat templates and may summarize, and the first call may load the tokenizer)."""
         from .chat import Conversation
@@ -1097,9 +1205,15 @@ def create_app(
         # max_tokens can lower the reserved output, not raise it past what the server planned for
         # (each distinct value is also a memory plan the pipeline caches): _parse_chat refused more.
         conversation = Conversation.from_messages(
-            pipeline, req.history, history_share=history_share, summary_max_tokens=summary_max_tokens,
-            recent_turns=recent_turns, max_new_tokens=req.max_tokens, context_tokens=req.context_tokens,
-            summary_cache=summary_cache)
+            pipeline,
+            req.history,
+            history_share=history_share,
+            summary_max_tokens=summary_max_tokens,
+            recent_turns=recent_turns,
+            max_new_tokens=req.max_tokens,
+            context_tokens=req.context_tokens,
+            summary_cache=summary_cache,
+        )
         turn = conversation.ask(req.question, on_text=on_text, cancel=cancel, **req.sampling)
         if turn.budget.summary_cached:
             metrics.add("summary_turns_cached", turn.budget.summary_cached)
@@ -1174,8 +1288,13 @@ def create_app(
     async def health() -> Any:
         stats = await admission_stats()
         problem = index_problem()
-        body = {"status": "ok" if problem is None else "unavailable", "model": served,
-                "uptime_s": round(time.time() - started, 3), "in_flight": metrics.in_flight, **stats}
+        body = {
+            "status": "ok" if problem is None else "unavailable",
+            "model": served,
+            "uptime_s": round(time.time() - started, 3),
+            "in_flight": metrics.in_flight,
+            **stats,
+        }
         if engine_load is not None:
             # Generation on a served engine: say what admission is sized from, and that it is
             # open when the engine reports no capacity (read once: the engine's shape is fixed).
@@ -1199,15 +1318,24 @@ def create_app(
             "queued": ("ragbudget_queue_depth", "Requests waiting for KV admission."),
             "admitted_tokens": ("ragbudget_admitted_kv_tokens", "KV tokens reserved by running requests."),
             "capacity_tokens": ("ragbudget_kv_capacity_tokens", "KV tokens the budget admits at once."),
-            "capacity_bytes": ("ragbudget_admission_capacity_bytes",
-                               "Bytes admission counts requests against (KV + activations)."),
+            "capacity_bytes": (
+                "ragbudget_admission_capacity_bytes",
+                "Bytes admission counts requests against (KV + activations).",
+            ),
             "admitted_bytes": ("ragbudget_admitted_bytes", "KV + activation bytes reserved by running requests."),
             "peak_admitted_bytes": ("ragbudget_peak_admitted_bytes", "Most bytes reserved at once since start."),
-            "refused_for_time_total": ("ragbudget_refused_for_time_total",
-                                       "Requests refused because their first token would come past the queue time-out."),
-            "work_ahead_s": ("ragbudget_work_ahead_seconds", "Estimated single-stream seconds of work admitted and queued."),
-            "slowdown": ("ragbudget_admission_slowdown",
-                         "Wall seconds per measured second of model work, learnt from the requests that ran."),
+            "refused_for_time_total": (
+                "ragbudget_refused_for_time_total",
+                "Requests refused because their first token would come past the queue time-out.",
+            ),
+            "work_ahead_s": (
+                "ragbudget_work_ahead_seconds",
+                "Estimated single-stream seconds of work admitted and queued.",
+            ),
+            "slowdown": (
+                "ragbudget_admission_slowdown",
+                "Wall seconds per measured second of model work, learnt from the requests that ran.",
+            ),
         }
         for key, (name, text) in help_.items():
             if key in stats:
@@ -1218,9 +1346,10 @@ def create_app(
 
     @app.get("/v1/models")
     async def list_models() -> Any:
-        return {"object": "list", "data": [
-            {"id": m, "object": "model", "created": int(started), "owned_by": "ragbudget"} for m in models
-        ]}
+        return {
+            "object": "list",
+            "data": [{"id": m, "object": "model", "created": int(started), "owned_by": "ragbudget"} for m in models],
+        }
 
     @app.post("/v1/retrieve")
     async def retrieve(request: Request) -> Any:
@@ -1230,8 +1359,12 @@ def create_app(
         _check_fields(body, _RETRIEVE_FIELDS)
         query = body.get("query")
         if not isinstance(query, str) or not query.strip():
-            raise _APIError(400, "'query' must be a non-empty string", param="query",
-                            code="missing_required_parameter" if query is None else "invalid_value")
+            raise _APIError(
+                400,
+                "'query' must be a non-empty string",
+                param="query",
+                code="missing_required_parameter" if query is None else "invalid_value",
+            )
         k = _opt_int(body, "k")
         if k is not None and k > MAX_RETRIEVE_K:
             # The search allocates k scores up front: a huge k is a memory error, not an answer.
@@ -1273,9 +1406,13 @@ def create_app(
 
     def overloaded(why: str, retry_after: float | None = None) -> _APIError:
         retry = hold["seconds"] if retry_after is None else retry_after
-        return _APIError(429, f"server overloaded: {why}; retry after the Retry-After header",
-                         type="rate_limit_error", code="overloaded",
-                         headers={"Retry-After": _retry_after(retry)})
+        return _APIError(
+            429,
+            f"server overloaded: {why}; retry after the Retry-After header",
+            type="rate_limit_error",
+            code="overloaded",
+            headers={"Retry-After": _retry_after(retry)},
+        )
 
     async def reject_if_overloaded(req: _ChatRequest) -> None:
         """Answer 429 before any retrieval work when admission's queue is already full, when the
@@ -1302,15 +1439,18 @@ def create_app(
                     metrics.add("refused_early", 1)
                     raise overloaded(
                         f"the first token of a {prompt}-token prompt would come past the queue "
-                        f"time-out of {ctl.timeout:g} s at the measured speed", retry)
+                        f"time-out of {ctl.timeout:g} s at the measured speed",
+                        retry,
+                    )
         if engine_load is not None:
             max_new = pipeline.max_new_tokens if req.max_tokens is None else req.max_tokens
             why = engine_load.refusal(await asyncio.to_thread(engine_load.read), max_new)
             if why is not None:
                 raise overloaded(why)
 
-    async def _chat(request: Request, req: _ChatRequest, cancel: threading.Event, t0: float,
-                    completion_id: str, created: int) -> Any:
+    async def _chat(
+        request: Request, req: _ChatRequest, cancel: threading.Event, t0: float, completion_id: str, created: int
+    ) -> Any:
         await reject_if_overloaded(req)
         if not req.stream:
             fut = submit(lambda: run_ask(req, cancel))
@@ -1324,12 +1464,14 @@ def create_app(
                 "object": "chat.completion",
                 "created": created,
                 "model": req.model,
-                "choices": [{
-                    "index": 0,
-                    "message": {"role": "assistant", "content": answer.text},
-                    "finish_reason": _finish_reason(answer),
-                    "logprobs": None,
-                }],
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": answer.text},
+                        "finish_reason": _finish_reason(answer),
+                        "logprobs": None,
+                    }
+                ],
                 "usage": usage,
                 "sources": public(answer.sources),
                 "ragbudget": report_for(answer),
@@ -1371,10 +1513,16 @@ def create_app(
             raise to_api_error(first[1])
 
         def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> bytes:
-            return _sse({
-                "id": completion_id, "object": "chat.completion.chunk", "created": created, "model": req.model,
-                "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}], **extra,
-            })
+            return _sse(
+                {
+                    "id": completion_id,
+                    "object": "chat.completion.chunk",
+                    "created": created,
+                    "model": req.model,
+                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}],
+                    **extra,
+                }
+            )
 
         state = {"finished": False}
 
@@ -1411,8 +1559,7 @@ def create_app(
                     else:  # done
                         index_ok()
                         usage = record_answer(value)
-                        extra: dict[str, Any] = {"sources": public(value.sources),
-                                                 "ragbudget": report_for(value)}
+                        extra: dict[str, Any] = {"sources": public(value.sources), "ragbudget": report_for(value)}
                         if req.include_usage:
                             extra["usage"] = usage
                         yield chunk({}, _finish_reason(value), **extra)
@@ -1423,8 +1570,12 @@ def create_app(
             finally:
                 closed()
 
-        return _ClosingStream(body_iter(), on_close=closed, media_type="text/event-stream",
-                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return _ClosingStream(
+            body_iter(),
+            on_close=closed,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
 
     return app
 
@@ -1458,12 +1609,21 @@ class _Guard:
             scheme, _, token = header.partition(b" ")
             # compare_digest: the comparison time does not reveal how much of the key matched.
             if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):
-                err = _APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
-                                code="invalid_api_key")
+                err = _APIError(
+                    401, "missing or invalid API key: send 'Authorization: Bearer <key>'", code="invalid_api_key"
+                )
                 body = json.dumps(err.body()).encode()
-                await send({"type": "http.response.start", "status": 401, "headers": [
-                    (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                    (b"www-authenticate", b"Bearer")]})
+                await send(
+                    {
+                        "type": "http.response.start",
+                        "status": 401,
+                        "headers": [
+                            (b"content-type", b"application/json"),
+                            (b"content-length", str(len(body)).encode()),
+                            (b"www-authenticate", b"Bearer"),
+                        ],
+                    }
+                )
                 await send({"type": "http.response.body", "body": body})
                 self.metrics.count_request(endpoint, 401)
                 return
@@ -1488,16 +1648,23 @@ class _Guard:
             if not started and status != CLIENT_CLOSED:
                 body = json.dumps(err.body()).encode()
                 with contextlib.suppress(Exception):  # the connection may be gone too
-                    await send({"type": "http.response.start", "status": status, "headers": [
-                        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+                    await send(
+                        {
+                            "type": "http.response.start",
+                            "status": status,
+                            "headers": [
+                                (b"content-type", b"application/json"),
+                                (b"content-length", str(len(body)).encode()),
+                            ],
+                        }
+                    )
                     await send({"type": "http.response.body", "body": body})
         finally:
             if scope.get(_CLIENT_LEFT):
                 status = CLIENT_CLOSED
             self.metrics.count_request(endpoint, status)
             if endpoint not in ("/health", "/metrics", "other"):
-                self.metrics.observe("ragbudget_request_duration_seconds", time.perf_counter() - t0,
-                                     endpoint=endpoint)
+                self.metrics.observe("ragbudget_request_duration_seconds", time.perf_counter() - t0, endpoint=endpoint)
 
 
 def _json_problem(value: Any, limit: int) -> str | None:
@@ -1513,8 +1680,9 @@ def _json_problem(value: Any, limit: int) -> str | None:
                 try:
                     obj.encode("utf-8")
                 except UnicodeEncodeError:
-                    return ("the request body holds an unpaired UTF-16 surrogate escape (such as \\ud800), "
-                            "which is no text")
+                    return (
+                        "the request body holds an unpaired UTF-16 surrogate escape (such as \\ud800), which is no text"
+                    )
         elif isinstance(obj, (dict, list)):
             if depth > limit:
                 return f"the request body is nested too deep (more than {limit} levels of arrays and objects)"
@@ -1560,7 +1728,7 @@ def serve(
     without an API key logs a warning, since anyone who can reach the port can use the GPU.
 
     Refuses to start rather than serve errors: an index that is missing or damaged raises its
-    :class:`~ragbudget.errors.IndexError_`, a port that cannot be bound (in use, not allowed) a
+    :class:`~ragbudget.errors.SearchIndexError`, a port that cannot be bound (in use, not allowed) a
     :class:`~ragbudget.errors.ConfigError` saying which, both before any model is loaded (the
     CLI turns them into one line and exit code 1).
 
@@ -1580,8 +1748,13 @@ def serve(
         if api_key is None:
             api_key = os.environ.get(API_KEY_ENV) or None
         if host not in LOOPBACK_HOSTS and not api_key:
-            log.warning("serving on %s without an API key: anyone who can reach port %d can use the model "
-                        "(pass --api-key or set %s)", host, port, API_KEY_ENV)
+            log.warning(
+                "serving on %s without an API key: anyone who can reach port %d can use the model "
+                "(pass --api-key or set %s)",
+                host,
+                port,
+                API_KEY_ENV,
+            )
         if warm_up and pipeline.served:
             # Connect now, so a wrong URL, key or engine is one line before listening.
             for line in pipeline.engine_plan().lines():
@@ -1590,8 +1763,11 @@ def serve(
         elif warm_up:
             pipeline.generator.warm_up()
             plan = pipeline.plan
-            log.info("memory plan: %s tokens per request, KV capacity %s tokens",
-                     plan.max_context_tokens, plan.kv_capacity_tokens)
+            log.info(
+                "memory plan: %s tokens per request, KV capacity %s tokens",
+                plan.max_context_tokens,
+                plan.kv_capacity_tokens,
+            )
             # Size admission now, from the loaded model's plan and its measured prefill/decode
             # speed, so the first request does not pay for the measurement.
             log.info("admission: %s", pipeline.admission_note())
@@ -1608,8 +1784,9 @@ def serve(
                 log.info("batched generation: %s", backend.capacity().kv_total_source)
         app = create_app(pipeline, api_key=api_key, expose_plan=expose_plan, **app_options)
         # Bounded graceful shutdown: open streams are cancelled by the app's lifespan, not awaited forever.
-        config = uvicorn.Config(app, host=host, port=sock.getsockname()[1], log_level=log_level,
-                                timeout_graceful_shutdown=10)
+        config = uvicorn.Config(
+            app, host=host, port=sock.getsockname()[1], log_level=log_level, timeout_graceful_shutdown=10
+        )
         try:
             uvicorn.Server(config).run(sockets=[sock])
         except KeyboardInterrupt:
@@ -1633,11 +1810,13 @@ def _bind_socket(host: str, port: int) -> socket.socket:
     """A TCP socket bound to ``host:port`` (what uvicorn would bind, handed to it), or a
     :class:`~ragbudget.errors.ConfigError` in one line when the port is taken or not allowed."""
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                             flags=socket.AI_PASSIVE)[0]
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
     except socket.gaierror as exc:
-        raise ConfigError(f"cannot bind to {host!r}: {exc.strerror}; pass --host 127.0.0.1 or a local "
-                          "address") from None
+        raise ConfigError(
+            f"cannot bind to {host!r}: {exc.strerror}; pass --host 127.0.0.1 or a local address"
+        ) from None
     sock = socket.socket(family, kind, proto)
     try:
         # As uvicorn: a port left in TIME_WAIT by a previous run can be reused at once, but one
@@ -1660,7 +1839,9 @@ def _bind_socket(host: str, port: int) -> socket.socket:
 
 
 @contextlib.contextmanager
-def background_server(app: Any, *, host: str = "127.0.0.1", port: int = 0, startup_timeout: float = 30.0) -> Iterator[str]:
+def background_server(
+    app: Any, *, host: str = "127.0.0.1", port: int = 0, startup_timeout: float = 30.0
+) -> Iterator[str]:
     """Run ``app`` with uvicorn in a daemon thread (an ephemeral port by default) and yield its base
     URL, e.g. ``http://127.0.0.1:53412``; the server is stopped on exit. For tests and benchmarks.
 
@@ -1669,8 +1850,7 @@ def background_server(app: Any, *, host: str = "127.0.0.1", port: int = 0, start
     """
     import uvicorn
 
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on",
-                            timeout_graceful_shutdown=5)
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name="ragbudget-uvicorn", daemon=True)
     thread.start()
