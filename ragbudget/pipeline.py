@@ -592,7 +592,7 @@ class Pipeline:
 
         if isinstance(gen, Generator) and not gen.loaded:
             return ""
-        return str(getattr(gen, "device", "") or "")
+        return str(gen.device or "")
 
     def _speed(self, name: str) -> dict[str, Any] | None:
         """The generator's measured prefill and decode speed on its device: recorded once per
@@ -605,7 +605,7 @@ class Pipeline:
             return None
         gen = self._generator
         speed = lookup_prefill_speed(name, device)
-        model = getattr(gen, "model", None)
+        model = gen.model if gen is not None else None
         if (speed is None or "decode_s" not in speed) and model is not None:
             log.info("measuring the prefill and decode speed of %s on %s once (cached)", name, device)
             try:
@@ -693,8 +693,7 @@ class Pipeline:
         against the memory left beside the weights, and its time by the measured prefill and
         decode speed (the start and refusal rules of :mod:`ragbudget.admission`)."""
         gen = self._generator
-        if gen is None or not (getattr(gen, "loaded", False) and getattr(gen, "model", None)
-                               is not None):
+        if gen is None or not (gen.loaded and gen.model is not None):
             return  # a stand-in or a model not loaded yet: KV tokens only, as sized
         from .backend import LocalBackend
         from .budget import request_memory, throughput_from_speed
