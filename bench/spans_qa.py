@@ -45,15 +45,20 @@ LABELS = {"topk_truncate": "top-4 then truncate", "greedy_fill": "greedy fill, l
           "ragbudget_chunks": "ragbudget chunks (default)", "ragbudget": "ragbudget --fill-remainder",
           "ragbudget_spans": "ragbudget --pack spans"}
 SPAN_BUDGETS = (128, 256, 512, 1024)
-#: One knob at a time around the library's defaults (weights 0.4/0.4/0.2, pool 3, max 12 chunks).
+#: One knob at a time around the first defaults (weights 0.4/0.4/0.2, pool 3, max 12 chunks),
+#: stated explicitly so a rerun measures the same settings whatever the library's defaults are.
+#: The committed sweep (bench/results/qa_spans_squad_tune.json) ran these when pool 3 was the
+#: default (its ``ragbudget_spans`` row is pool 3); pool 4 / 8 and pool 5 with 20 chunks followed
+#: (``--extra``, qa_spans_squad_tune_followup.json), and pool 8 became the default.
 SWEEP = {
-    "w0.6/0.2/0.2": {"weights": (0.6, 0.2, 0.2)},
-    "w0.2/0.6/0.2": {"weights": (0.2, 0.6, 0.2)},
-    "w0.5/0.5/0": {"weights": (0.5, 0.5, 0.0)},
-    "w0.3/0.3/0.4": {"weights": (0.3, 0.3, 0.4)},
+    "w0.6/0.2/0.2": {"weights": (0.6, 0.2, 0.2), "pool": 3.0},
+    "w0.2/0.6/0.2": {"weights": (0.2, 0.6, 0.2), "pool": 3.0},
+    "w0.5/0.5/0": {"weights": (0.5, 0.5, 0.0), "pool": 3.0},
+    "w0.3/0.3/0.4": {"weights": (0.3, 0.3, 0.4), "pool": 3.0},
     "pool2": {"pool": 2.0},
+    "pool3": {"pool": 3.0},
     "pool5": {"pool": 5.0},
-    "max6": {"max_chunks": 6},
+    "max6": {"max_chunks": 6, "pool": 3.0},
 }
 
 
