@@ -77,9 +77,13 @@ def configs(args: argparse.Namespace) -> dict[str, dict]:
     for extra in args.extra:  # e.g. "pool=5,max_chunks=20" (a follow-up setting on the tune split)
         opts = {}
         for kv in extra.split(","):
-            k, v = kv.split("=")
-            opts[k] = tuple(float(x) for x in v.split("/")) if k == "weights" else \
-                (int(v) if k == "max_chunks" else float(v))
+            k, _, v = kv.partition("=")
+            try:
+                opts[k] = {"weights": lambda v: tuple(float(x) for x in v.split("/")),
+                           "pool": float, "max_chunks": int}[k](v)
+            except (KeyError, ValueError):
+                raise SystemExit(f"--extra {extra!r}: expected comma-separated pool=<number>, "
+                                 "max_chunks=<integer> or weights=<dense>/<lexical>/<chunk>") from None
         cfg[f"ragbudget_spans_{extra}"] = {"system": "ragbudget_spans", "budgets": SPAN_BUDGETS,
                                            "select": opts}
     return cfg
@@ -152,6 +156,7 @@ def main() -> None:
         args.out = args.out or H.OUT / "qa_spans_quick.json"
     if (args.sweep or args.extra) and args.split != "squad-tune":
         raise SystemExit("--sweep/--extra choose defaults: run them on --split squad-tune only")
+    cfg = configs(args)  # before any loading: a bad --extra fails at once
     t_start = time.time()
 
     from ragbudget.generate import Generator
@@ -166,7 +171,6 @@ def main() -> None:
           f"{len(questions)} of {len(split.questions)} questions ({time.time() - t_start:.0f}s)",
           flush=True)
 
-    cfg = configs(args)
     t0 = time.time()
     grid = H.run_grid(corpus, packer, questions, cfg, H.BUDGETS, progress=lambda i: (
         print(f"  {i}/{len(questions)} ({time.time() - t0:.0f}s)", flush=True) if i % 25 == 0 else None))
