@@ -95,7 +95,8 @@ _MULTI = tuple(sorted((p for p in NEEDS_PREVIOUS if " " in p), key=len, reverse=
 # Defaults of the evidence mix; the weights are renormalized over the parts that are present
 # (no embedder: lexical and chunk only). Checked on the QA harness's tuning split (bench/
 # spans_qa.py --split squad-tune --sweep, bench/results/qa_spans_squad_tune.json): 0.6/0.2/0.2,
-# 0.2/0.6/0.2, 0.5/0.5/0 and 0.3/0.3/0.4 were none better over 128-1,024 tokens, so they stay.
+# 0.2/0.6/0.2, 0.5/0.5/0 and 0.3/0.3/0.4 were none better on the mean over 128-1,024 tokens,
+# so they stay.
 _W_DENSE, _W_LEXICAL, _W_CHUNK = 0.4, 0.4, 0.2
 #: Default ``pool`` of :func:`select_spans`: chunk text considered, as a multiple of the budget.
 #: 8, not the first guess 3: at 128 tokens a pool of 3 budgets (384) is one 300-500-token chunk,
