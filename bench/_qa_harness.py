@@ -70,6 +70,8 @@ SPLITS = ("squad-tune", "squad-test", "amazon", "coqa")
 REPORT_SPLITS = ("squad-test", "amazon", "coqa")
 BUDGETS = (128, 256, 512, 1024, 2048)
 SYSTEMS = ("topk_truncate", "greedy_fill", "ragbudget")
+#: Packers ``Packer.pack`` runs: the systems above and span packing (bench/spans_qa.py).
+PACKERS = (*SYSTEMS, "ragbudget_spans")
 #: The library's retrieval defaults (``Pipeline``/``Index.search``), stated once for the harness.
 DEFAULT_RETRIEVAL = {"fusion": "score", "lexical_weight": 0.5, "fetch_k": 50}
 QA_SYSTEM = DEFAULT_SYSTEM_PROMPT + " Reply with only the answer, a short phrase copied from the sources."
@@ -229,6 +231,7 @@ class Corpus:
     vecs: np.ndarray
     db: sqlite3.Connection
     qvecs: dict[str, np.ndarray] = field(default_factory=dict)
+    model: Any = None  # the embedder the chunks were embedded with
 
     @classmethod
     def build(cls, split: Split, questions: Sequence[Question], *, chunk_min: int = 300,
@@ -246,7 +249,23 @@ class Corpus:
         db.execute(f"CREATE VIRTUAL TABLE chunks_fts USING fts5(text, tokenize='{FTS_TOKENIZE}')")
         db.executemany("INSERT INTO chunks_fts(rowid, text) VALUES (?, ?)", list(enumerate(texts)))
         return cls(split, texts, docs, sources, vecs, db,
-                   {q.qid: qv[i] for i, q in enumerate(questions)})
+                   {q.qid: qv[i] for i, q in enumerate(questions)}, model)
+
+    def sentence_embedder(self, *, cached: bool = True) -> IndexEmbedder:
+        """The index's embedder for :class:`ragbudget.spans.SpanScorer`. ``cached``: the vectors
+        of every sentence of every chunk (as ``split_sentences`` cuts them) and of the questions
+        come from ``bench/out/`` (computed once per split), so sweeps do not re-embed; ``False``:
+        every text goes to the model, for timing what span packing costs the first time."""
+        if not cached:
+            return IndexEmbedder(self.model)
+        from ragbudget.spans import split_sentences
+
+        sents = sorted({t[a:b] for t in self.texts for a, b, _ in split_sentences(t)})
+        vecs = embed_cached(sents, "sentences", self.model)
+        known = dict(zip(sents, vecs))
+        by_qid = {q.qid: q.text for q in self.split.questions}
+        known.update({by_qid[qid]: v for qid, v in self.qvecs.items()})
+        return IndexEmbedder(self.model, known)
 
     def candidates(self, q: Question, *, fusion: str = "score", lexical_weight: float = 0.5,
                    fetch_k: int = 50, hybrid: bool = True) -> list[Candidate]:
@@ -261,6 +280,31 @@ class Corpus:
         else:
             ranked = [(int(j), float(scores[j])) for j in order]
         return [Candidate(j, self.texts[j], s, sources=(self.sources[j],)) for j, s in ranked]
+
+
+class IndexEmbedder:
+    """The split index's sentence-transformers model behind the two methods of ragbudget's
+    ``Embedder`` that :class:`~ragbudget.spans.SpanScorer` calls (unit vectors, documents and
+    queries alike: MiniLM has no query prefix); texts in ``known`` are not re-embedded."""
+
+    def __init__(self, model: Any, known: dict[str, np.ndarray] | None = None) -> None:
+        self.model = model
+        self.known = known or {}
+        self.embedded = 0  # texts that went to the model
+
+    def embed_documents(self, texts: Sequence[str]) -> np.ndarray:
+        todo = [t for t in dict.fromkeys(texts) if t not in self.known]
+        if todo:
+            vecs = self.model.encode(todo, batch_size=32, normalize_embeddings=True,
+                                     show_progress_bar=False)
+            self.embedded += len(todo)
+            fresh = dict(zip(todo, vecs))
+        else:
+            fresh = {}
+        return np.stack([self.known[t] if t in self.known else fresh[t] for t in texts])
+
+    def embed_query(self, text: str) -> np.ndarray:
+        return self.embed_documents([text])[0]
 
 
 # -- systems ----------------------------------------------------------------------------------------
@@ -278,9 +322,10 @@ class Packed:
 class Packer:
     """Runs the systems for one generator tokenizer and system prompt."""
 
-    def __init__(self, tokenizer: Any, *, system_prompt: str = QA_SYSTEM) -> None:
+    def __init__(self, tokenizer: Any, *, system_prompt: str = QA_SYSTEM, span_scorer: Any = None) -> None:
         self.tok = tokenizer
         self.builder = PromptBuilder(tokenizer, system_prompt=system_prompt)
+        self.span_scorer = span_scorer  # a ragbudget.spans.SpanScorer, for ragbudget_spans
 
     def cost(self, c: Any, max_id: int) -> int:
         return self.builder.count(c.text) + self.builder.overhead(c, max_id=max_id)
@@ -314,15 +359,25 @@ class Packer:
 
     def pack(self, system: str, question: str, cands: Sequence[Candidate], budget: int, *,
              top_k: int = 4, **select_options: Any) -> Packed:
-        """Run ``system`` (``topk_truncate``, ``greedy_fill`` or ``ragbudget``) at ``budget``
-        context tokens; ``select_options`` override ragbudget's selection defaults."""
+        """Run ``system`` (``topk_truncate``, ``greedy_fill``, ``ragbudget`` or
+        ``ragbudget_spans``) at ``budget`` context tokens; ``select_options`` override ragbudget's
+        selection defaults (``select_chunks``'s, or ``select_spans``'s for span packing)."""
         max_id = max(9, len(cands))
         if system in ("greedy_fill", "topk_truncate"):
             p = self._fill(cands[:top_k] if system == "topk_truncate" else cands, budget, max_id)
-        elif system == "ragbudget":
-            # The committed figures are with fill_remainder on (an option, off in the library
-            # until answers are measured with it); --ablate's ragbudget_no_fill row is the default.
-            opts = {"relevance_floor": DEFAULT_RELEVANCE_FLOOR, "fill_remainder": True, **select_options}
+        elif system in ("ragbudget", "ragbudget_spans"):
+            if system == "ragbudget":
+                # The committed figures are with fill_remainder on (an option, off in the library
+                # until answers are measured with it); --ablate's ragbudget_no_fill row is the default.
+                opts = {"relevance_floor": DEFAULT_RELEVANCE_FLOOR, "fill_remainder": True, **select_options}
+            else:
+                # Span packing as Pipeline(pack="spans") runs it: one SpanScorer for the whole
+                # split (sentence vectors shared across questions and budgets), library defaults
+                # unless a sweep overrides them.
+                if self.span_scorer is None:
+                    raise SystemExit("ragbudget_spans needs Packer(span_scorer=SpanScorer(...))")
+                opts = {"relevance_floor": DEFAULT_RELEVANCE_FLOOR, "pack": "spans",
+                        "span_scorer": self.span_scorer, **select_options}
             fixed = self.builder.fixed_tokens(question)
             prompt = build_prompt(question, cands, tokenizer=self.tok, max_prompt_tokens=fixed + budget,
                                   builder=self.builder, **opts)
@@ -334,7 +389,7 @@ class Packer:
             left = self._left_fit(cands, used_ids, budget - sel.tokens_used, max_id)
             return Packed(parts, sel.tokens_used, budget, left, prompt)
         else:
-            raise SystemExit(f"unknown system {system!r}; one of {', '.join(SYSTEMS)}")
+            raise SystemExit(f"unknown system {system!r}; one of {', '.join(PACKERS)}")
         used_ids = {cid for cid, _ in p.passages}
         return Packed(p.passages, p.used, budget, self._left_fit(cands, used_ids, budget - p.used, max_id))
 
@@ -380,8 +435,10 @@ def run_grid(corpus: Corpus, packer: Packer, questions: Sequence[Question], conf
              ) -> dict[str, dict[int, list[dict[str, float]]]]:
     """Score every config on every question and budget. A config is ``{"system": ...,
     "retrieval": {fusion, lexical_weight, fetch_k, hybrid}, "select": {...}}``; candidate lists
-    are computed once per distinct retrieval setting and shared by the configs that use it."""
-    out: dict[str, dict[int, list[dict[str, float]]]] = {k: {b: [] for b in budgets} for k in configs}
+    are computed once per distinct retrieval setting and shared by the configs that use it; a
+    config's own ``"budgets"`` replace ``budgets`` for it."""
+    out: dict[str, dict[int, list[dict[str, float]]]] = {
+        k: {b: [] for b in cfg.get("budgets", budgets)} for k, cfg in configs.items()}
     for qi, q in enumerate(questions):
         lists: dict[str, list[Candidate]] = {}
         for name, cfg in configs.items():
@@ -390,7 +447,7 @@ def run_grid(corpus: Corpus, packer: Packer, questions: Sequence[Question], conf
             if key not in lists:
                 lists[key] = corpus.candidates(q, **r)
             cands = lists[key]
-            for b in budgets:
+            for b in cfg.get("budgets", budgets):
                 p = packer.pack(cfg["system"], q.text, cands, b, **cfg.get("select", {}))
                 out[name][b].append(score(corpus, q, p))
         if progress:

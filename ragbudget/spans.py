@@ -28,9 +28,9 @@ that one with its own if it needs it too, up to :data:`MAX_CHAIN` sentences back
 before the list. Not covered: a pronoun later in a sentence, a lead-in in the previous chunk.
 
 Cost: splitting, BM25 and the exact counts are milliseconds; embedding the pool's sentences is the
-part that costs (0.3–0.4× the generator's prefill of the same prompt on a loaded 2-core
-CPU, cold; nothing once the sentences are cached — see bench/spans_speed.py). On a served engine
-every admission is one count request to the engine.
+part that costs (0.2–0.4× the generator's prefill of the same prompt on a loaded 2-core
+CPU, cold; nothing once the sentences are cached — see bench/spans_speed.py and bench/spans_qa.py
+--timing). On a served engine every admission is one count request to the engine.
 
 Citations stay exact: every :class:`Span` has its offsets in the chunk's text (``chunk.text[start:
 end] == span.text``) and in its file (``span.source``), and the page(s) of the chunk it came from
@@ -93,8 +93,19 @@ NEEDS_PREVIOUS = frozenset((
 _MULTI = tuple(sorted((p for p in NEEDS_PREVIOUS if " " in p), key=len, reverse=True))
 
 # Defaults of the evidence mix; the weights are renormalized over the parts that are present
-# (no embedder: lexical and chunk only).
+# (no embedder: lexical and chunk only). Checked on the QA harness's tuning split (bench/
+# spans_qa.py --split squad-tune --sweep, bench/results/qa_spans_squad_tune.json): 0.6/0.2/0.2,
+# 0.2/0.6/0.2, 0.5/0.5/0 and 0.3/0.3/0.4 were none better on the mean over 128-1,024 tokens,
+# so they stay.
 _W_DENSE, _W_LEXICAL, _W_CHUNK = 0.4, 0.4, 0.2
+#: Default ``pool`` of :func:`select_spans`: chunk text considered, as a multiple of the budget.
+#: 8, not the first guess 3: at 128 tokens a pool of 3 budgets (384) is one 300-500-token chunk,
+#: so an answer in the second-ranked chunk could never be packed. On the tuning split (150 questions, squad-tune;
+#: bench/results/qa_spans_squad_tune*.json) recall at 128/256/512/1,024 tokens rose with the pool
+#: — 2: 73.3/84.0/92.0/95.3, 3: 73.3/86.7/93.3/95.3, 4: 76.0/88.7/94.7/95.3, 5: 78.7/88.0/94.0/
+#: 95.3, 8: 81.3/90.0/94.7/95.3 — at the price of more sentences embedded the first time.
+#: ``max_chunks`` (12) caps it at large budgets; 6 (pool 3) or 20 (pool 5) changed nothing.
+DEFAULT_POOL = 8.0
 # A sentence's own token count ± the BPE merge at each end and the joiner: an admission whose
 # estimate is further over the room than this is not counted exactly (it cannot fit).
 _SLACK = 4
@@ -347,7 +358,7 @@ def select_spans(
     count_tokens: Callable[[str], int],
     chunk_overhead: int | Callable[[Any], int] = 0,
     scorer: SpanScorer | None = None,
-    pool: float = 3.0,
+    pool: float = DEFAULT_POOL,
     max_chunks: int = 12,
     weights: tuple[float, float, float] = (_W_DENSE, _W_LEXICAL, _W_CHUNK),
     prime: Callable[[Sequence[str]], Any] | None = None,

@@ -253,6 +253,23 @@ def test_redundancy_across_spans_of_different_chunks() -> None:
     assert sel.text.count("1847") == 2
 
 
+def test_default_pool_reaches_past_the_best_chunk_at_a_small_budget() -> None:
+    # Two 40-word chunks and a 12-word budget: a pool of 3 budgets (36 words) is the best chunk
+    # alone, so the answer sentence in the second-ranked chunk could not be packed (the default
+    # before bench/spans_qa.py's tuning sweep); the default pool (8 budgets) considers both.
+    filler = " ".join(f"The ledger entry {i} lists ordinary cargo for that week." for i in range(4))
+    answer = "The harbour master recorded nineteen whales near Ardmore in 1902."
+    first = Candidate(1, filler, 0.9, sources=(Source("a.txt", 0, len(filler)),))
+    other = " ".join(f"Bay {i} of the storehouse kept rope and lamp oil in spring." for i in range(4))
+    second = Candidate(2, other + " " + answer, 0.8,
+                       sources=(Source("b.txt", 0, len(other) + 1 + len(answer)),))
+    q = "How many whales did the harbour master record near Ardmore?"
+    narrow = select_spans(q, [first, second], budget_tokens=12, count_tokens=words, pool=3)
+    assert answer not in narrow.text
+    sel = select_spans(q, [first, second], budget_tokens=12, count_tokens=words)
+    assert sel.text == answer and sel.tokens_used <= 12
+
+
 def test_split_sentences_abbreviations_initials_and_lines() -> None:
     t = "Mr. Brodie (b. 1799) met J. Smith on St. Kilda. Costs rose, e.g. for stone. Done!\nNext"
     got = [t[a:b] for a, b, _ in split_sentences(t)]
