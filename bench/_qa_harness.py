@@ -237,7 +237,7 @@ class Corpus:
     def build(cls, split: Split, questions: Sequence[Question], *, chunk_min: int = 300,
               chunk_max: int = 500) -> Corpus:
         texts, docs, sources = [], [], []
-        for d, (title, text) in enumerate(zip(split.titles, split.texts)):
+        for d, (title, text) in enumerate(zip(split.titles, split.texts, strict=True)):
             for c in chunk_text(text, min_tokens=chunk_min, max_tokens=chunk_max):
                 texts.append(c.text)
                 docs.append(d)
@@ -262,7 +262,7 @@ class Corpus:
 
         sents = sorted({t[a:b] for t in self.texts for a, b, _ in split_sentences(t)})
         vecs = embed_cached(sents, "sentences", self.model)
-        known = dict(zip(sents, vecs))
+        known = dict(zip(sents, vecs, strict=True))
         by_qid = {q.qid: q.text for q in self.split.questions}
         known.update({by_qid[qid]: v for qid, v in self.qvecs.items()})
         return IndexEmbedder(self.model, known)
@@ -298,7 +298,7 @@ class IndexEmbedder:
             vecs = self.model.encode(todo, batch_size=32, normalize_embeddings=True,
                                      show_progress_bar=False)
             self.embedded += len(todo)
-            fresh = dict(zip(todo, vecs))
+            fresh = dict(zip(todo, vecs, strict=True))
         else:
             fresh = {}
         return np.stack([self.known[t] if t in self.known else fresh[t] for t in texts])

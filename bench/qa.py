@@ -36,13 +36,12 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import _qa_harness as H  # noqa: E402  (sets the offline environment first)
-
 import numpy as np  # noqa: E402
-
-from ragbudget.index import FUSIONS  # noqa: E402
 
 # bench/floor.py and bench/engines.py import the SQuAD scoring and paths from here.
 from _qa_harness import OUT, ROOT, SQUAD, contains_answer, exact_match, f1_score, normalize_answer  # noqa: E402,F401
+
+from ragbudget.index import FUSIONS  # noqa: E402
 
 
 def embed(texts: list[str], cache: Path) -> np.ndarray:

@@ -38,7 +38,6 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import _qa_harness as H  # noqa: E402  (sets the offline environment first)
-
 import numpy as np  # noqa: E402
 
 LABELS = {"topk_truncate": "top-4 then truncate", "greedy_fill": "greedy fill, last cut",
@@ -192,7 +191,8 @@ def main() -> None:
     for other in ("greedy_fill", "ragbudget_chunks", "ragbudget"):
         paired[other] = {}
         for b in SPAN_BUDGETS:
-            d = [100 * (s - o) for s, o in zip(per_question["ragbudget_spans"][b], per_question[other][b])]
+            pairs = zip(per_question["ragbudget_spans"][b], per_question[other][b], strict=True)
+            d = [100 * (s - o) for s, o in pairs]  # the same questions, paired
             paired[other][b] = {"mean": float(np.mean(d)), "ci95": H.bootstrap_ci(d)}
     best_2048 = max(table[s][2048]["recall"] for s in ("topk_truncate", "greedy_fill"))
     targets = {
