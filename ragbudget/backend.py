@@ -49,6 +49,7 @@ messages); a too-long answer that survives the backend's one retry arrives as
 from __future__ import annotations
 
 import hashlib
+import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -59,6 +60,8 @@ from .errors import BudgetError, ConfigError
 
 if TYPE_CHECKING:  # pragma: no cover - generate.py is imported lazily, at first use
     from .generate import Generation, Generator
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "Backend",
@@ -558,6 +561,22 @@ class LocalBackend:
                         # Host RAM plans are large and the paged cache is zeroed up front (it
                         # is all resident): hold `concurrency` full windows, not all of RAM.
                         tokens = min(tokens, max(1, plan.concurrency) * plan.model_max_tokens)
+                    # The plan's KV bytes are the most the paged cache may take: whole pages, and
+                    # the paged layout's own bytes per token (it can exceed the plan's), so the
+                    # activations the plan reserved beside it still fit.
+                    tokens = _paged_tokens_within(self.generator, int(tokens),
+                                                  plan.kv_capacity_tokens * plan.kv_bytes_per_token_peak)
+                    if tokens < plan.max_context_tokens:
+                        # Too tight to batch: the paged cache could not hold the one full-size
+                        # request the plan allows, so generation runs one request at a time.
+                        why = (f"the paged cache that fits the plan's KV memory holds {tokens:,} "
+                               f"tokens, less than one request's {plan.max_context_tokens:,}")
+                        if self.batching:
+                            raise ConfigError(f"cannot batch {self.model_id!r}: {why}; give it more "
+                                              "memory or pass batching=False")
+                        log.info("generation not batched: %s", why)
+                        self.batching = False
+                        return None
                 self._batcher = Batcher(self.generator, kv_tokens=max(1, int(tokens)))
             return self._batcher
 
@@ -615,3 +634,22 @@ class LocalBackend:
             temperature=s.temperature, top_p=s.top_p, seed=s.seed,
             stop=list(stop) if stop else None, on_text=on_text, cancel=cancel, **options,
         )
+
+
+def _paged_tokens_within(generator: Generator, tokens: int, budget_bytes: int,
+                         page_size: int = 32) -> int:
+    """The most tokens, in whole pages of ``page_size`` (at least one page), up to ``tokens``,
+    whose paged cache (:func:`~ragbudget.kvcache.paged_cache_layout`, exact) takes at most
+    ``budget_bytes``."""
+    from .batching import _dtype_name
+    from .kvcache import paged_cache_layout
+
+    model = generator.model
+    blocks = max(1, tokens // page_size)
+    while blocks > 1:
+        layout = paged_cache_layout(model.config, num_blocks=blocks, page_size=page_size,
+                                    kv_dtype=_dtype_name(model))
+        if layout.total_bytes <= budget_bytes:
+            break
+        blocks = max(1, min(blocks - 1, int(blocks * budget_bytes / max(1, layout.total_bytes))))
+    return blocks * page_size

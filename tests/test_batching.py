@@ -173,3 +173,30 @@ def test_admission_counts_the_paged_cache_when_the_backend_batches(gen, tmp_path
     assert off.batched is False
     ctl = Pipeline(tmp_path / "index2", backend=off, gpu="1GiB").admission
     assert ctl.token_capacity is None and not ctl.throughput.batched
+
+
+def test_the_auto_sized_paged_cache_stays_within_the_plans_kv_bytes(gen, monkeypatch) -> None:
+    """The paged cache may cost more per token than the plan's KV model (its own layout): sized
+    automatically, it takes whole pages within the plan's KV bytes, so the activations the plan
+    reserved beside it still fit; when that cannot hold one full request, generation runs
+    unbatched (or, with batching=True, a ConfigError says why)."""
+    import ragbudget.backend as backend_mod
+    from ragbudget.batching import _dtype_name
+
+    def size(blocks: int) -> int:
+        return paged_cache_layout(gen.model.config, num_blocks=blocks, page_size=32,
+                                  kv_dtype=_dtype_name(gen.model)).total_bytes
+
+    budget = size(10) + 1
+    tokens = backend_mod._paged_tokens_within(gen, 100_000, budget)
+    # Whole pages, within the bytes, and the most that fit (one page more would not).
+    assert tokens % 32 == 0 and size(tokens // 32) <= budget < size(tokens // 32 + 1)
+    assert backend_mod._paged_tokens_within(gen, 100, budget) == 96  # never above what was asked
+    assert backend_mod._paged_tokens_within(gen, 100_000, 1) == 32  # at least one page
+
+    monkeypatch.setattr(backend_mod, "_paged_tokens_within", lambda *a, **k: 32)
+    tight = LocalBackend(gen, gpu="1GiB")
+    assert tight.batcher is None and tight.batched is False
+    assert tight.generate("hello", max_new_tokens=3).cache == "dynamic"
+    with pytest.raises(ConfigError, match="less than one request"):
+        _ = LocalBackend(gen, gpu="1GiB", batching=True).batcher
