@@ -453,3 +453,13 @@ def run_grid(corpus: Corpus, packer: Packer, questions: Sequence[Question], conf
         if progress:
             progress(qi + 1)
     return out
+
+
+def grid_tables(grid: dict[str, dict[int, list[dict[str, Any]]]]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """From :func:`run_grid`'s rows: per system and budget the mean recall, fill, left-fit and
+    answer-left-fit in %, and per question the 0/1 recall (for paired bootstrap intervals)."""
+    table = {name: {b: {k: 100 * mean(rows, k) for k in ("recall", "fill", "left_fit", "answer_left_fit")}
+                    for b, rows in by_b.items()} for name, by_b in grid.items()}
+    per_question = {name: {b: [int(r["recall"]) for r in rows] for b, rows in by_b.items()}
+                    for name, by_b in grid.items()}
+    return table, per_question

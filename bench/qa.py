@@ -159,10 +159,7 @@ def main() -> None:
     t0 = time.time()
     grid = H.run_grid(corpus, packer, questions, cfg, H.BUDGETS, progress=lambda i: (
         print(f"  {i}/{len(questions)} ({time.time() - t0:.0f}s)", flush=True) if i % 50 == 0 else None))
-    table = {name: {b: {k: 100 * H.mean(rows, k) for k in ("recall", "fill", "left_fit", "answer_left_fit")}
-                    for b, rows in by_b.items()} for name, by_b in grid.items()}
-    per_question = {name: {b: [int(r["recall"]) for r in rows] for b, rows in by_b.items()}
-                    for name, by_b in grid.items()}
+    table, per_question = H.grid_tables(grid)
 
     print(f"\nanswer in context (%) / fill (%) / answer left out though it fit (%), {len(questions)} questions")
     print(f"{'system':<26}" + "".join(f"{b:>18}" for b in H.BUDGETS))

@@ -123,6 +123,26 @@ _sampling_options = _option_group(
     _sampling,
 )
 
+#: ``--history-share --summary-max-tokens --recent-turns``, handed to ``chat`` and ``serve`` as
+#: ``history``: the keywords of :class:`~ragbudget.chat.Conversation`'s history policy.
+_history_options = _option_group(
+    "history",
+    {
+        "history_share": click.option(
+            "--history-share", default=0.3, show_default=True,
+            type=click.FloatRange(0.0, 1.0, max_open=True),
+            help="Share of the prompt room a conversation's history may take; retrieval gets the rest."),
+        "summary_max_tokens": click.option(
+            "--summary-max-tokens", default=128, show_default=True, type=click.IntRange(min=1),
+            help="Cap of the rolling summary older turns are folded into."),
+        "recent_turns": click.option(
+            "--recent-turns", default=2, show_default=True, type=click.IntRange(min=0),
+            help="Turns kept verbatim when they fit."),
+    },
+    lambda **values: values,
+)
+
+
 #: ``--retrieval --lexical-weight --fusion``, handed to the command as ``retrieval``: the
 #: ``Pipeline`` keywords of hybrid (BM25 + dense) or dense-only search.
 _retrieval_options = _option_group(
@@ -851,27 +871,7 @@ def ask(
 @cli.command()
 @_index_dir_option
 @_model_options
-@click.option(
-    "--history-share",
-    default=0.3,
-    show_default=True,
-    type=click.FloatRange(0.0, 1.0, max_open=True),
-    help="Share of the prompt room history may take; retrieval gets the rest.",
-)
-@click.option(
-    "--summary-max-tokens",
-    default=128,
-    show_default=True,
-    type=click.IntRange(min=1),
-    help="Cap of the rolling summary of older turns.",
-)
-@click.option(
-    "--recent-turns",
-    default=2,
-    show_default=True,
-    type=click.IntRange(min=0),
-    help="Turns kept verbatim when they fit.",
-)
+@_history_options
 @click.option(
     "--context-tokens",
     default=None,
@@ -899,9 +899,7 @@ def chat(
     max_new_tokens: int,
     kv_dtype: str | None,
     cache: str,
-    history_share: float,
-    summary_max_tokens: int,
-    recent_turns: int,
+    history: dict[str, Any],
     context_tokens: int | None,
     ttft_target: float | None,
     no_stream: bool,
@@ -930,9 +928,7 @@ def chat(
     )
     conversation = Conversation(
         pipe,
-        history_share=history_share,
-        summary_max_tokens=summary_max_tokens,
-        recent_turns=recent_turns,
+        **history,
         context_tokens=context_tokens,
     )
 
@@ -974,27 +970,7 @@ def chat(
 @click.option(
     "--model-name", default=None, help="Model id clients send (default: the generator's id; 'ragbudget' always works)."
 )
-@click.option(
-    "--history-share",
-    default=0.3,
-    show_default=True,
-    type=click.FloatRange(0.0, 1.0, max_open=True),
-    help="Share of the prompt room a request's history may take; retrieval gets the rest.",
-)
-@click.option(
-    "--summary-max-tokens",
-    default=128,
-    show_default=True,
-    type=click.IntRange(min=1),
-    help="Cap of the summary older turns are folded into.",
-)
-@click.option(
-    "--recent-turns",
-    default=2,
-    show_default=True,
-    type=click.IntRange(min=0),
-    help="Turns kept verbatim when they fit.",
-)
+@_history_options
 @click.option(
     "--expose-plan",
     is_flag=True,
@@ -1023,9 +999,7 @@ def serve(
     port: int,
     api_key: str | None,
     model_name: str | None,
-    history_share: float,
-    summary_max_tokens: int,
-    recent_turns: int,
+    history: dict[str, Any],
     expose_plan: bool,
     ttft_target: float | None,
     retrieval: dict[str, Any],
@@ -1056,9 +1030,7 @@ def serve(
         port=port,
         api_key=api_key,
         model_name=model_name,
-        history_share=history_share,
-        summary_max_tokens=summary_max_tokens,
-        recent_turns=recent_turns,
+        **history,
         expose_plan=expose_plan,
     )
 
