@@ -457,17 +457,14 @@ def test_ask_and_search_on_an_empty_index_say_so(runner: CliRunner, tmp_path: Pa
         assert "has no chunks" in result.output and "ragbudget index" in result.output
 
 
+def _ask_curie(index_dir: str) -> list[str]:
+    """``ask`` of the Curie question on ``small_index``, its answer cut at 12 tokens."""
+    return ["ask", "What was Maria Curie the first female recipient of?", "--index-dir", index_dir,
+            "--gpu", "24GiB", "--max-new-tokens", "12"]
+
+
 def test_ask_marks_an_answer_cut_at_max_new_tokens(runner: CliRunner, small_index: str) -> None:
-    args = [
-        "ask",
-        "What was Maria Curie the first female recipient of?",
-        "--index-dir",
-        small_index,
-        "--gpu",
-        "24GiB",
-        "--max-new-tokens",
-        "12",
-    ]
+    args = _ask_curie(small_index)
     for extra in ([], ["--no-stream"]):
         result = runner.invoke(cli, [*args, *extra])
         assert result.exit_code == 0, result.output
@@ -478,16 +475,7 @@ def test_ask_marks_an_answer_cut_at_max_new_tokens(runner: CliRunner, small_inde
 
 
 def test_ask_paths_are_relative_unless_asked(runner: CliRunner, small_index: str, tmp_path: Path) -> None:
-    args = [
-        "ask",
-        "What was Maria Curie the first female recipient of?",
-        "--index-dir",
-        small_index,
-        "--gpu",
-        "24GiB",
-        "--max-new-tokens",
-        "12",
-    ]
+    args = _ask_curie(small_index)
     text = runner.invoke(cli, args)
     assert text.exit_code == 0, text.output
     assert "docs/curie.txt" in text.output and str(tmp_path) not in text.output
