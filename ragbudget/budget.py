@@ -704,25 +704,19 @@ def plan_budget(
                 notes.append(f"checkpoint is quantized ({qc.get('quant_method')}); weights planned "
                              "at the model dtype — pass weight_dtype to plan its real storage")
     gpu_bytes = info.bytes
-    if module is not None and info.source == "cuda:0 free memory":
-        # Free memory already excludes a loaded model's weights: add them back, or they would be
-        # subtracted twice.
-        on_gpu = sum(t.numel() * t.element_size()
+    # Free CUDA memory, like available host RAM, was read with the model loaded: add its own
+    # bytes on that device back, or they would be subtracted twice (as weights and as used).
+    resident = {"cuda:0 free memory": ("cuda", "on the GPU", "free memory"),
+                "host RAM (no GPU)": ("cpu", "in RAM", "available memory")}.get(info.source)
+    if module is not None and resident is not None:
+        device, where, figure = resident
+        loaded = sum(t.numel() * t.element_size()
                      for t in list(module.parameters()) + list(module.buffers())
-                     if t.device.type == "cuda")
-        if on_gpu:
-            gpu_bytes += on_gpu
-            notes.append(f"the loaded model's {on_gpu / GiB:.2f} GiB on the GPU counted as "
-                         "available to it (free memory excludes them)")
-    if module is not None and info.source == "host RAM (no GPU)":
-        # Likewise on a CPU host: available RAM was read with the model loaded.
-        in_ram = sum(t.numel() * t.element_size()
-                     for t in list(module.parameters()) + list(module.buffers())
-                     if t.device.type == "cpu")
-        if in_ram:
-            gpu_bytes += in_ram
-            notes.append(f"the loaded model's {in_ram / GiB:.2f} GiB in RAM counted as available "
-                         "to it (available memory excludes them)")
+                     if t.device.type == device)
+        if loaded:
+            gpu_bytes += loaded
+            notes.append(f"the loaded model's {loaded / GiB:.2f} GiB {where} counted as available "
+                         f"to it ({figure} excludes them)")
     usable = int(gpu_bytes * utilization)
     model_max = _model_max(cfg)
 

@@ -218,8 +218,8 @@ class RayExecutor:
             return
         host, port = self._probe
         try:
-            with socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S):
-                pass
+            # A probe: connect, then hang up at once.
+            socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S).close()
         except OSError as exc:
             raise ExecutorError(
                 f"cannot reach the Ray cluster at {self.address!r}: {exc.strerror or exc} "

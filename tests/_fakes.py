@@ -363,3 +363,18 @@ def running(pipe: _Pipeline, **options: Any) -> Iterator[str]:
 
     with background_server(create_app(pipe, **options)) as url:
         yield url
+
+
+def stop_server(proc: Any) -> str:
+    """Stop a ``ragbudget serve`` subprocess the way a user does (Ctrl-C, then a kill after 20 s)
+    and return its stderr."""
+    import signal
+    import subprocess
+
+    proc.send_signal(signal.SIGINT)
+    try:
+        _, err = proc.communicate(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, err = proc.communicate()
+    return err

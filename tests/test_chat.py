@@ -14,7 +14,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from _fakes import FakeBackend, GeneratorStub, WordCounter, WordTokenizer as HFWordTokenizer, corpus_index
+from _fakes import (
+    FakeBackend,
+    FakeGeneration,
+    GeneratorStub,
+    WordCounter,
+    WordTokenizer as HFWordTokenizer,
+    corpus_index,
+)
 from hypothesis import given, settings, strategies as st
 
 from ragbudget.backend import Capacity, Sampling
@@ -701,17 +708,6 @@ def ChatMLTokenizer() -> HFWordTokenizer:  # noqa: N802 - reads as the class it 
 
 
 @dataclass
-class RealishGeneration:
-    text: str
-    prompt_tokens: int
-    new_tokens: int
-    max_new_tokens: int
-    finish_reason: str = "length"
-    oom_steps: tuple = ()
-    prompt: Any = None
-
-
-@dataclass
 class ChatMLGenerator(GeneratorStub):
     """The Generator surface Pipeline and Conversation use; answers are long on purpose."""
 
@@ -727,17 +723,18 @@ class ChatMLGenerator(GeneratorStub):
 
     def generate(
         self, prompt: Any, *, max_new_tokens: int, on_text: Any = None, cancel: Any = None, **_: Any
-    ) -> RealishGeneration:
+    ) -> FakeGeneration:
         if isinstance(prompt, list):  # a summary request (chat messages)
             self.summaries += 1
             text = " ".join(re.findall(r"\w+", prompt[-1]["content"])[:max_new_tokens])
-            return RealishGeneration(text, 0, max_new_tokens, max_new_tokens)
+            return FakeGeneration(text, 0, max_new_tokens, max_new_tokens, finish_reason="length")
         self.prompts.append(prompt)
         words = [f"detail{i}" for i in range(max_new_tokens // 2)]
         text = " ".join(words)
         if on_text:
             on_text(text)
-        return RealishGeneration(text, prompt.n_tokens, len(self.tokenizer.encode(text)), max_new_tokens, prompt=prompt)
+        return FakeGeneration(text, prompt.n_tokens, len(self.tokenizer.encode(text)), max_new_tokens,
+                              finish_reason="length", prompt=prompt)
 
 
 @pytest.fixture(scope="module")

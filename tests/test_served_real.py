@@ -7,7 +7,6 @@ embedder, so only the engine is real."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from _fakes import stop_server
 from _llama import BINARY, SKIP_REASON, free_port
 
 from ragbudget import Pipeline
@@ -115,12 +115,7 @@ def gateway(index_dir: Path, llama_server: str) -> Iterator[str]:
             time.sleep(0.5)
         yield url
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            _, err = proc.communicate(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            _, err = proc.communicate()
+        err = stop_server(proc)
         assert "Traceback" not in err, err[-2000:]
 
 

@@ -34,6 +34,7 @@ from _fakes import (
     fake_pipeline,
     printable_stop,
     running,
+    stop_server,
 )
 
 from ragbudget.backend import Sampling
@@ -1080,7 +1081,6 @@ serve(Pipeline(sys.argv[2], backend=FakeBackend(), max_new_tokens=8), port=int(s
 
 def test_serve_listens_on_the_socket_it_bound_and_stops_on_sigint() -> None:
     import os
-    import signal
     import subprocess
 
     with socket.socket() as probe:  # a free port (tiny race with other processes; loopback only)
@@ -1108,12 +1108,7 @@ def test_serve_listens_on_the_socket_it_bound_and_stops_on_sigint() -> None:
         models = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"]
         assert [m["id"] for m in models] == [MODEL, "ragbudget"]
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            _, err = proc.communicate(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            _, err = proc.communicate()
+        err = stop_server(proc)
     assert proc.returncode == 0, err
     assert "Traceback" not in err
 
