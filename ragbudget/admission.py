@@ -33,6 +33,16 @@ decoding sequences cost only the marginal step). Two decisions follow from the m
   seconds). Each refusal is remembered as a *promise*: a request expected back at that time, so
   the next refusal is told a later time instead of sending every client back at the same second.
 
+Returning clients. A refusal's promise can carry a *key* (the server uses a hash of the request
+body, which a client retrying the same request sends again). A request made with that key
+(:meth:`AdmissionController.returning`) from one second before the promised time until ten seconds
+(or one queue time-out, if longer) after it *claims* the promise: it is never refused for time, it joins the FIFO queue,
+and it waits there up to the queue time-out plus the longest ``retry_after`` instead of the queue
+time-out alone — so a client that honoured ``Retry-After`` is served even when the host ran slower
+than measured, and still within a bounded time. New arrivals are judged by the work really
+running and queued (an unkeyed caller cannot be told from a returning one), so a promise never
+holds the host idle.
+
 Requests are admitted strictly in arrival order (FIFO): a large request at the head is not starved
 by small ones behind it, at the cost of head-of-line blocking. The queue is bounded; a full queue
 or a wait longer than ``timeout`` raises :class:`~ragbudget.errors.OverloadedError` with a
@@ -49,6 +59,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import contextvars
 import dataclasses
 import math
 import threading
@@ -62,6 +73,12 @@ from .errors import BudgetError, ConfigError, OverloadedError, RequestCancelled
 # How often a waiter with a cancel event looks at it: threading.Event cannot wake on either of two
 # events, and 50 ms is well below the latency of any request that has to queue.
 CANCEL_POLL_S = 0.05
+
+# The key of a request made under AdmissionController.returning(): read by acquire in the same
+# thread (or task), so the key need not travel through every layer between the server's request
+# and the pipeline's reservation.
+_RETURNING: contextvars.ContextVar[str | None] = contextvars.ContextVar("ragbudget_returning",
+                                                                       default=None)
 
 __all__ = [
     "AdmissionController",
@@ -389,7 +406,7 @@ class AdmissionStats:
 
 class _Waiter:
     __slots__ = ("cost", "event", "future", "granted", "job", "loop", "pool", "prompt_tokens",
-                 "tokens")
+                 "returning", "tokens")
 
     def __init__(self, tokens: int, prompt_tokens: int, cost: int, job: _Job | None,
                  pool: int = 0) -> None:
@@ -400,6 +417,7 @@ class _Waiter:
         self.job = job
         self.event = threading.Event()
         self.granted = False
+        self.returning = False  # it claimed a refusal's promise (see the module docstring)
         self.loop: asyncio.AbstractEventLoop | None = None
         self.future: asyncio.Future[None] | None = None
 
@@ -448,6 +466,8 @@ class Reservation:
 class _Promise:
     due: float
     job: _Job = field(repr=False)
+    key: str | None = None  # the refused request's key: its return claims the promise
+    held_until: float = float("-inf")  # seen back (would_refuse): kept for its acquire until then
 
 
 class AdmissionController:
@@ -468,6 +488,9 @@ class AdmissionController:
 
     #: Retry-After is bounded by this many queue time-outs (see the class docstring).
     MAX_RETRY_FACTOR = 4.0
+    #: A returning client may come this many seconds before its promised time (Retry-After is
+    #: whole seconds, and clients round and sleep imprecisely).
+    RETURN_EARLY_S = 1.0
 
     def __init__(self, capacity_tokens: int, *, max_queue: int = 64, timeout: float = 30.0,
                  memory: MemoryModel | None = None, throughput: Throughput | None = None,
@@ -536,6 +559,26 @@ class AdmissionController:
         base = self.timeout if self.timeout is not None and self.timeout > 0 else 15.0
         return float(max(1.0, math.ceil(self.MAX_RETRY_FACTOR * base)))
 
+    @property
+    def return_wait(self) -> float | None:
+        """How long a returning client (one that claimed its promise) may wait in the queue: the
+        queue time-out plus the longest ``retry_after``; ``None`` without a time-out."""
+        if self.timeout is None:
+            return None
+        return float(self.timeout) + self.retry_after_max
+
+    @staticmethod
+    @contextlib.contextmanager
+    def returning(key: str | None) -> Iterator[None]:
+        """Requests made inside the block (in this thread or task) carry ``key``: refused for
+        time, they leave a promise under it; coming back with it at the promised time, they claim
+        it (see the module docstring). ``None`` is a request without a key."""
+        token = _RETURNING.set(key)
+        try:
+            yield
+        finally:
+            _RETURNING.reset(token)
+
     # -- public API ---------------------------------------------------------------------------
     def stats(self) -> AdmissionStats:
         with self._lock:
@@ -576,7 +619,7 @@ class AdmissionController:
         waiter = self._enqueue(tokens, prompt_tokens)
         if waiter.granted:
             return self._reservation(waiter)
-        wait = self.timeout if timeout is None else timeout
+        wait = self._wait_for(waiter, timeout)
         try:
             if cancel is None:
                 waiter.event.wait(wait)
@@ -612,7 +655,7 @@ class AdmissionController:
         waiter = self._enqueue(tokens, prompt_tokens, loop=asyncio.get_running_loop())
         if waiter.granted:
             return self._reservation(waiter)
-        wait = self.timeout if timeout is None else timeout
+        wait = self._wait_for(waiter, timeout)
         assert waiter.future is not None
         try:
             # A timeout is settled below by _finish_wait (granted meanwhile, or refused).
@@ -653,14 +696,22 @@ class AdmissionController:
         server's early 429); :meth:`acquire` still decides for the requests that pass.
 
         ``refuse=False`` changes nothing. ``refuse=True`` makes it a refusal, as :meth:`acquire`
-        would: counted, and remembered as a promise, so the next refused client is told a later
-        time instead of the same second."""
+        would: counted, and remembered as a promise (under the key of :meth:`returning`), so the
+        next refused client is told a later time instead of the same second. A request that
+        would claim a promise is never refused for time."""
         if self.throughput is None or self.timeout is None:
             return None
         tokens = int(tokens)
         prompt = int(tokens if prompt_tokens is None else prompt_tokens)
         with self._lock:
             self._advance_locked()
+            promise = self._promise_for_locked(_RETURNING.get())
+            if promise is not None:
+                # A returning client: its acquire, after the prompt is built (seconds on a busy
+                # host), claims the promise — kept for it until then.
+                promise.held_until = max(promise.held_until,
+                                         self._clock() + (self.return_wait or 0.0))
+                return None
             cost, pool = self._cost(tokens, prompt), self._pool(tokens)
             job = self._job(tokens, prompt, cost, pool)
             if job is None:
@@ -682,8 +733,42 @@ class AdmissionController:
         # the work ahead (and that of the clients sent back before it) has drained enough.
         later = self._first_token_locked(job, promised_first=True)
         retry = float(min(self.retry_after_max, max(1, math.ceil(later - self.timeout))))
-        self._promises.append(_Promise(due=self._clock() + retry, job=job))
+        self._promise_locked(job, retry)
         return retry
+
+    def _promise_locked(self, job: _Job | None, retry: float) -> None:
+        """Remember a refusal told to come back in ``retry`` seconds (under the request's key)."""
+        if job is not None:
+            self._promises.append(_Promise(due=self._clock() + retry, job=job,
+                                           key=_RETURNING.get()))
+
+    def _promise_for_locked(self, key: str | None) -> _Promise | None:
+        """The promise a request with ``key`` arriving now would claim: the earliest due one
+        under that key whose time has come (``RETURN_EARLY_S`` early at most)."""
+        if key is None:
+            return None
+        now = self._clock()
+        self._prune_promises_locked(now)
+        due = [p for p in self._promises if p.key == key and p.due - self.RETURN_EARLY_S <= now]
+        return min(due, key=lambda p: p.due) if due else None
+
+    #: A promise stays claimable this long after its time at least (or one queue time-out, if
+    #: longer): a client's own work and sleep make it late by a little.
+    RETURN_LATE_S = 10.0
+
+    def _prune_promises_locked(self, now: float) -> None:
+        # A client that never comes back stops shaping the others' Retry-After after the grace.
+        grace = max(self.RETURN_LATE_S, self.timeout if self.timeout is not None else 0.0)
+        self._promises = [p for p in self._promises if max(p.due + grace, p.held_until) > now]
+
+    def _wait_for(self, waiter: _Waiter, timeout: float | None) -> float:
+        """Seconds ``waiter`` may wait: ``timeout`` when given, else the queue time-out — or, for
+        a returning client, :attr:`return_wait`."""
+        if timeout is not None:
+            return timeout
+        if waiter.returning and self.return_wait is not None:
+            return self.return_wait
+        return self.timeout
 
     # -- internals ----------------------------------------------------------------------------
     def _reservation(self, waiter: _Waiter) -> Reservation:
@@ -772,10 +857,11 @@ class AdmissionController:
         one is sent back after them, not at the same second)."""
         assert self.throughput is not None
         now = self._clock()
-        self._promises = [p for p in self._promises if p.due > now]
+        self._prune_promises_locked(now)
         queued = [w.job for w in self._queue if w.job is not None]
-        # A returning client cannot be told from a new one, so admission itself judges every
-        # arrival by the real work only; promises only space out the refusals.
+        # Admission judges every new arrival by the real work only (an unkeyed returning client
+        # cannot be told from a new one); promises space out the refusals, and a keyed return
+        # claims its own (see the module docstring).
         promised = [_Job(prefill=p.job.prefill, decode=p.job.decode, cost=p.job.cost,
                          tokens=p.job.tokens, ready=p.due)
                     for p in sorted(self._promises, key=lambda p: p.due)] if promised_first else []
@@ -827,6 +913,10 @@ class AdmissionController:
             self._advance_locked()
             job = self._job(tokens, prompt, cost, pool)
             waiter = _Waiter(tokens, prompt, cost, job, pool)
+            promise = self._promise_for_locked(_RETURNING.get())
+            if promise is not None:  # a client back when it was told: its promise is kept
+                self._promises.remove(promise)
+                waiter.returning = True
             # Nothing waits and it may start: it runs at once (work conserving — promised returns
             # shape later refusals and their Retry-After, they never hold the host idle).
             if not self._queue and self._may_start_locked(waiter):
@@ -834,17 +924,19 @@ class AdmissionController:
                 return waiter
             if len(self._queue) >= self.max_queue:
                 self._rejected += 1
+                retry = self._retry_after_locked(job)
+                self._promise_locked(job, retry)
                 raise OverloadedError(
                     f"{len(self._queue)} requests already wait for KV-cache space "
                     f"(queue limit {self.max_queue}); retry later",
-                    retry_after=self._retry_after_locked(job),
+                    retry_after=retry,
                 )
-            if job is not None and self.timeout is not None:
+            if job is not None and self.timeout is not None and not waiter.returning:
                 expected = self._first_token_locked(job)
                 if expected > self.timeout:
                     retry = self._refuse_for_time_locked(job)
                     raise OverloadedError(
-                        f"the first token would come in about {expected:.0f} s (work already "
+                        f"the first token would come in about {expected:.{1 if expected < 10 else 0}f} s (work already "
                         f"running and queued at the measured speed: {self._running} running, "
                         f"{len(self._queue)} queued), past the queue time-out of "
                         f"{self.timeout:g} s; retry after {retry:.0f} s",
@@ -902,6 +994,7 @@ class AdmissionController:
         with self._lock:
             self._timed_out += 1
             retry = self._retry_after_locked(waiter.job)
+            self._promise_locked(waiter.job, retry)  # its return is kept a place, as for time
         held = (f"{self.capacity_tokens} in all, all in use" if self.memory is None else
                 f"{self._admitted_bytes / 2**20:,.1f} of {self.memory.capacity_bytes / 2**20:,.1f} "
                 f"MiB held by {self._running} running")

@@ -47,6 +47,7 @@ import contextlib
 import ctypes
 import errno
 import functools
+import hashlib
 import hmac
 import json
 import logging
@@ -64,6 +65,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from .admission import AdmissionController
 from .errors import (
     BudgetError,
     ConfigError,
@@ -76,7 +78,6 @@ from .errors import (
 )
 
 if TYPE_CHECKING:
-    from .admission import AdmissionController
     from .backend import Capacity
     from .index import Index
     from .pipeline import Answer, Pipeline
@@ -583,6 +584,9 @@ class _ChatRequest:
     max_tokens: int | None
     context_tokens: int | None
     sampling: dict[str, Any]  # temperature / top_p / seed / stop as sent (absent ones left out)
+    # The body's digest: a client retrying after a 429 sends the same body again, and admission
+    # keeps the place it promised that client (AdmissionController.returning).
+    key: str = ""
 
 
 def _content_text(content: Any, where: str) -> str:
@@ -816,7 +820,14 @@ def _parse_chat(body: Any, models: Sequence[str], *, max_tokens_limit: int | Non
         max_tokens=max_tokens,
         context_tokens=_opt_int(body, "context_tokens"),
         sampling=sampling,
+        key=_body_key(body),
     )
+
+
+def _body_key(body: dict[str, Any]) -> str:
+    """A digest of a request body, the same for the same JSON whatever its key order."""
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
+    return hashlib.sha256(canonical.encode()).hexdigest()
 
 
 # --- answers --------------------------------------------------------------------------------------
@@ -1214,7 +1225,9 @@ def create_app(
             context_tokens=req.context_tokens,
             summary_cache=summary_cache,
         )
-        turn = conversation.ask(req.question, on_text=on_text, cancel=cancel, **req.sampling)
+        # In this worker thread: the reservation made inside claims a promise under this key.
+        with AdmissionController.returning(req.key or None):
+            turn = conversation.ask(req.question, on_text=on_text, cancel=cancel, **req.sampling)
         if turn.budget.summary_cached:
             metrics.add("summary_turns_cached", turn.budget.summary_cached)
         if turn.summary:
@@ -1270,7 +1283,7 @@ def create_app(
     def index_ok() -> None:
         health_state["problem"], health_state["sticky"] = None, False
 
-    async def admission() -> "AdmissionController | None":
+    async def admission() -> AdmissionController | None:
         """The pipeline's admission controller, kept once built (sizing it plans from memory or
         asks the engine: done once, off the event loop); None while it cannot be built (the
         requests then get the error)."""
@@ -1434,7 +1447,8 @@ def create_app(
             if ctl.throughput is not None:
                 max_new = pipeline.max_new_tokens if req.max_tokens is None else req.max_tokens
                 tokens, prompt = await asyncio.to_thread(pipeline.admission_estimate, max_new)
-                retry = ctl.would_refuse(tokens, prompt_tokens=prompt, refuse=True)
+                with ctl.returning(req.key or None):
+                    retry = ctl.would_refuse(tokens, prompt_tokens=prompt, refuse=True)
                 if retry is not None:
                     metrics.add("refused_early", 1)
                     raise overloaded(

@@ -6,6 +6,7 @@ import asyncio
 import random
 import threading
 import time
+from typing import Any
 
 import pytest
 
@@ -530,3 +531,133 @@ def test_an_idle_controller_never_refuses_for_time() -> None:
     r = ctl.acquire(1100, prompt_tokens=1000)
     assert ctl.would_refuse(1100, prompt_tokens=1000, refuse=True) is not None  # now busy
     r.release()
+
+
+# --- returning clients claim their promise ---------------------------------------------------
+
+
+def _keyed(ctl: AdmissionController, key: str | None, tokens: int = 1100, prompt: int = 1000):
+    """Enqueue under ``key``: the waiter, or the OverloadedError it was refused with."""
+    with ctl.returning(key):
+        try:
+            return ctl._enqueue(tokens, prompt)
+        except OverloadedError as exc:
+            return exc
+
+
+def test_a_client_back_at_its_retry_after_is_queued_even_when_the_host_ran_slow() -> None:
+    clock = Clock()
+    ctl = AdmissionController(10**6, max_queue=64, timeout=5.0, throughput=THR, ttft_target=1.5,
+                              clock=clock)
+    out = {k: _keyed(ctl, k) for k in "abcdefgh"}
+    refused = {k: v.retry_after for k, v in out.items() if isinstance(v, OverloadedError)}
+    assert list(refused) == ["d", "e", "f", "g", "h"] and refused["d"] == 2.0
+    # The host runs 3× slower than measured: after 2 s nothing has finished, so by the model
+    # (which has not learnt it yet) new work still lies past the time-out.
+    clock.t += refused["d"]
+    assert isinstance(_keyed(ctl, None), OverloadedError)  # a newcomer: refused
+    back = _keyed(ctl, "d")  # the client told to come back now: queued, not refused
+    assert not isinstance(back, OverloadedError) and back.returning
+    assert ctl.stats().queued == 3
+    # ... and it may wait the queue time-out plus the longest Retry-After, not the time-out.
+    assert ctl._wait_for(back, None) == 5.0 + ctl.retry_after_max == 25.0
+    assert ctl._wait_for(out["a"], None) == 5.0
+    # Its promise is spent: the same key again is a newcomer.
+    assert isinstance(_keyed(ctl, "d"), OverloadedError)
+
+
+def test_a_promise_is_claimed_only_in_its_window_and_once_per_refusal() -> None:
+    clock = Clock()
+    ctl = AdmissionController(10**6, max_queue=64, timeout=5.0, throughput=THR, ttft_target=1.5,
+                              clock=clock)
+    for k in ("a", "b", "c", "same", "same", "late"):
+        _keyed(ctl, k)
+    assert sorted({p.key for p in ctl._promises}) == ["late", "same"]
+    same = sorted(p.due for p in ctl._promises if p.key == "same")
+    # Two seconds before its time a key claims nothing (it is judged, and refused, as new).
+    clock.t = same[0] - 2.0
+    assert ctl._promise_for_locked("same") is None
+    clock.t = same[1]
+    # The same body refused twice holds two promises: two returns claim one each.
+    first, second = _keyed(ctl, "same"), _keyed(ctl, "same")
+    assert not isinstance(first, OverloadedError) and first.returning
+    assert not isinstance(second, OverloadedError) and second.returning
+    # A promise not claimed within its grace (10 s, or one queue time-out if longer) lapses.
+    clock.t += 60.0
+    assert ctl._promise_for_locked("late") is None and ctl._promises == []
+    # An unkeyed request never claims anything.
+    assert ctl._promise_for_locked(None) is None
+
+
+def test_would_refuse_lets_a_returning_client_through_and_acquire_claims() -> None:
+    clock = Clock()
+    ctl = AdmissionController(10**6, max_queue=64, timeout=5.0, throughput=THR, ttft_target=1.5,
+                              clock=clock)
+    for k in "abc":
+        _keyed(ctl, k)
+    with ctl.returning("x"):
+        retry = ctl.would_refuse(1100, prompt_tokens=1000, refuse=True)
+    assert retry is not None
+    clock.t += retry
+    with ctl.returning("x"):
+        assert ctl.would_refuse(1100, prompt_tokens=1000, refuse=True) is None
+    with ctl.returning("y"):
+        assert ctl.would_refuse(1100, prompt_tokens=1000) is not None
+    assert _keyed(ctl, "x").returning
+
+
+def test_a_returning_client_waits_past_the_queue_timeout_for_room() -> None:
+    """Real threads and clock: the host is slower than the model, so the room the returning
+    client was promised comes later than the queue time-out; it still gets in, where an unkeyed
+    request in its place times out."""
+    slow = Throughput(prefill_a=0.0005, decode_s=0.0001)  # a 1,000-token prompt: 0.5 s
+    ctl = AdmissionController(1000, max_queue=4, timeout=0.3, throughput=slow)
+    running = ctl.acquire(1000, prompt_tokens=1000)  # holds the whole cache
+    with ctl.returning("k"), pytest.raises(OverloadedError) as err:
+        ctl.acquire(1000, prompt_tokens=1000)
+    time.sleep(err.value.retry_after)
+    with pytest.raises(OverloadedError):
+        ctl.acquire(1000, prompt_tokens=1000)  # unkeyed, in the same place: a 429 again
+    got: list[Any] = []
+
+    def back() -> None:
+        with ctl.returning("k"):  # the key is the thread's own (threads do not inherit it)
+            got.append(ctl.acquire(1000, prompt_tokens=1000))
+
+    t = threading.Thread(target=back)
+    t.start()
+    time.sleep(0.6)  # twice the queue time-out
+    assert not got and ctl.stats().queued == 1
+    running.release()
+    t.join(5)
+    assert got and ctl.stats().running == 1
+    got[0].release()
+
+
+def test_a_return_seen_early_by_would_refuse_keeps_its_promise_for_acquire() -> None:
+    """The server looks (would_refuse) before building the prompt, and acquires after: on a busy
+    host that can take longer than the promise's grace, and the client must not lose its place."""
+    clock = Clock()
+    ctl = AdmissionController(10**6, max_queue=64, timeout=5.0, throughput=THR, ttft_target=1.5,
+                              clock=clock)
+    for k in "abc":
+        _keyed(ctl, k)
+    with ctl.returning("x"):
+        retry = ctl.would_refuse(1100, prompt_tokens=1000, refuse=True)
+    assert retry is not None
+    clock.t += retry
+    with ctl.returning("x"):
+        assert ctl.would_refuse(1100, prompt_tokens=1000, refuse=True) is None
+    clock.t += 15.0  # past the grace (10 s): retrieval and selection were slow
+    assert _keyed(ctl, "x").returning
+
+
+def test_a_queue_time_out_also_keeps_the_client_a_place() -> None:
+    ctl = AdmissionController(1000, max_queue=4, timeout=0.1,
+                              throughput=Throughput(prefill_a=0.00001, decode_s=0.00001))
+    held = ctl.acquire(1000, prompt_tokens=900)
+    with ctl.returning("q"), pytest.raises(OverloadedError, match="waited") as err:
+        ctl.acquire(1000, prompt_tokens=900)  # expected soon by the model, but nothing ends
+    assert [p.key for p in ctl._promises] == ["q"]
+    assert ctl._promises[0].due == pytest.approx(time.monotonic() + err.value.retry_after, abs=0.5)
+    held.release()
