@@ -35,11 +35,12 @@ decoding sequences cost only the marginal step). Two decisions follow from the m
 
 Returning clients. A refusal's promise can carry a *key* (the server uses a hash of the request
 body, which a client retrying the same request sends again). A request made with that key
-(:meth:`AdmissionController.returning`) from one second before the promised time until ten seconds
-(or one queue time-out, if longer) after it *claims* the promise: it is never refused for time, it joins the FIFO queue,
-and it waits there up to the queue time-out plus the longest ``retry_after`` instead of the queue
-time-out alone — so a client that honoured ``Retry-After`` is served even when the host ran slower
-than measured, and still within a bounded time. New arrivals are judged by the work really
+(:meth:`AdmissionController.returning`) from one second before the promised time until ten
+seconds (or one queue time-out, if longer) after it *claims* the promise: it is never refused for
+time, it joins the FIFO queue, and it waits there up to five queue time-outs
+(:attr:`AdmissionController.return_wait`) instead of one — so a client that honoured
+``Retry-After`` is served even when the host ran slower than measured, and still within a
+bounded time. New arrivals are judged by the work really
 running and queued (an unkeyed caller cannot be told from a returning one), so a promise never
 holds the host idle.
 
@@ -475,10 +476,14 @@ class AdmissionController:
     with a :class:`MemoryModel`, or activation bytes and the tokens of a paged KV pool) and by
     time (with a :class:`Throughput`).
 
-    Every ``retry_after`` it gives is at most ``MAX_RETRY_FACTOR × timeout`` seconds (and at
-    least 1): past a few queue time-outs the model's estimate says more about the speed it
-    measured (a busy host can make it hours) than about when the host will have room, and a
-    client told to wait an hour has in effect been refused for good.
+    Every ``retry_after`` is the model's estimate of when the work ahead (running, queued, and
+    the clients already sent back) leaves room, at the speed learnt from the requests that ran:
+    a burst on a slow host honestly takes minutes to drain, and a client told less than that
+    only comes back to be refused again. It is at least 1 s and at most ``RETRY_AFTER_MAX_S``
+    (past half an hour the estimate says more about a speed measured on a busy host than about
+    when there will be room, and a client told an hour has been refused for good). A client back
+    at its time claims its place (see the module docstring) and waits up to
+    ``RETURN_WAIT_FACTOR + 1`` queue time-outs for it, which absorbs a model that ran fast.
 
     >>> ctl = AdmissionController(4096, max_queue=8, timeout=5.0)
     >>> with ctl.reserve(1500):
@@ -486,8 +491,10 @@ class AdmissionController:
     1500
     """
 
-    #: Retry-After is bounded by this many queue time-outs (see the class docstring).
-    MAX_RETRY_FACTOR = 4.0
+    #: The longest Retry-After (see the class docstring).
+    RETRY_AFTER_MAX_S = 1800.0
+    #: A returning client waits the queue time-out plus this many more for its place.
+    RETURN_WAIT_FACTOR = 4.0
     #: A returning client may come this many seconds before its promised time (Retry-After is
     #: whole seconds, and clients round and sleep imprecisely).
     RETURN_EARLY_S = 1.0
@@ -554,18 +561,16 @@ class AdmissionController:
 
     @property
     def retry_after_max(self) -> float:
-        """The most any ``retry_after`` says: ``MAX_RETRY_FACTOR`` queue time-outs (60 s without
-        a time-out)."""
-        base = self.timeout if self.timeout is not None and self.timeout > 0 else 15.0
-        return float(max(1.0, math.ceil(self.MAX_RETRY_FACTOR * base)))
+        """The most any ``retry_after`` says: :attr:`RETRY_AFTER_MAX_S`."""
+        return float(self.RETRY_AFTER_MAX_S)
 
     @property
     def return_wait(self) -> float | None:
-        """How long a returning client (one that claimed its promise) may wait in the queue: the
-        queue time-out plus the longest ``retry_after``; ``None`` without a time-out."""
+        """How long a returning client (one that claimed its promise) may wait in the queue:
+        ``RETURN_WAIT_FACTOR + 1`` queue time-outs; ``None`` without a time-out."""
         if self.timeout is None:
             return None
-        return float(self.timeout) + self.retry_after_max
+        return float(self.timeout) * (1.0 + self.RETURN_WAIT_FACTOR)
 
     @staticmethod
     @contextlib.contextmanager

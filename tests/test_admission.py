@@ -385,19 +385,25 @@ def test_simulate_counts_the_paged_cache_as_a_second_resource() -> None:
                     token_capacity=1000) == [1.0, 3.0]
 
 
-def test_retry_after_is_bounded_by_the_queue_timeout() -> None:
-    # A decode speed measured on a busy host: 10 s a token, so a 100-token answer is 1,000 s.
+def test_retry_after_is_the_honest_estimate_up_to_half_an_hour() -> None:
+    # A 100-token answer at 10 s a token is 1,000 s of work: a client told less only comes back
+    # to be refused again, so Retry-After says when the work ahead leaves room.
     slow = Throughput(prefill_a=0.001, decode_s=10.0)
     clock = Clock()
     ctl = AdmissionController(10**6, max_queue=1, timeout=5.0, throughput=slow, ttft_target=0.5,
                               clock=clock)
-    assert ctl.retry_after_max == 20.0
+    assert ctl.retry_after_max == 1800.0 and ctl.return_wait == 25.0
     ctl.acquire(1100, prompt_tokens=1000)
-    # A second cannot start next to it (its prefill would pass 0.5 s) and its first token is
-    # ~1,000 s away: refused for time, told to come back within 4 queue time-outs, not in 17 min.
+    # A second cannot start next to it (its prefill would pass 0.5 s); its first token comes
+    # when the first ends, ~1,001 s from now: refused for time, back in ~1,000 - 5 s.
     with pytest.raises(OverloadedError) as err:
         ctl._enqueue(1100, 1000)
-    assert 1.0 <= err.value.retry_after <= 20.0 and ctl.stats().refused_for_time_total == 1
+    assert 990.0 <= err.value.retry_after <= 1001.0 and ctl.stats().refused_for_time_total == 1
+    # Past half an hour (a speed measured on a very busy host) it is bounded.
+    ctl.configure(throughput=Throughput(prefill_a=0.001, decode_s=100.0), ttft_target=0.5)
+    with pytest.raises(OverloadedError) as err:
+        ctl._enqueue(1100, 1000)
+    assert err.value.retry_after == 1800.0
     # The queue-full refusal is bounded the same way.
     ctl.timeout = 10**6
     ctl._enqueue(1100, 1000)
@@ -559,8 +565,8 @@ def test_a_client_back_at_its_retry_after_is_queued_even_when_the_host_ran_slow(
     back = _keyed(ctl, "d")  # the client told to come back now: queued, not refused
     assert not isinstance(back, OverloadedError) and back.returning
     assert ctl.stats().queued == 3
-    # ... and it may wait the queue time-out plus the longest Retry-After, not the time-out.
-    assert ctl._wait_for(back, None) == 5.0 + ctl.retry_after_max == 25.0
+    # ... and it may wait five queue time-outs, not one.
+    assert ctl._wait_for(back, None) == ctl.return_wait == 25.0
     assert ctl._wait_for(out["a"], None) == 5.0
     # Its promise is spent: the same key again is a newcomer.
     assert isinstance(_keyed(ctl, "d"), OverloadedError)

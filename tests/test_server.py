@@ -699,7 +699,8 @@ def test_a_request_whose_first_token_would_miss_the_timeout_is_429_before_retrie
         n_counts, t0 = fake(pipe).counted, time.perf_counter()
         r = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": user()})
         assert r.status_code == 429 and r.json()["error"]["code"] == "overloaded"
-        assert 1 <= int(r.headers["retry-after"]) <= ctl.retry_after_max == 20
+        # ~14 s of work ahead, less the 5 s time-out: told to come back when it is done.
+        assert 5 <= int(r.headers["retry-after"]) <= 14
         assert "past the queue time-out" in r.json()["error"]["message"]
         assert searched == [] and fake(pipe).counted == n_counts  # no retrieval, no counting
         assert ctl.stats().refused_for_time_total == 1  # counted, its return promised
