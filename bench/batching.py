@@ -14,7 +14,12 @@ tokens/s = new tokens of all c answers ÷ wall time; the best of ``--reps`` repe
 (other engineers share this machine's two cores: the best run is the least disturbed). The
 batched answers are checked to be the same text as the serial ones (greedy decoding).
 
-Run: ``nice -n 10 .venv/bin/python bench/batching.py``; writes bench/results/batching.json.
+``--context-tokens N`` gives each request a RAG-sized prompt instead: N tokens of a man page
+(``../shared/data/manpages``, a different stretch per request) before the question — the prefill
+then dominates, which is where batching on a CPU helps least.
+
+Run: ``nice -n 10 .venv/bin/python bench/batching.py``; writes bench/results/batching.json
+(``batching_ctxN.json`` with ``--context-tokens N``).
 """
 
 from __future__ import annotations
@@ -65,12 +70,23 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=48, help="max new tokens per request")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--levels", default="1,4,8")
+    ap.add_argument("--context-tokens", type=int, default=0,
+                    help="tokens of man page before each question (0: short questions alone)")
     args = ap.parse_args()
     import torch
 
     gen = Generator().warm_up()
     batcher = Batcher(gen, kv_tokens=8192)
     prompts = [[{"role": "user", "content": f"In two sentences, what are {t}?"}] for t in TOPICS]
+    if args.context_tokens:
+        page = (Path(__file__).resolve().parents[2] / "shared" / "data" / "manpages"
+                / "fanotify_mark.2.txt").read_text()
+        ids = gen.tokenizer(page)["input_ids"]
+        step = max(1, (len(ids) - args.context_tokens) // len(TOPICS))
+        prompts = [[{"role": "user", "content": gen.tokenizer.decode(
+                        ids[i * step:i * step + args.context_tokens])
+                     + "\n\nIn two sentences, what does this manual page describe?"}]
+                   for i in range(len(TOPICS))]
     gen.generate(prompts[0], max_new_tokens=4)  # warm-up of both paths
     batcher.generate(prompts[0], max_new_tokens=4)
     rows = []
@@ -97,7 +113,9 @@ def main() -> None:
         print(row, flush=True)
     layout = batcher.layout
     batcher.close()
-    write("batching", {"model": gen.model_ref.id, "max_new_tokens": args.new, "reps": args.reps,
+    name = f"batching_ctx{args.context_tokens}" if args.context_tokens else "batching"
+    write(name, {"model": gen.model_ref.id, "max_new_tokens": args.new, "reps": args.reps,
+                       "context_tokens": args.context_tokens,
                        "torch_threads": torch.get_num_threads(), "paged_cache": layout.to_dict(),
                        "rows": rows,
                        "target": "batched tokens/s at 8 concurrent >= 2x serial (one at a time)"})

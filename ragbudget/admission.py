@@ -37,8 +37,8 @@ Returning clients. A refusal's promise can carry a *key* (the server uses a hash
 body, which a client retrying the same request sends again). A request made with that key
 (:meth:`AdmissionController.returning`) from one second before the promised time until ten
 seconds (or one queue time-out, if longer) after it *claims* the promise: it is never refused for
-time, it joins the FIFO queue, and it waits there up to five queue time-outs
-(:attr:`AdmissionController.return_wait`) instead of one — so a client that honoured
+time, it joins the FIFO queue, and it waits there for its turn up to half an hour
+(:attr:`AdmissionController.return_wait`) instead of one queue time-out — so a client that honoured
 ``Retry-After`` is served even when the host ran slower than measured, and still within a
 bounded time. New arrivals are judged by the work really
 running and queued (an unkeyed caller cannot be told from a returning one), so a promise never
@@ -80,6 +80,10 @@ CANCEL_POLL_S = 0.05
 # and the pipeline's reservation.
 _RETURNING: contextvars.ContextVar[str | None] = contextvars.ContextVar("ragbudget_returning",
                                                                        default=None)
+# Called (no arguments) when a returning request claimed its place and waits in the queue: the
+# server then commits a streamed answer to 200 and keeps the connection alive while it waits.
+_ON_CLAIM: contextvars.ContextVar[Callable[[], Any] | None] = contextvars.ContextVar(
+    "ragbudget_on_claim", default=None)
 
 __all__ = [
     "AdmissionController",
@@ -463,6 +467,13 @@ class Reservation:
         self.release()
 
 
+def _claimed(waiter: _Waiter) -> None:
+    """Tell the caller (``returning(on_claim=)``) that ``waiter`` claimed its place and waits."""
+    callback = _ON_CLAIM.get()
+    if waiter.returning and callback is not None:
+        callback()
+
+
 @dataclass(eq=False)
 class _Promise:
     due: float
@@ -482,8 +493,8 @@ class AdmissionController:
     only comes back to be refused again. It is at least 1 s and at most ``RETRY_AFTER_MAX_S``
     (past half an hour the estimate says more about a speed measured on a busy host than about
     when there will be room, and a client told an hour has been refused for good). A client back
-    at its time claims its place (see the module docstring) and waits up to
-    ``RETURN_WAIT_FACTOR + 1`` queue time-outs for it, which absorbs a model that ran fast.
+    at its time claims its place (see the module docstring) and waits for it up to
+    ``RETRY_AFTER_MAX_S`` too (:attr:`return_wait`), which absorbs a model that ran fast.
 
     >>> ctl = AdmissionController(4096, max_queue=8, timeout=5.0)
     >>> with ctl.reserve(1500):
@@ -491,10 +502,9 @@ class AdmissionController:
     1500
     """
 
-    #: The longest Retry-After (see the class docstring).
+    #: The longest Retry-After, and the longest a returning client waits for its place (see the
+    #: class docstring).
     RETRY_AFTER_MAX_S = 1800.0
-    #: A returning client waits the queue time-out plus this many more for its place.
-    RETURN_WAIT_FACTOR = 4.0
     #: A returning client may come this many seconds before its promised time (Retry-After is
     #: whole seconds, and clients round and sleep imprecisely).
     RETURN_EARLY_S = 1.0
@@ -566,22 +576,26 @@ class AdmissionController:
 
     @property
     def return_wait(self) -> float | None:
-        """How long a returning client (one that claimed its promise) may wait in the queue:
-        ``RETURN_WAIT_FACTOR + 1`` queue time-outs; ``None`` without a time-out."""
+        """How long a returning client (one that claimed its promise) may wait in the queue
+        for its turn: :attr:`RETRY_AFTER_MAX_S`, or the queue time-out if longer; ``None``
+        without a time-out. It was promised a place: a model that ran fast delays its answer
+        instead of refusing it twice, and a client that leaves frees the place at once."""
         if self.timeout is None:
             return None
-        return float(self.timeout) * (1.0 + self.RETURN_WAIT_FACTOR)
+        return max(float(self.timeout), self.retry_after_max)
 
     @staticmethod
     @contextlib.contextmanager
-    def returning(key: str | None) -> Iterator[None]:
+    def returning(key: str | None, *, on_claim: Callable[[], Any] | None = None) -> Iterator[None]:
         """Requests made inside the block (in this thread or task) carry ``key``: refused for
         time, they leave a promise under it; coming back with it at the promised time, they claim
-        it (see the module docstring). ``None`` is a request without a key."""
-        token = _RETURNING.set(key)
+        it (see the module docstring). ``None`` is a request without a key. ``on_claim`` is
+        called when such a request claimed its place and has to wait for it in the queue."""
+        token, claim = _RETURNING.set(key), _ON_CLAIM.set(on_claim)
         try:
             yield
         finally:
+            _ON_CLAIM.reset(claim)
             _RETURNING.reset(token)
 
     # -- public API ---------------------------------------------------------------------------
@@ -624,6 +638,7 @@ class AdmissionController:
         waiter = self._enqueue(tokens, prompt_tokens)
         if waiter.granted:
             return self._reservation(waiter)
+        _claimed(waiter)
         wait = self._wait_for(waiter, timeout)
         try:
             if cancel is None:
@@ -660,6 +675,7 @@ class AdmissionController:
         waiter = self._enqueue(tokens, prompt_tokens, loop=asyncio.get_running_loop())
         if waiter.granted:
             return self._reservation(waiter)
+        _claimed(waiter)
         wait = self._wait_for(waiter, timeout)
         assert waiter.future is not None
         try:

@@ -957,6 +957,7 @@ def create_app(
     trim_memory: bool = True,
     disconnect_poll_s: float = 0.1,
     expose_plan: bool = False,
+    keepalive_s: float = 15.0,
 ) -> Any:
     """Build the FastAPI app serving ``pipeline`` (a :class:`ragbudget.pipeline.Pipeline`, local
     or on a served engine).
@@ -977,6 +978,10 @@ def create_app(
     Summaries are remembered across requests (:class:`ragbudget.chat.SummaryCache`, the
     ``summary_cache_size`` most recent; 0 turns that off): a client resending its conversation
     pays only for folding the turns that are new since its last request.
+
+    A streamed answer that has to wait for its turn after its first chunk (a client back at its
+    ``Retry-After`` that claimed its place) gets an SSE comment every ``keepalive_s`` seconds, so
+    that neither the client's read time-out nor a proxy closes the connection meanwhile.
 
     ``trim_memory`` returns the heap freed by a burst of requests to the OS once the server is
     idle again (glibc ``malloc_trim``; see :func:`release_memory`), so resident memory goes back
@@ -1208,7 +1213,12 @@ def create_app(
 
         summary_cache = SummaryCache(summary_cache_size)
 
-    def run_ask(req: _ChatRequest, cancel: threading.Event, on_text: Callable[[str], Any] | None = None) -> "Answer":
+    def run_ask(
+        req: _ChatRequest,
+        cancel: threading.Event,
+        on_text: Callable[[str], Any] | None = None,
+        on_claim: Callable[[], Any] | None = None,
+    ) -> "Answer":
         """The model work of one chat request (in a worker thread: fitting the history renders
         chat templates and may summarize, and the first call may load the tokenizer)."""
         from .chat import Conversation
@@ -1226,7 +1236,7 @@ def create_app(
             summary_cache=summary_cache,
         )
         # In this worker thread: the reservation made inside claims a promise under this key.
-        with AdmissionController.returning(req.key or None):
+        with AdmissionController.returning(req.key or None, on_claim=on_claim):
             turn = conversation.ask(req.question, on_text=on_text, cancel=cancel, **req.sampling)
         if turn.budget.summary_cached:
             metrics.add("summary_turns_cached", turn.budget.summary_cached)
@@ -1502,7 +1512,7 @@ def create_app(
 
         def work() -> None:
             try:
-                answer = run_ask(req, cancel, lambda piece: put("text", piece))
+                answer = run_ask(req, cancel, lambda piece: put("text", piece), lambda: put("queued", None))
             except BaseException as exc:  # handed to the event loop, which answers the client
                 put("error", exc)
             else:
@@ -1510,7 +1520,9 @@ def create_app(
 
         fut = submit(work)
         # Wait for the first event before committing to a 200 stream: admission happens inside
-        # ask(), so an overloaded server must still be able to answer 429 with Retry-After.
+        # ask(), so an overloaded server must still be able to answer 429 with Retry-After. A
+        # client back at its Retry-After that claimed its place ("queued") is never refused for
+        # time: its 200 starts now, kept alive while it waits for its turn.
         getter = asyncio.ensure_future(events.get())
         while True:
             done, _ = await asyncio.wait({getter}, timeout=disconnect_poll_s)
@@ -1564,6 +1576,8 @@ def create_app(
                                 first_token_seen = True
                                 metrics.observe("ragbudget_time_to_first_token_seconds", time.perf_counter() - t0)
                             yield chunk({"content": value})
+                    elif kind == "queued":
+                        pass  # the role chunk above started the stream; the wait is kept alive below
                     elif kind == "error":
                         err = to_api_error(value)
                         yield _sse(err.body())
@@ -1580,7 +1594,13 @@ def create_app(
                         yield _sse("[DONE]")
                         state["finished"] = True
                         return
-                    event = await events.get()
+                    while True:
+                        try:
+                            event = await asyncio.wait_for(events.get(), keepalive_s)
+                            break
+                        except asyncio.TimeoutError:
+                            # An SSE comment: clients skip it, and their read time-out restarts.
+                            yield b": waiting for a turn\n\n"
             finally:
                 closed()
 

@@ -392,7 +392,7 @@ def test_retry_after_is_the_honest_estimate_up_to_half_an_hour() -> None:
     clock = Clock()
     ctl = AdmissionController(10**6, max_queue=1, timeout=5.0, throughput=slow, ttft_target=0.5,
                               clock=clock)
-    assert ctl.retry_after_max == 1800.0 and ctl.return_wait == 25.0
+    assert ctl.retry_after_max == 1800.0 and ctl.return_wait == 1800.0
     ctl.acquire(1100, prompt_tokens=1000)
     # A second cannot start next to it (its prefill would pass 0.5 s); its first token comes
     # when the first ends, ~1,001 s from now: refused for time, back in ~1,000 - 5 s.
@@ -565,8 +565,8 @@ def test_a_client_back_at_its_retry_after_is_queued_even_when_the_host_ran_slow(
     back = _keyed(ctl, "d")  # the client told to come back now: queued, not refused
     assert not isinstance(back, OverloadedError) and back.returning
     assert ctl.stats().queued == 3
-    # ... and it may wait five queue time-outs, not one.
-    assert ctl._wait_for(back, None) == ctl.return_wait == 25.0
+    # ... and it may wait for its turn up to half an hour, not one queue time-out.
+    assert ctl._wait_for(back, None) == ctl.return_wait == 1800.0
     assert ctl._wait_for(out["a"], None) == 5.0
     # Its promise is spent: the same key again is a newcomer.
     assert isinstance(_keyed(ctl, "d"), OverloadedError)
@@ -667,3 +667,22 @@ def test_a_queue_time_out_also_keeps_the_client_a_place() -> None:
     assert [p.key for p in ctl._promises] == ["q"]
     assert ctl._promises[0].due == pytest.approx(time.monotonic() + err.value.retry_after, abs=0.5)
     held.release()
+
+
+def test_on_claim_is_called_when_a_returning_client_waits_for_its_place() -> None:
+    clock = Clock()
+    ctl = AdmissionController(10**6, max_queue=64, timeout=5.0, throughput=THR, ttft_target=1.5,
+                              clock=clock)
+    calls: list[str] = []
+    running = _keyed(ctl, "a")
+    # Queued as a newcomer (its first token within the time-out): no claim, no call.
+    with ctl.returning("b", on_claim=lambda: calls.append("b")), pytest.raises(OverloadedError):
+        ctl.acquire(1100, prompt_tokens=1000, timeout=0.01)
+    for k in "cdef":
+        _keyed(ctl, k)
+    refused = [p for p in ctl._promises if p.key == "f"]
+    assert refused and running.granted
+    clock.t = refused[0].due
+    with ctl.returning("f", on_claim=lambda: calls.append("f")), pytest.raises(OverloadedError):
+        ctl.acquire(1100, prompt_tokens=1000, timeout=0.01)  # claimed, then waited 0.01 s
+    assert calls == ["f"]

@@ -1212,6 +1212,37 @@ def test_a_client_that_honours_retry_after_once_gets_its_200_on_a_host_slower_th
     assert 'status="5' not in metrics
 
 
+def test_a_streamed_return_that_claimed_its_place_starts_at_once_and_is_kept_alive() -> None:
+    """A client back at its Retry-After while the work ahead is still running (the host was
+    slower than measured): its stream answers 200 at once and sends SSE comments while it waits
+    for its turn, then the answer — where a non-keyed wait would hit the time-out and a 429."""
+    from ragbudget.admission import Throughput
+
+    pipe = fake_pipeline(slots=2, max_queue=4, timeout=0.5, words=3,
+                         index_dir=corpus_index("hash:256"))
+    ctl = pipe.admission
+    ctl.configure(throughput=Throughput(prefill_a=0.0005, decode_s=0.0005))
+    held = ctl.acquire(2 * WINDOW, prompt_tokens=2 * WINDOW - 1)  # the whole cache, ~1 s of work
+    body = {"model": MODEL, "messages": user(), "stream": True}
+    with running(pipe, keepalive_s=0.2) as url:
+        first = httpx.post(url + "/v1/chat/completions", json=body, timeout=30)
+        assert first.status_code == 429, first.text
+        time.sleep(int(first.headers["retry-after"]))
+        lines: list[str] = []
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=30) as r:
+            assert r.status_code == 200  # while the cache is still held: its place is kept
+            for line in r.iter_lines():
+                lines.append(line)
+                if sum(1 for x in lines if x.startswith(":")) == 3:
+                    held.release()  # the work ahead ends: its turn comes
+        metrics = httpx.get(url + "/metrics").text
+    lines = [x for x in lines if x]
+    comments = [x for x in lines if x.startswith(":")]
+    assert len(comments) >= 3 and lines[-1] == "data: [DONE]"
+    assert "word0" in "".join(lines) and reserved(pipe) == 0
+    assert 'status="5' not in metrics
+
+
 # --- `serve --engine`: admission from the engine's own queue and free KV ------------------------------
 
 
