@@ -510,15 +510,15 @@ class _Builder:
         corpus = BoilerplateFilter() if self.clean else None
         self.progress("files", 0, len(todo))
         for start in range(0, len(todo), self.batch_files):
-            loaded = []
+            loaded: list[tuple[Document, str, int, int, str | None]] = []
             for path, size, mtime_ns, digest in todo[start : start + self.batch_files]:
                 doc, digest = self._load_file(path, size, mtime_ns, digest)
                 if doc is not None:
                     loaded.append((doc, path, size, mtime_ns, digest))
             if corpus is not None:
                 corpus.observe(doc for doc, *_ in loaded)
-            for doc, *facts in loaded:
-                self._index_doc(corpus.strip(doc) if corpus else doc, *facts)
+            for doc, path, size, mtime_ns, digest in loaded:
+                self._index_doc(corpus.strip(doc) if corpus else doc, path, size, mtime_ns, digest)
             self.progress("files", min(start + self.batch_files, len(todo)), len(todo))
             if len(self.pending) >= self.flush_at:
                 self._flush()

@@ -43,7 +43,7 @@ import json
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -1104,7 +1104,7 @@ class TerminalLines:
             os.makedirs(os.path.dirname(self.history_file) or ".", exist_ok=True)
             self._readline.write_history_file(self.history_file)
 
-    def __iter__(self) -> Any:
+    def __iter__(self) -> Iterator[str]:
         try:
             while True:
                 try:

@@ -10,7 +10,7 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from functools import wraps
 from typing import Any
 
@@ -795,9 +795,8 @@ def ask(
     engine: dict[str, Any],
 ) -> None:
     """Answer QUESTION from the index within the memory budget, citing sources."""
-    from .pipeline import Pipeline, format_report
+    from .pipeline import DEFAULT_RELEVANCE_FLOOR, Pipeline, format_report
 
-    tuning = {k: v for k, v in (("relevance_floor", relevance_floor), ("ttft_target", ttft_target)) if v is not None}
     pipe = Pipeline(
         index_dir,
         model=model,
@@ -810,8 +809,9 @@ def ask(
         order=order,
         pack=pack,
         fill_remainder=fill_remainder,
+        relevance_floor=DEFAULT_RELEVANCE_FLOOR if relevance_floor is None else relevance_floor,
+        ttft_target=ttft_target,
         **retrieval,
-        **tuning,
         **engine,
     )
     streaming = not as_json and not no_stream
@@ -937,10 +937,11 @@ def chat(
         sys.stdout.flush()  # streamed pieces show as they come
 
     interactive = sys.stdin.isatty()
-    lines: Any = click.get_text_stream("stdin")
+    # sys.stdin, not click.get_text_stream (deprecated in click 8.5): CliRunner swaps it too.
+    lines: Iterable[str] = sys.stdin
     if interactive:
-        history = os.environ.get("RAGBUDGET_CHAT_HISTORY") or str(cache_dir() / "chat_history")
-        lines = TerminalLines("> ", history_file=history, write=write)
+        history_file = os.environ.get("RAGBUDGET_CHAT_HISTORY") or str(cache_dir() / "chat_history")
+        lines = TerminalLines("> ", history_file=history_file, write=write)
     try:
         run_chat(
             conversation,

@@ -446,7 +446,8 @@ class Generator:
                 return model, tok
             # Fully dequantized (the CPU fallback): a plain dense model; forget the quantizer so
             # save_pretrained writes ordinary safetensors.
-            model.hf_quantizer = None
+            # torch types Module.__setattr__'s value as Tensor | Module; a plain attribute takes any.
+            model.hf_quantizer = None  # type: ignore[assignment]
             if hasattr(model.config, "quantization_config"):
                 del model.config.quantization_config
             for attr in ("is_quantized", "quantization_method"):
@@ -737,12 +738,15 @@ class Generator:
             from transformers import StoppingCriteria, StoppingCriteriaList
 
             class _Cancel(StoppingCriteria):
+                def __init__(self, event: threading.Event) -> None:
+                    self.event = event
+
                 def __call__(self, input_ids: Any, scores: Any, **kwargs: Any) -> Any:
-                    done = cancel.is_set()
+                    done = self.event.is_set()
                     return torch.full((input_ids.shape[0],), done, dtype=torch.bool,
                                       device=input_ids.device)
 
-            kw["stopping_criteria"] = StoppingCriteriaList([_Cancel()])
+            kw["stopping_criteria"] = StoppingCriteriaList([_Cancel(cancel)])
         if on_text is not None:
             kw["streamer"] = _CallbackStreamer(tok, on_text, len(ids), stop or ())
         elif streamer is not None:

@@ -758,6 +758,7 @@ class Index:
 
         if not ids:
             return {}
+        assert self._flat is not None  # the dense search before this opened the generation
         q = np.asarray(vector, dtype=np.float32).reshape(-1)
         out = {}
         for i in ids:

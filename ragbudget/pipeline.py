@@ -110,12 +110,13 @@ def _check_number(name: str, value: Any, lo: float, hi: float | None = None, *,
         return None
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ArgumentTypeError(f"{name} must be a number, got {type(value).__name__} {_shown(value)}")
-    bad = value <= lo if lo_open else value < lo
-    if bad or (hi is not None and value > hi) or value != value:  # NaN fails every comparison
+    x = float(value)
+    bad = x <= lo if lo_open else x < lo
+    if bad or (hi is not None and x > hi) or x != x:  # NaN fails every comparison
         where = (f"in {'(' if lo_open else '['}{lo:g}, {hi:g}]" if hi is not None
                  else f"{'>' if lo_open else '≥'} {lo:g}")
         raise ConfigError(f"{name} must be {where}, got {value}")
-    return float(value)
+    return x
 
 
 def _check_choice(name: str, value: Any, choices: Sequence[str]) -> str:
@@ -546,15 +547,16 @@ class Pipeline:
         with self._lock:
             # A loaded generator knows its real weights and dtype; before that the plan reads the
             # config. Plans made before loading are kept apart from the ones made after.
-            loaded = self._generator is not None and bool(self._generator.loaded)
+            live = self._generator if self._generator is not None and self._generator.loaded else None
+            loaded = live is not None
             plan = self._plans.get((max_new_tokens, loaded))
             if plan is None:
                 from .budget import plan_budget
 
-                module = self._generator.model if loaded else None
+                module = live.model if live is not None else None
                 plan = plan_budget(
-                    module if loaded else self.model,
-                    config=self._generator.config if loaded else None,
+                    module if live is not None else self.model,
+                    config=live.config if live is not None else None,
                     gpu=self.gpu,
                     concurrency=self.concurrency,
                     max_new_tokens=max_new_tokens,
@@ -894,7 +896,6 @@ class Pipeline:
         prompt = build_prompt(
             question,
             hits,
-            tokenizer=builder.tokenizer,
             max_prompt_tokens=max_prompt,
             builder=builder,
             order=self.order,
