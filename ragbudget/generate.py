@@ -25,7 +25,6 @@ import hashlib
 import importlib.util
 import logging
 import os
-import queue
 import shutil
 import threading
 import time
@@ -630,27 +629,26 @@ class Generator:
         """Yield text pieces as they are generated, then the final :class:`Generation`.
 
         Generation runs in a worker thread; iterate to the end (the last item is the
-        ``Generation``). Errors from the worker are re-raised here.
+        ``Generation``). Errors from the worker are re-raised here. Leaving the loop early stops
+        the generation at its next token (``options`` may carry a ``cancel`` event of its own).
         """
-        q: queue.Queue[tuple[str, Any]] = queue.Queue()
+        from .relay import Relay
 
-        def work() -> None:
-            try:
-                g = self.generate(prompt, on_text=lambda s: q.put(("text", s)), **options)
-                q.put(("done", g))
-            except BaseException as exc:  # noqa: BLE001 - handed to the consumer thread
-                q.put(("error", exc))
-
-        threading.Thread(target=work, daemon=True, name="ragbudget-generate").start()
-        while True:
-            kind, value = q.get()
-            if kind == "text":
-                yield value
-            elif kind == "done":
-                yield value
-                return
-            else:
-                raise value
+        cancel = options.pop("cancel", None)
+        relay: Relay[Generation] = Relay(
+            lambda emit, stop: self.generate(prompt, on_text=emit, cancel=stop, **options),
+            cancel=cancel, name="ragbudget-generate",
+        )
+        try:
+            while True:
+                try:
+                    yield relay.next_piece()
+                except StopIteration:
+                    break
+            assert relay.result is not None  # the producer returned: "done" carried it
+            yield relay.result
+        finally:
+            relay.close()
 
     def _finish(self, new: list[int], max_new_tokens: int, stop: Sequence[str] | None,
                 cancelled: bool = False) -> tuple[str, str]:

@@ -25,7 +25,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
@@ -1189,9 +1188,6 @@ def _stream_options(options: dict[str, Any]) -> dict[str, Any]:
     return options
 
 
-_DONE = object()  # end-of-stream marker in an AnswerStream's queue
-
-
 @dataclass(frozen=True)
 class _Cancelled:
     """What :func:`_answer` needs of a generation that never started."""
@@ -1230,82 +1226,52 @@ class AnswerStream:
 
     def __init__(self, ask: Callable[..., Answer], question: str, options: dict[str, Any],
                  loop: asyncio.AbstractEventLoop | None = None) -> None:
-        self.answer: Answer | None = None
-        self._error: BaseException | None = None
-        self._cancel = threading.Event()
-        self._loop = loop
-        self._sync: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._async: asyncio.Queue[Any] | None = asyncio.Queue() if loop is not None else None
-        self._ended = False
-        self._thread = threading.Thread(target=self._run, args=(ask, question, options),
-                                        name="rb-stream", daemon=True)
-        self._thread.start()
+        from .relay import Relay
 
-    def _put(self, item: Any) -> None:
-        if self._async is None:
-            self._sync.put(item)
-        else:
-            try:
-                self._loop.call_soon_threadsafe(self._async.put_nowait, item)  # type: ignore[union-attr]
-            except RuntimeError:  # the loop is closed: nobody is listening any more
-                self._cancel.set()
+        self._relay: Relay[Answer] = Relay(
+            lambda emit, cancel: ask(question, on_text=emit, cancel=cancel, **options),
+            loop=loop, name="rb-stream",
+        )
 
-    def _run(self, ask: Callable[..., Answer], question: str, options: dict[str, Any]) -> None:
-        try:
-            self.answer = ask(question, on_text=self._put, cancel=self._cancel, **options)
-        except BaseException as e:  # handed to the iterating thread, raised there
-            self._error = e
-        finally:
-            self._put(_DONE)
-
-    def _item(self, item: Any) -> str:
-        if item is _DONE:
-            self._ended = True
-            if self._error is not None:
-                error, self._error = self._error, None
-                raise error
-            raise StopIteration
-        return str(item)
+    @property
+    def answer(self) -> Answer | None:
+        """The :class:`Answer` once the request has returned (``None`` before, or after an error)."""
+        return self._relay.result
 
     @property
     def error(self) -> BaseException | None:
         """An error the request raised that the iteration did not (it was left before the end)."""
-        return self._error
+        return self._relay.error
 
     @property
     def cancelled(self) -> bool:
         """Whether the stream was left before its end (the generation was told to stop)."""
-        return self._cancel.is_set()
+        return self._relay.cancel.is_set()
 
     # -- sync --
 
     def __iter__(self) -> Iterator[str]:
         # A generator, not ``self``: a ``for`` loop left by ``break`` or an exception drops it,
         # and its ``finally`` cancels the generation then and there.
-        if self._async is not None:
+        if self._relay.loop is not None:
             raise ConfigError("this stream came from astream(): iterate it with `async for`")
         try:
             while True:
                 try:
-                    yield self.__next__()
+                    yield self._relay.next_piece()
                 except StopIteration:
                     return
         finally:
             self.close()
 
     def __next__(self) -> str:
-        if self._async is not None:
+        if self._relay.loop is not None:
             raise ConfigError("this stream came from astream(): iterate it with `async for`")
-        if self._ended:
-            raise StopIteration
-        return self._item(self._sync.get())
+        return self._relay.next_piece()
 
     def close(self) -> None:
         """Stop the generation (if it still runs) and wait for its thread to end."""
-        if not self._ended:
-            self._cancel.set()
-        self._thread.join()
-        self._ended = True
+        self._relay.close()
 
     def __enter__(self) -> AnswerStream:
         return self
@@ -1316,7 +1282,7 @@ class AnswerStream:
     # -- async --
 
     def __aiter__(self) -> AsyncIterator[str]:
-        if self._async is None:
+        if self._relay.loop is None:
             raise ConfigError("this stream came from stream(): iterate it with `for`")
         return self._pieces()
 
@@ -1333,21 +1299,13 @@ class AnswerStream:
             await self.aclose()
 
     async def __anext__(self) -> str:
-        if self._async is None:
+        if self._relay.loop is None:
             raise ConfigError("this stream came from stream(): iterate it with `for`")
-        if self._ended:
-            raise StopAsyncIteration
-        try:
-            return self._item(await self._async.get())
-        except StopIteration:
-            raise StopAsyncIteration from None
+        return await self._relay.anext_piece()
 
     async def aclose(self) -> None:
         """Stop the generation (if it still runs) and wait for its thread without blocking the loop."""
-        if not self._ended:
-            self._cancel.set()
-        await asyncio.to_thread(self._thread.join)
-        self._ended = True
+        await self._relay.aclose()
 
     async def __aenter__(self) -> AnswerStream:
         return self
