@@ -253,6 +253,7 @@ class _Builder:
             "furniture_lines_removed", "windows_pooled", "windows_embedded", "files_added",
             "files_updated", "files_kept", "chunks_resumed")}
         self.embed_seconds = 0.0
+        self.n_seen = 0  # files and skipped entries the scan found (set by the scan)
         self.skipped: list[tuple[str, str, str]] = []
         self.db: sqlite3.Connection | None = None
         self.flat: FlatStore | None = None
@@ -451,7 +452,7 @@ class _Builder:
         seen: set[str] = set()
         self.n_seen = len(found.files) + len(found.skipped)
         for s in found.skipped:
-            path, why, detail = _canon(str(s.path)), str(s.reason), str(getattr(s, "detail", "") or "")
+            path, why, detail = _canon(str(s.path)), str(s.reason), s.detail
             self.skipped.append((path, why, detail))
             seen.add(path)
             prev = known.get(path)
@@ -958,7 +959,7 @@ class _Builder:
             total = self._count_chunks()
         shown = _Roots(self.roots)
         return IndexSummary(
-            files_seen=getattr(self, "n_seen", 0),
+            files_seen=self.n_seen,
             skipped=tuple((shown.display(p), r, shown.scrub(d) or "") for p, r, d in self.skipped),
             warnings=tuple((shown.display(p), m) for p, m in self.warnings),
             chunks_total=total,

@@ -72,9 +72,9 @@ class OOMStep:
 
 @dataclass(frozen=True)
 class Generation:
-    """A finished answer. ``finish_reason`` is ``"stop"`` (EOS or a stop string) or ``"length"``
-    (hit ``max_new_tokens``). ``prompt`` is the prompt finally used (fewer passages if the OOM
-    ladder dropped some), when one was given."""
+    """A finished answer. ``finish_reason`` is ``"stop"`` (EOS or a stop string), ``"length"``
+    (hit ``max_new_tokens``) or ``"cancelled"`` (its ``cancel`` event was set). ``prompt`` is the
+    prompt finally used (fewer passages if the OOM ladder dropped some), when one was given."""
 
     text: str
     prompt_tokens: int

@@ -170,8 +170,7 @@ CREATE TABLE IF NOT EXISTS roots (
     kind TEXT NOT NULL
 );
 """
-# Columns added to ``files`` after the first release: an older generation gets them on copy.
-# Columns added after the first format; older files gain them on their next write.
+# Columns added to ``files`` after its first format: an older index gains them on its next write.
 # page_labels: JSON list naming each page in the format's unit ("slide 3"), or NULL.
 _FILES_ADDED_COLUMNS = (("n_pages", "INTEGER"), ("warning", "TEXT"), ("page_labels", "TEXT"))
 

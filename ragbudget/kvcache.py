@@ -927,7 +927,8 @@ def kv_bytes_per_token(
     _, bits = _dtype_for(config, kv_dtype)
     total = 0
     for s in specs:
-        if isinstance(getattr(s, "attention", s), SlidingWindowSpec) and not include_sliding:
+        attention = s.attention if isinstance(s, HybridSpec) else s
+        if isinstance(attention, SlidingWindowSpec) and not include_sliding:
             continue
         total += s.elements_per_token
     return _ceil_bytes(total, bits)
@@ -1024,7 +1025,7 @@ def paged_cache_layout(
         # isinstance admits exactly full and sliding attention (the one subclass of full).
         if not isinstance(s, FullAttentionSpec) or s.head_size != s.v_head_size:
             raise ConfigError(
-                f"layer {i} is {getattr(s, 'kind', type(s).__name__)}: continuous batching's paged "
+                f"layer {i} is {s.kind}: continuous batching's paged "
                 "cache holds full and sliding attention layers with equal K and V head sizes only; "
                 "generate without batching for this model (LocalBackend(batching=False))"
             )

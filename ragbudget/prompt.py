@@ -175,7 +175,8 @@ class PromptBuilder:
     def with_history(self, history: Sequence[dict[str, str]] | None) -> PromptBuilder:
         """A builder whose prompts carry ``history`` (earlier ``user``/``assistant`` turns) between
         the system prompt and the question; it shares this builder's token-count memo. The
-        history is part of the fixed cost: never cut here (fit it first, e.g. ``chat.fit_history``).
+        history is part of the fixed cost: never cut here (fit it first, as
+        :class:`~ragbudget.chat.Conversation` does).
         """
         if not history:
             return self if not self.history else self._copy(())
