@@ -17,10 +17,12 @@ from typing import Any
 import click
 
 from .errors import RagBudgetError
-
-DEFAULT_INDEX_DIR = ".ragbudget"
-
-_CACHE_KINDS = ["dynamic", "static", "offloaded", "quantized"]
+from .index import DEDUP_MODES
+from .lexical import FUSIONS
+from .select import ORDERS
+from .spans import PACKS
+from .types import CACHE_KINDS, DEFAULT_INDEX_DIR
+from .vectors import STORES
 
 
 def _echo_json(data: Any) -> None:
@@ -166,7 +168,7 @@ _retrieval_options = _option_group(
             "--fusion",
             default="score",
             show_default=True,
-            type=click.Choice(["score", "rrf"]),
+            type=click.Choice(FUSIONS),
             help="Normalized score fusion or reciprocal rank fusion.",
         ),
     },
@@ -286,7 +288,7 @@ def _model_options(fn: Callable[..., Any]) -> Callable[..., Any]:
             "--cache",
             default="dynamic",
             show_default=True,
-            type=click.Choice(_CACHE_KINDS),
+            type=click.Choice(CACHE_KINDS),
             help="transformers cache kind.",
         ),
     ]
@@ -338,7 +340,7 @@ def cli(verbose: int) -> None:
 )
 @click.option(
     "--store",
-    type=click.Choice(["auto", "flat", "hnsw", "ivf", "ivf-flat", "ivf-pq"]),
+    type=click.Choice(STORES),
     default="auto",
     show_default=True,
     help="Vector store that answers searches: auto = exact while small, then HNSW, then IVF-PQ (recall@10 measured "
@@ -347,7 +349,7 @@ def cli(verbose: int) -> None:
 @click.option("--approx", type=click.Choice(["hnsw"]), default=None, help="Older spelling of --store hnsw.")
 @click.option(
     "--dedup",
-    type=click.Choice(["near", "exact", "none"]),
+    type=click.Choice(DEDUP_MODES),
     default="near",
     show_default=True,
     help="Duplicate chunk removal.",
@@ -733,13 +735,13 @@ def budget(
     "--fetch-k", default=50, show_default=True, type=click.IntRange(min=1), help="Candidates fetched from the index."
 )
 @click.option(
-    "--order", default="relevance", show_default=True, type=click.Choice(["relevance", "document", "lost_in_middle"])
+    "--order", default="relevance", show_default=True, type=click.Choice(ORDERS)
 )
 @click.option(
     "--pack",
     default="chunks",
     show_default=True,
-    type=click.Choice(["chunks", "spans"]),
+    type=click.Choice(PACKS),
     help="Pack whole chunks, or the question's sentences inside the best chunks.",
 )
 @click.option(

@@ -36,13 +36,11 @@ from typing import Any
 from .errors import BudgetError, ConfigError, ModelError
 from .models import ModelRef, cache_dir, resolve_generator
 from .tokens import HFTokenizer
+from .types import CACHE_KINDS
 
-__all__ = ["CACHES", "Generation", "Generator", "OOMStep", "is_oom"]
+__all__ = ["Generation", "Generator", "OOMStep", "is_oom"]
 
 log = logging.getLogger(__name__)
-
-#: KV cache layouts ``generate`` accepts (transformers ``cache_implementation`` names).
-CACHES = ("dynamic", "static", "offloaded", "quantized")
 
 #: How many times the ladder halves the passages before touching the cache.
 MAX_DROP_STEPS = 2
@@ -543,8 +541,8 @@ class Generator:
         current token (``finish_reason="cancelled"``). Text already streamed is not taken back if
         an OOM retry restarts the answer.
         """
-        if cache not in CACHES:
-            raise ConfigError(f"cache must be one of {', '.join(CACHES)}; got {cache!r}")
+        if cache not in CACHE_KINDS:
+            raise ConfigError(f"cache must be one of {', '.join(CACHE_KINDS)}; got {cache!r}")
         if max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens must be ≥ 1; got {max_new_tokens}")
         if cache == "quantized" and _quant_backend() is None:
@@ -774,7 +772,7 @@ class Generator:
             weights = sum(p.numel() * p.element_size() for p in model.parameters()) + sum(
                 b.numel() * b.element_size() for b in model.buffers())
             kv = kvcache.kv_cache_bytes(model.config, tokens, kv_dtype=dtype,
-                                        cache=gen.cache if gen.cache in CACHES else "dynamic")
+                                        cache=gen.cache if gen.cache in CACHE_KINDS else "dynamic")
             name = getattr(model.config, "_name_or_path", None) or type(model).__name__
             record(gpu_name=torch.cuda.get_device_name(self._device), model=str(name),
                    dtype=dtype, cache=gen.cache, tokens=gen.prompt_tokens, batch_size=1,

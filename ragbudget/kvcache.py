@@ -62,6 +62,7 @@ from functools import lru_cache, partial
 from typing import Any
 
 from .errors import ConfigError, ModelError
+from .types import CACHE_KINDS
 
 __all__ = [
     "CACHE_KINDS",
@@ -84,7 +85,6 @@ __all__ = [
     "text_config",
 ]
 
-CACHE_KINDS = ("dynamic", "static", "offloaded", "quantized")
 BACKENDS = ("transformers", "vllm", "sglang")
 
 _DTYPE_BITS = {

@@ -39,6 +39,8 @@ from .errors import (
     IndexEmptyError,
     RequestCancelled,
 )
+from .lexical import FUSIONS
+from .types import CACHE_KINDS, DEFAULT_INDEX_DIR
 
 if TYPE_CHECKING:
     from .admission import AdmissionController
@@ -54,14 +56,11 @@ __all__ = ["Answer", "AnswerStream", "EnginePlan", "Pipeline", "format_report", 
 
 log = logging.getLogger(__name__)
 
-DEFAULT_INDEX_DIR = ".ragbudget"
-
 #: Default ``relevance_floor``: candidates scoring under half the best one's fused score are left
 #: out. Chosen on SQuAD dev tuning articles (bench/floor.py, BENCHMARKS.md "Relevance floor"):
 #: answer recall at the default allowance stays at its maximum from 0.3 to 0.5 and falls from 0.6
 #: on, while the context shrinks from 7,667 to 2,689 tokens.
 DEFAULT_RELEVANCE_FLOOR = 0.5
-_CACHE_KINDS = ("dynamic", "static", "offloaded", "quantized")
 
 
 # -- argument checks at the public entry points -------------------------------------------------
@@ -338,7 +337,7 @@ class Pipeline:
         max_new_tokens = _check_int("max_new_tokens", max_new_tokens, 1)  # type: ignore[assignment]
         fetch_k = _check_int("fetch_k", fetch_k, 1)  # type: ignore[assignment]
         _check_text("kv_dtype", kv_dtype, optional=True)
-        _check_choice("cache", cache, _CACHE_KINDS)
+        _check_choice("cache", cache, CACHE_KINDS)
         if not isinstance(hybrid, bool):
             raise ArgumentTypeError(f"hybrid must be True or False, got {type(hybrid).__name__} "
                                     f"{_shown(hybrid)}")
@@ -346,7 +345,7 @@ class Pipeline:
         if lexical_weight > 1.0:
             raise ConfigError(f"lexical_weight must be in [0, 1], got {lexical_weight}; "
                               "use 0 (or hybrid=False) for dense-only search")
-        _check_choice("fusion", fusion, ("rrf", "score"))
+        _check_choice("fusion", fusion, FUSIONS)
         _check_choice("order", order, ORDERS)
         from .spans import PACKS
 
