@@ -254,6 +254,7 @@ class _Builder:
             "files_updated", "files_kept", "chunks_resumed")}
         self.embed_seconds = 0.0
         self.n_seen = 0  # files and skipped entries the scan found (set by the scan)
+        self.counts: dict[str, int] | None = None  # the committed generation's counts
         self.skipped: list[tuple[str, str, str]] = []
         self.db: sqlite3.Connection | None = None
         self.flat: FlatStore | None = None
@@ -953,7 +954,7 @@ class _Builder:
                 "sha256": _sha256_file(path)}
 
     def _summary(self, *, committed: bool) -> IndexSummary:
-        if committed and hasattr(self, "counts"):
+        if committed and self.counts is not None:
             total = self.counts["chunks"]
         else:
             total = self._count_chunks()

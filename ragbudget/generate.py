@@ -763,9 +763,6 @@ class Generator:
 
             from . import budget, kvcache
 
-            record = getattr(budget, "record_calibration", None)
-            if record is None:
-                return
             model = self._model
             tokens = gen.prompt_tokens + gen.new_tokens
             dtype = kv_dtype or str(model.dtype).removeprefix("torch.")
@@ -774,8 +771,9 @@ class Generator:
             kv = kvcache.kv_cache_bytes(model.config, tokens, kv_dtype=dtype,
                                         cache=gen.cache if gen.cache in CACHE_KINDS else "dynamic")
             name = getattr(model.config, "_name_or_path", None) or type(model).__name__
-            record(gpu_name=torch.cuda.get_device_name(self._device), model=str(name),
-                   dtype=dtype, cache=gen.cache, tokens=gen.prompt_tokens, batch_size=1,
-                   measured_peak_bytes=peak, weights_bytes=weights, kv_bytes=kv)
+            budget.record_calibration(
+                gpu_name=torch.cuda.get_device_name(self._device), model=str(name), dtype=dtype,
+                cache=gen.cache, tokens=gen.prompt_tokens, batch_size=1, measured_peak_bytes=peak,
+                weights_bytes=weights, kv_bytes=kv)
         except Exception as exc:  # noqa: BLE001 - calibration is an optimization, not a requirement
             log.debug("calibration not recorded: %s", exc)
