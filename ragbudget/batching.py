@@ -36,7 +36,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 from .errors import BudgetError, ConfigError, ModelError
 
@@ -106,7 +106,7 @@ def _row_sampler(slots: dict[int, _Slot]) -> Any:
     from .generate import _draw
 
     class _RowSampler(ContinuousBatchingLogitsProcessor):
-        supported_kwargs: ClassVar[dict[str, type]] = {_SLOT: int}
+        supported_kwargs = {_SLOT: int}  # instance attributes in the base class, shared here
         ignored_kwargs = ()
 
         def fill_defaults(self, int32_tensor: Any) -> None:

@@ -253,6 +253,8 @@ class _Builder:
             "furniture_lines_removed", "windows_pooled", "windows_embedded", "files_added",
             "files_updated", "files_kept", "chunks_resumed")}
         self.embed_seconds = 0.0
+        self.n_seen = 0  # files and skipped entries the scan found (set by the scan)
+        self.counts: dict[str, int] | None = None  # the committed generation's counts
         self.skipped: list[tuple[str, str, str]] = []
         self.db: sqlite3.Connection | None = None
         self.flat: FlatStore | None = None
@@ -451,7 +453,7 @@ class _Builder:
         seen: set[str] = set()
         self.n_seen = len(found.files) + len(found.skipped)
         for s in found.skipped:
-            path, why, detail = _canon(str(s.path)), str(s.reason), str(getattr(s, "detail", "") or "")
+            path, why, detail = _canon(str(s.path)), str(s.reason), s.detail
             self.skipped.append((path, why, detail))
             seen.add(path)
             prev = known.get(path)
@@ -510,15 +512,15 @@ class _Builder:
         corpus = BoilerplateFilter() if self.clean else None
         self.progress("files", 0, len(todo))
         for start in range(0, len(todo), self.batch_files):
-            loaded = []
+            loaded: list[tuple[Document, str, int, int, str | None]] = []
             for path, size, mtime_ns, digest in todo[start : start + self.batch_files]:
                 doc, digest = self._load_file(path, size, mtime_ns, digest)
                 if doc is not None:
                     loaded.append((doc, path, size, mtime_ns, digest))
             if corpus is not None:
                 corpus.observe(doc for doc, *_ in loaded)
-            for doc, *facts in loaded:
-                self._index_doc(corpus.strip(doc) if corpus else doc, *facts)
+            for doc, path, size, mtime_ns, digest in loaded:
+                self._index_doc(corpus.strip(doc) if corpus else doc, path, size, mtime_ns, digest)
             self.progress("files", min(start + self.batch_files, len(todo)), len(todo))
             if len(self.pending) >= self.flush_at:
                 self._flush()
@@ -952,13 +954,13 @@ class _Builder:
                 "sha256": _sha256_file(path)}
 
     def _summary(self, *, committed: bool) -> IndexSummary:
-        if committed and hasattr(self, "counts"):
+        if committed and self.counts is not None:
             total = self.counts["chunks"]
         else:
             total = self._count_chunks()
         shown = _Roots(self.roots)
         return IndexSummary(
-            files_seen=getattr(self, "n_seen", 0),
+            files_seen=self.n_seen,
             skipped=tuple((shown.display(p), r, shown.scrub(d) or "") for p, r, d in self.skipped),
             warnings=tuple((shown.display(p), m) for p, m in self.warnings),
             chunks_total=total,

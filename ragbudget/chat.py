@@ -43,7 +43,7 @@ import json
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -63,7 +63,6 @@ __all__ = [
     "TurnBudget",
     "chat_banner",
     "expand_query",
-    "fit_history",
     "format_sources",
     "format_turn",
     "is_follow_up",
@@ -409,42 +408,6 @@ def _binding(pipeline: Pipeline, max_new_tokens: int) -> str:
     if plan.limited_by == "memory":
         return f": the KV memory on {plan.gpu_name} at concurrency {plan.concurrency}"
     return ""
-
-
-def fit_history(
-    pipeline: Pipeline,
-    history: Sequence[Message],
-    question: str,
-    *,
-    share: float = 0.3,
-    max_new_tokens: int | None = None,
-) -> tuple[list[Message], int]:
-    """Keep the newest messages of ``history`` whose exact template cost fits ``share`` of the
-    prompt room left by ``question`` and the reserved output; return ``(kept, n_dropped)``.
-
-    The cheap alternative to :meth:`Conversation.from_messages` (which folds old turns into a
-    summary instead, at the cost of a generator call): the oldest messages go first, system
-    messages last.
-    """
-    history = [dict(m) for m in history]
-    if not history:
-        return [], 0
-    meter = _Meter(pipeline)
-    total, output = _plan_numbers(pipeline, max_new_tokens)
-    fixed = meter.fixed(question)
-    allowed = int(max(0, total - output - fixed) * share)
-    if meter.cost(history, question) <= allowed:
-        return history, 0
-    # Drop order: oldest non-system message first; system messages (instructions) only at the end.
-    order = [i for i, m in enumerate(history) if m["role"] != "system"]
-    order += [i for i, m in enumerate(history) if m["role"] == "system"]
-    dropped: set[int] = set()
-    for i in order:
-        dropped.add(i)
-        kept = [m for j, m in enumerate(history) if j not in dropped]
-        if meter.cost(kept, question) <= allowed:
-            return kept, len(dropped)
-    return [], len(history)
 
 
 # --- follow-up expansion --------------------------------------------------------------------------
@@ -1104,7 +1067,7 @@ class TerminalLines:
             os.makedirs(os.path.dirname(self.history_file) or ".", exist_ok=True)
             self._readline.write_history_file(self.history_file)
 
-    def __iter__(self) -> Any:
+    def __iter__(self) -> Iterator[str]:
         try:
             while True:
                 try:

@@ -10,17 +10,19 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from functools import wraps
 from typing import Any
 
 import click
 
 from .errors import RagBudgetError
-
-DEFAULT_INDEX_DIR = ".ragbudget"
-
-_CACHE_KINDS = ["dynamic", "static", "offloaded", "quantized"]
+from .index import DEDUP_MODES
+from .lexical import FUSIONS
+from .select import ORDERS
+from .spans import PACKS
+from .types import CACHE_KINDS, DEFAULT_INDEX_DIR
+from .vectors import STORES
 
 
 def _echo_json(data: Any) -> None:
@@ -166,7 +168,7 @@ _retrieval_options = _option_group(
             "--fusion",
             default="score",
             show_default=True,
-            type=click.Choice(["score", "rrf"]),
+            type=click.Choice(FUSIONS),
             help="Normalized score fusion or reciprocal rank fusion.",
         ),
     },
@@ -286,7 +288,7 @@ def _model_options(fn: Callable[..., Any]) -> Callable[..., Any]:
             "--cache",
             default="dynamic",
             show_default=True,
-            type=click.Choice(_CACHE_KINDS),
+            type=click.Choice(CACHE_KINDS),
             help="transformers cache kind.",
         ),
     ]
@@ -338,7 +340,7 @@ def cli(verbose: int) -> None:
 )
 @click.option(
     "--store",
-    type=click.Choice(["auto", "flat", "hnsw", "ivf", "ivf-flat", "ivf-pq"]),
+    type=click.Choice(STORES),
     default="auto",
     show_default=True,
     help="Vector store that answers searches: auto = exact while small, then HNSW, then IVF-PQ (recall@10 measured "
@@ -347,7 +349,7 @@ def cli(verbose: int) -> None:
 @click.option("--approx", type=click.Choice(["hnsw"]), default=None, help="Older spelling of --store hnsw.")
 @click.option(
     "--dedup",
-    type=click.Choice(["near", "exact", "none"]),
+    type=click.Choice(DEDUP_MODES),
     default="near",
     show_default=True,
     help="Duplicate chunk removal.",
@@ -733,13 +735,13 @@ def budget(
     "--fetch-k", default=50, show_default=True, type=click.IntRange(min=1), help="Candidates fetched from the index."
 )
 @click.option(
-    "--order", default="relevance", show_default=True, type=click.Choice(["relevance", "document", "lost_in_middle"])
+    "--order", default="relevance", show_default=True, type=click.Choice(ORDERS)
 )
 @click.option(
     "--pack",
     default="chunks",
     show_default=True,
-    type=click.Choice(["chunks", "spans"]),
+    type=click.Choice(PACKS),
     help="Pack whole chunks, or the question's sentences inside the best chunks.",
 )
 @click.option(
@@ -795,9 +797,8 @@ def ask(
     engine: dict[str, Any],
 ) -> None:
     """Answer QUESTION from the index within the memory budget, citing sources."""
-    from .pipeline import Pipeline, format_report
+    from .pipeline import DEFAULT_RELEVANCE_FLOOR, Pipeline, format_report
 
-    tuning = {k: v for k, v in (("relevance_floor", relevance_floor), ("ttft_target", ttft_target)) if v is not None}
     pipe = Pipeline(
         index_dir,
         model=model,
@@ -810,8 +811,9 @@ def ask(
         order=order,
         pack=pack,
         fill_remainder=fill_remainder,
+        relevance_floor=DEFAULT_RELEVANCE_FLOOR if relevance_floor is None else relevance_floor,
+        ttft_target=ttft_target,
         **retrieval,
-        **tuning,
         **engine,
     )
     streaming = not as_json and not no_stream
@@ -937,10 +939,11 @@ def chat(
         sys.stdout.flush()  # streamed pieces show as they come
 
     interactive = sys.stdin.isatty()
-    lines: Any = click.get_text_stream("stdin")
+    # sys.stdin, not click.get_text_stream (deprecated in click 8.5): CliRunner swaps it too.
+    lines: Iterable[str] = sys.stdin
     if interactive:
-        history = os.environ.get("RAGBUDGET_CHAT_HISTORY") or str(cache_dir() / "chat_history")
-        lines = TerminalLines("> ", history_file=history, write=write)
+        history_file = os.environ.get("RAGBUDGET_CHAT_HISTORY") or str(cache_dir() / "chat_history")
+        lines = TerminalLines("> ", history_file=history_file, write=write)
     try:
         run_chat(
             conversation,

@@ -264,7 +264,7 @@ class SentenceTransformerEmbedder(Embedder):
         read once, whatever ``light`` says (that only turns the numpy query path off)."""
         if self._layout is None:
             self._layout = _open_light(self.model_name) or False
-        return self._layout or None
+        return self._layout if isinstance(self._layout, _LightBert) else None
 
     def _lite(self) -> _LightBert | None:
         """The model read without torch (see :class:`_LightBert`) while the full one is not

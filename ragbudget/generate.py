@@ -25,7 +25,6 @@ import hashlib
 import importlib.util
 import logging
 import os
-import queue
 import shutil
 import threading
 import time
@@ -37,13 +36,11 @@ from typing import Any
 from .errors import BudgetError, ConfigError, ModelError
 from .models import ModelRef, cache_dir, resolve_generator
 from .tokens import HFTokenizer
+from .types import CACHE_KINDS
 
-__all__ = ["CACHES", "Generation", "Generator", "OOMStep", "is_oom"]
+__all__ = ["Generation", "Generator", "OOMStep", "is_oom"]
 
 log = logging.getLogger(__name__)
-
-#: KV cache layouts ``generate`` accepts (transformers ``cache_implementation`` names).
-CACHES = ("dynamic", "static", "offloaded", "quantized")
 
 #: How many times the ladder halves the passages before touching the cache.
 MAX_DROP_STEPS = 2
@@ -73,9 +70,9 @@ class OOMStep:
 
 @dataclass(frozen=True)
 class Generation:
-    """A finished answer. ``finish_reason`` is ``"stop"`` (EOS or a stop string) or ``"length"``
-    (hit ``max_new_tokens``). ``prompt`` is the prompt finally used (fewer passages if the OOM
-    ladder dropped some), when one was given."""
+    """A finished answer. ``finish_reason`` is ``"stop"`` (EOS or a stop string), ``"length"``
+    (hit ``max_new_tokens``) or ``"cancelled"`` (its ``cancel`` event was set). ``prompt`` is the
+    prompt finally used (fewer passages if the OOM ladder dropped some), when one was given."""
 
     text: str
     prompt_tokens: int
@@ -446,7 +443,8 @@ class Generator:
                 return model, tok
             # Fully dequantized (the CPU fallback): a plain dense model; forget the quantizer so
             # save_pretrained writes ordinary safetensors.
-            model.hf_quantizer = None
+            # torch types Module.__setattr__'s value as Tensor | Module; a plain attribute takes any.
+            model.hf_quantizer = None  # type: ignore[assignment]
             if hasattr(model.config, "quantization_config"):
                 del model.config.quantization_config
             for attr in ("is_quantized", "quantization_method"):
@@ -543,8 +541,8 @@ class Generator:
         current token (``finish_reason="cancelled"``). Text already streamed is not taken back if
         an OOM retry restarts the answer.
         """
-        if cache not in CACHES:
-            raise ConfigError(f"cache must be one of {', '.join(CACHES)}; got {cache!r}")
+        if cache not in CACHE_KINDS:
+            raise ConfigError(f"cache must be one of {', '.join(CACHE_KINDS)}; got {cache!r}")
         if max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens must be ≥ 1; got {max_new_tokens}")
         if cache == "quantized" and _quant_backend() is None:
@@ -629,27 +627,26 @@ class Generator:
         """Yield text pieces as they are generated, then the final :class:`Generation`.
 
         Generation runs in a worker thread; iterate to the end (the last item is the
-        ``Generation``). Errors from the worker are re-raised here.
+        ``Generation``). Errors from the worker are re-raised here. Leaving the loop early stops
+        the generation at its next token (``options`` may carry a ``cancel`` event of its own).
         """
-        q: queue.Queue[tuple[str, Any]] = queue.Queue()
+        from .relay import Relay
 
-        def work() -> None:
-            try:
-                g = self.generate(prompt, on_text=lambda s: q.put(("text", s)), **options)
-                q.put(("done", g))
-            except BaseException as exc:  # noqa: BLE001 - handed to the consumer thread
-                q.put(("error", exc))
-
-        threading.Thread(target=work, daemon=True, name="ragbudget-generate").start()
-        while True:
-            kind, value = q.get()
-            if kind == "text":
-                yield value
-            elif kind == "done":
-                yield value
-                return
-            else:
-                raise value
+        cancel = options.pop("cancel", None)
+        relay: Relay[Generation] = Relay(
+            lambda emit, stop: self.generate(prompt, on_text=emit, cancel=stop, **options),
+            cancel=cancel, name="ragbudget-generate",
+        )
+        try:
+            while True:
+                try:
+                    yield relay.next_piece()
+                except StopIteration:
+                    break
+            assert relay.result is not None  # the producer returned: "done" carried it
+            yield relay.result
+        finally:
+            relay.close()
 
     def _finish(self, new: list[int], max_new_tokens: int, stop: Sequence[str] | None,
                 cancelled: bool = False) -> tuple[str, str]:
@@ -737,12 +734,15 @@ class Generator:
             from transformers import StoppingCriteria, StoppingCriteriaList
 
             class _Cancel(StoppingCriteria):
+                def __init__(self, event: threading.Event) -> None:
+                    self.event = event
+
                 def __call__(self, input_ids: Any, scores: Any, **kwargs: Any) -> Any:
-                    done = cancel.is_set()
+                    done = self.event.is_set()
                     return torch.full((input_ids.shape[0],), done, dtype=torch.bool,
                                       device=input_ids.device)
 
-            kw["stopping_criteria"] = StoppingCriteriaList([_Cancel()])
+            kw["stopping_criteria"] = StoppingCriteriaList([_Cancel(cancel)])
         if on_text is not None:
             kw["streamer"] = _CallbackStreamer(tok, on_text, len(ids), stop or ())
         elif streamer is not None:
@@ -763,19 +763,17 @@ class Generator:
 
             from . import budget, kvcache
 
-            record = getattr(budget, "record_calibration", None)
-            if record is None:
-                return
             model = self._model
             tokens = gen.prompt_tokens + gen.new_tokens
             dtype = kv_dtype or str(model.dtype).removeprefix("torch.")
             weights = sum(p.numel() * p.element_size() for p in model.parameters()) + sum(
                 b.numel() * b.element_size() for b in model.buffers())
             kv = kvcache.kv_cache_bytes(model.config, tokens, kv_dtype=dtype,
-                                        cache=gen.cache if gen.cache in CACHES else "dynamic")
+                                        cache=gen.cache if gen.cache in CACHE_KINDS else "dynamic")
             name = getattr(model.config, "_name_or_path", None) or type(model).__name__
-            record(gpu_name=torch.cuda.get_device_name(self._device), model=str(name),
-                   dtype=dtype, cache=gen.cache, tokens=gen.prompt_tokens, batch_size=1,
-                   measured_peak_bytes=peak, weights_bytes=weights, kv_bytes=kv)
+            budget.record_calibration(
+                gpu_name=torch.cuda.get_device_name(self._device), model=str(name), dtype=dtype,
+                cache=gen.cache, tokens=gen.prompt_tokens, batch_size=1, measured_peak_bytes=peak,
+                weights_bytes=weights, kv_bytes=kv)
         except Exception as exc:  # noqa: BLE001 - calibration is an optimization, not a requirement
             log.debug("calibration not recorded: %s", exc)

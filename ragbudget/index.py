@@ -89,7 +89,7 @@ from .lexical import (
     fts_match_query,
     fuse_scores,
 )
-from .types import Hit, IndexedFile, IndexSummary, Source, VerifyReport
+from .types import DEFAULT_INDEX_DIR, Hit, IndexedFile, IndexSummary, Source, VerifyReport
 from .vectors import FlatStore
 
 if TYPE_CHECKING:
@@ -99,6 +99,7 @@ if TYPE_CHECKING:
     from .executors import EmbedExecutor
 
 __all__ = [
+    "DEDUP_MODES",
     "DEFAULT_INDEX_DIR",
     "FORMAT_VERSION",
     "FUSIONS",
@@ -117,7 +118,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-DEFAULT_INDEX_DIR = ".ragbudget"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 LOCK = "lock"
@@ -170,10 +170,12 @@ CREATE TABLE IF NOT EXISTS roots (
     kind TEXT NOT NULL
 );
 """
-# Columns added to ``files`` after the first release: an older generation gets them on copy.
-# Columns added after the first format; older files gain them on their next write.
+# Columns added to ``files`` after its first format: an older index gains them on its next write.
 # page_labels: JSON list naming each page in the format's unit ("slide 3"), or NULL.
 _FILES_ADDED_COLUMNS = (("n_pages", "INTEGER"), ("warning", "TEXT"), ("page_labels", "TEXT"))
+
+#: What ``build(dedup=...)`` removes: near duplicates (MinHash, then exact), exact copies only, or none.
+DEDUP_MODES = ("near", "exact", "none")
 
 #: The removal guard: without ``allow_removal`` (``--allow-removal``) or ``prune``, a run may
 #: remove at most ``REMOVAL_GUARD_FILES`` indexed files, or more only while they are at most
@@ -758,6 +760,7 @@ class Index:
 
         if not ids:
             return {}
+        assert self._flat is not None  # the dense search before this opened the generation
         q = np.asarray(vector, dtype=np.float32).reshape(-1)
         out = {}
         for i in ids:
@@ -1083,8 +1086,8 @@ class Index:
         """
         if isinstance(paths, (str, os.PathLike)):
             paths = [paths]
-        if dedup not in ("near", "exact", "none"):
-            raise ConfigError(f"dedup must be 'near', 'exact' or 'none', got {dedup!r}")
+        if dedup not in DEDUP_MODES:
+            raise ConfigError(f"dedup must be one of {', '.join(DEDUP_MODES)}; got {dedup!r}")
         if approx not in (None, "hnsw"):
             raise ConfigError(f"approx must be None or 'hnsw', got {approx!r}")
         if approx is not None:

@@ -169,7 +169,8 @@ def _haystack_class() -> type:
         def __init__(self, pipeline: Any, options: dict[str, Any]) -> None:
             self.pipeline, self.options = pipeline, options
 
-        @haystack.component.output_types(documents=list[haystack.Document])
+        # haystack is a module imported at run time, so mypy cannot read its Document as a type.
+        @haystack.component.output_types(documents=list[haystack.Document])  # type: ignore[name-defined]
         def run(self, query: str) -> dict[str, Any]:
             docs = [haystack.Document(content=text, meta=meta, score=meta["score"])
                     for text, meta in _select(self.pipeline, query, self.options)]

@@ -58,10 +58,11 @@ import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import Any
 
 from .errors import ConfigError, ModelError
+from .types import CACHE_KINDS
 
 __all__ = [
     "CACHE_KINDS",
@@ -84,7 +85,6 @@ __all__ = [
     "text_config",
 ]
 
-CACHE_KINDS = ("dynamic", "static", "offloaded", "quantized")
 BACKENDS = ("transformers", "vllm", "sglang")
 
 _DTYPE_BITS = {
@@ -216,6 +216,13 @@ def _normalize(config: ConfigLike, normalize: bool) -> ConfigLike:
 # --------------------------------------------------------------------------------------------
 
 
+def _every_token_held(tokens: int, *, cache: str, max_cache_len: int | None) -> int:
+    # A layer attending to every token holds them all; a static cache allocates its whole length.
+    if cache == "static":
+        return max_cache_len if max_cache_len is not None else tokens
+    return tokens
+
+
 @dataclass(frozen=True)
 class FullAttentionSpec:
     """A layer that keeps K and V for every token: ``num_kv_heads × (head_size + v_head_size)``
@@ -234,9 +241,7 @@ class FullAttentionSpec:
     def tokens_held(self, tokens: int, *, cache: str = "dynamic", max_cache_len: int | None = None,
                     peak: bool = False, prefill_tokens: int | None = None) -> int:
         """Token slots this layer holds for one sequence after ``tokens`` tokens entered it."""
-        if cache == "static":
-            return max_cache_len if max_cache_len is not None else tokens
-        return tokens
+        return _every_token_held(tokens, cache=cache, max_cache_len=max_cache_len)
 
     state_elements = 0
 
@@ -291,8 +296,10 @@ class MLAAttentionSpec:
             return self.kv_lora_rank + self.qk_rope_head_dim
         return self.num_heads * (self.qk_nope_head_dim + self.qk_rope_head_dim + self.v_head_dim)
 
-    # MLA layers attend to every token: they hold what a full-attention layer holds.
-    tokens_held = FullAttentionSpec.tokens_held
+    def tokens_held(self, tokens: int, *, cache: str = "dynamic", max_cache_len: int | None = None,
+                    peak: bool = False, prefill_tokens: int | None = None) -> int:
+        # MLA layers attend to every token: they hold what a full-attention layer holds.
+        return _every_token_held(tokens, cache=cache, max_cache_len=max_cache_len)
 
     state_elements = 0
 
@@ -643,20 +650,30 @@ def _dtype_for(config: ConfigLike, kv_dtype: str | None) -> tuple[str, int]:
     return name, dtype_bits(name)
 
 
-def _layer_bytes(spec: LayerSpec, tokens: int, *, bits: int, batch_size: int, cache: str,
-                 max_cache_len: int | None, peak: bool, prefill_tokens: int | None,
-                 backend: str, block_size: int) -> int:
+@dataclass(frozen=True)
+class _Sizing:
+    """What every layer of one estimate shares: element bits, sequences, static length, paging."""
+
+    bits: int
+    batch_size: int
+    max_cache_len: int | None
+    backend: str
+    block_size: int
+
+
+def _layer_bytes(spec: LayerSpec, tokens: int, sz: _Sizing, *, cache: str, peak: bool,
+                 prefill_tokens: int | None) -> int:
     if isinstance(spec, NoCacheSpec):
         return 0
     if isinstance(spec, MambaSpec):
-        return batch_size * spec.state_bytes(bits)
-    state = batch_size * spec.state_bytes(bits) if isinstance(spec, HybridSpec) else 0
-    held = spec.tokens_held(tokens, cache=cache, max_cache_len=max_cache_len, peak=peak,
+        return sz.batch_size * spec.state_bytes(sz.bits)
+    state = sz.batch_size * spec.state_bytes(sz.bits) if isinstance(spec, HybridSpec) else 0
+    held = spec.tokens_held(tokens, cache=cache, max_cache_len=sz.max_cache_len, peak=peak,
                             prefill_tokens=prefill_tokens)
-    if backend in ("vllm", "sglang") and block_size > 1:
+    if sz.backend in ("vllm", "sglang") and sz.block_size > 1:
         # Paged caches allocate whole blocks of `block_size` tokens per sequence.
-        held = math.ceil(held / block_size) * block_size
-    return state + batch_size * _ceil_bytes(spec.elements_per_token * held, bits)
+        held = math.ceil(held / sz.block_size) * sz.block_size
+    return state + sz.batch_size * _ceil_bytes(spec.elements_per_token * held, sz.bits)
 
 
 QUANT_BACKENDS = ("quanto", "hqq", "fp8")
@@ -727,15 +744,15 @@ def _quantized_layer_bytes(spec: LayerSpec, tokens: int, *, bits: int, batch_siz
     else:
         residual = (tokens - prefill) % residual_length
         quantized = tokens - residual
-    kw = {"batch_size": batch_size, "nbits": nbits, "q_group_size": q_group_size, "axis": axis,
-          "backend": quant_backend, "bits": bits}
-    return (_quantized_tensor_bytes(k_per_token * quantized * batch_size, **kw)
-            + _quantized_tensor_bytes(v_per_token * quantized * batch_size, **kw)
+    tensor_bytes = partial(_quantized_tensor_bytes, batch_size=batch_size, nbits=nbits,
+                           q_group_size=q_group_size, axis=axis, backend=quant_backend, bits=bits)
+    return (tensor_bytes(k_per_token * quantized * batch_size)
+            + tensor_bytes(v_per_token * quantized * batch_size)
             + _ceil_bytes((k_per_token + v_per_token) * residual * batch_size, bits))
 
 
 def _offloaded(specs: tuple[LayerSpec, ...], tokens: int, per: tuple[int, ...],
-               per_peak: tuple[int, ...], kw: dict[str, Any], name: str, *,
+               per_peak: tuple[int, ...], sz: _Sizing, prefill: int | None, name: str, *,
                only_non_sliding: bool) -> KVEstimate:
     """Device bytes of transformers' offloaded cache (``Cache.update``, ``prefetch``, ``offload``
     in ``cache_utils.py``, 5.x).
@@ -753,13 +770,10 @@ def _offloaded(specs: tuple[LayerSpec, ...], tokens: int, per: tuple[int, ...],
     ``steady`` is what stays after ``generate``: the resident layers and the first offloaded
     layer, prefetched for a next step that never comes.
     """
-    prefill = kw["prefill_tokens"]
     p = tokens if prefill is None else min(prefill, tokens)
-    dyn = {k: v for k, v in kw.items() if k != "prefill_tokens"}
 
     def size(i: int, t: int, *, peak: bool, prefill_tokens: int | None = None) -> int:
-        return _layer_bytes(specs[i], t, cache="dynamic", peak=peak,
-                            prefill_tokens=prefill_tokens, **dyn)
+        return _layer_bytes(specs[i], t, sz, cache="dynamic", peak=peak, prefill_tokens=prefill_tokens)
 
     def stays(s: LayerSpec) -> bool:
         return isinstance(s, MambaSpec) or (only_non_sliding and isinstance(s, SlidingWindowSpec))
@@ -822,32 +836,21 @@ def estimate_kv(
         raise ConfigError(f"{tokens} tokens do not fit a static cache of max_cache_len={max_cache_len}")
     specs = layer_specs(config, backend=backend, mla=mla, normalize=normalize)
     name, bits = _dtype_for(config, kv_dtype)
-    kw = {
-        "bits": bits,
-        "batch_size": batch_size,
-        "max_cache_len": max_cache_len,
-        "prefill_tokens": prefill_tokens,
-        "backend": backend,
-        "block_size": block_size,
-    }
+    sz = _Sizing(bits=bits, batch_size=batch_size, max_cache_len=max_cache_len, backend=backend,
+                 block_size=block_size)
     if cache == "quantized":
         if quant_backend not in QUANT_BACKENDS:
             raise ConfigError(f"quant_backend must be one of {QUANT_BACKENDS}, got {quant_backend!r}")
         allowed = {"quanto": (2, 4), "hqq": (1, 2, 3, 4, 8)}.get(quant_backend)
         if allowed is not None and nbits not in allowed:
             raise ConfigError(f"{quant_backend} quantizes the KV cache to {allowed} bits, got {nbits}")
-        qkw = {
-            "bits": bits,
-            "batch_size": batch_size,
-            "nbits": nbits,
-            "q_group_size": q_group_size,
-            "residual_length": residual_length,
-            "axis": q_axis,
-            "quant_backend": quant_backend,
-            "prefill_tokens": prefill_tokens,
-        }
-        per = tuple(_quantized_layer_bytes(s, tokens, **qkw) for s in specs)
-        worst = sum(_quantized_layer_bytes(s, tokens, worst_residual=True, **qkw) for s in specs)
+        layer_bytes = partial(
+            _quantized_layer_bytes, bits=bits, batch_size=batch_size, nbits=nbits,
+            q_group_size=q_group_size, residual_length=residual_length, axis=q_axis,
+            quant_backend=quant_backend, prefill_tokens=prefill_tokens,
+        )
+        per = tuple(layer_bytes(s, tokens) for s in specs)
+        worst = sum(layer_bytes(s, tokens, worst_residual=True) for s in specs)
         # Each update dequantizes the layer and concatenates dequantized + residual + new states
         # in full precision (two full-precision copies of one layer at once); fp8 dequantizes once.
         copies = 1 if quant_backend == "fp8" else 2
@@ -856,10 +859,13 @@ def estimate_kv(
         )
         return KVEstimate(sum(per), worst + transient, per, f"int{nbits}" if quant_backend != "fp8" else "fp8", cache)
     base = "static" if cache == "static" else "dynamic"
-    per = tuple(_layer_bytes(s, tokens, cache=base, peak=False, **kw) for s in specs)
-    per_peak = tuple(_layer_bytes(s, tokens, cache=base, peak=True, **kw) for s in specs)
+    per = tuple(_layer_bytes(s, tokens, sz, cache=base, peak=False, prefill_tokens=prefill_tokens)
+                for s in specs)
+    per_peak = tuple(_layer_bytes(s, tokens, sz, cache=base, peak=True, prefill_tokens=prefill_tokens)
+                     for s in specs)
     if cache == "offloaded":
-        return _offloaded(specs, tokens, per, per_peak, kw, name, only_non_sliding=offload_only_non_sliding)
+        return _offloaded(specs, tokens, per, per_peak, sz, prefill_tokens, name,
+                          only_non_sliding=offload_only_non_sliding)
     return KVEstimate(sum(per), sum(per_peak), per, name, cache)
 
 
@@ -921,7 +927,8 @@ def kv_bytes_per_token(
     _, bits = _dtype_for(config, kv_dtype)
     total = 0
     for s in specs:
-        if isinstance(getattr(s, "attention", s), SlidingWindowSpec) and not include_sliding:
+        attention = s.attention if isinstance(s, HybridSpec) else s
+        if isinstance(attention, SlidingWindowSpec) and not include_sliding:
             continue
         total += s.elements_per_token
     return _ceil_bytes(total, bits)
@@ -1015,9 +1022,10 @@ def paged_cache_layout(
     counts: dict[str, int] = {}
     shapes = set()
     for i, s in enumerate(specs):
-        if type(s) not in (FullAttentionSpec, SlidingWindowSpec) or s.head_size != s.v_head_size:
+        # isinstance admits exactly full and sliding attention (the one subclass of full).
+        if not isinstance(s, FullAttentionSpec) or s.head_size != s.v_head_size:
             raise ConfigError(
-                f"layer {i} is {getattr(s, 'kind', type(s).__name__)}: continuous batching's paged "
+                f"layer {i} is {s.kind}: continuous batching's paged "
                 "cache holds full and sliding attention layers with equal K and V head sizes only; "
                 "generate without batching for this model (LocalBackend(batching=False))"
             )

@@ -51,7 +51,7 @@ from typing import Any
 from .clean import apply_report, edge_keys, find_furniture, find_known
 from .errors import ConfigError, LoadError
 from .formats import FORMATS as _CONTAINER_FORMATS, LoadOptions, current_options
-from .types import Document
+from .types import DEFAULT_INDEX_DIR, Document
 
 __all__ = [
     "DEFAULT_MAX_BYTES",
@@ -89,7 +89,7 @@ _FORMATS = {
 #: File name endings :func:`load_document` reads (each also with ``.gz`` appended).
 SUPPORTED_EXTENSIONS = frozenset(_FORMATS)
 #: Folder names never walked into (besides any name starting with a dot).
-IGNORED_DIRS = frozenset({".git", ".hg", ".svn", "__pycache__", "node_modules", ".ragbudget"})
+IGNORED_DIRS = frozenset({".git", ".hg", ".svn", "__pycache__", "node_modules", DEFAULT_INDEX_DIR})
 
 #: ``LoadError.reason`` values raised by :func:`load_document`.
 LOAD_ERROR_REASONS = frozenset(

@@ -25,7 +25,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
@@ -40,6 +39,8 @@ from .errors import (
     IndexEmptyError,
     RequestCancelled,
 )
+from .lexical import FUSIONS
+from .types import CACHE_KINDS, DEFAULT_INDEX_DIR
 
 if TYPE_CHECKING:
     from .admission import AdmissionController
@@ -55,14 +56,11 @@ __all__ = ["Answer", "AnswerStream", "EnginePlan", "Pipeline", "format_report", 
 
 log = logging.getLogger(__name__)
 
-DEFAULT_INDEX_DIR = ".ragbudget"
-
 #: Default ``relevance_floor``: candidates scoring under half the best one's fused score are left
 #: out. Chosen on SQuAD dev tuning articles (bench/floor.py, BENCHMARKS.md "Relevance floor"):
 #: answer recall at the default allowance stays at its maximum from 0.3 to 0.5 and falls from 0.6
 #: on, while the context shrinks from 7,667 to 2,689 tokens.
 DEFAULT_RELEVANCE_FLOOR = 0.5
-_CACHE_KINDS = ("dynamic", "static", "offloaded", "quantized")
 
 
 # -- argument checks at the public entry points -------------------------------------------------
@@ -110,12 +108,13 @@ def _check_number(name: str, value: Any, lo: float, hi: float | None = None, *,
         return None
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ArgumentTypeError(f"{name} must be a number, got {type(value).__name__} {_shown(value)}")
-    bad = value <= lo if lo_open else value < lo
-    if bad or (hi is not None and value > hi) or value != value:  # NaN fails every comparison
+    x = float(value)
+    bad = x <= lo if lo_open else x < lo
+    if bad or (hi is not None and x > hi) or x != x:  # NaN fails every comparison
         where = (f"in {'(' if lo_open else '['}{lo:g}, {hi:g}]" if hi is not None
                  else f"{'>' if lo_open else '≥'} {lo:g}")
         raise ConfigError(f"{name} must be {where}, got {value}")
-    return float(value)
+    return x
 
 
 def _check_choice(name: str, value: Any, choices: Sequence[str]) -> str:
@@ -338,7 +337,7 @@ class Pipeline:
         max_new_tokens = _check_int("max_new_tokens", max_new_tokens, 1)  # type: ignore[assignment]
         fetch_k = _check_int("fetch_k", fetch_k, 1)  # type: ignore[assignment]
         _check_text("kv_dtype", kv_dtype, optional=True)
-        _check_choice("cache", cache, _CACHE_KINDS)
+        _check_choice("cache", cache, CACHE_KINDS)
         if not isinstance(hybrid, bool):
             raise ArgumentTypeError(f"hybrid must be True or False, got {type(hybrid).__name__} "
                                     f"{_shown(hybrid)}")
@@ -346,7 +345,7 @@ class Pipeline:
         if lexical_weight > 1.0:
             raise ConfigError(f"lexical_weight must be in [0, 1], got {lexical_weight}; "
                               "use 0 (or hybrid=False) for dense-only search")
-        _check_choice("fusion", fusion, ("rrf", "score"))
+        _check_choice("fusion", fusion, FUSIONS)
         _check_choice("order", order, ORDERS)
         from .spans import PACKS
 
@@ -546,15 +545,16 @@ class Pipeline:
         with self._lock:
             # A loaded generator knows its real weights and dtype; before that the plan reads the
             # config. Plans made before loading are kept apart from the ones made after.
-            loaded = self._generator is not None and bool(self._generator.loaded)
+            live = self._generator if self._generator is not None and self._generator.loaded else None
+            loaded = live is not None
             plan = self._plans.get((max_new_tokens, loaded))
             if plan is None:
                 from .budget import plan_budget
 
-                module = self._generator.model if loaded else None
+                module = live.model if live is not None else None
                 plan = plan_budget(
-                    module if loaded else self.model,
-                    config=self._generator.config if loaded else None,
+                    module if live is not None else self.model,
+                    config=live.config if live is not None else None,
                     gpu=self.gpu,
                     concurrency=self.concurrency,
                     max_new_tokens=max_new_tokens,
@@ -894,7 +894,6 @@ class Pipeline:
         prompt = build_prompt(
             question,
             hits,
-            tokenizer=builder.tokenizer,
             max_prompt_tokens=max_prompt,
             builder=builder,
             order=self.order,
@@ -1188,9 +1187,6 @@ def _stream_options(options: dict[str, Any]) -> dict[str, Any]:
     return options
 
 
-_DONE = object()  # end-of-stream marker in an AnswerStream's queue
-
-
 @dataclass(frozen=True)
 class _Cancelled:
     """What :func:`_answer` needs of a generation that never started."""
@@ -1229,82 +1225,52 @@ class AnswerStream:
 
     def __init__(self, ask: Callable[..., Answer], question: str, options: dict[str, Any],
                  loop: asyncio.AbstractEventLoop | None = None) -> None:
-        self.answer: Answer | None = None
-        self._error: BaseException | None = None
-        self._cancel = threading.Event()
-        self._loop = loop
-        self._sync: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._async: asyncio.Queue[Any] | None = asyncio.Queue() if loop is not None else None
-        self._ended = False
-        self._thread = threading.Thread(target=self._run, args=(ask, question, options),
-                                        name="rb-stream", daemon=True)
-        self._thread.start()
+        from .relay import Relay
 
-    def _put(self, item: Any) -> None:
-        if self._async is None:
-            self._sync.put(item)
-        else:
-            try:
-                self._loop.call_soon_threadsafe(self._async.put_nowait, item)  # type: ignore[union-attr]
-            except RuntimeError:  # the loop is closed: nobody is listening any more
-                self._cancel.set()
+        self._relay: Relay[Answer] = Relay(
+            lambda emit, cancel: ask(question, on_text=emit, cancel=cancel, **options),
+            loop=loop, name="rb-stream",
+        )
 
-    def _run(self, ask: Callable[..., Answer], question: str, options: dict[str, Any]) -> None:
-        try:
-            self.answer = ask(question, on_text=self._put, cancel=self._cancel, **options)
-        except BaseException as e:  # handed to the iterating thread, raised there
-            self._error = e
-        finally:
-            self._put(_DONE)
-
-    def _item(self, item: Any) -> str:
-        if item is _DONE:
-            self._ended = True
-            if self._error is not None:
-                error, self._error = self._error, None
-                raise error
-            raise StopIteration
-        return str(item)
+    @property
+    def answer(self) -> Answer | None:
+        """The :class:`Answer` once the request has returned (``None`` before, or after an error)."""
+        return self._relay.result
 
     @property
     def error(self) -> BaseException | None:
         """An error the request raised that the iteration did not (it was left before the end)."""
-        return self._error
+        return self._relay.error
 
     @property
     def cancelled(self) -> bool:
         """Whether the stream was left before its end (the generation was told to stop)."""
-        return self._cancel.is_set()
+        return self._relay.cancel.is_set()
 
     # -- sync --
 
     def __iter__(self) -> Iterator[str]:
         # A generator, not ``self``: a ``for`` loop left by ``break`` or an exception drops it,
         # and its ``finally`` cancels the generation then and there.
-        if self._async is not None:
+        if self._relay.loop is not None:
             raise ConfigError("this stream came from astream(): iterate it with `async for`")
         try:
             while True:
                 try:
-                    yield self.__next__()
+                    yield self._relay.next_piece()
                 except StopIteration:
                     return
         finally:
             self.close()
 
     def __next__(self) -> str:
-        if self._async is not None:
+        if self._relay.loop is not None:
             raise ConfigError("this stream came from astream(): iterate it with `async for`")
-        if self._ended:
-            raise StopIteration
-        return self._item(self._sync.get())
+        return self._relay.next_piece()
 
     def close(self) -> None:
         """Stop the generation (if it still runs) and wait for its thread to end."""
-        if not self._ended:
-            self._cancel.set()
-        self._thread.join()
-        self._ended = True
+        self._relay.close()
 
     def __enter__(self) -> AnswerStream:
         return self
@@ -1315,7 +1281,7 @@ class AnswerStream:
     # -- async --
 
     def __aiter__(self) -> AsyncIterator[str]:
-        if self._async is None:
+        if self._relay.loop is None:
             raise ConfigError("this stream came from stream(): iterate it with `for`")
         return self._pieces()
 
@@ -1332,21 +1298,13 @@ class AnswerStream:
             await self.aclose()
 
     async def __anext__(self) -> str:
-        if self._async is None:
+        if self._relay.loop is None:
             raise ConfigError("this stream came from stream(): iterate it with `for`")
-        if self._ended:
-            raise StopAsyncIteration
-        try:
-            return self._item(await self._async.get())
-        except StopIteration:
-            raise StopAsyncIteration from None
+        return await self._relay.anext_piece()
 
     async def aclose(self) -> None:
         """Stop the generation (if it still runs) and wait for its thread without blocking the loop."""
-        if not self._ended:
-            self._cancel.set()
-        await asyncio.to_thread(self._thread.join)
-        self._ended = True
+        await self._relay.aclose()
 
     async def __aenter__(self) -> AnswerStream:
         return self

@@ -175,7 +175,8 @@ class PromptBuilder:
     def with_history(self, history: Sequence[dict[str, str]] | None) -> PromptBuilder:
         """A builder whose prompts carry ``history`` (earlier ``user``/``assistant`` turns) between
         the system prompt and the question; it shares this builder's token-count memo. The
-        history is part of the fixed cost: never cut here (fit it first, e.g. ``chat.fit_history``).
+        history is part of the fixed cost: never cut here (fit it first, as
+        :class:`~ragbudget.chat.Conversation` does).
         """
         if not history:
             return self if not self.history else self._copy(())
@@ -267,11 +268,6 @@ class PromptBuilder:
         parts = [f"{m['role'].capitalize()}: {m['content']}" for m in messages]
         return "\n\n".join(parts) + "\n\nAssistant:"
 
-    def render_ids(self, question: str, passages: Sequence[Any]) -> list[int]:
-        text = self.render_text(self.messages(question, passages))
-        # apply_chat_template(tokenize=True) encodes the rendered text without adding specials.
-        return self.tokenizer.encode(text)
-
     def assemble(self, question: str, selection: Selection, *, max_prompt_tokens: int) -> Prompt:
         """Render ``selection`` and verify the count; drop lowest-scored passages while over."""
         fixed = self.fixed_tokens(question)
@@ -315,8 +311,9 @@ class EnginePromptBuilder(PromptBuilder):
     """
 
     def __init__(self, backend: Any, *, system_prompt: str | None = None) -> None:
+        # No local tokenizer: every method that would use one (count, prime, render_text, measure)
+        # is the backend's here, so ``tokenizer`` is never set.
         self.backend = backend
-        self.tokenizer = None
         self.system_prompt = DEFAULT_SYSTEM_PROMPT if system_prompt is None else system_prompt
         self._counts: dict[str, int] = {}
         self._system_role = True
@@ -359,7 +356,7 @@ def build_prompt(
     question: str,
     candidates: Iterable[Any],
     *,
-    tokenizer: Any,
+    tokenizer: Any = None,
     max_prompt_tokens: int,
     system_prompt: str | None = None,
     safety_margin: int = 0,
@@ -369,6 +366,9 @@ def build_prompt(
     **select_options: Any,
 ) -> Prompt:
     """Select the ``candidates`` that fit and render the prompt, ≤ ``max_prompt_tokens`` exactly.
+
+    The prompt is counted and rendered by ``builder``, or by a :class:`PromptBuilder` over
+    ``tokenizer`` when no builder is given.
 
     ``select_options`` go to :func:`~ragbudget.select.select_chunks` (``order``, ``lambda_``,
     ``min_score``, ...). The system prompt and question are never cut: if they alone exceed the
@@ -384,6 +384,8 @@ def build_prompt(
     >>> p.n_tokens <= plan.max_prompt_tokens                         # doctest: +SKIP
     True
     """
+    if builder is None and tokenizer is None:
+        raise ConfigError("build_prompt needs a tokenizer (or a builder that counts): got neither")
     b = builder or PromptBuilder(tokenizer, system_prompt=system_prompt)
     fixed = b.fixed_tokens(question)
     if fixed > max_prompt_tokens:

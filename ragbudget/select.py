@@ -257,9 +257,7 @@ def select_chunks(
     """
     _check_options(order=order, budget_tokens=budget_tokens, temperature=temperature,
                    lambda_=lambda_, relevance_floor=relevance_floor)
-    overhead_of: Callable[[Any], int] = (
-        chunk_overhead if callable(chunk_overhead) else (lambda _c, _o=int(chunk_overhead): _o)
-    )
+    overhead_of = _overhead_of(chunk_overhead)
 
     cands = list(candidates)
     kept, dropped = _prepare(cands, count_tokens, overhead_of, lambda_=lambda_,
@@ -316,6 +314,14 @@ def select_chunks(
         order=order,
         n_candidates=len(cands),
     )
+
+
+def _overhead_of(chunk_overhead: int | Callable[[Any], int]) -> Callable[[Any], int]:
+    # The per-passage overhead as one function of the chunk, whether given as a function or a number.
+    if callable(chunk_overhead):
+        return chunk_overhead
+    fixed = int(chunk_overhead)
+    return lambda _chunk: fixed
 
 
 def _check_options(*, order: str, budget_tokens: int, temperature: float, lambda_: float,

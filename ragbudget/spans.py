@@ -57,6 +57,7 @@ from .select import (
     _check_options,
     _Item,
     _order,
+    _overhead_of,
     _prepare,
     _truncate,
     _words,
@@ -229,7 +230,7 @@ def needs_previous(sentence: str) -> bool:
     if any(low.startswith(p) and not low[len(p) : len(p) + 1].isalnum() for p in _MULTI):
         return True
     m = _WORD.match(low)
-    return bool(m) and m.group(0) in NEEDS_PREVIOUS
+    return m is not None and m.group(0) in NEEDS_PREVIOUS
 
 
 def _stem(word: str) -> str:
@@ -404,9 +405,7 @@ def select_spans(
     if len(weights) != 3 or any(w < 0 for w in weights) or not any(weights):
         raise ConfigError(f"weights must be three numbers ≥ 0 (dense, lexical, chunk), not all 0; got {weights!r}")
     del merge_adjacent, max_merge_gap  # one passage per chunk; see the docstring
-    overhead_of: Callable[[Any], int] = (
-        chunk_overhead if callable(chunk_overhead) else (lambda _c, _o=int(chunk_overhead): _o)
-    )
+    overhead_of = _overhead_of(chunk_overhead)
     cands = list(candidates)
     kept, dropped = _prepare(
         cands,

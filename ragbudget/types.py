@@ -11,6 +11,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 __all__ = [
+    "CACHE_KINDS",
+    "DEFAULT_INDEX_DIR",
     "PAGE_SEP",
     "Chunk",
     "Document",
@@ -20,6 +22,15 @@ __all__ = [
     "Source",
     "VerifyReport",
 ]
+
+#: KV cache layouts (transformers ``cache_implementation`` names): the one list the CLI, the
+#: pipeline, the generator and the KV estimate accept. Here, not in kvcache, so that the CLI and
+#: the pipeline name them without importing the memory model.
+CACHE_KINDS = ("dynamic", "static", "offloaded", "quantized")
+
+#: The index folder when none is named (the CLI's ``--index-dir``, ``Index``, ``Pipeline``); the
+#: loaders never walk into a folder of this name.
+DEFAULT_INDEX_DIR = ".ragbudget"
 
 #: Pages are joined with a single newline: a sentence running over a page break stays one
 #: paragraph for the chunker, while the page boundary offsets are still known exactly.

@@ -36,7 +36,7 @@ import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, cast, runtime_checkable
 
 from .errors import ConfigError, IndexCorruptError
 
@@ -451,7 +451,9 @@ class HNSWStore(_Derived):
 
         self.params["ef_search"] = int(value)
         if self.index is not None:
-            faiss.downcast_index(self.index.index).hnsw.efSearch = int(value)
+            # downcast_index returns the concrete class, which its stub can only call Index.
+            hnsw = cast("faiss.IndexHNSW", faiss.downcast_index(self.index.index))
+            hnsw.hnsw.efSearch = int(value)
 
     def _build(self) -> None:
         import faiss
@@ -532,13 +534,14 @@ class IVFStore(_Derived):
         import faiss
 
         self.index = index
-        inner = faiss.downcast_index(index.index) if self.kind == "ivf-pq" else index
         if self.kind == "ivf-pq":
-            inner.k_factor = float(self.params["rescore"]) / _EXACT_TOP  # of the 4k it returns
-            self._refine = inner
-            self._ivf = faiss.downcast_index(inner.base_index)
+            # downcast_index returns the concrete class, which its stub can only call Index.
+            refine = cast("faiss.IndexRefine", faiss.downcast_index(index.index))
+            refine.k_factor = float(self.params["rescore"]) / _EXACT_TOP  # of the 4k it returns
+            self._refine = refine
+            self._ivf = faiss.downcast_index(refine.base_index)
         else:
-            self._ivf = inner
+            self._ivf = index
 
     def _build(self) -> None:
         import faiss
@@ -549,6 +552,7 @@ class IVFStore(_Derived):
         nlist = int(self.params.get("nlist") or _nlist(n))
         self.params["nlist"] = nlist
         quantizer = faiss.IndexFlatIP(self.dim)
+        index: faiss.Index
         if self.kind == "ivf-flat":
             index = faiss.IndexIVFFlat(quantizer, self.dim, nlist, faiss.METRIC_INNER_PRODUCT)
             self._parts: tuple[Any, ...] = (quantizer,)

@@ -32,7 +32,6 @@ from ragbudget.chat import (
     Turn,
     _Meter,
     expand_query,
-    fit_history,
     is_follow_up,
 )
 from ragbudget.errors import BudgetError, ConfigError
@@ -312,25 +311,6 @@ def test_expand_query_keeps_the_question_intact(question: str, previous: list[st
     out = expand_query(question, previous, max_terms=10)
     assert out.startswith(question)
     assert len(out.split()) <= len(question.split()) + 10
-
-
-# --- stateless fitting (the server's policy) -------------------------------------------------------
-
-
-def test_fit_history_drops_oldest_first_and_keeps_system() -> None:
-    pipe = chat_pipeline(total=200, max_new=40)
-    history = [{"role": "system", "content": "Be brief."}]
-    for i in range(10):
-        history += [{"role": "user", "content": f"question {i} " + "x " * 10},
-                    {"role": "assistant", "content": f"answer {i} " + "y " * 10}]
-    kept, dropped = fit_history(pipe, history, "final question?", share=0.3)
-    assert dropped > 0 and kept
-    assert kept[0] == {"role": "system", "content": "Be brief."}
-    assert kept[-1] == history[-1]
-    meter = _Meter(pipe)
-    fixed = meter.fixed("final question?")
-    assert meter.cost(kept, "final question?") <= int((200 - 40 - fixed) * 0.3)
-    assert fit_history(pipe, history[:3], "q?", share=0.9) == (history[:3], 0)
 
 
 # --- the chat loop and the CLI --------------------------------------------------------------------

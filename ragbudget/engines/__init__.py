@@ -77,20 +77,30 @@ def api_key_from_env(var: str | None) -> str | None:
 def backend_class(kind: str) -> type[ServedBackend]:
     """The :class:`ServedBackend` subclass for an engine kind."""
     if kind == "vllm":
-        from .vllm import VLLMBackend as cls
-    elif kind == "sglang":
-        from .sglang import SGLangBackend as cls
-    elif kind == "tgi":
-        from .tgi import TGIBackend as cls
-    elif kind == "llamacpp":
-        from .llamacpp import LlamaCppBackend as cls
-    elif kind == "ollama":
-        from .ollama import OllamaBackend as cls
-    elif kind == "openai":
-        from .openai import OpenAIBackend as cls
-    else:
-        raise ConfigError(f"engine kind must be auto or one of {', '.join(KINDS)}; got {kind!r}")
-    return cls
+        from .vllm import VLLMBackend
+
+        return VLLMBackend
+    if kind == "sglang":
+        from .sglang import SGLangBackend
+
+        return SGLangBackend
+    if kind == "tgi":
+        from .tgi import TGIBackend
+
+        return TGIBackend
+    if kind == "llamacpp":
+        from .llamacpp import LlamaCppBackend
+
+        return LlamaCppBackend
+    if kind == "ollama":
+        from .ollama import OllamaBackend
+
+        return OllamaBackend
+    if kind == "openai":
+        from .openai import OpenAIBackend
+
+        return OpenAIBackend
+    raise ConfigError(f"engine kind must be auto or one of {', '.join(KINDS)}; got {kind!r}")
 
 
 def detect(http: HTTP) -> Detection:

@@ -42,7 +42,9 @@ def read_ipynb(data: bytes, path: str, *, options: LoadOptions, max_bytes: int, 
         hint = ("; upgrade it: jupyter nbconvert --to notebook --nbformat 4" if version and version < 4 else "")
         raise LoadError(f"{path}: not an nbformat 4 notebook (no cells list){hint}", path=path,
                         reason="unsupported")
-    meta = nb.get("metadata") if isinstance(nb.get("metadata"), dict) else {}
+    meta = nb.get("metadata")
+    if not isinstance(meta, dict):
+        meta = {}
     lang = ""
     for key in ("kernelspec", "language_info"):
         info = meta.get(key)

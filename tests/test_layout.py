@@ -1,0 +1,124 @@
+"""The layout in CONTRIBUTING.md is the code's: every module named there exists, every module is
+named there, and no module imports one from a higher layer (lazy imports inside functions and
+``TYPE_CHECKING`` imports included)."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "ragbudget"
+
+
+def read_layout(text: str) -> dict[str, int]:
+    """``{unit: layer}`` from the ```layout block: ``<layer> <label>: name (what), name (what)``;
+    a unit is a top-level module (``pipeline``, ``__init__``) or a sub-package (``engines/``)."""
+    block = re.search(r"```layout\n(.*?)```", text, re.S)
+    assert block, "CONTRIBUTING.md has no ```layout block"
+    layers: dict[str, int] = {}
+    for line in block.group(1).splitlines():
+        if not line.strip():
+            continue
+        m = re.fullmatch(r"(\d+) [^:]+: (.+)", line.strip())
+        assert m, f"layout line not '<layer> <label>: name (what), ...': {line!r}"
+        for name in re.sub(r"\([^)]*\)", "", m.group(2)).split(","):
+            name = name.strip()
+            assert name not in layers, f"{name} is named twice in the layout"
+            layers[name] = int(m.group(1))
+    return layers
+
+
+def unit_of(module: str) -> str:
+    """The layout unit of a dotted module name inside the package."""
+    parts = module.split(".")[1:]  # drop "ragbudget"
+    if parts and (PACKAGE / parts[0]).is_dir():
+        return f"{parts[0]}/"
+    if parts and (PACKAGE / f"{parts[0]}.py").is_file():
+        return parts[0]
+    return "__init__"  # the package itself, or a name it exports (``from ragbudget import Pipeline``)
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(PACKAGE.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imported_modules(source: str, module: str, is_package: bool) -> set[str]:
+    """Every ``ragbudget`` module ``source`` imports, wherever the import statement is."""
+    package = module if is_package else module.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if node.module:
+                found.add(target)
+            else:  # ``from . import x``: x is a module, or an attribute of the package itself
+                found.update(f"{target}.{a.name}" for a in node.names)
+    return {m for m in found if m == "ragbudget" or m.startswith("ragbudget.")}
+
+
+def package_sources() -> dict[Path, str]:
+    return {p: p.read_text(encoding="utf-8") for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def violations(sources: dict[Path, str], layers: dict[str, int]) -> list[str]:
+    out = []
+    for path, source in sources.items():
+        module = module_name(path)
+        here = unit_of(module)
+        for target in sorted(imported_modules(source, module, path.name == "__init__.py")):
+            there = unit_of(target)
+            if there != here and layers[there] > layers[here]:
+                out.append(f"{path.relative_to(ROOT)} (layer {layers[here]}, {here}) imports "
+                           f"{target} (layer {layers[there]}, {there})")
+    return out
+
+
+@pytest.fixture(scope="module")
+def layers() -> dict[str, int]:
+    return read_layout((ROOT / "CONTRIBUTING.md").read_text(encoding="utf-8"))
+
+
+def test_every_module_is_named_and_every_name_exists(layers: dict[str, int]) -> None:
+    units = {unit_of(module_name(p)) for p in PACKAGE.rglob("*.py")}
+    assert sorted(units - set(layers)) == [], "modules missing from CONTRIBUTING.md's layout"
+    assert sorted(set(layers) - units) == [], "CONTRIBUTING.md's layout names modules that do not exist"
+
+
+def test_no_module_imports_a_higher_layer(layers: dict[str, int]) -> None:
+    assert violations(package_sources(), layers) == []
+
+
+def test_a_lazy_import_of_a_higher_layer_is_caught(layers: dict[str, int]) -> None:
+    # The check itself: a stage reaching up to the pipeline inside a function body, and a
+    # foundation module naming a stage only for typing, are both reported.
+    sources = package_sources()
+    select, types = PACKAGE / "select.py", PACKAGE / "types.py"
+    sources[select] += "\n\ndef _peek():\n    from .pipeline import Pipeline\n    return Pipeline\n"
+    sources[types] += "\nif TYPE_CHECKING:\n    from .index import Index\n"
+    found = violations(sources, layers)
+    assert found == [
+        "ragbudget/select.py (layer 1, select) imports ragbudget.pipeline (layer 2, pipeline)",
+        "ragbudget/types.py (layer 0, types) imports ragbudget.index (layer 1, index)",
+    ]
+
+
+def test_the_layout_block_is_strict() -> None:
+    with pytest.raises(AssertionError, match="named twice"):
+        read_layout("```layout\n0 a: x (one)\n1 b: x (again)\n```")
+    with pytest.raises(AssertionError, match="not '<layer>"):
+        read_layout("```layout\nfoundation: x\n```")
