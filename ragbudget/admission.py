@@ -467,6 +467,12 @@ class Reservation:
         self.release()
 
 
+def _resolve(fut: asyncio.Future[None]) -> None:
+    """Wake an async waiter (in its loop), unless it already left."""
+    if not fut.done():
+        fut.set_result(None)
+
+
 def _claimed(waiter: _Waiter) -> None:
     """Tell the caller (``returning(on_claim=)``) that ``waiter`` claimed its place and waits."""
     callback = _ON_CLAIM.get()
@@ -986,8 +992,7 @@ class AdmissionController:
         self._admitted_total += 1
         waiter.event.set()
         if waiter.loop is not None and waiter.future is not None:
-            fut = waiter.future
-            waiter.loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(None))
+            waiter.loop.call_soon_threadsafe(_resolve, waiter.future)
 
     def _admit_locked(self) -> None:
         # Strict FIFO: only the head may go; it waits until it fits (memory, and time next to
