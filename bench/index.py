@@ -5,8 +5,11 @@ incremental re-runs, search latency (flat and HNSW), peak memory at 1x and 4x a 
     .venv/bin/python bench/index.py --quick    # ~1 min
     .venv/bin/python bench/index.py --part latency --n 100000
 
-Writes bench/out/index.json. Corpus: SQuAD dev articles (one file per article, paragraphs joined),
-Linux man2 pages and a Debian manual PDF from ../shared/data.
+Writes bench/results/index.json (``bench/_results.py``: command, machine, versions, commit); a
+single ``--part`` or ``--quick`` run goes to the ignored bench/out/index.json unless ``--out``
+says otherwise, so a partial run never replaces the committed one. Corpus: SQuAD dev articles
+(one file per article, paragraphs joined), Linux man2 pages and a Debian manual PDF from
+../shared/data.
 """
 
 from __future__ import annotations
@@ -409,12 +412,18 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--part", choices=["all", "embed", "rerun", "latency", "rss"], default="all")
     ap.add_argument("--n", type=int, default=0, help="chunks for the latency part")
-    ap.add_argument("--out", default=str(OUT / "index.json"))
+    ap.add_argument("--out", default=None,
+                    help="result file (default: bench/results/index.json for a full run, "
+                         "bench/out/index.json for --quick or one --part)")
     args = ap.parse_args()
+    full = args.part == "all" and not args.quick
+    out_path = Path(args.out) if args.out else (
+        REPO / "bench" / "results" / "index.json" if full else OUT / "index.json")
     results: dict = {"quick": args.quick, "cpus": os.cpu_count()}
-    out_path = Path(args.out)
     if out_path.exists() and args.part != "all":
-        results = {**json.loads(out_path.read_text()), **results}
+        # One part re-run: keep the other parts of that file (the provenance is this run's).
+        old = json.loads(out_path.read_text())
+        results = {**{k: v for k, v in old.items() if k in ("embed", "rerun", "latency", "rss")}, **results}
     parts = ["embed", "rerun", "latency", "rss"] if args.part == "all" else [args.part]
     with tempfile.TemporaryDirectory(prefix="rb-bench-index-") as d:
         for part in parts:
@@ -422,8 +431,10 @@ def main() -> None:
             results[part] = globals()[f"part_{part}"](args, Path(d))
             results[part]["part_seconds"] = round(time.perf_counter() - t, 1)
             print(f"[{part}] done in {results[part]['part_seconds']} s", file=sys.stderr, flush=True)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(results, indent=2))
+    sys.path.insert(0, str(REPO / "bench"))
+    from _results import write
+
+    write(out_path.stem, results, folder=out_path.parent, packages=("faiss-cpu", "sentence-transformers"))
     report(results)
 
 
