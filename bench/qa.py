@@ -24,6 +24,12 @@ split and writes ``bench/results/qa_<split>.json``:
     python bench/qa.py --split squad-test --docs 12 --questions 300 --dense --gen-n 100
     python bench/qa.py --split amazon --docs 40 --questions 300
     python bench/qa.py --split coqa --docs 200 --questions 0
+    python bench/qa.py --split squad-test --docs 12 --questions 200 --ablate \
+        --out bench/results/qa_squad_test_ablate.json
+    python bench/qa.py --split squad-test --docs 12 --questions 200 --chunk-min 40 --chunk-max 160 \
+        --out bench/results/qa_squad_test_small_chunks.json      # the non-default small chunks
+
+Paired differences between any two rows of a committed result: ``bench/qa_report.py``.
 """
 
 from __future__ import annotations
