@@ -1,12 +1,16 @@
 """Index benchmark: overhead over the bare embedding model, windowed pooling vs truncation,
-incremental re-runs, search latency (flat and HNSW), peak memory at 1x and 4x a corpus.
+incremental re-runs, exact search latency and the machine's scan floor, peak memory at 1x and 4x
+a corpus (approximate stores by size: bench/index_scale.py).
 
     .venv/bin/python bench/index.py            # ~5 min on 2 cores
     .venv/bin/python bench/index.py --quick    # ~1 min
     .venv/bin/python bench/index.py --part latency --n 100000
 
-Writes bench/out/index.json. Corpus: SQuAD dev articles (one file per article, paragraphs joined),
-Linux man2 pages and a Debian manual PDF from ../shared/data.
+Writes bench/results/index.json (``bench/_results.py``: command, machine, versions, commit); a
+single ``--part`` or ``--quick`` run goes to the ignored bench/out/index.json unless ``--out``
+says otherwise, so a partial run never replaces the committed one. Corpus: SQuAD dev articles
+(one file per article, paragraphs joined), Linux man2 pages and a Debian manual PDF from
+../shared/data.
 """
 
 from __future__ import annotations
@@ -17,14 +21,12 @@ import os
 import random
 import re
 import shutil
-import sqlite3
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -33,6 +35,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
+# The ragbudget of this checkout, not whichever one the environment has installed.
+sys.path.insert(0, str(REPO))
 SHARED = Path(os.environ.get("RAGBUDGET_SHARED_DATA", REPO.parent / "shared" / "data"))
 OUT = REPO / "bench" / "out"
 
@@ -84,13 +88,15 @@ def part_embed(args: argparse.Namespace, tmp: Path) -> dict:
     articles, manpages, pdf = (4, 2, False) if args.quick else (16, 12, True)
     corpus = tmp / "corpus"
     titles = make_corpus(corpus, articles=articles, manpages=manpages, pdf=pdf)
+    # The default embedder (on a CPU with onnxruntime: int8 ONNX MiniLM), and as "the model alone"
+    # the very call the index makes into it (``_encode``: ONNX session or sentence-transformers),
+    # so the ratio is what indexing adds around the model, whichever backend runs.
     emb = SentenceTransformerEmbedder()
     t = time.perf_counter()
     emb.warm_up()
     load_s = time.perf_counter() - t
-    model = emb.model
     # Warm the model once so neither side pays first-call costs.
-    model.encode(["warm up"] * 8, batch_size=8)
+    emb._encode(["warm up"] * 8)
 
     ix = Index(tmp / "ix")
     summary = ix.build([str(corpus)], embedder=emb)
@@ -101,10 +107,10 @@ def part_embed(args: argparse.Namespace, tmp: Path) -> dict:
     flat = [w for ws in windows for w in ws]
 
     t = time.perf_counter()
-    model.encode(flat, batch_size=emb.batch_size, normalize_embeddings=True, show_progress_bar=False)
+    emb._encode(flat)
     model_windows_s = time.perf_counter() - t
     t = time.perf_counter()
-    trunc = model.encode(texts, batch_size=emb.batch_size, normalize_embeddings=True, show_progress_bar=False)
+    trunc = emb._encode(texts)  # cut to the model's max_seq_length, as sentence-transformers does
     model_trunc_s = time.perf_counter() - t
     win_vecs = idx._flat.vectors([h.chunk_id for h in hits])
 
@@ -113,8 +119,9 @@ def part_embed(args: argparse.Namespace, tmp: Path) -> dict:
     by_path: dict[str, list[int]] = {}
     for j, h in enumerate(hits):
         for s in h.sources:
-            by_path.setdefault(s.path, []).append(j)
-    title_to_path = {v: k for k, v in titles.items()}
+            # Sources are shown relative to the indexed folder (never absolute): key by file name.
+            by_path.setdefault(Path(s.path).name, []).append(j)
+    title_to_path = {v: Path(k).name for k, v in titles.items()}
     rnd = random.Random(0)
     qs = []
     for art in squad()[:articles]:
@@ -128,7 +135,7 @@ def part_embed(args: argparse.Namespace, tmp: Path) -> dict:
                     qs.append((qa["question"], set(gold), tail))
     rnd.shuffle(qs)
     qs = qs[: (150 if args.quick else 600)]
-    qv = model.encode([q for q, _, _ in qs], batch_size=64, normalize_embeddings=True, show_progress_bar=False)
+    qv = emb._encode([q for q, _, _ in qs])
 
     def recall(mat: np.ndarray, only_tail: bool) -> tuple[float, int]:
         top = np.argsort(-(qv @ mat.T), axis=1)[:, :5]
@@ -141,6 +148,7 @@ def part_embed(args: argparse.Namespace, tmp: Path) -> dict:
     r_tr_t, _ = recall(np.asarray(trunc), True)
     overhead_s = summary.seconds - model_windows_s
     return {
+        "embedder": {"id": emb.id, "backend": emb.backend},
         "corpus": {"squad_articles": articles, "manpages": manpages, "pdf": pdf,
                    "files": summary.files_seen, "chunks": summary.chunks_total},
         "summary": summary.to_dict(),
@@ -201,58 +209,27 @@ def part_rerun(args: argparse.Namespace, tmp: Path) -> dict:
 # --- 3. search latency at N chunks ----------------------------------------------------------------
 
 
-def synthetic_index(folder: Path, n: int, dim: int, *, clustered: bool, hnsw: bool) -> np.ndarray:
-    """Write an index of ``n`` chunks with synthetic vectors through the index's own on-disk
-    format (same schema, manifest and checksums as a real build)."""
-    import faiss
-
-    from ragbudget import index as I
-
+def synthetic_vectors(n: int, dim: int, *, clustered: bool) -> np.ndarray:
+    """``n`` unit vectors: uniform random, or a mixture of 2,000 topics (real embeddings cluster)."""
     rng = np.random.default_rng(0)
     if clustered:
-        # Mixture of 2,000 topics: real embeddings cluster; uniform random ones do not.
         centers = rng.standard_normal((2000, dim)).astype(np.float32)
         x = centers[rng.integers(0, 2000, n)] + 0.6 * rng.standard_normal((n, dim)).astype(np.float32)
     else:
         x = rng.standard_normal((n, dim)).astype(np.float32)
     x /= np.linalg.norm(x, axis=1, keepdims=True)
-    folder.mkdir(parents=True, exist_ok=True)
-    ids = np.arange(1, n + 1, dtype=np.int64)
-    flat = faiss.IndexIDMap2(faiss.IndexFlatIP(dim))
-    flat.add_with_ids(x, ids)
-    faiss.write_index(flat, str(folder / "faiss.1.index"))
-    db = sqlite3.connect(folder / "meta.1.sqlite")
-    db.executescript(I._SCHEMA)
-    db.executemany("INSERT INTO chunks (id, text, n_tokens, headings, content_hash, windows) VALUES (?,?,?,?,?,1)",
-                   ((int(i), f"chunk {i} " * 40, 400, "[]", f"h{i}") for i in ids))
-    db.executemany('INSERT INTO sources VALUES (?,?,?,?,?,?,0)',
-                   ((int(i), f"doc{i // 50}.txt", (i % 50) * 2000, (i % 50) * 2000 + 1999, None, None) for i in ids))
-    db.executemany("INSERT INTO files VALUES (?,?,?,?,?,?,?,?,?)",
-                   ((f"doc{j}.txt", 1, 1, "x", "indexed", None, None, 50, 0) for j in range(n // 50 + 1)))
-    db.execute("INSERT INTO meta VALUES ('generation', '1')")
-    db.commit()
-    db.close()
-    def entry(f: str) -> dict[str, Any]:
-        return {"file": f, "bytes": (folder / f).stat().st_size, "sha256": I._sha256_file(folder / f)}
-
-    approx = None
-    if hnsw:
-        h = faiss.IndexHNSWFlat(dim, 32, faiss.METRIC_INNER_PRODUCT)
-        h.hnsw.efConstruction = 80
-        w = faiss.IndexIDMap(h)
-        w.add_with_ids(x, ids)
-        faiss.write_index(w, str(folder / "hnsw.1.index"))
-        approx = {"kind": "hnsw", **entry("hnsw.1.index"), "M": 32, "ef_construction": 80, "ef_search": 128}
-    I._write_json_atomic(folder / "manifest.json", {
-        "format": "ragbudget-index", "format_version": 1, "generation": 1, "dim": dim,
-        "embedder": {"kind": "hash", "id": f"hash-{dim}", "dim": dim, "pooling": "windows"},
-        "faiss": entry("faiss.1.index"), "sqlite": entry("meta.1.sqlite"), "approx": approx,
-        "counts": {"chunks": n}})
     return x
 
 
 def part_latency(args: argparse.Namespace, tmp: Path) -> dict:
+    """Exact (flat) search through ``Index.search_vector`` at N synthetic chunks, and what a bare
+    scan of this machine's memory can do (:func:`scan_variants`). The index is written in the
+    builder's format by ``bench/index_scale.py``'s writer; approximate stores at 10k-1M chunks on
+    real vectors are that script's subject (``bench/results/index_scale.json``), not this one's."""
     import faiss
+
+    sys.path.insert(0, str(REPO / "bench"))
+    from index_scale import write_index
 
     from ragbudget.index import Index
 
@@ -261,57 +238,32 @@ def part_latency(args: argparse.Namespace, tmp: Path) -> dict:
     out: dict = {"n": n, "dim": dim, "faiss_threads": faiss.omp_get_max_threads(),
                  "loadavg": Path("/proc/loadavg").read_text().split()[:3]}
     rng = np.random.default_rng(1)
-    for name, clustered, hnsw in (("flat_random", False, False), ("flat+hnsw_clustered", True, True)):
+    for name, clustered in (("flat_random", False), ("flat_clustered", True)):
         folder = tmp / f"lat_{name}"
         t = time.perf_counter()
-        x = synthetic_index(folder, n, dim, clustered=clustered, hnsw=hnsw)
+        x = synthetic_vectors(n, dim, clustered=clustered)
+        write_index(folder, x, "flat")
         build_s = time.perf_counter() - t
         # Queries: perturbed corpus vectors (realistic: a query lands near some chunks).
         qi = rng.integers(0, n, 300)
         q = x[qi] + 0.5 * rng.standard_normal((300, dim)).astype(np.float32) / np.sqrt(dim) * 4
         q /= np.linalg.norm(q, axis=1, keepdims=True)
-        flat = Index.open(folder, use_approx=False)
+        idx = Index.open(folder)
         t = time.perf_counter()
-        flat._load()
+        idx.search_vector(q[0], 10)  # opens the stores, warms
         open_s = time.perf_counter() - t
-        res = {"build_s": round(build_s, 1), "open_s": round(open_s, 3)}
-        variants = [("flat", flat)]
-        if hnsw:
-            variants.append(("hnsw", Index.open(folder)))
-        truth = None
-        for vname, idx in variants:
-            idx.search_vector(q[0], 10)  # warm
-            lat, found = [], []
-            for v in q:
-                t = time.perf_counter()
-                hits = idx.search_vector(v, 10)
-                lat.append((time.perf_counter() - t) * 1e3)
-                found.append({h.chunk_id for h in hits})
-            r = {"p50_ms": round(pct(lat, 50), 2), "p99_ms": round(pct(lat, 99), 2)}
-            if vname == "flat":
-                truth = found
-            else:
-                assert truth is not None
-                overlap = [len(a & b) / 10 for a, b in zip(found, truth, strict=True)]
-                r["recall@10_vs_flat"] = round(statistics.mean(overlap), 4)
-                for ef in (32, 64, 256):
-                    idx._search._set_param(ef)
-                    got, lat2 = [], []
-                    for v in q:
-                        t = time.perf_counter()
-                        got.append({h.chunk_id for h in idx.search_vector(v, 10)})
-                        lat2.append((time.perf_counter() - t) * 1e3)
-                    r[f"ef{ef}"] = {
-                        "recall@10": round(
-                            statistics.mean(len(a & b) / 10 for a, b in zip(got, truth, strict=True)), 4
-                        ),
-                        "p50_ms": round(pct(lat2, 50), 2),
-                        "p99_ms": round(pct(lat2, 99), 2),
-                    }
-            res[vname] = r
+        lat = []
+        for v in q:
+            t = time.perf_counter()
+            idx.search_vector(v, 10)
+            lat.append((time.perf_counter() - t) * 1e3)
+        res: dict = {"build_s": round(build_s, 1), "open_s": round(open_s, 3),
+                     "flat": {"p50_ms": round(pct(lat, 50), 2), "p99_ms": round(pct(lat, 99), 2),
+                              "queries": len(q)}}
         if not clustered:
             res["encodings"] = scan_variants(x, q)
         out[name] = res
+        idx.close()
         shutil.rmtree(folder, ignore_errors=True)
     return out
 
@@ -378,10 +330,17 @@ sys.path.insert(0, {repo!r})
 from ragbudget.index import Index
 from ragbudget.embed import HashEmbedder
 import faiss, ragbudget.chunking, ragbudget.dedup, ragbudget.loaders
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+def status(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) / 1024
+# Reset the high-water mark after the imports (clear_refs 5): ru_maxrss would keep the imports'
+# transient peak, and a build that stays under it would show no growth at all.
+open("/proc/self/clear_refs", "w").write("5")
+base = status("VmRSS")
 s = Index({ix!r}).build({paths!r}, embedder=HashEmbedder(dim=384), dedup="exact")
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-print(json.dumps({{"base_mb": base / 1024, "peak_mb": peak / 1024, "chunks": s.chunks_total,
+peak = status("VmHWM")
+print(json.dumps({{"base_mb": base, "peak_mb": peak, "chunks": s.chunks_total,
                   "files": s.files_indexed}}))
 """
 
@@ -400,7 +359,8 @@ def part_rss(args: argparse.Namespace, tmp: Path) -> dict:
         d = json.loads(res.stdout.strip().splitlines()[-1])
         d["growth_mb"] = round(d["peak_mb"] - d["base_mb"], 1)
         out[label] = {k: round(v, 1) if isinstance(v, float) else v for k, v in d.items()}
-    out["note"] = "HashEmbedder(384), dedup=exact; growth = peak RSS - RSS after imports"
+    out["note"] = ("HashEmbedder(384), dedup=exact; growth = VmHWM after the build - VmRSS after the "
+                   "imports, the high-water mark reset after the imports")
     return out
 
 
@@ -409,21 +369,33 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--part", choices=["all", "embed", "rerun", "latency", "rss"], default="all")
     ap.add_argument("--n", type=int, default=0, help="chunks for the latency part")
-    ap.add_argument("--out", default=str(OUT / "index.json"))
+    ap.add_argument("--out", default=None,
+                    help="result file (default: bench/results/index.json for a full run, "
+                         "bench/out/index.json for --quick or one --part)")
     args = ap.parse_args()
+    full = args.part == "all" and not args.quick
+    out_path = Path(args.out) if args.out else (
+        REPO / "bench" / "results" / "index.json" if full else OUT / "index.json")
     results: dict = {"quick": args.quick, "cpus": os.cpu_count()}
-    out_path = Path(args.out)
     if out_path.exists() and args.part != "all":
-        results = {**json.loads(out_path.read_text()), **results}
+        # One part re-run: keep the other parts of that file (the provenance is this run's).
+        old = json.loads(out_path.read_text())
+        results = {**{k: v for k, v in old.items() if k in ("embed", "rerun", "latency", "rss")}, **results}
     parts = ["embed", "rerun", "latency", "rss"] if args.part == "all" else [args.part]
+    sys.path.insert(0, str(REPO / "bench"))
+    from _results import write
+
     with tempfile.TemporaryDirectory(prefix="rb-bench-index-") as d:
         for part in parts:
             t = time.perf_counter()
             results[part] = globals()[f"part_{part}"](args, Path(d))
             results[part]["part_seconds"] = round(time.perf_counter() - t, 1)
             print(f"[{part}] done in {results[part]['part_seconds']} s", file=sys.stderr, flush=True)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(results, indent=2))
+            # Written after every part, so a part that fails does not lose the ones before it
+            # (``"done"`` lists what the file holds).
+            results["done"] = [p for p in parts if p in results]
+            write(out_path.stem, results, folder=out_path.parent,
+                  packages=("faiss-cpu", "sentence-transformers", "onnxruntime"))
     report(results)
 
 
@@ -460,16 +432,10 @@ def report(r: dict) -> None:
         ]
     if "latency" in r:
         lt = r["latency"]
-        f, h = lt["flat_random"]["flat"], lt["flat+hnsw_clustered"]
+        f, c = lt["flat_random"]["flat"], lt["flat_clustered"]["flat"]
         rows += [
             (f"flat search @{lt['n']} (random)", f"p50 {f['p50_ms']} ms, p99 {f['p99_ms']} ms", "<= 5 / 20 ms"),
-            (f"flat search @{lt['n']} (clustered)", f"p50 {h['flat']['p50_ms']} ms, p99 {h['flat']['p99_ms']} ms", ""),
-            (
-                f"hnsw search @{lt['n']} (ef=128)",
-                f"p50 {h['hnsw']['p50_ms']} ms, p99 {h['hnsw']['p99_ms']} ms, recall@10 "
-                f"{h['hnsw']['recall@10_vs_flat']}",
-                ">= 0.95",
-            ),
+            (f"flat search @{lt['n']} (clustered)", f"p50 {c['p50_ms']} ms, p99 {c['p99_ms']} ms", ""),
         ]
         enc = lt["flat_random"].get("encodings")
         if enc:

@@ -11,8 +11,9 @@ split and writes ``bench/results/qa_<split>.json``:
   ``k``), ``greedy_fill`` and ``ragbudget`` (the library's defaults);
 * ``--dense``: the same for ``greedy_fill`` and ``ragbudget`` over dense-only candidates (what
   hybrid retrieval adds, apart from packing);
-* ``--ablate``: ragbudget without ``fill_remainder`` (the room whole chunks leave stays empty) and
-  without the relevance floor;
+* ``--ablate``: ragbudget with one selection stage turned off at a time (:data:`ABLATIONS`:
+  ``fill_remainder``, the relevance floor, the oversize window, MMR, merging; and both cuts), with
+  the paired difference to the full ``ragbudget`` row and its bootstrap 95% interval;
 * ``--sweep`` (tuning split only): ragbudget's recall for both fusion methods × lexical weights
   0.3 / 0.5 / 0.7, to check the library's default on data it is not reported on;
 * ``--gen-n N``: SmolLM2-135M-Instruct (CPU, greedy) answers a seeded sample of N questions with
@@ -23,6 +24,12 @@ split and writes ``bench/results/qa_<split>.json``:
     python bench/qa.py --split squad-test --docs 12 --questions 300 --dense --gen-n 100
     python bench/qa.py --split amazon --docs 40 --questions 300
     python bench/qa.py --split coqa --docs 200 --questions 0
+    python bench/qa.py --split squad-test --docs 12 --questions 200 --ablate \
+        --out bench/results/qa_squad_test_ablate.json
+    python bench/qa.py --split squad-test --docs 12 --questions 200 --chunk-min 40 --chunk-max 160 \
+        --out bench/results/qa_squad_test_small_chunks.json      # the non-default small chunks
+
+Paired differences between any two rows of a committed result: ``bench/qa_report.py``.
 """
 
 from __future__ import annotations
@@ -59,16 +66,34 @@ LABELS = {"topk_truncate": "top-4 then truncate", "greedy_fill": "greedy fill, l
           "ragbudget_dense": "ragbudget, dense only"}
 
 
+#: ``--ablate``: each stage of ``select_chunks`` turned off on its own, everything else as the
+#: ``ragbudget`` row (library defaults plus ``fill_remainder``), so the loss against that row is
+#: what the stage adds on top of the others. ``no_cuts`` turns off both stages that cut a chunk,
+#: because each one alone is partly covered by the other (with no window for an oversize best
+#: chunk, ``fill_remainder`` windows that same chunk as "the best one left out").
+ABLATIONS: dict[str, tuple[dict, str]] = {
+    "no_fill": ({"fill_remainder": False},
+                "no fill_remainder (the library default): the room after whole chunks stays empty"),
+    "no_floor": ({"relevance_floor": 0.0}, "no relevance floor"),
+    "no_window": ({"truncate_oversize": False},
+                  "no window for an oversize best chunk (it is skipped, not cut)"),
+    # redundancy > 1 never drops a near-copy, lambda_ 1 never discounts one; exact duplicates
+    # (same normalized text) still go: that is dedup, not MMR.
+    "no_mmr": ({"lambda_": 1.0, "redundancy": 1.01}, "no redundancy penalty or drop (MMR off)"),
+    "no_merge": ({"merge_adjacent": False}, "no merging of neighbouring chunks"),
+    "no_cuts": ({"truncate_oversize": False, "fill_remainder": False},
+                "whole chunks only: neither the oversize window nor fill_remainder"),
+}
+
+
 def configs(args: argparse.Namespace) -> dict[str, dict]:
     cfg: dict[str, dict] = {s: {"system": s} for s in H.SYSTEMS}
     if args.dense:
         cfg["greedy_fill_dense"] = {"system": "greedy_fill", "retrieval": {"hybrid": False}}
         cfg["ragbudget_dense"] = {"system": "ragbudget", "retrieval": {"hybrid": False}}
     if args.ablate:
-        # What each selection stage adds: the room after whole chunks left empty (the behaviour
-        # before fill_remainder), and no relevance floor.
-        cfg["ragbudget_no_fill"] = {"system": "ragbudget", "select": {"fill_remainder": False}}
-        cfg["ragbudget_no_floor"] = {"system": "ragbudget", "select": {"relevance_floor": 0.0}}
+        cfg.update({f"ragbudget_{name}": {"system": "ragbudget", "select": opts}
+                    for name, (opts, _) in ABLATIONS.items()})
     if args.sweep:
         for f in FUSIONS:
             for w in (0.3, 0.5, 0.7):
@@ -127,7 +152,7 @@ def main() -> None:
     ap.add_argument("--dense", action="store_true", help="also dense-only candidates")
     ap.add_argument("--sweep", action="store_true", help="fusion x lexical weight (tuning split)")
     ap.add_argument("--ablate", action="store_true",
-                    help="also ragbudget without fill_remainder and without the relevance floor")
+                    help="also ragbudget with each selection stage turned off, one at a time")
     ap.add_argument("--gen-n", type=int, default=0, help="questions answered by SmolLM2")
     ap.add_argument("--gen-budget", type=int, default=512)
     ap.add_argument("--gen-seconds", type=float, default=1800, help="stop generating after this")
@@ -167,6 +192,22 @@ def main() -> None:
         print(f"{LABELS.get(name, name):<26}" + "".join(
             f"{v['recall']:>7.1f} /{v['fill']:>4.0f} /{v['answer_left_fit']:>3.1f}" for v in by_b.values()))
 
+    ablation = None
+    if args.ablate:
+        # Paired over the same questions: full ragbudget minus the row with one stage off.
+        ablation = {}
+        print("\nwhat each stage adds: ragbudget minus ragbudget without it, points (95% interval)")
+        for name, (opts, what) in ABLATIONS.items():
+            row = per_question[f"ragbudget_{name}"]
+            by_b = {}
+            for b in H.BUDGETS:
+                d = [100 * (full - off) for full, off in zip(per_question["ragbudget"][b], row[b], strict=True)]
+                by_b[b] = {"mean": float(np.mean(d)), "ci95": H.bootstrap_ci(d),
+                           "gained": sum(x > 0 for x in d), "lost": sum(x < 0 for x in d)}
+            ablation[name] = {"select": opts, "what": what, "full_minus_off": by_b}
+            print(f"  {name:<10}" + "".join(
+                f"  {b}: {v['mean']:+5.1f} ({v['ci95'][0]:+.1f}, {v['ci95'][1]:+.1f})" for b, v in by_b.items()))
+
     result = {
         "split": args.split, "note": split.note, "documents": list(split.titles),
         "chunks": len(corpus.texts), "questions": len(questions), "questions_in_split": len(split.questions),
@@ -176,6 +217,7 @@ def main() -> None:
                   f"({H.DEFAULT_RETRIEVAL}); every system gets the same candidate list; budgets in "
                   "SmolLM2 tokens, labeled blocks charged alike"),
         "budgets": list(H.BUDGETS), "systems": cfg, "table": table, "per_question_recall": per_question,
+        **({"ablation": ablation} if ablation is not None else {}),
         "question_ids": [q.qid for q in questions], "args": vars(args),
     }
     if args.gen_n:

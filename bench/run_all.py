@@ -4,7 +4,8 @@
     python bench/run_all.py --quick    # short runs of each
 
 Each script prints its own table with ratios against the peer libraries measured in the same run
-and writes ``bench/out/<name>.json``; BENCHMARKS.md records the figures with these commands.
+and writes its raw result to ``bench/results/<name>.json`` (``--quick`` runs of qa.py and index.py
+go to the ignored ``bench/out/`` instead); BENCHMARKS.md records the figures with these commands.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def main(argv: list[str]) -> int:
         print(f"=== bench/{name}.py exited {rc} after {time.perf_counter() - t0:.0f} s", flush=True)
         if rc:
             failed.append(name)
-    print("\nresults: bench/out/*.json" + (f"; failed: {', '.join(failed)}" if failed else ""))
+    print("\nresults: bench/results/*.json" + (f"; failed: {', '.join(failed)}" if failed else ""))
     return 1 if failed else 0
 
 
