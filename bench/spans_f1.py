@@ -22,8 +22,9 @@ questions and the interval of the paired difference (spans − chunks, the same 
     python bench/spans_f1.py --split squad-test --docs 12 --questions 150 --budgets 1024 --seconds 2700
 
 (one process per budget, run side by side: the same seeded questions in the same order, so the
-first n of each are the same questions). Writes ``bench/results/spans_f1_<split>_<budgets>.json`` (per-question predictions included); ``--time N``
-answers N questions and only prints the seconds per answer (to size the sample).
+first n of each are the same questions). Writes ``bench/results/spans_f1_<split>_<budgets>.json``
+(per-question predictions included); ``--time N`` answers N questions and only prints the seconds
+per answer (to size the sample).
 """
 
 from __future__ import annotations

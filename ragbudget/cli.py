@@ -17,6 +17,7 @@ from typing import Any
 import click
 
 from .errors import RagBudgetError
+from .spans import DEFAULT_PACK, PACKS
 
 DEFAULT_INDEX_DIR = ".ragbudget"
 
@@ -140,6 +141,16 @@ _history_options = _option_group(
             help="Turns kept verbatim when they fit."),
     },
     lambda **values: values,
+)
+
+
+#: ``--pack``, one option for ask, chat and serve (each passes it to its ``Pipeline``).
+_pack_option = click.option(
+    "--pack",
+    default=DEFAULT_PACK,
+    show_default=True,
+    type=click.Choice(list(PACKS)),
+    help="Pack the question's sentences inside the best chunks (spans), or whole chunks.",
 )
 
 
@@ -735,13 +746,7 @@ def budget(
 @click.option(
     "--order", default="relevance", show_default=True, type=click.Choice(["relevance", "document", "lost_in_middle"])
 )
-@click.option(
-    "--pack",
-    default="chunks",
-    show_default=True,
-    type=click.Choice(["chunks", "spans"]),
-    help="Pack whole chunks, or the question's sentences inside the best chunks.",
-)
+@_pack_option
 @click.option(
     "--fill-remainder",
     is_flag=True,
@@ -885,6 +890,7 @@ def ask(
     help="Seconds of prefill a request may take: caps the context by the measured prefill speed (default 2 on a "
          "CPU, none on a GPU; 0: no cap).",
 )
+@_pack_option
 @click.option("--no-stream", is_flag=True, help="Print each answer at the end instead of streaming it.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per turn.")
 @_sampling_options
@@ -902,6 +908,7 @@ def chat(
     history: dict[str, Any],
     context_tokens: int | None,
     ttft_target: float | None,
+    pack: str,
     no_stream: bool,
     as_json: bool,
     sampling: dict[str, Any],
@@ -923,6 +930,7 @@ def chat(
         kv_dtype=kv_dtype,
         cache=cache,
         ttft_target=ttft_target,
+        pack=pack,
         **retrieval,
         **engine,
     )
@@ -984,6 +992,7 @@ def chat(
          "starts next to others only while its first token stays within it (default 2 on a CPU, none on a GPU; 0: "
          "no cap).",
 )
+@_pack_option
 @_retrieval_options
 @_engine_options
 @_user_errors
@@ -1002,6 +1011,7 @@ def serve(
     history: dict[str, Any],
     expose_plan: bool,
     ttft_target: float | None,
+    pack: str,
     retrieval: dict[str, Any],
     engine: dict[str, Any],
 ) -> None:
@@ -1021,6 +1031,7 @@ def serve(
         kv_dtype=kv_dtype,
         cache=cache,
         ttft_target=ttft_target,
+        pack=pack,
         **retrieval,
         **engine,
     )

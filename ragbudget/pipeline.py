@@ -40,6 +40,7 @@ from .errors import (
     IndexEmptyError,
     RequestCancelled,
 )
+from .spans import DEFAULT_PACK
 
 if TYPE_CHECKING:
     from .admission import AdmissionController
@@ -307,7 +308,7 @@ class Pipeline:
         lexical_weight: float = 0.5,
         fusion: str = "score",
         order: str = "relevance",
-        pack: str = "chunks",
+        pack: str = DEFAULT_PACK,
         fill_remainder: bool = False,
         utilization: float = 0.9,
         queue_size: int = 64,

@@ -63,12 +63,16 @@ from .select import (
 )
 from .types import Source
 
-__all__ = ["JOINER", "MAX_CHAIN", "NEEDS_PREVIOUS", "PACKS", "Span", "SpanScorer", "bm25",
+__all__ = ["DEFAULT_PACK", "JOINER", "MAX_CHAIN", "NEEDS_PREVIOUS", "PACKS", "Span", "SpanScorer", "bm25",
            "needs_previous", "select_spans", "split_sentences"]
 
 #: Packing modes: whole chunks (:func:`~ragbudget.select.select_chunks`, the default) or the
 #: question's sentences inside the best chunks (:func:`select_spans`).
 PACKS = ("chunks", "spans")
+
+#: What :class:`~ragbudget.pipeline.Pipeline` (and so ``ask``, ``chat`` and ``serve``) packs
+#: unless told otherwise.
+DEFAULT_PACK = "chunks"
 
 #: Shown between two non-adjacent runs of sentences of one chunk: the reader (and the model) sees
 #: that text was left out.
