@@ -750,7 +750,7 @@ def budget(
 @click.option(
     "--fill-remainder",
     is_flag=True,
-    help="Give the room whole chunks leave to the best part of the next chunk (more answer recall; off by default).",
+    help="With --pack chunks: give the room whole chunks leave to the best part of the next chunk (off by default).",
 )
 @click.option(
     "--relevance-floor",

@@ -256,9 +256,10 @@ class Pipeline:
         lexical_weight: weight of the lexical ranking in the fusion (0 = dense only).
         fusion: ``"score"`` (normalized scores, default) or ``"rrf"`` (reciprocal rank fusion).
         order: context order — ``relevance``, ``document`` or ``lost_in_middle``.
-        pack: ``"chunks"`` (whole chunks, default) or ``"spans"``: the question's sentences inside
-            the best chunks, scored with BM25 and the index's embedder
-            (:func:`ragbudget.spans.select_spans`); citations keep exact offsets per sentence.
+        pack: ``"spans"`` (default, :data:`ragbudget.spans.DEFAULT_PACK`): the question's
+            sentences inside the best chunks, scored with BM25 and the index's embedder
+            (:func:`ragbudget.spans.select_spans`), citations with exact offsets per sentence; or
+            ``"chunks"``: whole chunks (:func:`ragbudget.select.select_chunks`).
         fill_remainder: with ``pack="chunks"``, give the room the whole chunks leave to the best
             window of the best chunk left out (more answer recall in the context, bench/qa.py;
             off by default until answer quality is measured with it).
@@ -387,6 +388,11 @@ class Pipeline:
         self.pack = pack
         if not isinstance(fill_remainder, bool):
             raise ArgumentTypeError(f"fill_remainder must be True or False; got {fill_remainder!r}")
+        if fill_remainder and pack != "chunks":
+            # Span packing fills the room with sentences already; silently ignoring the option
+            # would leave a user believing it applied.
+            raise ConfigError("fill_remainder applies to whole-chunk packing only; pass "
+                              "pack='chunks' with it (CLI: --pack chunks --fill-remainder)")
         self.fill_remainder = fill_remainder
         self._span_scorer: Any = None
         self.utilization = utilization
