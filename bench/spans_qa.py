@@ -41,7 +41,7 @@ import _qa_harness as H  # noqa: E402  (sets the offline environment first)
 import numpy as np  # noqa: E402
 
 LABELS = {"topk_truncate": "top-4 then truncate", "greedy_fill": "greedy fill, last cut",
-          "ragbudget_chunks": "ragbudget chunks (default)", "ragbudget": "ragbudget --fill-remainder",
+          "ragbudget_chunks": "ragbudget --pack chunks", "ragbudget": "ragbudget --fill-remainder",
           "ragbudget_spans": "ragbudget --pack spans"}
 SPAN_BUDGETS = (128, 256, 512, 1024)
 #: One knob at a time around the first defaults (weights 0.4/0.4/0.2, pool 3, max 12 chunks),

@@ -20,7 +20,7 @@ from .errors import RagBudgetError
 from .index import DEDUP_MODES
 from .lexical import FUSIONS
 from .select import ORDERS
-from .spans import PACKS
+from .spans import DEFAULT_PACK, PACKS
 from .types import CACHE_KINDS, DEFAULT_INDEX_DIR
 from .vectors import STORES
 
@@ -142,6 +142,16 @@ _history_options = _option_group(
             help="Turns kept verbatim when they fit."),
     },
     lambda **values: values,
+)
+
+
+#: ``--pack``, one option for ask, chat and serve (each passes it to its ``Pipeline``).
+_pack_option = click.option(
+    "--pack",
+    default=DEFAULT_PACK,
+    show_default=True,
+    type=click.Choice(list(PACKS)),
+    help="Pack the question's sentences inside the best chunks (spans), or whole chunks.",
 )
 
 
@@ -737,17 +747,11 @@ def budget(
 @click.option(
     "--order", default="relevance", show_default=True, type=click.Choice(ORDERS)
 )
-@click.option(
-    "--pack",
-    default="chunks",
-    show_default=True,
-    type=click.Choice(PACKS),
-    help="Pack whole chunks, or the question's sentences inside the best chunks.",
-)
+@_pack_option
 @click.option(
     "--fill-remainder",
     is_flag=True,
-    help="Give the room whole chunks leave to the best part of the next chunk (more answer recall; off by default).",
+    help="With --pack chunks: give the room whole chunks leave to the best part of the next chunk (off by default).",
 )
 @click.option(
     "--relevance-floor",
@@ -887,6 +891,7 @@ def ask(
     help="Seconds of prefill a request may take: caps the context by the measured prefill speed (default 2 on a "
          "CPU, none on a GPU; 0: no cap).",
 )
+@_pack_option
 @click.option("--no-stream", is_flag=True, help="Print each answer at the end instead of streaming it.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per turn.")
 @_sampling_options
@@ -904,6 +909,7 @@ def chat(
     history: dict[str, Any],
     context_tokens: int | None,
     ttft_target: float | None,
+    pack: str,
     no_stream: bool,
     as_json: bool,
     sampling: dict[str, Any],
@@ -925,6 +931,7 @@ def chat(
         kv_dtype=kv_dtype,
         cache=cache,
         ttft_target=ttft_target,
+        pack=pack,
         **retrieval,
         **engine,
     )
@@ -987,6 +994,7 @@ def chat(
          "starts next to others only while its first token stays within it (default 2 on a CPU, none on a GPU; 0: "
          "no cap).",
 )
+@_pack_option
 @_retrieval_options
 @_engine_options
 @_user_errors
@@ -1005,6 +1013,7 @@ def serve(
     history: dict[str, Any],
     expose_plan: bool,
     ttft_target: float | None,
+    pack: str,
     retrieval: dict[str, Any],
     engine: dict[str, Any],
 ) -> None:
@@ -1024,6 +1033,7 @@ def serve(
         kv_dtype=kv_dtype,
         cache=cache,
         ttft_target=ttft_target,
+        pack=pack,
         **retrieval,
         **engine,
     )

@@ -40,6 +40,7 @@ from .errors import (
     RequestCancelled,
 )
 from .lexical import FUSIONS
+from .spans import DEFAULT_PACK
 from .types import CACHE_KINDS, DEFAULT_INDEX_DIR
 
 if TYPE_CHECKING:
@@ -254,9 +255,10 @@ class Pipeline:
         lexical_weight: weight of the lexical ranking in the fusion (0 = dense only).
         fusion: ``"score"`` (normalized scores, default) or ``"rrf"`` (reciprocal rank fusion).
         order: context order — ``relevance``, ``document`` or ``lost_in_middle``.
-        pack: ``"chunks"`` (whole chunks, default) or ``"spans"``: the question's sentences inside
-            the best chunks, scored with BM25 and the index's embedder
-            (:func:`ragbudget.spans.select_spans`); citations keep exact offsets per sentence.
+        pack: ``"spans"`` (default, :data:`ragbudget.spans.DEFAULT_PACK`): the question's
+            sentences inside the best chunks, scored with BM25 and the index's embedder
+            (:func:`ragbudget.spans.select_spans`), citations with exact offsets per sentence; or
+            ``"chunks"``: whole chunks (:func:`ragbudget.select.select_chunks`).
         fill_remainder: with ``pack="chunks"``, give the room the whole chunks leave to the best
             window of the best chunk left out (more answer recall in the context, bench/qa.py;
             off by default until answer quality is measured with it).
@@ -306,7 +308,7 @@ class Pipeline:
         lexical_weight: float = 0.5,
         fusion: str = "score",
         order: str = "relevance",
-        pack: str = "chunks",
+        pack: str = DEFAULT_PACK,
         fill_remainder: bool = False,
         utilization: float = 0.9,
         queue_size: int = 64,
@@ -385,6 +387,11 @@ class Pipeline:
         self.pack = pack
         if not isinstance(fill_remainder, bool):
             raise ArgumentTypeError(f"fill_remainder must be True or False; got {fill_remainder!r}")
+        if fill_remainder and pack != "chunks":
+            # Span packing fills the room with sentences already; silently ignoring the option
+            # would leave a user believing it applied.
+            raise ConfigError("fill_remainder applies to whole-chunk packing only; pass "
+                              "pack='chunks' with it (CLI: --pack chunks --fill-remainder)")
         self.fill_remainder = fill_remainder
         self._span_scorer: Any = None
         self.utilization = utilization

@@ -389,8 +389,9 @@ def test_an_empty_index_is_an_error_not_an_answer_from_nothing(tmp_path: Path) -
 
 
 def test_relevance_floor_stops_the_context_where_passages_stop_helping(indexed: Path) -> None:
-    floored, _ = _pipe(indexed)  # the default floor
-    full, _ = _pipe(indexed, relevance_floor=0)
+    # Whole chunks: the floor shortens the context itself.
+    floored, _ = _pipe(indexed, pack="chunks")  # the default floor
+    full, _ = _pipe(indexed, pack="chunks", relevance_floor=0)
     a = floored.retrieve(QUESTION)
     b = full.retrieve(QUESTION)
     best = max(c.score for c in a.chunks)
@@ -399,6 +400,11 @@ def test_relevance_floor_stops_the_context_where_passages_stop_helping(indexed: 
     assert all(c.score >= 0.5 * best for c in a.chunks)
     assert a.tokens_used < b.tokens_used
     assert not any(d.reason == "below_relevance_floor" for d in b.dropped)
+    # Spans (the default) fill the room with sentences, but only from chunks above the floor.
+    spans = _pipe(indexed)[0].retrieve(QUESTION)
+    assert spans.pack == "spans"
+    floor_out = {d.chunk_id for d in spans.dropped if d.reason == "below_relevance_floor"}
+    assert floor_out and not floor_out & {cid for c in spans.chunks for cid in c.chunk_ids}
 
 
 @dataclass
@@ -448,7 +454,7 @@ def test_fill_remainder_is_an_option_that_reaches_the_selector(tmp_path: Path) -
     Pipeline(tmp_path / "idx", embedder="hash:64").index([docs])
     sizes = []
     for fill in (False, True):
-        pipe = Pipeline(tmp_path / "idx", backend=FakeBackend(), fill_remainder=fill,
+        pipe = Pipeline(tmp_path / "idx", backend=FakeBackend(), pack="chunks", fill_remainder=fill,
                         relevance_floor=0.0)
         sel = pipe.retrieve("When did the guild's hall burn down?", context_tokens=700)
         assert sel.tokens_used <= sel.tokens_allowed
@@ -459,3 +465,6 @@ def test_fill_remainder_is_an_option_that_reaches_the_selector(tmp_path: Path) -
 
     with pytest.raises(ArgumentTypeError):
         Pipeline(tmp_path / "idx", backend=FakeBackend(), fill_remainder="yes")
+    # The option is whole-chunk packing's: with spans (the default) it is an error, not ignored.
+    with pytest.raises(ConfigError, match="pack='chunks'"):
+        Pipeline(tmp_path / "idx", backend=FakeBackend(), fill_remainder=True)

@@ -3,6 +3,7 @@ rule, redundancy, the answer sentence on hand-written cases, and the --explain o
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
@@ -409,3 +410,27 @@ def test_cli_ask_pack_spans_explain(tmp_path: Path, repo_data: Path) -> None:
         assert "Spans left out:" in result.output
         bad = CliRunner().invoke(main, [*args, "--pack", "words"])
         assert bad.exit_code == 2 and "'words' is not one of 'chunks', 'spans'" in bad.output
+
+
+def test_cli_chat_and_serve_take_pack(tmp_path: Path, repo_data: Path) -> None:
+    """``--pack`` reaches the pipeline of ``chat`` (the report of a piped turn says what packed
+    it) and is an option of ``serve`` with the same choices and default as ``ask``."""
+    from _replay import Replay
+
+    from ragbudget.cli import cli as main
+    from ragbudget.pipeline import Pipeline
+    from ragbudget.spans import DEFAULT_PACK
+
+    index_dir = tmp_path / "idx"
+    Pipeline(index_dir, embedder="hash:256").index([repo_data])
+    with Replay("tgi") as srv:
+        args = ["chat", "--engine", srv.url, "--index-dir", str(index_dir), "--max-new-tokens", "16",
+                "--context-tokens", "120", "--json"]
+        for pack in ("spans", "chunks"):
+            result = CliRunner().invoke(main, [*args, "--pack", pack], input="How is the Project Leader elected?\n")
+            assert result.exit_code == 0, result.output
+            turn = json.loads(result.output.strip().splitlines()[-1])
+            assert turn["answer"]["report"]["pack"] == pack
+    for command in ("ask", "chat", "serve"):
+        (opt,) = [p for p in main.commands[command].params if p.name == "pack"]
+        assert opt.default == DEFAULT_PACK and list(opt.type.choices) == ["chunks", "spans"]

@@ -1,0 +1,216 @@
+"""CoQA conversations in one budget: ragbudget's :class:`~ragbudget.chat.Conversation` against
+keeping the last N turns verbatim, both on the same pipeline, index and per-request budget.
+
+Ground (issue #18, "Conversations"): ``--stories`` CoQA stories (``../shared/data/coqa/``,
+seeded sample) indexed together in one ragbudget index (``Pipeline.index``, library chunking and
+packaged MiniLM); the pipeline packs with ``--pack`` (default spans) and generates with the
+packaged SmolLM2-135M-Instruct (CPU, greedy, ``max_new_tokens`` 32, the QA harness's "reply with
+only the answer" system prompt). The per-request budget — prompt (chat template, system,
+history, retrieved context, question) plus the reserved output — is fixed by giving the pipeline
+a memory size whose plan allows ``--total`` tokens (the time cap off), so both policies share
+exactly the same total.
+
+The questions are CoQA's follow-ups (turn ≥ 2: "who created him?") of the first ``--conversations``
+stories, up to ``--turns`` per story, whose gold answer is not yes/no/unknown and occurs in the
+story (as ``bench/_qa_harness.py`` keeps CoQA answers). The history before each question is the
+gold conversation (CoQA's own evaluation conditions on gold history), loaded with
+``Conversation.from_messages`` as the HTTP server does, so every question is answered once per
+policy and an error does not carry into the next turn:
+
+* ``ragbudget``: ``Conversation`` with its defaults — history capped at 0.3 of the prompt room,
+  the last 2 turns verbatim, older ones folded into a summary the same generator writes (one
+  ``SummaryCache`` per run, as the server shares it), follow-ups expanded for retrieval with the
+  previous questions' salient terms;
+* ``last_n``: the last ``--last-n`` turns verbatim (LangChain's ``ConversationBufferWindowMemory``
+  pattern), the question retrieved as asked, the context given whatever room those turns leave
+  (``Conversation(history_share=0.95, recent_turns=N, expand_follow_ups=False)`` over those turns
+  only: the same token accounting).
+
+Scores per question: *answer in context* (a gold answer, SQuAD-normalized, inside a retrieved
+passage of the question's own story) and answer EM/F1 (SQuAD v1.1 rules, ``bench/spans_f1.py``),
+with bootstrap 95% intervals and the paired difference.
+
+    python bench/coqa_chat.py --stories 60 --conversations 30 --turns 4 --total 768 --seconds 2400
+
+Writes ``bench/results/coqa_chat.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import _qa_harness as H  # noqa: E402  (sets the offline environment first)
+import numpy as np  # noqa: E402
+from spans_f1 import best, clean_answer, squad_em, squad_f1  # noqa: E402
+
+POLICIES = ("ragbudget", "last_n")
+
+
+def load_stories(n: int, seed: int) -> list[dict]:
+    data = json.loads(H.COQA.read_text(encoding="utf-8"))["data"]
+    order = list(range(len(data)))
+    random.Random(seed).shuffle(order)
+    return [data[i] for i in order[:n]]
+
+
+def follow_ups(story: dict, max_turns: int) -> list[tuple[int, str, tuple[str, ...], list[dict]]]:
+    """(turn, question, gold answers, gold history messages) for the story's follow-up turns
+    whose answer is a span-like phrase of the story (yes/no/unknown dropped, as the harness does)."""
+    text = story["story"]
+    norm = " " + H.normalize_answer(text) + " "
+    qs = {q["turn_id"]: q["input_text"] for q in story["questions"]}
+    main = {a["turn_id"]: a for a in story["answers"]}
+    extra: dict[int, list[dict]] = {}
+    for alt in story.get("additional_answers", {}).values():
+        for a in alt:
+            extra.setdefault(a["turn_id"], []).append(a)
+    out = []
+    for t in sorted(qs):
+        if t < 2 or len(out) >= max_turns or t not in main:
+            continue
+        cands = [main[t], *extra.get(t, [])]
+        free = [a["input_text"] for a in cands
+                if H.normalize_answer(a["input_text"]) not in ("", "yes", "no", "unknown")]
+        answers = [a for a in free if " " + H.normalize_answer(a) + " " in norm]
+        if not answers:
+            continue
+        history: list[dict] = []
+        for p in range(1, t):
+            if p in qs and p in main:
+                history += [{"role": "user", "content": qs[p]},
+                            {"role": "assistant", "content": main[p]["input_text"]}]
+        out.append((t, qs[t], tuple(dict.fromkeys(answers)), history))
+    return out
+
+
+def gpu_for_total(pipe_kwargs: dict, total: int, max_new_tokens: int) -> tuple[int, int]:
+    """The smallest memory size (bytes) whose plan allows at least ``total`` tokens per request."""
+    from ragbudget.pipeline import Pipeline
+
+    lo, hi = 1 << 20, 64 << 30
+    while hi - lo > 4096:
+        mid = (lo + hi) // 2
+        try:
+            got = Pipeline(**pipe_kwargs, gpu=mid).plan_for(max_new_tokens).max_context_tokens
+        except Exception:  # too small for the weights: a BudgetError
+            got = 0
+        lo, hi = (mid, hi) if got < total else (lo, mid)
+    return hi, Pipeline(**pipe_kwargs, gpu=hi).plan_for(max_new_tokens).max_context_tokens
+
+
+def in_context(answer: object, story_path: str, texts: dict[str, str], answers: tuple[str, ...]) -> bool:
+    own = [texts[story_path][s["start"]:s["end"]] for s in answer.sources  # type: ignore[attr-defined]
+           if Path(s["path"]).name == story_path]
+    return H.contains_answer("\n\n".join(own), answers)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--stories", type=int, default=60, help="stories in the one index")
+    ap.add_argument("--conversations", type=int, default=30, help="stories whose follow-ups are asked")
+    ap.add_argument("--turns", type=int, default=4, help="follow-up questions per conversation (at most)")
+    ap.add_argument("--total", type=int, default=768, help="tokens per request: prompt + output")
+    ap.add_argument("--last-n", type=int, default=3)
+    ap.add_argument("--pack", choices=("chunks", "spans"), default="spans")
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--seconds", type=float, default=0, help="stop after this many seconds (0: never)")
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (see bench/spans_f1.py)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    if args.conversations > args.stories:
+        raise SystemExit(f"--conversations {args.conversations} > --stories {args.stories}")
+    t_start = time.time()
+
+    import torch
+
+    from ragbudget.chat import Conversation, SummaryCache
+    from ragbudget.generate import Generator
+    from ragbudget.pipeline import Pipeline
+
+    torch.set_num_threads(args.threads)
+    stories = load_stories(args.stories, args.seed)
+    folder = H.OUT / f"coqa_chat_{args.stories}_{args.seed}"
+    docs = folder / "stories"
+    docs.mkdir(parents=True, exist_ok=True)
+    texts = {}
+    for s in stories:
+        name = f"{s['source']}_{s['id'][:10]}.txt"
+        (docs / name).write_text(s["story"], encoding="utf-8")
+        texts[name] = s["story"]
+        s["_path"] = name
+    kwargs = {"index_dir": str(folder / "index"), "ttft_target": 0, "max_new_tokens": args.max_new_tokens,
+              "pack": args.pack, "system_prompt": H.QA_SYSTEM}
+    Pipeline(**kwargs).index([docs])
+    # The plan of a loaded generator counts its real weights (float32 on a CPU): size the memory
+    # against that one, and share it.
+    kwargs["generator"] = Generator().warm_up()
+    gpu, total = gpu_for_total(kwargs, args.total, args.max_new_tokens)
+    pipe = Pipeline(**kwargs, gpu=gpu)
+    cache = SummaryCache()
+    items = [(s, *f) for s in stories[: args.conversations] for f in follow_ups(s, args.turns)]
+    print(f"{len(stories)} stories in one index; {len(items)} follow-up questions; {total} tokens "
+          f"per request (gpu={gpu} bytes); pack={args.pack}", flush=True)
+
+    rows = []
+    t0 = time.time()
+    for s, turn, question, answers, history in items:
+        if args.seconds and time.time() - t0 > args.seconds:
+            break
+        row: dict = {"story": s["_path"], "turn": turn, "question": question, "answers": list(answers),
+                     "history_turns": len(history) // 2}
+        for policy in POLICIES:
+            if policy == "ragbudget":
+                conv = Conversation.from_messages(pipe, history, summary_cache=cache)
+            else:
+                conv = Conversation.from_messages(pipe, history[-2 * args.last_n:] if args.last_n else [],
+                                                  history_share=0.95, recent_turns=args.last_n,
+                                                  expand_follow_ups=False)
+            t = time.perf_counter()
+            ct = conv.ask(question)
+            pred = clean_answer(ct.text)
+            b = ct.budget
+            row[policy] = {
+                "prediction": pred, "em": best(squad_em, pred, answers), "f1": best(squad_f1, pred, answers),
+                "in_context": float(in_context(ct.answer, s["_path"], texts, answers)),
+                "retrieval_query": ct.retrieval_query, "total": b.total, "prompt": b.prompt,
+                "history": b.history, "summary": b.summary, "context_used": b.context_used,
+                "turns_verbatim": b.turns_verbatim, "turns_summarized": b.turns_summarized,
+                "summary_updated": b.summary_updated, "overrun": b.overrun,
+                "seconds": round(time.perf_counter() - t, 2)}
+        rows.append(row)
+        if len(rows) % 10 == 0:
+            print(f"  {len(rows)} questions ({time.time() - t0:.0f}s)", flush=True)
+
+    summary: dict = {"n": len(rows)}
+    for p in POLICIES:
+        for m in ("in_context", "f1", "em"):
+            v = [100 * r[p][m] for r in rows]
+            summary[f"{p}_{m}"] = float(np.mean(v)) if v else None
+            summary[f"{p}_{m}_ci95"] = H.bootstrap_ci(v)
+        for k in ("history", "context_used", "prompt"):
+            summary[f"{p}_mean_{k}_tokens"] = float(np.mean([r[p][k] for r in rows])) if rows else None
+        summary[f"{p}_overruns"] = sum(bool(r[p]["overrun"]) for r in rows)
+    summary["ragbudget_summaries_used"] = sum(r["ragbudget"]["summary"] > 0 for r in rows)
+    for m in ("in_context", "f1"):
+        d = [100 * (r["ragbudget"][m] - r["last_n"][m]) for r in rows]
+        summary[f"{m}_diff_ragbudget_minus_last_n"] = float(np.mean(d)) if d else None
+        summary[f"{m}_diff_ci95"] = H.bootstrap_ci(d)
+    print(json.dumps(summary, indent=1))
+    result = {"stories": [s["_path"] for s in stories], "questions_planned": len(items),
+              "questions": len(rows), "total_tokens_per_request": total, "gpu_bytes": gpu,
+              "summary": summary, "rows": rows, "seconds": round(time.time() - t_start, 1),
+              "args": vars(args)}
+    from _results import write
+
+    write("coqa_chat", result, folder=H.ROOT / "bench" / "results", packages=("sentence-transformers",))
+
+
+if __name__ == "__main__":
+    main()
