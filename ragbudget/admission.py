@@ -16,7 +16,8 @@ Without a memory model the controller counts KV tokens alone against ``capacity_
 served engine's figure, or a caller that sized it itself).
 
 Time. With a measured :class:`Throughput` (prefill ``a·n + b·n²`` seconds, decode seconds per
-token), the host is modelled as one processor shared by the running requests (threads each running
+token; a request's decode is the share of its ``max_new_tokens`` that finished answers used, the
+whole of it until one has finished), the host is modelled as one processor shared by the running requests (threads each running
 their own ``generate`` share the cores; a backend that batches shares forward passes, and then
 decoding sequences cost only the marginal step). Two decisions follow from the model:
 
@@ -242,6 +243,7 @@ class _Job:
     served: float = 0.0
     credit: float = 0.0  # work the model would have credited at slowdown 1, uncapped (observe)
     ready: float = float("-inf")
+    new_max: int = 0  # the answer's max_new_tokens (its decode above is the expected share)
 
     @property
     def work(self) -> float:
@@ -548,6 +550,9 @@ class AdmissionController:
         self._last = clock()
         # Mean seconds a reservation is held (EWMA), for the retry_after hint without a throughput.
         self._hold = 1.0
+        # The share of max_new_tokens finished answers generated (EWMA, from 1: the worst case
+        # until answers are seen): the expected decode work of a request (see _job).
+        self._answer_share = 1.0
 
     def configure(self, *, memory: MemoryModel | None = None,
                   throughput: Throughput | None = None,
@@ -816,8 +821,13 @@ class AdmissionController:
         thr = self.throughput
         if thr is None:
             return None
+        # Time counts the answer's expected length (memory still reserves all of it): a burst
+        # judged by max_new_tokens when answers stop at a third of it sends clients back late and
+        # leaves the host idle meanwhile.
+        new = tokens - prompt_tokens
         return _Job(prefill=thr.prefill_seconds(prompt_tokens),
-                    decode=thr.decode_seconds(tokens - prompt_tokens), cost=cost, tokens=pool)
+                    decode=thr.decode_seconds(math.ceil(new * self._answer_share)), cost=cost,
+                    tokens=pool, new_max=new)
 
     def _may_start_locked(self, waiter: _Waiter) -> bool:
         """The start rule for ``waiter`` now: both resources fit, and time (see the module)."""
@@ -842,6 +852,10 @@ class AdmissionController:
             # learnt slowdown was while it ran (applying a ratio to a slowdown learnt since would
             # overshoot when many long requests end together).
             job.credit += rate * dt * thr.slowdown
+
+    #: How far one finished answer moves the expected share of max_new_tokens, and its floor.
+    ANSWER_WEIGHT = 0.2
+    MIN_ANSWER_SHARE = 0.05
 
     #: How far one observation moves the learnt slowdown (in log space), and its bounds.
     OBSERVE_WEIGHT = 0.5
@@ -873,6 +887,11 @@ class AdmissionController:
         with self._lock:
             self._advance_locked()
             thr = self.throughput
+            if done is not None and job.new_max > 0:
+                share = min(1.0, max(0, done) / job.new_max)
+                w = self.ANSWER_WEIGHT
+                self._answer_share = max(self.MIN_ANSWER_SHARE,
+                                         (1 - w) * self._answer_share + w * share)
             real = job.prefill if done is None else job.prefill + thr.decode_seconds(done)
             if real <= 0 or job.credit <= 0:
                 return

@@ -686,3 +686,27 @@ def test_on_claim_is_called_when_a_returning_client_waits_for_its_place() -> Non
     with ctl.returning("f", on_claim=lambda: calls.append("f")), pytest.raises(OverloadedError):
         ctl.acquire(1100, prompt_tokens=1000, timeout=0.01)  # claimed, then waited 0.01 s
     assert calls == ["f"]
+
+
+def test_time_counts_the_expected_answer_length_memory_the_whole() -> None:
+    """Answers that stop at a fifth of max_new_tokens: after a few of them the time model expects
+    the same of the next one (first tokens and Retry-After come sooner), while each request
+    still reserves its whole max_new_tokens of KV."""
+    clock = Clock()
+    # Room for one request at a time: the next one's first token comes after this one ends.
+    ctl = AdmissionController(1100, timeout=60.0, throughput=THR, clock=clock)
+    busy = ctl.acquire(1100, prompt_tokens=1000)  # 1 s prefill + 100 tokens (1 s) of decode
+    before = ctl.expected_first_token(1100, prompt_tokens=1000)
+    busy.release()
+    for _ in range(20):
+        r = ctl.acquire(1100, prompt_tokens=1000)
+        clock.t += 1.2
+        r.finish(new_tokens=20)
+        r.release()
+    assert ctl._answer_share == pytest.approx(0.2, abs=0.01)
+    busy = ctl.acquire(1100, prompt_tokens=1000)
+    assert busy.job is not None and busy.job.decode == pytest.approx(0.2, abs=0.011)
+    assert ctl.stats().admitted_tokens == 1100  # memory: the whole answer
+    after = ctl.expected_first_token(1100, prompt_tokens=1000)
+    assert before == pytest.approx(3.0) and after == pytest.approx(2.2, abs=0.02)
+    busy.release()
