@@ -121,6 +121,7 @@ class EngineLoad:
 
     @staticmethod
     def describe(figures: tuple[Capacity | None, str]) -> dict[str, Any]:
+        """What /health shows of the figures: the engine's load, or why admission is open."""
         cap, error = figures
         if cap is None or (cap.waiting is None and cap.kv_tokens_free is None):
             why = error or f"the {cap.engine_kind if cap else 'engine'} reports neither its queue nor its free KV"
@@ -136,6 +137,7 @@ class EngineLoad:
 
     @classmethod
     def gauges(cls, figures: tuple[Capacity | None, str]) -> dict[str, tuple[str, float]]:
+        """What /metrics shows of the figures (:meth:`ragbudget.metrics.Metrics.render` gauges)."""
         cap, _ = figures
         help_open = (
             "1: the served engine reports neither its queue nor its free KV (or they cannot be "
@@ -153,7 +155,6 @@ class EngineLoad:
                 if value is not None:
                     out[name] = (help_, value)
         return out
-
 
 
 # --- what the routes share ------------------------------------------------------------------------
@@ -417,6 +418,7 @@ class ChatEndpoint:
         self.active: set[threading.Event] = set()  # cancel events of the requests in progress
 
     async def __call__(self, request: Any) -> Any:
+        """Answer one request (a Starlette ``Request``): a JSON body, a stream, or an APIError."""
         from starlette.responses import StreamingResponse
 
         t0 = time.perf_counter()
