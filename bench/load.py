@@ -329,7 +329,8 @@ def _make_pipeline(opts: dict[str, Any]) -> tuple[Any, str, str]:
 def _serve_child(opts: dict[str, Any]) -> None:
     """Child process: serve the pipeline on an ephemeral loopback port, print the URL, and run
     until the parent closes stdin."""
-    from ragbudget.server import background_server, create_app, limit_malloc_arenas
+    from ragbudget.malloc import limit_malloc_arenas
+    from ragbudget.server import background_server, create_app
 
     # As `ragbudget serve` does, before the models load and any worker thread starts.
     if opts.get("malloc_arenas"):

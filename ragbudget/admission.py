@@ -17,9 +17,9 @@ served engine's figure, or a caller that sized it itself).
 
 Time. With a measured :class:`Throughput` (prefill ``a·n + b·n²`` seconds, decode seconds per
 token; a request's decode is the share of its ``max_new_tokens`` that finished answers used, the
-whole of it until one has finished), the host is modelled as one processor shared by the running requests (threads each running
-their own ``generate`` share the cores; a backend that batches shares forward passes, and then
-decoding sequences cost only the marginal step). Two decisions follow from the model:
+whole of it until one has finished), the host is modelled as one processor shared by the running
+requests (threads each running their own ``generate`` share the cores; a backend that batches
+shares forward passes, and then decoding sequences cost only the marginal step). Two decisions follow from the model:
 
 * *start*: the head of the queue starts when it fits the memory and, if others run on a backend
   that does not batch, its prefill shared with them still ends within ``ttft_target`` (the

@@ -40,7 +40,7 @@ from _fakes import (
 from ragbudget.backend import Sampling
 from ragbudget.errors import BudgetError, OverloadedError
 from ragbudget.pipeline import Pipeline
-from ragbudget.server import Metrics, background_server, create_app
+from ragbudget.server import background_server, create_app
 
 MODEL = "fake/model"
 
@@ -485,13 +485,13 @@ def test_short_load_only_200_or_429_and_health_throughout() -> None:
 
 
 def test_idle_server_returns_freed_memory_to_the_os(monkeypatch: pytest.MonkeyPatch) -> None:
-    from ragbudget import server
+    from ragbudget import malloc
 
-    if server._glibc() is None:
+    if not malloc.trimming_supported():
         pytest.skip("malloc_trim is glibc's")
     trims: list[int] = []
-    real = server.release_memory
-    monkeypatch.setattr(server, "release_memory", lambda: trims.append(1) or real())
+    real = malloc.release_memory
+    monkeypatch.setattr(malloc, "release_memory", lambda: trims.append(1) or real())
     app = create_app(fake_pipeline(words=3))
     with background_server(app) as url:
         assert trims == []  # nothing before the first request
@@ -501,45 +501,6 @@ def test_idle_server_returns_freed_memory_to_the_os(monkeypatch: pytest.MonkeyPa
         assert _wait_until(lambda: app.state.trimmer.trims >= 1)
     assert 1 <= len(trims) <= 3
     assert create_app(fake_pipeline(), trim_memory=False).state.trimmer is None
-
-
-def test_allocator_helpers() -> None:
-    from ragbudget import server
-    from ragbudget.errors import ConfigError
-
-    if server._glibc() is None:
-        assert server.release_memory() is False  # nothing to trim off glibc
-    else:
-        # Freed pages below a live allocation cannot go back by themselves (only the top of the
-        # heap shrinks on free); release_memory must hand them back and say so.
-        psutil = pytest.importorskip("psutil")
-        me = psutil.Process()
-        held = [bytes(4096) for _ in range(20_000)]  # ~80 MB of malloc'ed (not pymalloc) blocks
-        pin = [bytes(4096) for _ in range(8)]  # allocated after, above them
-        del held
-        before = me.memory_info().rss
-        assert server.release_memory() is True
-        assert before - me.memory_info().rss > 40 * 2**20  # most of the 80 MB went back
-        del pin
-    with pytest.raises(ConfigError):
-        server.limit_malloc_arenas(0)
-
-
-def test_metrics_exposition_format() -> None:
-    m = Metrics()
-    m.count_request("/v1/chat/completions", 200)
-    m.count_request("/v1/chat/completions", 429)
-    m.observe("ragbudget_queue_wait_seconds", 0.3)
-    m.observe("ragbudget_queue_wait_seconds", 99.0)
-    text = m.render({"ragbudget_queue_depth": ("Requests waiting.", 2)})
-    assert "# TYPE ragbudget_queue_wait_seconds histogram" in text
-    assert 'ragbudget_queue_wait_seconds_bucket{le="0.25"} 0' in text
-    assert 'ragbudget_queue_wait_seconds_bucket{le="0.5"} 1' in text
-    assert 'ragbudget_queue_wait_seconds_bucket{le="+Inf"} 2' in text
-    assert "ragbudget_queue_wait_seconds_count 2" in text
-    assert "ragbudget_rejected_total 1" in text
-    assert "ragbudget_queue_depth 2" in text
-    assert text.endswith("\n")
 
 
 def test_serve_command_passes_options_and_env_key(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -877,7 +838,7 @@ def test_every_client_caused_failure_maps_to_4xx_or_499() -> None:
         RagBudgetError,
         RequestCancelled,
     )
-    from ragbudget.server import _APIError, _error_from_exception
+    from ragbudget.openai_api import APIError, error_from_exception
 
     client_faults = {
         ConfigError("context_tokens must be >= 1"): 400,
@@ -886,14 +847,14 @@ def test_every_client_caused_failure_maps_to_4xx_or_499() -> None:
         OverloadedError("queue full", retry_after=1.0): 429,
         RequestCancelled("left the queue"): 499,
         ClientDisconnect(): 499,
-        _APIError(413, "too large"): 413,
+        APIError(413, "too large"): 413,
     }
     for exc, status in client_faults.items():
-        err = _error_from_exception(exc)
+        err = error_from_exception(exc)
         assert err.status == status, (exc, err.status)
         assert "GiB" not in err.message and "RTX" not in err.message
-    assert "9000" in _error_from_exception(BudgetError("a", needed=9000, available=2048)).message
-    assert "GiB" in _error_from_exception(BudgetError("9 GiB", needed=1, available=0), expose_plan=True).message
+    assert "9000" in error_from_exception(BudgetError("a", needed=9000, available=2048)).message
+    assert "GiB" in error_from_exception(BudgetError("9 GiB", needed=1, available=0), expose_plan=True).message
     # Only the server's own faults are 5xx, and their text (paths) stays in the server's log.
     server_faults = {
         IndexNotFoundError("no index in /srv/private/idx"): 503,
@@ -903,9 +864,9 @@ def test_every_client_caused_failure_maps_to_4xx_or_499() -> None:
         RuntimeError("/srv/private"): 500,
     }
     for exc, status in server_faults.items():
-        err = _error_from_exception(exc)
+        err = error_from_exception(exc)
         assert err.status == status and err.type == "server_error" and "/srv" not in err.message
-    assert "/srv" not in _error_from_exception(ConfigError("bad file /srv/private/x.md")).message
+    assert "/srv" not in error_from_exception(ConfigError("bad file /srv/private/x.md")).message
 
 
 def test_health_and_requests_are_503_while_the_index_is_unavailable(tmp_path: Path) -> None:

@@ -1,0 +1,658 @@
+"""What the server's endpoints do, below FastAPI's routing (:func:`ragbudget.server.create_app`
+wires them): the state the routes share, as small classes instead of closures over dict cells,
+and the chat endpoint.
+
+* :class:`Workers` — the bounded thread pool doing model work off the event loop (a full pool is
+  429 at once), with the idle allocator trim.
+* :class:`IndexHealth` — whether the index can serve; what ``/health`` and the 503s say.
+* :class:`AdmissionView` — the pipeline's admission controller and its figures, built once.
+* :class:`EngineLoad` — a served engine's live load, read at most once a second.
+* :class:`ChatEndpoint` — ``POST /v1/chat/completions``: early 429s, the conversation on the
+  pool, the whole or streamed answer, cancellation when the client leaves.
+
+Starlette is imported where a response is built, not when this module is imported.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import math
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+from .admission import AdmissionController
+from .errors import IndexNotFoundError, RagBudgetError
+from .malloc import IdleTrimmer, trimming_supported
+from .metrics import Metrics
+from .openai_api import (
+    CLIENT_CLOSED,
+    APIError,
+    ChatRequest,
+    Completion,
+    decode_json,
+    error_from_exception,
+    index_unavailable,
+    is_client_disconnect,
+    overloaded,
+    parse_chat,
+    sse,
+    usage_of,
+)
+
+if TYPE_CHECKING:
+    from .admission import AdmissionController
+    from .backend import Capacity
+    from .chat import SummaryCache
+    from .index import Index
+    from .pipeline import Answer, Pipeline
+
+__all__ = ["CLIENT_LEFT", "AdmissionView", "ChatEndpoint", "EngineLoad", "IndexHealth", "Workers", "read_json"]
+
+# The server's logger: the index coming and going belongs with the server's lines.
+log = logging.getLogger("ragbudget.server")
+
+# What /health and /metrics show of the admission controller's stats.
+# With a memory model admission counts bytes (KV + activations of each request) and, with a
+# measured throughput, refuses for time as well (issue #14).
+_ADMISSION_FIGURES = (
+    "running",
+    "queued",
+    "admitted_tokens",
+    "capacity_tokens",
+    "capacity_bytes",
+    "admitted_bytes",
+    "peak_admitted_bytes",
+    "refused_for_time_total",
+    "work_ahead_s",
+    "slowdown",
+)
+
+
+class EngineLoad:
+    """The served engine's live load, as the gateway admits against it: requests running and
+    waiting, and free KV tokens, where the engine reports them (:meth:`Backend.capacity
+    <ragbudget.backend.Backend.capacity>`), read at most every ``ttl`` seconds (requests in
+    between share the figures; one reading at a time). Fails open: an engine that reports
+    neither its queue nor its free KV, or whose metrics cannot be read, is not limited here (the
+    gateway's own admission still is, and the engine queues and refuses itself); /health and
+    /metrics say so."""
+
+    def __init__(self, pipeline: Pipeline, ttl: float = 1.0) -> None:
+        self.pipeline, self.ttl = pipeline, ttl
+        self._lock = threading.Lock()
+        self._read_at = -math.inf
+        self._figures: tuple[Capacity | None, str] = (None, "not read yet")
+
+    def read(self) -> tuple[Capacity | None, str]:
+        """``(capacity, "")``, or ``(None, why)`` when the engine's figures cannot be read.
+        Blocks for the engine's reply (at most once per ``ttl``): call it off the event loop."""
+        from .errors import EngineError
+
+        with self._lock:
+            if time.monotonic() - self._read_at >= self.ttl:
+                try:
+                    self._figures = (self.pipeline.backend.capacity(), "")
+                except EngineError as exc:  # generation will say what is wrong; admission stays open
+                    self._figures = (None, str(exc))
+                self._read_at = time.monotonic()
+            return self._figures
+
+    @staticmethod
+    def refusal(figures: tuple[Capacity | None, str], max_new_tokens: int) -> str | None:
+        """Why the engine cannot take a request now, or None. Its waiting queue is non-empty only
+        when it cannot schedule more (vLLM and SGLang schedule while KV blocks are free), so a
+        request sent now would only queue there, past any timeout the client has."""
+        cap, _ = figures
+        if cap is None:
+            return None
+        if cap.waiting:
+            return f"the engine has {cap.waiting} request(s) waiting ({cap.load_source})"
+        if cap.kv_tokens_free is not None and cap.kv_tokens_free < max_new_tokens:
+            return (
+                f"the engine has {cap.kv_tokens_free} free KV tokens, fewer than the "
+                f"{max_new_tokens} of one answer ({cap.kv_free_source})"
+            )
+        return None
+
+    @staticmethod
+    def describe(figures: tuple[Capacity | None, str]) -> dict[str, Any]:
+        """What /health shows of the figures: the engine's load, or why admission is open."""
+        cap, error = figures
+        if cap is None or (cap.waiting is None and cap.kv_tokens_free is None):
+            why = error or f"the {cap.engine_kind if cap else 'engine'} reports neither its queue nor its free KV"
+            return {"open": True, "note": f"open: {why}; only the gateway's own admission limits requests"}
+        return {
+            "open": False,
+            "running": cap.running,
+            "waiting": cap.waiting,
+            "kv_tokens_free": cap.kv_tokens_free,
+            "age_s": round(cap.age(), 3),
+            "sources": [s for s in (cap.load_source, cap.kv_free_source) if s],
+        }
+
+    @classmethod
+    def gauges(cls, figures: tuple[Capacity | None, str]) -> dict[str, tuple[str, float]]:
+        """What /metrics shows of the figures (:meth:`ragbudget.metrics.Metrics.render` gauges)."""
+        cap, _ = figures
+        help_open = (
+            "1: the served engine reports neither its queue nor its free KV (or they cannot be "
+            "read), so requests are not refused for its load (fail open); 0: they are."
+        )
+        out: dict[str, tuple[str, float]] = {
+            "ragbudget_engine_admission_open": (help_open, 1 if cls.describe(figures)["open"] else 0)
+        }
+        if cap is not None:
+            for name, value, help_ in (
+                ("ragbudget_engine_running_requests", cap.running, "Requests the engine runs (its metrics)."),
+                ("ragbudget_engine_waiting_requests", cap.waiting, "Requests the engine queues (its metrics)."),
+                ("ragbudget_engine_kv_free_tokens", cap.kv_tokens_free, "Free KV tokens the engine reports."),
+            ):
+                if value is not None:
+                    out[name] = (help_, value)
+        return out
+
+
+# --- what the routes share ------------------------------------------------------------------------
+
+
+def _result(fut: asyncio.Future[Any], to_error: Callable[[BaseException], APIError] = error_from_exception) -> Any:
+    """``fut``'s result, with any exception turned into the HTTP error it maps to, inside the
+    route (errors that escape a route reach Starlette's 500 middleware, which also re-raises)."""
+    try:
+        return fut.result()
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        raise to_error(exc) from None
+
+
+async def read_json(request: Any, *, limit: int, metrics: Metrics) -> Any:
+    """``request``'s body as JSON (:func:`~ragbudget.openai_api.decode_json`), refusing more
+    than ``limit`` bytes before reading it all."""
+    length = request.headers.get("content-length")
+    if length is not None:
+        try:
+            declared = int(length)
+        except ValueError:
+            raise APIError(400, f"invalid Content-Length {length!r}", code="invalid_request") from None
+        if declared > limit:
+            raise APIError(
+                413, f"request body of {declared} bytes exceeds the limit of {limit} bytes", code="request_too_large"
+            )
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise APIError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
+            chunks.append(chunk)
+    except Exception as exc:
+        if not is_client_disconnect(exc):
+            raise
+        # The client left before sending the body its Content-Length promised: nobody will
+        # read an answer; counted as 499 (client closed request), not as a server error.
+        metrics.add("cancelled", 1)
+        raise APIError(
+            CLIENT_CLOSED, "the client disconnected before sending its whole body", code="client_disconnected"
+        ) from None
+    return decode_json(b"".join(chunks))
+
+
+class Workers:
+    """The bounded thread pool doing model work off the event loop, so ``/health`` answers
+    throughout. A request arriving when all ``max_workers`` are busy (running, or queued for
+    admission) is answered 429 at once: queueing here too would be an unbounded queue in front
+    of admission's bounded one. ``trimmer`` (None when off or off glibc) returns the heap freed
+    by a burst to the OS once no request is in flight."""
+
+    def __init__(self, max_workers: int, metrics: Metrics, *, trim_memory: bool) -> None:
+        self.max_workers = max_workers
+        self.metrics = metrics
+        self.executor = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="ragbudget-serve")
+        self._slots = threading.BoundedSemaphore(max_workers)
+        self.trimmer = IdleTrimmer(lambda: metrics.in_flight == 0) if trim_memory and trimming_supported() else None
+
+    def _acquire(self) -> None:
+        if not self._slots.acquire(blocking=False):
+            raise APIError(
+                429,
+                f"server busy: {self.max_workers} requests already in progress",
+                type="rate_limit_error",
+                code="overloaded",
+                headers={"Retry-After": "1"},
+            )
+        self.metrics.add("in_flight", 1)
+
+    def _release(self) -> None:
+        self.metrics.add("in_flight", -1)
+        self._slots.release()
+        if self.trimmer is not None:
+            self.trimmer.poke()
+
+    def submit(self, fn: Callable[[], Any]) -> asyncio.Future[Any]:
+        """Run ``fn`` on the pool; its slot is released when it ends, however it ends."""
+        self._acquire()
+
+        def run() -> Any:
+            try:
+                return fn()
+            finally:
+                self._release()
+
+        try:
+            return asyncio.get_running_loop().run_in_executor(self.executor, run)
+        except BaseException:
+            self._release()
+            raise
+
+    async def run(self, fn: Callable[[], Any], to_error: Callable[[BaseException], APIError]) -> Any:
+        """``fn()`` on the pool, awaited; what it raises becomes its HTTP error."""
+        fut = self.submit(fn)
+        await asyncio.wait({fut})
+        return _result(fut, to_error)
+
+    def shutdown(self) -> None:
+        """Server stopping: drop the queued work, stop the trimmer (running work is cancelled by
+        its cancel event, see :meth:`ChatEndpoint.cancel_all`)."""
+        self.executor.shutdown(wait=False, cancel_futures=True)
+        if self.trimmer is not None:
+            self.trimmer.stop()
+
+
+class IndexHealth:
+    """Whether the pipeline's index can serve: ``problem`` says why not (None: it can).
+    ``sticky`` when a request met the failure rather than the probe in :meth:`check`, which
+    cannot clear it: /health then stays unready until a request succeeds again (:meth:`ok`)."""
+
+    def __init__(self, pipeline: Pipeline) -> None:
+        self.pipeline = pipeline
+        self.problem: str | None = None
+        self.sticky = False
+        self._store: Index | None = None
+
+    def store(self) -> Index:
+        """The pipeline's opened index, kept once opened: later checks are a stat of its
+        manifest, and never wait on the pipeline's lock (held while it plans or loads a model) on
+        the event loop. Raises what opening it raises."""
+        if self._store is None:
+            self._store = self.pipeline.store
+        return self._store
+
+    def check(self) -> str | None:
+        """Why the index cannot serve right now, or None. Cheap enough for every request."""
+        try:
+            store = self.store()
+            if not store.exists:
+                raise IndexNotFoundError(f"the index in {store.path} is gone")
+        except RagBudgetError as exc:
+            if self.problem is None or self.sticky:
+                log.error("the index is unavailable: %s", exc)
+            self.problem, self.sticky = index_unavailable(exc).message, False
+            return self.problem
+        if self.problem is not None and not self.sticky:
+            log.info("the index is available again")
+            self.problem = None
+        return self.problem
+
+    def require(self) -> None:
+        """Refuse a request up front (503) while the index cannot be opened at all."""
+        if self.check() is not None and not self.sticky:
+            raise APIError(503, str(self.problem), type="server_error", code="index_unavailable")
+
+    def failed(self, err: APIError) -> None:
+        """A request met an index error (``err`` is its answer): unready until one succeeds."""
+        self.problem, self.sticky = err.message, True
+
+    def ok(self) -> None:
+        """A request was served from the index."""
+        self.problem, self.sticky = None, False
+
+
+class AdmissionView:
+    """The pipeline's admission controller and its one-line description, each built once, off
+    the event loop (sizing the controller plans from memory or asks the engine)."""
+
+    def __init__(self, pipeline: Pipeline) -> None:
+        self.pipeline = pipeline
+        self._controller: AdmissionController | None = None
+        self._note: str | None = None
+
+    async def controller(self) -> AdmissionController | None:
+        """The controller, or None while it cannot be built (the requests then get the error)."""
+        if self._controller is None:
+            with contextlib.suppress(RagBudgetError):
+                self._controller = await asyncio.to_thread(lambda: self.pipeline.admission)
+        return self._controller
+
+    async def figures(self) -> dict[str, float]:
+        """What /health and /metrics show of its stats."""
+        ctl = await self.controller()
+        stats = ctl.stats().to_dict() if ctl is not None else {}
+        return {k: stats[k] for k in _ADMISSION_FIGURES if k in stats}
+
+    async def note(self) -> str:
+        """What admission is sized from (read once: an engine's shape is fixed)."""
+        if self._note is None:
+            self._note = await asyncio.to_thread(self.pipeline.admission_note)
+        return self._note
+
+
+@functools.lru_cache(maxsize=1)
+def _closing_stream() -> Any:
+    """The StreamingResponse subclass of a streamed answer (a class made on first use, since
+    starlette is imported lazily)."""
+    from starlette.responses import StreamingResponse
+
+    class _ClosingStream(StreamingResponse):
+        """A streaming response that calls ``on_close`` when it is over, even when the client
+        disconnected before the body iterator ever started (its ``finally`` would not run)."""
+
+        def __init__(self, content: Any, *, on_close: Callable[[], None], **kwargs: Any) -> None:
+            super().__init__(content, **kwargs)
+            self._on_close = on_close
+
+        async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+            try:
+                await super().__call__(scope, receive, send)
+            finally:
+                self._on_close()
+
+    return _ClosingStream
+
+
+# Set in the ASGI scope by a streamed answer whose client left before its end: the server's
+# middleware then counts a 499, not the 200 it had sent.
+CLIENT_LEFT = "ragbudget.client_left"
+
+
+# --- the chat endpoint ----------------------------------------------------------------------------
+
+
+class ChatEndpoint:
+    """``POST /v1/chat/completions``: parse, refuse early when overloaded, run the conversation
+    on the worker pool (admission happens inside ``pipeline.ask``), answer whole or streamed.
+    Keeps the cancel events of the requests in progress (``active``) and the moving average of
+    answered requests' duration (``hold_s``) that an early 429's Retry-After suggests."""
+
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        *,
+        models: list[str],
+        workers: Workers,
+        health: IndexHealth,
+        admission: AdmissionView,
+        engine_load: EngineLoad | None,
+        to_error: Callable[[BaseException], APIError],
+        max_body_bytes: int,
+        history_share: float,
+        summary_max_tokens: int,
+        recent_turns: int,
+        summary_cache: SummaryCache | None,
+        disconnect_poll_s: float,
+        expose_plan: bool,
+        keepalive_s: float = 15.0,
+    ) -> None:
+        self.pipeline = pipeline
+        self.models = models
+        self.workers = workers
+        self.metrics = workers.metrics
+        self.health = health
+        self.admission = admission
+        self.engine_load = engine_load
+        self.to_error = to_error
+        self.max_body_bytes = max_body_bytes
+        self.history_share = history_share
+        self.summary_max_tokens = summary_max_tokens
+        self.recent_turns = recent_turns
+        self.summary_cache = summary_cache
+        self.disconnect_poll_s = disconnect_poll_s
+        self.keepalive_s = keepalive_s
+        self.expose_plan = expose_plan
+        self.max_tokens_limit = pipeline.max_new_tokens
+        self.hold_s = 1.0  # EWMA of answered chat requests' duration, for Retry-After
+        self.active: set[threading.Event] = set()  # cancel events of the requests in progress
+
+    async def __call__(self, request: Any) -> Any:
+        """Answer one request (a Starlette ``Request``): a JSON body, a stream, or an APIError."""
+        from starlette.responses import StreamingResponse
+
+        t0 = time.perf_counter()
+        body = await read_json(request, limit=self.max_body_bytes, metrics=self.metrics)
+        req = parse_chat(body, self.models, max_tokens_limit=self.max_tokens_limit)
+        self.health.require()
+        completion = Completion.new(req.model, expose_plan=self.expose_plan)
+        cancel = threading.Event()
+        self.active.add(cancel)
+        try:
+            response = await self._chat(request, req, cancel, t0, completion)
+        except BaseException:
+            self.active.discard(cancel)
+            raise
+        if not isinstance(response, StreamingResponse):
+            self.active.discard(cancel)
+        return response  # a stream leaves `active` when it is closed (see _stream)
+
+    def cancel_all(self) -> None:
+        """Server stopping: stop running generations (frees their reservations)."""
+        for event in list(self.active):
+            event.set()
+
+    def overloaded(self, why: str, retry_after: float | None = None) -> APIError:
+        return overloaded(why, self.hold_s if retry_after is None else retry_after)
+
+    async def reject_if_overloaded(self, req: ChatRequest) -> None:
+        """Answer 429 before any retrieval work when admission's queue is already full, when the
+        first token of a request of the plan's per-request size would come past the queue
+        time-out (admission's time rule, :meth:`AdmissionController.would_refuse`), or when the
+        served engine says it is full (its own queue, or no free KV for even the answer).
+
+        A shortcut: building the prompt (embedding, retrieval, selection) costs seconds of CPU on
+        a loaded host, and under overload every refused request would pay it first. Racy by
+        nature and judged on an estimate of the prompt; the controller still decides when the
+        real prompt is admitted. The engine's figures are the only word on load from others
+        sharing it."""
+        pipeline, metrics = self.pipeline, self.metrics
+        ctl = await self.admission.controller()
+        if ctl is not None:
+            queued = ctl.stats().queued
+            if queued >= ctl.max_queue:
+                metrics.add("refused_early", 1)
+                raise self.overloaded(f"{queued} requests already wait for KV memory")
+            if ctl.throughput is not None:
+                max_new = pipeline.max_new_tokens if req.max_tokens is None else req.max_tokens
+                tokens, prompt = await asyncio.to_thread(pipeline.admission_estimate, max_new)
+                with ctl.returning(req.key or None):
+                    retry = ctl.would_refuse(tokens, prompt_tokens=prompt, refuse=True)
+                if retry is not None:
+                    metrics.add("refused_early", 1)
+                    raise self.overloaded(
+                        f"the first token of a {prompt}-token prompt would come past the queue "
+                        f"time-out of {ctl.timeout:g} s at the measured speed",
+                        retry,
+                    )
+        if self.engine_load is not None:
+            max_new = pipeline.max_new_tokens if req.max_tokens is None else req.max_tokens
+            why = self.engine_load.refusal(await asyncio.to_thread(self.engine_load.read), max_new)
+            if why is not None:
+                raise self.overloaded(why)
+
+    def run_ask(
+        self,
+        req: ChatRequest,
+        cancel: threading.Event,
+        on_text: Callable[[str], Any] | None = None,
+        on_claim: Callable[[], Any] | None = None,
+    ) -> Answer:
+        """The model work of one chat request (in a worker thread: fitting the history renders
+        chat templates and may summarize, and the first call may load the tokenizer)."""
+        from .chat import Conversation
+
+        # max_tokens can lower the reserved output, not raise it past what the server planned for
+        # (each distinct value is also a memory plan the pipeline caches): parse_chat refused more.
+        conversation = Conversation.from_messages(
+            self.pipeline,
+            req.history,
+            history_share=self.history_share,
+            summary_max_tokens=self.summary_max_tokens,
+            recent_turns=self.recent_turns,
+            max_new_tokens=req.max_tokens,
+            context_tokens=req.context_tokens,
+            summary_cache=self.summary_cache,
+        )
+        # In this worker thread: the reservation made inside claims a promise under this key.
+        with AdmissionController.returning(req.key or None, on_claim=on_claim):
+            turn = conversation.ask(req.question, on_text=on_text, cancel=cancel, **req.sampling)
+        if turn.budget.summary_cached:
+            self.metrics.add("summary_turns_cached", turn.budget.summary_cached)
+        if turn.summary:
+            turn.answer.report["history_summary"] = turn.summary
+        return turn.answer
+
+    def record_answer(self, answer: Answer) -> None:
+        report = answer.report
+        self.hold_s = 0.8 * self.hold_s + 0.2 * float(report["timings"]["total_s"])
+        usage = usage_of(answer)
+        self.metrics.add("tokens_prompt", usage["prompt_tokens"])
+        self.metrics.add("tokens_completion", usage["completion_tokens"])
+        self.metrics.add("oom_steps", len(report["oom_steps"]))
+        if "queue_s" in report["timings"]:  # absent when the request never reached the queue
+            self.metrics.observe("ragbudget_queue_wait_seconds", report["timings"]["queue_s"])
+
+    async def wait_or_cancel(self, request: Any, fut: asyncio.Future[Any], cancel: threading.Event) -> Any:
+        """Await ``fut``; if the client goes away meanwhile, set ``cancel`` (frees the KV
+        reservation) and still wait for the worker to wind down."""
+        while True:
+            done, _ = await asyncio.wait({fut}, timeout=self.disconnect_poll_s)
+            if done:
+                return _result(fut, self.to_error)
+            if not cancel.is_set() and await request.is_disconnected():
+                cancel.set()
+                self.metrics.add("cancelled", 1)
+
+    async def _chat(
+        self, request: Any, req: ChatRequest, cancel: threading.Event, t0: float, completion: Completion
+    ) -> Any:
+        from starlette.responses import Response
+
+        await self.reject_if_overloaded(req)
+        if not req.stream:
+            fut = self.workers.submit(lambda: self.run_ask(req, cancel))
+            answer = await self.wait_or_cancel(request, fut, cancel)
+            if cancel.is_set():  # the client left: nobody reads the answer (counted as 499)
+                return Response(status_code=CLIENT_CLOSED)
+            self.health.ok()
+            self.record_answer(answer)
+            return completion.body(answer)
+        return await self._stream(request, req, cancel, t0, completion)
+
+    async def _stream(
+        self, request: Any, req: ChatRequest, cancel: threading.Event, t0: float, completion: Completion
+    ) -> Any:
+        from starlette.responses import Response
+
+        metrics = self.metrics
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+
+        def put(kind: str, value: Any) -> None:
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, (kind, value))
+            except RuntimeError:  # the loop is gone (server shutting down): nobody is listening
+                cancel.set()
+
+        def work() -> None:
+            try:
+                answer = self.run_ask(req, cancel, lambda piece: put("text", piece), lambda: put("queued", None))
+            except BaseException as exc:  # handed to the event loop, which answers the client
+                put("error", exc)
+            else:
+                put("done", answer)
+
+        fut = self.workers.submit(work)
+        # Wait for the first event before committing to a 200 stream: admission happens inside
+        # ask(), so an overloaded server must still be able to answer 429 with Retry-After. A
+        # client back at its Retry-After that claimed its place ("queued") is never refused for
+        # time: its 200 starts now, kept alive while it waits for its turn.
+        getter = asyncio.ensure_future(events.get())
+        while True:
+            done, _ = await asyncio.wait({getter}, timeout=self.disconnect_poll_s)
+            if done:
+                first = getter.result()
+                break
+            if await request.is_disconnected():
+                cancel.set()
+                metrics.add("cancelled", 1)
+                getter.cancel()
+                await asyncio.wait({fut})
+                return Response(status_code=CLIENT_CLOSED)
+        if first[0] == "error":
+            raise self.to_error(first[1])
+
+        finished = False
+
+        def closed() -> None:
+            """The response is over, whichever way: if the answer did not reach its end (client
+            gone, even before the body started, or server stopping), stop generating now so the
+            KV reservation is freed at once."""
+            self.active.discard(cancel)
+            if not finished and not cancel.is_set():
+                cancel.set()
+                metrics.add("cancelled", 1)
+                # The 200 is sent, but the client left before the end: /metrics counts a 499.
+                request.scope[CLIENT_LEFT] = True
+
+        async def body_iter() -> AsyncIterator[bytes]:
+            nonlocal finished
+            event = first
+            first_token_seen = False
+            try:
+                yield completion.chunk({"role": "assistant", "content": ""})
+                while True:
+                    kind, value = event
+                    if kind == "text":
+                        if value:
+                            if not first_token_seen:
+                                first_token_seen = True
+                                metrics.observe("ragbudget_time_to_first_token_seconds", time.perf_counter() - t0)
+                            yield completion.chunk({"content": value})
+                    elif kind == "queued":
+                        pass  # the role chunk above started the stream; the wait is kept alive below
+                    elif kind == "error":
+                        err = self.to_error(value)
+                        yield sse(err.body())
+                        yield sse("[DONE]")
+                        finished = True
+                        return
+                    else:  # done
+                        self.health.ok()
+                        self.record_answer(value)
+                        yield completion.last_chunk(value, include_usage=req.include_usage)
+                        yield sse("[DONE]")
+                        finished = True
+                        return
+                    while True:
+                        try:
+                            event = await asyncio.wait_for(events.get(), self.keepalive_s)
+                            break
+                        except asyncio.TimeoutError:
+                            # An SSE comment: clients skip it, and their read time-out restarts.
+                            yield b": waiting for a turn\n\n"
+            finally:
+                closed()
+
+        return _closing_stream()(
+            body_iter(),
+            on_close=closed,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+
+
