@@ -13,8 +13,8 @@ packers. The two rows:
 
 Each prompt goes to ``Generator().generate(prompt, max_new_tokens=32)`` (packaged SmolLM2-135M-
 Instruct on the CPU, greedy: no temperature), the harness's QA system prompt ("reply with only
-the answer") for both rows. Scores are SQuAD v1.1's official ones (``_squad_eval`` below, written
-from its ``evaluate-v1.1.py``: lower-case, drop punctuation, drop a/an/the, collapse white space;
+the answer") for both rows. Scores are SQuAD v1.1's official ones (``_qa_harness.exact_match`` and
+``f1_score``, written from its ``evaluate-v1.1.py``: lower-case, drop punctuation, drop a/an/the, collapse white space;
 EM and token F1, the max over the gold answers), with a percentile bootstrap 95% interval over
 questions and the interval of the paired difference (spans − chunks, the same questions).
 
@@ -30,9 +30,7 @@ per answer (to size the sample).
 from __future__ import annotations
 
 import argparse
-import collections
 import re
-import string
 import sys
 import time
 from pathlib import Path
@@ -45,28 +43,7 @@ import numpy as np  # noqa: E402
 PACKS = ("chunks", "spans")
 
 
-# -- SQuAD v1.1's evaluate script, its rules restated ------------------------------------------------
-def squad_normalize(s: str) -> str:
-    """``normalize_answer`` of evaluate-v1.1.py: lower, remove punctuation, articles, extra space."""
-    s = s.lower()
-    s = "".join(ch for ch in s if ch not in set(string.punctuation))
-    s = re.sub(r"\b(a|an|the)\b", " ", s)
-    return " ".join(s.split())
-
-
-def squad_f1(prediction: str, truth: str) -> float:
-    p, t = squad_normalize(prediction).split(), squad_normalize(truth).split()
-    same = sum((collections.Counter(p) & collections.Counter(t)).values())
-    if same == 0:
-        return 0.0
-    precision, recall = same / len(p), same / len(t)
-    return 2 * precision * recall / (precision + recall)
-
-
-def squad_em(prediction: str, truth: str) -> float:
-    return float(squad_normalize(prediction) == squad_normalize(truth))
-
-
+# -- SQuAD v1.1's evaluate script: bench/_qa_harness.py's exact_match and f1_score ---------------
 def best(metric, prediction: str, truths) -> float:  # metric_max_over_ground_truths
     return max(metric(prediction, t) for t in truths)
 
@@ -147,8 +124,8 @@ def main() -> None:
                 g = gen.generate(packed.prompt, max_new_tokens=args.max_new_tokens)
                 pred = clean_answer(g.text)
                 row[str(b)][pack] = {
-                    "prediction": pred, "em": best(squad_em, pred, q.answers),
-                    "f1": best(squad_f1, pred, q.answers), "recall": H.score(corpus, q, packed)["recall"],
+                    "prediction": pred, "em": best(H.exact_match, pred, q.answers),
+                    "f1": best(H.f1_score, pred, q.answers), "recall": H.score(corpus, q, packed)["recall"],
                     "prompt_tokens": g.prompt_tokens, "seconds": round(g.seconds, 2)}
         rows.append(row)
         if len(rows) % 10 == 0 or args.time:
