@@ -438,6 +438,9 @@ def serve(
     malloc arenas before any worker thread starts (see :func:`limit_malloc_arenas`; ``None``
     leaves the allocator alone). ``expose_plan`` sends the memory plan and host memory figures
     in responses (see :func:`create_app`); off by default."""
+    # Both halves of the ``serve`` extra now, before the model loads: a missing one is one line
+    # at once, not after minutes of warm-up (create_app imports fastapi again when it builds).
+    import fastapi  # noqa: F401
     import uvicorn
 
     _check_ready(pipeline)
