@@ -597,6 +597,51 @@ def test_real_models_through_the_openai_client(tmp_path: Path, repo_data: Path) 
         assert sampled == answer(temperature=1.0, seed=11).message.content
 
 
+@pytest.mark.slow
+def test_a_burst_on_the_real_model_gets_200_or_429_and_honoured_retries_get_in(tmp_path: Path, repo_data: Path) -> None:
+    """Issue #14 with the packaged SmolLM2 and MiniLM, the real AdmissionController and its
+    measured speed: 8 streamed clients at once against a 2 s queue time-out. Every first answer
+    is a 200 or a 429 with Retry-After, and each client that sleeps its Retry-After and asks once
+    more with the same body gets its 200."""
+    from ragbudget.pipeline import Pipeline
+
+    index_dir = tmp_path / "idx"
+    Pipeline(index_dir).index([repo_data / "manpages"])
+    pipe = Pipeline(index_dir, gpu="0.6GiB", max_new_tokens=8, queue_timeout=2.0)
+    pipe.admission_note()  # sizes admission and measures the speed, as `serve` does at warm-up
+    assert pipe.admission.throughput is not None  # the time rule is on
+    questions = ["Which system call creates a pipe?", "What does dup2 do?", "What does close return?",
+                 "What is a file descriptor?"]
+    start = threading.Barrier(8)
+    rows: list[tuple[int, str | None, int | None]] = []
+    lock = threading.Lock()
+
+    def one(url: str, i: int) -> None:
+        body = {"model": "ragbudget", "stream": True, "max_tokens": 8,
+                "messages": [{"role": "user", "content": questions[i % 4] + f" ({i})"}]}
+        start.wait()
+        r = httpx.post(url + "/v1/chat/completions", json=body, timeout=600)
+        retry, second = r.headers.get("retry-after"), None
+        if r.status_code == 429 and retry is not None:
+            time.sleep(int(retry))
+            second = httpx.post(url + "/v1/chat/completions", json=body, timeout=600).status_code
+        with lock:
+            rows.append((r.status_code, retry, second))
+
+    with running(pipe) as url:
+        threads = [threading.Thread(target=one, args=(url, i)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=900)
+        metrics = httpx.get(url + "/metrics").text
+    assert len(rows) == 8 and all(first in (200, 429) for first, _, _ in rows), rows
+    refused = [row for row in rows if row[0] == 429]
+    assert all(retry is not None and int(retry) >= 1 for _, retry, _ in refused), rows
+    assert [second for _, _, second in refused] == [200] * len(refused), rows
+    assert 'status="5' not in metrics and pipe.admission.stats().admitted_tokens == 0
+
+
 def test_max_tokens_past_the_planned_output_is_400_not_clamped() -> None:
     # One rule, as on the CLI and on OpenAI: a value past the limit is an error naming both.
     pipe = fake_pipeline(words=50, max_new_tokens=3)  # what the server planned for
