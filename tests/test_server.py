@@ -608,7 +608,8 @@ def test_a_burst_on_the_real_model_gets_200_or_429_and_honoured_retries_get_in(t
     index_dir = tmp_path / "idx"
     Pipeline(index_dir).index([repo_data / "manpages"])
     pipe = Pipeline(index_dir, gpu="0.6GiB", max_new_tokens=8, queue_timeout=2.0)
-    pipe.admission_note()  # sizes admission and measures the speed, as `serve` does at warm-up
+    pipe.generator.warm_up()  # as `serve` does before listening: the model, then admission
+    pipe.admission_note()  # sized from the loaded model's plan and its measured speed
     assert pipe.admission.throughput is not None  # the time rule is on
     questions = ["Which system call creates a pipe?", "What does dup2 do?", "What does close return?",
                  "What is a file descriptor?"]
