@@ -63,6 +63,35 @@ def user(text: str = "How is the KV cache budget computed?") -> list[dict[str, s
     return [{"role": "user", "content": text}]
 
 
+def burst_with_one_retry(
+    url: str, bodies: list[dict[str, Any]], *, timeout: float
+) -> list[tuple[int, str | None, Any]]:
+    """Send ``bodies`` at once, one client thread each; a client answered 429 sleeps its
+    Retry-After (whole seconds) and asks once more with the same body. Per client: its first
+    status, the Retry-After it was given, and its second status (the error text if not 200)."""
+    start = threading.Barrier(len(bodies))
+    rows: list[tuple[int, str | None, Any]] = []
+    lock = threading.Lock()
+
+    def one(body: dict[str, Any]) -> None:
+        start.wait()
+        r = httpx.post(url + "/v1/chat/completions", json=body, timeout=timeout)
+        retry, second = r.headers.get("retry-after"), None
+        if r.status_code == 429 and retry is not None:
+            time.sleep(int(retry))
+            again = httpx.post(url + "/v1/chat/completions", json=body, timeout=timeout)
+            second = again.status_code if again.status_code == 200 else again.text
+        with lock:
+            rows.append((r.status_code, retry, second))
+
+    threads = [threading.Thread(target=one, args=(body,)) for body in bodies]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=2 * timeout + 60)
+    return rows
+
+
 #: The source the default question retrieves first.
 SOURCE_PATH = "docs/kv-budget.md"
 
@@ -613,28 +642,10 @@ def test_a_burst_on_the_real_model_gets_200_or_429_and_honoured_retries_get_in(t
     assert pipe.admission.throughput is not None  # the time rule is on
     questions = ["Which system call creates a pipe?", "What does dup2 do?", "What does close return?",
                  "What is a file descriptor?"]
-    start = threading.Barrier(8)
-    rows: list[tuple[int, str | None, int | None]] = []
-    lock = threading.Lock()
-
-    def one(url: str, i: int) -> None:
-        body = {"model": "ragbudget", "stream": True, "max_tokens": 8,
-                "messages": [{"role": "user", "content": questions[i % 4] + f" ({i})"}]}
-        start.wait()
-        r = httpx.post(url + "/v1/chat/completions", json=body, timeout=600)
-        retry, second = r.headers.get("retry-after"), None
-        if r.status_code == 429 and retry is not None:
-            time.sleep(int(retry))
-            second = httpx.post(url + "/v1/chat/completions", json=body, timeout=600).status_code
-        with lock:
-            rows.append((r.status_code, retry, second))
-
+    bodies = [{"model": "ragbudget", "stream": True, "max_tokens": 8,
+               "messages": [{"role": "user", "content": questions[i % 4] + f" ({i})"}]} for i in range(8)]
     with running(pipe) as url:
-        threads = [threading.Thread(target=one, args=(url, i)) for i in range(8)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=900)
+        rows = burst_with_one_retry(url, bodies, timeout=600)
         metrics = httpx.get(url + "/metrics").text
     assert len(rows) == 8 and all(first in (200, 429) for first, _, _ in rows), rows
     refused = [row for row in rows if row[0] == 429]
@@ -1185,29 +1196,9 @@ def test_a_client_that_honours_retry_after_once_gets_its_200_on_a_host_slower_th
     # Modelled: ~0.5 s a request alone (a ~300-token prefill 0.15 s, its 700 answer tokens
     # reserved at 0.5 ms); really ~1 s (10 words 0.1 s apart).
     pipe.admission.configure(throughput=Throughput(prefill_a=0.0005, decode_s=0.0005))
-    start = threading.Barrier(8)
-    rows: list[tuple[int, str | None, int | str | None]] = []
-    lock = threading.Lock()
-
-    def one_client(url: str, i: int) -> None:
-        body = {"model": MODEL, "messages": user(f"How is the KV cache budget computed? ({i})")}
-        start.wait()
-        r = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
-        retry = r.headers.get("retry-after")
-        second = None
-        if r.status_code == 429 and retry is not None:
-            time.sleep(int(retry))
-            again = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
-            second = again.status_code if again.status_code == 200 else again.text
-        with lock:
-            rows.append((r.status_code, retry, second))
-
+    bodies = [{"model": MODEL, "messages": user(f"How is the KV cache budget computed? ({i})")} for i in range(8)]
     with running(pipe) as url:
-        clients = [threading.Thread(target=one_client, args=(url, i)) for i in range(8)]
-        for t in clients:
-            t.start()
-        for t in clients:
-            t.join(timeout=120)
+        rows = burst_with_one_retry(url, bodies, timeout=60)
         metrics = httpx.get(url + "/metrics").text
     assert len(rows) == 8
     refused = [row for row in rows if row[0] == 429]
