@@ -398,7 +398,7 @@ class ChatEndpoint:
         summary_cache: SummaryCache | None,
         disconnect_poll_s: float,
         expose_plan: bool,
-        keepalive_s: float = 15.0,
+        keepalive_s: float,
     ) -> None:
         self.pipeline = pipeline
         self.models = models

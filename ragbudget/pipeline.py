@@ -40,7 +40,7 @@ from .errors import (
     RequestCancelled,
 )
 from .lexical import FUSIONS
-from .spans import DEFAULT_PACK
+from .spans import DEFAULT_PACK, PACKS
 from .types import CACHE_KINDS, DEFAULT_INDEX_DIR
 
 if TYPE_CHECKING:
@@ -349,8 +349,6 @@ class Pipeline:
                               "use 0 (or hybrid=False) for dense-only search")
         _check_choice("fusion", fusion, FUSIONS)
         _check_choice("order", order, ORDERS)
-        from .spans import PACKS
-
         _check_choice("pack", pack, PACKS)
         _check_number("utilization", utilization, 0.0, 1.0, lo_open=True)
         _check_int("queue_size", queue_size, 0)
