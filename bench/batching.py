@@ -8,7 +8,14 @@ measured, in three ways:
 * ``threads`` — c threads each calling ``Generator.generate`` at once (what the server did before
   batching: one ``generate`` per thread, competing for the same cores);
 * ``batched`` — c threads calling ``Batcher.generate`` at once (one continuous-batching loop
-  shares every forward pass).
+  shares every forward pass; attention per request, :func:`ragbudget.batching.per_request_sdpa`);
+* ``batched_dense`` — the same, with transformers' own SDPA for the batched step (every query
+  masked against the keys of the whole batch): what ragbudget ran before, for the ratio.
+
+``prefill_only``: the serial run again with one new token per request, so the prefill's share
+of the serial time is known; ``ceiling_vs_serial`` is what perfect batching could reach at that
+share — every prefill still paid in full, the decode steps shared c ways:
+serial ÷ (prefill + (serial − prefill) ÷ c).
 
 tokens/s = new tokens of all c answers ÷ wall time; the best of ``--reps`` repetitions is kept
 (other engineers share this machine's two cores: the best run is the least disturbed). The
@@ -38,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _results import write
 
+from ragbudget import batching
 from ragbudget.batching import Batcher
 from ragbudget.generate import Generator
 
@@ -63,6 +71,29 @@ def run(fn, prompts, new, concurrent):
     tokens = sum(g.new_tokens for g in out)
     return {"wall_s": round(wall, 3), "new_tokens": tokens, "tokens_per_s": round(tokens / wall, 2),
             "texts": [g.text for g in out]}
+
+
+def ceiling(best, c):
+    """Perfect batching at this prefill share: serial ÷ (prefill + decode ÷ c)."""
+    serial, prefill = best["serial"]["wall_s"], best["prefill_only"]["wall_s"]
+    return round(serial / (prefill + max(0.0, serial - prefill) / c), 2)
+
+
+def dense(fn):
+    """``fn`` with transformers' own SDPA for batched steps (the dense block mask)."""
+    from transformers import AttentionInterface
+
+    def call(*a, **kw):
+        AttentionInterface.register("sdpa", batching._installed["sdpa"])
+        try:
+            return fn(*a, **kw)
+        finally:
+            AttentionInterface.register("sdpa", batching.per_request_sdpa)
+    return call
+
+
+def dense_run(fn, prompts, new, concurrent):
+    return dense(run)(fn, prompts, new, concurrent)
 
 
 def main() -> None:
@@ -95,8 +126,11 @@ def main() -> None:
         best: dict[str, dict] = {}
         for _ in range(args.reps):
             for mode, fn, conc in (("serial", gen.generate, False), ("threads", gen.generate, True),
-                                   ("batched", batcher.generate, True)):
-                r = run(fn, ps, args.new, conc)
+                                   ("batched", batcher.generate, True),
+                                   ("batched_dense", batcher.generate, True),
+                                   ("prefill_only", gen.generate, False)):
+                runner = dense_run if mode == "batched_dense" else run
+                r = runner(fn, ps, 1 if mode == "prefill_only" else args.new, conc)
                 if mode not in best or r["tokens_per_s"] > best[mode]["tokens_per_s"]:
                     best[mode] = r
                 print(f"c={c} {mode:8s} {r['tokens_per_s']:7.2f} tok/s ({r['new_tokens']} tokens "
@@ -107,8 +141,13 @@ def main() -> None:
                                           / best["serial"]["tokens_per_s"], 2),
                "batched_vs_threads": round(best["batched"]["tokens_per_s"]
                                            / best["threads"]["tokens_per_s"], 2),
+               "batched_vs_batched_dense": round(best["batched"]["tokens_per_s"]
+                                                 / best["batched_dense"]["tokens_per_s"], 2),
+               "ceiling_vs_serial": ceiling(best, c),
                "same_text_as_serial": sum(a == b for a, b in zip(best["batched"]["texts"],
-                                                                best["serial"]["texts"], strict=True))}
+                                                                best["serial"]["texts"], strict=True)),
+               "dense_same_text_as_serial": sum(a == b for a, b in zip(
+                   best["batched_dense"]["texts"], best["serial"]["texts"], strict=True))}
         rows.append(row)
         print(row, flush=True)
     layout = batcher.layout
@@ -118,6 +157,7 @@ def main() -> None:
                        "context_tokens": args.context_tokens,
                        "torch_threads": torch.get_num_threads(), "paged_cache": layout.to_dict(),
                        "rows": rows,
+                       "attention": "per_request_sdpa (batched) vs transformers' sdpa (batched_dense)",
                        "target": "batched tokens/s at 8 concurrent >= 2x serial (one at a time)"})
 
 

@@ -200,3 +200,95 @@ def test_the_auto_sized_paged_cache_stays_within_the_plans_kv_bytes(gen, monkeyp
     assert tight.generate("hello", max_new_tokens=3).cache == "dynamic"
     with pytest.raises(ConfigError, match="less than one request"):
         _ = LocalBackend(gen, gpu="1GiB", batching=True).batcher
+
+
+# -- per-request attention in a batched step ---------------------------------------------------
+
+def _packed(lengths, heads=4, kv_heads=2, dim=8, seed=0):
+    """Random q/k/v packed as continuous batching packs them: per request (q_len, k_len), its
+    q_len new queries being the last positions of its k_len keys."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    tq, tk = sum(q for q, _ in lengths), sum(k for _, k in lengths)
+    q = torch.randn(1, heads, tq, dim, generator=g)
+    k = torch.randn(1, kv_heads, tk, dim, generator=g)
+    v = torch.randn(1, kv_heads, tk, dim, generator=g)
+    cq, ck = [0], [0]
+    for ql, kl in lengths:
+        cq.append(cq[-1] + ql)
+        ck.append(ck[-1] + kl)
+    return q, k, v, torch.tensor(cq, dtype=torch.int32), torch.tensor(ck, dtype=torch.int32)
+
+
+def _dense_reference(q, k, v, cq, ck, window=None):
+    """The block-diagonal mask transformers builds for SDPA, written out independently: query
+    row r of request i sees key c of the same request when c <= its position (and, with a
+    window, c > position - window)."""
+    import torch
+
+    tq, tk = q.shape[2], k.shape[2]
+    mask = torch.zeros(tq, tk, dtype=torch.bool)
+    for i in range(len(cq) - 1):
+        q0, q1, k0, k1 = int(cq[i]), int(cq[i + 1]), int(ck[i]), int(ck[i + 1])
+        for r in range(q0, q1):
+            pos = (k1 - k0) - (q1 - q0) + (r - q0)  # this query's position among its keys
+            for c in range(k0, k1):
+                if c - k0 <= pos and (window is None or c - k0 > pos - window):
+                    mask[r, c] = True
+    rep = q.shape[1] // k.shape[1]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), attn_mask=mask)
+    return out.transpose(1, 2)
+
+
+class _Layer:
+    num_key_value_groups = 2
+
+    def __init__(self, sliding_window=None):
+        self.sliding_window = sliding_window
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_per_request_attention_equals_the_dense_block_mask(window) -> None:
+    import torch
+
+    from ragbudget.batching import per_request_sdpa
+
+    # a decode step, a chunked prefill (queries in the middle of a longer read), a whole prompt,
+    # and a one-token prompt, in one packed step
+    q, k, v, cq, ck = _packed([(1, 9), (4, 11), (6, 6), (1, 1)])
+    cb = {"cu_seq_lens_q": cq, "cu_seq_lens_k": ck, "read_index": [torch.arange(1)],
+          "write_index": [torch.arange(1)]}
+    got, _ = per_request_sdpa(_Layer(window), q, k, v, None, **cb)
+    want = _dense_reference(q, k, v, cq.tolist(), ck.tolist(), window)
+    assert got.shape == want.shape == (1, q.shape[2], q.shape[1], q.shape[3])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_outside_a_batched_step_sdpa_is_transformers_own(gen) -> None:
+    import torch
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from ragbudget import batching
+
+    batching._install_per_request_sdpa()
+    q, k, v, _, _ = _packed([(5, 5)])
+    got, _ = batching.per_request_sdpa(_Layer(), q, k, v, None, scaling=0.3)
+    want, _ = sdpa_attention_forward(_Layer(), q, k, v, None, scaling=0.3)
+    torch.testing.assert_close(got, want)
+    # and the unbatched generator still gives its answer with it installed
+    assert gen.generate("hello there", max_new_tokens=8).new_tokens == 8
+
+
+def test_chunked_prefills_of_different_lengths_batch_to_the_same_answers(gen) -> None:
+    # max_batch_tokens 24: the longer prompts are prefilled in chunks next to others' decodes,
+    # the case where a query must see only the earlier part of its own keys.
+    b = Batcher(gen, kv_tokens=2048, page_size=16, max_batch_tokens=24)
+    try:
+        calls = [{"prompt": "word " * n + "?", "max_new_tokens": 10} for n in (3, 40, 17, 70)]
+        together = _together(b.generate, calls)
+        for kw, g in zip(calls, together, strict=True):
+            assert g.text == gen.generate(**kw).text
+    finally:
+        b.close()
