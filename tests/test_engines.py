@@ -148,6 +148,15 @@ def test_capacity_figures_and_their_sources(kind: str) -> None:
         assert all("s old" in line for line in lines if not line.startswith("note"))
 
 
+def test_a_recent_reading_answers_again_and_an_old_one_is_read_afresh() -> None:
+    with Replay("vllm") as srv, _connect(srv) as b:
+        first = b.capacity()
+        assert b.capacity() is first and len(srv.calls("GET", "/metrics")) == 1  # one request's 2-3 looks
+        b.CAPACITY_TTL_S = 0.05
+        time.sleep(0.06)
+        assert b.capacity() is not first and len(srv.calls("GET", "/metrics")) == 2
+
+
 def test_vllm_without_kv_cache_size_tokens_falls_back_with_a_warning() -> None:
     with Replay("vllm", no_kv_size=True) as srv, _connect(srv) as b:
         cap = b.capacity()

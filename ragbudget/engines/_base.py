@@ -206,6 +206,7 @@ class ServedBackend(ABC):
         self._lock = threading.Lock()
         self._overheads: dict[tuple[str, ...], int] = {}
         self._window: tuple[int | None, int | None] | None = None  # (max_context, max_prompt)
+        self._recent: tuple[float, Capacity] | None = None  # (monotonic time, figures)
         if context_tokens is not None and context_tokens < 2:
             raise ConfigError(f"context_tokens must be ≥ 2; got {context_tokens}")
 
@@ -299,9 +300,20 @@ class ServedBackend(ABC):
         return n
 
     # -- capacity ---------------------------------------------------------------------------------
+    #: Seconds a reading of the engine's figures answers :meth:`capacity` again. One request asks
+    #: two or three times within milliseconds (the server's early look at admission, the plan,
+    #: the prompt); each reading is one to three HTTP calls, and a figure that old is as current
+    #: as the engine's own metrics, which it updates on a similar interval. 0: read every time.
+    CAPACITY_TTL_S = 1.0
+
     def capacity(self) -> Capacity:
-        """The engine's figures now (each with its source); ``context_tokens=`` overrides the
-        window when given."""
+        """The engine's figures now (each with its source; a reading less than
+        :attr:`CAPACITY_TTL_S` old is reused); ``context_tokens=`` overrides the window when
+        given."""
+        now = time.monotonic()
+        recent = self._recent
+        if recent is not None and now - recent[0] < self.CAPACITY_TTL_S:
+            return recent[1]
         cap = self._capacity()
         if self.context_tokens is not None:
             notes = cap.notes
@@ -314,6 +326,7 @@ class ServedBackend(ABC):
                 cap, max_context_tokens=self.context_tokens, max_context_source="context_tokens (given)", notes=notes
             )
         self._window = (cap.max_context_tokens, cap.max_prompt_tokens)
+        self._recent = (now, cap)
         return cap
 
     def _version(self, path: str) -> str | None:
