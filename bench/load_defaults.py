@@ -1,15 +1,16 @@
 """``bench/load.py --defaults``: the default ``ragbudget serve`` under a burst (issue #14).
 
-Indexes six man pages from ``../shared/data/manpages`` into a temporary index, starts
-``python -m ragbudget.cli serve`` with no tuning flags (packaged models, the plan and admission a
-user gets), then fires bursts of concurrent chat completions with the official ``openai`` client
-(600 s time-out, no client retries). Each client that gets a 429 sleeps its ``Retry-After`` and
-tries once more; whether that second try gets a 200 is recorded. Recorded per burst: counts of
-200/429/5xx/time-outs, every Retry-After, p50/p99 latency and time to first token (streamed),
-the server's peak RSS (VmHWM) against the plan's prediction (RSS after warm-up, which holds the
-weights and the paged KV cache allocated before listening, + the peak of the bytes admission held,
-polled from ``/health``), and the host's load average while it ran (other engineers share the
-cores: a busy host makes every figure slower).
+Indexes six man pages from ``../shared/data/manpages`` into a temporary index, starts ``python -m
+ragbudget.cli serve`` with no tuning flags (packaged models, the plan and admission a user gets),
+then fires bursts of concurrent chat completions with the official ``openai`` client (600 s time-
+out, no client retries; each client from its own loopback address, as separate users are: six
+questions repeat among them, and the server tells identical bodies apart by caller). Each client
+that gets a 429 sleeps its ``Retry-After`` and tries once more; whether that second try gets a 200
+is recorded. Recorded per burst: counts of 200/429/5xx/time-outs, every Retry-After, p50/p99
+latency and time to first token (streamed), the server's peak RSS (VmHWM) against the plan's
+prediction (RSS after warm-up, which holds the weights and the paged KV cache allocated before
+listening, + the peak of the bytes admission held, polled from ``/health``), and the host's load
+average while it ran (other engineers share the cores: a busy host makes every figure slower).
 """
 
 from __future__ import annotations
@@ -93,7 +94,12 @@ def _one(client: Any, i: int, max_tokens: int | None) -> dict[str, Any]:
 def burst(base: str, n: int, *, pid: int, max_tokens: int | None) -> dict[str, Any]:
     import openai
 
-    client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", timeout=600.0, max_retries=0)
+    # Each client is its own caller, as separate users are: its own loopback address (the
+    # server keys a refused request's promise by caller and body, and the questions repeat).
+    clients = [openai.OpenAI(base_url=f"{base}/v1", api_key="none", timeout=600.0, max_retries=0,
+                             http_client=httpx.Client(transport=httpx.HTTPTransport(
+                                 local_address=f"127.0.{1 + i // 250}.{1 + i % 250}")))
+               for i in range(n)]
     results: list[dict[str, Any]] = [{} for _ in range(n)]
     health: list[dict[str, Any]] = []
     done = threading.Event()
@@ -108,11 +114,11 @@ def burst(base: str, n: int, *, pid: int, max_tokens: int | None) -> dict[str, A
             done.wait(0.5)
 
     def run(i: int) -> None:
-        first = _one(client, i, max_tokens)
+        first = _one(clients[i], i, max_tokens)
         results[i] = {"first": first}
         if first.get("status") == 429 and first.get("retry_after"):
             time.sleep(float(first["retry_after"]))
-            results[i]["retry"] = _one(client, i, max_tokens)
+            results[i]["retry"] = _one(clients[i], i, max_tokens)
 
     poller = threading.Thread(target=poll, daemon=True)
     poller.start()

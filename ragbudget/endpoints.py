@@ -24,6 +24,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from .admission import AdmissionController
@@ -35,6 +36,7 @@ from .openai_api import (
     APIError,
     ChatRequest,
     Completion,
+    caller_key,
     decode_json,
     error_from_exception,
     index_unavailable,
@@ -427,6 +429,9 @@ class ChatEndpoint:
         t0 = time.perf_counter()
         body = await read_json(request, limit=self.max_body_bytes, metrics=self.metrics)
         req = parse_chat(body, self.models, max_tokens_limit=self.max_tokens_limit)
+        client = request.client  # None when the transport gives no address
+        req = replace(req, key=caller_key(req.key, host=client.host if client else "",
+                                          authorization=request.headers.get("authorization", "")))
         self.health.require()
         completion = Completion.new(req.model, expose_plan=self.expose_plan)
         cancel = threading.Event()

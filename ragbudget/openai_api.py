@@ -498,6 +498,27 @@ def body_key(body: dict[str, Any]) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
+def caller_key(key: str, *, host: str = "", authorization: str = "") -> str:
+    """``key`` (a :func:`body_key`) for one caller: the client's address and credentials.
+
+    A refused request's promise is claimed by the same key coming back; byte-identical bodies
+    from different users (a canned question) would otherwise share it, and a newcomer could take
+    the place of the client that was told to return. The address and the API key are what a
+    standard client sends again unchanged; clients behind one address with one key stay one
+    caller unless their bodies differ (OpenAI's ``user`` field, which is in the body, tells end
+    users apart).
+
+    >>> caller_key("k", host="10.0.0.1") == caller_key("k", host="10.0.0.2")
+    False
+    >>> a = caller_key("k", host="10.0.0.1", authorization="Bearer a")
+    >>> a == caller_key("k", host="10.0.0.1", authorization="Bearer a") != caller_key("k", host="10.0.0.1")
+    True
+    """
+    if not key:
+        return key
+    return hashlib.sha256(f"{host}\n{authorization}\n{key}".encode()).hexdigest()
+
+
 # --- answers --------------------------------------------------------------------------------------
 
 

@@ -1241,6 +1241,31 @@ def test_a_streamed_return_that_claimed_its_place_starts_at_once_and_is_kept_ali
     assert 'status="5' not in metrics
 
 
+def test_the_same_body_from_another_client_does_not_take_a_returning_clients_place() -> None:
+    """Byte-identical requests from two callers (a canned question): the promise made to the
+    one refused is claimed by it coming back, not by the other arriving at that moment."""
+    from ragbudget.admission import Throughput
+
+    pipe = fake_pipeline(slots=2, max_queue=4, timeout=0.5, words=3,
+                         index_dir=corpus_index("hash:256"))
+    ctl = pipe.admission
+    ctl.configure(throughput=Throughput(prefill_a=0.0005, decode_s=0.0005))
+    held = ctl.acquire(2 * WINDOW, prompt_tokens=2 * WINDOW - 1)  # the whole cache
+    body = {"model": MODEL, "messages": user()}
+    # Another caller: the same loopback server reached from another local address.
+    other = httpx.Client(transport=httpx.HTTPTransport(local_address="127.0.0.2"), timeout=10)
+    with running(pipe) as url, other:
+        first = httpx.post(url + "/v1/chat/completions", json=body, timeout=30)
+        assert first.status_code == 429, first.text
+        time.sleep(int(first.headers["retry-after"]))
+        newcomer = other.post(url + "/v1/chat/completions", json=body)
+        assert newcomer.status_code == 429, newcomer.text  # judged afresh: the work still runs
+        threading.Timer(0.5, held.release).start()
+        back = httpx.post(url + "/v1/chat/completions", json=body, timeout=30)
+        assert back.status_code == 200, back.text  # its place was kept for it
+    assert reserved(pipe) == 0
+
+
 # --- `serve --engine`: admission from the engine's own queue and free KV ------------------------------
 
 
