@@ -2,8 +2,8 @@
 
 Indexes six man pages from ``../shared/data/manpages`` into a temporary index, starts ``python -m
 ragbudget.cli serve`` with no tuning flags (packaged models, the plan and admission a user gets),
-then fires bursts of concurrent chat completions with the official ``openai`` client (600 s time-
-out, no client retries; each client from its own loopback address, as separate users are: six
+then fires bursts of concurrent chat completions with the official ``openai`` client (600 s
+time-out, no client retries; each client from its own loopback address, as separate users are: six
 questions repeat among them, and the server tells identical bodies apart by caller). Each client
 that gets a 429 sleeps its ``Retry-After`` and tries once more; whether that second try gets a 200
 is recorded. Recorded per burst: counts of 200/429/5xx/time-outs, every Retry-After, p50/p99
