@@ -39,9 +39,19 @@ from .errors import (
     IndexEmptyError,
     RequestCancelled,
 )
-from .lexical import FUSIONS
-from .spans import DEFAULT_PACK, PACKS
-from .types import CACHE_KINDS, DEFAULT_INDEX_DIR
+from .settings import (
+    DEFAULT_RELEVANCE_FLOOR,
+    EngineSettings,
+    MemorySettings,
+    QueueSettings,
+    RecordField,
+    RetrievalSettings,
+    check_int,
+    check_text,
+    from_keywords,
+    shown,
+)
+from .types import DEFAULT_INDEX_DIR
 
 if TYPE_CHECKING:
     from .admission import AdmissionController
@@ -53,79 +63,21 @@ if TYPE_CHECKING:
     from .prompt import Prompt, PromptBuilder
     from .select import Selection
 
-__all__ = ["Answer", "AnswerStream", "EnginePlan", "Pipeline", "format_report", "make_embedder"]
+__all__ = [
+    "DEFAULT_RELEVANCE_FLOOR",
+    "Answer",
+    "AnswerStream",
+    "EnginePlan",
+    "Pipeline",
+    "format_report",
+    "make_embedder",
+    "prompt_room",
+]
 
 log = logging.getLogger(__name__)
 
-#: Default ``relevance_floor``: candidates scoring under half the best one's fused score are left
-#: out. Chosen on SQuAD dev tuning articles (bench/floor.py, BENCHMARKS.md "Relevance floor"):
-#: answer recall at the default allowance stays at its maximum from 0.3 to 0.5 and falls from 0.6
-#: on, while the context shrinks from 7,667 to 2,689 tokens.
-DEFAULT_RELEVANCE_FLOOR = 0.5
-
-
-# -- argument checks at the public entry points -------------------------------------------------
-# One place for each: the library's own errors, naming the argument, what was given and what is
-# expected (a TypeError traceback from deep inside a stage says none of that).
-
-
-def _shown(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _check_text(name: str, value: Any, *, optional: bool = False) -> str | None:
-    if value is None and optional:
-        return None
-    if isinstance(value, (bytes, bytearray, memoryview)):
-        raise ArgumentTypeError(f"{name} must be str, got {type(value).__name__} "
-                                f"({len(bytes(value))} bytes): decode it first, e.g. "
-                                f"{name}.decode('utf-8')")
-    if not isinstance(value, str):
-        raise ArgumentTypeError(f"{name} must be str, got {type(value).__name__} {_shown(value)}")
-    return value
-
-
-def _check_int(name: str, value: Any, minimum: int, *, optional: bool = False) -> int | None:
-    import numbers
-
-    if value is None and optional:
-        return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        hint = " (convert it with int())" if isinstance(value, str) else ""
-        raise ArgumentTypeError(f"{name} must be an int ≥ {minimum}"
-                                f"{' or None' if optional else ''}, got "
-                                f"{type(value).__name__} {_shown(value)}{hint}")
-    if value < minimum:
-        raise ConfigError(f"{name} must be ≥ {minimum}, got {value}")
-    return int(value)
-
-
-def _check_number(name: str, value: Any, lo: float, hi: float | None = None, *,
-                  optional: bool = False, lo_open: bool = False) -> float | None:
-    import numbers
-
-    if value is None and optional:
-        return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ArgumentTypeError(f"{name} must be a number, got {type(value).__name__} {_shown(value)}")
-    x = float(value)
-    bad = x <= lo if lo_open else x < lo
-    if bad or (hi is not None and x > hi) or x != x:  # NaN fails every comparison
-        where = (f"in {'(' if lo_open else '['}{lo:g}, {hi:g}]" if hi is not None
-                 else f"{'>' if lo_open else '≥'} {lo:g}")
-        raise ConfigError(f"{name} must be {where}, got {value}")
-    return x
-
-
-def _check_choice(name: str, value: Any, choices: Sequence[str]) -> str:
-    if value not in choices:
-        raise ConfigError(f"{name} must be one of {', '.join(choices)}; got {_shown(value)}")
-    return str(value)
-
-
 def _check_question(question: Any, name: str = "question") -> str:
-    text = _check_text(name, question)
+    text = check_text(name, question)
     assert text is not None
     if not text.strip():
         raise ConfigError(f"the {name} is empty")
@@ -244,52 +196,35 @@ class Pipeline:
         index_dir: folder of the index (created by :meth:`index`).
         model: generator — HF id, local folder or ``.gguf`` (default: packaged SmolLM2-135M);
             with ``engine``, which of the engine's served models (default: the first listed).
-        gpu: ``"auto"``/``None`` (free CUDA memory, else host RAM), a GPU name or a size.
         embedder: embedder for indexing (default: the index's own, else packaged MiniLM).
-        concurrency: requests planned to share the KV memory.
-        max_new_tokens: output tokens reserved per request.
-        kv_dtype, cache: KV cache dtype and kind (dynamic, static, offloaded, quantized).
-        fetch_k: candidates fetched from the index before selection.
-        hybrid: fuse dense (FAISS) and lexical (BM25, SQLite FTS5) candidates (default on);
-            ``False`` searches dense only.
-        lexical_weight: weight of the lexical ranking in the fusion (0 = dense only).
-        fusion: ``"score"`` (normalized scores, default) or ``"rrf"`` (reciprocal rank fusion).
-        order: context order — ``relevance``, ``document`` or ``lost_in_middle``.
-        pack: ``"spans"`` (default, :data:`ragbudget.spans.DEFAULT_PACK`): the question's
-            sentences inside the best chunks, scored with BM25 and the index's embedder
-            (:func:`ragbudget.spans.select_spans`), citations with exact offsets per sentence; or
-            ``"chunks"``: whole chunks (:func:`ragbudget.select.select_chunks`).
-        fill_remainder: with ``pack="chunks"``, give the room the whole chunks leave to the best
-            window of the best chunk left out (more answer recall in the context, bench/qa.py;
-            off by default until answer quality is measured with it).
-        utilization: share of the memory the plan may use (0.9 as vLLM).
-        queue_size, queue_timeout: admission control's bounded queue.
+        system_prompt: the chat's system prompt (default:
+            :data:`ragbudget.prompt.DEFAULT_SYSTEM_PROMPT`).
         generator: an already built :class:`~ragbudget.generate.Generator` to share.
-        relevance_floor: leave out candidates scoring under this fraction of the best one's
-            score (0 disables; default 0.5, measured in bench/floor.py): the context stops where
-            more passages stop helping instead of filling the whole allowance.
-        ttft_target: seconds of prefill a request may take when no ``context_tokens`` is given:
-            the context is capped to what the generator's measured prefill speed allows in that
-            time (``limited_by: "time"`` in the report). Default ``None``: 2 s on a host without
-            CUDA (measured once per model and machine, cached), no cap on a GPU; 0 disables.
-        engine: the URL of a served engine (``http://host:8000/v1``) to generate on instead of
-            a local model: vLLM, SGLang, TGI, llama.cpp, Ollama or any OpenAI-compatible server.
-            Counting, the chat template and the capacity then come from the engine
-            (:func:`ragbudget.engines.connect`); the memory options (``gpu``, ``kv_dtype``,
-            ``cache``, ``utilization``, ``ttft_target``) do not apply.
-        engine_kind: ``"auto"`` (probe and say which) or ``vllm``, ``sglang``, ``tgi``,
-            ``llamacpp``, ``ollama``, ``openai``.
-        api_key, api_key_env: the engine's API key, or the environment variable holding it.
-        tokenizer: for engines that cannot count (Ollama, a generic OpenAI server): a Hugging
-            Face tokenizer, folder or id counted with a 2% safety margin (default: tiktoken with
-            15%).
-        engine_context_tokens: the engine's window, for a server that does not report it.
-        engine_timeout: seconds any one engine reply may take (a whole answer, when not
-            streamed: raise it for long answers on a slow engine).
         backend: any :class:`~ragbudget.backend.Backend` (overrides ``engine`` and ``generator``).
+        retrieval: a :class:`~ragbudget.settings.RetrievalSettings` — ``fetch_k``, ``hybrid``,
+            ``lexical_weight``, ``fusion``, ``order``, ``pack``, ``fill_remainder``,
+            ``relevance_floor``.
+        memory: a :class:`~ragbudget.settings.MemorySettings` — ``gpu``, ``concurrency``,
+            ``max_new_tokens``, ``kv_dtype``, ``cache``, ``utilization``, ``ttft_target``.
+            They do not apply on a served engine, which reports its own memory.
+        queue: a :class:`~ragbudget.settings.QueueSettings` — admission control's bounded queue
+            (flat: ``queue_size``, ``queue_timeout``).
+        engine: the URL of a served engine (``http://host:8000/v1``) to generate on instead of
+            a local model — vLLM, SGLang, TGI, llama.cpp, Ollama or any OpenAI-compatible
+            server; counting, the chat template and the capacity then come from the engine
+            (:func:`ragbudget.engines.connect`) — or a whole
+            :class:`~ragbudget.settings.EngineSettings` (flat: ``engine_kind``, ``api_key``,
+            ``api_key_env``, ``tokenizer``, ``engine_context_tokens``, ``engine_timeout``).
+
+    Every field of these records may be given as a flat keyword of the same name instead
+    (``Pipeline(d, fetch_k=20, concurrency=4)``); they only build the records, and a record with
+    any of its flat keywords is a :class:`~ragbudget.errors.ConfigError`. The pipeline reads
+    its settings from the records (``pipe.retrieval.fetch_k``; ``pipe.fetch_k`` reads the same).
 
     >>> rb = Pipeline(".ragbudget", gpu="RTX 4090", concurrency=4)   # doctest: +SKIP
     >>> rb.plan.max_context_tokens                                  # doctest: +SKIP
+    >>> Pipeline(".ragbudget", memory=MemorySettings(gpu="RTX 4090", concurrency=4)).memory.concurrency
+    4
     """
 
     def __init__(
@@ -297,116 +232,76 @@ class Pipeline:
         index_dir: str | os.PathLike[str] = DEFAULT_INDEX_DIR,
         *,
         model: str | None = None,
-        gpu: str | int | None = None,
         embedder: Any = None,
-        concurrency: int = 1,
-        max_new_tokens: int = 256,
-        kv_dtype: str | None = None,
-        cache: str = "dynamic",
-        fetch_k: int = 50,
-        hybrid: bool = True,
-        lexical_weight: float = 0.5,
-        fusion: str = "score",
-        order: str = "relevance",
-        pack: str = DEFAULT_PACK,
-        fill_remainder: bool = False,
-        utilization: float = 0.9,
-        queue_size: int = 64,
-        queue_timeout: float = 30.0,
         system_prompt: str | None = None,
         generator: Generator | None = None,
-        relevance_floor: float = DEFAULT_RELEVANCE_FLOOR,
+        backend: Backend | None = None,
+        retrieval: RetrievalSettings | None = None,
+        memory: MemorySettings | None = None,
+        queue: QueueSettings | None = None,
+        engine: str | EngineSettings | None = None,
+        # The flat keywords below are sugar: each is the field of the same name of one record
+        # (engine_kind -> EngineSettings.kind, queue_size -> QueueSettings.size, ...); None is
+        # "not given", the record's default. They only build the records.
+        gpu: str | int | None = None,
+        concurrency: int | None = None,
+        max_new_tokens: int | None = None,
+        kv_dtype: str | None = None,
+        cache: str | None = None,
+        utilization: float | None = None,
         ttft_target: float | None = None,
-        engine: str | None = None,
-        engine_kind: str = "auto",
+        fetch_k: int | None = None,
+        hybrid: bool | None = None,
+        lexical_weight: float | None = None,
+        fusion: str | None = None,
+        order: str | None = None,
+        pack: str | None = None,
+        fill_remainder: bool | None = None,
+        relevance_floor: float | None = None,
+        queue_size: int | None = None,
+        queue_timeout: float | None = None,
+        engine_kind: str | None = None,
         api_key: str | None = None,
         api_key_env: str | None = None,
         tokenizer: Any = None,
         engine_context_tokens: int | None = None,
-        engine_timeout: float = 30.0,
-        backend: Backend | None = None,
+        engine_timeout: float | None = None,
     ) -> None:
-        from .select import ORDERS
-
         if not isinstance(index_dir, (str, os.PathLike)):
             raise ArgumentTypeError(f"index_dir must be a path (str or os.PathLike), got "
-                                    f"{type(index_dir).__name__} {_shown(index_dir)}")
-        _check_text("model", model, optional=True)
-        if gpu is not None and (isinstance(gpu, bool) or not isinstance(gpu, (str, int, float))):
-            raise ArgumentTypeError(f"gpu must be 'auto', a GPU name, a size such as '24GiB' or a "
-                                    f"number of bytes, got {type(gpu).__name__} {_shown(gpu)}")
-        concurrency = _check_int("concurrency", concurrency, 1)  # type: ignore[assignment]
-        max_new_tokens = _check_int("max_new_tokens", max_new_tokens, 1)  # type: ignore[assignment]
-        fetch_k = _check_int("fetch_k", fetch_k, 1)  # type: ignore[assignment]
-        _check_text("kv_dtype", kv_dtype, optional=True)
-        _check_choice("cache", cache, CACHE_KINDS)
-        if not isinstance(hybrid, bool):
-            raise ArgumentTypeError(f"hybrid must be True or False, got {type(hybrid).__name__} "
-                                    f"{_shown(hybrid)}")
-        _check_number("lexical_weight", lexical_weight, 0.0)
-        if lexical_weight > 1.0:
-            raise ConfigError(f"lexical_weight must be in [0, 1], got {lexical_weight}; "
-                              "use 0 (or hybrid=False) for dense-only search")
-        _check_choice("fusion", fusion, FUSIONS)
-        _check_choice("order", order, ORDERS)
-        _check_choice("pack", pack, PACKS)
-        _check_number("utilization", utilization, 0.0, 1.0, lo_open=True)
-        _check_int("queue_size", queue_size, 0)
-        _check_number("queue_timeout", queue_timeout, 0.0)
-        _check_text("system_prompt", system_prompt, optional=True)
-        _check_number("relevance_floor", relevance_floor, 0.0, 1.0)
-        _check_number("ttft_target", ttft_target, 0.0, optional=True)
-        _check_text("engine", engine, optional=True)
-        _check_text("api_key", api_key, optional=True)
-        _check_text("api_key_env", api_key_env, optional=True)
-        _check_int("engine_context_tokens", engine_context_tokens, 2, optional=True)
-        _check_number("engine_timeout", engine_timeout, 0.0, lo_open=True)
-        if engine is not None or backend is not None:
-            from .engines import KINDS
-
-            _check_choice("engine_kind", engine_kind, ("auto", *KINDS))
-        if engine is not None and generator is not None:
+                                    f"{type(index_dir).__name__} {shown(index_dir)}")
+        check_text("model", model, optional=True)
+        check_text("system_prompt", system_prompt, optional=True)
+        self.retrieval = from_keywords(RetrievalSettings, retrieval, "retrieval", {
+            "fetch_k": fetch_k, "hybrid": hybrid, "lexical_weight": lexical_weight, "fusion": fusion,
+            "order": order, "pack": pack, "fill_remainder": fill_remainder,
+            "relevance_floor": relevance_floor})
+        self.memory = from_keywords(MemorySettings, memory, "memory", {
+            "gpu": gpu, "concurrency": concurrency, "max_new_tokens": max_new_tokens,
+            "kv_dtype": kv_dtype, "cache": cache, "utilization": utilization,
+            "ttft_target": ttft_target})
+        self.queue = from_keywords(QueueSettings, queue, "queue",
+                                   {"queue_size": queue_size, "queue_timeout": queue_timeout},
+                                   {"queue_size": "size", "queue_timeout": "timeout"})
+        # engine= is the URL (sugar, with engine_kind & co) or the whole record, as httpx's
+        # timeout= takes a number or a Timeout.
+        record = engine if isinstance(engine, EngineSettings) else None
+        self.engine = from_keywords(EngineSettings, record, "engine", {
+            "engine": None if record is not None else engine, "engine_kind": engine_kind,
+            "api_key": api_key, "api_key_env": api_key_env, "tokenizer": tokenizer,
+            "engine_context_tokens": engine_context_tokens, "engine_timeout": engine_timeout},
+            {"engine": "url", "engine_kind": "kind", "engine_context_tokens": "context_tokens",
+             "engine_timeout": "timeout"})
+        if self.engine.url is not None and generator is not None:
             raise ConfigError("pass engine= (generate on a served engine) or generator= (a local "
                               "model), not both")
-        if api_key is not None and api_key_env is not None:
-            raise ConfigError("pass api_key or api_key_env, not both")
         self.index_dir = Path(index_dir)
         self.model = model
-        self.gpu = gpu
-        self.concurrency = concurrency
-        self.max_new_tokens = max_new_tokens
-        self.kv_dtype = kv_dtype
-        self.cache = cache
-        self.fetch_k = fetch_k
-        self.hybrid = hybrid
-        self.lexical_weight = lexical_weight
-        self.fusion = fusion
-        self.order = order
-        self.pack = pack
-        if not isinstance(fill_remainder, bool):
-            raise ArgumentTypeError(f"fill_remainder must be True or False; got {fill_remainder!r}")
-        if fill_remainder and pack != "chunks":
-            # Span packing fills the room with sentences already; silently ignoring the option
-            # would leave a user believing it applied.
-            raise ConfigError("fill_remainder applies to whole-chunk packing only; pass "
-                              "pack='chunks' with it (CLI: --pack chunks --fill-remainder)")
-        self.fill_remainder = fill_remainder
-        self._span_scorer: Any = None
-        self.utilization = utilization
-        self.queue_size = queue_size
-        self.queue_timeout = queue_timeout
         self.system_prompt = system_prompt
-        self.relevance_floor = float(relevance_floor)
-        self.ttft_target = ttft_target
+        self._span_scorer: Any = None
         self._embedder_spec = embedder
         self._embedder: Embedder | None = None
         self._generator = generator
-        self.engine = engine
-        self.engine_kind = engine_kind
-        self._api_key, self._api_key_env = api_key, api_key_env
-        self._tokenizer = tokenizer
-        self.engine_context_tokens = engine_context_tokens
-        self.engine_timeout = float(engine_timeout)
         self._backend: Backend | None = backend
         if backend is not None:
             from .backend import LocalBackend
@@ -422,13 +317,33 @@ class Pipeline:
         self._speed_checked = float("-inf")
         self._lock = threading.RLock()
 
+    # The flat names of the settings, read from their records (``pipe.fetch_k`` is
+    # ``pipe.retrieval.fetch_k``); read-only: a pipeline's settings are fixed when it is built.
+    fetch_k = RecordField("retrieval")
+    hybrid = RecordField("retrieval")
+    lexical_weight = RecordField("retrieval")
+    fusion = RecordField("retrieval")
+    order = RecordField("retrieval")
+    pack = RecordField("retrieval")
+    fill_remainder = RecordField("retrieval")
+    relevance_floor = RecordField("retrieval")
+    gpu = RecordField("memory")
+    concurrency = RecordField("memory")
+    max_new_tokens = RecordField("memory")
+    kv_dtype = RecordField("memory")
+    cache = RecordField("memory")
+    utilization = RecordField("memory")
+    ttft_target = RecordField("memory")
+    queue_size = RecordField("queue", "size")
+    queue_timeout = RecordField("queue", "timeout")
+
     def __repr__(self) -> str:
-        if self.engine is not None:
-            return (f"Pipeline({str(self.index_dir)!r}, engine={self.engine!r}, "
-                    f"engine_kind={self.engine_kind!r})")
+        if self.engine.url is not None:
+            return (f"Pipeline({str(self.index_dir)!r}, engine={self.engine.url!r}, "
+                    f"engine_kind={self.engine.kind!r})")
         return (
-            f"Pipeline({str(self.index_dir)!r}, model={self.model!r}, gpu={self.gpu!r}, "
-            f"concurrency={self.concurrency})"
+            f"Pipeline({str(self.index_dir)!r}, model={self.model!r}, gpu={self.memory.gpu!r}, "
+            f"concurrency={self.memory.concurrency})"
         )
 
     # -- lazily built parts ---------------------------------------------------------------------
@@ -462,7 +377,7 @@ class Pipeline:
 
         if self._backend is not None:
             return not isinstance(self._backend, LocalBackend)
-        return self.engine is not None
+        return self.engine.url is not None
 
     @property
     def backend(self) -> Backend:
@@ -471,27 +386,23 @@ class Pipeline:
         :class:`~ragbudget.backend.LocalBackend` over :attr:`generator`."""
         with self._lock:
             if self._backend is None:
-                if self.engine is not None:
+                if self.engine.url is not None:
                     from .backend import CountCache, MemoryCountCache, SQLiteCountCache
-                    from .engines import api_key_from_env, connect
+                    from .engines import connect
 
-                    key = self._api_key if self._api_key is not None else api_key_from_env(
-                        self._api_key_env)
                     # Counts persist next to the index (outside its generations: a cache); with
                     # no index folder yet (``budget --engine``), in memory.
                     cache: CountCache = (SQLiteCountCache(self.index_dir / "counts.sqlite")
                                          if self.index_dir.is_dir() else MemoryCountCache())
-                    self._backend = connect(
-                        self.engine, kind=self.engine_kind, api_key=key, model=self.model,
-                        tokenizer=self._tokenizer, context_tokens=self.engine_context_tokens,
-                        timeout=self.engine_timeout, count_cache=cache)
+                    self._backend = connect(self.engine, model=self.model, count_cache=cache)
                 else:
                     from .backend import LocalBackend
 
+                    m = self.memory
                     self._backend = LocalBackend(
-                        self.generator, gpu=self.gpu, concurrency=self.concurrency,
-                        max_new_tokens=self.max_new_tokens, cache=self.cache,
-                        kv_dtype=self.kv_dtype, utilization=self.utilization)
+                        self.generator, gpu=m.gpu, concurrency=m.concurrency,
+                        max_new_tokens=m.max_new_tokens, cache=m.cache, kv_dtype=m.kv_dtype,
+                        utilization=m.utilization)
             return self._backend
 
     def engine_plan(self, max_new_tokens: int | None = None, *, question: str = "",
@@ -501,8 +412,8 @@ class Pipeline:
         ``history``, ``question`` and ``max_new_tokens`` (default: the pipeline's)."""
         from .backend import per_request_tokens
 
-        new_tokens = self.max_new_tokens if max_new_tokens is None else max_new_tokens
-        _check_int("max_new_tokens", new_tokens, 1)
+        new_tokens = self.memory.max_new_tokens if max_new_tokens is None else max_new_tokens
+        check_int("max_new_tokens", new_tokens, 1)
         backend = self.backend
         if not self.served:
             raise ConfigError("engine_plan() is for a pipeline on a served engine; a local one "
@@ -538,7 +449,7 @@ class Pipeline:
     @property
     def plan(self) -> BudgetPlan:
         """The memory plan for the configured ``max_new_tokens``."""
-        return self.plan_for(self.max_new_tokens)
+        return self.plan_for(self.memory.max_new_tokens)
 
     def plan_for(self, max_new_tokens: int) -> BudgetPlan:
         """The memory plan reserving ``max_new_tokens`` (cached per value). Local generation
@@ -560,12 +471,12 @@ class Pipeline:
                 plan = plan_budget(
                     module if live is not None else self.model,
                     config=live.config if live is not None else None,
-                    gpu=self.gpu,
-                    concurrency=self.concurrency,
+                    gpu=self.memory.gpu,
+                    concurrency=self.memory.concurrency,
                     max_new_tokens=max_new_tokens,
-                    kv_dtype=self.kv_dtype,
-                    cache=self.cache,
-                    utilization=self.utilization,
+                    kv_dtype=self.memory.kv_dtype,
+                    cache=self.memory.cache,
+                    utilization=self.memory.utilization,
                     # The activations of the attention the loaded model really runs (eager
                     # materializes the L×L scores); sdpa before it is loaded.
                     attn_implementation=_attn_in_use(module),
@@ -583,8 +494,8 @@ class Pipeline:
         device = self._device_known()
         if not device:
             return None
-        if self.ttft_target is not None:
-            return float(self.ttft_target) or None
+        if self.memory.ttft_target is not None:
+            return self.memory.ttft_target or None
         return CPU_TTFT_TARGET if device == "cpu" else None
 
     def _device_known(self) -> str:
@@ -686,8 +597,8 @@ class Pipeline:
 
                 self._admission = AdmissionController(
                     self._admission_tokens(),
-                    max_queue=self.queue_size,
-                    timeout=self.queue_timeout,
+                    max_queue=self.queue.size,
+                    timeout=self.queue.timeout,
                 )
             if not self.served and not self._admission_tuned:
                 self._tune_admission(self._admission)
@@ -721,7 +632,7 @@ class Pipeline:
         is built: the plan's per-request prompt allowance (capped for time on a CPU) and the
         answer; on a served engine, its window. For a cheap look at admission (the server's early
         429) — the real prompt, usually shorter, is what :meth:`ask` reserves."""
-        new = self.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
+        new = self.memory.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
         if self.served:
             window = self.backend.capacity().max_context_tokens or new
             prompt = max(0, window - new)
@@ -765,7 +676,7 @@ class Pipeline:
                 t = ctl.throughput
                 parts.append(f"time: prefill {t.prefill_a * 1e3:.2f} ms/token, decode "
                              f"{t.decode_s * 1e3:.1f} ms/token ({t.source}); first token within "
-                             f"the queue time-out {self.queue_timeout:g} s, started next to "
+                             f"the queue time-out {self.queue.timeout:g} s, started next to "
                              "others only within the TTFT target "
                              f"{ctl.ttft_target if ctl.ttft_target is not None else 'none'}")
             return "; ".join(parts)
@@ -817,10 +728,9 @@ class Pipeline:
         BM25, fused; ``score`` on the cosine scale) unless the pipeline has ``hybrid=False``.
         Raises :class:`~ragbudget.errors.IndexEmptyError` on an index without chunks."""
         query = _check_question(query, "query")
-        k = _check_int("k", k, 1)  # type: ignore[assignment]
-        return self._searchable().search(query, k=k, embedder=self.embedder, hybrid=self.hybrid,
-                                 lexical_weight=self.lexical_weight, fusion=self.fusion,
-                                 candidates=max(k, self.fetch_k))
+        k = check_int("k", k, 1)  # type: ignore[assignment]
+        return self._searchable().search(query, k=k, embedder=self.embedder,
+                                         retrieval=self.retrieval)
 
     # -- budgeted retrieval -------------------------------------------------------------------------
 
@@ -854,13 +764,13 @@ class Pipeline:
         from .prompt import build_prompt
 
         question = _check_question(question)
-        context_tokens = _check_int("context_tokens", context_tokens, 0, optional=True)
-        max_new_tokens = _check_int("max_new_tokens", max_new_tokens, 1)  # type: ignore[assignment]
-        _check_text("retrieval_query", retrieval_query, optional=True)
+        context_tokens = check_int("context_tokens", context_tokens, 0, optional=True)
+        max_new_tokens = check_int("max_new_tokens", max_new_tokens, 1)  # type: ignore[assignment]
+        check_text("retrieval_query", retrieval_query, optional=True)
         if history is not None and (isinstance(history, (str, bytes)) or not all(
                 isinstance(m, Mapping) for m in history)):
             raise ArgumentTypeError("history must be a list of {'role': ..., 'content': ...} "
-                                    f"dicts or None, got {_shown(history)}")
+                                    f"dicts or None, got {shown(history)}")
         timings: dict[str, float] = {}
         # A missing, damaged or empty index fails fast, before any model loads.
         self._searchable()
@@ -892,7 +802,7 @@ class Pipeline:
             cap = self._time_cap(plan, fixed)
         if cap is not None:
             max_prompt = min(max_prompt, fixed + cap["tokens"])
-        hits = self.search(retrieval_query or question, k=self.fetch_k)
+        hits = self.search(retrieval_query or question, k=self.retrieval.fetch_k)
         timings["retrieve_s"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
@@ -901,8 +811,8 @@ class Pipeline:
             hits,
             max_prompt_tokens=max_prompt,
             builder=builder,
-            order=self.order,
-            relevance_floor=self.relevance_floor,
+            order=self.retrieval.order,
+            relevance_floor=self.retrieval.relevance_floor,
             **self._pack_options(),
         )
         timings["select_s"] = time.perf_counter() - t0
@@ -934,12 +844,12 @@ class Pipeline:
         if context_tokens is not None:
             cap = {"limit": "context_tokens", "tokens": context_tokens}
             max_prompt = min(max_prompt, fixed + context_tokens)
-        hits = self.search(retrieval_query or question, k=self.fetch_k)
+        hits = self.search(retrieval_query or question, k=self.retrieval.fetch_k)
         timings["retrieve_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         prompt = build_prompt(question, hits, tokenizer=None, max_prompt_tokens=max_prompt,
-                              builder=builder, order=self.order,
-                              relevance_floor=self.relevance_floor, **self._pack_options())
+                              builder=builder, order=self.retrieval.order,
+                              relevance_floor=self.retrieval.relevance_floor, **self._pack_options())
         timings["select_s"] = time.perf_counter() - t0
         return prompt, plan, timings, cap
 
@@ -947,14 +857,14 @@ class Pipeline:
         """``build_prompt``'s packing keywords: with ``pack="spans"``, one
         :class:`~ragbudget.spans.SpanScorer` per pipeline over the index's embedder, so sentence
         vectors are cached across questions."""
-        if self.pack == "chunks":
-            return {"fill_remainder": True} if self.fill_remainder else {}
+        if self.retrieval.pack == "chunks":
+            return {"fill_remainder": True} if self.retrieval.fill_remainder else {}
         with self._lock:
             if self._span_scorer is None:
                 from .spans import SpanScorer
 
                 self._span_scorer = SpanScorer(self.embedder or self.store.embedder)
-        return {"pack": self.pack, "span_scorer": self._span_scorer}
+        return {"pack": self.retrieval.pack, "span_scorer": self._span_scorer}
 
     def retrieve(
         self,
@@ -974,7 +884,7 @@ class Pipeline:
         prompt, _, _, _ = self._prompt(
             question,
             context_tokens=context_tokens,
-            max_new_tokens=self.max_new_tokens if max_new_tokens is None else max_new_tokens,
+            max_new_tokens=self.memory.max_new_tokens if max_new_tokens is None else max_new_tokens,
             history=history,
             retrieval_query=retrieval_query,
         )
@@ -1002,7 +912,7 @@ class Pipeline:
         """
         # ``None`` means the pipeline's default; any other value is checked and honored (0 used to
         # fall back to the default silently).
-        new_tokens = self.max_new_tokens if max_new_tokens is None else max_new_tokens
+        new_tokens = self.memory.max_new_tokens if max_new_tokens is None else max_new_tokens
         _check_call(on_text, cancel)
         t_start = time.perf_counter()
         self.refresh_speed()
@@ -1151,10 +1061,10 @@ def _split_options(options: Mapping[str, Any], *, served: bool
 def _check_call(on_text: Any, cancel: Any) -> None:
     if on_text is not None and not callable(on_text):
         raise ArgumentTypeError(f"on_text must be a callable taking each piece of text, got "
-                                f"{type(on_text).__name__} {_shown(on_text)}")
+                                f"{type(on_text).__name__} {shown(on_text)}")
     if cancel is not None and not callable(getattr(cancel, "is_set", None)):
         raise ArgumentTypeError(f"cancel must be a threading.Event (anything with is_set()), got "
-                                f"{type(cancel).__name__} {_shown(cancel)}")
+                                f"{type(cancel).__name__} {shown(cancel)}")
 
 
 def _question_too_long(plan: BudgetPlan, fixed: int, max_new_tokens: int) -> BudgetError:
