@@ -27,14 +27,22 @@ import logging
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .allowance import (
+    UNLIMITED_TOKENS,
+    EnginePlan,
+    engine_admission,
+    memory_max_prompt,
+    prompt_room,
+    time_cap,
+)
+from .answer import Answer, AnswerStream, build_answer, cancelled_answer
+from .embed import make_embedder
 from .errors import (
     ArgumentTypeError,
-    BudgetError,
     ConfigError,
     IndexEmptyError,
     RequestCancelled,
@@ -82,107 +90,6 @@ def _check_question(question: Any, name: str = "question") -> str:
     if not text.strip():
         raise ConfigError(f"the {name} is empty")
     return text
-
-
-@dataclass(frozen=True)
-class Answer:
-    """A generated answer with its citations and the full account of how it was budgeted.
-
-    ``sources[i]`` is citation ``[i + 1]`` in ``text``: ``{path, start, end, page, page_end,
-    score}``. ``report`` holds ``budget`` (kv_bytes_per_token, context_tokens_allowed/used,
-    prompt_tokens, max_new_tokens, ``context_limit`` — what capped the context: ``{"limit":
-    "time", "tokens": …, "ttft_target_s": …}`` or ``{"limit": "context_tokens", …}`` or
-    ``None`` —, …), ``plan`` (the memory plan), ``selection``, ``dropped``
-    (every candidate not used, with its reason), ``oom_steps`` and ``timings``.
-    """
-
-    text: str
-    sources: list[dict[str, Any]]
-    report: dict[str, Any]
-    finish_reason: str = "stop"
-
-    def to_dict(self) -> dict[str, Any]:
-        """The ``ask --json`` document: ``answer``, ``sources``, ``budget``, ``dropped``, ``report``."""
-        return {
-            "answer": self.text,
-            "sources": self.sources,
-            "budget": self.report.get("budget", {}),
-            "dropped": self.report.get("dropped", []),
-            "finish_reason": self.finish_reason,
-            "report": {k: v for k, v in self.report.items() if k not in ("budget", "dropped")},
-        }
-
-
-@dataclass(frozen=True)
-class EnginePlan:
-    """The allowance of one request on a served engine: the engine's ``capacity`` (every figure
-    with its source and age) and what :func:`~ragbudget.backend.per_request_tokens` made of it
-    (``budget``: the context tokens, and which limit binds). What :class:`Pipeline` plans with
-    when it generates on an engine, where the local path has a
-    :class:`~ragbudget.budget.BudgetPlan`."""
-
-    capacity: Capacity
-    budget: RequestBudget
-    url: str
-    kind: str
-    detected: str
-    model: str
-
-    @property
-    def max_new_tokens(self) -> int:
-        return self.budget.max_new_tokens
-
-    @property
-    def max_prompt_tokens(self) -> int:
-        """Prompt tokens one request may send (template, question, history and context)."""
-        return self.budget.overhead_tokens + self.budget.context_tokens
-
-    @property
-    def max_context_tokens(self) -> int:
-        """Prompt and answer of one request."""
-        return self.max_prompt_tokens + self.budget.max_new_tokens
-
-    def lines(self) -> list[str]:
-        """The plan as printed by ``budget --engine`` and ``ask --explain``: every figure with
-        its source and age, then the allowance and the limit that binds."""
-        b = self.budget
-        out = [f"engine: {self.kind} at {self.url} ({self.detected}); model {self.model}"]
-        out += self.capacity.describe()
-        kv = (f"KV share {b.kv_share} tokens (÷ {b.sharing} sharing) → {b.kv_tokens} for context"
-              if b.kv_share is not None else "KV: not reported (the window alone decides)")
-        out.append(f"window: {b.window_tokens + b.overhead_tokens} prompt tokens → "
-                   f"{b.window_tokens} for context; {kv}")
-        out.append(f"per request: {b.context_tokens} context tokens + {b.overhead_tokens} template "
-                   f"and question + {b.max_new_tokens} answer; limited by {b.binding} "
-                   f"({b.binding_tokens} tokens, {b.binding_source or 'unknown source'})"
-                   + (" — advisory: engine metrics may be stale" if b.advisory else ""))
-        return out
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"engine": {"url": self.url, "kind": self.kind, "detected": self.detected,
-                           "model": self.model},
-                "capacity": self.capacity.to_dict(), "request": self.budget.to_dict(),
-                "lines": self.lines()}
-
-
-def make_embedder(spec: Any = None) -> Embedder | None:
-    """An embedder from a CLI-style spec: ``None`` (the index's own, or the packaged MiniLM),
-    ``"hash"`` / ``"hash:384"`` (the deterministic model-free test embedder), or a
-    sentence-transformers model id or path, optionally with ``@backend`` (``default@onnx-int8``,
-    ``all-MiniLM-L6-v2@torch``; see :data:`ragbudget.embed.BACKENDS`). Embedder objects pass
-    through."""
-    if spec is None or not isinstance(spec, str):
-        return spec
-    from .embed import HashEmbedder, SentenceTransformerEmbedder, split_backend
-
-    if spec == "hash" or spec.startswith("hash:"):
-        dim = spec.partition(":")[2]
-        try:
-            return HashEmbedder(int(dim) if dim else 384)
-        except ValueError:
-            raise ConfigError(f"embedder {spec!r}: expected hash or hash:<dim>, e.g. hash:384") from None
-    model, backend = split_backend(spec)
-    return SentenceTransformerEmbedder(model, backend=backend or "auto")
 
 
 class Pipeline:
@@ -640,29 +547,13 @@ class Pipeline:
             prompt = self.plan_for(new).max_prompt_tokens
         return prompt + new, prompt
 
-    #: Admission capacity when a served engine says nothing of its KV cache or slots.
-    UNLIMITED_TOKENS = 2**62
-
     def _admission_tokens(self) -> int:
         if not self.served:
             return self.plan.kv_capacity_tokens
-        tokens, note = self._engine_admission()
-        if tokens == self.UNLIMITED_TOKENS:
+        tokens, note = engine_admission(self.backend.capacity())
+        if tokens == UNLIMITED_TOKENS:
             log.warning("%s", note)
         return tokens
-
-    def _engine_admission(self) -> tuple[int, str]:
-        cap = self.backend.capacity()
-        if cap.kv_tokens_total:
-            return cap.kv_tokens_total, (f"{cap.kv_tokens_total} KV tokens "
-                                         f"({cap.kv_total_source})")
-        if cap.max_context_tokens and cap.max_concurrent:
-            return cap.max_context_tokens * cap.max_concurrent, (
-                f"{cap.max_context_tokens} tokens × {cap.max_concurrent} requests "
-                f"({cap.max_context_source}; {cap.max_concurrent_source})")
-        return self.UNLIMITED_TOKENS, (
-            f"open: the {cap.engine_kind or 'engine'} reports no KV cache size nor request slots, "
-            "so ragbudget admits every request (the engine queues and refuses them itself)")
 
     def admission_note(self) -> str:
         """What admission control is sized from, in one line (``serve`` logs it)."""
@@ -680,7 +571,7 @@ class Pipeline:
                              "others only within the TTFT target "
                              f"{ctl.ttft_target if ctl.ttft_target is not None else 'none'}")
             return "; ".join(parts)
-        return self._engine_admission()[1]
+        return engine_admission(self.backend.capacity())[1]
 
     @property
     def prompt_builder(self) -> PromptBuilder:
@@ -734,22 +625,6 @@ class Pipeline:
 
     # -- budgeted retrieval -------------------------------------------------------------------------
 
-    def _time_cap(self, plan: BudgetPlan, fixed: int) -> dict[str, Any] | None:
-        """The context cap the plan's time-to-first-token target sets (see :meth:`plan_for`), or
-        ``None`` when there is none: on a generator running on the CPU (default target
-        ``CPU_TTFT_TARGET``) or when ``ttft_target`` was given. The prefill speed is measured
-        once per model and machine."""
-        if plan.time_prompt_tokens is None or plan.ttft_target_s is None:
-            return None
-        prompt_tokens = plan.time_prompt_tokens
-        # A question is never cut, and a context too small for one passage answers from nothing:
-        # the cap keeps room for at least a cut best chunk.
-        cap = max(_MIN_TIME_CONTEXT, prompt_tokens - fixed)
-        speed = self._speed_entry or {}
-        return {"limit": "time", "tokens": cap, "ttft_target_s": plan.ttft_target_s,
-                "device": self._device_known(), "prefill_tokens_in_target": prompt_tokens,
-                "prefill_fit": {k: speed[k] for k in ("a", "b") if k in speed}}
-
     def _prompt(
         self,
         question: str,
@@ -793,13 +668,13 @@ class Pipeline:
         fixed = builder.fixed_tokens(question)
         # What memory and the window allow: a time cap shortens the context, never refuses a
         # question, and an explicit context_tokens pins the context whatever the time.
-        max_prompt = _memory_max_prompt(plan)
+        max_prompt = memory_max_prompt(plan)
         prompt_room(plan, fixed, max_new_tokens)  # refuses a question memory cannot hold
         cap: dict[str, Any] | None = None
         if context_tokens is not None:
             cap = {"limit": "context_tokens", "tokens": context_tokens}
         else:
-            cap = self._time_cap(plan, fixed)
+            cap = time_cap(plan, fixed, device=self._device_known(), speed=self._speed_entry)
         if cap is not None:
             max_prompt = min(max_prompt, fixed + cap["tokens"])
         hits = self.search(retrieval_query or question, k=self.retrieval.fetch_k)
@@ -929,13 +804,14 @@ class Pipeline:
             # Left before generation began (while queued, or just as it was admitted): nothing to
             # generate, but the answer still says what the request would have been.
             timings["total_s"] = time.perf_counter() - t_start
-            nothing = _Cancelled(max_new_tokens=new_tokens)
-            return _answer(nothing, prompt, plan, reserve, timings, cap)
+            return cancelled_answer(prompt, plan, reserve, timings, cap, new_tokens)
 
         if cancel is not None and cancel.is_set():
             return cancelled()
         t0 = time.perf_counter()
-        sampling, stop, extra = _split_options(generate_options, served=self.served)
+        from .backend import split_generate_options
+
+        sampling, stop, extra = split_generate_options(generate_options, served=self.served)
         backend = self.backend
         try:
             reservation = self.admission.acquire(reserve, prompt_tokens=prompt.n_tokens,
@@ -948,21 +824,21 @@ class Pipeline:
             if cancel is not None and cancel.is_set():
                 return cancelled()
             t0 = time.perf_counter()
-            shown = on_text
+            emit = on_text
             if on_text is not None:
-                def shown(piece: str) -> Any:
+                def emit(piece: str) -> Any:
                     # The first token tells admission how fast the prefill really was.
                     reservation.first_token()
                     return on_text(piece)
 
             gen = backend.generate(prompt, max_new_tokens=new_tokens, sampling=sampling, stop=stop,
-                                   on_text=shown, cancel=cancel, **extra)
+                                   on_text=emit, cancel=cancel, **extra)
             # And the whole request how fast it decoded: the time model follows the host.
             reservation.finish(gen.new_tokens)
             timings["generate_s"] = time.perf_counter() - t0
         timings["total_s"] = time.perf_counter() - t_start
         final = gen.prompt if gen.prompt is not None else prompt
-        return _answer(gen, final, plan, reserve, timings, cap)
+        return build_answer(gen, final, plan, reserve, timings, cap)
 
     def stream(self, question: str, **options: Any) -> AnswerStream:
         """:meth:`ask`, as an iterator over the answer's text while it is generated; the
@@ -1001,61 +877,11 @@ class Pipeline:
             raise
 
 
-#: Context tokens a time cap always leaves: room for (a cut window of) the best chunk.
-_MIN_TIME_CONTEXT = 256
-
-
-def prompt_room(plan: BudgetPlan, fixed: int, max_new_tokens: int) -> int:
-    """The prompt tokens a request may hold when its question (with the system prompt, history
-    and chat template) costs ``fixed``, by ``plan``: what memory and the model's window allow —
-    a question past that is a :class:`~ragbudget.errors.BudgetError` naming the limit — cut to
-    the plan's time cap when there is one, which never refuses a question and always leaves room
-    for (a cut window of) the best passage. :meth:`Pipeline.ask` and
-    :class:`~ragbudget.chat.Conversation` both decide by it.
-
-    >>> from ragbudget.budget import cap_plan_for_time, plan_budget
-    >>> plan = cap_plan_for_time(plan_budget("Qwen/Qwen3-8B", gpu="24GiB", max_new_tokens=256),
-    ...                          {"a": 0.001, "b": 0.0}, 1.0)
-    >>> prompt_room(plan, 100, 256), prompt_room(plan, 1500, 256)   # 1,000 in time; +256 past it
-    (1000, 1756)
-    """
-    memory = _memory_max_prompt(plan)
-    if fixed > memory:
-        raise _question_too_long(plan, fixed, max_new_tokens)
-    if plan.time_prompt_tokens is None or plan.ttft_target_s is None:
-        return memory
-    return min(memory, fixed + max(_MIN_TIME_CONTEXT, plan.time_prompt_tokens - fixed))
-
-
-def _memory_max_prompt(plan: BudgetPlan) -> int:
-    """The prompt tokens memory and the window allow, before any time cap."""
-    total = plan.memory_max_context_tokens or plan.max_context_tokens
-    return total - plan.max_new_tokens
-
-
 def _attn_in_use(model: Any) -> str:
     """The attention implementation a loaded transformers model runs (``sdpa`` when unknown)."""
     cfg = getattr(model, "config", None)
     impl = getattr(cfg, "_attn_implementation", None) if cfg is not None else None
     return str(impl) if isinstance(impl, str) and impl else "sdpa"
-
-
-def _split_options(options: Mapping[str, Any], *, served: bool
-                   ) -> tuple[Any, list[str] | None, dict[str, Any]]:
-    """``ask``'s generate options as the protocol's ``Sampling`` and ``stop``, and the local
-    generator's own extras (``do_sample``, ``top_k``, …), which a served engine refuses."""
-    from .backend import Sampling
-
-    rest = dict(options)
-    sampling = Sampling(temperature=rest.pop("temperature", None), top_p=rest.pop("top_p", None),
-                        seed=rest.pop("seed", None))
-    stop = rest.pop("stop", None)
-    if isinstance(stop, str):
-        stop = [stop]
-    if rest and served:
-        raise ConfigError(f"{', '.join(sorted(rest))}: not an option of a served engine (it takes "
-                          "temperature, top_p, seed and stop)")
-    return sampling, (list(stop) if stop else None), rest
 
 
 def _check_call(on_text: Any, cancel: Any) -> None:
@@ -1067,226 +893,12 @@ def _check_call(on_text: Any, cancel: Any) -> None:
                                 f"{type(cancel).__name__} {shown(cancel)}")
 
 
-def _question_too_long(plan: BudgetPlan, fixed: int, max_new_tokens: int) -> BudgetError:
-    """The error for a question (with system prompt, history and chat template: ``fixed``
-    tokens) that leaves no room: it names the limit that binds — the model's window, whatever
-    the memory, or the KV memory of this GPU at this concurrency — with its number."""
-    window = plan.model_max_tokens
-    what = "the question (with the system prompt, history and chat template)"
-    if fixed + max_new_tokens > window:
-        if fixed >= window:
-            fix = "shorten the question or history"
-        else:
-            fix = (f"shorten the question or history, or lower max_new_tokens (--max-new-tokens) "
-                   f"to at most {window - fixed:,}")
-        return BudgetError(
-            f"{what} is {fixed:,} tokens and {max_new_tokens:,} are reserved for the answer, but "
-            f"the model window is {window:,} tokens ({plan.model}: max_position_embeddings); "
-            f"{fix}",
-            needed=fixed + max_new_tokens, available=window, limit="window")
-    return BudgetError(
-        f"{what} is {fixed:,} tokens and {max_new_tokens:,} are reserved for the answer, but the "
-        f"KV memory holds {_memory_max_prompt(plan) + plan.max_new_tokens:,} tokens per request ({plan.model} on "
-        f"{plan.gpu_name}, {plan.usable_bytes / 2**30:.2f} GiB usable, concurrency "
-        f"{plan.concurrency}); shorten the question or history, lower max_new_tokens or "
-        "concurrency, use a quantized/fp8 or offloaded KV cache, or a GPU with more memory",
-        needed=fixed + max_new_tokens, available=_memory_max_prompt(plan) + plan.max_new_tokens,
-        limit="memory")
-
-
 def _stream_options(options: dict[str, Any]) -> dict[str, Any]:
     taken = sorted(k for k in ("on_text", "cancel") if k in options)
     if taken:
         raise ConfigError(f"a stream delivers the text and cancels itself; drop {', '.join(taken)} "
                           "(use ask() to pass your own)")
     return options
-
-
-@dataclass(frozen=True)
-class _Cancelled:
-    """What :func:`_answer` needs of a generation that never started."""
-
-    max_new_tokens: int
-    text: str = ""
-    prompt_tokens: int = 0  # nothing reached the engine
-    new_tokens: int = 0
-    finish_reason: str = "cancelled"
-    oom_steps: tuple[Any, ...] = ()
-
-
-class AnswerStream:
-    """The text of one answer as it is generated, from :meth:`Pipeline.stream` (``for piece in
-    stream``) or :meth:`Pipeline.astream` (``async for piece in stream``).
-
-    Generation runs in its own thread; ``answer`` holds the :class:`Answer` (sources, report)
-    once the iteration has ended, and an error the request raised (a
-    :class:`~ragbudget.errors.BudgetError`, say) is raised by the iteration. Leaving early —
-    ``break``, an exception in the loop, ``close()``/``aclose()`` or the end of a
-    ``with``/``async with`` block — cancels the request: it leaves the admission queue if it was
-    waiting there, or stops at the next token and frees its KV reservation (as a disconnecting
-    HTTP client does); ``answer`` then holds what was generated so far (``finish_reason
-    "cancelled"``), and ``error`` an error the request raised after it was left.
-
-    A ``for`` loop owns the stream: dropping its iterator (``next(iter(stream))``,
-    ``itertools.islice``) cancels it too; to take pieces one at a time, call ``next(stream)``.
-    After ``break`` in an ``async for``, the cancel runs in a task the event loop schedules;
-    ``async with`` cancels before the block is left.
-
-    >>> with rb.stream("How is the Project Leader elected?") as stream:  # doctest: +SKIP
-    ...     for piece in stream:
-    ...         print(piece, end="", flush=True)
-    >>> stream.answer.sources                                          # doctest: +SKIP
-    """
-
-    def __init__(self, ask: Callable[..., Answer], question: str, options: dict[str, Any],
-                 loop: asyncio.AbstractEventLoop | None = None) -> None:
-        from .relay import Relay
-
-        self._relay: Relay[Answer] = Relay(
-            lambda emit, cancel: ask(question, on_text=emit, cancel=cancel, **options),
-            loop=loop, name="rb-stream",
-        )
-
-    @property
-    def answer(self) -> Answer | None:
-        """The :class:`Answer` once the request has returned (``None`` before, or after an error)."""
-        return self._relay.result
-
-    @property
-    def error(self) -> BaseException | None:
-        """An error the request raised that the iteration did not (it was left before the end)."""
-        return self._relay.error
-
-    @property
-    def cancelled(self) -> bool:
-        """Whether the stream was left before its end (the generation was told to stop)."""
-        return self._relay.cancel.is_set()
-
-    # -- sync --
-
-    def __iter__(self) -> Iterator[str]:
-        # A generator, not ``self``: a ``for`` loop left by ``break`` or an exception drops it,
-        # and its ``finally`` cancels the generation then and there.
-        if self._relay.loop is not None:
-            raise ConfigError("this stream came from astream(): iterate it with `async for`")
-        try:
-            while True:
-                try:
-                    yield self._relay.next_piece()
-                except StopIteration:
-                    return
-        finally:
-            self.close()
-
-    def __next__(self) -> str:
-        if self._relay.loop is not None:
-            raise ConfigError("this stream came from astream(): iterate it with `async for`")
-        return self._relay.next_piece()
-
-    def close(self) -> None:
-        """Stop the generation (if it still runs) and wait for its thread to end."""
-        self._relay.close()
-
-    def __enter__(self) -> AnswerStream:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    # -- async --
-
-    def __aiter__(self) -> AsyncIterator[str]:
-        if self._relay.loop is None:
-            raise ConfigError("this stream came from stream(): iterate it with `for`")
-        return self._pieces()
-
-    async def _pieces(self) -> AsyncIterator[str]:
-        # As __iter__, but later: an ``async for`` left early has this generator finalized by a
-        # task the event loop's async-generator hooks schedule, which then cancels.
-        try:
-            while True:
-                try:
-                    yield await self.__anext__()
-                except StopAsyncIteration:
-                    return
-        finally:
-            await self.aclose()
-
-    async def __anext__(self) -> str:
-        if self._relay.loop is None:
-            raise ConfigError("this stream came from stream(): iterate it with `for`")
-        return await self._relay.anext_piece()
-
-    async def aclose(self) -> None:
-        """Stop the generation (if it still runs) and wait for its thread without blocking the loop."""
-        await self._relay.aclose()
-
-    async def __aenter__(self) -> AnswerStream:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
-
-
-def _answer(gen: Any, prompt: Prompt, plan: BudgetPlan | EnginePlan, reserved: int,
-            timings: dict[str, float], cap: dict[str, Any] | None) -> Answer:
-    sel = prompt.selection
-    sources = []
-    for passage in prompt.passages:
-        src = passage.sources[0].to_dict() if passage.sources else {}
-        src["score"] = round(float(passage.score), 6)
-        src["chunk_ids"] = list(passage.chunk_ids)
-        src["duplicates"] = [s.to_dict() for s in passage.sources[1:]]
-        if passage.spans:  # span packing: each sentence's exact place in its file
-            src["spans"] = [sp.source.to_dict() if sp.source else {"chunk_id": sp.chunk_id,
-                            "start": sp.start, "end": sp.end} for sp in passage.spans]
-        sources.append(src)
-    # The same budget keys wherever they mean the same thing; what only one kind of plan knows
-    # (the local memory plan's bytes, or the engine's figures with sources and ages) besides.
-    if isinstance(plan, EnginePlan):
-        b = plan.budget
-        memory: dict[str, Any] = {}
-        counted = {"engine_prompt_tokens": gen.prompt_tokens or None}
-        max_new, limited_by, oom_steps = b.max_new_tokens, b.binding, []
-        plan_part = {"engine": plan.to_dict()}
-    else:
-        memory = {"kv_bytes_per_token": plan.kv_bytes_per_token,
-                  "kv_capacity_tokens": plan.kv_capacity_tokens}
-        counted = {}
-        max_new, limited_by = plan.max_new_tokens, plan.limited_by
-        oom_steps = [s.to_dict() for s in gen.oom_steps]
-        plan_part = {"plan": plan.to_dict()}
-    budget = {
-        **memory,
-        "max_context_tokens": plan.max_context_tokens,
-        "max_prompt_tokens": plan.max_prompt_tokens,
-        "context_tokens_allowed": sel.tokens_allowed,
-        "context_tokens_used": sel.tokens_used,
-        "context_tokens_cap": cap["tokens"] if cap else None,
-        # What capped the context below the prompt allowance: "context_tokens" (asked for) or
-        # "time" (the time-to-first-token target on a CPU), with its numbers; None: nothing did.
-        "context_limit": cap,
-        "fixed_prompt_tokens": prompt.fixed_tokens,
-        "prompt_tokens": prompt.n_tokens,
-        **counted,
-        "max_new_tokens": max_new,
-        "new_tokens": gen.new_tokens,
-        "kv_tokens_reserved": reserved,
-        "limited_by": limited_by,
-        "fill": round(sel.fill, 4),
-    }
-    report = {
-        "budget": budget,
-        **plan_part,
-        "selection": [p.to_dict() | {"text": None} for p in prompt.passages],
-        "dropped": [d.to_dict() for d in sel.dropped],
-        "pack": sel.pack,
-        "spans_dropped": [s.to_dict() | {"text": None} for s in sel.spans_dropped],
-        "oom_steps": oom_steps,
-        "timings": {k: round(v, 4) for k, v in timings.items()},
-    }
-    return Answer(text=str(gen.text).strip(), sources=sources, report=report,
-                  finish_reason=str(gen.finish_reason))
 
 
 def _where(plan: dict[str, Any]) -> str:
