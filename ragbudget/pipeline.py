@@ -13,6 +13,11 @@ so that every request's prompt provably fits the KV memory it was planned for:
 5. admission control reserves ``prompt + max_new_tokens`` KV tokens for the duration of the call,
    so concurrent requests never oversubscribe the capacity the plan computed.
 
+Its settings are records (:mod:`ragbudget.settings`); what one request may hold is
+:mod:`ragbudget.allowance`, the measured speed and its time rules :mod:`ragbudget.pacing`, and
+what a question gets back :mod:`ragbudget.answer` (``Answer``, ``AnswerStream`` and
+``EnginePlan`` are importable from here too).
+
 >>> rb = Pipeline(".ragbudget")                          # doctest: +SKIP
 >>> rb.index(["data/"]).chunks_total                    # doctest: +SKIP
 >>> a = rb.ask("What was Maria Curie the first female recipient of?")  # doctest: +SKIP
@@ -47,6 +52,7 @@ from .errors import (
     IndexEmptyError,
     RequestCancelled,
 )
+from .pacing import Pacing
 from .settings import (
     DEFAULT_RELEVANCE_FLOOR,
     EngineSettings,
@@ -220,8 +226,7 @@ class Pipeline:
         self._builder: PromptBuilder | None = None
         self._admission: AdmissionController | None = None
         self._admission_tuned = False
-        self._speed_entry: dict[str, Any] | None = None
-        self._speed_checked = float("-inf")
+        self._pacing = Pacing(self.memory.ttft_target)
         self._lock = threading.RLock()
 
     # The flat names of the settings, read from their records (``pipe.fetch_k`` is
@@ -388,54 +393,9 @@ class Pipeline:
                     # materializes the L×L scores); sdpa before it is loaded.
                     attn_implementation=_attn_in_use(module),
                 )
-                plan = self._cap_for_time(plan)
+                plan = self._pacing.cap(self._generator, plan)
                 self._plans[(max_new_tokens, loaded)] = plan
             return plan
-
-    def _ttft_target(self) -> float | None:
-        """The time-to-first-token target in force: ``ttft_target`` when given (0: none), else
-        ``CPU_TTFT_TARGET`` for a generator on the CPU and none on an accelerator; ``None`` too
-        while the generator's device is not known without loading it."""
-        from .budget import CPU_TTFT_TARGET
-
-        device = self._device_known()
-        if not device:
-            return None
-        if self.memory.ttft_target is not None:
-            return self.memory.ttft_target or None
-        return CPU_TTFT_TARGET if device == "cpu" else None
-
-    def _device_known(self) -> str:
-        """The generator's device when known without loading a model: a loaded generator's, or
-        a stand-in's (which has no model to load); ``""`` otherwise."""
-        gen = self._generator
-        if gen is None:
-            return ""
-        from .generate import Generator
-
-        if isinstance(gen, Generator) and not gen.loaded:
-            return ""
-        return str(gen.device or "")
-
-    def _speed(self, name: str) -> dict[str, Any] | None:
-        """The generator's measured prefill and decode speed on its device: recorded once per
-        model and machine (``cache_dir()/prefill.json``), measured now when missing (a few
-        seconds; ``serve`` does it at warm-up). ``None`` when there is nothing to measure."""
-        from .budget import lookup_prefill_speed, measure_prefill_speed
-
-        device = self._device_known()
-        if not device:
-            return None
-        gen = self._generator
-        speed = lookup_prefill_speed(name, device)
-        model = gen.model if gen is not None else None
-        if (speed is None or "decode_s" not in speed) and model is not None:
-            log.info("measuring the prefill and decode speed of %s on %s once (cached)", name, device)
-            try:
-                speed = measure_prefill_speed(model, name=name, device=device)
-            except Exception as exc:  # noqa: BLE001 - a speed probe must never fail a question
-                log.warning("prefill speed not measured (%s): no time cap on the context", exc)
-        return speed
 
     #: Seconds between two looks at whether a provisional speed can be measured again.
     SPEED_RECHECK_S = 30.0
@@ -450,48 +410,20 @@ class Pipeline:
         server's life. It looks at most every :attr:`SPEED_RECHECK_S` seconds, and measures
         only with nothing running or queued (a few seconds, paid by the request that finds the
         host idle), so requests never compete with the probe."""
-        entry = self._speed_entry
-        if not entry or not entry.get("provisional") or self.served:
+        if self.served or not self._pacing.due(self.SPEED_RECHECK_S):
             return False
-        now = time.monotonic()
-        if now - self._speed_checked < self.SPEED_RECHECK_S:
-            return False
-        self._speed_checked = now
-        from .budget import lookup_prefill_speed
-
         with self._lock:
             ctl = self._admission
             if ctl is not None:
                 s = ctl.stats()
                 if s.running or s.queued:
                     return False
-            plan = self.plan
-            device = self._device_known()
-            if not device or lookup_prefill_speed(plan.model, device) is not None:
-                return False  # still busy: the lookup keeps the provisional entry
-            self._speed_entry = None
-            self._speed_entry = self._speed(plan.model)
+            if not self._pacing.remeasure(self._generator, self.plan):
+                return False
             self._plans.clear()  # the time cap follows the new speed
             if ctl is not None and self._admission_tuned:
-                self._tune_admission(ctl)
-            log.info("measured the speed again on an idle host: %s",
-                     {k: self._speed_entry.get(k) for k in ("a", "b", "decode_s", "provisional")}
-                     if self._speed_entry else None)
+                self._pacing.tune(ctl, self._generator, self.plan, self.backend)
         return True
-
-    def _cap_for_time(self, plan: BudgetPlan) -> BudgetPlan:
-        """``plan`` capped by the time-to-first-token target, when one applies and the speed is
-        known (:func:`~ragbudget.budget.cap_plan_for_time`)."""
-        from .budget import cap_plan_for_time
-
-        target = self._ttft_target()
-        if target is None:
-            return plan
-        speed = self._speed(plan.model)
-        if speed is None:
-            return plan
-        self._speed_entry = speed
-        return cap_plan_for_time(plan, speed, target)
 
     @property
     def admission(self) -> AdmissionController:
@@ -507,32 +439,10 @@ class Pipeline:
                     max_queue=self.queue.size,
                     timeout=self.queue.timeout,
                 )
-            if not self.served and not self._admission_tuned:
-                self._tune_admission(self._admission)
+            if not self.served and not self._admission_tuned and Pacing.loaded(self._generator):
+                self._pacing.tune(self._admission, self._generator, self.plan, self.backend)
+                self._admission_tuned = True
             return self._admission
-
-    def _tune_admission(self, ctl: AdmissionController) -> None:
-        """Once the generator is loaded: count each request's KV *and* its own activation peak
-        against the memory left beside the weights, and its time by the measured prefill and
-        decode speed (the start and refusal rules of :mod:`ragbudget.admission`)."""
-        gen = self._generator
-        if gen is None or not (gen.loaded and gen.model is not None):
-            return  # a stand-in or a model not loaded yet: KV tokens only, as sized
-        from .backend import LocalBackend
-        from .budget import request_memory, throughput_from_speed
-
-        plan = self.plan
-        speed = self._speed_entry = self._speed_entry or self._speed(plan.model)
-        backend = self.backend
-        # Batched generation shares forward passes between running requests, and holds their KV
-        # in its paged cache, allocated up front: tokens count against that cache, and only the
-        # activations against the memory left beside the weights and the cache.
-        batcher = backend.batcher if isinstance(backend, LocalBackend) and backend.batched else None
-        throughput = throughput_from_speed(speed, batched=batcher is not None) if speed else None
-        memory = request_memory(plan, gen.config,
-                                paged=batcher.layout if batcher is not None else None)
-        ctl.configure(memory=memory, throughput=throughput, ttft_target=self._ttft_target())
-        self._admission_tuned = True
 
     def admission_estimate(self, max_new_tokens: int | None = None) -> tuple[int, int]:
         """``(tokens, prompt_tokens)`` a request is expected to reserve, known before its prompt
@@ -649,10 +559,23 @@ class Pipeline:
         timings: dict[str, float] = {}
         # A missing, damaged or empty index fails fast, before any model loads.
         self._searchable()
-        if self.served:
-            return self._engine_prompt(question, context_tokens=context_tokens,
-                                       max_new_tokens=max_new_tokens, history=history,
-                                       retrieval_query=retrieval_query, timings=timings)
+        allowance = self._engine_allowance if self.served else self._local_allowance
+        builder, plan, max_prompt, cap = allowance(question, context_tokens, max_new_tokens, history, timings)
+        t0 = time.perf_counter()
+        hits = self.search(retrieval_query or question, k=self.retrieval.fetch_k)
+        timings["retrieve_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        prompt = build_prompt(question, hits, max_prompt_tokens=max_prompt, builder=builder,
+                              order=self.retrieval.order, relevance_floor=self.retrieval.relevance_floor,
+                              **self._pack_options())
+        timings["select_s"] = time.perf_counter() - t0
+        return prompt, plan, timings, cap
+
+    def _local_allowance(self, question: str, context_tokens: int | None, max_new_tokens: int,
+                         history: Sequence[dict[str, str]] | None, timings: dict[str, float]
+                         ) -> tuple[PromptBuilder, BudgetPlan, int, dict[str, Any] | None]:
+        """The builder with the history, the memory plan, the prompt tokens this question may
+        hold and the cap set on its context (``context_tokens``, or the time target)."""
         if not (self._generator is not None and self._generator.loaded):
             # So does a request the model's window or the memory can never hold (config only).
             self.plan_for(max_new_tokens)
@@ -661,9 +584,6 @@ class Pipeline:
         timings["load_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         plan = self.plan_for(max_new_tokens)
-        timings["plan_s"] = time.perf_counter() - t0
-
-        t0 = time.perf_counter()
         builder = builder.with_history(history)
         fixed = builder.fixed_tokens(question)
         # What memory and the window allow: a time cap shortens the context, never refuses a
@@ -674,34 +594,19 @@ class Pipeline:
         if context_tokens is not None:
             cap = {"limit": "context_tokens", "tokens": context_tokens}
         else:
-            cap = time_cap(plan, fixed, device=self._device_known(), speed=self._speed_entry)
+            cap = time_cap(plan, fixed, device=Pacing.device(self._generator), speed=self._pacing.entry)
         if cap is not None:
             max_prompt = min(max_prompt, fixed + cap["tokens"])
-        hits = self.search(retrieval_query or question, k=self.retrieval.fetch_k)
-        timings["retrieve_s"] = time.perf_counter() - t0
+        timings["plan_s"] = time.perf_counter() - t0
+        return builder, plan, max_prompt, cap
 
-        t0 = time.perf_counter()
-        prompt = build_prompt(
-            question,
-            hits,
-            max_prompt_tokens=max_prompt,
-            builder=builder,
-            order=self.retrieval.order,
-            relevance_floor=self.retrieval.relevance_floor,
-            **self._pack_options(),
-        )
-        timings["select_s"] = time.perf_counter() - t0
-        return prompt, plan, timings, cap
-
-    def _engine_prompt(self, question: str, *, context_tokens: int | None, max_new_tokens: int,
-                       history: Sequence[dict[str, str]] | None, retrieval_query: str | None,
-                       timings: dict[str, float]) -> tuple[Prompt, EnginePlan, dict[str, float],
-                                                           dict[str, Any] | None]:
-        """:meth:`_prompt` on a served engine: the allowance from the engine's capacity
+    def _engine_allowance(self, question: str, context_tokens: int | None, max_new_tokens: int,
+                          history: Sequence[dict[str, str]] | None, timings: dict[str, float]
+                          ) -> tuple[PromptBuilder, EnginePlan, int, dict[str, Any] | None]:
+        """:meth:`_local_allowance` on a served engine: the allowance from the engine's capacity
         (:func:`~ragbudget.backend.per_request_tokens`), counting and the template by the
         engine."""
         from .backend import per_request_tokens
-        from .prompt import build_prompt
 
         t0 = time.perf_counter()
         backend = self.backend  # connects (and detects the engine kind) on first use
@@ -712,21 +617,13 @@ class Pipeline:
         capacity = backend.capacity()
         budget = per_request_tokens(capacity, max_new_tokens=max_new_tokens, overhead_tokens=fixed)
         plan = self._engine_plan(capacity, budget)
-        timings["plan_s"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
         max_prompt = plan.max_prompt_tokens
         cap: dict[str, Any] | None = None
         if context_tokens is not None:
             cap = {"limit": "context_tokens", "tokens": context_tokens}
             max_prompt = min(max_prompt, fixed + context_tokens)
-        hits = self.search(retrieval_query or question, k=self.retrieval.fetch_k)
-        timings["retrieve_s"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        prompt = build_prompt(question, hits, tokenizer=None, max_prompt_tokens=max_prompt,
-                              builder=builder, order=self.retrieval.order,
-                              relevance_floor=self.retrieval.relevance_floor, **self._pack_options())
-        timings["select_s"] = time.perf_counter() - t0
-        return prompt, plan, timings, cap
+        timings["plan_s"] = time.perf_counter() - t0
+        return builder, plan, max_prompt, cap
 
     def _pack_options(self) -> dict[str, Any]:
         """``build_prompt``'s packing keywords: with ``pack="spans"``, one

@@ -262,3 +262,10 @@ def test_cli_option_groups_refuse_a_bad_combination_in_one_line() -> None:
     assert result.exit_code == 2
     assert "fill_remainder applies to whole-chunk packing only" in result.output
     assert "Traceback" not in result.output
+
+
+def test_the_records_are_exported_from_ragbudget() -> None:
+    import ragbudget
+
+    for cls in RECORDS:
+        assert getattr(ragbudget, cls.__name__) is cls and cls.__name__ in ragbudget.__all__
