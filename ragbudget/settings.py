@@ -290,7 +290,8 @@ class EngineSettings:
 
     def __post_init__(self) -> None:
         check_text("engine", self.url, optional=True)
-        check_choice("engine_kind", self.kind, ("auto", *ENGINE_KINDS))
+        if self.kind != "auto" and self.kind not in ENGINE_KINDS:
+            raise ConfigError(f"engine_kind must be auto or one of {', '.join(ENGINE_KINDS)}; got {shown(self.kind)}")
         check_text("api_key", self.api_key, optional=True)
         check_text("api_key_env", self.api_key_env, optional=True)
         if self.api_key is not None and self.api_key_env is not None:

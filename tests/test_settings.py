@@ -48,7 +48,7 @@ BAD = [
     (QueueSettings, {"size": -1}, ConfigError, "queue_size must be ≥ 0"),
     (QueueSettings, {"timeout": "30"}, ArgumentTypeError, "queue_timeout must be a number"),
     (EngineSettings, {"url": b"http://h"}, ArgumentTypeError, "engine must be str.*decode it"),
-    (EngineSettings, {"kind": "triton"}, ConfigError, "engine_kind must be one of auto, vllm"),
+    (EngineSettings, {"kind": "triton"}, ConfigError, "engine_kind must be auto or one of vllm, sglang"),
     (EngineSettings, {"api_key": "k", "api_key_env": "KEY"}, ConfigError, "api_key or api_key_env, not both"),
     (EngineSettings, {"context_tokens": 1}, ConfigError, "engine_context_tokens must be ≥ 2"),
     (EngineSettings, {"timeout": 0}, ConfigError, r"engine_timeout must be > 0"),
@@ -249,7 +249,7 @@ def test_connect_takes_the_engine_record_whole() -> None:
         connect(EngineSettings(url="http://127.0.0.1:9/v1"), kind="vllm")
     with pytest.raises(ConfigError, match="needs the engine's URL"):
         connect(EngineSettings())
-    with pytest.raises(ConfigError, match="engine_kind must be one of"):
+    with pytest.raises(ConfigError, match="engine_kind must be auto or one of"):
         connect("http://127.0.0.1:9/v1", kind="triton")
 
 
