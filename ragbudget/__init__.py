@@ -49,6 +49,15 @@ _EXPORTS: dict[str, str] = {
     "EngineContextError": "errors",
     "EngineOverloadedError": "errors",
     "ExecutorError": "errors",
+    # settings records
+    "RetrievalSettings": "settings",
+    "MemorySettings": "settings",
+    "QueueSettings": "settings",
+    "EngineSettings": "settings",
+    "HistorySettings": "settings",
+    "ChunkSettings": "settings",
+    "DedupSettings": "settings",
+    "QuantizedCacheSettings": "settings",
     # stages
     "load_document": "loaders",
     "scan": "loaders",
@@ -75,8 +84,8 @@ _EXPORTS: dict[str, str] = {
     "Backend": "backend",
     "AdmissionController": "admission",
     "Pipeline": "pipeline",
-    "Answer": "pipeline",
-    "AnswerStream": "pipeline",
+    "Answer": "answer",
+    "AnswerStream": "answer",
     "Conversation": "chat",
 }
 
@@ -99,6 +108,10 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     # `X as X`: an explicit re-export (mypy --no-implicit-reexport, ruff F401).
     from .admission import AdmissionController as AdmissionController
+    from .answer import (
+        Answer as Answer,
+        AnswerStream as AnswerStream,
+    )
     from .backend import Backend as Backend
     from .budget import (
         BudgetPlan as BudgetPlan,
@@ -153,14 +166,20 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
         load_document as load_document,
         scan as scan,
     )
-    from .pipeline import (
-        Answer as Answer,
-        AnswerStream as AnswerStream,
-        Pipeline as Pipeline,
-    )
+    from .pipeline import Pipeline as Pipeline
     from .select import (
         Selection as Selection,
         select_chunks as select_chunks,
+    )
+    from .settings import (
+        ChunkSettings as ChunkSettings,
+        DedupSettings as DedupSettings,
+        EngineSettings as EngineSettings,
+        HistorySettings as HistorySettings,
+        MemorySettings as MemorySettings,
+        QuantizedCacheSettings as QuantizedCacheSettings,
+        QueueSettings as QueueSettings,
+        RetrievalSettings as RetrievalSettings,
     )
     from .spans import select_spans as select_spans
     from .tokens import (

@@ -75,6 +75,7 @@ __all__ = [
     "Sampling",
     "per_request_tokens",
     "prompt_messages",
+    "split_generate_options",
     "template_overhead",
     "text_digest",
 ]
@@ -653,3 +654,19 @@ def _paged_tokens_within(generator: Generator, tokens: int, budget_bytes: int,
             break
         blocks = max(1, min(blocks - 1, int(blocks * budget_bytes / max(1, layout.total_bytes))))
     return blocks * page_size
+
+
+def split_generate_options(options: Mapping[str, Any], *, served: bool
+                   ) -> tuple[Any, list[str] | None, dict[str, Any]]:
+    """``ask``'s generate options as the protocol's ``Sampling`` and ``stop``, and the local
+    generator's own extras (``do_sample``, ``top_k``, …), which a served engine refuses."""
+    rest = dict(options)
+    sampling = Sampling(temperature=rest.pop("temperature", None), top_p=rest.pop("top_p", None),
+                        seed=rest.pop("seed", None))
+    stop = rest.pop("stop", None)
+    if isinstance(stop, str):
+        stop = [stop]
+    if rest and served:
+        raise ConfigError(f"{', '.join(sorted(rest))}: not an option of a served engine (it takes "
+                          "temperature, top_p, seed and stop)")
+    return sampling, (list(stop) if stop else None), rest

@@ -48,6 +48,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .errors import BudgetError, ConfigError, RagBudgetError, RequestCancelled
+from .settings import HistorySettings, RecordField, from_keywords
 
 if TYPE_CHECKING:
     from .backend import Backend
@@ -388,7 +389,7 @@ class _Meter:
 def _plan_numbers(pipeline: Pipeline, max_new_tokens: int | None) -> tuple[int, int]:
     """(total tokens per request, reserved output tokens) from the pipeline's plan: the memory
     plan, or on a served engine its window (or KV share) for one request, as planned now."""
-    new_tokens = pipeline.max_new_tokens if max_new_tokens is None else max_new_tokens
+    new_tokens = pipeline.memory.max_new_tokens if max_new_tokens is None else max_new_tokens
     if pipeline.served:
         eplan = pipeline.engine_plan(new_tokens)
         return eplan.max_context_tokens, eplan.max_new_tokens
@@ -568,7 +569,9 @@ class Conversation:
     ``summary_max_tokens`` tokens written by the pipeline's generator (or by ``summarizer(previous
     summary, turns, max_tokens)`` if given). ``max_new_tokens`` and ``context_tokens`` default to
     the pipeline's. ``expand_follow_ups`` rewrites follow-up questions for retrieval (see
-    :func:`expand_query`). :meth:`from_messages` starts from an existing history (what an HTTP
+    :func:`expand_query`). These five are the fields of ``history``, a
+    :class:`~ragbudget.settings.HistorySettings`, given whole or as flat keywords (not both).
+    :meth:`from_messages` starts from an existing history (what an HTTP
     request carries); a shared ``summary_cache`` (:class:`SummaryCache`) lets such one-request
     conversations reuse the summaries earlier requests wrote for the same older turns.
 
@@ -581,37 +584,37 @@ class Conversation:
         self,
         pipeline: Pipeline,
         *,
-        history_share: float = 0.3,
-        summary_max_tokens: int = 128,
-        recent_turns: int = 2,
+        history: HistorySettings | None = None,
+        history_share: float | None = None,
+        summary_max_tokens: int | None = None,
+        recent_turns: int | None = None,
         max_new_tokens: int | None = None,
         context_tokens: int | None = None,
-        expand_follow_ups: bool = True,
+        expand_follow_ups: bool | None = None,
         summarizer: Summarizer | None = None,
-        summary_role: str = "system",
+        summary_role: str | None = None,
         summary_cache: SummaryCache | None = None,
     ) -> None:
-        if not 0.0 <= history_share < 1.0:
-            raise ConfigError(f"history_share must be in [0, 1) (the rest goes to retrieval), got {history_share}")
-        if summary_max_tokens < 1:
-            raise ConfigError(f"summary_max_tokens must be >= 1, got {summary_max_tokens}")
-        if recent_turns < 0:
-            raise ConfigError(f"recent_turns must be >= 0, got {recent_turns}")
-        if summary_role not in ("system", "user", "assistant"):
-            raise ConfigError(f"summary_role must be system, user or assistant, got {summary_role!r}")
+        # The history policy is one record (checked where it is built); its flat keywords are sugar.
+        self.history = from_keywords(HistorySettings, history, "history", {
+            "history_share": history_share, "summary_max_tokens": summary_max_tokens,
+            "recent_turns": recent_turns, "expand_follow_ups": expand_follow_ups,
+            "summary_role": summary_role})
         self.pipeline = pipeline
-        self.history_share = history_share
-        self.summary_max_tokens = summary_max_tokens
-        self.recent_turns = recent_turns
         self.max_new_tokens = max_new_tokens
         self.context_tokens = context_tokens
-        self.expand_follow_ups = expand_follow_ups
-        self.summary_role = summary_role
         self._summarizer = summarizer
         self.summary_cache = summary_cache
         self._cached_turns = 0
         self._meter = _Meter(pipeline)
         self._state = _State()
+
+    # The history settings by their flat names, read from ``history`` (read-only).
+    history_share = RecordField("history")
+    summary_max_tokens = RecordField("history")
+    recent_turns = RecordField("history")
+    expand_follow_ups = RecordField("history")
+    summary_role = RecordField("history")
 
     @classmethod
     def from_messages(cls, pipeline: Pipeline, messages: Sequence[Message], **options: Any) -> Conversation:
@@ -679,7 +682,7 @@ class Conversation:
         summary = self._state.summary if summary is None else summary
         messages: list[Message] = list(self._state.system)
         if summary:
-            messages.append({"role": self.summary_role, "content": SUMMARY_PREFIX + summary})
+            messages.append({"role": self.history.summary_role, "content": SUMMARY_PREFIX + summary})
         for t in turns:
             # A turn loaded from a client's messages may lack one side (an assistant greeting
             # first, two user messages in a row); an empty message would only cost template tokens.
@@ -730,7 +733,7 @@ class Conversation:
                 needed=fixed + output,
                 available=total,
             )
-        history_allowed = int(room * self.history_share)
+        history_allowed = int(room * self.history.history_share)
         summary_updated = self._fit(question, history_allowed, cancel=cancel)
 
         history = self.history_messages()
@@ -741,9 +744,9 @@ class Conversation:
         if self.context_tokens is not None:
             context_allowed = min(context_allowed, self.context_tokens)
 
-        previous = [t.retrieval_query or t.question for t in self._state.turns[-max(1, self.recent_turns) :]]
+        previous = [t.retrieval_query or t.question for t in self._state.turns[-max(1, self.history.recent_turns) :]]
         previous = [p for p in previous if p]
-        retrieval_query = expand_query(question, previous) if self.expand_follow_ups else question
+        retrieval_query = expand_query(question, previous) if self.history.expand_follow_ups else question
         answer = self.pipeline.ask(
             question,
             context_tokens=max(0, context_allowed),
@@ -805,7 +808,7 @@ class Conversation:
             return False
         # First fold everything older than the recent turns in one summarization call; then, if the
         # recent turns alone are still too large, fold them one at a time (oldest first).
-        keep = min(self.recent_turns, len(state.turns))
+        keep = min(self.history.recent_turns, len(state.turns))
         cut = len(state.turns) - keep
         resumed = self._resume_from_cache(cut)
         cut -= resumed
@@ -832,7 +835,7 @@ class Conversation:
 
     def _fold(self, turns: Sequence[Turn], allowed: int, *, cancel: Any = None) -> None:
         state, cache = self._state, self.summary_cache
-        cap = max(1, min(self.summary_max_tokens, allowed))
+        cap = max(1, min(self.history.summary_max_tokens, allowed))
         key = None
         if cache is not None and state.fold_key is not None:
             key = state.fold_key
@@ -870,7 +873,7 @@ class Conversation:
         state = self._state
         state.summary = summary
         if state.fold_key is not None:
-            state.fold_key = SummaryCache.root(summary, self.summary_max_tokens)
+            state.fold_key = SummaryCache.root(summary, self.history.summary_max_tokens)
 
     def _resume_from_cache(self, cut: int) -> int:
         """Replace the oldest of the ``cut`` turns about to be folded by the longest prefix of
@@ -880,7 +883,7 @@ class Conversation:
         if cache is None:
             return 0
         if state.fold_key is None:
-            state.fold_key = SummaryCache.root(state.summary, self.summary_max_tokens)
+            state.fold_key = SummaryCache.root(state.summary, self.history.summary_max_tokens)
         keys, key = [], state.fold_key
         for t in state.turns[:cut]:
             key = SummaryCache.extend(key, t)

@@ -127,7 +127,7 @@ def chunk_text(
     [('# Setup\\n\\nInstall it. Then run it.', 10, ('Setup',)),
      ('## Usage\\n\\nCall chunk_text on a string.', 10, ('Setup', 'Usage'))]
     """
-    _check(min_tokens, max_tokens, overlap)
+    check_sizes(min_tokens, max_tokens, overlap)
     tok = get_tokenizer(tokenizer)
     return _Chunker(text, tok, min_tokens, max_tokens, overlap).run()
 
@@ -157,7 +157,7 @@ def chunk_texts(
     >>> [len(cs) for cs in chunk_texts(["One short text.", "", "Another one."], workers=2)]
     [1, 0, 1]
     """
-    _check(min_tokens, max_tokens, overlap)
+    check_sizes(min_tokens, max_tokens, overlap)
     tok = get_tokenizer(tokenizer)
     texts = list(texts)
     if workers <= 1 or len(texts) < 2:
@@ -196,7 +196,7 @@ def chunk_document(doc: Document, **kw: Any) -> list[Chunk]:
     return out
 
 
-def _check(min_tokens: int, max_tokens: int, overlap: int) -> None:
+def check_sizes(min_tokens: int, max_tokens: int, overlap: int) -> None:
     # One character can take up to 4 byte-level tokens; below 8 a chunk might not fit one.
     if not isinstance(max_tokens, int) or max_tokens < 8:
         raise ConfigError(f"max_tokens must be an integer >= 8, got {max_tokens!r}")

@@ -17,9 +17,19 @@ from typing import Any
 import click
 
 from .errors import RagBudgetError
-from .index import DEDUP_MODES
 from .lexical import FUSIONS
 from .select import ORDERS
+from .settings import (
+    DEDUP_MODES,
+    DEFAULT_RELEVANCE_FLOOR,
+    ENGINE_KINDS,
+    ChunkSettings,
+    DedupSettings,
+    EngineSettings,
+    HistorySettings,
+    MemorySettings,
+    RetrievalSettings,
+)
 from .spans import DEFAULT_PACK, PACKS
 from .types import CACHE_KINDS, DEFAULT_INDEX_DIR
 from .vectors import STORES
@@ -76,15 +86,20 @@ def _index_dir_option(fn: Callable[..., Any]) -> Callable[..., Any]:
     )(fn)
 
 
-def _option_group(dest: str, options: dict[str, Any], build: Callable[..., dict[str, Any]]) -> Callable[..., Any]:
+def _option_group(dest: str, options: dict[str, Any], build: Callable[..., Any]) -> Callable[..., Any]:
     """A decorator adding click ``options`` (parameter name -> option) that reach the command as
-    one keyword ``dest``: ``build(**their values)``."""
+    one keyword ``dest``: ``build(**their values)`` — a settings record, checked as it is built
+    (a bad combination is a usage error, exit code 2, like a bad value of one option)."""
 
     def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
         @wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             values = {name: kwargs.pop(name) for name in options}
-            return fn(*args, **{dest: build(**values)}, **kwargs)
+            try:
+                built = build(**values)
+            except RagBudgetError as exc:
+                raise click.UsageError(str(exc)) from None
+            return fn(*args, **{dest: built}, **kwargs)
 
         for option in reversed(list(options.values())):
             wrapper = option(wrapper)
@@ -93,10 +108,14 @@ def _option_group(dest: str, options: dict[str, Any], build: Callable[..., dict[
     return decorate
 
 
+def _given(**values: Any) -> dict[str, Any]:
+    """The options given (``None``: left to the record's default)."""
+    return {k: v for k, v in values.items() if v is not None}
+
+
 def _sampling(temperature: float | None, top_p: float | None, seed: int | None,
               stop: tuple[str, ...]) -> dict[str, Any]:
-    sampling: dict[str, Any] = {k: v for k, v in (("temperature", temperature), ("top_p", top_p),
-                                                   ("seed", seed)) if v is not None}
+    sampling: dict[str, Any] = _given(temperature=temperature, top_p=top_p, seed=seed)
     if stop:
         sampling["stop"] = list(stop)
     return sampling
@@ -126,7 +145,7 @@ _sampling_options = _option_group(
 )
 
 #: ``--history-share --summary-max-tokens --recent-turns``, handed to ``chat`` and ``serve`` as
-#: ``history``: the keywords of :class:`~ragbudget.chat.Conversation`'s history policy.
+#: ``history``: a :class:`~ragbudget.settings.HistorySettings`.
 _history_options = _option_group(
     "history",
     {
@@ -141,53 +160,74 @@ _history_options = _option_group(
             "--recent-turns", default=2, show_default=True, type=click.IntRange(min=0),
             help="Turns kept verbatim when they fit."),
     },
-    lambda **values: values,
+    HistorySettings,
 )
 
 
-#: ``--pack``, one option for ask, chat and serve (each passes it to its ``Pipeline``).
-_pack_option = click.option(
-    "--pack",
-    default=DEFAULT_PACK,
-    show_default=True,
-    type=click.Choice(list(PACKS)),
-    help="Pack the question's sentences inside the best chunks (spans), or whole chunks.",
-)
+def _search_choice(retrieval: str, lexical_weight: float, fusion: str, **packing: Any) -> RetrievalSettings:
+    return RetrievalSettings(hybrid=retrieval == "hybrid", lexical_weight=lexical_weight, fusion=fusion,
+                             **_given(**packing))
 
 
-#: ``--retrieval --lexical-weight --fusion``, handed to the command as ``retrieval``: the
-#: ``Pipeline`` keywords of hybrid (BM25 + dense) or dense-only search.
-_retrieval_options = _option_group(
-    "retrieval",
-    {
-        "retrieval": click.option(
-            "--retrieval",
-            default="hybrid",
-            show_default=True,
-            type=click.Choice(["hybrid", "dense"]),
-            help="BM25 fused with embeddings, or embeddings only.",
-        ),
-        "lexical_weight": click.option(
-            "--lexical-weight",
-            default=0.5,
-            show_default=True,
-            type=click.FloatRange(0.0, 1.0),
-            help="Weight of BM25 in the fused score.",
-        ),
-        "fusion": click.option(
-            "--fusion",
-            default="score",
-            show_default=True,
-            type=click.Choice(FUSIONS),
-            help="Normalized score fusion or reciprocal rank fusion.",
-        ),
-    },
-    lambda retrieval, lexical_weight, fusion: {
-        "hybrid": retrieval == "hybrid",
-        "lexical_weight": lexical_weight,
-        "fusion": fusion,
-    },
-)
+_SEARCH_OPTIONS = {
+    "retrieval": click.option(
+        "--retrieval",
+        default="hybrid",
+        show_default=True,
+        type=click.Choice(["hybrid", "dense"]),
+        help="BM25 fused with embeddings, or embeddings only.",
+    ),
+    "lexical_weight": click.option(
+        "--lexical-weight",
+        default=0.5,
+        show_default=True,
+        type=click.FloatRange(0.0, 1.0),
+        help="Weight of BM25 in the fused score.",
+    ),
+    "fusion": click.option(
+        "--fusion",
+        default="score",
+        show_default=True,
+        type=click.Choice(FUSIONS),
+        help="Normalized score fusion or reciprocal rank fusion.",
+    ),
+}
+
+_PACKING_OPTIONS = {
+    "fetch_k": click.option(
+        "--fetch-k", default=50, show_default=True, type=click.IntRange(min=1),
+        help="Candidates fetched from the index.",
+    ),
+    "order": click.option("--order", default="relevance", show_default=True, type=click.Choice(ORDERS)),
+    "pack": click.option(
+        "--pack",
+        default=DEFAULT_PACK,
+        show_default=True,
+        type=click.Choice(list(PACKS)),
+        help="Pack the question's sentences inside the best chunks (spans), or whole chunks.",
+    ),
+    "fill_remainder": click.option(
+        "--fill-remainder",
+        is_flag=True,
+        help="With --pack chunks: give the room whole chunks leave to the best part of the next chunk "
+             "(off by default).",
+    ),
+    "relevance_floor": click.option(
+        "--relevance-floor",
+        default=None,
+        type=click.FloatRange(0.0, 1.0),
+        help=f"Leave out passages scoring under this fraction of the best one's score (default "
+             f"{DEFAULT_RELEVANCE_FLOOR}; 0: fill the allowance).",
+    ),
+}
+
+#: ``--retrieval --lexical-weight --fusion``, handed to ``search`` as ``retrieval``: a
+#: :class:`~ragbudget.settings.RetrievalSettings` of hybrid (BM25 + dense) or dense-only search.
+_search_options = _option_group("retrieval", _SEARCH_OPTIONS, _search_choice)
+
+#: The same and ``--fetch-k --order --pack --fill-remainder --relevance-floor``, handed to ``ask``,
+#: ``chat`` and ``serve`` as ``retrieval``: the whole :class:`~ragbudget.settings.RetrievalSettings`.
+_retrieval_options = _option_group("retrieval", {**_SEARCH_OPTIONS, **_PACKING_OPTIONS}, _search_choice)
 
 
 def _engine(
@@ -196,7 +236,7 @@ def _engine(
     api_key_env: str | None,
     tokenizer: str | None,
     engine_context_tokens: int | None,
-) -> dict[str, Any]:
+) -> EngineSettings | None:
     if engine is None:
         given = [
             name
@@ -210,18 +250,14 @@ def _engine(
         ]
         if given:
             raise click.UsageError(f"{', '.join(given)} need --engine URL")
-        return {}
-    return {
-        "engine": engine,
-        "engine_kind": engine_kind,
-        "api_key_env": api_key_env,
-        "tokenizer": tokenizer,
-        "engine_context_tokens": engine_context_tokens,
-    }
+        return None
+    return EngineSettings(url=engine, kind=engine_kind, api_key_env=api_key_env, tokenizer=tokenizer,
+                          context_tokens=engine_context_tokens)
 
 
 #: ``--engine --engine-kind --api-key-env --tokenizer --engine-context-tokens``, handed to the
-#: command as ``engine``: the ``Pipeline`` keywords of generating on a served engine ({} without).
+#: command as ``engine``: an :class:`~ragbudget.settings.EngineSettings` (``None`` without
+#: ``--engine``: generate locally).
 _engine_options = _option_group(
     "engine",
     {
@@ -236,7 +272,7 @@ _engine_options = _option_group(
             "--engine-kind",
             default="auto",
             show_default=True,
-            type=click.Choice(["auto", "vllm", "sglang", "tgi", "llamacpp", "ollama", "openai"]),
+            type=click.Choice(["auto", *ENGINE_KINDS]),
             help="The engine's kind (auto: probe its routes and say which).",
         ),
         "api_key_env": click.option(
@@ -263,48 +299,74 @@ _engine_options = _option_group(
 )
 
 
-def _model_options(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Options shared by every command that plans a budget."""
-    options = [
-        click.option(
-            "--model",
+def _model_option(fn: Callable[..., Any]) -> Callable[..., Any]:
+    return click.option(
+        "--model",
+        default=None,
+        help="Generator: HF id, local folder or .gguf (default: packaged SmolLM2-135M-Instruct).",
+    )(fn)
+
+
+_MEMORY_OPTIONS = {
+    "gpu": click.option(
+        "--gpu", default=None, help='auto (free CUDA memory), a GPU name ("RTX 4090") or a size ("24GiB").'
+    ),
+    "concurrency": click.option(
+        "--concurrency",
+        default=1,
+        show_default=True,
+        type=click.IntRange(min=1),
+        help="Requests sharing the KV memory.",
+    ),
+    "max_new_tokens": click.option(
+        "--max-new-tokens",
+        default=256,
+        show_default=True,
+        type=click.IntRange(min=1),
+        help="Output tokens reserved per request.",
+    ),
+    "kv_dtype": click.option(
+        "--kv-dtype",
+        default=None,
+        type=click.Choice(["fp32", "fp16", "bf16", "fp8", "int8", "int4", "int2"]),
+        help="KV cache dtype (default: the model's).",
+    ),
+    "cache": click.option(
+        "--cache",
+        default="dynamic",
+        show_default=True,
+        type=click.Choice(CACHE_KINDS),
+        help="transformers cache kind.",
+    ),
+    "utilization": click.option(
+        "--utilization",
+        default=0.9,
+        show_default=True,
+        type=click.FloatRange(0.05, 1.0),
+        help="Share of GPU memory ragbudget may plan with.",
+    ),
+}
+
+#: ``--gpu --concurrency --max-new-tokens --kv-dtype --cache --utilization``, handed to ``budget``
+#: as ``memory``: a :class:`~ragbudget.settings.MemorySettings`.
+_plan_options = _option_group("memory", _MEMORY_OPTIONS, lambda **values: MemorySettings(**_given(**values)))
+
+#: The same and ``--ttft-target``, handed to ``ask``, ``chat`` and ``serve`` as ``memory``.
+_memory_options = _option_group(
+    "memory",
+    {
+        **_MEMORY_OPTIONS,
+        "ttft_target": click.option(
+            "--ttft-target",
             default=None,
-            help="Generator: HF id, local folder or .gguf (default: packaged SmolLM2-135M-Instruct).",
+            type=click.FloatRange(min=0.0),
+            help="Seconds of prefill a request may take: caps the context by the measured prefill speed, and (serve) "
+                 "a request starts next to others only while its first token stays within it (default 2 on a CPU, "
+                 "none on a GPU; 0: no cap).",
         ),
-        click.option(
-            "--gpu", default=None, help='auto (free CUDA memory), a GPU name ("RTX 4090") or a size ("24GiB").'
-        ),
-        click.option(
-            "--concurrency",
-            default=1,
-            show_default=True,
-            type=click.IntRange(min=1),
-            help="Requests sharing the KV memory.",
-        ),
-        click.option(
-            "--max-new-tokens",
-            default=256,
-            show_default=True,
-            type=click.IntRange(min=1),
-            help="Output tokens reserved per request.",
-        ),
-        click.option(
-            "--kv-dtype",
-            default=None,
-            type=click.Choice(["fp32", "fp16", "bf16", "fp8", "int8", "int4", "int2"]),
-            help="KV cache dtype (default: the model's).",
-        ),
-        click.option(
-            "--cache",
-            default="dynamic",
-            show_default=True,
-            type=click.Choice(CACHE_KINDS),
-            help="transformers cache kind.",
-        ),
-    ]
-    for option in reversed(options):
-        fn = option(fn)
-    return fn
+    },
+    lambda **values: MemorySettings(**_given(**values)),
+)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -456,13 +518,12 @@ def index(
             include=list(include) or None,
             exclude=list(exclude) or None,
             max_bytes=int(max_file_mb * 1024 * 1024),
-            min_tokens=min_tokens,
-            max_tokens=max_tokens,
+            chunking=ChunkSettings(min_tokens=min_tokens, max_tokens=max_tokens),
             rebuild=rebuild,
             prune=prune,
             allow_removal=allow_removal,
             store=approx or store,
-            dedup=dedup,
+            dedup=DedupSettings(mode=dedup),
             progress=progress,
             executor=run_on,
         )
@@ -547,13 +608,15 @@ class _Progress:
     "--absolute-paths", is_flag=True, help="Show absolute file paths instead of paths relative to the indexed roots."
 )
 @click.option("--json", "as_json", is_flag=True)
-@_retrieval_options
+@_search_options
 @_user_errors
-def search(query: str, index_dir: str, k: int, absolute_paths: bool, as_json: bool, retrieval: dict[str, Any]) -> None:
+def search(
+    query: str, index_dir: str, k: int, absolute_paths: bool, as_json: bool, retrieval: RetrievalSettings
+) -> None:
     """Show the chunks closest to QUERY, with score, source, offsets and page."""
     from .pipeline import Pipeline
 
-    pipe = Pipeline(index_dir, **retrieval)
+    pipe = Pipeline(index_dir, retrieval=retrieval)
     hits = pipe.search(query, k=k)
     # Sources carry display paths (root label + path below it); the local opt-in maps them back.
     where = (lambda p: pipe.store.absolute_path(p) or p) if absolute_paths else (lambda p: p)
@@ -650,16 +713,10 @@ def verify(index_dir: str, as_json: bool) -> None:
 
 
 @cli.command()
-@_model_options
+@_model_option
+@_plan_options
 @click.option(
     "--context-tokens", default=None, type=click.IntRange(min=1), help="Plan for this context length per request."
-)
-@click.option(
-    "--utilization",
-    default=0.9,
-    show_default=True,
-    type=click.FloatRange(0.05, 1.0),
-    help="Share of GPU memory ragbudget may plan with.",
 )
 @click.option(
     "--plot", "plot_path", default=None, type=click.Path(dir_okay=False), help="Write a PNG of the memory plan."
@@ -677,17 +734,12 @@ def verify(index_dir: str, as_json: bool) -> None:
 @_user_errors
 def budget(
     model: str | None,
-    gpu: str | None,
-    concurrency: int,
-    max_new_tokens: int,
-    kv_dtype: str | None,
-    cache: str,
+    memory: MemorySettings,
     context_tokens: int | None,
-    utilization: float,
     plot_path: str | None,
     as_json: bool,
     index_dir: str,
-    engine: dict[str, Any],
+    engine: EngineSettings | None,
 ) -> None:
     """The memory plan: KV bytes per token, capacity, tokens per request, concurrency.
 
@@ -695,12 +747,12 @@ def budget(
     one request may use, with the limit that binds."""
     from .budget import format_plan, plan_budget
 
-    if engine:
+    if engine is not None:
         from .pipeline import Pipeline
 
         if plot_path:
             raise click.UsageError("--plot draws a memory plan; an engine's plan is its figures")
-        eplan = Pipeline(index_dir, model=model, max_new_tokens=max_new_tokens, **engine).engine_plan()
+        eplan = Pipeline(index_dir, model=model, memory=memory, engine=engine).engine_plan()
         if as_json:
             _echo_json(eplan.to_dict())
         else:
@@ -711,13 +763,13 @@ def budget(
 
     plan = plan_budget(
         model,
-        gpu=gpu,
-        concurrency=concurrency,
-        max_new_tokens=max_new_tokens,
+        gpu=memory.gpu,
+        concurrency=memory.concurrency,
+        max_new_tokens=memory.max_new_tokens,
         context_tokens=context_tokens,
-        kv_dtype=kv_dtype,
-        cache=cache,
-        utilization=utilization,
+        kv_dtype=memory.kv_dtype,
+        cache=memory.cache,
+        utilization=memory.utilization,
     )
     if plot_path:
         from .budget import plot_plan
@@ -734,37 +786,13 @@ def budget(
 @cli.command()
 @click.argument("question")
 @_index_dir_option
-@_model_options
+@_model_option
+@_memory_options
 @click.option(
     "--context-tokens",
     default=None,
     type=click.IntRange(min=1),
     help="Cap the retrieved context below what memory allows.",
-)
-@click.option(
-    "--fetch-k", default=50, show_default=True, type=click.IntRange(min=1), help="Candidates fetched from the index."
-)
-@click.option(
-    "--order", default="relevance", show_default=True, type=click.Choice(ORDERS)
-)
-@_pack_option
-@click.option(
-    "--fill-remainder",
-    is_flag=True,
-    help="With --pack chunks: give the room whole chunks leave to the best part of the next chunk (off by default).",
-)
-@click.option(
-    "--relevance-floor",
-    default=None,
-    type=click.FloatRange(0.0, 1.0),
-    help="Leave out passages scoring under this fraction of the best one's score (default 0.5; 0: fill the allowance).",
-)
-@click.option(
-    "--ttft-target",
-    default=None,
-    type=click.FloatRange(min=0.0),
-    help="Seconds of prefill a request may take: caps the context by the measured prefill speed (default 2 on a "
-         "CPU, none on a GPU; 0: no cap).",
 )
 @click.option("--explain", is_flag=True, help="Print the budget report as a table.")
 @click.option("--no-stream", is_flag=True, help="Print the answer at the end instead of streaming it.")
@@ -780,46 +808,20 @@ def ask(
     question: str,
     index_dir: str,
     model: str | None,
-    gpu: str | None,
-    concurrency: int,
-    max_new_tokens: int,
-    kv_dtype: str | None,
-    cache: str,
+    memory: MemorySettings,
     context_tokens: int | None,
-    fetch_k: int,
-    order: str,
-    pack: str,
-    fill_remainder: bool,
-    relevance_floor: float | None,
-    ttft_target: float | None,
     explain: bool,
     no_stream: bool,
     absolute_paths: bool,
     as_json: bool,
     sampling: dict[str, Any],
-    retrieval: dict[str, Any],
-    engine: dict[str, Any],
+    retrieval: RetrievalSettings,
+    engine: EngineSettings | None,
 ) -> None:
     """Answer QUESTION from the index within the memory budget, citing sources."""
-    from .pipeline import DEFAULT_RELEVANCE_FLOOR, Pipeline, format_report
+    from .pipeline import Pipeline, format_report
 
-    pipe = Pipeline(
-        index_dir,
-        model=model,
-        gpu=gpu,
-        concurrency=concurrency,
-        max_new_tokens=max_new_tokens,
-        kv_dtype=kv_dtype,
-        cache=cache,
-        fetch_k=fetch_k,
-        order=order,
-        pack=pack,
-        fill_remainder=fill_remainder,
-        relevance_floor=DEFAULT_RELEVANCE_FLOOR if relevance_floor is None else relevance_floor,
-        ttft_target=ttft_target,
-        **retrieval,
-        **engine,
-    )
+    pipe = Pipeline(index_dir, model=model, memory=memory, retrieval=retrieval, engine=engine)
     streaming = not as_json and not no_stream
     on_text = (lambda piece: click.echo(piece, nl=False)) if streaming else None
     answer = pipe.ask(question, context_tokens=context_tokens, on_text=on_text, **sampling)
@@ -836,7 +838,7 @@ def ask(
     else:
         click.echo(answer.text + (" […]" if cut else ""))
     if cut:
-        reserved = answer.report.get("budget", {}).get("max_new_tokens") or max_new_tokens
+        reserved = answer.report.get("budget", {}).get("max_new_tokens") or memory.max_new_tokens
         click.echo(f"(answer cut at max_new_tokens={reserved}; raise --max-new-tokens)")
     click.echo()
     click.echo("Sources:")
@@ -876,7 +878,8 @@ def ask(
 
 @cli.command()
 @_index_dir_option
-@_model_options
+@_model_option
+@_memory_options
 @_history_options
 @click.option(
     "--context-tokens",
@@ -884,14 +887,6 @@ def ask(
     type=click.IntRange(min=1),
     help="Cap the retrieved context below what memory allows.",
 )
-@click.option(
-    "--ttft-target",
-    default=None,
-    type=click.FloatRange(min=0.0),
-    help="Seconds of prefill a request may take: caps the context by the measured prefill speed (default 2 on a "
-         "CPU, none on a GPU; 0: no cap).",
-)
-@_pack_option
 @click.option("--no-stream", is_flag=True, help="Print each answer at the end instead of streaming it.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per turn.")
 @_sampling_options
@@ -901,20 +896,14 @@ def ask(
 def chat(
     index_dir: str,
     model: str | None,
-    gpu: str | None,
-    concurrency: int,
-    max_new_tokens: int,
-    kv_dtype: str | None,
-    cache: str,
-    history: dict[str, Any],
+    memory: MemorySettings,
+    history: HistorySettings,
     context_tokens: int | None,
-    ttft_target: float | None,
-    pack: str,
     no_stream: bool,
     as_json: bool,
     sampling: dict[str, Any],
-    retrieval: dict[str, Any],
-    engine: dict[str, Any],
+    retrieval: RetrievalSettings,
+    engine: EngineSettings | None,
 ) -> None:
     """Multi-turn chat inside the memory budget: a REPL at a terminal (line editing, history,
     /help), one question per line when stdin is piped."""
@@ -922,24 +911,8 @@ def chat(
     from .models import cache_dir
     from .pipeline import Pipeline
 
-    pipe = Pipeline(
-        index_dir,
-        model=model,
-        gpu=gpu,
-        concurrency=concurrency,
-        max_new_tokens=max_new_tokens,
-        kv_dtype=kv_dtype,
-        cache=cache,
-        ttft_target=ttft_target,
-        pack=pack,
-        **retrieval,
-        **engine,
-    )
-    conversation = Conversation(
-        pipe,
-        **history,
-        context_tokens=context_tokens,
-    )
+    pipe = Pipeline(index_dir, model=model, memory=memory, retrieval=retrieval, engine=engine)
+    conversation = Conversation(pipe, history=history, context_tokens=context_tokens)
 
     def write(text: str) -> None:
         click.echo(text, nl=False)
@@ -968,7 +941,8 @@ def chat(
 
 @cli.command()
 @_index_dir_option
-@_model_options
+@_model_option
+@_memory_options
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (loopback by default).")
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
 @click.option(
@@ -986,36 +960,21 @@ def chat(
     is_flag=True,
     help="Send the memory plan and host memory figures (GPU, free/usable bytes) in responses.",
 )
-@click.option(
-    "--ttft-target",
-    default=None,
-    type=click.FloatRange(min=0.0),
-    help="Seconds of prefill a request may take: caps the context by the measured prefill speed, and a request "
-         "starts next to others only while its first token stays within it (default 2 on a CPU, none on a GPU; 0: "
-         "no cap).",
-)
-@_pack_option
 @_retrieval_options
 @_engine_options
 @_user_errors
 def serve(
     index_dir: str,
     model: str | None,
-    gpu: str | None,
-    concurrency: int,
-    max_new_tokens: int,
-    kv_dtype: str | None,
-    cache: str,
+    memory: MemorySettings,
     host: str,
     port: int,
     api_key: str | None,
     model_name: str | None,
-    history: dict[str, Any],
+    history: HistorySettings,
     expose_plan: bool,
-    ttft_target: float | None,
-    pack: str,
-    retrieval: dict[str, Any],
-    engine: dict[str, Any],
+    retrieval: RetrievalSettings,
+    engine: EngineSettings | None,
 ) -> None:
     """OpenAI-compatible HTTP server (/v1/chat/completions, /v1/retrieve, /metrics) with KV admission.
 
@@ -1024,26 +983,14 @@ def serve(
     from .pipeline import Pipeline
     from .server import serve as run_server
 
-    pipe = Pipeline(
-        index_dir,
-        model=model,
-        gpu=gpu,
-        concurrency=concurrency,
-        max_new_tokens=max_new_tokens,
-        kv_dtype=kv_dtype,
-        cache=cache,
-        ttft_target=ttft_target,
-        pack=pack,
-        **retrieval,
-        **engine,
-    )
+    pipe = Pipeline(index_dir, model=model, memory=memory, retrieval=retrieval, engine=engine)
     run_server(
         pipe,
         host=host,
         port=port,
         api_key=api_key,
         model_name=model_name,
-        **history,
+        history=history,
         expose_plan=expose_plan,
     )
 

@@ -47,6 +47,7 @@ __all__ = [
     "HashEmbedder",
     "SentenceTransformerEmbedder",
     "embedder_from_spec",
+    "make_embedder",
     "split_backend",
 ]
 
@@ -900,3 +901,21 @@ def embedder_from_spec(spec: dict[str, Any], **kwargs: Any) -> Embedder:
             **kwargs,
         )
     raise ConfigError(f"the index was built with a custom embedder ({spec.get('id')!r}); pass embedder= to search")
+
+
+def make_embedder(spec: Any = None) -> Embedder | None:
+    """An embedder from a CLI-style spec: ``None`` (the index's own, or the packaged MiniLM),
+    ``"hash"`` / ``"hash:384"`` (the deterministic model-free test embedder), or a
+    sentence-transformers model id or path, optionally with ``@backend`` (``default@onnx-int8``,
+    ``all-MiniLM-L6-v2@torch``; see :data:`ragbudget.embed.BACKENDS`). Embedder objects pass
+    through."""
+    if spec is None or not isinstance(spec, str):
+        return spec
+    if spec == "hash" or spec.startswith("hash:"):
+        dim = spec.partition(":")[2]
+        try:
+            return HashEmbedder(int(dim) if dim else 384)
+        except ValueError:
+            raise ConfigError(f"embedder {spec!r}: expected hash or hash:<dim>, e.g. hash:384") from None
+    model, backend = split_backend(spec)
+    return SentenceTransformerEmbedder(model, backend=backend or "auto")

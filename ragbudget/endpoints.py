@@ -53,6 +53,7 @@ if TYPE_CHECKING:
     from .chat import SummaryCache
     from .index import Index
     from .pipeline import Answer, Pipeline
+    from .settings import HistorySettings
 
 __all__ = ["CLIENT_LEFT", "AdmissionView", "ChatEndpoint", "EngineLoad", "IndexHealth", "Workers", "read_json"]
 
@@ -394,9 +395,7 @@ class ChatEndpoint:
         engine_load: EngineLoad | None,
         to_error: Callable[[BaseException], APIError],
         max_body_bytes: int,
-        history_share: float,
-        summary_max_tokens: int,
-        recent_turns: int,
+        history: HistorySettings,
         summary_cache: SummaryCache | None,
         disconnect_poll_s: float,
         expose_plan: bool,
@@ -411,14 +410,12 @@ class ChatEndpoint:
         self.engine_load = engine_load
         self.to_error = to_error
         self.max_body_bytes = max_body_bytes
-        self.history_share = history_share
-        self.summary_max_tokens = summary_max_tokens
-        self.recent_turns = recent_turns
+        self.history = history
         self.summary_cache = summary_cache
         self.disconnect_poll_s = disconnect_poll_s
         self.keepalive_s = keepalive_s
         self.expose_plan = expose_plan
-        self.max_tokens_limit = pipeline.max_new_tokens
+        self.max_tokens_limit = pipeline.memory.max_new_tokens
         self.hold_s = 1.0  # EWMA of answered chat requests' duration, for Retry-After
         self.active: set[threading.Event] = set()  # cancel events of the requests in progress
 
@@ -472,7 +469,7 @@ class ChatEndpoint:
                 metrics.add("refused_early", 1)
                 raise self.overloaded(f"{queued} requests already wait for KV memory")
             if ctl.throughput is not None:
-                max_new = pipeline.max_new_tokens if req.max_tokens is None else req.max_tokens
+                max_new = pipeline.memory.max_new_tokens if req.max_tokens is None else req.max_tokens
                 tokens, prompt = await asyncio.to_thread(pipeline.admission_estimate, max_new)
                 with ctl.returning(req.key or None):
                     retry = ctl.would_refuse(tokens, prompt_tokens=prompt, refuse=True)
@@ -484,7 +481,7 @@ class ChatEndpoint:
                         retry,
                     )
         if self.engine_load is not None:
-            max_new = pipeline.max_new_tokens if req.max_tokens is None else req.max_tokens
+            max_new = pipeline.memory.max_new_tokens if req.max_tokens is None else req.max_tokens
             why = self.engine_load.refusal(await asyncio.to_thread(self.engine_load.read), max_new)
             if why is not None:
                 raise self.overloaded(why)
@@ -505,9 +502,7 @@ class ChatEndpoint:
         conversation = Conversation.from_messages(
             self.pipeline,
             req.history,
-            history_share=self.history_share,
-            summary_max_tokens=self.summary_max_tokens,
-            recent_turns=self.recent_turns,
+            history=self.history,
             max_new_tokens=req.max_tokens,
             context_tokens=req.context_tokens,
             summary_cache=self.summary_cache,

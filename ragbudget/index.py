@@ -84,11 +84,13 @@ from .lexical import (
     FTS_TOKENIZE,
     FUSIONS,
     _bm25,
+    _fuse,
     _warn_no_fts5,
     fts5_available,
     fts_match_query,
     fuse_scores,
 )
+from .settings import DEDUP_MODES, ChunkSettings, DedupSettings, RetrievalSettings, from_keywords
 from .types import DEFAULT_INDEX_DIR, Hit, IndexedFile, IndexSummary, Source, VerifyReport
 from .vectors import FlatStore
 
@@ -173,9 +175,6 @@ CREATE TABLE IF NOT EXISTS roots (
 # Columns added to ``files`` after its first format: an older index gains them on its next write.
 # page_labels: JSON list naming each page in the format's unit ("slide 3"), or NULL.
 _FILES_ADDED_COLUMNS = (("n_pages", "INTEGER"), ("warning", "TEXT"), ("page_labels", "TEXT"))
-
-#: What ``build(dedup=...)`` removes: near duplicates (MinHash, then exact), exact copies only, or none.
-DEDUP_MODES = ("near", "exact", "none")
 
 #: The removal guard: without ``allow_removal`` (``--allow-removal``) or ``prune``, a run may
 #: remove at most ``REMOVAL_GUARD_FILES`` indexed files, or more only while they are at most
@@ -655,16 +654,19 @@ class Index:
         return self._embedder
 
     def search(self, query: str, k: int = 5, *, embedder: Embedder | None = None,
-               hybrid: bool = False, lexical_weight: float = 0.5, fusion: str = "score",
+               retrieval: RetrievalSettings | None = None, hybrid: bool | None = None,
+               lexical_weight: float | None = None, fusion: str | None = None,
                candidates: int | None = None) -> list[Hit]:
         """The ``k`` chunks that best match ``query``, best first.
 
         Dense by default: ``score`` is the cosine similarity. With ``hybrid=True`` the top
-        ``candidates`` (default ``max(k, 50)``) of the dense search and of a BM25 search over the
+        ``candidates`` (default ``fetch_k``, 50) of the dense search and of a BM25 search over the
         chunk texts are fused with :func:`fuse_scores` (``fusion``: ``"score"`` or ``"rrf"``,
         ``lexical_weight`` 0 = dense only), and ``score`` is the fused value on the dense
         candidates' cosine scale. Without FTS5 in this SQLite, hybrid search logs that once and
-        returns the dense hits.
+        returns the dense hits. ``retrieval`` (a :class:`~ragbudget.settings.RetrievalSettings`)
+        gives ``hybrid``, ``lexical_weight``, ``fusion`` and ``fetch_k`` at once, instead of the
+        keywords.
 
         >>> idx.search("who founded the guild?", k=5, hybrid=True)[0].score   # doctest: +SKIP
         """
@@ -672,14 +674,15 @@ class Index:
         self._check_embedder(emb)
         if k < 1:
             raise ConfigError(f"k must be >= 1, got {k}")
-        if fusion not in FUSIONS:
-            raise ConfigError(f"fusion must be one of {', '.join(FUSIONS)}; got {fusion!r}")
-        if not 0.0 <= lexical_weight <= 1.0:
-            raise ConfigError(f"lexical_weight must be in [0, 1]; got {lexical_weight}")
+        if retrieval is None and hybrid is None:
+            hybrid = False  # the index alone searches dense unless asked (a Pipeline fuses)
+        settings = from_keywords(RetrievalSettings, retrieval, "retrieval",
+                                 {"hybrid": hybrid, "lexical_weight": lexical_weight, "fusion": fusion})
+        hybrid, lexical_weight, fusion = settings.hybrid, settings.lexical_weight, settings.fusion
         vector = emb.embed_query(query)
         if not hybrid or lexical_weight == 0.0:
             return self.search_vector(vector, k)
-        pool = max(k, candidates or 50)
+        pool = max(k, candidates or settings.fetch_k)
         lexical = dict(self._lexical(query, pool))
         if not lexical:  # no FTS5, or no query word in any chunk: the dense search, unchanged
             return self.search_vector(vector, k)
@@ -689,7 +692,7 @@ class Index:
         # A chunk found only by BM25 still gets its real cosine (vectors are in the flat index),
         # so score fusion normalizes true similarities, not a guess.
         dense.update(self._cosines(vector, missing))
-        fused = fuse_scores(dense, lexical, method=fusion, lexical_weight=lexical_weight)[:k]
+        fused = _fuse(dense, lexical, fusion, lexical_weight)[:k]
         known = {h.chunk_id: h for h in dense_hits}
         need = [i for i, _ in fused if i not in known]
         known.update({h.chunk_id: h for h in self.get_chunks(need)})
@@ -1031,13 +1034,14 @@ class Index:
         paths: Sequence[str | os.PathLike[str]] | str | os.PathLike[str],
         *,
         embedder: Embedder | None = None,
-        min_tokens: int = 300,
-        max_tokens: int = 500,
-        overlap: int = 0,
+        chunking: ChunkSettings | None = None,
+        min_tokens: int | None = None,
+        max_tokens: int | None = None,
+        overlap: int | None = None,
         tokenizer: Any = None,
-        dedup: str = "near",
-        near_threshold: float = 0.8,
-        num_perm: int = 128,
+        dedup: str | DedupSettings | None = None,
+        near_threshold: float | None = None,
+        num_perm: int | None = None,
         include: Sequence[str] | None = None,
         exclude: Sequence[str] | None = None,
         max_bytes: int | None = None,
@@ -1065,8 +1069,10 @@ class Index:
         unless ``allow_removal`` or ``prune`` says the removal is meant. ``rebuild=True`` re-reads
         and re-embeds every file of every recorded root (and of ``paths``); with ``prune``, of
         ``paths`` only. Embedded batches are checkpointed, so a run that was killed resumes
-        without embedding them again. ``dedup`` is ``"near"`` (content hash +
-        MinHash at ``near_threshold``), ``"exact"`` or ``"none"``. ``store`` picks the vector store
+        without embedding them again. ``chunking`` (a :class:`~ragbudget.settings.ChunkSettings`,
+        or its keywords ``min_tokens``, ``max_tokens``, ``overlap``) sizes the chunks. ``dedup``
+        is ``"near"`` (content hash + MinHash at ``near_threshold``), ``"exact"`` or ``"none"``,
+        or a :class:`~ragbudget.settings.DedupSettings` holding all three. ``store`` picks the vector store
         that answers searches (:mod:`ragbudget.vectors`): ``"auto"`` (exact while the vectors are
         small enough to scan within the latency target, then HNSW, then IVF-PQ; see
         :func:`~ragbudget.vectors.choose_store`), ``"flat"``, ``"hnsw"``, ``"ivf"`` (IVF-PQ with
@@ -1086,8 +1092,13 @@ class Index:
         """
         if isinstance(paths, (str, os.PathLike)):
             paths = [paths]
-        if dedup not in DEDUP_MODES:
-            raise ConfigError(f"dedup must be one of {', '.join(DEDUP_MODES)}; got {dedup!r}")
+        sizes = from_keywords(ChunkSettings, chunking, "chunking",
+                              {"min_tokens": min_tokens, "max_tokens": max_tokens, "overlap": overlap})
+        near = {"near_threshold": near_threshold, "num_perm": num_perm}
+        if isinstance(dedup, DedupSettings):
+            dups = from_keywords(DedupSettings, dedup, "dedup", near)
+        else:  # dedup="near" and its keywords: sugar for the record
+            dups = from_keywords(DedupSettings, None, "dedup", {"mode": dedup, **near})
         if approx not in (None, "hnsw"):
             raise ConfigError(f"approx must be None or 'hnsw', got {approx!r}")
         if approx is not None:
@@ -1099,18 +1110,14 @@ class Index:
         from .executors import make_executor
 
         run_on = make_executor(executor)
-        if not 0 <= min_tokens <= max_tokens:
-            raise ConfigError(
-                f"need 0 <= min_tokens <= max_tokens, got min_tokens={min_tokens}, "
-                f"max_tokens={max_tokens}; lower min_tokens or raise max_tokens")
         from .tokens import get_tokenizer
 
         tok = get_tokenizer(tokenizer)
         settings = {
-            "chunking": {"min_tokens": min_tokens, "max_tokens": max_tokens, "overlap": overlap,
-                         "tokenizer": tok.name},
-            "dedup": {"mode": dedup, "threshold": near_threshold if dedup == "near" else None,
-                      "num_perm": num_perm if dedup == "near" else None},
+            "chunking": {"min_tokens": sizes.min_tokens, "max_tokens": sizes.max_tokens,
+                         "overlap": sizes.overlap, "tokenizer": tok.name},
+            "dedup": {"mode": dups.mode, "threshold": dups.near_threshold if dups.mode == "near" else None,
+                      "num_perm": dups.num_perm if dups.mode == "near" else None},
         }
         given = [os.fspath(p) for p in paths]
         roots = _check_roots(given, self.path)  # before the folder or the lock file is created

@@ -62,6 +62,7 @@ from functools import lru_cache, partial
 from typing import Any
 
 from .errors import ConfigError, ModelError
+from .settings import QUANT_BACKENDS, QuantizedCacheSettings, from_keywords
 from .types import CACHE_KINDS
 
 __all__ = [
@@ -74,6 +75,8 @@ __all__ = [
     "MambaSpec",
     "NoCacheSpec",
     "PagedCacheLayout",
+    "QUANT_BACKENDS",
+    "QuantizedCacheSettings",
     "SlidingWindowSpec",
     "dtype_bits",
     "estimate_kv",
@@ -676,9 +679,6 @@ def _layer_bytes(spec: LayerSpec, tokens: int, sz: _Sizing, *, cache: str, peak:
     return state + sz.batch_size * _ceil_bytes(spec.elements_per_token * held, sz.bits)
 
 
-QUANT_BACKENDS = ("quanto", "hqq", "fp8")
-
-
 def _quantized_tensor_bytes(elements: int, *, batch_size: int, nbits: int, q_group_size: int,
                             axis: int, backend: str, bits: int) -> int:
     """Bytes of one quantized K or V tensor of ``elements`` values, as the backend stores it.
@@ -807,11 +807,12 @@ def estimate_kv(
     prefill_tokens: int | None = None,
     block_size: int = 16,
     mla: str = "auto",
-    quant_backend: str = "quanto",
-    nbits: int = 4,
-    q_group_size: int = 64,
-    residual_length: int = 128,
-    q_axis: int = 0,
+    quantized: QuantizedCacheSettings | None = None,
+    quant_backend: str | None = None,
+    nbits: int | None = None,
+    q_group_size: int | None = None,
+    residual_length: int | None = None,
+    q_axis: int | None = None,
     offload_only_non_sliding: bool = False,
     normalize: bool = True,
 ) -> KVEstimate:
@@ -820,9 +821,10 @@ def estimate_kv(
     ``cache``: ``"dynamic"`` (grows), ``"static"`` (pre-allocates ``max_cache_len``, default
     ``tokens``), ``"offloaded"`` (only the layers in flight stay on the GPU: the one being updated
     plus the one prefetched; recurrent layers, and sliding layers when
-    ``offload_only_non_sliding``, stay resident), ``"quantized"`` (``quant_backend`` quanto, hqq
-    or fp8; ``nbits``, ``q_group_size``, ``residual_length`` and ``q_axis`` as in transformers'
-    ``QuantizedCache``; exact for a ``generate`` whose prompt of ``prefill_tokens`` tokens is
+    ``offload_only_non_sliding``, stay resident), ``"quantized"`` (``quantized``, a
+    :class:`~ragbudget.settings.QuantizedCacheSettings`, or its keywords ``quant_backend``
+    quanto, hqq or fp8, ``nbits``, ``q_group_size``, ``residual_length`` and ``q_axis``, as in
+    transformers' ``QuantizedCache``; exact for a ``generate`` whose prompt of ``prefill_tokens`` tokens is
     prefilled at once, the peak an upper bound for any flush phase). ``kv_dtype`` defaults to the
     model dtype (bf16 if the config has none).
     ``prefill_tokens``: the largest single forward (default: all ``tokens`` at once).
@@ -838,15 +840,14 @@ def estimate_kv(
     name, bits = _dtype_for(config, kv_dtype)
     sz = _Sizing(bits=bits, batch_size=batch_size, max_cache_len=max_cache_len, backend=backend,
                  block_size=block_size)
+    q = from_keywords(QuantizedCacheSettings, quantized, "quantized", {
+        "quant_backend": quant_backend, "nbits": nbits, "q_group_size": q_group_size,
+        "residual_length": residual_length, "q_axis": q_axis})
     if cache == "quantized":
-        if quant_backend not in QUANT_BACKENDS:
-            raise ConfigError(f"quant_backend must be one of {QUANT_BACKENDS}, got {quant_backend!r}")
-        allowed = {"quanto": (2, 4), "hqq": (1, 2, 3, 4, 8)}.get(quant_backend)
-        if allowed is not None and nbits not in allowed:
-            raise ConfigError(f"{quant_backend} quantizes the KV cache to {allowed} bits, got {nbits}")
+        quant_backend = q.quant_backend
         layer_bytes = partial(
-            _quantized_layer_bytes, bits=bits, batch_size=batch_size, nbits=nbits,
-            q_group_size=q_group_size, residual_length=residual_length, axis=q_axis,
+            _quantized_layer_bytes, bits=bits, batch_size=batch_size, nbits=q.nbits,
+            q_group_size=q.q_group_size, residual_length=q.residual_length, axis=q.q_axis,
             quant_backend=quant_backend, prefill_tokens=prefill_tokens,
         )
         per = tuple(layer_bytes(s, tokens) for s in specs)
@@ -857,7 +858,8 @@ def estimate_kv(
         transient = copies * max(
             (batch_size * _ceil_bytes(s.elements_per_token * tokens, bits) for s in specs), default=0
         )
-        return KVEstimate(sum(per), worst + transient, per, f"int{nbits}" if quant_backend != "fp8" else "fp8", cache)
+        return KVEstimate(sum(per), worst + transient, per, f"int{q.nbits}" if quant_backend != "fp8" else "fp8",
+                          cache)
     base = "static" if cache == "static" else "dynamic"
     per = tuple(_layer_bytes(s, tokens, sz, cache=base, peak=False, prefill_tokens=prefill_tokens)
                 for s in specs)

@@ -13,8 +13,6 @@ import sqlite3
 from collections.abc import Sequence
 from typing import Any
 
-from .errors import ConfigError
-
 __all__ = ["FTS_TOKENIZE", "FUSIONS", "fts5_available", "fts_match_query", "fuse_scores"]
 
 log = logging.getLogger(__name__)
@@ -185,10 +183,15 @@ def fuse_scores(
     >>> fuse_scores({"a": 0.9, "b": 0.8}, {"b": 12.0}, method="rrf")
     [('b', 0.9), ('a', 0.8)]
     """
-    if method not in FUSIONS:
-        raise ConfigError(f"fusion must be one of {', '.join(FUSIONS)}; got {method!r}")
-    if not 0.0 <= lexical_weight <= 1.0:
-        raise ConfigError(f"lexical_weight must be in [0, 1]; got {lexical_weight}")
+    from .settings import check_fusion  # the rule RetrievalSettings checks, written once
+
+    method, lexical_weight = check_fusion(method, lexical_weight)
+    return _fuse(dense, lexical, method, lexical_weight)
+
+
+def _fuse(dense: dict[Any, float], lexical: dict[Any, float], method: str,
+          lexical_weight: float) -> list[tuple[Any, float]]:
+    """:func:`fuse_scores` for settings already checked (a :class:`RetrievalSettings`)."""
     d_order = sorted(dense, key=lambda i: -dense[i])
     l_order = sorted(lexical, key=lambda i: -lexical[i])
     ids = list(dict.fromkeys(d_order + l_order))

@@ -74,6 +74,7 @@ from .openai_api import (
     parse_retrieve,
     selection_body,
 )
+from .settings import HistorySettings, from_keywords
 
 if TYPE_CHECKING:
     from .pipeline import Pipeline
@@ -105,9 +106,10 @@ def create_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     model_name: str | None = None,
     max_workers: int = 64,
-    history_share: float = 0.3,
-    summary_max_tokens: int = 128,
-    recent_turns: int = 2,
+    history: HistorySettings | None = None,
+    history_share: float | None = None,
+    summary_max_tokens: int | None = None,
+    recent_turns: int | None = None,
     summary_cache_size: int = 1024,
     trim_memory: bool = True,
     disconnect_poll_s: float = 0.1,
@@ -124,9 +126,10 @@ def create_app(
     answered 429 at once instead of waiting unboundedly.
 
     A request's earlier messages are its history, budgeted exactly as ``ragbudget chat`` does it
-    (:meth:`ragbudget.chat.Conversation.from_messages`): history may take ``history_share`` of the
-    prompt room (retrieval gets the rest); when the turns do not fit, the older ones are folded
-    into a summary of at most ``summary_max_tokens`` tokens written by the same generator, the
+    (:meth:`ragbudget.chat.Conversation.from_messages`), by ``history`` (a
+    :class:`~ragbudget.settings.HistorySettings`, or its flat keywords): history may take
+    ``history_share`` of the prompt room (retrieval gets the rest); when the turns do not fit,
+    the older ones are folded into a summary of at most ``summary_max_tokens`` tokens written by the same generator, the
     last ``recent_turns`` stay verbatim, system messages and the question are never cut, and a
     follow-up question is expanded for retrieval. The response's ``ragbudget.memory`` gives the
     tokens of summary, recent turns, context and output and the number of turns summarized.
@@ -160,12 +163,9 @@ def create_app(
         raise ConfigError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
     if max_workers < 1:
         raise ConfigError(f"max_workers must be >= 1, got {max_workers}")
-    if not 0.0 <= history_share < 1.0:
-        raise ConfigError(f"history_share must be in [0, 1), got {history_share}")
-    if summary_max_tokens < 1 or recent_turns < 0:
-        raise ConfigError(
-            f"summary_max_tokens must be >= 1 and recent_turns >= 0, got {summary_max_tokens} and {recent_turns}"
-        )
+    policy = from_keywords(HistorySettings, history, "history", {
+        "history_share": history_share, "summary_max_tokens": summary_max_tokens,
+        "recent_turns": recent_turns})
     if summary_cache_size < 0:
         raise ConfigError(f"summary_cache_size must be >= 0 (0: no cache), got {summary_cache_size}")
     served = model_name or _default_model_name(pipeline)
@@ -197,9 +197,7 @@ def create_app(
         engine_load=engine_load,
         to_error=to_api_error,
         max_body_bytes=max_body_bytes,
-        history_share=history_share,
-        summary_max_tokens=summary_max_tokens,
-        recent_turns=recent_turns,
+        history=policy,
         summary_cache=summary_cache,
         disconnect_poll_s=disconnect_poll_s,
         expose_plan=expose_plan,

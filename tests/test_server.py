@@ -536,6 +536,7 @@ def test_serve_command_passes_options_and_env_key(monkeypatch: pytest.MonkeyPatc
     from click.testing import CliRunner
 
     from ragbudget.cli import cli
+    from ragbudget.settings import HistorySettings
 
     made: list[dict[str, Any]] = []
     served: list[dict[str, Any]] = []
@@ -566,13 +567,11 @@ def test_serve_command_passes_options_and_env_key(monkeypatch: pytest.MonkeyPatc
             "port": 0,
             "api_key": "env-key",
             "model_name": None,
-            "history_share": 0.5,
-            "summary_max_tokens": 128,
-            "recent_turns": 1,
+            "history": HistorySettings(history_share=0.5, summary_max_tokens=128, recent_turns=1),
             "expose_plan": False,
         }
     ]
-    assert made[0]["concurrency"] == 3 and made[0]["gpu"] == "24GiB"
+    assert made[0]["memory"].concurrency == 3 and made[0]["memory"].gpu == "24GiB"
     result = CliRunner().invoke(cli, ["serve", "--port", "0", "--expose-plan"])
     assert result.exit_code == 0, result.output
     assert served[-1]["expose_plan"] is True

@@ -31,6 +31,7 @@ from ..errors import (
     EngineError,
     EngineResponseError,
 )
+from ..settings import ENGINE_KINDS, EngineSettings, from_keywords
 from ._base import Detection, ServedBackend
 from ._http import HTTP, Retry, root_url
 
@@ -46,7 +47,7 @@ __all__ = [
 ]
 
 #: Engine kinds ``connect`` accepts (besides ``"auto"``).
-KINDS = ("vllm", "sglang", "tgi", "llamacpp", "ollama", "openai")
+KINDS = ENGINE_KINDS  # defined once, beside EngineSettings which checks it
 
 # `owned_by` of /v1/models as each engine writes it: "vllm" (ModelCard default,
 # vllm/entrypoints/openai/engine/protocol.py), "sglang" (ModelCard default,
@@ -155,14 +156,14 @@ def detect(http: HTTP) -> Detection:
 
 
 def connect(
-    url: str,
+    url: str | EngineSettings,
     *,
-    kind: str = "auto",
+    kind: str | None = None,
     api_key: str | None = None,
     model: str | None = None,
     tokenizer: Any = None,
     context_tokens: int | None = None,
-    timeout: float = 30.0,
+    timeout: float | None = None,
     connect_timeout: float = 5.0,
     retry: Retry | None = None,
     count_cache: CountCache | None = None,
@@ -176,14 +177,25 @@ def connect(
     tokenizer, a folder or hub id; ``None`` uses tiktoken with a 15% margin. ``context_tokens``
     overrides the window the engine advertises (needed for a server that does not say).
     ``timeout`` bounds every read; ``retry`` the back-off on 429/503. ``count_cache`` persists
-    token counts by (model, text digest).
+    token counts by (model, text digest). ``url`` may be an
+    :class:`~ragbudget.settings.EngineSettings` instead, holding the URL, ``kind``, the key (or
+    the variable holding it), ``tokenizer``, ``context_tokens`` and ``timeout``, checked where
+    it was built.
     """
-    if kind != "auto" and kind not in KINDS:
-        raise ConfigError(f"engine kind must be auto or one of {', '.join(KINDS)}; got {kind!r}")
-    if timeout <= 0 or connect_timeout <= 0:
-        raise ConfigError("timeouts must be positive")
-    http = HTTP(root_url(url), api_key=api_key, timeout=timeout, connect_timeout=connect_timeout,
-                retry=retry)
+    flat = {"kind": kind, "api_key": api_key, "tokenizer": tokenizer,
+            "context_tokens": context_tokens, "timeout": timeout}
+    if isinstance(url, EngineSettings):
+        settings = from_keywords(EngineSettings, url, "url", flat)
+    else:
+        settings = from_keywords(EngineSettings, None, "url", {"url": url, **flat})
+    if settings.url is None:
+        raise ConfigError("connect() needs the engine's URL, e.g. http://127.0.0.1:8000/v1")
+    if connect_timeout <= 0:
+        raise ConfigError(f"connect_timeout must be > 0 seconds, got {connect_timeout}")
+    kind, tokenizer, context_tokens = settings.kind, settings.tokenizer, settings.context_tokens
+    key = settings.api_key if settings.api_key is not None else api_key_from_env(settings.api_key_env)
+    http = HTTP(root_url(settings.url), api_key=key, timeout=settings.timeout,
+                connect_timeout=connect_timeout, retry=retry)
     try:
         detection = detect(http) if kind == "auto" else Detection(kind=kind,
                                                                   how=f"given: kind={kind!r}")

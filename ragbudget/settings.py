@@ -1,0 +1,465 @@
+"""Settings as records: frozen, keyword-only, validated once where they are built.
+
+Each record groups the settings one part of ragbudget reads, with their defaults and their checks
+in one place (vLLM's ``CacheConfig``/``SchedulerConfig`` pattern):
+
+* :class:`RetrievalSettings` — what is fetched from the index and how it is packed;
+* :class:`MemorySettings` — the memory plan (GPU, concurrency, reserved output, KV cache);
+* :class:`QueueSettings` — admission control's bounded queue;
+* :class:`EngineSettings` — generating on a served engine instead of a local model;
+* :class:`HistorySettings` — how a conversation's history shares the prompt;
+* :class:`ChunkSettings` and :class:`DedupSettings` — how :meth:`ragbudget.index.Index.build`
+  cuts and deduplicates;
+* :class:`QuantizedCacheSettings` — transformers' quantized KV cache, for
+  :func:`ragbudget.kvcache.estimate_kv`.
+
+A bad value is refused when the record is built, with the library's own error naming the field,
+what it got and what it needs (:class:`~ragbudget.errors.ArgumentTypeError` for a wrong type,
+:class:`~ragbudget.errors.ConfigError` for a wrong value); whatever reads a record trusts it.
+The flat keywords of :class:`~ragbudget.pipeline.Pipeline`, ``Conversation`` and the server are
+sugar that builds these records (:func:`from_keywords`), so a setting is checked in one place.
+
+>>> RetrievalSettings(fetch_k=20, fusion="rrf").fusion
+'rrf'
+>>> RetrievalSettings(lexical_weight=1.5)
+Traceback (most recent call last):
+...
+ragbudget.errors.ConfigError: lexical_weight must be in [0, 1], got 1.5; use 0 (or hybrid=False) for dense-only search
+>>> import dataclasses; dataclasses.replace(MemorySettings(), concurrency=4).concurrency
+4
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from .errors import ArgumentTypeError, ConfigError
+from .lexical import FUSIONS
+from .select import ORDERS
+from .spans import DEFAULT_PACK, PACKS
+from .types import CACHE_KINDS
+
+__all__ = [
+    "DEDUP_MODES",
+    "DEFAULT_RELEVANCE_FLOOR",
+    "ENGINE_KINDS",
+    "QUANT_BACKENDS",
+    "SUMMARY_ROLES",
+    "ChunkSettings",
+    "DedupSettings",
+    "EngineSettings",
+    "HistorySettings",
+    "MemorySettings",
+    "QuantizedCacheSettings",
+    "QueueSettings",
+    "RecordField",
+    "RetrievalSettings",
+    "from_keywords",
+]
+
+#: Default ``relevance_floor``: candidates scoring under half the best one's fused score are left
+#: out. Chosen on SQuAD dev tuning articles (bench/floor.py, BENCHMARKS.md "Relevance floor"):
+#: answer recall at the default allowance stays at its maximum from 0.3 to 0.5 and falls from 0.6
+#: on, while the context shrinks from 7,667 to 2,689 tokens.
+DEFAULT_RELEVANCE_FLOOR = 0.5
+
+#: Served engines ragbudget knows by name (``"auto"`` probes and says which).
+ENGINE_KINDS = ("vllm", "sglang", "tgi", "llamacpp", "ollama", "openai")
+
+#: Duplicate removal of :meth:`ragbudget.index.Index.build`: content hash + MinHash, hash only, none.
+DEDUP_MODES = ("near", "exact", "none")
+
+#: Backends of transformers' quantized KV cache (``cache="quantized"``).
+QUANT_BACKENDS = ("quanto", "hqq", "fp8")
+
+#: Roles a conversation's rolling summary may be sent as.
+SUMMARY_ROLES = ("system", "user", "assistant")
+
+
+# -- the checks, one per kind of value ------------------------------------------------------------
+# Each names the field, what was given and what is expected (a TypeError from deep inside a stage
+# says none of that). Also used by the public entry points for their per-call arguments.
+
+
+def shown(value: Any) -> str:
+    """``repr(value)``, cut to 60 characters for an error message."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def check_text(name: str, value: Any, *, optional: bool = False) -> str | None:
+    if value is None and optional:
+        return None
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        raise ArgumentTypeError(f"{name} must be str, got {type(value).__name__} "
+                                f"({len(bytes(value))} bytes): decode it first, e.g. "
+                                f"{name}.decode('utf-8')")
+    if not isinstance(value, str):
+        raise ArgumentTypeError(f"{name} must be str, got {type(value).__name__} {shown(value)}")
+    return value
+
+
+def check_int(name: str, value: Any, minimum: int, *, optional: bool = False) -> int | None:
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        hint = " (convert it with int())" if isinstance(value, str) else ""
+        raise ArgumentTypeError(f"{name} must be an int ≥ {minimum}"
+                                f"{' or None' if optional else ''}, got "
+                                f"{type(value).__name__} {shown(value)}{hint}")
+    if value < minimum:
+        raise ConfigError(f"{name} must be ≥ {minimum}, got {value}")
+    return int(value)
+
+
+def check_number(name: str, value: Any, lo: float, hi: float | None = None, *,
+                 optional: bool = False, lo_open: bool = False, hi_open: bool = False) -> float | None:
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ArgumentTypeError(f"{name} must be a number, got {type(value).__name__} {shown(value)}")
+    x = float(value)
+    bad = x <= lo if lo_open else x < lo
+    if hi is not None:
+        bad = bad or (x >= hi if hi_open else x > hi)
+    if bad or x != x:  # NaN fails every comparison
+        where = (f"in {'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}" if hi is not None
+                 else f"{'>' if lo_open else '≥'} {lo:g}")
+        raise ConfigError(f"{name} must be {where}, got {value}")
+    return x
+
+
+def check_choice(name: str, value: Any, choices: Sequence[str]) -> str:
+    if value not in choices:
+        raise ConfigError(f"{name} must be one of {', '.join(choices)}; got {shown(value)}")
+    return str(value)
+
+
+def check_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ArgumentTypeError(f"{name} must be True or False, got {type(value).__name__} {shown(value)}")
+    return value
+
+
+def check_fusion(fusion: Any, lexical_weight: Any) -> tuple[str, float]:
+    """The fusion method and the lexical weight, checked: the one rule
+    :class:`RetrievalSettings` and :func:`ragbudget.lexical.fuse_scores` share."""
+    weight = check_number("lexical_weight", lexical_weight, 0.0)
+    assert weight is not None
+    if weight > 1.0:
+        raise ConfigError(f"lexical_weight must be in [0, 1], got {lexical_weight}; "
+                          "use 0 (or hybrid=False) for dense-only search")
+    return check_choice("fusion", fusion, FUSIONS), weight
+
+
+def _set(record: Any, name: str, value: Any) -> None:
+    # A frozen record normalizes its own fields once, while it is being built (an int given for a
+    # float field is stored as the float it means).
+    object.__setattr__(record, name, value)
+
+
+# -- the records ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class RetrievalSettings:
+    """What is fetched from the index for a question, and how it is packed into the context.
+
+    Attributes:
+        fetch_k: candidates fetched from the index before selection.
+        hybrid: fuse dense (FAISS) and lexical (BM25, SQLite FTS5) candidates; ``False``
+            searches dense only.
+        lexical_weight: weight of the lexical ranking in the fusion, in [0, 1] (0 = dense only).
+        fusion: ``"score"`` (normalized scores) or ``"rrf"`` (reciprocal rank fusion).
+        order: context order — ``relevance``, ``document`` or ``lost_in_middle``.
+        pack: ``"spans"`` (the question's sentences inside the best chunks, citations with exact
+            offsets per sentence) or ``"chunks"`` (whole chunks).
+        fill_remainder: with ``pack="chunks"``, give the room the whole chunks leave to the best
+            window of the best chunk left out.
+        relevance_floor: leave out candidates scoring under this fraction of the best one's score
+            (0 disables; :data:`DEFAULT_RELEVANCE_FLOOR`, measured in bench/floor.py).
+    """
+
+    fetch_k: int = 50
+    hybrid: bool = True
+    lexical_weight: float = 0.5
+    fusion: str = "score"
+    order: str = "relevance"
+    pack: str = DEFAULT_PACK
+    fill_remainder: bool = False
+    relevance_floor: float = DEFAULT_RELEVANCE_FLOOR
+
+    def __post_init__(self) -> None:
+        check_int("fetch_k", self.fetch_k, 1)
+        check_bool("hybrid", self.hybrid)
+        fusion, weight = check_fusion(self.fusion, self.lexical_weight)
+        _set(self, "lexical_weight", weight)
+        check_choice("order", self.order, ORDERS)
+        check_choice("pack", self.pack, PACKS)
+        check_bool("fill_remainder", self.fill_remainder)
+        if self.fill_remainder and self.pack != "chunks":
+            # Span packing fills the room with sentences already; silently ignoring the option
+            # would leave a user believing it applied.
+            raise ConfigError("fill_remainder applies to whole-chunk packing only; pass "
+                              "pack='chunks' with it (CLI: --pack chunks --fill-remainder)")
+        _set(self, "relevance_floor", check_number("relevance_floor", self.relevance_floor, 0.0, 1.0))
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemorySettings:
+    """What the memory plan (:func:`ragbudget.budget.plan_budget`) is made for. Local generation
+    only: a served engine reports its own memory.
+
+    Attributes:
+        gpu: ``"auto"``/``None`` (free CUDA memory, else host RAM), a GPU name, a size such as
+            ``"24GiB"`` or a number of bytes.
+        concurrency: requests planned to share the KV memory.
+        max_new_tokens: output tokens reserved per request.
+        kv_dtype: KV cache dtype (default: the model's).
+        cache: KV cache kind — ``dynamic``, ``static``, ``offloaded`` or ``quantized``.
+        utilization: share of the memory the plan may use, in (0, 1] (0.9, as vLLM).
+        ttft_target: seconds of prefill a request may take when no ``context_tokens`` is given:
+            the context is capped to what the measured prefill speed allows in that time.
+            ``None``: 2 s on a host without CUDA, no cap on a GPU; 0 disables.
+    """
+
+    gpu: str | int | None = None
+    concurrency: int = 1
+    max_new_tokens: int = 256
+    kv_dtype: str | None = None
+    cache: str = "dynamic"
+    utilization: float = 0.9
+    ttft_target: float | None = None
+
+    def __post_init__(self) -> None:
+        gpu = self.gpu
+        if gpu is not None and (isinstance(gpu, bool) or not isinstance(gpu, (str, int, float))):
+            raise ArgumentTypeError(f"gpu must be 'auto', a GPU name, a size such as '24GiB' or a "
+                                    f"number of bytes, got {type(gpu).__name__} {shown(gpu)}")
+        _set(self, "concurrency", check_int("concurrency", self.concurrency, 1))
+        _set(self, "max_new_tokens", check_int("max_new_tokens", self.max_new_tokens, 1))
+        check_text("kv_dtype", self.kv_dtype, optional=True)
+        check_choice("cache", self.cache, CACHE_KINDS)
+        _set(self, "utilization", check_number("utilization", self.utilization, 0.0, 1.0, lo_open=True))
+        _set(self, "ttft_target", check_number("ttft_target", self.ttft_target, 0.0, optional=True))
+
+
+@dataclass(frozen=True, kw_only=True)
+class QueueSettings:
+    """Admission control's bounded queue (:class:`~ragbudget.admission.AdmissionController`).
+
+    Attributes:
+        size: requests that may wait for KV memory at once (0: refuse at once when full).
+        timeout: seconds a request may wait before it is refused.
+    """
+
+    size: int = 64
+    timeout: float = 30.0
+
+    def __post_init__(self) -> None:
+        _set(self, "size", check_int("queue_size", self.size, 0))
+        _set(self, "timeout", check_number("queue_timeout", self.timeout, 0.0))
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineSettings:
+    """Generating on a served engine (:func:`ragbudget.engines.connect`) instead of a local model.
+
+    Attributes:
+        url: the engine's URL (``http://host:8000/v1``); ``None``: generate locally.
+        kind: ``"auto"`` (probe and say which) or one of :data:`ENGINE_KINDS`.
+        api_key: the engine's API key (never shown in the record's repr).
+        api_key_env: the environment variable holding the API key instead.
+        tokenizer: for engines that cannot count (Ollama, a generic OpenAI server): a Hugging
+            Face tokenizer, folder or id counted with a 2% safety margin (default: tiktoken
+            with 15%).
+        context_tokens: the engine's window, for a server that does not report it.
+        timeout: seconds any one engine reply may take (a whole answer, when not streamed).
+    """
+
+    url: str | None = None
+    kind: str = "auto"
+    api_key: str | None = field(default=None, repr=False)
+    api_key_env: str | None = None
+    tokenizer: Any = None
+    context_tokens: int | None = None
+    timeout: float = 30.0
+
+    def __post_init__(self) -> None:
+        check_text("engine", self.url, optional=True)
+        if self.kind != "auto" and self.kind not in ENGINE_KINDS:
+            raise ConfigError(f"engine_kind must be auto or one of {', '.join(ENGINE_KINDS)}; got {shown(self.kind)}")
+        check_text("api_key", self.api_key, optional=True)
+        check_text("api_key_env", self.api_key_env, optional=True)
+        if self.api_key is not None and self.api_key_env is not None:
+            raise ConfigError("pass api_key or api_key_env, not both")
+        _set(self, "context_tokens", check_int("engine_context_tokens", self.context_tokens, 2, optional=True))
+        _set(self, "timeout", check_number("engine_timeout", self.timeout, 0.0, lo_open=True))
+
+
+@dataclass(frozen=True, kw_only=True)
+class HistorySettings:
+    """How a conversation's history shares the prompt (:class:`~ragbudget.chat.Conversation`,
+    and the server's chat requests).
+
+    Attributes:
+        history_share: share of the prompt room the history may take, in [0, 1); retrieval
+            gets the rest, and whatever history leaves unused.
+        summary_max_tokens: cap of the rolling summary older turns are folded into.
+        recent_turns: turns kept verbatim when they fit.
+        expand_follow_ups: rewrite follow-up questions for retrieval
+            (:func:`~ragbudget.chat.expand_query`).
+        summary_role: the role the summary is sent as (one of :data:`SUMMARY_ROLES`).
+    """
+
+    history_share: float = 0.3
+    summary_max_tokens: int = 128
+    recent_turns: int = 2
+    expand_follow_ups: bool = True
+    summary_role: str = "system"
+
+    def __post_init__(self) -> None:
+        share = check_number("history_share", self.history_share, 0.0, 1.0, hi_open=True)
+        _set(self, "history_share", share)
+        _set(self, "summary_max_tokens", check_int("summary_max_tokens", self.summary_max_tokens, 1))
+        _set(self, "recent_turns", check_int("recent_turns", self.recent_turns, 0))
+        check_bool("expand_follow_ups", self.expand_follow_ups)
+        check_choice("summary_role", self.summary_role, SUMMARY_ROLES)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChunkSettings:
+    """How :meth:`ragbudget.index.Index.build` cuts documents (:func:`ragbudget.chunking.chunk_text`).
+
+    Attributes:
+        min_tokens, max_tokens: the size of a chunk in tokens (``0 ≤ min ≤ max``, ``max ≥ 8``).
+        overlap: tokens repeated between neighbouring chunks (at most ``max_tokens // 2``).
+    """
+
+    min_tokens: int = 300
+    max_tokens: int = 500
+    overlap: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("min_tokens", "max_tokens", "overlap"):
+            check_int(name, getattr(self, name), 0)
+        from .chunking import check_sizes  # the chunker's own rule, so it is written once
+
+        check_sizes(self.min_tokens, self.max_tokens, self.overlap)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DedupSettings:
+    """Duplicate chunk removal of :meth:`ragbudget.index.Index.build`.
+
+    Attributes:
+        mode: ``"near"`` (content hash + MinHash), ``"exact"`` (content hash) or ``"none"``.
+        near_threshold: Jaccard similarity at which two chunks are near duplicates, in (0, 1].
+        num_perm: MinHash permutations (≥ 2).
+    """
+
+    mode: str = "near"
+    near_threshold: float = 0.8
+    num_perm: int = 128
+
+    def __post_init__(self) -> None:
+        check_choice("dedup", self.mode, DEDUP_MODES)
+        threshold = check_number("near_threshold", self.near_threshold, 0.0, 1.0, lo_open=True)
+        _set(self, "near_threshold", threshold)
+        _set(self, "num_perm", check_int("num_perm", self.num_perm, 2))
+
+
+@dataclass(frozen=True, kw_only=True)
+class QuantizedCacheSettings:
+    """transformers' ``QuantizedCache`` (``cache="quantized"``), as
+    :func:`ragbudget.kvcache.estimate_kv` sizes it.
+
+    Attributes:
+        quant_backend: ``"quanto"`` (2 or 4 bits), ``"hqq"`` (1, 2, 3, 4 or 8 bits) or ``"fp8"``.
+        nbits: bits per quantized value (ignored by fp8).
+        q_group_size: values sharing one scale and zero point.
+        residual_length: the most recent tokens kept in full precision.
+        q_axis: the axis quantized along (quanto: 0 or -1; hqq: 0 or 1).
+    """
+
+    quant_backend: str = "quanto"
+    nbits: int = 4
+    q_group_size: int = 64
+    residual_length: int = 128
+    q_axis: int = 0
+
+    #: Bit widths each integer backend quantizes to (fp8 has its own).
+    BITS = {"quanto": (2, 4), "hqq": (1, 2, 3, 4, 8)}
+    #: The axes each integer backend groups along (optimum-quanto: 0 or -1; HQQ: 0 or 1).
+    AXES = {"quanto": (0, -1), "hqq": (0, 1)}
+
+    def __post_init__(self) -> None:
+        check_choice("quant_backend", self.quant_backend, QUANT_BACKENDS)
+        check_int("nbits", self.nbits, 1)
+        allowed = self.BITS.get(self.quant_backend)
+        if allowed is not None and self.nbits not in allowed:
+            raise ConfigError(f"{self.quant_backend} quantizes the KV cache to "
+                              f"{', '.join(map(str, allowed))} bits, got nbits={self.nbits}; "
+                              f"pick one of those, or another quant_backend")
+        check_int("q_group_size", self.q_group_size, 1)
+        check_int("residual_length", self.residual_length, 0)
+        check_int("q_axis", self.q_axis, -1)
+        axes = self.AXES.get(self.quant_backend)
+        if axes is not None and self.q_axis not in axes:
+            raise ConfigError(f"{self.quant_backend} groups along axis {' or '.join(map(str, axes))}, got "
+                              f"q_axis={self.q_axis}")
+
+
+class RecordField:
+    """A flat setting read from the record its object holds: :class:`~ragbudget.pipeline.Pipeline`'s
+    ``pipe.fetch_k`` is ``pipe.retrieval.fetch_k``. Read-only, as the record is: the settings of
+    a pipeline or a conversation are fixed when it is built."""
+
+    def __init__(self, record: str, attr: str | None = None) -> None:
+        self.record, self.field = record, attr or ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name, self.field = name, self.field or name
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        if obj is None:
+            return self
+        return getattr(getattr(obj, self.record), self.field)
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        raise AttributeError(f"{self.name} is read from the {self.record} settings, fixed when "
+                             f"{type(obj).__name__} was built: build a new one with {self.record}="
+                             f"dataclasses.replace(old.{self.record}, {self.field}=...)")
+
+
+# -- flat keywords -> records ---------------------------------------------------------------------
+
+R = TypeVar("R")
+
+
+def from_keywords(cls: type[R], record: R | None, keyword: str, flat: Mapping[str, Any],
+                  rename: Mapping[str, str] | None = None) -> R:
+    """The record a public entry point uses: ``record`` when given, else one built from the flat
+    keywords that were given (``None``: not given, the record's default). ``rename`` maps a flat
+    keyword to its field where the names differ (``engine_kind`` → ``kind``). A record together
+    with any of its flat keywords is refused: which one should win is a guess.
+
+    >>> from_keywords(QueueSettings, None, "queue", {"queue_size": 8, "queue_timeout": None},
+    ...               {"queue_size": "size", "queue_timeout": "timeout"})
+    QueueSettings(size=8, timeout=30.0)
+    """
+    given = {name: value for name, value in flat.items() if value is not None}
+    if record is None:
+        names = rename or {}
+        return cls(**{names.get(name, name): value for name, value in given.items()})
+    if not isinstance(record, cls):
+        raise ArgumentTypeError(f"{keyword} must be a {cls.__name__}, got {type(record).__name__} "
+                                f"{shown(record)}")
+    if given:
+        raise ConfigError(f"pass {keyword}={cls.__name__}(...) or its keywords "
+                          f"({', '.join(sorted(given))}), not both; to change a field of a record, "
+                          f"use dataclasses.replace({keyword}, ...)")
+    return record
