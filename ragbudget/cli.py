@@ -693,7 +693,8 @@ def budget(
 
     With --engine URL: the engine's own figures (each with its source and age) and the context
     one request may use, with the limit that binds."""
-    from .budget import format_plan, plan_budget
+    from .budget import plan_budget
+    from .display import format_plan
 
     if engine:
         from .pipeline import Pipeline
@@ -720,7 +721,7 @@ def budget(
         utilization=utilization,
     )
     if plot_path:
-        from .budget import plot_plan
+        from .display import plot_plan
 
         plot_plan(plan, plot_path)
     if as_json:
@@ -801,7 +802,8 @@ def ask(
     engine: dict[str, Any],
 ) -> None:
     """Answer QUESTION from the index within the memory budget, citing sources."""
-    from .pipeline import DEFAULT_RELEVANCE_FLOOR, Pipeline, format_report
+    from .display import format_report
+    from .pipeline import DEFAULT_RELEVANCE_FLOOR, Pipeline
 
     pipe = Pipeline(
         index_dir,
@@ -918,9 +920,11 @@ def chat(
 ) -> None:
     """Multi-turn chat inside the memory budget: a REPL at a terminal (line editing, history,
     /help), one question per line when stdin is piped."""
-    from .chat import Conversation, TerminalLines, chat_banner, run_chat
+    from .chat import Conversation
+    from .display import chat_banner
     from .models import cache_dir
     from .pipeline import Pipeline
+    from .terminal import TerminalLines, run_chat
 
     pipe = Pipeline(
         index_dir,

@@ -424,7 +424,7 @@ def test_cpu_default_context_is_capped_by_measured_prefill_time(indexed: Path,
     assert b["context_limit"]["limit"] == "time" and b["context_limit"]["ttft_target_s"] == 3.0
     assert b["context_tokens_cap"] == 1500 - b["fixed_prompt_tokens"]
     assert b["context_tokens_allowed"] <= b["context_tokens_cap"]
-    from ragbudget.pipeline import format_report
+    from ragbudget.display import format_report
 
     assert "limit time: 3 s to the first token" in format_report(answer.report)
     # The default target applies on a CPU with no ttft_target given; context_tokens overrides it;
