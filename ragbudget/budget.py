@@ -18,6 +18,7 @@ was recorded with :func:`record_calibration`. KV is exact per layer type (:mod:`
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 from collections.abc import Callable, Mapping
@@ -25,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .errors import BudgetError, ConfigError, ModelError
+from .errors import BudgetError, ConfigError, ModelError, RagBudgetError
 from .gpus import GiB, GPUInfo, resolve_gpu
 from .kvcache import (
     _Cfg,
@@ -42,8 +43,11 @@ if TYPE_CHECKING:
     from .admission import MemoryModel, Throughput
     from .kvcache import PagedCacheLayout
 
+log = logging.getLogger(__name__)
+
 __all__ = [
     "BudgetPlan",
+    "PeakMeasurement",
     "cap_plan_for_time",
     "count_parameters",
     "estimate_activation_bytes",
@@ -54,6 +58,7 @@ __all__ = [
     "measure_prefill_speed",
     "plan_budget",
     "record_calibration",
+    "record_measurement",
     "request_memory",
     "throughput_from_speed",
 ]
@@ -336,6 +341,35 @@ def record_calibration(
         }
 
     return _merge_entry(_calibration_path(), _cal_key(gpu_name, model, dtype, cache), merge)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PeakMeasurement:
+    """A generation's measured CUDA peak and what it consisted of: the arguments of
+    :func:`record_calibration`. The generator measures (it holds the model and the device); the
+    pipeline, which owns the plan, records it with :func:`record_measurement` — a stage never
+    writes the planner's files itself."""
+
+    gpu_name: str
+    model: str
+    dtype: str
+    cache: str
+    tokens: int  #: prefill tokens of the measured run
+    batch_size: int
+    measured_peak_bytes: int
+    weights_bytes: int
+    kv_bytes: int
+
+
+def record_measurement(measurement: PeakMeasurement) -> dict[str, Any] | None:
+    """:func:`record_calibration` of a measured peak, best effort: calibration makes the next
+    plan tighter but is not needed to answer, so a cache folder that cannot be written (read-only
+    home, full disk) only logs. The entry written, or ``None``."""
+    try:
+        return record_calibration(**asdict(measurement))
+    except (OSError, RagBudgetError) as exc:
+        log.debug("calibration not recorded: %s", exc)
+        return None
 
 
 def lookup_calibration(gpu_name: str, model: str, dtype: str, cache: str) -> dict[str, Any] | None:

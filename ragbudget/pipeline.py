@@ -1050,6 +1050,12 @@ class Pipeline:
             # And the whole request how fast it decoded: the time model follows the host.
             reservation.finish(gen.new_tokens)
             timings["generate_s"] = time.perf_counter() - t0
+        if gen.measurement is not None:
+            # A CUDA run measured its peak: the plan's owner keeps it, so the next plan for this
+            # GPU and model uses the measured activations (the generator itself writes nothing).
+            from .budget import record_measurement
+
+            record_measurement(gen.measurement)
         timings["total_s"] = time.perf_counter() - t_start
         final = gen.prompt if gen.prompt is not None else prompt
         return _answer(gen, final, plan, reserve, timings, cap)

@@ -11,11 +11,13 @@ import pytest
 
 import ragbudget.budget
 from ragbudget.budget import (
+    PeakMeasurement,
     count_parameters,
     estimate_activation_bytes,
     lookup_calibration,
     plan_budget,
     record_calibration,
+    record_measurement,
 )
 from ragbudget.errors import BudgetError, ConfigError, ModelError
 from ragbudget.kvcache import kv_cache_bytes
@@ -126,6 +128,19 @@ def test_calibration_roundtrip():
     q = plan_budget("HuggingFaceTB/SmolLM2-135M-Instruct", gpu="H100", kv_dtype="bfloat16")
     assert q.activation_source.startswith("calibrated")
     assert q.activation_bytes == int(10**7 * q.max_context_tokens)
+
+
+def test_a_measurement_is_recorded_best_effort(tmp_path, monkeypatch):
+    m = PeakMeasurement(gpu_name="H100 80GB", model="m", dtype="bfloat16", cache="dynamic", tokens=1000,
+                        batch_size=1, measured_peak_bytes=3000 + 10**6, weights_bytes=1000, kv_bytes=2000)
+    entry = record_measurement(m)
+    assert entry is not None and entry["activation_bytes_per_token"] == 1000
+    assert lookup_calibration("H100 80GB", "m", "bfloat16", "dynamic") == entry
+    # A cache folder that cannot be written costs the calibration, never the request.
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    monkeypatch.setenv("RAGBUDGET_CACHE", str(blocked / "cache"))
+    assert record_measurement(m) is None
 
 
 def test_eager_activations_grow_quadratically():
