@@ -21,7 +21,6 @@ from _fakes import (
     WordTokenizer as HFWordTokenizer,
     corpus_index,
 )
-from hypothesis import given, settings, strategies as st
 
 from ragbudget.backend import Capacity, Sampling
 from ragbudget.chat import (
@@ -30,8 +29,6 @@ from ragbudget.chat import (
     SummaryCache,
     Turn,
     _Meter,
-    expand_query,
-    is_follow_up,
 )
 from ragbudget.errors import BudgetError, ConfigError
 from ragbudget.pipeline import Pipeline
@@ -278,38 +275,6 @@ def test_follow_up_retrieves_the_right_chunks() -> None:
     chat2 = Conversation(plain, expand_follow_ups=False)
     chat2.ask(FIRST)
     assert chunks(chat2.ask("what about its footer?"))[0] != "html-footer"
-
-
-@pytest.mark.parametrize(
-    ("question", "expected"),
-    [
-        ("what about its footer?", True),
-        ("And the R manual?", True),
-        ("Why is that?", True),
-        ("How are they removed?", True),
-        ("footers?", True),
-        ("How does the chunker split long Markdown sections into pieces?", False),
-        ("Which system calls return EINTR when interrupted by a signal handler?", False),
-    ],
-)
-def test_is_follow_up(question: str, expected: bool) -> None:
-    assert is_follow_up(question) is expected
-
-
-def test_expand_query_uses_newest_previous_question_first() -> None:
-    q = expand_query("what about its footer?", ["KV budget basics?", "How are PDF page headers stripped?"])
-    assert q.startswith("what about its footer? pdf page headers stripped")
-    assert expand_query("Which system calls return EINTR on signals?", ["PDF headers?"]) == (
-        "Which system calls return EINTR on signals?")
-    assert expand_query("what about it?", []) == "what about it?"
-
-
-@settings(max_examples=80, deadline=None)
-@given(st.text(min_size=1, max_size=80), st.lists(st.text(max_size=80), max_size=3))
-def test_expand_query_keeps_the_question_intact(question: str, previous: list[str]) -> None:
-    out = expand_query(question, previous, max_terms=10)
-    assert out.startswith(question)
-    assert len(out.split()) <= len(question.split()) + 10
 
 
 # --- the chat command (the CLI) --------------------------------------------------------------------
