@@ -25,7 +25,15 @@ if TYPE_CHECKING:
     from .budget import BudgetPlan
     from .chat import ChatTurn, Conversation
 
-__all__ = ["chat_banner", "format_plan", "format_report", "format_sources", "format_turn", "plot_plan"]
+__all__ = [
+    "chat_banner",
+    "format_index_summary",
+    "format_plan",
+    "format_report",
+    "format_sources",
+    "format_turn",
+    "plot_plan",
+]
 
 MiB = 1 << 20
 
@@ -288,3 +296,46 @@ def chat_banner(conversation: Conversation) -> str:
         parts.append(f"KV {kv} B/token")
     parts.append("/help for commands")
     return " · ".join(parts)
+
+
+# --- an index run (``ragbudget index``) -----------------------------------------------------------
+
+
+def format_index_summary(s: dict[str, Any]) -> str:
+    """What ``ragbudget index`` prints of an index run's summary (``IndexSummary.to_dict()``): the
+    files and chunks it changed, what it removed, what it could not read and why."""
+    quiet = {"hidden", "ignored", "excluded"}  # what the user asked to leave out
+    n_skipped = sum(1 for skip in s.get("skipped", []) if skip.get("reason") not in quiet)
+    kept = s.get("files_kept", 0)
+    resumed = s.get("chunks_resumed", 0)
+    lines = [
+        f"files: {s.get('files_added', 0)} added, {s.get('files_updated', 0)} updated, "
+        f"{s.get('files_removed', 0)} removed, {s.get('files_unchanged', 0)} unchanged, "
+        f"{n_skipped} skipped" + (f"; {kept} under other roots kept" if kept else ""),
+        f"chunks: {s.get('chunks_total', 0)} in index, {s.get('chunks_added', 0)} added, "
+        f"{s.get('chunks_removed', 0)} removed, {s.get('chunks_embedded', 0)} embedded "
+        f"({s.get('windows_pooled', 0)} over-long chunks pooled over windows"
+        + (f"; {resumed} taken from an interrupted run" if resumed else "")
+        + ")",
+        f"duplicates removed: {s.get('exact_duplicates', 0)} exact, {s.get('near_duplicates', 0)} near",
+        f"header/footer lines removed: {s.get('furniture_lines_removed', 0)}",
+        f"time: {s.get('seconds', 0.0):.1f} s",
+    ]
+    if s.get("rebuilt"):
+        lines.append(f"rebuilt from scratch: {s.get('rebuild_reason') or s.get('rebuilt')}")
+    # What the user asked to leave out is counted; everything else that could not be indexed is
+    # listed with its reason.
+    left_out = 0
+    for skip in s.get("skipped", []):
+        path, reason, detail = skip.get("path"), skip.get("reason"), skip.get("detail", "")
+        if reason in quiet:
+            left_out += 1
+            continue
+        lines.append(f"  skipped {path}: {reason}" + (f" ({detail})" if detail else ""))
+    if left_out:
+        lines.append(f"  ({left_out} hidden, VCS or excluded path(s) left out)")
+    for warning in s.get("warnings", []):
+        lines.append(f"  warning {warning.get('path')}: {warning.get('message')}")
+    if not s.get("committed", True):
+        lines.append("nothing changed: the index is as it was")
+    return "\n".join(lines)

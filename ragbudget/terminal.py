@@ -4,14 +4,17 @@
 editing and a history file), handles the slash commands of :data:`CHAT_HELP` itself, sends
 everything else to a :class:`~ragbudget.chat.Conversation`, and writes each turn with
 :mod:`ragbudget.display`. The conversation's memory policy lives in :mod:`ragbudget.chat`; this
-module is only the terminal around it (signals, readline, the command words).
+module is only the terminal around it (signals, readline, the command words). :class:`Progress`
+is the other thing drawn on a terminal: ``ragbudget index``'s progress bars.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
+import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -22,7 +25,7 @@ from .errors import RagBudgetError
 if TYPE_CHECKING:
     from .chat import ChatTurn, Conversation
 
-__all__ = ["CHAT_HELP", "TerminalLines", "run_chat"]
+__all__ = ["CHAT_HELP", "Progress", "TerminalLines", "run_chat"]
 
 #: What ``/help`` prints. Commands are handled here and never reach the model.
 CHAT_HELP = """\
@@ -54,8 +57,6 @@ class TerminalLines:
         write: Callable[[str], Any] | None = None,
         history_length: int = 1000,
     ) -> None:
-        import sys
-
         self.prompt = prompt
         self.history_file = history_file
         self._write = write or (lambda text: (sys.stdout.write(text), sys.stdout.flush()))
@@ -75,8 +76,6 @@ class TerminalLines:
         """Write the history file (its folder is created); errors are ignored."""
         if self._readline is None or not self.history_file:
             return
-        import os
-
         with contextlib.suppress(OSError):  # read-only home, full disk: history is a convenience
             os.makedirs(os.path.dirname(self.history_file) or ".", exist_ok=True)
             self._readline.write_history_file(self.history_file)
@@ -204,3 +203,32 @@ def run_chat(
         if prompt:
             write(prompt)
     return answered
+
+
+class Progress:
+    """Drives tqdm bars on stderr from the index's progress callback ``(phase, done, total)``
+    (``ragbudget index``); only at a terminal, or with ``RAGBUDGET_PROGRESS`` set."""
+
+    def __init__(self, *, enabled: bool) -> None:
+        self.enabled = enabled and sys.stderr.isatty() or bool(os.environ.get("RAGBUDGET_PROGRESS"))
+        self._bars: dict[str, Any] = {}
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __call__(self, phase: str, done: int, total: int | None = None) -> None:
+        if not self.enabled:
+            return
+        from tqdm import tqdm
+
+        bar = self._bars.get(phase)
+        if bar is None:
+            bar = self._bars[phase] = tqdm(total=total, desc=phase, unit="", leave=True, file=sys.stderr)
+        if total is not None and bar.total != total:
+            bar.total = total
+        bar.n = done
+        bar.refresh()
+
+    def __exit__(self, *exc: object) -> None:
+        for bar in self._bars.values():
+            bar.close()
