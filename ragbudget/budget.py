@@ -1,5 +1,8 @@
 """The GPU memory budget: how many tokens one request may hold, at what concurrency.
 
+One job: the memory plan of one model on one device (weights, activations, KV, concurrency), with
+the measurements that refine it (calibration, prefill speed) stored next to the plan that reads them.
+
     usable   = gpu_bytes × utilization            (0.9 by default, like vLLM)
     needed   = weights + activations(prefill) + KV(peak, concurrency × context)
     max_context_tokens = the largest context (prompt + generated) per request with needed ≤ usable,
