@@ -613,7 +613,7 @@ class ChatEndpoint:
                                 metrics.observe("ragbudget_time_to_first_token_seconds", time.perf_counter() - t0)
                             yield completion.chunk({"content": value})
                     elif kind == "queued":
-                        pass  # the role chunk above started the stream; the wait is kept alive below
+                        pass  # the role chunk above started the stream; "tick"s keep the wait alive
                     elif kind == "tick":
                         # An SSE comment: clients skip it, and their read time-out restarts.
                         yield b": waiting for a turn\n\n"
