@@ -1,6 +1,9 @@
 """Admission control: a request runs only while what it pins fits the memory, and its first token
 can come within the queue's time-out.
 
+One job: deciding when a request may run — its memory and time rules share one queue, one lock
+and one set of reservations, so they stay in one controller.
+
 Memory. A request reserves its worst case: the KV cache of ``prompt + max_new_tokens`` tokens
 *and* its own activation peak (the prefill of its prompt, with the attention implementation in
 use), given by a :class:`MemoryModel`. Requests run together only while the sum fits. Two

@@ -1,5 +1,8 @@
 """The GPU memory budget: how many tokens one request may hold, at what concurrency.
 
+One job: the memory plan of one model on one device (weights, activations, KV, concurrency), with
+the measurements that refine it (calibration, prefill speed) stored next to the plan that reads them.
+
     usable   = gpu_bytes × utilization            (0.9 by default, like vLLM)
     needed   = weights + activations(prefill) + KV(peak, concurrency × context)
     max_context_tokens = the largest context (prompt + generated) per request with needed ≤ usable,
@@ -18,6 +21,7 @@ was recorded with :func:`record_calibration`. KV is exact per layer type (:mod:`
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 from collections.abc import Callable, Mapping
@@ -25,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .errors import BudgetError, ConfigError, ModelError
+from .errors import BudgetError, ConfigError, ModelError, RagBudgetError
 from .gpus import GiB, GPUInfo, resolve_gpu
 from .kvcache import (
     _Cfg,
@@ -42,26 +46,25 @@ if TYPE_CHECKING:
     from .admission import MemoryModel, Throughput
     from .kvcache import PagedCacheLayout
 
+log = logging.getLogger(__name__)
+
 __all__ = [
     "BudgetPlan",
+    "PeakMeasurement",
     "cap_plan_for_time",
     "count_parameters",
     "estimate_activation_bytes",
     "estimate_weights_bytes",
-    "format_plan",
     "context_tokens_for_time",
     "lookup_calibration",
     "lookup_prefill_speed",
     "measure_prefill_speed",
     "plan_budget",
-    "plot_plan",
     "record_calibration",
+    "record_measurement",
     "request_memory",
     "throughput_from_speed",
 ]
-
-MiB = 1 << 20
-
 
 # --------------------------------------------------------------------------------------------
 # Weights
@@ -341,6 +344,35 @@ def record_calibration(
         }
 
     return _merge_entry(_calibration_path(), _cal_key(gpu_name, model, dtype, cache), merge)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PeakMeasurement:
+    """A generation's measured CUDA peak and what it consisted of: the arguments of
+    :func:`record_calibration`. The generator measures (it holds the model and the device); the
+    pipeline, which owns the plan, records it with :func:`record_measurement` — a stage never
+    writes the planner's files itself."""
+
+    gpu_name: str
+    model: str
+    dtype: str
+    cache: str
+    tokens: int  #: prefill tokens of the measured run
+    batch_size: int
+    measured_peak_bytes: int
+    weights_bytes: int
+    kv_bytes: int
+
+
+def record_measurement(measurement: PeakMeasurement) -> dict[str, Any] | None:
+    """:func:`record_calibration` of a measured peak, best effort: calibration makes the next
+    plan tighter but is not needed to answer, so a cache folder that cannot be written (read-only
+    home, full disk) only logs. The entry written, or ``None``."""
+    try:
+        return record_calibration(**asdict(measurement))
+    except (OSError, RagBudgetError) as exc:
+        log.debug("calibration not recorded: %s", exc)
+        return None
 
 
 def lookup_calibration(gpu_name: str, model: str, dtype: str, cache: str) -> dict[str, Any] | None:
@@ -929,88 +961,3 @@ def request_memory(plan: BudgetPlan, config: Any = None, *,
                        kv_fixed_bytes=plan.kv_fixed_bytes_per_sequence,
                        kv_pool_tokens=paged.capacity_tokens, kv_pool_page=paged.page_size,
                        activation=activation, source=source)
-
-
-def _h(n: int) -> str:
-    if n >= GiB:
-        return f"{n / GiB:.2f} GiB"
-    if n >= MiB:
-        return f"{n / MiB:.1f} MiB"
-    return f"{n / 1024:.1f} KiB" if n >= 1024 else f"{n} B"
-
-
-def _concurrency_line(plan: BudgetPlan) -> str:
-    if plan.max_concurrency >= 1:
-        return (f"{plan.concurrency} (max {plan.max_concurrency:,} requests of "
-                f"{plan.concurrency_context_tokens:,} tokens)")
-    # Not even one request of the target length fits: say what does instead of "max 0".
-    return (f"{plan.concurrency} request(s) of {plan.max_context_tokens:,} tokens each; one "
-            f"request of {plan.concurrency_context_tokens:,} tokens does not fit (memory holds "
-            f"{plan.kv_capacity_tokens:,} tokens for one request)")
-
-
-def format_plan(plan: BudgetPlan) -> str:
-    """A readable table of a plan (for the CLI)."""
-    rows = [
-        ("model", plan.model),
-        ("gpu", plan.gpu_source if plan.gpu_source.startswith(plan.gpu_name)
-         else f"{plan.gpu_name} ({plan.gpu_source})"),
-        ("memory", f"{_h(plan.gpu_bytes)} × {plan.utilization:.2f} = {_h(plan.usable_bytes)} usable"),
-        ("weights", f"{_h(plan.weights_bytes)} ({plan.weights_source})"),
-        ("activations", f"{_h(plan.activation_bytes)} ({plan.activation_source})"),
-        ("kv cache", f"{plan.cache}, {plan.kv_dtype}, {plan.backend}"),
-        # The second figure only exists for models with sliding-window layers.
-        ("kv per token", _h(plan.kv_bytes_per_token) if plan.kv_bytes_per_token_peak
-         == plan.kv_bytes_per_token else (f"{_h(plan.kv_bytes_per_token)} (below sliding "
-                                          f"windows: {_h(plan.kv_bytes_per_token_peak)})")),
-        ("kv at max", (f"{_h(plan.kv_bytes_at_max)} for {plan.concurrency} × "
-                      f"{plan.max_context_tokens:,} tokens")),
-        ("kv capacity", f"{plan.kv_capacity_tokens:,} tokens (one sequence)"),
-        ("max context", (f"{plan.max_context_tokens:,} tokens per request (limited by "
-                        f"{plan.limited_by}; model max {plan.model_max_tokens:,})")),
-        ("max prompt", f"{plan.max_prompt_tokens:,} tokens + {plan.max_new_tokens} new"),
-        ("concurrency", _concurrency_line(plan)),
-    ]
-    width = max(len(k) for k, _ in rows)
-    lines = [f"{k.ljust(width)}  {v}" for k, v in rows]
-    if plan.concurrency_curve:
-        lines.append("tokens per request by concurrency: " + ", ".join(
-            f"{n}→{t:,}" for n, t in plan.concurrency_curve[:8]))
-    lines += [f"note: {n}" for n in plan.notes]
-    return "\n".join(lines)
-
-
-def plot_plan(plan: BudgetPlan, path: str | os.PathLike[str]) -> str:
-    """Save a two-panel PNG: memory split (weights / activations / KV / free) and tokens allowed
-    per request against concurrency. Needs matplotlib (``pip install ragbudget[plot]``)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as e:
-        raise ConfigError("plotting needs the optional package 'matplotlib', which is not "
-                          "installed: pip install 'ragbudget[plot]'") from e
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    parts = [("weights", plan.weights_bytes), ("activations", plan.activation_bytes),
-             ("KV", plan.kv_bytes_at_max), ("free", plan.free_bytes_at_max)]
-    bottom = 0.0
-    for label, v in parts:
-        a.bar([0], [v / GiB], bottom=[bottom], label=f"{label} {v / GiB:.1f} GiB")
-        bottom += v / GiB
-    a.axhline(plan.usable_bytes / GiB, color="k", ls="--", lw=1, label="usable")
-    a.set_xticks([])
-    a.set_ylabel("GiB")
-    a.set_title(f"{plan.gpu_name}: {plan.usable_bytes / GiB:.1f} GiB usable")
-    a.legend(fontsize=8)
-    if plan.concurrency_curve:
-        xs, ys = zip(*plan.concurrency_curve, strict=True)
-        b.plot(xs, ys, marker="o")
-        b.set_xscale("log", base=2)
-    b.set_xlabel("concurrent requests")
-    b.set_ylabel("max tokens per request")
-    b.set_title(plan.model[:40])
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return str(path)

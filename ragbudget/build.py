@@ -1,5 +1,8 @@
 """The index writer: files in, one atomic generation out.
 
+One job: one index-writing run, from the scan to the committed generation (its steps share the
+lock, the copied SQLite file and the checkpoint, and only make sense in that order).
+
 One :class:`_Builder` run holds the index lock (taken by :meth:`Index.build`), copies the current
 generation's SQLite file, scans the roots, loads/cleans/chunks the changed files, drives
 deduplication and the vector store, embeds through an executor (:mod:`ragbudget.executors`: in

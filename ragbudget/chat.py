@@ -37,17 +37,16 @@ question verbatim, with the conversation as history.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import json
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .errors import BudgetError, ConfigError, RagBudgetError, RequestCancelled
+from .errors import BudgetError, ConfigError, RequestCancelled
+from .followup import expand_query
 from .settings import HistorySettings, RecordField, from_keywords
 
 if TYPE_CHECKING:
@@ -55,19 +54,11 @@ if TYPE_CHECKING:
     from .pipeline import Answer, Pipeline
 
 __all__ = [
-    "CHAT_HELP",
     "ChatTurn",
     "Conversation",
     "SummaryCache",
-    "TerminalLines",
     "Turn",
     "TurnBudget",
-    "chat_banner",
-    "expand_query",
-    "format_sources",
-    "format_turn",
-    "is_follow_up",
-    "run_chat",
 ]
 
 Message = dict[str, str]
@@ -79,179 +70,6 @@ _SUMMARY_SYSTEM = (
     "from documents. Write a short factual summary: the topics and names the user asked about and "
     "the key facts of the answers. No preamble."
 )
-
-_WORD = re.compile(r"[\w][\w'-]*")
-# Words that point back at something said before; a question using them, or a very short one, is
-# treated as a follow-up. Deliberately small: a false positive only adds a few related terms to
-# the retrieval query, a false negative retrieves for the bare question.
-_ANAPHORA = frozenset(
-    [
-        "it",
-        "its",
-        "it's",
-        "this",
-        "that",
-        "these",
-        "those",
-        "they",
-        "them",
-        "their",
-        "theirs",
-        "he",
-        "him",
-        "his",
-        "she",
-        "her",
-        "hers",
-        "there",
-        "former",
-        "latter",
-        "same",
-        "above",
-        "previous",
-        "earlier",
-        "one",
-        "ones",
-    ]
-)
-_FOLLOW_UP_OPENERS = ("what about", "how about", "and", "also", "what else", "anything else", "same for")
-_STOPWORDS = frozenset(
-    [
-        "a",
-        "about",
-        "above",
-        "after",
-        "again",
-        "against",
-        "all",
-        "am",
-        "an",
-        "and",
-        "any",
-        "are",
-        "as",
-        "at",
-        "be",
-        "because",
-        "been",
-        "before",
-        "being",
-        "below",
-        "between",
-        "both",
-        "but",
-        "by",
-        "can",
-        "could",
-        "did",
-        "do",
-        "does",
-        "doing",
-        "down",
-        "during",
-        "each",
-        "few",
-        "for",
-        "from",
-        "further",
-        "had",
-        "has",
-        "have",
-        "having",
-        "here",
-        "how",
-        "i",
-        "if",
-        "in",
-        "into",
-        "is",
-        "just",
-        "me",
-        "more",
-        "most",
-        "my",
-        "no",
-        "nor",
-        "not",
-        "now",
-        "of",
-        "off",
-        "on",
-        "once",
-        "only",
-        "or",
-        "other",
-        "our",
-        "out",
-        "over",
-        "own",
-        "same",
-        "should",
-        "so",
-        "some",
-        "such",
-        "than",
-        "that",
-        "the",
-        "then",
-        "there",
-        "these",
-        "they",
-        "this",
-        "those",
-        "through",
-        "to",
-        "too",
-        "under",
-        "until",
-        "up",
-        "very",
-        "was",
-        "we",
-        "were",
-        "what",
-        "when",
-        "where",
-        "which",
-        "while",
-        "who",
-        "whom",
-        "why",
-        "will",
-        "with",
-        "would",
-        "you",
-        "your",
-        "yours",
-        "it",
-        "its",
-        "it's",
-        "their",
-        "them",
-        "he",
-        "she",
-        "his",
-        "her",
-        "please",
-        "tell",
-        "explain",
-        "describe",
-        "give",
-        "show",
-        "know",
-        "say",
-        "said",
-        "also",
-        "else",
-        "anything",
-        "something",
-        "thing",
-        "things",
-        "get",
-        "got",
-    ]
-)
-
 
 # --- records --------------------------------------------------------------------------------------
 
@@ -411,57 +229,6 @@ def _binding(pipeline: Pipeline, max_new_tokens: int) -> str:
     return ""
 
 
-# --- follow-up expansion --------------------------------------------------------------------------
-
-
-def _words(text: str) -> list[str]:
-    return [w.lower() for w in _WORD.findall(text)]
-
-
-def is_follow_up(question: str) -> bool:
-    """True when ``question`` leans on earlier turns: it uses a pronoun or demonstrative
-    ("its footer"), opens like a continuation ("what about ..."), or has at most three content
-    words.
-
-    >>> is_follow_up("what about its footer?"), is_follow_up("How does dedup treat PDF copies of text files?")
-    (True, False)
-    """
-    words = _words(question)
-    if not words:
-        return False
-    lowered = " ".join(words)
-    if any(lowered == opener or lowered.startswith(opener + " ") for opener in _FOLLOW_UP_OPENERS):
-        return True
-    if any(w in _ANAPHORA for w in words):
-        return True
-    return len([w for w in words if w not in _STOPWORDS]) <= 3
-
-
-def expand_query(question: str, previous: Sequence[str], *, max_terms: int = 24) -> str:
-    """The retrieval query for ``question``: itself when it stands alone, else itself followed by
-    the salient terms (content words, first occurrence order, newest question first) of the
-    ``previous`` retrieval queries that it does not already contain.
-
-    >>> expand_query("what about its footer?", ["How are page headers stripped from PDFs?"])
-    'what about its footer? page headers stripped pdfs'
-    """
-    if not previous or not is_follow_up(question):
-        return question
-    seen = set(_words(question))
-    terms: list[str] = []
-    for prev in reversed(previous):  # newest first: the most likely referent
-        for w in _words(prev):
-            if w in _STOPWORDS or w in seen or len(w) < 2:
-                continue
-            seen.add(w)
-            terms.append(w)
-            if len(terms) >= max_terms:
-                break
-        if len(terms) >= max_terms:
-            break
-    return f"{question} {' '.join(terms)}" if terms else question
-
-
 # --- the conversation -----------------------------------------------------------------------------
 
 Summarizer = Callable[[str, Sequence[Turn], int], str]
@@ -569,7 +336,7 @@ class Conversation:
     ``summary_max_tokens`` tokens written by the pipeline's generator (or by ``summarizer(previous
     summary, turns, max_tokens)`` if given). ``max_new_tokens`` and ``context_tokens`` default to
     the pipeline's. ``expand_follow_ups`` rewrites follow-up questions for retrieval (see
-    :func:`expand_query`). These five are the fields of ``history``, a
+    :func:`~ragbudget.followup.expand_query`). These five are the fields of ``history``, a
     :class:`~ragbudget.settings.HistorySettings`, given whole or as flat keywords (not both).
     :meth:`from_messages` starts from an existing history (what an HTTP
     request carries); a shared ``summary_cache`` (:class:`SummaryCache`) lets such one-request
@@ -949,247 +716,3 @@ def _extractive_summary(previous: str, turns: Sequence[Turn]) -> str:
         first = re.split(r"(?<=[.!?])\s", t.answer.strip(), maxsplit=1)[0] if t.answer.strip() else ""
         parts.append(f"Asked: {t.question.strip()} Answer: {first}".strip())
     return " ".join(parts)
-
-
-# --- the interactive loop -------------------------------------------------------------------------
-
-#: What ``/help`` prints. Commands are handled here and never reach the model.
-CHAT_HELP = """\
-Commands (never sent to the model):
-  /help           this list
-  /sources        the sources of the last answer
-  /reset          forget the conversation
-  /exit, /quit    leave (Ctrl-D too)
-Ctrl-C stops the answer being written and keeps the conversation; at the prompt it clears the line.
-Anything else is a question; Up/Down recall earlier ones.
-"""
-
-# A slash command is one word: "/etc/fstab holds what?" is a question, "/sourcs" a typo.
-_COMMAND = re.compile(r"/[A-Za-z?]+")
-
-
-def format_sources(sources: Sequence[dict[str, Any]], show_path: Callable[[str], str] = str) -> str:
-    """The ``Sources:`` block of an answer (``[n]`` as the answer cites them); ``show_path`` turns
-    a stored path into the one printed."""
-    lines = ["Sources:"]
-    for i, src in enumerate(sources, 1):
-        page = f", {src['label']}" if src.get("label") else f", page {src['page']}" if src.get("page") else ""
-        score = src.get("score")
-        score_text = f" score {score:.3f}" if isinstance(score, (int, float)) else ""
-        path = show_path(str(src.get("path")))
-        lines.append(f"  [{i}] {path}{page} [{src.get('start')}:{src.get('end')}]{score_text}")
-    return "\n".join(lines)
-
-
-def format_turn(turn: ChatTurn, show_path: Callable[[str], str] = str) -> str:
-    """A turn's sources and memory accounting as the ``ragbudget chat`` command prints them."""
-    lines = [format_sources(turn.sources, show_path)] if turn.sources else []
-    b = turn.budget
-    lines.append(
-        f"memory: summary {b.summary}, recent {b.recent} ({b.turns_verbatim} turn(s)), context "
-        f"{b.context_used}/{b.context_allowed}, output {b.output} tokens; prompt {b.prompt}+{b.output}"
-        f"/{b.total}; {b.turns_summarized} turn(s) summarized"
-        + ("; summary updated" if b.summary_updated else "")
-        + (f"; retrieval query: {turn.retrieval_query!r}" if turn.retrieval_query != turn.question else "")
-    )
-    return "\n".join(lines)
-
-
-def chat_banner(conversation: Conversation) -> str:
-    """One line saying which model answers and what one turn may hold, e.g.
-    ``ragbudget chat · SmolLM2-135M-Instruct · 8192 tokens/turn (answer 256, history ≤ 30%) · KV
-    46080 B/token · /help for commands``: the tokens one turn may hold (prompt and answer), the
-    answer's reserve, history's share of the rest. Reads the pipeline's plan (no model load; on
-    a served engine, its figures)."""
-    pipe = conversation.pipeline
-    parts = ["ragbudget chat"]
-    model, kv = pipe.model, None
-    try:
-        total, output = _plan_numbers(pipe, conversation.max_new_tokens)
-        if pipe.served:
-            model = pipe.backend.model_id
-        else:
-            plan = pipe.plan_for(output)
-            model, kv = plan.model, plan.kv_bytes_per_token
-    except RagBudgetError:  # the banner says what it can; the first question gets the error
-        total = output = 0
-    if model:
-        # A local file or folder is named by its last part; a hub id is kept whole.
-        parts.append(model.rstrip("/\\").rsplit("/", 1)[-1] if model.startswith(("/", ".", "~")) else model)
-    if total:
-        share = round(conversation.history_share * 100)
-        turn = f"{total} tokens/turn (answer {output}, history ≤ {share}%"
-        if conversation.context_tokens is not None:
-            turn += f", context ≤ {conversation.context_tokens}"
-        parts.append(turn + ")")
-    if kv:
-        parts.append(f"KV {kv} B/token")
-    parts.append("/help for commands")
-    return " · ".join(parts)
-
-
-class TerminalLines:
-    """The lines typed at a terminal, for :func:`run_chat`: readline editing (arrows, Ctrl-R) and a
-    history kept in ``history_file`` across sessions. Ctrl-C clears the line being typed, Ctrl-D
-    (end of input) ends the iteration. A history file that cannot be read or written (missing,
-    read-only) only means no history is kept; a platform without ``readline`` gets plain input.
-    """
-
-    def __init__(
-        self,
-        prompt: str = "> ",
-        *,
-        history_file: str | None = None,
-        write: Callable[[str], Any] | None = None,
-        history_length: int = 1000,
-    ) -> None:
-        import sys
-
-        self.prompt = prompt
-        self.history_file = history_file
-        self._write = write or (lambda text: (sys.stdout.write(text), sys.stdout.flush()))
-        self._readline: Any = None
-        try:
-            import readline
-        except ImportError:  # Windows without pyreadline: input() still works, without history
-            return
-        self._readline = readline
-        readline.set_history_length(history_length)
-        if history_file:
-            # First session, or unreadable: start with an empty history.
-            with contextlib.suppress(OSError):
-                readline.read_history_file(history_file)
-
-    def save(self) -> None:
-        """Write the history file (its folder is created); errors are ignored."""
-        if self._readline is None or not self.history_file:
-            return
-        import os
-
-        with contextlib.suppress(OSError):  # read-only home, full disk: history is a convenience
-            os.makedirs(os.path.dirname(self.history_file) or ".", exist_ok=True)
-            self._readline.write_history_file(self.history_file)
-
-    def __iter__(self) -> Iterator[str]:
-        try:
-            while True:
-                try:
-                    line = input(self.prompt)
-                except KeyboardInterrupt:  # Ctrl-C at the prompt: drop what was typed
-                    self._write("\n")
-                    continue
-                except EOFError:  # Ctrl-D
-                    self._write("\n")
-                    return
-                yield line
-        finally:
-            self.save()
-
-
-class _CtrlC:
-    """While active (main thread only), the first Ctrl-C sets ``cancel`` — the answer stops at its
-    next token, or leaves the admission queue — instead of killing the program; a second one
-    raises ``KeyboardInterrupt`` for whatever does not watch ``cancel`` (a model still loading)."""
-
-    def __init__(self, cancel: threading.Event) -> None:
-        self.cancel = cancel
-        self._previous: Any = None
-
-    def _handler(self, signum: int, frame: Any) -> None:
-        if self.cancel.is_set():
-            raise KeyboardInterrupt
-        self.cancel.set()
-
-    def __enter__(self) -> _CtrlC:
-        import signal
-
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._handler)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        import signal
-
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
-            self._previous = None
-
-
-def run_chat(
-    conversation: Conversation,
-    lines: Iterable[str],
-    write: Callable[[str], Any],
-    *,
-    as_json: bool = False,
-    stream: bool = False,
-    prompt: str | None = None,
-    generate_options: dict[str, Any] | None = None,
-    banner: str | None = None,
-    show_path: Callable[[str], str] = str,
-) -> int:
-    """Read questions from ``lines`` (stdin, one per line, or :class:`TerminalLines`) and
-    ``write`` answers with citations and the turn's memory report. Lines starting with a slash
-    command (``/help``, ``/sources``, ``/reset``, ``/exit``, ``/quit``; :data:`CHAT_HELP`) are
-    handled here and never sent to the model; an unknown one says so. Ctrl-C while an answer is
-    being written cancels that answer (it is not kept in the history) and the loop goes on; so do
-    errors of one turn (too long, overloaded). With ``as_json`` each turn is one JSON line.
-    ``prompt`` is written before each read (for line sources that do not prompt themselves),
-    ``banner`` once at the start. ``generate_options`` (temperature, seed, stop, …) go to every
-    answer. Returns the number of questions answered."""
-    options = dict(generate_options or {})
-    answered = 0
-    last: ChatTurn | None = None
-    if banner:
-        write(banner + "\n")
-    if prompt:
-        write(prompt)
-    for raw in lines:
-        line = raw.strip()
-        word = line.split(maxsplit=1)[0] if line else ""
-        if line and _COMMAND.fullmatch(word):
-            command = word.lower()
-            if command in ("/exit", "/quit"):
-                break
-            if command in ("/help", "/?"):
-                write(CHAT_HELP)
-            elif command == "/reset":
-                conversation.reset()
-                last = None
-                write("(conversation reset)\n")
-            elif command == "/sources":
-                if last is None:
-                    write("(no answer yet)\n")
-                elif not last.sources:
-                    write("(the last answer had no sources)\n")
-                else:
-                    write(format_sources(last.sources, show_path) + "\n")
-            else:
-                write(f"unknown command {word}; /help lists the commands\n")
-        elif line:  # a question (an empty line just asks for the prompt again)
-            cancel = threading.Event()
-            try:
-                with _CtrlC(cancel):
-                    if stream and not as_json:
-                        turn = conversation.ask(line, on_text=write, cancel=cancel, **options)
-                        write("\n" if turn.cancelled else "\n\n")
-                    else:
-                        turn = conversation.ask(line, cancel=cancel, **options)
-                        if not as_json and not turn.cancelled:
-                            write(turn.text + "\n\n")
-            except KeyboardInterrupt:  # a second Ctrl-C, while nothing was watching `cancel`
-                write("\n(answer cancelled)\n")
-            except RagBudgetError as exc:
-                write(f"Error: {exc}\n")
-            else:
-                if turn.cancelled:
-                    write("(answer cancelled)\n")
-                else:
-                    answered += 1
-                    last = turn
-                    if as_json:
-                        write(json.dumps(turn.to_dict(), ensure_ascii=False, default=str) + "\n")
-                    else:
-                        write(format_turn(turn, show_path) + "\n\n")
-        if prompt:
-            write(prompt)
-    return answered

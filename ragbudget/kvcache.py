@@ -1,5 +1,7 @@
 """Exact KV-cache memory from a model config alone (no weights).
 
+One job: KV-cache bytes for every layer layout transformers has (one spec per layout, summed).
+
 Every decoder layer gets a frozen *spec* (the idea of vLLM's ``kv_cache_interface.py``) that knows
 how many elements it stores per token, or per sequence for recurrent state:
 

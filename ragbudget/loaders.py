@@ -1,5 +1,8 @@
 """Loading documents from disk: folder walking, decoding, pagination, format readers.
 
+One job: files in, :class:`~ragbudget.types.Document` records out (walking, decoding and the
+built-in readers share the skip reasons and the load options).
+
 Three entry points:
 
 * :func:`scan` walks files and folders and says which files can be loaded (:class:`FileInfo`) and

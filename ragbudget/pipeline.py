@@ -83,7 +83,6 @@ __all__ = [
     "AnswerStream",
     "EnginePlan",
     "Pipeline",
-    "format_report",
     "make_embedder",
     "prompt_room",
 ]
@@ -733,6 +732,12 @@ class Pipeline:
             # And the whole request how fast it decoded: the time model follows the host.
             reservation.finish(gen.new_tokens)
             timings["generate_s"] = time.perf_counter() - t0
+        if gen.measurement is not None:
+            # A CUDA run measured its peak: the plan's owner keeps it, so the next plan for this
+            # GPU and model uses the measured activations (the generator itself writes nothing).
+            from .budget import record_measurement
+
+            record_measurement(gen.measurement)
         timings["total_s"] = time.perf_counter() - t_start
         final = gen.prompt if gen.prompt is not None else prompt
         return build_answer(gen, final, plan, reserve, timings, cap)
@@ -796,107 +801,3 @@ def _stream_options(options: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"a stream delivers the text and cancels itself; drop {', '.join(taken)} "
                           "(use ask() to pass your own)")
     return options
-
-
-def _where(plan: dict[str, Any]) -> str:
-    """``RTX 4090 (table)``, ``host RAM (no GPU)``: the name, and where it came from if that adds."""
-    name, source = str(plan.get("gpu_name", "")), str(plan.get("gpu_source", ""))
-    return source if source.startswith(name) else f"{name} ({source})" if source else name
-
-
-def format_report(report: dict[str, Any]) -> str:
-    """The ``ask --explain`` table: the plan, the budget arithmetic, and every selection decision."""
-    b = report.get("budget", {})
-    p = report.get("plan", {})
-
-    def n(x: Any) -> str:
-        return f"{x:,}" if isinstance(x, int) else str(x)
-
-    gib = 1024**3
-    engine = report.get("engine")
-    if engine:
-        lines = ["Engine", *(f"  {line}" for line in engine.get("lines", []))]
-        rows = [
-            ("reserved output", f"{n(b.get('max_new_tokens'))} tokens (sent as max_tokens)"),
-            ("prompt allowed", f"{n(b.get('max_prompt_tokens'))} tokens"),
-            ("fixed prompt", f"{n(b.get('fixed_prompt_tokens'))} tokens (template, system, question)"),
-            ("context", f"{n(b.get('context_tokens_used'))} / {n(b.get('context_tokens_allowed'))} "
-                        f"tokens ({100 * float(b.get('fill', 0)):.1f}% filled)"),
-            ("prompt used", f"{n(b.get('prompt_tokens'))} tokens (engine counted "
-                            f"{n(b.get('engine_prompt_tokens'))}); generated {n(b.get('new_tokens'))}"),
-        ]
-        return _report_tail(report, lines, rows)
-    rows = [
-        ("model", p.get("model", "")),
-        ("memory", f"{_where(p)}: {p.get('gpu_bytes', 0) / gib:.2f} GiB × {p.get('utilization', 0.9)}"),
-        ("weights", f"{p.get('weights_bytes', 0) / gib:.3f} GiB ({p.get('weights_source', '')})"),
-        ("activations", f"{p.get('activation_bytes', 0) / gib:.3f} GiB ({p.get('activation_source', '')})"),
-        ("KV bytes/token", f"{n(b.get('kv_bytes_per_token'))} ({p.get('cache', '')}, {p.get('kv_dtype', '')})"),
-        ("KV capacity", f"{n(b.get('kv_capacity_tokens'))} tokens"),
-        ("per request", f"{n(b.get('max_context_tokens'))} tokens (limited by {b.get('limited_by')}, "
-                        f"concurrency {p.get('concurrency', 1)})"),
-        ("reserved output", f"{n(b.get('max_new_tokens'))} tokens"),
-        ("prompt allowed", f"{n(b.get('max_prompt_tokens'))} tokens"),
-        ("fixed prompt", f"{n(b.get('fixed_prompt_tokens'))} tokens (template, system, question)"),
-        ("context", f"{n(b.get('context_tokens_used'))} / {n(b.get('context_tokens_allowed'))} tokens "
-                    f"({100 * float(b.get('fill', 0)):.1f}% filled)"),
-        ("prompt used", f"{n(b.get('prompt_tokens'))} tokens; generated {n(b.get('new_tokens'))}"),
-    ]
-    limit = b.get("context_limit")
-    if limit:
-        why = (f"time: {limit.get('ttft_target_s', 0):g} s to the first token at the prefill speed "
-               f"measured on {limit.get('device', '?')} (ttft_target; --context-tokens overrides)"
-               if limit.get("limit") == "time" else "asked for (context_tokens)")
-        rows.insert(-2, ("context cap", f"{n(limit.get('tokens'))} tokens, limit {why}"))
-    return _report_tail(report, [], rows)
-
-
-def _span_line(sp: dict[str, Any]) -> str:
-    """One span of ``--explain``: where it is, what it cost, why it went in, how it starts."""
-    src = sp.get("source") or {}
-    where = (f"{src.get('start')}:{src.get('end')}" if src else f"{sp.get('start')}:{sp.get('end')}")
-    page = f" p.{src['page']}" if src.get("page") else ""
-    text = " ".join(str(sp.get("text") or "").split())
-    preview = f"  {text[:60]!r}{'…' if len(text) > 60 else ''}" if text else ""
-    return (f"      [{where}]{page}  {sp.get('n_tokens', 0)} tokens  {sp.get('why', '')}  "
-            f"score {float(sp.get('score', 0)):.2f}{preview}")
-
-
-def _report_tail(report: dict[str, Any], lines: list[str], rows: list[tuple[str, str]]) -> str:
-    width = max(len(k) for k, _ in rows)
-    lines = [*lines, "Budget", *(f"  {k.ljust(width)}  {v}" for k, v in rows)]
-    sel = report.get("selection", [])
-    lines.append(f"Context: {len(sel)} passage(s)")
-    for i, s in enumerate(sel, 1):
-        src = (s.get("sources") or [{}])[0]
-        page = f" ({src['label']})" if src.get("label") else f" p.{src.get('page')}" if src.get("page") else ""
-        lines.append(f"  [{i}] {src.get('path', '?')}{page}  score {s.get('score', 0):.3f}  "
-                     f"{s.get('cost', 0)} tokens{'  (truncated)' if s.get('truncated') else ''}")
-        spans = s.get("spans") or []
-        if spans:
-            label = s.get("cost", 0) - s.get("n_tokens", 0)
-            lines.append(f"      chunk {', '.join(map(str, s.get('chunk_ids', [])))}: "
-                         f"{len(spans)} span(s), {s.get('n_tokens', 0)} tokens of text + "
-                         f"{label} label")
-            lines += [_span_line(sp) for sp in spans]
-    dropped = report.get("dropped", [])
-    if dropped:
-        counts: dict[str, int] = {}
-        for d in dropped:
-            counts[d["reason"]] = counts.get(d["reason"], 0) + 1
-        lines.append("Dropped: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())))
-    left = report.get("spans_dropped", [])
-    if left:
-        per: dict[tuple[Any, str], list[int]] = {}
-        for sp in left:
-            per.setdefault((sp["chunk_id"], sp["why"]), []).append(int(sp["n_tokens"]))
-        lines.append(f"Spans left out: {len(left)} sentence(s), "
-                     f"{sum(int(sp['n_tokens']) for sp in left):,} tokens")
-        lines += [f"  chunk {cid}: {len(ns)} {why} ({sum(ns):,} tokens)"
-                  for (cid, why), ns in per.items()]
-    for step in report.get("oom_steps", []):
-        lines.append(f"OOM step: {step}")
-    t = report.get("timings", {})
-    if t:
-        lines.append("Timings: " + ", ".join(f"{k[:-2]} {v:.2f}s" for k, v in t.items()))
-    return "\n".join(lines)

@@ -3,8 +3,11 @@ order, then its result or its error, to a consumer in another thread or on an ev
 
 The producer is a function ``produce(emit, cancel)``: it calls ``emit(piece)`` for each piece of
 text and returns its result; it should stop soon after ``cancel`` is set (generation checks it
-at every token). The consumer reads :class:`Event` records (``next_event`` / ``anext_event``) or
-just the pieces (``next_piece`` / ``anext_piece``, which raise the producer's error at the end).
+at every token). ``emit.queued()`` says the request is waiting for its turn (a ``"queued"``
+event: a server starts its response then, and keeps it alive while it waits). The consumer reads
+:class:`Event` records (``next_event`` / ``anext_event``; with ``tick_s``, a ``"tick"`` event
+when nothing came for that long, for a keep-alive) or just the pieces (``next_piece`` /
+``anext_piece``, which skip the other kinds and raise the producer's error at the end).
 ``close()`` / ``aclose()`` sets ``cancel`` when the consumer leaves before the end and waits until
 the producer has returned, so whatever it holds (a KV reservation, a worker) is free afterwards.
 
@@ -32,17 +35,38 @@ from typing import Any, Generic, Literal, NamedTuple, TypeVar
 
 from .errors import ConfigError
 
-__all__ = ["Event", "Relay"]
+__all__ = ["Emitter", "Event", "Relay"]
 
 R = TypeVar("R")
 
 
 class Event(NamedTuple):
-    """One thing the producer handed over: ``("text", piece)``, then ``("done", result)`` or
-    ``("error", exception)``. A tuple, so ``kind, value = event`` unpacks it."""
+    """One thing the producer handed over: ``("text", piece)`` and ``("queued", None)`` (waiting
+    for its turn) in order, then ``("done", result)`` or ``("error", exception)``. A consumer that
+    waits with ``tick_s`` also gets ``("tick", None)`` when nothing came for that long. A tuple,
+    so ``kind, value = event`` unpacks it."""
 
-    kind: Literal["text", "done", "error"]
+    kind: Literal["text", "queued", "tick", "done", "error"]
     value: Any
+
+
+_TICK = Event("tick", None)
+
+
+class Emitter:
+    """What the producer emits with: ``emit(piece)`` for a piece of text, ``emit.queued()`` when
+    its request starts waiting for its turn (admission's queue)."""
+
+    __slots__ = ("_put",)
+
+    def __init__(self, put: Callable[[Event], None]) -> None:
+        self._put = put
+
+    def __call__(self, piece: str) -> None:
+        self._put(Event("text", piece))
+
+    def queued(self) -> None:
+        self._put(Event("queued", None))
 
 
 class Relay(Generic[R]):
@@ -56,7 +80,7 @@ class Relay(Generic[R]):
 
     def __init__(
         self,
-        produce: Callable[[Callable[[str], None], threading.Event], R],
+        produce: Callable[[Emitter, threading.Event], R],
         *,
         loop: asyncio.AbstractEventLoop | None = None,
         cancel: threading.Event | None = None,
@@ -95,12 +119,9 @@ class Relay(Generic[R]):
         except RuntimeError:  # the loop is closed: nobody is listening any more
             self.cancel.set()
 
-    def _emit(self, piece: str) -> None:
-        self._put(Event("text", piece))
-
     def _run(self) -> None:
         try:
-            self.result = self._produce(self._emit, self.cancel)
+            self.result = self._produce(Emitter(self._put), self.cancel)
             last = Event("done", self.result)
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer, raised there
             self.error = exc
@@ -112,42 +133,66 @@ class Relay(Generic[R]):
 
     # -- consumer side --
 
-    def next_event(self) -> Event:
-        """The next event, waiting for it (a relay without ``loop``)."""
+    def next_event(self, *, tick_s: float | None = None) -> Event:
+        """The next event, waiting for it (a relay without ``loop``); with ``tick_s``, a
+        ``"tick"`` event instead once ``tick_s`` seconds passed without one."""
         if self._async is not None:
             raise ConfigError("this relay delivers through an event loop: await anext_event()")
-        return self._sync.get()
+        try:
+            return self._seen(self._sync.get(timeout=tick_s))
+        except queue.Empty:
+            return _TICK
 
-    async def anext_event(self) -> Event:
-        """The next event, awaiting it (a relay with ``loop``)."""
+    async def anext_event(self, *, tick_s: float | None = None) -> Event:
+        """The next event, awaiting it (a relay with ``loop``); with ``tick_s``, a ``"tick"``
+        event instead once ``tick_s`` seconds passed without one (an SSE keep-alive comment)."""
         if self._async is None:
             raise ConfigError("this relay has no event loop: call next_event()")
-        return await self._async.get()
+        try:
+            # A get cancelled by the time-out takes nothing off the queue: no event is lost.
+            return self._seen(await asyncio.wait_for(self._async.get(), tick_s))
+        except asyncio.TimeoutError:
+            return _TICK
 
-    def _piece(self, event: Event) -> str:
+    def _seen(self, event: Event) -> Event:
+        """Handing over the end: the consumer has it, so closing cancels nothing and the error
+        is not the relay's to report any more."""
+        if event.kind in ("done", "error"):
+            self.ended = True
+            self.error = None
+        return event
+
+    def _piece(self, event: Event) -> str | None:
+        """The text of a text event, None for one that carries none; the end raises."""
         if event.kind == "text":
             return str(event.value)
-        self.ended = True
+        if event.kind in ("queued", "tick"):
+            return None
         if event.kind == "error":
-            self.error = None  # handed over now
-            raise event.value
+            raise event.value  # handed over now (see _seen)
         raise StopIteration
 
     def next_piece(self) -> str:
         """The next piece of text; ``StopIteration`` at the end; the producer's error, if it
         raised one, in place of the end."""
-        if self.ended:
-            raise StopIteration
-        return self._piece(self.next_event())
+        while True:
+            if self.ended:
+                raise StopIteration
+            piece = self._piece(self.next_event())
+            if piece is not None:
+                return piece
 
     async def anext_piece(self) -> str:
         """:meth:`next_piece` for a relay with ``loop`` (``StopAsyncIteration`` at the end)."""
-        if self.ended:
-            raise StopAsyncIteration
-        try:
-            return self._piece(await self.anext_event())
-        except StopIteration:
-            raise StopAsyncIteration from None
+        while True:
+            if self.ended:
+                raise StopAsyncIteration
+            try:
+                piece = self._piece(await self.anext_event())
+            except StopIteration:
+                raise StopAsyncIteration from None
+            if piece is not None:
+                return piece
 
     def close(self) -> None:
         """Cancel the producer if the end was not reached, and wait until it has returned."""

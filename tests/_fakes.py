@@ -288,6 +288,7 @@ class FakeGeneration:
     finish_reason: str = "stop"
     oom_steps: tuple = ()
     prompt: Any = None
+    measurement: Any = None  # a fake measures no CUDA peak
 
 
 @dataclass

@@ -55,3 +55,18 @@ def tiny_model(vocab_size: int = 259, seed: int = 0) -> Any:
         pad_token_id=0,
     )
     return LlamaForCausalLM(cfg).eval()
+
+
+#: What :func:`as_on_cuda` makes a CPU generation report.
+CUDA_PEAK, CUDA_NAME = 123_456_789, "FakeGPU 80GB"
+
+
+def as_on_cuda(generator: Any, monkeypatch: Any) -> None:
+    """Make ``generator`` (a real :class:`~ragbudget.generate.Generator`) report its runs as a
+    CUDA device would: the measured peak (:data:`CUDA_PEAK`) and the device name, the two things
+    only CUDA has; the model still generates for real on the CPU."""
+    import torch
+
+    run = generator._run
+    monkeypatch.setattr(generator, "_run", lambda ids, **kw: (run(ids, **kw)[0], CUDA_PEAK))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: CUDA_NAME)

@@ -408,6 +408,7 @@ class _CutGenerator:
             max_new_tokens=max_new_tokens,
             finish_reason="length",
             oom_steps=(),
+            measurement=None,  # no CUDA peak measured
             prompt=prompt,
         )
 

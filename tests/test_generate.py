@@ -6,7 +6,7 @@ import random
 
 import pytest
 from _fakes import printable_stop
-from _tiny_lm import tiny_model, tiny_tokenizer
+from _tiny_lm import CUDA_NAME, CUDA_PEAK, as_on_cuda, tiny_model, tiny_tokenizer
 
 from ragbudget import generate as generate_mod
 from ragbudget.errors import BudgetError, ConfigError
@@ -314,16 +314,19 @@ def test_cancel_stops_early(gen) -> None:
     assert g.finish_reason in ("cancelled", "stop") and g.new_tokens < 40
 
 
-def test_calibration_hook_records_measured_peak(gen, monkeypatch) -> None:
-    import torch
+def test_generator_measures_its_cuda_peak_and_writes_nothing(gen, tmp_path, monkeypatch) -> None:
+    # Calibration is the planner's file: the generator hands its measurement back in the
+    # Generation and leaves recording it to the caller that owns the plan (the pipeline).
+    monkeypatch.setenv("RAGBUDGET_CACHE", str(tmp_path))
+    as_on_cuda(gen, monkeypatch)
+    g = gen.generate("hi", max_new_tokens=3)
+    m = g.measurement
+    assert m is not None
+    assert m.gpu_name == CUDA_NAME and m.measured_peak_bytes == CUDA_PEAK
+    assert m.tokens == g.prompt_tokens and m.batch_size == 1 and m.cache == g.cache == "dynamic"
+    assert m.weights_bytes > 0 and m.kv_bytes > 0
+    assert list(tmp_path.iterdir()) == []  # nothing written
 
-    from ragbudget import budget
 
-    seen: dict = {}
-    monkeypatch.setattr(budget, "record_calibration", lambda **kw: seen.update(kw))
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "FakeGPU 80GB")
-    g = Generation(text="x", prompt_tokens=100, new_tokens=5, finish_reason="length", seconds=1.0)
-    gen._calibrate(g, 123_456_789, None)
-    assert seen["gpu_name"] == "FakeGPU 80GB" and seen["measured_peak_bytes"] == 123_456_789
-    assert seen["tokens"] == 100 and seen["batch_size"] == 1 and seen["cache"] == "dynamic"
-    assert seen["weights_bytes"] > 0 and seen["kv_bytes"] > 0
+def test_a_cpu_generation_has_no_measurement(gen) -> None:
+    assert gen.generate("hi", max_new_tokens=2).measurement is None

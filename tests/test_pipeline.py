@@ -407,6 +407,32 @@ def test_relevance_floor_stops_the_context_where_passages_stop_helping(indexed: 
     assert floor_out and not floor_out & {cid for c in spans.chunks for cid in c.chunk_ids}
 
 
+def test_the_pipeline_records_the_generators_measured_peak(indexed: Path, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    # The generator only measures (tests/test_generate.py); the pipeline owns the plan, so it is
+    # what writes the measurement to the planner's calibration file.
+    import json
+
+    from _tiny_lm import CUDA_NAME, CUDA_PEAK, as_on_cuda, tiny_model, tiny_tokenizer
+
+    from ragbudget.backend import LocalBackend
+    from ragbudget.generate import Generator
+
+    monkeypatch.setenv("RAGBUDGET_CACHE", str(tmp_path))
+    generator = Generator.from_objects(tiny_model(), tiny_tokenizer())
+    as_on_cuda(generator, monkeypatch)
+    # Unbatched: the generator's own run is the one that measures a peak (continuous batching
+    # shares one paged cache between requests and measures none).
+    backend = LocalBackend(generator, gpu="16GiB", batching=False)
+    pipe = Pipeline(indexed, backend=backend, ttft_target=0, max_new_tokens=3)
+    answer = pipe.ask(QUESTION, context_tokens=100)
+    entries = json.loads((tmp_path / "calibration.json").read_text())
+    [(key, entry)] = entries.items()
+    assert key.startswith(CUDA_NAME.lower() + "|")
+    assert entry["measured_peak_bytes"] == CUDA_PEAK and entry["runs"] == 1
+    assert entry["tokens"] == answer.report["budget"]["prompt_tokens"]
+
+
 @dataclass
 class CPUGenerator(FakeGenerator):
     device: str = "cpu"
@@ -424,7 +450,7 @@ def test_cpu_default_context_is_capped_by_measured_prefill_time(indexed: Path,
     assert b["context_limit"]["limit"] == "time" and b["context_limit"]["ttft_target_s"] == 3.0
     assert b["context_tokens_cap"] == 1500 - b["fixed_prompt_tokens"]
     assert b["context_tokens_allowed"] <= b["context_tokens_cap"]
-    from ragbudget.pipeline import format_report
+    from ragbudget.display import format_report
 
     assert "limit time: 3 s to the first token" in format_report(answer.report)
     # The default target applies on a CPU with no ttft_target given; context_tokens overrides it;

@@ -15,9 +15,10 @@ from click.testing import CliRunner
 from ragbudget import Pipeline
 from ragbudget.backend import SQLiteCountCache, text_digest
 from ragbudget.cli import cli as main
+from ragbudget.display import format_report
 from ragbudget.engines import KINDS
 from ragbudget.errors import ConfigError, EngineConnectionError
-from ragbudget.pipeline import EnginePlan, format_report
+from ragbudget.pipeline import EnginePlan
 
 QUESTION = "How is the Project Leader elected?"
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 
 from ragbudget.errors import ConfigError
-from ragbudget.relay import Event, Relay
+from ragbudget.relay import Emitter, Event, Relay
 
 
 def _count(n: int) -> Callable[[Callable[[str], None], threading.Event], int]:
@@ -176,3 +176,77 @@ def test_the_wrong_side_is_a_clear_error() -> None:
         await looped.aclose()
 
     asyncio.run(main())
+
+
+# --- the server's kinds: "queued" from the producer, "tick" while nothing comes -----------------
+
+
+def _queued_then_text(go: threading.Event) -> Callable[[Emitter, threading.Event], str]:
+    # As a request waiting for KV memory: "queued" at once, its text only once admitted (`go`).
+    def produce(emit: Emitter, cancel: threading.Event) -> str:
+        emit.queued()
+        go.wait(10)
+        emit("a")
+        return "done"
+
+    return produce
+
+
+def test_queued_arrives_in_order_and_pieces_skip_it() -> None:
+    go = threading.Event()
+    go.set()
+    relay = Relay(_queued_then_text(go))
+    assert [relay.next_event() for _ in range(3)] == [Event("queued", None), Event("text", "a"),
+                                                      Event("done", "done")]
+    go2 = threading.Event()
+    go2.set()
+    pieces = Relay(_queued_then_text(go2))
+    assert pieces.next_piece() == "a"  # the text is all next_piece hands over
+    with pytest.raises(StopIteration):
+        pieces.next_piece()
+
+
+def test_ticks_come_while_nothing_does_and_lose_no_event() -> None:
+    go = threading.Event()
+    relay = Relay(_queued_then_text(go))
+    assert relay.next_event(tick_s=5) == Event("queued", None)
+    assert relay.next_event(tick_s=0.05) == Event("tick", None)  # waiting for its turn
+    assert relay.next_event(tick_s=0.05) == Event("tick", None)
+    go.set()
+    assert relay.next_event(tick_s=5) == Event("text", "a")
+    assert relay.next_event() == Event("done", "done")
+    relay.close()
+
+
+def test_async_queued_and_ticks_as_the_server_streams_them() -> None:
+    async def main() -> tuple[list[Event], Relay[str]]:
+        go = threading.Event()
+        relay = Relay(_queued_then_text(go), loop=asyncio.get_running_loop())
+        events = [await relay.anext_event(tick_s=5)]
+        # The producer waits for `go`: nothing comes, so each wait ends in a keep-alive tick.
+        events += [await relay.anext_event(tick_s=0.05), await relay.anext_event(tick_s=0.05)]
+        go.set()  # admitted
+        events += [await relay.anext_event(tick_s=5), await relay.anext_event(tick_s=5)]
+        await relay.aclose()
+        return events, relay
+
+    events, relay = asyncio.run(main())
+    assert events == [Event("queued", None), Event("tick", None), Event("tick", None),
+                      Event("text", "a"), Event("done", "done")]
+    assert relay.result == "done" and not relay.cancel.is_set()
+
+    async def pieces() -> list[str]:
+        go = threading.Event()
+        go.set()
+        relay = Relay(_queued_then_text(go), loop=asyncio.get_running_loop())
+        return [await relay.anext_piece()] + [p async for p in _rest(relay)]
+
+    assert asyncio.run(pieces()) == ["a"]
+
+
+async def _rest(relay: Relay[str]) -> AsyncIterator[str]:
+    while True:
+        try:
+            yield await relay.anext_piece()
+        except StopAsyncIteration:
+            return

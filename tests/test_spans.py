@@ -12,9 +12,9 @@ from _tiny_lm import tiny_tokenizer
 from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from ragbudget.display import format_report
 from ragbudget.embed import HashEmbedder
 from ragbudget.errors import ConfigError
-from ragbudget.pipeline import format_report
 from ragbudget.prompt import PromptBuilder, build_prompt
 from ragbudget.select import Candidate
 from ragbudget.spans import (

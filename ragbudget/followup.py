@@ -1,0 +1,236 @@
+"""Follow-up questions: whether a question leans on earlier turns, and its retrieval query.
+
+"what about its footer?" means nothing to an index on its own. :func:`is_follow_up` tells such a
+question (a pronoun or demonstrative, an opener like "what about", or three content words or
+fewer); :func:`expand_query` appends the salient terms of the previous questions to it, so
+retrieval sees what "its" refers to. The generator still gets the question verbatim (with the
+conversation as history, see :mod:`ragbudget.chat`); only the index sees the expansion.
+Pure functions of their text: no tokenizer, no model.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+__all__ = ["expand_query", "is_follow_up"]
+
+_WORD = re.compile(r"[\w][\w'-]*")
+# Words that point back at something said before; a question using them, or a very short one, is
+# treated as a follow-up. Deliberately small: a false positive only adds a few related terms to
+# the retrieval query, a false negative retrieves for the bare question.
+_ANAPHORA = frozenset(
+    [
+        "it",
+        "its",
+        "it's",
+        "this",
+        "that",
+        "these",
+        "those",
+        "they",
+        "them",
+        "their",
+        "theirs",
+        "he",
+        "him",
+        "his",
+        "she",
+        "her",
+        "hers",
+        "there",
+        "former",
+        "latter",
+        "same",
+        "above",
+        "previous",
+        "earlier",
+        "one",
+        "ones",
+    ]
+)
+_FOLLOW_UP_OPENERS = ("what about", "how about", "and", "also", "what else", "anything else", "same for")
+_STOPWORDS = frozenset(
+    [
+        "a",
+        "about",
+        "above",
+        "after",
+        "again",
+        "against",
+        "all",
+        "am",
+        "an",
+        "and",
+        "any",
+        "are",
+        "as",
+        "at",
+        "be",
+        "because",
+        "been",
+        "before",
+        "being",
+        "below",
+        "between",
+        "both",
+        "but",
+        "by",
+        "can",
+        "could",
+        "did",
+        "do",
+        "does",
+        "doing",
+        "down",
+        "during",
+        "each",
+        "few",
+        "for",
+        "from",
+        "further",
+        "had",
+        "has",
+        "have",
+        "having",
+        "here",
+        "how",
+        "i",
+        "if",
+        "in",
+        "into",
+        "is",
+        "just",
+        "me",
+        "more",
+        "most",
+        "my",
+        "no",
+        "nor",
+        "not",
+        "now",
+        "of",
+        "off",
+        "on",
+        "once",
+        "only",
+        "or",
+        "other",
+        "our",
+        "out",
+        "over",
+        "own",
+        "same",
+        "should",
+        "so",
+        "some",
+        "such",
+        "than",
+        "that",
+        "the",
+        "then",
+        "there",
+        "these",
+        "they",
+        "this",
+        "those",
+        "through",
+        "to",
+        "too",
+        "under",
+        "until",
+        "up",
+        "very",
+        "was",
+        "we",
+        "were",
+        "what",
+        "when",
+        "where",
+        "which",
+        "while",
+        "who",
+        "whom",
+        "why",
+        "will",
+        "with",
+        "would",
+        "you",
+        "your",
+        "yours",
+        "it",
+        "its",
+        "it's",
+        "their",
+        "them",
+        "he",
+        "she",
+        "his",
+        "her",
+        "please",
+        "tell",
+        "explain",
+        "describe",
+        "give",
+        "show",
+        "know",
+        "say",
+        "said",
+        "also",
+        "else",
+        "anything",
+        "something",
+        "thing",
+        "things",
+        "get",
+        "got",
+    ]
+)
+
+
+def _words(text: str) -> list[str]:
+    return [w.lower() for w in _WORD.findall(text)]
+
+
+def is_follow_up(question: str) -> bool:
+    """True when ``question`` leans on earlier turns: it uses a pronoun or demonstrative
+    ("its footer"), opens like a continuation ("what about ..."), or has at most three content
+    words.
+
+    >>> is_follow_up("what about its footer?"), is_follow_up("How does dedup treat PDF copies of text files?")
+    (True, False)
+    """
+    words = _words(question)
+    if not words:
+        return False
+    lowered = " ".join(words)
+    if any(lowered == opener or lowered.startswith(opener + " ") for opener in _FOLLOW_UP_OPENERS):
+        return True
+    if any(w in _ANAPHORA for w in words):
+        return True
+    return len([w for w in words if w not in _STOPWORDS]) <= 3
+
+
+def expand_query(question: str, previous: Sequence[str], *, max_terms: int = 24) -> str:
+    """The retrieval query for ``question``: itself when it stands alone, else itself followed by
+    the salient terms (content words, first occurrence order, newest question first) of the
+    ``previous`` retrieval queries that it does not already contain.
+
+    >>> expand_query("what about its footer?", ["How are page headers stripped from PDFs?"])
+    'what about its footer? page headers stripped pdfs'
+    """
+    if not previous or not is_follow_up(question):
+        return question
+    seen = set(_words(question))
+    terms: list[str] = []
+    for prev in reversed(previous):  # newest first: the most likely referent
+        for w in _words(prev):
+            if w in _STOPWORDS or w in seen or len(w) < 2:
+                continue
+            seen.add(w)
+            terms.append(w)
+            if len(terms) >= max_terms:
+                break
+        if len(terms) >= max_terms:
+            break
+    return f"{question} {' '.join(terms)}" if terms else question
