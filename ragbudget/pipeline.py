@@ -946,14 +946,17 @@ class Pipeline:
     def _pack_options(self) -> dict[str, Any]:
         """``build_prompt``'s packing keywords: with ``pack="spans"``, one
         :class:`~ragbudget.spans.SpanScorer` per pipeline over the index's embedder, so sentence
-        vectors are cached across questions."""
+        vectors are cached across questions, reading the sentence vectors the index stored at
+        build time first (search already refused an embedder other than the index's)."""
         if self.pack == "chunks":
             return {"fill_remainder": True} if self.fill_remainder else {}
         with self._lock:
             if self._span_scorer is None:
                 from .spans import SpanScorer
 
-                self._span_scorer = SpanScorer(self.embedder or self.store.embedder)
+                store = self.store
+                self._span_scorer = SpanScorer(self.embedder or store.embedder,
+                                               stored=store.sentence_vectors)
         return {"pack": self.pack, "span_scorer": self._span_scorer}
 
     def retrieve(
