@@ -28,9 +28,12 @@ that one with its own if it needs it too, up to :data:`MAX_CHAIN` sentences back
 before the list. Not covered: a pronoun later in a sentence, a lead-in in the previous chunk.
 
 Cost: splitting, BM25 and the exact counts are milliseconds; embedding the pool's sentences is the
-part that costs (0.2–0.4× the generator's prefill of the same prompt on a loaded 2-core
-CPU, cold; nothing once the sentences are cached — see bench/spans_speed.py and bench/spans_qa.py
---timing). On a served engine every admission is one count request to the engine.
+part that costs (the embedder's forward pass: 78–95% of a cold call, bench/spans_profile.py;
+0.2–0.34× the generator's prefill of the same prompt on a 2-core CPU). So an index embeds every
+chunk's sentences at build time (:meth:`ragbudget.index.Index.sentence_vectors`) and
+:class:`SpanScorer` reads them first: a question then embeds no sentence and span packing adds a
+few milliseconds (bench/spans_speed.py). On a served engine every admission is one count
+request to the engine.
 
 Citations stay exact: every :class:`Span` has its offsets in the chunk's text (``chunk.text[start:
 end] == span.text``) and in its file (``span.source``), and the page(s) of the chunk it came from
