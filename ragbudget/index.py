@@ -127,7 +127,8 @@ LOCK = "lock"
 _GEN_FILE = re.compile(r"^(faiss|hnsw|ivf-flat|ivf-pq|meta)\.(\d+)\.(index|sqlite)$")
 
 #: ``progress(phase, done, total)``: phases ``"files"`` (files to (re)index) then ``"embed"``
-#: (chunks embedded; ``total`` grows as files are chunked), then ``"write"``.
+#: (chunks embedded; ``total`` grows as files are chunked), ``"sentences"`` (chunks whose sentence
+#: vectors are embedded, for span packing; only when some lack them), then ``"write"``.
 ProgressCallback = Callable[[str, int, "int | None"], None]
 
 _SCHEMA = """
