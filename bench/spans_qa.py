@@ -73,16 +73,18 @@ def configs(args: argparse.Namespace) -> dict[str, dict]:
         for name, opts in SWEEP.items():
             cfg[f"ragbudget_spans_{name}"] = {"system": "ragbudget_spans", "budgets": SPAN_BUDGETS,
                                               "select": opts}
-    for extra in args.extra:  # e.g. "pool=5,max_chunks=20" (a follow-up setting on the tune split)
+    for extra in args.extra:  # e.g. "pool=5,max_chunks=20" or "cue_weight=0.2" (tune split only)
         opts = {}
         for kv in extra.split(","):
             k, _, v = kv.partition("=")
             try:
                 opts[k] = {"weights": lambda v: tuple(float(x) for x in v.split("/")),
-                           "pool": float, "max_chunks": int}[k](v)
+                           "pool": float, "max_chunks": int, "cue_weight": float,
+                           "context_weight": float}[k](v)
             except (KeyError, ValueError):
                 raise SystemExit(f"--extra {extra!r}: expected comma-separated pool=<number>, "
-                                 "max_chunks=<integer> or weights=<dense>/<lexical>/<chunk>") from None
+                                 "max_chunks=<integer>, weights=<dense>/<lexical>/<chunk>, "
+                                 "cue_weight=<0-1> or context_weight=<0-1>") from None
         cfg[f"ragbudget_spans_{extra}"] = {"system": "ragbudget_spans", "budgets": SPAN_BUDGETS,
                                            "select": opts}
     return cfg

@@ -1,15 +1,29 @@
 """What span packing adds per question, against the generator's prefill of the same prompt.
 
 One SQuAD dev article (default ``Normans``, a *test* article of bench/floor.py's splits, never
-tuned on) is chunked with the library defaults and embedded with the packaged MiniLM; each question
-takes the top ``--fetch-k`` chunks by cosine. For each context budget, the prompt is built twice
-with :func:`ragbudget.prompt.build_prompt` — ``pack="chunks"`` and ``pack="spans"`` (a fresh
-:class:`ragbudget.spans.SpanScorer` per question, so every sentence is embedded cold; a second,
-warm pass reuses the scorer) — and SmolLM2-135M's prefill of the span prompt is timed (one forward
-pass, no generation). Added time = spans − chunks, per question; medians reported. Answer-in-
-context (official SQuAD normalization) is recorded alongside as a sanity check, not a result.
+tuned on) is indexed with :class:`ragbudget.index.Index` and the library defaults — chunking, and
+the embedder ``SentenceTransformerEmbedder()`` picks (``--backend auto``: int8 ONNX on a CPU with
+onnxruntime; ``torch`` is what the first runs of this script used) — which also stores every
+chunk's sentence vectors (``build.py`` ``_embed_sentences``). Each question takes the top
+``--fetch-k`` chunks by cosine (``Index.search``). For each context budget, the prompt is built
+with :func:`ragbudget.prompt.build_prompt` — ``pack="chunks"``, then ``pack="spans"`` three ways:
 
-    .venv/bin/python bench/spans_speed.py --questions 20
+* *cold*: a fresh :class:`ragbudget.spans.SpanScorer` without stored vectors, so every pool
+  sentence is embedded (an index written before sentence vectors were stored, first question on
+  these chunks);
+* *stored*: a fresh scorer reading the index's stored sentence vectors (``stored=
+  Index.sentence_vectors``, as ``Pipeline`` does): a SQLite read and the question's embedding, no
+  sentence embedded — every question on an index built by this version;
+* *warm*: the stored scorer again (vectors already in its memory cache);
+
+and SmolLM2-135M's prefill of the span prompt is timed (one forward pass, no generation). Added
+time = spans − chunks, per question; medians reported. Answer-in-context (official SQuAD
+normalization) is recorded alongside as a sanity check, not a result. The build's own time and
+the part of it the sentence vectors take are recorded too.
+
+    nice -n 19 .venv/bin/python bench/spans_speed.py --questions 8
+
+Writes ``bench/results/spans_speed.json``.
 """
 
 from __future__ import annotations
@@ -19,6 +33,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -30,17 +45,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-import numpy as np  # noqa: E402
 from _results import write  # noqa: E402
 from qa import normalize_answer  # noqa: E402
 
-from ragbudget.chunking import chunk_text  # noqa: E402
 from ragbudget.embed import SentenceTransformerEmbedder  # noqa: E402
+from ragbudget.index import Index  # noqa: E402
 from ragbudget.models import resolve_generator  # noqa: E402
 from ragbudget.prompt import PromptBuilder, build_prompt  # noqa: E402
-from ragbudget.select import Candidate  # noqa: E402
 from ragbudget.spans import SpanScorer  # noqa: E402
-from ragbudget.types import Source  # noqa: E402
 
 SQUAD = ROOT.parent / "shared" / "data" / "squad" / "squaddev_v1.1.json"
 
@@ -51,6 +63,7 @@ def main() -> None:
     ap.add_argument("--questions", type=int, default=20)
     ap.add_argument("--budgets", default="256,1024")
     ap.add_argument("--fetch-k", type=int, default=50)
+    ap.add_argument("--backend", default="auto", help="SentenceTransformerEmbedder(backend=...)")
     ap.add_argument("--out", default="spans_speed")
     args = ap.parse_args()
 
@@ -67,11 +80,17 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(ref.path, gguf_file=ref.gguf_file)
     model = AutoModelForCausalLM.from_pretrained(ref.path, gguf_file=ref.gguf_file,
                                                  torch_dtype=torch.float32).eval()
-    emb = SentenceTransformerEmbedder()
+    emb = SentenceTransformerEmbedder(backend=args.backend)
     emb.warm_up()
-    chunks = chunk_text(text)
-    path = f"{args.article}.txt"
-    vecs = emb.embed_documents([c.text for c in chunks])
+    tmp = Path(tempfile.mkdtemp(prefix="rb-spans-speed-"))
+    (tmp / "docs").mkdir()
+    (tmp / "docs" / f"{args.article}.txt").write_text(text)
+    idx = Index(tmp / "idx")
+    built = idx.build([str(tmp / "docs")], embedder=emb)
+    idx = Index.open(tmp / "idx")
+    print(f"index: {built.chunks_total} chunks in {built.seconds:.1f} s, chunk vectors "
+          f"{built.embed_seconds:.1f} s, sentence vectors {built.sentence_seconds:.1f} s "
+          f"({built.sentences_embedded} sentences)", flush=True)
     builder = PromptBuilder(tok)
 
     def prefill(ids: tuple[int, ...]) -> float:
@@ -83,10 +102,7 @@ def main() -> None:
     prefill(tuple(tok.encode("warm up", add_special_tokens=False)))
     rows = []
     for q, answers in qs:
-        qv = emb.embed_query(q)
-        order = np.argsort(-(vecs @ qv))[: args.fetch_k]
-        cands = [Candidate(int(i), chunks[i].text, float(vecs[i] @ qv),
-                           sources=(Source(path, chunks[i].start, chunks[i].end),)) for i in order]
+        cands = idx.search(q, k=args.fetch_k, embedder=emb)
         fixed = builder.fixed_tokens(q)
         for budget in [int(b) for b in args.budgets.split(",")]:
             common = dict(tokenizer=tok, max_prompt_tokens=fixed + budget, builder=builder,
@@ -98,14 +114,22 @@ def main() -> None:
             t = time.perf_counter()
             ps = build_prompt(q, cands, pack="spans", span_scorer=scorer, **common)
             spans_cold_s = time.perf_counter() - t
+            stored = SpanScorer(emb, stored=idx.sentence_vectors)
             t = time.perf_counter()
-            build_prompt(q, cands, pack="spans", span_scorer=scorer, **common)
+            pst = build_prompt(q, cands, pack="spans", span_scorer=stored, **common)
+            spans_stored_s = time.perf_counter() - t
+            t = time.perf_counter()
+            build_prompt(q, cands, pack="spans", span_scorer=stored, **common)
             spans_warm_s = time.perf_counter() - t
             gold = [normalize_answer(a) for a in answers]
             rows.append({
                 "question": q, "budget": budget,
-                "chunks_s": chunks_s, "spans_cold_s": spans_cold_s, "spans_warm_s": spans_warm_s,
-                "added_cold_s": spans_cold_s - chunks_s, "added_warm_s": spans_warm_s - chunks_s,
+                "chunks_s": chunks_s, "spans_cold_s": spans_cold_s, "spans_stored_s": spans_stored_s,
+                "spans_warm_s": spans_warm_s,
+                "added_cold_s": spans_cold_s - chunks_s, "added_stored_s": spans_stored_s - chunks_s,
+                "added_warm_s": spans_warm_s - chunks_s,
+                "sentences_embedded_cold": scorer.embedded, "sentences_embedded_stored": stored.embedded,
+                "same_context_stored_vs_cold": pst.selection.text == ps.selection.text,
                 "prefill_s": prefill(ps.input_ids), "prompt_tokens": ps.n_tokens,
                 "sentences_considered": sum(len(p.spans) for p in ps.selection.chunks)
                 + len(ps.selection.spans_dropped),
@@ -113,9 +137,9 @@ def main() -> None:
                 "in_context_spans": any(g in normalize_answer(ps.selection.text) for g in gold),
             })
             r = rows[-1]
-            print(f"{budget:5d} added cold {1000 * r['added_cold_s']:7.1f} ms  warm "
-                  f"{1000 * r['added_warm_s']:6.1f} ms  prefill {1000 * r['prefill_s']:7.1f} ms  "
-                  f"{r['sentences_considered']} sentences", flush=True)
+            print(f"{budget:5d} added cold {1000 * r['added_cold_s']:7.1f} ms  stored "
+                  f"{1000 * r['added_stored_s']:6.1f} ms  warm {1000 * r['added_warm_s']:6.1f} ms  "
+                  f"prefill {1000 * r['prefill_s']:7.1f} ms  {r['sentences_considered']} sentences", flush=True)
     summary = {}
     for budget in sorted({r["budget"] for r in rows}):
         rs = [r for r in rows if r["budget"] == budget]
@@ -125,17 +149,24 @@ def main() -> None:
 
         summary[str(budget)] = {
             "n": len(rs), "median_added_cold_ms": 1000 * med("added_cold_s"),
+            "median_added_stored_ms": 1000 * med("added_stored_s"),
             "median_added_warm_ms": 1000 * med("added_warm_s"),
             "median_prefill_ms": 1000 * med("prefill_s"),
             "median_ratio_cold": med("added_cold_s") / med("prefill_s"),
+            "median_ratio_stored": med("added_stored_s") / med("prefill_s"),
+            "sentences_embedded_stored": sum(r["sentences_embedded_stored"] for r in rs),
+            "same_context_stored_vs_cold": sum(r["same_context_stored_vs_cold"] for r in rs) / len(rs),
             "median_sentences": med("sentences_considered"),
             "in_context_chunks": sum(r["in_context_chunks"] for r in rs) / len(rs),
             "in_context_spans": sum(r["in_context_spans"] for r in rs) / len(rs),
         }
         print(budget, json.dumps(summary[str(budget)]))
-    write(args.out, {"article": args.article, "chunks": len(chunks), "fetch_k": args.fetch_k,
+    build = {k: v for k, v in built.to_dict().items() if k in (
+        "chunks_total", "seconds", "embed_seconds", "sentence_seconds", "sentences_embedded", "chunks_embedded")}
+    write(args.out, {"article": args.article, "chunks": built.chunks_total, "fetch_k": args.fetch_k,
+                     "embedder": emb.id, "backend": emb.backend, "build": build,
                      "summary": summary, "rows": rows},
-          packages=("torch", "transformers", "sentence-transformers", "tokenizers"))
+          packages=("torch", "transformers", "sentence-transformers", "tokenizers", "onnxruntime"))
 
 
 if __name__ == "__main__":

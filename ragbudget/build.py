@@ -254,8 +254,10 @@ class _Builder:
             "files_indexed", "files_unchanged", "files_removed", "chunks_added", "chunks_removed",
             "chunks_embedded", "chunks_reused", "exact_duplicates", "near_duplicates",
             "furniture_lines_removed", "windows_pooled", "windows_embedded", "files_added",
-            "files_updated", "files_kept", "chunks_resumed")}
+            "files_updated", "files_kept", "chunks_resumed", "sentences_embedded",
+            "sentences_reused")}
         self.embed_seconds = 0.0
+        self.sentence_seconds = 0.0
         self.n_seen = 0  # files and skipped entries the scan found (set by the scan)
         self.counts: dict[str, int] | None = None  # the committed generation's counts
         self.skipped: list[tuple[str, str, str]] = []
@@ -389,6 +391,11 @@ class _Builder:
         if self.lexical == "created" and self.old is not None and not reason:
             # An index from before the FTS table: this run stores it even if no file changed.
             log.info("adding the lexical (FTS5) table to the index in %s", self.dir)
+            self.changed = True
+        if self.old is not None and not reason and not self.old.get("sentences"):
+            # An index from before stored sentence vectors: this run embeds them (once), so span
+            # packing embeds no sentence at question time, even if no file changed.
+            log.info("adding sentence vectors (span packing) to the index in %s", self.dir)
             self.changed = True
         self.checkpoint = _Checkpoint(self.dir, _identity(_light_spec(emb)))
 
@@ -544,6 +551,7 @@ class _Builder:
             if self.flat is not None:
                 self.flat.remove(np.array(orphans, dtype=np.int64))
             self.stats["chunks_removed"] += len(orphans)
+        self._embed_sentences()
         self.roots = self._final_roots()
         self.db.execute("DELETE FROM roots")
         self.db.executemany("INSERT INTO roots (path, label, kind) VALUES (?,?,?)",
@@ -781,10 +789,11 @@ class _Builder:
                       self.embed_total)
 
     def _embed(self, batch: list[tuple[int, str]], todo: list[int], vecs: Any,
-               windows: list[int]) -> Any:
+               windows: list[int], *, what: str = "chunks") -> Any:
         """Embed the texts of ``batch`` at ``todo`` through the executor; fill ``vecs`` and
         ``windows`` at those rows. Each shard is checkpointed as it arrives, so a failed job
-        keeps what came back."""
+        keeps what came back. ``what="sentences"``: the sentence pass (its own counters and
+        time; a vector is a vector of its text, so the checkpoint serves both)."""
         import numpy as np
 
         emb = self.embedder
@@ -803,6 +812,8 @@ class _Builder:
                 done[shard.positions] = True
                 if self.checkpoint is not None:
                     self.checkpoint.add([batch[j][1] for j in rows], shard.vectors, shard.windows)
+                if what == "sentences":
+                    continue
                 self.stats["chunks_embedded"] += len(rows)
                 self.stats["windows_pooled"] += sum(1 for w in shard.windows if w > 1)
                 self.stats["windows_embedded"] += shard.texts_fed
@@ -814,11 +825,12 @@ class _Builder:
                 f"{exc}. {self._unchanged_note()}; {self.stats['chunks_embedded'] + kept} embedded "
                 "chunk(s) are checkpointed, so a re-run resumes after them") from None
         finally:
-            self.embed_seconds += time.perf_counter() - t
+            if what == "chunks":
+                self.embed_seconds += time.perf_counter() - t
         if not done.all():
             raise ExecutorError(
                 f"the {self.executor.name} executor returned vectors for {int(done.sum())} of "
-                f"{len(todo)} chunks. {self._unchanged_note()}")
+                f"{len(todo)} {what}. {self._unchanged_note()}")
         return vecs
 
     def _unchanged_note(self) -> str:
@@ -851,6 +863,81 @@ class _Builder:
                 todo.append(j)
         return vecs, todo
 
+    # -- sentence vectors ----------------------------------------------------------------------
+
+    def _embed_sentences(self) -> None:
+        """Every chunk without stored sentence vectors gets them: its sentences (as span packing
+        cuts them) embedded with the index's embedder, float16, one row per chunk. Incremental
+        like the chunk vectors: rows of unchanged chunks were copied with the generation, rows of
+        removed chunks went with them (trigger), a sentence already embedded — in this run, in
+        the previous generation when a rebuild may reuse its vectors, or in the checkpoint of a
+        killed run — is not embedded again."""
+        import numpy as np
+
+        from .spans import sentence_digest, sentence_texts
+
+        assert self.db is not None
+        todo = self.db.execute(
+            "SELECT id, text FROM chunks WHERE id NOT IN (SELECT chunk_id FROM sentence_vectors) "
+            "ORDER BY id").fetchall()
+        if not todo:
+            return
+        t = time.perf_counter()
+        known = self._old_sentence_vectors()
+        total = len(todo)
+        self.progress("sentences", 0, total)
+        step = max(1, self.embed_batch // 4)  # chunks per round: ~8-30 sentences each
+        for lo in range(0, total, step):
+            part = todo[lo : lo + step]
+            sents = [sentence_texts(text) for _, text in part]
+            keys = [[sentence_digest(x) for x in ss] for ss in sents]
+            need: dict[bytes, str] = {}
+            for ss, ks in zip(sents, keys, strict=True):
+                for x, k in zip(ss, ks, strict=True):
+                    if k in known or k in need:
+                        continue
+                    got = self.checkpoint.get(x) if self.checkpoint is not None else None
+                    if got is not None and self.flat is not None and got[0].shape[0] == self.flat.dim:
+                        known[k] = got[0]
+                        self.stats["sentences_reused"] += 1
+                    else:
+                        need[k] = x
+            if need:
+                texts = list(need.values())
+                vecs = self._embed([(0, x) for x in texts], list(range(len(texts))), None,
+                                   [1] * len(texts), what="sentences")
+                known.update(zip(need, np.asarray(vecs, dtype=np.float32), strict=True))
+                self.stats["sentences_embedded"] += len(texts)
+            dim = self.flat.dim if self.flat is not None else None
+            rows = []
+            for (cid, _), ks in zip(part, keys, strict=True):
+                mat = (np.stack([known[k] for k in ks]) if ks
+                       else np.zeros((0, dim or 0), dtype=np.float32))
+                rows.append((cid, b"".join(ks), mat.astype("<f2").tobytes()))
+            self.db.executemany(
+                "INSERT OR REPLACE INTO sentence_vectors (chunk_id, digests, vectors) VALUES (?,?,?)", rows)
+            self.progress("sentences", min(lo + step, total), total)
+        self.sentence_seconds += time.perf_counter() - t
+
+    def _old_sentence_vectors(self) -> dict[bytes, Any]:
+        """Sentence vectors of the previous generation by digest, when a rebuild may reuse them
+        (only chunking/dedup changed: same embedder); empty otherwise."""
+        import numpy as np
+
+        if self.reuse is None:
+            return {}
+        rdb, old_flat = self.reuse
+        out: dict[bytes, Any] = {}
+        try:
+            for digests, blob in rdb.execute("SELECT digests, vectors FROM sentence_vectors"):
+                n = len(digests) // 16
+                mat = np.frombuffer(blob, dtype="<f2").reshape(n, old_flat.dim).astype(np.float32)
+                for j in range(n):
+                    out[digests[16 * j : 16 * j + 16]] = mat[j]
+        except sqlite3.OperationalError:  # written before sentence vectors were stored
+            return {}
+        return out
+
     # -- commit --------------------------------------------------------------------------------
 
     def _commit(self) -> None:
@@ -877,6 +964,7 @@ class _Builder:
         }
         if self.lexical != "unavailable":
             counts["lexical_rows"] = self.db.execute("SELECT COUNT(*) FROM chunks_fts").fetchone()[0]
+        counts["sentence_vectors"] = self.db.execute("SELECT COUNT(*) FROM sentence_vectors").fetchone()[0]
         self.counts = counts
         self.db.close()
         self.db = None
@@ -919,6 +1007,9 @@ class _Builder:
             "store": self.store_report,
             "lexical": ({"kind": "sqlite-fts5", "table": "chunks_fts", "tokenize": FTS_TOKENIZE}
                         if self.lexical != "unavailable" else None),
+            # Every chunk's sentences embedded for span packing (build.py _embed_sentences); an
+            # index without this entry gets them on its next write.
+            "sentences": {"table": "sentence_vectors", "dtype": "float16", "splitter": 1},
             "sqlite": {"file": spath.name, "bytes": spath.stat().st_size,
                        "sha256": _sha256_file(spath)},
             "counts": counts,
@@ -969,6 +1060,7 @@ class _Builder:
             chunks_total=total,
             seconds=time.perf_counter() - self.t0,
             embed_seconds=self.embed_seconds,
+            sentence_seconds=self.sentence_seconds,
             rebuilt=self.rebuilt,
             rebuild_reason=self.reason,
             generation=self.gen if committed else self.gen - 1,

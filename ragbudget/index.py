@@ -13,7 +13,10 @@ Layout of an index folder (default ``.ragbudget/``)::
     meta.<gen>.sqlite      chunks, sources (every duplicate location), files (drives incremental runs),
                            roots (the paths given to build, with their display labels),
                            chunks_fts: an FTS5 (BM25) table over the chunk texts, kept in sync with
-                           ``chunks`` by triggers, so it is written by the same atomic generation
+                           ``chunks`` by triggers, so it is written by the same atomic generation;
+                           sentence_vectors: each chunk's sentences embedded (float16, one row per
+                           chunk, keyed by sentence digest) for span packing, removed with their
+                           chunk by a trigger
     lock                   flock'ed by the one writer
     embed.checkpoint       vectors embedded by an unfinished run (only while one is, or was killed)
 
@@ -129,7 +132,8 @@ LOCK = "lock"
 _GEN_FILE = re.compile(r"^(faiss|hnsw|ivf-flat|ivf-pq|meta)\.(\d+)\.(index|sqlite)$")
 
 #: ``progress(phase, done, total)``: phases ``"files"`` (files to (re)index) then ``"embed"``
-#: (chunks embedded; ``total`` grows as files are chunked), then ``"write"``.
+#: (chunks embedded; ``total`` grows as files are chunked), ``"sentences"`` (chunks whose sentence
+#: vectors are embedded, for span packing; only when some lack them), then ``"write"``.
 ProgressCallback = Callable[[str, int, "int | None"], None]
 
 _SCHEMA = """
@@ -169,6 +173,14 @@ CREATE TABLE IF NOT EXISTS files (
     page_labels TEXT
 );
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS sentence_vectors (
+    chunk_id INTEGER PRIMARY KEY,
+    digests BLOB NOT NULL,
+    vectors BLOB NOT NULL
+);
+CREATE TRIGGER IF NOT EXISTS chunks_sentences_ad AFTER DELETE ON chunks BEGIN
+    DELETE FROM sentence_vectors WHERE chunk_id = old.id;
+END;
 CREATE TABLE IF NOT EXISTS roots (
     path TEXT PRIMARY KEY,
     label TEXT NOT NULL UNIQUE,
@@ -700,6 +712,39 @@ class Index:
         need = [i for i, _ in fused if i not in known]
         known.update({h.chunk_id: h for h in self.get_chunks(need)})
         return [_with_score(known[i], s) for i, s in fused if i in known]
+
+    def sentence_vectors(self, ids: Iterable[int]) -> dict[int, tuple[list[bytes], Any]]:
+        """The stored sentence vectors of chunks ``ids``: ``{chunk_id: (digests, vectors)}``,
+        one :func:`~ragbudget.spans.sentence_digest` and one float32 row per sentence of the
+        chunk (as :func:`~ragbudget.spans.split_sentences` cuts it at build time), embedded with
+        the index's embedder. What :class:`~ragbudget.spans.SpanScorer` reads (``stored=``) so a
+        question embeds no sentence. Chunks without them (an index written before they were
+        stored, or by an older writer) are left out: the scorer embeds those on first use."""
+        import numpy as np
+
+        ids = [int(i) for i in ids]
+        if not ids:
+            return {}
+        self._load()
+        assert self._db is not None
+        m = self.manifest
+        dtype = (m.get("sentences") or {}).get("dtype", "float16")
+        dim = int(m["dim"])
+        out: dict[int, tuple[list[bytes], Any]] = {}
+        with self._lock:
+            try:
+                for lo in range(0, len(ids), 900):
+                    part = ids[lo : lo + 900]
+                    rows = self._db.execute(
+                        "SELECT chunk_id, digests, vectors FROM sentence_vectors "
+                        f"WHERE chunk_id IN ({','.join('?' * len(part))})", part).fetchall()
+                    for cid, digests, blob in rows:
+                        n = len(digests) // 16
+                        vecs = np.frombuffer(blob, dtype=dtype).reshape(n, dim).astype(np.float32)
+                        out[int(cid)] = ([digests[16 * j : 16 * j + 16] for j in range(n)], vecs)
+            except sqlite3.OperationalError:  # no such table: an index from before they were stored
+                return {}
+        return {cid: (list(d), v) for cid, (d, v) in out.items()}
 
     def search_lexical(self, query: str, k: int = 5) -> list[Hit]:
         """The ``k`` chunks with the best BM25 score for ``query`` (``score`` = BM25, higher is

@@ -1,5 +1,7 @@
 """Budgeted retrieve-then-generate: the one object most users need.
 
+One job: one question from retrieval to answer, each stage called in order under the plan.
+
 :class:`Pipeline` ties the stages together — index, memory plan, selection, prompt, generation —
 so that every request's prompt provably fits the KV memory it was planned for:
 
@@ -627,14 +629,17 @@ class Pipeline:
     def _pack_options(self) -> dict[str, Any]:
         """``build_prompt``'s packing keywords: with ``pack="spans"``, one
         :class:`~ragbudget.spans.SpanScorer` per pipeline over the index's embedder, so sentence
-        vectors are cached across questions."""
+        vectors are cached across questions, reading the sentence vectors the index stored at
+        build time first (search already refused an embedder other than the index's)."""
         if self.retrieval.pack == "chunks":
             return {"fill_remainder": True} if self.retrieval.fill_remainder else {}
         with self._lock:
             if self._span_scorer is None:
                 from .spans import SpanScorer
 
-                self._span_scorer = SpanScorer(self.embedder or self.store.embedder)
+                store = self.store
+                self._span_scorer = SpanScorer(self.embedder or store.embedder,
+                                               stored=store.sentence_vectors)
         return {"pack": self.retrieval.pack, "span_scorer": self._span_scorer}
 
     def retrieve(

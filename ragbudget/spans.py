@@ -1,5 +1,8 @@
 """Pack sentences, not whole chunks: the question's spans inside the best retrieved chunks.
 
+One job: sentence packing, from splitting and scoring a pool's sentences (with the vectors the
+index stored) to the exact spans that fit.
+
 A 300–500-token chunk does not fit a 256-token allowance at all, and in a larger one most of a
 chunk is not about the question. :func:`select_spans` keeps chunks as the unit of retrieval and
 provenance but packs at sentence granularity inside the best of them:
@@ -28,9 +31,12 @@ that one with its own if it needs it too, up to :data:`MAX_CHAIN` sentences back
 before the list. Not covered: a pronoun later in a sentence, a lead-in in the previous chunk.
 
 Cost: splitting, BM25 and the exact counts are milliseconds; embedding the pool's sentences is the
-part that costs (0.2–0.4× the generator's prefill of the same prompt on a loaded 2-core
-CPU, cold; nothing once the sentences are cached — see bench/spans_speed.py and bench/spans_qa.py
---timing). On a served engine every admission is one count request to the engine.
+part that costs (the embedder's forward pass: 78–95% of a cold call, bench/spans_profile.py;
+0.2–0.34× the generator's prefill of the same prompt on a 2-core CPU). So an index embeds every
+chunk's sentences at build time (:meth:`ragbudget.index.Index.sentence_vectors`) and
+:class:`SpanScorer` reads them first: a question then embeds no sentence and span packing adds a
+few milliseconds (bench/spans_speed.py). On a served engine every admission is one count
+request to the engine.
 
 Citations stay exact: every :class:`Span` has its offsets in the chunk's text (``chunk.text[start:
 end] == span.text``) and in its file (``span.source``), and the page(s) of the chunk it came from
@@ -45,7 +51,7 @@ import math
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,7 +71,7 @@ from .select import (
 from .types import Source
 
 __all__ = ["DEFAULT_PACK", "JOINER", "MAX_CHAIN", "NEEDS_PREVIOUS", "PACKS", "Span", "SpanScorer", "bm25",
-           "needs_previous", "select_spans", "split_sentences"]
+           "needs_previous", "select_spans", "sentence_digest", "sentence_texts", "split_sentences"]
 
 #: Packing modes: whole chunks (:func:`~ragbudget.select.select_chunks`) or the question's
 #: sentences inside the best chunks (:func:`select_spans`).
@@ -208,6 +214,16 @@ def split_sentences(text: str) -> list[tuple[int, int, bool]]:
     return out
 
 
+def sentence_texts(text: str) -> list[str]:
+    """The texts of :func:`split_sentences`' units of ``text``, in order: what an index embeds
+    per chunk at build time, and what :func:`select_spans` scores.
+
+    >>> sentence_texts("It rained. We stayed in.")
+    ['It rained.', 'We stayed in.']
+    """
+    return [text[a:b] for a, b, _ in split_sentences(text)]
+
+
 def _ends_sentence(text: str, dot: int, end: int) -> bool:
     if text[dot] != ".":
         return True
@@ -292,25 +308,77 @@ class SpanScorer:
     their vectors kept by content hash (up to ``cache_size``), so a chunk seen by an earlier
     question costs nothing again. Thread-safe.
 
+    ``stored`` (e.g. :meth:`ragbudget.index.Index.sentence_vectors`, which an index built by this
+    version holds for every chunk) maps chunk ids to ``(digests, vectors)`` — each sentence's
+    :func:`sentence_digest` and its vector, embedded at build time with the same embedder — and is
+    asked first (:meth:`preload`): a sentence found there is never embedded at question time. It
+    must come from the same embedder as ``embedder`` (the caller's check: the pipeline passes the
+    index's own). A chunk it does not know (an index written before sentences were stored, or by
+    an older writer) falls back to embedding on first use.
+
     >>> from ragbudget.embed import HashEmbedder
     >>> s = SpanScorer(HashEmbedder())
     >>> sims = s.similarities("where is Paris", ["Paris is in France.", "Bread is baked."])
-    >>> len(sims), s.cached
-    (2, 3)
+    >>> len(sims), s.cached, s.embedded
+    (2, 3, 2)
     """
 
-    def __init__(self, embedder: Any, *, cache_size: int = 50_000) -> None:
+    def __init__(
+        self,
+        embedder: Any,
+        *,
+        cache_size: int = 50_000,
+        stored: Callable[[Sequence[Any]], Mapping[Any, tuple[Sequence[bytes], Any]]] | None = None,
+    ) -> None:
         if embedder is None:
             raise ConfigError("SpanScorer needs an embedder (e.g. the index's own: Index.embedder)")
         self.embedder = embedder
         self.cache_size = int(cache_size)
+        self.stored = stored
+        #: Sentences sent to the embedder so far (questions not counted): 0 when every sentence
+        #: came from ``stored`` or the cache.
+        self.embedded = 0
         self._cache: OrderedDict[bytes, Any] = OrderedDict()
+        # Chunk ids already asked of ``stored`` (cleared when the cache evicts: their vectors may
+        # be gone, so they are asked again rather than embedded).
+        self._asked: set[Any] = set()
         self._lock = threading.Lock()
 
     @property
     def cached(self) -> int:
         """Vectors held."""
         return len(self._cache)
+
+    def preload(self, chunk_ids: Iterable[Any]) -> int:
+        """Take the sentence vectors of ``chunk_ids`` from ``stored`` into the cache (one lookup
+        per chunk per scorer); returns how many vectors came in. No ``stored``: nothing."""
+        import numpy as np
+
+        if self.stored is None:
+            return 0
+        with self._lock:
+            ids = [i for i in dict.fromkeys(chunk_ids) if i not in self._asked]
+        if not ids:
+            return 0
+        got = self.stored(ids)
+        n = 0
+        with self._lock:
+            self._asked.update(ids)
+            for digests, vectors in got.values():
+                mat = np.asarray(vectors, dtype=np.float32)
+                for d, v in zip(digests, mat, strict=True):
+                    key = b"d" + bytes(d)
+                    if key not in self._cache:
+                        self._cache[key] = v
+                        n += 1
+            self._evict()
+        return n
+
+    def _evict(self) -> None:
+        if len(self._cache) > self.cache_size:
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+            self._asked.clear()
 
     def similarities(self, question: str, texts: Sequence[str]) -> list[float]:
         """Cosine of each of ``texts`` to ``question`` (vectors are unit length)."""
@@ -322,21 +390,31 @@ class SpanScorer:
         todo = [i for i, k in enumerate(keys) if k not in have]
         if todo:
             qi = [i for i in todo if i == 0]
-            di = [i for i in todo if i > 0]
+            di = list(dict.fromkeys(i for i in todo if i > 0 and keys[i] not in have))
             if qi:
                 have[keys[0]] = np.asarray(self.embedder.embed_query(question), dtype=np.float32)
-            if di:
+            # One text per digest: a sentence repeated in the pool is embedded once.
+            first: dict[bytes, int] = {}
+            for i in di:
+                first.setdefault(keys[i], i)
+            if first:
                 # Documents, not queries: the same side of the embedder the index's chunks used.
-                vecs = self.embedder.embed_documents([texts[i - 1] for i in di])
-                for i, v in zip(di, vecs, strict=True):
-                    have[keys[i]] = np.asarray(v, dtype=np.float32)
+                vecs = self.embedder.embed_documents([texts[i - 1] for i in first.values()])
+                self.embedded += len(first)
+                for k, v in zip(first, vecs, strict=True):
+                    have[k] = np.asarray(v, dtype=np.float32)
             with self._lock:
                 for i in todo:
                     self._cache[keys[i]] = have[keys[i]]
-                while len(self._cache) > self.cache_size:
-                    self._cache.popitem(last=False)
+                self._evict()
         qv = have[keys[0]]
         return [float(np.dot(qv, have[k])) for k in keys[1:]]
+
+
+def sentence_digest(text: str) -> bytes:
+    """The 16-byte key of a sentence's vector: in :class:`SpanScorer`'s cache and in an index's
+    stored sentence vectors (:meth:`ragbudget.index.Index.sentence_vectors`)."""
+    return _digest(text)
 
 
 def _digest(text: str) -> bytes:
@@ -370,6 +448,8 @@ def select_spans(
     pool: float = DEFAULT_POOL,
     max_chunks: int = 12,
     weights: tuple[float, float, float] = (_W_DENSE, _W_LEXICAL, _W_CHUNK),
+    cue_weight: float = 0.0,
+    context_weight: float = 0.0,
     prime: Callable[[Sequence[str]], Any] | None = None,
     lambda_: float = 0.7,
     temperature: float = 0.02,
@@ -388,7 +468,12 @@ def select_spans(
     ``count_tokens(text) + chunk_overhead`` per passage, ``tokens_used <= budget_tokens``), and:
     ``scorer`` (a :class:`SpanScorer`; ``None``: lexical and chunk evidence only), ``pool`` (the
     chunks considered, in score order, stop once their summed cost reaches ``pool`` × the budget;
-    at most ``max_chunks``), ``weights`` (dense, lexical, chunk) of the evidence, ``prime`` (a
+    at most ``max_chunks``), ``weights`` (dense, lexical, chunk) of the evidence, ``cue_weight``
+    (the answer-type cue: a sentence holding what the question asks for — a number or date for
+    "when"/"how many"/"what year", a name for "who" — gains this much; 0: off) and
+    ``context_weight`` (a sentence's evidence mixed with its better neighbour's in the same
+    chunk, so the sentence after the one that names the question's terms is in reach; 0: off),
+    ``prime`` (a
     batch counter to warm ``count_tokens``, e.g. a served engine's). ``merge_adjacent`` and
     ``max_merge_gap`` are accepted for the same call shape; passages are per chunk here.
 
@@ -412,6 +497,9 @@ def select_spans(
         raise ConfigError(f"max_chunks must be an integer ≥ 1; got {max_chunks!r}")
     if len(weights) != 3 or any(w < 0 for w in weights) or not any(weights):
         raise ConfigError(f"weights must be three numbers ≥ 0 (dense, lexical, chunk), not all 0; got {weights!r}")
+    for name, w in (("cue_weight", cue_weight), ("context_weight", context_weight)):
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 <= w <= 1:
+            raise ConfigError(f"{name} must be a number in [0, 1]; got {w!r}")
     del merge_adjacent, max_merge_gap  # one passage per chunk; see the docstring
     overhead_of = _overhead_of(chunk_overhead)
     cands = list(candidates)
@@ -438,7 +526,10 @@ def select_spans(
     outside = kept[len(chunks) :]
 
     units = _units(chunks, count_tokens, prime)
-    _score(question, chunks, units, scorer, weights)
+    if scorer is not None and units:
+        # Vectors stored at build time (an index's sentence vectors) before anything is embedded.
+        scorer.preload(i for it in chunks for i in it.ids)
+    _score(question, chunks, units, scorer, weights, cue_weight=cue_weight, context_weight=context_weight)
     chosen = _pack(units, chunks, budget_tokens, count_tokens, overhead_of, lambda_, redundancy)
 
     passages: list[tuple[_Item, SelectedChunk]] = []
@@ -533,9 +624,14 @@ def _score(
     units: list[_Unit],
     scorer: SpanScorer | None,
     weights: tuple[float, float, float],
+    *,
+    cue_weight: float = 0.0,
+    context_weight: float = 0.0,
 ) -> None:
     """Each unit's evidence in [0, 1]: a weighted mean of dense (cosine over the pool's best),
-    lexical (BM25 over the pool's best) and its chunk's value (already relative to the best)."""
+    lexical (BM25 over the pool's best) and its chunk's value (already relative to the best);
+    then, when asked, mixed with its better neighbour's (``context_weight``) and raised by the
+    answer-type cue (``cue_weight``)."""
     if not units:
         return
     w_dense, w_lex, w_chunk = weights
@@ -553,13 +649,49 @@ def _score(
     if top_dense <= 0:
         w_dense = 0.0
     norm = (w_dense + w_lex + w_chunk) or 1.0
+    own = []
     for u, d, x in zip(units, dense, lex, strict=True):
         parts = (
             w_dense * (d / top_dense if top_dense > 0 else 0.0)
             + w_lex * (x / top_lex if top_lex > 0 else 0.0)
             + w_chunk * chunks[u.chunk].value
         )
-        u.score = parts / norm
+        own.append(parts / norm)
+    if context_weight > 0:
+        mixed = []
+        for i, u in enumerate(units):
+            near = [own[j] for j in (i - 1, i + 1) if 0 <= j < len(units) and units[j].chunk == u.chunk]
+            mixed.append((1 - context_weight) * own[i] + context_weight * max(near, default=own[i]))
+        own = mixed
+    cue = _answer_cue(question) if cue_weight > 0 else None
+    qwords = {w.lower() for w in _WORD.findall(question)}
+    for i, u in enumerate(units):
+        bonus = cue_weight if cue is not None and cue(u.text, qwords) else 0.0
+        u.score = (own[i] + bonus) / (1.0 + cue_weight) if cue_weight > 0 else own[i]
+
+
+# The answer-type cue: what a question word asks for, as a test on a sentence's text. Simple on
+# purpose (English question words; a sentence either has such a token or not).
+_NUMBER = re.compile(r"\d|\b(?:one|two|three|four|five|six|seven|eight|nine|ten|eleven|twelve|twenty|"
+                     r"thirty|forty|fifty|hundred|thousand|million|billion|dozen|half|century|"
+                     r"january|february|march|april|may|june|july|august|september|october|"
+                     r"november|december)\b", re.IGNORECASE)
+_NUMERIC_Q = re.compile(r"\b(?:when|how (?:many|much|long|old|far|often|large|big|tall|high)|"
+                        r"what (?:year|date|decade|century|time|percentage|percent|age|number)|"
+                        r"which (?:year|date|decade|century))\b", re.IGNORECASE)
+_PERSON_Q = re.compile(r"\b(?:who|whom|whose)\b", re.IGNORECASE)
+_NAME = re.compile(r"(?<=\s)[A-Z][\w'’-]+")
+
+
+def _answer_cue(question: str) -> Callable[[str, set[str]], bool] | None:
+    """A test for sentences that hold the kind of thing ``question`` asks for, or ``None`` when
+    its question word says nothing (what, which, why, how)."""
+    if _NUMERIC_Q.search(question):
+        return lambda text, _q: _NUMBER.search(text) is not None
+    if _PERSON_Q.search(question):
+        # A capitalized word past the first that the question does not already name.
+        return lambda text, q: any(m.group(0).lower() not in q for m in _NAME.finditer(text))
+    return None
 
 
 def _pack(

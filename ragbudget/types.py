@@ -169,7 +169,9 @@ class IndexSummary:
     re-read by a rebuild); ``files_removed`` counts indexed files that left the index;
     ``files_kept`` the indexed files under other roots, left untouched. ``chunks_reused`` counts
     vectors not embedded again, ``chunks_resumed`` the part of them taken from the checkpoint of
-    an interrupted run.
+    an interrupted run. ``sentences_embedded``/``sentences_reused``/``sentence_seconds``: the
+    sentence vectors stored for span packing (only chunks without them: see
+    :meth:`Index.sentence_vectors`).
     """
 
     files_seen: int = 0
@@ -198,6 +200,9 @@ class IndexSummary:
     files_kept: int = 0
     chunks_resumed: int = 0
     warnings: tuple[tuple[str, str], ...] = ()
+    sentences_embedded: int = 0
+    sentences_reused: int = 0
+    sentence_seconds: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -205,6 +210,7 @@ class IndexSummary:
         d["warnings"] = [{"path": p, "message": m} for p, m in self.warnings]
         d["seconds"] = round(self.seconds, 3)
         d["embed_seconds"] = round(self.embed_seconds, 3)
+        d["sentence_seconds"] = round(self.sentence_seconds, 3)
         return d
 
 

@@ -346,11 +346,11 @@ def fake_pipeline(*, words: int = 6, token_delay: float = 0.0, slots: int | None
     backend = FakeBackend(reply=words_reply(words), capacity=capacity, token_delay=token_delay, fail=fail)
     if max_new_tokens is None:
         max_new_tokens = SLOT_ANSWER if slots else 256
-    # Whole chunks: these pipelines test the server (admission, time-outs, disconnects) with
-    # short client time-outs; span packing's first embedding of a chunk's sentences with MiniLM
-    # takes seconds on a loaded 2-core host and would time the clients out (issue #18's cold cost).
+    # The library's default packing (spans): the index stores every chunk's sentence vectors at
+    # build time, so a question embeds no sentence and the server tests' short client time-outs
+    # hold (they packed whole chunks while a chunk's first use embedded its sentences).
     return _Pipeline(index_dir or corpus_index(), backend=backend, max_new_tokens=max_new_tokens,
-                     queue_size=max_queue, queue_timeout=timeout, pack="chunks")
+                     queue_size=max_queue, queue_timeout=timeout)
 
 
 def fake(pipe: _Pipeline) -> FakeBackend:

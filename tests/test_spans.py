@@ -324,6 +324,44 @@ def test_answer_sentence_with_the_packaged_embedder(question, answer, packaged_s
     assert answer in sel.text
 
 
+def _one_chunk(text: str) -> object:
+    return type("H", (), dict(chunk_id=1, score=0.9, sources=(), text=text))()
+
+
+def test_answer_type_cue_prefers_the_sentence_with_what_the_question_asks_for() -> None:
+    # The first sentence repeats the question's words; only the second holds a year.
+    hit = _one_chunk("The harbour wall was rebuilt, the harbour wall again. "
+                     "Masons finished the harbour wall in 1887.")
+    q = "When was the harbour wall rebuilt?"
+    plain = select_spans(q, [hit], budget_tokens=9, count_tokens=words)
+    cued = select_spans(q, [hit], budget_tokens=9, count_tokens=words, cue_weight=0.5)
+    assert "1887" not in plain.text and "1887" in cued.text
+    # "who" asks for a name the question does not already hold.
+    hit = _one_chunk("The harbour wall was rebuilt by the harbour board. Work was led by Agnes Moray.")
+    q = "Who rebuilt the harbour wall?"
+    assert "Moray" not in select_spans(q, [hit], budget_tokens=9, count_tokens=words).text
+    assert "Moray" in select_spans(q, [hit], budget_tokens=9, count_tokens=words, cue_weight=1.0).text
+    # A question word that says nothing of the answer's kind: the cue changes nothing.
+    q = "Why was the harbour wall rebuilt?"
+    assert (select_spans(q, [hit], budget_tokens=9, count_tokens=words, cue_weight=0.5).text
+            == select_spans(q, [hit], budget_tokens=9, count_tokens=words).text)
+
+
+def test_context_weight_brings_the_sentence_after_the_matching_one_into_reach() -> None:
+    # The question's words are in the first sentence of the pair; the answer follows it.
+    hit = _one_chunk("Gulls nest on the cliffs. The keeper logged the storm damage each night. "
+                     "Repairs took eleven weeks. Seals rest on the rocks below.")
+    q = "What did the keeper log each night about the storm damage?"
+    scores = {}
+    for c in (0.0, 0.5):
+        sel = select_spans(q, [hit], budget_tokens=30, count_tokens=words, context_weight=c)
+        scores[c] = {s.text: s.score for p in sel.chunks for s in p.spans}
+        scores[c].update({s.text: s.score for s in sel.spans_dropped})
+    after, unrelated = "Repairs took eleven weeks.", "Seals rest on the rocks below."
+    assert scores[0.0][after] == pytest.approx(scores[0.0][unrelated])
+    assert scores[0.5][after] > scores[0.5][unrelated]
+
+
 @pytest.fixture(scope="module")
 def packaged_scorer():
     from ragbudget.embed import SentenceTransformerEmbedder
@@ -358,6 +396,10 @@ def test_bad_settings_are_config_errors(tiny) -> None:
         select_spans("q", [], budget_tokens=5, count_tokens=words, weights=(0, 0, 0))
     with pytest.raises(ConfigError, match="order must be"):
         select_spans("q", [], budget_tokens=5, count_tokens=words, order="random")
+    for knob in ("cue_weight", "context_weight"):
+        for bad in (-0.1, 1.5, True, "0.2"):
+            with pytest.raises(ConfigError, match=f"{knob} must be a number in"):
+                select_spans("q", [], budget_tokens=5, count_tokens=words, **{knob: bad})
     from ragbudget.pipeline import Pipeline
 
     with pytest.raises(ConfigError, match="pack"):

@@ -1,0 +1,175 @@
+"""Sentence vectors stored at index build time for span packing (issue #18's cold cost): written in
+the same generation as the chunk vectors, kept in step by incremental runs, read by
+:class:`~ragbudget.spans.SpanScorer` so a question embeds no sentence; an index without them still
+works (sentences embedded on first use) and gains them on its next write.
+
+Model-free: :class:`HashEmbedder`, small chunks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sqlite3
+from pathlib import Path
+
+import numpy as np
+import pytest
+from _fakes import FakeBackend
+from _tiny_lm import tiny_tokenizer
+from test_index import OPTS, make_text, write_corpus
+
+from ragbudget.embed import HashEmbedder
+from ragbudget.index import Index
+from ragbudget.pipeline import Pipeline
+from ragbudget.prompt import build_prompt
+from ragbudget.spans import SpanScorer, sentence_digest, sentence_texts
+
+DIM = 64
+
+
+class Counting(HashEmbedder):
+    """A HashEmbedder (same id, same vectors) that counts the document texts it embeds."""
+
+    def __init__(self) -> None:
+        super().__init__(dim=DIM)
+        self.documents = 0
+
+    def embed_documents(self, texts, *args, **kwargs):  # type: ignore[no-untyped-def]
+        self.documents += len(texts)
+        return super().embed_documents(texts, *args, **kwargs)
+
+
+def build(ix: Index, corpus: Path, emb: HashEmbedder | None = None, **kw: object):
+    return ix.build([str(corpus)], embedder=emb or HashEmbedder(dim=DIM), **{**OPTS, **kw})  # type: ignore[arg-type]
+
+
+def rows(ix: Index) -> dict[int, tuple[bytes, bytes]]:
+    m = json.loads((ix.path / "manifest.json").read_text())
+    with sqlite3.connect(ix.path / m["sqlite"]["file"]) as db:
+        return {cid: (d, v) for cid, d, v in db.execute("SELECT chunk_id, digests, vectors FROM sentence_vectors")}
+
+
+def chunk_texts(ix: Index) -> dict[int, str]:
+    m = json.loads((ix.path / "manifest.json").read_text())
+    with sqlite3.connect(ix.path / m["sqlite"]["file"]) as db:
+        return dict(db.execute("SELECT id, text FROM chunks"))
+
+
+def strip_sentence_vectors(ix: Index) -> None:
+    """Make ``ix`` look written before sentence vectors existed: no table, no manifest entry
+    (checksums re-sealed, as that writer would have left them)."""
+    m = json.loads((ix.path / "manifest.json").read_text())
+    f = ix.path / m["sqlite"]["file"]
+    con = sqlite3.connect(f)
+    con.execute("DROP TRIGGER chunks_sentences_ad")
+    con.execute("DROP TABLE sentence_vectors")
+    con.commit()
+    con.execute("VACUUM")
+    con.close()
+    m.pop("sentences")
+    m["counts"].pop("sentence_vectors")
+    m["sqlite"].update(bytes=f.stat().st_size, sha256=hashlib.sha256(f.read_bytes()).hexdigest())
+    (ix.path / "manifest.json").write_text(json.dumps(m))
+
+
+@pytest.fixture
+def corpus(tmp_path: Path) -> Path:
+    return write_corpus(tmp_path / "corpus")
+
+
+@pytest.fixture
+def ix(tmp_path: Path) -> Index:
+    return Index(tmp_path / "ix")
+
+
+def test_build_stores_every_chunks_sentences_with_the_index_embedder(ix: Index, corpus: Path) -> None:
+    s = build(ix, corpus)
+    texts, stored = chunk_texts(ix), rows(ix)
+    assert set(stored) == set(texts) and s.sentences_embedded > 0
+    emb = HashEmbedder(dim=DIM)
+    got = Index.open(ix.path).sentence_vectors(list(texts))
+    for cid, text in texts.items():
+        sents = sentence_texts(text)
+        digests, vecs = got[cid]
+        assert digests == [sentence_digest(x) for x in sents]
+        # float16 on disk: the same vectors to ~1e-3.
+        np.testing.assert_allclose(vecs, np.asarray(emb.embed_documents(sents)), atol=2e-3)
+    m = json.loads((ix.path / "manifest.json").read_text())
+    assert m["sentences"]["dtype"] == "float16" and m["counts"]["sentence_vectors"] == len(texts)
+    # A sentence in several chunks (the build's own sentences overlap nowhere here) is embedded once.
+    assert s.sentences_embedded <= sum(len(sentence_texts(t)) for t in texts.values())
+    assert Index.open(ix.path).verify().ok
+
+
+def test_a_question_embeds_no_sentence_when_the_index_stored_them(ix: Index, corpus: Path) -> None:
+    build(ix, corpus)
+    question = "Which marker appears only in the third document, marker2zz?"
+    # Through the pipeline, as ask/chat/serve run it: its scorer reads the index's vectors.
+    emb = Counting()
+    pipe = Pipeline(ix.path, backend=FakeBackend(), embedder=emb, pack="spans")
+    sel = pipe.retrieve(question, context_tokens=60)
+    assert sel.pack == "spans" and sel.chunks and "marker2zz" in sel.text
+    assert emb.documents == 0
+    # The same selection as embedding every sentence at question time.
+    hits = Index.open(ix.path).search(question, k=20, embedder=HashEmbedder(dim=DIM), hybrid=True)
+    cold = Counting()
+    kw = dict(tokenizer=tiny_tokenizer(), max_prompt_tokens=600, pack="spans", relevance_floor=0.5)
+    a = build_prompt(question, hits, span_scorer=SpanScorer(cold), **kw)  # type: ignore[arg-type]
+    warm = Counting()
+    b = build_prompt(question, hits, span_scorer=SpanScorer(warm, stored=Index.open(ix.path).sentence_vectors),
+                     **kw)  # type: ignore[arg-type]
+    assert a.selection.chunks and cold.documents > 0 and warm.documents == 0
+    assert [c.text for c in a.selection.chunks] == [c.text for c in b.selection.chunks]
+
+
+def test_an_index_without_sentence_vectors_still_works_and_gains_them_on_its_next_write(
+        ix: Index, corpus: Path) -> None:
+    build(ix, corpus)
+    strip_sentence_vectors(ix)
+    old = Index.open(ix.path)
+    assert old.verify().ok and old.sentence_vectors([1, 2]) == {}
+    emb = Counting()
+    sel = Pipeline(ix.path, backend=FakeBackend(), embedder=emb, pack="spans").retrieve(
+        "marker4zz", context_tokens=60)
+    assert "marker4zz" in sel.text and emb.documents > 0  # embedded on first use
+    # The next write adds them, even with no file changed ...
+    s = build(ix, corpus)
+    assert s.committed and s.chunks_embedded == 0 and s.sentences_embedded > 0
+    assert set(rows(ix)) == set(chunk_texts(ix))
+    # ... and the one after that has nothing to do.
+    again = build(ix, corpus)
+    assert not again.committed and again.sentences_embedded == 0
+
+
+def test_incremental_runs_keep_sentence_vectors_in_step_with_the_chunks(ix: Index, corpus: Path) -> None:
+    build(ix, corpus)
+    before = rows(ix)
+    # A changed file: only its new chunks' sentences are embedded; other rows are untouched.
+    text = (corpus / "doc1.txt").read_text()
+    (corpus / "doc1.txt").write_text(text + "\nA new closing paragraph names quokkazz. It ends here.\n")
+    s = build(ix, corpus)
+    after, texts = rows(ix), chunk_texts(ix)
+    assert set(after) == set(texts)
+    new = set(texts) - set(before)
+    assert new and s.sentences_embedded == len({x for c in new for x in sentence_texts(texts[c])})
+    assert all(after[c] == before[c] for c in set(after) & set(before))
+    # A deleted file: its chunks' rows go with them (no stale vectors left behind).
+    (corpus / "doc3.txt").unlink()
+    s = build(ix, corpus)
+    assert s.chunks_removed > 0 and s.sentences_embedded == 0
+    assert set(rows(ix)) == set(chunk_texts(ix))
+    # Unchanged: nothing to commit, nothing embedded.
+    s = build(ix, corpus)
+    assert not s.committed and s.sentences_embedded == 0
+
+
+def test_a_rebuild_for_new_chunking_reuses_sentence_vectors(ix: Index, tmp_path: Path) -> None:
+    corpus = tmp_path / "c"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text(make_text(7, n_paragraphs=8))
+    first = build(ix, corpus)
+    s = build(ix, corpus, max_tokens=90)
+    assert s.rebuilt and set(rows(ix)) == set(chunk_texts(ix))
+    # The same sentences, cut into other chunks: their vectors come from the old generation.
+    assert s.sentences_embedded < first.sentences_embedded
