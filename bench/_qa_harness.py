@@ -135,9 +135,18 @@ class Split:
 
 def _squad_docs(path: Path) -> list[tuple[str, str, list[tuple[str, str, tuple[str, ...]]]]]:
     data = json.loads(path.read_text(encoding="utf-8"))["data"]
-    return [(a["title"], "\n\n".join(p["context"] for p in a["paragraphs"]),
-             [(q["id"], q["question"], tuple(x["text"] for x in q["answers"]))
-              for p in a["paragraphs"] for q in p["qas"]]) for a in data]
+    return [
+        (
+            a["title"],
+            "\n\n".join(p["context"] for p in a["paragraphs"]),
+            [
+                (q["id"], q["question"], tuple(x["text"] for x in q["answers"]))
+                for p in a["paragraphs"]
+                for q in p["qas"]
+            ],
+        )
+        for a in data
+    ]
 
 
 def _coqa_docs() -> list[tuple[str, str, list[tuple[str, str, tuple[str, ...]]]]]:
@@ -151,8 +160,9 @@ def _coqa_docs() -> list[tuple[str, str, list[tuple[str, str, tuple[str, ...]]]]
         for extra in item.get("additional_answers", {}).values():
             firsts += [a for a in extra if a["turn_id"] == 1]
         norm_story = " " + normalize_answer(story) + " "
-        free = [a["input_text"] for a in firsts
-                if normalize_answer(a["input_text"]) not in ("", "yes", "no", "unknown")]
+        free = [
+            a["input_text"] for a in firsts if normalize_answer(a["input_text"]) not in ("", "yes", "no", "unknown")
+        ]
         answers = [a for a in free if " " + normalize_answer(a) + " " in norm_story]
         if free and not answers:
             answers = [a["span_text"] for a in firsts if normalize_answer(a["span_text"])]
@@ -169,8 +179,10 @@ def load_split(name: str, *, docs: int, seed: int = 0) -> Split:
         raise SystemExit(f"unknown split {name!r}; one of {', '.join(SPLITS)}")
     if name.startswith("squad"):
         if docs > 24:
-            raise SystemExit(f"--docs {docs}: SQuAD dev has 48 articles, so at most 24 per split "
-                             "keeps squad-tune and squad-test disjoint")
+            raise SystemExit(
+                f"--docs {docs}: SQuAD dev has 48 articles, so at most 24 per split "
+                "keeps squad-tune and squad-test disjoint"
+            )
         data = _squad_docs(SQUAD)
     else:
         data = _squad_docs(AMAZON) if name == "amazon" else _coqa_docs()
@@ -234,8 +246,9 @@ class Corpus:
     model: Any = None  # the embedder the chunks were embedded with
 
     @classmethod
-    def build(cls, split: Split, questions: Sequence[Question], *, chunk_min: int = 300,
-              chunk_max: int = 500) -> Corpus:
+    def build(
+        cls, split: Split, questions: Sequence[Question], *, chunk_min: int = 300, chunk_max: int = 500
+    ) -> Corpus:
         texts, docs, sources = [], [], []
         for d, (title, text) in enumerate(zip(split.titles, split.texts, strict=True)):
             for c in chunk_text(text, min_tokens=chunk_min, max_tokens=chunk_max):
@@ -248,8 +261,7 @@ class Corpus:
         db = sqlite3.connect(":memory:")
         db.execute(f"CREATE VIRTUAL TABLE chunks_fts USING fts5(text, tokenize='{FTS_TOKENIZE}')")
         db.executemany("INSERT INTO chunks_fts(rowid, text) VALUES (?, ?)", list(enumerate(texts)))
-        return cls(split, texts, docs, sources, vecs, db,
-                   {q.qid: qv[i] for i, q in enumerate(questions)}, model)
+        return cls(split, texts, docs, sources, vecs, db, {q.qid: qv[i] for i, q in enumerate(questions)}, model)
 
     def sentence_embedder(self, *, cached: bool = True) -> IndexEmbedder:
         """The index's embedder for :class:`ragbudget.spans.SpanScorer`. ``cached``: the vectors
@@ -267,8 +279,9 @@ class Corpus:
         known.update({by_qid[qid]: v for qid, v in self.qvecs.items()})
         return IndexEmbedder(self.model, known)
 
-    def candidates(self, q: Question, *, fusion: str = "score", lexical_weight: float = 0.5,
-                   fetch_k: int = 50, hybrid: bool = True) -> list[Candidate]:
+    def candidates(
+        self, q: Question, *, fusion: str = "score", lexical_weight: float = 0.5, fetch_k: int = 50, hybrid: bool = True
+    ) -> list[Candidate]:
         """The ranked candidate list, as ``Index.search(q, fetch_k, hybrid=...)`` returns it."""
         scores = self.vecs @ self.qvecs[q.qid]
         order = np.argsort(-scores, kind="stable")[:fetch_k]
@@ -295,8 +308,7 @@ class IndexEmbedder:
     def embed_documents(self, texts: Sequence[str]) -> np.ndarray:
         todo = [t for t in dict.fromkeys(texts) if t not in self.known]
         if todo:
-            vecs = self.model.encode(todo, batch_size=32, normalize_embeddings=True,
-                                     show_progress_bar=False)
+            vecs = self.model.encode(todo, batch_size=32, normalize_embeddings=True, show_progress_bar=False)
             self.embedded += len(todo)
             fresh = dict(zip(todo, vecs, strict=True))
         else:
@@ -357,8 +369,16 @@ class Packer:
             break
         return Packed(tuple(parts), budget - room, budget, ())
 
-    def pack(self, system: str, question: str, cands: Sequence[Candidate], budget: int, *,
-             top_k: int = 4, **select_options: Any) -> Packed:
+    def pack(
+        self,
+        system: str,
+        question: str,
+        cands: Sequence[Candidate],
+        budget: int,
+        *,
+        top_k: int = 4,
+        **select_options: Any,
+    ) -> Packed:
         """Run ``system`` (``topk_truncate``, ``greedy_fill``, ``ragbudget`` or
         ``ragbudget_spans``) at ``budget`` context tokens; ``select_options`` override ragbudget's
         selection defaults (``select_chunks``'s, or ``select_spans``'s for span packing)."""
@@ -376,11 +396,16 @@ class Packer:
                 # unless a sweep overrides them.
                 if self.span_scorer is None:
                     raise SystemExit("ragbudget_spans needs Packer(span_scorer=SpanScorer(...))")
-                opts = {"relevance_floor": DEFAULT_RELEVANCE_FLOOR, "pack": "spans",
-                        "span_scorer": self.span_scorer, **select_options}
+                opts = {
+                    "relevance_floor": DEFAULT_RELEVANCE_FLOOR,
+                    "pack": "spans",
+                    "span_scorer": self.span_scorer,
+                    **select_options,
+                }
             fixed = self.builder.fixed_tokens(question)
-            prompt = build_prompt(question, cands, tokenizer=self.tok, max_prompt_tokens=fixed + budget,
-                                  builder=self.builder, **opts)
+            prompt = build_prompt(
+                question, cands, tokenizer=self.tok, max_prompt_tokens=fixed + budget, builder=self.builder, **opts
+            )
             sel = prompt.selection
             # A merged passage holds several chunks; it is listed under its first chunk's id
             # (same document: merging only joins neighbours in one file).
@@ -401,9 +426,17 @@ class Packer:
         if packed.prompt is not None:
             return packed.prompt
         by_id = {c.chunk_id: c for c in cands}
-        chunks = tuple(SelectedChunk(chunk_ids=(cid,), text=text, score=by_id[cid].score,
-                                     n_tokens=self.builder.count(text), cost=0,
-                                     sources=by_id[cid].sources) for cid, text in packed.passages)
+        chunks = tuple(
+            SelectedChunk(
+                chunk_ids=(cid,),
+                text=text,
+                score=by_id[cid].score,
+                n_tokens=self.builder.count(text),
+                cost=0,
+                sources=by_id[cid].sources,
+            )
+            for cid, text in packed.passages
+        )
         sel = Selection(chunks=chunks, tokens_used=packed.used, tokens_allowed=packed.allowed)
         fixed = self.builder.fixed_tokens(question)
         # Numbering is by position here, as in ragbudget's prompt; allow the label slack (max_id).
@@ -414,31 +447,39 @@ def score(corpus: Corpus, q: Question, packed: Packed) -> dict[str, float]:
     """Answer in a passage of the question's own document; fill; left-out-that-fits figures."""
     own = [t for cid, t in packed.passages if corpus.docs[cid] == q.doc]
     hit = contains_answer("\n\n".join(own), q.answers)
-    lost = any(corpus.docs[c] == q.doc and contains_answer(corpus.texts[c], q.answers)
-               for c in packed.left_fit)
-    return {"recall": float(hit), "fill": packed.used / packed.allowed if packed.allowed else 1.0,
-            "left_fit": float(bool(packed.left_fit)), "answer_left_fit": float(lost and not hit)}
+    lost = any(corpus.docs[c] == q.doc and contains_answer(corpus.texts[c], q.answers) for c in packed.left_fit)
+    return {
+        "recall": float(hit),
+        "fill": packed.used / packed.allowed if packed.allowed else 1.0,
+        "left_fit": float(bool(packed.left_fit)),
+        "answer_left_fit": float(lost and not hit),
+    }
 
 
 def answerable(corpus: Corpus, q: Question) -> bool:
     """Whether a gold answer occurs in some chunk of the question's document at all."""
-    return any(corpus.docs[j] == q.doc and contains_answer(t, q.answers)
-               for j, t in enumerate(corpus.texts))
+    return any(corpus.docs[j] == q.doc and contains_answer(t, q.answers) for j, t in enumerate(corpus.texts))
 
 
 def mean(rows: Sequence[dict[str, float]], key: str) -> float:
     return float(np.mean([r[key] for r in rows])) if rows else float("nan")
 
 
-def run_grid(corpus: Corpus, packer: Packer, questions: Sequence[Question], configs: dict[str, dict],
-             budgets: Sequence[int] = BUDGETS, progress: Callable[[int], None] | None = None
-             ) -> dict[str, dict[int, list[dict[str, float]]]]:
+def run_grid(
+    corpus: Corpus,
+    packer: Packer,
+    questions: Sequence[Question],
+    configs: dict[str, dict],
+    budgets: Sequence[int] = BUDGETS,
+    progress: Callable[[int], None] | None = None,
+) -> dict[str, dict[int, list[dict[str, float]]]]:
     """Score every config on every question and budget. A config is ``{"system": ...,
     "retrieval": {fusion, lexical_weight, fetch_k, hybrid}, "select": {...}}``; candidate lists
     are computed once per distinct retrieval setting and shared by the configs that use it; a
     config's own ``"budgets"`` replace ``budgets`` for it."""
     out: dict[str, dict[int, list[dict[str, float]]]] = {
-        k: {b: [] for b in cfg.get("budgets", budgets)} for k, cfg in configs.items()}
+        k: {b: [] for b in cfg.get("budgets", budgets)} for k, cfg in configs.items()
+    }
     for qi, q in enumerate(questions):
         lists: dict[str, list[Candidate]] = {}
         for name, cfg in configs.items():
@@ -458,8 +499,14 @@ def run_grid(corpus: Corpus, packer: Packer, questions: Sequence[Question], conf
 def grid_tables(grid: dict[str, dict[int, list[dict[str, Any]]]]) -> tuple[dict[str, Any], dict[str, Any]]:
     """From :func:`run_grid`'s rows: per system and budget the mean recall, fill, left-fit and
     answer-left-fit in %, and per question the 0/1 recall (for paired bootstrap intervals)."""
-    table = {name: {b: {k: 100 * mean(rows, k) for k in ("recall", "fill", "left_fit", "answer_left_fit")}
-                    for b, rows in by_b.items()} for name, by_b in grid.items()}
-    per_question = {name: {b: [int(r["recall"]) for r in rows] for b, rows in by_b.items()}
-                    for name, by_b in grid.items()}
+    table = {
+        name: {
+            b: {k: 100 * mean(rows, k) for k in ("recall", "fill", "left_fit", "answer_left_fit")}
+            for b, rows in by_b.items()
+        }
+        for name, by_b in grid.items()
+    }
+    per_question = {
+        name: {b: [int(r["recall"]) for r in rows] for b, rows in by_b.items()} for name, by_b in grid.items()
+    }
     return table, per_question

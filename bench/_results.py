@@ -51,21 +51,25 @@ def provenance(packages: tuple[str, ...] = ()) -> dict[str, Any]:
     return {
         "command": "python " + shlex.join([os.path.relpath(sys.argv[0], REPO), *sys.argv[1:]]),
         "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-                    "cpus": os.cpu_count(), "python": platform.python_version(),
-                    "load_average_1m_at_end": load},
-        "versions": {"ragbudget_commit": commit + ("+dirty" if dirty else ""),
-                     **{p: _version(p) for p in (*BASE_PACKAGES, *packages)}},
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(),
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "load_average_1m_at_end": load,
+        },
+        "versions": {
+            "ragbudget_commit": commit + ("+dirty" if dirty else ""),
+            **{p: _version(p) for p in (*BASE_PACKAGES, *packages)},
+        },
     }
 
 
-def write(name: str, data: dict[str, Any], *, packages: tuple[str, ...] = (),
-          folder: Path | None = None) -> Path:
+def write(name: str, data: dict[str, Any], *, packages: tuple[str, ...] = (), folder: Path | None = None) -> Path:
     """Write ``data`` with its :func:`provenance` to ``bench/results/<name>.json``; returns the path."""
     folder = folder or RESULTS
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{name}.json"
-    path.write_text(json.dumps({**provenance(packages), **data}, indent=1, ensure_ascii=False,
-                               default=str) + "\n")
+    path.write_text(json.dumps({**provenance(packages), **data}, indent=1, ensure_ascii=False, default=str) + "\n")
     print(f"raw result written to {os.path.relpath(path)}")
     return path

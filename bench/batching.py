@@ -49,16 +49,17 @@ from ragbudget import batching
 from ragbudget.batching import Batcher
 from ragbudget.generate import Generator
 
-TOPICS = ["tides", "volcanoes", "bread yeast", "honeybees", "rainbows", "glaciers", "comets",
-          "coral reefs"]
+TOPICS = ["tides", "volcanoes", "bread yeast", "honeybees", "rainbows", "glaciers", "comets", "coral reefs"]
 
 
 def run(fn, prompts, new, concurrent):
     out = [None] * len(prompts)
     t0 = time.perf_counter()
     if concurrent:
+
         def work(i):
             out[i] = fn(prompts[i], max_new_tokens=new)
+
         threads = [threading.Thread(target=work, args=(i,)) for i in range(len(prompts))]
         for t in threads:
             t.start()
@@ -69,8 +70,12 @@ def run(fn, prompts, new, concurrent):
             out[i] = fn(p, max_new_tokens=new)
     wall = time.perf_counter() - t0
     tokens = sum(g.new_tokens for g in out)
-    return {"wall_s": round(wall, 3), "new_tokens": tokens, "tokens_per_s": round(tokens / wall, 2),
-            "texts": [g.text for g in out]}
+    return {
+        "wall_s": round(wall, 3),
+        "new_tokens": tokens,
+        "tokens_per_s": round(tokens / wall, 2),
+        "texts": [g.text for g in out],
+    }
 
 
 def ceiling(best, c):
@@ -89,6 +94,7 @@ def dense(fn):
             return fn(*a, **kw)
         finally:
             AttentionInterface.register("sdpa", batching.per_request_sdpa)
+
     return call
 
 
@@ -101,8 +107,12 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=48, help="max new tokens per request")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--levels", default="1,4,8")
-    ap.add_argument("--context-tokens", type=int, default=0,
-                    help="tokens of man page before each question (0: short questions alone)")
+    ap.add_argument(
+        "--context-tokens",
+        type=int,
+        default=0,
+        help="tokens of man page before each question (0: short questions alone)",
+    )
     args = ap.parse_args()
     import torch
 
@@ -110,14 +120,21 @@ def main() -> None:
     batcher = Batcher(gen, kv_tokens=8192)
     prompts = [[{"role": "user", "content": f"In two sentences, what are {t}?"}] for t in TOPICS]
     if args.context_tokens:
-        page = (Path(__file__).resolve().parents[2] / "shared" / "data" / "manpages"
-                / "fanotify_mark.2.txt").read_text()
+        page = (
+            Path(__file__).resolve().parents[2] / "shared" / "data" / "manpages" / "fanotify_mark.2.txt"
+        ).read_text()
         ids = gen.tokenizer(page)["input_ids"]
         step = max(1, (len(ids) - args.context_tokens) // len(TOPICS))
-        prompts = [[{"role": "user", "content": gen.tokenizer.decode(
-                        ids[i * step:i * step + args.context_tokens])
-                     + "\n\nIn two sentences, what does this manual page describe?"}]
-                   for i in range(len(TOPICS))]
+        prompts = [
+            [
+                {
+                    "role": "user",
+                    "content": gen.tokenizer.decode(ids[i * step : i * step + args.context_tokens])
+                    + "\n\nIn two sentences, what does this manual page describe?",
+                }
+            ]
+            for i in range(len(TOPICS))
+        ]
     gen.generate(prompts[0], max_new_tokens=4)  # warm-up of both paths
     batcher.generate(prompts[0], max_new_tokens=4)
     rows = []
@@ -125,40 +142,56 @@ def main() -> None:
         ps = prompts[:c]
         best: dict[str, dict] = {}
         for _ in range(args.reps):
-            for mode, fn, conc in (("serial", gen.generate, False), ("threads", gen.generate, True),
-                                   ("batched", batcher.generate, True),
-                                   ("batched_dense", batcher.generate, True),
-                                   ("prefill_only", gen.generate, False)):
+            for mode, fn, conc in (
+                ("serial", gen.generate, False),
+                ("threads", gen.generate, True),
+                ("batched", batcher.generate, True),
+                ("batched_dense", batcher.generate, True),
+                ("prefill_only", gen.generate, False),
+            ):
                 runner = dense_run if mode == "batched_dense" else run
                 r = runner(fn, ps, 1 if mode == "prefill_only" else args.new, conc)
                 if mode not in best or r["tokens_per_s"] > best[mode]["tokens_per_s"]:
                     best[mode] = r
-                print(f"c={c} {mode:8s} {r['tokens_per_s']:7.2f} tok/s ({r['new_tokens']} tokens "
-                      f"in {r['wall_s']:.1f} s)", flush=True)
-        row = {"concurrency": c, **{m: {k: v for k, v in r.items() if k != "texts"}
-                                    for m, r in best.items()},
-               "batched_vs_serial": round(best["batched"]["tokens_per_s"]
-                                          / best["serial"]["tokens_per_s"], 2),
-               "batched_vs_threads": round(best["batched"]["tokens_per_s"]
-                                           / best["threads"]["tokens_per_s"], 2),
-               "batched_vs_batched_dense": round(best["batched"]["tokens_per_s"]
-                                                 / best["batched_dense"]["tokens_per_s"], 2),
-               "ceiling_vs_serial": ceiling(best, c),
-               "same_text_as_serial": sum(a == b for a, b in zip(best["batched"]["texts"],
-                                                                best["serial"]["texts"], strict=True)),
-               "dense_same_text_as_serial": sum(a == b for a, b in zip(
-                   best["batched_dense"]["texts"], best["serial"]["texts"], strict=True))}
+                print(
+                    f"c={c} {mode:8s} {r['tokens_per_s']:7.2f} tok/s ({r['new_tokens']} tokens in {r['wall_s']:.1f} s)",
+                    flush=True,
+                )
+        row = {
+            "concurrency": c,
+            **{m: {k: v for k, v in r.items() if k != "texts"} for m, r in best.items()},
+            "batched_vs_serial": round(best["batched"]["tokens_per_s"] / best["serial"]["tokens_per_s"], 2),
+            "batched_vs_threads": round(best["batched"]["tokens_per_s"] / best["threads"]["tokens_per_s"], 2),
+            "batched_vs_batched_dense": round(
+                best["batched"]["tokens_per_s"] / best["batched_dense"]["tokens_per_s"], 2
+            ),
+            "ceiling_vs_serial": ceiling(best, c),
+            "same_text_as_serial": sum(
+                a == b for a, b in zip(best["batched"]["texts"], best["serial"]["texts"], strict=True)
+            ),
+            "dense_same_text_as_serial": sum(
+                a == b for a, b in zip(best["batched_dense"]["texts"], best["serial"]["texts"], strict=True)
+            ),
+        }
         rows.append(row)
         print(row, flush=True)
     layout = batcher.layout
     batcher.close()
     name = f"batching_ctx{args.context_tokens}" if args.context_tokens else "batching"
-    write(name, {"model": gen.model_ref.id, "max_new_tokens": args.new, "reps": args.reps,
-                       "context_tokens": args.context_tokens,
-                       "torch_threads": torch.get_num_threads(), "paged_cache": layout.to_dict(),
-                       "rows": rows,
-                       "attention": "per_request_sdpa (batched) vs transformers' sdpa (batched_dense)",
-                       "target": "batched tokens/s at 8 concurrent >= 2x serial (one at a time)"})
+    write(
+        name,
+        {
+            "model": gen.model_ref.id,
+            "max_new_tokens": args.new,
+            "reps": args.reps,
+            "context_tokens": args.context_tokens,
+            "torch_threads": torch.get_num_threads(),
+            "paged_cache": layout.to_dict(),
+            "rows": rows,
+            "attention": "per_request_sdpa (batched) vs transformers' sdpa (batched_dense)",
+            "target": "batched tokens/s at 8 concurrent >= 2x serial (one at a time)",
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -93,9 +93,7 @@ def ends_mid_sentence(text: str, end: int) -> bool:
         return False
     after = text[end : end + 200]
     stripped = after.lstrip()
-    return bool(stripped) and "\n\n" not in after[: len(after) - len(stripped) + 1].replace(
-        "\r\n", "\n"
-    )
+    return bool(stripped) and "\n\n" not in after[: len(after) - len(stripped) + 1].replace("\r\n", "\n")
 
 
 def locate(text: str, chunks: list[str]) -> list[int]:
@@ -163,8 +161,9 @@ def make_peers(enc) -> dict[str, Factory]:  # type: ignore[no-untyped-def]
         from haystack.components.preprocessors import DocumentSplitter
 
         def hs() -> Callable[[str], list[str]]:
-            sp = DocumentSplitter(split_by="token", split_length=SIZE, split_overlap=0,
-                                  split_threshold=LO, tokenizer_encoding=ENCODING)
+            sp = DocumentSplitter(
+                split_by="token", split_length=SIZE, split_overlap=0, split_threshold=LO, tokenizer_encoding=ENCODING
+            )
             sp.warm_up()
             return lambda t: [d.content for d in sp.run(documents=[Document(content=t)])["documents"]]
 
@@ -199,8 +198,9 @@ def peer_in_pool(factory: Factory, texts: list[str], workers: int) -> list[list[
     out: list[list[str]] = [[] for _ in texts]
     gc.freeze()
     try:
-        with ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("fork"),
-                                 initializer=_pool_init) as pool:
+        with ProcessPoolExecutor(
+            max_workers=workers, mp_context=mp.get_context("fork"), initializer=_pool_init
+        ) as pool:
             for i, chunks in pool.map(_pool_chunk, order):
                 out[i] = chunks
     finally:
@@ -218,8 +218,13 @@ def discipline(enc, texts: list[str], per_doc: list[list[str]]) -> dict[str, flo
         inside += sum(LO <= k <= SIZE for k in counts[:-1])
         mid += sum(ends_mid_sentence(text, e) for e in locate(text, chunks))
         n += len(chunks)
-    return {"chunks": n, "in_range": inside / max(1, nonfinal), "max_tokens": max(sizes),
-            "mean_tokens": sum(sizes) / max(1, n), "mid_sentence": mid / max(1, n)}
+    return {
+        "chunks": n,
+        "in_range": inside / max(1, nonfinal),
+        "max_tokens": max(sizes),
+        "mean_tokens": sum(sizes) / max(1, n),
+        "mid_sentence": mid / max(1, n),
+    }
 
 
 def main() -> None:
@@ -243,8 +248,9 @@ def main() -> None:
     docs = load_corpus(args.quick)
     texts = [t for _, t in docs]
     mb = sum(len(t.encode("utf-8")) for t in texts) / 1e6
-    print(f"corpus: {len(texts)} documents, {mb:.2f} MB, cpus: {os.cpu_count()}, "
-          f"load average {load_before}", flush=True)
+    print(
+        f"corpus: {len(texts)} documents, {mb:.2f} MB, cpus: {os.cpu_count()}, load average {load_before}", flush=True
+    )
 
     peers = make_peers(enc)
     rb1, rbn = "ragbudget chunk_texts(workers=1)", f"ragbudget chunk_texts(workers={n_workers})"
@@ -254,27 +260,37 @@ def main() -> None:
         def run() -> None:
             fn = factory()
             outputs[name] = [fn(x) for x in texts]
+
         return run
 
     def rb_single() -> None:
         chunking.PARALLEL_ENCODE_MIN_CHARS = 1 << 62  # no helper encode threads: one thread
         try:
-            outputs[rb1] = [[c.text for c in cs] for cs in
-                            chunk_texts(texts, min_tokens=LO, max_tokens=SIZE, workers=1)]
+            outputs[rb1] = [
+                [c.text for c in cs] for cs in chunk_texts(texts, min_tokens=LO, max_tokens=SIZE, workers=1)
+            ]
         finally:
             chunking.PARALLEL_ENCODE_MIN_CHARS = 20_000
 
     def rb_many() -> None:
         # Worker processes are started (forked) inside every call: no warm pool is reused.
-        outputs[rbn] = [[c.text for c in cs] for cs in
-                        chunk_texts(texts, min_tokens=LO, max_tokens=SIZE, workers=n_workers)]
+        outputs[rbn] = [
+            [c.text for c in cs] for cs in chunk_texts(texts, min_tokens=LO, max_tokens=SIZE, workers=n_workers)
+        ]
 
     sections: dict[str, dict[str, Callable[[], object]]] = {
-        "1 thread": {"tiktoken encode_ordinary (no chunking)": lambda: [enc.encode_ordinary(x) for x in texts],
-                     rb1: rb_single, **{p: single(p, f) for p, f in peers.items()}},
-        f"{n_workers} workers": {rbn: rb_many, **{
-            f"{p} × {n_workers} processes": (lambda f=f: peer_in_pool(f, texts, n_workers))
-            for p, f in peers.items()}},
+        "1 thread": {
+            "tiktoken encode_ordinary (no chunking)": lambda: [enc.encode_ordinary(x) for x in texts],
+            rb1: rb_single,
+            **{p: single(p, f) for p, f in peers.items()},
+        },
+        f"{n_workers} workers": {
+            rbn: rb_many,
+            **{
+                f"{p} × {n_workers} processes": (lambda f=f: peer_in_pool(f, texts, n_workers))
+                for p, f in peers.items()
+            },
+        },
     }
     ours = {"1 thread": rb1, f"{n_workers} workers": rbn}
     times: dict[str, dict[str, list[float]]] = {s: {n: [] for n in runs} for s, runs in sections.items()}
@@ -293,8 +309,10 @@ def main() -> None:
                     failed.add(name)
                     continue
                 times[sec][name].append(time.perf_counter() - t0)
-        print(f"round {rnd + 1}/{rounds} done after {time.perf_counter() - t_start:.0f} s, "
-              f"load {os.getloadavg()[0]:.2f}", flush=True)
+        print(
+            f"round {rnd + 1}/{rounds} done after {time.perf_counter() - t_start:.0f} s, load {os.getloadavg()[0]:.2f}",
+            flush=True,
+        )
 
     results: dict[str, dict[str, dict[str, object]]] = {}
     for sec, runs in times.items():
@@ -303,8 +321,11 @@ def main() -> None:
         for name, ts in runs.items():
             if name in failed or not ts:
                 continue
-            r: dict[str, object] = {"mb_s": mb / statistics.median(ts), "seconds": ts,
-                                    "ragbudget_x": statistics.median(t / b for t, b in zip(ts, base, strict=True))}
+            r: dict[str, object] = {
+                "mb_s": mb / statistics.median(ts),
+                "seconds": ts,
+                "ragbudget_x": statistics.median(t / b for t, b in zip(ts, base, strict=True)),
+            }
             if sec == "1 thread":
                 enc_ts = runs["tiktoken encode_ordinary (no chunking)"]
                 r["x_tiktoken_encode"] = statistics.median(e / t for e, t in zip(enc_ts, ts, strict=True))
@@ -317,15 +338,19 @@ def main() -> None:
     same = outputs.get(rb1) == outputs.get(rbn)
     print(f"\nragbudget workers=1 and workers={n_workers} give the same chunks: {same}")
 
-    print(f"medians of {rounds} interleaved rounds; load average before {load_before}, "
-          f"after {os.getloadavg()}")
+    print(f"medians of {rounds} interleaved rounds; load average before {load_before}, after {os.getloadavg()}")
     for sec, rows in results.items():
-        print(f"\n[{sec}]\n{'chunker':48} {'MB/s':>6} {'rb ×':>6} {'×enc':>5} {'chunks':>6} "
-              f"{'in300-500':>9} {'max':>5} {'mid-sent':>8}")
+        print(
+            f"\n[{sec}]\n{'chunker':48} {'MB/s':>6} {'rb ×':>6} {'×enc':>5} {'chunks':>6} "
+            f"{'in300-500':>9} {'max':>5} {'mid-sent':>8}"
+        )
         for name, r in rows.items():
             enc_x = f"{r['x_tiktoken_encode']:5.2f}" if "x_tiktoken_encode" in r else "    -"
-            extra = (f"{r['chunks']:6d} {r['in_range']:9.1%} {r['max_tokens']:5d} {r['mid_sentence']:8.1%}"
-                     if "chunks" in r else "")
+            extra = (
+                f"{r['chunks']:6d} {r['in_range']:9.1%} {r['max_tokens']:5d} {r['mid_sentence']:8.1%}"
+                if "chunks" in r
+                else ""
+            )
             print(f"{name[:48]:48} {r['mb_s']:6.2f} {r['ragbudget_x']:6.2f} {enc_x} {extra}")
     payload = {
         "corpus_mb": mb,
@@ -338,9 +363,8 @@ def main() -> None:
             "ragbudget": "min_tokens=300, max_tokens=500",
             "semchunk": "chunk_size=500 (no minimum option)",
             "chonkie RecursiveChunker": "chunk_size=500 (min_characters_per_chunk is a character "
-                                        "floor on merged pieces, left at its default 24)",
-            "LangChain RecursiveCharacterTextSplitter": "chunk_size=500 via from_tiktoken_encoder "
-                                                        "(no minimum option)",
+            "floor on merged pieces, left at its default 24)",
+            "LangChain RecursiveCharacterTextSplitter": "chunk_size=500 via from_tiktoken_encoder (no minimum option)",
             "LlamaIndex SentenceSplitter": "chunk_size=500 (no minimum option)",
             "Haystack DocumentSplitter": "split_by='token', split_length=500, split_threshold=300",
         },
@@ -353,8 +377,11 @@ def main() -> None:
     }
     from _results import write
 
-    write("chunking", payload, packages=("semchunk", "chonkie", "langchain-text-splitters",
-                                         "llama-index-core", "haystack-ai"))
+    write(
+        "chunking",
+        payload,
+        packages=("semchunk", "chonkie", "langchain-text-splitters", "llama-index-core", "haystack-ai"),
+    )
 
 
 if __name__ == "__main__":

@@ -85,9 +85,7 @@ def haystack_cleaner():
     from haystack import Document as HDocument
     from haystack.components.preprocessors import DocumentCleaner
 
-    cleaner = DocumentCleaner(
-        remove_repeated_substrings=True, remove_empty_lines=False, remove_extra_whitespaces=False
-    )
+    cleaner = DocumentCleaner(remove_repeated_substrings=True, remove_empty_lines=False, remove_extra_whitespaces=False)
 
     def run(pages: list[str]) -> list[str]:
         out = cleaner.run(documents=[HDocument(content="\f".join(pages))])["documents"][0].content
@@ -115,8 +113,12 @@ def summarize(c: Counter) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="maint-guide and man pages only")
-    parser.add_argument("--seeds", type=int, default=10,
-                        help="re-run Haystack under PYTHONHASHSEED=0..N-1 (its output depends on set order)")
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        default=10,
+        help="re-run Haystack under PYTHONHASHSEED=0..N-1 (its output depends on set order)",
+    )
     parser.add_argument("--only-haystack", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if not SHARED.is_dir():
@@ -129,8 +131,7 @@ def main() -> None:
     # (extractor, document) -> (pages given to the cleaners, file for the loader path)
     inputs: dict[tuple[str, str], tuple[list[str], Path]] = {}
     for name in names:
-        inputs[("pypdfium2", name)] = (load_document(SHARED / "pdf" / name, clean=False).pages,
-                                       SHARED / "pdf" / name)
+        inputs[("pypdfium2", name)] = (load_document(SHARED / "pdf" / name, clean=False).pages, SHARED / "pdf" / name)
         text = layout_files[name].read_text(encoding="utf-8")
         inputs[("pdftotext", name)] = (text.split("\f")[:-1], layout_files[name])
     for path in sorted((SHARED / "manpages").glob("*.txt")):
@@ -138,8 +139,7 @@ def main() -> None:
 
     cleaners = {
         "ragbudget": lambda pages, path: strip_headers_footers(pages),
-        "ragbudget (trust_page_numbers)":
-            lambda pages, path: strip_headers_footers(pages, trust_page_numbers=True),
+        "ragbudget (trust_page_numbers)": lambda pages, path: strip_headers_footers(pages, trust_page_numbers=True),
         "ragbudget loader": None,  # load_document(path), graded on load_document(path, clean=False)
     }
     haystack_version = None
@@ -178,8 +178,7 @@ def main() -> None:
             "seconds": round(seconds, 3),
             "groups": {g: summarize(groups[g]) for g in sorted(groups, key=lambda g: (g == "all", g))},
             "documents": {k: v for k, v in per_doc.items() if not k.startswith("groff")},
-            "man_pages": {k.split("/", 1)[1]: v["counts"] for k, v in per_doc.items()
-                          if k.startswith("groff")},
+            "man_pages": {k.split("/", 1)[1]: v["counts"] for k, v in per_doc.items() if k.startswith("groff")},
         }
     if args.only_haystack:
         h = results["haystack DocumentCleaner"]
@@ -200,10 +199,18 @@ def main() -> None:
         h["groups"], h["documents"] = seeds[0]["groups"], seeds[0]["documents"]
         h["hash_seed"] = 0
         h["over_hash_seeds"] = {
-            g: {what: [min(sd["groups"][g][what] for sd in seeds.values()),
-                       max(sd["groups"][g][what] for sd in seeds.values())]
-                for what in ("furniture_removed_pct", "page_number_lines_removed_pct",
-                             "body_lost_pct", "furniture_cut_pct")}
+            g: {
+                what: [
+                    min(sd["groups"][g][what] for sd in seeds.values()),
+                    max(sd["groups"][g][what] for sd in seeds.values()),
+                ]
+                for what in (
+                    "furniture_removed_pct",
+                    "page_number_lines_removed_pct",
+                    "body_lost_pct",
+                    "furniture_cut_pct",
+                )
+            }
             for g in seeds[0]["groups"]
         }
         h["seeds"] = args.seeds
@@ -215,11 +222,17 @@ def main() -> None:
     print(f"{'cleaner':31} {'group':20} " + " ".join(f"{c[:12]:>12}" for c in cols))
     for label, r in results.items():
         for g, s in r["groups"].items():
-            cells = [s["furniture_removed_pct"], s["page_number_lines_removed_pct"],
-                     *(s[f"{k}_removed_pct"] for k in KINDS)]
+            cells = [
+                s["furniture_removed_pct"],
+                s["page_number_lines_removed_pct"],
+                *(s[f"{k}_removed_pct"] for k in KINDS),
+            ]
             body = s["body_lost_pct"]
-            print(f"{label:31} {g:20} " + " ".join(f"{'-' if v is None else f'{v:.2f}%':>12}" for v in cells)
-                  + f" {body:>11.3f}% {s['counts'].get('other_removed', 0):>12}")
+            print(
+                f"{label:31} {g:20} "
+                + " ".join(f"{'-' if v is None else f'{v:.2f}%':>12}" for v in cells)
+                + f" {body:>11.3f}% {s['counts'].get('other_removed', 0):>12}"
+            )
         print(f"{'':31} time {r['seconds']:.2f} s")
     if "over_hash_seeds" in results.get("haystack DocumentCleaner", {}):
         h = results["haystack DocumentCleaner"]
@@ -228,16 +241,22 @@ def main() -> None:
             print(f"  {g:20} " + "  ".join(f"{k.replace('_pct', '')} {lo}-{hi}%" for k, (lo, hi) in r.items()))
     for label, r in results.items():
         for doc, s in r["documents"].items():
-            print(f"  {label:31} {doc:32} furniture {s['furniture_removed_pct']}%  page numbers "
-                  f"{s['page_number_lines_removed_pct']}%  body lost {s['body_lost_pct']}%")
+            print(
+                f"  {label:31} {doc:32} furniture {s['furniture_removed_pct']}%  page numbers "
+                f"{s['page_number_lines_removed_pct']}%  body lost {s['body_lost_pct']}%"
+            )
 
-    write("clean", {
-        "extractors": {"pdftotext": poppler, "haystack-ai": haystack_version},
-        "truth": "tests/_furniture_truth.py (hand-written patterns, no ragbudget import)",
-        "extractions": len(inputs),
-        "pages": n_pages,
-        "results": results,
-    }, packages=("pypdfium2", "haystack-ai"))
+    write(
+        "clean",
+        {
+            "extractors": {"pdftotext": poppler, "haystack-ai": haystack_version},
+            "truth": "tests/_furniture_truth.py (hand-written patterns, no ragbudget import)",
+            "extractions": len(inputs),
+            "pages": n_pages,
+            "results": results,
+        },
+        packages=("pypdfium2", "haystack-ai"),
+    )
     shutil.rmtree(tmp, ignore_errors=True)
 
 

@@ -76,16 +76,16 @@ def follow_ups(story: dict, max_turns: int) -> list[tuple[int, str, tuple[str, .
         if t < 2 or len(out) >= max_turns or t not in main:
             continue
         cands = [main[t], *extra.get(t, [])]
-        free = [a["input_text"] for a in cands
-                if H.normalize_answer(a["input_text"]) not in ("", "yes", "no", "unknown")]
+        free = [
+            a["input_text"] for a in cands if H.normalize_answer(a["input_text"]) not in ("", "yes", "no", "unknown")
+        ]
         answers = [a for a in free if " " + H.normalize_answer(a) + " " in norm]
         if not answers:
             continue
         history: list[dict] = []
         for p in range(1, t):
             if p in qs and p in main:
-                history += [{"role": "user", "content": qs[p]},
-                            {"role": "assistant", "content": main[p]["input_text"]}]
+                history += [{"role": "user", "content": qs[p]}, {"role": "assistant", "content": main[p]["input_text"]}]
         out.append((t, qs[t], tuple(dict.fromkeys(answers)), history))
     return out
 
@@ -106,8 +106,11 @@ def gpu_for_total(pipe_kwargs: dict, total: int, max_new_tokens: int) -> tuple[i
 
 
 def in_context(answer: object, story_path: str, texts: dict[str, str], answers: tuple[str, ...]) -> bool:
-    own = [texts[story_path][s["start"]:s["end"]] for s in answer.sources  # type: ignore[attr-defined]
-           if Path(s["path"]).name == story_path]
+    own = [
+        texts[story_path][s["start"] : s["end"]]
+        for s in answer.sources  # type: ignore[attr-defined]
+        if Path(s["path"]).name == story_path
+    ]
     return H.contains_answer("\n\n".join(own), answers)
 
 
@@ -145,8 +148,13 @@ def main() -> None:
         (docs / name).write_text(s["story"], encoding="utf-8")
         texts[name] = s["story"]
         s["_path"] = name
-    kwargs = {"index_dir": str(folder / "index"), "ttft_target": 0, "max_new_tokens": args.max_new_tokens,
-              "pack": args.pack, "system_prompt": H.QA_SYSTEM}
+    kwargs = {
+        "index_dir": str(folder / "index"),
+        "ttft_target": 0,
+        "max_new_tokens": args.max_new_tokens,
+        "pack": args.pack,
+        "system_prompt": H.QA_SYSTEM,
+    }
     Pipeline(**kwargs).index([docs])
     # The plan of a loaded generator counts its real weights (float32 on a CPU): size the memory
     # against that one, and share it.
@@ -155,35 +163,56 @@ def main() -> None:
     pipe = Pipeline(**kwargs, gpu=gpu)
     cache = SummaryCache()
     items = [(s, *f) for s in stories[: args.conversations] for f in follow_ups(s, args.turns)]
-    print(f"{len(stories)} stories in one index; {len(items)} follow-up questions; {total} tokens "
-          f"per request (gpu={gpu} bytes); pack={args.pack}", flush=True)
+    print(
+        f"{len(stories)} stories in one index; {len(items)} follow-up questions; {total} tokens "
+        f"per request (gpu={gpu} bytes); pack={args.pack}",
+        flush=True,
+    )
 
     rows = []
     t0 = time.time()
     for s, turn, question, answers, history in items:
         if args.seconds and time.time() - t0 > args.seconds:
             break
-        row: dict = {"story": s["_path"], "turn": turn, "question": question, "answers": list(answers),
-                     "history_turns": len(history) // 2}
+        row: dict = {
+            "story": s["_path"],
+            "turn": turn,
+            "question": question,
+            "answers": list(answers),
+            "history_turns": len(history) // 2,
+        }
         for policy in POLICIES:
             if policy == "ragbudget":
                 conv = Conversation.from_messages(pipe, history, summary_cache=cache)
             else:
-                conv = Conversation.from_messages(pipe, history[-2 * args.last_n:] if args.last_n else [],
-                                                  history_share=0.95, recent_turns=args.last_n,
-                                                  expand_follow_ups=False)
+                conv = Conversation.from_messages(
+                    pipe,
+                    history[-2 * args.last_n :] if args.last_n else [],
+                    history_share=0.95,
+                    recent_turns=args.last_n,
+                    expand_follow_ups=False,
+                )
             t = time.perf_counter()
             ct = conv.ask(question)
             pred = clean_answer(ct.text)
             b = ct.budget
             row[policy] = {
-                "prediction": pred, "em": best(squad_em, pred, answers), "f1": best(squad_f1, pred, answers),
+                "prediction": pred,
+                "em": best(squad_em, pred, answers),
+                "f1": best(squad_f1, pred, answers),
                 "in_context": float(in_context(ct.answer, s["_path"], texts, answers)),
-                "retrieval_query": ct.retrieval_query, "total": b.total, "prompt": b.prompt,
-                "history": b.history, "summary": b.summary, "context_used": b.context_used,
-                "turns_verbatim": b.turns_verbatim, "turns_summarized": b.turns_summarized,
-                "summary_updated": b.summary_updated, "overrun": b.overrun,
-                "seconds": round(time.perf_counter() - t, 2)}
+                "retrieval_query": ct.retrieval_query,
+                "total": b.total,
+                "prompt": b.prompt,
+                "history": b.history,
+                "summary": b.summary,
+                "context_used": b.context_used,
+                "turns_verbatim": b.turns_verbatim,
+                "turns_summarized": b.turns_summarized,
+                "summary_updated": b.summary_updated,
+                "overrun": b.overrun,
+                "seconds": round(time.perf_counter() - t, 2),
+            }
         rows.append(row)
         if len(rows) % 10 == 0:
             print(f"  {len(rows)} questions ({time.time() - t0:.0f}s)", flush=True)
@@ -203,10 +232,17 @@ def main() -> None:
         summary[f"{m}_diff_ragbudget_minus_last_n"] = float(np.mean(d)) if d else None
         summary[f"{m}_diff_ci95"] = H.bootstrap_ci(d)
     print(json.dumps(summary, indent=1))
-    result = {"stories": [s["_path"] for s in stories], "questions_planned": len(items),
-              "questions": len(rows), "total_tokens_per_request": total, "gpu_bytes": gpu,
-              "summary": summary, "rows": rows, "seconds": round(time.time() - t_start, 1),
-              "args": vars(args)}
+    result = {
+        "stories": [s["_path"] for s in stories],
+        "questions_planned": len(items),
+        "questions": len(rows),
+        "total_tokens_per_request": total,
+        "gpu_bytes": gpu,
+        "summary": summary,
+        "rows": rows,
+        "seconds": round(time.time() - t_start, 1),
+        "args": vars(args),
+    }
     from _results import write
 
     write("coqa_chat", result, folder=H.ROOT / "bench" / "results", packages=("sentence-transformers",))

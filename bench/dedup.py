@@ -198,8 +198,9 @@ def pct(x: float | None) -> str:
     return "-" if x is None else f"{x:.1%}"
 
 
-def grade(texts: list[str], rep: list[int], positives: set[tuple[int, int]],
-          judged: dict[tuple[int, int], bool] | None = None) -> dict[str, float | int]:
+def grade(
+    texts: list[str], rep: list[int], positives: set[tuple[int, int]], judged: dict[tuple[int, int], bool] | None = None
+) -> dict[str, float | int]:
     """Recall over ``positives`` (pairs i < j), precision of all predicted pairs."""
     from itertools import combinations
 
@@ -217,10 +218,14 @@ def grade(texts: list[str], rep: list[int], positives: set[tuple[int, int]],
             b = ws.setdefault(j, words(texts[j]))
             good += gt_ratio(a, b) >= GT_RATIO
     found = len(positives & predicted)
-    return {"positives": len(positives), "found": found,
-            "recall": found / len(positives) if positives else None,
-            "predicted_pairs": len(predicted), "correct_pairs": good,
-            "precision": good / len(predicted) if predicted else None}  # None: nothing predicted
+    return {
+        "positives": len(positives),
+        "found": found,
+        "recall": found / len(positives) if positives else None,
+        "predicted_pairs": len(predicted),
+        "correct_pairs": good,
+        "precision": good / len(predicted) if predicted else None,
+    }  # None: nothing predicted
 
 
 def collect(sides: list[list[str]]) -> tuple[list[str], list[int], int]:
@@ -265,8 +270,7 @@ def add_up(parts: list[dict[str, float | int]]) -> dict[str, float | int]:
 
 def near_versions() -> dict[str, object]:
     """(a) Each Constitution version's paragraphs against the next version's."""
-    texts_by_v = [(SHARED / "versions" / f"constitution.1.{i}.txt").read_text(encoding="utf-8")
-                  for i in range(10)]
+    texts_by_v = [(SHARED / "versions" / f"constitution.1.{i}.txt").read_text(encoding="utf-8") for i in range(10)]
     rb, ds, steps = [], [], []
     for v in range(9):
         texts, side, exact = collect([paragraphs(texts_by_v[v]), paragraphs(texts_by_v[v + 1])])
@@ -275,9 +279,17 @@ def near_versions() -> dict[str, object]:
         g_ds = grade(texts, groups_datasketch(texts), pos)
         rb.append(g_rb)
         ds.append(g_ds)
-        steps.append({"step": f"1.{v}->1.{v + 1}", "items": len(texts), "exact_left_out": exact,
-                      "positives": len(pos), "ragbudget": g_rb, "datasketch": g_ds,
-                      "positive_ratios": ratios})
+        steps.append(
+            {
+                "step": f"1.{v}->1.{v + 1}",
+                "items": len(texts),
+                "exact_left_out": exact,
+                "positives": len(pos),
+                "ragbudget": g_rb,
+                "datasketch": g_ds,
+                "positive_ratios": ratios,
+            }
+        )
     return {"ragbudget": add_up(rb), "datasketch": add_up(ds), "steps": steps}
 
 
@@ -298,8 +310,9 @@ def pdf_twin_pairs(pdf_path: Path, twin_path: Path) -> list[tuple[str, str]]:
     twin = twin_path.read_text(encoding="utf-8")
     pw = [(m.start(), m.end()) for m in _WORD.finditer(pdf)]
     tw = [(m.start(), m.end()) for m in _WORD.finditer(twin)]
-    sm = difflib.SequenceMatcher(None, [twin[a:b].lower() for a, b in tw],
-                                 [pdf[a:b].lower() for a, b in pw], autojunk=False)
+    sm = difflib.SequenceMatcher(
+        None, [twin[a:b].lower() for a, b in tw], [pdf[a:b].lower() for a, b in pw], autojunk=False
+    )
     to_pdf: dict[int, int] = {}
     for blk in sm.get_matching_blocks():
         for k in range(blk.size):
@@ -343,10 +356,17 @@ def near_pdf_twins() -> dict[str, object]:
         g_ds = grade(texts, groups_datasketch(texts), pos)
         rb.append(g_rb)
         ds.append(g_ds)
-        per[pdf_name] = {"aligned_paragraphs": len(pairs), "items": len(texts), "exact_left_out": exact,
-                         "positives": len(pos), "aligned_below_ratio": below,
-                         "ragbudget": g_rb, "datasketch": g_ds, "positive_ratios": ratios,
-                         "seconds": time.perf_counter() - t0}
+        per[pdf_name] = {
+            "aligned_paragraphs": len(pairs),
+            "items": len(texts),
+            "exact_left_out": exact,
+            "positives": len(pos),
+            "aligned_below_ratio": below,
+            "ragbudget": g_rb,
+            "datasketch": g_ds,
+            "positive_ratios": ratios,
+            "seconds": time.perf_counter() - t0,
+        }
     return {"ragbudget": add_up(rb), "datasketch": add_up(ds), "documents": per}
 
 
@@ -447,10 +467,12 @@ def speed(rounds: int) -> dict[str, object]:
     def ours() -> None:
         dedup([(Chunk(t, 0, len(t), 0), str(i)) for i, t in enumerate(texts)])
 
-    runs = {"ragbudget dedup (all of it)": ours,
-            "datasketch, fresh permutations per MinHash": fresh,
-            "datasketch, permutations= shared": shared,
-            "datasketch, MinHash.bulk": bulk}
+    runs = {
+        "ragbudget dedup (all of it)": ours,
+        "datasketch, fresh permutations per MinHash": fresh,
+        "datasketch, permutations= shared": shared,
+        "datasketch, MinHash.bulk": bulk,
+    }
     times: dict[str, list[float]] = {k: [] for k in runs}
     for _ in range(rounds):
         for k, fn in runs.items():
@@ -462,8 +484,11 @@ def speed(rounds: int) -> dict[str, object]:
     base = times["ragbudget dedup (all of it)"]
     out: dict[str, object] = {"texts": len(texts), "rounds": rounds}
     for k, ts in times.items():
-        out[k] = {"median_s": statistics.median(ts), "seconds": ts,
-                  "ragbudget_x": statistics.median(t / b for t, b in zip(ts, base, strict=True))}
+        out[k] = {
+            "median_s": statistics.median(ts),
+            "seconds": ts,
+            "ragbudget_x": statistics.median(t / b for t, b in zip(ts, base, strict=True)),
+        }
     ds = [k for k in runs if k.startswith("datasketch")]
     fastest = min(ds, key=lambda k: out[k]["median_s"])  # type: ignore[index]
     out["fastest_datasketch"] = fastest
@@ -528,10 +553,13 @@ def main() -> None:
 
     q = quality()
     results["quality"] = q
-    print(f"Disfl-QA (identical to their SQuAD paragraph after normalization: an exact-dedup test) "
-          f"recall {q['recall']:.2%} (near path alone {q['near_only_recall']:.2%}); "
-          f"false merges among {q['squad_paragraphs']} SQuAD paragraphs: {q['false_merges']} "
-          f"(near alone {q['near_only_false_merges']})", flush=True)
+    print(
+        f"Disfl-QA (identical to their SQuAD paragraph after normalization: an exact-dedup test) "
+        f"recall {q['recall']:.2%} (near path alone {q['near_only_recall']:.2%}); "
+        f"false merges among {q['squad_paragraphs']} SQuAD paragraphs: {q['false_merges']} "
+        f"(near alone {q['near_only_false_merges']})",
+        flush=True,
+    )
     if not args.skip_peer:
         sp = speed(args.rounds)
         results["speed"] = sp
@@ -540,29 +568,38 @@ def main() -> None:
                 print(f"  {k:44} {v['median_s']:6.2f} s   ragbudget x {v['ragbudget_x']:.2f}")
         print(f"  fastest datasketch: {sp['fastest_datasketch']}", flush=True)
         near: dict[str, object] = {"gt_ratio": GT_RATIO, "min_words": MIN_WORDS}
-        for name, fn in (("constitution_versions", near_versions), ("pdf_vs_twin", near_pdf_twins),
-                         ("squad_edits", near_edits)):
+        for name, fn in (
+            ("constitution_versions", near_versions),
+            ("pdf_vs_twin", near_pdf_twins),
+            ("squad_edits", near_edits),
+        ):
             t0 = time.perf_counter()
             near[name] = res = fn()
             if "levels" in res:
                 for lvl, v in res["levels"].items():  # type: ignore[union-attr]
-                    print(f"  edits {lvl:>4}: mean ratio {v['mean_gt_ratio']:.3f}; ragbudget recall "
-                          f"{pct(v['ragbudget']['recall'])} precision {pct(v['ragbudget']['precision'])}; "
-                          f"datasketch recall {pct(v['datasketch']['recall'])} precision "
-                          f"{pct(v['datasketch']['precision'])}")
+                    print(
+                        f"  edits {lvl:>4}: mean ratio {v['mean_gt_ratio']:.3f}; ragbudget recall "
+                        f"{pct(v['ragbudget']['recall'])} precision {pct(v['ragbudget']['precision'])}; "
+                        f"datasketch recall {pct(v['datasketch']['recall'])} precision "
+                        f"{pct(v['datasketch']['precision'])}"
+                    )
             else:
                 rb, ds = res["ragbudget"], res["datasketch"]  # type: ignore[index]
-                print(f"  {name}: {rb['positives']} pairs; ragbudget recall {pct(rb['recall'])} "
-                      f"precision {pct(rb['precision'])} ({rb['predicted_pairs']} pairs); datasketch "
-                      f"recall {pct(ds['recall'])} precision {pct(ds['precision'])} "
-                      f"({ds['predicted_pairs']} pairs)")
+                print(
+                    f"  {name}: {rb['positives']} pairs; ragbudget recall {pct(rb['recall'])} "
+                    f"precision {pct(rb['precision'])} ({rb['predicted_pairs']} pairs); datasketch "
+                    f"recall {pct(ds['recall'])} precision {pct(ds['precision'])} "
+                    f"({ds['predicted_pairs']} pairs)"
+                )
             print(f"  ({time.perf_counter() - t0:.0f} s)", flush=True)
         results["near_duplicates"] = near
     c = constitution()
     results["constitution"] = c
-    print(f"Constitution v1.0-v1.9: {c['chunks_in']} chunks -> {c['kept']} kept "
-          f"({c['exact_removed']} exact, {c['near_removed']} near), "
-          f"{c['kept_with_all_10_sources']} with all ten sources")
+    print(
+        f"Constitution v1.0-v1.9: {c['chunks_in']} chunks -> {c['kept']} kept "
+        f"({c['exact_removed']} exact, {c['near_removed']} near), "
+        f"{c['kept_with_all_10_sources']} with all ten sources"
+    )
 
     texts = synthetic(n)
     mb = sum(len(t.encode()) for t in texts) / 1e6
@@ -572,10 +609,19 @@ def main() -> None:
         t0 = time.perf_counter()
         r = dedup(pairs)
         dt = time.perf_counter() - t0
-        scale.append({"chunks": m, "seconds": dt, "us_per_chunk": dt / m * 1e6,
-                      "exact_removed": r.exact_removed, "near_removed": r.near_removed})
-        print(f"dedup {m:>7} chunks: {dt:6.1f}s ({dt / m * 1e6:.0f} us/chunk), "
-              f"exact {r.exact_removed}, near {r.near_removed}")
+        scale.append(
+            {
+                "chunks": m,
+                "seconds": dt,
+                "us_per_chunk": dt / m * 1e6,
+                "exact_removed": r.exact_removed,
+                "near_removed": r.near_removed,
+            }
+        )
+        print(
+            f"dedup {m:>7} chunks: {dt:6.1f}s ({dt / m * 1e6:.0f} us/chunk), "
+            f"exact {r.exact_removed}, near {r.near_removed}"
+        )
     results["scale"] = scale
     results["synthetic_mb"] = mb
     if not args.no_embedder:
@@ -583,10 +629,14 @@ def main() -> None:
         per = embedder_seconds_per_chunk(sample)
         est = per * n
         share = scale[-1]["seconds"] / est
-        results["embedder"] = {"sample": len(sample), "s_per_chunk": per, "estimated_s": est,
-                               "dedup_share": share, "threads": os.cpu_count()}
-        print(f"all-MiniLM-L6-v2: {per * 1000:.1f} ms/chunk -> {est:.0f}s for {n} chunks; "
-              f"dedup is {share:.1%} of that")
+        results["embedder"] = {
+            "sample": len(sample),
+            "s_per_chunk": per,
+            "estimated_s": est,
+            "dedup_share": share,
+            "threads": os.cpu_count(),
+        }
+        print(f"all-MiniLM-L6-v2: {per * 1000:.1f} ms/chunk -> {est:.0f}s for {n} chunks; dedup is {share:.1%} of that")
     from _results import write
 
     write("dedup", results, packages=("datasketch",))

@@ -95,8 +95,9 @@ def main() -> None:
     n = len(done)
     while n < len(all_texts) and time.perf_counter() - t0 < args.seconds:
         batch = all_texts[n : n + 2048]
-        parts.append(model.encode(batch, batch_size=64, normalize_embeddings=True,
-                                  convert_to_numpy=True).astype(np.float32))
+        parts.append(
+            model.encode(batch, batch_size=64, normalize_embeddings=True, convert_to_numpy=True).astype(np.float32)
+        )
         n += len(batch)
         np.save(vec_path, np.concatenate(parts))
         txt_path.write_text(json.dumps(all_texts[:n]), encoding="utf-8")

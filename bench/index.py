@@ -149,8 +149,13 @@ def part_embed(args: argparse.Namespace, tmp: Path) -> dict:
     overhead_s = summary.seconds - model_windows_s
     return {
         "embedder": {"id": emb.id, "backend": emb.backend},
-        "corpus": {"squad_articles": articles, "manpages": manpages, "pdf": pdf,
-                   "files": summary.files_seen, "chunks": summary.chunks_total},
+        "corpus": {
+            "squad_articles": articles,
+            "manpages": manpages,
+            "pdf": pdf,
+            "files": summary.files_seen,
+            "chunks": summary.chunks_total,
+        },
         "summary": summary.to_dict(),
         "model_load_s": round(load_s, 2),
         "index_wall_s": round(summary.seconds, 2),
@@ -235,8 +240,12 @@ def part_latency(args: argparse.Namespace, tmp: Path) -> dict:
 
     n = args.n or (20_000 if args.quick else 100_000)
     dim = 384
-    out: dict = {"n": n, "dim": dim, "faiss_threads": faiss.omp_get_max_threads(),
-                 "loadavg": Path("/proc/loadavg").read_text().split()[:3]}
+    out: dict = {
+        "n": n,
+        "dim": dim,
+        "faiss_threads": faiss.omp_get_max_threads(),
+        "loadavg": Path("/proc/loadavg").read_text().split()[:3],
+    }
     rng = np.random.default_rng(1)
     for name, clustered in (("flat_random", False), ("flat_clustered", True)):
         folder = tmp / f"lat_{name}"
@@ -257,9 +266,11 @@ def part_latency(args: argparse.Namespace, tmp: Path) -> dict:
             t = time.perf_counter()
             idx.search_vector(v, 10)
             lat.append((time.perf_counter() - t) * 1e3)
-        res: dict = {"build_s": round(build_s, 1), "open_s": round(open_s, 3),
-                     "flat": {"p50_ms": round(pct(lat, 50), 2), "p99_ms": round(pct(lat, 99), 2),
-                              "queries": len(q)}}
+        res: dict = {
+            "build_s": round(build_s, 1),
+            "open_s": round(open_s, 3),
+            "flat": {"p50_ms": round(pct(lat, 50), 2), "p99_ms": round(pct(lat, 99), 2), "queries": len(q)},
+        }
         if not clustered:
             res["encodings"] = scan_variants(x, q)
         out[name] = res
@@ -359,8 +370,10 @@ def part_rss(args: argparse.Namespace, tmp: Path) -> dict:
         d = json.loads(res.stdout.strip().splitlines()[-1])
         d["growth_mb"] = round(d["peak_mb"] - d["base_mb"], 1)
         out[label] = {k: round(v, 1) if isinstance(v, float) else v for k, v in d.items()}
-    out["note"] = ("HashEmbedder(384), dedup=exact; growth = VmHWM after the build - VmRSS after the "
-                   "imports, the high-water mark reset after the imports")
+    out["note"] = (
+        "HashEmbedder(384), dedup=exact; growth = VmHWM after the build - VmRSS after the "
+        "imports, the high-water mark reset after the imports"
+    )
     return out
 
 
@@ -369,13 +382,17 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--part", choices=["all", "embed", "rerun", "latency", "rss"], default="all")
     ap.add_argument("--n", type=int, default=0, help="chunks for the latency part")
-    ap.add_argument("--out", default=None,
-                    help="result file (default: bench/results/index.json for a full run, "
-                         "bench/out/index.json for --quick or one --part)")
+    ap.add_argument(
+        "--out",
+        default=None,
+        help="result file (default: bench/results/index.json for a full run, "
+        "bench/out/index.json for --quick or one --part)",
+    )
     args = ap.parse_args()
     full = args.part == "all" and not args.quick
-    out_path = Path(args.out) if args.out else (
-        REPO / "bench" / "results" / "index.json" if full else OUT / "index.json")
+    out_path = (
+        Path(args.out) if args.out else (REPO / "bench" / "results" / "index.json" if full else OUT / "index.json")
+    )
     results: dict = {"quick": args.quick, "cpus": os.cpu_count()}
     if out_path.exists() and args.part != "all":
         # One part re-run: keep the other parts of that file (the provenance is this run's).
@@ -394,8 +411,12 @@ def main() -> None:
             # Written after every part, so a part that fails does not lose the ones before it
             # (``"done"`` lists what the file holds).
             results["done"] = [p for p in parts if p in results]
-            write(out_path.stem, results, folder=out_path.parent,
-                  packages=("faiss-cpu", "sentence-transformers", "onnxruntime"))
+            write(
+                out_path.stem,
+                results,
+                folder=out_path.parent,
+                packages=("faiss-cpu", "sentence-transformers", "onnxruntime"),
+            )
     report(results)
 
 

@@ -67,14 +67,18 @@ def write_index(folder: Path, x: np.ndarray, kind: str) -> dict:
     flat_entry = flat.save(folder / "faiss.1.index")
     db = sqlite3.connect(folder / "meta.1.sqlite")
     db.executescript(I._SCHEMA)
-    db.executemany("INSERT INTO chunks (id, text, n_tokens, headings, content_hash, windows) "
-                   "VALUES (?,?,?,?,?,1)", ((int(i), f"chunk {i}", 3, "[]", f"h{i}") for i in ids))
-    db.executemany("INSERT INTO sources VALUES (?,?,?,?,?,?,0)",
-                   ((int(i), f"/b/doc{i // 50}.txt", (i % 50) * 100, (i % 50) * 100 + 99, None, None)
-                    for i in ids))
-    db.executemany("INSERT INTO files (path, size, mtime_ns, sha256, status, n_chunks) "
-                   "VALUES (?,?,?,?,?,?)",
-                   ((f"/b/doc{j}.txt", 1, 1, "x", "indexed", 50) for j in range(n // 50 + 1)))
+    db.executemany(
+        "INSERT INTO chunks (id, text, n_tokens, headings, content_hash, windows) VALUES (?,?,?,?,?,1)",
+        ((int(i), f"chunk {i}", 3, "[]", f"h{i}") for i in ids),
+    )
+    db.executemany(
+        "INSERT INTO sources VALUES (?,?,?,?,?,?,0)",
+        ((int(i), f"/b/doc{i // 50}.txt", (i % 50) * 100, (i % 50) * 100 + 99, None, None) for i in ids),
+    )
+    db.executemany(
+        "INSERT INTO files (path, size, mtime_ns, sha256, status, n_chunks) VALUES (?,?,?,?,?,?)",
+        ((f"/b/doc{j}.txt", 1, 1, "x", "indexed", 50) for j in range(n // 50 + 1)),
+    )
     db.execute("INSERT INTO roots VALUES ('/b', 'b', 'dir')")
     db.execute("INSERT INTO meta VALUES ('generation', '1')")
     db.commit()
@@ -92,15 +96,27 @@ def write_index(folder: Path, x: np.ndarray, kind: str) -> dict:
         approx = {**e, **entry(f"{kind}.1.index")}
         store.update(recall_at_10=e.get("recall_at_10"), recall_queries=report.queries)
     build_s = time.perf_counter() - t
-    I._write_json_atomic(folder / "manifest.json", {
-        "format": "ragbudget-index", "format_version": 1, "generation": 1, "dim": dim,
-        "embedder": {"kind": "hash", "id": f"hash-{dim}", "dim": dim, "pooling": "windows"},
-        "faiss": {**flat_entry, **entry("faiss.1.index")}, "sqlite": entry("meta.1.sqlite"),
-        "approx": approx, "store": store, "counts": {"chunks": n, "vectors": n}})
-    return {"build_s": round(build_s, 1), "params": report.params if report else {},
-            "recall_at_10_own_chunks": store["recall_at_10"],
-            "store_file_mb": round((folder / f"{kind}.1.index").stat().st_size / 1e6, 1)
-            if kind != "flat" else None}
+    I._write_json_atomic(
+        folder / "manifest.json",
+        {
+            "format": "ragbudget-index",
+            "format_version": 1,
+            "generation": 1,
+            "dim": dim,
+            "embedder": {"kind": "hash", "id": f"hash-{dim}", "dim": dim, "pooling": "windows"},
+            "faiss": {**flat_entry, **entry("faiss.1.index")},
+            "sqlite": entry("meta.1.sqlite"),
+            "approx": approx,
+            "store": store,
+            "counts": {"chunks": n, "vectors": n},
+        },
+    )
+    return {
+        "build_s": round(build_s, 1),
+        "params": report.params if report else {},
+        "recall_at_10_own_chunks": store["recall_at_10"],
+        "store_file_mb": round((folder / f"{kind}.1.index").stat().st_size / 1e6, 1) if kind != "flat" else None,
+    }
 
 
 _CHILD = r"""
@@ -167,14 +183,21 @@ def main() -> None:
     np.save(qpath, queries)
     results: dict = {
         "command": "python " + " ".join(sys.argv),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                    "python": platform.python_version(), "faiss": faiss.__version__,
-                    "numpy": np.__version__},
-        "vectors": {"model": "all-MiniLM-L6-v2", "dim": int(real.shape[1]), "real": int(len(base)),
-                    "queries": f"{nq} held-out real texts (SQuAD/CoQA questions, sentences, "
-                               "paragraphs), not in the index",
-                    "synthetic": "beyond the real vectors, copies of random real vectors plus "
-                                 "Gaussian noise (sigma 0.0316/dim, cosine ~0.85 to the original)"},
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "faiss": faiss.__version__,
+            "numpy": np.__version__,
+        },
+        "vectors": {
+            "model": "all-MiniLM-L6-v2",
+            "dim": int(real.shape[1]),
+            "real": int(len(base)),
+            "queries": f"{nq} held-out real texts (SQuAD/CoQA questions, sentences, paragraphs), not in the index",
+            "synthetic": "beyond the real vectors, copies of random real vectors plus "
+            "Gaussian noise (sigma 0.0316/dim, cosine ~0.85 to the original)",
+        },
         "sizes": {},
     }
     if args.out.exists():
@@ -193,15 +216,21 @@ def main() -> None:
         tpath = args.work / f"truth_{n}.npy"
         np.save(tpath, truth)
         auto = choose_store("auto", n, x.shape[1])
-        row: dict = {"n": n, "real": min(n, len(base)), "synthetic": max(0, n - len(base)),
-                     "auto_picks": auto, "flat_fp32_mb": round(n * x.shape[1] * 4 / 1e6, 1),
-                     "truth_s": round(truth_s, 1),
-                     # stores measured by an earlier run of this command are kept
-                     "stores": results["sizes"].get(str(n), {}).get("stores", {})}
+        row: dict = {
+            "n": n,
+            "real": min(n, len(base)),
+            "synthetic": max(0, n - len(base)),
+            "auto_picks": auto,
+            "flat_fp32_mb": round(n * x.shape[1] * 4 / 1e6, 1),
+            "truth_s": round(truth_s, 1),
+            # stores measured by an earlier run of this command are kept
+            "stores": results["sizes"].get(str(n), {}).get("stores", {}),
+        }
         for kind in args.stores:
             if kind == "hnsw" and n > args.hnsw_max:
-                row["stores"][kind] = {"skipped": f"HNSW build over {args.hnsw_max} vectors "
-                                                  "does not fit this run's time on 2 cores"}
+                row["stores"][kind] = {
+                    "skipped": f"HNSW build over {args.hnsw_max} vectors does not fit this run's time on 2 cores"
+                }
                 continue
             folder = args.work / f"{kind}_{n}"
             import shutil
@@ -236,22 +265,34 @@ def plot(results: Path, png: Path) -> None:
     data = json.loads(results.read_text())["sizes"]
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     for kind, style, color in (("flat", "o-", "C0"), ("hnsw", "s-", "C1"), ("ivf-pq", "^-", "C2")):
-        pts = [(int(n), r["stores"][kind]) for n, r in sorted(data.items(), key=lambda t: int(t[0]))
-               if "p50_ms" in r["stores"].get(kind, {})]
+        pts = [
+            (int(n), r["stores"][kind])
+            for n, r in sorted(data.items(), key=lambda t: int(t[0]))
+            if "p50_ms" in r["stores"].get(kind, {})
+        ]
         if not pts:
             continue
         ns = [n for n, _ in pts]
         a.plot(ns, [r["p50_ms"] for _, r in pts], style, color=color, label=f"{kind} p50")
-        a.plot(ns, [r["p99_ms"] for _, r in pts], style, color=color, alpha=0.35,
-               label=f"{kind} p99")
+        a.plot(ns, [r["p99_ms"] for _, r in pts], style, color=color, alpha=0.35, label=f"{kind} p99")
         b.plot(ns, [r["recall_at_10_heldout"] for _, r in pts], style, color=color, label=kind)
     a.axhline(5, color="grey", ls=":", lw=1)
     a.axhline(10, color="grey", ls=":", lw=1)
-    a.set(xscale="log", yscale="log", xlabel="chunks", ylabel="ms per query (1 thread)",
-          title="search latency, Index.search_vector")
+    a.set(
+        xscale="log",
+        yscale="log",
+        xlabel="chunks",
+        ylabel="ms per query (1 thread)",
+        title="search latency, Index.search_vector",
+    )
     b.axhline(0.98, color="grey", ls=":", lw=1)
-    b.set(xscale="log", xlabel="chunks", ylabel="recall@10 vs exact (held-out questions)",
-          title="recall", ylim=(0.9, 1.001))
+    b.set(
+        xscale="log",
+        xlabel="chunks",
+        ylabel="recall@10 vs exact (held-out questions)",
+        title="recall",
+        ylim=(0.9, 1.001),
+    )
     a.legend(fontsize=7)
     b.legend(fontsize=7)
     fig.tight_layout()

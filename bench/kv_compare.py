@@ -69,8 +69,7 @@ def hfmem_kv_per_token(cfg: dict) -> int | None:
     if "sliding_window_pattern" in c:
         n_full = n // c["sliding_window_pattern"]
     elif "layer_types" in c:
-        n_full = sum(1 for t in c["layer_types"] if t in {"attention", "full_attention",
-                                                           "global_attention"})
+        n_full = sum(1 for t in c["layer_types"] if t in {"attention", "full_attention", "global_attention"})
     else:
         n_full = n
     kv = c.get("num_key_value_heads", c["num_attention_heads"])
@@ -151,18 +150,28 @@ def main() -> None:
         hm_ctx = None if hm is None else max(0, (GPU - weights) // hm)
         gp = gpupoor(cfg)
         acc = None if args.quick else accelerate_weights(cfg)
-        rows.append({
-            "model": m, "ragbudget_kv_per_token": ours, "ragbudget_kv_per_token_below_window": ours_peak,
-            "ragbudget_max_context_24GiB": ctx, "ragbudget_limited_by": limited,
-            "ragbudget_weights": weights,
-            "hfmem_kv_per_token": hm, "hfmem_max_context_24GiB": hm_ctx,
-            "gpupoor_kv_per_token": gp["kv_per_token"], "gpupoor_max_context_24GiB": gp["max_ctx"],
-            "gpupoor_weights": gp["weights"], "accelerate_weights": acc,
-        })
+        rows.append(
+            {
+                "model": m,
+                "ragbudget_kv_per_token": ours,
+                "ragbudget_kv_per_token_below_window": ours_peak,
+                "ragbudget_max_context_24GiB": ctx,
+                "ragbudget_limited_by": limited,
+                "ragbudget_weights": weights,
+                "hfmem_kv_per_token": hm,
+                "hfmem_max_context_24GiB": hm_ctx,
+                "gpupoor_kv_per_token": gp["kv_per_token"],
+                "gpupoor_max_context_24GiB": gp["max_ctx"],
+                "gpupoor_weights": gp["weights"],
+                "accelerate_weights": acc,
+            }
+        )
         print(f"{m}: done ({time.time() - t0:.1f}s)", file=sys.stderr)
-    head = ("| model | ragbudget KV B/token (below window) | hf-mem B/token | gpu_poor B/token | "
-            "gpu_poor ÷ ours (below window) | ragbudget max ctx @24GiB | hf-mem | gpu_poor | weights GiB: "
-            "ragbudget / gpu_poor / accelerate |")
+    head = (
+        "| model | ragbudget KV B/token (below window) | hf-mem B/token | gpu_poor B/token | "
+        "gpu_poor ÷ ours (below window) | ragbudget max ctx @24GiB | hf-mem | gpu_poor | weights GiB: "
+        "ragbudget / gpu_poor / accelerate |"
+    )
     lines = [head, "|" + "---|" * 9]
     for r in rows:
         ours = r["ragbudget_kv_per_token"]
@@ -170,19 +179,24 @@ def main() -> None:
         hm = r["hfmem_kv_per_token"]
         acc = r["accelerate_weights"]
         lines.append(
-            f"| {r['model']} | {ours:,}" + (f" ({below:,})" if below != ours else "")
+            f"| {r['model']} | {ours:,}"
+            + (f" ({below:,})" if below != ours else "")
             + f" | {'n/a' if hm is None else f'{hm:,}'} | {r['gpupoor_kv_per_token']:,} | "
             f"{r['gpupoor_kv_per_token'] / below:.1f}× | {fmt_tokens(r['ragbudget_max_context_24GiB'])}"
             f" ({r['ragbudget_limited_by']}) | {fmt_tokens(r['hfmem_max_context_24GiB'])} | "
             f"{fmt_tokens(r['gpupoor_max_context_24GiB'])} | {r['ragbudget_weights'] / GiB:.2f} / "
-            f"{r['gpupoor_weights'] / GiB:.2f} / {'—' if acc is None else f'{acc / GiB:.2f}'} |")
+            f"{r['gpupoor_weights'] / GiB:.2f} / {'—' if acc is None else f'{acc / GiB:.2f}'} |"
+        )
     table = "\n".join(lines)
     print(table)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from _results import write
 
-    write("kv_compare", {"gpu_bytes": GPU, "rows": rows, "table": table,
-                         "seconds": round(time.time() - t0, 1)}, packages=("hf-mem",))
+    write(
+        "kv_compare",
+        {"gpu_bytes": GPU, "rows": rows, "table": table, "seconds": round(time.time() - t0, 1)},
+        packages=("hf-mem",),
+    )
 
 
 if __name__ == "__main__":

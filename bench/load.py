@@ -75,8 +75,9 @@ class _LocalAdmission:
                     raise self._overloaded("queue full", retry_after=1.0)
                 self.queued += 1
                 try:
-                    ok = self._cond.wait_for(lambda: self.admitted_tokens + tokens <= self.capacity_tokens,
-                                             self.timeout)
+                    ok = self._cond.wait_for(
+                        lambda: self.admitted_tokens + tokens <= self.capacity_tokens, self.timeout
+                    )
                 finally:
                     self.queued -= 1
                 if not ok:
@@ -93,8 +94,12 @@ class _LocalAdmission:
 
     def stats(self) -> dict[str, int]:
         with self._cond:
-            return {"running": self.running, "queued": self.queued, "admitted_tokens": self.admitted_tokens,
-                    "capacity_tokens": self.capacity_tokens}
+            return {
+                "running": self.running,
+                "queued": self.queued,
+                "admitted_tokens": self.admitted_tokens,
+                "capacity_tokens": self.capacity_tokens,
+            }
 
 
 def _admission(capacity: int, max_queue: int, timeout: float) -> tuple[Any, str]:
@@ -119,16 +124,32 @@ class SimulatedPipeline:
     ``per_request`` KV tokens. Allocates a small buffer per request so that a leak would show in
     the memory check."""
 
-    def __init__(self, *, admit: int, per_request: int = 2048, max_queue: int = 8, timeout: float = 2.0,
-                 words: int = 32, token_delay: float = 0.01) -> None:
+    def __init__(
+        self,
+        *,
+        admit: int,
+        per_request: int = 2048,
+        max_queue: int = 8,
+        timeout: float = 2.0,
+        words: int = 32,
+        token_delay: float = 0.01,
+    ) -> None:
         self.per_request = per_request
         self.words = words
         self.token_delay = token_delay
         self.admission, self.admission_kind = _admission(admit * per_request, max_queue, timeout)
         self.generator = type("Gen", (), {"model_id": "simulated", "token_counter": None})()
 
-    def ask(self, question: str, *, context_tokens: int | None = None, max_new_tokens: int | None = None,
-            on_text: Any = None, cancel: threading.Event | None = None, history: Any = None) -> _Answer:
+    def ask(
+        self,
+        question: str,
+        *,
+        context_tokens: int | None = None,
+        max_new_tokens: int | None = None,
+        on_text: Any = None,
+        cancel: threading.Event | None = None,
+        history: Any = None,
+    ) -> _Answer:
         t0 = time.perf_counter()
         with self.admission.reserve(self.per_request):
             waited = time.perf_counter() - t0
@@ -142,11 +163,22 @@ class SimulatedPipeline:
                 if on_text is not None:
                     on_text(piece)
             del scratch
-        return _Answer("".join(out), [{"path": "sim.txt", "start": 0, "end": 1, "page": None, "score": 1.0}],
-                       {"budget": {"prompt_tokens": 100, "context_tokens_used": 50, "context_tokens_allowed": 60,
-                                   "max_new_tokens": max_new_tokens or self.words, "kv_bytes_per_token": 0,
-                                   "new_tokens": len(out)},
-                        "oom_steps": [], "timings": {"queue_s": waited}})
+        return _Answer(
+            "".join(out),
+            [{"path": "sim.txt", "start": 0, "end": 1, "page": None, "score": 1.0}],
+            {
+                "budget": {
+                    "prompt_tokens": 100,
+                    "context_tokens_used": 50,
+                    "context_tokens_allowed": 60,
+                    "max_new_tokens": max_new_tokens or self.words,
+                    "kv_bytes_per_token": 0,
+                    "new_tokens": len(out),
+                },
+                "oom_steps": [],
+                "timings": {"queue_s": waited},
+            },
+        )
 
     def retrieve(self, question: str, *, context_tokens: int | None = None) -> Any:
         return type("Sel", (), {"chunks": (), "tokens_used": 0, "tokens_allowed": context_tokens or 0})()
@@ -167,8 +199,11 @@ def _pct(values: list[float], q: float) -> float | None:
 
 
 def _one_request(http: httpx.Client, url: str, model: str, stream: bool, max_tokens: int | None) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": model, "messages": [{"role": "user", "content": "What does the budget allow?"}],
-                            "stream": stream}
+    body: dict[str, Any] = {
+        "model": model,
+        "messages": [{"role": "user", "content": "What does the budget allow?"}],
+        "stream": stream,
+    }
     if max_tokens:
         body["max_tokens"] = max_tokens
     t0 = time.perf_counter()
@@ -237,8 +272,11 @@ def run_load(
                     ok, data = False, {}
                 health["latencies"].append(time.perf_counter() - t0)
                 health["ok" if ok else "failed"] += 1
-                for key, field in (("max_admitted", "admitted_tokens"), ("max_queued", "queued"),
-                                   ("max_running", "running")):
+                for key, field in (
+                    ("max_admitted", "admitted_tokens"),
+                    ("max_queued", "queued"),
+                    ("max_running", "running"),
+                ):
                     if isinstance(data.get(field), (int, float)):
                         health[key] = max(health[key], data[field])
                 done.wait(health_interval)
@@ -291,10 +329,15 @@ def run_load(
         "queue_wait_p50_s": _pct(waits, 0.5),
         "queue_wait_p99_s": _pct(waits, 0.99),
         "queue_wait_mean_s": statistics.fmean(waits) if waits else None,
-        "health": {"ok": health["ok"], "failed": health["failed"],
-                   "p50_s": _pct(health["latencies"], 0.5), "max_s": max(health["latencies"], default=None),
-                   "max_admitted_tokens": health["max_admitted"], "max_queued": health["max_queued"],
-                   "max_running": health["max_running"]},
+        "health": {
+            "ok": health["ok"],
+            "failed": health["failed"],
+            "p50_s": _pct(health["latencies"], 0.5),
+            "max_s": max(health["latencies"], default=None),
+            "max_admitted_tokens": health["max_admitted"],
+            "max_queued": health["max_queued"],
+            "max_running": health["max_running"],
+        },
     }
 
 
@@ -317,12 +360,23 @@ def _make_pipeline(opts: dict[str, Any]) -> tuple[Any, str, str]:
     if opts.get("index_dir"):
         from ragbudget.pipeline import Pipeline
 
-        pipe: Any = Pipeline(opts["index_dir"], concurrency=opts["admit"], max_new_tokens=opts["max_new_tokens"],
-                             gpu=opts.get("gpu"), queue_size=opts["max_queue"], queue_timeout=opts["queue_timeout"])
+        pipe: Any = Pipeline(
+            opts["index_dir"],
+            concurrency=opts["admit"],
+            max_new_tokens=opts["max_new_tokens"],
+            gpu=opts.get("gpu"),
+            queue_size=opts["max_queue"],
+            queue_timeout=opts["queue_timeout"],
+        )
         pipe.ask("warm up", max_new_tokens=2)  # load the models before the baseline
         return pipe, "real", f"ragbudget.admission (capacity {pipe.admission.stats().capacity_tokens} tokens)"
-    pipe = SimulatedPipeline(admit=opts["admit"], max_queue=opts["max_queue"], timeout=opts["queue_timeout"],
-                             words=opts["words"], token_delay=opts["token_delay"])
+    pipe = SimulatedPipeline(
+        admit=opts["admit"],
+        max_queue=opts["max_queue"],
+        timeout=opts["queue_timeout"],
+        words=opts["words"],
+        token_delay=opts["token_delay"],
+    )
     return pipe, "simulated", pipe.admission_kind
 
 
@@ -364,8 +418,12 @@ def _server(opts: dict[str, Any], *, in_process: bool) -> Iterator[tuple[str, An
 
     # A separate process: the 64 client threads must not share the server's GIL, and its memory
     # is measured on its own.
-    child = subprocess.Popen([sys.executable, __file__, "--serve-child", json.dumps(opts)],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, __file__, "--serve-child", json.dumps(opts)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert child.stdout is not None
         line = child.stdout.readline()
@@ -390,8 +448,9 @@ def _server(opts: dict[str, Any], *, in_process: bool) -> Iterator[tuple[str, An
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument(
         "--defaults",
         action="store_true",
@@ -439,6 +498,7 @@ def main(argv: list[str] | None = None) -> int:
         from load_defaults import main as defaults
 
         bursts = tuple(int(x) for x in args.bursts.split(",") if x)
+
         def save(out: dict[str, Any]) -> None:
             write("load", out, packages=("openai", "fastapi", "uvicorn"))
 

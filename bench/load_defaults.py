@@ -31,11 +31,22 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 MANPAGES = ROOT.parent / "shared" / "data" / "manpages"
-PAGES = ("clock_nanosleep.2.txt", "close.2.txt", "flock.2.txt", "getrlimit.2.txt",
-         "gettimeofday.2.txt", "fanotify_mark.2.txt")
-QUESTIONS = ("What does flock do when the lock is already held?", "How is the resource limit set?",
-             "What does close return on error?", "Which clocks can clock_nanosleep use?",
-             "What is the timezone argument of gettimeofday for?", "What does fanotify_mark mark?")
+PAGES = (
+    "clock_nanosleep.2.txt",
+    "close.2.txt",
+    "flock.2.txt",
+    "getrlimit.2.txt",
+    "gettimeofday.2.txt",
+    "fanotify_mark.2.txt",
+)
+QUESTIONS = (
+    "What does flock do when the lock is already held?",
+    "How is the resource limit set?",
+    "What does close return on error?",
+    "Which clocks can clock_nanosleep use?",
+    "What is the timezone argument of gettimeofday for?",
+    "What does fanotify_mark mark?",
+)
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -73,8 +84,8 @@ def _one(client: Any, i: int, max_tokens: int | None) -> dict[str, Any]:
     try:
         kw: dict[str, Any] = {"max_tokens": max_tokens} if max_tokens else {}
         stream = client.chat.completions.create(
-            model="ragbudget", stream=True,
-            messages=[{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}], **kw)
+            model="ragbudget", stream=True, messages=[{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}], **kw
+        )
         first = None
         for chunk in stream:
             if first is None and chunk.choices and chunk.choices[0].delta.content:
@@ -83,8 +94,7 @@ def _one(client: Any, i: int, max_tokens: int | None) -> dict[str, Any]:
     except openai.APITimeoutError:
         out.update(status="timeout")
     except openai.APIStatusError as exc:
-        out.update(status=exc.status_code, retry_after=exc.response.headers.get("retry-after"),
-                   message=str(exc)[:300])
+        out.update(status=exc.status_code, retry_after=exc.response.headers.get("retry-after"), message=str(exc)[:300])
     except openai.APIConnectionError as exc:
         out.update(status="connection_error", message=str(exc)[:300])
     out["latency_s"] = round(time.perf_counter() - t0, 3)
@@ -96,10 +106,18 @@ def burst(base: str, n: int, *, pid: int, max_tokens: int | None) -> dict[str, A
 
     # Each client is its own caller, as separate users are: its own loopback address (the
     # server keys a refused request's promise by caller and body, and the questions repeat).
-    clients = [openai.OpenAI(base_url=f"{base}/v1", api_key="none", timeout=600.0, max_retries=0,
-                             http_client=httpx.Client(transport=httpx.HTTPTransport(
-                                 local_address=f"127.0.{1 + i // 250}.{1 + i % 250}")))
-               for i in range(n)]
+    clients = [
+        openai.OpenAI(
+            base_url=f"{base}/v1",
+            api_key="none",
+            timeout=600.0,
+            max_retries=0,
+            http_client=httpx.Client(
+                transport=httpx.HTTPTransport(local_address=f"127.0.{1 + i // 250}.{1 + i % 250}")
+            ),
+        )
+        for i in range(n)
+    ]
     results: list[dict[str, Any]] = [{} for _ in range(n)]
     health: list[dict[str, Any]] = []
     done = threading.Event()
@@ -107,8 +125,9 @@ def burst(base: str, n: int, *, pid: int, max_tokens: int | None) -> dict[str, A
     def poll() -> None:
         while not done.is_set():
             try:
-                health.append(httpx.get(f"{base}/health", timeout=5).json()
-                              | {"t": time.time(), "load_1m": os.getloadavg()[0]})
+                health.append(
+                    httpx.get(f"{base}/health", timeout=5).json() | {"t": time.time(), "load_1m": os.getloadavg()[0]}
+                )
             except Exception as exc:  # noqa: BLE001 - recorded: /health must answer throughout
                 health.append({"error": str(exc), "t": time.time(), "load_1m": os.getloadavg()[0]})
             done.wait(0.5)
@@ -144,8 +163,10 @@ def burst(base: str, n: int, *, pid: int, max_tokens: int | None) -> dict[str, A
     ok = [r for r in firsts + retries if r.get("status") == 200]
     loads = [h["load_1m"] for h in health if "load_1m" in h]
     return {
-        "clients": n, "wall_s": round(time.perf_counter() - t0, 1),
-        "first_try": counts(firsts), "retries": counts(retries),
+        "clients": n,
+        "wall_s": round(time.perf_counter() - t0, 1),
+        "first_try": counts(firsts),
+        "retries": counts(retries),
         "retry_after_s": [r.get("retry_after") for r in firsts if r.get("status") == 429],
         "honoured_retry_got_200": sum(1 for r in retries if r.get("status") == 200),
         "honoured_retries": len(retries),
@@ -154,13 +175,16 @@ def burst(base: str, n: int, *, pid: int, max_tokens: int | None) -> dict[str, A
         "ttft_p50_s": _pct([r["ttft_s"] for r in ok if r.get("ttft_s")], 0.5),
         "ttft_p99_s": _pct([r["ttft_s"] for r in ok if r.get("ttft_s")], 0.99),
         "health_errors": sum(1 for h in health if "error" in h),
-        "load_1m_during": {"min": round(min(loads), 2), "mean": round(statistics.mean(loads), 2),
-                           "max": round(max(loads), 2)} if loads else None,
-        "refused_for_time_total": max((h.get("refused_for_time_total", 0) for h in health),
-                                      default=0),
+        "load_1m_during": {
+            "min": round(min(loads), 2),
+            "mean": round(statistics.mean(loads), 2),
+            "max": round(max(loads), 2),
+        }
+        if loads
+        else None,
+        "refused_for_time_total": max((h.get("refused_for_time_total", 0) for h in health), default=0),
         "capacity_bytes": next((h["capacity_bytes"] for h in health if "capacity_bytes" in h), None),
-        "capacity_tokens": next((h["capacity_tokens"] for h in health if "capacity_tokens" in h),
-                                None),
+        "capacity_tokens": next((h["capacity_tokens"] for h in health if "capacity_tokens" in h), None),
         "peak_running": max((h.get("running", 0) for h in health), default=0),
         "peak_admitted_tokens": max((h.get("admitted_tokens", 0) for h in health), default=0),
         "peak_admitted_bytes": max((h.get("peak_admitted_bytes", 0) or 0 for h in health), default=0),
@@ -169,8 +193,7 @@ def burst(base: str, n: int, *, pid: int, max_tokens: int | None) -> dict[str, A
     }
 
 
-def main(bursts: tuple[int, ...] = (32, 64), max_tokens: int | None = None,
-         on_burst: Any = None) -> dict[str, Any]:
+def main(bursts: tuple[int, ...] = (32, 64), max_tokens: int | None = None, on_burst: Any = None) -> dict[str, Any]:
     """Run the bursts; ``on_burst(out)`` after each one (the caller writes the partial result, so
     a run stopped half-way still leaves its raw figures)."""
     env = dict(os.environ, HF_HUB_OFFLINE="1")
@@ -181,15 +204,24 @@ def main(bursts: tuple[int, ...] = (32, 64), max_tokens: int | None = None,
         for p in PAGES:
             (docs / p).write_bytes((MANPAGES / p).read_bytes())
         index = Path(tmp) / "index"
-        subprocess.run([py, "-m", "ragbudget.cli", "index", str(docs), "--index-dir", str(index)],
-                       check=True, cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
+        subprocess.run(
+            [py, "-m", "ragbudget.cli", "index", str(docs), "--index-dir", str(index)],
+            check=True,
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.DEVNULL,
+        )
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         log = open(Path(tmp) / "serve.log", "w")  # noqa: SIM115 - the server's stdout for its whole life
-        server = subprocess.Popen([py, "-m", "ragbudget.cli", "serve", "--index-dir", str(index),
-                                   "--port", str(port)], cwd=ROOT, env=env, stdout=log,
-                                  stderr=subprocess.STDOUT)
+        server = subprocess.Popen(
+            [py, "-m", "ragbudget.cli", "serve", "--index-dir", str(index), "--port", str(port)],
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         base = f"http://127.0.0.1:{port}"
         try:
             deadline = time.time() + 600
@@ -205,10 +237,13 @@ def main(bursts: tuple[int, ...] = (32, 64), max_tokens: int | None = None,
             baseline = _rss(server.pid)
             # The high-water mark after warm-up (the speed probe's prefills pass through it): a
             # burst's peak RSS below it is the warm-up's, not the burst's.
-            out: dict[str, Any] = {"baseline_rss_bytes": baseline,
-                                   "warmup_peak_rss_bytes": _hwm(server.pid),
-                                   "load_1m_at_start": os.getloadavg()[0],
-                                   "cpu_count": os.cpu_count(), "bursts": []}
+            out: dict[str, Any] = {
+                "baseline_rss_bytes": baseline,
+                "warmup_peak_rss_bytes": _hwm(server.pid),
+                "load_1m_at_start": os.getloadavg()[0],
+                "cpu_count": os.cpu_count(),
+                "bursts": [],
+            }
             for n in bursts:
                 r = burst(base, n, pid=server.pid, max_tokens=max_tokens)
                 r["predicted_peak_rss_bytes"] = (baseline or 0) + r["peak_admitted_bytes"]

@@ -61,9 +61,14 @@ def embed(texts: list[str], cache: Path) -> np.ndarray:
     np.save(cache, arr)
     return arr
 
-LABELS = {"topk_truncate": "top-4 then truncate", "greedy_fill": "greedy fill, last cut",
-          "ragbudget": "ragbudget --fill-remainder", "greedy_fill_dense": "greedy fill, dense only",
-          "ragbudget_dense": "ragbudget, dense only"}
+
+LABELS = {
+    "topk_truncate": "top-4 then truncate",
+    "greedy_fill": "greedy fill, last cut",
+    "ragbudget": "ragbudget --fill-remainder",
+    "greedy_fill_dense": "greedy fill, dense only",
+    "ragbudget_dense": "ragbudget, dense only",
+}
 
 
 #: ``--ablate``: each stage of ``select_chunks`` turned off on its own, everything else as the
@@ -72,17 +77,20 @@ LABELS = {"topk_truncate": "top-4 then truncate", "greedy_fill": "greedy fill, l
 #: because each one alone is partly covered by the other (with no window for an oversize best
 #: chunk, ``fill_remainder`` windows that same chunk as "the best one left out").
 ABLATIONS: dict[str, tuple[dict, str]] = {
-    "no_fill": ({"fill_remainder": False},
-                "no fill_remainder (the library default): the room after whole chunks stays empty"),
+    "no_fill": (
+        {"fill_remainder": False},
+        "no fill_remainder (the library default): the room after whole chunks stays empty",
+    ),
     "no_floor": ({"relevance_floor": 0.0}, "no relevance floor"),
-    "no_window": ({"truncate_oversize": False},
-                  "no window for an oversize best chunk (it is skipped, not cut)"),
+    "no_window": ({"truncate_oversize": False}, "no window for an oversize best chunk (it is skipped, not cut)"),
     # redundancy > 1 never drops a near-copy, lambda_ 1 never discounts one; exact duplicates
     # (same normalized text) still go: that is dedup, not MMR.
     "no_mmr": ({"lambda_": 1.0, "redundancy": 1.01}, "no redundancy penalty or drop (MMR off)"),
     "no_merge": ({"merge_adjacent": False}, "no merging of neighbouring chunks"),
-    "no_cuts": ({"truncate_oversize": False, "fill_remainder": False},
-                "whole chunks only: neither the oversize window nor fill_remainder"),
+    "no_cuts": (
+        {"truncate_oversize": False, "fill_remainder": False},
+        "whole chunks only: neither the oversize window nor fill_remainder",
+    ),
 }
 
 
@@ -92,19 +100,18 @@ def configs(args: argparse.Namespace) -> dict[str, dict]:
         cfg["greedy_fill_dense"] = {"system": "greedy_fill", "retrieval": {"hybrid": False}}
         cfg["ragbudget_dense"] = {"system": "ragbudget", "retrieval": {"hybrid": False}}
     if args.ablate:
-        cfg.update({f"ragbudget_{name}": {"system": "ragbudget", "select": opts}
-                    for name, (opts, _) in ABLATIONS.items()})
+        cfg.update(
+            {f"ragbudget_{name}": {"system": "ragbudget", "select": opts} for name, (opts, _) in ABLATIONS.items()}
+        )
     if args.sweep:
         for f in FUSIONS:
             for w in (0.3, 0.5, 0.7):
                 if (f, w) != ("score", 0.5):  # the default is ``ragbudget`` itself
-                    cfg[f"ragbudget_{f}@{w}"] = {"system": "ragbudget",
-                                                 "retrieval": {"fusion": f, "lexical_weight": w}}
+                    cfg[f"ragbudget_{f}@{w}"] = {"system": "ragbudget", "retrieval": {"fusion": f, "lexical_weight": w}}
     return cfg
 
 
-def generate(args: argparse.Namespace, corpus: H.Corpus, packer: H.Packer, questions: list,
-             gen: object) -> dict:
+def generate(args: argparse.Namespace, corpus: H.Corpus, packer: H.Packer, questions: list, gen: object) -> dict:
     """EM/F1 of SmolLM2's answers with ragbudget's and greedy fill's contexts (same questions)."""
     rows: list[dict] = []
     t0 = time.time()
@@ -118,11 +125,14 @@ def generate(args: argparse.Namespace, corpus: H.Corpus, packer: H.Packer, quest
             prompt = packer.prompt_of(q.text, packed, cands)
             g = gen.generate(prompt, max_new_tokens=args.max_new_tokens)
             pred = re.sub(r"\[\d+\]", "", g.text).strip()
-            row[system] = {"prediction": pred,
-                           "em": max(H.exact_match(pred, a) for a in q.answers),
-                           "f1": max(H.f1_score(pred, a) for a in q.answers),
-                           "recall": H.score(corpus, q, packed)["recall"],
-                           "prompt_tokens": g.prompt_tokens, "seconds": round(g.seconds, 2)}
+            row[system] = {
+                "prediction": pred,
+                "em": max(H.exact_match(pred, a) for a in q.answers),
+                "f1": max(H.f1_score(pred, a) for a in q.answers),
+                "recall": H.score(corpus, q, packed)["recall"],
+                "prompt_tokens": g.prompt_tokens,
+                "seconds": round(g.seconds, 2),
+            }
         rows.append(row)
         if len(rows) % 10 == 0:
             print(f"  answered {len(rows)} ({time.time() - t0:.0f}s)", flush=True)
@@ -143,16 +153,18 @@ def generate(args: argparse.Namespace, corpus: H.Corpus, packer: H.Packer, quest
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--split", choices=H.SPLITS, default="squad-test")
-    ap.add_argument("--quick", action="store_true",
-                    help="4 documents, 20 questions, result in the ignored bench/out/qa_quick.json")
+    ap.add_argument(
+        "--quick", action="store_true", help="4 documents, 20 questions, result in the ignored bench/out/qa_quick.json"
+    )
     ap.add_argument("--docs", type=int, default=12, help="documents in the split's one index")
     ap.add_argument("--questions", type=int, default=300, help="seeded sample (0: all)")
     ap.add_argument("--chunk-min", type=int, default=300)
     ap.add_argument("--chunk-max", type=int, default=500)
     ap.add_argument("--dense", action="store_true", help="also dense-only candidates")
     ap.add_argument("--sweep", action="store_true", help="fusion x lexical weight (tuning split)")
-    ap.add_argument("--ablate", action="store_true",
-                    help="also ragbudget with each selection stage turned off, one at a time")
+    ap.add_argument(
+        "--ablate", action="store_true", help="also ragbudget with each selection stage turned off, one at a time"
+    )
     ap.add_argument("--gen-n", type=int, default=0, help="questions answered by SmolLM2")
     ap.add_argument("--gen-budget", type=int, default=512)
     ap.add_argument("--gen-seconds", type=float, default=1800, help="stop generating after this")
@@ -176,21 +188,33 @@ def main() -> None:
     questions = H.sample_questions(split, args.questions, seed=args.seed)
     corpus = H.Corpus.build(split, questions, chunk_min=args.chunk_min, chunk_max=args.chunk_max)
     answerable = 100 * float(np.mean([H.answerable(corpus, q) for q in questions]))
-    print(f"{args.split}: {len(split.titles)} documents, {len(corpus.texts)} chunks in one index, "
-          f"{len(questions)} of {len(split.questions)} questions ({time.time() - t_start:.0f}s)",
-          flush=True)
+    print(
+        f"{args.split}: {len(split.titles)} documents, {len(corpus.texts)} chunks in one index, "
+        f"{len(questions)} of {len(split.questions)} questions ({time.time() - t_start:.0f}s)",
+        flush=True,
+    )
 
     cfg = configs(args)
     t0 = time.time()
-    grid = H.run_grid(corpus, packer, questions, cfg, H.BUDGETS, progress=lambda i: (
-        print(f"  {i}/{len(questions)} ({time.time() - t0:.0f}s)", flush=True) if i % 50 == 0 else None))
+    grid = H.run_grid(
+        corpus,
+        packer,
+        questions,
+        cfg,
+        H.BUDGETS,
+        progress=lambda i: (
+            print(f"  {i}/{len(questions)} ({time.time() - t0:.0f}s)", flush=True) if i % 50 == 0 else None
+        ),
+    )
     table, per_question = H.grid_tables(grid)
 
     print(f"\nanswer in context (%) / fill (%) / answer left out though it fit (%), {len(questions)} questions")
     print(f"{'system':<26}" + "".join(f"{b:>18}" for b in H.BUDGETS))
     for name, by_b in table.items():
-        print(f"{LABELS.get(name, name):<26}" + "".join(
-            f"{v['recall']:>7.1f} /{v['fill']:>4.0f} /{v['answer_left_fit']:>3.1f}" for v in by_b.values()))
+        print(
+            f"{LABELS.get(name, name):<26}"
+            + "".join(f"{v['recall']:>7.1f} /{v['fill']:>4.0f} /{v['answer_left_fit']:>3.1f}" for v in by_b.values())
+        )
 
     ablation = None
     if args.ablate:
@@ -202,32 +226,52 @@ def main() -> None:
             by_b = {}
             for b in H.BUDGETS:
                 d = [100 * (full - off) for full, off in zip(per_question["ragbudget"][b], row[b], strict=True)]
-                by_b[b] = {"mean": float(np.mean(d)), "ci95": H.bootstrap_ci(d),
-                           "gained": sum(x > 0 for x in d), "lost": sum(x < 0 for x in d)}
+                by_b[b] = {
+                    "mean": float(np.mean(d)),
+                    "ci95": H.bootstrap_ci(d),
+                    "gained": sum(x > 0 for x in d),
+                    "lost": sum(x < 0 for x in d),
+                }
             ablation[name] = {"select": opts, "what": what, "full_minus_off": by_b}
-            print(f"  {name:<10}" + "".join(
-                f"  {b}: {v['mean']:+5.1f} ({v['ci95'][0]:+.1f}, {v['ci95'][1]:+.1f})" for b, v in by_b.items()))
+            print(
+                f"  {name:<10}"
+                + "".join(
+                    f"  {b}: {v['mean']:+5.1f} ({v['ci95'][0]:+.1f}, {v['ci95'][1]:+.1f})" for b, v in by_b.items()
+                )
+            )
 
     result = {
-        "split": args.split, "note": split.note, "documents": list(split.titles),
-        "chunks": len(corpus.texts), "questions": len(questions), "questions_in_split": len(split.questions),
+        "split": args.split,
+        "note": split.note,
+        "documents": list(split.titles),
+        "chunks": len(corpus.texts),
+        "questions": len(questions),
+        "questions_in_split": len(split.questions),
         "answer_in_own_document_chunks": answerable,
-        "setup": (f"all {len(split.titles)} documents in one index; chunk_text {args.chunk_min}-{args.chunk_max} "
-                  "tokens; packaged MiniLM + FTS5 BM25 fused as Index.search(hybrid=True) "
-                  f"({H.DEFAULT_RETRIEVAL}); every system gets the same candidate list; budgets in "
-                  "SmolLM2 tokens, labeled blocks charged alike"),
-        "budgets": list(H.BUDGETS), "systems": cfg, "table": table, "per_question_recall": per_question,
+        "setup": (
+            f"all {len(split.titles)} documents in one index; chunk_text {args.chunk_min}-{args.chunk_max} "
+            "tokens; packaged MiniLM + FTS5 BM25 fused as Index.search(hybrid=True) "
+            f"({H.DEFAULT_RETRIEVAL}); every system gets the same candidate list; budgets in "
+            "SmolLM2 tokens, labeled blocks charged alike"
+        ),
+        "budgets": list(H.BUDGETS),
+        "systems": cfg,
+        "table": table,
+        "per_question_recall": per_question,
         **({"ablation": ablation} if ablation is not None else {}),
-        "question_ids": [q.qid for q in questions], "args": vars(args),
+        "question_ids": [q.qid for q in questions],
+        "args": vars(args),
     }
     if args.gen_n:
         print(f"\nSmolLM2-135M-Instruct answers {args.gen_n} questions at {args.gen_budget} tokens", flush=True)
         result["generation"] = generate(args, corpus, packer, questions, gen)
         s = result["generation"]["summary"]
         for system in ("ragbudget", "greedy_fill"):
-            print(f"  {system:<12} n={s['n']} EM {s[f'{system}_em']:.1f} {s[f'{system}_em_ci95']} "
-                  f"F1 {s[f'{system}_f1']:.1f} {s[f'{system}_f1_ci95']} "
-                  f"answer in context {s[f'{system}_recall']:.1f}%")
+            print(
+                f"  {system:<12} n={s['n']} EM {s[f'{system}_em']:.1f} {s[f'{system}_em_ci95']} "
+                f"F1 {s[f'{system}_f1']:.1f} {s[f'{system}_f1_ci95']} "
+                f"answer in context {s[f'{system}_recall']:.1f}%"
+            )
         print(f"  F1 ragbudget - greedy: {s['f1_diff_ragbudget_minus_greedy']:+.1f} {s['f1_diff_ci95']}")
     result["seconds"] = round(time.time() - t_start, 1)
     from _results import write

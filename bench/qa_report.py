@@ -29,8 +29,12 @@ def paired(per_question: dict, base: str, other: str) -> dict[str, dict]:
     out = {}
     for b, rows in per_question[base].items():
         d = [100 * (x - y) for x, y in zip(rows, per_question[other][b], strict=True)]
-        out[b] = {"mean": float(np.mean(d)), "ci95": bootstrap_ci(d),
-                  "gained": sum(v > 0 for v in d), "lost": sum(v < 0 for v in d)}
+        out[b] = {
+            "mean": float(np.mean(d)),
+            "ci95": bootstrap_ci(d),
+            "gained": sum(v > 0 for v in d),
+            "lost": sum(v < 0 for v in d),
+        }
     return out
 
 
@@ -53,19 +57,27 @@ def main() -> None:
         raise SystemExit(f"--vs {', '.join(unknown)}: not in {args.result.name}; systems: {', '.join(per_q)}")
 
     budgets = list(table[args.base])
-    print(f"{r.get('command', '')}\n{r['split']}: {r['chunks']} chunks, {r['questions']} questions; "
-          f"answer in own document's chunks {r['answer_in_own_document_chunks']:.1f}%")
+    print(
+        f"{r.get('command', '')}\n{r['split']}: {r['chunks']} chunks, {r['questions']} questions; "
+        f"answer in own document's chunks {r['answer_in_own_document_chunks']:.1f}%"
+    )
     print("\nanswer in context % (filled %; answer left out though it fit %)")
     print(f"{'system':<22}" + "".join(f"{b:>22}" for b in budgets))
     for name, by_b in table.items():
-        print(f"{name:<22}" + "".join(
-            f"{v['recall']:>9.1f} ({v['fill']:>3.0f}; {v['answer_left_fit']:>4.1f})" for v in by_b.values()))
+        print(
+            f"{name:<22}"
+            + "".join(f"{v['recall']:>9.1f} ({v['fill']:>3.0f}; {v['answer_left_fit']:>4.1f})" for v in by_b.values())
+        )
     print(f"\n{args.base} minus each, points (95% bootstrap interval) [questions gained/lost]")
     for other in others:
         p = paired(per_q, args.base, other)
-        print(f"{other:<22}" + "".join(
-            f"  {b}: {v['mean']:+.1f} ({v['ci95'][0]:+.1f}, {v['ci95'][1]:+.1f}) [{v['gained']}/{v['lost']}]"
-            for b, v in p.items()))
+        print(
+            f"{other:<22}"
+            + "".join(
+                f"  {b}: {v['mean']:+.1f} ({v['ci95'][0]:+.1f}, {v['ci95'][1]:+.1f}) [{v['gained']}/{v['lost']}]"
+                for b, v in p.items()
+            )
+        )
 
 
 if __name__ == "__main__":

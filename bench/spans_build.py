@@ -29,18 +29,30 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import _qa_harness as H  # noqa: E402  (sets the offline environment first)
 
-KEYS = ("chunks_total", "chunks_embedded", "seconds", "embed_seconds", "sentence_seconds",
-        "sentences_embedded", "sentences_reused")
+KEYS = (
+    "chunks_total",
+    "chunks_embedded",
+    "seconds",
+    "embed_seconds",
+    "sentence_seconds",
+    "sentences_embedded",
+    "sentences_reused",
+)
 
 
 def _sizes(folder: Path) -> dict[str, int]:
     m = json.loads((folder / "manifest.json").read_text())
     with sqlite3.connect(folder / m["sqlite"]["file"]) as db:
-        sent = db.execute("SELECT COALESCE(SUM(length(digests) + length(vectors)), 0), COUNT(*) "
-                          "FROM sentence_vectors").fetchone()
+        sent = db.execute(
+            "SELECT COALESCE(SUM(length(digests) + length(vectors)), 0), COUNT(*) FROM sentence_vectors"
+        ).fetchone()
     total = sum(int((m.get(k) or {}).get("bytes", 0)) for k in ("faiss", "sqlite", "approx"))
-    return {"index_bytes": total, "sentence_vector_bytes": int(sent[0]), "chunks_with_sentences": int(sent[1]),
-            "faiss_bytes": int(m["faiss"]["bytes"])}
+    return {
+        "index_bytes": total,
+        "sentence_vector_bytes": int(sent[0]),
+        "chunks_with_sentences": int(sent[1]),
+        "faiss_bytes": int(m["faiss"]["bytes"]),
+    }
 
 
 def main() -> None:
@@ -54,8 +66,12 @@ def main() -> None:
 
     emb = SentenceTransformerEmbedder()
     emb.warm_up()
-    result: dict = {"embedder": emb.id, "backend": emb.backend,
-                    "load_average_1m_at_start": round(os.getloadavg()[0], 2), "splits": {}}
+    result: dict = {
+        "embedder": emb.id,
+        "backend": emb.backend,
+        "load_average_1m_at_start": round(os.getloadavg()[0], 2),
+        "splits": {},
+    }
     for spec in args.splits.split(","):
         name, _, docs = spec.partition(":")
         split = H.load_split(name, docs=int(docs), seed=0)
@@ -69,13 +85,18 @@ def main() -> None:
             first = Index(tmp / "idx").build([str(root)], embedder=emb)
             sizes = _sizes(tmp / "idx")
             edited = sorted(root.iterdir())[0]
-            edited.write_text(edited.read_text() + "\n\nA new closing paragraph was added to this "
-                              "document. It names nothing else, and it ends here.\n")
+            edited.write_text(
+                edited.read_text() + "\n\nA new closing paragraph was added to this "
+                "document. It names nothing else, and it ends here.\n"
+            )
             again = Index(tmp / "idx").build([str(root)], embedder=emb)
             f, a = first.to_dict(), again.to_dict()
-            r = {"documents": len(split.titles),
-                 "first_build": {k: f[k] for k in KEYS}, "incremental_one_file": {k: a[k] for k in KEYS},
-                 **sizes}
+            r = {
+                "documents": len(split.titles),
+                "first_build": {k: f[k] for k in KEYS},
+                "incremental_one_file": {k: a[k] for k in KEYS},
+                **sizes,
+            }
             fb = r["first_build"]
             r["sentence_share_of_build"] = fb["sentence_seconds"] / fb["seconds"]
             r["sentence_over_chunk_embedding"] = fb["sentence_seconds"] / max(1e-9, fb["embed_seconds"])

@@ -80,11 +80,19 @@ def main() -> None:
     ap.add_argument("--budgets", default="256,1024", help="context tokens, comma-separated")
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--time", type=int, default=0, help="only time N answers per cell and exit")
-    ap.add_argument("--seconds", type=float, default=0,
-                    help="stop answering after this many seconds (0: never) and report the questions answered")
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch CPU threads (1: on this shared 2-core host one thread answered 4-7x "
-                         "faster than two, which spin against the other jobs)")
+    ap.add_argument(
+        "--seconds",
+        type=float,
+        default=0,
+        help="stop answering after this many seconds (0: never) and report the questions answered",
+    )
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads (1: on this shared 2-core host one thread answered 4-7x "
+        "faster than two, which spin against the other jobs)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
@@ -106,8 +114,7 @@ def main() -> None:
     questions = H.sample_questions(split, n, seed=args.seed)
     corpus = H.Corpus.build(split, questions)
     packer = H.Packer(gen.tokenizer, span_scorer=SpanScorer(corpus.sentence_embedder()))
-    print(f"{args.split}: {len(corpus.texts)} chunks, {len(questions)} questions, budgets {budgets}",
-          flush=True)
+    print(f"{args.split}: {len(corpus.texts)} chunks, {len(questions)} questions, budgets {budgets}", flush=True)
 
     rows: list[dict] = []
     t0 = time.time()
@@ -124,9 +131,13 @@ def main() -> None:
                 g = gen.generate(packed.prompt, max_new_tokens=args.max_new_tokens)
                 pred = clean_answer(g.text)
                 row[str(b)][pack] = {
-                    "prediction": pred, "em": best(H.exact_match, pred, q.answers),
-                    "f1": best(H.f1_score, pred, q.answers), "recall": H.score(corpus, q, packed)["recall"],
-                    "prompt_tokens": g.prompt_tokens, "seconds": round(g.seconds, 2)}
+                    "prediction": pred,
+                    "em": best(H.exact_match, pred, q.answers),
+                    "f1": best(H.f1_score, pred, q.answers),
+                    "recall": H.score(corpus, q, packed)["recall"],
+                    "prompt_tokens": g.prompt_tokens,
+                    "seconds": round(g.seconds, 2),
+                }
         rows.append(row)
         if len(rows) % 10 == 0 or args.time:
             print(f"  answered {len(rows)} ({time.time() - t0:.0f}s)", flush=True)
@@ -137,18 +148,29 @@ def main() -> None:
         return
     print(f"\n{len(rows)} questions; EM / F1 (95% interval); spans − chunks F1 (95% interval)")
     for b, c in summary.items():
-        print(f"  {b:>5}: chunks EM {c['chunks_em']:.1f} F1 {c['chunks_f1']:.1f} {c['chunks_f1_ci95']}; "
-              f"spans EM {c['spans_em']:.1f} F1 {c['spans_f1']:.1f} {c['spans_f1_ci95']}; "
-              f"diff {c['f1_diff_spans_minus_chunks']:+.1f} {c['f1_diff_ci95']}")
+        print(
+            f"  {b:>5}: chunks EM {c['chunks_em']:.1f} F1 {c['chunks_f1']:.1f} {c['chunks_f1_ci95']}; "
+            f"spans EM {c['spans_em']:.1f} F1 {c['spans_f1']:.1f} {c['spans_f1_ci95']}; "
+            f"diff {c['f1_diff_spans_minus_chunks']:+.1f} {c['f1_diff_ci95']}"
+        )
     result = {
-        "split": args.split, "documents": list(split.titles), "chunks": len(corpus.texts),
-        "questions": len(rows), "budgets": budgets, "max_new_tokens": args.max_new_tokens,
-        "setup": ("one index per split (chunk_text 300-500), hybrid candidates as Index.search; "
-                  "chunks = build_prompt defaults (relevance floor 0.5, fill_remainder off); spans = "
-                  "pack='spans' with one SpanScorer over the index's MiniLM; Generator() packaged "
-                  "SmolLM2-135M-Instruct, CPU, greedy; system prompt bench/_qa_harness.QA_SYSTEM; "
-                  "SQuAD v1.1 EM/F1 (max over gold answers), citation markers removed"),
-        "summary": summary, "rows": rows, "seconds": round(time.time() - t_start, 1), "args": vars(args),
+        "split": args.split,
+        "documents": list(split.titles),
+        "chunks": len(corpus.texts),
+        "questions": len(rows),
+        "budgets": budgets,
+        "max_new_tokens": args.max_new_tokens,
+        "setup": (
+            "one index per split (chunk_text 300-500), hybrid candidates as Index.search; "
+            "chunks = build_prompt defaults (relevance floor 0.5, fill_remainder off); spans = "
+            "pack='spans' with one SpanScorer over the index's MiniLM; Generator() packaged "
+            "SmolLM2-135M-Instruct, CPU, greedy; system prompt bench/_qa_harness.QA_SYSTEM; "
+            "SQuAD v1.1 EM/F1 (max over gold answers), citation markers removed"
+        ),
+        "summary": summary,
+        "rows": rows,
+        "seconds": round(time.time() - t_start, 1),
+        "args": vars(args),
     }
     from _results import write
 

@@ -37,8 +37,11 @@ PARTS = {
     "token_counts": [("prompt.py", "count"), ("prompt.py", "prime")],
     "bm25": [("spans.py", "bm25")],
     "embed_total": [("spans.py", "similarities")],
-    "embed_tokenize": [("tokenization_utils_base.py", "__call__"), ("tokenization_utils_fast.py", "__call__"),
-                       ("tokenizers", "encode_batch")],
+    "embed_tokenize": [
+        ("tokenization_utils_base.py", "__call__"),
+        ("tokenization_utils_fast.py", "__call__"),
+        ("tokenizers", "encode_batch"),
+    ],
     "embed_forward": [("onnxruntime_inference_collection.py", "run"), ("module.py", "_call_impl")],
 }
 
@@ -80,8 +83,13 @@ def main() -> None:
         for b in budgets:
             packer.pack("ragbudget", q.text, cands[q.qid], b, fill_remainder=False)
 
-    result: dict = {"split": args.split, "questions": len(questions), "budgets": budgets,
-                    "load_average_1m_at_start": round(load_start, 2), "backends": {}}
+    result: dict = {
+        "split": args.split,
+        "questions": len(questions),
+        "budgets": budgets,
+        "load_average_1m_at_start": round(load_start, 2),
+        "backends": {},
+    }
     for backend in args.backends.split(","):
         emb = SentenceTransformerEmbedder(backend=backend)
         emb.warm_up()
@@ -115,23 +123,35 @@ def main() -> None:
         stats = pstats.Stats(prof)
         parts = {k: round(_cum(stats, v) / calls, 4) for k, v in PARTS.items()}
         total = stats.total_tt / calls  # type: ignore[attr-defined]
-        parts["other"] = round(total - parts["split_sentences"] - parts["token_counts"] - parts["bm25"]
-                               - parts["embed_total"], 4)
+        parts["other"] = round(
+            total - parts["split_sentences"] - parts["token_counts"] - parts["bm25"] - parts["embed_total"], 4
+        )
         top = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[: args.top]  # type: ignore[attr-defined]
         result["backends"][backend] = {
-            "embedder_id": emb.id, "calls": calls, "mean_sentences_per_call": sentences / calls,
+            "embedder_id": emb.id,
+            "calls": calls,
+            "mean_sentences_per_call": sentences / calls,
             "mean_cold_s_per_call": round(cold_s / calls, 4),
             "mean_cold_profiled_s_per_call": round(total, 4),
             "mean_cached_s_per_call": round(cached_s / calls, 4),
             "parts_s_per_call": parts,
-            "top_own_time": [{"function": f"{Path(f).name}:{line}:{name}", "calls": nc,
-                              "own_s": round(tt, 4), "cumulative_s": round(ct, 4)}
-                             for (f, line, name), (_cc, nc, tt, ct, _c) in top],
+            "top_own_time": [
+                {
+                    "function": f"{Path(f).name}:{line}:{name}",
+                    "calls": nc,
+                    "own_s": round(tt, 4),
+                    "cumulative_s": round(ct, 4),
+                }
+                for (f, line, name), (_cc, nc, tt, ct, _c) in top
+            ],
         }
         r = result["backends"][backend]
-        print(f"{backend:>10} ({emb.id}): cold {r['mean_cold_s_per_call']:.3f} s/call "
-              f"({r['mean_sentences_per_call']:.0f} sentences), cached {r['mean_cached_s_per_call']:.3f} s; "
-              f"parts {parts}", flush=True)
+        print(
+            f"{backend:>10} ({emb.id}): cold {r['mean_cold_s_per_call']:.3f} s/call "
+            f"({r['mean_sentences_per_call']:.0f} sentences), cached {r['mean_cached_s_per_call']:.3f} s; "
+            f"parts {parts}",
+            flush=True,
+        )
     result["load_average_1m_at_end"] = round(os.getloadavg()[0], 2)
     from _results import write
 

@@ -40,9 +40,13 @@ sys.path.insert(0, str(HERE))
 import _qa_harness as H  # noqa: E402  (sets the offline environment first)
 import numpy as np  # noqa: E402
 
-LABELS = {"topk_truncate": "top-4 then truncate", "greedy_fill": "greedy fill, last cut",
-          "ragbudget_chunks": "ragbudget --pack chunks", "ragbudget": "ragbudget --fill-remainder",
-          "ragbudget_spans": "ragbudget --pack spans"}
+LABELS = {
+    "topk_truncate": "top-4 then truncate",
+    "greedy_fill": "greedy fill, last cut",
+    "ragbudget_chunks": "ragbudget --pack chunks",
+    "ragbudget": "ragbudget --fill-remainder",
+    "ragbudget_spans": "ragbudget --pack spans",
+}
 SPAN_BUDGETS = (128, 256, 512, 1024)
 #: One knob at a time around the first defaults (weights 0.4/0.4/0.2, pool 3, max 12 chunks),
 #: stated explicitly so a rerun measures the same settings whatever the library's defaults are.
@@ -71,27 +75,32 @@ def configs(args: argparse.Namespace) -> dict[str, dict]:
     }
     if args.sweep:
         for name, opts in SWEEP.items():
-            cfg[f"ragbudget_spans_{name}"] = {"system": "ragbudget_spans", "budgets": SPAN_BUDGETS,
-                                              "select": opts}
+            cfg[f"ragbudget_spans_{name}"] = {"system": "ragbudget_spans", "budgets": SPAN_BUDGETS, "select": opts}
     for extra in args.extra:  # e.g. "pool=5,max_chunks=20" or "cue_weight=0.2" (tune split only)
         opts = {}
         for kv in extra.split(","):
             k, _, v = kv.partition("=")
             try:
-                opts[k] = {"weights": lambda v: tuple(float(x) for x in v.split("/")),
-                           "pool": float, "max_chunks": int, "cue_weight": float,
-                           "context_weight": float}[k](v)
+                opts[k] = {
+                    "weights": lambda v: tuple(float(x) for x in v.split("/")),
+                    "pool": float,
+                    "max_chunks": int,
+                    "cue_weight": float,
+                    "context_weight": float,
+                }[k](v)
             except (KeyError, ValueError):
-                raise SystemExit(f"--extra {extra!r}: expected comma-separated pool=<number>, "
-                                 "max_chunks=<integer>, weights=<dense>/<lexical>/<chunk>, "
-                                 "cue_weight=<0-1> or context_weight=<0-1>") from None
-        cfg[f"ragbudget_spans_{extra}"] = {"system": "ragbudget_spans", "budgets": SPAN_BUDGETS,
-                                           "select": opts}
+                raise SystemExit(
+                    f"--extra {extra!r}: expected comma-separated pool=<number>, "
+                    "max_chunks=<integer>, weights=<dense>/<lexical>/<chunk>, "
+                    "cue_weight=<0-1> or context_weight=<0-1>"
+                ) from None
+        cfg[f"ragbudget_spans_{extra}"] = {"system": "ragbudget_spans", "budgets": SPAN_BUDGETS, "select": opts}
     return cfg
 
 
-def timing(corpus: H.Corpus, packer: H.Packer, questions: list, gen: object,
-           budgets: tuple[int, ...] = (256, 1024)) -> dict:
+def timing(
+    corpus: H.Corpus, packer: H.Packer, questions: list, gen: object, budgets: tuple[int, ...] = (256, 1024)
+) -> dict:
     """Seconds ``build_prompt`` takes per question: chunks vs spans cold (fresh scorer, every
     sentence embedded) and warm (the same scorer again), and the generator's prefill for scale."""
     from ragbudget.spans import SpanScorer
@@ -115,9 +124,18 @@ def timing(corpus: H.Corpus, packer: H.Packer, questions: list, gen: object,
             t = time.perf_counter()
             gen.generate(p.prompt, max_new_tokens=1)
             prefill_s = time.perf_counter() - t
-            rows.append({"qid": q.qid, "budget": b, "chunks_s": chunks_s, "spans_cold_s": cold_s,
-                         "spans_warm_s": warm_s, "prefill_s": prefill_s,
-                         "sentences_embedded": emb.embedded, "prompt_tokens": p.prompt.n_tokens})
+            rows.append(
+                {
+                    "qid": q.qid,
+                    "budget": b,
+                    "chunks_s": chunks_s,
+                    "spans_cold_s": cold_s,
+                    "spans_warm_s": warm_s,
+                    "prefill_s": prefill_s,
+                    "sentences_embedded": emb.embedded,
+                    "prompt_tokens": p.prompt.n_tokens,
+                }
+            )
     summary = {}
     for b in budgets:
         rs = [r for r in rows if r["budget"] == b]
@@ -129,7 +147,8 @@ def timing(corpus: H.Corpus, packer: H.Packer, questions: list, gen: object,
             "n": len(rs),
             "median_added_cold_ms": 1000 * statistics.median(r["spans_cold_s"] - r["chunks_s"] for r in rs),
             "median_added_warm_ms": 1000 * statistics.median(r["spans_warm_s"] - r["chunks_s"] for r in rs),
-            "median_chunks_ms": 1000 * med("chunks_s"), "median_prefill_ms": 1000 * med("prefill_s"),
+            "median_chunks_ms": 1000 * med("chunks_s"),
+            "median_prefill_ms": 1000 * med("prefill_s"),
             "median_sentences_embedded": med("sentences_embedded"),
         }
         s = summary[str(b)]
@@ -141,13 +160,20 @@ def timing(corpus: H.Corpus, packer: H.Packer, questions: list, gen: object,
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--split", choices=H.SPLITS, default="squad-test")
-    ap.add_argument("--quick", action="store_true",
-                    help="4 documents, 10 questions, result in the ignored bench/out/qa_spans_quick.json")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="4 documents, 10 questions, result in the ignored bench/out/qa_spans_quick.json",
+    )
     ap.add_argument("--docs", type=int, default=12, help="documents in the split's one index")
     ap.add_argument("--questions", type=int, default=150, help="seeded sample (0: all)")
     ap.add_argument("--sweep", action="store_true", help="span packing's knobs (tuning split only)")
-    ap.add_argument("--extra", action="append", default=[],
-                    help="another span setting, e.g. pool=5,max_chunks=20 (tuning split only)")
+    ap.add_argument(
+        "--extra",
+        action="append",
+        default=[],
+        help="another span setting, e.g. pool=5,max_chunks=20 (tuning split only)",
+    )
     ap.add_argument("--timing", type=int, default=0, help="questions timed cold/warm (see above)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None)
@@ -168,21 +194,35 @@ def main() -> None:
     questions = H.sample_questions(split, args.questions, seed=args.seed)
     corpus = H.Corpus.build(split, questions)
     packer = H.Packer(gen.tokenizer, span_scorer=SpanScorer(corpus.sentence_embedder()))
-    print(f"{args.split}: {len(split.titles)} documents, {len(corpus.texts)} chunks in one index, "
-          f"{len(questions)} of {len(split.questions)} questions ({time.time() - t_start:.0f}s)",
-          flush=True)
+    print(
+        f"{args.split}: {len(split.titles)} documents, {len(corpus.texts)} chunks in one index, "
+        f"{len(questions)} of {len(split.questions)} questions ({time.time() - t_start:.0f}s)",
+        flush=True,
+    )
 
     t0 = time.time()
-    grid = H.run_grid(corpus, packer, questions, cfg, H.BUDGETS, progress=lambda i: (
-        print(f"  {i}/{len(questions)} ({time.time() - t0:.0f}s)", flush=True) if i % 25 == 0 else None))
+    grid = H.run_grid(
+        corpus,
+        packer,
+        questions,
+        cfg,
+        H.BUDGETS,
+        progress=lambda i: (
+            print(f"  {i}/{len(questions)} ({time.time() - t0:.0f}s)", flush=True) if i % 25 == 0 else None
+        ),
+    )
     grid_s = time.time() - t0
     table, per_question = H.grid_tables(grid)
 
     print(f"\nanswer in context (%) / fill (%) / answer left out though it fit (%), {len(questions)} questions")
     print(f"{'system':<34}" + "".join(f"{b:>18}" for b in H.BUDGETS))
     for name, by_b in table.items():
-        cells = [f"{by_b[b]['recall']:>7.1f} /{by_b[b]['fill']:>4.0f} /{by_b[b]['answer_left_fit']:>3.1f}"
-                 if b in by_b else f"{'—':>18}" for b in H.BUDGETS]
+        cells = [
+            f"{by_b[b]['recall']:>7.1f} /{by_b[b]['fill']:>4.0f} /{by_b[b]['answer_left_fit']:>3.1f}"
+            if b in by_b
+            else f"{'—':>18}"
+            for b in H.BUDGETS
+        ]
         print(f"{LABELS.get(name, name):<34}" + "".join(cells))
 
     # Paired differences (spans − the others), with a bootstrap interval, at each span budget.
@@ -203,31 +243,48 @@ def main() -> None:
     }
     print("\nspans − other, points (95% interval):")
     for other, by_b in paired.items():
-        print(f"  vs {other:<18}" + "  ".join(f"{b}: {v['mean']:+.1f} ({v['ci95'][0]:+.1f}, {v['ci95'][1]:+.1f})"
-                                             for b, v in by_b.items()))
+        print(
+            f"  vs {other:<18}"
+            + "  ".join(f"{b}: {v['mean']:+.1f} ({v['ci95'][0]:+.1f}, {v['ci95'][1]:+.1f})" for b, v in by_b.items())
+        )
     print("targets:", targets)
 
     result = {
-        "split": args.split, "note": split.note, "documents": list(split.titles),
-        "chunks": len(corpus.texts), "questions": len(questions), "questions_in_split": len(split.questions),
+        "split": args.split,
+        "note": split.note,
+        "documents": list(split.titles),
+        "chunks": len(corpus.texts),
+        "questions": len(questions),
+        "questions_in_split": len(split.questions),
         "answer_in_own_document_chunks": 100 * float(np.mean([H.answerable(corpus, q) for q in questions])),
-        "setup": (f"all {len(split.titles)} documents in one index; chunk_text 300-500 tokens; packaged "
-                  f"MiniLM + FTS5 BM25 fused as Index.search(hybrid=True) ({H.DEFAULT_RETRIEVAL}); every "
-                  "system gets the same candidate list; budgets in SmolLM2 tokens, labeled blocks "
-                  "charged alike; span packing: build_prompt(pack='spans') with one SpanScorer per "
-                  "split over the index's MiniLM, relevance floor 0.5 as every ragbudget row"),
-        "budgets": list(H.BUDGETS), "span_budgets": list(SPAN_BUDGETS), "systems": cfg, "table": table,
-        "paired_spans_minus": paired, "targets": targets, "per_question_recall": per_question,
-        "question_ids": [q.qid for q in questions], "grid_seconds": round(grid_s, 1), "args": vars(args),
+        "setup": (
+            f"all {len(split.titles)} documents in one index; chunk_text 300-500 tokens; packaged "
+            f"MiniLM + FTS5 BM25 fused as Index.search(hybrid=True) ({H.DEFAULT_RETRIEVAL}); every "
+            "system gets the same candidate list; budgets in SmolLM2 tokens, labeled blocks "
+            "charged alike; span packing: build_prompt(pack='spans') with one SpanScorer per "
+            "split over the index's MiniLM, relevance floor 0.5 as every ragbudget row"
+        ),
+        "budgets": list(H.BUDGETS),
+        "span_budgets": list(SPAN_BUDGETS),
+        "systems": cfg,
+        "table": table,
+        "paired_spans_minus": paired,
+        "targets": targets,
+        "per_question_recall": per_question,
+        "question_ids": [q.qid for q in questions],
+        "grid_seconds": round(grid_s, 1),
+        "args": vars(args),
     }
     if args.timing:
         print(f"\ntiming {args.timing} questions (cold: fresh scorer; warm: the same again)", flush=True)
         result["timing"] = timing(corpus, packer, questions[: args.timing], gen)
         for b, s in result["timing"]["summary"].items():
-            print(f"  {b:>5}: added cold {s['median_added_cold_ms']:.0f} ms, warm "
-                  f"{s['median_added_warm_ms']:.0f} ms; prefill {s['median_prefill_ms']:.0f} ms "
-                  f"(cold/prefill {s['cold_over_prefill']:.2f}); "
-                  f"{s['median_sentences_embedded']:.0f} sentences embedded")
+            print(
+                f"  {b:>5}: added cold {s['median_added_cold_ms']:.0f} ms, warm "
+                f"{s['median_added_warm_ms']:.0f} ms; prefill {s['median_prefill_ms']:.0f} ms "
+                f"(cold/prefill {s['cold_over_prefill']:.2f}); "
+                f"{s['median_sentences_embedded']:.0f} sentences embedded"
+            )
     result["seconds"] = round(time.time() - t_start, 1)
     from _results import write
 

@@ -70,16 +70,16 @@ def main() -> None:
     data = json.loads(SQUAD.read_text())["data"]
     art = next(a for a in data if a["title"] == args.article)
     text = "\n\n".join(p["context"] for p in art["paragraphs"])
-    qs = [(q["question"], [a["text"] for a in q["answers"]])
-          for p in art["paragraphs"] for q in p["qas"]][: args.questions]
+    qs = [(q["question"], [a["text"] for a in q["answers"]]) for p in art["paragraphs"] for q in p["qas"]][
+        : args.questions
+    ]
 
     ref = resolve_generator()
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(ref.path, gguf_file=ref.gguf_file)
-    model = AutoModelForCausalLM.from_pretrained(ref.path, gguf_file=ref.gguf_file,
-                                                 torch_dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(ref.path, gguf_file=ref.gguf_file, torch_dtype=torch.float32).eval()
     emb = SentenceTransformerEmbedder(backend=args.backend)
     emb.warm_up()
     tmp = Path(tempfile.mkdtemp(prefix="rb-spans-speed-"))
@@ -88,9 +88,12 @@ def main() -> None:
     idx = Index(tmp / "idx")
     built = idx.build([str(tmp / "docs")], embedder=emb)
     idx = Index.open(tmp / "idx")
-    print(f"index: {built.chunks_total} chunks in {built.seconds:.1f} s, chunk vectors "
-          f"{built.embed_seconds:.1f} s, sentence vectors {built.sentence_seconds:.1f} s "
-          f"({built.sentences_embedded} sentences)", flush=True)
+    print(
+        f"index: {built.chunks_total} chunks in {built.seconds:.1f} s, chunk vectors "
+        f"{built.embed_seconds:.1f} s, sentence vectors {built.sentence_seconds:.1f} s "
+        f"({built.sentences_embedded} sentences)",
+        flush=True,
+    )
     builder = PromptBuilder(tok)
 
     def prefill(ids: tuple[int, ...]) -> float:
@@ -105,8 +108,7 @@ def main() -> None:
         cands = idx.search(q, k=args.fetch_k, embedder=emb)
         fixed = builder.fixed_tokens(q)
         for budget in [int(b) for b in args.budgets.split(",")]:
-            common = dict(tokenizer=tok, max_prompt_tokens=fixed + budget, builder=builder,
-                          relevance_floor=0.5)
+            common = dict(tokenizer=tok, max_prompt_tokens=fixed + budget, builder=builder, relevance_floor=0.5)
             t = time.perf_counter()
             pc = build_prompt(q, cands, **common)
             chunks_s = time.perf_counter() - t
@@ -122,24 +124,35 @@ def main() -> None:
             build_prompt(q, cands, pack="spans", span_scorer=stored, **common)
             spans_warm_s = time.perf_counter() - t
             gold = [normalize_answer(a) for a in answers]
-            rows.append({
-                "question": q, "budget": budget,
-                "chunks_s": chunks_s, "spans_cold_s": spans_cold_s, "spans_stored_s": spans_stored_s,
-                "spans_warm_s": spans_warm_s,
-                "added_cold_s": spans_cold_s - chunks_s, "added_stored_s": spans_stored_s - chunks_s,
-                "added_warm_s": spans_warm_s - chunks_s,
-                "sentences_embedded_cold": scorer.embedded, "sentences_embedded_stored": stored.embedded,
-                "same_context_stored_vs_cold": pst.selection.text == ps.selection.text,
-                "prefill_s": prefill(ps.input_ids), "prompt_tokens": ps.n_tokens,
-                "sentences_considered": sum(len(p.spans) for p in ps.selection.chunks)
-                + len(ps.selection.spans_dropped),
-                "in_context_chunks": any(g in normalize_answer(pc.selection.text) for g in gold),
-                "in_context_spans": any(g in normalize_answer(ps.selection.text) for g in gold),
-            })
+            rows.append(
+                {
+                    "question": q,
+                    "budget": budget,
+                    "chunks_s": chunks_s,
+                    "spans_cold_s": spans_cold_s,
+                    "spans_stored_s": spans_stored_s,
+                    "spans_warm_s": spans_warm_s,
+                    "added_cold_s": spans_cold_s - chunks_s,
+                    "added_stored_s": spans_stored_s - chunks_s,
+                    "added_warm_s": spans_warm_s - chunks_s,
+                    "sentences_embedded_cold": scorer.embedded,
+                    "sentences_embedded_stored": stored.embedded,
+                    "same_context_stored_vs_cold": pst.selection.text == ps.selection.text,
+                    "prefill_s": prefill(ps.input_ids),
+                    "prompt_tokens": ps.n_tokens,
+                    "sentences_considered": sum(len(p.spans) for p in ps.selection.chunks)
+                    + len(ps.selection.spans_dropped),
+                    "in_context_chunks": any(g in normalize_answer(pc.selection.text) for g in gold),
+                    "in_context_spans": any(g in normalize_answer(ps.selection.text) for g in gold),
+                }
+            )
             r = rows[-1]
-            print(f"{budget:5d} added cold {1000 * r['added_cold_s']:7.1f} ms  stored "
-                  f"{1000 * r['added_stored_s']:6.1f} ms  warm {1000 * r['added_warm_s']:6.1f} ms  "
-                  f"prefill {1000 * r['prefill_s']:7.1f} ms  {r['sentences_considered']} sentences", flush=True)
+            print(
+                f"{budget:5d} added cold {1000 * r['added_cold_s']:7.1f} ms  stored "
+                f"{1000 * r['added_stored_s']:6.1f} ms  warm {1000 * r['added_warm_s']:6.1f} ms  "
+                f"prefill {1000 * r['prefill_s']:7.1f} ms  {r['sentences_considered']} sentences",
+                flush=True,
+            )
     summary = {}
     for budget in sorted({r["budget"] for r in rows}):
         rs = [r for r in rows if r["budget"] == budget]
@@ -148,7 +161,8 @@ def main() -> None:
             return statistics.median(r[key] for r in rs)
 
         summary[str(budget)] = {
-            "n": len(rs), "median_added_cold_ms": 1000 * med("added_cold_s"),
+            "n": len(rs),
+            "median_added_cold_ms": 1000 * med("added_cold_s"),
             "median_added_stored_ms": 1000 * med("added_stored_s"),
             "median_added_warm_ms": 1000 * med("added_warm_s"),
             "median_prefill_ms": 1000 * med("prefill_s"),
@@ -161,12 +175,26 @@ def main() -> None:
             "in_context_spans": sum(r["in_context_spans"] for r in rs) / len(rs),
         }
         print(budget, json.dumps(summary[str(budget)]))
-    build = {k: v for k, v in built.to_dict().items() if k in (
-        "chunks_total", "seconds", "embed_seconds", "sentence_seconds", "sentences_embedded", "chunks_embedded")}
-    write(args.out, {"article": args.article, "chunks": built.chunks_total, "fetch_k": args.fetch_k,
-                     "embedder": emb.id, "backend": emb.backend, "build": build,
-                     "summary": summary, "rows": rows},
-          packages=("torch", "transformers", "sentence-transformers", "tokenizers", "onnxruntime"))
+    build = {
+        k: v
+        for k, v in built.to_dict().items()
+        if k
+        in ("chunks_total", "seconds", "embed_seconds", "sentence_seconds", "sentences_embedded", "chunks_embedded")
+    }
+    write(
+        args.out,
+        {
+            "article": args.article,
+            "chunks": built.chunks_total,
+            "fetch_k": args.fetch_k,
+            "embedder": emb.id,
+            "backend": emb.backend,
+            "build": build,
+            "summary": summary,
+            "rows": rows,
+        },
+        packages=("torch", "transformers", "sentence-transformers", "tokenizers", "onnxruntime"),
+    )
 
 
 if __name__ == "__main__":

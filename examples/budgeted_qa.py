@@ -28,8 +28,10 @@ def main() -> None:
 
     rb = ragbudget.Pipeline(".ragbudget", gpu=args.gpu, concurrency=args.concurrency, max_new_tokens=64)
     summary = rb.index([os.path.join(here, "..", "data")], exclude=["model_configs"])
-    print(f"index: {summary.chunks_total} chunks, {summary.exact_duplicates} exact and "
-          f"{summary.near_duplicates} near duplicates removed")
+    print(
+        f"index: {summary.chunks_total} chunks, {summary.exact_duplicates} exact and "
+        f"{summary.near_duplicates} near duplicates removed"
+    )
     answer = rb.ask(args.question, context_tokens=args.context_tokens)
     print(f"\n{answer.text}\n")
     for i, src in enumerate(answer.sources, 1):

@@ -82,12 +82,10 @@ CANCEL_POLL_S = 0.05
 # The key of a request made under AdmissionController.returning(): read by acquire in the same
 # thread (or task), so the key need not travel through every layer between the server's request
 # and the pipeline's reservation.
-_RETURNING: contextvars.ContextVar[str | None] = contextvars.ContextVar("ragbudget_returning",
-                                                                       default=None)
+_RETURNING: contextvars.ContextVar[str | None] = contextvars.ContextVar("ragbudget_returning", default=None)
 # Called (no arguments) when a returning request claimed its place and waits in the queue: the
 # server then commits a streamed answer to 200 and keeps the connection alive while it waits.
-_ON_CLAIM: contextvars.ContextVar[Callable[[], Any] | None] = contextvars.ContextVar(
-    "ragbudget_on_claim", default=None)
+_ON_CLAIM: contextvars.ContextVar[Callable[[], Any] | None] = contextvars.ContextVar("ragbudget_on_claim", default=None)
 
 __all__ = [
     "AdmissionController",
@@ -135,13 +133,13 @@ class MemoryModel:
 
     def __post_init__(self) -> None:
         if self.capacity_bytes <= 0:
-            raise ConfigError(f"capacity_bytes must be > 0; got {self.capacity_bytes} (the "
-                              "weights leave no memory for requests)")
+            raise ConfigError(
+                f"capacity_bytes must be > 0; got {self.capacity_bytes} (the weights leave no memory for requests)"
+            )
         if self.kv_bytes_per_token < 0 or self.kv_fixed_bytes < 0:
             raise ConfigError("KV bytes per token and per sequence must be >= 0")
         if self.kv_pool_tokens is not None and self.kv_pool_tokens <= 0:
-            raise ConfigError(f"kv_pool_tokens must be > 0; got {self.kv_pool_tokens} (a paged "
-                              "cache without blocks)")
+            raise ConfigError(f"kv_pool_tokens must be > 0; got {self.kv_pool_tokens} (a paged cache without blocks)")
         if self.kv_pool_page < 1:
             raise ConfigError(f"kv_pool_page must be >= 1; got {self.kv_pool_page}")
 
@@ -202,8 +200,10 @@ class Throughput:
         if not self.slowdown > 0:
             raise ConfigError(f"slowdown must be > 0; got {self.slowdown}")
         if self.prefill_a < 0 or self.prefill_b < 0 or self.decode_s <= 0:
-            raise ConfigError(f"throughput must be positive: prefill a={self.prefill_a}, "
-                              f"b={self.prefill_b}, decode {self.decode_s} s/token")
+            raise ConfigError(
+                f"throughput must be positive: prefill a={self.prefill_a}, "
+                f"b={self.prefill_b}, decode {self.decode_s} s/token"
+            )
 
     def prefill_seconds(self, tokens: int) -> float:
         n = max(0, int(tokens))
@@ -223,10 +223,15 @@ class Throughput:
         return self.decode_s + max(0, sequences - 1) * extra
 
     def to_dict(self) -> dict[str, Any]:
-        return {"prefill_a": self.prefill_a, "prefill_b": self.prefill_b,
-                "decode_s": self.decode_s, "batched": self.batched,
-                "decode_extra_s": self.decode_extra_s, "source": self.source,
-                "slowdown": self.slowdown}
+        return {
+            "prefill_a": self.prefill_a,
+            "prefill_b": self.prefill_b,
+            "decode_s": self.decode_s,
+            "batched": self.batched,
+            "decode_extra_s": self.decode_extra_s,
+            "source": self.source,
+            "slowdown": self.slowdown,
+        }
 
 
 # --------------------------------------------------------------------------------------------
@@ -283,9 +288,18 @@ def _first_token_if_started(job: _Job, running: Sequence[_Job], thr: Throughput)
     return job.prefill / rate if rate > 0 else math.inf
 
 
-def _may_start(job: _Job, running: Sequence[_Job], used: int, capacity: int,
-               thr: Throughput | None, ttft_target: float | None, *, used_tokens: int = 0,
-               token_capacity: int | None = None, batched_bound: float | None = None) -> bool:
+def _may_start(
+    job: _Job,
+    running: Sequence[_Job],
+    used: int,
+    capacity: int,
+    thr: Throughput | None,
+    ttft_target: float | None,
+    *,
+    used_tokens: int = 0,
+    token_capacity: int | None = None,
+    batched_bound: float | None = None,
+) -> bool:
     if used + job.cost > capacity:
         return False
     if token_capacity is not None and used_tokens + job.tokens > token_capacity:
@@ -302,9 +316,17 @@ def _may_start(job: _Job, running: Sequence[_Job], used: int, capacity: int,
     return _first_token_if_started(job, running, thr) <= ttft_target
 
 
-def simulate(running: Sequence[_Job], queued: Sequence[_Job], *, throughput: Throughput,
-             capacity: int, ttft_target: float | None, now: float = 0.0,
-             token_capacity: int | None = None, batched_bound: float | None = None) -> list[float]:
+def simulate(
+    running: Sequence[_Job],
+    queued: Sequence[_Job],
+    *,
+    throughput: Throughput,
+    capacity: int,
+    ttft_target: float | None,
+    now: float = 0.0,
+    token_capacity: int | None = None,
+    batched_bound: float | None = None,
+) -> list[float]:
     """Play the model forward from ``now`` with no further arrivals: when does each queued job
     (in FIFO order; a promise no earlier than its ``ready`` time) produce its first token?
 
@@ -313,10 +335,8 @@ def simulate(running: Sequence[_Job], queued: Sequence[_Job], *, throughput: Thr
     others, its first token comes within ``ttft_target``). Returns absolute
     times, one per queued job. Jobs are copied: the arguments are not changed.
     """
-    run = [_Job(prefill=j.prefill, decode=j.decode, cost=j.cost, tokens=j.tokens, served=j.served)
-           for j in running]
-    wait = [_Job(prefill=j.prefill, decode=j.decode, cost=j.cost, tokens=j.tokens, ready=j.ready)
-            for j in queued]
+    run = [_Job(prefill=j.prefill, decode=j.decode, cost=j.cost, tokens=j.tokens, served=j.served) for j in running]
+    wait = [_Job(prefill=j.prefill, decode=j.decode, cost=j.cost, tokens=j.tokens, ready=j.ready) for j in queued]
     index = {id(j): i for i, j in enumerate(wait)}
     first: list[float] = [math.inf] * len(wait)
     ids: dict[int, int] = {}  # running job -> queued index
@@ -324,9 +344,21 @@ def simulate(running: Sequence[_Job], queued: Sequence[_Job], *, throughput: Thr
     for _ in range(8 * (len(run) + len(wait)) + 8):  # each job ends two phases: bounded
         used = sum(j.cost for j in run)
         used_tokens = sum(j.tokens for j in run)
-        while wait and wait[0].ready <= t and _may_start(
-                wait[0], run, used, capacity, throughput, ttft_target, used_tokens=used_tokens,
-                token_capacity=token_capacity, batched_bound=batched_bound):
+        while (
+            wait
+            and wait[0].ready <= t
+            and _may_start(
+                wait[0],
+                run,
+                used,
+                capacity,
+                throughput,
+                ttft_target,
+                used_tokens=used_tokens,
+                token_capacity=token_capacity,
+                batched_bound=batched_bound,
+            )
+        ):
             job = wait.pop(0)
             ids[id(job)] = index[id(job)]
             run.append(job)
@@ -407,19 +439,16 @@ class AdmissionStats:
             "timed_out_total": self.timed_out_total,
             "refused_for_time_total": self.refused_for_time_total,
         }
-        for key in ("capacity_bytes", "admitted_bytes", "peak_admitted_bytes", "work_ahead_s",
-                    "slowdown"):
+        for key in ("capacity_bytes", "admitted_bytes", "peak_admitted_bytes", "work_ahead_s", "slowdown"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
         return out
 
 
 class _Waiter:
-    __slots__ = ("cost", "event", "future", "granted", "job", "loop", "pool", "prompt_tokens",
-                 "returning", "tokens")
+    __slots__ = ("cost", "event", "future", "granted", "job", "loop", "pool", "prompt_tokens", "returning", "tokens")
 
-    def __init__(self, tokens: int, prompt_tokens: int, cost: int, job: _Job | None,
-                 pool: int = 0) -> None:
+    def __init__(self, tokens: int, prompt_tokens: int, cost: int, job: _Job | None, pool: int = 0) -> None:
         self.tokens = tokens
         self.prompt_tokens = prompt_tokens
         self.cost = cost
@@ -436,8 +465,9 @@ class Reservation:
     """An admitted reservation of ``tokens`` (and ``nbytes`` of memory); ``release()``
     (idempotent) gives them back."""
 
-    def __init__(self, controller: AdmissionController, tokens: int, *, nbytes: int = 0,
-                 job: _Job | None = None, pool: int = 0) -> None:
+    def __init__(
+        self, controller: AdmissionController, tokens: int, *, nbytes: int = 0, job: _Job | None = None, pool: int = 0
+    ) -> None:
         self.controller = controller
         self.tokens = tokens
         self.nbytes = nbytes
@@ -520,10 +550,17 @@ class AdmissionController:
     #: whole seconds, and clients round and sleep imprecisely).
     RETURN_EARLY_S = 1.0
 
-    def __init__(self, capacity_tokens: int, *, max_queue: int = 64, timeout: float = 30.0,
-                 memory: MemoryModel | None = None, throughput: Throughput | None = None,
-                 ttft_target: float | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        capacity_tokens: int,
+        *,
+        max_queue: int = 64,
+        timeout: float = 30.0,
+        memory: MemoryModel | None = None,
+        throughput: Throughput | None = None,
+        ttft_target: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if capacity_tokens <= 0:
             raise ConfigError(f"capacity_tokens must be > 0; got {capacity_tokens}")
         if max_queue < 0:
@@ -557,9 +594,13 @@ class AdmissionController:
         # until answers are seen): the expected decode work of a request (see _job).
         self._answer_share = 1.0
 
-    def configure(self, *, memory: MemoryModel | None = None,
-                  throughput: Throughput | None = None,
-                  ttft_target: float | None = None) -> None:
+    def configure(
+        self,
+        *,
+        memory: MemoryModel | None = None,
+        throughput: Throughput | None = None,
+        ttft_target: float | None = None,
+    ) -> None:
         """Replace the memory model, the throughput and the target (once the model is loaded and
         measured): requests already running keep what they reserved."""
         with self._lock:
@@ -618,8 +659,11 @@ class AdmissionController:
             self._advance_locked()
             ahead = None
             if self.throughput is not None:
-                ahead = round(sum(max(0.0, j.work - j.served) for j in self._running_jobs)
-                              + sum(w.job.work for w in self._queue if w.job is not None), 3)
+                ahead = round(
+                    sum(max(0.0, j.work - j.served) for j in self._running_jobs)
+                    + sum(w.job.work for w in self._queue if w.job is not None),
+                    3,
+                )
             mem = self.memory is not None
             pool = self.token_capacity
             return AdmissionStats(
@@ -636,13 +680,17 @@ class AdmissionController:
                 admitted_bytes=self._admitted_bytes if mem else None,
                 peak_admitted_bytes=self._peak_bytes if mem else None,
                 work_ahead_s=ahead,
-                slowdown=(round(self.throughput.slowdown, 3) if self.throughput is not None
-                          else None),
+                slowdown=(round(self.throughput.slowdown, 3) if self.throughput is not None else None),
             )
 
-    def acquire(self, tokens: int, *, prompt_tokens: int | None = None,
-                timeout: float | None = None,
-                cancel: threading.Event | None = None) -> Reservation:
+    def acquire(
+        self,
+        tokens: int,
+        *,
+        prompt_tokens: int | None = None,
+        timeout: float | None = None,
+        cancel: threading.Event | None = None,
+    ) -> Reservation:
         """Block until ``tokens`` (prompt + output, of which ``prompt_tokens`` are the prompt;
         default: all) fit, in arrival order; return the :class:`Reservation`.
 
@@ -673,9 +721,14 @@ class AdmissionController:
         return self._finish_wait(waiter, wait)
 
     @contextlib.contextmanager
-    def reserve(self, tokens: int, *, prompt_tokens: int | None = None,
-                timeout: float | None = None,
-                cancel: threading.Event | None = None) -> Iterator[Reservation]:
+    def reserve(
+        self,
+        tokens: int,
+        *,
+        prompt_tokens: int | None = None,
+        timeout: float | None = None,
+        cancel: threading.Event | None = None,
+    ) -> Iterator[Reservation]:
         """``with ctl.reserve(n):`` — hold ``n`` tokens for the duration of the block."""
         r = self.acquire(tokens, prompt_tokens=prompt_tokens, timeout=timeout, cancel=cancel)
         try:
@@ -683,8 +736,9 @@ class AdmissionController:
         finally:
             r.release()
 
-    async def aacquire(self, tokens: int, *, prompt_tokens: int | None = None,
-                       timeout: float | None = None) -> Reservation:
+    async def aacquire(
+        self, tokens: int, *, prompt_tokens: int | None = None, timeout: float | None = None
+    ) -> Reservation:
         """Async :meth:`acquire`: waits on a future, not a thread."""
         waiter = self._enqueue(tokens, prompt_tokens, loop=asyncio.get_running_loop())
         if waiter.granted:
@@ -704,8 +758,9 @@ class AdmissionController:
         return self._finish_wait(waiter, wait)
 
     @contextlib.asynccontextmanager
-    async def areserve(self, tokens: int, *, prompt_tokens: int | None = None,
-                       timeout: float | None = None) -> AsyncIterator[Reservation]:
+    async def areserve(
+        self, tokens: int, *, prompt_tokens: int | None = None, timeout: float | None = None
+    ) -> AsyncIterator[Reservation]:
         """``async with ctl.areserve(n):`` — the asyncio twin of :meth:`reserve`."""
         r = await self.aacquire(tokens, prompt_tokens=prompt_tokens, timeout=timeout)
         try:
@@ -719,12 +774,10 @@ class AdmissionController:
         with self._lock:
             self._advance_locked()
             prompt = int(tokens if prompt_tokens is None else prompt_tokens)
-            job = self._job(int(tokens), prompt, self._cost(int(tokens), prompt),
-                            self._pool(int(tokens)))
+            job = self._job(int(tokens), prompt, self._cost(int(tokens), prompt), self._pool(int(tokens)))
             return None if job is None else self._first_token_locked(job)
 
-    def would_refuse(self, tokens: int, *, prompt_tokens: int | None = None,
-                     refuse: bool = False) -> float | None:
+    def would_refuse(self, tokens: int, *, prompt_tokens: int | None = None, refuse: bool = False) -> float | None:
         """The ``retry_after`` a request of ``tokens`` (``prompt_tokens`` of prompt) arriving now
         is refused with for time — its first token past the queue time-out — or ``None`` when it
         would not be (or nothing is measured). A cheap look before building a prompt (the
@@ -744,8 +797,7 @@ class AdmissionController:
             if promise is not None:
                 # A returning client: its acquire, after the prompt is built (seconds on a busy
                 # host), claims the promise — kept for it until then.
-                promise.held_until = max(promise.held_until,
-                                         self._clock() + (self.return_wait or 0.0))
+                promise.held_until = max(promise.held_until, self._clock() + (self.return_wait or 0.0))
                 return None
             cost, pool = self._cost(tokens, prompt), self._pool(tokens)
             job = self._job(tokens, prompt, cost, pool)
@@ -774,8 +826,7 @@ class AdmissionController:
     def _promise_locked(self, job: _Job | None, retry: float) -> None:
         """Remember a refusal told to come back in ``retry`` seconds (under the request's key)."""
         if job is not None:
-            self._promises.append(_Promise(due=self._clock() + retry, job=job,
-                                           key=_RETURNING.get()))
+            self._promises.append(_Promise(due=self._clock() + retry, job=job, key=_RETURNING.get()))
 
     def _promise_for_locked(self, key: str | None) -> _Promise | None:
         """The promise a request with ``key`` arriving now would claim: the earliest due one
@@ -807,8 +858,7 @@ class AdmissionController:
 
     # -- internals ----------------------------------------------------------------------------
     def _reservation(self, waiter: _Waiter) -> Reservation:
-        return Reservation(self, waiter.tokens, nbytes=waiter.cost, job=waiter.job,
-                           pool=waiter.pool)
+        return Reservation(self, waiter.tokens, nbytes=waiter.cost, job=waiter.job, pool=waiter.pool)
 
     def _pool(self, tokens: int) -> int:
         """Tokens of the KV pool a request of ``tokens`` holds (0 without a pool)."""
@@ -828,17 +878,28 @@ class AdmissionController:
         # judged by max_new_tokens when answers stop at a third of it sends clients back late and
         # leaves the host idle meanwhile.
         new = tokens - prompt_tokens
-        return _Job(prefill=thr.prefill_seconds(prompt_tokens),
-                    decode=thr.decode_seconds(math.ceil(new * self._answer_share)), cost=cost,
-                    tokens=pool, new_max=new)
+        return _Job(
+            prefill=thr.prefill_seconds(prompt_tokens),
+            decode=thr.decode_seconds(math.ceil(new * self._answer_share)),
+            cost=cost,
+            tokens=pool,
+            new_max=new,
+        )
 
     def _may_start_locked(self, waiter: _Waiter) -> bool:
         """The start rule for ``waiter`` now: both resources fit, and time (see the module)."""
         probe = waiter.job or _Job(prefill=0, decode=0, cost=waiter.cost, tokens=waiter.pool)
-        return _may_start(probe, self._running_jobs if waiter.job is not None else [],
-                          self._admitted_cost_locked(), self.capacity, self.throughput,
-                          self.ttft_target, used_tokens=self._admitted_pool,
-                          token_capacity=self.token_capacity, batched_bound=self.timeout)
+        return _may_start(
+            probe,
+            self._running_jobs if waiter.job is not None else [],
+            self._admitted_cost_locked(),
+            self.capacity,
+            self.throughput,
+            self.ttft_target,
+            used_tokens=self._admitted_pool,
+            token_capacity=self.token_capacity,
+            batched_bound=self.timeout,
+        )
 
     def _advance_locked(self) -> None:
         """Credit the running jobs with the work the model says they did since the last event."""
@@ -879,7 +940,7 @@ class AdmissionController:
             return
         lo, hi = self.SLOWDOWN_RANGE
         w = self.OBSERVE_WEIGHT
-        slow = min(hi, max(lo, thr.slowdown ** (1 - w) * sample ** w))
+        slow = min(hi, max(lo, thr.slowdown ** (1 - w) * sample**w))
         self.throughput = dataclasses.replace(thr, slowdown=slow)
 
     def _observe_job(self, job: _Job | None, *, done: int | None) -> None:
@@ -893,8 +954,7 @@ class AdmissionController:
             if done is not None and job.new_max > 0:
                 share = min(1.0, max(0, done) / job.new_max)
                 w = self.ANSWER_WEIGHT
-                self._answer_share = max(self.MIN_ANSWER_SHARE,
-                                         (1 - w) * self._answer_share + w * share)
+                self._answer_share = max(self.MIN_ANSWER_SHARE, (1 - w) * self._answer_share + w * share)
             real = job.prefill if done is None else job.prefill + thr.decode_seconds(done)
             if real <= 0 or job.credit <= 0:
                 return
@@ -911,24 +971,35 @@ class AdmissionController:
         # Admission judges every new arrival by the real work only (an unkeyed returning client
         # cannot be told from a new one); promises space out the refusals, and a keyed return
         # claims its own (see the module docstring).
-        promised = [_Job(prefill=p.job.prefill, decode=p.job.decode, cost=p.job.cost,
-                         tokens=p.job.tokens, ready=p.due)
-                    for p in sorted(self._promises, key=lambda p: p.due)] if promised_first else []
-        first = simulate(self._running_jobs, [*queued, *promised, job],
-                         throughput=self.throughput, capacity=self.capacity,
-                         ttft_target=self.ttft_target, now=now,
-                         token_capacity=self.token_capacity, batched_bound=self.timeout)
+        promised = (
+            [
+                _Job(prefill=p.job.prefill, decode=p.job.decode, cost=p.job.cost, tokens=p.job.tokens, ready=p.due)
+                for p in sorted(self._promises, key=lambda p: p.due)
+            ]
+            if promised_first
+            else []
+        )
+        first = simulate(
+            self._running_jobs,
+            [*queued, *promised, job],
+            throughput=self.throughput,
+            capacity=self.capacity,
+            ttft_target=self.ttft_target,
+            now=now,
+            token_capacity=self.token_capacity,
+            batched_bound=self.timeout,
+        )
         return first[-1] - now
 
-    def _enqueue(self, tokens: int, prompt_tokens: int | None,
-                 loop: asyncio.AbstractEventLoop | None = None) -> _Waiter:
+    def _enqueue(
+        self, tokens: int, prompt_tokens: int | None, loop: asyncio.AbstractEventLoop | None = None
+    ) -> _Waiter:
         tokens = int(tokens)
         if tokens < 0:
             raise ConfigError(f"cannot reserve a negative number of tokens ({tokens})")
         prompt = tokens if prompt_tokens is None else int(prompt_tokens)
         if not 0 <= prompt <= tokens:
-            raise ConfigError(f"prompt_tokens must be between 0 and the {tokens} tokens reserved; "
-                              f"got {prompt}")
+            raise ConfigError(f"prompt_tokens must be between 0 and the {tokens} tokens reserved; got {prompt}")
         cost = self._cost(tokens, prompt)
         pool = self._pool(tokens)
         if self.memory is None and tokens > self.capacity_tokens:
@@ -941,8 +1012,11 @@ class AdmissionController:
             )
         if self.memory is not None and cost > self.memory.capacity_bytes:
             m = self.memory
-            kv = (f"{tokens} KV-cache tokens in the paged cache, already allocated" if m.pooled
-                  else f"{tokens} KV-cache tokens {m.kv_bytes(tokens) / 2**20:,.1f} MiB")
+            kv = (
+                f"{tokens} KV-cache tokens in the paged cache, already allocated"
+                if m.pooled
+                else f"{tokens} KV-cache tokens {m.kv_bytes(tokens) / 2**20:,.1f} MiB"
+            )
             raise BudgetError(
                 f"this request needs {cost / 2**20:,.1f} MiB ({kv} + the activations of a {prompt}-token "
                 f"prefill {m.activation_bytes(prompt) / 2**20:,.1f} MiB) but "
@@ -957,7 +1031,9 @@ class AdmissionController:
                 f"paged cache of batched generation holds {self.token_capacity} for all requests "
                 "together; lower max_new_tokens or the context budget, or give the batch cache "
                 "more tokens (LocalBackend(batch_kv_tokens=...))",
-                needed=pool, available=self.token_capacity)
+                needed=pool,
+                available=self.token_capacity,
+            )
         with self._lock:
             self._advance_locked()
             job = self._job(tokens, prompt, cost, pool)
@@ -1043,15 +1119,16 @@ class AdmissionController:
             self._timed_out += 1
             retry = self._retry_after_locked(waiter.job)
             self._promise_locked(waiter.job, retry)  # its return is kept a place, as for time
-        held = (f"{self.capacity_tokens} in all, all in use" if self.memory is None else
-                f"{self._admitted_bytes / 2**20:,.1f} of {self.memory.capacity_bytes / 2**20:,.1f} "
-                f"MiB held by {self._running} running")
+        held = (
+            f"{self.capacity_tokens} in all, all in use"
+            if self.memory is None
+            else f"{self._admitted_bytes / 2**20:,.1f} of {self.memory.capacity_bytes / 2**20:,.1f} "
+            f"MiB held by {self._running} running"
+        )
         if self.token_capacity is not None:
-            held += (f", {self._admitted_pool} of the paged cache's {self.token_capacity} "
-                     "tokens")
+            held += f", {self._admitted_pool} of the paged cache's {self.token_capacity} tokens"
         raise OverloadedError(
-            f"waited {wait:.1f}s for {waiter.tokens} KV-cache tokens ({held}); retry later or "
-            "raise the timeout",
+            f"waited {wait:.1f}s for {waiter.tokens} KV-cache tokens ({held}); retry later or raise the timeout",
             retry_after=retry,
         )
 

@@ -20,8 +20,17 @@ if TYPE_CHECKING:
     from .backend import Capacity, RequestBudget
     from .budget import BudgetPlan
 
-__all__ = ["MIN_TIME_CONTEXT", "UNLIMITED_TOKENS", "EnginePlan", "engine_admission", "memory_max_prompt",
-           "prompt_room", "question_too_long", "time_cap"]
+__all__ = [
+    "MIN_TIME_CONTEXT",
+    "UNLIMITED_TOKENS",
+    "EnginePlan",
+    "engine_admission",
+    "memory_max_prompt",
+    "prompt_room",
+    "question_too_long",
+    "time_cap",
+]
+
 
 @dataclass(frozen=True)
 class EnginePlan:
@@ -58,21 +67,27 @@ class EnginePlan:
         b = self.budget
         out = [f"engine: {self.kind} at {self.url} ({self.detected}); model {self.model}"]
         out += self.capacity.describe()
-        kv = (f"KV share {b.kv_share} tokens (÷ {b.sharing} sharing) → {b.kv_tokens} for context"
-              if b.kv_share is not None else "KV: not reported (the window alone decides)")
-        out.append(f"window: {b.window_tokens + b.overhead_tokens} prompt tokens → "
-                   f"{b.window_tokens} for context; {kv}")
-        out.append(f"per request: {b.context_tokens} context tokens + {b.overhead_tokens} template "
-                   f"and question + {b.max_new_tokens} answer; limited by {b.binding} "
-                   f"({b.binding_tokens} tokens, {b.binding_source or 'unknown source'})"
-                   + (" — advisory: engine metrics may be stale" if b.advisory else ""))
+        kv = (
+            f"KV share {b.kv_share} tokens (÷ {b.sharing} sharing) → {b.kv_tokens} for context"
+            if b.kv_share is not None
+            else "KV: not reported (the window alone decides)"
+        )
+        out.append(f"window: {b.window_tokens + b.overhead_tokens} prompt tokens → {b.window_tokens} for context; {kv}")
+        out.append(
+            f"per request: {b.context_tokens} context tokens + {b.overhead_tokens} template "
+            f"and question + {b.max_new_tokens} answer; limited by {b.binding} "
+            f"({b.binding_tokens} tokens, {b.binding_source or 'unknown source'})"
+            + (" — advisory: engine metrics may be stale" if b.advisory else "")
+        )
         return out
 
     def to_dict(self) -> dict[str, Any]:
-        return {"engine": {"url": self.url, "kind": self.kind, "detected": self.detected,
-                           "model": self.model},
-                "capacity": self.capacity.to_dict(), "request": self.budget.to_dict(),
-                "lines": self.lines()}
+        return {
+            "engine": {"url": self.url, "kind": self.kind, "detected": self.detected, "model": self.model},
+            "capacity": self.capacity.to_dict(),
+            "request": self.budget.to_dict(),
+            "lines": self.lines(),
+        }
 
 
 #: Context tokens a time cap always leaves: room for (a cut window of) the best chunk.
@@ -118,9 +133,14 @@ def time_cap(plan: BudgetPlan, fixed: int, *, device: str, speed: dict[str, Any]
     # the cap keeps room for at least a cut best chunk.
     cap = max(MIN_TIME_CONTEXT, prompt_tokens - fixed)
     speed = speed or {}
-    return {"limit": "time", "tokens": cap, "ttft_target_s": plan.ttft_target_s,
-            "device": device, "prefill_tokens_in_target": prompt_tokens,
-            "prefill_fit": {k: speed[k] for k in ("a", "b") if k in speed}}
+    return {
+        "limit": "time",
+        "tokens": cap,
+        "ttft_target_s": plan.ttft_target_s,
+        "device": device,
+        "prefill_tokens_in_target": prompt_tokens,
+        "prefill_fit": {k: speed[k] for k in ("a", "b") if k in speed},
+    }
 
 
 #: Admission capacity when a served engine says nothing of its KV cache or slots.
@@ -132,15 +152,16 @@ def engine_admission(cap: Capacity) -> tuple[int, str]:
     comes from: the engine's KV tokens when it reports them, else its window × request slots,
     else :data:`UNLIMITED_TOKENS` (fail open — the engine queues and refuses itself)."""
     if cap.kv_tokens_total:
-        return cap.kv_tokens_total, (f"{cap.kv_tokens_total} KV tokens "
-                                     f"({cap.kv_total_source})")
+        return cap.kv_tokens_total, (f"{cap.kv_tokens_total} KV tokens ({cap.kv_total_source})")
     if cap.max_context_tokens and cap.max_concurrent:
         return cap.max_context_tokens * cap.max_concurrent, (
             f"{cap.max_context_tokens} tokens × {cap.max_concurrent} requests "
-            f"({cap.max_context_source}; {cap.max_concurrent_source})")
+            f"({cap.max_context_source}; {cap.max_concurrent_source})"
+        )
     return UNLIMITED_TOKENS, (
         f"open: the {cap.engine_kind or 'engine'} reports no KV cache size nor request slots, "
-        "so ragbudget admits every request (the engine queues and refuses them itself)")
+        "so ragbudget admits every request (the engine queues and refuses them itself)"
+    )
 
 
 def question_too_long(plan: BudgetPlan, fixed: int, max_new_tokens: int) -> BudgetError:
@@ -153,18 +174,25 @@ def question_too_long(plan: BudgetPlan, fixed: int, max_new_tokens: int) -> Budg
         if fixed >= window:
             fix = "shorten the question or history"
         else:
-            fix = (f"shorten the question or history, or lower max_new_tokens (--max-new-tokens) "
-                   f"to at most {window - fixed:,}")
+            fix = (
+                f"shorten the question or history, or lower max_new_tokens (--max-new-tokens) "
+                f"to at most {window - fixed:,}"
+            )
         return BudgetError(
             f"{what} is {fixed:,} tokens and {max_new_tokens:,} are reserved for the answer, but "
             f"the model window is {window:,} tokens ({plan.model}: max_position_embeddings); "
             f"{fix}",
-            needed=fixed + max_new_tokens, available=window, limit="window")
+            needed=fixed + max_new_tokens,
+            available=window,
+            limit="window",
+        )
     return BudgetError(
         f"{what} is {fixed:,} tokens and {max_new_tokens:,} are reserved for the answer, but the "
         f"KV memory holds {memory_max_prompt(plan) + plan.max_new_tokens:,} tokens per request ({plan.model} on "
         f"{plan.gpu_name}, {plan.usable_bytes / 2**30:.2f} GiB usable, concurrency "
         f"{plan.concurrency}); shorten the question or history, lower max_new_tokens or "
         "concurrency, use a quantized/fp8 or offloaded KV cache, or a GPU with more memory",
-        needed=fixed + max_new_tokens, available=memory_max_prompt(plan) + plan.max_new_tokens,
-        limit="memory")
+        needed=fixed + max_new_tokens,
+        available=memory_max_prompt(plan) + plan.max_new_tokens,
+        limit="memory",
+    )

@@ -87,13 +87,19 @@ class AnswerStream:
     >>> stream.answer.sources                                          # doctest: +SKIP
     """
 
-    def __init__(self, ask: Callable[..., Answer], question: str, options: dict[str, Any],
-                 loop: asyncio.AbstractEventLoop | None = None) -> None:
+    def __init__(
+        self,
+        ask: Callable[..., Answer],
+        question: str,
+        options: dict[str, Any],
+        loop: asyncio.AbstractEventLoop | None = None,
+    ) -> None:
         from .relay import Relay
 
         self._relay: Relay[Answer] = Relay(
             lambda emit, cancel: ask(question, on_text=emit, cancel=cancel, **options),
-            loop=loop, name="rb-stream",
+            loop=loop,
+            name="rb-stream",
         )
 
     @property
@@ -177,8 +183,14 @@ class AnswerStream:
         await self.aclose()
 
 
-def build_answer(gen: Any, prompt: Prompt, plan: BudgetPlan | EnginePlan, reserved: int,
-            timings: dict[str, float], cap: dict[str, Any] | None) -> Answer:
+def build_answer(
+    gen: Any,
+    prompt: Prompt,
+    plan: BudgetPlan | EnginePlan,
+    reserved: int,
+    timings: dict[str, float],
+    cap: dict[str, Any] | None,
+) -> Answer:
     sel = prompt.selection
     sources = []
     for passage in prompt.passages:
@@ -187,8 +199,10 @@ def build_answer(gen: Any, prompt: Prompt, plan: BudgetPlan | EnginePlan, reserv
         src["chunk_ids"] = list(passage.chunk_ids)
         src["duplicates"] = [s.to_dict() for s in passage.sources[1:]]
         if passage.spans:  # span packing: each sentence's exact place in its file
-            src["spans"] = [sp.source.to_dict() if sp.source else {"chunk_id": sp.chunk_id,
-                            "start": sp.start, "end": sp.end} for sp in passage.spans]
+            src["spans"] = [
+                sp.source.to_dict() if sp.source else {"chunk_id": sp.chunk_id, "start": sp.start, "end": sp.end}
+                for sp in passage.spans
+            ]
         sources.append(src)
     # The same budget keys wherever they mean the same thing; what only one kind of plan knows
     # (the local memory plan's bytes, or the engine's figures with sources and ages) besides.
@@ -199,8 +213,7 @@ def build_answer(gen: Any, prompt: Prompt, plan: BudgetPlan | EnginePlan, reserv
         max_new, limited_by, oom_steps = b.max_new_tokens, b.binding, []
         plan_part = {"engine": plan.to_dict()}
     else:
-        memory = {"kv_bytes_per_token": plan.kv_bytes_per_token,
-                  "kv_capacity_tokens": plan.kv_capacity_tokens}
+        memory = {"kv_bytes_per_token": plan.kv_bytes_per_token, "kv_capacity_tokens": plan.kv_capacity_tokens}
         counted = {}
         max_new, limited_by = plan.max_new_tokens, plan.limited_by
         oom_steps = [s.to_dict() for s in gen.oom_steps]
@@ -234,12 +247,17 @@ def build_answer(gen: Any, prompt: Prompt, plan: BudgetPlan | EnginePlan, reserv
         "oom_steps": oom_steps,
         "timings": {k: round(v, 4) for k, v in timings.items()},
     }
-    return Answer(text=str(gen.text).strip(), sources=sources, report=report,
-                  finish_reason=str(gen.finish_reason))
+    return Answer(text=str(gen.text).strip(), sources=sources, report=report, finish_reason=str(gen.finish_reason))
 
 
-def cancelled_answer(prompt: Prompt, plan: BudgetPlan | EnginePlan, reserved: int, timings: dict[str, float],
-                     cap: dict[str, Any] | None, max_new_tokens: int) -> Answer:
+def cancelled_answer(
+    prompt: Prompt,
+    plan: BudgetPlan | EnginePlan,
+    reserved: int,
+    timings: dict[str, float],
+    cap: dict[str, Any] | None,
+    max_new_tokens: int,
+) -> Answer:
     """The answer of a request left before generation began (while queued, or just as it was
     admitted): no text, ``finish_reason "cancelled"``, and the report of what it would have been."""
     return build_answer(_Cancelled(max_new_tokens=max_new_tokens), prompt, plan, reserved, timings, cap)

@@ -184,8 +184,11 @@ class Capacity:
             ("waiting", self.waiting, "requests", self.load_source),
             ("max concurrent", self.max_concurrent, "requests", self.max_concurrent_source),
         ]
-        out = [f"{name}: {value} {unit} ({src or 'unknown source'}, {age})"
-               for name, value, unit, src in rows if value is not None]
+        out = [
+            f"{name}: {value} {unit} ({src or 'unknown source'}, {age})"
+            for name, value, unit, src in rows
+            if value is not None
+        ]
         return out + [f"note: {n}" for n in self.notes]
 
 
@@ -273,9 +276,16 @@ def per_request_tokens(
             available=binding_tokens,
         )
     return RequestBudget(
-        context_tokens=context, binding=binding, binding_tokens=binding_tokens,
-        binding_source=source, window_tokens=window, kv_tokens=kv, kv_share=kv_share,
-        sharing=sharing, max_new_tokens=max_new_tokens, overhead_tokens=overhead_tokens,
+        context_tokens=context,
+        binding=binding,
+        binding_tokens=binding_tokens,
+        binding_source=source,
+        window_tokens=window,
+        kv_tokens=kv,
+        kv_share=kv_share,
+        sharing=sharing,
+        max_new_tokens=max_new_tokens,
+        overhead_tokens=overhead_tokens,
         advisory=binding == "kv",
     )
 
@@ -344,12 +354,13 @@ class SQLiteCountCache:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
-        self._db = sqlite3.connect(str(self.path), timeout=10.0, check_same_thread=False,
-                                   isolation_level=None)
+        self._db = sqlite3.connect(str(self.path), timeout=10.0, check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.execute("CREATE TABLE IF NOT EXISTS counts (model TEXT NOT NULL, digest TEXT NOT "
-                         "NULL, n INTEGER NOT NULL, PRIMARY KEY (model, digest)) WITHOUT ROWID")
+        self._db.execute(
+            "CREATE TABLE IF NOT EXISTS counts (model TEXT NOT NULL, digest TEXT NOT "
+            "NULL, n INTEGER NOT NULL, PRIMARY KEY (model, digest)) WITHOUT ROWID"
+        )
 
     def __repr__(self) -> str:
         return f"SQLiteCountCache({str(self.path)!r})"
@@ -359,10 +370,11 @@ class SQLiteCountCache:
         digests = list(dict.fromkeys(digests))
         with self._lock:
             for i in range(0, len(digests), 500):  # SQLite's bound-parameter limit
-                part = digests[i:i + 500]
+                part = digests[i : i + 500]
                 rows = self._db.execute(
-                    f"SELECT digest, n FROM counts WHERE model = ? AND digest IN "
-                    f"({','.join('?' * len(part))})", [model_id, *part]).fetchall()
+                    f"SELECT digest, n FROM counts WHERE model = ? AND digest IN ({','.join('?' * len(part))})",
+                    [model_id, *part],
+                ).fetchall()
                 out.update((d, int(n)) for d, n in rows)
         return out
 
@@ -372,8 +384,9 @@ class SQLiteCountCache:
         with self._lock:
             self._db.execute("BEGIN")
             try:
-                self._db.executemany("INSERT OR REPLACE INTO counts VALUES (?, ?, ?)",
-                                     [(model_id, d, int(n)) for d, n in counts.items()])
+                self._db.executemany(
+                    "INSERT OR REPLACE INTO counts VALUES (?, ?, ?)", [(model_id, d, int(n)) for d, n in counts.items()]
+                )
                 self._db.execute("COMMIT")
             except BaseException:
                 self._db.execute("ROLLBACK")
@@ -473,26 +486,42 @@ class LocalBackend:
 
     kind = "local"
 
-    def __init__(self, generator: Generator | None = None, *, gpu: Any = None,
-                 concurrency: int = 1, max_new_tokens: int = 256, cache: str = "dynamic",
-                 kv_dtype: str | None = None, batching: bool | None = None,
-                 batch_kv_tokens: int | None = None, **plan_options: Any) -> None:
+    def __init__(
+        self,
+        generator: Generator | None = None,
+        *,
+        gpu: Any = None,
+        concurrency: int = 1,
+        max_new_tokens: int = 256,
+        cache: str = "dynamic",
+        kv_dtype: str | None = None,
+        batching: bool | None = None,
+        batch_kv_tokens: int | None = None,
+        **plan_options: Any,
+    ) -> None:
         if generator is None:
             from .generate import Generator
 
             generator = Generator()
         if batching not in (None, True, False):
             raise ConfigError(f"batching must be True, False or None (auto); got {batching!r}")
-        if batch_kv_tokens is not None and (isinstance(batch_kv_tokens, bool) or not isinstance(
-                batch_kv_tokens, int) or batch_kv_tokens < 1):
+        if batch_kv_tokens is not None and (
+            isinstance(batch_kv_tokens, bool) or not isinstance(batch_kv_tokens, int) or batch_kv_tokens < 1
+        ):
             raise ConfigError(f"batch_kv_tokens must be an integer >= 1; got {batch_kv_tokens!r}")
         self.generator = generator
         self.cache, self.kv_dtype = cache, kv_dtype
         self.batching, self.batch_kv_tokens = batching, batch_kv_tokens
         self._batcher: Any = None
         self._batch_lock = threading.Lock()
-        self._plan_args = dict(gpu=gpu, concurrency=concurrency, max_new_tokens=max_new_tokens,
-                               cache=cache, kv_dtype=kv_dtype, **plan_options)
+        self._plan_args = dict(
+            gpu=gpu,
+            concurrency=concurrency,
+            max_new_tokens=max_new_tokens,
+            cache=cache,
+            kv_dtype=kv_dtype,
+            **plan_options,
+        )
 
     def __repr__(self) -> str:
         return f"LocalBackend({self.generator!r})"
@@ -516,12 +545,20 @@ class LocalBackend:
         counter = self.generator.token_counter
         if getattr(hf, "chat_template", None):  # a transformers tokenizer attribute, may be unset
             text = hf.apply_chat_template(list(msgs), tokenize=False, add_generation_prompt=True)
-            return RenderedPrompt(messages=msgs, n_tokens=counter.count(text), exact=True,
-                                  source=f"chat template of {self.model_id}", text=text)
+            return RenderedPrompt(
+                messages=msgs,
+                n_tokens=counter.count(text),
+                exact=True,
+                source=f"chat template of {self.model_id}",
+                text=text,
+            )
         n = sum(counter.count(m["content"]) + self.FALLBACK_OVERHEAD for m in msgs)
-        return RenderedPrompt(messages=msgs, n_tokens=n, exact=False,
-                              source=f"{self.model_id} has no chat template: content + "
-                                     f"{self.FALLBACK_OVERHEAD} tokens per message")
+        return RenderedPrompt(
+            messages=msgs,
+            n_tokens=n,
+            exact=False,
+            source=f"{self.model_id} has no chat template: content + {self.FALLBACK_OVERHEAD} tokens per message",
+        )
 
     def count(self, texts: Sequence[str]) -> list[int]:
         counter = self.generator.token_counter
@@ -540,8 +577,10 @@ class LocalBackend:
         :class:`~ragbudget.errors.ConfigError`)."""
         if self.batching is False or self.cache != "dynamic" or self.kv_dtype is not None:
             if self.batching:
-                raise ConfigError("batching uses a paged cache in the model's dtype: drop cache="
-                                  f"{self.cache!r}/kv_dtype={self.kv_dtype!r} or batching=True")
+                raise ConfigError(
+                    "batching uses a paged cache in the model's dtype: drop cache="
+                    f"{self.cache!r}/kv_dtype={self.kv_dtype!r} or batching=True"
+                )
             return None
         with self._batch_lock:
             if self._batcher is None:
@@ -550,8 +589,7 @@ class LocalBackend:
                 reason = batching_unsupported(self.generator)
                 if reason:
                     if self.batching:
-                        raise ConfigError(f"cannot batch {self.model_id!r}: {reason}; pass "
-                                          "batching=False")
+                        raise ConfigError(f"cannot batch {self.model_id!r}: {reason}; pass batching=False")
                     self.batching = False
                     return None
                 tokens = self.batch_kv_tokens
@@ -565,16 +603,20 @@ class LocalBackend:
                     # The plan's KV bytes are the most the paged cache may take: whole pages, and
                     # the paged layout's own bytes per token (it can exceed the plan's), so the
                     # activations the plan reserved beside it still fit.
-                    tokens = _paged_tokens_within(self.generator, int(tokens),
-                                                  plan.kv_capacity_tokens * plan.kv_bytes_per_token_peak)
+                    tokens = _paged_tokens_within(
+                        self.generator, int(tokens), plan.kv_capacity_tokens * plan.kv_bytes_per_token_peak
+                    )
                     if tokens < plan.max_context_tokens:
                         # Too tight to batch: the paged cache could not hold the one full-size
                         # request the plan allows, so generation runs one request at a time.
-                        why = (f"the paged cache that fits the plan's KV memory holds {tokens:,} "
-                               f"tokens, less than one request's {plan.max_context_tokens:,}")
+                        why = (
+                            f"the paged cache that fits the plan's KV memory holds {tokens:,} "
+                            f"tokens, less than one request's {plan.max_context_tokens:,}"
+                        )
                         if self.batching:
-                            raise ConfigError(f"cannot batch {self.model_id!r}: {why}; give it more "
-                                              "memory or pass batching=False")
+                            raise ConfigError(
+                                f"cannot batch {self.model_id!r}: {why}; give it more memory or pass batching=False"
+                            )
                         log.info("generation not batched: %s", why)
                         self.batching = False
                         return None
@@ -602,20 +644,34 @@ class LocalBackend:
         if batcher is not None:
             lay = batcher.layout
             kv = lay.capacity_tokens
-            kv_src = (f"paged cache of continuous batching: {lay.num_blocks} blocks × "
-                      f"{lay.page_size} tokens, {lay.total_bytes} bytes")
+            kv_src = (
+                f"paged cache of continuous batching: {lay.num_blocks} blocks × "
+                f"{lay.page_size} tokens, {lay.total_bytes} bytes"
+            )
         return Capacity(
-            max_context_tokens=plan.model_max_tokens, max_context_source=f"{plan.model} config",
-            kv_tokens_total=kv, kv_total_source=kv_src,
+            max_context_tokens=plan.model_max_tokens,
+            max_context_source=f"{plan.model} config",
+            kv_tokens_total=kv,
+            kv_total_source=kv_src,
             kv_tokens_free=kv,
             kv_free_source=f"{kv_src}: free when planned",
-            max_concurrent=plan.max_concurrency, max_concurrent_source=src,
-            engine_kind="local", notes=tuple(plan.notes),
+            max_concurrent=plan.max_concurrency,
+            max_concurrent_source=src,
+            engine_kind="local",
+            notes=tuple(plan.notes),
         )
 
-    def generate(self, prompt: Any, *, max_new_tokens: int, sampling: Sampling | None = None,
-                 stop: Sequence[str] | None = None, on_text: Callable[[str], None] | None = None,
-                 cancel: threading.Event | None = None, **options: Any) -> Generation:
+    def generate(
+        self,
+        prompt: Any,
+        *,
+        max_new_tokens: int,
+        sampling: Sampling | None = None,
+        stop: Sequence[str] | None = None,
+        on_text: Callable[[str], None] | None = None,
+        cancel: threading.Event | None = None,
+        **options: Any,
+    ) -> Generation:
         """:meth:`Generator.generate <ragbudget.generate.Generator.generate>` with this backend's
         cache kind and KV dtype; ``options`` are the local generator's own extras (``do_sample``,
         ``top_k``, ``oom_ladder``), which no served engine takes."""
@@ -627,18 +683,32 @@ class LocalBackend:
         batcher = self.batcher if set(options) <= {"do_sample", "top_k"} else None
         if batcher is not None:
             return batcher.generate(  # type: ignore[no-any-return]
-                prompt, max_new_tokens=max_new_tokens, temperature=s.temperature, top_p=s.top_p,
-                seed=s.seed, stop=list(stop) if stop else None, on_text=on_text, cancel=cancel,
-                **options)
+                prompt,
+                max_new_tokens=max_new_tokens,
+                temperature=s.temperature,
+                top_p=s.top_p,
+                seed=s.seed,
+                stop=list(stop) if stop else None,
+                on_text=on_text,
+                cancel=cancel,
+                **options,
+            )
         return self.generator.generate(
-            prompt, max_new_tokens=max_new_tokens, cache=self.cache, kv_dtype=self.kv_dtype,
-            temperature=s.temperature, top_p=s.top_p, seed=s.seed,
-            stop=list(stop) if stop else None, on_text=on_text, cancel=cancel, **options,
+            prompt,
+            max_new_tokens=max_new_tokens,
+            cache=self.cache,
+            kv_dtype=self.kv_dtype,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            seed=s.seed,
+            stop=list(stop) if stop else None,
+            on_text=on_text,
+            cancel=cancel,
+            **options,
         )
 
 
-def _paged_tokens_within(generator: Generator, tokens: int, budget_bytes: int,
-                         page_size: int = 32) -> int:
+def _paged_tokens_within(generator: Generator, tokens: int, budget_bytes: int, page_size: int = 32) -> int:
     """The most tokens, in whole pages of ``page_size`` (at least one page), up to ``tokens``,
     whose paged cache (:func:`~ragbudget.kvcache.paged_cache_layout`, exact) takes at most
     ``budget_bytes``."""
@@ -648,25 +718,25 @@ def _paged_tokens_within(generator: Generator, tokens: int, budget_bytes: int,
     model = generator.model
     blocks = max(1, tokens // page_size)
     while blocks > 1:
-        layout = paged_cache_layout(model.config, num_blocks=blocks, page_size=page_size,
-                                    kv_dtype=_dtype_name(model))
+        layout = paged_cache_layout(model.config, num_blocks=blocks, page_size=page_size, kv_dtype=_dtype_name(model))
         if layout.total_bytes <= budget_bytes:
             break
         blocks = max(1, min(blocks - 1, int(blocks * budget_bytes / max(1, layout.total_bytes))))
     return blocks * page_size
 
 
-def split_generate_options(options: Mapping[str, Any], *, served: bool
-                   ) -> tuple[Any, list[str] | None, dict[str, Any]]:
+def split_generate_options(options: Mapping[str, Any], *, served: bool) -> tuple[Any, list[str] | None, dict[str, Any]]:
     """``ask``'s generate options as the protocol's ``Sampling`` and ``stop``, and the local
     generator's own extras (``do_sample``, ``top_k``, …), which a served engine refuses."""
     rest = dict(options)
-    sampling = Sampling(temperature=rest.pop("temperature", None), top_p=rest.pop("top_p", None),
-                        seed=rest.pop("seed", None))
+    sampling = Sampling(
+        temperature=rest.pop("temperature", None), top_p=rest.pop("top_p", None), seed=rest.pop("seed", None)
+    )
     stop = rest.pop("stop", None)
     if isinstance(stop, str):
         stop = [stop]
     if rest and served:
-        raise ConfigError(f"{', '.join(sorted(rest))}: not an option of a served engine (it takes "
-                          "temperature, top_p, seed and stop)")
+        raise ConfigError(
+            f"{', '.join(sorted(rest))}: not an option of a served engine (it takes temperature, top_p, seed and stop)"
+        )
     return sampling, (list(stop) if stop else None), rest

@@ -66,8 +66,10 @@ def batching_unsupported(generator: Generator) -> str | None:
         return f"{type(generator).__name__} has no transformers model to batch"
     attn = str(getattr(model.config, "_attn_implementation", None))
     if attn not in _ATTN_OK:
-        return (f"continuous batching needs sdpa or flash attention; the model uses {attn!r} "
-                "(load it with attn_implementation='sdpa')")
+        return (
+            f"continuous batching needs sdpa or flash attention; the model uses {attn!r} "
+            "(load it with attn_implementation='sdpa')"
+        )
     if not callable(getattr(model, "init_continuous_batching", None)):
         return "this transformers version has no continuous batching (5.x has)"
     from .kvcache import paged_cache_layout
@@ -98,17 +100,26 @@ _CB_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "read_index", "write_index")
 _installed: dict[str, Any] = {}
 
 
-def per_request_sdpa(module: Any, query: Any, key: Any, value: Any, attention_mask: Any,
-                     dropout: float = 0.0, scaling: float | None = None, **kwargs: Any
-                     ) -> tuple[Any, None]:
+def per_request_sdpa(
+    module: Any,
+    query: Any,
+    key: Any,
+    value: Any,
+    attention_mask: Any,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[Any, None]:
     """transformers' ``"sdpa"`` attention, except in a continuous-batching step: there each
     request's queries attend only its own keys (bottom-right causal, and its sliding window if
     the layer has one), one ``scaled_dot_product_attention`` per request, like flash attention's
     varlen kernel. Anything else goes to transformers' own SDPA function, unchanged."""
-    if (not all(kwargs.get(k) is not None for k in _CB_KWARGS) or query.shape[0] != 1
-            or kwargs.get("softcap") is not None):  # SDPA's own refusal of softcap stands
-        return _installed["sdpa"](module, query, key, value, attention_mask, dropout=dropout,
-                                  scaling=scaling, **kwargs)
+    if (
+        not all(kwargs.get(k) is not None for k in _CB_KWARGS)
+        or query.shape[0] != 1
+        or kwargs.get("softcap") is not None
+    ):  # SDPA's own refusal of softcap stands
+        return _installed["sdpa"](module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     import torch
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
@@ -118,12 +129,12 @@ def per_request_sdpa(module: Any, query: Any, key: Any, value: Any, attention_ma
     gqa = getattr(module, "num_key_value_groups", 1) > 1
     outs = []
     for i in range(len(starts_q) - 1):
-        q = query[:, :, starts_q[i]:starts_q[i + 1]]
+        q = query[:, :, starts_q[i] : starts_q[i + 1]]
         q_len = q.shape[2]
         if q_len == 0:  # a padding slot
             continue
-        k = key[:, :, starts_k[i]:starts_k[i + 1]]
-        v = value[:, :, starts_k[i]:starts_k[i + 1]]
+        k = key[:, :, starts_k[i] : starts_k[i + 1]]
+        v = value[:, :, starts_k[i] : starts_k[i + 1]]
         k_len = k.shape[2]
         # The queries are the last q_len positions of the k_len keys (chunked prefill or decode).
         mask = None
@@ -133,13 +144,11 @@ def per_request_sdpa(module: Any, query: Any, key: Any, value: Any, attention_ma
             mask = (cols <= rows) & (cols > rows - window)
         elif 1 < q_len < k_len:
             mask = torch.ones(q_len, k_len, dtype=torch.bool).tril(k_len - q_len)
-        outs.append(sdpa(q, k, v, attn_mask=mask, is_causal=mask is None and q_len > 1,
-                         scale=scaling, enable_gqa=gqa))
+        outs.append(sdpa(q, k, v, attn_mask=mask, is_causal=mask is None and q_len > 1, scale=scaling, enable_gqa=gqa))
     out = torch.cat(outs, dim=2) if outs else query[:, :, :0]
     # Pad slots (if any) keep the query row count the model expects.
     if out.shape[2] < query.shape[2]:
-        out = torch.cat([out, query.new_zeros(*out.shape[:2], query.shape[2] - out.shape[2],
-                                              out.shape[3])], dim=2)
+        out = torch.cat([out, query.new_zeros(*out.shape[:2], query.shape[2] - out.shape[2], out.shape[3])], dim=2)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -161,8 +170,7 @@ class _Slot:
     """One sampled request's draw settings and its private generator (made on the scores'
     device at the first draw: multinomial needs a generator there)."""
 
-    def __init__(self, seed: int, temperature: float | None, top_p: float | None,
-                 top_k: int | None) -> None:
+    def __init__(self, seed: int, temperature: float | None, top_p: float | None, top_k: int | None) -> None:
         self.seed, self.temperature, self.top_p, self.top_k = seed, temperature, top_p, top_k
         self.rng: Any = None
 
@@ -187,8 +195,9 @@ def _row_sampler(slots: dict[int, _Slot]) -> Any:
             int32_tensor.fill_(-1)
 
         def prepare_tensor_args(self, requests_with_new_token: list[Any]) -> Any:
-            return torch.tensor([r.state.logit_processor_kwargs.get(_SLOT, -1)
-                                 for r in requests_with_new_token], dtype=torch.int32)
+            return torch.tensor(
+                [r.state.logit_processor_kwargs.get(_SLOT, -1) for r in requests_with_new_token], dtype=torch.int32
+            )
 
         def __call__(self, scores: Any, tensor_arg: Any) -> Any:
             for row, n in enumerate(tensor_arg[: scores.size(0)].tolist()):
@@ -198,8 +207,7 @@ def _row_sampler(slots: dict[int, _Slot]) -> Any:
                 if slot.rng is None:
                     slot.rng = torch.Generator(device=scores.device)
                     slot.rng.manual_seed(slot.seed % 2**64)
-                choice = _draw(scores[row:row + 1], slot.rng, slot.temperature, slot.top_p,
-                               slot.top_k)
+                choice = _draw(scores[row : row + 1], slot.rng, slot.temperature, slot.top_p, slot.top_k)
                 only = torch.full_like(scores[row], float("-inf"))
                 scores[row] = only.scatter(-1, choice[0], 0.0)
             return scores
@@ -224,10 +232,14 @@ class Batcher:
     #: Seconds between looks at a request's ``cancel`` event while it waits for tokens.
     POLL_S = 0.02
 
-    def __init__(self, generator: Generator, *, kv_tokens: int, page_size: int = 32,
-                 max_batch_tokens: int = 512) -> None:
-        for name, value, low in (("kv_tokens", kv_tokens, 1), ("page_size", page_size, 4),
-                                 ("max_batch_tokens", max_batch_tokens, 1)):
+    def __init__(
+        self, generator: Generator, *, kv_tokens: int, page_size: int = 32, max_batch_tokens: int = 512
+    ) -> None:
+        for name, value, low in (
+            ("kv_tokens", kv_tokens, 1),
+            ("page_size", page_size, 4),
+            ("max_batch_tokens", max_batch_tokens, 1),
+        ):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ConfigError(f"{name} must be an integer >= {low}; got {value!r}")
         self.generator = generator
@@ -255,8 +267,11 @@ class Batcher:
 
             model = self.generator.model
             self._layout = paged_cache_layout(
-                model.config, num_blocks=math.ceil(self.kv_tokens / self.page_size),
-                page_size=self.page_size, kv_dtype=_dtype_name(model))
+                model.config,
+                num_blocks=math.ceil(self.kv_tokens / self.page_size),
+                page_size=self.page_size,
+                kv_dtype=_dtype_name(model),
+            )
         return self._layout
 
     @property
@@ -288,13 +303,15 @@ class Batcher:
         eos = sorted(gen._eos_ids()) or -1
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         config = GenerationConfig(do_sample=False, eos_token_id=eos, pad_token_id=pad)
-        cb = ContinuousBatchingConfig(num_blocks=self.layout.num_blocks, page_size=self.page_size,
-                                      max_batch_tokens=self.max_batch_tokens,
-                                      auto_switch_to_flash=False)
+        cb = ContinuousBatchingConfig(
+            num_blocks=self.layout.num_blocks,
+            page_size=self.page_size,
+            max_batch_tokens=self.max_batch_tokens,
+            auto_switch_to_flash=False,
+        )
         if str(model.config._attn_implementation).removeprefix("paged|") == "sdpa":
             _install_per_request_sdpa()
-        manager = model.init_continuous_batching(generation_config=config,
-                                                 continuous_batching_config=cb)
+        manager = model.init_continuous_batching(generation_config=config, continuous_batching_config=cb)
         manager.logit_processor = _row_sampler(self._slots)
 
         def start() -> None:
@@ -306,8 +323,7 @@ class Batcher:
         starter = threading.Thread(target=start, daemon=True, name="ragbudget-batch-start")
         starter.start()
         starter.join()
-        threading.Thread(target=self._pump, args=(manager,), daemon=True,
-                         name="ragbudget-batch-results").start()
+        threading.Thread(target=self._pump, args=(manager,), daemon=True, name="ragbudget-batch-results").start()
         return manager
 
     def _pump(self, manager: Any) -> None:
@@ -371,7 +387,9 @@ class Batcher:
                 f"{len(ids) + max_new_tokens} tokens of KV, more than the whole paged cache "
                 f"({capacity} tokens); shorten the prompt or raise the batch cache "
                 "(LocalBackend(batch_kv_tokens=...))",
-                needed=len(ids) + max_new_tokens, available=capacity)
+                needed=len(ids) + max_new_tokens,
+                available=capacity,
+            )
         manager = self._start()
         n = next(self._ids)
         rid = f"ragbudget-{n}"
@@ -381,8 +399,9 @@ class Batcher:
         if sample:
             # Unseeded sampling still gets a private generator (fresh entropy): no request ever
             # draws from torch's global RNG, which the others would disturb.
-            self._slots[n] = _Slot(seed if seed is not None else random.SystemRandom().getrandbits(63),
-                                   temperature, top_p, top_k)
+            self._slots[n] = _Slot(
+                seed if seed is not None else random.SystemRandom().getrandbits(63), temperature, top_p, top_k
+            )
             extra[_SLOT] = n
         streamer = None
         if on_text is not None or stops:
@@ -391,8 +410,7 @@ class Batcher:
         finished = cancelled = False
         t0 = time.perf_counter()
         try:
-            if manager.add_request(ids, request_id=rid, max_new_tokens=max_new_tokens,
-                                   streaming=True, **extra) is None:
+            if manager.add_request(ids, request_id=rid, max_new_tokens=max_new_tokens, streaming=True, **extra) is None:
                 raise ModelError("the batching worker refused the request (it is stopping); retry")
             while True:
                 if cancel is not None and cancel.is_set():
@@ -403,12 +421,11 @@ class Batcher:
                 except queue.Empty:
                     if not manager.is_running():
                         error = manager.background_thread_status.fatal_error
-                        raise ModelError(
-                            f"the batching worker stopped: {error or 'no reason given'}") from None
+                        raise ModelError(f"the batching worker stopped: {error or 'no reason given'}") from None
                     continue
                 if out.error is not None:
                     raise ModelError(f"batched generation failed: {out.error}")
-                new, tokens = out.generated_tokens[len(tokens):], list(out.generated_tokens)
+                new, tokens = out.generated_tokens[len(tokens) :], list(out.generated_tokens)
                 if streamer is not None:
                     streamer.feed(new)
                 if out.is_finished():
@@ -424,6 +441,12 @@ class Batcher:
         if streamer is not None:
             streamer.end()
         text, finish = gen._finish(tokens, max_new_tokens, stops, cancelled=cancelled)
-        return Generation(text=text, prompt_tokens=len(ids), new_tokens=len(tokens),
-                          finish_reason=finish, seconds=time.perf_counter() - t0, cache="paged",
-                          prompt=prompt if hasattr(prompt, "input_ids") else None)
+        return Generation(
+            text=text,
+            prompt_tokens=len(ids),
+            new_tokens=len(tokens),
+            finish_reason=finish,
+            seconds=time.perf_counter() - t0,
+            cache="paged",
+            prompt=prompt if hasattr(prompt, "input_ids") else None,
+        )

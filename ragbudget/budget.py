@@ -89,8 +89,7 @@ def _meta_parameter_count(config: Any) -> int:
     if isinstance(config, Mapping):
         d = dict(config)
         model_type = d.pop("model_type", None)
-        for k in ("architectures", "auto_map", "transformers_version", "_name_or_path",
-                  "quantization_config"):
+        for k in ("architectures", "auto_map", "transformers_version", "_name_or_path", "quantization_config"):
             d.pop(k, None)
         try:
             config = AutoConfig.for_model(model_type, **d)
@@ -106,8 +105,7 @@ def _meta_parameter_count(config: Any) -> int:
             model = AutoModelForCausalLM.from_config(config)
     except Exception as exc:  # transformers cannot build it
         raise ModelError(
-            f"cannot build {type(config).__name__} to count its parameters ({exc}); pass "
-            "weights_bytes= instead"
+            f"cannot build {type(config).__name__} to count its parameters ({exc}); pass weights_bytes= instead"
         ) from exc
     finally:
         hf_logging.set_verbosity(verbosity)
@@ -290,8 +288,7 @@ def _read_entry(path: Path, key: str) -> dict[str, Any] | None:
         return None
 
 
-def _merge_entry(path: Path, key: str,
-                 merge: Callable[[dict[str, Any] | None], dict[str, Any]]) -> dict[str, Any]:
+def _merge_entry(path: Path, key: str, merge: Callable[[dict[str, Any] | None], dict[str, Any]]) -> dict[str, Any]:
     """Replace ``key``'s entry by ``merge(old entry)`` under the process lock, atomically: a
     concurrent reader sees the old file or the new one (temp file + ``os.replace``); a corrupt
     file is rebuilt. Returns the entry written."""
@@ -409,8 +406,7 @@ def _prefill_key(model: str, device: str) -> str:
     import platform
 
     threads = os.environ.get("OMP_NUM_THREADS") or str(os.cpu_count())
-    return "|".join(str(x).lower() for x in (model, device, platform.machine(),
-                                              platform.processor(), threads))
+    return "|".join(str(x).lower() for x in (model, device, platform.machine(), platform.processor(), threads))
 
 
 #: Load (1-minute load average per core) above which a prefill measurement is provisional: other
@@ -438,10 +434,15 @@ def lookup_prefill_speed(model: str, device: str) -> dict[str, Any] | None:
     return entry
 
 
-def measure_prefill_speed(model: Any, *, name: str, device: str = "cpu",
-                          lengths: tuple[int, ...] = _PREFILL_PROBES,
-                          decode_context: int = _DECODE_CONTEXT,
-                          decode_steps: int = _DECODE_STEPS) -> dict[str, Any]:
+def measure_prefill_speed(
+    model: Any,
+    *,
+    name: str,
+    device: str = "cpu",
+    lengths: tuple[int, ...] = _PREFILL_PROBES,
+    decode_context: int = _DECODE_CONTEXT,
+    decode_steps: int = _DECODE_STEPS,
+) -> dict[str, Any]:
     """Time one prefill forward of ``model`` (a transformers causal LM) at each of ``lengths``
     tokens, fit ``seconds = a·n + b·n²`` (the MLP is linear in the tokens, attention quadratic),
     time ``decode_steps`` decode steps after a ``decode_context``-token prefill at batch 1 and at
@@ -516,10 +517,12 @@ def measure_prefill_speed(model: Any, *, name: str, device: str = "cpu",
         if decode_steps > 0:
             one = decode_step(1)
             many = decode_step(_DECODE_BATCH)
-            decode = {"decode_s": one,
-                      "decode_extra_s": max(0.0, (many - one) / (_DECODE_BATCH - 1)),
-                      "decode_context": decode_context,
-                      "decode_tokens_per_second": round(1 / one, 1) if one > 0 else None}
+            decode = {
+                "decode_s": one,
+                "decode_extra_s": max(0.0, (many - one) / (_DECODE_BATCH - 1)),
+                "decode_context": decode_context,
+                "decode_tokens_per_second": round(1 / one, 1) if one > 0 else None,
+            }
     # Least squares through the origin for (a, b); clamp at zero (noise can make one negative).
     import numpy as np
 
@@ -530,9 +533,15 @@ def measure_prefill_speed(model: Any, *, name: str, device: str = "cpu",
         # Noise (a busy host) made the curve bend the wrong way: the longest probe, linear.
         a, b = times[-1][1] / times[-1][0], 0.0
     load = max(load, _load_per_core())
-    entry = {"a": a, "b": b, "probes": [[n, round(t, 4)] for n, t in times],
-             "tokens_per_second": round(lengths[-1] / times[-1][1], 1), **decode,
-             "load_per_core": round(load, 2), "provisional": device == "cpu" and load > _BUSY_LOAD}
+    entry = {
+        "a": a,
+        "b": b,
+        "probes": [[n, round(t, 4)] for n, t in times],
+        "tokens_per_second": round(lengths[-1] / times[-1][1], 1),
+        **decode,
+        "load_per_core": round(load, 2),
+        "provisional": device == "cpu" and load > _BUSY_LOAD,
+    }
 
     def merge(old: dict[str, Any] | None) -> dict[str, Any]:
         if old and old.get("a", 0) * 1024 + old.get("b", 0) * 1024**2 < a * 1024 + b * 1024**2:
@@ -544,9 +553,14 @@ def measure_prefill_speed(model: Any, *, name: str, device: str = "cpu",
                 kept["provisional"] = bool(kept["provisional"] or entry["provisional"])
             return kept
         if old and "decode_s" in old and old["decode_s"] < entry.get("decode_s", float("inf")):
-            return dict(entry, **{k: old[k] for k in ("decode_s", "decode_extra_s",
-                                                      "decode_context",
-                                                      "decode_tokens_per_second") if k in old})
+            return dict(
+                entry,
+                **{
+                    k: old[k]
+                    for k in ("decode_s", "decode_extra_s", "decode_context", "decode_tokens_per_second")
+                    if k in old
+                },
+            )
         return entry
 
     return _merge_entry(_prefill_path(), _prefill_key(name, device), merge)
@@ -560,12 +574,14 @@ def throughput_from_speed(speed: Mapping[str, Any], *, batched: bool = False) ->
 
     if not speed.get("decode_s"):
         return None
-    return Throughput(prefill_a=float(speed.get("a", 0.0)), prefill_b=float(speed.get("b", 0.0)),
-                      decode_s=float(speed["decode_s"]), batched=batched,
-                      decode_extra_s=(float(speed["decode_extra_s"])
-                                      if speed.get("decode_extra_s") is not None else None),
-                      source="measured at warm-up" + (" (provisional: the host was busy)"
-                                                       if speed.get("provisional") else ""))
+    return Throughput(
+        prefill_a=float(speed.get("a", 0.0)),
+        prefill_b=float(speed.get("b", 0.0)),
+        decode_s=float(speed["decode_s"]),
+        batched=batched,
+        decode_extra_s=(float(speed["decode_extra_s"]) if speed.get("decode_extra_s") is not None else None),
+        source="measured at warm-up" + (" (provisional: the host was busy)" if speed.get("provisional") else ""),
+    )
 
 
 def context_tokens_for_time(speed: Mapping[str, Any], seconds: float) -> int:
@@ -640,8 +656,7 @@ class BudgetPlan:
 
 def _model_max(cfg: Any) -> int:
     c = _Cfg(text_config(cfg) if isinstance(cfg, Mapping) else cfg)
-    v = c.get("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length",
-              "n_ctx", default=None)
+    v = c.get("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx", default=None)
     return int(v) if v else 4096
 
 
@@ -656,8 +671,7 @@ def _resolve_model(model: Any, config: Any) -> tuple[str, Any, Any]:
             raise ConfigError("a loaded model without .config: pass config=")
         return str(name), config, module
     if config is not None:
-        name = str(model) if model is not None else str(_Cfg(config).get("_name_or_path",
-                                                                          default="config"))
+        name = str(model) if model is not None else str(_Cfg(config).get("_name_or_path", default="config"))
         return name, config, None
     from .models import load_model_config
 
@@ -705,9 +719,11 @@ def plan_budget(
         kvd = str(getattr(module, "dtype", kvd)).removeprefix("torch.")
     elif kv_dtype is None and not model_dtype(cfg, default=""):
         # Over-estimate rather than under: without a dtype transformers allocates float32.
-        notes.append("the model config names no dtype: planned at float32, what transformers "
-                     "allocates without one (pass kv_dtype/weight_dtype, or --kv-dtype, for the "
-                     "dtype you load it in)")
+        notes.append(
+            "the model config names no dtype: planned at float32, what transformers "
+            "allocates without one (pass kv_dtype/weight_dtype, or --kv-dtype, for the "
+            "dtype you load it in)"
+        )
     norm = _normalize(cfg, True)
     specs = layer_specs(norm, backend=backend, normalize=False)
 
@@ -729,26 +745,35 @@ def plan_budget(
             wbytes = estimate_weights_bytes(cfg, weight_dtype=weight_dtype)
             wsrc = f"parameter count × {weight_dtype or model_dtype(cfg)}"
             if isinstance(cfg, Mapping) and cfg.get("_gguf_file"):
-                notes.append("GGUF weights are dequantized by transformers when loaded: planned "
-                             f"at {weight_dtype or model_dtype(cfg)}, not the GGUF file size")
+                notes.append(
+                    "GGUF weights are dequantized by transformers when loaded: planned "
+                    f"at {weight_dtype or model_dtype(cfg)}, not the GGUF file size"
+                )
             qc = cfg.get("quantization_config") if isinstance(cfg, Mapping) else None
             if qc and weight_dtype is None:
-                notes.append(f"checkpoint is quantized ({qc.get('quant_method')}); weights planned "
-                             "at the model dtype — pass weight_dtype to plan its real storage")
+                notes.append(
+                    f"checkpoint is quantized ({qc.get('quant_method')}); weights planned "
+                    "at the model dtype — pass weight_dtype to plan its real storage"
+                )
     gpu_bytes = info.bytes
     # Free CUDA memory, like available host RAM, was read with the model loaded: add its own
     # bytes on that device back, or they would be subtracted twice (as weights and as used).
-    resident = {"cuda:0 free memory": ("cuda", "on the GPU", "free memory"),
-                "host RAM (no GPU)": ("cpu", "in RAM", "available memory")}.get(info.source)
+    resident = {
+        "cuda:0 free memory": ("cuda", "on the GPU", "free memory"),
+        "host RAM (no GPU)": ("cpu", "in RAM", "available memory"),
+    }.get(info.source)
     if module is not None and resident is not None:
         device, where, figure = resident
-        loaded = sum(t.numel() * t.element_size()
-                     for t in list(module.parameters()) + list(module.buffers())
-                     if t.device.type == device)
+        loaded = sum(
+            t.numel() * t.element_size()
+            for t in list(module.parameters()) + list(module.buffers())
+            if t.device.type == device
+        )
         if loaded:
             gpu_bytes += loaded
-            notes.append(f"the loaded model's {loaded / GiB:.2f} GiB {where} counted as available "
-                         f"to it ({figure} excludes them)")
+            notes.append(
+                f"the loaded model's {loaded / GiB:.2f} GiB {where} counted as available to it ({figure} excludes them)"
+            )
     usable = int(gpu_bytes * utilization)
     model_max = _model_max(cfg)
 
@@ -757,16 +782,24 @@ def plan_budget(
     def act(tokens: int, batch: int) -> int:
         if cal is not None:
             return int(cal["activation_bytes_per_token"] * tokens * batch)
-        return estimate_activation_bytes(norm, tokens, batch_size=batch, dtype=kvd,
-                                         attn_implementation=attn_implementation)
+        return estimate_activation_bytes(
+            norm, tokens, batch_size=batch, dtype=kvd, attn_implementation=attn_implementation
+        )
 
-    act_src = ("calibrated (measured on this GPU)" if cal is not None
-               else f"estimate ({attn_implementation} prefill)")
+    act_src = "calibrated (measured on this GPU)" if cal is not None else f"estimate ({attn_implementation} prefill)"
 
     def kv(tokens: int, batch: int) -> int:
         mcl = max_cache_len if cache == "static" and max_cache_len else tokens
-        return estimate_kv(norm, tokens, batch_size=batch, kv_dtype=kvd, cache=cache,
-                           backend=backend, max_cache_len=mcl, normalize=False).peak_bytes
+        return estimate_kv(
+            norm,
+            tokens,
+            batch_size=batch,
+            kv_dtype=kvd,
+            cache=cache,
+            backend=backend,
+            max_cache_len=mcl,
+            normalize=False,
+        ).peak_bytes
 
     def needed(tokens: int, batch: int) -> int:
         return wbytes + act(tokens, batch) + kv(tokens, batch)
@@ -790,7 +823,11 @@ def plan_budget(
             f"{name}: the weights alone need {wbytes / GiB:.2f} GiB but only {usable / GiB:.2f} GiB "
             f"is usable ({utilization:.0%} of {gpu_bytes / GiB:.2f} GiB on {info.name}); use a "
             "smaller or quantized model (weight_dtype='int4'/'int8'), or a larger GPU",
-            needed=wbytes, available=usable, unit="bytes", limit="memory")
+            needed=wbytes,
+            available=usable,
+            unit="bytes",
+            limit="memory",
+        )
     t_mem = max_tokens(concurrency, 1 << 24)
     max_ctx = min(t_mem, model_max)
     limited_by = "model" if t_mem >= model_max else "memory"
@@ -801,7 +838,11 @@ def plan_budget(
             f"most {model_max:,} tokens (max_position_embeddings), prompt and answer together; "
             f"lower max_new_tokens (--max-new-tokens) to at most {model_max - 1:,} minus the "
             "prompt, or use a model with a longer window",
-            needed=max_new_tokens + 1, available=model_max, unit="tokens", limit="window")
+            needed=max_new_tokens + 1,
+            available=model_max,
+            unit="tokens",
+            limit="window",
+        )
     if max_ctx < max_new_tokens + 1:
         need = needed(max_new_tokens + 1, concurrency)
         raise BudgetError(
@@ -811,7 +852,11 @@ def plan_budget(
             f"{kv(max_new_tokens + 1, concurrency) / GiB:.2f}) but {usable / GiB:.2f} GiB is "
             f"usable, so memory holds {max_ctx:,} tokens per request; lower max_new_tokens or "
             "concurrency, use kv_dtype='fp8' or a quantized/offloaded cache, or a smaller model",
-            needed=max_new_tokens + 1, available=max_ctx, unit="tokens", limit="memory")
+            needed=max_new_tokens + 1,
+            available=max_ctx,
+            unit="tokens",
+            limit="memory",
+        )
     t_one = max_tokens(1, 1 << 24)
 
     # Concurrency at the target context (or at the model maximum).
@@ -839,36 +884,59 @@ def plan_budget(
         curve.append((n, t))
         n *= 2
 
-    est_max = estimate_kv(norm, max_ctx, batch_size=concurrency, kv_dtype=kvd, cache=cache,
-                          backend=backend, max_cache_len=max_cache_len or max_ctx,
-                          normalize=False)
+    est_max = estimate_kv(
+        norm,
+        max_ctx,
+        batch_size=concurrency,
+        kv_dtype=kvd,
+        cache=cache,
+        backend=backend,
+        max_cache_len=max_cache_len or max_ctx,
+        normalize=False,
+    )
     act_at_max = act(max_ctx, concurrency)
     per_tok = kv_bytes_per_token(norm, kv_dtype=kvd, backend=backend, normalize=False)
-    per_tok_peak = kv_bytes_per_token(norm, kv_dtype=kvd, backend=backend, normalize=False,
-                                      include_sliding=True)
-    fixed = estimate_kv(norm, 0, kv_dtype=kvd, cache="dynamic", backend=backend,
-                        normalize=False).steady_bytes
+    per_tok_peak = kv_bytes_per_token(norm, kv_dtype=kvd, backend=backend, normalize=False, include_sliding=True)
+    fixed = estimate_kv(norm, 0, kv_dtype=kvd, cache="dynamic", backend=backend, normalize=False).steady_bytes
     if any(s.kind == "sliding_attention" for s in specs) and cache == "dynamic":
-        notes.append("sliding-window layers pin the whole prefill until the first decode step "
-                     "(transformers DynamicSlidingWindowLayer): the budget uses that peak")
+        notes.append(
+            "sliding-window layers pin the whole prefill until the first decode step "
+            "(transformers DynamicSlidingWindowLayer): the budget uses that peak"
+        )
     if cache == "quantized":
-        notes.append("quantized cache (quanto/hqq): an upper bound, the residual window is "
-                     "counted full")
+        notes.append("quantized cache (quanto/hqq): an upper bound, the residual window is counted full")
     if limited_by == "model":
         notes.append(f"context capped by the model's max_position_embeddings ({model_max})")
     return BudgetPlan(
-        model=name, gpu_name=info.name, gpu_source=info.source, gpu_bytes=gpu_bytes,
-        usable_bytes=usable, utilization=utilization, weights_bytes=wbytes, weights_source=wsrc,
-        activation_bytes=act_at_max, activation_source=act_src, kv_bytes_per_token=per_tok,
-        kv_bytes_per_token_peak=per_tok_peak, kv_fixed_bytes_per_sequence=fixed,
-        kv_capacity_tokens=t_one, max_context_tokens=max_ctx,
-        max_prompt_tokens=max_ctx - max_new_tokens, max_new_tokens=max_new_tokens,
-        concurrency=concurrency, max_concurrency=max_conc, concurrency_context_tokens=target,
+        model=name,
+        gpu_name=info.name,
+        gpu_source=info.source,
+        gpu_bytes=gpu_bytes,
+        usable_bytes=usable,
+        utilization=utilization,
+        weights_bytes=wbytes,
+        weights_source=wsrc,
+        activation_bytes=act_at_max,
+        activation_source=act_src,
+        kv_bytes_per_token=per_tok,
+        kv_bytes_per_token_peak=per_tok_peak,
+        kv_fixed_bytes_per_sequence=fixed,
+        kv_capacity_tokens=t_one,
+        max_context_tokens=max_ctx,
+        max_prompt_tokens=max_ctx - max_new_tokens,
+        max_new_tokens=max_new_tokens,
+        concurrency=concurrency,
+        max_concurrency=max_conc,
+        concurrency_context_tokens=target,
         model_max_tokens=model_max,
-        limited_by=limited_by, cache=cache, kv_dtype=kvd, backend=backend,
+        limited_by=limited_by,
+        cache=cache,
+        kv_dtype=kvd,
+        backend=backend,
         kv_bytes_at_max=est_max.peak_bytes,
         free_bytes_at_max=max(0, usable - wbytes - act_at_max - est_max.peak_bytes),
-        concurrency_curve=tuple(curve), notes=tuple(notes),
+        concurrency_curve=tuple(curve),
+        notes=tuple(notes),
         attn_implementation=attn_implementation,
     )
 
@@ -893,18 +961,24 @@ def cap_plan_for_time(plan: BudgetPlan, speed: Mapping[str, Any], ttft_target: f
     if prompt >= plan.max_prompt_tokens:  # the target does not bind: memory or the window does
         return replace(plan, ttft_target_s=float(ttft_target), time_prompt_tokens=prompt)
     rate = prompt / ttft_target
-    note = (f"prompt capped at {prompt:,} tokens for time: {ttft_target:g} s to the first token at "
-            f"the measured prefill speed (~{rate:,.0f} tokens/s); memory allows "
-            f"{plan.max_prompt_tokens:,} (ttft_target / --ttft-target to change)")
-    return replace(plan, max_context_tokens=prompt + plan.max_new_tokens,
-                   max_prompt_tokens=prompt, limited_by="time", ttft_target_s=float(ttft_target),
-                   time_prompt_tokens=prompt,
-                   memory_max_context_tokens=plan.max_context_tokens,
-                   notes=(*plan.notes, note))
+    note = (
+        f"prompt capped at {prompt:,} tokens for time: {ttft_target:g} s to the first token at "
+        f"the measured prefill speed (~{rate:,.0f} tokens/s); memory allows "
+        f"{plan.max_prompt_tokens:,} (ttft_target / --ttft-target to change)"
+    )
+    return replace(
+        plan,
+        max_context_tokens=prompt + plan.max_new_tokens,
+        max_prompt_tokens=prompt,
+        limited_by="time",
+        ttft_target_s=float(ttft_target),
+        time_prompt_tokens=prompt,
+        memory_max_context_tokens=plan.max_context_tokens,
+        notes=(*plan.notes, note),
+    )
 
 
-def request_memory(plan: BudgetPlan, config: Any = None, *,
-                   paged: PagedCacheLayout | None = None) -> MemoryModel:
+def request_memory(plan: BudgetPlan, config: Any = None, *, paged: PagedCacheLayout | None = None) -> MemoryModel:
     """What one request pins by ``plan``, for :class:`~ragbudget.admission.AdmissionController`:
     the memory left beside the weights, the KV bytes per token at their peak (sliding-window
     layers hold the whole prefill until the first decode step) plus per sequence, and the
@@ -931,33 +1005,45 @@ def request_memory(plan: BudgetPlan, config: Any = None, *,
             return 0
         if cal is not None:
             return int(cal["activation_bytes_per_token"] * tokens)
-        return estimate_activation_bytes(norm, tokens, dtype=plan.kv_dtype,
-                                         attn_implementation=attn)
+        return estimate_activation_bytes(norm, tokens, dtype=plan.kv_dtype, attn_implementation=attn)
 
-    source = (f"{plan.gpu_source}: {plan.usable_bytes / GiB:.2f} GiB usable − weights "
-              f"{plan.weights_bytes / GiB:.2f} GiB; per request KV "
-              f"{plan.kv_bytes_per_token_peak:,} B/token + activations of its own prefill "
-              f"({'calibrated' if cal is not None else f'{attn} estimate'})")
+    source = (
+        f"{plan.gpu_source}: {plan.usable_bytes / GiB:.2f} GiB usable − weights "
+        f"{plan.weights_bytes / GiB:.2f} GiB; per request KV "
+        f"{plan.kv_bytes_per_token_peak:,} B/token + activations of its own prefill "
+        f"({'calibrated' if cal is not None else f'{attn} estimate'})"
+    )
     free = plan.usable_bytes - plan.weights_bytes
     if paged is None:
-        return MemoryModel(capacity_bytes=max(1, free),
-                           kv_bytes_per_token=plan.kv_bytes_per_token_peak,
-                           kv_fixed_bytes=plan.kv_fixed_bytes_per_sequence,
-                           activation=activation, source=source)
-    source = (f"{plan.gpu_source}: {plan.usable_bytes / GiB:.2f} GiB usable − weights "
-              f"{plan.weights_bytes / GiB:.2f} GiB − paged KV cache {paged.total_bytes / GiB:.2f} "
-              f"GiB; per request its KV in the paged cache ({paged.capacity_tokens:,} tokens, "
-              f"pages of {paged.page_size}) + activations of its own prefill "
-              f"({'calibrated' if cal is not None else f'{attn} estimate'})")
+        return MemoryModel(
+            capacity_bytes=max(1, free),
+            kv_bytes_per_token=plan.kv_bytes_per_token_peak,
+            kv_fixed_bytes=plan.kv_fixed_bytes_per_sequence,
+            activation=activation,
+            source=source,
+        )
+    source = (
+        f"{plan.gpu_source}: {plan.usable_bytes / GiB:.2f} GiB usable − weights "
+        f"{plan.weights_bytes / GiB:.2f} GiB − paged KV cache {paged.total_bytes / GiB:.2f} "
+        f"GiB; per request its KV in the paged cache ({paged.capacity_tokens:,} tokens, "
+        f"pages of {paged.page_size}) + activations of its own prefill "
+        f"({'calibrated' if cal is not None else f'{attn} estimate'})"
+    )
     if free - paged.total_bytes <= 0:
         raise BudgetError(
             f"the paged KV cache of batched generation ({paged.total_bytes / GiB:.2f} GiB) leaves "
             f"no memory beside the weights ({plan.weights_bytes / GiB:.2f} GiB of "
             f"{plan.usable_bytes / GiB:.2f} GiB usable) for activations; give it fewer tokens "
             "(LocalBackend(batch_kv_tokens=...)) or turn batching off",
-            needed=paged.total_bytes, available=max(0, free))
-    return MemoryModel(capacity_bytes=free - paged.total_bytes,
-                       kv_bytes_per_token=plan.kv_bytes_per_token_peak,
-                       kv_fixed_bytes=plan.kv_fixed_bytes_per_sequence,
-                       kv_pool_tokens=paged.capacity_tokens, kv_pool_page=paged.page_size,
-                       activation=activation, source=source)
+            needed=paged.total_bytes,
+            available=max(0, free),
+        )
+    return MemoryModel(
+        capacity_bytes=free - paged.total_bytes,
+        kv_bytes_per_token=plan.kv_bytes_per_token_peak,
+        kv_fixed_bytes=plan.kv_fixed_bytes_per_sequence,
+        kv_pool_tokens=paged.capacity_tokens,
+        kv_pool_page=paged.page_size,
+        activation=activation,
+        source=source,
+    )

@@ -93,8 +93,13 @@ def _light_spec(emb: Embedder) -> dict[str, Any]:
     from .embed import HashEmbedder, SentenceTransformerEmbedder
 
     if isinstance(emb, SentenceTransformerEmbedder):
-        return {"kind": "sentence-transformers", "id": emb.id, "model": emb.model_name,
-                "pooling": emb.pooling, "window_overlap": emb.window_overlap}
+        return {
+            "kind": "sentence-transformers",
+            "id": emb.id,
+            "model": emb.model_name,
+            "pooling": emb.pooling,
+            "window_overlap": emb.window_overlap,
+        }
     if isinstance(emb, HashEmbedder):
         return emb.spec()
     return {"kind": "custom", "id": emb.id, "pooling": getattr(emb, "pooling", None)}
@@ -166,8 +171,7 @@ class _Checkpoint:
             pos += size
         self.valid_bytes = pos
         if self.vectors:
-            log.info("resuming from %d embedded chunks checkpointed by an interrupted run",
-                     len(self.vectors))
+            log.info("resuming from %d embedded chunks checkpointed by an interrupted run", len(self.vectors))
 
     def get(self, text: str) -> tuple[Any, int] | None:
         return self.vectors.get(self.key(text))
@@ -217,12 +221,28 @@ class _Checkpoint:
 class _Builder:
     """One writer run. Holds the new generation's SQLite connection and FAISS index."""
 
-    def __init__(self, idx: Index, paths: list[str], *, embedder: Embedder | None, tokenizer: Any,
-                 settings: dict[str, Any], include: Any, exclude: Any, max_bytes: int | None,
-                 clean: bool, store: str, rebuild: bool, batch_files: int, embed_batch: int,
-                 progress: ProgressCallback | None, roots: Sequence[tuple[str, str]] = (),
-                 prune: bool = False, allow_removal: bool = False,
-                 executor: EmbedExecutor | None = None) -> None:
+    def __init__(
+        self,
+        idx: Index,
+        paths: list[str],
+        *,
+        embedder: Embedder | None,
+        tokenizer: Any,
+        settings: dict[str, Any],
+        include: Any,
+        exclude: Any,
+        max_bytes: int | None,
+        clean: bool,
+        store: str,
+        rebuild: bool,
+        batch_files: int,
+        embed_batch: int,
+        progress: ProgressCallback | None,
+        roots: Sequence[tuple[str, str]] = (),
+        prune: bool = False,
+        allow_removal: bool = False,
+        executor: EmbedExecutor | None = None,
+    ) -> None:
         from .executors import LocalExecutor
 
         self.idx = idx
@@ -250,12 +270,29 @@ class _Builder:
         self.flush_at = self.executor.round_size or embed_batch
         self.progress: ProgressCallback = progress or _no_progress
         self.t0 = time.perf_counter()
-        self.stats: dict[str, Any] = {k: 0 for k in (
-            "files_indexed", "files_unchanged", "files_removed", "chunks_added", "chunks_removed",
-            "chunks_embedded", "chunks_reused", "exact_duplicates", "near_duplicates",
-            "furniture_lines_removed", "windows_pooled", "windows_embedded", "files_added",
-            "files_updated", "files_kept", "chunks_resumed", "sentences_embedded",
-            "sentences_reused")}
+        self.stats: dict[str, Any] = {
+            k: 0
+            for k in (
+                "files_indexed",
+                "files_unchanged",
+                "files_removed",
+                "chunks_added",
+                "chunks_removed",
+                "chunks_embedded",
+                "chunks_reused",
+                "exact_duplicates",
+                "near_duplicates",
+                "furniture_lines_removed",
+                "windows_pooled",
+                "windows_embedded",
+                "files_added",
+                "files_updated",
+                "files_kept",
+                "chunks_resumed",
+                "sentences_embedded",
+                "sentences_reused",
+            )
+        }
         self.embed_seconds = 0.0
         self.sentence_seconds = 0.0
         self.n_seen = 0  # files and skipped entries the scan found (set by the scan)
@@ -316,8 +353,10 @@ class _Builder:
         if int(old.get("format_version", 0)) != FORMAT_VERSION:
             reasons.append(f"index format {old.get('format_version')} -> {FORMAT_VERSION}")
         if _identity(old["embedder"]) != _identity(_light_spec(self.embedder)):
-            reasons.append(f"embedder changed: {old['embedder'].get('id')} -> {self.embedder.id}"
-                           f" (pooling {old['embedder'].get('pooling')} -> {self.embedder.pooling})")
+            reasons.append(
+                f"embedder changed: {old['embedder'].get('id')} -> {self.embedder.id}"
+                f" (pooling {old['embedder'].get('pooling')} -> {self.embedder.pooling})"
+            )
         for key in ("chunking", "dedup"):
             if old.get(key) != self.settings[key]:
                 reasons.append(f"{key} settings changed: {old.get(key)} -> {self.settings[key]}")
@@ -364,8 +403,11 @@ class _Builder:
             shutil.copyfile(old_db_path, self.tmp_db)
             self.flat = old_flat
         else:
-            if self.old and old_db_path is not None and old_flat is not None and (
-                _identity(self.old["embedder"]) == _identity(_light_spec(emb))
+            if (
+                self.old
+                and old_db_path is not None
+                and old_flat is not None
+                and (_identity(self.old["embedder"]) == _identity(_light_spec(emb)))
             ):
                 # Only chunking/dedup changed: old vectors are still valid for identical texts.
                 rdb = sqlite3.connect(f"file:{old_db_path}?mode=ro&immutable=1", uri=True)
@@ -381,11 +423,11 @@ class _Builder:
         self.db.execute("PRAGMA journal_mode=OFF")
         self.db.execute("PRAGMA synchronous=OFF")
         # A table the previous writer did not vouch for in its manifest may be stale: rebuild it.
-        self.lexical = _ensure_fts(
-            self.db, trusted=bool(self.old and not reason and self.old.get("lexical")))
+        self.lexical = _ensure_fts(self.db, trusted=bool(self.old and not reason and self.old.get("lexical")))
         self.changed = bool(reason) or self.old is None
         if self.old is not None and _store_kind(self.old) != choose_store(
-                self.store, int(self.old.get("counts", {}).get("vectors", 0)), int(self.old["dim"])):
+            self.store, int(self.old.get("counts", {}).get("vectors", 0)), int(self.old["dim"])
+        ):
             # Another search store: derived from the same vectors, so written without a rebuild.
             self.changed = True
         if self.lexical == "created" and self.old is not None and not reason:
@@ -402,15 +444,18 @@ class _Builder:
         # -- 0. roots: what the index held before, and which part of it this run may remove.
         rebuilding = bool(reason)
         if rebuilding and old_db_path is not None:
-            with contextlib.closing(sqlite3.connect(
-                    f"file:{old_db_path}?mode=ro&immutable=1", uri=True)) as odb:
+            with contextlib.closing(sqlite3.connect(f"file:{old_db_path}?mode=ro&immutable=1", uri=True)) as odb:
                 before_roots = _read_roots(odb)
-                before = {r[0]: r[1:] for r in odb.execute(
-                    "SELECT path, size, mtime_ns, sha256, status, reason, detail FROM files")}
+                before = {
+                    r[0]: r[1:]
+                    for r in odb.execute("SELECT path, size, mtime_ns, sha256, status, reason, detail FROM files")
+                }
         else:
             before_roots = _read_roots(self.db)
-            before = {r[0]: r[1:] for r in self.db.execute(
-                "SELECT path, size, mtime_ns, sha256, status, reason, detail FROM files")}
+            before = {
+                r[0]: r[1:]
+                for r in self.db.execute("SELECT path, size, mtime_ns, sha256, status, reason, detail FROM files")
+            }
         legacy = [p for p in before if not os.path.isabs(p)]
         if legacy:
             # Skipped entries of older versions were keyed by the path as typed (relative to
@@ -421,8 +466,12 @@ class _Builder:
         if not before_roots and before:
             fallback = _fallback_root(before)
             if fallback is not None:
-                log.warning("the index in %s records no roots (written by an older ragbudget); "
-                            "recording %s as the root of its files", self.dir, fallback.label)
+                log.warning(
+                    "the index in %s records no roots (written by an older ragbudget); "
+                    "recording %s as the root of its files",
+                    self.dir,
+                    fallback.label,
+                )
                 before_roots = [fallback]
         roots = list(before_roots)
         for real, kind in self.given:
@@ -441,7 +490,8 @@ class _Builder:
                     f"missing: {', '.join(repr(r.label) for r in missing)} (its files are in the "
                     "index). Nothing was changed; restore them, or pass prune=True (--prune) to "
                     "rebuild from the given paths only",
-                    paths=tuple(r.label for r in missing))
+                    paths=tuple(r.label for r in missing),
+                )
             extra.sort(key=lambda r: len(r.path))  # outer folders first: nested ones are walked once
             scan_paths += [r.path for r in extra]
             scope += extra
@@ -456,8 +506,9 @@ class _Builder:
         # -- 1. what changed: one stat per file, content sha256 only when the stat differs.
         scan_opts: dict[str, Any] = {"max_bytes": self.max_bytes} if self.max_bytes else {}
         found = scan(scan_paths, include=self.include, exclude=self.exclude, **scan_opts)
-        shielded += [_Root(_canon(str(s.path)), "", "dir") for s in found.skipped
-                     if s.reason in ("unreadable", "missing")]
+        shielded += [
+            _Root(_canon(str(s.path)), "", "dir") for s in found.skipped if s.reason in ("unreadable", "missing")
+        ]
         known = {} if rebuilding else before
         self.old_indexed = {p for p, v in before.items() if v[3] == "indexed"}
         seen: set[str] = set()
@@ -510,7 +561,8 @@ class _Builder:
         if gone or todo:
             self.changed = True
         if {(r.path, r.label, r.kind) for r in self._final_roots()} != {
-                (r.path, r.label, r.kind) for r in _read_roots(self.db)}:
+            (r.path, r.label, r.kind) for r in _read_roots(self.db)
+        }:
             self.changed = True
 
         # -- 2. load, clean, chunk, dedup, embed; files stream in batches.
@@ -542,8 +594,9 @@ class _Builder:
             return self._summary(committed=False)
 
         # -- 3. chunks left without any source disappear, from SQLite and FAISS alike.
-        orphans = [r[0] for r in self.db.execute(
-            "SELECT id FROM chunks WHERE id NOT IN (SELECT chunk_id FROM sources)")]
+        orphans = [
+            r[0] for r in self.db.execute("SELECT id FROM chunks WHERE id NOT IN (SELECT chunk_id FROM sources)")
+        ]
         if orphans:
             import numpy as np
 
@@ -554,8 +607,9 @@ class _Builder:
         self._embed_sentences()
         self.roots = self._final_roots()
         self.db.execute("DELETE FROM roots")
-        self.db.executemany("INSERT INTO roots (path, label, kind) VALUES (?,?,?)",
-                            [(r.path, r.label, r.kind) for r in self.roots])
+        self.db.executemany(
+            "INSERT INTO roots (path, label, kind) VALUES (?,?,?)", [(r.path, r.label, r.kind) for r in self.roots]
+        )
         self._commit()
         self.checkpoint.remove()  # after the commit point: its vectors are in the index now
         return self._summary(committed=True)
@@ -625,8 +679,9 @@ class _Builder:
         furniture = _count(doc.meta.get("furniture_removed", 0)) + _count(doc.meta.get("boilerplate_removed", 0))
         self.stats["furniture_lines_removed"] += furniture
         ch = self.settings["chunking"]
-        chunks = chunk_document(doc, min_tokens=ch["min_tokens"], max_tokens=ch["max_tokens"],
-                                overlap=ch["overlap"], tokenizer=self.tok)
+        chunks = chunk_document(
+            doc, min_tokens=ch["min_tokens"], max_tokens=ch["max_tokens"], overlap=ch["overlap"], tokenizer=self.tok
+        )
         chunks = [c for c in chunks if c.text.strip()]
         mode = self.settings["dedup"]["mode"]
         # Hashes and signatures for a whole file at once: the batch functions vectorise. Every
@@ -639,8 +694,7 @@ class _Builder:
         if mode == "near" and chunks:
             from .dedup import minhash_signatures
 
-            sigs = minhash_signatures([c.text for c in chunks],
-                                      num_perm=self.settings["dedup"]["num_perm"])
+            sigs = minhash_signatures([c.text for c in chunks], num_perm=self.settings["dedup"]["num_perm"])
         for c, h, sig in zip(chunks, hashes, sigs, strict=True):
             self._add_chunk(path, c, h, sig)
         warning = doc.meta.get("encoding_warning") or None
@@ -648,21 +702,43 @@ class _Builder:
             self.warnings.append((path, str(warning)))
         pages = int(doc.meta.get("n_pages") or len(doc.pages)) if doc.paginated else None
         labels = doc.meta.get("page_labels")
-        self._record_file(path, size, mtime_ns, digest, "indexed", None, None, len(chunks), furniture,
-                          pages, warning, json.dumps(list(labels)) if labels else None)
+        self._record_file(
+            path,
+            size,
+            mtime_ns,
+            digest,
+            "indexed",
+            None,
+            None,
+            len(chunks),
+            furniture,
+            pages,
+            warning,
+            json.dumps(list(labels)) if labels else None,
+        )
         self.stats["files_indexed"] += 1
         self.stats["files_updated" if path in self.old_indexed else "files_added"] += 1
 
-    def _record_file(self, path: str, size: int, mtime_ns: int, digest: str | None, status: str,
-                     reason: str | None, detail: str | None, n_chunks: int = 0,
-                     furniture: int = 0, pages: int | None = None, warning: str | None = None,
-                     page_labels: str | None = None) -> None:
+    def _record_file(
+        self,
+        path: str,
+        size: int,
+        mtime_ns: int,
+        digest: str | None,
+        status: str,
+        reason: str | None,
+        detail: str | None,
+        n_chunks: int = 0,
+        furniture: int = 0,
+        pages: int | None = None,
+        warning: str | None = None,
+        page_labels: str | None = None,
+    ) -> None:
         assert self.db is not None
         self.db.execute(
             "INSERT OR REPLACE INTO files (path, size, mtime_ns, sha256, status, reason, detail, "
             "n_chunks, furniture, n_pages, warning, page_labels) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
-            (path, size, mtime_ns, digest, status, reason, detail, n_chunks, furniture, pages,
-             warning, page_labels),
+            (path, size, mtime_ns, digest, status, reason, detail, n_chunks, furniture, pages, warning, page_labels),
         )
 
     def _dedup(self) -> Any:
@@ -675,9 +751,12 @@ class _Builder:
 
             d = self.settings["dedup"]
             mode = d["mode"]
-            self.dedup = Deduplicator(threshold=d["threshold"] or DEFAULT_THRESHOLD,
-                                      num_perm=d["num_perm"] or DEFAULT_NUM_PERM,
-                                      near=mode == "near", exact=mode != "none")
+            self.dedup = Deduplicator(
+                threshold=d["threshold"] or DEFAULT_THRESHOLD,
+                num_perm=d["num_perm"] or DEFAULT_NUM_PERM,
+                near=mode == "near",
+                exact=mode != "none",
+            )
             if mode != "none":  # "none" never looks a chunk up: nothing to load
                 assert self.db is not None
                 dtype = self.sig_dtype
@@ -685,8 +764,7 @@ class _Builder:
                     "SELECT id, content_hash, minhash FROM chunks WHERE EXISTS "
                     "(SELECT 1 FROM sources WHERE chunk_id = chunks.id)"
                 ):
-                    sig = (np.frombuffer(blob, dtype=dtype)
-                           if mode == "near" and blob is not None and dtype else None)
+                    sig = np.frombuffer(blob, dtype=dtype) if mode == "near" and blob is not None and dtype else None
                     # Kept chunks are distinct by construction: placed as they are, not re-decided.
                     self.dedup.add(cid, decision=DedupDecision("new", None, 0.0, sig, h))
         return self.dedup
@@ -705,19 +783,18 @@ class _Builder:
             return
         row = self.db.execute(
             "SELECT id, minhash FROM chunks WHERE content_hash=? AND NOT EXISTS "
-            "(SELECT 1 FROM sources WHERE chunk_id = chunks.id) LIMIT 1", (h,)).fetchone()
+            "(SELECT 1 FROM sources WHERE chunk_id = chunks.id) LIMIT 1",
+            (h,),
+        ).fetchone()
         if row is not None:
             # An orphan of a changed file, same text again: revive it, no re-embedding.
             cid = int(row[0])
             self.stats["chunks_reused"] += 1
-            self.db.execute("UPDATE chunks SET headings=? WHERE id=?",
-                            (json.dumps(list(c.headings)), cid))
+            self.db.execute("UPDATE chunks SET headings=? WHERE id=?", (json.dumps(list(c.headings)), cid))
         else:
             cur = self.db.execute(
-                "INSERT INTO chunks (text, n_tokens, headings, content_hash, minhash, windows) "
-                "VALUES (?,?,?,?,?,0)",
-                (c.text, int(c.n_tokens), json.dumps(list(c.headings)), h,
-                 sig.tobytes() if sig is not None else None),
+                "INSERT INTO chunks (text, n_tokens, headings, content_hash, minhash, windows) VALUES (?,?,?,?,?,0)",
+                (c.text, int(c.n_tokens), json.dumps(list(c.headings)), h, sig.tobytes() if sig is not None else None),
             )
             assert cur.lastrowid is not None
             cid = int(cur.lastrowid)
@@ -733,11 +810,11 @@ class _Builder:
 
     def _add_source(self, cid: int, src: tuple[Any, ...]) -> None:
         assert self.db is not None
-        n = self.db.execute("SELECT COALESCE(MAX(ord), -1) + 1 FROM sources WHERE chunk_id=?",
-                            (cid,)).fetchone()[0]
+        n = self.db.execute("SELECT COALESCE(MAX(ord), -1) + 1 FROM sources WHERE chunk_id=?", (cid,)).fetchone()[0]
         self.db.execute(
-            'INSERT INTO sources (chunk_id, path, start, "end", page_start, page_end, ord) '
-            "VALUES (?,?,?,?,?,?,?)", (cid, *src, n))
+            'INSERT INTO sources (chunk_id, path, start, "end", page_start, page_end, ord) VALUES (?,?,?,?,?,?,?)',
+            (cid, *src, n),
+        )
 
     # -- vectors -------------------------------------------------------------------------------
 
@@ -783,13 +860,14 @@ class _Builder:
                 f"the index holds {self.flat.dim}-d; rebuild with --rebuild"
             )
         self.flat.add(ids, vecs)
-        self.db.executemany("UPDATE chunks SET windows=? WHERE id=?",
-                            [(w, int(i)) for w, i in zip(windows, ids, strict=True)])
-        self.progress("embed", self.stats["chunks_embedded"] + self.stats["chunks_reused"],
-                      self.embed_total)
+        self.db.executemany(
+            "UPDATE chunks SET windows=? WHERE id=?", [(w, int(i)) for w, i in zip(windows, ids, strict=True)]
+        )
+        self.progress("embed", self.stats["chunks_embedded"] + self.stats["chunks_reused"], self.embed_total)
 
-    def _embed(self, batch: list[tuple[int, str]], todo: list[int], vecs: Any,
-               windows: list[int], *, what: str = "chunks") -> Any:
+    def _embed(
+        self, batch: list[tuple[int, str]], todo: list[int], vecs: Any, windows: list[int], *, what: str = "chunks"
+    ) -> Any:
         """Embed the texts of ``batch`` at ``todo`` through the executor; fill ``vecs`` and
         ``windows`` at those rows. Each shard is checkpointed as it arrives, so a failed job
         keeps what came back. ``what="sentences"``: the sentence pass (its own counters and
@@ -817,20 +895,21 @@ class _Builder:
                 self.stats["chunks_embedded"] += len(rows)
                 self.stats["windows_pooled"] += sum(1 for w in shard.windows if w > 1)
                 self.stats["windows_embedded"] += shard.texts_fed
-                self.progress("embed", self.stats["chunks_embedded"] + self.stats["chunks_reused"],
-                              self.embed_total)
+                self.progress("embed", self.stats["chunks_embedded"] + self.stats["chunks_reused"], self.embed_total)
         except ExecutorError as exc:
             kept = len(self.checkpoint.vectors) if self.checkpoint is not None else 0
             raise ExecutorError(
                 f"{exc}. {self._unchanged_note()}; {self.stats['chunks_embedded'] + kept} embedded "
-                "chunk(s) are checkpointed, so a re-run resumes after them") from None
+                "chunk(s) are checkpointed, so a re-run resumes after them"
+            ) from None
         finally:
             if what == "chunks":
                 self.embed_seconds += time.perf_counter() - t
         if not done.all():
             raise ExecutorError(
                 f"the {self.executor.name} executor returned vectors for {int(done.sum())} of "
-                f"{len(todo)} {what}. {self._unchanged_note()}")
+                f"{len(todo)} {what}. {self._unchanged_note()}"
+            )
         return vecs
 
     def _unchanged_note(self) -> str:
@@ -850,8 +929,9 @@ class _Builder:
             # Indexes written with dedup="none" before it used content_hash stored the sha256
             # of the raw text: look for either, so their vectors are reused too.
             raw = hashlib.sha256(text.encode()).hexdigest()
-            row = rdb.execute("SELECT id, windows FROM chunks WHERE content_hash IN (?, ?) LIMIT 1",
-                              (content_hash(text), raw)).fetchone()
+            row = rdb.execute(
+                "SELECT id, windows FROM chunks WHERE content_hash IN (?, ?) LIMIT 1", (content_hash(text), raw)
+            ).fetchone()
             if row is None:
                 todo.append(j)
                 continue
@@ -878,8 +958,8 @@ class _Builder:
 
         assert self.db is not None
         todo = self.db.execute(
-            "SELECT id, text FROM chunks WHERE id NOT IN (SELECT chunk_id FROM sentence_vectors) "
-            "ORDER BY id").fetchall()
+            "SELECT id, text FROM chunks WHERE id NOT IN (SELECT chunk_id FROM sentence_vectors) ORDER BY id"
+        ).fetchall()
         if not todo:
             return
         t = time.perf_counter()
@@ -904,18 +984,19 @@ class _Builder:
                         need[k] = x
             if need:
                 texts = list(need.values())
-                vecs = self._embed([(0, x) for x in texts], list(range(len(texts))), None,
-                                   [1] * len(texts), what="sentences")
+                vecs = self._embed(
+                    [(0, x) for x in texts], list(range(len(texts))), None, [1] * len(texts), what="sentences"
+                )
                 known.update(zip(need, np.asarray(vecs, dtype=np.float32), strict=True))
                 self.stats["sentences_embedded"] += len(texts)
             dim = self.flat.dim if self.flat is not None else None
             rows = []
             for (cid, _), ks in zip(part, keys, strict=True):
-                mat = (np.stack([known[k] for k in ks]) if ks
-                       else np.zeros((0, dim or 0), dtype=np.float32))
+                mat = np.stack([known[k] for k in ks]) if ks else np.zeros((0, dim or 0), dtype=np.float32)
                 rows.append((cid, b"".join(ks), mat.astype("<f2").tobytes()))
             self.db.executemany(
-                "INSERT OR REPLACE INTO sentence_vectors (chunk_id, digests, vectors) VALUES (?,?,?)", rows)
+                "INSERT OR REPLACE INTO sentence_vectors (chunk_id, digests, vectors) VALUES (?,?,?)", rows
+            )
             self.progress("sentences", min(lo + step, total), total)
         self.sentence_seconds += time.perf_counter() - t
 
@@ -954,13 +1035,10 @@ class _Builder:
         counts = {
             "chunks": self.db.execute("SELECT COUNT(*) FROM chunks").fetchone()[0],
             "sources": self.db.execute("SELECT COUNT(*) FROM sources").fetchone()[0],
-            "files": self.db.execute(
-                "SELECT COUNT(*) FROM files WHERE status='indexed'").fetchone()[0],
-            "files_skipped": self.db.execute(
-                "SELECT COUNT(*) FROM files WHERE status!='indexed'").fetchone()[0],
+            "files": self.db.execute("SELECT COUNT(*) FROM files WHERE status='indexed'").fetchone()[0],
+            "files_skipped": self.db.execute("SELECT COUNT(*) FROM files WHERE status!='indexed'").fetchone()[0],
             "vectors": self.flat.ntotal,
-            "windowed_chunks": self.db.execute(
-                "SELECT COUNT(*) FROM chunks WHERE windows>1").fetchone()[0],
+            "windowed_chunks": self.db.execute("SELECT COUNT(*) FROM chunks WHERE windows>1").fetchone()[0],
         }
         if self.lexical != "unavailable":
             counts["lexical_rows"] = self.db.execute("SELECT COUNT(*) FROM chunks_fts").fetchone()[0]
@@ -1001,17 +1079,18 @@ class _Builder:
             "chunking": self.settings["chunking"],
             "dedup": self.settings["dedup"],
             "dedup_signature_dtype": self.sig_dtype,
-            "faiss": {**flat_entry, "file": fpath.name,
-                      "bytes": fpath.stat().st_size, "sha256": _sha256_file(fpath)},
+            "faiss": {**flat_entry, "file": fpath.name, "bytes": fpath.stat().st_size, "sha256": _sha256_file(fpath)},
             "approx": approx_entry,
             "store": self.store_report,
-            "lexical": ({"kind": "sqlite-fts5", "table": "chunks_fts", "tokenize": FTS_TOKENIZE}
-                        if self.lexical != "unavailable" else None),
+            "lexical": (
+                {"kind": "sqlite-fts5", "table": "chunks_fts", "tokenize": FTS_TOKENIZE}
+                if self.lexical != "unavailable"
+                else None
+            ),
             # Every chunk's sentences embedded for span packing (build.py _embed_sentences); an
             # index without this entry gets them on its next write.
             "sentences": {"table": "sentence_vectors", "dtype": "float16", "splitter": 1},
-            "sqlite": {"file": spath.name, "bytes": spath.stat().st_size,
-                       "sha256": _sha256_file(spath)},
+            "sqlite": {"file": spath.name, "bytes": spath.stat().st_size, "sha256": _sha256_file(spath)},
             "counts": counts,
             "roots": [{"label": r.label, "kind": r.kind} for r in sorted(self.roots, key=lambda r: r.label)],
             "last_run": self._summary(committed=True).to_dict(),
@@ -1038,14 +1117,21 @@ class _Builder:
         entry = store.save(tmp)
         _fsync_file(tmp)
         os.replace(tmp, path)
-        self.store_report.update(recall_at_10=entry.get("recall_at_10"),
-                                 recall_queries=report.queries, build_seconds=round(report.seconds, 3))
+        self.store_report.update(
+            recall_at_10=entry.get("recall_at_10"),
+            recall_queries=report.queries,
+            build_seconds=round(report.seconds, 3),
+        )
         if report.recall_at_10 is not None and report.recall_at_10 < store.target:
-            log.warning("the %s store reaches recall@10 %.3f against exact search, below the %.2f "
-                        "target, at its largest search setting (%s)", kind, report.recall_at_10,
-                        store.target, report.params)
-        return {**entry, "file": path.name, "bytes": path.stat().st_size,
-                "sha256": _sha256_file(path)}
+            log.warning(
+                "the %s store reaches recall@10 %.3f against exact search, below the %.2f "
+                "target, at its largest search setting (%s)",
+                kind,
+                report.recall_at_10,
+                store.target,
+                report.params,
+            )
+        return {**entry, "file": path.name, "bytes": path.stat().st_size, "sha256": _sha256_file(path)}
 
     def _summary(self, *, committed: bool) -> IndexSummary:
         if committed and self.counts is not None:
@@ -1072,5 +1158,3 @@ class _Builder:
         if self.db is not None:
             return int(self.db.execute("SELECT COUNT(*) FROM chunks").fetchone()[0])
         return 0
-
-

@@ -363,10 +363,18 @@ class Conversation:
         summary_cache: SummaryCache | None = None,
     ) -> None:
         # The history policy is one record (checked where it is built); its flat keywords are sugar.
-        self.history = from_keywords(HistorySettings, history, "history", {
-            "history_share": history_share, "summary_max_tokens": summary_max_tokens,
-            "recent_turns": recent_turns, "expand_follow_ups": expand_follow_ups,
-            "summary_role": summary_role})
+        self.history = from_keywords(
+            HistorySettings,
+            history,
+            "history",
+            {
+                "history_share": history_share,
+                "summary_max_tokens": summary_max_tokens,
+                "recent_turns": recent_turns,
+                "expand_follow_ups": expand_follow_ups,
+                "summary_role": summary_role,
+            },
+        )
         self.pipeline = pipeline
         self.max_new_tokens = max_new_tokens
         self.context_tokens = context_tokens

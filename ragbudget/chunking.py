@@ -63,9 +63,7 @@ _WS_NONL = "\t\x0b\x0c \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000
 #  (b) after a letter or digit, before a line break (after punctuation, "[\r\n]*" glues the
 #      newlines to the punctuation piece, so that is NOT such a point);
 #  (c) after "\n", before spaces-then-text (a blank line or trailing spaces would merge pieces).
-_EXACT_POINT = re.compile(
-    rf"(?<=[^{_WS}])(?=[{_WS_NONL}])|(?<=[^\W_])(?=[\r\n])|(?<=\n)(?=[{_WS_NONL}]*[^{_WS}])"
-)
+_EXACT_POINT = re.compile(rf"(?<=[^{_WS}])(?=[{_WS_NONL}])|(?<=[^\W_])(?=[\r\n])|(?<=\n)(?=[{_WS_NONL}]*[^{_WS}])")
 # Below this many characters re-encoding a chunk is as cheap as patching its ends.
 _FAST_MIN_CHARS = 64
 # cl100k_base's pre-tokenizer pattern: the exact fast path is enabled only for this pattern.

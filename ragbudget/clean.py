@@ -78,9 +78,7 @@ _PAGENO_MAX_LEN = 120
 
 _DIGITS = re.compile(r"\d+")
 _HAS_WORD = re.compile(r"[^\W_]|#")
-_ROMAN = re.compile(
-    r"^(?=[mdclxvi])m{0,3}(cm|cd|d?c{0,3})(xc|xl|l?x{0,3})(ix|iv|v?i{0,3})$", re.IGNORECASE
-)
+_ROMAN = re.compile(r"^(?=[mdclxvi])m{0,3}(cm|cd|d?c{0,3})(xc|xl|l?x{0,3})(ix|iv|v?i{0,3})$", re.IGNORECASE)
 _ROMAN_VALUES = {"i": 1, "v": 5, "x": 10, "l": 50, "c": 100, "d": 500, "m": 1000}
 
 
@@ -168,9 +166,7 @@ def _zones(pages: Sequence[list[str]]) -> list[list[int]]:
     return out
 
 
-def _page_number_hits(
-    pages: Sequence[list[str]], zones: Sequence[list[int]]
-) -> dict[tuple[int, int], str | None]:
+def _page_number_hits(pages: Sequence[list[str]], zones: Sequence[list[int]]) -> dict[tuple[int, int], str | None]:
     """Zone lines that carry the printed page number, found as dense (kind, offset) sequences.
 
     Maps each ``(page, line)`` to its edge, ``"top"`` or ``"bottom"``, when it is the outermost
@@ -345,9 +341,7 @@ def find_furniture(
     if with_text and emptied > _MAX_EMPTIED * len(with_text):
         removed, per_page = [], [0] * n
     patterns = tuple(sorted({keys[loc] for loc in removed}))
-    return StripReport(
-        removed=len(removed), patterns=patterns, per_page=tuple(per_page), lines=tuple(removed)
-    )
+    return StripReport(removed=len(removed), patterns=patterns, per_page=tuple(per_page), lines=tuple(removed))
 
 
 def fold_line(line: str) -> str:
@@ -386,7 +380,9 @@ def find_known(pages: Sequence[str], known: Collection[str]) -> StripReport:
         per_page.append(len(gone))
         removed.extend((p, i) for i in gone)
     return StripReport(
-        removed=len(removed), patterns=tuple(sorted(patterns)), per_page=tuple(per_page),
+        removed=len(removed),
+        patterns=tuple(sorted(patterns)),
+        per_page=tuple(per_page),
         lines=tuple(removed),
     )
 

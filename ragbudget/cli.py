@@ -90,7 +90,7 @@ def cli(verbose: int) -> None:
     default="auto",
     show_default=True,
     help="Vector store that answers searches: auto = exact while small, then HNSW, then IVF-PQ (recall@10 measured "
-         "at build, shown by `stats`).",
+    "at build, shown by `stats`).",
 )
 @click.option("--approx", type=click.Choice(["hnsw"]), default=None, help="Older spelling of --store hnsw.")
 @click.option(
@@ -123,7 +123,7 @@ def cli(verbose: int) -> None:
     default=None,
     metavar="ADDR",
     help="Ray cluster to join with --executor ray (host:port, ray://host:port or auto); default: $RAY_ADDRESS, else "
-         "a local Ray started for this run.",
+    "a local Ray started for this run.",
 )
 @click.option(
     "--embed-workers",
@@ -131,7 +131,7 @@ def cli(verbose: int) -> None:
     type=click.IntRange(min=1),
     metavar="N",
     help="Embedding actors with --executor ray, one model copy each (default: one per GPU, else one per CPU of the "
-         "cluster).",
+    "cluster).",
 )
 @user_errors
 def index(

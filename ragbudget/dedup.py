@@ -126,9 +126,7 @@ def _analyse(texts: Sequence[str]) -> _Analysis:
     nonspace = np.flatnonzero(~space)
     need_space = np.zeros(len(nonspace), dtype=bool)
     if len(nonspace) > 1:
-        need_space[1:] = (
-            (nonspace[1:] - nonspace[:-1] > 1) & word[nonspace[1:]] & word[nonspace[:-1]]
-        )
+        need_space[1:] = (nonspace[1:] - nonspace[:-1] > 1) & word[nonspace[1:]] & word[nonspace[:-1]]
     # A kept space is represented by the whitespace character just before the next kept
     # character, so ``keep`` stays increasing (and searchable); it renders as U+0020.
     pos = np.arange(len(nonspace)) + np.cumsum(need_space)
@@ -147,7 +145,14 @@ def _analyse(texts: Sequence[str]) -> _Analysis:
     word_ends = np.flatnonzero(word & ~nxt) + 1
     word_bounds = word_starts.searchsorted(text_starts)
     return _Analysis(
-        cp, keep, keep_space, keep_bounds, keep_ends, word_starts, word_ends, word_bounds,
+        cp,
+        keep,
+        keep_space,
+        keep_bounds,
+        keep_ends,
+        word_starts,
+        word_ends,
+        word_bounds,
         len(folded),
     )
 
@@ -323,9 +328,7 @@ def _fingerprints(
     return hashes, out
 
 
-def _signatures_into(
-    out: np.ndarray, h: np.ndarray, offsets: np.ndarray, a: np.ndarray, b: np.ndarray
-) -> None:
+def _signatures_into(out: np.ndarray, h: np.ndarray, offsets: np.ndarray, a: np.ndarray, b: np.ndarray) -> None:
     if len(h) == 0:
         return
     # Layout (num_perm, shingles): each text's shingles are contiguous in every row, so the
@@ -347,9 +350,7 @@ def _signatures_into(
         out[rows] = np.minimum(out[rows], part)
 
 
-def minhash_signature(
-    text: str, *, num_perm: int = DEFAULT_NUM_PERM, shingle: int = DEFAULT_SHINGLE
-) -> np.ndarray:
+def minhash_signature(text: str, *, num_perm: int = DEFAULT_NUM_PERM, shingle: int = DEFAULT_SHINGLE) -> np.ndarray:
     """MinHash signature (uint32, ``num_perm`` values) of one text; see :func:`minhash_signatures`.
 
     Store it with ``sig.tobytes()`` and restore with ``np.frombuffer(raw, dtype=np.uint32)``.
@@ -400,8 +401,11 @@ class NearDupIndex:
     """
 
     def __init__(
-        self, threshold: float = DEFAULT_THRESHOLD, num_perm: int = DEFAULT_NUM_PERM,
-        *, bands: int | None = None,
+        self,
+        threshold: float = DEFAULT_THRESHOLD,
+        num_perm: int = DEFAULT_NUM_PERM,
+        *,
+        bands: int | None = None,
     ) -> None:
         if not 0.0 < threshold <= 1.0:
             raise ConfigError(f"threshold must be in (0, 1], got {threshold!r}")
@@ -496,9 +500,7 @@ class NearDupIndex:
                 if not members:
                     del bucket[k]
 
-    def query_scored(
-        self, sig: np.ndarray, *, band_keys: Sequence[int] | None = None
-    ) -> list[tuple[Hashable, float]]:
+    def query_scored(self, sig: np.ndarray, *, band_keys: Sequence[int] | None = None) -> list[tuple[Hashable, float]]:
         """Confirmed near-duplicates of ``sig`` with their estimated Jaccard, best first."""
         sig = self._check(sig)
         keys = band_keys if band_keys is not None else self.band_keys(sig)[0].tolist()
@@ -620,8 +622,7 @@ class Deduplicator:
             decision = self.check(text, signature=signature, digest=digest)
         return self._place(key, decision.content_hash, decision.signature, decision)
 
-    def check(self, text: str = "", *, signature: np.ndarray | None = None,
-              digest: str | None = None) -> DedupDecision:
+    def check(self, text: str = "", *, signature: np.ndarray | None = None, digest: str | None = None) -> DedupDecision:
         """What :meth:`add` would decide for ``text``, without adding it."""
         h = digest or content_hash(text)
         sig = signature
@@ -643,8 +644,9 @@ class Deduplicator:
                     decision = DedupDecision("near", rep, sim, sig, h)
         return decision
 
-    def _place(self, key: Hashable, h: str, sig: np.ndarray | None,
-               decision: DedupDecision | None = None) -> DedupDecision:
+    def _place(
+        self, key: Hashable, h: str, sig: np.ndarray | None, decision: DedupDecision | None = None
+    ) -> DedupDecision:
         if decision is None:
             decision = self._decide(h, sig)
         self._info[key] = (h, sig)
@@ -709,9 +711,7 @@ def _as_source(chunk: Chunk, src: Any) -> Source:
         return src
     if isinstance(src, str):
         return Source(src, chunk.start, chunk.end, chunk.page_start, chunk.page_end)
-    raise ConfigError(
-        f"dedup() takes (Chunk, Source) or (Chunk, path) pairs; got a {type(src).__name__} source"
-    )
+    raise ConfigError(f"dedup() takes (Chunk, Source) or (Chunk, path) pairs; got a {type(src).__name__} source")
 
 
 def dedup(
@@ -741,9 +741,7 @@ def dedup(
         raise ConfigError(f"num_perm must be >= 2 and shingle >= 1, got {num_perm} and {shingle}")
     # One analysis of every text gives both the content hash and the signature. Signatures of
     # exact copies are computed too (wasted for them), which is cheaper than a second pass.
-    hashes, mat = _fingerprints(
-        [c.text for c, _ in pairs], num_perm=num_perm, shingle=shingle, sigs=near
-    )
+    hashes, mat = _fingerprints([c.text for c, _ in pairs], num_perm=num_perm, shingle=shingle, sigs=near)
     first_of: dict[str, int] = {}
     for i, h in enumerate(hashes):
         first_of.setdefault(h, i)
@@ -778,7 +776,6 @@ def dedup(
     for i, (_, src) in enumerate(pairs):
         sources.setdefault(rep_of[i], []).append(src)
     items = [
-        DedupItem(pairs[i][0], tuple(sources[i]), hashes[i], sigs.get(i), sim_of.get(i, 1.0))
-        for i in sorted(sources)
+        DedupItem(pairs[i][0], tuple(sources[i]), hashes[i], sigs.get(i), sim_of.get(i, 1.0)) for i in sorted(sources)
     ]
     return DedupResult(items, exact, near_n)

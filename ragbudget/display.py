@@ -51,41 +51,54 @@ def _h(n: int) -> str:
 
 def _concurrency_line(plan: BudgetPlan) -> str:
     if plan.max_concurrency >= 1:
-        return (f"{plan.concurrency} (max {plan.max_concurrency:,} requests of "
-                f"{plan.concurrency_context_tokens:,} tokens)")
+        return (
+            f"{plan.concurrency} (max {plan.max_concurrency:,} requests of {plan.concurrency_context_tokens:,} tokens)"
+        )
     # Not even one request of the target length fits: say what does instead of "max 0".
-    return (f"{plan.concurrency} request(s) of {plan.max_context_tokens:,} tokens each; one "
-            f"request of {plan.concurrency_context_tokens:,} tokens does not fit (memory holds "
-            f"{plan.kv_capacity_tokens:,} tokens for one request)")
+    return (
+        f"{plan.concurrency} request(s) of {plan.max_context_tokens:,} tokens each; one "
+        f"request of {plan.concurrency_context_tokens:,} tokens does not fit (memory holds "
+        f"{plan.kv_capacity_tokens:,} tokens for one request)"
+    )
 
 
 def format_plan(plan: BudgetPlan) -> str:
     """A readable table of a plan (for the CLI)."""
     rows = [
         ("model", plan.model),
-        ("gpu", plan.gpu_source if plan.gpu_source.startswith(plan.gpu_name)
-         else f"{plan.gpu_name} ({plan.gpu_source})"),
+        (
+            "gpu",
+            plan.gpu_source if plan.gpu_source.startswith(plan.gpu_name) else f"{plan.gpu_name} ({plan.gpu_source})",
+        ),
         ("memory", f"{_h(plan.gpu_bytes)} × {plan.utilization:.2f} = {_h(plan.usable_bytes)} usable"),
         ("weights", f"{_h(plan.weights_bytes)} ({plan.weights_source})"),
         ("activations", f"{_h(plan.activation_bytes)} ({plan.activation_source})"),
         ("kv cache", f"{plan.cache}, {plan.kv_dtype}, {plan.backend}"),
         # The second figure only exists for models with sliding-window layers.
-        ("kv per token", _h(plan.kv_bytes_per_token) if plan.kv_bytes_per_token_peak
-         == plan.kv_bytes_per_token else (f"{_h(plan.kv_bytes_per_token)} (below sliding "
-                                          f"windows: {_h(plan.kv_bytes_per_token_peak)})")),
-        ("kv at max", (f"{_h(plan.kv_bytes_at_max)} for {plan.concurrency} × "
-                      f"{plan.max_context_tokens:,} tokens")),
+        (
+            "kv per token",
+            _h(plan.kv_bytes_per_token)
+            if plan.kv_bytes_per_token_peak == plan.kv_bytes_per_token
+            else (f"{_h(plan.kv_bytes_per_token)} (below sliding windows: {_h(plan.kv_bytes_per_token_peak)})"),
+        ),
+        ("kv at max", (f"{_h(plan.kv_bytes_at_max)} for {plan.concurrency} × {plan.max_context_tokens:,} tokens")),
         ("kv capacity", f"{plan.kv_capacity_tokens:,} tokens (one sequence)"),
-        ("max context", (f"{plan.max_context_tokens:,} tokens per request (limited by "
-                        f"{plan.limited_by}; model max {plan.model_max_tokens:,})")),
+        (
+            "max context",
+            (
+                f"{plan.max_context_tokens:,} tokens per request (limited by "
+                f"{plan.limited_by}; model max {plan.model_max_tokens:,})"
+            ),
+        ),
         ("max prompt", f"{plan.max_prompt_tokens:,} tokens + {plan.max_new_tokens} new"),
         ("concurrency", _concurrency_line(plan)),
     ]
     width = max(len(k) for k, _ in rows)
     lines = [f"{k.ljust(width)}  {v}" for k, v in rows]
     if plan.concurrency_curve:
-        lines.append("tokens per request by concurrency: " + ", ".join(
-            f"{n}→{t:,}" for n, t in plan.concurrency_curve[:8]))
+        lines.append(
+            "tokens per request by concurrency: " + ", ".join(f"{n}→{t:,}" for n, t in plan.concurrency_curve[:8])
+        )
     lines += [f"note: {n}" for n in plan.notes]
     return "\n".join(lines)
 
@@ -99,11 +112,16 @@ def plot_plan(plan: BudgetPlan, path: str | os.PathLike[str]) -> str:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as e:
-        raise ConfigError("plotting needs the optional package 'matplotlib', which is not "
-                          "installed: pip install 'ragbudget[plot]'") from e
+        raise ConfigError(
+            "plotting needs the optional package 'matplotlib', which is not installed: pip install 'ragbudget[plot]'"
+        ) from e
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    parts = [("weights", plan.weights_bytes), ("activations", plan.activation_bytes),
-             ("KV", plan.kv_bytes_at_max), ("free", plan.free_bytes_at_max)]
+    parts = [
+        ("weights", plan.weights_bytes),
+        ("activations", plan.activation_bytes),
+        ("KV", plan.kv_bytes_at_max),
+        ("free", plan.free_bytes_at_max),
+    ]
     bottom = 0.0
     for label, v in parts:
         a.bar([0], [v / GiB], bottom=[bottom], label=f"{label} {v / GiB:.1f} GiB")
@@ -151,10 +169,16 @@ def format_report(report: dict[str, Any]) -> str:
             ("reserved output", f"{n(b.get('max_new_tokens'))} tokens (sent as max_tokens)"),
             ("prompt allowed", f"{n(b.get('max_prompt_tokens'))} tokens"),
             ("fixed prompt", f"{n(b.get('fixed_prompt_tokens'))} tokens (template, system, question)"),
-            ("context", f"{n(b.get('context_tokens_used'))} / {n(b.get('context_tokens_allowed'))} "
-                        f"tokens ({100 * float(b.get('fill', 0)):.1f}% filled)"),
-            ("prompt used", f"{n(b.get('prompt_tokens'))} tokens (engine counted "
-                            f"{n(b.get('engine_prompt_tokens'))}); generated {n(b.get('new_tokens'))}"),
+            (
+                "context",
+                f"{n(b.get('context_tokens_used'))} / {n(b.get('context_tokens_allowed'))} "
+                f"tokens ({100 * float(b.get('fill', 0)):.1f}% filled)",
+            ),
+            (
+                "prompt used",
+                f"{n(b.get('prompt_tokens'))} tokens (engine counted "
+                f"{n(b.get('engine_prompt_tokens'))}); generated {n(b.get('new_tokens'))}",
+            ),
         ]
         return _report_tail(report, lines, rows)
     rows = [
@@ -164,20 +188,29 @@ def format_report(report: dict[str, Any]) -> str:
         ("activations", f"{p.get('activation_bytes', 0) / gib:.3f} GiB ({p.get('activation_source', '')})"),
         ("KV bytes/token", f"{n(b.get('kv_bytes_per_token'))} ({p.get('cache', '')}, {p.get('kv_dtype', '')})"),
         ("KV capacity", f"{n(b.get('kv_capacity_tokens'))} tokens"),
-        ("per request", f"{n(b.get('max_context_tokens'))} tokens (limited by {b.get('limited_by')}, "
-                        f"concurrency {p.get('concurrency', 1)})"),
+        (
+            "per request",
+            f"{n(b.get('max_context_tokens'))} tokens (limited by {b.get('limited_by')}, "
+            f"concurrency {p.get('concurrency', 1)})",
+        ),
         ("reserved output", f"{n(b.get('max_new_tokens'))} tokens"),
         ("prompt allowed", f"{n(b.get('max_prompt_tokens'))} tokens"),
         ("fixed prompt", f"{n(b.get('fixed_prompt_tokens'))} tokens (template, system, question)"),
-        ("context", f"{n(b.get('context_tokens_used'))} / {n(b.get('context_tokens_allowed'))} tokens "
-                    f"({100 * float(b.get('fill', 0)):.1f}% filled)"),
+        (
+            "context",
+            f"{n(b.get('context_tokens_used'))} / {n(b.get('context_tokens_allowed'))} tokens "
+            f"({100 * float(b.get('fill', 0)):.1f}% filled)",
+        ),
         ("prompt used", f"{n(b.get('prompt_tokens'))} tokens; generated {n(b.get('new_tokens'))}"),
     ]
     limit = b.get("context_limit")
     if limit:
-        why = (f"time: {limit.get('ttft_target_s', 0):g} s to the first token at the prefill speed "
-               f"measured on {limit.get('device', '?')} (ttft_target; --context-tokens overrides)"
-               if limit.get("limit") == "time" else "asked for (context_tokens)")
+        why = (
+            f"time: {limit.get('ttft_target_s', 0):g} s to the first token at the prefill speed "
+            f"measured on {limit.get('device', '?')} (ttft_target; --context-tokens overrides)"
+            if limit.get("limit") == "time"
+            else "asked for (context_tokens)"
+        )
         rows.insert(-2, ("context cap", f"{n(limit.get('tokens'))} tokens, limit {why}"))
     return _report_tail(report, [], rows)
 
@@ -185,12 +218,14 @@ def format_report(report: dict[str, Any]) -> str:
 def _span_line(sp: dict[str, Any]) -> str:
     """One span of ``--explain``: where it is, what it cost, why it went in, how it starts."""
     src = sp.get("source") or {}
-    where = (f"{src.get('start')}:{src.get('end')}" if src else f"{sp.get('start')}:{sp.get('end')}")
+    where = f"{src.get('start')}:{src.get('end')}" if src else f"{sp.get('start')}:{sp.get('end')}"
     page = f" p.{src['page']}" if src.get("page") else ""
     text = " ".join(str(sp.get("text") or "").split())
     preview = f"  {text[:60]!r}{'…' if len(text) > 60 else ''}" if text else ""
-    return (f"      [{where}]{page}  {sp.get('n_tokens', 0)} tokens  {sp.get('why', '')}  "
-            f"score {float(sp.get('score', 0)):.2f}{preview}")
+    return (
+        f"      [{where}]{page}  {sp.get('n_tokens', 0)} tokens  {sp.get('why', '')}  "
+        f"score {float(sp.get('score', 0)):.2f}{preview}"
+    )
 
 
 def _report_tail(report: dict[str, Any], lines: list[str], rows: list[tuple[str, str]]) -> str:
@@ -201,14 +236,18 @@ def _report_tail(report: dict[str, Any], lines: list[str], rows: list[tuple[str,
     for i, s in enumerate(sel, 1):
         src = (s.get("sources") or [{}])[0]
         page = f" ({src['label']})" if src.get("label") else f" p.{src.get('page')}" if src.get("page") else ""
-        lines.append(f"  [{i}] {src.get('path', '?')}{page}  score {s.get('score', 0):.3f}  "
-                     f"{s.get('cost', 0)} tokens{'  (truncated)' if s.get('truncated') else ''}")
+        lines.append(
+            f"  [{i}] {src.get('path', '?')}{page}  score {s.get('score', 0):.3f}  "
+            f"{s.get('cost', 0)} tokens{'  (truncated)' if s.get('truncated') else ''}"
+        )
         spans = s.get("spans") or []
         if spans:
             label = s.get("cost", 0) - s.get("n_tokens", 0)
-            lines.append(f"      chunk {', '.join(map(str, s.get('chunk_ids', [])))}: "
-                         f"{len(spans)} span(s), {s.get('n_tokens', 0)} tokens of text + "
-                         f"{label} label")
+            lines.append(
+                f"      chunk {', '.join(map(str, s.get('chunk_ids', [])))}: "
+                f"{len(spans)} span(s), {s.get('n_tokens', 0)} tokens of text + "
+                f"{label} label"
+            )
             lines += [_span_line(sp) for sp in spans]
     dropped = report.get("dropped", [])
     if dropped:
@@ -221,10 +260,8 @@ def _report_tail(report: dict[str, Any], lines: list[str], rows: list[tuple[str,
         per: dict[tuple[Any, str], list[int]] = {}
         for sp in left:
             per.setdefault((sp["chunk_id"], sp["why"]), []).append(int(sp["n_tokens"]))
-        lines.append(f"Spans left out: {len(left)} sentence(s), "
-                     f"{sum(int(sp['n_tokens']) for sp in left):,} tokens")
-        lines += [f"  chunk {cid}: {len(ns)} {why} ({sum(ns):,} tokens)"
-                  for (cid, why), ns in per.items()]
+        lines.append(f"Spans left out: {len(left)} sentence(s), {sum(int(sp['n_tokens']) for sp in left):,} tokens")
+        lines += [f"  chunk {cid}: {len(ns)} {why} ({sum(ns):,} tokens)" for (cid, why), ns in per.items()]
     for step in report.get("oom_steps", []):
         lines.append(f"OOM step: {step}")
     t = report.get("timings", {})

@@ -242,25 +242,33 @@ class SentenceTransformerEmbedder(Embedder):
     def _choose_backend(self, backend: str) -> str:
         if backend in ("onnx", "onnx-int8"):
             if self.device is not None and self.device != "cpu":
-                raise ConfigError(f"backend {backend!r} runs on the CPU; got device={self.device!r} "
-                                  "(use backend='torch' for a GPU)")
+                raise ConfigError(
+                    f"backend {backend!r} runs on the CPU; got device={self.device!r} (use backend='torch' for a GPU)"
+                )
             if not _has_onnxruntime():
-                raise ConfigError(f"backend {backend!r} needs onnxruntime and onnx: "
-                                  "pip install 'ragbudget[onnx]' (or use backend='torch')")
+                raise ConfigError(
+                    f"backend {backend!r} needs onnxruntime and onnx: "
+                    "pip install 'ragbudget[onnx]' (or use backend='torch')"
+                )
             if self._onnx_layout() is None:
-                raise ConfigError(f"backend {backend!r} covers local BERT models with mean pooling "
-                                  f"(like the packaged MiniLM); {self.model_name!r} is not one: "
-                                  "use backend='torch'")
+                raise ConfigError(
+                    f"backend {backend!r} covers local BERT models with mean pooling "
+                    f"(like the packaged MiniLM); {self.model_name!r} is not one: "
+                    "use backend='torch'"
+                )
             return backend
         if backend == "torch":
             return backend
         # auto: ONNX only where it is known to hold (CPU, the covered layout, the runtime there).
-        if (self.device in (None, "cpu") and not _cuda_visible() and _has_onnxruntime()
-                and self._onnx_layout() is not None):
+        if (
+            self.device in (None, "cpu")
+            and not _cuda_visible()
+            and _has_onnxruntime()
+            and self._onnx_layout() is not None
+        ):
             return AUTO_CPU_BACKEND
         if self.device in (None, "cpu") and not _has_onnxruntime() and self._onnx_layout() is not None:
-            log.info("embedding with torch: pip install 'ragbudget[onnx]' for the faster ONNX "
-                     "Runtime backend")
+            log.info("embedding with torch: pip install 'ragbudget[onnx]' for the faster ONNX Runtime backend")
         return "torch"
 
     def _onnx_layout(self) -> _LightBert | None:
@@ -309,8 +317,10 @@ class SentenceTransformerEmbedder(Embedder):
         """The loaded ``SentenceTransformer`` (loads it on first access; the torch backend)."""
         if self._model is None:
             if self.backend != "torch":
-                raise ConfigError(f"this embedder runs on {self.backend!r}: it has no "
-                                  "sentence-transformers model (construct it with backend='torch')")
+                raise ConfigError(
+                    f"this embedder runs on {self.backend!r}: it has no "
+                    "sentence-transformers model (construct it with backend='torch')"
+                )
             self.warm_up()
         return self._model
 
@@ -465,9 +475,7 @@ class HashEmbedder(Embedder):
     1.0
     """
 
-    def __init__(
-        self, dim: int = 64, *, max_tokens: int | None = None, pooling: str = "windows"
-    ) -> None:
+    def __init__(self, dim: int = 64, *, max_tokens: int | None = None, pooling: str = "windows") -> None:
         if dim < 2:
             raise ConfigError(f"dim must be >= 2, got {dim}")
         if pooling not in _POOLINGS:

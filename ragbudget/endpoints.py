@@ -428,8 +428,12 @@ class ChatEndpoint:
         body = await read_json(request, limit=self.max_body_bytes, metrics=self.metrics)
         req = parse_chat(body, self.models, max_tokens_limit=self.max_tokens_limit)
         client = request.client  # None when the transport gives no address
-        req = replace(req, key=caller_key(req.key, host=client.host if client else "",
-                                          authorization=request.headers.get("authorization", "")))
+        req = replace(
+            req,
+            key=caller_key(
+                req.key, host=client.host if client else "", authorization=request.headers.get("authorization", "")
+            ),
+        )
         self.health.require()
         completion = Completion.new(req.model, expose_plan=self.expose_plan)
         cancel = threading.Event()
@@ -564,7 +568,9 @@ class ChatEndpoint:
         # "queued" (a returning client claimed its place), then its end reach this loop in order.
         relay: Relay[Answer] = Relay(
             lambda emit, stop: self.run_ask(req, stop, emit, emit.queued),
-            loop=asyncio.get_running_loop(), cancel=cancel, start=self.workers.submit,
+            loop=asyncio.get_running_loop(),
+            cancel=cancel,
+            start=self.workers.submit,
         )
         # Wait for the first event before committing to a 200 stream: admission happens inside
         # ask(), so an overloaded server must still be able to answer 429 with Retry-After. A
@@ -640,5 +646,3 @@ class ChatEndpoint:
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
-
-

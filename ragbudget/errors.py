@@ -175,13 +175,15 @@ class ExecutorError(RagBudgetError):
 # traceback. The structured fields (``url``, ``kind``, ``status`` and the leaves' figures) are
 # what code should branch on, never the message text.
 
+
 class EngineError(RagBudgetError):
     """A served engine could not be used. ``url`` is the route that failed, ``kind`` the engine
     kind (``"vllm"``, ``"llamacpp"``, … or ``""`` before detection), ``status`` the HTTP status
     when there was one; ``body`` the server's structured error (a dict) or the start of its body."""
 
-    def __init__(self, message: str, *, url: str = "", kind: str = "", status: int | None = None,
-                 body: object = None) -> None:
+    def __init__(
+        self, message: str, *, url: str = "", kind: str = "", status: int | None = None, body: object = None
+    ) -> None:
         Exception.__init__(self, message)
         self.url = url
         self.kind = kind
@@ -210,9 +212,19 @@ class EngineContextError(EngineError, BudgetError):
     server's advertised window otherwise (``source`` says which); ``max_new_tokens`` is what was
     reserved for the answer. ``needed``/``available`` mirror them for ``except BudgetError``."""
 
-    def __init__(self, message: str, *, url: str = "", kind: str = "", status: int | None = None,
-                 body: object = None, n_prompt_tokens: int | None = None, n_ctx: int | None = None,
-                 max_new_tokens: int | None = None, source: str = "") -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        url: str = "",
+        kind: str = "",
+        status: int | None = None,
+        body: object = None,
+        n_prompt_tokens: int | None = None,
+        n_ctx: int | None = None,
+        max_new_tokens: int | None = None,
+        source: str = "",
+    ) -> None:
         EngineError.__init__(self, message, url=url, kind=kind, status=status, body=body)
         self.n_prompt_tokens = n_prompt_tokens
         self.n_ctx = n_ctx
@@ -228,8 +240,17 @@ class EngineOverloadedError(EngineError, OverloadedError):
     server's last ``Retry-After`` in seconds (or the client's next delay); ``attempts`` how many
     requests were made."""
 
-    def __init__(self, message: str, *, url: str = "", kind: str = "", status: int | None = None,
-                 body: object = None, retry_after: float = 1.0, attempts: int = 1) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        url: str = "",
+        kind: str = "",
+        status: int | None = None,
+        body: object = None,
+        retry_after: float = 1.0,
+        attempts: int = 1,
+    ) -> None:
         EngineError.__init__(self, message, url=url, kind=kind, status=status, body=body)
         self.retry_after = retry_after
         self.attempts = attempts

@@ -107,8 +107,12 @@ class LocalExecutor:
         for start in range(0, len(texts), max(1, batch_size)):
             part = texts[start : start + batch_size]
             res = embedder.embed(part)
-            yield Shard(positions=np.arange(start, start + len(part), dtype=np.int64),
-                        vectors=res.vectors, windows=tuple(res.windows), texts_fed=res.texts_fed)
+            yield Shard(
+                positions=np.arange(start, start + len(part), dtype=np.int64),
+                vectors=res.vectors,
+                windows=tuple(res.windows),
+                texts_fed=res.texts_fed,
+            )
 
     def check(self) -> None:
         """Nothing to check: this process is always there."""
@@ -137,9 +141,12 @@ class _EmbedActor:
         fed = np.zeros(n, dtype=np.int64)
         if n:
             fed[0] = res.texts_fed
-        return {"pos": np.asarray(batch["pos"], dtype=np.int64),
-                "vector": np.ascontiguousarray(res.vectors, dtype=np.float32),
-                "windows": np.asarray(res.windows, dtype=np.int64), "fed": fed}
+        return {
+            "pos": np.asarray(batch["pos"], dtype=np.int64),
+            "vector": np.ascontiguousarray(res.vectors, dtype=np.float32),
+            "windows": np.asarray(res.windows, dtype=np.int64),
+            "fed": fed,
+        }
 
 
 def _split_address(address: str) -> tuple[str, int] | None:
@@ -150,8 +157,7 @@ def _split_address(address: str) -> tuple[str, int] | None:
     if not sep or not port.isdigit():
         if address in ("auto", "local"):
             return None
-        raise ConfigError(f"a Ray address is 'host:port', 'ray://host:port', 'auto' or 'local'; "
-                          f"got {address!r}")
+        raise ConfigError(f"a Ray address is 'host:port', 'ray://host:port', 'auto' or 'local'; got {address!r}")
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
@@ -193,8 +199,9 @@ class RayExecutor:
 
     name = "ray"
 
-    def __init__(self, *, address: str | None = None, workers: int | None = None,
-                 round_size: int = RAY_ROUND, retries: int = 2) -> None:
+    def __init__(
+        self, *, address: str | None = None, workers: int | None = None, round_size: int = RAY_ROUND, retries: int = 2
+    ) -> None:
         if workers is not None and workers < 1:
             raise ConfigError(f"embed workers must be >= 1, got {workers}")
         if round_size < 1:
@@ -224,7 +231,8 @@ class RayExecutor:
             raise ExecutorError(
                 f"cannot reach the Ray cluster at {self.address!r}: {exc.strerror or exc} "
                 f"(no answer on {host}:{port} within {CONNECT_TIMEOUT_S:g} s); start it with "
-                "`ray start --head`, or fix --ray-address") from None
+                "`ray start --head`, or fix --ray-address"
+            ) from None
 
     def _ray(self) -> Any:
         try:
@@ -232,8 +240,8 @@ class RayExecutor:
             import ray.data  # the Data library is a separate extra of ray
         except ImportError as exc:
             raise ExecutorError(
-                f"the Ray executor needs Ray Data, which is not installed ({exc}): "
-                "pip install 'ragbudget[ray]'") from None
+                f"the Ray executor needs Ray Data, which is not installed ({exc}): pip install 'ragbudget[ray]'"
+            ) from None
         return ray
 
     def _connect(self) -> Any:
@@ -243,16 +251,15 @@ class RayExecutor:
                 raise ExecutorError(
                     f"this process is already connected to a Ray cluster, so it cannot join "
                     f"{self.address!r}; pass no address to use the connected one, or call "
-                    "ray.shutdown() first")
+                    "ray.shutdown() first"
+                )
             return ray
         self.check()
         try:
-            ray.init(address=self.address, include_dashboard=False, log_to_driver=False,
-                     logging_level=logging.WARNING)
+            ray.init(address=self.address, include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
         except Exception as exc:  # noqa: BLE001 - Ray raises ConnectionError, RuntimeError, ...
             where = f"at {self.address!r}" if self.address else "(a local one)"
-            raise ExecutorError(f"could not start or join the Ray cluster {where}: "
-                                f"{_one_line(exc)}") from None
+            raise ExecutorError(f"could not start or join the Ray cluster {where}: {_one_line(exc)}") from None
         self._owned = True
         return ray
 
@@ -284,21 +291,28 @@ class RayExecutor:
         level = data_log.level
         data_log.setLevel(logging.ERROR)  # per-job INFO lines and a warning about the bars
         try:
-            ds = ray.data.from_items([{"pos": i, "text": t} for i, t in enumerate(texts)],
-                                     override_num_blocks=n_blocks)
+            ds = ray.data.from_items([{"pos": i, "text": t} for i, t in enumerate(texts)], override_num_blocks=n_blocks)
             with warnings.catch_warnings():
                 # max_restarts and max_task_retries have no named parameter in Ray 2.60 yet.
                 warnings.simplefilter("ignore")
                 ds = ds.map_batches(
-                    _EmbedActor, fn_constructor_args=(embedder,), batch_size=batch_size,
-                    batch_format="numpy", compute=ray.data.ActorPoolStrategy(size=workers),
-                    num_cpus=cpus, num_gpus=gpus,
-                    max_restarts=self.retries, max_task_retries=self.retries)
+                    _EmbedActor,
+                    fn_constructor_args=(embedder,),
+                    batch_size=batch_size,
+                    batch_format="numpy",
+                    compute=ray.data.ActorPoolStrategy(size=workers),
+                    num_cpus=cpus,
+                    num_gpus=gpus,
+                    max_restarts=self.retries,
+                    max_task_retries=self.retries,
+                )
             for b in ds.iter_batches(batch_size=None, batch_format="numpy"):
-                yield Shard(positions=np.asarray(b["pos"], dtype=np.int64),
-                            vectors=np.asarray(b["vector"], dtype=np.float32),
-                            windows=tuple(int(w) for w in b["windows"]),
-                            texts_fed=int(np.asarray(b["fed"]).sum()))
+                yield Shard(
+                    positions=np.asarray(b["pos"], dtype=np.int64),
+                    vectors=np.asarray(b["vector"], dtype=np.float32),
+                    windows=tuple(int(w) for w in b["windows"]),
+                    texts_fed=int(np.asarray(b["fed"]).sum()),
+                )
         except GeneratorExit:
             raise
         except Exception as exc:
@@ -327,9 +341,10 @@ def make_executor(executor: str | EmbedExecutor | None) -> EmbedExecutor:
     if executor == "ray":
         return RayExecutor(address=os.environ.get("RAY_ADDRESS") or None)
     if isinstance(executor, str):
-        raise ConfigError(f"executor must be one of {', '.join(EXECUTORS)} or an EmbedExecutor; "
-                          f"got {executor!r}")
+        raise ConfigError(f"executor must be one of {', '.join(EXECUTORS)} or an EmbedExecutor; got {executor!r}")
     if not isinstance(executor, EmbedExecutor):
-        raise ConfigError(f"executor must be one of {', '.join(EXECUTORS)} or an EmbedExecutor "
-                          f"(with name, round_size, check, embed and close); got {type(executor).__name__}")
+        raise ConfigError(
+            f"executor must be one of {', '.join(EXECUTORS)} or an EmbedExecutor "
+            f"(with name, round_size, check, embed and close); got {type(executor).__name__}"
+        )
     return executor

@@ -161,8 +161,7 @@ def _torch_dtype(dtype: Any) -> Any:
 
     if dtype is None or isinstance(dtype, torch.dtype):
         return dtype
-    names = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
-             "float": "float32"}
+    names = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
     name = names.get(str(dtype).lower(), str(dtype).lower().removeprefix("torch."))
     value = getattr(torch, name, None)
     if not isinstance(value, torch.dtype):
@@ -181,8 +180,9 @@ def _stop_list(stop: str | Sequence[str] | None) -> list[str]:
     return [s for s in items if s]
 
 
-def _sampling(do_sample: bool | None, temperature: float | None, top_p: float | None,
-              top_k: int | None, seed: int | None) -> bool:
+def _sampling(
+    do_sample: bool | None, temperature: float | None, top_p: float | None, top_k: int | None, seed: int | None
+) -> bool:
     """Validate the sampling options and decide whether to sample (see ``Generator.generate``)."""
     if temperature is not None and not (isinstance(temperature, (int, float)) and 0 <= temperature < float("inf")):
         raise ConfigError(f"temperature must be a number >= 0 (0 is greedy); got {temperature!r}")
@@ -198,8 +198,7 @@ def _sampling(do_sample: bool | None, temperature: float | None, top_p: float | 
     return sample and temperature != 0 and top_p != 0
 
 
-def _draw(scores: Any, rng: Any, temperature: float | None, top_p: float | None,
-          top_k: int | None) -> Any:
+def _draw(scores: Any, rng: Any, temperature: float | None, top_p: float | None, top_k: int | None) -> Any:
     """Sample one token per row of ``scores`` (temperature, top-k, top-p, in transformers'
     order) with the generator ``rng``; returns the chosen indices, shape ``[rows, 1]``."""
     import torch
@@ -253,8 +252,9 @@ class _CallbackStreamer:
     criteria end the generation).
     """
 
-    def __init__(self, tokenizer: Any, callback: Callable[[str], None], n_prompt: int,
-                 stop: Sequence[str] = ()) -> None:
+    def __init__(
+        self, tokenizer: Any, callback: Callable[[str], None], n_prompt: int, stop: Sequence[str] = ()
+    ) -> None:
         self.tok = tokenizer
         self.cb = callback
         self.ids: list[int] = []
@@ -274,7 +274,7 @@ class _CallbackStreamer:
             elif not final:
                 end -= _partial_stop(text, self.stop)
         if end > self.sent:
-            self.cb(text[self.sent:end])
+            self.cb(text[self.sent : end])
             self.sent = end
 
     def put(self, value: Any) -> None:
@@ -348,15 +348,12 @@ class Generator:
         self._lock = threading.Lock()
 
     @classmethod
-    def from_objects(
-        cls, model: Any, tokenizer: Any, *, model_ref: ModelRef | None = None
-    ) -> Generator:
+    def from_objects(cls, model: Any, tokenizer: Any, *, model_ref: ModelRef | None = None) -> Generator:
         """Wrap an already loaded transformers model and tokenizer (tests, custom loading)."""
         g = cls(model_ref)
         g._model, g._tokenizer = model, tokenizer
         g._counter = HFTokenizer(tokenizer)
-        g._ref = model_ref or ModelRef(id=str(getattr(model.config, "_name_or_path", "") or
-                                               type(model).__name__))
+        g._ref = model_ref or ModelRef(id=str(getattr(model.config, "_name_or_path", "") or type(model).__name__))
         g._device = str(next(model.parameters()).device)
         return g
 
@@ -390,9 +387,7 @@ class Generator:
 
         ref = self.model_ref
         device = self._device_arg or ("cuda" if torch.cuda.is_available() else "cpu")
-        dtype = _torch_dtype(self._dtype_arg) or (
-            torch.bfloat16 if device.startswith("cuda") else torch.float32
-        )
+        dtype = _torch_dtype(self._dtype_arg) or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
         kwargs: dict[str, Any] = {"dtype": dtype}
         if self._attn:
             kwargs["attn_implementation"] = self._attn
@@ -501,8 +496,7 @@ class Generator:
         if isinstance(prompt, str):
             prompt = [{"role": "user", "content": prompt}]
         if isinstance(prompt, Sequence) and prompt and isinstance(prompt[0], dict):
-            text = self.tokenizer.apply_chat_template(list(prompt), tokenize=False,
-                                                      add_generation_prompt=True)
+            text = self.tokenizer.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True)
             return list(self.tokenizer.encode(text, add_special_tokens=False))
         if isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt):
             return list(prompt)
@@ -552,12 +546,16 @@ class Generator:
         if max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens must be ≥ 1; got {max_new_tokens}")
         if cache == "quantized" and _quant_backend() is None:
-            raise ConfigError("cache='quantized' needs a quantization backend: "
-                              "`pip install optimum-quanto` (or hqq), or use another cache")
+            raise ConfigError(
+                "cache='quantized' needs a quantization backend: "
+                "`pip install optimum-quanto` (or hqq), or use another cache"
+            )
         if cache == "offloaded" and not self.device.startswith("cuda"):
-            raise ConfigError(f"cache='offloaded' needs a CUDA device (transformers moves layers "
-                              f"with CUDA streams); the model is on {self.device!r}: use the "
-                              "dynamic, static or quantized cache there")
+            raise ConfigError(
+                f"cache='offloaded' needs a CUDA device (transformers moves layers "
+                f"with CUDA streams); the model is on {self.device!r}: use the "
+                "dynamic, static or quantized cache there"
+            )
         stop = _stop_list(stop)
         do_sample = _sampling(do_sample, temperature, top_p, top_k, seed)
         self.warm_up()
@@ -568,11 +566,22 @@ class Generator:
         t0 = time.perf_counter()
         while True:
             try:
-                out, peak = self._run(ids, max_new_tokens=max_new_tokens, cache=cur_cache,
-                                      kv_dtype=kv_dtype, use_cache=use_cache,
-                                      do_sample=do_sample, temperature=temperature, top_p=top_p,
-                                      top_k=top_k, seed=seed, stop=stop, on_text=on_text,
-                                      streamer=streamer, cancel=cancel)
+                out, peak = self._run(
+                    ids,
+                    max_new_tokens=max_new_tokens,
+                    cache=cur_cache,
+                    kv_dtype=kv_dtype,
+                    use_cache=use_cache,
+                    do_sample=do_sample,
+                    temperature=temperature,
+                    top_p=top_p,
+                    top_k=top_k,
+                    seed=seed,
+                    stop=stop,
+                    on_text=on_text,
+                    streamer=streamer,
+                    cancel=cancel,
+                )
                 break
             except Exception as exc:
                 if not (oom_ladder and is_oom(exc)):
@@ -588,8 +597,7 @@ class Generator:
                 if smaller is not None:
                     drops += 1
                     current, ids = smaller, self._ids_of(smaller)
-                    steps.append(OOMStep("drop_chunks", reason, before, len(ids), cur_cache,
-                                         use_cache))
+                    steps.append(OOMStep("drop_chunks", reason, before, len(ids), cur_cache, use_cache))
                     continue
                 # Rung 2: a smaller KV cache.
                 smaller_cache = _smaller_cache(self.device)
@@ -611,9 +619,8 @@ class Generator:
                     available=None,
                 ) from exc
         seconds = time.perf_counter() - t0
-        new = out[len(ids):]
-        text, finish = self._finish(new, max_new_tokens, stop,
-                                    cancelled=cancel is not None and cancel.is_set())
+        new = out[len(ids) :]
+        text, finish = self._finish(new, max_new_tokens, stop, cancelled=cancel is not None and cancel.is_set())
         gen = Generation(
             text=text,
             prompt_tokens=len(ids),
@@ -641,7 +648,8 @@ class Generator:
         cancel = options.pop("cancel", None)
         relay: Relay[Generation] = Relay(
             lambda emit, stop: self.generate(prompt, on_text=emit, cancel=stop, **options),
-            cancel=cancel, name="ragbudget-generate",
+            cancel=cancel,
+            name="ragbudget-generate",
         )
         try:
             while True:
@@ -654,8 +662,9 @@ class Generator:
         finally:
             relay.close()
 
-    def _finish(self, new: list[int], max_new_tokens: int, stop: Sequence[str] | None,
-                cancelled: bool = False) -> tuple[str, str]:
+    def _finish(
+        self, new: list[int], max_new_tokens: int, stop: Sequence[str] | None, cancelled: bool = False
+    ) -> tuple[str, str]:
         """The answer's text and why it ended: EOS or a stop string (``"stop"``), the cap
         (``"length"``), else a cancellation (``"cancelled"``) when ``cancelled``."""
         tok = self._tokenizer
@@ -718,8 +727,9 @@ class Generator:
             processors.append(_seeded_sampler(seed, temperature, top_p, top_k))
             kw.update(do_sample=False, temperature=None, top_p=None, top_k=None)
         elif do_sample:
-            kw.update({k: v for k, v in (("temperature", temperature), ("top_p", top_p),
-                                         ("top_k", top_k)) if v is not None})
+            kw.update(
+                {k: v for k, v in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k)) if v is not None}
+            )
         else:
             # The model's generation_config may ship sampling defaults; greedy must not warn.
             kw.update(temperature=None, top_p=None, top_k=None)
@@ -727,8 +737,10 @@ class Generator:
             kw["cache_implementation"] = cache
             if cache == "quantized":
                 bits = {"int2": 2, "int4": 4, "int8": 8}.get(str(kv_dtype or "int4").lower(), 4)
-                kw["cache_config"] = {"backend": _quant_backend(self.device) or _quant_backend()
-                                      or "quanto", "nbits": bits}
+                kw["cache_config"] = {
+                    "backend": _quant_backend(self.device) or _quant_backend() or "quanto",
+                    "nbits": bits,
+                }
         if stop:
             kw["stop_strings"] = list(stop)
             kw["tokenizer"] = tok
@@ -745,8 +757,7 @@ class Generator:
 
                 def __call__(self, input_ids: Any, scores: Any, **kwargs: Any) -> Any:
                     done = self.event.is_set()
-                    return torch.full((input_ids.shape[0],), done, dtype=torch.bool,
-                                      device=input_ids.device)
+                    return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
 
             kw["stopping_criteria"] = StoppingCriteriaList([_Cancel(cancel)])
         if on_text is not None:
@@ -776,14 +787,23 @@ class Generator:
             tokens = gen.prompt_tokens + gen.new_tokens
             dtype = kv_dtype or str(model.dtype).removeprefix("torch.")
             weights = sum(p.numel() * p.element_size() for p in model.parameters()) + sum(
-                b.numel() * b.element_size() for b in model.buffers())
-            kv = kvcache.kv_cache_bytes(model.config, tokens, kv_dtype=dtype,
-                                        cache=gen.cache if gen.cache in CACHE_KINDS else "dynamic")
+                b.numel() * b.element_size() for b in model.buffers()
+            )
+            kv = kvcache.kv_cache_bytes(
+                model.config, tokens, kv_dtype=dtype, cache=gen.cache if gen.cache in CACHE_KINDS else "dynamic"
+            )
             name = getattr(model.config, "_name_or_path", None) or type(model).__name__
             return PeakMeasurement(
-                gpu_name=torch.cuda.get_device_name(self._device), model=str(name), dtype=dtype,
-                cache=gen.cache, tokens=gen.prompt_tokens, batch_size=1, measured_peak_bytes=peak,
-                weights_bytes=weights, kv_bytes=kv)
+                gpu_name=torch.cuda.get_device_name(self._device),
+                model=str(name),
+                dtype=dtype,
+                cache=gen.cache,
+                tokens=gen.prompt_tokens,
+                batch_size=1,
+                measured_peak_bytes=peak,
+                weights_bytes=weights,
+                kv_bytes=kv,
+            )
         except Exception as exc:  # noqa: BLE001 - calibration is an optimization, not a requirement
             log.debug("peak not measured for calibration: %s", exc)
             return None

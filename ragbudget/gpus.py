@@ -155,9 +155,7 @@ def host_available_bytes() -> int:
 
 def _cuda_free() -> tuple[str, int, int] | None:
     # Avoid importing torch (seconds) on machines that visibly have no NVIDIA driver.
-    if "torch" not in sys.modules and not (
-        os.path.exists("/dev/nvidiactl") or os.path.exists("/dev/kfd")
-    ):
+    if "torch" not in sys.modules and not (os.path.exists("/dev/nvidiactl") or os.path.exists("/dev/kfd")):
         return None
     try:
         import torch
@@ -182,18 +180,29 @@ def resolve_gpu(gpu: str | int | None = None) -> GPUInfo:
         cuda = _cuda_free()
         if cuda is not None:
             name, free, total = cuda
-            return GPUInfo(name=name, bytes=free, source="cuda:0 free memory",
-                           notes=(f"{name}: {free / GiB:.1f} GiB free of {total / GiB:.1f} GiB",))
+            return GPUInfo(
+                name=name,
+                bytes=free,
+                source="cuda:0 free memory",
+                notes=(f"{name}: {free / GiB:.1f} GiB free of {total / GiB:.1f} GiB",),
+            )
         avail = host_available_bytes()
-        return GPUInfo(name="host RAM", bytes=avail, source="host RAM (no GPU)",
-                       notes=(("no CUDA device: planning against available host RAM "
-                              f"({avail / GiB:.1f} GiB); pass --gpu to plan for a GPU"),))
+        return GPUInfo(
+            name="host RAM",
+            bytes=avail,
+            source="host RAM (no GPU)",
+            notes=(
+                (
+                    "no CUDA device: planning against available host RAM "
+                    f"({avail / GiB:.1f} GiB); pass --gpu to plan for a GPU"
+                ),
+            ),
+        )
     if isinstance(gpu, (int, float)) or _SIZE_RE.match(str(gpu)) or _SIGNED_SIZE_RE.match(str(gpu)):
         size = parse_size(gpu)
         return GPUInfo(name=f"{size / GiB:.1f} GiB", bytes=size, source="explicit size")
     name = _lookup(str(gpu))
     notes: tuple[str, ...] = ()
     if name.startswith("M") and name[1:2].isdigit():
-        notes = (("Apple unified memory is shared with the OS; by default the GPU may use about "
-                 "75% of it"),)
+        notes = (("Apple unified memory is shared with the OS; by default the GPU may use about 75% of it"),)
     return GPUInfo(name=name, bytes=int(GPU_TABLE[name] * GiB), source="table", notes=notes)

@@ -371,8 +371,11 @@ def _check_roots(paths: Sequence[str], index_dir: Path) -> list[tuple[str, str]]
         good.append((os.path.realpath(p), kind))
     if bad:
         what = "; ".join(f"{p!r}: {why}" for p, why in bad)
-        state = (f"the index in {index_dir} is unchanged" if (index_dir / MANIFEST).exists()
-                 else f"no index was created in {index_dir}")
+        state = (
+            f"the index in {index_dir} is unchanged"
+            if (index_dir / MANIFEST).exists()
+            else f"no index was created in {index_dir}"
+        )
         raise InputPathError(
             f"cannot index {what}. Nothing was indexed or removed ({state}); check the "
             "path, or pass only the files and folders that exist",
@@ -444,9 +447,15 @@ class Index:
     >>> [h.sources[0].path for h in idx.search("delegate", k=2)]  # doctest: +SKIP
     """
 
-    def __init__(self, path: str | os.PathLike[str] = DEFAULT_INDEX_DIR, *,
-                 verify_checksums: bool = True, use_approx: bool = True,
-                 search_threads: int | None = 1, absolute_paths: bool = False) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str] = DEFAULT_INDEX_DIR,
+        *,
+        verify_checksums: bool = True,
+        use_approx: bool = True,
+        search_threads: int | None = 1,
+        absolute_paths: bool = False,
+    ) -> None:
         self.path = Path(path)
         self.absolute_paths = absolute_paths
         self._roots: _Roots | None = None
@@ -505,8 +514,7 @@ class Index:
             int(data["generation"])
         except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
             raise IndexCorruptError(
-                f"index manifest {mpath} is unreadable ({exc}); rebuild the index with "
-                "`ragbudget index PATH --rebuild`"
+                f"index manifest {mpath} is unreadable ({exc}); rebuild the index with `ragbudget index PATH --rebuild`"
             ) from exc
         if int(data.get("format_version", 0)) > FORMAT_VERSION:
             raise IndexCorruptError(
@@ -527,9 +535,7 @@ class Index:
                 "(truncated or overwritten); rebuild the index"
             )
         if self.verify_checksums and _sha256_file(p) != entry["sha256"]:
-            raise IndexCorruptError(
-                f"index file {p} fails its sha256 checksum (corrupted); rebuild the index"
-            )
+            raise IndexCorruptError(f"index file {p} fails its sha256 checksum (corrupted); rebuild the index")
         return p
 
     def _load(self) -> None:
@@ -553,8 +559,9 @@ class Index:
                     if attempt == 2 or self._read_manifest().get("generation") == m["generation"]:
                         raise
 
-    def _open_generation(self, m: dict[str, Any], *,
-                         writable: bool = False) -> tuple[FlatStore, Any, sqlite3.Connection]:
+    def _open_generation(
+        self, m: dict[str, Any], *, writable: bool = False
+    ) -> tuple[FlatStore, Any, sqlite3.Connection]:
         """The exact store, the search store (``None``: the exact one searches) and the SQLite
         handle of generation ``m``. ``writable``: for a writer, which edits the exact store and
         derives its own search store (not loaded); a reader with a search store maps the exact
@@ -570,8 +577,7 @@ class Index:
             approx = load_store(self._check_file(m["approx"]), m["approx"], exact=flat)
         # immutable=1: generation files never change after commit, so SQLite needs no locks.
         try:
-            db = sqlite3.connect(f"file:{spath}?mode=ro&immutable=1", uri=True,
-                                 check_same_thread=False)
+            db = sqlite3.connect(f"file:{spath}?mode=ro&immutable=1", uri=True, check_same_thread=False)
             gen = db.execute("SELECT value FROM meta WHERE key='generation'").fetchone()
         except sqlite3.DatabaseError as exc:
             raise IndexCorruptError(f"index file {spath} is not a readable SQLite file: {exc}") from exc
@@ -591,7 +597,10 @@ class Index:
                 log.warning(
                     "the index in %s records no roots (written by an older ragbudget): paths are "
                     "shown relative to their common folder, as %s/...; the next `ragbudget index` "
-                    "run records the roots", self.path, fallback.label)
+                    "run records the roots",
+                    self.path,
+                    fallback.label,
+                )
                 roots = [fallback]
         return _Roots(roots)
 
@@ -626,11 +635,15 @@ class Index:
             cols = {r[1] for r in self._db.execute("PRAGMA table_info(files)")}
             extra = ", ".join(c if c in cols else "NULL" for c in ("n_pages", "warning"))
             rows = self._db.execute(
-                f"SELECT path, status, n_chunks, size, reason, detail, {extra} FROM files").fetchall()
+                f"SELECT path, status, n_chunks, size, reason, detail, {extra} FROM files"
+            ).fetchall()
         scrub = (lambda t: t) if self.absolute_paths else self._roots.scrub  # type: ignore[union-attr]
-        out = [IndexedFile(self._show(p), st_, int(n or 0), pages, size if size >= 0 else None,
-                           reason, scrub(detail), warning)
-               for p, st_, n, size, reason, detail, pages, warning in rows]
+        out = [
+            IndexedFile(
+                self._show(p), st_, int(n or 0), pages, size if size >= 0 else None, reason, scrub(detail), warning
+            )
+            for p, st_, n, size, reason, detail, pages, warning in rows
+        ]
         return sorted(out, key=lambda f: f.path)
 
     def close(self) -> None:
@@ -668,10 +681,18 @@ class Index:
             self._embedder = embedder_from_spec(self.manifest["embedder"])
         return self._embedder
 
-    def search(self, query: str, k: int = 5, *, embedder: Embedder | None = None,
-               retrieval: RetrievalSettings | None = None, hybrid: bool | None = None,
-               lexical_weight: float | None = None, fusion: str | None = None,
-               candidates: int | None = None) -> list[Hit]:
+    def search(
+        self,
+        query: str,
+        k: int = 5,
+        *,
+        embedder: Embedder | None = None,
+        retrieval: RetrievalSettings | None = None,
+        hybrid: bool | None = None,
+        lexical_weight: float | None = None,
+        fusion: str | None = None,
+        candidates: int | None = None,
+    ) -> list[Hit]:
         """The ``k`` chunks that best match ``query``, best first.
 
         Dense by default: ``score`` is the cosine similarity. With ``hybrid=True`` the top
@@ -691,8 +712,12 @@ class Index:
             raise ConfigError(f"k must be >= 1, got {k}")
         if retrieval is None and hybrid is None:
             hybrid = False  # the index alone searches dense unless asked (a Pipeline fuses)
-        settings = from_keywords(RetrievalSettings, retrieval, "retrieval",
-                                 {"hybrid": hybrid, "lexical_weight": lexical_weight, "fusion": fusion})
+        settings = from_keywords(
+            RetrievalSettings,
+            retrieval,
+            "retrieval",
+            {"hybrid": hybrid, "lexical_weight": lexical_weight, "fusion": fusion},
+        )
         hybrid, lexical_weight, fusion = settings.hybrid, settings.lexical_weight, settings.fusion
         vector = emb.embed_query(query)
         if not hybrid or lexical_weight == 0.0:
@@ -737,7 +762,9 @@ class Index:
                     part = ids[lo : lo + 900]
                     rows = self._db.execute(
                         "SELECT chunk_id, digests, vectors FROM sentence_vectors "
-                        f"WHERE chunk_id IN ({','.join('?' * len(part))})", part).fetchall()
+                        f"WHERE chunk_id IN ({','.join('?' * len(part))})",
+                        part,
+                    ).fetchall()
                     for cid, digests, blob in rows:
                         n = len(digests) // 16
                         vecs = np.frombuffer(blob, dtype=dtype).reshape(n, dim).astype(np.float32)
@@ -765,8 +792,7 @@ class Index:
         if not (self._manifest or {}).get("lexical"):
             return False
         with self._lock:
-            return self._db.execute(
-                "SELECT 1 FROM sqlite_master WHERE name='chunks_fts'").fetchone() is not None
+            return self._db.execute("SELECT 1 FROM sqlite_master WHERE name='chunks_fts'").fetchone() is not None
 
     def _lexical(self, query: str, k: int) -> list[tuple[int, float]]:
         db = self._lexical_db()
@@ -803,7 +829,11 @@ class Index:
         log.warning(
             "the index in %s was built without the lexical (FTS5) table; built it in memory for "
             "this session (%d chunks, %.2fs). Re-run `ragbudget index` on the same folders to "
-            "store it (nothing is re-embedded)", self.path, n, time.perf_counter() - t)
+            "store it (nothing is re-embedded)",
+            self.path,
+            n,
+            time.perf_counter() - t,
+        )
         return mem
 
     def _cosines(self, vector: Any, ids: Sequence[int]) -> dict[int, float]:
@@ -883,8 +913,7 @@ class Index:
                 ):
                     srcs.setdefault(cid, []).append(self._source(path, start, end, ps, pe))
         found = {
-            r[0]: Hit(r[0], 0.0, r[1], r[2], tuple(json.loads(r[3])), tuple(srcs.get(r[0], ())), r[4])
-            for r in rows
+            r[0]: Hit(r[0], 0.0, r[1], r[2], tuple(json.loads(r[3])), tuple(srcs.get(r[0], ())), r[4]) for r in rows
         }
         return [found[i] for i in ids if i in found]
 
@@ -899,7 +928,7 @@ class Index:
         with self._lock:
             rows = self._db.execute(
                 'SELECT chunk_id, path, start, "end", page_start, page_end FROM sources '
-                "WHERE path = ? ORDER BY start, \"end\"",
+                'WHERE path = ? ORDER BY start, "end"',
                 (stored,),
             ).fetchall()
         return [(self._source(p, s, e, ps, pe), cid) for cid, p, s, e, ps, pe in rows]
@@ -921,9 +950,11 @@ class Index:
         if self._page_labels is None:
             assert self._db is not None
             cols = {r[1] for r in self._db.execute("PRAGMA table_info(files)")}
-            rows = self._db.execute(
-                "SELECT path, page_labels FROM files WHERE page_labels IS NOT NULL"
-            ).fetchall() if "page_labels" in cols else []
+            rows = (
+                self._db.execute("SELECT path, page_labels FROM files WHERE page_labels IS NOT NULL").fetchall()
+                if "page_labels" in cols
+                else []
+            )
             labels: dict[str, list[str]] = {}
             for path, blob in rows:
                 try:
@@ -944,8 +975,7 @@ class Index:
             return None, None
         assert self._roots is not None
         want = None if path is None else self._roots.absolute(str(path))
-        src = next((s for s in hit.sources
-                    if want is None or self._roots.absolute(s.path) == want), hit.sources[0])
+        src = next((s for s in hit.sources if want is None or self._roots.absolute(s.path) == want), hit.sources[0])
         seq = self.chunks_of(src.path)
         pos = next(i for i, (s, c) in enumerate(seq) if c == chunk_id and s.start == src.start)
         prev = seq[pos - 1][1] if pos > 0 else None
@@ -1016,28 +1046,25 @@ class Index:
                 from .vectors import RECALL_TOLERANCE, measure_recall
 
                 # Same seed, same sample of queries as at build time: only a changed store moves it.
-                recall, nq = measure_recall(search, flat, queries=int(m["approx"].get(
-                    "recall_queries") or 200))
+                recall, nq = measure_recall(search, flat, queries=int(m["approx"].get("recall_queries") or 200))
                 checked["recall_at_10"] = round(recall, 4)
                 checked["recall_recorded"] = recorded
                 if recall < float(recorded) - RECALL_TOLERANCE:
                     problems.append(
                         f"the {kind} store's recall@10 is {recall:.3f} on {nq} queries, the "
                         f"manifest records {recorded}; rebuild the index (`ragbudget index PATH "
-                        "--rebuild`)")
-        orphans = db.execute(
-            "SELECT COUNT(*) FROM chunks WHERE id NOT IN (SELECT chunk_id FROM sources)"
-        ).fetchone()[0]
+                        "--rebuild`)"
+                    )
+        orphans = db.execute("SELECT COUNT(*) FROM chunks WHERE id NOT IN (SELECT chunk_id FROM sources)").fetchone()[0]
         if orphans:
             problems.append(f"{orphans} chunk(s) without any source")
-        dangling = db.execute(
-            "SELECT COUNT(*) FROM sources WHERE chunk_id NOT IN (SELECT id FROM chunks)"
-        ).fetchone()[0]
+        dangling = db.execute("SELECT COUNT(*) FROM sources WHERE chunk_id NOT IN (SELECT id FROM chunks)").fetchone()[
+            0
+        ]
         if dangling:
             problems.append(f"{dangling} source(s) pointing at no chunk")
         unknown = db.execute(
-            "SELECT COUNT(*) FROM sources WHERE path NOT IN "
-            "(SELECT path FROM files WHERE status='indexed')"
+            "SELECT COUNT(*) FROM sources WHERE path NOT IN (SELECT path FROM files WHERE status='indexed')"
         ).fetchone()[0]
         if unknown:
             problems.append(f"{unknown} source(s) naming a file that is not indexed")
@@ -1048,23 +1075,22 @@ class Index:
             problems.append(f"manifest counts {counts['chunks']} chunks, SQLite has {checked['chunks']}")
         if not fts5_available():
             checked["lexical_rows"] = "unchecked: no FTS5 in this SQLite"
-        elif m.get("lexical") and db.execute(
-                "SELECT 1 FROM sqlite_master WHERE name='chunks_fts'").fetchone():
-            fts_ids = np.array([r[0] for r in db.execute("SELECT rowid FROM chunks_fts")],
-                               dtype=np.int64)
+        elif m.get("lexical") and db.execute("SELECT 1 FROM sqlite_master WHERE name='chunks_fts'").fetchone():
+            fts_ids = np.array([r[0] for r in db.execute("SELECT rowid FROM chunks_fts")], dtype=np.int64)
             checked["lexical_rows"] = len(fts_ids)
             if len(fts_ids) != len(np.unique(fts_ids)):
                 problems.append("a chunk id has more than one lexical (FTS) row")
             only_fts = np.setdiff1d(fts_ids, chunk_ids)
             no_fts = np.setdiff1d(chunk_ids, fts_ids)
             if len(only_fts):
-                problems.append(f"{len(only_fts)} lexical (FTS) row(s) without a chunk row, "
-                                f"e.g. {only_fts[:5].tolist()}")
+                problems.append(
+                    f"{len(only_fts)} lexical (FTS) row(s) without a chunk row, e.g. {only_fts[:5].tolist()}"
+                )
             if len(no_fts):
-                problems.append(f"{len(no_fts)} chunk(s) without a lexical (FTS) row, "
-                                f"e.g. {no_fts[:5].tolist()}")
-            stale = db.execute("SELECT COUNT(*) FROM chunks c JOIN chunks_fts f ON f.rowid = c.id "
-                               "WHERE f.text != c.text").fetchone()[0]
+                problems.append(f"{len(no_fts)} chunk(s) without a lexical (FTS) row, e.g. {no_fts[:5].tolist()}")
+            stale = db.execute(
+                "SELECT COUNT(*) FROM chunks c JOIN chunks_fts f ON f.rowid = c.id WHERE f.text != c.text"
+            ).fetchone()[0]
             if stale:
                 problems.append(f"{stale} lexical (FTS) row(s) whose text differs from the chunk")
         else:
@@ -1140,8 +1166,12 @@ class Index:
         """
         if isinstance(paths, (str, os.PathLike)):
             paths = [paths]
-        sizes = from_keywords(ChunkSettings, chunking, "chunking",
-                              {"min_tokens": min_tokens, "max_tokens": max_tokens, "overlap": overlap})
+        sizes = from_keywords(
+            ChunkSettings,
+            chunking,
+            "chunking",
+            {"min_tokens": min_tokens, "max_tokens": max_tokens, "overlap": overlap},
+        )
         near = {"near_threshold": near_threshold, "num_perm": num_perm}
         if isinstance(dedup, DedupSettings):
             dups = from_keywords(DedupSettings, dedup, "dedup", near)
@@ -1162,10 +1192,17 @@ class Index:
 
         tok = get_tokenizer(tokenizer)
         settings = {
-            "chunking": {"min_tokens": sizes.min_tokens, "max_tokens": sizes.max_tokens,
-                         "overlap": sizes.overlap, "tokenizer": tok.name},
-            "dedup": {"mode": dups.mode, "threshold": dups.near_threshold if dups.mode == "near" else None,
-                      "num_perm": dups.num_perm if dups.mode == "near" else None},
+            "chunking": {
+                "min_tokens": sizes.min_tokens,
+                "max_tokens": sizes.max_tokens,
+                "overlap": sizes.overlap,
+                "tokenizer": tok.name,
+            },
+            "dedup": {
+                "mode": dups.mode,
+                "threshold": dups.near_threshold if dups.mode == "near" else None,
+                "num_perm": dups.num_perm if dups.mode == "near" else None,
+            },
         }
         given = [os.fspath(p) for p in paths]
         roots = _check_roots(given, self.path)  # before the folder or the lock file is created
@@ -1175,10 +1212,23 @@ class Index:
             from .build import _Builder
 
             builder = _Builder(
-                self, given, embedder=embedder, tokenizer=tok, settings=settings,
-                include=include, exclude=exclude, max_bytes=max_bytes, clean=clean, store=store,
-                rebuild=rebuild, batch_files=max(1, batch_files), embed_batch=max(1, embed_batch),
-                progress=progress, roots=roots, prune=prune, allow_removal=allow_removal,
+                self,
+                given,
+                embedder=embedder,
+                tokenizer=tok,
+                settings=settings,
+                include=include,
+                exclude=exclude,
+                max_bytes=max_bytes,
+                clean=clean,
+                store=store,
+                rebuild=rebuild,
+                batch_files=max(1, batch_files),
+                embed_batch=max(1, embed_batch),
+                progress=progress,
+                roots=roots,
+                prune=prune,
+                allow_removal=allow_removal,
                 executor=run_on,
             )
             try:
@@ -1188,7 +1238,6 @@ class Index:
                 self.close()
 
     update = build
-
 
 
 def _recorded_recall(m: dict[str, Any]) -> float | None:

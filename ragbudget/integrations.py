@@ -72,8 +72,10 @@ def _metadata(chunk: SelectedChunk, citation: int) -> dict[str, Any]:
 def _check_options(options: dict[str, Any]) -> dict[str, Any]:
     unknown = sorted(set(options) - _RETRIEVE_OPTIONS)
     if unknown:
-        raise ConfigError(f"unknown retrieve option(s) {', '.join(unknown)}; the retrievers take "
-                          f"{', '.join(sorted(_RETRIEVE_OPTIONS))}")
+        raise ConfigError(
+            f"unknown retrieve option(s) {', '.join(unknown)}; the retrievers take "
+            f"{', '.join(sorted(_RETRIEVE_OPTIONS))}"
+        )
     return options
 
 
@@ -81,8 +83,9 @@ def _require(module: str, package: str) -> Any:
     try:
         return importlib.import_module(module)
     except ImportError as e:
-        raise ConfigError(f"this adapter needs {package}, which is not installed ({e}); "
-                          f"`pip install {package}`") from None
+        raise ConfigError(
+            f"this adapter needs {package}, which is not installed ({e}); `pip install {package}`"
+        ) from None
 
 
 def _select(pipeline: Any, query: str, options: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
@@ -106,8 +109,10 @@ def _langchain_class() -> type:
         options: dict[str, Any] = {}
 
         def _get_relevant_documents(self, query: str, *, run_manager: Any = None) -> list[Any]:
-            return [documents.Document(page_content=text, metadata=meta)
-                    for text, meta in _select(self.pipeline, query, self.options)]
+            return [
+                documents.Document(page_content=text, metadata=meta)
+                for text, meta in _select(self.pipeline, query, self.options)
+            ]
 
     return RagBudgetRetriever
 
@@ -172,8 +177,10 @@ def _haystack_class() -> type:
         # haystack is a module imported at run time, so mypy cannot read its Document as a type.
         @haystack.component.output_types(documents=list[haystack.Document])  # type: ignore[name-defined]
         def run(self, query: str) -> dict[str, Any]:
-            docs = [haystack.Document(content=text, meta=meta, score=meta["score"])
-                    for text, meta in _select(self.pipeline, query, self.options)]
+            docs = [
+                haystack.Document(content=text, meta=meta, score=meta["score"])
+                for text, meta in _select(self.pipeline, query, self.options)
+            ]
             return {"documents": docs}
 
     return RagBudgetRetriever

@@ -111,9 +111,7 @@ def dtype_bits(dtype: Any) -> int:
     name = str(dtype).lower().removeprefix("torch.")
     if name in _DTYPE_BITS:
         return _DTYPE_BITS[name]
-    raise ConfigError(
-        f"unknown dtype {dtype!r}; use one of fp32, fp16, bf16, fp8 (or int8/int4 for weights)"
-    )
+    raise ConfigError(f"unknown dtype {dtype!r}; use one of fp32, fp16, bf16, fp8 (or int8/int4 for weights)")
 
 
 def _ceil_bytes(elements: int, bits: int) -> int:
@@ -243,8 +241,15 @@ class FullAttentionSpec:
     def elements_per_token(self) -> int:
         return self.num_kv_heads * (self.head_size + self.v_head_size)
 
-    def tokens_held(self, tokens: int, *, cache: str = "dynamic", max_cache_len: int | None = None,
-                    peak: bool = False, prefill_tokens: int | None = None) -> int:
+    def tokens_held(
+        self,
+        tokens: int,
+        *,
+        cache: str = "dynamic",
+        max_cache_len: int | None = None,
+        peak: bool = False,
+        prefill_tokens: int | None = None,
+    ) -> int:
         """Token slots this layer holds for one sequence after ``tokens`` tokens entered it."""
         return _every_token_held(tokens, cache=cache, max_cache_len=max_cache_len)
 
@@ -264,8 +269,15 @@ class SlidingWindowSpec(FullAttentionSpec):
 
     kind = "sliding_attention"
 
-    def tokens_held(self, tokens: int, *, cache: str = "dynamic", max_cache_len: int | None = None,
-                    peak: bool = False, prefill_tokens: int | None = None) -> int:
+    def tokens_held(
+        self,
+        tokens: int,
+        *,
+        cache: str = "dynamic",
+        max_cache_len: int | None = None,
+        peak: bool = False,
+        prefill_tokens: int | None = None,
+    ) -> int:
         w = self.sliding_window
         if cache == "static":
             return min(max_cache_len if max_cache_len is not None else tokens, w)
@@ -301,8 +313,15 @@ class MLAAttentionSpec:
             return self.kv_lora_rank + self.qk_rope_head_dim
         return self.num_heads * (self.qk_nope_head_dim + self.qk_rope_head_dim + self.v_head_dim)
 
-    def tokens_held(self, tokens: int, *, cache: str = "dynamic", max_cache_len: int | None = None,
-                    peak: bool = False, prefill_tokens: int | None = None) -> int:
+    def tokens_held(
+        self,
+        tokens: int,
+        *,
+        cache: str = "dynamic",
+        max_cache_len: int | None = None,
+        peak: bool = False,
+        prefill_tokens: int | None = None,
+    ) -> int:
         # MLA layers attend to every token: they hold what a full-attention layer holds.
         return _every_token_held(tokens, cache=cache, max_cache_len=max_cache_len)
 
@@ -372,8 +391,7 @@ class NoCacheSpec:
         return 0
 
 
-LayerSpec = (FullAttentionSpec | SlidingWindowSpec | MLAAttentionSpec | MambaSpec | HybridSpec
-             | NoCacheSpec)
+LayerSpec = FullAttentionSpec | SlidingWindowSpec | MLAAttentionSpec | MambaSpec | HybridSpec | NoCacheSpec
 
 
 def _attention_shape(c: _Cfg) -> tuple[int, int, int]:
@@ -397,10 +415,15 @@ def _attention_shape(c: _Cfg) -> tuple[int, int, int]:
     elif c.get("multi_query", default=False) is True:  # GPT-BigCode / StarCoder
         kv = 1
     else:
-        kv = c.get("num_key_value_heads", "num_kv_heads", "n_head_kv", "multi_query_group_num",
-                   "num_key_value_groups_", default=heads)
-    head_dim = c.get("head_dim", "attention_head_dim", "attention_head_size", "kv_channels",
-                     default=None)
+        kv = c.get(
+            "num_key_value_heads",
+            "num_kv_heads",
+            "n_head_kv",
+            "multi_query_group_num",
+            "num_key_value_groups_",
+            default=heads,
+        )
+    head_dim = c.get("head_dim", "attention_head_dim", "attention_head_size", "kv_channels", default=None)
     if not isinstance(head_dim, int) or head_dim <= 0:
         head_dim = int(hidden) // int(heads)
     v_head_dim = c.get("v_head_dim", default=None) if mt.startswith("deepseek") else None
@@ -449,8 +472,7 @@ def _default_layer_types(c: _Cfg, n: int) -> list[str]:
     if mt in ("gemma2", "gpt_oss"):
         return ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
     if mt in ("gemma3", "gemma3_text", "cohere2"):
-        pattern = int(c.get("sliding_window_pattern", "_sliding_window_pattern",
-                            default=6 if mt != "cohere2" else 4))
+        pattern = int(c.get("sliding_window_pattern", "_sliding_window_pattern", default=6 if mt != "cohere2" else 4))
         return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
     if mt in ("olmo3",):
         return ["sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(n)]
@@ -473,8 +495,16 @@ def _default_layer_types(c: _Cfg, n: int) -> list[str]:
 _SSM_BITS = 32
 
 
-def _mamba2(c: _Cfg, heads: str, head_dim: str, groups: str, d_state: str, d_conv: str,
-            d_inner: int | None = None, expand: str = "mamba_expand") -> MambaSpec:
+def _mamba2(
+    c: _Cfg,
+    heads: str,
+    head_dim: str,
+    groups: str,
+    d_state: str,
+    d_conv: str,
+    d_inner: int | None = None,
+    expand: str = "mamba_expand",
+) -> MambaSpec:
     """Mamba-2 mixer under one family's attribute names.
 
     transformers caches a conv state over ``x, B, C`` — ``(intermediate + 2 × n_groups × d_state)``
@@ -502,36 +532,44 @@ def _mamba_spec(c: _Cfg, layer_type: str) -> MambaSpec:
     hidden = int(c.get("hidden_size", "d_model"))
     if mt.startswith("lfm2") or c.get("conv_L_cache") is not None:
         # LFM2 short convolution: a (hidden, L_cache) conv state and no SSM state.
-        return MambaSpec(conv_elements=hidden * int(c.get("conv_L_cache", default=3)),
-                         ssm_elements=0)
+        return MambaSpec(conv_elements=hidden * int(c.get("conv_L_cache", default=3)), ssm_elements=0)
     if mt in ("mamba", "falcon_mamba"):
         d_inner = int(c.get("intermediate_size", default=0) or int(c.get("expand", default=2)) * hidden)
-        return MambaSpec(conv_elements=d_inner * int(c.get("conv_kernel", default=4)),
-                         ssm_elements=d_inner * int(c.get("state_size", default=16)),
-                         ssm_dtype_bits=_SSM_BITS)
+        return MambaSpec(
+            conv_elements=d_inner * int(c.get("conv_kernel", default=4)),
+            ssm_elements=d_inner * int(c.get("state_size", default=16)),
+            ssm_dtype_bits=_SSM_BITS,
+        )
     if mt in ("jamba", "zamba"):
         # Mamba-1: conv over x only, state (d_inner, d_state) (Zamba splits it in heads; same size).
         d_inner = int(c.get("mamba_expand", default=2)) * hidden
-        return MambaSpec(conv_elements=d_inner * int(c.get("mamba_d_conv", default=4)),
-                         ssm_elements=d_inner * int(c.get("mamba_d_state", default=16)),
-                         ssm_dtype_bits=_SSM_BITS)
+        return MambaSpec(
+            conv_elements=d_inner * int(c.get("mamba_d_conv", default=4)),
+            ssm_elements=d_inner * int(c.get("mamba_d_state", default=16)),
+            ssm_dtype_bits=_SSM_BITS,
+        )
     if mt == "mamba2":
-        return _mamba2(c, "num_heads", "head_dim", "n_groups", "state_size", "conv_kernel",
-                       expand="expand")
+        return _mamba2(c, "num_heads", "head_dim", "n_groups", "state_size", "conv_kernel", expand="expand")
     if mt in ("bamba", "granitemoehybrid"):
-        return _mamba2(c, "mamba_n_heads", "mamba_d_head", "mamba_n_groups", "mamba_d_state",
-                       "mamba_d_conv")
+        return _mamba2(c, "mamba_n_heads", "mamba_d_head", "mamba_n_groups", "mamba_d_state", "mamba_d_conv")
     if mt == "falcon_h1":
         d_ssm = c.get("mamba_d_ssm")
-        return _mamba2(c, "mamba_n_heads", "mamba_d_head", "mamba_n_groups", "mamba_d_state",
-                       "mamba_d_conv", d_inner=int(d_ssm) if d_ssm is not None else None)
+        return _mamba2(
+            c,
+            "mamba_n_heads",
+            "mamba_d_head",
+            "mamba_n_groups",
+            "mamba_d_state",
+            "mamba_d_conv",
+            d_inner=int(d_ssm) if d_ssm is not None else None,
+        )
     if mt == "nemotron_h":
         d_inner = int(c.get("mamba_num_heads")) * int(c.get("mamba_head_dim"))
-        return _mamba2(c, "mamba_num_heads", "mamba_head_dim", "n_groups", "ssm_state_size",
-                       "conv_kernel", d_inner=d_inner)
+        return _mamba2(
+            c, "mamba_num_heads", "mamba_head_dim", "n_groups", "ssm_state_size", "conv_kernel", d_inner=d_inner
+        )
     if mt == "zamba2":
-        return _mamba2(c, "n_mamba_heads", "mamba_headdim", "mamba_ngroups", "mamba_d_state",
-                       "mamba_d_conv")
+        return _mamba2(c, "n_mamba_heads", "mamba_headdim", "mamba_ngroups", "mamba_d_state", "mamba_d_conv")
     # Unknown family: Mamba-1 (Mamba-2 when it names mamba heads) under the common names.
     d_conv = int(c.get("mamba_d_conv", "conv_kernel", "d_conv", default=4))
     d_state = int(c.get("mamba_d_state", "state_size", "ssm_state_size", "d_state", default=16))
@@ -543,15 +581,12 @@ def _mamba_spec(c: _Cfg, layer_type: str) -> MambaSpec:
         d_head = c.get("mamba_d_head", "mamba_head_dim", "mamba_headdim", default=None)
         d_head = int(d_head) if isinstance(d_head, int) else d_inner // int(n_heads)
         conv = (d_inner + 2 * groups * d_state) * d_conv
-        return MambaSpec(conv_elements=conv, ssm_elements=int(n_heads) * d_head * d_state,
-                         ssm_dtype_bits=_SSM_BITS)
-    return MambaSpec(conv_elements=d_inner * d_conv, ssm_elements=d_inner * d_state,
-                     ssm_dtype_bits=_SSM_BITS)
+        return MambaSpec(conv_elements=conv, ssm_elements=int(n_heads) * d_head * d_state, ssm_dtype_bits=_SSM_BITS)
+    return MambaSpec(conv_elements=d_inner * d_conv, ssm_elements=d_inner * d_state, ssm_dtype_bits=_SSM_BITS)
 
 
 _LINEAR_TYPES = {"linear_attention", "conv", "mamba", "mamba2", "ssm", "recurrent"}
-_SLIDING_TYPES = {"sliding_attention", "chunked_attention", "local", "local_attention",
-                  "reference_sliding_attention"}
+_SLIDING_TYPES = {"sliding_attention", "chunked_attention", "local", "local_attention", "reference_sliding_attention"}
 _NONE_TYPES = {"dummy", "moe", "mlp", "none"}
 
 
@@ -607,8 +642,7 @@ def layer_specs(
             w = c.get("attention_chunk_size") if t == "chunked_attention" else window
             if w is None:
                 raise ModelError(f"layer {i} is {t} but the config has no sliding_window")
-            return SlidingWindowSpec(num_kv_heads=kv, head_size=hd, v_head_size=vd,
-                                     sliding_window=int(w))
+            return SlidingWindowSpec(num_kv_heads=kv, head_size=hd, v_head_size=vd, sliding_window=int(w))
         return FullAttentionSpec(num_kv_heads=kv, head_size=hd, v_head_size=vd)
 
     for i, t in enumerate(types):
@@ -618,11 +652,13 @@ def layer_specs(
         elif t in _LINEAR_TYPES:
             specs.append(_mamba_spec(c, t))
         elif t in ("hybrid", "hybrid_sliding"):
-            specs.append(HybridSpec(
-                attention=attention("sliding_attention" if t == "hybrid_sliding" else "full", i),
-                state=_mamba_spec(c, t)))
-        elif t in _SLIDING_TYPES or t in ("attention", "full_attention", "global",
-                                          "global_attention"):
+            specs.append(
+                HybridSpec(
+                    attention=attention("sliding_attention" if t == "hybrid_sliding" else "full", i),
+                    state=_mamba_spec(c, t),
+                )
+            )
+        elif t in _SLIDING_TYPES or t in ("attention", "full_attention", "global", "global_attention"):
             specs.append(attention(t, i))
         else:
             raise ModelError(
@@ -666,23 +702,26 @@ class _Sizing:
     block_size: int
 
 
-def _layer_bytes(spec: LayerSpec, tokens: int, sz: _Sizing, *, cache: str, peak: bool,
-                 prefill_tokens: int | None) -> int:
+def _layer_bytes(
+    spec: LayerSpec, tokens: int, sz: _Sizing, *, cache: str, peak: bool, prefill_tokens: int | None
+) -> int:
     if isinstance(spec, NoCacheSpec):
         return 0
     if isinstance(spec, MambaSpec):
         return sz.batch_size * spec.state_bytes(sz.bits)
     state = sz.batch_size * spec.state_bytes(sz.bits) if isinstance(spec, HybridSpec) else 0
-    held = spec.tokens_held(tokens, cache=cache, max_cache_len=sz.max_cache_len, peak=peak,
-                            prefill_tokens=prefill_tokens)
+    held = spec.tokens_held(
+        tokens, cache=cache, max_cache_len=sz.max_cache_len, peak=peak, prefill_tokens=prefill_tokens
+    )
     if sz.backend in ("vllm", "sglang") and sz.block_size > 1:
         # Paged caches allocate whole blocks of `block_size` tokens per sequence.
         held = math.ceil(held / sz.block_size) * sz.block_size
     return state + sz.batch_size * _ceil_bytes(spec.elements_per_token * held, sz.bits)
 
 
-def _quantized_tensor_bytes(elements: int, *, batch_size: int, nbits: int, q_group_size: int,
-                            axis: int, backend: str, bits: int) -> int:
+def _quantized_tensor_bytes(
+    elements: int, *, batch_size: int, nbits: int, q_group_size: int, axis: int, backend: str, bits: int
+) -> int:
     """Bytes of one quantized K or V tensor of ``elements`` values, as the backend stores it.
 
     quanto (``optimum/quanto/tensor/grouped.py``, ``packed.py``): axis 0 groups the values into
@@ -710,10 +749,20 @@ def _quantized_tensor_bytes(elements: int, *, batch_size: int, nbits: int, q_gro
     return (rows // pack) * cols + meta
 
 
-def _quantized_layer_bytes(spec: LayerSpec, tokens: int, *, bits: int, batch_size: int,
-                           nbits: int, q_group_size: int, residual_length: int, axis: int,
-                           quant_backend: str, prefill_tokens: int | None,
-                           worst_residual: bool = False) -> int:
+def _quantized_layer_bytes(
+    spec: LayerSpec,
+    tokens: int,
+    *,
+    bits: int,
+    batch_size: int,
+    nbits: int,
+    q_group_size: int,
+    residual_length: int,
+    axis: int,
+    quant_backend: str,
+    prefill_tokens: int | None,
+    worst_residual: bool = False,
+) -> int:
     """transformers' ``QuantizedCache`` (``QuantizedLayer`` / ``Fp8QuantizedLayer`` in
     ``cache_utils.py``), full-attention layers only.
 
@@ -727,8 +776,7 @@ def _quantized_layer_bytes(spec: LayerSpec, tokens: int, *, bits: int, batch_siz
     """
     if isinstance(spec, NoCacheSpec):
         return 0
-    if not isinstance(spec, (FullAttentionSpec, MLAAttentionSpec)) or \
-            isinstance(spec, SlidingWindowSpec):
+    if not isinstance(spec, (FullAttentionSpec, MLAAttentionSpec)) or isinstance(spec, SlidingWindowSpec):
         raise ConfigError(
             f"transformers' QuantizedCache supports only full-attention layers, found a "
             f"{spec.kind} layer; use cache='dynamic' or 'offloaded' for this model"
@@ -746,16 +794,33 @@ def _quantized_layer_bytes(spec: LayerSpec, tokens: int, *, bits: int, batch_siz
     else:
         residual = (tokens - prefill) % residual_length
         quantized = tokens - residual
-    tensor_bytes = partial(_quantized_tensor_bytes, batch_size=batch_size, nbits=nbits,
-                           q_group_size=q_group_size, axis=axis, backend=quant_backend, bits=bits)
-    return (tensor_bytes(k_per_token * quantized * batch_size)
-            + tensor_bytes(v_per_token * quantized * batch_size)
-            + _ceil_bytes((k_per_token + v_per_token) * residual * batch_size, bits))
+    tensor_bytes = partial(
+        _quantized_tensor_bytes,
+        batch_size=batch_size,
+        nbits=nbits,
+        q_group_size=q_group_size,
+        axis=axis,
+        backend=quant_backend,
+        bits=bits,
+    )
+    return (
+        tensor_bytes(k_per_token * quantized * batch_size)
+        + tensor_bytes(v_per_token * quantized * batch_size)
+        + _ceil_bytes((k_per_token + v_per_token) * residual * batch_size, bits)
+    )
 
 
-def _offloaded(specs: tuple[LayerSpec, ...], tokens: int, per: tuple[int, ...],
-               per_peak: tuple[int, ...], sz: _Sizing, prefill: int | None, name: str, *,
-               only_non_sliding: bool) -> KVEstimate:
+def _offloaded(
+    specs: tuple[LayerSpec, ...],
+    tokens: int,
+    per: tuple[int, ...],
+    per_peak: tuple[int, ...],
+    sz: _Sizing,
+    prefill: int | None,
+    name: str,
+    *,
+    only_non_sliding: bool,
+) -> KVEstimate:
     """Device bytes of transformers' offloaded cache (``Cache.update``, ``prefetch``, ``offload``
     in ``cache_utils.py``, 5.x).
 
@@ -789,11 +854,11 @@ def _offloaded(specs: tuple[LayerSpec, ...], tokens: int, per: tuple[int, ...],
     first = off[0]
     candidates = [max(size(i, p, peak=True, prefill_tokens=p) for i in off)]
     if len(off) > 1:
-        candidates.append(size(off[-1], p, peak=True, prefill_tokens=p)
-                          + size(first, p, peak=False))
+        candidates.append(size(off[-1], p, peak=True, prefill_tokens=p) + size(first, p, peak=False))
     if tokens > p:
-        candidates.append(max(size(i, tokens, peak=True, prefill_tokens=1)
-                              + (per[nxt[i]] if nxt[i] != i else 0) for i in off))
+        candidates.append(
+            max(size(i, tokens, peak=True, prefill_tokens=1) + (per[nxt[i]] if nxt[i] != i else 0) for i in off)
+        )
     return KVEstimate(res_steady + per[first], res_peak + max(candidates), per, name, "offloaded")
 
 
@@ -840,17 +905,31 @@ def estimate_kv(
         raise ConfigError(f"{tokens} tokens do not fit a static cache of max_cache_len={max_cache_len}")
     specs = layer_specs(config, backend=backend, mla=mla, normalize=normalize)
     name, bits = _dtype_for(config, kv_dtype)
-    sz = _Sizing(bits=bits, batch_size=batch_size, max_cache_len=max_cache_len, backend=backend,
-                 block_size=block_size)
-    q = from_keywords(QuantizedCacheSettings, quantized, "quantized", {
-        "quant_backend": quant_backend, "nbits": nbits, "q_group_size": q_group_size,
-        "residual_length": residual_length, "q_axis": q_axis})
+    sz = _Sizing(bits=bits, batch_size=batch_size, max_cache_len=max_cache_len, backend=backend, block_size=block_size)
+    q = from_keywords(
+        QuantizedCacheSettings,
+        quantized,
+        "quantized",
+        {
+            "quant_backend": quant_backend,
+            "nbits": nbits,
+            "q_group_size": q_group_size,
+            "residual_length": residual_length,
+            "q_axis": q_axis,
+        },
+    )
     if cache == "quantized":
         quant_backend = q.quant_backend
         layer_bytes = partial(
-            _quantized_layer_bytes, bits=bits, batch_size=batch_size, nbits=q.nbits,
-            q_group_size=q.q_group_size, residual_length=q.residual_length, axis=q.q_axis,
-            quant_backend=quant_backend, prefill_tokens=prefill_tokens,
+            _quantized_layer_bytes,
+            bits=bits,
+            batch_size=batch_size,
+            nbits=q.nbits,
+            q_group_size=q.q_group_size,
+            residual_length=q.residual_length,
+            axis=q.q_axis,
+            quant_backend=quant_backend,
+            prefill_tokens=prefill_tokens,
         )
         per = tuple(layer_bytes(s, tokens) for s in specs)
         worst = sum(layer_bytes(s, tokens, worst_residual=True) for s in specs)
@@ -860,16 +939,14 @@ def estimate_kv(
         transient = copies * max(
             (batch_size * _ceil_bytes(s.elements_per_token * tokens, bits) for s in specs), default=0
         )
-        return KVEstimate(sum(per), worst + transient, per, f"int{q.nbits}" if quant_backend != "fp8" else "fp8",
-                          cache)
+        return KVEstimate(sum(per), worst + transient, per, f"int{q.nbits}" if quant_backend != "fp8" else "fp8", cache)
     base = "static" if cache == "static" else "dynamic"
-    per = tuple(_layer_bytes(s, tokens, sz, cache=base, peak=False, prefill_tokens=prefill_tokens)
-                for s in specs)
-    per_peak = tuple(_layer_bytes(s, tokens, sz, cache=base, peak=True, prefill_tokens=prefill_tokens)
-                     for s in specs)
+    per = tuple(_layer_bytes(s, tokens, sz, cache=base, peak=False, prefill_tokens=prefill_tokens) for s in specs)
+    per_peak = tuple(_layer_bytes(s, tokens, sz, cache=base, peak=True, prefill_tokens=prefill_tokens) for s in specs)
     if cache == "offloaded":
-        return _offloaded(specs, tokens, per, per_peak, sz, prefill_tokens, name,
-                          only_non_sliding=offload_only_non_sliding)
+        return _offloaded(
+            specs, tokens, per, per_peak, sz, prefill_tokens, name, only_non_sliding=offload_only_non_sliding
+        )
     return KVEstimate(sum(per), sum(per_peak), per, name, cache)
 
 

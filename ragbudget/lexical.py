@@ -41,14 +41,80 @@ FUSIONS = ("rrf", "score")
 # RRF's k: 60 is the constant of the original paper and of Elasticsearch/Weaviate/LlamaIndex.
 _RRF_K = 60
 # Words that carry no retrieval signal in a question; OR-ing them would only make every chunk match.
-_STOP = frozenset((
-    "a", "an", "and", "are", "as", "at", "be", "been", "but", "by", "can", "could", "did", "do",
-    "does", "for", "from", "had", "has", "have", "how", "i", "if", "in", "into", "is", "it", "its",
-    "of", "on", "or", "should", "so", "than", "that", "the", "their", "them", "then", "there",
-    "these", "they", "this", "those", "to", "was", "were", "what", "when", "where", "which", "who",
-    "whom", "whose", "why", "will", "with", "would", "you", "your", "yours", "me", "my", "we",
-    "our", "us", "he", "she", "his", "her",
-))
+_STOP = frozenset(
+    (
+        "a",
+        "an",
+        "and",
+        "are",
+        "as",
+        "at",
+        "be",
+        "been",
+        "but",
+        "by",
+        "can",
+        "could",
+        "did",
+        "do",
+        "does",
+        "for",
+        "from",
+        "had",
+        "has",
+        "have",
+        "how",
+        "i",
+        "if",
+        "in",
+        "into",
+        "is",
+        "it",
+        "its",
+        "of",
+        "on",
+        "or",
+        "should",
+        "so",
+        "than",
+        "that",
+        "the",
+        "their",
+        "them",
+        "then",
+        "there",
+        "these",
+        "they",
+        "this",
+        "those",
+        "to",
+        "was",
+        "were",
+        "what",
+        "when",
+        "where",
+        "which",
+        "who",
+        "whom",
+        "whose",
+        "why",
+        "will",
+        "with",
+        "would",
+        "you",
+        "your",
+        "yours",
+        "me",
+        "my",
+        "we",
+        "our",
+        "us",
+        "he",
+        "she",
+        "his",
+        "her",
+    )
+)
 _FTS_WORD = re.compile(r"\w+")
 _FTS_MAX_TERMS = 64
 
@@ -99,8 +165,7 @@ def fts_match_query(text: str, *, max_terms: int = _FTS_MAX_TERMS) -> str:
     return " OR ".join('"' + w.replace('"', '""') + '"' for w in kept[:max_terms])
 
 
-def _bm25(db: sqlite3.Connection, query: str, k: int, *,
-          ids: Sequence[int] | None = None) -> list[tuple[int, float]]:
+def _bm25(db: sqlite3.Connection, query: str, k: int, *, ids: Sequence[int] | None = None) -> list[tuple[int, float]]:
     """``(chunk_id, bm25)`` best first (bm25 negated so higher is better), from ``chunks_fts``.
 
     With ``ids``, only those chunks are scored (their BM25 still uses whole-corpus statistics).
@@ -189,8 +254,9 @@ def fuse_scores(
     return _fuse(dense, lexical, method, lexical_weight)
 
 
-def _fuse(dense: dict[Any, float], lexical: dict[Any, float], method: str,
-          lexical_weight: float) -> list[tuple[Any, float]]:
+def _fuse(
+    dense: dict[Any, float], lexical: dict[Any, float], method: str, lexical_weight: float
+) -> list[tuple[Any, float]]:
     """:func:`fuse_scores` for settings already checked (a :class:`RetrievalSettings`)."""
     d_order = sorted(dense, key=lambda i: -dense[i])
     l_order = sorted(lexical, key=lambda i: -lexical[i])
@@ -210,6 +276,7 @@ def _fuse(dense: dict[Any, float], lexical: dict[Any, float], method: str,
                 f += w / (_RRF_K + l_rank[i])
             fused[i] = f
     else:
+
         def normalized(m: dict[Any, float], *, from_zero: bool) -> dict[Any, float]:
             if not m:
                 return {}
@@ -230,5 +297,4 @@ def _fuse(dense: dict[Any, float], lexical: dict[Any, float], method: str,
         lo, hi = 0.0, 1.0
     f_lo, f_hi = min(fused.values()), max(fused.values())
     span = f_hi - f_lo
-    return [(i, round(hi if span <= 0 else lo + (fused[i] - f_lo) / span * (hi - lo), 9))
-            for i in ranked]
+    return [(i, round(hi if span <= 0 else lo + (fused[i] - f_lo) / span * (hi - lo), 9)) for i in ranked]

@@ -96,13 +96,25 @@ IGNORED_DIRS = frozenset({".git", ".hg", ".svn", "__pycache__", "node_modules", 
 
 #: ``LoadError.reason`` values raised by :func:`load_document`.
 LOAD_ERROR_REASONS = frozenset(
-    {"binary", "too_large", "unreadable", "empty", "encrypted", "malformed", "unsupported",
-     "missing_dependency"}
+    {"binary", "too_large", "unreadable", "empty", "encrypted", "malformed", "unsupported", "missing_dependency"}
 )
 #: Extra :class:`Skipped` reasons produced by :func:`scan` itself.
 SCAN_SKIP_REASONS = frozenset(
-    {"missing", "hidden", "ignored", "excluded", "unsupported", "too_large", "special", "symlink",
-     "symlink_loop", "outside_root", "broken_link", "duplicate", "unreadable"}
+    {
+        "missing",
+        "hidden",
+        "ignored",
+        "excluded",
+        "unsupported",
+        "too_large",
+        "special",
+        "symlink",
+        "symlink_loop",
+        "outside_root",
+        "broken_link",
+        "duplicate",
+        "unreadable",
+    }
 )
 
 # Bytes inspected for binary detection and BOM-less UTF-16: enough to see past a short header.
@@ -458,8 +470,11 @@ def _guess_legacy(data: bytes) -> str:
     except ImportError:  # optional in spirit: the commonest legacy page
         return western
     # UTF-16/32 without a BOM was ruled out by the NUL-pattern test before we got here.
-    matches = [m for m in charset_normalizer.from_bytes(data)
-               if not codecs.lookup(m.encoding).name.startswith(("utf_16", "utf_32"))]
+    matches = [
+        m
+        for m in charset_normalizer.from_bytes(data)
+        if not codecs.lookup(m.encoding).name.startswith(("utf_16", "utf_32"))
+    ]
     if not matches:
         return western
     best = min(m.chaos for m in matches)
@@ -527,15 +542,60 @@ def paginate_text(text: str) -> tuple[list[str], bool]:
 # format readers
 
 _DROP_TAGS = frozenset(
-    {"script", "style", "noscript", "template", "nav", "iframe", "svg", "canvas", "button",
-     "select", "form", "object", "embed", "head", "title", "meta", "link", "aside"}
+    {
+        "script",
+        "style",
+        "noscript",
+        "template",
+        "nav",
+        "iframe",
+        "svg",
+        "canvas",
+        "button",
+        "select",
+        "form",
+        "object",
+        "embed",
+        "head",
+        "title",
+        "meta",
+        "link",
+        "aside",
+    }
 )
 # header/footer are page chrome at body level, but an <article>'s own <header> holds its title.
 _CHROME_TAGS = frozenset({"header", "footer"})
 _BLOCK_TAGS = frozenset(
-    {"p", "div", "section", "article", "main", "ul", "ol", "li", "dl", "dt", "dd", "table",
-     "thead", "tbody", "tfoot", "tr", "blockquote", "figure", "figcaption", "address", "hr",
-     "body", "html", "header", "footer", "details", "summary", "caption"}
+    {
+        "p",
+        "div",
+        "section",
+        "article",
+        "main",
+        "ul",
+        "ol",
+        "li",
+        "dl",
+        "dt",
+        "dd",
+        "table",
+        "thead",
+        "tbody",
+        "tfoot",
+        "tr",
+        "blockquote",
+        "figure",
+        "figcaption",
+        "address",
+        "hr",
+        "body",
+        "html",
+        "header",
+        "footer",
+        "details",
+        "summary",
+        "caption",
+    }
 )
 _HEADINGS = {f"h{i}": i for i in range(1, 7)}
 _XML_DECL = re.compile(r"^\s*<\?xml[^>]*\?>", re.IGNORECASE)
@@ -581,7 +641,8 @@ def _html_to_text(markup: str, path: str) -> tuple[str, str]:
     def walk(el: Any, in_article: bool) -> None:
         tag = el.tag.lower() if isinstance(el.tag, str) else None
         hidden = tag is not None and (
-            el.get("hidden") is not None or el.get("aria-hidden") == "true"
+            el.get("hidden") is not None
+            or el.get("aria-hidden") == "true"
             or (el.get("role") or "") in ("navigation", "banner", "contentinfo")
         )
         if tag is None or tag in _DROP_TAGS or hidden or (tag in _CHROME_TAGS and not in_article):
@@ -652,8 +713,7 @@ def _pdf_pages(data: bytes, path: str) -> list[str]:
     except pypdfium2.PdfiumError as exc:
         if "password" in str(exc).lower():
             raise LoadError(
-                f"{path}: the PDF is encrypted with a password; decrypt it (e.g. qpdf --decrypt) "
-                "before indexing",
+                f"{path}: the PDF is encrypted with a password; decrypt it (e.g. qpdf --decrypt) before indexing",
                 path=path,
                 reason="encrypted",
             ) from exc
@@ -686,7 +746,8 @@ def _read(path: str, max_bytes: int) -> tuple[bytes, os.stat_result, bool]:
         raise LoadError(f"{path}: cannot stat ({exc.strerror})", path=path, reason="unreadable") from exc
     if not stat.S_ISREG(st.st_mode):
         raise LoadError(
-            f"{path}: not a regular file (folder, FIFO, socket or device)", path=path,
+            f"{path}: not a regular file (folder, FIFO, socket or device)",
+            path=path,
             reason="unsupported",
         )
     if st.st_size > max_bytes:
@@ -714,9 +775,7 @@ def _read(path: str, max_bytes: int) -> tuple[bytes, os.stat_result, bool]:
     except OSError as exc:
         raise LoadError(f"{path}: read error ({exc.strerror or exc})", path=path, reason="unreadable") from exc
     if len(data) > max_bytes:
-        raise LoadError(
-            f"{path}: decompresses to more than max_bytes={max_bytes}", path=path, reason="too_large"
-        )
+        raise LoadError(f"{path}: decompresses to more than max_bytes={max_bytes}", path=path, reason="too_large")
     return data, st, gz
 
 

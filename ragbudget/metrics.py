@@ -44,6 +44,7 @@ class _Histogram:
 def _labels(pairs: dict[str, str]) -> str:
     if not pairs:
         return ""
+
     def escaped(v: str) -> str:  # Prometheus label values: backslash and double quote escaped
         return str(v).replace("\\", "\\\\").replace('"', '\\"')
 

@@ -170,8 +170,7 @@ def _find_snapshot(model: str) -> Path | None:
 
 
 # GGUF value types (gguf spec): size in bytes of fixed-size scalars.
-_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q",
-                 12: "d"}
+_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _GGUF_STRING, _GGUF_ARRAY = 8, 9
 
 
@@ -248,8 +247,13 @@ def _config_from_gguf(path: Path) -> dict[str, Any]:
     if heads is None or hidden is None or g("block_count") is None:
         raise ModelError(f"{path}: GGUF metadata lacks the attention shape of {arch!r}")
     cfg: dict[str, Any] = {
-        "model_type": {"qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
-                       "phi3": "phi3", "mistral": "mistral"}.get(arch, "llama"),
+        "model_type": {
+            "qwen2": "qwen2",
+            "qwen3": "qwen3",
+            "gemma2": "gemma2",
+            "phi3": "phi3",
+            "mistral": "mistral",
+        }.get(arch, "llama"),
         "num_hidden_layers": int(g("block_count")),
         "hidden_size": int(hidden),
         "intermediate_size": g("feed_forward_length"),
@@ -314,9 +318,12 @@ def load_model_config(model: str | None = None) -> dict[str, Any]:
             ) from e
     import difflib
 
-    close = difflib.get_close_matches(model.lower(), [m.lower() for m in list_model_configs()] +
-                                      [m.split("/")[-1].lower() for m in list_model_configs()],
-                                      n=3, cutoff=0.4)
+    close = difflib.get_close_matches(
+        model.lower(),
+        [m.lower() for m in list_model_configs()] + [m.split("/")[-1].lower() for m in list_model_configs()],
+        n=3,
+        cutoff=0.4,
+    )
     raise ModelError(
         f"no config for model {model!r}: not a local folder, not a shipped snapshot"
         + (", and the hub is offline" if offline else "")
@@ -325,9 +332,24 @@ def load_model_config(model: str | None = None) -> dict[str, Any]:
     )
 
 
-_SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2,
-                      "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U32": 4, "U16": 2,
-                      "F8_E8M0": 1, "F4": 0.5}
+_SAFETENSORS_BYTES = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "U32": 4,
+    "U16": 2,
+    "F8_E8M0": 1,
+    "F4": 0.5,
+}
 
 
 def weights_bytes_from_files(path: str | os.PathLike[str]) -> int | None:

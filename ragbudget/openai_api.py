@@ -126,8 +126,24 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 # Fields with no effect on the answer (bookkeeping on OpenAI's side), accepted and not used.
 _NO_EFFECT = {"user", "metadata", "store", "service_tier"}
 # Everything /v1/chat/completions reads; ``context_tokens`` is ragbudget's own extra.
-_CHAT_FIELDS = {"model", "messages", "stream", "stream_options", "n", "temperature", "top_p", "seed", "stop",
-                "max_tokens", "max_completion_tokens", "context_tokens"} | set(_UNSUPPORTED) | _NO_EFFECT
+_CHAT_FIELDS = (
+    {
+        "model",
+        "messages",
+        "stream",
+        "stream_options",
+        "n",
+        "temperature",
+        "top_p",
+        "seed",
+        "stop",
+        "max_tokens",
+        "max_completion_tokens",
+        "context_tokens",
+    }
+    | set(_UNSUPPORTED)
+    | _NO_EFFECT
+)
 _RETRIEVE_FIELDS = {"query", "k", "context_tokens"}
 
 
@@ -283,9 +299,7 @@ def _opt_int(body: dict[str, Any], name: str, *, minimum: int = 1) -> int | None
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
-        raise APIError(
-            400, f"'{name}' must be an integer, got {type(value).__name__}", param=name, code="invalid_type"
-        )
+        raise APIError(400, f"'{name}' must be an integer, got {type(value).__name__}", param=name, code="invalid_type")
     if value < minimum:
         raise APIError(400, f"'{name}' must be >= {minimum}, got {value}", param=name, code="invalid_value")
     return value
@@ -382,9 +396,7 @@ def parse_chat(body: Any, models: Sequence[str], *, max_tokens_limit: int | None
     if model is None:
         raise APIError(400, "missing required parameter 'model'", param="model", code="missing_required_parameter")
     if not isinstance(model, str):
-        raise APIError(
-            400, f"'model' must be a string, got {type(model).__name__}", param="model", code="invalid_type"
-        )
+        raise APIError(400, f"'model' must be a string, got {type(model).__name__}", param="model", code="invalid_type")
     if model not in models:
         raise APIError(
             404,
@@ -639,8 +651,6 @@ def _json_problem(value: Any, limit: int) -> str | None:
             else:
                 stack.extend((v, depth + 1) for v in obj)
     return None
-
-
 
 
 def overloaded(why: str, retry_after: float) -> APIError:

@@ -140,6 +140,8 @@ class Pacing:
             return False
         self.entry = None
         self.entry = self.measure(gen, plan.model)
-        log.info("measured the speed again on an idle host: %s",
-                 {k: self.entry.get(k) for k in ("a", "b", "decode_s", "provisional")} if self.entry else None)
+        log.info(
+            "measured the speed again on an idle host: %s",
+            {k: self.entry.get(k) for k in ("a", "b", "decode_s", "provisional")} if self.entry else None,
+        )
         return True

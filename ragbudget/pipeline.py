@@ -91,6 +91,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+
 def _check_question(question: Any, name: str = "question") -> str:
     text = check_text(name, question)
     assert text is not None
@@ -182,33 +183,72 @@ class Pipeline:
         engine_timeout: float | None = None,
     ) -> None:
         if not isinstance(index_dir, (str, os.PathLike)):
-            raise ArgumentTypeError(f"index_dir must be a path (str or os.PathLike), got "
-                                    f"{type(index_dir).__name__} {shown(index_dir)}")
+            raise ArgumentTypeError(
+                f"index_dir must be a path (str or os.PathLike), got {type(index_dir).__name__} {shown(index_dir)}"
+            )
         check_text("model", model, optional=True)
         check_text("system_prompt", system_prompt, optional=True)
-        self.retrieval = from_keywords(RetrievalSettings, retrieval, "retrieval", {
-            "fetch_k": fetch_k, "hybrid": hybrid, "lexical_weight": lexical_weight, "fusion": fusion,
-            "order": order, "pack": pack, "fill_remainder": fill_remainder,
-            "relevance_floor": relevance_floor})
-        self.memory = from_keywords(MemorySettings, memory, "memory", {
-            "gpu": gpu, "concurrency": concurrency, "max_new_tokens": max_new_tokens,
-            "kv_dtype": kv_dtype, "cache": cache, "utilization": utilization,
-            "ttft_target": ttft_target})
-        self.queue = from_keywords(QueueSettings, queue, "queue",
-                                   {"queue_size": queue_size, "queue_timeout": queue_timeout},
-                                   {"queue_size": "size", "queue_timeout": "timeout"})
+        self.retrieval = from_keywords(
+            RetrievalSettings,
+            retrieval,
+            "retrieval",
+            {
+                "fetch_k": fetch_k,
+                "hybrid": hybrid,
+                "lexical_weight": lexical_weight,
+                "fusion": fusion,
+                "order": order,
+                "pack": pack,
+                "fill_remainder": fill_remainder,
+                "relevance_floor": relevance_floor,
+            },
+        )
+        self.memory = from_keywords(
+            MemorySettings,
+            memory,
+            "memory",
+            {
+                "gpu": gpu,
+                "concurrency": concurrency,
+                "max_new_tokens": max_new_tokens,
+                "kv_dtype": kv_dtype,
+                "cache": cache,
+                "utilization": utilization,
+                "ttft_target": ttft_target,
+            },
+        )
+        self.queue = from_keywords(
+            QueueSettings,
+            queue,
+            "queue",
+            {"queue_size": queue_size, "queue_timeout": queue_timeout},
+            {"queue_size": "size", "queue_timeout": "timeout"},
+        )
         # engine= is the URL (sugar, with engine_kind & co) or the whole record, as httpx's
         # timeout= takes a number or a Timeout.
         record = engine if isinstance(engine, EngineSettings) else None
-        self.engine = from_keywords(EngineSettings, record, "engine", {
-            "engine": None if record is not None else engine, "engine_kind": engine_kind,
-            "api_key": api_key, "api_key_env": api_key_env, "tokenizer": tokenizer,
-            "engine_context_tokens": engine_context_tokens, "engine_timeout": engine_timeout},
-            {"engine": "url", "engine_kind": "kind", "engine_context_tokens": "context_tokens",
-             "engine_timeout": "timeout"})
+        self.engine = from_keywords(
+            EngineSettings,
+            record,
+            "engine",
+            {
+                "engine": None if record is not None else engine,
+                "engine_kind": engine_kind,
+                "api_key": api_key,
+                "api_key_env": api_key_env,
+                "tokenizer": tokenizer,
+                "engine_context_tokens": engine_context_tokens,
+                "engine_timeout": engine_timeout,
+            },
+            {
+                "engine": "url",
+                "engine_kind": "kind",
+                "engine_context_tokens": "context_tokens",
+                "engine_timeout": "timeout",
+            },
+        )
         if self.engine.url is not None and generator is not None:
-            raise ConfigError("pass engine= (generate on a served engine) or generator= (a local "
-                              "model), not both")
+            raise ConfigError("pass engine= (generate on a served engine) or generator= (a local model), not both")
         self.index_dir = Path(index_dir)
         self.model = model
         self.system_prompt = system_prompt
@@ -252,8 +292,7 @@ class Pipeline:
 
     def __repr__(self) -> str:
         if self.engine.url is not None:
-            return (f"Pipeline({str(self.index_dir)!r}, engine={self.engine.url!r}, "
-                    f"engine_kind={self.engine.kind!r})")
+            return f"Pipeline({str(self.index_dir)!r}, engine={self.engine.url!r}, engine_kind={self.engine.kind!r})"
         return (
             f"Pipeline({str(self.index_dir)!r}, model={self.model!r}, gpu={self.memory.gpu!r}, "
             f"concurrency={self.memory.concurrency})"
@@ -275,8 +314,9 @@ class Pipeline:
         with self._lock:
             if self._generator is None:
                 if self.served:
-                    raise ConfigError(f"this pipeline generates on {self.backend!r}: it has no "
-                                      "local generator (use pipeline.backend)")
+                    raise ConfigError(
+                        f"this pipeline generates on {self.backend!r}: it has no local generator (use pipeline.backend)"
+                    )
                 from .generate import Generator
 
                 self._generator = Generator(self.model)
@@ -305,21 +345,30 @@ class Pipeline:
 
                     # Counts persist next to the index (outside its generations: a cache); with
                     # no index folder yet (``budget --engine``), in memory.
-                    cache: CountCache = (SQLiteCountCache(self.index_dir / "counts.sqlite")
-                                         if self.index_dir.is_dir() else MemoryCountCache())
+                    cache: CountCache = (
+                        SQLiteCountCache(self.index_dir / "counts.sqlite")
+                        if self.index_dir.is_dir()
+                        else MemoryCountCache()
+                    )
                     self._backend = connect(self.engine, model=self.model, count_cache=cache)
                 else:
                     from .backend import LocalBackend
 
                     m = self.memory
                     self._backend = LocalBackend(
-                        self.generator, gpu=m.gpu, concurrency=m.concurrency,
-                        max_new_tokens=m.max_new_tokens, cache=m.cache, kv_dtype=m.kv_dtype,
-                        utilization=m.utilization)
+                        self.generator,
+                        gpu=m.gpu,
+                        concurrency=m.concurrency,
+                        max_new_tokens=m.max_new_tokens,
+                        cache=m.cache,
+                        kv_dtype=m.kv_dtype,
+                        utilization=m.utilization,
+                    )
             return self._backend
 
-    def engine_plan(self, max_new_tokens: int | None = None, *, question: str = "",
-                    history: Sequence[dict[str, str]] | None = None) -> EnginePlan:
+    def engine_plan(
+        self, max_new_tokens: int | None = None, *, question: str = "", history: Sequence[dict[str, str]] | None = None
+    ) -> EnginePlan:
         """The served engine's allowance for one request now: its capacity (each figure with
         source and age) and the context tokens left after the template, system prompt,
         ``history``, ``question`` and ``max_new_tokens`` (default: the pipeline's)."""
@@ -329,8 +378,9 @@ class Pipeline:
         check_int("max_new_tokens", new_tokens, 1)
         backend = self.backend
         if not self.served:
-            raise ConfigError("engine_plan() is for a pipeline on a served engine; a local one "
-                              "plans from memory: use plan_for()")
+            raise ConfigError(
+                "engine_plan() is for a pipeline on a served engine; a local one plans from memory: use plan_for()"
+            )
         builder = self.prompt_builder.with_history(history)
         fixed = builder.fixed_tokens(question)
         capacity = backend.capacity()
@@ -345,9 +395,14 @@ class Pipeline:
             url, detected = backend.url, backend.detection.how
         else:
             url, detected = repr(backend), "given: backend="
-        return EnginePlan(capacity=capacity, budget=budget, url=url,
-                          kind=capacity.engine_kind or "engine", detected=detected,
-                          model=backend.model_id)
+        return EnginePlan(
+            capacity=capacity,
+            budget=budget,
+            url=url,
+            kind=capacity.engine_kind or "engine",
+            detected=detected,
+            model=backend.model_id,
+        )
 
     @property
     def store(self) -> Index:
@@ -369,8 +424,10 @@ class Pipeline:
         only: a pipeline on a served engine plans from the engine's figures
         (:meth:`engine_plan`)."""
         if self.served:
-            raise ConfigError("a pipeline on a served engine has no memory plan; its allowance "
-                              "comes from the engine's own figures: use engine_plan()")
+            raise ConfigError(
+                "a pipeline on a served engine has no memory plan; its allowance "
+                "comes from the engine's own figures: use engine_plan()"
+            )
         with self._lock:
             # A loaded generator knows its real weights and dtype; before that the plan reads the
             # config. Plans made before loading are kept apart from the ones made after.
@@ -472,15 +529,18 @@ class Pipeline:
             ctl = self.admission
             parts = [f"{self.plan.kv_capacity_tokens} KV tokens (memory plan)"]
             if ctl.memory is not None:
-                parts = [f"KV + activations per request in {ctl.memory.capacity_bytes / 2**30:.2f} "
-                         f"GiB ({ctl.memory.source})"]
+                parts = [
+                    f"KV + activations per request in {ctl.memory.capacity_bytes / 2**30:.2f} GiB ({ctl.memory.source})"
+                ]
             if ctl.throughput is not None:
                 t = ctl.throughput
-                parts.append(f"time: prefill {t.prefill_a * 1e3:.2f} ms/token, decode "
-                             f"{t.decode_s * 1e3:.1f} ms/token ({t.source}); first token within "
-                             f"the queue time-out {self.queue.timeout:g} s, started next to "
-                             "others only within the TTFT target "
-                             f"{ctl.ttft_target if ctl.ttft_target is not None else 'none'}")
+                parts.append(
+                    f"time: prefill {t.prefill_a * 1e3:.2f} ms/token, decode "
+                    f"{t.decode_s * 1e3:.1f} ms/token ({t.source}); first token within "
+                    f"the queue time-out {self.queue.timeout:g} s, started next to "
+                    "others only within the TTFT target "
+                    f"{ctl.ttft_target if ctl.ttft_target is not None else 'none'}"
+                )
             return "; ".join(parts)
         return engine_admission(self.backend.capacity())[1]
 
@@ -491,11 +551,9 @@ class Pipeline:
                 from .prompt import EnginePromptBuilder, PromptBuilder
 
                 if self.served:
-                    self._builder = EnginePromptBuilder(self.backend,
-                                                        system_prompt=self.system_prompt)
+                    self._builder = EnginePromptBuilder(self.backend, system_prompt=self.system_prompt)
                 else:
-                    self._builder = PromptBuilder(self.generator.tokenizer,
-                                                  system_prompt=self.system_prompt)
+                    self._builder = PromptBuilder(self.generator.tokenizer, system_prompt=self.system_prompt)
             return self._builder
 
     # -- indexing and search ----------------------------------------------------------------------
@@ -522,7 +580,8 @@ class Pipeline:
             raise IndexEmptyError(
                 f"the index in {self.index_dir} has no chunks ({files} file(s) indexed, "
                 f"{skipped} skipped): there is nothing to search; run `ragbudget index PATH "
-                f"--index-dir {self.index_dir}` on a folder with documents first")
+                f"--index-dir {self.index_dir}` on a folder with documents first"
+            )
         return store
 
     def search(self, query: str, k: int = 5) -> list[Hit]:
@@ -531,8 +590,7 @@ class Pipeline:
         Raises :class:`~ragbudget.errors.IndexEmptyError` on an index without chunks."""
         query = _check_question(query, "query")
         k = check_int("k", k, 1)  # type: ignore[assignment]
-        return self._searchable().search(query, k=k, embedder=self.embedder,
-                                         retrieval=self.retrieval)
+        return self._searchable().search(query, k=k, embedder=self.embedder, retrieval=self.retrieval)
 
     # -- budgeted retrieval -------------------------------------------------------------------------
 
@@ -553,10 +611,12 @@ class Pipeline:
         context_tokens = check_int("context_tokens", context_tokens, 0, optional=True)
         max_new_tokens = check_int("max_new_tokens", max_new_tokens, 1)  # type: ignore[assignment]
         check_text("retrieval_query", retrieval_query, optional=True)
-        if history is not None and (isinstance(history, (str, bytes)) or not all(
-                isinstance(m, Mapping) for m in history)):
-            raise ArgumentTypeError("history must be a list of {'role': ..., 'content': ...} "
-                                    f"dicts or None, got {shown(history)}")
+        if history is not None and (
+            isinstance(history, (str, bytes)) or not all(isinstance(m, Mapping) for m in history)
+        ):
+            raise ArgumentTypeError(
+                f"history must be a list of {{'role': ..., 'content': ...}} dicts or None, got {shown(history)}"
+            )
         timings: dict[str, float] = {}
         # A missing, damaged or empty index fails fast, before any model loads.
         self._searchable()
@@ -566,15 +626,26 @@ class Pipeline:
         hits = self.search(retrieval_query or question, k=self.retrieval.fetch_k)
         timings["retrieve_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        prompt = build_prompt(question, hits, max_prompt_tokens=max_prompt, builder=builder,
-                              order=self.retrieval.order, relevance_floor=self.retrieval.relevance_floor,
-                              **self._pack_options())
+        prompt = build_prompt(
+            question,
+            hits,
+            max_prompt_tokens=max_prompt,
+            builder=builder,
+            order=self.retrieval.order,
+            relevance_floor=self.retrieval.relevance_floor,
+            **self._pack_options(),
+        )
         timings["select_s"] = time.perf_counter() - t0
         return prompt, plan, timings, cap
 
-    def _local_allowance(self, question: str, context_tokens: int | None, max_new_tokens: int,
-                         history: Sequence[dict[str, str]] | None, timings: dict[str, float]
-                         ) -> tuple[PromptBuilder, BudgetPlan, int, dict[str, Any] | None]:
+    def _local_allowance(
+        self,
+        question: str,
+        context_tokens: int | None,
+        max_new_tokens: int,
+        history: Sequence[dict[str, str]] | None,
+        timings: dict[str, float],
+    ) -> tuple[PromptBuilder, BudgetPlan, int, dict[str, Any] | None]:
         """The builder with the history, the memory plan, the prompt tokens this question may
         hold and the cap set on its context (``context_tokens``, or the time target)."""
         if not (self._generator is not None and self._generator.loaded):
@@ -601,9 +672,14 @@ class Pipeline:
         timings["plan_s"] = time.perf_counter() - t0
         return builder, plan, max_prompt, cap
 
-    def _engine_allowance(self, question: str, context_tokens: int | None, max_new_tokens: int,
-                          history: Sequence[dict[str, str]] | None, timings: dict[str, float]
-                          ) -> tuple[PromptBuilder, EnginePlan, int, dict[str, Any] | None]:
+    def _engine_allowance(
+        self,
+        question: str,
+        context_tokens: int | None,
+        max_new_tokens: int,
+        history: Sequence[dict[str, str]] | None,
+        timings: dict[str, float],
+    ) -> tuple[PromptBuilder, EnginePlan, int, dict[str, Any] | None]:
         """:meth:`_local_allowance` on a served engine: the allowance from the engine's capacity
         (:func:`~ragbudget.backend.per_request_tokens`), counting and the template by the
         engine."""
@@ -638,8 +714,7 @@ class Pipeline:
                 from .spans import SpanScorer
 
                 store = self.store
-                self._span_scorer = SpanScorer(self.embedder or store.embedder,
-                                               stored=store.sentence_vectors)
+                self._span_scorer = SpanScorer(self.embedder or store.embedder, stored=store.sentence_vectors)
         return {"pack": self.retrieval.pack, "span_scorer": self._span_scorer}
 
     def retrieve(
@@ -715,8 +790,7 @@ class Pipeline:
         sampling, stop, extra = split_generate_options(generate_options, served=self.served)
         backend = self.backend
         try:
-            reservation = self.admission.acquire(reserve, prompt_tokens=prompt.n_tokens,
-                                                 cancel=cancel)
+            reservation = self.admission.acquire(reserve, prompt_tokens=prompt.n_tokens, cancel=cancel)
         except RequestCancelled:
             timings["queue_s"] = time.perf_counter() - t0
             return cancelled()
@@ -727,13 +801,15 @@ class Pipeline:
             t0 = time.perf_counter()
             emit = on_text
             if on_text is not None:
+
                 def emit(piece: str) -> Any:
                     # The first token tells admission how fast the prefill really was.
                     reservation.first_token()
                     return on_text(piece)
 
-            gen = backend.generate(prompt, max_new_tokens=new_tokens, sampling=sampling, stop=stop,
-                                   on_text=emit, cancel=cancel, **extra)
+            gen = backend.generate(
+                prompt, max_new_tokens=new_tokens, sampling=sampling, stop=stop, on_text=emit, cancel=cancel, **extra
+            )
             # And the whole request how fast it decoded: the time model follows the host.
             reservation.finish(gen.new_tokens)
             timings["generate_s"] = time.perf_counter() - t0
@@ -761,8 +837,9 @@ class Pipeline:
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
-            raise ConfigError("astream() needs a running event loop (call it inside `async def`); "
-                              "use stream() from synchronous code") from None
+            raise ConfigError(
+                "astream() needs a running event loop (call it inside `async def`); use stream() from synchronous code"
+            ) from None
         _check_question(question)
         return AnswerStream(self.ask, question, _stream_options(options), loop=loop)
 
@@ -771,8 +848,7 @@ class Pipeline:
         generation (and frees its KV reservation)."""
         _check_question(question)
         cancel = threading.Event()
-        work = asyncio.ensure_future(
-            asyncio.to_thread(self.ask, question, cancel=cancel, **_stream_options(options)))
+        work = asyncio.ensure_future(asyncio.to_thread(self.ask, question, cancel=cancel, **_stream_options(options)))
         try:
             return await asyncio.shield(work)
         except asyncio.CancelledError:
@@ -793,16 +869,19 @@ def _attn_in_use(model: Any) -> str:
 
 def _check_call(on_text: Any, cancel: Any) -> None:
     if on_text is not None and not callable(on_text):
-        raise ArgumentTypeError(f"on_text must be a callable taking each piece of text, got "
-                                f"{type(on_text).__name__} {shown(on_text)}")
+        raise ArgumentTypeError(
+            f"on_text must be a callable taking each piece of text, got {type(on_text).__name__} {shown(on_text)}"
+        )
     if cancel is not None and not callable(getattr(cancel, "is_set", None)):
-        raise ArgumentTypeError(f"cancel must be a threading.Event (anything with is_set()), got "
-                                f"{type(cancel).__name__} {shown(cancel)}")
+        raise ArgumentTypeError(
+            f"cancel must be a threading.Event (anything with is_set()), got {type(cancel).__name__} {shown(cancel)}"
+        )
 
 
 def _stream_options(options: dict[str, Any]) -> dict[str, Any]:
     taken = sorted(k for k in ("on_text", "cancel") if k in options)
     if taken:
-        raise ConfigError(f"a stream delivers the text and cancels itself; drop {', '.join(taken)} "
-                          "(use ask() to pass your own)")
+        raise ConfigError(
+            f"a stream delivers the text and cancels itself; drop {', '.join(taken)} (use ask() to pass your own)"
+        )
     return options

@@ -184,9 +184,7 @@ class PromptBuilder:
         for m in history:
             role, content = m.get("role"), m.get("content")
             if role not in ("user", "assistant", "system") or not isinstance(content, str):
-                raise ConfigError(
-                    f"history turns need role user/assistant/system and text content; got {m!r}"
-                )
+                raise ConfigError(f"history turns need role user/assistant/system and text content; got {m!r}")
             turns.append({"role": str(role), "content": escape_data(content)})
         return self._copy(tuple(turns))
 
@@ -247,22 +245,24 @@ class PromptBuilder:
                 history[0] = {"role": first["role"], "content": f"{self.system_prompt}\n\n{first['content']}"}
                 return [*history, {"role": "user", "content": user}]
             return [{"role": "user", "content": f"{self.system_prompt}\n\n{user}"}]
-        return [{"role": "system", "content": self.system_prompt}, *history,
-                {"role": "user", "content": user}]
+        return [{"role": "system", "content": self.system_prompt}, *history, {"role": "user", "content": user}]
 
     def render_text(self, messages: Sequence[dict[str, str]]) -> str:
         hf = self.tokenizer.hf
         if getattr(hf, "chat_template", None):
             try:
-                return str(hf.apply_chat_template(list(messages), tokenize=False,
-                                                  add_generation_prompt=True))
+                return str(hf.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True))
             except Exception as exc:
                 # Some templates (Gemma, Mistral v1) reject a system turn: fold it into the user's.
                 if self._system_role and messages and messages[0]["role"] == "system":
                     self._system_role = False
-                    merged = [{"role": messages[1]["role"],
-                               "content": f"{messages[0]['content']}\n\n{messages[1]['content']}"},
-                              *messages[2:]]
+                    merged = [
+                        {
+                            "role": messages[1]["role"],
+                            "content": f"{messages[0]['content']}\n\n{messages[1]['content']}",
+                        },
+                        *messages[2:],
+                    ]
                     return self.render_text(merged)
                 raise ConfigError(f"the tokenizer's chat template failed: {exc}") from exc
         parts = [f"{m['role'].capitalize()}: {m['content']}" for m in messages]
@@ -286,9 +286,12 @@ class PromptBuilder:
         if n > max_prompt_tokens:
             raise _too_small(fixed, max_prompt_tokens)
         if extra or len(passages) != len(selection.chunks):
-            selection = replace(selection, chunks=tuple(passages),
-                                tokens_used=sum(p.cost for p in passages),
-                                dropped=selection.dropped + tuple(extra))
+            selection = replace(
+                selection,
+                chunks=tuple(passages),
+                tokens_used=sum(p.cost for p in passages),
+                dropped=selection.dropped + tuple(extra),
+            )
         return Prompt(
             question=question,
             messages=tuple(msgs),
@@ -401,9 +404,16 @@ def build_prompt(
     if pack == "spans":
         from .spans import select_spans
 
-        selection = select_spans(question, cands, budget_tokens=budget, count_tokens=b.count,
-                                 chunk_overhead=lambda p: b.overhead(p, max_id=max_id),
-                                 scorer=span_scorer, prime=b.prime, **select_options)
+        selection = select_spans(
+            question,
+            cands,
+            budget_tokens=budget,
+            count_tokens=b.count,
+            chunk_overhead=lambda p: b.overhead(p, max_id=max_id),
+            scorer=span_scorer,
+            prime=b.prime,
+            **select_options,
+        )
     else:
         selection = select_chunks(
             question,
@@ -414,4 +424,3 @@ def build_prompt(
             **select_options,
         )
     return b.assemble(question, selection, max_prompt_tokens=max_prompt_tokens)
-

@@ -255,15 +255,27 @@ def select_chunks(
     >>> [c.chunk_id for c in sel.chunks], sel.tokens_used, [d.reason for d in sel.dropped]
     (['a'], 6, ['over_budget'])
     """
-    _check_options(order=order, budget_tokens=budget_tokens, temperature=temperature,
-                   lambda_=lambda_, relevance_floor=relevance_floor)
+    _check_options(
+        order=order,
+        budget_tokens=budget_tokens,
+        temperature=temperature,
+        lambda_=lambda_,
+        relevance_floor=relevance_floor,
+    )
     overhead_of = _overhead_of(chunk_overhead)
 
     cands = list(candidates)
-    kept, dropped = _prepare(cands, count_tokens, overhead_of, lambda_=lambda_,
-                             temperature=temperature, min_score=min_score,
-                             relevance_floor=relevance_floor, redundancy=redundancy,
-                             similarity=similarity)
+    kept, dropped = _prepare(
+        cands,
+        count_tokens,
+        overhead_of,
+        lambda_=lambda_,
+        temperature=temperature,
+        min_score=min_score,
+        relevance_floor=relevance_floor,
+        redundancy=redundancy,
+        similarity=similarity,
+    )
 
     chosen: list[_Item] = []
     if kept:
@@ -324,8 +336,9 @@ def _overhead_of(chunk_overhead: int | Callable[[Any], int]) -> Callable[[Any], 
     return lambda _chunk: fixed
 
 
-def _check_options(*, order: str, budget_tokens: int, temperature: float, lambda_: float,
-                   relevance_floor: float) -> None:
+def _check_options(
+    *, order: str, budget_tokens: int, temperature: float, lambda_: float, relevance_floor: float
+) -> None:
     """The settings :func:`select_chunks` and span packing share, checked once."""
     if order not in ORDERS:
         raise ConfigError(f"order must be one of {', '.join(ORDERS)}; got {order!r}")
@@ -335,10 +348,15 @@ def _check_options(*, order: str, budget_tokens: int, temperature: float, lambda
         raise ConfigError(f"temperature must be > 0; got {temperature}")
     if not 0.0 <= lambda_ <= 1.0:
         raise ConfigError(f"lambda_ must be in [0, 1]; got {lambda_}")
-    if isinstance(relevance_floor, bool) or not isinstance(relevance_floor, (int, float)) \
-            or not 0.0 <= relevance_floor <= 1.0:
-        raise ConfigError(f"relevance_floor must be a number in [0, 1] (a fraction of the best "
-                          f"candidate's score; 0 disables); got {relevance_floor!r}")
+    if (
+        isinstance(relevance_floor, bool)
+        or not isinstance(relevance_floor, (int, float))
+        or not 0.0 <= relevance_floor <= 1.0
+    ):
+        raise ConfigError(
+            f"relevance_floor must be a number in [0, 1] (a fraction of the best "
+            f"candidate's score; 0 disables); got {relevance_floor!r}"
+        )
 
 
 def _prepare(
@@ -398,9 +416,7 @@ def _prepare(
         rel = math.exp(max(-50.0, (it.score - hi) / temperature))
         red = 0.0
         for k in kept:
-            sim = (
-                similarity(_as_chunk(it), _as_chunk(k)) if similarity else _overlap(it.words, k.words)
-            )
+            sim = similarity(_as_chunk(it), _as_chunk(k)) if similarity else _overlap(it.words, k.words)
             red = max(red, sim)
         if red >= redundancy:
             dropped.append(Dropped(it.ids[0], "redundant", it.score, it.n_tokens))
@@ -478,13 +494,69 @@ def _greedy(items: Sequence[_Item], capacity: int) -> list[_Item]:
 
 
 # Question words that say nothing about where the answer is.
-_QSTOP = frozenset((
-    "a", "an", "and", "are", "as", "at", "be", "been", "but", "by", "can", "could", "did", "do",
-    "does", "for", "from", "had", "has", "have", "how", "i", "if", "in", "into", "is", "it", "its",
-    "of", "on", "or", "so", "than", "that", "the", "their", "them", "then", "there", "these",
-    "they", "this", "those", "to", "was", "were", "what", "when", "where", "which", "who", "whom",
-    "whose", "why", "will", "with", "would", "you", "your",
-))
+_QSTOP = frozenset(
+    (
+        "a",
+        "an",
+        "and",
+        "are",
+        "as",
+        "at",
+        "be",
+        "been",
+        "but",
+        "by",
+        "can",
+        "could",
+        "did",
+        "do",
+        "does",
+        "for",
+        "from",
+        "had",
+        "has",
+        "have",
+        "how",
+        "i",
+        "if",
+        "in",
+        "into",
+        "is",
+        "it",
+        "its",
+        "of",
+        "on",
+        "or",
+        "so",
+        "than",
+        "that",
+        "the",
+        "their",
+        "them",
+        "then",
+        "there",
+        "these",
+        "they",
+        "this",
+        "those",
+        "to",
+        "was",
+        "were",
+        "what",
+        "when",
+        "where",
+        "which",
+        "who",
+        "whom",
+        "whose",
+        "why",
+        "will",
+        "with",
+        "would",
+        "you",
+        "your",
+    )
+)
 
 
 def _terms(text: str) -> set[str]:
@@ -493,7 +565,10 @@ def _terms(text: str) -> set[str]:
 
 
 def _truncate(
-    it: _Item, budget: int, count_tokens: Callable[[str], int], overhead_of: Callable[[Any], int],
+    it: _Item,
+    budget: int,
+    count_tokens: Callable[[str], int],
+    overhead_of: Callable[[Any], int],
     question: str = "",
 ) -> _Item | None:
     """The window of whole sentences of ``it`` (else of words) that fits ``budget`` and best covers
@@ -558,8 +633,19 @@ def _truncate(
         kept = piece(i, j)
         offset = units[i][0] + (len(text[units[i][0] :]) - len(text[units[i][0] :].lstrip()))
         src = tuple(_shorten(s, offset, len(kept)) for s in it.sources[:1]) + it.sources[1:]
-        cut = _Item(it.ids, kept, it.score, src, it.headings, count_tokens(kept), 0, it.rank,
-                    value=it.value, words=it.words, truncated=True)
+        cut = _Item(
+            it.ids,
+            kept,
+            it.score,
+            src,
+            it.headings,
+            count_tokens(kept),
+            0,
+            it.rank,
+            value=it.value,
+            words=it.words,
+            truncated=True,
+        )
         # Recount with the shortened source: a label that names offsets or pages may change.
         cut.cost = cut.n_tokens + int(overhead_of(_as_chunk(cut)))
         if cut.cost <= budget:
@@ -600,9 +686,16 @@ def _merge(
                     join_labels(a.label, b.label),
                 )
                 merged = _Item(
-                    prev.ids + c.ids, text, max(prev.score, c.score), (src,),
-                    prev.headings or c.headings, 0, 0, min(prev.rank, c.rank),
-                    value=prev.value + c.value, words=prev.words | c.words,
+                    prev.ids + c.ids,
+                    text,
+                    max(prev.score, c.score),
+                    (src,),
+                    prev.headings or c.headings,
+                    0,
+                    0,
+                    min(prev.rank, c.rank),
+                    value=prev.value + c.value,
+                    words=prev.words | c.words,
                 )
                 merged.n_tokens = count_tokens(text)
                 merged.cost = merged.n_tokens + int(overhead_of(_as_chunk(merged)))
@@ -618,6 +711,7 @@ def _order(chosen: list[_Item], order: str) -> list[_Item]:
     if order == "relevance":
         return by_rel
     if order == "document":
+
         def key(c: _Item) -> tuple[str, int, int]:
             s = c.sources[0] if c.sources else None
             return (s.path if s else "\uffff", s.start if s else 0, c.rank)

@@ -163,9 +163,12 @@ def create_app(
         raise ConfigError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
     if max_workers < 1:
         raise ConfigError(f"max_workers must be >= 1, got {max_workers}")
-    policy = from_keywords(HistorySettings, history, "history", {
-        "history_share": history_share, "summary_max_tokens": summary_max_tokens,
-        "recent_turns": recent_turns})
+    policy = from_keywords(
+        HistorySettings,
+        history,
+        "history",
+        {"history_share": history_share, "summary_max_tokens": summary_max_tokens, "recent_turns": recent_turns},
+    )
     if summary_cache_size < 0:
         raise ConfigError(f"summary_cache_size must be >= 0 (0: no cache), got {summary_cache_size}")
     served = model_name or _default_model_name(pipeline)

@@ -94,9 +94,11 @@ def check_text(name: str, value: Any, *, optional: bool = False) -> str | None:
     if value is None and optional:
         return None
     if isinstance(value, (bytes, bytearray, memoryview)):
-        raise ArgumentTypeError(f"{name} must be str, got {type(value).__name__} "
-                                f"({len(bytes(value))} bytes): decode it first, e.g. "
-                                f"{name}.decode('utf-8')")
+        raise ArgumentTypeError(
+            f"{name} must be str, got {type(value).__name__} "
+            f"({len(bytes(value))} bytes): decode it first, e.g. "
+            f"{name}.decode('utf-8')"
+        )
     if not isinstance(value, str):
         raise ArgumentTypeError(f"{name} must be str, got {type(value).__name__} {shown(value)}")
     return value
@@ -107,16 +109,26 @@ def check_int(name: str, value: Any, minimum: int, *, optional: bool = False) ->
         return None
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         hint = " (convert it with int())" if isinstance(value, str) else ""
-        raise ArgumentTypeError(f"{name} must be an int ≥ {minimum}"
-                                f"{' or None' if optional else ''}, got "
-                                f"{type(value).__name__} {shown(value)}{hint}")
+        raise ArgumentTypeError(
+            f"{name} must be an int ≥ {minimum}"
+            f"{' or None' if optional else ''}, got "
+            f"{type(value).__name__} {shown(value)}{hint}"
+        )
     if value < minimum:
         raise ConfigError(f"{name} must be ≥ {minimum}, got {value}")
     return int(value)
 
 
-def check_number(name: str, value: Any, lo: float, hi: float | None = None, *,
-                 optional: bool = False, lo_open: bool = False, hi_open: bool = False) -> float | None:
+def check_number(
+    name: str,
+    value: Any,
+    lo: float,
+    hi: float | None = None,
+    *,
+    optional: bool = False,
+    lo_open: bool = False,
+    hi_open: bool = False,
+) -> float | None:
     if value is None and optional:
         return None
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
@@ -126,8 +138,11 @@ def check_number(name: str, value: Any, lo: float, hi: float | None = None, *,
     if hi is not None:
         bad = bad or (x >= hi if hi_open else x > hi)
     if bad or x != x:  # NaN fails every comparison
-        where = (f"in {'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}" if hi is not None
-                 else f"{'>' if lo_open else '≥'} {lo:g}")
+        where = (
+            f"in {'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
+            if hi is not None
+            else f"{'>' if lo_open else '≥'} {lo:g}"
+        )
         raise ConfigError(f"{name} must be {where}, got {value}")
     return x
 
@@ -150,8 +165,9 @@ def check_fusion(fusion: Any, lexical_weight: Any) -> tuple[str, float]:
     weight = check_number("lexical_weight", lexical_weight, 0.0)
     assert weight is not None
     if weight > 1.0:
-        raise ConfigError(f"lexical_weight must be in [0, 1], got {lexical_weight}; "
-                          "use 0 (or hybrid=False) for dense-only search")
+        raise ConfigError(
+            f"lexical_weight must be in [0, 1], got {lexical_weight}; use 0 (or hybrid=False) for dense-only search"
+        )
     return check_choice("fusion", fusion, FUSIONS), weight
 
 
@@ -203,8 +219,10 @@ class RetrievalSettings:
         if self.fill_remainder and self.pack != "chunks":
             # Span packing fills the room with sentences already; silently ignoring the option
             # would leave a user believing it applied.
-            raise ConfigError("fill_remainder applies to whole-chunk packing only; pass "
-                              "pack='chunks' with it (CLI: --pack chunks --fill-remainder)")
+            raise ConfigError(
+                "fill_remainder applies to whole-chunk packing only; pass "
+                "pack='chunks' with it (CLI: --pack chunks --fill-remainder)"
+            )
         _set(self, "relevance_floor", check_number("relevance_floor", self.relevance_floor, 0.0, 1.0))
 
 
@@ -237,8 +255,10 @@ class MemorySettings:
     def __post_init__(self) -> None:
         gpu = self.gpu
         if gpu is not None and (isinstance(gpu, bool) or not isinstance(gpu, (str, int, float))):
-            raise ArgumentTypeError(f"gpu must be 'auto', a GPU name, a size such as '24GiB' or a "
-                                    f"number of bytes, got {type(gpu).__name__} {shown(gpu)}")
+            raise ArgumentTypeError(
+                f"gpu must be 'auto', a GPU name, a size such as '24GiB' or a "
+                f"number of bytes, got {type(gpu).__name__} {shown(gpu)}"
+            )
         _set(self, "concurrency", check_int("concurrency", self.concurrency, 1))
         _set(self, "max_new_tokens", check_int("max_new_tokens", self.max_new_tokens, 1))
         check_text("kv_dtype", self.kv_dtype, optional=True)
@@ -401,16 +421,19 @@ class QuantizedCacheSettings:
         check_int("nbits", self.nbits, 1)
         allowed = self.BITS.get(self.quant_backend)
         if allowed is not None and self.nbits not in allowed:
-            raise ConfigError(f"{self.quant_backend} quantizes the KV cache to "
-                              f"{', '.join(map(str, allowed))} bits, got nbits={self.nbits}; "
-                              f"pick one of those, or another quant_backend")
+            raise ConfigError(
+                f"{self.quant_backend} quantizes the KV cache to "
+                f"{', '.join(map(str, allowed))} bits, got nbits={self.nbits}; "
+                f"pick one of those, or another quant_backend"
+            )
         check_int("q_group_size", self.q_group_size, 1)
         check_int("residual_length", self.residual_length, 0)
         check_int("q_axis", self.q_axis, -1)
         axes = self.AXES.get(self.quant_backend)
         if axes is not None and self.q_axis not in axes:
-            raise ConfigError(f"{self.quant_backend} groups along axis {' or '.join(map(str, axes))}, got "
-                              f"q_axis={self.q_axis}")
+            raise ConfigError(
+                f"{self.quant_backend} groups along axis {' or '.join(map(str, axes))}, got q_axis={self.q_axis}"
+            )
 
 
 class RecordField:
@@ -430,9 +453,11 @@ class RecordField:
         return getattr(getattr(obj, self.record), self.field)
 
     def __set__(self, obj: Any, value: Any) -> None:
-        raise AttributeError(f"{self.name} is read from the {self.record} settings, fixed when "
-                             f"{type(obj).__name__} was built: build a new one with {self.record}="
-                             f"dataclasses.replace(old.{self.record}, {self.field}=...)")
+        raise AttributeError(
+            f"{self.name} is read from the {self.record} settings, fixed when "
+            f"{type(obj).__name__} was built: build a new one with {self.record}="
+            f"dataclasses.replace(old.{self.record}, {self.field}=...)"
+        )
 
 
 # -- flat keywords -> records ---------------------------------------------------------------------
@@ -440,8 +465,9 @@ class RecordField:
 R = TypeVar("R")
 
 
-def from_keywords(cls: type[R], record: R | None, keyword: str, flat: Mapping[str, Any],
-                  rename: Mapping[str, str] | None = None) -> R:
+def from_keywords(
+    cls: type[R], record: R | None, keyword: str, flat: Mapping[str, Any], rename: Mapping[str, str] | None = None
+) -> R:
     """The record a public entry point uses: ``record`` when given, else one built from the flat
     keywords that were given (``None``: not given, the record's default). ``rename`` maps a flat
     keyword to its field where the names differ (``engine_kind`` → ``kind``). A record together
@@ -456,10 +482,11 @@ def from_keywords(cls: type[R], record: R | None, keyword: str, flat: Mapping[st
         names = rename or {}
         return cls(**{names.get(name, name): value for name, value in given.items()})
     if not isinstance(record, cls):
-        raise ArgumentTypeError(f"{keyword} must be a {cls.__name__}, got {type(record).__name__} "
-                                f"{shown(record)}")
+        raise ArgumentTypeError(f"{keyword} must be a {cls.__name__}, got {type(record).__name__} {shown(record)}")
     if given:
-        raise ConfigError(f"pass {keyword}={cls.__name__}(...) or its keywords "
-                          f"({', '.join(sorted(given))}), not both; to change a field of a record, "
-                          f"use dataclasses.replace({keyword}, ...)")
+        raise ConfigError(
+            f"pass {keyword}={cls.__name__}(...) or its keywords "
+            f"({', '.join(sorted(given))}), not both; to change a field of a record, "
+            f"use dataclasses.replace({keyword}, ...)"
+        )
     return record

@@ -70,8 +70,21 @@ from .select import (
 )
 from .types import Source
 
-__all__ = ["DEFAULT_PACK", "JOINER", "MAX_CHAIN", "NEEDS_PREVIOUS", "PACKS", "Span", "SpanScorer", "bm25",
-           "needs_previous", "select_spans", "sentence_digest", "sentence_texts", "split_sentences"]
+__all__ = [
+    "DEFAULT_PACK",
+    "JOINER",
+    "MAX_CHAIN",
+    "NEEDS_PREVIOUS",
+    "PACKS",
+    "Span",
+    "SpanScorer",
+    "bm25",
+    "needs_previous",
+    "select_spans",
+    "sentence_digest",
+    "sentence_texts",
+    "split_sentences",
+]
 
 #: Packing modes: whole chunks (:func:`~ragbudget.select.select_chunks`) or the question's
 #: sentences inside the best chunks (:func:`select_spans`).
@@ -93,18 +106,72 @@ JOINER = " … "
 MAX_CHAIN = 3
 
 #: First words that make a sentence lean on the one before it (lower case; multi-word ones too).
-NEEDS_PREVIOUS = frozenset((
-    # pronouns and demonstratives
-    "he", "she", "it", "they", "him", "his", "her", "hers", "its", "their", "theirs", "them",
-    "this", "these", "that", "those", "such", "both", "neither",
-    # connectives
-    "however", "but", "and", "or", "nor", "so", "also", "then", "thus", "hence", "therefore",
-    "moreover", "furthermore", "additionally", "instead", "meanwhile", "nevertheless",
-    "nonetheless", "consequently", "otherwise", "likewise", "similarly", "still", "yet",
-    "besides", "accordingly", "afterwards", "later", "here", "there,",
-    "as a result", "in addition", "for example", "for instance", "in contrast", "in turn",
-    "on the other hand", "by contrast", "after that", "at that time", "in this",
-))
+NEEDS_PREVIOUS = frozenset(
+    (
+        # pronouns and demonstratives
+        "he",
+        "she",
+        "it",
+        "they",
+        "him",
+        "his",
+        "her",
+        "hers",
+        "its",
+        "their",
+        "theirs",
+        "them",
+        "this",
+        "these",
+        "that",
+        "those",
+        "such",
+        "both",
+        "neither",
+        # connectives
+        "however",
+        "but",
+        "and",
+        "or",
+        "nor",
+        "so",
+        "also",
+        "then",
+        "thus",
+        "hence",
+        "therefore",
+        "moreover",
+        "furthermore",
+        "additionally",
+        "instead",
+        "meanwhile",
+        "nevertheless",
+        "nonetheless",
+        "consequently",
+        "otherwise",
+        "likewise",
+        "similarly",
+        "still",
+        "yet",
+        "besides",
+        "accordingly",
+        "afterwards",
+        "later",
+        "here",
+        "there,",
+        "as a result",
+        "in addition",
+        "for example",
+        "for instance",
+        "in contrast",
+        "in turn",
+        "on the other hand",
+        "by contrast",
+        "after that",
+        "at that time",
+        "in this",
+    )
+)
 _MULTI = tuple(sorted((p for p in NEEDS_PREVIOUS if " " in p), key=len, reverse=True))
 
 # Defaults of the evidence mix; the weights are renormalized over the parts that are present
@@ -133,20 +200,132 @@ _WORD = re.compile(r"\w+")
 _END = re.compile(r"[.!?。！？][\"'”’)\]]*(?=\s)|[。！？]")
 _LIST_ITEM = re.compile(r"[ \t]*(?:[-*•·–]|\d{1,3}[.)]|[a-zA-Z][.)])[ \t]+\S")
 # Words before a period that do not end a sentence.
-_ABBREV = frozenset((
-    "mr", "mrs", "ms", "dr", "prof", "sr", "jr", "st", "mt", "vs", "etc", "e.g", "i.e", "eg", "ie",
-    "no", "nos", "fig", "figs", "vol", "pp", "ed", "eds", "inc", "ltd", "co", "corp", "jan", "feb",
-    "mar", "apr", "jun", "jul", "aug", "sep", "sept", "oct", "nov", "dec", "approx", "ca", "cf",
-    "al", "gen", "col", "lt", "sgt", "capt", "gov", "rev", "u.s", "u.k",
-))
+_ABBREV = frozenset(
+    (
+        "mr",
+        "mrs",
+        "ms",
+        "dr",
+        "prof",
+        "sr",
+        "jr",
+        "st",
+        "mt",
+        "vs",
+        "etc",
+        "e.g",
+        "i.e",
+        "eg",
+        "ie",
+        "no",
+        "nos",
+        "fig",
+        "figs",
+        "vol",
+        "pp",
+        "ed",
+        "eds",
+        "inc",
+        "ltd",
+        "co",
+        "corp",
+        "jan",
+        "feb",
+        "mar",
+        "apr",
+        "jun",
+        "jul",
+        "aug",
+        "sep",
+        "sept",
+        "oct",
+        "nov",
+        "dec",
+        "approx",
+        "ca",
+        "cf",
+        "al",
+        "gen",
+        "col",
+        "lt",
+        "sgt",
+        "capt",
+        "gov",
+        "rev",
+        "u.s",
+        "u.k",
+    )
+)
 # Question words that say nothing about where the answer is (as select's _QSTOP, plus a few).
-_STOP = frozenset((
-    "a", "an", "and", "are", "as", "at", "be", "been", "but", "by", "can", "could", "did", "do",
-    "does", "for", "from", "had", "has", "have", "how", "i", "if", "in", "into", "is", "it", "its",
-    "of", "on", "or", "so", "than", "that", "the", "their", "them", "then", "there", "these",
-    "they", "this", "those", "to", "was", "were", "what", "when", "where", "which", "who", "whom",
-    "whose", "why", "will", "with", "would", "you", "your", "he", "she", "his", "her", "we", "our",
-))
+_STOP = frozenset(
+    (
+        "a",
+        "an",
+        "and",
+        "are",
+        "as",
+        "at",
+        "be",
+        "been",
+        "but",
+        "by",
+        "can",
+        "could",
+        "did",
+        "do",
+        "does",
+        "for",
+        "from",
+        "had",
+        "has",
+        "have",
+        "how",
+        "i",
+        "if",
+        "in",
+        "into",
+        "is",
+        "it",
+        "its",
+        "of",
+        "on",
+        "or",
+        "so",
+        "than",
+        "that",
+        "the",
+        "their",
+        "them",
+        "then",
+        "there",
+        "these",
+        "they",
+        "this",
+        "those",
+        "to",
+        "was",
+        "were",
+        "what",
+        "when",
+        "where",
+        "which",
+        "who",
+        "whom",
+        "whose",
+        "why",
+        "will",
+        "with",
+        "would",
+        "you",
+        "your",
+        "he",
+        "she",
+        "his",
+        "her",
+        "we",
+        "our",
+    )
+)
 
 
 @dataclass(frozen=True)
@@ -672,13 +851,19 @@ def _score(
 
 # The answer-type cue: what a question word asks for, as a test on a sentence's text. Simple on
 # purpose (English question words; a sentence either has such a token or not).
-_NUMBER = re.compile(r"\d|\b(?:one|two|three|four|five|six|seven|eight|nine|ten|eleven|twelve|twenty|"
-                     r"thirty|forty|fifty|hundred|thousand|million|billion|dozen|half|century|"
-                     r"january|february|march|april|may|june|july|august|september|october|"
-                     r"november|december)\b", re.IGNORECASE)
-_NUMERIC_Q = re.compile(r"\b(?:when|how (?:many|much|long|old|far|often|large|big|tall|high)|"
-                        r"what (?:year|date|decade|century|time|percentage|percent|age|number)|"
-                        r"which (?:year|date|decade|century))\b", re.IGNORECASE)
+_NUMBER = re.compile(
+    r"\d|\b(?:one|two|three|four|five|six|seven|eight|nine|ten|eleven|twelve|twenty|"
+    r"thirty|forty|fifty|hundred|thousand|million|billion|dozen|half|century|"
+    r"january|february|march|april|may|june|july|august|september|october|"
+    r"november|december)\b",
+    re.IGNORECASE,
+)
+_NUMERIC_Q = re.compile(
+    r"\b(?:when|how (?:many|much|long|old|far|often|large|big|tall|high)|"
+    r"what (?:year|date|decade|century|time|percentage|percent|age|number)|"
+    r"which (?:year|date|decade|century))\b",
+    re.IGNORECASE,
+)
 _PERSON_Q = re.compile(r"\b(?:who|whom|whose)\b", re.IGNORECASE)
 _NAME = re.compile(r"(?<=\s)[A-Z][\w'’-]+")
 

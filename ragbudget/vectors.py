@@ -120,9 +120,14 @@ class StoreReport:
     seconds: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "n": self.n, "params": dict(self.params),
-                "recall_at_10": None if self.recall_at_10 is None else round(self.recall_at_10, 4),
-                "recall_queries": self.queries, "seconds": round(self.seconds, 3)}
+        return {
+            "kind": self.kind,
+            "n": self.n,
+            "params": dict(self.params),
+            "recall_at_10": None if self.recall_at_10 is None else round(self.recall_at_10, 4),
+            "recall_queries": self.queries,
+            "seconds": round(self.seconds, 3),
+        }
 
 
 @runtime_checkable
@@ -204,8 +209,7 @@ class _RowFile:
         if count not in (ntotal * self.dim, ntotal * self.dim * 4):
             raise IndexCorruptError(f"{path}: {count} values stored for {ntotal} × {self.dim}")
         self.data = off + 8
-        ids = np.fromfile(path, dtype="<i8", count=ntotal,
-                          offset=self.data + ntotal * self.dim * 4 + 8)
+        ids = np.fromfile(path, dtype="<i8", count=ntotal, offset=self.data + ntotal * self.dim * 4 + 8)
         self.order = np.argsort(ids, kind="stable")
         self.sorted = ids[self.order]
         self.ntotal = int(ntotal)
@@ -222,8 +226,7 @@ class _RowFile:
         for j, (i, p) in enumerate(zip(ids.tolist(), pos.tolist(), strict=True)):
             if not self.ntotal or int(self.sorted[p]) != i:
                 raise KeyError(i)
-            out[j] = np.frombuffer(os.pread(self.fd, size, self.data + int(self.order[p]) * size),
-                                   dtype="<f4")
+            out[j] = np.frombuffer(os.pread(self.fd, size, self.data + int(self.order[p]) * size), dtype="<f4")
         return out
 
     def __del__(self) -> None:
@@ -321,8 +324,7 @@ class FlatStore:
         return {"kind": "IndexIDMap2(IndexFlatIP)"}
 
     @classmethod
-    def load(cls, path: Path, entry: dict[str, Any] | None = None, *,
-             mmap: bool = False) -> FlatStore:
+    def load(cls, path: Path, entry: dict[str, Any] | None = None, *, mmap: bool = False) -> FlatStore:
         if mmap:
             rows = _RowFile(path)
             store = cls(rows.dim, path=path)
@@ -340,8 +342,15 @@ class _Derived(ABC):
     kind = ""
     param = ""  # the search parameter finalize tunes
 
-    def __init__(self, dim: int, *, exact: FlatStore | None, target: float = RECALL_TARGET,
-                 tune_target: float = TUNE_TARGET, **params: Any) -> None:
+    def __init__(
+        self,
+        dim: int,
+        *,
+        exact: FlatStore | None,
+        target: float = RECALL_TARGET,
+        tune_target: float = TUNE_TARGET,
+        **params: Any,
+    ) -> None:
         self.dim = int(dim)
         self.exact = exact
         self.target = target
@@ -395,8 +404,7 @@ class _Derived(ABC):
 
         q = _as_rows(queries, self.dim)
         if self.index is None or not self.index.ntotal:
-            return (np.full((len(q), k), -np.inf, dtype=np.float32),
-                    np.full((len(q), k), -1, dtype=np.int64))
+            return (np.full((len(q), k), -np.inf, dtype=np.float32), np.full((len(q), k), -1, dtype=np.int64))
         return self.index.search(q, int(k))
 
     def finalize(self) -> StoreReport:
@@ -414,8 +422,7 @@ class _Derived(ABC):
                 if recall >= self.tune_target:
                     break
             self.params[self.param] = value
-        self.report = StoreReport(self.kind, self.ntotal, dict(self.params), recall, nq,
-                                  time.perf_counter() - t)
+        self.report = StoreReport(self.kind, self.ntotal, dict(self.params), recall, nq, time.perf_counter() - t)
         return self.report
 
     def save(self, path: Path) -> dict[str, Any]:
@@ -425,8 +432,11 @@ class _Derived(ABC):
         faiss.write_index(self.index, str(path))
         entry = {"kind": self.kind, **self.params}
         if self.report is not None:
-            entry.update(recall_at_10=self.report.to_dict()["recall_at_10"],
-                         recall_queries=self.report.queries, recall_target=self.target)
+            entry.update(
+                recall_at_10=self.report.to_dict()["recall_at_10"],
+                recall_queries=self.report.queries,
+                recall_target=self.target,
+            )
         return entry
 
 
@@ -438,10 +448,19 @@ class HNSWStore(_Derived):
     kind = "hnsw"
     param = "ef_search"
 
-    def __init__(self, dim: int, *, exact: FlatStore | None, M: int = 32,
-                 ef_construction: int = 80, ef_search: int = 128, **kw: Any) -> None:
-        super().__init__(dim, exact=exact, M=int(M), ef_construction=int(ef_construction),
-                         ef_search=int(ef_search), **kw)
+    def __init__(
+        self,
+        dim: int,
+        *,
+        exact: FlatStore | None,
+        M: int = 32,
+        ef_construction: int = 80,
+        ef_search: int = 128,
+        **kw: Any,
+    ) -> None:
+        super().__init__(
+            dim, exact=exact, M=int(M), ef_construction=int(ef_construction), ef_search=int(ef_search), **kw
+        )
 
     def _ladder(self) -> tuple[int, ...]:
         return _EF_LADDER
@@ -471,9 +490,13 @@ class HNSWStore(_Derived):
         # Indexes written before stores existed have the same file and entry (M,
         # ef_construction, ef_search), without the recall fields.
         index = _read(path)
-        s = cls(int(index.d), exact=exact, M=entry.get("M", 32),
-                ef_construction=entry.get("ef_construction", 80),
-                ef_search=entry.get("ef_search", 128))
+        s = cls(
+            int(index.d),
+            exact=exact,
+            M=entry.get("M", 32),
+            ef_construction=entry.get("ef_construction", 80),
+            ef_search=entry.get("ef_search", 128),
+        )
         s.index = index
         s._set_param(s.params["ef_search"])
         return s
@@ -508,9 +531,17 @@ class IVFStore(_Derived):
 
     param = "nprobe"
 
-    def __init__(self, dim: int, *, exact: FlatStore | None, kind: str = "ivf-pq",
-                 nlist: int | None = None, nprobe: int = 16, rescore: int = _RESCORE,
-                 **kw: Any) -> None:
+    def __init__(
+        self,
+        dim: int,
+        *,
+        exact: FlatStore | None,
+        kind: str = "ivf-pq",
+        nlist: int | None = None,
+        nprobe: int = 16,
+        rescore: int = _RESCORE,
+        **kw: Any,
+    ) -> None:
         if kind not in ("ivf-flat", "ivf-pq"):
             raise ConfigError(f"IVF kind must be 'ivf-flat' or 'ivf-pq', got {kind!r}")
         params: dict[str, Any] = {"nlist": nlist, "nprobe": int(nprobe)}
@@ -565,8 +596,7 @@ class IVFStore(_Derived):
             ivf.pq.cp.max_points_per_centroid = 64
             ivf.pq.cp.niter = 15
             ivf.cp.seed = 1234
-            sq = faiss.IndexScalarQuantizer(self.dim, faiss.ScalarQuantizer.QT_8bit,
-                                            faiss.METRIC_INNER_PRODUCT)
+            sq = faiss.IndexScalarQuantizer(self.dim, faiss.ScalarQuantizer.QT_8bit, faiss.METRIC_INNER_PRODUCT)
             refine = faiss.IndexRefine(ivf, sq)
             index = faiss.IndexIDMap(refine)
             self._parts = (quantizer, ivf, sq, refine)  # python owns these until written
@@ -612,8 +642,14 @@ class IVFStore(_Derived):
     @classmethod
     def load(cls, path: Path, entry: dict[str, Any], *, exact: FlatStore | None = None) -> IVFStore:
         index = _read(path)  # read_index gives the concrete classes back
-        s = cls(int(index.d), exact=exact, kind=entry["kind"], nlist=entry.get("nlist"),
-                nprobe=entry.get("nprobe", 16), rescore=entry.get("rescore", _RESCORE))
+        s = cls(
+            int(index.d),
+            exact=exact,
+            kind=entry["kind"],
+            nlist=entry.get("nlist"),
+            nprobe=entry.get("nprobe", 16),
+            rescore=entry.get("rescore", _RESCORE),
+        )
         for key in ("pq_m", "pq_nbits", "refine"):
             if key in entry:
                 s.params[key] = entry[key]
@@ -664,8 +700,15 @@ def choose_store(store: str, n: int, dim: int) -> str:
     return "hnsw" if size <= HNSW_MAX_BYTES else "ivf-pq"
 
 
-def measure_recall(store: Any, exact: FlatStore, *, k: int = 10, queries: int = RECALL_QUERIES,
-                   seed: int = 0, noise: float = QUERY_NOISE) -> tuple[float, int]:
+def measure_recall(
+    store: Any,
+    exact: FlatStore,
+    *,
+    k: int = 10,
+    queries: int = RECALL_QUERIES,
+    seed: int = 0,
+    noise: float = QUERY_NOISE,
+) -> tuple[float, int]:
     """recall@k of ``store`` against ``exact``, with ``queries`` of the stored vectors (a fixed
     sample, seeded) as the queries; each query's own id is left out of both answers, so finding
     a vector itself counts for nothing, and a hit scoring as high as the k-th true neighbour

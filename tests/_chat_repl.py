@@ -44,8 +44,11 @@ def SlowPipeline(*args: Any, **kwargs: Any) -> Any:  # noqa: N802 - stands in fo
     """A real Pipeline over the corpus index (hash embedder: no model to load here) whose
     FakeBackend streams :func:`slow_reply` and checks ``cancel`` before each word, as a real
     engine stops. The command's own index options are ignored."""
-    backend = FakeBackend(reply=slow_reply, model_id="fake/slow-model",
-                          capacity=Capacity(max_context_tokens=4000, max_context_source="fake"))
+    backend = FakeBackend(
+        reply=slow_reply,
+        model_id="fake/slow-model",
+        capacity=Capacity(max_context_tokens=4000, max_context_source="fake"),
+    )
     BACKENDS.append(backend)
     return _Pipeline(corpus_index("hash:256"), backend=backend, max_new_tokens=64)
 

@@ -15,9 +15,23 @@ from typing import Any
 # factories that call corpus_index().
 from ragbudget.pipeline import Pipeline as _Pipeline
 
-__all__ = ["SLOT_ANSWER", "WINDOW", "FakeBackend", "FakeGeneration", "FakeGenerator", "GeneratorStub",
-           "WordCounter", "WordTokenizer", "corpus_index", "fake", "fake_pipeline", "make_pdf",
-           "printable_stop", "running", "words_reply"]
+__all__ = [
+    "SLOT_ANSWER",
+    "WINDOW",
+    "FakeBackend",
+    "FakeGeneration",
+    "FakeGenerator",
+    "GeneratorStub",
+    "WordCounter",
+    "WordTokenizer",
+    "corpus_index",
+    "fake",
+    "fake_pipeline",
+    "make_pdf",
+    "printable_stop",
+    "running",
+    "words_reply",
+]
 
 _PIECE = re.compile(r"<\|[a-z_]+\|>|\w+|[^\w\s]|\s+")
 
@@ -47,8 +61,9 @@ class WordTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return "".join(self.inverse[i] for i in ids)
 
-    def apply_chat_template(self, messages: list[dict[str, str]], tokenize: bool = False,
-                            add_generation_prompt: bool = False) -> str:
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], tokenize: bool = False, add_generation_prompt: bool = False
+    ) -> str:
         out = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
         return out + ("<|im_start|>assistant\n" if add_generation_prompt else "")
 
@@ -145,9 +160,17 @@ class FakeBackend:
       did not fit ``capacity.max_context_tokens``), ``counted`` (count and render calls).
     """
 
-    def __init__(self, counter: Any = None, *, template: Any = None, reply: Any = None,
-                 capacity: Any = None, model_id: str = "fake/model", token_delay: float = 0.0,
-                 fail: BaseException | None = None) -> None:
+    def __init__(
+        self,
+        counter: Any = None,
+        *,
+        template: Any = None,
+        reply: Any = None,
+        capacity: Any = None,
+        model_id: str = "fake/model",
+        token_delay: float = 0.0,
+        fail: BaseException | None = None,
+    ) -> None:
         import threading
 
         self.counter = counter if counter is not None else WordCounter()
@@ -173,10 +196,10 @@ class FakeBackend:
         self.counted += 1
         msgs = tuple(dict(m) for m in messages)
         if self.template is not None:
-            text = self.template.apply_chat_template(list(msgs), tokenize=False,
-                                                     add_generation_prompt=True)
-            return RenderedPrompt(messages=msgs, n_tokens=self.counter.count(text), exact=True,
-                                  source="fake template", text=text)
+            text = self.template.apply_chat_template(list(msgs), tokenize=False, add_generation_prompt=True)
+            return RenderedPrompt(
+                messages=msgs, n_tokens=self.counter.count(text), exact=True, source="fake template", text=text
+            )
         n = sum(self.counter.count(m["content"]) + 8 for m in msgs)
         return RenderedPrompt(messages=msgs, n_tokens=n, exact=False, source="fake, 8 per message")
 
@@ -185,8 +208,16 @@ class FakeBackend:
 
         return self.capacity_figures or Capacity(max_context_tokens=4096, max_context_source="fake")
 
-    def generate(self, prompt: Any, *, max_new_tokens: int, sampling: Any = None, stop: Any = None,
-                 on_text: Any = None, cancel: Any = None) -> Any:
+    def generate(
+        self,
+        prompt: Any,
+        *,
+        max_new_tokens: int,
+        sampling: Any = None,
+        stop: Any = None,
+        on_text: Any = None,
+        cancel: Any = None,
+    ) -> Any:
         from ragbudget.backend import prompt_messages
         from ragbudget.generate import Generation
         from ragbudget.prompt import Prompt
@@ -195,8 +226,16 @@ class FakeBackend:
         question = prompt.question if isinstance(prompt, Prompt) else messages[-1]["content"]
         n_prompt = self.render(messages).n_tokens
         with self._lock:
-            self.calls.append({"messages": messages, "question": question, "sampling": sampling,
-                               "stop": stop, "max_new_tokens": max_new_tokens, "prompt_tokens": n_prompt})
+            self.calls.append(
+                {
+                    "messages": messages,
+                    "question": question,
+                    "sampling": sampling,
+                    "stop": stop,
+                    "max_new_tokens": max_new_tokens,
+                    "prompt_tokens": n_prompt,
+                }
+            )
             window = self.capacity().max_context_tokens
             if window is not None and n_prompt + max_new_tokens > window:
                 self.overruns += 1
@@ -209,8 +248,9 @@ class FakeBackend:
         finish = "stop"
         try:
             for i, piece in enumerate(self.reply(messages, max_new_tokens)):
-                stopped = cancel is not None and (cancel.wait(self.token_delay) if self.token_delay
-                                                  else cancel.is_set())
+                stopped = cancel is not None and (
+                    cancel.wait(self.token_delay) if self.token_delay else cancel.is_set()
+                )
                 if stopped:
                     self.cancelled.append(question)
                     finish = "cancelled"
@@ -230,8 +270,9 @@ class FakeBackend:
             with self._lock:
                 self.running -= 1
         text = "".join(out)
-        return Generation(text=text, prompt_tokens=n_prompt, new_tokens=len(out),
-                          finish_reason=finish, seconds=0.0, cache="served")
+        return Generation(
+            text=text, prompt_tokens=n_prompt, new_tokens=len(out), finish_reason=finish, seconds=0.0, cache="served"
+        )
 
 
 #: The documents of :func:`corpus_index`: one short file each, one chunk each.
@@ -274,8 +315,8 @@ def printable_stop(text: str) -> str:
     """Two ASCII letters/digits from the middle of ``text`` (the byte-level tiny model also emits
     replacement characters, which no tokenizer can stop on)."""
     for i in range(3, len(text) - 1):
-        if text[i:i + 2].isascii() and text[i:i + 2].isalnum():
-            return text[i:i + 2]
+        if text[i : i + 2].isascii() and text[i : i + 2].isalnum():
+            return text[i : i + 2]
     raise AssertionError(f"no printable pair in {text!r}")
 
 
@@ -306,8 +347,9 @@ class FakeGenerator:
     config: Any = None
     device: str = ""  # neither CPU nor GPU: no time cap unless a test says so
 
-    def generate(self, prompt: Any, *, max_new_tokens: int, on_text: Any = None, cancel: Any = None,
-                 **_: Any) -> FakeGeneration:
+    def generate(
+        self, prompt: Any, *, max_new_tokens: int, on_text: Any = None, cancel: Any = None, **_: Any
+    ) -> FakeGeneration:
         self.prompts.append(prompt)
         if self.delay:
             time.sleep(self.delay)
@@ -315,14 +357,14 @@ class FakeGenerator:
         for word in self.answer.split(" "):
             if cancel is not None and cancel.is_set():
                 self.cancelled += 1
-                return FakeGeneration(self.answer, prompt.n_tokens, 0, max_new_tokens,
-                                      finish_reason="cancelled", prompt=prompt)
+                return FakeGeneration(
+                    self.answer, prompt.n_tokens, 0, max_new_tokens, finish_reason="cancelled", prompt=prompt
+                )
             if on_text:
                 on_text(word + " ")
             if self.word_delay:
                 time.sleep(self.word_delay)
-        return FakeGeneration(self.answer, prompt.n_tokens, len(self.answer.split()), max_new_tokens,
-                              prompt=prompt)
+        return FakeGeneration(self.answer, prompt.n_tokens, len(self.answer.split()), max_new_tokens, prompt=prompt)
 
 
 # --- a real Pipeline on the FakeBackend, and a real server in front of it (test_server, test_examples)
@@ -332,25 +374,43 @@ class FakeGenerator:
 WINDOW, SLOT_ANSWER = 1000, 700
 
 
-def fake_pipeline(*, words: int = 6, token_delay: float = 0.0, slots: int | None = None,
-                  max_queue: int = 4, timeout: float = 2.0, max_new_tokens: int | None = None,
-                  fail: BaseException | None = None, index_dir: Path | None = None) -> _Pipeline:
+def fake_pipeline(
+    *,
+    words: int = 6,
+    token_delay: float = 0.0,
+    slots: int | None = None,
+    max_queue: int = 4,
+    timeout: float = 2.0,
+    max_new_tokens: int | None = None,
+    fail: BaseException | None = None,
+    index_dir: Path | None = None,
+) -> _Pipeline:
     """A real Pipeline over the corpus index, generating on a FakeBackend that answers ``words``
     words, ``token_delay`` seconds apart. ``slots``: the backend reports a window of
     :data:`WINDOW` tokens and that many request slots, so admission admits that many requests at
     once (each reserving :data:`SLOT_ANSWER` tokens of answer); None: no limit reported."""
     from ragbudget.backend import Capacity
 
-    capacity = (Capacity(max_context_tokens=WINDOW, max_context_source="fake", max_concurrent=slots,
-                         max_concurrent_source="fake") if slots else None)
+    capacity = (
+        Capacity(
+            max_context_tokens=WINDOW, max_context_source="fake", max_concurrent=slots, max_concurrent_source="fake"
+        )
+        if slots
+        else None
+    )
     backend = FakeBackend(reply=words_reply(words), capacity=capacity, token_delay=token_delay, fail=fail)
     if max_new_tokens is None:
         max_new_tokens = SLOT_ANSWER if slots else 256
     # The library's default packing (spans): the index stores every chunk's sentence vectors at
     # build time, so a question embeds no sentence and the server tests' short client time-outs
     # hold (they packed whole chunks while a chunk's first use embedded its sentences).
-    return _Pipeline(index_dir or corpus_index(), backend=backend, max_new_tokens=max_new_tokens,
-                     queue_size=max_queue, queue_timeout=timeout)
+    return _Pipeline(
+        index_dir or corpus_index(),
+        backend=backend,
+        max_new_tokens=max_new_tokens,
+        queue_size=max_queue,
+        queue_timeout=timeout,
+    )
 
 
 def fake(pipe: _Pipeline) -> FakeBackend:

@@ -38,13 +38,36 @@ _ROMAN = ["", "i", "ii", "iii", "iv", "v", "vi", "vii", "viii", "ix", "x"]
 
 # policy.pdf: chapter-opening pages (first line "CHAPTER" + a spelled number, or "INDEX") carry no
 # running head and only a bare page number at the bottom. Read off the pages.
-_POLICY_OPENINGS = (12, 16, 22, 28, 40, 58, 66, 76, 88, 102, 112, 120, 126, 128, 132, 138, 140,
-                    142, 144, 146, 150, 156, 190, 192)
+_POLICY_OPENINGS = (
+    12,
+    16,
+    22,
+    28,
+    40,
+    58,
+    66,
+    76,
+    88,
+    102,
+    112,
+    120,
+    126,
+    128,
+    132,
+    138,
+    140,
+    142,
+    144,
+    146,
+    150,
+    156,
+    190,
+    192,
+)
 _POLICY_BODY = [p for p in range(10, 193) if p not in _POLICY_OPENINGS]
 # R-intro.pdf: chapter/appendix-opening pages (and the preface, pages 6-7) print a bare number at
 # the top instead of the running head.
-_RINTRO_OPENINGS = (6, 7, 13, 19, 22, 25, 34, 38, 41, 48, 50, 60, 73, 88, 90, 93, 97, 105, 107,
-                    110, 112)
+_RINTRO_OPENINGS = (6, 7, 13, 19, 22, 25, 34, 38, 41, 48, 50, 60, 73, 88, 90, 93, 97, 105, 107, 110, 112)
 
 # Each pattern: (kind, edge "top"/"bottom", pages, must be on every one of them, regex, what I saw).
 DOCS: dict[str, dict] = {
@@ -52,53 +75,104 @@ DOCS: dict[str, dict] = {
         # Printed numbers: pages 2-9 are i-viii (roman, index - 1), pages 10-192 are 1-183.
         "printed": [(range(2, 10), "roman", -1), (range(10, 193), "arabic", -9)],
         "patterns": [
-            ("page_number", "bottom", range(2, 10), True, r"(?P<n>[ivx]+)",
-             "table of contents pages 2-8 and blank page 9: roman number alone at the bottom "
-             "(no head; the 'CONTENTS' at the top of page 2 is the contents' own title)"),
-            ("running_head", "top", _POLICY_BODY, True, r"Debian Policy Manual, Release 4\.6\.2\.0",
-             "every non-opening page from 10 on, top: 'Debian Policy Manual, Release 4.6.2.0'"),
-            ("page_number", "bottom", _POLICY_OPENINGS + (152, 154), True, r"(?P<n>\d+)",
-             "chapter openings and the two full-page flowcharts (152, 154): number alone"),
-            ("section_running_head", "bottom",
-             [p for p in _POLICY_BODY if p % 2 == 1 and p != 143], True,
-             r"(?P<n>\d+) ?(Chapter \d+\. .+|CONTENTS)",
-             "verso (even printed number), bottom: 'N Chapter K. Chapter title' ('2 CONTENTS' "
-             "on page 11, in the front matter's CONTENTS section)"),
-            ("section_running_head", "bottom", [143], True,
-             r"(?P<n>134) ?Chapter 18\. .+|Manual\)",
-             "blank verso page 143: the chapter head wraps over two lines, '134Chapter 18. "
-             "Alternative versions … (from old Packaging' / 'Manual)'"),
-            ("section_running_head", "bottom",
-             [p for p in _POLICY_BODY if p % 2 == 0 and p not in (152, 154)], True,
-             r"(\d+(\.\d+)*\. .+|CONTENTS) (?P<n>\d+)",
-             "recto (odd printed number), bottom: 'N.N. Section title N' ('CONTENTS 1' on "
-             "page 10)"),
+            (
+                "page_number",
+                "bottom",
+                range(2, 10),
+                True,
+                r"(?P<n>[ivx]+)",
+                "table of contents pages 2-8 and blank page 9: roman number alone at the bottom "
+                "(no head; the 'CONTENTS' at the top of page 2 is the contents' own title)",
+            ),
+            (
+                "running_head",
+                "top",
+                _POLICY_BODY,
+                True,
+                r"Debian Policy Manual, Release 4\.6\.2\.0",
+                "every non-opening page from 10 on, top: 'Debian Policy Manual, Release 4.6.2.0'",
+            ),
+            (
+                "page_number",
+                "bottom",
+                _POLICY_OPENINGS + (152, 154),
+                True,
+                r"(?P<n>\d+)",
+                "chapter openings and the two full-page flowcharts (152, 154): number alone",
+            ),
+            (
+                "section_running_head",
+                "bottom",
+                [p for p in _POLICY_BODY if p % 2 == 1 and p != 143],
+                True,
+                r"(?P<n>\d+) ?(Chapter \d+\. .+|CONTENTS)",
+                "verso (even printed number), bottom: 'N Chapter K. Chapter title' ('2 CONTENTS' "
+                "on page 11, in the front matter's CONTENTS section)",
+            ),
+            (
+                "section_running_head",
+                "bottom",
+                [143],
+                True,
+                r"(?P<n>134) ?Chapter 18\. .+|Manual\)",
+                "blank verso page 143: the chapter head wraps over two lines, '134Chapter 18. "
+                "Alternative versions … (from old Packaging' / 'Manual)'",
+            ),
+            (
+                "section_running_head",
+                "bottom",
+                [p for p in _POLICY_BODY if p % 2 == 0 and p not in (152, 154)],
+                True,
+                r"(\d+(\.\d+)*\. .+|CONTENTS) (?P<n>\d+)",
+                "recto (odd printed number), bottom: 'N.N. Section title N' ('CONTENTS 1' on page 10)",
+            ),
         ],
     },
     "maint-guide.en.pdf": {
         # Page 0 is the cover (title and authors, no furniture); pages 1-5 are ii-vi; 6-62 are 1-57.
         "printed": [(range(1, 6), "roman", 1), (range(6, 63), "arabic", -5)],
         "patterns": [
-            ("running_head", "top", range(1, 6), True, r"Debian New Maintainers’ Guide (?P<n>[ivx]+)",
-             "front matter, top: 'Debian New Maintainers’ Guide' + roman page number"),
-            ("running_head", "top", range(6, 63), True,
-             r"Debian New Maintainers’ Guide (?P<n>\d+) / 57",
-             "every body page, top: 'Debian New Maintainers’ Guide   N / 57' (nothing at the "
-             "bottom; footnotes end the page)"),
+            (
+                "running_head",
+                "top",
+                range(1, 6),
+                True,
+                r"Debian New Maintainers’ Guide (?P<n>[ivx]+)",
+                "front matter, top: 'Debian New Maintainers’ Guide' + roman page number",
+            ),
+            (
+                "running_head",
+                "top",
+                range(6, 63),
+                True,
+                r"Debian New Maintainers’ Guide (?P<n>\d+) / 57",
+                "every body page, top: 'Debian New Maintainers’ Guide   N / 57' (nothing at the "
+                "bottom; footnotes end the page)",
+            ),
         ],
     },
     "R-intro.pdf": {
         # Page 0 title page, page 1 copyright page (no furniture); 2-5 are i-iv; 6-112 are 1-107.
         "printed": [(range(2, 6), "roman", -1), (range(6, 113), "arabic", -5)],
         "patterns": [
-            ("page_number", "top", range(2, 6), True, r"(?P<n>[ivx]+)",
-             "table of contents, top: roman number alone"),
-            ("page_number", "top", _RINTRO_OPENINGS, True, r"(?P<n>\d+)",
-             "chapter/appendix openings (and the preface), top: arabic number alone"),
-            ("section_running_head", "top", [p for p in range(8, 113) if p not in _RINTRO_OPENINGS],
-             True, r"(Chapter \d+|Appendix [A-F]): .+ (?P<n>\d+)",
-             "every other page, top: texinfo running head 'Chapter 5: Arrays and matrices 25' / "
-             "'Appendix B: Invoking R 93', changing per chapter (several chapters span 1-2 pages)"),
+            ("page_number", "top", range(2, 6), True, r"(?P<n>[ivx]+)", "table of contents, top: roman number alone"),
+            (
+                "page_number",
+                "top",
+                _RINTRO_OPENINGS,
+                True,
+                r"(?P<n>\d+)",
+                "chapter/appendix openings (and the preface), top: arabic number alone",
+            ),
+            (
+                "section_running_head",
+                "top",
+                [p for p in range(8, 113) if p not in _RINTRO_OPENINGS],
+                True,
+                r"(Chapter \d+|Appendix [A-F]): .+ (?P<n>\d+)",
+                "every other page, top: texinfo running head 'Chapter 5: Arrays and matrices 25' / "
+                "'Appendix B: Invoking R 93', changing per chapter (several chapters span 1-2 pages)",
+            ),
         ],
     },
 }
@@ -107,13 +181,30 @@ DOCS: dict[str, dict] = {
 MANPAGE = {
     "printed": [(range(0, 1000), "arabic", 1)],
     "patterns": [
-        ("page_number", "bottom", [0], True, r"(?P<n>1)",
-         "page 1, bottom: '1' alone (page 1 has no head: it starts with NAME)"),
-        ("running_head", "top", range(1, 1000), True, r"[a-z_0-9]+\(2\) System Calls Manual [a-z_0-9]+\(2\)",
-         "pages 2+, top: 'close(2)   System Calls Manual   close(2)'"),
-        ("running_foot", "bottom", range(1, 1000), True,
-         r"Linux man-pages 6\.03 \d{4}-\d\d-\d\d (?P<n>\d+)",
-         "pages 2+, bottom: 'Linux man-pages 6.03   <date of the page's source>   N'"),
+        (
+            "page_number",
+            "bottom",
+            [0],
+            True,
+            r"(?P<n>1)",
+            "page 1, bottom: '1' alone (page 1 has no head: it starts with NAME)",
+        ),
+        (
+            "running_head",
+            "top",
+            range(1, 1000),
+            True,
+            r"[a-z_0-9]+\(2\) System Calls Manual [a-z_0-9]+\(2\)",
+            "pages 2+, top: 'close(2)   System Calls Manual   close(2)'",
+        ),
+        (
+            "running_foot",
+            "bottom",
+            range(1, 1000),
+            True,
+            r"Linux man-pages 6\.03 \d{4}-\d\d-\d\d (?P<n>\d+)",
+            "pages 2+, bottom: 'Linux man-pages 6.03   <date of the page's source>   N'",
+        ),
     ],
 }
 
@@ -230,7 +321,5 @@ def score(name: str, before: list[str], after: list[str]) -> dict[str, int]:
     out["body"] = len(body)
     out["body_removed"] = len(body & (gone | cut))
     lines = [page.split("\n") for page in before]
-    out["other_removed"] = sum(
-        1 for p, i in (gone | cut) - body if (p, i) not in furniture and lines[p][i].strip()
-    )
+    out["other_removed"] = sum(1 for p, i in (gone | cut) - body if (p, i) not in furniture and lines[p][i].strip())
     return out

@@ -24,8 +24,7 @@ def binary() -> str | None:
 
 
 BINARY = binary()
-SKIP_REASON = ("no llama-server binary: run tools/build-llama-server (make does) or set "
-               "RAGBUDGET_LLAMA_SERVER to one")
+SKIP_REASON = "no llama-server binary: run tools/build-llama-server (make does) or set RAGBUDGET_LLAMA_SERVER to one"
 
 
 def gguf() -> str | None:

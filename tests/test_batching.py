@@ -62,8 +62,15 @@ def test_greedy_answer_and_the_real_paged_cache(gen, batcher) -> None:
 
 
 def test_concurrent_requests_keep_their_own_sampling_seeds_and_caps(gen, batcher) -> None:
-    calls = [{"prompt": f"question {i}?", "max_new_tokens": 6 + 3 * i,
-                  "temperature": 0.9 if i % 2 else None, "seed": 100 + i} for i in range(6)]
+    calls = [
+        {
+            "prompt": f"question {i}?",
+            "max_new_tokens": 6 + 3 * i,
+            "temperature": 0.9 if i % 2 else None,
+            "seed": 100 + i,
+        }
+        for i in range(6)
+    ]
     together = _together(batcher.generate, calls)
     for kw, g in zip(calls, together, strict=False):
         alone = gen.generate(**kw)  # the unbatched path, one request alone
@@ -77,12 +84,16 @@ def test_concurrent_requests_keep_their_own_sampling_seeds_and_caps(gen, batcher
 def test_streaming_and_stop_strings_per_request(gen, batcher) -> None:
     full = gen.generate("stream me", max_new_tokens=30).text
     # A stop string whose first occurrence is inside the answer (the random model repeats).
-    stop = next(full[k:k + 2] for k in range(3, len(full) - 2) if full.find(full[k:k + 2]) == k)
+    stop = next(full[k : k + 2] for k in range(3, len(full) - 2) if full.find(full[k : k + 2]) == k)
     pieces: list[str] = []
-    g, plain = _together(batcher.generate, [
-        {"prompt": "stream me", "max_new_tokens": 30, "stop": [stop], "on_text": pieces.append},
-        {"prompt": "stream me", "max_new_tokens": 30}])
-    assert g.finish_reason == "stop" and g.text == full[:full.find(stop)].strip()
+    g, plain = _together(
+        batcher.generate,
+        [
+            {"prompt": "stream me", "max_new_tokens": 30, "stop": [stop], "on_text": pieces.append},
+            {"prompt": "stream me", "max_new_tokens": 30},
+        ],
+    )
+    assert g.finish_reason == "stop" and g.text == full[: full.find(stop)].strip()
     assert g.new_tokens < 30  # the request ended there, not at the cap
     assert "".join(pieces).strip() == g.text and stop not in "".join(pieces)
     assert plain.text == full and plain.finish_reason == "length"  # its neighbour did not stop
@@ -97,9 +108,13 @@ def test_cancel_returns_at_once_and_frees_the_request(gen, batcher) -> None:
         ev.set()
 
     t0 = time.perf_counter()
-    long, short = _together(batcher.generate, [
-        {"prompt": "long one", "max_new_tokens": 500, "on_text": on_text, "cancel": ev},
-        {"prompt": "short one", "max_new_tokens": 20}])
+    long, short = _together(
+        batcher.generate,
+        [
+            {"prompt": "long one", "max_new_tokens": 500, "on_text": on_text, "cancel": ev},
+            {"prompt": "short one", "max_new_tokens": 20},
+        ],
+    )
     assert long.finish_reason == "cancelled" and 1 <= long.new_tokens < 500
     assert short.finish_reason == "length" and short.new_tokens == 20
     assert time.perf_counter() - t0 < 30
@@ -124,11 +139,9 @@ def test_refusals(gen, batcher) -> None:
 def test_local_backend_batches_by_default_and_can_be_switched_off(gen) -> None:
     backend = LocalBackend(gen, batch_kv_tokens=256)
     try:
-        g = backend.generate("hello there", max_new_tokens=5, sampling=Sampling(temperature=0.7,
-                                                                               seed=4))
+        g = backend.generate("hello there", max_new_tokens=5, sampling=Sampling(temperature=0.7, seed=4))
         assert g.cache == "paged" and backend.batcher is not None
-        assert g.text == gen.generate("hello there", max_new_tokens=5, temperature=0.7,
-                                      seed=4).text
+        assert g.text == gen.generate("hello there", max_new_tokens=5, temperature=0.7, seed=4).text
         cap = backend.capacity()
         assert cap.kv_tokens_total == backend.batcher.layout.capacity_tokens == 256
         assert "paged cache" in cap.kv_total_source
@@ -184,8 +197,9 @@ def test_the_auto_sized_paged_cache_stays_within_the_plans_kv_bytes(gen, monkeyp
     from ragbudget.batching import _dtype_name
 
     def size(blocks: int) -> int:
-        return paged_cache_layout(gen.model.config, num_blocks=blocks, page_size=32,
-                                  kv_dtype=_dtype_name(gen.model)).total_bytes
+        return paged_cache_layout(
+            gen.model.config, num_blocks=blocks, page_size=32, kv_dtype=_dtype_name(gen.model)
+        ).total_bytes
 
     budget = size(10) + 1
     tokens = backend_mod._paged_tokens_within(gen, 100_000, budget)
@@ -203,6 +217,7 @@ def test_the_auto_sized_paged_cache_stays_within_the_plans_kv_bytes(gen, monkeyp
 
 
 # -- per-request attention in a batched step ---------------------------------------------------
+
 
 def _packed(lengths, heads=4, kv_heads=2, dim=8, seed=0):
     """Random q/k/v packed as continuous batching packs them: per request (q_len, k_len), its
@@ -238,7 +253,8 @@ def _dense_reference(q, k, v, cq, ck, window=None):
                     mask[r, c] = True
     rep = q.shape[1] // k.shape[1]
     out = torch.nn.functional.scaled_dot_product_attention(
-        q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), attn_mask=mask)
+        q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), attn_mask=mask
+    )
     return out.transpose(1, 2)
 
 
@@ -258,8 +274,7 @@ def test_per_request_attention_equals_the_dense_block_mask(window) -> None:
     # a decode step, a chunked prefill (queries in the middle of a longer read), a whole prompt,
     # and a one-token prompt, in one packed step
     q, k, v, cq, ck = _packed([(1, 9), (4, 11), (6, 6), (1, 1)])
-    cb = {"cu_seq_lens_q": cq, "cu_seq_lens_k": ck, "read_index": [torch.arange(1)],
-          "write_index": [torch.arange(1)]}
+    cb = {"cu_seq_lens_q": cq, "cu_seq_lens_k": ck, "read_index": [torch.arange(1)], "write_index": [torch.arange(1)]}
     got, _ = per_request_sdpa(_Layer(window), q, k, v, None, **cb)
     want = _dense_reference(q, k, v, cq.tolist(), ck.tolist(), window)
     assert got.shape == want.shape == (1, q.shape[2], q.shape[1], q.shape[3])

@@ -23,8 +23,16 @@ from ragbudget.errors import BudgetError, ConfigError, ModelError
 from ragbudget.kvcache import kv_cache_bytes
 from ragbudget.models import list_model_configs, load_model_config
 
-REQUIRED_KEYS = {"kv_bytes_per_token", "weights_bytes", "activation_bytes", "gpu_bytes",
-                 "kv_capacity_tokens", "max_context_tokens", "max_concurrency", "limited_by"}
+REQUIRED_KEYS = {
+    "kv_bytes_per_token",
+    "weights_bytes",
+    "activation_bytes",
+    "gpu_bytes",
+    "kv_capacity_tokens",
+    "max_context_tokens",
+    "max_concurrency",
+    "limited_by",
+}
 
 
 @pytest.fixture(autouse=True)
@@ -65,8 +73,7 @@ def test_model_limit_and_max_concurrency():
 
 def test_fp8_kv_doubles_capacity_roughly():
     a = plan_budget("meta-llama/Llama-3.1-8B-Instruct", gpu="RTX 4090", max_new_tokens=64)
-    b = plan_budget("meta-llama/Llama-3.1-8B-Instruct", gpu="RTX 4090", max_new_tokens=64,
-                    kv_dtype="fp8")
+    b = plan_budget("meta-llama/Llama-3.1-8B-Instruct", gpu="RTX 4090", max_new_tokens=64, kv_dtype="fp8")
     assert b.kv_bytes_per_token * 2 == a.kv_bytes_per_token
     assert b.max_context_tokens > a.max_context_tokens
 
@@ -76,8 +83,7 @@ def test_budget_error_says_need_have_fix():
         plan_budget("meta-llama/Llama-3.1-70B-Instruct", gpu="RTX 4090")
     assert "GiB" in str(e.value) and "smaller" in str(e.value)
     with pytest.raises(BudgetError) as e:
-        plan_budget("meta-llama/Llama-3.1-8B-Instruct", gpu="RTX 4090", concurrency=512,
-                    max_new_tokens=1024)
+        plan_budget("meta-llama/Llama-3.1-8B-Instruct", gpu="RTX 4090", concurrency=512, max_new_tokens=1024)
     assert e.value.unit == "tokens" and "concurrency" in str(e.value)
 
 
@@ -101,8 +107,14 @@ def test_loaded_model_weights():
     torch = pytest.importorskip("torch")
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, max_position_embeddings=128)
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=128,
+    )
     m = LlamaForCausalLM(cfg)
     p = plan_budget(m, gpu="1GiB", max_new_tokens=8)
     real = sum(t.numel() * t.element_size() for t in list(m.parameters()) + list(m.buffers()))
@@ -114,25 +126,50 @@ def test_loaded_model_weights():
 
 def test_calibration_roundtrip():
     assert lookup_calibration("H100 80GB", "m", "bfloat16", "dynamic") is None
-    e = record_calibration(gpu_name="H100 80GB", model="m", dtype="bfloat16", cache="dynamic",
-                           tokens=1000, batch_size=1, measured_peak_bytes=3000 + 10**6,
-                           weights_bytes=1000, kv_bytes=2000)
+    e = record_calibration(
+        gpu_name="H100 80GB",
+        model="m",
+        dtype="bfloat16",
+        cache="dynamic",
+        tokens=1000,
+        batch_size=1,
+        measured_peak_bytes=3000 + 10**6,
+        weights_bytes=1000,
+        kv_bytes=2000,
+    )
     assert e["activation_bytes_per_token"] == 1000
     got = lookup_calibration("h100 80gb", "M", "bfloat16", "dynamic")
     assert got is not None and got["runs"] == 1
     p = plan_budget("HuggingFaceTB/SmolLM2-135M-Instruct", gpu="H100", kv_dtype="bfloat16")
     assert p.activation_source.startswith("estimate")
-    record_calibration(gpu_name="H100 80GB", model="HuggingFaceTB/SmolLM2-135M-Instruct",
-                       dtype="bfloat16", cache="dynamic", tokens=100, batch_size=1,
-                       measured_peak_bytes=10**9, weights_bytes=0, kv_bytes=0)
+    record_calibration(
+        gpu_name="H100 80GB",
+        model="HuggingFaceTB/SmolLM2-135M-Instruct",
+        dtype="bfloat16",
+        cache="dynamic",
+        tokens=100,
+        batch_size=1,
+        measured_peak_bytes=10**9,
+        weights_bytes=0,
+        kv_bytes=0,
+    )
     q = plan_budget("HuggingFaceTB/SmolLM2-135M-Instruct", gpu="H100", kv_dtype="bfloat16")
     assert q.activation_source.startswith("calibrated")
     assert q.activation_bytes == int(10**7 * q.max_context_tokens)
 
 
 def test_a_measurement_is_recorded_best_effort(tmp_path, monkeypatch):
-    m = PeakMeasurement(gpu_name="H100 80GB", model="m", dtype="bfloat16", cache="dynamic", tokens=1000,
-                        batch_size=1, measured_peak_bytes=3000 + 10**6, weights_bytes=1000, kv_bytes=2000)
+    m = PeakMeasurement(
+        gpu_name="H100 80GB",
+        model="m",
+        dtype="bfloat16",
+        cache="dynamic",
+        tokens=1000,
+        batch_size=1,
+        measured_peak_bytes=3000 + 10**6,
+        weights_bytes=1000,
+        kv_bytes=2000,
+    )
     entry = record_measurement(m)
     assert entry is not None and entry["activation_bytes_per_token"] == 1000
     assert lookup_calibration("H100 80GB", "m", "bfloat16", "dynamic") == entry
@@ -182,11 +219,17 @@ def test_gguf_default_generator_config():
         pytest.skip("default generator not installed")
     cfg = load_model_config(os.path.join(ref.path, ref.gguf_file))
     snap = load_model_config("HuggingFaceTB/SmolLM2-135M-Instruct")
-    for k in ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
-              "intermediate_size", "max_position_embeddings", "vocab_size"):
+    for k in (
+        "num_hidden_layers",
+        "hidden_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "intermediate_size",
+        "max_position_embeddings",
+        "vocab_size",
+    ):
         assert cfg[k] == snap[k], k
     assert cfg["_gguf_tensor_bytes"] > 0
-
 
 
 def test_bad_arguments():
@@ -197,24 +240,48 @@ def test_bad_arguments():
 
 
 def test_import_stays_light():
-    code = ("import sys, ragbudget.budget, ragbudget.kvcache, ragbudget.gpus; "
-            "assert 'torch' not in sys.modules and 'transformers' not in sys.modules")
+    code = (
+        "import sys, ragbudget.budget, ragbudget.kvcache, ragbudget.gpus; "
+        "assert 'torch' not in sys.modules and 'transformers' not in sys.modules"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-_TINY = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3,
-             "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
-             "pad_token_id": 0}
+_TINY = {
+    "vocab_size": 128,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "pad_token_id": 0,
+}
 PARAM_CASES = {
-    "llama": _TINY, "mistral": dict(_TINY, sliding_window=8), "qwen2": _TINY,
-    "qwen3": dict(_TINY, head_dim=24), "gemma2": dict(_TINY, head_dim=24),
-    "gemma3_text": dict(_TINY, head_dim=24), "phi3": _TINY,
+    "llama": _TINY,
+    "mistral": dict(_TINY, sliding_window=8),
+    "qwen2": _TINY,
+    "qwen3": dict(_TINY, head_dim=24),
+    "gemma2": dict(_TINY, head_dim=24),
+    "gemma3_text": dict(_TINY, head_dim=24),
+    "phi3": _TINY,
     "mixtral": dict(_TINY, num_local_experts=4, num_experts_per_tok=2),
     "qwen3_moe": dict(_TINY, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
-    "deepseek_v3": dict(_TINY, num_key_value_heads=4, moe_intermediate_size=32, kv_lora_rank=16,
-                        q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12,
-                        n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
-                        first_k_dense_replace=1),
+    "deepseek_v3": dict(
+        _TINY,
+        num_key_value_heads=4,
+        moe_intermediate_size=32,
+        kv_lora_rank=16,
+        q_lora_rank=24,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=12,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=1,
+    ),
     "gpt_oss": dict(_TINY, head_dim=16, num_local_experts=4, num_experts_per_tok=2),
 }
 
@@ -231,18 +298,39 @@ def test_count_parameters_exact(mt, tied):
     assert count_parameters(cfg.to_dict() | {"model_type": mt}) == real
 
 
-_SMALL = {"vocab_size": 128, "hidden_size": 64, "pad_token_id": 0, "bos_token_id": 1,
-          "eos_token_id": 2}
+_SMALL = {"vocab_size": 128, "hidden_size": 64, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 RECURRENT_CASES = {
     "mamba": dict(_SMALL, num_hidden_layers=2, state_size=8, conv_kernel=4, expand=2),
-    "jamba": dict(_SMALL, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=2, attn_layer_period=2, attn_layer_offset=1,
-                  expert_layer_period=2, expert_layer_offset=1, num_experts=2,
-                  mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=8),
-    "nemotron_h": dict(_SMALL, intermediate_size=128, num_attention_heads=4,
-                       num_key_value_heads=2, hybrid_override_pattern="M*M-", mamba_num_heads=8,
-                       mamba_head_dim=16, n_groups=2, ssm_state_size=8, conv_kernel=4,
-                       expand=2, chunk_size=16),
+    "jamba": dict(
+        _SMALL,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attn_layer_period=2,
+        attn_layer_offset=1,
+        expert_layer_period=2,
+        expert_layer_offset=1,
+        num_experts=2,
+        mamba_d_state=8,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        mamba_dt_rank=8,
+    ),
+    "nemotron_h": dict(
+        _SMALL,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        hybrid_override_pattern="M*M-",
+        mamba_num_heads=8,
+        mamba_head_dim=16,
+        n_groups=2,
+        ssm_state_size=8,
+        conv_kernel=4,
+        expand=2,
+        chunk_size=16,
+    ),
 }
 
 
@@ -286,8 +374,7 @@ def test_gpu_validate_dry_run(gpu_validate, tmp_path, monkeypatch, capsys):
     assert p["predicted"] == p["weights"] + p["activations"] + p["kv_peak"]
 
 
-def test_gpu_validate_cpu_dry_run_measures_exact_cache(gpu_validate, tmp_path, monkeypatch,
-                                                      capsys):
+def test_gpu_validate_cpu_dry_run_measures_exact_cache(gpu_validate, tmp_path, monkeypatch, capsys):
     """`--device cpu --quick`: tiny versions of the same architectures go through build, generate
     and the cache-bytes check, and the table and JSON come out."""
     pytest.importorskip("torch")
@@ -301,8 +388,7 @@ def test_gpu_validate_cpu_dry_run_measures_exact_cache(gpu_validate, tmp_path, m
     assert "kv exact in 6/6" in text and "FAILED" not in text
 
 
-def test_gpu_validate_reports_failed_cases_in_the_table(gpu_validate, tmp_path, monkeypatch,
-                                                        capsys):
+def test_gpu_validate_reports_failed_cases_in_the_table(gpu_validate, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("RAGBUDGET_CACHE", str(tmp_path / "cache"))
 
     def broken(cfg, device, dtype):
@@ -342,8 +428,6 @@ def test_memory_error_names_memory_and_its_token_number() -> None:
         plan_budget("meta-llama/Llama-3.1-8B-Instruct", gpu="16GiB", max_new_tokens=4096)
     assert e.value.limit == "memory"
     assert "GiB" in str(e.value) and "usable" in str(e.value)
-
-
 
 
 def test_prefill_speed_is_measured_once_and_turns_seconds_into_tokens(tmp_path, monkeypatch) -> None:
@@ -396,6 +480,7 @@ def test_prefill_measured_on_a_busy_host_is_measured_again_when_idle(tmp_path, m
     data = {k: slow for k in data}
     path.write_text(json.dumps(data))
     again = measure_prefill_speed(model, name="tiny", device="cpu", lengths=(32, 128))
+
     def at_1k(e: dict) -> float:  # what the merge ranks by: the fitted time of a 1,024-token prefill
         return e["a"] * 1024 + e["b"] * 1024**2
 
@@ -407,9 +492,16 @@ def test_prefill_measured_on_a_busy_host_is_measured_again_when_idle(tmp_path, m
 def test_config_without_dtype_plans_float32_and_says_so() -> None:
     """Never under-estimate: a config that names no dtype is planned at float32 (what
     transformers allocates then), twice a bf16 guess, and the plan says why."""
-    base = {"model_type": "llama", "num_hidden_layers": 4, "hidden_size": 256,
-            "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 512,
-            "vocab_size": 1000, "max_position_embeddings": 4096}
+    base = {
+        "model_type": "llama",
+        "num_hidden_layers": 4,
+        "hidden_size": 256,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 512,
+        "vocab_size": 1000,
+        "max_position_embeddings": 4096,
+    }
     plain = plan_budget(config=base, gpu="1GiB", max_new_tokens=16)
     typed = plan_budget(config=base | {"torch_dtype": "bfloat16"}, gpu="1GiB", max_new_tokens=16)
     assert plain.kv_dtype == "float32" and typed.kv_dtype == "bfloat16"
@@ -424,9 +516,17 @@ def test_config_without_dtype_plans_float32_and_says_so() -> None:
 def test_time_cap_on_the_plan_and_request_memory_with_its_own_activations() -> None:
     from ragbudget.budget import cap_plan_for_time, estimate_activation_bytes, request_memory
 
-    cfg = {"model_type": "llama", "vocab_size": 32000, "hidden_size": 1024,
-           "intermediate_size": 4096, "num_hidden_layers": 8, "num_attention_heads": 16,
-           "num_key_value_heads": 4, "max_position_embeddings": 8192, "torch_dtype": "float32"}
+    cfg = {
+        "model_type": "llama",
+        "vocab_size": 32000,
+        "hidden_size": 1024,
+        "intermediate_size": 4096,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 4,
+        "max_position_embeddings": 8192,
+        "torch_dtype": "float32",
+    }
     plan = plan_budget(config=cfg, gpu="8GiB", max_new_tokens=256)
     assert plan.limited_by == "model" and plan.max_prompt_tokens == 8192 - 256
     # 1 ms a token: a 2 s target allows 2,000 prompt tokens, below the window: time binds.
@@ -448,4 +548,5 @@ def test_time_cap_on_the_plan_and_request_memory_with_its_own_activations() -> N
     eager = request_memory(plan_budget(config=cfg, gpu="8GiB", attn_implementation="eager"), cfg)
     assert eager.activation_bytes(4000) > 4 * mem.activation_bytes(4000)
     assert mem.request_bytes(prompt_tokens=1000, tokens=1256) == (
-        mem.kv_fixed_bytes + 1256 * mem.kv_bytes_per_token + mem.activation_bytes(1000))
+        mem.kv_fixed_bytes + 1256 * mem.kv_bytes_per_token + mem.activation_bytes(1000)
+    )

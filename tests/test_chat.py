@@ -41,8 +41,9 @@ class ChatTemplate:
 
     chat_template = "chatml"
 
-    def apply_chat_template(self, messages: list[dict[str, str]], *, tokenize: bool = False,
-                            add_generation_prompt: bool = False) -> str:
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], *, tokenize: bool = False, add_generation_prompt: bool = False
+    ) -> str:
         assert tokenize is False
         out = "".join(f"<start>{m['role']} {m['content']} <end>\n" for m in messages)
         return out + ("<start>assistant " if add_generation_prompt else "")
@@ -57,8 +58,15 @@ def _is_summary(messages: list[dict[str, str]]) -> bool:
     return messages[0]["content"].startswith(SUMMARY_SYSTEM)
 
 
-def chat_pipeline(*, total: int = 400, max_new: int = 40, answer_words: int = 40, summary_words: int = 500,
-                  summary: Any = None, kv_tokens: int | None = None) -> Pipeline:
+def chat_pipeline(
+    *,
+    total: int = 400,
+    max_new: int = 40,
+    answer_words: int = 40,
+    summary_words: int = 500,
+    summary: Any = None,
+    kv_tokens: int | None = None,
+) -> Pipeline:
     """A real Pipeline whose FakeBackend has a ``total``-token window (and ``kv_tokens`` of KV, the
     admission capacity, when given). Answers are ``answer<n>-word<i>`` × ``answer_words``;
     summaries are the words of the transcript, ``summary_words`` of them (more than the cap
@@ -69,15 +77,18 @@ def chat_pipeline(*, total: int = 400, max_new: int = 40, answer_words: int = 40
         if _is_summary(messages):
             if summary is not None:
                 return summary(messages)
-            return re.findall(r"\w+", messages[-1]["content"])[:min(summary_words, max_new_tokens)]
+            return re.findall(r"\w+", messages[-1]["content"])[: min(summary_words, max_new_tokens)]
         n["answers"] += 1
         return [f"answer{n['answers']}-word{i}" for i in range(min(answer_words, max_new_tokens))]
 
-    capacity = Capacity(max_context_tokens=total, max_context_source="fake", kv_tokens_total=kv_tokens,
-                        kv_total_source="fake" if kv_tokens else "")
+    capacity = Capacity(
+        max_context_tokens=total,
+        max_context_source="fake",
+        kv_tokens_total=kv_tokens,
+        kv_total_source="fake" if kv_tokens else "",
+    )
     backend = FakeBackend(WordCounter(), template=ChatTemplate(), reply=reply, capacity=capacity)
-    return Pipeline(corpus_index(), backend=backend, max_new_tokens=max_new, system_prompt=SYSTEM,
-                    relevance_floor=0)
+    return Pipeline(corpus_index(), backend=backend, max_new_tokens=max_new, system_prompt=SYSTEM, relevance_floor=0)
 
 
 def fake(pipe: Pipeline) -> FakeBackend:
@@ -175,8 +186,11 @@ def test_history_share_is_configurable_and_retrieval_gets_the_rest() -> None:
     small, large = chat_pipeline(), chat_pipeline()
     a = Conversation(small, history_share=0.1)
     b = Conversation(large, history_share=0.6)
-    for q in ("First question about dedup shingles?", "Second question about PDF headers?",
-              "Third question about the KV budget?"):
+    for q in (
+        "First question about dedup shingles?",
+        "Second question about PDF headers?",
+        "Third question about the KV budget?",
+    ):
         ta, tb = a.ask(q), b.ask(q)
     assert ta.budget.history_allowed < tb.budget.history_allowed
     assert ta.budget.history <= ta.budget.history_allowed
@@ -248,8 +262,13 @@ def test_question_is_never_truncated_and_too_long_is_a_budget_error() -> None:
 
 def test_invalid_settings_are_config_errors() -> None:
     pipe = chat_pipeline()
-    for kwargs in ({"history_share": 1.0}, {"history_share": -0.1}, {"summary_max_tokens": 0},
-                   {"recent_turns": -1}, {"summary_role": "tool"}):
+    for kwargs in (
+        {"history_share": 1.0},
+        {"history_share": -0.1},
+        {"summary_max_tokens": 0},
+        {"recent_turns": -1},
+        {"summary_role": "tool"},
+    ):
         with pytest.raises(ConfigError):
             Conversation(pipe, **kwargs)
     with pytest.raises(ConfigError):
@@ -292,8 +311,11 @@ def test_chat_command_with_piped_stdin(monkeypatch: pytest.MonkeyPatch) -> None:
         return made[-1]
 
     monkeypatch.setattr("ragbudget.pipeline.Pipeline", factory)
-    result = CliRunner().invoke(cli, ["chat", "--history-share", "0.2", "--recent-turns", "1"],
-                                input="What is MinHash?\nand its shingles?\n/exit\n")
+    result = CliRunner().invoke(
+        cli,
+        ["chat", "--history-share", "0.2", "--recent-turns", "1"],
+        input="What is MinHash?\nand its shingles?\n/exit\n",
+    )
     assert result.exit_code == 0, result.output
     assert len(answers(made[0])) == 2
     assert "Sources:" in result.output
@@ -340,17 +362,24 @@ def _messages(n_turns: int, answer_words: int = 40) -> list[dict[str, str]]:
 
 def test_from_messages_loads_turns_system_messages_and_a_returned_summary() -> None:
     pipe = chat_pipeline()
-    chat = Conversation.from_messages(pipe, [
-        {"role": "assistant", "content": "Hello, ask me about the docs."},
-        {"role": "system", "content": "Be brief."},
-        {"role": "system", "content": SUMMARY_PREFIX + "the user asked about dedup"},
-        {"role": "user", "content": "What is MinHash?"},
-        {"role": "assistant", "content": "A signature."},
-        {"role": "user", "content": "unanswered"},
-    ], recent_turns=5)
+    chat = Conversation.from_messages(
+        pipe,
+        [
+            {"role": "assistant", "content": "Hello, ask me about the docs."},
+            {"role": "system", "content": "Be brief."},
+            {"role": "system", "content": SUMMARY_PREFIX + "the user asked about dedup"},
+            {"role": "user", "content": "What is MinHash?"},
+            {"role": "assistant", "content": "A signature."},
+            {"role": "user", "content": "unanswered"},
+        ],
+        recent_turns=5,
+    )
     assert chat.summary == "the user asked about dedup"
     assert [(t.question, t.answer) for t in chat.turns] == [
-        ("", "Hello, ask me about the docs."), ("What is MinHash?", "A signature."), ("unanswered", "")]
+        ("", "Hello, ask me about the docs."),
+        ("What is MinHash?", "A signature."),
+        ("unanswered", ""),
+    ]
     assert chat.history_messages() == [
         {"role": "system", "content": "Be brief."},
         {"role": "system", "content": SUMMARY_PREFIX + "the user asked about dedup"},
@@ -466,16 +495,17 @@ def test_a_summary_cut_short_by_a_leaving_client_is_never_cached() -> None:
 
     pipe = chat_pipeline(total=400, max_new=40, answer_words=40, summary=leaving)
     Conversation.from_messages(pipe, _messages(8), summary_max_tokens=30, summary_cache=cache).ask(
-        "Next?", cancel=cancel)
+        "Next?", cancel=cancel
+    )
     assert len(summaries(pipe)) == 1 and len(cache) == 0
     # Already gone before the summary: nothing is generated for it, and nothing cached.
     Conversation.from_messages(pipe, _messages(8), summary_max_tokens=30, summary_cache=cache).ask(
-        "Next?", cancel=cancel)
+        "Next?", cancel=cancel
+    )
     assert len(summaries(pipe)) == 1 and len(cache) == 0
     # The retry of a client that stays gets a real summary, not the one cut short.
     retry_pipe = chat_pipeline(total=400, max_new=40, answer_words=40)
-    turn = Conversation.from_messages(retry_pipe, _messages(8), summary_max_tokens=30,
-                                      summary_cache=cache).ask("Next?")
+    turn = Conversation.from_messages(retry_pipe, _messages(8), summary_max_tokens=30, summary_cache=cache).ask("Next?")
     assert turn.budget.summary_cached == 0 and summaries(retry_pipe) and turn.summary != "Summary"
     assert len(cache) > 0
 
@@ -485,8 +515,14 @@ def test_a_summary_waiting_for_memory_leaves_the_queue_when_the_client_leaves() 
 
     from ragbudget.admission import AdmissionController
 
-    pipe = Pipeline(corpus_index(), backend=fake(chat_pipeline(kv_tokens=1000)), max_new_tokens=40,
-                    system_prompt=SYSTEM, relevance_floor=0, queue_timeout=60.0)
+    pipe = Pipeline(
+        corpus_index(),
+        backend=fake(chat_pipeline(kv_tokens=1000)),
+        max_new_tokens=40,
+        system_prompt=SYSTEM,
+        relevance_floor=0,
+        queue_timeout=60.0,
+    )
     assert isinstance(pipe.admission, AdmissionController) and pipe.admission.capacity_tokens == 1000
     held = pipe.admission.acquire(1000)  # the GPU is busy
     cache, cancel, done = SummaryCache(), threading.Event(), []
@@ -658,8 +694,14 @@ class ChatMLGenerator(GeneratorStub):
         text = " ".join(words)
         if on_text:
             on_text(text)
-        return FakeGeneration(text, prompt.n_tokens, len(self.tokenizer.encode(text)), max_new_tokens,
-                              finish_reason="length", prompt=prompt)
+        return FakeGeneration(
+            text,
+            prompt.n_tokens,
+            len(self.tokenizer.encode(text)),
+            max_new_tokens,
+            finish_reason="length",
+            prompt=prompt,
+        )
 
 
 @pytest.fixture(scope="module")

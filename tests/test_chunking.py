@@ -21,10 +21,57 @@ TOK = get_tokenizer()
 # (incl. U+001C..U+001F, which Python but not the tokenizer calls space), punctuation before
 # line breaks, digits, contractions, combining marks, CJK, emoji.
 _PIECES = st.sampled_from(
-    [" ", "  ", "\n", "\n\n", "\r\n", "\t", "\x0b", "\x0c", "\x1c", "\x85", "\xa0", "\u2028",
-     "\u3000", ".", ". ", "!", "?\n", ":", "'s", "'", '"', "(", ")", "#", "# ", "## ", "=",
-     "===", "---", "1.", "1.2 ", "Chapter 5", "A", "the", "The", "word", "Über", "e\u0301",
-     "é", "日本語", "😀", "123", "4567", "x" * 30, "-", "_", "/", "\\", "<|endoftext|>"]
+    [
+        " ",
+        "  ",
+        "\n",
+        "\n\n",
+        "\r\n",
+        "\t",
+        "\x0b",
+        "\x0c",
+        "\x1c",
+        "\x85",
+        "\xa0",
+        "\u2028",
+        "\u3000",
+        ".",
+        ". ",
+        "!",
+        "?\n",
+        ":",
+        "'s",
+        "'",
+        '"',
+        "(",
+        ")",
+        "#",
+        "# ",
+        "## ",
+        "=",
+        "===",
+        "---",
+        "1.",
+        "1.2 ",
+        "Chapter 5",
+        "A",
+        "the",
+        "The",
+        "word",
+        "Über",
+        "e\u0301",
+        "é",
+        "日本語",
+        "😀",
+        "123",
+        "4567",
+        "x" * 30,
+        "-",
+        "_",
+        "/",
+        "\\",
+        "<|endoftext|>",
+    ]
 )
 _TEXT = st.one_of(
     st.text(max_size=300),
@@ -140,9 +187,7 @@ def test_generic_tokenizer_path_is_exact() -> None:
 
 def test_headings_are_preferred_and_recorded() -> None:
     body = "This sentence has a few words in it. " * 12
-    text = "\n\n".join(
-        ["# Guide", "## Install", body, body, "## Usage", body, body, "### Details", body, body]
-    )
+    text = "\n\n".join(["# Guide", "## Install", body, body, "## Usage", body, body, "### Details", body, body])
     chunks = chunk_text(text, min_tokens=100, max_tokens=220)
     starts = [c.text.split("\n")[0] for c in chunks]
     assert starts[0] == "# Guide"
@@ -251,8 +296,9 @@ def test_chunk_texts_in_processes(method: str) -> None:
 
     if method not in mp.get_all_start_methods():
         pytest.skip(f"{method} start method not available")
-    out = subprocess.run([sys.executable, "-c", _PROCESS_CHECK, method], capture_output=True,
-                         text=True, timeout=300, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", _PROCESS_CHECK, method], capture_output=True, text=True, timeout=300, check=True
+    )
     assert json.loads(out.stdout.strip().splitlines()[-1]) == {"same": True, "used": [method]}
 
 

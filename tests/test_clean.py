@@ -200,8 +200,21 @@ def test_find_known_uses_exact_folded_lines():
 # invariants
 
 _LINES = st.sampled_from(
-    ["Manual v2", "Page 1 of 9", "Page 7 of 9", "12", "iv", "}", "", "   ", "Chapter 3: Intro  14",
-     "alpha beta", "gamma", "delta epsilon 3", "Copyright 2024 ACME"]
+    [
+        "Manual v2",
+        "Page 1 of 9",
+        "Page 7 of 9",
+        "12",
+        "iv",
+        "}",
+        "",
+        "   ",
+        "Chapter 3: Intro  14",
+        "alpha beta",
+        "gamma",
+        "delta epsilon 3",
+        "Copyright 2024 ACME",
+    ]
 ) | st.text(alphabet="abcxyz019 .-", max_size=20)
 _PAGES = st.lists(st.lists(_LINES, max_size=8).map("\n".join), max_size=9)
 
@@ -222,15 +235,23 @@ def test_strip_is_deterministic_and_never_grows(pages):
 
 
 _NUMBERED = st.lists(
-    st.tuples(st.lists(_LINES, max_size=6),
-              st.sampled_from(["", "{n}", "Chapter {n}: Intro  {n}", "{n}.1. Title {n}", "see page {n}"]),
-              st.sampled_from(["top", "bottom"]), st.integers(0, 3)),
+    st.tuples(
+        st.lists(_LINES, max_size=6),
+        st.sampled_from(["", "{n}", "Chapter {n}: Intro  {n}", "{n}.1. Title {n}", "see page {n}"]),
+        st.sampled_from(["top", "bottom"]),
+        st.integers(0, 3),
+    ),
     max_size=9,
-).map(lambda spec: [
-    "\n".join(([extra.format(n=i + off)] if edge == "top" and extra else []) + body
-               + ([extra.format(n=i + off)] if edge == "bottom" and extra else []))
-    for i, (body, extra, edge, off) in enumerate(spec)
-])
+).map(
+    lambda spec: [
+        "\n".join(
+            ([extra.format(n=i + off)] if edge == "top" and extra else [])
+            + body
+            + ([extra.format(n=i + off)] if edge == "bottom" and extra else [])
+        )
+        for i, (body, extra, edge, off) in enumerate(spec)
+    ]
+)
 
 
 @settings(max_examples=200, deadline=None)
@@ -280,8 +301,10 @@ def real_pages(shared_data) -> dict[tuple[str, str], tuple[list[str], Path]]:
 
     out = {}
     for name in _PDFS:
-        out[("pypdfium2", name)] = (load_document(shared_data / "pdf" / name, clean=False).pages,
-                                    shared_data / "pdf" / name)
+        out[("pypdfium2", name)] = (
+            load_document(shared_data / "pdf" / name, clean=False).pages,
+            shared_data / "pdf" / name,
+        )
         gz = _LAYOUT / (name[:-4] + ".layout.txt.gz")
         out[("pdftotext", name)] = (gzip.decompress(gz.read_bytes()).decode().split("\f")[:-1], gz)
     for path in sorted((shared_data / "manpages").glob("*.txt")):
@@ -320,8 +343,10 @@ def test_truth_fits_every_extraction(real_pages):
         furniture, body, misses = classify(name, pages)
         assert not misses, (ex, name, misses[:3])
         assert furniture and body
-    pdf = {ex: sum(len(classify(n, p)[0]) for (e, n), (p, _) in real_pages.items() if e == ex)
-           for ex in ("pypdfium2", "pdftotext")}
+    pdf = {
+        ex: sum(len(classify(n, p)[0]) for (e, n), (p, _) in real_pages.items() if e == ex)
+        for ex in ("pypdfium2", "pdftotext")
+    }
     assert pdf == {"pypdfium2": 524, "pdftotext": 524}
 
 
@@ -379,14 +404,13 @@ def test_text_without_furniture_loses_no_body(shared_data):
     # the loader nothing goes, and cut into artificial pages no line of >= 40 characters goes.
     from ragbudget.loaders import load_document
 
-    files = sorted((shared_data / "pdf" / "twins").glob("*.txt")) + sorted(
-        (shared_data / "versions").glob("*.txt"))
+    files = sorted((shared_data / "pdf" / "twins").glob("*.txt")) + sorted((shared_data / "versions").glob("*.txt"))
     body = lost = 0
     for path in files:
         assert load_document(path).pages == load_document(path, clean=False).pages, path
         lines = path.read_text(encoding="utf-8").split("\n")
         for size in (40, 66):
-            pages = ["\n".join(lines[i:i + size]) for i in range(0, len(lines), size)]
+            pages = ["\n".join(lines[i : i + size]) for i in range(0, len(lines), size)]
             split = [page.split("\n") for page in pages]
             gone, cut = removed_lines(pages, strip_headers_footers(pages))
             gone |= cut

@@ -31,8 +31,16 @@ def test_budget_json_offline_for_a_shipped_model(runner: CliRunner) -> None:
     )
     assert result.exit_code == 0, result.output
     plan = json.loads(result.stdout)
-    for key in ("kv_bytes_per_token", "weights_bytes", "activation_bytes", "gpu_bytes",
-                "kv_capacity_tokens", "max_context_tokens", "max_concurrency", "limited_by"):
+    for key in (
+        "kv_bytes_per_token",
+        "weights_bytes",
+        "activation_bytes",
+        "gpu_bytes",
+        "kv_capacity_tokens",
+        "max_context_tokens",
+        "max_concurrency",
+        "limited_by",
+    ):
         assert key in plan, key
     # Llama 3.1 8B: 32 layers x 8 KV heads x 128 dims x 2 (K and V) x 2 bytes (bf16).
     assert plan["kv_bytes_per_token"] == 32 * 8 * 128 * 2 * 2
@@ -54,8 +62,9 @@ def test_budget_concurrency_divides_the_capacity(runner: CliRunner) -> None:
 
 def test_budget_plot_writes_a_png(runner: CliRunner, tmp_path: Path) -> None:
     out = tmp_path / "plan.png"
-    result = runner.invoke(cli, ["budget", "--model", "meta-llama/Llama-3.2-1B-Instruct",
-                                 "--gpu", "8GiB", "--plot", str(out)])
+    result = runner.invoke(
+        cli, ["budget", "--model", "meta-llama/Llama-3.2-1B-Instruct", "--gpu", "8GiB", "--plot", str(out)]
+    )
     assert result.exit_code == 0, result.output
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -109,8 +118,7 @@ def _hostile_folder(root: Path) -> Path:
     return docs
 
 
-def test_index_survives_a_hostile_folder(runner: CliRunner, tmp_path: Path,
-                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_index_survives_a_hostile_folder(runner: CliRunner, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import builtins
     import os
     import time
@@ -129,8 +137,10 @@ def test_index_survives_a_hostile_folder(runner: CliRunner, tmp_path: Path,
     monkeypatch.setattr(builtins, "open", guarded_open)
     index_dir = tmp_path / "idx"
     t0 = time.monotonic()
-    result = runner.invoke(cli, ["index", str(docs), "--index-dir", str(index_dir),
-                                 "--embedder", "hash:64", "--max-file-mb", "1", "--json"])
+    result = runner.invoke(
+        cli,
+        ["index", str(docs), "--index-dir", str(index_dir), "--embedder", "hash:64", "--max-file-mb", "1", "--json"],
+    )
     assert time.monotonic() - t0 < 120  # bounded: nothing blocks on the FIFO or the loop
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout)
@@ -147,8 +157,9 @@ def test_index_survives_a_hostile_folder(runner: CliRunner, tmp_path: Path,
     assert reasons.get("outside") == "outside_root"
     assert "fifo.txt" in reasons
     # The search and verify commands work on what was indexed.
-    hits = json.loads(runner.invoke(cli, ["search", "lighthouses", "--index-dir", str(index_dir),
-                                          "-k", "1", "--json"]).stdout)
+    hits = json.loads(
+        runner.invoke(cli, ["search", "lighthouses", "--index-dir", str(index_dir), "-k", "1", "--json"]).stdout
+    )
     assert hits[0]["sources"][0]["path"].endswith("good.txt.gz")
     assert runner.invoke(cli, ["verify", "--index-dir", str(index_dir)]).exit_code == 0
     # Human-readable summary names every skip with its reason.
@@ -163,9 +174,20 @@ def test_demo_path_with_the_embedded_models(runner: CliRunner, tmp_path: Path, r
     index_dir = str(tmp_path / "idx")
     result = runner.invoke(cli, ["index", str(repo_data), "--index-dir", index_dir, "--json"])
     assert result.exit_code == 0, result.output
-    result = runner.invoke(cli, ["ask", "What was Maria Curie the first female recipient of?",
-                                 "--index-dir", index_dir, "--max-new-tokens", "48", "--context-tokens", "1024",
-                                 "--json"])
+    result = runner.invoke(
+        cli,
+        [
+            "ask",
+            "What was Maria Curie the first female recipient of?",
+            "--index-dir",
+            index_dir,
+            "--max-new-tokens",
+            "48",
+            "--context-tokens",
+            "1024",
+            "--json",
+        ],
+    )
     assert result.exit_code == 0, result.output
     doc = json.loads(result.stdout)
     assert "nobel" in doc["answer"].lower()
@@ -460,8 +482,16 @@ def test_ask_and_search_on_an_empty_index_say_so(runner: CliRunner, tmp_path: Pa
 
 def _ask_curie(index_dir: str) -> list[str]:
     """``ask`` of the Curie question on ``small_index``, its answer cut at 12 tokens."""
-    return ["ask", "What was Maria Curie the first female recipient of?", "--index-dir", index_dir,
-            "--gpu", "24GiB", "--max-new-tokens", "12"]
+    return [
+        "ask",
+        "What was Maria Curie the first female recipient of?",
+        "--index-dir",
+        index_dir,
+        "--gpu",
+        "24GiB",
+        "--max-new-tokens",
+        "12",
+    ]
 
 
 def test_ask_marks_an_answer_cut_at_max_new_tokens(runner: CliRunner, small_index: str) -> None:

@@ -57,14 +57,37 @@ def test_plot(tmp_path):
 
 def _report(**extra: object) -> dict:
     return {
-        "plan": {"model": "m", "gpu_name": "RTX 4090", "gpu_source": "RTX 4090 (table)",
-                 "gpu_bytes": 24 * 1024**3, "utilization": 0.9, "cache": "dynamic", "kv_dtype": "bf16"},
-        "budget": {"max_new_tokens": 64, "max_prompt_tokens": 960, "fixed_prompt_tokens": 40,
-                   "context_tokens_used": 300, "context_tokens_allowed": 920, "fill": 0.326,
-                   "prompt_tokens": 340, "new_tokens": 12, "kv_bytes_per_token": 131072,
-                   "limited_by": "memory", "max_context_tokens": 1024},
-        "selection": [{"sources": [{"path": "docs/a.md", "page": 3}], "score": 0.81234, "cost": 120,
-                       "chunk_ids": [7], "truncated": True}],
+        "plan": {
+            "model": "m",
+            "gpu_name": "RTX 4090",
+            "gpu_source": "RTX 4090 (table)",
+            "gpu_bytes": 24 * 1024**3,
+            "utilization": 0.9,
+            "cache": "dynamic",
+            "kv_dtype": "bf16",
+        },
+        "budget": {
+            "max_new_tokens": 64,
+            "max_prompt_tokens": 960,
+            "fixed_prompt_tokens": 40,
+            "context_tokens_used": 300,
+            "context_tokens_allowed": 920,
+            "fill": 0.326,
+            "prompt_tokens": 340,
+            "new_tokens": 12,
+            "kv_bytes_per_token": 131072,
+            "limited_by": "memory",
+            "max_context_tokens": 1024,
+        },
+        "selection": [
+            {
+                "sources": [{"path": "docs/a.md", "page": 3}],
+                "score": 0.81234,
+                "cost": 120,
+                "chunk_ids": [7],
+                "truncated": True,
+            }
+        ],
         "dropped": [{"reason": "budget"}, {"reason": "budget"}, {"reason": "floor"}],
         "timings": {"retrieve_s": 0.25, "generate_s": 1.5},
         **extra,
@@ -95,7 +118,10 @@ def test_report_of_a_served_engine_says_what_the_engine_counted() -> None:
 
 
 def test_sources_block_numbers_them_as_the_answer_cites_them() -> None:
-    sources = [{"path": "/idx/docs/a.md", "label": "slide 2", "start": 0, "end": 10, "score": 0.5},
-               {"path": "/idx/docs/b.md", "page": 4, "start": 5, "end": 9}]
+    sources = [
+        {"path": "/idx/docs/a.md", "label": "slide 2", "start": 0, "end": 10, "score": 0.5},
+        {"path": "/idx/docs/b.md", "page": 4, "start": 5, "end": 9},
+    ]
     assert format_sources(sources, lambda p: p.removeprefix("/idx/")) == (
-        "Sources:\n  [1] docs/a.md, slide 2 [0:10] score 0.500\n  [2] docs/b.md, page 4 [5:9]")
+        "Sources:\n  [1] docs/a.md, slide 2 [0:10] score 0.500\n  [2] docs/b.md, page 4 [5:9]"
+    )

@@ -171,8 +171,16 @@ def test_minilm_dim_and_window_come_from_its_files_without_loading_it() -> None:
 def test_minilm_light_query_path_equals_sentence_transformers(minilm: SentenceTransformerEmbedder) -> None:
     # The query path without torch gives sentence-transformers' vectors to float32 rounding, with
     # the same tokens, windows, dimension and window size.
-    texts = ["What is MinHash?", "  leading and trailing  ", "Ünïcödé naïve café 東京 🙂", "x",
-             "\n\nnew\tlines\n", FILLER * 3, FILLER * 14 + TAIL_FACT, "[CLS] [SEP] [MASK] <b>tags</b> & 42"]
+    texts = [
+        "What is MinHash?",
+        "  leading and trailing  ",
+        "Ünïcödé naïve café 東京 🙂",
+        "x",
+        "\n\nnew\tlines\n",
+        FILLER * 3,
+        FILLER * 14 + TAIL_FACT,
+        "[CLS] [SEP] [MASK] <b>tags</b> & 42",
+    ]
     light = SentenceTransformerEmbedder(backend="torch")  # the float backends' query path
     assert light._lite() is not None
     assert (light.dim, light.max_tokens) == (minilm.dim, minilm.max_tokens)
@@ -282,8 +290,15 @@ def onnx_cache(tmp_path_factory: pytest.TempPathFactory):
 def test_onnx_backends_against_torch(minilm: SentenceTransformerEmbedder, onnx_cache) -> None:
     # Short, long (several windows) and odd texts in one call: length-sorted batches pad each
     # batch to its own longest window, and must still give every text its own vector.
-    texts = ["What is MinHash?", FILLER * 14 + TAIL_FACT, "x", "  leading and trailing  ",
-             FILLER * 3, "Ünïcödé naïve café 東京 🙂", FILLER * 30]
+    texts = [
+        "What is MinHash?",
+        FILLER * 14 + TAIL_FACT,
+        "x",
+        "  leading and trailing  ",
+        FILLER * 3,
+        "Ünïcödé naïve café 東京 🙂",
+        FILLER * 30,
+    ]
     want = minilm.embed(texts)
     fp32 = SentenceTransformerEmbedder(backend="onnx", batch_size=3)
     got = fp32.embed(texts)

@@ -31,8 +31,7 @@ def test_workers_refuse_past_the_pool_and_always_free_their_slot() -> None:
             assert metrics.in_flight == 2
             with pytest.raises(APIError) as info:  # a third waits nowhere: 429 at once
                 workers.submit(gate.wait)
-            assert (info.value.status, info.value.code, info.value.headers) == (429, "overloaded",
-                                                                                {"Retry-After": "1"})
+            assert (info.value.status, info.value.code, info.value.headers) == (429, "overloaded", {"Retry-After": "1"})
             assert metrics.in_flight == 2  # the refused one took no slot
             gate.set()
             await asyncio.gather(*running)

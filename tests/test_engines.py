@@ -61,9 +61,14 @@ def test_auto_detection_names_each_engine_and_how(kind: str) -> None:
     with Replay(kind) as srv, _connect(srv) as b:
         assert b.kind == kind and b.detection.kind == kind
         assert b.detection.probes[0] == "GET /v1/models -> 200"
-        expected_route = {"vllm": "owned_by", "sglang": "owned_by", "llamacpp": "owned_by",
-                          "tgi": "GET /info", "ollama": "GET /api/version",
-                          "openai": "GET /v1/models only"}[kind]
+        expected_route = {
+            "vllm": "owned_by",
+            "sglang": "owned_by",
+            "llamacpp": "owned_by",
+            "tgi": "GET /info",
+            "ollama": "GET /api/version",
+            "openai": "GET /v1/models only",
+        }[kind]
         assert expected_route in b.detection.how
         n = len(srv.log)
         assert b.model_id == b.detection.models[0] and len(srv.log) == n  # no second listing
@@ -88,10 +93,11 @@ def test_importing_the_engines_stays_light() -> None:
     import subprocess
     import sys
 
-    code = ("import sys, ragbudget.engines, ragbudget.backend\n"
-            "print([m for m in ('torch', 'transformers', 'faiss') if m in sys.modules])")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True)
+    code = (
+        "import sys, ragbudget.engines, ragbudget.backend\n"
+        "print([m for m in ('torch', 'transformers', 'faiss') if m in sys.modules])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
@@ -106,32 +112,50 @@ def test_unknown_kind_is_a_config_error() -> None:
 # -- capacity --------------------------------------------------------------------------------------
 EXPECTED = {
     # kind: {field: (value, source fragment)}
-    "vllm": {"max_context_tokens": (8192, "max_model_len"),
-             "kv_tokens_total": (100000, "kv_cache_size_tokens"),
-             "kv_tokens_free": (75000, "kv_cache_usage_perc"),
-             "running": (3, "num_requests_running"), "waiting": (1, "num_requests_waiting")},
-    "sglang": {"max_context_tokens": (32768, "max_model_len"),
-               "max_prompt_tokens": (32762, "max_req_input_len"),
-               "kv_tokens_total": (200000, "max_total_num_tokens"),
-               "kv_tokens_free": (150000, "num_used_tokens"),
-               "running": (2, "num_running_reqs"), "waiting": (0, "num_queue_reqs"),
-               "max_concurrent": (48, "max_running_requests")},
-    "tgi": {"max_context_tokens": (4096, "max_total_tokens"),
-            "max_prompt_tokens": (4095, "max_input_tokens"),
-            "kv_tokens_total": (40000, "tgi_batch_max_total_tokens"),
-            "kv_tokens_free": (37000, "tgi_batch_current_max_tokens"),
-            "running": (2, "tgi_batch_current_size"), "waiting": (1, "tgi_queue_size"),
-            "max_concurrent": (128, "max_concurrent_requests")},
-    "llamacpp": {"max_context_tokens": (512, "n_ctx"), "kv_tokens_total": (2048, "total_slots"),
-                 "kv_tokens_free": (1536, "idle slots"), "running": (1, "is_processing"),
-                 "max_concurrent": (4, "total_slots")},
+    "vllm": {
+        "max_context_tokens": (8192, "max_model_len"),
+        "kv_tokens_total": (100000, "kv_cache_size_tokens"),
+        "kv_tokens_free": (75000, "kv_cache_usage_perc"),
+        "running": (3, "num_requests_running"),
+        "waiting": (1, "num_requests_waiting"),
+    },
+    "sglang": {
+        "max_context_tokens": (32768, "max_model_len"),
+        "max_prompt_tokens": (32762, "max_req_input_len"),
+        "kv_tokens_total": (200000, "max_total_num_tokens"),
+        "kv_tokens_free": (150000, "num_used_tokens"),
+        "running": (2, "num_running_reqs"),
+        "waiting": (0, "num_queue_reqs"),
+        "max_concurrent": (48, "max_running_requests"),
+    },
+    "tgi": {
+        "max_context_tokens": (4096, "max_total_tokens"),
+        "max_prompt_tokens": (4095, "max_input_tokens"),
+        "kv_tokens_total": (40000, "tgi_batch_max_total_tokens"),
+        "kv_tokens_free": (37000, "tgi_batch_current_max_tokens"),
+        "running": (2, "tgi_batch_current_size"),
+        "waiting": (1, "tgi_queue_size"),
+        "max_concurrent": (128, "max_concurrent_requests"),
+    },
+    "llamacpp": {
+        "max_context_tokens": (512, "n_ctx"),
+        "kv_tokens_total": (2048, "total_slots"),
+        "kv_tokens_free": (1536, "idle slots"),
+        "running": (1, "is_processing"),
+        "max_concurrent": (4, "total_slots"),
+    },
     "ollama": {"max_context_tokens": (8192, "/api/ps context_length")},
     "openai": {},
 }
-SOURCE_OF = {"max_context_tokens": "max_context_source", "max_prompt_tokens": "max_prompt_source",
-             "kv_tokens_total": "kv_total_source", "kv_tokens_free": "kv_free_source",
-             "running": "load_source", "waiting": "load_source",
-             "max_concurrent": "max_concurrent_source"}
+SOURCE_OF = {
+    "max_context_tokens": "max_context_source",
+    "max_prompt_tokens": "max_prompt_source",
+    "kv_tokens_total": "kv_total_source",
+    "kv_tokens_free": "kv_free_source",
+    "running": "load_source",
+    "waiting": "load_source",
+    "max_concurrent": "max_concurrent_source",
+}
 
 
 def test_capacity_figures_and_their_sources(kind: str) -> None:
@@ -199,29 +223,31 @@ def test_ollama_not_loaded_sends_its_smallest_default_num_ctx() -> None:
 
 # -- per_request_tokens ----------------------------------------------------------------------------
 def test_per_request_tokens_window_binds_when_kv_is_ample() -> None:
-    cap = Capacity(max_context_tokens=4096, max_context_source="w", kv_tokens_free=10**6,
-                   kv_free_source="k", running=0, waiting=0)
+    cap = Capacity(
+        max_context_tokens=4096, max_context_source="w", kv_tokens_free=10**6, kv_free_source="k", running=0, waiting=0
+    )
     b = per_request_tokens(cap, max_new_tokens=256, overhead_tokens=40)
-    assert (b.binding, b.context_tokens, b.binding_tokens, b.binding_source) == (
-        "window", 4096 - 256 - 40, 3840, "w")
+    assert (b.binding, b.context_tokens, b.binding_tokens, b.binding_source) == ("window", 4096 - 256 - 40, 3840, "w")
     assert b.sharing == 1 and not b.advisory
 
 
 def test_per_request_tokens_kv_binds_and_is_advisory() -> None:
-    cap = Capacity(max_context_tokens=8192, kv_tokens_free=9000, kv_free_source="metrics",
-                   running=2, waiting=0)
+    cap = Capacity(max_context_tokens=8192, kv_tokens_free=9000, kv_free_source="metrics", running=2, waiting=0)
     b = per_request_tokens(cap, max_new_tokens=100, overhead_tokens=20)
     assert b.sharing == 3 and b.kv_share == 3000
-    assert (b.binding, b.context_tokens, b.binding_source, b.advisory) == (
-        "kv", 3000 - 120, "metrics", True)
+    assert (b.binding, b.context_tokens, b.binding_source, b.advisory) == ("kv", 3000 - 120, "metrics", True)
     # an explicit share count wins over the engine's load figures
-    assert per_request_tokens(cap, max_new_tokens=100, overhead_tokens=20,
-                              sharing=1).binding == "window"
+    assert per_request_tokens(cap, max_new_tokens=100, overhead_tokens=20, sharing=1).binding == "window"
 
 
 def test_per_request_tokens_uses_the_prompt_cap_and_total_kv_fallback() -> None:
-    cap = Capacity(max_context_tokens=4096, max_prompt_tokens=1000, max_prompt_source="p",
-                   kv_tokens_total=50000, kv_total_source="t")
+    cap = Capacity(
+        max_context_tokens=4096,
+        max_prompt_tokens=1000,
+        max_prompt_source="p",
+        kv_tokens_total=50000,
+        kv_total_source="t",
+    )
     b = per_request_tokens(cap, max_new_tokens=100, overhead_tokens=10)
     assert (b.binding, b.context_tokens, b.binding_source) == ("window", 990, "p")
     assert b.kv_share == 50000
@@ -231,8 +257,7 @@ def test_per_request_tokens_errors_say_what_to_change() -> None:
     with pytest.raises(ConfigError, match="context_tokens"):
         per_request_tokens(Capacity(engine_kind="openai"), max_new_tokens=1, overhead_tokens=0)
     with pytest.raises(BudgetError, match="Lower max_new_tokens") as e:
-        per_request_tokens(Capacity(max_context_tokens=100), max_new_tokens=90,
-                           overhead_tokens=20)
+        per_request_tokens(Capacity(max_context_tokens=100), max_new_tokens=90, overhead_tokens=20)
     assert e.value.available == 10 and e.value.needed == 111
 
 
@@ -312,11 +337,9 @@ def test_generate_always_sends_max_tokens_and_greedy_by_default(kind: str) -> No
 
 def test_sampling_and_stop_reach_the_engine() -> None:
     with Replay("vllm") as srv, _connect(srv) as b:
-        g = b.generate("Hi", max_new_tokens=20, stop=["elected"],
-                       sampling=Sampling(temperature=0.7, top_p=0.9, seed=3))
+        g = b.generate("Hi", max_new_tokens=20, stop=["elected"], sampling=Sampling(temperature=0.7, top_p=0.9, seed=3))
         body = srv.calls("POST", "/v1/chat/completions")[-1]
-        assert (body["temperature"], body["top_p"], body["seed"], body["stop"]) == (
-            0.7, 0.9, 3, ["elected"])
+        assert (body["temperature"], body["top_p"], body["seed"], body["stop"]) == (0.7, 0.9, 3, ["elected"])
         assert g.text == "The Project Leader is" and g.finish_reason == "stop"
     with pytest.raises(ConfigError):
         Sampling(temperature=3)
@@ -362,10 +385,18 @@ def test_a_cancel_set_before_the_request_sends_nothing() -> None:
 
 def test_an_error_in_mid_stream_is_typed() -> None:
     with Replay("vllm") as srv, _connect(srv) as b:
-        srv.push("POST", "/v1/chat/completions", Resp(lines=[
-            'data: {"choices": [{"index": 0, "delta": {"content": "The"}, "finish_reason": null}]}',
-            'data: {"error": {"message": "engine died", "type": "InternalServerError", '
-            '"param": null, "code": 500}}'], content_type="text/event-stream"))
+        srv.push(
+            "POST",
+            "/v1/chat/completions",
+            Resp(
+                lines=[
+                    'data: {"choices": [{"index": 0, "delta": {"content": "The"}, "finish_reason": null}]}',
+                    'data: {"error": {"message": "engine died", "type": "InternalServerError", '
+                    '"param": null, "code": 500}}',
+                ],
+                content_type="text/event-stream",
+            ),
+        )
         with pytest.raises(EngineResponseError, match="mid-stream: engine died"):
             b.generate(USER, max_new_tokens=8, on_text=lambda s: None)
 
@@ -452,9 +483,21 @@ def test_tgi_422_too_long_raises_after_one_retry() -> None:
 
 def test_a_400_that_is_not_too_long_is_a_response_error() -> None:
     with Replay("vllm") as srv, _connect(srv) as b:
-        srv.push("POST", "/v1/chat/completions", Resp(400, {"error": {
-            "message": "temperature must be non-negative", "type": "BadRequestError",
-            "param": "temperature", "code": 400}}))
+        srv.push(
+            "POST",
+            "/v1/chat/completions",
+            Resp(
+                400,
+                {
+                    "error": {
+                        "message": "temperature must be non-negative",
+                        "type": "BadRequestError",
+                        "param": "temperature",
+                        "code": 400,
+                    }
+                },
+            ),
+        )
         with pytest.raises(EngineResponseError, match="temperature must be") as e:
             b.generate(USER, max_new_tokens=8)
         assert e.value.status == 400 and not isinstance(e.value, EngineContextError)
@@ -570,8 +613,7 @@ def test_api_key_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_malformed_json() -> None:
     with Replay("vllm") as srv:
         srv.push("GET", "/v1/models", Resp(text="<html>login</html>", content_type="text/html"))
-        with _connect(srv, kind="vllm") as b, pytest.raises(EngineResponseError,
-                                                             match="not JSON") as e:
+        with _connect(srv, kind="vllm") as b, pytest.raises(EngineResponseError, match="not JSON") as e:
             b.capacity()
         _one_line(e.value, "/v1/models")
         assert e.value.body == "<html>login</html>"
@@ -583,8 +625,10 @@ def test_a_hung_server_times_out() -> None:
     with Replay("vllm") as srv:
         srv.push("POST", "/v1/chat/completions", Resp(delay=8.0, json={}))
         t0 = time.perf_counter()
-        with _connect(srv, model="m", timeout=1.5) as b, pytest.raises(
-                EngineConnectionError, match="gave no answer within 1.5 s") as e:
+        with (
+            _connect(srv, model="m", timeout=1.5) as b,
+            pytest.raises(EngineConnectionError, match="gave no answer within 1.5 s") as e,
+        ):
             b.generate(USER, max_new_tokens=4)
         assert time.perf_counter() - t0 < 6
         _one_line(e.value, "/v1/chat/completions")
@@ -592,36 +636,36 @@ def test_a_hung_server_times_out() -> None:
 
 def test_a_hung_stream_times_out_too() -> None:
     with Replay("vllm") as srv:
-        srv.push("POST", "/v1/chat/completions", Resp(delay=8.0, lines=["data: [DONE]"],
-                                                      content_type="text/event-stream"))
-        with _connect(srv, model="m", timeout=1.5) as b, pytest.raises(
-                EngineConnectionError, match="gave no answer"):
+        srv.push(
+            "POST", "/v1/chat/completions", Resp(delay=8.0, lines=["data: [DONE]"], content_type="text/event-stream")
+        )
+        with _connect(srv, model="m", timeout=1.5) as b, pytest.raises(EngineConnectionError, match="gave no answer"):
             b.generate(USER, max_new_tokens=4, on_text=lambda s: None)
 
 
 def test_http_client_maps_other_statuses_with_the_structured_body() -> None:
     with Replay("tgi") as srv:
         http = HTTP(srv.url, retry=FAST, kind="tgi")
-        srv.push("GET", "/info", Resp(500, {"error": "Request failed during generation",
-                                            "error_type": "generation"}))
+        srv.push("GET", "/info", Resp(500, {"error": "Request failed during generation", "error_type": "generation"}))
         with pytest.raises(EngineResponseError, match="500: Request failed") as e:
             http.get("/info")
-        assert e.value.body == {"error": "Request failed during generation",
-                                "error_type": "generation"}
+        assert e.value.body == {"error": "Request failed during generation", "error_type": "generation"}
         http.close()
 
 
 # -- records and helpers -----------------------------------------------------------------------------
 def test_prometheus_parsing_handles_escapes_and_series() -> None:
-    text = ('# HELP x y\nm{a="1,2",b="say \\"hi\\""} 3.5\nm{a="3"} 1\nbare 2e3\nbroken{a=1} 2\n')
-    assert parse_prometheus(text) == [("m", {"a": "1,2", "b": 'say "hi"'}, 3.5),
-                                      ("m", {"a": "3"}, 1.0), ("bare", {}, 2000.0)]
+    text = '# HELP x y\nm{a="1,2",b="say \\"hi\\""} 3.5\nm{a="3"} 1\nbare 2e3\nbroken{a=1} 2\n'
+    assert parse_prometheus(text) == [
+        ("m", {"a": "1,2", "b": 'say "hi"'}, 3.5),
+        ("m", {"a": "3"}, 1.0),
+        ("bare", {}, 2000.0),
+    ]
 
 
 def test_prompt_messages_accepts_what_backends_take() -> None:
     assert prompt_messages(USER) == USER
-    assert prompt_messages(RenderedPrompt(messages=tuple(USER), n_tokens=1, exact=True,
-                                          source="s")) == USER
+    assert prompt_messages(RenderedPrompt(messages=tuple(USER), n_tokens=1, exact=True, source="s")) == USER
     with pytest.raises(ConfigError, match="token ids cannot be sent"):
         prompt_messages([1, 2, 3])
 
@@ -644,16 +688,14 @@ class _StubGenerator:
         chat_template = "stub"
 
         @staticmethod
-        def apply_chat_template(messages: Any, tokenize: bool = False,
-                                add_generation_prompt: bool = False) -> str:
+        def apply_chat_template(messages: Any, tokenize: bool = False, add_generation_prompt: bool = False) -> str:
             return " ".join(["tok"] * render_count(list(messages)))
 
     def generate(self, prompt: Any, **kw: Any) -> Any:
         from ragbudget.generate import Generation
 
         self.kw = kw
-        return Generation(text="ok", prompt_tokens=3, new_tokens=1, finish_reason="stop",
-                          seconds=0.0)
+        return Generation(text="ok", prompt_tokens=3, new_tokens=1, finish_reason="stop", seconds=0.0)
 
 
 def test_local_backend_is_a_backend() -> None:
@@ -663,8 +705,7 @@ def test_local_backend_is_a_backend() -> None:
     assert b.count(["a b", "c"]) == [2, 1]
     r = b.render(USER)
     assert r.exact and r.n_tokens == render_count(USER)
-    g = b.generate("Hi", max_new_tokens=5, sampling=Sampling(temperature=0.5, seed=2),
-                   stop=["\n"])
+    g = b.generate("Hi", max_new_tokens=5, sampling=Sampling(temperature=0.5, seed=2), stop=["\n"])
     assert g.text == "ok" and stub.kw["max_new_tokens"] == 5 and stub.kw["seed"] == 2
     assert stub.kw["stop"] == ["\n"] and stub.kw["temperature"] == 0.5
     assert template_overhead(b, "Be brief.") == 2 + 4 + 0 + 4 + 3
@@ -682,17 +723,15 @@ def test_a_real_prompt_is_rebuilt_with_fewer_passages_on_too_long() -> None:
 
     from ragbudget.prompt import build_prompt
 
-    hits = [_Hit(f"c{i}", " ".join(f"t{i}x{j}" for j in range(150)), s)
-            for i, s in enumerate((0.9, 0.8, 0.7, 0.6))]
-    prompt = build_prompt("Who leads?", hits, tokenizer=WordTokenizer(chatml=True),
-                          max_prompt_tokens=5000)
+    hits = [_Hit(f"c{i}", " ".join(f"t{i}x{j}" for j in range(150)), s) for i, s in enumerate((0.9, 0.8, 0.7, 0.6))]
+    prompt = build_prompt("Who leads?", hits, tokenizer=WordTokenizer(chatml=True), max_prompt_tokens=5000)
     assert len(prompt.passages) == 4
     with Replay("llamacpp") as srv, _connect(srv) as b:
         g = b.generate(prompt, max_new_tokens=16)
         first, second = srv.calls("POST", "/v1/chat/completions")
         assert g.prompt is not None and 0 < len(g.prompt.passages) < 4
         kept = sorted(p.score for p in g.prompt.passages)
-        assert kept == sorted((0.9, 0.8, 0.7, 0.6))[-len(kept):]  # the best survive
+        assert kept == sorted((0.9, 0.8, 0.7, 0.6))[-len(kept) :]  # the best survive
         assert g.prompt_tokens < 512 and second["messages"] == list(g.prompt.messages)
 
 
@@ -703,6 +742,5 @@ def test_docstring_examples_run() -> None:
     import ragbudget.engines._base
     import ragbudget.engines._http
 
-    for module in (ragbudget.backend, ragbudget.engines, ragbudget.engines._base,
-                   ragbudget.engines._http):
+    for module in (ragbudget.backend, ragbudget.engines, ragbudget.engines._base, ragbudget.engines._http):
         assert doctest.testmod(module).failed == 0, module.__name__

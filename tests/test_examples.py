@@ -23,8 +23,7 @@ def test_openai_client_example_streams_an_answer_with_sources() -> None:
     pipe = fake_pipeline(words=5)
     question = "How is the KV cache budget computed?"
     with running(pipe, api_key="secret") as url:
-        out = _run(str(EXAMPLES / "openai_client.py"), question,
-                   "--base-url", url + "/v1", "--api-key", "secret")
+        out = _run(str(EXAMPLES / "openai_client.py"), question, "--base-url", url + "/v1", "--api-key", "secret")
     assert out.returncode == 0, out.stderr
     assert "word0 word1 word2 word3 word4" in out.stdout
     # The first source is the corpus document about the KV budget, with its page and score.

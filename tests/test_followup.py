@@ -29,7 +29,8 @@ def test_expand_query_uses_newest_previous_question_first() -> None:
     q = expand_query("what about its footer?", ["KV budget basics?", "How are PDF page headers stripped?"])
     assert q.startswith("what about its footer? pdf page headers stripped")
     assert expand_query("Which system calls return EINTR on signals?", ["PDF headers?"]) == (
-        "Which system calls return EINTR on signals?")
+        "Which system calls return EINTR on signals?"
+    )
     assert expand_query("what about it?", []) == "what about it?"
 
 

@@ -35,8 +35,7 @@ def _error(path: Path | str, **kw) -> LoadError:
 
 
 def test_supported_extensions_include_the_new_formats():
-    for ext in (".docx", ".pptx", ".odt", ".epub", ".ipynb", ".csv", ".tsv", ".json", ".jsonl",
-                ".eml", ".mbox"):
+    for ext in (".docx", ".pptx", ".odt", ".epub", ".ipynb", ".csv", ".tsv", ".json", ".jsonl", ".eml", ".mbox"):
         assert ext in SUPPORTED_EXTENSIONS
     result = scan(DATA)
     assert {Path(s.path).name for s in result.skipped} == {"make_fixtures.py"}
@@ -100,8 +99,10 @@ def test_csv_rows_carry_their_header_names(name):
     assert doc.meta["page_labels"] == ["rows 1-20", "rows 21-40", "rows 41-45"]
     assert doc.meta["rows"] == 45 and doc.meta["columns"] == ["id", "title", "question", "answer"]
     first = doc.pages[0].split("\n")[0]
-    assert first == ("id: 5733a5f54776f41900660f45; title: Warsaw; "
-                     "question: What was Maria Curie the first female recipient of?; answer: Nobel Prize")
+    assert first == (
+        "id: 5733a5f54776f41900660f45; title: Warsaw; "
+        "question: What was Maria Curie the first female recipient of?; answer: Nobel Prize"
+    )
 
 
 def test_json_key_paths_and_field_choice():
@@ -112,8 +113,9 @@ def test_json_key_paths_and_field_choice():
     assert doc.pages[i] == "What was Maria Curie the first female recipient of?"
     only = load_document(DATA / "squad-warsaw.json", options=LoadOptions(json_fields=("context",)))
     assert only.meta["page_labels"] == ["data[0].paragraphs[0].context", "data[0].paragraphs[1].context"]
-    by_path = load_document(DATA / "squad-warsaw.json",
-                            options=LoadOptions(json_fields=("data.paragraphs.qas.question",)))
+    by_path = load_document(
+        DATA / "squad-warsaw.json", options=LoadOptions(json_fields=("data.paragraphs.qas.question",))
+    )
     assert all(lab.endswith(".question") for lab in by_path.meta["page_labels"])
     assert _error(DATA / "squad-warsaw.json", options=LoadOptions(json_fields=("nope",))).reason == "empty"
 
@@ -132,8 +134,11 @@ def test_jsonl_lines_and_a_bad_line(tmp_path):
 def test_mbox_messages_and_a_broken_one_in_the_middle():
     doc = load_document(DATA / "debian-vote.mbox")
     assert doc.meta["page_labels"] == [
-        "message <constitution-1@lists.example.org>", "message <constitution-2@lists.example.org>",
-        "message <constitution-4@lists.example.org>", "message <constitution-5@lists.example.org>"]
+        "message <constitution-1@lists.example.org>",
+        "message <constitution-2@lists.example.org>",
+        "message <constitution-4@lists.example.org>",
+        "message <constitution-5@lists.example.org>",
+    ]
     assert doc.meta["messages"] == 5 and doc.meta["messages_skipped"] == 1
     assert "1 of 5 messages could not be read" in doc.meta["warnings"][0] and "#3" in doc.meta["warnings"][0]
     assert doc.pages[0].startswith("From: Developer 1 <dev1@lists.example.org>\nDate: ")
@@ -240,11 +245,11 @@ def test_wrong_container_behind_an_office_name(tmp_path):
 def test_csv_with_a_50_mb_single_field(tmp_path):
     big = tmp_path / "dump.csv"
     with open(big, "wb") as fh:
-        fh.write(b"id,payload\n1,\"")
+        fh.write(b'id,payload\n1,"')
         block = b"x" * (1 << 20)
         for _ in range(50):
             fh.write(block)
-        fh.write(b"\"\n2,small\n")
+        fh.write(b'"\n2,small\n')
     t0 = time.monotonic()
     err = _error(big, max_bytes=64 << 20)
     assert err.reason == "too_large" and "a field is over" in str(err)
@@ -272,8 +277,10 @@ def test_deeply_nested_json_and_encrypted_odt(tmp_path):
         for info in src.infolist():
             data = src.read(info)
             if info.filename == "META-INF/manifest.xml":  # what LibreOffice writes for a password
-                data = data.replace(b'full-path="content.xml" manifest:version="1.2" />',
-                                    b'full-path="content.xml"><manifest:encryption-data/></manifest:file-entry>')
+                data = data.replace(
+                    b'full-path="content.xml" manifest:version="1.2" />',
+                    b'full-path="content.xml"><manifest:encryption-data/></manifest:file-entry>',
+                )
                 assert b"encryption-data" in data
             dst.writestr(info, data)
     assert _error(odt).reason == "encrypted"
@@ -343,8 +350,7 @@ def test_index_a_folder_of_every_format(tmp_path):
 
     folder = tmp_path / "docs"
     shutil.copytree(DATA, folder, ignore=shutil.ignore_patterns("*.py", "*.md"))
-    summary = Index(tmp_path / "idx").build([folder], embedder=HashEmbedder(dim=64), min_tokens=20,
-                                            max_tokens=120)
+    summary = Index(tmp_path / "idx").build([folder], embedder=HashEmbedder(dim=64), min_tokens=20, max_tokens=120)
     reasons = {Path(p).name: r for p, r, _ in summary.skipped}
     assert reasons == {"protected.docx": "encrypted", "protected.pptx": "encrypted"}
     assert summary.files_indexed == len(list(folder.iterdir())) - 2
@@ -372,8 +378,12 @@ def test_index_a_folder_of_every_format(tmp_path):
         # ... and the index hands that label out with the source itself.
         assert src.label == shown and src.to_dict()["label"] == shown
     # Formats without named pages carry no label; their page numbers stay what they were.
-    pdf = [s for h in ix.search("Debian Policy", k=50, embedder=HashEmbedder(dim=64))
-           for s in h.sources if s.path.endswith(".pdf")]
+    pdf = [
+        s
+        for h in ix.search("Debian Policy", k=50, embedder=HashEmbedder(dim=64))
+        for s in h.sources
+        if s.path.endswith(".pdf")
+    ]
     assert pdf and all(s.label is None for s in pdf)
 
 
@@ -383,8 +393,10 @@ def test_import_stays_light_and_docstrings_run():
 
     import ragbudget.formats
 
-    code = ("import sys, ragbudget, ragbudget.loaders, ragbudget.formats; "
-            "print([m for m in ('docx', 'pptx', 'pytesseract', 'PIL', 'lxml') if m in sys.modules])")
+    code = (
+        "import sys, ragbudget, ragbudget.loaders, ragbudget.formats; "
+        "print([m for m in ('docx', 'pptx', 'pytesseract', 'PIL', 'lxml') if m in sys.modules])"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
     assert doctest.testmod(ragbudget.formats).failed == 0
@@ -400,16 +412,37 @@ def test_cli_index_flags_reach_the_loaders(tmp_path):
     for name in ("notebook.ipynb", "squad-warsaw.json"):
         shutil.copy(DATA / name, docs / name)
     runner = CliRunner()
-    result = runner.invoke(cli, ["index", str(docs), "--index-dir", str(tmp_path / "idx"), "--embedder", "hash:64",
-                                 "--min-tokens", "5", "--max-tokens", "60", "--ipynb-outputs",
-                                 "--json-fields", "context, question", "--json"])
+    result = runner.invoke(
+        cli,
+        [
+            "index",
+            str(docs),
+            "--index-dir",
+            str(tmp_path / "idx"),
+            "--embedder",
+            "hash:64",
+            "--min-tokens",
+            "5",
+            "--max-tokens",
+            "60",
+            "--ipynb-outputs",
+            "--json-fields",
+            "context, question",
+            "--json",
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["files_indexed"] == 2
-    hits = json.loads(runner.invoke(cli, ["search", "1406 words in the Social Contract", "--index-dir",
-                                          str(tmp_path / "idx"), "-k", "3", "--json"]).stdout)
+    hits = json.loads(
+        runner.invoke(
+            cli,
+            ["search", "1406 words in the Social Contract", "--index-dir", str(tmp_path / "idx"), "-k", "3", "--json"],
+        ).stdout
+    )
     assert any("1406 words" in h["text"] for h in hits)  # the output was indexed
-    hits = json.loads(runner.invoke(cli, ["search", "version 1.1", "--index-dir", str(tmp_path / "idx"),
-                                          "-k", "50", "--json"]).stdout)
+    hits = json.loads(
+        runner.invoke(cli, ["search", "version 1.1", "--index-dir", str(tmp_path / "idx"), "-k", "50", "--json"]).stdout
+    )
     assert not any(h["text"].strip() == "1.1" for h in hits)  # "version" is not a chosen field
 
 
@@ -422,12 +455,27 @@ def test_cli_search_shows_the_unit_of_the_format(tmp_path):
     docs.mkdir()
     shutil.copy(DATA / "social-contract.pptx", docs / "deck.pptx")
     runner = CliRunner()
-    result = runner.invoke(cli, ["index", str(docs), "--index-dir", str(tmp_path / "idx"),
-                                 "--embedder", "hash:64", "--min-tokens", "20", "--max-tokens", "120"])
+    result = runner.invoke(
+        cli,
+        [
+            "index",
+            str(docs),
+            "--index-dir",
+            str(tmp_path / "idx"),
+            "--embedder",
+            "hash:64",
+            "--min-tokens",
+            "20",
+            "--max-tokens",
+            "120",
+        ],
+    )
     assert result.exit_code == 0, result.output
-    out = runner.invoke(cli, ["search", "We promise that the Debian system", "--index-dir",
-                              str(tmp_path / "idx"), "-k", "3"]).output
+    out = runner.invoke(
+        cli, ["search", "We promise that the Debian system", "--index-dir", str(tmp_path / "idx"), "-k", "3"]
+    ).output
     assert "docs/deck.pptx (slide" in out, out
-    hits = json.loads(runner.invoke(cli, ["search", "We promise", "--index-dir", str(tmp_path / "idx"),
-                                          "-k", "3", "--json"]).stdout)
+    hits = json.loads(
+        runner.invoke(cli, ["search", "We promise", "--index-dir", str(tmp_path / "idx"), "-k", "3", "--json"]).stdout
+    )
     assert all(s["label"].startswith("slide") for h in hits for s in h["sources"])

@@ -23,9 +23,15 @@ def gen() -> Generator:
 
 def corpus(n: int = 12) -> list[Candidate]:
     rnd = random.Random(0)
-    return [Candidate(f"c{i}", " ".join(rnd.choice(["alpha", "beta", "gamma", "delta"])
-                                        for _ in range(20)) + f" id{i}", 1.0 - i / n,
-                      sources=(Source(f"f{i}.txt", 0, 100),)) for i in range(n)]
+    return [
+        Candidate(
+            f"c{i}",
+            " ".join(rnd.choice(["alpha", "beta", "gamma", "delta"]) for _ in range(20)) + f" id{i}",
+            1.0 - i / n,
+            sources=(Source(f"f{i}.txt", 0, 100),),
+        )
+        for i in range(n)
+    ]
 
 
 class FaultyGenerate:
@@ -63,8 +69,7 @@ def test_capped_greedy_generation(gen) -> None:
 
 def test_prompt_forms_and_streaming(gen) -> None:
     pieces: list[str] = []
-    ids = gen.tokenizer.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
-                               add_special_tokens=False)
+    ids = gen.tokenizer.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
     a = gen.generate(ids, max_new_tokens=6, on_text=pieces.append)
     b = gen.generate([{"role": "user", "content": "hi"}], max_new_tokens=6)
     c = gen.generate("hi", max_new_tokens=6)
@@ -134,9 +139,19 @@ def test_seeded_sampling_is_independent_of_other_threads(gen) -> None:
     assert results == [alone] * 3
 
 
-@pytest.mark.parametrize("options", [{"temperature": -1}, {"temperature": float("nan")}, {"top_p": 1.5},
-                                     {"top_p": -0.1}, {"top_k": -2}, {"seed": 1.5}, {"seed": True},
-                                     {"stop": [3]}])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"temperature": -1},
+        {"temperature": float("nan")},
+        {"top_p": 1.5},
+        {"top_p": -0.1},
+        {"top_k": -2},
+        {"seed": 1.5},
+        {"seed": True},
+        {"stop": [3]},
+    ],
+)
 def test_invalid_sampling_options_are_config_errors(gen, options) -> None:
     with pytest.raises(ConfigError):
         gen.generate("hi", max_new_tokens=2, **options)
@@ -145,8 +160,7 @@ def test_invalid_sampling_options_are_config_errors(gen, options) -> None:
 def test_oom_ladder_drops_chunks_then_cache_then_no_cache(gen, faulty, monkeypatch) -> None:
     # As on a GPU with a quantization backend (the rung's choice per device is tested below).
     monkeypatch.setattr(generate_mod, "_smaller_cache", lambda device: "quantized")
-    prompt = build_prompt("which id?", corpus(), tokenizer=gen.tokenizer, max_prompt_tokens=3000,
-                          redundancy=1.01)
+    prompt = build_prompt("which id?", corpus(), tokenizer=gen.tokenizer, max_prompt_tokens=3000, redundancy=1.01)
     n0 = len(prompt.passages)
     assert n0 >= 8
     f = faulty({1, 2, 3, 4})
@@ -161,7 +175,7 @@ def test_oom_ladder_drops_chunks_then_cache_then_no_cache(gen, faulty, monkeypat
     assert len(g.prompt.passages) == n0 - (n0 + 1) // 2 - ((n0 - (n0 + 1) // 2) + 1) // 2
     # The lowest-scored passages went first.
     kept = {p.chunk_id for p in g.prompt.passages}
-    assert kept == {p.chunk_id for p in sorted(prompt.passages, key=lambda p: -p.score)[:len(kept)]}
+    assert kept == {p.chunk_id for p in sorted(prompt.passages, key=lambda p: -p.score)[: len(kept)]}
     assert f.calls[2]["input_ids"].shape[1] == g.oom_steps[1].prompt_tokens_after
     assert f.calls[3]["cache_implementation"] == cache
     assert f.calls[4]["use_cache"] is False and "cache_implementation" not in f.calls[4]
@@ -237,7 +251,7 @@ def test_stop_strings(gen) -> None:
     stop = printable_stop(full.text)
     cut = gen.generate("hi", max_new_tokens=20, stop=[stop, "never-appears"])
     assert cut.finish_reason == "stop" and stop not in cut.text
-    assert cut.text == full.text[:full.text.index(stop)].strip()
+    assert cut.text == full.text[: full.text.index(stop)].strip()
     # transformers' stop_strings ended the generation itself, not just our trimming.
     assert cut.new_tokens < full.new_tokens
     assert gen.generate("hi", max_new_tokens=20, stop=stop).text == cut.text  # a bare string works too
@@ -291,10 +305,12 @@ def test_generator_is_lazy() -> None:
 @pytest.mark.slow
 def test_smollm2_short_capped_answer() -> None:
     gen = Generator()
-    hits = [Candidate("1", "The Eiffel Tower is in Paris. It was completed in 1889.", 0.9,
-                      sources=(Source("paris.txt", 0, 55),))]
-    prompt = build_prompt("When was the Eiffel Tower completed?", hits, tokenizer=gen.tokenizer,
-                          max_prompt_tokens=400)
+    hits = [
+        Candidate(
+            "1", "The Eiffel Tower is in Paris. It was completed in 1889.", 0.9, sources=(Source("paris.txt", 0, 55),)
+        )
+    ]
+    prompt = build_prompt("When was the Eiffel Tower completed?", hits, tokenizer=gen.tokenizer, max_prompt_tokens=400)
     g = gen.generate(prompt, max_new_tokens=24)
     assert g.new_tokens <= 24 and g.prompt_tokens == prompt.n_tokens <= 400
     assert "1889" in g.text

@@ -13,14 +13,30 @@ import gpu_validate  # noqa: E402
 MiB = 1 << 20
 
 
-def _row(*, weights=1000 * MiB, act=100 * MiB, kv_peak=50 * MiB, kv=40 * MiB,
-         m_weights=None, m_peak=None, m_kv=None, m_reserved=None) -> dict:
+def _row(
+    *,
+    weights=1000 * MiB,
+    act=100 * MiB,
+    kv_peak=50 * MiB,
+    kv=40 * MiB,
+    m_weights=None,
+    m_peak=None,
+    m_kv=None,
+    m_reserved=None,
+) -> dict:
     """A measured case where, by default, every component is predicted exactly."""
-    row = {"model": "m", "ctx": 512, "weights": weights, "activations": act, "kv_peak": kv_peak,
-           "kv_steady": kv, "predicted": weights + act + kv_peak,
-           "measured_weights": weights if m_weights is None else m_weights,
-           "measured_peak": weights + act + kv_peak if m_peak is None else m_peak,
-           "measured_kv": kv if m_kv is None else m_kv}
+    row = {
+        "model": "m",
+        "ctx": 512,
+        "weights": weights,
+        "activations": act,
+        "kv_peak": kv_peak,
+        "kv_steady": kv,
+        "predicted": weights + act + kv_peak,
+        "measured_weights": weights if m_weights is None else m_weights,
+        "measured_peak": weights + act + kv_peak if m_peak is None else m_peak,
+        "measured_kv": kv if m_kv is None else m_kv,
+    }
     row["measured_reserved"] = row["measured_peak"] if m_reserved is None else m_reserved
     row["components"] = gpu_validate.components(row)
     return row
@@ -58,8 +74,10 @@ def test_small_activation_difference_within_absolute_slack_passes():
     assert row["components"]["activations"]["ok"]
 
 
-@pytest.mark.parametrize("row", [{"model": "m", "ctx": 1, "failed": "OutOfMemoryError: CUDA"},
-                                 {"model": "m", "ctx": 1, "skipped": "time budget"}])
+@pytest.mark.parametrize(
+    "row",
+    [{"model": "m", "ctx": 1, "failed": "OutOfMemoryError: CUDA"}, {"model": "m", "ctx": 1, "skipped": "time budget"}],
+)
 def test_oom_or_nothing_measured_fails(row):
     passed, problems = gpu_validate.verdict([row], device="cuda", dry_run=False)
     assert not passed and problems

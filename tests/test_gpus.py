@@ -16,9 +16,18 @@ def test_table_is_large_enough_and_positive():
 
 @pytest.mark.parametrize(
     "name,expected",
-    [("RTX 4090", "RTX 4090"), ("nvidia geforce rtx 4090", "RTX 4090"), ("rtx4090", "RTX 4090"),
-     ("A100-80GB", "A100 80GB"), ("a100 40gb", "A100 40GB"), ("H100", "H100 80GB"), ("l40s", "L40S"),
-     ("Apple M3 Max", "M3 Max"), ("rtx 4070 ti su", "RTX 4070 Ti Super"), ("MI300X", "MI300X")],
+    [
+        ("RTX 4090", "RTX 4090"),
+        ("nvidia geforce rtx 4090", "RTX 4090"),
+        ("rtx4090", "RTX 4090"),
+        ("A100-80GB", "A100 80GB"),
+        ("a100 40gb", "A100 40GB"),
+        ("H100", "H100 80GB"),
+        ("l40s", "L40S"),
+        ("Apple M3 Max", "M3 Max"),
+        ("rtx 4070 ti su", "RTX 4070 Ti Super"),
+        ("MI300X", "MI300X"),
+    ],
 )
 def test_lookup(name, expected):
     info = resolve_gpu(name)
@@ -31,8 +40,9 @@ def test_unknown_gpu_lists_close_names():
         resolve_gpu("RTX 4909")
 
 
-@pytest.mark.parametrize("name,choices", [("A100", ("A100 40GB", "A100 80GB")),
-                                          ("nvidia v100", ("V100 16GB", "V100 32GB"))])
+@pytest.mark.parametrize(
+    "name,choices", [("A100", ("A100 40GB", "A100 80GB")), ("nvidia v100", ("V100 16GB", "V100 32GB"))]
+)
 def test_ambiguous_short_name_is_an_error_listing_the_sizes(name, choices):
     # "A100" used to plan 80 GB silently: on a 40 GB card that is twice the memory there is.
     with pytest.raises(ConfigError) as e:

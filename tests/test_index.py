@@ -42,8 +42,11 @@ from ragbudget.index import (
 
 EMB = HashEmbedder(dim=256)
 OPTS = {"min_tokens": 20, "max_tokens": 60}
-VOCAB = [f"{a}{b}" for a in ("ka", "lo", "mi", "nu", "pe", "ra", "su", "ti", "vo", "ze")
-         for b in ("ba", "de", "fi", "go", "hu", "ja", "ke", "li", "mo", "ny")]
+VOCAB = [
+    f"{a}{b}"
+    for a in ("ka", "lo", "mi", "nu", "pe", "ra", "su", "ti", "vo", "ze")
+    for b in ("ba", "de", "fi", "go", "hu", "ja", "ke", "li", "mo", "ny")
+]
 
 
 def make_text(seed: int, n_paragraphs: int = 4, unique: str | None = None) -> str:
@@ -163,8 +166,9 @@ def test_touched_file_is_not_re_embedded(ix: Index, corpus: Path) -> None:
 
 def test_changed_file_replaces_only_its_chunks(ix: Index, corpus: Path) -> None:
     build(ix, corpus)
-    before = {h.chunk_id for h in Index.open(ix.path).get_chunks(range(1, 1000))
-              if not h.sources[0].path.endswith("doc1.txt")}
+    before = {
+        h.chunk_id for h in Index.open(ix.path).get_chunks(range(1, 1000)) if not h.sources[0].path.endswith("doc1.txt")
+    }
     text = (corpus / "doc1.txt").read_text()
     (corpus / "doc1.txt").write_text(text + "\nA brand new closing paragraph mentions quokkazz twice, quokkazz.\n")
     s = build(ix, corpus)
@@ -311,15 +315,20 @@ def test_reader_keeps_its_generation_while_a_writer_commits(ix: Index, corpus: P
 def test_second_writer_fails_fast(ix: Index, corpus: Path) -> None:
     build(ix, corpus)
     holder = subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(f"""
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(f"""
             import sys, time
             from ragbudget.index import _Lock
             from pathlib import Path
             with _Lock(Path({str(ix.path)!r})):
                 print("locked", flush=True)
                 time.sleep(30)
-        """)],
-        stdout=subprocess.PIPE, text=True,
+        """),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
@@ -429,8 +438,7 @@ def test_kill_minus_9_at_random_moments_never_breaks_the_index(tmp_path: Path, s
     corpus = write_corpus(tmp_path / "corpus", n=24)
     ixdir = tmp_path / "ix"
     build(Index(ixdir), corpus, store=store)
-    code = _CHILD.format(tests=str(Path(__file__).parent), ix=str(ixdir), corpus=str(corpus),
-                         store=store)
+    code = _CHILD.format(tests=str(Path(__file__).parent), ix=str(ixdir), corpus=str(corpus), store=store)
     # Time one full run (after imports) to aim the kills inside the indexing itself.
     for i in range(24):
         (corpus / f"doc{i}.txt").write_text(make_text(1000 + i, unique=f"warm{i}zz"))
@@ -533,7 +541,9 @@ class IndexMachine(RuleBasedStateMachine):
 
 
 IndexMachine.TestCase.settings = settings(
-    max_examples=12, stateful_step_count=10, deadline=None,
+    max_examples=12,
+    stateful_step_count=10,
+    deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
 test_index_state_machine = IndexMachine.TestCase
@@ -547,7 +557,8 @@ def test_corpus_boilerplate_is_stripped_at_index_time(tmp_path: Path) -> None:
     for i, topic in enumerate(topics):
         body = " ".join(f"Paragraph {j} about {topic} and their history." for j in range(40))
         (site / f"page{i}.md").write_text(
-            f"Home | Products | Pricing | Contact us today\n\n# {topic.title()}\n\n{body}\n")
+            f"Home | Products | Pricing | Contact us today\n\n# {topic.title()}\n\n{body}\n"
+        )
     summary = Index(tmp_path / "idx").build([site], embedder=EMB, min_tokens=20, max_tokens=200)
     assert summary.files_indexed == 5
     assert summary.furniture_lines_removed >= 5
@@ -560,9 +571,34 @@ def test_corpus_boilerplate_is_stripped_at_index_time(tmp_path: Path) -> None:
 # --- lexical (FTS5) search and hybrid fusion ---------------------------------------------------------
 
 
-HOSTILE = ['"', '""', "'", 'he said "hi', "AND", "OR NOT", "NEAR(a b, 2)", "*", "a*", "^start",
-           "text: foo", "col:x OR", "(((", ")", "- -", "\\", "\x00", "", "   ", "?!", "🙂 émigré",
-           'marker3zz" OR "x', "SELECT * FROM chunks; --", "{a b}", "a + b", "NOT marker3zz"]
+HOSTILE = [
+    '"',
+    '""',
+    "'",
+    'he said "hi',
+    "AND",
+    "OR NOT",
+    "NEAR(a b, 2)",
+    "*",
+    "a*",
+    "^start",
+    "text: foo",
+    "col:x OR",
+    "(((",
+    ")",
+    "- -",
+    "\\",
+    "\x00",
+    "",
+    "   ",
+    "?!",
+    "🙂 émigré",
+    'marker3zz" OR "x',
+    "SELECT * FROM chunks; --",
+    "{a b}",
+    "a + b",
+    "NOT marker3zz",
+]
 
 
 def test_fts_match_query_quotes_every_word() -> None:
@@ -619,8 +655,9 @@ def test_hybrid_search_finds_and_scores(ix: Index, corpus: Path) -> None:
         lo, hi = min(h.score for h in dense), max(h.score for h in dense)
         assert all(lo - 1e-6 <= h.score <= hi + 1e-6 for h in hyb)
     # lexical_weight=0 or hybrid=False: the dense search exactly.
-    assert [h.chunk_id for h in o.search("marker4zz", k=10, hybrid=True, lexical_weight=0)] == \
-        [h.chunk_id for h in dense]
+    assert [h.chunk_id for h in o.search("marker4zz", k=10, hybrid=True, lexical_weight=0)] == [
+        h.chunk_id for h in dense
+    ]
     with pytest.raises(ConfigError):
         o.search("x", hybrid=True, fusion="max")
     with pytest.raises(ConfigError):
@@ -631,10 +668,13 @@ def test_fuse_scores_orders() -> None:
     dense = {"a": 0.9, "b": 0.8, "c": 0.7, "d": 0.6}
     lexical = {"d": 20.0, "c": 10.0, "e": 5.0}
     for method in ("rrf", "score"):
-        assert [i for i, _ in fuse_scores(dense, lexical, method=method, lexical_weight=0.0)][:4] == \
-            ["a", "b", "c", "d"]
-        assert [i for i, _ in fuse_scores(dense, lexical, method=method, lexical_weight=1.0)][:3] == \
-            ["d", "c", "e"]
+        assert [i for i, _ in fuse_scores(dense, lexical, method=method, lexical_weight=0.0)][:4] == [
+            "a",
+            "b",
+            "c",
+            "d",
+        ]
+        assert [i for i, _ in fuse_scores(dense, lexical, method=method, lexical_weight=1.0)][:3] == ["d", "c", "e"]
         fused = fuse_scores(dense, lexical, method=method, lexical_weight=0.5)
         assert sorted(i for i, _ in fused) == ["a", "b", "c", "d", "e"]
         assert fused[0][1] == 0.9 and fused[-1][1] == 0.6  # mapped onto the dense range
@@ -667,8 +707,9 @@ def _strip_fts(ix: Index) -> None:
     (ix.path / "manifest.json").write_text(json.dumps(m))
 
 
-def test_index_without_fts_table_opens_and_is_upgraded(ix: Index, corpus: Path,
-                                                        caplog: pytest.LogCaptureFixture) -> None:
+def test_index_without_fts_table_opens_and_is_upgraded(
+    ix: Index, corpus: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     build(ix, corpus)
     _strip_fts(ix)
     o = Index.open(ix.path)
@@ -688,8 +729,9 @@ def test_index_without_fts_table_opens_and_is_upgraded(ix: Index, corpus: Path,
     assert o.verify().checked["lexical_rows"] == o.stats()["chunks"]
 
 
-def test_no_fts5_falls_back_to_dense(ix: Index, corpus: Path, monkeypatch: pytest.MonkeyPatch,
-                                     caplog: pytest.LogCaptureFixture) -> None:
+def test_no_fts5_falls_back_to_dense(
+    ix: Index, corpus: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     import ragbudget.lexical as mod
 
     monkeypatch.setattr(mod, "_fts5_ok", False)
@@ -699,14 +741,16 @@ def test_no_fts5_falls_back_to_dense(ix: Index, corpus: Path, monkeypatch: pytes
     assert "has no FTS5" in caplog.text
     o = Index.open(ix.path)
     assert o.stats()["lexical"] is None and not o.has_lexical
-    assert [h.chunk_id for h in o.search("marker1zz", k=5, hybrid=True)] == \
-        [h.chunk_id for h in o.search("marker1zz", k=5)]
+    assert [h.chunk_id for h in o.search("marker1zz", k=5, hybrid=True)] == [
+        h.chunk_id for h in o.search("marker1zz", k=5)
+    ]
     assert o.search_lexical("marker1zz") == [] and o.verify().ok
     o.close()
 
 
 def test_index_updated_without_fts5_is_repaired_by_the_next_run(
-        ix: Index, corpus: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ix: Index, corpus: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import ragbudget.lexical as mod
 
     build(ix, corpus)
@@ -731,9 +775,12 @@ def test_index_updated_without_fts5_is_repaired_by_the_next_run(
 
 def test_verify_detects_fts_out_of_sync(ix: Index, corpus: Path) -> None:
     build(ix, corpus)
-    _tamper_sqlite(ix, "DELETE FROM chunks_fts WHERE rowid = (SELECT MIN(id) FROM chunks)",
-                   "INSERT INTO chunks_fts(rowid, text) VALUES (999999, 'stray')",
-                   "UPDATE chunks_fts SET text = 'changed' WHERE rowid = (SELECT MAX(id) FROM chunks)")
+    _tamper_sqlite(
+        ix,
+        "DELETE FROM chunks_fts WHERE rowid = (SELECT MIN(id) FROM chunks)",
+        "INSERT INTO chunks_fts(rowid, text) VALUES (999999, 'stray')",
+        "UPDATE chunks_fts SET text = 'changed' WHERE rowid = (SELECT MAX(id) FROM chunks)",
+    )
     problems = " | ".join(Index.open(ix.path).verify().problems)
     assert "without a lexical (FTS) row" in problems
     assert "lexical (FTS) row(s) without a chunk row" in problems
@@ -769,15 +816,15 @@ def test_missing_root_into_a_new_folder_creates_nothing(tmp_path: Path) -> None:
     assert not target.exists()
 
 
-def test_special_and_unreadable_roots_are_errors(tmp_path: Path, corpus: Path,
-                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_special_and_unreadable_roots_are_errors(tmp_path: Path, corpus: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     os.mkfifo(tmp_path / "pipe")
     with pytest.raises(InputPathError, match="not a file or folder"):
         Index(tmp_path / "ix").build([str(tmp_path / "pipe")], embedder=EMB)
     # Tests may run as root, who reads everything: refuse the folder the way the kernel would.
     real_access = os.access
-    monkeypatch.setattr(os, "access", lambda p, mode, **kw: False if str(p) == str(corpus)
-                        else real_access(p, mode, **kw))
+    monkeypatch.setattr(
+        os, "access", lambda p, mode, **kw: False if str(p) == str(corpus) else real_access(p, mode, **kw)
+    )
     with pytest.raises(InputPathError, match="permission denied"):
         Index(tmp_path / "ix").build([str(corpus)], embedder=EMB)
     assert not (tmp_path / "ix").exists()
@@ -939,7 +986,8 @@ def _drop_roots(ix: Index) -> None:
 
 
 def test_index_without_roots_opens_with_a_fallback_and_is_upgraded(
-        ix: Index, corpus: Path, caplog: pytest.LogCaptureFixture) -> None:
+    ix: Index, corpus: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     build(ix, corpus)
     _drop_roots(ix)
     with caplog.at_level("WARNING", logger="ragbudget.index"):
@@ -1035,8 +1083,7 @@ def test_guessed_encoding_is_a_warning_in_the_summary(ix: Index, corpus: Path) -
     assert "cp1252" in next(f for f in idx.sources() if f.path == "corpus/legacy.txt").warning
 
 
-def test_files_under_an_unreadable_folder_are_kept(ix: Index, tmp_path: Path,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_files_under_an_unreadable_folder_are_kept(ix: Index, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     corpus = write_corpus(tmp_path / "c", n=2)
     write_corpus(corpus / "sub", n=2, start_seed=30)
     build(ix, corpus)
@@ -1102,8 +1149,7 @@ def test_dedup_none_keeps_byte_identical_chunks_apart(ix: Index, tmp_path: Path)
     for (text,) in o._db.execute("SELECT text FROM chunks"):
         by_text[text] = by_text.get(text, 0) + 1
     assert max(by_text.values()) == 2  # the shared paragraph: one chunk per file, not merged
-    assert all(len(h.sources) == 1 for h in o.get_chunks(
-        [r[0] for r in o._db.execute("SELECT id FROM chunks")]))
+    assert all(len(h.sources) == 1 for h in o.get_chunks([r[0] for r in o._db.execute("SELECT id FROM chunks")]))
     merged = build(Index(tmp_path / "ix2"), corpus, dedup="exact")
     assert merged.exact_duplicates >= 1
     assert merged.chunks_total == kept.chunks_total - merged.exact_duplicates

@@ -23,13 +23,13 @@ from ragbudget.integrations import (
 
 TOPICS = {
     "leader.md": "# Project Leader\n\nThe Project Leader is elected by the developers each year. "
-                 "Voting uses the Condorcet method over a three week period.\n",
+    "Voting uses the Condorcet method over a three week period.\n",
     "committee.md": "# Technical Committee\n\nThe Technical Committee decides technical disputes. "
-                    "It has up to eight members appointed by the committee itself.\n",
+    "It has up to eight members appointed by the committee itself.\n",
     "secretary.md": "# Project Secretary\n\nThe Project Secretary runs the votes and keeps the "
-                    "records of all general resolutions of the developers.\n",
+    "records of all general resolutions of the developers.\n",
     "delegates.md": "# Delegates\n\nDelegates are appointed by the Project Leader and may make "
-                    "decisions within their area of responsibility.\n",
+    "decisions within their area of responsibility.\n",
 }
 QUESTION = "How is the Project Leader elected?"
 CAP = 60  # context tokens: room for some of the four documents, not all
@@ -40,8 +40,7 @@ def pipe(tmp_path_factory: pytest.TempPathFactory) -> Pipeline:
     docs = tmp_path_factory.mktemp("docs")
     for name, text in TOPICS.items():
         (docs / name).write_text(text * 3)
-    pipe = Pipeline(tmp_path_factory.mktemp("idx") / "idx", embedder="hash:256", generator=GeneratorStub(),
-                    gpu="16GiB")
+    pipe = Pipeline(tmp_path_factory.mktemp("idx") / "idx", embedder="hash:256", generator=GeneratorStub(), gpu="16GiB")
     pipe.index([docs])
     return pipe
 
@@ -58,8 +57,13 @@ def _check_metadata(metas: list[dict[str, Any]], sel: Any) -> None:
     assert sum(m["n_tokens"] for m in metas) <= metas[0]["ragbudget"]["tokens_used"] <= CAP
     report = metas[0]["ragbudget"]
     assert report["tokens_allowed"] == sel.tokens_allowed <= CAP
-    assert {d["reason"] for d in report["dropped"]} <= {"duplicate", "below_cutoff", "below_relevance_floor",
-                                                      "redundant", "over_budget"}
+    assert {d["reason"] for d in report["dropped"]} <= {
+        "duplicate",
+        "below_cutoff",
+        "below_relevance_floor",
+        "redundant",
+        "over_budget",
+    }
     assert len(report["dropped"]) == len(sel.dropped)
 
 

@@ -83,8 +83,10 @@ def violations(sources: dict[Path, str], layers: dict[str, int]) -> list[str]:
         for target in sorted(imported_modules(source, module, path.name == "__init__.py")):
             there = unit_of(target)
             if there != here and layers[there] > layers[here]:
-                out.append(f"{path.relative_to(ROOT)} (layer {layers[here]}, {here}) imports "
-                           f"{target} (layer {layers[there]}, {there})")
+                out.append(
+                    f"{path.relative_to(ROOT)} (layer {layers[here]}, {here}) imports "
+                    f"{target} (layer {layers[there]}, {there})"
+                )
     return out
 
 
@@ -149,7 +151,8 @@ def test_a_module_over_800_lines_says_which_one_job_it_is() -> None:
     sources = package_sources()
     found = oversized_without_a_job(sources)
     assert [f for f in found if f.split(" (")[0] not in SPLIT_UNDER_WAY] == [], (
-        "split these along a real seam, or say in the docstring which one job they are ('One job: ...')")
+        "split these along a real seam, or say in the docstring which one job they are ('One job: ...')"
+    )
     for name in SPLIT_UNDER_WAY:
         n = len(sources[ROOT / name].splitlines())
         assert n > MAX_LINES, f"{name} is {n} lines now: remove it from SPLIT_UNDER_WAY"
@@ -161,6 +164,9 @@ def test_the_size_check_reads_the_docstring() -> None:
     relay = PACKAGE / "relay.py"
     grown = {relay: relay.read_text(encoding="utf-8") + "\n# One job: not a docstring\n" + "x = 1\n" * 801}
     assert oversized_without_a_job(grown) == [f"ragbudget/relay.py ({len(grown[relay].splitlines())} lines)"]
-    marked = {relay: grown[relay].replace(
-        "\n\n>>> relay = Relay(", "\n\nOne job: relaying a worker's output.\n\n>>> relay = Relay(", 1)}
+    marked = {
+        relay: grown[relay].replace(
+            "\n\n>>> relay = Relay(", "\n\nOne job: relaying a worker's output.\n\n>>> relay = Relay(", 1
+        )
+    }
     assert oversized_without_a_job(marked) == []

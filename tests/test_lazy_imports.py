@@ -36,9 +36,15 @@ print("\\nMODULES " + json.dumps({"code": code, "modules": sorted(sys.modules)})
 def run_cli(*args: str, cwd: Path = REPO) -> tuple[int, set[str], str]:
     """Run ``ragbudget *args`` in a new interpreter (the checkout's package); return its exit code,
     the modules it ended with, and its output."""
-    out = subprocess.run([sys.executable, "-c", _RUN, *args], cwd=cwd, capture_output=True, text=True,
-                         check=False, timeout=300,
-                         env={**__import__("os").environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)})
+    out = subprocess.run(
+        [sys.executable, "-c", _RUN, *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=300,
+        env={**__import__("os").environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)},
+    )
     text = out.stdout + out.stderr
     assert "MODULES " in out.stdout, text
     data = json.loads(out.stdout.rsplit("MODULES ", 1)[1])
@@ -60,7 +66,8 @@ def minilm_index(tmp_path_factory: pytest.TempPathFactory) -> Path:
     docs.mkdir()
     (docs / "pipes.txt").write_text(
         "A pipe is a unidirectional data channel. Writing to a pipe whose read end is closed raises "
-        "SIGPIPE and the write fails with EPIPE.\n\nThe close call releases a file descriptor.\n")
+        "SIGPIPE and the write fails with EPIPE.\n\nThe close call releases a file descriptor.\n"
+    )
     Index(root / "idx").build([str(docs)], embedder=SentenceTransformerEmbedder())
     return root
 
@@ -95,8 +102,9 @@ def test_index_with_nothing_to_embed_does_not_load_the_embedder(minilm_index: Pa
 
 
 def test_search_embeds_the_query_without_torch_and_never_loads_the_generator(minilm_index: Path) -> None:
-    code, modules, out = run_cli("search", "what happens when the read end is closed", "--json",
-                                 "--index-dir", str(minilm_index / "idx"))
+    code, modules, out = run_cli(
+        "search", "what happens when the read end is closed", "--json", "--index-dir", str(minilm_index / "idx")
+    )
     assert code == 0, out
     assert loaded(modules, MODEL_STACK) == []
     assert loaded(modules, GENERATOR) == []
@@ -104,8 +112,15 @@ def test_search_embeds_the_query_without_torch_and_never_loads_the_generator(min
     assert hits and "SIGPIPE" in hits[0]["text"]
     # Dense only: the score is the cosine with the query vector the light path computed, equal to
     # what sentence-transformers gives for the same query (to float32 rounding).
-    code, modules, out = run_cli("search", "what happens when the read end is closed", "--json",
-                                 "--retrieval", "dense", "--index-dir", str(minilm_index / "idx"))
+    code, modules, out = run_cli(
+        "search",
+        "what happens when the read end is closed",
+        "--json",
+        "--retrieval",
+        "dense",
+        "--index-dir",
+        str(minilm_index / "idx"),
+    )
     assert code == 0 and loaded(modules, MODEL_STACK) == [], out
     from ragbudget.embed import SentenceTransformerEmbedder
 

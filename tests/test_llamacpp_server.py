@@ -30,8 +30,10 @@ def backend(llama_server: str) -> Iterator[Backend]:
         yield b
 
 
-QUESTION = [{"role": "system", "content": "Answer in one short sentence."},
-            {"role": "user", "content": "What is the capital of France?"}]
+QUESTION = [
+    {"role": "system", "content": "Answer in one short sentence."},
+    {"role": "user", "content": "What is the capital of France?"},
+]
 
 
 def test_detection_says_llamacpp(backend) -> None:  # type: ignore[no-untyped-def]
@@ -47,24 +49,30 @@ def test_capacity_is_per_slot(backend) -> None:  # type: ignore[no-untyped-def]
     assert "n_ctx" in cap.max_context_source and "total_slots" in cap.max_concurrent_source
     assert cap.running is not None and cap.kv_tokens_free is not None
     assert cap.engine_version  # build_info
-    budget = per_request_tokens(cap, max_new_tokens=64,
-                                overhead_tokens=backend.template_overhead("Be brief."))
+    budget = per_request_tokens(cap, max_new_tokens=64, overhead_tokens=backend.template_overhead("Be brief."))
     assert 0 < budget.context_tokens < 512 - 64
 
 
 def test_counts_match_the_servers_tokenizer(backend, llama_server: str) -> None:  # type: ignore[no-untyped-def]
-    texts = ["The Debian Project Leader is elected every year.",
-             "naïve café — 東京 🙂", "  leading spaces and\nnewlines\n"]
-    direct = [len(httpx.post(f"{llama_server}/tokenize", json={"content": t},
-                             timeout=30).json()["tokens"]) for t in texts]
+    texts = [
+        "The Debian Project Leader is elected every year.",
+        "naïve café — 東京 🙂",
+        "  leading spaces and\nnewlines\n",
+    ]
+    direct = [
+        len(httpx.post(f"{llama_server}/tokenize", json={"content": t}, timeout=30).json()["tokens"]) for t in texts
+    ]
     assert backend.count(texts) == direct
 
 
 def test_render_is_exact_against_the_chat_route(backend, llama_server: str) -> None:  # type: ignore[no-untyped-def]
     rendered = backend.render(QUESTION)
     assert rendered.exact and rendered.text and rendered.token_ids
-    r = httpx.post(f"{llama_server}/v1/chat/completions", timeout=120, json={
-        "messages": QUESTION, "max_tokens": 1, "temperature": 0}).json()
+    r = httpx.post(
+        f"{llama_server}/v1/chat/completions",
+        timeout=120,
+        json={"messages": QUESTION, "max_tokens": 1, "temperature": 0},
+    ).json()
     assert rendered.n_tokens == r["usage"]["prompt_tokens"]
 
 
@@ -87,8 +95,12 @@ def test_cancel_frees_the_slot(backend) -> None:  # type: ignore[no-untyped-def]
         if len(seen) >= 2:
             cancel.set()
 
-    g = backend.generate([{"role": "user", "content": "Count from one to five hundred."}],
-                         max_new_tokens=400, on_text=on_text, cancel=cancel)
+    g = backend.generate(
+        [{"role": "user", "content": "Count from one to five hundred."}],
+        max_new_tokens=400,
+        on_text=on_text,
+        cancel=cancel,
+    )
     assert g.finish_reason == "cancelled" and len(seen) < 50
     deadline = time.time() + 10
     while backend.capacity().running and time.time() < deadline:
@@ -110,11 +122,9 @@ def test_the_official_openai_client_talks_to_it(llama_server: str) -> None:
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=f"{llama_server}/v1", api_key="unused", max_retries=0)
     model = client.models.list().data[0].id
-    r = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=5,
-                                       temperature=0)
+    r = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=5, temperature=0)
     assert r.choices[0].message.content and r.usage.completion_tokens <= 5
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=model, max_tokens=5,
-                                       messages=[{"role": "user", "content": "word " * 900}])
+        client.chat.completions.create(model=model, max_tokens=5, messages=[{"role": "user", "content": "word " * 900}])
     assert e.value.status_code == 400
     assert e.value.body["type"] == "exceed_context_size_error"  # type: ignore[index]

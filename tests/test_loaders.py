@@ -105,8 +105,16 @@ def test_hostile_folder_scan_and_load(hostile: Path, monkeypatch):
     docs = {Path(d.path).name: d for d in items if isinstance(d, Document)}
     skipped = {s.rel: s.reason for s in items if isinstance(s, Skipped)}
 
-    assert set(docs) == {"good.txt", "notes.md", "page.html", "doc.pdf", "zipped.txt.gz",
-                         "deep.rst", "latin.txt", "wide.txt"}
+    assert set(docs) == {
+        "good.txt",
+        "notes.md",
+        "page.html",
+        "doc.pdf",
+        "zipped.txt.gz",
+        "deep.rst",
+        "latin.txt",
+        "wide.txt",
+    }
     assert skipped == {
         ".git": "ignored",
         ".hidden.txt": "hidden",
@@ -195,8 +203,11 @@ def test_skipped_is_printable_for_the_cli():
         ("naïve café".encode("utf-16-be"), "utf-16-be", "naïve café"),  # no BOM: NUL pattern
         ("naïve café".encode("utf-16-le"), "utf-16-le", "naïve café"),
         ("naïve café".encode("utf-32"), "utf-32-le", "naïve café"),
-        ("Café, naïve — “quoted” text for the detector.".encode("cp1252"), "cp1252",
-         "Café, naïve — “quoted” text for the detector."),
+        (
+            "Café, naïve — “quoted” text for the detector.".encode("cp1252"),
+            "cp1252",
+            "Café, naïve — “quoted” text for the detector.",
+        ),
     ],
 )
 def test_decode_bytes(data, encoding, text):
@@ -271,8 +282,7 @@ def test_html_main_text_headings_lists(tmp_path: Path):
     )
     doc = load_document(p)
     assert doc.text == (
-        "# Café review\n\nby Ann\n\n## Coffee\n\nStrong and hot.\n\n- one\n- two\n\n"
-        "code  keeps\n  spacing\n\na | b"
+        "# Café review\n\nby Ann\n\n## Coffee\n\nStrong and hot.\n\n- one\n- two\n\ncode  keeps\n  spacing\n\na | b"
     )
     assert doc.meta["format"] == "html" and doc.meta["title"] == "Site"
     assert doc.meta["encoding"] == "iso8859-1"
@@ -318,7 +328,11 @@ def test_pdf_meta(tmp_path: Path):
     assert doc.pages == ["alpha", "beta", "gamma"]
     assert doc.page_of(doc.text.index("gamma")) == 3
     assert {k: doc.meta[k] for k in ("format", "encoding", "paginated", "n_pages", "replaced_chars")} == {
-        "format": "pdf", "encoding": "pdf", "paginated": True, "n_pages": 3, "replaced_chars": 0,
+        "format": "pdf",
+        "encoding": "pdf",
+        "paginated": True,
+        "n_pages": 3,
+        "replaced_chars": 0,
     }
     assert doc.meta["size"] == p.stat().st_size and doc.meta["mtime_ns"] == p.stat().st_mtime_ns
 
@@ -463,9 +477,18 @@ def test_deeply_nested_html_is_malformed_not_a_crash(tmp_path: Path):
 
 # Short Western texts give the detector almost nothing: it ranked mac_latin2, cp775 or even
 # UTF-16 level with cp1252 and turned "café" into "cafť" or "Zürich" into CJK.
-@pytest.mark.parametrize("text", ["café", "naïve", "Zürich", "We met at the café.\n",
-                                  "Meeting in Zürich\n", "Un café naïve à Zürich.",
-                                  "The café in Zürich served a naïve crème brûlée.\n"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "café",
+        "naïve",
+        "Zürich",
+        "We met at the café.\n",
+        "Meeting in Zürich\n",
+        "Un café naïve à Zürich.",
+        "The café in Zürich served a naïve crème brûlée.\n",
+    ],
+)
 @pytest.mark.parametrize("legacy", ["cp1252", "latin-1"])
 def test_weak_guesses_prefer_western_code_pages(text, legacy):
     decoded, encoding, replaced = decode_bytes(text.encode(legacy))
@@ -473,11 +496,14 @@ def test_weak_guesses_prefer_western_code_pages(text, legacy):
     assert encoding in ("cp1252", "latin_1")
 
 
-@pytest.mark.parametrize(("text", "legacy"), [
-    ("Привет, как дела? Это простой текст на русском языке для проверки кодировки.\n", "cp1251"),
-    ("Καλημέρα, αυτό είναι ένα απλό ελληνικό κείμενο για δοκιμή.\n", "cp1253"),
-    ("Příliš žluťoučký kůň úpěl ďábelské ódy.\n", "cp1250"),
-])
+@pytest.mark.parametrize(
+    ("text", "legacy"),
+    [
+        ("Привет, как дела? Это простой текст на русском языке для проверки кодировки.\n", "cp1251"),
+        ("Καλημέρα, αυτό είναι ένα απλό ελληνικό κείμενο για δοκιμή.\n", "cp1253"),
+        ("Příliš žluťoučký kůň úpěl ďábelské ódy.\n", "cp1250"),
+    ],
+)
 def test_clear_non_western_text_keeps_its_code_page(text, legacy):
     assert decode_bytes(text.encode(legacy)) == (text, legacy, 0)
 

@@ -23,8 +23,9 @@ from ragbudget.models import (
 
 def _safetensors(path: Path, tensors: dict[str, tuple[str, list[int]]]) -> None:
     """A header-only safetensors file (the data is never read by the code under test)."""
-    header = {name: {"dtype": dtype, "shape": shape, "data_offsets": [0, 0]}
-              for name, (dtype, shape) in tensors.items()}
+    header = {
+        name: {"dtype": dtype, "shape": shape, "data_offsets": [0, 0]} for name, (dtype, shape) in tensors.items()
+    }
     header["__metadata__"] = {"format": "pt"}  # type: ignore[assignment]
     raw = json.dumps(header).encode()
     path.write_bytes(struct.pack("<Q", len(raw)) + raw)
@@ -64,8 +65,13 @@ def test_gguf_metadata_and_config_from_a_written_gguf(tmp_path: Path) -> None:
     assert tensor_bytes == 10 * 64 * 4 + 8 * 2
     assert weights_bytes_from_files(path) == tensor_bytes
     cfg = load_model_config(str(path))
-    assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_attention_heads"],
-            cfg["num_key_value_heads"], cfg["max_position_embeddings"]) == (3, 64, 4, 2, 2048)
+    assert (
+        cfg["num_hidden_layers"],
+        cfg["hidden_size"],
+        cfg["num_attention_heads"],
+        cfg["num_key_value_heads"],
+        cfg["max_position_embeddings"],
+    ) == (3, 64, 4, 2, 2048)
     ref = resolve_generator(str(path))
     assert ref == ModelRef(id=str(path), path=str(tmp_path), gguf_file="tiny.gguf") and ref.local
     assert resolve_generator(str(tmp_path)).gguf_file == "tiny.gguf"  # a folder holding one

@@ -58,8 +58,10 @@ def test_parse_chat_reads_history_question_and_options() -> None:
         chat(
             messages=[
                 {"role": "developer", "content": "Be brief."},
-                {"role": "user", "content": [{"type": "text", "text": "Earlier"},
-                                             {"type": "text", "text": "question?"}]},
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "Earlier"}, {"type": "text", "text": "question?"}],
+                },
                 {"role": "assistant", "content": "Earlier answer."},
                 {"role": "user", "content": "Follow-up?"},
             ],
@@ -117,11 +119,19 @@ def test_parse_chat_defaults() -> None:
         (chat(messages=["hi"]), 400, "messages[0]", "invalid_type"),
         (chat(messages=[{"role": "tool", "content": "x"}]), 400, "messages[0].role", "invalid_value"),
         (chat(messages=[{"role": "user"}]), 400, "messages[0].content", "missing_required_parameter"),
-        (chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]), 400,
-         "messages[0].content", "invalid_type"),
+        (
+            chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
+            400,
+            "messages[0].content",
+            "invalid_type",
+        ),
         (chat(messages=[{"role": "user", "content": 3}]), 400, "messages[0].content", "invalid_type"),
-        (chat(messages=[{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]), 400,
-         "messages[1].role", "invalid_value"),
+        (
+            chat(messages=[{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]),
+            400,
+            "messages[1].role",
+            "invalid_value",
+        ),
         (chat(messages=[{"role": "user", "content": "  \n"}]), 400, "messages[0].content", "invalid_value"),
         (chat(stream="yes"), 400, "stream", "invalid_type"),
         (chat(stream_options="usage"), 400, "stream_options", "invalid_type"),
@@ -154,8 +164,9 @@ def test_parse_chat_defaults() -> None:
 def test_parse_chat_refusals_name_the_field(body: Any, status: int, param: str | None, code: str) -> None:
     err = refused(body)
     assert (err.status, err.param, err.code) == (status, param, code), err.message
-    assert err.body() == {"error": {"message": err.message, "type": "invalid_request_error", "param": param,
-                                    "code": code}}
+    assert err.body() == {
+        "error": {"message": err.message, "type": "invalid_request_error", "param": param, "code": code}
+    }
 
 
 def test_max_tokens_past_the_limit_names_both_figures() -> None:
@@ -238,8 +249,12 @@ def test_decode_json() -> None:
 
 def test_overload_answers_carry_a_rounded_up_retry_after() -> None:
     err = overloaded("3 requests already wait", 2.1)
-    assert (err.status, err.type, err.code, err.headers) == (429, "rate_limit_error", "overloaded",
-                                                             {"Retry-After": "3"})
+    assert (err.status, err.type, err.code, err.headers) == (
+        429,
+        "rate_limit_error",
+        "overloaded",
+        {"Retry-After": "3"},
+    )
     assert overloaded("x", 0.01).headers == {"Retry-After": "1"}  # never 0: no hammering
     mapped = error_from_exception(OverloadedError("queue full", retry_after=0.4))
     assert mapped.status == 429 and mapped.headers == {"Retry-After": "1"}
@@ -272,8 +287,14 @@ def test_a_client_disconnect_is_recognised_by_starlette_type_only() -> None:
 
 
 REPORT = {
-    "budget": {"prompt_tokens": 300, "new_tokens": 12, "max_new_tokens": 64, "gpu": "RTX 4090",
-               "free_bytes": 21 << 30, "kv_bytes_per_token": 131072},
+    "budget": {
+        "prompt_tokens": 300,
+        "new_tokens": 12,
+        "max_new_tokens": 64,
+        "gpu": "RTX 4090",
+        "free_bytes": 21 << 30,
+        "kv_bytes_per_token": 131072,
+    },
     "plan": {"gpu": "RTX 4090", "usable_bytes": 20 << 30},
     "selection": {"chunks": [{"path": "/home/ann/corpus/docs/kv.md"}]},
     "oom_steps": [{"action": "halve_context", "reason": "CUDA out of memory; 21.6 GiB total", "cache": "dynamic"}],
@@ -282,16 +303,28 @@ REPORT = {
 
 
 def answer(finish_reason: str = "stop") -> Answer:
-    return Answer(text="KV is [1].", sources=[{"path": "/home/ann/corpus/docs/kv.md", "start": 0, "end": 9},
-                                              {"path": "docs/rel.md", "start": 3, "end": 4}],
-                  report=REPORT, finish_reason=finish_reason)
+    return Answer(
+        text="KV is [1].",
+        sources=[
+            {"path": "/home/ann/corpus/docs/kv.md", "start": 0, "end": 9},
+            {"path": "docs/rel.md", "start": 3, "end": 4},
+        ],
+        report=REPORT,
+        finish_reason=finish_reason,
+    )
 
 
 def test_completion_body() -> None:
     body = Completion(id="chatcmpl-1", created=1700000000, model="fake/model").body(answer())
     assert body["object"] == "chat.completion" and body["id"] == "chatcmpl-1" and body["model"] == "fake/model"
-    assert body["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "KV is [1]."},
-                                "finish_reason": "stop", "logprobs": None}]
+    assert body["choices"] == [
+        {
+            "index": 0,
+            "message": {"role": "assistant", "content": "KV is [1]."},
+            "finish_reason": "stop",
+            "logprobs": None,
+        }
+    ]
     assert body["usage"] == {"prompt_tokens": 300, "completion_tokens": 12, "total_tokens": 312}
     assert [s["path"] for s in body["sources"]] == ["kv.md", "docs/rel.md"]  # no absolute path
     shown = json.dumps(body["ragbudget"])
@@ -317,7 +350,7 @@ def test_stream_frames() -> None:
     assert Completion.new("m").id != c.id
     frame = c.chunk({"content": "é"})
     assert frame.startswith(b"data: ") and frame.endswith(b"\n\n") and "é".encode() in frame  # UTF-8, not \\u
-    event = json.loads(frame[len(b"data: "):])
+    event = json.loads(frame[len(b"data: ") :])
     assert event["object"] == "chat.completion.chunk" and event["id"] == c.id
     assert event["choices"] == [{"index": 0, "delta": {"content": "é"}, "finish_reason": None, "logprobs": None}]
     last = json.loads(c.last_chunk(answer("length"), include_usage=True)[6:])
@@ -329,9 +362,14 @@ def test_stream_frames() -> None:
 
 
 def test_public_paths() -> None:
-    doc = {"path": "/srv/idx/a/b.md", "file": "C:\\corpus\\c.pdf", "index_dir": "/srv/idx/",
-           "source_path": "rel/d.md", "text": "/etc/passwd is quoted text, not a path field",
-           "nested": [{"path": "/x/y/z.txt"}, ("tuple", {"path": "/q.md"})]}
+    doc = {
+        "path": "/srv/idx/a/b.md",
+        "file": "C:\\corpus\\c.pdf",
+        "index_dir": "/srv/idx/",
+        "source_path": "rel/d.md",
+        "text": "/etc/passwd is quoted text, not a path field",
+        "nested": [{"path": "/x/y/z.txt"}, ("tuple", {"path": "/q.md"})],
+    }
     assert public_paths(doc) == {
         "path": "b.md",
         "file": "c.pdf",
@@ -358,7 +396,10 @@ def test_retrieve_and_models_bodies() -> None:
     assert (body["tokens_used"], body["tokens_allowed"]) == (5, 100)
     assert body["data"][0]["sources"][0]["path"] == "kv.md"
     assert body["dropped"] == [{"chunk_id": 8, "reason": "over_budget", "score": 0.2, "n_tokens": 90}]
-    assert models_body(MODELS, 5) == {"object": "list", "data": [
-        {"id": "fake/model", "object": "model", "created": 5, "owned_by": "ragbudget"},
-        {"id": "ragbudget", "object": "model", "created": 5, "owned_by": "ragbudget"},
-    ]}
+    assert models_body(MODELS, 5) == {
+        "object": "list",
+        "data": [
+            {"id": "fake/model", "object": "model", "created": 5, "owned_by": "ragbudget"},
+            {"id": "ragbudget", "object": "model", "created": 5, "owned_by": "ragbudget"},
+        ],
+    }

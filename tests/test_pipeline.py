@@ -73,8 +73,7 @@ def test_ask_prompt_fits_the_plan_and_keeps_the_question(indexed: Path) -> None:
     # The Warsaw article holds the answer; the hash embedder shares its words with the question.
     assert any("Warsaw" in s["path"] for s in doc["sources"])
     for d in doc["dropped"]:
-        assert d["reason"] in {"duplicate", "below_cutoff", "below_relevance_floor", "redundant",
-                               "over_budget"}
+        assert d["reason"] in {"duplicate", "below_cutoff", "below_relevance_floor", "redundant", "over_budget"}
 
 
 def test_small_gpu_shrinks_the_context(indexed: Path) -> None:
@@ -318,19 +317,22 @@ def test_budget_errors_name_the_binding_limit(indexed: Path) -> None:
     assert f"{small.plan.max_context_tokens:,} tokens per request" in str(e.value)
 
 
-@pytest.mark.parametrize("call,match", [
-    (lambda p: p.ask(QUESTION, context_tokens="100"), "context_tokens must be an int"),
-    (lambda p: p.ask(QUESTION, max_new_tokens="64"), "max_new_tokens must be an int"),
-    (lambda p: p.ask(b"hi"), "decode it"),
-    (lambda p: p.ask(42), "question must be str, got int"),
-    (lambda p: p.search(QUESTION, k="3"), "k must be an int"),
-    (lambda p: p.retrieve(QUESTION, context_tokens=1.5), "context_tokens must be an int"),
-    (lambda p: p.ask(QUESTION, on_text="print"), "on_text must be a callable"),
-    (lambda p: p.stream(b"hi"), "decode it"),
-    (lambda p: Pipeline(p.index_dir, concurrency="4"), "concurrency must be an int"),
-    (lambda p: Pipeline(p.index_dir, hybrid="no"), "hybrid must be True or False"),
-    (lambda p: Pipeline(p.index_dir, relevance_floor="high"), "relevance_floor must be a number"),
-])
+@pytest.mark.parametrize(
+    "call,match",
+    [
+        (lambda p: p.ask(QUESTION, context_tokens="100"), "context_tokens must be an int"),
+        (lambda p: p.ask(QUESTION, max_new_tokens="64"), "max_new_tokens must be an int"),
+        (lambda p: p.ask(b"hi"), "decode it"),
+        (lambda p: p.ask(42), "question must be str, got int"),
+        (lambda p: p.search(QUESTION, k="3"), "k must be an int"),
+        (lambda p: p.retrieve(QUESTION, context_tokens=1.5), "context_tokens must be an int"),
+        (lambda p: p.ask(QUESTION, on_text="print"), "on_text must be a callable"),
+        (lambda p: p.stream(b"hi"), "decode it"),
+        (lambda p: Pipeline(p.index_dir, concurrency="4"), "concurrency must be an int"),
+        (lambda p: Pipeline(p.index_dir, hybrid="no"), "hybrid must be True or False"),
+        (lambda p: Pipeline(p.index_dir, relevance_floor="high"), "relevance_floor must be a number"),
+    ],
+)
 def test_wrong_argument_types_are_the_librarys_own_errors(indexed: Path, call: Any, match: str) -> None:
     from ragbudget.errors import ArgumentTypeError
 
@@ -342,14 +344,17 @@ def test_wrong_argument_types_are_the_librarys_own_errors(indexed: Path, call: A
     assert not gen.prompts
 
 
-@pytest.mark.parametrize("call,match", [
-    (lambda p: p.ask(QUESTION, max_new_tokens=0), "max_new_tokens must be ≥ 1, got 0"),
-    (lambda p: p.ask(QUESTION, context_tokens=-1), "context_tokens must be ≥ 0"),
-    (lambda p: Pipeline(p.index_dir, order="random"), "order must be one of"),
-    (lambda p: Pipeline(p.index_dir, utilization=0), "utilization must be in"),
-    (lambda p: Pipeline(p.index_dir, relevance_floor=1.5), "relevance_floor must be in"),
-    (lambda p: Pipeline(p.index_dir, cache="paged"), "cache must be one of"),
-])
+@pytest.mark.parametrize(
+    "call,match",
+    [
+        (lambda p: p.ask(QUESTION, max_new_tokens=0), "max_new_tokens must be ≥ 1, got 0"),
+        (lambda p: p.ask(QUESTION, context_tokens=-1), "context_tokens must be ≥ 0"),
+        (lambda p: Pipeline(p.index_dir, order="random"), "order must be one of"),
+        (lambda p: Pipeline(p.index_dir, utilization=0), "utilization must be in"),
+        (lambda p: Pipeline(p.index_dir, relevance_floor=1.5), "relevance_floor must be in"),
+        (lambda p: Pipeline(p.index_dir, cache="paged"), "cache must be one of"),
+    ],
+)
 def test_out_of_range_arguments_are_config_errors(indexed: Path, call: Any, match: str) -> None:
     pipe, gen = _pipe(indexed)
     with pytest.raises(ConfigError, match=match):
@@ -380,8 +385,7 @@ def test_an_empty_index_is_an_error_not_an_answer_from_nothing(tmp_path: Path) -
     index_dir = tmp_path / "idx"
     assert Pipeline(index_dir, embedder="hash:64").index([tmp_path / "empty"]).chunks_total == 0
     pipe, gen = _pipe(index_dir)
-    for call in (lambda: pipe.search("anything"), lambda: pipe.ask("anything"),
-                 lambda: pipe.retrieve("anything")):
+    for call in (lambda: pipe.search("anything"), lambda: pipe.ask("anything"), lambda: pipe.retrieve("anything")):
         with pytest.raises(IndexEmptyError, match="has no chunks") as e:
             call()
         assert str(index_dir) in str(e.value) and "ragbudget index" in str(e.value)
@@ -407,8 +411,9 @@ def test_relevance_floor_stops_the_context_where_passages_stop_helping(indexed: 
     assert floor_out and not floor_out & {cid for c in spans.chunks for cid in c.chunk_ids}
 
 
-def test_the_pipeline_records_the_generators_measured_peak(indexed: Path, tmp_path: Path,
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_pipeline_records_the_generators_measured_peak(
+    indexed: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # The generator only measures (tests/test_generate.py); the pipeline owns the plan, so it is
     # what writes the measurement to the planner's calibration file.
     import json
@@ -438,8 +443,7 @@ class CPUGenerator(FakeGenerator):
     device: str = "cpu"
 
 
-def test_cpu_default_context_is_capped_by_measured_prefill_time(indexed: Path,
-                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cpu_default_context_is_capped_by_measured_prefill_time(indexed: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import ragbudget.budget as budget
 
     # 2 ms per prompt token: a 3 s target allows 1,500 prompt tokens.
@@ -474,14 +478,17 @@ def test_fill_remainder_is_an_option_that_reaches_the_selector(tmp_path: Path) -
     docs = tmp_path / "docs"
     docs.mkdir()
     # Two documents of ~420 words, one chunk each at the default chunk size.
-    (docs / "hall.txt").write_text("The guild met in the old hall by the river every spring. " * 35
-                                   + "The hall burned down in 1871 after a lamp fell over.")
+    (docs / "hall.txt").write_text(
+        "The guild met in the old hall by the river every spring. " * 35
+        + "The hall burned down in 1871 after a lamp fell over."
+    )
     (docs / "tides.txt").write_text("The guild recorded tides along the harbour walls each day. " * 35)
     Pipeline(tmp_path / "idx", embedder="hash:64").index([docs])
     sizes = []
     for fill in (False, True):
-        pipe = Pipeline(tmp_path / "idx", backend=FakeBackend(), pack="chunks", fill_remainder=fill,
-                        relevance_floor=0.0)
+        pipe = Pipeline(
+            tmp_path / "idx", backend=FakeBackend(), pack="chunks", fill_remainder=fill, relevance_floor=0.0
+        )
         sel = pipe.retrieve("When did the guild's hall burn down?", context_tokens=700)
         assert sel.tokens_used <= sel.tokens_allowed
         sizes.append((len(sel.chunks), [c.truncated for c in sel.chunks]))

@@ -50,8 +50,7 @@ def _pipe(index_dir: Path, srv: Replay, **kw: Any) -> Pipeline:
     return Pipeline(index_dir, engine=srv.url, max_new_tokens=32, **kw)
 
 
-def test_ask_on_each_engine_fits_its_window_and_says_why(indexed: Path, tmp_path: Path,
-                                                         kind: str) -> None:
+def test_ask_on_each_engine_fits_its_window_and_says_why(indexed: Path, tmp_path: Path, kind: str) -> None:
     index_dir = _index_copy(indexed, tmp_path)
     with Replay(kind) as srv:
         pipe = _pipe(index_dir, srv)
@@ -110,7 +109,7 @@ def test_a_rerun_counts_nothing_twice(indexed: Path, tmp_path: Path) -> None:
         assert (index_dir / "counts.sqlite").exists()
         # a new pipeline (a new process would be the same): the chunk counts come from the file
         _pipe(index_dir, srv).ask(QUESTION)
-        again = [b["prompt"] for b in srv.calls("POST", "/tokenize") if "prompt" in b][len(first):]
+        again = [b["prompt"] for b in srv.calls("POST", "/tokenize") if "prompt" in b][len(first) :]
         counted_twice = set(again) & set(first)
         assert not counted_twice, f"{len(counted_twice)} texts counted again"
         cache = SQLiteCountCache(index_dir / "counts.sqlite")
@@ -166,12 +165,10 @@ def test_streaming_and_cancel_go_through_the_engine(indexed: Path, tmp_path: Pat
 
 
 # -- the CLI ---------------------------------------------------------------------------------------
-def test_cli_budget_engine_prints_figures_with_sources(indexed: Path, tmp_path: Path,
-                                                       kind: str) -> None:
+def test_cli_budget_engine_prints_figures_with_sources(indexed: Path, tmp_path: Path, kind: str) -> None:
     index_dir = _index_copy(indexed, tmp_path)
     with Replay(kind) as srv:
-        args = ["budget", "--engine", srv.url, "--index-dir", str(index_dir),
-                "--max-new-tokens", "64"]
+        args = ["budget", "--engine", srv.url, "--index-dir", str(index_dir), "--max-new-tokens", "64"]
         if kind == "openai":
             args += ["--engine-context-tokens", "2048"]
         result = CliRunner().invoke(main, args)
@@ -190,58 +187,95 @@ def test_cli_budget_engine_prints_figures_with_sources(indexed: Path, tmp_path: 
 def test_cli_ask_engine_explain(indexed: Path, tmp_path: Path) -> None:
     index_dir = _index_copy(indexed, tmp_path)
     with Replay("tgi") as srv:
-        result = CliRunner().invoke(main, ["ask", QUESTION, "--engine", srv.url, "--index-dir",
-                                           str(index_dir), "--max-new-tokens", "16", "--explain"])
+        result = CliRunner().invoke(
+            main,
+            [
+                "ask",
+                QUESTION,
+                "--engine",
+                srv.url,
+                "--index-dir",
+                str(index_dir),
+                "--max-new-tokens",
+                "16",
+                "--explain",
+            ],
+        )
         assert result.exit_code == 0, result.output
         assert "The Project Leader" in result.output
         assert "Engine" in result.output and "engine: tgi" in result.output
 
 
-def test_cli_engine_errors_are_one_line(indexed: Path, tmp_path: Path,
-                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cli_engine_errors_are_one_line(indexed: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import socket
 
     index_dir = _index_copy(indexed, tmp_path)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    result = CliRunner().invoke(main, ["ask", QUESTION, "--engine", f"http://127.0.0.1:{port}",
-                                       "--index-dir", str(index_dir)])
+    result = CliRunner().invoke(
+        main, ["ask", QUESTION, "--engine", f"http://127.0.0.1:{port}", "--index-dir", str(index_dir)]
+    )
     assert result.exit_code == 1
     assert f"127.0.0.1:{port}" in result.output and "Traceback" not in result.output
     assert len(result.output.strip().splitlines()) == 1
     monkeypatch.delenv("RB_TEST_KEY", raising=False)
     with Replay("vllm", api_key="sekrit") as srv:
-        result = CliRunner().invoke(main, ["ask", QUESTION, "--engine", srv.url, "--index-dir",
-                                           str(index_dir), "--api-key-env", "RB_TEST_KEY"])
+        result = CliRunner().invoke(
+            main, ["ask", QUESTION, "--engine", srv.url, "--index-dir", str(index_dir), "--api-key-env", "RB_TEST_KEY"]
+        )
         assert result.exit_code == 1 and "RB_TEST_KEY" in result.output
         monkeypatch.setenv("RB_TEST_KEY", "wrong")
-        result = CliRunner().invoke(main, ["ask", QUESTION, "--engine", srv.url, "--index-dir",
-                                           str(index_dir), "--api-key-env", "RB_TEST_KEY"])
+        result = CliRunner().invoke(
+            main, ["ask", QUESTION, "--engine", srv.url, "--index-dir", str(index_dir), "--api-key-env", "RB_TEST_KEY"]
+        )
         assert result.exit_code == 1 and srv.url in result.output
         assert len(result.output.strip().splitlines()) == 1
         monkeypatch.setenv("RB_TEST_KEY", "sekrit")
-        result = CliRunner().invoke(main, ["ask", QUESTION, "--engine", srv.url, "--index-dir",
-                                           str(index_dir), "--api-key-env", "RB_TEST_KEY",
-                                           "--no-stream"])
+        result = CliRunner().invoke(
+            main,
+            [
+                "ask",
+                QUESTION,
+                "--engine",
+                srv.url,
+                "--index-dir",
+                str(index_dir),
+                "--api-key-env",
+                "RB_TEST_KEY",
+                "--no-stream",
+            ],
+        )
         assert result.exit_code == 0, result.output
-        srv.push("POST", "/v1/chat/completions", Resp(status=500, json={"error": {
-            "message": "boom", "type": "InternalServerError", "code": 500}}))
-        result = CliRunner().invoke(main, ["ask", QUESTION, "--engine", srv.url, "--index-dir",
-                                           str(index_dir), "--api-key-env", "RB_TEST_KEY",
-                                           "--no-stream"])
+        srv.push(
+            "POST",
+            "/v1/chat/completions",
+            Resp(status=500, json={"error": {"message": "boom", "type": "InternalServerError", "code": 500}}),
+        )
+        result = CliRunner().invoke(
+            main,
+            [
+                "ask",
+                QUESTION,
+                "--engine",
+                srv.url,
+                "--index-dir",
+                str(index_dir),
+                "--api-key-env",
+                "RB_TEST_KEY",
+                "--no-stream",
+            ],
+        )
         assert result.exit_code == 1 and "Traceback" not in result.output
 
 
-def test_a_generic_server_without_a_window_says_which_option_to_pass(indexed: Path,
-                                                                     tmp_path: Path) -> None:
+def test_a_generic_server_without_a_window_says_which_option_to_pass(indexed: Path, tmp_path: Path) -> None:
     index_dir = _index_copy(indexed, tmp_path)
     with Replay("openai") as srv:
         pipe = Pipeline(index_dir, engine=srv.url, max_new_tokens=32)
         with pytest.raises(ConfigError, match="engine_context_tokens"):
             pipe.ask(QUESTION)
-        result = CliRunner().invoke(main, ["budget", "--engine", srv.url, "--index-dir",
-                                           str(index_dir)])
+        result = CliRunner().invoke(main, ["budget", "--engine", srv.url, "--index-dir", str(index_dir)])
         assert result.exit_code == 1 and "--engine-context-tokens" in result.output
 
 
@@ -261,9 +295,10 @@ def test_serve_engine_says_what_admission_is_sized_from(indexed: Path, tmp_path:
         with TestClient(create_app(pipe)) as client:
             health = client.get("/health").json()
             assert health["status"] == "ok" and "GET /props" in health["admission"]
-            r = client.post("/v1/chat/completions", json={
-                "model": "ragbudget", "max_tokens": 16,
-                "messages": [{"role": "user", "content": QUESTION}]})
+            r = client.post(
+                "/v1/chat/completions",
+                json={"model": "ragbudget", "max_tokens": 16, "messages": [{"role": "user", "content": QUESTION}]},
+            )
             assert r.status_code == 200, r.text
             body = r.json()
             assert body["choices"][0]["message"]["content"].startswith("The Project Leader")

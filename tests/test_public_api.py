@@ -14,8 +14,11 @@ def test_every_error_is_exported() -> None:
 
     from ragbudget import errors
 
-    defined = {name for name, obj in vars(errors).items()
-               if inspect.isclass(obj) and issubclass(obj, Exception) and obj.__module__ == errors.__name__}
+    defined = {
+        name
+        for name, obj in vars(errors).items()
+        if inspect.isclass(obj) and issubclass(obj, Exception) and obj.__module__ == errors.__name__
+    }
     assert defined, "ragbudget.errors defines no error classes"
     assert defined - set(ragbudget.__all__) == set()
 
@@ -122,20 +125,60 @@ def test_what_a_pipeline_returns_is_importable_from_ragbudget() -> None:
 
     typing_names = {"None", "Any", "Sequence", "Iterator", "AsyncIterator", "Callable", "Mapping", "PathLike"}
     needed: set[str] = set()
-    for name in ("index", "search", "ask", "aask", "stream", "astream", "plan", "plan_for",
-                 "embedder", "backend", "generator", "admission", "store"):
+    for name in (
+        "index",
+        "search",
+        "ask",
+        "aask",
+        "stream",
+        "astream",
+        "plan",
+        "plan_for",
+        "embedder",
+        "backend",
+        "generator",
+        "admission",
+        "store",
+    ):
         attr = getattr(Pipeline, name)
         func = attr.fget if isinstance(attr, property) else attr
         needed |= set(re.findall(r"\b[A-Z]\w*", func.__annotations__["return"])) - typing_names
-    assert {"Hit", "IndexSummary", "Answer", "AnswerStream", "BudgetPlan", "Embedder", "Backend",
-            "Generator", "AdmissionController", "Index"} <= needed
+    assert {
+        "Hit",
+        "IndexSummary",
+        "Answer",
+        "AnswerStream",
+        "BudgetPlan",
+        "Embedder",
+        "Backend",
+        "Generator",
+        "AdmissionController",
+        "Index",
+    } <= needed
     assert needed - set(ragbudget.__all__) == set()
     for name in ("Generation", "Tokenizer", "Embedder"):  # what those objects hand back in turn
         assert name in ragbudget.__all__
 
 
-OPTIONAL = ("fastapi", "uvicorn", "sse_starlette", "matplotlib", "docx", "pptx", "pytesseract", "PIL", "ray",
-            "onnxruntime", "onnx", "langchain_core", "llama_index", "haystack", "openai", "psutil", "optimum")
+OPTIONAL = (
+    "fastapi",
+    "uvicorn",
+    "sse_starlette",
+    "matplotlib",
+    "docx",
+    "pptx",
+    "pytesseract",
+    "PIL",
+    "ray",
+    "onnxruntime",
+    "onnx",
+    "langchain_core",
+    "llama_index",
+    "haystack",
+    "openai",
+    "psutil",
+    "optimum",
+)
 
 
 def test_every_module_imports_without_the_optional_extras() -> None:
@@ -143,12 +186,15 @@ def test_every_module_imports_without_the_optional_extras() -> None:
     # top would fail collection on a machine without it (and break `import ragbudget.x` there).
     import pkgutil
 
-    names = sorted(m.name for m in pkgutil.walk_packages(ragbudget.__path__, "ragbudget.")
-                   if m.name != "ragbudget.__main__")
+    names = sorted(
+        m.name for m in pkgutil.walk_packages(ragbudget.__path__, "ragbudget.") if m.name != "ragbudget.__main__"
+    )
     assert "ragbudget.server" in names and "ragbudget.formats.office" in names
-    code = ("import importlib, sys\n"
-            f"for m in {OPTIONAL!r}: sys.modules[m] = None  # `import m` raises ImportError\n"
-            f"for name in {names!r}: importlib.import_module(name)\n"
-            "print('ok')\n")
+    code = (
+        "import importlib, sys\n"
+        f"for m in {OPTIONAL!r}: sys.modules[m] = None  # `import m` raises ImportError\n"
+        f"for name in {names!r}: importlib.import_module(name)\n"
+        "print('ok')\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert out.stdout.strip() == "ok", out.stderr[-2000:]

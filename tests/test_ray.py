@@ -29,8 +29,13 @@ from ragbudget.vectors import FlatStore
 
 REPO = Path(__file__).resolve().parents[1]
 MANPAGES = REPO / "data" / "manpages"
-QUERIES = ("what happens when writing to a pipe with no reader", "close a file descriptor",
-           "errors returned by pipe", "O_NONBLOCK flag", "file locks released on close")
+QUERIES = (
+    "what happens when writing to a pipe with no reader",
+    "close a file descriptor",
+    "errors returned by pipe",
+    "O_NONBLOCK flag",
+    "file locks released on close",
+)
 # Small chunks: two man pages give ~100 of them, enough for several Ray batches and an IVF store.
 SMALL = {"min_tokens": 20, "max_tokens": 60, "embed_batch": 16}
 MARKER = "XYZZY-KILL-THE-WORKER"
@@ -77,11 +82,9 @@ def contents(path: Path) -> dict[str, Any]:
     ids = np.sort(flat.ids())
     with sqlite3.connect(path / m["sqlite"]["file"]) as db:
         chunks = db.execute("SELECT id, text, windows FROM chunks ORDER BY id").fetchall()
-        sources = db.execute("SELECT chunk_id, path, start, \"end\" FROM sources "
-                             "ORDER BY chunk_id, ord").fetchall()
+        sources = db.execute('SELECT chunk_id, path, start, "end" FROM sources ORDER BY chunk_id, ord').fetchall()
     hits = [[(h.chunk_id, round(h.score, 5)) for h in idx.search(q, k=5)] for q in QUERIES]
-    out = {"manifest": m, "chunks": chunks, "sources": sources, "ids": ids,
-           "vectors": flat.vectors(ids), "hits": hits}
+    out = {"manifest": m, "chunks": chunks, "sources": sources, "ids": ids, "vectors": flat.vectors(ids), "hits": hits}
     idx.close()
     return out
 
@@ -97,18 +100,18 @@ def same_index(a: dict[str, Any], b: dict[str, Any], *, atol: float) -> None:
 
 # -- equality with the local executor -----------------------------------------------------------
 
+
 @pytest.mark.parametrize("store", ["flat", "ivf-flat"])
 def test_ray_index_equals_the_local_one(ray_cluster: Any, tmp_path: Path, store: str) -> None:
     docs = corpus(tmp_path)
-    local = Index(tmp_path / "local").build([str(docs)], embedder=HashEmbedder(dim=64),
-                                            store=store, **SMALL)
+    local = Index(tmp_path / "local").build([str(docs)], embedder=HashEmbedder(dim=64), store=store, **SMALL)
     # Two actors for the exact store (shards from both, in any order), one for IVF.
     workers = 2 if store == "flat" else 1
-    ray = Index(tmp_path / "ray").build([str(docs)], embedder=HashEmbedder(dim=64), store=store,
-                                        executor=RayExecutor(workers=workers), **SMALL)
+    ray = Index(tmp_path / "ray").build(
+        [str(docs)], embedder=HashEmbedder(dim=64), store=store, executor=RayExecutor(workers=workers), **SMALL
+    )
     assert ray.chunks_embedded == local.chunks_embedded > 3 * SMALL["embed_batch"]
-    for key in ("chunks_added", "windows_pooled", "windows_embedded", "exact_duplicates",
-                "near_duplicates"):
+    for key in ("chunks_added", "windows_pooled", "windows_embedded", "exact_duplicates", "near_duplicates"):
         assert getattr(ray, key) == getattr(local, key), key
     a, b = contents(tmp_path / "local"), contents(tmp_path / "ray")
     # The hash embedder is deterministic per text: the vectors are the same bits.
@@ -124,8 +127,9 @@ def test_ray_index_with_minilm_equals_the_local_one(ray_cluster: Any, tmp_path: 
 
     docs = corpus(tmp_path)
     Index(tmp_path / "local").build([str(docs)], embedder=SentenceTransformerEmbedder(), **SMALL)
-    Index(tmp_path / "ray").build([str(docs)], embedder=SentenceTransformerEmbedder(),
-                                  executor=RayExecutor(workers=2), **SMALL)
+    Index(tmp_path / "ray").build(
+        [str(docs)], embedder=SentenceTransformerEmbedder(), executor=RayExecutor(workers=2), **SMALL
+    )
     a, b = contents(tmp_path / "local"), contents(tmp_path / "ray")
     # Batches are composed differently on the actors (padding changes the float sums): equal
     # within float tolerance, and the same chunks answer the fixed queries in the same order.
@@ -169,6 +173,7 @@ def test_ray_shards_hold_the_vectors_of_their_positions(ray_cluster: Any) -> Non
 
 # -- failures -----------------------------------------------------------------------------------
 
+
 def test_a_worker_killed_mid_job_keeps_the_previous_generation(ray_cluster: Any, tmp_path: Path) -> None:
     docs = corpus(tmp_path)
     path = tmp_path / "idx"
@@ -193,8 +198,9 @@ def test_a_worker_killed_mid_job_keeps_the_previous_generation(ray_cluster: Any,
     assert Index(path).verify().ok
     assert (path / "embed.checkpoint").exists()
     # A re-run resumes from what the failed job returned and writes what a local run writes.
-    again = Index(path).build([str(docs)], embedder=HashEmbedder(dim=64),
-                              executor=RayExecutor(workers=1, round_size=16), **SMALL)
+    again = Index(path).build(
+        [str(docs)], embedder=HashEmbedder(dim=64), executor=RayExecutor(workers=1, round_size=16), **SMALL
+    )
     assert again.committed and again.generation == 2
     assert again.chunks_resumed >= 16 and again.chunks_embedded >= 1, again
     assert again.chunks_resumed + again.chunks_embedded == again.chunks_added
@@ -202,16 +208,17 @@ def test_a_worker_killed_mid_job_keeps_the_previous_generation(ray_cluster: Any,
     fresh, resumed = contents(tmp_path / "local"), contents(path)
     np.testing.assert_array_equal(
         np.array([v for _, v in sorted(zip([t for _, t, _ in fresh["chunks"]], fresh["vectors"], strict=True))]),
-        np.array([v for _, v in sorted(zip([t for _, t, _ in resumed["chunks"]], resumed["vectors"], strict=True))]))
+        np.array([v for _, v in sorted(zip([t for _, t, _ in resumed["chunks"]], resumed["vectors"], strict=True))]),
+    )
 
 
-def test_a_worker_that_dies_once_is_restarted_and_the_index_is_the_same(
-        ray_cluster: Any, tmp_path: Path) -> None:
+def test_a_worker_that_dies_once_is_restarted_and_the_index_is_the_same(ray_cluster: Any, tmp_path: Path) -> None:
     docs = corpus(tmp_path)
     flag = tmp_path / "die-once"
     flag.touch()
-    got = Index(tmp_path / "ray").build([str(docs)], embedder=DyingOnceEmbedder(64, flag),
-                                        executor=RayExecutor(workers=1, retries=1), **SMALL)
+    got = Index(tmp_path / "ray").build(
+        [str(docs)], embedder=DyingOnceEmbedder(64, flag), executor=RayExecutor(workers=1, retries=1), **SMALL
+    )
     assert not flag.exists()  # a worker did die
     assert got.committed and got.chunks_embedded == got.chunks_added
     Index(tmp_path / "local").build([str(docs)], embedder=HashEmbedder(dim=64), **SMALL)
@@ -237,8 +244,9 @@ def test_an_unreachable_cluster_is_a_one_line_cli_error(tmp_path: Path) -> None:
     manifest = (path / "manifest.json").read_text()
     (docs / "new.txt").write_text("A new file that would need embedding.\n")
     address = f"127.0.0.1:{free_port()}"  # nothing listens there
-    res = CliRunner().invoke(cli, ["index", str(docs), "--index-dir", str(path),
-                                   "--executor", "ray", "--ray-address", address])
+    res = CliRunner().invoke(
+        cli, ["index", str(docs), "--index-dir", str(path), "--executor", "ray", "--ray-address", address]
+    )
     assert res.exit_code == 1, res.output
     lines = res.output.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("Error: cannot reach the Ray cluster at "), res.output
@@ -253,12 +261,12 @@ def test_ray_flags_need_the_ray_executor(tmp_path: Path) -> None:
     from ragbudget.cli import cli
 
     docs = corpus(tmp_path)
-    res = CliRunner().invoke(cli, ["index", str(docs), "--index-dir", str(tmp_path / "idx"),
-                                   "--embed-workers", "2"])
+    res = CliRunner().invoke(cli, ["index", str(docs), "--index-dir", str(tmp_path / "idx"), "--embed-workers", "2"])
     assert res.exit_code == 1 and "apply to --executor ray" in res.output, res.output
     assert not (tmp_path / "idx").exists()
-    res = CliRunner().invoke(cli, ["index", str(docs), "--index-dir", str(tmp_path / "idx"),
-                                   "--executor", "ray", "--embed-workers", "0"])
+    res = CliRunner().invoke(
+        cli, ["index", str(docs), "--index-dir", str(tmp_path / "idx"), "--executor", "ray", "--embed-workers", "0"]
+    )
     assert res.exit_code == 2 and "--embed-workers" in res.output, res.output
 
 
@@ -278,13 +286,21 @@ def test_executor_arguments_are_checked() -> None:
 
 
 def test_ray_is_imported_only_by_the_ray_executor() -> None:
-    code = ("import sys, ragbudget, ragbudget.build, ragbudget.cli, ragbudget.executors, "
-            "ragbudget.index\n"
-            "from ragbudget.executors import RayExecutor\n"
-            "RayExecutor(workers=2)\n"
-            "print(json.dumps(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.'))))")
-    out = subprocess.run([sys.executable, "-c", "import json\n" + code], cwd=REPO, check=True,
-                         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    code = (
+        "import sys, ragbudget, ragbudget.build, ragbudget.cli, ragbudget.executors, "
+        "ragbudget.index\n"
+        "from ragbudget.executors import RayExecutor\n"
+        "RayExecutor(workers=2)\n"
+        "print(json.dumps(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.'))))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", "import json\n" + code],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
 
 

@@ -196,8 +196,7 @@ def test_queued_arrives_in_order_and_pieces_skip_it() -> None:
     go = threading.Event()
     go.set()
     relay = Relay(_queued_then_text(go))
-    assert [relay.next_event() for _ in range(3)] == [Event("queued", None), Event("text", "a"),
-                                                      Event("done", "done")]
+    assert [relay.next_event() for _ in range(3)] == [Event("queued", None), Event("text", "a"), Event("done", "done")]
     go2 = threading.Event()
     go2.set()
     pieces = Relay(_queued_then_text(go2))
@@ -231,8 +230,13 @@ def test_async_queued_and_ticks_as_the_server_streams_them() -> None:
         return events, relay
 
     events, relay = asyncio.run(main())
-    assert events == [Event("queued", None), Event("tick", None), Event("tick", None),
-                      Event("text", "a"), Event("done", "done")]
+    assert events == [
+        Event("queued", None),
+        Event("tick", None),
+        Event("tick", None),
+        Event("text", "a"),
+        Event("done", "done"),
+    ]
     assert relay.result == "done" and not relay.cancel.is_set()
 
     async def pieces() -> list[str]:

@@ -34,8 +34,7 @@ def cases(draw: st.DrawFn) -> tuple[list[Candidate], int, int, bool]:
     rnd = random.Random(draw(st.integers(0, 2**32 - 1)))
     cands, pos = [], 0
     for i in range(n):
-        c = cand(f"c{i}", rnd.randint(1, 120), rnd.uniform(-1, 1), path="p",
-                 start=pos if adjacent else None)
+        c = cand(f"c{i}", rnd.randint(1, 120), rnd.uniform(-1, 1), path="p", start=pos if adjacent else None)
         pos += len(c.text) + rnd.randint(0, 3)
         cands.append(c)
     return cands, budget, overhead, adjacent
@@ -45,8 +44,15 @@ def cases(draw: st.DrawFn) -> tuple[list[Candidate], int, int, bool]:
 @given(cases(), st.sampled_from(["relevance", "document", "lost_in_middle"]), st.booleans())
 def test_never_over_budget_and_every_candidate_accounted(case, order, fill_remainder) -> None:
     cands, budget, overhead, _ = case
-    sel = select_chunks("q", cands, budget_tokens=budget, count_tokens=words,
-                        chunk_overhead=overhead, order=order, fill_remainder=fill_remainder)
+    sel = select_chunks(
+        "q",
+        cands,
+        budget_tokens=budget,
+        count_tokens=words,
+        chunk_overhead=overhead,
+        order=order,
+        fill_remainder=fill_remainder,
+    )
     assert sel.tokens_used <= budget
     assert sel.tokens_used == sum(words(c.text) + overhead for c in sel.chunks)
     used = [cid for c in sel.chunks for cid in c.chunk_ids]
@@ -91,8 +97,7 @@ def test_fills_at_least_95_percent_when_candidates_allow(sizes, overhead, budget
 
 def test_knapsack_beats_top_k_then_truncate() -> None:
     # The best chunk (60) fits; the second (50) does not; three small ones fill the rest.
-    cands = [cand("a", 60, 0.9), cand("b", 50, 0.8), cand("c", 12, 0.7), cand("d", 12, 0.6),
-             cand("e", 12, 0.5)]
+    cands = [cand("a", 60, 0.9), cand("b", 50, 0.8), cand("c", 12, 0.7), cand("d", 12, 0.6), cand("e", 12, 0.5)]
     sel = select_chunks("q", cands, budget_tokens=100, count_tokens=words, fill_remainder=False)
     ids = [c.chunk_id for c in sel.chunks]
     assert ids == ["a", "c", "d", "e"]
@@ -109,11 +114,9 @@ def test_dropped_reasons() -> None:
         cand("low", 5, 0.05),
         cand("big", 95, 0.6),
     ]
-    sel = select_chunks("q", cands, budget_tokens=40, count_tokens=words, min_score=0.1,
-                        fill_remainder=False)
+    sel = select_chunks("q", cands, budget_tokens=40, count_tokens=words, min_score=0.1, fill_remainder=False)
     reasons = {d.chunk_id: d.reason for d in sel.dropped}
-    assert reasons == {"dup": "duplicate", "red": "redundant", "low": "below_cutoff",
-                       "big": "over_budget"}
+    assert reasons == {"dup": "duplicate", "red": "redundant", "low": "below_cutoff", "big": "over_budget"}
     assert [c.chunk_id for c in sel.chunks] == ["a"]
 
 
@@ -155,15 +158,15 @@ def test_truncates_only_the_single_oversize_best_chunk_at_a_sentence() -> None:
     text = "One two three. Four five six. Seven eight nine ten. Eleven twelve."
     big = Candidate("big", text, 0.9, sources=(Source("f", 0, len(text)),))
     small = cand("s", 2, 0.5)
-    sel = select_chunks("q", [big, small], budget_tokens=9, count_tokens=words,
-                        fill_remainder=False)
+    sel = select_chunks("q", [big, small], budget_tokens=9, count_tokens=words, fill_remainder=False)
     first = sel.chunks[0]
     assert first.truncated and first.text == "One two three. Four five six."
     assert first.sources[0].end == len(first.text)
     assert [c.chunk_id for c in sel.chunks] == ["big", "s"] and sel.tokens_used == 8
     # Without fill_remainder a non-best oversize chunk is dropped, never cut.
-    sel2 = select_chunks("q", [small, Candidate("big", text, 0.1)], budget_tokens=9,
-                         count_tokens=words, fill_remainder=False)
+    sel2 = select_chunks(
+        "q", [small, Candidate("big", text, 0.1)], budget_tokens=9, count_tokens=words, fill_remainder=False
+    )
     assert [c.chunk_id for c in sel2.chunks] == ["s"]
     assert [d.reason for d in sel2.dropped] == ["over_budget"]
 
@@ -173,13 +176,16 @@ def test_fill_remainder_cuts_the_next_best_chunk_to_the_window_that_answers() ->
     # them to the small weak chunk and, before fill_remainder, left the other 9 empty (greedy fill
     # reads the 2nd chunk's beginning there). Now they hold the window of the 2nd chunk that
     # holds the question's words.
-    text = ("The guild met in the old hall. Members paid dues every spring. "
-            "The hall burned down in 1871. Afterwards the guild moved away.")
+    text = (
+        "The guild met in the old hall. Members paid dues every spring. "
+        "The hall burned down in 1871. Afterwards the guild moved away."
+    )
     first = cand("a", 38, 0.9, path="f", start=0)
     second = Candidate("b", text, 0.85, sources=(Source("g", 50, 50 + len(text)),))
     weak = cand("c", 3, 0.1)
-    sel = select_chunks("When did the hall burn down?", [first, second, weak], budget_tokens=50,
-                        count_tokens=words, fill_remainder=True)
+    sel = select_chunks(
+        "When did the hall burn down?", [first, second, weak], budget_tokens=50, count_tokens=words, fill_remainder=True
+    )
     by_id = {c.chunk_id: c for c in sel.chunks}
     assert set(by_id) == {"a", "b", "c"} and not by_id["a"].truncated
     assert by_id["b"].truncated and "burned down in 1871." in by_id["b"].text
@@ -188,15 +194,22 @@ def test_fill_remainder_cuts_the_next_best_chunk_to_the_window_that_answers() ->
     assert text[start : start + len(by_id["b"].text)] == by_id["b"].text
     assert sel.dropped == ()
     # Off: the 9 tokens stay empty and the 2nd chunk is dropped (the old behaviour).
-    off = select_chunks("When did the hall burn down?", [first, second, weak], budget_tokens=50,
-                        count_tokens=words, fill_remainder=False)
+    off = select_chunks(
+        "When did the hall burn down?",
+        [first, second, weak],
+        budget_tokens=50,
+        count_tokens=words,
+        fill_remainder=False,
+    )
     assert [c.chunk_id for c in off.chunks] == ["a", "c"] and off.tokens_used == 41
     assert [(d.chunk_id, d.reason) for d in off.dropped] == [("b", "over_budget")]
 
 
 def test_oversize_best_chunk_keeps_the_window_that_answers_the_question() -> None:
-    text = ("The guild met in the old hall. Members paid dues every spring. "
-            "The hall burned down in 1871. Afterwards the guild moved to the harbour office.")
+    text = (
+        "The guild met in the old hall. Members paid dues every spring. "
+        "The hall burned down in 1871. Afterwards the guild moved to the harbour office."
+    )
     big = Candidate("big", text, 0.9, sources=(Source("f", 100, 100 + len(text)),))
     sel = select_chunks("When did the hall burn down?", [big], budget_tokens=12, count_tokens=words)
     (c,) = sel.chunks
@@ -214,22 +227,37 @@ def test_oversize_best_chunk_keeps_the_window_that_answers_the_question() -> Non
 def test_oversize_window_falls_back_to_words_and_weights_rare_terms() -> None:
     # One long "sentence": the cut is a window of words around the rare question word.
     text = " ".join(["river"] * 30 + ["zeppelin", "landed"] + ["river"] * 30)
-    sel = select_chunks("Where did the zeppelin land by the river?", [Candidate("x", text, 1.0)],
-                        budget_tokens=10, count_tokens=words)
+    sel = select_chunks(
+        "Where did the zeppelin land by the river?", [Candidate("x", text, 1.0)], budget_tokens=10, count_tokens=words
+    )
     (c,) = sel.chunks
     assert c.truncated and "zeppelin" in c.text and words(c.text) <= 10
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
-@given(st.lists(st.sampled_from(["Alpha beta.", "Gamma delta epsilon!", "Zeta", "eta?", "\n",
-                                 "theta iota kappa lambda.", "  "]), min_size=1, max_size=40),
-       st.text(max_size=40), st.integers(0, 30), st.integers(0, 5))
+@given(
+    st.lists(
+        st.sampled_from(
+            ["Alpha beta.", "Gamma delta epsilon!", "Zeta", "eta?", "\n", "theta iota kappa lambda.", "  "]
+        ),
+        min_size=1,
+        max_size=40,
+    ),
+    st.text(max_size=40),
+    st.integers(0, 30),
+    st.integers(0, 5),
+)
 def test_best_window_cut_never_overruns(parts, question, budget, overhead) -> None:
     text = " ".join(parts)
     if not text.strip():
         return
-    sel = select_chunks(question, [Candidate("x", text, 1.0, sources=(Source("f", 0, len(text)),))],
-                        budget_tokens=budget, count_tokens=words, chunk_overhead=overhead)
+    sel = select_chunks(
+        question,
+        [Candidate("x", text, 1.0, sources=(Source("f", 0, len(text)),))],
+        budget_tokens=budget,
+        count_tokens=words,
+        chunk_overhead=overhead,
+    )
     assert sel.tokens_used <= budget
     for c in sel.chunks:
         assert c.text and c.text in text
@@ -240,14 +268,12 @@ def test_mmr_prefers_diverse_chunks() -> None:
     a = Candidate("a", "alpha beta gamma delta epsilon zeta", 0.9)
     near = Candidate("near", "alpha beta gamma delta epsilon eta", 0.85)  # 5/6 overlap
     other = Candidate("other", "seven eight nine ten eleven twelve", 0.84)
-    sel = select_chunks("q", [a, near, other], budget_tokens=12, count_tokens=words, lambda_=0.5,
-                        temperature=0.1)
+    sel = select_chunks("q", [a, near, other], budget_tokens=12, count_tokens=words, lambda_=0.5, temperature=0.1)
     assert [c.chunk_id for c in sel.chunks] == ["a", "other"]
 
 
 def test_to_dict_and_fill() -> None:
-    sel = select_chunks("q", [cand("a", 5, 1.0)], budget_tokens=10, count_tokens=words,
-                        chunk_overhead=1)
+    sel = select_chunks("q", [cand("a", 5, 1.0)], budget_tokens=10, count_tokens=words, chunk_overhead=1)
     d = sel.to_dict()
     assert d["tokens_used"] == 6 and d["fill"] == 0.6 and d["chunks"][0]["chunk_ids"] == ["a"]
 
@@ -260,9 +286,11 @@ def test_bad_config() -> None:
 
 
 def test_relevance_floor_drops_weak_candidates_with_their_reason() -> None:
-    hits = [Candidate("a", "Paris is the capital of France.", 0.80),
-            Candidate("b", "France borders Spain and Italy.", 0.45),
-            Candidate("c", "Bananas are yellow.", -0.005)]
+    hits = [
+        Candidate("a", "Paris is the capital of France.", 0.80),
+        Candidate("b", "France borders Spain and Italy.", 0.45),
+        Candidate("c", "Bananas are yellow.", -0.005),
+    ]
     count = lambda s: len(s.split())  # noqa: E731
     full = select_chunks("capital?", hits, budget_tokens=100, count_tokens=count)
     assert [c.chunk_id for c in full.chunks] == ["a", "b", "c"]  # no floor: the budget is filled

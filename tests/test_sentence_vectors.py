@@ -117,21 +117,20 @@ def test_a_question_embeds_no_sentence_when_the_index_stored_them(ix: Index, cor
     kw = dict(tokenizer=tiny_tokenizer(), max_prompt_tokens=600, pack="spans", relevance_floor=0.5)
     a = build_prompt(question, hits, span_scorer=SpanScorer(cold), **kw)  # type: ignore[arg-type]
     warm = Counting()
-    b = build_prompt(question, hits, span_scorer=SpanScorer(warm, stored=Index.open(ix.path).sentence_vectors),
-                     **kw)  # type: ignore[arg-type]
+    b = build_prompt(question, hits, span_scorer=SpanScorer(warm, stored=Index.open(ix.path).sentence_vectors), **kw)  # type: ignore[arg-type]
     assert a.selection.chunks and cold.documents > 0 and warm.documents == 0
     assert [c.text for c in a.selection.chunks] == [c.text for c in b.selection.chunks]
 
 
 def test_an_index_without_sentence_vectors_still_works_and_gains_them_on_its_next_write(
-        ix: Index, corpus: Path) -> None:
+    ix: Index, corpus: Path
+) -> None:
     build(ix, corpus)
     strip_sentence_vectors(ix)
     old = Index.open(ix.path)
     assert old.verify().ok and old.sentence_vectors([1, 2]) == {}
     emb = Counting()
-    sel = Pipeline(ix.path, backend=FakeBackend(), embedder=emb, pack="spans").retrieve(
-        "marker4zz", context_tokens=60)
+    sel = Pipeline(ix.path, backend=FakeBackend(), embedder=emb, pack="spans").retrieve("marker4zz", context_tokens=60)
     assert "marker4zz" in sel.text and emb.documents > 0  # embedded on first use
     # The next write adds them, even with no file changed ...
     s = build(ix, corpus)

@@ -36,14 +36,13 @@ def index_dir(tmp_path_factory: pytest.TempPathFactory, repo_data: Path) -> Path
 
 def _run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "ragbudget", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "ragbudget", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
-def test_pipeline_on_the_engine_fits_a_slot_and_counts_exactly(index_dir: Path,
-                                                               llama_server: str) -> None:
-    pipe = Pipeline(index_dir, engine=llama_server, max_new_tokens=32, relevance_floor=0,
-                    engine_timeout=300)
+def test_pipeline_on_the_engine_fits_a_slot_and_counts_exactly(index_dir: Path, llama_server: str) -> None:
+    pipe = Pipeline(index_dir, engine=llama_server, max_new_tokens=32, relevance_floor=0, engine_timeout=300)
     plan = pipe.engine_plan(question=QUESTION)
     assert plan.kind == "llamacpp" and plan.max_context_tokens <= SLOT
     answer = pipe.ask(QUESTION)
@@ -64,9 +63,12 @@ def test_every_question_fits_however_many_requests_run(index_dir: Path, llama_se
 
     # two CPU cores run four prefills at once here: give the replies time
     pipe = Pipeline(index_dir, engine=llama_server, max_new_tokens=16, engine_timeout=300)
-    questions = [QUESTION, "What does the dup2 system call do?",
-                 "What was Maria Curie the first female recipient of?",
-                 "Where is Warsaw's old town?"]
+    questions = [
+        QUESTION,
+        "What does the dup2 system call do?",
+        "What was Maria Curie the first female recipient of?",
+        "Where is Warsaw's old town?",
+    ]
     with ThreadPoolExecutor(4) as pool:
         answers = list(pool.map(pipe.ask, questions))
     assert all(a.text for a in answers)
@@ -78,14 +80,14 @@ def test_cli_ask_and_budget_with_engine(index_dir: Path, llama_server: str) -> N
     assert r.returncode == 0, r.stderr
     assert "engine: llamacpp" in r.stdout and "GET /props" in r.stdout
     assert "per request:" in r.stdout and "limited by" in r.stdout
-    r = _run("ask", QUESTION, "--engine", llama_server, "--index-dir", str(index_dir),
-             "--max-new-tokens", "24", "--explain")
+    r = _run(
+        "ask", QUESTION, "--engine", llama_server, "--index-dir", str(index_dir), "--max-new-tokens", "24", "--explain"
+    )
     assert r.returncode == 0, r.stderr
     assert "Sources:" in r.stdout and "engine: llamacpp" in r.stdout
     assert "Traceback" not in r.stderr
     # an engine that is not there: one line, exit 1
-    r = _run("ask", QUESTION, "--engine", f"http://127.0.0.1:{free_port()}", "--index-dir",
-             str(index_dir))
+    r = _run("ask", QUESTION, "--engine", f"http://127.0.0.1:{free_port()}", "--index-dir", str(index_dir))
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
 
@@ -96,9 +98,27 @@ def gateway(index_dir: Path, llama_server: str) -> Iterator[str]:
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ragbudget", "-v", "serve", "--engine", llama_server,
-         "--index-dir", str(index_dir), "--port", str(port), "--max-new-tokens", "32"],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-m",
+            "ragbudget",
+            "-v",
+            "serve",
+            "--engine",
+            llama_server,
+            "--index-dir",
+            str(index_dir),
+            "--port",
+            str(port),
+            "--max-new-tokens",
+            "32",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + 120
@@ -126,20 +146,28 @@ def test_serve_engine_with_the_official_openai_client(gateway: str) -> None:
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=f"{gateway}/v1", api_key="unused", max_retries=0)
     model = client.models.list().data[0].id
-    r = client.chat.completions.create(model=model, max_tokens=16,
-                                       messages=[{"role": "user", "content": QUESTION}])
+    r = client.chat.completions.create(model=model, max_tokens=16, messages=[{"role": "user", "content": QUESTION}])
     assert r.choices[0].message.content
     assert r.model_extra["sources"]
     assert r.usage.prompt_tokens + 16 <= SLOT and r.usage.completion_tokens <= 16
     # streaming is passed through
-    pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
-        model=model, max_tokens=16, stream=True, messages=[{"role": "user", "content": QUESTION}])
-        if c.choices]
+    pieces = [
+        c.choices[0].delta.content or ""
+        for c in client.chat.completions.create(
+            model=model, max_tokens=16, stream=True, messages=[{"role": "user", "content": QUESTION}]
+        )
+        if c.choices
+    ]
     assert "".join(pieces).strip()
     # a conversation: history is budgeted by the engine's counts, the prompt still fits a slot
-    history = [{"role": "user", "content": "What is the Debian constitution?"},
-               {"role": "assistant", "content": "It is the document that describes the "
-                "organisational structure for formal decision-making in the Project. " * 5},
-               {"role": "user", "content": "And who elects its leader?"}]
+    history = [
+        {"role": "user", "content": "What is the Debian constitution?"},
+        {
+            "role": "assistant",
+            "content": "It is the document that describes the "
+            "organisational structure for formal decision-making in the Project. " * 5,
+        },
+        {"role": "user", "content": "And who elects its leader?"},
+    ]
     r = client.chat.completions.create(model=model, max_tokens=16, messages=history)
     assert r.choices[0].message.content and r.usage.prompt_tokens + 16 <= SLOT

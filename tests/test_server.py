@@ -103,12 +103,16 @@ def test_openai_client_non_streaming_with_sources() -> None:
     pipe = fake_pipeline()
     question = user()[0]["content"]
     with running(pipe) as url:
-        resp = client(url).chat.completions.create(model=MODEL, messages=[
-            {"role": "system", "content": "Be brief."},
-            {"role": "user", "content": "Earlier question?"},
-            {"role": "assistant", "content": "Earlier answer."},
-            {"role": "user", "content": question},
-        ], max_tokens=4)
+        resp = client(url).chat.completions.create(
+            model=MODEL,
+            messages=[
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Earlier question?"},
+                {"role": "assistant", "content": "Earlier answer."},
+                {"role": "user", "content": question},
+            ],
+            max_tokens=4,
+        )
     assert resp.object == "chat.completion"
     assert resp.choices[0].message.role == "assistant"
     assert resp.choices[0].message.content == "word0 word1 word2 word3"
@@ -120,16 +124,19 @@ def test_openai_client_non_streaming_with_sources() -> None:
     assert extra["sources"][0]["path"] == SOURCE_PATH
     call = fake(pipe).calls[-1]
     assert call["question"] == question and call["max_new_tokens"] == 4
-    assert history_of(call) == [{"role": "system", "content": "Be brief."},
-                                {"role": "user", "content": "Earlier question?"},
-                                {"role": "assistant", "content": "Earlier answer."}]
+    assert history_of(call) == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Earlier question?"},
+        {"role": "assistant", "content": "Earlier answer."},
+    ]
 
 
 def test_openai_client_streaming_with_sources_in_final_chunk() -> None:
     pipe = fake_pipeline(words=5)
     with running(pipe) as url:
-        stream = client(url).chat.completions.create(model=MODEL, messages=user(), stream=True,
-                                                     stream_options={"include_usage": True})
+        stream = client(url).chat.completions.create(
+            model=MODEL, messages=user(), stream=True, stream_options={"include_usage": True}
+        )
         chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == "word0 word1 word2 word3 word4"
@@ -146,8 +153,18 @@ def test_openai_client_sampling_options_reach_the_pipeline() -> None:
     with running(pipe) as url:
         c = client(url)
         c.chat.completions.create(model=MODEL, messages=user(), temperature=0.7, top_p=0.9, seed=42, stop="END")
-        list(c.chat.completions.create(model=MODEL, messages=user(), stream=True, temperature=0, seed=1,
-                                       stop=["a", "b", "c", "d"], presence_penalty=0, max_completion_tokens=3))
+        list(
+            c.chat.completions.create(
+                model=MODEL,
+                messages=user(),
+                stream=True,
+                temperature=0,
+                seed=1,
+                stop=["a", "b", "c", "d"],
+                presence_penalty=0,
+                max_completion_tokens=3,
+            )
+        )
         c.chat.completions.create(model=MODEL, messages=user())
     calls = fake(pipe).calls
     assert (calls[0]["sampling"], calls[0]["stop"]) == (Sampling(temperature=0.7, top_p=0.9, seed=42), ["END"])
@@ -174,8 +191,13 @@ def tiny_url() -> Iterator[str]:
 
     from ragbudget.generate import Generator
 
-    pipe = Pipeline(corpus_index(), generator=Generator.from_objects(tiny_model(), tiny_tokenizer()),
-                    gpu="16GiB", max_new_tokens=20, ttft_target=0)
+    pipe = Pipeline(
+        corpus_index(),
+        generator=Generator.from_objects(tiny_model(), tiny_tokenizer()),
+        gpu="16GiB",
+        max_new_tokens=20,
+        ttft_target=0,
+    )
     with running(pipe, model_name=MODEL) as url:
         yield url
 
@@ -194,13 +216,14 @@ def test_stop_trims_the_answer_streaming_or_not(tiny_url: str) -> None:
     text = full.choices[0].message.content or ""
     assert full.choices[0].finish_reason == "length"
     stop = printable_stop(text)
-    expected = text[:text.index(stop)].strip()
+    expected = text[: text.index(stop)].strip()
     cut = c.chat.completions.create(model=MODEL, messages=user(TINY_QUESTION), max_tokens=20, stop=[stop, "zzz"])
     assert cut.choices[0].message.content == expected and cut.choices[0].finish_reason == "stop"
     assert cut.usage is not None and full.usage is not None
     assert cut.usage.completion_tokens < full.usage.completion_tokens  # generation really stopped
-    chunks = list(c.chat.completions.create(model=MODEL, messages=user(TINY_QUESTION), max_tokens=20, stop=stop,
-                                            stream=True))
+    chunks = list(
+        c.chat.completions.create(model=MODEL, messages=user(TINY_QUESTION), max_tokens=20, stop=stop, stream=True)
+    )
     streamed = _stream_text(chunks)
     assert stop not in streamed and streamed.strip() == expected
     assert chunks[-1].choices[0].finish_reason == "stop"
@@ -639,10 +662,21 @@ def test_a_burst_on_the_real_model_gets_200_or_429_and_honoured_retries_get_in(t
     pipe.generator.warm_up()  # as `serve` does before listening: the model, then admission
     pipe.admission_note()  # sized from the loaded model's plan and its measured speed
     assert pipe.admission.throughput is not None  # the time rule is on
-    questions = ["Which system call creates a pipe?", "What does dup2 do?", "What does close return?",
-                 "What is a file descriptor?"]
-    bodies = [{"model": "ragbudget", "stream": True, "max_tokens": 8,
-               "messages": [{"role": "user", "content": questions[i % 4] + f" ({i})"}]} for i in range(8)]
+    questions = [
+        "Which system call creates a pipe?",
+        "What does dup2 do?",
+        "What does close return?",
+        "What is a file descriptor?",
+    ]
+    bodies = [
+        {
+            "model": "ragbudget",
+            "stream": True,
+            "max_tokens": 8,
+            "messages": [{"role": "user", "content": questions[i % 4] + f" ({i})"}],
+        }
+        for i in range(8)
+    ]
     with running(pipe) as url:
         rows = burst_with_one_retry(url, bodies, timeout=600)
         metrics = httpx.get(url + "/metrics").text
@@ -697,7 +731,8 @@ def test_full_queue_is_refused_before_any_retrieval_work() -> None:
 
 
 def test_a_request_whose_first_token_would_miss_the_timeout_is_429_before_retrieval(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """With the controller saturated for time, the 429 (with a bounded Retry-After) comes back
     before retrieval and prompt building, which on a loaded host take longer than the answer."""
     from ragbudget.admission import Throughput
@@ -726,8 +761,7 @@ def test_a_request_whose_first_token_would_miss_the_timeout_is_429_before_retrie
         assert int(again.headers["retry-after"]) > int(r.headers["retry-after"])
         assert "ragbudget_refused_before_retrieval_total 2" in httpx.get(url + "/metrics").text
         held.release()  # the host is free: the same request runs
-        ok = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": user()},
-                        timeout=30)
+        ok = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": user()}, timeout=30)
         assert ok.status_code == 200 and len(searched) == 1, ok.text  # promises never block
         assert time.perf_counter() - t0 < 30
 
@@ -1190,8 +1224,9 @@ def test_a_client_that_honours_retry_after_once_gets_its_200_on_a_host_slower_th
     body it refused and keeps that client's place (it queues, and may wait past the time-out)."""
     from ragbudget.admission import Throughput
 
-    pipe = fake_pipeline(slots=2, max_queue=16, timeout=1.0, words=10, token_delay=0.1,
-                         index_dir=corpus_index("hash:256"))
+    pipe = fake_pipeline(
+        slots=2, max_queue=16, timeout=1.0, words=10, token_delay=0.1, index_dir=corpus_index("hash:256")
+    )
     # Modelled: ~0.5 s a request alone (a ~300-token prefill 0.15 s, its 700 answer tokens
     # reserved at 0.5 ms); really ~1 s (10 words 0.1 s apart).
     pipe.admission.configure(throughput=Throughput(prefill_a=0.0005, decode_s=0.0005))
@@ -1215,8 +1250,7 @@ def test_a_streamed_return_that_claimed_its_place_starts_at_once_and_is_kept_ali
     for its turn, then the answer — where a non-keyed wait would hit the time-out and a 429."""
     from ragbudget.admission import Throughput
 
-    pipe = fake_pipeline(slots=2, max_queue=4, timeout=0.5, words=3,
-                         index_dir=corpus_index("hash:256"))
+    pipe = fake_pipeline(slots=2, max_queue=4, timeout=0.5, words=3, index_dir=corpus_index("hash:256"))
     ctl = pipe.admission
     ctl.configure(throughput=Throughput(prefill_a=0.0005, decode_s=0.0005))
     held = ctl.acquire(2 * WINDOW, prompt_tokens=2 * WINDOW - 1)  # the whole cache, ~1 s of work
@@ -1245,8 +1279,7 @@ def test_the_same_body_from_another_client_does_not_take_a_returning_clients_pla
     one refused is claimed by it coming back, not by the other arriving at that moment."""
     from ragbudget.admission import Throughput
 
-    pipe = fake_pipeline(slots=2, max_queue=4, timeout=0.5, words=3,
-                         index_dir=corpus_index("hash:256"))
+    pipe = fake_pipeline(slots=2, max_queue=4, timeout=0.5, words=3, index_dir=corpus_index("hash:256"))
     ctl = pipe.admission
     ctl.configure(throughput=Throughput(prefill_a=0.0005, decode_s=0.0005))
     held = ctl.acquire(2 * WINDOW, prompt_tokens=2 * WINDOW - 1)  # the whole cache
@@ -1352,7 +1385,8 @@ def test_engine_without_metrics_admits_and_says_admission_is_open(tmp_path: Path
 
 
 def test_time_capped_plan_is_named_in_memory_and_a_long_question_is_answered_by_ask_and_chat(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """On a host where prefill runs 1 ms a token, a 0.2 s target caps the prompt at 200 tokens.
     A question longer than that is not refused by either path (memory and the window allow it;
     time only shortens the context), and the response's ``ragbudget.memory`` says the per-request
@@ -1364,10 +1398,16 @@ def test_time_capped_plan_is_named_in_memory_and_a_long_question_is_answered_by_
     from ragbudget.chat import Conversation
     from ragbudget.generate import Generator
 
-    monkeypatch.setattr(ragbudget.budget, "lookup_prefill_speed",
-                        lambda model, device: {"a": 0.001, "b": 0.0, "decode_s": 0.01})
-    pipe = Pipeline(corpus_index("hash:256"), max_new_tokens=4, gpu="16GiB", ttft_target=0.2,
-                    generator=Generator.from_objects(tiny_model(), tiny_tokenizer()))
+    monkeypatch.setattr(
+        ragbudget.budget, "lookup_prefill_speed", lambda model, device: {"a": 0.001, "b": 0.0, "decode_s": 0.01}
+    )
+    pipe = Pipeline(
+        corpus_index("hash:256"),
+        max_new_tokens=4,
+        gpu="16GiB",
+        ttft_target=0.2,
+        generator=Generator.from_objects(tiny_model(), tiny_tokenizer()),
+    )
     assert pipe.plan.limited_by == "time" and pipe.plan.max_prompt_tokens == 200
     question = "How is the KV cache budget computed? " + "Answer with care. " * 20  # ~400 tokens
     answer = pipe.ask(question)
@@ -1379,7 +1419,8 @@ def test_time_capped_plan_is_named_in_memory_and_a_long_question_is_answered_by_
     assert turn.budget.limited_by == "time" and not turn.budget.overrun
     assert turn.budget.prompt_allowed == answer.report["budget"]["fixed_prompt_tokens"] + 256
     r = TestClient(create_app(pipe, model_name=MODEL)).post(
-        "/v1/chat/completions", json={"model": MODEL, "messages": user(question)})
+        "/v1/chat/completions", json={"model": MODEL, "messages": user(question)}
+    )
     assert r.status_code == 200, r.text
     assert r.json()["ragbudget"]["memory"]["limited_by"] == "time"
     assert r.json()["ragbudget"]["budget"]["limited_by"] == "time"

@@ -22,8 +22,16 @@ from ragbudget.settings import (
     RetrievalSettings,
 )
 
-RECORDS = (RetrievalSettings, MemorySettings, QueueSettings, EngineSettings, HistorySettings,
-           ChunkSettings, DedupSettings, QuantizedCacheSettings)
+RECORDS = (
+    RetrievalSettings,
+    MemorySettings,
+    QueueSettings,
+    EngineSettings,
+    HistorySettings,
+    ChunkSettings,
+    DedupSettings,
+    QuantizedCacheSettings,
+)
 
 # (record, the one bad field, the error, what its message says)
 BAD = [
@@ -72,10 +80,12 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize(("cls", "kwargs", "error", "match"), BAD,
-                         ids=[f"{c.__name__}-{'-'.join(k)}" for c, k, _, _ in BAD])
-def test_a_bad_field_is_refused_when_the_record_is_built(cls: type, kwargs: dict[str, Any], error: type,
-                                                         match: str) -> None:
+@pytest.mark.parametrize(
+    ("cls", "kwargs", "error", "match"), BAD, ids=[f"{c.__name__}-{'-'.join(k)}" for c, k, _, _ in BAD]
+)
+def test_a_bad_field_is_refused_when_the_record_is_built(
+    cls: type, kwargs: dict[str, Any], error: type, match: str
+) -> None:
     with pytest.raises(error, match=match) as e:
         cls(**kwargs)
     assert "\n" not in str(e.value)  # one line, for the CLI to print
@@ -124,24 +134,42 @@ def test_the_engine_key_is_never_shown() -> None:
 def test_flat_keywords_and_records_build_equal_pipelines(tmp_path: Path) -> None:
     from ragbudget.pipeline import Pipeline
 
-    flat = Pipeline(tmp_path, fetch_k=20, fusion="rrf", lexical_weight=0.3, pack="chunks",
-                    fill_remainder=True, gpu="24GiB", concurrency=3, max_new_tokens=64, cache="static",
-                    ttft_target=0, queue_size=5, queue_timeout=2, engine="http://127.0.0.1:9/v1",
-                    engine_kind="vllm", engine_timeout=5)
+    flat = Pipeline(
+        tmp_path,
+        fetch_k=20,
+        fusion="rrf",
+        lexical_weight=0.3,
+        pack="chunks",
+        fill_remainder=True,
+        gpu="24GiB",
+        concurrency=3,
+        max_new_tokens=64,
+        cache="static",
+        ttft_target=0,
+        queue_size=5,
+        queue_timeout=2,
+        engine="http://127.0.0.1:9/v1",
+        engine_kind="vllm",
+        engine_timeout=5,
+    )
     records = Pipeline(
         tmp_path,
-        retrieval=RetrievalSettings(fetch_k=20, fusion="rrf", lexical_weight=0.3, pack="chunks",
-                                    fill_remainder=True),
+        retrieval=RetrievalSettings(fetch_k=20, fusion="rrf", lexical_weight=0.3, pack="chunks", fill_remainder=True),
         memory=MemorySettings(gpu="24GiB", concurrency=3, max_new_tokens=64, cache="static", ttft_target=0),
         queue=QueueSettings(size=5, timeout=2),
-        engine=EngineSettings(url="http://127.0.0.1:9/v1", kind="vllm", timeout=5))
+        engine=EngineSettings(url="http://127.0.0.1:9/v1", kind="vllm", timeout=5),
+    )
     for name in ("retrieval", "memory", "queue", "engine"):
         assert getattr(flat, name) == getattr(records, name), name
     assert repr(flat) == repr(records)
     # Defaults are the records' defaults.
     plain = Pipeline(tmp_path)
     assert (plain.retrieval, plain.memory, plain.queue, plain.engine) == (
-        RetrievalSettings(), MemorySettings(), QueueSettings(), EngineSettings())
+        RetrievalSettings(),
+        MemorySettings(),
+        QueueSettings(),
+        EngineSettings(),
+    )
     # The flat names still read the settings, from the records, and cannot be changed.
     assert (flat.fetch_k, flat.concurrency, flat.queue_size, flat.queue_timeout) == (20, 3, 5, 2.0)
     with pytest.raises(AttributeError, match=r"dataclasses.replace\(old.retrieval, fetch_k=...\)"):
@@ -166,14 +194,18 @@ def test_flat_and_record_search_the_same(tmp_path: Path) -> None:
     assert flat == record != ranked(Pipeline(tmp_path / "idx", hybrid=False))
 
 
-@pytest.mark.parametrize(("record", "flat"), [
-    ({"retrieval": RetrievalSettings()}, {"fetch_k": 10}),
-    ({"memory": MemorySettings()}, {"concurrency": 2}),
-    ({"queue": QueueSettings()}, {"queue_size": 2}),
-    ({"engine": EngineSettings(url="http://127.0.0.1:9/v1")}, {"engine_kind": "vllm"}),
-])
-def test_a_record_with_its_flat_keywords_is_refused(tmp_path: Path, record: dict[str, Any],
-                                                    flat: dict[str, Any]) -> None:
+@pytest.mark.parametrize(
+    ("record", "flat"),
+    [
+        ({"retrieval": RetrievalSettings()}, {"fetch_k": 10}),
+        ({"memory": MemorySettings()}, {"concurrency": 2}),
+        ({"queue": QueueSettings()}, {"queue_size": 2}),
+        ({"engine": EngineSettings(url="http://127.0.0.1:9/v1")}, {"engine_kind": "vllm"}),
+    ],
+)
+def test_a_record_with_its_flat_keywords_is_refused(
+    tmp_path: Path, record: dict[str, Any], flat: dict[str, Any]
+) -> None:
     from ragbudget.pipeline import Pipeline
 
     (keyword,), (name,) = record, flat
@@ -216,11 +248,15 @@ def test_index_build_chunk_and_dedup_records(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="near_threshold must be in"):
         Index(tmp_path / "x").build([docs], embedder=HashEmbedder(32), near_threshold=1.5)
     assert not (tmp_path / "x").exists()  # refused before anything was written
-    flat = Index(tmp_path / "flat").build([docs], embedder=HashEmbedder(32), min_tokens=50, max_tokens=100,
-                                          dedup="exact")
-    record = Index(tmp_path / "rec").build([docs], embedder=HashEmbedder(32),
-                                           chunking=ChunkSettings(min_tokens=50, max_tokens=100),
-                                           dedup=DedupSettings(mode="exact"))
+    flat = Index(tmp_path / "flat").build(
+        [docs], embedder=HashEmbedder(32), min_tokens=50, max_tokens=100, dedup="exact"
+    )
+    record = Index(tmp_path / "rec").build(
+        [docs],
+        embedder=HashEmbedder(32),
+        chunking=ChunkSettings(min_tokens=50, max_tokens=100),
+        dedup=DedupSettings(mode="exact"),
+    )
     assert flat.chunks_total == record.chunks_total > 1
     a, b = Index.open(tmp_path / "flat").stats(), Index.open(tmp_path / "rec").stats()
     assert (a["chunking"], a["dedup"]) == (b["chunking"], b["dedup"])
@@ -230,11 +266,26 @@ def test_index_build_chunk_and_dedup_records(tmp_path: Path) -> None:
 def test_estimate_kv_quantized_record_or_keywords() -> None:
     from ragbudget.kvcache import estimate_kv
 
-    cfg = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 256, "num_attention_heads": 4,
-           "num_key_value_heads": 2, "torch_dtype": "bfloat16"}
+    cfg = {
+        "model_type": "llama",
+        "num_hidden_layers": 2,
+        "hidden_size": 256,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "torch_dtype": "bfloat16",
+    }
     q = QuantizedCacheSettings(quant_backend="hqq", nbits=2, q_group_size=32, residual_length=16, q_axis=1)
-    flat = estimate_kv(cfg, 1000, cache="quantized", quant_backend="hqq", nbits=2, q_group_size=32,
-                       residual_length=16, q_axis=1, normalize=False)
+    flat = estimate_kv(
+        cfg,
+        1000,
+        cache="quantized",
+        quant_backend="hqq",
+        nbits=2,
+        q_group_size=32,
+        residual_length=16,
+        q_axis=1,
+        normalize=False,
+    )
     record = estimate_kv(cfg, 1000, cache="quantized", quantized=q, normalize=False)
     assert flat == record
     assert record.steady_bytes < estimate_kv(cfg, 1000, cache="quantized", normalize=False).steady_bytes

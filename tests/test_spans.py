@@ -84,8 +84,7 @@ def doc_with(text: str, at: int = 700, path: str = "guide.pdf", page: int | None
     """A file's text holding ``text`` at offset ``at``, and the candidate of that chunk."""
     filler = "x" * (at - 1) + "\n"
     doc = filler + text + "\nTrailer text of the file."
-    cand = Candidate("c1", text, 0.8,
-                     sources=(Source(path, at, at + len(text), page_start=page, page_end=page),))
+    cand = Candidate("c1", text, 0.8, sources=(Source(path, at, at + len(text), page_start=page, page_end=page),))
     return doc, cand
 
 
@@ -99,12 +98,12 @@ def test_exact_fit_after_chat_template_where_the_chunk_never_fits(which, context
     b = PromptBuilder(tok)
     q = "When was the foghorn added to the lighthouse?"
     _, cand = doc_with(LIGHTHOUSE)
-    other = Candidate("c2", "Ardmore is a fishing village with a harbour and a church.", 0.7,
-                      sources=(Source("village.txt", 0, 57),))
+    other = Candidate(
+        "c2", "Ardmore is a fishing village with a harbour and a church.", 0.7, sources=(Source("village.txt", 0, 57),)
+    )
     assert b.count(b.block(cand, 9)) > 256 + 100  # the whole chunk could never fit
     fixed = b.fixed_tokens(q)
-    p = build_prompt(q, [cand, other], tokenizer=tok, max_prompt_tokens=fixed + context,
-                     builder=b, pack="spans")
+    p = build_prompt(q, [cand, other], tokenizer=tok, max_prompt_tokens=fixed + context, builder=b, pack="spans")
     ref = ids_of(tok, p.messages)
     assert list(p.input_ids) == ref and len(ref) <= fixed + context
     # Fixed cost + each block's own count is the rendered length, exactly, and what was charged
@@ -116,8 +115,7 @@ def test_exact_fit_after_chat_template_where_the_chunk_never_fits(which, context
     assert "A foghorn was added in 1902" in p.selection.text
     # Packing sentences fills the allowance the whole-chunk packer leaves empty or cuts.
     assert p.selection.tokens_used >= context - 60
-    whole = build_prompt(q, [cand, other], tokenizer=tok, max_prompt_tokens=fixed + context,
-                         builder=b)
+    whole = build_prompt(q, [cand, other], tokenizer=tok, max_prompt_tokens=fixed + context, builder=b)
     assert whole.selection.pack == "chunks" and not whole.selection.chunks[0].spans
 
 
@@ -129,10 +127,14 @@ def test_never_over_budget_and_every_chunk_accounted(seed, budget, overhead) -> 
     cands = []
     for i in range(rnd.randint(0, 8)):
         picked = rnd.sample(sentences, rnd.randint(1, 8))
-        cands.append(Candidate(f"c{i}", " ".join(picked), rnd.uniform(0.3, 0.9),
-                               sources=(Source(f"f{i % 3}", 100 * i, 100 * i + 5),)))
-    sel = select_spans("when did the keepers leave the rock", cands, budget_tokens=budget,
-                       count_tokens=words, chunk_overhead=overhead)
+        cands.append(
+            Candidate(
+                f"c{i}", " ".join(picked), rnd.uniform(0.3, 0.9), sources=(Source(f"f{i % 3}", 100 * i, 100 * i + 5),)
+            )
+        )
+    sel = select_spans(
+        "when did the keepers leave the rock", cands, budget_tokens=budget, count_tokens=words, chunk_overhead=overhead
+    )
     assert sel.tokens_used <= budget
     assert sel.tokens_used == sum(words(c.text) + overhead for c in sel.chunks)
     used = [cid for c in sel.chunks for cid in c.chunk_ids]
@@ -146,8 +148,9 @@ def test_never_over_budget_and_every_chunk_accounted(seed, budget, overhead) -> 
 
 def test_span_offsets_map_back_to_the_exact_source_text() -> None:
     doc, cand = doc_with(LIGHTHOUSE, at=1234, page=7)
-    sel = select_spans("How tall is the tower and how thick are its walls?", [cand],
-                       budget_tokens=60, count_tokens=words)
+    sel = select_spans(
+        "How tall is the tower and how thick are its walls?", [cand], budget_tokens=60, count_tokens=words
+    )
     spans = sel.chunks[0].spans
     assert len(spans) >= 2
     for s in spans + sel.spans_dropped:
@@ -167,8 +170,9 @@ def test_span_offsets_through_a_real_index(tmp_path: Path) -> None:
     idx = Index(tmp_path / "idx")
     idx.build([path], embedder=HashEmbedder(dim=64))
     hits = idx.search("When was the station automated?", k=5, hybrid=False)
-    sel = select_spans("When was the station automated?", hits, budget_tokens=40,
-                       count_tokens=words, scorer=SpanScorer(idx.embedder))
+    sel = select_spans(
+        "When was the station automated?", hits, budget_tokens=40, count_tokens=words, scorer=SpanScorer(idx.embedder)
+    )
     text = path.read_text()
     assert sel.chunks and "automated in 1988" in sel.text
     for c in sel.chunks:
@@ -184,10 +188,10 @@ def test_spans_in_document_order_within_a_passage_and_a_file() -> None:
     second = "The lens was made in Paris. The harbour office monitors the light. Gulls nest there."
     a = Candidate("a", first, 0.70, sources=(Source("f.txt", 0, len(first)),))
     b = Candidate("b", second, 0.75, sources=(Source("f.txt", 500, 500 + len(second)),))
-    c = Candidate("c", "Boat trips to the lens museum run in July.", 0.72,
-                  sources=(Source("g.txt", 0, 42),))
-    sel = select_spans("Where was the lens made and where is the lens shown?", [a, b, c],
-                       budget_tokens=60, count_tokens=words)
+    c = Candidate("c", "Boat trips to the lens museum run in July.", 0.72, sources=(Source("g.txt", 0, 42),))
+    sel = select_spans(
+        "Where was the lens made and where is the lens shown?", [a, b, c], budget_tokens=60, count_tokens=words
+    )
     # File f.txt ranks first (its best chunk, b, scores highest) but its passages go in file
     # order: a (offset 0) before b (offset 500); g.txt after.
     paths = [(p.sources[0].path, p.sources[0].start) for p in sel.chunks]
@@ -218,39 +222,47 @@ def test_neighbour_rule_pronoun_connective_and_list_lead_in() -> None:
     assert spans["It used a paraffin lamp behind a revolving lens made in Paris."] == "question"
     assert spans["The light was first lit on 1 February 1847."] == "neighbour"
 
-    steps = ("Intro line about the kit. To replace the lens you need:\n- a soft cloth\n"
-             "- two gaskets\n- the torque wrench\nAfter that, polish the brass.")
+    steps = (
+        "Intro line about the kit. To replace the lens you need:\n- a soft cloth\n"
+        "- two gaskets\n- the torque wrench\nAfter that, polish the brass."
+    )
     # 6 + 1 (the joiner) + 4 words.
-    sel = select_spans("torque wrench", [Candidate("k", steps, 0.9)], budget_tokens=11,
-                       count_tokens=words)
+    sel = select_spans("torque wrench", [Candidate("k", steps, 0.9)], budget_tokens=11, count_tokens=words)
     got = [(s.text, s.why) for s in sel.chunks[0].spans]
     # The third list item brings its lead-in, not the items between.
-    assert got == [("To replace the lens you need:", "neighbour"),
-                   ("- the torque wrench", "question")]
+    assert got == [("To replace the lens you need:", "neighbour"), ("- the torque wrench", "question")]
     assert sel.chunks[0].text == f"To replace the lens you need:{JOINER}- the torque wrench"
     # A sentence that stands alone brings nothing.
-    sel = select_spans("intro kit", [Candidate("k", steps, 0.9)], budget_tokens=5,
-                       count_tokens=words)
-    assert [(s.text, s.why) for s in sel.chunks[0].spans] == [("Intro line about the kit.",
-                                                               "question")]
+    sel = select_spans("intro kit", [Candidate("k", steps, 0.9)], budget_tokens=5, count_tokens=words)
+    assert [(s.text, s.why) for s in sel.chunks[0].spans] == [("Intro line about the kit.", "question")]
 
 
 def test_redundancy_across_spans_of_different_chunks() -> None:
-    a = Candidate("a", "The light was first lit on 1 February 1847 at dusk. Gulls nest on the rock.",
-                  0.9, sources=(Source("a.txt", 0, 80),))
-    b = Candidate("b", "On 1 February 1847 at dusk, the light was first lit. Seals rest nearby.",
-                  0.89, sources=(Source("b.txt", 0, 80),))
-    c = Candidate("c", "The light was first lit on 1 February 1847 at dusk. Terns fly here.",
-                  0.88, sources=(Source("c.txt", 0, 80),))
-    sel = select_spans("When was the light first lit?", [a, b, c], budget_tokens=200,
-                       count_tokens=words)
+    a = Candidate(
+        "a",
+        "The light was first lit on 1 February 1847 at dusk. Gulls nest on the rock.",
+        0.9,
+        sources=(Source("a.txt", 0, 80),),
+    )
+    b = Candidate(
+        "b",
+        "On 1 February 1847 at dusk, the light was first lit. Seals rest nearby.",
+        0.89,
+        sources=(Source("b.txt", 0, 80),),
+    )
+    c = Candidate(
+        "c",
+        "The light was first lit on 1 February 1847 at dusk. Terns fly here.",
+        0.88,
+        sources=(Source("c.txt", 0, 80),),
+    )
+    sel = select_spans("When was the light first lit?", [a, b, c], budget_tokens=200, count_tokens=words)
     assert sel.text.count("1847") == 1
     why = {(s.chunk_id, s.text[:6]): s.why for s in sel.spans_dropped}
     assert why[("b", "On 1 F")] == "redundant"
     assert why[("c", "The li")] == "duplicate"
     # With the redundancy filter off (threshold above 1), the reworded one goes in too.
-    sel = select_spans("When was the light first lit?", [a, b], budget_tokens=200,
-                       count_tokens=words, redundancy=1.01)
+    sel = select_spans("When was the light first lit?", [a, b], budget_tokens=200, count_tokens=words, redundancy=1.01)
     assert sel.text.count("1847") == 2
 
 
@@ -262,8 +274,7 @@ def test_default_pool_reaches_past_the_best_chunk_at_a_small_budget() -> None:
     answer = "The harbour master recorded nineteen whales near Ardmore in 1902."
     first = Candidate(1, filler, 0.9, sources=(Source("a.txt", 0, len(filler)),))
     other = " ".join(f"Bay {i} of the storehouse kept rope and lamp oil in spring." for i in range(4))
-    second = Candidate(2, other + " " + answer, 0.8,
-                       sources=(Source("b.txt", 0, len(other) + 1 + len(answer)),))
+    second = Candidate(2, other + " " + answer, 0.8, sources=(Source("b.txt", 0, len(other) + 1 + len(answer)),))
     q = "How many whales did the harbour master record near Ardmore?"
     narrow = select_spans(q, [first, second], budget_tokens=12, count_tokens=words, pool=3)
     assert answer not in narrow.text
@@ -274,26 +285,22 @@ def test_default_pool_reaches_past_the_best_chunk_at_a_small_budget() -> None:
 def test_split_sentences_abbreviations_initials_and_lines() -> None:
     t = "Mr. Brodie (b. 1799) met J. Smith on St. Kilda. Costs rose, e.g. for stone. Done!\nNext"
     got = [t[a:b] for a, b, _ in split_sentences(t)]
-    assert got == ["Mr. Brodie (b. 1799) met J. Smith on St. Kilda.",
-                   "Costs rose, e.g. for stone.", "Done!", "Next"]
+    assert got == ["Mr. Brodie (b. 1799) met J. Smith on St. Kilda.", "Costs rose, e.g. for stone.", "Done!", "Next"]
 
 
 # -- the answer sentence, hand-written cases -----------------------------------------------------
 
 # (question, the sentence that answers it — chosen by hand, not by the code)
 CASES = [
-    ("Who was the engineer of the lighthouse?",
-     "Construction began in 1841 under the engineer Alan Brodie."),
-    ("How often did supply boats come?",
-     "Supplies came by boat every two weeks when the weather allowed."),
-    ("Which steamer ran aground near the rock?",
-     "A foghorn was added in 1902 after the steamer Halcyon ran aground nearby."),
-    ("When did electric power replace paraffin?",
-     "Electric power replaced the paraffin lamp in 1966."),
-    ("Where is the light monitored from today?",
-     "Today the light is monitored from the harbour office at Ardmore."),
-    ("In which months do boat trips run?",
-     "Boat trips to the rock run on calm days in July and August."),
+    ("Who was the engineer of the lighthouse?", "Construction began in 1841 under the engineer Alan Brodie."),
+    ("How often did supply boats come?", "Supplies came by boat every two weeks when the weather allowed."),
+    (
+        "Which steamer ran aground near the rock?",
+        "A foghorn was added in 1902 after the steamer Halcyon ran aground nearby.",
+    ),
+    ("When did electric power replace paraffin?", "Electric power replaced the paraffin lamp in 1966."),
+    ("Where is the light monitored from today?", "Today the light is monitored from the harbour office at Ardmore."),
+    ("In which months do boat trips run?", "Boat trips to the rock run on calm days in July and August."),
 ]
 
 
@@ -304,23 +311,26 @@ def test_answer_sentence_is_picked_at_a_tight_budget(question, answer, tiny) -> 
     # 128 byte-tokens: room for about one sentence and its label, out of 24. Lexical evidence
     # only (no embedder): the words of these questions are in their answers.
     fixed = b.fixed_tokens(question)
-    p = build_prompt(question, [cand], tokenizer=tiny, max_prompt_tokens=fixed + 128, builder=b,
-                     pack="spans")
+    p = build_prompt(question, [cand], tokenizer=tiny, max_prompt_tokens=fixed + 128, builder=b, pack="spans")
     assert answer in p.selection.text
     assert p.n_tokens <= fixed + 128
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("question", "answer"), [
-    *CASES,
-    # No content word of the question is in the answer: only the embedding can find it.
-    ("What happened to the building work in the cold season?",
-     "In winter the sea made landing impossible, so work stopped from October to April."),
-])
+@pytest.mark.parametrize(
+    ("question", "answer"),
+    [
+        *CASES,
+        # No content word of the question is in the answer: only the embedding can find it.
+        (
+            "What happened to the building work in the cold season?",
+            "In winter the sea made landing impossible, so work stopped from October to April.",
+        ),
+    ],
+)
 def test_answer_sentence_with_the_packaged_embedder(question, answer, packaged_scorer) -> None:
     _, cand = doc_with(LIGHTHOUSE)
-    sel = select_spans(question, [cand], budget_tokens=20, count_tokens=words,
-                       scorer=packaged_scorer)
+    sel = select_spans(question, [cand], budget_tokens=20, count_tokens=words, scorer=packaged_scorer)
     assert answer in sel.text
 
 
@@ -330,8 +340,7 @@ def _one_chunk(text: str) -> object:
 
 def test_answer_type_cue_prefers_the_sentence_with_what_the_question_asks_for() -> None:
     # The first sentence repeats the question's words; only the second holds a year.
-    hit = _one_chunk("The harbour wall was rebuilt, the harbour wall again. "
-                     "Masons finished the harbour wall in 1887.")
+    hit = _one_chunk("The harbour wall was rebuilt, the harbour wall again. Masons finished the harbour wall in 1887.")
     q = "When was the harbour wall rebuilt?"
     plain = select_spans(q, [hit], budget_tokens=9, count_tokens=words)
     cued = select_spans(q, [hit], budget_tokens=9, count_tokens=words, cue_weight=0.5)
@@ -343,14 +352,18 @@ def test_answer_type_cue_prefers_the_sentence_with_what_the_question_asks_for() 
     assert "Moray" in select_spans(q, [hit], budget_tokens=9, count_tokens=words, cue_weight=1.0).text
     # A question word that says nothing of the answer's kind: the cue changes nothing.
     q = "Why was the harbour wall rebuilt?"
-    assert (select_spans(q, [hit], budget_tokens=9, count_tokens=words, cue_weight=0.5).text
-            == select_spans(q, [hit], budget_tokens=9, count_tokens=words).text)
+    assert (
+        select_spans(q, [hit], budget_tokens=9, count_tokens=words, cue_weight=0.5).text
+        == select_spans(q, [hit], budget_tokens=9, count_tokens=words).text
+    )
 
 
 def test_context_weight_brings_the_sentence_after_the_matching_one_into_reach() -> None:
     # The question's words are in the first sentence of the pair; the answer follows it.
-    hit = _one_chunk("Gulls nest on the cliffs. The keeper logged the storm damage each night. "
-                     "Repairs took eleven weeks. Seals rest on the rocks below.")
+    hit = _one_chunk(
+        "Gulls nest on the cliffs. The keeper logged the storm damage each night. "
+        "Repairs took eleven weeks. Seals rest on the rocks below."
+    )
     q = "What did the keeper log each night about the storm damage?"
     scores = {}
     for c in (0.0, 0.5):
@@ -419,12 +432,15 @@ def test_oversize_sentence_falls_back_to_a_cut_window() -> None:
 
 def test_explain_shows_spans_costs_and_what_was_left_out() -> None:
     _, cand = doc_with(LIGHTHOUSE, at=1000)
-    sel = select_spans("When was the foghorn added?", [cand], budget_tokens=40,
-                       count_tokens=words, chunk_overhead=3)
-    report = {"budget": {}, "plan": {}, "pack": sel.pack,
-              "selection": [p.to_dict() for p in sel.chunks],
-              "dropped": [d.to_dict() for d in sel.dropped],
-              "spans_dropped": [s.to_dict() | {"text": None} for s in sel.spans_dropped]}
+    sel = select_spans("When was the foghorn added?", [cand], budget_tokens=40, count_tokens=words, chunk_overhead=3)
+    report = {
+        "budget": {},
+        "plan": {},
+        "pack": sel.pack,
+        "selection": [p.to_dict() for p in sel.chunks],
+        "dropped": [d.to_dict() for d in sel.dropped],
+        "spans_dropped": [s.to_dict() | {"text": None} for s in sel.spans_dropped],
+    }
     out = format_report(report)
     p = sel.chunks[0]
     assert f"chunk c1: {len(p.spans)} span(s), {p.n_tokens} tokens of text + 3 label" in out
@@ -444,8 +460,18 @@ def test_cli_ask_pack_spans_explain(tmp_path: Path, repo_data: Path) -> None:
     index_dir = tmp_path / "idx"
     Pipeline(index_dir, embedder="hash:256").index([repo_data])
     with Replay("tgi") as srv:
-        args = ["ask", "How is the Project Leader elected?", "--engine", srv.url, "--index-dir",
-                str(index_dir), "--max-new-tokens", "16", "--context-tokens", "120"]
+        args = [
+            "ask",
+            "How is the Project Leader elected?",
+            "--engine",
+            srv.url,
+            "--index-dir",
+            str(index_dir),
+            "--max-new-tokens",
+            "16",
+            "--context-tokens",
+            "120",
+        ]
         result = CliRunner().invoke(main, [*args, "--pack", "spans", "--explain"])
         assert result.exit_code == 0, result.output
         assert "span(s)" in result.output and "tokens of text" in result.output
@@ -466,8 +492,18 @@ def test_cli_chat_and_serve_take_pack(tmp_path: Path, repo_data: Path) -> None:
     index_dir = tmp_path / "idx"
     Pipeline(index_dir, embedder="hash:256").index([repo_data])
     with Replay("tgi") as srv:
-        args = ["chat", "--engine", srv.url, "--index-dir", str(index_dir), "--max-new-tokens", "16",
-                "--context-tokens", "120", "--json"]
+        args = [
+            "chat",
+            "--engine",
+            srv.url,
+            "--index-dir",
+            str(index_dir),
+            "--max-new-tokens",
+            "16",
+            "--context-tokens",
+            "120",
+            "--json",
+        ]
         for pack in ("spans", "chunks"):
             result = CliRunner().invoke(main, [*args, "--pack", pack], input="How is the Project Leader elected?\n")
             assert result.exit_code == 0, result.output

@@ -36,7 +36,6 @@ def test_hit_serializes_its_sources_and_names_the_owning_one() -> None:
     assert hit.source is owner and owner.page == 2
     d = hit.to_dict()
     assert d["score"] == 0.123457 and d["headings"] == ["H"]
-    assert d["sources"][0] == {"path": "docs/a.md", "start": 10, "end": 20, "page": 2, "page_end": 3,
-                               "label": None}
+    assert d["sources"][0] == {"path": "docs/a.md", "start": 10, "end": 20, "page": 2, "page_end": 3, "label": None}
     assert json.loads(json.dumps(d)) == d  # JSON-able as is
     assert Hit(chunk_id=1, score=0.0, text="", n_tokens=0).source is None

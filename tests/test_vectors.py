@@ -44,9 +44,9 @@ def exact() -> FlatStore:
 
 # --- the stores on their own ----------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("kind", KINDS)
-def test_store_reaches_the_recall_target_and_round_trips(exact: FlatStore, kind: str,
-                                                         tmp_path: Path) -> None:
+def test_store_reaches_the_recall_target_and_round_trips(exact: FlatStore, kind: str, tmp_path: Path) -> None:
     store = make_store(kind, 32, exact=exact)
     assert isinstance(store, VectorStore) and isinstance(exact, VectorStore)
     report = store.finalize()
@@ -168,12 +168,12 @@ def test_index_with_each_store(docs: Path, tmp_path: Path, store: str) -> None:
     assert o.search("marker3zz", 1)[0].chunk_id == f.search("marker3zz", 1)[0].chunk_id
     for q in ("kaba lode", "marker17zz nugo", "tiba suja rade"):  # hash vectors tie: compare scores
         assert o.search(q, 1)[0].score == pytest.approx(f.search(q, 1)[0].score, abs=1e-5)
-        assert (o.search(q, 3, hybrid=True)[0].score
-                == pytest.approx(f.search(q, 3, hybrid=True)[0].score, abs=1e-5))
+        assert o.search(q, 3, hybrid=True)[0].score == pytest.approx(f.search(q, 3, hybrid=True)[0].score, abs=1e-5)
 
 
 def test_auto_switches_by_size_and_changing_the_store_needs_no_embedding(
-        docs: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    docs: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     ix = Index(tmp_path / "ix")
     s = ix.build([str(docs)], **OPTS)  # store="auto" is the default
     assert Index.open(ix.path).stats()["store"] == "flat"
@@ -188,8 +188,7 @@ def test_auto_switches_by_size_and_changing_the_store_needs_no_embedding(
     ix.build([str(docs)], **OPTS)
     o = Index.open(ix.path)
     assert o.stats()["store"] == "ivf-pq" and o.verify().ok
-    assert not any(p.name.startswith("hnsw.") and p.name.endswith(f".{s.generation}.index")
-                   for p in ix.path.iterdir())
+    assert not any(p.name.startswith("hnsw.") and p.name.endswith(f".{s.generation}.index") for p in ix.path.iterdir())
     exact = Index.open(ix.path, use_approx=False)
     for q in ("marker5zz", "kaba lode"):
         assert o.search(q, 1)[0].score == pytest.approx(exact.search(q, 1)[0].score, abs=1e-5)
@@ -242,8 +241,7 @@ def test_index_written_by_the_previous_version_opens(tmp_path: Path) -> None:
     hit = o.search("guild founded by merchants", 1, embedder=HashEmbedder())[0]
     assert "guild" in hit.text
     docs = shutil.copytree(FIXTURE / "corpus", tmp_path / "corpus")
-    s = Index(tmp_path / "ix").build([str(docs)], embedder=HashEmbedder(), min_tokens=5,
-                                     max_tokens=30, store="hnsw")
+    s = Index(tmp_path / "ix").build([str(docs)], embedder=HashEmbedder(), min_tokens=5, max_tokens=30, store="hnsw")
     assert s.chunks_embedded == 0
     o = Index.open(tmp_path / "ix")
     assert o.verify().ok and o.stats()["recall_at_10"] == 1.0
@@ -256,8 +254,24 @@ def test_cli_store_option_and_stats(docs: Path, tmp_path: Path) -> None:
 
     runner = CliRunner()
     ixdir = str(tmp_path / "ix")
-    r = runner.invoke(cli, ["index", str(docs), "--index-dir", ixdir, "--embedder", "hash:64",
-                            "--min-tokens", "4", "--max-tokens", "12", "--store", "ivf", "--json"])
+    r = runner.invoke(
+        cli,
+        [
+            "index",
+            str(docs),
+            "--index-dir",
+            ixdir,
+            "--embedder",
+            "hash:64",
+            "--min-tokens",
+            "4",
+            "--max-tokens",
+            "12",
+            "--store",
+            "ivf",
+            "--json",
+        ],
+    )
     assert r.exit_code == 0, r.output
     r = runner.invoke(cli, ["stats", "--index-dir", ixdir, "--json"])
     st = json.loads(r.output)

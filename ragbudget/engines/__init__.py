@@ -70,8 +70,10 @@ def api_key_from_env(var: str | None) -> str | None:
 
     key = os.environ.get(var)
     if not key:
-        raise ConfigError(f"--api-key-env names {var!r}, but that environment variable is unset "
-                          f"or empty: export {var}=<the engine's API key>")
+        raise ConfigError(
+            f"--api-key-env names {var!r}, but that environment variable is unset "
+            f"or empty: export {var}=<the engine's API key>"
+        )
     return key
 
 
@@ -135,8 +137,9 @@ def detect(http: HTTP) -> Detection:
         if owner in _OWNED_BY:
             return found(_OWNED_BY[owner], f'GET /v1/models owned_by="{owner}"')
     info = probe("GET", "/info")
-    if info and (info.get("router") == "text-generation-router"
-                 or ("max_total_tokens" in info and "max_input_tokens" in info)):
+    if info and (
+        info.get("router") == "text-generation-router" or ("max_total_tokens" in info and "max_input_tokens" in info)
+    ):
         return found("tgi", "GET /info router/max_total_tokens (TGI)")
     version = probe("GET", "/api/version")
     if version and "version" in version and len(version) == 1:
@@ -151,8 +154,10 @@ def detect(http: HTTP) -> Detection:
         return found("openai", "GET /v1/models only (a generic OpenAI server)")
     raise EngineResponseError(
         f"{http.root} answers none of the engine routes ({'; '.join(probes)}): is this the "
-        "engine's address? pass kind=… (CLI: --engine-kind) if it is", url=http.root,
-        body=probes)
+        "engine's address? pass kind=… (CLI: --engine-kind) if it is",
+        url=http.root,
+        body=probes,
+    )
 
 
 def connect(
@@ -182,8 +187,13 @@ def connect(
     the variable holding it), ``tokenizer``, ``context_tokens`` and ``timeout``, checked where
     it was built.
     """
-    flat = {"kind": kind, "api_key": api_key, "tokenizer": tokenizer,
-            "context_tokens": context_tokens, "timeout": timeout}
+    flat = {
+        "kind": kind,
+        "api_key": api_key,
+        "tokenizer": tokenizer,
+        "context_tokens": context_tokens,
+        "timeout": timeout,
+    }
     if isinstance(url, EngineSettings):
         settings = from_keywords(EngineSettings, url, "url", flat)
     else:
@@ -194,19 +204,20 @@ def connect(
         raise ConfigError(f"connect_timeout must be > 0 seconds, got {connect_timeout}")
     kind, tokenizer, context_tokens = settings.kind, settings.tokenizer, settings.context_tokens
     key = settings.api_key if settings.api_key is not None else api_key_from_env(settings.api_key_env)
-    http = HTTP(root_url(settings.url), api_key=key, timeout=settings.timeout,
-                connect_timeout=connect_timeout, retry=retry)
+    http = HTTP(
+        root_url(settings.url), api_key=key, timeout=settings.timeout, connect_timeout=connect_timeout, retry=retry
+    )
     try:
-        detection = detect(http) if kind == "auto" else Detection(kind=kind,
-                                                                  how=f"given: kind={kind!r}")
+        detection = detect(http) if kind == "auto" else Detection(kind=kind, how=f"given: kind={kind!r}")
         cls = backend_class(detection.kind)
         extra: dict[str, Any] = {}
         if detection.kind in ("ollama", "openai"):
             extra["tokenizer"] = tokenizer
         if model is None and detection.models:
             model = detection.models[0]  # the listing detection already fetched
-        return cls(http, model=model, count_cache=count_cache, context_tokens=context_tokens,
-                   detection=detection, **extra)
+        return cls(
+            http, model=model, count_cache=count_cache, context_tokens=context_tokens, detection=detection, **extra
+        )
     except BaseException:
         http.close()
         raise

@@ -46,8 +46,7 @@ class Detection:
     models: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "how": self.how, "probes": list(self.probes),
-                "models": list(self.models)}
+        return {"kind": self.kind, "how": self.how, "probes": list(self.probes), "models": list(self.models)}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -98,7 +97,7 @@ def parse_prometheus(text: str) -> list[tuple[str, dict[str, str], float]]:
                     i += 1
             if i >= len(rest) or rest[i] != "}":
                 continue
-            value_part = rest[i + 1:].split()
+            value_part = rest[i + 1 :].split()
         else:
             name, *value_part = line.split()
         try:
@@ -131,8 +130,9 @@ class LocalCounter:
         self._tok: Any = None
         self._hf: Any = None
         self.margin = margin if margin is not None else (0.15 if tokenizer is None else 0.02)
-        self.name = "tiktoken cl100k_base" if tokenizer is None else str(
-            getattr(tokenizer, "name_or_path", None) or tokenizer)
+        self.name = (
+            "tiktoken cl100k_base" if tokenizer is None else str(getattr(tokenizer, "name_or_path", None) or tokenizer)
+        )
 
     def _load(self) -> Any:
         if self._tok is None:
@@ -159,8 +159,7 @@ class LocalCounter:
         tok = self._load()
         msgs = tuple(dict(m) for m in messages)
         if self._hf is not None and getattr(self._hf, "chat_template", None):
-            text = self._hf.apply_chat_template(list(msgs), tokenize=False,
-                                                add_generation_prompt=True)
+            text = self._hf.apply_chat_template(list(msgs), tokenize=False, add_generation_prompt=True)
             n = len(self._hf.encode(text, add_special_tokens=False))
             how = f"local chat template of {self.name}"
         else:
@@ -168,9 +167,14 @@ class LocalCounter:
             text = None
             n = sum(tok.count(m["content"]) + 8 for m in msgs) + 4
             how = f"local count with {self.name}, 8 tokens per message for the template"
-        return RenderedPrompt(messages=msgs, n_tokens=self._pad(n), exact=False, text=text,
-                              source=f"{how}, +{self.margin:.0%} safety margin",
-                              margin=self.margin)
+        return RenderedPrompt(
+            messages=msgs,
+            n_tokens=self._pad(n),
+            exact=False,
+            text=text,
+            source=f"{how}, +{self.margin:.0%} safety margin",
+            margin=self.margin,
+        )
 
 
 class ServedBackend(ABC):

@@ -179,7 +179,9 @@ class HTTP:
             attempt += 1
             try:
                 resp = self._client.request(
-                    method, url, json=body,
+                    method,
+                    url,
+                    json=body,
                     timeout=httpx.USE_CLIENT_DEFAULT if timeout is None else timeout,
                 )
             except httpx.HTTPError as exc:
@@ -251,7 +253,7 @@ class HTTP:
                         if mode == "sse":
                             if not line.startswith("data:"):
                                 continue  # comments (":" pings), event names, ids
-                            line = line[len("data:"):].strip()
+                            line = line[len("data:") :].strip()
                             if line == "[DONE]":
                                 return
                         try:
@@ -259,8 +261,12 @@ class HTTP:
                         except json.JSONDecodeError:
                             raise EngineResponseError(
                                 f"{url} streamed a line that is not JSON ({line[:80]!r}): is this "
-                                "an OpenAI-compatible engine?", url=url, kind=self.kind,
-                                status=status, body=line[:200]) from None
+                                "an OpenAI-compatible engine?",
+                                url=url,
+                                kind=self.kind,
+                                status=status,
+                                body=line[:200],
+                            ) from None
                     return
             except httpx.HTTPError as exc:
                 raise self._transport_error(exc, url, None) from None
@@ -274,11 +280,14 @@ class HTTP:
             raise EngineResponseError(
                 f"{url} answered {resp.status_code} with a body that is not JSON ({ctype}, "
                 f"starting {resp.text[:40]!r}): is this the engine's address, not a proxy or a "
-                "web page?", url=url, kind=self.kind, status=resp.status_code,
-                body=resp.text[:200]) from None
+                "web page?",
+                url=url,
+                kind=self.kind,
+                status=resp.status_code,
+                body=resp.text[:200],
+            ) from None
 
-    def _backoff(self, resp: httpx.Response, attempt: int, waited: float, url: str,
-                 data: Any) -> float:
+    def _backoff(self, resp: httpx.Response, attempt: int, waited: float, url: str, data: Any) -> float:
         r = self.retry
         retry_after = _retry_after(resp.headers.get("retry-after"))
         # Full jitter over the exponential step; the server's Retry-After is a floor, with a
@@ -292,46 +301,65 @@ class HTTP:
             raise EngineOverloadedError(
                 f"{url} is overloaded ({resp.status_code}: {error_message(data, resp.text)}) "
                 f"after {attempt} attempts and {waited:.1f} s of back-off{said}: retry later, "
-                "lower concurrency, or add capacity", url=url, kind=self.kind,
-                status=resp.status_code, body=data, attempts=attempt,
-                retry_after=retry_after if retry_after is not None else max(delay, r.base_delay))
+                "lower concurrency, or add capacity",
+                url=url,
+                kind=self.kind,
+                status=resp.status_code,
+                body=data,
+                attempts=attempt,
+                retry_after=retry_after if retry_after is not None else max(delay, r.base_delay),
+            )
         return delay
 
     def _status_error(self, status: int, url: str, data: Any, text: str) -> Exception:
         msg = error_message(data, text)
         if status in (401, 403):
-            hint = ("the API key was refused: check the key in the variable named by "
-                    "--api-key-env (api_key=…)" if self._has_key else
-                    "the engine wants an API key: pass api_key=… (CLI: --api-key-env VAR)")
+            hint = (
+                "the API key was refused: check the key in the variable named by --api-key-env (api_key=…)"
+                if self._has_key
+                else "the engine wants an API key: pass api_key=… (CLI: --api-key-env VAR)"
+            )
             if status == 403:
                 hint = "the key is not allowed to do this: check the key's permissions"
-            return EngineAuthError(f"{url} answered {status} ({msg}): {hint}", url=url,
-                                   kind=self.kind, status=status, body=data)
-        return EngineResponseError(f"{url} answered {status}: {msg}", url=url, kind=self.kind,
-                                   status=status, body=data if data is not None else text[:200])
+            return EngineAuthError(
+                f"{url} answered {status} ({msg}): {hint}", url=url, kind=self.kind, status=status, body=data
+            )
+        return EngineResponseError(
+            f"{url} answered {status}: {msg}",
+            url=url,
+            kind=self.kind,
+            status=status,
+            body=data if data is not None else text[:200],
+        )
 
-    def _transport_error(self, exc: httpx.HTTPError, url: str,
-                         timeout: float | None) -> EngineConnectionError:
+    def _transport_error(self, exc: httpx.HTTPError, url: str, timeout: float | None) -> EngineConnectionError:
         host = urlsplit(url).netloc
         t = self.timeout if timeout is None else timeout
         if isinstance(exc, httpx.TimeoutException):
-            what = ("could not connect" if isinstance(exc, httpx.ConnectTimeout)
-                    else "gave no answer")
-            msg = (f"{url} {what} within {t:g} s: the engine may be hung, still loading, or "
-                   "overloaded; check it is up (its /health) or raise the timeout")
+            what = "could not connect" if isinstance(exc, httpx.ConnectTimeout) else "gave no answer"
+            msg = (
+                f"{url} {what} within {t:g} s: the engine may be hung, still loading, or "
+                "overloaded; check it is up (its /health) or raise the timeout"
+            )
         else:
             chain = list(_chain(exc))
             if any(isinstance(e, ssl.SSLError) for e in chain):
-                msg = (f"TLS handshake with {host} failed ({chain[-1]}): check http:// vs "
-                       "https:// and the server certificate (SSL_CERT_FILE)")
+                msg = (
+                    f"TLS handshake with {host} failed ({chain[-1]}): check http:// vs "
+                    "https:// and the server certificate (SSL_CERT_FILE)"
+                )
             elif any(isinstance(e, socket.gaierror) for e in chain):
                 msg = f"cannot resolve host {host!r} for {url}: check the host name in the URL"
             elif any(isinstance(e, ConnectionRefusedError) for e in chain):
-                msg = (f"connection to {url} refused: is the engine running and listening on "
-                       f"{host}? check the host and port")
+                msg = (
+                    f"connection to {url} refused: is the engine running and listening on "
+                    f"{host}? check the host and port"
+                )
             elif isinstance(exc, (httpx.RemoteProtocolError, httpx.ReadError)):
-                msg = (f"{url} closed the connection mid-request ({type(exc).__name__}): check the "
-                       "engine's logs (it may have crashed or restarted)")
+                msg = (
+                    f"{url} closed the connection mid-request ({type(exc).__name__}): check the "
+                    "engine's logs (it may have crashed or restarted)"
+                )
             else:
                 msg = f"cannot reach {url} ({type(exc).__name__}: {exc}): check the URL"
         return EngineConnectionError(msg, url=url, kind=self.kind)

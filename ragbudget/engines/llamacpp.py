@@ -44,8 +44,12 @@ class LlamaCppBackend(ServedBackend):
         data = self.http.post("/tokenize", {"content": content, "add_special": add_special}).data
         toks = data.get("tokens") if isinstance(data, Mapping) else None
         if not isinstance(toks, list):
-            raise EngineResponseError(f"{self.http.url('/tokenize')} answered without `tokens`",
-                                      url=self.http.url("/tokenize"), kind=self.kind, body=data)
+            raise EngineResponseError(
+                f"{self.http.url('/tokenize')} answered without `tokens`",
+                url=self.http.url("/tokenize"),
+                kind=self.kind,
+                body=data,
+            )
         return [int(t) for t in toks]
 
     def _count_uncached(self, texts: list[str]) -> list[int]:
@@ -61,17 +65,26 @@ class LlamaCppBackend(ServedBackend):
         if not isinstance(text, str):
             raise EngineResponseError(
                 f"{self.http.url('/apply-template')} answered without `prompt`",
-                url=self.http.url("/apply-template"), kind=self.kind, body=data)
+                url=self.http.url("/apply-template"),
+                kind=self.kind,
+                body=data,
+            )
         ids = self._tokenize(text, add_special=True)
-        return RenderedPrompt(messages=msgs, n_tokens=len(ids), exact=True, text=text,
-                              token_ids=tuple(ids),
-                              source="POST /apply-template + POST /tokenize (the server's own)")
+        return RenderedPrompt(
+            messages=msgs,
+            n_tokens=len(ids),
+            exact=True,
+            text=text,
+            token_ids=tuple(ids),
+            source="POST /apply-template + POST /tokenize (the server's own)",
+        )
 
     def _capacity(self) -> Capacity:
         props = self.http.get("/props").data
         if not isinstance(props, Mapping):
-            raise EngineResponseError("GET /props did not answer an object",
-                                      url=self.http.url("/props"), kind=self.kind, body=props)
+            raise EngineResponseError(
+                "GET /props did not answer an object", url=self.http.url("/props"), kind=self.kind, body=props
+            )
         n_ctx = int_or_none((props.get("default_generation_settings") or {}).get("n_ctx"))
         slots_n = int_or_none(props.get("total_slots"))
         kv_total = n_ctx * slots_n if n_ctx is not None and slots_n is not None else None
@@ -81,8 +94,10 @@ class LlamaCppBackend(ServedBackend):
         # auto: 4 slots, kv_unified, tools/server/server.cpp) instead gives every slot the whole
         # -c over one shared cache, and no route says which: the per-slot reading is an upper
         # bound there, so it is labelled as an assumption.
-        notes: list[str] = ["KV total assumes per-slot caches (-np N); with a unified cache "
-                            "(--kv-unified, the default without -np) the slots share n_ctx tokens"]
+        notes: list[str] = [
+            "KV total assumes per-slot caches (-np N); with a unified cache "
+            "(--kv-unified, the default without -np) the slots share n_ctx tokens"
+        ]
         reply = self.http.get("/slots", allow={501})
         if reply.status == 200 and isinstance(reply.data, list):
             busy = [s for s in reply.data if isinstance(s, Mapping) and s.get("is_processing")]
@@ -95,24 +110,28 @@ class LlamaCppBackend(ServedBackend):
             notes.append("GET /slots is disabled (--no-slots): load unknown")
         return Capacity(
             max_context_tokens=n_ctx,
-            max_context_source="GET /props default_generation_settings.n_ctx (per slot)"
-            if n_ctx is not None else "",
+            max_context_source="GET /props default_generation_settings.n_ctx (per slot)" if n_ctx is not None else "",
             kv_tokens_total=kv_total,
-            kv_total_source="GET /props n_ctx × total_slots (per-slot caches assumed)"
-            if kv_total is not None else "",
-            kv_tokens_free=kv_free, kv_free_source=kv_free_src,
-            running=running, load_source=load_src,
+            kv_total_source="GET /props n_ctx × total_slots (per-slot caches assumed)" if kv_total is not None else "",
+            kv_tokens_free=kv_free,
+            kv_free_source=kv_free_src,
+            running=running,
+            load_source=load_src,
             max_concurrent=slots_n,
             max_concurrent_source="GET /props total_slots" if slots_n is not None else "",
-            engine_kind=self.kind, engine_version=props.get("build_info"), notes=tuple(notes),
+            engine_kind=self.kind,
+            engine_version=props.get("build_info"),
+            notes=tuple(notes),
         )
 
-    def _too_long(self, reply: Reply, messages: list[dict[str, str]],
-                  max_new_tokens: int) -> TooLong | None:
+    def _too_long(self, reply: Reply, messages: list[dict[str, str]], max_new_tokens: int) -> TooLong | None:
         err = reply.data.get("error") if isinstance(reply.data, Mapping) else None
         if isinstance(err, Mapping) and err.get("type") == "exceed_context_size_error":
-            return TooLong(n_prompt_tokens=int_or_none(err.get("n_prompt_tokens")),
-                           n_ctx=int_or_none(err.get("n_ctx")), status=reply.status,
-                           body=reply.data, source="llama.cpp exceed_context_size_error")
+            return TooLong(
+                n_prompt_tokens=int_or_none(err.get("n_prompt_tokens")),
+                n_ctx=int_or_none(err.get("n_ctx")),
+                status=reply.status,
+                body=reply.data,
+                source="llama.cpp exceed_context_size_error",
+            )
         return None
-

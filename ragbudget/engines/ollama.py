@@ -86,32 +86,51 @@ class OllamaBackend(ServedBackend):
         else:
             window = min(trained or DEFAULT_NUM_CTX, DEFAULT_NUM_CTX)
             src = f"num_ctx={window} sent with each request (model not loaded)"
-            notes.append(f"{self.model_id} is not loaded; ragbudget sends num_ctx={window} "
-                         "(pass context_tokens to ask for more)")
+            notes.append(
+                f"{self.model_id} is not loaded; ragbudget sends num_ctx={window} (pass context_tokens to ask for more)"
+            )
         if trained:
             notes.append(f"trained context {trained} (POST /api/show model_info)")
         if self.context_tokens is not None:
             window = self.context_tokens
         self._num_ctx = window
-        notes.append(f"token counts are local estimates ({self.counter.name}, "
-                     f"+{self.counter.margin:.0%} margin): Ollama has no tokenize route")
-        return Capacity(max_context_tokens=window, max_context_source=src,
-                        engine_kind=self.kind, engine_version=version, notes=tuple(notes))
+        notes.append(
+            f"token counts are local estimates ({self.counter.name}, "
+            f"+{self.counter.margin:.0%} margin): Ollama has no tokenize route"
+        )
+        return Capacity(
+            max_context_tokens=window,
+            max_context_source=src,
+            engine_kind=self.kind,
+            engine_version=version,
+            notes=tuple(notes),
+        )
 
-    def _chat(self, messages: list[dict[str, str]], *, max_new_tokens: int, sampling: Sampling,
-              stop: list[str] | None, on_text: Callable[[str], None] | None,
-              cancel: threading.Event | None, prompt: Any) -> Generation | TooLong:
+    def _chat(
+        self,
+        messages: list[dict[str, str]],
+        *,
+        max_new_tokens: int,
+        sampling: Sampling,
+        stop: list[str] | None,
+        on_text: Callable[[str], None] | None,
+        cancel: threading.Event | None,
+        prompt: Any,
+    ) -> Generation | TooLong:
         from ..generate import Generation
 
         t0 = time.perf_counter()
         if cancel is not None and cancel.is_set():
-            return Generation(text="", prompt_tokens=0, new_tokens=0, finish_reason="cancelled",
-                              seconds=0.0, cache="served")
-        options: dict[str, Any] = {"num_ctx": self.num_ctx(), "num_predict": max_new_tokens,
-                                   **sampling_fields(sampling, stop)}
+            return Generation(
+                text="", prompt_tokens=0, new_tokens=0, finish_reason="cancelled", seconds=0.0, cache="served"
+            )
+        options: dict[str, Any] = {
+            "num_ctx": self.num_ctx(),
+            "num_predict": max_new_tokens,
+            **sampling_fields(sampling, stop),
+        }
         stream = on_text is not None or cancel is not None
-        body = {"model": self.model_id, "messages": messages, "stream": stream,
-                "options": options, "truncate": False}
+        body = {"model": self.model_id, "messages": messages, "stream": stream, "options": options, "truncate": False}
         path = "/api/chat"
         if stream:
             events = self.http.stream(path, body, mode="ndjson", cancel=cancel, allow={400})
@@ -124,12 +143,16 @@ class OllamaBackend(ServedBackend):
             if isinstance(event, Reply):
                 return self._too_long_or_raise(event, messages, max_new_tokens)
             if not isinstance(event, Mapping):
-                raise EngineResponseError(f"{self.http.url(path)} answered a non-object",
-                                          url=self.http.url(path), kind=self.kind, body=event)
+                raise EngineResponseError(
+                    f"{self.http.url(path)} answered a non-object", url=self.http.url(path), kind=self.kind, body=event
+                )
             if "error" in event:
                 raise EngineResponseError(
                     f"{self.http.url(path)} failed: {error_message(event)}",
-                    url=self.http.url(path), kind=self.kind, body=event)
+                    url=self.http.url(path),
+                    kind=self.kind,
+                    body=event,
+                )
             piece = (event.get("message") or {}).get("content") or ""
             if piece:
                 pieces.append(piece)
@@ -144,17 +167,23 @@ class OllamaBackend(ServedBackend):
             text=text,
             prompt_tokens=prompt_tokens if prompt_tokens is not None else self.render(messages).n_tokens,
             new_tokens=new_tokens if new_tokens is not None else (self.count([text])[0] if text else 0),
-            finish_reason=finish, seconds=time.perf_counter() - t0, cache="served",
-            prompt=prompt if hasattr(prompt, "input_ids") else None)
+            finish_reason=finish,
+            seconds=time.perf_counter() - t0,
+            cache="served",
+            prompt=prompt if hasattr(prompt, "input_ids") else None,
+        )
 
-    def _too_long(self, reply: Reply, messages: list[dict[str, str]],
-                  max_new_tokens: int) -> TooLong | None:
+    def _too_long(self, reply: Reply, messages: list[dict[str, str]], max_new_tokens: int) -> TooLong | None:
         # With truncate:false a prompt over num_ctx is a 400. Ollama's body has no figures, so
         # the local (margin-padded) estimate must agree that it does not fit before we say so.
         n_ctx = self.num_ctx()
         n = self.render(messages).n_tokens
         if n + max_new_tokens > n_ctx:
-            return TooLong(n_prompt_tokens=n, n_ctx=n_ctx, status=reply.status, body=reply.data,
-                           source="Ollama 400 with truncate:false; prompt size is the local "
-                                  "estimate")
+            return TooLong(
+                n_prompt_tokens=n,
+                n_ctx=n_ctx,
+                status=reply.status,
+                body=reply.data,
+                source="Ollama 400 with truncate:false; prompt size is the local estimate",
+            )
         return None

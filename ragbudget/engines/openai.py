@@ -42,10 +42,10 @@ class OpenAIBackend(ServedBackend):
             if card.get("id") == self.model_id:
                 window = int_or_none(card.get("max_model_len"))
                 src = "GET /v1/models max_model_len" if window is not None else ""
-        notes: tuple[str, ...] = (f"token counts are local estimates ({self.counter.name}, "
-                 f"+{self.counter.margin:.0%} margin): the server has no tokenize route",)
+        notes: tuple[str, ...] = (
+            f"token counts are local estimates ({self.counter.name}, "
+            f"+{self.counter.margin:.0%} margin): the server has no tokenize route",
+        )
         if window is None and self.context_tokens is None:
-            notes += ("the server does not say its context length: pass context_tokens "
-                      "(--engine-context-tokens)",)
-        return Capacity(max_context_tokens=window, max_context_source=src,
-                        engine_kind=self.kind, notes=notes)
+            notes += ("the server does not say its context length: pass context_tokens (--engine-context-tokens)",)
+        return Capacity(max_context_tokens=window, max_context_source=src, engine_kind=self.kind, notes=notes)

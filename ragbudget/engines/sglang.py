@@ -46,7 +46,10 @@ class SGLangBackend(ServedBackend):
         if not isinstance(counts, list) or len(counts) != len(texts):
             raise EngineResponseError(
                 f"{self.http.url('/v1/tokenize')} did not answer one count per text",
-                url=self.http.url("/v1/tokenize"), kind=self.kind, body=reply.data)
+                url=self.http.url("/v1/tokenize"),
+                kind=self.kind,
+                body=reply.data,
+            )
         return [int(c) for c in counts]
 
     def _role_overhead(self, roles: tuple[str, ...]) -> int:
@@ -55,14 +58,23 @@ class SGLangBackend(ServedBackend):
             if key in self._overheads:
                 return self._overheads[key]
         probe = [{"role": r, "content": "x"} for r in roles]
-        data = self.http.post("/v1/chat/completions", {
-            "model": self.model_id, "messages": probe, "max_tokens": 1, "temperature": 0.0,
-        }).data
+        data = self.http.post(
+            "/v1/chat/completions",
+            {
+                "model": self.model_id,
+                "messages": probe,
+                "max_tokens": 1,
+                "temperature": 0.0,
+            },
+        ).data
         used = int_or_none(((data or {}).get("usage") or {}).get("prompt_tokens"))
         if used is None:
-            raise EngineResponseError("SGLang answered the template probe without usage",
-                                      url=self.http.url("/v1/chat/completions"), kind=self.kind,
-                                      body=data)
+            raise EngineResponseError(
+                "SGLang answered the template probe without usage",
+                url=self.http.url("/v1/chat/completions"),
+                kind=self.kind,
+                body=data,
+            )
         n = max(0, used - len(roles) * self.count(["x"])[0])
         with self._lock:
             self._overheads[key] = n
@@ -73,15 +85,21 @@ class SGLangBackend(ServedBackend):
         content = sum(self.count([m["content"] for m in msgs]))
         n = content + self._role_overhead(tuple(m["role"] for m in msgs))
         return RenderedPrompt(
-            messages=msgs, n_tokens=n, exact=False,
-            source="POST /v1/tokenize per message + template overhead from a usage probe")
+            messages=msgs,
+            n_tokens=n,
+            exact=False,
+            source="POST /v1/tokenize per message + template overhead from a usage probe",
+        )
 
     def _capacity(self) -> Capacity:
         info = self.http.get("/get_server_info").data or {}
         if not isinstance(info, Mapping):
-            raise EngineResponseError("GET /get_server_info did not answer an object",
-                                      url=self.http.url("/get_server_info"), kind=self.kind,
-                                      body=info)
+            raise EngineResponseError(
+                "GET /get_server_info did not answer an object",
+                url=self.http.url("/get_server_info"),
+                kind=self.kind,
+                body=info,
+            )
         max_len, src = None, ""
         models = self.http.get("/v1/models").data
         for card in (models or {}).get("data", []) if isinstance(models, Mapping) else []:
@@ -104,20 +122,27 @@ class SGLangBackend(ServedBackend):
             if used is not None:
                 free = max(0, total - int(used))
                 free_src = "GET /metrics max_total_num_tokens − sglang:num_used_tokens"
-            running, waiting, load_src = queue_load(reply.text, "sglang:num_running_reqs",
-                                                    "sglang:num_queue_reqs")
+            running, waiting, load_src = queue_load(reply.text, "sglang:num_running_reqs", "sglang:num_queue_reqs")
         else:
-            notes.append("no /metrics (start SGLang with --enable-metrics): free KV and load "
-                         "unknown, the total pool is used instead")
+            notes.append(
+                "no /metrics (start SGLang with --enable-metrics): free KV and load "
+                "unknown, the total pool is used instead"
+            )
         return Capacity(
-            max_context_tokens=max_len, max_context_source=src,
+            max_context_tokens=max_len,
+            max_context_source=src,
             max_prompt_tokens=max_prompt,
             max_prompt_source="GET /get_server_info max_req_input_len" if max_prompt else "",
             kv_tokens_total=total,
             kv_total_source="GET /get_server_info max_total_num_tokens" if total else "",
-            kv_tokens_free=free, kv_free_source=free_src,
-            running=running, waiting=waiting, load_source=load_src,
+            kv_tokens_free=free,
+            kv_free_source=free_src,
+            running=running,
+            waiting=waiting,
+            load_source=load_src,
             max_concurrent=max_running,
             max_concurrent_source="GET /get_server_info max_running_requests" if max_running else "",
-            engine_kind=self.kind, engine_version=info.get("version"), notes=tuple(notes),
+            engine_kind=self.kind,
+            engine_version=info.get("version"),
+            notes=tuple(notes),
         )

@@ -42,29 +42,40 @@ class TGIBackend(ServedBackend):
     def _count_one(self, text: str) -> int:
         data = self.http.post("/tokenize", {"inputs": text}).data
         if not isinstance(data, list):
-            raise EngineResponseError(f"{self.http.url('/tokenize')} did not answer a token list",
-                                      url=self.http.url("/tokenize"), kind=self.kind, body=data)
+            raise EngineResponseError(
+                f"{self.http.url('/tokenize')} did not answer a token list",
+                url=self.http.url("/tokenize"),
+                kind=self.kind,
+                body=data,
+            )
         return len(data)
 
     def render(self, messages: Sequence[Mapping[str, str]]) -> RenderedPrompt:
         msgs = tuple(dict(m) for m in messages)
-        data = self.http.post("/chat_tokenize", {"model": self.model_id,
-                                                 "messages": list(msgs)}).data
+        data = self.http.post("/chat_tokenize", {"model": self.model_id, "messages": list(msgs)}).data
         toks = data.get("tokenize_response") if isinstance(data, Mapping) else None
         if not isinstance(toks, list):
             raise EngineResponseError(
                 f"{self.http.url('/chat_tokenize')} answered without tokenize_response",
-                url=self.http.url("/chat_tokenize"), kind=self.kind, body=data)
-        return RenderedPrompt(messages=msgs, n_tokens=len(toks), exact=True,
-                              source="POST /chat_tokenize (TGI's chat template)",
-                              text=data.get("templated_text"),
-                              token_ids=tuple(int(t["id"]) for t in toks if "id" in t))
+                url=self.http.url("/chat_tokenize"),
+                kind=self.kind,
+                body=data,
+            )
+        return RenderedPrompt(
+            messages=msgs,
+            n_tokens=len(toks),
+            exact=True,
+            source="POST /chat_tokenize (TGI's chat template)",
+            text=data.get("templated_text"),
+            token_ids=tuple(int(t["id"]) for t in toks if "id" in t),
+        )
 
     def _capacity(self) -> Capacity:
         info = self.http.get("/info").data
         if not isinstance(info, Mapping):
-            raise EngineResponseError("GET /info did not answer an object",
-                                      url=self.http.url("/info"), kind=self.kind, body=info)
+            raise EngineResponseError(
+                "GET /info did not answer an object", url=self.http.url("/info"), kind=self.kind, body=info
+            )
         total_tokens = int_or_none(info.get("max_total_tokens"))
         input_tokens = int_or_none(info.get("max_input_tokens"))
         concurrent = int_or_none(info.get("max_concurrent_requests"))
@@ -80,10 +91,8 @@ class TGIBackend(ServedBackend):
                 cur = metric_sum(reply.text, "tgi_batch_current_max_tokens")
                 if cur is not None:
                     kv_free = max(0, kv_total - int(cur))
-                    kv_free_src = ("GET /metrics tgi_batch_max_total_tokens − "
-                                   "tgi_batch_current_max_tokens")
-            running, waiting, load_src = queue_load(reply.text, "tgi_batch_current_size",
-                                                    "tgi_queue_size")
+                    kv_free_src = "GET /metrics tgi_batch_max_total_tokens − tgi_batch_current_max_tokens"
+            running, waiting, load_src = queue_load(reply.text, "tgi_batch_current_size", "tgi_queue_size")
         else:
             notes.append("GET /metrics answered 404: KV figures unknown")
         return Capacity(
@@ -91,10 +100,16 @@ class TGIBackend(ServedBackend):
             max_context_source="GET /info max_total_tokens" if total_tokens else "",
             max_prompt_tokens=input_tokens,
             max_prompt_source="GET /info max_input_tokens" if input_tokens else "",
-            kv_tokens_total=kv_total, kv_total_source=kv_total_src,
-            kv_tokens_free=kv_free, kv_free_source=kv_free_src,
-            running=running, waiting=waiting, load_source=load_src,
+            kv_tokens_total=kv_total,
+            kv_total_source=kv_total_src,
+            kv_tokens_free=kv_free,
+            kv_free_source=kv_free_src,
+            running=running,
+            waiting=waiting,
+            load_source=load_src,
             max_concurrent=concurrent,
             max_concurrent_source="GET /info max_concurrent_requests" if concurrent else "",
-            engine_kind=self.kind, engine_version=info.get("version"), notes=tuple(notes),
+            engine_kind=self.kind,
+            engine_version=info.get("version"),
+            notes=tuple(notes),
         )

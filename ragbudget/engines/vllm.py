@@ -43,26 +43,38 @@ class VLLMBackend(ServedBackend):
         return self._each(self._count_one, texts)
 
     def _count_one(self, text: str) -> int:
-        data = self.http.post("/tokenize", {"model": self.model_id, "prompt": text,
-                                            "add_special_tokens": False}).data
+        data = self.http.post("/tokenize", {"model": self.model_id, "prompt": text, "add_special_tokens": False}).data
         n = int_or_none(data.get("count") if isinstance(data, Mapping) else None)
         if n is None:
-            raise EngineResponseError(f"{self.http.url('/tokenize')} answered without `count`",
-                                      url=self.http.url("/tokenize"), kind=self.kind, body=data)
+            raise EngineResponseError(
+                f"{self.http.url('/tokenize')} answered without `count`",
+                url=self.http.url("/tokenize"),
+                kind=self.kind,
+                body=data,
+            )
         return n
 
     def render(self, messages: Sequence[Mapping[str, str]]) -> RenderedPrompt:
         msgs = tuple(dict(m) for m in messages)
-        data = self.http.post("/tokenize", {"model": self.model_id, "messages": list(msgs),
-                                            "add_generation_prompt": True}).data
+        data = self.http.post(
+            "/tokenize", {"model": self.model_id, "messages": list(msgs), "add_generation_prompt": True}
+        ).data
         n = int_or_none(data.get("count") if isinstance(data, Mapping) else None)
         if n is None:
-            raise EngineResponseError(f"{self.http.url('/tokenize')} answered without `count`",
-                                      url=self.http.url("/tokenize"), kind=self.kind, body=data)
+            raise EngineResponseError(
+                f"{self.http.url('/tokenize')} answered without `count`",
+                url=self.http.url("/tokenize"),
+                kind=self.kind,
+                body=data,
+            )
         tokens = data.get("tokens")
-        return RenderedPrompt(messages=msgs, n_tokens=n, exact=True,
-                              source="POST /tokenize messages (vLLM's chat template)",
-                              token_ids=tuple(tokens) if isinstance(tokens, list) else None)
+        return RenderedPrompt(
+            messages=msgs,
+            n_tokens=n,
+            exact=True,
+            source="POST /tokenize messages (vLLM's chat template)",
+            token_ids=tuple(tokens) if isinstance(tokens, list) else None,
+        )
 
     def _capacity(self) -> Capacity:
         models = self.http.get("/v1/models").data
@@ -89,22 +101,30 @@ class VLLMBackend(ServedBackend):
             elif blocks and all(b is not None for b in blocks):
                 kv_total = sum(b for b in blocks if b is not None)
                 kv_total_src = "GET /metrics vllm:cache_config_info num_gpu_blocks × block_size"
-                notes.append("this vLLM publishes no kv_cache_size_tokens: blocks × block size "
-                             "overstates the KV cache of hybrid (sliding-window, Mamba) models")
+                notes.append(
+                    "this vLLM publishes no kv_cache_size_tokens: blocks × block size "
+                    "overstates the KV cache of hybrid (sliding-window, Mamba) models"
+                )
             usage = metric_sum(text, "vllm:kv_cache_usage_perc")
             n_usage = len(list(iter_samples(text, "vllm:kv_cache_usage_perc")))
             if kv_total is not None and usage is not None and n_usage:
                 frac = min(1.0, max(0.0, usage / n_usage))  # mean over DP engines
                 kv_free = int(kv_total * (1.0 - frac))
                 kv_free_src = "GET /metrics vllm:kv_cache_usage_perc × KV total"
-            running, waiting, load_src = queue_load(text, "vllm:num_requests_running",
-                                                    "vllm:num_requests_waiting")
+            running, waiting, load_src = queue_load(text, "vllm:num_requests_running", "vllm:num_requests_waiting")
         else:
             notes.append("GET /metrics answered 404: KV figures unknown (the window alone limits)")
         return Capacity(
-            max_context_tokens=max_len, max_context_source=src,
-            kv_tokens_total=kv_total, kv_total_source=kv_total_src,
-            kv_tokens_free=kv_free, kv_free_source=kv_free_src,
-            running=running, waiting=waiting, load_source=load_src,
-            engine_kind=self.kind, engine_version=version, notes=tuple(notes),
+            max_context_tokens=max_len,
+            max_context_source=src,
+            kv_tokens_total=kv_total,
+            kv_total_source=kv_total_src,
+            kv_tokens_free=kv_free,
+            kv_free_source=kv_free_src,
+            running=running,
+            waiting=waiting,
+            load_source=load_src,
+            engine_kind=self.kind,
+            engine_version=version,
+            notes=tuple(notes),
         )

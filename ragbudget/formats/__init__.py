@@ -38,8 +38,7 @@ from typing import Any
 
 from ..errors import ConfigError, LoadError
 
-__all__ = ["FORMATS", "LoadOptions", "Loaded", "current_options", "join_labels", "load_options",
-           "page_label", "read"]
+__all__ = ["FORMATS", "LoadOptions", "Loaded", "current_options", "join_labels", "load_options", "page_label", "read"]
 
 #: File name ending → format name, for the formats read here (``.gz`` may be appended to any).
 FORMATS = {
@@ -95,8 +94,9 @@ class LoadOptions:
 
     def __post_init__(self) -> None:
         if isinstance(self.json_fields, str):
-            raise ConfigError("json_fields must be a sequence of key names, not one string; "
-                              f"pass ({self.json_fields!r},)")
+            raise ConfigError(
+                f"json_fields must be a sequence of key names, not one string; pass ({self.json_fields!r},)"
+            )
         object.__setattr__(self, "json_fields", tuple(str(f) for f in self.json_fields if str(f)))
         if not self.ocr_lang or not all(p.isalnum() or p == "_" for p in self.ocr_lang.split("+")):
             raise ConfigError(

@@ -31,11 +31,13 @@ def _ole_reason(data: bytes, path: str, what: str) -> LoadError:
     if "EncryptedPackage".encode("utf-16-le") in data:
         return LoadError(
             f"{path}: the {what} is protected by a password; save an unprotected copy to index it",
-            path=path, reason="encrypted",
+            path=path,
+            reason="encrypted",
         )
     return LoadError(
         f"{path}: an old binary Office file with a {what} name; re-save it in the current format",
-        path=path, reason="unsupported",
+        path=path,
+        reason="unsupported",
     )
 
 
@@ -52,28 +54,34 @@ def open_zip(data: bytes, path: str, *, what: str, max_bytes: int) -> zipfile.Zi
         raise LoadError(f"{path}: damaged or truncated {what} ({exc})", path=path, reason="malformed") from exc
     check_sizes(infos, path, what=what, max_bytes=max_bytes)
     if any(info.flag_bits & 0x1 for info in infos):
-        raise LoadError(f"{path}: the {what} is encrypted; save an unprotected copy to index it",
-                        path=path, reason="encrypted")
+        raise LoadError(
+            f"{path}: the {what} is encrypted; save an unprotected copy to index it", path=path, reason="encrypted"
+        )
     return zf
 
 
 def check_sizes(infos: list[zipfile.ZipInfo], path: str, *, what: str, max_bytes: int) -> None:
     """Refuse archives whose declared sizes say "bomb": see the module docstring."""
     if len(infos) > MAX_MEMBERS:
-        raise LoadError(f"{path}: {len(infos)} members in the {what} (limit {MAX_MEMBERS}); refused as a zip bomb",
-                        path=path, reason="too_large")
+        raise LoadError(
+            f"{path}: {len(infos)} members in the {what} (limit {MAX_MEMBERS}); refused as a zip bomb",
+            path=path,
+            reason="too_large",
+        )
     total = sum(i.file_size for i in infos)
     if total > max_bytes:
         raise LoadError(
             f"{path}: the {what} expands to {total} bytes, over max_bytes={max_bytes}; refused (zip bomb?)",
-            path=path, reason="too_large",
+            path=path,
+            reason="too_large",
         )
     for i in infos:
         if i.file_size > _RATIO_FLOOR and i.file_size > MAX_RATIO * max(1, i.compress_size):
             raise LoadError(
                 f"{path}: member {i.filename} expands {i.file_size // max(1, i.compress_size)}× "
                 f"(limit {MAX_RATIO}×); refused as a zip bomb",
-                path=path, reason="too_large",
+                path=path,
+                reason="too_large",
             )
 
 
@@ -91,8 +99,9 @@ def parse_xml(data: bytes, path: str, *, what: str) -> Any:
     """Parse XML with lxml, no network, no entity expansion (billion laughs), huge trees refused."""
     import lxml.etree
 
-    parser = lxml.etree.XMLParser(resolve_entities=False, no_network=True, huge_tree=False,
-                                  load_dtd=False, recover=False)
+    parser = lxml.etree.XMLParser(
+        resolve_entities=False, no_network=True, huge_tree=False, load_dtd=False, recover=False
+    )
     try:
         return lxml.etree.fromstring(data, parser)
     except lxml.etree.XMLSyntaxError as exc:

@@ -34,8 +34,11 @@ def read_epub(data: bytes, path: str, *, options: LoadOptions, max_bytes: int, f
             # Font obfuscation (IDPF/Adobe) also lives here and is harmless; only encrypted
             # content documents are DRM.
             if b"EncryptedData" in enc and any(ext in enc for ext in (b".xhtml", b".html", b".htm")):
-                raise LoadError(f"{path}: the EPUB is DRM-protected (encrypted chapters); export a "
-                                "DRM-free copy to index it", path=path, reason="encrypted")
+                raise LoadError(
+                    f"{path}: the EPUB is DRM-protected (encrypted chapters); export a DRM-free copy to index it",
+                    path=path,
+                    reason="encrypted",
+                )
         container = parse_xml(read_member(zf, "META-INF/container.xml", path, what=what), path, what=what)
         rootfile = container.find(".//c:rootfile", _CONTAINER_NS)
         if rootfile is None or not rootfile.get("full-path"):

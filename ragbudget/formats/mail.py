@@ -52,8 +52,7 @@ def _render(raw: bytes, path: str) -> tuple[str, str]:
     if not isinstance(msg, EmailMessage) or not msg.keys():
         raise ValueError("no headers")
     body = _message_text(msg, path)
-    head = [f"{name}: {value}" for name in ("From", "Date", "Subject")
-            if (value := _header(msg, name))]
+    head = [f"{name}: {value}" for name in ("From", "Date", "Subject") if (value := _header(msg, name))]
     if not body.strip():
         raise LoadError(f"{path}: the message has no text part (attachments only?)", path=path, reason="empty")
     mid = _header(msg, "Message-ID")
@@ -67,8 +66,9 @@ def read_eml(data: bytes, path: str, *, options: LoadOptions, max_bytes: int, fm
     except LoadError:
         raise
     except Exception as exc:  # the email package raises many types on damaged input
-        raise LoadError(f"{path}: cannot read the message ({type(exc).__name__}: {exc})"[:300],
-                        path=path, reason="malformed") from exc
+        raise LoadError(
+            f"{path}: cannot read the message ({type(exc).__name__}: {exc})"[:300], path=path, reason="malformed"
+        ) from exc
     return Loaded([page], [f"message {mid}" if mid else "message 1"], meta={"messages": 1}, clean=False)
 
 
@@ -97,9 +97,16 @@ def read_mbox(data: bytes, path: str, *, options: LoadOptions, max_bytes: int, f
         pages.append(page)
         labels.append(f"message {mid}" if mid else f"message #{n}")
     if not pages:
-        raise LoadError(f"{path}: none of the {len(starts)} messages could be read ({broken[0]})",
-                        path=path, reason="malformed")
-    warnings = ([f"{len(broken)} of {len(starts)} messages could not be read and were skipped: "
-                 + ", ".join(broken[:3]) + (" ..." if len(broken) > 3 else "")] if broken else [])
-    return Loaded(pages, labels, meta={"messages": len(starts), "messages_skipped": len(broken)},
-                  warnings=warnings)
+        raise LoadError(
+            f"{path}: none of the {len(starts)} messages could be read ({broken[0]})", path=path, reason="malformed"
+        )
+    warnings = (
+        [
+            f"{len(broken)} of {len(starts)} messages could not be read and were skipped: "
+            + ", ".join(broken[:3])
+            + (" ..." if len(broken) > 3 else "")
+        ]
+        if broken
+        else []
+    )
+    return Loaded(pages, labels, meta={"messages": len(starts), "messages_skipped": len(broken)}, warnings=warnings)

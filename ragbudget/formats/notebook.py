@@ -35,13 +35,13 @@ def read_ipynb(data: bytes, path: str, *, options: LoadOptions, max_bytes: int, 
     try:
         nb = json.loads(text)
     except (json.JSONDecodeError, RecursionError) as exc:
-        raise LoadError(f"{path}: not a notebook (invalid JSON: {str(exc)[:120]})", path=path,
-                        reason="malformed") from exc
+        raise LoadError(
+            f"{path}: not a notebook (invalid JSON: {str(exc)[:120]})", path=path, reason="malformed"
+        ) from exc
     if not isinstance(nb, dict) or not isinstance(nb.get("cells"), list):
         version = nb.get("nbformat") if isinstance(nb, dict) else None
-        hint = ("; upgrade it: jupyter nbconvert --to notebook --nbformat 4" if version and version < 4 else "")
-        raise LoadError(f"{path}: not an nbformat 4 notebook (no cells list){hint}", path=path,
-                        reason="unsupported")
+        hint = "; upgrade it: jupyter nbconvert --to notebook --nbformat 4" if version and version < 4 else ""
+        raise LoadError(f"{path}: not an nbformat 4 notebook (no cells list){hint}", path=path, reason="unsupported")
     meta = nb.get("metadata")
     if not isinstance(meta, dict):
         meta = {}
@@ -77,8 +77,11 @@ def read_ipynb(data: bytes, path: str, *, options: LoadOptions, max_bytes: int, 
         if parts:
             pages.append("\n".join(parts))
             labels.append(f"cell {n}")
-    return Loaded(pages, labels, meta={"cells": len(nb["cells"]), "binary_outputs": binary,
-                                       "outputs_indexed": outputs_kept, "language": lang})
+    return Loaded(
+        pages,
+        labels,
+        meta={"cells": len(nb["cells"]), "binary_outputs": binary, "outputs_indexed": outputs_kept, "language": lang},
+    )
 
 
 def _output_text(out: dict[str, Any]) -> str | None:

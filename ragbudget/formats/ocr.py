@@ -29,8 +29,11 @@ def ocr_pdf_pages(data: bytes, pages: Sequence[int], path: str, *, lang: str = "
     try:
         pytesseract.get_tesseract_version()
     except Exception as exc:  # pytesseract raises its own TesseractNotFoundError / OSError
-        raise LoadError(f"{path}: OCR needs the tesseract program (apt install tesseract-ocr)",
-                        path=path, reason="missing_dependency") from exc
+        raise LoadError(
+            f"{path}: OCR needs the tesseract program (apt install tesseract-ocr)",
+            path=path,
+            reason="missing_dependency",
+        ) from exc
     pdf = pypdfium2.PdfDocument(data)
     out = []
     try:
@@ -41,11 +44,15 @@ def ocr_pdf_pages(data: bytes, pages: Sequence[int], path: str, *, lang: str = "
             try:
                 out.append(pytesseract.image_to_string(image, lang=lang, timeout=OCR_TIMEOUT_S))
             except RuntimeError as exc:  # pytesseract's timeout
-                raise LoadError(f"{path}: OCR of page {i + 1} took over {OCR_TIMEOUT_S} s",
-                                path=path, reason="too_large") from exc
+                raise LoadError(
+                    f"{path}: OCR of page {i + 1} took over {OCR_TIMEOUT_S} s", path=path, reason="too_large"
+                ) from exc
             except pytesseract.TesseractError as exc:
-                raise LoadError(f"{path}: tesseract failed on page {i + 1} ({exc.message.strip()[:200]})",
-                                path=path, reason="malformed") from exc
+                raise LoadError(
+                    f"{path}: tesseract failed on page {i + 1} ({exc.message.strip()[:200]})",
+                    path=path,
+                    reason="malformed",
+                ) from exc
     finally:
         pdf.close()
     return out

@@ -37,7 +37,7 @@ def _docx_heading_level(paragraph: Any) -> int:
     if name == "Title":
         return 1
     if name.startswith("Heading "):
-        tail = name[len("Heading "):]
+        tail = name[len("Heading ") :]
         return min(6, int(tail)) if tail.isdigit() else 0
     return 0
 
@@ -57,8 +57,9 @@ def read_docx(data: bytes, path: str, *, options: LoadOptions, max_bytes: int, f
     try:
         document = docx.Document(io.BytesIO(data))
     except Exception as exc:  # python-docx raises KeyError, ValueError, its own errors on damage
-        raise LoadError(f"{path}: cannot read the Word document ({type(exc).__name__}: {exc})",
-                        path=path, reason="malformed") from exc
+        raise LoadError(
+            f"{path}: cannot read the Word document ({type(exc).__name__}: {exc})", path=path, reason="malformed"
+        ) from exc
     pages: list[str] = []
     labels: list[str] = []
     n_par = n_tab = 0
@@ -94,8 +95,14 @@ def read_docx(data: bytes, path: str, *, options: LoadOptions, max_bytes: int, f
     furniture = 0
     seen_parts: set[str] = set()
     for section in document.sections:
-        for part in (section.header, section.first_page_header, section.even_page_header,
-                     section.footer, section.first_page_footer, section.even_page_footer):
+        for part in (
+            section.header,
+            section.first_page_header,
+            section.even_page_header,
+            section.footer,
+            section.first_page_footer,
+            section.even_page_footer,
+        ):
             if part.is_linked_to_previous:
                 continue
             name = str(part.part.partname)
@@ -126,8 +133,9 @@ def read_pptx(data: bytes, path: str, *, options: LoadOptions, max_bytes: int, f
         prs = pptx.Presentation(io.BytesIO(data))
         slides = list(prs.slides)
     except Exception as exc:  # python-pptx raises KeyError, ValueError, its own errors on damage
-        raise LoadError(f"{path}: cannot read the PowerPoint file ({type(exc).__name__}: {exc})",
-                        path=path, reason="malformed") from exc
+        raise LoadError(
+            f"{path}: cannot read the PowerPoint file ({type(exc).__name__}: {exc})", path=path, reason="malformed"
+        ) from exc
     pages: list[str] = []
     labels: list[str] = []
     furniture = 0
@@ -140,8 +148,9 @@ def read_pptx(data: bytes, path: str, *, options: LoadOptions, max_bytes: int, f
             except ValueError:
                 kind = None
             if kind in furniture_types:
-                return sum(1 for line in (shape.text_frame.text.splitlines() if shape.has_text_frame else [])
-                           if line.strip())
+                return sum(
+                    1 for line in (shape.text_frame.text.splitlines() if shape.has_text_frame else []) if line.strip()
+                )
         if shape.shape_type == MSO_SHAPE_TYPE.GROUP:
             return sum(shape_lines(s, out) for s in _reading_order(shape.shapes))
         if shape.has_text_frame:
@@ -153,8 +162,11 @@ def read_pptx(data: bytes, path: str, *, options: LoadOptions, max_bytes: int, f
             rows = [[_one_line(c.text) for c in row.cells] for row in shape.table.rows]
             out.extend(_table_lines(rows))
         if shape.shape_type == MSO_SHAPE_TYPE.PICTURE:
-            alt = _one_line(shape._element.xpath("./p:nvPicPr/p:cNvPr/@descr")[0]
-                            if shape._element.xpath("./p:nvPicPr/p:cNvPr/@descr") else "")
+            alt = _one_line(
+                shape._element.xpath("./p:nvPicPr/p:cNvPr/@descr")[0]
+                if shape._element.xpath("./p:nvPicPr/p:cNvPr/@descr")
+                else ""
+            )
             if alt:
                 out.append(f"[image: {alt}]")
         return 0
@@ -238,17 +250,22 @@ def read_odt(data: bytes, path: str, *, options: LoadOptions, max_bytes: int, fm
     with zf:
         names = set(zf.namelist())
         if "META-INF/manifest.xml" in names and b"encryption-data" in read_member(
-                zf, "META-INF/manifest.xml", path, what="OpenDocument file"):
-            raise LoadError(f"{path}: the OpenDocument file is protected by a password; save an "
-                            "unprotected copy to index it", path=path, reason="encrypted")
-        root = parse_xml(read_member(zf, "content.xml", path, what="OpenDocument file"), path,
-                         what="OpenDocument file")
-        styles = (parse_xml(read_member(zf, "styles.xml", path, what="OpenDocument file"), path,
-                            what="OpenDocument file") if "styles.xml" in names else None)
+            zf, "META-INF/manifest.xml", path, what="OpenDocument file"
+        ):
+            raise LoadError(
+                f"{path}: the OpenDocument file is protected by a password; save an unprotected copy to index it",
+                path=path,
+                reason="encrypted",
+            )
+        root = parse_xml(read_member(zf, "content.xml", path, what="OpenDocument file"), path, what="OpenDocument file")
+        styles = (
+            parse_xml(read_member(zf, "styles.xml", path, what="OpenDocument file"), path, what="OpenDocument file")
+            if "styles.xml" in names
+            else None
+        )
     body = root.find("office:body/office:text", _NS)
     if body is None:
-        raise LoadError(f"{path}: not an OpenDocument text (no office:text body)", path=path,
-                        reason="unsupported")
+        raise LoadError(f"{path}: not an OpenDocument text (no office:text body)", path=path, reason="unsupported")
     pages: list[str] = []
     labels: list[str] = []
     counts = {"paragraph": 0, "table": 0}
@@ -278,8 +295,7 @@ def read_odt(data: bytes, path: str, *, options: LoadOptions, max_bytes: int, fm
                             text = _odf_text(p)
                             add("paragraph", "- " + text if text else "")
             elif tag == _TB + "table":
-                rows = [[_odf_text(c) for c in row.iter(_TB + "table-cell")]
-                        for row in el.iter(_TB + "table-row")]
+                rows = [[_odf_text(c) for c in row.iter(_TB + "table-cell")] for row in el.iter(_TB + "table-row")]
                 add("table", "\n".join(_table_lines(rows)))
             elif tag == _T + "section" and depth < 50:
                 walk(el, depth + 1)
@@ -290,5 +306,6 @@ def read_odt(data: bytes, path: str, *, options: LoadOptions, max_bytes: int, fm
         for kind in ("header", "footer", "header-left", "footer-left", "header-first", "footer-first"):
             for part in styles.iter("{" + _NS["style"] + "}" + kind):
                 furniture += sum(1 for p in part.iter(_T + "p") if _odf_text(p))
-    return Loaded(pages, labels, meta={"paragraphs": counts["paragraph"], "tables": counts["table"]},
-                  furniture=furniture)
+    return Loaded(
+        pages, labels, meta={"paragraphs": counts["paragraph"], "tables": counts["table"]}, furniture=furniture
+    )

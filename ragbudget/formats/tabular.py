@@ -57,16 +57,20 @@ def read_csv(data: bytes, path: str, *, options: LoadOptions, max_bytes: int, fm
         block = body[start : start + ROWS_PER_PAGE]
         lines = []
         for row in block:
-            pairs = [f"{header[i] if i < len(header) else f'column {i + 1}'}: {' '.join(v.split())}"
-                     for i, v in enumerate(row) if v.strip()]
+            pairs = [
+                f"{header[i] if i < len(header) else f'column {i + 1}'}: {' '.join(v.split())}"
+                for i, v in enumerate(row)
+                if v.strip()
+            ]
             lines.append("; ".join(pairs))
         pages.append("\n".join(lines))
         end = start + len(block)
         labels.append(f"rows {start + 1}-{end}" if end > start + 1 else f"row {start + 1}")
     if not pages:  # a header alone is still the table's text
         pages, labels = ["; ".join(header)], ["header"]
-    return Loaded(pages, labels, meta={"rows": len(body), "columns": header,
-                                       "delimiter": getattr(dialect, "delimiter", ",")})
+    return Loaded(
+        pages, labels, meta={"rows": len(body), "columns": header, "delimiter": getattr(dialect, "delimiter", ",")}
+    )
 
 
 def _rows(reader: Iterator[list[str]], path: str) -> Iterator[list[str]]:
@@ -80,10 +84,14 @@ def _rows(reader: Iterator[list[str]], path: str) -> Iterator[list[str]]:
                 raise LoadError(
                     f"{path}: a field is over {MAX_FIELD_CHARS} characters (line {reader.line_num}): "  # type: ignore[attr-defined]
                     "a blob, not a table cell; skipped",
-                    path=path, reason="too_large",
+                    path=path,
+                    reason="too_large",
                 ) from exc
-            raise LoadError(f"{path}: damaged CSV at line {reader.line_num} ({exc})",  # type: ignore[attr-defined]
-                            path=path, reason="malformed") from exc
+            raise LoadError(
+                f"{path}: damaged CSV at line {reader.line_num} ({exc})",  # type: ignore[attr-defined]
+                path=path,
+                reason="malformed",
+            ) from exc
         if any(v.strip() for v in row):
             yield row
 
@@ -119,16 +127,16 @@ def _wanted(fields: tuple[str, ...], path: str, key: str) -> bool:
     if not fields:
         return True
     bare = re.sub(r"\[\d+\]", "", path)  # "data[0].title" is chosen by "data.title" too
-    return any(fnmatch.fnmatchcase(key, f) or fnmatch.fnmatchcase(path, f) or fnmatch.fnmatchcase(bare, f)
-               for f in fields)
+    return any(
+        fnmatch.fnmatchcase(key, f) or fnmatch.fnmatchcase(path, f) or fnmatch.fnmatchcase(bare, f) for f in fields
+    )
 
 
 def _parse(text: str, path: str, where: str = "") -> Any:
     try:
         return json.loads(text)
     except (json.JSONDecodeError, RecursionError) as exc:
-        raise LoadError(f"{path}: invalid JSON{where} ({str(exc)[:120]})", path=path,
-                        reason="malformed") from exc
+        raise LoadError(f"{path}: invalid JSON{where} ({str(exc)[:120]})", path=path, reason="malformed") from exc
 
 
 def _pages_of(value: Any, options: LoadOptions, prefix: str, pages: list[str], labels: list[str]) -> None:
@@ -176,8 +184,14 @@ def read_jsonl(data: bytes, path: str, *, options: LoadOptions, max_bytes: int, 
     return _finish(pages, labels, options, path, {"bad_lines": len(bad)}, warnings)
 
 
-def _finish(pages: list[str], labels: list[str], options: LoadOptions, path: str,
-            meta: dict[str, Any], warnings: list[str] | None = None) -> Loaded:
+def _finish(
+    pages: list[str],
+    labels: list[str],
+    options: LoadOptions,
+    path: str,
+    meta: dict[str, Any],
+    warnings: list[str] | None = None,
+) -> Loaded:
     if not pages:
         fields = f" in the fields {', '.join(options.json_fields)}" if options.json_fields else ""
         raise LoadError(f"{path}: no string values{fields}", path=path, reason="empty")
