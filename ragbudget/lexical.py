@@ -13,6 +13,8 @@ import sqlite3
 from collections.abc import Sequence
 from typing import Any
 
+from .types import QUESTION_STOPWORDS
+
 __all__ = ["FTS_TOKENIZE", "FUSIONS", "fts5_available", "fts_match_query", "fuse_scores"]
 
 log = logging.getLogger(__name__)
@@ -41,80 +43,7 @@ FUSIONS = ("rrf", "score")
 # RRF's k: 60 is the constant of the original paper and of Elasticsearch/Weaviate/LlamaIndex.
 _RRF_K = 60
 # Words that carry no retrieval signal in a question; OR-ing them would only make every chunk match.
-_STOP = frozenset(
-    (
-        "a",
-        "an",
-        "and",
-        "are",
-        "as",
-        "at",
-        "be",
-        "been",
-        "but",
-        "by",
-        "can",
-        "could",
-        "did",
-        "do",
-        "does",
-        "for",
-        "from",
-        "had",
-        "has",
-        "have",
-        "how",
-        "i",
-        "if",
-        "in",
-        "into",
-        "is",
-        "it",
-        "its",
-        "of",
-        "on",
-        "or",
-        "should",
-        "so",
-        "than",
-        "that",
-        "the",
-        "their",
-        "them",
-        "then",
-        "there",
-        "these",
-        "they",
-        "this",
-        "those",
-        "to",
-        "was",
-        "were",
-        "what",
-        "when",
-        "where",
-        "which",
-        "who",
-        "whom",
-        "whose",
-        "why",
-        "will",
-        "with",
-        "would",
-        "you",
-        "your",
-        "yours",
-        "me",
-        "my",
-        "we",
-        "our",
-        "us",
-        "he",
-        "she",
-        "his",
-        "her",
-    )
-)
+_STOP = QUESTION_STOPWORDS | {"he", "her", "his", "me", "my", "our", "she", "should", "us", "we", "yours"}
 _FTS_WORD = re.compile(r"\w+")
 _FTS_MAX_TERMS = 64
 

@@ -38,7 +38,7 @@ from typing import Any
 
 from .errors import ConfigError
 from .formats import join_labels
-from .types import Source
+from .types import QUESTION_STOPWORDS, Source
 
 __all__ = ["ORDERS", "Candidate", "Dropped", "SelectedChunk", "Selection", "select_chunks"]
 
@@ -494,69 +494,7 @@ def _greedy(items: Sequence[_Item], capacity: int) -> list[_Item]:
 
 
 # Question words that say nothing about where the answer is.
-_QSTOP = frozenset(
-    (
-        "a",
-        "an",
-        "and",
-        "are",
-        "as",
-        "at",
-        "be",
-        "been",
-        "but",
-        "by",
-        "can",
-        "could",
-        "did",
-        "do",
-        "does",
-        "for",
-        "from",
-        "had",
-        "has",
-        "have",
-        "how",
-        "i",
-        "if",
-        "in",
-        "into",
-        "is",
-        "it",
-        "its",
-        "of",
-        "on",
-        "or",
-        "so",
-        "than",
-        "that",
-        "the",
-        "their",
-        "them",
-        "then",
-        "there",
-        "these",
-        "they",
-        "this",
-        "those",
-        "to",
-        "was",
-        "were",
-        "what",
-        "when",
-        "where",
-        "which",
-        "who",
-        "whom",
-        "whose",
-        "why",
-        "will",
-        "with",
-        "would",
-        "you",
-        "your",
-    )
-)
+_QSTOP = QUESTION_STOPWORDS
 
 
 def _terms(text: str) -> set[str]:

@@ -68,7 +68,7 @@ from .select import (
     _truncate,
     _words,
 )
-from .types import Source
+from .types import QUESTION_STOPWORDS, Source
 
 __all__ = [
     "DEFAULT_PACK",
@@ -257,75 +257,7 @@ _ABBREV = frozenset(
     )
 )
 # Question words that say nothing about where the answer is (as select's _QSTOP, plus a few).
-_STOP = frozenset(
-    (
-        "a",
-        "an",
-        "and",
-        "are",
-        "as",
-        "at",
-        "be",
-        "been",
-        "but",
-        "by",
-        "can",
-        "could",
-        "did",
-        "do",
-        "does",
-        "for",
-        "from",
-        "had",
-        "has",
-        "have",
-        "how",
-        "i",
-        "if",
-        "in",
-        "into",
-        "is",
-        "it",
-        "its",
-        "of",
-        "on",
-        "or",
-        "so",
-        "than",
-        "that",
-        "the",
-        "their",
-        "them",
-        "then",
-        "there",
-        "these",
-        "they",
-        "this",
-        "those",
-        "to",
-        "was",
-        "were",
-        "what",
-        "when",
-        "where",
-        "which",
-        "who",
-        "whom",
-        "whose",
-        "why",
-        "will",
-        "with",
-        "would",
-        "you",
-        "your",
-        "he",
-        "she",
-        "his",
-        "her",
-        "we",
-        "our",
-    )
-)
+_STOP = QUESTION_STOPWORDS | {"he", "her", "his", "our", "she", "we"}
 
 
 @dataclass(frozen=True)

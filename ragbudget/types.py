@@ -14,6 +14,7 @@ __all__ = [
     "CACHE_KINDS",
     "DEFAULT_INDEX_DIR",
     "PAGE_SEP",
+    "QUESTION_STOPWORDS",
     "Chunk",
     "Document",
     "Hit",
@@ -31,6 +32,18 @@ CACHE_KINDS = ("dynamic", "static", "offloaded", "quantized")
 #: The index folder when none is named (the CLI's ``--index-dir``, ``Index``, ``Pipeline``); the
 #: loaders never walk into a folder of this name.
 DEFAULT_INDEX_DIR = ".ragbudget"
+
+#: Question words that say nothing about where the answer is: the one list the lexical search, chunk
+#: selection and span scoring start from (each adds its own few).
+# fmt: off
+QUESTION_STOPWORDS = frozenset((
+    "a", "an", "and", "are", "as", "at", "be", "been", "but", "by", "can", "could", "did", "do",
+    "does", "for", "from", "had", "has", "have", "how", "i", "if", "in", "into", "is", "it", "its",
+    "of", "on", "or", "so", "than", "that", "the", "their", "them", "then", "there", "these",
+    "they", "this", "those", "to", "was", "were", "what", "when", "where", "which", "who", "whom",
+    "whose", "why", "will", "with", "would", "you", "your",
+))
+# fmt: on
 
 #: Pages are joined with a single newline: a sentence running over a page break stays one
 #: paragraph for the chunker, while the page boundary offsets are still known exactly.
