@@ -99,10 +99,10 @@ def _meta_parameter_count(config: Any) -> int:
                 "weights_bytes= or a model whose weights can be read"
             ) from exc
     verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
+    hf_logging.set_verbosity_error()  # type: ignore[no-untyped-call]  # transformers ships it untyped
     try:
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
+            model = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]  # untyped in transformers
     except Exception as exc:  # transformers cannot build it
         raise ModelError(
             f"cannot build {type(config).__name__} to count its parameters ({exc}); pass weights_bytes= instead"
@@ -195,9 +195,8 @@ def estimate_weights_bytes(config: Any, *, weight_dtype: str | None = None) -> i
 
 
 def _module_bytes(model: Any) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters()) + sum(
-        b.numel() * b.element_size() for b in model.buffers()
-    )
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    return int(params + sum(b.numel() * b.element_size() for b in model.buffers()))
 
 
 # --------------------------------------------------------------------------------------------
@@ -283,9 +282,10 @@ def _read_entry(path: Path, key: str) -> dict[str, Any] | None:
     if not path.is_file():
         return None
     try:
-        return json.loads(path.read_text()).get(key)
-    except (OSError, ValueError):
+        entry = json.loads(path.read_text()).get(key)
+    except (OSError, ValueError, AttributeError):  # AttributeError: JSON that is not an object
         return None
+    return entry if isinstance(entry, dict) else None
 
 
 def _merge_entry(path: Path, key: str, merge: Callable[[dict[str, Any] | None], dict[str, Any]]) -> dict[str, Any]:

@@ -525,7 +525,7 @@ class Index:
         return data
 
     def _check_file(self, entry: dict[str, Any]) -> Path:
-        p = self.path / entry["file"]
+        p: Path = self.path / str(entry["file"])
         if not p.is_file():
             raise IndexCorruptError(f"index file {p} is missing; rebuild the index")
         size = p.stat().st_size
