@@ -1,5 +1,8 @@
 """Capped generation with a local transformers model, and an out-of-memory fallback ladder.
 
+One job: one local model's generation — loading it, a capped ``generate`` with sampling, stop
+strings and streaming, and the ladder that retries it after an out-of-memory error.
+
 :class:`Generator` loads lazily (``warm_up()`` is idempotent). The default model is the packaged
 SmolLM2-135M-Instruct GGUF; transformers dequantizes a GGUF on load (~40 s for SmolLM2), so the
 converted model and tokenizer are saved once under ``cache_dir()/converted/`` and later loads take

@@ -2,6 +2,8 @@
 validation, response shaping, and the error objects. Pure: no FastAPI, Starlette or asyncio,
 no I/O; :mod:`ragbudget.server` reads bodies off the socket and hands them here.
 
+One job: the OpenAI chat-completions wire format, both directions.
+
 * Requests: :func:`decode_json` (a body's bytes to JSON, refusing hostile nesting), then
   :func:`parse_chat` or :func:`parse_retrieve` to a frozen record, or an :class:`APIError`
   naming the field, as OpenAI answers it (status, ``type``, ``param``, ``code``).
