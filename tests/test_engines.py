@@ -8,7 +8,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -40,6 +40,8 @@ from ragbudget.errors import (
     EngineResponseError,
     OverloadedError,
 )
+from ragbudget.prompt import Prompt, build_prompt
+from ragbudget.select import Candidate
 
 FAST = Retry(attempts=4, base_delay=0.01, max_delay=0.05, max_wait=2.0)
 USER = [{"role": "user", "content": "How is the Project Leader elected?"}]
@@ -402,45 +404,25 @@ def test_an_error_in_mid_stream_is_typed() -> None:
 
 
 # -- too long ---------------------------------------------------------------------------------------
-@dataclass
-class _Passage:
-    score: float
-    n_tokens: int
+def _four_passage_prompt() -> Prompt:
+    """A real :class:`~ragbudget.prompt.Prompt` of 4 passages of 120 distinct words (scores
+    0.9, 0.1, 0.5, 0.7): 560 tokens as the replayed llama.cpp counts, over its 512-token slot; any
+    three are 439."""
+    from _fakes import WordTokenizer
 
-
-@dataclass
-class FakePrompt:
-    """The part of ragbudget.prompt.Prompt a backend uses: messages, passages, n_tokens,
-    input_ids and without_lowest (here one word per passage token)."""
-
-    question: str
-    passages: tuple[_Passage, ...]
-    built: list[int] = field(default_factory=list)
-
-    @property
-    def messages(self) -> tuple[dict[str, str], ...]:
-        ctx = " ".join("w" * 1 for p in self.passages for _ in range(p.n_tokens))
-        return ({"role": "user", "content": f"{ctx} {self.question}".strip()},)
-
-    @property
-    def n_tokens(self) -> int:
-        return render_count(list(self.messages))
-
-    @property
-    def input_ids(self) -> tuple[int, ...]:
-        return tuple(range(self.n_tokens))
-
-    def without_lowest(self, n: int = 1) -> FakePrompt | None:
-        if not self.passages:
-            return None
-        keep = sorted(self.passages, key=lambda p: -p.score)[: len(self.passages) - n]
-        return FakePrompt(self.question, tuple(keep))
+    cands = [
+        Candidate(f"c{i}", " ".join(f"p{i}w{j}" for j in range(120)), score)
+        for i, score in enumerate((0.9, 0.1, 0.5, 0.7))
+    ]
+    prompt = build_prompt("who?", cands, tokenizer=WordTokenizer(chatml=True), max_prompt_tokens=4000)
+    assert len(prompt.passages) == 4
+    return prompt
 
 
 def test_llamacpp_too_long_retries_once_with_fewer_passages() -> None:
     with Replay("llamacpp") as srv, _connect(srv) as b:
         # 4 passages of 150 "tokens": 600 + question > the 512-token slot
-        prompt = FakePrompt("who?", tuple(_Passage(s, 150) for s in (0.9, 0.1, 0.5, 0.7)))
+        prompt = _four_passage_prompt()
         g = b.generate(prompt, max_new_tokens=16)
         calls = srv.calls("POST", "/v1/chat/completions")
         assert len(calls) == 2  # the first refused with the server's figures, one retry
