@@ -90,7 +90,7 @@ def test_library_errors_are_one_line_and_exit_code_1(what: str, line: str) -> No
     assert "Traceback" not in result.output
 
 
-def test_a_missing_optional_package_names_its_extra() -> None:
+def test_missing_module_names_the_extra_of_a_submodule_or_the_package_itself() -> None:
     assert missing_module(ModuleNotFoundError(name="matplotlib.pyplot")).endswith("pip install 'ragbudget[plot]'")
     assert missing_module(ModuleNotFoundError(name="fastapi")).endswith("pip install 'ragbudget[serve]'")
     assert missing_module(ModuleNotFoundError(name="foo")).endswith("pip install foo")
