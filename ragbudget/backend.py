@@ -441,7 +441,9 @@ def prompt_messages(prompt: Any) -> list[dict[str, str]]:
     """
     if isinstance(prompt, str):
         return [{"role": "user", "content": prompt}]
-    msgs = getattr(prompt, "messages", prompt)
+    from .prompt import Prompt  # lazy: prompt building is not needed to talk to a backend
+
+    msgs = prompt.messages if isinstance(prompt, RenderedPrompt | Prompt) else prompt
     if isinstance(msgs, Sequence) and msgs and all(isinstance(m, Mapping) for m in msgs):
         return [{"role": str(m["role"]), "content": str(m["content"])} for m in msgs]
     raise ConfigError(
@@ -456,9 +458,10 @@ def template_overhead(backend: Backend, system_prompt: str | None = None) -> int
     ``template_overhead`` when it has one (served engines measure it once per model), else
     renders once.
     """
-    own = getattr(backend, "template_overhead", None)
-    if callable(own):
-        return int(own(system_prompt))
+    from .engines._base import ServedBackend  # lazy: the engines import this module
+
+    if isinstance(backend, ServedBackend):
+        return backend.template_overhead(system_prompt)
     msgs = [{"role": "system", "content": system_prompt}] if system_prompt else []
     return backend.render([*msgs, {"role": "user", "content": ""}]).n_tokens
 

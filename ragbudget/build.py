@@ -102,7 +102,7 @@ def _light_spec(emb: Embedder) -> dict[str, Any]:
         }
     if isinstance(emb, HashEmbedder):
         return emb.spec()
-    return {"kind": "custom", "id": emb.id, "pooling": getattr(emb, "pooling", None)}
+    return {"kind": "custom", "id": emb.id, "pooling": emb.pooling}
 
 
 class _Checkpoint:

@@ -240,6 +240,7 @@ class _Chunker:
     def __init__(self, text: str, tok: Tokenizer, lo: int, hi: int, overlap: int) -> None:
         self.text, self.tok, self.lo, self.hi, self.overlap = text, tok, lo, hi, overlap
         self.enc = _fast_encoding(tok)
+        self._line_cache: tuple[np.ndarray, int, np.ndarray, np.ndarray, np.ndarray] | None = None
 
     # -- token positions -------------------------------------------------------------------
 
@@ -272,7 +273,7 @@ class _Chunker:
         Line ``i`` starts at ``starts[i]`` (0, then one past each newline); reads past the end
         of the text see NUL padding, which no test below accepts.
         """
-        cached = getattr(self, "_line_cache", None)
+        cached = self._line_cache
         if cached is None:
             raw = self.text.encode("utf-32-le", errors="surrogatepass")
             cp = np.frombuffer(raw, dtype=np.uint32)

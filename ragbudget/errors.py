@@ -233,6 +233,7 @@ class EngineContextError(EngineError, BudgetError):
         self.needed = None if n_prompt_tokens is None else n_prompt_tokens + (max_new_tokens or 0)
         self.available = n_ctx
         self.unit = "tokens"
+        self.limit = "engine"  # BudgetError's field (its __init__ is not run here)
 
 
 class EngineOverloadedError(EngineError, OverloadedError):

@@ -593,9 +593,11 @@ class Generator:
                 reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
                 before = len(ids)
                 # Rung 1: fewer passages (if the prompt can be rebuilt).
+                from .prompt import Prompt  # lazy: prompts are built outside the generator
+
                 smaller = None
-                if drops < MAX_DROP_STEPS and hasattr(current, "without_lowest"):
-                    n = len(getattr(current, "passages", ()) or ())
+                if drops < MAX_DROP_STEPS and isinstance(current, Prompt):
+                    n = len(current.passages)
                     smaller = current.without_lowest(max(1, (n + 1) // 2)) if n else None
                 if smaller is not None:
                     drops += 1

@@ -872,6 +872,8 @@ def _check_call(on_text: Any, cancel: Any) -> None:
         raise ArgumentTypeError(
             f"on_text must be a callable taking each piece of text, got {type(on_text).__name__} {shown(on_text)}"
         )
+    # ``cancel`` is the caller's object, duck-typed on purpose (a threading.Event, an asyncio-side
+    # flag, a web framework's disconnect signal): probing it for ``is_set`` is the check.
     if cancel is not None and not callable(getattr(cancel, "is_set", None)):
         raise ArgumentTypeError(
             f"cancel must be a threading.Event (anything with is_set()), got {type(cancel).__name__} {shown(cancel)}"

@@ -85,6 +85,8 @@ def source_label(passage: Any) -> str:
     >>> source_label(Candidate("c", "t", 1.0, sources=(Source("deck.pptx", 0, 9, 2, 3, "slides 2-3"),)))
     'deck.pptx, slides 2-3'
     """
+    # ``passage`` may be the caller's own candidate (build_prompt and select_chunks take any
+    # object with chunk_id/text/score, ``sources`` optional), so its sources are probed.
     sources = tuple(getattr(passage, "sources", ()) or ())
     if not sources:
         return ""

@@ -191,6 +191,10 @@ class _RowFile:
     is_trained, metric), the float count, the floats, the id count, the int64 ids.
     """
 
+    # -1 until ``os.open`` succeeds: ``__del__`` also runs on an instance whose ``__init__``
+    # raised (a corrupt file), and must not close a descriptor it never had.
+    fd: int = -1
+
     def __init__(self, path: Path) -> None:
         import os
         import struct
@@ -232,9 +236,8 @@ class _RowFile:
     def __del__(self) -> None:
         import os
 
-        fd = getattr(self, "fd", None)
-        if fd is not None:
-            os.close(fd)
+        if self.fd >= 0:
+            os.close(self.fd)
 
 
 class FlatStore:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -16,14 +16,9 @@ from _replay import Replay, Resp, overloaded, render_count
 
 from ragbudget.backend import (
     Backend,
-    Capacity,
-    LocalBackend,
     MemoryCountCache,
-    RenderedPrompt,
     Sampling,
     per_request_tokens,
-    prompt_messages,
-    template_overhead,
     text_digest,
 )
 from ragbudget.engines import KINDS, Retry, connect
@@ -40,6 +35,8 @@ from ragbudget.errors import (
     EngineResponseError,
     OverloadedError,
 )
+from ragbudget.prompt import Prompt, build_prompt
+from ragbudget.select import Candidate
 
 FAST = Retry(attempts=4, base_delay=0.01, max_delay=0.05, max_wait=2.0)
 USER = [{"role": "user", "content": "How is the Project Leader elected?"}]
@@ -222,43 +219,6 @@ def test_ollama_not_loaded_sends_its_smallest_default_num_ctx() -> None:
 
 
 # -- per_request_tokens ----------------------------------------------------------------------------
-def test_per_request_tokens_window_binds_when_kv_is_ample() -> None:
-    cap = Capacity(
-        max_context_tokens=4096, max_context_source="w", kv_tokens_free=10**6, kv_free_source="k", running=0, waiting=0
-    )
-    b = per_request_tokens(cap, max_new_tokens=256, overhead_tokens=40)
-    assert (b.binding, b.context_tokens, b.binding_tokens, b.binding_source) == ("window", 4096 - 256 - 40, 3840, "w")
-    assert b.sharing == 1 and not b.advisory
-
-
-def test_per_request_tokens_kv_binds_and_is_advisory() -> None:
-    cap = Capacity(max_context_tokens=8192, kv_tokens_free=9000, kv_free_source="metrics", running=2, waiting=0)
-    b = per_request_tokens(cap, max_new_tokens=100, overhead_tokens=20)
-    assert b.sharing == 3 and b.kv_share == 3000
-    assert (b.binding, b.context_tokens, b.binding_source, b.advisory) == ("kv", 3000 - 120, "metrics", True)
-    # an explicit share count wins over the engine's load figures
-    assert per_request_tokens(cap, max_new_tokens=100, overhead_tokens=20, sharing=1).binding == "window"
-
-
-def test_per_request_tokens_uses_the_prompt_cap_and_total_kv_fallback() -> None:
-    cap = Capacity(
-        max_context_tokens=4096,
-        max_prompt_tokens=1000,
-        max_prompt_source="p",
-        kv_tokens_total=50000,
-        kv_total_source="t",
-    )
-    b = per_request_tokens(cap, max_new_tokens=100, overhead_tokens=10)
-    assert (b.binding, b.context_tokens, b.binding_source) == ("window", 990, "p")
-    assert b.kv_share == 50000
-
-
-def test_per_request_tokens_errors_say_what_to_change() -> None:
-    with pytest.raises(ConfigError, match="context_tokens"):
-        per_request_tokens(Capacity(engine_kind="openai"), max_new_tokens=1, overhead_tokens=0)
-    with pytest.raises(BudgetError, match="Lower max_new_tokens") as e:
-        per_request_tokens(Capacity(max_context_tokens=100), max_new_tokens=90, overhead_tokens=20)
-    assert e.value.available == 10 and e.value.needed == 111
 
 
 def test_served_capacity_feeds_per_request_tokens(kind: str) -> None:
@@ -402,45 +362,25 @@ def test_an_error_in_mid_stream_is_typed() -> None:
 
 
 # -- too long ---------------------------------------------------------------------------------------
-@dataclass
-class _Passage:
-    score: float
-    n_tokens: int
+def _four_passage_prompt() -> Prompt:
+    """A real :class:`~ragbudget.prompt.Prompt` of 4 passages of 120 distinct words (scores
+    0.9, 0.1, 0.5, 0.7): 560 tokens as the replayed llama.cpp counts, over its 512-token slot; any
+    three are 439."""
+    from _fakes import WordTokenizer
 
-
-@dataclass
-class FakePrompt:
-    """The part of ragbudget.prompt.Prompt a backend uses: messages, passages, n_tokens,
-    input_ids and without_lowest (here one word per passage token)."""
-
-    question: str
-    passages: tuple[_Passage, ...]
-    built: list[int] = field(default_factory=list)
-
-    @property
-    def messages(self) -> tuple[dict[str, str], ...]:
-        ctx = " ".join("w" * 1 for p in self.passages for _ in range(p.n_tokens))
-        return ({"role": "user", "content": f"{ctx} {self.question}".strip()},)
-
-    @property
-    def n_tokens(self) -> int:
-        return render_count(list(self.messages))
-
-    @property
-    def input_ids(self) -> tuple[int, ...]:
-        return tuple(range(self.n_tokens))
-
-    def without_lowest(self, n: int = 1) -> FakePrompt | None:
-        if not self.passages:
-            return None
-        keep = sorted(self.passages, key=lambda p: -p.score)[: len(self.passages) - n]
-        return FakePrompt(self.question, tuple(keep))
+    cands = [
+        Candidate(f"c{i}", " ".join(f"p{i}w{j}" for j in range(120)), score)
+        for i, score in enumerate((0.9, 0.1, 0.5, 0.7))
+    ]
+    prompt = build_prompt("who?", cands, tokenizer=WordTokenizer(chatml=True), max_prompt_tokens=4000)
+    assert len(prompt.passages) == 4
+    return prompt
 
 
 def test_llamacpp_too_long_retries_once_with_fewer_passages() -> None:
     with Replay("llamacpp") as srv, _connect(srv) as b:
         # 4 passages of 150 "tokens": 600 + question > the 512-token slot
-        prompt = FakePrompt("who?", tuple(_Passage(s, 150) for s in (0.9, 0.1, 0.5, 0.7)))
+        prompt = _four_passage_prompt()
         g = b.generate(prompt, max_new_tokens=16)
         calls = srv.calls("POST", "/v1/chat/completions")
         assert len(calls) == 2  # the first refused with the server's figures, one retry
@@ -661,54 +601,6 @@ def test_prometheus_parsing_handles_escapes_and_series() -> None:
         ("m", {"a": "3"}, 1.0),
         ("bare", {}, 2000.0),
     ]
-
-
-def test_prompt_messages_accepts_what_backends_take() -> None:
-    assert prompt_messages(USER) == USER
-    assert prompt_messages(RenderedPrompt(messages=tuple(USER), n_tokens=1, exact=True, source="s")) == USER
-    with pytest.raises(ConfigError, match="token ids cannot be sent"):
-        prompt_messages([1, 2, 3])
-
-
-class _StubGenerator:
-    """The Generator surface LocalBackend uses, model-free."""
-
-    class _Ref:
-        id = "stub-model"
-
-    model_ref = _Ref()
-    loaded = False
-
-    class token_counter:  # noqa: N801
-        @staticmethod
-        def count(text: str) -> int:
-            return len(text.split())
-
-    class tokenizer:  # noqa: N801 - a chat template rendering as many words as the replay counts
-        chat_template = "stub"
-
-        @staticmethod
-        def apply_chat_template(messages: Any, tokenize: bool = False, add_generation_prompt: bool = False) -> str:
-            return " ".join(["tok"] * render_count(list(messages)))
-
-    def generate(self, prompt: Any, **kw: Any) -> Any:
-        from ragbudget.generate import Generation
-
-        self.kw = kw
-        return Generation(text="ok", prompt_tokens=3, new_tokens=1, finish_reason="stop", seconds=0.0)
-
-
-def test_local_backend_is_a_backend() -> None:
-    stub = _StubGenerator()
-    b = LocalBackend(stub)  # type: ignore[arg-type]
-    assert isinstance(b, Backend) and b.model_id == "stub-model"
-    assert b.count(["a b", "c"]) == [2, 1]
-    r = b.render(USER)
-    assert r.exact and r.n_tokens == render_count(USER)
-    g = b.generate("Hi", max_new_tokens=5, sampling=Sampling(temperature=0.5, seed=2), stop=["\n"])
-    assert g.text == "ok" and stub.kw["max_new_tokens"] == 5 and stub.kw["seed"] == 2
-    assert stub.kw["stop"] == ["\n"] and stub.kw["temperature"] == 0.5
-    assert template_overhead(b, "Be brief.") == 2 + 4 + 0 + 4 + 3
 
 
 @dataclass

@@ -36,8 +36,6 @@ from ragbudget.index import (
     Index,
     IndexSummary,
     _Lock,
-    fts_match_query,
-    fuse_scores,
 )
 
 EMB = HashEmbedder(dim=256)
@@ -601,13 +599,6 @@ HOSTILE = [
 ]
 
 
-def test_fts_match_query_quotes_every_word() -> None:
-    assert fts_match_query('Who founded "Apple" AND NOT Microsoft*?') == '"founded" OR "apple" OR "microsoft"'
-    assert fts_match_query("the of and") == '"the" OR "of" OR "and"'  # only stop words: kept
-    assert fts_match_query("?!") == ""
-    assert fts_match_query(" ".join(f"w{i}" for i in range(100))).count(" OR ") == 63
-
-
 def test_hostile_queries_never_raise(ix: Index, corpus: Path) -> None:
     build(ix, corpus)
     o = Index.open(ix.path)
@@ -662,30 +653,6 @@ def test_hybrid_search_finds_and_scores(ix: Index, corpus: Path) -> None:
         o.search("x", hybrid=True, fusion="max")
     with pytest.raises(ConfigError):
         o.search("x", hybrid=True, lexical_weight=1.5)
-
-
-def test_fuse_scores_orders() -> None:
-    dense = {"a": 0.9, "b": 0.8, "c": 0.7, "d": 0.6}
-    lexical = {"d": 20.0, "c": 10.0, "e": 5.0}
-    for method in ("rrf", "score"):
-        assert [i for i, _ in fuse_scores(dense, lexical, method=method, lexical_weight=0.0)][:4] == [
-            "a",
-            "b",
-            "c",
-            "d",
-        ]
-        assert [i for i, _ in fuse_scores(dense, lexical, method=method, lexical_weight=1.0)][:3] == ["d", "c", "e"]
-        fused = fuse_scores(dense, lexical, method=method, lexical_weight=0.5)
-        assert sorted(i for i, _ in fused) == ["a", "b", "c", "d", "e"]
-        assert fused[0][1] == 0.9 and fused[-1][1] == 0.6  # mapped onto the dense range
-    # RRF: found by both beats first in one only (c: ranks 3 and 2; a: rank 1 dense only).
-    rrf = [i for i, _ in fuse_scores(dense, lexical, method="rrf", lexical_weight=0.5)]
-    assert rrf.index("c") < rrf.index("a") and rrf.index("d") < rrf.index("a")
-    # Ties keep dense order.
-    assert [i for i, _ in fuse_scores({"x": 0.5, "y": 0.5}, {}, method="score")] == ["x", "y"]
-    assert fuse_scores({}, {}) == []
-    with pytest.raises(ConfigError):
-        fuse_scores(dense, lexical, method="nope")
 
 
 def _strip_fts(ix: Index) -> None:
@@ -1098,32 +1065,6 @@ def test_files_under_an_unreadable_folder_are_kept(ix: Index, tmp_path: Path, mo
     s = build(ix, corpus)
     assert s.files_removed == 0 and any(r == "unreadable" for _, r, _ in s.skipped)
     assert {"c/sub/doc0.txt", "c/sub/doc1.txt"} <= {f.path for f in Index.open(ix.path).sources()}
-
-
-def test_checkpoint_keeps_whole_records_and_drops_a_torn_tail(tmp_path: Path) -> None:
-    from ragbudget.build import _Checkpoint
-
-    ident = {"kind": "hash", "id": "hash-4"}
-    ck = _Checkpoint(tmp_path, ident)
-    ck.add(["a", "b"], np.eye(2, 4, dtype=np.float32), [1, 2])
-    ck.add(["c"], np.ones((1, 4), dtype=np.float32), [1])
-    ck.close()
-    path = tmp_path / "embed.checkpoint"
-    data = path.read_bytes()
-    path.write_bytes(data[:-5])  # killed in the middle of the last record
-    again = _Checkpoint(tmp_path, ident)
-    assert sorted(again.vectors) == sorted(_Checkpoint.key(t) for t in "ab")
-    vec, windows = again.get("b")  # type: ignore[misc]
-    assert windows == 2 and vec.tolist() == [0.0, 1.0, 0.0, 0.0]
-    again.add(["c"], np.ones((1, 4), dtype=np.float32), [1])  # appends after the last whole one
-    again.close()
-    assert len(_Checkpoint(tmp_path, ident).vectors) == 3
-    flipped = bytearray(path.read_bytes())
-    flipped[-10] ^= 0xFF  # a damaged record fails its crc and is not used
-    path.write_bytes(bytes(flipped))
-    assert _Checkpoint(tmp_path, ident).get("c") is None
-    _Checkpoint(tmp_path, {"kind": "hash", "id": "hash-8"})  # another embedder: dropped
-    assert not path.exists()
 
 
 # --- dedup: one hash function for every mode ----------------------------------------------------------

@@ -170,3 +170,30 @@ def test_the_size_check_reads_the_docstring() -> None:
         )
     }
     assert oversized_without_a_job(marked) == []
+
+
+# --- a test file for every module -----------------------------------------------------------------
+
+
+def modules_without_a_test_file(package: Path, tests: Path) -> list[str]:
+    """Each top-level module (not ``__init__``/``__main__``) without ``tests/test_<module>.py``,
+    and each sub-package (``engines/``) without ``tests/test_<package>.py``."""
+    units = [p.stem for p in package.glob("*.py") if p.stem not in ("__init__", "__main__")]
+    units += [p.name for p in package.iterdir() if p.is_dir() and (p / "__init__.py").is_file()]
+    return sorted(f"{u} (tests/test_{u}.py)" for u in units if not (tests / f"test_{u}.py").is_file())
+
+
+def test_every_module_has_its_test_file() -> None:
+    assert modules_without_a_test_file(PACKAGE, ROOT / "tests") == []
+
+
+def test_the_test_file_check_sees_modules_and_sub_packages(tmp_path: Path) -> None:
+    pkg, tests = tmp_path / "pkg", tmp_path / "tests"
+    (pkg / "engines").mkdir(parents=True)
+    tests.mkdir()
+    for name in ("__init__.py", "__main__.py", "stage.py", "engines/__init__.py", "engines/one.py"):
+        (pkg / name).write_text("")
+    assert modules_without_a_test_file(pkg, tests) == ["engines (tests/test_engines.py)", "stage (tests/test_stage.py)"]
+    (tests / "test_stage.py").write_text("")
+    (tests / "test_engines.py").write_text("")
+    assert modules_without_a_test_file(pkg, tests) == []

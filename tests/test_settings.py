@@ -304,17 +304,6 @@ def test_connect_takes_the_engine_record_whole() -> None:
         connect("http://127.0.0.1:9/v1", kind="triton")
 
 
-def test_cli_option_groups_refuse_a_bad_combination_in_one_line() -> None:
-    from click.testing import CliRunner
-
-    from ragbudget.cli import cli
-
-    result = CliRunner().invoke(cli, ["ask", "q", "--pack", "spans", "--fill-remainder"])
-    assert result.exit_code == 2
-    assert "fill_remainder applies to whole-chunk packing only" in result.output
-    assert "Traceback" not in result.output
-
-
 def test_the_records_are_exported_from_ragbudget() -> None:
     import ragbudget
 

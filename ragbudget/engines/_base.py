@@ -421,13 +421,14 @@ class ServedBackend(ABC):
         if t.n_ctx is None:
             return None
         room = t.n_ctx - max_new_tokens  # prompt tokens the server can take
-        passages = getattr(prompt, "passages", None)
-        if passages and hasattr(prompt, "without_lowest") and hasattr(prompt, "n_tokens"):
+        from ..prompt import Prompt  # lazy: only a prompt that is too long gets here
+
+        if isinstance(prompt, Prompt) and prompt.passages:
             # Scale our local count to the server's (its tokenizer may count differently), then
             # drop the lowest-scored passages until the scaled count fits.
             local = max(1, prompt.n_tokens)
             ratio = (t.n_prompt_tokens or local) / local
-            p = prompt
+            p: Prompt | None = prompt
             while p is not None and p.n_tokens * ratio > room:
                 p = p.without_lowest(1) if p.passages else None
             return (p, max_new_tokens) if p is not None else None
