@@ -171,6 +171,21 @@ def check_fusion(fusion: Any, lexical_weight: Any) -> tuple[str, float]:
     return check_choice("fusion", fusion, FUSIONS), weight
 
 
+def check_near_dedup(threshold: Any, num_perm: Any, *, threshold_name: str = "near_threshold") -> tuple[float, int]:
+    """The near-duplicate threshold (Jaccard, in (0, 1]) and the MinHash permutations (≥ 2),
+    checked: the one rule :class:`DedupSettings` and :class:`ragbudget.dedup.NearDupIndex` share.
+    ``threshold_name`` is the caller's name for the threshold (``NearDupIndex`` calls it
+    ``threshold``), so the message names what was passed.
+
+    >>> check_near_dedup(1, 64)
+    (1.0, 64)
+    """
+    t = check_number(threshold_name, threshold, 0.0, 1.0, lo_open=True)
+    n = check_int("num_perm", num_perm, 2)
+    assert t is not None and n is not None
+    return t, n
+
+
 def _set(record: Any, name: str, value: Any) -> None:
     # A frozen record normalizes its own fields once, while it is being built (an int given for a
     # float field is stored as the float it means).
@@ -387,9 +402,9 @@ class DedupSettings:
 
     def __post_init__(self) -> None:
         check_choice("dedup", self.mode, DEDUP_MODES)
-        threshold = check_number("near_threshold", self.near_threshold, 0.0, 1.0, lo_open=True)
+        threshold, num_perm = check_near_dedup(self.near_threshold, self.num_perm)
         _set(self, "near_threshold", threshold)
-        _set(self, "num_perm", check_int("num_perm", self.num_perm, 2))
+        _set(self, "num_perm", num_perm)
 
 
 @dataclass(frozen=True, kw_only=True)
