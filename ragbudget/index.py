@@ -692,6 +692,7 @@ class Index:
         lexical_weight: float | None = None,
         fusion: str | None = None,
         candidates: int | None = None,
+        query_vector: Any = None,
     ) -> list[Hit]:
         """The ``k`` chunks that best match ``query``, best first.
 
@@ -702,7 +703,8 @@ class Index:
         candidates' cosine scale. Without FTS5 in this SQLite, hybrid search logs that once and
         returns the dense hits. ``retrieval`` (a :class:`~ragbudget.settings.RetrievalSettings`)
         gives ``hybrid``, ``lexical_weight``, ``fusion`` and ``fetch_k`` at once, instead of the
-        keywords.
+        keywords. ``query_vector``: ``query`` already embedded by the caller (:meth:`embed_query`),
+        so that it is not embedded again (a pipeline reuses it to score sentences).
 
         >>> idx.search("who founded the guild?", k=5, hybrid=True)[0].score   # doctest: +SKIP
         """
@@ -719,7 +721,7 @@ class Index:
             {"hybrid": hybrid, "lexical_weight": lexical_weight, "fusion": fusion},
         )
         hybrid, lexical_weight, fusion = settings.hybrid, settings.lexical_weight, settings.fusion
-        vector = emb.embed_query(query)
+        vector = emb.embed_query(query) if query_vector is None else query_vector
         if not hybrid or lexical_weight == 0.0:
             return self.search_vector(vector, k)
         pool = max(k, candidates or settings.fetch_k)
@@ -737,6 +739,13 @@ class Index:
         need = [i for i, _ in fused if i not in known]
         known.update({h.chunk_id: h for h in self.get_chunks(need)})
         return [_with_score(known[i], s) for i, s in fused if i in known]
+
+    def embed_query(self, query: str, *, embedder: Embedder | None = None) -> Any:
+        """``query``'s vector as :meth:`search` embeds it: with ``embedder`` (default: the index's
+        own), refused when that is not the embedder the index was built with."""
+        emb = embedder or self.embedder
+        self._check_embedder(emb)
+        return emb.embed_query(query)
 
     def sentence_vectors(self, ids: Iterable[int]) -> dict[int, tuple[list[bytes], Any]]:
         """The stored sentence vectors of chunks ``ids``: ``{chunk_id: (digests, vectors)}``,

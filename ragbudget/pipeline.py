@@ -590,7 +590,14 @@ class Pipeline:
         Raises :class:`~ragbudget.errors.IndexEmptyError` on an index without chunks."""
         query = _check_question(query, "query")
         k = check_int("k", k, 1)  # type: ignore[assignment]
-        return self._searchable().search(query, k=k, embedder=self.embedder, retrieval=self.retrieval)
+        return self._search(query, k)[0]
+
+    def _search(self, query: str, k: int) -> tuple[list[Hit], Any]:
+        """:meth:`search`, and the query's vector it searched with (for the span scorer)."""
+        store = self._searchable()
+        vector = store.embed_query(query, embedder=self.embedder)
+        hits = store.search(query, k=k, embedder=self.embedder, retrieval=self.retrieval, query_vector=vector)
+        return hits, vector
 
     # -- budgeted retrieval -------------------------------------------------------------------------
 
@@ -623,9 +630,17 @@ class Pipeline:
         allowance = self._engine_allowance if self.served else self._local_allowance
         builder, plan, max_prompt, cap = allowance(question, context_tokens, max_new_tokens, history, timings)
         t0 = time.perf_counter()
-        hits = self.search(retrieval_query or question, k=self.retrieval.fetch_k)
+        query = _check_question(retrieval_query or question, "query")
+        hits, vector = self._search(query, self.retrieval.fetch_k)
         timings["retrieve_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
+        options = self._pack_options()
+        scorer = options.get("span_scorer")
+        if scorer is not None and query == question:
+            # The search embedded this very text with the index's embedder, as the scorer would:
+            # one embedder call per question, not two. (A rewritten retrieval query is not the
+            # question the sentences are scored against: the scorer embeds that one itself.)
+            scorer.remember_query(question, vector)
         prompt = build_prompt(
             question,
             hits,
@@ -633,7 +648,7 @@ class Pipeline:
             builder=builder,
             order=self.retrieval.order,
             relevance_floor=self.retrieval.relevance_floor,
-            **self._pack_options(),
+            **options,
         )
         timings["select_s"] = time.perf_counter() - t0
         return prompt, plan, timings, cap

@@ -40,6 +40,22 @@ class Counting(HashEmbedder):
         return super().embed_documents(texts, *args, **kwargs)
 
 
+class Calls(HashEmbedder):
+    """A HashEmbedder (same id, same vectors) that records every call made to it."""
+
+    def __init__(self) -> None:
+        super().__init__(dim=DIM)
+        self.calls: list[tuple[str, int]] = []
+
+    def embed_query(self, text):  # type: ignore[no-untyped-def]
+        self.calls.append(("query", 1))
+        return super().embed_query(text)
+
+    def embed_documents(self, texts, *args, **kwargs):  # type: ignore[no-untyped-def]
+        self.calls.append(("documents", len(texts)))
+        return super().embed_documents(texts, *args, **kwargs)
+
+
 def build(ix: Index, corpus: Path, emb: HashEmbedder | None = None, **kw: object):
     return ix.build([str(corpus)], embedder=emb or HashEmbedder(dim=DIM), **{**OPTS, **kw})  # type: ignore[arg-type]
 
@@ -120,6 +136,25 @@ def test_a_question_embeds_no_sentence_when_the_index_stored_them(ix: Index, cor
     b = build_prompt(question, hits, span_scorer=SpanScorer(warm, stored=Index.open(ix.path).sentence_vectors), **kw)  # type: ignore[arg-type]
     assert a.selection.chunks and cold.documents > 0 and warm.documents == 0
     assert [c.text for c in a.selection.chunks] == [c.text for c in b.selection.chunks]
+
+
+def test_a_question_costs_one_embedder_call_the_search_s_vector_scores_the_sentences(ix: Index, corpus: Path) -> None:
+    build(ix, corpus)
+    question = "Which marker appears only in the third document, marker2zz?"
+    emb = Calls()
+    pipe = Pipeline(ix.path, backend=FakeBackend(), embedder=emb, pack="spans")
+    sel = pipe.retrieve(question, context_tokens=60)
+    assert sel.pack == "spans" and "marker2zz" in sel.text
+    # One query embedding, shared by the search and the span scorer; no sentence embedded.
+    assert emb.calls == [("query", 1)]
+    # The dense evidence is the same as the scorer embedding the question itself.
+    cold = Pipeline(ix.path, backend=FakeBackend(), embedder=HashEmbedder(dim=DIM), pack="spans")
+    cold._pack_options()["span_scorer"].remember_query = lambda *a: None  # embeds the question
+    assert cold.retrieve(question, context_tokens=60).text == sel.text
+    # A rewritten retrieval query is not the question the sentences are scored against.
+    emb.calls.clear()
+    pipe.retrieve("an unseen question naming marker2zz", context_tokens=60, retrieval_query="marker2zz")
+    assert emb.calls == [("query", 1), ("query", 1)]
 
 
 def test_an_index_without_sentence_vectors_still_works_and_gains_them_on_its_next_write(
