@@ -757,7 +757,7 @@ class Index:
         import numpy as np
 
         ids = [int(i) for i in ids]
-        if not ids:
+        if not ids or not self.has_sentence_vectors:
             return {}
         self._load()
         assert self._db is not None
@@ -781,6 +781,13 @@ class Index:
             except sqlite3.OperationalError:  # no such table: an index from before they were stored
                 return {}
         return {cid: (list(d), v) for cid, (d, v) in out.items()}
+
+    @property
+    def has_sentence_vectors(self) -> bool:
+        """Whether the generation in use stores every chunk's sentence vectors: built with
+        ``sentence_vectors`` on (the default) by a version that stores them. ``False``: span
+        packing embeds the pool's sentences at question time."""
+        return _stores_sentences(self.manifest)
 
     def search_lexical(self, query: str, k: int = 5) -> list[Hit]:
         """The ``k`` chunks with the best BM25 score for ``query`` (``score`` = BM25, higher is
@@ -1121,6 +1128,7 @@ class Index:
         min_tokens: int | None = None,
         max_tokens: int | None = None,
         overlap: int | None = None,
+        sentence_vectors: bool | None = None,
         tokenizer: Any = None,
         dedup: str | DedupSettings | None = None,
         near_threshold: float | None = None,
@@ -1153,7 +1161,10 @@ class Index:
         and re-embeds every file of every recorded root (and of ``paths``); with ``prune``, of
         ``paths`` only. Embedded batches are checkpointed, so a run that was killed resumes
         without embedding them again. ``chunking`` (a :class:`~ragbudget.settings.ChunkSettings`,
-        or its keywords ``min_tokens``, ``max_tokens``, ``overlap``) sizes the chunks. ``dedup``
+        or its keywords ``min_tokens``, ``max_tokens``, ``overlap``, ``sentence_vectors``) sizes the
+        chunks and says whether every chunk's sentence vectors are stored for span packing (on by
+        default; turning it off drops them from the index, turning it on again embeds them for
+        every chunk, with no file changed). ``dedup``
         is ``"near"`` (content hash + MinHash at ``near_threshold``), ``"exact"`` or ``"none"``,
         or a :class:`~ragbudget.settings.DedupSettings` holding all three. ``store`` picks the vector store
         that answers searches (:mod:`ragbudget.vectors`): ``"auto"`` (exact while the vectors are
@@ -1179,7 +1190,12 @@ class Index:
             ChunkSettings,
             chunking,
             "chunking",
-            {"min_tokens": min_tokens, "max_tokens": max_tokens, "overlap": overlap},
+            {
+                "min_tokens": min_tokens,
+                "max_tokens": max_tokens,
+                "overlap": overlap,
+                "sentence_vectors": sentence_vectors,
+            },
         )
         near = {"near_threshold": near_threshold, "num_perm": num_perm}
         if isinstance(dedup, DedupSettings):
@@ -1212,6 +1228,9 @@ class Index:
                 "threshold": dups.near_threshold if dups.mode == "near" else None,
                 "num_perm": dups.num_perm if dups.mode == "near" else None,
             },
+            # Not part of "chunking" above: a change there rebuilds, this one only adds or drops
+            # the sentence vectors (build.py).
+            "sentences": sizes.sentence_vectors,
         }
         given = [os.fspath(p) for p in paths]
         roots = _check_roots(given, self.path)  # before the folder or the lock file is created
@@ -1247,6 +1266,14 @@ class Index:
                 self.close()
 
     update = build
+
+
+def _stores_sentences(m: dict[str, Any]) -> bool:
+    """Whether the manifest ``m`` says its generation stores every chunk's sentence vectors (no
+    ``sentences`` entry: written before they were stored; ``stored: false``: left out on purpose;
+    an entry without ``stored`` was written before they could be left out)."""
+    entry = m.get("sentences")
+    return isinstance(entry, dict) and bool(entry) and bool(entry.get("stored", True))
 
 
 def _recorded_recall(m: dict[str, Any]) -> float | None:

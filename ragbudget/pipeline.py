@@ -732,6 +732,15 @@ class Pipeline:
                 self._span_scorer = SpanScorer(self.embedder or store.embedder, stored=store.sentence_vectors)
         return {"pack": self.retrieval.pack, "span_scorer": self._span_scorer}
 
+    def _sentence_vectors_path(self) -> str | None:
+        """Where span packing's sentence vectors come from, for the report: ``"stored"`` (the
+        index's, embedded at build time) or ``"embedded at query time"`` (an index built without
+        them, or by an older version; cached across this pipeline's questions). ``None``: whole
+        chunks are packed."""
+        if self.retrieval.pack != "spans":
+            return None
+        return "stored" if self.store.has_sentence_vectors else "embedded at query time"
+
     def retrieve(
         self,
         question: str,
@@ -790,12 +799,13 @@ class Pipeline:
             retrieval_query=retrieval_query,
         )
         reserve = prompt.n_tokens + new_tokens
+        vectors = self._sentence_vectors_path()
 
         def cancelled() -> Answer:
             # Left before generation began (while queued, or just as it was admitted): nothing to
             # generate, but the answer still says what the request would have been.
             timings["total_s"] = time.perf_counter() - t_start
-            return cancelled_answer(prompt, plan, reserve, timings, cap, new_tokens)
+            return cancelled_answer(prompt, plan, reserve, timings, cap, new_tokens, sentence_vectors=vectors)
 
         if cancel is not None and cancel.is_set():
             return cancelled()
@@ -836,7 +846,7 @@ class Pipeline:
             record_measurement(gen.measurement)
         timings["total_s"] = time.perf_counter() - t_start
         final = gen.prompt if gen.prompt is not None else prompt
-        return build_answer(gen, final, plan, reserve, timings, cap)
+        return build_answer(gen, final, plan, reserve, timings, cap, sentence_vectors=vectors)
 
     def stream(self, question: str, **options: Any) -> AnswerStream:
         """:meth:`ask`, as an iterator over the answer's text while it is generated; the

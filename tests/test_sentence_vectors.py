@@ -207,3 +207,81 @@ def test_a_rebuild_for_new_chunking_reuses_sentence_vectors(ix: Index, tmp_path:
     assert s.rebuilt and set(rows(ix)) == set(chunk_texts(ix))
     # The same sentences, cut into other chunks: their vectors come from the old generation.
     assert s.sentences_embedded < first.sentences_embedded
+
+
+def manifest(ix: Index) -> dict:  # type: ignore[type-arg]
+    return json.loads((ix.path / "manifest.json").read_text())
+
+
+def index_bytes(ix: Index) -> int:
+    """The current generation's files (the folder also keeps the previous one for readers)."""
+    return int(Index.open(ix.path).stats()["bytes"])
+
+
+def ask_report(ix: Index, emb: HashEmbedder) -> dict:  # type: ignore[type-arg]
+    pipe = Pipeline(ix.path, backend=FakeBackend(), embedder=emb, pack="spans")
+    answer = pipe.ask("Which marker appears only in the third document, marker2zz?", context_tokens=60)
+    assert answer.report["pack"] == "spans" and answer.report["selection"]
+    return answer.report
+
+
+def test_sentence_vectors_off_drops_them_and_on_again_fills_them_for_every_chunk(ix: Index, corpus: Path) -> None:
+    from ragbudget.display import format_report
+
+    build(ix, corpus)
+    on_bytes, on_rows = index_bytes(ix), rows(ix)
+    assert set(on_rows) == set(chunk_texts(ix)) and Index.open(ix.path).has_sentence_vectors
+    # Off, no file changed: a new generation without them, smaller on disk; nothing re-chunked.
+    off = build(ix, corpus, sentence_vectors=False)
+    assert off.committed and not off.rebuilt and off.chunks_embedded == 0 and off.sentences_embedded == 0
+    assert rows(ix) == {} and manifest(ix)["sentences"] == {"stored": False}
+    assert manifest(ix)["counts"]["sentence_vectors"] == 0
+    # The file is rewritten without their pages (deleted rows alone would leave its size).
+    payload = sum(len(d) + len(v) for d, v in on_rows.values())
+    assert on_bytes - index_bytes(ix) >= 0.9 * payload, (on_bytes, index_bytes(ix), payload)
+    opened = Index.open(ix.path)
+    assert not opened.has_sentence_vectors and opened.sentence_vectors(list(on_rows)) == {} and opened.verify().ok
+    # A question then embeds the pool's sentences (the cold path), and --explain says so.
+    emb = Counting()
+    report = ask_report(ix, emb)
+    assert emb.documents > 0 and report["sentence_vectors"] == "embedded at query time"
+    assert "sentence vectors: embedded at query time" in format_report(report)
+    # Still off: nothing to do; a changed file adds chunks without sentence vectors.
+    assert not build(ix, corpus, sentence_vectors=False).committed
+    (corpus / "doc1.txt").write_text((corpus / "doc1.txt").read_text() + "\nA closing line names quokkazz.\n")
+    s = build(ix, corpus, sentence_vectors=False)
+    assert s.committed and s.chunks_embedded > 0 and s.sentences_embedded == 0 and rows(ix) == {}
+    # On again, no file changed: every chunk gets them, no chunk is embedded again.
+    again = build(ix, corpus)
+    texts = chunk_texts(ix)
+    assert again.committed and not again.rebuilt and again.chunks_embedded == 0
+    assert again.sentences_embedded > 0 and set(rows(ix)) == set(texts)
+    assert manifest(ix)["sentences"]["stored"] is True and manifest(ix)["counts"]["sentence_vectors"] == len(texts)
+    assert Index.open(ix.path).has_sentence_vectors and Index.open(ix.path).verify().ok
+    emb = Counting()
+    report = ask_report(ix, emb)
+    assert emb.documents == 0 and report["sentence_vectors"] == "stored"
+    assert "sentence vectors: stored in the index" in format_report(report)
+    assert not build(ix, corpus).committed
+
+
+def test_a_new_index_without_sentence_vectors(ix: Index, corpus: Path) -> None:
+    from ragbudget.settings import ChunkSettings
+
+    s = build(ix, corpus, sentence_vectors=False)
+    assert s.committed and s.sentences_embedded == 0 and rows(ix) == {}
+    assert not Index.open(ix.path).has_sentence_vectors
+    # The record is what the keyword builds; whole-chunk packing reports no sentence vectors.
+    assert ChunkSettings(sentence_vectors=False).sentence_vectors is False
+    pipe = Pipeline(ix.path, backend=FakeBackend(), embedder=HashEmbedder(dim=DIM), pack="chunks")
+    assert pipe.ask("marker2zz", context_tokens=60).report["sentence_vectors"] is None
+
+
+def test_an_index_from_before_the_switch_counts_as_storing_them(ix: Index, corpus: Path) -> None:
+    # A manifest entry without "stored" (written before sentence vectors could be left out).
+    build(ix, corpus)
+    m = manifest(ix)
+    m["sentences"].pop("stored")
+    (ix.path / "manifest.json").write_text(json.dumps(m))
+    assert Index.open(ix.path).has_sentence_vectors
+    assert not build(ix, corpus).committed
