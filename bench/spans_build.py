@@ -8,10 +8,13 @@ int8 ONNX on a CPU with onnxruntime). Recorded from the build's own summary: tot
 chunk-embedding seconds, the sentence-vector seconds (``sentence_seconds``: splitting, embedding,
 writing), sentences embedded; the bytes of the stored sentence vectors against the whole index;
 then an incremental run after one paragraph is appended to one document (what an edit costs).
+With ``--switch``, two more runs with no file changed: ``sentence_vectors=False`` (the index drops
+them: its bytes after) and on again (every chunk's sentences embedded again: the seconds).
 
     nice -n 19 python bench/spans_build.py
+    nice -n 19 python bench/spans_build.py --splits amazon:40 --switch --out bench/results/spans_build_switch.json
 
-Writes ``bench/results/spans_build.json``.
+Writes ``bench/results/spans_build.json`` (or ``--out``).
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--splits", default="squad-test:12,amazon:40", help="split:documents,...")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--switch", action="store_true", help="then turn sentence vectors off, and on again")
     args = ap.parse_args()
 
     from ragbudget.embed import SentenceTransformerEmbedder
@@ -101,6 +105,13 @@ def main() -> None:
             r["sentence_share_of_build"] = fb["sentence_seconds"] / fb["seconds"]
             r["sentence_over_chunk_embedding"] = fb["sentence_seconds"] / max(1e-9, fb["embed_seconds"])
             r["sentence_bytes_share_of_index"] = sizes["sentence_vector_bytes"] / sizes["index_bytes"]
+            if args.switch:
+                before = _sizes(tmp / "idx")
+                off = Index(tmp / "idx").build([str(root)], embedder=emb, sentence_vectors=False).to_dict()
+                r["switch_off"] = {**{k: off[k] for k in KEYS}, **_sizes(tmp / "idx")}
+                r["switch_off"]["index_bytes_before"] = before["index_bytes"]
+                on = Index(tmp / "idx").build([str(root)], embedder=emb).to_dict()
+                r["switch_on_again"] = {**{k: on[k] for k in KEYS}, **_sizes(tmp / "idx")}
             result["splits"][name] = r
             print(name, json.dumps(r), flush=True)
         finally:

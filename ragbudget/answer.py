@@ -190,6 +190,8 @@ def build_answer(
     reserved: int,
     timings: dict[str, float],
     cap: dict[str, Any] | None,
+    *,
+    sentence_vectors: str | None = None,
 ) -> Answer:
     sel = prompt.selection
     sources = []
@@ -244,6 +246,9 @@ def build_answer(
         "dropped": [d.to_dict() for d in sel.dropped],
         "pack": sel.pack,
         "spans_dropped": [s.to_dict() | {"text": None} for s in sel.spans_dropped],
+        # Span packing's sentence vectors: "stored" (the index's, embedded at build time) or
+        # "embedded at query time" (an index without them); None for whole chunks.
+        "sentence_vectors": sentence_vectors if sel.pack == "spans" else None,
         "oom_steps": oom_steps,
         "timings": {k: round(v, 4) for k, v in timings.items()},
     }
@@ -257,7 +262,17 @@ def cancelled_answer(
     timings: dict[str, float],
     cap: dict[str, Any] | None,
     max_new_tokens: int,
+    *,
+    sentence_vectors: str | None = None,
 ) -> Answer:
     """The answer of a request left before generation began (while queued, or just as it was
     admitted): no text, ``finish_reason "cancelled"``, and the report of what it would have been."""
-    return build_answer(_Cancelled(max_new_tokens=max_new_tokens), prompt, plan, reserved, timings, cap)
+    return build_answer(
+        _Cancelled(max_new_tokens=max_new_tokens),
+        prompt,
+        plan,
+        reserved,
+        timings,
+        cap,
+        sentence_vectors=sentence_vectors,
+    )

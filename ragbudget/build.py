@@ -54,6 +54,7 @@ from .index import (
     _Root,
     _Roots,
     _sha256_file,
+    _stores_sentences,
     _write_json_atomic,
 )
 from .lexical import FTS_TOKENIZE, _ensure_fts
@@ -434,10 +435,14 @@ class _Builder:
             # An index from before the FTS table: this run stores it even if no file changed.
             log.info("adding the lexical (FTS5) table to the index in %s", self.dir)
             self.changed = True
-        if self.old is not None and not reason and not self.old.get("sentences"):
-            # An index from before stored sentence vectors: this run embeds them (once), so span
-            # packing embeds no sentence at question time, even if no file changed.
-            log.info("adding sentence vectors (span packing) to the index in %s", self.dir)
+        if self.old is not None and not reason and self.settings["sentences"] != _stores_sentences(self.old):
+            # Turned on (or an index from before they were stored): this run embeds them for every
+            # chunk, once, so span packing embeds no sentence at question time; turned off: this
+            # run drops them. Either even if no file changed.
+            if self.settings["sentences"]:
+                log.info("adding sentence vectors (span packing) to the index in %s", self.dir)
+            else:
+                log.info("dropping the sentence vectors from the index in %s (sentence_vectors off)", self.dir)
             self.changed = True
         self.checkpoint = _Checkpoint(self.dir, _identity(_light_spec(emb)))
 
@@ -604,7 +609,10 @@ class _Builder:
             if self.flat is not None:
                 self.flat.remove(np.array(orphans, dtype=np.int64))
             self.stats["chunks_removed"] += len(orphans)
-        self._embed_sentences()
+        if self.settings["sentences"]:
+            self._embed_sentences()
+        else:
+            self.db.execute("DELETE FROM sentence_vectors")
         self.roots = self._final_roots()
         self.db.execute("DELETE FROM roots")
         self.db.executemany(
@@ -1032,6 +1040,11 @@ class _Builder:
         self.progress("write", 0, 3)
         self.db.execute("INSERT OR REPLACE INTO meta VALUES ('generation', ?)", (str(gen),))
         self.db.commit()
+        if self.old is not None and not self.reason and _stores_sentences(self.old) and not self.settings["sentences"]:
+            # The rows are gone but their pages stay in the file copied from the previous
+            # generation until it is rewritten: without this the index would not shrink (the
+            # vectors were about half its bytes). Once, on the run that drops them.
+            self.db.execute("VACUUM")
         counts = {
             "chunks": self.db.execute("SELECT COUNT(*) FROM chunks").fetchone()[0],
             "sources": self.db.execute("SELECT COUNT(*) FROM sources").fetchone()[0],
@@ -1087,9 +1100,13 @@ class _Builder:
                 if self.lexical != "unavailable"
                 else None
             ),
-            # Every chunk's sentences embedded for span packing (build.py _embed_sentences); an
-            # index without this entry gets them on its next write.
-            "sentences": {"table": "sentence_vectors", "dtype": "float16", "splitter": 1},
+            # Every chunk's sentences embedded for span packing (build.py _embed_sentences), or
+            # none (sentence_vectors off); an index without this entry gets them on its next write.
+            "sentences": (
+                {"stored": True, "table": "sentence_vectors", "dtype": "float16", "splitter": 1}
+                if self.settings["sentences"]
+                else {"stored": False}
+            ),
             "sqlite": {"file": spath.name, "bytes": spath.stat().st_size, "sha256": _sha256_file(spath)},
             "counts": counts,
             "roots": [{"label": r.label, "kind": r.kind} for r in sorted(self.roots, key=lambda r: r.label)],

@@ -73,6 +73,14 @@ def cli(verbose: int) -> None:
 @click.option("--max-file-mb", default=50.0, show_default=True, type=float, help="Skip files larger than this.")
 @click.option("--min-tokens", default=300, show_default=True, type=click.IntRange(min=1))
 @click.option("--max-tokens", default=500, show_default=True, type=click.IntRange(min=1))
+@click.option(
+    "--sentence-vectors/--no-sentence-vectors",
+    default=True,
+    show_default=True,
+    help="Store every chunk's sentence vectors, so span packing embeds no sentence per question (about doubles the "
+    "index on disk). --no-sentence-vectors leaves them out (and drops them from this index): span packing then "
+    "embeds the pool's sentences at question time; --pack chunks never needs them.",
+)
 @click.option("--rebuild", is_flag=True, help="Re-read and re-embed every indexed root (and PATHS) from scratch.")
 @click.option(
     "--prune",
@@ -143,6 +151,7 @@ def index(
     max_file_mb: float,
     min_tokens: int,
     max_tokens: int,
+    sentence_vectors: bool,
     rebuild: bool,
     prune: bool,
     allow_removal: bool,
@@ -193,7 +202,7 @@ def index(
             include=list(include) or None,
             exclude=list(exclude) or None,
             max_bytes=int(max_file_mb * 1024 * 1024),
-            chunking=ChunkSettings(min_tokens=min_tokens, max_tokens=max_tokens),
+            chunking=ChunkSettings(min_tokens=min_tokens, max_tokens=max_tokens, sentence_vectors=sentence_vectors),
             rebuild=rebuild,
             prune=prune,
             allow_removal=allow_removal,

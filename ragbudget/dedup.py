@@ -407,10 +407,9 @@ class NearDupIndex:
         *,
         bands: int | None = None,
     ) -> None:
-        if not 0.0 < threshold <= 1.0:
-            raise ConfigError(f"threshold must be in (0, 1], got {threshold!r}")
-        if num_perm < 2:
-            raise ConfigError(f"num_perm must be >= 2, got {num_perm!r}")
+        from .settings import check_near_dedup  # the rule DedupSettings checks, written once
+
+        threshold, num_perm = check_near_dedup(threshold, num_perm, threshold_name="threshold")
         self.threshold = threshold
         self.num_perm = num_perm
         if bands is None:

@@ -232,7 +232,17 @@ def _report_tail(report: dict[str, Any], lines: list[str], rows: list[tuple[str,
     width = max(len(k) for k, _ in rows)
     lines = [*lines, "Budget", *(f"  {k.ljust(width)}  {v}" for k, v in rows)]
     sel = report.get("selection", [])
-    lines.append(f"Context: {len(sel)} passage(s)")
+    vectors = report.get("sentence_vectors")
+    if vectors == "stored":
+        how = "; sentence vectors: stored in the index (embedded at build time)"
+    elif vectors:
+        how = (
+            f"; sentence vectors: {vectors} (the index stores none; `ragbudget index` without "
+            "--no-sentence-vectors stores them)"
+        )
+    else:
+        how = ""
+    lines.append(f"Context: {len(sel)} passage(s){how}")
     for i, s in enumerate(sel, 1):
         src = (s.get("sources") or [{}])[0]
         page = f" ({src['label']})" if src.get("label") else f" p.{src.get('page')}" if src.get("page") else ""

@@ -692,6 +692,7 @@ class Index:
         lexical_weight: float | None = None,
         fusion: str | None = None,
         candidates: int | None = None,
+        query_vector: Any = None,
     ) -> list[Hit]:
         """The ``k`` chunks that best match ``query``, best first.
 
@@ -702,7 +703,8 @@ class Index:
         candidates' cosine scale. Without FTS5 in this SQLite, hybrid search logs that once and
         returns the dense hits. ``retrieval`` (a :class:`~ragbudget.settings.RetrievalSettings`)
         gives ``hybrid``, ``lexical_weight``, ``fusion`` and ``fetch_k`` at once, instead of the
-        keywords.
+        keywords. ``query_vector``: ``query`` already embedded by the caller (:meth:`embed_query`),
+        so that it is not embedded again (a pipeline reuses it to score sentences).
 
         >>> idx.search("who founded the guild?", k=5, hybrid=True)[0].score   # doctest: +SKIP
         """
@@ -719,7 +721,7 @@ class Index:
             {"hybrid": hybrid, "lexical_weight": lexical_weight, "fusion": fusion},
         )
         hybrid, lexical_weight, fusion = settings.hybrid, settings.lexical_weight, settings.fusion
-        vector = emb.embed_query(query)
+        vector = emb.embed_query(query) if query_vector is None else query_vector
         if not hybrid or lexical_weight == 0.0:
             return self.search_vector(vector, k)
         pool = max(k, candidates or settings.fetch_k)
@@ -738,6 +740,13 @@ class Index:
         known.update({h.chunk_id: h for h in self.get_chunks(need)})
         return [_with_score(known[i], s) for i, s in fused if i in known]
 
+    def embed_query(self, query: str, *, embedder: Embedder | None = None) -> Any:
+        """``query``'s vector as :meth:`search` embeds it: with ``embedder`` (default: the index's
+        own), refused when that is not the embedder the index was built with."""
+        emb = embedder or self.embedder
+        self._check_embedder(emb)
+        return emb.embed_query(query)
+
     def sentence_vectors(self, ids: Iterable[int]) -> dict[int, tuple[list[bytes], Any]]:
         """The stored sentence vectors of chunks ``ids``: ``{chunk_id: (digests, vectors)}``,
         one :func:`~ragbudget.spans.sentence_digest` and one float32 row per sentence of the
@@ -748,7 +757,7 @@ class Index:
         import numpy as np
 
         ids = [int(i) for i in ids]
-        if not ids:
+        if not ids or not self.has_sentence_vectors:
             return {}
         self._load()
         assert self._db is not None
@@ -772,6 +781,13 @@ class Index:
             except sqlite3.OperationalError:  # no such table: an index from before they were stored
                 return {}
         return {cid: (list(d), v) for cid, (d, v) in out.items()}
+
+    @property
+    def has_sentence_vectors(self) -> bool:
+        """Whether the generation in use stores every chunk's sentence vectors: built with
+        ``sentence_vectors`` on (the default) by a version that stores them. ``False``: span
+        packing embeds the pool's sentences at question time."""
+        return _stores_sentences(self.manifest)
 
     def search_lexical(self, query: str, k: int = 5) -> list[Hit]:
         """The ``k`` chunks with the best BM25 score for ``query`` (``score`` = BM25, higher is
@@ -1112,6 +1128,7 @@ class Index:
         min_tokens: int | None = None,
         max_tokens: int | None = None,
         overlap: int | None = None,
+        sentence_vectors: bool | None = None,
         tokenizer: Any = None,
         dedup: str | DedupSettings | None = None,
         near_threshold: float | None = None,
@@ -1144,7 +1161,10 @@ class Index:
         and re-embeds every file of every recorded root (and of ``paths``); with ``prune``, of
         ``paths`` only. Embedded batches are checkpointed, so a run that was killed resumes
         without embedding them again. ``chunking`` (a :class:`~ragbudget.settings.ChunkSettings`,
-        or its keywords ``min_tokens``, ``max_tokens``, ``overlap``) sizes the chunks. ``dedup``
+        or its keywords ``min_tokens``, ``max_tokens``, ``overlap``, ``sentence_vectors``) sizes the
+        chunks and says whether every chunk's sentence vectors are stored for span packing (on by
+        default; turning it off drops them from the index, turning it on again embeds them for
+        every chunk, with no file changed). ``dedup``
         is ``"near"`` (content hash + MinHash at ``near_threshold``), ``"exact"`` or ``"none"``,
         or a :class:`~ragbudget.settings.DedupSettings` holding all three. ``store`` picks the vector store
         that answers searches (:mod:`ragbudget.vectors`): ``"auto"`` (exact while the vectors are
@@ -1170,7 +1190,12 @@ class Index:
             ChunkSettings,
             chunking,
             "chunking",
-            {"min_tokens": min_tokens, "max_tokens": max_tokens, "overlap": overlap},
+            {
+                "min_tokens": min_tokens,
+                "max_tokens": max_tokens,
+                "overlap": overlap,
+                "sentence_vectors": sentence_vectors,
+            },
         )
         near = {"near_threshold": near_threshold, "num_perm": num_perm}
         if isinstance(dedup, DedupSettings):
@@ -1203,6 +1228,9 @@ class Index:
                 "threshold": dups.near_threshold if dups.mode == "near" else None,
                 "num_perm": dups.num_perm if dups.mode == "near" else None,
             },
+            # Not part of "chunking" above: a change there rebuilds, this one only adds or drops
+            # the sentence vectors (build.py).
+            "sentences": sizes.sentence_vectors,
         }
         given = [os.fspath(p) for p in paths]
         roots = _check_roots(given, self.path)  # before the folder or the lock file is created
@@ -1238,6 +1266,14 @@ class Index:
                 self.close()
 
     update = build
+
+
+def _stores_sentences(m: dict[str, Any]) -> bool:
+    """Whether the manifest ``m`` says its generation stores every chunk's sentence vectors (no
+    ``sentences`` entry: written before they were stored; ``stored: false``: left out on purpose;
+    an entry without ``stored`` was written before they could be left out)."""
+    entry = m.get("sentences")
+    return isinstance(entry, dict) and bool(entry) and bool(entry.get("stored", True))
 
 
 def _recorded_recall(m: dict[str, Any]) -> float | None:

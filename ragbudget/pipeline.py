@@ -590,7 +590,14 @@ class Pipeline:
         Raises :class:`~ragbudget.errors.IndexEmptyError` on an index without chunks."""
         query = _check_question(query, "query")
         k = check_int("k", k, 1)  # type: ignore[assignment]
-        return self._searchable().search(query, k=k, embedder=self.embedder, retrieval=self.retrieval)
+        return self._search(query, k)[0]
+
+    def _search(self, query: str, k: int) -> tuple[list[Hit], Any]:
+        """:meth:`search`, and the query's vector it searched with (for the span scorer)."""
+        store = self._searchable()
+        vector = store.embed_query(query, embedder=self.embedder)
+        hits = store.search(query, k=k, embedder=self.embedder, retrieval=self.retrieval, query_vector=vector)
+        return hits, vector
 
     # -- budgeted retrieval -------------------------------------------------------------------------
 
@@ -623,9 +630,17 @@ class Pipeline:
         allowance = self._engine_allowance if self.served else self._local_allowance
         builder, plan, max_prompt, cap = allowance(question, context_tokens, max_new_tokens, history, timings)
         t0 = time.perf_counter()
-        hits = self.search(retrieval_query or question, k=self.retrieval.fetch_k)
+        query = _check_question(retrieval_query or question, "query")
+        hits, vector = self._search(query, self.retrieval.fetch_k)
         timings["retrieve_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
+        options = self._pack_options()
+        scorer = options.get("span_scorer")
+        if scorer is not None and query == question:
+            # The search embedded this very text with the index's embedder, as the scorer would:
+            # one embedder call per question, not two. (A rewritten retrieval query is not the
+            # question the sentences are scored against: the scorer embeds that one itself.)
+            scorer.remember_query(question, vector)
         prompt = build_prompt(
             question,
             hits,
@@ -633,7 +648,7 @@ class Pipeline:
             builder=builder,
             order=self.retrieval.order,
             relevance_floor=self.retrieval.relevance_floor,
-            **self._pack_options(),
+            **options,
         )
         timings["select_s"] = time.perf_counter() - t0
         return prompt, plan, timings, cap
@@ -717,6 +732,15 @@ class Pipeline:
                 self._span_scorer = SpanScorer(self.embedder or store.embedder, stored=store.sentence_vectors)
         return {"pack": self.retrieval.pack, "span_scorer": self._span_scorer}
 
+    def _sentence_vectors_path(self) -> str | None:
+        """Where span packing's sentence vectors come from, for the report: ``"stored"`` (the
+        index's, embedded at build time) or ``"embedded at query time"`` (an index built without
+        them, or by an older version; cached across this pipeline's questions). ``None``: whole
+        chunks are packed."""
+        if self.retrieval.pack != "spans":
+            return None
+        return "stored" if self.store.has_sentence_vectors else "embedded at query time"
+
     def retrieve(
         self,
         question: str,
@@ -775,12 +799,13 @@ class Pipeline:
             retrieval_query=retrieval_query,
         )
         reserve = prompt.n_tokens + new_tokens
+        vectors = self._sentence_vectors_path()
 
         def cancelled() -> Answer:
             # Left before generation began (while queued, or just as it was admitted): nothing to
             # generate, but the answer still says what the request would have been.
             timings["total_s"] = time.perf_counter() - t_start
-            return cancelled_answer(prompt, plan, reserve, timings, cap, new_tokens)
+            return cancelled_answer(prompt, plan, reserve, timings, cap, new_tokens, sentence_vectors=vectors)
 
         if cancel is not None and cancel.is_set():
             return cancelled()
@@ -821,7 +846,7 @@ class Pipeline:
             record_measurement(gen.measurement)
         timings["total_s"] = time.perf_counter() - t_start
         final = gen.prompt if gen.prompt is not None else prompt
-        return build_answer(gen, final, plan, reserve, timings, cap)
+        return build_answer(gen, final, plan, reserve, timings, cap, sentence_vectors=vectors)
 
     def stream(self, question: str, **options: Any) -> AnswerStream:
         """:meth:`ask`, as an iterator over the answer's text while it is generated; the

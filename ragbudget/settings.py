@@ -171,6 +171,21 @@ def check_fusion(fusion: Any, lexical_weight: Any) -> tuple[str, float]:
     return check_choice("fusion", fusion, FUSIONS), weight
 
 
+def check_near_dedup(threshold: Any, num_perm: Any, *, threshold_name: str = "near_threshold") -> tuple[float, int]:
+    """The near-duplicate threshold (Jaccard, in (0, 1]) and the MinHash permutations (≥ 2),
+    checked: the one rule :class:`DedupSettings` and :class:`ragbudget.dedup.NearDupIndex` share.
+    ``threshold_name`` is the caller's name for the threshold (``NearDupIndex`` calls it
+    ``threshold``), so the message names what was passed.
+
+    >>> check_near_dedup(1, 64)
+    (1.0, 64)
+    """
+    t = check_number(threshold_name, threshold, 0.0, 1.0, lo_open=True)
+    n = check_int("num_perm", num_perm, 2)
+    assert t is not None and n is not None
+    return t, n
+
+
 def _set(record: Any, name: str, value: Any) -> None:
     # A frozen record normalizes its own fields once, while it is being built (an int given for a
     # float field is stored as the float it means).
@@ -352,20 +367,29 @@ class HistorySettings:
 
 @dataclass(frozen=True, kw_only=True)
 class ChunkSettings:
-    """How :meth:`ragbudget.index.Index.build` cuts documents (:func:`ragbudget.chunking.chunk_text`).
+    """How :meth:`ragbudget.index.Index.build` cuts documents (:func:`ragbudget.chunking.chunk_text`),
+    and whether it keeps each chunk's sentences embedded.
 
     Attributes:
         min_tokens, max_tokens: the size of a chunk in tokens (``0 ≤ min ≤ max``, ``max ≥ 8``).
         overlap: tokens repeated between neighbouring chunks (at most ``max_tokens // 2``).
+        sentence_vectors: store every chunk's sentence vectors, so span packing embeds no
+            sentence at question time (about 0.9× the chunk embedding again at build time, and
+            roughly double the index on disk; BENCHMARKS.md "What it costs at build time").
+            ``False`` leaves them out (an existing index drops them on its next run) and span
+            packing embeds the pool's sentences at question time instead; an index used only
+            with ``pack="chunks"`` never needs them. Changing it re-chunks and re-embeds nothing.
     """
 
     min_tokens: int = 300
     max_tokens: int = 500
     overlap: int = 0
+    sentence_vectors: bool = True
 
     def __post_init__(self) -> None:
         for name in ("min_tokens", "max_tokens", "overlap"):
             check_int(name, getattr(self, name), 0)
+        check_bool("sentence_vectors", self.sentence_vectors)
         from .chunking import check_sizes  # the chunker's own rule, so it is written once
 
         check_sizes(self.min_tokens, self.max_tokens, self.overlap)
@@ -387,9 +411,9 @@ class DedupSettings:
 
     def __post_init__(self) -> None:
         check_choice("dedup", self.mode, DEDUP_MODES)
-        threshold = check_number("near_threshold", self.near_threshold, 0.0, 1.0, lo_open=True)
+        threshold, num_perm = check_near_dedup(self.near_threshold, self.num_perm)
         _set(self, "near_threshold", threshold)
-        _set(self, "num_perm", check_int("num_perm", self.num_perm, 2))
+        _set(self, "num_perm", num_perm)
 
 
 @dataclass(frozen=True, kw_only=True)

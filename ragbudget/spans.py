@@ -491,6 +491,17 @@ class SpanScorer:
                 self._cache.popitem(last=False)
             self._asked.clear()
 
+    def remember_query(self, question: str, vector: Any) -> None:
+        """Keep ``question``'s vector, embedded by the caller with the same embedder (the search's
+        query vector), so :meth:`similarities` does not embed the question again."""
+        import numpy as np
+
+        key = b"q" + _digest(question)
+        with self._lock:
+            self._cache[key] = np.asarray(vector, dtype=np.float32).reshape(-1)
+            self._cache.move_to_end(key)  # the newest entry: the last one eviction reaches
+            self._evict()
+
     def similarities(self, question: str, texts: Sequence[str]) -> list[float]:
         """Cosine of each of ``texts`` to ``question`` (vectors are unit length)."""
         import numpy as np

@@ -258,6 +258,34 @@ def test_search_retrieval_options(runner: CliRunner, tmp_path: Path) -> None:
     assert bad.exit_code == 2
 
 
+def test_index_no_sentence_vectors(runner: CliRunner, tmp_path: Path) -> None:
+    """`--no-sentence-vectors` leaves every chunk's sentence vectors out (and drops them from an
+    index that has them); the default stores them, also for chunks indexed while it was off."""
+    from ragbudget.index import Index
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i in range(3):
+        (docs / f"n{i}.txt").write_text(f"Note {i} is about harbours. Tides move ships. " * 40)
+    index_dir = str(tmp_path / "idx")
+    base = ["index", str(docs), "--index-dir", index_dir, "--embedder", "hash:64", "--json"]
+
+    def stored() -> tuple[bool, int]:
+        ix = Index.open(index_dir)
+        return ix.has_sentence_vectors, int(ix.stats()["sentence_vectors"])
+
+    off = runner.invoke(cli, [*base, "--no-sentence-vectors"])
+    assert off.exit_code == 0, off.output
+    assert json.loads(off.stdout)["sentences_embedded"] == 0 and stored() == (False, 0)
+    on = runner.invoke(cli, base)  # the default: stored, for every chunk, with no file changed
+    assert on.exit_code == 0, on.output
+    chunks = int(Index.open(index_dir).stats()["chunks"])
+    assert json.loads(on.stdout)["sentences_embedded"] > 0 and stored() == (True, chunks) and chunks > 0
+    assert runner.invoke(cli, [*base, "--no-sentence-vectors"]).exit_code == 0
+    assert stored() == (False, 0)
+    assert "--no-sentence-vectors" in runner.invoke(cli, ["index", "--help"]).output
+
+
 # --- index: a typo never empties an index; runs add; removal is scoped, guarded, explicit ----------
 
 

@@ -24,7 +24,8 @@ from ragbudget.dedup import (
     minhash_signatures,
     normalize,
 )
-from ragbudget.errors import ConfigError
+from ragbudget.errors import ArgumentTypeError, ConfigError
+from ragbudget.settings import DedupSettings
 from ragbudget.types import Chunk, Source
 
 _PUNCT = re.compile(r"\s*([^\w\s]|_)\s*")
@@ -114,6 +115,34 @@ def test_near_dup_index_confirms_candidates() -> None:
         idx.query(np.zeros(64, dtype=np.uint32))
     with pytest.raises(ConfigError, match="threshold"):
         NearDupIndex(threshold=0.0)
+
+
+@pytest.mark.parametrize(
+    ("threshold", "num_perm", "error", "message"),
+    [
+        (0.0, 128, ConfigError, "threshold must be in (0, 1], got 0.0"),
+        (1.5, 128, ConfigError, "threshold must be in (0, 1], got 1.5"),
+        (float("nan"), 128, ConfigError, "threshold must be in (0, 1], got nan"),
+        ("0.8", 128, ArgumentTypeError, "threshold must be a number, got str '0.8'"),
+        (0.8, 1, ConfigError, "num_perm must be ≥ 2, got 1"),
+        (0.8, 64.0, ArgumentTypeError, "num_perm must be an int ≥ 2, got float 64.0"),
+    ],
+)
+def test_near_dup_index_and_dedup_settings_share_one_range_check(
+    threshold: object, num_perm: object, error: type, message: str
+) -> None:
+    # One rule, one wording: the index names its own parameter (threshold), the record its field.
+    with pytest.raises(error) as direct:
+        NearDupIndex(threshold, num_perm)  # type: ignore[arg-type]
+    with pytest.raises(error) as record:
+        DedupSettings(near_threshold=threshold, num_perm=num_perm)  # type: ignore[arg-type]
+    assert str(direct.value) == message
+    assert str(record.value) == message.replace("threshold", "near_threshold")
+
+
+def test_near_dup_index_takes_the_checked_values() -> None:
+    idx = NearDupIndex(1, 64)
+    assert idx.threshold == 1.0 and isinstance(idx.threshold, float) and idx.num_perm == 64
 
 
 def test_query_orders_best_first() -> None:

@@ -40,6 +40,22 @@ class Counting(HashEmbedder):
         return super().embed_documents(texts, *args, **kwargs)
 
 
+class Calls(HashEmbedder):
+    """A HashEmbedder (same id, same vectors) that records every call made to it."""
+
+    def __init__(self) -> None:
+        super().__init__(dim=DIM)
+        self.calls: list[tuple[str, int]] = []
+
+    def embed_query(self, text):  # type: ignore[no-untyped-def]
+        self.calls.append(("query", 1))
+        return super().embed_query(text)
+
+    def embed_documents(self, texts, *args, **kwargs):  # type: ignore[no-untyped-def]
+        self.calls.append(("documents", len(texts)))
+        return super().embed_documents(texts, *args, **kwargs)
+
+
 def build(ix: Index, corpus: Path, emb: HashEmbedder | None = None, **kw: object):
     return ix.build([str(corpus)], embedder=emb or HashEmbedder(dim=DIM), **{**OPTS, **kw})  # type: ignore[arg-type]
 
@@ -122,6 +138,25 @@ def test_a_question_embeds_no_sentence_when_the_index_stored_them(ix: Index, cor
     assert [c.text for c in a.selection.chunks] == [c.text for c in b.selection.chunks]
 
 
+def test_a_question_costs_one_embedder_call_the_search_s_vector_scores_the_sentences(ix: Index, corpus: Path) -> None:
+    build(ix, corpus)
+    question = "Which marker appears only in the third document, marker2zz?"
+    emb = Calls()
+    pipe = Pipeline(ix.path, backend=FakeBackend(), embedder=emb, pack="spans")
+    sel = pipe.retrieve(question, context_tokens=60)
+    assert sel.pack == "spans" and "marker2zz" in sel.text
+    # One query embedding, shared by the search and the span scorer; no sentence embedded.
+    assert emb.calls == [("query", 1)]
+    # The dense evidence is the same as the scorer embedding the question itself.
+    cold = Pipeline(ix.path, backend=FakeBackend(), embedder=HashEmbedder(dim=DIM), pack="spans")
+    cold._pack_options()["span_scorer"].remember_query = lambda *a: None  # embeds the question
+    assert cold.retrieve(question, context_tokens=60).text == sel.text
+    # A rewritten retrieval query is not the question the sentences are scored against.
+    emb.calls.clear()
+    pipe.retrieve("an unseen question naming marker2zz", context_tokens=60, retrieval_query="marker2zz")
+    assert emb.calls == [("query", 1), ("query", 1)]
+
+
 def test_an_index_without_sentence_vectors_still_works_and_gains_them_on_its_next_write(
     ix: Index, corpus: Path
 ) -> None:
@@ -172,3 +207,81 @@ def test_a_rebuild_for_new_chunking_reuses_sentence_vectors(ix: Index, tmp_path:
     assert s.rebuilt and set(rows(ix)) == set(chunk_texts(ix))
     # The same sentences, cut into other chunks: their vectors come from the old generation.
     assert s.sentences_embedded < first.sentences_embedded
+
+
+def manifest(ix: Index) -> dict:  # type: ignore[type-arg]
+    return json.loads((ix.path / "manifest.json").read_text())
+
+
+def index_bytes(ix: Index) -> int:
+    """The current generation's files (the folder also keeps the previous one for readers)."""
+    return int(Index.open(ix.path).stats()["bytes"])
+
+
+def ask_report(ix: Index, emb: HashEmbedder) -> dict:  # type: ignore[type-arg]
+    pipe = Pipeline(ix.path, backend=FakeBackend(), embedder=emb, pack="spans")
+    answer = pipe.ask("Which marker appears only in the third document, marker2zz?", context_tokens=60)
+    assert answer.report["pack"] == "spans" and answer.report["selection"]
+    return answer.report
+
+
+def test_sentence_vectors_off_drops_them_and_on_again_fills_them_for_every_chunk(ix: Index, corpus: Path) -> None:
+    from ragbudget.display import format_report
+
+    build(ix, corpus)
+    on_bytes, on_rows = index_bytes(ix), rows(ix)
+    assert set(on_rows) == set(chunk_texts(ix)) and Index.open(ix.path).has_sentence_vectors
+    # Off, no file changed: a new generation without them, smaller on disk; nothing re-chunked.
+    off = build(ix, corpus, sentence_vectors=False)
+    assert off.committed and not off.rebuilt and off.chunks_embedded == 0 and off.sentences_embedded == 0
+    assert rows(ix) == {} and manifest(ix)["sentences"] == {"stored": False}
+    assert manifest(ix)["counts"]["sentence_vectors"] == 0
+    # The file is rewritten without their pages (deleted rows alone would leave its size).
+    payload = sum(len(d) + len(v) for d, v in on_rows.values())
+    assert on_bytes - index_bytes(ix) >= 0.9 * payload, (on_bytes, index_bytes(ix), payload)
+    opened = Index.open(ix.path)
+    assert not opened.has_sentence_vectors and opened.sentence_vectors(list(on_rows)) == {} and opened.verify().ok
+    # A question then embeds the pool's sentences (the cold path), and --explain says so.
+    emb = Counting()
+    report = ask_report(ix, emb)
+    assert emb.documents > 0 and report["sentence_vectors"] == "embedded at query time"
+    assert "sentence vectors: embedded at query time" in format_report(report)
+    # Still off: nothing to do; a changed file adds chunks without sentence vectors.
+    assert not build(ix, corpus, sentence_vectors=False).committed
+    (corpus / "doc1.txt").write_text((corpus / "doc1.txt").read_text() + "\nA closing line names quokkazz.\n")
+    s = build(ix, corpus, sentence_vectors=False)
+    assert s.committed and s.chunks_embedded > 0 and s.sentences_embedded == 0 and rows(ix) == {}
+    # On again, no file changed: every chunk gets them, no chunk is embedded again.
+    again = build(ix, corpus)
+    texts = chunk_texts(ix)
+    assert again.committed and not again.rebuilt and again.chunks_embedded == 0
+    assert again.sentences_embedded > 0 and set(rows(ix)) == set(texts)
+    assert manifest(ix)["sentences"]["stored"] is True and manifest(ix)["counts"]["sentence_vectors"] == len(texts)
+    assert Index.open(ix.path).has_sentence_vectors and Index.open(ix.path).verify().ok
+    emb = Counting()
+    report = ask_report(ix, emb)
+    assert emb.documents == 0 and report["sentence_vectors"] == "stored"
+    assert "sentence vectors: stored in the index" in format_report(report)
+    assert not build(ix, corpus).committed
+
+
+def test_a_new_index_without_sentence_vectors(ix: Index, corpus: Path) -> None:
+    from ragbudget.settings import ChunkSettings
+
+    s = build(ix, corpus, sentence_vectors=False)
+    assert s.committed and s.sentences_embedded == 0 and rows(ix) == {}
+    assert not Index.open(ix.path).has_sentence_vectors
+    # The record is what the keyword builds; whole-chunk packing reports no sentence vectors.
+    assert ChunkSettings(sentence_vectors=False).sentence_vectors is False
+    pipe = Pipeline(ix.path, backend=FakeBackend(), embedder=HashEmbedder(dim=DIM), pack="chunks")
+    assert pipe.ask("marker2zz", context_tokens=60).report["sentence_vectors"] is None
+
+
+def test_an_index_from_before_the_switch_counts_as_storing_them(ix: Index, corpus: Path) -> None:
+    # A manifest entry without "stored" (written before sentence vectors could be left out).
+    build(ix, corpus)
+    m = manifest(ix)
+    m["sentences"].pop("stored")
+    (ix.path / "manifest.json").write_text(json.dumps(m))
+    assert Index.open(ix.path).has_sentence_vectors
+    assert not build(ix, corpus).committed

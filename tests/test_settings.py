@@ -69,6 +69,7 @@ BAD = [
     (ChunkSettings, {"min_tokens": 600}, ConfigError, "lower min_tokens or raise max_tokens"),
     (ChunkSettings, {"overlap": 300}, ConfigError, r"overlap must be between 0 and max_tokens // 2 \(250\)"),
     (ChunkSettings, {"overlap": 1.5}, ArgumentTypeError, "overlap must be an int"),
+    (ChunkSettings, {"sentence_vectors": "no"}, ArgumentTypeError, "sentence_vectors must be True or False"),
     (DedupSettings, {"mode": "fuzzy"}, ConfigError, "dedup must be one of near, exact, none"),
     (DedupSettings, {"near_threshold": 0}, ConfigError, r"near_threshold must be in \(0, 1\]"),
     (DedupSettings, {"num_perm": 1}, ConfigError, "num_perm must be ≥ 2"),
