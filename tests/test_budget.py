@@ -473,8 +473,10 @@ def test_prefill_measured_on_a_busy_host_is_measured_again_when_idle(tmp_path, m
     assert lookup_prefill_speed("tiny", "cpu") == busy  # still busy: use what we have
     load["now"] = 0.1
     assert lookup_prefill_speed("tiny", "cpu") is None  # idle now: the caller measures again
-    # Pretend the busy probe was 10x slower than the machine really is.
-    slow = dict(busy, a=busy["a"] * 10, b=busy["b"] * 10)
+    # Pretend the busy probe was 1,000x slower than the machine really is. (Not 10x: two probes of
+    # a tiny model take milliseconds, and a fit through them extrapolated to 1,024 tokens swings
+    # by more than 10x between two runs on a shared host; the merge ranks by that extrapolation.)
+    slow = dict(busy, a=busy["a"] * 1000, b=busy["b"] * 1000)
     path = tmp_path / "cache" / "prefill.json"
     data = json.loads(path.read_text())
     data = {k: slow for k in data}
