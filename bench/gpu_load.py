@@ -487,7 +487,7 @@ def table(result: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    ap.add_argument("--quick", action="store_true", help="(the CPU default already is quick: bursts of 8 and 16)")
+    ap.add_argument("--quick", action="store_true", help="accepted for symmetry: the CPU default is quick already")
     ap.add_argument("--bursts", default=None, help="comma-separated burst sizes (default: 64,256 on CUDA, 8,16 on CPU)")
     ap.add_argument("--max-new-tokens", type=int, default=None)
     ap.add_argument(
@@ -495,6 +495,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--budget", type=float, default=TIME_BUDGET_S, help="seconds for the whole load check")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "gpu_load.json")
+    ap.add_argument(
+        "--results", default=None, metavar="NAME", help="also write bench/results/NAME.json (with provenance)"
+    )
     ap.add_argument("--serve-child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.serve_child:
@@ -523,6 +526,10 @@ def main(argv: list[str] | None = None) -> int:
     passed, problems, notes = verdict(result)
     result |= {"passed": passed, "problems": problems, "notes": notes}
     save(result)
+    if args.results:
+        from _results import write
+
+        write(args.results, result, packages=("fastapi", "uvicorn", "openai", "httpx"))
     print(table(result))
     return 0 if passed else 1
 
