@@ -115,7 +115,9 @@ def run_gpu_tests(timeout: float) -> dict:
     }
 
 
-def run_load(*, device: str, budget: float, wheels: Path, site: Path, out: Path) -> dict:
+def run_load(
+    *, device: str, budget: float, wheels: Path, site: Path, out: Path, max_workers: int | None = None
+) -> dict:
     """``bench/gpu_load.py`` in a child process, with the carried wheels on its ``PYTHONPATH``;
     its raw result (``{"skipped": why}`` when it could not run)."""
     if budget < MIN_LOAD_BUDGET_S:
@@ -129,6 +131,8 @@ def run_load(*, device: str, budget: float, wheels: Path, site: Path, out: Path)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), str(ROOT), env.get("PYTHONPATH")]))
     out.unlink(missing_ok=True)
     cmd = [sys.executable, str(ROOT / "bench" / "gpu_load.py"), "--device", device, "--budget", str(int(budget))]
+    if max_workers:
+        cmd += ["--max-workers", str(max_workers)]
     killed = False
     try:
         # Its own bound is the budget; a minute more for the server's shutdown, then it is killed.
@@ -188,6 +192,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--wheels", type=Path, default=gpu_wheels.DEST, help="the carried wheels (make gpu-wheels)")
     ap.add_argument("--site", type=Path, default=Path("/tmp/gpu_site"), help="where the wheels are installed")
     ap.add_argument("--no-load", action="store_true", help="skip the load part (issue #14)")
+    ap.add_argument(
+        "--load-max-workers", type=int, default=None, help="the served stack's worker threads (default: serve's 64)"
+    )
     args = ap.parse_args(argv)
     if args.device == "cuda" and not has_cuda():
         print(
@@ -214,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
             wheels=args.wheels,
             site=args.site,
             out=args.out / "gpu_load.json",
+            max_workers=args.load_max_workers,
         )
         _, load_problems, notes = gpu_load.verdict(load)
         problems += [f"load: {p}" for p in load_problems]
