@@ -12,7 +12,7 @@ export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install dev demo lint test test-fast llama-server bench gpu-check clean
+.PHONY: install dev demo lint test test-fast llama-server bench gpu-wheels gpu-check clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -66,6 +66,12 @@ test-fast: dev lint
 bench: dev
 	$(BIN)/pip install -q -e ".[bench]"
 	$(BIN)/python bench/run_all.py
+
+# Here, before a device call: wheels of what the GPU image lacks (fastapi, uvicorn, openai, faiss,
+# ...) for its CPython 3.12, pinned to this venv's versions, into the ignored .gpu_wheels/ (~25 MiB;
+# carried with the call: run(command="make gpu-check", carry=[".gpu_wheels"], ...)).
+gpu-wheels: dev
+	$(BIN)/python bench/gpu_wheels.py download
 
 # On the lent GPU machine: its own python3 (torch, CUDA, transformers, pytest), no venv, no pip.
 # Memory components graded one by one, then the CUDA tests; exits non-zero on any miss (< 5 min).

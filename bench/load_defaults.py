@@ -101,7 +101,20 @@ def _one(client: Any, i: int, max_tokens: int | None) -> dict[str, Any]:
     return out
 
 
-def burst(base: str, n: int, *, pid: int, max_tokens: int | None) -> dict[str, Any]:
+def burst(
+    base: str,
+    n: int,
+    *,
+    pid: int | None,
+    max_tokens: int | None,
+    timeout: float = 600.0,
+    retry_deadline: float | None = None,
+) -> dict[str, Any]:
+    """``n`` concurrent streamed chat completions, each client refused with 429 sleeping its
+    ``Retry-After`` and asking once more. ``timeout``: each request's time-out (a time-out is
+    recorded, never retried). ``retry_deadline`` (``time.monotonic()``): a client whose
+    ``Retry-After`` ends past it does not come back and is counted in ``retries_past_deadline``
+    (a bounded run, e.g. the GPU check, cannot wait for every promise)."""
     import openai
 
     # Each client is its own caller, as separate users are: its own loopback address (the
@@ -110,7 +123,7 @@ def burst(base: str, n: int, *, pid: int, max_tokens: int | None) -> dict[str, A
         openai.OpenAI(
             base_url=f"{base}/v1",
             api_key="none",
-            timeout=600.0,
+            timeout=timeout,
             max_retries=0,
             http_client=httpx.Client(
                 transport=httpx.HTTPTransport(local_address=f"127.0.{1 + i // 250}.{1 + i % 250}")
@@ -136,7 +149,11 @@ def burst(base: str, n: int, *, pid: int, max_tokens: int | None) -> dict[str, A
         first = _one(clients[i], i, max_tokens)
         results[i] = {"first": first}
         if first.get("status") == 429 and first.get("retry_after"):
-            time.sleep(float(first["retry_after"]))
+            wait = float(first["retry_after"])
+            if retry_deadline is not None and time.monotonic() + wait > retry_deadline:
+                results[i]["retry_past_deadline"] = wait
+                return
+            time.sleep(wait)
             results[i]["retry"] = _one(clients[i], i, max_tokens)
 
     poller = threading.Thread(target=poll, daemon=True)
@@ -170,6 +187,7 @@ def burst(base: str, n: int, *, pid: int, max_tokens: int | None) -> dict[str, A
         "retry_after_s": [r.get("retry_after") for r in firsts if r.get("status") == 429],
         "honoured_retry_got_200": sum(1 for r in retries if r.get("status") == 200),
         "honoured_retries": len(retries),
+        "retries_past_deadline": sum(1 for r in results if "retry_past_deadline" in r),
         "latency_p50_s": _pct([r["latency_s"] for r in ok], 0.5),
         "latency_p99_s": _pct([r["latency_s"] for r in ok], 0.99),
         "ttft_p50_s": _pct([r["ttft_s"] for r in ok if r.get("ttft_s")], 0.5),
@@ -188,7 +206,7 @@ def burst(base: str, n: int, *, pid: int, max_tokens: int | None) -> dict[str, A
         "peak_running": max((h.get("running", 0) for h in health), default=0),
         "peak_admitted_tokens": max((h.get("admitted_tokens", 0) for h in health), default=0),
         "peak_admitted_bytes": max((h.get("peak_admitted_bytes", 0) or 0 for h in health), default=0),
-        "peak_rss_bytes": _hwm(pid),
+        "peak_rss_bytes": _hwm(pid) if pid is not None else None,
         "rows": results,
     }
 

@@ -72,6 +72,20 @@ def batching_unsupported(generator: Generator) -> str | None:
         )
     if not callable(getattr(model, "init_continuous_batching", None)):
         return "this transformers version has no continuous batching (5.x has)"
+    import dataclasses
+
+    from transformers import ContinuousBatchingConfig
+
+    # Before pages (transformers 5.17 has ``block_size``), the paged cache is laid out otherwise
+    # than paged_cache_layout computes to the byte, and Batcher's config would be refused at
+    # warm-up, so that `ragbudget serve` did not start: such a version generates unbatched.
+    if "page_size" not in {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}:
+        import transformers
+
+        return (
+            f"transformers {transformers.__version__}'s continuous batching has no page_size (its "
+            "paged cache is laid out otherwise); upgrade transformers to batch"
+        )
     from .kvcache import paged_cache_layout
 
     try:

@@ -165,6 +165,23 @@ def test_an_eager_model_is_not_batched(gen) -> None:
         LocalBackend(eager, batching=True).generate("hi", max_new_tokens=2)
 
 
+def test_a_transformers_without_pages_is_not_batched(gen, monkeypatch) -> None:
+    # transformers 5.17 (the GPU image's) names it block_size: Batcher's config would raise
+    # TypeError at warm-up and `ragbudget serve` would not start; it generates unbatched instead.
+    import dataclasses
+
+    import transformers
+
+    @dataclasses.dataclass
+    class OldConfig:
+        block_size: int = 256
+        num_blocks: int | None = None
+
+    monkeypatch.setattr(transformers, "ContinuousBatchingConfig", OldConfig)
+    assert "page_size" in (batching_unsupported(gen) or "")
+    assert LocalBackend(gen).generate("hi", max_new_tokens=2).cache == "dynamic"
+
+
 def test_admission_counts_the_paged_cache_when_the_backend_batches(gen, tmp_path, monkeypatch) -> None:
     from ragbudget.pipeline import Pipeline
 
