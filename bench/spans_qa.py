@@ -87,12 +87,13 @@ def configs(args: argparse.Namespace) -> dict[str, dict]:
                     "max_chunks": int,
                     "cue_weight": float,
                     "context_weight": float,
+                    "cost_exponent": float,
                 }[k](v)
             except (KeyError, ValueError):
                 raise SystemExit(
                     f"--extra {extra!r}: expected comma-separated pool=<number>, "
                     "max_chunks=<integer>, weights=<dense>/<lexical>/<chunk>, "
-                    "cue_weight=<0-1> or context_weight=<0-1>"
+                    "cue_weight=<0-1>, context_weight=<0-1> or cost_exponent=<number ≥ 0>"
                 ) from None
         cfg[f"ragbudget_spans_{extra}"] = {"system": "ragbudget_spans", "budgets": SPAN_BUDGETS, "select": opts}
     return cfg

@@ -572,6 +572,7 @@ def select_spans(
     weights: tuple[float, float, float] = (_W_DENSE, _W_LEXICAL, _W_CHUNK),
     cue_weight: float = 0.0,
     context_weight: float = 0.0,
+    cost_exponent: float = 0.0,
     prime: Callable[[Sequence[str]], Any] | None = None,
     lambda_: float = 0.7,
     temperature: float = 0.02,
@@ -595,7 +596,9 @@ def select_spans(
     "when"/"how many"/"what year", a name for "who" — gains this much; 0: off) and
     ``context_weight`` (a sentence's evidence mixed with its better neighbour's in the same
     chunk, so the sentence after the one that names the question's terms is in reach; 0: off),
-    ``prime`` (a
+    ``cost_exponent`` (α: sentences are taken by evidence ÷ tokens^α, the tokens being what the
+    admission adds — the sentence and the neighbours it brings — so short dense sentences go
+    first; 0: off, by evidence alone), ``prime`` (a
     batch counter to warm ``count_tokens``, e.g. a served engine's). ``merge_adjacent`` and
     ``max_merge_gap`` are accepted for the same call shape; passages are per chunk here.
 
@@ -622,6 +625,10 @@ def select_spans(
     for name, w in (("cue_weight", cue_weight), ("context_weight", context_weight)):
         if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 <= w <= 1:
             raise ConfigError(f"{name} must be a number in [0, 1]; got {w!r}")
+    if isinstance(cost_exponent, bool) or not isinstance(cost_exponent, (int, float)) or not cost_exponent >= 0:
+        raise ConfigError(
+            f"cost_exponent must be a number ≥ 0 (0: evidence alone, no per-token discount); got {cost_exponent!r}"
+        )
     del merge_adjacent, max_merge_gap  # one passage per chunk; see the docstring
     overhead_of = _overhead_of(chunk_overhead)
     cands = list(candidates)
@@ -652,7 +659,9 @@ def select_spans(
         # Vectors stored at build time (an index's sentence vectors) before anything is embedded.
         scorer.preload(i for it in chunks for i in it.ids)
     _score(question, chunks, units, scorer, weights, cue_weight=cue_weight, context_weight=context_weight)
-    chosen = _pack(units, chunks, budget_tokens, count_tokens, overhead_of, lambda_, redundancy)
+    chosen = _pack(
+        units, chunks, budget_tokens, count_tokens, overhead_of, lambda_, redundancy, cost_exponent=cost_exponent
+    )
 
     passages: list[tuple[_Item, SelectedChunk]] = []
     for ci, it in enumerate(chunks):
@@ -830,6 +839,8 @@ def _pack(
     overhead_of: Callable[[Any], int],
     lambda_: float,
     redundancy: float,
+    *,
+    cost_exponent: float = 0.0,
 ) -> dict[int, set[int]]:
     """Greedy MMR over the units, every admission counted exactly; ``{chunk: chosen positions}``.
 
@@ -846,7 +857,15 @@ def _pack(
         # The MMR value: evidence, less a share of the overlap with what is already chosen.
         def value(u: _Unit) -> tuple[float, int, int]:
             penalty = max(0.0, (u.red - 0.5) / 0.5)
-            return (u.score * (1.0 - (1.0 - lambda_) * penalty), -u.chunk, -u.pos)
+            v = u.score * (1.0 - (1.0 - lambda_) * penalty)
+            if cost_exponent > 0:
+                # Evidence per token: what this admission adds (the unit and the neighbours it
+                # brings that are not in yet), so a short sentence outranks a long one of like
+                # evidence.
+                have_u = chosen.get(u.chunk, ())
+                n = sum(by_chunk[u.chunk][p].n_tokens for p in (u.pos, *u.deps) if p not in have_u)
+                v /= max(1, n) ** cost_exponent
+            return (v, -u.chunk, -u.pos)
 
         best = max(todo, key=value)
         todo.remove(best)

@@ -375,6 +375,22 @@ def test_context_weight_brings_the_sentence_after_the_matching_one_into_reach() 
     assert scores[0.5][after] > scores[0.5][unrelated]
 
 
+def test_cost_exponent_takes_evidence_per_token() -> None:
+    # The long sentence has more evidence (both question words, twice) but costs 27 words; the
+    # short one has less evidence at a fifth of the cost.
+    hit = _one_chunk(
+        "The old harbour wall by the town was rebuilt in stone after the great storm had broken the "
+        "harbour wall and most of the quay along the front. Gulls nest on the cliffs. The harbour wall is tall."
+    )
+    q = "Which harbour wall was rebuilt?"
+    long_, short = "The old harbour wall by the town", "The harbour wall is tall."
+    plain = select_spans(q, [hit], budget_tokens=30, count_tokens=words)
+    assert long_ in plain.text and short not in plain.text
+    per_token = select_spans(q, [hit], budget_tokens=30, count_tokens=words, cost_exponent=0.5)
+    assert short in per_token.text and long_ not in per_token.text
+    assert per_token.tokens_used <= 30
+
+
 @pytest.fixture(scope="module")
 def packaged_scorer():
     from ragbudget.embed import SentenceTransformerEmbedder
@@ -413,6 +429,9 @@ def test_bad_settings_are_config_errors(tiny) -> None:
         for bad in (-0.1, 1.5, True, "0.2"):
             with pytest.raises(ConfigError, match=f"{knob} must be a number in"):
                 select_spans("q", [], budget_tokens=5, count_tokens=words, **{knob: bad})
+    for bad in (-0.5, True, "1"):
+        with pytest.raises(ConfigError, match="cost_exponent must be a number ≥ 0"):
+            select_spans("q", [], budget_tokens=5, count_tokens=words, cost_exponent=bad)
     from ragbudget.pipeline import Pipeline
 
     with pytest.raises(ConfigError, match="pack"):
