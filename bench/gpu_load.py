@@ -440,6 +440,10 @@ def table(result: dict[str, Any]) -> str:
     if result.get("skipped"):
         return f"load check: skipped ({result['skipped']})\n"
     bursts = [b for b in result.get("bursts", []) if "skipped" not in b]
+    tail = [f"load verdict: {'PASS' if passed else 'FAIL'}"] + [f"- {p}" for p in problems]
+    tail += [f"- note: {n}" for n in notes]
+    if not bursts:
+        return "load check: no burst ran\n" + "\n".join(tail) + "\n"
     MiB = 2**20
 
     def col(b: dict[str, Any]) -> list[str]:
@@ -478,10 +482,7 @@ def table(result: dict[str, Any]) -> str:
     lines.append("|---|" + "---|" * len(bursts))
     for i, name in enumerate(names):
         lines.append(f"| {name} | " + " | ".join(c[i] for c in cols) + " |")
-    lines.append("")
-    lines.append(f"load verdict: {'PASS' if passed else 'FAIL'}")
-    lines += [f"- {p}" for p in problems] + [f"- note: {n}" for n in notes]
-    return "\n".join(lines) + "\n"
+    return "\n".join([*lines, "", *tail]) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:

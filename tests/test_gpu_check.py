@@ -156,8 +156,10 @@ def test_load_verdict_fails_when_a_burst_did_not_run_or_the_server_did_not_start
     skipped = {"clients": 256, "skipped": "time budget (4 s left)"}
     passed, problems, _ = gpu_load.verdict(_load(bursts=[_burst(), skipped]))
     assert not passed and "256 clients: not run" in problems[0]
-    passed, problems, _ = gpu_load.verdict(_load(bursts=[], failed="the server did not start within the time budget"))
+    failed = _load(bursts=[], failed="the server did not start within the time budget")
+    passed, problems, _ = gpu_load.verdict(failed)
     assert not passed and problems == ["the server did not start within the time budget"]
+    assert "no burst ran" in gpu_load.table(failed) and "did not start" in gpu_load.table(failed)
 
 
 def test_load_verdict_notes_a_skip_for_missing_wheels_without_failing():
