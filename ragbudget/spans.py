@@ -30,6 +30,15 @@ that one with its own if it needs it too, up to :data:`MAX_CHAIN` sentences back
 (a line starting ``-``, ``*``, ``•``, ``1.``, ``a)``) comes with its lead-in, the nearest sentence
 before the list. Not covered: a pronoun later in a sentence, a lead-in in the previous chunk.
 
+**Clause units** (``unit="clause"``, off by default): a sentence of more than ``clause_tokens``
+tokens is cut into clauses (:func:`split_clauses`: at ``;``, ``:``, a dash, a comma before
+``which``/``who``/``and``/``but``/…), each scored and packed as a sentence is, with exact offsets.
+The neighbour rule carries over: a clause that follows a colon or a dash, or opens with a relative
+pronoun, conjunction or pronoun, brings the clause before it (and so on back to its sentence's
+head); those steps inside one sentence do not count against :data:`MAX_CHAIN`. A clause's dense
+evidence is its sentence's stored vector (``clause_embed`` mixes in its own, embedded at question
+time), its lexical evidence its own.
+
 Cost: splitting, BM25 and the exact counts are milliseconds; embedding the pool's sentences is the
 part that costs (the embedder's forward pass: 78–95% of a cold call, bench/spans_profile.py;
 0.2–0.34× the generator's prefill of the same prompt on a 2-core CPU). So an index embeds every
@@ -71,6 +80,7 @@ from .select import (
 from .types import QUESTION_STOPWORDS, Source
 
 __all__ = [
+    "DEFAULT_CLAUSE_TOKENS",
     "DEFAULT_PACK",
     "JOINER",
     "MAX_CHAIN",
@@ -78,11 +88,13 @@ __all__ = [
     "PACKS",
     "Span",
     "SpanScorer",
+    "UNITS",
     "bm25",
     "needs_previous",
     "select_spans",
     "sentence_digest",
     "sentence_texts",
+    "split_clauses",
     "split_sentences",
 ]
 
@@ -102,8 +114,39 @@ DEFAULT_PACK = "spans"
 #: that text was left out.
 JOINER = " … "
 
-#: How many sentences back the neighbour rule may reach from one chosen sentence.
+#: How many sentences back the neighbour rule may reach from one chosen sentence (steps between
+#: clauses of one sentence are not counted: a clause's lead is part of the same sentence).
 MAX_CHAIN = 3
+
+#: What :func:`select_spans` packs: whole sentences (the default), or with ``unit="clause"`` a
+#: long sentence's clauses (:func:`split_clauses`), so that the half of a sentence that answers
+#: can be packed without the half that does not. Sentences stay the default until the QA harness
+#: says otherwise (BENCHMARKS.md, "Fourth round: clause units").
+UNITS = ("sentence", "clause")
+#: Default ``clause_tokens`` of :func:`select_spans`: with ``unit="clause"``, a sentence of more
+#: than this many tokens is cut into clauses. About two thirds of a SQuAD sentence (median ~30
+#: SmolLM2 tokens): short sentences are one clause anyway, and cutting them only adds joiners.
+DEFAULT_CLAUSE_TOKENS = 24
+# A clause shorter than this many words is not cut off ("in 1066," is not a unit of meaning).
+_MIN_CLAUSE_WORDS = 4
+# The words after a comma that open a clause leaning on what came before it: relative pronouns,
+# subordinators and coordinating conjunctions.
+_CLAUSE_WORDS = (
+    "which|who|whom|whose|where|when|while|whereas|although|though|because|since|"
+    "and|but|or|nor|so|yet|including|until|unless|after|before"
+)
+# Clause boundaries inside a sentence: ``;`` and ``:`` (then space; so not "3:45"), a dash set
+# off as a dash (em or en dash, or "--"; not the hyphen of "33-yard"), a comma before one of
+# _CLAUSE_WORDS. Group ``left`` is the boundary's punctuation (it belongs to neither clause: an
+# adjacent pair is rendered as the document has it, a lone clause reads without a dangling
+# comma), ``colon``/``dash`` mark a right side that explains the left and so leans on it.
+_CLAUSE_CUT = re.compile(
+    r"(?P<semi>;)\s+"
+    r"|(?P<colon>:)\s+"
+    r"|\s*(?P<dash>—|–(?=\s)|--)\s*"
+    rf"|(?P<comma>,)\s+(?=(?:{_CLAUSE_WORDS})\b)",
+    re.IGNORECASE,
+)
 
 #: First words that make a sentence lean on the one before it (lower case; multi-word ones too).
 NEEDS_PREVIOUS = frozenset(
@@ -335,6 +378,47 @@ def sentence_texts(text: str) -> list[str]:
     return [text[a:b] for a, b, _ in split_sentences(text)]
 
 
+def split_clauses(text: str, start: int = 0, end: int | None = None) -> list[tuple[int, int, bool]]:
+    """The clauses of the sentence ``text[start:end]``: ``(start, end, leans)`` in ``text``'s
+    offsets, in order, covering the sentence but for the punctuation and spaces at each cut.
+
+    A sentence is cut after ``;`` or ``:``, around a dash (``—``, a spaced ``–``, ``--``) and
+    after a comma that a relative pronoun, subordinator or conjunction follows (``, which``,
+    ``, because``, ``, and`` …); never inside parentheses or brackets, and never so that a clause
+    has fewer than four words. ``leans``: the clause cannot stand without the one before it — it
+    follows a colon or a dash, opens with one of those words, or starts with a pronoun or
+    connective (:func:`needs_previous`; for the first clause: the sentence does).
+
+    >>> t = "The tower, which is 48 metres tall, was lit in 1847; it used a paraffin lamp."
+    >>> [(t[a:b], leans) for a, b, leans in split_clauses(t)]
+    [('The tower, which is 48 metres tall, was lit in 1847', False), ('it used a paraffin lamp.', True)]
+    """
+    end = len(text) if end is None else end
+    depth, opened = 0, 0
+    cuts: list[tuple[int, int, bool]] = []  # (left clause's end, right clause's start, right leans)
+    for m in _CLAUSE_CUT.finditer(text, start, end):
+        # Brackets opened and not closed before the cut: it would fall inside a parenthesis.
+        seg = text[opened : m.start()]
+        depth += seg.count("(") + seg.count("[") - seg.count(")") - seg.count("]")
+        opened = m.start()
+        if depth > 0 or m.end() >= end:
+            continue
+        cuts.append((m.start(), m.end(), m.lastgroup in ("colon", "dash", "comma")))
+    out: list[tuple[int, int, bool]] = []
+    a, leans = start, needs_previous(text[start:end])
+    for left_end, right_start, right_leans in cuts:
+        # Too short a clause on either side: the cut is skipped (the clause runs on).
+        if len(text[a:left_end].split()) < _MIN_CLAUSE_WORDS:
+            continue
+        if len(text[right_start:end].split()) < _MIN_CLAUSE_WORDS:
+            break
+        out.append((a, left_end, leans))
+        a = right_start
+        leans = right_leans or needs_previous(text[right_start:end])
+    out.append((a, end, leans))
+    return out
+
+
 def _ends_sentence(text: str, dot: int, end: int) -> bool:
     if text[dot] != ".":
         return True
@@ -554,6 +638,11 @@ class _Unit:
     n_tokens: int
     deps: tuple[int, ...] = ()  # positions in the same chunk it brings along
     words: frozenset[str] = frozenset()
+    # The sentence it belongs to (its index in the chunk; a whole sentence is its own) and that
+    # sentence's text: a clause's dense evidence starts from its sentence's stored vector.
+    sentence: int = 0
+    whole: str = ""
+    leans: bool = False  # needs the unit before it (the neighbour rule)
     score: float = 0.0
     red: float = 0.0  # max overlap with what is already chosen
     why: str = "over_budget"
@@ -573,6 +662,9 @@ def select_spans(
     cue_weight: float = 0.0,
     context_weight: float = 0.0,
     cost_exponent: float = 0.0,
+    unit: str = "sentence",
+    clause_tokens: int = DEFAULT_CLAUSE_TOKENS,
+    clause_embed: float = 0.0,
     prime: Callable[[Sequence[str]], Any] | None = None,
     lambda_: float = 0.7,
     temperature: float = 0.02,
@@ -598,7 +690,12 @@ def select_spans(
     chunk, so the sentence after the one that names the question's terms is in reach; 0: off),
     ``cost_exponent`` (α: sentences are taken by evidence ÷ tokens^α, the tokens being what the
     admission adds — the sentence and the neighbours it brings — so short dense sentences go
-    first; 0: off, by evidence alone), ``prime`` (a
+    first; 0: off, by evidence alone), ``unit`` (:data:`UNITS`: ``"sentence"``, or ``"clause"``
+    to cut every sentence of more than ``clause_tokens`` tokens into its clauses with
+    :func:`split_clauses` — each clause scored, packed and cited on its own, one that leans on its
+    lead bringing it under the neighbour rule, adjacent ones rendered as the sentence has them;
+    ``clause_embed`` in [0, 1] is the share of a clause's dense evidence taken from its own
+    vector, embedded at question time, the rest being its sentence's stored one), ``prime`` (a
     batch counter to warm ``count_tokens``, e.g. a served engine's). ``merge_adjacent`` and
     ``max_merge_gap`` are accepted for the same call shape; passages are per chunk here.
 
@@ -629,6 +726,12 @@ def select_spans(
         raise ConfigError(
             f"cost_exponent must be a number ≥ 0 (0: evidence alone, no per-token discount); got {cost_exponent!r}"
         )
+    if unit not in UNITS:
+        raise ConfigError(f"unit must be one of {', '.join(UNITS)}; got {unit!r}")
+    if isinstance(clause_tokens, bool) or not isinstance(clause_tokens, int) or clause_tokens < 1:
+        raise ConfigError(f"clause_tokens must be an integer ≥ 1; got {clause_tokens!r}")
+    if isinstance(clause_embed, bool) or not isinstance(clause_embed, (int, float)) or not 0 <= clause_embed <= 1:
+        raise ConfigError(f"clause_embed must be a number in [0, 1]; got {clause_embed!r}")
     del merge_adjacent, max_merge_gap  # one passage per chunk; see the docstring
     overhead_of = _overhead_of(chunk_overhead)
     cands = list(candidates)
@@ -654,11 +757,20 @@ def select_spans(
         total += it.cost
     outside = kept[len(chunks) :]
 
-    units = _units(chunks, count_tokens, prime)
+    units = _units(chunks, count_tokens, prime, unit=unit, clause_tokens=clause_tokens)
     if scorer is not None and units:
         # Vectors stored at build time (an index's sentence vectors) before anything is embedded.
         scorer.preload(i for it in chunks for i in it.ids)
-    _score(question, chunks, units, scorer, weights, cue_weight=cue_weight, context_weight=context_weight)
+    _score(
+        question,
+        chunks,
+        units,
+        scorer,
+        weights,
+        cue_weight=cue_weight,
+        context_weight=context_weight,
+        clause_embed=clause_embed,
+    )
     chosen = _pack(
         units, chunks, budget_tokens, count_tokens, overhead_of, lambda_, redundancy, cost_exponent=cost_exponent
     )
@@ -702,20 +814,40 @@ def select_spans(
 
 
 def _units(
-    chunks: Sequence[_Item], count_tokens: Callable[[str], int], prime: Callable[[Sequence[str]], Any] | None
+    chunks: Sequence[_Item],
+    count_tokens: Callable[[str], int],
+    prime: Callable[[Sequence[str]], Any] | None,
+    *,
+    unit: str = "sentence",
+    clause_tokens: int = DEFAULT_CLAUSE_TOKENS,
 ) -> list[_Unit]:
-    """Every chunk's sentences with their neighbour dependencies; a sentence repeated from a
-    better chunk (chunk overlap, quoted text) is marked ``duplicate`` and never packed."""
+    """Every chunk's sentences — or, with ``unit="clause"``, the clauses of those over
+    ``clause_tokens`` — with their neighbour dependencies; a unit repeated from a better chunk
+    (chunk overlap, quoted text) is marked ``duplicate`` and never packed."""
     split = [split_sentences(it.text) for it in chunks]
     if prime is not None:
         prime([it.text[a:b] for it, parts in zip(chunks, split, strict=True) for a, b, _ in parts])
+    # (sentence index, start, end, list item, leans) per unit, per chunk.
+    pieces: list[list[tuple[int, int, int, bool, bool]]] = []
+    for it, parts in zip(chunks, split, strict=True):
+        here: list[tuple[int, int, int, bool, bool]] = []
+        for si, (a, b, item) in enumerate(parts):
+            if unit == "clause" and not item and count_tokens(it.text[a:b]) > clause_tokens:
+                here += [(si, x, y, False, leans) for x, y, leans in split_clauses(it.text, a, b)]
+            else:
+                here.append((si, a, b, item, needs_previous(it.text[a:b])))
+        pieces.append(here)
+    if prime is not None and unit == "clause":
+        prime([it.text[a:b] for it, here in zip(chunks, pieces, strict=True) for _, a, b, _, _ in here])
     out: list[_Unit] = []
     seen: set[str] = set()
-    for ci, (it, parts) in enumerate(zip(chunks, split, strict=True)):
+    for ci, (it, parts, cut) in enumerate(zip(chunks, split, pieces, strict=True)):
         mine: list[_Unit] = []
-        for pos, (a, b, item) in enumerate(parts):
+        for pos, (si, a, b, item, leans) in enumerate(cut):
             text = it.text[a:b]
+            whole = it.text[parts[si][0] : parts[si][1]]
             u = _Unit(ci, pos, a, b, text, item, count_tokens(text), words=_words(text))
+            u.sentence, u.whole, u.leans = si, whole, leans
             key = " ".join(text.split()).lower()
             if key in seen:
                 u.why = "duplicate"
@@ -728,10 +860,11 @@ def _units(
 
 
 def _deps(units: Sequence[_Unit], pos: int) -> tuple[int, ...]:
-    """The positions ``units[pos]`` brings along under the neighbour rule (nearest first)."""
+    """The positions ``units[pos]`` brings along under the neighbour rule (nearest first); at
+    most :data:`MAX_CHAIN` sentences back, a clause's leads in its own sentence not counted."""
     deps: list[int] = []
-    cur = pos
-    while len(deps) < MAX_CHAIN and cur > 0:
+    cur, back = pos, 0
+    while back < MAX_CHAIN and cur > 0:
         u = units[cur]
         if u.item:
             # A list item's lead-in: the nearest unit before the list (not the items between).
@@ -741,10 +874,11 @@ def _deps(units: Sequence[_Unit], pos: int) -> tuple[int, ...]:
             if lead < 0:
                 break
             cur = lead
-        elif needs_previous(u.text):
+        elif u.leans:
             cur -= 1
         else:
             break
+        back += units[cur].sentence != u.sentence
         deps.append(cur)
     return tuple(deps)
 
@@ -758,11 +892,16 @@ def _score(
     *,
     cue_weight: float = 0.0,
     context_weight: float = 0.0,
+    clause_embed: float = 0.0,
 ) -> None:
     """Each unit's evidence in [0, 1]: a weighted mean of dense (cosine over the pool's best),
-    lexical (BM25 over the pool's best) and its chunk's value (already relative to the best);
-    then, when asked, mixed with its better neighbour's (``context_weight``) and raised by the
-    answer-type cue (``cue_weight``)."""
+    lexical (BM25 over the pool's units, so a clause is weighed against clauses) and its chunk's
+    value (already relative to the best); then, when asked, mixed with its better neighbour's
+    (``context_weight``) and raised by the answer-type cue (``cue_weight``).
+
+    A clause's dense evidence is its sentence's cosine — the vector the index stored, so nothing
+    is embedded at question time — and its own lexical evidence tells it from the other clauses;
+    ``clause_embed`` > 0 mixes in that share of the clause's own cosine (embedded on first use)."""
     if not units:
         return
     w_dense, w_lex, w_chunk = weights
@@ -771,7 +910,13 @@ def _score(
     top_lex = max(lex)
     dense = [0.0] * len(units)
     if scorer is not None and w_dense > 0:
-        dense = [max(0.0, s) for s in scorer.similarities(question, texts)]
+        dense = scorer.similarities(question, [u.whole or u.text for u in units])
+        cut = [i for i, u in enumerate(units) if u.whole and u.text != u.whole]
+        if clause_embed > 0 and cut:
+            own = scorer.similarities(question, [texts[i] for i in cut])
+            for i, d in zip(cut, own, strict=True):
+                dense[i] = (1 - clause_embed) * dense[i] + clause_embed * d
+        dense = [max(0.0, d) for d in dense]
     else:
         w_dense = 0.0
     top_dense = max(dense)
