@@ -18,12 +18,20 @@ measure scoring variants that need no new model:
   scored by 5-fold cross-validation over questions (a question is never scored by a model that
   saw it): what a learned mix of these signals could reach;
 * ``oracle``: a sentence holding a gold answer ranked first, i.e. the ceiling of sentence choice
-  inside the pool.
+  inside the pool; ``oracle (library score)`` the same over the library's own scores (no
+  features computed, so it is cheap for any ``--select``, e.g. ``unit=clause``: the ceiling of
+  clause choice).
+
+``--select key=value,…`` passes ``select_spans`` options to every variant (as ``spans_qa.py
+--extra``); ``--variants a,b`` runs only those (the logistic regression's training, and the
+features the misses' diagnosis records, only when needed).
 
 It also records, per question at 256 tokens, the default rank of the best answer-holding sentence
 (and its dense and lexical ranks), for the misses.
 
     python bench/spans_rank.py --docs 12 --questions 150
+    python bench/spans_rank.py --docs 12 --questions 150 --select unit=clause \
+        --variants "default,oracle (library score)" --out bench/results/spans_rank_squad_tune_clause.json
 
 Writes ``bench/results/spans_rank_squad_tune.json`` (squad-tune only: this chooses nothing that
 is reported without a held-out run).
@@ -47,6 +55,21 @@ import numpy as np  # noqa: E402
 import ragbudget.spans as S  # noqa: E402
 
 BUDGETS = (128, 256, 512, 1024)
+VARIANTS = [
+    "default",
+    "dense min-max",
+    "z-scores",
+    "RRF dense+lexical",
+    "RRF dense+lexical+chunk",
+    "chunk prior 1/(1+rank)",
+    "chunk prior exp(Δscore/0.05)",
+    "Porter BM25",
+    "question keywords embedded",
+    "neighbour-averaged vectors",
+    "logistic regression (5-fold CV)",
+    "oracle",
+    "oracle (library score)",
+]
 _W = re.compile(r"\w+")
 
 
@@ -169,6 +192,8 @@ class Study:
         v = self.variant
         if v == "default":
             return None
+        if v == "oracle (library score)":
+            return np.array([u.score for u in units]) + 10.0 * self.labels(chunks, units)
         f = self.features(question, chunks, units)
         d, dn, ln, c = f["dense"], _nm(np.maximum(0, f["dense"])), _nm(f["lex"]), f["cval"]
         if v == "dense min-max":
@@ -204,7 +229,20 @@ def main() -> None:
     ap.add_argument("--questions", type=int, default=150)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=H.ROOT / "bench" / "results" / "spans_rank_squad_tune.json")
+    ap.add_argument("--select", default="", help="select_spans options for every variant, e.g. unit=clause")
+    ap.add_argument("--variants", default="", help="comma-separated subset of the variants (default: all)")
     args = ap.parse_args()
+    from spans_qa import configs  # its --extra parser, so both scripts read options alike
+
+    select = {}
+    if args.select:
+        cfg = configs(argparse.Namespace(sweep=False, extra=[args.select]))
+        select = cfg[f"ragbudget_spans_{args.select}"]["select"]
+    variants = [v for v in args.variants.split(",") if v] or VARIANTS
+    if variants[0] != "default" or not set(variants) <= set(VARIANTS):
+        raise SystemExit(f"--variants: 'default' first, then any of {', '.join(VARIANTS[1:])}")
+    # The learned mix needs every unit's features at 256 tokens; nothing else does.
+    train = "logistic regression (5-fold CV)" in variants
     t_start = time.time()
 
     from sklearn.linear_model import LogisticRegression
@@ -225,20 +263,21 @@ def main() -> None:
     def patched(question, chunks, units, scorer, weights, **kw):  # type: ignore[no-untyped-def]
         original(question, chunks, units, scorer, weights, **kw)
         if study.collect is not None and units:
-            f = study.features(question, chunks, units)
             y = study.labels(chunks, units)
-            study.collect.append((study.matrix(f), y))
             s = np.array([u.score for u in units])
+            if train:
+                f = study.features(question, chunks, units)
+                study.collect.append((study.matrix(f), y))
             if y.any():
                 rank = lambda v: [int((v > v[i]).sum()) for i in np.flatnonzero(y)]  # noqa: E731
                 best = int(np.argmin(rank(s)))
                 diag[-1].update(
                     answer_rank=rank(s)[best],
-                    dense_rank=rank(f["dense"])[best],
-                    lexical_rank=rank(f["lex"])[best],
                     n_units=len(units),
-                    answer_tokens=int(f["ntok"][np.flatnonzero(y)[best]]),
+                    answer_tokens=units[int(np.flatnonzero(y)[best])].n_tokens,
                 )
+                if train:
+                    diag[-1].update(dense_rank=rank(f["dense"])[best], lexical_rank=rank(f["lex"])[best])
         s = study.scores(question, chunks, units)
         if s is not None:
             s = np.asarray(s, dtype=float)
@@ -256,7 +295,7 @@ def main() -> None:
         for q in questions:
             study.q = q
             for b in BUDGETS:
-                p = packer.pack("ragbudget_spans", q.text, cands[q.qid], b)
+                p = packer.pack("ragbudget_spans", q.text, cands[q.qid], b, **select)
                 hits[b].append(int(H.score(corpus, q, p)["recall"]))
         return hits
 
@@ -266,33 +305,19 @@ def main() -> None:
     for q in questions:
         study.q = q
         diag.append({"qid": q.qid, "question": q.text})
-        p = packer.pack("ragbudget_spans", q.text, cands[q.qid], 256)
+        p = packer.pack("ragbudget_spans", q.text, cands[q.qid], 256, **select)
         diag[-1]["hit_256"] = int(H.score(corpus, q, p)["recall"])
     data = study.collect
     study.collect = None
     order = [q.qid for q in questions]
     random.Random(args.seed).shuffle(order)
     study.fold = {qid: i % 5 for i, qid in enumerate(order)}
-    for k in range(5):
+    for k in range(5 if train else 0):
         rows = [data[i] for i, q in enumerate(questions) if study.fold[q.qid] != k]
         x = np.vstack([r[0] for r in rows])
         y = np.concatenate([r[1] for r in rows])
         study.models[k] = LogisticRegression(max_iter=2000).fit(x, y)
 
-    variants = [
-        "default",
-        "dense min-max",
-        "z-scores",
-        "RRF dense+lexical",
-        "RRF dense+lexical+chunk",
-        "chunk prior 1/(1+rank)",
-        "chunk prior exp(Δscore/0.05)",
-        "Porter BM25",
-        "question keywords embedded",
-        "neighbour-averaged vectors",
-        "logistic regression (5-fold CV)",
-        "oracle",
-    ]
     table, per_question, paired = {}, {}, {}
     for v in variants:
         t = time.time()
@@ -329,6 +354,7 @@ def main() -> None:
         ),
         "budgets": list(BUDGETS),
         "variants": variants,
+        "select": select,
         "table": table,
         "won_lost_vs_default": paired,
         "per_question_recall": per_question,
