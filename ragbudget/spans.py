@@ -124,8 +124,10 @@ MAX_CHAIN = 3
 #: says otherwise (BENCHMARKS.md, "Fourth round: clause units").
 UNITS = ("sentence", "clause")
 #: Default ``clause_tokens`` of :func:`select_spans`: with ``unit="clause"``, a sentence of more
-#: than this many tokens is cut into clauses. About two thirds of a SQuAD sentence (median ~30
-#: SmolLM2 tokens): short sentences are one clause anyway, and cutting them only adds joiners.
+#: than this many tokens is cut into clauses. A little under the median sentence (29 SmolLM2
+#: tokens on squad-tune): a short sentence has little to drop, and cutting it only adds joiners.
+#: On the tuning split 16, 24, 32 and 40 all gained the same two questions at 256 tokens; 32 and
+#: 40 lost none at 512/1,024, 16 lost at both (bench/results/qa_spans_squad_tune_clause*.json).
 DEFAULT_CLAUSE_TOKENS = 24
 # A clause shorter than this many words is not cut off ("in 1066," is not a unit of meaning).
 _MIN_CLAUSE_WORDS = 4
@@ -136,10 +138,11 @@ _CLAUSE_WORDS = (
     "and|but|or|nor|so|yet|including|until|unless|after|before"
 )
 # Clause boundaries inside a sentence: ``;`` and ``:`` (then space; so not "3:45"), a dash set
-# off as a dash (em or en dash, or "--"; not the hyphen of "33-yard"), a comma before one of
-# _CLAUSE_WORDS. Group ``left`` is the boundary's punctuation (it belongs to neither clause: an
-# adjacent pair is rendered as the document has it, a lone clause reads without a dangling
-# comma), ``colon``/``dash`` mark a right side that explains the left and so leans on it.
+# off as a dash (em dash, spaced en dash, "--"; not the hyphen of "33-yard" nor "1914–1918"), a
+# comma before one of _CLAUSE_WORDS. The match (punctuation and spaces) belongs to neither
+# clause: an adjacent pair is rendered as the document has it, a lone clause reads without a
+# dangling comma. After a ``colon``, ``dash`` or ``comma`` the right side leans on the left (it
+# explains it, or opens with a clause word); after ``semi`` it may stand alone.
 _CLAUSE_CUT = re.compile(
     r"(?P<semi>;)\s+"
     r"|(?P<colon>:)\s+"
@@ -394,12 +397,16 @@ def split_clauses(text: str, start: int = 0, end: int | None = None) -> list[tup
     [('The tower, which is 48 metres tall, was lit in 1847', False), ('it used a paraffin lamp.', True)]
     """
     end = len(text) if end is None else end
-    depth, opened = 0, 0
+    depth, opened = 0, start
     cuts: list[tuple[int, int, bool]] = []  # (left clause's end, right clause's start, right leans)
     for m in _CLAUSE_CUT.finditer(text, start, end):
-        # Brackets opened and not closed before the cut: it would fall inside a parenthesis.
-        seg = text[opened : m.start()]
-        depth += seg.count("(") + seg.count("[") - seg.count(")") - seg.count("]")
+        # Brackets opened in the sentence and not closed before the cut: it would fall inside a
+        # parenthesis. A stray closer ("1)", "a)") opens nothing, so depth stays ≥ 0.
+        for ch in text[opened : m.start()]:
+            if ch in "([":
+                depth += 1
+            elif ch in ")]":
+                depth = max(0, depth - 1)
         opened = m.start()
         if depth > 0 or m.end() >= end:
             continue

@@ -354,6 +354,16 @@ def test_split_clauses_on_natural_boundaries() -> None:
         "the foghorn was added to the tower in 1902.",
     ]
     assert parts[0][0] == a and parts[-1][1] == b
+    # Brackets count from the sentence's start: an unclosed "(" before it, or a stray ")" in it,
+    # does not stop (or allow) a cut inside the sentence's own parentheses.
+    t = "Notes (see below. The lamp burned paraffin oil; the lens came from Paris in crates."
+    a = t.index("The lamp")
+    assert [t[x:y] for x, y, _ in split_clauses(t, a, len(t))] == [
+        "The lamp burned paraffin oil",
+        "the lens came from Paris in crates.",
+    ]
+    t = "Step 1) the lamp (paraffin, which the boats brought; and wicks) burned every single night."
+    assert len(split_clauses(t)) == 1
 
 
 def test_clause_units_fit_the_answer_where_sentences_cannot() -> None:
