@@ -853,8 +853,9 @@ def _units(
         for pos, (si, a, b, item, leans) in enumerate(cut):
             text = it.text[a:b]
             whole = it.text[parts[si][0] : parts[si][1]]
-            u = _Unit(ci, pos, a, b, text, item, count_tokens(text), words=_words(text))
-            u.sentence, u.whole, u.leans = si, whole, leans
+            u = _Unit(
+                ci, pos, a, b, text, item, count_tokens(text), words=_words(text), sentence=si, whole=whole, leans=leans
+            )
             key = " ".join(text.split()).lower()
             if key in seen:
                 u.why = "duplicate"
@@ -917,8 +918,8 @@ def _score(
     top_lex = max(lex)
     dense = [0.0] * len(units)
     if scorer is not None and w_dense > 0:
-        dense = scorer.similarities(question, [u.whole or u.text for u in units])
-        cut = [i for i, u in enumerate(units) if u.whole and u.text != u.whole]
+        dense = scorer.similarities(question, [u.whole for u in units])
+        cut = [i for i, u in enumerate(units) if u.text != u.whole]
         if clause_embed > 0 and cut:
             own = scorer.similarities(question, [texts[i] for i in cut])
             for i, d in zip(cut, own, strict=True):

@@ -80,7 +80,8 @@ def start_server(
             code = proc.poll()
             if code is not None:
                 tail = log.read_text(errors="replace")[-2000:]
-                crashes.append(f"try {attempt}: exited with {code}: {tail.splitlines()[-1:] or ['']}")
+                last = tail.splitlines()[-1] if tail.strip() else "(empty log)"
+                crashes.append(f"try {attempt}: exited with {code}: {last}")
                 if code >= 0 or attempt == tries:
                     raise ServerStartError(f"llama-server exited with {code} (try {attempt} of {tries}): {tail}")
                 break  # killed by a signal while starting: try again on a new port
