@@ -518,7 +518,7 @@ def _claimed(waiter: _Waiter) -> None:
 @dataclass(eq=False)
 class _Promise:
     due: float
-    job: _Job = field(repr=False)
+    job: _Job | None = field(repr=False)  # None without a throughput (no time model to shape)
     key: str | None = None  # the refused request's key: its return claims the promise
     held_until: float = float("-inf")  # seen back (would_refuse): kept for its acquire until then
 
@@ -793,11 +793,7 @@ class AdmissionController:
         prompt = int(tokens if prompt_tokens is None else prompt_tokens)
         with self._lock:
             self._advance_locked()
-            promise = self._promise_for_locked(_RETURNING.get())
-            if promise is not None:
-                # A returning client: its acquire, after the prompt is built (seconds on a busy
-                # host), claims the promise — kept for it until then.
-                promise.held_until = max(promise.held_until, self._clock() + (self.return_wait or 0.0))
+            if self._hold_return_locked():
                 return None
             cost, pool = self._cost(tokens, prompt), self._pool(tokens)
             job = self._job(tokens, prompt, cost, pool)
@@ -812,6 +808,45 @@ class AdmissionController:
                 return self._refuse_for_time_locked(job)
             return float(min(self.retry_after_max, max(1, math.ceil(expected - self.timeout))))
 
+    def hold_return(self) -> bool:
+        """Whether a request made now (under the key of :meth:`returning`) comes back for a
+        refusal's promise — the client honoured its ``Retry-After``. Its place is then kept for
+        it until its :meth:`acquire` claims it (after the prompt is built), and the server lets
+        it past the bounds that refuse newcomers (the early checks, a full worker pool)."""
+        with self._lock:
+            return self._hold_return_locked()
+
+    def _hold_return_locked(self) -> bool:
+        promise = self._promise_for_locked(_RETURNING.get())
+        if promise is None:
+            return False
+        # A returning client: its acquire, after the prompt is built (seconds on a busy host),
+        # claims the promise — kept for it until then.
+        promise.held_until = max(promise.held_until, self._clock() + (self.return_wait or 0.0))
+        return True
+
+    def refuse_busy(self, tokens: int | None = None, *, prompt_tokens: int | None = None) -> float:
+        """Refuse a request because something in front of the controller is full (its queue,
+        or the server's worker threads) and return the ``retry_after`` to tell it: when, by the
+        model, a request of ``tokens`` (``prompt_tokens`` of prompt) arriving now would start
+        behind the work running, queued and already sent back — or, without a throughput or a
+        size, the mean hold time per request ahead. Counted as a rejection and remembered as a
+        promise under the key of :meth:`returning`, as the controller's own refusals are, so
+        the client that honours it is let in (:meth:`hold_return`) instead of refused again."""
+        with self._lock:
+            self._advance_locked()
+            job = None
+            if tokens is not None:
+                t = int(tokens)
+                prompt = int(t if prompt_tokens is None else prompt_tokens)
+                job = self._job(t, prompt, self._cost(t, prompt), self._pool(t))
+            self._rejected += 1
+            retry = self._retry_after_locked(job)
+            if job is None:
+                retry = float(max(1, math.ceil(retry)))  # whole seconds, as Retry-After says
+            self._promise_locked(job, retry)
+            return retry
+
     def _refuse_for_time_locked(self, job: _Job) -> float:
         """Count a refusal for time and promise the client a return: its ``retry_after``."""
         assert self.timeout is not None
@@ -824,9 +859,12 @@ class AdmissionController:
         return retry
 
     def _promise_locked(self, job: _Job | None, retry: float) -> None:
-        """Remember a refusal told to come back in ``retry`` seconds (under the request's key)."""
-        if job is not None:
-            self._promises.append(_Promise(due=self._clock() + retry, job=job, key=_RETURNING.get()))
+        """Remember a refusal told to come back in ``retry`` seconds (under the request's key).
+        Without a job (nothing measured) only a keyed refusal is remembered: its return is kept
+        a place, and there is no time model for it to shape."""
+        key = _RETURNING.get()
+        if job is not None or key is not None:
+            self._promises.append(_Promise(due=self._clock() + retry, job=job, key=key))
 
     def _promise_for_locked(self, key: str | None) -> _Promise | None:
         """The promise a request with ``key`` arriving now would claim: the earliest due one
@@ -975,6 +1013,7 @@ class AdmissionController:
             [
                 _Job(prefill=p.job.prefill, decode=p.job.decode, cost=p.job.cost, tokens=p.job.tokens, ready=p.due)
                 for p in sorted(self._promises, key=lambda p: p.due)
+                if p.job is not None
             ]
             if promised_first
             else []
@@ -1047,7 +1086,9 @@ class AdmissionController:
             if not self._queue and self._may_start_locked(waiter):
                 self._grant(waiter)
                 return waiter
-            if len(self._queue) >= self.max_queue:
+            # A returning client was promised this place: the queue bound is for newcomers (the
+            # promises are bounded by the refusals that made them).
+            if len(self._queue) >= self.max_queue and not waiter.returning:
                 self._rejected += 1
                 retry = self._retry_after_locked(job)
                 self._promise_locked(job, retry)

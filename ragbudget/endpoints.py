@@ -209,40 +209,59 @@ async def read_json(request: Any, *, limit: int, metrics: Metrics) -> Any:
     return decode_json(b"".join(chunks))
 
 
+class WorkersBusy(APIError):
+    """Every worker thread is taken: a 429. Its ``Retry-After`` of 1 s is a fallback; the chat
+    endpoint asks admission instead (:meth:`AdmissionController.refuse_busy`), which says when by
+    its time model and keeps the client's place for its return."""
+
+    def __init__(self, max_workers: int) -> None:
+        super().__init__(
+            429,
+            f"server busy: {max_workers} requests already in progress",
+            type="rate_limit_error",
+            code="overloaded",
+            headers={"Retry-After": "1"},
+        )
+
+
 class Workers:
     """The bounded thread pool doing model work off the event loop, so ``/health`` answers
     throughout. A request arriving when all ``max_workers`` are busy (running, or queued for
-    admission) is answered 429 at once: queueing here too would be an unbounded queue in front
-    of admission's bounded one. ``trimmer`` (None when off or off glibc) returns the heap freed
-    by a burst to the OS once no request is in flight."""
+    admission) is answered 429 at once (:class:`WorkersBusy`): queueing here too would be an
+    unbounded queue in front of admission's bounded one. A *returning* request — a client back
+    at the ``Retry-After`` a refusal promised it — may run past that bound, on up to
+    ``max_workers`` more threads: it was promised a place, and refusing it again for threads
+    would break the promise (the promises are bounded by the refusals that made them).
+    ``trimmer`` (None when off or off glibc) returns the heap freed by a burst to the OS once no
+    request is in flight."""
 
     def __init__(self, max_workers: int, metrics: Metrics, *, trim_memory: bool) -> None:
         self.max_workers = max_workers
         self.metrics = metrics
-        self.executor = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="ragbudget-serve")
-        self._slots = threading.BoundedSemaphore(max_workers)
+        # Threads start on demand: the returning requests' extra ones cost nothing until used.
+        self.executor = ThreadPoolExecutor(max_workers=2 * max_workers, thread_name_prefix="ragbudget-serve")
+        self._lock = threading.Lock()
+        self._busy = 0
         self.trimmer = IdleTrimmer(lambda: metrics.in_flight == 0) if trim_memory and trimming_supported() else None
 
-    def _acquire(self) -> None:
-        if not self._slots.acquire(blocking=False):
-            raise APIError(
-                429,
-                f"server busy: {self.max_workers} requests already in progress",
-                type="rate_limit_error",
-                code="overloaded",
-                headers={"Retry-After": "1"},
-            )
+    def _acquire(self, returning: bool) -> None:
+        with self._lock:
+            if self._busy >= (2 if returning else 1) * self.max_workers:
+                raise WorkersBusy(self.max_workers)
+            self._busy += 1
         self.metrics.add("in_flight", 1)
 
     def _release(self) -> None:
         self.metrics.add("in_flight", -1)
-        self._slots.release()
+        with self._lock:
+            self._busy -= 1
         if self.trimmer is not None:
             self.trimmer.poke()
 
-    def submit(self, fn: Callable[[], Any]) -> asyncio.Future[Any]:
-        """Run ``fn`` on the pool; its slot is released when it ends, however it ends."""
-        self._acquire()
+    def submit(self, fn: Callable[[], Any], *, returning: bool = False) -> asyncio.Future[Any]:
+        """Run ``fn`` on the pool; its slot is released when it ends, however it ends.
+        ``returning``: a client back for its promise (see the class docstring)."""
+        self._acquire(returning)
 
         def run() -> Any:
             try:
@@ -455,41 +474,76 @@ class ChatEndpoint:
     def overloaded(self, why: str, retry_after: float | None = None) -> APIError:
         return overloaded(why, self.hold_s if retry_after is None else retry_after)
 
-    async def reject_if_overloaded(self, req: ChatRequest) -> None:
+    async def reject_if_overloaded(self, req: ChatRequest) -> bool:
         """Answer 429 before any retrieval work when admission's queue is already full, when the
         first token of a request of the plan's per-request size would come past the queue
         time-out (admission's time rule, :meth:`AdmissionController.would_refuse`), or when the
         served engine says it is full (its own queue, or no free KV for even the answer).
+        Returns whether the request is a client back for a refusal's promise
+        (:meth:`AdmissionController.hold_return`): it skips admission's early checks, and may
+        take a worker past the pool's bound (:meth:`submit`).
 
         A shortcut: building the prompt (embedding, retrieval, selection) costs seconds of CPU on
         a loaded host, and under overload every refused request would pay it first. Racy by
         nature and judged on an estimate of the prompt; the controller still decides when the
         real prompt is admitted. The engine's figures are the only word on load from others
         sharing it."""
-        pipeline, metrics = self.pipeline, self.metrics
+        metrics = self.metrics
+        returning = False
         ctl = await self.admission.controller()
         if ctl is not None:
-            queued = ctl.stats().queued
-            if queued >= ctl.max_queue:
-                metrics.add("refused_early", 1)
-                raise self.overloaded(f"{queued} requests already wait for KV memory")
-            if ctl.throughput is not None:
-                max_new = pipeline.memory.max_new_tokens if req.max_tokens is None else req.max_tokens
-                tokens, prompt = await asyncio.to_thread(pipeline.admission_estimate, max_new)
-                with ctl.returning(req.key or None):
-                    retry = ctl.would_refuse(tokens, prompt_tokens=prompt, refuse=True)
-                if retry is not None:
-                    metrics.add("refused_early", 1)
-                    raise self.overloaded(
-                        f"the first token of a {prompt}-token prompt would come past the queue "
-                        f"time-out of {ctl.timeout:g} s at the measured speed",
-                        retry,
-                    )
+            with ctl.returning(req.key or None):
+                returning = ctl.hold_return()
+                if not returning:
+                    queued = ctl.stats().queued
+                    if queued >= ctl.max_queue:
+                        metrics.add("refused_early", 1)
+                        retry = self._refuse_busy(ctl, await self._estimate(ctl, req))
+                        raise self.overloaded(f"{queued} requests already wait for KV memory", retry)
+                    estimate = await self._estimate(ctl, req)
+                    if estimate is not None:
+                        tokens, prompt = estimate
+                        time_retry = ctl.would_refuse(tokens, prompt_tokens=prompt, refuse=True)
+                        if time_retry is not None:
+                            metrics.add("refused_early", 1)
+                            raise self.overloaded(
+                                f"the first token of a {prompt}-token prompt would come past the queue "
+                                f"time-out of {ctl.timeout:g} s at the measured speed",
+                                time_retry,
+                            )
         if self.engine_load is not None:
-            max_new = pipeline.memory.max_new_tokens if req.max_tokens is None else req.max_tokens
+            max_new = self.pipeline.memory.max_new_tokens if req.max_tokens is None else req.max_tokens
             why = self.engine_load.refusal(await asyncio.to_thread(self.engine_load.read), max_new)
             if why is not None:
                 raise self.overloaded(why)
+        return returning
+
+    async def _estimate(self, ctl: AdmissionController, req: ChatRequest) -> tuple[int, int] | None:
+        """``(tokens, prompt_tokens)`` admission expects of ``req`` (the plan's per-request
+        size), or ``None`` without a measured speed, where no time model would use it (planning
+        a new ``max_tokens`` is work an overloaded server should not do)."""
+        if ctl.throughput is None:
+            return None
+        max_new = self.pipeline.memory.max_new_tokens if req.max_tokens is None else req.max_tokens
+        return await asyncio.to_thread(self.pipeline.admission_estimate, max_new)
+
+    @staticmethod
+    def _refuse_busy(ctl: AdmissionController, estimate: tuple[int, int] | None) -> float:
+        if estimate is None:
+            return ctl.refuse_busy()
+        return ctl.refuse_busy(estimate[0], prompt_tokens=estimate[1])
+
+    async def busy(self, req: ChatRequest, busy: WorkersBusy) -> APIError:
+        """The 429 for a full worker pool, decided by admission: its ``Retry-After`` from the
+        time model and a promise under the caller's key, so the client that honours it gets in
+        (a returning client may run past the pool's bound, see :class:`Workers`)."""
+        ctl = await self.admission.controller()
+        if ctl is None:
+            return busy
+        estimate = await self._estimate(ctl, req)
+        with ctl.returning(req.key or None):
+            retry = self._refuse_busy(ctl, estimate)
+        return self.overloaded(f"{self.workers.max_workers} requests already in progress", retry)
 
     def run_ask(
         self,
@@ -547,31 +601,43 @@ class ChatEndpoint:
     ) -> Any:
         from starlette.responses import Response
 
-        await self.reject_if_overloaded(req)
+        returning = await self.reject_if_overloaded(req)
         if not req.stream:
-            fut = self.workers.submit(lambda: self.run_ask(req, cancel))
+            try:
+                fut = self.workers.submit(lambda: self.run_ask(req, cancel), returning=returning)
+            except WorkersBusy as full:
+                raise await self.busy(req, full) from full
             answer = await self.wait_or_cancel(request, fut, cancel)
             if cancel.is_set():  # the client left: nobody reads the answer (counted as 499)
                 return Response(status_code=CLIENT_CLOSED)
             self.health.ok()
             self.record_answer(answer)
             return completion.body(answer)
-        return await self._stream(request, req, cancel, t0, completion)
+        return await self._stream(request, req, cancel, t0, completion, returning)
 
     async def _stream(
-        self, request: Any, req: ChatRequest, cancel: threading.Event, t0: float, completion: Completion
+        self,
+        request: Any,
+        req: ChatRequest,
+        cancel: threading.Event,
+        t0: float,
+        completion: Completion,
+        returning: bool,
     ) -> Any:
         from starlette.responses import Response
 
         metrics = self.metrics
         # The answer runs on the worker pool (a full pool is a 429 from here); its text, its
         # "queued" (a returning client claimed its place), then its end reach this loop in order.
-        relay: Relay[Answer] = Relay(
-            lambda emit, stop: self.run_ask(req, stop, emit, emit.queued),
-            loop=asyncio.get_running_loop(),
-            cancel=cancel,
-            start=self.workers.submit,
-        )
+        try:
+            relay: Relay[Answer] = Relay(
+                lambda emit, stop: self.run_ask(req, stop, emit, emit.queued),
+                loop=asyncio.get_running_loop(),
+                cancel=cancel,
+                start=functools.partial(self.workers.submit, returning=returning),
+            )
+        except WorkersBusy as full:
+            raise await self.busy(req, full) from full
         # Wait for the first event before committing to a 200 stream: admission happens inside
         # ask(), so an overloaded server must still be able to answer 429 with Retry-After. A
         # client back at its Retry-After that claimed its place ("queued") is never refused for

@@ -691,3 +691,54 @@ def test_time_counts_the_expected_answer_length_memory_the_whole() -> None:
     after = ctl.expected_first_token(1100, prompt_tokens=1000)
     assert before == pytest.approx(3.0) and after == pytest.approx(2.2, abs=0.02)
     busy.release()
+
+
+def test_refuse_busy_says_when_by_the_model_and_keeps_the_returning_clients_place() -> None:
+    """Something in front of the controller is full (the server's worker threads, its queue):
+    the refusal's Retry-After is the model's start time behind the work ahead (not a constant),
+    it is counted and promised, and the client back at that time is let past the bounds that
+    refuse newcomers — the queue limit included."""
+    clock = Clock()
+    ctl = AdmissionController(10**6, max_queue=1, timeout=60.0, throughput=THR, ttft_target=1.5, clock=clock)
+    running = ctl._enqueue(1100, 1000)  # 1 s prefill + 1 s decode, alone
+    queued = ctl._enqueue(1100, 1000)  # starts when the first ends (2 s)
+    assert running.granted and not queued.granted
+    with ctl.returning("busy"):
+        retry = ctl.refuse_busy(1100, prompt_tokens=1000)
+    # It would start after both (4 s): told 4 s, and the next refusal is told after it.
+    assert retry == 4.0 and ctl.stats().rejected_total == 1
+    with ctl.returning("later"):
+        assert ctl.refuse_busy(1100, prompt_tokens=1000) == 6.0
+    with ctl.returning("newcomer"):
+        assert not ctl.hold_return()  # never refused: nothing to come back for
+    clock.t += retry
+    with ctl.returning("busy"):
+        assert ctl.hold_return()
+    # The host ran slower than modelled: nothing ended and the queue is still full. A newcomer
+    # is refused for the full queue; the returning client queues behind the work ahead.
+    with pytest.raises(OverloadedError, match="queue limit"):
+        ctl._enqueue(1100, 1000)
+    with ctl.returning("busy"):
+        back = ctl._enqueue(1100, 1000)
+    assert back.returning and not back.granted and ctl.stats().queued == 2
+    ctl._reservation(running).release()
+    ctl._reservation(queued).release()
+    assert back.granted
+
+
+def test_refuse_busy_without_a_measured_speed_still_promises_the_keyed_caller() -> None:
+    clock = Clock()
+    ctl = AdmissionController(1000, max_queue=0, timeout=5.0, clock=clock)
+    held = ctl._enqueue(1000, 900)
+    assert held.granted
+    with ctl.returning("k"):
+        retry = ctl.refuse_busy()  # no size, no time model: the mean hold per request ahead
+    assert retry == 1.0 and float(retry).is_integer()
+    assert ctl.refuse_busy() == 1.0 and [p.key for p in ctl._promises] == ["k"]  # unkeyed: none
+    clock.t += retry
+    with ctl.returning("k"):
+        assert ctl.hold_return()
+        back = ctl._enqueue(1000, 900)  # past the queue limit of 0: it was promised a place
+    assert back.returning and not back.granted
+    ctl._reservation(held).release()
+    assert back.granted

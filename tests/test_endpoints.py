@@ -33,8 +33,15 @@ def test_workers_refuse_past_the_pool_and_always_free_their_slot() -> None:
                 workers.submit(gate.wait)
             assert (info.value.status, info.value.code, info.value.headers) == (429, "overloaded", {"Retry-After": "1"})
             assert metrics.in_flight == 2  # the refused one took no slot
+            # Clients back for a refusal's promise may run on up to max_workers more threads,
+            # at once (not queued behind the busy ones), and no further.
+            back = threading.Event()
+            returning = [workers.submit(lambda: (back.set(), gate.wait()), returning=True) for _ in range(2)]
+            assert await asyncio.to_thread(back.wait, 5) and metrics.in_flight == 4
+            with pytest.raises(APIError):
+                workers.submit(gate.wait, returning=True)
             gate.set()
-            await asyncio.gather(*running)
+            await asyncio.gather(*running, *returning)
             assert metrics.in_flight == 0
             # A failing job frees its slot too, and its error is the HTTP answer it maps to.
             for _ in range(3):

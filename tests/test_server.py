@@ -469,6 +469,39 @@ def test_worker_pool_full_is_429_not_an_unbounded_queue() -> None:
     assert r.status_code == 429 and r.headers["retry-after"] == "1"
 
 
+def test_a_client_refused_for_a_full_worker_pool_that_honours_retry_after_gets_in() -> None:
+    """The one worker is held by a long stream; a second client is refused for threads, waits
+    its Retry-After and asks once more while the worker is still busy: its place was promised
+    (admission's refusal, not a bare "try in 1 s"), so it waits for its turn and gets its 200
+    instead of a second 429. A third, new client is still refused."""
+    pipe = fake_pipeline(slots=1, words=60, token_delay=0.05, max_queue=10, timeout=10)
+    body = {"model": MODEL, "messages": user("second")}
+    with running(pipe, max_workers=1) as url:
+        with httpx.stream(
+            "POST", url + "/v1/chat/completions", json={"model": MODEL, "messages": user(), "stream": True}
+        ) as first:
+            lines = first.iter_lines()
+            next(lines)  # the one worker is now busy, for ~3 s
+            refused = httpx.post(url + "/v1/chat/completions", json=body)
+            assert refused.status_code == 429, refused.text
+            assert "1 requests already in progress" in refused.json()["error"]["message"]
+            time.sleep(int(refused.headers["retry-after"]))
+            back: list[httpx.Response] = []
+            returning = threading.Thread(
+                target=lambda: back.append(httpx.post(url + "/v1/chat/completions", json=body, timeout=30))
+            )
+            returning.start()
+            assert _wait_until(lambda: pipe.admission.stats().queued == 1)  # in, behind the stream
+            newcomer = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": user("third")})
+            assert newcomer.status_code == 429
+            for _ in lines:  # the stream runs to its end, freeing the worker and the cache
+                pass
+        returning.join(timeout=30)
+        metrics = httpx.get(url + "/metrics").text
+    assert [r.status_code for r in back] == [200], [r.text for r in back]
+    assert 'status="5' not in metrics and reserved(pipe) == 0
+
+
 def _wait_until(predicate: Any, timeout: float = 10.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
