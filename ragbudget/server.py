@@ -123,7 +123,9 @@ def create_app(
     ``Authorization: Bearer <key>``. ``model_name`` is the id clients send as ``model`` (default:
     the generator's model id, also accepted as ``"ragbudget"``). ``max_workers`` bounds the threads
     doing model work: a request arriving when all are busy (running or queued for admission) is
-    answered 429 at once instead of waiting unboundedly.
+    answered 429 at once instead of waiting unboundedly, with admission's ``Retry-After`` and a
+    kept place for the client that honours it (which may then run on up to ``max_workers``
+    more threads).
 
     A request's earlier messages are its history, budgeted exactly as ``ragbudget chat`` does it
     (:meth:`ragbudget.chat.Conversation.from_messages`), by ``history`` (a
