@@ -446,7 +446,19 @@ class AdmissionStats:
 
 
 class _Waiter:
-    __slots__ = ("cost", "event", "future", "granted", "job", "loop", "pool", "prompt_tokens", "returning", "tokens")
+    __slots__ = (
+        "arrived",
+        "cost",
+        "event",
+        "future",
+        "granted",
+        "job",
+        "loop",
+        "pool",
+        "prompt_tokens",
+        "returning",
+        "tokens",
+    )
 
     def __init__(self, tokens: int, prompt_tokens: int, cost: int, job: _Job | None, pool: int = 0) -> None:
         self.tokens = tokens
@@ -457,6 +469,7 @@ class _Waiter:
         self.event = threading.Event()
         self.granted = False
         self.returning = False  # it claimed a refusal's promise (see the module docstring)
+        self.arrived = float("-inf")  # the controller's clock when it was queued
         self.loop: asyncio.AbstractEventLoop | None = None
         self.future: asyncio.Future[None] | None = None
 
@@ -521,6 +534,7 @@ class _Promise:
     job: _Job | None = field(repr=False)  # None without a throughput (no time model to shape)
     key: str | None = None  # the refused request's key: its return claims the promise
     held_until: float = float("-inf")  # seen back (would_refuse): kept for its acquire until then
+    made: float = float("-inf")  # when the refusal was made (see _finish_wait)
 
 
 class AdmissionController:
@@ -864,7 +878,8 @@ class AdmissionController:
         a place, and there is no time model for it to shape."""
         key = _RETURNING.get()
         if job is not None or key is not None:
-            self._promises.append(_Promise(due=self._clock() + retry, job=job, key=key))
+            now = self._clock()
+            self._promises.append(_Promise(due=now + retry, job=job, key=key, made=now))
 
     def _promise_for_locked(self, key: str | None) -> _Promise | None:
         """The promise a request with ``key`` arriving now would claim: the earliest due one
@@ -998,10 +1013,13 @@ class AdmissionController:
                 return
             self._observe_locked(job.credit / real)
 
-    def _first_token_locked(self, job: _Job, *, promised_first: bool = False) -> float:
+    def _first_token_locked(
+        self, job: _Job, *, promised_first: bool = False, promised_before: float = float("inf")
+    ) -> float:
         """Seconds to ``job``'s first token if it arrived now. ``promised_first``: behind the
         refused requests told to come back later too (for a refusal's Retry-After: the next
-        one is sent back after them, not at the same second)."""
+        one is sent back after them, not at the same second) — those refused before
+        ``promised_before`` only, when given."""
         assert self.throughput is not None
         now = self._clock()
         self._prune_promises_locked(now)
@@ -1013,7 +1031,7 @@ class AdmissionController:
             [
                 _Job(prefill=p.job.prefill, decode=p.job.decode, cost=p.job.cost, tokens=p.job.tokens, ready=p.due)
                 for p in sorted(self._promises, key=lambda p: p.due)
-                if p.job is not None
+                if p.job is not None and p.made < promised_before
             ]
             if promised_first
             else []
@@ -1111,6 +1129,7 @@ class AdmissionController:
             if loop is not None:
                 waiter.loop = loop
                 waiter.future = loop.create_future()
+            waiter.arrived = self._clock()
             self._queue.append(waiter)
         return waiter
 
@@ -1158,7 +1177,7 @@ class AdmissionController:
             return self._reservation(waiter)
         with self._lock:
             self._timed_out += 1
-            retry = self._retry_after_locked(waiter.job)
+            retry = self._retry_after_locked(waiter.job, arrived=waiter.arrived)
             self._promise_locked(waiter.job, retry)  # its return is kept a place, as for time
         held = (
             f"{self.capacity_tokens} in all, all in use"
@@ -1188,10 +1207,13 @@ class AdmissionController:
             self._hold = 0.8 * self._hold + 0.2 * held
             self._admit_locked()
 
-    def _retry_after_locked(self, job: _Job | None = None) -> float:
+    def _retry_after_locked(self, job: _Job | None = None, *, arrived: float = float("inf")) -> float:
         if job is not None and self.throughput is not None:
-            # From the measured speed: when this request, arriving now, would start.
-            start = self._first_token_locked(job, promised_first=True) - job.prefill
+            # From the measured speed: when this request, arriving now, would start — behind
+            # the clients refused before it ``arrived`` (a queue time-out waited since then:
+            # sending it behind every client refused while it waited puts the one that waited
+            # longest last).
+            start = self._first_token_locked(job, promised_first=True, promised_before=arrived) - job.prefill
             return float(min(self.retry_after_max, max(1.0, math.ceil(start))))
         # Roughly: one mean hold time per queued request ahead, spread over the running ones.
         per = self._hold * (len(self._queue) + 1) / max(1, self._running)

@@ -742,3 +742,31 @@ def test_refuse_busy_without_a_measured_speed_still_promises_the_keyed_caller() 
     assert back.returning and not back.granted
     ctl._reservation(held).release()
     assert back.granted
+
+
+def test_a_queue_time_out_is_not_sent_behind_the_clients_refused_while_it_waited() -> None:
+    """A queued request that times out (the host ran slower than modelled) had been waiting
+    since before the clients refused meanwhile: its Retry-After puts it behind the work running
+    and queued, not behind every one of them (in load.json's 64-client burst such clients were
+    told 959-985 s while every other return was due within 290 s, and the burst's wall time was
+    theirs)."""
+    clock = Clock()
+    ctl = AdmissionController(10**6, max_queue=64, timeout=5.0, throughput=THR, ttft_target=1.5, clock=clock)
+    first = ctl._enqueue(1100, 1000)  # runs: first token at 1 s, ends at 2 s
+    second = ctl._enqueue(1100, 1000)  # queued: starts at 2 s
+    third = ctl._enqueue(1100, 1000)  # queued: starts at 4 s, first token at 5 s
+    assert first.granted and not second.granted and not third.granted
+    refused = []
+    for _ in range(5):
+        with pytest.raises(OverloadedError) as err:
+            ctl._enqueue(1100, 1000)
+        refused.append(err.value.retry_after)
+    assert refused == [2.0, 4.0, 6.0, 8.0, 10.0]  # first tokens 7-15 s: spaced behind each other
+    # Nothing moved (a host slower than the model): the third times out of the queue. It goes
+    # back behind the two ahead of it (start at 4 s), not after the five refused (14 s).
+    with pytest.raises(OverloadedError, match="waited") as err:
+        ctl._finish_wait(third, 5.0)
+    assert err.value.retry_after == 4.0
+    # A newcomer refused now (a full worker pool, say) is sent after everyone promised, the
+    # timed-out one included.
+    assert ctl.refuse_busy(1100, prompt_tokens=1000) >= 14.0
