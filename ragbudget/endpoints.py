@@ -488,35 +488,42 @@ class ChatEndpoint:
         nature and judged on an estimate of the prompt; the controller still decides when the
         real prompt is admitted. The engine's figures are the only word on load from others
         sharing it."""
-        metrics = self.metrics
         returning = False
         ctl = await self.admission.controller()
         if ctl is not None:
             with ctl.returning(req.key or None):
                 returning = ctl.hold_return()
                 if not returning:
-                    queued = ctl.stats().queued
-                    if queued >= ctl.max_queue:
-                        metrics.add("refused_early", 1)
-                        retry = self._refuse_busy(ctl, await self._estimate(ctl, req))
-                        raise self.overloaded(f"{queued} requests already wait for KV memory", retry)
-                    estimate = await self._estimate(ctl, req)
-                    if estimate is not None:
-                        tokens, prompt = estimate
-                        time_retry = ctl.would_refuse(tokens, prompt_tokens=prompt, refuse=True)
-                        if time_retry is not None:
-                            metrics.add("refused_early", 1)
-                            raise self.overloaded(
-                                f"the first token of a {prompt}-token prompt would come past the queue "
-                                f"time-out of {ctl.timeout:g} s at the measured speed",
-                                time_retry,
-                            )
+                    await self._refuse_early(ctl, req)
         if self.engine_load is not None:
-            max_new = self.pipeline.memory.max_new_tokens if req.max_tokens is None else req.max_tokens
-            why = self.engine_load.refusal(await asyncio.to_thread(self.engine_load.read), max_new)
+            why = self.engine_load.refusal(await asyncio.to_thread(self.engine_load.read), self._max_new(req))
             if why is not None:
                 raise self.overloaded(why)
         return returning
+
+    async def _refuse_early(self, ctl: AdmissionController, req: ChatRequest) -> None:
+        """Admission's early checks for a newcomer (under its key): a full queue, then time."""
+        queued = ctl.stats().queued
+        if queued >= ctl.max_queue:
+            self.metrics.add("refused_early", 1)
+            retry = self._refuse_busy(ctl, await self._estimate(ctl, req))
+            raise self.overloaded(f"{queued} requests already wait for KV memory", retry)
+        estimate = await self._estimate(ctl, req)
+        if estimate is None:
+            return
+        tokens, prompt = estimate
+        late = ctl.would_refuse(tokens, prompt_tokens=prompt, refuse=True)
+        if late is not None:
+            self.metrics.add("refused_early", 1)
+            raise self.overloaded(
+                f"the first token of a {prompt}-token prompt would come past the queue "
+                f"time-out of {ctl.timeout:g} s at the measured speed",
+                late,
+            )
+
+    def _max_new(self, req: ChatRequest) -> int:
+        """The answer tokens ``req`` reserves: its ``max_tokens``, else the server's planned one."""
+        return self.pipeline.memory.max_new_tokens if req.max_tokens is None else req.max_tokens
 
     async def _estimate(self, ctl: AdmissionController, req: ChatRequest) -> tuple[int, int] | None:
         """``(tokens, prompt_tokens)`` admission expects of ``req`` (the plan's per-request
@@ -524,8 +531,7 @@ class ChatEndpoint:
         a new ``max_tokens`` is work an overloaded server should not do)."""
         if ctl.throughput is None:
             return None
-        max_new = self.pipeline.memory.max_new_tokens if req.max_tokens is None else req.max_tokens
-        return await asyncio.to_thread(self.pipeline.admission_estimate, max_new)
+        return await asyncio.to_thread(self.pipeline.admission_estimate, self._max_new(req))
 
     @staticmethod
     def _refuse_busy(ctl: AdmissionController, estimate: tuple[int, int] | None) -> float:
