@@ -28,6 +28,11 @@ then dominates, which is where batching on a CPU helps least.
 Run: ``nice -n 10 .venv/bin/python bench/batching.py``; writes bench/results/batching.json
 (``batching_ctxN.json`` with ``--context-tokens N``, ``_newK`` appended with ``--new K`` other than 48).
 
+Each way runs with no other thread of the process holding an OpenMP pool from forward passes
+(the unbatched ways in a thread of their own, with the batcher closed): before 2026-12-03 the
+serial runs shared the process with a live batcher, and the batched runs with a main thread that
+had run the serial ones, which slowed both (see ``ragbudget.batching``).
+
 ``ceiling_tail_vs_serial`` is the tighter bound when answers differ in length (``--new 256``, the
 server's default cap, lets some answers run long): the batched run cannot end before every prefill
 is paid and the longest answer has taken its own decode steps.
@@ -50,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import write
 
 from ragbudget import batching
-from ragbudget.batching import Batcher
+from ragbudget.batching import Batcher, in_own_thread
 from ragbudget.generate import Generator
 
 TOPICS = ["tides", "volcanoes", "bread yeast", "honeybees", "rainbows", "glaciers", "comets", "coral reefs"]
@@ -132,10 +137,11 @@ def main() -> None:
         default=0,
         help="tokens of man page before each question (0: short questions alone)",
     )
+    ap.add_argument("--dtype", default=None, help="the generator's dtype (default: the library's, float32 on a CPU)")
     args = ap.parse_args()
     import torch
 
-    gen = Generator().warm_up()
+    gen = Generator(dtype=args.dtype).warm_up()
     batcher = Batcher(gen, kv_tokens=8192)
     prompts = [[{"role": "user", "content": f"In two sentences, what are {t}?"}] for t in TOPICS]
     if args.context_tokens:
@@ -154,7 +160,7 @@ def main() -> None:
             ]
             for i in range(len(TOPICS))
         ]
-    gen.generate(prompts[0], max_new_tokens=4)  # warm-up of both paths
+    in_own_thread(gen.generate, prompts[0], max_new_tokens=4)  # warm-up of both paths
     batcher.generate(prompts[0], max_new_tokens=4)
     rows = []
     for c in (int(x) for x in args.levels.split(",")):
@@ -168,8 +174,19 @@ def main() -> None:
                 ("batched_dense", batcher.generate, True),
                 ("prefill_only", gen.generate, False),
             ):
-                runner = dense_run if mode == "batched_dense" else run
-                r = runner(fn, ps, 1 if mode == "prefill_only" else args.new, conc)
+                # Every thread that runs forward passes keeps an OpenMP pool for its life, and
+                # pools beside each other slow each other (ragbudget.batching, "which thread runs
+                # the model"): the unbatched modes run in a thread of their own with the batcher
+                # closed, the batched ones with the batcher's loop the only such thread, started
+                # before the clock.
+                new = 1 if mode == "prefill_only" else args.new
+                if mode.startswith("batched"):
+                    if not batcher.running:
+                        batcher.generate(prompts[0], max_new_tokens=4)
+                    r = (dense_run if mode == "batched_dense" else run)(fn, ps, new, conc)
+                else:
+                    batcher.close()
+                    r = in_own_thread(run, fn, ps, new, conc)
                 if mode not in best or r["tokens_per_s"] > best[mode]["tokens_per_s"]:
                     best[mode] = r
                 print(
@@ -200,10 +217,13 @@ def main() -> None:
     name = f"batching_ctx{args.context_tokens}" if args.context_tokens else "batching"
     if args.new != 48:
         name += f"_new{args.new}"
+    if args.dtype:
+        name += f"_{args.dtype}"
     write(
         name,
         {
             "model": gen.model_ref.id,
+            "dtype": str(gen.model.dtype).removeprefix("torch."),
             "max_new_tokens": args.new,
             "reps": args.reps,
             "context_tokens": args.context_tokens,

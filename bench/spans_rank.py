@@ -251,7 +251,7 @@ def main() -> None:
     # A reporting split measures the ceiling of sentence choice (what any ranking of these
     # candidates could reach); a variant chosen by its figures there would be tuned on it.
     if args.split != "squad-tune" and not set(variants) <= {"default", "oracle", "oracle (library score)"}:
-        raise SystemExit(f"--split {args.split}: only the default and the oracles (the variants are tuned on squad-tune)")
+        raise SystemExit(f"--split {args.split}: only the default and the oracles (variants are tuned on squad-tune)")
     out = args.out or H.ROOT / "bench" / "results" / f"spans_rank_{args.split.replace('-', '_')}.json"
     # The learned mix needs every unit's features at 256 tokens; nothing else does.
     train = "logistic regression (5-fold CV)" in variants

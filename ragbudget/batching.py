@@ -44,7 +44,7 @@ if TYPE_CHECKING:  # pragma: no cover - torch and transformers load at first use
     from .generate import Generation, Generator
     from .kvcache import PagedCacheLayout
 
-__all__ = ["Batcher", "batching_unsupported"]
+__all__ = ["Batcher", "batching_unsupported", "in_own_thread"]
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +93,39 @@ def batching_unsupported(generator: Generator) -> str | None:
     except (ConfigError, ModelError) as exc:
         return str(exc)
     return None
+
+
+# -- which thread runs the model ------------------------------------------------------------------
+# torch on a CPU parallelizes each op with OpenMP (GNU libgomp in the PyPI wheels), and libgomp
+# keeps a pool of worker threads for every thread that has run a parallel region, for that
+# thread's whole life. Once the pools together hold more threads than the host has cores, libgomp
+# stops letting idle workers spin between regions (its "throttled" spin, 100 turns), so every op
+# of a forward pass waits for a sleeping worker to wake and the caller does most of the work
+# alone. Measured on this project's 2-core CPU (8 requests of 1,200 tokens, 48 new tokens each):
+# the batching loop took 58-70 s after the main thread had run one generate, against 42-47 s when
+# no other thread had, its OpenMP worker doing 3,300 against 3,900-4,400 ticks of the loop's
+# 4,100-4,700; and one request at a time took ~25% longer while a batcher's loop was alive.
+# A thread that exits takes its pool with it: model work outside the batching loop (the speed
+# probe at warm-up, a re-measure) runs in a thread of its own that ends when it is done.
+
+
+def in_own_thread(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` in a new thread that ends when it returns (its value, or its
+    exception raised here), so the OpenMP worker pool the call makes goes with it (see above)."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn(*args, **kwargs)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, name=f"ragbudget-{getattr(fn, '__name__', 'work')}")
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
 
 
 def _dtype_name(model: Any) -> str:

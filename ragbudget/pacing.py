@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -68,6 +69,7 @@ class Pacing:
         """The generator's prefill and decode speed on its device: recorded once per model and
         machine, measured now when missing (a few seconds; ``serve`` does it at warm-up).
         ``None`` when there is nothing to measure."""
+        from .batching import in_own_thread
         from .budget import lookup_prefill_speed, measure_prefill_speed
 
         device = self.device(gen)
@@ -78,7 +80,9 @@ class Pacing:
         if (speed is None or "decode_s" not in speed) and model is not None:
             log.info("measuring the prefill and decode speed of %s on %s once (cached)", name, device)
             try:
-                speed = measure_prefill_speed(model, name=name, device=device)
+                # In a thread of its own: the probe's OpenMP pool must not outlive it beside the
+                # batching loop's (ragbudget.batching, "which thread runs the model").
+                speed = in_own_thread(measure_prefill_speed, model, name=name, device=device)
             except Exception as exc:  # noqa: BLE001 - a speed probe must never fail a question
                 log.warning("prefill speed not measured (%s): no time cap on the context", exc)
         return speed
@@ -130,14 +134,17 @@ class Pacing:
         self._checked = now
         return True
 
-    def remeasure(self, gen: Any, plan: BudgetPlan) -> bool:
+    def remeasure(self, gen: Any, plan: BudgetPlan, *, before: Callable[[], None] | None = None) -> bool:
         """Measure again now, unless the host still looks busy (the lookup keeps the provisional
-        entry, :func:`~ragbudget.budget.lookup_prefill_speed`). True when it measured."""
+        entry, :func:`~ragbudget.budget.lookup_prefill_speed`); ``before`` runs first when it
+        will measure. True when it measured."""
         from .budget import lookup_prefill_speed
 
         device = self.device(gen)
         if not device or lookup_prefill_speed(plan.model, device) is not None:
             return False
+        if before is not None:
+            before()
         self.entry = None
         self.entry = self.measure(gen, plan.model)
         log.info(

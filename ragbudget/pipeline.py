@@ -476,12 +476,22 @@ class Pipeline:
                 s = ctl.stats()
                 if s.running or s.queued:
                     return False
-            if not self._pacing.remeasure(self._generator, self.plan):
+            if not self._pacing.remeasure(self._generator, self.plan, before=self._stop_batching):
                 return False
             self._plans.clear()  # the time cap follows the new speed
             if ctl is not None and self._admission_tuned:
                 self._pacing.tune(ctl, self._generator, self.plan, self.backend)
         return True
+
+    def _stop_batching(self) -> None:
+        """Stop the batching loop (idle: refresh_speed measures only then) so that a speed probe
+        runs alone: while the loop's thread lives, its OpenMP workers slow any other thread's
+        forward passes (:mod:`ragbudget.batching`), and the probe would record that. The next
+        request starts the loop again."""
+        from .backend import LocalBackend
+
+        if isinstance(self._backend, LocalBackend):  # none built yet: no loop to stop
+            self._backend.close()
 
     @property
     def admission(self) -> AdmissionController:

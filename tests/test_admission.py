@@ -449,12 +449,18 @@ def test_a_speed_measured_on_a_busy_host_is_measured_again_once_idle(tmp_path, m
     ctl = pipe.admission
     assert ctl.throughput is not None and "provisional" in ctl.throughput.source
     pipe.SPEED_RECHECK_S = 0.0
+    # The probe runs alone: an idle batching loop is stopped first (its thread's OpenMP workers
+    # would slow the probe's forward passes), and only when it will measure.
+    stopped: list[bool] = []
+    monkeypatch.setattr(type(pipe.backend), "close", lambda self: stopped.append(True))
     assert pipe.refresh_speed() is False  # still busy: nothing measured
     load["now"] = 0.1
     held = ctl.acquire(100, prompt_tokens=50)
     assert pipe.refresh_speed() is False  # a request runs: it would compete with the probe
     held.release()
+    assert stopped == []
     assert pipe.refresh_speed() is True
+    assert stopped == [True]
     assert "provisional" not in ctl.throughput.source and pipe.admission is ctl
     assert pipe.refresh_speed() is False  # measured once: no longer provisional
 

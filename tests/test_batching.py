@@ -324,3 +324,47 @@ def test_chunked_prefills_of_different_lengths_batch_to_the_same_answers(gen) ->
             assert g.text == gen.generate(**kw).text
     finally:
         b.close()
+
+
+def test_in_own_thread_runs_apart_and_hands_back_the_value_or_the_error() -> None:
+    """Model work outside the batching loop runs in a thread that ends with it, so its OpenMP
+    pool does not live on beside the loop's (ragbudget.batching, "which thread runs the model")."""
+    from ragbudget.batching import in_own_thread
+
+    caller = threading.get_ident()
+    seen: list[int] = []
+
+    def work(x: int, *, y: int) -> int:
+        seen.append(threading.get_ident())
+        return x + y
+
+    assert in_own_thread(work, 2, y=3) == 5
+    assert seen and seen[0] != caller
+    alive = {t.ident for t in threading.enumerate()}
+    assert seen[0] not in alive  # it ended with the call
+
+    def fail() -> None:
+        raise BudgetError("too long", needed=2, available=1)
+
+    with pytest.raises(BudgetError, match="too long"):
+        in_own_thread(fail)
+
+
+def test_the_speed_probe_runs_in_a_thread_of_its_own(gen, tmp_path, monkeypatch) -> None:
+    """The warm-up's prefill/decode probe (forward passes) must not run in the caller's thread,
+    the server's main thread, whose OpenMP pool would then slow the batching loop for the
+    server's life."""
+    import ragbudget.budget
+    from ragbudget.pacing import Pacing
+
+    monkeypatch.setenv("RAGBUDGET_CACHE", str(tmp_path / "cache"))
+    ran: list[int] = []
+
+    def probe(model, *, name, device):  # type: ignore[no-untyped-def]
+        ran.append(threading.get_ident())
+        return {"a": 1e-3, "b": 0.0, "decode_s": 0.01}
+
+    monkeypatch.setattr(ragbudget.budget, "measure_prefill_speed", probe)
+    speed = Pacing(None).measure(gen.warm_up(), "tiny")
+    assert speed == {"a": 1e-3, "b": 0.0, "decode_s": 0.01}
+    assert ran and ran[0] != threading.get_ident()
