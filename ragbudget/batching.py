@@ -277,7 +277,10 @@ class Batcher:
     on this project's 2-core CPU, 8 requests of 1,200 tokens took 37 s with it against 41-44 s
     with 512 (fewer, larger prefill steps). Admission reserves each request's activations for a
     prefill of its whole prompt, which covers any chunk of it.
-    The manager starts at the first :meth:`generate` and runs until :meth:`close`.
+    The manager starts at the first :meth:`generate` and runs until :meth:`close`. While it
+    runs, forward passes in another long-lived thread (a plain ``Generator.generate`` there)
+    slow both it and the loop on a CPU: run such work through :func:`in_own_thread`, or close
+    the batcher first (see "which thread runs the model" above).
     """
 
     #: Seconds between looks at a request's ``cancel`` event while it waits for tokens.
