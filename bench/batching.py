@@ -160,8 +160,7 @@ def main() -> None:
             ]
             for i in range(len(TOPICS))
         ]
-    in_own_thread(gen.generate, prompts[0], max_new_tokens=4)  # warm-up of both paths
-    batcher.generate(prompts[0], max_new_tokens=4)
+    in_own_thread(gen.generate, prompts[0], max_new_tokens=4)  # warm-up (the batcher's: before each batched way)
     rows = []
     for c in (int(x) for x in args.levels.split(",")):
         ps = prompts[:c]

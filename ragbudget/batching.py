@@ -112,20 +112,11 @@ def batching_unsupported(generator: Generator) -> str | None:
 def in_own_thread(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)`` in a new thread that ends when it returns (its value, or its
     exception raised here), so the OpenMP worker pool the call makes goes with it (see above)."""
-    box: dict[str, Any] = {}
+    from concurrent.futures import ThreadPoolExecutor
 
-    def run() -> None:
-        try:
-            box["value"] = fn(*args, **kwargs)
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
-            box["error"] = exc
-
-    thread = threading.Thread(target=run, name=f"ragbudget-{getattr(fn, '__name__', 'work')}")
-    thread.start()
-    thread.join()
-    if "error" in box:
-        raise box["error"]
-    return box.get("value")
+    # Leaving the block joins the executor's one thread: the pool's owner is gone on return.
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ragbudget-apart") as one:
+        return one.submit(fn, *args, **kwargs).result()
 
 
 def _dtype_name(model: Any) -> str:
