@@ -358,9 +358,9 @@ class _Builder:
                 f"embedder changed: {old['embedder'].get('id')} -> {self.embedder.id}"
                 f" (pooling {old['embedder'].get('pooling')} -> {self.embedder.pooling})"
             )
-        for key in ("chunking", "dedup"):
-            if old.get(key) != self.settings[key]:
-                reasons.append(f"{key} settings changed: {old.get(key)} -> {self.settings[key]}")
+        from .index_settings import changes
+
+        reasons += [f"{section} settings changed: {', '.join(c)}" for section, c in changes(old, self.settings).items()]
         return self.embedder, "; ".join(reasons)
 
     def _open_old(self) -> tuple[Any, Path | None, str]:
@@ -1091,6 +1091,7 @@ class _Builder:
             "pooling": spec.get("pooling"),
             "chunking": self.settings["chunking"],
             "dedup": self.settings["dedup"],
+            "cleaning": self.settings["cleaning"],
             "dedup_signature_dtype": self.sig_dtype,
             "faiss": {**flat_entry, "file": fpath.name, "bytes": fpath.stat().st_size, "sha256": _sha256_file(fpath)},
             "approx": approx_entry,

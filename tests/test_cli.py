@@ -260,7 +260,8 @@ def test_search_retrieval_options(runner: CliRunner, tmp_path: Path) -> None:
 
 def test_index_no_sentence_vectors(runner: CliRunner, tmp_path: Path) -> None:
     """`--no-sentence-vectors` leaves every chunk's sentence vectors out (and drops them from an
-    index that has them); the default stores them, also for chunks indexed while it was off."""
+    index that has them); a plain run keeps what the index records; `--sentence-vectors` stores
+    them again, also for chunks indexed while they were off."""
     from ragbudget.index import Index
 
     docs = tmp_path / "docs"
@@ -277,7 +278,10 @@ def test_index_no_sentence_vectors(runner: CliRunner, tmp_path: Path) -> None:
     off = runner.invoke(cli, [*base, "--no-sentence-vectors"])
     assert off.exit_code == 0, off.output
     assert json.loads(off.stdout)["sentences_embedded"] == 0 and stored() == (False, 0)
-    on = runner.invoke(cli, base)  # the default: stored, for every chunk, with no file changed
+    kept = runner.invoke(cli, base)  # not told otherwise: the index keeps them out
+    assert kept.exit_code == 0, kept.output
+    assert json.loads(kept.stdout)["sentences_embedded"] == 0 and stored() == (False, 0)
+    on = runner.invoke(cli, [*base, "--sentence-vectors"])  # stored, for every chunk, no file changed
     assert on.exit_code == 0, on.output
     chunks = int(Index.open(index_dir).stats()["chunks"])
     assert json.loads(on.stdout)["sentences_embedded"] > 0 and stored() == (True, chunks) and chunks > 0

@@ -222,14 +222,14 @@ def test_near_duplicates_attach_as_sources(ix: Index, tmp_path: Path) -> None:
     s = build(ix, corpus, min_tokens=5, max_tokens=200)
     assert s.near_duplicates == 1 and s.chunks_total == 1
     assert len(Index.open(ix.path).get_chunks([1])[0].sources) == 2
-    s = build(ix, corpus, min_tokens=5, max_tokens=200, dedup="exact")
+    s = build(ix, corpus, min_tokens=5, max_tokens=200, dedup="exact", rechunk=True)
     assert s.rebuilt and "dedup" in s.rebuild_reason and s.chunks_total == 2
     assert s.chunks_embedded == 1  # the identical-text vector was reused from the old index
 
 
 def test_settings_change_triggers_rebuild_with_reason(ix: Index, corpus: Path) -> None:
     build(ix, corpus)
-    s = build(ix, corpus, max_tokens=80)
+    s = build(ix, corpus, max_tokens=80, rechunk=True)
     assert s.rebuilt and "chunking" in s.rebuild_reason and s.committed
     s = build(ix, corpus, max_tokens=80, embedder=HashEmbedder(dim=32))
     assert s.rebuilt and "embedder changed" in s.rebuild_reason
@@ -883,7 +883,7 @@ def test_rebuild_keeps_every_root_and_needs_them_all(ix: Index, tmp_path: Path) 
     assert s.rebuilt and s.files_indexed == 4 and s.files_removed == 0
     assert len(Index.open(ix.path).sources()) == 4
     # A settings change rebuilds too: still every root.
-    s = build(ix, b, max_tokens=80)
+    s = build(ix, b, max_tokens=80, rechunk=True)
     assert s.rebuilt and len(Index.open(ix.path).sources()) == 4
     import shutil
 
@@ -1112,7 +1112,7 @@ def test_every_mode_stores_the_normalized_content_hash(ix: Index, corpus: Path, 
 def test_changing_dedup_reuses_every_vector(ix: Index, tmp_path: Path, first: str, then: str) -> None:
     corpus = _twin_corpus(tmp_path / "c")
     build(ix, corpus, dedup=first)
-    s = build(ix, corpus, dedup=then)
+    s = build(ix, corpus, dedup=then, rechunk=True)
     assert s.rebuilt and "dedup" in s.rebuild_reason
     assert s.chunks_embedded == 0 and s.chunks_reused == s.chunks_added
     assert Index.open(ix.path).verify().ok
