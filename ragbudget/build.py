@@ -510,7 +510,8 @@ class _Builder:
 
         # -- 1. what changed: one stat per file, content sha256 only when the stat differs.
         scan_opts: dict[str, Any] = {"max_bytes": self.max_bytes} if self.max_bytes else {}
-        found = scan(scan_paths, include=self.include, exclude=self.exclude, **scan_opts)
+        # The index never reads its own folder (manifest, SQLite, lock, temp files), wherever it is.
+        found = scan(scan_paths, include=self.include, exclude=self.exclude, leave_out=[self.dir], **scan_opts)
         shielded += [
             _Root(_canon(str(s.path)), "", "dir") for s in found.skipped if s.reason in ("unreadable", "missing")
         ]

@@ -347,10 +347,11 @@ def _read_roots(db: sqlite3.Connection) -> list[_Root]:
 
 def _check_roots(paths: Sequence[str], index_dir: Path) -> list[tuple[str, str]]:
     """``(resolved path, kind)`` of every path given to index; raises :class:`InputPathError`
-    naming each one that is missing, unreadable, or not a file or folder (before anything is
-    written)."""
+    naming each one that is missing, unreadable, not a file or folder, or the index's own folder
+    (or inside it) (before anything is written)."""
     good: list[tuple[str, str]] = []
     bad: list[tuple[str, str]] = []
+    own = os.path.realpath(index_dir)
     for p in paths:
         try:
             st = os.stat(p)
@@ -370,7 +371,17 @@ def _check_roots(paths: Sequence[str], index_dir: Path) -> list[tuple[str, str]]
         if not os.access(p, mode):
             bad.append((p, "permission denied"))
             continue
-        good.append((os.path.realpath(p), kind))
+        real = os.path.realpath(p)
+        if _under(real, own):
+            bad.append(
+                (
+                    p,
+                    "it is the index's own folder or inside it (an index never reads its own "
+                    "files; use another --index-dir)",
+                )
+            )
+            continue
+        good.append((real, kind))
     if bad:
         what = "; ".join(f"{p!r}: {why}" for p, why in bad)
         state = (

@@ -311,6 +311,26 @@ def _stats(runner: CliRunner, index_dir: Path) -> dict[str, Any]:
     return json.loads(result.stdout)
 
 
+def test_index_never_reads_its_own_folder(runner: CliRunner, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`index . --index-dir idx` (the index inside the tree it indexes): its manifest, SQLite, lock
+    and temp files are neither indexed nor listed as skipped, and a re-run changes nothing; the
+    same for the default `.ragbudget`; the index folder given as a path is refused."""
+    for index_dir in ("idx", ".ragbudget"):
+        monkeypatch.chdir(_notes(tmp_path / index_dir, "corpus", 3, "otter"))
+        args = [".", "--json"] + (["--index-dir", index_dir] if index_dir == "idx" else [])
+        runs = [runner.invoke(cli, ["index", *args, "--embedder", "hash:64"]) for _ in range(3)]
+        assert all(r.exit_code == 0 for r in runs), [r.output for r in runs]
+        first, *again = (json.loads(r.stdout) for r in runs)
+        assert first["files_added"] == 3 and first["skipped"] == []
+        for out in again:  # nothing of the index itself is new, changed or skipped on a re-run
+            assert (out["files_added"], out["files_updated"], out["chunks_embedded"]) == (0, 0, 0)
+            assert out["files_unchanged"] == 3 and out["skipped"] == [] and not out["committed"]
+        listed = runner.invoke(cli, ["sources", "--all", "--json", "--index-dir", index_dir])
+        assert sorted(f["path"] for f in json.loads(listed.stdout)) == [f"corpus/otter{i}.txt" for i in range(3)]
+    inside = runner.invoke(cli, ["index", ".ragbudget", "--embedder", "hash:64"])  # the default folder
+    assert inside.exit_code == 1 and "index's own folder" in inside.output and inside.output.count("\n") == 1
+
+
 def test_index_typo_is_exit_1_and_leaves_the_index_alone(runner: CliRunner, tmp_path: Path) -> None:
     corpus = _notes(tmp_path, "corpus", 5, "otter")
     idx = tmp_path / "idx"
