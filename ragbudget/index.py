@@ -172,7 +172,8 @@ CREATE TABLE IF NOT EXISTS files (
     furniture INTEGER NOT NULL DEFAULT 0,
     n_pages INTEGER,
     warning TEXT,
-    page_labels TEXT
+    page_labels TEXT,
+    needs TEXT
 );
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS sentence_vectors (
@@ -190,8 +191,10 @@ CREATE TABLE IF NOT EXISTS roots (
 );
 """
 # Columns added to ``files`` after its first format: an older index gains them on its next write.
-# page_labels: JSON list naming each page in the format's unit ("slide 3"), or NULL.
-_FILES_ADDED_COLUMNS = (("n_pages", "INTEGER"), ("warning", "TEXT"), ("page_labels", "TEXT"))
+# page_labels: JSON list naming each page in the format's unit ("slide 3"), or NULL. needs: what a
+# file skipped for a missing dependency lacked (LoadError.needs), so a later run retries it once
+# that is installed, even with the file unchanged.
+_FILES_ADDED_COLUMNS = (("n_pages", "INTEGER"), ("warning", "TEXT"), ("page_labels", "TEXT"), ("needs", "TEXT"))
 
 #: The removal guard: without ``allow_removal`` (``--allow-removal``) or ``prune``, a run may
 #: remove at most ``REMOVAL_GUARD_FILES`` indexed files, or more only while they are at most
