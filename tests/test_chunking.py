@@ -369,7 +369,7 @@ def test_chunk_texts_other_tokenizer_uses_threads(monkeypatch: pytest.MonkeyPatc
 def test_a_gnu_manual_pdf_has_no_contents_line_for_a_heading(shared_data: Path) -> None:
     # R-intro.pdf (texinfo, GNU style): its contents pages end with "Appendix F References . . .
     # 107", which used to head 26 of its 150 chunks; "Chapter 7 [Reading data from files], page
-    # 33." (a cross reference starting a line) headed 22 more.
+    # 33." (a cross reference starting a line) headed 31 more.
     from ragbudget.loaders import load_document
 
     doc = load_document(shared_data / "pdf" / "R-intro.pdf")
