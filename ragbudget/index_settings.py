@@ -218,8 +218,8 @@ def _dedup_cost(manifest: Mapping[str, Any], settings: Mapping[str, Any]) -> str
     stricter = old["mode"] == "near" and (
         new["mode"] != "near" or new["threshold"] > old["threshold"] or new["num_perm"] != old["num_perm"]
     )
-    if not stricter:
-        return "no chunk (every text is already in the index: its vector is reused)"
     counts = manifest.get("counts") or {}
     merged = max(0, int(counts.get("sources", 0)) - int(counts.get("chunks", 0)))
+    if not stricter or not merged:
+        return "no chunk (every text is already in the index: its vector is reused)"
     return f"up to {merged} chunk(s) (near duplicates merged so far that would stand alone)"

@@ -20,7 +20,7 @@ message..., named in ``meta["page_labels"]``); any of these gzip-compressed (``n
 ``LoadError.reason`` tags: ``binary``, ``too_large``, ``unreadable`` (permission or I/O error),
 ``empty``, ``encrypted``, ``malformed``, ``unsupported``, ``missing_dependency`` (an optional
 library such as python-docx is not installed; the message names the extra). :class:`Skipped` reasons from :func:`scan`
-add ``missing``, ``hidden``, ``ignored`` (VCS/cache folders), ``excluded`` (include/exclude
+add ``missing``, ``hidden``, ``ignored`` (VCS/cache folders, another index's folder), ``excluded`` (include/exclude
 globs), ``special`` (FIFO, socket, device), ``symlink`` (links not followed), ``symlink_loop``,
 ``outside_root``, ``broken_link`` and ``duplicate`` (a file already reached by another path).
 
@@ -206,6 +206,18 @@ def _matches(rel: str, patterns: Sequence[str]) -> bool:
     return any(fnmatch.fnmatchcase(rel, p) or fnmatch.fnmatchcase(base, p) for p in patterns)
 
 
+# What marks a ragbudget index folder (ragbudget.index's layout): its manifest, its writer's lock
+# and a generation's SQLite file. A folder holding all three is another index (the one being
+# written is left out by ``leave_out``): its files are the index's, never documents.
+_INDEX_MARKS = ("manifest.json", "lock")
+_INDEX_GENERATION = re.compile(r"meta\.\d+\.sqlite")
+
+
+def _is_index_folder(entries: Sequence[os.DirEntry[str]]) -> bool:
+    names = {e.name for e in entries}
+    return all(m in names for m in _INDEX_MARKS) and any(_INDEX_GENERATION.fullmatch(n) for n in names)
+
+
 def _inside(path: str, st: os.stat_result, folders: set[tuple[int, int]]) -> bool:
     """Whether ``path`` (stat ``st``) is one of ``folders`` or lies below one (by device, inode)."""
     if (st.st_dev, st.st_ino) in folders:
@@ -240,7 +252,8 @@ def scan(
     matched (``fnmatch``) on the path relative to the root and on the file name; a file must match
     one ``include`` pattern (when given) and no ``exclude`` pattern. The folders in ``leave_out``
     (an index's own folder, wherever it lies) are walked past without a word: neither read nor
-    listed as skipped, whatever path or link leads to them.
+    listed as skipped, whatever path or link leads to them; any other ragbudget index folder met
+    is skipped as ``ignored``.
 
     >>> scan([]).files
     []
@@ -299,6 +312,9 @@ def scan(
                 entries = sorted(it, key=lambda e: e.name)
         except OSError as exc:
             skip(dir_path, rel_dir or ".", "unreadable", exc.strerror or str(exc))
+            return
+        if _is_index_folder(entries):
+            skip(dir_path, rel_dir or ".", "ignored", "a ragbudget index folder")
             return
         for entry in entries:
             rel = f"{rel_dir}/{entry.name}" if rel_dir else entry.name

@@ -314,7 +314,8 @@ def _stats(runner: CliRunner, index_dir: Path) -> dict[str, Any]:
 def test_index_never_reads_its_own_folder(runner: CliRunner, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`index . --index-dir idx` (the index inside the tree it indexes): its manifest, SQLite, lock
     and temp files are neither indexed nor listed as skipped, and a re-run changes nothing; the
-    same for the default `.ragbudget`; the index folder given as a path is refused."""
+    same for the default `.ragbudget`; the index folder given as a path is refused; another index
+    met in the tree is skipped whole."""
     for index_dir in ("idx", ".ragbudget"):
         monkeypatch.chdir(_notes(tmp_path / index_dir, "corpus", 3, "otter"))
         args = [".", "--json"] + (["--index-dir", index_dir] if index_dir == "idx" else [])
@@ -329,6 +330,13 @@ def test_index_never_reads_its_own_folder(runner: CliRunner, tmp_path: Path, mon
         assert sorted(f["path"] for f in json.loads(listed.stdout)) == [f"corpus/otter{i}.txt" for i in range(3)]
     inside = runner.invoke(cli, ["index", ".ragbudget", "--embedder", "hash:64"])  # the default folder
     assert inside.exit_code == 1 and "index's own folder" in inside.output and inside.output.count("\n") == 1
+    # A second index of a tree reads none of the first one's files either (they are skipped as
+    # another index's folder, like a .ragbudget).
+    monkeypatch.chdir(tmp_path / "idx" / "corpus")
+    other = runner.invoke(cli, ["index", ".", "--json", "--index-dir", "other", "--embedder", "hash:64"])
+    assert other.exit_code == 0, other.output
+    out = json.loads(other.stdout)
+    assert out["files_added"] == 3 and [(s["path"], s["reason"]) for s in out["skipped"]] == [("corpus/idx", "ignored")]
 
 
 def test_index_typo_is_exit_1_and_leaves_the_index_alone(runner: CliRunner, tmp_path: Path) -> None:

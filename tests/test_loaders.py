@@ -199,7 +199,14 @@ def test_scan_walks_past_a_left_out_folder_without_a_word(tmp_path: Path):
     # Given as a root, or a file inside it given as one: nothing either.
     direct = scan([own, own / "notes.md", tmp_path / "a.md"], leave_out=[str(own)])
     assert [f.rel for f in direct.files] == ["a.md"] and direct.skipped == []
-    # Without it, the folder's files are what a scan finds.
+    # Without it, the folder is another index's (manifest, lock, a generation's SQLite file):
+    # skipped whole as "ignored", never read.
+    other = scan(tmp_path)
+    assert [f.rel for f in other.files] == ["a.md"]
+    assert {s.rel: s.reason for s in other.skipped} == {".ragbudget": "ignored", "alias": "ignored", "idx": "duplicate"}
+    assert "a ragbudget index folder" in {s.detail for s in other.skipped}
+    # A folder that merely holds a manifest.json is no index: its files are read.
+    (own / "lock").unlink()
     assert any(f.rel.endswith("/manifest.json") for f in scan(tmp_path).files)
 
 
