@@ -159,8 +159,8 @@ def _tokenizer(given: Any, recorded_name: str, indexed: bool) -> Tokenizer:
     except ModelError:
         raise ConfigError(
             f"the index was chunked with tokenizer {recorded_name!r}, which cannot be loaded by that name; "
-            "pass the same tokenizer (tokenizer=...) to update it, or tokenizer=None with rechunk=True "
-            "to re-chunk it with the default"
+            f"pass the same tokenizer (tokenizer=...) to update it, or tokenizer={DEFAULT_ENCODING!r} with "
+            "rechunk=True to re-chunk it with the default"
         ) from None
 
 

@@ -142,6 +142,9 @@ def test_a_tokenizer_recorded_only_by_name_must_be_passed_again(ix: Index, corpu
     with pytest.raises(ConfigError, match="chunked with tokenizer 'words'.*pass the same tokenizer"):
         ix.build([corpus], embedder=EMB)
     assert not ix.build([corpus], embedder=EMB, tokenizer=words).committed
+    # What the message offers instead works: the default tokenizer, by name, with rechunk.
+    s = ix.build([corpus], embedder=EMB, tokenizer="cl100k_base", rechunk=True)
+    assert s.rebuilt and "tokenizer words -> cl100k_base" in s.rebuild_reason
 
 
 def test_resolve_and_changes_without_an_index() -> None:
