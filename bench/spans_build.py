@@ -110,7 +110,8 @@ def main() -> None:
                 off = Index(tmp / "idx").build([str(root)], embedder=emb, sentence_vectors=False).to_dict()
                 r["switch_off"] = {**{k: off[k] for k in KEYS}, **_sizes(tmp / "idx")}
                 r["switch_off"]["index_bytes_before"] = before["index_bytes"]
-                on = Index(tmp / "idx").build([str(root)], embedder=emb).to_dict()
+                # Turned on by name: a plain run keeps the recorded "off" (index_settings.py).
+                on = Index(tmp / "idx").build([str(root)], embedder=emb, sentence_vectors=True).to_dict()
                 r["switch_on_again"] = {**{k: on[k] for k in KEYS}, **_sizes(tmp / "idx")}
             result["splits"][name] = r
             print(name, json.dumps(r), flush=True)

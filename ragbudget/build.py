@@ -299,6 +299,7 @@ class _Builder:
         self.n_seen = 0  # files and skipped entries the scan found (set by the scan)
         self.counts: dict[str, int] | None = None  # the committed generation's counts
         self.skipped: list[tuple[str, str, str]] = []
+        self.available: dict[str, bool] = {}  # missing dependencies checked in this run
         self.db: sqlite3.Connection | None = None
         self.flat: FlatStore | None = None
         self.tmp_db: Path | None = None
@@ -358,9 +359,9 @@ class _Builder:
                 f"embedder changed: {old['embedder'].get('id')} -> {self.embedder.id}"
                 f" (pooling {old['embedder'].get('pooling')} -> {self.embedder.pooling})"
             )
-        for key in ("chunking", "dedup"):
-            if old.get(key) != self.settings[key]:
-                reasons.append(f"{key} settings changed: {old.get(key)} -> {self.settings[key]}")
+        from .index_settings import changes
+
+        reasons += [f"{section} settings changed: {', '.join(c)}" for section, c in changes(old, self.settings).items()]
         return self.embedder, "; ".join(reasons)
 
     def _open_old(self) -> tuple[Any, Path | None, str]:
@@ -448,18 +449,22 @@ class _Builder:
 
         # -- 0. roots: what the index held before, and which part of it this run may remove.
         rebuilding = bool(reason)
+        # (size, mtime_ns, sha256, status, reason, detail, needs) by path; a rebuild reads the old
+        # generation, which may predate the needs column (and re-reads every file anyway).
         if rebuilding and old_db_path is not None:
             with contextlib.closing(sqlite3.connect(f"file:{old_db_path}?mode=ro&immutable=1", uri=True)) as odb:
                 before_roots = _read_roots(odb)
                 before = {
                     r[0]: r[1:]
-                    for r in odb.execute("SELECT path, size, mtime_ns, sha256, status, reason, detail FROM files")
+                    for r in odb.execute("SELECT path, size, mtime_ns, sha256, status, reason, detail, NULL FROM files")
                 }
         else:
             before_roots = _read_roots(self.db)
             before = {
                 r[0]: r[1:]
-                for r in self.db.execute("SELECT path, size, mtime_ns, sha256, status, reason, detail FROM files")
+                for r in self.db.execute(
+                    "SELECT path, size, mtime_ns, sha256, status, reason, detail, needs FROM files"
+                )
             }
         legacy = [p for p in before if not os.path.isabs(p)]
         if legacy:
@@ -510,7 +515,8 @@ class _Builder:
 
         # -- 1. what changed: one stat per file, content sha256 only when the stat differs.
         scan_opts: dict[str, Any] = {"max_bytes": self.max_bytes} if self.max_bytes else {}
-        found = scan(scan_paths, include=self.include, exclude=self.exclude, **scan_opts)
+        # The index never reads its own folder (manifest, SQLite, lock, temp files), wherever it is.
+        found = scan(scan_paths, include=self.include, exclude=self.exclude, leave_out=[self.dir], **scan_opts)
         shielded += [
             _Root(_canon(str(s.path)), "", "dir") for s in found.skipped if s.reason in ("unreadable", "missing")
         ]
@@ -530,10 +536,17 @@ class _Builder:
                 self.changed = True
         todo: list[tuple[str, int, int, str | None]] = []
         digest: str | None
+        retried = 0
         for f in found.files:
             path = str(f.path)
             seen.add(path)
             prev = known.get(path)
+            if prev is not None and prev[3] == "skipped" and prev[4] == "missing_dependency" and self._back(prev[6]):
+                # Skipped for want of a library or program that is installed now: read it again,
+                # even unchanged (its size, mtime and hash say nothing about the dependency).
+                todo.append((path, f.size, f.mtime_ns, None))
+                retried += 1
+                continue
             if prev is not None and prev[0] == f.size and prev[1] == f.mtime_ns:
                 self._unchanged(path, prev)
                 continue
@@ -552,6 +565,8 @@ class _Builder:
                 todo.append((path, f.size, f.mtime_ns, digest))
             else:
                 todo.append((path, f.size, f.mtime_ns, None))
+        if retried:
+            log.info("retrying %d file(s) skipped for a missing dependency that is installed now", retried)
         found_paths = {str(f.path) for f in found.files}
         leaving = sorted(p for p in self.old_indexed if p not in found_paths and in_scope(p))
         self._guard_removal(leaving)
@@ -647,6 +662,17 @@ class _Builder:
             "folder is the right one and is mounted"
         )
 
+    def _back(self, needs: str | None) -> bool:
+        """Whether the dependency a skipped file lacked is there now (checked once a run). A skip
+        recorded before ``needs`` was (``None``) is retried once, and records it then."""
+        if needs is None:
+            return True
+        if needs not in self.available:
+            from .formats import available
+
+            self.available[needs] = available(needs)
+        return self.available[needs]
+
     def _unchanged(self, path: str, prev: tuple[Any, ...]) -> None:
         if prev[3] == "indexed":
             self.stats["files_unchanged"] += 1
@@ -668,15 +694,16 @@ class _Builder:
         """Load one file (and hash it when not hashed yet), or record why it was skipped."""
         from .loaders import load_document
 
+        needs = None
         try:
             if digest is None:
                 digest = _sha256_file(Path(path))
             return load_document(path, clean=self.clean), digest
         except LoadError as exc:
-            reason, detail = exc.reason, str(exc)
+            reason, detail, needs = exc.reason, str(exc), exc.needs
         except OSError as exc:
             reason, detail = "unreadable", str(exc)
-        self._record_file(path, size, mtime_ns, digest, "skipped", reason, detail)
+        self._record_file(path, size, mtime_ns, digest, "skipped", reason, detail, needs=needs)
         self.skipped.append((path, reason, detail))
         return None, digest
 
@@ -741,12 +768,28 @@ class _Builder:
         pages: int | None = None,
         warning: str | None = None,
         page_labels: str | None = None,
+        *,
+        needs: str | None = None,
     ) -> None:
         assert self.db is not None
         self.db.execute(
             "INSERT OR REPLACE INTO files (path, size, mtime_ns, sha256, status, reason, detail, "
-            "n_chunks, furniture, n_pages, warning, page_labels) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
-            (path, size, mtime_ns, digest, status, reason, detail, n_chunks, furniture, pages, warning, page_labels),
+            "n_chunks, furniture, n_pages, warning, page_labels, needs) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+            (
+                path,
+                size,
+                mtime_ns,
+                digest,
+                status,
+                reason,
+                detail,
+                n_chunks,
+                furniture,
+                pages,
+                warning,
+                page_labels,
+                needs,
+            ),
         )
 
     def _dedup(self) -> Any:
@@ -1091,6 +1134,7 @@ class _Builder:
             "pooling": spec.get("pooling"),
             "chunking": self.settings["chunking"],
             "dedup": self.settings["dedup"],
+            "cleaning": self.settings["cleaning"],
             "dedup_signature_dtype": self.sig_dtype,
             "faiss": {**flat_entry, "file": fpath.name, "bytes": fpath.stat().st_size, "sha256": _sha256_file(fpath)},
             "approx": approx_entry,

@@ -97,6 +97,15 @@ _CHAPTER_HEAD = re.compile(
     r"[ \t]{0,4}((?:Chapter|CHAPTER|Appendix|APPENDIX|Part|PART)[ \t]+[0-9IVXLA-Z]{1,6}\b[^\n]{0,90})(?=\n|\Z)"
 )
 _CAPS_HEAD = re.compile(r"([A-Z][A-Z0-9 /&(),'-]{2,40})[ \t]*(?=\n(?:[ \t]+\S|[ \t]*\n))")
+# A table-of-contents entry ("Appendix A GNU Free Documentation License . . 76", "1.2 Scope .... 5",
+# "Preface ··· iii"): a dot leader (two or more dots, ellipses or middle dots, spaced or not) then
+# a page number, arabic or roman, at the end of the line. It names a section that starts pages
+# later, so taken for a heading it would label every chunk after the contents with the last
+# entry. Never a heading, whatever pattern matched it; nor is a line holding a texinfo cross
+# reference ("Chapter 7 [Reading data from files], page 33.": a sentence wrapped so that it starts
+# like a chapter heading).
+_TOC_ENTRY = re.compile(r"(?:[.…·][ \t]*){2,}(?:\d{1,4}|[ivxlcdm]{1,7}|[IVXLCDM]{1,7})[ \t]*$")
+_NOT_A_HEADING = re.compile(rf"{_TOC_ENTRY.pattern}|\[[^\]\n]+\], pages? \d")
 
 
 @dataclass(frozen=True)
@@ -354,7 +363,7 @@ class _Chunker:
                     m = rx.match(text, start)
                     if m:
                         found[start] = _Heading(start, 1, m.group(1).strip())
-        return [found[k] for k in sorted(found)]
+        return [found[k] for k in sorted(found) if not _NOT_A_HEADING.search(found[k].title)]
 
     def _candidates(self, headings: list[_Heading]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """All structural cut points: (left end, next start, level), sorted by left end."""

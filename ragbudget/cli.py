@@ -71,17 +71,33 @@ def cli(verbose: int) -> None:
 @click.option("--include", multiple=True, help="Glob of files to include (repeatable).")
 @click.option("--exclude", multiple=True, help="Glob of files to exclude (repeatable).")
 @click.option("--max-file-mb", default=50.0, show_default=True, type=float, help="Skip files larger than this.")
-@click.option("--min-tokens", default=300, show_default=True, type=click.IntRange(min=1))
-@click.option("--max-tokens", default=500, show_default=True, type=click.IntRange(min=1))
+@click.option(
+    "--min-tokens",
+    default=None,
+    type=click.IntRange(min=1),
+    help=f"Smallest chunk, in tokens. Default: what the index records, else {ChunkSettings.min_tokens}.",
+)
+@click.option(
+    "--max-tokens",
+    default=None,
+    type=click.IntRange(min=1),
+    help=f"Largest chunk, in tokens. Default: what the index records, else {ChunkSettings.max_tokens}.",
+)
 @click.option(
     "--sentence-vectors/--no-sentence-vectors",
-    default=True,
-    show_default=True,
+    default=None,
     help="Store every chunk's sentence vectors, so span packing embeds no sentence per question (about doubles the "
     "index on disk). --no-sentence-vectors leaves them out (and drops them from this index): span packing then "
-    "embeds the pool's sentences at question time; --pack chunks never needs them.",
+    "embeds the pool's sentences at question time; --pack chunks never needs them. Default: what the index "
+    "records, else stored.",
 )
 @click.option("--rebuild", is_flag=True, help="Re-read and re-embed every indexed root (and PATHS) from scratch.")
+@click.option(
+    "--rechunk",
+    is_flag=True,
+    help="Apply chunking or dedup options that differ from the ones the index records (re-chunks every file, "
+    "re-embeds the chunks whose text changes). Without it such a run is refused and changes nothing.",
+)
 @click.option(
     "--prune",
     is_flag=True,
@@ -104,9 +120,8 @@ def cli(verbose: int) -> None:
 @click.option(
     "--dedup",
     type=click.Choice(DEDUP_MODES),
-    default="near",
-    show_default=True,
-    help="Duplicate chunk removal.",
+    default=None,
+    help=f"Duplicate chunk removal. Default: what the index records, else {DedupSettings.mode}.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @click.option("--ipynb-outputs", is_flag=True, help="Also index the text outputs of notebook code cells.")
@@ -149,15 +164,16 @@ def index(
     include: tuple[str, ...],
     exclude: tuple[str, ...],
     max_file_mb: float,
-    min_tokens: int,
-    max_tokens: int,
-    sentence_vectors: bool,
+    min_tokens: int | None,
+    max_tokens: int | None,
+    sentence_vectors: bool | None,
     rebuild: bool,
+    rechunk: bool,
     prune: bool,
     allow_removal: bool,
     store: str,
     approx: str | None,
-    dedup: str,
+    dedup: str | None,
     as_json: bool,
     ipynb_outputs: bool = False,
     json_fields: str = "",
@@ -169,8 +185,10 @@ def index(
     """Add files and folders to the index, or update them (unchanged files cost one stat).
 
     Files indexed from other paths stay; a file that vanished from under PATHS is removed.
-    A PATH that does not exist is an error and changes nothing. Changing --ipynb-outputs,
-    --json-fields or --ocr re-reads only changed files: add --rebuild to apply them to all.
+    A PATH that does not exist is an error and changes nothing. Chunking and dedup options left
+    out keep what the index records; one that changes them is refused unless --rechunk is given.
+    Changing --ipynb-outputs, --json-fields or --ocr re-reads only changed files: add --rebuild
+    to apply them to all.
 
     --executor ray embeds on a Ray cluster (Ray Data over an actor pool); the index it writes is
     the one --executor local writes."""
@@ -202,12 +220,16 @@ def index(
             include=list(include) or None,
             exclude=list(exclude) or None,
             max_bytes=int(max_file_mb * 1024 * 1024),
-            chunking=ChunkSettings(min_tokens=min_tokens, max_tokens=max_tokens, sentence_vectors=sentence_vectors),
+            # Unset options are None: the index keeps what it records (index_settings.py).
+            min_tokens=min_tokens,
+            max_tokens=max_tokens,
+            sentence_vectors=sentence_vectors,
             rebuild=rebuild,
+            rechunk=rechunk,
             prune=prune,
             allow_removal=allow_removal,
             store=approx or store,
-            dedup=DedupSettings(mode=dedup),
+            dedup=dedup,
             progress=progress,
             executor=run_on,
         )

@@ -84,12 +84,15 @@ class ArgumentTypeError(ConfigError, TypeError):
 
 
 class LoadError(RagBudgetError):
-    """A document could not be loaded. ``reason`` is a short machine-friendly tag."""
+    """A document could not be loaded. ``reason`` is a short machine-friendly tag; for
+    ``missing_dependency``, ``needs`` names what was missing: a module to import (``"docx"``) or
+    ``"program:<name>"`` for a program on ``PATH``, so an index can retry the file once it is there."""
 
-    def __init__(self, message: str, *, path: str = "", reason: str = "unreadable") -> None:
+    def __init__(self, message: str, *, path: str = "", reason: str = "unreadable", needs: str | None = None) -> None:
         super().__init__(message)
         self.path = path
         self.reason = reason
+        self.needs = needs
 
 
 class ModelError(RagBudgetError):

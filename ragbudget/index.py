@@ -46,8 +46,10 @@ it.
 **Incremental runs.** Files whose size and mtime_ns match the files table are not opened; if they
 differ, the content sha256 decides. A changed file replaces only its own sources; chunks whose text
 (content hash) is already in the index are never re-embedded; chunks left without any source are
-dropped. Changed embedder, chunking or dedup settings trigger a full rebuild (vectors are still reused
-by content hash when only chunking/dedup changed).
+dropped. Changed embedder, chunking, dedup or cleaning settings trigger a full rebuild (vectors are
+still reused by content hash when only those settings changed); a run not given a setting keeps the
+recorded one, and one changing chunking, dedup or cleaning needs ``rechunk=True``
+(:mod:`ragbudget.index_settings`).
 
 **Hybrid search.** ``search(..., hybrid=True)`` fuses the dense FAISS candidates with BM25 candidates
 from the FTS5 table (normalized score fusion by default, or reciprocal rank fusion). An index built
@@ -170,7 +172,8 @@ CREATE TABLE IF NOT EXISTS files (
     furniture INTEGER NOT NULL DEFAULT 0,
     n_pages INTEGER,
     warning TEXT,
-    page_labels TEXT
+    page_labels TEXT,
+    needs TEXT
 );
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS sentence_vectors (
@@ -188,8 +191,10 @@ CREATE TABLE IF NOT EXISTS roots (
 );
 """
 # Columns added to ``files`` after its first format: an older index gains them on its next write.
-# page_labels: JSON list naming each page in the format's unit ("slide 3"), or NULL.
-_FILES_ADDED_COLUMNS = (("n_pages", "INTEGER"), ("warning", "TEXT"), ("page_labels", "TEXT"))
+# page_labels: JSON list naming each page in the format's unit ("slide 3"), or NULL. needs: what a
+# file skipped for a missing dependency lacked (LoadError.needs), so a later run retries it once
+# that is installed, even with the file unchanged.
+_FILES_ADDED_COLUMNS = (("n_pages", "INTEGER"), ("warning", "TEXT"), ("page_labels", "TEXT"), ("needs", "TEXT"))
 
 #: The removal guard: without ``allow_removal`` (``--allow-removal``) or ``prune``, a run may
 #: remove at most ``REMOVAL_GUARD_FILES`` indexed files, or more only while they are at most
@@ -345,10 +350,11 @@ def _read_roots(db: sqlite3.Connection) -> list[_Root]:
 
 def _check_roots(paths: Sequence[str], index_dir: Path) -> list[tuple[str, str]]:
     """``(resolved path, kind)`` of every path given to index; raises :class:`InputPathError`
-    naming each one that is missing, unreadable, or not a file or folder (before anything is
-    written)."""
+    naming each one that is missing, unreadable, not a file or folder, or the index's own folder
+    (or inside it) (before anything is written)."""
     good: list[tuple[str, str]] = []
     bad: list[tuple[str, str]] = []
+    own = os.path.realpath(index_dir)
     for p in paths:
         try:
             st = os.stat(p)
@@ -368,7 +374,17 @@ def _check_roots(paths: Sequence[str], index_dir: Path) -> list[tuple[str, str]]
         if not os.access(p, mode):
             bad.append((p, "permission denied"))
             continue
-        good.append((os.path.realpath(p), kind))
+        real = os.path.realpath(p)
+        if _under(real, own):
+            bad.append(
+                (
+                    p,
+                    "it is the index's own folder or inside it (an index never reads its own "
+                    "files; use another --index-dir)",
+                )
+            )
+            continue
+        good.append((real, kind))
     if bad:
         what = "; ".join(f"{p!r}: {why}" for p, why in bad)
         state = (
@@ -1011,6 +1027,7 @@ class Index:
             "pooling": m["embedder"].get("pooling"),
             "chunking": m.get("chunking"),
             "dedup": m.get("dedup"),
+            "cleaning": m.get("cleaning"),
             "approx": (m.get("approx") or {}).get("kind"),
             "store": (m.get("store") or {}).get("kind") or (m.get("approx") or {}).get("kind", "flat"),
             "store_requested": (m.get("store") or {}).get("requested"),
@@ -1136,10 +1153,11 @@ class Index:
         include: Sequence[str] | None = None,
         exclude: Sequence[str] | None = None,
         max_bytes: int | None = None,
-        clean: bool = True,
+        clean: bool | None = None,
         approx: str | None = None,
         store: str = "auto",
         rebuild: bool = False,
+        rechunk: bool = False,
         prune: bool = False,
         allow_removal: bool = False,
         batch_files: int = 16,
@@ -1166,7 +1184,18 @@ class Index:
         default; turning it off drops them from the index, turning it on again embeds them for
         every chunk, with no file changed). ``dedup``
         is ``"near"`` (content hash + MinHash at ``near_threshold``), ``"exact"`` or ``"none"``,
-        or a :class:`~ragbudget.settings.DedupSettings` holding all three. ``store`` picks the vector store
+        or a :class:`~ragbudget.settings.DedupSettings` holding all three. ``clean`` strips page
+        furniture and corpus boilerplate (on by default).
+
+        **Recorded settings.** The index records its chunking (with ``tokenizer``), dedup and
+        cleaning settings and whether it stores sentence vectors; a setting left out (``None``)
+        is the recorded one, so a plain update keeps how the index was built. A given chunking,
+        dedup or cleaning setting that differs from the record re-chunks every file, so it raises
+        :class:`~ragbudget.errors.IndexMismatchError` (naming each change, old -> new, and the
+        chunks it would re-embed) and changes nothing, unless ``rechunk=True`` (or
+        ``rebuild=True``) says it is meant (:mod:`ragbudget.index_settings`).
+
+        ``store`` picks the vector store
         that answers searches (:mod:`ragbudget.vectors`): ``"auto"`` (exact while the vectors are
         small enough to scan within the latency target, then HNSW, then IVF-PQ; see
         :func:`~ragbudget.vectors.choose_store`), ``"flat"``, ``"hnsw"``, ``"ivf"`` (IVF-PQ with
@@ -1178,7 +1207,7 @@ class Index:
         ``RayExecutor(address=..., workers=...)``; the index it writes is the same (vectors equal
         within float rounding). ``approx="hnsw"`` is the older spelling of
         ``store="hnsw"``. Settings that change the vectors or the chunks (embedder,
-        chunking, dedup) trigger a full rebuild, reported in ``rebuild_reason``.
+        chunking, dedup, cleaning) trigger a full rebuild, reported in ``rebuild_reason``.
         Files stream through in batches of ``batch_files``; chunks are embedded ``embed_batch`` at a
         time, so memory grows with the batch, not the corpus — except for what every chunk keeps in
         memory during a build: its vector (4·dim bytes, 1.5 KB for MiniLM) and, with
@@ -1186,22 +1215,23 @@ class Index:
         """
         if isinstance(paths, (str, os.PathLike)):
             paths = [paths]
-        sizes = from_keywords(
-            ChunkSettings,
-            chunking,
-            "chunking",
-            {
-                "min_tokens": min_tokens,
-                "max_tokens": max_tokens,
-                "overlap": overlap,
-                "sentence_vectors": sentence_vectors,
-            },
-        )
-        near = {"near_threshold": near_threshold, "num_perm": num_perm}
-        if isinstance(dedup, DedupSettings):
-            dups = from_keywords(DedupSettings, dedup, "dedup", near)
-        else:  # dedup="near" and its keywords: sugar for the record
-            dups = from_keywords(DedupSettings, None, "dedup", {"mode": dedup, **near})
+        wanted: dict[str, Any] = {
+            "chunking": chunking,
+            "min_tokens": min_tokens,
+            "max_tokens": max_tokens,
+            "overlap": overlap,
+            "sentence_vectors": sentence_vectors,
+            "tokenizer": tokenizer,
+            "dedup": dedup,
+            "near_threshold": near_threshold,
+            "num_perm": num_perm,
+            "clean": clean,
+        }
+        from .index_settings import check_changes, resolve
+
+        # Checked against the record before anything is written (a bad value creates no folder),
+        # and again under the lock below, where it counts: another writer may commit in between.
+        resolve(self._recorded_manifest(), **wanted)
         if approx not in (None, "hnsw"):
             raise ConfigError(f"approx must be None or 'hnsw', got {approx!r}")
         if approx is not None:
@@ -1213,30 +1243,14 @@ class Index:
         from .executors import make_executor
 
         run_on = make_executor(executor)
-        from .tokens import get_tokenizer
-
-        tok = get_tokenizer(tokenizer)
-        settings = {
-            "chunking": {
-                "min_tokens": sizes.min_tokens,
-                "max_tokens": sizes.max_tokens,
-                "overlap": sizes.overlap,
-                "tokenizer": tok.name,
-            },
-            "dedup": {
-                "mode": dups.mode,
-                "threshold": dups.near_threshold if dups.mode == "near" else None,
-                "num_perm": dups.num_perm if dups.mode == "near" else None,
-            },
-            # Not part of "chunking" above: a change there rebuilds, this one only adds or drops
-            # the sentence vectors (build.py).
-            "sentences": sizes.sentence_vectors,
-        }
         given = [os.fspath(p) for p in paths]
         roots = _check_roots(given, self.path)  # before the folder or the lock file is created
         self.path.mkdir(parents=True, exist_ok=True)
         with _Lock(self.path):
             self.close()
+            recorded = self._recorded_manifest()
+            settings, tok = resolve(recorded, **wanted)
+            check_changes(recorded, settings, allowed=rechunk or rebuild)
             from .build import _Builder
 
             builder = _Builder(
@@ -1248,7 +1262,7 @@ class Index:
                 include=include,
                 exclude=exclude,
                 max_bytes=max_bytes,
-                clean=clean,
+                clean=settings["cleaning"]["clean"],
                 store=store,
                 rebuild=rebuild,
                 batch_files=max(1, batch_files),
@@ -1266,6 +1280,14 @@ class Index:
                 self.close()
 
     update = build
+
+    def _recorded_manifest(self) -> dict[str, Any] | None:
+        """The manifest whose settings a writing run keeps: ``None`` for no index, or for one
+        whose manifest is unreadable (the run rebuilds it: there is nothing to keep)."""
+        try:
+            return dict(Index(self.path)._read_manifest())
+        except (IndexNotFoundError, IndexCorruptError):
+            return None
 
 
 def _stores_sentences(m: dict[str, Any]) -> bool:

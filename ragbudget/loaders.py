@@ -20,7 +20,7 @@ message..., named in ``meta["page_labels"]``); any of these gzip-compressed (``n
 ``LoadError.reason`` tags: ``binary``, ``too_large``, ``unreadable`` (permission or I/O error),
 ``empty``, ``encrypted``, ``malformed``, ``unsupported``, ``missing_dependency`` (an optional
 library such as python-docx is not installed; the message names the extra). :class:`Skipped` reasons from :func:`scan`
-add ``missing``, ``hidden``, ``ignored`` (VCS/cache folders), ``excluded`` (include/exclude
+add ``missing``, ``hidden``, ``ignored`` (VCS/cache folders, another index's folder), ``excluded`` (include/exclude
 globs), ``special`` (FIFO, socket, device), ``symlink`` (links not followed), ``symlink_loop``,
 ``outside_root``, ``broken_link`` and ``duplicate`` (a file already reached by another path).
 
@@ -206,6 +206,34 @@ def _matches(rel: str, patterns: Sequence[str]) -> bool:
     return any(fnmatch.fnmatchcase(rel, p) or fnmatch.fnmatchcase(base, p) for p in patterns)
 
 
+# What marks a ragbudget index folder (ragbudget.index's layout): its manifest, its writer's lock
+# and a generation's SQLite file. A folder holding all three is another index (the one being
+# written is left out by ``leave_out``): its files are the index's, never documents.
+_INDEX_MARKS = ("manifest.json", "lock")
+_INDEX_GENERATION = re.compile(r"meta\.\d+\.sqlite")
+
+
+def _is_index_folder(entries: Sequence[os.DirEntry[str]]) -> bool:
+    names = {e.name for e in entries}
+    return all(m in names for m in _INDEX_MARKS) and any(_INDEX_GENERATION.fullmatch(n) for n in names)
+
+
+def _inside(path: str, st: os.stat_result, folders: set[tuple[int, int]]) -> bool:
+    """Whether ``path`` (stat ``st``) is one of ``folders`` or lies below one (by device, inode)."""
+    if (st.st_dev, st.st_ino) in folders:
+        return True
+    parent = os.path.realpath(path)
+    while True:
+        up = os.path.dirname(parent)
+        if up == parent:
+            return False
+        parent = up
+        with contextlib.suppress(OSError):
+            pst = os.stat(parent)
+            if (pst.st_dev, pst.st_ino) in folders:
+                return True
+
+
 def scan(
     paths: str | os.PathLike[str] | Iterable[str | os.PathLike[str]],
     *,
@@ -213,6 +241,7 @@ def scan(
     exclude: Sequence[str] | None = None,
     max_bytes: int = DEFAULT_MAX_BYTES,
     follow_symlinks: bool = True,
+    leave_out: Iterable[str | os.PathLike[str]] = (),
 ) -> ScanResult:
     """Walk files and folders; list loadable files and everything skipped, with reasons.
 
@@ -221,7 +250,10 @@ def scan(
     stay inside the scanned root and do not loop. Nothing is opened: FIFOs, sockets and devices
     are recognised by ``stat`` and skipped as ``special``. ``include``/``exclude`` are glob lists
     matched (``fnmatch``) on the path relative to the root and on the file name; a file must match
-    one ``include`` pattern (when given) and no ``exclude`` pattern.
+    one ``include`` pattern (when given) and no ``exclude`` pattern. The folders in ``leave_out``
+    (an index's own folder, wherever it lies) are walked past without a word: neither read nor
+    listed as skipped, whatever path or link leads to them; any other ragbudget index folder met
+    is skipped as ``ignored``.
 
     >>> scan([]).files
     []
@@ -233,6 +265,22 @@ def scan(
     files: list[FileInfo] = []
     skipped: list[Skipped] = []
     seen_files: set[str] = set()
+    # Folders are told apart by (device, inode): no spelling of the path, relative or through a
+    # link, reaches them. One stat per folder met, none per file.
+    own: set[tuple[int, int]] = set()
+    for folder in leave_out:
+        with contextlib.suppress(OSError):
+            st = os.stat(folder)
+            own.add((st.st_dev, st.st_ino))
+
+    def left_out(entry: os.DirEntry[str]) -> bool:
+        try:
+            if not entry.is_dir():
+                return False
+            st = entry.stat()
+        except OSError:
+            return False
+        return (st.st_dev, st.st_ino) in own
 
     def skip(path: str, rel: str, reason: str, detail: str = "") -> None:
         skipped.append(Skipped(path=path, reason=reason, detail=detail, rel=rel))
@@ -265,9 +313,14 @@ def scan(
         except OSError as exc:
             skip(dir_path, rel_dir or ".", "unreadable", exc.strerror or str(exc))
             return
+        if _is_index_folder(entries):
+            skip(dir_path, rel_dir or ".", "ignored", "a ragbudget index folder")
+            return
         for entry in entries:
             rel = f"{rel_dir}/{entry.name}" if rel_dir else entry.name
             path = os.path.join(dir_path, entry.name)
+            if own and left_out(entry):
+                continue
             if entry.name in IGNORED_DIRS:
                 skip(path, rel, "ignored", "VCS or cache folder")
                 continue
@@ -325,6 +378,8 @@ def scan(
         except OSError as exc:
             reason = "symlink_loop" if exc.errno == errno.ELOOP else "missing"
             skip(root, os.path.basename(root), reason, exc.strerror or str(exc))
+            continue
+        if own and _inside(root, st, own):
             continue
         if stat.S_ISDIR(st.st_mode):
             real_root = os.path.realpath(root)

@@ -571,7 +571,8 @@ class Pipeline:
     def index(self, paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], **options: Any) -> IndexSummary:
         """Index files and folders into ``index_dir`` (incremental). ``options`` go to
         :meth:`ragbudget.index.Index.build` (``include``, ``exclude``, ``max_bytes``,
-        ``min_tokens``, ``max_tokens``, ``rebuild``, ``progress``, …)."""
+        ``min_tokens``, ``max_tokens``, ``rebuild``, ``rechunk``, ``progress``, …); settings left
+        out keep what the index records."""
         from .index import Index
 
         with self._lock:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from unittest import mock
 
@@ -212,6 +213,35 @@ def test_rst_and_numbered_headings() -> None:
     assert ("2. Decision-making bodies",) in heads
 
 
+def test_table_of_contents_lines_are_never_headings() -> None:
+    # A texinfo-style contents page (dot leaders, page numbers), then the body: the last entry
+    # must not become the heading of every chunk that follows it.
+    toc = "\n".join(
+        [
+            "Table of Contents",
+            "",
+            "Preface . . . . . . . . . . . . . . . . . . . . . . . . . . 1",
+            "1 Introduction and preliminaries . . . . . . . . . . . . . 2",
+            "",
+            "1.1 The R environment. . . . . . . . . . . . . . . . . . . . 2",
+            "",
+            "Appendix A GNU Free Documentation License . . 76",
+            "Appendix B Concept index..........................  80",
+            "Index \u2026\u2026\u2026 ix",
+            "",
+        ]
+    )
+    body = "The environment evaluates each expression as it is typed. " * 20
+    # A cross reference wrapped to the start of a line reads like a chapter heading too.
+    xref = body + "See\nChapter 7 [Reading data from files], page 33.\n\n"
+    text = toc + "\n" + "\n\n".join([body, xref, "Chapter 2 Simple manipulations", body, body])
+    chunks = chunk_text(text, min_tokens=40, max_tokens=150)
+    heads = {h for c in chunks for h in c.headings}
+    assert "Chapter 2 Simple manipulations" in heads  # a real chapter heading still counts
+    assert not [h for h in heads if "." * 2 in h.replace(" ", "") or "\u2026" in h or "Appendix" in h], heads
+    assert all(c.headings == () for c in chunks if c.start < text.index("Chapter 2"))
+
+
 def test_long_sentence_splits_at_words_and_giant_word_at_tokens() -> None:
     sentence = " ".join(["antidisestablishmentarianism"] * 200)
     chunks = chunk_text(sentence, min_tokens=20, max_tokens=50)
@@ -333,6 +363,21 @@ def test_chunk_texts_other_tokenizer_uses_threads(monkeypatch: pytest.MonkeyPatc
     texts = ["word " * 300, "more words here " * 100]
     one = [chunk_text(t, min_tokens=20, max_tokens=60, tokenizer=tok) for t in texts]
     assert chunk_texts(texts, min_tokens=20, max_tokens=60, tokenizer=tok, workers=2) == one
+
+
+@pytest.mark.shared_data
+def test_a_gnu_manual_pdf_has_no_contents_line_for_a_heading(shared_data: Path) -> None:
+    # R-intro.pdf (texinfo, GNU style): its contents pages end with "Appendix F References . . .
+    # 107", which used to head 26 of its 150 chunks; "Chapter 7 [Reading data from files], page
+    # 33." (a cross reference starting a line) headed 31 more.
+    from ragbudget.loaders import load_document
+
+    doc = load_document(shared_data / "pdf" / "R-intro.pdf")
+    chunks = chunk_document(doc)
+    heads = [h for c in chunks for h in c.headings]
+    leaders = [h for h in heads if re.search(r"(\.\s*){2,}\d+\s*$", h) or "], page" in h]
+    assert not leaders, sorted(set(leaders))
+    assert "Appendix B Invoking R" in heads  # the appendix itself, where it starts, still heads it
 
 
 @pytest.mark.shared_data

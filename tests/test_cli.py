@@ -260,7 +260,8 @@ def test_search_retrieval_options(runner: CliRunner, tmp_path: Path) -> None:
 
 def test_index_no_sentence_vectors(runner: CliRunner, tmp_path: Path) -> None:
     """`--no-sentence-vectors` leaves every chunk's sentence vectors out (and drops them from an
-    index that has them); the default stores them, also for chunks indexed while it was off."""
+    index that has them); a plain run keeps what the index records; `--sentence-vectors` stores
+    them again, also for chunks indexed while they were off."""
     from ragbudget.index import Index
 
     docs = tmp_path / "docs"
@@ -277,7 +278,10 @@ def test_index_no_sentence_vectors(runner: CliRunner, tmp_path: Path) -> None:
     off = runner.invoke(cli, [*base, "--no-sentence-vectors"])
     assert off.exit_code == 0, off.output
     assert json.loads(off.stdout)["sentences_embedded"] == 0 and stored() == (False, 0)
-    on = runner.invoke(cli, base)  # the default: stored, for every chunk, with no file changed
+    kept = runner.invoke(cli, base)  # not told otherwise: the index keeps them out
+    assert kept.exit_code == 0, kept.output
+    assert json.loads(kept.stdout)["sentences_embedded"] == 0 and stored() == (False, 0)
+    on = runner.invoke(cli, [*base, "--sentence-vectors"])  # stored, for every chunk, no file changed
     assert on.exit_code == 0, on.output
     chunks = int(Index.open(index_dir).stats()["chunks"])
     assert json.loads(on.stdout)["sentences_embedded"] > 0 and stored() == (True, chunks) and chunks > 0
@@ -305,6 +309,34 @@ def _stats(runner: CliRunner, index_dir: Path) -> dict[str, Any]:
     result = runner.invoke(cli, ["stats", "--index-dir", str(index_dir), "--json"])
     assert result.exit_code == 0, result.output
     return json.loads(result.stdout)
+
+
+def test_index_never_reads_its_own_folder(runner: CliRunner, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`index . --index-dir idx` (the index inside the tree it indexes): its manifest, SQLite, lock
+    and temp files are neither indexed nor listed as skipped, and a re-run changes nothing; the
+    same for the default `.ragbudget`; the index folder given as a path is refused; another index
+    met in the tree is skipped whole."""
+    for index_dir in ("idx", ".ragbudget"):
+        monkeypatch.chdir(_notes(tmp_path / index_dir, "corpus", 3, "otter"))
+        args = [".", "--json"] + (["--index-dir", index_dir] if index_dir == "idx" else [])
+        runs = [runner.invoke(cli, ["index", *args, "--embedder", "hash:64"]) for _ in range(3)]
+        assert all(r.exit_code == 0 for r in runs), [r.output for r in runs]
+        first, *again = (json.loads(r.stdout) for r in runs)
+        assert first["files_added"] == 3 and first["skipped"] == []
+        for out in again:  # nothing of the index itself is new, changed or skipped on a re-run
+            assert (out["files_added"], out["files_updated"], out["chunks_embedded"]) == (0, 0, 0)
+            assert out["files_unchanged"] == 3 and out["skipped"] == [] and not out["committed"]
+        listed = runner.invoke(cli, ["sources", "--all", "--json", "--index-dir", index_dir])
+        assert sorted(f["path"] for f in json.loads(listed.stdout)) == [f"corpus/otter{i}.txt" for i in range(3)]
+    inside = runner.invoke(cli, ["index", ".ragbudget", "--embedder", "hash:64"])  # the default folder
+    assert inside.exit_code == 1 and "index's own folder" in inside.output and inside.output.count("\n") == 1
+    # A second index of a tree reads none of the first one's files either (they are skipped as
+    # another index's folder, like a .ragbudget).
+    monkeypatch.chdir(tmp_path / "idx" / "corpus")
+    other = runner.invoke(cli, ["index", ".", "--json", "--index-dir", "other", "--embedder", "hash:64"])
+    assert other.exit_code == 0, other.output
+    out = json.loads(other.stdout)
+    assert out["files_added"] == 3 and [(s["path"], s["reason"]) for s in out["skipped"]] == [("corpus/idx", "ignored")]
 
 
 def test_index_typo_is_exit_1_and_leaves_the_index_alone(runner: CliRunner, tmp_path: Path) -> None:

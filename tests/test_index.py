@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -222,14 +223,14 @@ def test_near_duplicates_attach_as_sources(ix: Index, tmp_path: Path) -> None:
     s = build(ix, corpus, min_tokens=5, max_tokens=200)
     assert s.near_duplicates == 1 and s.chunks_total == 1
     assert len(Index.open(ix.path).get_chunks([1])[0].sources) == 2
-    s = build(ix, corpus, min_tokens=5, max_tokens=200, dedup="exact")
+    s = build(ix, corpus, min_tokens=5, max_tokens=200, dedup="exact", rechunk=True)
     assert s.rebuilt and "dedup" in s.rebuild_reason and s.chunks_total == 2
     assert s.chunks_embedded == 1  # the identical-text vector was reused from the old index
 
 
 def test_settings_change_triggers_rebuild_with_reason(ix: Index, corpus: Path) -> None:
     build(ix, corpus)
-    s = build(ix, corpus, max_tokens=80)
+    s = build(ix, corpus, max_tokens=80, rechunk=True)
     assert s.rebuilt and "chunking" in s.rebuild_reason and s.committed
     s = build(ix, corpus, max_tokens=80, embedder=HashEmbedder(dim=32))
     assert s.rebuilt and "embedder changed" in s.rebuild_reason
@@ -533,8 +534,6 @@ class IndexMachine(RuleBasedStateMachine):
         idx.close()
 
     def teardown(self) -> None:
-        import shutil
-
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
@@ -883,10 +882,8 @@ def test_rebuild_keeps_every_root_and_needs_them_all(ix: Index, tmp_path: Path) 
     assert s.rebuilt and s.files_indexed == 4 and s.files_removed == 0
     assert len(Index.open(ix.path).sources()) == 4
     # A settings change rebuilds too: still every root.
-    s = build(ix, b, max_tokens=80)
+    s = build(ix, b, max_tokens=80, rechunk=True)
     assert s.rebuilt and len(Index.open(ix.path).sources()) == 4
-    import shutil
-
     shutil.rmtree(a)
     with pytest.raises(InputPathError, match="'a'"):
         build(ix, b, max_tokens=80, rebuild=True)
@@ -1112,7 +1109,7 @@ def test_every_mode_stores_the_normalized_content_hash(ix: Index, corpus: Path, 
 def test_changing_dedup_reuses_every_vector(ix: Index, tmp_path: Path, first: str, then: str) -> None:
     corpus = _twin_corpus(tmp_path / "c")
     build(ix, corpus, dedup=first)
-    s = build(ix, corpus, dedup=then)
+    s = build(ix, corpus, dedup=then, rechunk=True)
     assert s.rebuilt and "dedup" in s.rebuild_reason
     assert s.chunks_embedded == 0 and s.chunks_reused == s.chunks_added
     assert Index.open(ix.path).verify().ok
@@ -1126,3 +1123,54 @@ def test_dedup_none_revives_a_changed_files_chunks_without_embedding(ix: Index, 
     s = build(ix, corpus, dedup="none")
     assert s.chunks_reused >= 2 and s.chunks_embedded <= 2
     assert Index.open(ix.path).verify().ok
+
+
+# --- a file skipped for a missing dependency is retried once it is installed -------------------
+
+_RUN_WITH_DOCX = textwrap.dedent(
+    """
+    import json, sys
+    if sys.argv[3] == "absent":
+        # python-docx uninstalled, as far as this process can tell: `import docx` raises ImportError.
+        sys.modules["docx"] = None
+    from ragbudget.embed import HashEmbedder
+    from ragbudget.index import Index
+    s = Index(sys.argv[1]).build([sys.argv[2]], embedder=HashEmbedder(dim=64), min_tokens=20, max_tokens=120)
+    print(json.dumps(s.to_dict()))
+    """
+)
+
+
+def _build_in_child(ix: Index, corpus: Path, docx: str) -> dict:  # type: ignore[type-arg]
+    out = subprocess.run(
+        [sys.executable, "-c", _RUN_WITH_DOCX, str(ix.path), str(corpus), docx],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.splitlines()[-1])  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("touch", [False, True])
+def test_a_file_skipped_for_a_missing_extra_is_retried_once_it_is_installed(
+    ix: Index, tmp_path: Path, touch: bool
+) -> None:
+    pytest.importorskip("docx")
+    corpus = write_corpus(tmp_path / "c", n=2)
+    shutil.copy(Path(__file__).parent / "data" / "formats" / "social-contract.docx", corpus / "contract.docx")
+    first = _build_in_child(ix, corpus, "absent")
+    assert first["files_added"] == 2
+    assert [(Path(s["path"]).name, s["reason"]) for s in first["skipped"]] == [("contract.docx", "missing_dependency")]
+    assert "ragbudget[office]" in first["skipped"][0]["detail"]
+    # Still missing: the skip stands, and nothing is re-read or written.
+    still = _build_in_child(ix, corpus, "absent")
+    assert not still["committed"] and still["files_unchanged"] == 2 and len(still["skipped"]) == 1
+    if touch:  # a touched file is the same file: its skip stood on that alone before
+        os.utime(corpus / "contract.docx", ns=(time.time_ns(), time.time_ns() + 10**9))
+    # Installed: read now, though the file is unchanged.
+    after = _build_in_child(ix, corpus, "present")
+    assert after["committed"] and after["files_added"] == 1 and after["skipped"] == []
+    assert any(f.path.endswith("contract.docx") and f.status == "indexed" for f in Index.open(ix.path).sources())
+    assert Index.open(ix.path).search("Debian will remain 100% free", k=1)[0].sources[0].path.endswith(".docx")
+    assert not _build_in_child(ix, corpus, "present")["committed"]  # and once only

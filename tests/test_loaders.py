@@ -185,6 +185,31 @@ def test_scan_include_exclude_and_links(tmp_path: Path):
     assert [s.reason for s in direct.skipped] == ["missing"]
 
 
+def test_scan_walks_past_a_left_out_folder_without_a_word(tmp_path: Path):
+    (tmp_path / "a.md").write_text("a")
+    own = tmp_path / "idx"
+    own.mkdir()
+    for name in ("manifest.json", "meta.1.sqlite", "lock", "meta.2.sqlite.tmp", "notes.md"):
+        (own / name).write_text("x")
+    (tmp_path / "alias").symlink_to(own)  # another way in: the same folder
+    (tmp_path / ".ragbudget").mkdir()  # an index folder that is not this one: listed as before
+    found = scan(tmp_path, leave_out=[own])
+    assert [f.rel for f in found.files] == ["a.md"]
+    assert {s.rel: s.reason for s in found.skipped} == {".ragbudget": "ignored"}
+    # Given as a root, or a file inside it given as one: nothing either.
+    direct = scan([own, own / "notes.md", tmp_path / "a.md"], leave_out=[str(own)])
+    assert [f.rel for f in direct.files] == ["a.md"] and direct.skipped == []
+    # Without it, the folder is another index's (manifest, lock, a generation's SQLite file):
+    # skipped whole as "ignored", never read.
+    other = scan(tmp_path)
+    assert [f.rel for f in other.files] == ["a.md"]
+    assert {s.rel: s.reason for s in other.skipped} == {".ragbudget": "ignored", "alias": "ignored", "idx": "duplicate"}
+    assert "a ragbudget index folder" in {s.detail for s in other.skipped}
+    # A folder that merely holds a manifest.json is no index: its files are read.
+    (own / "lock").unlink()
+    assert any(f.rel.endswith("/manifest.json") for f in scan(tmp_path).files)
+
+
 def test_skipped_is_printable_for_the_cli():
     s = Skipped(path="/x/y.bin", reason="binary", detail="NUL bytes", rel="y.bin")
     assert str(s) == "/x/y.bin: binary (NUL bytes)"

@@ -203,7 +203,7 @@ def test_a_rebuild_for_new_chunking_reuses_sentence_vectors(ix: Index, tmp_path:
     corpus.mkdir()
     (corpus / "a.txt").write_text(make_text(7, n_paragraphs=8))
     first = build(ix, corpus)
-    s = build(ix, corpus, max_tokens=90)
+    s = build(ix, corpus, max_tokens=90, rechunk=True)
     assert s.rebuilt and set(rows(ix)) == set(chunk_texts(ix))
     # The same sentences, cut into other chunks: their vectors come from the old generation.
     assert s.sentences_embedded < first.sentences_embedded
@@ -246,13 +246,15 @@ def test_sentence_vectors_off_drops_them_and_on_again_fills_them_for_every_chunk
     report = ask_report(ix, emb)
     assert emb.documents > 0 and report["sentence_vectors"] == "embedded at query time"
     assert "sentence vectors: embedded at query time" in format_report(report)
-    # Still off: nothing to do; a changed file adds chunks without sentence vectors.
+    # Still off: nothing to do, and a plain run keeps the recorded "off" (it is not told
+    # otherwise); a changed file adds chunks without sentence vectors.
     assert not build(ix, corpus, sentence_vectors=False).committed
+    assert not build(ix, corpus).committed and rows(ix) == {}
     (corpus / "doc1.txt").write_text((corpus / "doc1.txt").read_text() + "\nA closing line names quokkazz.\n")
-    s = build(ix, corpus, sentence_vectors=False)
+    s = build(ix, corpus)
     assert s.committed and s.chunks_embedded > 0 and s.sentences_embedded == 0 and rows(ix) == {}
     # On again, no file changed: every chunk gets them, no chunk is embedded again.
-    again = build(ix, corpus)
+    again = build(ix, corpus, sentence_vectors=True)
     texts = chunk_texts(ix)
     assert again.committed and not again.rebuilt and again.chunks_embedded == 0
     assert again.sentences_embedded > 0 and set(rows(ix)) == set(texts)

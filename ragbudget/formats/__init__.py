@@ -38,7 +38,17 @@ from typing import Any
 
 from ..errors import ConfigError, LoadError
 
-__all__ = ["FORMATS", "LoadOptions", "Loaded", "current_options", "join_labels", "load_options", "page_label", "read"]
+__all__ = [
+    "FORMATS",
+    "LoadOptions",
+    "Loaded",
+    "available",
+    "current_options",
+    "join_labels",
+    "load_options",
+    "page_label",
+    "read",
+]
 
 #: File name ending → format name, for the formats read here (``.gz`` may be appended to any).
 FORMATS = {
@@ -180,7 +190,28 @@ def require(module: str, extra: str, path: str, what: str) -> Any:
             f"{path}: reading {what} needs {module.split('.')[0]}; pip install 'ragbudget[{extra}]'",
             path=path,
             reason="missing_dependency",
+            needs=module,
         ) from exc
+
+
+def available(needs: str) -> bool:
+    """Whether a dependency a ``missing_dependency`` skip named (``LoadError.needs``) is there
+    now: the module imports (a real import: a module that is found but fails to import, a
+    broken install, is still missing), or ``program:<name>`` is on ``PATH``.
+
+    >>> available("json"), available("program:no-such-program-here")
+    (True, False)
+    """
+    kind, _, name = needs.rpartition(":")
+    if kind == "program":
+        import shutil
+
+        return shutil.which(name) is not None
+    try:
+        importlib.import_module(needs)
+    except Exception:  # ImportError, or whatever a broken module raises while it loads
+        return False
+    return True
 
 
 def page_label(labels: Sequence[str] | None, page_start: int | None, page_end: int | None = None) -> str | None:

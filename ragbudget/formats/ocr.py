@@ -33,6 +33,7 @@ def ocr_pdf_pages(data: bytes, pages: Sequence[int], path: str, *, lang: str = "
             f"{path}: OCR needs the tesseract program (apt install tesseract-ocr)",
             path=path,
             reason="missing_dependency",
+            needs="program:tesseract",
         ) from exc
     pdf = pypdfium2.PdfDocument(data)
     out = []
