@@ -527,6 +527,8 @@ class LocalBackend:
             kv_dtype=kv_dtype,
             **plan_options,
         )
+        # One local model on one device: a gpu naming several ("2xH100") is refused by the plan.
+        self._plan_args.setdefault("tensor_parallel", 1)
 
     def __repr__(self) -> str:
         return f"LocalBackend({self.generator!r})"
