@@ -608,3 +608,22 @@ def test_tensor_parallel_and_the_gpu_count_must_agree() -> None:
         plan_budget("Qwen/Qwen2.5-7B-Instruct", gpu="8xL4")
     with pytest.raises(ConfigError, match="weight_dtype must be one of"):
         plan_budget("Qwen/Qwen2.5-7B-Instruct", gpu="L4", weight_dtype="int3")
+
+
+def test_a_gguf_is_planned_at_its_own_tensor_types_on_request() -> None:
+    from ragbudget.models import resolve_generator
+
+    try:
+        ref = resolve_generator()
+    except ModelError:
+        pytest.skip("default generator not installed")
+    path = os.path.join(ref.path, ref.gguf_file)
+    size = os.path.getsize(path)
+    stored = plan_budget(path, gpu="1GiB", weight_dtype="gguf", max_new_tokens=16)
+    # Q4_1 tensors: the file less its header and vocabulary, not transformers' dequantized copy.
+    assert 0.8 * size < stored.weights_bytes < size and "GGUF tensor table" in stored.weights_source
+    loaded = plan_budget(path, gpu="1GiB", max_new_tokens=16)
+    assert loaded.weights_bytes > 3 * stored.weights_bytes
+    assert any("--weight-dtype gguf" in n for n in loaded.notes)
+    with pytest.raises(ConfigError, match="not a GGUF"):
+        plan_budget("meta-llama/Llama-3.1-8B-Instruct", gpu="H100", weight_dtype="gguf")
