@@ -675,16 +675,12 @@ def plan_budget(
     >>> plan_budget("meta-llama/Llama-3.1-70B-Instruct", gpu="2xH100").tensor_parallel
     2
     """
-    from .weights import WEIGHT_DTYPES, comm_reserve_bytes, rank_config, weight_format
+    from .weights import comm_reserve_bytes, rank_config, weight_format
 
     if not 0 < utilization <= 1:
         raise ConfigError(f"utilization must be in (0, 1], got {utilization}")
     if concurrency < 1 or max_new_tokens < 1:
         raise ConfigError("concurrency and max_new_tokens must be >= 1")
-    if weight_dtype is not None and weight_dtype not in WEIGHT_DTYPES:
-        raise ConfigError(
-            f"weight_dtype must be one of {', '.join(WEIGHT_DTYPES)} (CLI: --weight-dtype), got {weight_dtype!r}"
-        )
     name, cfg, module = _resolve_model(model, config)
     info: GPUInfo = resolve_gpu(gpu)
     tp = _tensor_parallel(tensor_parallel, info, module)
@@ -705,7 +701,7 @@ def plan_budget(
     specs = layer_specs(norm, backend=backend, normalize=False)
 
     # Weights
-    fmt = weight_format(cfg, weight_dtype) if module is None else None
+    fmt = weight_format(cfg, weight_dtype) if module is None or weight_dtype is not None else None
     if weights_bytes is not None:
         wbytes = -(-int(weights_bytes) // tp)
         wsrc = "explicit" if tp == 1 else f"explicit ÷ {tp} GPUs"
@@ -909,7 +905,7 @@ def plan_budget(
         attn_implementation=attn_implementation,
         tensor_parallel=tp,
         comm_reserve_bytes=reserve,
-        weight_format=fmt.label if fmt is not None else "loaded",
+        weight_format="loaded model" if fmt is None or module is not None else fmt.label,
     )
 
 

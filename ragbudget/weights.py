@@ -530,10 +530,11 @@ def _compressed_tensors(qc: Mapping[str, Any], base: str, src: str) -> WeightFor
 
 
 def _override(config: Any, weight_dtype: str, base: str) -> WeightFormat:
-    w = weight_dtype.lower()
+    w = str(weight_dtype).lower().removeprefix("torch.")
     src = "(--weight-dtype)"
-    if w in ("fp32", "fp16", "bf16", "float32", "float16", "bfloat16"):
-        name = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}.get(w, w)
+    plain = {"fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16"}
+    if w in plain or w in ("float32", "float16", "bfloat16"):
+        name = plain.get(w, w)
         return WeightFormat(method="dtype", dtype=name, label=f"{name} {src}")
     # Quantized storage leaves the embeddings, head and norms in a 16-bit dtype: the model's, or
     # bfloat16 when the config names float32 (no quantizer keeps float32 beside 4-bit values).
@@ -577,7 +578,9 @@ def _override(config: Any, weight_dtype: str, base: str) -> WeightFormat:
         )
     if w == "gguf":
         return WeightFormat(method="gguf", dtype=base, label="the GGUF file's own tensor types (--weight-dtype gguf)")
-    raise ConfigError(f"weight_dtype must be one of {', '.join(WEIGHT_DTYPES)}; got {weight_dtype!r}")
+    raise ConfigError(
+        f"weight_dtype must be one of {', '.join(WEIGHT_DTYPES)} (CLI: --weight-dtype), got {weight_dtype!r}"
+    )
 
 
 # --------------------------------------------------------------------------------------------
