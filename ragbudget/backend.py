@@ -67,6 +67,7 @@ __all__ = [
     "Backend",
     "Capacity",
     "CountCache",
+    "LOCAL_GENERATE_OPTIONS",
     "LocalBackend",
     "MemoryCountCache",
     "RenderedPrompt",
@@ -99,10 +100,11 @@ class Sampling:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if self.temperature is not None and not 0 <= self.temperature <= 2:
-            raise ConfigError(f"temperature must be in [0, 2]; got {self.temperature}")
-        if self.top_p is not None and not 0 <= self.top_p <= 1:
-            raise ConfigError(f"top_p must be in [0, 1]; got {self.top_p}")
+        from .settings import check_int, check_number
+
+        check_number("temperature", self.temperature, 0.0, 2.0, optional=True)
+        check_number("top_p", self.top_p, 0.0, 1.0, optional=True)
+        check_int("seed", self.seed, -(2**63), optional=True)
 
     @property
     def greedy(self) -> bool:
@@ -525,6 +527,8 @@ class LocalBackend:
             kv_dtype=kv_dtype,
             **plan_options,
         )
+        # One local model on one device: a gpu naming several ("2xH100") is refused by the plan.
+        self._plan_args.setdefault("tensor_parallel", 1)
 
     def __repr__(self) -> str:
         return f"LocalBackend({self.generator!r})"
@@ -728,9 +732,24 @@ def _paged_tokens_within(generator: Generator, tokens: int, budget_bytes: int, p
     return blocks * page_size
 
 
+#: ``ask``'s generate options a local generator takes beyond :class:`Sampling` and ``stop``.
+LOCAL_GENERATE_OPTIONS = ("do_sample", "top_k", "oom_ladder", "streamer")
+#: Names other APIs use for ragbudget's own arguments: a hint, not an alias.
+_OTHER_NAMES = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens", "n_ctx": "context_tokens"}
+
+
 def split_generate_options(options: Mapping[str, Any], *, served: bool) -> tuple[Any, list[str] | None, dict[str, Any]]:
     """``ask``'s generate options as the protocol's ``Sampling`` and ``stop``, and the local
-    generator's own extras (``do_sample``, ``top_k``, …), which a served engine refuses."""
+    generator's own extras (``do_sample``, ``top_k``, …), which a served engine refuses. Every
+    option is checked here, so a misspelt or mistyped one is refused before retrieval runs.
+
+    >>> split_generate_options({"max_tokens": 8}, served=False)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ragbudget.errors.ConfigError: max_tokens is not an option of ask(); did you mean max_new_tokens? (...)
+    """
+    from .settings import check_bool, check_int
+
     rest = dict(options)
     sampling = Sampling(
         temperature=rest.pop("temperature", None), top_p=rest.pop("top_p", None), seed=rest.pop("seed", None)
@@ -738,8 +757,28 @@ def split_generate_options(options: Mapping[str, Any], *, served: bool) -> tuple
     stop = rest.pop("stop", None)
     if isinstance(stop, str):
         stop = [stop]
+    if stop is not None and (
+        not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop) or len(stop) > 16
+    ):
+        raise ConfigError(
+            f"stop must be a string or a list of at most 16 strings, got {str(options.get('stop'))[:60]!r}"
+        )
+    known = ("temperature", "top_p", "seed", "stop", *LOCAL_GENERATE_OPTIONS)
+    unknown = sorted(k for k in rest if k not in LOCAL_GENERATE_OPTIONS)
+    if unknown:
+        hint = "; ".join(f"did you mean {_OTHER_NAMES[k]}?" for k in unknown if k in _OTHER_NAMES)
+        raise ConfigError(
+            f"{', '.join(unknown)} {'is not an option' if len(unknown) == 1 else 'are not options'} of ask()"
+            + (f"; {hint}" if hint else "")
+            + f" (the generate options are {', '.join(known)})"
+        )
     if rest and served:
         raise ConfigError(
             f"{', '.join(sorted(rest))}: not an option of a served engine (it takes temperature, top_p, seed and stop)"
         )
+    if rest.get("do_sample") is not None:
+        check_bool("do_sample", rest["do_sample"])
+    if "oom_ladder" in rest:
+        check_bool("oom_ladder", rest["oom_ladder"])
+    check_int("top_k", rest.get("top_k"), 0, optional=True)
     return sampling, (list(stop) if stop else None), rest

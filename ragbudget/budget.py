@@ -71,14 +71,6 @@ __all__ = [
 # --------------------------------------------------------------------------------------------
 
 
-def _has_recurrent(config: Any) -> bool:
-    try:
-        specs = layer_specs(config, normalize=False)
-    except (ModelError, ConfigError):
-        return False
-    return any(s.kind in ("mamba", "hybrid") for s in specs)
-
-
 def _meta_parameter_count(config: Any) -> int:
     """Parameters of the model transformers builds from ``config``, on the meta device (no
     memory, no weights); shared (tied) parameters count once."""
@@ -113,85 +105,44 @@ def _meta_parameter_count(config: Any) -> int:
 
 
 def count_parameters(config: Any) -> int:
-    """Parameters of a decoder-only LM from its config (embeddings, attention incl. MLA, dense or
-    MoE MLP, norms, untied head). Exact for Llama/Mistral/Qwen2/Qwen3/Gemma/Mixtral-style models
-    (checked in tests); an estimate for other families (biases and norm details differ).
-    Recurrent/hybrid models are counted exactly by building them on the meta device.
+    """Parameters of a decoder-only LM from its config: the sum of
+    :func:`ragbudget.weights.parameters` (embeddings, attention incl. MLA, dense or MoE MLP, norms,
+    untied head). Exact for Llama/Mistral/Qwen2/Qwen3/Gemma/Mixtral-style models (checked in
+    tests); an estimate for other families (biases and norm details differ). Recurrent/hybrid
+    models are counted exactly by building them on the meta device.
 
     >>> count_parameters({"model_type": "llama", "vocab_size": 32000, "hidden_size": 4096,
     ...     "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32})
     6738415616
     """
+    from .weights import _has_recurrent, parameters
+
     c = _Cfg(text_config(config) if isinstance(config, Mapping) else _normalize(config, False))
-    mt = str(c.get("model_type", default="")).lower()
     if c.get("num_attention_heads", "n_head", "num_heads") is None or _has_recurrent(config):
         # Recurrent and hybrid families (Mamba, Jamba, Falcon-H1, Nemotron-H, …) have mixers
-        # this formula does not know: count what transformers would build.
+        # the role list does not know: count what transformers would build.
         return _meta_parameter_count(config)
-    H = int(c.get("hidden_size", "n_embd", "d_model"))
-    n_layers = int(c.get("num_hidden_layers", "n_layer", "num_layers"))
-    heads = int(c.get("num_attention_heads", "n_head", "num_heads"))
-    V = int(c.get("vocab_size", default=32000))
-    inter = int(c.get("intermediate_size", "ffn_dim", "n_inner", default=0) or 4 * H)
-    kv = int(c.get("num_key_value_heads", "num_kv_heads", default=heads))
-    hd = c.get("head_dim")
-    hd = int(hd) if isinstance(hd, int) and hd > 0 else H // heads
-    bias = bool(c.get("attention_bias", default=mt in ("qwen2", "qwen2_moe", "gpt_oss")))
-    # Attention projections
-    if c.get("kv_lora_rank") is not None:
-        q_lora = c.get("q_lora_rank")
-        nope, rope = int(c.get("qk_nope_head_dim")), int(c.get("qk_rope_head_dim"))
-        vhd, kvr = int(c.get("v_head_dim")), int(c.get("kv_lora_rank"))
-        qk = nope + rope
-        q = H * heads * qk if q_lora is None else H * q_lora + q_lora + q_lora * heads * qk
-        attn = q + H * (kvr + rope) + kvr + kvr * heads * (nope + vhd) + heads * vhd * H
-    else:
-        attn = H * heads * hd + 2 * H * kv * hd + heads * hd * H
-        if bias:
-            attn += heads * hd + 2 * kv * hd + (H if mt == "gpt_oss" else 0)
-        if mt in ("qwen3", "qwen3_moe", "gemma3", "gemma3_text", "olmo2"):
-            attn += 2 * hd  # q_norm / k_norm
-        if mt == "gpt_oss":
-            attn += heads  # attention sinks
-    # MLP: gated (3 matrices) unless GPT-2/NeoX-style (2 matrices)
-    gated = mt not in ("gpt2", "gpt_neox", "opt", "bloom", "gptj", "falcon", "phi", "starcoder2")
-    mats = 3 if gated else 2
-    experts = c.get("num_local_experts", "n_routed_experts", "num_experts")
-    mlp_layers = []
-    for i in range(n_layers):
-        if experts:
-            first_dense = int(c.get("first_k_dense_replace", default=0))
-            if i < first_dense:
-                mlp_layers.append(mats * H * inter)
-                continue
-            E = int(experts)
-            mI = int(c.get("moe_intermediate_size", default=inter))
-            p = E * mats * H * mI + H * E  # experts + router
-            if mt == "gpt_oss":
-                p += E * (2 * mI + H) + E  # expert biases + router bias
-            shared = c.get("n_shared_experts")
-            if shared:
-                p += mats * H * mI * int(shared)
-            sh_i = c.get("shared_expert_intermediate_size")
-            if sh_i:
-                p += mats * H * int(sh_i) + H  # shared expert + its gate
-            mlp_layers.append(p)
-        else:
-            mlp_layers.append(mats * H * inter)
-    norms_per_layer = 4 * H if mt.startswith(("gemma2", "gemma3")) else 2 * H
-    total = n_layers * (attn + norms_per_layer) + sum(mlp_layers)
-    total += V * H + H  # embeddings + final norm
-    if not c.get("tie_word_embeddings", default=mt.startswith("gemma")):
-        total += V * H
-    return int(total)
+    return sum(p.numel for p in parameters(config))
 
 
-def estimate_weights_bytes(config: Any, *, weight_dtype: str | None = None) -> int:
-    """Weight bytes = :func:`count_parameters` × bits of ``weight_dtype`` (default: the model
-    dtype; ``"int8"``, ``"int4"``/``"nf4"``, ``"fp8"`` model bitsandbytes / GPTQ-style storage,
-    without the small per-group scales)."""
-    bits = dtype_bits(weight_dtype or model_dtype(config))
-    return (count_parameters(config) * bits + 7) // 8
+def estimate_weights_bytes(config: Any, *, weight_dtype: str | None = None, tensor_parallel: int = 1) -> int:
+    """Weight bytes of ``config`` on one of ``tensor_parallel`` GPUs, stored as the checkpoint
+    says (its ``quantization_config``, else the model dtype) or as ``weight_dtype`` overrides
+    (:data:`ragbudget.weights.WEIGHT_DTYPES`: ``"bf16"``, ``"int4"``, ``"nf4"``, ``"fp8"``, …),
+    scales, zero points and unquantized modules included (:mod:`ragbudget.weights`).
+
+    >>> from ragbudget.models import load_model_config
+    >>> round(estimate_weights_bytes(load_model_config("openai/gpt-oss-20b")) / 2**30, 2)  # MXFP4 experts
+    12.82
+    """
+    from .weights import _has_recurrent, weight_bytes, weight_format
+
+    fmt = weight_format(config, weight_dtype)
+    if _has_recurrent(config):  # no role list: every parameter at the format's unquantized width
+        if tensor_parallel > 1:
+            raise ConfigError("tensor-parallel planning covers attention models; this one has recurrent layers")
+        return (count_parameters(config) * dtype_bits(fmt.dtype) + 7) // 8
+    return weight_bytes(config, fmt, tensor_parallel=tensor_parallel)
 
 
 def _module_bytes(model: Any) -> int:
@@ -645,6 +596,12 @@ class BudgetPlan:
     ttft_target_s: float | None = None
     time_prompt_tokens: int | None = None
     memory_max_context_tokens: int | None = None
+    #: GPUs the model is split over (vLLM's tensor parallelism); byte figures are one GPU's.
+    tensor_parallel: int = 1
+    #: Bytes per GPU set aside for NCCL and the custom all-reduce (0 on one GPU).
+    comm_reserve_bytes: int = 0
+    #: How the weights are stored, in words (:attr:`ragbudget.weights.WeightFormat.label`).
+    weight_format: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict (tuples become lists)."""
@@ -696,9 +653,18 @@ def plan_budget(
     config: Any = None,
     attn_implementation: str = "sdpa",
     max_cache_len: int | None = None,
+    tensor_parallel: int | None = None,
 ) -> BudgetPlan:
     """Plan the memory budget of ``model`` (hub id, shipped name, local path, loaded module, or
     ``None`` for the default generator) on ``gpu`` (see :func:`ragbudget.gpus.resolve_gpu`).
+
+    Weights are stored as the checkpoint's ``quantization_config`` says (GPTQ, AWQ, bitsandbytes,
+    FP8, compressed-tensors, MXFP4), or as ``weight_dtype`` overrides (``"int4"``, ``"nf4"``,
+    ``"fp8"``, ``"bf16"``, ``"gguf"``, …: :data:`ragbudget.weights.WEIGHT_DTYPES`).
+    ``tensor_parallel`` GPUs (default: as many as ``gpu`` names, ``"2xH100"``) are planned the way
+    vLLM shards a model: every figure in bytes is one GPU's (its share of the weights, of the KV
+    heads and of the activations, less a reserve for NCCL and the custom all-reduce), every
+    figure in tokens the whole group's.
 
     Raises :class:`~ragbudget.errors.BudgetError` when not even ``max_new_tokens`` + 1 tokens fit
     for ``concurrency`` requests, saying what was needed, what is available and what to change.
@@ -706,13 +672,18 @@ def plan_budget(
     >>> p = plan_budget("Qwen/Qwen3-8B", gpu="24GiB", concurrency=4, max_new_tokens=512)
     >>> p.max_prompt_tokens == p.max_context_tokens - 512
     True
+    >>> plan_budget("meta-llama/Llama-3.1-70B-Instruct", gpu="2xH100").tensor_parallel
+    2
     """
+    from .weights import comm_reserve_bytes, rank_config, weight_format
+
     if not 0 < utilization <= 1:
         raise ConfigError(f"utilization must be in (0, 1], got {utilization}")
     if concurrency < 1 or max_new_tokens < 1:
         raise ConfigError("concurrency and max_new_tokens must be >= 1")
     name, cfg, module = _resolve_model(model, config)
     info: GPUInfo = resolve_gpu(gpu)
+    tp = _tensor_parallel(tensor_parallel, info, module)
     notes = list(info.notes)
     kvd = kv_dtype or model_dtype(cfg)
     if module is not None and kv_dtype is None:
@@ -724,37 +695,21 @@ def plan_budget(
             "allocates without one (pass kv_dtype/weight_dtype, or --kv-dtype, for the "
             "dtype you load it in)"
         )
-    norm = _normalize(cfg, True)
+    # One GPU of a tensor-parallel group runs its share of the heads and of the MLP: its KV cache
+    # and its activations are those of that narrower model (the token figures stay the group's).
+    norm = _normalize(rank_config(cfg, tp), True)
     specs = layer_specs(norm, backend=backend, normalize=False)
 
     # Weights
+    fmt = weight_format(cfg, weight_dtype) if module is None or weight_dtype is not None else None
     if weights_bytes is not None:
-        wbytes, wsrc = int(weights_bytes), "explicit"
+        wbytes = -(-int(weights_bytes) // tp)
+        wsrc = "explicit" if tp == 1 else f"explicit ÷ {tp} GPUs"
     elif module is not None:
         wbytes, wsrc = _module_bytes(module), "loaded model (parameters + buffers)"
     else:
-        wbytes, wsrc = 0, ""
-        local = Path(str(model)).expanduser() if model is not None else None
-        if local is not None and local.exists() and weight_dtype is None:
-            from .models import weights_bytes_from_files
-
-            files = weights_bytes_from_files(local)
-            if files is not None and not list(local.glob("*.gguf")) and local.suffix != ".gguf":
-                wbytes, wsrc = files, "safetensors headers"
-        if not wsrc:
-            wbytes = estimate_weights_bytes(cfg, weight_dtype=weight_dtype)
-            wsrc = f"parameter count × {weight_dtype or model_dtype(cfg)}"
-            if isinstance(cfg, Mapping) and cfg.get("_gguf_file"):
-                notes.append(
-                    "GGUF weights are dequantized by transformers when loaded: planned "
-                    f"at {weight_dtype or model_dtype(cfg)}, not the GGUF file size"
-                )
-            qc = cfg.get("quantization_config") if isinstance(cfg, Mapping) else None
-            if qc and weight_dtype is None:
-                notes.append(
-                    f"checkpoint is quantized ({qc.get('quant_method')}); weights planned "
-                    "at the model dtype — pass weight_dtype to plan its real storage"
-                )
+        assert fmt is not None
+        wbytes, wsrc = _planned_weights(model, cfg, fmt, weight_dtype, tp, notes)
     gpu_bytes = info.bytes
     # Free CUDA memory, like available host RAM, was read with the model loaded: add its own
     # bytes on that device back, or they would be subtracted twice (as weights and as used).
@@ -774,10 +729,14 @@ def plan_budget(
             notes.append(
                 f"the loaded model's {loaded / GiB:.2f} GiB {where} counted as available to it ({figure} excludes them)"
             )
-    usable = int(gpu_bytes * utilization)
+    # vLLM sizes its KV cache from utilization × memory less what its profile run saw outside
+    # PyTorch; with several GPUs that includes NCCL's and the custom all-reduce's buffers.
+    reserve = comm_reserve_bytes(tp)
+    usable = int(gpu_bytes * utilization) - reserve
     model_max = _model_max(cfg)
 
-    cal = lookup_calibration(info.name, name, kvd, cache)
+    # A calibration was measured on one GPU holding the whole model: not a shard's activations.
+    cal = lookup_calibration(info.name, name, kvd, cache) if tp == 1 else None
 
     def act(tokens: int, batch: int) -> int:
         if cal is not None:
@@ -819,12 +778,16 @@ def plan_budget(
         return lo
 
     if wbytes >= usable:
+        where = f"{info.name}" if tp == 1 else f"each of {tp} × {info.name} (tensor parallel)"
         raise BudgetError(
-            f"{name}: the weights alone need {wbytes / GiB:.2f} GiB but only {usable / GiB:.2f} GiB "
-            f"is usable ({utilization:.0%} of {gpu_bytes / GiB:.2f} GiB on {info.name}); use a "
-            "smaller or quantized model (weight_dtype='int4'/'int8'), or a larger GPU",
+            f"{name}: the weights alone need {wbytes / GiB:.2f} GiB ({wsrc}) but only "
+            f"{usable / GiB:.2f} GiB is usable ({utilization:.0%} of {gpu_bytes / GiB:.2f} GiB on {where}"
+            + (f", less {reserve / GiB:.2f} GiB for NCCL" if reserve else "")
+            + "); plan quantized storage (weight_dtype='int4', 'fp8', 'nf4'; CLI --weight-dtype int4), "
+            "split it over several GPUs (tensor_parallel=2; CLI --gpu 2xNAME), or use a smaller model "
+            "or a larger GPU",
             needed=wbytes,
-            available=usable,
+            available=max(0, usable),
             unit="bytes",
             limit="memory",
         )
@@ -907,6 +870,8 @@ def plan_budget(
         notes.append("quantized cache (quanto/hqq): an upper bound, the residual window is counted full")
     if limited_by == "model":
         notes.append(f"context capped by the model's max_position_embeddings ({model_max})")
+    if tp > 1:
+        notes.append(_tp_note(cfg, tp, reserve))
     return BudgetPlan(
         model=name,
         gpu_name=info.name,
@@ -938,6 +903,89 @@ def plan_budget(
         concurrency_curve=tuple(curve),
         notes=tuple(notes),
         attn_implementation=attn_implementation,
+        tensor_parallel=tp,
+        comm_reserve_bytes=reserve,
+        weight_format="loaded model" if fmt is None or module is not None else fmt.label,
+    )
+
+
+def _tensor_parallel(tensor_parallel: int | None, info: GPUInfo, module: Any) -> int:
+    """The tensor-parallel degree: as given, else as many GPUs as ``gpu`` names; the two must
+    agree, and a loaded model (one device) has none."""
+    from .settings import check_int
+
+    if tensor_parallel is None:
+        tp = info.count
+    else:
+        tp = int(check_int("tensor_parallel", tensor_parallel, 1) or 1)
+        if info.count > 1 and info.count != tp:
+            raise ConfigError(
+                f"gpu names {info.count} × {info.name} but tensor_parallel is {tp}; give one of them "
+                f"(--gpu '{tp}x{info.name}' alone, or --tensor-parallel {info.count})"
+            )
+    if tp > 1 and module is not None:
+        raise ConfigError(
+            f"a loaded model runs on one device: plan tensor parallelism ({tp} GPUs) from its name or config"
+        )
+    return tp
+
+
+def _planned_weights(
+    model: Any, cfg: Any, fmt: Any, weight_dtype: str | None, tp: int, notes: list[str]
+) -> tuple[int, str]:
+    """Weight bytes on one GPU, and where they come from: a local checkpoint's safetensors headers
+    (exact, quantized or not), a GGUF's tensor table (``weight_dtype="gguf"``), else the
+    parameters stored as ``fmt`` (:mod:`ragbudget.weights`)."""
+    gguf = isinstance(cfg, Mapping) and bool(cfg.get("_gguf_file"))
+    per_gpu = "" if tp == 1 else f", per GPU of {tp}"
+    if fmt.method == "gguf":
+        if not gguf:
+            raise ConfigError(
+                "weight_dtype 'gguf' plans a .gguf file's own tensor types; this model is not a GGUF "
+                "(pass --model FILE.gguf, or another --weight-dtype)"
+            )
+        if tp > 1:
+            raise ConfigError(
+                "a GGUF is planned on one device (llama.cpp splits layers, not tensors): drop tensor_parallel"
+            )
+        return int(cfg["_gguf_tensor_bytes"]), "GGUF tensor table (its own quantized types, as llama.cpp keeps them)"
+    local = Path(str(model)).expanduser() if isinstance(model, (str, os.PathLike)) else None
+    if local is not None and local.exists() and weight_dtype in (None, "auto") and not gguf:
+        from .models import weights_bytes_from_files
+
+        files = weights_bytes_from_files(local)
+        if files is not None:
+            if tp == 1:
+                return files, "safetensors headers"
+            # The files are the whole model; one GPU's share follows the shard of the format.
+            share = estimate_weights_bytes(cfg, weight_dtype=weight_dtype, tensor_parallel=tp)
+            whole = estimate_weights_bytes(cfg, weight_dtype=weight_dtype)
+            return -(-files * share // max(1, whole)), f"safetensors headers × this GPU's share{per_gpu}"
+    wbytes = estimate_weights_bytes(cfg, weight_dtype=weight_dtype, tensor_parallel=tp)
+    if gguf:
+        notes.append(
+            f"GGUF weights are dequantized by transformers when loaded: planned at {fmt.dtype}, not the GGUF "
+            "file size (weight_dtype='gguf', --weight-dtype gguf, plans the file's own types, as llama.cpp keeps them)"
+        )
+    if "not modelled" in fmt.label:
+        notes.append(f"weights: {fmt.label}")
+    return wbytes, f"parameter count × {fmt.label}{per_gpu}"
+
+
+def _tp_note(cfg: Any, tp: int, reserve: int) -> str:
+    c = _Cfg(text_config(cfg) if isinstance(cfg, Mapping) else cfg)
+    heads = int(c.get("num_attention_heads", "n_head", default=0) or 0)
+    kv = int(c.get("num_key_value_heads", "num_kv_heads", default=heads) or heads)
+    if c.get("kv_lora_rank") is not None:
+        kv_text = "the MLA latent cache whole on each (it has no heads to split)"
+    elif kv < tp:
+        kv_text = f"1 of the {kv} KV heads on each, replicated {tp // kv}× (fewer KV heads than GPUs)"
+    else:
+        kv_text = f"{kv // tp} of the {kv} KV heads each"
+    return (
+        f"tensor parallel over {tp} GPUs (vLLM's sharding): bytes are per GPU, tokens the whole group's; "
+        f"{heads // tp if heads else '?'} of {heads} attention heads and {kv_text}; "
+        f"{reserve / 2**20:,.0f} MiB per GPU set aside for NCCL and the custom all-reduce"
     )
 
 

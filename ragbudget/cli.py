@@ -41,6 +41,7 @@ from .settings import (
 )
 from .types import DEFAULT_INDEX_DIR
 from .vectors import STORES
+from .weights import WEIGHT_DTYPES
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -361,6 +362,20 @@ def verify(index_dir: str, as_json: bool) -> None:
 @click.option(
     "--plot", "plot_path", default=None, type=click.Path(dir_okay=False), help="Write a PNG of the memory plan."
 )
+@click.option(
+    "--weight-dtype",
+    default=None,
+    type=click.Choice(WEIGHT_DTYPES),
+    help="How the weights are stored (default auto: the checkpoint's quantization_config, else its dtype); "
+    "int4 = 4-bit groups of 128 (AWQ layout), nf4/int8 = bitsandbytes, fp8, mxfp4 (MoE experts), "
+    "gguf (the file's types).",
+)
+@click.option(
+    "--tensor-parallel",
+    default=None,
+    type=click.IntRange(min=1),
+    help="Split the model over N identical GPUs as vLLM does (same as --gpu NxNAME); figures in bytes are per GPU.",
+)
 @click.option("--json", "as_json", is_flag=True)
 @click.option(
     "--index-dir",
@@ -377,11 +392,16 @@ def budget(
     memory: MemorySettings,
     context_tokens: int | None,
     plot_path: str | None,
+    weight_dtype: str | None,
+    tensor_parallel: int | None,
     as_json: bool,
     index_dir: str,
     engine: EngineSettings | None,
 ) -> None:
     """The memory plan: KV bytes per token, capacity, tokens per request, concurrency.
+
+    --gpu 2xH100 (or --tensor-parallel 2) plans tensor-parallel serving; --weight-dtype plans a
+    quantized storage the checkpoint does not declare.
 
     With --engine URL: the engine's own figures (each with its source and age) and the context
     one request may use, with the limit that binds."""
@@ -393,6 +413,8 @@ def budget(
 
         if plot_path:
             raise click.UsageError("--plot draws a memory plan; an engine's plan is its figures")
+        if weight_dtype or tensor_parallel:
+            raise click.UsageError("--weight-dtype and --tensor-parallel plan memory; an engine reports its own")
         eplan = Pipeline(index_dir, model=model, memory=memory, engine=engine).engine_plan()
         if as_json:
             echo_json(eplan.to_dict())
@@ -411,6 +433,8 @@ def budget(
         kv_dtype=memory.kv_dtype,
         cache=memory.cache,
         utilization=memory.utilization,
+        weight_dtype=weight_dtype,
+        tensor_parallel=tensor_parallel,
     )
     if plot_path:
         from .display import plot_plan

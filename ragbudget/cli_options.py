@@ -324,9 +324,25 @@ def model_option(fn: Callable[..., Any]) -> Callable[..., Any]:
     )(fn)
 
 
+def _gpu_callback(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    # A GPU that is not known is the user's error of the command (exit 1, "Error: …" naming the
+    # close names), as it was when the plan found it, not a usage error of the option group.
+    from .gpus import check_gpu
+
+    try:
+        check_gpu(value)
+    except RagBudgetError as exc:
+        raise click.ClickException(str(exc)) from None
+    return value
+
+
 _MEMORY_OPTIONS = {
     "gpu": click.option(
-        "--gpu", default=None, help='auto (free CUDA memory), a GPU name ("RTX 4090") or a size ("24GiB").'
+        "--gpu",
+        default=None,
+        callback=_gpu_callback,
+        help='auto (free CUDA memory), a GPU name ("RTX 4090"), a size ("24GiB"; a bare number is bytes) or, for '
+        'budget, N identical GPUs ("2xH100").',
     ),
     "concurrency": click.option(
         "--concurrency",

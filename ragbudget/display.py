@@ -64,13 +64,18 @@ def _concurrency_line(plan: BudgetPlan) -> str:
 
 def format_plan(plan: BudgetPlan) -> str:
     """A readable table of a plan (for the CLI)."""
+    gpu = plan.gpu_source if plan.gpu_source.startswith(plan.gpu_name) else f"{plan.gpu_name} ({plan.gpu_source})"
+    memory = f"{_h(plan.gpu_bytes)} × {plan.utilization:.2f} = {_h(plan.usable_bytes)} usable"
+    if plan.tensor_parallel > 1:
+        gpu = f"{plan.tensor_parallel} × {gpu}, tensor parallel"
+        memory = (
+            f"{_h(plan.gpu_bytes)} × {plan.utilization:.2f} − {_h(plan.comm_reserve_bytes)} NCCL/all-reduce "
+            f"= {_h(plan.usable_bytes)} usable per GPU"
+        )
     rows = [
         ("model", plan.model),
-        (
-            "gpu",
-            plan.gpu_source if plan.gpu_source.startswith(plan.gpu_name) else f"{plan.gpu_name} ({plan.gpu_source})",
-        ),
-        ("memory", f"{_h(plan.gpu_bytes)} × {plan.utilization:.2f} = {_h(plan.usable_bytes)} usable"),
+        ("gpu", gpu),
+        ("memory", memory),
         ("weights", f"{_h(plan.weights_bytes)} ({plan.weights_source})"),
         ("activations", f"{_h(plan.activation_bytes)} ({plan.activation_source})"),
         ("kv cache", f"{plan.cache}, {plan.kv_dtype}, {plan.backend}"),

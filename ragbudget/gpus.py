@@ -4,6 +4,13 @@
 free, not total — other processes' memory is not ours); without a GPU it plans against the host's
 available RAM and says so. A name (``"RTX 4090"``, ``"a100 80gb"``, ``"M3 Max"``) is looked up in
 :data:`GPU_TABLE`; a size (``"24GiB"``, ``"24GB"``, ``"16g"``, ``25769803776``) is taken as is.
+``"2xH100"`` (or ``"2 x 24GiB"``) names several identical GPUs: the plan is then tensor-parallel
+over them (:mod:`ragbudget.weights`), and :attr:`GPUInfo.bytes` is what *one* of them has.
+
+A number without a unit is bytes. One under :data:`MIN_BARE_BYTES` (1 GiB) is refused rather
+than read as GiB: ``gpu=24`` meant 24 GiB, and planning 24 bytes (what it used to do) fails later
+with a misleading "the weights alone need …"; while a byte count, the unit ``torch`` and NVML
+report, stays valid. The message names the spelling that works (``"24GiB"``).
 
 Sizes: ``GiB``/``G``/``g`` are powers of two (2**30), ``GB`` is SI (10**9) — "24GB" is
 22.35 GiB. Table entries are the marketed capacities in GiB, which is what the driver reports
@@ -21,9 +28,22 @@ from dataclasses import dataclass
 
 from .errors import ConfigError
 
-__all__ = ["GPU_TABLE", "GPUInfo", "host_available_bytes", "parse_size", "resolve_gpu"]
+__all__ = [
+    "GPU_TABLE",
+    "MIN_BARE_BYTES",
+    "GPUInfo",
+    "check_gpu",
+    "gpu_count",
+    "host_available_bytes",
+    "parse_size",
+    "resolve_gpu",
+]
 
 GiB = 1 << 30
+
+#: The smallest memory size accepted as a bare number of bytes (see the module docstring): no
+#: accelerator that can hold a model has less, so a smaller bare number is a unit left out.
+MIN_BARE_BYTES = GiB
 
 #: Marketed memory (GiB) of common accelerators. Apple entries are unified memory shared with
 #: the OS: by default macOS lets the GPU wire about 75% of it (``recommendedMaxWorkingSetSize``).
@@ -60,12 +80,14 @@ _AMBIGUOUS = {"a100": ("A100 40GB", "A100 80GB"), "v100": ("V100 16GB", "V100 32
 @dataclass(frozen=True)
 class GPUInfo:
     """Memory to plan against: ``bytes`` from ``source`` (``"cuda:0 free memory"``, ``"table"``,
-    ``"explicit size"``, ``"host RAM (no GPU)"``), with a human ``name`` and ``notes``."""
+    ``"explicit size"``, ``"host RAM (no GPU)"``), with a human ``name`` and ``notes``. ``count``
+    identical GPUs (``"2xH100"``): ``bytes`` is one GPU's, ``name`` the one GPU's name."""
 
     name: str
     bytes: int
     source: str
     notes: tuple[str, ...] = ()
+    count: int = 1
 
 
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
@@ -134,7 +156,7 @@ def _lookup(name: str) -> str:
     names = [table[c] for c in close] or starts[:5]
     raise ConfigError(
         f"unknown GPU {name!r}"
-        + (f"; did you mean: {', '.join(names)}?" if names else "")
+        + (f"; did you mean: {', '.join(names)}?" if names else ".")
         + " Pass a size instead (e.g. --gpu 24GiB), or one of: "
         + ", ".join(GPU_TABLE)
     )
@@ -168,6 +190,81 @@ def _cuda_free() -> tuple[str, int, int] | None:
         return None
 
 
+# "2xH100", "2 x H100", "4×24GiB", "8*A100 80GB": a count of identical GPUs, then one GPU.
+_COUNT_RE = re.compile(r"^\s*([0-9]+)\s*[x×*]\s*(\S.*)$", re.IGNORECASE)
+
+
+def _split_count(gpu: str) -> tuple[int, str]:
+    m = _COUNT_RE.match(gpu)
+    if not m:
+        return 1, gpu
+    count = int(m.group(1))
+    if count < 1:
+        raise ConfigError(f"GPU count must be ≥ 1, got {gpu!r} (e.g. --gpu 2xH100)")
+    return count, m.group(2).strip()
+
+
+def _explicit_size(gpu: str | float) -> int:
+    """Bytes of an explicit size, refusing a bare number too small to be bytes (module docstring)."""
+    size = parse_size(gpu)
+    bare = isinstance(gpu, (int, float)) or not re.search(r"[a-zA-Z]", str(gpu))
+    if bare and size < MIN_BARE_BYTES:
+        shown = f"{gpu:g}" if isinstance(gpu, float) else str(gpu).strip()
+        raise ConfigError(
+            f"gpu={shown} has no unit, so it is bytes, and {size:,} bytes cannot hold a model; "
+            f"for {shown} GiB pass '{shown}GiB' (or '{shown}GB' for SI gigabytes, or a GPU name "
+            f"such as 'RTX 4090'); a bare number is read as bytes only from {MIN_BARE_BYTES:,} (1 GiB) up"
+        )
+    return size
+
+
+def gpu_count(gpu: object) -> int:
+    """How many identical GPUs ``gpu`` names (``"2xH100"`` → 2; anything else → 1), without
+    probing a device.
+
+    >>> gpu_count("4 x H100"), gpu_count("H100"), gpu_count(None)
+    (4, 1, 1)
+    """
+    return _split_count(gpu)[0] if isinstance(gpu, str) else 1
+
+
+def check_gpu(gpu: object) -> None:
+    """Refuse a ``gpu`` value that :func:`resolve_gpu` would refuse, without probing any device
+    (no torch import, no CUDA): for settings records, checked when they are built.
+
+    >>> check_gpu("2xH100"); check_gpu("auto"); check_gpu(None)
+    >>> check_gpu("potato")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ragbudget.errors.ConfigError: unknown GPU 'potato'. Pass a size instead (e.g. --gpu 24GiB), or one of: RTX 3060, ...
+    """
+    if gpu is None or (isinstance(gpu, str) and gpu.strip().lower() in ("", "auto")):
+        return
+    if isinstance(gpu, bool) or not isinstance(gpu, (str, int, float)):
+        raise ConfigError(
+            f"gpu must be 'auto', a GPU name, a size such as '24GiB', 'NxNAME' for N identical GPUs or "
+            f"a number of bytes, got {type(gpu).__name__} {gpu!r:.60}"
+        )
+    _resolve_named(gpu)
+
+
+def _resolve_named(gpu: str | float) -> GPUInfo:
+    """A GPU given by name, size or ``NxNAME`` (never ``auto``): no device is probed."""
+    count = 1
+    if isinstance(gpu, str):
+        count, gpu = _split_count(gpu)
+    if isinstance(gpu, (int, float)) or _SIZE_RE.match(str(gpu)) or _SIGNED_SIZE_RE.match(str(gpu)):
+        size = _explicit_size(gpu)
+        return GPUInfo(name=f"{size / GiB:.1f} GiB", bytes=size, source="explicit size", count=count)
+    name = _lookup(str(gpu))
+    notes: tuple[str, ...] = ()
+    if name.startswith("M") and name[1:2].isdigit():
+        notes = (("Apple unified memory is shared with the OS; by default the GPU may use about 75% of it"),)
+        if count > 1:
+            raise ConfigError(f"{name} is one machine's unified memory; tensor parallelism needs discrete GPUs")
+    return GPUInfo(name=name, bytes=int(GPU_TABLE[name] * GiB), source="table", notes=notes, count=count)
+
+
 def resolve_gpu(gpu: str | int | None = None) -> GPUInfo:
     """The memory to plan against (see the module docstring).
 
@@ -175,6 +272,8 @@ def resolve_gpu(gpu: str | int | None = None) -> GPUInfo:
     True
     >>> resolve_gpu("24GiB").source
     'explicit size'
+    >>> resolve_gpu("2xH100").count, resolve_gpu("2xH100").name
+    (2, 'H100 80GB')
     """
     if gpu is None or (isinstance(gpu, str) and gpu.strip().lower() in ("", "auto")):
         cuda = _cuda_free()
@@ -198,11 +297,4 @@ def resolve_gpu(gpu: str | int | None = None) -> GPUInfo:
                 ),
             ),
         )
-    if isinstance(gpu, (int, float)) or _SIZE_RE.match(str(gpu)) or _SIGNED_SIZE_RE.match(str(gpu)):
-        size = parse_size(gpu)
-        return GPUInfo(name=f"{size / GiB:.1f} GiB", bytes=size, source="explicit size")
-    name = _lookup(str(gpu))
-    notes: tuple[str, ...] = ()
-    if name.startswith("M") and name[1:2].isdigit():
-        notes = (("Apple unified memory is shared with the OS; by default the GPU may use about 75% of it"),)
-    return GPUInfo(name=name, bytes=int(GPU_TABLE[name] * GiB), source="table", notes=notes)
+    return _resolve_named(gpu)

@@ -188,6 +188,7 @@ class Pipeline:
             )
         check_text("model", model, optional=True)
         check_text("system_prompt", system_prompt, optional=True)
+        _check_parts(embedder, generator, backend)
         self.retrieval = from_keywords(
             RetrievalSettings,
             retrieval,
@@ -249,6 +250,22 @@ class Pipeline:
         )
         if self.engine.url is not None and generator is not None:
             raise ConfigError("pass engine= (generate on a served engine) or generator= (a local model), not both")
+        from .gpus import gpu_count
+
+        if backend is None:
+            local = self.engine.url is None
+        else:
+            from .backend import LocalBackend
+
+            local = isinstance(backend, LocalBackend)
+        if local and gpu_count(self.memory.gpu) > 1:
+            # A local generator runs on one device: a plan over several would promise memory that
+            # the one model never gets.
+            raise ConfigError(
+                f"gpu={self.memory.gpu!r} names {gpu_count(self.memory.gpu)} GPUs, but a local generator "
+                "runs on one: pass one GPU (e.g. 'H100'), or plan tensor-parallel serving with "
+                "`ragbudget budget --gpu 2xH100` and generate on that engine (engine=URL)"
+            )
         self.index_dir = Path(index_dir)
         self.model = model
         self.system_prompt = system_prompt
@@ -572,9 +589,18 @@ class Pipeline:
         """Index files and folders into ``index_dir`` (incremental). ``options`` go to
         :meth:`ragbudget.index.Index.build` (``include``, ``exclude``, ``max_bytes``,
         ``min_tokens``, ``max_tokens``, ``rebuild``, ``rechunk``, ``progress``, …); settings left
-        out keep what the index records."""
+        out keep what the index records. ``paths`` and the option names are checked before anything
+        is read.
+
+        >>> Pipeline("/tmp/rb").index([42])  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ragbudget.errors.ArgumentTypeError: paths must be a path ... or a list of them, got item 0: int 42
+        """
         from .index import Index
 
+        paths = check_paths(paths)
+        _check_options("index", options, Index.build, taken=("paths", "embedder"))
         with self._lock:
             if self._index is not None:
                 self._index.close()
@@ -800,6 +826,10 @@ class Pipeline:
         # fall back to the default silently).
         new_tokens = self.memory.max_new_tokens if max_new_tokens is None else max_new_tokens
         _check_call(on_text, cancel)
+        from .backend import split_generate_options
+
+        # Checked before anything runs: a misspelt option used to fail after retrieval.
+        sampling, stop, extra = split_generate_options(generate_options, served=self.served)
         t_start = time.perf_counter()
         self.refresh_speed()
         prompt, plan, timings, cap = self._prompt(
@@ -821,9 +851,6 @@ class Pipeline:
         if cancel is not None and cancel.is_set():
             return cancelled()
         t0 = time.perf_counter()
-        from .backend import split_generate_options
-
-        sampling, stop, extra = split_generate_options(generate_options, served=self.served)
         backend = self.backend
         try:
             reservation = self.admission.acquire(reserve, prompt_tokens=prompt.n_tokens, cancel=cancel)
@@ -901,6 +928,61 @@ def _attn_in_use(model: Any) -> str:
     cfg = getattr(model, "config", None)
     impl = getattr(cfg, "_attn_implementation", None) if cfg is not None else None
     return str(impl) if isinstance(impl, str) and impl else "sdpa"
+
+
+def check_paths(paths: Any) -> list[str | os.PathLike[str]]:
+    """``paths`` as a list of paths: one path (str or ``os.PathLike``) or a list/tuple of them."""
+    items = [paths] if isinstance(paths, (str, os.PathLike)) else paths
+    if isinstance(items, (list, tuple)):
+        for i, item in enumerate(items):
+            if not isinstance(item, (str, os.PathLike)):
+                raise ArgumentTypeError(
+                    "paths must be a path (str or os.PathLike) or a list of them, got item "
+                    f"{i}: {type(item).__name__} {shown(item)}"
+                )
+        return list(items)
+    raise ArgumentTypeError(
+        f"paths must be a path (str or os.PathLike) or a list of them, got {type(paths).__name__} {shown(paths)}"
+    )
+
+
+def _check_options(where: str, options: Mapping[str, Any], target: Callable[..., Any], *, taken: Sequence[str]) -> None:
+    """Refuse keyword options that ``target`` does not take (or that ``where`` sets itself), by
+    name, before any work: a bare ``TypeError`` from deep inside says neither where nor what."""
+    import inspect
+
+    accepted = [
+        n
+        for n, p in inspect.signature(target).parameters.items()
+        if p.kind is inspect.Parameter.KEYWORD_ONLY and n not in taken
+    ]
+    unknown = sorted(k for k in options if k not in accepted)
+    if unknown:
+        raise ConfigError(f"{', '.join(unknown)}: not an option of {where}(); it takes {', '.join(accepted)}")
+
+
+def _check_parts(embedder: Any, generator: Any, backend: Any) -> None:
+    """The pipeline's parts given as objects: each the kind it must be, checked when it is built
+    (not at first use, after an index was read)."""
+    from .embed import Embedder
+
+    if embedder is not None and not isinstance(embedder, (str, Embedder)):
+        raise ArgumentTypeError(
+            "embedder must be a model name or path (str), 'hash' or a ragbudget.embed.Embedder, got "
+            f"{type(embedder).__name__} {shown(embedder)}"
+        )
+    # A generator is duck-typed (tests and wrappers stand in for it); a name or a number is not one.
+    if generator is not None and isinstance(generator, (str, bytes, os.PathLike, int, float)):
+        raise ArgumentTypeError(
+            f"generator must be a ragbudget.generate.Generator, got {type(generator).__name__} {shown(generator)}"
+            + ("; to name a model, pass model=" if isinstance(generator, (str, os.PathLike)) else "")
+        )
+    if backend is not None and isinstance(backend, (str, bytes, os.PathLike, int, float)):
+        raise ArgumentTypeError(
+            "backend must implement ragbudget.backend.Backend (warm_up, render, count, capacity, "
+            f"generate, ...), got {type(backend).__name__} {shown(backend)}"
+            + ("; to generate on a served engine, pass engine=URL" if isinstance(backend, str) else "")
+        )
 
 
 def _check_call(on_text: Any, cancel: Any) -> None:

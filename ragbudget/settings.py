@@ -248,7 +248,10 @@ class MemorySettings:
 
     Attributes:
         gpu: ``"auto"``/``None`` (free CUDA memory, else host RAM), a GPU name, a size such as
-            ``"24GiB"`` or a number of bytes.
+            ``"24GiB"``, ``"NxNAME"`` for N identical GPUs (``"2xH100"``: a tensor-parallel plan,
+            :func:`ragbudget.budget.plan_budget` only), or a number of bytes. A bare number under
+            1 GiB is refused, not read as GiB: ``gpu=24`` asks for ``"24GiB"``
+            (:mod:`ragbudget.gpus`).
         concurrency: requests planned to share the KV memory.
         max_new_tokens: output tokens reserved per request.
         kv_dtype: KV cache dtype (default: the model's).
@@ -274,9 +277,22 @@ class MemorySettings:
                 f"gpu must be 'auto', a GPU name, a size such as '24GiB' or a "
                 f"number of bytes, got {type(gpu).__name__} {shown(gpu)}"
             )
+        # The GPU's name or size now, not at the first plan (no device is probed for "auto").
+        from .gpus import check_gpu
+
+        check_gpu(gpu)
         _set(self, "concurrency", check_int("concurrency", self.concurrency, 1))
         _set(self, "max_new_tokens", check_int("max_new_tokens", self.max_new_tokens, 1))
-        check_text("kv_dtype", self.kv_dtype, optional=True)
+        if check_text("kv_dtype", self.kv_dtype, optional=True) is not None:
+            from .kvcache import dtype_bits  # lazy: kvcache imports this module
+
+            try:
+                dtype_bits(self.kv_dtype)
+            except ConfigError:
+                raise ConfigError(
+                    "kv_dtype must be a dtype such as fp16, bf16, fp32 or fp8 (CLI: --kv-dtype), "
+                    f"got {shown(self.kv_dtype)}"
+                ) from None
         check_choice("cache", self.cache, CACHE_KINDS)
         _set(self, "utilization", check_number("utilization", self.utilization, 0.0, 1.0, lo_open=True))
         _set(self, "ttft_target", check_number("ttft_target", self.ttft_target, 0.0, optional=True))

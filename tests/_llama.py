@@ -1,12 +1,11 @@
 """Where the real llama.cpp ``llama-server`` comes from for the real-engine tests: the one built
-by ``tools/build-llama-server`` (``$RAGBUDGET_LLAMA_SERVER`` or the cached build under
-``~/.cache/ragbudget/llama-server/*/bin/``), serving the packaged SmolLM2-135M GGUF with
+by ``tools/build-llama-server`` (``$RAGBUDGET_LLAMA_SERVER``, or the script's own cached build for
+this CPU, ``tools/build-llama-server --cached``), serving the packaged SmolLM2-135M GGUF with
 ``-c 2048 -np 4`` (four slots of 512 tokens). The session fixture ``llama_server`` (conftest.py)
 starts one server for all of them."""
 
 from __future__ import annotations
 
-import glob
 import os
 import socket
 import subprocess
@@ -23,13 +22,23 @@ START_TRIES = 3
 HEALTHY_WITHIN_S = 120
 
 
+BUILD_SCRIPT = Path(__file__).resolve().parents[1] / "tools" / "build-llama-server"
+
+
 def binary() -> str | None:
+    """``$RAGBUDGET_LLAMA_SERVER``, else the build ``tools/build-llama-server`` would use on this
+    machine (its ``--cached`` answer: the portable build for this CPU's instruction-set level), never
+    another folder of the cache: an older ``-march=native`` build there crashes at warm-up on a CPU
+    with AMX."""
     env = os.environ.get("RAGBUDGET_LLAMA_SERVER")
     if env:
         return env if os.access(env, os.X_OK) else None
-    root = Path(os.environ.get("RAGBUDGET_CACHE", Path.home() / ".cache" / "ragbudget"))
-    found = sorted(glob.glob(str(root / "llama-server" / "*" / "bin" / "llama-server")))
-    return found[-1] if found else None
+    try:
+        found = subprocess.run([str(BUILD_SCRIPT), "--cached"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    path = found.stdout.strip()
+    return path if found.returncode == 0 and path and os.access(path, os.X_OK) else None
 
 
 BINARY = binary()

@@ -91,7 +91,11 @@ def test_weights_sources(tmp_path):
     p = plan_budget("meta-llama/Llama-3.1-8B-Instruct", gpu="H100", weights_bytes=10**9)
     assert p.weights_bytes == 10**9
     q = plan_budget("meta-llama/Llama-3.1-8B-Instruct", gpu="H100", weight_dtype="int4")
-    assert q.weights_bytes == (8_030_261_248 * 4 + 7) // 8
+    # int4 is stored with its scales and zero points (4 bits + float16 scale and 4-bit zero per
+    # 128 values: 133/256 byte a value) and leaves the embeddings, head and norms in float16; it
+    # used to be every parameter at 4 bits, (8_030_261_248 * 4 + 7) // 8, 1.1 GiB short.
+    linear = 32 * (2 * 4096 * 4096 + 2 * 1024 * 4096 + 3 * 14336 * 4096)
+    assert q.weights_bytes == linear * 133 // 256 + 2 * (8_030_261_248 - linear) == 5_727_854_592
     # Local folder: config.json + safetensors header
     cfg = load_model_config("HuggingFaceTB/SmolLM2-135M-Instruct")
     (tmp_path / "config.json").write_text(json.dumps(cfg))
@@ -552,3 +556,74 @@ def test_time_cap_on_the_plan_and_request_memory_with_its_own_activations() -> N
     assert mem.request_bytes(prompt_tokens=1000, tokens=1256) == (
         mem.kv_fixed_bytes + 1256 * mem.kv_bytes_per_token + mem.activation_bytes(1000)
     )
+
+
+# ---- what people actually run: quantized checkpoints, several GPUs (issue #30 §4) ----------------
+
+
+def test_quantized_checkpoints_are_planned_at_their_storage() -> None:
+    # gpt-oss-20b ships MXFP4 experts: 12.8 GiB, not the 38.96 GiB of bfloat16 it was planned at.
+    p = plan_budget("openai/gpt-oss-20b", gpu="RTX 4090", max_new_tokens=64)
+    assert p.weights_bytes == 13_761_264_768 and "mxfp4" in p.weights_source
+    assert p.weight_format.startswith("mxfp4")
+    # A 70B in AWQ int4 fits one 80 GB GPU; the bf16 one does not, and the error says what to pass.
+    awq = plan_budget("hugging-quants/Meta-Llama-3.1-70B-Instruct-AWQ-INT4", gpu="H100", max_new_tokens=64)
+    assert awq.weights_bytes == 39_767_785_472 and awq.max_context_tokens > 1024
+    with pytest.raises(BudgetError) as e:
+        plan_budget("meta-llama/Llama-3.1-70B-Instruct", gpu="H100")
+    assert "--weight-dtype int4" in str(e.value) and "--gpu 2x" in str(e.value)
+    assert plan_budget("meta-llama/Llama-3.1-70B-Instruct", gpu="H100", weight_dtype="int4").weights_bytes == (
+        awq.weights_bytes
+    )
+
+
+def test_tensor_parallel_plan_by_hand() -> None:
+    p = plan_budget("meta-llama/Llama-3.1-70B-Instruct", gpu="2xH100", max_new_tokens=64)
+    q = plan_budget("meta-llama/Llama-3.1-70B-Instruct", gpu="H100", tensor_parallel=2, max_new_tokens=64)
+    assert p == q and p.tensor_parallel == 2
+    # Per GPU: half of every linear and of the vocabulary, the 161 norms whole, bf16.
+    linear = 80 * (2 * 8192 * 8192 + 2 * 1024 * 8192 + 3 * 28672 * 8192)
+    assert p.weights_bytes == 2 * (linear // 2 + 128256 * 8192 + 80 * 2 * 8192 + 8192) == 70_555_025_408
+    # 4 of the 8 KV heads: 80 layers × K and V × 4 heads × 128 dims × 2 bytes.
+    assert p.kv_bytes_per_token == 80 * 2 * 4 * 128 * 2 == 163_840
+    # 90% of 80 GiB, less NCCL's communicator (544 MiB) and the custom all-reduce (16 MiB).
+    assert p.comm_reserve_bytes == 560 * 2**20
+    assert p.usable_bytes == int(80 * 2**30 * 0.9) - 560 * 2**20
+    # The activations of one GPU's shard: 32 heads, 4 KV heads of 128, an MLP of 14,336.
+    shard = dict(load_model_config("meta-llama/Llama-3.1-70B-Instruct"))
+    shard.update(num_attention_heads=32, num_key_value_heads=4, head_dim=128, intermediate_size=14336)
+    assert p.activation_bytes == estimate_activation_bytes(shard, p.max_context_tokens, dtype="bfloat16")
+    # And what is left holds the KV of the whole group's tokens.
+    assert p.weights_bytes + p.activation_bytes + p.kv_bytes_at_max <= p.usable_bytes
+    assert p.max_context_tokens == p.kv_capacity_tokens
+    assert p.kv_bytes_at_max == p.max_context_tokens * 163_840
+
+
+def test_tensor_parallel_and_the_gpu_count_must_agree() -> None:
+    with pytest.raises(ConfigError, match="names 2 × H100 80GB but tensor_parallel is 4"):
+        plan_budget("meta-llama/Llama-3.1-70B-Instruct", gpu="2xH100", tensor_parallel=4)
+    with pytest.raises(ConfigError, match="tensor_parallel is 1"):  # what LocalBackend plans with
+        plan_budget("meta-llama/Llama-3.1-8B-Instruct", gpu="2xH100", tensor_parallel=1)
+    with pytest.raises(ConfigError, match="28 attention heads"):
+        plan_budget("Qwen/Qwen2.5-7B-Instruct", gpu="8xL4")
+    with pytest.raises(ConfigError, match="weight_dtype must be one of"):
+        plan_budget("Qwen/Qwen2.5-7B-Instruct", gpu="L4", weight_dtype="int3")
+
+
+def test_a_gguf_is_planned_at_its_own_tensor_types_on_request() -> None:
+    from ragbudget.models import resolve_generator
+
+    try:
+        ref = resolve_generator()
+    except ModelError:
+        pytest.skip("default generator not installed")
+    path = os.path.join(ref.path, ref.gguf_file)
+    size = os.path.getsize(path)
+    stored = plan_budget(path, gpu="1GiB", weight_dtype="gguf", max_new_tokens=16)
+    # Q4_1 tensors: the file less its header and vocabulary, not transformers' dequantized copy.
+    assert 0.8 * size < stored.weights_bytes < size and "GGUF tensor table" in stored.weights_source
+    loaded = plan_budget(path, gpu="1GiB", max_new_tokens=16)
+    assert loaded.weights_bytes > 3 * stored.weights_bytes
+    assert any("--weight-dtype gguf" in n for n in loaded.notes)
+    with pytest.raises(ConfigError, match="not a GGUF"):
+        plan_budget("meta-llama/Llama-3.1-8B-Instruct", gpu="H100", weight_dtype="gguf")

@@ -83,6 +83,30 @@ def test_model_that_does_not_fit_is_a_user_error(runner: CliRunner) -> None:
     assert "Traceback" not in result.output
 
 
+def test_budget_plans_quantized_storage_and_several_gpus(runner: CliRunner) -> None:
+    # issue #30 §4: the errors said "pass weight_dtype" and the CLI had no such flag; "2xH100"
+    # was an unknown GPU.
+    base = ["budget", "--model", "meta-llama/Llama-3.1-70B-Instruct", "--max-new-tokens", "64", "--json"]
+    refused = runner.invoke(cli, [*base[:-1], "--gpu", "H100"])
+    assert refused.exit_code == 1 and "--weight-dtype int4" in refused.output and "--gpu 2x" in refused.output
+    int4 = json.loads(runner.invoke(cli, [*base, "--gpu", "H100", "--weight-dtype", "int4"]).output)
+    assert int4["weights_bytes"] == 39_767_785_472 and int4["weight_format"].startswith("int4")
+    two = runner.invoke(cli, [*base, "--gpu", "2xH100"])
+    assert two.exit_code == 0, two.output
+    plan = json.loads(two.output)
+    assert (plan["tensor_parallel"], plan["weights_bytes"], plan["kv_bytes_per_token"]) == (2, 70_555_025_408, 163_840)
+    flag = json.loads(runner.invoke(cli, [*base, "--gpu", "H100", "--tensor-parallel", "2"]).output)
+    assert flag == plan
+    table = runner.invoke(cli, base[:-1] + ["--gpu", "2xH100"]).output
+    assert "2 × H100 80GB (table), tensor parallel" in table and "usable per GPU" in table
+    assert runner.invoke(cli, [*base, "--weight-dtype", "int3"]).exit_code == 2
+
+
+def test_a_bare_gpu_number_is_refused_not_read_as_bytes(runner: CliRunner) -> None:
+    result = runner.invoke(cli, ["budget", "--gpu", "24"])
+    assert result.exit_code == 1 and "pass '24GiB'" in result.output and "Traceback" not in result.output
+
+
 def test_usage_error_exits_2(runner: CliRunner) -> None:
     assert runner.invoke(cli, ["budget", "--no-such-option"]).exit_code == 2
     assert runner.invoke(cli, ["budget", "--concurrency", "0"]).exit_code == 2

@@ -331,6 +331,14 @@ def test_budget_errors_name_the_binding_limit(indexed: Path) -> None:
         (lambda p: Pipeline(p.index_dir, concurrency="4"), "concurrency must be an int"),
         (lambda p: Pipeline(p.index_dir, hybrid="no"), "hybrid must be True or False"),
         (lambda p: Pipeline(p.index_dir, relevance_floor="high"), "relevance_floor must be a number"),
+        # Checked at the door (issue #30 §6): each was a bare TypeError, or an error at first use.
+        (lambda p: p.index([42]), "paths must be a path .* got item 0: int 42"),
+        (lambda p: p.index(None), "paths must be a path .* got NoneType None"),
+        (lambda p: p.index(["data", 3]), "got item 1: int 3"),
+        (lambda p: p.ask(QUESTION, temperature="hot"), "temperature must be a number, got str 'hot'"),
+        (lambda p: Pipeline(p.index_dir, embedder=5), "embedder must be a model name"),
+        (lambda p: Pipeline(p.index_dir, generator="gpt"), "generator must be a ragbudget.generate.Generator"),
+        (lambda p: Pipeline(p.index_dir, backend=3), "backend must implement ragbudget.backend.Backend"),
     ],
 )
 def test_wrong_argument_types_are_the_librarys_own_errors(indexed: Path, call: Any, match: str) -> None:
@@ -353,6 +361,14 @@ def test_wrong_argument_types_are_the_librarys_own_errors(indexed: Path, call: A
         (lambda p: Pipeline(p.index_dir, utilization=0), "utilization must be in"),
         (lambda p: Pipeline(p.index_dir, relevance_floor=1.5), "relevance_floor must be in"),
         (lambda p: Pipeline(p.index_dir, cache="paged"), "cache must be one of"),
+        # gpu: a bare int under 1 GiB is refused, not read as bytes (documented in MemorySettings).
+        (lambda p: Pipeline(p.index_dir, gpu=24), "gpu=24 has no unit.*pass '24GiB'"),
+        (lambda p: Pipeline(p.index_dir, gpu="potato"), "unknown GPU 'potato'"),
+        (lambda p: Pipeline(p.index_dir, gpu="2xH100"), "a local generator runs on one"),
+        (lambda p: Pipeline(p.index_dir, kv_dtype="potato"), "kv_dtype must be a dtype"),
+        (lambda p: p.ask(QUESTION, max_tokens=8), "max_tokens is not an option of ask.*did you mean max_new_tokens"),
+        (lambda p: p.ask(QUESTION, stop=5), "stop must be a string or a list"),
+        (lambda p: p.index("data", chunk_size=100), "chunk_size: not an option of index.*max_tokens"),
     ],
 )
 def test_out_of_range_arguments_are_config_errors(indexed: Path, call: Any, match: str) -> None:
@@ -360,6 +376,18 @@ def test_out_of_range_arguments_are_config_errors(indexed: Path, call: Any, matc
     with pytest.raises(ConfigError, match=match):
         call(pipe)
     assert not gen.prompts
+
+
+def test_generate_options_are_checked_before_retrieval(indexed: Path) -> None:
+    pipe, gen = _pipe(indexed)
+    searched: list[str] = []
+    real = pipe._search
+    pipe._search = lambda query, k: searched.append(query) or real(query, k)  # type: ignore[method-assign]
+    with pytest.raises(ConfigError, match="max_tokens"):
+        pipe.ask(QUESTION, max_tokens=8)
+    assert searched == [] and not gen.prompts
+    pipe.ask(QUESTION, max_new_tokens=8, top_k=5)  # the local generator's own extras still pass
+    assert searched == [QUESTION]
 
 
 def test_a_given_max_new_tokens_is_honored(indexed: Path) -> None:
