@@ -515,6 +515,14 @@ class Reservation:
         self.release()
 
 
+def _behind(sent_back: int) -> str:
+    """What a time refusal's Retry-After also waits for: the clients sent back before it, who
+    come first (so it says more than the first token's excess over the time-out)."""
+    if not sent_back:
+        return ""
+    return f"; it comes back behind the {sent_back} client(s) told to come back before it"
+
+
 def _resolve(fut: asyncio.Future[None]) -> None:
     """Wake an async waiter (in its loop), unless it already left."""
     if not fut.done():
@@ -1111,19 +1119,19 @@ class AdmissionController:
                 retry = self._retry_after_locked(job)
                 self._promise_locked(job, retry)
                 raise OverloadedError(
-                    f"{len(self._queue)} requests already wait for KV-cache space "
-                    f"(queue limit {self.max_queue}); retry later",
+                    f"{len(self._queue)} requests already wait for KV-cache space (queue limit {self.max_queue})",
                     retry_after=retry,
                 )
             if job is not None and self.timeout is not None and not waiter.returning:
                 expected = self._first_token_locked(job)
                 if expected > self.timeout:
+                    sent_back = len(self._promises)
                     retry = self._refuse_for_time_locked(job)
                     raise OverloadedError(
                         f"the first token would come in about {expected:.{1 if expected < 10 else 0}f} s (work already "
                         f"running and queued at the measured speed: {self._running} running, "
-                        f"{len(self._queue)} queued), past the queue time-out of "
-                        f"{self.timeout:g} s; retry after {retry:.0f} s",
+                        f"{len(self._queue)} queued), past the queue time-out of {self.timeout:g} s"
+                        + _behind(sent_back),
                         retry_after=retry,
                     )
             if loop is not None:
@@ -1188,7 +1196,7 @@ class AdmissionController:
         if self.token_capacity is not None:
             held += f", {self._admitted_pool} of the paged cache's {self.token_capacity} tokens"
         raise OverloadedError(
-            f"waited {wait:.1f}s for {waiter.tokens} KV-cache tokens ({held}); retry later or raise the timeout",
+            f"waited {wait:.1f}s for {waiter.tokens} KV-cache tokens ({held}), the queue time-out",
             retry_after=retry,
         )
 

@@ -227,7 +227,7 @@ class WorkersBusy(APIError):
     def __init__(self, max_workers: int) -> None:
         super().__init__(
             429,
-            f"server busy: {max_workers} requests already in progress",
+            f"server busy: {max_workers} requests already in progress; retry after 1 s",
             type="rate_limit_error",
             code="overloaded",
             headers={"Retry-After": "1"},

@@ -457,6 +457,7 @@ def test_overload_is_429_with_retry_after_streaming_or_not() -> None:
         assert resp.status_code == 429
         assert resp.headers["retry-after"] == "3"
         assert resp.json()["error"]["type"] == "rate_limit_error"
+        assert resp.json()["error"]["message"] == "queue full; retry after 3 s"  # the header's number
 
 
 def test_worker_pool_full_is_429_not_an_unbounded_queue() -> None:
@@ -881,6 +882,7 @@ def test_a_request_whose_first_token_would_miss_the_timeout_is_429_before_retrie
         # ~14 s of work ahead, less the 5 s time-out: told to come back when it is done.
         assert 5 <= int(r.headers["retry-after"]) <= 14
         assert "past the queue time-out" in r.json()["error"]["message"]
+        assert r.json()["error"]["message"].endswith(f"; retry after {r.headers['retry-after']} s")
         assert searched == [] and fake(pipe).counted == n_counts  # no retrieval, no counting
         assert ctl.stats().refused_for_time_total == 1  # counted, its return promised
         again = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": user()})
