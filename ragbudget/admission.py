@@ -615,6 +615,8 @@ class AdmissionController:
         # The share of max_new_tokens finished answers generated (EWMA, from 1: the worst case
         # until answers are seen): the expected decode work of a request (see _job).
         self._answer_share = 1.0
+        # Observations of the speed in use (observe: the first ones are provisional).
+        self._observed = 0
 
     def configure(
         self,
@@ -631,6 +633,7 @@ class AdmissionController:
                 self.memory = memory
             if throughput is not None:
                 self.throughput = throughput
+                self._observed = 0  # a new measurement: provisional again (observe)
             self.ttft_target = ttft_target if ttft_target and ttft_target > 0 else None
             self._admit_locked()
 
@@ -985,13 +988,21 @@ class AdmissionController:
     #: How far one observation moves the learnt slowdown (in log space), and its bounds.
     OBSERVE_WEIGHT = 0.5
     SLOWDOWN_RANGE = (0.1, 100.0)
+    #: Observations during which a speed is provisional (see :meth:`observe`).
+    PROVISIONAL_OBSERVATIONS = 3
 
     def observe(self, slowdown: float) -> None:
         """Learn from one request: ``slowdown`` is the wall time it took over what the measured
         speed says (above 1: the host runs slower than measured). The throughput's ``slowdown``
         moves that way in log space by ``OBSERVE_WEIGHT`` (bounded by ``SLOWDOWN_RANGE``), so a
         host that got busy after the measurement — or idle again — is followed within a few
-        requests."""
+        requests.
+
+        A speed just measured (a new throughput, :meth:`configure`) is provisional for its first
+        ``PROVISIONAL_OBSERVATIONS`` observations: each one slower than the model is taken whole,
+        the slower of the two standing. The warm-up probe times bare forward passes of the model
+        alone, and real requests have run 7-8 times slower than it (issue #30): blending that in
+        by halves would admit the first requests on a speed the host cannot give."""
         with self._lock:
             self._observe_locked(slowdown)
 
@@ -1000,8 +1011,12 @@ class AdmissionController:
         if thr is None or not (sample > 0 and math.isfinite(sample)):
             return
         lo, hi = self.SLOWDOWN_RANGE
-        w = self.OBSERVE_WEIGHT
-        slow = min(hi, max(lo, thr.slowdown ** (1 - w) * sample**w))
+        if self._observed < self.PROVISIONAL_OBSERVATIONS:
+            slow = min(hi, max(lo, thr.slowdown, sample))
+        else:
+            w = self.OBSERVE_WEIGHT
+            slow = min(hi, max(lo, thr.slowdown ** (1 - w) * sample**w))
+        self._observed += 1
         self.throughput = dataclasses.replace(thr, slowdown=slow)
 
     def _observe_job(self, job: _Job | None, *, done: int | None) -> None:

@@ -500,6 +500,7 @@ def serve(
                 # the first request, which admission already counts as taken (see admission).
                 backend.generate("warm-up", max_new_tokens=1)
                 log.info("batched generation: %s", backend.capacity().kv_total_source)
+            _calibrate(pipeline)
         app = create_app(pipeline, api_key=api_key, expose_plan=expose_plan, **app_options)
         # Bounded graceful shutdown: open streams are cancelled by the app's lifespan, not awaited forever.
         config = uvicorn.Config(
@@ -513,6 +514,29 @@ def serve(
             log.info("server stopped")
     finally:
         sock.close()
+
+
+def _calibrate(pipeline: "Pipeline") -> None:
+    """One real request before listening (:meth:`~ragbudget.pipeline.Pipeline.calibrate`), so the
+    first clients are not admitted on the speed probe's bare forward passes; in a thread of its
+    own, whose OpenMP pool ends with it (:func:`~ragbudget.batching.in_own_thread`). A failure
+    is logged: the server still starts, the probe's speed provisional until requests correct it."""
+    from .batching import in_own_thread
+
+    t0 = time.perf_counter()
+    try:
+        answer = in_own_thread(pipeline.calibrate)
+    except RagBudgetError as exc:
+        log.warning("calibration request failed (%s): the first requests are admitted at the probe's speed", exc)
+        return
+    if answer is not None:
+        stats = pipeline.admission.stats()
+        log.info(
+            "calibration request: %d prompt tokens in %.1f s; admission's slowdown (wall s per probe s) is now %.2f",
+            answer.report["budget"].get("prompt_tokens", 0),
+            time.perf_counter() - t0,
+            stats.slowdown or 1.0,
+        )
 
 
 def _check_ready(pipeline: "Pipeline") -> None:

@@ -522,6 +522,31 @@ def test_the_model_learns_the_speed_the_host_has_now() -> None:
     assert ctl.stats().slowdown == pytest.approx(1.0, abs=0.01)
 
 
+def test_a_new_speed_is_provisional_the_slower_of_probe_and_observed_stands() -> None:
+    """Issue #30: the warm-up probe said 0.95 ms/token and requests ran 7-8x slower. The first
+    observations of a new speed are taken whole when slower (not halfway in log space, which
+    would have left the first requests admitted at ~2.8x for 8x); after them, the learnt
+    slowdown moves by halves again, down as well as up."""
+    clock = Clock()
+    ctl = AdmissionController(10**6, timeout=60.0, throughput=THR, clock=clock)
+    r = ctl.acquire(1100, prompt_tokens=1000)
+    clock.t += 8.0  # the 1 s prefill the model expects took 8 s
+    r.first_token()
+    r.release()
+    assert ctl.stats().slowdown == pytest.approx(8.0, abs=0.01)
+    # A faster one while still provisional: the slower stands.
+    ctl.observe(2.0)
+    assert ctl.stats().slowdown == pytest.approx(8.0, abs=0.01)
+    ctl.observe(4.0)  # the third: still provisional
+    assert ctl.stats().slowdown == pytest.approx(8.0, abs=0.01)
+    ctl.observe(2.0)  # past them, halfway in log space: sqrt(8 x 2)
+    assert ctl.stats().slowdown == pytest.approx(4.0, abs=0.01)
+    # A new measurement (configure) is provisional again.
+    ctl.configure(throughput=THR)
+    ctl.observe(3.0)
+    assert ctl.stats().slowdown == pytest.approx(3.0, abs=0.01)
+
+
 def test_a_batching_backend_starts_whatever_fits_and_still_refuses_for_time() -> None:
     """Batched, sharing raises everyone's tokens/s: a full-length request (its prefill alone
     takes the whole 1 s target) starts next to the running ones instead of waiting for them all
