@@ -381,6 +381,39 @@ def test_smollm2_short_capped_answer() -> None:
     assert "1889" in g.text
 
 
+@pytest.mark.slow
+def test_smollm2_stops_at_a_line_it_repeats_and_keeps_its_generation_config() -> None:
+    """The packaged SmolLM2 (its GGUF, converted): the stop on a repeated line works on its real
+    BPE tokens (a newline may share a token with other text), streamed or not, batched or not.
+    Its loop is forced through its own generation_config (a sequence bias writing "pipe" lines
+    forever): greedy SmolLM2 loops on long RAG answers (issue #30), not on any short prompt."""
+    from ragbudget.batching import Batcher
+
+    gen = Generator()
+    tok = gen.tokenizer
+    # Its own generation_config, as the GGUF gives it: the stop token <|im_end|>, no penalty.
+    assert tok.convert_ids_to_tokens(sorted(gen._eos_ids())) == ["<|im_end|>"] and gen.repetition_penalty == 1.0
+    pipe, nl = tok.encode("pipe", add_special_tokens=False), tok.encode("\n", add_special_tokens=False)
+    assert len(pipe) == len(nl) == 1
+    gen.model.generation_config.sequence_bias = {(nl[0], pipe[0]): 100.0, (pipe[0], nl[0]): 100.0}
+    try:
+        pieces: list[str] = []
+        out = gen.generate("Say something.", max_new_tokens=64, on_text=pieces.append)
+        assert (out.text, out.finish_reason, out.new_tokens) == ("pipe", "stop", 6)  # 3 x "pipe\n", not 64
+        assert "".join(pieces) == "pipe"
+    finally:
+        gen.model.generation_config.sequence_bias = None
+    # Batched, the row processor does not apply a sequence bias: the repeated-line stop is the
+    # streamer's (test_a_stream_never_shows_a_repeated_line_and_stops_at_the_third); here the
+    # batched answer to a plain prompt equals the unbatched one.
+    b = Batcher(gen, kv_tokens=512)
+    try:
+        batched = b.generate("Say something.", max_new_tokens=12)
+        assert batched.text == gen.generate("Say something.", max_new_tokens=12).text
+    finally:
+        b.close()
+
+
 def test_cancel_stops_early(gen) -> None:
     import threading
 
