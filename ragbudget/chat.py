@@ -512,10 +512,11 @@ class Conversation:
         Fitting the history is part of the turn's time: its seconds are the answer's
         ``timings["history_s"]`` (of which writing the summary, its wait for admission included,
         is ``summary_s``), inside ``total_s``. Setting ``cancel`` stops it too, between two
-        counts or at the summary's next token; the turn is then cancelled and the conversation
-        keeps the turns it had. A summary the measured speed says would end past the queue
-        time-out (the time admission gives a first token) is not written: the turns are folded
-        by extraction instead (``budget.summary_fallback`` says why)."""
+        counts or at the summary's next token; the turn is then cancelled, and the conversation
+        keeps its turns (those a finished fold took are in its summary). A summary the measured
+        speed says would end past the queue time-out (the time admission gives a first token) is
+        not written: the turns are folded by extraction instead (``budget.summary_fallback``
+        says why)."""
         if not isinstance(question, str) or not question.strip():
             raise ConfigError("the question is empty")
         t_start = time.perf_counter()
@@ -548,7 +549,8 @@ class Conversation:
             stopped_early = False
         except RequestCancelled:
             # Left while the history was being fitted: no history, no context, and the pipeline
-            # answers "cancelled" without generating (the conversation keeps its turns).
+            # answers "cancelled" without generating (the conversation keeps its turns, or the
+            # summary of those a finished fold took).
             summary_updated, stopped_early = False, True
 
         if stopped_early:
