@@ -27,11 +27,13 @@ from .cli_options import (
     retrieval_options,
     sampling_options,
     search_options,
+    served_history_options,
     user_errors,
 )
 from .display import format_index_summary
 from .settings import (
     DEDUP_MODES,
+    DEFAULT_REQUEST_TIMEOUT,
     ChunkSettings,
     DedupSettings,
     EngineSettings,
@@ -622,7 +624,14 @@ def chat(
 @click.option(
     "--model-name", default=None, help="Model id clients send (default: the generator's id; 'ragbudget' always works)."
 )
-@history_options
+@served_history_options
+@click.option(
+    "--request-timeout",
+    default=DEFAULT_REQUEST_TIMEOUT,
+    show_default=True,
+    type=click.FloatRange(min=0),
+    help="Seconds one chat request may take in all (history, retrieval, queue, answer); then 503. 0: none.",
+)
 @click.option(
     "--expose-plan",
     is_flag=True,
@@ -640,6 +649,7 @@ def serve(
     api_key: str | None,
     model_name: str | None,
     history: HistorySettings,
+    request_timeout: float,
     expose_plan: bool,
     retrieval: RetrievalSettings,
     engine: EngineSettings | None,
@@ -659,6 +669,7 @@ def serve(
         api_key=api_key,
         model_name=model_name,
         history=history,
+        request_timeout=request_timeout,
         expose_plan=expose_plan,
     )
 

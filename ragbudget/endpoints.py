@@ -8,7 +8,8 @@ and the chat endpoint.
 * :class:`AdmissionView` — the pipeline's admission controller and its figures, built once.
 * :class:`EngineLoad` — a served engine's live load, read at most once a second.
 * :class:`ChatEndpoint` — ``POST /v1/chat/completions``: early 429s, the conversation on the
-  pool, the whole or streamed answer, cancellation when the client leaves.
+  pool, the whole or streamed answer, cancellation when the client leaves or the request
+  time-out passes (:class:`RequestCancel`).
 
 Starlette is imported where a response is built, not when this module is imported.
 """
@@ -28,7 +29,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from .admission import AdmissionController
-from .errors import IndexNotFoundError, RagBudgetError
+from .errors import ConfigError, IndexNotFoundError, RagBudgetError
 from .malloc import IdleTrimmer, trimming_supported
 from .metrics import Metrics
 from .openai_api import (
@@ -56,7 +57,16 @@ if TYPE_CHECKING:
     from .pipeline import Answer, Pipeline
     from .settings import HistorySettings
 
-__all__ = ["CLIENT_LEFT", "AdmissionView", "ChatEndpoint", "EngineLoad", "IndexHealth", "Workers", "read_json"]
+__all__ = [
+    "CLIENT_LEFT",
+    "AdmissionView",
+    "ChatEndpoint",
+    "EngineLoad",
+    "IndexHealth",
+    "RequestCancel",
+    "Workers",
+    "read_json",
+]
 
 # The server's logger: the index coming and going belongs with the server's lines.
 log = logging.getLogger("ragbudget.server")
@@ -217,7 +227,7 @@ class WorkersBusy(APIError):
     def __init__(self, max_workers: int) -> None:
         super().__init__(
             429,
-            f"server busy: {max_workers} requests already in progress",
+            f"server busy: {max_workers} requests already in progress; retry after 1 s",
             type="rate_limit_error",
             code="overloaded",
             headers={"Retry-After": "1"},
@@ -398,6 +408,30 @@ CLIENT_LEFT = "ragbudget.client_left"
 # --- the chat endpoint ----------------------------------------------------------------------------
 
 
+class RequestCancel(threading.Event):
+    """A chat request's cancel event (what ``pipeline.ask`` and admission look at), set when its
+    client leaves or when its request time-out passes: ``timed_out`` says which, and ``clock``
+    is the event loop's timer that sets it at the time-out (stopped when the request ends)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.timed_out = False
+        self.clock: asyncio.TimerHandle | None = None
+
+    def time_out(self, metrics: Metrics) -> None:
+        """The request time-out passed: stop the request (every loop it runs looks at this
+        event: history counting, the summary, the admission queue, each generated token)."""
+        if not self.is_set():
+            self.timed_out = True
+            metrics.add("timed_out", 1)
+            self.set()
+
+    def stop_clock(self) -> None:
+        if self.clock is not None:
+            self.clock.cancel()
+            self.clock = None
+
+
 class ChatEndpoint:
     """``POST /v1/chat/completions``: parse, refuse early when overloaded, run the conversation
     on the worker pool (admission happens inside ``pipeline.ask``), answer whole or streamed.
@@ -420,6 +454,7 @@ class ChatEndpoint:
         disconnect_poll_s: float,
         expose_plan: bool,
         keepalive_s: float,
+        request_timeout: float | None = None,
     ) -> None:
         self.pipeline = pipeline
         self.models = models
@@ -434,10 +469,11 @@ class ChatEndpoint:
         self.summary_cache = summary_cache
         self.disconnect_poll_s = disconnect_poll_s
         self.keepalive_s = keepalive_s
+        self.request_timeout = request_timeout or None  # 0: none
         self.expose_plan = expose_plan
         self.max_tokens_limit = pipeline.memory.max_new_tokens
         self.hold_s = 1.0  # EWMA of answered chat requests' duration, for Retry-After
-        self.active: set[threading.Event] = set()  # cancel events of the requests in progress
+        self.active: set[RequestCancel] = set()  # cancel events of the requests in progress
 
     async def __call__(self, request: Any) -> Any:
         """Answer one request (a Starlette ``Request``): a JSON body, a stream, or an APIError."""
@@ -453,18 +489,42 @@ class ChatEndpoint:
                 req.key, host=client.host if client else "", authorization=request.headers.get("authorization", "")
             ),
         )
+        self.check_history(req)
         self.health.require()
         completion = Completion.new(req.model, expose_plan=self.expose_plan)
-        cancel = threading.Event()
+        cancel = RequestCancel()
         self.active.add(cancel)
+        if self.request_timeout is not None:
+            cancel.clock = asyncio.get_running_loop().call_later(self.request_timeout, cancel.time_out, self.metrics)
         try:
             response = await self._chat(request, req, cancel, t0, completion)
         except BaseException:
             self.active.discard(cancel)
+            cancel.stop_clock()
             raise
         if not isinstance(response, StreamingResponse):
             self.active.discard(cancel)
+            cancel.stop_clock()
         return response  # a stream leaves `active` when it is closed (see _stream)
+
+    def check_history(self, req: ChatRequest) -> None:
+        """A 400 naming the limit for a history over ``max_messages`` or ``max_history_chars``,
+        before any worker is taken (every message would be counted through the chat template)."""
+        try:
+            self.history.check_size(messages=len(req.history) + 1, chars=sum(len(m["content"]) for m in req.history))
+        except ConfigError as exc:
+            raise APIError(400, str(exc), param="messages", code="history_too_long") from None
+
+    def timed_out(self) -> APIError:
+        """The answer of a request stopped at the request time-out before its answer was whole."""
+        return APIError(
+            503,
+            f"the request ran past the request time-out of {self.request_timeout:g} s and was stopped "
+            "(its memory is free again); send a shorter history or a lower max_tokens, or raise "
+            "serve --request-timeout",
+            type="server_error",
+            code="request_timeout",
+        )
 
     def cancel_all(self) -> None:
         """Server stopping: stop running generations (frees their reservations)."""
@@ -591,19 +651,25 @@ class ChatEndpoint:
         if "queue_s" in report["timings"]:  # absent when the request never reached the queue
             self.metrics.observe("ragbudget_queue_wait_seconds", report["timings"]["queue_s"])
 
-    async def wait_or_cancel(self, request: Any, fut: asyncio.Future[Any], cancel: threading.Event) -> Any:
+    async def wait_or_cancel(self, request: Any, fut: asyncio.Future[Any], cancel: RequestCancel) -> Any:
         """Await ``fut``; if the client goes away meanwhile, set ``cancel`` (frees the KV
-        reservation) and still wait for the worker to wind down."""
+        reservation) and still wait for the worker to wind down. A request stopped by its
+        time-out is a 503 (:meth:`timed_out`), whatever the worker raised on its way out."""
         while True:
             done, _ = await asyncio.wait({fut}, timeout=self.disconnect_poll_s)
             if done:
-                return _result(fut, self.to_error)
+                try:
+                    return _result(fut, self.to_error)
+                except APIError:
+                    if cancel.timed_out:
+                        raise self.timed_out() from None
+                    raise
             if not cancel.is_set() and await request.is_disconnected():
                 cancel.set()
                 self.metrics.add("cancelled", 1)
 
     async def _chat(
-        self, request: Any, req: ChatRequest, cancel: threading.Event, t0: float, completion: Completion
+        self, request: Any, req: ChatRequest, cancel: RequestCancel, t0: float, completion: Completion
     ) -> Any:
         from starlette.responses import Response
 
@@ -614,8 +680,10 @@ class ChatEndpoint:
             except WorkersBusy as full:
                 raise await self.busy(req, full) from full
             answer = await self.wait_or_cancel(request, fut, cancel)
-            if cancel.is_set():  # the client left: nobody reads the answer (counted as 499)
-                return Response(status_code=CLIENT_CLOSED)
+            if cancel.timed_out and answer.finish_reason == "cancelled":
+                raise self.timed_out()  # (an answer whole just before the time-out is sent)
+            if cancel.is_set() and not cancel.timed_out:
+                return Response(status_code=CLIENT_CLOSED)  # the client left: nobody reads it (499)
             self.health.ok()
             self.record_answer(answer)
             return completion.body(answer)
@@ -625,7 +693,7 @@ class ChatEndpoint:
         self,
         request: Any,
         req: ChatRequest,
-        cancel: threading.Event,
+        cancel: RequestCancel,
         t0: float,
         completion: Completion,
         returning: bool,
@@ -660,6 +728,10 @@ class ChatEndpoint:
                 getter.cancel()
                 await asyncio.wait({relay.started})
                 return Response(status_code=CLIENT_CLOSED)
+        if cancel.timed_out and (
+            first.kind == "error" or (first.kind == "done" and first.value.finish_reason == "cancelled")
+        ):
+            raise self.timed_out()  # nothing sent yet: a plain 503
         if first.kind == "error":
             raise self.to_error(first.value)
 
@@ -670,6 +742,7 @@ class ChatEndpoint:
             gone, even before the body started, or server stopping), stop generating now so the
             KV reservation is freed at once."""
             self.active.discard(cancel)
+            cancel.stop_clock()
             if not finished and not cancel.is_set():
                 cancel.set()
                 metrics.add("cancelled", 1)
@@ -695,8 +768,9 @@ class ChatEndpoint:
                     elif kind == "tick":
                         # An SSE comment: clients skip it, and their read time-out restarts.
                         yield b": waiting for a turn\n\n"
-                    elif kind == "error":
-                        err = self.to_error(value)
+                    elif kind == "error" or (cancel.timed_out and value.finish_reason == "cancelled"):
+                        # An error, or the request time-out cut the answer: the stream says so.
+                        err = self.timed_out() if cancel.timed_out else self.to_error(value)
                         yield sse(err.body())
                         yield sse("[DONE]")
                         finished = True

@@ -32,6 +32,8 @@ Leaves subclass the built-in they refine (``ConfigError`` is a ``ValueError``) s
 
 from __future__ import annotations
 
+import math
+
 __all__ = [
     "ArgumentTypeError",
     "BudgetError",
@@ -55,6 +57,7 @@ __all__ = [
     "RagBudgetError",
     "RequestCancelled",
     "SearchIndexError",
+    "retry_after_seconds",
 ]
 
 
@@ -151,11 +154,24 @@ class BudgetError(RagBudgetError):
         self.limit = limit
 
 
+def retry_after_seconds(seconds: float) -> int:
+    """A retry delay as HTTP's ``Retry-After`` carries it: whole seconds, rounded up (a client
+    honouring it must not come back before the time it was given), at least 1 (never 0: no
+    hammering). Every refusal's message states this same number.
+
+    >>> retry_after_seconds(2.1), retry_after_seconds(0.01)
+    (3, 1)
+    """
+    return max(1, math.ceil(seconds))
+
+
 class OverloadedError(RagBudgetError):
-    """Admission control refused a request: the wait queue is full or the wait timed out."""
+    """Admission control refused a request: the wait queue is full or the wait timed out. The
+    message ends with "retry after N s", N being :func:`retry_after_seconds` of ``retry_after``:
+    the very number a server's ``Retry-After`` header carries."""
 
     def __init__(self, message: str, *, retry_after: float = 1.0) -> None:
-        super().__init__(message)
+        super().__init__(f"{message}; retry after {retry_after_seconds(retry_after)} s")
         self.retry_after = retry_after
 
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import os
 import re
 import time
@@ -45,6 +44,7 @@ from .errors import (
     RagBudgetError,
     RequestCancelled,
     SearchIndexError,
+    retry_after_seconds,
 )
 
 if TYPE_CHECKING:
@@ -179,8 +179,16 @@ class APIError(Exception):
 
 def _retry_after(seconds: float) -> str:
     # Retry-After takes whole seconds; round up so that a client honoring it does not come back
-    # before the queue had a chance to drain.
-    return str(max(1, math.ceil(seconds)))
+    # before the queue had a chance to drain. The message says the same number (one function).
+    return str(retry_after_seconds(seconds))
+
+
+def _with_retry(message: str, seconds: float) -> str:
+    """``message`` ending with "retry after N s", N the Retry-After header's number: an
+    :class:`~ragbudget.errors.OverloadedError` already ends so; a served engine's own refusal
+    (which said what the engine asked) gets it added."""
+    said = f"; retry after {retry_after_seconds(seconds)} s"
+    return message if message.endswith(said) else message + said
 
 
 def error_from_exception(exc: BaseException, *, expose_plan: bool = False) -> APIError:
@@ -194,7 +202,7 @@ def error_from_exception(exc: BaseException, *, expose_plan: bool = False) -> AP
     if isinstance(exc, OverloadedError):
         return APIError(
             429,
-            f"{exc} (retry after the Retry-After header)",
+            _with_retry(str(exc), exc.retry_after),
             type="rate_limit_error",
             code="overloaded",
             headers={"Retry-After": _retry_after(exc.retry_after)},
@@ -660,7 +668,7 @@ def overloaded(why: str, retry_after: float) -> APIError:
     seconds (rounded up)."""
     return APIError(
         429,
-        f"server overloaded: {why}; retry after the Retry-After header",
+        _with_retry(f"server overloaded: {why}", retry_after),
         type="rate_limit_error",
         code="overloaded",
         headers={"Retry-After": _retry_after(retry_after)},

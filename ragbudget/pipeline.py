@@ -472,6 +472,22 @@ class Pipeline:
                 self._plans[(max_new_tokens, loaded)] = plan
             return plan
 
+    #: What :meth:`calibrate` asks: any index has an answer to it.
+    CALIBRATION_QUESTION = "What is this about?"
+
+    def calibrate(self, question: str = CALIBRATION_QUESTION, *, max_new_tokens: int = 16) -> Answer | None:
+        """Answer one real ``question`` — retrieval, a prompt as long as the plan allows,
+        admission, ``max_new_tokens`` streamed tokens — so that admission's time model learns the
+        speed a request gets on this host before the first client comes: the speed probe times
+        bare forward passes of the model alone, and real requests have run several times slower
+        (issue #30). Its first token and its end are observed as any request's are
+        (:meth:`~ragbudget.admission.AdmissionController.observe`: a new speed is provisional,
+        and the slower one stands). ``serve`` does it at warm-up. ``None`` without a time model
+        (a served engine, a model not loaded): nothing to calibrate."""
+        if self.admission.throughput is None:
+            return None
+        return self.ask(question, max_new_tokens=max_new_tokens, on_text=lambda _piece: None)
+
     #: Seconds between two looks at whether a provisional speed can be measured again.
     SPEED_RECHECK_S = 30.0
 

@@ -74,7 +74,7 @@ from .openai_api import (
     parse_retrieve,
     selection_body,
 )
-from .settings import HistorySettings, from_keywords
+from .settings import DEFAULT_REQUEST_TIMEOUT, HistorySettings, from_keywords
 
 if TYPE_CHECKING:
     from .pipeline import Pipeline
@@ -115,6 +115,7 @@ def create_app(
     disconnect_poll_s: float = 0.1,
     expose_plan: bool = False,
     keepalive_s: float = 15.0,
+    request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT,
 ) -> Any:
     """Build the FastAPI app serving ``pipeline`` (a :class:`ragbudget.pipeline.Pipeline`, local
     or on a served engine).
@@ -143,6 +144,13 @@ def create_app(
     ``Retry-After`` that claimed its place) gets an SSE comment every ``keepalive_s`` seconds, so
     that neither the client's read time-out nor a proxy closes the connection meanwhile.
 
+    ``request_timeout`` (seconds; ``None`` or 0: none) bounds one chat request from its arrival to
+    its last token, whatever it does: counting and summarizing its history, retrieval, waiting
+    for admission, generating. Past it the request is stopped as a client that left would be
+    (its worker and memory free within one count or one token) and answered 503
+    ``request_timeout``, or its stream ends with that error; a history over ``max_messages``
+    or ``max_history_chars`` (``history``) is a 400 before any work.
+
     ``trim_memory`` returns the heap freed by a burst of requests to the OS once the server is
     idle again (glibc ``malloc_trim``; see :func:`~ragbudget.malloc.release_memory`), so resident
     memory goes back to its baseline between bursts instead of ratcheting up.
@@ -165,6 +173,8 @@ def create_app(
         raise ConfigError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
     if max_workers < 1:
         raise ConfigError(f"max_workers must be >= 1, got {max_workers}")
+    if request_timeout is not None and not request_timeout >= 0:
+        raise ConfigError(f"request_timeout must be >= 0 seconds (0: none), got {request_timeout}")
     policy = from_keywords(
         HistorySettings,
         history,
@@ -207,6 +217,7 @@ def create_app(
         disconnect_poll_s=disconnect_poll_s,
         expose_plan=expose_plan,
         keepalive_s=keepalive_s,
+        request_timeout=request_timeout,
     )
 
     @contextlib.asynccontextmanager
@@ -489,6 +500,7 @@ def serve(
                 # the first request, which admission already counts as taken (see admission).
                 backend.generate("warm-up", max_new_tokens=1)
                 log.info("batched generation: %s", backend.capacity().kv_total_source)
+            _calibrate(pipeline)
         app = create_app(pipeline, api_key=api_key, expose_plan=expose_plan, **app_options)
         # Bounded graceful shutdown: open streams are cancelled by the app's lifespan, not awaited forever.
         config = uvicorn.Config(
@@ -502,6 +514,29 @@ def serve(
             log.info("server stopped")
     finally:
         sock.close()
+
+
+def _calibrate(pipeline: "Pipeline") -> None:
+    """One real request before listening (:meth:`~ragbudget.pipeline.Pipeline.calibrate`), so the
+    first clients are not admitted on the speed probe's bare forward passes; in a thread of its
+    own, whose OpenMP pool ends with it (:func:`~ragbudget.batching.in_own_thread`). A failure
+    is logged: the server still starts, the probe's speed provisional until requests correct it."""
+    from .batching import in_own_thread
+
+    t0 = time.perf_counter()
+    try:
+        answer = in_own_thread(pipeline.calibrate)
+    except RagBudgetError as exc:
+        log.warning("calibration request failed (%s): the first requests are admitted at the probe's speed", exc)
+        return
+    if answer is not None:
+        stats = pipeline.admission.stats()
+        log.info(
+            "calibration request: %d prompt tokens in %.1f s; admission's slowdown (wall s per probe s) is now %.2f",
+            answer.report["budget"].get("prompt_tokens", 0),
+            time.perf_counter() - t0,
+            stats.slowdown or 1.0,
+        )
 
 
 def _check_ready(pipeline: "Pipeline") -> None:

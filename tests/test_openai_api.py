@@ -260,6 +260,20 @@ def test_overload_answers_carry_a_rounded_up_retry_after() -> None:
     assert mapped.status == 429 and mapped.headers == {"Retry-After": "1"}
 
 
+def test_a_429_message_says_the_number_its_retry_after_header_carries() -> None:
+    from ragbudget.errors import EngineOverloadedError
+
+    for err in (
+        overloaded("3 requests already wait", 2.1),
+        error_from_exception(OverloadedError("queue full", retry_after=97.2)),
+        # A served engine's refusal says what the engine asked; the gateway's number is added.
+        error_from_exception(EngineOverloadedError("busy; it asked to retry after 0.5 s", retry_after=0.5)),
+    ):
+        assert err.status == 429
+        assert err.message.endswith(f"; retry after {err.headers['Retry-After']} s"), err.message
+        assert err.message.count("retry after") == 1 + ("it asked" in err.message)
+
+
 def test_error_messages_keep_the_host_to_itself() -> None:
     budget = BudgetError("Llama on RTX 4090: 30 GiB needed", needed=9000, available=2048)
     err = error_from_exception(budget)

@@ -457,6 +457,7 @@ def test_overload_is_429_with_retry_after_streaming_or_not() -> None:
         assert resp.status_code == 429
         assert resp.headers["retry-after"] == "3"
         assert resp.json()["error"]["type"] == "rate_limit_error"
+        assert resp.json()["error"]["message"] == "queue full; retry after 3 s"  # the header's number
 
 
 def test_worker_pool_full_is_429_not_an_unbounded_queue() -> None:
@@ -543,6 +544,92 @@ def test_disconnect_while_waiting_non_streaming_frees_the_reservation() -> None:
         )
 
 
+# --- a hostile history (issue #30): bounded, timed out, cancelled -----------------------------------
+
+
+def hostile_history(n_messages: int = 2047, words: int = 25) -> list[dict[str, str]]:
+    """A history at the default limits (2,047 messages before the question, ~460,000
+    characters): each message is counted, and the older turns must be summarized."""
+    return [
+        {"role": "user" if i % 2 == 0 else "assistant", "content": " ".join(f"m{i}w{j}" for j in range(words))}
+        for i in range(n_messages)
+    ]
+
+
+def in_flight(url: str) -> int:
+    return int(httpx.get(url + "/health", timeout=5).json()["in_flight"])
+
+
+def test_a_history_over_the_limits_is_a_400_naming_the_limit_before_any_work() -> None:
+    from ragbudget.settings import HistorySettings
+
+    pipe = fake_pipeline()
+    with running(pipe, history=HistorySettings(max_messages=8, max_history_chars=1000)) as url:
+        r = httpx.post(
+            url + "/v1/chat/completions", json={"model": MODEL, "messages": hostile_history(8, words=1) + user()}
+        )
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "messages" and err["code"] == "history_too_long"
+        assert "has 9 messages, more than the limit of 8 (max_messages; serve --max-messages)" in err["message"]
+        long = [{"role": "user", "content": "x" * 1001}]
+        r = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": long + user()})
+        assert r.status_code == 400 and "1,001 characters, more than the limit of 1,000" in r.json()["error"]["message"]
+        assert in_flight(url) == 0
+        ok = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": hostile_history(7, 1) + user()})
+        assert ok.status_code == 200
+    assert len(fake(pipe).calls) == 1  # the refused ones reached no worker, no model
+
+
+def test_a_hostile_history_never_holds_a_worker_past_the_request_timeout() -> None:
+    # The summary the history needs would take 128 tokens x 0.3 s = 38 s; the request time-out is 3 s.
+    pipe = fake_pipeline(words=200, token_delay=0.3)
+    body = {"model": MODEL, "messages": hostile_history() + user()}
+    with running(pipe, request_timeout=3) as url:
+        for stream in (False, True):
+            t0 = time.monotonic()
+            r = httpx.post(url + "/v1/chat/completions", json={**body, "stream": stream}, timeout=60)
+            took = time.monotonic() - t0
+            assert r.status_code == 503, r.text
+            err = r.json()["error"]
+            assert err["code"] == "request_timeout" and "request time-out of 3 s" in err["message"]
+            assert 3 <= took < 6
+            assert _wait_until(lambda: in_flight(url) == 0, timeout=1.0)  # its worker is free at once
+        assert reserved(pipe) == 0
+        assert "ragbudget_timed_out_total 2" in httpx.get(url + "/metrics").text
+        # A question with a short history still gets its answer under the same time-out.
+        short = {"model": MODEL, "messages": user(), "max_tokens": 4}  # 1.2 s of answer
+        ok = httpx.post(url + "/v1/chat/completions", json=short, timeout=30)
+        assert ok.status_code == 200, ok.text
+
+
+def test_a_stream_cut_by_the_request_timeout_ends_with_the_error() -> None:
+    pipe = fake_pipeline(words=500, token_delay=0.05, max_new_tokens=500)  # 25 s of answer
+    with running(pipe, request_timeout=2) as url:
+        body = {"model": MODEL, "messages": user("stream me"), "stream": True}
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=30) as r:
+            assert r.status_code == 200
+            events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        assert json.loads(events[-2])["error"]["code"] == "request_timeout"
+        assert any("word1" in e for e in events)  # it had started
+        assert _wait_until(lambda: in_flight(url) == 0 and reserved(pipe) == 0, timeout=1.0)
+
+
+def test_a_client_leaving_during_a_hostile_history_frees_its_worker_at_once() -> None:
+    pipe = fake_pipeline(words=200, token_delay=0.3)
+    with running(pipe) as url:  # the default request time-out: only the client's leaving stops it
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(
+                url + "/v1/chat/completions", json={"model": MODEL, "messages": hostile_history() + user()}, timeout=1.0
+            )
+        assert _wait_until(lambda: in_flight(url) == 0, timeout=2.0)
+        assert reserved(pipe) == 0
+        assert _wait_until(
+            lambda: 'endpoint="/v1/chat/completions",status="499"} 1' in httpx.get(url + "/metrics").text
+        )
+
+
 def _load_bench() -> Any:
     path = Path(__file__).resolve().parents[1] / "bench" / "load.py"
     spec = importlib.util.spec_from_file_location("ragbudget_bench_load", path)
@@ -624,6 +711,7 @@ def test_serve_command_passes_options_and_env_key(monkeypatch: pytest.MonkeyPatc
             "api_key": "env-key",
             "model_name": None,
             "history": HistorySettings(history_share=0.5, summary_max_tokens=128, recent_turns=1),
+            "request_timeout": 300.0,
             "expose_plan": False,
         }
     ]
@@ -631,6 +719,13 @@ def test_serve_command_passes_options_and_env_key(monkeypatch: pytest.MonkeyPatc
     result = CliRunner().invoke(cli, ["serve", "--port", "0", "--expose-plan"])
     assert result.exit_code == 0, result.output
     assert served[-1]["expose_plan"] is True
+    limits = ["--max-messages", "64", "--max-history-chars", "10000", "--request-timeout", "45"]
+    result = CliRunner().invoke(cli, ["serve", "--port", "0", *limits])
+    assert result.exit_code == 0, result.output
+    assert served[-1]["history"] == HistorySettings(max_messages=64, max_history_chars=10_000)
+    assert served[-1]["request_timeout"] == 45
+    result = CliRunner().invoke(cli, ["serve", "--port", "0", "--max-messages", "0"])
+    assert result.exit_code == 2
     result = CliRunner().invoke(cli, ["serve", "--port", "70000"])
     assert result.exit_code == 2
 
@@ -787,6 +882,7 @@ def test_a_request_whose_first_token_would_miss_the_timeout_is_429_before_retrie
         # ~14 s of work ahead, less the 5 s time-out: told to come back when it is done.
         assert 5 <= int(r.headers["retry-after"]) <= 14
         assert "past the queue time-out" in r.json()["error"]["message"]
+        assert r.json()["error"]["message"].endswith(f"; retry after {r.headers['retry-after']} s")
         assert searched == [] and fake(pipe).counted == n_counts  # no retrieval, no counting
         assert ctl.stats().refused_for_time_total == 1  # counted, its return promised
         again = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": user()})
