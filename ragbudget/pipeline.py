@@ -43,6 +43,7 @@ from .allowance import (
     EnginePlan,
     engine_admission,
     memory_max_prompt,
+    model_name,
     prompt_room,
     time_cap,
 )
@@ -401,7 +402,7 @@ class Pipeline:
             url=url,
             kind=capacity.engine_kind or "engine",
             detected=detected,
-            model=backend.model_id,
+            model=model_name(backend.model_id),
         )
 
     @property

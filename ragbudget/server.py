@@ -400,11 +400,11 @@ class _Guard:
 
 def _default_model_name(pipeline: "Pipeline") -> str:
     # The engine's model id, or the local model's (its ref: ``generator.model`` would load it).
+    from .allowance import model_name
+
     value = pipeline.backend.model_id if pipeline.served else pipeline.generator.model_ref.id
-    if not value:
-        return "ragbudget"
     # A local path is no name to show clients; a hub id ("org/name") is.
-    return os.path.basename(value.rstrip("/\\")) if os.path.isabs(value) or value.startswith(".") else value
+    return model_name(value) if value else "ragbudget"
 
 
 def _version() -> str:
