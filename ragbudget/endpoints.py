@@ -76,6 +76,9 @@ _ADMISSION_FIGURES = (
     "work_ahead_s",
     "slowdown",
 )
+# Of those, the host memory figures (the memory left beside the weights, and how much of it
+# requests hold): shown only with ``expose_plan``, like the plan itself.
+_HOST_MEMORY_FIGURES = frozenset({"capacity_bytes", "admitted_bytes", "peak_admitted_bytes"})
 
 
 class EngineLoad:
@@ -342,8 +345,9 @@ class AdmissionView:
     """The pipeline's admission controller and its one-line description, each built once, off
     the event loop (sizing the controller plans from memory or asks the engine)."""
 
-    def __init__(self, pipeline: Pipeline) -> None:
+    def __init__(self, pipeline: Pipeline, *, expose_plan: bool = False) -> None:
         self.pipeline = pipeline
+        self.expose_plan = expose_plan
         self._controller: AdmissionController | None = None
         self._note: str | None = None
 
@@ -355,10 +359,12 @@ class AdmissionView:
         return self._controller
 
     async def figures(self) -> dict[str, float]:
-        """What /health and /metrics show of its stats."""
+        """What /health and /metrics show of its stats (host memory figures only with
+        ``expose_plan``)."""
         ctl = await self.controller()
         stats = ctl.stats().to_dict() if ctl is not None else {}
-        return {k: stats[k] for k in _ADMISSION_FIGURES if k in stats}
+        shown = [k for k in _ADMISSION_FIGURES if self.expose_plan or k not in _HOST_MEMORY_FIGURES]
+        return {k: stats[k] for k in shown if k in stats}
 
     async def note(self) -> str:
         """What admission is sized from (read once: an engine's shape is fixed)."""

@@ -179,7 +179,7 @@ def create_app(
     workers = Workers(max_workers, metrics, trim_memory=trim_memory)
     started = time.time()
     health = IndexHealth(pipeline)
-    admission = AdmissionView(pipeline)
+    admission = AdmissionView(pipeline, expose_plan=expose_plan)
     engine_load = EngineLoad(pipeline) if pipeline.served else None
     summary_cache = None
     if summary_cache_size > 0:

@@ -1457,3 +1457,25 @@ def test_time_capped_plan_is_named_in_memory_and_a_long_question_is_answered_by_
     assert r.status_code == 200, r.text
     assert r.json()["ragbudget"]["memory"]["limited_by"] == "time"
     assert r.json()["ragbudget"]["budget"]["limited_by"] == "time"
+
+
+# --- host memory figures stay private without --expose-plan -------------------------------------
+
+
+@pytest.mark.parametrize("expose_plan", [False, True])
+def test_health_and_metrics_show_admission_bytes_only_with_expose_plan(expose_plan: bool) -> None:
+    """With a memory model admission counts bytes (the memory left beside the weights): those
+    figures are the host's, kept out of /health and /metrics unless the plan is exposed."""
+    from fastapi.testclient import TestClient
+
+    from ragbudget.admission import MemoryModel
+
+    pipe = fake_pipeline(slots=2)
+    pipe.admission.configure(memory=MemoryModel(capacity_bytes=7_340_032_000, kv_bytes_per_token=1024))
+    with TestClient(create_app(pipe, expose_plan=expose_plan)) as client:
+        health = client.get("/health").json()
+        metrics = client.get("/metrics").text
+    assert "capacity_tokens" in health and "ragbudget_kv_capacity_tokens" in metrics  # tokens: always
+    for figure in ("capacity_bytes", "admitted_bytes", "7340032000"):
+        assert (figure in json.dumps(health)) is expose_plan, figure
+        assert (figure in metrics) is expose_plan, figure
