@@ -134,8 +134,11 @@ class Capacity:
     ``max_prompt_tokens`` — a separate cap on the prompt where the engine has one (TGI's
     ``max_input_tokens``, SGLang's ``max_req_input_len``);
     ``kv_tokens_total`` / ``kv_tokens_free`` — the KV cache in tokens, all and now free;
-    ``running`` / ``waiting`` — requests in the engine now; ``max_concurrent`` — its request cap.
-    ``None`` means the engine does not say. ``measured_at`` is ``time.time()`` of the reading;
+    ``running`` / ``waiting`` — requests in the engine now; ``max_concurrent`` — its request cap;
+    ``slot_tokens`` — the KV tokens every request holds whatever its length, on an engine that
+    gives each request a fixed slot (llama.cpp's ``-np``: one slot's ``n_ctx``), which admission
+    then reserves per request. ``None`` means the engine does not say (or has no such slots).
+    ``measured_at`` is ``time.time()`` of the reading;
     the ``*_source`` strings name the route and field (``"GET /props n_ctx"``).
     """
 
@@ -146,6 +149,7 @@ class Capacity:
     running: int | None = None
     waiting: int | None = None
     max_concurrent: int | None = None
+    slot_tokens: int | None = None
     max_context_source: str = ""
     max_prompt_source: str = ""
     kv_total_source: str = ""

@@ -293,7 +293,10 @@ class Pipeline:
 
     def __repr__(self) -> str:
         if self.engine.url is not None:
-            return f"Pipeline({str(self.index_dir)!r}, engine={self.engine.url!r}, engine_kind={self.engine.kind!r})"
+            from .engines import root_url  # the URL without any credentials in it
+
+            url = root_url(self.engine.url)
+            return f"Pipeline({str(self.index_dir)!r}, engine={url!r}, engine_kind={self.engine.kind!r})"
         return (
             f"Pipeline({str(self.index_dir)!r}, model={self.model!r}, gpu={self.memory.gpu!r}, "
             f"concurrency={self.memory.concurrency})"
@@ -825,8 +828,13 @@ class Pipeline:
 
         sampling, stop, extra = split_generate_options(generate_options, served=self.served)
         backend = self.backend
+        # On an engine of fixed request slots a request holds a whole slot: admission then lets
+        # no more requests through than the engine has slots, and the rest wait here, bounded by
+        # the queue, instead of inside the engine, bounded only by the engine time-out.
+        slot = backend.capacity().slot_tokens if self.served else None
+        held = max(reserve, slot or 0)
         try:
-            reservation = self.admission.acquire(reserve, prompt_tokens=prompt.n_tokens, cancel=cancel)
+            reservation = self.admission.acquire(held, prompt_tokens=prompt.n_tokens, cancel=cancel)
         except RequestCancelled:
             timings["queue_s"] = time.perf_counter() - t0
             return cancelled()

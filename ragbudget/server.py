@@ -62,7 +62,7 @@ from collections.abc import AsyncIterator, Iterator
 from typing import TYPE_CHECKING, Any
 
 from .endpoints import CLIENT_LEFT, AdmissionView, ChatEndpoint, EngineLoad, IndexHealth, Workers, read_json
-from .errors import ConfigError, RagBudgetError, SearchIndexError
+from .errors import ConfigError, EngineError, RagBudgetError, SearchIndexError
 from .malloc import limit_malloc_arenas
 from .metrics import Metrics, admission_gauges
 from .openai_api import (
@@ -191,6 +191,8 @@ def create_app(
         err = error_from_exception(exc, expose_plan=expose_plan)
         if isinstance(exc, SearchIndexError):  # /health says so until a request succeeds again
             health.failed(err)
+        if engine_load is not None and isinstance(exc, EngineError):  # gone: 503 until it is back
+            engine_load.failed(exc)
         return err
 
     chat = ChatEndpoint(
@@ -269,12 +271,21 @@ def create_app(
         }
         if engine_load is not None:
             # Generation on a served engine: say what admission is sized from, and that it is
-            # open when the engine reports no capacity.
-            note = await admission.note()
-            body["admission"] = note
-            if note.startswith("open"):
-                body.pop("capacity_tokens", None)
-            body["engine_load"] = engine_load.describe(await asyncio.to_thread(engine_load.read))
+            # open when the engine reports no capacity. The engine is looked at first (a quick
+            # look, at most once a second): while it is unavailable nothing else asks it.
+            load = await asyncio.to_thread(engine_load.read)
+            if engine_load.error is None:
+                note = await admission.note()
+                body["admission"] = note
+                if note.startswith("open"):
+                    body.pop("capacity_tokens", None)
+            body["engine_load"] = engine_load.describe(load)
+            # The engine's own health: a gateway whose engine is gone cannot answer a question,
+            # so /health is 503 then, as for a missing index (a load balancer takes it out).
+            body["engine"] = engine_load.state()
+            if problem is None and engine_load.error is not None:
+                problem = body["engine"]["error"]
+                body["status"] = "unavailable"
         if problem is not None:
             body["error"] = problem
             return JSONResponse(body, status_code=503)
@@ -285,6 +296,16 @@ def create_app(
         gauges = admission_gauges(await admission.figures())
         if engine_load is not None:
             gauges.update(engine_load.gauges(await asyncio.to_thread(engine_load.read)))
+            gauges["ragbudget_engine_up"] = (
+                "1: the served engine answers; 0: it is unavailable (gone, loading, overloaded or broken).",
+                0 if engine_load.error is not None else 1,
+            )
+            sent = engine_load.sent()
+            if sent is not None:
+                gauges["ragbudget_engine_tokenizer_requests"] = (
+                    "Requests sent to the engine's tokenizer routes since start (counts are cached by text digest).",
+                    sum(n for route, n in sent.items() if "tokenize" in route),
+                )
         return PlainTextResponse(metrics.render(gauges), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models")

@@ -5,6 +5,7 @@ too-long retry, bounded back-off on overload, and one-line typed errors for ever
 
 from __future__ import annotations
 
+import base64
 import socket
 import threading
 import time
@@ -33,10 +34,12 @@ from ragbudget.errors import (
     EngineError,
     EngineOverloadedError,
     EngineResponseError,
+    EngineTimeoutError,
     OverloadedError,
 )
 from ragbudget.prompt import Prompt, build_prompt
 from ragbudget.select import Candidate
+from ragbudget.settings import EngineSettings
 
 FAST = Retry(attempts=4, base_delay=0.01, max_delay=0.05, max_wait=2.0)
 USER = [{"role": "user", "content": "How is the Project Leader elected?"}]
@@ -581,6 +584,53 @@ def test_a_hung_stream_times_out_too() -> None:
         )
         with _connect(srv, model="m", timeout=1.5) as b, pytest.raises(EngineConnectionError, match="gave no answer"):
             b.generate(USER, max_new_tokens=4, on_text=lambda s: None)
+
+
+def test_a_time_out_is_its_own_type_with_its_seconds() -> None:
+    """An engine time-out is an EngineTimeoutError (still an EngineConnectionError, and a
+    TimeoutError) with the seconds it waited: the server answers it 504, a refused engine 502."""
+    with Replay("vllm") as srv:
+        srv.push("POST", "/v1/chat/completions", Resp(delay=4.0, json={}))
+        with _connect(srv, model="m", timeout=1.0) as b, pytest.raises(EngineTimeoutError) as e:
+            b.generate(USER, max_new_tokens=4)
+    assert isinstance(e.value, EngineConnectionError) and isinstance(e.value, TimeoutError)
+    assert e.value.cause == "timeout" and e.value.timeout == 1.0 and e.value.kind == "vllm"
+    assert "--engine-timeout" in str(e.value)
+    with pytest.raises(EngineConnectionError) as refused:
+        connect(f"http://127.0.0.1:{_free_port()}")
+    assert refused.value.cause == "refused" and not isinstance(refused.value, EngineTimeoutError)
+
+
+def test_credentials_in_the_url_are_sent_as_basic_auth_and_never_shown() -> None:
+    """``http://user:pass@host`` authenticates (HTTP basic auth) but the password is in no URL,
+    message or error field: those reach logs, reports and the server's clients."""
+    with Replay("llamacpp") as srv:
+        host = srv.url.removeprefix("http://")
+        with connect(f"http://bob:s%40cret@{host}/v1", retry=FAST, timeout=5.0) as b:
+            assert b.url == srv.url and "s@cret" not in repr(b)
+            b.capacity()
+        assert srv.authorization[-1] == "Basic " + base64.b64encode(b"bob:s@cret").decode()
+    with pytest.raises(EngineConnectionError) as e:
+        connect(f"http://bob:s3cret@127.0.0.1:{_free_port()}")
+    assert "s3cret" not in str(e.value) and "bob" not in e.value.url
+    assert root_url("https://bob:s3cret@engine.example:8443/v1") == "https://engine.example:8443"
+    assert "s3cret" not in repr(EngineSettings(url="http://bob:s3cret@engine.example/v1"))
+    with pytest.raises(ConfigError) as bad:
+        root_url("ftp://bob:s3cret@engine.example")
+    assert "s3cret" not in str(bad.value)
+
+
+def test_a_probe_says_overloaded_at_once_without_backing_off() -> None:
+    """Inside ``http.probing()`` a 503 (overloaded, or llama.cpp loading its model) raises at
+    once: the server's look at the engine's health must not spend the back-off a request gets."""
+    slow = Retry(attempts=4, base_delay=5.0, max_delay=5.0, max_wait=20.0)
+    with Replay("llamacpp") as srv, connect(srv.url, retry=slow, timeout=5.0) as b:
+        srv.push("GET", "/props", *[overloaded("llamacpp")] * 4)
+        t0 = time.perf_counter()
+        with b.http.probing(), pytest.raises(EngineOverloadedError) as e:
+            b.capacity()
+        assert time.perf_counter() - t0 < 2 and e.value.attempts == 1
+        assert len(srv.calls("GET", "/props")) == 1
 
 
 def test_http_client_maps_other_statuses_with_the_structured_body() -> None:

@@ -119,6 +119,9 @@ class LlamaCppBackend(ServedBackend):
             load_source=load_src,
             max_concurrent=slots_n,
             max_concurrent_source="GET /props total_slots" if slots_n is not None else "",
+            # A request takes one slot, however short its prompt: a fifth request on four
+            # slots waits inside the server (deferred), where only the engine time-out bounds it.
+            slot_tokens=n_ctx if slots_n is not None else None,
             engine_kind=self.kind,
             engine_version=props.get("build_info"),
             notes=tuple(notes),
