@@ -130,7 +130,8 @@ class EngineLoad:
         if self.error is None:
             return {**out, "status": "ok"}
         err = engine_unavailable(self.error)
-        return {**out, **err.extra["engine"], "status": "unavailable", "error": err.message}
+        # The engine's root URL stays "url"; the route that failed is in the message.
+        return {**out, "status": "unavailable", "cause": err.extra["engine"]["cause"], "error": err.message}
 
     @staticmethod
     def refusal(figures: tuple[Capacity | None, str], max_new_tokens: int) -> str | None:
