@@ -25,7 +25,12 @@ the controller raises :class:`~ragbudget.errors.OverloadedError` and the client 
 loop, so ``/health`` answers throughout. A client that disconnects sets the request's cancel event,
 which stops generation and frees the reservation at once.
 
-Only the server's own faults are 5xx. A malformed body, or one nested deeper than
+Only the server's own faults, and a served engine's, are 5xx. An engine's are answered as a gateway
+answers its upstream's (:func:`~ragbudget.openai_api.engine_error`): 502 for an engine that refused
+or dropped the connection or answered what is not its API, 504 for no answer within the engine
+time-out, 503 with ``Retry-After`` while it is down, loading or overloaded — then ``/health`` is 503
+as well (what a load balancer reads as "out of rotation"), with an ``engine`` section naming it and
+the cause (:class:`~ragbudget.engine_load.EngineLoad`). A malformed body, or one nested deeper than
 :data:`~ragbudget.openai_api.MAX_JSON_DEPTH`, is a 400; a client that leaves before its answer
 (even in the middle of its body) is counted as 499, without a traceback; an index that is missing
 or damaged is a 503, and ``/health`` then answers 503 too. :func:`serve` refuses to start on such

@@ -573,10 +573,18 @@ class LlamaCpp(Engine):
         ]
 
     def tokenize(self, body: Any) -> Resp:
-        text = body["content"]
-        # A rendered template is counted as the chat route counts it; plain text word by word.
-        n = self._rendered_count(text) if text.startswith("<|im_start|>") else words(text)
-        return Resp(json={"tokens": list(range(n))})
+        # `content` is a string, or an array of strings (each tokenized alone) and token ids
+        # (passed through): tokenize_mixed, tools/server/server-common.cpp.
+        content = body["content"]
+        tokens: list[int] = []
+        for part in content if isinstance(content, list) else [content]:
+            if isinstance(part, int):
+                tokens.append(part)
+                continue
+            # A rendered template is counted as the chat route counts it; plain text word by word.
+            n = self._rendered_count(part) if part.startswith("<|im_start|>") else words(part)
+            tokens += list(range(1000, 1000 + n))  # ids a vocabulary would give (never -1)
+        return Resp(json={"tokens": tokens})
 
     @staticmethod
     def _rendered_count(text: str) -> int:

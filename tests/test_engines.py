@@ -275,6 +275,67 @@ def test_count_cache_means_a_rerun_counts_nothing_twice() -> None:
     assert cache.get_many("other-model", [text_digest("e f")]) == {}
 
 
+def test_llamacpp_counts_many_texts_in_one_request() -> None:
+    """llama-server tokenizes each string of an array alone (tokenize_mixed): the texts of a
+    prompt are counted in one request, split by the id -1, after a one-time check that a batched
+    count agrees with a single one."""
+    texts = [f"chunk number {i} of the corpus" for i in range(40)] + ["", "<|im_end|> a"]
+    with Replay("llamacpp") as srv, _connect(srv) as b:
+        assert b.count(texts) == [len(t.split()) for t in texts]
+        assert len(srv.calls("POST", "/tokenize")) == 2  # the batch, and the one-time check
+        assert b.count([t + "!" for t in texts]) == [len(t.split()) + (1 if not t else 0) for t in texts]
+        assert len(srv.calls("POST", "/tokenize")) == 3  # one request for 42 new texts
+        assert b.http.sent["/tokenize"] == 3
+
+
+def test_llamacpp_without_array_tokenize_counts_one_text_a_request() -> None:
+    """An older llama-server refuses an array: counted one text a request from then on."""
+    with Replay("llamacpp") as srv, _connect(srv) as b:
+        srv.push("POST", "/tokenize", Resp(500, {"error": {"code": 500, "message": "[json.exception.type_error.302]"}}))
+        assert b.count(["a b", "c d e", "f"]) == [2, 3, 1]
+        assert b.count(["g h", "i"]) == [2, 1]
+    assert len(srv.calls("POST", "/tokenize")) == 1 + 3 + 2  # the refused batch, then one by one
+
+
+def test_counts_and_renders_are_kept_in_memory_without_a_count_cache() -> None:
+    """No count_cache (budget --engine without an index): a text is still counted once, and the
+    same messages rendered once (the question alone is measured three times a request)."""
+    with Replay("llamacpp") as srv, _connect(srv) as b:
+        b.count(["a b c"])
+        b.count(["a b c"])
+        first = b.render(USER)
+        assert b.render([dict(m) for m in USER]) is first  # equal messages, not the same object
+        other = b.render([{"role": "user", "content": "Something else?"}])
+        assert other.n_tokens != first.n_tokens
+        assert len(srv.calls("POST", "/apply-template")) == 2
+        assert len(srv.calls("POST", "/tokenize")) == 1 + 2
+
+
+def test_local_counters_keep_their_counts_under_their_tokenizer() -> None:
+    """An engine that cannot count is counted by a local stand-in: its counts are kept under
+    the model *and* that tokenizer and margin, so another --tokenizer never reuses them."""
+    cache = MemoryCountCache()
+    with Replay("openai") as srv, _connect(srv, count_cache=cache, context_tokens=2048) as b:
+        assert b.count_key == "acme/chat-1 @ tiktoken cl100k_base +0.15"
+        b.count(["a b c"])
+    assert cache.get_many("acme/chat-1 @ tiktoken cl100k_base +0.15", [text_digest("a b c")])
+    assert cache.get_many("acme/chat-1", [text_digest("a b c")]) == {}
+
+
+def test_in_memory_caches_are_bounded() -> None:
+    from ragbudget.engines._base import _LRU
+
+    lru = _LRU(10)
+    for i in range(30):
+        lru.put(i, i, size=3)
+    assert len(lru) == 3 and lru.get(29) == 29 and lru.get(0) is None
+    lru.put("huge", 1, size=11)  # bigger than the whole bound: not kept, nothing evicted
+    assert lru.get("huge") is None and len(lru) == 3
+    cache = MemoryCountCache(max_entries=100)
+    cache.put_many("m", {str(i): i for i in range(1000)})
+    assert len(cache) == 100 and cache.get_many("m", ["999", "0"]) == {"999": 999}
+
+
 def test_template_overhead_is_measured_once_per_model() -> None:
     with Replay("llamacpp") as srv, _connect(srv) as b:
         first = b.template_overhead("Be brief.")

@@ -173,6 +173,37 @@ def test_serve_engine_with_the_official_openai_client(gateway: str) -> None:
     assert r.choices[0].message.content and r.usage.prompt_tokens + 16 <= SLOT
 
 
+def _tokenizer_requests(gateway: str) -> int:
+    """The gateway's count of requests sent to the engine's tokenizer (its /metrics)."""
+    for line in httpx.get(f"{gateway}/metrics", timeout=30).text.splitlines():
+        if line.startswith("ragbudget_engine_tokenizer_requests "):
+            return int(float(line.split()[1]))
+    raise AssertionError("/metrics has no ragbudget_engine_tokenizer_requests")
+
+
+def test_the_gateway_asks_the_engines_tokenizer_at_most_twice_a_request_after_warm_up(gateway: str) -> None:
+    """Issue #30: 3,889 /tokenize calls for 11 requests. Counts are kept by text digest, many
+    texts go in one /tokenize, and the same messages are rendered once: once the questions'
+    chunks and passages have been counted, a request asks the tokenizer at most twice."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{gateway}/v1", api_key="unused", max_retries=0, timeout=300)
+    questions = [QUESTION, "What does the dup2 system call do?", "Where is Warsaw's old town?"]
+
+    def ask(q: str) -> None:
+        r = client.chat.completions.create(model="ragbudget", max_tokens=4, messages=[{"role": "user", "content": q}])
+        assert r.choices[0].message.content is not None
+
+    warm_before = _tokenizer_requests(gateway)
+    for q in questions:
+        ask(q)
+    warm_up = _tokenizer_requests(gateway) - warm_before
+    for q in questions * 2:
+        ask(q)
+    after = _tokenizer_requests(gateway) - warm_before - warm_up
+    assert after <= 2 * len(questions) * 2, (warm_up, after)
+    print(f"tokenizer requests: {warm_up} for {len(questions)} first asks, {after} for {2 * len(questions)} more")
+
+
 def test_killing_the_engine_mid_run_is_502_or_503_then_the_gateway_recovers(index_dir: Path, tmp_path: Path) -> None:
     """A real llama-server killed while a request runs on it: that request is a 502 (its
     connection dropped), later ones a 503 with Retry-After before any work, /health 503 naming
