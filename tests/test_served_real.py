@@ -93,10 +93,14 @@ def test_cli_ask_and_budget_with_engine(index_dir: Path, llama_server: str) -> N
 
 
 @pytest.fixture(scope="module")
-def gateway(index_dir: Path, llama_server: str) -> Iterator[str]:
-    """``ragbudget serve --engine`` in front of the llama-server, on a free loopback port."""
+def gateway(index_dir: Path, llama_server: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """``ragbudget serve --engine`` in front of the llama-server, on a free loopback port. Its
+    output goes to a file: a pipe nobody reads until the end fills up (64 KiB of ``-v`` lines)
+    and then blocks the server's every log call, which looks like a hung gateway."""
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    log_path = tmp_path_factory.mktemp("gateway") / "serve.log"
+    log = open(log_path, "w")  # noqa: SIM115 - the server's output for its whole life
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -115,8 +119,8 @@ def gateway(index_dir: Path, llama_server: str) -> Iterator[str]:
         ],
         cwd=ROOT,
         env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        stdout=log,
+        stderr=subprocess.STDOUT,
         text=True,
     )
     url = f"http://127.0.0.1:{port}"
@@ -124,7 +128,7 @@ def gateway(index_dir: Path, llama_server: str) -> Iterator[str]:
         deadline = time.time() + 120
         while True:
             if proc.poll() is not None:
-                pytest.fail(f"serve --engine exited {proc.returncode}: {proc.communicate()[1][-2000:]}")
+                pytest.fail(f"serve --engine exited {proc.returncode}: {log_path.read_text()[-2000:]}")
             try:
                 if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                     break
@@ -135,7 +139,9 @@ def gateway(index_dir: Path, llama_server: str) -> Iterator[str]:
             time.sleep(0.5)
         yield url
     finally:
-        err = stop_server(proc)
+        stop_server(proc)
+        log.close()
+        err = log_path.read_text()
         assert "Traceback" not in err, err[-2000:]
 
 
@@ -225,12 +231,14 @@ def test_killing_the_engine_mid_run_is_502_or_503_then_the_gateway_recovers(inde
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     serve = [sys.executable, "-m", "ragbudget", "serve", "--engine", engine_url, "--index-dir", str(index)]
+    log_path = tmp_path / "serve.log"
+    log = open(log_path, "w")  # noqa: SIM115 - the server's output for its whole life (no pipe to fill)
     gateway_proc = subprocess.Popen(
         [*serve, "--port", str(port), "--max-new-tokens", "200", "--engine-timeout", "120"],
         cwd=ROOT,
         env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
+        stdout=log,
+        stderr=subprocess.STDOUT,
         text=True,
     )
     gateway = f"http://127.0.0.1:{port}"
@@ -290,7 +298,9 @@ def test_killing_the_engine_mid_run_is_502_or_503_then_the_gateway_recovers(inde
         back = httpx.post(f"{gateway}/v1/chat/completions", json={**body, "max_tokens": 4}, timeout=300)
         assert back.status_code == 200, back.text
     finally:
-        err = stop_server(gateway_proc)
+        stop_server(gateway_proc)
+        log.close()
+        err = log_path.read_text()
         for proc in (engine, restarted):
             if proc is not None and proc.poll() is None:
                 proc.terminate()
