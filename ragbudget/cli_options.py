@@ -276,29 +276,36 @@ def engine(
     api_key_env: str | None,
     tokenizer: str | None,
     engine_context_tokens: int | None,
+    engine_timeout: float | None,
 ) -> EngineSettings | None:
     if engine is None:
-        given = [
+        named = [
             name
             for name, v in (
                 ("--engine-kind", engine_kind != "auto"),
                 ("--api-key-env", api_key_env),
                 ("--tokenizer", tokenizer),
                 ("--engine-context-tokens", engine_context_tokens),
+                ("--engine-timeout", engine_timeout is not None),
             )
             if v
         ]
-        if given:
-            raise click.UsageError(f"{', '.join(given)} need --engine URL")
+        if named:
+            raise click.UsageError(f"{', '.join(named)} need --engine URL")
         return None
     return EngineSettings(
-        url=engine, kind=engine_kind, api_key_env=api_key_env, tokenizer=tokenizer, context_tokens=engine_context_tokens
+        url=engine,
+        kind=engine_kind,
+        api_key_env=api_key_env,
+        tokenizer=tokenizer,
+        context_tokens=engine_context_tokens,
+        **given(timeout=engine_timeout),  # absent: the record's default, stated once there
     )
 
 
-#: ``--engine --engine-kind --api-key-env --tokenizer --engine-context-tokens``, handed to the
-#: command as ``engine``: an :class:`~ragbudget.settings.EngineSettings` (``None`` without
-#: ``--engine``: generate locally).
+#: ``--engine --engine-kind --api-key-env --tokenizer --engine-context-tokens --engine-timeout``,
+#: handed to the command as ``engine``: an :class:`~ragbudget.settings.EngineSettings` (``None``
+#: without ``--engine``: generate locally).
 engine_options = option_group(
     "engine",
     {
@@ -326,14 +333,22 @@ engine_options = option_group(
             "--tokenizer",
             default=None,
             metavar="NAME_OR_PATH",
-            help="Local tokenizer for engines that cannot count (Ollama, generic OpenAI): 2%% safety margin "
-            "(default: tiktoken, 15%%).",
+            help="Local tokenizer for engines that cannot count (Ollama, generic OpenAI): 2% safety margin "
+            "(default: tiktoken, 15%).",
         ),
         "engine_context_tokens": click.option(
             "--engine-context-tokens",
             default=None,
             type=click.IntRange(min=2),
             help="The engine's context window, for a server that does not report it.",
+        ),
+        "engine_timeout": click.option(
+            "--engine-timeout",
+            default=None,
+            type=click.FloatRange(min=0.0, min_open=True),
+            metavar="SECONDS",
+            help="Seconds any one engine reply may take (a whole answer, when not streamed) before it counts as "
+            f"an engine time-out [default: {EngineSettings().timeout:g}].",
         ),
     },
     engine,

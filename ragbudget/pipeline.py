@@ -43,6 +43,7 @@ from .allowance import (
     EnginePlan,
     engine_admission,
     memory_max_prompt,
+    model_name,
     prompt_room,
     time_cap,
 )
@@ -309,7 +310,10 @@ class Pipeline:
 
     def __repr__(self) -> str:
         if self.engine.url is not None:
-            return f"Pipeline({str(self.index_dir)!r}, engine={self.engine.url!r}, engine_kind={self.engine.kind!r})"
+            from .engines import root_url  # the URL without any credentials in it
+
+            url = root_url(self.engine.url)
+            return f"Pipeline({str(self.index_dir)!r}, engine={url!r}, engine_kind={self.engine.kind!r})"
         return (
             f"Pipeline({str(self.index_dir)!r}, model={self.model!r}, gpu={self.memory.gpu!r}, "
             f"concurrency={self.memory.concurrency})"
@@ -418,7 +422,7 @@ class Pipeline:
             url=url,
             kind=capacity.engine_kind or "engine",
             detected=detected,
-            model=backend.model_id,
+            model=model_name(backend.model_id),
         )
 
     @property
@@ -868,8 +872,13 @@ class Pipeline:
             return cancelled()
         t0 = time.perf_counter()
         backend = self.backend
+        # On an engine of fixed request slots a request holds a whole slot: admission then lets
+        # no more requests through than the engine has slots, and the rest wait here, bounded by
+        # the queue, instead of inside the engine, bounded only by the engine time-out.
+        slot = backend.capacity().slot_tokens if self.served else None
+        held = max(reserve, slot or 0)
         try:
-            reservation = self.admission.acquire(reserve, prompt_tokens=prompt.n_tokens, cancel=cancel)
+            reservation = self.admission.acquire(held, prompt_tokens=prompt.n_tokens, cancel=cancel)
         except RequestCancelled:
             timings["queue_s"] = time.perf_counter() - t0
             return cancelled()

@@ -369,6 +369,29 @@ class EngineSettings:
         _set(self, "context_tokens", check_int("engine_context_tokens", self.context_tokens, 2, optional=True))
         _set(self, "timeout", check_number("engine_timeout", self.timeout, 0.0, lo_open=True))
 
+    def __repr__(self) -> str:
+        # As api_key: a password in the URL (http://user:pass@host) is never shown.
+        fields: dict[str, Any] = {"url": _masked_url(self.url), "kind": self.kind, "api_key_env": self.api_key_env}
+        fields.update(tokenizer=self.tokenizer, context_tokens=self.context_tokens, timeout=self.timeout)
+        return f"EngineSettings({', '.join(f'{k}={v!r}' for k, v in fields.items())})"
+
+
+def _masked_url(url: str | None) -> str | None:
+    """``url`` with the password of any ``user:pass@`` masked.
+
+    >>> _masked_url("http://bob:s3cret@engine:8000/v1")
+    'http://bob:***@engine:8000/v1'
+    """
+    if url is None or "@" not in url:
+        return url
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.netloc.rsplit("@", 1)[1]
+    return urlunsplit(parts._replace(netloc=f"{parts.username}:***@{host}"))
+
 
 @dataclass(frozen=True, kw_only=True)
 class HistorySettings:

@@ -25,6 +25,14 @@ def test_help_lists_the_contract_commands(runner: CliRunner) -> None:
         assert command in result.output
 
 
+def test_no_help_text_shows_a_doubled_percent_sign(runner: CliRunner) -> None:
+    """click prints help strings as written (no %-formatting): a "%%" would show as is."""
+    for name in cli.commands:  # type: ignore[attr-defined]
+        result = runner.invoke(cli, [name, "--help"])
+        assert result.exit_code == 0, (name, result.output)
+        assert "%%" not in result.output, name
+
+
 def test_budget_json_offline_for_a_shipped_model(runner: CliRunner) -> None:
     result = runner.invoke(
         cli, ["budget", "--model", "meta-llama/Llama-3.1-8B-Instruct", "--gpu", "RTX 4090", "--json"]
