@@ -184,7 +184,9 @@ class IndexSummary:
     vectors not embedded again, ``chunks_resumed`` the part of them taken from the checkpoint of
     an interrupted run. ``sentences_embedded``/``sentences_reused``/``sentence_seconds``: the
     sentence vectors stored for span packing (only chunks without them: see
-    :meth:`Index.sentence_vectors`).
+    :meth:`Index.sentence_vectors`); ``sentences_pooled`` counts those pooled from the token
+    states of their chunk's own pass (no pass of their own), ``sentences_embedded`` those
+    embedded one by one.
     """
 
     files_seen: int = 0
@@ -216,6 +218,7 @@ class IndexSummary:
     sentences_embedded: int = 0
     sentences_reused: int = 0
     sentence_seconds: float = 0.0
+    sentences_pooled: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
