@@ -106,44 +106,23 @@ def _light_spec(emb: Embedder) -> dict[str, Any]:
     return {"kind": "custom", "id": emb.id, "pooling": emb.pooling}
 
 
-def _takes_spans(fn: Any) -> bool:
-    """Whether ``fn`` (an executor's or embedder's ``embed``) takes ``spans=``: a subclass that
-    overrides it with the older signature does not, and is called without."""
-    import inspect
-
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
-        return False
-    return any(p.name == "spans" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
-
-
-def _pools(emb: Embedder) -> bool:
-    """Whether ``emb`` pools span vectors from its own pass (and its ``embed`` takes them)."""
-    return bool(emb.pools_spans) and _takes_spans(emb.embed)
-
-
 class _Checkpoint:
     """Vectors embedded by the run in progress, kept across a kill so a re-run resumes.
 
     ``embed.checkpoint`` in the index folder: a header (magic, length, JSON: embedder identity and
-    dimension), then records ``sha256(text) | windows (u32) | n (i32) | vector (dim × f32) |
-    n span vectors (n × dim × f16) | crc32``, appended and fsync'ed once per embedded batch; ``n``
-    is -1 for a text embedded without spans, else its sentence vectors pooled from the same pass
-    (float16, as the index stores them). Loading keeps the records up to the first torn or
-    damaged one; a file written for another embedder, or in the older fixed-size format, is
-    deleted. The writer removes it once its vectors are committed (or when a run had nothing to
-    commit). Keyed by the text itself, so it holds whatever chunking, dedup or file order the
-    re-run has.
+    dimension), then fixed-size records ``sha256(text) | windows (u32) | vector (dim × f32) |
+    crc32``, appended and fsync'ed once per embedded batch. Loading keeps the records up to the
+    first torn or damaged one; a file written for another embedder is deleted. The writer removes
+    it once its vectors are committed (or when a run had nothing to commit). Keyed by the text
+    itself, so it holds whatever chunking, dedup or file order the re-run has.
     """
 
-    MAGIC = b"RBEMBCK2"
+    MAGIC = b"RBEMBCK1"
 
     def __init__(self, folder: Path, identity: dict[str, Any]) -> None:
         self.path = folder / CHECKPOINT
         self.identity = json.loads(json.dumps(identity))  # as it reads back from JSON
-        self.vectors: dict[bytes, tuple[Any, int]] = {}  # text key -> (vector, windows)
-        self.span_vectors: dict[bytes, Any] = {}  # text key -> its pooled span vectors (n, dim)
+        self.vectors: dict[bytes, tuple[Any, int]] = {}
         self.dim: int | None = None
         self.valid_bytes = 0
         self.fd: int | None = None
@@ -152,6 +131,10 @@ class _Checkpoint:
     @staticmethod
     def key(text: str) -> bytes:
         return hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()
+
+    def _record_size(self) -> int:
+        assert self.dim is not None
+        return 32 + 4 + 4 * self.dim + 4
 
     def _load(self) -> None:
         import numpy as np
@@ -165,7 +148,7 @@ class _Checkpoint:
             return
         try:
             if not data.startswith(self.MAGIC):
-                raise ValueError("not a checkpoint of this version")
+                raise ValueError("not a checkpoint")
             (n,) = struct.unpack_from("<I", data, len(self.MAGIC))
             start = len(self.MAGIC) + 4
             header = json.loads(data[start : start + n])
@@ -178,18 +161,14 @@ class _Checkpoint:
             log.info("removing the embedding checkpoint %s: written for another embedder", self.path)
             self._unlink()
             return
-        dim = self.dim = int(header["dim"])
-        head = 32 + 4 + 4 + 4 * dim
-        while pos + head + 4 <= len(data):
-            windows, n_spans = struct.unpack_from("<Ii", data, pos + 32)
-            size = head + 2 * dim * max(n_spans, 0) + 4
+        self.dim = int(header["dim"])
+        size = self._record_size()
+        while pos + size <= len(data):
             rec = data[pos : pos + size]
-            if len(rec) < size or zlib.crc32(rec[:-4]) != struct.unpack("<I", rec[-4:])[0]:
+            if zlib.crc32(rec[:-4]) != struct.unpack("<I", rec[-4:])[0]:
                 break  # a torn or damaged tail: keep what came before
-            self.vectors[rec[:32]] = (np.frombuffer(rec[40 : 40 + 4 * dim], dtype="<f4").copy(), int(windows))
-            if n_spans >= 0:
-                mat = np.frombuffer(rec[head:-4], dtype="<f2").reshape(n_spans, dim)
-                self.span_vectors[rec[:32]] = mat.astype(np.float32)
+            (windows,) = struct.unpack_from("<I", rec, 32)
+            self.vectors[rec[:32]] = (np.frombuffer(rec[36:-4], dtype="<f4").copy(), int(windows))
             pos += size
         self.valid_bytes = pos
         if self.vectors:
@@ -198,14 +177,8 @@ class _Checkpoint:
     def get(self, text: str) -> tuple[Any, int] | None:
         return self.vectors.get(self.key(text))
 
-    def spans(self, text: str) -> Any:
-        """The span vectors pooled with ``text``'s vector (``None``: none were recorded)."""
-        return self.span_vectors.get(self.key(text))
-
-    def add(
-        self, texts: Sequence[str], vectors: Any, windows: Sequence[int], spans: Sequence[Any] | None = None
-    ) -> None:
-        """Append one embedded batch (with its texts' pooled span vectors, if any) and fsync it."""
+    def add(self, texts: Sequence[str], vectors: Any, windows: Sequence[int]) -> None:
+        """Append one embedded batch and fsync it."""
         import numpy as np
 
         vecs = np.ascontiguousarray(vectors, dtype="<f4")
@@ -222,12 +195,8 @@ class _Checkpoint:
                 os.ftruncate(self.fd, self.valid_bytes)  # drop a torn tail before appending
                 os.lseek(self.fd, 0, os.SEEK_END)
         out = bytearray()
-        for i, (text, vec, w) in enumerate(zip(texts, vecs, windows, strict=True)):
-            sp = spans[i] if spans is not None else None
-            n = -1 if sp is None else len(sp)
-            rec = self.key(text) + struct.pack("<Ii", int(w), n) + vec.tobytes()
-            if sp is not None:
-                rec += np.ascontiguousarray(sp, dtype="<f2").tobytes()
+        for text, vec, w in zip(texts, vecs, windows, strict=True):
+            rec = self.key(text) + struct.pack("<I", int(w)) + vec.tobytes()
             out += rec + struct.pack("<I", zlib.crc32(rec))
         os.write(self.fd, bytes(out))
         os.fsync(self.fd)
@@ -242,7 +211,7 @@ class _Checkpoint:
         self.close()
         with contextlib.suppress(OSError):
             self.path.unlink()
-        self.vectors, self.span_vectors, self.dim, self.valid_bytes = {}, {}, None, 0
+        self.vectors, self.dim, self.valid_bytes = {}, None, 0
 
     def remove(self) -> None:
         """The run committed (or had nothing to commit): the checkpoint is spent."""
@@ -323,7 +292,6 @@ class _Builder:
                 "chunks_resumed",
                 "sentences_embedded",
                 "sentences_reused",
-                "sentences_pooled",
             )
         }
         self.embed_seconds = 0.0
@@ -342,8 +310,6 @@ class _Builder:
         self.old: dict[str, Any] | None = None
         self.changed = False
         self.lexical = "unavailable"
-        # How this run makes sentence vectors (see _sentence_pooling): "chunk" or "separate".
-        self.sentence_pooling = "separate"
 
     # -- setup ---------------------------------------------------------------------------------
 
@@ -397,28 +363,6 @@ class _Builder:
                 reasons.append(f"{key} settings changed: {old.get(key)} -> {self.settings[key]}")
         return self.embedder, "; ".join(reasons)
 
-    def _sentence_pooling(self, emb: Embedder, *, keep: bool) -> str:
-        """How this run makes sentence vectors: ``"chunk"`` — pooled from the token states of the
-        chunk's own forward pass (:meth:`Embedder.embed` with ``spans=``: no second pass), when
-        the embedder can (the packaged kind of model, and the hash embedder); ``"separate"`` —
-        each sentence embedded as a text of its own, as before. An index that already stores
-        sentence vectors keeps its kind (``keep``: an incremental run), so one index never mixes
-        the two (their cosines to a question are not on one scale); a rebuild decides again."""
-        if keep and self.old is not None and _stores_sentences(self.old):
-            kind = str((self.old.get("sentences") or {}).get("pooled", "separate"))
-            if kind == "separate" and _pools(emb) and self.settings["sentences"]:
-                log.info(
-                    "the sentence vectors of the index in %s were embedded one by one (written before "
-                    "they were pooled from the chunk pass): new chunks get the same kind; --rebuild "
-                    "pools them all from the chunk pass, with no second pass",
-                    self.dir,
-                )
-            if kind == "chunk" and not _pools(emb):  # a custom embedder that stopped pooling
-                log.warning("the embedder cannot pool sentence vectors: new ones are embedded one by one")
-                return "separate"
-            return kind
-        return "chunk" if _pools(emb) else "separate"
-
     def _open_old(self) -> tuple[Any, Path | None, str]:
         """Load the current generation for copying; a damaged one means a rebuild."""
         try:
@@ -449,6 +393,12 @@ class _Builder:
         self._clean_leftovers(keep={gen - 1} if self.old else set())
         emb, reason = self._resolve_embedder()
         reason = reason or damaged
+        if self.settings["sentences"] is None:
+            # Not asked either way: what the index has. A new index stores none (span packing
+            # embeds a sentence when a question first needs it, kept in the cache beside the
+            # index): half the embedding work at build time, and sentences no question reaches
+            # are never embedded.
+            self.settings["sentences"] = bool(self.old is not None and _stores_sentences(self.old))
         self.rebuilt = bool(reason) or (self.rebuild and self.old is not None)
         self.reason = reason
         if self.old and not reason:
@@ -500,7 +450,6 @@ class _Builder:
             else:
                 log.info("dropping the sentence vectors from the index in %s (sentence_vectors off)", self.dir)
             self.changed = True
-        self.sentence_pooling = self._sentence_pooling(emb, keep=bool(self.old and not reason))
         self.checkpoint = _Checkpoint(self.dir, _identity(_light_spec(emb)))
 
         # -- 0. roots: what the index held before, and which part of it this run may remove.
@@ -898,8 +847,6 @@ class _Builder:
         vecs: np.ndarray | None = None
         windows = [1] * len(batch)
         todo = list(range(len(batch)))
-        # Sentence vectors pooled from this pass, by position in the batch (chunk pooling only).
-        pooled: dict[int, Any] | None = {} if self._pools_in_pass() else None
         if self.reuse is not None:
             vecs, todo = self._reuse_vectors(batch, windows)
         if todo and self.checkpoint is not None and self.checkpoint.vectors:
@@ -912,14 +859,11 @@ class _Builder:
                 if vecs is None:
                     vecs = np.zeros((len(batch), got[0].shape[0]), dtype=np.float32)
                 vecs[j], windows[j] = got
-                spans = self.checkpoint.spans(batch[j][1])
-                if pooled is not None and spans is not None:
-                    pooled[j] = spans
                 self.stats["chunks_reused"] += 1
                 self.stats["chunks_resumed"] += 1
             todo = left
         if todo:
-            vecs = self._embed(batch, todo, vecs, windows, pooled=pooled)
+            vecs = self._embed(batch, todo, vecs, windows)
         assert vecs is not None
         vecs = np.ascontiguousarray(vecs, dtype=np.float32)
         self._ensure_flat(vecs.shape[1])
@@ -933,45 +877,26 @@ class _Builder:
         self.db.executemany(
             "UPDATE chunks SET windows=? WHERE id=?", [(w, int(i)) for w, i in zip(windows, ids, strict=True)]
         )
-        if pooled:
-            self._store_pooled([(batch[j][0], batch[j][1], mat) for j, mat in pooled.items()])
         self.progress("embed", self.stats["chunks_embedded"] + self.stats["chunks_reused"], self.embed_total)
 
-    def _pools_in_pass(self) -> bool:
-        """Whether the chunk pass itself pools the sentence vectors (the executor passes spans
-        through); otherwise :meth:`_embed_sentences` does it after the chunk pass."""
-        return self.settings["sentences"] and self.sentence_pooling == "chunk" and _takes_spans(self.executor.embed)
-
     def _embed(
-        self,
-        batch: list[tuple[int, str]],
-        todo: list[int],
-        vecs: Any,
-        windows: list[int],
-        *,
-        what: str = "chunks",
-        pooled: dict[int, Any] | None = None,
+        self, batch: list[tuple[int, str]], todo: list[int], vecs: Any, windows: list[int], *, what: str = "chunks"
     ) -> Any:
         """Embed the texts of ``batch`` at ``todo`` through the executor; fill ``vecs`` and
         ``windows`` at those rows. Each shard is checkpointed as it arrives, so a failed job
         keeps what came back. ``what="sentences"``: the sentence pass (its own counters and
-        time; a vector is a vector of its text, so the checkpoint serves both). ``pooled``: ask
-        for each text's sentence vectors from the same pass and put them there by row."""
+        time; a vector is a vector of its text, so the checkpoint serves both)."""
         import numpy as np
-
-        from .spans import split_sentences
 
         emb = self.embedder
         assert emb is not None
         texts = [batch[j][1] for j in todo]
-        spans = [[(a, b) for a, b, _ in split_sentences(t)] for t in texts] if pooled is not None else None
         done = np.zeros(len(todo), dtype=bool)
         t = time.perf_counter()
         if what == "chunks":  # the phase starts now (its rate and ETA count from here)
             self.progress("embed", self.stats["chunks_embedded"] + self.stats["chunks_reused"], self.embed_total)
         try:
-            opts: dict[str, Any] = {"spans": spans} if spans is not None else {}
-            for shard in self.executor.embed(emb, texts, batch_size=self.embed_batch, **opts):
+            for shard in self.executor.embed(emb, texts, batch_size=self.embed_batch):
                 if vecs is None:
                     vecs = np.zeros((len(batch), shard.vectors.shape[1]), dtype=np.float32)
                 rows = [todo[p] for p in shard.positions]
@@ -979,12 +904,8 @@ class _Builder:
                 for j, w in zip(rows, shard.windows, strict=True):
                     windows[j] = w
                 done[shard.positions] = True
-                got = shard.spans if pooled is not None else None
-                if got is not None:
-                    assert pooled is not None
-                    pooled.update(zip(rows, got, strict=True))
                 if self.checkpoint is not None:
-                    self.checkpoint.add([batch[j][1] for j in rows], shard.vectors, shard.windows, got)
+                    self.checkpoint.add([batch[j][1] for j in rows], shard.vectors, shard.windows)
                 if what == "sentences":
                     continue
                 self.stats["chunks_embedded"] += len(rows)
@@ -1040,28 +961,17 @@ class _Builder:
 
     # -- sentence vectors ----------------------------------------------------------------------
 
-    def _store_pooled(self, rows: list[tuple[int, str, Any]]) -> None:
-        """Store ``(chunk id, text, sentence vectors)`` rows pooled from the chunk pass."""
-        from .spans import sentence_digest, sentence_texts
-
-        assert self.db is not None
-        out = []
-        for cid, text, mat in rows:
-            keys = b"".join(sentence_digest(x) for x in sentence_texts(text))
-            out.append((cid, keys, mat.astype("<f2").tobytes()))
-            self.stats["sentences_pooled"] += len(mat)
-        self.db.executemany("INSERT OR REPLACE INTO sentence_vectors (chunk_id, digests, vectors) VALUES (?,?,?)", out)
-
     def _embed_sentences(self) -> None:
         """Every chunk without stored sentence vectors gets them: its sentences (as span packing
-        cuts them), float16, one row per chunk. With chunk pooling the chunk pass stored most of
-        them already; the rest — chunks whose vectors were reused or resumed, an index gaining
-        sentence vectors — are pooled here from a pass over the chunk (or copied from the
-        previous generation when a rebuild may reuse them). Embedded one by one (``separate``),
-        incremental like the chunk vectors: a sentence already embedded — in this run, in the
-        previous generation when a rebuild may reuse its vectors, or in the checkpoint of a
-        killed run — is not embedded again. Rows of unchanged chunks were copied with the
-        generation, rows of removed chunks went with them (trigger)."""
+        cuts them) embedded with the index's embedder, float16, one row per chunk. Incremental
+        like the chunk vectors: rows of unchanged chunks were copied with the generation, rows of
+        removed chunks went with them (trigger), a sentence already embedded — in this run, in
+        the previous generation when a rebuild may reuse its vectors, or in the checkpoint of a
+        killed run — is not embedded again."""
+        import numpy as np
+
+        from .spans import sentence_digest, sentence_texts
+
         assert self.db is not None
         todo = self.db.execute(
             "SELECT id, text FROM chunks WHERE id NOT IN (SELECT chunk_id FROM sentence_vectors) ORDER BY id"
@@ -1069,72 +979,6 @@ class _Builder:
         if not todo:
             return
         t = time.perf_counter()
-        if self.sentence_pooling == "chunk":
-            self._pool_sentences(todo)
-        else:
-            self._embed_sentences_separately(todo)
-        self.sentence_seconds += time.perf_counter() - t
-
-    def _pool_sentences(self, todo: list[tuple[int, str]]) -> None:
-        """Sentence vectors pooled from a pass over each chunk of ``todo`` (in this process; the
-        chunk vectors that pass gives again are not used), or the previous generation's rows of
-        the same text when it pooled them too."""
-        from .spans import split_sentences
-
-        emb = self.embedder
-        assert emb is not None and self.db is not None
-        old = self._old_pooled_rows([text for _, text in todo])
-        left = []
-        for cid, text in todo:
-            row = old.get(text)
-            if row is not None:
-                self.db.execute(
-                    "INSERT OR REPLACE INTO sentence_vectors (chunk_id, digests, vectors) VALUES (?,?,?)", (cid, *row)
-                )
-                self.stats["sentences_reused"] += len(row[0]) // 16
-            else:
-                left.append((cid, text))
-        total = len(left)
-        if not total:
-            return
-        self.progress("sentences", 0, total)
-        for lo in range(0, total, self.embed_batch):
-            part = left[lo : lo + self.embed_batch]
-            res = emb.embed(
-                [text for _, text in part], spans=[[(a, b) for a, b, _ in split_sentences(x)] for _, x in part]
-            )
-            assert res.spans is not None  # chunk pooling is only chosen for an embedder that pools
-            self._store_pooled([(cid, text, mat) for (cid, text), mat in zip(part, res.spans, strict=True)])
-            self.progress("sentences", min(lo + self.embed_batch, total), total)
-
-    def _old_pooled_rows(self, texts: list[str]) -> dict[str, tuple[bytes, bytes]]:
-        """The previous generation's pooled sentence rows of chunks with these texts, when a
-        rebuild may reuse its vectors (same embedder) and it pooled them from its chunk pass."""
-        from .dedup import content_hash
-
-        if self.reuse is None or self.old is None or (self.old.get("sentences") or {}).get("pooled") != "chunk":
-            return {}
-        rdb, _ = self.reuse
-        out = {}
-        try:
-            for text in texts:
-                row = rdb.execute(
-                    "SELECT s.digests, s.vectors FROM chunks c JOIN sentence_vectors s ON s.chunk_id = c.id "
-                    "WHERE c.content_hash = ? LIMIT 1",
-                    (content_hash(text),),
-                ).fetchone()
-                if row is not None:
-                    out[text] = (bytes(row[0]), bytes(row[1]))
-        except sqlite3.OperationalError:  # written before sentence vectors were stored
-            return {}
-        return out
-
-    def _embed_sentences_separately(self, todo: list[tuple[int, str]]) -> None:
-        import numpy as np
-
-        from .spans import sentence_digest, sentence_texts
-
-        assert self.db is not None
         known = self._old_sentence_vectors()
         total = len(todo)
         self.progress("sentences", 0, total)
@@ -1170,14 +1014,14 @@ class _Builder:
                 "INSERT OR REPLACE INTO sentence_vectors (chunk_id, digests, vectors) VALUES (?,?,?)", rows
             )
             self.progress("sentences", min(lo + step, total), total)
+        self.sentence_seconds += time.perf_counter() - t
 
     def _old_sentence_vectors(self) -> dict[bytes, Any]:
         """Sentence vectors of the previous generation by digest, when a rebuild may reuse them
-        (only chunking/dedup changed: same embedder) and it embedded them one by one too; empty
-        otherwise (pooled ones belong to their chunk, not to their text)."""
+        (only chunking/dedup changed: same embedder); empty otherwise."""
         import numpy as np
 
-        if self.reuse is None or ((self.old or {}).get("sentences") or {}).get("pooled", "separate") != "separate":
+        if self.reuse is None:
             return {}
         rdb, old_flat = self.reuse
         out: dict[bytes, Any] = {}
@@ -1264,17 +1108,10 @@ class _Builder:
                 if self.lexical != "unavailable"
                 else None
             ),
-            # Every chunk's sentence vectors for span packing, or none (sentence_vectors off); an
-            # index without this entry gets them on its next write. "pooled": "chunk" — from the
-            # token states of the chunk's own pass; "separate" — each sentence embedded alone.
+            # Every chunk's sentences embedded for span packing (build.py _embed_sentences), or
+            # none (sentence_vectors off); an index without this entry gets them on its next write.
             "sentences": (
-                {
-                    "stored": True,
-                    "table": "sentence_vectors",
-                    "dtype": "float16",
-                    "splitter": 1,
-                    "pooled": self.sentence_pooling,
-                }
+                {"stored": True, "table": "sentence_vectors", "dtype": "float16", "splitter": 1}
                 if self.settings["sentences"]
                 else {"stored": False}
             ),

@@ -63,25 +63,19 @@ class Shard:
 
     ``positions`` index into those texts (int64, no position twice across the shards of one call);
     ``vectors`` is ``(len(positions), dim)`` float32 with unit rows; ``windows[i]`` the windows the
-    text at ``positions[i]`` needed; ``texts_fed`` what the model was given (window texts);
-    ``spans[i]`` the span vectors of the text at ``positions[i]`` pooled from the same pass, when
-    spans were asked for and the embedder pools them (:meth:`ragbudget.embed.Embedder.embed`).
+    text at ``positions[i]`` needed; ``texts_fed`` what the model was given (window texts).
     """
 
     positions: np.ndarray
     vectors: np.ndarray
     windows: tuple[int, ...]
     texts_fed: int
-    spans: tuple[np.ndarray, ...] | None = None
 
 
 @runtime_checkable
 class EmbedExecutor(Protocol):
     """Runs the embedding of an index build. ``round_size`` is how many chunks the builder gathers
-    before one :meth:`embed` call (``None``: its own ``embed_batch``). An executor whose
-    :meth:`embed` takes ``spans=`` (per text, character ranges; the local one) passes them to the
-    embedder and returns the pooled span vectors in :attr:`Shard.spans`; for one that does not,
-    the builder pools sentence vectors in its own process after the chunk pass."""
+    before one :meth:`embed` call (``None``: its own ``embed_batch``)."""
 
     name: str
     round_size: int | None
@@ -107,26 +101,17 @@ class LocalExecutor:
     name = "local"
     round_size: int | None = None
 
-    def embed(
-        self,
-        embedder: Embedder,
-        texts: Sequence[str],
-        *,
-        batch_size: int,
-        spans: Sequence[Sequence[tuple[int, int]]] | None = None,
-    ) -> Iterator[Shard]:
+    def embed(self, embedder: Embedder, texts: Sequence[str], *, batch_size: int) -> Iterator[Shard]:
         import numpy as np
 
         for start in range(0, len(texts), max(1, batch_size)):
             part = texts[start : start + batch_size]
-            # spans= only when asked: an embedder subclass may override embed(texts) alone.
-            res = embedder.embed(part, spans=spans[start : start + batch_size]) if spans else embedder.embed(part)
+            res = embedder.embed(part)
             yield Shard(
                 positions=np.arange(start, start + len(part), dtype=np.int64),
                 vectors=res.vectors,
                 windows=tuple(res.windows),
                 texts_fed=res.texts_fed,
-                spans=res.spans,
             )
 
     def check(self) -> None:

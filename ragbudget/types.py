@@ -184,9 +184,7 @@ class IndexSummary:
     vectors not embedded again, ``chunks_resumed`` the part of them taken from the checkpoint of
     an interrupted run. ``sentences_embedded``/``sentences_reused``/``sentence_seconds``: the
     sentence vectors stored for span packing (only chunks without them: see
-    :meth:`Index.sentence_vectors`); ``sentences_pooled`` counts those pooled from the token
-    states of their chunk's own pass (no pass of their own), ``sentences_embedded`` those
-    embedded one by one.
+    :meth:`Index.sentence_vectors`).
     """
 
     files_seen: int = 0
@@ -218,7 +216,6 @@ class IndexSummary:
     sentences_embedded: int = 0
     sentences_reused: int = 0
     sentence_seconds: float = 0.0
-    sentences_pooled: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -20,7 +20,6 @@ from _tiny_lm import tiny_tokenizer
 from test_index import OPTS, make_text, write_corpus
 
 from ragbudget.embed import HashEmbedder
-from ragbudget.executors import LocalExecutor
 from ragbudget.index import Index
 from ragbudget.pipeline import Pipeline
 from ragbudget.prompt import build_prompt
@@ -58,13 +57,10 @@ class Calls(HashEmbedder):
 
 
 def build(ix: Index, corpus: Path, emb: HashEmbedder | None = None, **kw: object):
-    return ix.build([str(corpus)], embedder=emb or HashEmbedder(dim=DIM), **{**OPTS, **kw})  # type: ignore[arg-type]
-
-
-def separate() -> HashEmbedder:
-    """The hash embedder without span pooling: an index then embeds every sentence one by one
-    (the path of a custom embedder, and of an index whose sentence vectors were made so)."""
-    return HashEmbedder(dim=DIM, pool_spans=False)
+    """A build that stores sentence vectors (``sentence_vectors=True``, not the default any more:
+    see the question-time cache tests at the bottom) unless ``kw`` says otherwise."""
+    opts = {**OPTS, "sentence_vectors": True, **kw}
+    return ix.build([str(corpus)], embedder=emb or HashEmbedder(dim=DIM), **opts)  # type: ignore[arg-type]
 
 
 def rows(ix: Index) -> dict[int, tuple[bytes, bytes]]:
@@ -107,7 +103,7 @@ def ix(tmp_path: Path) -> Index:
 
 
 def test_build_stores_every_chunks_sentences_with_the_index_embedder(ix: Index, corpus: Path) -> None:
-    s = build(ix, corpus, separate())
+    s = build(ix, corpus)
     texts, stored = chunk_texts(ix), rows(ix)
     assert set(stored) == set(texts) and s.sentences_embedded > 0
     emb = HashEmbedder(dim=DIM)
@@ -167,7 +163,7 @@ def test_a_question_costs_one_embedder_call_the_search_s_vector_scores_the_sente
 def test_an_index_without_sentence_vectors_still_works_and_gains_them_on_its_next_write(
     ix: Index, corpus: Path
 ) -> None:
-    build(ix, corpus, separate())
+    build(ix, corpus)
     strip_sentence_vectors(ix)
     old = Index.open(ix.path)
     assert old.verify().ok and old.sentence_vectors([1, 2]) == {}
@@ -175,21 +171,21 @@ def test_an_index_without_sentence_vectors_still_works_and_gains_them_on_its_nex
     sel = Pipeline(ix.path, backend=FakeBackend(), embedder=emb, pack="spans").retrieve("marker4zz", context_tokens=60)
     assert "marker4zz" in sel.text and emb.documents > 0  # embedded on first use
     # The next write adds them, even with no file changed ...
-    s = build(ix, corpus, separate())
+    s = build(ix, corpus)
     assert s.committed and s.chunks_embedded == 0 and s.sentences_embedded > 0
     assert set(rows(ix)) == set(chunk_texts(ix))
     # ... and the one after that has nothing to do.
-    again = build(ix, corpus, separate())
+    again = build(ix, corpus)
     assert not again.committed and again.sentences_embedded == 0
 
 
 def test_incremental_runs_keep_sentence_vectors_in_step_with_the_chunks(ix: Index, corpus: Path) -> None:
-    build(ix, corpus, separate())
+    build(ix, corpus)
     before = rows(ix)
     # A changed file: only its new chunks' sentences are embedded; other rows are untouched.
     text = (corpus / "doc1.txt").read_text()
     (corpus / "doc1.txt").write_text(text + "\nA new closing paragraph names quokkazz. It ends here.\n")
-    s = build(ix, corpus, separate())
+    s = build(ix, corpus)
     after, texts = rows(ix), chunk_texts(ix)
     assert set(after) == set(texts)
     new = set(texts) - set(before)
@@ -197,11 +193,11 @@ def test_incremental_runs_keep_sentence_vectors_in_step_with_the_chunks(ix: Inde
     assert all(after[c] == before[c] for c in set(after) & set(before))
     # A deleted file: its chunks' rows go with them (no stale vectors left behind).
     (corpus / "doc3.txt").unlink()
-    s = build(ix, corpus, separate())
+    s = build(ix, corpus)
     assert s.chunks_removed > 0 and s.sentences_embedded == 0
     assert set(rows(ix)) == set(chunk_texts(ix))
     # Unchanged: nothing to commit, nothing embedded.
-    s = build(ix, corpus, separate())
+    s = build(ix, corpus)
     assert not s.committed and s.sentences_embedded == 0
 
 
@@ -209,8 +205,8 @@ def test_a_rebuild_for_new_chunking_reuses_sentence_vectors(ix: Index, tmp_path:
     corpus = tmp_path / "c"
     corpus.mkdir()
     (corpus / "a.txt").write_text(make_text(7, n_paragraphs=8))
-    first = build(ix, corpus, separate())
-    s = build(ix, corpus, separate(), max_tokens=90)
+    first = build(ix, corpus)
+    s = build(ix, corpus, max_tokens=90)
     assert s.rebuilt and set(rows(ix)) == set(chunk_texts(ix))
     # The same sentences, cut into other chunks: their vectors come from the old generation.
     assert s.sentences_embedded < first.sentences_embedded
@@ -235,11 +231,11 @@ def ask_report(ix: Index, emb: HashEmbedder) -> dict:  # type: ignore[type-arg]
 def test_sentence_vectors_off_drops_them_and_on_again_fills_them_for_every_chunk(ix: Index, corpus: Path) -> None:
     from ragbudget.display import format_report
 
-    build(ix, corpus, separate())
+    build(ix, corpus)
     on_bytes, on_rows = index_bytes(ix), rows(ix)
     assert set(on_rows) == set(chunk_texts(ix)) and Index.open(ix.path).has_sentence_vectors
     # Off, no file changed: a new generation without them, smaller on disk; nothing re-chunked.
-    off = build(ix, corpus, separate(), sentence_vectors=False)
+    off = build(ix, corpus, sentence_vectors=False)
     assert off.committed and not off.rebuilt and off.chunks_embedded == 0 and off.sentences_embedded == 0
     assert rows(ix) == {} and manifest(ix)["sentences"] == {"stored": False}
     assert manifest(ix)["counts"]["sentence_vectors"] == 0
@@ -254,12 +250,12 @@ def test_sentence_vectors_off_drops_them_and_on_again_fills_them_for_every_chunk
     assert emb.documents > 0 and report["sentence_vectors"] == "embedded at query time"
     assert "sentence vectors: embedded at query time" in format_report(report)
     # Still off: nothing to do; a changed file adds chunks without sentence vectors.
-    assert not build(ix, corpus, separate(), sentence_vectors=False).committed
+    assert not build(ix, corpus, sentence_vectors=False).committed
     (corpus / "doc1.txt").write_text((corpus / "doc1.txt").read_text() + "\nA closing line names quokkazz.\n")
-    s = build(ix, corpus, separate(), sentence_vectors=False)
+    s = build(ix, corpus, sentence_vectors=False)
     assert s.committed and s.chunks_embedded > 0 and s.sentences_embedded == 0 and rows(ix) == {}
     # On again, no file changed: every chunk gets them, no chunk is embedded again.
-    again = build(ix, corpus, separate())
+    again = build(ix, corpus)
     texts = chunk_texts(ix)
     assert again.committed and not again.rebuilt and again.chunks_embedded == 0
     assert again.sentences_embedded > 0 and set(rows(ix)) == set(texts)
@@ -269,7 +265,7 @@ def test_sentence_vectors_off_drops_them_and_on_again_fills_them_for_every_chunk
     report = ask_report(ix, emb)
     assert emb.documents == 0 and report["sentence_vectors"] == "stored"
     assert "sentence vectors: stored in the index" in format_report(report)
-    assert not build(ix, corpus, separate()).committed
+    assert not build(ix, corpus).committed
 
 
 def test_a_new_index_without_sentence_vectors(ix: Index, corpus: Path) -> None:
@@ -292,152 +288,3 @@ def test_an_index_from_before_the_switch_counts_as_storing_them(ix: Index, corpu
     (ix.path / "manifest.json").write_text(json.dumps(m))
     assert Index.open(ix.path).has_sentence_vectors
     assert not build(ix, corpus).committed
-
-
-# --- sentence vectors pooled from the chunk pass (no second pass) ----------------------------------
-
-
-class Texts(HashEmbedder):
-    """A pooling HashEmbedder (same id, same vectors) that records every text handed to embed()
-    and whether spans came with it."""
-
-    def __init__(self, **kw: object) -> None:
-        super().__init__(dim=DIM, **kw)  # type: ignore[arg-type]
-        self.seen: list[tuple[str, bool]] = []
-
-    def embed(self, texts, *, spans=None):  # type: ignore[no-untyped-def]
-        self.seen += [(t, spans is not None) for t in texts]
-        return super().embed(texts, spans=spans)
-
-
-def test_a_build_pools_every_chunks_sentence_vectors_from_the_chunk_pass(ix: Index, corpus: Path) -> None:
-    emb = Texts()
-    s = build(ix, corpus, emb)
-    texts, stored = chunk_texts(ix), rows(ix)
-    n_sentences = sum(len(sentence_texts(t)) for t in texts.values())
-    # One pass: every text the model saw is a chunk, each once, with its sentences' spans.
-    assert sorted(t for t, _ in emb.seen) == sorted(texts.values()) and all(sp for _, sp in emb.seen)
-    assert s.sentences_pooled == n_sentences and s.sentences_embedded == 0
-    assert set(stored) == set(texts)
-    got = Index.open(ix.path).sentence_vectors(list(texts))
-    for cid, text in texts.items():
-        digests, vecs = got[cid]
-        assert digests == [sentence_digest(x) for x in sentence_texts(text)]
-        # The hash embedder's pooled vector of a sentence is that sentence's own vector.
-        np.testing.assert_allclose(vecs, HashEmbedder(dim=DIM).embed_documents(sentence_texts(text)), atol=2e-3)
-    m = json.loads((ix.path / "manifest.json").read_text())
-    assert m["sentences"]["pooled"] == "chunk" and m["counts"]["sentence_vectors"] == len(texts)
-    assert Index.open(ix.path).verify().ok
-
-
-def test_pooled_sentence_vectors_stay_incremental(ix: Index, corpus: Path) -> None:
-    build(ix, corpus)
-    before = rows(ix)
-    text = (corpus / "doc1.txt").read_text()
-    (corpus / "doc1.txt").write_text(text + "\nA new closing paragraph names quokkazz. It ends here.\n")
-    emb = Texts()
-    s = build(ix, corpus, emb)
-    after, texts = rows(ix), chunk_texts(ix)
-    new = set(texts) - set(before)
-    # Only the changed file's new chunks went to the model, and their sentences came with them.
-    assert new and sorted(t for t, _ in emb.seen) == sorted(texts[c] for c in new)
-    assert s.sentences_pooled == sum(len(sentence_texts(texts[c])) for c in new) and s.sentences_embedded == 0
-    assert set(after) == set(texts) and all(after[c] == before[c] for c in set(after) & set(before))
-    (corpus / "doc3.txt").unlink()
-    s = build(ix, corpus, Texts())
-    assert s.chunks_removed > 0 and s.sentences_pooled == 0 and set(rows(ix)) == set(chunk_texts(ix))
-    emb = Texts()
-    s = build(ix, corpus, emb)
-    assert not s.committed and emb.seen == [] and s.sentences_pooled == 0
-
-
-def test_turning_sentence_vectors_on_pools_them_without_re_embedding_chunks(ix: Index, corpus: Path) -> None:
-    build(ix, corpus, sentence_vectors=False)
-    emb = Texts()
-    s = build(ix, corpus, emb)
-    texts = chunk_texts(ix)
-    assert s.committed and s.chunks_embedded == 0 and s.sentences_embedded == 0
-    assert s.sentences_pooled == sum(len(sentence_texts(t)) for t in texts.values())
-    # One pass over each chunk, for its sentences only (the chunk vectors stay the stored ones).
-    assert sorted(t for t, _ in emb.seen) == sorted(texts.values()) and all(sp for _, sp in emb.seen)
-    assert set(rows(ix)) == set(texts) and Index.open(ix.path).verify().ok
-
-
-def test_a_rebuild_that_keeps_the_chunks_reuses_their_pooled_rows(ix: Index, corpus: Path) -> None:
-    build(ix, corpus)
-    before = {chunk_texts(ix)[c]: r for c, r in rows(ix).items()}
-    emb = Texts()
-    s = build(ix, corpus, emb, dedup="exact")  # a rebuild; the same chunk texts
-    assert s.rebuilt and s.chunks_embedded == 0 and emb.seen == []
-    after = {chunk_texts(ix)[c]: r for c, r in rows(ix).items()}
-    assert after == before and s.sentences_reused == sum(len(d) // 16 for d, _ in before.values())
-
-
-def test_an_index_keeps_the_kind_of_sentence_vectors_it_was_built_with(ix: Index, corpus: Path) -> None:
-    build(ix, corpus, separate())
-    assert manifest(ix)["sentences"]["pooled"] == "separate"
-    (corpus / "doc1.txt").write_text((corpus / "doc1.txt").read_text() + "\nA closing line names quokkazz.\n")
-    # The same embedder (same id), now able to pool: new chunks still get the index's kind.
-    s = build(ix, corpus)
-    assert s.chunks_embedded > 0 and s.sentences_embedded > 0 and s.sentences_pooled == 0
-    assert manifest(ix)["sentences"]["pooled"] == "separate"
-    # A rebuild decides again.
-    s = build(ix, corpus, rebuild=True)
-    assert s.sentences_pooled > 0 and s.sentences_embedded == 0 and manifest(ix)["sentences"]["pooled"] == "chunk"
-
-
-class NoSpansExecutor(LocalExecutor):
-    """A third-party executor written before spans: its embed() takes no spans=."""
-
-    def embed(self, embedder, texts, *, batch_size):  # type: ignore[no-untyped-def]
-        return super().embed(embedder, texts, batch_size=batch_size)
-
-
-def test_an_executor_without_spans_gets_the_same_pooled_vectors(tmp_path: Path, corpus: Path) -> None:
-    a, b = Index(tmp_path / "a"), Index(tmp_path / "b")
-    build(a, corpus)
-    s = build(b, corpus, executor=NoSpansExecutor())
-    assert s.sentences_pooled > 0 and s.sentences_embedded == 0
-    assert rows(a) == rows(b) and manifest(b)["sentences"]["pooled"] == "chunk"
-
-
-_KILLED = """
-import os, signal, sys
-sys.path.insert(0, {tests!r})
-import test_index as t
-from ragbudget.embed import HashEmbedder
-from ragbudget.index import Index
-
-class Dies(HashEmbedder):
-    calls = 0
-    def embed(self, texts, **kw):
-        Dies.calls += 1
-        if Dies.calls == 3:  # two batches are embedded and checkpointed, the third never ends
-            os.kill(os.getpid(), signal.SIGKILL)
-        return super().embed(texts, **kw)
-
-Index({ix!r}).build([{corpus!r}], embedder=Dies(dim={dim}), embed_batch=8, **t.OPTS)
-"""
-
-
-def test_a_killed_build_resumes_with_its_pooled_sentence_vectors(tmp_path: Path) -> None:
-    import signal
-    import subprocess
-    import sys
-
-    from test_index import write_corpus as corpus_of
-
-    corpus = corpus_of(tmp_path / "corpus", n=12)
-    ixdir = tmp_path / "ix"
-    code = _KILLED.format(tests=str(Path(__file__).parent), ix=str(ixdir), corpus=str(corpus), dim=DIM)
-    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert child.returncode == -signal.SIGKILL, child.stderr
-    emb = Texts()
-    s = Index(ixdir).build([str(corpus)], embedder=emb, embed_batch=8, **OPTS)
-    assert s.chunks_resumed == 16 and s.chunks_embedded == s.chunks_total - 16
-    # The 16 resumed chunks' sentence vectors came from the checkpoint: no pass over them again.
-    assert len(emb.seen) == s.chunks_embedded
-    clean = Index(tmp_path / "clean")
-    build(clean, corpus, embed_batch=8)
-    want = {chunk_texts(clean)[c]: r for c, r in rows(clean).items()}
-    assert {chunk_texts(Index(ixdir))[c]: r for c, r in rows(Index(ixdir)).items()} == want
