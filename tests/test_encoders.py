@@ -125,20 +125,54 @@ def _by_hand() -> np.ndarray:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["torch", "onnx"])
-def test_pooled_sentence_vectors_equal_the_pooling_definition_worked_by_hand(backend: str, tmp_path) -> None:
-    from ragbudget.index import Index
-
+def test_pooled_sentence_vectors_equal_the_pooling_definition_worked_by_hand(backend: str) -> None:
     want = _by_hand()
-    (tmp_path / "docs").mkdir()
-    (tmp_path / "docs" / "cat.txt").write_text(HAND + "\n")
-    ix = Index(tmp_path / "ix")
-    s = ix.build([str(tmp_path / "docs")], embedder=SentenceTransformerEmbedder(backend=backend))
-    assert s.sentences_pooled == 2 and s.sentences_embedded == 0
-    (cid,) = Index.open(ix.path).sentence_vectors([1]).keys()
-    _, got = Index.open(ix.path).sentence_vectors([cid])[cid]
-    # Stored as float16: equal to that rounding.
-    np.testing.assert_allclose(got, want, atol=2e-3, rtol=0)
-    assert np.abs(got - want).max() > 0 or backend == "torch"  # float16 on disk, not a copy of want
+    e = SentenceTransformerEmbedder(backend=backend)
+    spans = [(a, b) for a, b, _ in split_sentences(HAND)]
+    assert [HAND[a:b] for a, b in spans] == ["The cat sat on the mat.", "It purred."]
+    res = e.embed([HAND], spans=[spans])
+    assert res.spans is not None
+    np.testing.assert_allclose(res.spans[0], want, atol=1e-5, rtol=0)  # float32: the same numbers
+    # As an index would keep them (float16): equal to that rounding.
+    np.testing.assert_allclose(res.spans[0].astype(np.float16), want, atol=2e-3, rtol=0)
+    assert np.array_equal(res.vectors, e.embed([HAND]).vectors)  # the chunk vector is the same either way
+
+
+@pytest.mark.slow
+def test_pooled_sentence_vectors_across_overlapping_windows_follow_the_definition() -> None:
+    # Over several windows, a token is taken from the window holding it up to the middle of the
+    # overlap: recomputed here with transformers itself, window by window.
+    import torch
+    from transformers import AutoModel, AutoTokenizer
+
+    from ragbudget.models import resolve_embedder
+
+    path = resolve_embedder(None)
+    tok, bert = AutoTokenizer.from_pretrained(path), AutoModel.from_pretrained(path)
+    text = " ".join(f"Sentence {i} tells of the {w} harbour and its ships." for i, w in enumerate(["old", "new"] * 40))
+    e = SentenceTransformerEmbedder(backend="torch")
+    bounds = e.window_bounds([text])[0]
+    assert len(bounds) >= 3
+    offs, states = [], []
+    for k, (a, b) in enumerate(bounds):
+        enc = tok(text[a:b], return_offsets_mapping=True, return_special_tokens_mask=True, return_tensors="pt")
+        with torch.inference_mode():
+            h = bert(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"]).last_hidden_state[0].numpy()
+        lo = (bounds[k - 1][1] + a) / 2 if k else -1
+        hi = (bounds[k + 1][0] + b) / 2 if k + 1 < len(bounds) else float("inf")
+        pieces = zip(enc["offset_mapping"][0].tolist(), enc["special_tokens_mask"][0], h, strict=True)
+        for (x, y), special, state in pieces:
+            if not special and lo <= a + x < hi:
+                offs.append((a + x, a + y))
+                states.append(state)
+    spans = [(a, b) for a, b, _ in split_sentences(text)]
+    want = []
+    for a, b in spans:
+        v = np.mean([st_ for (x, y), st_ in zip(offs, states, strict=True) if x < b and y > a], axis=0)
+        want.append(v / np.linalg.norm(v))
+    got = e.embed([text], spans=[spans]).spans
+    assert got is not None
+    np.testing.assert_allclose(got[0], np.array(want), atol=1e-5, rtol=0)
 
 
 @pytest.mark.slow
@@ -147,10 +181,11 @@ def test_int8_pools_from_its_own_pass_and_keeps_its_vectors() -> None:
     # its chunk vectors are exactly what it gives without spans (one text per run).
     want = _by_hand()
     e = SentenceTransformerEmbedder(backend="onnx-int8")
+    res = e.embed([HAND], spans=[[(a, b) for a, b, _ in split_sentences(HAND)]])
+    assert res.spans is not None
+    assert (res.spans[0] * want).sum(axis=1).min() > 0.97
     text = HAND + " " + "The committee met on a Tuesday to review the figures. " * 40
     spans = [(a, b) for a, b, _ in split_sentences(text)]
-    res = e.embed([text], spans=[spans])
-    assert res.spans is not None and res.windows[0] >= 2
-    cos = (res.spans[0][:2] * want).sum(axis=1)
-    assert cos.min() > 0.97
-    assert np.array_equal(res.vectors, e.embed([text]).vectors)
+    long = e.embed([text], spans=[spans])
+    assert long.windows[0] >= 2 and long.spans is not None and long.spans[0].shape == (len(spans), 384)
+    assert np.array_equal(long.vectors, e.embed([text]).vectors)
