@@ -5,10 +5,11 @@ For each split (the QA harness's documents, ``bench/_qa_harness.py``: the same 1
 articles and 40 Amazon products as the span tables), one file per document is indexed with
 ``Index.build`` and the library defaults (the embedder ``SentenceTransformerEmbedder()`` picks:
 int8 ONNX on a CPU with onnxruntime) plus ``sentence_vectors=True`` (not the default since issue
-#31: an index then embeds a sentence when a question first needs it). Recorded from the build's own summary: total seconds, the
-chunk-embedding seconds, the sentence-vector seconds (``sentence_seconds``: splitting, embedding,
-writing), sentences embedded; the bytes of the stored sentence vectors against the whole index;
-then an incremental run after one paragraph is appended to one document (what an edit costs).
+#31: an index then embeds a sentence when a question first needs it). Recorded from the build's
+own summary: total seconds, the chunk-embedding seconds, the sentence-vector seconds
+(``sentence_seconds``: splitting, embedding, writing), sentences embedded; the bytes of the stored
+sentence vectors against the whole index; then an incremental run after one paragraph is appended
+to one document (what an edit costs).
 With ``--switch``, two more runs with no file changed: ``sentence_vectors=False`` (the index drops
 them: its bytes after) and on again (every chunk's sentences embedded again: the seconds).
 
