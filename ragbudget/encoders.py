@@ -14,7 +14,12 @@ round of the caller pads again.
   (float32, or int8 weights); each session runs on one thread and ``workers`` threads run
   batches side by side (ORT releases the GIL): on a shared 2-core host one intra-op pool per
   session spent about twice the CPU time per window spinning for nothing (measured: 4.1 s of CPU
-  for 64 windows against 2.1 s with two one-thread runs side by side).
+  for 64 windows against 2.1 s with two one-thread runs side by side). There are
+  :data:`WORKERS_PER_CORE` workers per core: on a busy host the scheduler shares a core between
+  runnable threads, and torch's OpenMP threads (the peers' runtime) stay runnable while they
+  spin, so with one worker per core the embedding got about half the share of CPU that the peer
+  got (0.44 of a core against 0.79 at load 8); two per core took 60 windows in a median 9.0 s
+  against 11.5 s there, for 5% more CPU time. On an idle host the two just take turns.
 * :class:`TorchBert` — the sentence-transformers model's own BERT module on torch (torch's own
   intra-op threads), for the same layout.
 
@@ -40,6 +45,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 __all__ = ["OnnxBert", "TokenStates", "TorchBert", "schedule"]
+
+#: Threads running batches per core this process may use (see the module docstring).
+WORKERS_PER_CORE = 2
 
 #: Padded tokens per batch of the batched runners: 32 windows of 256 word pieces, the batch
 #: sentence-transformers runs by default, so a full batch costs what it did before.
@@ -326,15 +334,16 @@ def _threads() -> int:
 
 class OnnxBert(_Runner):
     """A :class:`~ragbudget.embed._LightBert`-layout model on ONNX Runtime: the tokenizer from
-    ``tokenizer.json``, the graph from :func:`_onnx_file`. One-thread session, ``workers`` (all
-    the cores this process may use) batches at a time; int8 one text per batch."""
+    ``tokenizer.json``, the graph from :func:`_onnx_file`. One-thread session, ``workers``
+    (:data:`WORKERS_PER_CORE` per core this process may use) batches at a time; int8 one text
+    per batch."""
 
     def __init__(self, layout: _LightBert, session: Any, *, quantized: bool = False, max_rows: int = 32) -> None:
         super().__init__(layout)
         self.session = session
         self.quantized = quantized
         self.max_rows = 1 if quantized else max_rows
-        self.workers = _threads()
+        self.workers = WORKERS_PER_CORE * _threads()
         outputs = {o.name for o in session.get_outputs()}
         if "token_states" not in outputs:  # a graph from before span pooling: vectors only
             raise ModelError(
