@@ -631,7 +631,9 @@ class SpanScorer:
                 vecs = self.embedder.embed_documents([texts[i - 1] for i in first.values()])
                 self.embedded += len(first)
                 for k, v in zip(first, vecs, strict=True):
-                    have[k] = np.asarray(v, dtype=np.float32)
+                    # Rounded as an index and the cache keep them (float16), so a question scores
+                    # the same whether its sentences were just embedded, cached or stored.
+                    have[k] = np.asarray(v, dtype=np.float16).astype(np.float32)
                 if self.persist is not None:
                     self.persist.put({k[1:]: have[k] for k in first})
             with self._lock:

@@ -149,3 +149,17 @@ def test_processes_write_the_same_cache_at_once(tmp_path: Path) -> None:
     c = SentenceCache(tmp_path, identity={"kind": "hash", "id": "hash-8"}, dim=8)
     keys = [bytes([s, i, j]) + bytes(13) for s in (1, 2, 3) for i in range(40) for j in range(25)]
     assert len(c.get(keys)) == 3 * 40 * 25  # every write of every process kept
+
+
+def test_a_question_scores_the_same_whether_its_sentences_were_just_embedded_or_cached(ix: Index) -> None:
+    from ragbudget.spans import SpanScorer, sentence_digest
+
+    m = json.loads((ix.path / "manifest.json").read_text())
+    sentences = ["Harbour tides move the ships at dawn.", "Marker two sits in the third document.", "x"]
+    fresh = SpanScorer(HashEmbedder(dim=DIM), persist=SentenceCache(ix.path, identity=m["embedder"], dim=DIM))
+    first = fresh.similarities(QUESTION, sentences)
+    later = SpanScorer(HashEmbedder(dim=DIM), persist=SentenceCache(ix.path, identity=m["embedder"], dim=DIM))
+    assert later.similarities(QUESTION, sentences) == first and later.embedded == 0 and later.persisted == 3
+    # The cache holds the float16 vectors the index would store, and the first question used them too.
+    held = SentenceCache(ix.path, identity=m["embedder"], dim=DIM).get([sentence_digest(sentences[0])])
+    assert np.array_equal(held[sentence_digest(sentences[0])], fresh._cache[b"d" + sentence_digest(sentences[0])])
