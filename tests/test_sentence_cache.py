@@ -163,3 +163,21 @@ def test_a_question_scores_the_same_whether_its_sentences_were_just_embedded_or_
     # The cache holds the float16 vectors the index would store, and the first question used them too.
     held = SentenceCache(ix.path, identity=m["embedder"], dim=DIM).get([sentence_digest(sentences[0])])
     assert np.array_equal(held[sentence_digest(sentences[0])], fresh._cache[b"d" + sentence_digest(sentences[0])])
+
+
+def test_after_a_file_changes_a_question_embeds_only_the_sentences_it_has_not_seen(tmp_path: Path) -> None:
+    corpus = write_corpus(tmp_path / "corpus")
+    ix = Index(tmp_path / "ix")
+    ix.build([str(corpus)], embedder=HashEmbedder(dim=DIM), **OPTS)  # type: ignore[arg-type]
+    first = Counting()
+    retrieve(ix, first)
+    seen = first.documents
+    # The question's document gains a sentence: its chunks are new chunks of the index, but
+    # their other sentences are the ones already embedded, read back from the cache.
+    doc = corpus / "doc2.txt"
+    doc.write_text(doc.read_text().replace("marker2zz", "marker2zz. Quokkas nest in the third document", 1))
+    s = ix.build([str(corpus)], embedder=HashEmbedder(dim=DIM), **OPTS)  # type: ignore[arg-type]
+    assert s.chunks_embedded >= 1 and s.sentences_embedded == 0
+    again = Counting()
+    retrieve(ix, again)
+    assert 0 < again.documents < seen
