@@ -58,7 +58,7 @@ from ragbudget.prompt import PromptBuilder, build_prompt  # noqa: E402
 from ragbudget.sentence_cache import SentenceCache  # noqa: E402
 from ragbudget.spans import SpanScorer  # noqa: E402
 
-SQUAD = ROOT.parent / "shared" / "data" / "squad" / "squaddev_v1.1.json"
+SQUAD = Path(os.environ.get("RAGBUDGET_SHARED_DATA", ROOT.parent / "shared" / "data")) / "squad" / "squaddev_v1.1.json"
 
 
 def main() -> None:
