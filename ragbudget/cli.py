@@ -89,10 +89,11 @@ def cli(verbose: int) -> None:
 @click.option(
     "--sentence-vectors/--no-sentence-vectors",
     default=None,
-    help="Store every chunk's sentence vectors, so span packing embeds no sentence per question (about doubles the "
-    "index on disk). --no-sentence-vectors leaves them out (and drops them from this index): span packing then "
-    "embeds the pool's sentences at question time; --pack chunks never needs them. Default: what the index "
-    "records, else stored.",
+    help="--sentence-vectors stores every chunk's sentence vectors at build time (a second pass, about 1.1x the "
+    "chunk embedding; about doubles the index on disk), so span packing embeds no sentence per question. "
+    "--no-sentence-vectors leaves them out (and drops them from this index): span packing then embeds a "
+    "sentence the first time a question needs it and keeps it in the cache beside the index. Default: what "
+    "the index has (none for a new one); --pack chunks never needs them.",
 )
 @click.option("--rebuild", is_flag=True, help="Re-read and re-embed every indexed root (and PATHS) from scratch.")
 @click.option(

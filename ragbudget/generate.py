@@ -48,6 +48,32 @@ __all__ = ["REPEATED_LINE_STOP", "Generation", "Generator", "OOMStep", "is_oom",
 
 log = logging.getLogger(__name__)
 
+
+@contextlib.contextmanager
+def _gguf_bar_only_on_a_terminal() -> Iterator[None]:
+    """transformers draws its one-off "Converting and de-quantizing GGUF tensors" bar with tqdm
+    directly (its own progress-bar switch does not reach it): off the terminal (a log, a pipe)
+    that bar is hundreds of carriage-return redraws, so it is turned off there for the call."""
+    import sys
+
+    try:
+        import transformers.modeling_gguf_pytorch_utils as gguf_utils
+    except ImportError:  # another transformers layout: nothing to quiet
+        yield
+        return
+    bar = getattr(gguf_utils, "tqdm", None)
+    if bar is None or sys.stderr.isatty():
+        yield
+        return
+    import functools
+
+    gguf_utils.tqdm = functools.partial(bar, disable=True)  # a third-party seam: restored below
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = bar
+
+
 #: How many times the ladder halves the passages before touching the cache.
 MAX_DROP_STEPS = 2
 
@@ -493,8 +519,9 @@ class Generator:
             except (OSError, ValueError) as exc:
                 log.warning("converted cache %s unusable (%s); converting again", target, exc)
         t0 = time.perf_counter()
-        tok = AutoTokenizer.from_pretrained(ref.path, gguf_file=ref.gguf_file)
-        model = AutoModelForCausalLM.from_pretrained(ref.path, gguf_file=ref.gguf_file, **kwargs)
+        with _gguf_bar_only_on_a_terminal():
+            tok = AutoTokenizer.from_pretrained(ref.path, gguf_file=ref.gguf_file)
+            model = AutoModelForCausalLM.from_pretrained(ref.path, gguf_file=ref.gguf_file, **kwargs)
         log.info("converted %s in %.1fs", gguf.name, time.perf_counter() - t0)
         q = getattr(model, "hf_quantizer", None)
         if q is not None:

@@ -778,22 +778,28 @@ class Pipeline:
         """``build_prompt``'s packing keywords: with ``pack="spans"``, one
         :class:`~ragbudget.spans.SpanScorer` per pipeline over the index's embedder, so sentence
         vectors are cached across questions, reading the sentence vectors the index stored at
-        build time first (search already refused an embedder other than the index's)."""
+        build time first, then the :class:`~ragbudget.sentence_cache.SentenceCache` beside the
+        index, which keeps every sentence embedded at question time for later questions and
+        processes (search already refused an embedder other than the index's)."""
         if self.retrieval.pack == "chunks":
             return {"fill_remainder": True} if self.retrieval.fill_remainder else {}
         with self._lock:
             if self._span_scorer is None:
+                from .sentence_cache import SentenceCache
                 from .spans import SpanScorer
 
                 store = self.store
-                self._span_scorer = SpanScorer(self.embedder or store.embedder, stored=store.sentence_vectors)
+                persist = SentenceCache(store.path, identity=store.manifest["embedder"], dim=int(store.manifest["dim"]))
+                self._span_scorer = SpanScorer(
+                    self.embedder or store.embedder, stored=store.sentence_vectors, persist=persist
+                )
         return {"pack": self.retrieval.pack, "span_scorer": self._span_scorer}
 
     def _sentence_vectors_path(self) -> str | None:
         """Where span packing's sentence vectors come from, for the report: ``"stored"`` (the
         index's, embedded at build time) or ``"embedded at query time"`` (an index built without
-        them, or by an older version; cached across this pipeline's questions). ``None``: whole
-        chunks are packed."""
+        them, the default: each sentence embedded the first time a question needs it and kept in
+        the cache beside the index). ``None``: whole chunks are packed."""
         if self.retrieval.pack != "spans":
             return None
         return "stored" if self.store.has_sentence_vectors else "embedded at query time"

@@ -463,23 +463,26 @@ class ChunkSettings:
     Attributes:
         min_tokens, max_tokens: the size of a chunk in tokens (``0 ≤ min ≤ max``, ``max ≥ 8``).
         overlap: tokens repeated between neighbouring chunks (at most ``max_tokens // 2``).
-        sentence_vectors: store every chunk's sentence vectors, so span packing embeds no
-            sentence at question time (about 0.9× the chunk embedding again at build time, and
-            roughly double the index on disk; BENCHMARKS.md "What it costs at build time").
-            ``False`` leaves them out (an existing index drops them on its next run) and span
-            packing embeds the pool's sentences at question time instead; an index used only
-            with ``pack="chunks"`` never needs them. Changing it re-chunks and re-embeds nothing.
+        sentence_vectors: ``True`` stores every chunk's sentence vectors, so span packing
+            embeds no sentence at question time (a second pass over the text at build time,
+            about 1.1× the chunk embedding, and roughly double the index on disk; BENCHMARKS.md
+            "Index throughput"). ``False`` leaves them out (an existing index drops them on its
+            next run): span packing embeds a sentence the first time a question needs it and
+            keeps it in the cache beside the index (:mod:`ragbudget.sentence_cache`); an index
+            used only with ``pack="chunks"`` never needs them. ``None`` (the default): what the
+            index has — none for a new one. Changing it re-chunks and re-embeds nothing.
     """
 
     min_tokens: int = 300
     max_tokens: int = 500
     overlap: int = 0
-    sentence_vectors: bool = True
+    sentence_vectors: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("min_tokens", "max_tokens", "overlap"):
             check_int(name, getattr(self, name), 0)
-        check_bool("sentence_vectors", self.sentence_vectors)
+        if self.sentence_vectors is not None:
+            check_bool("sentence_vectors", self.sentence_vectors)
         from .chunking import check_sizes  # the chunker's own rule, so it is written once
 
         check_sizes(self.min_tokens, self.max_tokens, self.overlap)

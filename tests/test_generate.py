@@ -444,3 +444,25 @@ def test_generator_measures_its_cuda_peak_and_writes_nothing(gen, tmp_path, monk
 
 def test_a_cpu_generation_has_no_measurement(gen) -> None:
     assert gen.generate("hi", max_new_tokens=2).measurement is None
+
+
+def test_the_gguf_conversion_bar_is_off_away_from_a_terminal(monkeypatch) -> None:
+    import io
+    import sys
+
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+    from ragbudget.generate import _gguf_bar_only_on_a_terminal
+
+    # transformers' own conversion loop draws this bar with tqdm (not its own switch); off a
+    # terminal it is hundreds of carriage-return redraws in a log.
+    out = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", out)  # not a terminal
+    original = gguf_utils.tqdm
+    with _gguf_bar_only_on_a_terminal():
+        for _ in gguf_utils.tqdm(range(50), desc="Converting and de-quantizing GGUF tensors...", file=out):
+            pass
+    assert out.getvalue() == "" and gguf_utils.tqdm is original  # quiet, and put back after
+    for _ in gguf_utils.tqdm(range(3), file=out):
+        pass
+    assert "\r" in out.getvalue()  # outside the call the bar is transformers' own again
