@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-# name -> module that defines it. One flat package, one module per concept.
+# name -> the module that defines it, relative to this package.
 _EXPORTS: dict[str, str] = {
     # records and errors
     "Document": "types",

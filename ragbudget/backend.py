@@ -484,10 +484,11 @@ def template_overhead(backend: Backend, system_prompt: str | None = None) -> int
     ``template_overhead`` when it has one (served engines measure it once per model), else
     renders once.
     """
-    from .engines._base import ServedBackend  # lazy: the engines import this module
-
-    if isinstance(backend, ServedBackend):
-        return backend.template_overhead(system_prompt)
+    # Asked of the backend rather than checked with isinstance(ServedBackend): the engines import
+    # this module, so importing theirs here would be a cycle (tests/test_layout.py).
+    own = getattr(backend, "template_overhead", None)
+    if callable(own):
+        return int(own(system_prompt))
     msgs = [{"role": "system", "content": system_prompt}] if system_prompt else []
     return backend.render([*msgs, {"role": "user", "content": ""}]).n_tokens
 

@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import ConfigError
+from .settings import check_sizes
 from .tokens import TiktokenTokenizer, Tokenizer, get_tokenizer
 from .types import Chunk, Document
 
@@ -204,19 +204,6 @@ def chunk_document(doc: Document, **kw: Any) -> list[Chunk]:
         last = max(1, bisect.bisect_right(starts, max(c.start, c.end - 1)))
         out.append(Chunk(c.text, c.start, c.end, c.n_tokens, c.headings, page_start=first, page_end=last))
     return out
-
-
-def check_sizes(min_tokens: int, max_tokens: int, overlap: int) -> None:
-    # One character can take up to 4 byte-level tokens; below 8 a chunk might not fit one.
-    if not isinstance(max_tokens, int) or max_tokens < 8:
-        raise ConfigError(f"max_tokens must be an integer >= 8, got {max_tokens!r}")
-    if not isinstance(min_tokens, int) or not 0 <= min_tokens <= max_tokens:
-        raise ConfigError(
-            f"min_tokens must be between 0 and max_tokens ({max_tokens}), got {min_tokens!r}; "
-            "lower min_tokens or raise max_tokens"
-        )
-    if not isinstance(overlap, int) or overlap < 0 or overlap > max_tokens // 2:
-        raise ConfigError(f"overlap must be between 0 and max_tokens // 2 ({max_tokens // 2}), got {overlap!r}")
 
 
 @functools.lru_cache(maxsize=4)

@@ -13,7 +13,7 @@ import sqlite3
 from collections.abc import Sequence
 from typing import Any
 
-from .types import QUESTION_STOPWORDS
+from .types import FUSIONS, QUESTION_STOPWORDS
 
 __all__ = ["FTS_TOKENIZE", "FUSIONS", "fts5_available", "fts_match_query", "fuse_scores"]
 
@@ -37,9 +37,6 @@ CREATE TRIGGER IF NOT EXISTS chunks_fts_au AFTER UPDATE OF text ON chunks BEGIN
 END;
 """
 
-#: Fusion methods of hybrid search: ``rrf`` (reciprocal rank fusion, Cormack et al. 2009) and
-#: ``score`` (min-max normalized scores, weighted sum).
-FUSIONS = ("rrf", "score")
 # RRF's k: 60 is the constant of the original paper and of Elasticsearch/Weaviate/LlamaIndex.
 _RRF_K = 60
 # Words that carry no retrieval signal in a question; OR-ing them would only make every chunk match.

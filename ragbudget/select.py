@@ -38,13 +38,9 @@ from typing import Any
 
 from .errors import ConfigError
 from .formats import join_labels
-from .types import QUESTION_STOPWORDS, Source
+from .types import ORDERS, QUESTION_STOPWORDS, Source
 
 __all__ = ["ORDERS", "Candidate", "Dropped", "SelectedChunk", "Selection", "select_chunks"]
-
-#: Context orders. ``lost_in_middle`` puts the best passages at both ends of the context, where
-#: models attend most (Liu et al. 2023, "Lost in the Middle").
-ORDERS = ("relevance", "document", "lost_in_middle")
 
 DROP_REASONS = ("duplicate", "below_cutoff", "below_relevance_floor", "redundant", "over_budget")
 

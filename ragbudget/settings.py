@@ -37,10 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from .errors import ArgumentTypeError, ConfigError
-from .lexical import FUSIONS
-from .select import ORDERS
-from .spans import DEFAULT_PACK, PACKS
-from .types import CACHE_KINDS
+from .types import CACHE_KINDS, DEFAULT_PACK, FUSIONS, ORDERS, PACKS
 
 __all__ = [
     "DEDUP_MODES",
@@ -203,6 +200,21 @@ def check_near_dedup(threshold: Any, num_perm: Any, *, threshold_name: str = "ne
     n = check_int("num_perm", num_perm, 2)
     assert t is not None and n is not None
     return t, n
+
+
+def check_sizes(min_tokens: int, max_tokens: int, overlap: int) -> None:
+    """The chunk sizes, checked: the one rule :class:`ChunkSettings` and the chunker
+    (:func:`ragbudget.chunking.chunk_text`) share."""
+    # One character can take up to 4 byte-level tokens; below 8 a chunk might not fit one.
+    if not isinstance(max_tokens, int) or max_tokens < 8:
+        raise ConfigError(f"max_tokens must be an integer >= 8, got {max_tokens!r}")
+    if not isinstance(min_tokens, int) or not 0 <= min_tokens <= max_tokens:
+        raise ConfigError(
+            f"min_tokens must be between 0 and max_tokens ({max_tokens}), got {min_tokens!r}; "
+            "lower min_tokens or raise max_tokens"
+        )
+    if not isinstance(overlap, int) or overlap < 0 or overlap > max_tokens // 2:
+        raise ConfigError(f"overlap must be between 0 and max_tokens // 2 ({max_tokens // 2}), got {overlap!r}")
 
 
 def _set(record: Any, name: str, value: Any) -> None:
@@ -483,8 +495,6 @@ class ChunkSettings:
             check_int(name, getattr(self, name), 0)
         if self.sentence_vectors is not None:
             check_bool("sentence_vectors", self.sentence_vectors)
-        from .chunking import check_sizes  # the chunker's own rule, so it is written once
-
         check_sizes(self.min_tokens, self.max_tokens, self.overlap)
 
 

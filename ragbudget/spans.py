@@ -77,7 +77,7 @@ from .select import (
     _truncate,
     _words,
 )
-from .types import QUESTION_STOPWORDS, Source
+from .types import DEFAULT_PACK, PACKS, QUESTION_STOPWORDS, Source
 
 __all__ = [
     "DEFAULT_CLAUSE_TOKENS",
@@ -97,18 +97,6 @@ __all__ = [
     "split_clauses",
     "split_sentences",
 ]
-
-#: Packing modes: whole chunks (:func:`~ragbudget.select.select_chunks`) or the question's
-#: sentences inside the best chunks (:func:`select_spans`).
-PACKS = ("chunks", "spans")
-
-#: What :class:`~ragbudget.pipeline.Pipeline` (and so ``ask``, ``chat`` and ``serve``) packs
-#: unless told otherwise: spans, because on questions never tuned on they hold the answer more
-#: often than whole chunks at every budget from 128 to 1,024 tokens (bench/spans_qa.py) and the
-#: packaged model's answer F1 was not worse with them (bench/spans_f1.py; BENCHMARKS.md). The
-#: stage functions (``build_prompt``, ``select_chunks``) keep whole chunks: without the index's
-#: embedder a span scorer has only BM25, which was not measured.
-DEFAULT_PACK = "spans"
 
 #: Shown between two non-adjacent runs of sentences of one chunk: the reader (and the model) sees
 #: that text was left out.

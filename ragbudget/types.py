@@ -13,6 +13,10 @@ from typing import Any
 __all__ = [
     "CACHE_KINDS",
     "DEFAULT_INDEX_DIR",
+    "DEFAULT_PACK",
+    "FUSIONS",
+    "ORDERS",
+    "PACKS",
     "PAGE_SEP",
     "QUESTION_STOPWORDS",
     "Chunk",
@@ -28,6 +32,30 @@ __all__ = [
 #: pipeline, the generator and the KV estimate accept. Here, not in kvcache, so that the CLI and
 #: the pipeline name them without importing the memory model.
 CACHE_KINDS = ("dynamic", "static", "offloaded", "quantized")
+
+# The choice lists below belong to their stages (lexical, select, spans) but live here, like
+# CACHE_KINDS, so that settings, which validates them, imports no stage: settings sits below the
+# stages (CONTRIBUTING.md's layout).
+
+#: Fusion methods of hybrid search: ``rrf`` (reciprocal rank fusion, Cormack et al. 2009) and
+#: ``score`` (min-max normalized scores, weighted sum).
+FUSIONS = ("rrf", "score")
+
+#: Context orders. ``lost_in_middle`` puts the best passages at both ends of the context, where
+#: models attend most (Liu et al. 2023, "Lost in the Middle").
+ORDERS = ("relevance", "document", "lost_in_middle")
+
+#: Packing modes: whole chunks (:func:`~ragbudget.select.select_chunks`) or the question's
+#: sentences inside the best chunks (:func:`~ragbudget.spans.select_spans`).
+PACKS = ("chunks", "spans")
+
+#: What :class:`~ragbudget.pipeline.Pipeline` (and so ``ask``, ``chat`` and ``serve``) packs
+#: unless told otherwise: spans, because on questions never tuned on they hold the answer more
+#: often than whole chunks at every budget from 128 to 1,024 tokens (bench/spans_qa.py) and the
+#: packaged model's answer F1 was not worse with them (bench/spans_f1.py; BENCHMARKS.md). The
+#: stage functions (``build_prompt``, ``select_chunks``) keep whole chunks: without the index's
+#: embedder a span scorer has only BM25, which was not measured.
+DEFAULT_PACK = "spans"
 
 #: The index folder when none is named (the CLI's ``--index-dir``, ``Index``, ``Pipeline``); the
 #: loaders never walk into a folder of this name.

@@ -131,3 +131,14 @@ def test_template_overhead_renders_an_empty_turn_for_a_backend_without_its_own()
     b = LocalBackend(_StubGenerator())  # type: ignore[arg-type]
     assert template_overhead(b) == render_count([{"role": "user", "content": ""}])
     assert template_overhead(b, "Be brief.") - template_overhead(b) == 2 + 4
+
+
+def test_template_overhead_asks_any_backend_that_measures_its_own() -> None:
+    # A backend's own template_overhead wins whatever its class (not only a ServedBackend's): the
+    # protocol module does not know the engines (tests/test_layout.py checks it imports none).
+    class Measuring(LocalBackend):
+        def template_overhead(self, system_prompt: str | None = None) -> int:
+            return 7 if system_prompt else 5
+
+    b = Measuring(_StubGenerator())  # type: ignore[arg-type]
+    assert (template_overhead(b), template_overhead(b, "Be brief.")) == (5, 7)
