@@ -65,7 +65,7 @@ from typing import Any
 
 from .errors import ConfigError, ModelError
 from .settings import QUANT_BACKENDS, QuantizedCacheSettings, from_keywords
-from .types import CACHE_KINDS
+from .types import CACHE_KINDS, DTYPE_BITS, dtype_bits as dtype_bits
 
 __all__ = [
     "CACHE_KINDS",
@@ -92,26 +92,8 @@ __all__ = [
 
 BACKENDS = ("transformers", "vllm", "sglang")
 
-_DTYPE_BITS = {
-    "float32": 32, "fp32": 32, "float": 32,
-    "float16": 16, "fp16": 16, "half": 16,
-    "bfloat16": 16, "bf16": 16,
-    "float8": 8, "fp8": 8, "fp8_e4m3": 8, "fp8_e5m2": 8, "float8_e4m3fn": 8, "float8_e5m2": 8,
-    "int8": 8, "uint8": 8, "int4": 4, "nf4": 4, "fp4": 4, "int2": 2,
-}  # fmt: skip
-
-
-def dtype_bits(dtype: Any) -> int:
-    """Bits per element of a dtype given as a string (``"bf16"``, ``"torch.float16"``, ``"fp8"``)
-    or a ``torch.dtype``.
-
-    >>> dtype_bits("bf16"), dtype_bits("torch.float32"), dtype_bits("fp8")
-    (16, 32, 8)
-    """
-    name = str(dtype).lower().removeprefix("torch.")
-    if name in _DTYPE_BITS:
-        return _DTYPE_BITS[name]
-    raise ConfigError(f"unknown dtype {dtype!r}; use one of fp32, fp16, bf16, fp8 (or int8/int4 for weights)")
+# The dtype table is a shared constant (types.py): settings checks a kv_dtype against it without
+# importing this stage.
 
 
 def _ceil_bytes(elements: int, bits: int) -> int:
@@ -186,7 +168,7 @@ def model_dtype(config: ConfigLike, default: str = "float32") -> str:
         value = _Cfg(cfg).get("dtype", "torch_dtype")
         if value is not None:
             name = str(value).removeprefix("torch.")
-            if name in _DTYPE_BITS:
+            if name in DTYPE_BITS:
                 return name
     return default
 

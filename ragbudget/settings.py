@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from .errors import ArgumentTypeError, ConfigError
-from .types import CACHE_KINDS, DEFAULT_PACK, FUSIONS, ORDERS, PACKS
+from .types import CACHE_KINDS, DEFAULT_PACK, FUSIONS, ORDERS, PACKS, dtype_bits
 
 __all__ = [
     "DEDUP_MODES",
@@ -315,8 +315,6 @@ class MemorySettings:
         _set(self, "concurrency", check_int("concurrency", self.concurrency, 1))
         _set(self, "max_new_tokens", check_int("max_new_tokens", self.max_new_tokens, 1))
         if check_text("kv_dtype", self.kv_dtype, optional=True) is not None:
-            from .kvcache import dtype_bits  # lazy: kvcache imports this module
-
             try:
                 dtype_bits(self.kv_dtype)
             except ConfigError:

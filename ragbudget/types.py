@@ -10,8 +10,11 @@ import bisect
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .errors import ConfigError
+
 __all__ = [
     "CACHE_KINDS",
+    "DTYPE_BITS",
     "DEFAULT_INDEX_DIR",
     "DEFAULT_PACK",
     "FUSIONS",
@@ -26,12 +29,37 @@ __all__ = [
     "IndexedFile",
     "Source",
     "VerifyReport",
+    "dtype_bits",
 ]
 
 #: KV cache layouts (transformers ``cache_implementation`` names): the one list the CLI, the
 #: pipeline, the generator and the KV estimate accept. Here, not in kvcache, so that the CLI and
 #: the pipeline name them without importing the memory model.
 CACHE_KINDS = ("dynamic", "static", "offloaded", "quantized")
+
+#: Bits per element of each dtype name the KV estimate, the weight count and the settings accept.
+#: Here, not in kvcache, so that settings checks a ``kv_dtype`` without importing the memory model.
+DTYPE_BITS = {
+    "float32": 32, "fp32": 32, "float": 32,
+    "float16": 16, "fp16": 16, "half": 16,
+    "bfloat16": 16, "bf16": 16,
+    "float8": 8, "fp8": 8, "fp8_e4m3": 8, "fp8_e5m2": 8, "float8_e4m3fn": 8, "float8_e5m2": 8,
+    "int8": 8, "uint8": 8, "int4": 4, "nf4": 4, "fp4": 4, "int2": 2,
+}  # fmt: skip
+
+
+def dtype_bits(dtype: Any) -> int:
+    """Bits per element of a dtype given as a string (``"bf16"``, ``"torch.float16"``, ``"fp8"``)
+    or a ``torch.dtype``.
+
+    >>> dtype_bits("bf16"), dtype_bits("torch.float32"), dtype_bits("fp8")
+    (16, 32, 8)
+    """
+    name = str(dtype).lower().removeprefix("torch.")
+    if name in DTYPE_BITS:
+        return DTYPE_BITS[name]
+    raise ConfigError(f"unknown dtype {dtype!r}; use one of fp32, fp16, bf16, fp8 (or int8/int4 for weights)")
+
 
 # The choice lists below belong to their stages (lexical, select, spans) but live here, like
 # CACHE_KINDS, so that settings, which validates them, imports no stage: settings sits below the

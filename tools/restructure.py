@@ -65,6 +65,10 @@ MAPPING: dict[str, tuple[str, str]] = {
     "settings": ("records", "settings"),
     "tokens": ("records", "tokens"),
     "relay": ("records", "relay"),
+    # gpus is the device catalogue and size parsing (no torch for a named GPU): settings checks a
+    # gpu= value against it when a record is built (issue #30 section 6), so it sits beside settings
+    # rather than in memory/, which would make the records import a stage.
+    "gpus": ("records", "gpus"),
     "_compat": ("records", "_compat"),  # generated here
     # input/
     "loaders": ("input", "loaders"),
@@ -75,7 +79,7 @@ MAPPING: dict[str, tuple[str, str]] = {
     # memory/
     "models": ("memory", "models"),
     "model_configs/": ("memory", "model_configs/"),  # models' data, beside its loader
-    "gpus": ("memory", "gpus"),
+    "weights": ("memory", "weights"),
     "kvcache": ("memory", "kvcache"),
     "budget": ("memory", "budget"),
     "admission": ("memory", "admission"),
@@ -91,6 +95,9 @@ MAPPING: dict[str, tuple[str, str]] = {
     "lexical": ("retrieval", "lexical"),
     "index": ("retrieval", "index"),
     "build": ("retrieval", "build"),
+    "index_settings": ("retrieval", "index_settings"),
+    "encoders": ("retrieval", "encoders"),
+    "sentence_cache": ("retrieval", "sentence_cache"),
     # generation/ (allowance and pacing too: they take Capacity and RequestBudget from the Backend
     # protocol and measure with the generator, so memory/ could not hold them without importing up)
     "backend": ("generation", "backend"),
@@ -107,6 +114,7 @@ MAPPING: dict[str, tuple[str, str]] = {
     # server/
     "server": ("server", "app"),
     "endpoints": ("server", "endpoints"),
+    "engine_load": ("server", "engine_load"),
     "openai_api": ("server", "openai_api"),
     "metrics": ("server", "metrics"),
     "malloc": ("server", "malloc"),
