@@ -22,6 +22,7 @@ __all__ = [
     "PACKS",
     "PAGE_SEP",
     "QUESTION_STOPWORDS",
+    "WEIGHT_DTYPES",
     "Chunk",
     "Document",
     "Hit",
@@ -61,6 +62,12 @@ def dtype_bits(dtype: Any) -> int:
     raise ConfigError(f"unknown dtype {dtype!r}; use one of fp32, fp16, bf16, fp8 (or int8/int4 for weights)")
 
 
+#: ``weight_dtype`` overrides: the model dtypes, and quantized storage as the common tools write it
+#: (``"fp8"`` vLLM's online FP8, ``"int8"`` bitsandbytes LLM.int8, ``"nf4"`` bitsandbytes NF4,
+#: ``"int4"`` 4-bit with groups of 128 in AWQ's layout, ``"mxfp4"`` MoE experts in MXFP4, ``"gguf"``
+#: a GGUF file's own tensor types). ``None``/``"auto"``: what the checkpoint says.
+WEIGHT_DTYPES = ("auto", "fp32", "fp16", "bf16", "fp8", "int8", "int4", "nf4", "mxfp4", "gguf")
+
 # The choice lists below belong to their stages (lexical, select, spans) but live here, like
 # CACHE_KINDS, so that settings, which validates them, imports no stage: settings sits below the
 # stages (CONTRIBUTING.md's layout).
@@ -73,8 +80,8 @@ FUSIONS = ("rrf", "score")
 #: models attend most (Liu et al. 2023, "Lost in the Middle").
 ORDERS = ("relevance", "document", "lost_in_middle")
 
-#: Packing modes: whole chunks (:func:`~ragbudget.select.select_chunks`) or the question's
-#: sentences inside the best chunks (:func:`~ragbudget.spans.select_spans`).
+#: Packing modes: whole chunks (:func:`~ragbudget.prompt.select.select_chunks`) or the question's
+#: sentences inside the best chunks (:func:`~ragbudget.prompt.spans.select_spans`).
 PACKS = ("chunks", "spans")
 
 #: What :class:`~ragbudget.pipeline.Pipeline` (and so ``ask``, ``chat`` and ``serve``) packs
@@ -168,7 +175,7 @@ class Source:
 
     ``label`` names the pages in the unit of the format when it has one (``slide 3``,
     ``cell 12``, ``rows 41-60``, ``chapter 2``, ``message <id>``; see
-    :func:`ragbudget.formats.page_label`), else ``None`` and ``page`` is a printed page."""
+    :func:`ragbudget.input.formats.page_label`), else ``None`` and ``page`` is a printed page."""
 
     path: str
     start: int
@@ -192,7 +199,7 @@ class Source:
         }
 
 
-# Records of the index (ragbudget.index re-exports them).
+# Records of the index (ragbudget.retrieval.index re-exports them).
 
 
 @dataclass(frozen=True)
