@@ -31,20 +31,14 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import BudgetError, ConfigError, ModelError, RagBudgetError
 from ..gpus import GiB, GPUInfo, resolve_gpu
-from .kvcache import (
-    _Cfg,
-    _normalize,
-    dtype_bits,
-    estimate_kv,
-    kv_bytes_per_token,
-    layer_specs,
-    model_dtype,
-    text_config,
-)
+from ..types import dtype_bits
+from .kvcache import estimate_kv, kv_bytes_per_token
+from .layers import layer_specs
+from .model_config import _Cfg, _normalize, model_dtype, text_config
 
 if TYPE_CHECKING:
     from .admission import MemoryModel, Throughput
-    from .kvcache import PagedCacheLayout
+    from .paged import PagedCacheLayout
 
 log = logging.getLogger(__name__)
 

@@ -61,8 +61,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ConfigError, ModelError
-from ..types import WEIGHT_DTYPES as WEIGHT_DTYPES
-from .kvcache import _Cfg, _normalize, dtype_bits, model_dtype, text_config
+from ..types import WEIGHT_DTYPES as WEIGHT_DTYPES, dtype_bits
+from .layers import layer_specs
+from .model_config import _Cfg, _normalize, model_dtype, text_config
 
 __all__ = [
     "COMM_RESERVE_BYTES",
@@ -140,8 +141,6 @@ _NON_GATED = ("gpt2", "gpt_neox", "opt", "bloom", "gptj", "falcon", "phi", "star
 
 
 def _has_recurrent(config: Any) -> bool:
-    from .kvcache import layer_specs
-
     try:
         specs = layer_specs(config, normalize=False)
     except (ModelError, ConfigError):
