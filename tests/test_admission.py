@@ -423,13 +423,13 @@ def test_a_speed_measured_on_a_busy_host_is_measured_again_once_idle(tmp_path, m
     Retry-After) for life: once the host and the pipeline are idle it measures again."""
     from _tiny_lm import tiny_model, tiny_tokenizer
 
-    import ragbudget.memory.budget
+    import ragbudget.memory.calibration
     from ragbudget.generation.generate import Generator
     from ragbudget.pipeline import Pipeline
 
     monkeypatch.setenv("RAGBUDGET_CACHE", str(tmp_path / "cache"))
     load = {"now": 3.0}
-    monkeypatch.setattr(ragbudget.memory.budget, "_load_per_core", lambda: load["now"])
+    monkeypatch.setattr(ragbudget.memory.calibration, "_load_per_core", lambda: load["now"])
     pipe = Pipeline(
         tmp_path / "index",
         gpu="16GiB",
@@ -791,3 +791,15 @@ def test_a_queue_time_out_is_not_sent_behind_the_clients_refused_while_it_waited
     # A newcomer refused now (a full worker pool, say) is sent after everyone promised, the
     # timed-out one included.
     assert ctl.refuse_busy(1100, prompt_tokens=1000) >= 14.0
+
+
+def test_the_models_keep_their_old_import_path() -> None:
+    # The cost models and the simulator moved to ragbudget.memory.schedule, returning() to
+    # ragbudget.memory.promises (issue #32): the old names are the very same objects.
+    import ragbudget.memory.admission as admission
+    from ragbudget.memory import promises, schedule
+
+    for name in ("MemoryModel", "Throughput", "simulate"):
+        assert name in admission.__all__ and getattr(admission, name) is getattr(schedule, name)
+    with AdmissionController.returning("k"):
+        assert promises.current_key() == "k"

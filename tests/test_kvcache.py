@@ -476,3 +476,16 @@ def test_config_only_estimate_never_below_the_allocated_cache(given, load_dtype,
     cache = out.cache if getattr(out, "cache", None) is not None else out.past_key_values
     planned_dtype = None if load_dtype in (None, "auto") else str(load_dtype).removeprefix("torch.")
     assert kv_cache_bytes(on_disk, 9 + 4 - 1, kv_dtype=planned_dtype) == cache_nbytes(cache)
+
+
+def test_the_specs_config_readers_and_paged_layout_keep_their_old_import_path() -> None:
+    # They moved out of kvcache (issue #32): every name of its __all__ still imports from it, the
+    # very object of the module it lives in now.
+    import ragbudget.memory.kvcache as kvcache
+    from ragbudget.memory import layers, model_config, paged
+
+    moved = {**{n: layers for n in layers.__all__}, **{n: paged for n in paged.__all__}}
+    moved |= {n: model_config for n in ("model_dtype", "text_config")}
+    assert set(moved) <= set(kvcache.__all__)
+    for name, module in moved.items():
+        assert getattr(kvcache, name) is getattr(module, name), name
