@@ -44,11 +44,12 @@ from .calibration import (
 )
 from .kvcache import estimate_kv, kv_bytes_per_token
 from .layers import layer_specs
-from .model_config import _Cfg, _normalize, model_dtype, text_config
+from .model_config import ConfigLike, _Cfg, _normalize, model_dtype, text_config
 from .schedule import MemoryModel
 
 if TYPE_CHECKING:
     from .paged import PagedCacheLayout
+    from .weights import WeightFormat
 
 __all__ = [
     "BudgetPlan",
@@ -73,7 +74,7 @@ __all__ = [
 # --------------------------------------------------------------------------------------------
 
 
-def _meta_parameter_count(config: Any) -> int:
+def _meta_parameter_count(config: ConfigLike) -> int:
     """Parameters of the model transformers builds from ``config``, on the meta device (no
     memory, no weights); shared (tied) parameters count once."""
     import torch  # lazy: heavy imports
@@ -106,7 +107,7 @@ def _meta_parameter_count(config: Any) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def count_parameters(config: Any) -> int:
+def count_parameters(config: ConfigLike) -> int:
     """Parameters of a decoder-only LM from its config: the sum of
     :func:`ragbudget.memory.weights.parameters` (embeddings, attention incl. MLA, dense or MoE MLP, norms,
     untied head). Exact for Llama/Mistral/Qwen2/Qwen3/Gemma/Mixtral-style models (checked in
@@ -127,7 +128,7 @@ def count_parameters(config: Any) -> int:
     return sum(p.numel for p in parameters(config))
 
 
-def estimate_weights_bytes(config: Any, *, weight_dtype: str | None = None, tensor_parallel: int = 1) -> int:
+def estimate_weights_bytes(config: ConfigLike, *, weight_dtype: str | None = None, tensor_parallel: int = 1) -> int:
     """Weight bytes of ``config`` on one of ``tensor_parallel`` GPUs, stored as the checkpoint
     says (its ``quantization_config``, else the model dtype) or as ``weight_dtype`` overrides
     (:data:`ragbudget.memory.weights.WEIGHT_DTYPES`: ``"bf16"``, ``"int4"``, ``"nf4"``, ``"fp8"``, …),
@@ -147,7 +148,7 @@ def estimate_weights_bytes(config: Any, *, weight_dtype: str | None = None, tens
     return weight_bytes(config, fmt, tensor_parallel=tensor_parallel)
 
 
-def _module_bytes(model: Any) -> int:
+def _module_bytes(model: Any) -> int:  # Any: a torch module (torch loads lazily)
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     return int(params + sum(b.numel() * b.element_size() for b in model.buffers()))
 
@@ -158,7 +159,7 @@ def _module_bytes(model: Any) -> int:
 
 
 def estimate_activation_bytes(
-    config: Any,
+    config: ConfigLike,
     tokens: int,
     *,
     batch_size: int = 1,
@@ -273,14 +274,15 @@ class BudgetPlan:
         return d
 
 
-def _model_max(cfg: Any) -> int:
+def _model_max(cfg: ConfigLike) -> int:
     c = _Cfg(text_config(cfg) if isinstance(cfg, Mapping) else cfg)
     v = c.get("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx", default=None)
     return int(v) if v else 4096
 
 
-def _resolve_model(model: Any, config: Any) -> tuple[str, Any, Any]:
-    """(name, config, loaded module or None)."""
+def _resolve_model(model: Any, config: ConfigLike) -> tuple[str, ConfigLike, Any]:
+    """(name, config, loaded module or None). ``Any``: a model is a name, a path or a loaded
+    transformers module (torch and transformers load lazily and type their modules loosely)."""
     module = None
     if model is not None and not isinstance(model, (str, os.PathLike)):
         module = model
@@ -300,7 +302,7 @@ def _resolve_model(model: Any, config: Any) -> tuple[str, Any, Any]:
 
 
 def plan_budget(
-    model: Any = None,
+    model: Any = None,  # a name, a path or a loaded transformers module (see _resolve_model)
     *,
     gpu: str | int | None = None,
     concurrency: int = 1,
@@ -312,7 +314,7 @@ def plan_budget(
     weight_dtype: str | None = None,
     utilization: float = 0.9,
     backend: str = "transformers",
-    config: Any = None,
+    config: ConfigLike = None,
     attn_implementation: str = "sdpa",
     max_cache_len: int | None = None,
     tensor_parallel: int | None = None,
@@ -571,7 +573,7 @@ def plan_budget(
     )
 
 
-def _tensor_parallel(tensor_parallel: int | None, info: GPUInfo, module: Any) -> int:
+def _tensor_parallel(tensor_parallel: int | None, info: GPUInfo, module: Any) -> int:  # Any: torch module
     """The tensor-parallel degree: as given, else as many GPUs as ``gpu`` names; the two must
     agree, and a loaded model (one device) has none."""
     from ..settings import check_int
@@ -593,7 +595,7 @@ def _tensor_parallel(tensor_parallel: int | None, info: GPUInfo, module: Any) ->
 
 
 def _planned_weights(
-    model: Any, cfg: Any, fmt: Any, weight_dtype: str | None, tp: int, notes: list[str]
+    model: object, cfg: ConfigLike, fmt: WeightFormat, weight_dtype: str | None, tp: int, notes: list[str]
 ) -> tuple[int, str]:
     """Weight bytes on one GPU, and where they come from: a local checkpoint's safetensors headers
     (exact, quantized or not), a GGUF's tensor table (``weight_dtype="gguf"``), else the
@@ -634,7 +636,7 @@ def _planned_weights(
     return wbytes, f"parameter count × {fmt.label}{per_gpu}"
 
 
-def _tp_note(cfg: Any, tp: int, reserve: int) -> str:
+def _tp_note(cfg: ConfigLike, tp: int, reserve: int) -> str:
     c = _Cfg(text_config(cfg) if isinstance(cfg, Mapping) else cfg)
     heads = int(c.get("num_attention_heads", "n_head", default=0) or 0)
     kv = int(c.get("num_key_value_heads", "num_kv_heads", default=heads) or heads)
@@ -688,7 +690,9 @@ def cap_plan_for_time(plan: BudgetPlan, speed: Mapping[str, Any], ttft_target: f
     )
 
 
-def request_memory(plan: BudgetPlan, config: Any = None, *, paged: PagedCacheLayout | None = None) -> MemoryModel:
+def request_memory(
+    plan: BudgetPlan, config: ConfigLike = None, *, paged: PagedCacheLayout | None = None
+) -> MemoryModel:
     """What one request pins by ``plan``, for :class:`~ragbudget.memory.admission.AdmissionController`:
     the memory left beside the weights, the KV bytes per token at their peak (sliding-window
     layers hold the whole prefill until the first decode step) plus per sequence, and the

@@ -219,7 +219,7 @@ def lookup_prefill_speed(model: str, device: str) -> dict[str, Any] | None:
 
 
 def measure_prefill_speed(
-    model: Any,
+    model: Any,  # a transformers causal LM: torch and transformers load lazily, their types loosely
     *,
     name: str,
     device: str = "cpu",
@@ -248,6 +248,7 @@ def measure_prefill_speed(
     dev = next(model.parameters()).device
     times: list[tuple[int, float]] = []
 
+    # Any below: torch tensors and transformers caches (torch is imported inside this function).
     def forward(ids: Any) -> None:
         try:  # only the last position's logits, as generate computes them
             model(ids, use_cache=False, logits_to_keep=1)

@@ -39,7 +39,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict
 
 from ..errors import ConfigError
 from ..settings import QUANT_BACKENDS, QuantizedCacheSettings, from_keywords
@@ -60,6 +60,9 @@ from .layers import (
 )
 from .model_config import ConfigLike, _dtype_for, model_dtype as model_dtype, text_config as text_config
 from .paged import PagedCacheLayout as PagedCacheLayout, paged_cache_layout as paged_cache_layout
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing.Unpack is 3.11+; only mypy reads it here
 
 __all__ = [
     "CACHE_KINDS",
@@ -357,6 +360,22 @@ def estimate_kv(
     return KVEstimate(sum(per), sum(per_peak), per, name, cache)
 
 
+class _EstimateOptions(TypedDict, total=False):
+    """The keywords of :func:`estimate_kv` that :func:`kv_cache_bytes` passes on."""
+
+    prefill_tokens: int | None
+    block_size: int
+    mla: str
+    quantized: QuantizedCacheSettings | None
+    quant_backend: str | None
+    nbits: int | None
+    q_group_size: int | None
+    residual_length: int | None
+    q_axis: int | None
+    offload_only_non_sliding: bool
+    normalize: bool
+
+
 def kv_cache_bytes(
     config: ConfigLike,
     tokens: int,
@@ -367,7 +386,7 @@ def kv_cache_bytes(
     backend: str = "transformers",
     max_cache_len: int | None = None,
     peak: bool = False,
-    **kwargs: Any,
+    **kwargs: Unpack[_EstimateOptions],
 ) -> int:
     """Bytes of KV cache (plus recurrent state) for ``batch_size`` sequences of ``tokens`` tokens.
 

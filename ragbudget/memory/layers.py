@@ -31,7 +31,6 @@ What the specs model of transformers 5.x (read from ``transformers/cache_utils.p
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from ..errors import ConfigError, ModelError
 from .model_config import ConfigLike, _Cfg, _normalize
@@ -178,8 +177,8 @@ class MambaSpec:
     kind = "mamba"
     elements_per_token = 0
 
-    def tokens_held(self, tokens: int, **_: Any) -> int:
-        return 0
+    def tokens_held(self, tokens: int, **_: object) -> int:
+        return 0  # no token slots (the cache's keywords do not matter)
 
     @property
     def state_elements(self) -> int:
@@ -209,8 +208,18 @@ class HybridSpec:
     def state_elements(self) -> int:
         return self.state.state_elements
 
-    def tokens_held(self, tokens: int, **kw: Any) -> int:
-        return self.attention.tokens_held(tokens, **kw)
+    def tokens_held(
+        self,
+        tokens: int,
+        *,
+        cache: str = "dynamic",
+        max_cache_len: int | None = None,
+        peak: bool = False,
+        prefill_tokens: int | None = None,
+    ) -> int:
+        return self.attention.tokens_held(
+            tokens, cache=cache, max_cache_len=max_cache_len, peak=peak, prefill_tokens=prefill_tokens
+        )
 
     def state_bytes(self, bits: int) -> int:
         return self.state.state_bytes(bits)
@@ -224,8 +233,8 @@ class NoCacheSpec:
     elements_per_token = 0
     state_elements = 0
 
-    def tokens_held(self, tokens: int, **_: Any) -> int:
-        return 0
+    def tokens_held(self, tokens: int, **_: object) -> int:
+        return 0  # no token slots (the cache's keywords do not matter)
 
 
 LayerSpec = FullAttentionSpec | SlidingWindowSpec | MLAAttentionSpec | MambaSpec | HybridSpec | NoCacheSpec

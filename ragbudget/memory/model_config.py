@@ -28,9 +28,11 @@ ConfigLike = Mapping[str, Any] | Any
 class _Cfg:
     """Uniform attribute access over a dict or a config object (missing → default)."""
 
-    def __init__(self, obj: Any) -> None:
+    def __init__(self, obj: ConfigLike) -> None:
         self.obj = obj
 
+    # Any: a field holds whatever the config's JSON or transformers' attribute holds; the callers
+    # convert it (int(), str()) where they read it.
     def get(self, *names: str, default: Any = None) -> Any:
         for name in names:
             if isinstance(self.obj, Mapping):
@@ -91,7 +93,7 @@ def model_dtype(config: ConfigLike, default: str = "float32") -> str:
 
 
 @lru_cache(maxsize=64)
-def _normalized_from_json(blob: str) -> Any:
+def _normalized_from_json(blob: str) -> ConfigLike:
     from transformers import AutoConfig  # lazy: heavy import
 
     d = json.loads(blob)

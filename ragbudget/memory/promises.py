@@ -33,7 +33,6 @@ import contextlib
 import contextvars
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
 
 from .schedule import _Job
 
@@ -45,11 +44,13 @@ __all__ = ["Promise", "Promises", "returning"]
 _RETURNING: contextvars.ContextVar[str | None] = contextvars.ContextVar("ragbudget_returning", default=None)
 # Called (no arguments) when a returning request claimed its place and waits in the queue: the
 # server then commits a streamed answer to 200 and keeps the connection alive while it waits.
-_ON_CLAIM: contextvars.ContextVar[Callable[[], Any] | None] = contextvars.ContextVar("ragbudget_on_claim", default=None)
+_ON_CLAIM: contextvars.ContextVar[Callable[[], object] | None] = contextvars.ContextVar(
+    "ragbudget_on_claim", default=None
+)
 
 
 @contextlib.contextmanager
-def returning(key: str | None, *, on_claim: Callable[[], Any] | None = None) -> Iterator[None]:
+def returning(key: str | None, *, on_claim: Callable[[], object] | None = None) -> Iterator[None]:
     """Requests made inside the block (in this thread or task) carry ``key``: refused, they leave a
     promise under it; coming back with it at the promised time, they claim it. ``None`` is a
     request without a key. ``on_claim`` is called when such a request claimed its place and has
