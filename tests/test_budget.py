@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from ragbudget.errors import BudgetError, ConfigError, ModelError
+from ragbudget.errors import ArgumentTypeError, BudgetError, ConfigError, ModelError
 from ragbudget.memory.budget import (
     count_parameters,
     estimate_activation_bytes,
@@ -180,6 +180,23 @@ def test_bad_arguments():
         plan_budget("Qwen/Qwen3-4B", gpu="RTX 4090", utilization=1.5)
     with pytest.raises(ConfigError):
         plan_budget("Qwen/Qwen3-4B", gpu="RTX 4090", concurrency=0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        # A string from a config file or a form: one line naming the argument, not the
+        # comparison's "'<' not supported between instances of 'str' and 'int'".
+        ({"concurrency": "4"}, r"concurrency must be an int ≥ 1, got str '4' \(convert it with int\(\)\)"),
+        ({"utilization": "0.9"}, r"utilization must be a number, got str '0.9'"),
+        # Planned with before: a fractional answer length or a bool concurrency is a mistake.
+        ({"max_new_tokens": 2.5}, r"max_new_tokens must be an int ≥ 1, got float 2.5"),
+        ({"concurrency": True}, r"concurrency must be an int ≥ 1, got bool True"),
+    ],
+)
+def test_plan_budget_checks_its_arguments_as_the_memory_settings_do(kwargs, message):
+    with pytest.raises(ArgumentTypeError, match=message):
+        plan_budget("Qwen/Qwen3-4B", gpu="RTX 4090", **kwargs)
 
 
 def test_import_stays_light():

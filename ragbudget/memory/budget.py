@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import BudgetError, ConfigError, ModelError
 from ..gpus import GiB, GPUInfo, resolve_gpu
+from ..settings import MemorySettings, check_int, check_number
 from ..types import dtype_bits
 
 # The measurements lived here before the memory model was split along its seams (issue #32): their
@@ -304,15 +305,17 @@ def _resolve_model(model: Any, config: ConfigLike) -> tuple[str, ConfigLike, Any
 def plan_budget(
     model: Any = None,  # a name, a path or a loaded transformers module (see _resolve_model)
     *,
-    gpu: str | int | None = None,
-    concurrency: int = 1,
-    max_new_tokens: int = 256,
+    # The memory settings' defaults, read from their one definition (MemorySettings), so the
+    # library, the pipeline and the CLI plan alike when nothing is given.
+    gpu: str | int | None = MemorySettings.gpu,
+    concurrency: int = MemorySettings.concurrency,
+    max_new_tokens: int = MemorySettings.max_new_tokens,
     context_tokens: int | None = None,
-    kv_dtype: str | None = None,
-    cache: str = "dynamic",
+    kv_dtype: str | None = MemorySettings.kv_dtype,
+    cache: str = MemorySettings.cache,
     weights_bytes: int | None = None,
     weight_dtype: str | None = None,
-    utilization: float = 0.9,
+    utilization: float = MemorySettings.utilization,
     backend: str = "transformers",
     config: ConfigLike = None,
     attn_implementation: str = "sdpa",
@@ -341,10 +344,13 @@ def plan_budget(
     """
     from .weights import comm_reserve_bytes, rank_config, weight_format
 
-    if not 0 < utilization <= 1:
-        raise ConfigError(f"utilization must be in (0, 1], got {utilization}")
-    if concurrency < 1 or max_new_tokens < 1:
-        raise ConfigError("concurrency and max_new_tokens must be >= 1")
+    # The settings' own checks (one definition of each): a wrong type is a one-line
+    # ArgumentTypeError naming the argument, not a comparison's TypeError, and a fractional
+    # max_new_tokens is refused rather than planned with.
+    u = check_number("utilization", utilization, 0.0, 1.0, lo_open=True)
+    c, m = check_int("concurrency", concurrency, 1), check_int("max_new_tokens", max_new_tokens, 1)
+    assert u is not None and c is not None and m is not None  # None only where optional=True
+    utilization, concurrency, max_new_tokens = u, c, m
     name, cfg, module = _resolve_model(model, config)
     info: GPUInfo = resolve_gpu(gpu)
     tp = _tensor_parallel(tensor_parallel, info, module)
@@ -576,8 +582,6 @@ def plan_budget(
 def _tensor_parallel(tensor_parallel: int | None, info: GPUInfo, module: Any) -> int:  # Any: torch module
     """The tensor-parallel degree: as given, else as many GPUs as ``gpu`` names; the two must
     agree, and a loaded model (one device) has none."""
-    from ..settings import check_int
-
     if tensor_parallel is None:
         tp = info.count
     else:
