@@ -233,7 +233,7 @@ def test_asyncio_timeout_and_cancel() -> None:
 
 # --- memory and time (issue #14) ---------------------------------------------------------------
 
-from ragbudget.memory.admission import MemoryModel, Throughput, simulate  # noqa: E402
+from ragbudget.memory.schedule import MemoryModel, Throughput  # noqa: E402
 
 
 class Clock:
@@ -274,24 +274,6 @@ def test_a_request_whose_activations_alone_exceed_memory_is_a_budget_error() -> 
 
 # 1 ms per prompt token, 10 ms per generated token: a 1,000 + 100 request is 2 s of work.
 THR = Throughput(prefill_a=0.001, decode_s=0.01)
-
-
-def test_simulate_processor_sharing_by_hand() -> None:
-    from ragbudget.memory.admission import _Job
-
-    a = _Job(prefill=1.0, decode=1.0, cost=1)
-    b = _Job(prefill=1.0, decode=1.0, cost=1)
-    # Both queued, no target: both start at once and share the host: first tokens at 2 s.
-    assert simulate([], [a, b], throughput=THR, capacity=10, ttft_target=None) == [2.0, 2.0]
-    # With a 1.5 s target b cannot start next to a (its prefill would take 2 s): it waits for a
-    # to finish (2 s) and then prefills alone (1 s).
-    assert simulate([], [a, b], throughput=THR, capacity=10, ttft_target=1.5) == [1.0, 3.0]
-    # Memory for one at a time: the same, whatever the target.
-    assert simulate([], [a, b], throughput=THR, capacity=1, ttft_target=None) == [1.0, 3.0]
-    # A running job with 0.5 s of decode left, and a promise that can arrive only at t=5.
-    r = _Job(prefill=1.0, decode=1.0, cost=1, served=1.5)
-    p = _Job(prefill=1.0, decode=0.0, cost=1, ready=5.0)
-    assert simulate([r], [p], throughput=THR, capacity=1, ttft_target=None) == [6.0]
 
 
 def test_time_refusal_with_retry_after_that_gets_in_when_honoured() -> None:
@@ -367,18 +349,6 @@ def test_start_rule_lets_short_prompts_share_the_host() -> None:
         r.release()
 
 
-def test_batched_backend_admits_more_next_to_decoding_requests() -> None:
-    from ragbudget.memory.admission import _first_token_if_started, _Job
-
-    job = _Job(prefill=0.5, decode=1.0, cost=1)
-    decoding = [_Job(prefill=0.1, decode=5.0, cost=1, served=1.0) for _ in range(6)]
-    alone = Throughput(prefill_a=0.001, decode_s=0.01)
-    shared = Throughput(prefill_a=0.001, decode_s=0.01, batched=True, decode_extra_s=0.001)
-    # Threads share the cores: 7 ways. A batch shares forward passes: prefill + one batch.
-    assert _first_token_if_started(job, decoding, alone) == pytest.approx(3.5)
-    assert _first_token_if_started(job, decoding, shared) == pytest.approx(1.0)
-
-
 def test_with_a_paged_cache_tokens_count_against_it_and_activations_against_memory() -> None:
     # KV at 100 B/token would make a 600-token request 60,000 B, far past the 6,000 B of memory:
     # with the KV in a paged cache allocated up front (1,024 tokens, pages of 32) those bytes are
@@ -403,16 +373,6 @@ def test_with_a_paged_cache_tokens_count_against_it_and_activations_against_memo
     with pytest.raises(BudgetError, match="paged cache of batched generation holds 1024"):
         ctl.acquire(1100, prompt_tokens=10)
     assert ctl.stats().admitted_tokens == 0 and ctl.stats().admitted_bytes == 0
-
-
-def test_simulate_counts_the_paged_cache_as_a_second_resource() -> None:
-    from ragbudget.memory.admission import _Job
-
-    a = _Job(prefill=1.0, decode=1.0, cost=1, tokens=600)
-    b = _Job(prefill=1.0, decode=1.0, cost=1, tokens=600)
-    # Memory for both, but the 1,000-token cache for one at a time: b starts when a ends.
-    assert simulate([], [a, b], throughput=THR, capacity=10, ttft_target=None) == [2.0, 2.0]
-    assert simulate([], [a, b], throughput=THR, capacity=10, ttft_target=None, token_capacity=1000) == [1.0, 3.0]
 
 
 def test_retry_after_is_the_honest_estimate_up_to_half_an_hour() -> None:
@@ -463,13 +423,13 @@ def test_a_speed_measured_on_a_busy_host_is_measured_again_once_idle(tmp_path, m
     Retry-After) for life: once the host and the pipeline are idle it measures again."""
     from _tiny_lm import tiny_model, tiny_tokenizer
 
-    import ragbudget.memory.budget
+    import ragbudget.memory.calibration
     from ragbudget.generation.generate import Generator
     from ragbudget.pipeline import Pipeline
 
     monkeypatch.setenv("RAGBUDGET_CACHE", str(tmp_path / "cache"))
     load = {"now": 3.0}
-    monkeypatch.setattr(ragbudget.memory.budget, "_load_per_core", lambda: load["now"])
+    monkeypatch.setattr(ragbudget.memory.calibration, "_load_per_core", lambda: load["now"])
     pipe = Pipeline(
         tmp_path / "index",
         gpu="16GiB",
@@ -648,7 +608,7 @@ def test_a_promise_is_claimed_only_in_its_window_and_once_per_refusal() -> None:
     assert not isinstance(second, OverloadedError) and second.returning
     # A promise not claimed within its grace (10 s, or one queue time-out if longer) lapses.
     clock.t += 60.0
-    assert ctl._promise_for_locked("late") is None and ctl._promises == []
+    assert ctl._promise_for_locked("late") is None and list(ctl._promises) == []
     # An unkeyed request never claims anything.
     assert ctl._promise_for_locked(None) is None
 
@@ -708,7 +668,7 @@ def test_a_queue_time_out_also_keeps_the_client_a_place() -> None:
     with ctl.returning("q"), pytest.raises(OverloadedError, match="waited") as err:
         ctl.acquire(1000, prompt_tokens=900)  # expected soon by the model, but nothing ends
     assert [p.key for p in ctl._promises] == ["q"]
-    assert ctl._promises[0].due == pytest.approx(time.monotonic() + err.value.retry_after, abs=0.5)
+    assert list(ctl._promises)[0].due == pytest.approx(time.monotonic() + err.value.retry_after, abs=0.5)
     held.release()
 
 
@@ -745,7 +705,7 @@ def test_time_counts_the_expected_answer_length_memory_the_whole() -> None:
         clock.t += 1.2
         r.finish(new_tokens=20)
         r.release()
-    assert ctl._answer_share == pytest.approx(0.2, abs=0.01)
+    assert ctl._learning.answer_share == pytest.approx(0.2, abs=0.01)
     busy = ctl.acquire(1100, prompt_tokens=1000)
     assert busy.job is not None and busy.job.decode == pytest.approx(0.2, abs=0.011)
     assert ctl.stats().admitted_tokens == 1100  # memory: the whole answer
@@ -831,3 +791,15 @@ def test_a_queue_time_out_is_not_sent_behind_the_clients_refused_while_it_waited
     # A newcomer refused now (a full worker pool, say) is sent after everyone promised, the
     # timed-out one included.
     assert ctl.refuse_busy(1100, prompt_tokens=1000) >= 14.0
+
+
+def test_the_models_keep_their_old_import_path() -> None:
+    # The cost models and the simulator moved to ragbudget.memory.schedule, returning() to
+    # ragbudget.memory.promises (issue #32): the old names are the very same objects.
+    import ragbudget.memory.admission as admission
+    from ragbudget.memory import promises, schedule
+
+    for name in ("MemoryModel", "Throughput", "simulate"):
+        assert name in admission.__all__ and getattr(admission, name) is getattr(schedule, name)
+    with AdmissionController.returning("k"):
+        assert promises.current_key() == "k"

@@ -1,4 +1,4 @@
-"""The memory budget: weights, activations, capacity, errors, calibration, offline configs."""
+"""The memory budget: weights, activations, capacity, errors, offline configs (calibration: test_calibration.py)."""
 
 from __future__ import annotations
 
@@ -9,16 +9,11 @@ import sys
 
 import pytest
 
-import ragbudget.memory.budget
-from ragbudget.errors import BudgetError, ConfigError, ModelError
+from ragbudget.errors import ArgumentTypeError, BudgetError, ConfigError, ModelError
 from ragbudget.memory.budget import (
-    PeakMeasurement,
     count_parameters,
     estimate_activation_bytes,
-    lookup_calibration,
     plan_budget,
-    record_calibration,
-    record_measurement,
 )
 from ragbudget.memory.kvcache import kv_cache_bytes
 from ragbudget.memory.models import list_model_configs, load_model_config
@@ -128,62 +123,6 @@ def test_loaded_model_weights():
     del torch
 
 
-def test_calibration_roundtrip():
-    assert lookup_calibration("H100 80GB", "m", "bfloat16", "dynamic") is None
-    e = record_calibration(
-        gpu_name="H100 80GB",
-        model="m",
-        dtype="bfloat16",
-        cache="dynamic",
-        tokens=1000,
-        batch_size=1,
-        measured_peak_bytes=3000 + 10**6,
-        weights_bytes=1000,
-        kv_bytes=2000,
-    )
-    assert e["activation_bytes_per_token"] == 1000
-    got = lookup_calibration("h100 80gb", "M", "bfloat16", "dynamic")
-    assert got is not None and got["runs"] == 1
-    p = plan_budget("HuggingFaceTB/SmolLM2-135M-Instruct", gpu="H100", kv_dtype="bfloat16")
-    assert p.activation_source.startswith("estimate")
-    record_calibration(
-        gpu_name="H100 80GB",
-        model="HuggingFaceTB/SmolLM2-135M-Instruct",
-        dtype="bfloat16",
-        cache="dynamic",
-        tokens=100,
-        batch_size=1,
-        measured_peak_bytes=10**9,
-        weights_bytes=0,
-        kv_bytes=0,
-    )
-    q = plan_budget("HuggingFaceTB/SmolLM2-135M-Instruct", gpu="H100", kv_dtype="bfloat16")
-    assert q.activation_source.startswith("calibrated")
-    assert q.activation_bytes == int(10**7 * q.max_context_tokens)
-
-
-def test_a_measurement_is_recorded_best_effort(tmp_path, monkeypatch):
-    m = PeakMeasurement(
-        gpu_name="H100 80GB",
-        model="m",
-        dtype="bfloat16",
-        cache="dynamic",
-        tokens=1000,
-        batch_size=1,
-        measured_peak_bytes=3000 + 10**6,
-        weights_bytes=1000,
-        kv_bytes=2000,
-    )
-    entry = record_measurement(m)
-    assert entry is not None and entry["activation_bytes_per_token"] == 1000
-    assert lookup_calibration("H100 80GB", "m", "bfloat16", "dynamic") == entry
-    # A cache folder that cannot be written costs the calibration, never the request.
-    blocked = tmp_path / "a-file"
-    blocked.write_text("")
-    monkeypatch.setenv("RAGBUDGET_CACHE", str(blocked / "cache"))
-    assert record_measurement(m) is None
-
-
 def test_eager_activations_grow_quadratically():
     cfg = load_model_config("meta-llama/Llama-3.2-1B-Instruct")
     s1 = estimate_activation_bytes(cfg, 1000, attn_implementation="eager")
@@ -241,6 +180,23 @@ def test_bad_arguments():
         plan_budget("Qwen/Qwen3-4B", gpu="RTX 4090", utilization=1.5)
     with pytest.raises(ConfigError):
         plan_budget("Qwen/Qwen3-4B", gpu="RTX 4090", concurrency=0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        # A string from a config file or a form: one line naming the argument, not the
+        # comparison's "'<' not supported between instances of 'str' and 'int'".
+        ({"concurrency": "4"}, r"concurrency must be an int ≥ 1, got str '4' \(convert it with int\(\)\)"),
+        ({"utilization": "0.9"}, r"utilization must be a number, got str '0.9'"),
+        # Planned with before: a fractional answer length or a bool concurrency is a mistake.
+        ({"max_new_tokens": 2.5}, r"max_new_tokens must be an int ≥ 1, got float 2.5"),
+        ({"concurrency": True}, r"concurrency must be an int ≥ 1, got bool True"),
+    ],
+)
+def test_plan_budget_checks_its_arguments_as_the_memory_settings_do(kwargs, message):
+    with pytest.raises(ArgumentTypeError, match=message):
+        plan_budget("Qwen/Qwen3-4B", gpu="RTX 4090", **kwargs)
 
 
 def test_import_stays_light():
@@ -434,67 +390,6 @@ def test_memory_error_names_memory_and_its_token_number() -> None:
     assert "GiB" in str(e.value) and "usable" in str(e.value)
 
 
-def test_prefill_speed_is_measured_once_and_turns_seconds_into_tokens(tmp_path, monkeypatch) -> None:
-    from _tiny_lm import tiny_model
-
-    from ragbudget.memory.budget import context_tokens_for_time, lookup_prefill_speed, measure_prefill_speed
-
-    monkeypatch.setenv("RAGBUDGET_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(ragbudget.memory.budget, "_load_per_core", lambda: 0.1)  # an idle host
-    assert lookup_prefill_speed("tiny", "cpu") is None
-    speed = measure_prefill_speed(tiny_model(), name="tiny", device="cpu", lengths=(32, 128))
-    assert speed["provisional"] is False
-    assert speed["a"] > 0 and speed["b"] >= 0 and [n for n, _ in speed["probes"]] == [32, 128]
-    assert lookup_prefill_speed("tiny", "cpu") == speed
-    assert lookup_prefill_speed("tiny", "cuda:0") is None  # per device
-    # Decode is measured with it: a step of one sequence, and the extra of a shared batch.
-    from ragbudget.memory.budget import throughput_from_speed
-
-    assert speed["decode_s"] > 0 and speed["decode_extra_s"] >= 0
-    thr = throughput_from_speed(speed)
-    assert thr is not None and thr.decode_s == speed["decode_s"] and not thr.batched
-    assert throughput_from_speed({"a": 0.001, "b": 0.0}) is None  # an entry from before: measure
-    # seconds = a·n + b·n²: the cap is the positive root, monotone in the time allowed.
-    fit = {"a": 0.001, "b": 1e-6}
-    n = context_tokens_for_time(fit, 5.0)
-    assert 0.001 * n + 1e-6 * n * n <= 5.0 < 0.001 * (n + 1) + 1e-6 * (n + 1) ** 2
-    assert context_tokens_for_time(fit, 1.0) < n and context_tokens_for_time(fit, 0) == 0
-
-
-def test_prefill_measured_on_a_busy_host_is_measured_again_when_idle(tmp_path, monkeypatch) -> None:
-    """A first probe taken while other work shared the cores must not cap every later request:
-    it is provisional, re-measured once the host is idle, and the faster measurement is kept."""
-    from _tiny_lm import tiny_model
-
-    from ragbudget.memory.budget import lookup_prefill_speed, measure_prefill_speed
-
-    monkeypatch.setenv("RAGBUDGET_CACHE", str(tmp_path / "cache"))
-    load = {"now": 3.0}
-    monkeypatch.setattr(ragbudget.memory.budget, "_load_per_core", lambda: load["now"])
-    model = tiny_model()
-    busy = measure_prefill_speed(model, name="tiny", device="cpu", lengths=(32, 128))
-    assert busy["provisional"] is True
-    assert lookup_prefill_speed("tiny", "cpu") == busy  # still busy: use what we have
-    load["now"] = 0.1
-    assert lookup_prefill_speed("tiny", "cpu") is None  # idle now: the caller measures again
-    # Pretend the busy probe was 1,000x slower than the machine really is. (Not 10x: two probes of
-    # a tiny model take milliseconds, and a fit through them extrapolated to 1,024 tokens swings
-    # by more than 10x between two runs on a shared host; the merge ranks by that extrapolation.)
-    slow = dict(busy, a=busy["a"] * 1000, b=busy["b"] * 1000)
-    path = tmp_path / "cache" / "prefill.json"
-    data = json.loads(path.read_text())
-    data = {k: slow for k in data}
-    path.write_text(json.dumps(data))
-    again = measure_prefill_speed(model, name="tiny", device="cpu", lengths=(32, 128))
-
-    def at_1k(e: dict) -> float:  # what the merge ranks by: the fitted time of a 1,024-token prefill
-        return e["a"] * 1024 + e["b"] * 1024**2
-
-    # The fit's (a, b) split is noisy on a loaded host; the predicted time is what must improve.
-    assert again["provisional"] is False and at_1k(again) < at_1k(slow)
-    assert lookup_prefill_speed("tiny", "cpu") == again
-
-
 def test_config_without_dtype_plans_float32_and_says_so() -> None:
     """Never under-estimate: a config that names no dtype is planned at float32 (what
     transformers allocates then), twice a bf16 guess, and the plan says why."""
@@ -627,3 +522,13 @@ def test_a_gguf_is_planned_at_its_own_tensor_types_on_request() -> None:
     assert any("--weight-dtype gguf" in n for n in loaded.notes)
     with pytest.raises(ConfigError, match="not a GGUF"):
         plan_budget("meta-llama/Llama-3.1-8B-Instruct", gpu="H100", weight_dtype="gguf")
+
+
+def test_the_measurements_keep_their_old_import_path() -> None:
+    # They moved to ragbudget.memory.calibration (issue #32); code that imported them from the
+    # plan's module gets the very same objects.
+    import ragbudget.memory.budget as budget
+    import ragbudget.memory.calibration as calibration
+
+    for name in calibration.__all__:
+        assert getattr(budget, name) is getattr(calibration, name), name

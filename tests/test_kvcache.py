@@ -3,14 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from _kv_archs import _BASE, ARCHS, LLAMA8B, RECURRENT, SLIDING, WINDOW, _as_dict, tiny_models
 
-from ragbudget.errors import ConfigError, ModelError
+from ragbudget.errors import ConfigError
 from ragbudget.memory.kvcache import (
-    FullAttentionSpec,
-    MambaSpec,
-    MLAAttentionSpec,
-    SlidingWindowSpec,
-    dtype_bits,
     estimate_kv,
     kv_bytes_per_token,
     kv_cache_bytes,
@@ -20,279 +16,11 @@ from ragbudget.memory.kvcache import (
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-WINDOW = 8
-_BASE = {
-    "vocab_size": 128,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 256,
-    "pad_token_id": 0,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-}
-_SMALL = {"vocab_size": 128, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
-
-# Tiny configs of real architectures; sizes chosen so head_dim != hidden/heads where the family
-# allows it (Qwen3, Gemma) and windows are crossed by the longer prompts.
-ARCHS: dict[str, dict] = {
-    "llama": _BASE,
-    "mistral": dict(_BASE, sliding_window=WINDOW),
-    "qwen2": dict(_BASE),
-    "qwen3": dict(_BASE, head_dim=24),
-    "gemma2": dict(_BASE, head_dim=24, sliding_window=WINDOW),
-    "gemma3_text": dict(_BASE, head_dim=24, sliding_window=WINDOW, num_hidden_layers=6, sliding_window_pattern=3),
-    "phi3": dict(_BASE, sliding_window=WINDOW),
-    "gpt2": dict(_SMALL, n_embd=64, n_layer=3, n_head=4, n_positions=256),
-    "gpt_neox": dict(
-        _SMALL,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        max_position_embeddings=256,
-    ),
-    "falcon": dict(
-        _SMALL,
-        hidden_size=64,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        multi_query=True,
-        new_decoder_architecture=False,
-    ),
-    "opt": dict(
-        _SMALL,
-        hidden_size=64,
-        ffn_dim=128,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        max_position_embeddings=256,
-        word_embed_proj_dim=64,
-    ),
-    "bloom": dict(_SMALL, hidden_size=64, n_layer=3, n_head=4),
-    "gptj": dict(_SMALL, n_embd=64, n_layer=3, n_head=4, rotary_dim=8, n_positions=256),
-    "deepseek_v3": dict(
-        _BASE,
-        num_hidden_layers=3,
-        num_key_value_heads=4,
-        moe_intermediate_size=32,
-        kv_lora_rank=16,
-        q_lora_rank=None,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=16,
-        v_head_dim=12,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        n_group=1,
-        topk_group=1,
-        first_k_dense_replace=1,
-    ),
-    "gpt_oss": dict(_BASE, head_dim=16, sliding_window=WINDOW, num_local_experts=4, num_experts_per_tok=2),
-    "qwen3_next": dict(
-        _BASE,
-        head_dim=16,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=8,
-        linear_value_head_dim=8,
-        linear_conv_kernel_dim=4,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        shared_expert_intermediate_size=32,
-        full_attention_interval=2,
-    ),
-    # Recurrent and hybrid families: conv + SSM states (constant per sequence) next to K/V.
-    "mamba": dict(_SMALL, hidden_size=64, num_hidden_layers=2, state_size=8, conv_kernel=4, expand=2),
-    "falcon_mamba": dict(_SMALL, hidden_size=64, num_hidden_layers=2, state_size=8, conv_kernel=4, expand=2),
-    "mamba2": dict(
-        _SMALL,
-        hidden_size=64,
-        num_hidden_layers=2,
-        state_size=8,
-        conv_kernel=4,
-        expand=2,
-        num_heads=8,
-        head_dim=16,
-        n_groups=2,
-        chunk_size=16,
-    ),
-    "jamba": dict(
-        _BASE,
-        attn_layer_period=2,
-        attn_layer_offset=1,
-        expert_layer_period=2,
-        expert_layer_offset=1,
-        num_experts=2,
-        mamba_d_state=8,
-        mamba_d_conv=4,
-        mamba_expand=2,
-        mamba_dt_rank=8,
-        use_mamba_kernels=False,
-    ),
-    "bamba": dict(
-        _BASE,
-        attn_layer_indices=[1, 3],
-        mamba_n_heads=8,
-        mamba_d_head=16,
-        mamba_n_groups=2,
-        mamba_d_state=8,
-        mamba_d_conv=4,
-        mamba_expand=2,
-        mamba_chunk_size=16,
-    ),
-    "granitemoehybrid": dict(
-        _BASE,
-        layer_types=["mamba", "attention", "mamba", "attention"],
-        mamba_n_heads=8,
-        mamba_d_head=16,
-        mamba_n_groups=2,
-        mamba_d_state=8,
-        mamba_d_conv=4,
-        mamba_expand=2,
-        mamba_chunk_size=16,
-        num_local_experts=2,
-        num_experts_per_tok=1,
-        shared_intermediate_size=64,
-    ),
-    # Falcon-H1: attention and Mamba-2 in every layer; d_ssm != expand × hidden.
-    "falcon_h1": dict(
-        _BASE,
-        num_hidden_layers=3,
-        mamba_d_ssm=96,
-        mamba_n_heads=6,
-        mamba_d_head=16,
-        mamba_n_groups=2,
-        mamba_d_state=8,
-        mamba_d_conv=4,
-        mamba_expand=2,
-        mamba_chunk_size=16,
-        head_dim=16,
-    ),
-    # Zamba / Zamba2: shared attention blocks on "hybrid" layers, head_dim = 2 × hidden / heads.
-    "zamba": dict(
-        _BASE,
-        num_hidden_layers=6,
-        attn_layer_period=3,
-        attn_layer_offset=2,
-        n_mamba_heads=2,
-        mamba_d_state=8,
-        mamba_d_conv=4,
-        mamba_expand=2,
-        use_mamba_kernels=False,
-    ),
-    "zamba2": dict(
-        _BASE,
-        layers_block_type=["mamba", "hybrid", "mamba", "hybrid"],
-        mamba_d_state=8,
-        mamba_d_conv=4,
-        mamba_expand=2,
-        mamba_ngroups=2,
-        mamba_headdim=16,
-        n_mamba_heads=8,
-        num_mem_blocks=1,
-        use_mem_rope=True,
-        chunk_size=16,
-        adapter_rank=8,
-    ),
-    # Nemotron-H: attention head_dim (128) differs from the Mamba head dim (16); an MLP-only layer.
-    "nemotron_h": dict(
-        _BASE,
-        hybrid_override_pattern="M*M-",
-        mamba_num_heads=8,
-        mamba_head_dim=16,
-        n_groups=2,
-        ssm_state_size=8,
-        conv_kernel=4,
-        expand=2,
-        chunk_size=16,
-    ),
-    "lfm2": dict(
-        _BASE, layer_types=["conv", "full_attention", "conv", "full_attention"], conv_L_cache=3, block_ff_dim=128
-    ),
-    "lfm2_moe": dict(
-        _BASE,
-        layer_types=["conv", "full_attention", "conv", "full_attention"],
-        conv_L_cache=3,
-        num_experts=2,
-        num_experts_per_tok=1,
-        moe_intermediate_size=32,
-        num_dense_layers=1,
-    ),
-    "olmo_hybrid": dict(
-        _BASE,
-        linear_num_key_heads=2,
-        linear_num_value_heads=2,
-        linear_key_head_dim=8,
-        linear_value_head_dim=16,
-        linear_conv_kernel_dim=4,
-    ),
-    "qwen3_5_text": dict(
-        _BASE,
-        head_dim=16,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=8,
-        linear_value_head_dim=8,
-        linear_conv_kernel_dim=4,
-        layer_types=["linear_attention"] * 3 + ["full_attention"],
-    ),
-    "lara_mini": dict(
-        _BASE,
-        head_dim=16,
-        sliding_window=WINDOW,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        shared_expert_intermediate_size=32,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=8,
-        linear_value_head_dim=8,
-        linear_conv_kernel_dim=4,
-        layer_types=["linear_attention", "sliding_attention", "linear_attention", "full_attention"],
-    ),
-    "lfm3": dict(
-        _BASE, head_dim=16, sliding_window=WINDOW, layer_types=["sliding_attention", "conv", "full_attention", "conv"]
-    ),
-}
-RECURRENT = [
-    "qwen3_next",
-    "mamba",
-    "falcon_mamba",
-    "mamba2",
-    "jamba",
-    "bamba",
-    "granitemoehybrid",
-    "falcon_h1",
-    "zamba",
-    "zamba2",
-    "nemotron_h",
-    "lfm2",
-    "lfm2_moe",
-    "olmo_hybrid",
-    "qwen3_5_text",
-    "lara_mini",
-    "lfm3",
-]
-SLIDING = ["mistral", "gemma2", "gemma3_text", "phi3", "gpt_oss"]
-
 
 @pytest.fixture(scope="module")
 def models():
-    """Tiny randomly initialized models, built once per module (CPU, float32)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.utils import logging
-
-    logging.set_verbosity_error()
-    torch.manual_seed(0)
-    built = {}
-    for mt, kw in ARCHS.items():
-        cfg = AutoConfig.for_model(mt, **kw)
-        built[mt] = (cfg, AutoModelForCausalLM.from_config(cfg).eval())
-    return built
+    """Tiny randomly initialized models (tests/_kv_archs.py), built once per session."""
+    return tiny_models()
 
 
 def _leaves(obj):
@@ -354,10 +82,6 @@ def _generate(model, prompt: int, new: int, batch: int = 1, **kw):
     )
     # transformers 5.x names it `cache` (`past_key_values` is a deprecated alias).
     return out.cache if getattr(out, "cache", None) is not None else out.past_key_values
-
-
-def _as_dict(mt, cfg):
-    return cfg.to_dict() | {"model_type": mt}
 
 
 # Below and beyond the sliding window; recurrent families once (their state does not grow, and
@@ -588,13 +312,6 @@ def test_recurrent_state_is_constant(models, mt):
     assert kv_cache_bytes(cfg, 50, kv_dtype="float32") - kv_cache_bytes(cfg, 10, kv_dtype="float32") == 40 * per_tok
 
 
-@pytest.mark.parametrize("mt", list(ARCHS))
-def test_heuristics_match_transformers_normalization(models, mt):
-    cfg, _ = models[mt]
-    d = _as_dict(mt, cfg)
-    assert layer_specs(d, normalize=False) == layer_specs(d, normalize=True)
-
-
 def _cuda_cache_bytes(cache) -> int:
     """Device storage the cache pins (a sliding layer's view pins its whole concatenation)."""
     seen = {}
@@ -662,85 +379,12 @@ def test_offloaded_cache_keeps_two_layers_in_flight(mt):
 
 # ---- pure unit tests (no model) -------------------------------------------------------------
 
-LLAMA8B = {
-    "model_type": "llama",
-    "num_hidden_layers": 32,
-    "hidden_size": 4096,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "torch_dtype": "bfloat16",
-}
-
 
 def test_llama8b_bytes_per_token():
     # 2 (K,V) × 32 layers × 8 heads × 128 dims × 2 bytes = 128 KiB per token.
     assert kv_bytes_per_token(LLAMA8B, normalize=False) == 131072
     assert kv_cache_bytes(LLAMA8B, 1000, normalize=False) == 131072 * 1000
     assert kv_cache_bytes(LLAMA8B, 1000, kv_dtype="fp8", normalize=False) == 65536 * 1000
-
-
-def test_specs_kinds():
-    g = layer_specs(
-        {
-            "model_type": "gemma2",
-            "num_hidden_layers": 2,
-            "hidden_size": 64,
-            "num_attention_heads": 4,
-            "head_dim": 32,
-            "sliding_window": 4,
-        },
-        normalize=False,
-    )
-    assert g == (SlidingWindowSpec(4, 32, 32, sliding_window=4), FullAttentionSpec(4, 32, 32))
-    ds = layer_specs(
-        {
-            "model_type": "deepseek_v3",
-            "num_hidden_layers": 1,
-            "hidden_size": 64,
-            "num_attention_heads": 4,
-            "kv_lora_rank": 512,
-            "qk_rope_head_dim": 64,
-            "qk_nope_head_dim": 128,
-            "v_head_dim": 128,
-        },
-        normalize=False,
-    )
-    assert ds[0] == MLAAttentionSpec(512, 64, 128, 128, 4, latent=True)
-    assert ds[0].elements_per_token == 576
-    dec = layer_specs(
-        {
-            "model_type": "deepseek_v3",
-            "num_hidden_layers": 1,
-            "hidden_size": 64,
-            "num_attention_heads": 4,
-            "kv_lora_rank": 512,
-            "qk_rope_head_dim": 64,
-            "qk_nope_head_dim": 128,
-            "v_head_dim": 128,
-        },
-        normalize=False,
-        mla="decompressed",
-    )
-    assert dec[0].elements_per_token == 4 * (128 + 64 + 128)
-
-
-def test_mamba_state_is_constant():
-    cfg = {
-        "model_type": "jamba",
-        "num_hidden_layers": 2,
-        "hidden_size": 64,
-        "num_attention_heads": 4,
-        "layer_types": ["mamba", "full_attention"],
-        "mamba_d_state": 16,
-        "mamba_d_conv": 4,
-        "mamba_expand": 2,
-        "torch_dtype": "float32",
-    }
-    specs = layer_specs(cfg, normalize=False)
-    assert specs[0] == MambaSpec(conv_elements=128 * 4, ssm_elements=128 * 16, ssm_dtype_bits=32)
-    a = kv_cache_bytes(cfg, 10, normalize=False)
-    b = kv_cache_bytes(cfg, 20, normalize=False)
-    assert b - a == 10 * 2 * 64 * 4  # only the attention layer grows
 
 
 def test_static_and_offloaded_and_vllm_blocks():
@@ -781,31 +425,6 @@ def test_static_and_offloaded_and_vllm_blocks():
     assert kv_cache_bytes(LLAMA8B, 17, backend="vllm", normalize=False) == 131072 * 32
     with pytest.raises(ConfigError):
         kv_cache_bytes(LLAMA8B, 200, cache="static", max_cache_len=100, normalize=False)
-
-
-def test_text_config_nesting_and_errors():
-    outer = {
-        "model_type": "gemma3",
-        "torch_dtype": "bfloat16",
-        "text_config": {
-            "model_type": "gemma3_text",
-            "num_hidden_layers": 6,
-            "hidden_size": 64,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 1,
-            "head_dim": 32,
-            "sliding_window": 4,
-        },
-    }
-    specs = layer_specs(outer, normalize=False)
-    assert [s.kind for s in specs].count("full_attention") == 1
-    assert kv_cache_bytes(outer, 2, normalize=False) == 6 * 2 * 32 * 2 * 2
-    with pytest.raises(ModelError):
-        layer_specs({"model_type": "x"}, normalize=False)
-    with pytest.raises(ConfigError):
-        dtype_bits("float7")
-    with pytest.raises(ConfigError):
-        kv_cache_bytes(LLAMA8B, 1, cache="paged", normalize=False)
 
 
 # ---- the dtype a config-only estimate assumes: never below what transformers allocates ----------
@@ -859,61 +478,14 @@ def test_config_only_estimate_never_below_the_allocated_cache(given, load_dtype,
     assert kv_cache_bytes(on_disk, 9 + 4 - 1, kv_dtype=planned_dtype) == cache_nbytes(cache)
 
 
-# -- the paged cache of continuous batching ----------------------------------------------------
-PAGED = ["llama", "qwen3", "mistral", "gemma2", "gemma3_text", "phi3", "gpt_oss"]
+def test_the_specs_config_readers_and_paged_layout_keep_their_old_import_path() -> None:
+    # They moved out of kvcache (issue #32): every name of its __all__ still imports from it, the
+    # very object of the module it lives in now.
+    import ragbudget.memory.kvcache as kvcache
+    from ragbudget.memory import layers, model_config, paged
 
-
-def _paged_cache(cfg, *, num_blocks, page_size, dtype=None):
-    """transformers' own PagedAttentionCache for ``cfg``, built as its continuous batching does."""
-    from transformers import ContinuousBatchingConfig
-    from transformers.generation.continuous_batching.cache import PagedAttentionCache
-    from transformers.generation.continuous_batching.distributed import DistributedHelper
-
-    cb = ContinuousBatchingConfig(
-        num_blocks=num_blocks, page_size=page_size, max_batch_tokens=64, max_memory_percent=0.5
-    )
-    return PagedAttentionCache(
-        config=cfg,
-        continuous_batching_config=cb,
-        device="cpu",
-        distributed_helper=DistributedHelper(None, None),
-        dtype=dtype or torch.float32,
-    )
-
-
-@pytest.mark.parametrize("mt", PAGED)
-@pytest.mark.parametrize(("num_blocks", "page_size"), [(1, 4), (7, 16), (40, 32)])
-def test_paged_cache_exact(models, mt, num_blocks, page_size):
-    from ragbudget.memory.kvcache import paged_cache_layout
-
-    cfg, _ = models[mt]
-    real = _paged_cache(cfg, num_blocks=num_blocks, page_size=page_size)
-    layout = paged_cache_layout(cfg, num_blocks=num_blocks, page_size=page_size, kv_dtype="float32")
-    assert layout.total_bytes == real.cache_tensor.nbytes  # block size × blocks, to the byte
-    assert layout.bytes_per_sector == real.bytes_per_sector
-    assert layout.num_blocks == real.num_blocks >= num_blocks
-    assert layout.capacity_tokens == real.num_blocks * page_size
-    # The same from the config dict alone (normalized through transformers).
-    assert (
-        paged_cache_layout(
-            _as_dict(mt, cfg), num_blocks=num_blocks, page_size=page_size, kv_dtype="float32"
-        ).total_bytes
-        == real.cache_tensor.nbytes
-    )
-
-
-def test_paged_cache_bf16_and_refusals(models):
-    from ragbudget.memory.kvcache import paged_cache_layout
-
-    cfg, _ = models["gemma3_text"]
-    real = _paged_cache(cfg, num_blocks=5, page_size=8, dtype=torch.bfloat16)
-    assert (
-        paged_cache_layout(cfg, num_blocks=5, page_size=8, kv_dtype="bfloat16").total_bytes == real.cache_tensor.nbytes
-    )
-    for mt in ("mamba", "deepseek_v3", "qwen3_next"):  # no paged cache for these layers
-        with pytest.raises(ConfigError, match="paged"):
-            paged_cache_layout(models[mt][0], num_blocks=4)
-    with pytest.raises(ConfigError, match="num_blocks"):
-        paged_cache_layout(models["llama"][0], num_blocks=0)
-    with pytest.raises(ConfigError, match="page_size"):
-        paged_cache_layout(models["llama"][0], num_blocks=4, page_size=2)
+    moved = {**{n: layers for n in layers.__all__}, **{n: paged for n in paged.__all__}}
+    moved |= {n: model_config for n in ("model_dtype", "text_config")}
+    assert set(moved) <= set(kvcache.__all__)
+    for name, module in moved.items():
+        assert getattr(kvcache, name) is getattr(module, name), name

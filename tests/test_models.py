@@ -104,3 +104,19 @@ def test_cache_dir_follows_the_environment(tmp_path: Path, monkeypatch) -> None:
     assert cache_dir() == tmp_path / "xdg" / "ragbudget"
     monkeypatch.setenv("RAGBUDGET_CACHE", str(tmp_path / "mine"))
     assert cache_dir() == tmp_path / "mine"
+
+
+def test_a_config_that_is_not_a_json_object_is_a_clear_model_error(tmp_path: Path) -> None:
+    # A truncated download or a hand-edited config.json: one line saying which file, not a
+    # JSONDecodeError traceback, nor a list handed on as if it were a config.
+    broken, listed = tmp_path / "broken", tmp_path / "listed"
+    broken.mkdir()
+    listed.mkdir()
+    (broken / "config.json").write_text('{"model_type": "llama", ')
+    (listed / "config.json").write_text("[1, 2]")
+    with pytest.raises(ModelError, match=r"cannot read the model config .*broken.config\.json"):
+        load_model_config(str(broken))
+    with pytest.raises(ModelError, match="holds a JSON list, not an object"):
+        load_model_config(str(listed))
+    with pytest.raises(ModelError, match="holds a JSON list"):
+        load_model_config(str(listed / "config.json"))  # a .json file named directly

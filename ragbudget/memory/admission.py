@@ -1,52 +1,22 @@
 """Admission control: a request runs only while what it pins fits the memory, and its first token
 can come within the queue's time-out.
 
-One job: deciding when a request may run — its memory and time rules share one queue, one lock
-and one set of reservations, so they stay in one controller.
+:class:`AdmissionController` keeps one FIFO queue, one lock and the reservations of the running
+requests, and decides by the models of :mod:`ragbudget.memory.schedule`: what a request pins (a
+:class:`~ragbudget.memory.schedule.MemoryModel`: bytes beside the weights, and KV tokens of a
+paged pool when there is one) and, with a measured
+:class:`~ragbudget.memory.schedule.Throughput`, when it may start next to the others. Without a
+memory model it counts KV tokens alone against ``capacity_tokens`` (a served engine's figure, or
+a caller that sized it itself).
 
-Memory. A request reserves its worst case: the KV cache of ``prompt + max_new_tokens`` tokens
-*and* its own activation peak (the prefill of its prompt, with the attention implementation in
-use), given by a :class:`MemoryModel`. Requests run together only while the sum fits. Two
-resources are counted, each against its own capacity:
-
-* *bytes* against the memory left beside the weights: each request's activations, and its KV
-  bytes unless the KV lives in a pool allocated up front;
-* *KV tokens* against that pool when there is one (``MemoryModel.kv_pool_tokens``: continuous
-  batching's paged cache, whose bytes are already resident — counting them again per request
-  would double-count), in whole pages.
-
-Without a memory model the controller counts KV tokens alone against ``capacity_tokens`` (a
-served engine's figure, or a caller that sized it itself).
-
-Time. With a measured :class:`Throughput` (prefill ``a·n + b·n²`` seconds, decode seconds per
-token; a request's decode is the share of its ``max_new_tokens`` that finished answers used, the
-whole of it until one has finished), the host is modelled as one processor shared by the running
-requests (threads each running their own ``generate`` share the cores; a backend that batches
-shares forward passes, and then decoding sequences cost only the marginal step). Two decisions follow from the model:
-
-* *start*: the head of the queue starts when it fits the memory and, if others run on a backend
-  that does not batch, its prefill shared with them still ends within ``ttft_target`` (the
-  time-to-first-token target that also caps the context on a CPU): threads sharing the cores
-  gain no throughput, so running them one after another gives the same tokens/s and sooner
-  first tokens. Alone it always starts; on a batching backend, whose shared forward passes
-  raise the throughput of all, it starts while its first token still comes within the queue
-  time-out;
-* *arrival*: a request whose expected first token — after the work already running and queued,
-  played forward by :func:`simulate` — lies beyond the queue time-out is refused at once with
-  :class:`~ragbudget.errors.OverloadedError` and a ``retry_after`` equal to the excess (whole
-  seconds). Each refusal is remembered as a *promise*: a request expected back at that time, so
-  the next refusal is told a later time instead of sending every client back at the same second.
-
-Returning clients. A refusal's promise can carry a *key* (the server uses a hash of the request
-body, which a client retrying the same request sends again). A request made with that key
-(:meth:`AdmissionController.returning`) from one second before the promised time until ten
-seconds (or one queue time-out, if longer) after it *claims* the promise: it is never refused for
-time, it joins the FIFO queue, and it waits there for its turn up to half an hour
-(:attr:`AdmissionController.return_wait`) instead of one queue time-out — so a client that honoured
-``Retry-After`` is served even when the host ran slower than measured, and still within a
-bounded time. New arrivals are judged by the work really
-running and queued (an unkeyed caller cannot be told from a returning one), so a promise never
-holds the host idle.
+Time. A request's decode counts the share of its ``max_new_tokens`` that finished answers used
+(the whole of it until one has finished; memory still reserves all of it), at the speed the
+requests that ran really had (:meth:`AdmissionController.observe`). On *arrival*, a request whose
+expected first token — after the work already running and queued, played forward by
+:func:`~ragbudget.memory.schedule.simulate` — lies beyond the queue time-out is refused at once
+with :class:`~ragbudget.errors.OverloadedError` and a ``retry_after`` equal to the excess (whole
+seconds). Each refusal is remembered as a promise (:mod:`ragbudget.memory.promises`): the next
+refusal is told a later time, and the client that comes back at its time claims its place.
 
 Requests are admitted strictly in arrival order (FIFO): a large request at the head is not starved
 by small ones behind it, at the cost of head-of-line blocking. The queue is bounded; a full queue
@@ -64,28 +34,28 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import contextvars
-import dataclasses
 import math
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from ..errors import BudgetError, ConfigError, OverloadedError, RequestCancelled
+from .promises import Promise, Promises, claimed, current_key, returning
+from .schedule import (
+    Learning,
+    MemoryModel as MemoryModel,
+    Throughput as Throughput,
+    _Job,
+    _may_start,
+    _rates,
+    simulate as simulate,
+)
 
 # How often a waiter with a cancel event looks at it: threading.Event cannot wake on either of two
 # events, and 50 ms is well below the latency of any request that has to queue.
 CANCEL_POLL_S = 0.05
-
-# The key of a request made under AdmissionController.returning(): read by acquire in the same
-# thread (or task), so the key need not travel through every layer between the server's request
-# and the pipeline's reservation.
-_RETURNING: contextvars.ContextVar[str | None] = contextvars.ContextVar("ragbudget_returning", default=None)
-# Called (no arguments) when a returning request claimed its place and waits in the queue: the
-# server then commits a streamed answer to 200 and keeps the connection alive while it waits.
-_ON_CLAIM: contextvars.ContextVar[Callable[[], Any] | None] = contextvars.ContextVar("ragbudget_on_claim", default=None)
 
 __all__ = [
     "AdmissionController",
@@ -95,309 +65,6 @@ __all__ = [
     "Throughput",
     "simulate",
 ]
-
-
-# --------------------------------------------------------------------------------------------
-# What a request costs: memory and compute
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, kw_only=True)
-class MemoryModel:
-    """The memory a running request pins, against ``capacity_bytes`` (usable memory minus the
-    weights): ``kv_fixed_bytes + kv_bytes_per_token × tokens`` of KV cache plus
-    ``activation(prompt_tokens)`` bytes, its own prefill peak (``None``: no activations counted).
-
-    ``kv_pool_tokens``: the KV cache is a pool of that many tokens allocated up front (a paged
-    cache, taken in pages of ``kv_pool_page`` tokens). Its bytes are then resident whatever
-    runs, so they belong outside ``capacity_bytes`` (the caller subtracts them), a request's
-    bytes are its activations alone, and its KV counts in tokens against the pool.
-
-    >>> m = MemoryModel(capacity_bytes=10_000, kv_bytes_per_token=2, activation=lambda n: 3 * n)
-    >>> m.request_bytes(prompt_tokens=100, tokens=150)
-    600
-    >>> paged = MemoryModel(capacity_bytes=10_000, kv_bytes_per_token=2, kv_pool_tokens=1024,
-    ...                     kv_pool_page=32, activation=lambda n: 3 * n)
-    >>> paged.request_bytes(prompt_tokens=100, tokens=150), paged.pool_tokens(150)
-    (300, 160)
-    """
-
-    capacity_bytes: int
-    kv_bytes_per_token: int
-    kv_fixed_bytes: int = 0
-    activation: Callable[[int], int] | None = None
-    kv_pool_tokens: int | None = None
-    kv_pool_page: int = 1
-    #: Where the figures came from, for logs and /health (``"plan: host RAM available …"``).
-    source: str = ""
-
-    def __post_init__(self) -> None:
-        if self.capacity_bytes <= 0:
-            raise ConfigError(
-                f"capacity_bytes must be > 0; got {self.capacity_bytes} (the weights leave no memory for requests)"
-            )
-        if self.kv_bytes_per_token < 0 or self.kv_fixed_bytes < 0:
-            raise ConfigError("KV bytes per token and per sequence must be >= 0")
-        if self.kv_pool_tokens is not None and self.kv_pool_tokens <= 0:
-            raise ConfigError(f"kv_pool_tokens must be > 0; got {self.kv_pool_tokens} (a paged cache without blocks)")
-        if self.kv_pool_page < 1:
-            raise ConfigError(f"kv_pool_page must be >= 1; got {self.kv_pool_page}")
-
-    @property
-    def pooled(self) -> bool:
-        """Whether the KV lives in a pool allocated up front (counted in tokens, not bytes)."""
-        return self.kv_pool_tokens is not None
-
-    def pool_tokens(self, tokens: int) -> int:
-        """Pool tokens a request of ``tokens`` takes: whole pages."""
-        page = self.kv_pool_page
-        return -(-max(0, int(tokens)) // page) * page
-
-    def kv_bytes(self, tokens: int) -> int:
-        return self.kv_fixed_bytes + self.kv_bytes_per_token * int(tokens)
-
-    def activation_bytes(self, prompt_tokens: int) -> int:
-        return int(self.activation(int(prompt_tokens))) if self.activation is not None else 0
-
-    def request_bytes(self, *, prompt_tokens: int, tokens: int) -> int:
-        """KV of ``tokens`` (prompt + output) plus the activation peak of a ``prompt_tokens``
-        prefill; the activations alone when the KV lives in a pool (already resident)."""
-        kv = 0 if self.pooled else self.kv_bytes(tokens)
-        return kv + self.activation_bytes(prompt_tokens)
-
-    def tokens_for_bytes(self, nbytes: int) -> int:
-        """KV tokens that ``nbytes`` holds (ignoring activations): for the token figures."""
-        per = max(1, self.kv_bytes_per_token)
-        return max(0, (int(nbytes) - self.kv_fixed_bytes) // per)
-
-
-@dataclass(frozen=True, kw_only=True)
-class Throughput:
-    """Measured speed of the loaded model (:func:`ragbudget.memory.budget.measure_prefill_speed`):
-    a prefill of ``n`` tokens takes ``prefill_a·n + prefill_b·n²`` seconds, one decode step of
-    one sequence ``decode_s``. ``batched``: the backend shares forward passes between running
-    requests, and a step of ``k`` sequences then costs ``decode_s + (k-1)·decode_extra_s``;
-    otherwise each request runs its own steps and they share the cores.
-
-    ``slowdown``: wall seconds per modelled second now, learnt from the requests that ran (the
-    controller's :meth:`~AdmissionController.observe`): a host busy with other work runs the
-    model slower than it was measured, and the time rules must see the speed it has now.
-
-    >>> t = Throughput(prefill_a=0.001, prefill_b=0.0, decode_s=0.02)
-    >>> round(t.request_seconds(prompt_tokens=1000, new_tokens=100), 3)
-    3.0
-    """
-
-    prefill_a: float
-    prefill_b: float = 0.0
-    decode_s: float
-    batched: bool = False
-    decode_extra_s: float | None = None
-    source: str = ""
-    slowdown: float = 1.0
-
-    def __post_init__(self) -> None:
-        if not self.slowdown > 0:
-            raise ConfigError(f"slowdown must be > 0; got {self.slowdown}")
-        if self.prefill_a < 0 or self.prefill_b < 0 or self.decode_s <= 0:
-            raise ConfigError(
-                f"throughput must be positive: prefill a={self.prefill_a}, "
-                f"b={self.prefill_b}, decode {self.decode_s} s/token"
-            )
-
-    def prefill_seconds(self, tokens: int) -> float:
-        n = max(0, int(tokens))
-        return self.prefill_a * n + self.prefill_b * n * n
-
-    def decode_seconds(self, tokens: int) -> float:
-        """Single-stream seconds for ``tokens`` decode steps (the work they add)."""
-        return self.decode_s * max(0, int(tokens))
-
-    def request_seconds(self, *, prompt_tokens: int, new_tokens: int) -> float:
-        """Seconds the request takes alone on the host."""
-        return self.prefill_seconds(prompt_tokens) + self.decode_seconds(new_tokens)
-
-    def step_seconds(self, sequences: int) -> float:
-        """Seconds of one batched decode step over ``sequences`` sequences."""
-        extra = self.decode_s if self.decode_extra_s is None else self.decode_extra_s
-        return self.decode_s + max(0, sequences - 1) * extra
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "prefill_a": self.prefill_a,
-            "prefill_b": self.prefill_b,
-            "decode_s": self.decode_s,
-            "batched": self.batched,
-            "decode_extra_s": self.decode_extra_s,
-            "source": self.source,
-            "slowdown": self.slowdown,
-        }
-
-
-# --------------------------------------------------------------------------------------------
-# The processor-sharing model (pure)
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass(eq=False, kw_only=True)
-class _Job:
-    """One request in the model: its work in single-stream seconds, what it has received, its
-    memory, and (for a promise) the time it can arrive."""
-
-    prefill: float
-    decode: float
-    cost: int
-    tokens: int = 0  # KV tokens held in a pool (counted only against a token capacity)
-    served: float = 0.0
-    credit: float = 0.0  # work the model would have credited at slowdown 1, uncapped (observe)
-    ready: float = float("-inf")
-    new_max: int = 0  # the answer's max_new_tokens (its decode above is the expected share)
-
-    @property
-    def work(self) -> float:
-        return self.prefill + self.decode
-
-    def in_prefill(self) -> bool:
-        return self.served < self.prefill
-
-
-def _rates(running: Sequence[_Job], thr: Throughput) -> list[float]:
-    """Single-stream seconds of work each running job receives per second of wall time.
-
-    Unbatched: the cores are shared equally (each thread runs its own forward passes). Batched:
-    each prefill is one share and the decode batch another; a decoding job gets ``decode_s`` of
-    work per batch step of ``step_seconds(k)`` in its share. Both are divided by the host's
-    current ``slowdown``."""
-    k = len(running)
-    if k == 0:
-        return []
-    slow = thr.slowdown
-    if not thr.batched:
-        return [1.0 / (k * slow)] * k
-    decoding = sum(1 for j in running if not j.in_prefill())
-    shares = (k - decoding) + (1 if decoding else 0)
-    dec_rate = thr.decode_s / (shares * thr.step_seconds(decoding)) if decoding else 0.0
-    return [(1.0 / shares if j.in_prefill() else dec_rate) / slow for j in running]
-
-
-def _first_token_if_started(job: _Job, running: Sequence[_Job], thr: Throughput) -> float:
-    """Seconds to ``job``'s first token if it started now next to ``running`` (who keep
-    running meanwhile: an upper bound when some of them end sooner)."""
-    probe = _Job(prefill=job.prefill, decode=job.decode, cost=job.cost)
-    rate = _rates([*running, probe], thr)[-1]
-    return job.prefill / rate if rate > 0 else math.inf
-
-
-def _may_start(
-    job: _Job,
-    running: Sequence[_Job],
-    used: int,
-    capacity: int,
-    thr: Throughput | None,
-    ttft_target: float | None,
-    *,
-    used_tokens: int = 0,
-    token_capacity: int | None = None,
-    batched_bound: float | None = None,
-) -> bool:
-    if used + job.cost > capacity:
-        return False
-    if token_capacity is not None and used_tokens + job.tokens > token_capacity:
-        return False
-    if not running or thr is None or ttft_target is None:
-        return True  # alone it always starts: otherwise a long prompt would never run
-    if thr.batched:
-        # Sharing forward passes raises the tokens/s of all: it starts next to the others while
-        # its first token still comes within ``batched_bound`` (the queue time-out), not the
-        # TTFT target — with the context capped so that a prefill alone takes the whole target,
-        # that rule would never let a full-length request share a batch.
-        bound = ttft_target if batched_bound is None else max(ttft_target, batched_bound)
-        return _first_token_if_started(job, running, thr) <= bound
-    return _first_token_if_started(job, running, thr) <= ttft_target
-
-
-def simulate(
-    running: Sequence[_Job],
-    queued: Sequence[_Job],
-    *,
-    throughput: Throughput,
-    capacity: int,
-    ttft_target: float | None,
-    now: float = 0.0,
-    token_capacity: int | None = None,
-    batched_bound: float | None = None,
-) -> list[float]:
-    """Play the model forward from ``now`` with no further arrivals: when does each queued job
-    (in FIFO order; a promise no earlier than its ``ready`` time) produce its first token?
-
-    Running jobs share the host by :func:`_rates`; the head of the queue starts by the start rule
-    (its bytes fit ``capacity``, its pool tokens ``token_capacity`` when given, and, next to
-    others, its first token comes within ``ttft_target``). Returns absolute
-    times, one per queued job. Jobs are copied: the arguments are not changed.
-    """
-    run = [_Job(prefill=j.prefill, decode=j.decode, cost=j.cost, tokens=j.tokens, served=j.served) for j in running]
-    wait = [_Job(prefill=j.prefill, decode=j.decode, cost=j.cost, tokens=j.tokens, ready=j.ready) for j in queued]
-    index = {id(j): i for i, j in enumerate(wait)}
-    first: list[float] = [math.inf] * len(wait)
-    ids: dict[int, int] = {}  # running job -> queued index
-    t = now
-    for _ in range(8 * (len(run) + len(wait)) + 8):  # each job ends two phases: bounded
-        used = sum(j.cost for j in run)
-        used_tokens = sum(j.tokens for j in run)
-        while (
-            wait
-            and wait[0].ready <= t
-            and _may_start(
-                wait[0],
-                run,
-                used,
-                capacity,
-                throughput,
-                ttft_target,
-                used_tokens=used_tokens,
-                token_capacity=token_capacity,
-                batched_bound=batched_bound,
-            )
-        ):
-            job = wait.pop(0)
-            ids[id(job)] = index[id(job)]
-            run.append(job)
-            used += job.cost
-            used_tokens += job.tokens
-            if job.prefill <= 0:
-                first[index[id(job)]] = t
-        if not run:
-            if not wait:
-                break
-            t = max(t, wait[0].ready)  # idle until the next promise can arrive
-            continue
-        rates = _rates(run, throughput)
-        # The next event: a job ends its prefill or its work, or the head's promise arrives.
-        step = math.inf
-        for job, rate in zip(run, rates, strict=True):
-            edge = job.prefill if job.in_prefill() else job.work
-            if rate > 0:
-                step = min(step, (edge - job.served) / rate)
-        if wait and wait[0].ready > t:
-            step = min(step, wait[0].ready - t)
-        if not math.isfinite(step):
-            break
-        step = max(step, 0.0)
-        t += step
-        still: list[_Job] = []
-        for job, rate in zip(run, rates, strict=True):
-            was_prefill = job.in_prefill()
-            job.served += rate * step
-            if was_prefill and job.served >= job.prefill - 1e-9:
-                job.served = max(job.served, job.prefill)
-                if id(job) in ids and not math.isfinite(first[ids[id(job)]]):
-                    first[ids[id(job)]] = t
-            if job.served < job.work - 1e-9:
-                still.append(job)
-        run = still
-        if all(math.isfinite(x) for x in first):
-            break
-    return first
 
 
 # --------------------------------------------------------------------------------------------
@@ -468,7 +135,7 @@ class _Waiter:
         self.job = job
         self.event = threading.Event()
         self.granted = False
-        self.returning = False  # it claimed a refusal's promise (see the module docstring)
+        self.returning = False  # it claimed a refusal's promise (ragbudget.memory.promises)
         self.arrived = float("-inf")  # the controller's clock when it was queued
         self.loop: asyncio.AbstractEventLoop | None = None
         self.future: asyncio.Future[None] | None = None
@@ -515,34 +182,10 @@ class Reservation:
         self.release()
 
 
-def _behind(sent_back: int) -> str:
-    """What a time refusal's Retry-After also waits for: the clients sent back before it, who
-    come first (so it says more than the first token's excess over the time-out)."""
-    if not sent_back:
-        return ""
-    return f"; it comes back behind the {sent_back} client(s) told to come back before it"
-
-
 def _resolve(fut: asyncio.Future[None]) -> None:
     """Wake an async waiter (in its loop), unless it already left."""
     if not fut.done():
         fut.set_result(None)
-
-
-def _claimed(waiter: _Waiter) -> None:
-    """Tell the caller (``returning(on_claim=)``) that ``waiter`` claimed its place and waits."""
-    callback = _ON_CLAIM.get()
-    if waiter.returning and callback is not None:
-        callback()
-
-
-@dataclass(eq=False)
-class _Promise:
-    due: float
-    job: _Job | None = field(repr=False)  # None without a throughput (no time model to shape)
-    key: str | None = None  # the refused request's key: its return claims the promise
-    held_until: float = float("-inf")  # seen back (would_refuse): kept for its acquire until then
-    made: float = float("-inf")  # when the refusal was made (see _finish_wait)
 
 
 class AdmissionController:
@@ -556,7 +199,7 @@ class AdmissionController:
     only comes back to be refused again. It is at least 1 s and at most ``RETRY_AFTER_MAX_S``
     (past half an hour the estimate says more about a speed measured on a busy host than about
     when there will be room, and a client told an hour has been refused for good). A client back
-    at its time claims its place (see the module docstring) and waits for it up to
+    at its time claims its place (:mod:`ragbudget.memory.promises`) and waits for it up to
     ``RETRY_AFTER_MAX_S`` too (:attr:`return_wait`), which absorbs a model that ran fast.
 
     >>> ctl = AdmissionController(4096, max_queue=8, timeout=5.0)
@@ -568,9 +211,6 @@ class AdmissionController:
     #: The longest Retry-After, and the longest a returning client waits for its place (see the
     #: class docstring).
     RETRY_AFTER_MAX_S = 1800.0
-    #: A returning client may come this many seconds before its promised time (Retry-After is
-    #: whole seconds, and clients round and sleep imprecisely).
-    RETURN_EARLY_S = 1.0
 
     def __init__(
         self,
@@ -599,7 +239,7 @@ class AdmissionController:
         self._lock = threading.Lock()
         self._queue: collections.deque[_Waiter] = collections.deque()
         self._running_jobs: list[_Job] = []
-        self._promises: list[_Promise] = []
+        self._promises = Promises()
         self._admitted = 0
         self._admitted_bytes = 0
         self._admitted_pool = 0
@@ -612,11 +252,8 @@ class AdmissionController:
         self._last = clock()
         # Mean seconds a reservation is held (EWMA), for the retry_after hint without a throughput.
         self._hold = 1.0
-        # The share of max_new_tokens finished answers generated (EWMA, from 1: the worst case
-        # until answers are seen): the expected decode work of a request (see _job).
-        self._answer_share = 1.0
-        # Observations of the speed in use (observe: the first ones are provisional).
-        self._observed = 0
+        # The slowdown and the answers' share of max_new_tokens, learnt from the requests that ran.
+        self._learning = Learning()
 
     def configure(
         self,
@@ -633,7 +270,7 @@ class AdmissionController:
                 self.memory = memory
             if throughput is not None:
                 self.throughput = throughput
-                self._observed = 0  # a new measurement: provisional again (observe)
+                self._learning.measured()  # a new measurement: provisional again
             self.ttft_target = ttft_target if ttft_target and ttft_target > 0 else None
             self._admit_locked()
 
@@ -664,19 +301,10 @@ class AdmissionController:
             return None
         return max(float(self.timeout), self.retry_after_max)
 
-    @staticmethod
-    @contextlib.contextmanager
-    def returning(key: str | None, *, on_claim: Callable[[], Any] | None = None) -> Iterator[None]:
-        """Requests made inside the block (in this thread or task) carry ``key``: refused for
-        time, they leave a promise under it; coming back with it at the promised time, they claim
-        it (see the module docstring). ``None`` is a request without a key. ``on_claim`` is
-        called when such a request claimed its place and has to wait for it in the queue."""
-        token, claim = _RETURNING.set(key), _ON_CLAIM.set(on_claim)
-        try:
-            yield
-        finally:
-            _ON_CLAIM.reset(claim)
-            _RETURNING.reset(token)
+    #: ``with AdmissionController.returning(key, on_claim=None):`` — the requests made inside
+    #: carry ``key``: refused, they leave a promise under it, and back at the promised time they
+    #: claim it (:func:`ragbudget.memory.promises.returning`).
+    returning = staticmethod(returning)
 
     # -- public API ---------------------------------------------------------------------------
     def stats(self) -> AdmissionStats:
@@ -725,7 +353,8 @@ class AdmissionController:
         waiter = self._enqueue(tokens, prompt_tokens)
         if waiter.granted:
             return self._reservation(waiter)
-        _claimed(waiter)
+        if waiter.returning:
+            claimed()
         wait = self._wait_for(waiter, timeout)
         try:
             if cancel is None:
@@ -768,7 +397,8 @@ class AdmissionController:
         waiter = self._enqueue(tokens, prompt_tokens, loop=asyncio.get_running_loop())
         if waiter.granted:
             return self._reservation(waiter)
-        _claimed(waiter)
+        if waiter.returning:
+            claimed()
         wait = self._wait_for(waiter, timeout)
         assert waiter.future is not None
         try:
@@ -842,7 +472,7 @@ class AdmissionController:
             return self._hold_return_locked()
 
     def _hold_return_locked(self) -> bool:
-        promise = self._promise_for_locked(_RETURNING.get())
+        promise = self._promise_for_locked(current_key())
         if promise is None:
             return False
         # A returning client: its acquire, after the prompt is built (seconds on a busy host),
@@ -869,7 +499,7 @@ class AdmissionController:
             retry = self._retry_after_locked(job)
             if job is None:
                 retry = float(max(1, math.ceil(retry)))  # whole seconds, as Retry-After says
-            self._promise_locked(job, retry)
+            self._promises.make(job, retry, self._clock())
             return retry
 
     def _refuse_for_time_locked(self, job: _Job) -> float:
@@ -880,36 +510,18 @@ class AdmissionController:
         # the work ahead (and that of the clients sent back before it) has drained enough.
         later = self._first_token_locked(job, promised_first=True)
         retry = float(min(self.retry_after_max, max(1, math.ceil(later - self.timeout))))
-        self._promise_locked(job, retry)
+        self._promises.make(job, retry, self._clock())
         return retry
 
-    def _promise_locked(self, job: _Job | None, retry: float) -> None:
-        """Remember a refusal told to come back in ``retry`` seconds (under the request's key).
-        Without a job (nothing measured) only a keyed refusal is remembered: its return is kept
-        a place, and there is no time model for it to shape."""
-        key = _RETURNING.get()
-        if job is not None or key is not None:
-            now = self._clock()
-            self._promises.append(_Promise(due=now + retry, job=job, key=key, made=now))
+    def _promise_for_locked(self, key: str | None) -> Promise | None:
+        """The promise a request with ``key`` arriving now would claim (:meth:`Promises.claimable`)."""
+        return self._promises.claimable(key, self._clock(), self._promise_grace)
 
-    def _promise_for_locked(self, key: str | None) -> _Promise | None:
-        """The promise a request with ``key`` arriving now would claim: the earliest due one
-        under that key whose time has come (``RETURN_EARLY_S`` early at most)."""
-        if key is None:
-            return None
-        now = self._clock()
-        self._prune_promises_locked(now)
-        due = [p for p in self._promises if p.key == key and p.due - self.RETURN_EARLY_S <= now]
-        return min(due, key=lambda p: p.due) if due else None
-
-    #: A promise stays claimable this long after its time at least (or one queue time-out, if
-    #: longer): a client's own work and sleep make it late by a little.
-    RETURN_LATE_S = 10.0
-
-    def _prune_promises_locked(self, now: float) -> None:
-        # A client that never comes back stops shaping the others' Retry-After after the grace.
-        grace = max(self.RETURN_LATE_S, self.timeout if self.timeout is not None else 0.0)
-        self._promises = [p for p in self._promises if max(p.due + grace, p.held_until) > now]
+    @property
+    def _promise_grace(self) -> float:
+        """How long past its time a promise stays claimable: ``Promises.LATE_S``, or one queue
+        time-out if longer."""
+        return max(Promises.LATE_S, self.timeout if self.timeout is not None else 0.0)
 
     def _wait_for(self, waiter: _Waiter, timeout: float | None) -> float:
         """Seconds ``waiter`` may wait: ``timeout`` when given, else the queue time-out — or, for
@@ -938,13 +550,11 @@ class AdmissionController:
         thr = self.throughput
         if thr is None:
             return None
-        # Time counts the answer's expected length (memory still reserves all of it): a burst
-        # judged by max_new_tokens when answers stop at a third of it sends clients back late and
-        # leaves the host idle meanwhile.
+        # Time counts the answer's expected length, memory all of it (see Learning).
         new = tokens - prompt_tokens
         return _Job(
             prefill=thr.prefill_seconds(prompt_tokens),
-            decode=thr.decode_seconds(math.ceil(new * self._answer_share)),
+            decode=thr.decode_seconds(self._learning.expected_new_tokens(new)),
             cost=cost,
             tokens=pool,
             new_max=new,
@@ -981,43 +591,17 @@ class AdmissionController:
             # overshoot when many long requests end together).
             job.credit += rate * dt * thr.slowdown
 
-    #: How far one finished answer moves the expected share of max_new_tokens, and its floor.
-    ANSWER_WEIGHT = 0.2
-    MIN_ANSWER_SHARE = 0.05
-
-    #: How far one observation moves the learnt slowdown (in log space), and its bounds.
-    OBSERVE_WEIGHT = 0.5
-    SLOWDOWN_RANGE = (0.1, 100.0)
-    #: Observations during which a speed is provisional (see :meth:`observe`).
-    PROVISIONAL_OBSERVATIONS = 3
-
     def observe(self, slowdown: float) -> None:
         """Learn from one request: ``slowdown`` is the wall time it took over what the measured
         speed says (above 1: the host runs slower than measured). The throughput's ``slowdown``
-        moves that way in log space by ``OBSERVE_WEIGHT`` (bounded by ``SLOWDOWN_RANGE``), so a
-        host that got busy after the measurement — or idle again — is followed within a few
-        requests.
-
-        A speed just measured (a new throughput, :meth:`configure`) is provisional for its first
-        ``PROVISIONAL_OBSERVATIONS`` observations: each one slower than the model is taken whole,
-        the slower of the two standing. The warm-up probe times bare forward passes of the model
-        alone, and real requests have run 7-8 times slower than it (issue #30): blending that in
-        by halves would admit the first requests on a speed the host cannot give."""
+        follows it (:meth:`~ragbudget.memory.schedule.Learning.slowed`), so a host that got busy
+        after the measurement — or idle again — is followed within a few requests."""
         with self._lock:
             self._observe_locked(slowdown)
 
     def _observe_locked(self, sample: float) -> None:
-        thr = self.throughput
-        if thr is None or not (sample > 0 and math.isfinite(sample)):
-            return
-        lo, hi = self.SLOWDOWN_RANGE
-        if self._observed < self.PROVISIONAL_OBSERVATIONS:
-            slow = min(hi, max(lo, thr.slowdown, sample))
-        else:
-            w = self.OBSERVE_WEIGHT
-            slow = min(hi, max(lo, thr.slowdown ** (1 - w) * sample**w))
-        self._observed += 1
-        self.throughput = dataclasses.replace(thr, slowdown=slow)
+        if self.throughput is not None:
+            self.throughput = self._learning.slowed(self.throughput, sample)
 
     def _observe_job(self, job: _Job | None, *, done: int | None) -> None:
         """A running job's first token (``done`` None: its prefill is over) or its end with
@@ -1027,10 +611,8 @@ class AdmissionController:
         with self._lock:
             self._advance_locked()
             thr = self.throughput
-            if done is not None and job.new_max > 0:
-                share = min(1.0, max(0, done) / job.new_max)
-                w = self.ANSWER_WEIGHT
-                self._answer_share = max(self.MIN_ANSWER_SHARE, (1 - w) * self._answer_share + w * share)
+            if done is not None:
+                self._learning.answered(done, job.new_max)
             real = job.prefill if done is None else job.prefill + thr.decode_seconds(done)
             if real <= 0 or job.credit <= 0:
                 return
@@ -1045,20 +627,12 @@ class AdmissionController:
         ``promised_before`` only, when given."""
         assert self.throughput is not None
         now = self._clock()
-        self._prune_promises_locked(now)
+        self._promises.prune(now, self._promise_grace)
         queued = [w.job for w in self._queue if w.job is not None]
         # Admission judges every new arrival by the real work only (an unkeyed returning client
         # cannot be told from a new one); promises space out the refusals, and a keyed return
-        # claims its own (see the module docstring).
-        promised = (
-            [
-                _Job(prefill=p.job.prefill, decode=p.job.decode, cost=p.job.cost, tokens=p.job.tokens, ready=p.due)
-                for p in sorted(self._promises, key=lambda p: p.due)
-                if p.job is not None and p.made < promised_before
-            ]
-            if promised_first
-            else []
-        )
+        # claims its own (ragbudget.memory.promises).
+        promised = self._promises.jobs_ahead(promised_before) if promised_first else []
         first = simulate(
             self._running_jobs,
             [*queued, *promised, job],
@@ -1090,37 +664,15 @@ class AdmissionController:
                 needed=tokens,
                 available=self.capacity_tokens,
             )
-        if self.memory is not None and cost > self.memory.capacity_bytes:
-            m = self.memory
-            kv = (
-                f"{tokens} KV-cache tokens in the paged cache, already allocated"
-                if m.pooled
-                else f"{tokens} KV-cache tokens {m.kv_bytes(tokens) / 2**20:,.1f} MiB"
-            )
-            raise BudgetError(
-                f"this request needs {cost / 2**20:,.1f} MiB ({kv} + the activations of a {prompt}-token "
-                f"prefill {m.activation_bytes(prompt) / 2**20:,.1f} MiB) but "
-                f"{m.capacity_bytes / 2**20:,.1f} MiB is left beside the weights; lower "
-                "max_new_tokens or the context budget, or use a GPU with more memory",
-                needed=tokens,
-                available=m.tokens_for_bytes(m.capacity_bytes - m.activation_bytes(prompt)),
-            )
-        if self.token_capacity is not None and pool > self.token_capacity:
-            raise BudgetError(
-                f"this request needs {tokens} KV-cache tokens ({pool} in whole pages) but the "
-                f"paged cache of batched generation holds {self.token_capacity} for all requests "
-                "together; lower max_new_tokens or the context budget, or give the batch cache "
-                "more tokens (LocalBackend(batch_kv_tokens=...))",
-                needed=pool,
-                available=self.token_capacity,
-            )
+        if self.memory is not None:
+            self.memory.check_fits(prompt_tokens=prompt, tokens=tokens)
         with self._lock:
             self._advance_locked()
             job = self._job(tokens, prompt, cost, pool)
             waiter = _Waiter(tokens, prompt, cost, job, pool)
-            promise = self._promise_for_locked(_RETURNING.get())
+            promise = self._promise_for_locked(current_key())
             if promise is not None:  # a client back when it was told: its promise is kept
-                self._promises.remove(promise)
+                self._promises.claim(promise)
                 waiter.returning = True
             # Nothing waits and it may start: it runs at once (work conserving — promised returns
             # shape later refusals and their Retry-After, they never hold the host idle).
@@ -1132,7 +684,7 @@ class AdmissionController:
             if len(self._queue) >= self.max_queue and not waiter.returning:
                 self._rejected += 1
                 retry = self._retry_after_locked(job)
-                self._promise_locked(job, retry)
+                self._promises.make(job, retry, self._clock())
                 raise OverloadedError(
                     f"{len(self._queue)} requests already wait for KV-cache space (queue limit {self.max_queue})",
                     retry_after=retry,
@@ -1140,13 +692,12 @@ class AdmissionController:
             if job is not None and self.timeout is not None and not waiter.returning:
                 expected = self._first_token_locked(job)
                 if expected > self.timeout:
-                    sent_back = len(self._promises)
+                    behind = self._promises.behind()
                     retry = self._refuse_for_time_locked(job)
                     raise OverloadedError(
                         f"the first token would come in about {expected:.{1 if expected < 10 else 0}f} s (work already "
                         f"running and queued at the measured speed: {self._running} running, "
-                        f"{len(self._queue)} queued), past the queue time-out of {self.timeout:g} s"
-                        + _behind(sent_back),
+                        f"{len(self._queue)} queued), past the queue time-out of {self.timeout:g} s" + behind,
                         retry_after=retry,
                     )
             if loop is not None:
@@ -1201,7 +752,7 @@ class AdmissionController:
         with self._lock:
             self._timed_out += 1
             retry = self._retry_after_locked(waiter.job, arrived=waiter.arrived)
-            self._promise_locked(waiter.job, retry)  # its return is kept a place, as for time
+            self._promises.make(waiter.job, retry, self._clock())  # its return is kept a place, as for time
         held = (
             f"{self.capacity_tokens} in all, all in use"
             if self.memory is None

@@ -1,8 +1,5 @@
 """The GPU memory budget: how many tokens one request may hold, at what concurrency.
 
-One job: the memory plan of one model on one device (weights, activations, KV, concurrency), with
-the measurements that refine it (calibration, prefill speed) stored next to the plan that reads them.
-
     usable   = gpu_bytes × utilization            (0.9 by default, like vLLM)
     needed   = weights + activations(prefill) + KV(peak, concurrency × context)
     max_context_tokens = the largest context (prompt + generated) per request with needed ≤ usable,
@@ -11,7 +8,9 @@ the measurements that refine it (calibration, prefill speed) stored next to the 
 Weights come from a loaded model (parameter + buffer bytes), local safetensors headers, or the
 parameter count implied by the config × the weight dtype. Activations are a prefill-peak
 estimate (see :func:`estimate_activation_bytes`), replaced by a measured value once a real CUDA run
-was recorded with :func:`record_calibration`. KV is exact per layer type (:mod:`ragbudget.memory.kvcache`).
+was recorded (:mod:`ragbudget.memory.calibration`). KV is exact per layer type
+(:mod:`ragbudget.memory.kvcache`). On a CPU host the prompt is further capped to what the measured
+prefill speed allows within a time-to-first-token target (:func:`cap_plan_for_time`).
 
 >>> plan = plan_budget("meta-llama/Llama-3.1-8B-Instruct", gpu="RTX 4090")
 >>> plan.kv_bytes_per_token, plan.limited_by
@@ -20,33 +19,38 @@ was recorded with :func:`record_calibration`. KV is exact per layer type (:mod:`
 
 from __future__ import annotations
 
-import json
-import logging
 import os
-import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..errors import BudgetError, ConfigError, ModelError, RagBudgetError
+from ..errors import BudgetError, ConfigError, ModelError
 from ..gpus import GiB, GPUInfo, resolve_gpu
-from .kvcache import (
-    _Cfg,
-    _normalize,
-    dtype_bits,
-    estimate_kv,
-    kv_bytes_per_token,
-    layer_specs,
-    model_dtype,
-    text_config,
+from ..settings import MemorySettings, check_int, check_number
+from ..types import dtype_bits
+
+# The measurements lived here before the memory model was split along its seams (issue #32): their
+# public names keep this import path.
+from .calibration import (
+    CPU_TTFT_TARGET as CPU_TTFT_TARGET,
+    PeakMeasurement as PeakMeasurement,
+    context_tokens_for_time as context_tokens_for_time,
+    lookup_calibration as lookup_calibration,
+    lookup_prefill_speed as lookup_prefill_speed,
+    measure_prefill_speed as measure_prefill_speed,
+    record_calibration as record_calibration,
+    record_measurement as record_measurement,
+    throughput_from_speed as throughput_from_speed,
 )
+from .kvcache import estimate_kv, kv_bytes_per_token
+from .layers import layer_specs
+from .model_config import ConfigLike, _Cfg, _normalize, model_dtype, text_config
+from .schedule import MemoryModel
 
 if TYPE_CHECKING:
-    from .admission import MemoryModel, Throughput
-    from .kvcache import PagedCacheLayout
-
-log = logging.getLogger(__name__)
+    from .paged import PagedCacheLayout
+    from .weights import WeightFormat
 
 __all__ = [
     "BudgetPlan",
@@ -71,7 +75,7 @@ __all__ = [
 # --------------------------------------------------------------------------------------------
 
 
-def _meta_parameter_count(config: Any) -> int:
+def _meta_parameter_count(config: ConfigLike) -> int:
     """Parameters of the model transformers builds from ``config``, on the meta device (no
     memory, no weights); shared (tied) parameters count once."""
     import torch  # lazy: heavy imports
@@ -104,7 +108,7 @@ def _meta_parameter_count(config: Any) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def count_parameters(config: Any) -> int:
+def count_parameters(config: ConfigLike) -> int:
     """Parameters of a decoder-only LM from its config: the sum of
     :func:`ragbudget.memory.weights.parameters` (embeddings, attention incl. MLA, dense or MoE MLP, norms,
     untied head). Exact for Llama/Mistral/Qwen2/Qwen3/Gemma/Mixtral-style models (checked in
@@ -125,7 +129,7 @@ def count_parameters(config: Any) -> int:
     return sum(p.numel for p in parameters(config))
 
 
-def estimate_weights_bytes(config: Any, *, weight_dtype: str | None = None, tensor_parallel: int = 1) -> int:
+def estimate_weights_bytes(config: ConfigLike, *, weight_dtype: str | None = None, tensor_parallel: int = 1) -> int:
     """Weight bytes of ``config`` on one of ``tensor_parallel`` GPUs, stored as the checkpoint
     says (its ``quantization_config``, else the model dtype) or as ``weight_dtype`` overrides
     (:data:`ragbudget.memory.weights.WEIGHT_DTYPES`: ``"bf16"``, ``"int4"``, ``"nf4"``, ``"fp8"``, …),
@@ -145,7 +149,7 @@ def estimate_weights_bytes(config: Any, *, weight_dtype: str | None = None, tens
     return weight_bytes(config, fmt, tensor_parallel=tensor_parallel)
 
 
-def _module_bytes(model: Any) -> int:
+def _module_bytes(model: Any) -> int:  # Any: a torch module (torch loads lazily)
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     return int(params + sum(b.numel() * b.element_size() for b in model.buffers()))
 
@@ -156,7 +160,7 @@ def _module_bytes(model: Any) -> int:
 
 
 def estimate_activation_bytes(
-    config: Any,
+    config: ConfigLike,
     tokens: int,
     *,
     batch_size: int = 1,
@@ -208,346 +212,6 @@ def estimate_activation_bytes(
     logit_rows = batch_size if logits == "last" else bt
     logits_bytes = logit_rows * V * (d + 4)  # lm_head output + float32 copy in generate
     return int(stream + qkv + max(attn, mlp) + masks + logits_bytes)
-
-
-# --------------------------------------------------------------------------------------------
-# Calibration (measured peaks after real CUDA runs)
-# --------------------------------------------------------------------------------------------
-
-_CAL_LOCK = threading.Lock()
-
-
-def _calibration_path() -> Path:
-    from .models import cache_dir
-
-    return cache_dir() / "calibration.json"
-
-
-def _cal_key(gpu_name: str, model: str, dtype: str, cache: str) -> str:
-    return "|".join(str(x).lower() for x in (gpu_name, model, dtype, cache))
-
-
-def _read_entry(path: Path, key: str) -> dict[str, Any] | None:
-    """``key``'s entry of a small JSON measurement file (calibration, prefill speed), or ``None``;
-    a missing or corrupt file reads as empty, never fatal."""
-    if not path.is_file():
-        return None
-    try:
-        entry = json.loads(path.read_text()).get(key)
-    except (OSError, ValueError, AttributeError):  # AttributeError: JSON that is not an object
-        return None
-    return entry if isinstance(entry, dict) else None
-
-
-def _merge_entry(path: Path, key: str, merge: Callable[[dict[str, Any] | None], dict[str, Any]]) -> dict[str, Any]:
-    """Replace ``key``'s entry by ``merge(old entry)`` under the process lock, atomically: a
-    concurrent reader sees the old file or the new one (temp file + ``os.replace``); a corrupt
-    file is rebuilt. Returns the entry written."""
-    with _CAL_LOCK:
-        data: dict[str, Any] = {}
-        if path.is_file():
-            try:
-                data = json.loads(path.read_text())
-            except (OSError, ValueError):
-                data = {}
-        entry = data[key] = merge(data.get(key))
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-        os.replace(tmp, path)
-    return entry
-
-
-def record_calibration(
-    *,
-    gpu_name: str,
-    model: str,
-    dtype: str,
-    cache: str,
-    tokens: int,
-    batch_size: int,
-    measured_peak_bytes: int,
-    weights_bytes: int,
-    kv_bytes: int,
-) -> dict[str, Any]:
-    """Record a measured peak (``torch.cuda.max_memory_allocated`` during ``generate``) so the
-    next plan for the same (GPU, model, dtype, cache) uses the measured activation overhead.
-
-    Stored in ``cache_dir()/calibration.json`` as activation bytes per prefill token; the largest
-    ratio seen is kept, so the budget stays on the safe side.
-    """
-    if tokens <= 0 or batch_size <= 0:
-        raise ConfigError("record_calibration needs tokens > 0 and batch_size > 0")
-    residual = max(0, int(measured_peak_bytes) - int(weights_bytes) - int(kv_bytes))
-    per_token = residual / (tokens * batch_size)
-
-    def merge(old: dict[str, Any] | None) -> dict[str, Any]:
-        old = old or {}
-        return {
-            "activation_bytes_per_token": max(per_token, old.get("activation_bytes_per_token", 0)),
-            "measured_peak_bytes": int(measured_peak_bytes),
-            "tokens": int(tokens),
-            "batch_size": int(batch_size),
-            "runs": int(old.get("runs", 0)) + 1,
-        }
-
-    return _merge_entry(_calibration_path(), _cal_key(gpu_name, model, dtype, cache), merge)
-
-
-@dataclass(frozen=True, kw_only=True)
-class PeakMeasurement:
-    """A generation's measured CUDA peak and what it consisted of: the arguments of
-    :func:`record_calibration`. The generator measures (it holds the model and the device); the
-    pipeline, which owns the plan, records it with :func:`record_measurement` — a stage never
-    writes the planner's files itself."""
-
-    gpu_name: str
-    model: str
-    dtype: str
-    cache: str
-    tokens: int  #: prefill tokens of the measured run
-    batch_size: int
-    measured_peak_bytes: int
-    weights_bytes: int
-    kv_bytes: int
-
-
-def record_measurement(measurement: PeakMeasurement) -> dict[str, Any] | None:
-    """:func:`record_calibration` of a measured peak, best effort: calibration makes the next
-    plan tighter but is not needed to answer, so a cache folder that cannot be written (read-only
-    home, full disk) only logs. The entry written, or ``None``."""
-    try:
-        return record_calibration(**asdict(measurement))
-    except (OSError, RagBudgetError) as exc:
-        log.debug("calibration not recorded: %s", exc)
-        return None
-
-
-def lookup_calibration(gpu_name: str, model: str, dtype: str, cache: str) -> dict[str, Any] | None:
-    """The recorded calibration for (GPU, model, dtype, cache), or ``None``."""
-    return _read_entry(_calibration_path(), _cal_key(gpu_name, model, dtype, cache))
-
-
-# --------------------------------------------------------------------------------------------
-# Prefill speed (the time limit of a CPU host)
-# --------------------------------------------------------------------------------------------
-
-#: Default time-to-first-token target (seconds of prefill) for a generator on the CPU. Two shared
-#: cores prefill SmolLM2-135M at about 630 tokens/s when idle (measured: 1,024 tokens in 1.6 s):
-#: 2 s allows about 1,250 prompt tokens, ~1,140 of context, where `make demo` capped by hand at
-#: 1,024 — and the packaged model answers better from ~1k tokens than from 8k (BENCHMARKS.md).
-CPU_TTFT_TARGET = 2.0
-# Probe lengths: long enough that the quadratic (attention) term shows, short enough that the
-# one-time probe takes seconds.
-_PREFILL_PROBES = (256, 1024)
-# Decode probe: steps after a short prefill (the cost of a step grows slowly with the context),
-# at one sequence and at a small batch (the marginal cost of a sequence in a shared step).
-_DECODE_CONTEXT = 256
-_DECODE_STEPS = 8
-_DECODE_BATCH = 4
-
-
-def _prefill_path() -> Path:
-    from .models import cache_dir
-
-    return cache_dir() / "prefill.json"
-
-
-def _prefill_key(model: str, device: str) -> str:
-    import platform
-
-    threads = os.environ.get("OMP_NUM_THREADS") or str(os.cpu_count())
-    return "|".join(str(x).lower() for x in (model, device, platform.machine(), platform.processor(), threads))
-
-
-#: Load (1-minute load average per core) above which a prefill measurement is provisional: other
-#: work shared the cores, so the speed it recorded is too slow. Below ``_IDLE_LOAD`` a provisional
-#: entry is measured again (the faster is kept), so a first probe on a busy host does not cap
-#: every later request for good.
-_BUSY_LOAD = 0.75
-_IDLE_LOAD = 0.5
-
-
-def _load_per_core() -> float:
-    try:
-        return os.getloadavg()[0] / (os.cpu_count() or 1)
-    except (AttributeError, OSError):  # no load average on this platform: assume idle
-        return 0.0
-
-
-def lookup_prefill_speed(model: str, device: str) -> dict[str, Any] | None:
-    """The recorded prefill fit ``{"a": s/token, "b": s/token², ...}`` for (model, device,
-    machine, threads), or ``None`` — also when the recorded one was measured on a busy host
-    (``provisional``) and the host is idle now, so that the caller measures again."""
-    entry = _read_entry(_prefill_path(), _prefill_key(model, device))
-    if entry and entry.get("provisional") and device == "cpu" and _load_per_core() < _IDLE_LOAD:
-        return None
-    return entry
-
-
-def measure_prefill_speed(
-    model: Any,
-    *,
-    name: str,
-    device: str = "cpu",
-    lengths: tuple[int, ...] = _PREFILL_PROBES,
-    decode_context: int = _DECODE_CONTEXT,
-    decode_steps: int = _DECODE_STEPS,
-) -> dict[str, Any]:
-    """Time one prefill forward of ``model`` (a transformers causal LM) at each of ``lengths``
-    tokens, fit ``seconds = a·n + b·n²`` (the MLP is linear in the tokens, attention quadratic),
-    time ``decode_steps`` decode steps after a ``decode_context``-token prefill at batch 1 and at
-    batch ``_DECODE_BATCH`` (``decode_s`` seconds per step of one sequence, ``decode_extra_s``
-    per further sequence in a shared step), and record it in ``cache_dir()/prefill.json`` under
-    (``name``, ``device``, machine, threads). Measured once per key (delete the file to measure
-    again). A host busy with other work while it is measured records a slower speed, so the cap
-    errs short: such an entry is marked ``provisional`` (load above ``_BUSY_LOAD`` per core) and
-    measured again once the host is idle; of two measurements the faster is kept (other load is
-    transient, the machine's speed is not).
-    """
-    import time
-
-    import torch  # lazy: heavy imports
-
-    load = _load_per_core()
-    cfg = getattr(model, "config", None)
-    vocab = int(getattr(cfg, "vocab_size", 32000) or 32000)
-    dev = next(model.parameters()).device
-    times: list[tuple[int, float]] = []
-
-    def forward(ids: Any) -> None:
-        try:  # only the last position's logits, as generate computes them
-            model(ids, use_cache=False, logits_to_keep=1)
-        except TypeError:  # a model whose forward has no logits_to_keep
-            model(ids, use_cache=False)
-
-    def ids_of(n: int, batch: int = 1) -> Any:
-        return torch.arange(n, device=dev).remainder(vocab - 1).add(1).unsqueeze(0).repeat(batch, 1)
-
-    def sync() -> None:
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-
-    def decode_step(batch: int) -> float:
-        """Seconds of one decode step of ``batch`` sequences after a ``decode_context`` prefill:
-        the fastest of ``decode_steps`` (a spike of other load is not the speed)."""
-        past = forward_cached(ids_of(decode_context, batch), None)
-        step = ids_of(1, batch)
-        best = float("inf")
-        for _ in range(decode_steps):
-            sync()
-            t0 = time.perf_counter()
-            past = forward_cached(step, past)
-            sync()
-            best = min(best, time.perf_counter() - t0)
-        return best
-
-    def forward_cached(ids: Any, past: Any) -> Any:
-        """One forward with the KV cache, returning the cache (transformers 5 names it
-        ``cache``, 4 ``past_key_values``)."""
-        try:
-            out = model(ids, cache=past, use_cache=True, logits_to_keep=1)
-        except TypeError:
-            out = model(ids, past_key_values=past, use_cache=True)
-        cache = getattr(out, "cache", None)
-        return cache if cache is not None else out.past_key_values
-
-    with torch.no_grad():
-        forward(ids_of(16))  # warm-up
-        for n in lengths:
-            ids = ids_of(n)
-            best = float("inf")
-            for _ in range(2):  # the faster of two: a spike of other load is not the speed
-                sync()
-                t0 = time.perf_counter()
-                forward(ids)
-                sync()
-                best = min(best, time.perf_counter() - t0)
-            times.append((n, best))
-        decode: dict[str, Any] = {}
-        if decode_steps > 0:
-            one = decode_step(1)
-            many = decode_step(_DECODE_BATCH)
-            decode = {
-                "decode_s": one,
-                "decode_extra_s": max(0.0, (many - one) / (_DECODE_BATCH - 1)),
-                "decode_context": decode_context,
-                "decode_tokens_per_second": round(1 / one, 1) if one > 0 else None,
-            }
-    # Least squares through the origin for (a, b); clamp at zero (noise can make one negative).
-    import numpy as np
-
-    x = np.array([[n, n * n] for n, _ in times], dtype=float)
-    y = np.array([t for _, t in times])
-    a, b = (float(v) for v in np.linalg.lstsq(x, y, rcond=None)[0])
-    if b < 0 or a < 0:
-        # Noise (a busy host) made the curve bend the wrong way: the longest probe, linear.
-        a, b = times[-1][1] / times[-1][0], 0.0
-    load = max(load, _load_per_core())
-    entry = {
-        "a": a,
-        "b": b,
-        "probes": [[n, round(t, 4)] for n, t in times],
-        "tokens_per_second": round(lengths[-1] / times[-1][1], 1),
-        **decode,
-        "load_per_core": round(load, 2),
-        "provisional": device == "cpu" and load > _BUSY_LOAD,
-    }
-
-    def merge(old: dict[str, Any] | None) -> dict[str, Any]:
-        if old and old.get("a", 0) * 1024 + old.get("b", 0) * 1024**2 < a * 1024 + b * 1024**2:
-            # The faster measurement stands; it stops being provisional once either was idle.
-            kept = dict(old, provisional=bool(old.get("provisional")) and entry["provisional"])
-            if "decode_s" in decode and decode["decode_s"] < old.get("decode_s", float("inf")):
-                kept.update(decode)  # and the faster decode, wherever it came from; taken on a
-                # busy host it is provisional too: measured again once the host is idle
-                kept["provisional"] = bool(kept["provisional"] or entry["provisional"])
-            return kept
-        if old and "decode_s" in old and old["decode_s"] < entry.get("decode_s", float("inf")):
-            return dict(
-                entry,
-                **{
-                    k: old[k]
-                    for k in ("decode_s", "decode_extra_s", "decode_context", "decode_tokens_per_second")
-                    if k in old
-                },
-            )
-        return entry
-
-    return _merge_entry(_prefill_path(), _prefill_key(name, device), merge)
-
-
-def throughput_from_speed(speed: Mapping[str, Any], *, batched: bool = False) -> Throughput | None:
-    """The admission model's :class:`~ragbudget.memory.admission.Throughput` from a recorded speed
-    entry, or ``None`` when it has no decode figure (recorded before decode was measured: the
-    caller measures again)."""
-    from .admission import Throughput
-
-    if not speed.get("decode_s"):
-        return None
-    return Throughput(
-        prefill_a=float(speed.get("a", 0.0)),
-        prefill_b=float(speed.get("b", 0.0)),
-        decode_s=float(speed["decode_s"]),
-        batched=batched,
-        decode_extra_s=(float(speed["decode_extra_s"]) if speed.get("decode_extra_s") is not None else None),
-        source="measured at warm-up" + (" (provisional: the host was busy)" if speed.get("provisional") else ""),
-    )
-
-
-def context_tokens_for_time(speed: Mapping[str, Any], seconds: float) -> int:
-    """The most prompt tokens a prefill of ``seconds`` allows under the fit ``speed``.
-
-    >>> context_tokens_for_time({"a": 0.002, "b": 0.0}, 5.0)
-    2500
-    """
-    a, b = float(speed.get("a", 0.0)), float(speed.get("b", 0.0))
-    if seconds <= 0:
-        return 0
-    if b <= 0:
-        return int(seconds / a) if a > 0 else 1 << 30
-    # b·n² + a·n − seconds = 0, the positive root.
-    return int((-a + (a * a + 4 * b * seconds) ** 0.5) / (2 * b))
 
 
 # --------------------------------------------------------------------------------------------
@@ -611,14 +275,15 @@ class BudgetPlan:
         return d
 
 
-def _model_max(cfg: Any) -> int:
+def _model_max(cfg: ConfigLike) -> int:
     c = _Cfg(text_config(cfg) if isinstance(cfg, Mapping) else cfg)
     v = c.get("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx", default=None)
     return int(v) if v else 4096
 
 
-def _resolve_model(model: Any, config: Any) -> tuple[str, Any, Any]:
-    """(name, config, loaded module or None)."""
+def _resolve_model(model: Any, config: ConfigLike) -> tuple[str, ConfigLike, Any]:
+    """(name, config, loaded module or None). ``Any``: a model is a name, a path or a loaded
+    transformers module (torch and transformers load lazily and type their modules loosely)."""
     module = None
     if model is not None and not isinstance(model, (str, os.PathLike)):
         module = model
@@ -638,19 +303,21 @@ def _resolve_model(model: Any, config: Any) -> tuple[str, Any, Any]:
 
 
 def plan_budget(
-    model: Any = None,
+    model: Any = None,  # a name, a path or a loaded transformers module (see _resolve_model)
     *,
-    gpu: str | int | None = None,
-    concurrency: int = 1,
-    max_new_tokens: int = 256,
+    # The memory settings' defaults, read from their one definition (MemorySettings), so the
+    # library, the pipeline and the CLI plan alike when nothing is given.
+    gpu: str | int | None = MemorySettings.gpu,
+    concurrency: int = MemorySettings.concurrency,
+    max_new_tokens: int = MemorySettings.max_new_tokens,
     context_tokens: int | None = None,
-    kv_dtype: str | None = None,
-    cache: str = "dynamic",
+    kv_dtype: str | None = MemorySettings.kv_dtype,
+    cache: str = MemorySettings.cache,
     weights_bytes: int | None = None,
     weight_dtype: str | None = None,
-    utilization: float = 0.9,
+    utilization: float = MemorySettings.utilization,
     backend: str = "transformers",
-    config: Any = None,
+    config: ConfigLike = None,
     attn_implementation: str = "sdpa",
     max_cache_len: int | None = None,
     tensor_parallel: int | None = None,
@@ -677,10 +344,13 @@ def plan_budget(
     """
     from .weights import comm_reserve_bytes, rank_config, weight_format
 
-    if not 0 < utilization <= 1:
-        raise ConfigError(f"utilization must be in (0, 1], got {utilization}")
-    if concurrency < 1 or max_new_tokens < 1:
-        raise ConfigError("concurrency and max_new_tokens must be >= 1")
+    # The settings' own checks (one definition of each): a wrong type is a one-line
+    # ArgumentTypeError naming the argument, not a comparison's TypeError, and a fractional
+    # max_new_tokens is refused rather than planned with.
+    u = check_number("utilization", utilization, 0.0, 1.0, lo_open=True)
+    c, m = check_int("concurrency", concurrency, 1), check_int("max_new_tokens", max_new_tokens, 1)
+    assert u is not None and c is not None and m is not None  # None only where optional=True
+    utilization, concurrency, max_new_tokens = u, c, m
     name, cfg, module = _resolve_model(model, config)
     info: GPUInfo = resolve_gpu(gpu)
     tp = _tensor_parallel(tensor_parallel, info, module)
@@ -909,11 +579,9 @@ def plan_budget(
     )
 
 
-def _tensor_parallel(tensor_parallel: int | None, info: GPUInfo, module: Any) -> int:
+def _tensor_parallel(tensor_parallel: int | None, info: GPUInfo, module: Any) -> int:  # Any: torch module
     """The tensor-parallel degree: as given, else as many GPUs as ``gpu`` names; the two must
     agree, and a loaded model (one device) has none."""
-    from ..settings import check_int
-
     if tensor_parallel is None:
         tp = info.count
     else:
@@ -931,7 +599,7 @@ def _tensor_parallel(tensor_parallel: int | None, info: GPUInfo, module: Any) ->
 
 
 def _planned_weights(
-    model: Any, cfg: Any, fmt: Any, weight_dtype: str | None, tp: int, notes: list[str]
+    model: object, cfg: ConfigLike, fmt: WeightFormat, weight_dtype: str | None, tp: int, notes: list[str]
 ) -> tuple[int, str]:
     """Weight bytes on one GPU, and where they come from: a local checkpoint's safetensors headers
     (exact, quantized or not), a GGUF's tensor table (``weight_dtype="gguf"``), else the
@@ -972,7 +640,7 @@ def _planned_weights(
     return wbytes, f"parameter count × {fmt.label}{per_gpu}"
 
 
-def _tp_note(cfg: Any, tp: int, reserve: int) -> str:
+def _tp_note(cfg: ConfigLike, tp: int, reserve: int) -> str:
     c = _Cfg(text_config(cfg) if isinstance(cfg, Mapping) else cfg)
     heads = int(c.get("num_attention_heads", "n_head", default=0) or 0)
     kv = int(c.get("num_key_value_heads", "num_kv_heads", default=heads) or heads)
@@ -1026,7 +694,9 @@ def cap_plan_for_time(plan: BudgetPlan, speed: Mapping[str, Any], ttft_target: f
     )
 
 
-def request_memory(plan: BudgetPlan, config: Any = None, *, paged: PagedCacheLayout | None = None) -> MemoryModel:
+def request_memory(
+    plan: BudgetPlan, config: ConfigLike = None, *, paged: PagedCacheLayout | None = None
+) -> MemoryModel:
     """What one request pins by ``plan``, for :class:`~ragbudget.memory.admission.AdmissionController`:
     the memory left beside the weights, the KV bytes per token at their peak (sliding-window
     layers hold the whole prefill until the first decode step) plus per sequence, and the
@@ -1037,8 +707,6 @@ def request_memory(plan: BudgetPlan, config: Any = None, *, paged: PagedCacheLay
     ``paged``: generation is batched over this paged cache (allocated up front, so resident
     whatever runs). Its bytes leave the memory beside the weights, and the model counts each
     request's KV in tokens against the cache (whole pages) and only its activations in bytes."""
-    from .admission import MemoryModel
-
     cfg = config
     if cfg is None:
         from .models import load_model_config

@@ -196,7 +196,7 @@ def gguf_metadata(path: str | os.PathLike[str]) -> tuple[dict[str, Any], int]:
             (n,) = struct.unpack("<Q", f.read(8))
             return f.read(n).decode("utf-8", "replace")
 
-        def read_value(vtype: int) -> Any:
+        def read_value(vtype: int) -> Any:  # a number, a string, a bool or an array: the file says
             if vtype == _GGUF_STRING:
                 return read_str()
             if vtype == _GGUF_ARRAY:
@@ -239,7 +239,7 @@ def _config_from_gguf(path: Path) -> dict[str, Any]:
     meta, tensor_bytes = gguf_metadata(path)
     arch = meta.get("general.architecture", "llama")
 
-    def g(key: str, default: Any = None) -> Any:
+    def g(key: str, default: Any = None) -> Any:  # a metadata value, as gguf_metadata read it
         return meta.get(f"{arch}.{key}", default)
 
     heads = g("attention.head_count")
@@ -275,6 +275,21 @@ def _config_from_gguf(path: Path) -> dict[str, Any]:
     return cfg
 
 
+def _read_config(path: Path) -> dict[str, Any]:
+    """A ``config.json``'s object; a file that is not a JSON object is a :class:`ModelError` that
+    names it (a truncated download or a hand-edited file, not a traceback)."""
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:  # unreadable, not UTF-8, not JSON
+        raise ModelError(f"cannot read the model config {path}: {exc}; fix or re-download the file") from exc
+    if not isinstance(cfg, dict):
+        raise ModelError(
+            f"the model config {path} holds a JSON {type(cfg).__name__}, not an object with the model's "
+            "fields; fix or re-download the file"
+        )
+    return cfg
+
+
 def load_model_config(model: str | None = None) -> dict[str, Any]:
     """The config dict of a model, without loading weights (no network unless needed).
 
@@ -289,33 +304,34 @@ def load_model_config(model: str | None = None) -> dict[str, Any]:
     if model is None or model.lower() in _GENERATOR_ALIASES:
         snap = _find_snapshot("HuggingFaceTB/SmolLM2-135M-Instruct")
         assert snap is not None
-        return json.loads(snap.read_text())
+        return _read_config(snap)
     p = Path(model).expanduser()
     if p.is_file() and p.suffix == ".gguf":
         return _config_from_gguf(p)
     if p.is_file() and p.name.endswith(".json"):
-        return json.loads(p.read_text())
+        return _read_config(p)
     if p.is_dir():
         if (p / "config.json").is_file():
-            return json.loads((p / "config.json").read_text())
+            return _read_config(p / "config.json")
         ggufs = sorted(p.glob("*.gguf"))
         if ggufs:
             return _config_from_gguf(ggufs[0])
         raise ModelError(f"model folder {model!r} has neither config.json nor a .gguf file")
     snap = _find_snapshot(model)
     if snap is not None:
-        return json.loads(snap.read_text())
+        return _read_config(snap)
     offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
     if "/" in model and not offline:
         try:
             from huggingface_hub import hf_hub_download
 
-            return json.loads(Path(hf_hub_download(model, "config.json")).read_text())
+            fetched = Path(hf_hub_download(model, "config.json"))
         except Exception as e:  # network, auth, missing repo
             raise ModelError(
                 f"could not fetch config.json of {model!r} from the hub ({type(e).__name__}: {e}); "
                 f"pass a local folder, or one of the shipped configs: {', '.join(list_model_configs())}"
             ) from e
+        return _read_config(fetched)
     import difflib
 
     close = difflib.get_close_matches(

@@ -56,13 +56,14 @@ from __future__ import annotations
 import fnmatch
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ConfigError, ModelError
-from ..types import WEIGHT_DTYPES as WEIGHT_DTYPES
-from .kvcache import _Cfg, _normalize, dtype_bits, model_dtype, text_config
+from ..types import WEIGHT_DTYPES as WEIGHT_DTYPES, dtype_bits
+from .layers import layer_specs
+from .model_config import ConfigLike, _Cfg, _normalize, model_dtype, text_config
 
 __all__ = [
     "COMM_RESERVE_BYTES",
@@ -139,9 +140,7 @@ class Param:
 _NON_GATED = ("gpt2", "gpt_neox", "opt", "bloom", "gptj", "falcon", "phi", "starcoder2")
 
 
-def _has_recurrent(config: Any) -> bool:
-    from .kvcache import layer_specs
-
+def _has_recurrent(config: ConfigLike) -> bool:
     try:
         specs = layer_specs(config, normalize=False)
     except (ModelError, ConfigError):
@@ -149,7 +148,7 @@ def _has_recurrent(config: Any) -> bool:
     return any(s.kind in ("mamba", "hybrid") for s in specs)
 
 
-def parameters(config: Any) -> tuple[Param, ...]:
+def parameters(config: ConfigLike) -> tuple[Param, ...]:
     """Every parameter of a decoder-only LM from its config, under transformers' names: embeddings,
     attention (incl. MLA, QK norms, sinks), dense or MoE MLP (router, experts, shared experts),
     norms and the untied head. Exact for Llama/Mistral/Qwen2/Qwen3/Gemma/Phi-3/Mixtral/Qwen3-MoE/
@@ -265,7 +264,7 @@ def parameters(config: Any) -> tuple[Param, ...]:
     return tuple(out)
 
 
-def _mlp(linear: Any, m: str, H: int, inter: int, gated: bool, mt: str) -> None:
+def _mlp(linear: Callable[..., None], m: str, H: int, inter: int, gated: bool, mt: str) -> None:
     if mt == "phi3":  # fused gate and up
         linear(f"{m}.gate_up_proj", 2 * inter, H, "column")
     elif gated:
@@ -382,7 +381,7 @@ def _matches(module: str, pattern: str) -> bool:
     return any(mod[i : i + len(pat)] == pat for i in range(len(mod) - len(pat) + 1))
 
 
-def _qconfig(config: Any) -> Mapping[str, Any] | None:
+def _qconfig(config: ConfigLike) -> Mapping[str, Any] | None:
     for cfg in (config, text_config(config)):
         qc = _Cfg(cfg).get("quantization_config")
         if qc is not None and not isinstance(qc, Mapping):
@@ -403,7 +402,7 @@ def _skips(qc: Mapping[str, Any], *keys: str) -> tuple[str, ...]:
     return tuple(found)
 
 
-def weight_format(config: Any, weight_dtype: str | None = None) -> WeightFormat:
+def weight_format(config: ConfigLike, weight_dtype: str | None = None) -> WeightFormat:
     """How the weights of ``config`` are stored: ``weight_dtype`` when given (one of
     :data:`WEIGHT_DTYPES`), else the checkpoint's ``quantization_config``, else the model dtype.
     A quantization method it does not know is planned at the model dtype — an over-estimate —
@@ -527,7 +526,7 @@ def _compressed_tensors(qc: Mapping[str, Any], base: str, src: str) -> WeightFor
     )
 
 
-def _override(config: Any, weight_dtype: str, base: str) -> WeightFormat:
+def _override(config: ConfigLike, weight_dtype: str, base: str) -> WeightFormat:
     w = str(weight_dtype).lower().removeprefix("torch.")
     src = "(--weight-dtype)"
     plain = {"fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16"}
@@ -603,7 +602,7 @@ def _shape_per_rank(p: Param, tp: int, kv_heads: int) -> tuple[int, int]:
     return (out - p.kv_rows) // tp + kv_part, inp
 
 
-def check_tensor_parallel(config: Any, tensor_parallel: int) -> None:
+def check_tensor_parallel(config: ConfigLike, tensor_parallel: int) -> None:
     """Refuse a tensor-parallel degree vLLM would refuse for this model: it must divide the
     attention heads, and the KV heads must divide it or be divisible by it."""
     if tensor_parallel <= 1:
@@ -625,7 +624,7 @@ def check_tensor_parallel(config: Any, tensor_parallel: int) -> None:
 
 
 def weight_bytes(
-    config: Any,
+    config: ConfigLike,
     fmt: WeightFormat | None = None,
     *,
     tensor_parallel: int = 1,
@@ -659,7 +658,7 @@ def weight_bytes(
     return total
 
 
-def rank_config(config: Any, tensor_parallel: int) -> Any:
+def rank_config(config: ConfigLike, tensor_parallel: int) -> ConfigLike:
     """The text config one of ``tensor_parallel`` GPUs runs: attention heads, KV heads (at least
     one: replicated below the degree), the MLP and expert intermediate sizes divided; ``head_dim``
     pinned to the whole model's. ``config`` itself on one GPU. For the KV cache and the
