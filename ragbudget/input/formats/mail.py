@@ -14,7 +14,8 @@ from email.message import EmailMessage
 from typing import Any
 
 from ...errors import LoadError
-from . import Loaded, LoadOptions
+from ..html import html_to_text
+from ._base import Loaded, LoadOptions
 
 __all__ = ["read_eml", "read_mbox"]
 
@@ -33,8 +34,6 @@ def _header(msg: Any, name: str) -> str:
 
 def _message_text(msg: EmailMessage, path: str) -> str:
     """The readable body of one message: text/plain preferred, else HTML converted."""
-    from ..loaders import _html_to_text
-
     part = msg.get_body(preferencelist=("plain", "html"))
     if part is None:
         return ""
@@ -42,7 +41,7 @@ def _message_text(msg: EmailMessage, path: str) -> str:
     if isinstance(content, bytes):
         content = content.decode("utf-8", "replace")
     if part.get_content_subtype() == "html":
-        content, _ = _html_to_text(content, path)
+        content, _ = html_to_text(content, path)
     return "\n".join(line.rstrip() for line in content.strip().splitlines())
 
 

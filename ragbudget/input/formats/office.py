@@ -13,7 +13,7 @@ from collections import Counter
 from typing import Any
 
 from ...errors import LoadError
-from . import Loaded, LoadOptions, require
+from ._base import Loaded, LoadOptions, require
 from ._zip import open_zip, parse_xml, read_member
 
 __all__ = ["read_docx", "read_odt", "read_pptx"]

@@ -14,7 +14,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from ...errors import LoadError
-from . import Loaded, LoadOptions
+from ..decode import decode_bytes
+from ._base import Loaded, LoadOptions
 
 __all__ = ["MAX_FIELD_CHARS", "ROWS_PER_PAGE", "read_csv", "read_json", "read_jsonl"]
 
@@ -31,8 +32,6 @@ def read_csv(data: bytes, path: str, *, options: LoadOptions, max_bytes: int, fm
     """Rows as ``header: value; …`` lines, :data:`ROWS_PER_PAGE` rows a page labelled
     ``rows A-B`` (data rows, 1-based, the header row not counted). The first row is the header.
     The dialect is sniffed (``,`` ``;`` ``|`` tab) unless the file is ``.tsv``."""
-    from ..loaders import decode_bytes
-
     text, _, _ = decode_bytes(data, path=path)
     if fmt == "tsv":
         dialect: Any = csv.excel_tab
@@ -150,8 +149,6 @@ def read_json(data: bytes, path: str, *, options: LoadOptions, max_bytes: int, f
     """One page per chosen string value, labelled by its key path (``data[0].paragraphs[1].context``).
     ``options.json_fields`` picks values by key name or key path (globs; ``[i]`` may be left out);
     without it every non-blank string value is read."""
-    from ..loaders import decode_bytes
-
     text, _, _ = decode_bytes(data, path=path)
     pages: list[str] = []
     labels: list[str] = []
@@ -162,8 +159,6 @@ def read_json(data: bytes, path: str, *, options: LoadOptions, max_bytes: int, f
 def read_jsonl(data: bytes, path: str, *, options: LoadOptions, max_bytes: int, fmt: str) -> Loaded:
     """JSON Lines: like :func:`read_json` per line, labels ``line N: key.path``. A line that is
     not JSON is skipped and reported (the rest of the file is still read)."""
-    from ..loaders import decode_bytes
-
     text, _, _ = decode_bytes(data, path=path)
     pages: list[str] = []
     labels: list[str] = []
