@@ -349,7 +349,8 @@ def _is_alpha(cp: CodePoints) -> Mask:
 
 
 def _is_blank(cp: CodePoints) -> Mask:
-    return (cp == 32) | (cp == 9)
+    out: Mask = (cp == 32) | (cp == 9)
+    return out
 
 
 def _skip(pad: CodePoints, pos: IntArray, pred: Callable[[CodePoints], Mask]) -> IntArray:

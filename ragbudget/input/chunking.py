@@ -33,16 +33,24 @@ import os
 import re
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import numpy as np
+import numpy.typing as npt
 
-from ..settings import check_sizes
+from ..settings import ChunkSettings, check_sizes
 from ..tokens import TiktokenTokenizer, Tokenizer, get_tokenizer
 from ..types import Chunk, Document
 from .boundaries import HEADING, find_boundaries, heading_paths
 
+if TYPE_CHECKING:
+    from tiktoken import Encoding
+
 __all__ = ["chunk_document", "chunk_text", "chunk_texts"]
+
+# What get_tokenizer takes: None (the default encoding), a tiktoken encoding's name, a Tokenizer,
+# a callable, or a Hugging Face tokenizer object; the last is a third-party type, hence Any.
+TokenizerSpec: TypeAlias = Any
 
 # Unicode White_Space, spelled out: Python's ``\s`` also matches U+001C..U+001F, which the
 # tokenizer's regex (Rust ``\s``) does not, and the exactness argument depends on agreeing with it.
@@ -72,10 +80,10 @@ _WORD_START = re.compile(rf"[{_WS}]+(?=[^{_WS}])")
 def chunk_text(
     text: str,
     *,
-    min_tokens: int = 300,
-    max_tokens: int = 500,
-    overlap: int = 0,
-    tokenizer: Any = None,
+    min_tokens: int = ChunkSettings.min_tokens,
+    max_tokens: int = ChunkSettings.max_tokens,
+    overlap: int = ChunkSettings.overlap,
+    tokenizer: TokenizerSpec = None,
 ) -> list[Chunk]:
     """Cut ``text`` into chunks of at most ``max_tokens`` tokens, preferring structural boundaries.
 
@@ -99,10 +107,10 @@ def chunk_text(
 def chunk_texts(
     texts: Sequence[str],
     *,
-    min_tokens: int = 300,
-    max_tokens: int = 500,
-    overlap: int = 0,
-    tokenizer: Any = None,
+    min_tokens: int = ChunkSettings.min_tokens,
+    max_tokens: int = ChunkSettings.max_tokens,
+    overlap: int = ChunkSettings.overlap,
+    tokenizer: TokenizerSpec = None,
     workers: int = 1,
 ) -> list[list[Chunk]]:
     """:func:`chunk_text` over many texts, in order; ``workers > 1`` spreads them over processes.
@@ -137,7 +145,14 @@ def chunk_texts(
         return list(pool.map(one, texts))
 
 
-def chunk_document(doc: Document, **kw: Any) -> list[Chunk]:
+def chunk_document(
+    doc: Document,
+    *,
+    min_tokens: int = ChunkSettings.min_tokens,
+    max_tokens: int = ChunkSettings.max_tokens,
+    overlap: int = ChunkSettings.overlap,
+    tokenizer: TokenizerSpec = None,
+) -> list[Chunk]:
     """:func:`chunk_text` over ``doc.text``, with ``page_start``/``page_end`` set when paginated.
 
     Pages are 1-based and taken from :meth:`Document.page_of` of the chunk's first and last
@@ -148,7 +163,7 @@ def chunk_document(doc: Document, **kw: Any) -> list[Chunk]:
     [(1, 1), (2, 2)]
     """
     text = doc.text
-    chunks = chunk_text(text, **kw)
+    chunks = chunk_text(text, min_tokens=min_tokens, max_tokens=max_tokens, overlap=overlap, tokenizer=tokenizer)
     if not doc.paginated:
         return chunks
     starts = doc.page_starts
@@ -161,7 +176,7 @@ def chunk_document(doc: Document, **kw: Any) -> list[Chunk]:
 
 
 @functools.lru_cache(maxsize=4)
-def _token_char_counts(enc: Any) -> np.ndarray:
+def _token_char_counts(enc: Encoding) -> npt.NDArray[np.int64]:
     """For every token id: how many UTF-8 lead bytes (characters begun) its bytes hold.
 
     Summed over a text's tokens this gives character offsets of the token boundaries without
@@ -174,11 +189,11 @@ def _token_char_counts(enc: Any) -> np.ndarray:
     return counts
 
 
-def _fast_encoding(tok: Tokenizer) -> Any:
+def _fast_encoding(tok: Tokenizer) -> Encoding | None:
     """The tiktoken ``Encoding`` when the exact fast path applies, else ``None``."""
     if not isinstance(tok, TiktokenTokenizer):
         return None
-    enc = tok._enc
+    enc: Encoding = tok._enc
     if getattr(enc, "_pat_str", None) != _CL100K_PAT or not hasattr(enc, "_mergeable_ranks"):
         return None
     return enc
@@ -193,7 +208,7 @@ class _Chunker:
 
     # -- token positions -------------------------------------------------------------------
 
-    def _token_boundaries(self) -> np.ndarray:
+    def _token_boundaries(self) -> npt.NDArray[np.int64]:
         """Character offset of every token boundary (``tb[0] == 0``, ``tb[-1] == len(text)``)."""
         text = self.text
         if self.enc is not None:
@@ -338,7 +353,18 @@ class _Chunker:
             s = self._overlap_start(s, e, nxt) if self.overlap else nxt
         return chunks
 
-    def _choose(self, s, t_s, t_end, doc_end, budget, c_end, c_next, c_lvl, c_ti):  # type: ignore[no-untyped-def]
+    def _choose(
+        self,
+        s: int,
+        t_s: int,
+        t_end: int,
+        doc_end: int,
+        budget: int,
+        c_end: list[int],
+        c_next: list[int],
+        c_lvl: list[int],
+        c_ti: list[int],
+    ) -> tuple[int, int]:
         """Pick the end of the chunk starting at ``s``: returns (end, start of the next chunk)."""
         if t_end - t_s <= budget:
             return doc_end, doc_end

@@ -117,6 +117,7 @@ def html_to_text(markup: str, path: str) -> tuple[str, str]:
         if lines and lines[-1] != "":
             lines.append("")
 
+    # el: an lxml element (lxml ships no type stubs: its values are Any here).
     def walk(el: Any, in_article: bool) -> None:
         tag = el.tag.lower() if isinstance(el.tag, str) else None
         hidden = tag is not None and (

@@ -43,7 +43,7 @@ import os
 import re
 import stat
 import zlib
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from typing import Any
 
 from ..errors import ConfigError, LoadError
@@ -313,7 +313,11 @@ def iter_documents(
     clean: bool = True,
     batch_size: int = 64,
     boilerplate: BoilerplateFilter | None = None,
-    **scan_options: Any,
+    include: Sequence[str] | None = None,
+    exclude: Sequence[str] | None = None,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    follow_symlinks: bool = True,
+    leave_out: Iterable[str | os.PathLike[str]] = (),
 ) -> Iterator[Document | Skipped]:
     """Scan ``paths`` and load every file: yields :class:`Document` or :class:`Skipped`.
 
@@ -321,14 +325,21 @@ def iter_documents(
     :class:`Skipped` carrying the :class:`~ragbudget.errors.LoadError` reason. With ``clean=True``
     documents are loaded ``batch_size`` at a time and corpus boilerplate is stripped with
     ``boilerplate`` (a fresh :class:`~ragbudget.input.boilerplate.BoilerplateFilter` by default)
-    after observing the batch. ``scan_options`` go to :func:`~ragbudget.input.scan.scan`
-    (``include``, ``exclude``, ``max_bytes``, ``follow_symlinks``).
+    after observing the batch. ``include``, ``exclude``, ``max_bytes``, ``follow_symlinks`` and
+    ``leave_out`` are :func:`~ragbudget.input.scan.scan`'s (``max_bytes`` bounds each file's read
+    too).
     """
     if batch_size < 1:
         raise ConfigError(f"batch_size must be at least 1, got {batch_size}")
-    result = scan(paths, **scan_options)
+    result = scan(
+        paths,
+        include=include,
+        exclude=exclude,
+        max_bytes=max_bytes,
+        follow_symlinks=follow_symlinks,
+        leave_out=leave_out,
+    )
     yield from result.skipped
-    max_bytes = scan_options.get("max_bytes", DEFAULT_MAX_BYTES)
     filt = boilerplate if boilerplate is not None else BoilerplateFilter()
     batch: list[Document] = []
 

@@ -13,6 +13,7 @@ import contextvars
 import importlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any
 
 from ...errors import ConfigError, LoadError
@@ -110,7 +111,7 @@ class Loaded:
             raise ValueError(f"{len(self.pages)} pages but {len(self.labels)} labels")
 
 
-def require(module: str, extra: str, path: str, what: str) -> Any:
+def require(module: str, extra: str, path: str, what: str) -> ModuleType:
     """Import an optional library or raise the one-line ``missing_dependency`` LoadError."""
     try:
         return importlib.import_module(module)

@@ -11,7 +11,6 @@ import email
 import email.policy
 import re
 from email.message import EmailMessage
-from typing import Any
 
 from ...errors import LoadError
 from ..html import html_to_text
@@ -24,7 +23,7 @@ __all__ = ["read_eml", "read_mbox"]
 _MBOX_SPLIT = re.compile(rb"(?:^|\n\n|\r\n\r\n)From [^\n]*\n")
 
 
-def _header(msg: Any, name: str) -> str:
+def _header(msg: EmailMessage, name: str) -> str:
     try:
         value = msg.get(name)
     except Exception:  # email's header parser raises assorted errors on hostile headers

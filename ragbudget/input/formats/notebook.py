@@ -18,7 +18,7 @@ _TEXT_MIMES = ("text/markdown", "text/plain")
 MAX_OUTPUT_CHARS = 20_000
 
 
-def _source(value: Any) -> str:
+def _source(value: object) -> str:
     if isinstance(value, list):
         return "".join(str(v) for v in value)
     return value if isinstance(value, str) else ""

@@ -34,7 +34,7 @@ def read_csv(data: bytes, path: str, *, options: LoadOptions, max_bytes: int, fm
     The dialect is sniffed (``,`` ``;`` ``|`` tab) unless the file is ``.tsv``."""
     text, _, _ = decode_bytes(data, path=path)
     if fmt == "tsv":
-        dialect: Any = csv.excel_tab
+        dialect: type[csv.Dialect] = csv.excel_tab
     else:
         try:
             dialect = csv.Sniffer().sniff(text[:_SNIFF_BYTES], delimiters=",;\t|")
@@ -108,7 +108,7 @@ def _key_path(parent: str, key: str | int) -> str:
     return f"{parent}.{part}" if parent else part
 
 
-def _strings(value: Any, path: str, key: str, depth: int = 0) -> Iterator[tuple[str, str, str]]:
+def _strings(value: object, path: str, key: str, depth: int = 0) -> Iterator[tuple[str, str, str]]:
     """``(key path, last key name, string)`` for every string value, depth-first in file order."""
     if depth > 200:
         return  # deeper than any export; json.loads' own recursion limit is near 1000
@@ -131,14 +131,14 @@ def _wanted(fields: tuple[str, ...], path: str, key: str) -> bool:
     )
 
 
-def _parse(text: str, path: str, where: str = "") -> Any:
+def _parse(text: str, path: str, where: str = "") -> object:
     try:
         return json.loads(text)
     except (json.JSONDecodeError, RecursionError) as exc:
         raise LoadError(f"{path}: invalid JSON{where} ({str(exc)[:120]})", path=path, reason="malformed") from exc
 
 
-def _pages_of(value: Any, options: LoadOptions, prefix: str, pages: list[str], labels: list[str]) -> None:
+def _pages_of(value: object, options: LoadOptions, prefix: str, pages: list[str], labels: list[str]) -> None:
     for key_path, key, s in _strings(value, "", ""):
         if s.strip() and _wanted(options.json_fields, key_path, key):
             pages.append(s.strip())
