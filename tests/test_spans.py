@@ -356,6 +356,23 @@ def test_span_scorer_caches_vectors_by_content() -> None:
     assert Counting.calls == 3  # "one", "two", then only "three"
 
 
+def test_stored_vectors_are_asked_by_index_row_id_only() -> None:
+    # Stored sentence vectors are an index's, keyed by its integer row ids: a caller's own string
+    # ids are never passed to ``stored`` (an index would look them up as rows), and each row id
+    # is asked once per scorer.
+    asked: list[list[int]] = []
+
+    def stored(ids: list[int]) -> dict[int, tuple[list[bytes], list[list[float]]]]:
+        asked.append(list(ids))
+        return {}
+
+    s = SpanScorer(HashEmbedder(dim=16), stored=stored)
+    cands = [Candidate(7, "Seven is a number.", 0.9), Candidate("mine", "Mine is a word.", 0.8)]
+    for _ in range(2):
+        select_spans("number", cands, budget_tokens=50, count_tokens=words, scorer=s)
+    assert asked == [[7]]
+
+
 # -- settings and errors ---------------------------------------------------------------------------
 
 

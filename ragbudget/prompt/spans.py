@@ -50,14 +50,17 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
 from ..errors import ConfigError
 from ..types import DEFAULT_PACK, PACKS, QUESTION_STOPWORDS, Source
 from .select import (
+    ChunkId,
     Dropped,
+    Retrieved,
     SelectedChunk,
     Selection,
+    Span,
     _check_options,
     _Item,
     _order,
@@ -68,8 +71,14 @@ from .select import (
 )
 from .sentences import NEEDS_PREVIOUS, needs_previous, sentence_digest, sentence_texts, split_sentences
 
-# The sentence names (split_sentences, needs_previous, sentence_digest...) were defined here until
-# ragbudget.prompt.sentences took them (issue #32): they resolve here too.
+if TYPE_CHECKING:  # numpy is imported where vectors are handled, not with the module
+    import numpy as np
+    import numpy.typing as npt
+
+    Vector = npt.NDArray[np.float32]
+
+# Span (a record of a Selection: select.py's) and the sentence names (split_sentences,
+# needs_previous, sentence_digest...) were defined here until issue #32: they resolve here too.
 __all__ = [
     "DEFAULT_PACK",
     "JOINER",
@@ -77,7 +86,9 @@ __all__ = [
     "NEEDS_PREVIOUS",
     "PACKS",
     "Span",
+    "SentenceEmbedder",
     "SpanScorer",
+    "VectorCache",
     "bm25",
     "needs_previous",
     "select_spans",
@@ -117,40 +128,6 @@ _MIN_REDUNDANCY_WORDS = 3
 _WORD = re.compile(r"\w+")
 # Question words that say nothing about where the answer is (as select's _QSTOP, plus a few).
 _STOP = QUESTION_STOPWORDS | {"he", "her", "his", "our", "she", "we"}
-
-
-@dataclass(frozen=True)
-class Span:
-    """One sentence (or list item) of a chunk, chosen for the context or left out.
-
-    ``start``/``end`` are offsets in the chunk's text (``chunk.text[start:end] == text``);
-    ``source`` is the same text's place in its file (offsets and page(s)). ``score`` is the
-    question's evidence for it (0–1), ``n_tokens`` its own count in the generator's tokens.
-    ``why``: ``question`` (chosen on its own evidence) or ``neighbour`` (kept for a chosen
-    sentence that needs it, see the module's neighbour rule); for a span left out,
-    ``over_budget``, ``redundant`` or ``duplicate``.
-    """
-
-    chunk_id: Any
-    start: int
-    end: int
-    text: str
-    score: float
-    n_tokens: int
-    source: Source | None = None
-    why: str = "question"
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "chunk_id": self.chunk_id,
-            "start": self.start,
-            "end": self.end,
-            "score": round(self.score, 6),
-            "n_tokens": self.n_tokens,
-            "why": self.why,
-            "source": self.source.to_dict() if self.source else None,
-            "text": self.text,
-        }
 
 
 def _stem(word: str) -> str:
@@ -198,6 +175,25 @@ def bm25(question: str, docs: Sequence[str], *, k1: float = 1.2, b: float = 0.75
     return out
 
 
+class SentenceEmbedder(Protocol):
+    """What :class:`SpanScorer` asks of an embedder: any
+    :class:`~ragbudget.retrieval.embed.Embedder` (retrieval sits above this package, so the two
+    methods are spelled out here). Vectors are unit length."""
+
+    def embed_query(self, text: str) -> Vector: ...
+
+    def embed_documents(self, texts: Sequence[str]) -> Vector: ...
+
+
+class VectorCache(Protocol):
+    """Sentence vectors kept across processes, by :func:`sentence_digest`: a
+    :class:`~ragbudget.retrieval.sentence_cache.SentenceCache`."""
+
+    def get(self, digests: Sequence[bytes]) -> Mapping[bytes, Vector]: ...
+
+    def put(self, vectors: Mapping[bytes, Vector]) -> object: ...
+
+
 class SpanScorer:
     """Dense evidence for sentences: cosine to the question with ``embedder`` (any
     :class:`~ragbudget.retrieval.embed.Embedder`), the sentences embedded in one batch per question and
@@ -223,15 +219,15 @@ class SpanScorer:
 
     def __init__(
         self,
-        embedder: Any,
+        embedder: SentenceEmbedder | None,
         *,
         cache_size: int = 50_000,
-        stored: Callable[[Sequence[Any]], Mapping[Any, tuple[Sequence[bytes], Any]]] | None = None,
-        persist: Any = None,
+        stored: Callable[[list[int]], Mapping[int, tuple[Sequence[bytes], npt.ArrayLike]]] | None = None,
+        persist: VectorCache | None = None,
     ) -> None:
         if embedder is None:
             raise ConfigError("SpanScorer needs an embedder (e.g. the index's own: Index.embedder)")
-        self.embedder = embedder
+        self.embedder: SentenceEmbedder = embedder
         self.cache_size = int(cache_size)
         self.stored = stored
         #: Vectors kept across processes (a :class:`~ragbudget.retrieval.sentence_cache.SentenceCache`:
@@ -243,10 +239,10 @@ class SpanScorer:
         self.embedded = 0
         #: Sentences found in ``persist`` instead of being embedded.
         self.persisted = 0
-        self._cache: OrderedDict[bytes, Any] = OrderedDict()
+        self._cache: OrderedDict[bytes, Vector] = OrderedDict()
         # Chunk ids already asked of ``stored`` (cleared when the cache evicts: their vectors may
         # be gone, so they are asked again rather than embedded).
-        self._asked: set[Any] = set()
+        self._asked: set[int] = set()
         self._lock = threading.Lock()
 
     @property
@@ -254,15 +250,17 @@ class SpanScorer:
         """Vectors held."""
         return len(self._cache)
 
-    def preload(self, chunk_ids: Iterable[Any]) -> int:
+    def preload(self, chunk_ids: Iterable[ChunkId]) -> int:
         """Take the sentence vectors of ``chunk_ids`` from ``stored`` into the cache (one lookup
-        per chunk per scorer); returns how many vectors came in. No ``stored``: nothing."""
+        per chunk per scorer); returns how many vectors came in. No ``stored``: nothing. Stored
+        vectors are an index's, by its integer row ids: a caller's own (string) ids are never
+        asked."""
         import numpy as np
 
         if self.stored is None:
             return 0
         with self._lock:
-            ids = [i for i in dict.fromkeys(chunk_ids) if i not in self._asked]
+            ids = [i for i in dict.fromkeys(chunk_ids) if isinstance(i, int) and i not in self._asked]
         if not ids:
             return 0
         got = self.stored(ids)
@@ -285,7 +283,7 @@ class SpanScorer:
                 self._cache.popitem(last=False)
             self._asked.clear()
 
-    def remember_query(self, question: str, vector: Any) -> None:
+    def remember_query(self, question: str, vector: npt.ArrayLike) -> None:
         """Keep ``question``'s vector, embedded by the caller with the same embedder (the search's
         query vector), so :meth:`similarities` does not embed the question again."""
         import numpy as np
@@ -357,23 +355,23 @@ class _Unit:
 
 def select_spans(
     question: str,
-    candidates: Iterable[Any],
+    candidates: Iterable[Retrieved],
     *,
     budget_tokens: int,
     count_tokens: Callable[[str], int],
-    chunk_overhead: int | Callable[[Any], int] = 0,
+    chunk_overhead: int | Callable[[SelectedChunk], int] = 0,
     scorer: SpanScorer | None = None,
     pool: float = DEFAULT_POOL,
     max_chunks: int = 12,
     weights: tuple[float, float, float] = (_W_DENSE, _W_LEXICAL, _W_CHUNK),
-    prime: Callable[[Sequence[str]], Any] | None = None,
+    prime: Callable[[Sequence[str]], object] | None = None,
     lambda_: float = 0.7,
     temperature: float = 0.02,
     order: str = "relevance",
     min_score: float | None = None,
     relevance_floor: float = 0.0,
     redundancy: float = 0.9,
-    similarity: Callable[[Any, Any], float] | None = None,
+    similarity: Callable[[SelectedChunk, SelectedChunk], float] | None = None,
     truncate_oversize: bool = True,
 ) -> Selection:
     """Pack the question's sentences from the best ``candidates`` under a hard token cap.
@@ -478,7 +476,7 @@ def select_spans(
 def _units(
     chunks: Sequence[_Item],
     count_tokens: Callable[[str], int],
-    prime: Callable[[Sequence[str]], Any] | None,
+    prime: Callable[[Sequence[str]], object] | None,
 ) -> list[_Unit]:
     """Every chunk's sentences with their neighbour dependencies; a sentence repeated from a better
     chunk (chunk overlap, quoted text) is marked ``duplicate`` and never packed."""
@@ -566,7 +564,7 @@ def _pack(
     chunks: Sequence[_Item],
     budget: int,
     count_tokens: Callable[[str], int],
-    overhead_of: Callable[[Any], int],
+    overhead_of: Callable[[SelectedChunk], int],
     lambda_: float,
     redundancy: float,
 ) -> dict[int, set[int]]:
@@ -624,7 +622,7 @@ def _containment(a: frozenset[str], b: frozenset[str]) -> float:
 
 
 def _passage(
-    it: _Item, units: Sequence[_Unit], count_tokens: Callable[[str], int], overhead_of: Callable[[Any], int]
+    it: _Item, units: Sequence[_Unit], count_tokens: Callable[[str], int], overhead_of: Callable[[SelectedChunk], int]
 ) -> SelectedChunk:
     """The passage of chunk ``it`` holding ``units`` (document order): consecutive units as the
     chunk has them, runs joined by :data:`JOINER`; counted exactly, label included."""
