@@ -253,7 +253,7 @@ def test_chunk_texts_matches_chunk_text() -> None:
 _PROCESS_CHECK = """
 import json, sys
 import multiprocessing as mp
-from ragbudget import chunking
+from ragbudget.input import chunking
 from ragbudget.input.chunking import chunk_text, chunk_texts
 
 method = sys.argv[1]
