@@ -766,7 +766,9 @@ def dedup(
         if near:
             hits = index._query(sigs[i], band_keys[i])
             if hits:
-                rep = int(hits[0][0])  # type: ignore[call-overload]
+                # The index holds only this call's keys: the positions ``i`` this loop inserts.
+                rep = hits[0][0]
+                assert isinstance(rep, int)
                 rep_of[i] = rep
                 sim_of[rep] = min(sim_of.get(rep, 1.0), hits[0][1])
                 near_n += 1

@@ -11,11 +11,14 @@ import fnmatch
 import json
 import re
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ...errors import LoadError
 from ..decode import decode_bytes
 from ._base import Loaded, LoadOptions
+
+if TYPE_CHECKING:  # the type csv.reader returns (its line_num is read on errors)
+    from _csv import Reader
 
 __all__ = ["MAX_FIELD_CHARS", "ROWS_PER_PAGE", "read_csv", "read_json", "read_jsonl"]
 
@@ -72,7 +75,7 @@ def read_csv(data: bytes, path: str, *, options: LoadOptions, max_bytes: int, fm
     )
 
 
-def _rows(reader: Iterator[list[str]], path: str) -> Iterator[list[str]]:
+def _rows(reader: Reader, path: str) -> Iterator[list[str]]:
     while True:
         try:
             row = next(reader)
@@ -81,13 +84,13 @@ def _rows(reader: Iterator[list[str]], path: str) -> Iterator[list[str]]:
         except csv.Error as exc:
             if "field larger than field limit" in str(exc):
                 raise LoadError(
-                    f"{path}: a field is over {MAX_FIELD_CHARS} characters (line {reader.line_num}): "  # type: ignore[attr-defined]
+                    f"{path}: a field is over {MAX_FIELD_CHARS} characters (line {reader.line_num}): "
                     "a blob, not a table cell; skipped",
                     path=path,
                     reason="too_large",
                 ) from exc
             raise LoadError(
-                f"{path}: damaged CSV at line {reader.line_num} ({exc})",  # type: ignore[attr-defined]
+                f"{path}: damaged CSV at line {reader.line_num} ({exc})",
                 path=path,
                 reason="malformed",
             ) from exc
