@@ -93,6 +93,7 @@ __all__ = [
     "MemoryModel",
     "Reservation",
     "Throughput",
+    "Ticket",
     "simulate",
 ]
 
@@ -445,9 +446,16 @@ class AdmissionStats:
         return out
 
 
-class _Waiter:
+class Ticket:
+    """A request's place at the controller, from :meth:`AdmissionController.enqueue`: admitted at
+    once (:attr:`granted`) or waiting in the FIFO queue. :meth:`wait` waits for its turn and
+    :meth:`reservation` is what it holds once admitted. :meth:`AdmissionController.acquire` is
+    ``enqueue`` then ``wait``; a caller that holds several places from one thread (a simulation,
+    a test of the queue's order) uses the two halves itself."""
+
     __slots__ = (
         "arrived",
+        "controller",
         "cost",
         "event",
         "future",
@@ -458,9 +466,20 @@ class _Waiter:
         "prompt_tokens",
         "returning",
         "tokens",
+        "_held",
     )
 
-    def __init__(self, tokens: int, prompt_tokens: int, cost: int, job: _Job | None, pool: int = 0) -> None:
+    def __init__(
+        self,
+        tokens: int,
+        prompt_tokens: int,
+        cost: int,
+        job: _Job | None,
+        pool: int = 0,
+        *,
+        controller: AdmissionController | None = None,
+    ) -> None:
+        self.controller = controller
         self.tokens = tokens
         self.prompt_tokens = prompt_tokens
         self.cost = cost
@@ -472,6 +491,43 @@ class _Waiter:
         self.arrived = float("-inf")  # the controller's clock when it was queued
         self.loop: asyncio.AbstractEventLoop | None = None
         self.future: asyncio.Future[None] | None = None
+        self._held: Reservation | None = None
+
+    def _owner(self) -> AdmissionController:
+        if self.controller is None:  # pragma: no cover - only enqueue's tickets are handed out
+            raise ConfigError("this ticket was not made by AdmissionController.enqueue(); it holds no place")
+        return self.controller
+
+    @property
+    def max_wait(self) -> float | None:
+        """Seconds :meth:`wait` waits by default: the queue time-out, or for a returning client
+        (one that claimed a refusal's promise) :attr:`AdmissionController.return_wait`."""
+        return self._owner()._wait_for(self, None)
+
+    def reservation(self) -> Reservation:
+        """What this admitted request holds (the same :class:`Reservation` on every call;
+        ``release()`` it when done). Raises :class:`~ragbudget.errors.ConfigError` while it is
+        still queued: :meth:`wait` for it first."""
+        if not self.granted:
+            raise ConfigError(
+                f"this request for {self.tokens} KV-cache tokens is still queued, so it holds no "
+                "reservation yet; call wait() (or use acquire()) to wait for its turn"
+            )
+        if self._held is None:
+            self._held = Reservation(self._owner(), self.tokens, nbytes=self.cost, job=self.job, pool=self.pool)
+        return self._held
+
+    def wait(self, timeout: float | None = None) -> Reservation:
+        """Wait up to ``timeout`` seconds (default :attr:`max_wait`) for its turn and return its
+        :class:`Reservation`; past that, leave the queue and raise
+        :class:`~ragbudget.errors.OverloadedError` with a ``retry_after`` (its return kept a
+        place, as :meth:`AdmissionController.acquire` does)."""
+        if self.granted:
+            return self.reservation()
+        ctl = self._owner()
+        wait = ctl._wait_for(self, timeout)
+        self.event.wait(wait)
+        return ctl._finish_wait(self, wait)
 
 
 class Reservation:
@@ -521,7 +577,7 @@ def _resolve(fut: asyncio.Future[None]) -> None:
         fut.set_result(None)
 
 
-def _claimed(waiter: _Waiter) -> None:
+def _claimed(waiter: Ticket) -> None:
     """Tell the caller (``returning(on_claim=)``) that ``waiter`` claimed its place and waits."""
     callback = _ON_CLAIM.get()
     if waiter.returning and callback is not None:
@@ -589,7 +645,7 @@ class AdmissionController:
         self.ttft_target = ttft_target
         self._clock = clock
         self._lock = threading.Lock()
-        self._queue: collections.deque[_Waiter] = collections.deque()
+        self._queue: collections.deque[Ticket] = collections.deque()
         self._running_jobs: list[_Job] = []
         self._promises: list[_Promise] = []
         self._admitted = 0
@@ -697,6 +753,39 @@ class AdmissionController:
                 slowdown=(round(self.throughput.slowdown, 3) if self.throughput is not None else None),
             )
 
+    def enqueue(self, tokens: int, *, prompt_tokens: int | None = None) -> Ticket:
+        """Take a place for ``tokens`` (``prompt_tokens`` of prompt; default: all) without
+        waiting: admitted at once when nothing waits and it fits (``ticket.granted``), else
+        queued — or refused at once, as :meth:`acquire` refuses it (``OverloadedError``: a full
+        queue, or a first token past the time-out; ``BudgetError``: more than the whole
+        capacity). The :class:`Ticket`'s ``wait()`` then waits for its turn.
+
+        >>> ctl = AdmissionController(1000, timeout=0.01)
+        >>> first, second = ctl.enqueue(800), ctl.enqueue(800)
+        >>> first.granted, second.granted, ctl.stats().queued
+        (True, False, 1)
+        >>> first.reservation().release()
+        >>> second.granted
+        True
+        """
+        return self._enqueue(tokens, prompt_tokens)
+
+    def promises(self) -> list[tuple[str | None, float]]:
+        """The refusals still expected back, earliest first: each one's key (see
+        :meth:`returning`; ``None`` for an unkeyed one) and the controller's clock time it was
+        told to come back at. Lapsed ones (past their grace) are dropped first."""
+        with self._lock:
+            self._prune_promises_locked(self._clock())
+            return [(p.key, p.due) for p in sorted(self._promises, key=lambda p: p.due)]
+
+    @property
+    def answer_share(self) -> float:
+        """The share of ``max_new_tokens`` that finished answers generated (a moving average
+        from 1, the worst case, until answers are seen): the decode work the time model expects
+        of a request (memory still reserves its whole ``max_new_tokens``)."""
+        with self._lock:
+            return self._answer_share
+
     def acquire(
         self,
         tokens: int,
@@ -711,7 +800,7 @@ class AdmissionController:
         Setting ``cancel`` while waiting leaves the queue at once (within
         ``CANCEL_POLL_S``) and raises :class:`~ragbudget.errors.RequestCancelled`: a client
         that went away must not keep its place, nor keep its thread until the timeout."""
-        waiter = self._enqueue(tokens, prompt_tokens)
+        waiter = self.enqueue(tokens, prompt_tokens=prompt_tokens)
         if waiter.granted:
             return self._reservation(waiter)
         _claimed(waiter)
@@ -813,7 +902,7 @@ class AdmissionController:
             job = self._job(tokens, prompt, cost, pool)
             if job is None:
                 return None
-            if not self._queue and self._may_start_locked(_Waiter(tokens, prompt, cost, job, pool)):
+            if not self._queue and self._may_start_locked(Ticket(tokens, prompt, cost, job, pool)):
                 return None  # it would start at once, as acquire starts it: never refused idle
             expected = self._first_token_locked(job)
             if expected <= self.timeout:
@@ -900,7 +989,7 @@ class AdmissionController:
         grace = max(self.RETURN_LATE_S, self.timeout if self.timeout is not None else 0.0)
         self._promises = [p for p in self._promises if max(p.due + grace, p.held_until) > now]
 
-    def _wait_for(self, waiter: _Waiter, timeout: float | None) -> float:
+    def _wait_for(self, waiter: Ticket, timeout: float | None) -> float:
         """Seconds ``waiter`` may wait: ``timeout`` when given, else the queue time-out — or, for
         a returning client, :attr:`return_wait`."""
         if timeout is not None:
@@ -910,8 +999,8 @@ class AdmissionController:
         return self.timeout
 
     # -- internals ----------------------------------------------------------------------------
-    def _reservation(self, waiter: _Waiter) -> Reservation:
-        return Reservation(self, waiter.tokens, nbytes=waiter.cost, job=waiter.job, pool=waiter.pool)
+    def _reservation(self, waiter: Ticket) -> Reservation:
+        return waiter.reservation()
 
     def _pool(self, tokens: int) -> int:
         """Tokens of the KV pool a request of ``tokens`` holds (0 without a pool)."""
@@ -939,7 +1028,7 @@ class AdmissionController:
             new_max=new,
         )
 
-    def _may_start_locked(self, waiter: _Waiter) -> bool:
+    def _may_start_locked(self, waiter: Ticket) -> bool:
         """The start rule for ``waiter`` now: both resources fit, and time (see the module)."""
         probe = waiter.job or _Job(prefill=0, decode=0, cost=waiter.cost, tokens=waiter.pool)
         return _may_start(
@@ -1048,9 +1137,7 @@ class AdmissionController:
         )
         return first[-1] - now
 
-    def _enqueue(
-        self, tokens: int, prompt_tokens: int | None, loop: asyncio.AbstractEventLoop | None = None
-    ) -> _Waiter:
+    def _enqueue(self, tokens: int, prompt_tokens: int | None, loop: asyncio.AbstractEventLoop | None = None) -> Ticket:
         tokens = int(tokens)
         if tokens < 0:
             raise ConfigError(f"cannot reserve a negative number of tokens ({tokens})")
@@ -1094,7 +1181,7 @@ class AdmissionController:
         with self._lock:
             self._advance_locked()
             job = self._job(tokens, prompt, cost, pool)
-            waiter = _Waiter(tokens, prompt, cost, job, pool)
+            waiter = Ticket(tokens, prompt, cost, job, pool, controller=self)
             promise = self._promise_for_locked(_RETURNING.get())
             if promise is not None:  # a client back when it was told: its promise is kept
                 self._promises.remove(promise)
@@ -1136,7 +1223,7 @@ class AdmissionController:
     def _admitted_cost_locked(self) -> int:
         return self._admitted_bytes if self.memory is not None else self._admitted
 
-    def _grant(self, waiter: _Waiter) -> None:
+    def _grant(self, waiter: Ticket) -> None:
         # Called with the lock held.
         waiter.granted = True
         self._admitted += waiter.tokens
@@ -1161,7 +1248,7 @@ class AdmissionController:
                 break
             self._grant(self._queue.popleft())
 
-    def _abandon(self, waiter: _Waiter) -> bool:
+    def _abandon(self, waiter: Ticket) -> bool:
         """Take ``waiter`` out of the queue; True when it had been granted meanwhile."""
         with self._lock:
             if waiter.granted:
@@ -1172,7 +1259,7 @@ class AdmissionController:
             self._admit_locked()
             return False
 
-    def _finish_wait(self, waiter: _Waiter, wait: float | None) -> Reservation:
+    def _finish_wait(self, waiter: Ticket, wait: float | None) -> Reservation:
         if self._abandon(waiter):
             return self._reservation(waiter)
         with self._lock:
