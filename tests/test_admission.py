@@ -428,6 +428,7 @@ def test_would_refuse_looks_without_changing_anything() -> None:
     assert ctl.would_refuse(1100, prompt_tokens=1000, refuse=True) == 4.0
 
 
+@pytest.mark.model
 def test_a_speed_measured_on_a_busy_host_is_measured_again_once_idle(tmp_path, monkeypatch) -> None:
     """A server that warmed up on a busy host must not keep that slow speed (its time cap and its
     Retry-After) for life: once the host and the pipeline are idle it measures again."""

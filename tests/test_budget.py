@@ -107,6 +107,7 @@ def test_weights_sources(tmp_path):
     assert r.weights_bytes == 200 and r.weights_source == "safetensors headers"
 
 
+@pytest.mark.model
 def test_loaded_model_weights():
     torch = pytest.importorskip("torch")
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -290,6 +291,7 @@ PARAM_CASES = {
 }
 
 
+@pytest.mark.model
 @pytest.mark.parametrize("mt", list(PARAM_CASES))
 @pytest.mark.parametrize("tied", [False, True])
 def test_count_parameters_exact(mt, tied):
@@ -338,6 +340,7 @@ RECURRENT_CASES = {
 }
 
 
+@pytest.mark.model
 @pytest.mark.parametrize("mt", list(RECURRENT_CASES))
 def test_recurrent_models_are_counted_and_planned(mt):
     """Mamba/hybrid mixers are counted by building the model on the meta device (exact), and
@@ -378,6 +381,7 @@ def test_gpu_validate_dry_run(gpu_validate, tmp_path, monkeypatch, capsys):
     assert p["predicted"] == p["weights"] + p["activations"] + p["kv_peak"]
 
 
+@pytest.mark.model
 def test_gpu_validate_cpu_dry_run_measures_exact_cache(gpu_validate, tmp_path, monkeypatch, capsys):
     """`--device cpu --quick`: tiny versions of the same architectures go through build, generate
     and the cache-bytes check, and the table and JSON come out."""
@@ -434,6 +438,7 @@ def test_memory_error_names_memory_and_its_token_number() -> None:
     assert "GiB" in str(e.value) and "usable" in str(e.value)
 
 
+@pytest.mark.model
 def test_prefill_speed_is_measured_once_and_turns_seconds_into_tokens(tmp_path, monkeypatch) -> None:
     from _tiny_lm import tiny_model
 
@@ -461,6 +466,7 @@ def test_prefill_speed_is_measured_once_and_turns_seconds_into_tokens(tmp_path, 
     assert context_tokens_for_time(fit, 1.0) < n and context_tokens_for_time(fit, 0) == 0
 
 
+@pytest.mark.model
 def test_prefill_measured_on_a_busy_host_is_measured_again_when_idle(tmp_path, monkeypatch) -> None:
     """A first probe taken while other work shared the cores must not cap every later request:
     it is provisional, re-measured once the host is idle, and the faster measurement is kept."""

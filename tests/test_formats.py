@@ -182,7 +182,7 @@ def test_scanned_pdf_pages_are_reported_not_silently_empty(tmp_path):
     assert err.reason == "empty" and "no text layer on any of its 2 page(s)" in str(err) and "--ocr" in str(err)
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_ocr_reads_the_scanned_pages():
     pytest.importorskip("pytesseract")
     if shutil.which("tesseract") is None:

@@ -302,7 +302,7 @@ def test_generator_is_lazy() -> None:
     assert "not loaded" in repr(g) and g._model is None
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_smollm2_short_capped_answer() -> None:
     gen = Generator()
     hits = [

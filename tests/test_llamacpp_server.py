@@ -21,7 +21,7 @@ from ragbudget.backend import Backend, per_request_tokens
 from ragbudget.engines import connect
 from ragbudget.errors import EngineContextError
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(BINARY is None, reason=SKIP_REASON)]
+pytestmark = [pytest.mark.engine, pytest.mark.skipif(BINARY is None, reason=SKIP_REASON)]
 
 
 @pytest.fixture()

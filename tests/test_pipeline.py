@@ -439,6 +439,7 @@ def test_relevance_floor_stops_the_context_where_passages_stop_helping(indexed: 
     assert floor_out and not floor_out & {cid for c in spans.chunks for cid in c.chunk_ids}
 
 
+@pytest.mark.model
 def test_the_pipeline_records_the_generators_measured_peak(
     indexed: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
