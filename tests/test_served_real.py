@@ -7,6 +7,7 @@ embedder, so only the engine is real."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -15,7 +16,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-from _fakes import stop_server
 from _llama import BINARY, SKIP_REASON, free_port
 
 from ragbudget import Pipeline
@@ -93,38 +93,42 @@ def test_cli_ask_and_budget_with_engine(index_dir: Path, llama_server: str) -> N
 
 
 @pytest.fixture(scope="module")
-def gateway(index_dir: Path, llama_server: str) -> Iterator[str]:
+def gateway(index_dir: Path, llama_server: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """``ragbudget serve --engine`` in front of the llama-server, on a free loopback port."""
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "ragbudget",
-            "-v",
-            "serve",
-            "--engine",
-            llama_server,
-            "--index-dir",
-            str(index_dir),
-            "--port",
-            str(port),
-            "--max-new-tokens",
-            "32",
-        ],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    # Its log goes to a file, not a pipe: `-v` logs every request, and a pipe read only at the
+    # end fills (64 KiB) and blocks the server in a write mid-request (a client then waits for
+    # its answer until its own time-out, 10 minutes for the openai client).
+    log = tmp_path_factory.mktemp("gateway") / "serve.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "ragbudget",
+                "-v",
+                "serve",
+                "--engine",
+                llama_server,
+                "--index-dir",
+                str(index_dir),
+                "--port",
+                str(port),
+                "--max-new-tokens",
+                "32",
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=out,
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + 120
         while True:
             if proc.poll() is not None:
-                pytest.fail(f"serve --engine exited {proc.returncode}: {proc.communicate()[1][-2000:]}")
+                pytest.fail(f"serve --engine exited {proc.returncode}: {log.read_text(errors='replace')[-2000:]}")
             try:
                 if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                     break
@@ -135,7 +139,14 @@ def gateway(index_dir: Path, llama_server: str) -> Iterator[str]:
             time.sleep(0.5)
         yield url
     finally:
-        err = stop_server(proc)
+        # Stopped the way a user does: Ctrl-C, then a kill after 20 s.
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        err = log.read_text(errors="replace")
         assert "Traceback" not in err, err[-2000:]
 
 
