@@ -245,7 +245,8 @@ def part_speed(n_articles: int, rounds: int) -> dict:
     corpus_info = write_corpus(tmp / "corpus", n_articles)
     print("corpus", {k: v for k, v in corpus_info.items() if k != "articles"}, flush=True)
     # The one-off ONNX exports, cached before the timed runs.
-    from ragbudget.embed import SentenceTransformerEmbedder, _cache_root, _model_digest
+    from ragbudget.embed import SentenceTransformerEmbedder
+    from ragbudget.encoders import _cache_root, _model_digest
 
     export = {}
     cache = Path(_cache_root()) / _model_digest(model_path())

@@ -1,8 +1,9 @@
 """``bench/load.py --defaults``: the default ``ragbudget serve`` under a burst (issue #14).
 
 Indexes six man pages from ``../shared/data/manpages`` into a temporary index, starts ``python -m
-ragbudget.cli serve`` with no tuning flags (packaged models, the plan and admission a user gets),
-then fires bursts of concurrent chat completions with the official ``openai`` client (600 s
+ragbudget.cli serve`` with no tuning flags (packaged models, the plan and admission a user gets;
+``--expose-plan`` only so that ``/health`` shows the bytes admission holds, which the RSS is
+compared with), then fires bursts of concurrent chat completions with the official ``openai`` client (600 s
 time-out, no client retries; each client from its own loopback address, as separate users are: six
 questions repeat among them, and the server tells identical bodies apart by caller). Each client
 that gets a 429 sleeps its ``Retry-After`` and tries once more; whether that second try gets a 200
@@ -234,7 +235,7 @@ def main(bursts: tuple[int, ...] = (32, 64), max_tokens: int | None = None, on_b
             port = s.getsockname()[1]
         log = open(Path(tmp) / "serve.log", "w")  # noqa: SIM115 - the server's stdout for its whole life
         server = subprocess.Popen(
-            [py, "-m", "ragbudget.cli", "serve", "--index-dir", str(index), "--port", str(port)],
+            [py, "-m", "ragbudget.cli", "serve", "--index-dir", str(index), "--port", str(port), "--expose-plan"],
             cwd=ROOT,
             env=env,
             stdout=log,

@@ -48,6 +48,7 @@ _EXPORTS: dict[str, str] = {
     "EngineResponseError": "errors",
     "EngineContextError": "errors",
     "EngineOverloadedError": "errors",
+    "EngineTimeoutError": "errors",
     "ExecutorError": "errors",
     # settings records
     "RetrievalSettings": "settings",
@@ -142,6 +143,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
         EngineError as EngineError,
         EngineOverloadedError as EngineOverloadedError,
         EngineResponseError as EngineResponseError,
+        EngineTimeoutError as EngineTimeoutError,
         ExecutorError as ExecutorError,
         IndexCorruptError as IndexCorruptError,
         IndexEmptyError as IndexEmptyError,

@@ -571,6 +571,14 @@ class Reservation:
         self.release()
 
 
+def _behind(sent_back: int) -> str:
+    """What a time refusal's Retry-After also waits for: the clients sent back before it, who
+    come first (so it says more than the first token's excess over the time-out)."""
+    if not sent_back:
+        return ""
+    return f"; it comes back behind the {sent_back} client(s) told to come back before it"
+
+
 def _resolve(fut: asyncio.Future[None]) -> None:
     """Wake an async waiter (in its loop), unless it already left."""
     if not fut.done():
@@ -663,6 +671,8 @@ class AdmissionController:
         # The share of max_new_tokens finished answers generated (EWMA, from 1: the worst case
         # until answers are seen): the expected decode work of a request (see _job).
         self._answer_share = 1.0
+        # Observations of the speed in use (observe: the first ones are provisional).
+        self._observed = 0
 
     def configure(
         self,
@@ -679,6 +689,7 @@ class AdmissionController:
                 self.memory = memory
             if throughput is not None:
                 self.throughput = throughput
+                self._observed = 0  # a new measurement: provisional again (observe)
             self.ttft_target = ttft_target if ttft_target and ttft_target > 0 else None
             self._admit_locked()
 
@@ -1066,13 +1077,21 @@ class AdmissionController:
     #: How far one observation moves the learnt slowdown (in log space), and its bounds.
     OBSERVE_WEIGHT = 0.5
     SLOWDOWN_RANGE = (0.1, 100.0)
+    #: Observations during which a speed is provisional (see :meth:`observe`).
+    PROVISIONAL_OBSERVATIONS = 3
 
     def observe(self, slowdown: float) -> None:
         """Learn from one request: ``slowdown`` is the wall time it took over what the measured
         speed says (above 1: the host runs slower than measured). The throughput's ``slowdown``
         moves that way in log space by ``OBSERVE_WEIGHT`` (bounded by ``SLOWDOWN_RANGE``), so a
         host that got busy after the measurement — or idle again — is followed within a few
-        requests."""
+        requests.
+
+        A speed just measured (a new throughput, :meth:`configure`) is provisional for its first
+        ``PROVISIONAL_OBSERVATIONS`` observations: each one slower than the model is taken whole,
+        the slower of the two standing. The warm-up probe times bare forward passes of the model
+        alone, and real requests have run 7-8 times slower than it (issue #30): blending that in
+        by halves would admit the first requests on a speed the host cannot give."""
         with self._lock:
             self._observe_locked(slowdown)
 
@@ -1081,8 +1100,12 @@ class AdmissionController:
         if thr is None or not (sample > 0 and math.isfinite(sample)):
             return
         lo, hi = self.SLOWDOWN_RANGE
-        w = self.OBSERVE_WEIGHT
-        slow = min(hi, max(lo, thr.slowdown ** (1 - w) * sample**w))
+        if self._observed < self.PROVISIONAL_OBSERVATIONS:
+            slow = min(hi, max(lo, thr.slowdown, sample))
+        else:
+            w = self.OBSERVE_WEIGHT
+            slow = min(hi, max(lo, thr.slowdown ** (1 - w) * sample**w))
+        self._observed += 1
         self.throughput = dataclasses.replace(thr, slowdown=slow)
 
     def _observe_job(self, job: _Job | None, *, done: int | None) -> None:
@@ -1198,19 +1221,19 @@ class AdmissionController:
                 retry = self._retry_after_locked(job)
                 self._promise_locked(job, retry)
                 raise OverloadedError(
-                    f"{len(self._queue)} requests already wait for KV-cache space "
-                    f"(queue limit {self.max_queue}); retry later",
+                    f"{len(self._queue)} requests already wait for KV-cache space (queue limit {self.max_queue})",
                     retry_after=retry,
                 )
             if job is not None and self.timeout is not None and not waiter.returning:
                 expected = self._first_token_locked(job)
                 if expected > self.timeout:
+                    sent_back = len(self._promises)
                     retry = self._refuse_for_time_locked(job)
                     raise OverloadedError(
                         f"the first token would come in about {expected:.{1 if expected < 10 else 0}f} s (work already "
                         f"running and queued at the measured speed: {self._running} running, "
-                        f"{len(self._queue)} queued), past the queue time-out of "
-                        f"{self.timeout:g} s; retry after {retry:.0f} s",
+                        f"{len(self._queue)} queued), past the queue time-out of {self.timeout:g} s"
+                        + _behind(sent_back),
                         retry_after=retry,
                     )
             if loop is not None:
@@ -1275,7 +1298,7 @@ class AdmissionController:
         if self.token_capacity is not None:
             held += f", {self._admitted_pool} of the paged cache's {self.token_capacity} tokens"
         raise OverloadedError(
-            f"waited {wait:.1f}s for {waiter.tokens} KV-cache tokens ({held}); retry later or raise the timeout",
+            f"waited {wait:.1f}s for {waiter.tokens} KV-cache tokens ({held}), the queue time-out",
             retry_after=retry,
         )
 

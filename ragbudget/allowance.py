@@ -26,10 +26,26 @@ __all__ = [
     "EnginePlan",
     "engine_admission",
     "memory_max_prompt",
+    "model_name",
     "prompt_room",
     "question_too_long",
     "time_cap",
 ]
+
+
+def model_name(model_id: str) -> str:
+    """A model id as shown to people and clients: a hub id (``org/name``) as is, a local path
+    by its file or folder name — llama-server names its model by the GGUF's absolute path,
+    which says where the operator keeps files and nothing about the model.
+
+    >>> model_name("/srv/models/SmolLM2-135M-Instruct-Q4_1.gguf"), model_name("Qwen/Qwen3-8B")
+    ('SmolLM2-135M-Instruct-Q4_1.gguf', 'Qwen/Qwen3-8B')
+    """
+    import os
+
+    if os.path.isabs(model_id) or model_id.startswith(".") or "\\" in model_id:
+        return os.path.basename(model_id.rstrip("/\\").replace("\\", "/")) or model_id
+    return model_id
 
 
 @dataclass(frozen=True)
@@ -38,7 +54,8 @@ class EnginePlan:
     with its source and age) and what :func:`~ragbudget.backend.per_request_tokens` made of it
     (``budget``: the context tokens, and which limit binds). What :class:`Pipeline` plans with
     when it generates on an engine, where the local path has a
-    :class:`~ragbudget.budget.BudgetPlan`."""
+    :class:`~ragbudget.budget.BudgetPlan`. ``model`` is the served model's name as shown
+    (:func:`model_name`: a local path by its file name)."""
 
     capacity: Capacity
     budget: RequestBudget

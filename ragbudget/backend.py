@@ -52,6 +52,7 @@ import hashlib
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -136,8 +137,11 @@ class Capacity:
     ``max_prompt_tokens`` — a separate cap on the prompt where the engine has one (TGI's
     ``max_input_tokens``, SGLang's ``max_req_input_len``);
     ``kv_tokens_total`` / ``kv_tokens_free`` — the KV cache in tokens, all and now free;
-    ``running`` / ``waiting`` — requests in the engine now; ``max_concurrent`` — its request cap.
-    ``None`` means the engine does not say. ``measured_at`` is ``time.time()`` of the reading;
+    ``running`` / ``waiting`` — requests in the engine now; ``max_concurrent`` — its request cap;
+    ``slot_tokens`` — the KV tokens every request holds whatever its length, on an engine that
+    gives each request a fixed slot (llama.cpp's ``-np``: one slot's ``n_ctx``), which admission
+    then reserves per request. ``None`` means the engine does not say (or has no such slots).
+    ``measured_at`` is ``time.time()`` of the reading;
     the ``*_source`` strings name the route and field (``"GET /props n_ctx"``).
     """
 
@@ -148,6 +152,7 @@ class Capacity:
     running: int | None = None
     waiting: int | None = None
     max_concurrent: int | None = None
+    slot_tokens: int | None = None
     max_context_source: str = ""
     max_prompt_source: str = ""
     kv_total_source: str = ""
@@ -316,20 +321,39 @@ class CountCache(Protocol):
 
 
 class MemoryCountCache:
-    """A thread-safe in-memory :class:`CountCache` (counts live as long as the object)."""
+    """A thread-safe in-memory :class:`CountCache` of at most ``max_entries`` counts, the least
+    recently used given up first (a server that runs for weeks does not grow for ever).
 
-    def __init__(self) -> None:
-        self._data: dict[tuple[str, str], int] = {}
+    >>> c = MemoryCountCache(max_entries=2)
+    >>> c.put_many("m", {"a": 1, "b": 2}); _ = c.get_many("m", ["a"]); c.put_many("m", {"c": 3})
+    >>> sorted(c.get_many("m", ["a", "b", "c"]))
+    ['a', 'c']
+    """
+
+    def __init__(self, max_entries: int = 1_000_000) -> None:
+        if max_entries < 1:
+            raise ConfigError(f"max_entries must be >= 1; got {max_entries}")
+        self.max_entries = max_entries
+        self._data: OrderedDict[tuple[str, str], int] = OrderedDict()
         self._lock = threading.Lock()
 
     def get_many(self, model_id: str, digests: Sequence[str]) -> dict[str, int]:
+        out: dict[str, int] = {}
         with self._lock:
-            return {d: self._data[(model_id, d)] for d in digests if (model_id, d) in self._data}
+            for d in digests:
+                n = self._data.get((model_id, d))
+                if n is not None:
+                    self._data.move_to_end((model_id, d))
+                    out[d] = n
+        return out
 
     def put_many(self, model_id: str, counts: Mapping[str, int]) -> None:
         with self._lock:
             for d, n in counts.items():
                 self._data[(model_id, d)] = int(n)
+                self._data.move_to_end((model_id, d))
+            while len(self._data) > self.max_entries:
+                self._data.popitem(last=False)
 
     def __len__(self) -> int:
         return len(self._data)

@@ -10,9 +10,13 @@ calling it at once (the server's) are batched without knowing it.
 What stays per request:
 
 * ``max_new_tokens`` and EOS — the manager's own per-request limits;
-* stop strings — checked here on the decoded text after each token; the first one ends the
-  answer (``finish_reason="stop"``, the text cut before it) and the request is cancelled in the
-  manager, which frees its blocks at its next step;
+* stop strings, and a line produced three times in a row
+  (:data:`~ragbudget.generate.REPEATED_LINE_STOP`) — checked here on the decoded text after each
+  token; the first one ends the answer (``finish_reason="stop"``, the text cut before it, a
+  repeated line kept once) and the request is cancelled in the manager, which frees its blocks
+  at its next step;
+* the model's ``generation_config`` — its stop tokens, and its repetition penalty, applied per
+  request by the row processor below;
 * sampling and seeds — one logits processor samples each sampled request's row with that
   request's own ``torch.Generator`` (temperature, top-k, top-p as in
   :meth:`Generator.generate <ragbudget.generate.Generator.generate>`) and leaves only the drawn
@@ -213,9 +217,13 @@ class _Slot:
         self.rng: Any = None
 
 
-def _row_sampler(slots: dict[int, _Slot]) -> Any:
+def _row_sampler(slots: dict[int, _Slot], repetition_penalty: float = 1.0) -> Any:
     """A continuous-batching logits-processor list whose one processor samples each sampled
-    request's row with its own generator (see the module docstring)."""
+    request's row with its own generator (see the module docstring), after applying the model's
+    ``repetition_penalty`` (its ``generation_config``'s, as ``generate`` applies it: each token
+    of the prompt or the answer so far has its logit divided by it if positive, multiplied if
+    negative) to every row. transformers drops its own repetition penalty from continuous
+    batching, which keeps no per-request token history for it; the requests here have theirs."""
     import torch
     from transformers import LogitsProcessorList
     from transformers.generation.continuous_batching.cb_logits_processors import (
@@ -229,15 +237,28 @@ def _row_sampler(slots: dict[int, _Slot]) -> Any:
         supported_kwargs = {_SLOT: int}  # instance attributes in the base class, shared here
         ignored_kwargs = ()
 
+        def __init__(self) -> None:
+            self.seen: list[list[int]] = []  # per row of the next call: its prompt and answer so far
+
         def fill_defaults(self, int32_tensor: Any) -> None:
             int32_tensor.fill_(-1)
 
         def prepare_tensor_args(self, requests_with_new_token: list[Any]) -> Any:
+            if repetition_penalty != 1.0:
+                self.seen = [r.state.initial_tokens + r.state.generated_tokens for r in requests_with_new_token]
             return torch.tensor(
                 [r.state.logit_processor_kwargs.get(_SLOT, -1) for r in requests_with_new_token], dtype=torch.int32
             )
 
         def __call__(self, scores: Any, tensor_arg: Any) -> Any:
+            if repetition_penalty != 1.0:
+                for row, seen in enumerate(self.seen[: scores.size(0)]):
+                    if seen:
+                        ids = torch.tensor(sorted(set(seen)), dtype=torch.long, device=scores.device)
+                        picked = scores[row, ids]
+                        scores[row, ids] = torch.where(
+                            picked < 0, picked * repetition_penalty, picked / repetition_penalty
+                        )
             for row, n in enumerate(tensor_arg[: scores.size(0)].tolist()):
                 slot = slots.get(n) if n >= 0 else None
                 if slot is None:  # greedy, or a request that left (its token is dropped)
@@ -345,6 +366,8 @@ class Batcher:
         reason = batching_unsupported(gen)
         if reason:
             raise ConfigError(f"cannot batch {gen.model_ref.id!r}: {reason}")
+        # The model's own stop tokens (its generation_config's and its tokenizer's); sampling is
+        # the row sampler's, and so is the checkpoint's repetition penalty (see _row_sampler).
         eos = sorted(gen._eos_ids()) or -1
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         config = GenerationConfig(do_sample=False, eos_token_id=eos, pad_token_id=pad)
@@ -357,7 +380,7 @@ class Batcher:
         if str(model.config._attn_implementation).removeprefix("paged|") == "sdpa":
             _install_per_request_sdpa()
         manager = model.init_continuous_batching(generation_config=config, continuous_batching_config=cb)
-        manager.logit_processor = _row_sampler(self._slots)
+        manager.logit_processor = _row_sampler(self._slots, gen.repetition_penalty)
 
         def start() -> None:
             with torch.inference_mode():  # the loop runs in its starter's inference mode
@@ -448,9 +471,8 @@ class Batcher:
                 seed if seed is not None else random.SystemRandom().getrandbits(63), temperature, top_p, top_k
             )
             extra[_SLOT] = n
-        streamer = None
-        if on_text is not None or stops:
-            streamer = _CallbackStreamer(gen.tokenizer, on_text or (lambda _s: None), 0, stops)
+        # Always a streamer: it ends the answer at a stop string or a line repeated in a row.
+        streamer = _CallbackStreamer(gen.tokenizer, on_text or (lambda _s: None), 0, stops)
         tokens: list[int] = []
         finished = cancelled = False
         t0 = time.perf_counter()
@@ -471,20 +493,18 @@ class Batcher:
                 if out.error is not None:
                     raise ModelError(f"batched generation failed: {out.error}")
                 new, tokens = out.generated_tokens[len(tokens) :], list(out.generated_tokens)
-                if streamer is not None:
-                    streamer.feed(new)
+                streamer.feed(new)
                 if out.is_finished():
                     finished = True
                     break
-                if streamer is not None and streamer.stopped:  # a stop string: done here
+                if streamer.stopped:  # a stop string or a repeated line: done here
                     break
         finally:
             self._routes.pop(rid, None)
             self._slots.pop(n, None)
             if not finished:  # cancelled, stopped, or failed: free its blocks at the next step
                 manager.cancel_request(rid)
-        if streamer is not None:
-            streamer.end()
+        streamer.end()
         text, finish = gen._finish(tokens, max_new_tokens, stops, cancelled=cancelled)
         return Generation(
             text=text,

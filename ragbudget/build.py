@@ -394,6 +394,12 @@ class _Builder:
         self._clean_leftovers(keep={gen - 1} if self.old else set())
         emb, reason = self._resolve_embedder()
         reason = reason or damaged
+        if self.settings["sentences"] is None:
+            # Not asked either way: what the index has. A new index stores none (span packing
+            # embeds a sentence when a question first needs it, kept in the cache beside the
+            # index): half the embedding work at build time, and sentences no question reaches
+            # are never embedded.
+            self.settings["sentences"] = bool(self.old is not None and _stores_sentences(self.old))
         self.rebuilt = bool(reason) or (self.rebuild and self.old is not None)
         self.reason = reason
         if self.old and not reason:
@@ -930,6 +936,8 @@ class _Builder:
         texts = [batch[j][1] for j in todo]
         done = np.zeros(len(todo), dtype=bool)
         t = time.perf_counter()
+        if what == "chunks":  # the phase starts now (its rate and ETA count from here)
+            self.progress("embed", self.stats["chunks_embedded"] + self.stats["chunks_reused"], self.embed_total)
         try:
             for shard in self.executor.embed(emb, texts, batch_size=self.embed_batch):
                 if vecs is None:

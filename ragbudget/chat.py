@@ -1,5 +1,9 @@
 """Conversation memory inside the one memory budget.
 
+One job: a conversation's history inside a request's budget — counting it after the chat
+template, folding older turns into a summary (bounded in work and time, cancellable), and
+accounting for where the tokens went.
+
 A chat turn's prompt holds the earlier conversation, the retrieved context and the question, and
 the KV cache must also hold the reserved output. All of it shares *one* per-request budget
 (``pipeline.plan.max_context_tokens``)::
@@ -40,6 +44,7 @@ from __future__ import annotations
 import hashlib
 import re
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -109,6 +114,9 @@ class TurnBudget:
     overrun: bool
     system: int = 0  # the client's system messages (part of ``fixed``: never cut)
     summary_cached: int = 0  # turns whose summary this turn took from a SummaryCache (no generate)
+    #: Why the turns folded this turn were summarized by extraction (their questions and the first
+    #: sentence of each answer) instead of by the generator: ``""`` when they were not.
+    summary_fallback: str = ""
     #: What set ``total``: ``"time"`` (the context was cut to the time-to-first-token target at
     #: the measured prefill speed), ``"memory"``, ``"model"`` (the window), or a served
     #: engine's binding limit; ``""`` when the report did not say.
@@ -189,7 +197,14 @@ class _Meter:
         """``text`` cut to at most ``max_tokens`` tokens (at a token boundary; whole text if it fits)."""
         if max_tokens <= 0:
             return ""
-        if self.count(text) <= max_tokens:
+        # A token is rarely longer than 16 characters: when the first max_tokens * 16 characters
+        # already hold more tokens than that, the cut lies inside them, and the search below
+        # counts prefixes of that head instead of the whole text (a 100,000-character message
+        # would otherwise be counted whole ~17 times).
+        head = max_tokens * 16
+        if len(text) > head and self.count(text[:head]) > max_tokens:
+            text = text[:head]
+        elif self.count(text) <= max_tokens:
             return text
         # At a word boundary: the protocol counts, it does not decode (a served engine's ids are
         # not ours to decode), and a word prefix keeps the text readable.
@@ -383,6 +398,9 @@ class Conversation:
         self._cached_turns = 0
         self._meter = _Meter(pipeline)
         self._state = _State()
+        # Per turn (ask): the seconds spent writing summaries, why a fold fell back to the
+        # extractive summary, and when the turn started (the summary's time budget).
+        self._summary_s, self._fallback, self._started = 0.0, "", 0.0
 
     # The history settings by their flat names, read from ``history`` (read-only).
     history_share = RecordField("history")
@@ -406,6 +424,12 @@ class Conversation:
         1
         """
         conv = cls(pipeline, **options)
+        # Before anything is counted: each message is rendered through the chat template at
+        # least once, so the limits bound the work one history can ask for.
+        conv.history.check_size(
+            messages=len(messages) + 1,
+            chars=sum(len(c) for c in (m.get("content") for m in messages) if isinstance(c, str)),
+        )
         state = conv._state
         question: str | None = None
         for i, m in enumerate(messages):
@@ -483,9 +507,20 @@ class Conversation:
         first when history would overflow its share. ``generate_options`` (``temperature``,
         ``top_p``, ``seed``, ``stop``, …) go to ``pipeline.ask`` for the answer; the summary is
         always written greedily. Raises :class:`~ragbudget.errors.BudgetError` when the question
-        (with the client's system messages) alone leaves no room."""
+        (with the client's system messages) alone leaves no room.
+
+        Fitting the history is part of the turn's time: its seconds are the answer's
+        ``timings["history_s"]`` (of which writing the summary, its wait for admission included,
+        is ``summary_s``), inside ``total_s``. Setting ``cancel`` stops it too, between two
+        counts or at the summary's next token; the turn is then cancelled, and the conversation
+        keeps its turns (those a finished fold took are in its summary). A summary the measured
+        speed says would end past the queue time-out (the time admission gives a first token) is
+        not written: the turns are folded by extraction instead (``budget.summary_fallback``
+        says why)."""
         if not isinstance(question, str) or not question.strip():
             raise ConfigError("the question is empty")
+        t_start = time.perf_counter()
+        self._summary_s, self._fallback = 0.0, ""
         total, output = _plan_numbers(self.pipeline, self.max_new_tokens)
         prompt_allowed = total - output
         system_tokens = self._meter.cost(self._state.system, question) if self._state.system else 0
@@ -509,15 +544,27 @@ class Conversation:
                 available=total,
             )
         history_allowed = int(room * self.history.history_share)
-        summary_updated = self._fit(question, history_allowed, cancel=cancel)
+        try:
+            summary_updated = self._fit(question, history_allowed, cancel=cancel, started=t_start)
+            stopped_early = False
+        except RequestCancelled:
+            # Left while the history was being fitted: no history, no context, and the pipeline
+            # answers "cancelled" without generating (the conversation keeps its turns, or the
+            # summary of those a finished fold took).
+            summary_updated, stopped_early = False, True
 
-        history = self.history_messages()
-        summary_tokens = self._history_cost(question, turns=[]) if self._state.summary else 0
-        history_tokens = self._history_cost(question)
+        if stopped_early:
+            history: list[Message] = []
+            summary_tokens = history_tokens = 0
+        else:
+            history = self.history_messages()
+            summary_tokens = self._history_cost(question, turns=[]) if self._state.summary else 0
+            history_tokens = self._history_cost(question)
         recent_tokens = history_tokens - summary_tokens
-        context_allowed = room - history_tokens
+        context_allowed = 0 if stopped_early else room - history_tokens
         if self.context_tokens is not None:
             context_allowed = min(context_allowed, self.context_tokens)
+        history_s = time.perf_counter() - t_start
 
         previous = [t.retrieval_query or t.question for t in self._state.turns[-max(1, self.history.recent_turns) :]]
         previous = [p for p in previous if p]
@@ -534,6 +581,13 @@ class Conversation:
         )
 
         report = answer.report
+        # The turn's time from its start: the history's share was spent before the pipeline's
+        # own clock started.
+        timings = report.setdefault("timings", {})
+        timings["history_s"] = history_s
+        if self._summary_s:
+            timings["summary_s"] = self._summary_s
+        timings["total_s"] = float(timings.get("total_s") or 0.0) + history_s
         b = report.get("budget") or {}
         context_used = int(b.get("context_tokens_used") or 0)
         prompt = int(b.get("prompt_tokens") or (fixed + history_tokens + context_used))
@@ -555,6 +609,7 @@ class Conversation:
             overrun=prompt + output > total or history_tokens > history_allowed,
             system=system_tokens,
             limited_by=str(b.get("limited_by") or ""),
+            summary_fallback=self._fallback,
         )
         report["memory"] = budget.to_dict()
         text = answer.text
@@ -574,15 +629,21 @@ class Conversation:
 
     # -- folding --
 
-    def _fit(self, question: str, allowed: int, *, cancel: Any = None) -> bool:
+    def _fit(self, question: str, allowed: int, *, cancel: Any = None, started: float | None = None) -> bool:
         """Fold turns into the summary until summary + verbatim turns fit ``allowed`` tokens.
-        Returns True when the summary changed."""
+        Returns True when the summary changed. Raises :class:`~ragbudget.errors.RequestCancelled`
+        when ``cancel`` is set (the state then holds only the folds that were complete).
+
+        At most three folds, each one summary of at most ``summary_max_tokens`` tokens, and a
+        bounded number of counts (a bisection, not a count per turn): however long the history,
+        the work is a few generations and a few dozen renders of at most the history's length."""
         state = self._state
         self._cached_turns = 0
+        self._started = time.perf_counter() if started is None else started
+        _check_cancel(cancel)
         if self._history_cost(question) <= allowed:
             return False
-        # First fold everything older than the recent turns in one summarization call; then, if the
-        # recent turns alone are still too large, fold them one at a time (oldest first).
+        # 1. Everything older than the recent turns, in one summarization call.
         keep = min(self.history.recent_turns, len(state.turns))
         cut = len(state.turns) - keep
         resumed = self._resume_from_cache(cut)
@@ -590,23 +651,54 @@ class Conversation:
         changed = resumed > 0
         if changed and self._history_cost(question) <= allowed:
             return True
-        while True:
+        if cut > 0:
+            self._fold(state.turns[:cut], allowed, cancel=cancel)
+            state.turns = state.turns[cut:]
+            changed = True
+            _check_cancel(cancel)
+            if self._history_cost(question) <= allowed:
+                return True
+        # 2. The recent turns alone are too long: keep the newest of them that fit beside the
+        # summary, fold the others in one more call.
+        if state.turns:
+            cut = len(state.turns) - self._fitting_suffix(question, allowed, cancel=cancel)
             if cut > 0:
                 self._fold(state.turns[:cut], allowed, cancel=cancel)
                 state.turns = state.turns[cut:]
                 changed = True
+                _check_cancel(cancel)
+                if self._history_cost(question) <= allowed:
+                    return True
+        # 3. The new summary pushed them over again: fold what is left as well.
+        if state.turns:
+            self._fold(state.turns, allowed, cancel=cancel)
+            state.turns = []
+            changed = True
+            _check_cancel(cancel)
             if self._history_cost(question) <= allowed:
-                return changed
-            if not state.turns:
-                break
-            cut = 1
+                return True
         # Only the summary is left and it is still over: cut it to the room there is.
         overhead = self._history_cost(question, summary="x") - self._meter.count("x")
         state.summary = self._meter.truncate(state.summary, max(0, allowed - overhead - 4))
         while state.summary and self._history_cost(question) > allowed:
+            _check_cancel(cancel)
             state.summary = self._meter.truncate(state.summary, self._meter.count(state.summary) - 4)
         self._set_summary(state.summary)
         return True
+
+    def _fitting_suffix(self, question: str, allowed: int, *, cancel: Any = None) -> int:
+        """How many of the newest verbatim turns fit ``allowed`` beside the summary: the cost
+        grows with each turn kept, so a bisection finds it in log2(turns) counts."""
+        turns = self._state.turns
+        lo, hi = 0, len(turns)
+        while lo < hi:
+            _check_cancel(cancel)
+            mid = (lo + hi + 1) // 2
+            if self._history_cost(question, turns=turns[len(turns) - mid :]) <= allowed:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     def _fold(self, turns: Sequence[Turn], allowed: int, *, cancel: Any = None) -> None:
         state, cache = self._state, self.summary_cache
@@ -633,6 +725,8 @@ class Conversation:
         text = " ".join(text.split())
         if not text:
             text = _extractive_summary(state.summary, turns)
+            if complete:
+                self._fallback = self._fallback or "the generator wrote no summary"
         state.summarized += len(turns)
         summary = self._meter.truncate(text, cap)
         # A summary cut short by the client leaving is not what this conversation would hold had
@@ -677,33 +771,91 @@ class Conversation:
         self, previous: str, turns: Sequence[Turn], cap: int, *, cancel: Any = None
     ) -> tuple[str, bool]:
         """Ask the pipeline's generator for the new summary, inside the same per-request budget.
-        Returns the text and whether it was written to the end (not stopped by ``cancel``)."""
-        if cancel is not None and cancel.is_set():
-            return "", False  # the client has gone: no generation for it
+        Returns the text and whether it was written to the end (not stopped by ``cancel``);
+        ``""`` leaves the fold to the extractive summary. Raises
+        :class:`~ragbudget.errors.RequestCancelled` when ``cancel`` is set before it generates."""
+        _check_cancel(cancel)
         total, _ = _plan_numbers(self.pipeline, self.max_new_tokens)
         prompt_room = total - cap
-        # Keep answers short in the transcript (the summary needs their gist, not their length),
-        # then drop the oldest lines until the summarization prompt fits the budget.
-        lines = []
-        for t in turns:
-            lines.append(f"User: {self._meter.truncate(t.question, 192)}")
-            lines.append(f"Assistant: {self._meter.truncate(t.answer, 96)}")
-        while True:
-            messages = _summary_messages(previous, lines, cap)
-            if self._meter.render(messages) <= prompt_room or len(lines) <= 2:
+        meter = self._meter
+        # The newest exchanges that fit the summarization prompt, each cut short (the summary
+        # needs their gist, not their length): walking back from the newest and stopping once the
+        # room is full, older ones are never counted (counting every turn of a 10,000-message
+        # history and dropping the oldest two lines at a time took minutes).
+        frame = meter.render(_summary_messages(previous, [], cap))
+        pairs: list[tuple[str, str]] = []
+        used = frame
+        for t in reversed(turns):
+            _check_cancel(cancel)
+            pair = (f"User: {meter.truncate(t.question, 192)}", f"Assistant: {meter.truncate(t.answer, 96)}")
+            pairs.append(pair)
+            used += meter.count(pair[0]) + meter.count(pair[1]) + 2  # a newline each
+            if used > prompt_room:
                 break
-            lines = lines[2:]
-        if self._meter.render(messages) > prompt_room:
-            return "", True  # even one exchange does not fit: the extractive fallback takes over
-        needed = self._meter.render(messages) + cap
+        pairs.reverse()
+
+        def lines_of(k: int) -> list[str]:
+            return [line for pair in pairs[len(pairs) - k :] for line in pair]
+
+        # The estimate above is close: the exact render decides, by bisection on the exchanges kept
+        # (at least one; when even one does not fit, the extractive summary takes over).
+        lo, hi = 1, len(pairs)
+        while lo < hi:
+            _check_cancel(cancel)
+            mid = (lo + hi + 1) // 2
+            if meter.render(_summary_messages(previous, lines_of(mid), cap)) <= prompt_room:
+                lo = mid
+            else:
+                hi = mid - 1
+        messages = _summary_messages(previous, lines_of(lo), cap)
+        n_prompt = meter.render(messages)
+        if n_prompt > prompt_room:
+            self._fallback = self._fallback or "not even one exchange fits the summarization prompt"
+            return "", True
+        slow = self._summary_too_slow(n_prompt, cap)
+        if slow:
+            self._fallback = slow
+            return "", True
+        _check_cancel(cancel)
+        t0 = time.perf_counter()
         try:
             # A client leaving while the summary waits for KV memory leaves the queue too.
-            with self.pipeline.admission.reserve(needed, cancel=cancel):
-                result = self._meter.backend.generate(messages, max_new_tokens=cap, cancel=cancel)
+            with self.pipeline.admission.reserve(n_prompt + cap, prompt_tokens=n_prompt, cancel=cancel):
+                result = meter.backend.generate(messages, max_new_tokens=cap, cancel=cancel)
         except RequestCancelled:
             return "", False
+        finally:
+            self._summary_s += time.perf_counter() - t0
         stopped = result.finish_reason == "cancelled" or (cancel is not None and cancel.is_set())
         return str(result.text or ""), not stopped
+
+    def _summary_too_slow(self, prompt_tokens: int, cap: int) -> str:
+        """Why writing a summary of ``prompt_tokens`` of prompt and ``cap`` tokens would not end
+        within the queue time-out of the turn's start by admission's time model (its wait
+        behind the work running, its prefill, ``cap`` decode steps, at the speed learnt), or
+        ``""``: the summary comes before the answer's first token, which admission wants within
+        that time. Nothing measured (a served engine): ``""``, and the time-out the caller sets
+        (``cancel``) is the bound."""
+        ctl = self.pipeline.admission
+        thr, timeout = ctl.throughput, ctl.timeout
+        if thr is None or timeout is None:
+            return ""
+        first = ctl.expected_first_token(prompt_tokens + cap, prompt_tokens=prompt_tokens) or 0.0
+        expected = first + thr.decode_seconds(cap) * thr.slowdown
+        left = timeout - (time.perf_counter() - self._started)
+        if expected <= left:
+            return ""
+        return (
+            f"a {cap}-token summary of a {prompt_tokens}-token prompt would take about {expected:.1f} s at the "
+            f"measured speed, past the {max(0.0, left):.1f} s left of the queue time-out of {timeout:g} s"
+        )
+
+
+def _check_cancel(cancel: Any) -> None:
+    """Raise :class:`~ragbudget.errors.RequestCancelled` once ``cancel`` is set (a client left,
+    or its request ran out of time): the history's loops look between two counts."""
+    if cancel is not None and cancel.is_set():
+        raise RequestCancelled("cancelled while fitting the conversation history")
 
 
 def _summary_messages(previous: str, lines: Sequence[str], cap: int) -> list[Message]:

@@ -27,11 +27,13 @@ from .cli_options import (
     retrieval_options,
     sampling_options,
     search_options,
+    served_history_options,
     user_errors,
 )
 from .display import format_index_summary
 from .settings import (
     DEDUP_MODES,
+    DEFAULT_REQUEST_TIMEOUT,
     ChunkSettings,
     DedupSettings,
     EngineSettings,
@@ -87,10 +89,11 @@ def cli(verbose: int) -> None:
 @click.option(
     "--sentence-vectors/--no-sentence-vectors",
     default=None,
-    help="Store every chunk's sentence vectors, so span packing embeds no sentence per question (about doubles the "
-    "index on disk). --no-sentence-vectors leaves them out (and drops them from this index): span packing then "
-    "embeds the pool's sentences at question time; --pack chunks never needs them. Default: what the index "
-    "records, else stored.",
+    help="--sentence-vectors stores every chunk's sentence vectors at build time (a second pass, about 1.1x the "
+    "chunk embedding; about doubles the index on disk), so span packing embeds no sentence per question. "
+    "--no-sentence-vectors leaves them out (and drops them from this index): span packing then embeds a "
+    "sentence the first time a question needs it and keeps it in the cache beside the index. Default: what "
+    "the index has (none for a new one); --pack chunks never needs them.",
 )
 @click.option("--rebuild", is_flag=True, help="Re-read and re-embed every indexed root (and PATHS) from scratch.")
 @click.option(
@@ -622,7 +625,14 @@ def chat(
 @click.option(
     "--model-name", default=None, help="Model id clients send (default: the generator's id; 'ragbudget' always works)."
 )
-@history_options
+@served_history_options
+@click.option(
+    "--request-timeout",
+    default=DEFAULT_REQUEST_TIMEOUT,
+    show_default=True,
+    type=click.FloatRange(min=0),
+    help="Seconds one chat request may take in all (history, retrieval, queue, answer); then 503. 0: none.",
+)
 @click.option(
     "--expose-plan",
     is_flag=True,
@@ -640,6 +650,7 @@ def serve(
     api_key: str | None,
     model_name: str | None,
     history: HistorySettings,
+    request_timeout: float,
     expose_plan: bool,
     retrieval: RetrievalSettings,
     engine: EngineSettings | None,
@@ -659,6 +670,7 @@ def serve(
         api_key=api_key,
         model_name=model_name,
         history=history,
+        request_timeout=request_timeout,
         expose_plan=expose_plan,
     )
 

@@ -20,6 +20,8 @@ from .errors import RagBudgetError
 from .lexical import FUSIONS
 from .select import ORDERS
 from .settings import (
+    DEFAULT_MAX_HISTORY_CHARS,
+    DEFAULT_MAX_MESSAGES,
     DEFAULT_RELEVANCE_FLOOR,
     ENGINE_KINDS,
     EngineSettings,
@@ -145,31 +147,53 @@ sampling_options = option_group(
     sampling,
 )
 
-#: ``--history-share --summary-max-tokens --recent-turns``, handed to ``chat`` and ``serve`` as
-#: ``history``: a :class:`~ragbudget.settings.HistorySettings`.
-history_options = option_group(
+_HISTORY_OPTIONS = {
+    "history_share": click.option(
+        "--history-share",
+        default=0.3,
+        show_default=True,
+        type=click.FloatRange(0.0, 1.0, max_open=True),
+        help="Share of the prompt room a conversation's history may take; retrieval gets the rest.",
+    ),
+    "summary_max_tokens": click.option(
+        "--summary-max-tokens",
+        default=128,
+        show_default=True,
+        type=click.IntRange(min=1),
+        help="Cap of the rolling summary older turns are folded into.",
+    ),
+    "recent_turns": click.option(
+        "--recent-turns",
+        default=2,
+        show_default=True,
+        type=click.IntRange(min=0),
+        help="Turns kept verbatim when they fit.",
+    ),
+}
+
+#: ``--history-share --summary-max-tokens --recent-turns``, handed to ``chat`` as ``history``: a
+#: :class:`~ragbudget.settings.HistorySettings`.
+history_options = option_group("history", _HISTORY_OPTIONS, HistorySettings)
+
+#: ``serve``'s: the same, and ``--max-messages --max-history-chars``, the most history one request
+#: may send (a history typed at ``chat`` grows one turn at a time).
+served_history_options = option_group(
     "history",
     {
-        "history_share": click.option(
-            "--history-share",
-            default=0.3,
-            show_default=True,
-            type=click.FloatRange(0.0, 1.0, max_open=True),
-            help="Share of the prompt room a conversation's history may take; retrieval gets the rest.",
-        ),
-        "summary_max_tokens": click.option(
-            "--summary-max-tokens",
-            default=128,
+        **_HISTORY_OPTIONS,
+        "max_messages": click.option(
+            "--max-messages",
+            default=DEFAULT_MAX_MESSAGES,
             show_default=True,
             type=click.IntRange(min=1),
-            help="Cap of the rolling summary older turns are folded into.",
+            help="Most messages one request may send (the question included); more is a 400.",
         ),
-        "recent_turns": click.option(
-            "--recent-turns",
-            default=2,
+        "max_history_chars": click.option(
+            "--max-history-chars",
+            default=DEFAULT_MAX_HISTORY_CHARS,
             show_default=True,
             type=click.IntRange(min=0),
-            help="Turns kept verbatim when they fit.",
+            help="Most characters the messages before the question may hold; more is a 400.",
         ),
     },
     HistorySettings,
@@ -252,29 +276,36 @@ def engine(
     api_key_env: str | None,
     tokenizer: str | None,
     engine_context_tokens: int | None,
+    engine_timeout: float | None,
 ) -> EngineSettings | None:
     if engine is None:
-        given = [
+        named = [
             name
             for name, v in (
                 ("--engine-kind", engine_kind != "auto"),
                 ("--api-key-env", api_key_env),
                 ("--tokenizer", tokenizer),
                 ("--engine-context-tokens", engine_context_tokens),
+                ("--engine-timeout", engine_timeout is not None),
             )
             if v
         ]
-        if given:
-            raise click.UsageError(f"{', '.join(given)} need --engine URL")
+        if named:
+            raise click.UsageError(f"{', '.join(named)} need --engine URL")
         return None
     return EngineSettings(
-        url=engine, kind=engine_kind, api_key_env=api_key_env, tokenizer=tokenizer, context_tokens=engine_context_tokens
+        url=engine,
+        kind=engine_kind,
+        api_key_env=api_key_env,
+        tokenizer=tokenizer,
+        context_tokens=engine_context_tokens,
+        **given(timeout=engine_timeout),  # absent: the record's default, stated once there
     )
 
 
-#: ``--engine --engine-kind --api-key-env --tokenizer --engine-context-tokens``, handed to the
-#: command as ``engine``: an :class:`~ragbudget.settings.EngineSettings` (``None`` without
-#: ``--engine``: generate locally).
+#: ``--engine --engine-kind --api-key-env --tokenizer --engine-context-tokens --engine-timeout``,
+#: handed to the command as ``engine``: an :class:`~ragbudget.settings.EngineSettings` (``None``
+#: without ``--engine``: generate locally).
 engine_options = option_group(
     "engine",
     {
@@ -302,14 +333,22 @@ engine_options = option_group(
             "--tokenizer",
             default=None,
             metavar="NAME_OR_PATH",
-            help="Local tokenizer for engines that cannot count (Ollama, generic OpenAI): 2%% safety margin "
-            "(default: tiktoken, 15%%).",
+            help="Local tokenizer for engines that cannot count (Ollama, generic OpenAI): 2% safety margin "
+            "(default: tiktoken, 15%).",
         ),
         "engine_context_tokens": click.option(
             "--engine-context-tokens",
             default=None,
             type=click.IntRange(min=2),
             help="The engine's context window, for a server that does not report it.",
+        ),
+        "engine_timeout": click.option(
+            "--engine-timeout",
+            default=None,
+            type=click.FloatRange(min=0.0, min_open=True),
+            metavar="SECONDS",
+            help="Seconds any one engine reply may take (a whole answer, when not streamed) before it counts as "
+            f"an engine time-out [default: {EngineSettings().timeout:g}].",
         ),
     },
     engine,

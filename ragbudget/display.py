@@ -242,8 +242,8 @@ def _report_tail(report: dict[str, Any], lines: list[str], rows: list[tuple[str,
         how = "; sentence vectors: stored in the index (embedded at build time)"
     elif vectors:
         how = (
-            f"; sentence vectors: {vectors} (the index stores none; `ragbudget index` without "
-            "--no-sentence-vectors stores them)"
+            f"; sentence vectors: {vectors} (once per sentence, kept in the cache beside the "
+            "index; `ragbudget index --sentence-vectors` embeds them all at build time)"
         )
     else:
         how = ""

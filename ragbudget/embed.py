@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import abc
 import hashlib
+import itertools
 import logging
 import re
 from collections.abc import Sequence
@@ -42,6 +43,8 @@ log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     import numpy as np
+
+    from .encoders import OnnxBert, TorchBert
 
 __all__ = [
     "BACKENDS",
@@ -66,11 +69,14 @@ class EmbedResult:
     ``vectors`` is ``(n, dim)`` float32 with unit rows; ``windows[i]`` is 1 for a text that fit the
     model's window (or was truncated), more for a text embedded window by window and pooled.
     ``texts_fed`` is exactly what was handed to the model (the window texts), for benchmarks.
+    ``spans``: with :meth:`Embedder.embed`'s ``spans=`` on an embedder that pools them, per text
+    one unit float32 row per span, pooled from the same forward pass; ``None`` otherwise.
     """
 
     vectors: np.ndarray
     windows: tuple[int, ...]
     texts_fed: int = 0
+    spans: tuple[np.ndarray, ...] | None = None
 
     @property
     def pooled(self) -> int:
@@ -83,7 +89,9 @@ class Embedder(abc.ABC):
 
     Subclasses set ``id``, ``dim``, ``max_tokens`` (content tokens per window, special tokens
     excluded) and implement :meth:`_token_spans` (character spans of the model's tokens) and
-    :meth:`_encode` (one vector per text, each text already within ``max_tokens``).
+    :meth:`_encode` (one vector per text, each text already within ``max_tokens``). One that can
+    also hand back its tokens' final states implements :meth:`_encode_tokens` and says so in
+    :attr:`pools_spans`; :meth:`embed` then pools span vectors from the same pass.
     """
 
     id: str = "embedder"
@@ -110,6 +118,19 @@ class Embedder(abc.ABC):
     def _encode(self, texts: Sequence[str]) -> np.ndarray:
         """One unit vector per text, each text already within ``max_tokens``."""
 
+    @property
+    def pools_spans(self) -> bool:
+        """Whether :meth:`embed` pools ``spans=`` from the token states of its own forward pass
+        (:meth:`_encode_tokens`); ``False``: the caller embeds span texts itself."""
+        return False
+
+    def _encode_tokens(self, texts: Sequence[str]) -> tuple[np.ndarray, list[tuple[np.ndarray, np.ndarray]]]:
+        """:meth:`_encode`'s vectors, and per text its content tokens' character offsets ``(T, 2)``
+        (in the text as given, sorted, not overlapping) and final states ``(T, dim)``, pooled
+        (mean, then unit length) as the model pools a whole text. Only called when
+        :attr:`pools_spans`."""
+        raise NotImplementedError(f"{type(self).__name__} does not pool spans")
+
     # -- public -------------------------------------------------------------------------------
     def warm_up(self) -> None:  # noqa: B027 - an optional hook: model-free embedders load nothing
         """Load the model now (idempotent). Embedding calls do it on first use anyway."""
@@ -126,53 +147,124 @@ class Embedder(abc.ABC):
         """One unit float32 vector of shape ``(dim,)``."""
         return self.embed([text]).vectors[0]
 
-    def windows_of(self, texts: Sequence[str]) -> list[list[str]]:
-        """The window texts each text is embedded as (one window when it fits the model)."""
+    def window_bounds(self, texts: Sequence[str]) -> list[list[tuple[int, int]]]:
+        """The character ranges of the windows each text is embedded as (``[(0, len(text))]``
+        when it fits the model)."""
         spans_list = self._token_spans(texts) if self.pooling == "windows" else [[] for _ in texts]
-        out: list[list[str]] = []
+        out: list[list[tuple[int, int]]] = []
         size = self.max_tokens
         # The step keeps an overlap, but never less than half a window of progress.
         step = max(size - self.window_overlap, max(1, size // 2))
         for text, spans in zip(texts, spans_list, strict=True):
             if len(spans) <= size:
-                out.append([text])
+                out.append([(0, len(text))])
                 continue
             wins = []
             i = 0
             while True:
                 j = min(i + size, len(spans))
-                wins.append(text[spans[i][0] : spans[j - 1][1]])
+                wins.append((spans[i][0], spans[j - 1][1]))
                 if j >= len(spans):
                     break
                 i += step
             out.append(wins)
         return out
 
-    def embed(self, texts: Sequence[str]) -> EmbedResult:
+    def windows_of(self, texts: Sequence[str]) -> list[list[str]]:
+        """The window texts each text is embedded as (one window when it fits the model)."""
+        return [[t[a:b] for a, b in bs] for t, bs in zip(texts, self.window_bounds(texts), strict=True)]
+
+    def embed(self, texts: Sequence[str], *, spans: Sequence[Sequence[tuple[int, int]]] | None = None) -> EmbedResult:
         """Embed ``texts``; see :class:`EmbedResult`. All windows go to the model in one call, so
-        its own length-sorted batching applies across texts."""
+        its own length-sorted batching applies across texts.
+
+        ``spans`` (per text, ``(start, end)`` character ranges, e.g. its sentences): on an
+        embedder that :attr:`pools_spans`, each span's vector is pooled from the same forward
+        pass — the mean of the final states of the tokens inside it, made unit length, as the
+        model pools a whole text ("late chunking") — and returned in ``EmbedResult.spans``; a
+        token in two overlapping windows is taken from the window that holds it furthest from
+        an edge (the first one up to the middle of the overlap). A span with no token of its own
+        (nothing the tokenizer keeps) is embedded as a text. Other embedders return
+        ``spans=None``: the caller embeds span texts itself."""
         import numpy as np
 
         texts = list(texts)
+        if spans is not None and len(spans) != len(texts):
+            raise ValueError(f"spans: one list per text, got {len(spans)} for {len(texts)} texts")
+        pool = spans is not None and self.pools_spans
         if not texts:
-            return EmbedResult(np.zeros((0, self.dim), dtype=np.float32), ())
-        windows = self.windows_of(texts)
-        flat = [w for ws in windows for w in ws]
-        vecs = _normalize(np.asarray(self._encode(flat), dtype=np.float32))
+            return EmbedResult(np.zeros((0, self.dim), dtype=np.float32), (), spans=() if pool else None)
+        bounds = self.window_bounds(texts)
+        flat = [t[a:b] for t, bs in zip(texts, bounds, strict=True) for a, b in bs]
+        states: list[tuple[np.ndarray, np.ndarray]] = []
+        if pool:
+            raw, states = self._encode_tokens(flat)
+        else:
+            raw = self._encode(flat)
+        vecs = _normalize(np.asarray(raw, dtype=np.float32))
+        span_vecs = self._pool_spans(texts, bounds, states, spans) if pool and spans is not None else None
         if len(flat) == len(texts):
-            return EmbedResult(vecs, tuple(1 for _ in texts), len(flat))
+            return EmbedResult(vecs, tuple(1 for _ in texts), len(flat), span_vecs)
         out = np.empty((len(texts), vecs.shape[1]), dtype=np.float32)
         pos = 0
-        for i, ws in enumerate(windows):
-            if len(ws) == 1:
+        for i, bs in enumerate(bounds):
+            if len(bs) == 1:
                 out[i] = vecs[pos]
             else:
                 # Weight by window length in characters: the short last window of a chunk should
                 # not count as much as a full one (characters track tokens closely enough here).
-                w = np.array([len(s) for s in ws], dtype=np.float32)
-                out[i] = (vecs[pos : pos + len(ws)] * w[:, None]).sum(axis=0)
-            pos += len(ws)
-        return EmbedResult(_normalize(out), tuple(len(ws) for ws in windows), len(flat))
+                w = np.array([b - a for a, b in bs], dtype=np.float32)
+                out[i] = (vecs[pos : pos + len(bs)] * w[:, None]).sum(axis=0)
+            pos += len(bs)
+        return EmbedResult(_normalize(out), tuple(len(bs) for bs in bounds), len(flat), span_vecs)
+
+    def _pool_spans(
+        self,
+        texts: list[str],
+        bounds: list[list[tuple[int, int]]],
+        states: list[tuple[np.ndarray, np.ndarray]],
+        spans: Sequence[Sequence[tuple[int, int]]],
+    ) -> tuple[np.ndarray, ...]:
+        """Per text, one unit vector per span: the mean of its tokens' states (see :meth:`embed`)."""
+        import numpy as np
+
+        out: list[np.ndarray] = []
+        missing: list[tuple[int, int, str]] = []  # (text, span, span text) without a token
+        pos = 0
+        for i, bs in enumerate(bounds):
+            offs, sts = [], []
+            for k, (a, _) in enumerate(bs):
+                o, h = states[pos + k]
+                start = o[:, 0] + a
+                # Overlapping windows: each keeps its tokens up to the middle of the overlap with
+                # the next, so every token counts once, with the more context of the two.
+                lo = (bs[k - 1][1] + a) / 2 if k > 0 else -1.0
+                hi = (bs[k + 1][0] + bs[k][1]) / 2 if k + 1 < len(bs) else float("inf")
+                keep = (start >= lo) & (start < hi)
+                offs.append(o[keep] + a)
+                sts.append(h[keep])
+            pos += len(bs)
+            dim = self.dim
+            off = np.concatenate(offs) if offs else np.zeros((0, 2), dtype=np.int64)
+            st = np.concatenate(sts).astype(np.float64) if sts else np.zeros((0, dim))
+            # Prefix sums over the tokens: each span's sum is one subtraction.
+            csum = np.zeros((len(st) + 1, st.shape[1] if st.ndim == 2 else dim))
+            np.cumsum(st, axis=0, out=csum[1:])
+            rows = np.zeros((len(spans[i]), csum.shape[1]), dtype=np.float64)
+            for j, (s, e) in enumerate(spans[i]):
+                # Tokens overlapping [s, e): ends after s, starts before e (both sorted).
+                first = int(np.searchsorted(off[:, 1], s, side="right"))
+                last = int(np.searchsorted(off[:, 0], e, side="left"))
+                if last > first:
+                    rows[j] = (csum[last] - csum[first]) / (last - first)
+                else:
+                    missing.append((i, j, texts[i][s:e]))
+            out.append(rows)
+        if missing:
+            vecs = _normalize(np.asarray(self._encode([t for _, _, t in missing]), dtype=np.float32))
+            for (i, j, _), v in zip(missing, vecs, strict=True):
+                out[i][j] = v
+        return tuple(_normalize(r.astype(np.float32)) if len(r) else r.astype(np.float32) for r in out)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(id={self.id!r}, pooling={self.pooling!r})"
@@ -233,7 +325,8 @@ class SentenceTransformerEmbedder(Embedder):
         self.light = light
         self._model: Any = None
         self._layout: _LightBert | None | bool = None  # False: read, not a covered layout
-        self._onnx: _OnnxBert | None = None
+        self._onnx: OnnxBert | None = None
+        self._torch: TorchBert | None = None  # the torch runner over the loaded model (covered layouts)
         self.backend = self._choose_backend(backend)
         # int8 vectors are other vectors: a different id keeps them out of a float index (the
         # builder compares ids and rebuilds instead of mixing); float32 ONNX keeps the torch id.
@@ -290,7 +383,9 @@ class SentenceTransformerEmbedder(Embedder):
             if self._onnx is None:
                 layout = self._onnx_layout()
                 assert layout is not None  # checked when the backend was chosen
-                self._onnx = _OnnxBert.load(layout, quantized=self.backend == "onnx-int8")
+                from .encoders import OnnxBert
+
+                self._onnx = OnnxBert.load(layout, quantized=self.backend == "onnx-int8", max_rows=self.batch_size)
             return
         if self._model is not None:
             return
@@ -387,11 +482,30 @@ class SentenceTransformerEmbedder(Embedder):
         )
         return [[(int(a), int(b)) for a, b in offs] for offs in enc["offset_mapping"]]
 
-    def _encode(self, texts: Sequence[str]) -> np.ndarray:
+    @property
+    def pools_spans(self) -> bool:
+        # Mean pooling over the tokens is what this layout's model does to a whole text, so the
+        # mean over a sentence's tokens is the same pooling, over a part of the text.
+        return self._onnx_layout() is not None
+
+    def _runner(self) -> OnnxBert | TorchBert | None:
+        """What runs the model: ONNX Runtime, torch for the covered layout (one schedule with
+        token states), or ``None`` (another layout: sentence-transformers' own ``encode``)."""
         if self.backend != "torch":
             self.warm_up()
-            assert self._onnx is not None
-            return self._onnx.encode(texts, batch_size=self.batch_size)
+            return self._onnx
+        if self._torch is None and self._onnx_layout() is not None:
+            from .encoders import TorchBert
+
+            layout = self._onnx_layout()
+            assert layout is not None
+            self._torch = TorchBert(layout, self.model, max_rows=self.batch_size)
+        return self._torch
+
+    def _encode(self, texts: Sequence[str]) -> np.ndarray:
+        runner = self._runner()
+        if runner is not None:
+            return runner.encode(texts)[0]
         # encode() sorts by length internally, so one call over all windows batches well.
         return self.model.encode(
             list(texts),
@@ -400,6 +514,14 @@ class SentenceTransformerEmbedder(Embedder):
             normalize_embeddings=True,
             show_progress_bar=False,
         )
+
+    def _encode_tokens(self, texts: Sequence[str]) -> tuple[np.ndarray, list[tuple[np.ndarray, np.ndarray]]]:
+        runner = self._runner()
+        if runner is None:
+            raise ConfigError(f"{self.id!r} is not a mean-pooled BERT model: it cannot pool spans")
+        vecs, states = runner.encode(texts, tokens=True)
+        assert states is not None
+        return vecs, states
 
 
 #: What ``backend="auto"`` runs on a CPU: chosen by bench/embed_speed.py (BENCHMARKS.md, "Embedding
@@ -468,14 +590,18 @@ class HashEmbedder(Embedder):
 
     Each word adds ±1 at a position chosen by its BLAKE2 hash, so texts sharing words score
     higher. ``max_tokens`` (words per window) enables the same windowing as a real model; ``None``
-    means one window of any length.
+    means one window of any length. ``pool_spans``: :meth:`embed` pools span vectors from its
+    words, as a real model pools them from its token states (``False``: it does not, like a
+    custom embedder, and an index embeds sentences one by one).
 
     >>> e = HashEmbedder(dim=32)
     >>> round(float(e.embed_query("red apple") @ e.embed_query("apple, red")), 4)
     1.0
     """
 
-    def __init__(self, dim: int = 64, *, max_tokens: int | None = None, pooling: str = "windows") -> None:
+    def __init__(
+        self, dim: int = 64, *, max_tokens: int | None = None, pooling: str = "windows", pool_spans: bool = True
+    ) -> None:
         if dim < 2:
             raise ConfigError(f"dim must be >= 2, got {dim}")
         if pooling not in _POOLINGS:
@@ -485,6 +611,7 @@ class HashEmbedder(Embedder):
         self.pooling = pooling
         self.window_overlap = 0 if max_tokens is None else min(4, max_tokens // 4)
         self.id = f"hash-{dim}" + (f"-w{max_tokens}" if max_tokens else "")
+        self._pools = bool(pool_spans)
 
     @property
     def dim(self) -> int:
@@ -519,6 +646,29 @@ class HashEmbedder(Embedder):
                 v = int.from_bytes(h, "little")
                 out[i, v % self._dim] += 1.0 if (v >> 63) else -1.0
         return out
+
+    @property
+    def pools_spans(self) -> bool:
+        return self._pools
+
+    def _encode_tokens(self, texts: Sequence[str]) -> tuple[np.ndarray, list[tuple[np.ndarray, np.ndarray]]]:
+        # A word's "state" is its ±1 hash position: the window's vector is their sum, and a span's
+        # pooled vector is exactly the vector of the span's text embedded alone. Offsets are the
+        # lower-cased text's, the text's own for every character whose lower case is one character.
+        import numpy as np
+
+        vecs = np.zeros((len(texts), self._dim), dtype=np.float32)
+        states = []
+        limit = self.max_tokens
+        for i, text in enumerate(texts):
+            words = list(itertools.islice(_WORD.finditer(text.lower()), limit))
+            st = np.zeros((len(words), self._dim), dtype=np.float32)
+            for n, m in enumerate(words):
+                v = int.from_bytes(hashlib.blake2b(m.group().encode(), digest_size=8).digest(), "little")
+                st[n, v % self._dim] = 1.0 if (v >> 63) else -1.0
+            vecs[i] = st.sum(axis=0)
+            states.append((np.array([m.span() for m in words], dtype=np.int64).reshape(-1, 2), st))
+        return vecs, states
 
 
 # --- a light path for the packaged kind of model ---------------------------------------------------
@@ -668,220 +818,6 @@ class _LightBert:
                 x = norm(dense(h, p + "output.dense") + x, p + "output.LayerNorm")
             v = x.mean(axis=0)
             out[i] = v / max(float(np.linalg.norm(v)), 1e-12)
-        return out
-
-
-# --- ONNX Runtime for the same kind of model ------------------------------------------------------
-
-#: Bumped when the export below changes, so an old cached file is not reused.
-_EXPORT_VERSION = "1"
-#: Checksums of model folders already hashed in this process (hashing 90 MB costs ~0.2 s).
-_DIGESTS: dict[tuple[str, int, int], str] = {}
-
-
-def _model_digest(folder: str) -> str:
-    import os
-
-    weights = os.path.join(folder, "model.safetensors")
-    st = os.stat(weights)
-    key = (os.path.realpath(weights), st.st_size, st.st_mtime_ns)
-    if key not in _DIGESTS:
-        h = hashlib.sha256(f"ragbudget-onnx-{_EXPORT_VERSION}".encode())
-        for name in ("config.json", "tokenizer.json", "model.safetensors"):
-            with open(os.path.join(folder, name), "rb") as f:
-                for block in iter(lambda: f.read(1 << 20), b""):
-                    h.update(block)
-        _DIGESTS[key] = h.hexdigest()[:16]
-    return _DIGESTS[key]
-
-
-def _cache_root() -> str:
-    import os
-
-    base = os.environ.get("RAGBUDGET_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "ragbudget"
-    )
-    return os.path.join(base, "onnx")
-
-
-def _export_onnx(folder: str, out: str) -> None:
-    """Write the model (BERT, mean pooling over the attention mask, L2 normalization: what the
-    sentence-transformers modules of this layout compute) as one ONNX graph."""
-    import warnings
-
-    import torch
-    from transformers import AutoModel
-    from transformers.utils import logging as hf_logging
-
-    # Eager attention: the SDPA mask builder of transformers 5 traces into shape constants.
-    hf_logging.disable_progress_bar()  # a one-off export prints no weight-loading bar
-    try:
-        bert = AutoModel.from_pretrained(folder, attn_implementation="eager").eval()
-    finally:
-        hf_logging.enable_progress_bar()
-
-    class MeanPooled(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.bert = bert
-
-        def forward(self, input_ids: Any, attention_mask: Any) -> Any:
-            h = self.bert(
-                input_ids=input_ids, attention_mask=attention_mask, token_type_ids=torch.zeros_like(input_ids)
-            ).last_hidden_state
-            m = attention_mask.unsqueeze(-1).to(h.dtype)
-            v = (h * m).sum(1) / m.sum(1).clamp(min=1e-9)
-            return torch.nn.functional.normalize(v, p=2.0, dim=1)
-
-    # Two rows of different lengths, so the traced graph keeps batch, length and padding dynamic.
-    ids = torch.tensor([[101, 2023, 2003, 1037, 102], [101, 7592, 102, 0, 0]])
-    with warnings.catch_warnings(), torch.no_grad():
-        warnings.simplefilter("ignore")
-        # The TorchScript exporter: the dynamo one needs onnxscript and gives the same graph here.
-        torch.onnx.export(
-            MeanPooled(),
-            (ids, (ids != 0).long()),
-            out,
-            input_names=["input_ids", "attention_mask"],
-            output_names=["embedding"],
-            dynamic_axes={
-                "input_ids": {0: "batch", 1: "tokens"},
-                "attention_mask": {0: "batch", 1: "tokens"},
-                "embedding": {0: "batch"},
-            },
-            opset_version=17,
-            dynamo=False,
-        )
-
-
-def _quantize_onnx(src: str, out: str) -> None:
-    from onnxruntime.quantization import QuantType, quantize_dynamic
-
-    # Per-channel int8 weights on the weight MatMuls only: per-tensor scales, or quantizing the
-    # attention products (both inputs dynamic), cost ~0.05 of cosine to the float vectors on
-    # SQuAD paragraphs; this keeps ~0.994 (bench/embed_speed.py measures what that does to recall).
-    root = logging.getLogger()
-    level = root.level
-    root.setLevel(logging.ERROR)  # the quantizer logs a "consider pre-processing" hint to root
-    try:
-        quantize_dynamic(
-            src, out, weight_type=QuantType.QInt8, per_channel=True, extra_options={"MatMulConstBOnly": True}
-        )
-    finally:
-        root.setLevel(level)
-
-
-def _onnx_file(folder: str, *, quantized: bool) -> str:
-    """The cached ONNX export of ``folder`` (int8 or float32), written once, atomically: each
-    file goes to a private temporary name and is renamed into place, so a concurrent or killed
-    export never leaves a half-written model to load."""
-    import os
-
-    cache = os.path.join(_cache_root(), _model_digest(folder))
-    fp32 = os.path.join(cache, "model.onnx")
-    want = os.path.join(cache, "model.int8.onnx") if quantized else fp32
-    if os.path.isfile(want):
-        return want
-    try:
-        os.makedirs(cache, exist_ok=True)
-        tmp = f"{want}.{os.getpid()}.tmp"
-        if not os.path.isfile(fp32):
-            ftmp = f"{fp32}.{os.getpid()}.tmp"
-            try:
-                _export_onnx(folder, ftmp)
-                os.replace(ftmp, fp32)
-            finally:
-                if os.path.exists(ftmp):
-                    os.unlink(ftmp)
-        if quantized:
-            try:
-                _quantize_onnx(fp32, tmp)
-                os.replace(tmp, want)
-            finally:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
-    except OSError as exc:
-        raise ModelError(
-            f"could not write the ONNX export of {folder!r} to {cache!r}: {exc}; "
-            "set RAGBUDGET_CACHE to a writable folder"
-        ) from exc
-    except Exception as exc:  # noqa: BLE001 - exporter/quantizer errors are many types
-        raise ModelError(
-            f"could not export {folder!r} to ONNX ({type(exc).__name__}: {exc}); use backend='torch'"
-        ) from exc
-    return want
-
-
-def _threads() -> int:
-    import os
-
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # not Linux
-        return max(1, os.cpu_count() or 1)
-
-
-class _OnnxBert:
-    """A :class:`_LightBert`-layout model on ONNX Runtime: the tokenizer from ``tokenizer.json``,
-    the graph from :func:`_onnx_file`. :meth:`encode` sorts the texts by token count and batches
-    neighbours, so a batch pads to about its own length rather than to the longest window."""
-
-    def __init__(self, layout: _LightBert, session: Any, *, quantized: bool = False) -> None:
-        from tokenizers import Tokenizer
-
-        self.layout = layout
-        self.session = session
-        self.quantized = quantized
-        # Its own tokenizer: truncation configured once, the shared one is never touched.
-        import os
-
-        self.tokenizer = Tokenizer.from_file(os.path.join(layout.folder, "tokenizer.json"))
-        self.tokenizer.no_padding()
-        self.tokenizer.enable_truncation(layout.max_seq_length)
-
-    @classmethod
-    def load(cls, layout: _LightBert, *, quantized: bool) -> _OnnxBert:
-        try:
-            import onnxruntime as ort
-        except ImportError as exc:
-            raise ConfigError(
-                "the ONNX backend needs onnxruntime and onnx: pip install 'ragbudget[onnx]' (or use backend='torch')"
-            ) from exc
-        path = _onnx_file(layout.folder, quantized=quantized)
-        opts = ort.SessionOptions()
-        # All the cores this process may use (ORT's default counts the host's physical cores).
-        opts.intra_op_num_threads = _threads()
-        opts.log_severity_level = 3
-        try:
-            session = ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
-        except Exception as exc:  # noqa: BLE001 - a damaged cache file
-            raise ModelError(f"could not load the ONNX model {path!r} ({exc}); delete it to export it again") from exc
-        return cls(layout, session, quantized=quantized)
-
-    def encode(self, texts: Sequence[str], *, batch_size: int = 32) -> Any:
-        import numpy as np
-
-        if self.quantized:
-            # Dynamic int8 quantization scales activations per tensor, so padded neighbours in a
-            # batch would move a text's vector (cos ~0.99 to itself alone). One text per run keeps
-            # each vector a function of its text only (a query equals the same text indexed), and
-            # unpadded runs were faster here too (bench/embed_speed.py notes).
-            batch_size = 1
-        # As sentence-transformers: stripped, cut to max_seq_length with the special tokens.
-        encs = self.tokenizer.encode_batch([str(t).strip() for t in texts])
-        lengths = np.array([len(e.ids) for e in encs])
-        order = np.argsort(-lengths, kind="stable")
-        out = np.empty((len(texts), self.layout.dim), dtype=np.float32)
-        for start in range(0, len(order), batch_size):
-            rows = order[start : start + batch_size]
-            width = int(lengths[rows].max())
-            ids = np.zeros((len(rows), width), dtype=np.int64)
-            mask = np.zeros((len(rows), width), dtype=np.int64)
-            for r, i in enumerate(rows):
-                n = int(lengths[i])
-                ids[r, :n] = encs[i].ids
-                mask[r, :n] = 1
-            out[rows] = self.session.run(None, {"input_ids": ids, "attention_mask": mask})[0]
         return out
 
 

@@ -6,9 +6,11 @@ and the chat endpoint.
   429 at once), with the idle allocator trim.
 * :class:`IndexHealth` — whether the index can serve; what ``/health`` and the 503s say.
 * :class:`AdmissionView` — the pipeline's admission controller and its figures, built once.
-* :class:`EngineLoad` — a served engine's live load, read at most once a second.
+* :class:`~ragbudget.engine_load.EngineLoad` (re-exported here) — a served engine's health and
+  live load, read at most once a second.
 * :class:`ChatEndpoint` — ``POST /v1/chat/completions``: early 429s, the conversation on the
-  pool, the whole or streamed answer, cancellation when the client leaves.
+  pool, the whole or streamed answer, cancellation when the client leaves or the request
+  time-out passes (:class:`RequestCancel`).
 
 Starlette is imported where a response is built, not when this module is imported.
 """
@@ -19,7 +21,6 @@ import asyncio
 import contextlib
 import functools
 import logging
-import math
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -28,7 +29,8 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from .admission import AdmissionController
-from .errors import IndexNotFoundError, RagBudgetError
+from .engine_load import EngineLoad, quick_look
+from .errors import ConfigError, EngineError, IndexNotFoundError, RagBudgetError
 from .malloc import IdleTrimmer, trimming_supported
 from .metrics import Metrics
 from .openai_api import (
@@ -38,6 +40,8 @@ from .openai_api import (
     Completion,
     caller_key,
     decode_json,
+    engine_overloaded,
+    engine_unavailable,
     error_from_exception,
     index_unavailable,
     is_client_disconnect,
@@ -50,13 +54,21 @@ from .relay import Relay
 
 if TYPE_CHECKING:
     from .admission import AdmissionController
-    from .backend import Capacity
     from .chat import SummaryCache
     from .index import Index
     from .pipeline import Answer, Pipeline
     from .settings import HistorySettings
 
-__all__ = ["CLIENT_LEFT", "AdmissionView", "ChatEndpoint", "EngineLoad", "IndexHealth", "Workers", "read_json"]
+__all__ = [
+    "CLIENT_LEFT",
+    "AdmissionView",
+    "ChatEndpoint",
+    "EngineLoad",
+    "IndexHealth",
+    "RequestCancel",
+    "Workers",
+    "read_json",
+]
 
 # The server's logger: the index coming and going belongs with the server's lines.
 log = logging.getLogger("ragbudget.server")
@@ -76,90 +88,9 @@ _ADMISSION_FIGURES = (
     "work_ahead_s",
     "slowdown",
 )
-
-
-class EngineLoad:
-    """The served engine's live load, as the gateway admits against it: requests running and
-    waiting, and free KV tokens, where the engine reports them (:meth:`Backend.capacity
-    <ragbudget.backend.Backend.capacity>`), read at most every ``ttl`` seconds (requests in
-    between share the figures; one reading at a time). Fails open: an engine that reports
-    neither its queue nor its free KV, or whose metrics cannot be read, is not limited here (the
-    gateway's own admission still is, and the engine queues and refuses itself); /health and
-    /metrics say so."""
-
-    def __init__(self, pipeline: Pipeline, ttl: float = 1.0) -> None:
-        self.pipeline, self.ttl = pipeline, ttl
-        self._lock = threading.Lock()
-        self._read_at = -math.inf
-        self._figures: tuple[Capacity | None, str] = (None, "not read yet")
-
-    def read(self) -> tuple[Capacity | None, str]:
-        """``(capacity, "")``, or ``(None, why)`` when the engine's figures cannot be read.
-        Blocks for the engine's reply (at most once per ``ttl``): call it off the event loop."""
-        from .errors import EngineError
-
-        with self._lock:
-            if time.monotonic() - self._read_at >= self.ttl:
-                try:
-                    self._figures = (self.pipeline.backend.capacity(), "")
-                except EngineError as exc:  # generation will say what is wrong; admission stays open
-                    self._figures = (None, str(exc))
-                self._read_at = time.monotonic()
-            return self._figures
-
-    @staticmethod
-    def refusal(figures: tuple[Capacity | None, str], max_new_tokens: int) -> str | None:
-        """Why the engine cannot take a request now, or None. Its waiting queue is non-empty only
-        when it cannot schedule more (vLLM and SGLang schedule while KV blocks are free), so a
-        request sent now would only queue there, past any timeout the client has."""
-        cap, _ = figures
-        if cap is None:
-            return None
-        if cap.waiting:
-            return f"the engine has {cap.waiting} request(s) waiting ({cap.load_source})"
-        if cap.kv_tokens_free is not None and cap.kv_tokens_free < max_new_tokens:
-            return (
-                f"the engine has {cap.kv_tokens_free} free KV tokens, fewer than the "
-                f"{max_new_tokens} of one answer ({cap.kv_free_source})"
-            )
-        return None
-
-    @staticmethod
-    def describe(figures: tuple[Capacity | None, str]) -> dict[str, Any]:
-        """What /health shows of the figures: the engine's load, or why admission is open."""
-        cap, error = figures
-        if cap is None or (cap.waiting is None and cap.kv_tokens_free is None):
-            why = error or f"the {cap.engine_kind if cap else 'engine'} reports neither its queue nor its free KV"
-            return {"open": True, "note": f"open: {why}; only the gateway's own admission limits requests"}
-        return {
-            "open": False,
-            "running": cap.running,
-            "waiting": cap.waiting,
-            "kv_tokens_free": cap.kv_tokens_free,
-            "age_s": round(cap.age(), 3),
-            "sources": [s for s in (cap.load_source, cap.kv_free_source) if s],
-        }
-
-    @classmethod
-    def gauges(cls, figures: tuple[Capacity | None, str]) -> dict[str, tuple[str, float]]:
-        """What /metrics shows of the figures (:meth:`ragbudget.metrics.Metrics.render` gauges)."""
-        cap, _ = figures
-        help_open = (
-            "1: the served engine reports neither its queue nor its free KV (or they cannot be "
-            "read), so requests are not refused for its load (fail open); 0: they are."
-        )
-        out: dict[str, tuple[str, float]] = {
-            "ragbudget_engine_admission_open": (help_open, 1 if cls.describe(figures)["open"] else 0)
-        }
-        if cap is not None:
-            for name, value, help_ in (
-                ("ragbudget_engine_running_requests", cap.running, "Requests the engine runs (its metrics)."),
-                ("ragbudget_engine_waiting_requests", cap.waiting, "Requests the engine queues (its metrics)."),
-                ("ragbudget_engine_kv_free_tokens", cap.kv_tokens_free, "Free KV tokens the engine reports."),
-            ):
-                if value is not None:
-                    out[name] = (help_, value)
-        return out
+# Of those, the host memory figures (the memory left beside the weights, and how much of it
+# requests hold): shown only with ``expose_plan``, like the plan itself.
+_HOST_MEMORY_FIGURES = frozenset({"capacity_bytes", "admitted_bytes", "peak_admitted_bytes"})
 
 
 # --- what the routes share ------------------------------------------------------------------------
@@ -217,7 +148,7 @@ class WorkersBusy(APIError):
     def __init__(self, max_workers: int) -> None:
         super().__init__(
             429,
-            f"server busy: {max_workers} requests already in progress",
+            f"server busy: {max_workers} requests already in progress; retry after 1 s",
             type="rate_limit_error",
             code="overloaded",
             headers={"Retry-After": "1"},
@@ -342,28 +273,37 @@ class AdmissionView:
     """The pipeline's admission controller and its one-line description, each built once, off
     the event loop (sizing the controller plans from memory or asks the engine)."""
 
-    def __init__(self, pipeline: Pipeline) -> None:
+    def __init__(self, pipeline: Pipeline, *, expose_plan: bool = False) -> None:
         self.pipeline = pipeline
+        self.expose_plan = expose_plan
         self._controller: AdmissionController | None = None
         self._note: str | None = None
 
     async def controller(self) -> AdmissionController | None:
         """The controller, or None while it cannot be built (the requests then get the error)."""
         if self._controller is None:
-            with contextlib.suppress(RagBudgetError):
-                self._controller = await asyncio.to_thread(lambda: self.pipeline.admission)
+            with contextlib.suppress(RagBudgetError):  # sized from an engine that is not there yet
+                self._controller = await asyncio.to_thread(quick_look, self.pipeline, lambda: self.pipeline.admission)
         return self._controller
 
     async def figures(self) -> dict[str, float]:
-        """What /health and /metrics show of its stats."""
+        """What /health and /metrics show of its stats (host memory figures only with
+        ``expose_plan``)."""
         ctl = await self.controller()
         stats = ctl.stats().to_dict() if ctl is not None else {}
-        return {k: stats[k] for k in _ADMISSION_FIGURES if k in stats}
+        shown = [k for k in _ADMISSION_FIGURES if self.expose_plan or k not in _HOST_MEMORY_FIGURES]
+        return {k: stats[k] for k in shown if k in stats}
 
     async def note(self) -> str:
-        """What admission is sized from (read once: an engine's shape is fixed)."""
+        """What admission is sized from (read once: an engine's shape is fixed; an engine that
+        cannot say now is asked again next time)."""
         if self._note is None:
-            self._note = await asyncio.to_thread(self.pipeline.admission_note)
+            try:
+                note: str = await asyncio.to_thread(quick_look, self.pipeline, self.pipeline.admission_note)
+            except EngineError as exc:
+                return f"unknown until the engine answers ({type(exc).__name__})"
+            self._note = note
+            return note
         return self._note
 
 
@@ -398,6 +338,30 @@ CLIENT_LEFT = "ragbudget.client_left"
 # --- the chat endpoint ----------------------------------------------------------------------------
 
 
+class RequestCancel(threading.Event):
+    """A chat request's cancel event (what ``pipeline.ask`` and admission look at), set when its
+    client leaves or when its request time-out passes: ``timed_out`` says which, and ``clock``
+    is the event loop's timer that sets it at the time-out (stopped when the request ends)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.timed_out = False
+        self.clock: asyncio.TimerHandle | None = None
+
+    def time_out(self, metrics: Metrics) -> None:
+        """The request time-out passed: stop the request (every loop it runs looks at this
+        event: history counting, the summary, the admission queue, each generated token)."""
+        if not self.is_set():
+            self.timed_out = True
+            metrics.add("timed_out", 1)
+            self.set()
+
+    def stop_clock(self) -> None:
+        if self.clock is not None:
+            self.clock.cancel()
+            self.clock = None
+
+
 class ChatEndpoint:
     """``POST /v1/chat/completions``: parse, refuse early when overloaded, run the conversation
     on the worker pool (admission happens inside ``pipeline.ask``), answer whole or streamed.
@@ -420,6 +384,7 @@ class ChatEndpoint:
         disconnect_poll_s: float,
         expose_plan: bool,
         keepalive_s: float,
+        request_timeout: float | None = None,
     ) -> None:
         self.pipeline = pipeline
         self.models = models
@@ -434,10 +399,11 @@ class ChatEndpoint:
         self.summary_cache = summary_cache
         self.disconnect_poll_s = disconnect_poll_s
         self.keepalive_s = keepalive_s
+        self.request_timeout = request_timeout or None  # 0: none
         self.expose_plan = expose_plan
         self.max_tokens_limit = pipeline.memory.max_new_tokens
         self.hold_s = 1.0  # EWMA of answered chat requests' duration, for Retry-After
-        self.active: set[threading.Event] = set()  # cancel events of the requests in progress
+        self.active: set[RequestCancel] = set()  # cancel events of the requests in progress
 
     async def __call__(self, request: Any) -> Any:
         """Answer one request (a Starlette ``Request``): a JSON body, a stream, or an APIError."""
@@ -453,18 +419,42 @@ class ChatEndpoint:
                 req.key, host=client.host if client else "", authorization=request.headers.get("authorization", "")
             ),
         )
+        self.check_history(req)
         self.health.require()
         completion = Completion.new(req.model, expose_plan=self.expose_plan)
-        cancel = threading.Event()
+        cancel = RequestCancel()
         self.active.add(cancel)
+        if self.request_timeout is not None:
+            cancel.clock = asyncio.get_running_loop().call_later(self.request_timeout, cancel.time_out, self.metrics)
         try:
             response = await self._chat(request, req, cancel, t0, completion)
         except BaseException:
             self.active.discard(cancel)
+            cancel.stop_clock()
             raise
         if not isinstance(response, StreamingResponse):
             self.active.discard(cancel)
+            cancel.stop_clock()
         return response  # a stream leaves `active` when it is closed (see _stream)
+
+    def check_history(self, req: ChatRequest) -> None:
+        """A 400 naming the limit for a history over ``max_messages`` or ``max_history_chars``,
+        before any worker is taken (every message would be counted through the chat template)."""
+        try:
+            self.history.check_size(messages=len(req.history) + 1, chars=sum(len(m["content"]) for m in req.history))
+        except ConfigError as exc:
+            raise APIError(400, str(exc), param="messages", code="history_too_long") from None
+
+    def timed_out(self) -> APIError:
+        """The answer of a request stopped at the request time-out before its answer was whole."""
+        return APIError(
+            503,
+            f"the request ran past the request time-out of {self.request_timeout:g} s and was stopped "
+            "(its memory is free again); send a shorter history or a lower max_tokens, or raise "
+            "serve --request-timeout",
+            type="server_error",
+            code="request_timeout",
+        )
 
     def cancel_all(self) -> None:
         """Server stopping: stop running generations (frees their reservations)."""
@@ -475,10 +465,11 @@ class ChatEndpoint:
         return overloaded(why, self.hold_s if retry_after is None else retry_after)
 
     async def reject_if_overloaded(self, req: ChatRequest) -> bool:
-        """Answer 429 before any retrieval work when admission's queue is already full, when the
+        """Answer 429 before any retrieval work when admission's queue is already full, or when the
         first token of a request of the plan's per-request size would come past the queue
-        time-out (admission's time rule, :meth:`AdmissionController.would_refuse`), or when the
-        served engine says it is full (its own queue, or no free KV for even the answer).
+        time-out (admission's time rule, :meth:`AdmissionController.would_refuse`); and 503 when
+        the served engine is unavailable (:class:`EngineLoad`) or says it is full (its own queue,
+        or no free KV for even the answer) — the engine's trouble, not this server's queue.
         Returns whether the request is a client back for a refusal's promise
         (:meth:`AdmissionController.hold_return`): it skips admission's early checks, and may
         take a worker past the pool's bound (:meth:`submit`).
@@ -496,9 +487,13 @@ class ChatEndpoint:
                 if not returning:
                     await self._refuse_early(ctl, req)
         if self.engine_load is not None:
-            why = self.engine_load.refusal(await asyncio.to_thread(self.engine_load.read), self._max_new(req))
+            load = self.engine_load
+            figures = await asyncio.to_thread(load.read)
+            if load.error is not None:  # gone, loading or broken: nothing to send it yet
+                raise engine_unavailable(load.error, retry_after=max(1.0, 2 * load.ttl))
+            why = load.refusal(figures, self._max_new(req))
             if why is not None:
-                raise self.overloaded(why)
+                raise engine_overloaded(load.kind, load.url, why, self.hold_s)
         return returning
 
     async def _refuse_early(self, ctl: AdmissionController, req: ChatRequest) -> None:
@@ -591,19 +586,25 @@ class ChatEndpoint:
         if "queue_s" in report["timings"]:  # absent when the request never reached the queue
             self.metrics.observe("ragbudget_queue_wait_seconds", report["timings"]["queue_s"])
 
-    async def wait_or_cancel(self, request: Any, fut: asyncio.Future[Any], cancel: threading.Event) -> Any:
+    async def wait_or_cancel(self, request: Any, fut: asyncio.Future[Any], cancel: RequestCancel) -> Any:
         """Await ``fut``; if the client goes away meanwhile, set ``cancel`` (frees the KV
-        reservation) and still wait for the worker to wind down."""
+        reservation) and still wait for the worker to wind down. A request stopped by its
+        time-out is a 503 (:meth:`timed_out`), whatever the worker raised on its way out."""
         while True:
             done, _ = await asyncio.wait({fut}, timeout=self.disconnect_poll_s)
             if done:
-                return _result(fut, self.to_error)
+                try:
+                    return _result(fut, self.to_error)
+                except APIError:
+                    if cancel.timed_out:
+                        raise self.timed_out() from None
+                    raise
             if not cancel.is_set() and await request.is_disconnected():
                 cancel.set()
                 self.metrics.add("cancelled", 1)
 
     async def _chat(
-        self, request: Any, req: ChatRequest, cancel: threading.Event, t0: float, completion: Completion
+        self, request: Any, req: ChatRequest, cancel: RequestCancel, t0: float, completion: Completion
     ) -> Any:
         from starlette.responses import Response
 
@@ -614,8 +615,10 @@ class ChatEndpoint:
             except WorkersBusy as full:
                 raise await self.busy(req, full) from full
             answer = await self.wait_or_cancel(request, fut, cancel)
-            if cancel.is_set():  # the client left: nobody reads the answer (counted as 499)
-                return Response(status_code=CLIENT_CLOSED)
+            if cancel.timed_out and answer.finish_reason == "cancelled":
+                raise self.timed_out()  # (an answer whole just before the time-out is sent)
+            if cancel.is_set() and not cancel.timed_out:
+                return Response(status_code=CLIENT_CLOSED)  # the client left: nobody reads it (499)
             self.health.ok()
             self.record_answer(answer)
             return completion.body(answer)
@@ -625,7 +628,7 @@ class ChatEndpoint:
         self,
         request: Any,
         req: ChatRequest,
-        cancel: threading.Event,
+        cancel: RequestCancel,
         t0: float,
         completion: Completion,
         returning: bool,
@@ -660,6 +663,10 @@ class ChatEndpoint:
                 getter.cancel()
                 await asyncio.wait({relay.started})
                 return Response(status_code=CLIENT_CLOSED)
+        if cancel.timed_out and (
+            first.kind == "error" or (first.kind == "done" and first.value.finish_reason == "cancelled")
+        ):
+            raise self.timed_out()  # nothing sent yet: a plain 503
         if first.kind == "error":
             raise self.to_error(first.value)
 
@@ -670,6 +677,7 @@ class ChatEndpoint:
             gone, even before the body started, or server stopping), stop generating now so the
             KV reservation is freed at once."""
             self.active.discard(cancel)
+            cancel.stop_clock()
             if not finished and not cancel.is_set():
                 cancel.set()
                 metrics.add("cancelled", 1)
@@ -695,8 +703,9 @@ class ChatEndpoint:
                     elif kind == "tick":
                         # An SSE comment: clients skip it, and their read time-out restarts.
                         yield b": waiting for a turn\n\n"
-                    elif kind == "error":
-                        err = self.to_error(value)
+                    elif kind == "error" or (cancel.timed_out and value.finish_reason == "cancelled"):
+                        # An error, or the request time-out cut the answer: the stream says so.
+                        err = self.timed_out() if cancel.timed_out else self.to_error(value)
                         yield sse(err.body())
                         yield sse("[DONE]")
                         finished = True

@@ -20,17 +20,24 @@ into exit codes (1 for any ``RagBudgetError``); the library never calls ``sys.ex
     ├── RequestCancelled                 the caller cancelled the request (a client left)
     ├── ExecutorError                    embedding on a cluster failed (Ray unreachable, a worker died)
     └── EngineError                      a served engine (vLLM, SGLang, TGI, llama.cpp, Ollama, …)
-        ├── EngineConnectionError (ConnectionError)  refused, DNS, TLS, timeout / hang
+        ├── EngineConnectionError (ConnectionError)  refused, DNS, TLS, dropped (``cause`` says which)
+        │   └── EngineTimeoutError (TimeoutError)    no answer within the time-out: hung or saturated
         ├── EngineAuthError (PermissionError)        401 / 403
         ├── EngineResponseError (ValueError)         malformed JSON, unexpected shape or status
         ├── EngineContextError (BudgetError)         the prompt did not fit the server's context
         └── EngineOverloadedError (OverloadedError)  429 / 503 still, after a bounded back-off
+
+The server answers engine errors as a gateway does: 502 for an engine that refused the connection
+or answered wrongly, 504 for one that gave no answer in time, 503 with ``Retry-After`` for one that
+is overloaded or down (:func:`ragbudget.openai_api.error_from_exception`).
 
 Leaves subclass the built-in they refine (``ConfigError`` is a ``ValueError``) so callers' existing
 ``except ValueError`` keeps working.
 """
 
 from __future__ import annotations
+
+import math
 
 __all__ = [
     "ArgumentTypeError",
@@ -42,6 +49,7 @@ __all__ = [
     "EngineError",
     "EngineOverloadedError",
     "EngineResponseError",
+    "EngineTimeoutError",
     "ExecutorError",
     "IndexCorruptError",
     "IndexEmptyError",
@@ -55,6 +63,7 @@ __all__ = [
     "RagBudgetError",
     "RequestCancelled",
     "SearchIndexError",
+    "retry_after_seconds",
 ]
 
 
@@ -151,11 +160,24 @@ class BudgetError(RagBudgetError):
         self.limit = limit
 
 
+def retry_after_seconds(seconds: float) -> int:
+    """A retry delay as HTTP's ``Retry-After`` carries it: whole seconds, rounded up (a client
+    honouring it must not come back before the time it was given), at least 1 (never 0: no
+    hammering). Every refusal's message states this same number.
+
+    >>> retry_after_seconds(2.1), retry_after_seconds(0.01)
+    (3, 1)
+    """
+    return max(1, math.ceil(seconds))
+
+
 class OverloadedError(RagBudgetError):
-    """Admission control refused a request: the wait queue is full or the wait timed out."""
+    """Admission control refused a request: the wait queue is full or the wait timed out. The
+    message ends with "retry after N s", N being :func:`retry_after_seconds` of ``retry_after``:
+    the very number a server's ``Retry-After`` header carries."""
 
     def __init__(self, message: str, *, retry_after: float = 1.0) -> None:
-        super().__init__(message)
+        super().__init__(f"{message}; retry after {retry_after_seconds(retry_after)} s")
         self.retry_after = retry_after
 
 
@@ -195,8 +217,53 @@ class EngineError(RagBudgetError):
 
 
 class EngineConnectionError(EngineError, ConnectionError):
-    """No usable answer at all: connection refused, unknown host, TLS failure, or no answer within
-    the timeout (a hung server). Never retried forever: the message says what to check."""
+    """No usable answer at all: connection refused, unknown host, TLS failure, a connection dropped
+    mid-request, or (:class:`EngineTimeoutError`) no answer within the timeout. Never retried
+    forever: the message says what to check. ``cause`` names the failure for code that branches on
+    it: ``"refused"``, ``"dns"``, ``"tls"``, ``"dropped"``, ``"timeout"`` or ``"unreachable"``
+    (anything else on the way)."""
+
+    #: The causes, each as a gateway's answer says it ("the engine … refused the connection").
+    CAUSES = {
+        "refused": "refused the connection (it is not running or not listening there)",
+        "dns": "has a host name that does not resolve",
+        "tls": "failed the TLS handshake",
+        "dropped": "closed the connection mid-request (it may have crashed or restarted)",
+        "timeout": "gave no answer in time",
+        "unreachable": "could not be reached",
+    }
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        url: str = "",
+        kind: str = "",
+        status: int | None = None,
+        body: object = None,
+        cause: str = "unreachable",
+    ) -> None:
+        EngineError.__init__(self, message, url=url, kind=kind, status=status, body=body)
+        self.cause = cause if cause in self.CAUSES else "unreachable"
+
+
+class EngineTimeoutError(EngineConnectionError, TimeoutError):
+    """The engine gave no answer within ``timeout`` seconds (the engine time-out, CLI
+    ``--engine-timeout``; or the connect time-out): hung, still loading, or busy with other
+    requests. The server answers 504."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        url: str = "",
+        kind: str = "",
+        status: int | None = None,
+        body: object = None,
+        timeout: float | None = None,
+    ) -> None:
+        EngineConnectionError.__init__(self, message, url=url, kind=kind, status=status, body=body, cause="timeout")
+        self.timeout = timeout
 
 
 class EngineAuthError(EngineError, PermissionError):

@@ -44,9 +44,35 @@ from .types import CACHE_KINDS
 if TYPE_CHECKING:
     from .budget import PeakMeasurement
 
-__all__ = ["Generation", "Generator", "OOMStep", "is_oom"]
+__all__ = ["REPEATED_LINE_STOP", "Generation", "Generator", "OOMStep", "is_oom", "line_repeats"]
 
 log = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def _gguf_bar_only_on_a_terminal() -> Iterator[None]:
+    """transformers draws its one-off "Converting and de-quantizing GGUF tensors" bar with tqdm
+    directly (its own progress-bar switch does not reach it): off the terminal (a log, a pipe)
+    that bar is hundreds of carriage-return redraws, so it is turned off there for the call."""
+    import sys
+
+    try:
+        import transformers.modeling_gguf_pytorch_utils as gguf_utils
+    except ImportError:  # another transformers layout: nothing to quiet
+        yield
+        return
+    bar = getattr(gguf_utils, "tqdm", None)
+    if bar is None or sys.stderr.isatty():
+        yield
+        return
+    import functools
+
+    gguf_utils.tqdm = functools.partial(bar, disable=True)  # a third-party seam: restored below
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = bar
+
 
 #: How many times the ladder halves the passages before touching the cache.
 MAX_DROP_STEPS = 2
@@ -252,7 +278,8 @@ class _CallbackStreamer:
     ``stop`` strings it also holds back any tail that could be the start of one, and emits nothing
     from the first stop string on: a stream never shows text the final answer does not contain
     (transformers hands the streamer the token that completes a stop string before its stopping
-    criteria end the generation).
+    criteria end the generation). So it does for a line repeated in a row
+    (:func:`line_repeats`): ``stopped`` is set at the third copy, which ends the answer.
     """
 
     def __init__(
@@ -276,6 +303,13 @@ class _CallbackStreamer:
                 end, self.stopped = cut, True
             elif not final:
                 end -= _partial_stop(text, self.stop)
+        # A line repeated in a row: its copies are held back until a different line starts, and
+        # at the third the answer ends (line_repeats).
+        repeat, safe = line_repeats(text[:end])
+        if repeat is not None:
+            end, self.stopped = repeat, True
+        elif not final:
+            end = min(end, safe)
         if end > self.sent:
             self.cb(text[self.sent : end])
             self.sent = end
@@ -298,6 +332,55 @@ class _CallbackStreamer:
 
     def end(self) -> None:
         self._emit(self.tok.decode(self.ids, skip_special_tokens=True), final=True)
+
+
+#: An answer ends at the third time in a row one non-empty line is produced (blank lines between
+#: them ignored). Twice can be meant — a refrain, two equal table rows — three times is a decoding
+#: loop: the packaged SmolLM2 wrote one line ten times over in a 256-token answer (issue #30).
+#: The answer keeps the line once; a stream never shows the copies (see :func:`line_repeats`).
+REPEATED_LINE_STOP = 3
+
+
+def line_repeats(text: str, times: int = REPEATED_LINE_STOP) -> tuple[int | None, int]:
+    r"""Whether ``text`` (an answer so far) ends in one line repeated ``times`` times in a row.
+
+    Returns ``(cut, safe)``. ``cut`` is where the answer ends when its last ``times`` complete
+    non-empty lines are one line (compared without surrounding spaces; blank lines between
+    ignored): the end of the first of them, so the line is kept once; ``None`` otherwise.
+    ``safe`` is how much of ``text`` cannot become such a repetition any more, what a stream may
+    show: up to the end of a line that its complete copies follow, or that the unfinished last
+    line still begins like.
+
+    >>> line_repeats("Intro\nSame line\nSame line\n  Same line\n")
+    (15, 15)
+    >>> line_repeats("Intro\nSame line\nSame li")  # the copy being written is held back
+    (None, 15)
+    >>> line_repeats("Intro\nSame line\nSame line\nOther")  # twice is kept: all of it is safe
+    (None, 31)
+    """
+    lines: list[tuple[int, str]] = []  # (end offset, stripped text) of complete non-empty lines
+    start = 0
+    while True:
+        nl = text.find("\n", start)
+        if nl < 0:
+            break
+        line = text[start:nl].strip()
+        if line:
+            lines.append((nl, line))
+        start = nl + 1
+    if not lines:
+        return None, len(text)
+    last = lines[-1][1]
+    first = len(lines) - 1  # the first line of the run of copies of the last one
+    while first > 0 and lines[first - 1][1] == last:
+        first -= 1
+    end_of_first = lines[first][0]
+    if len(lines) - first >= times:
+        return end_of_first, end_of_first
+    partial = text[start:].strip()
+    if partial and not last.startswith(partial):
+        return None, len(text)  # the next line differs: this run ends short of the stop
+    return None, end_of_first
 
 
 def _first_stop(text: str, stop: Sequence[str]) -> int | None:
@@ -436,8 +519,9 @@ class Generator:
             except (OSError, ValueError) as exc:
                 log.warning("converted cache %s unusable (%s); converting again", target, exc)
         t0 = time.perf_counter()
-        tok = AutoTokenizer.from_pretrained(ref.path, gguf_file=ref.gguf_file)
-        model = AutoModelForCausalLM.from_pretrained(ref.path, gguf_file=ref.gguf_file, **kwargs)
+        with _gguf_bar_only_on_a_terminal():
+            tok = AutoTokenizer.from_pretrained(ref.path, gguf_file=ref.gguf_file)
+            model = AutoModelForCausalLM.from_pretrained(ref.path, gguf_file=ref.gguf_file, **kwargs)
         log.info("converted %s in %.1fs", gguf.name, time.perf_counter() - t0)
         q = getattr(model, "hf_quantizer", None)
         if q is not None:
@@ -487,6 +571,16 @@ class Generator:
     @property
     def config(self) -> Any:
         return self.model.config
+
+    @property
+    def repetition_penalty(self) -> float:
+        """The repetition penalty of the model's own ``generation_config`` (its checkpoint's
+        ``generation_config.json``; what transformers builds for a GGUF), 1.0 when it sets none.
+        ``generate`` applies it as transformers does; batched generation too
+        (:mod:`ragbudget.batching`)."""
+        cfg = getattr(self.model, "generation_config", None)
+        value = getattr(cfg, "repetition_penalty", None)
+        return float(value) if isinstance(value, (int, float)) and value > 0 else 1.0
 
     @property
     def device(self) -> str:
@@ -681,6 +775,9 @@ class Generator:
         cut = _first_stop(text, stop or ())
         if cut is not None:
             text, finish = text[:cut], "stop"
+        cut, _ = line_repeats(text)
+        if cut is not None:  # a decoding loop: the line once, and the answer ends there
+            text, finish = text[:cut], "stop"
         return text.strip(), finish
 
     def _eos_ids(self) -> set[int]:
@@ -753,8 +850,10 @@ class Generator:
             from transformers import LogitsProcessorList
 
             kw["logits_processor"] = LogitsProcessorList(processors)
+        from transformers import StoppingCriteria, StoppingCriteriaList
+
+        criteria: list[Any] = []
         if cancel is not None:
-            from transformers import StoppingCriteria, StoppingCriteriaList
 
             class _Cancel(StoppingCriteria):
                 def __init__(self, event: threading.Event) -> None:
@@ -764,7 +863,19 @@ class Generator:
                     done = self.event.is_set()
                     return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
 
-            kw["stopping_criteria"] = StoppingCriteriaList([_Cancel(cancel)])
+            criteria.append(_Cancel(cancel))
+
+        class _RepeatedLine(StoppingCriteria):
+            """Ends the answer at a line produced REPEATED_LINE_STOP times in a row. A line ends
+            only at a newline: the answer is decoded again only when a token holds one."""
+
+            def __call__(self, input_ids: Any, scores: Any, **kwargs: Any) -> Any:
+                new = input_ids[0, len(ids) :].tolist()
+                done = bool(new) and "\n" in tok.decode(new[-1:]) and line_repeats(tok.decode(new))[0] is not None
+                return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
+
+        criteria.append(_RepeatedLine())
+        kw["stopping_criteria"] = StoppingCriteriaList(criteria)
         if on_text is not None:
             kw["streamer"] = _CallbackStreamer(tok, on_text, len(ids), stop or ())
         elif streamer is not None:

@@ -16,9 +16,11 @@ Layout of an index folder (default ``.ragbudget/``)::
                            ``chunks`` by triggers, so it is written by the same atomic generation;
                            sentence_vectors: each chunk's sentences embedded (float16, one row per
                            chunk, keyed by sentence digest) for span packing, removed with their
-                           chunk by a trigger
+                           chunk by a trigger (rows only with ``sentence_vectors=True``)
     lock                   flock'ed by the one writer
     embed.checkpoint       vectors embedded by an unfinished run (only while one is, or was killed)
+    cache/sentences.sqlite sentence vectors embedded at question time, for later questions: not part
+                           of a generation, safe to delete (:mod:`ragbudget.sentence_cache`)
 
 **Atomicity.** A writer never modifies the files of the current generation: it copies the SQLite
 file to ``meta.<gen+1>.sqlite.tmp``, edits the copy, writes the new FAISS file beside the old one,
@@ -801,7 +803,7 @@ class Index:
     @property
     def has_sentence_vectors(self) -> bool:
         """Whether the generation in use stores every chunk's sentence vectors: built with
-        ``sentence_vectors`` on (the default) by a version that stores them. ``False``: span
+        ``sentence_vectors=True`` by a version that stores them. ``False``: span
         packing embeds the pool's sentences at question time."""
         return _stores_sentences(self.manifest)
 

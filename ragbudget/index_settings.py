@@ -68,13 +68,6 @@ def recorded(manifest: Mapping[str, Any] | None) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _stores_sentences(manifest: Mapping[str, Any]) -> bool:
-    # No entry: written before they were stored (the next run adds them, as it always did);
-    # {"stored": false}: left out on purpose, and kept out until a run is told otherwise.
-    entry = manifest.get("sentences")
-    return not isinstance(entry, Mapping) or bool(entry.get("stored", True))
-
-
 def resolve(
     manifest: Mapping[str, Any] | None,
     *,
@@ -107,8 +100,8 @@ def resolve(
         kept: dict[str, Any] = {
             k: rec["chunking"][k] for k in ("min_tokens", "max_tokens", "overlap") if k not in given
         }
-        if "sentence_vectors" not in given and manifest is not None:
-            kept["sentence_vectors"] = _stores_sentences(manifest)
+        # sentence_vectors not given stays None: the builder keeps what the index has (none for a
+        # new one; build.py), so that rule is written once.
         try:
             sizes = ChunkSettings(**kept, **given)
         except ConfigError as exc:

@@ -961,6 +961,16 @@ def load_document(
     return Document(path=spath, pages=pages, meta=meta)
 
 
+def _pages_have(n: int, total: int) -> str:
+    """``"1 of 114 pages has"`` / ``"3 of 114 pages have"``: the verb agrees with ``n``, the
+    pages counted, not with the total.
+
+    >>> _pages_have(1, 114), _pages_have(2, 3)
+    ('1 of 114 pages has', '2 of 3 pages have')
+    """
+    return f"{n} of {total} pages {'has' if n == 1 else 'have'}"
+
+
 def _text_layer_check(
     pages: list[str], data: bytes, path: str, opts: LoadOptions, meta: dict[str, Any], warnings: list[str]
 ) -> list[str]:
@@ -978,7 +988,7 @@ def _text_layer_check(
     if not opts.ocr:
         if len(blank) < len(pages):  # all blank: load_document raises "empty" with this advice
             warnings.append(
-                f"{len(blank)} of {len(pages)} pages have no text layer (scanned?); not indexed without --ocr"
+                f"{_pages_have(len(blank), len(pages))} no text layer (scanned?); not indexed without --ocr"
             )
         return pages
     from .formats.ocr import ocr_pdf_pages
@@ -987,8 +997,7 @@ def _text_layer_check(
         texts = ocr_pdf_pages(data, blank, path, lang=opts.ocr_lang)
     except LoadError as exc:
         warnings.append(
-            f"{len(blank)} of {len(pages)} pages have no text layer and OCR failed: "
-            + str(exc).removeprefix(f"{path}: ")
+            f"{_pages_have(len(blank), len(pages))} no text layer and OCR failed: " + str(exc).removeprefix(f"{path}: ")
         )
         if len(blank) == len(pages):
             raise
@@ -999,7 +1008,7 @@ def _text_layer_check(
     meta["ocr_pages"] = len(blank)
     still = sum(1 for i in blank if not pages[i].strip())
     warnings.append(
-        f"{len(blank)} of {len(pages)} pages have no text layer: read by OCR"
+        f"{_pages_have(len(blank), len(pages))} no text layer: read by OCR"
         + (f" ({still} gave no text)" if still else "")
     )
     return pages

@@ -63,6 +63,7 @@ class Metrics:
         self.requests: dict[tuple[str, str], int] = {}
         self.oom_steps = 0
         self.cancelled = 0
+        self.timed_out = 0
         self.rejected = 0
         self.refused_early = 0  # of those, refused before their prompt was built
         self.tokens_prompt = 0
@@ -116,6 +117,11 @@ class Metrics:
                     self.refused_early,
                 ),
                 ("ragbudget_cancelled_total", "Requests whose client disconnected before the end.", self.cancelled),
+                (
+                    "ragbudget_timed_out_total",
+                    "Chat requests stopped at the request time-out (answered 503, or their stream ended).",
+                    self.timed_out,
+                ),
                 ("ragbudget_oom_steps_total", "Steps taken down the OOM fallback ladder.", self.oom_steps),
                 ("ragbudget_prompt_tokens_total", "Prompt tokens processed.", self.tokens_prompt),
                 ("ragbudget_completion_tokens_total", "Tokens generated.", self.tokens_completion),

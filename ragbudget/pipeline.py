@@ -43,6 +43,7 @@ from .allowance import (
     EnginePlan,
     engine_admission,
     memory_max_prompt,
+    model_name,
     prompt_room,
     time_cap,
 )
@@ -309,7 +310,10 @@ class Pipeline:
 
     def __repr__(self) -> str:
         if self.engine.url is not None:
-            return f"Pipeline({str(self.index_dir)!r}, engine={self.engine.url!r}, engine_kind={self.engine.kind!r})"
+            from .engines import root_url  # the URL without any credentials in it
+
+            url = root_url(self.engine.url)
+            return f"Pipeline({str(self.index_dir)!r}, engine={url!r}, engine_kind={self.engine.kind!r})"
         return (
             f"Pipeline({str(self.index_dir)!r}, model={self.model!r}, gpu={self.memory.gpu!r}, "
             f"concurrency={self.memory.concurrency})"
@@ -418,7 +422,7 @@ class Pipeline:
             url=url,
             kind=capacity.engine_kind or "engine",
             detected=detected,
-            model=backend.model_id,
+            model=model_name(backend.model_id),
         )
 
     @property
@@ -471,6 +475,22 @@ class Pipeline:
                 plan = self._pacing.cap(self._generator, plan)
                 self._plans[(max_new_tokens, loaded)] = plan
             return plan
+
+    #: What :meth:`calibrate` asks: any index has an answer to it.
+    CALIBRATION_QUESTION = "What is this about?"
+
+    def calibrate(self, question: str = CALIBRATION_QUESTION, *, max_new_tokens: int = 16) -> Answer | None:
+        """Answer one real ``question`` — retrieval, a prompt as long as the plan allows,
+        admission, ``max_new_tokens`` streamed tokens — so that admission's time model learns the
+        speed a request gets on this host before the first client comes: the speed probe times
+        bare forward passes of the model alone, and real requests have run several times slower
+        (issue #30). Its first token and its end are observed as any request's are
+        (:meth:`~ragbudget.admission.AdmissionController.observe`: a new speed is provisional,
+        and the slower one stands). ``serve`` does it at warm-up. ``None`` without a time model
+        (a served engine, a model not loaded): nothing to calibrate."""
+        if self.admission.throughput is None:
+            return None
+        return self.ask(question, max_new_tokens=max_new_tokens, on_text=lambda _piece: None)
 
     #: Seconds between two looks at whether a provisional speed can be measured again.
     SPEED_RECHECK_S = 30.0
@@ -758,22 +778,28 @@ class Pipeline:
         """``build_prompt``'s packing keywords: with ``pack="spans"``, one
         :class:`~ragbudget.spans.SpanScorer` per pipeline over the index's embedder, so sentence
         vectors are cached across questions, reading the sentence vectors the index stored at
-        build time first (search already refused an embedder other than the index's)."""
+        build time first, then the :class:`~ragbudget.sentence_cache.SentenceCache` beside the
+        index, which keeps every sentence embedded at question time for later questions and
+        processes (search already refused an embedder other than the index's)."""
         if self.retrieval.pack == "chunks":
             return {"fill_remainder": True} if self.retrieval.fill_remainder else {}
         with self._lock:
             if self._span_scorer is None:
+                from .sentence_cache import SentenceCache
                 from .spans import SpanScorer
 
                 store = self.store
-                self._span_scorer = SpanScorer(self.embedder or store.embedder, stored=store.sentence_vectors)
+                persist = SentenceCache(store.path, identity=store.manifest["embedder"], dim=int(store.manifest["dim"]))
+                self._span_scorer = SpanScorer(
+                    self.embedder or store.embedder, stored=store.sentence_vectors, persist=persist
+                )
         return {"pack": self.retrieval.pack, "span_scorer": self._span_scorer}
 
     def _sentence_vectors_path(self) -> str | None:
         """Where span packing's sentence vectors come from, for the report: ``"stored"`` (the
         index's, embedded at build time) or ``"embedded at query time"`` (an index built without
-        them, or by an older version; cached across this pipeline's questions). ``None``: whole
-        chunks are packed."""
+        them, the default: each sentence embedded the first time a question needs it and kept in
+        the cache beside the index). ``None``: whole chunks are packed."""
         if self.retrieval.pack != "spans":
             return None
         return "stored" if self.store.has_sentence_vectors else "embedded at query time"
@@ -852,8 +878,13 @@ class Pipeline:
             return cancelled()
         t0 = time.perf_counter()
         backend = self.backend
+        # On an engine of fixed request slots a request holds a whole slot: admission then lets
+        # no more requests through than the engine has slots, and the rest wait here, bounded by
+        # the queue, instead of inside the engine, bounded only by the engine time-out.
+        slot = backend.capacity().slot_tokens if self.served else None
+        held = max(reserve, slot or 0)
         try:
-            reservation = self.admission.acquire(reserve, prompt_tokens=prompt.n_tokens, cancel=cancel)
+            reservation = self.admission.acquire(held, prompt_tokens=prompt.n_tokens, cancel=cancel)
         except RequestCancelled:
             timings["queue_s"] = time.perf_counter() - t0
             return cancelled()

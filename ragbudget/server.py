@@ -25,7 +25,12 @@ the controller raises :class:`~ragbudget.errors.OverloadedError` and the client 
 loop, so ``/health`` answers throughout. A client that disconnects sets the request's cancel event,
 which stops generation and frees the reservation at once.
 
-Only the server's own faults are 5xx. A malformed body, or one nested deeper than
+Only the server's own faults, and a served engine's, are 5xx. An engine's are answered as a gateway
+answers its upstream's (:func:`~ragbudget.openai_api.engine_error`): 502 for an engine that refused
+or dropped the connection or answered what is not its API, 504 for no answer within the engine
+time-out, 503 with ``Retry-After`` while it is down, loading or overloaded — then ``/health`` is 503
+as well (what a load balancer reads as "out of rotation"), with an ``engine`` section naming it and
+the cause (:class:`~ragbudget.engine_load.EngineLoad`). A malformed body, or one nested deeper than
 :data:`~ragbudget.openai_api.MAX_JSON_DEPTH`, is a 400; a client that leaves before its answer
 (even in the middle of its body) is counted as 499, without a traceback; an index that is missing
 or damaged is a 503, and ``/health`` then answers 503 too. :func:`serve` refuses to start on such
@@ -62,7 +67,7 @@ from collections.abc import AsyncIterator, Iterator
 from typing import TYPE_CHECKING, Any
 
 from .endpoints import CLIENT_LEFT, AdmissionView, ChatEndpoint, EngineLoad, IndexHealth, Workers, read_json
-from .errors import ConfigError, RagBudgetError, SearchIndexError
+from .errors import ConfigError, EngineError, RagBudgetError, SearchIndexError
 from .malloc import limit_malloc_arenas
 from .metrics import Metrics, admission_gauges
 from .openai_api import (
@@ -74,7 +79,7 @@ from .openai_api import (
     parse_retrieve,
     selection_body,
 )
-from .settings import HistorySettings, from_keywords
+from .settings import DEFAULT_REQUEST_TIMEOUT, HistorySettings, from_keywords
 
 if TYPE_CHECKING:
     from .pipeline import Pipeline
@@ -115,6 +120,7 @@ def create_app(
     disconnect_poll_s: float = 0.1,
     expose_plan: bool = False,
     keepalive_s: float = 15.0,
+    request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT,
 ) -> Any:
     """Build the FastAPI app serving ``pipeline`` (a :class:`ragbudget.pipeline.Pipeline`, local
     or on a served engine).
@@ -143,6 +149,13 @@ def create_app(
     ``Retry-After`` that claimed its place) gets an SSE comment every ``keepalive_s`` seconds, so
     that neither the client's read time-out nor a proxy closes the connection meanwhile.
 
+    ``request_timeout`` (seconds; ``None`` or 0: none) bounds one chat request from its arrival to
+    its last token, whatever it does: counting and summarizing its history, retrieval, waiting
+    for admission, generating. Past it the request is stopped as a client that left would be
+    (its worker and memory free within one count or one token) and answered 503
+    ``request_timeout``, or its stream ends with that error; a history over ``max_messages``
+    or ``max_history_chars`` (``history``) is a 400 before any work.
+
     ``trim_memory`` returns the heap freed by a burst of requests to the OS once the server is
     idle again (glibc ``malloc_trim``; see :func:`~ragbudget.malloc.release_memory`), so resident
     memory goes back to its baseline between bursts instead of ratcheting up.
@@ -165,6 +178,8 @@ def create_app(
         raise ConfigError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
     if max_workers < 1:
         raise ConfigError(f"max_workers must be >= 1, got {max_workers}")
+    if request_timeout is not None and not request_timeout >= 0:
+        raise ConfigError(f"request_timeout must be >= 0 seconds (0: none), got {request_timeout}")
     policy = from_keywords(
         HistorySettings,
         history,
@@ -179,7 +194,7 @@ def create_app(
     workers = Workers(max_workers, metrics, trim_memory=trim_memory)
     started = time.time()
     health = IndexHealth(pipeline)
-    admission = AdmissionView(pipeline)
+    admission = AdmissionView(pipeline, expose_plan=expose_plan)
     engine_load = EngineLoad(pipeline) if pipeline.served else None
     summary_cache = None
     if summary_cache_size > 0:
@@ -191,6 +206,8 @@ def create_app(
         err = error_from_exception(exc, expose_plan=expose_plan)
         if isinstance(exc, SearchIndexError):  # /health says so until a request succeeds again
             health.failed(err)
+        if engine_load is not None and isinstance(exc, EngineError):  # gone: 503 until it is back
+            engine_load.failed(exc)
         return err
 
     chat = ChatEndpoint(
@@ -207,6 +224,7 @@ def create_app(
         disconnect_poll_s=disconnect_poll_s,
         expose_plan=expose_plan,
         keepalive_s=keepalive_s,
+        request_timeout=request_timeout,
     )
 
     @contextlib.asynccontextmanager
@@ -269,12 +287,21 @@ def create_app(
         }
         if engine_load is not None:
             # Generation on a served engine: say what admission is sized from, and that it is
-            # open when the engine reports no capacity.
-            note = await admission.note()
-            body["admission"] = note
-            if note.startswith("open"):
-                body.pop("capacity_tokens", None)
-            body["engine_load"] = engine_load.describe(await asyncio.to_thread(engine_load.read))
+            # open when the engine reports no capacity. The engine is looked at first (a quick
+            # look, at most once a second): while it is unavailable nothing else asks it.
+            load = await asyncio.to_thread(engine_load.read)
+            if engine_load.error is None:
+                note = await admission.note()
+                body["admission"] = note
+                if note.startswith("open"):
+                    body.pop("capacity_tokens", None)
+            body["engine_load"] = engine_load.describe(load)
+            # The engine's own health: a gateway whose engine is gone cannot answer a question,
+            # so /health is 503 then, as for a missing index (a load balancer takes it out).
+            body["engine"] = engine_load.state()
+            if problem is None and engine_load.error is not None:
+                problem = body["engine"]["error"]
+                body["status"] = "unavailable"
         if problem is not None:
             body["error"] = problem
             return JSONResponse(body, status_code=503)
@@ -285,6 +312,16 @@ def create_app(
         gauges = admission_gauges(await admission.figures())
         if engine_load is not None:
             gauges.update(engine_load.gauges(await asyncio.to_thread(engine_load.read)))
+            gauges["ragbudget_engine_up"] = (
+                "1: the served engine answers; 0: it is unavailable (gone, loading, overloaded or broken).",
+                0 if engine_load.error is not None else 1,
+            )
+            sent = engine_load.sent()
+            if sent is not None:
+                gauges["ragbudget_engine_tokenizer_requests"] = (
+                    "Requests sent to the engine's tokenizer routes since start (counts are cached by text digest).",
+                    sum(n for route, n in sent.items() if "tokenize" in route),
+                )
         return PlainTextResponse(metrics.render(gauges), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models")
@@ -400,11 +437,11 @@ class _Guard:
 
 def _default_model_name(pipeline: "Pipeline") -> str:
     # The engine's model id, or the local model's (its ref: ``generator.model`` would load it).
+    from .allowance import model_name
+
     value = pipeline.backend.model_id if pipeline.served else pipeline.generator.model_ref.id
-    if not value:
-        return "ragbudget"
     # A local path is no name to show clients; a hub id ("org/name") is.
-    return os.path.basename(value.rstrip("/\\")) if os.path.isabs(value) or value.startswith(".") else value
+    return model_name(value) if value else "ragbudget"
 
 
 def _version() -> str:
@@ -489,6 +526,7 @@ def serve(
                 # the first request, which admission already counts as taken (see admission).
                 backend.generate("warm-up", max_new_tokens=1)
                 log.info("batched generation: %s", backend.capacity().kv_total_source)
+            _calibrate(pipeline)
         app = create_app(pipeline, api_key=api_key, expose_plan=expose_plan, **app_options)
         # Bounded graceful shutdown: open streams are cancelled by the app's lifespan, not awaited forever.
         config = uvicorn.Config(
@@ -502,6 +540,29 @@ def serve(
             log.info("server stopped")
     finally:
         sock.close()
+
+
+def _calibrate(pipeline: "Pipeline") -> None:
+    """One real request before listening (:meth:`~ragbudget.pipeline.Pipeline.calibrate`), so the
+    first clients are not admitted on the speed probe's bare forward passes; in a thread of its
+    own, whose OpenMP pool ends with it (:func:`~ragbudget.batching.in_own_thread`). A failure
+    is logged: the server still starts, the probe's speed provisional until requests correct it."""
+    from .batching import in_own_thread
+
+    t0 = time.perf_counter()
+    try:
+        answer = in_own_thread(pipeline.calibrate)
+    except RagBudgetError as exc:
+        log.warning("calibration request failed (%s): the first requests are admitted at the probe's speed", exc)
+        return
+    if answer is not None:
+        stats = pipeline.admission.stats()
+        log.info(
+            "calibration request: %d prompt tokens in %.1f s; admission's slowdown (wall s per probe s) is now %.2f",
+            answer.report["budget"].get("prompt_tokens", 0),
+            time.perf_counter() - t0,
+            stats.slowdown or 1.0,
+        )
 
 
 def _check_ready(pipeline: "Pipeline") -> None:

@@ -44,7 +44,10 @@ from .types import CACHE_KINDS
 
 __all__ = [
     "DEDUP_MODES",
+    "DEFAULT_MAX_HISTORY_CHARS",
+    "DEFAULT_MAX_MESSAGES",
     "DEFAULT_RELEVANCE_FLOOR",
+    "DEFAULT_REQUEST_TIMEOUT",
     "ENGINE_KINDS",
     "QUANT_BACKENDS",
     "SUMMARY_ROLES",
@@ -77,6 +80,22 @@ QUANT_BACKENDS = ("quanto", "hqq", "fp8")
 
 #: Roles a conversation's rolling summary may be sent as.
 SUMMARY_ROLES = ("system", "user", "assistant")
+
+#: Default ``max_messages`` of a history: 2,048, the longest array OpenAI's API takes in a list
+#: parameter (its "array too long" error, e.g. for embeddings' ``input``); a chat of a thousand
+#: exchanges is far past any window, and each message is counted before anything is folded.
+DEFAULT_MAX_MESSAGES = 2048
+
+#: Default ``max_history_chars``: about 128k tokens at ~4 characters a token, the window of the
+#: largest models commonly served (Llama 3.1, Qwen 2.5); a longer history fits no such model
+#: verbatim, and counting it costs seconds of tokenizer time before the answer starts.
+DEFAULT_MAX_HISTORY_CHARS = 512_000
+
+#: Seconds one chat request may take in all on the server (``serve --request-timeout``). On this
+#: project's 2-core CPU the slowest answers of a 32-client burst took 93 s, a returning client's
+#: wait for its place included (bench/results/load.json, p99); three times that is a request no
+#: host should keep running.
+DEFAULT_REQUEST_TIMEOUT = 300.0
 
 
 # -- the checks, one per kind of value ------------------------------------------------------------
@@ -350,6 +369,29 @@ class EngineSettings:
         _set(self, "context_tokens", check_int("engine_context_tokens", self.context_tokens, 2, optional=True))
         _set(self, "timeout", check_number("engine_timeout", self.timeout, 0.0, lo_open=True))
 
+    def __repr__(self) -> str:
+        # As api_key: a password in the URL (http://user:pass@host) is never shown.
+        fields: dict[str, Any] = {"url": _masked_url(self.url), "kind": self.kind, "api_key_env": self.api_key_env}
+        fields.update(tokenizer=self.tokenizer, context_tokens=self.context_tokens, timeout=self.timeout)
+        return f"EngineSettings({', '.join(f'{k}={v!r}' for k, v in fields.items())})"
+
+
+def _masked_url(url: str | None) -> str | None:
+    """``url`` with the password of any ``user:pass@`` masked.
+
+    >>> _masked_url("http://bob:s3cret@engine:8000/v1")
+    'http://bob:***@engine:8000/v1'
+    """
+    if url is None or "@" not in url:
+        return url
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.netloc.rsplit("@", 1)[1]
+    return urlunsplit(parts._replace(netloc=f"{parts.username}:***@{host}"))
+
 
 @dataclass(frozen=True, kw_only=True)
 class HistorySettings:
@@ -364,6 +406,18 @@ class HistorySettings:
         expand_follow_ups: rewrite follow-up questions for retrieval
             (:func:`~ragbudget.chat.expand_query`).
         summary_role: the role the summary is sent as (one of :data:`SUMMARY_ROLES`).
+        max_messages: the most messages a history loaded from a client may hold, the question
+            included (:data:`DEFAULT_MAX_MESSAGES`).
+        max_history_chars: the most characters the messages before the question may hold
+            together (:data:`DEFAULT_MAX_HISTORY_CHARS`).
+
+    Every message of a history is counted through the chat template before any is folded, so
+    these two bound the work one request can ask for before its answer starts.
+
+    >>> HistorySettings(max_messages=4).check_size(messages=5, chars=10)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ragbudget.errors.ConfigError: the conversation has 5 messages, more than the limit of 4 (max_messages; ...
     """
 
     history_share: float = 0.3
@@ -371,6 +425,8 @@ class HistorySettings:
     recent_turns: int = 2
     expand_follow_ups: bool = True
     summary_role: str = "system"
+    max_messages: int = DEFAULT_MAX_MESSAGES
+    max_history_chars: int = DEFAULT_MAX_HISTORY_CHARS
 
     def __post_init__(self) -> None:
         share = check_number("history_share", self.history_share, 0.0, 1.0, hi_open=True)
@@ -379,6 +435,24 @@ class HistorySettings:
         _set(self, "recent_turns", check_int("recent_turns", self.recent_turns, 0))
         check_bool("expand_follow_ups", self.expand_follow_ups)
         check_choice("summary_role", self.summary_role, SUMMARY_ROLES)
+        _set(self, "max_messages", check_int("max_messages", self.max_messages, 1))
+        _set(self, "max_history_chars", check_int("max_history_chars", self.max_history_chars, 0))
+
+    def check_size(self, *, messages: int, chars: int) -> None:
+        """Refuse a history of ``messages`` messages (the question included) holding ``chars``
+        characters before the question, when either is over its limit: a
+        :class:`~ragbudget.errors.ConfigError` naming the limit, the value and how to change it."""
+        if messages > self.max_messages:
+            raise ConfigError(
+                f"the conversation has {messages} messages, more than the limit of {self.max_messages} "
+                "(max_messages; serve --max-messages): send fewer, e.g. with the older turns left out or summarized"
+            )
+        if chars > self.max_history_chars:
+            raise ConfigError(
+                f"the messages before the question hold {chars:,} characters, more than the limit of "
+                f"{self.max_history_chars:,} (max_history_chars; serve --max-history-chars): send fewer "
+                "or shorter messages, e.g. with the older turns left out or summarized"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -389,23 +463,26 @@ class ChunkSettings:
     Attributes:
         min_tokens, max_tokens: the size of a chunk in tokens (``0 ≤ min ≤ max``, ``max ≥ 8``).
         overlap: tokens repeated between neighbouring chunks (at most ``max_tokens // 2``).
-        sentence_vectors: store every chunk's sentence vectors, so span packing embeds no
-            sentence at question time (about 0.9× the chunk embedding again at build time, and
-            roughly double the index on disk; BENCHMARKS.md "What it costs at build time").
-            ``False`` leaves them out (an existing index drops them on its next run) and span
-            packing embeds the pool's sentences at question time instead; an index used only
-            with ``pack="chunks"`` never needs them. Changing it re-chunks and re-embeds nothing.
+        sentence_vectors: ``True`` stores every chunk's sentence vectors, so span packing
+            embeds no sentence at question time (a second pass over the text at build time,
+            about 1.1× the chunk embedding, and roughly double the index on disk; BENCHMARKS.md
+            "Index throughput"). ``False`` leaves them out (an existing index drops them on its
+            next run): span packing embeds a sentence the first time a question needs it and
+            keeps it in the cache beside the index (:mod:`ragbudget.sentence_cache`); an index
+            used only with ``pack="chunks"`` never needs them. ``None`` (the default): what the
+            index has — none for a new one. Changing it re-chunks and re-embeds nothing.
     """
 
     min_tokens: int = 300
     max_tokens: int = 500
     overlap: int = 0
-    sentence_vectors: bool = True
+    sentence_vectors: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("min_tokens", "max_tokens", "overlap"):
             check_int(name, getattr(self, name), 0)
-        check_bool("sentence_vectors", self.sentence_vectors)
+        if self.sentence_vectors is not None:
+            check_bool("sentence_vectors", self.sentence_vectors)
         from .chunking import check_sizes  # the chunker's own rule, so it is written once
 
         check_sizes(self.min_tokens, self.max_tokens, self.overlap)

@@ -510,13 +510,15 @@ class SpanScorer:
     their vectors kept by content hash (up to ``cache_size``), so a chunk seen by an earlier
     question costs nothing again. Thread-safe.
 
-    ``stored`` (e.g. :meth:`ragbudget.index.Index.sentence_vectors`, which an index built by this
-    version holds for every chunk) maps chunk ids to ``(digests, vectors)`` — each sentence's
-    :func:`sentence_digest` and its vector, embedded at build time with the same embedder — and is
-    asked first (:meth:`preload`): a sentence found there is never embedded at question time. It
-    must come from the same embedder as ``embedder`` (the caller's check: the pipeline passes the
-    index's own). A chunk it does not know (an index written before sentences were stored, or by
-    an older writer) falls back to embedding on first use.
+    ``stored`` (e.g. :meth:`ragbudget.index.Index.sentence_vectors`, which an index built with
+    ``sentence_vectors=True`` holds for every chunk) maps chunk ids to ``(digests, vectors)`` —
+    each sentence's :func:`sentence_digest` and its vector, embedded at build time with the same
+    embedder — and is asked first (:meth:`preload`): a sentence found there is never embedded at
+    question time. It must come from the same embedder as ``embedder`` (the caller's check: the
+    pipeline passes the index's own). A chunk it does not know (an index built without them, the
+    default) falls back to embedding on first use, through ``persist`` when given (the
+    :class:`~ragbudget.sentence_cache.SentenceCache` beside the index: a sentence any earlier
+    question embedded, in any process, is read from there).
 
     >>> from ragbudget.embed import HashEmbedder
     >>> s = SpanScorer(HashEmbedder())
@@ -531,15 +533,22 @@ class SpanScorer:
         *,
         cache_size: int = 50_000,
         stored: Callable[[Sequence[Any]], Mapping[Any, tuple[Sequence[bytes], Any]]] | None = None,
+        persist: Any = None,
     ) -> None:
         if embedder is None:
             raise ConfigError("SpanScorer needs an embedder (e.g. the index's own: Index.embedder)")
         self.embedder = embedder
         self.cache_size = int(cache_size)
         self.stored = stored
+        #: Vectors kept across processes (a :class:`~ragbudget.sentence_cache.SentenceCache`:
+        #: ``get(digests)`` and ``put({digest: vector})``): asked before a sentence is embedded,
+        #: given every sentence embedded.
+        self.persist = persist
         #: Sentences sent to the embedder so far (questions not counted): 0 when every sentence
-        #: came from ``stored`` or the cache.
+        #: came from ``stored`` or a cache.
         self.embedded = 0
+        #: Sentences found in ``persist`` instead of being embedded.
+        self.persisted = 0
         self._cache: OrderedDict[bytes, Any] = OrderedDict()
         # Chunk ids already asked of ``stored`` (cleared when the cache evicts: their vectors may
         # be gone, so they are asked again rather than embedded).
@@ -610,12 +619,23 @@ class SpanScorer:
             first: dict[bytes, int] = {}
             for i in di:
                 first.setdefault(keys[i], i)
+            if first and self.persist is not None:
+                # Embedded by an earlier question, maybe in another process: taken from there.
+                found = self.persist.get([k[1:] for k in first])
+                for k in [k for k in first if k[1:] in found]:
+                    have[k] = found[k[1:]]
+                    del first[k]
+                self.persisted += len(found)
             if first:
                 # Documents, not queries: the same side of the embedder the index's chunks used.
                 vecs = self.embedder.embed_documents([texts[i - 1] for i in first.values()])
                 self.embedded += len(first)
                 for k, v in zip(first, vecs, strict=True):
-                    have[k] = np.asarray(v, dtype=np.float32)
+                    # Rounded as an index and the cache keep them (float16), so a question scores
+                    # the same whether its sentences were just embedded, cached or stored.
+                    have[k] = np.asarray(v, dtype=np.float16).astype(np.float32)
+                if self.persist is not None:
+                    self.persist.put({k[1:]: have[k] for k in first})
             with self._lock:
                 for i in todo:
                     self._cache[keys[i]] = have[keys[i]]

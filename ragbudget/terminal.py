@@ -206,29 +206,105 @@ def run_chat(
 
 
 class Progress:
-    """Drives tqdm bars on stderr from the index's progress callback ``(phase, done, total)``
-    (``ragbudget index``); only at a terminal, or with ``RAGBUDGET_PROGRESS`` set."""
+    """``ragbudget index``'s progress, driven by the index's callback ``(phase, done, total)``.
 
-    def __init__(self, *, enabled: bool) -> None:
-        self.enabled = enabled and sys.stderr.isatty() or bool(os.environ.get("RAGBUDGET_PROGRESS"))
+    On a terminal: one tqdm bar per phase (files read, chunks embedded, sentence vectors, writing)
+    with its count, rate and ETA. Anywhere else (a log file, a pipe, CI): plain lines — when a
+    phase starts, at most one every ``every`` seconds while it runs, and where it ended — each
+    with its count, rate and ETA, and never a carriage return. ``stream`` is where it writes
+    (stderr); ``RAGBUDGET_PROGRESS=bars|lines|off`` overrides the choice.
+    """
+
+    #: What each phase counts, and what it is called in a line.
+    UNITS = {"files": "file", "embed": "chunk", "sentences": "chunk", "write": "step"}
+    LABELS = {"files": "files", "embed": "embedding", "sentences": "sentence vectors", "write": "writing"}
+
+    def __init__(self, *, enabled: bool, stream: Any = None, every: float = 10.0) -> None:
+        self.stream = stream if stream is not None else sys.stderr
+        mode = os.environ.get("RAGBUDGET_PROGRESS", "").strip().lower()
+        if not enabled or mode == "off":
+            self.mode = "off"
+        elif mode in ("bars", "lines"):
+            self.mode = mode
+        else:
+            isatty = getattr(self.stream, "isatty", None)
+            self.mode = "bars" if isatty is not None and isatty() else "lines"
+        self.enabled = self.mode != "off"
+        self.every = float(every)
         self._bars: dict[str, Any] = {}
+        # phase -> [first seen (monotonic), done, total, last line printed (monotonic)]
+        self._lines: dict[str, list[Any]] = {}
 
     def __enter__(self) -> Progress:
         return self
 
     def __call__(self, phase: str, done: int, total: int | None = None) -> None:
-        if not self.enabled:
-            return
+        if self.mode == "bars":
+            self._bar(phase, done, total)
+        elif self.mode == "lines":
+            self._line(phase, done, total)
+
+    def _bar(self, phase: str, done: int, total: int | None) -> None:
         from tqdm import tqdm
 
         bar = self._bars.get(phase)
         if bar is None:
-            bar = self._bars[phase] = tqdm(total=total, desc=phase, unit="", leave=True, file=sys.stderr)
+            unit = self.UNITS.get(phase, "")
+            bar = self._bars[phase] = tqdm(
+                total=total, desc=self.LABELS.get(phase, phase), unit=unit, leave=True, file=self.stream
+            )
         if total is not None and bar.total != total:
             bar.total = total
-        bar.n = done
-        bar.refresh()
+        bar.update(done - bar.n)  # update(), not n=: tqdm's rate and ETA come from its updates
+
+    def _line(self, phase: str, done: int, total: int | None) -> None:
+        import time
+
+        now = time.monotonic()
+        state = self._lines.get(phase)
+        if state is None:
+            state = self._lines[phase] = [now, done, total, now]
+            self._write(phase, state, now)
+            return
+        state[1], state[2] = done, total
+        if now - state[3] >= self.every:
+            state[3] = now
+            self._write(phase, state, now)
+
+    def _write(self, phase: str, state: list[Any], now: float, *, end: bool = False) -> None:
+        start, done, total, _ = state
+        unit = self.UNITS.get(phase, "item")
+        text = f"{self.LABELS.get(phase, phase)}: {done:,}" + (f"/{total:,}" if total else "") + f" {unit}s"
+        elapsed = now - start
+        if done and elapsed > 0:
+            rate = done / elapsed
+            text += f", {rate:.3g} {unit}/s" if rate >= 1 else f", {1 / rate:.3g} s/{unit}"
+            if total and done < total and not end:
+                text += f", about {_duration((total - done) / rate)} left"
+            elif end:
+                text += f", {_duration(elapsed)}"
+        self.stream.write(f"{text}\n")
+        self.stream.flush()
 
     def __exit__(self, *exc: object) -> None:
+        import time
+
         for bar in self._bars.values():
             bar.close()
+        now = time.monotonic()
+        for phase, state in self._lines.items():  # where each phase ended, and how long it took
+            self._write(phase, state, now, end=True)
+
+
+def _duration(seconds: float) -> str:
+    """``seconds`` for a progress line: ``42 s``, ``3 min 05 s``, ``1 h 02 min``.
+
+    >>> _duration(42.4), _duration(185), _duration(3725)
+    ('42 s', '3 min 05 s', '1 h 02 min')
+    """
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s} s"
+    if s < 3600:
+        return f"{s // 60} min {s % 60:02d} s"
+    return f"{s // 3600} h {s % 3600 // 60:02d} min"

@@ -66,9 +66,10 @@ class ServerStartError(RuntimeError):
 
 
 def start_server(
-    binary: str, model: str, log_dir: Path, *, tries: int = START_TRIES
+    binary: str, model: str, log_dir: Path, *, tries: int = START_TRIES, port: int | None = None
 ) -> tuple[subprocess.Popen[bytes], str, list[str]]:
-    """Start ``llama-server`` on a free loopback port and wait until ``/health`` answers 200.
+    """Start ``llama-server`` on a free loopback port (or ``port``: an engine restarted where it
+    was) and wait until ``/health`` answers 200.
 
     Returns the process, its URL and one line per crashed start that was retried. A start that
     dies by a signal before it is healthy is tried again (up to ``tries``); a clean non-zero exit
@@ -76,8 +77,9 @@ def start_server(
     import httpx
 
     crashes: list[str] = []
+    given = port
     for attempt in range(1, tries + 1):
-        port = free_port()
+        port = given or free_port()
         log = log_dir / f"server-{attempt}.log"
         cmd = [binary, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-c", str(CTX)]
         cmd += ["-np", str(SLOTS), "-t", "2", "--no-webui"]

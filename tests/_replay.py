@@ -14,6 +14,7 @@ them — it branches on status codes and structured fields only.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -572,10 +573,18 @@ class LlamaCpp(Engine):
         ]
 
     def tokenize(self, body: Any) -> Resp:
-        text = body["content"]
-        # A rendered template is counted as the chat route counts it; plain text word by word.
-        n = self._rendered_count(text) if text.startswith("<|im_start|>") else words(text)
-        return Resp(json={"tokens": list(range(n))})
+        # `content` is a string, or an array of strings (each tokenized alone) and token ids
+        # (passed through): tokenize_mixed, tools/server/server-common.cpp.
+        content = body["content"]
+        tokens: list[int] = []
+        for part in content if isinstance(content, list) else [content]:
+            if isinstance(part, int):
+                tokens.append(part)
+                continue
+            # A rendered template is counted as the chat route counts it; plain text word by word.
+            n = self._rendered_count(part) if part.startswith("<|im_start|>") else words(part)
+            tokens += list(range(1000, 1000 + n))  # ids a vocabulary would give (never -1)
+        return Resp(json={"tokens": tokens})
 
     @staticmethod
     def _rendered_count(text: str) -> int:
@@ -745,7 +754,10 @@ def overloaded(kind: str, *, retry_after: float | None = None) -> Resp:
 class Replay:
     """An engine replay on ``127.0.0.1`` (a free port), serving in a daemon thread."""
 
-    def __init__(self, kind: str, *, api_key: str | None = None, stream_gap: float = 0.0, **options: Any) -> None:
+    def __init__(
+        self, kind: str, *, api_key: str | None = None, stream_gap: float = 0.0, port: int = 0, **options: Any
+    ) -> None:
+        """``port``: 0 for a free one; a given one brings an engine back where it was (restart)."""
         self.kind = kind
         self.api_key = api_key
         self.stream_gap = stream_gap
@@ -755,6 +767,9 @@ class Replay:
         self.script: dict[tuple[str, str], deque[Resp]] = {}
         self.log: list[tuple[str, str, Any]] = []
         self.aborted_streams = 0
+        self.authorization: list[str | None] = []  # each request's Authorization header
+        self.dead = False
+        self._connections: set[Any] = set()  # the sockets of the connections open now
         self._lock = threading.Lock()
         replay = self
 
@@ -769,13 +784,27 @@ class Replay:
             def log_message(self, *a: Any) -> None:
                 pass
 
+            def setup(self) -> None:
+                super().setup()
+                with replay._lock:
+                    replay._connections.add(self.connection)
+
+            def finish(self) -> None:
+                with replay._lock:
+                    replay._connections.discard(self.connection)
+                super().finish()
+
             def _serve(self, method: str) -> None:
+                if replay.dead:  # killed: a connection kept alive from before gets no answer
+                    self.close_connection = True
+                    return
                 n = int(self.headers.get("Content-Length") or 0)
                 raw = self.rfile.read(n) if n else b""
                 body = json.loads(raw) if raw else None
                 path = self.path.split("?")[0]
                 with replay._lock:
                     replay.log.append((method, path, body))
+                    replay.authorization.append(self.headers.get("Authorization"))
                     queued = replay.script.get((method, path))
                     resp = queued.popleft() if queued else None
                 if (
@@ -827,7 +856,7 @@ class Replay:
             def do_POST(self) -> None:  # noqa: N802
                 self._serve("POST")
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
 
@@ -850,5 +879,24 @@ class Replay:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if self.dead:
+            return
         self._server.shutdown()
         self._server.server_close()
+
+    def kill(self) -> None:
+        """Stop as a killed engine does: new connections are refused, and the open ones are
+        closed by the system (a client reading one sees it dropped)."""
+        import socket
+
+        self.__exit__()
+        self.dead = True
+        with self._lock:
+            open_now = list(self._connections)
+        for conn in open_now:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+
+    @property
+    def port(self) -> int:
+        return int(self._server.server_address[1])

@@ -323,6 +323,36 @@ def test_time_refusal_with_retry_after_that_gets_in_when_honoured() -> None:
     assert err.value.retry_after > 10.0 - 2.0
 
 
+def test_every_refusal_says_the_retry_after_it_carries() -> None:
+    """Issue #30: a 429 said "first token in about 32 s ... retry after 2 s" beside its header.
+    Whatever the refusal, its message ends with the one number a Retry-After header carries
+    (whole seconds, rounded up), and a refusal behind clients sent back before says so."""
+    from ragbudget.errors import retry_after_seconds
+
+    clock = Clock()
+    ctl = AdmissionController(10**6, max_queue=64, timeout=5.0, throughput=THR, ttft_target=1.5, clock=clock)
+    refused = []
+    for _ in range(8):  # as above: three admitted, five refused for time
+        try:
+            ctl._enqueue(1100, 1000)
+        except OverloadedError as exc:
+            refused.append(exc)
+    assert len(refused) == 5
+    for e in refused:
+        assert "past the queue time-out of 5 s" in str(e)
+        assert str(e).endswith(f"; retry after {retry_after_seconds(e.retry_after)} s")
+    assert "behind" not in str(refused[0])
+    assert "; it comes back behind the 4 client(s) told to come back before it;" in str(refused[4])
+    full = AdmissionController(10, max_queue=0, timeout=30)
+    with full.reserve(10), pytest.raises(OverloadedError) as err:
+        full.acquire(1)
+    assert str(err.value).endswith(f"(queue limit 0); retry after {retry_after_seconds(err.value.retry_after)} s")
+    waited = AdmissionController(10, max_queue=4, timeout=0.05)
+    with waited.reserve(10), pytest.raises(OverloadedError) as err:
+        waited.acquire(1)
+    assert str(err.value).endswith(f"the queue time-out; retry after {retry_after_seconds(err.value.retry_after)} s")
+
+
 def test_start_rule_lets_short_prompts_share_the_host() -> None:
     clock = Clock()
     ctl = AdmissionController(10**6, timeout=60.0, throughput=THR, ttft_target=1.5, clock=clock)
@@ -491,6 +521,31 @@ def test_the_model_learns_the_speed_the_host_has_now() -> None:
     fast.first_token()
     fast.release()
     assert ctl.stats().slowdown == pytest.approx(1.0, abs=0.01)
+
+
+def test_a_new_speed_is_provisional_the_slower_of_probe_and_observed_stands() -> None:
+    """Issue #30: the warm-up probe said 0.95 ms/token and requests ran 7-8x slower. The first
+    observations of a new speed are taken whole when slower (not halfway in log space, which
+    would have left the first requests admitted at ~2.8x for 8x); after them, the learnt
+    slowdown moves by halves again, down as well as up."""
+    clock = Clock()
+    ctl = AdmissionController(10**6, timeout=60.0, throughput=THR, clock=clock)
+    r = ctl.acquire(1100, prompt_tokens=1000)
+    clock.t += 8.0  # the 1 s prefill the model expects took 8 s
+    r.first_token()
+    r.release()
+    assert ctl.stats().slowdown == pytest.approx(8.0, abs=0.01)
+    # A faster one while still provisional: the slower stands.
+    ctl.observe(2.0)
+    assert ctl.stats().slowdown == pytest.approx(8.0, abs=0.01)
+    ctl.observe(4.0)  # the third: still provisional
+    assert ctl.stats().slowdown == pytest.approx(8.0, abs=0.01)
+    ctl.observe(2.0)  # past them, halfway in log space: sqrt(8 x 2)
+    assert ctl.stats().slowdown == pytest.approx(4.0, abs=0.01)
+    # A new measurement (configure) is provisional again.
+    ctl.configure(throughput=THR)
+    ctl.observe(3.0)
+    assert ctl.stats().slowdown == pytest.approx(3.0, abs=0.01)
 
 
 def test_a_batching_backend_starts_whatever_fits_and_still_refuses_for_time() -> None:

@@ -368,3 +368,23 @@ def test_the_speed_probe_runs_in_a_thread_of_its_own(gen, tmp_path, monkeypatch)
     speed = Pacing(None).measure(gen.warm_up(), "tiny")
     assert speed == {"a": 1e-3, "b": 0.0, "decode_s": 0.01}
     assert ran and ran[0] != threading.get_ident()
+
+
+def test_the_models_repetition_penalty_applies_batched_as_unbatched() -> None:
+    """transformers drops its repetition penalty from continuous batching; the row processor
+    applies the model's own (generation_config) per request, so a batched answer is the one
+    ``generate`` gives."""
+    model = tiny_model()
+    model.generation_config.repetition_penalty = 1e4
+    penalized = Generator.from_objects(model, tiny_tokenizer())
+    plain = Generator.from_objects(tiny_model(), tiny_tokenizer()).generate("hello there", max_new_tokens=24)
+    alone = penalized.generate("hello there", max_new_tokens=24)
+    assert alone.text != plain.text
+    b = Batcher(penalized, kv_tokens=600, page_size=16)
+    try:
+        calls = [{"prompt": "hello there", "max_new_tokens": 24}, {"prompt": "question 1?", "max_new_tokens": 9}]
+        together = _together(b.generate, calls)
+    finally:
+        b.close()
+    assert together[0].text == alone.text
+    assert together[1].text == penalized.generate("question 1?", max_new_tokens=9).text

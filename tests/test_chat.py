@@ -541,6 +541,109 @@ def test_a_summary_waiting_for_memory_leaves_the_queue_when_the_client_leaves() 
     assert done[0].summary.startswith("Asked:")  # the extractive fallback, for this request only
 
 
+# --- a hostile history: bounded, counted, cancellable ---------------------------------------------
+
+
+def _long_history(n_messages: int, words: int = 25) -> list[dict[str, str]]:
+    """``n_messages`` alternating user/assistant messages of ``words`` words each."""
+    return [
+        {"role": "user" if i % 2 == 0 else "assistant", "content": " ".join(f"m{i}w{j}" for j in range(words))}
+        for i in range(n_messages)
+    ]
+
+
+def test_a_history_at_the_limits_is_fitted_with_a_bounded_number_of_counts() -> None:
+    # 2,047 messages of 25 words, 460,000 characters (the default limits take them): each render walks all of them,
+    # so folding must not render once per turn (it rendered ~1,000 times, minutes on a real
+    # tokenizer: issue #30's 10,000 messages pinned a server for ten minutes).
+    pipe = chat_pipeline(total=4000, max_new=40, answer_words=10)
+    chat = Conversation.from_messages(pipe, _long_history(2047), summary_max_tokens=30)
+    before = fake(pipe).counted
+    turn = chat.ask("How is the KV budget computed?")
+    assert not turn.budget.overrun and turn.budget.turns_summarized > 1000
+    assert len(summaries(pipe)) <= 3  # one fold of the older turns, at most two more
+    assert fake(pipe).counted - before < 400  # a few renders per fold and bisection, not one per turn
+    # What the summarization prompt held: the newest exchanges older than the two recent turns
+    # (2044-2045 and the lone 2046) that fit it.
+    transcript = summaries(pipe)[0]["messages"][-1]["content"]
+    assert "m2043w0" in transcript and "m2044w0" not in transcript and "m0w0" not in transcript
+
+
+def test_fitting_the_history_is_counted_in_the_timings() -> None:
+    pipe = chat_pipeline(total=400, max_new=40, answer_words=40)
+    turn = Conversation.from_messages(pipe, _messages(8), summary_max_tokens=30).ask("Next?")
+    timings = turn.answer.report["timings"]
+    assert summaries(pipe) and 0 < timings["summary_s"] <= timings["history_s"]
+    parts = ("history_s", "retrieve_s", "select_s", "queue_s", "generate_s")
+    assert timings["total_s"] >= sum(timings[k] for k in parts)
+    # No fold, no summary time; the history's counting is still there.
+    turn = Conversation.from_messages(pipe, _messages(1), summary_max_tokens=30).ask("Next?")
+    assert "summary_s" not in turn.answer.report["timings"] and turn.answer.report["timings"]["history_s"] > 0
+
+
+def test_cancel_stops_fitting_the_history_between_two_counts() -> None:
+    import threading
+
+    pipe = chat_pipeline(total=4000, max_new=40, answer_words=10)
+    backend = fake(pipe)
+    cancel = threading.Event()
+    renders = {"n": 0, "after": 0}
+    render = backend.render
+
+    def counting_render(messages: Any) -> Any:
+        # The client leaves during the tenth render of the history.
+        renders["n"] += 1
+        if cancel.is_set():
+            renders["after"] += 1
+        if renders["n"] == 10:
+            cancel.set()
+        return render(messages)
+
+    backend.render = counting_render  # type: ignore[method-assign]
+    chat = Conversation.from_messages(pipe, _long_history(2047), summary_max_tokens=30)
+    kept = chat.turns
+    turn = chat.ask("How is the KV budget computed?", cancel=cancel)
+    assert turn.cancelled and turn.answer.finish_reason == "cancelled"
+    # The loop looked at cancel at once (it used to render ~1,000 times more); what is left is
+    # the pipeline rendering the cancelled answer's prompt, without the history.
+    assert renders["after"] <= 6
+    assert not summaries(pipe) and not answers(pipe)  # nothing was generated for a client that left
+    assert chat.turns == kept and not chat.summary  # the conversation keeps what it had
+
+
+def test_a_summary_past_the_time_budget_is_folded_by_extraction_instead() -> None:
+    from ragbudget.admission import Throughput
+
+    pipe = chat_pipeline(total=400, max_new=40, answer_words=40)
+    # A measured speed at which a 30-token summary takes 30 s, against the 30 s queue time-out
+    # that a first token gets: the summary would leave the answer no time.
+    pipe.admission.configure(throughput=Throughput(prefill_a=0.001, decode_s=1.0))
+    turn = Conversation.from_messages(pipe, _messages(8), summary_max_tokens=30).ask("Next?")
+    assert not summaries(pipe) and answers(pipe)
+    assert turn.summary.startswith("Asked:") and not turn.budget.overrun
+    why = turn.budget.summary_fallback
+    assert re.search(r"a 30-token summary of a \d+-token prompt would take about 3\d\.\d s", why)
+    assert turn.answer.report["memory"]["summary_fallback"] == turn.budget.summary_fallback
+    # At a speed that leaves the answer its time, the generator writes it.
+    fast = chat_pipeline(total=400, max_new=40, answer_words=40)
+    fast.admission.configure(throughput=Throughput(prefill_a=0.001, decode_s=0.01))
+    turn = Conversation.from_messages(fast, _messages(8), summary_max_tokens=30).ask("Next?")
+    assert summaries(fast) and turn.budget.summary_fallback == ""
+
+
+def test_a_history_over_the_limits_is_refused_before_anything_is_counted() -> None:
+    from ragbudget.settings import HistorySettings
+
+    pipe = chat_pipeline()
+    limits = HistorySettings(max_history_chars=100)
+    with pytest.raises(ConfigError, match="has 2049 messages, more than the limit of 2048"):
+        Conversation.from_messages(pipe, _long_history(2048, words=1))
+    with pytest.raises(ConfigError, match="hold 101 characters, more than the limit of 100"):
+        Conversation.from_messages(pipe, [{"role": "user", "content": "x" * 101}], history=limits)
+    assert fake(pipe).counted == 0
+    Conversation.from_messages(pipe, [{"role": "user", "content": "x" * 100}], history=limits)
+
+
 def test_summary_cache_is_bounded_and_validated() -> None:
     cache = SummaryCache(max_entries=2)
     root = SummaryCache.root("", 128)

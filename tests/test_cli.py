@@ -25,6 +25,14 @@ def test_help_lists_the_contract_commands(runner: CliRunner) -> None:
         assert command in result.output
 
 
+def test_no_help_text_shows_a_doubled_percent_sign(runner: CliRunner) -> None:
+    """click prints help strings as written (no %-formatting): a "%%" would show as is."""
+    for name in cli.commands:  # type: ignore[attr-defined]
+        result = runner.invoke(cli, [name, "--help"])
+        assert result.exit_code == 0, (name, result.output)
+        assert "%%" not in result.output, name
+
+
 def test_budget_json_offline_for_a_shipped_model(runner: CliRunner) -> None:
     result = runner.invoke(
         cli, ["budget", "--model", "meta-llama/Llama-3.1-8B-Instruct", "--gpu", "RTX 4090", "--json"]
@@ -284,8 +292,8 @@ def test_search_retrieval_options(runner: CliRunner, tmp_path: Path) -> None:
 
 def test_index_no_sentence_vectors(runner: CliRunner, tmp_path: Path) -> None:
     """`--no-sentence-vectors` leaves every chunk's sentence vectors out (and drops them from an
-    index that has them); a plain run keeps what the index records; `--sentence-vectors` stores
-    them again, also for chunks indexed while they were off."""
+    index that has them); `--sentence-vectors` stores them, also for chunks indexed while it was
+    off; with neither, an index keeps what it has (a new one stores none)."""
     from ragbudget.index import Index
 
     docs = tmp_path / "docs"
@@ -309,8 +317,13 @@ def test_index_no_sentence_vectors(runner: CliRunner, tmp_path: Path) -> None:
     assert on.exit_code == 0, on.output
     chunks = int(Index.open(index_dir).stats()["chunks"])
     assert json.loads(on.stdout)["sentences_embedded"] > 0 and stored() == (True, chunks) and chunks > 0
+    kept = runner.invoke(cli, base)  # neither flag: the index keeps them
+    assert kept.exit_code == 0 and not json.loads(kept.stdout)["committed"] and stored() == (True, chunks)
     assert runner.invoke(cli, [*base, "--no-sentence-vectors"]).exit_code == 0
     assert stored() == (False, 0)
+    assert runner.invoke(cli, base).exit_code == 0 and stored() == (False, 0)  # ... and keeps none
+    fresh = runner.invoke(cli, ["index", str(docs), "--index-dir", str(tmp_path / "new"), "--embedder", "hash:64"])
+    assert fresh.exit_code == 0 and not Index.open(tmp_path / "new").has_sentence_vectors  # a new one: none
     assert "--no-sentence-vectors" in runner.invoke(cli, ["index", "--help"]).output
 
 

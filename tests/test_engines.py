@@ -5,6 +5,7 @@ too-long retry, bounded back-off on overload, and one-line typed errors for ever
 
 from __future__ import annotations
 
+import base64
 import socket
 import threading
 import time
@@ -33,10 +34,12 @@ from ragbudget.errors import (
     EngineError,
     EngineOverloadedError,
     EngineResponseError,
+    EngineTimeoutError,
     OverloadedError,
 )
 from ragbudget.prompt import Prompt, build_prompt
 from ragbudget.select import Candidate
+from ragbudget.settings import EngineSettings
 
 FAST = Retry(attempts=4, base_delay=0.01, max_delay=0.05, max_wait=2.0)
 USER = [{"role": "user", "content": "How is the Project Leader elected?"}]
@@ -270,6 +273,67 @@ def test_count_cache_means_a_rerun_counts_nothing_twice() -> None:
         assert len(srv.calls("POST", "/tokenize")) == n + 1  # only "e f" was new
     assert cache.get_many("Qwen/Qwen3-8B", [text_digest("e f")]) == {text_digest("e f"): 2}
     assert cache.get_many("other-model", [text_digest("e f")]) == {}
+
+
+def test_llamacpp_counts_many_texts_in_one_request() -> None:
+    """llama-server tokenizes each string of an array alone (tokenize_mixed): the texts of a
+    prompt are counted in one request, split by the id -1, after a one-time check that a batched
+    count agrees with a single one."""
+    texts = [f"chunk number {i} of the corpus" for i in range(40)] + ["", "<|im_end|> a"]
+    with Replay("llamacpp") as srv, _connect(srv) as b:
+        assert b.count(texts) == [len(t.split()) for t in texts]
+        assert len(srv.calls("POST", "/tokenize")) == 2  # the batch, and the one-time check
+        assert b.count([t + "!" for t in texts]) == [len(t.split()) + (1 if not t else 0) for t in texts]
+        assert len(srv.calls("POST", "/tokenize")) == 3  # one request for 42 new texts
+        assert b.http.sent["/tokenize"] == 3
+
+
+def test_llamacpp_without_array_tokenize_counts_one_text_a_request() -> None:
+    """An older llama-server refuses an array: counted one text a request from then on."""
+    with Replay("llamacpp") as srv, _connect(srv) as b:
+        srv.push("POST", "/tokenize", Resp(500, {"error": {"code": 500, "message": "[json.exception.type_error.302]"}}))
+        assert b.count(["a b", "c d e", "f"]) == [2, 3, 1]
+        assert b.count(["g h", "i"]) == [2, 1]
+    assert len(srv.calls("POST", "/tokenize")) == 1 + 3 + 2  # the refused batch, then one by one
+
+
+def test_counts_and_renders_are_kept_in_memory_without_a_count_cache() -> None:
+    """No count_cache (budget --engine without an index): a text is still counted once, and the
+    same messages rendered once (the question alone is measured three times a request)."""
+    with Replay("llamacpp") as srv, _connect(srv) as b:
+        b.count(["a b c"])
+        b.count(["a b c"])
+        first = b.render(USER)
+        assert b.render([dict(m) for m in USER]) is first  # equal messages, not the same object
+        other = b.render([{"role": "user", "content": "Something else?"}])
+        assert other.n_tokens != first.n_tokens
+        assert len(srv.calls("POST", "/apply-template")) == 2
+        assert len(srv.calls("POST", "/tokenize")) == 1 + 2
+
+
+def test_local_counters_keep_their_counts_under_their_tokenizer() -> None:
+    """An engine that cannot count is counted by a local stand-in: its counts are kept under
+    the model *and* that tokenizer and margin, so another --tokenizer never reuses them."""
+    cache = MemoryCountCache()
+    with Replay("openai") as srv, _connect(srv, count_cache=cache, context_tokens=2048) as b:
+        assert b.count_key == "acme/chat-1 @ tiktoken cl100k_base +0.15"
+        b.count(["a b c"])
+    assert cache.get_many("acme/chat-1 @ tiktoken cl100k_base +0.15", [text_digest("a b c")])
+    assert cache.get_many("acme/chat-1", [text_digest("a b c")]) == {}
+
+
+def test_in_memory_caches_are_bounded() -> None:
+    from ragbudget.engines._base import _LRU
+
+    lru = _LRU(10)
+    for i in range(30):
+        lru.put(i, i, size=3)
+    assert len(lru) == 3 and lru.get(29) == 29 and lru.get(0) is None
+    lru.put("huge", 1, size=11)  # bigger than the whole bound: not kept, nothing evicted
+    assert lru.get("huge") is None and len(lru) == 3
+    cache = MemoryCountCache(max_entries=100)
+    cache.put_many("m", {str(i): i for i in range(1000)})
+    assert len(cache) == 100 and cache.get_many("m", ["999", "0"]) == {"999": 999}
 
 
 def test_template_overhead_is_measured_once_per_model() -> None:
@@ -581,6 +645,53 @@ def test_a_hung_stream_times_out_too() -> None:
         )
         with _connect(srv, model="m", timeout=1.5) as b, pytest.raises(EngineConnectionError, match="gave no answer"):
             b.generate(USER, max_new_tokens=4, on_text=lambda s: None)
+
+
+def test_a_time_out_is_its_own_type_with_its_seconds() -> None:
+    """An engine time-out is an EngineTimeoutError (still an EngineConnectionError, and a
+    TimeoutError) with the seconds it waited: the server answers it 504, a refused engine 502."""
+    with Replay("vllm") as srv:
+        srv.push("POST", "/v1/chat/completions", Resp(delay=4.0, json={}))
+        with _connect(srv, model="m", timeout=1.0) as b, pytest.raises(EngineTimeoutError) as e:
+            b.generate(USER, max_new_tokens=4)
+    assert isinstance(e.value, EngineConnectionError) and isinstance(e.value, TimeoutError)
+    assert e.value.cause == "timeout" and e.value.timeout == 1.0 and e.value.kind == "vllm"
+    assert "--engine-timeout" in str(e.value)
+    with pytest.raises(EngineConnectionError) as refused:
+        connect(f"http://127.0.0.1:{_free_port()}")
+    assert refused.value.cause == "refused" and not isinstance(refused.value, EngineTimeoutError)
+
+
+def test_credentials_in_the_url_are_sent_as_basic_auth_and_never_shown() -> None:
+    """``http://user:pass@host`` authenticates (HTTP basic auth) but the password is in no URL,
+    message or error field: those reach logs, reports and the server's clients."""
+    with Replay("llamacpp") as srv:
+        host = srv.url.removeprefix("http://")
+        with connect(f"http://bob:s%40cret@{host}/v1", retry=FAST, timeout=5.0) as b:
+            assert b.url == srv.url and "s@cret" not in repr(b)
+            b.capacity()
+        assert srv.authorization[-1] == "Basic " + base64.b64encode(b"bob:s@cret").decode()
+    with pytest.raises(EngineConnectionError) as e:
+        connect(f"http://bob:s3cret@127.0.0.1:{_free_port()}")
+    assert "s3cret" not in str(e.value) and "bob" not in e.value.url
+    assert root_url("https://bob:s3cret@engine.example:8443/v1") == "https://engine.example:8443"
+    assert "s3cret" not in repr(EngineSettings(url="http://bob:s3cret@engine.example/v1"))
+    with pytest.raises(ConfigError) as bad:
+        root_url("ftp://bob:s3cret@engine.example")
+    assert "s3cret" not in str(bad.value)
+
+
+def test_a_probe_says_overloaded_at_once_without_backing_off() -> None:
+    """Inside ``http.probing()`` a 503 (overloaded, or llama.cpp loading its model) raises at
+    once: the server's look at the engine's health must not spend the back-off a request gets."""
+    slow = Retry(attempts=4, base_delay=5.0, max_delay=5.0, max_wait=20.0)
+    with Replay("llamacpp") as srv, connect(srv.url, retry=slow, timeout=5.0) as b:
+        srv.push("GET", "/props", *[overloaded("llamacpp")] * 4)
+        t0 = time.perf_counter()
+        with b.http.probing(), pytest.raises(EngineOverloadedError) as e:
+            b.capacity()
+        assert time.perf_counter() - t0 < 2 and e.value.attempts == 1
+        assert len(srv.calls("GET", "/props")) == 1
 
 
 def test_http_client_maps_other_statuses_with_the_structured_body() -> None:

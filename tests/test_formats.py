@@ -180,6 +180,16 @@ def test_scanned_pdf_pages_are_reported_not_silently_empty(tmp_path):
         writer.write(fh)
     err = _error(only_scans)
     assert err.reason == "empty" and "no text layer on any of its 2 page(s)" in str(err) and "--ocr" in str(err)
+    # One scanned page beside a page with text: the verb agrees with the one.
+    writer = pypdf.PdfWriter()
+    for page in pypdf.PdfReader(DATA / "policy-scanned.pdf").pages[:2]:
+        writer.add_page(page)
+    one_scan = tmp_path / "one-scan.pdf"
+    with open(one_scan, "wb") as fh:
+        writer.write(fh)
+    assert load_document(one_scan).meta["warnings"] == [
+        "1 of 2 pages has no text layer (scanned?); not indexed without --ocr"
+    ]
 
 
 @pytest.mark.model

@@ -297,6 +297,71 @@ def test_streamer_holds_back_partial_stop_strings() -> None:
     assert "".join(_stream("abc", [])) == "abc"
 
 
+# --- a line repeated in a row ends the answer (issue #30) ------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("Intro\nSame\nSame\nSame\n", (10, 10)),  # the third copy: cut after the first
+        ("Intro\nSame\n\n  Same \n\nSame\n", (10, 10)),  # blank lines and spaces do not hide it
+        ("Intro\nSame\nSame\nSame", (None, 10)),  # the third not finished: held, not cut
+        ("Intro\nSame\nSame\n", (None, 10)),  # two copies: the second is held back
+        ("Intro\nSame\nSame\nOther", (None, 21)),  # twice is meant: released once a new line starts
+        ("Same\nOther\nSame\nSame\n", (None, 15)),  # copies must follow each other
+        ("One\nTwo\n", (None, 7)),  # a line ending is held until the next line starts
+        ("One\nTwo\nTh", (None, 10)),
+        ("no newline yet", (None, 14)),
+        ("", (None, 0)),
+    ],
+)
+def test_line_repeats_cuts_at_the_third_copy_and_holds_back_copies(text, expected) -> None:
+    from ragbudget.generate import line_repeats
+
+    assert line_repeats(text) == expected
+    assert line_repeats("A\nA\n", times=2) == (1, 1)  # the count is the caller's
+
+
+def test_a_stream_never_shows_a_repeated_line_and_stops_at_the_third() -> None:
+    from ragbudget.generate import _CallbackStreamer
+
+    pieces: list[str] = []
+    s = _CallbackStreamer(_CharTokenizer(), pieces.append, 0)
+    for ch in "Intro\nSame\nSame\nSame\nSame\n":
+        s.feed([ord(ch)])
+    s.end()
+    assert "".join(pieces) == "Intro\nSame" and s.stopped
+    # Twice in a row is text: the held copy comes out once the next line differs.
+    assert "".join(_stream("A\nB\nB\nC\n", [])) == "A\nB\nB\nC\n"
+
+
+def test_generation_stops_at_a_line_repeated_three_times(gen) -> None:
+    """A model that loops on one line (here the tiny model, biased to write "ab" forever through
+    its own generation_config): the generation stops at the third copy, the answer and the
+    stream keep it once."""
+    import copy
+
+    tok = gen.tokenizer
+    a, b, nl = (tok.encode(c, add_special_tokens=False)[0] for c in ("a", "b", "\n"))
+    looping = Generator.from_objects(copy.deepcopy(gen.model), tok)
+    looping.model.generation_config.sequence_bias = {(nl, a): 100.0, (a, b): 100.0, (b, nl): 100.0}
+    pieces: list[str] = []
+    out = looping.generate("hi", max_new_tokens=30, on_text=pieces.append)
+    assert (out.text, out.finish_reason, out.new_tokens) == ("ab", "stop", 9)  # three "ab\n", not 30 tokens
+    assert "".join(pieces) == "ab"
+
+
+def test_the_models_repetition_penalty_is_its_generation_configs(gen) -> None:
+    import copy
+
+    assert gen.repetition_penalty == 1.0  # the tiny model's config sets none
+    penalized = Generator.from_objects(copy.deepcopy(gen.model), gen.tokenizer)
+    penalized.model.generation_config.repetition_penalty = 1e4
+    assert penalized.repetition_penalty == 1e4
+    plain, once = gen.generate("hello there", max_new_tokens=16), penalized.generate("hello there", max_new_tokens=16)
+    assert once.text != plain.text  # generate applies the checkpoint's penalty (batching: test_batching)
+
+
 def test_generator_is_lazy() -> None:
     g = Generator("some/unloaded-model")
     assert "not loaded" in repr(g) and g._model is None
@@ -314,6 +379,39 @@ def test_smollm2_short_capped_answer() -> None:
     g = gen.generate(prompt, max_new_tokens=24)
     assert g.new_tokens <= 24 and g.prompt_tokens == prompt.n_tokens <= 400
     assert "1889" in g.text
+
+
+@pytest.mark.model
+def test_smollm2_stops_at_a_line_it_repeats_and_keeps_its_generation_config() -> None:
+    """The packaged SmolLM2 (its GGUF, converted): the stop on a repeated line works on its real
+    BPE tokens (a newline may share a token with other text), streamed or not, batched or not.
+    Its loop is forced through its own generation_config (a sequence bias writing "pipe" lines
+    forever): greedy SmolLM2 loops on long RAG answers (issue #30), not on any short prompt."""
+    from ragbudget.batching import Batcher
+
+    gen = Generator()
+    tok = gen.tokenizer
+    # Its own generation_config, as the GGUF gives it: the stop token <|im_end|>, no penalty.
+    assert tok.convert_ids_to_tokens(sorted(gen._eos_ids())) == ["<|im_end|>"] and gen.repetition_penalty == 1.0
+    pipe, nl = tok.encode("pipe", add_special_tokens=False), tok.encode("\n", add_special_tokens=False)
+    assert len(pipe) == len(nl) == 1
+    gen.model.generation_config.sequence_bias = {(nl[0], pipe[0]): 100.0, (pipe[0], nl[0]): 100.0}
+    try:
+        pieces: list[str] = []
+        out = gen.generate("Say something.", max_new_tokens=64, on_text=pieces.append)
+        assert (out.text, out.finish_reason, out.new_tokens) == ("pipe", "stop", 6)  # 3 x "pipe\n", not 64
+        assert "".join(pieces) == "pipe"
+    finally:
+        gen.model.generation_config.sequence_bias = None
+    # Batched, the row processor does not apply a sequence bias: the repeated-line stop is the
+    # streamer's (test_a_stream_never_shows_a_repeated_line_and_stops_at_the_third); here the
+    # batched answer to a plain prompt equals the unbatched one.
+    b = Batcher(gen, kv_tokens=512)
+    try:
+        batched = b.generate("Say something.", max_new_tokens=12)
+        assert batched.text == gen.generate("Say something.", max_new_tokens=12).text
+    finally:
+        b.close()
 
 
 def test_cancel_stops_early(gen) -> None:
@@ -346,3 +444,25 @@ def test_generator_measures_its_cuda_peak_and_writes_nothing(gen, tmp_path, monk
 
 def test_a_cpu_generation_has_no_measurement(gen) -> None:
     assert gen.generate("hi", max_new_tokens=2).measurement is None
+
+
+def test_the_gguf_conversion_bar_is_off_away_from_a_terminal(monkeypatch) -> None:
+    import io
+    import sys
+
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+    from ragbudget.generate import _gguf_bar_only_on_a_terminal
+
+    # transformers' own conversion loop draws this bar with tqdm (not its own switch); off a
+    # terminal it is hundreds of carriage-return redraws in a log.
+    out = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", out)  # not a terminal
+    original = gguf_utils.tqdm
+    with _gguf_bar_only_on_a_terminal():
+        for _ in gguf_utils.tqdm(range(50), desc="Converting and de-quantizing GGUF tensors...", file=out):
+            pass
+    assert out.getvalue() == "" and gguf_utils.tqdm is original  # quiet, and put back after
+    for _ in gguf_utils.tqdm(range(3), file=out):
+        pass
+    assert "\r" in out.getvalue()  # outside the call the bar is transformers' own again

@@ -132,7 +132,9 @@ MAX_LINES = 800
 #: Over the limit with no ``One job:`` line because a split is under way (issue #17: the Pipeline
 #: class into smaller modules). An entry expires: once the module is under the limit, the test
 #: below asks for it to be removed from here.
-SPLIT_UNDER_WAY: set[str] = set()
+# Modules past the limit whose split is on the way (each asserted still over it, so the entry goes
+# when the split lands): backend.py loses LocalBackend to its own module in the #32 restructure.
+SPLIT_UNDER_WAY: set[str] = {"ragbudget/backend.py"}
 
 
 def oversized_without_a_job(sources: dict[Path, str]) -> list[str]:

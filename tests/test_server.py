@@ -460,6 +460,7 @@ def test_overload_is_429_with_retry_after_streaming_or_not() -> None:
         assert resp.status_code == 429
         assert resp.headers["retry-after"] == "3"
         assert resp.json()["error"]["type"] == "rate_limit_error"
+        assert resp.json()["error"]["message"] == "queue full; retry after 3 s"  # the header's number
 
 
 def test_worker_pool_full_is_429_not_an_unbounded_queue() -> None:
@@ -546,6 +547,92 @@ def test_disconnect_while_waiting_non_streaming_frees_the_reservation() -> None:
         )
 
 
+# --- a hostile history (issue #30): bounded, timed out, cancelled -----------------------------------
+
+
+def hostile_history(n_messages: int = 2047, words: int = 25) -> list[dict[str, str]]:
+    """A history at the default limits (2,047 messages before the question, ~460,000
+    characters): each message is counted, and the older turns must be summarized."""
+    return [
+        {"role": "user" if i % 2 == 0 else "assistant", "content": " ".join(f"m{i}w{j}" for j in range(words))}
+        for i in range(n_messages)
+    ]
+
+
+def in_flight(url: str) -> int:
+    return int(httpx.get(url + "/health", timeout=5).json()["in_flight"])
+
+
+def test_a_history_over_the_limits_is_a_400_naming_the_limit_before_any_work() -> None:
+    from ragbudget.settings import HistorySettings
+
+    pipe = fake_pipeline()
+    with running(pipe, history=HistorySettings(max_messages=8, max_history_chars=1000)) as url:
+        r = httpx.post(
+            url + "/v1/chat/completions", json={"model": MODEL, "messages": hostile_history(8, words=1) + user()}
+        )
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "messages" and err["code"] == "history_too_long"
+        assert "has 9 messages, more than the limit of 8 (max_messages; serve --max-messages)" in err["message"]
+        long = [{"role": "user", "content": "x" * 1001}]
+        r = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": long + user()})
+        assert r.status_code == 400 and "1,001 characters, more than the limit of 1,000" in r.json()["error"]["message"]
+        assert in_flight(url) == 0
+        ok = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": hostile_history(7, 1) + user()})
+        assert ok.status_code == 200
+    assert len(fake(pipe).calls) == 1  # the refused ones reached no worker, no model
+
+
+def test_a_hostile_history_never_holds_a_worker_past_the_request_timeout() -> None:
+    # The summary the history needs would take 128 tokens x 0.3 s = 38 s; the request time-out is 3 s.
+    pipe = fake_pipeline(words=200, token_delay=0.3)
+    body = {"model": MODEL, "messages": hostile_history() + user()}
+    with running(pipe, request_timeout=3) as url:
+        for stream in (False, True):
+            t0 = time.monotonic()
+            r = httpx.post(url + "/v1/chat/completions", json={**body, "stream": stream}, timeout=60)
+            took = time.monotonic() - t0
+            assert r.status_code == 503, r.text
+            err = r.json()["error"]
+            assert err["code"] == "request_timeout" and "request time-out of 3 s" in err["message"]
+            assert 3 <= took < 6
+            assert _wait_until(lambda: in_flight(url) == 0, timeout=1.0)  # its worker is free at once
+        assert reserved(pipe) == 0
+        assert "ragbudget_timed_out_total 2" in httpx.get(url + "/metrics").text
+        # A question with a short history still gets its answer under the same time-out.
+        short = {"model": MODEL, "messages": user(), "max_tokens": 4}  # 1.2 s of answer
+        ok = httpx.post(url + "/v1/chat/completions", json=short, timeout=30)
+        assert ok.status_code == 200, ok.text
+
+
+def test_a_stream_cut_by_the_request_timeout_ends_with_the_error() -> None:
+    pipe = fake_pipeline(words=500, token_delay=0.05, max_new_tokens=500)  # 25 s of answer
+    with running(pipe, request_timeout=2) as url:
+        body = {"model": MODEL, "messages": user("stream me"), "stream": True}
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=30) as r:
+            assert r.status_code == 200
+            events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        assert json.loads(events[-2])["error"]["code"] == "request_timeout"
+        assert any("word1" in e for e in events)  # it had started
+        assert _wait_until(lambda: in_flight(url) == 0 and reserved(pipe) == 0, timeout=1.0)
+
+
+def test_a_client_leaving_during_a_hostile_history_frees_its_worker_at_once() -> None:
+    pipe = fake_pipeline(words=200, token_delay=0.3)
+    with running(pipe) as url:  # the default request time-out: only the client's leaving stops it
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(
+                url + "/v1/chat/completions", json={"model": MODEL, "messages": hostile_history() + user()}, timeout=1.0
+            )
+        assert _wait_until(lambda: in_flight(url) == 0, timeout=2.0)
+        assert reserved(pipe) == 0
+        assert _wait_until(
+            lambda: 'endpoint="/v1/chat/completions",status="499"} 1' in httpx.get(url + "/metrics").text
+        )
+
+
 def _load_bench() -> Any:
     path = Path(__file__).resolve().parents[1] / "bench" / "load.py"
     spec = importlib.util.spec_from_file_location("ragbudget_bench_load", path)
@@ -627,6 +714,7 @@ def test_serve_command_passes_options_and_env_key(monkeypatch: pytest.MonkeyPatc
             "api_key": "env-key",
             "model_name": None,
             "history": HistorySettings(history_share=0.5, summary_max_tokens=128, recent_turns=1),
+            "request_timeout": 300.0,
             "expose_plan": False,
         }
     ]
@@ -634,6 +722,13 @@ def test_serve_command_passes_options_and_env_key(monkeypatch: pytest.MonkeyPatc
     result = CliRunner().invoke(cli, ["serve", "--port", "0", "--expose-plan"])
     assert result.exit_code == 0, result.output
     assert served[-1]["expose_plan"] is True
+    limits = ["--max-messages", "64", "--max-history-chars", "10000", "--request-timeout", "45"]
+    result = CliRunner().invoke(cli, ["serve", "--port", "0", *limits])
+    assert result.exit_code == 0, result.output
+    assert served[-1]["history"] == HistorySettings(max_messages=64, max_history_chars=10_000)
+    assert served[-1]["request_timeout"] == 45
+    result = CliRunner().invoke(cli, ["serve", "--port", "0", "--max-messages", "0"])
+    assert result.exit_code == 2
     result = CliRunner().invoke(cli, ["serve", "--port", "70000"])
     assert result.exit_code == 2
 
@@ -790,6 +885,7 @@ def test_a_request_whose_first_token_would_miss_the_timeout_is_429_before_retrie
         # ~14 s of work ahead, less the 5 s time-out: told to come back when it is done.
         assert 5 <= int(r.headers["retry-after"]) <= 14
         assert "past the queue time-out" in r.json()["error"]["message"]
+        assert r.json()["error"]["message"].endswith(f"; retry after {r.headers['retry-after']} s")
         assert searched == [] and fake(pipe).counted == n_counts  # no retrieval, no counting
         assert ctl.stats().refused_for_time_total == 1  # counted, its return promised
         again = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": user()})
@@ -1357,9 +1453,11 @@ def _ask(client: Any) -> Any:
         ("llamacpp", {"busy_slots": 4}, "0 free KV tokens"),  # every slot is processing
     ],
 )
-def test_engine_with_a_queue_or_no_free_kv_is_429_before_any_work(
+def test_engine_with_a_queue_or_no_free_kv_is_503_before_any_work(
     tmp_path: Path, kind: str, options: dict[str, Any], why: str
 ) -> None:
+    """The engine's own figures say it is saturated: 503 with Retry-After (the engine's trouble,
+    as a gateway says it; 429 stays this server's own queue), naming the engine."""
     from _replay import Replay
 
     with Replay(kind, **options) as srv, _engine_app(srv, tmp_path) as client:
@@ -1367,9 +1465,10 @@ def test_engine_with_a_queue_or_no_free_kv_is_429_before_any_work(
         metrics = client.get("/metrics").text
         health = client.get("/health").json()
         sent = srv.calls("POST", "/v1/chat/completions")
-    assert r.status_code == 429, r.text
-    assert int(r.headers["retry-after"]) >= 1 and r.json()["error"]["code"] == "overloaded"
-    assert why in r.json()["error"]["message"]
+    assert r.status_code == 503, r.text
+    assert int(r.headers["retry-after"]) >= 1 and r.json()["error"]["code"] == "engine_overloaded"
+    assert why in r.json()["error"]["message"] and f"the {kind} engine at {srv.url}" in r.json()["error"]["message"]
+    assert r.json()["error"]["engine"] == {"url": srv.url, "kind": kind, "cause": "saturated"}
     assert sent == []  # nothing reached the engine
     assert "ragbudget_engine_admission_open 0" in metrics
     assert health["engine_load"]["open"] is False and health["engine_load"]["sources"]
@@ -1401,7 +1500,7 @@ def test_engine_with_room_admits_and_figures_are_reread_at_most_once_a_second(tm
         refused = _ask(client)
     assert ok.status_code == 200, ok.text
     assert "ragbudget_engine_waiting_requests 0" in metrics and "ragbudget_engine_kv_free_tokens 75000" in metrics
-    assert refused.status_code == 429 and "0 free KV tokens" in refused.json()["error"]["message"]
+    assert refused.status_code == 503 and "0 free KV tokens" in refused.json()["error"]["message"]
 
 
 def test_engine_without_metrics_admits_and_says_admission_is_open(tmp_path: Path) -> None:
@@ -1415,6 +1514,134 @@ def test_engine_without_metrics_admits_and_says_admission_is_open(tmp_path: Path
     assert "ragbudget_engine_admission_open 1" in metrics
     assert "ragbudget_engine_waiting_requests" not in metrics
     assert health["engine_load"]["open"] is True and health["engine_load"]["note"].startswith("open")
+
+
+# --- `serve --engine`: the engine's trouble answered as a gateway answers it ---------------------
+
+
+def test_an_engine_that_dies_is_502_or_503_health_503_then_back_when_it_returns(tmp_path: Path) -> None:
+    """The engine is killed between requests: the request that finds it gone is a 502 (or, when
+    the server's look at the engine came first, a 503), never a 500; /health is 503 and names the
+    engine and the cause; requests meanwhile are 503 with Retry-After before any work. Brought
+    back on its port, the engine is used again within a second, with nothing restarted here."""
+    from _replay import Replay
+
+    with contextlib.ExitStack() as stack:
+        srv = stack.enter_context(Replay("llamacpp"))
+        client = stack.enter_context(_engine_app(srv, tmp_path))
+        assert _ask(client).status_code == 200
+        health_up = client.get("/health")
+        srv.kill()
+        first = _ask(client)
+        health_down = client.get("/health")
+        metrics_down = client.get("/metrics").text
+        sent = len(srv.log)
+        second = _ask(client)
+        assert len(srv.log) == sent  # refused before any work: nothing tried the engine
+        stack.enter_context(Replay("llamacpp", port=srv.port))
+        time.sleep(1.1)  # the server looks at the engine again once a second
+        health_back = client.get("/health")
+        back = _ask(client)
+    assert health_up.status_code == 200 and health_up.json()["engine"] == {
+        "kind": "llamacpp",
+        "url": srv.url,
+        "status": "ok",
+    }
+    assert first.status_code in (502, 503), first.text
+    assert first.json()["error"]["code"] in ("engine_unreachable", "engine_unavailable")
+    assert first.json()["error"]["engine"]["url"].startswith(srv.url)
+    assert health_down.status_code == 503 and health_down.json()["status"] == "unavailable"
+    engine = health_down.json()["engine"]
+    assert engine["status"] == "unavailable" and engine["cause"] in ("refused", "dropped")
+    assert f"the llamacpp engine at {srv.url}" in health_down.json()["error"]
+    assert "ragbudget_engine_up 0" in metrics_down
+    assert second.status_code == 503 and second.json()["error"]["code"] == "engine_unavailable"
+    assert int(second.headers["retry-after"]) >= 1
+    assert health_back.status_code == 200 and health_back.json()["engine"]["status"] == "ok"
+    assert back.status_code == 200, back.text
+
+
+def test_an_engine_time_out_is_504_and_does_not_take_the_engine_out(tmp_path: Path) -> None:
+    """An answer past the engine time-out is a 504 naming the engine and the seconds; one slow
+    answer says nothing about the next, so /health stays ok."""
+    import shutil
+
+    from _replay import Replay, Resp
+    from fastapi.testclient import TestClient
+
+    index_dir = tmp_path / "idx"
+    shutil.copytree(corpus_index(), index_dir)
+    with Replay("llamacpp") as srv:
+        pipe = Pipeline(index_dir, engine=srv.url, max_new_tokens=32, engine_timeout=1.5)
+        with TestClient(create_app(pipe)) as client:
+            srv.push("POST", "/v1/chat/completions", Resp(delay=4.0, json={}))
+            r = _ask(client)
+            health = client.get("/health")
+    assert r.status_code == 504, r.text
+    err = r.json()["error"]
+    assert err["code"] == "engine_timeout" and "gave no answer within 1.5 s" in err["message"]
+    assert err["engine"] == {"url": f"{srv.url}/v1/chat/completions", "kind": "llamacpp", "cause": "timeout"}
+    assert health.status_code == 200 and health.json()["engine"]["status"] == "ok"
+
+
+def test_an_engine_loading_its_model_is_503_with_retry_after_and_health_503(tmp_path: Path) -> None:
+    """llama-server answers 503 while it loads its model: the server's look at it says so at
+    once (no back-off), /health is 503, and a request is 503 with Retry-After before any work."""
+    from _replay import Replay, overloaded
+
+    with Replay("llamacpp") as srv, _engine_app(srv, tmp_path) as client:
+        assert _ask(client).status_code == 200
+        time.sleep(1.1)
+        srv.push("GET", "/props", *[overloaded("llamacpp")] * 20)
+        health = client.get("/health")
+        r = _ask(client)
+        sent = srv.calls("POST", "/v1/chat/completions")
+    assert health.status_code == 503 and health.json()["engine"]["cause"] == "overloaded"
+    assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
+    assert int(r.headers["retry-after"]) >= 1 and "still loading" in r.json()["error"]["message"]
+    assert len(sent) == 1  # only the first, answered request reached the engine
+
+
+def test_an_engine_that_answers_500_is_a_502_naming_it(tmp_path: Path) -> None:
+    from _replay import Replay, Resp
+
+    with Replay("llamacpp") as srv, _engine_app(srv, tmp_path) as client:
+        srv.push(
+            "POST",
+            "/v1/chat/completions",
+            Resp(500, {"error": {"code": 500, "message": "failed to open /opt/models/x.gguf", "type": "server_error"}}),
+        )
+        r = _ask(client)
+    assert r.status_code == 502, r.text
+    assert r.json()["error"]["code"] == "engine_error" and "answered 500" in r.json()["error"]["message"]
+    assert "/opt/models" not in r.text
+
+
+def test_a_request_on_an_engine_of_slots_holds_a_whole_slot(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """llama.cpp gives each request one slot of n_ctx tokens whatever its prompt: admission
+    reserves the slot, so no more requests reach the engine than it has slots (the rest wait in
+    this server's bounded queue, not in the engine's, where only the engine time-out bounds them)."""
+    from _replay import Replay
+
+    from ragbudget.admission import AdmissionController
+
+    held: list[int] = []
+    acquire = AdmissionController.acquire
+
+    def spy(self: AdmissionController, tokens: int, **kw: Any) -> Any:
+        held.append(tokens)
+        return acquire(self, tokens, **kw)
+
+    monkeypatch.setattr(AdmissionController, "acquire", spy)
+    with Replay("llamacpp") as srv, _engine_app(srv, tmp_path) as client:
+        r = client.post(
+            "/v1/chat/completions", json={"model": "ragbudget", "max_tokens": 8, "messages": user("Who elects?")}
+        )
+        ctl = client.app.state.pipeline.admission
+    assert r.status_code == 200, r.text
+    prompt = r.json()["usage"]["prompt_tokens"]
+    assert prompt + 8 < 512 and held == [512]  # the slot (GET /props n_ctx), not prompt + answer
+    assert ctl.capacity_tokens // 512 == 4  # four slots: four requests at once
 
 
 # --- a context cut for time says so, and a long question is handled alike by ask and chat ---------
@@ -1460,3 +1687,25 @@ def test_time_capped_plan_is_named_in_memory_and_a_long_question_is_answered_by_
     assert r.status_code == 200, r.text
     assert r.json()["ragbudget"]["memory"]["limited_by"] == "time"
     assert r.json()["ragbudget"]["budget"]["limited_by"] == "time"
+
+
+# --- host memory figures stay private without --expose-plan -------------------------------------
+
+
+@pytest.mark.parametrize("expose_plan", [False, True])
+def test_health_and_metrics_show_admission_bytes_only_with_expose_plan(expose_plan: bool) -> None:
+    """With a memory model admission counts bytes (the memory left beside the weights): those
+    figures are the host's, kept out of /health and /metrics unless the plan is exposed."""
+    from fastapi.testclient import TestClient
+
+    from ragbudget.admission import MemoryModel
+
+    pipe = fake_pipeline(slots=2)
+    pipe.admission.configure(memory=MemoryModel(capacity_bytes=7_340_032_000, kv_bytes_per_token=1024))
+    with TestClient(create_app(pipe, expose_plan=expose_plan)) as client:
+        health = client.get("/health").json()
+        metrics = client.get("/metrics").text
+    assert "capacity_tokens" in health and "ragbudget_kv_capacity_tokens" in metrics  # tokens: always
+    for figure in ("capacity_bytes", "admitted_bytes", "7340032000"):
+        assert (figure in json.dumps(health)) is expose_plan, figure
+        assert (figure in metrics) is expose_plan, figure

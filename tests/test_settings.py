@@ -69,6 +69,8 @@ BAD = [
     (HistorySettings, {"recent_turns": -1}, ConfigError, "recent_turns must be ≥ 0"),
     (HistorySettings, {"expand_follow_ups": 1}, ArgumentTypeError, "expand_follow_ups must be True or False"),
     (HistorySettings, {"summary_role": "tool"}, ConfigError, "summary_role must be one of system, user"),
+    (HistorySettings, {"max_messages": 0}, ConfigError, "max_messages must be ≥ 1"),
+    (HistorySettings, {"max_history_chars": "1e6"}, ArgumentTypeError, "max_history_chars must be an int"),
     (ChunkSettings, {"max_tokens": 4}, ConfigError, "max_tokens must be an integer >= 8"),
     (ChunkSettings, {"min_tokens": 600}, ConfigError, "lower min_tokens or raise max_tokens"),
     (ChunkSettings, {"overlap": 300}, ConfigError, r"overlap must be between 0 and max_tokens // 2 \(250\)"),
@@ -315,3 +317,18 @@ def test_the_records_are_exported_from_ragbudget() -> None:
 
     for cls in RECORDS:
         assert getattr(ragbudget, cls.__name__) is cls and cls.__name__ in ragbudget.__all__
+
+
+def test_a_history_over_its_limits_is_refused_naming_the_limit_the_value_and_the_flag() -> None:
+    limits = HistorySettings(max_messages=3, max_history_chars=100)
+    limits.check_size(messages=3, chars=100)  # at the limits: accepted
+    with pytest.raises(
+        ConfigError, match=r"has 4 messages, more than the limit of 3 \(max_messages; serve --max-messages\)"
+    ):
+        limits.check_size(messages=4, chars=0)
+    with pytest.raises(
+        ConfigError, match=r"hold 101 characters, more than the limit of 100 \(max_history_chars; serve"
+    ):
+        limits.check_size(messages=1, chars=101)
+    # The defaults take what a real chat sends: a thousand exchanges, 512,000 characters.
+    HistorySettings().check_size(messages=2048, chars=512_000)

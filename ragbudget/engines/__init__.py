@@ -44,6 +44,7 @@ __all__ = [
     "backend_class",
     "connect",
     "detect",
+    "root_url",
 ]
 
 #: Engine kinds ``connect`` accepts (besides ``"auto"``).
@@ -204,9 +205,7 @@ def connect(
         raise ConfigError(f"connect_timeout must be > 0 seconds, got {connect_timeout}")
     kind, tokenizer, context_tokens = settings.kind, settings.tokenizer, settings.context_tokens
     key = settings.api_key if settings.api_key is not None else api_key_from_env(settings.api_key_env)
-    http = HTTP(
-        root_url(settings.url), api_key=key, timeout=settings.timeout, connect_timeout=connect_timeout, retry=retry
-    )
+    http = HTTP(settings.url, api_key=key, timeout=settings.timeout, connect_timeout=connect_timeout, retry=retry)
     try:
         detection = detect(http) if kind == "auto" else Detection(kind=kind, how=f"given: kind={kind!r}")
         cls = backend_class(detection.kind)

@@ -10,6 +10,7 @@ import math
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -133,6 +134,9 @@ class LocalCounter:
         self.name = (
             "tiktoken cl100k_base" if tokenizer is None else str(getattr(tokenizer, "name_or_path", None) or tokenizer)
         )
+        #: What its counts are kept under (with the model): another tokenizer or margin counts
+        #: differently, so counts made with one are never reused for the other.
+        self.key = f"{self.name} +{self.margin:g}"
 
     def _load(self) -> Any:
         if self._tok is None:
@@ -177,14 +181,62 @@ class LocalCounter:
         )
 
 
+class _LRU:
+    """A thread-safe least-recently-used map with a bound on its total ``size`` (an entry's
+    size is 1 unless given): what a long-running server may keep in memory of an engine's
+    answers without growing for ever."""
+
+    def __init__(self, max_size: int) -> None:
+        self.max_size = max_size
+        self._data: OrderedDict[Any, tuple[Any, int]] = OrderedDict()
+        self._size = 0
+        self._lock = threading.Lock()
+
+    def get(self, key: Any) -> Any:
+        with self._lock:
+            hit = self._data.get(key)
+            if hit is None:
+                return None
+            self._data.move_to_end(key)
+            return hit[0]
+
+    def put(self, key: Any, value: Any, size: int = 1) -> None:
+        if size > self.max_size:
+            return  # would evict everything else
+        with self._lock:
+            old = self._data.pop(key, None)
+            if old is not None:
+                self._size -= old[1]
+            self._data[key] = (value, size)
+            self._size += size
+            while self._size > self.max_size:
+                _, (_, gone) = self._data.popitem(last=False)
+                self._size -= gone
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+
 class ServedBackend(ABC):
     """A :class:`~ragbudget.backend.Backend` over a served engine's HTTP API.
 
-    Subclasses set ``kind`` and implement :meth:`_capacity`, :meth:`render` and
+    Subclasses set ``kind`` and implement :meth:`_capacity`, :meth:`_render` and
     :meth:`_count_uncached` (a batch route, or one request per text through :meth:`_each`).
     Generation goes to ``POST /v1/chat/completions`` with ``max_tokens`` always set.
-    Counts are cached in ``count_cache`` by (model, text digest).
+
+    The engine's tokenizer is asked as little as possible (each ask is an HTTP request, and a
+    request's prompt is counted passage by passage): counts are kept by text digest and
+    :attr:`count_key` (the engine's tokenizer: its model, or the local counter it stands in
+    for) in a bounded in-process LRU of :attr:`COUNT_MEMO` texts, in front of ``count_cache``
+    (the index's SQLite file, kept between runs); renders of the same messages — the question
+    alone is measured three times a request, a repeated question's whole prompt again — in a
+    bounded LRU of :attr:`RENDER_MEMO_TOKENS` token ids.
     """
+
+    #: Texts whose counts are kept in memory (about 20 MB at most: a digest and a number each).
+    COUNT_MEMO = 100_000
+    #: Token ids of the renders kept in memory (about 40 MB at most), least recently used out.
+    RENDER_MEMO_TOKENS = 1_000_000
 
     kind: ClassVar[str] = "openai"
     #: Statuses this engine answers a too-long prompt with.
@@ -211,6 +263,8 @@ class ServedBackend(ABC):
         self._overheads: dict[tuple[str, ...], int] = {}
         self._window: tuple[int | None, int | None] | None = None  # (max_context, max_prompt)
         self._recent: tuple[float, Capacity] | None = None  # (monotonic time, figures)
+        self._count_memo = _LRU(self.COUNT_MEMO)
+        self._render_memo = _LRU(self.RENDER_MEMO_TOKENS)
         if context_tokens is not None and context_tokens < 2:
             raise ConfigError(f"context_tokens must be ≥ 2; got {context_tokens}")
 
@@ -253,13 +307,29 @@ class ServedBackend(ABC):
             ) from None
 
     # -- counting ---------------------------------------------------------------------------------
+    @property
+    def count_key(self) -> str:
+        """Whose tokenizer counts here, the key counts are kept under: the served model's (the
+        engine counts with it). Engines that count with a local stand-in say which."""
+        return self.model_id
+
     def count(self, texts: Sequence[str]) -> list[int]:
-        """Token counts of ``texts`` (no template, no special tokens), batched, cached."""
+        """Token counts of ``texts`` (no template, no special tokens), batched, cached (in
+        memory, then ``count_cache``) by text digest and :attr:`count_key`."""
         texts = list(texts)
         digests = [text_digest(t) for t in texts]
+        key = self.count_key
         known: dict[str, int] = {}
-        if self.count_cache is not None and texts:
-            known = dict(self.count_cache.get_many(self.model_id, digests))
+        for d in digests:
+            n = self._count_memo.get((key, d))
+            if n is not None:
+                known[d] = n
+        missing = [d for d in dict.fromkeys(digests) if d not in known]
+        if self.count_cache is not None and missing:
+            stored = dict(self.count_cache.get_many(key, missing))
+            for d, n in stored.items():
+                self._count_memo.put((key, d), n)
+            known.update(stored)
         todo: dict[str, str] = {}
         for d, t in zip(digests, texts, strict=True):
             if d not in known:
@@ -268,8 +338,10 @@ class ServedBackend(ABC):
             fresh = self._count_uncached(list(todo.values()))
             new = dict(zip(todo, fresh, strict=True))
             known.update(new)
+            for d, n in new.items():
+                self._count_memo.put((key, d), n)
             if self.count_cache is not None:
-                self.count_cache.put_many(self.model_id, new)
+                self.count_cache.put_many(key, new)
         return [known[d] for d in digests]
 
     @abstractmethod
@@ -286,9 +358,24 @@ class ServedBackend(ABC):
             return list(pool.map(count_one, texts))
 
     # -- rendering --------------------------------------------------------------------------------
-    @abstractmethod
     def render(self, messages: Sequence[Mapping[str, str]]) -> RenderedPrompt:
-        """The prompt after the engine's chat template, with its token count."""
+        """The prompt after the engine's chat template, with its token count (the same messages
+        rendered before are answered from memory: the engine's template and tokenizer give the
+        same prompt every time)."""
+        import json
+
+        msgs = [{"role": str(m.get("role")), "content": str(m.get("content"))} for m in messages]
+        key = (self.count_key, text_digest(json.dumps(msgs, ensure_ascii=False)))
+        hit = self._render_memo.get(key)
+        if isinstance(hit, RenderedPrompt):
+            return hit
+        rendered = self._render(messages)
+        self._render_memo.put(key, rendered, size=max(1, rendered.n_tokens))
+        return rendered
+
+    @abstractmethod
+    def _render(self, messages: Sequence[Mapping[str, str]]) -> RenderedPrompt:
+        """:meth:`render`, asked of the engine (or its local stand-in)."""
 
     def template_overhead(self, system_prompt: str | None = None) -> int:
         """Tokens the chat template and ``system_prompt`` add around an empty user turn (the

@@ -3,8 +3,9 @@
 Everything that can go wrong on the wire becomes a typed one-line error naming the URL and what to
 check (:mod:`ragbudget.errors`); nothing is retried forever:
 
-* refused connection, unknown host, TLS failure → :class:`~ragbudget.errors.EngineConnectionError`;
-* no answer within the timeout (a hung server), a dropped connection → the same;
+* refused connection, unknown host, TLS failure, a dropped connection →
+  :class:`~ragbudget.errors.EngineConnectionError` (its ``cause`` says which);
+* no answer within the timeout (a hung server) → :class:`~ragbudget.errors.EngineTimeoutError`;
 * 401 / 403 → :class:`~ragbudget.errors.EngineAuthError`;
 * 429 / 503 (overloaded, or still loading) → up to ``Retry.attempts`` requests with exponential
   back-off and full jitter, waiting at least the server's ``Retry-After``, never more than
@@ -15,6 +16,11 @@ check (:mod:`ragbudget.errors`); nothing is retried forever:
   modules do, to read a too-long error's figures).
 
 Errors are classified by status code and structured fields only, never by message text.
+
+Credentials in the URL (``http://user:pass@host``) are sent as HTTP basic auth and never appear in
+``root``, a message or an error's ``url``: those reach logs, reports and the server's clients.
+:meth:`HTTP.probing` makes the calls inside it quick looks (no back-off, a shorter time-out), for
+the server's reading of the engine's health and load.
 """
 
 from __future__ import annotations
@@ -26,10 +32,12 @@ import socket
 import ssl
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 import httpx
 
@@ -39,6 +47,7 @@ from ..errors import (
     EngineConnectionError,
     EngineOverloadedError,
     EngineResponseError,
+    EngineTimeoutError,
 )
 
 __all__ = ["HTTP", "Reply", "Retry", "error_message", "root_url"]
@@ -76,17 +85,41 @@ class Reply:
 
 
 def root_url(url: str) -> str:
-    """The server root of an engine URL: one trailing ``/v1`` and slashes dropped.
+    """The server root of an engine URL: one trailing ``/v1``, slashes and any credentials
+    (``user:pass@``) dropped — what may be shown.
 
     >>> root_url("http://127.0.0.1:8000/v1/")
     'http://127.0.0.1:8000'
+    >>> root_url("https://bob:s3cret@engine.example:8443/v1")
+    'https://engine.example:8443'
     """
+    return _split_url(url)[0]
+
+
+def _split_url(url: str) -> tuple[str, tuple[str, str] | None]:
+    """``(root, (user, password) or None)`` of an engine URL (see :func:`root_url`)."""
     parts = urlsplit(url.strip())
-    if parts.scheme not in ("http", "https") or not parts.netloc:
-        raise ConfigError(f"engine URL must look like http://host:port[/v1]; got {url!r}")
+    try:
+        host, port = parts.hostname, parts.port
+    except ValueError:  # a port that is not a number
+        host = port = None
+    if parts.scheme not in ("http", "https") or not host:
+        raise ConfigError(f"engine URL must look like http://host:port[/v1]; got {_shown_url(url)!r}")
     path = parts.path.rstrip("/")
     path = path[: -len("/v1")] if path.endswith("/v1") else path
-    return f"{parts.scheme}://{parts.netloc}{path}"
+    netloc = f"[{host}]" if ":" in host else host
+    if port is not None:
+        netloc += f":{port}"
+    auth = (unquote(parts.username or ""), unquote(parts.password or "")) if parts.username is not None else None
+    return f"{parts.scheme}://{netloc}{path}", auth
+
+
+def _shown_url(url: str) -> str:
+    """``url`` with any ``user:pass@`` masked, for an error message."""
+    scheme, sep, rest = url.strip().partition("://")
+    if sep and "@" in rest.split("/", 1)[0]:
+        return f"{scheme}://***@{rest.split('@', 1)[1]}"
+    return url
 
 
 def error_message(data: Any, text: str = "") -> str:
@@ -135,12 +168,17 @@ class HTTP:
         sleep: Callable[[float], None] = time.sleep,
         transport: httpx.BaseTransport | None = None,
     ) -> None:
-        self.root = root_url(root)
+        self.root, auth = _split_url(root)
         self.kind = kind
         self.timeout = timeout
+        self.connect_timeout = connect_timeout
         self.retry = retry or Retry()
         self._sleep = sleep
         self._has_key = bool(api_key)
+        self._probe = threading.local()  # .timeout set inside probing(): see there
+        #: Requests sent, by route (``"/tokenize"``: how often the engine's tokenizer was asked).
+        self.sent: Counter[str] = Counter()
+        self._sent_lock = threading.Lock()
         headers = {"User-Agent": "ragbudget", "Accept": "application/json"}
         if api_key:
             headers["Authorization"] = f"Bearer {api_key}"
@@ -149,6 +187,7 @@ class HTTP:
             timeout=httpx.Timeout(timeout, connect=connect_timeout),
             transport=transport,
             follow_redirects=False,
+            auth=httpx.BasicAuth(*auth) if auth is not None and not api_key else None,
         )
 
     def close(self) -> None:
@@ -156,6 +195,19 @@ class HTTP:
 
     def url(self, path: str) -> str:
         return self.root + path
+
+    @contextmanager
+    def probing(self, timeout: float | None = None) -> Iterator[None]:
+        """Calls made inside the block (in this thread) are quick looks at the engine: an
+        overload answer (429/503, or llama.cpp loading its model) raises at once instead of
+        backing off, and each reply may take ``timeout`` seconds (default: the client's). A
+        look at the engine's health must say "busy" now, not after half a minute of retries."""
+        before = getattr(self._probe, "timeout", None)
+        self._probe.timeout = self.timeout if timeout is None else timeout
+        try:
+            yield
+        finally:
+            self._probe.timeout = before
 
     # -- one request ------------------------------------------------------------------------------
     def call(
@@ -175,14 +227,18 @@ class HTTP:
         """
         url = self.url(path)
         waited, attempt = 0.0, 0
+        probe = getattr(self._probe, "timeout", None)
+        if timeout is None and probe is not None:
+            timeout = probe
         while True:
             attempt += 1
+            self._note_sent(path)
             try:
                 resp = self._client.request(
                     method,
                     url,
                     json=body,
-                    timeout=httpx.USE_CLIENT_DEFAULT if timeout is None else timeout,
+                    timeout=httpx.USE_CLIENT_DEFAULT if timeout is None else self._timeouts(timeout),
                 )
             except httpx.HTTPError as exc:
                 raise self._transport_error(exc, url, timeout) from None
@@ -229,6 +285,7 @@ class HTTP:
         waited, attempt = 0.0, 0
         while True:
             attempt += 1
+            self._note_sent(path)
             try:
                 with self._client.stream("POST", url, json=body) as resp:
                     status = resp.status_code
@@ -272,6 +329,14 @@ class HTTP:
                 raise self._transport_error(exc, url, None) from None
 
     # -- helpers -----------------------------------------------------------------------------------
+    def _note_sent(self, path: str) -> None:
+        with self._sent_lock:
+            self.sent[path] += 1
+
+    def _timeouts(self, timeout: float) -> httpx.Timeout:
+        """A call's own read ``timeout``; connecting never takes longer than the client's."""
+        return httpx.Timeout(timeout, connect=min(timeout, self.connect_timeout))
+
     def _json(self, resp: httpx.Response, url: str) -> Any:
         try:
             return json.loads(resp.text)
@@ -289,6 +354,8 @@ class HTTP:
 
     def _backoff(self, resp: httpx.Response, attempt: int, waited: float, url: str, data: Any) -> float:
         r = self.retry
+        if getattr(self._probe, "timeout", None) is not None:
+            r = Retry(attempts=1)  # a probe says "overloaded" at once (see probing)
         retry_after = _retry_after(resp.headers.get("retry-after"))
         # Full jitter over the exponential step; the server's Retry-After is a floor, with a
         # little jitter on top so a crowd of clients does not return in the same instant.
@@ -334,35 +401,42 @@ class HTTP:
 
     def _transport_error(self, exc: httpx.HTTPError, url: str, timeout: float | None) -> EngineConnectionError:
         host = urlsplit(url).netloc
-        t = self.timeout if timeout is None else timeout
         if isinstance(exc, httpx.TimeoutException):
-            what = "could not connect" if isinstance(exc, httpx.ConnectTimeout) else "gave no answer"
-            msg = (
+            connect = isinstance(exc, httpx.ConnectTimeout)
+            t = self.timeout if timeout is None else timeout
+            if connect:
+                t = min(t, self.connect_timeout)
+            what = "could not connect" if connect else "gave no answer"
+            return EngineTimeoutError(
                 f"{url} {what} within {t:g} s: the engine may be hung, still loading, or "
-                "overloaded; check it is up (its /health) or raise the timeout"
+                "overloaded; check it is up (its /health) or raise the timeout (--engine-timeout)",
+                url=url,
+                kind=self.kind,
+                timeout=t,
+            )
+        chain = list(_chain(exc))
+        if any(isinstance(e, ssl.SSLError) for e in chain):
+            cause = "tls"
+            msg = (
+                f"TLS handshake with {host} failed ({chain[-1]}): check http:// vs "
+                "https:// and the server certificate (SSL_CERT_FILE)"
+            )
+        elif any(isinstance(e, socket.gaierror) for e in chain):
+            cause = "dns"
+            msg = f"cannot resolve host {host!r} for {url}: check the host name in the URL"
+        elif any(isinstance(e, ConnectionRefusedError) for e in chain):
+            cause = "refused"
+            msg = f"connection to {url} refused: is the engine running and listening on {host}? check the host and port"
+        elif isinstance(exc, (httpx.RemoteProtocolError, httpx.ReadError)):
+            cause = "dropped"
+            msg = (
+                f"{url} closed the connection mid-request ({type(exc).__name__}): check the "
+                "engine's logs (it may have crashed or restarted)"
             )
         else:
-            chain = list(_chain(exc))
-            if any(isinstance(e, ssl.SSLError) for e in chain):
-                msg = (
-                    f"TLS handshake with {host} failed ({chain[-1]}): check http:// vs "
-                    "https:// and the server certificate (SSL_CERT_FILE)"
-                )
-            elif any(isinstance(e, socket.gaierror) for e in chain):
-                msg = f"cannot resolve host {host!r} for {url}: check the host name in the URL"
-            elif any(isinstance(e, ConnectionRefusedError) for e in chain):
-                msg = (
-                    f"connection to {url} refused: is the engine running and listening on "
-                    f"{host}? check the host and port"
-                )
-            elif isinstance(exc, (httpx.RemoteProtocolError, httpx.ReadError)):
-                msg = (
-                    f"{url} closed the connection mid-request ({type(exc).__name__}): check the "
-                    "engine's logs (it may have crashed or restarted)"
-                )
-            else:
-                msg = f"cannot reach {url} ({type(exc).__name__}: {exc}): check the URL"
-        return EngineConnectionError(msg, url=url, kind=self.kind)
+            cause = "unreachable"
+            msg = f"cannot reach {url} ({type(exc).__name__}: {exc}): check the URL"
+        return EngineConnectionError(msg, url=url, kind=self.kind, cause=cause)
 
 
 def _maybe_json(text: str) -> Any:

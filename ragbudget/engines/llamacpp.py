@@ -15,6 +15,10 @@ vendors (the version CI builds):
   ``{"content", "add_special", "parse_special", "with_pieces"}`` → ``{"tokens"}``
   (``post_apply_template`` / ``post_tokenize``, server-context.cpp). The chat route tokenizes
   its rendered prompt with special tokens added and parsed, so :meth:`render` does the same.
+  ``content`` may be an array of strings and token ids (``tokenize_mixed`` in
+  ``server-common.cpp``): each string is tokenized on its own, exactly as if sent alone, and
+  each id is passed through as is. So many texts are counted in one request, separated by the
+  id -1 (no tokenizer yields it): see :meth:`LlamaCppBackend._count_uncached`.
 * errors → ``{"error": {"code", "message", "type"}}`` with the HTTP status taken from ``code``
   (``format_error_response`` in ``server-common.cpp``). A too-long prompt is 400
   ``exceed_context_size_error`` with ``n_prompt_tokens`` and ``n_ctx`` beside them
@@ -25,6 +29,7 @@ vendors (the version CI builds):
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 
 from ..backend import Capacity, RenderedPrompt
@@ -34,6 +39,11 @@ from ._http import Reply
 
 __all__ = ["LlamaCppBackend"]
 
+log = logging.getLogger("ragbudget.engines")
+
+#: Between the texts of a batched /tokenize: passed through as a token, and no tokenizer yields it.
+_SEPARATOR = -1
+
 
 class LlamaCppBackend(ServedBackend):
     """A llama.cpp ``llama-server``."""
@@ -41,6 +51,9 @@ class LlamaCppBackend(ServedBackend):
     kind = "llamacpp"
 
     def _tokenize(self, content: str, *, add_special: bool) -> list[int]:
+        return self._tokens(content, add_special=add_special)
+
+    def _tokens(self, content: str | list[str | int], *, add_special: bool) -> list[int]:
         data = self.http.post("/tokenize", {"content": content, "add_special": add_special}).data
         toks = data.get("tokens") if isinstance(data, Mapping) else None
         if not isinstance(toks, list):
@@ -52,13 +65,63 @@ class LlamaCppBackend(ServedBackend):
             )
         return [int(t) for t in toks]
 
+    #: Characters of text sent in one batched ``/tokenize`` request (a few hundred chunks).
+    BATCH_CHARS = 256_000
+    # Whether batched counting holds on this server: None until checked on first use.
+    _batched: bool | None = None
+
     def _count_uncached(self, texts: list[str]) -> list[int]:
+        """Counts of ``texts``: many in one ``/tokenize`` request (see the module docstring),
+        one request per text on a server that does not take an array (an older llama.cpp) or
+        whose batched counts differ from the single ones — checked once, on first use."""
+        if len(texts) > 1 and self._batched is not False:
+            try:
+                counts = self._count_batched(texts)
+                if self._batched is None:  # the first batch: the first text alone must agree
+                    self._batched = counts[0] == self._count_one(texts[0])
+                    if not self._batched:
+                        log.warning("llama.cpp: batched /tokenize counts differ from single ones: one text a request")
+                if self._batched:
+                    return counts
+            except EngineResponseError as exc:
+                self._batched = False
+                log.warning("llama.cpp: /tokenize takes no array here (%s): one text a request", exc)
         return self._each(self._count_one, texts)
+
+    def _count_batched(self, texts: list[str]) -> list[int]:
+        out: list[int] = []
+        start = 0
+        while start < len(texts):
+            end, size = start, 0
+            while end < len(texts) and (end == start or size + len(texts[end]) <= self.BATCH_CHARS):
+                size += len(texts[end])
+                end += 1
+            batch = texts[start:end]
+            content: list[str | int] = []
+            for text in batch:
+                content += [text, _SEPARATOR]
+            counts: list[int] = []
+            n = 0
+            for t in self._tokens(content, add_special=False):
+                if t == _SEPARATOR:
+                    counts.append(n)
+                    n = 0
+                else:
+                    n += 1
+            if len(counts) != len(batch) or n:
+                raise EngineResponseError(
+                    f"{self.http.url('/tokenize')} answered {len(counts)} separated counts for {len(batch)} texts",
+                    url=self.http.url("/tokenize"),
+                    kind=self.kind,
+                )
+            out += counts
+            start = end
+        return out
 
     def _count_one(self, text: str) -> int:
         return len(self._tokenize(text, add_special=False))
 
-    def render(self, messages: Sequence[Mapping[str, str]]) -> RenderedPrompt:
+    def _render(self, messages: Sequence[Mapping[str, str]]) -> RenderedPrompt:
         msgs = tuple(dict(m) for m in messages)
         data = self.http.post("/apply-template", {"messages": list(msgs)}).data
         text = data.get("prompt") if isinstance(data, Mapping) else None
@@ -119,6 +182,9 @@ class LlamaCppBackend(ServedBackend):
             load_source=load_src,
             max_concurrent=slots_n,
             max_concurrent_source="GET /props total_slots" if slots_n is not None else "",
+            # A request takes one slot, however short its prompt: a fifth request on four
+            # slots waits inside the server (deferred), where only the engine time-out bounds it.
+            slot_tokens=n_ctx if slots_n is not None else None,
             engine_kind=self.kind,
             engine_version=props.get("build_info"),
             notes=tuple(notes),

@@ -54,10 +54,15 @@ class OllamaBackend(ServedBackend):
         self.counter = LocalCounter(tokenizer)
         self._num_ctx: int | None = None
 
+    @property
+    def count_key(self) -> str:
+        # Counted by the local stand-in, not the engine: kept under both (see LocalCounter.key).
+        return f"{self.model_id} @ {self.counter.key}"
+
     def _count_uncached(self, texts: list[str]) -> list[int]:
         return self.counter.count(texts)
 
-    def render(self, messages: Sequence[Mapping[str, str]]) -> RenderedPrompt:
+    def _render(self, messages: Sequence[Mapping[str, str]]) -> RenderedPrompt:
         return self.counter.render(messages)
 
     def num_ctx(self) -> int:

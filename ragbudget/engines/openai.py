@@ -29,10 +29,15 @@ class OpenAIBackend(ServedBackend):
         super().__init__(http, **kw)
         self.counter = LocalCounter(tokenizer)
 
+    @property
+    def count_key(self) -> str:
+        # Counted by the local stand-in, not the engine: kept under both (see LocalCounter.key).
+        return f"{self.model_id} @ {self.counter.key}"
+
     def _count_uncached(self, texts: list[str]) -> list[int]:
         return self.counter.count(texts)
 
-    def render(self, messages: Sequence[Mapping[str, str]]) -> RenderedPrompt:
+    def _render(self, messages: Sequence[Mapping[str, str]]) -> RenderedPrompt:
         return self.counter.render(messages)
 
     def _capacity(self) -> Capacity:

@@ -80,7 +80,7 @@ class SGLangBackend(ServedBackend):
             self._overheads[key] = n
         return n
 
-    def render(self, messages: Sequence[Mapping[str, str]]) -> RenderedPrompt:
+    def _render(self, messages: Sequence[Mapping[str, str]]) -> RenderedPrompt:
         msgs = tuple(dict(m) for m in messages)
         content = sum(self.count([m["content"] for m in msgs]))
         n = content + self._role_overhead(tuple(m["role"] for m in msgs))

@@ -50,7 +50,7 @@ class TGIBackend(ServedBackend):
             )
         return len(data)
 
-    def render(self, messages: Sequence[Mapping[str, str]]) -> RenderedPrompt:
+    def _render(self, messages: Sequence[Mapping[str, str]]) -> RenderedPrompt:
         msgs = tuple(dict(m) for m in messages)
         data = self.http.post("/chat_tokenize", {"model": self.model_id, "messages": list(msgs)}).data
         toks = data.get("tokenize_response") if isinstance(data, Mapping) else None

@@ -54,7 +54,7 @@ class VLLMBackend(ServedBackend):
             )
         return n
 
-    def render(self, messages: Sequence[Mapping[str, str]]) -> RenderedPrompt:
+    def _render(self, messages: Sequence[Mapping[str, str]]) -> RenderedPrompt:
         msgs = tuple(dict(m) for m in messages)
         data = self.http.post(
             "/tokenize", {"model": self.model_id, "messages": list(msgs), "add_generation_prompt": True}
