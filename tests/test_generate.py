@@ -15,6 +15,9 @@ from ragbudget.prompt import build_prompt
 from ragbudget.select import Candidate
 from ragbudget.types import Source
 
+# Nearly every test generates with the tiny random Llama (tests/_needs.py).
+pytestmark = pytest.mark.model
+
 
 @pytest.fixture(scope="module")
 def gen() -> Generator:

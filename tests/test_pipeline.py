@@ -532,6 +532,7 @@ def test_fill_remainder_is_an_option_that_reaches_the_selector(tmp_path: Path) -
         Pipeline(tmp_path / "idx", backend=FakeBackend(), fill_remainder=True)
 
 
+@pytest.mark.model
 def test_calibrate_runs_one_real_request_and_admission_learns_the_host_speed() -> None:
     """Issue #30: warm-up measured 0.95 ms/token and requests ran 7-8x slower, so the first
     ones were admitted on a speed the host could not give. One real request at warm-up, slower
