@@ -22,7 +22,9 @@ decorator on the test otherwise. A test that slips through is caught: while a te
 fixtures included), starting a uvicorn server, calling ``ray.init`` or building a model fails it
 unless it carries the marker, with the marker to add — in every run, so CI catches a new test that
 ``make test-fast`` would have run without what it needs. The checks wrap the libraries' own entry
-points as each library is imported (:class:`Guard`), so a run that never imports one pays nothing.
+points as each library is imported (:data:`PATCHES`), so a run that never imports one pays nothing.
+A child process is seen only when it is ``ragbudget serve``: a test whose child process loads a
+model (``ragbudget ask`` without ``--engine``) is marked by hand.
 """
 
 from __future__ import annotations

@@ -167,10 +167,12 @@ def test_make_test_fast_selects_the_fast_tier_without_lint_and_make_test_runs_ev
     def commands(target: str) -> str:
         # -n: print, run nothing; the venv's stamps made up to date so only the target's own
         # recipe is printed, whatever this checkout has installed.
-        # Not the variables of a make this test may run under (`make test` passes VENV=...).
+        # Not the variables of a make this test may run under (`make test VENV=...`): its
+        # command-line variables reach us in MAKEFLAGS and the environment.
         env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES")}
         made = subprocess.run(
-            ["make", "-n", "--no-print-directory", "-o", ".venv/.dev", "-o", ".venv/.installed", "-o", "lint", target],
+            ["make", "-n", "--no-print-directory", "-o", ".venv/.dev", "-o", ".venv/.installed", "-o", "lint"]
+            + ["VENV=.venv", "PYTEST_WORKERS=auto", target],
             cwd=REPO,
             env=env,
             capture_output=True,
