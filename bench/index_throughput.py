@@ -107,7 +107,7 @@ def write_corpus(name: str, folder: Path) -> dict:
 
 
 def model_path() -> str:
-    from ragbudget.models import resolve_embedder
+    from ragbudget.memory.models import resolve_embedder
 
     return resolve_embedder(None)
 
@@ -255,7 +255,7 @@ def main() -> None:
         if s not in SYSTEMS:
             raise SystemExit(f"unknown system {s!r}; one of {', '.join(SYSTEMS)}")
 
-    from ragbudget.embed import SentenceTransformerEmbedder
+    from ragbudget.retrieval.embed import SentenceTransformerEmbedder
 
     default = SentenceTransformerEmbedder()
     t = time.perf_counter()

@@ -67,8 +67,8 @@ def main() -> None:
     ap.add_argument("--switch", action="store_true", help="then turn sentence vectors off, and on again")
     args = ap.parse_args()
 
-    from ragbudget.embed import SentenceTransformerEmbedder
-    from ragbudget.index import Index
+    from ragbudget.retrieval.embed import SentenceTransformerEmbedder
+    from ragbudget.retrieval.index import Index
 
     emb = SentenceTransformerEmbedder()
     emb.warm_up()

@@ -1,15 +1,15 @@
 """What span packing adds per question, against the generator's prefill of the same prompt.
 
 One SQuAD dev article (default ``Normans``, a *test* article of bench/floor.py's splits, never
-tuned on) is indexed with :class:`ragbudget.index.Index` and the library defaults — chunking, and
+tuned on) is indexed with :class:`ragbudget.retrieval.index.Index` and the library defaults — chunking, and
 the embedder ``SentenceTransformerEmbedder()`` picks (``--backend auto``: int8 ONNX on a CPU with
 onnxruntime; ``torch`` is what the first runs of this script used) — with ``sentence_vectors=True``
 so that the stored path can be timed too (``build.py`` ``_embed_sentences``). Each question takes
 the top ``--fetch-k`` chunks by cosine (``Index.search``). For each context budget, the prompt is
-built with :func:`ragbudget.prompt.build_prompt` — ``pack="chunks"``, then ``pack="spans"`` four
+built with :func:`ragbudget.prompt.prompt.build_prompt` — ``pack="chunks"``, then ``pack="spans"`` four
 ways:
 
-* *cold*: a fresh :class:`ragbudget.spans.SpanScorer` over an empty sentence cache, so every pool
+* *cold*: a fresh :class:`ragbudget.prompt.spans.SpanScorer` over an empty sentence cache, so every pool
   sentence is embedded (and written to the cache): the first question on these chunks of an
   index built with the defaults (no stored sentence vectors);
 * *cached*: a fresh scorer over that cache, as a later question — in another process too — takes:
@@ -51,12 +51,12 @@ sys.path.insert(0, str(ROOT / "bench"))
 from _results import write  # noqa: E402
 from qa import normalize_answer  # noqa: E402
 
-from ragbudget.embed import SentenceTransformerEmbedder  # noqa: E402
-from ragbudget.index import Index  # noqa: E402
-from ragbudget.models import resolve_generator  # noqa: E402
-from ragbudget.prompt import PromptBuilder, build_prompt  # noqa: E402
-from ragbudget.sentence_cache import SentenceCache  # noqa: E402
-from ragbudget.spans import SpanScorer  # noqa: E402
+from ragbudget.memory.models import resolve_generator  # noqa: E402
+from ragbudget.prompt.prompt import PromptBuilder, build_prompt  # noqa: E402
+from ragbudget.prompt.spans import SpanScorer  # noqa: E402
+from ragbudget.retrieval.embed import SentenceTransformerEmbedder  # noqa: E402
+from ragbudget.retrieval.index import Index  # noqa: E402
+from ragbudget.retrieval.sentence_cache import SentenceCache  # noqa: E402
 
 SQUAD = Path(os.environ.get("RAGBUDGET_SHARED_DATA", ROOT.parent / "shared" / "data")) / "squad" / "squaddev_v1.1.json"
 

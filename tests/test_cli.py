@@ -10,7 +10,7 @@ import pytest
 from _fakes import make_pdf
 from click.testing import CliRunner
 
-from ragbudget.cli import cli
+from ragbudget.cli.commands import cli
 
 
 @pytest.fixture()
@@ -294,7 +294,7 @@ def test_index_no_sentence_vectors(runner: CliRunner, tmp_path: Path) -> None:
     """`--no-sentence-vectors` leaves every chunk's sentence vectors out (and drops them from an
     index that has them); `--sentence-vectors` stores them, also for chunks indexed while it was
     off; with neither, an index keeps what it has (a new one stores none)."""
-    from ragbudget.index import Index
+    from ragbudget.retrieval.index import Index
 
     docs = tmp_path / "docs"
     docs.mkdir()
@@ -502,7 +502,7 @@ def test_search_paths_are_relative_unless_asked(runner: CliRunner, tmp_path: Pat
 
 
 class _CutGenerator:
-    """Stands in for ragbudget.generate.Generator in the CLI: a word tokenizer, no model, and an
+    """Stands in for ragbudget.generation.generate.Generator in the CLI: a word tokenizer, no model, and an
     answer cut at max_new_tokens (finish_reason "length")."""
 
     def __init__(self, model: Any = None) -> None:
@@ -534,9 +534,9 @@ class _CutGenerator:
 
 @pytest.fixture()
 def small_index(runner: CliRunner, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
-    import ragbudget.generate
+    import ragbudget.generation.generate
 
-    monkeypatch.setattr(ragbudget.generate, "Generator", _CutGenerator)
+    monkeypatch.setattr(ragbudget.generation.generate, "Generator", _CutGenerator)
     docs = tmp_path / "docs"
     docs.mkdir()
     (docs / "curie.txt").write_text("Maria Curie was the first female recipient of the Nobel Prize. " * 40)

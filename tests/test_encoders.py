@@ -1,4 +1,4 @@
-"""ragbudget.encoders: the schedule every backend shares, the runners' token states and offsets,
+"""ragbudget.retrieval.encoders: the schedule every backend shares, the runners' token states and offsets,
 and (slow) sentence vectors pooled from the real MiniLM's chunk pass against the pooling
 definition worked out by hand."""
 
@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from ragbudget.embed import HashEmbedder, SentenceTransformerEmbedder
-from ragbudget.encoders import _Runner, schedule
-from ragbudget.spans import split_sentences
+from ragbudget.prompt.spans import split_sentences
+from ragbudget.retrieval.embed import HashEmbedder, SentenceTransformerEmbedder
+from ragbudget.retrieval.encoders import _Runner, schedule
 
 
 @settings(max_examples=200, deadline=None)
@@ -111,7 +111,7 @@ def _by_hand() -> np.ndarray:
     import torch
     from transformers import AutoModel, AutoTokenizer
 
-    from ragbudget.models import resolve_embedder
+    from ragbudget.memory.models import resolve_embedder
 
     path = resolve_embedder(None)
     tok = AutoTokenizer.from_pretrained(path)
@@ -145,7 +145,7 @@ def test_pooled_sentence_vectors_across_overlapping_windows_follow_the_definitio
     import torch
     from transformers import AutoModel, AutoTokenizer
 
-    from ragbudget.models import resolve_embedder
+    from ragbudget.memory.models import resolve_embedder
 
     path = resolve_embedder(None)
     tok, bert = AutoTokenizer.from_pretrained(path), AutoModel.from_pretrained(path)

@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from ragbudget.cli import cli
-from ragbudget.embed import HashEmbedder
+from ragbudget.cli.commands import cli
 from ragbudget.errors import ConfigError, IndexMismatchError
-from ragbudget.index import Index
-from ragbudget.index_settings import changes, check_changes, recorded, resolve
+from ragbudget.retrieval.embed import HashEmbedder
+from ragbudget.retrieval.index import Index
+from ragbudget.retrieval.index_settings import changes, check_changes, recorded, resolve
 
 EMB = HashEmbedder(dim=64)
 WORDS = [f"{a}{b}" for a in ("ka", "lo", "mi", "nu", "pe", "ra") for b in ("ba", "de", "fi", "go", "hu", "ja")]

@@ -9,8 +9,8 @@ import pytest
 from _tiny_lm import tiny_tokenizer
 
 from ragbudget.errors import BudgetError
-from ragbudget.prompt import PromptBuilder, build_prompt, escape_data
-from ragbudget.select import Candidate
+from ragbudget.prompt.prompt import PromptBuilder, build_prompt, escape_data
+from ragbudget.prompt.select import Candidate
 from ragbudget.types import Source
 
 INJECTION = (
@@ -28,7 +28,7 @@ def tiny():
 def smol():
     from transformers import AutoTokenizer
 
-    from ragbudget.models import resolve_generator
+    from ragbudget.memory.models import resolve_generator
 
     ref = resolve_generator()
     return AutoTokenizer.from_pretrained(ref.path, gguf_file=ref.gguf_file)

@@ -1,4 +1,4 @@
-"""The sentence cache beside an index (:mod:`ragbudget.sentence_cache`): a new index stores no
+"""The sentence cache beside an index (:mod:`ragbudget.retrieval.sentence_cache`): a new index stores no
 sentence vectors (issue #31: half the embedding at build time), and span packing embeds each
 sentence once — in this process or any other asking the same index — then reads it back.
 
@@ -17,10 +17,10 @@ import pytest
 from _fakes import FakeBackend
 from test_index import OPTS, write_corpus
 
-from ragbudget.embed import HashEmbedder
-from ragbudget.index import Index
 from ragbudget.pipeline import Pipeline
-from ragbudget.sentence_cache import SentenceCache
+from ragbudget.retrieval.embed import HashEmbedder
+from ragbudget.retrieval.index import Index
+from ragbudget.retrieval.sentence_cache import SentenceCache
 
 DIM = 64
 QUESTION = "Which marker appears only in the third document, marker2zz?"
@@ -75,7 +75,7 @@ _OTHER_PROCESS = """
 import json, sys
 sys.path.insert(0, {tests!r})
 from _fakes import FakeBackend
-from ragbudget.embed import HashEmbedder
+from ragbudget.retrieval.embed import HashEmbedder
 from ragbudget.pipeline import Pipeline
 
 class Counting(HashEmbedder):
@@ -120,7 +120,7 @@ def test_a_cache_written_for_another_embedder_is_never_read(tmp_path: Path) -> N
 def test_an_unusable_cache_changes_no_answer(ix: Index, caplog: pytest.LogCaptureFixture) -> None:
     (ix.path / "cache").write_text("not a folder")  # the cache cannot be created here
     first, second = Counting(), Counting()
-    with caplog.at_level("INFO", logger="ragbudget.sentence_cache"):
+    with caplog.at_level("INFO", logger="ragbudget.retrieval.sentence_cache"):
         assert retrieve(ix, first) == retrieve(ix, second)
     assert first.documents == second.documents > 0  # embedded each time, nothing kept, no error
     assert "no sentence cache beside the index" in caplog.text
@@ -129,7 +129,7 @@ def test_an_unusable_cache_changes_no_answer(ix: Index, caplog: pytest.LogCaptur
 _WRITER = """
 import sys
 import numpy as np
-from ragbudget.sentence_cache import SentenceCache
+from ragbudget.retrieval.sentence_cache import SentenceCache
 c = SentenceCache({folder!r}, identity={{"kind": "hash", "id": "hash-8"}}, dim=8)
 rng = np.random.default_rng({seed})
 for i in range(40):
@@ -152,7 +152,7 @@ def test_processes_write_the_same_cache_at_once(tmp_path: Path) -> None:
 
 
 def test_a_question_scores_the_same_whether_its_sentences_were_just_embedded_or_cached(ix: Index) -> None:
-    from ragbudget.spans import SpanScorer, sentence_digest
+    from ragbudget.prompt.spans import SpanScorer, sentence_digest
 
     m = json.loads((ix.path / "manifest.json").read_text())
     sentences = ["Harbour tides move the ships at dawn.", "Marker two sits in the third document.", "x"]

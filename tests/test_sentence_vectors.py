@@ -1,6 +1,6 @@
 """Sentence vectors stored at index build time for span packing (issue #18's cold cost): written in
 the same generation as the chunk vectors, kept in step by incremental runs, read by
-:class:`~ragbudget.spans.SpanScorer` so a question embeds no sentence; an index without them still
+:class:`~ragbudget.prompt.spans.SpanScorer` so a question embeds no sentence; an index without them still
 works (sentences embedded on first use) and gains them on its next write.
 
 Model-free: :class:`HashEmbedder`, small chunks.
@@ -19,11 +19,11 @@ from _fakes import FakeBackend
 from _tiny_lm import tiny_tokenizer
 from test_index import OPTS, make_text, write_corpus
 
-from ragbudget.embed import HashEmbedder
-from ragbudget.index import Index
 from ragbudget.pipeline import Pipeline
-from ragbudget.prompt import build_prompt
-from ragbudget.spans import SpanScorer, sentence_digest, sentence_texts
+from ragbudget.prompt.prompt import build_prompt
+from ragbudget.prompt.spans import SpanScorer, sentence_digest, sentence_texts
+from ragbudget.retrieval.embed import HashEmbedder
+from ragbudget.retrieval.index import Index
 
 DIM = 64
 
@@ -229,7 +229,7 @@ def ask_report(ix: Index, emb: HashEmbedder) -> dict:  # type: ignore[type-arg]
 
 
 def test_sentence_vectors_off_drops_them_and_on_again_fills_them_for_every_chunk(ix: Index, corpus: Path) -> None:
-    from ragbudget.display import format_report
+    from ragbudget.cli.display import format_report
 
     build(ix, corpus)
     on_bytes, on_rows = index_bytes(ix), rows(ix)

@@ -13,12 +13,11 @@ from _tiny_lm import tiny_tokenizer
 from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from ragbudget.display import format_report
-from ragbudget.embed import HashEmbedder
+from ragbudget.cli.display import format_report
 from ragbudget.errors import ConfigError
-from ragbudget.prompt import PromptBuilder, build_prompt
-from ragbudget.select import Candidate
-from ragbudget.spans import (
+from ragbudget.prompt.prompt import PromptBuilder, build_prompt
+from ragbudget.prompt.select import Candidate
+from ragbudget.prompt.spans import (
     JOINER,
     SpanScorer,
     needs_previous,
@@ -26,6 +25,7 @@ from ragbudget.spans import (
     split_clauses,
     split_sentences,
 )
+from ragbudget.retrieval.embed import HashEmbedder
 from ragbudget.types import Source
 
 # A hand-written article of 24 sentences (about 400 SmolLM2 tokens): one chunk that can never fit
@@ -67,7 +67,7 @@ def tiny():
 def smol():
     from transformers import AutoTokenizer
 
-    from ragbudget.models import resolve_generator
+    from ragbudget.memory.models import resolve_generator
 
     ref = resolve_generator()
     return AutoTokenizer.from_pretrained(ref.path, gguf_file=ref.gguf_file)
@@ -165,7 +165,7 @@ def test_span_offsets_map_back_to_the_exact_source_text() -> None:
 
 
 def test_span_offsets_through_a_real_index(tmp_path: Path) -> None:
-    from ragbudget.index import Index
+    from ragbudget.retrieval.index import Index
 
     path = tmp_path / "lighthouse.txt"
     path.write_text("Skerry Point\n\n" + LIGHTHOUSE + "\n")
@@ -581,7 +581,7 @@ def test_cost_exponent_takes_evidence_per_token() -> None:
 
 @pytest.fixture(scope="module")
 def packaged_scorer():
-    from ragbudget.embed import SentenceTransformerEmbedder
+    from ragbudget.retrieval.embed import SentenceTransformerEmbedder
 
     return SpanScorer(SentenceTransformerEmbedder())
 
@@ -669,7 +669,7 @@ def test_explain_shows_spans_costs_and_what_was_left_out() -> None:
 def test_cli_ask_pack_spans_explain(tmp_path: Path, repo_data: Path) -> None:
     from _replay import Replay
 
-    from ragbudget.cli import cli as main
+    from ragbudget.cli.commands import cli as main
     from ragbudget.pipeline import Pipeline
 
     index_dir = tmp_path / "idx"
@@ -700,9 +700,9 @@ def test_cli_chat_and_serve_take_pack(tmp_path: Path, repo_data: Path) -> None:
     it) and is an option of ``serve`` with the same choices and default as ``ask``."""
     from _replay import Replay
 
-    from ragbudget.cli import cli as main
+    from ragbudget.cli.commands import cli as main
     from ragbudget.pipeline import Pipeline
-    from ragbudget.spans import DEFAULT_PACK
+    from ragbudget.prompt.spans import DEFAULT_PACK
 
     index_dir = tmp_path / "idx"
     Pipeline(index_dir, embedder="hash:256").index([repo_data])

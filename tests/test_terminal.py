@@ -1,4 +1,4 @@
-"""The interactive chat loop (:mod:`ragbudget.terminal`): slash commands handled locally, a
+"""The interactive chat loop (:mod:`ragbudget.cli.terminal`): slash commands handled locally, a
 cancelled answer kept out of the history, and ``ragbudget chat`` driven on a pipe and at a real
 pseudo-terminal (readline history, Ctrl-C) through tests/_chat_repl.py."""
 
@@ -12,8 +12,8 @@ import pytest
 from _fakes import FakeBackend, corpus_index
 
 from ragbudget.chat import Conversation
+from ragbudget.cli.terminal import run_chat
 from ragbudget.pipeline import Pipeline
-from ragbudget.terminal import run_chat
 
 SYSTEM = "Answer from the documents and cite them"
 
@@ -93,7 +93,7 @@ def _slow_pipeline_cli(monkeypatch: pytest.MonkeyPatch) -> Any:
 def test_chat_slash_commands_are_handled_locally_and_never_reach_the_model(monkeypatch: pytest.MonkeyPatch) -> None:
     from click.testing import CliRunner
 
-    from ragbudget.cli import cli
+    from ragbudget.cli.commands import cli
 
     asked = _slow_pipeline_cli(monkeypatch)
     script = (
@@ -122,7 +122,7 @@ def test_chat_json_mode_has_no_banner(monkeypatch: pytest.MonkeyPatch) -> None:
 
     from click.testing import CliRunner
 
-    from ragbudget.cli import cli
+    from ragbudget.cli.commands import cli
 
     _slow_pipeline_cli(monkeypatch)
     result = CliRunner().invoke(cli, ["chat", "--json"], input="What is MinHash?\n/help\n")
@@ -310,7 +310,7 @@ def test_index_off_a_terminal_prints_plain_progress_lines_and_no_carriage_return
 def test_progress_lines_say_the_rate_and_what_is_left() -> None:
     import io
 
-    from ragbudget.terminal import Progress
+    from ragbudget.cli.terminal import Progress
 
     out = io.StringIO()
     with Progress(enabled=True, stream=out, every=0) as p:
