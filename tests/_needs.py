@@ -156,7 +156,7 @@ def _onnxruntime(module: ModuleType) -> None:
 
 
 def _safetensors_numpy(module: ModuleType) -> None:
-    # The packaged MiniLM's query path (ragbudget.embed's numpy BERT) reads its weights here.
+    # The packaged MiniLM's query path (ragbudget.retrieval.embed's numpy BERT) reads its weights here.
     _wrap(module, "load_file", "model", "reads model weights (safetensors, in numpy)")
 
 
