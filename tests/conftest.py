@@ -1,7 +1,11 @@
-"""Shared fixtures: where the shared real data lives, and model-free fakes.
+"""Shared fixtures: where the shared real data lives, the session-wide llama-server and Ray
+cluster, and the markers that say what a test needs.
 
-Real models sit behind the ``slow`` marker (they are small and run in CI too); CUDA tests behind
-``gpu`` and skip cleanly without a device.
+A test that starts a server, a Ray cluster, a model or the real engine carries the marker
+(``server``, ``ray``, ``model``, ``engine``; CUDA tests ``gpu``, skipped without a device):
+``make test-fast`` leaves those out, and a test that needs one without its marker fails, in
+every run (tests/_needs.py). Session fixtures are per process: under pytest-xdist (``make
+test``) each worker starts its own.
 """
 
 from __future__ import annotations
@@ -13,6 +17,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+# The hooks that give tests their markers and hold them to them (tests/_needs.py).
+from _needs import (
+    pytest_collection_modifyitems as pytest_collection_modifyitems,
+    pytest_configure as pytest_configure,
+    pytest_runtest_call as pytest_runtest_call,
+    pytest_runtest_protocol as pytest_runtest_protocol,
+)
 
 # The embedded default models are installed packages; never wait on an unreachable hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -36,19 +48,6 @@ def shared_data() -> Path:
     if not SHARED.is_dir():
         pytest.skip(f"shared data not found at {SHARED}")
     return SHARED
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    try:
-        import torch
-
-        has_cuda = torch.cuda.is_available()
-    except Exception:  # torch missing or broken: no GPU tests either way
-        has_cuda = False
-    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
-    for item in items:
-        if "gpu" in item.keywords and not has_cuda:
-            item.add_marker(skip_gpu)
 
 
 @pytest.fixture(scope="session")

@@ -282,7 +282,7 @@ def test_time_refusal_with_retry_after_that_gets_in_when_honoured() -> None:
     admitted, refused = [], []
     for _ in range(8):
         try:
-            admitted.append(ctl._enqueue(1100, 1000))
+            admitted.append(ctl.enqueue(1100, prompt_tokens=1000))
         except OverloadedError as exc:
             refused.append(exc.retry_after)
     # Serial (a second prefill next to a running one would take 2 s > 1.5 s): first tokens at
@@ -293,15 +293,15 @@ def test_time_refusal_with_retry_after_that_gets_in_when_honoured() -> None:
     assert refused == [2.0, 4.0, 6.0, 8.0, 10.0]
     # Honour the first Retry-After with the work done as modelled: the first request finished
     # and the second has run 1 s of its 2 s, so the returning request gets in.
-    reservations = [ctl._reservation(admitted[0])]
+    reservations = [admitted[0].reservation()]
     clock.t += 2.0
     reservations[0].release()
     assert admitted[1].granted
-    back = ctl._enqueue(1100, 1000)
+    back = ctl.enqueue(1100, prompt_tokens=1000)
     assert not back.granted and ctl.stats().queued == 2
     # A newcomer now (not one of the promised) is told to come after the promised returns.
     with pytest.raises(OverloadedError) as err:
-        ctl._enqueue(1100, 1000)
+        ctl.enqueue(1100, prompt_tokens=1000)
     assert err.value.retry_after > 10.0 - 2.0
 
 
@@ -316,7 +316,7 @@ def test_every_refusal_says_the_retry_after_it_carries() -> None:
     refused = []
     for _ in range(8):  # as above: three admitted, five refused for time
         try:
-            ctl._enqueue(1100, 1000)
+            ctl.enqueue(1100, prompt_tokens=1000)
         except OverloadedError as exc:
             refused.append(exc)
     assert len(refused) == 5
@@ -341,7 +341,7 @@ def test_start_rule_lets_short_prompts_share_the_host() -> None:
     # 200-token prompts (0.2 s alone): next to 5 running ones a prefill takes 1.2 s ≤ 1.5 s.
     rs = [ctl.acquire(300, prompt_tokens=200) for _ in range(7)]
     assert ctl.stats().running == 7  # 7th: 0.2 × 7 = 1.4 s
-    w = ctl._enqueue(300, 200)
+    w = ctl.enqueue(300, prompt_tokens=200)
     assert not w.granted  # 8th: 1.6 s > 1.5 s: it waits
     rs[0].release()
     assert w.granted
@@ -386,18 +386,18 @@ def test_retry_after_is_the_honest_estimate_up_to_half_an_hour() -> None:
     # A second cannot start next to it (its prefill would pass 0.5 s); its first token comes
     # when the first ends, ~1,001 s from now: refused for time, back in ~1,000 - 5 s.
     with pytest.raises(OverloadedError) as err:
-        ctl._enqueue(1100, 1000)
+        ctl.enqueue(1100, prompt_tokens=1000)
     assert 990.0 <= err.value.retry_after <= 1001.0 and ctl.stats().refused_for_time_total == 1
     # Past half an hour (a speed measured on a very busy host) it is bounded.
     ctl.configure(throughput=Throughput(prefill_a=0.001, decode_s=100.0), ttft_target=0.5)
     with pytest.raises(OverloadedError) as err:
-        ctl._enqueue(1100, 1000)
+        ctl.enqueue(1100, prompt_tokens=1000)
     assert err.value.retry_after == 1800.0
     # The queue-full refusal is bounded the same way.
     ctl.timeout = 10**6
-    ctl._enqueue(1100, 1000)
+    ctl.enqueue(1100, prompt_tokens=1000)
     with pytest.raises(OverloadedError, match="queue limit") as err:
-        ctl._enqueue(1100, 1000)
+        ctl.enqueue(1100, prompt_tokens=1000)
     assert 1.0 <= err.value.retry_after <= ctl.retry_after_max
 
 
@@ -406,7 +406,7 @@ def test_would_refuse_looks_without_changing_anything() -> None:
     ctl = AdmissionController(10**6, max_queue=64, timeout=5.0, throughput=THR, ttft_target=1.5, clock=clock)
     assert ctl.would_refuse(1100, prompt_tokens=1000) is None  # idle: it would start at once
     for _ in range(3):  # first tokens at 1, 3, 5 s
-        ctl._enqueue(1100, 1000)
+        ctl.enqueue(1100, prompt_tokens=1000)
     before = ctl.stats()
     retry = ctl.would_refuse(1100, prompt_tokens=1000)  # the fourth's at 7 s: 2 s past
     assert retry == 2.0
@@ -418,6 +418,7 @@ def test_would_refuse_looks_without_changing_anything() -> None:
     assert ctl.would_refuse(1100, prompt_tokens=1000, refuse=True) == 4.0
 
 
+@pytest.mark.model
 def test_a_speed_measured_on_a_busy_host_is_measured_again_once_idle(tmp_path, monkeypatch) -> None:
     """A server that warmed up on a busy host must not keep that slow speed (its time cap and its
     Retry-After) for life: once the host and the pipeline are idle it measures again."""
@@ -517,17 +518,17 @@ def test_a_batching_backend_starts_whatever_fits_and_still_refuses_for_time() ->
     held = [ctl.acquire(1100, prompt_tokens=1000) for _ in range(4)]  # none waits
     assert ctl.stats().running == 4 and ctl.stats().queued == 0
     # Prefills share the host: the n-th starts while n × 1 s ≤ 8 s; the 9th is refused.
-    waiting = [ctl._enqueue(1100, 1000) for _ in range(4)]
+    waiting = [ctl.enqueue(1100, prompt_tokens=1000) for _ in range(4)]
     assert [w.granted for w in waiting] == [True] * 4 and ctl.stats().running == 8
     with pytest.raises(OverloadedError, match="past the queue time-out"):
         for _ in range(20):
-            waiting.append(ctl._enqueue(1100, 1000))
-    held += [ctl._reservation(w) for w in waiting if w.granted]
+            waiting.append(ctl.enqueue(1100, prompt_tokens=1000))
+    held += [w.reservation() for w in waiting if w.granted]
     assert ctl.stats().running == 8 and ctl.stats().refused_for_time_total == 1
     # Unbatched, the same requests run one at a time (the second would share the cores).
     serial = AdmissionController(10**6, timeout=8.0, throughput=THR, ttft_target=1.0, clock=clock)
     serial.acquire(1100, prompt_tokens=1000)
-    assert not serial._enqueue(1100, 1000).granted
+    assert not serial.enqueue(1100, prompt_tokens=1000).granted
     for r in held:
         r.release()
 
@@ -566,9 +567,15 @@ def _keyed(ctl: AdmissionController, key: str | None, tokens: int = 1100, prompt
     """Enqueue under ``key``: the waiter, or the OverloadedError it was refused with."""
     with ctl.returning(key):
         try:
-            return ctl._enqueue(tokens, prompt)
+            return ctl.enqueue(tokens, prompt_tokens=prompt)
         except OverloadedError as exc:
             return exc
+
+
+def _claims(ctl: AdmissionController, key: str | None) -> bool:
+    """Whether a request made now under ``key`` would claim a refusal's promise."""
+    with ctl.returning(key):
+        return ctl.hold_return()
 
 
 def test_a_client_back_at_its_retry_after_is_queued_even_when_the_host_ran_slow() -> None:
@@ -585,8 +592,8 @@ def test_a_client_back_at_its_retry_after_is_queued_even_when_the_host_ran_slow(
     assert not isinstance(back, OverloadedError) and back.returning
     assert ctl.stats().queued == 3
     # ... and it may wait for its turn up to half an hour, not one queue time-out.
-    assert ctl._wait_for(back, None) == ctl.return_wait == 1800.0
-    assert ctl._wait_for(out["a"], None) == 5.0
+    assert back.max_wait == ctl.return_wait == 1800.0
+    assert out["a"].max_wait == 5.0
     # Its promise is spent: the same key again is a newcomer.
     assert isinstance(_keyed(ctl, "d"), OverloadedError)
 
@@ -596,11 +603,11 @@ def test_a_promise_is_claimed_only_in_its_window_and_once_per_refusal() -> None:
     ctl = AdmissionController(10**6, max_queue=64, timeout=5.0, throughput=THR, ttft_target=1.5, clock=clock)
     for k in ("a", "b", "c", "same", "same", "late"):
         _keyed(ctl, k)
-    assert sorted({p.key for p in ctl._promises}) == ["late", "same"]
-    same = sorted(p.due for p in ctl._promises if p.key == "same")
+    assert sorted({key for key, _ in ctl.promises()}) == ["late", "same"]
+    same = sorted(due for key, due in ctl.promises() if key == "same")
     # Two seconds before its time a key claims nothing (it is judged, and refused, as new).
     clock.t = same[0] - 2.0
-    assert ctl._promise_for_locked("same") is None
+    assert not _claims(ctl, "same")
     clock.t = same[1]
     # The same body refused twice holds two promises: two returns claim one each.
     first, second = _keyed(ctl, "same"), _keyed(ctl, "same")
@@ -608,9 +615,9 @@ def test_a_promise_is_claimed_only_in_its_window_and_once_per_refusal() -> None:
     assert not isinstance(second, OverloadedError) and second.returning
     # A promise not claimed within its grace (10 s, or one queue time-out if longer) lapses.
     clock.t += 60.0
-    assert ctl._promise_for_locked("late") is None and list(ctl._promises) == []
+    assert not _claims(ctl, "late") and ctl.promises() == []
     # An unkeyed request never claims anything.
-    assert ctl._promise_for_locked(None) is None
+    assert not _claims(ctl, None)
 
 
 def test_would_refuse_lets_a_returning_client_through_and_acquire_claims() -> None:
@@ -667,8 +674,8 @@ def test_a_queue_time_out_also_keeps_the_client_a_place() -> None:
     held = ctl.acquire(1000, prompt_tokens=900)
     with ctl.returning("q"), pytest.raises(OverloadedError, match="waited") as err:
         ctl.acquire(1000, prompt_tokens=900)  # expected soon by the model, but nothing ends
-    assert [p.key for p in ctl._promises] == ["q"]
-    assert list(ctl._promises)[0].due == pytest.approx(time.monotonic() + err.value.retry_after, abs=0.5)
+    assert [key for key, _ in ctl.promises()] == ["q"]
+    assert ctl.promises()[0][1] == pytest.approx(time.monotonic() + err.value.retry_after, abs=0.5)
     held.release()
 
 
@@ -682,9 +689,9 @@ def test_on_claim_is_called_when_a_returning_client_waits_for_its_place() -> Non
         ctl.acquire(1100, prompt_tokens=1000, timeout=0.01)
     for k in "cdef":
         _keyed(ctl, k)
-    refused = [p for p in ctl._promises if p.key == "f"]
+    refused = [due for key, due in ctl.promises() if key == "f"]
     assert refused and running.granted
-    clock.t = refused[0].due
+    clock.t = refused[0]
     with ctl.returning("f", on_claim=lambda: calls.append("f")), pytest.raises(OverloadedError):
         ctl.acquire(1100, prompt_tokens=1000, timeout=0.01)  # claimed, then waited 0.01 s
     assert calls == ["f"]
@@ -705,7 +712,7 @@ def test_time_counts_the_expected_answer_length_memory_the_whole() -> None:
         clock.t += 1.2
         r.finish(new_tokens=20)
         r.release()
-    assert ctl._learning.answer_share == pytest.approx(0.2, abs=0.01)
+    assert ctl.answer_share == pytest.approx(0.2, abs=0.01)
     busy = ctl.acquire(1100, prompt_tokens=1000)
     assert busy.job is not None and busy.job.decode == pytest.approx(0.2, abs=0.011)
     assert ctl.stats().admitted_tokens == 1100  # memory: the whole answer
@@ -721,8 +728,8 @@ def test_refuse_busy_says_when_by_the_model_and_keeps_the_returning_clients_plac
     refuse newcomers — the queue limit included."""
     clock = Clock()
     ctl = AdmissionController(10**6, max_queue=1, timeout=60.0, throughput=THR, ttft_target=1.5, clock=clock)
-    running = ctl._enqueue(1100, 1000)  # 1 s prefill + 1 s decode, alone
-    queued = ctl._enqueue(1100, 1000)  # starts when the first ends (2 s)
+    running = ctl.enqueue(1100, prompt_tokens=1000)  # 1 s prefill + 1 s decode, alone
+    queued = ctl.enqueue(1100, prompt_tokens=1000)  # starts when the first ends (2 s)
     assert running.granted and not queued.granted
     with ctl.returning("busy"):
         retry = ctl.refuse_busy(1100, prompt_tokens=1000)
@@ -738,30 +745,30 @@ def test_refuse_busy_says_when_by_the_model_and_keeps_the_returning_clients_plac
     # The host ran slower than modelled: nothing ended and the queue is still full. A newcomer
     # is refused for the full queue; the returning client queues behind the work ahead.
     with pytest.raises(OverloadedError, match="queue limit"):
-        ctl._enqueue(1100, 1000)
+        ctl.enqueue(1100, prompt_tokens=1000)
     with ctl.returning("busy"):
-        back = ctl._enqueue(1100, 1000)
+        back = ctl.enqueue(1100, prompt_tokens=1000)
     assert back.returning and not back.granted and ctl.stats().queued == 2
-    ctl._reservation(running).release()
-    ctl._reservation(queued).release()
+    running.reservation().release()
+    queued.reservation().release()
     assert back.granted
 
 
 def test_refuse_busy_without_a_measured_speed_still_promises_the_keyed_caller() -> None:
     clock = Clock()
     ctl = AdmissionController(1000, max_queue=0, timeout=5.0, clock=clock)
-    held = ctl._enqueue(1000, 900)
+    held = ctl.enqueue(1000, prompt_tokens=900)
     assert held.granted
     with ctl.returning("k"):
         retry = ctl.refuse_busy()  # no size, no time model: the mean hold per request ahead
     assert retry == 1.0 and float(retry).is_integer()
-    assert ctl.refuse_busy() == 1.0 and [p.key for p in ctl._promises] == ["k"]  # unkeyed: none
+    assert ctl.refuse_busy() == 1.0 and [key for key, _ in ctl.promises()] == ["k"]  # unkeyed: none
     clock.t += retry
     with ctl.returning("k"):
         assert ctl.hold_return()
-        back = ctl._enqueue(1000, 900)  # past the queue limit of 0: it was promised a place
+        back = ctl.enqueue(1000, prompt_tokens=900)  # past the queue limit of 0: it was promised a place
     assert back.returning and not back.granted
-    ctl._reservation(held).release()
+    held.reservation().release()
     assert back.granted
 
 
@@ -773,20 +780,20 @@ def test_a_queue_time_out_is_not_sent_behind_the_clients_refused_while_it_waited
     theirs)."""
     clock = Clock()
     ctl = AdmissionController(10**6, max_queue=64, timeout=5.0, throughput=THR, ttft_target=1.5, clock=clock)
-    first = ctl._enqueue(1100, 1000)  # runs: first token at 1 s, ends at 2 s
-    second = ctl._enqueue(1100, 1000)  # queued: starts at 2 s
-    third = ctl._enqueue(1100, 1000)  # queued: starts at 4 s, first token at 5 s
+    first = ctl.enqueue(1100, prompt_tokens=1000)  # runs: first token at 1 s, ends at 2 s
+    second = ctl.enqueue(1100, prompt_tokens=1000)  # queued: starts at 2 s
+    third = ctl.enqueue(1100, prompt_tokens=1000)  # queued: starts at 4 s, first token at 5 s
     assert first.granted and not second.granted and not third.granted
     refused = []
     for _ in range(5):
         with pytest.raises(OverloadedError) as err:
-            ctl._enqueue(1100, 1000)
+            ctl.enqueue(1100, prompt_tokens=1000)
         refused.append(err.value.retry_after)
     assert refused == [2.0, 4.0, 6.0, 8.0, 10.0]  # first tokens 7-15 s: spaced behind each other
     # Nothing moved (a host slower than the model): the third times out of the queue. It goes
     # back behind the two ahead of it (start at 4 s), not after the five refused (14 s).
     with pytest.raises(OverloadedError, match="waited") as err:
-        ctl._finish_wait(third, 5.0)
+        third.wait(0)
     assert err.value.retry_after == 4.0
     # A newcomer refused now (a full worker pool, say) is sent after everyone promised, the
     # timed-out one included.

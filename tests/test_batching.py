@@ -16,6 +16,9 @@ from ragbudget.memory.kvcache import paged_cache_layout
 
 pytest.importorskip("transformers.generation.continuous_batching")
 
+# Every test generates with the tiny random Llama (tests/_needs.py).
+pytestmark = pytest.mark.model
+
 
 @pytest.fixture(scope="module")
 def gen() -> Generator:

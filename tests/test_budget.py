@@ -102,6 +102,7 @@ def test_weights_sources(tmp_path):
     assert r.weights_bytes == 200 and r.weights_source == "safetensors headers"
 
 
+@pytest.mark.model
 def test_loaded_model_weights():
     torch = pytest.importorskip("torch")
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -246,6 +247,7 @@ PARAM_CASES = {
 }
 
 
+@pytest.mark.model
 @pytest.mark.parametrize("mt", list(PARAM_CASES))
 @pytest.mark.parametrize("tied", [False, True])
 def test_count_parameters_exact(mt, tied):
@@ -294,6 +296,7 @@ RECURRENT_CASES = {
 }
 
 
+@pytest.mark.model
 @pytest.mark.parametrize("mt", list(RECURRENT_CASES))
 def test_recurrent_models_are_counted_and_planned(mt):
     """Mamba/hybrid mixers are counted by building the model on the meta device (exact), and
@@ -334,6 +337,7 @@ def test_gpu_validate_dry_run(gpu_validate, tmp_path, monkeypatch, capsys):
     assert p["predicted"] == p["weights"] + p["activations"] + p["kv_peak"]
 
 
+@pytest.mark.model
 def test_gpu_validate_cpu_dry_run_measures_exact_cache(gpu_validate, tmp_path, monkeypatch, capsys):
     """`--device cpu --quick`: tiny versions of the same architectures go through build, generate
     and the cache-bytes check, and the table and JSON come out."""

@@ -83,6 +83,7 @@ def test_a_measurement_is_recorded_best_effort(tmp_path, monkeypatch):
     assert record_measurement(m) is None
 
 
+@pytest.mark.model
 def test_prefill_speed_is_measured_once_and_turns_seconds_into_tokens(tmp_path, monkeypatch) -> None:
     from _tiny_lm import tiny_model
 
@@ -106,6 +107,7 @@ def test_prefill_speed_is_measured_once_and_turns_seconds_into_tokens(tmp_path, 
     assert context_tokens_for_time(fit, 1.0) < n and context_tokens_for_time(fit, 0) == 0
 
 
+@pytest.mark.model
 def test_prefill_measured_on_a_busy_host_is_measured_again_when_idle(tmp_path, monkeypatch) -> None:
     """A first probe taken while other work shared the cores must not cap every later request:
     it is provisional, re-measured once the host is idle, and the faster measurement is kept."""

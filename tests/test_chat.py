@@ -33,6 +33,9 @@ from ragbudget.errors import BudgetError, ConfigError
 from ragbudget.generation.backend import Capacity, Sampling
 from ragbudget.pipeline import Pipeline
 
+# Nearly every test retrieves from the index built with the packaged MiniLM (tests/_needs.py).
+pytestmark = pytest.mark.model
+
 # --- the pipeline ---------------------------------------------------------------------------------
 
 
@@ -875,7 +878,7 @@ def real_pipeline(tmp_path_factory: pytest.TempPathFactory, repo_data: Any) -> A
     return Pipeline(index_dir, gpu="0.6GiB", max_new_tokens=12)
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_real_models_conversation_with_summary_and_follow_up(real_pipeline: Any) -> None:
     chat = Conversation(real_pipeline, history_share=0.08, summary_max_tokens=16, recent_turns=1)
     questions = ["Which system call creates a pipe?", "What does it return on error?", "what about close?"]

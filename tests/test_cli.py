@@ -200,7 +200,7 @@ def test_index_survives_a_hostile_folder(runner: CliRunner, tmp_path: Path, monk
     assert "skipped" in again.output and "binary" in again.output
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_demo_path_with_the_embedded_models(runner: CliRunner, tmp_path: Path, repo_data: Path) -> None:
     """`make demo`: index data/ with MiniLM, answer with SmolLM2, cite the right article."""
     index_dir = str(tmp_path / "idx")

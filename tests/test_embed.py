@@ -124,7 +124,7 @@ def minilm() -> SentenceTransformerEmbedder:
     return e
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_minilm_short_text_matches_plain_encode(minilm: SentenceTransformerEmbedder) -> None:
     texts = ["A short sentence about cats.", "Another one, about the sea."]
     ours = minilm.embed(texts)
@@ -135,7 +135,7 @@ def test_minilm_short_text_matches_plain_encode(minilm: SentenceTransformerEmbed
     minilm.warm_up()  # idempotent
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_minilm_windowed_pooling_keeps_the_tail_retrievable(minilm: SentenceTransformerEmbedder) -> None:
     long_chunk = FILLER * 14 + TAIL_FACT  # ~450 word pieces: the fact sits past token 256
     n_pieces = len(minilm.model.tokenizer(long_chunk, add_special_tokens=False, verbose=False)["input_ids"])
@@ -167,7 +167,7 @@ def test_minilm_dim_and_window_come_from_its_files_without_loading_it() -> None:
     assert SentenceTransformerEmbedder(light=False)._lite() is None
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_minilm_light_query_path_equals_sentence_transformers(minilm: SentenceTransformerEmbedder) -> None:
     # The query path without torch gives sentence-transformers' vectors to float32 rounding, with
     # the same tokens, windows, dimension and window size.
@@ -255,6 +255,7 @@ def test_without_onnxruntime_a_clear_error_or_torch() -> None:
     assert out.returncode == 0, out.stdout + out.stderr
 
 
+@pytest.mark.model
 def test_a_damaged_cached_export_is_a_model_error(tmp_path, monkeypatch) -> None:
     import os
 
@@ -286,7 +287,7 @@ def onnx_cache(tmp_path_factory: pytest.TempPathFactory):
         os.environ["RAGBUDGET_CACHE"] = old
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_onnx_backends_against_torch(minilm: SentenceTransformerEmbedder, onnx_cache) -> None:
     # Short, long (several windows) and odd texts in one call: length-sorted batches pad each
     # batch to its own longest window, and must still give every text its own vector.
@@ -319,7 +320,7 @@ def test_onnx_backends_against_torch(minilm: SentenceTransformerEmbedder, onnx_c
     assert [p.stat().st_mtime_ns for p in onnx_cache.rglob("*.onnx")] == before  # reused
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_an_index_built_with_torch_is_rebuilt_not_mixed_by_int8(tmp_path, onnx_cache) -> None:
     from ragbudget.retrieval.index import Index
 
@@ -378,7 +379,7 @@ main(sys.argv[1:])
 """
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_an_index_built_by_the_default_install_is_extended_after_make_dev(tmp_path) -> None:
     import json
     import os

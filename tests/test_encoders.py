@@ -123,7 +123,7 @@ def _by_hand() -> np.ndarray:
     return rows / np.linalg.norm(rows, axis=1, keepdims=True)
 
 
-@pytest.mark.slow
+@pytest.mark.model
 @pytest.mark.parametrize("backend", ["torch", "onnx"])
 def test_pooled_sentence_vectors_equal_the_pooling_definition_worked_by_hand(backend: str) -> None:
     want = _by_hand()
@@ -138,7 +138,7 @@ def test_pooled_sentence_vectors_equal_the_pooling_definition_worked_by_hand(bac
     assert np.array_equal(res.vectors, e.embed([HAND]).vectors)  # the chunk vector is the same either way
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_pooled_sentence_vectors_across_overlapping_windows_follow_the_definition() -> None:
     # Over several windows, a token is taken from the window holding it up to the middle of the
     # overlap: recomputed here with transformers itself, window by window.
@@ -175,7 +175,7 @@ def test_pooled_sentence_vectors_across_overlapping_windows_follow_the_definitio
     np.testing.assert_allclose(got[0], np.array(want), atol=1e-5, rtol=0)
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_int8_pools_from_its_own_pass_and_keeps_its_vectors() -> None:
     # int8's sentence vectors come from int8 token states: close to the float definition, and
     # its chunk vectors are exactly what it gives without spans (one text per run).

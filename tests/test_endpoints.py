@@ -56,6 +56,7 @@ def test_workers_refuse_past_the_pool_and_always_free_their_slot() -> None:
     asyncio.run(scenario())
 
 
+@pytest.mark.model
 def test_index_health_probe_and_sticky_failures() -> None:
     health = IndexHealth(fake_pipeline())
     assert health.check() is None

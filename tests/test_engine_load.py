@@ -9,6 +9,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 from _fakes import corpus_index
 from _replay import Replay, Resp
 
@@ -16,6 +17,7 @@ from ragbudget import Pipeline
 from ragbudget.server.engine_load import EngineLoad
 
 
+@pytest.mark.model
 def test_a_hung_engine_never_holds_up_a_look_at_it(tmp_path: Path) -> None:
     """One reading of the engine at a time, and nobody waits for it: while one thread waits on an
     engine that does not answer, another look returns the last figures at once; the reading

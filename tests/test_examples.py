@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from _fakes import fake, fake_pipeline, running
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -18,6 +19,8 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=120, env=env)
 
 
+@pytest.mark.server
+@pytest.mark.model
 def test_openai_client_example_streams_an_answer_with_sources() -> None:
     # A real Pipeline over the shared corpus index (tests/_fakes.py), answering five scripted words.
     pipe = fake_pipeline(words=5)

@@ -121,7 +121,7 @@ def test_ray_index_equals_the_local_one(ray_cluster: Any, tmp_path: Path, store:
     assert not (tmp_path / "ray" / "embed.checkpoint").exists()  # spent after the commit
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_ray_index_with_minilm_equals_the_local_one(ray_cluster: Any, tmp_path: Path) -> None:
     from ragbudget.retrieval.embed import SentenceTransformerEmbedder
 

@@ -15,6 +15,9 @@ from ragbudget.prompt.prompt import build_prompt
 from ragbudget.prompt.select import Candidate
 from ragbudget.types import Source
 
+# Nearly every test generates with the tiny random Llama (tests/_needs.py).
+pytestmark = pytest.mark.model
+
 
 @pytest.fixture(scope="module")
 def gen() -> Generator:
@@ -367,7 +370,7 @@ def test_generator_is_lazy() -> None:
     assert "not loaded" in repr(g) and g._model is None
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_smollm2_short_capped_answer() -> None:
     gen = Generator()
     hits = [
@@ -381,7 +384,7 @@ def test_smollm2_short_capped_answer() -> None:
     assert "1889" in g.text
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_smollm2_stops_at_a_line_it_repeats_and_keeps_its_generation_config() -> None:
     """The packaged SmolLM2 (its GGUF, converted): the stop on a repeated line works on its real
     BPE tokens (a newline may share a token with other text), streamed or not, batched or not.

@@ -218,7 +218,8 @@ def test_byte_tokenizer_decodes_every_id_of_the_model():
     assert all(isinstance(tok.decode([i]), str) for i in (0, 258, 259, 599))
 
 
-@pytest.mark.slow
+@pytest.mark.model
+@pytest.mark.server
 def test_load_check_runs_on_the_cpu(tmp_path):
     """The whole load path (index, the real server in a child process, a burst with the openai
     client) on a tiny random model; ~20 s."""

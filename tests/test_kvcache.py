@@ -322,6 +322,7 @@ def _cuda_cache_bytes(cache) -> int:
 
 
 @pytest.mark.gpu
+@pytest.mark.model
 @pytest.mark.parametrize("mt", ["llama", "mistral", "jamba"])
 def test_offloaded_cache_keeps_two_layers_in_flight(mt):
     """transformers' offloaded cache needs CUDA streams (``Cache.update`` calls
@@ -441,6 +442,7 @@ _DT_BASE = dict(_BASE, num_hidden_layers=2)
         ({"torch_dtype": "bfloat16"}, torch.float32, torch.float32),  # a load-time dtype wins
     ],
 )
+@pytest.mark.model
 def test_config_only_estimate_never_below_the_allocated_cache(given, load_dtype, expect, tmp_path):
     """``kv_cache_bytes(config)`` without ``kv_dtype`` must plan the dtype transformers really
     allocates (float32 when the config names none), and a load-time ``dtype`` is planned by

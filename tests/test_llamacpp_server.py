@@ -21,7 +21,7 @@ from ragbudget.errors import EngineContextError
 from ragbudget.generation.backend import Backend, per_request_tokens
 from ragbudget.generation.engines import connect
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(BINARY is None, reason=SKIP_REASON)]
+pytestmark = [pytest.mark.engine, pytest.mark.skipif(BINARY is None, reason=SKIP_REASON)]
 
 
 @pytest.fixture()

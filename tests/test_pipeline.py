@@ -442,6 +442,7 @@ def test_relevance_floor_stops_the_context_where_passages_stop_helping(indexed: 
     assert floor_out and not floor_out & {cid for c in spans.chunks for cid in c.chunk_ids}
 
 
+@pytest.mark.model
 def test_the_pipeline_records_the_generators_measured_peak(
     indexed: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -534,6 +535,7 @@ def test_fill_remainder_is_an_option_that_reaches_the_selector(tmp_path: Path) -
         Pipeline(tmp_path / "idx", backend=FakeBackend(), fill_remainder=True)
 
 
+@pytest.mark.model
 def test_calibrate_runs_one_real_request_and_admission_learns_the_host_speed() -> None:
     """Issue #30: warm-up measured 0.95 ms/token and requests ran 7-8x slower, so the first
     ones were admitted on a speed the host could not give. One real request at warm-up, slower

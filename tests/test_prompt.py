@@ -93,7 +93,7 @@ def test_accounting_exact_tiny_tokenizer(tiny) -> None:
     check_accounting(tiny, 0)
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_accounting_exact_smollm2(smol) -> None:
     check_accounting(smol, 1)
 
@@ -174,7 +174,7 @@ def test_prompt_injection_stays_in_data_tiny(tiny) -> None:
     check_injection(tiny)
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_prompt_injection_stays_in_data_smollm2(smol) -> None:
     check_injection(smol)
 

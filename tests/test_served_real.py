@@ -20,7 +20,7 @@ from _llama import BINARY, SKIP_REASON, free_port
 
 from ragbudget import Pipeline
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(BINARY is None, reason=SKIP_REASON)]
+pytestmark = [pytest.mark.engine, pytest.mark.server, pytest.mark.skipif(BINARY is None, reason=SKIP_REASON)]
 
 ROOT = Path(__file__).resolve().parents[1]
 QUESTION = "How is the Project Leader elected?"

@@ -44,6 +44,9 @@ from ragbudget.server.app import background_server, create_app
 
 MODEL = "fake/model"
 
+# Every test serves the app with uvicorn, nearly all over the packaged MiniLM's index (tests/_needs.py).
+pytestmark = [pytest.mark.server, pytest.mark.model]
+
 
 def history_of(call: dict[str, Any]) -> list[dict[str, str]]:
     """The history a generation call's prompt carried: its messages between the pipeline's
@@ -733,7 +736,7 @@ def test_serve_command_passes_options_and_env_key(monkeypatch: pytest.MonkeyPatc
 # --- the real default models (slow) ----------------------------------------------------------------
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_real_models_through_the_openai_client(tmp_path: Path, repo_data: Path) -> None:
     from ragbudget.pipeline import Pipeline
 
@@ -776,7 +779,7 @@ def test_real_models_through_the_openai_client(tmp_path: Path, repo_data: Path) 
         assert sampled == answer(temperature=1.0, seed=11).message.content
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_a_burst_on_the_real_model_gets_200_or_429_and_honoured_retries_get_in(tmp_path: Path, repo_data: Path) -> None:
     """Issue #14 with the packaged SmolLM2 and MiniLM, the real AdmissionController and its
     measured speed: 8 streamed clients at once against a 2 s queue time-out. Every first answer

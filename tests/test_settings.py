@@ -229,6 +229,7 @@ def test_a_record_of_the_wrong_kind_is_a_type_error(tmp_path: Path) -> None:
         Pipeline(tmp_path, memory={"concurrency": 2})  # type: ignore[arg-type]
 
 
+@pytest.mark.model
 def test_conversation_history_record_or_keywords() -> None:
     from ragbudget.chat import Conversation
     from ragbudget.pipeline import Pipeline

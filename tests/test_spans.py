@@ -312,7 +312,7 @@ def test_answer_sentence_is_picked_at_a_tight_budget(question, answer, tiny) -> 
     assert p.n_tokens <= fixed + 128
 
 
-@pytest.mark.slow
+@pytest.mark.model
 @pytest.mark.parametrize(
     ("question", "answer"),
     [

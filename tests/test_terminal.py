@@ -41,6 +41,7 @@ def history_of(call: dict[str, Any]) -> list[dict[str, str]]:
 # --- run_chat over lines ---------------------------------------------------------------------------
 
 
+@pytest.mark.model
 def test_run_chat_reads_lines_and_handles_commands() -> None:
     pipe = chat_pipeline()
     chat = Conversation(pipe)
@@ -56,6 +57,7 @@ def test_run_chat_reads_lines_and_handles_commands() -> None:
     assert all(c["question"] != "never asked" for c in calls(pipe))
 
 
+@pytest.mark.model
 def test_run_chat_a_cancelled_answer_is_not_kept_in_the_history() -> None:
     class Cancelling(FakeBackend):
         def generate(self, prompt: Any, **kwargs: Any) -> Any:

@@ -126,8 +126,8 @@ def prompt_room(plan: BudgetPlan, fixed: int, max_new_tokens: int) -> int:
     >>> from ragbudget.memory.budget import cap_plan_for_time, plan_budget
     >>> plan = cap_plan_for_time(plan_budget("Qwen/Qwen3-8B", gpu="24GiB", max_new_tokens=256),
     ...                          {"a": 0.001, "b": 0.0}, 1.0)
-    >>> prompt_room(plan, 100, 256), prompt_room(plan, 1500, 256)   # 1,000 in time; +256 past it
-    (1000, 1756)
+    >>> prompt_room(plan, 100, 256), prompt_room(plan, 1500, 256)   # 1,000 in time; +512 past it
+    (1000, 2012)
     """
     memory = memory_max_prompt(plan)
     if fixed > memory:

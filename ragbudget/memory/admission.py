@@ -52,6 +52,7 @@ from .schedule import (
     _rates,
     simulate as simulate,
 )
+from .tickets import Reservation as Reservation, Ticket as Ticket
 
 # How often a waiter with a cancel event looks at it: threading.Event cannot wake on either of two
 # events, and 50 ms is well below the latency of any request that has to queue.
@@ -63,6 +64,7 @@ __all__ = [
     "MemoryModel",
     "Reservation",
     "Throughput",
+    "Ticket",
     "simulate",
 ]
 
@@ -110,76 +112,6 @@ class AdmissionStats:
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
         return out
-
-
-class _Waiter:
-    __slots__ = (
-        "arrived",
-        "cost",
-        "event",
-        "future",
-        "granted",
-        "job",
-        "loop",
-        "pool",
-        "prompt_tokens",
-        "returning",
-        "tokens",
-    )
-
-    def __init__(self, tokens: int, prompt_tokens: int, cost: int, job: _Job | None, pool: int = 0) -> None:
-        self.tokens = tokens
-        self.prompt_tokens = prompt_tokens
-        self.cost = cost
-        self.pool = pool  # tokens of a KV pool (paged cache) it holds, in whole pages
-        self.job = job
-        self.event = threading.Event()
-        self.granted = False
-        self.returning = False  # it claimed a refusal's promise (ragbudget.memory.promises)
-        self.arrived = float("-inf")  # the controller's clock when it was queued
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self.future: asyncio.Future[None] | None = None
-
-
-class Reservation:
-    """An admitted reservation of ``tokens`` (and ``nbytes`` of memory); ``release()``
-    (idempotent) gives them back."""
-
-    def __init__(
-        self, controller: AdmissionController, tokens: int, *, nbytes: int = 0, job: _Job | None = None, pool: int = 0
-    ) -> None:
-        self.controller = controller
-        self.tokens = tokens
-        self.nbytes = nbytes
-        self.pool = pool
-        self.job = job
-        self.started = controller._clock()
-        self._released = False
-        self._first_seen = False
-
-    def first_token(self) -> None:
-        """Its first token came now: lets the controller compare its prefill with the model
-        (idempotent; see :meth:`AdmissionController.observe`)."""
-        if not self._first_seen and not self._released:
-            self._first_seen = True
-            self.controller._observe_job(self.job, done=None)
-
-    def finish(self, new_tokens: int) -> None:
-        """It ended having generated ``new_tokens`` (call before :meth:`release`): lets the
-        controller compare the whole request with the model."""
-        if not self._released:
-            self.controller._observe_job(self.job, done=int(new_tokens))
-
-    def release(self) -> None:
-        if not self._released:
-            self._released = True
-            self.controller._release(self)
-
-    def __enter__(self) -> Reservation:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
 
 
 def _resolve(fut: asyncio.Future[None]) -> None:
@@ -237,7 +169,7 @@ class AdmissionController:
         self.ttft_target = ttft_target
         self._clock = clock
         self._lock = threading.Lock()
-        self._queue: collections.deque[_Waiter] = collections.deque()
+        self._queue: collections.deque[Ticket] = collections.deque()
         self._running_jobs: list[_Job] = []
         self._promises = Promises()
         self._admitted = 0
@@ -336,6 +268,39 @@ class AdmissionController:
                 slowdown=(round(self.throughput.slowdown, 3) if self.throughput is not None else None),
             )
 
+    def enqueue(self, tokens: int, *, prompt_tokens: int | None = None) -> Ticket:
+        """Take a place for ``tokens`` (``prompt_tokens`` of prompt; default: all) without
+        waiting: admitted at once when nothing waits and it fits (``ticket.granted``), else
+        queued — or refused at once, as :meth:`acquire` refuses it (``OverloadedError``: a full
+        queue, or a first token past the time-out; ``BudgetError``: more than the whole
+        capacity). The :class:`Ticket`'s ``wait()`` then waits for its turn.
+
+        >>> ctl = AdmissionController(1000, timeout=0.01)
+        >>> first, second = ctl.enqueue(800), ctl.enqueue(800)
+        >>> first.granted, second.granted, ctl.stats().queued
+        (True, False, 1)
+        >>> first.reservation().release()
+        >>> second.granted
+        True
+        """
+        return self._enqueue(tokens, prompt_tokens)
+
+    def promises(self) -> list[tuple[str | None, float]]:
+        """The refusals still expected back, earliest first: each one's key (see
+        :meth:`returning`; ``None`` for an unkeyed one) and the controller's clock time it was
+        told to come back at. Lapsed ones (past their grace) are dropped first."""
+        with self._lock:
+            self._promises.prune(self._clock(), self._promise_grace)
+            return [(p.key, p.due) for p in sorted(self._promises, key=lambda p: p.due)]
+
+    @property
+    def answer_share(self) -> float:
+        """The share of ``max_new_tokens`` that finished answers generated (a moving average
+        from 1, the worst case, until answers are seen): the decode work the time model expects
+        of a request (memory still reserves its whole ``max_new_tokens``)."""
+        with self._lock:
+            return self._learning.answer_share
+
     def acquire(
         self,
         tokens: int,
@@ -350,7 +315,7 @@ class AdmissionController:
         Setting ``cancel`` while waiting leaves the queue at once (within
         ``CANCEL_POLL_S``) and raises :class:`~ragbudget.errors.RequestCancelled`: a client
         that went away must not keep its place, nor keep its thread until the timeout."""
-        waiter = self._enqueue(tokens, prompt_tokens)
+        waiter = self.enqueue(tokens, prompt_tokens=prompt_tokens)
         if waiter.granted:
             return self._reservation(waiter)
         if waiter.returning:
@@ -454,7 +419,7 @@ class AdmissionController:
             job = self._job(tokens, prompt, cost, pool)
             if job is None:
                 return None
-            if not self._queue and self._may_start_locked(_Waiter(tokens, prompt, cost, job, pool)):
+            if not self._queue and self._may_start_locked(Ticket(tokens, prompt, cost, job, pool)):
                 return None  # it would start at once, as acquire starts it: never refused idle
             expected = self._first_token_locked(job)
             if expected <= self.timeout:
@@ -523,7 +488,7 @@ class AdmissionController:
         time-out if longer."""
         return max(Promises.LATE_S, self.timeout if self.timeout is not None else 0.0)
 
-    def _wait_for(self, waiter: _Waiter, timeout: float | None) -> float:
+    def _wait_for(self, waiter: Ticket, timeout: float | None) -> float:
         """Seconds ``waiter`` may wait: ``timeout`` when given, else the queue time-out — or, for
         a returning client, :attr:`return_wait`."""
         if timeout is not None:
@@ -533,8 +498,8 @@ class AdmissionController:
         return self.timeout
 
     # -- internals ----------------------------------------------------------------------------
-    def _reservation(self, waiter: _Waiter) -> Reservation:
-        return Reservation(self, waiter.tokens, nbytes=waiter.cost, job=waiter.job, pool=waiter.pool)
+    def _reservation(self, waiter: Ticket) -> Reservation:
+        return waiter.reservation()
 
     def _pool(self, tokens: int) -> int:
         """Tokens of the KV pool a request of ``tokens`` holds (0 without a pool)."""
@@ -560,7 +525,7 @@ class AdmissionController:
             new_max=new,
         )
 
-    def _may_start_locked(self, waiter: _Waiter) -> bool:
+    def _may_start_locked(self, waiter: Ticket) -> bool:
         """The start rule for ``waiter`` now: both resources fit, and time (see the module)."""
         probe = waiter.job or _Job(prefill=0, decode=0, cost=waiter.cost, tokens=waiter.pool)
         return _may_start(
@@ -645,9 +610,7 @@ class AdmissionController:
         )
         return first[-1] - now
 
-    def _enqueue(
-        self, tokens: int, prompt_tokens: int | None, loop: asyncio.AbstractEventLoop | None = None
-    ) -> _Waiter:
+    def _enqueue(self, tokens: int, prompt_tokens: int | None, loop: asyncio.AbstractEventLoop | None = None) -> Ticket:
         tokens = int(tokens)
         if tokens < 0:
             raise ConfigError(f"cannot reserve a negative number of tokens ({tokens})")
@@ -669,7 +632,7 @@ class AdmissionController:
         with self._lock:
             self._advance_locked()
             job = self._job(tokens, prompt, cost, pool)
-            waiter = _Waiter(tokens, prompt, cost, job, pool)
+            waiter = Ticket(tokens, prompt, cost, job, pool, controller=self)
             promise = self._promise_for_locked(current_key())
             if promise is not None:  # a client back when it was told: its promise is kept
                 self._promises.claim(promise)
@@ -710,7 +673,7 @@ class AdmissionController:
     def _admitted_cost_locked(self) -> int:
         return self._admitted_bytes if self.memory is not None else self._admitted
 
-    def _grant(self, waiter: _Waiter) -> None:
+    def _grant(self, waiter: Ticket) -> None:
         # Called with the lock held.
         waiter.granted = True
         self._admitted += waiter.tokens
@@ -735,7 +698,7 @@ class AdmissionController:
                 break
             self._grant(self._queue.popleft())
 
-    def _abandon(self, waiter: _Waiter) -> bool:
+    def _abandon(self, waiter: Ticket) -> bool:
         """Take ``waiter`` out of the queue; True when it had been granted meanwhile."""
         with self._lock:
             if waiter.granted:
@@ -746,7 +709,7 @@ class AdmissionController:
             self._admit_locked()
             return False
 
-    def _finish_wait(self, waiter: _Waiter, wait: float | None) -> Reservation:
+    def _finish_wait(self, waiter: Ticket, wait: float | None) -> Reservation:
         if self._abandon(waiter):
             return self._reservation(waiter)
         with self._lock:
