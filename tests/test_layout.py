@@ -184,10 +184,6 @@ def violations(sources: dict[Path, str], layout: list[tuple[str, list[str]]]) ->
 #: #32's next step). An entry expires: once its import no longer closes a cycle the test asks for
 #: its removal, and a cycle not listed here fails.
 KNOWN_CYCLES: dict[tuple[str, str], str] = {
-    ("retrieval/index", "retrieval/build"): (
-        "Index.build runs build._Builder, and build takes index's on-disk layout (20 names) and Index: "
-        "retrieval/storage.py owning the layout (issue #32 section 3) removes it"
-    ),
     ("input/formats/", "input/loaders"): (
         "the EPUB, mail, notebook and tabular readers decode with loaders' decode_bytes and _html_to_text, and "
         "load_document calls the readers: decoding and HTML reading out of loaders (its split) removes it"

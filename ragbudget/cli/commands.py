@@ -119,7 +119,6 @@ def cli(verbose: int) -> None:
     help="Vector store that answers searches: auto = exact while small, then HNSW, then IVF-PQ (recall@10 measured "
     "at build, shown by `stats`).",
 )
-@click.option("--approx", type=click.Choice(["hnsw"]), default=None, help="Older spelling of --store hnsw.")
 @click.option(
     "--dedup",
     type=click.Choice(DEDUP_MODES),
@@ -175,7 +174,6 @@ def index(
     prune: bool,
     allow_removal: bool,
     store: str,
-    approx: str | None,
     dedup: str | None,
     as_json: bool,
     ipynb_outputs: bool = False,
@@ -231,7 +229,7 @@ def index(
             rechunk=rechunk,
             prune=prune,
             allow_removal=allow_removal,
-            store=approx or store,
+            store=store,
             dedup=dedup,
             progress=progress,
             executor=run_on,
