@@ -146,7 +146,8 @@ class Embedder(abc.ABC):
 
     def embed_query(self, text: str) -> np.ndarray:
         """One unit float32 vector of shape ``(dim,)``."""
-        return self.embed([text]).vectors[0]
+        row: np.ndarray = self.embed([text]).vectors[0]  # numpy types a row of an ndarray as Any
+        return row
 
     def window_bounds(self, texts: Sequence[str]) -> list[list[tuple[int, int]]]:
         """The character ranges of the windows each text is embedded as (``[(0, len(text))]``
@@ -437,7 +438,7 @@ class SentenceTransformerEmbedder(Embedder):
         if lite is not None:
             return max(8, lite.max_seq_length - lite.specials - 2)
         specials = self.model.tokenizer.num_special_tokens_to_add(pair=False)
-        return max(8, int(self.model.max_seq_length) - specials - 2)
+        return max(8, int(self.model.max_seq_length) - int(specials) - 2)
 
     def embed_query(self, text: str) -> np.ndarray:
         """One unit vector; a query (a few windows at most) is embedded by the light path when the
@@ -450,10 +451,11 @@ class SentenceTransformerEmbedder(Embedder):
 
         windows = self.windows_of([text])[0]
         vecs = _normalize(np.asarray(lite.encode(windows), dtype=np.float32))  # as embed() does
-        if len(windows) == 1:
-            return vecs[0]
-        w = np.array([len(s) for s in windows], dtype=np.float32)
-        return _normalize(((vecs * w[:, None]).sum(axis=0))[None, :])[0]
+        if len(windows) > 1:
+            w = np.array([len(s) for s in windows], dtype=np.float32)
+            vecs = _normalize(((vecs * w[:, None]).sum(axis=0))[None, :])
+        row: np.ndarray = vecs[0]  # numpy types a row of an ndarray as Any
+        return row
 
     def spec(self) -> dict[str, Any]:
         return {
@@ -508,13 +510,15 @@ class SentenceTransformerEmbedder(Embedder):
         if runner is not None:
             return runner.encode(texts)[0]
         # encode() sorts by length internally, so one call over all windows batches well.
-        return self.model.encode(
+        # sentence-transformers is the seam: its encode() is untyped (Any), its result an ndarray.
+        out: np.ndarray = self.model.encode(
             list(texts),
             batch_size=self.batch_size,
             convert_to_numpy=True,
             normalize_embeddings=True,
             show_progress_bar=False,
         )
+        return out
 
     def _encode_tokens(self, texts: Sequence[str]) -> tuple[np.ndarray, list[tuple[np.ndarray, np.ndarray]]]:
         runner = self._runner()

@@ -98,11 +98,12 @@ def _export_onnx(folder: str, out: str) -> None:
     from transformers.utils import logging as hf_logging
 
     # Eager attention: the SDPA mask builder of transformers 5 traces into shape constants.
-    hf_logging.disable_progress_bar()  # a one-off export prints no weight-loading bar
+    # transformers' logging helpers are untyped (the third-party seam).
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # a one-off export prints no weight-loading bar
     try:
         bert = AutoModel.from_pretrained(folder, attn_implementation="eager").eval()
     finally:
-        hf_logging.enable_progress_bar()
+        hf_logging.enable_progress_bar()  # type: ignore[no-untyped-call]
 
     class MeanPooled(torch.nn.Module):
         def __init__(self) -> None:
