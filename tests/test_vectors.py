@@ -279,6 +279,9 @@ def test_cli_store_option_and_stats(docs: Path, tmp_path: Path) -> None:
     assert r.exit_code == 0, r.output
     r = runner.invoke(cli, ["index", str(docs), "--index-dir", ixdir, "--store", "annoy"])
     assert r.exit_code != 0 and "annoy" in r.output
+    # One line from the build, naming the stores it knows and where another one comes from.
+    assert "store must be one of auto, flat, hnsw" in r.output and "ragbudget.stores" in r.output
+    assert "Traceback" not in r.output
 
 
 # --- a store from another package: the ragbudget.stores entry points --------------------------------
@@ -418,6 +421,18 @@ def test_a_store_from_another_package_is_found_through_its_entry_point(docs: Pat
     assert (ix / "tiny.1.index").is_file()
     reread = child("read")  # another process: loaded back through the entry point
     assert reread.returncode == 0 and json.loads(reread.stdout)["store"] == "TinyStore", reread.stderr
+    # The CLI takes it too (`--store` is not limited to the built-in names).
+    cli_ix = tmp_path / "cli-ix"
+    args = ["index", str(docs), "--index-dir", str(cli_ix), "--embedder", "hash:64", "--min-tokens", "4"]
+    by_cli = subprocess.run(
+        [sys.executable, "-m", "ragbudget", *args, "--max-tokens", "12", "--store", "tiny", "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert by_cli.returncode == 0, by_cli.stdout + by_cli.stderr
+    assert (cli_ix / "tiny.1.index").is_file()
     # Without the package: the search store cannot be read (a clear error naming it), the exact one can.
     Index.open(ix, use_approx=False).verify()
     with pytest.raises(IndexCorruptError, match="'tiny' that no installed package provides"):

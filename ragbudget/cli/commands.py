@@ -113,10 +113,13 @@ def cli(verbose: int) -> None:
 )
 @click.option(
     "--store",
-    type=click.Choice(STORES),
+    # Not a click.Choice: a store may come from another package's ragbudget.stores entry point,
+    # and listing those at import would cost every command; the build refuses an unknown name.
     default="auto",
     show_default=True,
-    help="Vector store that answers searches: auto = exact while small, then HNSW, then IVF-PQ (recall@10 measured "
+    metavar="STORE",
+    help=f"Vector store that answers searches: {', '.join(STORES)}, or one a package registers under the "
+    "ragbudget.stores entry points. auto = exact while small, then HNSW, then IVF-PQ (recall@10 measured "
     "at build, shown by `stats`).",
 )
 @click.option(

@@ -170,7 +170,10 @@ def build_index(
     # and again under the lock below, where it counts: another writer may commit in between.
     resolve(_recorded(storage), **wanted)
     if store not in store_names():
-        raise ConfigError(f"store must be one of {', '.join(store_names())}; got {store!r}")
+        raise ConfigError(
+            f"store must be one of {', '.join(store_names())}; got {store!r} (another store needs the package "
+            "that registers it under the ragbudget.stores entry points installed)"
+        )
     run_on = make_executor(executor)
     given = [os.fspath(p) for p in paths]
     # Before the folder or the lock file is created.
