@@ -53,10 +53,9 @@ from .vectors import RECALL_TARGET, FlatStore, choose_store, make_store, store_n
 if TYPE_CHECKING:
     from ..input.dedup import Deduplicator
     from ..tokens import Tokenizer
-    from .catalog import SqliteCatalogWriter
     from .embed import Embedder
     from .executors import EmbedExecutor
-    from .storage import Generation, GenerationWriter, Storage
+    from .storage import CatalogWriter, Generation, GenerationWriter, Storage
     from .vectors import VectorStore
 
 __all__ = ["ProgressCallback", "build_index"]
@@ -274,7 +273,7 @@ class _Builder:
         self.gen = 1
 
     @property
-    def db(self) -> SqliteCatalogWriter:
+    def db(self) -> CatalogWriter:
         assert self.writer is not None
         return self.writer.catalog
 

@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import ConfigError, InputPathError
-from .catalog import FileState, SqliteCatalog, SqliteCatalogWriter
+from .catalog import FileState
 from .roots import Root, Roots, canonical_path, fallback_root, new_label
-from .storage import sha256_file
+from .storage import Catalog, CatalogWriter, sha256_file
 
 __all__ = ["REMOVAL_GUARD_FILES", "REMOVAL_GUARD_SHARE", "Plan", "final_roots", "plan_changes"]
 
@@ -59,9 +59,9 @@ class Plan:
 
 
 def plan_changes(
-    catalog: SqliteCatalogWriter,
+    catalog: CatalogWriter,
     *,
-    previous: SqliteCatalog | None,
+    previous: Catalog | None,
     given: Sequence[tuple[str, str]],
     paths: Sequence[str],
     prune: bool,
@@ -135,7 +135,7 @@ def plan_changes(
     return plan
 
 
-def final_roots(catalog: SqliteCatalog, roots: Sequence[Root], given: Sequence[tuple[str, str]]) -> list[Root]:
+def final_roots(catalog: Catalog, roots: Sequence[Root], given: Sequence[tuple[str, str]]) -> list[Root]:
     """The roots to record: the ones given to this run, and earlier ones still holding a file."""
     named = {real for real, _ in given}
     paths = catalog.file_paths()
@@ -146,7 +146,7 @@ class _Scan:
     """One scan against the recorded files: fills ``plan`` and edits ``catalog``."""
 
     def __init__(
-        self, catalog: SqliteCatalogWriter, plan: Plan, *, scope: list[Root], prune: bool, allow_removal: bool
+        self, catalog: CatalogWriter, plan: Plan, *, scope: list[Root], prune: bool, allow_removal: bool
     ) -> None:
         self.catalog = catalog
         self.plan = plan

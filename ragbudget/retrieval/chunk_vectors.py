@@ -24,11 +24,10 @@ if TYPE_CHECKING:
     import numpy as np
     from numpy.typing import NDArray
 
-    from .catalog import SqliteCatalogWriter
     from .checkpoint import Checkpoint
     from .embed import Embedder
     from .executors import EmbedExecutor
-    from .storage import Generation
+    from .storage import CatalogWriter, Generation
 
 __all__ = ["ChunkVectors"]
 
@@ -48,7 +47,7 @@ class ChunkVectors:
         *,
         embedder: Embedder,
         executor: EmbedExecutor,
-        catalog: SqliteCatalogWriter,
+        catalog: CatalogWriter,
         exact: FlatStore | None,
         checkpoint: Checkpoint,
         reuse: Generation | None,

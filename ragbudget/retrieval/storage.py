@@ -5,7 +5,9 @@ and keeps it as long as it likes; one writer at a time (:meth:`Storage.lock`) be
 beside it (:meth:`Storage.begin`), fills it and commits it atomically: a reader sees the old
 generation or the new one, never a mix, and a writer killed at any moment leaves the old one.
 :class:`Storage` is that contract, :class:`Generation` what a reader gets and
-:class:`GenerationWriter` what a writer fills; :mod:`ragbudget.retrieval.index` only reads
+:class:`GenerationWriter` what a writer fills (their chunks, sources, files and roots through
+:class:`Catalog` and :class:`CatalogWriter`, their vectors through
+:class:`~ragbudget.retrieval.vectors.VectorStore`); :mod:`ragbudget.retrieval.index` only reads
 through it and :mod:`ragbudget.retrieval.build` only writes. :class:`LocalStorage` keeps an
 index in a folder (the first storage; a database is the next, as one more module beside this).
 
@@ -53,10 +55,19 @@ from ..errors import IndexCorruptError, IndexLockedError, IndexNotFoundError
 from .catalog import SqliteCatalog, SqliteCatalogWriter
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable, Iterator, Sequence
+
+    import numpy as np
+    from numpy.typing import NDArray
+
+    from .catalog import ChunkRow, FileRow, FileState, SourceRow
+    from .roots import Root
     from .vectors import FlatStore, VectorStore
 
 __all__ = [
     "FORMAT_VERSION",
+    "Catalog",
+    "CatalogWriter",
     "MANIFEST",
     "Generation",
     "GenerationWriter",
@@ -132,6 +143,165 @@ def write_json_atomic(path: Path, data: Mapping[str, Any]) -> None:
 # the contract
 
 
+class Catalog(Protocol):
+    """A generation's catalog, read: its chunks, sources, files, roots, sentence vectors and
+    lexical search. :class:`~ragbudget.retrieval.catalog.SqliteCatalog` is the local one; another
+    storage brings its own with these methods (ids are chunk ids, paths the stored absolute ones)."""
+
+    def close(self) -> None:
+        """Release the generation's catalog (a reader's file stays as it is)."""
+        ...
+
+    def chunks(self, ids: Sequence[int]) -> dict[int, ChunkRow]:
+        """The chunks of ``ids`` that exist, by id."""
+        ...
+
+    def sources(self, ids: Sequence[int]) -> dict[int, list[SourceRow]]:
+        """Every source of the chunks ``ids``, each chunk's in its stored order."""
+        ...
+
+    def sources_in(self, path: str) -> list[tuple[int, SourceRow]]:
+        """``(chunk_id, source)`` of every chunk located in the file ``path`` (stored form), in document order."""
+        ...
+
+    def find_chunk(self, *hashes: str) -> tuple[int, int] | None:
+        """``(chunk id, windows)`` of a chunk whose content hash is one of ``hashes``."""
+        ...
+
+    def chunk_ids(self) -> NDArray[np.int64]: ...
+
+    def files(self) -> list[FileRow]:
+        """Every file the generation knows, indexed or skipped."""
+        ...
+
+    def file_states(self) -> dict[str, FileState]:
+        """``{stored path: FileState}`` of every file row."""
+        ...
+
+    def page_labels(self) -> dict[str, list[str]]:
+        """``{stored path: page labels}`` of the files whose format names its pages."""
+        ...
+
+    def roots(self) -> list[Root]:
+        """The recorded roots (``[]`` for a generation written before they were recorded)."""
+        ...
+
+    def file_paths(self) -> list[str]: ...
+
+    def sentence_vectors(
+        self, ids: Sequence[int], *, dim: int, dtype: str
+    ) -> dict[int, tuple[list[bytes], NDArray[np.float32]]]:
+        """``{chunk_id: (digests, float32 rows)}`` of the chunks ``ids`` that have them."""
+        ...
+
+    def all_sentence_vectors(self, dim: int) -> dict[bytes, NDArray[np.float32]]:
+        """Every stored sentence vector by digest (what a rebuild with the same embedder reuses)."""
+        ...
+
+    def has_lexical(self) -> bool:
+        """Whether the file holds the FTS5 table (whether it is up to date, the manifest says)."""
+        ...
+
+    def lexical(self, query: str, k: int, *, trusted: bool) -> list[tuple[int, float]]:
+        """``(chunk_id, bm25)`` best first. ``trusted``: the manifest vouches for the stored
+        lexical table (otherwise one is built for this session). ``[]`` without one."""
+        ...
+
+    def check(self, chunk_ids: NDArray[np.int64], manifest: Mapping[str, Any]) -> tuple[list[str], dict[str, Any]]:
+        """The catalog's own consistency against ``chunk_ids`` (the exact store's): every chunk
+        has a source, every source a chunk and an indexed file, the lexical rows match the
+        chunks. Returns ``(problems, checked)``."""
+        ...
+
+
+class CatalogWriter(Catalog, Protocol):
+    """The catalog of the generation being written: a private copy of the base generation's (or
+    an empty one), edited by the writing run and made current by the storage's commit."""
+
+    def ensure_lexical(self, *, trusted: bool) -> str:
+        """Create (and fill) the lexical table; ``trusted=False`` rebuilds one the previous
+        writer did not vouch for. ``"ok"``, ``"created"`` or ``"unavailable"``."""
+        ...
+
+    def record_file(
+        self,
+        path: str,
+        size: int,
+        mtime_ns: int,
+        digest: str | None,
+        status: str,
+        reason: str | None = None,
+        detail: str | None = None,
+        *,
+        n_chunks: int = 0,
+        furniture: int = 0,
+        pages: int | None = None,
+        warning: str | None = None,
+        page_labels: Sequence[str] | None = None,
+        needs: str | None = None,
+    ) -> None: ...
+
+    def touch_file(self, path: str, mtime_ns: int) -> None:
+        """A file changed its mtime only (same content): record the new one."""
+        ...
+
+    def drop_sources(self, path: str) -> None: ...
+
+    def drop_files(self, paths: Iterable[str]) -> None:
+        """Forget the files ``paths`` and their sources (their chunks are orphans until removed)."""
+        ...
+
+    def set_roots(self, roots: Iterable[Root]) -> None: ...
+
+    def kept_chunks(self) -> Iterator[tuple[int, str, bytes | None]]:
+        """``(id, content hash, MinHash bytes)`` of every chunk that still has a source."""
+        ...
+
+    def revive(self, content_hash: str, headings: Sequence[str]) -> int | None:
+        """An orphan (a chunk left without a source by a changed file) with this text, given
+        its new headings: its id, or ``None``."""
+        ...
+
+    def add_chunk(
+        self, text: str, n_tokens: int, headings: Sequence[str], content_hash: str, minhash: bytes | None
+    ) -> int: ...
+
+    def add_source(self, chunk_id: int, src: SourceRow) -> None:
+        """Another location of ``chunk_id``, after the ones it has."""
+        ...
+
+    def set_windows(self, pairs: Iterable[tuple[int, int]]) -> None:
+        """``(chunk id, windows)``: how many model windows each chunk's vector pooled."""
+        ...
+
+    def remove_orphans(self) -> list[int]:
+        """Delete the chunks left without any source; their ids."""
+        ...
+
+    def chunks_without_sentence_vectors(self) -> list[tuple[int, str]]: ...
+
+    def put_sentence_vectors(self, rows: Iterable[tuple[int, bytes, bytes]]) -> None:
+        """``(chunk id, 16-byte digests joined, float16 rows)`` per chunk."""
+        ...
+
+    def drop_sentence_vectors(self) -> None: ...
+
+    def count_chunks(self) -> int: ...
+
+    def counts(self) -> dict[str, int]:
+        """The counts the manifest records (``lexical_rows`` only with an FTS table)."""
+        ...
+
+    def finish(self, generation: int, *, vacuum: bool = False) -> None:
+        """Stamp the generation number, write everything and close, ready for the commit.
+        ``vacuum``: compact what was dropped."""
+        ...
+
+    def discard(self) -> None:
+        """Close without finishing (the storage removes the file)."""
+        ...
+
+
 @dataclass(frozen=True, kw_only=True)
 class Generation:
     """One committed generation, open for reading: its ``manifest``, the ``exact`` store (every
@@ -143,7 +313,7 @@ class Generation:
     manifest: Manifest
     exact: VectorStore
     search: VectorStore
-    catalog: SqliteCatalog
+    catalog: Catalog
 
     @property
     def number(self) -> int:
@@ -163,9 +333,12 @@ class GenerationWriter(Protocol):
     writes even if no file changed) or ``"unavailable"`` (this SQLite has no FTS5)."""
 
     number: int
-    catalog: SqliteCatalogWriter
     exact: FlatStore | None
     lexical: str
+
+    @property
+    def catalog(self) -> CatalogWriter:  # read-only here: a storage's writer holds its own kind
+        ...
 
     def commit(
         self,
