@@ -13,7 +13,7 @@ What it fixes, so that every system is measured on the same ground:
   (vectors cached under ``bench/out/``), BM25 from the index's own FTS5 layout and query path.
 * **One hybrid-ranked candidate list per question** (:meth:`Corpus.candidates`), built as
   ``Index.search(hybrid=True)`` builds it (top ``fetch_k`` dense and BM25 candidates, lexical-only
-  ones given their real cosine, :func:`ragbudget.retrieval.index.fuse_scores`), and handed to *every* system,
+  ones given their real cosine, :func:`ragbudget.retrieval.lexical.fuse_scores`), and handed to *every* system,
   so that a difference between systems is packing, not retrieval.
 * **Systems** (:func:`pack`): ``topk_truncate`` (the top 4 as labeled blocks, the whole cut to the
   budget: LangChain's default retriever then a cut), ``greedy_fill`` (blocks in rank order until
@@ -58,7 +58,7 @@ from ragbudget.input.chunking import chunk_text  # noqa: E402
 from ragbudget.pipeline import DEFAULT_RELEVANCE_FLOOR  # noqa: E402
 from ragbudget.prompt.prompt import DEFAULT_SYSTEM_PROMPT, PromptBuilder, build_prompt  # noqa: E402
 from ragbudget.prompt.select import Candidate, SelectedChunk, Selection  # noqa: E402
-from ragbudget.retrieval.index import FTS_TOKENIZE, _bm25, fuse_scores  # noqa: E402
+from ragbudget.retrieval.lexical import FTS_TOKENIZE, bm25, fuse_scores  # noqa: E402
 from ragbudget.types import Source  # noqa: E402
 
 DATA = Path(os.environ.get("RAGBUDGET_SHARED_DATA", ROOT.parent / "shared" / "data"))
@@ -286,7 +286,7 @@ class Corpus:
         scores = self.vecs @ self.qvecs[q.qid]
         order = np.argsort(-scores, kind="stable")[:fetch_k]
         dense = {int(j): float(scores[j]) for j in order}
-        lexical = dict(_bm25(self.db, q.text, fetch_k)) if hybrid and lexical_weight > 0 else {}
+        lexical = dict(bm25(self.db, q.text, fetch_k)) if hybrid and lexical_weight > 0 else {}
         if lexical:
             dense.update({j: float(scores[j]) for j in lexical if j not in dense})
             ranked = fuse_scores(dense, lexical, method=fusion, lexical_weight=lexical_weight)[:fetch_k]

@@ -246,10 +246,10 @@ def part_speed(n_articles: int, rounds: int) -> dict:
     print("corpus", {k: v for k, v in corpus_info.items() if k != "articles"}, flush=True)
     # The one-off ONNX exports, cached before the timed runs.
     from ragbudget.retrieval.embed import SentenceTransformerEmbedder
-    from ragbudget.retrieval.encoders import _cache_root, _model_digest
+    from ragbudget.retrieval.onnx import cache_root, model_digest
 
     export = {}
-    cache = Path(_cache_root()) / _model_digest(model_path())
+    cache = Path(cache_root()) / model_digest(model_path())
     for backend, name in (("onnx", "model.onnx"), ("onnx-int8", "model.int8.onnx")):
         cached = (cache / name).is_file()
         t = time.perf_counter()

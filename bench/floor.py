@@ -10,7 +10,7 @@ Setup (as ``bench/qa.py``, but retrieval over a *pool* of articles, as an index 
 documents is searched): SQuAD dev articles joined into one document each, chunked with
 ``chunk_text`` (ragbudget's defaults, 300–500 tokens, like ``ragbudget index``), embedded with the
 packaged all-MiniLM-L6-v2, BM25 from the index's own FTS5 layout, fused with
-``ragbudget.retrieval.index.fuse_scores`` (score fusion, weight 0.5: the defaults), ``fetch_k`` 50.
+``ragbudget.retrieval.lexical.fuse_scores`` (score fusion, weight 0.5: the defaults), ``fetch_k`` 50.
 
 Splits: ``--split tune`` (the floor is chosen here), ``--split test`` (other SQuAD dev articles,
 never tuned on) and ``--split amazon`` (SQuADShifts Amazon reviews: report only).
@@ -37,7 +37,7 @@ from qa import OUT, ROOT, SQUAD, contains_answer, embed  # noqa: E402  (sets the
 from ragbudget.input.chunking import chunk_text  # noqa: E402
 from ragbudget.prompt.prompt import PromptBuilder, build_prompt  # noqa: E402
 from ragbudget.prompt.select import Candidate  # noqa: E402
-from ragbudget.retrieval.index import FTS_TOKENIZE, _bm25, fuse_scores  # noqa: E402
+from ragbudget.retrieval.lexical import FTS_TOKENIZE, bm25, fuse_scores  # noqa: E402
 from ragbudget.types import Source  # noqa: E402
 
 AMAZON = SQUAD.parent.parent / "squadshifts" / "amazon_reviews_v1.0.json"
@@ -123,7 +123,7 @@ def main() -> None:
         scores = vecs @ qvecs[qi]
         order = np.argsort(-scores)[: args.fetch_k]
         dense = {int(j): float(scores[j]) for j in order}
-        lexical = dict(_bm25(db, q, args.fetch_k))
+        lexical = dict(bm25(db, q, args.fetch_k))
         dense.update({j: float(scores[j]) for j in lexical if j not in dense})
         fused = fuse_scores(dense, lexical)[: args.fetch_k]
         hits = [Candidate(j, texts[j], s, sources=(sources[j],)) for j, s in fused]

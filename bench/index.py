@@ -112,7 +112,7 @@ def part_embed(args: argparse.Namespace, tmp: Path) -> dict:
     t = time.perf_counter()
     trunc = emb._encode(texts)  # cut to the model's max_seq_length, as sentence-transformers does
     model_trunc_s = time.perf_counter() - t
-    win_vecs = idx._flat.vectors([h.chunk_id for h in hits])
+    win_vecs = idx._generation().exact.vectors([h.chunk_id for h in hits])
 
     # Retrieval on SQuAD questions: a hit is a top-5 chunk from the right article file that
     # contains a gold answer. "tail" questions have their answer only past the first window.

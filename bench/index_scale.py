@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import platform
-import sqlite3
 import subprocess
 import sys
 import time
@@ -54,63 +53,49 @@ def perturbed(real: np.ndarray, n: int, *, seed: int = 0, sigma: float = 0.0316)
 
 
 def write_index(folder: Path, x: np.ndarray, kind: str) -> dict:
-    """An index folder over ``x`` (ids 1..n) whose search store is ``kind``, in the format the
-    builder writes (same files, manifest entries and checksums; chunk texts are placeholders)."""
-    from ragbudget.retrieval import index as I
+    """An index folder over ``x`` (ids 1..n) whose search store is ``kind``, committed through the
+    storage seam the builder writes through (same files, manifest entries and checksums; chunk
+    texts are placeholders). ``build_s``: making and tuning the search store."""
+    from ragbudget.retrieval.roots import Root
+    from ragbudget.retrieval.storage import LocalStorage
     from ragbudget.retrieval.vectors import FlatStore, make_store
 
-    folder.mkdir(parents=True, exist_ok=True)
     n, dim = x.shape
     ids = np.arange(1, n + 1, dtype=np.int64)
     flat = FlatStore(dim)
     flat.add(ids, x)
-    flat_entry = flat.save(folder / "faiss.1.index")
-    db = sqlite3.connect(folder / "meta.1.sqlite")
-    db.executescript(I._SCHEMA)
-    db.executemany(
-        "INSERT INTO chunks (id, text, n_tokens, headings, content_hash, windows) VALUES (?,?,?,?,?,1)",
-        ((int(i), f"chunk {i}", 3, "[]", f"h{i}") for i in ids),
-    )
-    db.executemany(
-        "INSERT INTO sources VALUES (?,?,?,?,?,?,0)",
-        ((int(i), f"/b/doc{i // 50}.txt", (i % 50) * 100, (i % 50) * 100 + 99, None, None) for i in ids),
-    )
-    db.executemany(
-        "INSERT INTO files (path, size, mtime_ns, sha256, status, n_chunks) VALUES (?,?,?,?,?,?)",
-        ((f"/b/doc{j}.txt", 1, 1, "x", "indexed", 50) for j in range(n // 50 + 1)),
-    )
-    db.execute("INSERT INTO roots VALUES ('/b', 'b', 'dir')")
-    db.execute("INSERT INTO meta VALUES ('generation', '1')")
-    db.commit()
-    db.close()
-
-    def entry(f: str) -> dict:
-        return {"file": f, "bytes": (folder / f).stat().st_size, "sha256": I._sha256_file(folder / f)}
-
-    approx, store, report = None, {"requested": kind, "kind": kind, "recall_at_10": 1.0}, None
-    t = time.perf_counter()
-    if kind != "flat":
-        s = make_store(kind, dim, exact=flat)
-        report = s.finalize()
-        e = s.save(folder / f"{kind}.1.index")
-        approx = {**e, **entry(f"{kind}.1.index")}
-        store.update(recall_at_10=e.get("recall_at_10"), recall_queries=report.queries)
-    build_s = time.perf_counter() - t
-    I._write_json_atomic(
-        folder / "manifest.json",
-        {
-            "format": "ragbudget-index",
-            "format_version": 1,
-            "generation": 1,
+    storage = LocalStorage(folder)
+    with storage.lock():
+        writer = storage.begin(None, keep=False)
+        db = writer.catalog.db  # a million rows: bulk statements, not a call per chunk
+        db.executemany(
+            "INSERT INTO chunks (id, text, n_tokens, headings, content_hash, windows) VALUES (?,?,?,?,?,1)",
+            ((int(i), f"chunk {i}", 3, "[]", f"h{i}") for i in ids),
+        )
+        db.executemany(
+            "INSERT INTO sources VALUES (?,?,?,?,?,?,0)",
+            ((int(i), f"/b/doc{i // 50}.txt", (i % 50) * 100, (i % 50) * 100 + 99, None, None) for i in ids),
+        )
+        for j in range(n // 50 + 1):
+            writer.catalog.record_file(f"/b/doc{j}.txt", 1, 1, "x", "indexed", n_chunks=50)
+        writer.catalog.set_roots([Root("/b", "b", "dir")])
+        store, report, search = {"requested": kind, "kind": kind, "recall_at_10": 1.0}, None, None
+        t = time.perf_counter()
+        if kind != "flat":
+            search = make_store(kind, dim, exact=flat)
+            report = search.finalize()
+            store.update(recall_at_10=report.to_dict()["recall_at_10"], recall_queries=report.queries)
+        build_s = time.perf_counter() - t
+        fields = {
             "dim": dim,
             "embedder": {"kind": "hash", "id": f"hash-{dim}", "dim": dim, "pooling": "windows"},
-            "faiss": {**flat_entry, **entry("faiss.1.index")},
-            "sqlite": entry("meta.1.sqlite"),
-            "approx": approx,
             "store": store,
+            "sentences": {"stored": False},
             "counts": {"chunks": n, "vectors": n},
-        },
-    )
+            "roots": [{"label": "b", "kind": "dir"}],
+        }
+        writer.commit(fields, exact=flat, search=search)
+        writer.close()
     return {
         "build_s": round(build_s, 1),
         "params": report.params if report else {},

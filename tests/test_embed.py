@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Sequence
 
 import numpy as np
 import pytest
@@ -11,10 +12,12 @@ from hypothesis import given, settings, strategies as st
 
 from ragbudget.errors import ConfigError
 from ragbudget.retrieval.embed import (
+    Embedder,
     EmbedResult,
     HashEmbedder,
     SentenceTransformerEmbedder,
     embedder_from_spec,
+    embedder_identity,
 )
 
 FILLER = (
@@ -94,7 +97,8 @@ def test_spec_round_trip() -> None:
 
 
 def test_sentence_transformer_embedder_is_lazy() -> None:
-    from ragbudget.retrieval.embed import AUTO_CPU_BACKEND, _cuda_visible, _has_onnxruntime
+    from ragbudget.retrieval.embed import AUTO_CPU_BACKEND, _cuda_visible
+    from ragbudget.retrieval.onnx import available as _has_onnxruntime
 
     e = SentenceTransformerEmbedder()
     assert e._model is None and e._onnx is None
@@ -232,45 +236,6 @@ def test_int8_vectors_get_their_own_identity_float_onnx_keeps_torchs() -> None:
     old = {k: v for k, v in torch_e.spec().items() if k != "backend"}
     legacy = embedder_from_spec(old)
     assert isinstance(legacy, SentenceTransformerEmbedder) and legacy.backend == "torch"
-
-
-def test_without_onnxruntime_a_clear_error_or_torch() -> None:
-    code = (
-        "import sys; sys.modules['onnxruntime'] = None\n"
-        "from ragbudget.retrieval.embed import SentenceTransformerEmbedder as S, embedder_from_spec\n"
-        "from ragbudget.errors import ConfigError\n"
-        "assert S().backend == 'torch', S().backend\n"
-        "spec = S(backend='torch').spec()\n"
-        "assert embedder_from_spec({**spec, 'backend': 'onnx'}).backend == 'torch'\n"
-        "for make in (lambda: S(backend='onnx-int8'),\n"
-        "             lambda: embedder_from_spec({**spec, 'backend': 'onnx-int8'})):\n"
-        "    try:\n"
-        "        make()\n"
-        "    except ConfigError as exc:\n"
-        "        assert \"pip install 'ragbudget[onnx]'\" in str(exc), exc\n"
-        "    else:\n"
-        "        raise SystemExit('no error')\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True)
-    assert out.returncode == 0, out.stdout + out.stderr
-
-
-@pytest.mark.model
-def test_a_damaged_cached_export_is_a_model_error(tmp_path, monkeypatch) -> None:
-    import os
-
-    from ragbudget.errors import ModelError
-    from ragbudget.retrieval import encoders
-
-    monkeypatch.setenv("RAGBUDGET_CACHE", str(tmp_path))
-    e = SentenceTransformerEmbedder(backend="onnx-int8")
-    folder = e._onnx_layout().folder  # type: ignore[union-attr]
-    cache = tmp_path / "onnx" / encoders._model_digest(folder)
-    cache.mkdir(parents=True)
-    (cache / "model.int8.onnx").write_bytes(b"not an onnx file")
-    with pytest.raises(ModelError, match="delete it"):
-        e.warm_up()
-    assert os.listdir(cache) == ["model.int8.onnx"]  # no export attempted over a present file
 
 
 @pytest.fixture(scope="session")
@@ -412,3 +377,52 @@ def test_an_index_built_by_the_default_install_is_extended_after_make_dev(tmp_pa
     index(str(tmp_path / "fresh"), default_install=False)
     fresh = json.loads((tmp_path / "fresh" / "manifest.json").read_text())["embedder"]
     assert fresh["id"] == built_with["id"] and fresh["backend"] == built_with["backend"] == "onnx-int8"
+
+
+# --- identity: which vectors are interchangeable -------------------------------------------------
+
+
+class _Letters(Embedder):
+    """A custom embedder (not one ragbudget knows by kind): one dimension per letter a-h."""
+
+    id = "letters-8"
+
+    def __init__(self, pooling: str = "windows") -> None:
+        self.pooling = pooling
+
+    @property
+    def dim(self) -> int:
+        return 8
+
+    @property
+    def max_tokens(self) -> int:
+        return 32
+
+    def _token_spans(self, texts: Sequence[str]) -> list[list[tuple[int, int]]]:
+        return [[(i, i + 1) for i in range(len(t))] for t in texts]
+
+    def _encode(self, texts: Sequence[str]) -> np.ndarray:
+        out = np.zeros((len(texts), 8), dtype=np.float32)
+        for row, t in zip(out, texts, strict=True):
+            for c in t:
+                if "a" <= c <= "h":
+                    row[ord(c) - ord("a")] += 1
+        return out / np.maximum(np.linalg.norm(out, axis=1, keepdims=True), 1e-9)
+
+
+def test_a_custom_embedders_identity_holds_its_id_and_pooling() -> None:
+    # Vectors pooled another way are other vectors: changing pooling must not reuse stored ones.
+    windows, mean = embedder_identity(_Letters()), embedder_identity(_Letters(pooling="mean"))
+    assert windows == {"kind": "custom", "id": "letters-8", "pooling": "windows", "window_overlap": None}
+    assert windows != mean
+    assert embedder_identity(HashEmbedder(dim=16)) == embedder_identity(HashEmbedder(dim=16).spec())
+    assert embedder_identity(HashEmbedder(dim=16)) != embedder_identity(HashEmbedder(dim=32))
+    # A model's identity, read from the embedder without loading it, is its recorded spec's.
+    st = SentenceTransformerEmbedder(backend="torch")
+    assert embedder_identity(st) == {
+        "kind": "sentence-transformers",
+        "id": st.id,
+        "pooling": "windows",
+        "window_overlap": 16,
+    }
+    assert st._model is None

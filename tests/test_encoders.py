@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 
 from ragbudget.prompt.spans import split_sentences
 from ragbudget.retrieval.embed import HashEmbedder, SentenceTransformerEmbedder
-from ragbudget.retrieval.encoders import _Runner, schedule
+from ragbudget.retrieval.encoders import Runner, schedule
 
 
 @settings(max_examples=200, deadline=None)
@@ -32,7 +32,7 @@ def test_schedule_batches_every_text_once_longest_first_within_the_budget(
         assert len(b) == 1 or len(b) * width <= max_tokens  # an over-long text goes alone
 
 
-class _Echo(_Runner):
+class _Echo(Runner):
     """A runner over the packaged MiniLM's tokenizer whose "model" is arithmetic: a token's state
     is its id and its position in its row, the vector the mean state. Shows which state lands
     where, whatever the batching and threads."""

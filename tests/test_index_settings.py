@@ -34,10 +34,8 @@ def _manifest(ix: Index) -> dict[str, Any]:
 
 
 def _max_chunk_tokens(ix: Index) -> int:
-    opened = Index.open(ix.path)
-    opened._load()
-    assert opened._db is not None
-    return int(opened._db.execute("SELECT MAX(n_tokens) FROM chunks").fetchone()[0])
+    db = Index.open(ix.path)._generation().catalog.db
+    return int(db.execute("SELECT MAX(n_tokens) FROM chunks").fetchone()[0])
 
 
 @pytest.fixture

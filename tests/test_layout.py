@@ -183,12 +183,7 @@ def violations(sources: dict[Path, str], layout: list[tuple[str, list[str]]]) ->
 #: it. Each waits for a split that must not run while other branches edit those modules (issue
 #: #32's next step). An entry expires: once its import no longer closes a cycle the test asks for
 #: its removal, and a cycle not listed here fails.
-KNOWN_CYCLES: dict[tuple[str, str], str] = {
-    ("retrieval/index", "retrieval/build"): (
-        "Index.build runs build._Builder, and build takes index's on-disk layout (20 names) and Index: "
-        "retrieval/storage.py owning the layout (issue #32 section 3) removes it"
-    ),
-}
+KNOWN_CYCLES: dict[tuple[str, str], str] = {}
 
 
 def _existing(module: str) -> list[str]:

@@ -8,7 +8,7 @@ import sqlite3
 import pytest
 
 from ragbudget.errors import ConfigError
-from ragbudget.retrieval.lexical import _bm25, _ensure_fts, fts5_available, fts_match_query, fuse_scores
+from ragbudget.retrieval.lexical import bm25, ensure_fts, fts5_available, fts_match_query, fuse_scores
 
 
 def test_fts_match_query_quotes_every_word() -> None:
@@ -50,13 +50,13 @@ def test_bm25_follows_the_chunks_table_and_stems_words() -> None:
         "INSERT INTO chunks VALUES (?, ?)",
         [(1, "The founding of the society in 1902."), (2, "Weather and tides."), (3, "Founded, founded again.")],
     )
-    assert _ensure_fts(db) == "created"  # back-filled from the rows already there
-    assert _ensure_fts(db) == "ok"
-    hits = _bm25(db, "Who founded it?", 5)  # porter: "founded" matches "founding" too
+    assert ensure_fts(db) == "created"  # back-filled from the rows already there
+    assert ensure_fts(db) == "ok"
+    hits = bm25(db, "Who founded it?", 5)  # porter: "founded" matches "founding" too
     assert sorted(i for i, _ in hits) == [1, 3] and all(s > 0 for _, s in hits)
     assert [i for i, _ in hits] == [3, 1]  # the word twice in a shorter chunk ranks first
     db.execute("UPDATE chunks SET text = 'Tides only.' WHERE id = 3")  # the triggers follow edits
     db.execute("DELETE FROM chunks WHERE id = 1")
-    assert _bm25(db, "Who founded it?", 5) == []
-    assert [i for i, _ in _bm25(db, "tides", 5, ids=[3])] == [3]  # restricted to the ids given
-    assert _bm25(db, "?!", 5) == [] and _bm25(db, "tides", 0) == []
+    assert bm25(db, "Who founded it?", 5) == []
+    assert [i for i, _ in bm25(db, "tides", 5, ids=[3])] == [3]  # restricted to the ids given
+    assert bm25(db, "?!", 5) == [] and bm25(db, "tides", 0) == []

@@ -2,7 +2,7 @@
 sentence vectors (issue #31: half the embedding at build time), and span packing embeds each
 sentence once — in this process or any other asking the same index — then reads it back.
 
-Model-free: :class:`HashEmbedder`, the corpus of test_index.py.
+Model-free: :class:`HashEmbedder`, the corpus of tests/_corpus.py.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _corpus import OPTS, write_corpus
 from _fakes import FakeBackend
-from test_index import OPTS, write_corpus
 
 from ragbudget.pipeline import Pipeline
 from ragbudget.retrieval.embed import HashEmbedder

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _corpus import OPTS, make_text, write_corpus
 from _fakes import FakeBackend
 from _tiny_lm import tiny_tokenizer
-from test_index import OPTS, make_text, write_corpus
 
 from ragbudget.pipeline import Pipeline
 from ragbudget.prompt.prompt import build_prompt

@@ -277,7 +277,7 @@ def test_chat_at_a_terminal_recalls_history_from_the_last_session_and_survives_a
 
 
 def _index_corpus(root: Any) -> Any:
-    from test_index import write_corpus
+    from _corpus import write_corpus
 
     return write_corpus(root / "docs", n=8)
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import ragbudget.retrieval.vectors as vectors
-from ragbudget.errors import ConfigError
+from ragbudget.errors import ConfigError, IndexCorruptError
 from ragbudget.retrieval.embed import HashEmbedder
 from ragbudget.retrieval.index import Index
 from ragbudget.retrieval.vectors import (
@@ -194,12 +194,11 @@ def test_auto_switches_by_size_and_changing_the_store_needs_no_embedding(
         assert o.search(q, 1)[0].score == pytest.approx(exact.search(q, 1)[0].score, abs=1e-5)
 
 
-def test_approx_hnsw_is_an_alias_of_store_hnsw(docs: Path, tmp_path: Path) -> None:
+def test_an_unknown_store_is_refused(docs: Path, tmp_path: Path) -> None:
     ix = Index(tmp_path / "ix")
-    ix.build([str(docs)], approx="hnsw", **OPTS)
-    assert Index.open(ix.path).stats()["store"] == "hnsw"
     with pytest.raises(ConfigError, match="store must be one of"):
         ix.build([str(docs)], store="annoy", **OPTS)
+    assert not ix.path.exists()
 
 
 def test_verify_re_measures_recall(docs: Path, tmp_path: Path) -> None:
@@ -220,9 +219,8 @@ def test_verify_re_measures_recall(docs: Path, tmp_path: Path) -> None:
 def test_use_approx_false_searches_exactly(docs: Path, tmp_path: Path) -> None:
     ix = Index(tmp_path / "ix")
     ix.build([str(docs)], store="ivf", **OPTS)
-    o = Index.open(ix.path, use_approx=False)
-    o._load()
-    assert o._search is o._flat
+    gen = Index.open(ix.path, use_approx=False)._generation()
+    assert gen.search is gen.exact
 
 
 FIXTURE = Path(__file__).parent / "data" / "index_v1"
@@ -281,16 +279,163 @@ def test_cli_store_option_and_stats(docs: Path, tmp_path: Path) -> None:
     assert r.exit_code == 0, r.output
     r = runner.invoke(cli, ["index", str(docs), "--index-dir", ixdir, "--store", "annoy"])
     assert r.exit_code != 0 and "annoy" in r.output
+    # One line from the build, naming the stores it knows and where another one comes from.
+    assert "store must be one of auto, flat, hnsw" in r.output and "ragbudget.stores" in r.output
+    assert "Traceback" not in r.output
 
 
-def test_mapped_flat_store_reads_rows_by_id(exact: FlatStore, tmp_path: Path) -> None:
-    exact.save(tmp_path / "f.index")
-    mapped = FlatStore.load(tmp_path / "f.index", mmap=True)
-    ids = exact.ids()[[5, 0, 2999, 17]]
-    assert mapped.ntotal == 3000 and mapped._index is None  # rows come without loading faiss
-    assert np.array_equal(mapped.vectors(ids), exact.vectors(ids))
-    with pytest.raises(KeyError):
-        mapped.vectors([4])  # ids are 7·i + 3
-    q = exact.vectors(ids)
-    assert np.array_equal(mapped.search(q, 3)[1], exact.search(q, 3)[1])  # maps on demand
-    assert np.array_equal(mapped.ids(), exact.ids())
+# --- a store from another package: the ragbudget.stores entry points --------------------------------
+
+_TINY = '''
+"""A brute-force store over its own copy of the vectors, in a numpy file (no pickle)."""
+import numpy as np
+from ragbudget.retrieval.vectors import StoreReport, measure_recall
+
+
+class TinyStore:
+    kind = "tiny"
+
+    def __init__(self, dim, *, exact=None, **params):
+        self.dim, self.exact = dim, exact
+        self._ids, self._x = np.zeros(0, np.int64), np.zeros((0, dim), np.float32)
+
+    @property
+    def ntotal(self):
+        return len(self._ids)
+
+    def add(self, ids, vectors):
+        self._ids = np.concatenate([self._ids, np.asarray(ids, np.int64).reshape(-1)])
+        self._x = np.vstack([self._x, np.asarray(vectors, np.float32).reshape(-1, self.dim)])
+
+    def remove(self, ids):
+        keep = ~np.isin(self._ids, np.asarray(ids, np.int64))
+        n = int((~keep).sum())
+        self._ids, self._x = self._ids[keep], self._x[keep]
+        return n
+
+    def search(self, queries, k):
+        q = np.asarray(queries, np.float32).reshape(-1, self.dim)
+        s = q @ self._x.T
+        top = np.argsort(-s, axis=1, kind="stable")[:, :k]
+        scores = np.full((len(q), k), -np.inf, np.float32)
+        ids = np.full((len(q), k), -1, np.int64)
+        scores[:, : top.shape[1]] = np.take_along_axis(s, top, axis=1)
+        ids[:, : top.shape[1]] = self._ids[top]
+        return scores, ids
+
+    def vectors(self, ids):
+        pos = {int(i): j for j, i in enumerate(self._ids)}
+        return self._x[[pos[int(i)] for i in np.asarray(ids).reshape(-1)]]
+
+    def ids(self):
+        return self._ids.copy()
+
+    def finalize(self):
+        self._ids = self.exact.ids()
+        self._x = self.exact.vectors(self._ids)
+        recall, n = measure_recall(self, self.exact)
+        return StoreReport(self.kind, self.ntotal, {}, recall, n)
+
+    def save(self, path):
+        with open(path, "wb") as f:
+            np.savez(f, ids=self._ids, x=self._x)
+        return {"kind": self.kind, "recall_at_10": 1.0, "recall_queries": 10}
+
+    @classmethod
+    def load(cls, path, entry, *, exact=None):
+        with np.load(path, allow_pickle=False) as z:
+            store = cls(int(z["x"].shape[1]), exact=exact)
+            store._ids, store._x = z["ids"], z["x"]
+        return store
+'''
+
+_PYPROJECT = """
+[build-system]
+requires = ["setuptools>=61"]
+build-backend = "setuptools.build_meta"
+
+[project]
+name = "ragbudget-tinystore"
+version = "0.1"
+
+[project.entry-points."ragbudget.stores"]
+tiny = "tinystore:TinyStore"
+
+[tool.setuptools]
+packages = ["tinystore"]
+"""
+
+_USE_TINY = """
+import json, sys
+from ragbudget.retrieval.embed import HashEmbedder
+from ragbudget.retrieval.index import Index
+from ragbudget.retrieval.vectors import store_names
+ix, docs = sys.argv[1], sys.argv[2]
+if sys.argv[3] == "build":
+    s = Index(ix).build([docs], embedder=HashEmbedder(dim=64), min_tokens=4, max_tokens=12, store="tiny")
+    assert s.committed, s
+o, exact = Index.open(ix), Index.open(ix, use_approx=False)
+for q in ("marker3zz", "kaba lode mifi"):  # scores agree (hash vectors tie: ids may swap)
+    got, want = o.search(q, k=3), exact.search(q, k=3)
+    assert [round(h.score, 5) for h in got] == [round(h.score, 5) for h in want], (got, want)
+    assert got[0].score > 0 and "marker3zz" in o.search("marker3zz", k=1)[0].text
+print(json.dumps({"names": list(store_names()), "stats": o.stats(), "ok": o.verify().ok,
+                  "store": type(o._generation().search).__name__}))
+"""
+
+
+def test_a_store_from_another_package_is_found_through_its_entry_point(docs: Path, tmp_path: Path) -> None:
+    """A package installed with a ``ragbudget.stores`` entry point (pip install --target into a
+    folder of this test, put on the path of child processes only) is a store like the built-in
+    ones: ``store="tiny"`` builds it, a reader loads it back, ``verify`` checks it; without the
+    package, the index still opens on its exact store and says what is missing."""
+    import os
+    import subprocess
+    import sys
+
+    pkg = tmp_path / "pkg"
+    (pkg / "tinystore").mkdir(parents=True)
+    (pkg / "pyproject.toml").write_text(_PYPROJECT)
+    (pkg / "tinystore" / "__init__.py").write_text(_TINY)
+    site = tmp_path / "site"
+    pip = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation", "--no-index"]
+    out = subprocess.run([*pip, "--target", str(site), str(pkg)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
+    ix = tmp_path / "ix"
+
+    def child(*args: str, with_env: dict[str, str] = env) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-c", _USE_TINY, str(ix), str(docs), *args],
+            capture_output=True,
+            text=True,
+            env=with_env,
+            timeout=300,
+        )
+
+    built = child("build")
+    assert built.returncode == 0, built.stderr
+    got = json.loads(built.stdout)
+    assert got["names"][-1] == "tiny" and got["ok"] and got["store"] == "TinyStore"
+    assert got["stats"]["store"] == "tiny" and got["stats"]["recall_at_10"] == 1.0
+    assert (ix / "tiny.1.index").is_file()
+    reread = child("read")  # another process: loaded back through the entry point
+    assert reread.returncode == 0 and json.loads(reread.stdout)["store"] == "TinyStore", reread.stderr
+    # The CLI takes it too (`--store` is not limited to the built-in names).
+    cli_ix = tmp_path / "cli-ix"
+    args = ["index", str(docs), "--index-dir", str(cli_ix), "--embedder", "hash:64", "--min-tokens", "4"]
+    by_cli = subprocess.run(
+        [sys.executable, "-m", "ragbudget", *args, "--max-tokens", "12", "--store", "tiny", "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert by_cli.returncode == 0, by_cli.stdout + by_cli.stderr
+    assert (cli_ix / "tiny.1.index").is_file()
+    # Without the package: the search store cannot be read (a clear error naming it), the exact one can.
+    Index.open(ix, use_approx=False).verify()
+    with pytest.raises(IndexCorruptError, match="'tiny' that no installed package provides"):
+        Index.open(ix).search("guild", k=1, embedder=HashEmbedder(dim=64))
+    assert Index.open(ix, use_approx=False).search("guild", k=1, embedder=HashEmbedder(dim=64))
+    assert "tiny" not in vectors.store_names()

@@ -113,13 +113,15 @@ def cli(verbose: int) -> None:
 )
 @click.option(
     "--store",
-    type=click.Choice(STORES),
+    # Not a click.Choice: a store may come from another package's ragbudget.stores entry point,
+    # and listing those at import would cost every command; the build refuses an unknown name.
     default="auto",
     show_default=True,
-    help="Vector store that answers searches: auto = exact while small, then HNSW, then IVF-PQ (recall@10 measured "
+    metavar="STORE",
+    help=f"Vector store that answers searches: {', '.join(STORES)}, or one a package registers under the "
+    "ragbudget.stores entry points. auto = exact while small, then HNSW, then IVF-PQ (recall@10 measured "
     "at build, shown by `stats`).",
 )
-@click.option("--approx", type=click.Choice(["hnsw"]), default=None, help="Older spelling of --store hnsw.")
 @click.option(
     "--dedup",
     type=click.Choice(DEDUP_MODES),
@@ -175,7 +177,6 @@ def index(
     prune: bool,
     allow_removal: bool,
     store: str,
-    approx: str | None,
     dedup: str | None,
     as_json: bool,
     ipynb_outputs: bool = False,
@@ -231,7 +232,7 @@ def index(
             rechunk=rechunk,
             prune=prune,
             allow_removal=allow_removal,
-            store=approx or store,
+            store=store,
             dedup=dedup,
             progress=progress,
             executor=run_on,

@@ -1,8 +1,5 @@
 """Embedders: text → unit-length float32 vectors, with no text silently dropped.
 
-One job: text to unit vectors with nothing dropped (windowing and pooling, and the backends that
-run it: sentence-transformers, ONNX Runtime, the model-free hasher).
-
 A 300–500 token chunk is longer than all-MiniLM-L6-v2's 256 word-piece window, and
 sentence-transformers would quietly truncate its tail. :class:`Embedder` therefore splits an
 over-long text by the embedding model's *own* tokenizer into windows that fit, embeds every window,
@@ -16,7 +13,9 @@ Two implementations:
   all-MiniLM-L6-v2), loaded lazily on first use or by :meth:`~Embedder.warm_up`; for a plain BERT
   model with mean pooling (the packaged one) it can run on ONNX Runtime instead of torch
   (``backend="onnx"``: the same vectors to 1e-6; ``"onnx-int8"``: int8 weights, other vectors,
-  another embedder identity), exported once from the local model files into a cache folder;
+  another embedder identity), exported once from the local model files into a cache folder
+  (:mod:`ragbudget.retrieval.onnx`); a query runs on numpy without torch
+  (:class:`~ragbudget.retrieval.encoders.LightBert`);
 * :class:`HashEmbedder` — a deterministic, model-free bag-of-words hasher for tests (like
   Haystack's mock embedders): texts sharing words get similar vectors.
 
@@ -33,7 +32,7 @@ import hashlib
 import itertools
 import logging
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -44,7 +43,8 @@ log = logging.getLogger(__name__)
 if TYPE_CHECKING:
     import numpy as np
 
-    from .encoders import OnnxBert, TorchBert
+    from .encoders import LightBert, TorchBert
+    from .onnx import OnnxBert
 
 __all__ = [
     "BACKENDS",
@@ -53,6 +53,7 @@ __all__ = [
     "HashEmbedder",
     "SentenceTransformerEmbedder",
     "embedder_from_spec",
+    "embedder_identity",
     "make_embedder",
     "split_backend",
 ]
@@ -145,7 +146,8 @@ class Embedder(abc.ABC):
 
     def embed_query(self, text: str) -> np.ndarray:
         """One unit float32 vector of shape ``(dim,)``."""
-        return self.embed([text]).vectors[0]
+        row: np.ndarray = self.embed([text]).vectors[0]  # numpy types a row of an ndarray as Any
+        return row
 
     def window_bounds(self, texts: Sequence[str]) -> list[list[tuple[int, int]]]:
         """The character ranges of the windows each text is embedded as (``[(0, len(text))]``
@@ -324,7 +326,7 @@ class SentenceTransformerEmbedder(Embedder):
         self.window_overlap = window_overlap
         self.light = light
         self._model: Any = None
-        self._layout: _LightBert | None | bool = None  # False: read, not a covered layout
+        self._layout: LightBert | None | bool = None  # False: read, not a covered layout
         self._onnx: OnnxBert | None = None
         self._torch: TorchBert | None = None  # the torch runner over the loaded model (covered layouts)
         self.backend = self._choose_backend(backend)
@@ -338,7 +340,7 @@ class SentenceTransformerEmbedder(Embedder):
                 raise ConfigError(
                     f"backend {backend!r} runs on the CPU; got device={self.device!r} (use backend='torch' for a GPU)"
                 )
-            if not _has_onnxruntime():
+            if not _onnx_available():
                 raise ConfigError(
                     f"backend {backend!r} needs onnxruntime and onnx: "
                     "pip install 'ragbudget[onnx]' (or use backend='torch')"
@@ -356,24 +358,24 @@ class SentenceTransformerEmbedder(Embedder):
         if (
             self.device in (None, "cpu")
             and not _cuda_visible()
-            and _has_onnxruntime()
+            and _onnx_available()
             and self._onnx_layout() is not None
         ):
             return AUTO_CPU_BACKEND
-        if self.device in (None, "cpu") and not _has_onnxruntime() and self._onnx_layout() is not None:
+        if self.device in (None, "cpu") and not _onnx_available() and self._onnx_layout() is not None:
             log.info("embedding with torch: pip install 'ragbudget[onnx]' for the faster ONNX Runtime backend")
         return "torch"
 
-    def _onnx_layout(self) -> _LightBert | None:
+    def _onnx_layout(self) -> LightBert | None:
         """The config/tokenizer reader of a model the ONNX export covers (``None``: not one);
         read once, whatever ``light`` says (that only turns the numpy query path off)."""
         if self._layout is None:
             self._layout = _open_light(self.model_name) or False
-        return self._layout if isinstance(self._layout, _LightBert) else None
+        return None if isinstance(self._layout, bool) else self._layout
 
-    def _lite(self) -> _LightBert | None:
-        """The model read without torch (see :class:`_LightBert`) while the full one is not
-        loaded; ``None`` for a layout it does not cover, or with ``light=False``."""
+    def _lite(self) -> LightBert | None:
+        """The model read without torch (:class:`~ragbudget.retrieval.encoders.LightBert`) while the
+        full one is not loaded; ``None`` for a layout it does not cover, or with ``light=False``."""
         if self._model is not None or not self.light:
             return None
         return self._onnx_layout()
@@ -383,7 +385,7 @@ class SentenceTransformerEmbedder(Embedder):
             if self._onnx is None:
                 layout = self._onnx_layout()
                 assert layout is not None  # checked when the backend was chosen
-                from .encoders import OnnxBert
+                from .onnx import OnnxBert
 
                 self._onnx = OnnxBert.load(layout, quantized=self.backend == "onnx-int8", max_rows=self.batch_size)
             return
@@ -436,7 +438,7 @@ class SentenceTransformerEmbedder(Embedder):
         if lite is not None:
             return max(8, lite.max_seq_length - lite.specials - 2)
         specials = self.model.tokenizer.num_special_tokens_to_add(pair=False)
-        return max(8, int(self.model.max_seq_length) - specials - 2)
+        return max(8, int(self.model.max_seq_length) - int(specials) - 2)
 
     def embed_query(self, text: str) -> np.ndarray:
         """One unit vector; a query (a few windows at most) is embedded by the light path when the
@@ -449,10 +451,11 @@ class SentenceTransformerEmbedder(Embedder):
 
         windows = self.windows_of([text])[0]
         vecs = _normalize(np.asarray(lite.encode(windows), dtype=np.float32))  # as embed() does
-        if len(windows) == 1:
-            return vecs[0]
-        w = np.array([len(s) for s in windows], dtype=np.float32)
-        return _normalize(((vecs * w[:, None]).sum(axis=0))[None, :])[0]
+        if len(windows) > 1:
+            w = np.array([len(s) for s in windows], dtype=np.float32)
+            vecs = _normalize(((vecs * w[:, None]).sum(axis=0))[None, :])
+        row: np.ndarray = vecs[0]  # numpy types a row of an ndarray as Any
+        return row
 
     def spec(self) -> dict[str, Any]:
         return {
@@ -507,13 +510,15 @@ class SentenceTransformerEmbedder(Embedder):
         if runner is not None:
             return runner.encode(texts)[0]
         # encode() sorts by length internally, so one call over all windows batches well.
-        return self.model.encode(
+        # sentence-transformers is the seam: its encode() is untyped (Any), its result an ndarray.
+        out: np.ndarray = self.model.encode(
             list(texts),
             batch_size=self.batch_size,
             convert_to_numpy=True,
             normalize_embeddings=True,
             show_progress_bar=False,
         )
+        return out
 
     def _encode_tokens(self, texts: Sequence[str]) -> tuple[np.ndarray, list[tuple[np.ndarray, np.ndarray]]]:
         runner = self._runner()
@@ -542,7 +547,13 @@ def split_backend(spec: str) -> tuple[str, str | None]:
     return spec, None
 
 
-def _open_light(model: str | None) -> _LightBert | None:
+def _onnx_available() -> bool:
+    from .onnx import available
+
+    return available()
+
+
+def _open_light(model: str | None) -> LightBert | None:
     import os
 
     from ..memory.models import resolve_embedder
@@ -551,17 +562,9 @@ def _open_light(model: str | None) -> _LightBert | None:
         path = resolve_embedder(model)
     except RagBudgetError:
         return None
-    return _LightBert.open(path) if path and os.path.isdir(path) else None
+    from .encoders import LightBert
 
-
-def _has_onnxruntime() -> bool:
-    import importlib.util
-
-    # Both: the runtime runs the model, onnx (its quantizer's dependency) writes the int8 file.
-    try:
-        return all(importlib.util.find_spec(m) is not None for m in ("onnxruntime", "onnx"))
-    except (ImportError, ValueError):  # a module blocked in sys.modules (None) has no spec
-        return False
+    return LightBert.open(path) if path and os.path.isdir(path) else None
 
 
 def _cuda_visible() -> bool:
@@ -671,154 +674,34 @@ class HashEmbedder(Embedder):
         return vecs, states
 
 
-# --- a light path for the packaged kind of model ---------------------------------------------------
-
-# sentence-transformers module types of a plain BERT + mean pooling + normalize model (the packaged
-# all-MiniLM-L6-v2 and most of its family), the layout the light path reproduces.
-_ST = "sentence_transformers.models."
-_LIGHT_MODULES = (_ST + "Transformer", _ST + "Pooling", _ST + "Normalize")
+#: The parts of an embedder's spec that decide its vectors (``max_tokens`` only for the hasher:
+#: a model's window comes with its id).
+_IDENTITY = ("kind", "id", "pooling", "max_tokens", "window_overlap")
 
 
-def _read_json(path: Any) -> Any:
-    import json
+def embedder_identity(embedder: Embedder | Mapping[str, Any]) -> dict[str, Any]:
+    """What decides an embedder's vectors, from the embedder or from the spec an index records:
+    equal identities, interchangeable vectors (an index reuses its stored vectors, a checkpoint
+    its embedded ones). Read from an embedder without loading its model: a re-run on an
+    unchanged corpus must cost a stat per file.
 
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
-
-
-class _LightBert:
-    """A folder holding a BERT sentence-transformers model with mean pooling and normalization,
-    read without sentence-transformers, transformers or torch: its ``dim`` and window size come
-    from its config files, its tokenizer is ``tokenizer.json`` through the ``tokenizers`` library
-    (the same Rust tokenizer transformers wraps), and :meth:`encode` runs the BERT forward pass in
-    numpy from ``model.safetensors``, one text at a time (no padding), in float64.
-
-    Importing torch and sentence-transformers costs seconds per process; a query is a dozen
-    tokens. The vectors equal sentence-transformers' to float32 rounding (|Δ| < 1e-6 on unit
-    vectors; tests/test_embed.py checks it against the real model). :meth:`open` returns ``None``
-    for any other layout, and the embedder then loads sentence-transformers as before.
+    >>> embedder_identity(HashEmbedder(dim=16)) == embedder_identity(HashEmbedder(dim=16).spec())
+    True
     """
-
-    def __init__(self, folder: str, dim: int, max_seq_length: int, tokenizer: Any, config: dict[str, Any]) -> None:
-        self.folder = folder
-        self.dim = dim
-        self.max_seq_length = max_seq_length
-        self.tokenizer = tokenizer
-        self.config = config
-        post = tokenizer.post_processor
-        self.specials = int(post.num_special_tokens_to_add(False)) if post else 0
-        self._weights: dict[str, Any] | None = None
-
-    @classmethod
-    def open(cls, folder: str) -> _LightBert | None:
-        import os
-
-        try:
-            modules = _read_json(os.path.join(folder, "modules.json"))
-            types = tuple(m.get("type") for m in modules)
-            if types != _LIGHT_MODULES or modules[0].get("path", "") != "":
-                return None
-            pooling = _read_json(os.path.join(folder, modules[1]["path"], "config.json"))
-            modes = [k for k, v in pooling.items() if k.startswith("pooling_mode_") and v]
-            if modes != ["pooling_mode_mean_tokens"]:
-                return None
-            config = _read_json(os.path.join(folder, "config.json"))
-            st_config = _read_json(os.path.join(folder, "sentence_bert_config.json"))
-            if (
-                config.get("model_type") != "bert"
-                or config.get("hidden_act") != "gelu"
-                or config.get("position_embedding_type", "absolute") != "absolute"
-                or st_config.get("do_lower_case")
-                or not st_config.get("max_seq_length")
-                or int(pooling["word_embedding_dimension"]) != int(config["hidden_size"])
-                or not os.path.isfile(os.path.join(folder, "model.safetensors"))
-            ):
-                return None
-            from tokenizers import Tokenizer
-
-            tokenizer = Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
-        except Exception:  # noqa: BLE001 - a missing file, odd JSON, no tokenizers: not this layout
-            return None  # anything unexpected: the full sentence-transformers path decides
-        max_len = min(int(st_config["max_seq_length"]), int(config.get("max_position_embeddings", 512)))
-        tokenizer.no_padding()
-        tokenizer.no_truncation()
-        return cls(folder, int(pooling["word_embedding_dimension"]), max_len, tokenizer, config)
-
-    def token_spans(self, texts: Sequence[str]) -> list[list[tuple[int, int]]]:
-        encs = self.tokenizer.encode_batch(list(texts), add_special_tokens=False)
-        return [[(int(a), int(b)) for a, b in e.offsets] for e in encs]
-
-    def _load(self) -> dict[str, Any]:
-        if self._weights is None:
-            import os
-
-            from safetensors.numpy import load_file
-
-            raw = load_file(os.path.join(self.folder, "model.safetensors"))
-            # Checkpoints differ by a "bert." prefix; float64 keeps the sums closer to exact than
-            # either float32 implementation, so both round to the same float32 vector.
-            # The word embedding table (most of the bytes) stays float32: rows are converted as used.
-            self._weights = {
-                k.removeprefix("bert."): v if k.endswith("word_embeddings.weight") else v.astype("float64")
-                for k, v in raw.items()
-            }
-        return self._weights
-
-    def encode(self, texts: Sequence[str]) -> Any:
-        import math
-
-        import numpy as np
-
-        w = self._load()
-        cfg = self.config
-        heads = int(cfg["num_attention_heads"])
-        eps = float(cfg.get("layer_norm_eps", 1e-12))
-
-        def erf(x: Any) -> Any:  # numpy has no erf; math.erf is exact and ~50 ns a call via map
-            return np.fromiter(map(math.erf, x.ravel()), np.float64, x.size).reshape(x.shape)
-
-        def norm(x: Any, name: str) -> Any:
-            mu = x.mean(-1, keepdims=True)
-            var = ((x - mu) ** 2).mean(-1, keepdims=True)
-            return (x - mu) / np.sqrt(var + eps) * w[name + ".weight"] + w[name + ".bias"]
-
-        def dense(x: Any, name: str) -> Any:
-            return x @ w[name + ".weight"].T + w[name + ".bias"]
-
-        out = np.empty((len(texts), self.dim), dtype=np.float32)
-        for i, text in enumerate(texts):
-            # As sentence-transformers: stripped, cut to max_seq_length with the special tokens
-            # ([CLS] … [SEP]) added after the cut. The shared tokenizer is never reconfigured, so
-            # concurrent queries (the server's threads) are safe.
-            enc = self.tokenizer.encode(str(text).strip(), add_special_tokens=False)
-            if len(enc.ids) > self.max_seq_length - self.specials:
-                enc.truncate(self.max_seq_length - self.specials)
-            ids = self.tokenizer.post_process(enc).ids
-            n = len(ids)
-            x = (
-                w["embeddings.word_embeddings.weight"][ids].astype(np.float64)
-                + w["embeddings.position_embeddings.weight"][:n]
-                + w["embeddings.token_type_embeddings.weight"][0]
-            )
-            x = norm(x, "embeddings.LayerNorm")
-            for layer in range(int(cfg["num_hidden_layers"])):
-                p = f"encoder.layer.{layer}."
-                d = x.shape[1] // heads
-                q, k, v = (
-                    dense(x, p + f"attention.self.{m}").reshape(n, heads, d).transpose(1, 0, 2)
-                    for m in ("query", "key", "value")
-                )
-                scores = q @ k.transpose(0, 2, 1) / math.sqrt(d)
-                scores = np.exp(scores - scores.max(-1, keepdims=True))
-                ctx = (scores / scores.sum(-1, keepdims=True)) @ v
-                ctx = ctx.transpose(1, 0, 2).reshape(n, heads * d)
-                x = norm(dense(ctx, p + "attention.output.dense") + x, p + "attention.output.LayerNorm")
-                h = dense(x, p + "intermediate.dense")
-                h = 0.5 * h * (1.0 + erf(h / math.sqrt(2.0)))  # exact GELU, as BERT's "gelu"
-                x = norm(dense(h, p + "output.dense") + x, p + "output.LayerNorm")
-            v = x.mean(axis=0)
-            out[i] = v / max(float(np.linalg.norm(v)), 1e-12)
-        return out
+    if isinstance(embedder, Mapping):
+        spec: Mapping[str, Any] = embedder
+    elif isinstance(embedder, SentenceTransformerEmbedder):
+        spec = {
+            "kind": "sentence-transformers",
+            "id": embedder.id,
+            "pooling": embedder.pooling,
+            "window_overlap": embedder.window_overlap,
+        }
+    elif isinstance(embedder, HashEmbedder):
+        spec = embedder.spec()
+    else:  # a custom embedder: its id and pooling are all that is known without embedding
+        spec = {"kind": "custom", "id": embedder.id, "pooling": embedder.pooling}
+    return {k: spec.get(k) for k in _IDENTITY if k != "max_tokens" or spec.get("kind") == "hash"}
 
 
 def embedder_from_spec(spec: dict[str, Any], **kwargs: Any) -> Embedder:
@@ -833,7 +716,7 @@ def embedder_from_spec(spec: dict[str, Any], **kwargs: Any) -> Embedder:
     if kind == "sentence-transformers":
         # An index written before backends existed was embedded with torch.
         backend = kwargs.pop("backend", None) or spec.get("backend") or "torch"
-        if backend in ("onnx", "onnx-int8") and not _has_onnxruntime():
+        if backend in ("onnx", "onnx-int8") and not _onnx_available():
             if backend == "onnx-int8":  # its vectors come from that model only
                 raise ConfigError(
                     "this index was embedded with the int8 ONNX model: pip install "

@@ -1,62 +1,42 @@
-"""Forward passes of a BERT sentence model over many texts, on ONNX Runtime or torch.
+"""Forward passes of a BERT sentence model: one query in numpy, many texts on torch (or ONNX Runtime).
 
-One job: run the packaged kind of model (BERT, mean pooling over the tokens, L2 normalization:
-the layout :class:`ragbudget.retrieval.embed._LightBert` reads) over a list of texts, and hand back each
-text's unit vector and, when asked, the final states of its content tokens with their character
-offsets. :mod:`ragbudget.retrieval.embed` turns those token states into sentence vectors (span pooling, or
+The packaged kind of model (BERT, mean pooling over the tokens, L2 normalization: the layout
+:class:`LightBert` reads from a sentence-transformers folder) is run three ways: a query by
+:meth:`LightBert.encode` (numpy, no torch import: a question is a dozen tokens), a list of texts
+by a :class:`Runner` — :class:`TorchBert` here (the sentence-transformers model's own BERT
+module on torch's intra-op threads) or :class:`~ragbudget.retrieval.onnx.OnnxBert` (ONNX Runtime
+on a cached export, :mod:`ragbudget.retrieval.onnx`). A runner hands back each text's unit vector
+and, when asked, the final states of its content tokens with their character offsets;
+:mod:`ragbudget.retrieval.embed` turns those token states into sentence vectors (span pooling, or
 "late chunking"): one forward pass gives a chunk's vector and every one of its sentences' vectors.
 
 Both runners share one schedule (:func:`schedule`): every text tokenized once, sorted by length,
 and cut into batches by padded tokens, so a batch pads only to its own longest neighbour and no
 round of the caller pads again.
-
-* :class:`OnnxBert` — ONNX Runtime on an export of the model written once into a cache folder
-  (float32, or int8 weights); each session runs on one thread and ``workers`` threads run
-  batches side by side (ORT releases the GIL): on a shared 2-core host one intra-op pool per
-  session spent about twice the CPU time per window spinning for nothing (measured: 4.1 s of CPU
-  for 64 windows against 2.1 s with two one-thread runs side by side). There are
-  :data:`WORKERS_PER_CORE` workers per core: on a busy host the scheduler shares a core between
-  runnable threads, and torch's OpenMP threads (the peers' runtime) stay runnable while they
-  spin, so with one worker per core the embedding got about half the share of CPU that the peer
-  got (0.44 of a core against 0.79 at load 8); two per core took 60 windows in a median 9.0 s
-  against 11.5 s there, for 5% more CPU time. On an idle host the two just take turns.
-* :class:`TorchBert` — the sentence-transformers model's own BERT module on torch (torch's own
-  intra-op threads), for the same layout.
-
-int8 runs one text per run (``max_rows=1``): dynamic quantization scales activations per tensor,
-so padded neighbours would move a text's vector; one at a time, a vector is a function of its
-text alone (a query equals the same text indexed).
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
-
-from ..errors import ConfigError, ModelError
 
 if TYPE_CHECKING:
     import numpy as np
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BertLayout", "OnnxBert", "TokenStates", "TorchBert", "schedule"]
+__all__ = ["BATCH_TOKENS", "BertLayout", "LightBert", "Runner", "TokenStates", "TorchBert", "schedule"]
 
 
 class BertLayout(Protocol):
-    """What an encoder reads of a model folder (:class:`ragbudget.retrieval.embed._LightBert` is
-    one): the folder (``tokenizer.json``, the ONNX files), the window and the vector size. A
-    protocol, so that this module never imports the embedder that imports it."""
+    """What a runner reads of a model folder (:class:`LightBert` is one): the folder
+    (``tokenizer.json``, the weights the ONNX export reads), the window and the vector size."""
 
     folder: str
     dim: int
     max_seq_length: int
 
-
-#: Threads running batches per core this process may use (see the module docstring).
-WORKERS_PER_CORE = 2
 
 #: Padded tokens per batch of the batched runners: 32 windows of 256 word pieces, the batch
 #: sentence-transformers runs by default, so a full batch costs what it did before.
@@ -91,7 +71,7 @@ def schedule(lengths: Sequence[int], *, max_rows: int, max_tokens: int = BATCH_T
     return out
 
 
-class _Runner:
+class Runner:
     """Tokenization, the schedule and unpacking shared by both runners; a subclass runs one
     padded batch (:meth:`_run`)."""
 
@@ -158,7 +138,7 @@ class _Runner:
         return out, (states if tokens else None)
 
 
-class TorchBert(_Runner):
+class TorchBert(Runner):
     """The sentence-transformers model's BERT (``model[0]``) on torch, pooled and normalized as
     its Pooling and Normalize modules do: the same vectors as ``model.encode`` to float32
     rounding, and the token states it pools."""
@@ -186,204 +166,151 @@ class TorchBert(_Runner):
         return v.float().cpu().numpy(), (h.float().cpu().numpy() if tokens else None)
 
 
-# --- ONNX Runtime ---------------------------------------------------------------------------------
+# --- a light path for one query -----------------------------------------------------------------
 
-#: Bumped when the export below changes, so an old cached file is not reused. 2: the graph also
-#: outputs the token states (``token_states``); its ``embedding`` output is unchanged.
-_EXPORT_VERSION = "2"
-#: Checksums of model folders already hashed in this process (hashing 90 MB costs ~0.2 s).
-_DIGESTS: dict[tuple[str, int, int], str] = {}
-
-
-def _model_digest(folder: str) -> str:
-    import os
-
-    weights = os.path.join(folder, "model.safetensors")
-    st = os.stat(weights)
-    key = (os.path.realpath(weights), st.st_size, st.st_mtime_ns)
-    if key not in _DIGESTS:
-        h = hashlib.sha256(f"ragbudget-onnx-{_EXPORT_VERSION}".encode())
-        for name in ("config.json", "tokenizer.json", "model.safetensors"):
-            with open(os.path.join(folder, name), "rb") as f:
-                for block in iter(lambda: f.read(1 << 20), b""):
-                    h.update(block)
-        _DIGESTS[key] = h.hexdigest()[:16]
-    return _DIGESTS[key]
+# sentence-transformers module types of a plain BERT + mean pooling + normalize model (the packaged
+# all-MiniLM-L6-v2 and most of its family), the layout the light path reproduces.
+_ST = "sentence_transformers.models."
+_LIGHT_MODULES = (_ST + "Transformer", _ST + "Pooling", _ST + "Normalize")
 
 
-def _cache_root() -> str:
-    import os
+def _read_json(path: Any) -> Any:
+    import json
 
-    base = os.environ.get("RAGBUDGET_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "ragbudget"
-    )
-    return os.path.join(base, "onnx")
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
 
 
-def _export_onnx(folder: str, out: str) -> None:
-    """Write the model (BERT, mean pooling over the attention mask, L2 normalization: what the
-    sentence-transformers modules of this layout compute) as one ONNX graph with two outputs:
-    ``embedding`` (the unit vectors) and ``token_states`` (BERT's last hidden states, for span
-    pooling)."""
-    import warnings
+class LightBert:
+    """A folder holding a BERT sentence-transformers model with mean pooling and normalization,
+    read without sentence-transformers, transformers or torch: its ``dim`` and window size come
+    from its config files, its tokenizer is ``tokenizer.json`` through the ``tokenizers`` library
+    (the same Rust tokenizer transformers wraps), and :meth:`encode` runs the BERT forward pass in
+    numpy from ``model.safetensors``, one text at a time (no padding), in float64.
 
-    import torch
-    from transformers import AutoModel
-    from transformers.utils import logging as hf_logging
+    Importing torch and sentence-transformers costs seconds per process; a query is a dozen
+    tokens. The vectors equal sentence-transformers' to float32 rounding (|Δ| < 1e-6 on unit
+    vectors; tests/test_embed.py checks it against the real model). :meth:`open` returns ``None``
+    for any other layout, and the embedder then loads sentence-transformers as before.
+    """
 
-    # Eager attention: the SDPA mask builder of transformers 5 traces into shape constants.
-    hf_logging.disable_progress_bar()  # a one-off export prints no weight-loading bar
-    try:
-        bert = AutoModel.from_pretrained(folder, attn_implementation="eager").eval()
-    finally:
-        hf_logging.enable_progress_bar()
-
-    class MeanPooled(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.bert = bert
-
-        def forward(self, input_ids: Any, attention_mask: Any) -> Any:
-            h = self.bert(
-                input_ids=input_ids, attention_mask=attention_mask, token_type_ids=torch.zeros_like(input_ids)
-            ).last_hidden_state
-            m = attention_mask.unsqueeze(-1).to(h.dtype)
-            v = (h * m).sum(1) / m.sum(1).clamp(min=1e-9)
-            return torch.nn.functional.normalize(v, p=2.0, dim=1), h
-
-    # Two rows of different lengths, so the traced graph keeps batch, length and padding dynamic.
-    ids = torch.tensor([[101, 2023, 2003, 1037, 102], [101, 7592, 102, 0, 0]])
-    with warnings.catch_warnings(), torch.no_grad():
-        warnings.simplefilter("ignore")
-        # The TorchScript exporter: the dynamo one needs onnxscript and gives the same graph here.
-        torch.onnx.export(
-            MeanPooled(),
-            (ids, (ids != 0).long()),
-            out,
-            input_names=["input_ids", "attention_mask"],
-            output_names=["embedding", "token_states"],
-            dynamic_axes={
-                "input_ids": {0: "batch", 1: "tokens"},
-                "attention_mask": {0: "batch", 1: "tokens"},
-                "embedding": {0: "batch"},
-                "token_states": {0: "batch", 1: "tokens"},
-            },
-            opset_version=17,
-            dynamo=False,
-        )
-
-
-def _quantize_onnx(src: str, out: str) -> None:
-    from onnxruntime.quantization import QuantType, quantize_dynamic
-
-    # Per-channel int8 weights on the weight MatMuls only: per-tensor scales, or quantizing the
-    # attention products (both inputs dynamic), cost ~0.05 of cosine to the float vectors on
-    # SQuAD paragraphs; this keeps ~0.994 (bench/embed_speed.py measures what that does to recall).
-    root = logging.getLogger()
-    level = root.level
-    root.setLevel(logging.ERROR)  # the quantizer logs a "consider pre-processing" hint to root
-    try:
-        quantize_dynamic(
-            src, out, weight_type=QuantType.QInt8, per_channel=True, extra_options={"MatMulConstBOnly": True}
-        )
-    finally:
-        root.setLevel(level)
-
-
-def _onnx_file(folder: str, *, quantized: bool) -> str:
-    """The cached ONNX export of ``folder`` (int8 or float32), written once, atomically: each
-    file goes to a private temporary name and is renamed into place, so a concurrent or killed
-    export never leaves a half-written model to load."""
-    import os
-
-    cache = os.path.join(_cache_root(), _model_digest(folder))
-    fp32 = os.path.join(cache, "model.onnx")
-    want = os.path.join(cache, "model.int8.onnx") if quantized else fp32
-    if os.path.isfile(want):
-        return want
-    try:
-        os.makedirs(cache, exist_ok=True)
-        tmp = f"{want}.{os.getpid()}.tmp"
-        if not os.path.isfile(fp32):
-            ftmp = f"{fp32}.{os.getpid()}.tmp"
-            try:
-                log.info("exporting the embedding model to ONNX (once per model) into %s", cache)
-                _export_onnx(folder, ftmp)
-                os.replace(ftmp, fp32)
-            finally:
-                if os.path.exists(ftmp):
-                    os.unlink(ftmp)
-        if quantized:
-            try:
-                _quantize_onnx(fp32, tmp)
-                os.replace(tmp, want)
-            finally:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
-    except OSError as exc:
-        raise ModelError(
-            f"could not write the ONNX export of {folder!r} to {cache!r}: {exc}; "
-            "set RAGBUDGET_CACHE to a writable folder"
-        ) from exc
-    except Exception as exc:  # noqa: BLE001 - exporter/quantizer errors are many types
-        raise ModelError(
-            f"could not export {folder!r} to ONNX ({type(exc).__name__}: {exc}); use backend='torch'"
-        ) from exc
-    return want
-
-
-def _threads() -> int:
-    import os
-
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # not Linux
-        return max(1, os.cpu_count() or 1)
-
-
-class OnnxBert(_Runner):
-    """A :class:`~ragbudget.retrieval.embed.BertLayout`-layout model on ONNX Runtime: the tokenizer from
-    ``tokenizer.json``, the graph from :func:`_onnx_file`. One-thread session, ``workers``
-    (:data:`WORKERS_PER_CORE` per core this process may use) batches at a time; int8 one text
-    per batch."""
-
-    def __init__(self, layout: BertLayout, session: Any, *, quantized: bool = False, max_rows: int = 32) -> None:
-        super().__init__(layout)
-        self.session = session
-        self.quantized = quantized
-        self.max_rows = 1 if quantized else max_rows
-        self.workers = WORKERS_PER_CORE * _threads()
-        outputs = {o.name for o in session.get_outputs()}
-        if "token_states" not in outputs:  # a graph from before span pooling: vectors only
-            raise ModelError(
-                "the cached ONNX export has no token_states output (written by an older version); "
-                "delete it to export it again"
-            )
+    def __init__(self, folder: str, dim: int, max_seq_length: int, tokenizer: Any, config: dict[str, Any]) -> None:
+        self.folder = folder
+        self.dim = dim
+        self.max_seq_length = max_seq_length
+        self.tokenizer = tokenizer
+        self.config = config
+        post = tokenizer.post_processor
+        self.specials = int(post.num_special_tokens_to_add(False)) if post else 0
+        self._weights: dict[str, Any] | None = None
 
     @classmethod
-    def load(cls, layout: BertLayout, *, quantized: bool, max_rows: int = 32) -> OnnxBert:
-        try:
-            import onnxruntime as ort
-        except ImportError as exc:
-            raise ConfigError(
-                "the ONNX backend needs onnxruntime and onnx: pip install 'ragbudget[onnx]' (or use backend='torch')"
-            ) from exc
-        path = _onnx_file(layout.folder, quantized=quantized)
-        opts = ort.SessionOptions()
-        # One thread per run: the runner runs ``workers`` batches side by side instead (see the
-        # module docstring for why an intra-op pool loses on a shared CPU).
-        opts.intra_op_num_threads = 1
-        opts.inter_op_num_threads = 1
-        opts.log_severity_level = 3
-        try:
-            session = ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
-        except Exception as exc:  # noqa: BLE001 - a damaged cache file
-            raise ModelError(f"could not load the ONNX model {path!r} ({exc}); delete it to export it again") from exc
-        return cls(layout, session, quantized=quantized, max_rows=max_rows)
+    def open(cls, folder: str) -> LightBert | None:
+        import os
 
-    def _run(self, ids: np.ndarray, mask: np.ndarray, *, tokens: bool) -> tuple[np.ndarray, np.ndarray | None]:
-        feed = {"input_ids": ids, "attention_mask": mask}
-        if not tokens:
-            return self.session.run(["embedding"], feed)[0], None
-        vecs, hidden = self.session.run(["embedding", "token_states"], feed)
-        return vecs, hidden
+        try:
+            modules = _read_json(os.path.join(folder, "modules.json"))
+            types = tuple(m.get("type") for m in modules)
+            if types != _LIGHT_MODULES or modules[0].get("path", "") != "":
+                return None
+            pooling = _read_json(os.path.join(folder, modules[1]["path"], "config.json"))
+            modes = [k for k, v in pooling.items() if k.startswith("pooling_mode_") and v]
+            if modes != ["pooling_mode_mean_tokens"]:
+                return None
+            config = _read_json(os.path.join(folder, "config.json"))
+            st_config = _read_json(os.path.join(folder, "sentence_bert_config.json"))
+            if (
+                config.get("model_type") != "bert"
+                or config.get("hidden_act") != "gelu"
+                or config.get("position_embedding_type", "absolute") != "absolute"
+                or st_config.get("do_lower_case")
+                or not st_config.get("max_seq_length")
+                or int(pooling["word_embedding_dimension"]) != int(config["hidden_size"])
+                or not os.path.isfile(os.path.join(folder, "model.safetensors"))
+            ):
+                return None
+            from tokenizers import Tokenizer
+
+            tokenizer = Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
+        except Exception:  # noqa: BLE001 - a missing file, odd JSON, no tokenizers: not this layout
+            return None  # anything unexpected: the full sentence-transformers path decides
+        max_len = min(int(st_config["max_seq_length"]), int(config.get("max_position_embeddings", 512)))
+        tokenizer.no_padding()
+        tokenizer.no_truncation()
+        return cls(folder, int(pooling["word_embedding_dimension"]), max_len, tokenizer, config)
+
+    def token_spans(self, texts: Sequence[str]) -> list[list[tuple[int, int]]]:
+        encs = self.tokenizer.encode_batch(list(texts), add_special_tokens=False)
+        return [[(int(a), int(b)) for a, b in e.offsets] for e in encs]
+
+    def _load(self) -> dict[str, Any]:
+        if self._weights is None:
+            import os
+
+            from safetensors.numpy import load_file
+
+            raw = load_file(os.path.join(self.folder, "model.safetensors"))
+            # Checkpoints differ by a "bert." prefix; float64 keeps the sums closer to exact than
+            # either float32 implementation, so both round to the same float32 vector.
+            # The word embedding table (most of the bytes) stays float32: rows are converted as used.
+            self._weights = {
+                k.removeprefix("bert."): v if k.endswith("word_embeddings.weight") else v.astype("float64")
+                for k, v in raw.items()
+            }
+        return self._weights
+
+    def encode(self, texts: Sequence[str]) -> Any:
+        import math
+
+        import numpy as np
+
+        w = self._load()
+        cfg = self.config
+        heads = int(cfg["num_attention_heads"])
+        eps = float(cfg.get("layer_norm_eps", 1e-12))
+
+        def erf(x: Any) -> Any:  # numpy has no erf; math.erf is exact and ~50 ns a call via map
+            return np.fromiter(map(math.erf, x.ravel()), np.float64, x.size).reshape(x.shape)
+
+        def norm(x: Any, name: str) -> Any:
+            mu = x.mean(-1, keepdims=True)
+            var = ((x - mu) ** 2).mean(-1, keepdims=True)
+            return (x - mu) / np.sqrt(var + eps) * w[name + ".weight"] + w[name + ".bias"]
+
+        def dense(x: Any, name: str) -> Any:
+            return x @ w[name + ".weight"].T + w[name + ".bias"]
+
+        out = np.empty((len(texts), self.dim), dtype=np.float32)
+        for i, text in enumerate(texts):
+            # As sentence-transformers: stripped, cut to max_seq_length with the special tokens
+            # ([CLS] … [SEP]) added after the cut. The shared tokenizer is never reconfigured, so
+            # concurrent queries (the server's threads) are safe.
+            enc = self.tokenizer.encode(str(text).strip(), add_special_tokens=False)
+            if len(enc.ids) > self.max_seq_length - self.specials:
+                enc.truncate(self.max_seq_length - self.specials)
+            ids = self.tokenizer.post_process(enc).ids
+            n = len(ids)
+            x = (
+                w["embeddings.word_embeddings.weight"][ids].astype(np.float64)
+                + w["embeddings.position_embeddings.weight"][:n]
+                + w["embeddings.token_type_embeddings.weight"][0]
+            )
+            x = norm(x, "embeddings.LayerNorm")
+            for layer in range(int(cfg["num_hidden_layers"])):
+                p = f"encoder.layer.{layer}."
+                d = x.shape[1] // heads
+                q, k, v = (
+                    dense(x, p + f"attention.self.{m}").reshape(n, heads, d).transpose(1, 0, 2)
+                    for m in ("query", "key", "value")
+                )
+                scores = q @ k.transpose(0, 2, 1) / math.sqrt(d)
+                scores = np.exp(scores - scores.max(-1, keepdims=True))
+                ctx = (scores / scores.sum(-1, keepdims=True)) @ v
+                ctx = ctx.transpose(1, 0, 2).reshape(n, heads * d)
+                x = norm(dense(ctx, p + "attention.output.dense") + x, p + "attention.output.LayerNorm")
+                h = dense(x, p + "intermediate.dense")
+                h = 0.5 * h * (1.0 + erf(h / math.sqrt(2.0)))  # exact GELU, as BERT's "gelu"
+                x = norm(dense(h, p + "output.dense") + x, p + "output.LayerNorm")
+            v = x.mean(axis=0)
+            out[i] = v / max(float(np.linalg.norm(v)), 1e-12)
+        return out

@@ -1,6 +1,6 @@
 """The settings an index records, and what a later run does with them.
 
-One job: turn the settings a writing run was given (some, all or none) into the ones it uses,
+It turns the settings a writing run was given (some, all or none) into the ones it uses,
 against what the index's manifest records, and refuse a silent change.
 
 An index records how it was cut (``chunking``: ``min_tokens``, ``max_tokens``, ``overlap``,

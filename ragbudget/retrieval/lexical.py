@@ -15,7 +15,17 @@ from typing import Any
 
 from ..types import FUSIONS, QUESTION_STOPWORDS
 
-__all__ = ["FTS_TOKENIZE", "FUSIONS", "fts5_available", "fts_match_query", "fuse_scores"]
+__all__ = [
+    "FTS_TOKENIZE",
+    "FUSIONS",
+    "bm25",
+    "ensure_fts",
+    "fts5_available",
+    "fts_match_query",
+    "fuse_checked",
+    "fuse_scores",
+    "warn_no_fts5",
+]
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +74,7 @@ def fts5_available() -> bool:
     return _fts5_ok
 
 
-def _warn_no_fts5() -> None:
+def warn_no_fts5() -> None:
     global _fts5_warned
     if not _fts5_warned:
         _fts5_warned = True
@@ -91,7 +101,7 @@ def fts_match_query(text: str, *, max_terms: int = _FTS_MAX_TERMS) -> str:
     return " OR ".join('"' + w.replace('"', '""') + '"' for w in kept[:max_terms])
 
 
-def _bm25(db: sqlite3.Connection, query: str, k: int, *, ids: Sequence[int] | None = None) -> list[tuple[int, float]]:
+def bm25(db: sqlite3.Connection, query: str, k: int, *, ids: Sequence[int] | None = None) -> list[tuple[int, float]]:
     """``(chunk_id, bm25)`` best first (bm25 negated so higher is better), from ``chunks_fts``.
 
     With ``ids``, only those chunks are scored (their BM25 still uses whole-corpus statistics).
@@ -120,7 +130,7 @@ def _bm25(db: sqlite3.Connection, query: str, k: int, *, ids: Sequence[int] | No
 _FTS_TRIGGERS = ("chunks_fts_ai", "chunks_fts_ad", "chunks_fts_au")
 
 
-def _ensure_fts(db: sqlite3.Connection, *, trusted: bool = True) -> str:
+def ensure_fts(db: sqlite3.Connection, *, trusted: bool = True) -> str:
     """Create the FTS table and its triggers on a writable connection and fill it if it was missing.
 
     ``trusted=False`` says an existing table may be stale (the generation was written by a Python
@@ -130,7 +140,7 @@ def _ensure_fts(db: sqlite3.Connection, *, trusted: bool = True) -> str:
     """
     had = db.execute("SELECT 1 FROM sqlite_master WHERE name='chunks_fts'").fetchone() is not None
     if not fts5_available():
-        _warn_no_fts5()
+        warn_no_fts5()
         for t in _FTS_TRIGGERS:
             db.execute(f"DROP TRIGGER IF EXISTS {t}")
         return "unavailable"
@@ -177,10 +187,10 @@ def fuse_scores(
     from ..settings import check_fusion  # the rule RetrievalSettings checks, written once
 
     method, lexical_weight = check_fusion(method, lexical_weight)
-    return _fuse(dense, lexical, method, lexical_weight)
+    return fuse_checked(dense, lexical, method, lexical_weight)
 
 
-def _fuse(
+def fuse_checked(
     dense: dict[Any, float], lexical: dict[Any, float], method: str, lexical_weight: float
 ) -> list[tuple[Any, float]]:
     """:func:`fuse_scores` for settings already checked (a :class:`RetrievalSettings`)."""

@@ -7,9 +7,11 @@ against. A search store (:class:`HNSWStore`, :class:`IVFStore`) is derived from 
 written beside it in the same atomic generation and named in the manifest's ``approx`` entry.
 
 Which store searches is ``store=``: ``"flat"``, ``"hnsw"``, ``"ivf"`` (IVF-PQ: product-quantized
-codes, candidates rescored exactly), ``"ivf-flat"``, or ``"auto"`` (:func:`choose_store`: exact
+codes, candidates rescored exactly), ``"ivf-flat"``, ``"auto"`` (:func:`choose_store`: exact
 while a scan of the matrix meets the latency target, HNSW above that, IVF-PQ once the matrix is
-too big to keep in memory twice). An approximate store tunes its search parameter at build time
+too big to keep in memory twice), or the name of a store another package registers in the
+``ragbudget.stores`` entry point group (:data:`STORES_GROUP`; loaded on first use, see
+:func:`store_names`). An approximate store tunes its search parameter at build time
 (:meth:`VectorStore.finalize`): the smallest ``efSearch``/``nprobe`` whose recall@10 against
 exact search, on queries sampled from the index's own vectors, reaches :data:`TUNE_TARGET` (stricter
 than :data:`RECALL_TARGET`: questions are harder queries than the chunks themselves); the recall
@@ -31,17 +33,25 @@ faiss is imported when a store is first made or loaded, never by ``import ragbud
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
+import re
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, cast, runtime_checkable
 
 from ..errors import ConfigError, IndexCorruptError
+from .faiss_io import RowFile, read_index
 
 if TYPE_CHECKING:
+    from importlib.metadata import EntryPoint
+
     import numpy as np
+    from numpy.typing import ArrayLike, NDArray
 
 __all__ = [
     "APPROX_KINDS",
@@ -51,20 +61,29 @@ __all__ = [
     "RECALL_TARGET",
     "QUERY_NOISE",
     "STORES",
+    "STORES_GROUP",
     "TUNE_TARGET",
     "FlatStore",
     "HNSWStore",
     "IVFStore",
+    "StoreClass",
     "StoreReport",
     "VectorStore",
     "choose_store",
     "load_store",
     "make_store",
     "measure_recall",
+    "store_names",
 ]
 
-#: What ``store=`` accepts. ``"ivf"`` is IVF-PQ with exact rescoring.
+log = logging.getLogger(__name__)
+
+#: What ``store=`` accepts besides the stores of the ``ragbudget.stores`` entry points (see
+#: :func:`store_names`). ``"ivf"`` is IVF-PQ with exact rescoring.
 STORES = ("auto", "flat", "hnsw", "ivf", "ivf-flat", "ivf-pq")
+#: The entry point group through which another package adds a store: ``name = "module:Class"``,
+#: the class a :class:`StoreClass`, its instances :class:`VectorStore` s whose ``kind`` is ``name``.
+STORES_GROUP = "ragbudget.stores"
 #: The kinds of search store written beside the exact one.
 APPROX_KINDS = ("hnsw", "ivf-flat", "ivf-pq")
 
@@ -135,10 +154,11 @@ class VectorStore(Protocol):
     """The interface every vector store implements. Ids are int64 chunk ids; vectors are
     unit-length float32 rows; scores are inner products (cosines), higher is better.
 
-    ``save(path)`` writes one file (the caller renames it into the generation atomically) and
-    returns the store's manifest fields; ``load(path, entry, exact=...)`` reads it back with
-    ``faiss.read_index`` only (no pickle). ``finalize()`` trains (IVF), builds (HNSW) and tunes
-    the store before it is saved, and reports the recall measured.
+    ``save(path)`` writes one file (the storage renames it into the generation atomically) and
+    returns the store's manifest fields (``kind`` among them); its class reads it back
+    (``load(path, entry, exact=...)``, :class:`StoreClass`) with ``faiss.read_index`` or another
+    reader that executes no code (no pickle). ``finalize()`` trains (IVF), builds (HNSW) and
+    tunes the store before it is saved, and reports the recall measured.
     """
 
     kind: str
@@ -146,22 +166,32 @@ class VectorStore(Protocol):
 
     @property
     def ntotal(self) -> int: ...
-    def add(self, ids: np.ndarray, vectors: np.ndarray) -> None: ...
-    def remove(self, ids: np.ndarray) -> int: ...
-    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]: ...
-    def vectors(self, ids: np.ndarray) -> np.ndarray: ...
-    def ids(self) -> np.ndarray: ...
+    def add(self, ids: ArrayLike, vectors: ArrayLike) -> None: ...
+    def remove(self, ids: ArrayLike) -> int: ...
+    def search(self, queries: ArrayLike, k: int) -> tuple[NDArray[np.float32], NDArray[np.int64]]: ...
+    def vectors(self, ids: ArrayLike) -> NDArray[np.float32]: ...
+    def ids(self) -> NDArray[np.int64]: ...
     def finalize(self) -> StoreReport: ...
     def save(self, path: Path) -> dict[str, Any]: ...
 
 
-def _as_ids(ids: Any) -> np.ndarray:
+class StoreClass(Protocol):
+    """A search store's class, as the ``ragbudget.stores`` entry points name it (and as the
+    built-in ones are): ``Class(dim, exact=flat, **params)`` is a new store derived from the
+    exact one (:meth:`VectorStore.finalize` builds it), ``Class.load(path, entry, exact=flat)``
+    reads a saved one back from its file and manifest entry."""
+
+    def __call__(self, dim: int, *, exact: FlatStore | None, **params: Any) -> VectorStore: ...
+    def load(self, path: Path, entry: Mapping[str, Any], *, exact: FlatStore | None = None) -> VectorStore: ...
+
+
+def _as_ids(ids: ArrayLike) -> NDArray[np.int64]:
     import numpy as np
 
     return np.ascontiguousarray(np.asarray(ids, dtype=np.int64).reshape(-1))
 
 
-def _as_rows(x: Any, dim: int) -> np.ndarray:
+def _as_rows(x: ArrayLike, dim: int) -> NDArray[np.float32]:
     import numpy as np
 
     a = np.ascontiguousarray(np.asarray(x, dtype=np.float32))
@@ -172,89 +202,22 @@ def _as_rows(x: Any, dim: int) -> np.ndarray:
     return a
 
 
-def _read(path: Path, flags: int = 0) -> Any:
-    import faiss
-
-    try:
-        return faiss.read_index(str(path), flags)
-    except Exception as exc:  # faiss raises RuntimeError on a malformed file
-        raise IndexCorruptError(f"index file {path} could not be read by faiss: {exc}") from exc
-
-
-class _RowFile:
-    """Rows of a written flat store read with ``pread``, by id, without mapping the file.
-
-    Mapped, every page fault also maps its neighbours (the kernel's fault-around), so rescoring
-    a few rows per query had brought most of the file into the process within 1,000 queries
-    (RssFile 1.38 GB of 1.54 GB at 1M); a read only goes through the page cache. Layout of an
-    ``IndexIDMap2(IndexFlatIP)`` file: ``IxM2`` header, ``IxFI`` header (d, ntotal, 2 dummies,
-    is_trained, metric), the float count, the floats, the id count, the int64 ids.
-    """
-
-    # -1 until ``os.open`` succeeds: ``__del__`` also runs on an instance whose ``__init__``
-    # raised (a corrupt file), and must not close a descriptor it never had.
-    fd: int = -1
-
-    def __init__(self, path: Path) -> None:
-        import os
-        import struct
-
-        import numpy as np
-
-        with open(path, "rb") as f:
-            head = f.read(256)
-        at = head.find(b"IxFI")
-        if not head.startswith(b"IxM2") or at < 0:
-            raise IndexCorruptError(f"{path} is not an exact (IndexIDMap2(IndexFlatIP)) store")
-        self.dim, ntotal = struct.unpack_from("<iq", head, at + 4)
-        metric = struct.unpack_from("<i", head, at + 4 + 29)[0]
-        off = at + 4 + 33 + (4 if metric > 1 else 0)
-        (count,) = struct.unpack_from("<Q", head, off)
-        if count not in (ntotal * self.dim, ntotal * self.dim * 4):
-            raise IndexCorruptError(f"{path}: {count} values stored for {ntotal} × {self.dim}")
-        self.data = off + 8
-        ids = np.fromfile(path, dtype="<i8", count=ntotal, offset=self.data + ntotal * self.dim * 4 + 8)
-        self.order = np.argsort(ids, kind="stable")
-        self.sorted = ids[self.order]
-        self.ntotal = int(ntotal)
-        self.fd = os.open(path, os.O_RDONLY)
-
-    def rows(self, ids: np.ndarray) -> np.ndarray:
-        import os
-
-        import numpy as np
-
-        pos = np.minimum(np.searchsorted(self.sorted, ids), max(0, self.ntotal - 1))
-        out = np.empty((len(ids), self.dim), dtype=np.float32)
-        size = self.dim * 4
-        for j, (i, p) in enumerate(zip(ids.tolist(), pos.tolist(), strict=True)):
-            if not self.ntotal or int(self.sorted[p]) != i:
-                raise KeyError(i)
-            out[j] = np.frombuffer(os.pread(self.fd, size, self.data + int(self.order[p]) * size), dtype="<f4")
-        return out
-
-    def __del__(self) -> None:
-        import os
-
-        if self.fd >= 0:
-            os.close(self.fd)
-
-
 class FlatStore:
     """Exact inner-product search over every vector (``IndexIDMap2(IndexFlatIP)``).
 
     ``mmap=True`` (when loading) is for a reader whose searches go to another store: rows are
-    read by id from the file (:class:`_RowFile`) for rescoring, and the matrix is mapped
+    read by id from the file (:class:`~ragbudget.retrieval.faiss_io.RowFile`) for rescoring, and the matrix is mapped
     read-only only when an exact search or the id list is asked for (``verify``).
     """
 
     kind = "flat"
 
+    # index: a faiss.IndexIDMap2, Any at faiss's seam (its stub types few of its methods).
     def __init__(self, dim: int, *, index: Any = None, path: Path | None = None) -> None:
         self.dim = int(dim)
         self._index = index
         self._path = path
-        self._rows: _RowFile | None = None
+        self._rows: RowFile | None = None
         if index is None and path is None:
             import faiss
 
@@ -266,7 +229,7 @@ class FlatStore:
             import faiss
 
             assert self._path is not None
-            self._index = _read(self._path, faiss.IO_FLAG_MMAP_IFC)
+            self._index = read_index(self._path, faiss.IO_FLAG_MMAP_IFC)
         return self._index
 
     @property
@@ -275,47 +238,51 @@ class FlatStore:
             return self._rows.ntotal
         return int(self.index.ntotal)
 
-    def add(self, ids: Any, vectors: Any) -> None:
+    def add(self, ids: ArrayLike, vectors: ArrayLike) -> None:
         self.index.add_with_ids(_as_rows(vectors, self.dim), _as_ids(ids))
 
-    def remove(self, ids: Any) -> int:
+    def remove(self, ids: ArrayLike) -> int:
         return int(self.index.remove_ids(_as_ids(ids)))
 
-    def search(self, queries: Any, k: int) -> tuple[np.ndarray, np.ndarray]:
-        return self.index.search(_as_rows(queries, self.dim), int(k))
+    def search(self, queries: ArrayLike, k: int) -> tuple[NDArray[np.float32], NDArray[np.int64]]:
+        scores, ids = self.index.search(_as_rows(queries, self.dim), int(k))
+        return scores, ids
 
-    def vectors(self, ids: Any) -> np.ndarray:
+    def vectors(self, ids: ArrayLike) -> NDArray[np.float32]:
         """The stored rows of ``ids`` (raises ``KeyError`` naming an unknown id)."""
         import numpy as np
 
-        ids = _as_ids(ids)
-        if not len(ids):
+        want = _as_ids(ids)
+        if not len(want):
             return np.zeros((0, self.dim), dtype=np.float32)
         if self._rows is not None:
-            return self._rows.rows(ids)
+            return self._rows.rows(want)
         try:
-            return self.index.reconstruct_batch(ids)
+            rows: NDArray[np.float32] = self.index.reconstruct_batch(want)
+            return rows
         except RuntimeError:
-            for i in ids:  # find which one is missing, to say so
+            for i in want:  # find which one is missing, to say so
                 try:
                     self.index.reconstruct(int(i))
                 except RuntimeError:
                     raise KeyError(int(i)) from None
             raise
 
-    def ids(self) -> np.ndarray:
+    def ids(self) -> NDArray[np.int64]:
         import faiss
+        import numpy as np
 
-        return faiss.vector_to_array(self.index.id_map).astype("int64")
+        return faiss.vector_to_array(self.index.id_map).astype(np.int64)
 
-    def matrix(self) -> np.ndarray:
+    def matrix(self) -> NDArray[np.float32]:
         """All rows, in :meth:`ids` order."""
+        import numpy as np
+
         n = self.ntotal
         if not n:
-            import numpy as np
-
             return np.zeros((0, self.dim), dtype=np.float32)
-        return self.index.index.reconstruct_n(0, n)
+        rows: NDArray[np.float32] = self.index.index.reconstruct_n(0, n)
+        return rows
 
     def finalize(self) -> StoreReport:
         return StoreReport("flat", self.ntotal)
@@ -327,13 +294,14 @@ class FlatStore:
         return {"kind": "IndexIDMap2(IndexFlatIP)"}
 
     @classmethod
-    def load(cls, path: Path, entry: dict[str, Any] | None = None, *, mmap: bool = False) -> FlatStore:
+    def load(cls, path: Path, entry: Mapping[str, Any] | None = None, *, mmap: bool = False) -> FlatStore:
+        """Read a saved exact store (``mmap``: rows by id from the file, see the class doc)."""
         if mmap:
-            rows = _RowFile(path)
+            rows = RowFile(path)
             store = cls(rows.dim, path=path)
             store._rows = rows
             return store
-        index = _read(path)
+        index = read_index(path)
         return cls(int(index.d), index=index)
 
 
@@ -359,23 +327,23 @@ class _Derived(ABC):
         self.target = target
         self.tune_target = max(target, tune_target)
         self.params: dict[str, Any] = dict(params)
-        self.index: Any = None
+        self.index: Any = None  # the faiss index, Any at faiss's seam
         self.report: StoreReport | None = None
 
     @property
     def ntotal(self) -> int:
         return 0 if self.index is None else int(self.index.ntotal)
 
-    def vectors(self, ids: Any) -> np.ndarray:
+    def vectors(self, ids: ArrayLike) -> NDArray[np.float32]:
         """Exact rows, from the exact store (the search store may hold only codes)."""
         if self.exact is None:
             raise ConfigError(f"the {self.kind} store was loaded without its exact store")
         return self.exact.vectors(ids)
 
-    def ids(self) -> np.ndarray:
+    def ids(self) -> NDArray[np.int64]:
         return self.exact.ids() if self.exact is not None else _as_ids([])
 
-    def add(self, ids: Any, vectors: Any) -> None:
+    def add(self, ids: ArrayLike, vectors: ArrayLike) -> None:
         """Vectors reach a search store through its exact store: add them there, then
         :meth:`finalize` (re)builds this one from it."""
         if self.exact is None:
@@ -383,7 +351,7 @@ class _Derived(ABC):
         self.exact.add(ids, vectors)
         self.index = None
 
-    def remove(self, ids: Any) -> int:
+    def remove(self, ids: ArrayLike) -> int:
         if self.exact is None:
             raise ConfigError(f"the {self.kind} store needs its exact store to remove from")
         n = self.exact.remove(ids)
@@ -402,13 +370,14 @@ class _Derived(ABC):
     def _ladder(self) -> tuple[int, ...]:
         """Values of :attr:`param` to try, cheapest first."""
 
-    def search(self, queries: Any, k: int) -> tuple[np.ndarray, np.ndarray]:
+    def search(self, queries: ArrayLike, k: int) -> tuple[NDArray[np.float32], NDArray[np.int64]]:
         import numpy as np
 
         q = _as_rows(queries, self.dim)
         if self.index is None or not self.index.ntotal:
             return (np.full((len(q), k), -np.inf, dtype=np.float32), np.full((len(q), k), -1, dtype=np.int64))
-        return self.index.search(q, int(k))
+        scores, ids = self.index.search(q, int(k))
+        return scores, ids
 
     def finalize(self) -> StoreReport:
         """Build the store from the exact one, then tune: the smallest search parameter whose
@@ -489,10 +458,10 @@ class HNSWStore(_Derived):
         self._set_param(self.params["ef_search"])
 
     @classmethod
-    def load(cls, path: Path, entry: dict[str, Any], *, exact: FlatStore | None = None) -> HNSWStore:
+    def load(cls, path: Path, entry: Mapping[str, Any], *, exact: FlatStore | None = None) -> HNSWStore:
         # Indexes written before stores existed have the same file and entry (M,
         # ef_construction, ef_search), without the recall fields.
-        index = _read(path)
+        index = read_index(path)
         s = cls(
             int(index.d),
             exact=exact,
@@ -563,7 +532,7 @@ class IVFStore(_Derived):
         if self._ivf is not None:
             self._ivf.nprobe = int(value)
 
-    def _attach(self, index: Any) -> None:
+    def _attach(self, index: Any) -> None:  # Any: a faiss index, at faiss's seam
         """Find the IVF (and the refine stage) inside a built or loaded index."""
         import faiss
 
@@ -623,7 +592,7 @@ class IVFStore(_Derived):
         index.add_with_ids(x, ids)
         self._set_param(min(int(self.params["nprobe"]), nlist))
 
-    def search(self, queries: Any, k: int) -> tuple[np.ndarray, np.ndarray]:
+    def search(self, queries: ArrayLike, k: int) -> tuple[NDArray[np.float32], NDArray[np.int64]]:
         if self.kind != "ivf-pq" or self.exact is None or self.index is None:
             return super().search(queries, k)
         import numpy as np
@@ -643,8 +612,8 @@ class IVFStore(_Derived):
         return scores, ids
 
     @classmethod
-    def load(cls, path: Path, entry: dict[str, Any], *, exact: FlatStore | None = None) -> IVFStore:
-        index = _read(path)  # read_index gives the concrete classes back
+    def load(cls, path: Path, entry: Mapping[str, Any], *, exact: FlatStore | None = None) -> IVFStore:
+        index = read_index(path)  # read_index gives the concrete classes back
         s = cls(
             int(index.d),
             exact=exact,
@@ -661,38 +630,104 @@ class IVFStore(_Derived):
         return s
 
 
-def make_store(kind: str, dim: int, *, exact: FlatStore | None = None, **params: Any) -> Any:
-    """A new, empty store of ``kind`` (``flat``, ``hnsw``, ``ivf`` = ``ivf-pq``, ``ivf-flat``);
-    search stores are built from ``exact`` by :meth:`~VectorStore.finalize`."""
+#: Names a ``ragbudget.stores`` entry point may take: they also name the store's file
+#: (``<name>.<generation>.index``), which a writer's clean-up must recognise.
+_STORE_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]*$")
+
+
+@functools.lru_cache(maxsize=1)
+def _entry_points() -> dict[str, EntryPoint]:
+    """The ``ragbudget.stores`` entry points by name (read once per process: listing the
+    installed distributions costs milliseconds, and nothing asks before a build or a load)."""
+    from importlib.metadata import entry_points
+
+    found: dict[str, EntryPoint] = {}
+    for ep in entry_points(group=STORES_GROUP):
+        if ep.name in STORES or not _STORE_NAME.match(ep.name):
+            # A built-in name keeps its meaning; an odd one could not name a file safely.
+            log.warning(
+                "ignoring the %s entry point %r (%s): that name is taken or not allowed",
+                STORES_GROUP,
+                ep.name,
+                ep.value,
+            )
+            continue
+        found.setdefault(ep.name, ep)
+    return found
+
+
+def store_names() -> tuple[str, ...]:
+    """Every name ``store=`` accepts: :data:`STORES`, then the stores other packages register
+    in the ``ragbudget.stores`` entry point group (:data:`STORES_GROUP`), sorted.
+
+    >>> store_names()[:6]
+    ('auto', 'flat', 'hnsw', 'ivf', 'ivf-flat', 'ivf-pq')
+    """
+    return STORES + tuple(sorted(_entry_points()))
+
+
+def _plugin(kind: str) -> StoreClass | None:
+    """The class a ``ragbudget.stores`` entry point names, loaded (``None``: no such entry point)."""
+    ep = _entry_points().get(kind)
+    if ep is None:
+        return None
+    try:
+        cls: StoreClass = ep.load()
+    except Exception as exc:  # noqa: BLE001 - an installed package's import may fail any way
+        raise ConfigError(
+            f"the vector store {kind!r} ({STORES_GROUP} entry point {ep.value}) could not be loaded: "
+            f"{type(exc).__name__}: {exc}; reinstall the package that provides it"
+        ) from exc
+    return cls
+
+
+def make_store(kind: str, dim: int, *, exact: FlatStore | None = None, **params: Any) -> VectorStore:
+    """A new, empty store of ``kind`` (``flat``, ``hnsw``, ``ivf`` = ``ivf-pq``, ``ivf-flat``, or
+    a ``ragbudget.stores`` entry point's name); search stores are built from ``exact`` by
+    :meth:`~VectorStore.finalize`."""
     if kind == "flat":
         return FlatStore(dim)
     if kind == "hnsw":
         return HNSWStore(dim, exact=exact, **params)
     if kind in ("ivf", "ivf-pq", "ivf-flat"):
         return IVFStore(dim, exact=exact, kind="ivf-pq" if kind == "ivf" else kind, **params)
-    raise ConfigError(f"store must be one of {', '.join(STORES)}; got {kind!r}")
+    cls = _plugin(kind)
+    if cls is None:
+        raise ConfigError(f"store must be one of {', '.join(store_names())}; got {kind!r}")
+    store = cls(dim, exact=exact, **params)
+    if store.kind != kind:  # the name the manifest records is how load_store finds the class again
+        raise ConfigError(f"the vector store registered as {kind!r} calls itself {store.kind!r}; they must agree")
+    return store
 
 
-def load_store(path: Path, entry: dict[str, Any], *, exact: FlatStore | None = None) -> Any:
+def load_store(path: Path, entry: Mapping[str, Any], *, exact: FlatStore | None = None) -> VectorStore:
     """Read a search store back from its file and manifest entry."""
-    kind = entry.get("kind")
+    kind = str(entry.get("kind"))
     if kind == "hnsw":
         return HNSWStore.load(path, entry, exact=exact)
     if kind in ("ivf-flat", "ivf-pq"):
         return IVFStore.load(path, entry, exact=exact)
-    raise IndexCorruptError(f"the manifest names an unknown vector store {kind!r}; upgrade ragbudget")
+    cls = _plugin(kind)
+    if cls is None:
+        raise IndexCorruptError(
+            f"the manifest names a vector store {kind!r} that no installed package provides; install the "
+            f"one that registers it ({STORES_GROUP} entry point), upgrade ragbudget, or search the exact "
+            "store (use_approx=False)"
+        )
+    return cls.load(path, entry, exact=exact)
 
 
 def choose_store(store: str, n: int, dim: int) -> str:
-    """The store kind that ``store=`` means for ``n`` vectors of ``dim`` (``auto``'s rule).
+    """The store kind that ``store=`` means for ``n`` vectors of ``dim`` (``auto``'s rule; an
+    entry point's store is itself).
 
     >>> choose_store("auto", 20_000, 384), choose_store("auto", 100_000, 384)
     ('flat', 'hnsw')
     >>> choose_store("auto", 1_000_000, 384), choose_store("ivf", 10, 384)
     ('ivf-pq', 'ivf-pq')
     """
-    if store not in STORES:
-        raise ConfigError(f"store must be one of {', '.join(STORES)}; got {store!r}")
+    if store not in STORES and store not in _entry_points():
+        raise ConfigError(f"store must be one of {', '.join(store_names())}; got {store!r}")
     if store == "ivf":
         return "ivf-pq"
     if store != "auto":
@@ -704,8 +739,8 @@ def choose_store(store: str, n: int, dim: int) -> str:
 
 
 def measure_recall(
-    store: Any,
-    exact: FlatStore,
+    store: VectorStore,
+    exact: VectorStore,
     *,
     k: int = 10,
     queries: int = RECALL_QUERIES,
