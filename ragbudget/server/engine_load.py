@@ -2,8 +2,8 @@
 (:class:`EngineLoad`, wired by :func:`ragbudget.server.app.create_app`; the chat endpoint refuses
 early by it, ``/health`` and ``/metrics`` show it).
 
-One job: knowing, at most a second late and without ever waiting on the engine, whether the engine
-can take a request now — up (and how loaded) or unavailable (and why).
+It knows, at most a second late and without ever waiting on the engine, whether the engine can
+take a request now — up (and how loaded) or unavailable (and why).
 """
 
 from __future__ import annotations
