@@ -41,6 +41,7 @@ from .options import (
     sampling_options,
     search_options,
     served_history_options,
+    setting,
     user_errors,
 )
 
@@ -77,13 +78,13 @@ def cli(verbose: int) -> None:
     "--min-tokens",
     default=None,
     type=click.IntRange(min=1),
-    help=f"Smallest chunk, in tokens. Default: what the index records, else {ChunkSettings.min_tokens}.",
+    help=f"Smallest chunk, in tokens. Default: what the index records, else {setting(ChunkSettings, 'min_tokens')}.",
 )
 @click.option(
     "--max-tokens",
     default=None,
     type=click.IntRange(min=1),
-    help=f"Largest chunk, in tokens. Default: what the index records, else {ChunkSettings.max_tokens}.",
+    help=f"Largest chunk, in tokens. Default: what the index records, else {setting(ChunkSettings, 'max_tokens')}.",
 )
 @click.option(
     "--sentence-vectors/--no-sentence-vectors",
@@ -119,12 +120,11 @@ def cli(verbose: int) -> None:
     help="Vector store that answers searches: auto = exact while small, then HNSW, then IVF-PQ (recall@10 measured "
     "at build, shown by `stats`).",
 )
-@click.option("--approx", type=click.Choice(["hnsw"]), default=None, help="Older spelling of --store hnsw.")
 @click.option(
     "--dedup",
     type=click.Choice(DEDUP_MODES),
     default=None,
-    help=f"Duplicate chunk removal. Default: what the index records, else {DedupSettings.mode}.",
+    help=f"Duplicate chunk removal. Default: what the index records, else {setting(DedupSettings, 'mode')}.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @click.option("--ipynb-outputs", is_flag=True, help="Also index the text outputs of notebook code cells.")
@@ -175,7 +175,6 @@ def index(
     prune: bool,
     allow_removal: bool,
     store: str,
-    approx: str | None,
     dedup: str | None,
     as_json: bool,
     ipynb_outputs: bool = False,
@@ -231,7 +230,7 @@ def index(
             rechunk=rechunk,
             prune=prune,
             allow_removal=allow_removal,
-            store=approx or store,
+            store=store,
             dedup=dedup,
             progress=progress,
             executor=run_on,
