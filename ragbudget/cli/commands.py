@@ -260,8 +260,11 @@ def search(
 
     pipe = Pipeline(index_dir, retrieval=retrieval)
     hits = pipe.search(query, k=k)
-    # Sources carry display paths (root label + path below it); the local opt-in maps them back.
-    where = (lambda p: pipe.store.absolute_path(p) or p) if absolute_paths else (lambda p: p)
+
+    def where(path: str) -> str:
+        # Sources carry display paths (root label + path below it); the local opt-in maps them back.
+        return (pipe.store.absolute_path(path) or path) if absolute_paths else path
+
     if as_json:
         data = [h.to_dict() for h in hits]
         for d in data:

@@ -16,7 +16,7 @@ import dataclasses
 import json
 from collections.abc import Callable
 from functools import wraps
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any  # Any: click passes options as untyped keywords
 
 import click
 from click.core import ParameterSource

@@ -64,7 +64,7 @@ import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any  # Any: FastAPI/Starlette objects (the serve extra, imported lazily)
 
 from ..errors import ConfigError, EngineError, RagBudgetError, SearchIndexError
 from ..settings import DEFAULT_REQUEST_TIMEOUT, HistorySettings, from_keywords

@@ -17,7 +17,6 @@ import platform
 import sys
 import threading
 from collections.abc import Callable
-from typing import Any
 
 from ..errors import ConfigError
 
@@ -27,7 +26,7 @@ _M_ARENA_MAX = -8  # glibc's mallopt parameter number (malloc.h)
 
 
 @functools.lru_cache(maxsize=1)
-def _glibc() -> Any:
+def _glibc() -> ctypes.CDLL | None:
     """glibc through ctypes, or None (musl, macOS, Windows: their allocators need no help here)."""
     if not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc":
         return None

@@ -15,7 +15,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any  # Any: JSON values (what json.loads gives, json.dumps takes)
 
 if TYPE_CHECKING:
     from ...pipeline import Answer

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Any
+from typing import Any  # Any: JSON values (what json.loads gives, json.dumps takes)
 
 from ...errors import (
     BudgetError,

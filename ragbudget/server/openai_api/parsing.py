@@ -19,7 +19,7 @@ import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any  # Any: JSON values (what json.loads gives, json.dumps takes)
 
 from .errors import APIError
 
