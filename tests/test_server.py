@@ -1656,6 +1656,7 @@ def test_time_capped_plan_is_named_in_memory_and_a_long_question_is_answered_by_
 
     import ragbudget.memory.budget
     from ragbudget.chat import Conversation
+    from ragbudget.generation.allowance import MIN_TIME_CONTEXT
     from ragbudget.generation.generate import Generator
 
     monkeypatch.setattr(
@@ -1677,7 +1678,8 @@ def test_time_capped_plan_is_named_in_memory_and_a_long_question_is_answered_by_
         # Room for a cut best passage past the question, as the time cap always leaves.
         assert budget["limited_by"] == "time" and budget["context_tokens_used"] > 0
     assert turn.budget.limited_by == "time" and not turn.budget.overrun
-    assert turn.budget.prompt_allowed == answer.report["budget"]["fixed_prompt_tokens"] + 256
+    # The floor the time cap leaves past the question, read from where it is stated (it moved once).
+    assert turn.budget.prompt_allowed == answer.report["budget"]["fixed_prompt_tokens"] + MIN_TIME_CONTEXT
     r = TestClient(create_app(pipe, model_name=MODEL)).post(
         "/v1/chat/completions", json={"model": MODEL, "messages": user(question)}
     )
