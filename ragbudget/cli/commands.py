@@ -19,6 +19,8 @@ import click
 from ..retrieval.vectors import STORES
 from ..settings import (
     DEDUP_MODES,
+    DEFAULT_HOST,
+    DEFAULT_PORT,
     DEFAULT_REQUEST_TIMEOUT,
     ChunkSettings,
     DedupSettings,
@@ -615,8 +617,8 @@ def chat(
 @index_dir_option
 @model_option
 @memory_options
-@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (loopback by default).")
-@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
+@click.option("--host", default=DEFAULT_HOST, show_default=True, help="Address to bind (loopback by default).")
+@click.option("--port", default=DEFAULT_PORT, show_default=True, type=click.IntRange(0, 65535))
 @click.option(
     "--api-key",
     default=None,

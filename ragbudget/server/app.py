@@ -67,7 +67,7 @@ from collections.abc import AsyncIterator, Iterator
 from typing import TYPE_CHECKING, Any  # Any: FastAPI/Starlette objects (the serve extra, imported lazily)
 
 from ..errors import ConfigError, EngineError, RagBudgetError, SearchIndexError
-from ..settings import DEFAULT_REQUEST_TIMEOUT, HistorySettings, from_keywords
+from ..settings import DEFAULT_HOST, DEFAULT_PORT, DEFAULT_REQUEST_TIMEOUT, HistorySettings, from_keywords
 from .endpoints import CLIENT_LEFT, AdmissionView, ChatEndpoint, EngineLoad, IndexHealth, Workers, read_json
 from .malloc import limit_malloc_arenas
 from .metrics import Metrics, admission_gauges
@@ -456,8 +456,8 @@ def _version() -> str:
 def serve(
     pipeline: "Pipeline",
     *,
-    host: str = "127.0.0.1",
-    port: int = 8000,
+    host: str = DEFAULT_HOST,
+    port: int = DEFAULT_PORT,
     api_key: str | None = None,
     log_level: str = "info",
     warm_up: bool = True,
