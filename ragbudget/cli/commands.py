@@ -12,7 +12,7 @@ import logging
 import os
 import sys
 from collections.abc import Iterable
-from typing import Any
+from typing import Any  # Any: sampling options as the generator takes them (keywords, see options.sampling_options)
 
 import click
 

@@ -19,7 +19,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from types import FrameType, ModuleType
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any  # Any: tqdm bars (no types), sampling keywords, a signal handler's result
 
 from ..errors import RagBudgetError
 from .display import format_sources, format_turn

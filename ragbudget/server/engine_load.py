@@ -14,7 +14,7 @@ import math
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar  # Any: JSON for /health, a served backend's HTTP client
 
 from ..errors import EngineConnectionError, EngineError, EngineOverloadedError, EngineTimeoutError
 from .openai_api import engine_unavailable
