@@ -179,12 +179,12 @@ def index(
     store: str,
     dedup: str | None,
     as_json: bool,
-    ipynb_outputs: bool = False,
-    json_fields: str = "",
-    ocr: bool = False,
-    executor: str = "local",
-    ray_address: str | None = None,
-    embed_workers: int | None = None,
+    ipynb_outputs: bool,
+    json_fields: str,
+    ocr: bool,
+    executor: str,
+    ray_address: str | None,
+    embed_workers: int | None,
 ) -> None:
     """Add files and folders to the index, or update them (unchanged files cost one stat).
 
