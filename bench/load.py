@@ -480,10 +480,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="Server does not return freed heap to the OS when idle (create_app trim_memory=False).",
     )
+    from ragbudget.server.malloc import DEFAULT_ARENAS
+
     ap.add_argument(
         "--malloc-arenas",
         type=int,
-        default=2,
+        default=DEFAULT_ARENAS,
         help="Cap glibc malloc arenas in the server as `ragbudget serve` does (0: leave the allocator alone).",
     )
     ap.add_argument("--in-process", action="store_true", help="Run the server in this process (shares the GIL).")

@@ -41,8 +41,10 @@ from .types import CACHE_KINDS, DEFAULT_PACK, FUSIONS, ORDERS, PACKS, dtype_bits
 
 __all__ = [
     "DEDUP_MODES",
+    "DEFAULT_HOST",
     "DEFAULT_MAX_HISTORY_CHARS",
     "DEFAULT_MAX_MESSAGES",
+    "DEFAULT_PORT",
     "DEFAULT_RELEVANCE_FLOOR",
     "DEFAULT_REQUEST_TIMEOUT",
     "ENGINE_KINDS",
@@ -93,6 +95,14 @@ DEFAULT_MAX_HISTORY_CHARS = 512_000
 #: wait for its place included (bench/results/load.json, p99); three times that is a request no
 #: host should keep running.
 DEFAULT_REQUEST_TIMEOUT = 300.0
+
+#: Address the server binds by default (``serve --host``): loopback, since anyone who can reach the
+#: port can use the GPU; another address without an API key is served with a warning.
+DEFAULT_HOST = "127.0.0.1"
+
+#: Port the server listens on by default (``serve --port``): 8000, uvicorn's and vLLM's, so a
+#: client written against a vLLM server's default base URL needs no change.
+DEFAULT_PORT = 8000
 
 
 # -- the checks, one per kind of value ------------------------------------------------------------

@@ -12,13 +12,15 @@ import logging
 import os
 import sys
 from collections.abc import Iterable
-from typing import Any
+from typing import Any  # Any: sampling options as the generator takes them (keywords, see options.sampling_options)
 
 import click
 
 from ..retrieval.vectors import STORES
 from ..settings import (
     DEDUP_MODES,
+    DEFAULT_HOST,
+    DEFAULT_PORT,
     DEFAULT_REQUEST_TIMEOUT,
     ChunkSettings,
     DedupSettings,
@@ -41,6 +43,7 @@ from .options import (
     sampling_options,
     search_options,
     served_history_options,
+    setting,
     user_errors,
 )
 
@@ -77,13 +80,13 @@ def cli(verbose: int) -> None:
     "--min-tokens",
     default=None,
     type=click.IntRange(min=1),
-    help=f"Smallest chunk, in tokens. Default: what the index records, else {ChunkSettings.min_tokens}.",
+    help=f"Smallest chunk, in tokens. Default: what the index records, else {setting(ChunkSettings, 'min_tokens')}.",
 )
 @click.option(
     "--max-tokens",
     default=None,
     type=click.IntRange(min=1),
-    help=f"Largest chunk, in tokens. Default: what the index records, else {ChunkSettings.max_tokens}.",
+    help=f"Largest chunk, in tokens. Default: what the index records, else {setting(ChunkSettings, 'max_tokens')}.",
 )
 @click.option(
     "--sentence-vectors/--no-sentence-vectors",
@@ -126,7 +129,7 @@ def cli(verbose: int) -> None:
     "--dedup",
     type=click.Choice(DEDUP_MODES),
     default=None,
-    help=f"Duplicate chunk removal. Default: what the index records, else {DedupSettings.mode}.",
+    help=f"Duplicate chunk removal. Default: what the index records, else {setting(DedupSettings, 'mode')}.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @click.option("--ipynb-outputs", is_flag=True, help="Also index the text outputs of notebook code cells.")
@@ -179,12 +182,12 @@ def index(
     store: str,
     dedup: str | None,
     as_json: bool,
-    ipynb_outputs: bool = False,
-    json_fields: str = "",
-    ocr: bool = False,
-    executor: str = "local",
-    ray_address: str | None = None,
-    embed_workers: int | None = None,
+    ipynb_outputs: bool,
+    json_fields: str,
+    ocr: bool,
+    executor: str,
+    ray_address: str | None,
+    embed_workers: int | None,
 ) -> None:
     """Add files and folders to the index, or update them (unchanged files cost one stat).
 
@@ -262,8 +265,11 @@ def search(
 
     pipe = Pipeline(index_dir, retrieval=retrieval)
     hits = pipe.search(query, k=k)
-    # Sources carry display paths (root label + path below it); the local opt-in maps them back.
-    where = (lambda p: pipe.store.absolute_path(p) or p) if absolute_paths else (lambda p: p)
+
+    def where(path: str) -> str:
+        # Sources carry display paths (root label + path below it); the local opt-in maps them back.
+        return (pipe.store.absolute_path(path) or path) if absolute_paths else path
+
     if as_json:
         data = [h.to_dict() for h in hits]
         for d in data:
@@ -614,8 +620,8 @@ def chat(
 @index_dir_option
 @model_option
 @memory_options
-@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (loopback by default).")
-@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
+@click.option("--host", default=DEFAULT_HOST, show_default=True, help="Address to bind (loopback by default).")
+@click.option("--port", default=DEFAULT_PORT, show_default=True, type=click.IntRange(0, 65535))
 @click.option(
     "--api-key",
     default=None,

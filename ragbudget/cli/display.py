@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any  # Any: the JSON-ready report dicts records give (to_dict)
 
 from ..errors import ConfigError, RagBudgetError
 from ..gpus import GiB

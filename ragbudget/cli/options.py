@@ -2,6 +2,9 @@
 group reaches its command as one keyword, a settings record built and validated once in
 :mod:`ragbudget.settings`), and the error boundary every command runs inside.
 
+An option that sets a field of a settings record takes that field's default (:func:`setting`):
+the records are the one place a default is stated, and ``--help`` shows it from there.
+
 :func:`user_errors` is the one place library errors (:class:`~ragbudget.errors.RagBudgetError`)
 become a one-line ``Error: ...`` and exit code 1; a missing optional package names the extra that
 installs it. The commands themselves are :mod:`ragbudget.cli.commands`.
@@ -9,28 +12,21 @@ installs it. The commands themselves are :mod:`ragbudget.cli.commands`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from functools import wraps
-from typing import Any
+from typing import TYPE_CHECKING, Any  # Any: click passes options as untyped keywords
 
 import click
+from click.core import ParameterSource
 
 from ..errors import RagBudgetError
-from ..prompt.select import ORDERS
-from ..prompt.spans import DEFAULT_PACK, PACKS
-from ..retrieval.lexical import FUSIONS
-from ..settings import (
-    DEFAULT_MAX_HISTORY_CHARS,
-    DEFAULT_MAX_MESSAGES,
-    DEFAULT_RELEVANCE_FLOOR,
-    ENGINE_KINDS,
-    EngineSettings,
-    HistorySettings,
-    MemorySettings,
-    RetrievalSettings,
-)
-from ..types import CACHE_KINDS, DEFAULT_INDEX_DIR
+from ..settings import ENGINE_KINDS, EngineSettings, HistorySettings, MemorySettings, RetrievalSettings
+from ..types import CACHE_KINDS, DEFAULT_INDEX_DIR, FUSIONS, ORDERS, PACKS
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 
 def echo_json(data: Any) -> None:
@@ -77,6 +73,30 @@ def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             raise click.ClickException(f"{type(exc).__name__}: {exc}") from None
 
     return wrapper
+
+
+def setting(record: type[DataclassInstance], name: str) -> Any:
+    """The default of the field ``name`` of the settings record ``record``, for the option that
+    sets it: the CLI states no default of its own, so it cannot drift from the library's.
+
+    >>> setting(MemorySettings, "max_new_tokens") == MemorySettings().max_new_tokens
+    True
+    """
+    for f in dataclasses.fields(record):
+        if f.name == name:
+            if f.default is not dataclasses.MISSING:
+                return f.default
+            if f.default_factory is not dataclasses.MISSING:
+                return f.default_factory()
+            break
+    raise AttributeError(f"{record.__name__} has no field {name!r} with a default")
+
+
+def given_on_command_line(name: str) -> bool:
+    """Whether the option ``name`` (its parameter name) of the running command was given, rather
+    than left to its default (a value equal to the default counts as given)."""
+    source = click.get_current_context().get_parameter_source(name)
+    return source not in (None, ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP)
 
 
 def index_dir_option(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -150,21 +170,21 @@ sampling_options = option_group(
 _HISTORY_OPTIONS = {
     "history_share": click.option(
         "--history-share",
-        default=0.3,
+        default=setting(HistorySettings, "history_share"),
         show_default=True,
         type=click.FloatRange(0.0, 1.0, max_open=True),
         help="Share of the prompt room a conversation's history may take; retrieval gets the rest.",
     ),
     "summary_max_tokens": click.option(
         "--summary-max-tokens",
-        default=128,
+        default=setting(HistorySettings, "summary_max_tokens"),
         show_default=True,
         type=click.IntRange(min=1),
         help="Cap of the rolling summary older turns are folded into.",
     ),
     "recent_turns": click.option(
         "--recent-turns",
-        default=2,
+        default=setting(HistorySettings, "recent_turns"),
         show_default=True,
         type=click.IntRange(min=0),
         help="Turns kept verbatim when they fit.",
@@ -183,14 +203,14 @@ served_history_options = option_group(
         **_HISTORY_OPTIONS,
         "max_messages": click.option(
             "--max-messages",
-            default=DEFAULT_MAX_MESSAGES,
+            default=setting(HistorySettings, "max_messages"),
             show_default=True,
             type=click.IntRange(min=1),
             help="Most messages one request may send (the question included); more is a 400.",
         ),
         "max_history_chars": click.option(
             "--max-history-chars",
-            default=DEFAULT_MAX_HISTORY_CHARS,
+            default=setting(HistorySettings, "max_history_chars"),
             show_default=True,
             type=click.IntRange(min=0),
             help="Most characters the messages before the question may hold; more is a 400.",
@@ -201,29 +221,27 @@ served_history_options = option_group(
 
 
 def search_choice(retrieval: str, lexical_weight: float, fusion: str, **packing: Any) -> RetrievalSettings:
-    return RetrievalSettings(
-        hybrid=retrieval == "hybrid", lexical_weight=lexical_weight, fusion=fusion, **given(**packing)
-    )
+    return RetrievalSettings(hybrid=retrieval == "hybrid", lexical_weight=lexical_weight, fusion=fusion, **packing)
 
 
 _SEARCH_OPTIONS = {
     "retrieval": click.option(
         "--retrieval",
-        default="hybrid",
+        default="hybrid" if setting(RetrievalSettings, "hybrid") else "dense",
         show_default=True,
         type=click.Choice(["hybrid", "dense"]),
         help="BM25 fused with embeddings, or embeddings only.",
     ),
     "lexical_weight": click.option(
         "--lexical-weight",
-        default=0.5,
+        default=setting(RetrievalSettings, "lexical_weight"),
         show_default=True,
         type=click.FloatRange(0.0, 1.0),
         help="Weight of BM25 in the fused score.",
     ),
     "fusion": click.option(
         "--fusion",
-        default="score",
+        default=setting(RetrievalSettings, "fusion"),
         show_default=True,
         type=click.Choice(FUSIONS),
         help="Normalized score fusion or reciprocal rank fusion.",
@@ -233,15 +251,17 @@ _SEARCH_OPTIONS = {
 _PACKING_OPTIONS = {
     "fetch_k": click.option(
         "--fetch-k",
-        default=50,
+        default=setting(RetrievalSettings, "fetch_k"),
         show_default=True,
         type=click.IntRange(min=1),
         help="Candidates fetched from the index.",
     ),
-    "order": click.option("--order", default="relevance", show_default=True, type=click.Choice(ORDERS)),
+    "order": click.option(
+        "--order", default=setting(RetrievalSettings, "order"), show_default=True, type=click.Choice(ORDERS)
+    ),
     "pack": click.option(
         "--pack",
-        default=DEFAULT_PACK,
+        default=setting(RetrievalSettings, "pack"),
         show_default=True,
         type=click.Choice(list(PACKS)),
         help="Pack the question's sentences inside the best chunks (spans), or whole chunks.",
@@ -249,15 +269,15 @@ _PACKING_OPTIONS = {
     "fill_remainder": click.option(
         "--fill-remainder",
         is_flag=True,
-        help="With --pack chunks: give the room whole chunks leave to the best part of the next chunk "
-        "(off by default).",
+        default=setting(RetrievalSettings, "fill_remainder"),
+        help="With --pack chunks: give the room whole chunks leave to the best part of the next chunk.",
     ),
     "relevance_floor": click.option(
         "--relevance-floor",
-        default=None,
+        default=setting(RetrievalSettings, "relevance_floor"),
+        show_default=True,
         type=click.FloatRange(0.0, 1.0),
-        help=f"Leave out passages scoring under this fraction of the best one's score (default "
-        f"{DEFAULT_RELEVANCE_FLOOR}; 0: fill the allowance).",
+        help="Leave out passages scoring under this fraction of the best one's score (0: fill the allowance).",
     ),
 }
 
@@ -276,20 +296,12 @@ def engine(
     api_key_env: str | None,
     tokenizer: str | None,
     engine_context_tokens: int | None,
-    engine_timeout: float | None,
+    engine_timeout: float,
 ) -> EngineSettings | None:
     if engine is None:
-        named = [
-            name
-            for name, v in (
-                ("--engine-kind", engine_kind != "auto"),
-                ("--api-key-env", api_key_env),
-                ("--tokenizer", tokenizer),
-                ("--engine-context-tokens", engine_context_tokens),
-                ("--engine-timeout", engine_timeout is not None),
-            )
-            if v
-        ]
+        # Each of these only configures the engine: given without one, it would do nothing.
+        options = ("engine_kind", "api_key_env", "tokenizer", "engine_context_tokens", "engine_timeout")
+        named = ["--" + name.replace("_", "-") for name in options if given_on_command_line(name)]
         if named:
             raise click.UsageError(f"{', '.join(named)} need --engine URL")
         return None
@@ -299,7 +311,7 @@ def engine(
         api_key_env=api_key_env,
         tokenizer=tokenizer,
         context_tokens=engine_context_tokens,
-        **given(timeout=engine_timeout),  # absent: the record's default, stated once there
+        timeout=engine_timeout,
     )
 
 
@@ -311,44 +323,46 @@ engine_options = option_group(
     {
         "engine": click.option(
             "--engine",
-            default=None,
+            default=setting(EngineSettings, "url"),
             metavar="URL",
             help="Generate on a served engine (vLLM, SGLang, TGI, llama.cpp, Ollama, any OpenAI-compatible server) "
             "at URL, e.g. http://127.0.0.1:8080/v1, instead of a local model.",
         ),
         "engine_kind": click.option(
             "--engine-kind",
-            default="auto",
+            default=setting(EngineSettings, "kind"),
             show_default=True,
             type=click.Choice(["auto", *ENGINE_KINDS]),
             help="The engine's kind (auto: probe its routes and say which).",
         ),
         "api_key_env": click.option(
             "--api-key-env",
-            default=None,
+            default=setting(EngineSettings, "api_key_env"),
             metavar="VAR",
             help="Environment variable holding the engine's API key (never on the command line).",
         ),
         "tokenizer": click.option(
             "--tokenizer",
-            default=None,
+            default=setting(EngineSettings, "tokenizer"),
             metavar="NAME_OR_PATH",
             help="Local tokenizer for engines that cannot count (Ollama, generic OpenAI): 2% safety margin "
             "(default: tiktoken, 15%).",
         ),
         "engine_context_tokens": click.option(
             "--engine-context-tokens",
-            default=None,
+            default=setting(EngineSettings, "context_tokens"),
             type=click.IntRange(min=2),
             help="The engine's context window, for a server that does not report it.",
         ),
         "engine_timeout": click.option(
             "--engine-timeout",
-            default=None,
+            default=setting(EngineSettings, "timeout"),
             type=click.FloatRange(min=0.0, min_open=True),
             metavar="SECONDS",
+            # Stated in the help, not by show_default: click shows a float as "30.0", or a string in
+            # parentheses.
             help="Seconds any one engine reply may take (a whole answer, when not streamed) before it counts as "
-            f"an engine time-out [default: {EngineSettings().timeout:g}].",
+            f"an engine time-out [default: {setting(EngineSettings, 'timeout'):g}].",
         ),
     },
     engine,
@@ -378,41 +392,41 @@ def _gpu_callback(ctx: click.Context, param: click.Parameter, value: str | None)
 _MEMORY_OPTIONS = {
     "gpu": click.option(
         "--gpu",
-        default=None,
+        default=setting(MemorySettings, "gpu"),
         callback=_gpu_callback,
         help='auto (free CUDA memory), a GPU name ("RTX 4090"), a size ("24GiB"; a bare number is bytes) or, for '
         'budget, N identical GPUs ("2xH100").',
     ),
     "concurrency": click.option(
         "--concurrency",
-        default=1,
+        default=setting(MemorySettings, "concurrency"),
         show_default=True,
         type=click.IntRange(min=1),
         help="Requests sharing the KV memory.",
     ),
     "max_new_tokens": click.option(
         "--max-new-tokens",
-        default=256,
+        default=setting(MemorySettings, "max_new_tokens"),
         show_default=True,
         type=click.IntRange(min=1),
         help="Output tokens reserved per request.",
     ),
     "kv_dtype": click.option(
         "--kv-dtype",
-        default=None,
+        default=setting(MemorySettings, "kv_dtype"),
         type=click.Choice(["fp32", "fp16", "bf16", "fp8", "int8", "int4", "int2"]),
         help="KV cache dtype (default: the model's).",
     ),
     "cache": click.option(
         "--cache",
-        default="dynamic",
+        default=setting(MemorySettings, "cache"),
         show_default=True,
         type=click.Choice(CACHE_KINDS),
         help="transformers cache kind.",
     ),
     "utilization": click.option(
         "--utilization",
-        default=0.9,
+        default=setting(MemorySettings, "utilization"),
         show_default=True,
         type=click.FloatRange(0.05, 1.0),
         help="Share of GPU memory ragbudget may plan with.",
@@ -421,7 +435,7 @@ _MEMORY_OPTIONS = {
 
 #: ``--gpu --concurrency --max-new-tokens --kv-dtype --cache --utilization``, handed to ``budget``
 #: as ``memory``: a :class:`~ragbudget.settings.MemorySettings`.
-plan_options = option_group("memory", _MEMORY_OPTIONS, lambda **values: MemorySettings(**given(**values)))
+plan_options = option_group("memory", _MEMORY_OPTIONS, MemorySettings)
 
 #: The same and ``--ttft-target``, handed to ``ask``, ``chat`` and ``serve`` as ``memory``.
 memory_options = option_group(
@@ -430,12 +444,12 @@ memory_options = option_group(
         **_MEMORY_OPTIONS,
         "ttft_target": click.option(
             "--ttft-target",
-            default=None,
+            default=setting(MemorySettings, "ttft_target"),
             type=click.FloatRange(min=0.0),
             help="Seconds of prefill a request may take: caps the context by the measured prefill speed, and (serve) "
             "a request starts next to others only while its first token stays within it (default 2 on a CPU, "
             "none on a GPU; 0: no cap).",
         ),
     },
-    lambda **values: MemorySettings(**given(**values)),
+    MemorySettings,
 )

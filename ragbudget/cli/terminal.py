@@ -17,7 +17,9 @@ import re
 import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from types import FrameType, ModuleType
+from typing import IO, TYPE_CHECKING, Any  # Any: tqdm bars (no types), sampling keywords, a signal handler's result
 
 from ..errors import RagBudgetError
 from .display import format_sources, format_turn
@@ -54,13 +56,13 @@ class TerminalLines:
         prompt: str = "> ",
         *,
         history_file: str | None = None,
-        write: Callable[[str], Any] | None = None,
+        write: Callable[[str], object] | None = None,
         history_length: int = 1000,
     ) -> None:
         self.prompt = prompt
         self.history_file = history_file
         self._write = write or (lambda text: (sys.stdout.write(text), sys.stdout.flush()))
-        self._readline: Any = None
+        self._readline: ModuleType | None = None
         try:
             import readline
         except ImportError:  # Windows without pyreadline: input() still works, without history
@@ -103,9 +105,11 @@ class _CtrlC:
 
     def __init__(self, cancel: threading.Event) -> None:
         self.cancel = cancel
-        self._previous: Any = None
+        # What signal.signal returned: the handler to put back (a function, SIG_DFL/SIG_IGN, or None
+        # for one not installed from Python).
+        self._previous: Callable[[int, FrameType | None], Any] | int | None = None
 
-    def _handler(self, signum: int, frame: Any) -> None:
+    def _handler(self, signum: int, frame: FrameType | None) -> None:
         if self.cancel.is_set():
             raise KeyboardInterrupt
         self.cancel.set()
@@ -128,7 +132,7 @@ class _CtrlC:
 def run_chat(
     conversation: Conversation,
     lines: Iterable[str],
-    write: Callable[[str], Any],
+    write: Callable[[str], object],
     *,
     as_json: bool = False,
     stream: bool = False,
@@ -219,7 +223,7 @@ class Progress:
     UNITS = {"files": "file", "embed": "chunk", "sentences": "chunk", "write": "step"}
     LABELS = {"files": "files", "embed": "embedding", "sentences": "sentence vectors", "write": "writing"}
 
-    def __init__(self, *, enabled: bool, stream: Any = None, every: float = 10.0) -> None:
+    def __init__(self, *, enabled: bool, stream: IO[str] | None = None, every: float = 10.0) -> None:
         self.stream = stream if stream is not None else sys.stderr
         mode = os.environ.get("RAGBUDGET_PROGRESS", "").strip().lower()
         if not enabled or mode == "off":
@@ -231,9 +235,8 @@ class Progress:
             self.mode = "bars" if isatty is not None and isatty() else "lines"
         self.enabled = self.mode != "off"
         self.every = float(every)
-        self._bars: dict[str, Any] = {}
-        # phase -> [first seen (monotonic), done, total, last line printed (monotonic)]
-        self._lines: dict[str, list[Any]] = {}
+        self._bars: dict[str, Any] = {}  # tqdm bars: tqdm ships no types
+        self._lines: dict[str, _Phase] = {}
 
     def __enter__(self) -> Progress:
         return self
@@ -263,16 +266,16 @@ class Progress:
         now = time.monotonic()
         state = self._lines.get(phase)
         if state is None:
-            state = self._lines[phase] = [now, done, total, now]
+            state = self._lines[phase] = _Phase(start=now, done=done, total=total, printed=now)
             self._write(phase, state, now)
             return
-        state[1], state[2] = done, total
-        if now - state[3] >= self.every:
-            state[3] = now
+        state.done, state.total = done, total
+        if now - state.printed >= self.every:
+            state.printed = now
             self._write(phase, state, now)
 
-    def _write(self, phase: str, state: list[Any], now: float, *, end: bool = False) -> None:
-        start, done, total, _ = state
+    def _write(self, phase: str, state: _Phase, now: float, *, end: bool = False) -> None:
+        start, done, total = state.start, state.done, state.total
         unit = self.UNITS.get(phase, "item")
         text = f"{self.LABELS.get(phase, phase)}: {done:,}" + (f"/{total:,}" if total else "") + f" {unit}s"
         elapsed = now - start
@@ -294,6 +297,16 @@ class Progress:
         now = time.monotonic()
         for phase, state in self._lines.items():  # where each phase ended, and how long it took
             self._write(phase, state, now, end=True)
+
+
+@dataclass(kw_only=True)
+class _Phase:
+    """A phase's progress as :class:`Progress` prints it in lines (times are monotonic)."""
+
+    start: float  # when the phase was first seen
+    done: int
+    total: int | None
+    printed: float  # when its last line was printed
 
 
 def _duration(seconds: float) -> str:

@@ -64,12 +64,12 @@ import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any  # Any: FastAPI/Starlette objects (the serve extra, imported lazily)
 
 from ..errors import ConfigError, EngineError, RagBudgetError, SearchIndexError
-from ..settings import DEFAULT_REQUEST_TIMEOUT, HistorySettings, from_keywords
+from ..settings import DEFAULT_HOST, DEFAULT_PORT, DEFAULT_REQUEST_TIMEOUT, HistorySettings, from_keywords
 from .endpoints import CLIENT_LEFT, AdmissionView, ChatEndpoint, EngineLoad, IndexHealth, Workers, read_json
-from .malloc import limit_malloc_arenas
+from .malloc import DEFAULT_ARENAS, limit_malloc_arenas
 from .metrics import Metrics, admission_gauges
 from .openai_api import (
     CLIENT_CLOSED,
@@ -456,12 +456,12 @@ def _version() -> str:
 def serve(
     pipeline: "Pipeline",
     *,
-    host: str = "127.0.0.1",
-    port: int = 8000,
+    host: str = DEFAULT_HOST,
+    port: int = DEFAULT_PORT,
     api_key: str | None = None,
     log_level: str = "info",
     warm_up: bool = True,
-    malloc_arenas: int | None = 2,
+    malloc_arenas: int | None = DEFAULT_ARENAS,
     expose_plan: bool = False,
     **app_options: Any,
 ) -> None:
@@ -608,7 +608,7 @@ def _bind_socket(host: str, port: int) -> socket.socket:
 
 @contextlib.contextmanager
 def background_server(
-    app: Any, *, host: str = "127.0.0.1", port: int = 0, startup_timeout: float = 30.0
+    app: Any, *, host: str = DEFAULT_HOST, port: int = 0, startup_timeout: float = 30.0
 ) -> Iterator[str]:
     """Run ``app`` with uvicorn in a daemon thread (an ephemeral port by default) and yield its base
     URL, e.g. ``http://127.0.0.1:53412``; the server is stopped on exit. For tests and benchmarks.

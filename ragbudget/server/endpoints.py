@@ -26,7 +26,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any  # Any: Starlette requests and responses (imported lazily), JSON
 
 from ..errors import ConfigError, EngineError, IndexNotFoundError, RagBudgetError
 from ..memory.admission import AdmissionController

@@ -2,8 +2,8 @@
 (:class:`EngineLoad`, wired by :func:`ragbudget.server.app.create_app`; the chat endpoint refuses
 early by it, ``/health`` and ``/metrics`` show it).
 
-One job: knowing, at most a second late and without ever waiting on the engine, whether the engine
-can take a request now — up (and how loaded) or unavailable (and why).
+It knows, at most a second late and without ever waiting on the engine, whether the engine can
+take a request now — up (and how loaded) or unavailable (and why).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import math
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar  # Any: JSON for /health, a served backend's HTTP client
 
 from ..errors import EngineConnectionError, EngineError, EngineOverloadedError, EngineTimeoutError
 from .openai_api import engine_unavailable
@@ -28,8 +28,10 @@ __all__ = ["EngineLoad", "quick_look"]
 # The server's logger: the engine coming and going belongs with the server's lines.
 log = logging.getLogger("ragbudget.server")
 
+T = TypeVar("T")
 
-def quick_look(pipeline: Pipeline, fn: Callable[[], Any]) -> Any:
+
+def quick_look(pipeline: Pipeline, fn: Callable[[], T]) -> T:
     """``fn()``, with what it asks a served engine asked as a quick look (:meth:`HTTP.probing
     <ragbudget.generation.engines.HTTP.probing>`: an overloaded or loading engine says so at once, without
     the back-off a request gets). For what /health and the early refusals read: they must answer
@@ -66,6 +68,7 @@ class EngineLoad:
         self._read_at = -math.inf
         self._figures: tuple[Capacity | None, str] = (None, "not read yet")
         self.error: EngineError | None = None  # why the engine is unavailable now (None: it is not)
+        # A ServedBackend's HTTP client, found by duck typing (the Backend protocol names none).
         self._http: Any = None
         # Which engine, for /health, before the first connection names it: the URL as given
         # (credentials dropped) and the kind asked for.

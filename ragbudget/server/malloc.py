@@ -17,17 +17,20 @@ import platform
 import sys
 import threading
 from collections.abc import Callable
-from typing import Any
 
 from ..errors import ConfigError
 
-__all__ = ["IdleTrimmer", "limit_malloc_arenas", "release_memory", "trimming_supported"]
+__all__ = ["DEFAULT_ARENAS", "IdleTrimmer", "limit_malloc_arenas", "release_memory", "trimming_supported"]
 
 _M_ARENA_MAX = -8  # glibc's mallopt parameter number (malloc.h)
 
+#: Arenas ``ragbudget serve`` caps glibc at (instead of up to 8 per core). bench/load.py's
+#: ``--malloc-arenas`` defaults to it, so the load figures it measures are the server's as shipped.
+DEFAULT_ARENAS = 2
+
 
 @functools.lru_cache(maxsize=1)
-def _glibc() -> Any:
+def _glibc() -> ctypes.CDLL | None:
     """glibc through ctypes, or None (musl, macOS, Windows: their allocators need no help here)."""
     if not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc":
         return None
@@ -50,7 +53,7 @@ def release_memory() -> bool:
     return bool(libc.malloc_trim(0)) if libc is not None else False
 
 
-def limit_malloc_arenas(n: int = 2) -> bool:
+def limit_malloc_arenas(n: int = DEFAULT_ARENAS) -> bool:
     """Cap glibc's malloc arenas at ``n`` (``mallopt(M_ARENA_MAX, n)``, what ``MALLOC_ARENA_MAX=n``
     does), for the threads that allocate from now on. A thread pool doing model work otherwise
     spreads its garbage over up to 8 arenas per core. An explicit ``MALLOC_ARENA_MAX`` in the
