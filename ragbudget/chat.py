@@ -51,6 +51,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .errors import BudgetError, ConfigError, RequestCancelled
+from .generation.allowance import limit_phrase, question_room
 from .prompt.followup import expand_query
 from .settings import HistorySettings, RecordField, from_keywords
 
@@ -220,28 +221,10 @@ class _Meter:
 
 
 def _plan_numbers(pipeline: Pipeline, max_new_tokens: int | None) -> tuple[int, int]:
-    """(total tokens per request, reserved output tokens) from the pipeline's plan: the memory
-    plan, or on a served engine its window (or KV share) for one request, as planned now."""
-    new_tokens = pipeline.memory.max_new_tokens if max_new_tokens is None else max_new_tokens
-    if pipeline.served:
-        eplan = pipeline.engine_plan(new_tokens)
-        return eplan.max_context_tokens, eplan.max_new_tokens
-    plan = pipeline.plan_for(new_tokens)
+    """(total tokens per request, reserved output tokens) from the plan the pipeline budgets a
+    request by now: the memory plan, or on a served engine its window (or KV share)."""
+    plan = pipeline.request_plan(max_new_tokens)
     return plan.max_context_tokens, plan.max_new_tokens
-
-
-def _binding(pipeline: Pipeline, max_new_tokens: int) -> str:
-    """What sets the tokens per request, as the pipeline's own plan says (``""`` when the
-    plan names no single limit)."""
-    if pipeline.served:
-        b = pipeline.engine_plan(max_new_tokens).budget
-        return f": the engine's {b.binding} limit ({b.binding_source})"
-    plan = pipeline.plan_for(max_new_tokens)
-    if plan.limited_by == "model":
-        return f": the model window ({plan.model}: max_position_embeddings)"
-    if plan.limited_by == "memory":
-        return f": the KV memory on {plan.gpu_name} at concurrency {plan.concurrency}"
-    return ""
 
 
 # --- the conversation -----------------------------------------------------------------------------
@@ -521,23 +504,20 @@ class Conversation:
             raise ConfigError("the question is empty")
         t_start = time.perf_counter()
         self._summary_s, self._fallback = 0.0, ""
-        total, output = _plan_numbers(self.pipeline, self.max_new_tokens)
-        prompt_allowed = total - output
+        plan = self.pipeline.request_plan(self.max_new_tokens)
+        output = plan.max_new_tokens
         system_tokens = self._meter.cost(self._state.system, question) if self._state.system else 0
         fixed = self._meter.fixed(question) + system_tokens
-        if not self.pipeline.served:
-            # The pipeline's own rule (Pipeline.ask decides by it too): memory and the window
-            # bound the question; a time cap never refuses one, it only shortens the context.
-            from .pipeline import prompt_room
-
-            prompt_allowed = prompt_room(self.pipeline.plan_for(output), fixed, output)
-            total = prompt_allowed + output
+        # The pipeline's own rule (Pipeline.ask decides by it too): memory and the window bound
+        # the question; a time cap never refuses one, it only shortens the context.
+        prompt_allowed = question_room(plan, fixed, output)
+        total = prompt_allowed + output
         room = prompt_allowed - fixed
         if room <= 0:
             what = "the question and system messages" if system_tokens else "the question"
             raise BudgetError(
                 f"{what} alone take {fixed} prompt tokens but the budget allows {prompt_allowed} "
-                f"({total} per request{_binding(self.pipeline, output)} minus {output} reserved "
+                f"({total} per request{limit_phrase(plan)} minus {output} reserved "
                 "for the answer); shorten the question, lower max_new_tokens, or plan for a larger "
                 "GPU",
                 needed=fixed + output,

@@ -455,6 +455,12 @@ class Generator:
         return self._ref
 
     @property
+    def spec(self) -> str | None:
+        """The model as it was given, what a memory plan reads before the model is loaded
+        (``None``: the packaged default; a :class:`ModelRef`: its id)."""
+        return self._spec.id if isinstance(self._spec, ModelRef) else self._spec
+
+    @property
     def loaded(self) -> bool:
         """Whether the model is in memory (then a budget can use its real size and dtype)."""
         return self._model is not None
