@@ -130,8 +130,12 @@ class EnginePlan:
         }
 
 
-#: Context tokens a time cap always leaves: room for (a cut window of) the best chunk.
-MIN_TIME_CONTEXT = 256
+#: Context tokens a time cap always leaves: room for the best chunk whole (the default chunker
+#: makes 300-500 tokens). A speed probed on a busy host can be 10-15x too slow (seen in CI: 15 ms a
+#: token where the idle host gives 1.2), and the 256 tokens this was before left SmolLM2 a cut
+#: window it could not answer from ("The answer is: [4] Warsaw.md"); at 384 and 512 it answered
+#: the three demo questions. A slow first token beats an answer from nothing.
+MIN_TIME_CONTEXT = 512
 
 
 def prompt_room(plan: BudgetPlan, fixed: int, max_new_tokens: int) -> int:
@@ -139,7 +143,7 @@ def prompt_room(plan: BudgetPlan, fixed: int, max_new_tokens: int) -> int:
     and chat template) costs ``fixed``, by ``plan``: what memory and the model's window allow —
     a question past that is a :class:`~ragbudget.errors.BudgetError` naming the limit — cut to
     the plan's time cap when there is one, which never refuses a question and always leaves room
-    for (a cut window of) the best passage. :meth:`~ragbudget.pipeline.Pipeline.ask` and
+    for the best passage whole. :meth:`~ragbudget.pipeline.Pipeline.ask` and
     :class:`~ragbudget.chat.Conversation` both decide by it.
 
     >>> from ragbudget.memory.budget import cap_plan_for_time, plan_budget
@@ -170,7 +174,7 @@ def time_cap(plan: BudgetPlan, fixed: int, *, device: str, speed: Mapping[str, A
         return None
     prompt_tokens = plan.time_prompt_tokens
     # A question is never cut, and a context too small for one passage answers from nothing:
-    # the cap keeps room for at least a cut best chunk.
+    # the cap keeps room for at least the best chunk whole.
     cap = max(MIN_TIME_CONTEXT, prompt_tokens - fixed)
     speed = speed or {}
     return {
