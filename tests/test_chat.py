@@ -260,6 +260,24 @@ def test_question_is_never_truncated_and_too_long_is_a_budget_error() -> None:
         Conversation(pipe).ask(" ".join(["word"] * 400))
 
 
+def test_a_conversation_on_a_backend_that_plans_its_memory_fits_each_turn_to_that_plan() -> None:
+    # The shared fake on the local path (a memory plan in its capacity record): chat budgets each
+    # turn by the plan for its reserved answer, refuses by memory, and the banner shows the plan.
+    from ragbudget.cli.display import chat_banner
+
+    backend = FakeBackend(WordCounter(), template=ChatTemplate(), memory_plan={"gpu": "320MiB"})
+    pipe = Pipeline(corpus_index(), backend=backend, gpu="320MiB", max_new_tokens=40, relevance_floor=0)
+    chat = Conversation(pipe)
+    turn = chat.ask("What is Warsaw known for?")
+    plan = backend.plans[40]
+    assert plan.limited_by == "memory" and not pipe.served
+    assert turn.budget.total <= plan.max_context_tokens and not turn.budget.overrun
+    assert turn.answer.report["budget"]["kv_capacity_tokens"] == plan.kv_capacity_tokens
+    assert f"KV {plan.kv_bytes_per_token} B/token" in chat_banner(chat)
+    with pytest.raises(BudgetError, match="the KV memory holds"):
+        Conversation(pipe).ask(" ".join(["word"] * (plan.max_context_tokens + 10)))
+
+
 def test_invalid_settings_are_config_errors() -> None:
     pipe = chat_pipeline()
     for kwargs in (
