@@ -188,6 +188,9 @@ def create_app(
     )
     if summary_cache_size < 0:
         raise ConfigError(f"summary_cache_size must be >= 0 (0: no cache), got {summary_cache_size}")
+    # Asked before anything connects: an engine not connected yet is one without a reading of its
+    # figures (which the first request would then reuse for up to a second).
+    engine_load = EngineLoad(pipeline) if pipeline.served else None
     served = model_name or _default_model_name(pipeline)
     models = [served] if served == "ragbudget" else [served, "ragbudget"]
     metrics = Metrics()
@@ -195,7 +198,6 @@ def create_app(
     started = time.time()
     health = IndexHealth(pipeline)
     admission = AdmissionView(pipeline, expose_plan=expose_plan)
-    engine_load = EngineLoad(pipeline) if pipeline.served else None
     summary_cache = None
     if summary_cache_size > 0:
         from ..chat import SummaryCache
