@@ -1,7 +1,5 @@
 """Budgeted retrieve-then-generate: the one object most users need.
 
-One job: one question from retrieval to answer, each stage called in order under the plan.
-
 :class:`Pipeline` ties the stages together — index, memory plan, selection, prompt, generation —
 so that every request's prompt provably fits the KV memory it was planned for:
 
@@ -15,7 +13,8 @@ so that every request's prompt provably fits the KV memory it was planned for:
 5. admission control reserves ``prompt + max_new_tokens`` KV tokens for the duration of the call,
    so concurrent requests never oversubscribe the capacity the plan computed.
 
-Its settings are records (:mod:`ragbudget.settings`); what one request may hold is
+Its settings are records (:mod:`ragbudget.settings`); what one request may hold, and admission
+control, :mod:`ragbudget.planning` (the pipeline's base, which asks the backend); the rules are
 :mod:`ragbudget.generation.allowance`, the measured speed and its time rules :mod:`ragbudget.generation.pacing`, and
 what a question gets back :mod:`ragbudget.answer` (``Answer``, ``AnswerStream`` and
 ``EnginePlan`` are importable from here too).
@@ -46,15 +45,13 @@ from .errors import (
     RequestCancelled,
 )
 from .generation.allowance import (
-    UNLIMITED_TOKENS,
     Allowance,
     EnginePlan,
     RequestPlan,
-    admission_size,
     prompt_room,
     request_allowance,
-    request_plan,
 )
+from .planning import Planning
 from .retrieval.embed import make_embedder
 from .settings import (
     DEFAULT_RELEVANCE_FLOOR,
@@ -74,7 +71,6 @@ if TYPE_CHECKING:
     from .generation.backend import Backend
     from .generation.generate import Generator
     from .memory.admission import AdmissionController
-    from .memory.budget import BudgetPlan
     from .prompt.prompt import Prompt, PromptBuilder
     from .prompt.select import Selection
     from .retrieval.embed import Embedder
@@ -101,7 +97,7 @@ def _check_question(question: Any, name: str = "question") -> str:
     return text
 
 
-class Pipeline:
+class Pipeline(Planning):
     """Index documents and answer questions inside a GPU memory budget.
 
     Everything heavy (models, the FAISS index) loads on first use, so constructing a pipeline is
@@ -331,17 +327,10 @@ class Pipeline:
         backend = self.backend
         gen: Generator | None = getattr(backend, "generator", None)
         if gen is None:
-            raise ConfigError(f"this pipeline generates on {backend!r}: it has no local generator (use pipeline.backend)")
+            raise ConfigError(
+                f"this pipeline generates on {backend!r}: it has no local generator (use pipeline.backend)"
+            )
         return gen
-
-    @property
-    def served(self) -> bool:
-        """Whether generation runs on an engine that holds its own memory and reports it (its
-        capacity has no memory plan: :meth:`engine_plan` applies, not :meth:`plan_for`). Asked of
-        the backend; an engine not connected yet is one without connecting."""
-        if self._backend is None:
-            return True  # only an engine (engine=) is connected to on first use
-        return self._backend.capacity(max_new_tokens=self.memory.max_new_tokens).plan is None
 
     @property
     def backend(self) -> Backend:
@@ -371,38 +360,6 @@ class Pipeline:
         _ = self.admission
         self.search("warm-up", k=1)
 
-    # -- plans --------------------------------------------------------------------------------------
-
-    def request_plan(
-        self, max_new_tokens: int | None = None, *, question: str = "", history: Sequence[dict[str, str]] | None = None
-    ) -> RequestPlan:
-        """The plan one request reserving ``max_new_tokens`` (default: the pipeline's) is budgeted
-        by now: the memory plan where ragbudget plans the backend's memory (the local generator,
-        :meth:`plan_for`), else the engine's figures with what they leave after the template,
-        system prompt, ``history`` and ``question`` (:meth:`engine_plan`)."""
-        new_tokens = self.memory.max_new_tokens if max_new_tokens is None else max_new_tokens
-        check_int("max_new_tokens", new_tokens, 1)
-        backend = self.backend
-        return request_plan(
-            backend,
-            backend.capacity(max_new_tokens=new_tokens),
-            max_new_tokens=new_tokens,
-            overhead=lambda: self.prompt_builder.with_history(history).fixed_tokens(question),
-        )
-
-    def engine_plan(
-        self, max_new_tokens: int | None = None, *, question: str = "", history: Sequence[dict[str, str]] | None = None
-    ) -> EnginePlan:
-        """The served engine's allowance for one request now: its capacity (each figure with
-        source and age) and the context tokens left after the template, system prompt,
-        ``history``, ``question`` and ``max_new_tokens`` (default: the pipeline's)."""
-        plan = self.request_plan(max_new_tokens, question=question, history=history)
-        if not isinstance(plan, EnginePlan):
-            raise ConfigError(
-                "engine_plan() is for a pipeline on a served engine; a local one plans from memory: use plan_for()"
-            )
-        return plan
-
     @property
     def store(self) -> Index:
         """The opened index (raises :class:`~ragbudget.errors.IndexNotFoundError` if none)."""
@@ -413,24 +370,6 @@ class Pipeline:
                 self._index = Index.open(self.index_dir)
             return self._index
 
-    @property
-    def plan(self) -> BudgetPlan:
-        """The memory plan for the configured ``max_new_tokens``."""
-        return self.plan_for(self.memory.max_new_tokens)
-
-    def plan_for(self, max_new_tokens: int) -> BudgetPlan:
-        """The memory plan reserving ``max_new_tokens`` (the backend keeps one per value). Where
-        ragbudget plans the memory only: a pipeline on a served engine plans from the engine's
-        figures (:meth:`engine_plan`)."""
-        plan = self.backend.capacity(max_new_tokens=max_new_tokens).plan
-        if plan is None:
-            raise ConfigError(
-                "a pipeline on a served engine has no memory plan; its allowance "
-                "comes from the engine's own figures: use engine_plan()"
-            )
-        return plan
-
-    #: What :meth:`calibrate` asks: any index has an answer to it.
     CALIBRATION_QUESTION = "What is this about?"
 
     def calibrate(self, question: str = CALIBRATION_QUESTION, *, max_new_tokens: int = 16) -> Answer | None:
@@ -445,101 +384,6 @@ class Pipeline:
         if self.admission.throughput is None:
             return None
         return self.ask(question, max_new_tokens=max_new_tokens, on_text=lambda _piece: None)
-
-    #: Seconds between two looks at whether a provisional speed can be measured again.
-    SPEED_RECHECK_S = 30.0
-
-    def refresh_speed(self) -> bool:
-        """Measure the prefill and decode speed again when the one in use was taken on a busy
-        host (``provisional``) and both the host and this pipeline are idle now; then plan
-        again (the time cap) and give admission the new speed. True when it measured.
-
-        A server measures at warm-up, often while the host is busy: without this, a speed
-        several times too slow would cap every context and size every Retry-After for the
-        server's life. The backend looks at most every :attr:`SPEED_RECHECK_S` seconds, and
-        measures only with nothing running or queued (a few seconds, paid by the request that
-        finds the host idle), so requests never compete with the probe. A backend that measures
-        nothing (an engine) never does."""
-        backend = self._backend
-        if backend is None:  # not connected yet: nothing was measured
-            return False
-        with self._lock:
-            ctl = self._admission
-
-            def idle() -> bool:
-                s = ctl.stats() if ctl is not None else None
-                return s is None or not (s.running or s.queued)
-
-            if not backend.refresh_speed(idle=idle, recheck_s=self.SPEED_RECHECK_S):
-                return False
-            if ctl is not None and self._admission_tuned:
-                backend.tune(ctl)
-        return True
-
-    @property
-    def admission(self) -> AdmissionController:
-        """Admission control sized from the backend's capacity (shared by all threads): the
-        memory plan's KV capacity, or on a served engine the KV tokens it reports, else its
-        window × request slots; an engine that reports neither is not limited here (fail open —
-        the engine queues and refuses itself). The backend then adds what it knows of a
-        request's cost beyond its KV tokens (the local model's activations and measured speed,
-        once it is loaded)."""
-        with self._lock:
-            if self._admission is None:
-                from .memory.admission import AdmissionController
-
-                self._admission = AdmissionController(
-                    self._admission_tokens(),
-                    max_queue=self.queue.size,
-                    timeout=self.queue.timeout,
-                )
-            if not self._admission_tuned:
-                self._admission_tuned = self.backend.tune(self._admission)
-            return self._admission
-
-    def admission_estimate(self, max_new_tokens: int | None = None) -> tuple[int, int]:
-        """``(tokens, prompt_tokens)`` a request is expected to reserve, known before its prompt
-        is built: the prompt one request may hold (the plan's allowance, capped for time on a
-        CPU; an engine's window) and the answer. For a cheap look at admission (the server's
-        early 429) — the real prompt, usually shorter, is what :meth:`ask` reserves."""
-        new = self.memory.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
-        window = self.backend.capacity(max_new_tokens=new).max_context_tokens or new
-        prompt = max(0, window - new)
-        return prompt + new, prompt
-
-    def _admission_tokens(self) -> int:
-        tokens, note = admission_size(self.backend.capacity(max_new_tokens=self.memory.max_new_tokens))
-        if tokens == UNLIMITED_TOKENS:
-            log.warning("%s", note)
-        return tokens
-
-    def admission_note(self) -> str:
-        """What admission control is sized from, in one line (``serve`` logs it)."""
-        note = admission_size(self.backend.capacity(max_new_tokens=self.memory.max_new_tokens))[1]
-        ctl = self.admission
-        parts = [note]
-        if ctl.memory is not None:
-            gib = ctl.memory.capacity_bytes / 2**30
-            parts = [f"KV + activations per request in {gib:.2f} GiB ({ctl.memory.source})"]
-        if ctl.throughput is not None:
-            t = ctl.throughput
-            parts.append(
-                f"time: prefill {t.prefill_a * 1e3:.2f} ms/token, decode "
-                f"{t.decode_s * 1e3:.1f} ms/token ({t.source}); first token within "
-                f"the queue time-out {self.queue.timeout:g} s, started next to "
-                "others only within the TTFT target "
-                f"{ctl.ttft_target if ctl.ttft_target is not None else 'none'}"
-            )
-        return "; ".join(parts)
-
-    @property
-    def prompt_builder(self) -> PromptBuilder:
-        """The builder that renders and counts this pipeline's prompts as its backend will see
-        them (the local model's tokenizer, or the engine's)."""
-        with self._lock:
-            if self._builder is None:
-                self._builder = self.backend.prompt_builder(self.system_prompt)
-            return self._builder
 
     # -- indexing and search ----------------------------------------------------------------------
 
