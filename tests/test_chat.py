@@ -155,7 +155,6 @@ def test_ten_turns_over_budget_keep_answering_with_summary_and_no_overrun() -> N
 
 
 def _all_turns(turns: list[Any]) -> list[Any]:
-    from ragbudget.chat import Turn
 
     return [Turn(t.question, t.text) for t in turns]
 
@@ -657,19 +656,6 @@ def test_a_history_over_the_limits_is_refused_before_anything_is_counted() -> No
         Conversation.from_messages(pipe, [{"role": "user", "content": "x" * 101}], history=limits)
     assert fake(pipe).counted == 0
     Conversation.from_messages(pipe, [{"role": "user", "content": "x" * 100}], history=limits)
-
-
-def test_summary_cache_is_bounded_and_validated() -> None:
-    cache = SummaryCache(max_entries=2)
-    root = SummaryCache.root("", 128)
-    keys = [SummaryCache.extend(root, Turn(f"q{i}", f"a{i}")) for i in range(3)]
-    for k in keys:
-        cache.put(k, k[:8])
-    assert len(cache) == 2 and cache.get(keys[0]) is None and cache.get(keys[2]) == keys[2][:8]
-    assert SummaryCache.extend(root, Turn("ab", "c")) != SummaryCache.extend(root, Turn("a", "bc"))
-    assert SummaryCache.root("", 128) != SummaryCache.root("", 64) != SummaryCache.root("x", 64)
-    with pytest.raises(ConfigError, match="max_entries"):
-        SummaryCache(0)
 
 
 @pytest.fixture
