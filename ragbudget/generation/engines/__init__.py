@@ -121,9 +121,8 @@ def backend_class(kind: str) -> type[ServedBackend]:
 
     if kind in _BUILT_IN:
         module, name = _BUILT_IN[kind]
-        cls = getattr(importlib.import_module(f".{module}", __name__), name)
-        assert issubclass(cls, ServedBackend)
-        return cls
+        built_in: type[ServedBackend] = getattr(importlib.import_module(f".{module}", __name__), name)
+        return built_in
     from importlib.metadata import entry_points
 
     found = [ep for ep in entry_points(group=ENGINE_GROUP) if ep.name == kind]
