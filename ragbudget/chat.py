@@ -208,13 +208,6 @@ class _Meter:
         return " ".join(words[:lo])
 
 
-def _plan_numbers(pipeline: Pipeline, max_new_tokens: int | None) -> tuple[int, int]:
-    """(total tokens per request, reserved output tokens) from the plan the pipeline budgets a
-    request by now: the memory plan, or on a served engine its window (or KV share)."""
-    plan = pipeline.request_plan(max_new_tokens)
-    return plan.max_context_tokens, plan.max_new_tokens
-
-
 # --- the conversation -----------------------------------------------------------------------------
 
 
@@ -658,7 +651,9 @@ class Conversation:
         ``""`` leaves the fold to the extractive summary. Raises
         :class:`~ragbudget.errors.RequestCancelled` when ``cancel`` is set before it generates."""
         _check_cancel(cancel)
-        total, _ = _plan_numbers(self.pipeline, self.max_new_tokens)
+        # The tokens one request may hold by the plan it is budgeted by now (memory, or the
+        # engine's window or KV share): the summary's request gets them too.
+        total = self.pipeline.request_plan(self.max_new_tokens).max_context_tokens
         prompt_room = total - cap
         meter = self._meter
         # The newest exchanges that fit the summarization prompt, each cut short (the summary
