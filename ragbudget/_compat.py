@@ -151,15 +151,15 @@ def install() -> None:
 
 
 def moved_attribute(package: str, module: str, name: str, quiet: tuple[str, ...] = ()) -> Any:
-    """For a package's ``__getattr__``: ``package.name`` where ``name`` is one that the flat
-    module ``package`` used to define and ``module`` defines now, with a ``DeprecationWarning``
-    (none for the names in ``quiet``, which stay). Sub-modules, private and dunder names are an
+    """For a package's (or a module's) ``__getattr__``: ``package.name`` where ``name`` is one
+    that the flat module ``package`` used to define and ``module`` defines now, with a
+    ``DeprecationWarning`` (none for the names in ``quiet``, which stay). Sub-modules, private and dunder names are an
     ``AttributeError`` as usual, so imports and tools that probe a module behave."""
     missing = AttributeError(f"module {package!r} has no attribute {name!r}")
     if name.startswith("_"):
         raise missing
     parent = sys.modules[package]
-    here = parent.__path__
+    here = getattr(parent, "__path__", ())  # a module (no sub-modules) keeps moved names too
     if any(os.path.exists(os.path.join(p, f"{name}.py")) or os.path.isdir(os.path.join(p, name)) for p in here):
         raise missing  # a sub-module not imported yet: the import system loads it
     try:

@@ -1,8 +1,9 @@
 """Conversation memory inside the one memory budget.
 
-One job: a conversation's history inside a request's budget — counting it after the chat
-template, folding older turns into a summary (bounded in work and time, cancellable), and
-accounting for where the tokens went.
+A conversation's history inside a request's budget: counting it after the chat template,
+folding older turns into a summary (bounded in work and time, cancellable), and accounting for
+where the tokens went. What a summary is and how it is kept across requests is
+:mod:`ragbudget.summaries`.
 
 A chat turn's prompt holds the earlier conversation, the retrieved context and the question, and
 the KV cache must also hold the reserved output. All of it shares *one* per-request budget
@@ -41,24 +42,30 @@ question verbatim, with the conversation as history.
 
 from __future__ import annotations
 
-import hashlib
-import re
-import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .errors import BudgetError, ConfigError, RequestCancelled
+from .generation.allowance import limit_phrase, question_room
 from .prompt.followup import expand_query
 from .settings import HistorySettings, RecordField, from_keywords
+from .summaries import (
+    SUMMARY_PREFIX,
+    Summarizer,
+    SummaryCache,
+    Turn,
+    extractive_summary,
+    summary_messages,
+)
 
 if TYPE_CHECKING:
     from .generation.backend import Backend
     from .pipeline import Answer, Pipeline
 
 __all__ = [
+    "SUMMARY_PREFIX",
     "ChatTurn",
     "Conversation",
     "SummaryCache",
@@ -68,25 +75,7 @@ __all__ = [
 
 Message = dict[str, str]
 
-SUMMARY_PREFIX = "Summary of the earlier conversation: "
-
-_SUMMARY_SYSTEM = (
-    "You keep a running summary of a conversation between a user and an assistant that answers "
-    "from documents. Write a short factual summary: the topics and names the user asked about and "
-    "the key facts of the answers. No preamble."
-)
-
 # --- records --------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Turn:
-    """One finished exchange kept in memory: the question, the answer text, and what was
-    retrieved for it."""
-
-    question: str
-    answer: str
-    retrieval_query: str = ""
 
 
 @dataclass(frozen=True)
@@ -219,117 +208,7 @@ class _Meter:
         return " ".join(words[:lo])
 
 
-def _plan_numbers(pipeline: Pipeline, max_new_tokens: int | None) -> tuple[int, int]:
-    """(total tokens per request, reserved output tokens) from the pipeline's plan: the memory
-    plan, or on a served engine its window (or KV share) for one request, as planned now."""
-    new_tokens = pipeline.memory.max_new_tokens if max_new_tokens is None else max_new_tokens
-    if pipeline.served:
-        eplan = pipeline.engine_plan(new_tokens)
-        return eplan.max_context_tokens, eplan.max_new_tokens
-    plan = pipeline.plan_for(new_tokens)
-    return plan.max_context_tokens, plan.max_new_tokens
-
-
-def _binding(pipeline: Pipeline, max_new_tokens: int) -> str:
-    """What sets the tokens per request, as the pipeline's own plan says (``""`` when the
-    plan names no single limit)."""
-    if pipeline.served:
-        b = pipeline.engine_plan(max_new_tokens).budget
-        return f": the engine's {b.binding} limit ({b.binding_source})"
-    plan = pipeline.plan_for(max_new_tokens)
-    if plan.limited_by == "model":
-        return f": the model window ({plan.model}: max_position_embeddings)"
-    if plan.limited_by == "memory":
-        return f": the KV memory on {plan.gpu_name} at concurrency {plan.concurrency}"
-    return ""
-
-
 # --- the conversation -----------------------------------------------------------------------------
-
-Summarizer = Callable[[str, Sequence[Turn], int], str]
-
-
-class SummaryCache:
-    """Rolling summaries of conversation prefixes, shared by the requests of one server.
-
-    An HTTP client resends its whole history with every request, so without memory between
-    requests each over-long one would summarize all of its older turns again. The cache maps a
-    prefix (the summary it started from plus the turns folded into it, chained through SHA-256)
-    to the summary written for it: the next request of the same conversation starts from the
-    longest cached prefix and folds only the turns that are new, exactly as an in-memory
-    :class:`Conversation` would, and a retried request costs no generation at all. A cached
-    summary is the one that conversation, held in memory, would have at that point: written
-    greedily by an earlier request, in the room that request had. One cut short by a client that
-    left is never kept, and a summary cut to fit a request with less room than its writer's starts
-    a chain of its own. Thread-safe; the least recently used of more than ``max_entries``
-    summaries are forgotten.
-    """
-
-    def __init__(self, max_entries: int = 1024) -> None:
-        if max_entries < 1:
-            raise ConfigError(f"max_entries must be >= 1, got {max_entries}")
-        self.max_entries = max_entries
-        self.hits = 0
-        self.misses = 0
-        self._data: OrderedDict[str, str] = OrderedDict()
-        self._lock = threading.Lock()
-
-    @staticmethod
-    def root(summary: str, summary_max_tokens: int) -> str:
-        """The key of a conversation before any fold: the summary it starts from (a client may
-        send one back) and the summary's length cap."""
-        return _digest("root", str(summary_max_tokens), summary)
-
-    @staticmethod
-    def extend(key: str, turn: Turn) -> str:
-        """The key of the prefix ``key`` with ``turn`` folded in after it."""
-        return _digest(key, turn.question, turn.answer)
-
-    def get(self, key: str) -> str | None:
-        with self._lock:
-            value = self._data.get(key)
-            if value is None:
-                self.misses += 1
-            else:
-                self.hits += 1
-                self._data.move_to_end(key)
-            return value
-
-    def longest(self, keys: Sequence[str]) -> tuple[int, str] | None:
-        """``(j, summary)`` for the longest cached ``keys[:j]`` (``keys[j - 1]`` cached), or
-        None; one lookup in the hit/miss counts."""
-        if not keys:
-            return None
-        with self._lock:
-            for j in range(len(keys), 0, -1):
-                value = self._data.get(keys[j - 1])
-                if value is not None:
-                    self.hits += 1
-                    self._data.move_to_end(keys[j - 1])
-                    return j, value
-            self.misses += 1
-            return None
-
-    def put(self, key: str, summary: str) -> None:
-        with self._lock:
-            self._data[key] = summary
-            self._data.move_to_end(key)
-            while len(self._data) > self.max_entries:
-                self._data.popitem(last=False)
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._data)
-
-
-def _digest(*parts: str) -> str:
-    h = hashlib.sha256()
-    for part in parts:
-        data = part.encode("utf-8", "surrogatepass")
-        # Length-prefixed, so ("ab", "c") and ("a", "bc") never collide.
-        h.update(len(data).to_bytes(8, "little"))
-        h.update(data)
-    return h.hexdigest()
 
 
 @dataclass
@@ -521,23 +400,20 @@ class Conversation:
             raise ConfigError("the question is empty")
         t_start = time.perf_counter()
         self._summary_s, self._fallback = 0.0, ""
-        total, output = _plan_numbers(self.pipeline, self.max_new_tokens)
-        prompt_allowed = total - output
+        plan = self.pipeline.request_plan(self.max_new_tokens)
+        output = plan.max_new_tokens
         system_tokens = self._meter.cost(self._state.system, question) if self._state.system else 0
         fixed = self._meter.fixed(question) + system_tokens
-        if not self.pipeline.served:
-            # The pipeline's own rule (Pipeline.ask decides by it too): memory and the window
-            # bound the question; a time cap never refuses one, it only shortens the context.
-            from .pipeline import prompt_room
-
-            prompt_allowed = prompt_room(self.pipeline.plan_for(output), fixed, output)
-            total = prompt_allowed + output
+        # The pipeline's own rule (Pipeline.ask decides by it too): memory and the window bound
+        # the question; a time cap never refuses one, it only shortens the context.
+        prompt_allowed = question_room(plan, fixed, output)
+        total = prompt_allowed + output
         room = prompt_allowed - fixed
         if room <= 0:
             what = "the question and system messages" if system_tokens else "the question"
             raise BudgetError(
                 f"{what} alone take {fixed} prompt tokens but the budget allows {prompt_allowed} "
-                f"({total} per request{_binding(self.pipeline, output)} minus {output} reserved "
+                f"({total} per request{limit_phrase(plan)} minus {output} reserved "
                 "for the answer); shorten the question, lower max_new_tokens, or plan for a larger "
                 "GPU",
                 needed=fixed + output,
@@ -724,7 +600,7 @@ class Conversation:
             text, complete = self._generate_summary(state.summary, turns, cap, cancel=cancel)
         text = " ".join(text.split())
         if not text:
-            text = _extractive_summary(state.summary, turns)
+            text = extractive_summary(state.summary, turns)
             if complete:
                 self._fallback = self._fallback or "the generator wrote no summary"
         state.summarized += len(turns)
@@ -775,14 +651,16 @@ class Conversation:
         ``""`` leaves the fold to the extractive summary. Raises
         :class:`~ragbudget.errors.RequestCancelled` when ``cancel`` is set before it generates."""
         _check_cancel(cancel)
-        total, _ = _plan_numbers(self.pipeline, self.max_new_tokens)
+        # The tokens one request may hold by the plan it is budgeted by now (memory, or the
+        # engine's window or KV share): the summary's request gets them too.
+        total = self.pipeline.request_plan(self.max_new_tokens).max_context_tokens
         prompt_room = total - cap
         meter = self._meter
         # The newest exchanges that fit the summarization prompt, each cut short (the summary
         # needs their gist, not their length): walking back from the newest and stopping once the
         # room is full, older ones are never counted (counting every turn of a 10,000-message
         # history and dropping the oldest two lines at a time took minutes).
-        frame = meter.render(_summary_messages(previous, [], cap))
+        frame = meter.render(summary_messages(previous, [], cap))
         pairs: list[tuple[str, str]] = []
         used = frame
         for t in reversed(turns):
@@ -803,11 +681,11 @@ class Conversation:
         while lo < hi:
             _check_cancel(cancel)
             mid = (lo + hi + 1) // 2
-            if meter.render(_summary_messages(previous, lines_of(mid), cap)) <= prompt_room:
+            if meter.render(summary_messages(previous, lines_of(mid), cap)) <= prompt_room:
                 lo = mid
             else:
                 hi = mid - 1
-        messages = _summary_messages(previous, lines_of(lo), cap)
+        messages = summary_messages(previous, lines_of(lo), cap)
         n_prompt = meter.render(messages)
         if n_prompt > prompt_room:
             self._fallback = self._fallback or "not even one exchange fits the summarization prompt"
@@ -856,23 +734,3 @@ def _check_cancel(cancel: Any) -> None:
     or its request ran out of time): the history's loops look between two counts."""
     if cancel is not None and cancel.is_set():
         raise RequestCancelled("cancelled while fitting the conversation history")
-
-
-def _summary_messages(previous: str, lines: Sequence[str], cap: int) -> list[Message]:
-    words = max(10, int(cap * 0.6))  # ~0.75 words per token, with slack so the cap rarely cuts
-    user = ""
-    if previous:
-        user += f"Summary so far: {previous}\n\n"
-    user += "New exchanges:\n" + "\n".join(lines)
-    user += f"\n\nWrite the updated summary in at most {words} words."
-    return [{"role": "system", "content": _SUMMARY_SYSTEM}, {"role": "user", "content": user}]
-
-
-def _extractive_summary(previous: str, turns: Sequence[Turn]) -> str:
-    """Fallback summary when the generator produced nothing: the questions asked and the first
-    sentence of each answer."""
-    parts = [previous] if previous else []
-    for t in turns:
-        first = re.split(r"(?<=[.!?])\s", t.answer.strip(), maxsplit=1)[0] if t.answer.strip() else ""
-        parts.append(f"Asked: {t.question.strip()} Answer: {first}".strip())
-    return " ".join(parts)

@@ -1,7 +1,5 @@
 """Budgeted retrieve-then-generate: the one object most users need.
 
-One job: one question from retrieval to answer, each stage called in order under the plan.
-
 :class:`Pipeline` ties the stages together — index, memory plan, selection, prompt, generation —
 so that every request's prompt provably fits the KV memory it was planned for:
 
@@ -15,7 +13,8 @@ so that every request's prompt provably fits the KV memory it was planned for:
 5. admission control reserves ``prompt + max_new_tokens`` KV tokens for the duration of the call,
    so concurrent requests never oversubscribe the capacity the plan computed.
 
-Its settings are records (:mod:`ragbudget.settings`); what one request may hold is
+Its settings are records (:mod:`ragbudget.settings`); what one request may hold, and admission
+control, :mod:`ragbudget.planning` (the pipeline's base, which asks the backend); the rules are
 :mod:`ragbudget.generation.allowance`, the measured speed and its time rules :mod:`ragbudget.generation.pacing`, and
 what a question gets back :mod:`ragbudget.answer` (``Answer``, ``AnswerStream`` and
 ``EnginePlan`` are importable from here too).
@@ -46,15 +45,13 @@ from .errors import (
     RequestCancelled,
 )
 from .generation.allowance import (
-    UNLIMITED_TOKENS,
+    Allowance,
     EnginePlan,
-    engine_admission,
-    memory_max_prompt,
-    model_name,
+    RequestPlan,
     prompt_room,
-    time_cap,
+    request_allowance,
 )
-from .generation.pacing import Pacing
+from .planning import Planning
 from .retrieval.embed import make_embedder
 from .settings import (
     DEFAULT_RELEVANCE_FLOOR,
@@ -71,10 +68,9 @@ from .settings import (
 from .types import DEFAULT_INDEX_DIR
 
 if TYPE_CHECKING:
-    from .generation.backend import Backend, Capacity, RequestBudget
+    from .generation.backend import Backend
     from .generation.generate import Generator
     from .memory.admission import AdmissionController
-    from .memory.budget import BudgetPlan
     from .prompt.prompt import Prompt, PromptBuilder
     from .prompt.select import Selection
     from .retrieval.embed import Embedder
@@ -101,7 +97,7 @@ def _check_question(question: Any, name: str = "question") -> str:
     return text
 
 
-class Pipeline:
+class Pipeline(Planning):
     """Index documents and answer questions inside a GPU memory budget.
 
     Everything heavy (models, the FAISS index) loads on first use, so constructing a pipeline is
@@ -251,41 +247,35 @@ class Pipeline:
         )
         if self.engine.url is not None and generator is not None:
             raise ConfigError("pass engine= (generate on a served engine) or generator= (a local model), not both")
-        from .gpus import gpu_count
-
-        if backend is None:
-            local = self.engine.url is None
-        else:
-            from .generation.backend import LocalBackend
-
-            local = isinstance(backend, LocalBackend)
-        if local and gpu_count(self.memory.gpu) > 1:
-            # A local generator runs on one device: a plan over several would promise memory that
-            # the one model never gets.
-            raise ConfigError(
-                f"gpu={self.memory.gpu!r} names {gpu_count(self.memory.gpu)} GPUs, but a local generator "
-                "runs on one: pass one GPU (e.g. 'H100'), or plan tensor-parallel serving with "
-                "`ragbudget budget --gpu 2xH100` and generate on that engine (engine=URL)"
-            )
         self.index_dir = Path(index_dir)
         self.model = model
         self.system_prompt = system_prompt
         self._span_scorer: Any = None
         self._embedder_spec = embedder
         self._embedder: Embedder | None = None
-        self._generator = generator
-        self._backend: Backend | None = backend
-        if backend is not None:
-            from .generation.backend import LocalBackend
+        if backend is None and self.engine.url is None:
+            # The settings ask for the local generator: built now (nothing loads until first
+            # use), so its memory settings are checked with the rest. An engine is connected to
+            # on first use (:attr:`backend`).
+            from .generation.local import LocalBackend
 
-            if isinstance(backend, LocalBackend):
-                self._generator = backend.generator
+            m = self.memory
+            backend = LocalBackend(
+                generator,
+                model=model,
+                gpu=m.gpu,
+                concurrency=m.concurrency,
+                max_new_tokens=m.max_new_tokens,
+                cache=m.cache,
+                kv_dtype=m.kv_dtype,
+                utilization=m.utilization,
+                ttft_target=m.ttft_target,
+            )
+        self._backend: Backend | None = backend
         self._index: Index | None = None
-        self._plans: dict[tuple[int, bool], BudgetPlan] = {}
         self._builder: PromptBuilder | None = None
         self._admission: AdmissionController | None = None
         self._admission_tuned = False
-        self._pacing = Pacing(self.memory.ttft_target)
         self._lock = threading.RLock()
 
     # The flat names of the settings, read from their records (``pipe.fetch_k`` is
@@ -331,99 +321,44 @@ class Pipeline:
     @property
     def generator(self) -> Generator:
         """The local generator (loaded on first use; the packaged SmolLM2 by default). A
-        pipeline that generates on a served engine has none: :attr:`backend` is what generates."""
-        with self._lock:
-            if self._generator is None:
-                if self.served:
-                    raise ConfigError(
-                        f"this pipeline generates on {self.backend!r}: it has no local generator (use pipeline.backend)"
-                    )
-                from .generation.generate import Generator
-
-                self._generator = Generator(self.model)
-            return self._generator
-
-    @property
-    def served(self) -> bool:
-        """Whether generation runs on a served engine (``engine=`` or a non-local ``backend=``),
-        decided without connecting."""
-        from .generation.backend import LocalBackend
-
-        if self._backend is not None:
-            return not isinstance(self._backend, LocalBackend)
-        return self.engine.url is not None
+        pipeline that generates on a served engine, or on a given backend without one, has
+        none: :attr:`backend` is what generates."""
+        # A backend over a local generator (LocalBackend) shares it; no other has one.
+        backend = self.backend
+        gen: Generator | None = getattr(backend, "generator", None)
+        if gen is None:
+            raise ConfigError(
+                f"this pipeline generates on {backend!r}: it has no local generator (use pipeline.backend)"
+            )
+        return gen
 
     @property
     def backend(self) -> Backend:
-        """What generates: the served engine's :class:`~ragbudget.generation.backend.Backend` (connected on
-        first use; token counts cached in ``<index_dir>/counts.sqlite``), or a
-        :class:`~ragbudget.generation.backend.LocalBackend` over :attr:`generator`."""
+        """What generates: the :class:`~ragbudget.generation.local.LocalBackend` over the local
+        generator, a given ``backend=``, or the served engine's
+        :class:`~ragbudget.generation.backend.Backend` (connected on first use; token counts
+        cached in ``<index_dir>/counts.sqlite``)."""
         with self._lock:
             if self._backend is None:
-                if self.engine.url is not None:
-                    from .generation.backend import CountCache, MemoryCountCache, SQLiteCountCache
-                    from .generation.engines import connect
+                from .generation.backend import CountCache, MemoryCountCache, SQLiteCountCache
+                from .generation.engines import connect
 
-                    # Counts persist next to the index (outside its generations: a cache); with
-                    # no index folder yet (``budget --engine``), in memory.
-                    cache: CountCache = (
-                        SQLiteCountCache(self.index_dir / "counts.sqlite")
-                        if self.index_dir.is_dir()
-                        else MemoryCountCache()
-                    )
-                    self._backend = connect(self.engine, model=self.model, count_cache=cache)
-                else:
-                    from .generation.backend import LocalBackend
-
-                    m = self.memory
-                    self._backend = LocalBackend(
-                        self.generator,
-                        gpu=m.gpu,
-                        concurrency=m.concurrency,
-                        max_new_tokens=m.max_new_tokens,
-                        cache=m.cache,
-                        kv_dtype=m.kv_dtype,
-                        utilization=m.utilization,
-                    )
+                # Counts persist next to the index (outside its generations: a cache); with
+                # no index folder yet (``budget --engine``), in memory.
+                cache: CountCache = MemoryCountCache()
+                if self.index_dir.is_dir():
+                    cache = SQLiteCountCache(self.index_dir / "counts.sqlite")
+                self._backend = connect(self.engine, model=self.model, count_cache=cache)
             return self._backend
 
-    def engine_plan(
-        self, max_new_tokens: int | None = None, *, question: str = "", history: Sequence[dict[str, str]] | None = None
-    ) -> EnginePlan:
-        """The served engine's allowance for one request now: its capacity (each figure with
-        source and age) and the context tokens left after the template, system prompt,
-        ``history``, ``question`` and ``max_new_tokens`` (default: the pipeline's)."""
-        from .generation.backend import per_request_tokens
-
-        new_tokens = self.memory.max_new_tokens if max_new_tokens is None else max_new_tokens
-        check_int("max_new_tokens", new_tokens, 1)
-        backend = self.backend
-        if not self.served:
-            raise ConfigError(
-                "engine_plan() is for a pipeline on a served engine; a local one plans from memory: use plan_for()"
-            )
-        builder = self.prompt_builder.with_history(history)
-        fixed = builder.fixed_tokens(question)
-        capacity = backend.capacity()
-        budget = per_request_tokens(capacity, max_new_tokens=new_tokens, overhead_tokens=fixed)
-        return self._engine_plan(capacity, budget)
-
-    def _engine_plan(self, capacity: Capacity, budget: RequestBudget) -> EnginePlan:
-        from .generation.engines import ServedBackend
-
-        backend = self.backend
-        if isinstance(backend, ServedBackend):
-            url, detected = backend.url, backend.detection.how
-        else:
-            url, detected = repr(backend), "given: backend="
-        return EnginePlan(
-            capacity=capacity,
-            budget=budget,
-            url=url,
-            kind=capacity.engine_kind or "engine",
-            detected=detected,
-            model=model_name(backend.model_id),
-        )
+    def warm_up(self) -> None:
+        """Load the model or connect to the engine (:meth:`Backend.warm_up
+        <ragbudget.generation.backend.Backend.warm_up>`), size admission control and open the
+        index with its embedder, so the first request pays for none of it. What ``serve`` does
+        before it listens."""
+        self.backend.warm_up()
+        _ = self.admission
+        self.search("warm-up", k=1)
 
     @property
     def store(self) -> Index:
@@ -435,48 +370,6 @@ class Pipeline:
                 self._index = Index.open(self.index_dir)
             return self._index
 
-    @property
-    def plan(self) -> BudgetPlan:
-        """The memory plan for the configured ``max_new_tokens``."""
-        return self.plan_for(self.memory.max_new_tokens)
-
-    def plan_for(self, max_new_tokens: int) -> BudgetPlan:
-        """The memory plan reserving ``max_new_tokens`` (cached per value). Local generation
-        only: a pipeline on a served engine plans from the engine's figures
-        (:meth:`engine_plan`)."""
-        if self.served:
-            raise ConfigError(
-                "a pipeline on a served engine has no memory plan; its allowance "
-                "comes from the engine's own figures: use engine_plan()"
-            )
-        with self._lock:
-            # A loaded generator knows its real weights and dtype; before that the plan reads the
-            # config. Plans made before loading are kept apart from the ones made after.
-            live = self._generator if self._generator is not None and self._generator.loaded else None
-            loaded = live is not None
-            plan = self._plans.get((max_new_tokens, loaded))
-            if plan is None:
-                from .memory.budget import plan_budget
-
-                module = live.model if live is not None else None
-                plan = plan_budget(
-                    module if live is not None else self.model,
-                    config=live.config if live is not None else None,
-                    gpu=self.memory.gpu,
-                    concurrency=self.memory.concurrency,
-                    max_new_tokens=max_new_tokens,
-                    kv_dtype=self.memory.kv_dtype,
-                    cache=self.memory.cache,
-                    utilization=self.memory.utilization,
-                    # The activations of the attention the loaded model really runs (eager
-                    # materializes the L×L scores); sdpa before it is loaded.
-                    attn_implementation=_attn_in_use(module),
-                )
-                plan = self._pacing.cap(self._generator, plan)
-                self._plans[(max_new_tokens, loaded)] = plan
-            return plan
-
-    #: What :meth:`calibrate` asks: any index has an answer to it.
     CALIBRATION_QUESTION = "What is this about?"
 
     def calibrate(self, question: str = CALIBRATION_QUESTION, *, max_new_tokens: int = 16) -> Answer | None:
@@ -491,117 +384,6 @@ class Pipeline:
         if self.admission.throughput is None:
             return None
         return self.ask(question, max_new_tokens=max_new_tokens, on_text=lambda _piece: None)
-
-    #: Seconds between two looks at whether a provisional speed can be measured again.
-    SPEED_RECHECK_S = 30.0
-
-    def refresh_speed(self) -> bool:
-        """Measure the prefill and decode speed again when the one in use was taken on a busy
-        host (``provisional``) and both the host and this pipeline are idle now; then plan
-        again (the time cap) and give admission the new speed. True when it measured.
-
-        A server measures at warm-up, often while the host is busy: without this, a speed
-        several times too slow would cap every context and size every Retry-After for the
-        server's life. It looks at most every :attr:`SPEED_RECHECK_S` seconds, and measures
-        only with nothing running or queued (a few seconds, paid by the request that finds the
-        host idle), so requests never compete with the probe."""
-        if self.served or not self._pacing.due(self.SPEED_RECHECK_S):
-            return False
-        with self._lock:
-            ctl = self._admission
-            if ctl is not None:
-                s = ctl.stats()
-                if s.running or s.queued:
-                    return False
-            if not self._pacing.remeasure(self._generator, self.plan, before=self._stop_batching):
-                return False
-            self._plans.clear()  # the time cap follows the new speed
-            if ctl is not None and self._admission_tuned:
-                self._pacing.tune(ctl, self._generator, self.plan, self.backend)
-        return True
-
-    def _stop_batching(self) -> None:
-        """Stop the batching loop (idle: refresh_speed measures only then) so that a speed probe
-        runs alone: while the loop's thread lives, its OpenMP workers slow any other thread's
-        forward passes (:mod:`ragbudget.generation.batching`), and the probe would record that. The next
-        request starts the loop again."""
-        from .generation.backend import LocalBackend
-
-        if isinstance(self._backend, LocalBackend):  # none built yet: no loop to stop
-            self._backend.close()
-
-    @property
-    def admission(self) -> AdmissionController:
-        """Admission control sized from the plan's KV capacity (shared by all threads). On a
-        served engine: the KV tokens it reports, else its window × request slots; an engine that
-        reports neither is not limited here (fail open — the engine queues and refuses itself)."""
-        with self._lock:
-            if self._admission is None:
-                from .memory.admission import AdmissionController
-
-                self._admission = AdmissionController(
-                    self._admission_tokens(),
-                    max_queue=self.queue.size,
-                    timeout=self.queue.timeout,
-                )
-            if not self.served and not self._admission_tuned and Pacing.loaded(self._generator):
-                self._pacing.tune(self._admission, self._generator, self.plan, self.backend)
-                self._admission_tuned = True
-            return self._admission
-
-    def admission_estimate(self, max_new_tokens: int | None = None) -> tuple[int, int]:
-        """``(tokens, prompt_tokens)`` a request is expected to reserve, known before its prompt
-        is built: the plan's per-request prompt allowance (capped for time on a CPU) and the
-        answer; on a served engine, its window. For a cheap look at admission (the server's early
-        429) — the real prompt, usually shorter, is what :meth:`ask` reserves."""
-        new = self.memory.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
-        if self.served:
-            window = self.backend.capacity().max_context_tokens or new
-            prompt = max(0, window - new)
-        else:
-            prompt = self.plan_for(new).max_prompt_tokens
-        return prompt + new, prompt
-
-    def _admission_tokens(self) -> int:
-        if not self.served:
-            return self.plan.kv_capacity_tokens
-        tokens, note = engine_admission(self.backend.capacity())
-        if tokens == UNLIMITED_TOKENS:
-            log.warning("%s", note)
-        return tokens
-
-    def admission_note(self) -> str:
-        """What admission control is sized from, in one line (``serve`` logs it)."""
-        if not self.served:
-            ctl = self.admission
-            parts = [f"{self.plan.kv_capacity_tokens} KV tokens (memory plan)"]
-            if ctl.memory is not None:
-                parts = [
-                    f"KV + activations per request in {ctl.memory.capacity_bytes / 2**30:.2f} GiB ({ctl.memory.source})"
-                ]
-            if ctl.throughput is not None:
-                t = ctl.throughput
-                parts.append(
-                    f"time: prefill {t.prefill_a * 1e3:.2f} ms/token, decode "
-                    f"{t.decode_s * 1e3:.1f} ms/token ({t.source}); first token within "
-                    f"the queue time-out {self.queue.timeout:g} s, started next to "
-                    "others only within the TTFT target "
-                    f"{ctl.ttft_target if ctl.ttft_target is not None else 'none'}"
-                )
-            return "; ".join(parts)
-        return engine_admission(self.backend.capacity())[1]
-
-    @property
-    def prompt_builder(self) -> PromptBuilder:
-        with self._lock:
-            if self._builder is None:
-                from .prompt.prompt import EnginePromptBuilder, PromptBuilder
-
-                if self.served:
-                    self._builder = EnginePromptBuilder(self.backend, system_prompt=self.system_prompt)
-                else:
-                    self._builder = PromptBuilder(self.generator.tokenizer, system_prompt=self.system_prompt)
-            return self._builder
 
     # -- indexing and search ----------------------------------------------------------------------
 
@@ -666,7 +448,7 @@ class Pipeline:
         max_new_tokens: int,
         history: Sequence[dict[str, str]] | None,
         retrieval_query: str | None,
-    ) -> tuple[Prompt, BudgetPlan | EnginePlan, dict[str, float], dict[str, Any] | None]:
+    ) -> tuple[Prompt, RequestPlan, dict[str, float], dict[str, Any] | None]:
         """Plan, retrieve, select and render: the prompt that fits, how long each step took, and
         the cap set on the context (by ``context_tokens`` or by time), if any."""
         from .prompt.prompt import build_prompt
@@ -684,8 +466,8 @@ class Pipeline:
         timings: dict[str, float] = {}
         # A missing, damaged or empty index fails fast, before any model loads.
         self._searchable()
-        allowance = self._engine_allowance if self.served else self._local_allowance
-        builder, plan, max_prompt, cap = allowance(question, context_tokens, max_new_tokens, history, timings)
+        builder, allowance = self._allowance(question, context_tokens, max_new_tokens, history, timings)
+        plan, max_prompt, cap = allowance.plan, allowance.max_prompt_tokens, allowance.limit
         t0 = time.perf_counter()
         query = _check_question(retrieval_query or question, "query")
         hits, vector = self._search(query, self.retrieval.fetch_k)
@@ -710,69 +492,34 @@ class Pipeline:
         timings["select_s"] = time.perf_counter() - t0
         return prompt, plan, timings, cap
 
-    def _local_allowance(
+    def _allowance(
         self,
         question: str,
         context_tokens: int | None,
         max_new_tokens: int,
         history: Sequence[dict[str, str]] | None,
         timings: dict[str, float],
-    ) -> tuple[PromptBuilder, BudgetPlan, int, dict[str, Any] | None]:
-        """The builder with the history, the memory plan, the prompt tokens this question may
-        hold and the cap set on its context (``context_tokens``, or the time target)."""
-        if not (self._generator is not None and self._generator.loaded):
-            # So does a request the model's window or the memory can never hold (config only).
-            self.plan_for(max_new_tokens)
+    ) -> tuple[PromptBuilder, Allowance]:
+        """The builder with the history, and what this question may hold: the plan, its prompt
+        tokens and the cap set on its context (``context_tokens``, or the time target)."""
         t0 = time.perf_counter()
-        builder = self.prompt_builder  # loads the generator first, so the plan sees its real size
-        timings["load_s"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        plan = self.plan_for(max_new_tokens)
-        builder = builder.with_history(history)
-        fixed = builder.fixed_tokens(question)
-        # What memory and the window allow: a time cap shortens the context, never refuses a
-        # question, and an explicit context_tokens pins the context whatever the time.
-        max_prompt = memory_max_prompt(plan)
-        prompt_room(plan, fixed, max_new_tokens)  # refuses a question memory cannot hold
-        cap: dict[str, Any] | None = None
-        if context_tokens is not None:
-            cap = {"limit": "context_tokens", "tokens": context_tokens}
-        else:
-            cap = time_cap(plan, fixed, device=Pacing.device(self._generator), speed=self._pacing.entry)
-        if cap is not None:
-            max_prompt = min(max_prompt, fixed + cap["tokens"])
-        timings["plan_s"] = time.perf_counter() - t0
-        return builder, plan, max_prompt, cap
-
-    def _engine_allowance(
-        self,
-        question: str,
-        context_tokens: int | None,
-        max_new_tokens: int,
-        history: Sequence[dict[str, str]] | None,
-        timings: dict[str, float],
-    ) -> tuple[PromptBuilder, EnginePlan, int, dict[str, Any] | None]:
-        """:meth:`_local_allowance` on a served engine: the allowance from the engine's capacity
-        (:func:`~ragbudget.generation.backend.per_request_tokens`), counting and the template by the
-        engine."""
-        from .generation.backend import per_request_tokens
-
-        t0 = time.perf_counter()
-        backend = self.backend  # connects (and detects the engine kind) on first use
-        builder = self.prompt_builder.with_history(history)
+        backend = self.backend
+        # Before any model loads, the capacity alone refuses a request the model's window or the
+        # memory can never hold (a local plan from the config), and connects to an engine.
+        backend.capacity(max_new_tokens=max_new_tokens)
+        builder = self.prompt_builder.with_history(history)  # loads a local generator first
         timings["load_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         fixed = builder.fixed_tokens(question)
-        capacity = backend.capacity()
-        budget = per_request_tokens(capacity, max_new_tokens=max_new_tokens, overhead_tokens=fixed)
-        plan = self._engine_plan(capacity, budget)
-        max_prompt = plan.max_prompt_tokens
-        cap: dict[str, Any] | None = None
-        if context_tokens is not None:
-            cap = {"limit": "context_tokens", "tokens": context_tokens}
-            max_prompt = min(max_prompt, fixed + context_tokens)
+        allowance = request_allowance(
+            backend,
+            backend.capacity(max_new_tokens=max_new_tokens),  # a loaded model's plan: its real size
+            fixed=fixed,
+            max_new_tokens=max_new_tokens,
+            context_tokens=context_tokens,
+        )
         timings["plan_s"] = time.perf_counter() - t0
-        return builder, plan, max_prompt, cap
+        return builder, allowance
 
     def _pack_options(self) -> dict[str, Any]:
         """``build_prompt``'s packing keywords: with ``pack="spans"``, one
@@ -852,10 +599,11 @@ class Pipeline:
         # fall back to the default silently).
         new_tokens = self.memory.max_new_tokens if max_new_tokens is None else max_new_tokens
         _check_call(on_text, cancel)
-        from .generation.backend import split_generate_options
+        from .generation.backend import check_generate_options, split_generate_options
 
         # Checked before anything runs: a misspelt option used to fail after retrieval.
-        sampling, stop, extra = split_generate_options(generate_options, served=self.served)
+        sampling, stop, extra = split_generate_options(generate_options)
+        check_generate_options(self.backend, extra)
         t_start = time.perf_counter()
         self.refresh_speed()
         prompt, plan, timings, cap = self._prompt(
@@ -881,7 +629,7 @@ class Pipeline:
         # On an engine of fixed request slots a request holds a whole slot: admission then lets
         # no more requests through than the engine has slots, and the rest wait here, bounded by
         # the queue, instead of inside the engine, bounded only by the engine time-out.
-        slot = backend.capacity().slot_tokens if self.served else None
+        slot = backend.capacity(max_new_tokens=new_tokens).slot_tokens
         held = max(reserve, slot or 0)
         try:
             reservation = self.admission.acquire(held, prompt_tokens=prompt.n_tokens, cancel=cancel)
@@ -952,13 +700,6 @@ class Pipeline:
             with contextlib.suppress(BaseException):
                 await work
             raise
-
-
-def _attn_in_use(model: Any) -> str:
-    """The attention implementation a loaded transformers model runs (``sdpa`` when unknown)."""
-    cfg = getattr(model, "config", None)
-    impl = getattr(cfg, "_attn_implementation", None) if cfg is not None else None
-    return str(impl) if isinstance(impl, str) and impl else "sdpa"
 
 
 def check_paths(paths: Any) -> list[str | os.PathLike[str]]:

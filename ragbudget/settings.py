@@ -47,6 +47,7 @@ __all__ = [
     "DEFAULT_PORT",
     "DEFAULT_RELEVANCE_FLOOR",
     "DEFAULT_REQUEST_TIMEOUT",
+    "ENGINE_GROUP",
     "ENGINE_KINDS",
     "QUANT_BACKENDS",
     "SUMMARY_ROLES",
@@ -59,6 +60,7 @@ __all__ = [
     "QueueSettings",
     "RecordField",
     "RetrievalSettings",
+    "engine_kinds",
     "from_keywords",
 ]
 
@@ -70,6 +72,23 @@ DEFAULT_RELEVANCE_FLOOR = 0.5
 
 #: Served engines ragbudget knows by name (``"auto"`` probes and says which).
 ENGINE_KINDS = ("vllm", "sglang", "tgi", "llamacpp", "ollama", "openai")
+#: The entry-point group through which an installed package adds an engine kind: the entry's name
+#: is the kind, its value a :class:`~ragbudget.generation.engines.ServedBackend` subclass.
+ENGINE_GROUP = "ragbudget.engines"
+
+
+def engine_kinds() -> tuple[str, ...]:
+    """Every engine kind: :data:`ENGINE_KINDS`, then those installed packages register in
+    :data:`ENGINE_GROUP` (their names only: nothing is imported).
+
+    >>> engine_kinds()[: len(ENGINE_KINDS)] == ENGINE_KINDS
+    True
+    """
+    from importlib.metadata import entry_points
+
+    added = sorted({ep.name for ep in entry_points(group=ENGINE_GROUP)} - set(ENGINE_KINDS))
+    return (*ENGINE_KINDS, *added)
+
 
 #: Duplicate removal of :meth:`ragbudget.retrieval.index.Index.build`: content hash + MinHash, hash only, none.
 DEDUP_MODES = ("near", "exact", "none")
@@ -360,7 +379,8 @@ class EngineSettings:
 
     Attributes:
         url: the engine's URL (``http://host:8000/v1``); ``None``: generate locally.
-        kind: ``"auto"`` (probe and say which) or one of :data:`ENGINE_KINDS`.
+        kind: ``"auto"`` (probe and say which) or one of :func:`engine_kinds` (the built-in
+            :data:`ENGINE_KINDS` and those installed packages add).
         api_key: the engine's API key (never shown in the record's repr).
         api_key_env: the environment variable holding the API key instead.
         tokenizer: for engines that cannot count (Ollama, a generic OpenAI server): a Hugging
@@ -380,8 +400,9 @@ class EngineSettings:
 
     def __post_init__(self) -> None:
         check_text("engine", self.url, optional=True)
-        if self.kind != "auto" and self.kind not in ENGINE_KINDS:
-            raise ConfigError(f"engine_kind must be auto or one of {', '.join(ENGINE_KINDS)}; got {shown(self.kind)}")
+        # A built-in kind is checked without reading the installed packages' entry points.
+        if self.kind != "auto" and self.kind not in ENGINE_KINDS and self.kind not in (kinds := engine_kinds()):
+            raise ConfigError(f"engine_kind must be auto or one of {', '.join(kinds)}; got {shown(self.kind)}")
         check_text("api_key", self.api_key, optional=True)
         check_text("api_key_env", self.api_key_env, optional=True)
         if self.api_key is not None and self.api_key_env is not None:

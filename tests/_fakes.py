@@ -115,6 +115,9 @@ class GeneratorStub:
     model_ref: Any = field(default_factory=lambda: _Ref("fake/generator"))
     device: str = ""  # neither CPU nor GPU: no time cap on the context
 
+    def warm_up(self) -> GeneratorStub:
+        return self  # nothing to load
+
     @property
     def token_counter(self) -> Any:
         from ragbudget.tokens import HFTokenizer
@@ -142,13 +145,17 @@ def words_reply(n: int = 6) -> Any:
 class FakeBackend:
     """The :class:`ragbudget.generation.backend.Backend` protocol, model-free, for a real
     :class:`~ragbudget.pipeline.Pipeline` (``Pipeline(index_dir, backend=FakeBackend(…))``, which
-    then plans, admits and budgets history exactly as on a served engine).
+    then plans, admits and budgets history exactly as on a served engine — or, with
+    ``memory_plan``, exactly as on the local generator).
 
     * counting: ``counter.count(text)`` (default: one token per word); rendering: ``template``'s
       ``apply_chat_template`` when it has a ``chat_template`` (exact), else each message's content
       plus 8 tokens, as a template-less local model;
     * ``capacity``: the :class:`~ragbudget.generation.backend.Capacity` it reports (settable; default a
-      4096-token window and nothing else);
+      4096-token window and nothing else). ``memory_plan`` (a dict of
+      :func:`~ragbudget.memory.budget.plan_budget` keywords, e.g. ``{"gpu": "16GiB"}``) makes it
+      plan its memory as the local generator does: ``capacity(max_new_tokens=n)`` is then the
+      default model's plan for ``n`` (``Capacity.plan``), and the pipeline budgets by it;
     * generation: ``reply(messages, max_new_tokens)`` gives the answer's pieces (default
       :func:`words_reply`); they stream one at a time to ``on_text``, ``token_delay`` seconds
       apart, ``cancel`` is looked at before each (``finish_reason "cancelled"``), a ``stop``
@@ -170,6 +177,7 @@ class FakeBackend:
         model_id: str = "fake/model",
         token_delay: float = 0.0,
         fail: BaseException | None = None,
+        memory_plan: dict[str, Any] | None = None,
     ) -> None:
         import threading
 
@@ -180,6 +188,8 @@ class FakeBackend:
         self.model_id = model_id
         self.token_delay = token_delay
         self.fail = fail
+        self.memory_plan = memory_plan
+        self.plans: dict[int, Any] = {}  # the memory plan per max_new_tokens, with memory_plan
         self.calls: list[dict[str, Any]] = []
         self.cancelled: list[str] = []
         self.running = self.peak_running = self.overruns = 0
@@ -203,10 +213,47 @@ class FakeBackend:
         n = sum(self.counter.count(m["content"]) + 8 for m in msgs)
         return RenderedPrompt(messages=msgs, n_tokens=n, exact=False, source="fake, 8 per message")
 
-    def capacity(self) -> Any:
+    def capacity(self, *, max_new_tokens: int | None = None) -> Any:
         from ragbudget.generation.backend import Capacity
 
-        return self.capacity_figures or Capacity(max_context_tokens=4096, max_context_source="fake")
+        if self.memory_plan is None:
+            return self.capacity_figures or Capacity(max_context_tokens=4096, max_context_source="fake")
+        from ragbudget.memory.budget import plan_budget
+
+        n = 256 if max_new_tokens is None else max_new_tokens
+        if n not in self.plans:
+            self.plans[n] = plan_budget(max_new_tokens=n, **self.memory_plan)
+        plan = self.plans[n]
+        return Capacity(
+            max_context_tokens=plan.max_context_tokens,
+            max_context_source="fake plan",
+            kv_tokens_total=plan.kv_capacity_tokens,
+            kv_total_source="fake plan",
+            engine_kind="fake-local",
+            plan=plan,
+        )
+
+    def warm_up(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def template_overhead(self, system_prompt: str | None = None) -> int:
+        from ragbudget.generation.backend import render_overhead
+
+        return render_overhead(self, system_prompt)
+
+    def prompt_builder(self, system_prompt: str | None = None) -> Any:
+        from ragbudget.prompt.prompt import EnginePromptBuilder
+
+        return EnginePromptBuilder(self, system_prompt=system_prompt)
+
+    def tune(self, admission: Any) -> bool:
+        return False  # no model, no measured speed: admission counts KV tokens only
+
+    def refresh_speed(self, *, idle: Any, recheck_s: float) -> bool:
+        return False
 
     def generate(
         self,
@@ -346,6 +393,10 @@ class FakeGenerator:
     model: Any = None
     config: Any = None
     device: str = ""  # neither CPU nor GPU: no time cap unless a test says so
+    model_ref: Any = field(default_factory=lambda: _Ref("fake/generator"))
+
+    def warm_up(self) -> FakeGenerator:
+        return self  # nothing to load
 
     def generate(
         self, prompt: Any, *, max_new_tokens: int, on_text: Any = None, cancel: Any = None, **_: Any

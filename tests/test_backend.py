@@ -1,24 +1,21 @@
 """ragbudget.generation.backend without a server: the per-request budget from an engine's capacity figures,
-the prompt forms a backend accepts, and the local generator as a :class:`Backend` (the served
-engines behind the same protocol are in test_engines.py)."""
+the prompt forms a backend accepts, and the options a backend's ``generate`` takes (the local
+generator behind the protocol is in test_local.py, the served engines in test_engines.py)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import pytest
-from _replay import render_count
 
 from ragbudget.errors import BudgetError, ConfigError
 from ragbudget.generation.backend import (
-    Backend,
     Capacity,
-    LocalBackend,
     RenderedPrompt,
-    Sampling,
+    check_generate_options,
     per_request_tokens,
     prompt_messages,
-    template_overhead,
+    split_generate_options,
 )
 
 USER = [{"role": "user", "content": "How is the Project Leader elected?"}]
@@ -70,47 +67,6 @@ def test_prompt_messages_accepts_what_backends_take() -> None:
         prompt_messages([1, 2, 3])
 
 
-class _StubGenerator:
-    """The Generator surface LocalBackend uses, model-free."""
-
-    class _Ref:
-        id = "stub-model"
-
-    model_ref = _Ref()
-    loaded = False
-
-    class token_counter:  # noqa: N801
-        @staticmethod
-        def count(text: str) -> int:
-            return len(text.split())
-
-    class tokenizer:  # noqa: N801 - a chat template rendering as many words as the replay counts
-        chat_template = "stub"
-
-        @staticmethod
-        def apply_chat_template(messages: Any, tokenize: bool = False, add_generation_prompt: bool = False) -> str:
-            return " ".join(["tok"] * render_count(list(messages)))
-
-    def generate(self, prompt: Any, **kw: Any) -> Any:
-        from ragbudget.generation.generate import Generation
-
-        self.kw = kw
-        return Generation(text="ok", prompt_tokens=3, new_tokens=1, finish_reason="stop", seconds=0.0)
-
-
-def test_local_backend_is_a_backend() -> None:
-    stub = _StubGenerator()
-    b = LocalBackend(stub)  # type: ignore[arg-type]
-    assert isinstance(b, Backend) and b.model_id == "stub-model"
-    assert b.count(["a b", "c"]) == [2, 1]
-    r = b.render(USER)
-    assert r.exact and r.n_tokens == render_count(USER)
-    g = b.generate("Hi", max_new_tokens=5, sampling=Sampling(temperature=0.5, seed=2), stop=["\n"])
-    assert g.text == "ok" and stub.kw["max_new_tokens"] == 5 and stub.kw["seed"] == 2
-    assert stub.kw["stop"] == ["\n"] and stub.kw["temperature"] == 0.5
-    assert template_overhead(b, "Be brief.") == 2 + 4 + 0 + 4 + 3
-
-
 def test_prompt_messages_of_a_real_prompt_are_its_rendered_messages() -> None:
     from _fakes import WordTokenizer
 
@@ -125,20 +81,19 @@ def test_prompt_messages_of_a_real_prompt_are_its_rendered_messages() -> None:
     assert "The leader is elected." in msgs[-1]["content"]
 
 
-def test_template_overhead_renders_an_empty_turn_for_a_backend_without_its_own() -> None:
-    # Only the served engines measure (and cache) the overhead themselves; any other Backend is
-    # asked to render the system prompt around an empty user turn.
-    b = LocalBackend(_StubGenerator())  # type: ignore[arg-type]
-    assert template_overhead(b) == render_count([{"role": "user", "content": ""}])
-    assert template_overhead(b, "Be brief.") - template_overhead(b) == 2 + 4
+def test_a_backend_takes_the_generate_options_its_generate_takes() -> None:
+    # Asked of the backend's own signature, not of its class: the local generator's extras pass
+    # a generate that takes **options, and a generate that takes Sampling and stop refuses them
+    # by name, before any work.
+    class Plain:
+        def generate(self, prompt: Any, *, max_new_tokens: int, sampling: Any = None, stop: Any = None) -> None: ...
 
+    class Extras:
+        def generate(self, prompt: Any, *, max_new_tokens: int, **options: Any) -> None: ...
 
-def test_template_overhead_asks_any_backend_that_measures_its_own() -> None:
-    # A backend's own template_overhead wins whatever its class (not only a ServedBackend's): the
-    # protocol module does not know the engines (tests/test_layout.py checks it imports none).
-    class Measuring(LocalBackend):
-        def template_overhead(self, system_prompt: str | None = None) -> int:
-            return 7 if system_prompt else 5
-
-    b = Measuring(_StubGenerator())  # type: ignore[arg-type]
-    assert (template_overhead(b), template_overhead(b, "Be brief.")) == (5, 7)
+    sampling, stop, extras = split_generate_options({"temperature": 0.5, "stop": "\n", "top_k": 5})
+    assert sampling.temperature == 0.5 and stop == ["\n"] and extras == {"top_k": 5}
+    check_generate_options(Extras(), extras)  # type: ignore[arg-type]
+    check_generate_options(Plain(), {})  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="top_k: not an option of Plain"):
+        check_generate_options(Plain(), extras)  # type: ignore[arg-type]

@@ -9,9 +9,10 @@ import pytest
 from _tiny_lm import tiny_model, tiny_tokenizer
 
 from ragbudget.errors import BudgetError, ConfigError
-from ragbudget.generation.backend import LocalBackend, Sampling
+from ragbudget.generation.backend import Sampling
 from ragbudget.generation.batching import Batcher, batching_unsupported
 from ragbudget.generation.generate import Generator
+from ragbudget.generation.local import LocalBackend
 from ragbudget.memory.kvcache import paged_cache_layout
 
 pytest.importorskip("transformers.generation.continuous_batching")
@@ -213,7 +214,7 @@ def test_the_auto_sized_paged_cache_stays_within_the_plans_kv_bytes(gen, monkeyp
     automatically, it takes whole pages within the plan's KV bytes, so the activations the plan
     reserved beside it still fit; when that cannot hold one full request, generation runs
     unbatched (or, with batching=True, a ConfigError says why)."""
-    import ragbudget.generation.backend as backend_mod
+    import ragbudget.generation.local as backend_mod
     from ragbudget.generation.batching import _dtype_name
 
     def size(blocks: int) -> int:

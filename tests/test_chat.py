@@ -158,7 +158,6 @@ def test_ten_turns_over_budget_keep_answering_with_summary_and_no_overrun() -> N
 
 
 def _all_turns(turns: list[Any]) -> list[Any]:
-    from ragbudget.chat import Turn
 
     return [Turn(t.question, t.text) for t in turns]
 
@@ -261,6 +260,24 @@ def test_question_is_never_truncated_and_too_long_is_a_budget_error() -> None:
     assert answers(pipe)[-1]["question"] == long_q and turn.question == long_q
     with pytest.raises(BudgetError, match="question alone"):
         Conversation(pipe).ask(" ".join(["word"] * 400))
+
+
+def test_a_conversation_on_a_backend_that_plans_its_memory_fits_each_turn_to_that_plan() -> None:
+    # The shared fake on the local path (a memory plan in its capacity record): chat budgets each
+    # turn by the plan for its reserved answer, refuses by memory, and the banner shows the plan.
+    from ragbudget.cli.display import chat_banner
+
+    backend = FakeBackend(WordCounter(), template=ChatTemplate(), memory_plan={"gpu": "320MiB"})
+    pipe = Pipeline(corpus_index(), backend=backend, gpu="320MiB", max_new_tokens=40, relevance_floor=0)
+    chat = Conversation(pipe)
+    turn = chat.ask("What is Warsaw known for?")
+    plan = backend.plans[40]
+    assert plan.limited_by == "memory" and not pipe.served
+    assert turn.budget.total <= plan.max_context_tokens and not turn.budget.overrun
+    assert turn.answer.report["budget"]["kv_capacity_tokens"] == plan.kv_capacity_tokens
+    assert f"KV {plan.kv_bytes_per_token} B/token" in chat_banner(chat)
+    with pytest.raises(BudgetError, match="the KV memory holds"):
+        Conversation(pipe).ask(" ".join(["word"] * (plan.max_context_tokens + 10)))
 
 
 def test_invalid_settings_are_config_errors() -> None:
@@ -642,19 +659,6 @@ def test_a_history_over_the_limits_is_refused_before_anything_is_counted() -> No
         Conversation.from_messages(pipe, [{"role": "user", "content": "x" * 101}], history=limits)
     assert fake(pipe).counted == 0
     Conversation.from_messages(pipe, [{"role": "user", "content": "x" * 100}], history=limits)
-
-
-def test_summary_cache_is_bounded_and_validated() -> None:
-    cache = SummaryCache(max_entries=2)
-    root = SummaryCache.root("", 128)
-    keys = [SummaryCache.extend(root, Turn(f"q{i}", f"a{i}")) for i in range(3)]
-    for k in keys:
-        cache.put(k, k[:8])
-    assert len(cache) == 2 and cache.get(keys[0]) is None and cache.get(keys[2]) == keys[2][:8]
-    assert SummaryCache.extend(root, Turn("ab", "c")) != SummaryCache.extend(root, Turn("a", "bc"))
-    assert SummaryCache.root("", 128) != SummaryCache.root("", 64) != SummaryCache.root("x", 64)
-    with pytest.raises(ConfigError, match="max_entries"):
-        SummaryCache(0)
 
 
 @pytest.fixture

@@ -452,8 +452,8 @@ def test_the_pipeline_records_the_generators_measured_peak(
 
     from _tiny_lm import CUDA_NAME, CUDA_PEAK, as_on_cuda, tiny_model, tiny_tokenizer
 
-    from ragbudget.generation.backend import LocalBackend
     from ragbudget.generation.generate import Generator
+    from ragbudget.generation.local import LocalBackend
 
     monkeypatch.setenv("RAGBUDGET_CACHE", str(tmp_path))
     generator = Generator.from_objects(tiny_model(), tiny_tokenizer())

@@ -321,18 +321,14 @@ def chat_banner(conversation: Conversation) -> str:
     46080 B/token · /help for commands``: the tokens one turn may hold (prompt and answer), the
     answer's reserve, history's share of the rest. Reads the pipeline's plan (no model load; on
     a served engine, its figures)."""
-    from ..chat import _plan_numbers  # the figures each turn is fitted to, so the banner agrees
-
     pipe = conversation.pipeline
     parts = ["ragbudget chat"]
     model, kv = pipe.model, None
     try:
-        total, output = _plan_numbers(pipe, conversation.max_new_tokens)
-        if pipe.served:
-            model = pipe.backend.model_id
-        else:
-            plan = pipe.plan_for(output)
-            model, kv = plan.model, plan.kv_bytes_per_token
+        # The plan each turn is fitted to (Conversation.ask reads the same), so the banner agrees.
+        plan = pipe.request_plan(conversation.max_new_tokens)
+        total, output = plan.max_context_tokens, plan.max_new_tokens
+        model, kv = plan.model, plan.kv_bytes_per_token
     except RagBudgetError:  # the banner says what it can; the first question gets the error
         total = output = 0
     if model:

@@ -22,7 +22,7 @@ import click
 from click.core import ParameterSource
 
 from ..errors import RagBudgetError
-from ..settings import ENGINE_KINDS, EngineSettings, HistorySettings, MemorySettings, RetrievalSettings
+from ..settings import ENGINE_KINDS, EngineSettings, HistorySettings, MemorySettings, RetrievalSettings, engine_kinds
 from ..types import CACHE_KINDS, DEFAULT_INDEX_DIR, FUSIONS, ORDERS, PACKS
 
 if TYPE_CHECKING:
@@ -315,6 +315,20 @@ def engine(
     )
 
 
+class _EngineKind(click.Choice[str]):
+    """``--engine-kind``: ``auto``, a built-in kind, or one an installed package adds (the
+    ``ragbudget.engines`` entry points, read only for a kind that is not built in: a command
+    that starts does not scan the installed packages)."""
+
+    def __init__(self) -> None:
+        super().__init__(["auto", *ENGINE_KINDS])
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, str) and value not in self.choices and value in engine_kinds():
+            return value
+        return super().convert(value, param, ctx)
+
+
 #: ``--engine --engine-kind --api-key-env --tokenizer --engine-context-tokens --engine-timeout``,
 #: handed to the command as ``engine``: an :class:`~ragbudget.settings.EngineSettings` (``None``
 #: without ``--engine``: generate locally).
@@ -332,8 +346,8 @@ engine_options = option_group(
             "--engine-kind",
             default=setting(EngineSettings, "kind"),
             show_default=True,
-            type=click.Choice(["auto", *ENGINE_KINDS]),
-            help="The engine's kind (auto: probe its routes and say which).",
+            type=_EngineKind(),
+            help="The engine's kind (auto: probe its routes and say which; or one an installed package adds).",
         ),
         "api_key_env": click.option(
             "--api-key-env",

@@ -1,34 +1,47 @@
 """The prompt one request may hold: what a plan allows once the question is known.
 
-A local pipeline plans from memory (:class:`~ragbudget.memory.budget.BudgetPlan`): :func:`prompt_room`
-is what memory and the model's window allow for a question of ``fixed`` tokens, cut to the
-plan's time-to-first-token cap when there is one, and :func:`question_too_long` the error when
-even the question does not fit, naming the limit that binds. On a served engine the allowance
-comes from the engine's own figures (:class:`EnginePlan`), and :func:`engine_admission` sizes
-admission control from them. :class:`~ragbudget.pipeline.Pipeline` and
-:class:`~ragbudget.chat.Conversation` both decide by these.
+Every backend answers one :class:`~ragbudget.generation.backend.Capacity` record; this module
+reads it, so no caller asks which kind of backend it is. Where ragbudget plans the memory (the
+record carries a :class:`~ragbudget.memory.budget.BudgetPlan`, the local generator's),
+:func:`prompt_room` is what memory and the model's window allow for a question of ``fixed``
+tokens, cut to the plan's time-to-first-token cap when there is one, and
+:func:`question_too_long` the error when even the question does not fit, naming the limit that
+binds. Where an engine holds its own memory, the allowance comes from the figures it reports
+(:class:`EnginePlan`), and :func:`engine_admission` sizes admission control from them.
+:func:`request_allowance`, :func:`request_plan` and :func:`admission_size` choose between the
+two; :class:`~ragbudget.pipeline.Pipeline` and :class:`~ragbudget.chat.Conversation` decide by
+them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Union
 
 from ..errors import BudgetError
 
 if TYPE_CHECKING:
     from ..memory.budget import BudgetPlan
-    from .backend import Capacity, RequestBudget
+    from .backend import Backend, Capacity, RequestBudget
 
 __all__ = [
     "MIN_TIME_CONTEXT",
     "UNLIMITED_TOKENS",
+    "Allowance",
     "EnginePlan",
+    "RequestPlan",
+    "admission_size",
     "engine_admission",
+    "limit_phrase",
     "memory_max_prompt",
     "model_name",
+    "plan_lines",
     "prompt_room",
+    "question_room",
     "question_too_long",
+    "request_allowance",
+    "request_plan",
     "time_cap",
 ]
 
@@ -77,6 +90,16 @@ class EnginePlan:
     def max_context_tokens(self) -> int:
         """Prompt and answer of one request."""
         return self.max_prompt_tokens + self.budget.max_new_tokens
+
+    @property
+    def limited_by(self) -> str:
+        """The limit that binds: the engine's ``"window"`` or its ``"kv"`` share."""
+        return self.budget.binding
+
+    @property
+    def kv_bytes_per_token(self) -> int | None:
+        """Not reported: the engine holds its KV cache in its own layout."""
+        return None
 
     def lines(self) -> list[str]:
         """The plan as printed by ``budget --engine`` and ``ask --explain``: every figure with
@@ -143,7 +166,7 @@ def memory_max_prompt(plan: BudgetPlan) -> int:
     return total - plan.max_new_tokens
 
 
-def time_cap(plan: BudgetPlan, fixed: int, *, device: str, speed: dict[str, Any] | None) -> dict[str, Any] | None:
+def time_cap(plan: BudgetPlan, fixed: int, *, device: str, speed: Mapping[str, Any] | None) -> dict[str, Any] | None:
     """The context cap ``plan``'s time-to-first-token target sets for a question of ``fixed``
     tokens (``{"limit": "time", "tokens": …}`` with the target, the ``device`` and the prefill
     ``speed`` fit it came from), or ``None`` when the plan has no time target."""
@@ -217,3 +240,122 @@ def question_too_long(plan: BudgetPlan, fixed: int, max_new_tokens: int) -> Budg
         available=memory_max_prompt(plan) + plan.max_new_tokens,
         limit="memory",
     )
+
+
+# -- one record, either plan -----------------------------------------------------------------------
+
+#: What a request is budgeted by: ragbudget's memory plan, or an engine's figures.
+RequestPlan = Union["BudgetPlan", EnginePlan]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Allowance:
+    """What one request may hold: the ``plan`` it is budgeted by, the prompt tokens it may send
+    (``max_prompt_tokens``: template, system prompt, history, question and context), and the cap
+    set on its context (``limit``: ``{"limit": "context_tokens", "tokens": …}`` asked for, or
+    ``{"limit": "time", …}`` by the plan's time-to-first-token target; ``None``: none)."""
+
+    plan: RequestPlan
+    max_prompt_tokens: int
+    limit: dict[str, Any] | None
+
+
+def engine_plan(backend: Backend, capacity: Capacity, budget: RequestBudget) -> EnginePlan:
+    """The :class:`EnginePlan` of ``backend``'s figures: where it answers and how its kind was
+    decided come with the record (a backend in this process is named by its repr)."""
+    return EnginePlan(
+        capacity=capacity,
+        budget=budget,
+        url=capacity.url or repr(backend),
+        kind=capacity.engine_kind or "engine",
+        detected=capacity.detected or "given: backend=",
+        model=model_name(backend.model_id),
+    )
+
+
+def request_plan(
+    backend: Backend, capacity: Capacity, *, max_new_tokens: int, overhead: Callable[[], int]
+) -> RequestPlan:
+    """The plan a request of ``max_new_tokens`` is budgeted by: the memory plan where ragbudget
+    plans the backend's memory (``capacity.plan``), else the engine's figures and what they
+    leave once the template, system prompt, history and question are in (``overhead()``,
+    counted only then: a memory plan needs no tokenizer)."""
+    from .backend import per_request_tokens
+
+    if capacity.plan is not None:
+        return capacity.plan
+    budget = per_request_tokens(capacity, max_new_tokens=max_new_tokens, overhead_tokens=overhead())
+    return engine_plan(backend, capacity, budget)
+
+
+def request_allowance(
+    backend: Backend, capacity: Capacity, *, fixed: int, max_new_tokens: int, context_tokens: int | None = None
+) -> Allowance:
+    """What a request whose template, system prompt, history and question cost ``fixed`` tokens
+    may hold, by ``capacity``: a question memory or the window cannot hold is a
+    :class:`~ragbudget.errors.BudgetError` naming the limit. ``context_tokens`` pins the context
+    below that; on a memory plan with a time target, the time cap shortens it otherwise (and
+    never refuses a question)."""
+    from .backend import per_request_tokens
+
+    plan = capacity.plan
+    limit: dict[str, Any] | None
+    if plan is None:
+        budget = per_request_tokens(capacity, max_new_tokens=max_new_tokens, overhead_tokens=fixed)
+        eplan = engine_plan(backend, capacity, budget)
+        limit = None if context_tokens is None else {"limit": "context_tokens", "tokens": context_tokens}
+        max_prompt = eplan.max_prompt_tokens
+        if context_tokens is not None:
+            max_prompt = min(max_prompt, fixed + context_tokens)
+        return Allowance(plan=eplan, max_prompt_tokens=max_prompt, limit=limit)
+    max_prompt = memory_max_prompt(plan)
+    prompt_room(plan, fixed, max_new_tokens)  # refuses a question memory cannot hold
+    if context_tokens is not None:
+        limit = {"limit": "context_tokens", "tokens": context_tokens}
+    else:
+        limit = time_cap(plan, fixed, device=capacity.device, speed=capacity.speed)
+    if limit is not None:
+        max_prompt = min(max_prompt, fixed + limit["tokens"])
+    return Allowance(plan=plan, max_prompt_tokens=max_prompt, limit=limit)
+
+
+def question_room(plan: RequestPlan, fixed: int, max_new_tokens: int) -> int:
+    """The prompt tokens a request may hold once its question (with system prompt, history and
+    template) costs ``fixed``: :func:`prompt_room` on a memory plan, an engine plan's prompt
+    allowance otherwise."""
+    if isinstance(plan, EnginePlan):
+        return plan.max_prompt_tokens
+    return prompt_room(plan, fixed, max_new_tokens)
+
+
+def admission_size(capacity: Capacity) -> tuple[int, str]:
+    """The KV tokens admission control may hand out, and where that figure comes from: the
+    memory plan's KV capacity, or what the engine reports (:func:`engine_admission`)."""
+    if capacity.plan is not None:
+        tokens = capacity.plan.kv_capacity_tokens
+        return tokens, f"{tokens} KV tokens (memory plan)"
+    return engine_admission(capacity)
+
+
+def limit_phrase(plan: RequestPlan) -> str:
+    """What sets the tokens per request, as the plan says (``""`` when it names no single
+    limit), to end a sentence: ``": the model window (…)"``."""
+    if isinstance(plan, EnginePlan):
+        b = plan.budget
+        return f": the engine's {b.binding} limit ({b.binding_source})"
+    if plan.limited_by == "model":
+        return f": the model window ({plan.model}: max_position_embeddings)"
+    if plan.limited_by == "memory":
+        return f": the KV memory on {plan.gpu_name} at concurrency {plan.concurrency}"
+    return ""
+
+
+def plan_lines(plan: RequestPlan) -> list[str]:
+    """The plan in a few lines, for a log: an engine's every figure with its source and age, or
+    the memory plan's tokens per request and KV capacity."""
+    if isinstance(plan, EnginePlan):
+        return plan.lines()
+    return [
+        f"memory plan: {plan.max_context_tokens} tokens per request, KV capacity {plan.kv_capacity_tokens} "
+        f"tokens (limited by {plan.limited_by})"
+    ]

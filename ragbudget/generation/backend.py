@@ -1,40 +1,40 @@
 """The generation seam: one protocol that everything above the stages talks to.
 
 A :class:`Backend` is whatever turns a prompt into an answer under a token cap: the local
-transformers :class:`~ragbudget.generation.generate.Generator` (wrapped by :class:`LocalBackend`) or a served
-engine from :mod:`ragbudget.generation.engines` (vLLM, SGLang, TGI, llama.cpp, Ollama, any OpenAI-compatible
-server). It answers four questions:
+transformers :class:`~ragbudget.generation.generate.Generator` (wrapped by
+:class:`~ragbudget.generation.local.LocalBackend`) or a served engine from
+:mod:`ragbudget.generation.engines` (vLLM, SGLang, TGI, llama.cpp, Ollama, any OpenAI-compatible
+server, or an engine kind another package registers). The pipeline, chat, the server and the
+CLI ask it, and never which kind it is:
 
+* ``warm_up()`` / ``close()`` — load the model or probe the engine (idempotent); let go of it;
 * ``render(messages)`` — the prompt after the chat template, and how many tokens it is
-  (``exact`` says whether the engine counted it itself);
+  (``exact`` says whether the engine counted it itself); ``prompt_builder(system_prompt)`` —
+  the :class:`~ragbudget.prompt.prompt.PromptBuilder` that counts prompts as this backend does;
 * ``count(texts)`` — token counts of many texts at once (chunks), batched;
-* ``capacity()`` — what the engine says about its window and KV cache, each figure with where it
-  came from and when it was read (:class:`Capacity`);
+  ``template_overhead(system_prompt)`` — what the template adds around an empty turn;
+* ``capacity(max_new_tokens=…)`` — one :class:`Capacity` record for every backend: what it can
+  hold, each figure with where it came from and when it was read. An engine reports its own
+  figures; the local generator's are ragbudget's memory plan for requests of
+  ``max_new_tokens`` (``Capacity.plan``), which the pipeline then budgets by;
+* ``tune(admission)`` / ``refresh_speed(…)`` — what admission control should know of a request's
+  cost beyond its KV tokens (the local generator's activations and measured speed; an engine
+  admits its own requests and adds nothing);
 * ``generate(prompt, max_new_tokens=…)`` — the answer, as the same
   :class:`~ragbudget.generation.generate.Generation` record the local generator returns.
 
-:func:`per_request_tokens` turns a :class:`Capacity` into the context allowance of one request::
+:func:`per_request_tokens` turns an engine's :class:`Capacity` into the context allowance of one
+request::
 
     context = min(max_context − max_new_tokens − overhead,          # the window
                   free_kv ÷ sharing − max_new_tokens − overhead)     # the KV share (advisory)
 
 and says which limit binds, with its number and source. The KV term is advisory — engine metrics
 go stale between scrapes and hybrid models misreport them — so a plan prints every figure with its
-source and age (:meth:`Capacity.describe`).
+source and age (:meth:`Capacity.describe`). :mod:`ragbudget.generation.allowance` decides, from the
+record, whether a request is budgeted by the memory plan or by these figures.
 
-How the faces use it (one request)::
-
-    backend = ragbudget.generation.engines.connect(url, kind=kind, api_key=api_key_from_env(var))
-    #         or LocalBackend(Generator(model), gpu=gpu, concurrency=n, max_new_tokens=m)
-    overhead = template_overhead(backend, system_prompt)  # measured once per model
-    budget = per_request_tokens(backend.capacity(), max_new_tokens=m,
-                                overhead_tokens=overhead + backend.count([question])[0])
-    counts = backend.count([c.text for c in candidates])  # cached by (model, text digest)
-    prompt = build_prompt(question, candidates, max_prompt_tokens=budget.context_tokens + …)
-    answer = backend.generate(prompt, max_new_tokens=m, sampling=…, on_text=…, cancel=…)
-
-Print ``capacity.describe()`` and ``budget.to_dict()`` in the plan: every figure with its source
-and age. Served-engine errors are :class:`~ragbudget.errors.EngineError` subclasses (one-line
+Served-engine errors are :class:`~ragbudget.errors.EngineError` subclasses (one-line
 messages); a too-long answer that survives the backend's one retry arrives as
 :class:`~ragbudget.errors.EngineContextError`, a :class:`~ragbudget.errors.BudgetError`.
 
@@ -49,34 +49,37 @@ messages); a too-long answer that survives the backend's one retry arrives as
 from __future__ import annotations
 
 import hashlib
-import logging
+import inspect
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any, Protocol, Union, runtime_checkable
 
 from ..errors import BudgetError, ConfigError
 
-if TYPE_CHECKING:  # pragma: no cover - generate.py is imported lazily, at first use
-    from .generate import Generation, Generator
-
-log = logging.getLogger(__name__)
+if TYPE_CHECKING:  # pragma: no cover - the records these name are imported at first use
+    from ..memory.admission import AdmissionController
+    from ..memory.budget import BudgetPlan
+    from ..prompt.prompt import Prompt, PromptBuilder
+    from .generate import Generation
 
 __all__ = [
     "Backend",
     "Capacity",
     "CountCache",
     "LOCAL_GENERATE_OPTIONS",
-    "LocalBackend",
     "MemoryCountCache",
+    "PromptInput",
     "RenderedPrompt",
     "RequestBudget",
     "SQLiteCountCache",
     "Sampling",
+    "check_generate_options",
     "per_request_tokens",
     "prompt_messages",
+    "render_overhead",
     "split_generate_options",
     "template_overhead",
     "text_digest",
@@ -142,7 +145,17 @@ class Capacity:
     gives each request a fixed slot (llama.cpp's ``-np``: one slot's ``n_ctx``), which admission
     then reserves per request. ``None`` means the engine does not say (or has no such slots).
     ``measured_at`` is ``time.time()`` of the reading;
-    the ``*_source`` strings name the route and field (``"GET /props n_ctx"``).
+    the ``*_source`` strings name the route and field (``"GET /props n_ctx"``); ``url`` is where
+    the engine answers and ``detected`` how its kind was decided (empty for a backend in this
+    process).
+
+    ``plan`` is set where ragbudget plans the memory itself (the local generator): the
+    :class:`~ragbudget.memory.budget.BudgetPlan` these figures come from, for requests of the
+    ``max_new_tokens`` asked, capped for time when a time-to-first-token target applies; then
+    ``device`` is where the model runs and ``speed`` the prefill and decode speed measured there
+    (the time cap's source). ``None`` where the engine holds its own memory and reports it: the
+    figures are then the engine's now, and a request's allowance is drawn from them
+    (:func:`per_request_tokens`).
     """
 
     max_context_tokens: int | None = None
@@ -163,14 +176,24 @@ class Capacity:
     engine_kind: str = ""
     engine_version: str | None = None
     notes: tuple[str, ...] = ()
+    url: str = ""
+    detected: str = ""
+    plan: BudgetPlan | None = field(default=None, repr=False)
+    device: str = ""
+    # A mapping: not hashed or compared (it is the record the speed probe wrote).
+    speed: Mapping[str, Any] | None = field(default=None, repr=False, compare=False)
 
     def age(self, now: float | None = None) -> float:
         """Seconds since the figures were read."""
         return max(0.0, (time.time() if now is None else now) - self.measured_at)
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
+        """The figures as JSON-ready values; the memory plan, a record of its own, by its
+        ``to_dict``."""
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
         d["notes"] = list(self.notes)
+        d["plan"] = None if self.plan is None else self.plan.to_dict()
+        d["speed"] = None if self.speed is None else dict(self.speed)
         d["age_s"] = round(self.age(), 3)
         return d
 
@@ -219,7 +242,7 @@ class RequestBudget:
     advisory: bool
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 def per_request_tokens(
@@ -428,28 +451,61 @@ class SQLiteCountCache:
 
 
 # -- the protocol ----------------------------------------------------------------------------------
+
+#: What ``generate`` takes as its prompt: chat messages, a plain user string, a
+#: :class:`RenderedPrompt`, or a :class:`ragbudget.prompt.prompt.Prompt` (which a backend may
+#: rebuild with fewer passages when the engine says it is too long).
+PromptInput = Union["Prompt", RenderedPrompt, Sequence[Message], str]
+
+
 @runtime_checkable
 class Backend(Protocol):
-    """What the pipeline, chat, server and CLI need of a generator (see the module docstring).
+    """What the pipeline, chat, the server and the CLI need of a generator (see the module
+    docstring); none of them asks which kind of backend it is.
 
-    ``generate``'s ``prompt`` is chat messages, a :class:`RenderedPrompt`, a plain user string,
-    or a :class:`ragbudget.prompt.prompt.Prompt` (which a backend may rebuild with fewer passages when
-    the engine says it is too long). ``on_text`` receives text pieces as they stream; setting
-    ``cancel`` stops the answer (``finish_reason="cancelled"``) and frees the engine's slot.
+    ``generate``: ``on_text`` receives text pieces as they stream; setting ``cancel`` stops the
+    answer (``finish_reason="cancelled"``) and frees the engine's slot. ``capacity``: the figures
+    for requests that reserve ``max_new_tokens`` for the answer (``None``: the backend's own
+    default) — a memory plan depends on it, an engine's report does not.
+
+    Built in: :class:`~ragbudget.generation.local.LocalBackend` and the served engines of
+    :mod:`ragbudget.generation.engines`, which other packages extend through the
+    ``ragbudget.engines`` entry-point group.
     """
 
     @property
     def model_id(self) -> str: ...
 
+    def warm_up(self) -> None:
+        """Load the model or probe the engine, so the first request pays for neither
+        (idempotent)."""
+
+    def close(self) -> None:
+        """Let go of what ``warm_up`` or the first request started (a later call starts it
+        again)."""
+
     def render(self, messages: Sequence[Message]) -> RenderedPrompt: ...
 
     def count(self, texts: Sequence[str]) -> list[int]: ...
 
-    def capacity(self) -> Capacity: ...
+    def template_overhead(self, system_prompt: str | None = None) -> int: ...
+
+    def prompt_builder(self, system_prompt: str | None = None) -> PromptBuilder:
+        """The builder that renders and counts prompts as this backend will see them."""
+
+    def capacity(self, *, max_new_tokens: int | None = None) -> Capacity: ...
+
+    def tune(self, admission: AdmissionController) -> bool:
+        """Tell ``admission`` what this backend knows of a request's cost beyond its KV tokens
+        (memory beside them, the measured speed); False while it knows nothing (yet)."""
+
+    def refresh_speed(self, *, idle: Callable[[], bool], recheck_s: float) -> bool:
+        """Measure the speed again when the one in use was taken on a busy host, at most every
+        ``recheck_s`` seconds and only while ``idle()``; True when it measured."""
 
     def generate(
         self,
-        prompt: Any,
+        prompt: PromptInput,
         *,
         max_new_tokens: int,
         sampling: Sampling | None = None,
@@ -478,283 +534,18 @@ def prompt_messages(prompt: Any) -> list[dict[str, str]]:
     )
 
 
-def template_overhead(backend: Backend, system_prompt: str | None = None) -> int:
-    """Tokens the chat template and ``system_prompt`` add around an empty user turn — the part of
-    every prompt that is neither context nor question. Uses the backend's own cached
-    ``template_overhead`` when it has one (served engines measure it once per model), else
-    renders once.
-    """
-    # Asked of the backend rather than checked with isinstance(ServedBackend): the engines import
-    # this module, so importing theirs here would be a cycle (tests/test_layout.py).
-    own = getattr(backend, "template_overhead", None)
-    if callable(own):
-        return int(own(system_prompt))
+def render_overhead(backend: Backend, system_prompt: str | None = None) -> int:
+    """Tokens the chat template and ``system_prompt`` add around an empty user turn, by one
+    render (what a backend's ``template_overhead`` measures, however it keeps the result)."""
     msgs = [{"role": "system", "content": system_prompt}] if system_prompt else []
     return backend.render([*msgs, {"role": "user", "content": ""}]).n_tokens
 
 
-# -- the local generator as a Backend ------------------------------------------------------------
-class LocalBackend:
-    """The local transformers :class:`~ragbudget.generation.generate.Generator` as a :class:`Backend`.
-
-    Counts are exact (the model's own tokenizer and chat template); ``capacity()`` is today's
-    :func:`~ragbudget.memory.budget.plan_budget` for ``gpu``/``concurrency``/``max_new_tokens``
-    (``plan_options`` pass through), with the plan's sources.
-
-    ``batching`` (default on where the model supports it): concurrent ``generate`` calls share
-    forward passes through one :class:`~ragbudget.generation.batching.Batcher` (transformers' continuous
-    batching over a paged KV cache); ``False`` runs one ``generate`` per call. The paged cache
-    holds ``batch_kv_tokens`` tokens (default: the plan's KV capacity, on a CPU at most
-    ``concurrency`` windows of the model, since it is allocated up front), and ``capacity()``
-    then reports that cache, block-exact. Calls that need what batching does not do (a static,
-    offloaded or quantized cache, a KV dtype, the OOM ladder, a custom streamer) run unbatched.
-
-    >>> backend = LocalBackend(Generator(), gpu="auto")            # doctest: +SKIP
-    >>> backend.generate("Hi", max_new_tokens=8).finish_reason      # doctest: +SKIP
-    'length'
-    """
-
-    kind = "local"
-
-    def __init__(
-        self,
-        generator: Generator | None = None,
-        *,
-        gpu: Any = None,
-        concurrency: int = 1,
-        max_new_tokens: int = 256,
-        cache: str = "dynamic",
-        kv_dtype: str | None = None,
-        batching: bool | None = None,
-        batch_kv_tokens: int | None = None,
-        **plan_options: Any,
-    ) -> None:
-        if generator is None:
-            from .generate import Generator
-
-            generator = Generator()
-        if batching not in (None, True, False):
-            raise ConfigError(f"batching must be True, False or None (auto); got {batching!r}")
-        if batch_kv_tokens is not None and (
-            isinstance(batch_kv_tokens, bool) or not isinstance(batch_kv_tokens, int) or batch_kv_tokens < 1
-        ):
-            raise ConfigError(f"batch_kv_tokens must be an integer >= 1; got {batch_kv_tokens!r}")
-        self.generator = generator
-        self.cache, self.kv_dtype = cache, kv_dtype
-        self.batching, self.batch_kv_tokens = batching, batch_kv_tokens
-        self._batcher: Any = None
-        self._batch_lock = threading.Lock()
-        self._plan_args = dict(
-            gpu=gpu,
-            concurrency=concurrency,
-            max_new_tokens=max_new_tokens,
-            cache=cache,
-            kv_dtype=kv_dtype,
-            **plan_options,
-        )
-        # One local model on one device: a gpu naming several ("2xH100") is refused by the plan.
-        self._plan_args.setdefault("tensor_parallel", 1)
-
-    def __repr__(self) -> str:
-        return f"LocalBackend({self.generator!r})"
-
-    @property
-    def model_id(self) -> str:
-        return self.generator.model_ref.id
-
-    #: Tokens a message costs around its content when the tokenizer has no chat template (a base
-    #: model): ChatML-style wrappers cost about 4-6, so 8 errs on the safe side.
-    FALLBACK_OVERHEAD = 8
-
-    def render(self, messages: Sequence[Message]) -> RenderedPrompt:
-        """The model's own chat template, counted in its own tokenizer (exact); a tokenizer
-        without a template counts each message's content plus :attr:`FALLBACK_OVERHEAD`."""
-        from ..tokens import HFTokenizer
-
-        msgs = tuple(prompt_messages(list(messages)))
-        hf = self.generator.tokenizer
-        hf = hf.hf if isinstance(hf, HFTokenizer) else hf
-        counter = self.generator.token_counter
-        if getattr(hf, "chat_template", None):  # a transformers tokenizer attribute, may be unset
-            text = hf.apply_chat_template(list(msgs), tokenize=False, add_generation_prompt=True)
-            return RenderedPrompt(
-                messages=msgs,
-                n_tokens=counter.count(text),
-                exact=True,
-                source=f"chat template of {self.model_id}",
-                text=text,
-            )
-        n = sum(counter.count(m["content"]) + self.FALLBACK_OVERHEAD for m in msgs)
-        return RenderedPrompt(
-            messages=msgs,
-            n_tokens=n,
-            exact=False,
-            source=f"{self.model_id} has no chat template: content + {self.FALLBACK_OVERHEAD} tokens per message",
-        )
-
-    def count(self, texts: Sequence[str]) -> list[int]:
-        counter = self.generator.token_counter
-        return [counter.count(t) for t in texts]
-
-    def _plan(self) -> Any:
-        from ..memory.budget import plan_budget
-
-        g = self.generator
-        return plan_budget(g.model if g.loaded else self.model_id, **self._plan_args)
-
-    @property
-    def batcher(self) -> Any:
-        """The :class:`~ragbudget.generation.batching.Batcher` calls share (loads the model), or None when
-        batching is off or the model cannot be batched (with ``batching=True``, that is a
-        :class:`~ragbudget.errors.ConfigError`)."""
-        if self.batching is False or self.cache != "dynamic" or self.kv_dtype is not None:
-            if self.batching:
-                raise ConfigError(
-                    "batching uses a paged cache in the model's dtype: drop cache="
-                    f"{self.cache!r}/kv_dtype={self.kv_dtype!r} or batching=True"
-                )
-            return None
-        with self._batch_lock:
-            if self._batcher is None:
-                from .batching import Batcher, batching_unsupported
-
-                reason = batching_unsupported(self.generator)
-                if reason:
-                    if self.batching:
-                        raise ConfigError(f"cannot batch {self.model_id!r}: {reason}; pass batching=False")
-                    self.batching = False
-                    return None
-                tokens = self.batch_kv_tokens
-                if tokens is None:
-                    plan = self._plan()
-                    tokens = plan.kv_capacity_tokens
-                    if not self.generator.device.startswith(("cuda", "xpu", "mps")):
-                        # Host RAM plans are large and the paged cache is zeroed up front (it
-                        # is all resident): hold `concurrency` full windows, not all of RAM.
-                        tokens = min(tokens, max(1, plan.concurrency) * plan.model_max_tokens)
-                    # The plan's KV bytes are the most the paged cache may take: whole pages, and
-                    # the paged layout's own bytes per token (it can exceed the plan's), so the
-                    # activations the plan reserved beside it still fit.
-                    tokens = _paged_tokens_within(
-                        self.generator, int(tokens), plan.kv_capacity_tokens * plan.kv_bytes_per_token_peak
-                    )
-                    if tokens < plan.max_context_tokens:
-                        # Too tight to batch: the paged cache could not hold the one full-size
-                        # request the plan allows, so generation runs one request at a time.
-                        why = (
-                            f"the paged cache that fits the plan's KV memory holds {tokens:,} "
-                            f"tokens, less than one request's {plan.max_context_tokens:,}"
-                        )
-                        if self.batching:
-                            raise ConfigError(
-                                f"cannot batch {self.model_id!r}: {why}; give it more memory or pass batching=False"
-                            )
-                        log.info("generation not batched: %s", why)
-                        self.batching = False
-                        return None
-                self._batcher = Batcher(self.generator, kv_tokens=max(1, int(tokens)))
-            return self._batcher
-
-    @property
-    def batched(self) -> bool:
-        """Whether plain ``generate`` calls go through the :attr:`batcher` (continuous batching
-        over its paged cache) — what admission needs to know: running requests then share
-        forward passes, and their KV lives in the paged cache allocated up front. Decided, and
-        the model loaded, on first use."""
-        return self.batcher is not None
-
-    def close(self) -> None:
-        """Stop the batching worker, if one runs (a later ``generate`` starts it again)."""
-        if self._batcher is not None:
-            self._batcher.close()
-
-    def capacity(self) -> Capacity:
-        plan = self._plan()
-        src = f"plan_budget ({plan.gpu_name}: {plan.gpu_source})"
-        kv, kv_src = plan.kv_capacity_tokens, src
-        batcher = self.batcher if self.generator.loaded else self._batcher
-        if batcher is not None:
-            lay = batcher.layout
-            kv = lay.capacity_tokens
-            kv_src = (
-                f"paged cache of continuous batching: {lay.num_blocks} blocks × "
-                f"{lay.page_size} tokens, {lay.total_bytes} bytes"
-            )
-        return Capacity(
-            max_context_tokens=plan.model_max_tokens,
-            max_context_source=f"{plan.model} config",
-            kv_tokens_total=kv,
-            kv_total_source=kv_src,
-            kv_tokens_free=kv,
-            kv_free_source=f"{kv_src}: free when planned",
-            max_concurrent=plan.max_concurrency,
-            max_concurrent_source=src,
-            engine_kind="local",
-            notes=tuple(plan.notes),
-        )
-
-    def generate(
-        self,
-        prompt: Any,
-        *,
-        max_new_tokens: int,
-        sampling: Sampling | None = None,
-        stop: Sequence[str] | None = None,
-        on_text: Callable[[str], None] | None = None,
-        cancel: threading.Event | None = None,
-        **options: Any,
-    ) -> Generation:
-        """:meth:`Generator.generate <ragbudget.generation.generate.Generator.generate>` with this backend's
-        cache kind and KV dtype; ``options`` are the local generator's own extras (``do_sample``,
-        ``top_k``, ``oom_ladder``), which no served engine takes."""
-        s = sampling or Sampling()
-        if isinstance(prompt, RenderedPrompt):
-            prompt = list(prompt.token_ids) if prompt.token_ids else list(prompt.messages)
-        # The local generator's extras that batching also honours; any other one (the OOM
-        # ladder, a custom streamer) takes the unbatched path.
-        batcher = self.batcher if set(options) <= {"do_sample", "top_k"} else None
-        if batcher is not None:
-            return batcher.generate(  # type: ignore[no-any-return]
-                prompt,
-                max_new_tokens=max_new_tokens,
-                temperature=s.temperature,
-                top_p=s.top_p,
-                seed=s.seed,
-                stop=list(stop) if stop else None,
-                on_text=on_text,
-                cancel=cancel,
-                **options,
-            )
-        return self.generator.generate(
-            prompt,
-            max_new_tokens=max_new_tokens,
-            cache=self.cache,
-            kv_dtype=self.kv_dtype,
-            temperature=s.temperature,
-            top_p=s.top_p,
-            seed=s.seed,
-            stop=list(stop) if stop else None,
-            on_text=on_text,
-            cancel=cancel,
-            **options,
-        )
-
-
-def _paged_tokens_within(generator: Generator, tokens: int, budget_bytes: int, page_size: int = 32) -> int:
-    """The most tokens, in whole pages of ``page_size`` (at least one page), up to ``tokens``,
-    whose paged cache (:func:`~ragbudget.memory.kvcache.paged_cache_layout`, exact) takes at most
-    ``budget_bytes``."""
-    from ..memory.kvcache import paged_cache_layout
-    from .batching import _dtype_name
-
-    model = generator.model
-    blocks = max(1, tokens // page_size)
-    while blocks > 1:
-        layout = paged_cache_layout(model.config, num_blocks=blocks, page_size=page_size, kv_dtype=_dtype_name(model))
-        if layout.total_bytes <= budget_bytes:
-            break
-        blocks = max(1, min(blocks - 1, int(blocks * budget_bytes / max(1, layout.total_bytes))))
-    return blocks * page_size
+def template_overhead(backend: Backend, system_prompt: str | None = None) -> int:
+    """Tokens the chat template and ``system_prompt`` add around an empty user turn — the part of
+    every prompt that is neither context nor question (the backend's own measure: served engines
+    keep it per model)."""
+    return int(backend.template_overhead(system_prompt))
 
 
 #: ``ask``'s generate options a local generator takes beyond :class:`Sampling` and ``stop``.
@@ -763,12 +554,13 @@ LOCAL_GENERATE_OPTIONS = ("do_sample", "top_k", "oom_ladder", "streamer")
 _OTHER_NAMES = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens", "n_ctx": "context_tokens"}
 
 
-def split_generate_options(options: Mapping[str, Any], *, served: bool) -> tuple[Any, list[str] | None, dict[str, Any]]:
+def split_generate_options(options: Mapping[str, Any]) -> tuple[Sampling, list[str] | None, dict[str, Any]]:
     """``ask``'s generate options as the protocol's ``Sampling`` and ``stop``, and the local
-    generator's own extras (``do_sample``, ``top_k``, …), which a served engine refuses. Every
-    option is checked here, so a misspelt or mistyped one is refused before retrieval runs.
+    generator's own extras (``do_sample``, ``top_k``, …), which only a backend whose ``generate``
+    takes them accepts (:func:`check_generate_options`). Every option is checked here, so a
+    misspelt or mistyped one is refused before retrieval runs.
 
-    >>> split_generate_options({"max_tokens": 8}, served=False)  # doctest: +ELLIPSIS
+    >>> split_generate_options({"max_tokens": 8})  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
     ragbudget.errors.ConfigError: max_tokens is not an option of ask(); did you mean max_new_tokens? (...)
@@ -797,13 +589,37 @@ def split_generate_options(options: Mapping[str, Any], *, served: bool) -> tuple
             + (f"; {hint}" if hint else "")
             + f" (the generate options are {', '.join(known)})"
         )
-    if rest and served:
-        raise ConfigError(
-            f"{', '.join(sorted(rest))}: not an option of a served engine (it takes temperature, top_p, seed and stop)"
-        )
     if rest.get("do_sample") is not None:
         check_bool("do_sample", rest["do_sample"])
     if "oom_ladder" in rest:
         check_bool("oom_ladder", rest["oom_ladder"])
     check_int("top_k", rest.get("top_k"), 0, optional=True)
     return sampling, (list(stop) if stop else None), rest
+
+
+def check_generate_options(backend: Backend, extras: Mapping[str, Any]) -> None:
+    """Refuse the local generator's extras (``top_k``, ``do_sample``, …) that ``backend``'s
+    ``generate`` does not take — asked of its signature, so a backend says what it takes by
+    what it accepts (a served engine takes ``Sampling`` and ``stop`` only)."""
+    if not extras:
+        return
+    params = inspect.signature(backend.generate).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return
+    taken = {p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    refused = sorted(k for k in extras if k not in taken)
+    if refused:
+        raise ConfigError(
+            f"{', '.join(refused)}: not an option of {type(backend).__name__} "
+            "(it takes temperature, top_p, seed and stop)"
+        )
+
+
+def __getattr__(name: str) -> Any:
+    # LocalBackend lived here until the seam was sealed (issue #32): the old path works for one
+    # release, with a DeprecationWarning naming the new one.
+    if name != "LocalBackend":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from .._compat import moved_attribute
+
+    return moved_attribute(__name__, "ragbudget.generation.local", name)

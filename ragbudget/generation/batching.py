@@ -11,7 +11,7 @@ What stays per request:
 
 * ``max_new_tokens`` and EOS — the manager's own per-request limits;
 * stop strings, and a line produced three times in a row
-  (:data:`~ragbudget.generation.generate.REPEATED_LINE_STOP`) — checked here on the decoded text after each
+  (:data:`~ragbudget.generation.decoding.REPEATED_LINE_STOP`) — checked here on the decoded text after each
   token; the first one ends the answer (``finish_reason="stop"``, the text cut before it, a
   repeated line kept once) and the request is cancelled in the manager, which frees its blocks
   at its next step;
@@ -161,7 +161,11 @@ def per_request_sdpa(
         or query.shape[0] != 1
         or kwargs.get("softcap") is not None
     ):  # SDPA's own refusal of softcap stands
-        return _installed["sdpa"](module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        # transformers' own attention function: untyped at that seam, its (output, weights) as is.
+        own: tuple[Any, None] = _installed["sdpa"](
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+        return own
     import torch
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
@@ -231,7 +235,7 @@ def _row_sampler(slots: dict[int, _Slot], repetition_penalty: float = 1.0) -> An
         ContinuousBatchingLogitsProcessorList,
     )
 
-    from .generate import _draw
+    from .decoding import draw
 
     class _RowSampler(ContinuousBatchingLogitsProcessor):
         supported_kwargs = {_SLOT: int}  # instance attributes in the base class, shared here
@@ -266,7 +270,7 @@ def _row_sampler(slots: dict[int, _Slot], repetition_penalty: float = 1.0) -> An
                 if slot.rng is None:
                     slot.rng = torch.Generator(device=scores.device)
                     slot.rng.manual_seed(slot.seed % 2**64)
-                choice = _draw(scores[row : row + 1], slot.rng, slot.temperature, slot.top_p, slot.top_k)
+                choice = draw(scores[row : row + 1], slot.rng, slot.temperature, slot.top_p, slot.top_k)
                 only = torch.full_like(scores[row], float("-inf"))
                 scores[row] = only.scatter(-1, choice[0], 0.0)
             return scores
@@ -370,7 +374,9 @@ class Batcher:
         # the row sampler's, and so is the checkpoint's repetition penalty (see _row_sampler).
         eos = sorted(gen._eos_ids()) or -1
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-        config = GenerationConfig(do_sample=False, eos_token_id=eos, pad_token_id=pad)
+        config = GenerationConfig(  # type: ignore[no-untyped-call]  # transformers' config is untyped
+            do_sample=False, eos_token_id=eos, pad_token_id=pad
+        )
         cb = ContinuousBatchingConfig(
             num_blocks=self.layout.num_blocks,
             page_size=self.page_size,
@@ -440,12 +446,13 @@ class Batcher:
         (prompt kinds, sampling, ``stop``, ``on_text``, ``cancel``, the returned
         :class:`~ragbudget.generation.generate.Generation`, whose ``cache`` is ``"paged"``), batched with
         every other call running at the same time. No OOM ladder: the cache is allocated once."""
-        from .generate import Generation, _CallbackStreamer, _sampling, _stop_list
+        from .decoding import CallbackStreamer, sampling_wanted, stop_list
+        from .generate import Generation
 
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens must be ≥ 1; got {max_new_tokens!r}")
-        stops = _stop_list(stop)
-        sample = _sampling(do_sample, temperature, top_p, top_k, seed)
+        stops = stop_list(stop)
+        sample = sampling_wanted(do_sample, temperature, top_p, top_k, seed)
         gen = self.generator.warm_up()
         ids = gen._ids_of(prompt)
         capacity = self.layout.capacity_tokens
@@ -472,7 +479,7 @@ class Batcher:
             )
             extra[_SLOT] = n
         # Always a streamer: it ends the answer at a stop string or a line repeated in a row.
-        streamer = _CallbackStreamer(gen.tokenizer, on_text or (lambda _s: None), 0, stops)
+        streamer = CallbackStreamer(gen.tokenizer, on_text or (lambda _s: None), 0, stops)
         tokens: list[int] = []
         finished = cancelled = False
         t0 = time.perf_counter()

@@ -7,7 +7,7 @@ The prefill and decode speed is measured once per model and machine
 capped for that target, and admission control's memory and time rules
 (:meth:`~ragbudget.memory.admission.AdmissionController.configure`). A speed measured on a busy host is
 ``provisional``: :meth:`Pacing.due` says when to look again.
-:class:`~ragbudget.pipeline.Pipeline` holds one per pipeline.
+:class:`~ragbudget.generation.local.LocalBackend` holds one per local generator.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ..memory.admission import AdmissionController
     from ..memory.budget import BudgetPlan
-    from .backend import Backend
+    from ..memory.kvcache import PagedCacheLayout
 
 __all__ = ["Pacing"]
 
@@ -107,20 +107,20 @@ class Pacing:
         not loaded yet: admission then counts KV tokens only, as sized)."""
         return gen is not None and bool(gen.loaded) and gen.model is not None
 
-    def tune(self, ctl: AdmissionController, gen: Any, plan: BudgetPlan, backend: Backend) -> None:
+    def tune(
+        self, ctl: AdmissionController, gen: Any, plan: BudgetPlan, *, paged: PagedCacheLayout | None = None
+    ) -> None:
         """For a :meth:`loaded` generator: count each request's KV *and* its own activation peak
         against the memory left beside the weights, and its time by the measured prefill and
-        decode speed (the start and refusal rules of :mod:`ragbudget.memory.admission`)."""
+        decode speed (the start and refusal rules of :mod:`ragbudget.memory.admission`).
+        ``paged``: generation is batched over this paged cache, allocated up front — running
+        requests share forward passes, their tokens count against the cache, and only their
+        activations against the memory left beside the weights and the cache."""
         from ..memory.budget import request_memory, throughput_from_speed
-        from .backend import LocalBackend
 
         speed = self.entry = self.entry or self.measure(gen, plan.model)
-        # Batched generation shares forward passes between running requests, and holds their KV
-        # in its paged cache, allocated up front: tokens count against that cache, and only the
-        # activations against the memory left beside the weights and the cache.
-        batcher = backend.batcher if isinstance(backend, LocalBackend) and backend.batched else None
-        throughput = throughput_from_speed(speed, batched=batcher is not None) if speed else None
-        memory = request_memory(plan, gen.config, paged=batcher.layout if batcher is not None else None)
+        throughput = throughput_from_speed(speed, batched=paged is not None) if speed else None
+        memory = request_memory(plan, gen.config, paged=paged)
         ctl.configure(memory=memory, throughput=throughput, ttft_target=self.target(gen))
 
     def due(self, recheck_s: float) -> bool:

@@ -188,6 +188,9 @@ def create_app(
     )
     if summary_cache_size < 0:
         raise ConfigError(f"summary_cache_size must be >= 0 (0: no cache), got {summary_cache_size}")
+    # Asked before anything connects: an engine not connected yet is one without a reading of its
+    # figures (which the first request would then reuse for up to a second).
+    engine_load = EngineLoad(pipeline) if pipeline.served else None
     served = model_name or _default_model_name(pipeline)
     models = [served] if served == "ragbudget" else [served, "ragbudget"]
     metrics = Metrics()
@@ -195,7 +198,6 @@ def create_app(
     started = time.time()
     health = IndexHealth(pipeline)
     admission = AdmissionView(pipeline, expose_plan=expose_plan)
-    engine_load = EngineLoad(pipeline) if pipeline.served else None
     summary_cache = None
     if summary_cache_size > 0:
         from ..chat import SummaryCache
@@ -436,10 +438,10 @@ class _Guard:
 
 
 def _default_model_name(pipeline: "Pipeline") -> str:
-    # The engine's model id, or the local model's (its ref: ``generator.model`` would load it).
+    # The backend's model id: the engine's, or the local model's ref (no model is loaded).
     from ..generation.allowance import model_name
 
-    value = pipeline.backend.model_id if pipeline.served else pipeline.generator.model_ref.id
+    value = pipeline.backend.model_id
     # A local path is no name to show clients; a hub id ("org/name") is.
     return model_name(value) if value else "ragbudget"
 
@@ -499,33 +501,18 @@ def serve(
                 port,
                 API_KEY_ENV,
             )
-        if warm_up and pipeline.served:
-            # Connect now, so a wrong URL, key or engine is one line before listening.
-            for line in pipeline.engine_plan().lines():
-                log.info("engine plan: %s", line)
-            log.info("admission: %s", pipeline.admission_note())
-        elif warm_up:
-            pipeline.generator.warm_up()
-            plan = pipeline.plan
-            log.info(
-                "memory plan: %s tokens per request, KV capacity %s tokens",
-                plan.max_context_tokens,
-                plan.kv_capacity_tokens,
-            )
-            # Size admission now, from the loaded model's plan and its measured prefill/decode
-            # speed, so the first request does not pay for the measurement.
-            log.info("admission: %s", pipeline.admission_note())
-            # Open the index and load its embedder too: the first request does not pay for them,
-            # and the RSS after warm-up is what requests add to.
-            pipeline.search("warm-up", k=1)
-            from ..generation.backend import LocalBackend
+        if warm_up:
+            # Load the model (and start its batching loop) or connect to the engine, size
+            # admission from the loaded model's plan and measured speed or from the engine's
+            # figures, and open the index with its embedder: a wrong URL, key or model is one
+            # line before listening, the first request pays for none of it, and the RSS after
+            # warm-up is what requests add to.
+            pipeline.warm_up()
+            from ..generation.allowance import plan_lines
 
-            backend = pipeline.backend
-            if isinstance(backend, LocalBackend) and backend.batched:
-                # Start the batching loop now: its paged cache is allocated (and resident) before
-                # the first request, which admission already counts as taken (see admission).
-                backend.generate("warm-up", max_new_tokens=1)
-                log.info("batched generation: %s", backend.capacity().kv_total_source)
+            for line in plan_lines(pipeline.request_plan()):
+                log.info("plan: %s", line)
+            log.info("admission: %s", pipeline.admission_note())
             _calibrate(pipeline)
         app = create_app(pipeline, api_key=api_key, expose_plan=expose_plan, **app_options)
         # Bounded graceful shutdown: open streams are cancelled by the app's lifespan, not awaited forever.

@@ -36,7 +36,7 @@ def quick_look(pipeline: Pipeline, fn: Callable[[], T]) -> T:
     <ragbudget.generation.engines.HTTP.probing>`: an overloaded or loading engine says so at once, without
     the back-off a request gets). For what /health and the early refusals read: they must answer
     now. Blocks: call it off the event loop."""
-    http = getattr(pipeline.backend, "http", None) if pipeline.served else None  # a ServedBackend's
+    http = getattr(pipeline.backend, "http", None)  # a served engine's client; a local backend has none
     with http.probing() if http is not None else contextlib.nullcontext():
         return fn()
 

@@ -1,5 +1,6 @@
 """Served engines as :class:`~ragbudget.generation.backend.Backend` s: vLLM, SGLang, TGI, llama.cpp's
-``llama-server``, Ollama, and any other OpenAI-compatible server.
+``llama-server``, Ollama, any other OpenAI-compatible server, and the engine kinds installed
+packages add.
 
 >>> backend = connect("http://127.0.0.1:8080")                       # doctest: +SKIP
 >>> backend.detection.kind, backend.detection.how                   # doctest: +SKIP
@@ -14,6 +15,13 @@ themselves in ``owned_by`` — then the routes only one engine serves: ``GET /in
 ``router``), ``GET /api/version`` (Ollama), ``GET /props`` (llama.cpp), ``GET /get_server_info``
 (SGLang); a server that answers none of them is a generic OpenAI server. The probes made and the
 one that decided are in ``backend.detection``.
+
+Another package adds an engine kind the way ``llm``'s plugins add models: a
+:class:`ServedBackend` subclass registered under the kind's name in the ``ragbudget.engines``
+entry-point group (``[project.entry-points."ragbudget.engines"] myengine =
+"my_package:MyBackend"``). Once installed it is one of :func:`kinds`, ``connect(url,
+kind="myengine")`` (CLI ``--engine-kind myengine``) generates on it, and its module is imported
+only when that kind is asked for. Detection probes the built-in engines only.
 
 Every engine module cites the source files its field names were checked against.
 """
@@ -30,7 +38,7 @@ from ...errors import (
     EngineError,
     EngineResponseError,
 )
-from ...settings import ENGINE_KINDS, EngineSettings, from_keywords
+from ...settings import ENGINE_GROUP, ENGINE_KINDS, EngineSettings, engine_kinds, from_keywords
 from ..backend import CountCache
 from ._base import Detection, ServedBackend
 from ._http import HTTP, Retry, root_url
@@ -44,11 +52,34 @@ __all__ = [
     "backend_class",
     "connect",
     "detect",
+    "kinds",
     "root_url",
 ]
 
-#: Engine kinds ``connect`` accepts (besides ``"auto"``).
+#: The built-in engine kinds (:func:`kinds` adds those installed packages register).
 KINDS = ENGINE_KINDS  # defined once, beside EngineSettings which checks it
+
+#: Where each built-in kind's class lives: ``(module of this package, class)``, imported on use.
+_BUILT_IN = {
+    "vllm": ("vllm", "VLLMBackend"),
+    "sglang": ("sglang", "SGLangBackend"),
+    "tgi": ("tgi", "TGIBackend"),
+    "llamacpp": ("llamacpp", "LlamaCppBackend"),
+    "ollama": ("ollama", "OllamaBackend"),
+    "openai": ("openai", "OpenAIBackend"),
+}
+
+
+def kinds() -> tuple[str, ...]:
+    """Every engine kind :func:`connect` accepts besides ``"auto"``: the built-in ones
+    (:data:`KINDS`), then those installed packages register in the ``ragbudget.engines``
+    entry-point group (named only: a plugin's module is imported when its kind is used).
+
+    >>> kinds()[:2]
+    ('vllm', 'sglang')
+    """
+    return engine_kinds()
+
 
 # `owned_by` of /v1/models as each engine writes it: "vllm" (ModelCard default,
 # vllm/entrypoints/openai/engine/protocol.py), "sglang" (ModelCard default,
@@ -79,32 +110,38 @@ def api_key_from_env(var: str | None) -> str | None:
 
 
 def backend_class(kind: str) -> type[ServedBackend]:
-    """The :class:`ServedBackend` subclass for an engine kind."""
-    if kind == "vllm":
-        from .vllm import VLLMBackend
+    """The :class:`ServedBackend` subclass for an engine kind: a built-in one, or the one an
+    installed package registers under that name in the ``ragbudget.engines`` entry-point group
+    (loaded now, on its first use).
 
-        return VLLMBackend
-    if kind == "sglang":
-        from .sglang import SGLangBackend
+    >>> backend_class("vllm").__name__
+    'VLLMBackend'
+    """
+    import importlib
 
-        return SGLangBackend
-    if kind == "tgi":
-        from .tgi import TGIBackend
+    if kind in _BUILT_IN:
+        module, name = _BUILT_IN[kind]
+        built_in: type[ServedBackend] = getattr(importlib.import_module(f".{module}", __name__), name)
+        return built_in
+    from importlib.metadata import entry_points
 
-        return TGIBackend
-    if kind == "llamacpp":
-        from .llamacpp import LlamaCppBackend
-
-        return LlamaCppBackend
-    if kind == "ollama":
-        from .ollama import OllamaBackend
-
-        return OllamaBackend
-    if kind == "openai":
-        from .openai import OpenAIBackend
-
-        return OpenAIBackend
-    raise ConfigError(f"engine kind must be auto or one of {', '.join(KINDS)}; got {kind!r}")
+    found = [ep for ep in entry_points(group=ENGINE_GROUP) if ep.name == kind]
+    if not found:
+        raise ConfigError(f"engine kind must be auto or one of {', '.join(kinds())}; got {kind!r}")
+    entry = found[0]
+    try:
+        cls = entry.load()
+    except Exception as exc:  # noqa: BLE001 - a broken plugin is its package's fault: say which
+        raise ConfigError(
+            f"engine kind {kind!r} is registered by {entry.value!r} (entry point group {ENGINE_GROUP!r}), "
+            f"which failed to load: {type(exc).__name__}: {exc}"
+        ) from exc
+    if not (isinstance(cls, type) and issubclass(cls, ServedBackend)):
+        raise ConfigError(
+            f"engine kind {kind!r} is registered by {entry.value!r}, which is not a "
+            "ragbudget.generation.engines.ServedBackend subclass: fix or uninstall that package"
+        )
+    return cls
 
 
 def detect(http: HTTP) -> Detection:
@@ -177,7 +214,7 @@ def connect(
     """A :class:`~ragbudget.generation.backend.Backend` for the engine at ``url`` (``http://host:port`` or
     ``…/v1``).
 
-    ``kind``: ``"auto"`` (probe, see :func:`detect`) or one of :data:`KINDS`. ``api_key`` is sent
+    ``kind``: ``"auto"`` (probe, see :func:`detect`) or one of :func:`kinds`. ``api_key`` is sent
     as a bearer token. ``model`` picks the served model (default: the first listed).
     ``tokenizer`` counts locally for engines that cannot (Ollama, generic OpenAI): a Hugging Face
     tokenizer, a folder or hub id; ``None`` uses tiktoken with a 15% margin. ``context_tokens``
@@ -210,7 +247,7 @@ def connect(
         detection = detect(http) if kind == "auto" else Detection(kind=kind, how=f"given: kind={kind!r}")
         cls = backend_class(detection.kind)
         extra: dict[str, Any] = {}
-        if detection.kind in ("ollama", "openai"):
+        if cls.takes_tokenizer:  # it counts with a local stand-in
             extra["tokenizer"] = tokenizer
         if model is None and detection.models:
             model = detection.models[0]  # the listing detection already fetched

@@ -23,11 +23,15 @@ from ..backend import (
     RenderedPrompt,
     Sampling,
     prompt_messages,
+    render_overhead,
     text_digest,
 )
 from ._http import HTTP, Reply, error_message
 
 if TYPE_CHECKING:  # pragma: no cover
+    from ...memory.admission import AdmissionController
+    from ...prompt.prompt import PromptBuilder
+    from ..backend import PromptInput
     from ..generate import Generation
 
 __all__ = ["Detection", "LocalCounter", "ServedBackend", "TooLong", "parse_prometheus"]
@@ -108,7 +112,12 @@ def parse_prometheus(text: str) -> list[tuple[str, dict[str, str], float]]:
     return out
 
 
-def _int_or_none(value: Any) -> int | None:
+def int_or_none(value: Any) -> int | None:
+    """``value`` as an int (a float or a numeric string too), or ``None`` when it is none.
+
+    >>> int_or_none("16"), int_or_none(2.0), int_or_none("None")
+    (16, 2, None)
+    """
     # vLLM stringifies unset CacheConfig fields as "None" (vllm/config/cache.py metrics_info).
     try:
         return int(float(value))
@@ -222,7 +231,13 @@ class ServedBackend(ABC):
 
     Subclasses set ``kind`` and implement :meth:`_capacity`, :meth:`_render` and
     :meth:`_count_uncached` (a batch route, or one request per text through :meth:`_each`).
-    Generation goes to ``POST /v1/chat/completions`` with ``max_tokens`` always set.
+    Generation goes to ``POST /v1/chat/completions`` with ``max_tokens`` always set. A subclass
+    that counts with a local stand-in sets :attr:`takes_tokenizer` and takes ``tokenizer=``.
+    Another package adds an engine kind by registering its subclass in the
+    ``ragbudget.engines`` entry-point group (:func:`ragbudget.generation.engines.backend_class`).
+
+    The engine holds its own memory: :meth:`capacity` is its report (no memory plan), and it
+    admits its own requests (:meth:`tune` and :meth:`refresh_speed` add nothing).
 
     The engine's tokenizer is asked as little as possible (each ask is an HTTP request, and a
     request's prompt is counted passage by passage): counts are kept by text digest and
@@ -241,6 +256,9 @@ class ServedBackend(ABC):
     kind: ClassVar[str] = "openai"
     #: Statuses this engine answers a too-long prompt with.
     too_long_statuses: ClassVar[frozenset[int]] = frozenset({400})
+    #: Whether the engine cannot count, so a local tokenizer stands in (``tokenizer=`` of
+    #: :func:`~ragbudget.generation.engines.connect`).
+    takes_tokenizer: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -277,6 +295,12 @@ class ServedBackend(ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def warm_up(self) -> None:
+        """Ask the engine its model and figures now: a wrong model or an engine that cannot
+        answer is an error before the first request."""
+        _ = self.model_id
+        self.capacity()
 
     def close(self) -> None:
         self.http.close()
@@ -384,11 +408,23 @@ class ServedBackend(ABC):
         with self._lock:
             if key in self._overheads:
                 return self._overheads[key]
-        msgs = [{"role": "system", "content": system_prompt}] if system_prompt else []
-        n = self.render([*msgs, {"role": "user", "content": ""}]).n_tokens
+        n = render_overhead(self, system_prompt)
         with self._lock:
             self._overheads[key] = n
         return n
+
+    def prompt_builder(self, system_prompt: str | None = None) -> PromptBuilder:
+        """A builder that counts and renders through the engine (its tokenizer and chat template,
+        or its stated local stand-in), every candidate counted in one batch."""
+        from ...prompt.prompt import EnginePromptBuilder
+
+        return EnginePromptBuilder(self, system_prompt=system_prompt)
+
+    def tune(self, admission: AdmissionController) -> bool:
+        return False  # the engine admits its own requests: nothing beyond their KV tokens to add
+
+    def refresh_speed(self, *, idle: Callable[[], bool], recheck_s: float) -> bool:
+        return False  # nothing measured here: the engine paces itself
 
     # -- capacity ---------------------------------------------------------------------------------
     #: Seconds a reading of the engine's figures answers :meth:`capacity` again. One request asks
@@ -397,15 +433,16 @@ class ServedBackend(ABC):
     #: as the engine's own metrics, which it updates on a similar interval. 0: read every time.
     CAPACITY_TTL_S = 1.0
 
-    def capacity(self) -> Capacity:
+    def capacity(self, *, max_new_tokens: int | None = None) -> Capacity:
         """The engine's figures now (each with its source; a reading less than
         :attr:`CAPACITY_TTL_S` old is reused); ``context_tokens=`` overrides the window when
-        given."""
+        given. They do not depend on ``max_new_tokens``: the engine reports what it holds, and
+        :func:`~ragbudget.generation.backend.per_request_tokens` takes the answer off it."""
         now = time.monotonic()
         recent = self._recent
         if recent is not None and now - recent[0] < self.CAPACITY_TTL_S:
             return recent[1]
-        cap = self._capacity()
+        cap = _replace(self._capacity(), url=self.url, detected=self.detection.how)
         if self.context_tokens is not None:
             notes = cap.notes
             if cap.max_context_tokens is not None and cap.max_context_tokens != self.context_tokens:
@@ -442,7 +479,7 @@ class ServedBackend(ABC):
     # -- generation -------------------------------------------------------------------------------
     def generate(
         self,
-        prompt: Any,
+        prompt: PromptInput,
         *,
         max_new_tokens: int,
         sampling: Sampling | None = None,
@@ -735,7 +772,3 @@ def queue_load(text: str, running: str, waiting: str) -> tuple[int | None, int |
     r, w = metric_sum(text, running), metric_sum(text, waiting)
     source = f"GET /metrics {running} / {waiting}" if r is not None or w is not None else ""
     return (None if r is None else int(r)), (None if w is None else int(w)), source
-
-
-def int_or_none(value: Any) -> int | None:
-    return _int_or_none(value)

@@ -48,6 +48,7 @@ class OllamaBackend(ServedBackend):
     :class:`~ragbudget.generation.engines._base.LocalCounter`)."""
 
     kind = "ollama"
+    takes_tokenizer = True
 
     def __init__(self, http: Any, *, tokenizer: Any = None, **kw: Any) -> None:
         super().__init__(http, **kw)

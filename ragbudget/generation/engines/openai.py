@@ -24,6 +24,7 @@ class OpenAIBackend(ServedBackend):
     """A generic OpenAI-compatible chat server."""
 
     kind = "openai"
+    takes_tokenizer = True
 
     def __init__(self, http: Any, *, tokenizer: Any = None, **kw: Any) -> None:
         super().__init__(http, **kw)

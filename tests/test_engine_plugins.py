@@ -1,0 +1,128 @@
+"""An engine kind from another package: a real wheel built and pip-installed (``--target``, into a
+temporary folder: the shared environment never sees it) that registers a
+:class:`~ragbudget.generation.engines.ServedBackend` subclass in the ``ragbudget.engines``
+entry-point group, then used by a fresh interpreter — ``connect(kind=…)``, the settings record
+and the CLI's ``--engine-kind`` — against a replay engine, with no edit in ragbudget."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from _replay import Replay
+
+ROOT = Path(__file__).resolve().parents[1]
+
+PYPROJECT = """\
+[build-system]
+requires = ["setuptools"]
+build-backend = "setuptools.build_meta"
+
+[project]
+name = "ragbudget-tiny-engine"
+version = "0.1"
+
+[project.entry-points."ragbudget.engines"]
+tiny = "tiny_engine:TinyBackend"
+broken = "tiny_engine:NOT_A_BACKEND"
+"""
+
+MODULE = '''\
+"""A third-party engine: a generic OpenAI server under its own kind name."""
+from ragbudget.generation.engines.openai import OpenAIBackend
+
+NOT_A_BACKEND = object()
+
+
+class TinyBackend(OpenAIBackend):
+    kind = "tiny"
+'''
+
+# What the fresh interpreter does with the installed plugin: nothing of it is imported until its
+# kind is asked for; then it generates on the replay engine as any built-in kind would.
+SCRIPT = """\
+import json, sys
+import ragbudget
+from ragbudget.errors import ConfigError
+from ragbudget.generation.engines import connect, kinds
+from ragbudget.settings import EngineSettings
+
+out = {"kinds": list(kinds()), "imported_early": "tiny_engine" in sys.modules}
+EngineSettings(url=sys.argv[1], kind="tiny")  # accepted by the settings record
+backend = connect(sys.argv[1], kind="tiny", context_tokens=2048)
+answer = backend.generate("How is the Project Leader elected?", max_new_tokens=8)
+out.update(cls=type(backend).__name__, kind=backend.capacity().engine_kind, text=answer.text)
+try:
+    connect(sys.argv[1], kind="broken")
+except ConfigError as exc:
+    out["broken"] = str(exc)
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def plugin(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The plugin package, built and installed into a folder of its own (its ``sys.path``)."""
+    src = tmp_path_factory.mktemp("plugin-src")
+    (src / "pyproject.toml").write_text(PYPROJECT, encoding="utf-8")
+    (src / "tiny_engine.py").write_text(MODULE, encoding="utf-8")
+    target = tmp_path_factory.mktemp("plugin-site")
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation", "--no-index"]
+        + ["--target", str(target), str(src)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    if done.returncode != 0:
+        pytest.fail(f"pip could not install the plugin: {done.stderr[-2000:]}")
+    return target
+
+
+def _env(plugin: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(plugin), str(ROOT), env.get("PYTHONPATH", "")])
+    return env
+
+
+def test_an_installed_package_adds_an_engine_kind(plugin: Path) -> None:
+    with Replay("openai") as srv:
+        run = subprocess.run(
+            [sys.executable, "-c", SCRIPT, srv.url], capture_output=True, text=True, env=_env(plugin), timeout=300
+        )
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out["kinds"][:6] == ["vllm", "sglang", "tgi", "llamacpp", "ollama", "openai"]
+    assert {"tiny", "broken"} <= set(out["kinds"])
+    assert out["imported_early"] is False  # named by its entry point, imported on use only
+    assert out["cls"] == "TinyBackend" and out["kind"] == "tiny"
+    assert out["text"].startswith("The Project Leader")
+    # A plugin that registers something else is its package's fault, said in one line.
+    assert "not a ragbudget.generation.engines.ServedBackend subclass" in out["broken"]
+    assert "tiny_engine:NOT_A_BACKEND" in out["broken"]
+
+
+def test_the_cli_accepts_a_registered_kind_and_still_refuses_an_unknown_one(plugin: Path) -> None:
+    code = textwrap.dedent(
+        """\
+        import sys
+        from ragbudget.cli.options import _EngineKind
+        import click
+        kind = _EngineKind()
+        print(kind.convert("tiny", None, None))
+        try:
+            kind.convert("nosuch", None, None)
+        except click.BadParameter as exc:
+            print("refused:", exc)
+        """
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(plugin), timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.splitlines()
+    assert lines[0] == "tiny"
+    assert lines[1].startswith("refused:") and "nosuch" in lines[1]
