@@ -90,13 +90,12 @@ ROWS: tuple[Row, ...] = (
         peer="{peer:.1f}% (greedy fill in rank order; top-4 then truncate the same)",
         ratio="rb/peer",
         data="SQuADShifts Amazon, 150 questions: reporting split, never tuned on",
-        headline=True,
     ),
     Row(
         id="sum-spans-f1",
         figure="Answer F1 of the packaged SmolLM2-135M at 256 context tokens: span packing vs whole chunks "
         "(not a better answer yet)",
-        short="Answer F1 with the packaged 135M model, 256 tokens",
+        short="…but the answer F1 of the packaged 135M model at 256 tokens is no better yet",
         section="span-packing",
         raw="spans_f1_squad_test_256.json",
         values={
@@ -111,6 +110,7 @@ ROWS: tuple[Row, ...] = (
         peer="{peer:.1f} (ragbudget `--pack chunks`; no peer run)",
         ratio=None,
         data="squad-test: reporting split, never tuned on",
+        headline=True,
     ),
     Row(
         id="sum-engine",
