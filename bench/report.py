@@ -14,12 +14,15 @@ BENCHMARKS.md, a link to ``BENCHMARKS.md#sum-...`` in the README), rebuilds the 
 file, and compares them number by number, column by column: a number on the page must equal the raw
 figure within the rounding the page shows (``97.3`` for 97.333 passes, ``97.4`` fails). A row id the
 script does not know, a missing summary row, or a summary block that is not what ``--write`` would
-write also fail. Adding a row: add a :class:`Row` to :data:`ROWS` and run ``--write``.
+write also fail. The sections below BENCHMARKS.md's summary get a looser check (:func:`check_prose`):
+every number there must be a figure of some raw result. Adding a row: add a :class:`Row` to
+:data:`ROWS` and run ``--write``.
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import re
 import sys
@@ -486,6 +489,51 @@ def _compare(name: str, n: int, row: Row, column: str, page: str, built: str) ->
     return out
 
 
+def _leaves(data: Any) -> Iterable[float]:
+    if isinstance(data, dict):
+        for v in data.values():
+            yield from _leaves(v)
+    elif isinstance(data, list):
+        for v in data:
+            yield from _leaves(v)
+    elif isinstance(data, (int, float)) and not isinstance(data, bool):
+        yield float(data)
+
+
+@cache
+def _all_figures() -> tuple[float, ...]:
+    return tuple(sorted({x for path in RESULTS.glob("*.json") for x in _leaves(_raw(path.name))}))
+
+
+def _in_some_result(x: float, decimals: int) -> bool:
+    figures = _all_figures()
+    # As written, as a percentage of a share (94.5% of 0.945), or in MB/MiB/GB/GiB of a byte count.
+    for scale in (1, 0.01, 1e6, 2**20, 1e9, 2**30):
+        value, tol = x * scale, 0.5 * 10**-decimals * scale
+        i = bisect.bisect_left(figures, value - tol - 1e-9)
+        if i < len(figures) and figures[i] <= value + tol + 1e-9:
+            return True
+    return False
+
+
+def check_prose(text: str, name: str) -> list[str]:
+    """The looser check for the rest of BENCHMARKS.md, below the summary: every number written in
+    the sections (outside code spans, link targets and the archive's tables) must be some figure
+    of some raw result, within the rounding shown (or that figure as a percentage, or a byte count
+    in MB, MiB, GB or GiB). It cannot tell
+    which figure a number claims to be, only that the raw results hold it: a typo or a figure from
+    an uncommitted run fails; a true figure put in the wrong place does not."""
+    body = text.split(SUMMARY_END, 1)[1] if SUMMARY_END in text else text
+    body = re.sub(r"`[^`\n]*`", "", body)  # commands, file names, options
+    body = re.sub(r"\]\([^)]*\)", "]", body)  # link targets
+    problems = []
+    for n, line in enumerate(body.splitlines(), text.split(SUMMARY_END, 1)[0].count("\n") + 1):
+        for x, decimals in numbers(line):
+            if not _in_some_result(abs(x), decimals):
+                problems.append(f"{name}:{n}: {x:g} is in no raw result in bench/results/ ({line.strip()[:80]!r})")
+    return problems
+
+
 def _block(text: str, begin: str, end: str) -> str | None:
     if begin not in text or end not in text:
         return None
@@ -506,8 +554,10 @@ def check(paths: Iterable[Path]) -> list[str]:
             block = _block(text, begin, end)
             if block is not None and block != build():
                 problems.append(f"{path.name}: the block after {begin!r} is not what `--write` writes; run it")
-        if path.name == "BENCHMARKS.md" and _block(text, SUMMARY_BEGIN, SUMMARY_END) is None:
-            problems.append(f"{path.name}: no summary block ({SUMMARY_BEGIN} ... {SUMMARY_END})")
+        if path.name == "BENCHMARKS.md":
+            if _block(text, SUMMARY_BEGIN, SUMMARY_END) is None:
+                problems.append(f"{path.name}: no summary block ({SUMMARY_BEGIN} ... {SUMMARY_END})")
+            problems += check_prose(text, path.name)
     return problems
 
 
@@ -533,7 +583,7 @@ def main(argv: list[str] | None = None) -> int:
         for p in problems:
             print(p, file=sys.stderr)
         if not problems:
-            print(f"ok: every summary figure in {', '.join(map(str, args.check))} is in its raw result")
+            print(f"ok: every figure checked in {', '.join(map(str, args.check))} is in its raw result")
         return 1 if problems else 0
     if args.write:
         write([REPO / "BENCHMARKS.md", REPO / "README.md"])

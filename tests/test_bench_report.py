@@ -111,3 +111,13 @@ def test_pointers_and_numbers() -> None:
         (-3.3, 1),
         (1.3, 1),
     ]
+
+
+def test_a_number_in_the_sections_that_no_raw_result_holds_fails(tmp_path: Path) -> None:
+    # The relevance floor's 2,275 context tokens are in floor_test.json; 2,274 is in no raw result.
+    page = _page_with(tmp_path, "(7,677 → 2,275)", "(7,677 → 2,274)")
+    problems = report.check([page])
+    assert any("2274 is in no raw result" in p for p in problems), problems
+    # a percentage of a share and a byte count in MB are found as such
+    assert report._in_some_result(93.5, 1)  # engines.json: recall_in_prompt 0.935
+    assert report._in_some_result(1729, 0)  # load.json: predicted_peak_rss_bytes 1,728,606,208
