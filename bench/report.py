@@ -1,0 +1,596 @@
+"""BENCHMARKS.md's summary table (and the README's headline rows), built from ``bench/results/*.json``.
+
+Every row below names one raw result and the JSON pointers (RFC 6901: ``/table/greedy_fill/512/recall``)
+of the figures it shows; the page's date and command are the raw file's own. Nothing is typed in by
+hand, so a row can only say what its raw result holds::
+
+    python bench/report.py                      # print the summary table
+    python bench/report.py --headline           # print the README's headline rows
+    python bench/report.py --write              # rewrite both blocks in BENCHMARKS.md and README.md
+    python bench/report.py --check BENCHMARKS.md README.md   # exit 1 when a figure is not in its raw result
+
+``--check`` reads each table row of a page that carries a row id (``<a id="sum-...">`` in
+BENCHMARKS.md, a link to ``BENCHMARKS.md#sum-...`` in the README), rebuilds the row from its raw
+file, and compares them number by number, column by column: a number on the page must equal the raw
+figure within the rounding the page shows (``97.3`` for 97.333 passes, ``97.4`` fails). A row id the
+script does not know, a missing summary row, or a summary block that is not what ``--write`` would
+write also fail. The sections below BENCHMARKS.md's summary get a looser check (:func:`check_prose`):
+every number there must be a figure of some raw result. Adding a row: add a :class:`Row` to
+:data:`ROWS` and run ``--write``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import json
+import re
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "bench" / "results"
+
+#: The summary table's columns, in order (BENCHMARKS.md); the README's headline table shows
+#: ``HEADLINE_COLUMNS``. ``--check`` compares any column whose header is one of these names.
+COLUMNS = ("figure", "ragbudget", "best peer in the same run", "ratio", "data set", "date", "command", "raw")
+HEADLINE_COLUMNS = ("result", "ragbudget", "best peer in the same run", "ratio")
+SUMMARY_BEGIN, SUMMARY_END = "<!-- summary:begin (bench/report.py --write) -->", "<!-- summary:end -->"
+HEADLINE_BEGIN, HEADLINE_END = "<!-- headline:begin (bench/report.py --write) -->", "<!-- headline:end -->"
+
+
+@dataclass(frozen=True)
+class Row:
+    """One figure: where it comes from and how its cells read.
+
+    ``values`` maps a name to a JSON pointer into ``raw`` (times ``scale``: 100 turns a 0.945
+    share into 94.5%); the cell templates format them (``"{rb:.1f}%"``). ``ratio`` is a value name
+    (a ratio the raw result holds, e.g. a median of per-round ratios) or ``"a/b"``, computed from two
+    values; it reads > 1 when ragbudget is ahead. ``None``: no peer ran, or a ratio means nothing.
+    """
+
+    id: str
+    figure: str  # BENCHMARKS.md's first cell
+    short: str  # the README's first cell
+    section: str  # the BENCHMARKS.md heading anchor with the detail
+    raw: str  # file name in bench/results/
+    values: dict[str, str]
+    rb: str
+    peer: str
+    ratio: str | None
+    data: str
+    scale: dict[str, float] = field(default_factory=dict)
+    headline: bool = False
+
+
+ROWS: tuple[Row, ...] = (
+    Row(
+        id="sum-spans-squad",
+        figure="Answer in the prompt at 512 context tokens (`--pack spans`), 12 SQuAD dev articles in one index",
+        short="Answer in the prompt at 512 tokens, SQuAD (span packing)",
+        section="span-packing",
+        raw="qa_spans_squad_test.json",
+        values={"rb": "/table/ragbudget_spans/512/recall", "peer": "/table/greedy_fill/512/recall"},
+        rb="{rb:.1f}%",
+        peer="{peer:.1f}% (greedy fill in rank order; top-4 then truncate the same)",
+        ratio="rb/peer",
+        data="squad-test, 150 questions: reporting split, never tuned on",
+        headline=True,
+    ),
+    Row(
+        id="sum-spans-amazon",
+        figure="Answer in the prompt at 512 context tokens (`--pack spans`), "
+        "40 SQuADShifts Amazon products in one index",
+        short="Answer in the prompt at 512 tokens, Amazon reviews (span packing)",
+        section="span-packing",
+        raw="qa_spans_amazon.json",
+        values={"rb": "/table/ragbudget_spans/512/recall", "peer": "/table/greedy_fill/512/recall"},
+        rb="{rb:.1f}%",
+        peer="{peer:.1f}% (greedy fill in rank order; top-4 then truncate the same)",
+        ratio="rb/peer",
+        data="SQuADShifts Amazon, 150 questions: reporting split, never tuned on",
+    ),
+    Row(
+        id="sum-spans-f1",
+        figure="Answer F1 of the packaged SmolLM2-135M at 256 context tokens: span packing vs whole chunks "
+        "(not a better answer yet)",
+        short="…but the answer F1 of the packaged 135M model at 256 tokens is no better yet",
+        section="span-packing",
+        raw="spans_f1_squad_test_256.json",
+        values={
+            "rb": "/summary/256/spans_f1",
+            "peer": "/summary/256/chunks_f1",
+            "d": "/summary/256/f1_diff_spans_minus_chunks",
+            "lo": "/summary/256/f1_diff_ci95/0",
+            "hi": "/summary/256/f1_diff_ci95/1",
+            "n": "/summary/256/n",
+        },
+        rb="{rb:.1f} (paired difference {d:+.1f}, 95% interval {lo:+.1f} to {hi:+.1f}; {n} questions)",
+        peer="{peer:.1f} (ragbudget `--pack chunks`; no peer run)",
+        ratio=None,
+        data="squad-test: reporting split, never tuned on",
+        headline=True,
+    ),
+    Row(
+        id="sum-engine",
+        figure="Answer in the prompt sent to a real `llama-server` with 1,024-token slots (`-c 4096 -np 4`)",
+        short="Answer in the prompt on `llama-server`, 1,024-token slots",
+        section="served-engines",
+        raw="engines_1024.json",
+        values={
+            "rb": "/summary/ragbudget/recall_in_prompt",
+            "rb_refused": "/summary/ragbudget/refused_context_length",
+            "peer": "/summary/llamaindex/recall_in_prompt",
+            "peer_refused": "/summary/llamaindex/refused_context_length",
+            "lc_refused": "/summary/langchain/refused_context_length",
+            "n": "/summary/ragbudget/questions",
+        },
+        scale={"rb": 100, "peer": 100},
+        rb="{rb:.1f}% ({rb_refused} of {n} refused)",
+        peer="{peer:.1f}% (LlamaIndex defaults: {peer_refused} refused; LangChain-style top-4: {lc_refused})",
+        ratio="rb/peer",
+        data="8 SQuAD v1.1 dev articles (seed 0), 200 questions; not a tuning split",
+        headline=True,
+    ),
+    Row(
+        id="sum-chat",
+        figure="Answer in the context for CoQA follow-up questions, "
+        "768 tokens per request for history, context and answer",
+        short="Answer in the context for chat follow-ups, 768 tokens a turn",
+        section="conversations",
+        raw="coqa_chat.json",
+        values={
+            "rb": "/summary/ragbudget_in_context",
+            "peer": "/summary/last_n_in_context",
+            "n": "/summary/n",
+            "last": "/args/last_n",
+        },
+        rb="{rb:.1f}% ({n} follow-ups)",
+        peer="{peer:.1f}% (the last {last} turns kept verbatim, as LangChain's window memory)",
+        ratio="rb/peer",
+        data="CoQA test stories, a seeded sample of 60; not a tuning split",
+        headline=True,
+    ),
+    Row(
+        id="sum-clean",
+        figure="Header/footer lines removed, 3 manuals as PDF pages (pypdfium2), graded by a hand-written truth",
+        short="Running heads and feet removed, 369 PDF pages",
+        section="header-and-footer-stripping",
+        raw="clean.json",
+        values={
+            "rb": "/results/ragbudget/groups/PDFs via pypdfium2/furniture_removed_pct",
+            "rb_body": "/results/ragbudget/groups/PDFs via pypdfium2/body_lost_pct",
+            "peer": "/results/haystack DocumentCleaner/groups/PDFs via pypdfium2/furniture_removed_pct",
+            "peer_cut": "/results/haystack DocumentCleaner/groups/PDFs via pypdfium2/furniture_cut_pct",
+        },
+        rb="{rb:.2f}% (body lines lost: {rb_body:.3f}%)",
+        peer="{peer:.2f}% (Haystack `DocumentCleaner`; {peer_cut:.2f}% cut in part)",
+        ratio=None,
+        data="369 pages of 3 Debian/R manuals; the rules were changed against this truth (a tuning set)",
+        headline=True,
+    ),
+    Row(
+        id="sum-index",
+        figure="Whole-index CPU seconds, cold process to index written, 50 files with a 113-page PDF (1.60 MB)",
+        short="Indexing a 50-file folder, CPU time (every token embedded)",
+        section="indexing",
+        raw="index_throughput.json",
+        values={
+            "rb": "/corpora/pdf50/summary/ragbudget/median_cpu_seconds",
+            "peer": "/corpora/pdf50/summary/langchain/median_cpu_seconds",
+            "x": "/corpora/pdf50/summary/ragbudget/x_peer_cpu",
+        },
+        rb="{rb:.1f} s",
+        peer="{peer:.1f} s (LangChain + MiniLM + FAISS, which cuts chunks at 256 word pieces)",
+        ratio="x",
+        data="man pages, SQuAD articles and R-intro.pdf; speed, no split",
+        headline=True,
+    ),
+    Row(
+        id="sum-chunking",
+        figure="Chunking speed, one thread each, 3.84 MB of real text at 300–500 tokens",
+        short="Chunking speed, one thread",
+        section="chunking",
+        raw="chunking.json",
+        values={
+            "rb": "/results/1 thread/ragbudget chunk_texts(workers=1)/mb_s",
+            "peer": "/results/1 thread/chonkie RecursiveChunker/mb_s",
+            "x": "/results/1 thread/chonkie RecursiveChunker/ragbudget_x",
+        },
+        rb="{rb:.2f} MB/s",
+        peer="{peer:.2f} MB/s (chonkie `RecursiveChunker`)",
+        ratio="x",
+        data="93 documents (manuals, man pages, SQuAD); speed, no split",
+    ),
+    Row(
+        id="sum-dedup-speed",
+        figure="Near-duplicate detection time, 3,271 texts (MinHash, 128 permutations, threshold 0.8)",
+        short="Dedup speed",
+        section="deduplication",
+        raw="dedup.json",
+        values={
+            "rb": "/speed/ragbudget dedup (all of it)/median_s",
+            "peer": "/speed/datasketch, MinHash.bulk/median_s",
+            "x": "/speed/datasketch, MinHash.bulk/ragbudget_x",
+        },
+        rb="{rb:.2f} s",
+        peer="{peer:.2f} s (datasketch `MinHash.bulk`)",
+        ratio="x",
+        data="SQuAD dev paragraphs and Disfl-QA contexts; speed, no split",
+    ),
+    Row(
+        id="sum-dedup-2",
+        figure="Near-duplicate recall, SQuAD paragraphs with 2% of words edited (precision 100% for both)",
+        short="Near-duplicate recall, 2% of words edited",
+        section="deduplication",
+        raw="dedup.json",
+        values={
+            "rb": "/near_duplicates/squad_edits/levels/2%/ragbudget/recall",
+            "peer": "/near_duplicates/squad_edits/levels/2%/datasketch/recall",
+        },
+        scale={"rb": 100, "peer": 100},
+        rb="{rb:.1f}%",
+        peer="{peer:.1f}% (datasketch)",
+        ratio="rb/peer",
+        data="300 edited copies among 1,000 unrelated paragraphs; no split",
+    ),
+    Row(
+        id="sum-dedup-5",
+        figure="Near-duplicate recall, SQuAD paragraphs with 5% of words edited: both collapse",
+        short="Near-duplicate recall, 5% of words edited",
+        section="deduplication",
+        raw="dedup.json",
+        values={
+            "rb": "/near_duplicates/squad_edits/levels/5%/ragbudget/recall",
+            "peer": "/near_duplicates/squad_edits/levels/5%/datasketch/recall",
+        },
+        scale={"rb": 100, "peer": 100},
+        rb="{rb:.1f}%",
+        peer="{peer:.1f}% (datasketch)",
+        ratio="rb/peer",
+        data="300 edited copies among 1,000 unrelated paragraphs; no split",
+    ),
+    Row(
+        id="sum-search",
+        figure="Search p50 at 100k chunks, `--store auto` (HNSW, recall@10 tuned to 0.998), one query at a time",
+        short="Search latency at 100k chunks",
+        section="vector-stores",
+        raw="index_scale.json",
+        values={
+            "rb": "/sizes/100000/stores/hnsw/p50_ms",
+            "recall": "/sizes/100000/stores/hnsw/recall_at_10_heldout",
+            "peer": "/sizes/100000/stores/flat/p50_ms",
+        },
+        rb="{rb:.2f} ms (recall@10 {recall:.4f})",
+        peer="{peer:.2f} ms (ragbudget's exact flat store; no peer run)",
+        ratio="peer/rb",
+        data="real MiniLM vectors of 42,008 texts plus 57,992 perturbed copies; held-out questions",
+    ),
+    Row(
+        id="sum-batching",
+        figure="Generation tokens/s, 8 concurrent short questions, SmolLM2-135M on 2 CPU cores, batched",
+        short="Batched generation, 8 short requests",
+        section="batched-generation",
+        raw="batching_own_threads.json",
+        values={
+            "rb": "/rows/2/batched/tokens_per_s",
+            "peer": "/rows/2/serial/tokens_per_s",
+            "x": "/rows/2/batched_vs_serial",
+        },
+        rb="{rb:.2f} tok/s",
+        peer="{peer:.2f} tok/s (one request at a time; no peer run)",
+        ratio="x",
+        data="short questions, 48 new tokens; speed, no split",
+    ),
+    Row(
+        id="sum-batching-long",
+        figure="Generation tokens/s, 8 concurrent 1,200-token prompts, batched: the prefill cannot be shared on a CPU",
+        short="Batched generation, 8 long prompts",
+        section="batched-generation",
+        raw="batching_ctx1200_batch2048.json",
+        values={
+            "rb": "/rows/0/batched/tokens_per_s",
+            "peer": "/rows/0/serial/tokens_per_s",
+            "x": "/rows/0/batched_vs_serial",
+            "ceiling": "/rows/0/ceiling_vs_serial",
+        },
+        rb="{rb:.2f} tok/s (perfect batching: {ceiling:.2f}× one at a time)",
+        peer="{peer:.2f} tok/s (one request at a time; no peer run)",
+        ratio="x",
+        data="1,200-token prompts, 48 new tokens; speed, no split",
+    ),
+    Row(
+        id="sum-load",
+        figure="Default `ragbudget serve` under a 64-client burst: "
+        "429s whose `Retry-After` was honoured, then answered",
+        short="Server burst: refused requests answered on retry",
+        section="server-under-load",
+        raw="load.json",
+        values={"rb": "/bursts/1/honoured_retry_got_200", "n": "/bursts/1/honoured_retries"},
+        rb="{rb} of {n}",
+        peer="— (no peer run)",
+        ratio=None,
+        data="six man pages, six questions repeated; no split",
+    ),
+)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# reading the raw results
+
+
+@cache
+def _raw(name: str) -> dict[str, Any]:
+    data = json.loads((RESULTS / name).read_text())
+    if not isinstance(data, dict):
+        raise ValueError(f"bench/results/{name} is not a JSON object")
+    return data
+
+
+def resolve(data: Any, pointer: str) -> Any:
+    """The value at an RFC 6901 JSON pointer (``~1`` is ``/``, ``~0`` is ``~``); KeyError if absent."""
+    for part in pointer.split("/")[1:]:
+        part = part.replace("~1", "/").replace("~0", "~")
+        data = data[int(part)] if isinstance(data, list) else data[part]
+    return data
+
+
+def values(row: Row) -> dict[str, Any]:
+    """The row's figures from its raw file, scaled, plus ``ratio`` when the row has one."""
+    data = _raw(row.raw)
+    out: dict[str, Any] = {}
+    for name, pointer in row.values.items():
+        try:
+            value = resolve(data, pointer)
+        except (KeyError, IndexError, ValueError, TypeError) as exc:
+            raise LookupError(f"{row.id}: bench/results/{row.raw} has no {pointer}") from exc
+        out[name] = value * row.scale[name] if name in row.scale else value
+    if row.ratio is not None:
+        if "/" in row.ratio:
+            a, b = row.ratio.split("/")
+            out["ratio"] = out[a] / out[b]
+        else:
+            out["ratio"] = out[row.ratio]
+    return out
+
+
+def _date(row: Row) -> str:
+    date = _raw(row.raw).get("date")
+    return str(date)[:10] if date else "not recorded"
+
+
+def _command(row: Row) -> str:
+    return str(_raw(row.raw).get("command") or "not recorded")
+
+
+def _precise(template: str) -> str:
+    # "{rb:.1f}" -> "{rb:.10f}": the same text with the raw value where the page shows it rounded.
+    return re.sub(r"\{(\w+):([+]?)\.\d+f\}", r"{\1:\2.10f}", template)
+
+
+def cells(row: Row, *, precise: bool = False) -> dict[str, str]:
+    """Every column's text for one row (the summary's and the headline's); ``precise``: every
+    rounded figure written out with 10 decimals instead (what ``--check`` compares against)."""
+    v = values(row)
+    fmt = _precise if precise else (lambda s: s)
+    pointers = " ".join(f"`{p}`" for p in row.values.values())
+    ratio = "—" if row.ratio is None else (f"{v['ratio']:.10f}×" if precise else f"{v['ratio']:.2f}×")
+    return {
+        "figure": f'<a id="{row.id}"></a>[{row.figure}](#{row.section})',
+        "result": f"[{row.short}](BENCHMARKS.md#{row.id})",
+        "ragbudget": "**" + fmt(row.rb).format(**v) + "**",
+        "best peer in the same run": fmt(row.peer).format(**v),
+        "ratio": ratio,
+        "data set": row.data,
+        "date": _date(row),
+        "command": f"`{_command(row)}`",
+        "raw": f"[`{row.raw}`](bench/results/{row.raw}) {pointers}",
+    }
+
+
+def table(columns: Iterable[str], rows: Iterable[Row]) -> str:
+    columns = tuple(columns)
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for row in rows:
+        c = cells(row)
+        lines.append("| " + " | ".join(c[col].replace("|", "\\|") for col in columns) + " |")
+    return "\n".join(lines)
+
+
+def summary() -> str:
+    return table(COLUMNS, ROWS)
+
+
+def headline() -> str:
+    return table(HEADLINE_COLUMNS, (r for r in ROWS if r.headline))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# checking a page
+
+_NUMBER = re.compile(r"(?<![\w.])[-−]?\d[\d,]*(?:\.\d+)?")
+
+
+def numbers(text: str) -> list[tuple[float, int]]:
+    """Each number in ``text`` with the decimals it is written with (``1,024`` → (1024.0, 0))."""
+    out = []
+    for m in _NUMBER.finditer(text):
+        s = m.group().replace(",", "").replace("−", "-")
+        out.append((float(s), len(s.split(".")[1]) if "." in s else 0))
+    return out
+
+
+def _split_row(line: str) -> list[str]:
+    body = line.strip().strip("|")
+    return [c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", body)]
+
+
+def _row_id(line: str) -> str | None:
+    m = re.search(r'id="(sum-[\w-]+)"', line) or re.search(r"BENCHMARKS\.md#(sum-[\w-]+)", line)
+    return m.group(1) if m else None
+
+
+def check_text(text: str, name: str) -> list[str]:
+    """Problems with the summary rows of one page (empty: every figure is in its raw result)."""
+    by_id = {r.id: r for r in ROWS}
+    problems: list[str] = []
+    header: list[str] | None = None
+    seen: set[str] = set()
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.lstrip().startswith("|"):
+            header = None
+            continue
+        parts = _split_row(line)
+        if header is None:
+            header = [p.lower() for p in parts]
+            continue
+        row_id = _row_id(line)
+        if row_id is None:
+            continue
+        row = by_id.get(row_id)
+        if row is None:
+            problems.append(f"{name}:{n}: row {row_id!r} is not in bench/report.py's ROWS")
+            continue
+        seen.add(row_id)
+        try:
+            built = cells(row, precise=True)
+        except LookupError as exc:
+            problems.append(f"{name}:{n}: {exc}")
+            continue
+        if len(parts) != len(header):
+            problems.append(f"{name}:{n}: {row_id}: {len(parts)} cells under {len(header)} column headers")
+            continue
+        for column, cell in zip(header, parts, strict=True):
+            if column not in built:
+                continue
+            problems += _compare(name, n, row, column, cell, built[column])
+    if name.endswith("BENCHMARKS.md"):
+        problems += [f"{name}: summary row {r.id!r} is missing" for r in ROWS if r.id not in seen]
+    return problems
+
+
+def _compare(name: str, n: int, row: Row, column: str, page: str, built: str) -> list[str]:
+    got, want = numbers(page), numbers(built)
+    where = f"bench/results/{row.raw} " + ", ".join(row.values.values())
+    if len(got) != len(want):
+        return [
+            f"{name}:{n}: {row.id}, column {column!r}: the page shows {len(got)} numbers ({page!r}), "
+            f"the raw result gives {len(want)} ({built!r}; {where})"
+        ]
+    out = []
+    for (g, gd), (w, _) in zip(got, want, strict=True):
+        # Within the rounding the page shows: 97.3 stands for anything in [97.25, 97.35].
+        if abs(g - w) > 0.5 * 10**-gd + 1e-9:
+            out.append(f"{name}:{n}: {row.id}, column {column!r}: the page says {g:g}, the raw result {w:g} ({where})")
+    return out
+
+
+def _leaves(data: Any) -> Iterable[float]:
+    if isinstance(data, dict):
+        for v in data.values():
+            yield from _leaves(v)
+    elif isinstance(data, list):
+        for v in data:
+            yield from _leaves(v)
+    elif isinstance(data, (int, float)) and not isinstance(data, bool):
+        yield float(data)
+
+
+@cache
+def _all_figures() -> tuple[float, ...]:
+    return tuple(sorted({x for path in RESULTS.glob("*.json") for x in _leaves(_raw(path.name))}))
+
+
+def _in_some_result(x: float, decimals: int) -> bool:
+    figures = _all_figures()
+    # As written, as a percentage of a share (94.5% of 0.945), or in MB/MiB/GB/GiB of a byte count.
+    for scale in (1, 0.01, 1e6, 2**20, 1e9, 2**30):
+        value, tol = x * scale, 0.5 * 10**-decimals * scale
+        i = bisect.bisect_left(figures, value - tol - 1e-9)
+        if i < len(figures) and figures[i] <= value + tol + 1e-9:
+            return True
+    return False
+
+
+def check_prose(text: str, name: str) -> list[str]:
+    """The looser check for the rest of BENCHMARKS.md, below the summary: every number written in
+    the sections (outside code spans, link targets and the archive's tables) must be some figure
+    of some raw result, within the rounding shown (or that figure as a percentage, or a byte count
+    in MB, MiB, GB or GiB). It cannot tell
+    which figure a number claims to be, only that the raw results hold it: a typo or a figure from
+    an uncommitted run fails; a true figure put in the wrong place does not."""
+    body = text.split(SUMMARY_END, 1)[1] if SUMMARY_END in text else text
+    body = re.sub(r"`[^`\n]*`", "", body)  # commands, file names, options
+    body = re.sub(r"\]\([^)]*\)", "]", body)  # link targets
+    problems = []
+    for n, line in enumerate(body.splitlines(), text.split(SUMMARY_END, 1)[0].count("\n") + 1):
+        for x, decimals in numbers(line):
+            if not _in_some_result(abs(x), decimals):
+                problems.append(f"{name}:{n}: {x:g} is in no raw result in bench/results/ ({line.strip()[:80]!r})")
+    return problems
+
+
+def _block(text: str, begin: str, end: str) -> str | None:
+    if begin not in text or end not in text:
+        return None
+    return text.split(begin, 1)[1].split(end, 1)[0].strip("\n")
+
+
+def _replace_block(text: str, begin: str, end: str, body: str) -> str:
+    head, rest = text.split(begin, 1)
+    return head + begin + "\n" + body + "\n" + end + rest.split(end, 1)[1]
+
+
+def check(paths: Iterable[Path]) -> list[str]:
+    problems: list[str] = []
+    for path in paths:
+        text = path.read_text()
+        problems += check_text(text, path.name)
+        for begin, end, build in ((SUMMARY_BEGIN, SUMMARY_END, summary), (HEADLINE_BEGIN, HEADLINE_END, headline)):
+            block = _block(text, begin, end)
+            if block is not None and block != build():
+                problems.append(f"{path.name}: the block after {begin!r} is not what `--write` writes; run it")
+        if path.name == "BENCHMARKS.md":
+            if _block(text, SUMMARY_BEGIN, SUMMARY_END) is None:
+                problems.append(f"{path.name}: no summary block ({SUMMARY_BEGIN} ... {SUMMARY_END})")
+            problems += check_prose(text, path.name)
+    return problems
+
+
+def write(paths: Iterable[Path]) -> None:
+    for path in paths:
+        text = original = path.read_text()
+        for begin, end, build in ((SUMMARY_BEGIN, SUMMARY_END, summary), (HEADLINE_BEGIN, HEADLINE_END, headline)):
+            if begin in text:
+                text = _replace_block(text, begin, end, build())
+        if text != original:
+            path.write_text(text)
+            print(f"updated {path.relative_to(REPO) if path.is_relative_to(REPO) else path}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--headline", action="store_true", help="print the README's headline rows")
+    parser.add_argument("--write", action="store_true", help="rewrite the blocks in BENCHMARKS.md and README.md")
+    parser.add_argument("--check", nargs="+", type=Path, metavar="PAGE", help="check the pages' summary rows")
+    args = parser.parse_args(argv)
+    if args.check:
+        problems = check(args.check)
+        for p in problems:
+            print(p, file=sys.stderr)
+        if not problems:
+            print(f"ok: every figure checked in {', '.join(map(str, args.check))} is in its raw result")
+        return 1 if problems else 0
+    if args.write:
+        write([REPO / "BENCHMARKS.md", REPO / "README.md"])
+        return 0
+    print(headline() if args.headline else summary())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""bench/report.py: BENCHMARKS.md's summary table is generated from the raw results, and a figure on
+BENCHMARKS.md or the README that its raw result does not hold fails the check."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _load_report() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("bench_report", REPO / "bench" / "report.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+report = _load_report()
+
+
+def test_the_committed_pages_pass_the_check(capsys: pytest.CaptureFixture[str]) -> None:
+    # What CI runs: `python bench/report.py --check BENCHMARKS.md README.md`.
+    assert report.main(["--check", str(REPO / "BENCHMARKS.md"), str(REPO / "README.md")]) == 0, capsys.readouterr().err
+
+
+def test_benchmarks_first_table_is_the_generated_summary() -> None:
+    text = (REPO / "BENCHMARKS.md").read_text()
+    block = text.split(report.SUMMARY_BEGIN, 1)[1].split(report.SUMMARY_END, 1)[0].strip("\n")
+    assert block == report.summary()
+    # The summary is the page's first table: no other table comes before it.
+    first_table = next(n for n, line in enumerate(text.splitlines()) if line.startswith("|"))
+    assert text.splitlines()[first_table] == report.summary().splitlines()[0]
+    # Each row names its raw file, and every figure comes from that file.
+    for row in report.ROWS:
+        assert (REPO / "bench" / "results" / row.raw).is_file(), row.raw
+        assert f"bench/results/{row.raw}" in block
+
+
+def test_the_readme_headline_rows_come_from_the_summary() -> None:
+    text = (REPO / "README.md").read_text()
+    block = text.split(report.HEADLINE_BEGIN, 1)[1].split(report.HEADLINE_END, 1)[0].strip("\n")
+    assert block == report.headline()
+    headline = [r for r in report.ROWS if r.headline]
+    assert 1 <= len(headline) <= 6
+    for row in headline:
+        assert f"BENCHMARKS.md#{row.id}" in block
+
+
+def _page_with(tmp_path: Path, old: str, new: str) -> Path:
+    text = (REPO / "BENCHMARKS.md").read_text()
+    assert old in text
+    page = tmp_path / "BENCHMARKS.md"
+    page.write_text(text.replace(old, new, 1))
+    return page
+
+
+def test_a_figure_not_in_its_raw_result_fails(tmp_path: Path) -> None:
+    # 97.333... is shown as 97.3; 97.4 is outside the rounding shown.
+    page = _page_with(tmp_path, "| **97.3%** |", "| **97.4%** |")
+    problems = report.check([page])
+    assert any(
+        "sum-spans-squad" in p and "97.4" in p and "qa_spans_squad_test.json" in p and "/table/ragbudget_spans/512" in p
+        for p in problems
+    ), problems
+    assert report.main(["--check", str(page)]) == 1
+
+
+def test_a_ratio_rounded_differently_passes_the_figure_check_but_not_the_generated_block(tmp_path: Path) -> None:
+    page = _page_with(tmp_path, "| 1.19× |", "| 1.2× |")
+    problems = report.check([page])
+    assert not [p for p in problems if "column" in p], problems  # 1.187 rounds to 1.2: a true figure
+    assert any("is not what `--write` writes" in p for p in problems)  # but the table is generated
+
+
+def test_a_ratio_that_is_wrong_fails(tmp_path: Path) -> None:
+    page = _page_with(tmp_path, "| 1.19× |", "| 1.3× |")
+    assert any("sum-spans-squad, column 'ratio'" in p for p in report.check([page]))
+
+
+def test_an_unknown_or_missing_row_fails(tmp_path: Path) -> None:
+    page = _page_with(tmp_path, 'id="sum-chunking"', 'id="sum-chunkers"')
+    problems = report.check([page])
+    assert any("'sum-chunkers' is not in bench/report.py's ROWS" in p for p in problems), problems
+    assert any("summary row 'sum-chunking' is missing" in p for p in problems), problems
+
+
+def test_a_readme_figure_is_checked_too(tmp_path: Path) -> None:
+    text = (REPO / "README.md").read_text()
+    page = tmp_path / "README.md"
+    page.write_text(text.replace("| **91.5% (117 follow-ups)** |", "| **95.0% (117 follow-ups)** |", 1))
+    assert any("sum-chat, column 'ragbudget'" in p for p in report.check([page]))
+
+
+def test_pointers_and_numbers() -> None:
+    data = {"a/b": [{"x": 1.5}], "levels": {"2%": 0.99}}
+    assert report.resolve(data, "/a~1b/0/x") == 1.5
+    assert report.resolve(data, "/levels/2%") == 0.99
+    with pytest.raises(KeyError):
+        report.resolve(data, "/missing")
+    assert report.numbers("97.3% of 1,024 tokens, −1.0 (−3.3, +1.3)") == [
+        (97.3, 1),
+        (1024.0, 0),
+        (-1.0, 1),
+        (-3.3, 1),
+        (1.3, 1),
+    ]
+
+
+def test_a_number_in_the_sections_that_no_raw_result_holds_fails(tmp_path: Path) -> None:
+    # The relevance floor's 2,275 context tokens are in floor_test.json; 2,274 is in no raw result.
+    page = _page_with(tmp_path, "(7,677 → 2,275)", "(7,677 → 2,274)")
+    problems = report.check([page])
+    assert any("2274 is in no raw result" in p for p in problems), problems
+    # a percentage of a share and a byte count in MB are found as such
+    assert report._in_some_result(93.5, 1)  # engines.json: recall_in_prompt 0.935
+    assert report._in_some_result(1729, 0)  # load.json: predicted_peak_rss_bytes 1,728,606,208
