@@ -175,7 +175,7 @@ def _haystack_class() -> type:
             self.pipeline, self.options = pipeline, options
 
         # haystack is a module imported at run time, so mypy cannot read its Document as a type.
-        @haystack.component.output_types(documents=list[haystack.Document])  # type: ignore[name-defined]
+        @haystack.component.output_types(documents=list[haystack.Document])  # type: ignore[name-defined,untyped-decorator]
         def run(self, query: str) -> dict[str, Any]:
             docs = [
                 haystack.Document(content=text, meta=meta, score=meta["score"])

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, cast, runtime_checkable
 
 from .errors import ConfigError, ModelError
 
@@ -40,13 +40,13 @@ class TiktokenTokenizer:
         self._enc = _load_tiktoken(encoding)
 
     def encode(self, text: str) -> list[int]:
-        return self._enc.encode_ordinary(text)
+        return list(self._enc.encode_ordinary(text))
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        return self._enc.encode_ordinary_batch(list(texts))
+        return [list(ids) for ids in self._enc.encode_ordinary_batch(list(texts))]
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self._enc.decode(list(ids))
+        return str(self._enc.decode(list(ids)))
 
     def count(self, text: str) -> int:
         return len(self._enc.encode_ordinary(text))
@@ -71,7 +71,7 @@ class HFTokenizer:
         return list(self._tok.encode(text, add_special_tokens=False))
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self._tok.decode(list(ids), skip_special_tokens=False)
+        return str(self._tok.decode(list(ids), skip_special_tokens=False))
 
     def count(self, text: str) -> int:
         return len(self.encode(text))
@@ -140,7 +140,7 @@ def get_tokenizer(spec: Any = None) -> Tokenizer:
     if hasattr(spec, "apply_chat_template") or type(spec).__name__.endswith("TokenizerFast"):
         return HFTokenizer(spec)
     if hasattr(spec, "encode") and hasattr(spec, "decode") and hasattr(spec, "count"):
-        return spec
+        return cast("Tokenizer", spec)  # duck-typed: a caller's own tokenizer object
     if callable(spec):
         return _CallableTokenizer(spec, getattr(spec, "__name__", "callable"))
     raise ConfigError(
