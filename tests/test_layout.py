@@ -370,50 +370,39 @@ def test_the_cycle_check_sees_lazy_imports_and_sub_packages(layout: list[tuple[s
     ]
 
 
-# --- module size: over about 800 lines only for one cohesive job, said in the docstring -----------
+# --- module size: no module past 800 lines, and no exemption (issue #32) ---------------------------
 
 MAX_LINES = 800
-#: Over the limit with no ``One job:`` line because a split is under way (issue #17: the Pipeline
-#: class into smaller modules). An entry expires: once the module is under the limit, the test
-#: below asks for it to be removed from here.
-SPLIT_UNDER_WAY: set[str] = set()
 
 
-def oversized_without_a_job(sources: dict[Path, str]) -> list[str]:
-    """``path (n lines)`` for each module over :data:`MAX_LINES` whose docstring has no line
-    ``One job: ...`` saying which one cohesive job it is."""
+def oversized(sources: dict[Path, str]) -> list[str]:
+    """``path (n lines)`` for each module over :data:`MAX_LINES` lines. There is no way to
+    exempt one (the "One job:" docstring line that used to clear a module is gone, issue #32): a
+    module past the limit is split along a real seam."""
     out = []
     for path, source in sources.items():
         n = len(source.splitlines())
-        doc = ast.get_docstring(ast.parse(source)) or ""
-        if n > MAX_LINES and not re.search(r"^One job: \S", doc, re.M):
+        if n > MAX_LINES:
             out.append(f"{path.relative_to(ROOT)} ({n} lines)")
     return out
 
 
-def test_a_module_over_800_lines_says_which_one_job_it_is() -> None:
-    sources = package_sources()
-    found = oversized_without_a_job(sources)
-    assert [f for f in found if f.split(" (")[0] not in SPLIT_UNDER_WAY] == [], (
-        "split these along a real seam, or say in the docstring which one job they are ('One job: ...')"
-    )
-    for name in SPLIT_UNDER_WAY:
-        n = len(sources[ROOT / name].splitlines())
-        assert n > MAX_LINES, f"{name} is {n} lines now: remove it from SPLIT_UNDER_WAY"
+def test_no_module_is_over_800_lines() -> None:
+    assert oversized(package_sources()) == [], "split these along a real seam (issue #32)"
 
 
-def test_the_size_check_reads_the_docstring() -> None:
-    # A module grown past the limit is reported; its "One job:" line (in the docstring, not in a
-    # comment or a string elsewhere) is what clears it.
+def test_the_size_check_has_no_exemption() -> None:
+    # A module grown past the limit is reported, whatever its docstring says.
     relay = PACKAGE / "relay.py"
-    grown = {relay: relay.read_text(encoding="utf-8") + "\n# One job: not a docstring\n" + "x = 1\n" * 801}
-    assert oversized_without_a_job(grown) == [f"ragbudget/relay.py ({len(grown[relay].splitlines())} lines)"]
-    marked = {
-        relay: grown[relay].replace(
+    grown = (
+        relay.read_text(encoding="utf-8").replace(
             "\n\n>>> relay = Relay(", "\n\nOne job: relaying a worker's output.\n\n>>> relay = Relay(", 1
         )
-    }
-    assert oversized_without_a_job(marked) == []
+        + "x = 1\n" * 801
+    )
+    assert "One job:" in grown
+    assert oversized({relay: grown}) == [f"ragbudget/relay.py ({len(grown.splitlines())} lines)"]
+    assert oversized({relay: relay.read_text(encoding="utf-8")}) == []
 
 
 # --- a test file for every module -----------------------------------------------------------------
