@@ -408,7 +408,7 @@ def test_the_size_check_has_no_exemption() -> None:
 # --- a test file for every module -----------------------------------------------------------------
 
 #: Modules whose test file still carries the module's name from before the sub-packages (written
-#: by tools/restructure.py): ``{unit: test file}``.
+#: by the move to sub-packages, issue #32): ``{unit: test file}``.
 TESTED_BY: dict[str, str] = {
     "server/app": "test_server.py",
     "cli/commands": "test_cli.py",
