@@ -3,7 +3,8 @@
 ``from ragbudget.index import Index``) still works and gives the very same module, with a
 ``DeprecationWarning`` naming the new path.
 
-One meta-path finder over one table (:data:`ALIASES`, the moves of issue #32 — the script that made them is in the history, commit cf2a56c),
+One meta-path finder over one table (:data:`ALIASES`: the moves of issue #32, made by a script
+kept in the history, commit cf2a56c),
 installed by ``ragbudget/__init__``: it costs a string test per import of a module and imports
 nothing ahead of need. Private modules get no alias: ``import ragbudget.engines._base`` is a
 ``ModuleNotFoundError`` that names the new path. An old module whose name is a package now
