@@ -49,6 +49,7 @@ def test_without_onnxruntime_a_clear_error_or_torch() -> None:
     assert out.returncode == 0, out.stdout + out.stderr
 
 
+@pytest.mark.model
 def test_a_damaged_cached_export_is_a_model_error(tmp_path, monkeypatch) -> None:
     import os
 
