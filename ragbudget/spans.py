@@ -18,10 +18,28 @@ provenance but packs at sentence granularity inside the best of them:
    (word overlap ≥ ``redundancy`` drops a sentence as ``redundant``), each admission counted
    exactly: the passage it joins is re-rendered and re-counted in the generator's tokens, label
    included, so the sum of passage costs never exceeds the budget — the same contract as whole
-   chunks, which :func:`~ragbudget.prompt.build_prompt` then checks on the rendered chat template;
+   chunks, which :func:`~ragbudget.prompt.build_prompt` then checks on the rendered chat template
+   (on a served engine the passage's cost is composed from counted pieces instead, below);
 4. a sentence that cannot stand alone brings its neighbour (the *neighbour rule*, below);
 5. one passage per chunk: its chosen sentences in document order, consecutive ones as the document
    has them, gaps shown as `` … ``; passages of one file stay in document order.
+
+**Composed costs** (``composed=True``; :func:`~ragbudget.prompt.build_prompt` asks for them when
+counting is a request to a served engine): a trial passage is not counted; its cost is composed
+from pieces counted beforehand, all in one batch (:func:`span_pieces`): every unit alone, plus
+what each boundary adds — the gap before a unit that follows its neighbour, counted where the two
+meet (the last word of one, the gap, the first word of the other: a merge across the gap is in
+that count), the joiner's ``" …"`` and the space after it, the block's closing newline after the
+last word, the chunk's label. It rests on one property of the pre-tokenizers of byte-level BPEs
+(GPT-2, SmolLM2, Llama 3, Qwen, tiktoken's): no pre-token holds whitespace but at its start, so
+tokens never span a word boundary and the pieces add up to the passage's own count. On the real
+llama-server that held for every passage packed for 120 SQuAD questions (bench/spans_counts.py).
+It is not a proof for every tokenizer: the caller renders the prompt and, in the rare case it is
+over, packs again on a budget smaller by the excess (``PromptBuilder.assemble``). A request then
+asks a served engine's tokenizer for the question's render, the counts of candidates and pieces
+not counted before (kept by digest: none once a candidate has been seen) and the final render —
+never once per trial passage. (One path still counts trial by trial: a budget no sentence fits,
+where the best chunk is cut to a window of words.)
 
 **Neighbour rule** (simple on purpose, so it can be predicted): a sentence whose first word is a
 pronoun or a connective (``He``, ``It``, ``This``, ``They``, ``However``, ``But``, ``Also``, ``As a
@@ -44,8 +62,8 @@ part that costs (the embedder's forward pass: 78–95% of a cold call, bench/spa
 0.2–0.34× the generator's prefill of the same prompt on a 2-core CPU). So an index embeds every
 chunk's sentences at build time (:meth:`ragbudget.index.Index.sentence_vectors`) and
 :class:`SpanScorer` reads them first: a question then embeds no sentence and span packing adds a
-few milliseconds (bench/spans_speed.py). On a served engine every admission is one count
-request to the engine.
+few milliseconds (bench/spans_speed.py). On a served engine, costs are composed (above): no
+admission asks the engine anything.
 
 Citations stay exact: every :class:`Span` has its offsets in the chunk's text (``chunk.text[start:
 end] == span.text``) and in its file (``span.source``), and the page(s) of the chunk it came from
@@ -62,6 +80,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Any
 
 from .errors import ConfigError
@@ -94,6 +113,7 @@ __all__ = [
     "select_spans",
     "sentence_digest",
     "sentence_texts",
+    "span_pieces",
     "split_clauses",
     "split_sentences",
 ]
@@ -242,6 +262,7 @@ _SLACK = 4
 _MIN_REDUNDANCY_WORDS = 3
 
 _WORD = re.compile(r"\w+")
+_SPACE = re.compile(r"[ \t]")
 # A sentence ends at . ! ? (or the CJK ones), after any closing quotes/brackets, before spaces.
 _END = re.compile(r"[.!?。！？][\"'”’)\]]*(?=\s)|[。！？]")
 _LIST_ITEM = re.compile(r"[ \t]*(?:[-*•·–]|\d{1,3}[.)]|[a-zA-Z][.)])[ \t]+\S")
@@ -379,6 +400,66 @@ def sentence_texts(text: str) -> list[str]:
     ['It rained.', 'We stayed in.']
     """
     return [text[a:b] for a, b, _ in split_sentences(text)]
+
+
+def span_pieces(candidates: Iterable[Any], *, unit: str = "sentence") -> list[str]:
+    """The texts :func:`select_spans` counts with ``composed=True`` when ``candidates`` are in its
+    pool (see the module's *Composed costs*): the joiner's ``" …"``; each candidate's text
+    without its outer whitespace, and its last word alone and before the block's closing newline;
+    each unit (sentence or list item; with ``unit="clause"``, every clause too) alone, its first
+    word alone and after a space, its last word alone and before a newline; and where two units
+    meet, the last word of one, the gap and the first word of the other. Counted in one batch
+    with the candidates (``build_prompt`` does), they leave packing nothing to ask a served engine.
+
+    >>> from ragbudget.select import Candidate
+    >>> span_pieces([Candidate("c", "It rained.\\nWe stayed in.", 1.0)])  # doctest: +NORMALIZE_WHITESPACE
+    [' …', 'It rained.\\nWe stayed in.', ' in.', ' in.\\n', 'It rained.', 'It', ' It', ' rained.', ' rained.\\n',
+     'We stayed in.', 'We', ' We', ' rained.\\nWe']
+    """
+    if unit not in UNITS:
+        raise ConfigError(f"unit must be one of {', '.join(UNITS)}; got {unit!r}")
+    out = [JOINER.rstrip()]
+    for c in candidates:
+        text = str(c.text)
+        whole = text.strip()
+        out += [whole, _tail(whole), _tail(whole) + "\n"]
+        # Each sentence's ways of being packed: whole, and with unit="clause" as its clauses
+        # (which sentences are cut depends on their counts, not known yet, so both are in).
+        ways: list[list[tuple[int, int]]] = []
+        for a, b, item in split_sentences(text):
+            cut = [(x, y) for x, y, _ in split_clauses(text, a, b)] if unit == "clause" and not item else []
+            ways.append([(a, b)] + (cut if len(cut) > 1 else []))
+        for i, options in enumerate(ways):
+            for a, b in options:
+                u = text[a:b]
+                out += [u, _head(u), " " + _head(u), _tail(u), _tail(u) + "\n"]
+            # Next units: a clause after the one before it in its sentence; the sentence's first
+            # unit (whole or its first clause) after the last of the sentence before (whole or
+            # its last clause: both end where that sentence ends).
+            pairs = list(pairwise(options[1:]))
+            if i:
+                before = ways[i - 1]
+                pairs += [(x, y) for x in dict.fromkeys((before[0], before[-1])) for y in options[:2]]
+            out += [_joint(text[x[0] : x[1]], text[x[1] : y[0]], text[y[0] : y[1]]) for x, y in pairs]
+    return list(dict.fromkeys(out))
+
+
+def _head(unit: str) -> str:
+    """The unit's first word: up to its first whitespace (a unit holds no line break)."""
+    m = _SPACE.search(unit)
+    return unit[: m.start()] if m else unit
+
+
+def _tail(unit: str) -> str:
+    """The unit's last word with the whitespace character before it (it opens the last
+    pre-token: ``" ?\\w+"``), or the whole unit when it has no whitespace."""
+    i = max(unit.rfind(" "), unit.rfind("\t"))
+    return unit[i:] if i > 0 else unit
+
+
+def _joint(before: str, gap: str, after: str) -> str:
+    """Where two units meet: the last word of ``before``, the ``gap``, the first of ``after``."""
+    return _tail(before) + gap + _head(after)
 
 
 def split_clauses(text: str, start: int = 0, end: int | None = None) -> list[tuple[int, int, bool]]:
@@ -650,6 +731,12 @@ class _Unit:
     sentence: int = 0
     whole: str = ""
     leans: bool = False  # needs the unit before it (the neighbour rule)
+    # With composed costs: what reading it after the unit before it adds to the two counted
+    # apart (the gap, and a merge across it), after a joiner's space, and before the block's
+    # closing newline (see _passage).
+    joined: int = 0
+    spaced: int = 0
+    closed: int = 0
     score: float = 0.0
     red: float = 0.0  # max overlap with what is already chosen
     why: str = "over_budget"
@@ -673,6 +760,7 @@ def select_spans(
     clause_tokens: int = DEFAULT_CLAUSE_TOKENS,
     clause_embed: float = 0.0,
     prime: Callable[[Sequence[str]], Any] | None = None,
+    composed: bool = False,
     lambda_: float = 0.7,
     temperature: float = 0.02,
     order: str = "relevance",
@@ -703,7 +791,9 @@ def select_spans(
     lead bringing it under the neighbour rule, adjacent ones rendered as the sentence has them;
     ``clause_embed`` in [0, 1] is the share of a clause's dense evidence taken from its own
     vector, embedded at question time, the rest being its sentence's stored one), ``prime`` (a
-    batch counter to warm ``count_tokens``, e.g. a served engine's). ``merge_adjacent`` and
+    batch counter to warm ``count_tokens``, e.g. a served engine's), ``composed`` (cost trial
+    passages from their pieces, :func:`span_pieces`, counted in one ``prime`` batch, instead of
+    counting each: see the module's *Composed costs*; the caller checks the rendered prompt). ``merge_adjacent`` and
     ``max_merge_gap`` are accepted for the same call shape; passages are per chunk here.
 
     >>> hits = [type("H", (), dict(chunk_id=1, score=0.9, sources=(), text=(
@@ -739,6 +829,8 @@ def select_spans(
         raise ConfigError(f"clause_tokens must be an integer ≥ 1; got {clause_tokens!r}")
     if isinstance(clause_embed, bool) or not isinstance(clause_embed, (int, float)) or not 0 <= clause_embed <= 1:
         raise ConfigError(f"clause_embed must be a number in [0, 1]; got {clause_embed!r}")
+    if not isinstance(composed, bool):
+        raise ConfigError(f"composed must be True or False; got {composed!r}")
     del merge_adjacent, max_merge_gap  # one passage per chunk; see the docstring
     overhead_of = _overhead_of(chunk_overhead)
     cands = list(candidates)
@@ -764,7 +856,11 @@ def select_spans(
         total += it.cost
     outside = kept[len(chunks) :]
 
-    units = _units(chunks, count_tokens, prime, unit=unit, clause_tokens=clause_tokens)
+    units = _units(chunks, count_tokens, prime, unit=unit, clause_tokens=clause_tokens, composed=composed)
+    # Composed costs: each chunk's label (its block's count less its stripped text's and the
+    # closing newline's, as that follows the chunk's last word) and the joiner's " …"; _units
+    # counted them with the pieces.
+    compose = [(_label(it, count_tokens), count_tokens(JOINER.rstrip())) for it in chunks] if composed else None
     if scorer is not None and units:
         # Vectors stored at build time (an index's sentence vectors) before anything is embedded.
         scorer.preload(i for it in chunks for i in it.ids)
@@ -779,14 +875,22 @@ def select_spans(
         clause_embed=clause_embed,
     )
     chosen = _pack(
-        units, chunks, budget_tokens, count_tokens, overhead_of, lambda_, redundancy, cost_exponent=cost_exponent
+        units,
+        chunks,
+        budget_tokens,
+        count_tokens,
+        overhead_of,
+        lambda_,
+        redundancy,
+        cost_exponent=cost_exponent,
+        compose=compose,
     )
 
     passages: list[tuple[_Item, SelectedChunk]] = []
     for ci, it in enumerate(chunks):
         mine = [u for u in units if u.chunk == ci and u.pos in chosen.get(ci, ())]
         if mine:
-            passages.append((it, _passage(it, mine, count_tokens, overhead_of)))
+            passages.append((it, _passage(it, mine, count_tokens, overhead_of, compose[ci] if compose else None)))
     if not passages and chunks and budget_tokens > 0 and truncate_oversize:
         # Not even one sentence fits: the oversize-chunk cut (a window of words) of the best one.
         cut = _truncate(chunks[0], budget_tokens, count_tokens, overhead_of, question)
@@ -827,12 +931,16 @@ def _units(
     *,
     unit: str = "sentence",
     clause_tokens: int = DEFAULT_CLAUSE_TOKENS,
+    composed: bool = False,
 ) -> list[_Unit]:
     """Every chunk's sentences — or, with ``unit="clause"``, the clauses of those over
     ``clause_tokens`` — with their neighbour dependencies; a unit repeated from a better chunk
-    (chunk overlap, quoted text) is marked ``duplicate`` and never packed."""
+    (chunk overlap, quoted text) is marked ``duplicate`` and never packed. ``composed``: each
+    unit's pieces are counted too (:func:`span_pieces`, all in one ``prime`` batch)."""
     split = [split_sentences(it.text) for it in chunks]
-    if prime is not None:
+    if prime is not None and composed:
+        prime(span_pieces(chunks, unit=unit))
+    elif prime is not None:
         prime([it.text[a:b] for it, parts in zip(chunks, split, strict=True) for a, b, _ in parts])
     # (sentence index, start, end, list item, leans) per unit, per chunk.
     pieces: list[list[tuple[int, int, int, bool, bool]]] = []
@@ -844,7 +952,7 @@ def _units(
             else:
                 here.append((si, a, b, item, needs_previous(it.text[a:b])))
         pieces.append(here)
-    if prime is not None and unit == "clause":
+    if prime is not None and unit == "clause" and not composed:
         prime([it.text[a:b] for it, here in zip(chunks, pieces, strict=True) for _, a, b, _, _ in here])
     out: list[_Unit] = []
     seen: set[str] = set()
@@ -863,6 +971,16 @@ def _units(
             mine.append(u)
         for u in mine:
             u.deps = _deps(mine, u.pos)
+            if composed:
+                # Only the words at a unit's ends meet anything: its first word after a space or
+                # the unit before it, its last before a newline (span_pieces counted them all).
+                head, tail = _head(u.text), _tail(u.text)
+                u.spaced = count_tokens(" " + head) - count_tokens(head)
+                u.closed = count_tokens(tail + "\n") - count_tokens(tail)
+                if u.pos:
+                    prev = mine[u.pos - 1]
+                    meet = _joint(prev.text, it.text[prev.end : u.start], u.text)
+                    u.joined = count_tokens(meet) - count_tokens(_tail(prev.text)) - count_tokens(head)
         out += mine
     return out
 
@@ -994,8 +1112,10 @@ def _pack(
     redundancy: float,
     *,
     cost_exponent: float = 0.0,
+    compose: Sequence[tuple[int, int]] | None = None,
 ) -> dict[int, set[int]]:
-    """Greedy MMR over the units, every admission counted exactly; ``{chunk: chosen positions}``.
+    """Greedy MMR over the units, every admission counted exactly (or, with ``compose``, costed
+    from its pieces: see :func:`_passage`); ``{chunk: chosen positions}``.
 
     Greedy, not a knapsack: a unit's cost depends on what its chunk already holds (a gap costs a
     joiner, a neighbour may already be in), and best-first is what a tight budget needs."""
@@ -1031,7 +1151,13 @@ def _pack(
         if sum(mine[p].n_tokens for p in new) > room + _SLACK:
             continue  # stays over_budget: the room only shrinks
         trial = sorted(have | set(new))
-        passage = _passage(chunks[best.chunk], [mine[p] for p in trial], count_tokens, overhead_of)
+        passage = _passage(
+            chunks[best.chunk],
+            [mine[p] for p in trial],
+            count_tokens,
+            overhead_of,
+            compose[best.chunk] if compose is not None else None,
+        )
         delta = passage.cost - cost.get(best.chunk, 0)
         if delta > room:
             continue
@@ -1056,10 +1182,18 @@ def _containment(a: frozenset[str], b: frozenset[str]) -> float:
 
 
 def _passage(
-    it: _Item, units: Sequence[_Unit], count_tokens: Callable[[str], int], overhead_of: Callable[[Any], int]
+    it: _Item,
+    units: Sequence[_Unit],
+    count_tokens: Callable[[str], int],
+    overhead_of: Callable[[Any], int],
+    compose: tuple[int, int] | None = None,
 ) -> SelectedChunk:
     """The passage of chunk ``it`` holding ``units`` (document order): consecutive units as the
-    chunk has them, runs joined by :data:`JOINER`; counted exactly, label included."""
+    chunk has them, runs joined by :data:`JOINER`; counted exactly, label included. With
+    ``compose`` (the chunk's label tokens and the joiner's ``" …"``), costed from the units'
+    pieces instead (:func:`span_pieces`), nothing counted here: every unit alone; what the gap
+    before each next unit of a run adds where the two meet; ``" …"`` and the space after it
+    before each later run; the label; the block's closing newline after the last unit."""
     units = sorted(units, key=lambda u: u.pos)
     runs: list[tuple[int, int]] = []
     prev = -2
@@ -1072,9 +1206,24 @@ def _passage(
     text = JOINER.join(it.text[a:b] for a, b in runs)
     sources = (_narrow(it.sources[0], runs[0][0], runs[-1][1]),) + it.sources[1:] if it.sources else ()
     spans = tuple(_span(it, u, u.why) for u in units)
+    if compose is not None:
+        label, joiner = compose
+        n = units[0].n_tokens
+        for before, u in pairwise(units):
+            n += u.n_tokens + (u.joined if u.pos == before.pos + 1 else joiner + u.spaced)
+        cost = n + label + units[-1].closed
+        return SelectedChunk(it.ids, text, it.score, n, cost, sources, it.headings, spans=spans)
     probe = SelectedChunk(it.ids, text, it.score, 0, 0, sources, it.headings, spans=spans)
     n = count_tokens(text)
     return SelectedChunk(it.ids, text, it.score, n, n + int(overhead_of(probe)), sources, it.headings, spans=spans)
+
+
+def _label(it: _Item, count_tokens: Callable[[str], int]) -> int:
+    """The tokens of chunk ``it``'s block that are neither its text nor the closing newline:
+    the label line (and whatever else the builder's block adds), for composed costs."""
+    whole = it.text.strip()
+    closed = count_tokens(_tail(whole) + "\n") - count_tokens(_tail(whole))
+    return it.cost - count_tokens(whole) - closed
 
 
 def _cut_passage(it: _Item, cut: _Item) -> SelectedChunk:
