@@ -13,7 +13,7 @@ What it fixes, so that every system is measured on the same ground:
   (vectors cached under ``bench/out/``), BM25 from the index's own FTS5 layout and query path.
 * **One hybrid-ranked candidate list per question** (:meth:`Corpus.candidates`), built as
   ``Index.search(hybrid=True)`` builds it (top ``fetch_k`` dense and BM25 candidates, lexical-only
-  ones given their real cosine, :func:`ragbudget.index.fuse_scores`), and handed to *every* system,
+  ones given their real cosine, :func:`ragbudget.retrieval.index.fuse_scores`), and handed to *every* system,
   so that a difference between systems is packing, not retrieval.
 * **Systems** (:func:`pack`): ``topk_truncate`` (the top 4 as labeled blocks, the whole cut to the
   budget: LangChain's default retriever then a cut), ``greedy_fill`` (blocks in rank order until
@@ -54,11 +54,11 @@ if str(ROOT) not in sys.path:
 
 import numpy as np  # noqa: E402
 
-from ragbudget.chunking import chunk_text  # noqa: E402
-from ragbudget.index import FTS_TOKENIZE, _bm25, fuse_scores  # noqa: E402
+from ragbudget.input.chunking import chunk_text  # noqa: E402
 from ragbudget.pipeline import DEFAULT_RELEVANCE_FLOOR  # noqa: E402
-from ragbudget.prompt import DEFAULT_SYSTEM_PROMPT, PromptBuilder, build_prompt  # noqa: E402
-from ragbudget.select import Candidate, SelectedChunk, Selection  # noqa: E402
+from ragbudget.prompt.prompt import DEFAULT_SYSTEM_PROMPT, PromptBuilder, build_prompt  # noqa: E402
+from ragbudget.prompt.select import Candidate, SelectedChunk, Selection  # noqa: E402
+from ragbudget.retrieval.index import FTS_TOKENIZE, _bm25, fuse_scores  # noqa: E402
 from ragbudget.types import Source  # noqa: E402
 
 DATA = Path(os.environ.get("RAGBUDGET_SHARED_DATA", ROOT.parent / "shared" / "data"))
@@ -212,7 +212,7 @@ def sample_questions(split: Split, n: int, seed: int = 0) -> list[Question]:
 def _embedder() -> Any:
     from sentence_transformers import SentenceTransformer
 
-    from ragbudget.models import resolve_embedder
+    from ragbudget.memory.models import resolve_embedder
 
     return SentenceTransformer(resolve_embedder(), device="cpu")
 
@@ -264,13 +264,13 @@ class Corpus:
         return cls(split, texts, docs, sources, vecs, db, {q.qid: qv[i] for i, q in enumerate(questions)}, model)
 
     def sentence_embedder(self, *, cached: bool = True) -> IndexEmbedder:
-        """The index's embedder for :class:`ragbudget.spans.SpanScorer`. ``cached``: the vectors
+        """The index's embedder for :class:`ragbudget.prompt.spans.SpanScorer`. ``cached``: the vectors
         of every sentence of every chunk (as ``split_sentences`` cuts them) and of the questions
         come from ``bench/out/`` (computed once per split), so sweeps do not re-embed; ``False``:
         every text goes to the model, for timing what span packing costs the first time."""
         if not cached:
             return IndexEmbedder(self.model)
-        from ragbudget.spans import split_sentences
+        from ragbudget.prompt.spans import split_sentences
 
         sents = sorted({t[a:b] for t in self.texts for a, b, _ in split_sentences(t)})
         vecs = embed_cached(sents, "sentences", self.model)
@@ -297,7 +297,7 @@ class Corpus:
 
 class IndexEmbedder:
     """The split index's sentence-transformers model behind the two methods of ragbudget's
-    ``Embedder`` that :class:`~ragbudget.spans.SpanScorer` calls (unit vectors, documents and
+    ``Embedder`` that :class:`~ragbudget.prompt.spans.SpanScorer` calls (unit vectors, documents and
     queries alike: MiniLM has no query prefix); texts in ``known`` are not re-embedded."""
 
     def __init__(self, model: Any, known: dict[str, np.ndarray] | None = None) -> None:
@@ -337,7 +337,7 @@ class Packer:
     def __init__(self, tokenizer: Any, *, system_prompt: str = QA_SYSTEM, span_scorer: Any = None) -> None:
         self.tok = tokenizer
         self.builder = PromptBuilder(tokenizer, system_prompt=system_prompt)
-        self.span_scorer = span_scorer  # a ragbudget.spans.SpanScorer, for ragbudget_spans
+        self.span_scorer = span_scorer  # a ragbudget.prompt.spans.SpanScorer, for ragbudget_spans
 
     def cost(self, c: Any, max_id: int) -> int:
         return self.builder.count(c.text) + self.builder.overhead(c, max_id=max_id)

@@ -8,7 +8,7 @@ measured, in three ways:
 * ``threads`` — c threads each calling ``Generator.generate`` at once (what the server did before
   batching: one ``generate`` per thread, competing for the same cores);
 * ``batched`` — c threads calling ``Batcher.generate`` at once (one continuous-batching loop
-  shares every forward pass; attention per request, :func:`ragbudget.batching.per_request_sdpa`);
+  shares every forward pass; attention per request, :func:`ragbudget.generation.batching.per_request_sdpa`);
 * ``batched_dense`` — the same, with transformers' own SDPA for the batched step (every query
   masked against the keys of the whole batch): what ragbudget ran before, for the ratio.
 
@@ -31,7 +31,7 @@ Run: ``nice -n 10 .venv/bin/python bench/batching.py``; writes bench/results/bat
 Each way runs with no other thread of the process holding an OpenMP pool from forward passes
 (the unbatched ways in a thread of their own, with the batcher closed): before 2026-12-03 the
 serial runs shared the process with a live batcher, and the batched runs with a main thread that
-had run the serial ones, which slowed both (see ``ragbudget.batching``).
+had run the serial ones, which slowed both (see ``ragbudget.generation.batching``).
 
 ``ceiling_tail_vs_serial`` is the tighter bound when answers differ in length (``--new 256``, the
 server's default cap, lets some answers run long): the batched run cannot end before every prefill
@@ -54,9 +54,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _results import write
 
-from ragbudget import batching
-from ragbudget.batching import Batcher, in_own_thread
-from ragbudget.generate import Generator
+from ragbudget.generation import batching
+from ragbudget.generation.batching import Batcher, in_own_thread
+from ragbudget.generation.generate import Generator
 
 TOPICS = ["tides", "volcanoes", "bread yeast", "honeybees", "rainbows", "glaciers", "comets", "coral reefs"]
 
@@ -174,7 +174,7 @@ def main() -> None:
                 ("prefill_only", gen.generate, False),
             ):
                 # Every thread that runs forward passes keeps an OpenMP pool for its life, and
-                # pools beside each other slow each other (ragbudget.batching, "which thread runs
+                # pools beside each other slow each other (ragbudget.generation.batching, "which thread runs
                 # the model"): the unbatched modes run in a thread of their own with the batcher
                 # closed, the batched ones with the batcher's loop the only such thread, started
                 # before the clock.

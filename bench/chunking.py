@@ -239,8 +239,8 @@ def main() -> None:
     import tiktoken
 
     import ragbudget
-    from ragbudget import chunking
-    from ragbudget.chunking import chunk_texts
+    from ragbudget.input import chunking
+    from ragbudget.input.chunking import chunk_texts
 
     print(f"ragbudget from {Path(ragbudget.__file__).parent}")
     enc = tiktoken.get_encoding(ENCODING)

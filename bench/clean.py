@@ -57,8 +57,8 @@ sys.path.insert(0, str(REPO / "bench"))
 from _furniture_truth import KINDS, score  # noqa: E402
 from _results import write  # noqa: E402
 
-from ragbudget.clean import strip_headers_footers  # noqa: E402
-from ragbudget.loaders import load_document  # noqa: E402
+from ragbudget.input.clean import strip_headers_footers  # noqa: E402
+from ragbudget.input.loaders import load_document  # noqa: E402
 
 SHARED = Path(os.environ.get("RAGBUDGET_SHARED_DATA", REPO.parent / "shared" / "data"))
 PDFS = ("policy.pdf", "maint-guide.en.pdf", "R-intro.pdf")

@@ -134,7 +134,7 @@ def main() -> None:
     import torch
 
     from ragbudget.chat import Conversation, SummaryCache
-    from ragbudget.generate import Generator
+    from ragbudget.generation.generate import Generator
     from ragbudget.pipeline import Pipeline
 
     torch.set_num_threads(args.threads)

@@ -45,8 +45,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's ragbudget
 from chunking import SHARED, load_corpus
 
-from ragbudget.chunking import chunk_text
-from ragbudget.dedup import (
+from ragbudget.input.chunking import chunk_text
+from ragbudget.input.dedup import (
     DEFAULT_NUM_PERM,
     DEFAULT_SHINGLE,
     DEFAULT_THRESHOLD,
@@ -155,7 +155,7 @@ def paragraphs(text: str) -> list[str]:
 
 def shingle_sets(texts: list[str]) -> list[list[bytes]]:
     """Word 3-grams of the words ragbudget's normalizer sees, for datasketch (same shingles)."""
-    from ragbudget.dedup import _analyse
+    from ragbudget.input.dedup import _analyse
 
     out = []
     for text in texts:
@@ -230,7 +230,7 @@ def grade(
 
 def collect(sides: list[list[str]]) -> tuple[list[str], list[int], int]:
     """Items of all sides in order, the side of each, and how many were exact after normalization."""
-    from ragbudget.dedup import normalize
+    from ragbudget.input.dedup import normalize
 
     seen: set[str] = set()
     texts, side, exact = [], [], 0
@@ -304,7 +304,7 @@ def pdf_twin_pairs(pdf_path: Path, twin_path: Path) -> list[tuple[str, str]]:
     """
     import difflib
 
-    from ragbudget.loaders import load_document
+    from ragbudget.input.loaders import load_document
 
     pdf = load_document(pdf_path).text
     twin = twin_path.read_text(encoding="utf-8")
@@ -390,7 +390,7 @@ EDIT_LEVELS = (0.01, 0.02, 0.05, 0.10, 0.15, 0.20)
 
 def near_edits(n_base: int = 300, n_neg: int = 1000, seed: int = 0) -> dict[str, object]:
     """(c) SQuAD paragraphs and copies with k% of their words edited, among unrelated paragraphs."""
-    from ragbudget.dedup import normalize
+    from ragbudget.input.dedup import normalize
 
     paras, _, _ = squad_and_disfl()
     rng = random.Random(seed)
@@ -526,7 +526,7 @@ def synthetic(n: int, seed: int = 0) -> list[str]:
 def embedder_seconds_per_chunk(texts: list[str]) -> float:
     from sentence_transformers import SentenceTransformer
 
-    from ragbudget.models import resolve_embedder
+    from ragbudget.memory.models import resolve_embedder
 
     model = SentenceTransformer(resolve_embedder(), device="cpu")
     model.encode(texts[:8], batch_size=32)  # warm-up

@@ -80,7 +80,7 @@ def main() -> None:
     import torch
     from sentence_transformers import SentenceTransformer
 
-    from ragbudget.models import resolve_embedder
+    from ragbudget.memory.models import resolve_embedder
 
     torch.set_num_threads(args.threads)
     OUT.mkdir(exist_ok=True)

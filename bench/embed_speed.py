@@ -11,7 +11,7 @@ other users of a shared host hits each of them alike:
 
 * ``ragbudget@torch`` (sentence-transformers on torch: ragbudget before this change),
   ``ragbudget@onnx`` (float32 ONNX Runtime), ``ragbudget@onnx-int8`` (int8 weights): ``python -m
-  ragbudget.cli index`` with its defaults (chunks of up to 500 cl100k tokens; every token of every
+  ragbudget.cli.commands index`` with its defaults (chunks of up to 500 cl100k tokens; every token of every
   chunk embedded, over-long chunks as several 256-word-piece windows). The ONNX exports are
   cached before the timed runs (the one-off export time is reported apart).
 * ``llamaindex``: ``SimpleDirectoryReader`` → ``IngestionPipeline([SentenceSplitter(500, 0),
@@ -73,7 +73,7 @@ def test_articles(data: list[dict]) -> list[dict]:
 
 
 def model_path() -> str:
-    from ragbudget.models import resolve_embedder
+    from ragbudget.memory.models import resolve_embedder
 
     return resolve_embedder(None)
 
@@ -84,7 +84,7 @@ def model_path() -> str:
 def part_recall(max_articles: int) -> dict:
     import numpy as np
 
-    from ragbudget.embed import SentenceTransformerEmbedder
+    from ragbudget.retrieval.embed import SentenceTransformerEmbedder
 
     arts = test_articles(squad())[:max_articles]
     passages, questions, gold = [], [], []
@@ -176,7 +176,7 @@ def _truncation(texts: list[str]) -> dict:
 def run_one(system: str, corpus: Path, out: Path) -> dict:
     """Runs in the child process; the parent's clock is the figure, this adds counts."""
     if system.startswith("ragbudget@"):
-        from ragbudget.cli import main
+        from ragbudget.cli.commands import main
 
         try:
             main(["index", str(corpus), "--index-dir", str(out), "--embedder", "default@" + system.split("@", 1)[1]])
@@ -245,7 +245,8 @@ def part_speed(n_articles: int, rounds: int) -> dict:
     corpus_info = write_corpus(tmp / "corpus", n_articles)
     print("corpus", {k: v for k, v in corpus_info.items() if k != "articles"}, flush=True)
     # The one-off ONNX exports, cached before the timed runs.
-    from ragbudget.embed import SentenceTransformerEmbedder, _cache_root, _model_digest
+    from ragbudget.retrieval.embed import SentenceTransformerEmbedder
+    from ragbudget.retrieval.encoders import _cache_root, _model_digest
 
     export = {}
     cache = Path(_cache_root()) / _model_digest(model_path())

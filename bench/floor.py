@@ -10,7 +10,7 @@ Setup (as ``bench/qa.py``, but retrieval over a *pool* of articles, as an index 
 documents is searched): SQuAD dev articles joined into one document each, chunked with
 ``chunk_text`` (ragbudget's defaults, 300–500 tokens, like ``ragbudget index``), embedded with the
 packaged all-MiniLM-L6-v2, BM25 from the index's own FTS5 layout, fused with
-``ragbudget.index.fuse_scores`` (score fusion, weight 0.5: the defaults), ``fetch_k`` 50.
+``ragbudget.retrieval.index.fuse_scores`` (score fusion, weight 0.5: the defaults), ``fetch_k`` 50.
 
 Splits: ``--split tune`` (the floor is chosen here), ``--split test`` (other SQuAD dev articles,
 never tuned on) and ``--split amazon`` (SQuADShifts Amazon reviews: report only).
@@ -34,10 +34,10 @@ sys.path.insert(0, str(HERE))
 import numpy as np  # noqa: E402
 from qa import OUT, ROOT, SQUAD, contains_answer, embed  # noqa: E402  (sets the offline env)
 
-from ragbudget.chunking import chunk_text  # noqa: E402
-from ragbudget.index import FTS_TOKENIZE, _bm25, fuse_scores  # noqa: E402
-from ragbudget.prompt import PromptBuilder, build_prompt  # noqa: E402
-from ragbudget.select import Candidate  # noqa: E402
+from ragbudget.input.chunking import chunk_text  # noqa: E402
+from ragbudget.prompt.prompt import PromptBuilder, build_prompt  # noqa: E402
+from ragbudget.prompt.select import Candidate  # noqa: E402
+from ragbudget.retrieval.index import FTS_TOKENIZE, _bm25, fuse_scores  # noqa: E402
 from ragbudget.types import Source  # noqa: E402
 
 AMAZON = SQUAD.parent.parent / "squadshifts" / "amazon_reviews_v1.0.json"
@@ -84,8 +84,8 @@ def main() -> None:
     args = ap.parse_args()
     t_start = time.time()
 
-    from ragbudget.generate import Generator
-    from ragbudget.models import resolve_embedder
+    from ragbudget.generation.generate import Generator
+    from ragbudget.memory.models import resolve_embedder
 
     gen = Generator()
     tok = gen.tokenizer

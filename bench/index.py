@@ -80,8 +80,8 @@ def pct(xs: list[float], q: float) -> float:
 
 
 def part_embed(args: argparse.Namespace, tmp: Path) -> dict:
-    from ragbudget.embed import SentenceTransformerEmbedder
-    from ragbudget.index import Index
+    from ragbudget.retrieval.embed import SentenceTransformerEmbedder
+    from ragbudget.retrieval.index import Index
 
     # Sized for ~5 min on 2 idle cores (the model dominates; it runs three times: index,
     # windows alone, truncation alone). The quick run takes a minute or two.
@@ -179,8 +179,8 @@ def part_embed(args: argparse.Namespace, tmp: Path) -> dict:
 
 
 def part_rerun(args: argparse.Namespace, tmp: Path) -> dict:
-    from ragbudget.embed import SentenceTransformerEmbedder
-    from ragbudget.index import Index
+    from ragbudget.retrieval.embed import SentenceTransformerEmbedder
+    from ragbudget.retrieval.index import Index
 
     corpus = tmp / "thousand"
     corpus.mkdir()
@@ -236,7 +236,7 @@ def part_latency(args: argparse.Namespace, tmp: Path) -> dict:
     sys.path.insert(0, str(REPO / "bench"))
     from index_scale import write_index
 
-    from ragbudget.index import Index
+    from ragbudget.retrieval.index import Index
 
     n = args.n or (20_000 if args.quick else 100_000)
     dim = 384
@@ -338,9 +338,9 @@ def _timed(fn) -> float:  # type: ignore[no-untyped-def]
 _RSS_CHILD = """
 import resource, sys, json
 sys.path.insert(0, {repo!r})
-from ragbudget.index import Index
-from ragbudget.embed import HashEmbedder
-import faiss, ragbudget.chunking, ragbudget.dedup, ragbudget.loaders
+from ragbudget.retrieval.index import Index
+from ragbudget.retrieval.embed import HashEmbedder
+import faiss, ragbudget.input.chunking, ragbudget.input.dedup, ragbudget.input.loaders
 def status(key):
     for line in open("/proc/self/status"):
         if line.startswith(key + ":"):

@@ -8,8 +8,8 @@ them (a real vector plus Gaussian noise, renormalized, cosine ≈ 0.85 to its or
 such in the results: the 100k and 1M indexes are real vectors plus synthetic copies.
 
 Each index is written in the index's own on-disk format (flat store + search store + SQLite +
-manifest, through ``ragbudget.vectors``), then a fresh child process opens it with
-:class:`ragbudget.index.Index` and times ``search_vector`` (one query at a time, one thread, the
+manifest, through ``ragbudget.retrieval.vectors``), then a fresh child process opens it with
+:class:`ragbudget.retrieval.index.Index` and times ``search_vector`` (one query at a time, one thread, the
 SQLite chunk fetch included), measures recall@10 against exact search on the held-out queries,
 and reads its own memory (``/proc/self/status``: RssAnon = private memory, RssFile = mapped file
 pages touched) before and after opening and after the queries.
@@ -56,8 +56,8 @@ def perturbed(real: np.ndarray, n: int, *, seed: int = 0, sigma: float = 0.0316)
 def write_index(folder: Path, x: np.ndarray, kind: str) -> dict:
     """An index folder over ``x`` (ids 1..n) whose search store is ``kind``, in the format the
     builder writes (same files, manifest entries and checksums; chunk texts are placeholders)."""
-    from ragbudget import index as I
-    from ragbudget.vectors import FlatStore, make_store
+    from ragbudget.retrieval import index as I
+    from ragbudget.retrieval.vectors import FlatStore, make_store
 
     folder.mkdir(parents=True, exist_ok=True)
     n, dim = x.shape
@@ -130,7 +130,7 @@ def mem():
         if k in ("VmRSS", "RssAnon", "RssFile"):
             out[k] = int(v.split()[0]) / 1024
     return out
-from ragbudget.index import Index
+from ragbudget.retrieval.index import Index
 import faiss
 q = np.load({q!r}); truth = np.load({truth!r})
 m0 = mem()
@@ -172,7 +172,7 @@ def main() -> None:
     args = ap.parse_args()
     import faiss
 
-    from ragbudget.vectors import FlatStore, choose_store
+    from ragbudget.retrieval.vectors import FlatStore, choose_store
 
     faiss.omp_set_num_threads(1)
     real = np.load(OUT / "real_vectors.npy")

@@ -31,11 +31,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ragbudget.budget import plan_budget
 from ragbudget.errors import BudgetError
 from ragbudget.gpus import GiB
-from ragbudget.kvcache import kv_bytes_per_token, text_config
-from ragbudget.models import load_model_config
+from ragbudget.memory.budget import plan_budget
+from ragbudget.memory.kvcache import kv_bytes_per_token, text_config
+from ragbudget.memory.models import load_model_config
 
 MODELS = [
     "meta-llama/Llama-3.2-3B-Instruct",
@@ -142,7 +142,7 @@ def main() -> None:
             ctx, limited, weights = p.max_context_tokens, p.limited_by, p.weights_bytes
         except BudgetError:
             ctx, limited = 0, "weights"
-            from ragbudget.budget import estimate_weights_bytes
+            from ragbudget.memory.budget import estimate_weights_bytes
 
             weights = estimate_weights_bytes(cfg)
         hm = hfmem_kv_per_token(cfg)

@@ -52,7 +52,7 @@ LOOPBACK = {"127.0.0.1", "::1", "localhost"}
 
 
 class _LocalAdmission:
-    """Fallback when ragbudget.admission is not available: summed reservations under a capacity,
+    """Fallback when ragbudget.memory.admission is not available: summed reservations under a capacity,
     a bounded wait queue and a wait timeout."""
 
     def __init__(self, capacity_tokens: int, *, max_queue: int, timeout: float) -> None:
@@ -104,9 +104,9 @@ class _LocalAdmission:
 
 def _admission(capacity: int, max_queue: int, timeout: float) -> tuple[Any, str]:
     try:
-        from ragbudget.admission import AdmissionController
+        from ragbudget.memory.admission import AdmissionController
 
-        return AdmissionController(capacity, max_queue=max_queue, timeout=timeout), "ragbudget.admission"
+        return AdmissionController(capacity, max_queue=max_queue, timeout=timeout), "ragbudget.memory.admission"
     except ImportError:
         return _LocalAdmission(capacity, max_queue=max_queue, timeout=timeout), "bench-local"
 
@@ -369,7 +369,7 @@ def _make_pipeline(opts: dict[str, Any]) -> tuple[Any, str, str]:
             queue_timeout=opts["queue_timeout"],
         )
         pipe.ask("warm up", max_new_tokens=2)  # load the models before the baseline
-        return pipe, "real", f"ragbudget.admission (capacity {pipe.admission.stats().capacity_tokens} tokens)"
+        return pipe, "real", f"ragbudget.memory.admission (capacity {pipe.admission.stats().capacity_tokens} tokens)"
     pipe = SimulatedPipeline(
         admit=opts["admit"],
         max_queue=opts["max_queue"],
@@ -383,8 +383,8 @@ def _make_pipeline(opts: dict[str, Any]) -> tuple[Any, str, str]:
 def _serve_child(opts: dict[str, Any]) -> None:
     """Child process: serve the pipeline on an ephemeral loopback port, print the URL, and run
     until the parent closes stdin."""
-    from ragbudget.malloc import limit_malloc_arenas
-    from ragbudget.server import background_server, create_app
+    from ragbudget.server.app import background_server, create_app
+    from ragbudget.server.malloc import limit_malloc_arenas
 
     # As `ragbudget serve` does, before the models load and any worker thread starts.
     if opts.get("malloc_arenas"):
@@ -407,7 +407,7 @@ def _server(opts: dict[str, Any], *, in_process: bool) -> Iterator[tuple[str, An
     """Yield (url, a function returning the server's RSS after a garbage collection, mode,
     admission kind)."""
     if in_process:
-        from ragbudget.server import background_server, create_app
+        from ragbudget.server.app import background_server, create_app
 
         pipe, mode, kind = _make_pipeline(opts)
         app = create_app(pipe, model_name="bench", max_workers=opts["max_workers"], trim_memory=opts["trim"])

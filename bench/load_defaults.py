@@ -1,7 +1,7 @@
 """``bench/load.py --defaults``: the default ``ragbudget serve`` under a burst (issue #14).
 
 Indexes six man pages from ``../shared/data/manpages`` into a temporary index, starts ``python -m
-ragbudget.cli serve`` with no tuning flags (packaged models, the plan and admission a user gets;
+ragbudget.cli.commands serve`` with no tuning flags (packaged models, the plan and admission a user gets;
 ``--expose-plan`` only so that ``/health`` shows the bytes admission holds, which the RSS is
 compared with), then fires bursts of concurrent chat completions with the official ``openai`` client (600 s
 time-out, no client retries; each client from its own loopback address, as separate users are: six
@@ -224,7 +224,7 @@ def main(bursts: tuple[int, ...] = (32, 64), max_tokens: int | None = None, on_b
             (docs / p).write_bytes((MANPAGES / p).read_bytes())
         index = Path(tmp) / "index"
         subprocess.run(
-            [py, "-m", "ragbudget.cli", "index", str(docs), "--index-dir", str(index)],
+            [py, "-m", "ragbudget.cli.commands", "index", str(docs), "--index-dir", str(index)],
             check=True,
             cwd=ROOT,
             env=env,
@@ -235,7 +235,17 @@ def main(bursts: tuple[int, ...] = (32, 64), max_tokens: int | None = None, on_b
             port = s.getsockname()[1]
         log = open(Path(tmp) / "serve.log", "w")  # noqa: SIM115 - the server's stdout for its whole life
         server = subprocess.Popen(
-            [py, "-m", "ragbudget.cli", "serve", "--index-dir", str(index), "--port", str(port), "--expose-plan"],
+            [
+                py,
+                "-m",
+                "ragbudget.cli.commands",
+                "serve",
+                "--index-dir",
+                str(index),
+                "--port",
+                str(port),
+                "--expose-plan",
+            ],
             cwd=ROOT,
             env=env,
             stdout=log,

@@ -48,7 +48,7 @@ import numpy as np  # noqa: E402
 # bench/floor.py and bench/engines.py import the SQuAD scoring and paths from here.
 from _qa_harness import OUT, ROOT, SQUAD, contains_answer, exact_match, f1_score, normalize_answer  # noqa: E402,F401
 
-from ragbudget.index import FUSIONS  # noqa: E402
+from ragbudget.retrieval.index import FUSIONS  # noqa: E402
 
 
 def embed(texts: list[str], cache: Path) -> np.ndarray:
@@ -180,7 +180,7 @@ def main() -> None:
         raise SystemExit("--sweep chooses defaults: run it on --split squad-tune only")
     t_start = time.time()
 
-    from ragbudget.generate import Generator
+    from ragbudget.generation.generate import Generator
 
     gen = Generator()
     packer = H.Packer(gen.tokenizer)

@@ -104,8 +104,8 @@ def main() -> None:
 
     import torch
 
-    from ragbudget.generate import Generator
-    from ragbudget.spans import SpanScorer
+    from ragbudget.generation.generate import Generator
+    from ragbudget.prompt.spans import SpanScorer
 
     torch.set_num_threads(args.threads)
     gen = Generator()

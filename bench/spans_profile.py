@@ -1,5 +1,5 @@
 """Where the cold time of span packing goes: cProfile over ``build_prompt(pack="spans")`` with a
-fresh :class:`ragbudget.spans.SpanScorer` (every pool sentence embedded, as for a chunk seen the
+fresh :class:`ragbudget.prompt.spans.SpanScorer` (every pool sentence embedded, as for a chunk seen the
 first time), per embedder backend.
 
 The QA harness's split, index and hybrid candidates (``bench/_qa_harness.py``) for the first
@@ -69,9 +69,9 @@ def main() -> None:
     budgets = [int(b) for b in args.budgets.split(",")]
     load_start = os.getloadavg()[0]
 
-    from ragbudget.embed import SentenceTransformerEmbedder
-    from ragbudget.generate import Generator
-    from ragbudget.spans import SpanScorer
+    from ragbudget.generation.generate import Generator
+    from ragbudget.prompt.spans import SpanScorer
+    from ragbudget.retrieval.embed import SentenceTransformerEmbedder
 
     gen = Generator()
     split = H.load_split(args.split, docs=args.docs, seed=0)

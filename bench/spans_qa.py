@@ -108,7 +108,7 @@ def timing(
 ) -> dict:
     """Seconds ``build_prompt`` takes per question: chunks vs spans cold (fresh scorer, every
     sentence embedded) and warm (the same scorer again), and the generator's prefill for scale."""
-    from ragbudget.spans import SpanScorer
+    from ragbudget.prompt.spans import SpanScorer
 
     rows = []
     for q in questions:
@@ -191,8 +191,8 @@ def main() -> None:
     cfg = configs(args)  # before any loading: a bad --extra fails at once
     t_start = time.time()
 
-    from ragbudget.generate import Generator
-    from ragbudget.spans import SpanScorer
+    from ragbudget.generation.generate import Generator
+    from ragbudget.prompt.spans import SpanScorer
 
     gen = Generator()
     split = H.load_split(args.split, docs=args.docs, seed=args.seed)

@@ -1,19 +1,22 @@
 """What span packing adds per question, against the generator's prefill of the same prompt.
 
 One SQuAD dev article (default ``Normans``, a *test* article of bench/floor.py's splits, never
-tuned on) is indexed with :class:`ragbudget.index.Index` and the library defaults — chunking, and
+tuned on) is indexed with :class:`ragbudget.retrieval.index.Index` and the library defaults — chunking, and
 the embedder ``SentenceTransformerEmbedder()`` picks (``--backend auto``: int8 ONNX on a CPU with
-onnxruntime; ``torch`` is what the first runs of this script used) — which also stores every
-chunk's sentence vectors (``build.py`` ``_embed_sentences``). Each question takes the top
-``--fetch-k`` chunks by cosine (``Index.search``). For each context budget, the prompt is built
-with :func:`ragbudget.prompt.build_prompt` — ``pack="chunks"``, then ``pack="spans"`` three ways:
+onnxruntime; ``torch`` is what the first runs of this script used) — with ``sentence_vectors=True``
+so that the stored path can be timed too (``build.py`` ``_embed_sentences``). Each question takes
+the top ``--fetch-k`` chunks by cosine (``Index.search``). For each context budget, the prompt is
+built with :func:`ragbudget.prompt.prompt.build_prompt` — ``pack="chunks"``, then ``pack="spans"`` four
+ways:
 
-* *cold*: a fresh :class:`ragbudget.spans.SpanScorer` without stored vectors, so every pool
-  sentence is embedded (an index written before sentence vectors were stored, first question on
-  these chunks);
+* *cold*: a fresh :class:`ragbudget.prompt.spans.SpanScorer` over an empty sentence cache, so every pool
+  sentence is embedded (and written to the cache): the first question on these chunks of an
+  index built with the defaults (no stored sentence vectors);
+* *cached*: a fresh scorer over that cache, as a later question — in another process too — takes:
+  a read of the cache file, no sentence embedded;
 * *stored*: a fresh scorer reading the index's stored sentence vectors (``stored=
   Index.sentence_vectors``, as ``Pipeline`` does): a SQLite read and the question's embedding, no
-  sentence embedded — every question on an index built by this version;
+  sentence embedded — every question on an index built with ``--sentence-vectors``;
 * *warm*: the stored scorer again (vectors already in its memory cache);
 
 and SmolLM2-135M's prefill of the span prompt is timed (one forward pass, no generation). Added
@@ -48,13 +51,14 @@ sys.path.insert(0, str(ROOT / "bench"))
 from _results import write  # noqa: E402
 from qa import normalize_answer  # noqa: E402
 
-from ragbudget.embed import SentenceTransformerEmbedder  # noqa: E402
-from ragbudget.index import Index  # noqa: E402
-from ragbudget.models import resolve_generator  # noqa: E402
-from ragbudget.prompt import PromptBuilder, build_prompt  # noqa: E402
-from ragbudget.spans import SpanScorer  # noqa: E402
+from ragbudget.memory.models import resolve_generator  # noqa: E402
+from ragbudget.prompt.prompt import PromptBuilder, build_prompt  # noqa: E402
+from ragbudget.prompt.spans import SpanScorer  # noqa: E402
+from ragbudget.retrieval.embed import SentenceTransformerEmbedder  # noqa: E402
+from ragbudget.retrieval.index import Index  # noqa: E402
+from ragbudget.retrieval.sentence_cache import SentenceCache  # noqa: E402
 
-SQUAD = ROOT.parent / "shared" / "data" / "squad" / "squaddev_v1.1.json"
+SQUAD = Path(os.environ.get("RAGBUDGET_SHARED_DATA", ROOT.parent / "shared" / "data")) / "squad" / "squaddev_v1.1.json"
 
 
 def main() -> None:
@@ -86,7 +90,7 @@ def main() -> None:
     (tmp / "docs").mkdir()
     (tmp / "docs" / f"{args.article}.txt").write_text(text)
     idx = Index(tmp / "idx")
-    built = idx.build([str(tmp / "docs")], embedder=emb)
+    built = idx.build([str(tmp / "docs")], embedder=emb, sentence_vectors=True)
     idx = Index.open(tmp / "idx")
     print(
         f"index: {built.chunks_total} chunks in {built.seconds:.1f} s, chunk vectors "
@@ -112,10 +116,16 @@ def main() -> None:
             t = time.perf_counter()
             pc = build_prompt(q, cands, **common)
             chunks_s = time.perf_counter() - t
-            scorer = SpanScorer(emb)
+            # An empty cache per question and budget: cold is the first question on these chunks.
+            where = Path(tempfile.mkdtemp(dir=tmp))
+            scorer = SpanScorer(emb, persist=SentenceCache(where, identity=idx.manifest["embedder"], dim=emb.dim))
             t = time.perf_counter()
             ps = build_prompt(q, cands, pack="spans", span_scorer=scorer, **common)
             spans_cold_s = time.perf_counter() - t
+            cached = SpanScorer(emb, persist=SentenceCache(where, identity=idx.manifest["embedder"], dim=emb.dim))
+            t = time.perf_counter()
+            pca = build_prompt(q, cands, pack="spans", span_scorer=cached, **common)
+            spans_cached_s = time.perf_counter() - t
             stored = SpanScorer(emb, stored=idx.sentence_vectors)
             t = time.perf_counter()
             pst = build_prompt(q, cands, pack="spans", span_scorer=stored, **common)
@@ -130,13 +140,17 @@ def main() -> None:
                     "budget": budget,
                     "chunks_s": chunks_s,
                     "spans_cold_s": spans_cold_s,
+                    "spans_cached_s": spans_cached_s,
                     "spans_stored_s": spans_stored_s,
                     "spans_warm_s": spans_warm_s,
                     "added_cold_s": spans_cold_s - chunks_s,
+                    "added_cached_s": spans_cached_s - chunks_s,
                     "added_stored_s": spans_stored_s - chunks_s,
                     "added_warm_s": spans_warm_s - chunks_s,
                     "sentences_embedded_cold": scorer.embedded,
+                    "sentences_embedded_cached": cached.embedded,
                     "sentences_embedded_stored": stored.embedded,
+                    "same_context_cached_vs_cold": pca.selection.text == ps.selection.text,
                     "same_context_stored_vs_cold": pst.selection.text == ps.selection.text,
                     "prefill_s": prefill(ps.input_ids),
                     "prompt_tokens": ps.n_tokens,
@@ -148,7 +162,8 @@ def main() -> None:
             )
             r = rows[-1]
             print(
-                f"{budget:5d} added cold {1000 * r['added_cold_s']:7.1f} ms  stored "
+                f"{budget:5d} added cold {1000 * r['added_cold_s']:7.1f} ms  cached "
+                f"{1000 * r['added_cached_s']:6.1f} ms  stored "
                 f"{1000 * r['added_stored_s']:6.1f} ms  warm {1000 * r['added_warm_s']:6.1f} ms  "
                 f"prefill {1000 * r['prefill_s']:7.1f} ms  {r['sentences_considered']} sentences",
                 flush=True,
@@ -163,11 +178,16 @@ def main() -> None:
         summary[str(budget)] = {
             "n": len(rs),
             "median_added_cold_ms": 1000 * med("added_cold_s"),
+            "median_added_cached_ms": 1000 * med("added_cached_s"),
             "median_added_stored_ms": 1000 * med("added_stored_s"),
             "median_added_warm_ms": 1000 * med("added_warm_s"),
             "median_prefill_ms": 1000 * med("prefill_s"),
             "median_ratio_cold": med("added_cold_s") / med("prefill_s"),
+            "median_ratio_cached": med("added_cached_s") / med("prefill_s"),
             "median_ratio_stored": med("added_stored_s") / med("prefill_s"),
+            "sentences_embedded_cold": sum(r["sentences_embedded_cold"] for r in rs),
+            "sentences_embedded_cached": sum(r["sentences_embedded_cached"] for r in rs),
+            "same_context_cached_vs_cold": sum(r["same_context_cached_vs_cold"] for r in rs) / len(rs),
             "sentences_embedded_stored": sum(r["sentences_embedded_stored"] for r in rs),
             "same_context_stored_vs_cold": sum(r["same_context_stored_vs_cold"] for r in rs) / len(rs),
             "median_sentences": med("sentences_considered"),

@@ -14,7 +14,7 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the packaged defaults need no hub
 
 import ragbudget  # noqa: E402
-from ragbudget.display import format_report  # noqa: E402
+from ragbudget.cli.display import format_report  # noqa: E402
 
 
 def main() -> None:

@@ -17,9 +17,14 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from . import _compat
+
+# The module paths from before the sub-packages still import, with a DeprecationWarning, for one release.
+_compat.install()
+
 __version__ = "0.1.0"
 
-# name -> module that defines it. One flat package, one module per concept.
+# name -> the module that defines it, relative to this package.
 _EXPORTS: dict[str, str] = {
     # records and errors
     "Document": "types",
@@ -60,30 +65,30 @@ _EXPORTS: dict[str, str] = {
     "DedupSettings": "settings",
     "QuantizedCacheSettings": "settings",
     # stages
-    "load_document": "loaders",
-    "scan": "loaders",
-    "strip_headers_footers": "clean",
-    "chunk_text": "chunking",
-    "chunk_document": "chunking",
-    "content_hash": "dedup",
-    "Deduplicator": "dedup",
+    "load_document": "input.loaders",
+    "scan": "input.loaders",
+    "strip_headers_footers": "input.clean",
+    "chunk_text": "input.chunking",
+    "chunk_document": "input.chunking",
+    "content_hash": "input.dedup",
+    "Deduplicator": "input.dedup",
     "get_tokenizer": "tokens",
     "Tokenizer": "tokens",
-    "kv_cache_bytes": "kvcache",
-    "plan_budget": "budget",
-    "BudgetPlan": "budget",
-    "select_chunks": "select",
-    "Selection": "select",
-    "select_spans": "spans",
+    "kv_cache_bytes": "memory.kvcache",
+    "plan_budget": "memory.budget",
+    "BudgetPlan": "memory.budget",
+    "select_chunks": "prompt.select",
+    "Selection": "prompt.select",
+    "select_spans": "prompt.spans",
     # stateful nouns
-    "Index": "index",
-    "Embedder": "embed",
-    "SentenceTransformerEmbedder": "embed",
-    "HashEmbedder": "embed",
-    "Generator": "generate",
-    "Generation": "generate",
-    "Backend": "backend",
-    "AdmissionController": "admission",
+    "Index": "retrieval.index",
+    "Embedder": "retrieval.embed",
+    "SentenceTransformerEmbedder": "retrieval.embed",
+    "HashEmbedder": "retrieval.embed",
+    "Generator": "generation.generate",
+    "Generation": "generation.generate",
+    "Backend": "generation.backend",
+    "AdmissionController": "memory.admission",
     "Pipeline": "pipeline",
     "Answer": "answer",
     "AnswerStream": "answer",
@@ -108,31 +113,11 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     # `X as X`: an explicit re-export (mypy --no-implicit-reexport, ruff F401).
-    from .admission import AdmissionController as AdmissionController
     from .answer import (
         Answer as Answer,
         AnswerStream as AnswerStream,
     )
-    from .backend import Backend as Backend
-    from .budget import (
-        BudgetPlan as BudgetPlan,
-        plan_budget as plan_budget,
-    )
     from .chat import Conversation as Conversation
-    from .chunking import (
-        chunk_document as chunk_document,
-        chunk_text as chunk_text,
-    )
-    from .clean import strip_headers_footers as strip_headers_footers
-    from .dedup import (
-        Deduplicator as Deduplicator,
-        content_hash as content_hash,
-    )
-    from .embed import (
-        Embedder as Embedder,
-        HashEmbedder as HashEmbedder,
-        SentenceTransformerEmbedder as SentenceTransformerEmbedder,
-    )
     from .errors import (
         ArgumentTypeError as ArgumentTypeError,
         BudgetError as BudgetError,
@@ -158,21 +143,42 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
         RequestCancelled as RequestCancelled,
         SearchIndexError as SearchIndexError,
     )
-    from .generate import (
+    from .generation.backend import Backend as Backend
+    from .generation.generate import (
         Generation as Generation,
         Generator as Generator,
     )
-    from .index import Index as Index
-    from .kvcache import kv_cache_bytes as kv_cache_bytes
-    from .loaders import (
+    from .input.chunking import (
+        chunk_document as chunk_document,
+        chunk_text as chunk_text,
+    )
+    from .input.clean import strip_headers_footers as strip_headers_footers
+    from .input.dedup import (
+        Deduplicator as Deduplicator,
+        content_hash as content_hash,
+    )
+    from .input.loaders import (
         load_document as load_document,
         scan as scan,
     )
+    from .memory.admission import AdmissionController as AdmissionController
+    from .memory.budget import (
+        BudgetPlan as BudgetPlan,
+        plan_budget as plan_budget,
+    )
+    from .memory.kvcache import kv_cache_bytes as kv_cache_bytes
     from .pipeline import Pipeline as Pipeline
-    from .select import (
+    from .prompt.select import (
         Selection as Selection,
         select_chunks as select_chunks,
     )
+    from .prompt.spans import select_spans as select_spans
+    from .retrieval.embed import (
+        Embedder as Embedder,
+        HashEmbedder as HashEmbedder,
+        SentenceTransformerEmbedder as SentenceTransformerEmbedder,
+    )
+    from .retrieval.index import Index as Index
     from .settings import (
         ChunkSettings as ChunkSettings,
         DedupSettings as DedupSettings,
@@ -183,7 +189,6 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
         QueueSettings as QueueSettings,
         RetrievalSettings as RetrievalSettings,
     )
-    from .spans import select_spans as select_spans
     from .tokens import (
         Tokenizer as Tokenizer,
         get_tokenizer as get_tokenizer,

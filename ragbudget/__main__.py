@@ -1,3 +1,3 @@
-from ragbudget.cli import main
+from ragbudget.cli.commands import main
 
 main()

@@ -12,12 +12,12 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .allowance import EnginePlan
 from .errors import ConfigError
+from .generation.allowance import EnginePlan
 
 if TYPE_CHECKING:
-    from .budget import BudgetPlan
-    from .prompt import Prompt
+    from .memory.budget import BudgetPlan
+    from .prompt.prompt import Prompt
 
 __all__ = ["Answer", "AnswerStream", "build_answer", "cancelled_answer"]
 

@@ -51,11 +51,11 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .errors import BudgetError, ConfigError, RequestCancelled
-from .followup import expand_query
+from .prompt.followup import expand_query
 from .settings import HistorySettings, RecordField, from_keywords
 
 if TYPE_CHECKING:
-    from .backend import Backend
+    from .generation.backend import Backend
     from .pipeline import Answer, Pipeline
 
 __all__ = [
@@ -164,7 +164,7 @@ class ChatTurn:
 
 class _Meter:
     """Token counts of chat messages after the chat template, by the pipeline's generation
-    backend (:class:`~ragbudget.backend.Backend`: the local model's own tokenizer, or the served
+    backend (:class:`~ragbudget.generation.backend.Backend`: the local model's own tokenizer, or the served
     engine's — exact where the engine counts, a stated estimate where it cannot) and its prompt
     builder: measuring with the builder *is* measuring the prompt the model will get (same system
     prompt, layout and template).
@@ -351,7 +351,7 @@ class Conversation:
     ``summary_max_tokens`` tokens written by the pipeline's generator (or by ``summarizer(previous
     summary, turns, max_tokens)`` if given). ``max_new_tokens`` and ``context_tokens`` default to
     the pipeline's. ``expand_follow_ups`` rewrites follow-up questions for retrieval (see
-    :func:`~ragbudget.followup.expand_query`). These five are the fields of ``history``, a
+    :func:`~ragbudget.prompt.followup.expand_query`). These five are the fields of ``history``, a
     :class:`~ragbudget.settings.HistorySettings`, given whole or as flat keywords (not both).
     :meth:`from_messages` starts from an existing history (what an HTTP
     request carries); a shared ``summary_cache`` (:class:`SummaryCache`) lets such one-request

@@ -29,7 +29,7 @@ into exit codes (1 for any ``RagBudgetError``); the library never calls ``sys.ex
 
 The server answers engine errors as a gateway does: 502 for an engine that refused the connection
 or answered wrongly, 504 for one that gave no answer in time, 503 with ``Retry-After`` for one that
-is overloaded or down (:func:`ragbudget.openai_api.error_from_exception`).
+is overloaded or down (:func:`ragbudget.server.openai_api.error_from_exception`).
 
 Leaves subclass the built-in they refine (``ConfigError`` is a ``ValueError``) so callers' existing
 ``except ValueError`` keeps working.
@@ -194,7 +194,7 @@ class ExecutorError(RagBudgetError):
     already returned stay in the embedding checkpoint and a re-run resumes after them."""
 
 
-# -- served engines (ragbudget.engines) ---------------------------------------------------------
+# -- served engines (ragbudget.generation.engines) ---------------------------------------------------------
 #
 # Each message is one line naming the URL and what to check; the CLI prints it without a
 # traceback. The structured fields (``url``, ``kind``, ``status`` and the leaves' figures) are

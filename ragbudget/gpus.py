@@ -5,7 +5,7 @@ free, not total — other processes' memory is not ours); without a GPU it plans
 available RAM and says so. A name (``"RTX 4090"``, ``"a100 80gb"``, ``"M3 Max"``) is looked up in
 :data:`GPU_TABLE`; a size (``"24GiB"``, ``"24GB"``, ``"16g"``, ``25769803776``) is taken as is.
 ``"2xH100"`` (or ``"2 x 24GiB"``) names several identical GPUs: the plan is then tensor-parallel
-over them (:mod:`ragbudget.weights`), and :attr:`GPUInfo.bytes` is what *one* of them has.
+over them (:mod:`ragbudget.memory.weights`), and :attr:`GPUInfo.bytes` is what *one* of them has.
 
 A number without a unit is bytes. One under :data:`MIN_BARE_BYTES` (1 GiB) is refused rather
 than read as GiB: ``gpu=24`` meant 24 GiB, and planning 24 bytes (what it used to do) fails later

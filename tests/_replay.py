@@ -1,6 +1,6 @@
 """Replay servers: one in-process HTTP server per engine kind that answers with the bodies, metric
 lines and error bodies the engine's current sources produce (each shape cites its source file),
-so every branch of :mod:`ragbudget.engines` runs without a GPU or a model.
+so every branch of :mod:`ragbudget.generation.engines` runs without a GPU or a model.
 
 Tokenization is a stand-in (one token per whitespace-separated word, a fixed cost per chat turn),
 the same on every route of a server, so counts agree across routes exactly as a real engine's do.

@@ -62,7 +62,7 @@ CUDA_PEAK, CUDA_NAME = 123_456_789, "FakeGPU 80GB"
 
 
 def as_on_cuda(generator: Any, monkeypatch: Any) -> None:
-    """Make ``generator`` (a real :class:`~ragbudget.generate.Generator`) report its runs as a
+    """Make ``generator`` (a real :class:`~ragbudget.generation.generate.Generator`) report its runs as a
     CUDA device would: the measured peak (:data:`CUDA_PEAK`) and the device name, the two things
     only CUDA has; the model still generates for real on the CPU."""
     import torch

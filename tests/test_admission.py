@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from ragbudget.admission import AdmissionController
 from ragbudget.errors import BudgetError, ConfigError, OverloadedError, RequestCancelled
+from ragbudget.memory.admission import AdmissionController
 
 
 def wait_until(pred, timeout: float = 10.0) -> None:
@@ -233,7 +233,7 @@ def test_asyncio_timeout_and_cancel() -> None:
 
 # --- memory and time (issue #14) ---------------------------------------------------------------
 
-from ragbudget.admission import MemoryModel, Throughput, simulate  # noqa: E402
+from ragbudget.memory.admission import MemoryModel, Throughput, simulate  # noqa: E402
 
 
 class Clock:
@@ -277,7 +277,7 @@ THR = Throughput(prefill_a=0.001, decode_s=0.01)
 
 
 def test_simulate_processor_sharing_by_hand() -> None:
-    from ragbudget.admission import _Job
+    from ragbudget.memory.admission import _Job
 
     a = _Job(prefill=1.0, decode=1.0, cost=1)
     b = _Job(prefill=1.0, decode=1.0, cost=1)
@@ -368,7 +368,7 @@ def test_start_rule_lets_short_prompts_share_the_host() -> None:
 
 
 def test_batched_backend_admits_more_next_to_decoding_requests() -> None:
-    from ragbudget.admission import _first_token_if_started, _Job
+    from ragbudget.memory.admission import _first_token_if_started, _Job
 
     job = _Job(prefill=0.5, decode=1.0, cost=1)
     decoding = [_Job(prefill=0.1, decode=5.0, cost=1, served=1.0) for _ in range(6)]
@@ -406,7 +406,7 @@ def test_with_a_paged_cache_tokens_count_against_it_and_activations_against_memo
 
 
 def test_simulate_counts_the_paged_cache_as_a_second_resource() -> None:
-    from ragbudget.admission import _Job
+    from ragbudget.memory.admission import _Job
 
     a = _Job(prefill=1.0, decode=1.0, cost=1, tokens=600)
     b = _Job(prefill=1.0, decode=1.0, cost=1, tokens=600)
@@ -463,13 +463,13 @@ def test_a_speed_measured_on_a_busy_host_is_measured_again_once_idle(tmp_path, m
     Retry-After) for life: once the host and the pipeline are idle it measures again."""
     from _tiny_lm import tiny_model, tiny_tokenizer
 
-    import ragbudget.budget
-    from ragbudget.generate import Generator
+    import ragbudget.memory.budget
+    from ragbudget.generation.generate import Generator
     from ragbudget.pipeline import Pipeline
 
     monkeypatch.setenv("RAGBUDGET_CACHE", str(tmp_path / "cache"))
     load = {"now": 3.0}
-    monkeypatch.setattr(ragbudget.budget, "_load_per_core", lambda: load["now"])
+    monkeypatch.setattr(ragbudget.memory.budget, "_load_per_core", lambda: load["now"])
     pipe = Pipeline(
         tmp_path / "index",
         gpu="16GiB",

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from ragbudget.allowance import (
+from ragbudget.errors import BudgetError
+from ragbudget.generation.allowance import (
     MIN_TIME_CONTEXT,
     UNLIMITED_TOKENS,
     engine_admission,
@@ -14,9 +15,8 @@ from ragbudget.allowance import (
     question_too_long,
     time_cap,
 )
-from ragbudget.backend import Capacity
-from ragbudget.budget import cap_plan_for_time, plan_budget
-from ragbudget.errors import BudgetError
+from ragbudget.generation.backend import Capacity
+from ragbudget.memory.budget import cap_plan_for_time, plan_budget
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""ragbudget.backend without a server: the per-request budget from an engine's capacity figures,
+"""ragbudget.generation.backend without a server: the per-request budget from an engine's capacity figures,
 the prompt forms a backend accepts, and the local generator as a :class:`Backend` (the served
 engines behind the same protocol are in test_engines.py)."""
 
@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 from _replay import render_count
 
-from ragbudget.backend import (
+from ragbudget.errors import BudgetError, ConfigError
+from ragbudget.generation.backend import (
     Backend,
     Capacity,
     LocalBackend,
@@ -19,7 +20,6 @@ from ragbudget.backend import (
     prompt_messages,
     template_overhead,
 )
-from ragbudget.errors import BudgetError, ConfigError
 
 USER = [{"role": "user", "content": "How is the Project Leader elected?"}]
 
@@ -92,7 +92,7 @@ class _StubGenerator:
             return " ".join(["tok"] * render_count(list(messages)))
 
     def generate(self, prompt: Any, **kw: Any) -> Any:
-        from ragbudget.generate import Generation
+        from ragbudget.generation.generate import Generation
 
         self.kw = kw
         return Generation(text="ok", prompt_tokens=3, new_tokens=1, finish_reason="stop", seconds=0.0)
@@ -114,8 +114,8 @@ def test_local_backend_is_a_backend() -> None:
 def test_prompt_messages_of_a_real_prompt_are_its_rendered_messages() -> None:
     from _fakes import WordTokenizer
 
-    from ragbudget.prompt import build_prompt
-    from ragbudget.select import Candidate
+    from ragbudget.prompt.prompt import build_prompt
+    from ragbudget.prompt.select import Candidate
 
     prompt = build_prompt(
         "Who leads?", [Candidate("c0", "The leader is elected.", 0.9)], tokenizer=WordTokenizer(), max_prompt_tokens=500
@@ -131,3 +131,14 @@ def test_template_overhead_renders_an_empty_turn_for_a_backend_without_its_own()
     b = LocalBackend(_StubGenerator())  # type: ignore[arg-type]
     assert template_overhead(b) == render_count([{"role": "user", "content": ""}])
     assert template_overhead(b, "Be brief.") - template_overhead(b) == 2 + 4
+
+
+def test_template_overhead_asks_any_backend_that_measures_its_own() -> None:
+    # A backend's own template_overhead wins whatever its class (not only a ServedBackend's): the
+    # protocol module does not know the engines (tests/test_layout.py checks it imports none).
+    class Measuring(LocalBackend):
+        def template_overhead(self, system_prompt: str | None = None) -> int:
+            return 7 if system_prompt else 5
+
+    b = Measuring(_StubGenerator())  # type: ignore[arg-type]
+    assert (template_overhead(b), template_overhead(b, "Be brief.")) == (5, 7)

@@ -8,11 +8,11 @@ import time
 import pytest
 from _tiny_lm import tiny_model, tiny_tokenizer
 
-from ragbudget.backend import LocalBackend, Sampling
-from ragbudget.batching import Batcher, batching_unsupported
 from ragbudget.errors import BudgetError, ConfigError
-from ragbudget.generate import Generator
-from ragbudget.kvcache import paged_cache_layout
+from ragbudget.generation.backend import LocalBackend, Sampling
+from ragbudget.generation.batching import Batcher, batching_unsupported
+from ragbudget.generation.generate import Generator
+from ragbudget.memory.kvcache import paged_cache_layout
 
 pytest.importorskip("transformers.generation.continuous_batching")
 
@@ -210,8 +210,8 @@ def test_the_auto_sized_paged_cache_stays_within_the_plans_kv_bytes(gen, monkeyp
     automatically, it takes whole pages within the plan's KV bytes, so the activations the plan
     reserved beside it still fit; when that cannot hold one full request, generation runs
     unbatched (or, with batching=True, a ConfigError says why)."""
-    import ragbudget.backend as backend_mod
-    from ragbudget.batching import _dtype_name
+    import ragbudget.generation.backend as backend_mod
+    from ragbudget.generation.batching import _dtype_name
 
     def size(blocks: int) -> int:
         return paged_cache_layout(
@@ -286,7 +286,7 @@ class _Layer:
 def test_per_request_attention_equals_the_dense_block_mask(window) -> None:
     import torch
 
-    from ragbudget.batching import per_request_sdpa
+    from ragbudget.generation.batching import per_request_sdpa
 
     # a decode step, a chunked prefill (queries in the middle of a longer read), a whole prompt,
     # and a one-token prompt, in one packed step
@@ -302,7 +302,7 @@ def test_outside_a_batched_step_sdpa_is_transformers_own(gen) -> None:
     import torch
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from ragbudget import batching
+    from ragbudget.generation import batching
 
     batching._install_per_request_sdpa()
     q, k, v, _, _ = _packed([(5, 5)])
@@ -328,8 +328,8 @@ def test_chunked_prefills_of_different_lengths_batch_to_the_same_answers(gen) ->
 
 def test_in_own_thread_runs_apart_and_hands_back_the_value_or_the_error() -> None:
     """Model work outside the batching loop runs in a thread that ends with it, so its OpenMP
-    pool does not live on beside the loop's (ragbudget.batching, "which thread runs the model")."""
-    from ragbudget.batching import in_own_thread
+    pool does not live on beside the loop's (ragbudget.generation.batching, "which thread runs the model")."""
+    from ragbudget.generation.batching import in_own_thread
 
     caller = threading.get_ident()
     seen: list[int] = []
@@ -354,8 +354,8 @@ def test_the_speed_probe_runs_in_a_thread_of_its_own(gen, tmp_path, monkeypatch)
     """The warm-up's prefill/decode probe (forward passes) must not run in the caller's thread,
     the server's main thread, whose OpenMP pool would then slow the batching loop for the
     server's life."""
-    import ragbudget.budget
-    from ragbudget.pacing import Pacing
+    import ragbudget.memory.budget
+    from ragbudget.generation.pacing import Pacing
 
     monkeypatch.setenv("RAGBUDGET_CACHE", str(tmp_path / "cache"))
     ran: list[int] = []
@@ -364,7 +364,7 @@ def test_the_speed_probe_runs_in_a_thread_of_its_own(gen, tmp_path, monkeypatch)
         ran.append(threading.get_ident())
         return {"a": 1e-3, "b": 0.0, "decode_s": 0.01}
 
-    monkeypatch.setattr(ragbudget.budget, "measure_prefill_speed", probe)
+    monkeypatch.setattr(ragbudget.memory.budget, "measure_prefill_speed", probe)
     speed = Pacing(None).measure(gen.warm_up(), "tiny")
     assert speed == {"a": 1e-3, "b": 0.0, "decode_s": 0.01}
     assert ran and ran[0] != threading.get_ident()

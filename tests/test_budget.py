@@ -9,8 +9,9 @@ import sys
 
 import pytest
 
-import ragbudget.budget
-from ragbudget.budget import (
+import ragbudget.memory.budget
+from ragbudget.errors import BudgetError, ConfigError, ModelError
+from ragbudget.memory.budget import (
     PeakMeasurement,
     count_parameters,
     estimate_activation_bytes,
@@ -19,9 +20,8 @@ from ragbudget.budget import (
     record_calibration,
     record_measurement,
 )
-from ragbudget.errors import BudgetError, ConfigError, ModelError
-from ragbudget.kvcache import kv_cache_bytes
-from ragbudget.models import list_model_configs, load_model_config
+from ragbudget.memory.kvcache import kv_cache_bytes
+from ragbudget.memory.models import list_model_configs, load_model_config
 
 REQUIRED_KEYS = {
     "kv_bytes_per_token",
@@ -215,7 +215,7 @@ def test_model_config_resolution(tmp_path):
 
 
 def test_gguf_default_generator_config():
-    from ragbudget.models import resolve_generator
+    from ragbudget.memory.models import resolve_generator
 
     try:
         ref = resolve_generator()
@@ -245,7 +245,7 @@ def test_bad_arguments():
 
 def test_import_stays_light():
     code = (
-        "import sys, ragbudget.budget, ragbudget.kvcache, ragbudget.gpus; "
+        "import sys, ragbudget.memory.budget, ragbudget.memory.kvcache, ragbudget.gpus; "
         "assert 'torch' not in sys.modules and 'transformers' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -437,10 +437,10 @@ def test_memory_error_names_memory_and_its_token_number() -> None:
 def test_prefill_speed_is_measured_once_and_turns_seconds_into_tokens(tmp_path, monkeypatch) -> None:
     from _tiny_lm import tiny_model
 
-    from ragbudget.budget import context_tokens_for_time, lookup_prefill_speed, measure_prefill_speed
+    from ragbudget.memory.budget import context_tokens_for_time, lookup_prefill_speed, measure_prefill_speed
 
     monkeypatch.setenv("RAGBUDGET_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(ragbudget.budget, "_load_per_core", lambda: 0.1)  # an idle host
+    monkeypatch.setattr(ragbudget.memory.budget, "_load_per_core", lambda: 0.1)  # an idle host
     assert lookup_prefill_speed("tiny", "cpu") is None
     speed = measure_prefill_speed(tiny_model(), name="tiny", device="cpu", lengths=(32, 128))
     assert speed["provisional"] is False
@@ -448,7 +448,7 @@ def test_prefill_speed_is_measured_once_and_turns_seconds_into_tokens(tmp_path, 
     assert lookup_prefill_speed("tiny", "cpu") == speed
     assert lookup_prefill_speed("tiny", "cuda:0") is None  # per device
     # Decode is measured with it: a step of one sequence, and the extra of a shared batch.
-    from ragbudget.budget import throughput_from_speed
+    from ragbudget.memory.budget import throughput_from_speed
 
     assert speed["decode_s"] > 0 and speed["decode_extra_s"] >= 0
     thr = throughput_from_speed(speed)
@@ -466,11 +466,11 @@ def test_prefill_measured_on_a_busy_host_is_measured_again_when_idle(tmp_path, m
     it is provisional, re-measured once the host is idle, and the faster measurement is kept."""
     from _tiny_lm import tiny_model
 
-    from ragbudget.budget import lookup_prefill_speed, measure_prefill_speed
+    from ragbudget.memory.budget import lookup_prefill_speed, measure_prefill_speed
 
     monkeypatch.setenv("RAGBUDGET_CACHE", str(tmp_path / "cache"))
     load = {"now": 3.0}
-    monkeypatch.setattr(ragbudget.budget, "_load_per_core", lambda: load["now"])
+    monkeypatch.setattr(ragbudget.memory.budget, "_load_per_core", lambda: load["now"])
     model = tiny_model()
     busy = measure_prefill_speed(model, name="tiny", device="cpu", lengths=(32, 128))
     assert busy["provisional"] is True
@@ -520,7 +520,7 @@ def test_config_without_dtype_plans_float32_and_says_so() -> None:
 
 
 def test_time_cap_on_the_plan_and_request_memory_with_its_own_activations() -> None:
-    from ragbudget.budget import cap_plan_for_time, estimate_activation_bytes, request_memory
+    from ragbudget.memory.budget import cap_plan_for_time, estimate_activation_bytes, request_memory
 
     cfg = {
         "model_type": "llama",
@@ -611,7 +611,7 @@ def test_tensor_parallel_and_the_gpu_count_must_agree() -> None:
 
 
 def test_a_gguf_is_planned_at_its_own_tensor_types_on_request() -> None:
-    from ragbudget.models import resolve_generator
+    from ragbudget.memory.models import resolve_generator
 
     try:
         ref = resolve_generator()

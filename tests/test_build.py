@@ -1,4 +1,4 @@
-"""ragbudget.build, the index builder's own parts: the embedding checkpoint a killed build resumes
+"""ragbudget.retrieval.build, the index builder's own parts: the embedding checkpoint a killed build resumes
 from, and the embedder identity that decides whether stored vectors can be reused. (Builds end to
 end — incremental updates, kills, dedup modes — are in test_index.py, through ``Index.build``.)"""
 
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ragbudget.build import _Checkpoint, _identity, _light_spec
-from ragbudget.embed import Embedder, HashEmbedder
+from ragbudget.retrieval.build import _Checkpoint, _identity, _light_spec
+from ragbudget.retrieval.embed import Embedder, HashEmbedder
 
 
 class _Letters(Embedder):

@@ -10,9 +10,9 @@ import pytest
 from _fakes import WordTokenizer as HFWordTokenizer
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from ragbudget import chunking
-from ragbudget.chunking import chunk_document, chunk_text, chunk_texts
 from ragbudget.errors import ConfigError
+from ragbudget.input import chunking
+from ragbudget.input.chunking import chunk_document, chunk_text, chunk_texts
 from ragbudget.tokens import get_tokenizer
 from ragbudget.types import Document
 
@@ -298,7 +298,7 @@ _PROCESS_CHECK = """
 import json, sys
 import multiprocessing as mp
 from ragbudget import chunking
-from ragbudget.chunking import chunk_text, chunk_texts
+from ragbudget.input.chunking import chunk_text, chunk_texts
 
 method = sys.argv[1]
 if method == "spawn":  # as on a platform without fork, or with a threaded parent
@@ -370,7 +370,7 @@ def test_a_gnu_manual_pdf_has_no_contents_line_for_a_heading(shared_data: Path) 
     # R-intro.pdf (texinfo, GNU style): its contents pages end with "Appendix F References . . .
     # 107", which used to head 26 of its 150 chunks; "Chapter 7 [Reading data from files], page
     # 33." (a cross reference starting a line) headed 31 more.
-    from ragbudget.loaders import load_document
+    from ragbudget.input.loaders import load_document
 
     doc = load_document(shared_data / "pdf" / "R-intro.pdf")
     chunks = chunk_document(doc)

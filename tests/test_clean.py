@@ -12,7 +12,7 @@ import pytest
 from _furniture_truth import classify, removed_lines, score
 from hypothesis import example, given, settings, strategies as st
 
-from ragbudget.clean import (
+from ragbudget.input.clean import (
     StripReport,
     find_furniture,
     find_known,
@@ -297,7 +297,7 @@ def real_pages(shared_data) -> dict[tuple[str, str], tuple[list[str], Path]]:
     ``pypdfium2``: ragbudget's loader; ``pdftotext``: ``pdftotext -layout`` output (poppler-utils
     22.12.0, committed in tests/data/pdftotext), raw ``\\f`` pages; ``groff``: the man pages.
     """
-    from ragbudget.loaders import load_document
+    from ragbudget.input.loaders import load_document
 
     out = {}
     for name in _PDFS:
@@ -326,7 +326,7 @@ def _strip(**options):
 
 
 def _loader(pages, path):
-    from ragbudget.loaders import load_document
+    from ragbudget.input.loaders import load_document
 
     return load_document(path, clean=False).pages, load_document(path).pages
 
@@ -402,7 +402,7 @@ def test_real_documents_trusting_page_numbers(real_pages, extractor):
 def test_text_without_furniture_loses_no_body(shared_data):
     # The plain-text twins and the Debian Constitution versions have no page furniture: through
     # the loader nothing goes, and cut into artificial pages no line of >= 40 characters goes.
-    from ragbudget.loaders import load_document
+    from ragbudget.input.loaders import load_document
 
     files = sorted((shared_data / "pdf" / "twins").glob("*.txt")) + sorted((shared_data / "versions").glob("*.txt"))
     body = lost = 0
@@ -434,6 +434,6 @@ def test_real_documents_known_running_heads(real_pages):
 def test_docstring_examples():
     import doctest
 
-    import ragbudget.clean
+    import ragbudget.input.clean
 
-    assert doctest.testmod(ragbudget.clean).failed == 0
+    assert doctest.testmod(ragbudget.input.clean).failed == 0

@@ -10,7 +10,7 @@ import pytest
 from _fakes import make_pdf
 from click.testing import CliRunner
 
-from ragbudget.cli import cli
+from ragbudget.cli.commands import cli
 
 
 @pytest.fixture()
@@ -292,9 +292,9 @@ def test_search_retrieval_options(runner: CliRunner, tmp_path: Path) -> None:
 
 def test_index_no_sentence_vectors(runner: CliRunner, tmp_path: Path) -> None:
     """`--no-sentence-vectors` leaves every chunk's sentence vectors out (and drops them from an
-    index that has them); a plain run keeps what the index records; `--sentence-vectors` stores
-    them again, also for chunks indexed while they were off."""
-    from ragbudget.index import Index
+    index that has them); `--sentence-vectors` stores them, also for chunks indexed while it was
+    off; with neither, an index keeps what it has (a new one stores none)."""
+    from ragbudget.retrieval.index import Index
 
     docs = tmp_path / "docs"
     docs.mkdir()
@@ -317,8 +317,13 @@ def test_index_no_sentence_vectors(runner: CliRunner, tmp_path: Path) -> None:
     assert on.exit_code == 0, on.output
     chunks = int(Index.open(index_dir).stats()["chunks"])
     assert json.loads(on.stdout)["sentences_embedded"] > 0 and stored() == (True, chunks) and chunks > 0
+    kept = runner.invoke(cli, base)  # neither flag: the index keeps them
+    assert kept.exit_code == 0 and not json.loads(kept.stdout)["committed"] and stored() == (True, chunks)
     assert runner.invoke(cli, [*base, "--no-sentence-vectors"]).exit_code == 0
     assert stored() == (False, 0)
+    assert runner.invoke(cli, base).exit_code == 0 and stored() == (False, 0)  # ... and keeps none
+    fresh = runner.invoke(cli, ["index", str(docs), "--index-dir", str(tmp_path / "new"), "--embedder", "hash:64"])
+    assert fresh.exit_code == 0 and not Index.open(tmp_path / "new").has_sentence_vectors  # a new one: none
     assert "--no-sentence-vectors" in runner.invoke(cli, ["index", "--help"]).output
 
 
@@ -497,7 +502,7 @@ def test_search_paths_are_relative_unless_asked(runner: CliRunner, tmp_path: Pat
 
 
 class _CutGenerator:
-    """Stands in for ragbudget.generate.Generator in the CLI: a word tokenizer, no model, and an
+    """Stands in for ragbudget.generation.generate.Generator in the CLI: a word tokenizer, no model, and an
     answer cut at max_new_tokens (finish_reason "length")."""
 
     def __init__(self, model: Any = None) -> None:
@@ -529,9 +534,9 @@ class _CutGenerator:
 
 @pytest.fixture()
 def small_index(runner: CliRunner, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
-    import ragbudget.generate
+    import ragbudget.generation.generate
 
-    monkeypatch.setattr(ragbudget.generate, "Generator", _CutGenerator)
+    monkeypatch.setattr(ragbudget.generation.generate, "Generator", _CutGenerator)
     docs = tmp_path / "docs"
     docs.mkdir()
     (docs / "curie.txt").write_text("Maria Curie was the first female recipient of the Nobel Prize. " * 40)

@@ -1,4 +1,4 @@
-"""ragbudget.cli_options: option groups reach a command as one settings record (a bad combination
+"""ragbudget.cli.options: option groups reach a command as one settings record (a bad combination
 is a usage error, exit code 2, in one line), and the error boundary turns library errors into one
 line and exit code 1."""
 
@@ -10,7 +10,7 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from ragbudget.cli_options import missing_module, retrieval_options, sampling_options, search_options, user_errors
+from ragbudget.cli.options import missing_module, retrieval_options, sampling_options, search_options, user_errors
 from ragbudget.errors import BudgetError
 from ragbudget.settings import DEFAULT_RELEVANCE_FLOOR, RetrievalSettings
 
@@ -56,7 +56,7 @@ def test_a_bad_combination_is_a_usage_error_in_one_line() -> None:
 def test_cli_option_groups_refuse_a_bad_combination_in_one_line() -> None:
     from click.testing import CliRunner
 
-    from ragbudget.cli import cli
+    from ragbudget.cli.commands import cli
 
     result = CliRunner().invoke(cli, ["ask", "q", "--pack", "spans", "--fill-remainder"])
     assert result.exit_code == 2

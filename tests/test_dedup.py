@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from ragbudget.chunking import chunk_text
-from ragbudget.dedup import (
+from ragbudget.errors import ArgumentTypeError, ConfigError
+from ragbudget.input.chunking import chunk_text
+from ragbudget.input.dedup import (
     Deduplicator,
     NearDupIndex,
     content_hash,
@@ -24,7 +25,6 @@ from ragbudget.dedup import (
     minhash_signatures,
     normalize,
 )
-from ragbudget.errors import ArgumentTypeError, ConfigError
 from ragbudget.settings import DedupSettings
 from ragbudget.types import Chunk, Source
 
@@ -251,8 +251,8 @@ def test_constitution_versions(shared_data: Path) -> None:
 
 
 def test_deduplicator_without_exact_keeps_identical_texts_and_check_adds_nothing() -> None:
-    from ragbudget.dedup import Deduplicator, content_hash
     from ragbudget.errors import ConfigError
+    from ragbudget.input.dedup import Deduplicator, content_hash
 
     text = "The quick brown fox jumps over the lazy dog"
     keep_all = Deduplicator(near=False, exact=False)

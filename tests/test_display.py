@@ -1,4 +1,4 @@
-"""Presentation (:mod:`ragbudget.display`): the plan table and plot, an answer's ``--explain``
+"""Presentation (:mod:`ragbudget.cli.display`): the plan table and plot, an answer's ``--explain``
 report, a chat turn's sources and memory line."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from ragbudget.budget import plan_budget
-from ragbudget.display import format_plan, format_report, format_sources, plot_plan
+from ragbudget.cli.display import format_plan, format_report, format_sources, plot_plan
+from ragbudget.memory.budget import plan_budget
 
 
 @pytest.fixture(autouse=True)

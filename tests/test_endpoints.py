@@ -1,4 +1,4 @@
-"""ragbudget.endpoints: the state the server's routes share, without HTTP (tests/test_server.py
+"""ragbudget.server.endpoints: the state the server's routes share, without HTTP (tests/test_server.py
 drives the same classes through a real server)."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 from _fakes import fake_pipeline
 
-from ragbudget.backend import Capacity
-from ragbudget.endpoints import EngineLoad, IndexHealth, Workers
 from ragbudget.errors import ConfigError
-from ragbudget.metrics import Metrics
-from ragbudget.openai_api import APIError, error_from_exception
+from ragbudget.generation.backend import Capacity
+from ragbudget.server.endpoints import EngineLoad, IndexHealth, Workers
+from ragbudget.server.metrics import Metrics
+from ragbudget.server.openai_api import APIError, error_from_exception
 
 
 def bad_value() -> None:

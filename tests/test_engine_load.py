@@ -1,4 +1,4 @@
-"""ragbudget.engine_load: a served engine's health and load as the server sees it, against the
+"""ragbudget.server.engine_load: a served engine's health and load as the server sees it, against the
 replay servers (tests/_replay.py); tests/test_server.py drives it through the app (engine gone,
 loading, back), tests/test_served_real.py against a real llama-server killed mid-run."""
 
@@ -13,7 +13,7 @@ from _fakes import corpus_index
 from _replay import Replay, Resp
 
 from ragbudget import Pipeline
-from ragbudget.engine_load import EngineLoad
+from ragbudget.server.engine_load import EngineLoad
 
 
 def test_a_hung_engine_never_holds_up_a_look_at_it(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""ragbudget.backend and ragbudget.engines against replay servers (tests/_replay.py) that answer
+"""ragbudget.generation.backend and ragbudget.generation.engines against replay servers (tests/_replay.py) that answer
 with each engine's own bodies, metric lines and error bodies: detection, capacity figures and
 their sources, counting (batched, cached), generation (plain, streamed, cancelled), the one
 too-long retry, bounded back-off on overload, and one-line typed errors for everything else."""
@@ -15,16 +15,6 @@ from typing import Any
 import pytest
 from _replay import Replay, Resp, overloaded, render_count
 
-from ragbudget.backend import (
-    Backend,
-    MemoryCountCache,
-    Sampling,
-    per_request_tokens,
-    text_digest,
-)
-from ragbudget.engines import KINDS, Retry, connect
-from ragbudget.engines._base import parse_prometheus
-from ragbudget.engines._http import HTTP, _retry_after, root_url
 from ragbudget.errors import (
     BudgetError,
     ConfigError,
@@ -37,8 +27,18 @@ from ragbudget.errors import (
     EngineTimeoutError,
     OverloadedError,
 )
-from ragbudget.prompt import Prompt, build_prompt
-from ragbudget.select import Candidate
+from ragbudget.generation.backend import (
+    Backend,
+    MemoryCountCache,
+    Sampling,
+    per_request_tokens,
+    text_digest,
+)
+from ragbudget.generation.engines import KINDS, Retry, connect
+from ragbudget.generation.engines._base import parse_prometheus
+from ragbudget.generation.engines._http import HTTP, _retry_after, root_url
+from ragbudget.prompt.prompt import Prompt, build_prompt
+from ragbudget.prompt.select import Candidate
 from ragbudget.settings import EngineSettings
 
 FAST = Retry(attempts=4, base_delay=0.01, max_delay=0.05, max_wait=2.0)
@@ -94,7 +94,7 @@ def test_importing_the_engines_stays_light() -> None:
     import sys
 
     code = (
-        "import sys, ragbudget.engines, ragbudget.backend\n"
+        "import sys, ragbudget.generation.engines, ragbudget.generation.backend\n"
         "print([m for m in ('torch', 'transformers', 'faiss') if m in sys.modules])"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -323,7 +323,7 @@ def test_local_counters_keep_their_counts_under_their_tokenizer() -> None:
 
 
 def test_in_memory_caches_are_bounded() -> None:
-    from ragbudget.engines._base import _LRU
+    from ragbudget.generation.engines._base import _LRU
 
     lru = _LRU(10)
     for i in range(30):
@@ -427,7 +427,7 @@ def test_an_error_in_mid_stream_is_typed() -> None:
 
 # -- too long ---------------------------------------------------------------------------------------
 def _four_passage_prompt() -> Prompt:
-    """A real :class:`~ragbudget.prompt.Prompt` of 4 passages of 120 distinct words (scores
+    """A real :class:`~ragbudget.prompt.prompt.Prompt` of 4 passages of 120 distinct words (scores
     0.9, 0.1, 0.5, 0.7): 560 tokens as the replayed llama.cpp counts, over its 512-token slot; any
     three are 439."""
     from _fakes import WordTokenizer
@@ -605,7 +605,7 @@ def test_missing_and_wrong_api_keys() -> None:
 
 
 def test_api_key_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    from ragbudget.engines import api_key_from_env
+    from ragbudget.generation.engines import api_key_from_env
 
     monkeypatch.setenv("ENGINE_KEY", "k1")
     assert api_key_from_env("ENGINE_KEY") == "k1" and api_key_from_env(None) is None
@@ -724,7 +724,7 @@ class _Hit:
 def test_a_real_prompt_is_rebuilt_with_fewer_passages_on_too_long() -> None:
     from _fakes import WordTokenizer
 
-    from ragbudget.prompt import build_prompt
+    from ragbudget.prompt.prompt import build_prompt
 
     hits = [_Hit(f"c{i}", " ".join(f"t{i}x{j}" for j in range(150)), s) for i, s in enumerate((0.9, 0.8, 0.7, 0.6))]
     prompt = build_prompt("Who leads?", hits, tokenizer=WordTokenizer(chatml=True), max_prompt_tokens=5000)
@@ -741,9 +741,14 @@ def test_a_real_prompt_is_rebuilt_with_fewer_passages_on_too_long() -> None:
 def test_docstring_examples_run() -> None:
     import doctest
 
-    import ragbudget.backend
-    import ragbudget.engines._base
-    import ragbudget.engines._http
+    import ragbudget.generation.backend
+    import ragbudget.generation.engines._base
+    import ragbudget.generation.engines._http
 
-    for module in (ragbudget.backend, ragbudget.engines, ragbudget.engines._base, ragbudget.engines._http):
+    for module in (
+        ragbudget.generation.backend,
+        ragbudget.generation.engines,
+        ragbudget.generation.engines._base,
+        ragbudget.generation.engines._http,
+    ):
         assert doctest.testmod(module).failed == 0, module.__name__

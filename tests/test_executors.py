@@ -1,4 +1,4 @@
-"""The Ray executor (ragbudget.executors.RayExecutor): the index it writes is the local executor's,
+"""The Ray executor (ragbudget.retrieval.executors.RayExecutor): the index it writes is the local executor's,
 and its failures are one-line errors that leave the previous generation in place.
 
 Runs on one small local Ray cluster shared by the whole session (``ray_cluster`` in conftest.py,
@@ -21,11 +21,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from ragbudget.embed import HashEmbedder
 from ragbudget.errors import ConfigError, ExecutorError
-from ragbudget.executors import LocalExecutor, RayExecutor, make_executor
-from ragbudget.index import Index
-from ragbudget.vectors import FlatStore
+from ragbudget.retrieval.embed import HashEmbedder
+from ragbudget.retrieval.executors import LocalExecutor, RayExecutor, make_executor
+from ragbudget.retrieval.index import Index
+from ragbudget.retrieval.vectors import FlatStore
 
 REPO = Path(__file__).resolve().parents[1]
 MANPAGES = REPO / "data" / "manpages"
@@ -123,7 +123,7 @@ def test_ray_index_equals_the_local_one(ray_cluster: Any, tmp_path: Path, store:
 
 @pytest.mark.slow
 def test_ray_index_with_minilm_equals_the_local_one(ray_cluster: Any, tmp_path: Path) -> None:
-    from ragbudget.embed import SentenceTransformerEmbedder
+    from ragbudget.retrieval.embed import SentenceTransformerEmbedder
 
     docs = corpus(tmp_path)
     Index(tmp_path / "local").build([str(docs)], embedder=SentenceTransformerEmbedder(), **SMALL)
@@ -236,7 +236,7 @@ def free_port() -> int:
 def test_an_unreachable_cluster_is_a_one_line_cli_error(tmp_path: Path) -> None:
     from click.testing import CliRunner
 
-    from ragbudget.cli import cli
+    from ragbudget.cli.commands import cli
 
     docs = corpus(tmp_path)
     path = tmp_path / "idx"
@@ -258,7 +258,7 @@ def test_an_unreachable_cluster_is_a_one_line_cli_error(tmp_path: Path) -> None:
 def test_ray_flags_need_the_ray_executor(tmp_path: Path) -> None:
     from click.testing import CliRunner
 
-    from ragbudget.cli import cli
+    from ragbudget.cli.commands import cli
 
     docs = corpus(tmp_path)
     res = CliRunner().invoke(cli, ["index", str(docs), "--index-dir", str(tmp_path / "idx"), "--embed-workers", "2"])
@@ -287,9 +287,9 @@ def test_executor_arguments_are_checked() -> None:
 
 def test_ray_is_imported_only_by_the_ray_executor() -> None:
     code = (
-        "import sys, ragbudget, ragbudget.build, ragbudget.cli, ragbudget.executors, "
-        "ragbudget.index\n"
-        "from ragbudget.executors import RayExecutor\n"
+        "import sys, ragbudget, ragbudget.retrieval.build, ragbudget.cli.commands, ragbudget.retrieval.executors, "
+        "ragbudget.retrieval.index\n"
+        "from ragbudget.retrieval.executors import RayExecutor\n"
         "RayExecutor(workers=2)\n"
         "print(json.dumps(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.'))))"
     )
@@ -315,9 +315,9 @@ def test_the_pool_shares_the_cluster_cpus(ray_cluster: Any) -> None:
 def test_doctests() -> None:
     import doctest
 
-    import ragbudget.executors
+    import ragbudget.retrieval.executors
 
-    assert doctest.testmod(ragbudget.executors).failed == 0
+    assert doctest.testmod(ragbudget.retrieval.executors).failed == 0
 
 
 def test_joining_another_cluster_from_a_connected_process_is_refused(ray_cluster: Any) -> None:

@@ -1,4 +1,4 @@
-"""Follow-up questions (:mod:`ragbudget.followup`): which questions lean on earlier turns, and
+"""Follow-up questions (:mod:`ragbudget.prompt.followup`): which questions lean on earlier turns, and
 the retrieval query they get. The whole conversation path is in tests/test_chat.py."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from ragbudget.followup import expand_query, is_follow_up
+from ragbudget.prompt.followup import expand_query, is_follow_up
 
 
 @pytest.mark.parametrize(

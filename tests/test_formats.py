@@ -1,4 +1,4 @@
-"""Container and record formats (ragbudget.formats): real fixtures, provenance labels, hostile cases.
+"""Container and record formats (ragbudget.input.formats): real fixtures, provenance labels, hostile cases.
 
 The fixtures in tests/data/formats/ were made from ../shared/data with pandoc and friends (see
 the README there). Everything goes through ``load_document`` and, at the end, ``Index.build``.
@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from ragbudget.errors import LoadError
-from ragbudget.formats import LoadOptions, current_options, load_options, page_label
-from ragbudget.loaders import SUPPORTED_EXTENSIONS, iter_documents, load_document, scan
+from ragbudget.input.formats import LoadOptions, current_options, load_options, page_label
+from ragbudget.input.loaders import SUPPORTED_EXTENSIONS, iter_documents, load_document, scan
 
 DATA = Path(__file__).parent / "data" / "formats"
 
@@ -355,8 +355,8 @@ def test_corpus_boilerplate_leaves_records_alone(tmp_path):
 
 
 def test_index_a_folder_of_every_format(tmp_path):
-    from ragbudget.embed import HashEmbedder
-    from ragbudget.index import Index
+    from ragbudget.retrieval.embed import HashEmbedder
+    from ragbudget.retrieval.index import Index
 
     folder = tmp_path / "docs"
     shutil.copytree(DATA, folder, ignore=shutil.ignore_patterns("*.py", "*.md"))
@@ -401,21 +401,21 @@ def test_import_stays_light_and_docstrings_run():
     import doctest
     import subprocess
 
-    import ragbudget.formats
+    import ragbudget.input.formats
 
     code = (
-        "import sys, ragbudget, ragbudget.loaders, ragbudget.formats; "
+        "import sys, ragbudget, ragbudget.input.loaders, ragbudget.input.formats; "
         "print([m for m in ('docx', 'pptx', 'pytesseract', 'PIL', 'lxml') if m in sys.modules])"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
-    assert doctest.testmod(ragbudget.formats).failed == 0
+    assert doctest.testmod(ragbudget.input.formats).failed == 0
 
 
 def test_cli_index_flags_reach_the_loaders(tmp_path):
     from click.testing import CliRunner
 
-    from ragbudget.cli import cli
+    from ragbudget.cli.commands import cli
 
     docs = tmp_path / "docs"
     docs.mkdir()
@@ -459,7 +459,7 @@ def test_cli_index_flags_reach_the_loaders(tmp_path):
 def test_cli_search_shows_the_unit_of_the_format(tmp_path):
     from click.testing import CliRunner
 
-    from ragbudget.cli import cli
+    from ragbudget.cli.commands import cli
 
     docs = tmp_path / "docs"
     docs.mkdir()

@@ -8,11 +8,11 @@ import pytest
 from _fakes import printable_stop
 from _tiny_lm import CUDA_NAME, CUDA_PEAK, as_on_cuda, tiny_model, tiny_tokenizer
 
-from ragbudget import generate as generate_mod
 from ragbudget.errors import BudgetError, ConfigError
-from ragbudget.generate import Generation, Generator, _quant_backend, _smaller_cache, is_oom
-from ragbudget.prompt import build_prompt
-from ragbudget.select import Candidate
+from ragbudget.generation import generate as generate_mod
+from ragbudget.generation.generate import Generation, Generator, _quant_backend, _smaller_cache, is_oom
+from ragbudget.prompt.prompt import build_prompt
+from ragbudget.prompt.select import Candidate
 from ragbudget.types import Source
 
 
@@ -277,7 +277,7 @@ class _CharTokenizer:
 def _stream(text: str, stop: list[str]) -> list[str]:
     import torch
 
-    from ragbudget.generate import _CallbackStreamer
+    from ragbudget.generation.generate import _CallbackStreamer
 
     pieces: list[str] = []
     s = _CallbackStreamer(_CharTokenizer(), pieces.append, 0, stop)
@@ -316,14 +316,14 @@ def test_streamer_holds_back_partial_stop_strings() -> None:
     ],
 )
 def test_line_repeats_cuts_at_the_third_copy_and_holds_back_copies(text, expected) -> None:
-    from ragbudget.generate import line_repeats
+    from ragbudget.generation.generate import line_repeats
 
     assert line_repeats(text) == expected
     assert line_repeats("A\nA\n", times=2) == (1, 1)  # the count is the caller's
 
 
 def test_a_stream_never_shows_a_repeated_line_and_stops_at_the_third() -> None:
-    from ragbudget.generate import _CallbackStreamer
+    from ragbudget.generation.generate import _CallbackStreamer
 
     pieces: list[str] = []
     s = _CallbackStreamer(_CharTokenizer(), pieces.append, 0)
@@ -387,7 +387,7 @@ def test_smollm2_stops_at_a_line_it_repeats_and_keeps_its_generation_config() ->
     BPE tokens (a newline may share a token with other text), streamed or not, batched or not.
     Its loop is forced through its own generation_config (a sequence bias writing "pipe" lines
     forever): greedy SmolLM2 loops on long RAG answers (issue #30), not on any short prompt."""
-    from ragbudget.batching import Batcher
+    from ragbudget.generation.batching import Batcher
 
     gen = Generator()
     tok = gen.tokenizer
@@ -444,3 +444,25 @@ def test_generator_measures_its_cuda_peak_and_writes_nothing(gen, tmp_path, monk
 
 def test_a_cpu_generation_has_no_measurement(gen) -> None:
     assert gen.generate("hi", max_new_tokens=2).measurement is None
+
+
+def test_the_gguf_conversion_bar_is_off_away_from_a_terminal(monkeypatch) -> None:
+    import io
+    import sys
+
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+    from ragbudget.generation.generate import _gguf_bar_only_on_a_terminal
+
+    # transformers' own conversion loop draws this bar with tqdm (not its own switch); off a
+    # terminal it is hundreds of carriage-return redraws in a log.
+    out = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", out)  # not a terminal
+    original = gguf_utils.tqdm
+    with _gguf_bar_only_on_a_terminal():
+        for _ in gguf_utils.tqdm(range(50), desc="Converting and de-quantizing GGUF tensors...", file=out):
+            pass
+    assert out.getvalue() == "" and gguf_utils.tqdm is original  # quiet, and put back after
+    for _ in gguf_utils.tqdm(range(3), file=out):
+        pass
+    assert "\r" in out.getvalue()  # outside the call the bar is transformers' own again

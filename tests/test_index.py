@@ -23,7 +23,6 @@ import pytest
 from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from ragbudget.embed import HashEmbedder
 from ragbudget.errors import (
     ConfigError,
     IndexCorruptError,
@@ -32,7 +31,8 @@ from ragbudget.errors import (
     IndexNotFoundError,
     InputPathError,
 )
-from ragbudget.index import (
+from ragbudget.retrieval.embed import HashEmbedder
+from ragbudget.retrieval.index import (
     Hit,
     Index,
     IndexSummary,
@@ -319,7 +319,7 @@ def test_second_writer_fails_fast(ix: Index, corpus: Path) -> None:
             "-c",
             textwrap.dedent(f"""
             import sys, time
-            from ragbudget.index import _Lock
+            from ragbudget.retrieval.index import _Lock
             from pathlib import Path
             with _Lock(Path({str(ix.path)!r})):
                 print("locked", flush=True)
@@ -418,8 +418,8 @@ _CHILD = """
 import sys
 sys.path.insert(0, {tests!r})
 import test_index as t
-import faiss, ragbudget.chunking, ragbudget.dedup, ragbudget.loaders  # imported before "ready"
-from ragbudget.index import Index
+import faiss, ragbudget.input.chunking, ragbudget.input.dedup, ragbudget.input.loaders  # imported before "ready"
+from ragbudget.retrieval.index import Index
 print("ready", flush=True)
 Index({ix!r}).build([{corpus!r}], embedder=t.EMB, batch_files=2, embed_batch=8, allow_removal=True,
                     store={store!r}, **t.OPTS)
@@ -681,7 +681,7 @@ def test_index_without_fts_table_opens_and_is_upgraded(
     o = Index.open(ix.path)
     assert not o.has_lexical
     assert o.verify().ok and o.verify().checked["lexical_rows"] is None
-    with caplog.at_level("WARNING", logger="ragbudget.index"):
+    with caplog.at_level("WARNING", logger="ragbudget.retrieval.index"):
         hits = o.search("marker2zz", k=3, hybrid=True)
     assert "marker2zz" in hits[0].text
     assert "without the lexical (FTS5) table" in caplog.text and "ragbudget index" in caplog.text
@@ -698,11 +698,11 @@ def test_index_without_fts_table_opens_and_is_upgraded(
 def test_no_fts5_falls_back_to_dense(
     ix: Index, corpus: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    import ragbudget.lexical as mod
+    import ragbudget.retrieval.lexical as mod
 
     monkeypatch.setattr(mod, "_fts5_ok", False)
     monkeypatch.setattr(mod, "_fts5_warned", False)
-    with caplog.at_level("WARNING", logger="ragbudget.index"):
+    with caplog.at_level("WARNING", logger="ragbudget.retrieval.index"):
         build(ix, corpus)
     assert "has no FTS5" in caplog.text
     o = Index.open(ix.path)
@@ -717,7 +717,7 @@ def test_no_fts5_falls_back_to_dense(
 def test_index_updated_without_fts5_is_repaired_by_the_next_run(
     ix: Index, corpus: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import ragbudget.lexical as mod
+    import ragbudget.retrieval.lexical as mod
 
     build(ix, corpus)
     monkeypatch.setattr(mod, "_fts5_ok", False)
@@ -954,7 +954,7 @@ def test_index_without_roots_opens_with_a_fallback_and_is_upgraded(
 ) -> None:
     build(ix, corpus)
     _drop_roots(ix)
-    with caplog.at_level("WARNING", logger="ragbudget.index"):
+    with caplog.at_level("WARNING", logger="ragbudget.retrieval.index"):
         idx = Index.open(ix.path)
         assert idx.search("marker2zz", k=1)[0].sources[0].path == "corpus/doc2.txt"
         assert {f.path for f in idx.sources()} == {f"corpus/doc{i}.txt" for i in range(6)}
@@ -963,7 +963,7 @@ def test_index_without_roots_opens_with_a_fallback_and_is_upgraded(
     s = build(ix, corpus)  # nothing changed on disk, but the roots get recorded
     assert s.committed and s.files_unchanged == 6 and s.chunks_embedded == 0
     caplog.clear()
-    with caplog.at_level("WARNING", logger="ragbudget.index"):
+    with caplog.at_level("WARNING", logger="ragbudget.retrieval.index"):
         assert Index.open(ix.path).roots() == ["corpus"]
         assert all(f.pages is None and f.chunks > 0 for f in Index.open(ix.path).sources())
     assert not any("records no roots" in r.getMessage() for r in caplog.records)
@@ -986,8 +986,8 @@ _KILLED_CHILD = """
 import os, signal, sys
 sys.path.insert(0, {tests!r})
 import test_index as t
-from ragbudget.embed import HashEmbedder
-from ragbudget.index import Index
+from ragbudget.retrieval.embed import HashEmbedder
+from ragbudget.retrieval.index import Index
 
 class Dies(HashEmbedder):
     calls = 0
@@ -1095,7 +1095,7 @@ def test_dedup_none_keeps_byte_identical_chunks_apart(ix: Index, tmp_path: Path)
 
 @pytest.mark.parametrize("mode", ["none", "exact", "near"])
 def test_every_mode_stores_the_normalized_content_hash(ix: Index, corpus: Path, mode: str) -> None:
-    from ragbudget.dedup import content_hash
+    from ragbudget.input.dedup import content_hash
 
     build(ix, corpus, dedup=mode)
     o = Index.open(ix.path)
@@ -1133,8 +1133,8 @@ _RUN_WITH_DOCX = textwrap.dedent(
     if sys.argv[3] == "absent":
         # python-docx uninstalled, as far as this process can tell: `import docx` raises ImportError.
         sys.modules["docx"] = None
-    from ragbudget.embed import HashEmbedder
-    from ragbudget.index import Index
+    from ragbudget.retrieval.embed import HashEmbedder
+    from ragbudget.retrieval.index import Index
     s = Index(sys.argv[1]).build([sys.argv[2]], embedder=HashEmbedder(dim=64), min_tokens=20, max_tokens=120)
     print(json.dumps(s.to_dict()))
     """

@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from ragbudget.cli import cli
-from ragbudget.embed import HashEmbedder
+from ragbudget.cli.commands import cli
 from ragbudget.errors import ConfigError, IndexMismatchError
-from ragbudget.index import Index
-from ragbudget.index_settings import changes, check_changes, recorded, resolve
+from ragbudget.retrieval.embed import HashEmbedder
+from ragbudget.retrieval.index import Index
+from ragbudget.retrieval.index_settings import changes, check_changes, recorded, resolve
 
 EMB = HashEmbedder(dim=64)
 WORDS = [f"{a}{b}" for a in ("ka", "lo", "mi", "nu", "pe", "ra") for b in ("ba", "de", "fi", "go", "hu", "ja")]
@@ -151,7 +151,8 @@ def test_resolve_and_changes_without_an_index() -> None:
     settings, tok = resolve(None)
     assert settings["chunking"] == {"min_tokens": 300, "max_tokens": 500, "overlap": 0, "tokenizer": tok.name}
     assert settings["dedup"] == {"mode": "near", "threshold": 0.8, "num_perm": 128}
-    assert settings["cleaning"] == {"clean": True} and settings["sentences"] is True
+    # sentences not given: None, and the builder keeps what the index has (none for a new one)
+    assert settings["cleaning"] == {"clean": True} and settings["sentences"] is None
     assert changes(None, settings) == {}
     check_changes(None, settings, allowed=False)  # a new index: nothing to refuse
     assert recorded({"dedup": {"mode": "exact", "threshold": None, "num_perm": None}})["dedup"]["mode"] == "exact"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ragbudget.errors import ConfigError, ModelError
-from ragbudget.kvcache import (
+from ragbudget.memory.kvcache import (
     FullAttentionSpec,
     MambaSpec,
     MLAAttentionSpec,
@@ -884,7 +884,7 @@ def _paged_cache(cfg, *, num_blocks, page_size, dtype=None):
 @pytest.mark.parametrize("mt", PAGED)
 @pytest.mark.parametrize(("num_blocks", "page_size"), [(1, 4), (7, 16), (40, 32)])
 def test_paged_cache_exact(models, mt, num_blocks, page_size):
-    from ragbudget.kvcache import paged_cache_layout
+    from ragbudget.memory.kvcache import paged_cache_layout
 
     cfg, _ = models[mt]
     real = _paged_cache(cfg, num_blocks=num_blocks, page_size=page_size)
@@ -903,7 +903,7 @@ def test_paged_cache_exact(models, mt, num_blocks, page_size):
 
 
 def test_paged_cache_bf16_and_refusals(models):
-    from ragbudget.kvcache import paged_cache_layout
+    from ragbudget.memory.kvcache import paged_cache_layout
 
     cfg, _ = models["gemma3_text"]
     real = _paged_cache(cfg, num_blocks=5, page_size=8, dtype=torch.bfloat16)

@@ -19,11 +19,11 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 MODEL_STACK = ("torch", "transformers", "sentence_transformers", "sklearn", "scipy", "gguf", "llama_cpp")
-GENERATOR = ("ragbudget.generate", "ragbudget.budget", "ragbudget.kvcache")
+GENERATOR = ("ragbudget.generation.generate", "ragbudget.memory.budget", "ragbudget.memory.kvcache")
 
 _RUN = """
 import json, sys
-from ragbudget.cli import main
+from ragbudget.cli.commands import main
 code = 0
 try:
     main(sys.argv[1:])
@@ -58,8 +58,8 @@ def loaded(modules: set[str], names: tuple[str, ...]) -> list[str]:
 @pytest.fixture(scope="module")
 def minilm_index(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A one-file index built with the packaged MiniLM (the real embedder, loaded once here)."""
-    from ragbudget.embed import SentenceTransformerEmbedder
-    from ragbudget.index import Index
+    from ragbudget.retrieval.embed import SentenceTransformerEmbedder
+    from ragbudget.retrieval.index import Index
 
     root = tmp_path_factory.mktemp("lazy")
     docs = root / "docs"
@@ -73,7 +73,7 @@ def minilm_index(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_stats_verify_and_sources_import_no_model_stack(minilm_index: Path) -> None:
-    from ragbudget.cli import cli
+    from ragbudget.cli.commands import cli
 
     for command in ("stats", "verify", "sources"):
         if command not in cli.commands:  # `sources` arrives with the index work (issue #19)
@@ -122,13 +122,13 @@ def test_search_embeds_the_query_without_torch_and_never_loads_the_generator(min
         str(minilm_index / "idx"),
     )
     assert code == 0 and loaded(modules, MODEL_STACK) == [], out
-    from ragbudget.embed import SentenceTransformerEmbedder
+    from ragbudget.retrieval.embed import SentenceTransformerEmbedder
 
     full = SentenceTransformerEmbedder(light=False)
     q = full.embed_query("what happens when the read end is closed")
     import numpy as np
 
-    from ragbudget.index import Index
+    from ragbudget.retrieval.index import Index
 
     idx = Index.open(minilm_index / "idx")
     want = idx.search("what happens when the read end is closed", k=1, embedder=full, hybrid=False)[0]

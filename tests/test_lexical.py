@@ -1,4 +1,4 @@
-"""ragbudget.lexical: the FTS5 query built from free text, BM25 over a chunks table kept in step
+"""ragbudget.retrieval.lexical: the FTS5 query built from free text, BM25 over a chunks table kept in step
 by triggers, and the fusion of dense and lexical scores."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import sqlite3
 import pytest
 
 from ragbudget.errors import ConfigError
-from ragbudget.lexical import _bm25, _ensure_fts, fts5_available, fts_match_query, fuse_scores
+from ragbudget.retrieval.lexical import _bm25, _ensure_fts, fts5_available, fts_match_query, fuse_scores
 
 
 def test_fts_match_query_quotes_every_word() -> None:

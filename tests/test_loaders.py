@@ -15,7 +15,7 @@ from _fakes import make_pdf
 from hypothesis import assume, given, settings, strategies as st
 
 from ragbudget.errors import LoadError
-from ragbudget.loaders import (
+from ragbudget.input.loaders import (
     BoilerplateFilter,
     FileInfo,
     Skipped,
@@ -442,7 +442,7 @@ def test_shared_corpus_loads(shared_data):
 
 def test_import_is_light():
     code = (
-        "import sys, ragbudget.loaders, ragbudget.clean; "
+        "import sys, ragbudget.input.loaders, ragbudget.input.clean; "
         "bad = [m for m in ('torch', 'transformers', 'faiss', 'sentence_transformers', 'pypdfium2', 'lxml') "
         "if m in sys.modules]; print(bad)"
     )
@@ -453,9 +453,9 @@ def test_import_is_light():
 def test_docstring_examples():
     import doctest
 
-    import ragbudget.loaders
+    import ragbudget.input.loaders
 
-    assert doctest.testmod(ragbudget.loaders).failed == 0
+    assert doctest.testmod(ragbudget.input.loaders).failed == 0
 
 
 _TEXT = st.text(

@@ -1,4 +1,4 @@
-"""ragbudget.malloc: glibc's arena cap and malloc_trim, and the idle trimmer of the server."""
+"""ragbudget.server.malloc: glibc's arena cap and malloc_trim, and the idle trimmer of the server."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from collections.abc import Callable
 
 import pytest
 
-from ragbudget import malloc
 from ragbudget.errors import ConfigError
+from ragbudget.server import malloc
 
 
 def test_allocator_helpers() -> None:

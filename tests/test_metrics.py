@@ -1,10 +1,10 @@
-"""ragbudget.metrics: the Prometheus text the server's /metrics answers (format 0.0.4)."""
+"""ragbudget.server.metrics: the Prometheus text the server's /metrics answers (format 0.0.4)."""
 
 from __future__ import annotations
 
 import threading
 
-from ragbudget.metrics import Metrics, admission_gauges
+from ragbudget.server.metrics import Metrics, admission_gauges
 
 
 def samples(text: str) -> dict[str, str]:

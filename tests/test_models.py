@@ -1,4 +1,4 @@
-"""ragbudget.models: where models come from, configs without weights, and weight bytes from file
+"""ragbudget.memory.models: where models come from, configs without weights, and weight bytes from file
 headers — each checked against files written here, with expected values computed by hand."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from ragbudget.errors import ModelError
-from ragbudget.models import (
+from ragbudget.memory.models import (
     ModelRef,
     cache_dir,
     gguf_metadata,

@@ -1,4 +1,4 @@
-"""ragbudget.openai_api: the OpenAI wire format, parsed and shaped without a server.
+"""ragbudget.server.openai_api: the OpenAI wire format, parsed and shaped without a server.
 
 Direct unit tests of what tests/test_server.py checks end to end over HTTP: every refusal names
 its field with OpenAI's status, ``param`` and ``code``; the shapes carry what clients read and no
@@ -23,7 +23,9 @@ from ragbudget.errors import (
     EngineTimeoutError,
     OverloadedError,
 )
-from ragbudget.openai_api import (
+from ragbudget.pipeline import Answer
+from ragbudget.prompt.select import Dropped, SelectedChunk, Selection
+from ragbudget.server.openai_api import (
     CLIENT_CLOSED,
     MAX_JSON_DEPTH,
     MAX_RETRIEVE_K,
@@ -44,8 +46,6 @@ from ragbudget.openai_api import (
     selection_body,
     sse,
 )
-from ragbudget.pipeline import Answer
-from ragbudget.select import Dropped, SelectedChunk, Selection
 from ragbudget.types import Hit, Source
 
 MODELS = ["fake/model", "ragbudget"]

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ragbudget.budget import CPU_TTFT_TARGET
-from ragbudget.pacing import Pacing
+from ragbudget.generation.pacing import Pacing
+from ragbudget.memory.budget import CPU_TTFT_TARGET
 
 
 @dataclass
@@ -45,7 +45,7 @@ def test_admission_is_tuned_only_for_a_loaded_model() -> None:
 
 
 def test_the_plan_is_left_alone_without_a_target() -> None:
-    from ragbudget.budget import plan_budget
+    from ragbudget.memory.budget import plan_budget
 
     plan = plan_budget("Qwen/Qwen3-8B", gpu="24GiB", max_new_tokens=256)
     assert Pacing(None).cap(Stand("cuda:0"), plan) is plan

@@ -337,8 +337,11 @@ def test_budget_errors_name_the_binding_limit(indexed: Path) -> None:
         (lambda p: p.index(["data", 3]), "got item 1: int 3"),
         (lambda p: p.ask(QUESTION, temperature="hot"), "temperature must be a number, got str 'hot'"),
         (lambda p: Pipeline(p.index_dir, embedder=5), "embedder must be a model name"),
-        (lambda p: Pipeline(p.index_dir, generator="gpt"), "generator must be a ragbudget.generate.Generator"),
-        (lambda p: Pipeline(p.index_dir, backend=3), "backend must implement ragbudget.backend.Backend"),
+        (
+            lambda p: Pipeline(p.index_dir, generator="gpt"),
+            "generator must be a ragbudget.generation.generate.Generator",
+        ),
+        (lambda p: Pipeline(p.index_dir, backend=3), "backend must implement ragbudget.generation.backend.Backend"),
     ],
 )
 def test_wrong_argument_types_are_the_librarys_own_errors(indexed: Path, call: Any, match: str) -> None:
@@ -448,8 +451,8 @@ def test_the_pipeline_records_the_generators_measured_peak(
 
     from _tiny_lm import CUDA_NAME, CUDA_PEAK, as_on_cuda, tiny_model, tiny_tokenizer
 
-    from ragbudget.backend import LocalBackend
-    from ragbudget.generate import Generator
+    from ragbudget.generation.backend import LocalBackend
+    from ragbudget.generation.generate import Generator
 
     monkeypatch.setenv("RAGBUDGET_CACHE", str(tmp_path))
     generator = Generator.from_objects(tiny_model(), tiny_tokenizer())
@@ -472,7 +475,7 @@ class CPUGenerator(FakeGenerator):
 
 
 def test_cpu_default_context_is_capped_by_measured_prefill_time(indexed: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import ragbudget.budget as budget
+    import ragbudget.memory.budget as budget
 
     # 2 ms per prompt token: a 3 s target allows 1,500 prompt tokens.
     monkeypatch.setattr(budget, "lookup_prefill_speed", lambda model, device: {"a": 0.002, "b": 0.0})
@@ -482,7 +485,7 @@ def test_cpu_default_context_is_capped_by_measured_prefill_time(indexed: Path, m
     assert b["context_limit"]["limit"] == "time" and b["context_limit"]["ttft_target_s"] == 3.0
     assert b["context_tokens_cap"] == 1500 - b["fixed_prompt_tokens"]
     assert b["context_tokens_allowed"] <= b["context_tokens_cap"]
-    from ragbudget.display import format_report
+    from ragbudget.cli.display import format_report
 
     assert "limit time: 3 s to the first token" in format_report(answer.report)
     # The default target applies on a CPU with no ttft_target given; context_tokens overrides it;
@@ -537,7 +540,7 @@ def test_calibrate_runs_one_real_request_and_admission_learns_the_host_speed() -
     than modelled, sets the slowdown at once (a new speed is provisional: the slower stands)."""
     from _fakes import fake, fake_pipeline
 
-    from ragbudget.admission import Throughput
+    from ragbudget.memory.admission import Throughput
 
     pipe = fake_pipeline(words=8, token_delay=0.05)  # 8 tokens, 0.05 s each
     assert pipe.calibrate() is None  # no time model: nothing to calibrate

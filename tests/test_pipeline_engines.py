@@ -13,11 +13,11 @@ from _replay import Replay, Resp
 from click.testing import CliRunner
 
 from ragbudget import Pipeline
-from ragbudget.backend import SQLiteCountCache, text_digest
-from ragbudget.cli import cli as main
-from ragbudget.display import format_report
-from ragbudget.engines import KINDS
+from ragbudget.cli.commands import cli as main
+from ragbudget.cli.display import format_report
 from ragbudget.errors import ConfigError, EngineConnectionError
+from ragbudget.generation.backend import SQLiteCountCache, text_digest
+from ragbudget.generation.engines import KINDS
 from ragbudget.pipeline import EnginePlan
 
 QUESTION = "How is the Project Leader elected?"
@@ -371,7 +371,7 @@ def test_budget_engine_names_the_model_not_its_path(indexed: Path, tmp_path: Pat
 def test_serve_engine_says_what_admission_is_sized_from(indexed: Path, tmp_path: Path) -> None:
     from fastapi.testclient import TestClient
 
-    from ragbudget.server import create_app
+    from ragbudget.server.app import create_app
 
     index_dir = _index_copy(indexed, tmp_path)
     with Replay("llamacpp") as srv:

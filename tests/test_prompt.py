@@ -9,8 +9,8 @@ import pytest
 from _tiny_lm import tiny_tokenizer
 
 from ragbudget.errors import BudgetError
-from ragbudget.prompt import PromptBuilder, build_prompt, escape_data
-from ragbudget.select import Candidate
+from ragbudget.prompt.prompt import PromptBuilder, build_prompt, escape_data
+from ragbudget.prompt.select import Candidate
 from ragbudget.types import Source
 
 INJECTION = (
@@ -28,7 +28,7 @@ def tiny():
 def smol():
     from transformers import AutoTokenizer
 
-    from ragbudget.models import resolve_generator
+    from ragbudget.memory.models import resolve_generator
 
     ref = resolve_generator()
     return AutoTokenizer.from_pretrained(ref.path, gguf_file=ref.gguf_file)
@@ -224,8 +224,8 @@ def test_a_render_over_the_composed_costs_packs_again_tighter() -> None:
     and the render checks it: an engine whose render costs more than that (here 2 tokens a
     source block) gets the sentences packed again on a budget smaller by the excess — the best
     sentences kept, not a whole passage dropped — and the prompt it is sent never exceeds."""
-    from ragbudget.backend import RenderedPrompt
-    from ragbudget.prompt import EnginePromptBuilder
+    from ragbudget.generation.backend import RenderedPrompt
+    from ragbudget.prompt.prompt import EnginePromptBuilder
 
     def words(text: str) -> int:
         return len(text.split())

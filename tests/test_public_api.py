@@ -58,7 +58,7 @@ def test_import_is_light() -> None:
         "ragbudget.Document; ragbudget.chunk_text; ragbudget.strip_headers_footers\n"
         "ragbudget.load_document; ragbudget.kv_cache_bytes; ragbudget.plan_budget\n"
         "ragbudget.select_chunks; ragbudget.Pipeline; ragbudget.Index; ragbudget.Generator\n"
-        "import ragbudget.cli, ragbudget.integrations\n"
+        "import ragbudget.cli.commands, ragbudget.integrations\n"
         f"print([m for m in {HEAVY + FRAMEWORKS!r} if m in sys.modules])\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -138,7 +138,7 @@ def test_every_module_imports_without_the_optional_extras() -> None:
     names = sorted(
         m.name for m in pkgutil.walk_packages(ragbudget.__path__, "ragbudget.") if m.name != "ragbudget.__main__"
     )
-    assert "ragbudget.server" in names and "ragbudget.formats.office" in names
+    assert "ragbudget.server.app" in names and "ragbudget.input.formats.office" in names
     code = (
         "import importlib, sys\n"
         f"for m in {OPTIONAL!r}: sys.modules[m] = None  # `import m` raises ImportError\n"

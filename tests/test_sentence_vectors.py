@@ -1,6 +1,6 @@
 """Sentence vectors stored at index build time for span packing (issue #18's cold cost): written in
 the same generation as the chunk vectors, kept in step by incremental runs, read by
-:class:`~ragbudget.spans.SpanScorer` so a question embeds no sentence; an index without them still
+:class:`~ragbudget.prompt.spans.SpanScorer` so a question embeds no sentence; an index without them still
 works (sentences embedded on first use) and gains them on its next write.
 
 Model-free: :class:`HashEmbedder`, small chunks.
@@ -19,11 +19,11 @@ from _fakes import FakeBackend
 from _tiny_lm import tiny_tokenizer
 from test_index import OPTS, make_text, write_corpus
 
-from ragbudget.embed import HashEmbedder
-from ragbudget.index import Index
 from ragbudget.pipeline import Pipeline
-from ragbudget.prompt import build_prompt
-from ragbudget.spans import SpanScorer, sentence_digest, sentence_texts
+from ragbudget.prompt.prompt import build_prompt
+from ragbudget.prompt.spans import SpanScorer, sentence_digest, sentence_texts
+from ragbudget.retrieval.embed import HashEmbedder
+from ragbudget.retrieval.index import Index
 
 DIM = 64
 
@@ -57,7 +57,10 @@ class Calls(HashEmbedder):
 
 
 def build(ix: Index, corpus: Path, emb: HashEmbedder | None = None, **kw: object):
-    return ix.build([str(corpus)], embedder=emb or HashEmbedder(dim=DIM), **{**OPTS, **kw})  # type: ignore[arg-type]
+    """A build that stores sentence vectors (``sentence_vectors=True``, not the default any more:
+    see the question-time cache tests at the bottom) unless ``kw`` says otherwise."""
+    opts = {**OPTS, "sentence_vectors": True, **kw}
+    return ix.build([str(corpus)], embedder=emb or HashEmbedder(dim=DIM), **opts)  # type: ignore[arg-type]
 
 
 def rows(ix: Index) -> dict[int, tuple[bytes, bytes]]:
@@ -226,7 +229,7 @@ def ask_report(ix: Index, emb: HashEmbedder) -> dict:  # type: ignore[type-arg]
 
 
 def test_sentence_vectors_off_drops_them_and_on_again_fills_them_for_every_chunk(ix: Index, corpus: Path) -> None:
-    from ragbudget.display import format_report
+    from ragbudget.cli.display import format_report
 
     build(ix, corpus)
     on_bytes, on_rows = index_bytes(ix), rows(ix)
@@ -249,9 +252,9 @@ def test_sentence_vectors_off_drops_them_and_on_again_fills_them_for_every_chunk
     # Still off: nothing to do, and a plain run keeps the recorded "off" (it is not told
     # otherwise); a changed file adds chunks without sentence vectors.
     assert not build(ix, corpus, sentence_vectors=False).committed
-    assert not build(ix, corpus).committed and rows(ix) == {}
+    assert not build(ix, corpus, sentence_vectors=None).committed and rows(ix) == {}
     (corpus / "doc1.txt").write_text((corpus / "doc1.txt").read_text() + "\nA closing line names quokkazz.\n")
-    s = build(ix, corpus)
+    s = build(ix, corpus, sentence_vectors=None)
     assert s.committed and s.chunks_embedded > 0 and s.sentences_embedded == 0 and rows(ix) == {}
     # On again, no file changed: every chunk gets them, no chunk is embedded again.
     again = build(ix, corpus, sentence_vectors=True)

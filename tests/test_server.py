@@ -37,10 +37,10 @@ from _fakes import (
     stop_server,
 )
 
-from ragbudget.backend import Sampling
 from ragbudget.errors import BudgetError, OverloadedError
+from ragbudget.generation.backend import Sampling
 from ragbudget.pipeline import Pipeline
-from ragbudget.server import background_server, create_app
+from ragbudget.server.app import background_server, create_app
 
 MODEL = "fake/model"
 
@@ -185,11 +185,11 @@ def test_openai_client_validation_errors_are_typed() -> None:
 
 @pytest.fixture(scope="module")
 def tiny_url() -> Iterator[str]:
-    """A real Pipeline on a real :class:`~ragbudget.generate.Generator` with the tiny random
+    """A real Pipeline on a real :class:`~ragbudget.generation.generate.Generator` with the tiny random
     Llama: the sampling and stop options go all the way to transformers ``generate``."""
     from _tiny_lm import tiny_model, tiny_tokenizer
 
-    from ragbudget.generate import Generator
+    from ragbudget.generation.generate import Generator
 
     pipe = Pipeline(
         corpus_index(),
@@ -657,7 +657,7 @@ def test_short_load_only_200_or_429_and_health_throughout() -> None:
 
 
 def test_idle_server_returns_freed_memory_to_the_os(monkeypatch: pytest.MonkeyPatch) -> None:
-    from ragbudget import malloc
+    from ragbudget.server import malloc
 
     if not malloc.trimming_supported():
         pytest.skip("malloc_trim is glibc's")
@@ -678,14 +678,14 @@ def test_idle_server_returns_freed_memory_to_the_os(monkeypatch: pytest.MonkeyPa
 def test_serve_command_passes_options_and_env_key(monkeypatch: pytest.MonkeyPatch) -> None:
     from click.testing import CliRunner
 
-    from ragbudget.cli import cli
+    from ragbudget.cli.commands import cli
     from ragbudget.settings import HistorySettings
 
     made: list[dict[str, Any]] = []
     served: list[dict[str, Any]] = []
     pipe = fake_pipeline()
     monkeypatch.setattr("ragbudget.pipeline.Pipeline", lambda *a, **kw: made.append(kw) or pipe)
-    monkeypatch.setattr("ragbudget.server.serve", lambda pipe, **kw: served.append(kw))
+    monkeypatch.setattr("ragbudget.server.app.serve", lambda pipe, **kw: served.append(kw))
     monkeypatch.setenv("RAGBUDGET_API_KEY", "env-key")
     result = CliRunner().invoke(
         cli,
@@ -863,7 +863,7 @@ def test_a_request_whose_first_token_would_miss_the_timeout_is_429_before_retrie
 ) -> None:
     """With the controller saturated for time, the 429 (with a bounded Retry-After) comes back
     before retrieval and prompt building, which on a loaded host take longer than the answer."""
-    from ragbudget.admission import Throughput
+    from ragbudget.memory.admission import Throughput
 
     pipe = fake_pipeline(timeout=5.0, index_dir=corpus_index("hash:256"))
     ctl = pipe.admission  # the real controller; a measured speed: 1 ms/prompt token, 1 s/token
@@ -1057,7 +1057,7 @@ def test_every_client_caused_failure_maps_to_4xx_or_499() -> None:
         RagBudgetError,
         RequestCancelled,
     )
-    from ragbudget.openai_api import APIError, error_from_exception
+    from ragbudget.server.openai_api import APIError, error_from_exception
 
     client_faults = {
         ConfigError("context_tokens must be >= 1"): 400,
@@ -1134,7 +1134,7 @@ def test_a_pipeline_without_an_index_is_not_healthy(tmp_path: Path) -> None:
 def _cli(*args: str) -> Any:
     from click.testing import CliRunner
 
-    from ragbudget.cli import cli
+    from ragbudget.cli.commands import cli
 
     return CliRunner().invoke(cli, list(args))
 
@@ -1154,7 +1154,7 @@ def test_serve_refuses_to_start_without_a_usable_index(tmp_path: Path) -> None:
 
 def test_serve_on_a_port_in_use_exits_1_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
     from ragbudget.errors import ConfigError
-    from ragbudget.server import serve
+    from ragbudget.server.app import serve
 
     pipe = fake_pipeline()
     monkeypatch.setattr("ragbudget.pipeline.Pipeline", lambda *a, **kw: pipe)
@@ -1253,7 +1253,7 @@ import sys
 sys.path.insert(0, sys.argv[3])
 from _fakes import FakeBackend
 from ragbudget.pipeline import Pipeline
-from ragbudget.server import serve
+from ragbudget.server.app import serve
 
 serve(Pipeline(sys.argv[2], backend=FakeBackend(), max_new_tokens=8), port=int(sys.argv[1]),
       log_level="warning", malloc_arenas=None)
@@ -1351,7 +1351,7 @@ def test_a_client_that_honours_retry_after_once_gets_its_200_on_a_host_slower_th
     sent back "when there will be room" finds none yet. A client that waits exactly its
     Retry-After and asks ONCE more with the same body still gets its 200: the server knows the
     body it refused and keeps that client's place (it queues, and may wait past the time-out)."""
-    from ragbudget.admission import Throughput
+    from ragbudget.memory.admission import Throughput
 
     pipe = fake_pipeline(
         slots=2, max_queue=16, timeout=1.0, words=10, token_delay=0.1, index_dir=corpus_index("hash:256")
@@ -1377,7 +1377,7 @@ def test_a_streamed_return_that_claimed_its_place_starts_at_once_and_is_kept_ali
     """A client back at its Retry-After while the work ahead is still running (the host was
     slower than measured): its stream answers 200 at once and sends SSE comments while it waits
     for its turn, then the answer — where a non-keyed wait would hit the time-out and a 429."""
-    from ragbudget.admission import Throughput
+    from ragbudget.memory.admission import Throughput
 
     pipe = fake_pipeline(slots=2, max_queue=4, timeout=0.5, words=3, index_dir=corpus_index("hash:256"))
     ctl = pipe.admission
@@ -1406,7 +1406,7 @@ def test_a_streamed_return_that_claimed_its_place_starts_at_once_and_is_kept_ali
 def test_the_same_body_from_another_client_does_not_take_a_returning_clients_place() -> None:
     """Byte-identical requests from two callers (a canned question): the promise made to the
     one refused is claimed by it coming back, not by the other arriving at that moment."""
-    from ragbudget.admission import Throughput
+    from ragbudget.memory.admission import Throughput
 
     pipe = fake_pipeline(slots=2, max_queue=4, timeout=0.5, words=3, index_dir=corpus_index("hash:256"))
     ctl = pipe.admission
@@ -1620,7 +1620,7 @@ def test_a_request_on_an_engine_of_slots_holds_a_whole_slot(tmp_path: Path, monk
     this server's bounded queue, not in the engine's, where only the engine time-out bounds them)."""
     from _replay import Replay
 
-    from ragbudget.admission import AdmissionController
+    from ragbudget.memory.admission import AdmissionController
 
     held: list[int] = []
     acquire = AdmissionController.acquire
@@ -1654,12 +1654,12 @@ def test_time_capped_plan_is_named_in_memory_and_a_long_question_is_answered_by_
     from _tiny_lm import tiny_model, tiny_tokenizer
     from fastapi.testclient import TestClient
 
-    import ragbudget.budget
+    import ragbudget.memory.budget
     from ragbudget.chat import Conversation
-    from ragbudget.generate import Generator
+    from ragbudget.generation.generate import Generator
 
     monkeypatch.setattr(
-        ragbudget.budget, "lookup_prefill_speed", lambda model, device: {"a": 0.001, "b": 0.0, "decode_s": 0.01}
+        ragbudget.memory.budget, "lookup_prefill_speed", lambda model, device: {"a": 0.001, "b": 0.0, "decode_s": 0.01}
     )
     pipe = Pipeline(
         corpus_index("hash:256"),
@@ -1695,7 +1695,7 @@ def test_health_and_metrics_show_admission_bytes_only_with_expose_plan(expose_pl
     figures are the host's, kept out of /health and /metrics unless the plan is exposed."""
     from fastapi.testclient import TestClient
 
-    from ragbudget.admission import MemoryModel
+    from ragbudget.memory.admission import MemoryModel
 
     pipe = fake_pipeline(slots=2)
     pipe.admission.configure(memory=MemoryModel(capacity_bytes=7_340_032_000, kv_bytes_per_token=1024))

@@ -242,8 +242,8 @@ def test_conversation_history_record_or_keywords() -> None:
 
 
 def test_index_build_chunk_and_dedup_records(tmp_path: Path) -> None:
-    from ragbudget.embed import HashEmbedder
-    from ragbudget.index import Index
+    from ragbudget.retrieval.embed import HashEmbedder
+    from ragbudget.retrieval.index import Index
 
     docs = tmp_path / "docs"
     docs.mkdir()
@@ -271,7 +271,7 @@ def test_index_build_chunk_and_dedup_records(tmp_path: Path) -> None:
 
 
 def test_estimate_kv_quantized_record_or_keywords() -> None:
-    from ragbudget.kvcache import estimate_kv
+    from ragbudget.memory.kvcache import estimate_kv
 
     cfg = {
         "model_type": "llama",
@@ -301,7 +301,7 @@ def test_estimate_kv_quantized_record_or_keywords() -> None:
 
 
 def test_connect_takes_the_engine_record_whole() -> None:
-    from ragbudget.engines import connect
+    from ragbudget.generation.engines import connect
 
     with pytest.raises(ConfigError, match=r"or its keywords \(kind\), not both"):
         connect(EngineSettings(url="http://127.0.0.1:9/v1"), kind="vllm")

@@ -13,12 +13,11 @@ from _tiny_lm import tiny_tokenizer
 from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from ragbudget.display import format_report
-from ragbudget.embed import HashEmbedder
+from ragbudget.cli.display import format_report
 from ragbudget.errors import ConfigError
-from ragbudget.prompt import PromptBuilder, build_prompt
-from ragbudget.select import Candidate
-from ragbudget.spans import (
+from ragbudget.prompt.prompt import PromptBuilder, build_prompt
+from ragbudget.prompt.select import Candidate
+from ragbudget.prompt.spans import (
     JOINER,
     SpanScorer,
     needs_previous,
@@ -26,6 +25,7 @@ from ragbudget.spans import (
     split_clauses,
     split_sentences,
 )
+from ragbudget.retrieval.embed import HashEmbedder
 from ragbudget.types import Source
 
 # A hand-written article of 24 sentences (about 400 SmolLM2 tokens): one chunk that can never fit
@@ -67,7 +67,7 @@ def tiny():
 def smol():
     from transformers import AutoTokenizer
 
-    from ragbudget.models import resolve_generator
+    from ragbudget.memory.models import resolve_generator
 
     ref = resolve_generator()
     return AutoTokenizer.from_pretrained(ref.path, gguf_file=ref.gguf_file)
@@ -165,7 +165,7 @@ def test_span_offsets_map_back_to_the_exact_source_text() -> None:
 
 
 def test_span_offsets_through_a_real_index(tmp_path: Path) -> None:
-    from ragbudget.index import Index
+    from ragbudget.retrieval.index import Index
 
     path = tmp_path / "lighthouse.txt"
     path.write_text("Skerry Point\n\n" + LIGHTHOUSE + "\n")
@@ -581,7 +581,7 @@ def test_cost_exponent_takes_evidence_per_token() -> None:
 
 @pytest.fixture(scope="module")
 def packaged_scorer():
-    from ragbudget.embed import SentenceTransformerEmbedder
+    from ragbudget.retrieval.embed import SentenceTransformerEmbedder
 
     return SpanScorer(SentenceTransformerEmbedder())
 
@@ -669,7 +669,7 @@ def test_explain_shows_spans_costs_and_what_was_left_out() -> None:
 def test_cli_ask_pack_spans_explain(tmp_path: Path, repo_data: Path) -> None:
     from _replay import Replay
 
-    from ragbudget.cli import cli as main
+    from ragbudget.cli.commands import cli as main
     from ragbudget.pipeline import Pipeline
 
     index_dir = tmp_path / "idx"
@@ -700,9 +700,9 @@ def test_cli_chat_and_serve_take_pack(tmp_path: Path, repo_data: Path) -> None:
     it) and is an option of ``serve`` with the same choices and default as ``ask``."""
     from _replay import Replay
 
-    from ragbudget.cli import cli as main
+    from ragbudget.cli.commands import cli as main
     from ragbudget.pipeline import Pipeline
-    from ragbudget.spans import DEFAULT_PACK
+    from ragbudget.prompt.spans import DEFAULT_PACK
 
     index_dir = tmp_path / "idx"
     Pipeline(index_dir, embedder="hash:256").index([repo_data])
@@ -744,7 +744,7 @@ SQUAD_QUESTIONS = (
 @pytest.fixture(scope="module")
 def squad_chunks() -> list[Candidate]:
     """The repo's three SQuAD articles cut into the index's 300–500-token chunks."""
-    from ragbudget.chunking import chunk_text
+    from ragbudget.input.chunking import chunk_text
 
     out = []
     for path in sorted((Path(__file__).resolve().parents[1] / "data" / "squad").glob("*.md")):
@@ -756,7 +756,7 @@ def squad_chunks() -> list[Candidate]:
 
 def ranked(question: str, chunks: list[Candidate]) -> list[Candidate]:
     """``chunks`` scored for ``question`` (BM25, as a search would rank them), best first."""
-    from ragbudget.spans import bm25
+    from ragbudget.prompt.spans import bm25
 
     scores = bm25(question, [c.text for c in chunks])
     top = max(scores) or 1.0
@@ -790,7 +790,7 @@ def test_composed_costs_are_the_tokenizers_own_counts_from_one_batch(which, requ
     served engine counts every piece in one request, and the passage costs it composes from
     them are the tokenizer's own counts of the passages — so it packs exactly what counting each
     trial passage packs."""
-    from ragbudget.prompt import EnginePromptBuilder
+    from ragbudget.prompt.prompt import EnginePromptBuilder
     from ragbudget.tokens import HFTokenizer, get_tokenizer
 
     if which == "smol":
@@ -841,7 +841,7 @@ LISTS_AND_CLAUSES = (
 def test_span_pieces_are_everything_composed_packing_counts(unit) -> None:
     """With ``composed=True`` span packing counts nothing but the pieces :func:`span_pieces`
     lists (sentences, clauses, list items, newline and tab gaps): one batch counts them all."""
-    from ragbudget.spans import span_pieces
+    from ragbudget.prompt.spans import span_pieces
 
     cands = [
         Candidate("a", LIGHTHOUSE, 0.9, sources=(Source("a.txt", 0, len(LIGHTHOUSE)),)),

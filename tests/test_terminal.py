@@ -1,4 +1,4 @@
-"""The interactive chat loop (:mod:`ragbudget.terminal`): slash commands handled locally, a
+"""The interactive chat loop (:mod:`ragbudget.cli.terminal`): slash commands handled locally, a
 cancelled answer kept out of the history, and ``ragbudget chat`` driven on a pipe and at a real
 pseudo-terminal (readline history, Ctrl-C) through tests/_chat_repl.py."""
 
@@ -12,8 +12,8 @@ import pytest
 from _fakes import FakeBackend, corpus_index
 
 from ragbudget.chat import Conversation
+from ragbudget.cli.terminal import run_chat
 from ragbudget.pipeline import Pipeline
-from ragbudget.terminal import run_chat
 
 SYSTEM = "Answer from the documents and cite them"
 
@@ -91,7 +91,7 @@ def _slow_pipeline_cli(monkeypatch: pytest.MonkeyPatch) -> Any:
 def test_chat_slash_commands_are_handled_locally_and_never_reach_the_model(monkeypatch: pytest.MonkeyPatch) -> None:
     from click.testing import CliRunner
 
-    from ragbudget.cli import cli
+    from ragbudget.cli.commands import cli
 
     asked = _slow_pipeline_cli(monkeypatch)
     script = (
@@ -120,7 +120,7 @@ def test_chat_json_mode_has_no_banner(monkeypatch: pytest.MonkeyPatch) -> None:
 
     from click.testing import CliRunner
 
-    from ragbudget.cli import cli
+    from ragbudget.cli.commands import cli
 
     _slow_pipeline_cli(monkeypatch)
     result = CliRunner().invoke(cli, ["chat", "--json"], input="What is MinHash?\n/help\n")
@@ -269,3 +269,81 @@ def test_chat_at_a_terminal_recalls_history_from_the_last_session_and_survives_a
     assert "Error" not in out and "Traceback" not in out
     if os.geteuid() != 0:  # root writes through a read-only mode
         assert history.read_text() == "Who wrote the footer?\n"
+
+
+# --- ragbudget index's progress ------------------------------------------------------------------
+
+
+def _index_corpus(root: Any) -> Any:
+    from test_index import write_corpus
+
+    return write_corpus(root / "docs", n=8)
+
+
+def test_index_off_a_terminal_prints_plain_progress_lines_and_no_carriage_return(tmp_path: Any) -> None:
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    docs = _index_corpus(tmp_path)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env.pop("RAGBUDGET_PROGRESS", None)
+    argv = [sys.executable, "-m", "ragbudget", "index", str(docs), "--index-dir", str(tmp_path / "ix")]
+    out = subprocess.run([*argv, "--embedder", "hash"], capture_output=True, text=True, env=env, check=True)
+    both = out.stdout + out.stderr
+    assert "\r" not in both  # a log, a pipe, CI: no bar redrawn in place
+    lines = out.stderr.splitlines()
+    # Each phase: where it started and where it ended, with its count and rate.
+    assert any(ln.startswith("files: 0/8 files") for ln in lines), out.stderr
+    assert any(ln.startswith("files: 8/8 files, ") and "/s" in ln for ln in lines), out.stderr
+    assert any(ln.startswith("embedding: ") and " chunks, " in ln for ln in lines), out.stderr
+    assert "files: 8 added" in out.stdout  # the summary is on stdout, the progress on stderr
+    # --json keeps stderr quiet too.
+    argv += ["--json", "--rebuild", "--embedder", "hash"]
+    quiet = subprocess.run(argv, capture_output=True, text=True, env=env)
+    assert quiet.returncode == 0 and quiet.stderr == ""
+
+
+def test_progress_lines_say_the_rate_and_what_is_left() -> None:
+    import io
+
+    from ragbudget.cli.terminal import Progress
+
+    out = io.StringIO()
+    with Progress(enabled=True, stream=out, every=0) as p:
+        assert p.mode == "lines"
+        p("files", 0, 40)
+        p("files", 10, 40)
+        p("files", 40, 40)
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "files: 0/40 files"
+    assert lines[1].startswith("files: 10/40 files, ") and lines[1].endswith(" left")
+    assert lines[-1].startswith("files: 40/40 files, ") and "left" not in lines[-1]
+    assert "\r" not in out.getvalue()
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs a POSIX pseudo-terminal")
+def test_index_at_a_terminal_draws_a_bar_per_phase_with_rate_and_eta(tmp_path: Any) -> None:
+    import os
+    import sys
+    from pathlib import Path
+
+    docs = _index_corpus(tmp_path)
+    env = {**os.environ, "TERM": "xterm", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env.pop("RAGBUDGET_PROGRESS", None)
+    argv = [sys.executable, "-m", "ragbudget", "index", str(docs), "--index-dir", str(tmp_path / "ix")]
+    term = _Terminal([*argv, "--embedder", "hash"], env)
+    import fcntl
+    import struct
+    import termios
+
+    # A terminal has a size (a fresh pty is 0 columns wide, where tqdm draws nothing); the
+    # child reads it seconds later, when its first bar opens.
+    fcntl.ioctl(term.fd, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
+    term.expect("files: 8 added", timeout=120)
+    assert term.wait() == 0
+    out = term.output
+    # tqdm's bars: "files: 100%|████| 8/8 [00:01<00:00, 6.1file/s]" redrawn in place.
+    assert "\r" in out and "8/8 [" in out and ("file/s]" in out or "s/file]" in out), out
+    assert "embedding: " in out and ("chunk/s]" in out or "s/chunk]" in out), out

@@ -1,4 +1,4 @@
-"""Vector stores (ragbudget.vectors): each kind on its own, and each behind an Index."""
+"""Vector stores (ragbudget.retrieval.vectors): each kind on its own, and each behind an Index."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import ragbudget.vectors as vectors
-from ragbudget.embed import HashEmbedder
+import ragbudget.retrieval.vectors as vectors
 from ragbudget.errors import ConfigError
-from ragbudget.index import Index
-from ragbudget.vectors import (
+from ragbudget.retrieval.embed import HashEmbedder
+from ragbudget.retrieval.index import Index
+from ragbudget.retrieval.vectors import (
     RECALL_TARGET,
     FlatStore,
     StoreReport,
@@ -250,7 +250,7 @@ def test_index_written_by_the_previous_version_opens(tmp_path: Path) -> None:
 def test_cli_store_option_and_stats(docs: Path, tmp_path: Path) -> None:
     from click.testing import CliRunner
 
-    from ragbudget.cli import cli
+    from ragbudget.cli.commands import cli
 
     runner = CliRunner()
     ixdir = str(tmp_path / "ix")

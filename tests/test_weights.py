@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from ragbudget.errors import ConfigError, ModelError
-from ragbudget.models import load_model_config
-from ragbudget.weights import (
+from ragbudget.memory.models import load_model_config
+from ragbudget.memory.weights import (
     Param,
     WeightFormat,
     comm_reserve_bytes,

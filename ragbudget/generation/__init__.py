@@ -1,0 +1,1 @@
+"""Answers out: the Backend protocol, the local generator, batching, served engines, per-request room."""

@@ -1,0 +1,203 @@
+"""llama.cpp's ``llama-server``: per-slot context and slots from ``/props`` and ``/slots``, exact
+counts from ``/apply-template`` + ``/tokenize``, and too-long errors that carry the server's
+own figures.
+
+Field names, checked against ``tools/server/`` of the llama.cpp that llama-cpp-python 0.3.36
+vendors (the version CI builds):
+
+* ``GET /props`` → ``default_generation_settings.n_ctx`` (the context of *one slot*:
+  ``-c`` ÷ ``-np``), ``total_slots``, ``build_info``, ``model_alias``, ``endpoint_slots``
+  (``get_res_props`` in ``server-context.cpp``).
+* ``GET /slots`` → one object per slot: ``id``, ``n_ctx``, ``is_processing`` (``server_slot::
+  to_json`` in server-context.cpp); answers 501 ``not_supported_error`` when started with
+  ``--no-slots``.
+* ``POST /apply-template`` with ``{"messages"}`` → ``{"prompt"}``; ``POST /tokenize`` with
+  ``{"content", "add_special", "parse_special", "with_pieces"}`` → ``{"tokens"}``
+  (``post_apply_template`` / ``post_tokenize``, server-context.cpp). The chat route tokenizes
+  its rendered prompt with special tokens added and parsed, so :meth:`render` does the same.
+  ``content`` may be an array of strings and token ids (``tokenize_mixed`` in
+  ``server-common.cpp``): each string is tokenized on its own, exactly as if sent alone, and
+  each id is passed through as is. So many texts are counted in one request, separated by the
+  id -1 (no tokenizer yields it): see :meth:`LlamaCppBackend._count_uncached`.
+* errors → ``{"error": {"code", "message", "type"}}`` with the HTTP status taken from ``code``
+  (``format_error_response`` in ``server-common.cpp``). A too-long prompt is 400
+  ``exceed_context_size_error`` with ``n_prompt_tokens`` and ``n_ctx`` beside them
+  (``server_task_result_error::to_json`` in ``server-task.cpp``; raised when the prompt alone
+  reaches the slot's ``n_ctx``); in streaming mode that first error is sent as a plain response
+  (``handle_completions_impl``). ``unavailable_error`` is 503 (loading model, no slot).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+
+from ...errors import EngineResponseError
+from ..backend import Capacity, RenderedPrompt
+from ._base import ServedBackend, TooLong, int_or_none
+from ._http import Reply
+
+__all__ = ["LlamaCppBackend"]
+
+log = logging.getLogger("ragbudget.engines")
+
+#: Between the texts of a batched /tokenize: passed through as a token, and no tokenizer yields it.
+_SEPARATOR = -1
+
+
+class LlamaCppBackend(ServedBackend):
+    """A llama.cpp ``llama-server``."""
+
+    kind = "llamacpp"
+
+    def _tokenize(self, content: str, *, add_special: bool) -> list[int]:
+        return self._tokens(content, add_special=add_special)
+
+    def _tokens(self, content: str | list[str | int], *, add_special: bool) -> list[int]:
+        data = self.http.post("/tokenize", {"content": content, "add_special": add_special}).data
+        toks = data.get("tokens") if isinstance(data, Mapping) else None
+        if not isinstance(toks, list):
+            raise EngineResponseError(
+                f"{self.http.url('/tokenize')} answered without `tokens`",
+                url=self.http.url("/tokenize"),
+                kind=self.kind,
+                body=data,
+            )
+        return [int(t) for t in toks]
+
+    #: Characters of text sent in one batched ``/tokenize`` request (a few hundred chunks).
+    BATCH_CHARS = 256_000
+    # Whether batched counting holds on this server: None until checked on first use.
+    _batched: bool | None = None
+
+    def _count_uncached(self, texts: list[str]) -> list[int]:
+        """Counts of ``texts``: many in one ``/tokenize`` request (see the module docstring),
+        one request per text on a server that does not take an array (an older llama.cpp) or
+        whose batched counts differ from the single ones — checked once, on first use."""
+        if len(texts) > 1 and self._batched is not False:
+            try:
+                counts = self._count_batched(texts)
+                if self._batched is None:  # the first batch: the first text alone must agree
+                    self._batched = counts[0] == self._count_one(texts[0])
+                    if not self._batched:
+                        log.warning("llama.cpp: batched /tokenize counts differ from single ones: one text a request")
+                if self._batched:
+                    return counts
+            except EngineResponseError as exc:
+                self._batched = False
+                log.warning("llama.cpp: /tokenize takes no array here (%s): one text a request", exc)
+        return self._each(self._count_one, texts)
+
+    def _count_batched(self, texts: list[str]) -> list[int]:
+        out: list[int] = []
+        start = 0
+        while start < len(texts):
+            end, size = start, 0
+            while end < len(texts) and (end == start or size + len(texts[end]) <= self.BATCH_CHARS):
+                size += len(texts[end])
+                end += 1
+            batch = texts[start:end]
+            content: list[str | int] = []
+            for text in batch:
+                content += [text, _SEPARATOR]
+            counts: list[int] = []
+            n = 0
+            for t in self._tokens(content, add_special=False):
+                if t == _SEPARATOR:
+                    counts.append(n)
+                    n = 0
+                else:
+                    n += 1
+            if len(counts) != len(batch) or n:
+                raise EngineResponseError(
+                    f"{self.http.url('/tokenize')} answered {len(counts)} separated counts for {len(batch)} texts",
+                    url=self.http.url("/tokenize"),
+                    kind=self.kind,
+                )
+            out += counts
+            start = end
+        return out
+
+    def _count_one(self, text: str) -> int:
+        return len(self._tokenize(text, add_special=False))
+
+    def _render(self, messages: Sequence[Mapping[str, str]]) -> RenderedPrompt:
+        msgs = tuple(dict(m) for m in messages)
+        data = self.http.post("/apply-template", {"messages": list(msgs)}).data
+        text = data.get("prompt") if isinstance(data, Mapping) else None
+        if not isinstance(text, str):
+            raise EngineResponseError(
+                f"{self.http.url('/apply-template')} answered without `prompt`",
+                url=self.http.url("/apply-template"),
+                kind=self.kind,
+                body=data,
+            )
+        ids = self._tokenize(text, add_special=True)
+        return RenderedPrompt(
+            messages=msgs,
+            n_tokens=len(ids),
+            exact=True,
+            text=text,
+            token_ids=tuple(ids),
+            source="POST /apply-template + POST /tokenize (the server's own)",
+        )
+
+    def _capacity(self) -> Capacity:
+        props = self.http.get("/props").data
+        if not isinstance(props, Mapping):
+            raise EngineResponseError(
+                "GET /props did not answer an object", url=self.http.url("/props"), kind=self.kind, body=props
+            )
+        n_ctx = int_or_none((props.get("default_generation_settings") or {}).get("n_ctx"))
+        slots_n = int_or_none(props.get("total_slots"))
+        kv_total = n_ctx * slots_n if n_ctx is not None and slots_n is not None else None
+        kv_free = running = None
+        kv_free_src = load_src = ""
+        # With -np N each slot owns n_ctx = -c ÷ N tokens of KV. llama-server's default (-np
+        # auto: 4 slots, kv_unified, tools/server/server.cpp) instead gives every slot the whole
+        # -c over one shared cache, and no route says which: the per-slot reading is an upper
+        # bound there, so it is labelled as an assumption.
+        notes: list[str] = [
+            "KV total assumes per-slot caches (-np N); with a unified cache "
+            "(--kv-unified, the default without -np) the slots share n_ctx tokens"
+        ]
+        reply = self.http.get("/slots", allow={501})
+        if reply.status == 200 and isinstance(reply.data, list):
+            busy = [s for s in reply.data if isinstance(s, Mapping) and s.get("is_processing")]
+            running = len(busy)
+            load_src = "GET /slots is_processing"
+            if n_ctx is not None:
+                kv_free = n_ctx * (len(reply.data) - running)
+                kv_free_src = "GET /slots n_ctx × idle slots"
+        else:
+            notes.append("GET /slots is disabled (--no-slots): load unknown")
+        return Capacity(
+            max_context_tokens=n_ctx,
+            max_context_source="GET /props default_generation_settings.n_ctx (per slot)" if n_ctx is not None else "",
+            kv_tokens_total=kv_total,
+            kv_total_source="GET /props n_ctx × total_slots (per-slot caches assumed)" if kv_total is not None else "",
+            kv_tokens_free=kv_free,
+            kv_free_source=kv_free_src,
+            running=running,
+            load_source=load_src,
+            max_concurrent=slots_n,
+            max_concurrent_source="GET /props total_slots" if slots_n is not None else "",
+            # A request takes one slot, however short its prompt: a fifth request on four
+            # slots waits inside the server (deferred), where only the engine time-out bounds it.
+            slot_tokens=n_ctx if slots_n is not None else None,
+            engine_kind=self.kind,
+            engine_version=props.get("build_info"),
+            notes=tuple(notes),
+        )
+
+    def _too_long(self, reply: Reply, messages: list[dict[str, str]], max_new_tokens: int) -> TooLong | None:
+        err = reply.data.get("error") if isinstance(reply.data, Mapping) else None
+        if isinstance(err, Mapping) and err.get("type") == "exceed_context_size_error":
+            return TooLong(
+                n_prompt_tokens=int_or_none(err.get("n_prompt_tokens")),
+                n_ctx=int_or_none(err.get("n_ctx")),
+                status=reply.status,
+                body=reply.data,
+                source="llama.cpp exceed_context_size_error",
+            )
+        return None

@@ -1,0 +1,1 @@
+"""Files in: scanning, reading and decoding, page furniture, token-bounded chunks, duplicates."""

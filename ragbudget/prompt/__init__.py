@@ -1,0 +1,16 @@
+"""What goes in: whole chunks or sentences that fit, the chat prompt counted, follow-ups.
+
+``ragbudget.prompt`` was one module until the stages became packages (issue #32). Its names
+live in :mod:`ragbudget.prompt.prompt` now, and resolve here too for one release, with a
+DeprecationWarning.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .._compat import moved_attribute
+
+
+def __getattr__(name: str) -> Any:
+    return moved_attribute(__name__, "ragbudget.prompt.prompt", name)

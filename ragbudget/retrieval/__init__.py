@@ -1,0 +1,1 @@
+"""Finding passages: embedders, executors, vector and lexical search, the index."""

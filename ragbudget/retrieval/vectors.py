@@ -1,0 +1,750 @@
+"""Vector stores: how the index keeps its vectors and searches them.
+
+Every store implements :class:`VectorStore`. The index always keeps the exact store
+(:class:`FlatStore`, ``faiss.<gen>.index``): it is the truth that incremental runs edit, that
+vectors are reused from, that hybrid search and rescoring read, and that recall is measured
+against. A search store (:class:`HNSWStore`, :class:`IVFStore`) is derived from it at each commit,
+written beside it in the same atomic generation and named in the manifest's ``approx`` entry.
+
+Which store searches is ``store=``: ``"flat"``, ``"hnsw"``, ``"ivf"`` (IVF-PQ: product-quantized
+codes, candidates rescored exactly), ``"ivf-flat"``, or ``"auto"`` (:func:`choose_store`: exact
+while a scan of the matrix meets the latency target, HNSW above that, IVF-PQ once the matrix is
+too big to keep in memory twice). An approximate store tunes its search parameter at build time
+(:meth:`VectorStore.finalize`): the smallest ``efSearch``/``nprobe`` whose recall@10 against
+exact search, on queries sampled from the index's own vectors, reaches :data:`TUNE_TARGET` (stricter
+than :data:`RECALL_TARGET`: questions are harder queries than the chunks themselves); the recall
+measured is recorded in the manifest, shown by ``stats`` and re-measured by ``verify``.
+
+faiss is imported when a store is first made or loaded, never by ``import ragbudget``.
+
+>>> import numpy as np
+>>> rng = np.random.default_rng(0)
+>>> x = rng.standard_normal((500, 16)).astype("float32")
+>>> x /= np.linalg.norm(x, axis=1, keepdims=True)
+>>> flat = FlatStore(16)
+>>> flat.add(np.arange(500), x)
+>>> store = make_store("hnsw", 16, exact=flat)
+>>> report = store.finalize()
+>>> report.kind, report.recall_at_10 >= RECALL_TARGET
+('hnsw', True)
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, cast, runtime_checkable
+
+from ..errors import ConfigError, IndexCorruptError
+
+if TYPE_CHECKING:
+    import numpy as np
+
+__all__ = [
+    "APPROX_KINDS",
+    "FLAT_MAX_BYTES",
+    "HNSW_MAX_BYTES",
+    "RECALL_QUERIES",
+    "RECALL_TARGET",
+    "QUERY_NOISE",
+    "STORES",
+    "TUNE_TARGET",
+    "FlatStore",
+    "HNSWStore",
+    "IVFStore",
+    "StoreReport",
+    "VectorStore",
+    "choose_store",
+    "load_store",
+    "make_store",
+    "measure_recall",
+]
+
+#: What ``store=`` accepts. ``"ivf"`` is IVF-PQ with exact rescoring.
+STORES = ("auto", "flat", "hnsw", "ivf", "ivf-flat", "ivf-pq")
+#: The kinds of search store written beside the exact one.
+APPROX_KINDS = ("hnsw", "ivf-flat", "ivf-pq")
+
+#: ``auto`` keeps exact search while the fp32 matrix is at most this big. An exact scan is bound by
+#: memory bandwidth: 153.6 MB (100k × 384-d) took p50 16.7 ms on one core of the reference
+#: machine (BENCHMARKS.md), 10.9 GB/s; the 5 ms target allows about 50 MB, less the spread under
+#: load, so 40 MB: 26k MiniLM vectors.
+FLAT_MAX_BYTES = 40_000_000
+#: Above this the matrix is not kept twice (flat + HNSW graph with its own copy): ``auto`` picks
+#: IVF-PQ, whose codes take 1/32 of it, and rescores its candidates from the exact file mapped
+#: read-only (pages touched by rescoring only). 600 MB: 390k MiniLM vectors.
+HNSW_MAX_BYTES = 600_000_000
+#: The recall@10 an approximate store must give real queries (against exact search).
+RECALL_TARGET = 0.98
+#: The recall@10 on the tuning queries that finalize tunes to. Stricter than the target
+#: because the index's own vectors are easier queries than questions: on MiniLM vectors of real
+#: text (bench/index_scale.py, 20k chunks), HNSW at 0.984 on own vectors gave 0.923 on held-out
+#: questions, and 0.998 gave 0.991; IVF-PQ 0.9935 gave 0.987, 0.999 gave 0.995.
+TUNE_TARGET = 0.998
+#: Tuning queries are the index's own vectors moved away from themselves by this much noise
+#: (norm of the noise / norm of the vector; cosine ≈ 0.59 to the source), because questions lie
+#: far from every chunk: at 1M vectors IVF-PQ reached 0.999 on own vectors at nprobe 8 while
+#: held-out questions got 0.842; noisy own vectors tracked the questions more closely.
+QUERY_NOISE = 1.37
+#: How many of the index's own vectors are used as queries to measure recall.
+RECALL_QUERIES = 200
+#: ``verify`` reports a store whose recall, measured again, falls more than this below the record
+#: (the sample is the same, so only a changed or damaged store moves it).
+RECALL_TOLERANCE = 0.02
+
+# Search-parameter ladders tried by finalize, cheapest first.
+_EF_LADDER = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+_NPROBE_LADDER = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+# IVF-PQ: the PQ codes propose _RESCORE × k candidates, the SQ8 copy keeps _EXACT_TOP × k of
+# them, and the exact cosines of those pick and order the final k. Many candidates because a
+# question far from every chunk sees its neighbours at nearly equal scores, closer together than
+# 48-byte PQ codes can tell apart (1M vectors: recall 0.96 with 200 candidates, at any nprobe).
+_RESCORE = 100
+_EXACT_TOP = 10
+
+
+@dataclass(frozen=True)
+class StoreReport:
+    """What :meth:`VectorStore.finalize` did: the store ``kind``, its vector count ``n``, the
+    parameters it settled on, the recall@10 it measured against exact search on ``queries``
+    sampled vectors (``None`` for the exact store), and the seconds it took."""
+
+    kind: str
+    n: int
+    params: dict[str, Any] = field(default_factory=dict)
+    recall_at_10: float | None = None
+    queries: int = 0
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "n": self.n,
+            "params": dict(self.params),
+            "recall_at_10": None if self.recall_at_10 is None else round(self.recall_at_10, 4),
+            "recall_queries": self.queries,
+            "seconds": round(self.seconds, 3),
+        }
+
+
+@runtime_checkable
+class VectorStore(Protocol):
+    """The interface every vector store implements. Ids are int64 chunk ids; vectors are
+    unit-length float32 rows; scores are inner products (cosines), higher is better.
+
+    ``save(path)`` writes one file (the caller renames it into the generation atomically) and
+    returns the store's manifest fields; ``load(path, entry, exact=...)`` reads it back with
+    ``faiss.read_index`` only (no pickle). ``finalize()`` trains (IVF), builds (HNSW) and tunes
+    the store before it is saved, and reports the recall measured.
+    """
+
+    kind: str
+    dim: int
+
+    @property
+    def ntotal(self) -> int: ...
+    def add(self, ids: np.ndarray, vectors: np.ndarray) -> None: ...
+    def remove(self, ids: np.ndarray) -> int: ...
+    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]: ...
+    def vectors(self, ids: np.ndarray) -> np.ndarray: ...
+    def ids(self) -> np.ndarray: ...
+    def finalize(self) -> StoreReport: ...
+    def save(self, path: Path) -> dict[str, Any]: ...
+
+
+def _as_ids(ids: Any) -> np.ndarray:
+    import numpy as np
+
+    return np.ascontiguousarray(np.asarray(ids, dtype=np.int64).reshape(-1))
+
+
+def _as_rows(x: Any, dim: int) -> np.ndarray:
+    import numpy as np
+
+    a = np.ascontiguousarray(np.asarray(x, dtype=np.float32))
+    if a.ndim == 1:
+        a = a.reshape(1, -1)
+    if a.shape[1] != dim:
+        raise ConfigError(f"vectors have dimension {a.shape[1]}, the store has {dim}")
+    return a
+
+
+def _read(path: Path, flags: int = 0) -> Any:
+    import faiss
+
+    try:
+        return faiss.read_index(str(path), flags)
+    except Exception as exc:  # faiss raises RuntimeError on a malformed file
+        raise IndexCorruptError(f"index file {path} could not be read by faiss: {exc}") from exc
+
+
+class _RowFile:
+    """Rows of a written flat store read with ``pread``, by id, without mapping the file.
+
+    Mapped, every page fault also maps its neighbours (the kernel's fault-around), so rescoring
+    a few rows per query had brought most of the file into the process within 1,000 queries
+    (RssFile 1.38 GB of 1.54 GB at 1M); a read only goes through the page cache. Layout of an
+    ``IndexIDMap2(IndexFlatIP)`` file: ``IxM2`` header, ``IxFI`` header (d, ntotal, 2 dummies,
+    is_trained, metric), the float count, the floats, the id count, the int64 ids.
+    """
+
+    # -1 until ``os.open`` succeeds: ``__del__`` also runs on an instance whose ``__init__``
+    # raised (a corrupt file), and must not close a descriptor it never had.
+    fd: int = -1
+
+    def __init__(self, path: Path) -> None:
+        import os
+        import struct
+
+        import numpy as np
+
+        with open(path, "rb") as f:
+            head = f.read(256)
+        at = head.find(b"IxFI")
+        if not head.startswith(b"IxM2") or at < 0:
+            raise IndexCorruptError(f"{path} is not an exact (IndexIDMap2(IndexFlatIP)) store")
+        self.dim, ntotal = struct.unpack_from("<iq", head, at + 4)
+        metric = struct.unpack_from("<i", head, at + 4 + 29)[0]
+        off = at + 4 + 33 + (4 if metric > 1 else 0)
+        (count,) = struct.unpack_from("<Q", head, off)
+        if count not in (ntotal * self.dim, ntotal * self.dim * 4):
+            raise IndexCorruptError(f"{path}: {count} values stored for {ntotal} × {self.dim}")
+        self.data = off + 8
+        ids = np.fromfile(path, dtype="<i8", count=ntotal, offset=self.data + ntotal * self.dim * 4 + 8)
+        self.order = np.argsort(ids, kind="stable")
+        self.sorted = ids[self.order]
+        self.ntotal = int(ntotal)
+        self.fd = os.open(path, os.O_RDONLY)
+
+    def rows(self, ids: np.ndarray) -> np.ndarray:
+        import os
+
+        import numpy as np
+
+        pos = np.minimum(np.searchsorted(self.sorted, ids), max(0, self.ntotal - 1))
+        out = np.empty((len(ids), self.dim), dtype=np.float32)
+        size = self.dim * 4
+        for j, (i, p) in enumerate(zip(ids.tolist(), pos.tolist(), strict=True)):
+            if not self.ntotal or int(self.sorted[p]) != i:
+                raise KeyError(i)
+            out[j] = np.frombuffer(os.pread(self.fd, size, self.data + int(self.order[p]) * size), dtype="<f4")
+        return out
+
+    def __del__(self) -> None:
+        import os
+
+        if self.fd >= 0:
+            os.close(self.fd)
+
+
+class FlatStore:
+    """Exact inner-product search over every vector (``IndexIDMap2(IndexFlatIP)``).
+
+    ``mmap=True`` (when loading) is for a reader whose searches go to another store: rows are
+    read by id from the file (:class:`_RowFile`) for rescoring, and the matrix is mapped
+    read-only only when an exact search or the id list is asked for (``verify``).
+    """
+
+    kind = "flat"
+
+    def __init__(self, dim: int, *, index: Any = None, path: Path | None = None) -> None:
+        self.dim = int(dim)
+        self._index = index
+        self._path = path
+        self._rows: _RowFile | None = None
+        if index is None and path is None:
+            import faiss
+
+            self._index = faiss.IndexIDMap2(faiss.IndexFlatIP(self.dim))
+
+    @property
+    def index(self) -> Any:
+        if self._index is None:
+            import faiss
+
+            assert self._path is not None
+            self._index = _read(self._path, faiss.IO_FLAG_MMAP_IFC)
+        return self._index
+
+    @property
+    def ntotal(self) -> int:
+        if self._index is None and self._rows is not None:
+            return self._rows.ntotal
+        return int(self.index.ntotal)
+
+    def add(self, ids: Any, vectors: Any) -> None:
+        self.index.add_with_ids(_as_rows(vectors, self.dim), _as_ids(ids))
+
+    def remove(self, ids: Any) -> int:
+        return int(self.index.remove_ids(_as_ids(ids)))
+
+    def search(self, queries: Any, k: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.index.search(_as_rows(queries, self.dim), int(k))
+
+    def vectors(self, ids: Any) -> np.ndarray:
+        """The stored rows of ``ids`` (raises ``KeyError`` naming an unknown id)."""
+        import numpy as np
+
+        ids = _as_ids(ids)
+        if not len(ids):
+            return np.zeros((0, self.dim), dtype=np.float32)
+        if self._rows is not None:
+            return self._rows.rows(ids)
+        try:
+            return self.index.reconstruct_batch(ids)
+        except RuntimeError:
+            for i in ids:  # find which one is missing, to say so
+                try:
+                    self.index.reconstruct(int(i))
+                except RuntimeError:
+                    raise KeyError(int(i)) from None
+            raise
+
+    def ids(self) -> np.ndarray:
+        import faiss
+
+        return faiss.vector_to_array(self.index.id_map).astype("int64")
+
+    def matrix(self) -> np.ndarray:
+        """All rows, in :meth:`ids` order."""
+        n = self.ntotal
+        if not n:
+            import numpy as np
+
+            return np.zeros((0, self.dim), dtype=np.float32)
+        return self.index.index.reconstruct_n(0, n)
+
+    def finalize(self) -> StoreReport:
+        return StoreReport("flat", self.ntotal)
+
+    def save(self, path: Path) -> dict[str, Any]:
+        import faiss
+
+        faiss.write_index(self.index, str(path))
+        return {"kind": "IndexIDMap2(IndexFlatIP)"}
+
+    @classmethod
+    def load(cls, path: Path, entry: dict[str, Any] | None = None, *, mmap: bool = False) -> FlatStore:
+        if mmap:
+            rows = _RowFile(path)
+            store = cls(rows.dim, path=path)
+            store._rows = rows
+            return store
+        index = _read(path)
+        return cls(int(index.d), index=index)
+
+
+class _Derived(ABC):
+    """Shared part of the search stores built from the exact one: a subclass builds its faiss
+    index (:meth:`_build`), names the search settings to try (:meth:`_ladder`) and applies one
+    (:meth:`_set_param`); :meth:`finalize` tunes with them."""
+
+    kind = ""
+    param = ""  # the search parameter finalize tunes
+
+    def __init__(
+        self,
+        dim: int,
+        *,
+        exact: FlatStore | None,
+        target: float = RECALL_TARGET,
+        tune_target: float = TUNE_TARGET,
+        **params: Any,
+    ) -> None:
+        self.dim = int(dim)
+        self.exact = exact
+        self.target = target
+        self.tune_target = max(target, tune_target)
+        self.params: dict[str, Any] = dict(params)
+        self.index: Any = None
+        self.report: StoreReport | None = None
+
+    @property
+    def ntotal(self) -> int:
+        return 0 if self.index is None else int(self.index.ntotal)
+
+    def vectors(self, ids: Any) -> np.ndarray:
+        """Exact rows, from the exact store (the search store may hold only codes)."""
+        if self.exact is None:
+            raise ConfigError(f"the {self.kind} store was loaded without its exact store")
+        return self.exact.vectors(ids)
+
+    def ids(self) -> np.ndarray:
+        return self.exact.ids() if self.exact is not None else _as_ids([])
+
+    def add(self, ids: Any, vectors: Any) -> None:
+        """Vectors reach a search store through its exact store: add them there, then
+        :meth:`finalize` (re)builds this one from it."""
+        if self.exact is None:
+            raise ConfigError(f"the {self.kind} store needs its exact store to add to")
+        self.exact.add(ids, vectors)
+        self.index = None
+
+    def remove(self, ids: Any) -> int:
+        if self.exact is None:
+            raise ConfigError(f"the {self.kind} store needs its exact store to remove from")
+        n = self.exact.remove(ids)
+        self.index = None
+        return n
+
+    @abstractmethod
+    def _set_param(self, value: int) -> None:
+        """Search with ``value`` of :attr:`param` (efSearch, nprobe) from now on."""
+
+    @abstractmethod
+    def _build(self) -> None:
+        """(Re)build ``self.index`` from the exact store's vectors."""
+
+    @abstractmethod
+    def _ladder(self) -> tuple[int, ...]:
+        """Values of :attr:`param` to try, cheapest first."""
+
+    def search(self, queries: Any, k: int) -> tuple[np.ndarray, np.ndarray]:
+        import numpy as np
+
+        q = _as_rows(queries, self.dim)
+        if self.index is None or not self.index.ntotal:
+            return (np.full((len(q), k), -np.inf, dtype=np.float32), np.full((len(q), k), -1, dtype=np.int64))
+        return self.index.search(q, int(k))
+
+    def finalize(self) -> StoreReport:
+        """Build the store from the exact one, then tune: the smallest search parameter whose
+        recall@10 on the index's own vectors reaches :data:`TUNE_TARGET` (the largest tried
+        when none does; below :data:`RECALL_TARGET` the builder warns)."""
+        t = time.perf_counter()
+        assert self.exact is not None
+        self._build()
+        recall, nq = None, 0
+        if self.ntotal:
+            for value in self._ladder():
+                self._set_param(value)
+                recall, nq = measure_recall(self, self.exact)
+                if recall >= self.tune_target:
+                    break
+            self.params[self.param] = value
+        self.report = StoreReport(self.kind, self.ntotal, dict(self.params), recall, nq, time.perf_counter() - t)
+        return self.report
+
+    def save(self, path: Path) -> dict[str, Any]:
+        import faiss
+
+        assert self.index is not None, "finalize() before save()"
+        faiss.write_index(self.index, str(path))
+        entry = {"kind": self.kind, **self.params}
+        if self.report is not None:
+            entry.update(
+                recall_at_10=self.report.to_dict()["recall_at_10"],
+                recall_queries=self.report.queries,
+                recall_target=self.target,
+            )
+        return entry
+
+
+class HNSWStore(_Derived):
+    """HNSW graph (``IndexIDMap(IndexHNSWFlat)``, inner product): ``M`` links per node,
+    ``ef_construction`` at build, ``ef_search`` tuned by :meth:`finalize`. Fast at any size, but
+    it keeps its own copy of the vectors plus the graph."""
+
+    kind = "hnsw"
+    param = "ef_search"
+
+    def __init__(
+        self,
+        dim: int,
+        *,
+        exact: FlatStore | None,
+        M: int = 32,
+        ef_construction: int = 80,
+        ef_search: int = 128,
+        **kw: Any,
+    ) -> None:
+        super().__init__(
+            dim, exact=exact, M=int(M), ef_construction=int(ef_construction), ef_search=int(ef_search), **kw
+        )
+
+    def _ladder(self) -> tuple[int, ...]:
+        return _EF_LADDER
+
+    def _set_param(self, value: int) -> None:
+        import faiss
+
+        self.params["ef_search"] = int(value)
+        if self.index is not None:
+            # downcast_index returns the concrete class, which its stub can only call Index.
+            hnsw = cast("faiss.IndexHNSW", faiss.downcast_index(self.index.index))
+            hnsw.hnsw.efSearch = int(value)
+
+    def _build(self) -> None:
+        import faiss
+
+        assert self.exact is not None
+        hnsw = faiss.IndexHNSWFlat(self.dim, self.params["M"], faiss.METRIC_INNER_PRODUCT)
+        hnsw.hnsw.efConstruction = self.params["ef_construction"]
+        self.index = faiss.IndexIDMap(hnsw)
+        if self.exact.ntotal:
+            self.index.add_with_ids(self.exact.matrix(), self.exact.ids())
+        self._set_param(self.params["ef_search"])
+
+    @classmethod
+    def load(cls, path: Path, entry: dict[str, Any], *, exact: FlatStore | None = None) -> HNSWStore:
+        # Indexes written before stores existed have the same file and entry (M,
+        # ef_construction, ef_search), without the recall fields.
+        index = _read(path)
+        s = cls(
+            int(index.d),
+            exact=exact,
+            M=entry.get("M", 32),
+            ef_construction=entry.get("ef_construction", 80),
+            ef_search=entry.get("ef_search", 128),
+        )
+        s.index = index
+        s._set_param(s.params["ef_search"])
+        return s
+
+
+def _pq_shape(dim: int, n: int) -> tuple[int, int]:
+    """``(M, nbits)`` for product quantization: 8-dimensional sub-vectors (48 codes of one byte
+    for 384-d), and fewer bits when there are too few vectors to train 256 centroids each."""
+    m = next(m for m in range(max(1, dim // 8), dim + 1) if dim % m == 0)
+    nbits = max(1, min(8, int(math.log2(max(n, 2))) - 2))
+    return m, nbits
+
+
+def _nlist(n: int) -> int:
+    """Inverted lists: about √n (a power of two), each list trained on ≥ 39 points."""
+    if n < 2:
+        return 1
+    return int(max(1, min(2 ** round(math.log2(math.sqrt(n))), n // 39 or 1)))
+
+
+class IVFStore(_Derived):
+    """Inverted file: vectors assigned to ``nlist`` k-means cells, a query scans ``nprobe`` of
+    them (tuned by :meth:`finalize`). ``kind="ivf-flat"`` keeps full vectors in the cells.
+
+    ``kind="ivf-pq"`` keeps product-quantized codes (``pq_m`` bytes per vector) to find
+    ``rescore × k`` candidates, re-ranks them with an 8-bit scalar-quantized copy of the vectors
+    (``IndexRefine``, 1 byte per dimension: a quarter of fp32) down to ``4 × k``, whose exact
+    cosines (from the exact store) pick and order the final ``k``. What it keeps in memory is
+    about 30% of the fp32 matrix; the exact store stays mapped read-only, touched only for the
+    ``4 × k`` rows rescored per query.
+    """
+
+    param = "nprobe"
+
+    def __init__(
+        self,
+        dim: int,
+        *,
+        exact: FlatStore | None,
+        kind: str = "ivf-pq",
+        nlist: int | None = None,
+        nprobe: int = 16,
+        rescore: int = _RESCORE,
+        **kw: Any,
+    ) -> None:
+        if kind not in ("ivf-flat", "ivf-pq"):
+            raise ConfigError(f"IVF kind must be 'ivf-flat' or 'ivf-pq', got {kind!r}")
+        params: dict[str, Any] = {"nlist": nlist, "nprobe": int(nprobe)}
+        if kind == "ivf-pq":
+            params["rescore"] = int(rescore)
+        super().__init__(dim, exact=exact, **params, **kw)
+        self.kind = kind
+        self._ivf: Any = None  # the IndexIVF inside (nprobe is set there)
+
+    def _ladder(self) -> tuple[int, ...]:
+        nlist = int(self.params["nlist"] or 1)
+        return tuple(p for p in _NPROBE_LADDER if p < nlist) + (nlist,)
+
+    def _set_param(self, value: int) -> None:
+        self.params["nprobe"] = int(value)
+        if self._ivf is not None:
+            self._ivf.nprobe = int(value)
+
+    def _attach(self, index: Any) -> None:
+        """Find the IVF (and the refine stage) inside a built or loaded index."""
+        import faiss
+
+        self.index = index
+        if self.kind == "ivf-pq":
+            # downcast_index returns the concrete class, which its stub can only call Index.
+            refine = cast("faiss.IndexRefine", faiss.downcast_index(index.index))
+            refine.k_factor = float(self.params["rescore"]) / _EXACT_TOP  # of the 4k it returns
+            self._refine = refine
+            self._ivf = faiss.downcast_index(refine.base_index)
+        else:
+            self._ivf = index
+
+    def _build(self) -> None:
+        import faiss
+        import numpy as np
+
+        assert self.exact is not None
+        n = self.exact.ntotal
+        nlist = int(self.params.get("nlist") or _nlist(n))
+        self.params["nlist"] = nlist
+        quantizer = faiss.IndexFlatIP(self.dim)
+        index: faiss.Index
+        if self.kind == "ivf-flat":
+            index = faiss.IndexIVFFlat(quantizer, self.dim, nlist, faiss.METRIC_INNER_PRODUCT)
+            self._parts: tuple[Any, ...] = (quantizer,)
+        else:
+            m, nbits = _pq_shape(self.dim, n)
+            self.params.update(pq_m=m, pq_nbits=nbits, refine="SQ8")
+            ivf = faiss.IndexIVFPQ(quantizer, self.dim, nlist, m, nbits, faiss.METRIC_INNER_PRODUCT)
+            # 64 points per PQ centroid and 15 k-means rounds: the codes only pick the
+            # candidates (the refine stage orders them), and PQ training was 3/4 of the build.
+            ivf.pq.cp.max_points_per_centroid = 64
+            ivf.pq.cp.niter = 15
+            ivf.cp.seed = 1234
+            sq = faiss.IndexScalarQuantizer(self.dim, faiss.ScalarQuantizer.QT_8bit, faiss.METRIC_INNER_PRODUCT)
+            refine = faiss.IndexRefine(ivf, sq)
+            index = faiss.IndexIDMap(refine)
+            self._parts = (quantizer, ivf, sq, refine)  # python owns these until written
+        if hasattr(index, "cp"):
+            index.cp.seed = 1234
+        self._attach(index)
+        if not n:
+            return
+        x, ids = self.exact.matrix(), self.exact.ids()
+        # Training on a sample: k-means cost grows with it, and 64 points per cell (and 256 per
+        # PQ centroid) are plenty; a fixed seed keeps builds reproducible.
+        want = max(64 * nlist, 256 * 64 if self.kind == "ivf-pq" else 0)
+        if n > want:
+            sample = x[np.sort(np.random.default_rng(0).choice(n, want, replace=False))]
+        else:
+            sample = x
+        need = max(nlist, 2 ** int(self.params.get("pq_nbits", 0)))
+        if len(sample) < need:  # a handful of vectors: repeat them so k-means can run
+            sample = np.tile(sample, (-(-need // len(sample)), 1))
+        index.train(sample)
+        index.add_with_ids(x, ids)
+        self._set_param(min(int(self.params["nprobe"]), nlist))
+
+    def search(self, queries: Any, k: int) -> tuple[np.ndarray, np.ndarray]:
+        if self.kind != "ivf-pq" or self.exact is None or self.index is None:
+            return super().search(queries, k)
+        import numpy as np
+
+        # The refine stage (SQ8) keeps _EXACT_TOP × k; their exact cosines pick and order the
+        # final k (a few rows of the mapped exact store per query).
+        q = _as_rows(queries, self.dim)
+        _, cand = super().search(q, _EXACT_TOP * k)
+        scores = np.full((len(q), k), -np.inf, dtype=np.float32)
+        ids = np.full((len(q), k), -1, dtype=np.int64)
+        for r in range(len(q)):
+            c = cand[r][cand[r] >= 0]
+            if len(c):
+                exact = self.exact.vectors(c) @ q[r]
+                top = np.argsort(-exact, kind="stable")[:k]
+                scores[r, : len(top)], ids[r, : len(top)] = exact[top], c[top]
+        return scores, ids
+
+    @classmethod
+    def load(cls, path: Path, entry: dict[str, Any], *, exact: FlatStore | None = None) -> IVFStore:
+        index = _read(path)  # read_index gives the concrete classes back
+        s = cls(
+            int(index.d),
+            exact=exact,
+            kind=entry["kind"],
+            nlist=entry.get("nlist"),
+            nprobe=entry.get("nprobe", 16),
+            rescore=entry.get("rescore", _RESCORE),
+        )
+        for key in ("pq_m", "pq_nbits", "refine"):
+            if key in entry:
+                s.params[key] = entry[key]
+        s._attach(index)
+        s._set_param(s.params["nprobe"])
+        return s
+
+
+def make_store(kind: str, dim: int, *, exact: FlatStore | None = None, **params: Any) -> Any:
+    """A new, empty store of ``kind`` (``flat``, ``hnsw``, ``ivf`` = ``ivf-pq``, ``ivf-flat``);
+    search stores are built from ``exact`` by :meth:`~VectorStore.finalize`."""
+    if kind == "flat":
+        return FlatStore(dim)
+    if kind == "hnsw":
+        return HNSWStore(dim, exact=exact, **params)
+    if kind in ("ivf", "ivf-pq", "ivf-flat"):
+        return IVFStore(dim, exact=exact, kind="ivf-pq" if kind == "ivf" else kind, **params)
+    raise ConfigError(f"store must be one of {', '.join(STORES)}; got {kind!r}")
+
+
+def load_store(path: Path, entry: dict[str, Any], *, exact: FlatStore | None = None) -> Any:
+    """Read a search store back from its file and manifest entry."""
+    kind = entry.get("kind")
+    if kind == "hnsw":
+        return HNSWStore.load(path, entry, exact=exact)
+    if kind in ("ivf-flat", "ivf-pq"):
+        return IVFStore.load(path, entry, exact=exact)
+    raise IndexCorruptError(f"the manifest names an unknown vector store {kind!r}; upgrade ragbudget")
+
+
+def choose_store(store: str, n: int, dim: int) -> str:
+    """The store kind that ``store=`` means for ``n`` vectors of ``dim`` (``auto``'s rule).
+
+    >>> choose_store("auto", 20_000, 384), choose_store("auto", 100_000, 384)
+    ('flat', 'hnsw')
+    >>> choose_store("auto", 1_000_000, 384), choose_store("ivf", 10, 384)
+    ('ivf-pq', 'ivf-pq')
+    """
+    if store not in STORES:
+        raise ConfigError(f"store must be one of {', '.join(STORES)}; got {store!r}")
+    if store == "ivf":
+        return "ivf-pq"
+    if store != "auto":
+        return store
+    size = n * dim * 4
+    if size <= FLAT_MAX_BYTES:
+        return "flat"
+    return "hnsw" if size <= HNSW_MAX_BYTES else "ivf-pq"
+
+
+def measure_recall(
+    store: Any,
+    exact: FlatStore,
+    *,
+    k: int = 10,
+    queries: int = RECALL_QUERIES,
+    seed: int = 0,
+    noise: float = QUERY_NOISE,
+) -> tuple[float, int]:
+    """recall@k of ``store`` against ``exact``, with ``queries`` of the stored vectors (a fixed
+    sample, seeded) as the queries; each query's own id is left out of both answers, so finding
+    a vector itself counts for nothing, and a hit scoring as high as the k-th true neighbour
+    counts (ties). The queries are moved off the vectors by Gaussian noise of relative norm
+    ``noise`` (seeded too), so they sit as far from the chunks as questions do. Returns
+    ``(recall, queries used)``."""
+    import numpy as np
+
+    n = exact.ntotal
+    if n < 2:
+        return 1.0, 0
+    all_ids = exact.ids()
+    pick = np.sort(np.random.default_rng(seed).choice(n, min(queries, n), replace=False))
+    qids = all_ids[pick]
+    q = exact.vectors(qids)
+    if noise:
+        g = np.random.default_rng(seed + 1).standard_normal(q.shape).astype(np.float32)
+        q = q + g * (noise / math.sqrt(q.shape[1]))
+        q /= np.linalg.norm(q, axis=1, keepdims=True)
+    kk = min(k, n - 1)
+    tscores, truth = exact.search(q, kk + 1)
+    _, got = store.search(q, kk + 1)
+    hits = total = 0
+    for i, qid in enumerate(qids):
+        keep = (truth[i] >= 0) & (truth[i] != qid)
+        t, ts = truth[i][keep][:kk], tscores[i][keep][:kk]
+        g = np.array([x for x in got[i] if x >= 0 and x != qid][:kk], dtype=np.int64)
+        if not len(t):
+            continue
+        total += len(t)
+        if len(g):
+            # Tie-aware: a returned vector as similar as the k-th true neighbour is as good as
+            # it (equal scores come back in any order; hash embeddings of short texts tie often).
+            gs = exact.vectors(g) @ q[i]
+            hits += min(len(t), int(np.count_nonzero(gs >= ts[-1] - 1e-6)))
+    return (hits / total if total else 1.0), len(qids)

@@ -1,0 +1,188 @@
+"""A served engine's health and live load, as ``ragbudget serve --engine`` admits against it
+(:class:`EngineLoad`, wired by :func:`ragbudget.server.app.create_app`; the chat endpoint refuses
+early by it, ``/health`` and ``/metrics`` show it).
+
+One job: knowing, at most a second late and without ever waiting on the engine, whether the engine
+can take a request now — up (and how loaded) or unavailable (and why).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from ..errors import EngineConnectionError, EngineError, EngineOverloadedError, EngineTimeoutError
+from .openai_api import engine_unavailable
+
+if TYPE_CHECKING:
+    from ..generation.backend import Capacity
+    from ..pipeline import Pipeline
+
+__all__ = ["EngineLoad", "quick_look"]
+
+# The server's logger: the engine coming and going belongs with the server's lines.
+log = logging.getLogger("ragbudget.server")
+
+
+def quick_look(pipeline: Pipeline, fn: Callable[[], Any]) -> Any:
+    """``fn()``, with what it asks a served engine asked as a quick look (:meth:`HTTP.probing
+    <ragbudget.generation.engines.HTTP.probing>`: an overloaded or loading engine says so at once, without
+    the back-off a request gets). For what /health and the early refusals read: they must answer
+    now. Blocks: call it off the event loop."""
+    http = getattr(pipeline.backend, "http", None) if pipeline.served else None  # a ServedBackend's
+    with http.probing() if http is not None else contextlib.nullcontext():
+        return fn()
+
+
+class EngineLoad:
+    """The served engine's health and live load, as the gateway admits against it.
+
+    Its figures — requests running and waiting, and free KV tokens, where the engine reports them
+    (:meth:`Backend.capacity <ragbudget.generation.backend.Backend.capacity>`) — are read at most every
+    ``ttl`` seconds, as a quick look (:meth:`HTTP.probing <ragbudget.generation.engines.HTTP.probing>`: an
+    overloaded engine says so at once, without the back-off a request gets). One reading at a
+    time, and nobody waits for it: a request or a /health arriving meanwhile takes the last
+    figures, so an engine that hangs cannot hang the gateway.
+
+    Health: a reading that fails (the engine refused the connection, timed out, answered 503
+    while loading, or answered what is not its API) makes the engine *unavailable* (:attr:`error`)
+    until a reading succeeds again; so does a request that finds it gone (:meth:`failed`) — until
+    the next reading, one ``ttl`` later. Meanwhile chat requests are answered 503 with
+    ``Retry-After`` before any work, and /health answers 503 (what a load balancer reads as "take
+    this one out of rotation"), naming the engine and the cause.
+
+    Load fails open: an engine that reports neither its queue nor its free KV is not limited here
+    (the gateway's own admission still is, and the engine queues and refuses itself); /health and
+    /metrics say so."""
+
+    def __init__(self, pipeline: Pipeline, ttl: float = 1.0) -> None:
+        self.pipeline, self.ttl = pipeline, ttl
+        self._reading = threading.Lock()
+        self._read_at = -math.inf
+        self._figures: tuple[Capacity | None, str] = (None, "not read yet")
+        self.error: EngineError | None = None  # why the engine is unavailable now (None: it is not)
+        self._http: Any = None
+        # Which engine, for /health, before the first connection names it: the URL as given
+        # (credentials dropped) and the kind asked for.
+        from ..generation.engines import root_url
+
+        given = pipeline.engine.url
+        self.url: str | None = root_url(given) if given else None
+        self.kind: str | None = pipeline.engine.kind if given and pipeline.engine.kind != "auto" else None
+
+    def read(self) -> tuple[Capacity | None, str]:
+        """``(capacity, "")``, or ``(None, why)`` when the engine's figures cannot be read.
+        When the last reading is ``ttl`` old, reads afresh — blocking for the engine's reply
+        (call it off the event loop) unless another thread is reading, whose result is not
+        waited for."""
+        if time.monotonic() - self._read_at >= self.ttl and self._reading.acquire(blocking=False):
+            try:
+                if time.monotonic() - self._read_at >= self.ttl:  # not read while we got here
+                    self._read()
+            finally:
+                self._reading.release()
+        return self._figures
+
+    def _read(self) -> None:
+        try:
+            backend = self.pipeline.backend  # connects on first use: a server down then fails here
+            self.url = getattr(backend, "url", None) or self.url
+            self.kind = getattr(backend, "kind", None) or self.kind
+            self._http = getattr(backend, "http", None)  # a ServedBackend's client (see sent)
+            cap = quick_look(self.pipeline, backend.capacity)
+        except EngineError as exc:
+            if self.error is None:
+                log.error("the engine is unavailable: %s", exc)
+            self._figures, self.error = (None, str(exc)), exc
+        else:
+            if self.error is not None:
+                log.info("the engine is available again")
+            self._figures, self.error = (cap, ""), None
+        self._read_at = time.monotonic()
+
+    def failed(self, exc: BaseException) -> None:
+        """A request met the engine failing: if it is gone (connection refused, dropped, unknown
+        host, TLS) or overloaded, it is unavailable until the next reading (one ``ttl`` later)
+        says otherwise. A time-out or an odd answer may be that request's alone: not counted."""
+        if not isinstance(exc, (EngineConnectionError, EngineOverloadedError)) or isinstance(exc, EngineTimeoutError):
+            return
+        if self.error is None:
+            log.error("the engine is unavailable: %s", exc)
+        self.error = exc
+        self._figures = (None, str(exc))
+        self._read_at = time.monotonic()
+
+    def sent(self) -> dict[str, int] | None:
+        """Requests sent to the engine so far, by route (``None`` before it is connected, or for
+        a backend that is not a served engine's HTTP client)."""
+        http = self._http  # the one the last reading used: /metrics never waits on a connection
+        return dict(http.sent) if http is not None else None
+
+    def state(self) -> dict[str, Any]:
+        """What /health shows of the engine: its kind and URL, and whether it is available (with
+        the cause when not)."""
+        out: dict[str, Any] = {"kind": self.kind, "url": self.url}
+        if self.error is None:
+            return {**out, "status": "ok"}
+        err = engine_unavailable(self.error)
+        # The engine's root URL stays "url"; the route that failed is in the message.
+        return {**out, "status": "unavailable", "cause": err.extra["engine"]["cause"], "error": err.message}
+
+    @staticmethod
+    def refusal(figures: tuple[Capacity | None, str], max_new_tokens: int) -> str | None:
+        """Why the engine cannot take a request now, or None. Its waiting queue is non-empty only
+        when it cannot schedule more (vLLM and SGLang schedule while KV blocks are free), so a
+        request sent now would only queue there, past any timeout the client has."""
+        cap, _ = figures
+        if cap is None:
+            return None
+        if cap.waiting:
+            return f"the engine has {cap.waiting} request(s) waiting ({cap.load_source})"
+        if cap.kv_tokens_free is not None and cap.kv_tokens_free < max_new_tokens:
+            return (
+                f"the engine has {cap.kv_tokens_free} free KV tokens, fewer than the "
+                f"{max_new_tokens} of one answer ({cap.kv_free_source})"
+            )
+        return None
+
+    @staticmethod
+    def describe(figures: tuple[Capacity | None, str]) -> dict[str, Any]:
+        """What /health shows of the figures: the engine's load, or why admission is open."""
+        cap, error = figures
+        if cap is None or (cap.waiting is None and cap.kv_tokens_free is None):
+            why = error or f"the {cap.engine_kind if cap else 'engine'} reports neither its queue nor its free KV"
+            return {"open": True, "note": f"open: {why}; only the gateway's own admission limits requests"}
+        return {
+            "open": False,
+            "running": cap.running,
+            "waiting": cap.waiting,
+            "kv_tokens_free": cap.kv_tokens_free,
+            "age_s": round(cap.age(), 3),
+            "sources": [s for s in (cap.load_source, cap.kv_free_source) if s],
+        }
+
+    @classmethod
+    def gauges(cls, figures: tuple[Capacity | None, str]) -> dict[str, tuple[str, float]]:
+        """What /metrics shows of the figures (:meth:`ragbudget.server.metrics.Metrics.render` gauges)."""
+        cap, _ = figures
+        help_open = (
+            "1: the served engine reports neither its queue nor its free KV (or they cannot be "
+            "read), so requests are not refused for its load (fail open); 0: they are."
+        )
+        out: dict[str, tuple[str, float]] = {
+            "ragbudget_engine_admission_open": (help_open, 1 if cls.describe(figures)["open"] else 0)
+        }
+        if cap is not None:
+            for name, value, help_ in (
+                ("ragbudget_engine_running_requests", cap.running, "Requests the engine runs (its metrics)."),
+                ("ragbudget_engine_waiting_requests", cap.waiting, "Requests the engine queues (its metrics)."),
+                ("ragbudget_engine_kv_free_tokens", cap.kv_tokens_free, "Free KV tokens the engine reports."),
+            ):
+                if value is not None:
+                    out[name] = (help_, value)
+        return out

@@ -1,0 +1,477 @@
+"""The layout in CONTRIBUTING.md is the code's: every module named there exists and every module is
+named there; a package imports only from the packages below it (lazy imports inside functions,
+``TYPE_CHECKING`` imports and ``importlib.import_module`` names included); and the modules of one
+package import each other without cycles."""
+
+from __future__ import annotations
+
+import ast
+import re
+from collections.abc import Iterable
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "ragbudget"
+
+
+# --- the layout block -----------------------------------------------------------------------------
+
+
+def read_layout(text: str) -> list[tuple[str, list[str]]]:
+    """``[(folder, [unit, ...]), ...]`` from the ```layout block, bottom layer first: one line a
+    package, ``ragbudget/<folder>/  name (what), name (what)``. A unit is a module (``index``) or
+    a sub-package (``formats/``). The root folder ``ragbudget/`` may take several lines (its
+    records at the bottom, the orchestration above the stages, the public surface on top); any
+    other folder takes one."""
+    block = re.search(r"```layout\n(.*?)```", text, re.S)
+    assert block, "CONTRIBUTING.md has no ```layout block"
+    lines: list[tuple[str, list[str]]] = []
+    seen: set[str] = set()
+    for line in block.group(1).splitlines():
+        if not line.strip():
+            continue
+        m = re.fullmatch(r"ragbudget/((?:\w+/)*)\s+(.+)", line.strip())
+        assert m, f"layout line not 'ragbudget/<folder>/  name (what), ...': {line!r}"
+        folder = m.group(1).rstrip("/")
+        assert folder == "" or all(f != folder for f, _ in lines), f"ragbudget/{folder}/ takes two lines"
+        units = [n.strip() for n in re.sub(r"\([^()]*(?:\([^()]*\)[^()]*)*\)", "", m.group(2)).split(",")]
+        for unit in units:
+            key = f"{folder}/{unit}" if folder else unit
+            assert re.fullmatch(r"\w+/?", unit), f"not a module name: {unit!r} in {line!r}"
+            assert key not in seen, f"{key} is named twice in the layout"
+            seen.add(key)
+        lines.append((folder, units))
+    return lines
+
+
+def layers(layout: list[tuple[str, list[str]]]) -> dict[str, int]:
+    """``{unit key: layer}``; a unit key is ``folder/name`` (``retrieval/index``,
+    ``input/formats/``), a root module's is its name, and a stage package's own ``__init__``
+    (``input/__init__``) sits on its folder's line."""
+    out: dict[str, int] = {}
+    for layer, (folder, units) in enumerate(layout):
+        for unit in units:
+            out[f"{folder}/{unit}" if folder else unit] = layer
+        if folder:
+            out[f"{folder}/__init__"] = layer
+    return out
+
+
+def folders(layout: list[tuple[str, list[str]]]) -> set[str]:
+    return {folder for folder, _ in layout if folder}
+
+
+# --- modules and their imports --------------------------------------------------------------------
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def unit_of(module: str, stage_folders: set[str]) -> str:
+    """The layout unit of a dotted name inside the package: the module, the sub-package it is in,
+    or, for a name that is no module (``ragbudget.Pipeline``), the package that exports it."""
+    folder, here = "", PACKAGE
+    for part in module.split(".")[1:]:
+        if (here / part / "__init__.py").is_file():
+            inner = f"{folder}/{part}" if folder else part
+            if inner not in stage_folders:
+                return f"{inner}/"
+            folder, here = inner, here / part
+        elif (here / f"{part}.py").is_file():
+            return f"{folder}/{part}" if folder else part
+        else:
+            break
+    return f"{folder}/__init__" if folder else "__init__"
+
+
+def _children(package: str) -> set[str]:
+    """Every module and sub-package directly in ``package`` (dotted)."""
+    here = PACKAGE.parent.joinpath(*package.split("."))
+    out = {f"{package}.{p.stem}" for p in here.glob("*.py") if p.stem != "__init__"}
+    return out | {f"{package}.{p.parent.name}" for p in here.glob("*/__init__.py")}
+
+
+def imported_modules(source: str, module: str, is_package: bool) -> set[str]:
+    """Every ``ragbudget`` module ``source`` imports, wherever the statement is: import
+    statements, and ``importlib.import_module`` calls with a literal name (absolute, or relative
+    to ``__name__``/``__package__``); an f-string ``f"{__name__}.{x}"`` or ``f".{x}"`` may name
+    any module of that package, so it counts as importing each of them."""
+    package = module if is_package else module.rpartition(".")[0]
+    found: set[str] = set()
+
+    def resolve(name: str, level: int, anchor: str) -> str:
+        base = anchor.split(".")
+        base = base[: len(base) - (level - 1)]
+        return ".".join(base + ([name] if name else []))
+
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            target = resolve(node.module or "", node.level, package) if node.level else node.module or ""
+            for a in node.names:  # ``from pkg import x``: x is a module of pkg, or a name pkg defines
+                sub = f"{target}.{a.name}"
+                found.add(sub if _is_module(sub) else target)
+        elif isinstance(node, ast.Call) and _is_import_module(node.func) and node.args:
+            name, anchored = node.args[0], len(node.args) > 1 or any(k.arg == "package" for k in node.keywords)
+            if isinstance(name, ast.Constant) and isinstance(name.value, str):
+                text = name.value
+                if text.startswith("."):
+                    level = len(text) - len(text.lstrip("."))
+                    found.add(resolve(text.lstrip("."), level, module if anchored else package))
+                else:
+                    found.add(text)
+            elif isinstance(name, ast.JoinedStr) and name.values:
+                first = name.values[0]
+                if isinstance(first, ast.Constant) and str(first.value).startswith(".") and anchored:
+                    found.update(_children(module if is_package else package))
+                elif (
+                    isinstance(first, ast.FormattedValue)
+                    and isinstance(first.value, ast.Name)
+                    and first.value.id in ("__name__", "__package__")
+                ):
+                    found.update(_children(module if is_package or first.value.id == "__package__" else package))
+    return {m for m in found if m == "ragbudget" or m.startswith("ragbudget.")}
+
+
+def _is_import_module(func: ast.expr) -> bool:
+    return (isinstance(func, ast.Attribute) and func.attr == "import_module") or (
+        isinstance(func, ast.Name) and func.id == "import_module"
+    )
+
+
+def _is_module(dotted: str) -> bool:
+    path = PACKAGE.parent.joinpath(*dotted.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def package_sources() -> dict[Path, str]:
+    return {p: p.read_text(encoding="utf-8") for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def import_edges(sources: dict[Path, str], stage_folders: set[str]) -> set[tuple[str, str, str]]:
+    """``(importing module, imported module, where)`` for every import inside the package, both as
+    dotted names."""
+    edges = set()
+    for path, source in sources.items():
+        module = module_name(path)
+        for target in imported_modules(source, module, path.name == "__init__.py"):
+            edges.add((module, target, str(path.relative_to(ROOT))))
+    return edges
+
+
+def violations(sources: dict[Path, str], layout: list[tuple[str, list[str]]]) -> list[str]:
+    rank, stage = layers(layout), folders(layout)
+    out = []
+    for module, target, where in sorted(import_edges(sources, stage)):
+        here, there = unit_of(module, stage), unit_of(target, stage)
+        if rank[there] > rank[here]:
+            out.append(f"{where} (layer {rank[here]}, {here}) imports {target} (layer {rank[there]}, {there})")
+    return out
+
+
+# --- cycles inside a package ----------------------------------------------------------------------
+
+#: Cycles between the modules of one package that exist today, each named by the import that
+#: closes it (``(importer, imported)``; ``*`` is every module of that package) and what removes
+#: it. Each waits for a split that must not run while other branches edit those modules (issue
+#: #32's next step). An entry expires: once its import no longer closes a cycle the test asks for
+#: its removal, and a cycle not listed here fails.
+KNOWN_CYCLES: dict[tuple[str, str], str] = {
+    ("retrieval/index", "retrieval/build"): (
+        "Index.build runs build._Builder, and build takes index's on-disk layout (20 names) and Index: "
+        "retrieval/storage.py owning the layout (issue #32 section 3) removes it"
+    ),
+    ("input/formats/", "input/loaders"): (
+        "the EPUB, mail, notebook and tabular readers decode with loaders' decode_bytes and _html_to_text, and "
+        "load_document calls the readers: decoding and HTML reading out of loaders (its split) removes it"
+    ),
+    ("input/formats/__init__", "input/formats/*"): (
+        "formats.read imports the readers, which take LoadOptions, Loaded and require from the package: "
+        "those in a module of their own removes it"
+    ),
+}
+
+
+def _existing(module: str) -> list[str]:
+    """The parts (after ``ragbudget``) of the longest prefix of ``module`` that is a module."""
+    parts = module.split(".")[1:]
+    while parts and not _is_module(".".join(["ragbudget", *parts])):
+        parts.pop()
+    return parts
+
+
+def nodes_of(module: str, stage_folders: set[str]) -> list[tuple[str, str]]:
+    """``[(package, node), ...]``, innermost package first, up to the stage package (or the root)
+    the module is in: its node in each package's graph, keyed like the layout. A module in a
+    sub-package is one node of the package above it (``input/formats/epub`` is itself in
+    ``input/formats`` and ``input/formats/`` in ``input``); a package's own ``__init__`` is
+    ``<package>/__init__``."""
+    parts = _existing(module)
+    i = 0
+    while i < len(parts) and "/".join(parts[: i + 1]) in stage_folders:
+        i += 1
+    stage, rest = parts[:i], parts[i:]
+    if not rest:
+        return [("/".join(stage), "/".join([*stage, "__init__"]))]
+    is_package = (PACKAGE.joinpath(*parts) / "__init__.py").is_file()
+    inner = rest if is_package else rest[:-1]
+    out = [("/".join(stage + inner), "/".join([*stage, *rest, "__init__"] if is_package else [*stage, *rest]))]
+    for k in range(len(inner) - 1, -1, -1):
+        out.append(("/".join(stage + inner[:k]), "/".join(stage + inner[: k + 1]) + "/"))
+    return out
+
+
+def package_graphs(edges: Iterable[tuple[str, str, str]], stage_folders: set[str]) -> dict[str, set[tuple[str, str]]]:
+    """``{package: {(node, node), ...}}``: the imports between the modules of each package (a
+    sub-package one node of the package above it). Imports between stage packages, or between a
+    stage package and the root, are the layer check's business."""
+    graphs: dict[str, set[tuple[str, str]]] = {}
+    for module, target, _ in edges:
+        theirs = dict(nodes_of(target, stage_folders))
+        for package, node in nodes_of(module, stage_folders):
+            other = theirs.get(package)
+            if other is not None and other != node:
+                graphs.setdefault(package, set()).add((node, other))
+    return graphs
+
+
+def cycles(graph: set[tuple[str, str]]) -> list[list[str]]:
+    """The strongly connected components with more than one node (Tarjan), each sorted."""
+    succ: dict[str, list[str]] = {}
+    for a, b in sorted(graph):
+        succ.setdefault(a, []).append(b)
+        succ.setdefault(b, [])
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in succ[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(succ):
+        if v not in index:
+            visit(v)
+    return sorted(out)
+
+
+def _allowed(edge: tuple[str, str], known: Iterable[tuple[str, str]]) -> tuple[str, str] | None:
+    for a, b in known:
+        if edge[0] == a and (edge[1] == b or (b.endswith("/*") and edge[1].startswith(b[:-1]))):
+            return (a, b)
+    return None
+
+
+def cycle_findings(
+    sources: dict[Path, str], layout: list[tuple[str, list[str]]], known: dict[tuple[str, str], str]
+) -> list[str]:
+    """A line for each cycle inside a package that no entry of ``known`` closes, and for each
+    entry of ``known`` that closes no cycle any more."""
+    stage = folders(layout)
+    graphs = package_graphs(import_edges(sources, stage), stage)
+    out, used = [], set()
+    for package, graph in sorted(graphs.items()):
+        in_cycles = {n for comp in cycles(graph) for n in comp}
+        kept = set()
+        for edge in graph:
+            rule = _allowed(edge, known)
+            if rule and edge[0] in in_cycles and edge[1] in in_cycles:
+                used.add(rule)
+            else:
+                kept.add(edge)
+        for comp in cycles(kept):
+            out.append(f"ragbudget/{package + '/' if package else ''}: cycle between {', '.join(comp)}")
+    for rule in sorted(set(known) - used):
+        out.append(f"KNOWN_CYCLES entry {rule} closes no cycle any more: remove it")
+    return out
+
+
+@pytest.fixture(scope="module")
+def layout() -> list[tuple[str, list[str]]]:
+    return read_layout((ROOT / "CONTRIBUTING.md").read_text(encoding="utf-8"))
+
+
+def test_every_module_is_named_and_every_name_exists(layout: list[tuple[str, list[str]]]) -> None:
+    stage = folders(layout)
+    units = {unit_of(module_name(p), stage) for p in PACKAGE.rglob("*.py")}
+    named = set(layers(layout))
+    assert sorted(units - named) == [], "modules missing from CONTRIBUTING.md's layout"
+    implicit = {f"{f}/__init__" for f in stage}  # a stage package's __init__ need not be named
+    assert sorted(named - units - implicit) == [], "CONTRIBUTING.md's layout names modules that do not exist"
+    for folder in stage:
+        assert (PACKAGE / folder / "__init__.py").is_file(), f"ragbudget/{folder}/ is not a package"
+
+
+def test_no_module_imports_a_higher_layer(layout: list[tuple[str, list[str]]]) -> None:
+    assert violations(package_sources(), layout) == []
+
+
+def test_a_lazy_typing_or_importlib_import_of_a_higher_layer_is_caught(layout: list[tuple[str, list[str]]]) -> None:
+    # The check itself: a stage reaching up to the pipeline inside a function body, a record
+    # module naming a stage only for typing, and a stage naming a face to importlib are reported.
+    sources = package_sources()
+    select, types = PACKAGE / "prompt" / "select.py", PACKAGE / "types.py"
+    sources[select] += (
+        "\n\ndef _peek():\n    from ..pipeline import Pipeline\n    return Pipeline\n"
+        "\n\ndef _face():\n    return importlib.import_module('ragbudget.server.app')\n"
+    )
+    sources[types] += "\nif TYPE_CHECKING:\n    from .retrieval.index import Index\n"
+    rank = layers(layout)
+    found = violations(sources, layout)
+    assert found == [
+        f"ragbudget/prompt/select.py (layer {rank['prompt/select']}, prompt/select) imports ragbudget.pipeline "
+        f"(layer {rank['pipeline']}, pipeline)",
+        f"ragbudget/prompt/select.py (layer {rank['prompt/select']}, prompt/select) imports ragbudget.server.app "
+        f"(layer {rank['server/app']}, server/app)",
+        f"ragbudget/types.py (layer {rank['types']}, types) imports ragbudget.retrieval.index "
+        f"(layer {rank['retrieval/index']}, retrieval/index)",
+    ]
+
+
+def test_the_layout_block_is_strict() -> None:
+    with pytest.raises(AssertionError, match="named twice"):
+        read_layout("```layout\nragbudget/  x (one)\nragbudget/  x (again)\n```")
+    with pytest.raises(AssertionError, match="takes two lines"):
+        read_layout("```layout\nragbudget/a/  x (one)\nragbudget/a/  y (two)\n```")
+    with pytest.raises(AssertionError, match="not 'ragbudget/"):
+        read_layout("```layout\n0 foundation: x\n```")
+
+
+def test_no_cycle_inside_a_package(layout: list[tuple[str, list[str]]]) -> None:
+    assert cycle_findings(package_sources(), layout, KNOWN_CYCLES) == []
+
+
+def test_the_cycle_check_sees_lazy_imports_and_sub_packages(layout: list[tuple[str, list[str]]]) -> None:
+    # spans imports select; select importing spans back inside a function is a cycle, and so is a
+    # served engine's module imported by the backend protocol (generation/ holds engines/).
+    sources = package_sources()
+    sources[PACKAGE / "prompt" / "select.py"] += "\n\ndef _back():\n    from .spans import select_spans\n"
+    sources[PACKAGE / "generation" / "backend.py"] += "\n\ndef _back():\n    from .engines import _base\n"
+    found = cycle_findings(sources, layout, KNOWN_CYCLES)
+    assert "ragbudget/prompt/: cycle between prompt/select, prompt/spans" in found
+    backend_cycle = "ragbudget/generation/: cycle between generation/backend, generation/engines/"
+    assert any(f.startswith(backend_cycle) for f in found)
+    # an allowance that closes nothing is reported, so that the list only shrinks
+    assert cycle_findings(package_sources(), layout, {**KNOWN_CYCLES, ("cli/display", "cli/terminal"): "x"}) == [
+        "KNOWN_CYCLES entry ('cli/display', 'cli/terminal') closes no cycle any more: remove it"
+    ]
+
+
+# --- module size: over about 800 lines only for one cohesive job, said in the docstring -----------
+
+MAX_LINES = 800
+#: Over the limit with no ``One job:`` line because a split is under way (issue #17: the Pipeline
+#: class into smaller modules). An entry expires: once the module is under the limit, the test
+#: below asks for it to be removed from here.
+# backend.py loses LocalBackend to generation/local.py when the seam is sealed (#32).
+SPLIT_UNDER_WAY: set[str] = {"ragbudget/generation/backend.py"}
+
+
+def oversized_without_a_job(sources: dict[Path, str]) -> list[str]:
+    """``path (n lines)`` for each module over :data:`MAX_LINES` whose docstring has no line
+    ``One job: ...`` saying which one cohesive job it is."""
+    out = []
+    for path, source in sources.items():
+        n = len(source.splitlines())
+        doc = ast.get_docstring(ast.parse(source)) or ""
+        if n > MAX_LINES and not re.search(r"^One job: \S", doc, re.M):
+            out.append(f"{path.relative_to(ROOT)} ({n} lines)")
+    return out
+
+
+def test_a_module_over_800_lines_says_which_one_job_it_is() -> None:
+    sources = package_sources()
+    found = oversized_without_a_job(sources)
+    assert [f for f in found if f.split(" (")[0] not in SPLIT_UNDER_WAY] == [], (
+        "split these along a real seam, or say in the docstring which one job they are ('One job: ...')"
+    )
+    for name in SPLIT_UNDER_WAY:
+        n = len(sources[ROOT / name].splitlines())
+        assert n > MAX_LINES, f"{name} is {n} lines now: remove it from SPLIT_UNDER_WAY"
+
+
+def test_the_size_check_reads_the_docstring() -> None:
+    # A module grown past the limit is reported; its "One job:" line (in the docstring, not in a
+    # comment or a string elsewhere) is what clears it.
+    relay = PACKAGE / "relay.py"
+    grown = {relay: relay.read_text(encoding="utf-8") + "\n# One job: not a docstring\n" + "x = 1\n" * 801}
+    assert oversized_without_a_job(grown) == [f"ragbudget/relay.py ({len(grown[relay].splitlines())} lines)"]
+    marked = {
+        relay: grown[relay].replace(
+            "\n\n>>> relay = Relay(", "\n\nOne job: relaying a worker's output.\n\n>>> relay = Relay(", 1
+        )
+    }
+    assert oversized_without_a_job(marked) == []
+
+
+# --- a test file for every module -----------------------------------------------------------------
+
+#: Modules whose test file still carries the module's name from before the sub-packages (written
+#: by tools/restructure.py): ``{unit: test file}``.
+TESTED_BY: dict[str, str] = {}
+
+
+def modules_without_a_test_file(package: Path, tests: Path, stage_folders: set[str]) -> list[str]:
+    """Each module of the root or of a stage package (not an ``__init__``/``__main__``) without
+    ``tests/test_<module>.py`` or ``tests/test_<package>_<module>.py``, and each sub-package of
+    one (``generation/engines/``) without ``tests/test_<sub-package>.py``."""
+    out = []
+    for folder in ["", *sorted(stage_folders)]:
+        here = package / folder if folder else package
+        units = [p.stem for p in here.glob("*.py") if p.stem not in ("__init__", "__main__")]
+        subs = [p.name for p in here.iterdir() if (p / "__init__.py").is_file()]
+        units += [s for s in subs if f"{folder}/{s}".lstrip("/") not in stage_folders]
+        for unit in units:
+            key = f"{folder}/{unit}" if folder else unit
+            names = {f"test_{unit.lstrip('_')}.py", f"test_{folder.replace('/', '_')}_{unit}.py", TESTED_BY.get(key)}
+            if not any(n and (tests / n).is_file() for n in names):
+                out.append(f"{key} (tests/test_{unit.lstrip('_')}.py)")
+    return sorted(out)
+
+
+def test_every_module_has_its_test_file(layout: list[tuple[str, list[str]]]) -> None:
+    assert modules_without_a_test_file(PACKAGE, ROOT / "tests", folders(layout)) == []
+
+
+def test_the_test_file_check_sees_modules_and_sub_packages(tmp_path: Path) -> None:
+    pkg, tests = tmp_path / "pkg", tmp_path / "tests"
+    (pkg / "stage" / "engines").mkdir(parents=True)
+    tests.mkdir()
+    for name in ("__init__.py", "__main__.py", "_hidden.py", "stage/__init__.py", "stage/one.py"):
+        (pkg / name).write_text("")
+    for name in ("stage/engines/__init__.py", "stage/engines/two.py"):
+        (pkg / name).write_text("")
+    assert modules_without_a_test_file(pkg, tests, {"stage"}) == [
+        "_hidden (tests/test_hidden.py)",
+        "stage/engines (tests/test_engines.py)",
+        "stage/one (tests/test_one.py)",
+    ]
+    for name in ("test_hidden.py", "test_stage_one.py", "test_engines.py"):
+        (tests / name).write_text("")
+    assert modules_without_a_test_file(pkg, tests, {"stage"}) == []
