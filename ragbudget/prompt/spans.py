@@ -33,7 +33,8 @@ that count), the joiner's ``" …"`` and the space after it, the block's closing
 last word, the chunk's label. It rests on one property of the pre-tokenizers of byte-level BPEs
 (GPT-2, SmolLM2, Llama 3, Qwen, tiktoken's): no pre-token holds whitespace but at its start, so
 tokens never span a word boundary and the pieces add up to the passage's own count. On the real
-llama-server that held for every passage packed for 120 SQuAD questions (bench/spans_counts.py).
+llama-server that held for every passage packed for 120 SQuAD questions (371 passages,
+bench/results/spans_counts.json).
 It is not a proof for every tokenizer: the caller renders the prompt and, in the rare case it is
 over, packs again on a budget smaller by the excess (``PromptBuilder.assemble``). A request then
 asks a served engine's tokenizer for the question's render, the counts of candidates and pieces
