@@ -1674,10 +1674,12 @@ def test_time_capped_plan_is_named_in_memory_and_a_long_question_is_answered_by_
     turn = Conversation(pipe).ask(question)
     assert answer.report["budget"]["fixed_prompt_tokens"] > 200
     for budget in (answer.report["budget"], turn.answer.report["budget"]):
-        # Room for a cut best passage past the question, as the time cap always leaves.
+        # Room for the best passage past the question, as the time cap always leaves.
         assert budget["limited_by"] == "time" and budget["context_tokens_used"] > 0
     assert turn.budget.limited_by == "time" and not turn.budget.overrun
-    assert turn.budget.prompt_allowed == answer.report["budget"]["fixed_prompt_tokens"] + 256
+    from ragbudget.generation.allowance import MIN_TIME_CONTEXT
+
+    assert turn.budget.prompt_allowed == answer.report["budget"]["fixed_prompt_tokens"] + MIN_TIME_CONTEXT
     r = TestClient(create_app(pipe, model_name=MODEL)).post(
         "/v1/chat/completions", json={"model": MODEL, "messages": user(question)}
     )
