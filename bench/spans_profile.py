@@ -33,7 +33,7 @@ import _qa_harness as H  # noqa: E402  (sets the offline environment first)
 
 # The parts of a cold call, by (file suffix, function name) of the frames cProfile records.
 PARTS = {
-    "split_sentences": [("spans.py", "split_sentences")],
+    "split_sentences": [("sentences.py", "split_sentences")],
     "token_counts": [("prompt.py", "count"), ("prompt.py", "prime")],
     "bm25": [("spans.py", "bm25")],
     "embed_total": [("spans.py", "similarities")],

@@ -76,7 +76,7 @@ def configs(args: argparse.Namespace) -> dict[str, dict]:
     if args.sweep:
         for name, opts in SWEEP.items():
             cfg[f"ragbudget_spans_{name}"] = {"system": "ragbudget_spans", "budgets": SPAN_BUDGETS, "select": opts}
-    for extra in args.extra:  # e.g. "pool=5,max_chunks=20" or "unit=clause" (tune split only)
+    for extra in args.extra:  # e.g. "pool=5,max_chunks=20" (tune split only)
         opts = {}
         for kv in extra.split(","):
             k, _, v = kv.partition("=")
@@ -85,19 +85,11 @@ def configs(args: argparse.Namespace) -> dict[str, dict]:
                     "weights": lambda v: tuple(float(x) for x in v.split("/")),
                     "pool": float,
                     "max_chunks": int,
-                    "cue_weight": float,
-                    "context_weight": float,
-                    "cost_exponent": float,
-                    "unit": str,
-                    "clause_tokens": int,
-                    "clause_embed": float,
                 }[k](v)
             except (KeyError, ValueError):
                 raise SystemExit(
                     f"--extra {extra!r}: expected comma-separated pool=<number>, "
-                    "max_chunks=<integer>, weights=<dense>/<lexical>/<chunk>, "
-                    "cue_weight=<0-1>, context_weight=<0-1>, cost_exponent=<number ≥ 0>, "
-                    "unit=sentence|clause, clause_tokens=<integer> or clause_embed=<0-1>"
+                    "max_chunks=<integer> or weights=<dense>/<lexical>/<chunk>"
                 ) from None
         cfg[f"ragbudget_spans_{extra}"] = {"system": "ragbudget_spans", "budgets": SPAN_BUDGETS, "select": opts}
     return cfg

@@ -19,8 +19,8 @@ measure scoring variants that need no new model:
   saw it): what a learned mix of these signals could reach;
 * ``oracle``: a sentence holding a gold answer ranked first, i.e. the ceiling of sentence choice
   inside the pool; ``oracle (library score)`` the same over the library's own scores (no
-  features computed, so it is cheap for any ``--select``, e.g. ``unit=clause``: the ceiling of
-  clause choice).
+  features computed, so it is cheap for any ``--select``, e.g. ``pool=12``: the ceiling of
+  sentence choice in that pool).
 
 ``--select key=value,…`` passes ``select_spans`` options to every variant (as ``spans_qa.py
 --extra``); ``--variants a,b`` runs only those (the logistic regression's training, and the
@@ -30,8 +30,12 @@ It also records, per question at 256 tokens, the default rank of the best answer
 (and its dense and lexical ranks), for the misses.
 
     python bench/spans_rank.py --docs 12 --questions 150
-    python bench/spans_rank.py --docs 12 --questions 150 --select unit=clause \
-        --variants "default,oracle (library score)" --out bench/results/spans_rank_squad_tune_clause.json
+    python bench/spans_rank.py --docs 12 --questions 150 --select pool=12 \
+        --variants "default,oracle (library score)" --out bench/out/spans_rank_pool12.json
+
+(``bench/results/spans_rank_squad_tune_clause.json`` was made with ``--select unit=clause``, the
+clause units that BENCHMARKS.md's fourth round did not adopt; that option is gone since issue #32,
+so the file reproduces at commit cf2a56c.)
 
 Writes ``bench/results/spans_rank_squad_tune.json`` (squad-tune only: this chooses nothing that
 is reported without a held-out run). ``--split squad-test`` or ``amazon`` runs only the default
@@ -46,6 +50,7 @@ import random
 import re
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -72,6 +77,37 @@ VARIANTS = [
     "oracle (library score)",
 ]
 _W = re.compile(r"\w+")
+
+# The answer-type cue, one of the logistic regression's features: what a question word asks for,
+# as a test on a sentence's text (English question words; a sentence has such a token or not). It
+# was a select_spans option (cue_weight) until issue #32 removed it, not adopted (BENCHMARKS.md,
+# span packing's second round); it lives on here as a study feature only.
+_NUMBER = re.compile(
+    r"\d|\b(?:one|two|three|four|five|six|seven|eight|nine|ten|eleven|twelve|twenty|"
+    r"thirty|forty|fifty|hundred|thousand|million|billion|dozen|half|century|"
+    r"january|february|march|april|may|june|july|august|september|october|"
+    r"november|december)\b",
+    re.IGNORECASE,
+)
+_NUMERIC_Q = re.compile(
+    r"\b(?:when|how (?:many|much|long|old|far|often|large|big|tall|high)|"
+    r"what (?:year|date|decade|century|time|percentage|percent|age|number)|"
+    r"which (?:year|date|decade|century))\b",
+    re.IGNORECASE,
+)
+_PERSON_Q = re.compile(r"\b(?:who|whom|whose)\b", re.IGNORECASE)
+_NAME = re.compile(r"(?<=\s)[A-Z][\w'’-]+")
+
+
+def _answer_cue(question: str) -> Callable[[str, set[str]], bool] | None:
+    """A test for sentences that hold the kind of thing ``question`` asks for, or ``None`` when
+    its question word says nothing (what, which, why, how)."""
+    if _NUMERIC_Q.search(question):
+        return lambda text, _q: _NUMBER.search(text) is not None
+    if _PERSON_Q.search(question):
+        # A capitalized word past the first that the question does not already name.
+        return lambda text, q: any(m.group(0).lower() not in q for m in _NAME.finditer(text))
+    return None
 
 
 def _nm(v: np.ndarray) -> np.ndarray:
@@ -137,7 +173,7 @@ class Study:
                 if 0 <= j < len(units) and units[j].chunk == u.chunk:
                     ctx[i] += 0.5 * vecs[j]
         ctx /= np.linalg.norm(ctx, axis=1, keepdims=True)
-        cue = S._answer_cue(question)
+        cue = _answer_cue(question)
         qwords = {w.lower() for w in _W.findall(question)}
         qt = set(S._term_list(question))
         tsets = [set(S._term_list(t)) for t in texts]
@@ -236,7 +272,7 @@ def main() -> None:
     ap.add_argument("--questions", type=int, default=150)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None, help="default: bench/results/spans_rank_<split>.json")
-    ap.add_argument("--select", default="", help="select_spans options for every variant, e.g. unit=clause")
+    ap.add_argument("--select", default="", help="select_spans options for every variant, e.g. pool=12")
     ap.add_argument("--variants", default="", help="comma-separated subset of the variants (default: all)")
     args = ap.parse_args()
     from spans_qa import configs  # its --extra parser, so both scripts read options alike

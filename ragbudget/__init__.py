@@ -66,7 +66,7 @@ _EXPORTS: dict[str, str] = {
     "QuantizedCacheSettings": "settings",
     # stages
     "load_document": "input.loaders",
-    "scan": "input.loaders",
+    "scan": "input.scan",
     "strip_headers_footers": "input.clean",
     "chunk_text": "input.chunking",
     "chunk_document": "input.chunking",
@@ -157,10 +157,8 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
         Deduplicator as Deduplicator,
         content_hash as content_hash,
     )
-    from .input.loaders import (
-        load_document as load_document,
-        scan as scan,
-    )
+    from .input.loaders import load_document as load_document
+    from .input.scan import scan as scan
     from .memory.admission import AdmissionController as AdmissionController
     from .memory.budget import (
         BudgetPlan as BudgetPlan,

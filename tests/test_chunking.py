@@ -198,50 +198,6 @@ def test_headings_are_preferred_and_recorded() -> None:
     assert by_start["### Details"] == ("Guide", "Usage", "Details")
 
 
-def test_rst_and_numbered_headings() -> None:
-    text = (
-        "1. About this manual\n********************\n\n"
-        + "Intro text that goes on. " * 30
-        + "\n\n\n1.1. Scope\n==========\n\n"
-        + "Scope text that goes on. " * 30
-        + "\n\n2. Decision-making bodies\n\n   Each decision is made by one of these:\n"
-        "    1. The Developers, by way of General Resolution;\n    2. The Project Leader.\n"
-    )
-    chunks = chunk_text(text, min_tokens=20, max_tokens=200)
-    heads = {c.headings for c in chunks}
-    assert ("1. About this manual", "1.1. Scope") in heads
-    assert ("2. Decision-making bodies",) in heads
-
-
-def test_table_of_contents_lines_are_never_headings() -> None:
-    # A texinfo-style contents page (dot leaders, page numbers), then the body: the last entry
-    # must not become the heading of every chunk that follows it.
-    toc = "\n".join(
-        [
-            "Table of Contents",
-            "",
-            "Preface . . . . . . . . . . . . . . . . . . . . . . . . . . 1",
-            "1 Introduction and preliminaries . . . . . . . . . . . . . 2",
-            "",
-            "1.1 The R environment. . . . . . . . . . . . . . . . . . . . 2",
-            "",
-            "Appendix A GNU Free Documentation License . . 76",
-            "Appendix B Concept index..........................  80",
-            "Index \u2026\u2026\u2026 ix",
-            "",
-        ]
-    )
-    body = "The environment evaluates each expression as it is typed. " * 20
-    # A cross reference wrapped to the start of a line reads like a chapter heading too.
-    xref = body + "See\nChapter 7 [Reading data from files], page 33.\n\n"
-    text = toc + "\n" + "\n\n".join([body, xref, "Chapter 2 Simple manipulations", body, body])
-    chunks = chunk_text(text, min_tokens=40, max_tokens=150)
-    heads = {h for c in chunks for h in c.headings}
-    assert "Chapter 2 Simple manipulations" in heads  # a real chapter heading still counts
-    assert not [h for h in heads if "." * 2 in h.replace(" ", "") or "\u2026" in h or "Appendix" in h], heads
-    assert all(c.headings == () for c in chunks if c.start < text.index("Chapter 2"))
-
-
 def test_long_sentence_splits_at_words_and_giant_word_at_tokens() -> None:
     sentence = " ".join(["antidisestablishmentarianism"] * 200)
     chunks = chunk_text(sentence, min_tokens=20, max_tokens=50)
@@ -297,7 +253,7 @@ def test_chunk_texts_matches_chunk_text() -> None:
 _PROCESS_CHECK = """
 import json, sys
 import multiprocessing as mp
-from ragbudget import chunking
+from ragbudget.input import chunking
 from ragbudget.input.chunking import chunk_text, chunk_texts
 
 method = sys.argv[1]

@@ -166,43 +166,6 @@ def test_eml_without_text_and_garbage(tmp_path):
     assert _error(garbage).reason == "malformed"
 
 
-def test_scanned_pdf_pages_are_reported_not_silently_empty(tmp_path):
-    doc = load_document(DATA / "policy-scanned.pdf")
-    assert doc.meta["pages_without_text"] == 2 and doc.meta["n_pages"] == 3
-    assert doc.meta["warnings"] == ["2 of 3 pages have no text layer (scanned?); not indexed without --ocr"]
-    assert "2 of 3 pages have no text layer" in doc.meta["encoding_warning"]  # what the index shows
-    pypdf = pytest.importorskip("pypdf")
-    writer = pypdf.PdfWriter()
-    for page in pypdf.PdfReader(DATA / "policy-scanned.pdf").pages[1:]:
-        writer.add_page(page)
-    only_scans = tmp_path / "scan.pdf"
-    with open(only_scans, "wb") as fh:
-        writer.write(fh)
-    err = _error(only_scans)
-    assert err.reason == "empty" and "no text layer on any of its 2 page(s)" in str(err) and "--ocr" in str(err)
-    # One scanned page beside a page with text: the verb agrees with the one.
-    writer = pypdf.PdfWriter()
-    for page in pypdf.PdfReader(DATA / "policy-scanned.pdf").pages[:2]:
-        writer.add_page(page)
-    one_scan = tmp_path / "one-scan.pdf"
-    with open(one_scan, "wb") as fh:
-        writer.write(fh)
-    assert load_document(one_scan).meta["warnings"] == [
-        "1 of 2 pages has no text layer (scanned?); not indexed without --ocr"
-    ]
-
-
-@pytest.mark.slow
-def test_ocr_reads_the_scanned_pages():
-    pytest.importorskip("pytesseract")
-    if shutil.which("tesseract") is None:
-        pytest.skip("tesseract-ocr is not installed")
-    doc = load_document(DATA / "policy-scanned.pdf", options=LoadOptions(ocr=True))
-    assert doc.meta["ocr_pages"] == 2
-    assert "Each package must have a priority value" in doc.pages[1]
-    assert "BINARY PACKAGES" in doc.pages[2]
-
-
 # --------------------------------------------------------------------------------------------------
 # hostile cases: a reason, bounded in time and memory, never a traceback
 

@@ -188,14 +188,6 @@ KNOWN_CYCLES: dict[tuple[str, str], str] = {
         "Index.build runs build._Builder, and build takes index's on-disk layout (20 names) and Index: "
         "retrieval/storage.py owning the layout (issue #32 section 3) removes it"
     ),
-    ("input/formats/", "input/loaders"): (
-        "the EPUB, mail, notebook and tabular readers decode with loaders' decode_bytes and _html_to_text, and "
-        "load_document calls the readers: decoding and HTML reading out of loaders (its split) removes it"
-    ),
-    ("input/formats/__init__", "input/formats/*"): (
-        "formats.read imports the readers, which take LoadOptions, Loaded and require from the package: "
-        "those in a module of their own removes it"
-    ),
 }
 
 

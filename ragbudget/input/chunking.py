@@ -1,8 +1,5 @@
 """Structure-aware chunking with exact token counts and exact character offsets.
 
-One job: cutting a text into token-bounded chunks with exact offsets and counts (the boundary
-finder and the exact-count arithmetic are one algorithm).
-
 :func:`chunk_text` cuts a text into chunks of ``min_tokens``–``max_tokens`` tokens, preferring (in
 this order) a heading, a blank-line paragraph break, a line break after a sentence or before a list
 item, a sentence end inside a line, any other line break, a word boundary, and, only for a "word"
@@ -34,23 +31,26 @@ import gc
 import itertools
 import os
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import numpy as np
+import numpy.typing as npt
 
-from ..settings import check_sizes
+from ..settings import ChunkSettings, check_sizes
 from ..tokens import TiktokenTokenizer, Tokenizer, get_tokenizer
 from ..types import Chunk, Document
+from .boundaries import HEADING, find_boundaries, heading_paths
+
+if TYPE_CHECKING:
+    from tiktoken import Encoding
 
 __all__ = ["chunk_document", "chunk_text", "chunk_texts"]
 
-# Boundary levels: lower is preferred. Within the allowed window the chunker cuts at the best
-# level present, and among equals at the last one (larger chunks, fewer of them), except for
-# headings (the first one; see _Chunker._choose).
-_HEADING, _PARAGRAPH, _LINE_SENTENCE, _SENTENCE, _LINE, _WORD, _TOKEN = range(7)
+# What get_tokenizer takes: None (the default encoding), a tiktoken encoding's name, a Tokenizer,
+# a callable, or a Hugging Face tokenizer object; the last is a third-party type, hence Any.
+TokenizerSpec: TypeAlias = Any
 
 # Unicode White_Space, spelled out: Python's ``\s`` also matches U+001C..U+001F, which the
 # tokenizer's regex (Rust ``\s``) does not, and the exactness argument depends on agreeing with it.
@@ -72,56 +72,18 @@ _CL100K_PAT = (
     r"""|\s++$|\s*[\r\n]|\s+(?!\S)|\s"""
 )
 
-# Separators. Every pattern starts with a literal or a small class so that ``re`` can skip
-# ahead quickly (a leading lookbehind or ``[ \t]*`` made one of these 20x slower than encoding).
-# A candidate is (left end, next start, level); the left end may still have trailing spaces,
-# which the planner strips.
-_CLOSERS = "\"'”’)\\]»"
-# A sentence end inside a line is terminal punctuation (+ closing quotes), spaces, then a
-# capital, digit or opening quote (found with numpy in _candidates). Short words before the
-# period are checked against common abbreviations here.
-_ABBREV = re.compile(r"(?:^|[\s(])(?:[A-Z]|Mr|Mrs|Ms|Dr|St|vs|e\.g|i\.e|cf|No|Fig|\d{1,3})$")
+# Word boundaries, for the cut of a window without a structural boundary and for overlap starts.
 _WORD_RE = re.compile(rf"[{_WS}]+")
 _WORD_START = re.compile(rf"[{_WS}]+(?=[^{_WS}])")
-_BLANK_BEFORE = re.compile(r"\n[ \t]*\n[ \t]*$")
-
-# Headings. Lines are pre-filtered with numpy on their first characters; these patterns are
-# then matched (anchored) at the few line starts that could be headings.
-_MD_HEAD = re.compile(r"[ ]{0,3}(#{1,6})[ \t]+(\S[^\n]*?)[ \t#]*(?=\n|\Z)")
-_RST_UNDER = re.compile(r"([=\-~^\"'*+#`:.])\1{2,}[ \t]*(?=\n|\Z)")
-_NUM_HEAD = re.compile(
-    r"[ \t]{0,4}((?:\d{1,3}\.)*\d{1,3}\.?|[A-Z]\.(?:\d{1,3}\.)*\d{0,3})[ \t]+"
-    r"([A-Z][^\n]{0,90}?)[ \t]*(?=\n[ \t]*\n|\n[=\-~^\"'*+#`:.]{3,}[ \t]*\n|\Z)"
-)
-_CHAPTER_HEAD = re.compile(
-    r"[ \t]{0,4}((?:Chapter|CHAPTER|Appendix|APPENDIX|Part|PART)[ \t]+[0-9IVXLA-Z]{1,6}\b[^\n]{0,90})(?=\n|\Z)"
-)
-_CAPS_HEAD = re.compile(r"([A-Z][A-Z0-9 /&(),'-]{2,40})[ \t]*(?=\n(?:[ \t]+\S|[ \t]*\n))")
-# A table-of-contents entry ("Appendix A GNU Free Documentation License . . 76", "1.2 Scope .... 5",
-# "Preface ··· iii"): a dot leader (two or more dots, ellipses or middle dots, spaced or not) then
-# a page number, arabic or roman, at the end of the line. It names a section that starts pages
-# later, so taken for a heading it would label every chunk after the contents with the last
-# entry. Never a heading, whatever pattern matched it; nor is a line holding a texinfo cross
-# reference ("Chapter 7 [Reading data from files], page 33.": a sentence wrapped so that it starts
-# like a chapter heading).
-_TOC_ENTRY = re.compile(r"(?:[.…·][ \t]*){2,}(?:\d{1,4}|[ivxlcdm]{1,7}|[IVXLCDM]{1,7})[ \t]*$")
-_NOT_A_HEADING = re.compile(rf"{_TOC_ENTRY.pattern}|\[[^\]\n]+\], pages? \d")
-
-
-@dataclass(frozen=True)
-class _Heading:
-    start: int  # first character of the heading line
-    depth: int
-    title: str
 
 
 def chunk_text(
     text: str,
     *,
-    min_tokens: int = 300,
-    max_tokens: int = 500,
-    overlap: int = 0,
-    tokenizer: Any = None,
+    min_tokens: int = ChunkSettings.min_tokens,
+    max_tokens: int = ChunkSettings.max_tokens,
+    overlap: int = ChunkSettings.overlap,
+    tokenizer: TokenizerSpec = None,
 ) -> list[Chunk]:
     """Cut ``text`` into chunks of at most ``max_tokens`` tokens, preferring structural boundaries.
 
@@ -145,10 +107,10 @@ def chunk_text(
 def chunk_texts(
     texts: Sequence[str],
     *,
-    min_tokens: int = 300,
-    max_tokens: int = 500,
-    overlap: int = 0,
-    tokenizer: Any = None,
+    min_tokens: int = ChunkSettings.min_tokens,
+    max_tokens: int = ChunkSettings.max_tokens,
+    overlap: int = ChunkSettings.overlap,
+    tokenizer: TokenizerSpec = None,
     workers: int = 1,
 ) -> list[list[Chunk]]:
     """:func:`chunk_text` over many texts, in order; ``workers > 1`` spreads them over processes.
@@ -183,7 +145,14 @@ def chunk_texts(
         return list(pool.map(one, texts))
 
 
-def chunk_document(doc: Document, **kw: Any) -> list[Chunk]:
+def chunk_document(
+    doc: Document,
+    *,
+    min_tokens: int = ChunkSettings.min_tokens,
+    max_tokens: int = ChunkSettings.max_tokens,
+    overlap: int = ChunkSettings.overlap,
+    tokenizer: TokenizerSpec = None,
+) -> list[Chunk]:
     """:func:`chunk_text` over ``doc.text``, with ``page_start``/``page_end`` set when paginated.
 
     Pages are 1-based and taken from :meth:`Document.page_of` of the chunk's first and last
@@ -194,7 +163,7 @@ def chunk_document(doc: Document, **kw: Any) -> list[Chunk]:
     [(1, 1), (2, 2)]
     """
     text = doc.text
-    chunks = chunk_text(text, **kw)
+    chunks = chunk_text(text, min_tokens=min_tokens, max_tokens=max_tokens, overlap=overlap, tokenizer=tokenizer)
     if not doc.paginated:
         return chunks
     starts = doc.page_starts
@@ -207,7 +176,7 @@ def chunk_document(doc: Document, **kw: Any) -> list[Chunk]:
 
 
 @functools.lru_cache(maxsize=4)
-def _token_char_counts(enc: Any) -> np.ndarray:
+def _token_char_counts(enc: Encoding) -> npt.NDArray[np.int64]:
     """For every token id: how many UTF-8 lead bytes (characters begun) its bytes hold.
 
     Summed over a text's tokens this gives character offsets of the token boundaries without
@@ -220,11 +189,11 @@ def _token_char_counts(enc: Any) -> np.ndarray:
     return counts
 
 
-def _fast_encoding(tok: Tokenizer) -> Any:
+def _fast_encoding(tok: Tokenizer) -> Encoding | None:
     """The tiktoken ``Encoding`` when the exact fast path applies, else ``None``."""
     if not isinstance(tok, TiktokenTokenizer):
         return None
-    enc = tok._enc
+    enc: Encoding = tok._enc
     if getattr(enc, "_pat_str", None) != _CL100K_PAT or not hasattr(enc, "_mergeable_ranks"):
         return None
     return enc
@@ -236,11 +205,10 @@ class _Chunker:
     def __init__(self, text: str, tok: Tokenizer, lo: int, hi: int, overlap: int) -> None:
         self.text, self.tok, self.lo, self.hi, self.overlap = text, tok, lo, hi, overlap
         self.enc = _fast_encoding(tok)
-        self._line_cache: tuple[np.ndarray, int, np.ndarray, np.ndarray, np.ndarray] | None = None
 
     # -- token positions -------------------------------------------------------------------
 
-    def _token_boundaries(self) -> np.ndarray:
+    def _token_boundaries(self) -> npt.NDArray[np.int64]:
         """Character offset of every token boundary (``tb[0] == 0``, ``tb[-1] == len(text)``)."""
         text = self.text
         if self.enc is not None:
@@ -260,184 +228,6 @@ class _Chunker:
         if len(points) > 1:
             points[-1] = len(text)
         return np.asarray(points, dtype=np.int64)
-
-    # -- boundaries --------------------------------------------------------------------------
-
-    def _lines(self) -> tuple[np.ndarray, int, np.ndarray, np.ndarray, np.ndarray]:
-        """(padded code points, length, newline offsets, line starts, first non-blank of each line).
-
-        Line ``i`` starts at ``starts[i]`` (0, then one past each newline); reads past the end
-        of the text see NUL padding, which no test below accepts.
-        """
-        cached = self._line_cache
-        if cached is None:
-            raw = self.text.encode("utf-32-le", errors="surrogatepass")
-            cp = np.frombuffer(raw, dtype=np.uint32)
-            n = len(cp)
-            pad = np.zeros(n + 4, dtype=np.uint32)
-            pad[:n] = cp
-            nl = np.flatnonzero(cp == 10)
-            starts = np.empty(len(nl) + 1, dtype=np.int64)
-            starts[0] = 0
-            starts[1:] = nl + 1
-            first = _skip(pad, starts, _is_blank)
-            cached = self._line_cache = (pad, n, nl, starts, first)
-        return cached
-
-    def _headings(self) -> list[_Heading]:
-        text = self.text
-        pad, _n, _nl, starts, first = self._lines()
-        indent = first - starts
-        c0, c1 = pad[first], pad[first + 1]
-        upper0 = (c0 >= 65) & (c0 <= 90)
-        digit0 = (c0 >= 48) & (c0 <= 57)
-        s0 = pad[starts]
-        found: dict[int, _Heading] = {}
-        rst_levels: dict[str, int] = {}
-        under = _is_underline(s0) & (pad[starts + 1] == s0) & (pad[starts + 2] == s0)
-        for i in np.flatnonzero(under[1:]) + 1:
-            line_start = int(starts[i])
-            m = _RST_UNDER.match(text, line_start)
-            if m is None:
-                continue
-            # The title is the line above the underline (overline-only lines have no text).
-            prev_start = int(starts[i - 1])
-            title = text[prev_start : line_start - 1].strip()
-            mark = m.group(0).strip()
-            if (
-                not title
-                or text[prev_start].isspace()
-                or len(mark) < len(title)
-                or len(title) > 120
-                or not any(ch.isalnum() for ch in title)
-            ):
-                continue
-            depth = rst_levels.setdefault(mark[0], len(rst_levels) + 1)
-            num = _NUMBER_PREFIX.match(title)
-            if num:  # "1.3.1. Early history": the number says the depth better than the style
-                depth = num.group(1).count(".") + 1
-            found[prev_start] = _Heading(prev_start, depth, title)
-        for i in np.flatnonzero((c0 == 35) & (indent <= 3)):
-            m = _MD_HEAD.match(text, int(starts[i]))
-            if m:
-                found[m.start()] = _Heading(m.start(), len(m.group(1)), m.group(2).strip())
-        numbered = (indent <= 4) & (digit0 | (upper0 & (c1 == 46)))
-        for i in np.flatnonzero(numbered):
-            start = int(starts[i])
-            if start in found:
-                continue
-            m = _NUM_HEAD.match(text, start)
-            if m is None:
-                continue
-            # A numbered heading stands alone: blank line (or start of text) before it too,
-            # which tells "1. Introduction" from the first item of a numbered list.
-            pre = text[max(0, start - 200) : start]
-            if start > 0 and not _BLANK_BEFORE.search(pre) and (start > 200 or pre.strip()):
-                continue
-            title = m.group(2)
-            if title[-1] in ".,;:" or len(title) > 80:
-                continue
-            depth = m.group(1).rstrip(".").count(".") + 1
-            found[start] = _Heading(start, depth, f"{m.group(1)} {title}".strip())
-        # "Chapter", "Appendix", "Part" (any case) and ALL-CAPS lines: check two characters
-        # before running a regex (most lines of prose start with a capital too).
-        chapter = (indent <= 4) & _is_chapter0(c0) & _is_chapter1(c1)
-        caps = (indent == 0) & upper0 & (_is_upper(c1) | ((c1 >= 48) & (c1 <= 57)))
-        for mask, rx in ((chapter, _CHAPTER_HEAD), (caps, _CAPS_HEAD)):
-            for i in np.flatnonzero(mask):
-                start = int(starts[i])
-                if start not in found:
-                    m = rx.match(text, start)
-                    if m:
-                        found[start] = _Heading(start, 1, m.group(1).strip())
-        return [found[k] for k in sorted(found) if not _NOT_A_HEADING.search(found[k].title)]
-
-    def _candidates(self, headings: list[_Heading]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """All structural cut points: (left end, next start, level), sorted by left end."""
-        text = self.text
-        n_text = len(text)
-        ends: list[int] = []
-        nexts: list[int] = []
-        levels: list[int] = []
-        # Line and paragraph breaks, vectorised over the code points (a Python loop per line
-        # cost as much as the whole tokenizer pass).
-        pad, n, nl, _starts, first = self._lines()
-        q = first[1:]  # first non-blank character of the line after each newline
-        cq = pad[q]
-        line = (q < n) & ~_is_space(cq)  # the next line has text (not blank, not the end)
-        prev = pad[nl - 1]  # nl - 1 == -1 reads the padding: "no character"
-        prev2 = pad[nl - 2]
-        good = _is_sent_end(prev) | (_is_closer(prev) & _is_sent_end(prev2))
-        # A list item starting the next line: "- x", "* x", "1. x", "12) x", "(a) x", "a) x".
-        c0, c1, c2, c3 = cq, pad[q + 1], pad[q + 2], pad[q + 3]
-        blank1, blank2, blank3 = _is_blank(c1), _is_blank(c2), _is_blank(c3)
-        digit0, digit1 = (c0 >= 48) & (c0 <= 57), (c1 >= 48) & (c1 <= 57)
-        closer1, closer2 = (c1 == 46) | (c1 == 41), (c2 == 46) | (c2 == 41)
-        listy = (_is_bullet(c0) & blank1) | (digit0 & closer1 & blank2)
-        listy |= digit0 & digit1 & closer2 & blank3
-        listy |= (c0 == 40) & _is_alnum_ascii(c1) & (c2 == 41) & blank3
-        listy |= _is_alnum_ascii(c0) & (c1 == 41) & blank2
-        ends.extend(nl[line].tolist())
-        nexts.extend(q[line].tolist())
-        levels.extend(np.where((good | listy)[line], _LINE_SENTENCE, _LINE).tolist())
-        # Blank lines: one candidate per blank run (its first newline), the next chunk starts
-        # at the next text.
-        para = np.flatnonzero((cq == 10) & (prev != 10))
-        nxt = _skip(pad, q[para], _is_space)
-        para_ok = nxt < n
-        ends.extend(nl[para[para_ok]].tolist())
-        nexts.extend(nxt[para_ok].tolist())
-        levels.extend([_PARAGRAPH] * int(para_ok.sum()))
-        # Sentence ends inside lines, vectorised too: terminal punctuation, closing quotes,
-        # spaces, then a capital or digit (optionally after an opening quote or bracket).
-        punct = np.flatnonzero((pad == 46) | (pad == 33) | (pad == 63))
-        after = _skip(pad, punct + 1, _is_closer)
-        gap = _is_blank(pad[after])
-        punct, after = punct[gap], after[gap]
-        nxt = _skip(pad, after, _is_blank)
-        c = pad[nxt]
-        opener = _is_opener(c)
-        c = np.where(opener, pad[nxt + 1], c)
-        ok = _is_upper(c) | ((c >= 48) & (c <= 57))
-        # Not sentence ends: initials ("J. Smith", "U.S. Army") and list markers ("  1. The").
-        x1, x2, x3 = pad[punct - 1], pad[punct - 2], pad[punct - 3]
-        ok &= ~(_is_upper(x1) & ~_is_alpha(x2))
-        digit1, digit2 = (x1 >= 48) & (x1 <= 57), (x2 >= 48) & (x2 <= 57)
-        edge2, edge3 = _is_blank(x2) | (x2 == 10) | (x2 == 0), _is_blank(x3) | (x3 == 10) | (x3 == 0)
-        ok &= ~(digit1 & (edge2 | (digit2 & edge3)))
-        # Short words may be abbreviations ("Mr.", "e.g.", "Fig."): checked one by one.
-        short = ok & _is_alpha(x1) & ~(_is_alpha(x2) & _is_alpha(x3) & _is_alpha(pad[punct - 4]))
-        for k in np.flatnonzero(short):
-            p0 = int(punct[k])
-            if _ABBREV.search(text, max(0, p0 - 6), p0):
-                ok[k] = False
-        ends.extend(after[ok].tolist())
-        nexts.extend(nxt[ok].tolist())
-        levels.extend([_SENTENCE] * int(ok.sum()))
-        for h in headings:
-            # The heading line may be indented: the next chunk starts at its first character.
-            first_char = h.start
-            while first_char < n_text and text[first_char] in " \t":
-                first_char += 1
-            end = h.start
-            while end > 0 and text[end - 1].isspace():
-                end -= 1
-            if 0 < end < first_char:
-                ends.append(end)
-                nexts.append(first_char)
-                levels.append(_HEADING)
-        if not ends:
-            empty = np.zeros(0, dtype=np.int64)
-            return empty, empty, empty
-        e = np.asarray(ends, dtype=np.int64)
-        nx = np.asarray(nexts, dtype=np.int64)
-        lv = np.asarray(levels, dtype=np.int64)
-        # One candidate per left end, keeping the best level (and its widest separator).
-        order = np.lexsort((-nx, lv, e))
-        e, nx, lv = e[order], nx[order], lv[order]
-        keep = np.ones(len(e), dtype=bool)
-        keep[1:] = e[1:] != e[:-1]
-        return e[keep], nx[keep], lv[keep]
 
     # -- exact counts --------------------------------------------------------------------------
 
@@ -517,20 +307,19 @@ class _Chunker:
                 pool.submit(enc.encode_to_numpy, text[a:b], allowed_special=set(), disallowed_special=())
                 for a, b in itertools.pairwise(cuts)
             ]
-            headings = self._headings()
-            c_end, c_next, c_lvl = self._candidates(headings)
+            found = find_boundaries(text)
             ids = np.concatenate([f.result() for f in futures])
             self.tb = tb = np.zeros(len(ids) + 1, dtype=np.int64)
             np.cumsum(_token_char_counts(enc)[ids], out=tb[1:])
         else:
             self.tb = tb = self._token_boundaries()
-            headings = self._headings()
-            c_end, c_next, c_lvl = self._candidates(headings)
-        c_ti = tb.searchsorted(c_end).tolist()
-        c_end, c_next, c_lvl = c_end.tolist(), c_next.tolist(), c_lvl.tolist()
+            found = find_boundaries(text)
+        headings = found.headings
+        c_ti = tb.searchsorted(found.ends).tolist()
+        c_end, c_next, c_lvl = found.ends.tolist(), found.nexts.tolist(), found.levels.tolist()
         t_end = self._ti(doc_end)
         head_pos = [h.start for h in headings]
-        paths = _heading_paths(headings)
+        paths = heading_paths(headings)
 
         chunks: list[Chunk] = []
         s = doc_start
@@ -564,7 +353,18 @@ class _Chunker:
             s = self._overlap_start(s, e, nxt) if self.overlap else nxt
         return chunks
 
-    def _choose(self, s, t_s, t_end, doc_end, budget, c_end, c_next, c_lvl, c_ti):  # type: ignore[no-untyped-def]
+    def _choose(
+        self,
+        s: int,
+        t_s: int,
+        t_end: int,
+        doc_end: int,
+        budget: int,
+        c_end: list[int],
+        c_next: list[int],
+        c_lvl: list[int],
+        c_ti: list[int],
+    ) -> tuple[int, int]:
         """Pick the end of the chunk starting at ``s``: returns (end, start of the next chunk)."""
         if t_end - t_s <= budget:
             return doc_end, doc_end
@@ -585,7 +385,7 @@ class _Chunker:
             best_key, k = None, j0
             for j in range(j0, j1):
                 lvl = c_lvl[j]
-                key = (lvl + (0 if c_ti[j] <= tail_ok else 100), j if lvl == _HEADING else -j)
+                key = (lvl + (0 if c_ti[j] <= tail_ok else 100), j if lvl == HEADING else -j)
                 if best_key is None or key < best_key:
                     best_key, k = key, j
             return c_end[k], c_next[k]
@@ -654,82 +454,6 @@ def _space_point(text: str, lo: int, hi: int, *, last: bool) -> int:
     return -1
 
 
-# str.isspace for every code point up to U+3000 (nothing above it is a space).
-_SPACE_TABLE = np.array([chr(i).isspace() for i in range(0x3001)], dtype=bool)
-
-
-def _is_space(cp: np.ndarray) -> np.ndarray:
-    return _SPACE_TABLE[np.minimum(cp, 0x3000)] & (cp <= 0x3000)
-
-
-def _is_alnum_ascii(c: np.ndarray) -> np.ndarray:
-    return ((c >= 48) & (c <= 57)) | ((c >= 65) & (c <= 90)) | ((c >= 97) & (c <= 122))
-
-
-class _CharSet:
-    """Membership test of code-point arrays in a small character set (a lookup table)."""
-
-    def __init__(self, chars: str) -> None:
-        self.size = max(map(ord, chars)) + 1
-        self.table = np.zeros(self.size + 1, dtype=bool)
-        self.table[[ord(c) for c in chars]] = True
-
-    def __call__(self, cp: np.ndarray) -> np.ndarray:
-        return self.table[np.minimum(cp, self.size)]
-
-
-_is_closer = _CharSet(_CLOSERS)
-_is_opener = _CharSet("\"'“‘([«")
-_is_sent_end = _CharSet(".!?:;")
-_is_bullet = _CharSet("-*•+–")
-_is_chapter0 = _CharSet("CAP")
-_is_chapter1 = _CharSet("hHpPaA")
-_is_underline = _CharSet("=-~^\"'*+#`:.")
-# ASCII and Latin letters (up to U+024F): enough for sentence starts and abbreviation checks.
-_UPPER_TABLE = np.array([chr(i).isupper() for i in range(0x250)], dtype=bool)
-_ALPHA_TABLE = np.array([chr(i).isalpha() for i in range(0x250)], dtype=bool)
-
-
-def _is_upper(cp: np.ndarray) -> np.ndarray:
-    return _UPPER_TABLE[np.minimum(cp, 0x24F)] & (cp < 0x250)
-
-
-def _is_alpha(cp: np.ndarray) -> np.ndarray:
-    return _ALPHA_TABLE[np.minimum(cp, 0x24F)] & (cp < 0x250)
-
-
-def _is_blank(cp: np.ndarray) -> np.ndarray:
-    return (cp == 32) | (cp == 9)
-
-
-def _skip(pad: np.ndarray, pos: np.ndarray, pred: Any) -> np.ndarray:
-    """Advance each position while ``pred(pad[pos])``; the NUL padding stops every walk.
-
-    Short runs (indentation) are walked a step at a time on the positions still moving; after
-    8 steps the few left (page breaks padded with long blank runs) look ahead 64 characters at a
-    time, so a long run costs a few small passes, never one over the whole text.
-    """
-    pos = pos.copy()
-    active = np.flatnonzero(pred(pad[pos]))
-    steps = 0
-    last = len(pad) - 1  # padding: pred is false there
-    while active.size:
-        if steps >= 8:
-            window = pred(pad[np.minimum(pos[active, None] + _LOOKAHEAD, last)])
-            stopped = ~window.all(axis=1)
-            pos[active] += np.where(stopped, (~window).argmax(axis=1), len(_LOOKAHEAD))
-            active = active[~stopped]
-            continue
-        pos[active] += 1
-        active = active[pred(pad[pos[active]])]
-        steps += 1
-    return pos
-
-
-_LOOKAHEAD = np.arange(64)
-
-
-_NUMBER_PREFIX = re.compile(r"((?:\d+\.)*\d+)\.?\s")
 _WS_NONL_CHARS = frozenset("\t\x0b\x0c \x85\xa0\u1680\u2028\u2029\u202f\u205f\u3000") | {
     chr(c) for c in range(0x2000, 0x200B)
 }
@@ -866,16 +590,4 @@ def _chunk_batch(
         t = _FORK_TEXTS[0][i] if text is None else text
         chunks = _Chunker(t, tok, lo, hi, overlap).run()
         out.append((i, [(c.start, c.end, c.n_tokens, c.headings) for c in chunks]))
-    return out
-
-
-def _heading_paths(headings: Iterable[_Heading]) -> list[tuple[str, ...]]:
-    """The heading path in effect at each heading (that heading included)."""
-    stack: list[_Heading] = []
-    out = []
-    for h in headings:
-        while stack and stack[-1].depth >= h.depth:
-            stack.pop()
-        stack.append(h)
-        out.append(tuple(x.title for x in stack))
     return out

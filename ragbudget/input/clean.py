@@ -54,6 +54,7 @@ __all__ = [
     "find_furniture",
     "mask_line",
     "strip_headers_footers",
+    "trim_page",
 ]
 
 #: Non-empty lines examined at the top and at the bottom of each page. Three covers a header plus
@@ -400,6 +401,17 @@ def apply_report(pages: Sequence[str], report: StripReport) -> list[str]:
         lines = page.split("\n")
         out.append("\n".join(line for i, line in enumerate(lines) if i not in drop[p]))
     return out
+
+
+def trim_page(page: str) -> str:
+    """``page`` without the blank lines at its edges: layout padding (groff pads to 66 lines, and
+    stripping furniture leaves the blank lines around it). Inner blank lines separate paragraphs
+    and stay.
+
+    >>> trim_page("\\n\\nHeading\\n\\nBody.\\n\\n")
+    'Heading\\n\\nBody.'
+    """
+    return page.strip("\n")
 
 
 @overload

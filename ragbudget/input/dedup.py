@@ -20,11 +20,11 @@ import hashlib
 import unicodedata
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
 from ..errors import ConfigError
+from ..settings import DedupSettings
 from ..types import Chunk, Source
 
 __all__ = [
@@ -52,8 +52,9 @@ __all__ = [
 #: versions ("Chairman" -> "Chair" in a section) score 0.84-0.98. Shingle 3: Disfl-QA copies
 #: score 1.0 for k = 2..5 alike; 3 keeps unrelated texts far apart. 128 permutations: standard
 #: error <= 0.044 of the Jaccard estimate; signatures cost about 1/4 of the dedup time.
-DEFAULT_THRESHOLD = 0.8
-DEFAULT_NUM_PERM = 128
+#: (The threshold and permutations are DedupSettings' defaults: one definition, the settings record's.)
+DEFAULT_THRESHOLD = DedupSettings.near_threshold
+DEFAULT_NUM_PERM = DedupSettings.num_perm
 DEFAULT_SHINGLE = 3
 
 # Hash family constants (fixed: signatures must be identical in every process). The seed makes
@@ -355,7 +356,8 @@ def minhash_signature(text: str, *, num_perm: int = DEFAULT_NUM_PERM, shingle: i
 
     Store it with ``sig.tobytes()`` and restore with ``np.frombuffer(raw, dtype=np.uint32)``.
     """
-    return minhash_signatures([text], num_perm=num_perm, shingle=shingle)[0]
+    sig: np.ndarray = minhash_signatures([text], num_perm=num_perm, shingle=shingle)[0]
+    return sig
 
 
 def estimate_jaccard(sig_a: np.ndarray, sig_b: np.ndarray) -> float:
@@ -705,7 +707,7 @@ class DedupResult:
         return self.exact_removed + self.near_removed
 
 
-def _as_source(chunk: Chunk, src: Any) -> Source:
+def _as_source(chunk: Chunk, src: object) -> Source:
     if isinstance(src, Source):
         return src
     if isinstance(src, str):
@@ -714,7 +716,7 @@ def _as_source(chunk: Chunk, src: Any) -> Source:
 
 
 def dedup(
-    chunks_with_sources: Iterable[tuple[Chunk, Any]],
+    chunks_with_sources: Iterable[tuple[Chunk, Source | str]],
     *,
     threshold: float = DEFAULT_THRESHOLD,
     num_perm: int = DEFAULT_NUM_PERM,
@@ -764,7 +766,9 @@ def dedup(
         if near:
             hits = index._query(sigs[i], band_keys[i])
             if hits:
-                rep = int(hits[0][0])  # type: ignore[call-overload]
+                # The index holds only this call's keys: the positions ``i`` this loop inserts.
+                rep = hits[0][0]
+                assert isinstance(rep, int)
                 rep_of[i] = rep
                 sim_of[rep] = min(sim_of.get(rep, 1.0), hits[0][1])
                 near_n += 1

@@ -33,13 +33,16 @@ written ``(7) …``, so the labels the model sees are exactly the sources. (A da
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from ..errors import BudgetError, ConfigError
 from ..tokens import HFTokenizer
-from .select import Dropped, SelectedChunk, Selection, select_chunks
+from .select import Dropped, Retrieved, SelectedChunk, Selection, select_chunks
+
+if TYPE_CHECKING:
+    from .spans import SpanScorer
 
 __all__ = [
     "DEFAULT_SYSTEM_PROMPT",
@@ -79,7 +82,7 @@ def escape_data(text: str) -> str:
     return _TURN_MARKUP.sub("< ", text)
 
 
-def source_label(passage: Any) -> str:
+def source_label(passage: Retrieved) -> str:
     """The short label of a passage in the prompt: its file's name and page(s), no folders.
 
     >>> from ragbudget.types import Source
@@ -172,11 +175,12 @@ class PromptBuilder:
     """
 
     #: Whether a count costs a request (a served engine's tokenizer): span packing then composes
-    #: passage costs from pieces counted in one batch (:func:`~ragbudget.prompt.spans.span_pieces`)
+    #: passage costs from pieces counted in one batch (:func:`~ragbudget.prompt.pieces.span_pieces`)
     #: instead of counting each trial passage, and the render checks the result. A local
     #: tokenizer counts each trial exactly: it costs microseconds.
     batch_counts: ClassVar[bool] = False
 
+    # Any: a Hugging Face tokenizer (transformers, untyped here) or an HFTokenizer around one.
     def __init__(self, tokenizer: Any, *, system_prompt: str | None = None) -> None:
         self.tokenizer = tokenizer if isinstance(tokenizer, HFTokenizer) else HFTokenizer(tokenizer)
         self.system_prompt = DEFAULT_SYSTEM_PROMPT if system_prompt is None else system_prompt
@@ -216,13 +220,13 @@ class PromptBuilder:
                 self._counts[text] = n
         return n
 
-    def block(self, passage: Any, source_id: int | str) -> str:
+    def block(self, passage: Retrieved, source_id: int | str) -> str:
         """The numbered block of one passage: ``[n] name, page p``, a newline, the text, a newline."""
         label = source_label(passage)
         text = _LABEL_LIKE.sub(r"(\1)", escape_data(passage.text.strip()))
         return f"[{source_id}]{' ' + label if label else ''}\n{text}\n"
 
-    def overhead(self, passage: Any, *, max_id: int = 99) -> int:
+    def overhead(self, passage: Retrieved, *, max_id: int = 99) -> int:
         """Exact label/separator tokens of ``passage``: ``count(block) - count(text)``; labeled
         with the widest id it could get (``max_id``), so renumbering never adds a token."""
         return self.count(self.block(passage, max_id)) - self.count(passage.text)
@@ -242,11 +246,11 @@ class PromptBuilder:
         return ids, len(ids)
 
     # -- rendering --------------------------------------------------------------------------
-    def user_message(self, question: str, passages: Sequence[Any]) -> str:
+    def user_message(self, question: str, passages: Sequence[Retrieved]) -> str:
         blocks = "".join(self.block(p, i + 1) for i, p in enumerate(passages))
         return f"Sources:\n{blocks}Question: {escape_data(question.strip())}"
 
-    def messages(self, question: str, passages: Sequence[Any]) -> list[dict[str, str]]:
+    def messages(self, question: str, passages: Sequence[Retrieved]) -> list[dict[str, str]]:
         user = self.user_message(question, passages)
         history = list(self.history)
         if not self.system_prompt:
@@ -338,6 +342,29 @@ class PromptBuilder:
         )
 
 
+class Rendered(Protocol):
+    """A chat rendered by a backend (:class:`~ragbudget.generation.backend.RenderedPrompt`): its
+    size, and its text and ids when the engine returns them."""
+
+    @property
+    def n_tokens(self) -> int: ...
+
+    @property
+    def text(self) -> str | None: ...
+
+    @property
+    def token_ids(self) -> Sequence[int] | None: ...
+
+
+class CountingBackend(Protocol):
+    """What :class:`EnginePromptBuilder` asks of a :class:`~ragbudget.generation.backend.Backend`
+    (generation sits above this package, so the two methods are spelled out here)."""
+
+    def count(self, texts: Sequence[str]) -> Sequence[int]: ...
+
+    def render(self, messages: Sequence[Mapping[str, str]]) -> Rendered: ...
+
+
 class EnginePromptBuilder(PromptBuilder):
     """A :class:`PromptBuilder` that counts and renders through a
     :class:`~ragbudget.generation.backend.Backend` — a served engine's own tokenizer and chat template (or
@@ -348,7 +375,7 @@ class EnginePromptBuilder(PromptBuilder):
 
     batch_counts = True
 
-    def __init__(self, backend: Any, *, system_prompt: str | None = None) -> None:
+    def __init__(self, backend: CountingBackend, *, system_prompt: str | None = None) -> None:
         # No local tokenizer: every method that would use one (count, prime, render_text, measure)
         # is the backend's here, so ``tokenizer`` is never set.
         self.backend = backend
@@ -392,15 +419,16 @@ def _too_small(fixed: int, have: int) -> BudgetError:
 
 def build_prompt(
     question: str,
-    candidates: Iterable[Any],
+    candidates: Iterable[Retrieved],
     *,
-    tokenizer: Any = None,
+    tokenizer: Any = None,  # a Hugging Face tokenizer (third-party, untyped here), as PromptBuilder's
     max_prompt_tokens: int,
     system_prompt: str | None = None,
     safety_margin: int = 0,
     builder: PromptBuilder | None = None,
     pack: str = "chunks",
-    span_scorer: Any = None,
+    span_scorer: SpanScorer | None = None,
+    # Any: forwarded to select_chunks or select_spans, whose own signatures check them.
     **select_options: Any,
 ) -> Prompt:
     """Select the ``candidates`` that fit and render the prompt, ≤ ``max_prompt_tokens`` exactly.
@@ -437,12 +465,12 @@ def build_prompt(
     composed = pack == "spans" and b.batch_counts
     texts = [c.text for c in cands] + [b.block(c, max_id) for c in cands]
     if composed:
-        from .spans import span_pieces
+        from .pieces import span_pieces
 
         # Every piece span packing may use, of every candidate, in the same batch: a candidate
         # counted once (by any question) costs no request again, so a new question asks the
         # tokenizer for its render and the final one only.
-        texts += span_pieces(cands, unit=select_options.get("unit", "sentence"))
+        texts += span_pieces(cands)
     b.prime(texts)
     budget = max(0, max_prompt_tokens - fixed - safety_margin)
     if pack == "spans":

@@ -34,13 +34,23 @@ import math
 import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, TypeAlias
 
 from ..errors import ConfigError
 from ..input.formats import join_labels
 from ..types import ORDERS, QUESTION_STOPWORDS, Source
 
-__all__ = ["ORDERS", "Candidate", "Dropped", "SelectedChunk", "Selection", "select_chunks"]
+__all__ = [
+    "ORDERS",
+    "Candidate",
+    "ChunkId",
+    "Dropped",
+    "Retrieved",
+    "SelectedChunk",
+    "Selection",
+    "Span",
+    "select_chunks",
+]
 
 DROP_REASONS = ("duplicate", "below_cutoff", "below_relevance_floor", "redundant", "over_budget")
 
@@ -52,12 +62,31 @@ _DP_MAX_CELLS = 20_000_000
 _MIN_VALUE = 1e-3
 
 
+#: A chunk's id: the index's row id, or whatever a caller names its own candidates by; kept as given.
+ChunkId: TypeAlias = int | str
+
+
+class Retrieved(Protocol):
+    """What selection reads of a retrieval hit: a :class:`~ragbudget.types.Hit`, a
+    :class:`Candidate`, a :class:`SelectedChunk`, or any object with these attributes (its
+    ``sources`` and ``headings`` are read when it has them)."""
+
+    @property
+    def chunk_id(self) -> ChunkId: ...
+
+    @property
+    def text(self) -> str: ...
+
+    @property
+    def score(self) -> float: ...
+
+
 @dataclass(frozen=True)
 class Candidate:
     """A retrieval hit as the selector sees it (anything with these attributes works, e.g. a
     ``ragbudget.retrieval.index.Hit``)."""
 
-    chunk_id: Any  # str or int (the index's row id); kept as given
+    chunk_id: ChunkId
     text: str
     score: float
     sources: tuple[Source, ...] = ()
@@ -72,7 +101,7 @@ class SelectedChunk:
     overhead and is what the budget is charged.
     """
 
-    chunk_ids: tuple[Any, ...]
+    chunk_ids: tuple[ChunkId, ...]
     text: str
     score: float
     n_tokens: int
@@ -81,12 +110,11 @@ class SelectedChunk:
     headings: tuple[str, ...] = ()
     truncated: bool = False
     #: With span packing (:mod:`ragbudget.prompt.spans`): the sentences of the chunk(s) that went in, in
-    #: document order, each a :class:`~ragbudget.prompt.spans.Span` with its exact offsets and cost.
-    #: Empty for a whole chunk.
-    spans: tuple[Any, ...] = ()
+    #: document order, each a :class:`Span` with its exact offsets and cost. Empty for a whole chunk.
+    spans: tuple[Span, ...] = ()
 
     @property
-    def chunk_id(self) -> Any:
+    def chunk_id(self) -> ChunkId:
         return self.chunk_ids[0]
 
     def to_dict(self) -> dict[str, Any]:
@@ -104,11 +132,45 @@ class SelectedChunk:
 
 
 @dataclass(frozen=True)
+class Span:
+    """One sentence (or list item) of a chunk, chosen for the context or left out.
+
+    ``start``/``end`` are offsets in the chunk's text (``chunk.text[start:end] == text``);
+    ``source`` is the same text's place in its file (offsets and page(s)). ``score`` is the
+    question's evidence for it (0–1), ``n_tokens`` its own count in the generator's tokens.
+    ``why``: ``question`` (chosen on its own evidence) or ``neighbour`` (kept for a chosen
+    sentence that needs it, see :mod:`ragbudget.prompt.spans`' neighbour rule); for a span left out,
+    ``over_budget``, ``redundant`` or ``duplicate``.
+    """
+
+    chunk_id: ChunkId
+    start: int
+    end: int
+    text: str
+    score: float
+    n_tokens: int
+    source: Source | None = None
+    why: str = "question"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "chunk_id": self.chunk_id,
+            "start": self.start,
+            "end": self.end,
+            "score": round(self.score, 6),
+            "n_tokens": self.n_tokens,
+            "why": self.why,
+            "source": self.source.to_dict() if self.source else None,
+            "text": self.text,
+        }
+
+
+@dataclass(frozen=True)
 class Dropped:
     """A candidate left out, and why: one of ``duplicate``, ``below_cutoff``,
     ``below_relevance_floor``, ``redundant``, ``over_budget``."""
 
-    chunk_id: Any
+    chunk_id: ChunkId
     reason: str
     score: float
     n_tokens: int
@@ -135,9 +197,8 @@ class Selection:
     #: ``"chunks"`` (whole chunks) or ``"spans"`` (sentences inside the best chunks).
     pack: str = "chunks"
     #: With span packing: the sentences of the considered chunks that were left out, each a
-    #: :class:`~ragbudget.prompt.spans.Span` whose ``why`` says why (``over_budget``, ``redundant``,
-    #: ``duplicate``).
-    spans_dropped: tuple[Any, ...] = ()
+    #: :class:`Span` whose ``why`` says why (``over_budget``, ``redundant``, ``duplicate``).
+    spans_dropped: tuple[Span, ...] = ()
 
     @property
     def fill(self) -> float:
@@ -165,7 +226,7 @@ class Selection:
 
 @dataclass(eq=False)
 class _Item:
-    ids: tuple[Any, ...]
+    ids: tuple[ChunkId, ...]
     text: str
     score: float
     sources: tuple[Source, ...]
@@ -201,11 +262,11 @@ def _norm(text: str) -> str:
 
 def select_chunks(
     question: str,
-    candidates: Iterable[Any],
+    candidates: Iterable[Retrieved],
     *,
     budget_tokens: int,
     count_tokens: Callable[[str], int],
-    chunk_overhead: int | Callable[[Any], int] = 0,
+    chunk_overhead: int | Callable[[SelectedChunk], int] = 0,
     lambda_: float = 0.7,
     temperature: float = 0.02,
     order: str = "relevance",
@@ -216,7 +277,7 @@ def select_chunks(
     max_merge_gap: int = 2,
     truncate_oversize: bool = True,
     fill_remainder: bool = False,
-    similarity: Callable[[Any, Any], float] | None = None,
+    similarity: Callable[[SelectedChunk, SelectedChunk], float] | None = None,
 ) -> Selection:
     """Pick the subset of ``candidates`` that maximizes relevance minus redundancy under a hard cap.
 
@@ -324,7 +385,7 @@ def select_chunks(
     )
 
 
-def _overhead_of(chunk_overhead: int | Callable[[Any], int]) -> Callable[[Any], int]:
+def _overhead_of(chunk_overhead: int | Callable[[SelectedChunk], int]) -> Callable[[SelectedChunk], int]:
     # The per-passage overhead as one function of the chunk, whether given as a function or a number.
     if callable(chunk_overhead):
         return chunk_overhead
@@ -356,16 +417,16 @@ def _check_options(
 
 
 def _prepare(
-    cands: Sequence[Any],
+    cands: Sequence[Retrieved],
     count_tokens: Callable[[str], int],
-    overhead_of: Callable[[Any], int],
+    overhead_of: Callable[[SelectedChunk], int],
     *,
     lambda_: float,
     temperature: float,
     min_score: float | None,
     relevance_floor: float,
     redundancy: float,
-    similarity: Callable[[Any, Any], float] | None,
+    similarity: Callable[[SelectedChunk, SelectedChunk], float] | None,
 ) -> tuple[list[_Item], list[Dropped]]:
     """Steps 1-2 of :func:`select_chunks`: the candidates worth packing, best first, each with its
     exact cost and MMR value, and the ones left out with their reasons. Span packing
@@ -381,7 +442,7 @@ def _prepare(
         sources = tuple(getattr(c, "sources", ()) or ())
         headings = tuple(getattr(c, "headings", ()) or ())
         if min_score is not None and score < min_score:
-            dropped.append(Dropped(cid, "below_cutoff", score, _safe_count(count_tokens, text)))
+            dropped.append(Dropped(cid, "below_cutoff", score, count_tokens(text)))
             continue
         key = _norm(text)
         n = count_tokens(text)
@@ -421,10 +482,6 @@ def _prepare(
         it.value = max(_MIN_VALUE, rel * (1.0 - (1.0 - lambda_) * penalty))
         kept.append(it)
     return kept, dropped
-
-
-def _safe_count(count_tokens: Callable[[str], int], text: str) -> int:
-    return count_tokens(text)
 
 
 def _as_chunk(it: _Item) -> SelectedChunk:
@@ -502,7 +559,7 @@ def _truncate(
     it: _Item,
     budget: int,
     count_tokens: Callable[[str], int],
-    overhead_of: Callable[[Any], int],
+    overhead_of: Callable[[SelectedChunk], int],
     question: str = "",
 ) -> _Item | None:
     """The window of whole sentences of ``it`` (else of words) that fits ``budget`` and best covers
@@ -595,7 +652,7 @@ def _shorten(s: Source, offset: int, length: int) -> Source:
 def _merge(
     chosen: list[_Item],
     count_tokens: Callable[[str], int],
-    overhead_of: Callable[[Any], int],
+    overhead_of: Callable[[SelectedChunk], int],
     max_gap: int,
 ) -> list[_Item]:
     """Merge passages whose (single-source) spans touch in the same file; recount exactly and keep

@@ -1,5 +1,5 @@
 """EPUB books: the zip container, its package document's spine, each spine item through the HTML
-reader :mod:`ragbudget.input.loaders` already has (main text, ``#`` headings, navigation dropped)."""
+reader :mod:`ragbudget.input.html` (main text, ``#`` headings, navigation dropped)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,9 @@ import posixpath
 from urllib.parse import unquote
 
 from ...errors import LoadError
-from . import Loaded, LoadOptions
+from ..decode import decode_bytes
+from ..html import html_to_text
+from ._base import Loaded, LoadOptions
 from ._zip import open_zip, parse_xml, read_member
 
 __all__ = ["read_epub"]
@@ -23,8 +25,6 @@ def read_epub(data: bytes, path: str, *, options: LoadOptions, max_bytes: int, f
     ``linear="no"`` items (pop-ups, answer keys) are left out; the chapter's first heading, if
     any, is in ``meta["chapter_titles"]``. DRM-encrypted books (``META-INF/encryption.xml``
     naming content files) are refused as ``encrypted``."""
-    from ..loaders import _html_to_text, decode_bytes
-
     what = "EPUB book"
     zf = open_zip(data, path, what=what, max_bytes=max_bytes)
     with zf:
@@ -66,7 +66,7 @@ def read_epub(data: bytes, path: str, *, options: LoadOptions, max_bytes: int, f
             href = posixpath.normpath(posixpath.join(base, unquote(item.get("href") or "")))
             markup, _, _ = decode_bytes(read_member(zf, href, path, what=what), path=path, html=True)
             try:
-                text, _title = _html_to_text(markup, path)
+                text, _title = html_to_text(markup, path)
             except LoadError as exc:
                 if exc.reason == "empty":
                     continue

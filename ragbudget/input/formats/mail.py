@@ -11,10 +11,10 @@ import email
 import email.policy
 import re
 from email.message import EmailMessage
-from typing import Any
 
 from ...errors import LoadError
-from . import Loaded, LoadOptions
+from ..html import html_to_text
+from ._base import Loaded, LoadOptions
 
 __all__ = ["read_eml", "read_mbox"]
 
@@ -23,7 +23,7 @@ __all__ = ["read_eml", "read_mbox"]
 _MBOX_SPLIT = re.compile(rb"(?:^|\n\n|\r\n\r\n)From [^\n]*\n")
 
 
-def _header(msg: Any, name: str) -> str:
+def _header(msg: EmailMessage, name: str) -> str:
     try:
         value = msg.get(name)
     except Exception:  # email's header parser raises assorted errors on hostile headers
@@ -33,8 +33,6 @@ def _header(msg: Any, name: str) -> str:
 
 def _message_text(msg: EmailMessage, path: str) -> str:
     """The readable body of one message: text/plain preferred, else HTML converted."""
-    from ..loaders import _html_to_text
-
     part = msg.get_body(preferencelist=("plain", "html"))
     if part is None:
         return ""
@@ -42,7 +40,7 @@ def _message_text(msg: EmailMessage, path: str) -> str:
     if isinstance(content, bytes):
         content = content.decode("utf-8", "replace")
     if part.get_content_subtype() == "html":
-        content, _ = _html_to_text(content, path)
+        content, _ = html_to_text(content, path)
     return "\n".join(line.rstrip() for line in content.strip().splitlines())
 
 

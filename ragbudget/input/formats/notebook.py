@@ -6,7 +6,8 @@ import json
 from typing import Any
 
 from ...errors import LoadError
-from . import Loaded, LoadOptions
+from ..decode import decode_bytes
+from ._base import Loaded, LoadOptions
 
 __all__ = ["read_ipynb"]
 
@@ -17,7 +18,7 @@ _TEXT_MIMES = ("text/markdown", "text/plain")
 MAX_OUTPUT_CHARS = 20_000
 
 
-def _source(value: Any) -> str:
+def _source(value: object) -> str:
     if isinstance(value, list):
         return "".join(str(v) for v in value)
     return value if isinstance(value, str) else ""
@@ -29,8 +30,6 @@ def read_ipynb(data: bytes, path: str, *, options: LoadOptions, max_bytes: int, 
     the kernel's language; raw cells as text. With ``options.ipynb_outputs`` the text outputs of a
     code cell (stream, results, errors) follow its code; binary outputs are never indexed and are
     counted in ``meta["binary_outputs"]``."""
-    from ..loaders import decode_bytes
-
     text, _, _ = decode_bytes(data, path=path)
     try:
         nb = json.loads(text)

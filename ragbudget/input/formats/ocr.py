@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ...errors import LoadError
-from . import require
+from ._base import require
 
 __all__ = ["OCR_DPI", "OCR_TIMEOUT_S", "ocr_pdf_pages"]
 

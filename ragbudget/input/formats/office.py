@@ -13,10 +13,13 @@ from collections import Counter
 from typing import Any
 
 from ...errors import LoadError
-from . import Loaded, LoadOptions, require
+from ._base import Loaded, LoadOptions, require
 from ._zip import open_zip, parse_xml, read_member
 
 __all__ = ["read_docx", "read_odt", "read_pptx"]
+
+# The Any parameters below are python-docx, python-pptx and lxml objects: optional libraries,
+# imported on first use and without type stubs here, so their values are Any at this seam.
 
 
 def _one_line(text: str) -> str:

@@ -11,10 +11,14 @@ import fnmatch
 import json
 import re
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ...errors import LoadError
-from . import Loaded, LoadOptions
+from ..decode import decode_bytes
+from ._base import Loaded, LoadOptions
+
+if TYPE_CHECKING:  # the type csv.reader returns (its line_num is read on errors)
+    from _csv import Reader
 
 __all__ = ["MAX_FIELD_CHARS", "ROWS_PER_PAGE", "read_csv", "read_json", "read_jsonl"]
 
@@ -31,11 +35,9 @@ def read_csv(data: bytes, path: str, *, options: LoadOptions, max_bytes: int, fm
     """Rows as ``header: value; …`` lines, :data:`ROWS_PER_PAGE` rows a page labelled
     ``rows A-B`` (data rows, 1-based, the header row not counted). The first row is the header.
     The dialect is sniffed (``,`` ``;`` ``|`` tab) unless the file is ``.tsv``."""
-    from ..loaders import decode_bytes
-
     text, _, _ = decode_bytes(data, path=path)
     if fmt == "tsv":
-        dialect: Any = csv.excel_tab
+        dialect: type[csv.Dialect] = csv.excel_tab
     else:
         try:
             dialect = csv.Sniffer().sniff(text[:_SNIFF_BYTES], delimiters=",;\t|")
@@ -73,7 +75,7 @@ def read_csv(data: bytes, path: str, *, options: LoadOptions, max_bytes: int, fm
     )
 
 
-def _rows(reader: Iterator[list[str]], path: str) -> Iterator[list[str]]:
+def _rows(reader: Reader, path: str) -> Iterator[list[str]]:
     while True:
         try:
             row = next(reader)
@@ -82,13 +84,13 @@ def _rows(reader: Iterator[list[str]], path: str) -> Iterator[list[str]]:
         except csv.Error as exc:
             if "field larger than field limit" in str(exc):
                 raise LoadError(
-                    f"{path}: a field is over {MAX_FIELD_CHARS} characters (line {reader.line_num}): "  # type: ignore[attr-defined]
+                    f"{path}: a field is over {MAX_FIELD_CHARS} characters (line {reader.line_num}): "
                     "a blob, not a table cell; skipped",
                     path=path,
                     reason="too_large",
                 ) from exc
             raise LoadError(
-                f"{path}: damaged CSV at line {reader.line_num} ({exc})",  # type: ignore[attr-defined]
+                f"{path}: damaged CSV at line {reader.line_num} ({exc})",
                 path=path,
                 reason="malformed",
             ) from exc
@@ -109,7 +111,7 @@ def _key_path(parent: str, key: str | int) -> str:
     return f"{parent}.{part}" if parent else part
 
 
-def _strings(value: Any, path: str, key: str, depth: int = 0) -> Iterator[tuple[str, str, str]]:
+def _strings(value: object, path: str, key: str, depth: int = 0) -> Iterator[tuple[str, str, str]]:
     """``(key path, last key name, string)`` for every string value, depth-first in file order."""
     if depth > 200:
         return  # deeper than any export; json.loads' own recursion limit is near 1000
@@ -132,14 +134,14 @@ def _wanted(fields: tuple[str, ...], path: str, key: str) -> bool:
     )
 
 
-def _parse(text: str, path: str, where: str = "") -> Any:
+def _parse(text: str, path: str, where: str = "") -> object:
     try:
         return json.loads(text)
     except (json.JSONDecodeError, RecursionError) as exc:
         raise LoadError(f"{path}: invalid JSON{where} ({str(exc)[:120]})", path=path, reason="malformed") from exc
 
 
-def _pages_of(value: Any, options: LoadOptions, prefix: str, pages: list[str], labels: list[str]) -> None:
+def _pages_of(value: object, options: LoadOptions, prefix: str, pages: list[str], labels: list[str]) -> None:
     for key_path, key, s in _strings(value, "", ""):
         if s.strip() and _wanted(options.json_fields, key_path, key):
             pages.append(s.strip())
@@ -150,8 +152,6 @@ def read_json(data: bytes, path: str, *, options: LoadOptions, max_bytes: int, f
     """One page per chosen string value, labelled by its key path (``data[0].paragraphs[1].context``).
     ``options.json_fields`` picks values by key name or key path (globs; ``[i]`` may be left out);
     without it every non-blank string value is read."""
-    from ..loaders import decode_bytes
-
     text, _, _ = decode_bytes(data, path=path)
     pages: list[str] = []
     labels: list[str] = []
@@ -162,8 +162,6 @@ def read_json(data: bytes, path: str, *, options: LoadOptions, max_bytes: int, f
 def read_jsonl(data: bytes, path: str, *, options: LoadOptions, max_bytes: int, fmt: str) -> Loaded:
     """JSON Lines: like :func:`read_json` per line, labels ``line N: key.path``. A line that is
     not JSON is skipped and reported (the rest of the file is still read)."""
-    from ..loaders import decode_bytes
-
     text, _, _ = decode_bytes(data, path=path)
     pages: list[str] = []
     labels: list[str] = []

@@ -1,0 +1,102 @@
+"""Where a text may be cut: headings (and what is never one), cut points and their levels.
+
+The chunker's choice among them (headings first, then the best level, exact counts) is tested in
+tests/test_chunking.py.
+"""
+
+from __future__ import annotations
+
+from ragbudget.input.boundaries import LEVELS, Heading, find_boundaries, heading_paths
+from ragbudget.input.chunking import chunk_text
+
+
+def _cuts(text: str) -> list[tuple[str, str, str]]:
+    """``(what ends there, what starts next, level)`` for each cut point of ``text``."""
+    b = find_boundaries(text)
+    return [
+        (text[: int(e)][-8:], text[int(n) : int(n) + 4], LEVELS[int(lv)])
+        for e, n, lv in zip(b.ends, b.nexts, b.levels, strict=True)
+    ]
+
+
+def test_cut_points_and_their_levels() -> None:
+    text = (
+        "Mr. Smith met J. K. Rowling. She left (as planned). Then:\n1. mix\n  - bake\n"
+        "it ends e.g. here. And here.\n\n\n   Next para."
+    )
+    # Not cut: after "Mr.", the initials "J." "K.", nor "e.g." before a lower-case word. A line
+    # break after a sentence or before a list item beats a plain one; a blank-line run is one
+    # paragraph break, the next chunk starting at the text after it.
+    assert _cuts(text) == [
+        ("Rowling.", "She ", "sentence"),
+        ("lanned).", "Then", "sentence"),
+        ("). Then:", "1. m", "line_sentence"),
+        (":\n1. mix", "- ba", "line_sentence"),
+        ("  - bake", "it e", "line"),
+        ("g. here.", "And ", "sentence"),
+        ("nd here.", "Next", "paragraph"),
+        (" here.\n\n", "Next", "line"),
+    ]
+    assert len(find_boundaries("").ends) == len(find_boundaries("one line.").ends) == 0
+
+
+def test_headings_are_cut_points_with_their_depth() -> None:
+    text = "Intro. Read on.\n\n## Usage\nCall it.\n\nCHAPTER 2 The end\nFin."
+    b = find_boundaries(text)
+    assert [(text[h.start : h.start + 9], h.depth, h.title) for h in b.headings] == [
+        ("## Usage\n", 2, "Usage"),
+        ("CHAPTER 2", 1, "CHAPTER 2 The end"),
+    ]
+    assert [c for c in _cuts(text) if c[2] == "heading"] == [
+        ("Read on.", "## U", "heading"),
+        ("Call it.", "CHAP", "heading"),
+    ]
+
+
+def test_heading_paths_follow_depth() -> None:
+    heads = [Heading(0, 1, "A"), Heading(5, 2, "B"), Heading(9, 3, "C"), Heading(12, 2, "D"), Heading(20, 1, "E")]
+    assert heading_paths(heads) == [("A",), ("A", "B"), ("A", "B", "C"), ("A", "D"), ("E",)]
+
+
+def test_rst_and_numbered_headings() -> None:
+    text = (
+        "1. About this manual\n********************\n\n"
+        + "Intro text that goes on. " * 30
+        + "\n\n\n1.1. Scope\n==========\n\n"
+        + "Scope text that goes on. " * 30
+        + "\n\n2. Decision-making bodies\n\n   Each decision is made by one of these:\n"
+        "    1. The Developers, by way of General Resolution;\n    2. The Project Leader.\n"
+    )
+    chunks = chunk_text(text, min_tokens=20, max_tokens=200)
+    heads = {c.headings for c in chunks}
+    assert ("1. About this manual", "1.1. Scope") in heads
+    assert ("2. Decision-making bodies",) in heads
+
+
+def test_table_of_contents_lines_are_never_headings() -> None:
+    # A texinfo-style contents page (dot leaders, page numbers), then the body: the last entry
+    # must not become the heading of every chunk that follows it.
+    toc = "\n".join(
+        [
+            "Table of Contents",
+            "",
+            "Preface . . . . . . . . . . . . . . . . . . . . . . . . . . 1",
+            "1 Introduction and preliminaries . . . . . . . . . . . . . 2",
+            "",
+            "1.1 The R environment. . . . . . . . . . . . . . . . . . . . 2",
+            "",
+            "Appendix A GNU Free Documentation License . . 76",
+            "Appendix B Concept index..........................  80",
+            "Index \u2026\u2026\u2026 ix",
+            "",
+        ]
+    )
+    body = "The environment evaluates each expression as it is typed. " * 20
+    # A cross reference wrapped to the start of a line reads like a chapter heading too.
+    xref = body + "See\nChapter 7 [Reading data from files], page 33.\n\n"
+    text = toc + "\n" + "\n\n".join([body, xref, "Chapter 2 Simple manipulations", body, body])
+    chunks = chunk_text(text, min_tokens=40, max_tokens=150)
+    heads = {h for c in chunks for h in c.headings}
+    assert "Chapter 2 Simple manipulations" in heads  # a real chapter heading still counts
+    assert not [h for h in heads if "." * 2 in h.replace(" ", "") or "\u2026" in h or "Appendix" in h], heads
+    assert all(c.headings == () for c in chunks if c.start < text.index("Chapter 2"))
