@@ -117,6 +117,49 @@ def test_a_rerun_counts_nothing_twice(indexed: Path, tmp_path: Path) -> None:
         assert cache.get_many("Qwen/Qwen3-8B", [text_digest(first[0])])
 
 
+#: Questions that count the chunks of the repo's index (100 of its 106 are among their candidates),
+#: then new ones whose candidates are all among those (checked, not assumed).
+WARM_UP = (
+    QUESTION,
+    "What does the dup2 system call do?",
+    "Where is Warsaw's old town?",
+    "What was Maria Curie the first female recipient of?",
+    "What is oxygen?",
+    "What is packet switching?",
+)
+NEW = (
+    "Who elects the Project Leader?",
+    "What does the close system call return?",
+    "When was the old town of Warsaw rebuilt?",
+    "How can the Technical Committee be overruled?",
+)
+
+
+def test_a_new_question_over_counted_chunks_asks_the_tokenizer_at_most_twice(indexed: Path, tmp_path: Path) -> None:
+    """Issue #30 §2: span packing (the default) used to count every trial passage with the
+    engine. Once the chunks a question retrieves have been counted (by earlier questions), a
+    new question asks llama.cpp's /tokenize twice: its render for the allowance, and the final
+    prompt's; the sentences are costed from pieces counted with the chunks."""
+    index_dir = _index_copy(indexed, tmp_path)
+    with Replay("llamacpp") as srv:
+        pipe = _pipe(index_dir, srv)
+        fetch_k = pipe.retrieval.fetch_k
+        counted: set[object] = set()
+        for q in WARM_UP:
+            pipe.ask(q)
+            counted |= {h.chunk_id for h in pipe.search(q, fetch_k)}
+        for q in NEW:
+            assert {h.chunk_id for h in pipe.search(q, fetch_k)} <= counted, q  # every candidate counted
+            before = len(srv.calls("POST", "/tokenize"))
+            answer = pipe.ask(q)
+            assert len(srv.calls("POST", "/tokenize")) - before <= 2, q
+            b = answer.report["budget"]
+            assert (
+                b["prompt_tokens"] <= b["max_prompt_tokens"] and b["context_tokens_used"] <= b["context_tokens_allowed"]
+            )
+            assert answer.report["pack"] == "spans" and answer.report["selection"]
+
+
 def test_the_local_path_has_no_engine_plan(indexed: Path) -> None:
     from _fakes import GeneratorStub
 

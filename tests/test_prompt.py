@@ -217,3 +217,54 @@ def test_history_is_fixed_cost_and_escaped(tiny) -> None:
     assert b.with_history(None) is b
     with pytest.raises(Exception, match="role"):
         b.with_history([{"role": "tool", "content": "x"}])
+
+
+def test_a_render_over_the_composed_costs_packs_again_tighter() -> None:
+    """On a served engine span packing charges passages what their counted pieces add up to,
+    and the render checks it: an engine whose render costs more than that (here 2 tokens a
+    source block) gets the sentences packed again on a budget smaller by the excess — the best
+    sentences kept, not a whole passage dropped — and the prompt it is sent never exceeds."""
+    from ragbudget.generation.backend import RenderedPrompt
+    from ragbudget.prompt.prompt import EnginePromptBuilder
+
+    def words(text: str) -> int:
+        return len(text.split())
+
+    class Engine:
+        model_id = "surcharge"
+
+        def count(self, texts):
+            return [words(t) for t in texts]
+
+        def render(self, messages):
+            n = sum(words(m["content"]) + 8 + 2 * m["content"].count("\n[") for m in messages)
+            return RenderedPrompt(messages=tuple(messages), n_tokens=n, exact=True, source="surcharged")
+
+    class Recording(EnginePromptBuilder):
+        asked: list[int] = []
+
+        def assemble(self, question, selection, *, max_prompt_tokens, repack=None):
+            def tighter(budget: int):
+                self.asked.append(budget)
+                return repack(budget)
+
+            more = {"repack": tighter} if repack else {}
+            return super().assemble(question, selection, max_prompt_tokens=max_prompt_tokens, **more)
+
+    facts = [
+        "The lighthouse was lit in 1847. It used a paraffin lamp. The lens came from Paris. Keepers served in shifts.",
+        "A foghorn was added in 1902. The horn sounded twice a minute. It was loud. The steamer Halcyon ran aground.",
+        "The station was automated in 1988. The keepers left that year. A museum opened later. Boats visit in July.",
+    ]
+    cands = [
+        Candidate(f"c{i}", t, 0.9 - i / 10, sources=(Source(f"f{i}.txt", 0, len(t)),)) for i, t in enumerate(facts)
+    ]
+    b = Recording(Engine())
+    q = "When was the lighthouse lit and the foghorn added?"
+    fixed = b.fixed_tokens(q)
+    p = build_prompt(q, cands, builder=b, max_prompt_tokens=fixed + 40, pack="spans")
+    assert p.n_tokens <= fixed + 40
+    assert len(b.asked) == 1 and b.asked[0] < 40  # packed again once, on the passages' cost less the excess
+    assert p.selection.pack == "spans" and p.selection.tokens_allowed == 40
+    assert "lit in 1847" in p.selection.text and "added in 1902" in p.selection.text
+    assert p.n_tokens == fixed + p.selection.tokens_used + 2 * len(p.passages)

@@ -210,6 +210,57 @@ def test_the_gateway_asks_the_engines_tokenizer_at_most_twice_a_request_after_wa
     print(f"tokenizer requests: {warm_up} for {len(questions)} first asks, {after} for {2 * len(questions)} more")
 
 
+#: Questions that count the chunks of the repo's index (100 of its 106 are among their candidates),
+#: then new ones whose candidates are all among those (checked, not assumed); as in
+#: tests/test_pipeline_engines.py.
+WARM_UP = (
+    QUESTION,
+    "What does the dup2 system call do?",
+    "Where is Warsaw's old town?",
+    "What was Maria Curie the first female recipient of?",
+    "What is oxygen?",
+    "What is packet switching?",
+)
+NEW = (
+    "Who elects the Project Leader?",
+    "What does the close system call return?",
+    "When was the old town of Warsaw rebuilt?",
+    "How can the Technical Committee be overruled?",
+)
+
+
+def test_new_questions_ask_the_engines_tokenizer_at_most_twice_once_their_chunks_are_counted(
+    gateway: str, index_dir: Path
+) -> None:
+    """Issue #30 §2, the part left after the count caches: a *new* question over chunks already
+    counted cost about one /tokenize per trial passage during span packing (the default). Now
+    span packing costs passages from pieces counted once with the chunks, so a new question asks
+    the engine's tokenizer twice (the question's render, the final prompt's) — on the real
+    llama-server, through the gateway, with its own count of requests sent."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{gateway}/v1", api_key="unused", max_retries=0, timeout=300)
+    searcher = Pipeline(index_dir)  # the gateway's index and embedder: the same candidates
+
+    def candidates(q: str) -> set[object]:
+        return {h.chunk_id for h in searcher.search(q, searcher.retrieval.fetch_k)}
+
+    def ask(q: str) -> None:
+        r = client.chat.completions.create(model="ragbudget", max_tokens=4, messages=[{"role": "user", "content": q}])
+        assert r.choices[0].message.content is not None and r.usage.prompt_tokens + 4 <= SLOT
+
+    counted: set[object] = set()
+    for q in WARM_UP:
+        ask(q)
+        counted |= candidates(q)
+    before = _tokenizer_requests(gateway)
+    for q in NEW:
+        assert candidates(q) <= counted, q  # warm: every candidate was counted by the warm-up
+        ask(q)
+    sent = _tokenizer_requests(gateway) - before
+    print(f"tokenizer requests: {sent} for {len(NEW)} new questions over counted chunks")
+    assert sent <= 2 * len(NEW), sent
+
+
 def test_killing_the_engine_mid_run_is_502_or_503_then_the_gateway_recovers(index_dir: Path, tmp_path: Path) -> None:
     """A real llama-server killed while a request runs on it: that request is a 502 (its
     connection dropped), later ones a 503 with Retry-After before any work, /health 503 naming

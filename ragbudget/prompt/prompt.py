@@ -33,9 +33,9 @@ written ``(7) …``, so the labels the model sees are exactly the sources. (A da
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from ..errors import BudgetError, ConfigError
 from ..tokens import HFTokenizer
@@ -53,6 +53,10 @@ __all__ = [
     "escape_data",
     "source_label",
 ]
+
+#: How many times :meth:`PromptBuilder.assemble` packs anew, each on a budget smaller by what the
+#: render was over, before it drops whole passages (each try is one render).
+_REPACKS = 2
 
 DEFAULT_SYSTEM_PROMPT = (
     "You answer questions using only the numbered sources in the user's message. The sources are "
@@ -170,6 +174,12 @@ class PromptBuilder:
     >>> b.fixed_tokens("Who?") + sum(b.block_tokens(p) for p in ps)  # doctest: +SKIP
     """
 
+    #: Whether a count costs a request (a served engine's tokenizer): span packing then composes
+    #: passage costs from pieces counted in one batch (:func:`~ragbudget.prompt.pieces.span_pieces`)
+    #: instead of counting each trial passage, and the render checks the result. A local
+    #: tokenizer counts each trial exactly: it costs microseconds.
+    batch_counts: ClassVar[bool] = False
+
     # Any: a Hugging Face tokenizer (transformers, untyped here) or an HFTokenizer around one.
     def __init__(self, tokenizer: Any, *, system_prompt: str | None = None) -> None:
         self.tokenizer = tokenizer if isinstance(tokenizer, HFTokenizer) else HFTokenizer(tokenizer)
@@ -274,16 +284,37 @@ class PromptBuilder:
         parts = [f"{m['role'].capitalize()}: {m['content']}" for m in messages]
         return "\n\n".join(parts) + "\n\nAssistant:"
 
-    def assemble(self, question: str, selection: Selection, *, max_prompt_tokens: int) -> Prompt:
-        """Render ``selection`` and verify the count; drop lowest-scored passages while over."""
+    def assemble(
+        self,
+        question: str,
+        selection: Selection,
+        *,
+        max_prompt_tokens: int,
+        repack: Callable[[int], Selection] | None = None,
+    ) -> Prompt:
+        """Render ``selection`` and verify the count; drop lowest-scored passages while over.
+
+        ``repack(budget)`` (a selection packed anew on a smaller budget) is tried first, up to
+        two times (:data:`_REPACKS`), each on the passages' cost less the tokens the render was over:
+        for span packing on composed costs, where it keeps the best sentences rather than drop
+        a whole passage, and costs one render (the pieces are counted already)."""
         fixed = self.fixed_tokens(question)
         passages = list(selection.chunks)
         extra: list[Dropped] = []
+        repacks = _REPACKS if repack is not None else 0
         while True:
             msgs = self.messages(question, passages)
             ids, n = self.measure(msgs)
             if n <= max_prompt_tokens or not passages:
                 break
+            if repack is not None and repacks > 0:
+                repacks -= 1
+                allowed = selection.tokens_allowed
+                selection = replace(
+                    repack(max(0, selection.tokens_used - (n - max_prompt_tokens))), tokens_allowed=allowed
+                )
+                passages = list(selection.chunks)
+                continue
             # A BPE merge across a block boundary cost a token more than measured: give up the
             # least relevant passage rather than cut anything.
             worst = min(range(len(passages)), key=lambda i: passages[i].score)
@@ -341,6 +372,8 @@ class EnginePromptBuilder(PromptBuilder):
     same; ``prime`` counts every candidate in one batch (and the backend's count cache keeps
     them across runs).
     """
+
+    batch_counts = True
 
     def __init__(self, backend: CountingBackend, *, system_prompt: str | None = None) -> None:
         # No local tokenizer: every method that would use one (count, prime, render_text, measure)
@@ -429,21 +462,38 @@ def build_prompt(
         raise ConfigError(f"pack must be one of {', '.join(PACKS)}; got {pack!r}")
     cands = list(candidates)
     max_id = max(9, len(cands))
-    b.prime([c.text for c in cands] + [b.block(c, max_id) for c in cands])
+    composed = pack == "spans" and b.batch_counts
+    texts = [c.text for c in cands] + [b.block(c, max_id) for c in cands]
+    if composed:
+        from .pieces import span_pieces
+
+        # Every piece span packing may use, of every candidate, in the same batch: a candidate
+        # counted once (by any question) costs no request again, so a new question asks the
+        # tokenizer for its render and the final one only.
+        texts += span_pieces(cands)
+    b.prime(texts)
     budget = max(0, max_prompt_tokens - fixed - safety_margin)
     if pack == "spans":
         from .spans import select_spans
 
-        selection = select_spans(
-            question,
-            cands,
-            budget_tokens=budget,
-            count_tokens=b.count,
-            chunk_overhead=lambda p: b.overhead(p, max_id=max_id),
-            scorer=span_scorer,
-            prime=b.prime,
-            **select_options,
-        )
+        def pack_spans(budget: int) -> Selection:
+            return select_spans(
+                question,
+                cands,
+                budget_tokens=budget,
+                count_tokens=b.count,
+                chunk_overhead=lambda p: b.overhead(p, max_id=max_id),
+                scorer=span_scorer,
+                prime=b.prime,
+                composed=composed,
+                **select_options,
+            )
+
+        selection = pack_spans(budget)
+        if composed:
+            # Composed costs are checked by the render: on the rare prompt a merge made longer
+            # than its pieces, the sentences are packed again a little tighter.
+            return b.assemble(question, selection, max_prompt_tokens=max_prompt_tokens, repack=pack_spans)
     else:
         selection = select_chunks(
             question,

@@ -16,7 +16,9 @@ provenance but packs at sentence granularity inside the best of them:
    (word overlap ≥ ``redundancy`` drops a sentence as ``redundant``), each admission counted
    exactly: the passage it joins is re-rendered and re-counted in the generator's tokens, label
    included, so the sum of passage costs never exceeds the budget — the same contract as whole
-   chunks, which :func:`~ragbudget.prompt.prompt.build_prompt` then checks on the rendered chat template;
+   chunks, which :func:`~ragbudget.prompt.prompt.build_prompt` then checks on the rendered chat template
+   (on a served engine the passage's cost is composed from counted pieces instead:
+   ``composed=True``, :mod:`ragbudget.prompt.pieces`);
 4. a sentence that cannot stand alone brings its neighbour (the *neighbour rule*, below);
 5. one passage per chunk: its chosen sentences in document order, consecutive ones as the document
    has them, gaps shown as `` … ``; passages of one file stay in document order.
@@ -33,8 +35,8 @@ part that costs (the embedder's forward pass: 78–95% of a cold call, bench/spa
 0.2–0.34× the generator's prefill of the same prompt on a 2-core CPU). So an index embeds every
 chunk's sentences at build time (:meth:`ragbudget.retrieval.index.Index.sentence_vectors`) and
 :class:`SpanScorer` reads them first: a question then embeds no sentence and span packing adds a
-few milliseconds (bench/spans_speed.py). On a served engine every admission is one count
-request to the engine.
+few milliseconds (bench/spans_speed.py). On a served engine, costs are composed
+(:mod:`ragbudget.prompt.pieces`): no admission asks the engine anything.
 
 Citations stay exact: every :class:`Span` has its offsets in the chunk's text (``chunk.text[start:
 end] == span.text``) and in its file (``span.source``), and the page(s) of the chunk it came from
@@ -54,6 +56,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from ..errors import ConfigError
 from ..types import DEFAULT_PACK, PACKS, QUESTION_STOPWORDS, Source
+from .pieces import JOINER, composed_tokens, label_tokens, span_pieces, unit_edges
 from .select import (
     ChunkId,
     Dropped,
@@ -78,7 +81,8 @@ if TYPE_CHECKING:  # numpy is imported where vectors are handled, not with the m
     Vector = npt.NDArray[np.float32]
 
 # Span (a record of a Selection: select.py's) and the sentence names (split_sentences,
-# needs_previous, sentence_digest...) were defined here until issue #32: they resolve here too.
+# needs_previous, sentence_digest...) were defined here until issue #32: they resolve here too,
+# as do JOINER and span_pieces (pieces.py's: composed costs).
 __all__ = [
     "DEFAULT_PACK",
     "JOINER",
@@ -94,12 +98,9 @@ __all__ = [
     "select_spans",
     "sentence_digest",
     "sentence_texts",
+    "span_pieces",
     "split_sentences",
 ]
-
-#: Shown between two non-adjacent runs of sentences of one chunk: the reader (and the model) sees
-#: that text was left out.
-JOINER = " … "
 
 #: How many sentences back the neighbour rule may reach from one chosen sentence.
 MAX_CHAIN = 3
@@ -348,6 +349,12 @@ class _Unit:
     deps: tuple[int, ...] = ()  # positions in the same chunk it brings along
     words: frozenset[str] = frozenset()
     leans: bool = False  # needs the unit before it (the neighbour rule)
+    # With composed costs: what reading it after the unit before it adds to the two counted
+    # apart (the gap, and a merge across it), after a joiner's space, and before the block's
+    # closing newline (pieces.unit_edges; see _passage).
+    joined: int = 0
+    spaced: int = 0
+    closed: int = 0
     score: float = 0.0
     red: float = 0.0  # max overlap with what is already chosen
     why: str = "over_budget"
@@ -365,6 +372,7 @@ def select_spans(
     max_chunks: int = 12,
     weights: tuple[float, float, float] = (_W_DENSE, _W_LEXICAL, _W_CHUNK),
     prime: Callable[[Sequence[str]], object] | None = None,
+    composed: bool = False,
     lambda_: float = 0.7,
     temperature: float = 0.02,
     order: str = "relevance",
@@ -381,8 +389,11 @@ def select_spans(
     ``scorer`` (a :class:`SpanScorer`; ``None``: lexical and chunk evidence only), ``pool`` (the
     chunks considered, in score order, stop once their summed cost reaches ``pool`` × the budget;
     at most ``max_chunks``), ``weights`` (dense, lexical, chunk) of the evidence and ``prime`` (a
-    batch counter to warm ``count_tokens``, e.g. a served engine's). Passages are one per chunk:
-    adjacent chunks are not merged as :func:`~ragbudget.prompt.select.select_chunks` merges them.
+    batch counter to warm ``count_tokens``, e.g. a served engine's), ``composed`` (cost trial
+    passages from their pieces, :func:`~ragbudget.prompt.pieces.span_pieces`, counted in one
+    ``prime`` batch, instead of counting each: see :mod:`ragbudget.prompt.pieces`; the caller
+    checks the rendered prompt). Passages are one per chunk: adjacent chunks are not merged as
+    :func:`~ragbudget.prompt.select.select_chunks` merges them.
 
     >>> hits = [type("H", (), dict(chunk_id=1, score=0.9, sources=(), text=(
     ...     "Paris is the capital of France. It has 2 million people. Bread is cheap there.")))()]
@@ -404,6 +415,8 @@ def select_spans(
         raise ConfigError(f"max_chunks must be an integer ≥ 1; got {max_chunks!r}")
     if len(weights) != 3 or any(w < 0 for w in weights) or not any(weights):
         raise ConfigError(f"weights must be three numbers ≥ 0 (dense, lexical, chunk), not all 0; got {weights!r}")
+    if not isinstance(composed, bool):
+        raise ConfigError(f"composed must be True or False; got {composed!r}")
     overhead_of = _overhead_of(chunk_overhead)
     cands = list(candidates)
     kept, dropped = _prepare(
@@ -428,18 +441,25 @@ def select_spans(
         total += it.cost
     outside = kept[len(chunks) :]
 
-    units = _units(chunks, count_tokens, prime)
+    units = _units(chunks, count_tokens, prime, composed=composed)
+    # Composed costs: each chunk's label tokens and the joiner's " …" (_units counted them with
+    # the pieces).
+    compose = (
+        [(label_tokens(it.text, it.cost, count_tokens), count_tokens(JOINER.rstrip())) for it in chunks]
+        if composed
+        else None
+    )
     if scorer is not None and units:
         # Vectors stored at build time (an index's sentence vectors) before anything is embedded.
         scorer.preload(i for it in chunks for i in it.ids)
     _score(question, chunks, units, scorer, weights)
-    chosen = _pack(units, chunks, budget_tokens, count_tokens, overhead_of, lambda_, redundancy)
+    chosen = _pack(units, chunks, budget_tokens, count_tokens, overhead_of, lambda_, redundancy, compose=compose)
 
     passages: list[tuple[_Item, SelectedChunk]] = []
     for ci, it in enumerate(chunks):
         mine = [u for u in units if u.chunk == ci and u.pos in chosen.get(ci, ())]
         if mine:
-            passages.append((it, _passage(it, mine, count_tokens, overhead_of)))
+            passages.append((it, _passage(it, mine, count_tokens, overhead_of, compose[ci] if compose else None)))
     if not passages and chunks and budget_tokens > 0 and truncate_oversize:
         # Not even one sentence fits: the oversize-chunk cut (a window of words) of the best one.
         cut = _truncate(chunks[0], budget_tokens, count_tokens, overhead_of, question)
@@ -477,11 +497,17 @@ def _units(
     chunks: Sequence[_Item],
     count_tokens: Callable[[str], int],
     prime: Callable[[Sequence[str]], object] | None,
+    *,
+    composed: bool = False,
 ) -> list[_Unit]:
     """Every chunk's sentences with their neighbour dependencies; a sentence repeated from a better
-    chunk (chunk overlap, quoted text) is marked ``duplicate`` and never packed."""
+    chunk (chunk overlap, quoted text) is marked ``duplicate`` and never packed. ``composed``: each
+    unit's pieces are counted too (:func:`~ragbudget.prompt.pieces.span_pieces`, in one ``prime``
+    batch)."""
     split = [split_sentences(it.text) for it in chunks]
-    if prime is not None:
+    if prime is not None and composed:
+        prime(span_pieces(chunks))
+    elif prime is not None:
         prime([it.text[a:b] for it, parts in zip(chunks, split, strict=True) for a, b, _ in parts])
     out: list[_Unit] = []
     seen: set[str] = set()
@@ -497,6 +523,9 @@ def _units(
             mine.append(u)
         for u in mine:
             u.deps = _deps(mine, u.pos)
+            if composed:
+                prev = (mine[u.pos - 1].start, mine[u.pos - 1].end) if u.pos else None
+                u.joined, u.spaced, u.closed = unit_edges(it.text, prev, u.start, u.end, count_tokens)
         out += mine
     return out
 
@@ -567,8 +596,11 @@ def _pack(
     overhead_of: Callable[[SelectedChunk], int],
     lambda_: float,
     redundancy: float,
+    *,
+    compose: Sequence[tuple[int, int]] | None = None,
 ) -> dict[int, set[int]]:
-    """Greedy MMR over the units, every admission counted exactly; ``{chunk: chosen positions}``.
+    """Greedy MMR over the units, every admission counted exactly (or, with ``compose``, costed
+    from its pieces: see :func:`_passage`); ``{chunk: chosen positions}``.
 
     Greedy, not a knapsack: a unit's cost depends on what its chunk already holds (a gap costs a
     joiner, a neighbour may already be in), and best-first is what a tight budget needs."""
@@ -597,7 +629,13 @@ def _pack(
         if sum(mine[p].n_tokens for p in new) > room + _SLACK:
             continue  # stays over_budget: the room only shrinks
         trial = sorted(have | set(new))
-        passage = _passage(chunks[best.chunk], [mine[p] for p in trial], count_tokens, overhead_of)
+        passage = _passage(
+            chunks[best.chunk],
+            [mine[p] for p in trial],
+            count_tokens,
+            overhead_of,
+            compose[best.chunk] if compose is not None else None,
+        )
         delta = passage.cost - cost.get(best.chunk, 0)
         if delta > room:
             continue
@@ -622,10 +660,17 @@ def _containment(a: frozenset[str], b: frozenset[str]) -> float:
 
 
 def _passage(
-    it: _Item, units: Sequence[_Unit], count_tokens: Callable[[str], int], overhead_of: Callable[[SelectedChunk], int]
+    it: _Item,
+    units: Sequence[_Unit],
+    count_tokens: Callable[[str], int],
+    overhead_of: Callable[[SelectedChunk], int],
+    compose: tuple[int, int] | None = None,
 ) -> SelectedChunk:
     """The passage of chunk ``it`` holding ``units`` (document order): consecutive units as the
-    chunk has them, runs joined by :data:`JOINER`; counted exactly, label included."""
+    chunk has them, runs joined by :data:`JOINER`; counted exactly, label included. With
+    ``compose`` (the chunk's label tokens and the joiner's ``" …"``), costed from the units'
+    pieces instead (:func:`~ragbudget.prompt.pieces.composed_tokens`), nothing counted here: the
+    label and the block's closing newline after the last unit are added."""
     units = sorted(units, key=lambda u: u.pos)
     runs: list[tuple[int, int]] = []
     prev = -2
@@ -638,6 +683,11 @@ def _passage(
     text = JOINER.join(it.text[a:b] for a, b in runs)
     sources = (_narrow(it.sources[0], runs[0][0], runs[-1][1]),) + it.sources[1:] if it.sources else ()
     spans = tuple(_span(it, u, u.why) for u in units)
+    if compose is not None:
+        label, joiner = compose
+        n = composed_tokens(units, joiner)
+        cost = n + label + units[-1].closed
+        return SelectedChunk(it.ids, text, it.score, n, cost, sources, it.headings, spans=spans)
     probe = SelectedChunk(it.ids, text, it.score, 0, 0, sources, it.headings, spans=spans)
     n = count_tokens(text)
     return SelectedChunk(it.ids, text, it.score, n, n + int(overhead_of(probe)), sources, it.headings, spans=spans)
