@@ -816,7 +816,6 @@ class ChatMLGenerator(GeneratorStub):
 
 @pytest.fixture(scope="module")
 def hash_index(tmp_path_factory: pytest.TempPathFactory, repo_data: Any) -> Any:
-    pytest.importorskip("ragbudget.input.dedup")  # the indexer needs it (landing in parallel)
     from ragbudget.pipeline import Pipeline
 
     index_dir = tmp_path_factory.mktemp("chat") / "idx"
