@@ -34,6 +34,7 @@ Corpora (``--corpora``, from ``../shared/data``):
 
     python bench/index_throughput.py                       # all three corpora, 3 rounds
     python bench/index_throughput.py --corpora squad --rounds 2
+    python bench/index_throughput.py --background-load 2 --out bench/results/index_throughput_load2.json
 
 Writes ``bench/results/index_throughput.json``.
 """
@@ -248,6 +249,14 @@ def main() -> None:
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "index_throughput.json")
+    ap.add_argument(
+        "--background-load",
+        type=int,
+        default=0,
+        metavar="N",
+        help="keep N busy processes running for the whole run (a fixed load from other users, the same "
+        "for every system and round: issue #31's 'a busy host slows ragbudget no more than the peer')",
+    )
     args = ap.parse_args()
     corpora = [c for c in args.corpora.split(",") if c]
     systems = [s for s in args.systems.split(",") if s]
@@ -262,7 +271,12 @@ def main() -> None:
     default.warm_up()  # the one-off ONNX export `make install` does, off the clock
     export_s = time.perf_counter() - t
     tmp = Path(tempfile.mkdtemp(prefix="index_throughput_"))
+    # Each burner is a plain busy loop in its own process (one core's worth of demand each).
+    burners = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(max(0, args.background_load))
+    ]
     result: dict = {
+        "background_load": args.background_load,
         "embedder": default.spec(),
         "export_seconds_if_not_cached": round(export_s, 1),
         "cpus": len(os.sched_getaffinity(0)),
@@ -291,6 +305,9 @@ def main() -> None:
             for system, s in summary.items():
                 print(f"  {system}: {s}", flush=True)
     finally:
+        for b in burners:
+            b.kill()
+            b.wait()
         shutil.rmtree(tmp, ignore_errors=True)
     from _results import write
 
