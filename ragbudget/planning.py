@@ -11,6 +11,7 @@ what uses them there.
 
 from __future__ import annotations
 
+import abc
 import logging
 import threading
 from collections.abc import Sequence
@@ -31,7 +32,7 @@ __all__ = ["Planning"]
 log = logging.getLogger("ragbudget.pipeline")
 
 
-class Planning:
+class Planning(abc.ABC):
     """The plans and admission control of a :class:`~ragbudget.pipeline.Pipeline` (its base:
     the attributes below are the pipeline's, set in its ``__init__``)."""
 
@@ -45,9 +46,9 @@ class Planning:
     _lock: threading.RLock
 
     @property
+    @abc.abstractmethod
     def backend(self) -> Backend:
         """What generates (the pipeline builds or connects it)."""
-        raise NotImplementedError
 
     @property
     def served(self) -> bool:

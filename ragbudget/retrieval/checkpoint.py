@@ -25,12 +25,9 @@ import struct
 import zlib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .storage import fsync_dir
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = ["CHECKPOINT", "Checkpoint"]
 

@@ -17,6 +17,7 @@ round of the caller pads again.
 
 from __future__ import annotations
 
+import abc
 import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
@@ -71,7 +72,7 @@ def schedule(lengths: Sequence[int], *, max_rows: int, max_tokens: int = BATCH_T
     return out
 
 
-class Runner:
+class Runner(abc.ABC):
     """Tokenization, the schedule and unpacking shared by both runners; a subclass runs one
     padded batch (:meth:`_run`)."""
 
@@ -90,10 +91,10 @@ class Runner:
         self.tokenizer.no_padding()
         self.tokenizer.enable_truncation(layout.max_seq_length)
 
+    @abc.abstractmethod
     def _run(self, ids: np.ndarray, mask: np.ndarray, *, tokens: bool) -> tuple[np.ndarray, np.ndarray | None]:
         """Unit vectors ``(B, dim)`` of one padded batch, and the final states ``(B, T, dim)``
         when ``tokens``."""
-        raise NotImplementedError
 
     def encode(self, texts: Sequence[str], *, tokens: bool = False) -> tuple[np.ndarray, list[TokenStates] | None]:
         """One unit vector per text (as sentence-transformers encodes it: stripped, cut to
@@ -130,8 +131,7 @@ class Runner:
             from concurrent.futures import ThreadPoolExecutor
 
             with ThreadPoolExecutor(self.workers, thread_name_prefix="ragbudget-embed") as pool:
-                for _ in pool.map(run, batches):  # re-raises a batch's error here
-                    pass
+                list(pool.map(run, batches))  # waits for every batch; re-raises a batch's error here
         else:
             for rows in batches:
                 run(rows)
