@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from test_spans import LIGHTHOUSE  # the hand-written 24-sentence article span packing is tested on
 
 from ragbudget.errors import ConfigError
 from ragbudget.prompt.pieces import JOINER, span_pieces
@@ -13,34 +14,6 @@ from ragbudget.prompt.prompt import build_prompt
 from ragbudget.prompt.select import Candidate
 from ragbudget.prompt.spans import select_spans
 from ragbudget.types import Source
-
-# A hand-written article of 24 sentences (as tests/test_spans.py's).
-LIGHTHOUSE = (
-    "The Skerry Point lighthouse stands on a granite ledge two miles off the northern coast. "
-    "Construction began in 1841 under the engineer Alan Brodie. "
-    "He chose granite from the Dalbeattie quarries because it resisted the salt spray. "
-    "The tower is 48 metres tall and tapers from 13 metres at the base to 5 metres at the gallery. "
-    "Its walls are more than two metres thick near the foundation. "
-    "Workers lived on a barracks ship moored in the sound during the summers. "
-    "In winter the sea made landing impossible, so work stopped from October to April. "
-    "The light was first lit on 1 February 1847. "
-    "It used a paraffin lamp behind a revolving lens made in Paris. "
-    "The lens completed one turn every thirty seconds. "
-    "Three keepers served on the rock at a time, working in shifts of four hours. "
-    "Their families lived in cottages at the shore station in the village of Ardmore. "
-    "Supplies came by boat every two weeks when the weather allowed. "
-    "During the great storm of 1881 waves broke over the gallery and cracked two panes of the lantern. "
-    "However, the light stayed lit through the whole night. "
-    "The keepers later reported that the tower swayed like a tree. "
-    "A foghorn was added in 1902 after the steamer Halcyon ran aground nearby. "
-    "The horn sounded two blasts every minute in fog. "
-    "Electric power replaced the paraffin lamp in 1966. "
-    "The station was automated in 1988 and the last keepers left the rock that year. "
-    "Today the light is monitored from the harbour office at Ardmore. "
-    "The old shore cottages now house a small museum about the keepers. "
-    "Visitors can see the original lens, which was removed in 1966. "
-    "Boat trips to the rock run on calm days in July and August."
-)
 
 
 @pytest.fixture(scope="session")
