@@ -35,6 +35,7 @@ import random
 import re
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -153,22 +154,24 @@ def paragraphs(text: str) -> list[str]:
     return [p.strip() for p in re.split(r"\n\s*\n", text) if len(words(p)) >= MIN_WORDS]
 
 
-def shingle_sets(texts: list[str]) -> list[list[bytes]]:
-    """Word 3-grams of the words ragbudget's normalizer sees, for datasketch (same shingles)."""
+def shingle_sets(texts: list[str], k: int = DEFAULT_SHINGLE) -> list[list[bytes]]:
+    """Word k-grams of the words ragbudget's normalizer sees, for datasketch (same shingles)."""
     from ragbudget.input.dedup import _analyse
 
     out = []
     for text in texts:
         an = _analyse([text])
         ws = [an.cp[a:b].tobytes().decode("utf-32-le") for a, b in zip(an.word_starts, an.word_ends, strict=True)]
-        k = DEFAULT_SHINGLE
         out.append(sorted({" ".join(ws[i : i + k]).encode() for i in range(max(1, len(ws) - k + 1))}))
     return out
 
 
-def groups_ragbudget(texts: list[str]) -> list[int]:
+def groups_ragbudget(
+    texts: list[str], threshold: float = DEFAULT_THRESHOLD, shingle: int = DEFAULT_SHINGLE
+) -> list[int]:
     """Representative index of every item after ragbudget's batch dedup (first kept)."""
-    r = dedup([(Chunk(t, 0, len(t), 0), Source(str(i), 0, len(t))) for i, t in enumerate(texts)])
+    pairs = [(Chunk(t, 0, len(t), 0), Source(str(i), 0, len(t))) for i, t in enumerate(texts)]
+    r = dedup(pairs, threshold=threshold, shingle=shingle)
     rep = [0] * len(texts)
     for it in r.items:
         first = int(it.sources[0].path)
@@ -177,18 +180,37 @@ def groups_ragbudget(texts: list[str]) -> list[int]:
     return rep
 
 
-def groups_datasketch(texts: list[str]) -> list[int]:
+def groups_datasketch(
+    texts: list[str],
+    threshold: float = DEFAULT_THRESHOLD,
+    shingle: int = DEFAULT_SHINGLE,
+    *,
+    confirm: bool = False,
+) -> list[int]:
     """The same with datasketch: MinHash.bulk (shared permutations) and MinHashLSH at the same
-    threshold and num_perm, query then insert, used as documented (an LSH hit is a duplicate)."""
+    threshold and num_perm, query then insert. By default used as documented (an LSH hit is a
+    duplicate, bands datasketch picks for the threshold); ``confirm=True`` gives it ragbudget's
+    two advantages: ragbudget's band layout (tuned for the threshold - 0.15) and a hit kept only
+    when ``MinHash.jaccard`` is at least the threshold, the best one first."""
     from datasketch import MinHash, MinHashLSH
 
-    mhs = MinHash.bulk(shingle_sets(texts), num_perm=DEFAULT_NUM_PERM)
-    lsh = MinHashLSH(threshold=DEFAULT_THRESHOLD, num_perm=DEFAULT_NUM_PERM)
+    from ragbudget.input.dedup import NearDupIndex
+
+    mhs = MinHash.bulk(shingle_sets(texts, shingle), num_perm=DEFAULT_NUM_PERM)
+    if confirm:
+        ours = NearDupIndex(threshold, DEFAULT_NUM_PERM)
+        lsh = MinHashLSH(num_perm=DEFAULT_NUM_PERM, params=(ours.bands, ours.rows))
+    else:
+        lsh = MinHashLSH(threshold=threshold, num_perm=DEFAULT_NUM_PERM)
     rep = list(range(len(texts)))
     for i, m in enumerate(mhs):
         hits = lsh.query(m)
+        if confirm:
+            # Best estimate first, ties to the earliest inserted (NearDupIndex's order).
+            scored = sorted((-mhs[h].jaccard(m), h) for h in hits)
+            hits = [h for neg, h in scored if -neg >= threshold][:1]
         if hits:
-            rep[i] = rep[min(hits)]
+            rep[i] = rep[hits[0]] if confirm else rep[min(hits)]
         else:
             lsh.insert(i, m)
     return rep
@@ -268,29 +290,30 @@ def add_up(parts: list[dict[str, float | int]]) -> dict[str, float | int]:
     return tot
 
 
-def near_versions() -> dict[str, object]:
+Systems = dict[str, Callable[[list[str]], list[int]]]
+DEFAULT_SYSTEMS: Systems = {"ragbudget": groups_ragbudget, "datasketch": groups_datasketch}
+
+
+def near_versions(systems: Systems = DEFAULT_SYSTEMS) -> dict[str, object]:
     """(a) Each Constitution version's paragraphs against the next version's."""
     texts_by_v = [(SHARED / "versions" / f"constitution.1.{i}.txt").read_text(encoding="utf-8") for i in range(10)]
-    rb, ds, steps = [], [], []
+    graded: dict[str, list[dict[str, float | int]]] = {name: [] for name in systems}
+    steps = []
     for v in range(9):
         texts, side, exact = collect([paragraphs(texts_by_v[v]), paragraphs(texts_by_v[v + 1])])
         pos, ratios = cross_positives(texts, side)
-        g_rb = grade(texts, groups_ragbudget(texts), pos)
-        g_ds = grade(texts, groups_datasketch(texts), pos)
-        rb.append(g_rb)
-        ds.append(g_ds)
-        steps.append(
-            {
-                "step": f"1.{v}->1.{v + 1}",
-                "items": len(texts),
-                "exact_left_out": exact,
-                "positives": len(pos),
-                "ragbudget": g_rb,
-                "datasketch": g_ds,
-                "positive_ratios": ratios,
-            }
-        )
-    return {"ragbudget": add_up(rb), "datasketch": add_up(ds), "steps": steps}
+        step: dict[str, object] = {
+            "step": f"1.{v}->1.{v + 1}",
+            "items": len(texts),
+            "exact_left_out": exact,
+            "positives": len(pos),
+        }
+        for name, fn in systems.items():
+            step[name] = g = grade(texts, fn(texts), pos)
+            graded[name].append(g)
+        step["positive_ratios"] = ratios
+        steps.append(step)
+    return {**{name: add_up(gs) for name, gs in graded.items()}, "steps": steps}
 
 
 def pdf_twin_pairs(pdf_path: Path, twin_path: Path) -> list[tuple[str, str]]:
@@ -333,9 +356,10 @@ def pdf_twin_pairs(pdf_path: Path, twin_path: Path) -> list[tuple[str, str]]:
     return out
 
 
-def near_pdf_twins() -> dict[str, object]:
+def near_pdf_twins(systems: Systems = DEFAULT_SYSTEMS) -> dict[str, object]:
     """(b) PDF text (ragbudget's loader) against the plain-text twin, paragraph by paragraph."""
-    rb, ds, per = [], [], {}
+    graded: dict[str, list[dict[str, float | int]]] = {name: [] for name in systems}
+    per = {}
     for pdf_name, twin_name in (("policy.pdf", "policy.txt"), ("maint-guide.en.pdf", "maint-guide.en.txt")):
         t0 = time.perf_counter()
         pairs = pdf_twin_pairs(SHARED / "pdf" / pdf_name, SHARED / "pdf" / "twins" / twin_name)
@@ -352,22 +376,20 @@ def near_pdf_twins() -> dict[str, object]:
                 else:
                     below += 1
                     judged[(i, j)] = False
-        g_rb = grade(texts, groups_ragbudget(texts), pos)
-        g_ds = grade(texts, groups_datasketch(texts), pos)
-        rb.append(g_rb)
-        ds.append(g_ds)
-        per[pdf_name] = {
+        doc: dict[str, object] = {
             "aligned_paragraphs": len(pairs),
             "items": len(texts),
             "exact_left_out": exact,
             "positives": len(pos),
             "aligned_below_ratio": below,
-            "ragbudget": g_rb,
-            "datasketch": g_ds,
-            "positive_ratios": ratios,
-            "seconds": time.perf_counter() - t0,
         }
-    return {"ragbudget": add_up(rb), "datasketch": add_up(ds), "documents": per}
+        for name, fn in systems.items():
+            doc[name] = g = grade(texts, fn(texts), pos)
+            graded[name].append(g)
+        doc["positive_ratios"] = ratios
+        doc["seconds"] = time.perf_counter() - t0
+        per[pdf_name] = doc
+    return {**{name: add_up(gs) for name, gs in graded.items()}, "documents": per}
 
 
 def edit(text: str, frac: float, pool: list[str], rng: random.Random) -> str:
