@@ -535,17 +535,23 @@ class DedupSettings:
         mode: ``"near"`` (content hash + MinHash), ``"exact"`` (content hash) or ``"none"``.
         near_threshold: Jaccard similarity at which two chunks are near duplicates, in (0, 1].
         num_perm: MinHash permutations (≥ 2).
+        shingle: words per MinHash shingle (≥ 1). 1 compares the two chunks' sets of words:
+            chosen with the threshold by ``bench/dedup_sweep.py`` on a tuning split (it catches
+            a paragraph with 10% of its words edited where 3-word shingles caught none, with no
+            false merge); an index built before this field existed used 3.
     """
 
     mode: str = "near"
     near_threshold: float = 0.8
     num_perm: int = 128
+    shingle: int = 1
 
     def __post_init__(self) -> None:
         check_choice("dedup", self.mode, DEDUP_MODES)
         threshold, num_perm = check_near_dedup(self.near_threshold, self.num_perm)
         _set(self, "near_threshold", threshold)
         _set(self, "num_perm", num_perm)
+        _set(self, "shingle", check_int("shingle", self.shingle, 1))
 
 
 @dataclass(frozen=True, kw_only=True)

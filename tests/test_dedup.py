@@ -71,8 +71,12 @@ def test_batch_functions_match_single_ones(texts: list[str]) -> None:
 
 def test_signature_is_stable_and_roundtrips_as_bytes() -> None:
     sig = minhash_signature("The quick brown fox jumps over the lazy dog.")
-    # Fixed values: stored signatures must stay valid across processes and versions.
-    assert sig[:4].tolist() == [783068368, 492356015, 9070134, 1070336084]
+    # Fixed values: stored signatures must stay valid across processes and versions, those of
+    # the default 1-word shingles and those of the 3-word shingles every index built before the
+    # shingle was recorded holds (index_settings keeps 3 for them).
+    assert sig[:4].tolist() == [1637868567, 12502130, 673014762, 208077552]
+    old = minhash_signature("The quick brown fox jumps over the lazy dog.", shingle=3)
+    assert old[:4].tolist() == [783068368, 492356015, 9070134, 1070336084]
     assert (np.frombuffer(sig.tobytes(), dtype=np.uint32) == sig).all()
     assert (minhash_signature("the QUICK brown fox, jumps over the lazy dog") == sig).all()
     assert (minhash_signature("") == 0xFFFFFFFF).all()
@@ -95,6 +99,11 @@ def test_estimated_jaccard_tracks_true_jaccard() -> None:
 
 
 def test_near_dup_index_confirms_candidates() -> None:
+    def minhash_signature(text: str) -> np.ndarray:
+        # 3-word shingles: "far" below has the same words in reverse order, which the default
+        # word sets cannot tell apart; the index's confirmation is what is tested here.
+        return minhash_signatures([text], shingle=3)[0]
+
     words = [f"token{i}" for i in range(200)]
     base = " ".join(words)
     near = " ".join(words[:190] + ["changed"] * 10)
@@ -160,7 +169,8 @@ def test_deduplicator_incremental_add_and_remove() -> None:
     assert d.add("a", text).kind == "new"
     e = d.add("b", text.upper() + " ")
     assert (e.kind, e.duplicate_of, e.similarity) == ("exact", "a", 1.0)
-    n = d.add("c", text + " word999")
+    # 2 of 120 words replaced and 3 added: a word-set Jaccard of 118/125, never estimated as 1.0.
+    n = d.add("c", text.replace("word7 ", "word997 ").replace("word1 ", "word991 ") + " word999 word998 word996")
     assert n.kind == "near" and n.duplicate_of == "a" and 0.8 <= n.similarity < 1.0
     assert d.add("z", "something else entirely, unrelated to the rest").kind == "new"
     assert d.members("a") == ["a", "b", "c"] and len(d) == 4
@@ -185,6 +195,37 @@ def test_dedup_keeps_every_source() -> None:
     assert dedup([]).items == []
     with pytest.raises(ConfigError, match="source"):
         dedup([(a, 3)])
+
+
+LIGHTHOUSE = (
+    "The lighthouse at Cape Wrath was built in 1828 by Robert Stevenson, whose family designed most "
+    "of the beacons along the Scottish coast. Its white tower stands on a cliff of Lewisian gneiss "
+    "and rises twenty metres above the keepers' cottages, which housed three families until the "
+    "light was automated in 1998. Supplies arrived by boat from Kinlochbervie twice a month, and in "
+    "winter gales the keepers could be cut off for weeks. Today a small café serves walkers who "
+    "cross the Kyle of Durness on a ferry and ride the minibus along eleven miles of single-track road."
+)
+
+
+def test_defaults_catch_a_paragraph_with_five_percent_of_its_words_edited() -> None:
+    # bench/dedup_sweep.py's edit, by hand: 5 of the 98 words replaced. Word 3-grams (the default
+    # before) lose up to 3 shingles an edit, an estimated Jaccard under 0.8; the default word
+    # sets lose one word each.
+    words = LIGHTHOUSE.split()
+    for k, new in ((7, "Thomas"), (25, "granite"), (44, "two"), (63, "weekly"), (81, "terrace")):
+        words[k] = new
+    edited = " ".join(words)
+    # Another paragraph of the same article, sharing its names and subject: not a copy.
+    sibling = (
+        "Robert Stevenson's lighthouse at Cape Wrath was automated in 1998 and the keepers left the "
+        "cottages. The tower is white, twenty metres tall, and its light can be seen twenty-two "
+        "nautical miles out at sea; the fog signal built in 1894 was silenced in 2001. Walkers reach "
+        "the cape from Durness by the ferry across the Kyle and a minibus in summer."
+    )
+    r = dedup([(Chunk(t, 0, len(t), 0), f"{i}.txt") for i, t in enumerate((LIGHTHOUSE, sibling, edited))])
+    assert (len(r.items), r.near_removed) == (2, 1)
+    assert [s.path for s in r.items[0].sources] == ["0.txt", "2.txt"]
+    assert [s.path for s in r.items[1].sources] == ["1.txt"]
 
 
 def test_near_false_keeps_near_copies() -> None:

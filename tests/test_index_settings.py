@@ -16,6 +16,7 @@ from ragbudget.errors import ConfigError, IndexMismatchError
 from ragbudget.retrieval.embed import HashEmbedder
 from ragbudget.retrieval.index import Index
 from ragbudget.retrieval.index_settings import changes, check_changes, recorded, resolve
+from ragbudget.settings import DedupSettings
 
 EMB = HashEmbedder(dim=64)
 WORDS = [f"{a}{b}" for a in ("ka", "lo", "mi", "nu", "pe", "ra") for b in ("ba", "de", "fi", "go", "hu", "ja")]
@@ -102,9 +103,27 @@ def test_a_dedup_change_says_it_re_embeds_nothing_and_does_so(ix: Index, tmp_pat
 def test_near_dedup_keeps_its_recorded_threshold(ix: Index, corpus: Path) -> None:
     ix.build([corpus], embedder=EMB, min_tokens=20, max_tokens=40, near_threshold=0.9, num_perm=64)
     assert not ix.build([corpus], embedder=EMB, dedup="near").committed  # the mode alone: same test
-    assert _manifest(ix)["dedup"] == {"mode": "near", "threshold": 0.9, "num_perm": 64}
+    assert _manifest(ix)["dedup"] == {"mode": "near", "threshold": 0.9, "num_perm": 64, "shingle": 1}
     with pytest.raises(IndexMismatchError, match=r"near_threshold 0.9 -> 0.8"):
         ix.build([corpus], embedder=EMB, near_threshold=0.8)
+
+
+def test_an_index_from_before_the_shingle_was_recorded_keeps_its_3_word_shingles(ix: Index, corpus: Path) -> None:
+    # Its stored signatures hash 3-word shingles: new chunks must be hashed alike to be compared.
+    ix.build([corpus], embedder=EMB, min_tokens=20, max_tokens=40, dedup=DedupSettings(shingle=3))
+    m = _manifest(ix)
+    del m["dedup"]["shingle"]
+    (ix.path / "manifest.json").write_text(json.dumps(m))
+    assert recorded(m)["dedup"]["shingle"] == 3
+    assert resolve(m)[0]["dedup"]["shingle"] == 3 and changes(m, resolve(m)[0]) == {}
+    assert not ix.build([corpus], embedder=EMB).committed  # neither refused nor rebuilt
+    (corpus / "more.txt").write_text("A new file about something the corpus never mentions.\n")
+    assert ix.build([corpus], embedder=EMB).committed
+    assert _manifest(ix)["dedup"]["shingle"] == 3  # recorded now, still 3
+    with pytest.raises(IndexMismatchError, match="shingle 3 -> 1"):
+        ix.build([corpus], embedder=EMB, dedup=DedupSettings())
+    # A manifest without near dedup has no shingle to keep.
+    assert recorded({"dedup": {"mode": "exact", "threshold": None, "num_perm": None}})["dedup"]["shingle"] is None
 
 
 def test_cleaning_is_recorded_and_kept(ix: Index, corpus: Path) -> None:
@@ -148,7 +167,7 @@ def test_a_tokenizer_recorded_only_by_name_must_be_passed_again(ix: Index, corpu
 def test_resolve_and_changes_without_an_index() -> None:
     settings, tok = resolve(None)
     assert settings["chunking"] == {"min_tokens": 300, "max_tokens": 500, "overlap": 0, "tokenizer": tok.name}
-    assert settings["dedup"] == {"mode": "near", "threshold": 0.8, "num_perm": 128}
+    assert settings["dedup"] == {"mode": "near", "threshold": 0.8, "num_perm": 128, "shingle": 1}
     # sentences not given: None, and the builder keeps what the index has (none for a new one)
     assert settings["cleaning"] == {"clean": True} and settings["sentences"] is None
     assert changes(None, settings) == {}

@@ -79,6 +79,7 @@ BAD = [
     (DedupSettings, {"mode": "fuzzy"}, ConfigError, "dedup must be one of near, exact, none"),
     (DedupSettings, {"near_threshold": 0}, ConfigError, r"near_threshold must be in \(0, 1\]"),
     (DedupSettings, {"num_perm": 1}, ConfigError, "num_perm must be ≥ 2"),
+    (DedupSettings, {"shingle": 0}, ConfigError, "shingle must be ≥ 1"),
     (QuantizedCacheSettings, {"quant_backend": "int4"}, ConfigError, "quant_backend must be one of quanto"),
     (QuantizedCacheSettings, {"nbits": 3}, ConfigError, "quanto quantizes the KV cache to 2, 4 bits"),
     (QuantizedCacheSettings, {"q_group_size": 0}, ConfigError, "q_group_size must be ≥ 1"),

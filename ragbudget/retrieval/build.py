@@ -491,7 +491,8 @@ class _Builder:
         hashes = content_hashes([c.text for c in chunks])
         sigs: Sequence[Any] = [None] * len(chunks)
         if self.settings["dedup"]["mode"] == "near" and chunks:
-            sigs = list(minhash_signatures([c.text for c in chunks], num_perm=self.settings["dedup"]["num_perm"]))
+            d = self.settings["dedup"]
+            sigs = list(minhash_signatures([c.text for c in chunks], num_perm=d["num_perm"], shingle=d["shingle"]))
         for c, h, sig in zip(chunks, hashes, sigs, strict=True):
             self._add_chunk(SourceRow(path, c.start, c.end, c.page_start, c.page_end), c, h, sig)
         warning = doc.meta.get("encoding_warning") or None
@@ -519,13 +520,14 @@ class _Builder:
         if self.dedup is None:
             import numpy as np
 
-            from ..input.dedup import DEFAULT_NUM_PERM, DEFAULT_THRESHOLD, DedupDecision, Deduplicator
+            from ..input.dedup import DEFAULT_NUM_PERM, DEFAULT_SHINGLE, DEFAULT_THRESHOLD, DedupDecision, Deduplicator
 
             d = self.settings["dedup"]
             mode = d["mode"]
             self.dedup = Deduplicator(
                 threshold=d["threshold"] or DEFAULT_THRESHOLD,
                 num_perm=d["num_perm"] or DEFAULT_NUM_PERM,
+                shingle=d["shingle"] or DEFAULT_SHINGLE,
                 near=mode == "near",
                 exact=mode != "none",
             )

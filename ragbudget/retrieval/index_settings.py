@@ -4,7 +4,7 @@ It turns the settings a writing run was given (some, all or none) into the ones 
 against what the index's manifest records, and refuse a silent change.
 
 An index records how it was cut (``chunking``: ``min_tokens``, ``max_tokens``, ``overlap``,
-``tokenizer``), deduplicated (``dedup``: mode, ``near_threshold``, ``num_perm``) and cleaned
+``tokenizer``), deduplicated (``dedup``: mode, ``near_threshold``, ``num_perm``, ``shingle``) and cleaned
 (``cleaning``: ``clean``), and whether it stores sentence vectors. A later run uses every
 recorded setting it is not given; a given one that differs changes the chunks, so the run
 re-chunks every file and re-embeds the chunks whose text changed — the cost of a typo'd or
@@ -34,7 +34,10 @@ __all__ = ["changes", "check_changes", "describe", "recorded", "resolve"]
 
 # Recorded field -> the keyword a caller passes to change it (the names a message shows).
 _CHUNK_FIELDS = {"min_tokens": "min_tokens", "max_tokens": "max_tokens", "overlap": "overlap", "tokenizer": "tokenizer"}
-_DEDUP_FIELDS = {"mode": "dedup", "threshold": "near_threshold", "num_perm": "num_perm"}
+_DEDUP_FIELDS = {"mode": "dedup", "threshold": "near_threshold", "num_perm": "num_perm", "shingle": "shingle"}
+# The MinHash shingle an index used before it recorded one: its stored signatures hash 3-word
+# shingles, so a later run must keep 3 (signatures of different shingles never match).
+_SHINGLE_BEFORE_RECORDED = 3
 _CLEAN_FIELDS = {"clean": "clean"}
 _SECTIONS = (("chunking", _CHUNK_FIELDS), ("dedup", _DEDUP_FIELDS), ("cleaning", _CLEAN_FIELDS))
 
@@ -49,7 +52,7 @@ def _defaults() -> dict[str, dict[str, Any]]:
             "overlap": c.overlap,
             "tokenizer": DEFAULT_ENCODING,
         },
-        "dedup": {"mode": d.mode, "threshold": d.near_threshold, "num_perm": d.num_perm},
+        "dedup": {"mode": d.mode, "threshold": d.near_threshold, "num_perm": d.num_perm, "shingle": d.shingle},
         "cleaning": {"clean": True},
     }
 
@@ -65,6 +68,10 @@ def recorded(manifest: Mapping[str, Any] | None) -> dict[str, dict[str, Any]]:
         entry = manifest.get(section)
         if isinstance(entry, Mapping):
             out[section].update({k: entry[k] for k in fields if k in entry})
+    dups = manifest.get("dedup")
+    if isinstance(dups, Mapping) and "shingle" not in dups:
+        # Written before the shingle was recorded: not today's default, the one it was built with.
+        out["dedup"]["shingle"] = _SHINGLE_BEFORE_RECORDED if dups.get("mode", "near") == "near" else None
     return out
 
 
@@ -111,6 +118,7 @@ def resolve(
             raise type(exc)(f"{exc} (the index records {shown}: pass those too to change them)") from None
 
     near = {"near_threshold": near_threshold, "num_perm": num_perm}
+    # No keyword of its own: a DedupSettings record (dedup=) is how a caller picks another shingle.
     if isinstance(dedup, DedupSettings):
         dups = from_keywords(DedupSettings, dedup, "dedup", near)
     else:
@@ -118,7 +126,7 @@ def resolve(
         mode = dedup if dedup is not None else old["mode"]
         kw: dict[str, Any] = {"mode": mode}
         if mode == old["mode"] == "near":  # the recorded near-duplicate test, unless given another
-            kw.update(near_threshold=old["threshold"], num_perm=old["num_perm"])
+            kw.update(near_threshold=old["threshold"], num_perm=old["num_perm"], shingle=old["shingle"])
         kw.update({k: v for k, v in near.items() if v is not None})
         dups = DedupSettings(**kw)
 
@@ -134,6 +142,7 @@ def resolve(
             "mode": dups.mode,
             "threshold": dups.near_threshold if dups.mode == "near" else None,
             "num_perm": dups.num_perm if dups.mode == "near" else None,
+            "shingle": dups.shingle if dups.mode == "near" else None,
         },
         "cleaning": {"clean": rec["cleaning"]["clean"] if clean is None else check_bool("clean", clean)},
         # Not a chunk setting: a change only adds or drops the sentence vectors (build.py).
@@ -209,7 +218,10 @@ def _dedup_cost(manifest: Mapping[str, Any], settings: Mapping[str, Any]) -> str
     is a text the index has no vector for. Their number is bounded by the merged sources."""
     old, new = recorded(manifest)["dedup"], settings["dedup"]
     stricter = old["mode"] == "near" and (
-        new["mode"] != "near" or new["threshold"] > old["threshold"] or new["num_perm"] != old["num_perm"]
+        new["mode"] != "near"
+        or new["threshold"] > old["threshold"]
+        or new["num_perm"] != old["num_perm"]
+        or new["shingle"] != old["shingle"]
     )
     counts = manifest.get("counts") or {}
     merged = max(0, int(counts.get("sources", 0)) - int(counts.get("chunks", 0)))
