@@ -446,8 +446,8 @@ def near_edits(n_base: int = 300, n_neg: int = 1000, seed: int = 0) -> dict[str,
 def speed(rounds: int) -> dict[str, object]:
     """ragbudget batch dedup vs datasketch on SQuAD dev paragraphs + Disfl-QA contexts.
 
-    Same texts, same 3-gram shingles (made for datasketch before the clock starts: it is timed
-    on MinHash + LSH only, ragbudget on everything including normalizing and shingling), same
+    Same texts, same word shingles of the default size, made for datasketch before the clock
+    starts (it is timed on MinHash + LSH only, ragbudget on everything including normalizing and shingling), same
     threshold and num_perm. datasketch three ways: a fresh ``MinHash(num_perm)`` per text (what
     this script did before: new permutations every time), ``MinHash(num_perm, permutations=...,
     scheme=...)`` sharing one object's permutations, and ``MinHash.bulk`` (its documented way to
