@@ -612,7 +612,8 @@ class Index:
         default; turning it off drops them from the index, turning it on again embeds them for
         every chunk, with no file changed). ``dedup``
         is ``"near"`` (content hash + MinHash at ``near_threshold``), ``"exact"`` or ``"none"``,
-        or a :class:`~ragbudget.settings.DedupSettings` holding all three. ``clean`` strips page
+        or a :class:`~ragbudget.settings.DedupSettings` holding those and the MinHash ``shingle``
+        (words per shingle; an index records it, and one built before it did keeps 3). ``clean`` strips page
         furniture and corpus boilerplate (on by default).
 
         **Recorded settings.** The index records its chunking (with ``tokenizer``), dedup and
