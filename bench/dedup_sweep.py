@@ -190,9 +190,12 @@ def sweep(sets: dict[str, tuple[list[str], set[tuple[int, int]]]], thresholds: t
 def choose(rows: list[dict]) -> dict:
     """The criterion of the module docstring, applied to the tuning rows only."""
     by = {(r["shingle"], r["threshold"]): r for r in rows}
+    grid = sorted({r["threshold"] for r in rows})
     ok = []
     for r in rows:
-        lower = by.get((r["shingle"], round(r["threshold"] - 0.05, 2)))
+        # The next lower threshold of the grid (0.05 below on the full grid); the lowest has none.
+        at = grid.index(r["threshold"])
+        lower = by.get((r["shingle"], grid[at - 1])) if at else None
         margin_clean = lower is None or lower["false_pairs"] == 0
         if r["false_pairs"] == 0 and margin_clean:
             ok.append(r)
