@@ -31,12 +31,15 @@ five edit levels; ties go to the higher threshold, then to the current shingle s
 **Reporting sets** (never used to choose): the 24 ``squad-test`` articles' 978 paragraphs with 300
 copies a level built the same way (another seed), the Debian Constitution versions and the PDF
 manuals against their plain-text twins (``bench/dedup.py``'s :func:`near_versions` and
-:func:`near_pdf_twins`, truth: difflib ratio >= 0.8). Each with ragbudget at the chosen setting
-and at the previous default (0.8, k=3), and datasketch at the chosen threshold and shingles two
-ways: as documented (bands it picks for the threshold, an LSH hit is a duplicate) and with
-ragbudget's advantages (the same band layout, a hit confirmed by ``MinHash.jaccard``). 95%
-intervals: Wilson score intervals (scipy) over the pairs; pairs of one document are not
-independent draws, so the intervals of the Constitution and PDF sets are optimistic.
+:func:`near_pdf_twins`, truth: difflib ratio >= 0.8), and, for precision alone, the chunks of a
+whole corpus (:func:`corpus_chunks`: the manuals as PDF and as text, 40 man pages, the squad-test
+articles) cut at the default 300-500 tokens and at 20-80: every pair a system merges is judged.
+Each with ragbudget at the chosen setting and at the previous default (0.8, k=3), and datasketch
+at the chosen threshold and shingles two ways: as documented (bands it picks for the threshold, an
+LSH hit is a duplicate) and with ragbudget's advantages (the same band layout, a hit confirmed by
+``MinHash.jaccard``). 95% intervals: Wilson score intervals (scipy) over the pairs; pairs of one
+document are not independent draws, so the intervals of the Constitution and PDF sets are
+optimistic.
 Raw result: bench/results/dedup_sweep.json.
 """
 
@@ -231,6 +234,60 @@ def annotate(res: dict) -> dict:
     return res
 
 
+def corpus_chunks(systems: dict[str, Grouper]) -> dict[str, object]:
+    """Precision on the chunks of a whole corpus: every pair a system puts in one group, judged by
+    difflib. A pair under the line is counted again when its two chunks come from different
+    works (not one manual's PDF and its text twin, nor one document): the merges that would mix
+    unrelated texts."""
+    from itertools import combinations
+
+    from chunking import load_corpus
+
+    from ragbudget.input.chunking import chunk_text
+
+    test_titles = set(load_split("squad-test", docs=24).titles)
+    docs = [
+        (name, text)
+        for name, text in load_corpus(False)
+        if not name.startswith("squad/") or name.split("/", 1)[1] in test_titles
+    ]
+
+    def work(name: str) -> str:  # pdf/policy.pdf and twins/policy.txt are one work
+        return name.split("/", 1)[1].rsplit(".", 1)[0] if name.split("/")[0] in ("pdf", "twins") else name
+
+    out: dict[str, object] = {"documents": len(docs)}
+    for label, lo, hi in (("chunks_300_500", 300, 500), ("chunks_20_80", 20, 80)):
+        seen: dict[str, str] = {}
+        texts, names = [], []
+        for name, text in docs:
+            for c in chunk_text(text, min_tokens=lo, max_tokens=hi):
+                n = normalize(c.text)
+                if n not in seen:  # exact copies are exact dedup's job
+                    seen[n] = name
+                    texts.append(c.text)
+                    names.append(name)
+        res: dict[str, object] = {"items": len(texts)}
+        for sys_name, fn in systems.items():
+            members: dict[int, list[int]] = {}
+            for i, r in enumerate(fn(texts)):
+                members.setdefault(r, []).append(i)
+            pairs = [p for ms in members.values() for p in combinations(ms, 2)]
+            under = [(i, j) for i, j in pairs if gt_ratio(words(texts[i]), words(texts[j])) < GT_RATIO]
+            across = [(i, j) for i, j in under if work(names[i]) != work(names[j])]
+            good = len(pairs) - len(under)
+            res[sys_name] = {
+                "predicted_pairs": len(pairs),
+                "correct_pairs": good,
+                "precision": good / len(pairs) if pairs else None,
+                "precision_ci95": wilson(good, len(pairs)),
+                "under_line_pairs": len(under),
+                "under_line_across_works": len(across),
+                "under_line_examples": [[names[i], names[j]] for i, j in under[:20]],
+            }
+        out[label] = res
+    return out
+
+
 def systems_for(choice: dict) -> dict[str, Grouper]:
     t, k = choice["threshold"], choice["shingle"]
     return {
@@ -281,10 +338,21 @@ def main() -> None:
         t0 = time.perf_counter()
         report["pdf_vs_twin"] = near_pdf_twins(systems)
         report["pdf_vs_twin"]["seconds"] = round(time.perf_counter() - t0, 1)  # type: ignore[index]
+    t0 = time.perf_counter()
+    report["corpus_chunks"] = corpus_chunks(systems)
+    report["corpus_chunks"]["seconds"] = round(time.perf_counter() - t0, 1)  # type: ignore[index]
     report = annotate(report)
     for name in systems:
         parts = []
         for set_name, res in report.items():
+            if set_name == "corpus_chunks":
+                for label in ("chunks_300_500", "chunks_20_80"):
+                    c = res[label][name]  # type: ignore[index]
+                    parts.append(
+                        f"corpus {label} {c['predicted_pairs']} pairs, {c['under_line_pairs']} under the line "
+                        f"({c['under_line_across_works']} across works)"
+                    )
+                continue
             g = res[name]  # type: ignore[index]
             g = g.get("pooled", g)
             parts.append(
