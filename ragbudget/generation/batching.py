@@ -330,6 +330,17 @@ class Batcher:
         return self._manager is not None and self._manager.is_running()
 
     @property
+    def active(self) -> int:
+        """Requests in the batch now, generating or waiting there for cache blocks (0 before the
+        first :meth:`generate` and after :meth:`close`). A request cancelled or finished leaves
+        it within a step: what a caller draining the batcher waits on."""
+        manager = self._manager
+        if manager is None:
+            return 0
+        scheduler = manager.batch_processor.scheduler  # transformers' continuous-batching scheduler
+        return len(scheduler.active_requests) + len(scheduler.waiting_requests)
+
+    @property
     def layout(self) -> PagedCacheLayout:
         """The paged cache this batcher allocates (exact bytes, blocks and token capacity)."""
         if self._layout is None:

@@ -410,6 +410,14 @@ class SentenceTransformerEmbedder(Embedder):
             ) from exc
 
     @property
+    def loaded(self) -> bool:
+        """Whether a model is loaded: the ``SentenceTransformer`` (torch) or the ONNX Runtime
+        session. False until the first documents are embedded or :meth:`warm_up`: reading
+        ``dim``, ``max_tokens`` or ``spec()``, and embedding queries by the light path, load
+        nothing."""
+        return self._model is not None or self._onnx is not None
+
+    @property
     def model(self) -> Any:
         """The loaded ``SentenceTransformer`` (loads it on first access; the torch backend)."""
         if self._model is None:
