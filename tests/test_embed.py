@@ -97,13 +97,13 @@ def test_spec_round_trip() -> None:
 
 
 def test_sentence_transformer_embedder_is_lazy() -> None:
-    from ragbudget.retrieval.embed import AUTO_CPU_BACKEND, _cuda_visible
+    from ragbudget.retrieval.embed import AUTO_CPU_BACKEND, cuda_visible
     from ragbudget.retrieval.onnx import available as _has_onnxruntime
 
     e = SentenceTransformerEmbedder()
     assert not e.loaded
     # auto: the measured CPU default where onnxruntime is installed, torch elsewhere.
-    assert e.backend == (AUTO_CPU_BACKEND if _has_onnxruntime() and not _cuda_visible() else "torch")
+    assert e.backend == (AUTO_CPU_BACKEND if _has_onnxruntime() and not cuda_visible() else "torch")
     assert e.id == "all-MiniLM-L6-v2" + ("+int8" if e.backend == "onnx-int8" else "")
     assert "SentenceTransformerEmbedder" in repr(e)
 

@@ -872,8 +872,8 @@ def test_a_request_whose_first_token_would_miss_the_timeout_is_429_before_retrie
     ctl = pipe.admission  # the real controller; a measured speed: 1 ms/prompt token, 1 s/token
     ctl.configure(throughput=Throughput(prefill_a=0.001, decode_s=1.0), ttft_target=1.0)
     searched: list[str] = []
-    search = pipe._search  # what ask() retrieves through (it also hands the query vector on)
-    monkeypatch.setattr(pipe, "_search", lambda q, k: searched.append(q) or search(q, k))
+    search = pipe.store.search  # the opened index ask() retrieves from
+    monkeypatch.setattr(pipe.store, "search", lambda q, **kw: searched.append(q) or search(q, **kw))
     # One running request with ~14 s of work left: a 3,840-token prompt (the 4,096 window less
     # 256 of answer) cannot start next to it within the 1 s target, nor get its first token
     # within 5 s after it.

@@ -383,7 +383,7 @@ class Batcher:
             raise ConfigError(f"cannot batch {gen.model_ref.id!r}: {reason}")
         # The model's own stop tokens (its generation_config's and its tokenizer's); sampling is
         # the row sampler's, and so is the checkpoint's repetition penalty (see _row_sampler).
-        eos = sorted(gen._eos_ids()) or -1
+        eos = sorted(gen.eos_ids()) or -1
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         config = GenerationConfig(  # type: ignore[no-untyped-call]  # transformers' config is untyped
             do_sample=False, eos_token_id=eos, pad_token_id=pad
