@@ -33,6 +33,7 @@ __all__ = [
     "MIN_BARE_BYTES",
     "GPUInfo",
     "check_gpu",
+    "cuda_free",
     "gpu_count",
     "host_available_bytes",
     "parse_size",
@@ -175,7 +176,9 @@ def host_available_bytes() -> int:
     raise ConfigError("cannot read the host's available memory; pass --gpu with a size")
 
 
-def _cuda_free() -> tuple[str, int, int] | None:
+def cuda_free() -> tuple[str, int, int] | None:
+    """``(name, free bytes, total bytes)`` of ``cuda:0``, or ``None`` without a usable CUDA
+    device: what :func:`resolve_gpu` sizes an ``"auto"`` budget from."""
     # Avoid importing torch (seconds) on machines that visibly have no NVIDIA driver.
     if "torch" not in sys.modules and not (os.path.exists("/dev/nvidiactl") or os.path.exists("/dev/kfd")):
         return None
@@ -276,7 +279,7 @@ def resolve_gpu(gpu: str | int | None = None) -> GPUInfo:
     (2, 'H100 80GB')
     """
     if gpu is None or (isinstance(gpu, str) and gpu.strip().lower() in ("", "auto")):
-        cuda = _cuda_free()
+        cuda = cuda_free()
         if cuda is not None:
             name, free, total = cuda
             return GPUInfo(

@@ -73,6 +73,7 @@ if TYPE_CHECKING:
     from .memory.admission import AdmissionController
     from .prompt.prompt import Prompt, PromptBuilder
     from .prompt.select import Selection
+    from .prompt.spans import SpanScorer
     from .retrieval.embed import Embedder
     from .retrieval.index import Hit, Index, IndexSummary
 
@@ -520,6 +521,14 @@ class Pipeline(Planning):
         )
         timings["plan_s"] = time.perf_counter() - t0
         return builder, allowance
+
+    @property
+    def span_scorer(self) -> SpanScorer | None:
+        """The :class:`~ragbudget.prompt.spans.SpanScorer` this pipeline packs spans with (made
+        on first use, shared by every question: its sentence vectors are cached across them);
+        ``None`` when whole chunks are packed."""
+        scorer: SpanScorer | None = self._pack_options().get("span_scorer")
+        return scorer
 
     def _pack_options(self) -> dict[str, Any]:
         """``build_prompt``'s packing keywords: with ``pack="spans"``, one

@@ -194,6 +194,11 @@ class Relay(Generic[R]):
             if piece is not None:
                 return piece
 
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until the producer has returned, at most ``timeout`` seconds (``None``: as long
+        as it takes), without cancelling it; whether it has."""
+        return self._finished.wait(timeout)
+
     def close(self) -> None:
         """Cancel the producer if the end was not reached, and wait until it has returned."""
         if not self.ended:

@@ -52,7 +52,7 @@ def build(ix: Index, corpus: Path, **kw: object) -> IndexSummary:
 
 
 def paths_in_index(ix: Index) -> set[str]:
-    db = ix._generation().catalog.db
+    db = ix.generation.catalog.db
     return {r[0] for r in db.execute("SELECT DISTINCT path FROM sources")}
 
 

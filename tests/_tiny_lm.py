@@ -67,6 +67,12 @@ def as_on_cuda(generator: Any, monkeypatch: Any) -> None:
     only CUDA has; the model still generates for real on the CPU."""
     import torch
 
-    run = generator._run
-    monkeypatch.setattr(generator, "_run", lambda ids, **kw: (run(ids, **kw)[0], CUDA_PEAK))
+    class Peak:  # the generator's peak meter, as on CUDA: a figure after each run
+        def reset(self, device: str) -> None:
+            pass
+
+        def read(self, device: str) -> int:
+            return CUDA_PEAK
+
+    monkeypatch.setattr(generator, "peak_meter", Peak())
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: CUDA_NAME)

@@ -430,7 +430,7 @@ def test_a_speed_measured_on_a_busy_host_is_measured_again_once_idle(tmp_path, m
 
     monkeypatch.setenv("RAGBUDGET_CACHE", str(tmp_path / "cache"))
     load = {"now": 3.0}
-    monkeypatch.setattr(ragbudget.memory.calibration, "_load_per_core", lambda: load["now"])
+    monkeypatch.setattr(ragbudget.memory.calibration, "load_per_core", lambda: load["now"])
     pipe = Pipeline(
         tmp_path / "index",
         gpu="16GiB",

@@ -122,11 +122,10 @@ def test_cancel_returns_at_once_and_frees_the_request(gen, batcher) -> None:
     assert long.finish_reason == "cancelled" and 1 <= long.new_tokens < 500
     assert short.finish_reason == "length" and short.new_tokens == 20
     assert time.perf_counter() - t0 < 30
-    scheduler = batcher._manager.batch_processor.scheduler
     deadline = time.time() + 5
-    while (scheduler.active_requests or scheduler.waiting_requests) and time.time() < deadline:
+    while batcher.active and time.time() < deadline:
         time.sleep(0.02)
-    assert not scheduler.active_requests and not scheduler.waiting_requests
+    assert batcher.active == 0
 
 
 def test_refusals(gen, batcher) -> None:
@@ -215,21 +214,20 @@ def test_the_auto_sized_paged_cache_stays_within_the_plans_kv_bytes(gen, monkeyp
     reserved beside it still fit; when that cannot hold one full request, generation runs
     unbatched (or, with batching=True, a ConfigError says why)."""
     import ragbudget.generation.local as backend_mod
-    from ragbudget.generation.batching import _dtype_name
 
     def size(blocks: int) -> int:
         return paged_cache_layout(
-            gen.model.config, num_blocks=blocks, page_size=32, kv_dtype=_dtype_name(gen.model)
+            gen.model.config, num_blocks=blocks, page_size=32, kv_dtype=str(gen.model.dtype).removeprefix("torch.")
         ).total_bytes
 
     budget = size(10) + 1
-    tokens = backend_mod._paged_tokens_within(gen, 100_000, budget)
+    tokens = backend_mod.paged_tokens_within(gen, 100_000, budget)
     # Whole pages, within the bytes, and the most that fit (one page more would not).
     assert tokens % 32 == 0 and size(tokens // 32) <= budget < size(tokens // 32 + 1)
-    assert backend_mod._paged_tokens_within(gen, 100, budget) == 96  # never above what was asked
-    assert backend_mod._paged_tokens_within(gen, 100_000, 1) == 32  # at least one page
+    assert backend_mod.paged_tokens_within(gen, 100, budget) == 96  # never above what was asked
+    assert backend_mod.paged_tokens_within(gen, 100_000, 1) == 32  # at least one page
 
-    monkeypatch.setattr(backend_mod, "_paged_tokens_within", lambda *a, **k: 32)
+    monkeypatch.setattr(backend_mod, "paged_tokens_within", lambda *a, **k: 32)
     tight = LocalBackend(gen, gpu="1GiB")
     assert tight.batcher is None and tight.batched is False
     assert tight.generate("hello", max_new_tokens=3).cache == "dynamic"
@@ -302,13 +300,13 @@ def test_per_request_attention_equals_the_dense_block_mask(window) -> None:
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_outside_a_batched_step_sdpa_is_transformers_own(gen) -> None:
+def test_outside_a_batched_step_sdpa_is_transformers_own(gen, batcher) -> None:
     import torch
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     from ragbudget.generation import batching
 
-    batching._install_per_request_sdpa()
+    assert batcher.generate([5] * 8, max_new_tokens=1).new_tokens == 1  # a batched run installs it
     q, k, v, _, _ = _packed([(5, 5)])
     got, _ = batching.per_request_sdpa(_Layer(), q, k, v, None, scaling=0.3)
     want, _ = sdpa_attention_forward(_Layer(), q, k, v, None, scaling=0.3)

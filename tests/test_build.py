@@ -160,7 +160,7 @@ def test_dedup_none_keeps_byte_identical_chunks_apart(ix: Index, tmp_path: Path)
     assert kept.exact_duplicates == 0 and kept.near_duplicates == 0
     by_text: dict[str, int] = {}
     o = Index.open(ix.path)
-    db = o._generation().catalog.db
+    db = o.generation.catalog.db
     for (text,) in db.execute("SELECT text FROM chunks"):
         by_text[text] = by_text.get(text, 0) + 1
     assert max(by_text.values()) == 2  # the shared paragraph: one chunk per file, not merged
@@ -175,7 +175,7 @@ def test_every_mode_stores_the_normalized_content_hash(ix: Index, corpus: Path, 
     from ragbudget.input.dedup import content_hash
 
     build(ix, corpus, dedup=mode)
-    rows = Index.open(ix.path)._generation().catalog.db.execute("SELECT text, content_hash FROM chunks").fetchall()
+    rows = Index.open(ix.path).generation.catalog.db.execute("SELECT text, content_hash FROM chunks").fetchall()
     assert rows and all(h == content_hash(t) for t, h in rows)
 
 
@@ -233,7 +233,7 @@ class IndexMachine(RuleBasedStateMachine):
         assert report.ok, report.problems
         assert report.checked["vectors"] == report.checked["chunks"]
         # Every FAISS id has exactly one lexical (FTS) row, with the chunk's text, and no other.
-        gen = idx._generation()
+        gen = idx.generation
         fts = [r[0] for r in gen.catalog.db.execute("SELECT rowid FROM chunks_fts")]
         assert sorted(fts) == sorted(gen.exact.ids().tolist())
         assert report.checked["lexical_rows"] == report.checked["chunks"]

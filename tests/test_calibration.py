@@ -88,7 +88,7 @@ def test_prefill_speed_is_measured_once_and_turns_seconds_into_tokens(tmp_path, 
     from _tiny_lm import tiny_model
 
     monkeypatch.setenv("RAGBUDGET_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(ragbudget.memory.calibration, "_load_per_core", lambda: 0.1)  # an idle host
+    monkeypatch.setattr(ragbudget.memory.calibration, "load_per_core", lambda: 0.1)  # an idle host
     assert lookup_prefill_speed("tiny", "cpu") is None
     speed = measure_prefill_speed(tiny_model(), name="tiny", device="cpu", lengths=(32, 128))
     assert speed["provisional"] is False
@@ -115,7 +115,7 @@ def test_prefill_measured_on_a_busy_host_is_measured_again_when_idle(tmp_path, m
 
     monkeypatch.setenv("RAGBUDGET_CACHE", str(tmp_path / "cache"))
     load = {"now": 3.0}
-    monkeypatch.setattr(ragbudget.memory.calibration, "_load_per_core", lambda: load["now"])
+    monkeypatch.setattr(ragbudget.memory.calibration, "load_per_core", lambda: load["now"])
     model = tiny_model()
     busy = measure_prefill_speed(model, name="tiny", device="cpu", lengths=(32, 128))
     assert busy["provisional"] is True

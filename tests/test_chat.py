@@ -27,7 +27,6 @@ from ragbudget.chat import (
     Conversation,
     SummaryCache,
     Turn,
-    _Meter,
 )
 from ragbudget.errors import BudgetError, ConfigError
 from ragbudget.generation.backend import Capacity, Sampling
@@ -148,7 +147,8 @@ def test_ten_turns_over_budget_keep_answering_with_summary_and_no_overrun() -> N
         assert call["prompt_tokens"] == b.prompt
     # Without memory management, the 10th turn's verbatim history alone (9 turns x ~55 tokens)
     # would not fit the 400-token request; the summary is what made room.
-    full = _Meter(pipe).cost(chat.history_messages(turns=[*_all_turns(turns)], summary=""), questions[-1])
+    builder, history = pipe.prompt_builder, chat.history_messages(turns=[*_all_turns(turns)], summary="")
+    full = builder.with_history(history).fixed_tokens(questions[-1]) - builder.fixed_tokens(questions[-1])
     assert full > 400
     # The most recent turns are verbatim in the last prompt, the summary comes first.
     last_history = history_of(answers(pipe)[-1])
@@ -455,8 +455,7 @@ def test_summary_cache_makes_resent_histories_fold_like_one_conversation() -> No
     all of its older turns again."""
     options = {"summary_max_tokens": 30, "recent_turns": 2}
     memory_pipe = chat_pipeline(total=400, max_new=40, answer_words=40)
-    chat = Conversation(memory_pipe, **options)
-    chat._state.system.append({"role": "system", "content": "Answer in English."})
+    chat = Conversation.from_messages(memory_pipe, [{"role": "system", "content": "Answer in English."}], **options)
     for i in range(10):
         chat.ask(f"Question number {i} about the PDF cleaner and the KV budget?")
 

@@ -60,7 +60,7 @@ def test_killed_first_build_resumes_without_re_embedding(tmp_path: Path) -> None
     ids = range(1, s.chunks_total + 1)
     assert [h.to_dict() for h in got.get_chunks(ids)] == [h.to_dict() for h in want.get_chunks(ids)]
     for i in ids:
-        assert np.array_equal(got._generation().exact.vectors([i]), want._generation().exact.vectors([i]))
+        assert np.array_equal(got.generation.exact.vectors([i]), want.generation.exact.vectors([i]))
 
 
 def test_checkpoint_of_another_embedder_is_dropped(tmp_path: Path) -> None:

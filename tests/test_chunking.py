@@ -112,12 +112,12 @@ def test_invariants_on_arbitrary_text(text: str, lo: int, span: int) -> None:
 def test_exact_counts_from_patched_ends(text: str, lo: int, span: int) -> None:
     # Force the fast path (whole-text counts + re-encoded ends) even for tiny chunks, so the
     # exactness argument is exercised on every kind of boundary.
-    old = chunking._FAST_MIN_CHARS
-    chunking._FAST_MIN_CHARS = 0
+    old = chunking.FAST_MIN_CHARS
+    chunking.FAST_MIN_CHARS = 0
     try:
         chunks = chunk_text(text * 3, min_tokens=lo, max_tokens=lo + span)
     finally:
-        chunking._FAST_MIN_CHARS = old
+        chunking.FAST_MIN_CHARS = old
     _check(text * 3, chunks, lo, lo + span)
 
 
@@ -131,19 +131,22 @@ def test_parallel_piecewise_encoding_is_exact(text: str) -> None:
     old = (chunking.PARALLEL_ENCODE_MIN_CHARS, chunking.PARALLEL_PIECE_CHARS)
     chunking.PARALLEL_ENCODE_MIN_CHARS, chunking.PARALLEL_PIECE_CHARS = 0, 1
     try:
-        with mock.patch.object(chunking, "_cpus", lambda: 8):  # more pieces than this machine
+        with mock.patch.object(chunking, "cores", lambda: 8):  # more pieces than this machine
             parallel = chunk_text(text, min_tokens=5, max_tokens=30)
     finally:
         chunking.PARALLEL_ENCODE_MIN_CHARS, chunking.PARALLEL_PIECE_CHARS = old
     assert parallel == serial
 
 
-def test_line_start_cuts_split_the_encoding_exactly() -> None:
+def test_line_start_cuts_split_the_encoding_exactly(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Blank lines, indents and CRLF: a text encoded in pieces cut at line starts (8 here) is
+    # chunked exactly as the text encoded whole.
     text = "Intro.\n\n  indented\nplain line\n\n\nAfter blanks \r\nCRLF line.\n" * 50
-    cuts = [0, *chunking._line_start_cuts(text, 8), len(text)]
-    assert len(cuts) > 2
-    pieces = [TOK.encode(text[a:b]) for a, b in zip(cuts, cuts[1:], strict=False)]
-    assert [t for p in pieces for t in p] == TOK.encode(text)
+    whole = chunk_text(text, min_tokens=5, max_tokens=30)
+    monkeypatch.setattr(chunking, "PARALLEL_ENCODE_MIN_CHARS", 0)
+    monkeypatch.setattr(chunking, "PARALLEL_PIECE_CHARS", 1)
+    monkeypatch.setattr(chunking, "cores", lambda: 8)
+    assert chunk_text(text, min_tokens=5, max_tokens=30) == whole
 
 
 @settings(max_examples=100, deadline=None)
@@ -312,7 +315,9 @@ def test_chunk_texts_avoids_fork_while_other_threads_run(monkeypatch: pytest.Mon
 def test_chunk_texts_other_tokenizer_uses_threads(monkeypatch: pytest.MonkeyPatch) -> None:
     """A tokenizer object that a worker process cannot rebuild by name stays in this process."""
     monkeypatch.setattr(chunking, "PROCESS_MIN_CHARS", 0)
-    monkeypatch.setattr(chunking, "_chunk_in_processes", lambda *a: pytest.fail("used processes"))
+    import concurrent.futures
+
+    monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", lambda *a, **k: pytest.fail("used processes"))
     from ragbudget.tokens import HFTokenizer
 
     tok = HFTokenizer(HFWordTokenizer())

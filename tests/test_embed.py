@@ -97,13 +97,13 @@ def test_spec_round_trip() -> None:
 
 
 def test_sentence_transformer_embedder_is_lazy() -> None:
-    from ragbudget.retrieval.embed import AUTO_CPU_BACKEND, _cuda_visible
+    from ragbudget.retrieval.embed import AUTO_CPU_BACKEND, cuda_visible
     from ragbudget.retrieval.onnx import available as _has_onnxruntime
 
     e = SentenceTransformerEmbedder()
-    assert e._model is None and e._onnx is None
+    assert not e.loaded
     # auto: the measured CPU default where onnxruntime is installed, torch elsewhere.
-    assert e.backend == (AUTO_CPU_BACKEND if _has_onnxruntime() and not _cuda_visible() else "torch")
+    assert e.backend == (AUTO_CPU_BACKEND if _has_onnxruntime() and not cuda_visible() else "torch")
     assert e.id == "all-MiniLM-L6-v2" + ("+int8" if e.backend == "onnx-int8" else "")
     assert "SentenceTransformerEmbedder" in repr(e)
 
@@ -153,7 +153,6 @@ def test_minilm_windowed_pooling_keeps_the_tail_retrievable(minilm: SentenceTran
     ]
     query = "What is the secret password of the lighthouse keeper?"
     truncating = SentenceTransformerEmbedder(pooling="truncate", backend="torch")
-    truncating._model = minilm.model  # share the loaded weights
     q = minilm.embed_query(query)
     windowed = minilm.embed([long_chunk, *distractors])
     plain = truncating.embed([long_chunk, *distractors])
@@ -167,8 +166,7 @@ def test_minilm_windowed_pooling_keeps_the_tail_retrievable(minilm: SentenceTran
 def test_minilm_dim_and_window_come_from_its_files_without_loading_it() -> None:
     e = SentenceTransformerEmbedder()
     assert (e.dim, e.max_tokens) == (384, 252)  # 256 minus [CLS], [SEP] and two of slack
-    assert e.spec()["dim"] == 384 and e._model is None
-    assert SentenceTransformerEmbedder(light=False)._lite() is None
+    assert e.spec()["dim"] == 384 and not e.loaded
 
 
 @pytest.mark.model
@@ -186,20 +184,22 @@ def test_minilm_light_query_path_equals_sentence_transformers(minilm: SentenceTr
         "[CLS] [SEP] [MASK] <b>tags</b> & 42",
     ]
     light = SentenceTransformerEmbedder(backend="torch")  # the float backends' query path
-    assert light._lite() is not None
     assert (light.dim, light.max_tokens) == (minilm.dim, minilm.max_tokens)
     assert light.windows_of(texts) == minilm.windows_of(texts)
     got = np.array([light.embed_query(t) for t in texts])
     want = np.array([minilm.embed_query(t) for t in texts])
-    assert got.dtype == np.float32 and light._model is None
+    assert got.dtype == np.float32 and not light.loaded  # no model loaded: the numpy path answered
     assert np.abs(got - want).max() < 1e-6
     assert (got * want).sum(axis=1).min() > 1 - 1e-6
     # Past the model's 256 tokens both cut the same way ([CLS] + 254 pieces + [SEP]).
-    lite = light._lite()
-    assert lite is not None
-    cut = lite.encode([FILLER * 14 + TAIL_FACT])
-    plain = minilm.model.encode([FILLER * 14 + TAIL_FACT], normalize_embeddings=True, convert_to_numpy=True)
-    assert np.abs(cut - plain).max() < 1e-6
+    cutting = SentenceTransformerEmbedder(backend="torch", pooling="truncate")
+    cut = cutting.embed_query(FILLER * 14 + TAIL_FACT)
+    plain = minilm.model.encode([FILLER * 14 + TAIL_FACT], normalize_embeddings=True, convert_to_numpy=True)[0]
+    assert np.abs(cut - plain).max() < 1e-6 and not cutting.loaded
+    # light=False: queries go through the loaded model, as documents do.
+    heavy = SentenceTransformerEmbedder(backend="torch", light=False)
+    heavy.embed_query(texts[0])
+    assert heavy.loaded
 
 
 # --- backends: torch, ONNX Runtime float32, ONNX Runtime int8 ------------------------------------
@@ -229,7 +229,7 @@ def test_int8_vectors_get_their_own_identity_float_onnx_keeps_torchs() -> None:
     int8 = SentenceTransformerEmbedder(backend="onnx-int8")
     assert fp32.id == torch_e.id == "all-MiniLM-L6-v2"
     assert int8.id == "all-MiniLM-L6-v2+int8"
-    assert (int8.dim, int8.max_tokens) == (384, 252) and int8._onnx is None  # nothing loaded yet
+    assert (int8.dim, int8.max_tokens) == (384, 252) and not int8.loaded  # nothing loaded yet
     back = embedder_from_spec(int8.spec())
     assert isinstance(back, SentenceTransformerEmbedder) and back.backend == "onnx-int8"
     # An index written before backends existed was embedded with torch and reopens as torch.
@@ -298,7 +298,7 @@ def test_an_index_built_with_torch_is_rebuilt_not_mixed_by_int8(tmp_path, onnx_c
     assert fp32.chunks_embedded == 0  # same identity: nothing re-embedded
     int8 = ix.build([str(docs)], embedder=SentenceTransformerEmbedder(backend="onnx-int8"))
     assert int8.chunks_embedded == 1  # a rebuild, never a mix
-    manifest = Index.open(tmp_path / "idx")._read_manifest()
+    manifest = Index.open(tmp_path / "idx").manifest
     assert manifest["embedder"]["id"] == "all-MiniLM-L6-v2+int8"
     assert manifest["embedder"]["backend"] == "onnx-int8"
 
@@ -425,4 +425,4 @@ def test_a_custom_embedders_identity_holds_its_id_and_pooling() -> None:
         "pooling": "windows",
         "window_overlap": 16,
     }
-    assert st._model is None
+    assert not st.loaded

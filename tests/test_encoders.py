@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from ragbudget.memory.models import resolve_embedder
 from ragbudget.prompt.spans import split_sentences
 from ragbudget.retrieval.embed import HashEmbedder, SentenceTransformerEmbedder
-from ragbudget.retrieval.encoders import Runner, schedule
+from ragbudget.retrieval.encoders import LightBert, Runner, schedule
 
 
 @settings(max_examples=200, deadline=None)
@@ -38,7 +39,7 @@ class _Echo(Runner):
     where, whatever the batching and threads."""
 
     def __init__(self, *, max_rows: int, workers: int) -> None:
-        layout = SentenceTransformerEmbedder()._onnx_layout()
+        layout = LightBert.open(resolve_embedder(None))  # the packaged MiniLM's files
         assert layout is not None
         super().__init__(layout)
         self.max_rows, self.workers = max_rows, workers

@@ -36,7 +36,7 @@ from ragbudget.generation.backend import (
 )
 from ragbudget.generation.engines import KINDS, Retry, connect
 from ragbudget.generation.engines._base import parse_prometheus
-from ragbudget.generation.engines._http import HTTP, _retry_after, root_url
+from ragbudget.generation.engines._http import HTTP, root_url
 from ragbudget.prompt.prompt import Prompt, build_prompt
 from ragbudget.prompt.select import Candidate
 from ragbudget.settings import EngineSettings
@@ -176,9 +176,11 @@ def test_a_recent_reading_answers_again_and_an_old_one_is_read_afresh() -> None:
     with Replay("vllm") as srv, _connect(srv) as b:
         first = b.capacity()
         assert b.capacity() is first and len(srv.calls("GET", "/metrics")) == 1  # one request's 2-3 looks
-        b.CAPACITY_TTL_S = 0.05
-        time.sleep(0.06)
-        assert b.capacity() is not first and len(srv.calls("GET", "/metrics")) == 2
+        fresh = b.capacity(fresh=True)  # a caller keeping its own interval (the server's look)
+        assert fresh is not first and len(srv.calls("GET", "/metrics")) == 2
+        assert b.capacity() is fresh  # the fresh reading is the one reused
+        b.CAPACITY_TTL_S = 0  # every reading is old at once: no test waits for one to age
+        assert b.capacity() is not fresh and len(srv.calls("GET", "/metrics")) == 3
 
 
 def test_vllm_without_kv_cache_size_tokens_falls_back_with_a_warning() -> None:
@@ -322,15 +324,24 @@ def test_local_counters_keep_their_counts_under_their_tokenizer() -> None:
     assert cache.get_many("acme/chat-1", [text_digest("a b c")]) == {}
 
 
-def test_in_memory_caches_are_bounded() -> None:
-    from ragbudget.generation.engines._base import _LRU
+def test_in_memory_caches_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ragbudget.generation.engines import backend_class
 
-    lru = _LRU(10)
-    for i in range(30):
-        lru.put(i, i, size=3)
-    assert len(lru) == 3 and lru.get(29) == 29 and lru.get(0) is None
-    lru.put("huge", 1, size=11)  # bigger than the whole bound: not kept, nothing evicted
-    assert lru.get("huge") is None and len(lru) == 3
+    # Bounds a subclass (or a test) may set: 10 counted texts, 5 rendered tokens.
+    monkeypatch.setattr(backend_class("llamacpp"), "COUNT_MEMO", 10)
+    monkeypatch.setattr(backend_class("llamacpp"), "RENDER_MEMO_TOKENS", 5)
+    with Replay("llamacpp") as srv, _connect(srv) as b:
+        texts = [f"text number {i}" for i in range(30)]
+        b.count(texts)
+        asked = len(srv.log)
+        b.count(texts[-10:])  # the ten most recent are held
+        assert len(srv.log) == asked
+        b.count(texts[:1])  # the oldest were let go: the engine is asked again
+        assert len(srv.log) > asked
+        b.render(USER)
+        asked = len(srv.log)
+        b.render(USER)  # a prompt bigger than the whole bound is not kept
+        assert len(srv.log) > asked
     cache = MemoryCountCache(max_entries=100)
     cache.put_many("m", {str(i): i for i in range(1000)})
     assert len(cache) == 100 and cache.get_many("m", ["999", "0"]) == {"999": 999}
@@ -519,7 +530,7 @@ def test_overload_backs_off_honouring_retry_after_then_succeeds(kind: str) -> No
     path = "/api/chat" if kind == "ollama" else "/v1/chat/completions"
     with Replay(kind) as srv, _connect(srv) as b:
         slept: list[float] = []
-        b.http._sleep = slept.append
+        b.http.sleep = slept.append
         srv.push("POST", path, overloaded(kind, retry_after=0.3), overloaded(kind))
         g = b.generate(USER, max_new_tokens=4)
         assert g.text == "The Project Leader is"
@@ -532,7 +543,7 @@ def test_overload_gives_up_after_bounded_attempts(kind: str) -> None:
     path = "/api/chat" if kind == "ollama" else "/v1/chat/completions"
     with Replay(kind) as srv, _connect(srv) as b:
         slept: list[float] = []
-        b.http._sleep = slept.append
+        b.http.sleep = slept.append
         srv.push("POST", path, *[overloaded(kind, retry_after=0.2)] * 10)
         with pytest.raises(EngineOverloadedError) as e:
             b.generate(USER, max_new_tokens=4)
@@ -543,7 +554,7 @@ def test_overload_gives_up_after_bounded_attempts(kind: str) -> None:
 
 def test_a_retry_after_beyond_the_wait_budget_fails_at_once() -> None:
     with Replay("tgi") as srv, _connect(srv) as b:
-        b.http._sleep = lambda s: pytest.fail("must not sleep")
+        b.http.sleep = lambda s: pytest.fail("must not sleep")
         srv.push("POST", "/v1/chat/completions", overloaded("tgi", retry_after=120))
         with pytest.raises(EngineOverloadedError, match="retry after 120 s") as e:
             b.generate(USER, max_new_tokens=4)
@@ -551,10 +562,23 @@ def test_a_retry_after_beyond_the_wait_budget_fails_at_once() -> None:
 
 
 def test_retry_after_accepts_seconds_and_http_dates() -> None:
-    assert _retry_after("2") == 2.0 and _retry_after("junk") is None and _retry_after(None) is None
+    """The back-off waits at least the ``Retry-After`` the engine sent, as delta-seconds or as an
+    HTTP date (RFC 9110 §10.2.3); one it cannot read is ignored (the jittered step alone)."""
     from email.utils import formatdate
 
-    assert 8 <= (_retry_after(formatdate(time.time() + 10, usegmt=True)) or 0) <= 10
+    when = overloaded("tgi")
+    when.headers["Retry-After"] = formatdate(time.time() + 10, usegmt=True)
+    junk = overloaded("tgi")
+    junk.headers["Retry-After"] = "junk"
+    patient = Retry(attempts=4, base_delay=0.01, max_delay=0.01, max_wait=60)
+    with Replay("tgi") as srv, _connect(srv, retry=patient) as b:
+        slept: list[float] = []
+        b.http.sleep = slept.append
+        srv.push("POST", "/v1/chat/completions", overloaded("tgi", retry_after=2), when, junk)
+        assert b.generate(USER, max_new_tokens=4).text
+    assert 2 <= slept[0] <= 2 * 1.1 + 0.05
+    assert 8 <= slept[1] <= 10 * 1.1 + 0.05
+    assert 0 <= slept[2] <= 0.01
 
 
 # -- connection, auth, malformed, hang ------------------------------------------------------------------

@@ -307,9 +307,16 @@ def test_ray_is_imported_only_by_the_ray_executor() -> None:
 def test_the_pool_shares_the_cluster_cpus(ray_cluster: Any) -> None:
     # The 2-CPU test cluster: one actor per CPU by default, the CPUs split between the actors
     # asked for (Ray sets each actor's torch threads to its share); no GPU asked for without GPUs.
-    assert RayExecutor()._pool(ray_cluster) == (2, 1.0, None)
-    assert RayExecutor(workers=1)._pool(ray_cluster) == (1, 2.0, None)
-    assert RayExecutor(workers=4)._pool(ray_cluster) == (4, 0.5, None)
+    resources = ray_cluster.cluster_resources()
+    assert RayExecutor().pool(resources) == (2, 1.0, None)
+    assert RayExecutor(workers=1).pool(resources) == (1, 2.0, None)
+    assert RayExecutor(workers=4).pool(resources) == (4, 0.5, None)
+
+
+def test_the_pool_takes_a_gpu_an_actor_where_the_cluster_has_gpus() -> None:
+    assert RayExecutor().pool({"CPU": 16.0, "GPU": 2.0}) == (2, None, 1.0)
+    assert RayExecutor(workers=1).pool({"CPU": 16.0, "GPU": 2.0}) == (1, None, 1.0)
+    assert RayExecutor().pool({}) == (1, 1.0, None)  # a cluster reporting no CPU: one actor
 
 
 def test_doctests() -> None:

@@ -26,7 +26,7 @@ def test_mapped_flat_store_reads_rows_by_id(exact: FlatStore, tmp_path: Path) ->
     exact.save(tmp_path / "f.index")
     mapped = FlatStore.load(tmp_path / "f.index", mmap=True)
     ids = exact.ids()[[5, 0, 2999, 17]]
-    assert mapped.ntotal == 3000 and mapped._index is None  # rows come without loading faiss
+    assert mapped.ntotal == 3000 and not mapped.loaded  # rows come without loading faiss
     assert np.array_equal(mapped.vectors(ids), exact.vectors(ids))
     with pytest.raises(KeyError):
         mapped.vectors([4])  # ids are 7·i + 3

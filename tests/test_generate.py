@@ -10,7 +10,7 @@ from _tiny_lm import CUDA_NAME, CUDA_PEAK, as_on_cuda, tiny_model, tiny_tokenize
 
 from ragbudget.errors import BudgetError, ConfigError
 from ragbudget.generation import generate as generate_mod
-from ragbudget.generation.generate import Generation, Generator, _quant_backend, _smaller_cache, is_oom
+from ragbudget.generation.generate import Generation, Generator, is_oom, quant_backend, smaller_cache
 from ragbudget.prompt.prompt import build_prompt
 from ragbudget.prompt.select import Candidate
 from ragbudget.types import Source
@@ -162,7 +162,7 @@ def test_invalid_sampling_options_are_config_errors(gen, options) -> None:
 
 def test_oom_ladder_drops_chunks_then_cache_then_no_cache(gen, faulty, monkeypatch) -> None:
     # As on a GPU with a quantization backend (the rung's choice per device is tested below).
-    monkeypatch.setattr(generate_mod, "_smaller_cache", lambda device: "quantized")
+    monkeypatch.setattr(generate_mod, "smaller_cache", lambda device: "quantized")
     prompt = build_prompt("which id?", corpus(), tokenizer=gen.tokenizer, max_prompt_tokens=3000, redundancy=1.01)
     n0 = len(prompt.passages)
     assert n0 >= 8
@@ -188,7 +188,7 @@ def test_oom_ladder_drops_chunks_then_cache_then_no_cache(gen, faulty, monkeypat
 def test_oom_ladder_gives_up_with_budget_error_and_stays_usable(gen, faulty, monkeypatch) -> None:
     import torch
 
-    monkeypatch.setattr(generate_mod, "_smaller_cache", lambda device: "offloaded")
+    monkeypatch.setattr(generate_mod, "smaller_cache", lambda device: "offloaded")
     f = faulty(set(range(1, 10)), exc=torch.cuda.OutOfMemoryError)
     with pytest.raises(BudgetError) as err:
         gen.generate([1, 2, 3, 4, 5], max_new_tokens=3)
@@ -201,7 +201,7 @@ def test_oom_ladder_gives_up_with_budget_error_and_stays_usable(gen, faulty, mon
 def test_oom_ladder_skips_the_cache_rung_where_no_smaller_cache_runs(gen, faulty, monkeypatch) -> None:
     """On a CPU without hqq (quanto would compile kernels for minutes; offloading needs CUDA)
     the ladder goes straight from the prompt to use_cache=False."""
-    monkeypatch.setattr(generate_mod, "_quant_backend", lambda device=None: None)
+    monkeypatch.setattr(generate_mod, "quant_backend", lambda device=None: None)
     f = faulty({1})
     g = gen.generate([1, 2, 3, 4, 5], max_new_tokens=3)
     assert [s.action for s in g.oom_steps] == ["no_cache"] and g.cache == "none"
@@ -222,8 +222,8 @@ def test_smaller_cache_per_device(monkeypatch, device, installed, want) -> None:
     import importlib.util
 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name in installed else None)
-    assert _smaller_cache(device) == want
-    backend = _quant_backend(device)
+    assert smaller_cache(device) == want
+    backend = quant_backend(device)
     if want == "quantized":
         # transformers only accepts the lower-case spellings.
         assert backend == ("quanto" if device.startswith("cuda") else "hqq")
@@ -299,7 +299,7 @@ def test_the_models_repetition_penalty_is_its_generation_configs(gen) -> None:
 
 def test_generator_is_lazy() -> None:
     g = Generator("some/unloaded-model")
-    assert "not loaded" in repr(g) and g._model is None
+    assert "not loaded" in repr(g) and not g.loaded
 
 
 @pytest.mark.model
@@ -327,7 +327,7 @@ def test_smollm2_stops_at_a_line_it_repeats_and_keeps_its_generation_config() ->
     gen = Generator()
     tok = gen.tokenizer
     # Its own generation_config, as the GGUF gives it: the stop token <|im_end|>, no penalty.
-    assert tok.convert_ids_to_tokens(sorted(gen._eos_ids())) == ["<|im_end|>"] and gen.repetition_penalty == 1.0
+    assert tok.convert_ids_to_tokens(sorted(gen.eos_ids())) == ["<|im_end|>"] and gen.repetition_penalty == 1.0
     pipe, nl = tok.encode("pipe", add_special_tokens=False), tok.encode("\n", add_special_tokens=False)
     assert len(pipe) == len(nl) == 1
     gen.model.generation_config.sequence_bias = {(nl[0], pipe[0]): 100.0, (pipe[0], nl[0]): 100.0}

@@ -80,7 +80,7 @@ def test_size_roundtrip(n, unit):
 def test_auto_without_gpu_uses_host_ram(monkeypatch):
     import ragbudget.gpus as g
 
-    monkeypatch.setattr(g, "_cuda_free", lambda: None)
+    monkeypatch.setattr(g, "cuda_free", lambda: None)
     info = resolve_gpu(None)
     assert info.source == "host RAM (no GPU)" and info.bytes > 0
     assert any("no CUDA" in n for n in info.notes)
@@ -89,6 +89,6 @@ def test_auto_without_gpu_uses_host_ram(monkeypatch):
 def test_auto_with_cuda(monkeypatch):
     import ragbudget.gpus as g
 
-    monkeypatch.setattr(g, "_cuda_free", lambda: ("Fake GPU", 10 * GiB, 24 * GiB))
+    monkeypatch.setattr(g, "cuda_free", lambda: ("Fake GPU", 10 * GiB, 24 * GiB))
     info = resolve_gpu("auto")
     assert (info.name, info.bytes, info.source) == ("Fake GPU", 10 * GiB, "cuda:0 free memory")

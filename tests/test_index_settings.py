@@ -35,7 +35,7 @@ def _manifest(ix: Index) -> dict[str, Any]:
 
 
 def _max_chunk_tokens(ix: Index) -> int:
-    db = Index.open(ix.path)._generation().catalog.db
+    db = Index.open(ix.path).generation.catalog.db
     return int(db.execute("SELECT MAX(n_tokens) FROM chunks").fetchone()[0])
 
 

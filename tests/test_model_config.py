@@ -9,7 +9,7 @@ from _kv_archs import LLAMA8B
 from ragbudget.errors import ConfigError, ModelError
 from ragbudget.memory.kvcache import kv_cache_bytes
 from ragbudget.memory.layers import layer_specs
-from ragbudget.memory.model_config import _Cfg, _normalize, model_dtype, text_config
+from ragbudget.memory.model_config import ConfigView, model_dtype, normalize_config, text_config
 from ragbudget.types import dtype_bits
 
 
@@ -73,14 +73,14 @@ def test_a_config_object_that_raises_on_unknown_attributes_reads_as_missing():
         def __getattr__(self, name: str) -> object:
             raise KeyError(name)  # some remote-code configs raise anything but AttributeError
 
-    assert _Cfg(Strict()).get("n_embd", "hidden_size") == 64
-    assert _Cfg(Strict()).get("n_embd", default=7) == 7
+    assert ConfigView(Strict()).get("n_embd", "hidden_size") == 64
+    assert ConfigView(Strict()).get("n_embd", default=7) == 7
 
 
 def test_normalize_lets_transformers_fill_in_a_known_family_and_keeps_an_unknown_one():
     pytest.importorskip("transformers")
     raw = {"model_type": "qwen3", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4}
-    assert _Cfg(_normalize(raw, True)).get("head_dim") == 128  # Qwen3's own default, not 64 / 4
-    assert _normalize(raw, False) == raw
+    assert ConfigView(normalize_config(raw, True)).get("head_dim") == 128  # Qwen3's own default, not 64 / 4
+    assert normalize_config(raw, False) == raw
     unknown = {"model_type": "no-such-family", "hidden_size": 64}
-    assert _normalize(unknown, True) == unknown
+    assert normalize_config(unknown, True) == unknown

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from ragbudget.memory.models import resolve_embedder
 from ragbudget.retrieval.embed import SentenceTransformerEmbedder
 from ragbudget.retrieval.onnx import available, cache_root, model_digest
 
@@ -57,7 +58,7 @@ def test_a_damaged_cached_export_is_a_model_error(tmp_path, monkeypatch) -> None
 
     monkeypatch.setenv("RAGBUDGET_CACHE", str(tmp_path))
     e = SentenceTransformerEmbedder(backend="onnx-int8")
-    folder = e._onnx_layout().folder  # type: ignore[union-attr]
+    folder = resolve_embedder(None)  # the packaged MiniLM, whose export the embedder caches
     cache = tmp_path / "onnx" / model_digest(folder)
     cache.mkdir(parents=True)
     (cache / "model.int8.onnx").write_bytes(b"not an onnx file")

@@ -381,11 +381,11 @@ def test_out_of_range_arguments_are_config_errors(indexed: Path, call: Any, matc
     assert not gen.prompts
 
 
-def test_generate_options_are_checked_before_retrieval(indexed: Path) -> None:
+def test_generate_options_are_checked_before_retrieval(indexed: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     pipe, gen = _pipe(indexed)
     searched: list[str] = []
-    real = pipe._search
-    pipe._search = lambda query, k: searched.append(query) or real(query, k)  # type: ignore[method-assign]
+    real = pipe.store.search  # the opened index ask() retrieves from
+    monkeypatch.setattr(pipe.store, "search", lambda query, **kw: searched.append(query) or real(query, **kw))
     with pytest.raises(ConfigError, match="max_tokens"):
         pipe.ask(QUESTION, max_tokens=8)
     assert searched == [] and not gen.prompts

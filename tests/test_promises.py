@@ -6,14 +6,14 @@ from __future__ import annotations
 import threading
 
 from ragbudget.memory.promises import Promises, claimed, current_key, returning
-from ragbudget.memory.schedule import _Job
+from ragbudget.memory.schedule import Job
 
 
 def test_a_promise_is_made_for_a_measured_job_or_a_keyed_request() -> None:
     book = Promises()
     book.make(None, retry=5.0, now=0.0)  # nothing measured, no key: nothing to keep or shape
     assert len(book) == 0 and book.behind() == ""
-    book.make(_Job(prefill=1.0, decode=1.0, cost=1), retry=5.0, now=0.0)
+    book.make(Job(prefill=1.0, decode=1.0, cost=1), retry=5.0, now=0.0)
     with returning("k"):
         book.make(None, retry=7.0, now=1.0)
     assert [(p.key, p.due, p.made) for p in book] == [(None, 5.0, 0.0), ("k", 8.0, 1.0)]
@@ -43,7 +43,7 @@ def test_a_promise_is_claimed_from_early_s_before_its_time_until_its_grace_after
 
 def test_jobs_ahead_are_the_refused_clients_work_in_due_order() -> None:
     book = Promises()
-    late, soon = _Job(prefill=2.0, decode=1.0, cost=3, tokens=4), _Job(prefill=1.0, decode=1.0, cost=1)
+    late, soon = Job(prefill=2.0, decode=1.0, cost=3, tokens=4), Job(prefill=1.0, decode=1.0, cost=1)
     book.make(late, retry=30.0, now=0.0)
     book.make(soon, retry=10.0, now=5.0)
     ahead = book.jobs_ahead()

@@ -159,7 +159,7 @@ def test_a_closed_loop_cancels_the_producer() -> None:
     loop = asyncio.new_event_loop()
     loop.close()  # nobody will ever read: the first emit finds the loop gone
     relay = Relay(_until_cancelled([]), loop=loop)
-    relay._finished.wait(5)
+    assert relay.wait(5)
     assert relay.cancel.is_set() and relay.result == "stopped"
 
 

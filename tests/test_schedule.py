@@ -9,15 +9,15 @@ import math
 import pytest
 
 from ragbudget.errors import BudgetError, ConfigError
-from ragbudget.memory.schedule import Learning, MemoryModel, Throughput, _first_token_if_started, _Job, simulate
+from ragbudget.memory.schedule import Job, Learning, MemoryModel, Throughput, first_token_if_started, simulate
 
 # 1 ms per prompt token, 10 ms per generated token: a 1,000 + 100 request is 2 s of work.
 THR = Throughput(prefill_a=0.001, decode_s=0.01)
 
 
 def test_simulate_processor_sharing_by_hand() -> None:
-    a = _Job(prefill=1.0, decode=1.0, cost=1)
-    b = _Job(prefill=1.0, decode=1.0, cost=1)
+    a = Job(prefill=1.0, decode=1.0, cost=1)
+    b = Job(prefill=1.0, decode=1.0, cost=1)
     # Both queued, no target: both start at once and share the host: first tokens at 2 s.
     assert simulate([], [a, b], throughput=THR, capacity=10, ttft_target=None) == [2.0, 2.0]
     # With a 1.5 s target b cannot start next to a (its prefill would take 2 s): it waits for a
@@ -26,24 +26,24 @@ def test_simulate_processor_sharing_by_hand() -> None:
     # Memory for one at a time: the same, whatever the target.
     assert simulate([], [a, b], throughput=THR, capacity=1, ttft_target=None) == [1.0, 3.0]
     # A running job with 0.5 s of decode left, and a promise that can arrive only at t=5.
-    r = _Job(prefill=1.0, decode=1.0, cost=1, served=1.5)
-    p = _Job(prefill=1.0, decode=0.0, cost=1, ready=5.0)
+    r = Job(prefill=1.0, decode=1.0, cost=1, served=1.5)
+    p = Job(prefill=1.0, decode=0.0, cost=1, ready=5.0)
     assert simulate([r], [p], throughput=THR, capacity=1, ttft_target=None) == [6.0]
 
 
 def test_batched_backend_admits_more_next_to_decoding_requests() -> None:
-    job = _Job(prefill=0.5, decode=1.0, cost=1)
-    decoding = [_Job(prefill=0.1, decode=5.0, cost=1, served=1.0) for _ in range(6)]
+    job = Job(prefill=0.5, decode=1.0, cost=1)
+    decoding = [Job(prefill=0.1, decode=5.0, cost=1, served=1.0) for _ in range(6)]
     alone = Throughput(prefill_a=0.001, decode_s=0.01)
     shared = Throughput(prefill_a=0.001, decode_s=0.01, batched=True, decode_extra_s=0.001)
     # Threads share the cores: 7 ways. A batch shares forward passes: prefill + one batch.
-    assert _first_token_if_started(job, decoding, alone) == pytest.approx(3.5)
-    assert _first_token_if_started(job, decoding, shared) == pytest.approx(1.0)
+    assert first_token_if_started(job, decoding, alone) == pytest.approx(3.5)
+    assert first_token_if_started(job, decoding, shared) == pytest.approx(1.0)
 
 
 def test_simulate_counts_the_paged_cache_as_a_second_resource() -> None:
-    a = _Job(prefill=1.0, decode=1.0, cost=1, tokens=600)
-    b = _Job(prefill=1.0, decode=1.0, cost=1, tokens=600)
+    a = Job(prefill=1.0, decode=1.0, cost=1, tokens=600)
+    b = Job(prefill=1.0, decode=1.0, cost=1, tokens=600)
     # Memory for both, but the 1,000-token cache for one at a time: b starts when a ends.
     assert simulate([], [a, b], throughput=THR, capacity=10, ttft_target=None) == [2.0, 2.0]
     assert simulate([], [a, b], throughput=THR, capacity=10, ttft_target=None, token_capacity=1000) == [1.0, 3.0]

@@ -152,7 +152,9 @@ def test_a_question_costs_one_embedder_call_the_search_s_vector_scores_the_sente
     assert emb.calls == [("query", 1)]
     # The dense evidence is the same as the scorer embedding the question itself.
     cold = Pipeline(ix.path, backend=FakeBackend(), embedder=HashEmbedder(dim=DIM), pack="spans")
-    cold._pack_options()["span_scorer"].remember_query = lambda *a: None  # embeds the question
+    scorer = cold.span_scorer
+    assert scorer is not None
+    scorer.remember_query = lambda *a: None  # type: ignore[method-assign]  # it embeds the question itself
     assert cold.retrieve(question, context_tokens=60).text == sel.text
     # A rewritten retrieval query is not the question the sentences are scored against.
     emb.calls.clear()

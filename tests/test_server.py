@@ -872,8 +872,8 @@ def test_a_request_whose_first_token_would_miss_the_timeout_is_429_before_retrie
     ctl = pipe.admission  # the real controller; a measured speed: 1 ms/prompt token, 1 s/token
     ctl.configure(throughput=Throughput(prefill_a=0.001, decode_s=1.0), ttft_target=1.0)
     searched: list[str] = []
-    search = pipe._search  # what ask() retrieves through (it also hands the query vector on)
-    monkeypatch.setattr(pipe, "_search", lambda q, k: searched.append(q) or search(q, k))
+    search = pipe.store.search  # the opened index ask() retrieves from
+    monkeypatch.setattr(pipe.store, "search", lambda q, **kw: searched.append(q) or search(q, **kw))
     # One running request with ~14 s of work left: a 3,840-token prompt (the 4,096 window less
     # 256 of answer) cannot start next to it within the 1 s target, nor get its first token
     # within 5 s after it.
@@ -1433,13 +1433,16 @@ def test_the_same_body_from_another_client_does_not_take_a_returning_clients_pla
 # --- `serve --engine`: admission from the engine's own queue and free KV ------------------------------
 
 
-def _engine_app(srv: Any, tmp_path: Path) -> Any:
+def _engine_app(srv: Any, tmp_path: Path, **app: Any) -> Any:
+    """A test client of the app over the replayed engine ``srv``; ``app``: create_app's keywords
+    (``engine_recheck_s=0`` looks at the engine afresh for every request: no test waits a timer)."""
     from fastapi.testclient import TestClient
 
     index_dir = tmp_path / "idx"
-    shutil.copytree(corpus_index(), index_dir)  # the engine's token counts are cached in it
+    if not index_dir.exists():  # a second app over the same engine shares the first one's copy
+        shutil.copytree(corpus_index(), index_dir)  # the engine's token counts are cached in it
     kw = {"engine_context_tokens": 2048} if srv.kind == "openai" else {}
-    return TestClient(create_app(Pipeline(index_dir, engine=srv.url, max_new_tokens=32, **kw)))
+    return TestClient(create_app(Pipeline(index_dir, engine=srv.url, max_new_tokens=32, **kw), **app))
 
 
 def _ask(client: Any) -> Any:
@@ -1474,10 +1477,13 @@ def test_engine_with_a_queue_or_no_free_kv_is_503_before_any_work(
     assert health["engine_load"]["open"] is False and health["engine_load"]["sources"]
 
 
-def test_engine_with_room_admits_and_figures_are_reread_at_most_once_a_second(tmp_path: Path) -> None:
+def test_engine_with_room_admits_and_figures_are_reread_once_engine_recheck_s_has_passed(tmp_path: Path) -> None:
+    """The engine's figures are read at most every ``engine_recheck_s``: within it a request takes
+    the last reading (an engine filling up meanwhile is not seen, and not asked again); past it
+    (0 here: always) they are read afresh and a full engine refuses the next request."""
     from _replay import Replay, Resp
 
-    with Replay("vllm") as srv, _engine_app(srv, tmp_path) as client:
+    with Replay("vllm") as srv:
         idle = (
             srv.engine.metrics()
             .replace("vllm:num_requests_waiting{", "x{")
@@ -1486,21 +1492,38 @@ def test_engine_with_room_admits_and_figures_are_reread_at_most_once_a_second(tm
                 '# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{engine="0"} 0.0',
             )
         )
-        srv.routes[("GET", "/metrics")] = lambda b: Resp(text=idle, content_type="text/plain")
-        ok = _ask(client)
-        metrics = client.get("/metrics").text
-        # The engine fills up (another client): refused once the figures are re-read.
+        # The engine fills up (another client) after a first request.
         full = idle.replace(
             'vllm:kv_cache_usage_perc{engine="0",model_name="Qwen/Qwen3-8B"} 0.25',
             'vllm:kv_cache_usage_perc{engine="0",model_name="Qwen/Qwen3-8B"} 1.0',
         )
         assert full != idle
-        srv.routes[("GET", "/metrics")] = lambda b: Resp(text=full, content_type="text/plain")
-        time.sleep(1.1)
-        refused = _ask(client)
-    assert ok.status_code == 200, ok.text
-    assert "ragbudget_engine_waiting_requests 0" in metrics and "ragbudget_engine_kv_free_tokens 75000" in metrics
+        answered = {}
+        for recheck in (3600.0, 0.0):
+            srv.routes[("GET", "/metrics")] = lambda b: Resp(text=idle, content_type="text/plain")
+            with _engine_app(srv, tmp_path, engine_recheck_s=recheck) as client:
+                ok = _ask(client)
+                metrics = client.get("/metrics").text
+                srv.routes[("GET", "/metrics")] = lambda b: Resp(text=full, content_type="text/plain")
+                read = len(srv.calls("GET", "/metrics"))
+                answered[recheck] = (ok, metrics, _ask(client), len(srv.calls("GET", "/metrics")) - read)
+    for ok, metrics, _, _ in answered.values():
+        assert ok.status_code == 200, ok.text
+        assert "ragbudget_engine_waiting_requests 0" in metrics and "ragbudget_engine_kv_free_tokens 75000" in metrics
+    _, _, within, read_within = answered[3600.0]
+    assert within.status_code == 200 and read_within == 0  # the last reading, the engine not asked
+    _, _, refused, read_past = answered[0.0]
     assert refused.status_code == 503 and "0 free KV tokens" in refused.json()["error"]["message"]
+    assert read_past >= 1
+
+
+def test_engine_recheck_s_must_be_a_non_negative_number(tmp_path: Path) -> None:
+    from ragbudget.errors import ConfigError
+
+    pipe = Pipeline(corpus_index(), engine="http://127.0.0.1:9", max_new_tokens=32)
+    for bad in (-1.0, float("nan")):
+        with pytest.raises(ConfigError, match=r"engine_recheck_s must be >= 0 seconds \(0: every request\), got"):
+            create_app(pipe, engine_recheck_s=bad)
 
 
 def test_engine_without_metrics_admits_and_says_admission_is_open(tmp_path: Path) -> None:
@@ -1523,12 +1546,13 @@ def test_an_engine_that_dies_is_502_or_503_health_503_then_back_when_it_returns(
     """The engine is killed between requests: the request that finds it gone is a 502 (or, when
     the server's look at the engine came first, a 503), never a 500; /health is 503 and names the
     engine and the cause; requests meanwhile are 503 with Retry-After before any work. Brought
-    back on its port, the engine is used again within a second, with nothing restarted here."""
+    back on its port, the engine is used again at the server's next look at it (every request here:
+    ``engine_recheck_s=0``), with nothing restarted here."""
     from _replay import Replay
 
     with contextlib.ExitStack() as stack:
         srv = stack.enter_context(Replay("llamacpp"))
-        client = stack.enter_context(_engine_app(srv, tmp_path))
+        client = stack.enter_context(_engine_app(srv, tmp_path, engine_recheck_s=0))
         assert _ask(client).status_code == 200
         health_up = client.get("/health")
         srv.kill()
@@ -1539,7 +1563,6 @@ def test_an_engine_that_dies_is_502_or_503_health_503_then_back_when_it_returns(
         second = _ask(client)
         assert len(srv.log) == sent  # refused before any work: nothing tried the engine
         stack.enter_context(Replay("llamacpp", port=srv.port))
-        time.sleep(1.1)  # the server looks at the engine again once a second
         health_back = client.get("/health")
         back = _ask(client)
     assert health_up.status_code == 200 and health_up.json()["engine"] == {
@@ -1589,9 +1612,8 @@ def test_an_engine_loading_its_model_is_503_with_retry_after_and_health_503(tmp_
     once (no back-off), /health is 503, and a request is 503 with Retry-After before any work."""
     from _replay import Replay, overloaded
 
-    with Replay("llamacpp") as srv, _engine_app(srv, tmp_path) as client:
+    with Replay("llamacpp") as srv, _engine_app(srv, tmp_path, engine_recheck_s=0) as client:
         assert _ask(client).status_code == 200
-        time.sleep(1.1)
         srv.push("GET", "/props", *[overloaded("llamacpp")] * 20)
         health = client.get("/health")
         r = _ask(client)

@@ -219,7 +219,7 @@ def test_verify_re_measures_recall(docs: Path, tmp_path: Path) -> None:
 def test_use_approx_false_searches_exactly(docs: Path, tmp_path: Path) -> None:
     ix = Index(tmp_path / "ix")
     ix.build([str(docs)], store="ivf", **OPTS)
-    gen = Index.open(ix.path, use_approx=False)._generation()
+    gen = Index.open(ix.path, use_approx=False).generation
     assert gen.search is gen.exact
 
 
@@ -380,7 +380,7 @@ for q in ("marker3zz", "kaba lode mifi"):  # scores agree (hash vectors tie: ids
     assert [round(h.score, 5) for h in got] == [round(h.score, 5) for h in want], (got, want)
     assert got[0].score > 0 and "marker3zz" in o.search("marker3zz", k=1)[0].text
 print(json.dumps({"names": list(store_names()), "stats": o.stats(), "ok": o.verify().ok,
-                  "store": type(o._generation().search).__name__}))
+                  "store": type(o.generation.search).__name__}))
 """
 
 

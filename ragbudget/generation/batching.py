@@ -330,6 +330,17 @@ class Batcher:
         return self._manager is not None and self._manager.is_running()
 
     @property
+    def active(self) -> int:
+        """Requests in the batch now, generating or waiting there for cache blocks (0 before the
+        first :meth:`generate` and after :meth:`close`). A request cancelled or finished leaves
+        it within a step: what a caller draining the batcher waits on."""
+        manager = self._manager
+        if manager is None:
+            return 0
+        scheduler = manager.batch_processor.scheduler  # transformers' continuous-batching scheduler
+        return len(scheduler.active_requests) + len(scheduler.waiting_requests)
+
+    @property
     def layout(self) -> PagedCacheLayout:
         """The paged cache this batcher allocates (exact bytes, blocks and token capacity)."""
         if self._layout is None:
@@ -372,7 +383,7 @@ class Batcher:
             raise ConfigError(f"cannot batch {gen.model_ref.id!r}: {reason}")
         # The model's own stop tokens (its generation_config's and its tokenizer's); sampling is
         # the row sampler's, and so is the checkpoint's repetition penalty (see _row_sampler).
-        eos = sorted(gen._eos_ids()) or -1
+        eos = sorted(gen.eos_ids()) or -1
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         config = GenerationConfig(  # type: ignore[no-untyped-call]  # transformers' config is untyped
             do_sample=False, eos_token_id=eos, pad_token_id=pad

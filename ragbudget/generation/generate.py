@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..errors import BudgetError, ConfigError, ModelError
 from ..memory.models import ModelRef, cache_dir, resolve_generator
@@ -54,7 +54,18 @@ from .decoding import (
 if TYPE_CHECKING:
     from ..memory.budget import PeakMeasurement
 
-__all__ = ["REPEATED_LINE_STOP", "Generation", "Generator", "OOMStep", "is_oom", "line_repeats"]
+__all__ = [
+    "REPEATED_LINE_STOP",
+    "CudaPeak",
+    "Generation",
+    "Generator",
+    "OOMStep",
+    "PeakMeter",
+    "is_oom",
+    "line_repeats",
+    "quant_backend",
+    "smaller_cache",
+]
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +179,7 @@ def _free_memory() -> None:
             torch.cuda.empty_cache()
 
 
-def _quant_backend(device: str | None = None) -> str | None:
+def quant_backend(device: str | None = None) -> str | None:
     """The installed quantized-cache backend transformers should use (its spelling), or None.
 
     On a CPU, quanto compiles its C++ kernels at the first decode step (minutes), so only hqq
@@ -186,11 +197,11 @@ def _quant_backend(device: str | None = None) -> str | None:
     return None
 
 
-def _smaller_cache(device: str) -> str | None:
+def smaller_cache(device: str) -> str | None:
     """The OOM ladder's second rung on ``device``: a quantized cache where a backend runs there,
     else an offloaded one on CUDA (transformers' offloading calls ``torch.cuda`` streams), else
     None (the rung is skipped)."""
-    if _quant_backend(device):
+    if quant_backend(device):
         return "quantized"
     return "offloaded" if str(device).startswith("cuda") else None
 
@@ -206,6 +217,36 @@ def _torch_dtype(dtype: Any) -> Any:
     if not isinstance(value, torch.dtype):
         raise ConfigError(f"unknown dtype {dtype!r}; use float32, bfloat16 or float16")
     return value
+
+
+class PeakMeter(Protocol):
+    """Measures a run's peak device memory: :meth:`reset` before it, :meth:`read` after it
+    (bytes, or ``None`` where not measured)."""
+
+    def reset(self, device: str) -> None: ...
+
+    def read(self, device: str) -> int | None: ...
+
+
+class CudaPeak:
+    """How a :class:`Generator` measures a run's peak device memory: :meth:`reset` before the
+    run, :meth:`read` after it. This one reads torch's CUDA statistics and measures nothing on
+    another device; set a generator's :attr:`~Generator.peak_meter` to another object with the
+    same two methods for another accelerator's statistics (or a figure of one's own)."""
+
+    def reset(self, device: str) -> None:
+        if device.startswith("cuda"):
+            import torch
+
+            torch.cuda.reset_peak_memory_stats(device)
+
+    def read(self, device: str) -> int | None:
+        """Peak bytes allocated since :meth:`reset`, or ``None`` where not measured."""
+        if not device.startswith("cuda"):
+            return None
+        import torch
+
+        return int(torch.cuda.max_memory_allocated(device))
 
 
 class Generator:
@@ -239,6 +280,8 @@ class Generator:
         self._ref: ModelRef | None = model if isinstance(model, ModelRef) else None
         self._device: str | None = None
         self._lock = threading.Lock()
+        #: What measures a run's peak device memory (the figure calibration learns from).
+        self.peak_meter: PeakMeter = CudaPeak()
 
     @classmethod
     def from_objects(cls, model: Any, tokenizer: Any, *, model_ref: ModelRef | None = None) -> Generator:
@@ -455,7 +498,7 @@ class Generator:
             raise ConfigError(f"cache must be one of {', '.join(CACHE_KINDS)}; got {cache!r}")
         if max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens must be ≥ 1; got {max_new_tokens}")
-        if cache == "quantized" and _quant_backend() is None:
+        if cache == "quantized" and quant_backend() is None:
             raise ConfigError(
                 "cache='quantized' needs a quantization backend: "
                 "`pip install optimum-quanto` (or hqq), or use another cache"
@@ -512,9 +555,9 @@ class Generator:
                     steps.append(OOMStep("drop_chunks", reason, before, len(ids), cur_cache, use_cache))
                     continue
                 # Rung 2: a smaller KV cache.
-                smaller_cache = _smaller_cache(self.device)
-                if use_cache and cur_cache not in ("quantized", "offloaded") and smaller_cache:
-                    cur_cache = smaller_cache
+                smaller_kv = smaller_cache(self.device)
+                if use_cache and cur_cache not in ("quantized", "offloaded") and smaller_kv:
+                    cur_cache = smaller_kv
                     steps.append(OOMStep(f"{cur_cache}_cache", reason, before, before, cur_cache))
                     continue
                 # Rung 3: no KV cache at all.
@@ -580,7 +623,7 @@ class Generator:
         """The answer's text and why it ended: EOS or a stop string (``"stop"``), the cap
         (``"length"``), else a cancellation (``"cancelled"``) when ``cancelled``."""
         tok = self._tokenizer
-        eos = self._eos_ids()
+        eos = self.eos_ids()
         text = tok.decode(new, skip_special_tokens=True)
         finish = "length" if len(new) >= max_new_tokens else ("cancelled" if cancelled else "stop")
         if new and new[-1] in eos:
@@ -593,7 +636,9 @@ class Generator:
             text, finish = text[:cut], "stop"
         return text.strip(), finish
 
-    def _eos_ids(self) -> set[int]:
+    def eos_ids(self) -> set[int]:
+        """The token ids that end an answer: the model's ``generation_config`` and the
+        tokenizer's ``eos_token_id`` together (a chat model's end-of-turn token among them)."""
         ids: set[int] = set()
         for src in (getattr(self._model, "generation_config", None), self._tokenizer):
             e = getattr(src, "eos_token_id", None)
@@ -653,7 +698,7 @@ class Generator:
             if cache == "quantized":
                 bits = {"int2": 2, "int4": 4, "int8": 8}.get(str(kv_dtype or "int4").lower(), 4)
                 kw["cache_config"] = {
-                    "backend": _quant_backend(self.device) or _quant_backend() or "quanto",
+                    "backend": quant_backend(self.device) or quant_backend() or "quanto",
                     "nbits": bits,
                 }
         if stop:
@@ -693,14 +738,11 @@ class Generator:
             kw["streamer"] = CallbackStreamer(tok, on_text, len(ids), stop or ())
         elif streamer is not None:
             kw["streamer"] = streamer
-        cuda = device.startswith("cuda")
-        if cuda:
-            torch.cuda.reset_peak_memory_stats(device)
+        self.peak_meter.reset(device)
         with torch.inference_mode():
             out = model.generate(**kw)
         seq = out.sequences if hasattr(out, "sequences") else out
-        peak = int(torch.cuda.max_memory_allocated(device)) if cuda else None
-        return list(seq[0].tolist()), peak
+        return list(seq[0].tolist()), self.peak_meter.read(device)
 
     def _measure(self, gen: Generation, peak: int, kv_dtype: str | None) -> PeakMeasurement | None:
         """What a measured CUDA peak consisted of (weights, KV of the run's tokens), for the

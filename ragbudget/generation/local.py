@@ -33,7 +33,7 @@ if TYPE_CHECKING:  # pragma: no cover - generate.py and batching.py load at firs
     from .batching import Batcher
     from .generate import Generation, Generator
 
-__all__ = ["LocalBackend"]
+__all__ = ["LocalBackend", "paged_tokens_within"]
 
 log = logging.getLogger(__name__)
 
@@ -325,7 +325,7 @@ class LocalBackend:
                     # The plan's KV bytes are the most the paged cache may take: whole pages, and
                     # the paged layout's own bytes per token (it can exceed the plan's), so the
                     # activations the plan reserved beside it still fit.
-                    tokens = _paged_tokens_within(
+                    tokens = paged_tokens_within(
                         self.generator, int(tokens), plan.kv_capacity_tokens * plan.kv_bytes_per_token_peak
                     )
                     if tokens < plan.max_context_tokens:
@@ -408,10 +408,12 @@ def _attn_in_use(model: Any) -> str:
     return str(impl) if isinstance(impl, str) and impl else "sdpa"
 
 
-def _paged_tokens_within(generator: Generator, tokens: int, budget_bytes: int, page_size: int = 32) -> int:
+def paged_tokens_within(generator: Generator, tokens: int, budget_bytes: int, page_size: int = 32) -> int:
     """The most tokens, in whole pages of ``page_size`` (at least one page), up to ``tokens``,
     whose paged cache (:func:`~ragbudget.memory.kvcache.paged_cache_layout`, exact) takes at most
-    ``budget_bytes``."""
+    ``budget_bytes``: how :class:`LocalBackend` sizes its batcher from the memory plan, and
+    what a caller building a :class:`~ragbudget.generation.batching.Batcher` itself may pass as
+    its ``kv_tokens``."""
     from ..memory.kvcache import paged_cache_layout
     from .batching import _dtype_name
 

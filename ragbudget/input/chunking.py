@@ -64,8 +64,9 @@ _WS_NONL = "\t\x0b\x0c \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000
 #      newlines to the punctuation piece, so that is NOT such a point);
 #  (c) after "\n", before spaces-then-text (a blank line or trailing spaces would merge pieces).
 _EXACT_POINT = re.compile(rf"(?<=[^{_WS}])(?=[{_WS_NONL}])|(?<=[^\W_])(?=[\r\n])|(?<=\n)(?=[{_WS_NONL}]*[^{_WS}])")
-# Below this many characters re-encoding a chunk is as cheap as patching its ends.
-_FAST_MIN_CHARS = 64
+#: Below this many characters re-encoding a chunk is as cheap as patching its ends (the exact
+#: fast path: whole-text counts, the chunk's ends re-encoded); 0 takes the fast path always.
+FAST_MIN_CHARS = 64
 # cl100k_base's pre-tokenizer pattern: the exact fast path is enabled only for this pattern.
 _CL100K_PAT = (
     r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+"""
@@ -234,7 +235,7 @@ class _Chunker:
     def _count(self, s: int, e: int) -> int:
         """Exact token count of ``text[s:e]``."""
         text = self.text
-        if self.enc is None or e - s < _FAST_MIN_CHARS:
+        if self.enc is None or e - s < FAST_MIN_CHARS:
             return self.tok.count(text[s:e])
         # A chunk that starts a line starts at an exact point; one that ends a sentence inside
         # a line, a word before a line break, or the text, ends at one: that end needs no
@@ -300,7 +301,7 @@ class _Chunker:
             # line starts, where the encoding provably splits the same way, so the ids are
             # those of one whole-text encode) while this thread finds the boundaries.
             pool = _encode_pool()
-            pieces = min(_cpus(), len(text) // PARALLEL_PIECE_CHARS + 1)
+            pieces = min(cores(), len(text) // PARALLEL_PIECE_CHARS + 1)
             cuts = [0, *_line_start_cuts(text, pieces), len(text)]
             enc = self.enc
             futures = [
@@ -467,7 +468,9 @@ PARALLEL_PIECE_CHARS = 100_000
 
 
 @functools.lru_cache(maxsize=1)
-def _cpus() -> int:
+def cores() -> int:
+    """The cores a big text's encoding is spread over (one helper thread and one piece each, up
+    to 8 threads): ``os.cpu_count()``."""
     return os.cpu_count() or 1
 
 
@@ -494,7 +497,7 @@ def _line_start_cuts(text: str, pieces: int) -> list[int]:
 def _encode_pool() -> ThreadPoolExecutor:
     # Tasks in this pool never wait on other tasks, so sharing it between chunk_texts workers
     # cannot deadlock.
-    return ThreadPoolExecutor(max_workers=min(8, _cpus()), thread_name_prefix="rb-enc")
+    return ThreadPoolExecutor(max_workers=min(8, cores()), thread_name_prefix="rb-enc")
 
 
 # A forked child inherits the cached pool object but not its threads: forget it there.

@@ -44,10 +44,10 @@ from typing import Any
 from ..errors import BudgetError, ConfigError, OverloadedError, RequestCancelled
 from .promises import Promise, Promises, claimed, current_key, returning
 from .schedule import (
+    Job,
     Learning,
     MemoryModel as MemoryModel,
     Throughput as Throughput,
-    _Job,
     _may_start,
     _rates,
     simulate as simulate,
@@ -170,7 +170,7 @@ class AdmissionController:
         self._clock = clock
         self._lock = threading.Lock()
         self._queue: collections.deque[Ticket] = collections.deque()
-        self._running_jobs: list[_Job] = []
+        self._running_jobs: list[Job] = []
         self._promises = Promises()
         self._admitted = 0
         self._admitted_bytes = 0
@@ -467,7 +467,7 @@ class AdmissionController:
             self._promises.make(job, retry, self._clock())
             return retry
 
-    def _refuse_for_time_locked(self, job: _Job) -> float:
+    def _refuse_for_time_locked(self, job: Job) -> float:
         """Count a refusal for time and promise the client a return: its ``retry_after``."""
         assert self.timeout is not None
         self._refused_time += 1
@@ -511,13 +511,13 @@ class AdmissionController:
             return tokens
         return self.memory.request_bytes(prompt_tokens=prompt_tokens, tokens=tokens)
 
-    def _job(self, tokens: int, prompt_tokens: int, cost: int, pool: int = 0) -> _Job | None:
+    def _job(self, tokens: int, prompt_tokens: int, cost: int, pool: int = 0) -> Job | None:
         thr = self.throughput
         if thr is None:
             return None
         # Time counts the answer's expected length, memory all of it (see Learning).
         new = tokens - prompt_tokens
-        return _Job(
+        return Job(
             prefill=thr.prefill_seconds(prompt_tokens),
             decode=thr.decode_seconds(self._learning.expected_new_tokens(new)),
             cost=cost,
@@ -527,7 +527,7 @@ class AdmissionController:
 
     def _may_start_locked(self, waiter: Ticket) -> bool:
         """The start rule for ``waiter`` now: both resources fit, and time (see the module)."""
-        probe = waiter.job or _Job(prefill=0, decode=0, cost=waiter.cost, tokens=waiter.pool)
+        probe = waiter.job or Job(prefill=0, decode=0, cost=waiter.cost, tokens=waiter.pool)
         return _may_start(
             probe,
             self._running_jobs if waiter.job is not None else [],
@@ -568,7 +568,7 @@ class AdmissionController:
         if self.throughput is not None:
             self.throughput = self._learning.slowed(self.throughput, sample)
 
-    def _observe_job(self, job: _Job | None, *, done: int | None) -> None:
+    def _observe_job(self, job: Job | None, *, done: int | None) -> None:
         """A running job's first token (``done`` None: its prefill is over) or its end with
         ``done`` new tokens: compare the model's credit with the work really done."""
         if job is None or self.throughput is None:
@@ -584,7 +584,7 @@ class AdmissionController:
             self._observe_locked(job.credit / real)
 
     def _first_token_locked(
-        self, job: _Job, *, promised_first: bool = False, promised_before: float = float("inf")
+        self, job: Job, *, promised_first: bool = False, promised_before: float = float("inf")
     ) -> float:
         """Seconds to ``job``'s first token if it arrived now. ``promised_first``: behind the
         refused requests told to come back later too (for a refusal's Retry-After: the next
@@ -744,7 +744,7 @@ class AdmissionController:
             self._hold = 0.8 * self._hold + 0.2 * held
             self._admit_locked()
 
-    def _retry_after_locked(self, job: _Job | None = None, *, arrived: float = float("inf")) -> float:
+    def _retry_after_locked(self, job: Job | None = None, *, arrived: float = float("inf")) -> float:
         if job is not None and self.throughput is not None:
             # From the measured speed: when this request, arriving now, would start — behind
             # the clients refused before it ``arrived`` (a queue time-out waited since then:

@@ -45,7 +45,7 @@ from .calibration import (
 )
 from .kvcache import estimate_kv, kv_bytes_per_token
 from .layers import layer_specs
-from .model_config import ConfigLike, _Cfg, _normalize, model_dtype, text_config
+from .model_config import ConfigLike, ConfigView, model_dtype, normalize_config, text_config
 from .schedule import MemoryModel
 
 if TYPE_CHECKING:
@@ -121,7 +121,7 @@ def count_parameters(config: ConfigLike) -> int:
     """
     from .weights import _has_recurrent, parameters
 
-    c = _Cfg(text_config(config) if isinstance(config, Mapping) else _normalize(config, False))
+    c = ConfigView(text_config(config) if isinstance(config, Mapping) else normalize_config(config, False))
     if c.get("num_attention_heads", "n_head", "num_heads") is None or _has_recurrent(config):
         # Recurrent and hybrid families (Mamba, Jamba, Falcon-H1, Nemotron-H, …) have mixers
         # the role list does not know: count what transformers would build.
@@ -177,7 +177,7 @@ def estimate_activation_bytes(
     float32 row per sequence, what ``generate`` keeps; ``"all"``: every position). It is an
     estimate; :func:`record_calibration` replaces it with measurements.
     """
-    c = _Cfg(_normalize(config, True))
+    c = ConfigView(normalize_config(config, True))
     d = dtype_bits(dtype or model_dtype(config)) // 8 or 1
     H = int(c.get("hidden_size", "n_embd", "d_model"))
     # Pure recurrent models (Mamba) have no attention: their mixer is sized like an MLP below.
@@ -276,7 +276,7 @@ class BudgetPlan:
 
 
 def _model_max(cfg: ConfigLike) -> int:
-    c = _Cfg(text_config(cfg) if isinstance(cfg, Mapping) else cfg)
+    c = ConfigView(text_config(cfg) if isinstance(cfg, Mapping) else cfg)
     v = c.get("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx", default=None)
     return int(v) if v else 4096
 
@@ -293,7 +293,7 @@ def _resolve_model(model: Any, config: ConfigLike) -> tuple[str, ConfigLike, Any
             raise ConfigError("a loaded model without .config: pass config=")
         return str(name), config, module
     if config is not None:
-        name = str(model) if model is not None else str(_Cfg(config).get("_name_or_path", default="config"))
+        name = str(model) if model is not None else str(ConfigView(config).get("_name_or_path", default="config"))
         return name, config, None
     from .models import load_model_config
 
@@ -367,7 +367,7 @@ def plan_budget(
         )
     # One GPU of a tensor-parallel group runs its share of the heads and of the MLP: its KV cache
     # and its activations are those of that narrower model (the token figures stay the group's).
-    norm = _normalize(rank_config(cfg, tp), True)
+    norm = normalize_config(rank_config(cfg, tp), True)
     specs = layer_specs(norm, backend=backend, normalize=False)
 
     # Weights
@@ -641,7 +641,7 @@ def _planned_weights(
 
 
 def _tp_note(cfg: ConfigLike, tp: int, reserve: int) -> str:
-    c = _Cfg(text_config(cfg) if isinstance(cfg, Mapping) else cfg)
+    c = ConfigView(text_config(cfg) if isinstance(cfg, Mapping) else cfg)
     heads = int(c.get("num_attention_heads", "n_head", default=0) or 0)
     kv = int(c.get("num_key_value_heads", "num_kv_heads", default=heads) or heads)
     if c.get("kv_lora_rank") is not None:
@@ -712,7 +712,7 @@ def request_memory(
         from .models import load_model_config
 
         cfg = load_model_config(plan.model)
-    norm = _normalize(cfg, True)
+    norm = normalize_config(cfg, True)
     cal = lookup_calibration(plan.gpu_name, plan.model, plan.kv_dtype, plan.cache)
     attn = plan.attn_implementation
 

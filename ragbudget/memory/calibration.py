@@ -201,7 +201,10 @@ _BUSY_LOAD = 0.75
 _IDLE_LOAD = 0.5
 
 
-def _load_per_core() -> float:
+def load_per_core() -> float:
+    """The host's one-minute load average per core (0 where the platform keeps none): above 0.5
+    a speed measured now is provisional (other work shared the cores), and is measured again
+    once this falls below it. Replace it (``monkeypatch``) to play a busy or an idle host."""
     try:
         return os.getloadavg()[0] / (os.cpu_count() or 1)
     except (AttributeError, OSError):  # no load average on this platform: assume idle
@@ -213,7 +216,7 @@ def lookup_prefill_speed(model: str, device: str) -> dict[str, Any] | None:
     machine, threads), or ``None`` — also when the recorded one was measured on a busy host
     (``provisional``) and the host is idle now, so that the caller measures again."""
     entry = _read_entry(_prefill_path(), _prefill_key(model, device))
-    if entry and entry.get("provisional") and device == "cpu" and _load_per_core() < _IDLE_LOAD:
+    if entry and entry.get("provisional") and device == "cpu" and load_per_core() < _IDLE_LOAD:
         return None
     return entry
 
@@ -242,7 +245,7 @@ def measure_prefill_speed(
 
     import torch  # lazy: heavy imports
 
-    load = _load_per_core()
+    load = load_per_core()
     cfg = getattr(model, "config", None)
     vocab = int(getattr(cfg, "vocab_size", 32000) or 32000)
     dev = next(model.parameters()).device
@@ -317,7 +320,7 @@ def measure_prefill_speed(
     if b < 0 or a < 0:
         # Noise (a busy host) made the curve bend the wrong way: the longest probe, linear.
         a, b = times[-1][1] / times[-1][0], 0.0
-    load = max(load, _load_per_core())
+    load = max(load, load_per_core())
     entry = {
         "a": a,
         "b": b,

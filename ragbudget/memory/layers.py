@@ -33,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import ConfigError, ModelError
-from .model_config import ConfigLike, _Cfg, _normalize
+from .model_config import ConfigLike, ConfigView, normalize_config
 
 __all__ = [
     "FullAttentionSpec",
@@ -240,7 +240,7 @@ class NoCacheSpec:
 LayerSpec = FullAttentionSpec | SlidingWindowSpec | MLAAttentionSpec | MambaSpec | HybridSpec | NoCacheSpec
 
 
-def _attention_shape(c: _Cfg) -> tuple[int, int, int]:
+def _attention_shape(c: ConfigView) -> tuple[int, int, int]:
     """(num_kv_heads, head_dim, v_head_dim) under every family's attribute names."""
     heads = c.get("num_attention_heads", "n_head", "num_heads", "n_heads", "encoder_attention_heads")
     hidden = c.get("hidden_size", "n_embd", "d_model", "dim", "model_dim")
@@ -276,7 +276,7 @@ def _attention_shape(c: _Cfg) -> tuple[int, int, int]:
     return int(kv), int(head_dim), int(v_head_dim or head_dim)
 
 
-def _num_layers(c: _Cfg) -> int:
+def _num_layers(c: ConfigView) -> int:
     n = c.get("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers")
     if n is None:
         # Nemotron-H derives its depth from the layer pattern.
@@ -291,7 +291,7 @@ def _num_layers(c: _Cfg) -> int:
 _PATTERN_TYPES = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
 
 
-def _default_layer_types(c: _Cfg, n: int) -> list[str]:
+def _default_layer_types(c: ConfigView, n: int) -> list[str]:
     """transformers' per-family ``layer_types`` defaults, for raw dicts it could not normalize."""
     lt = c.get("layer_types", "layers_block_type")
     if isinstance(lt, (list, tuple)) and len(lt) == n:
@@ -342,7 +342,7 @@ _SSM_BITS = 32
 
 
 def _mamba2(
-    c: _Cfg,
+    c: ConfigView,
     heads: str,
     head_dim: str,
     groups: str,
@@ -365,7 +365,7 @@ def _mamba2(
     return MambaSpec(conv_elements=conv, ssm_elements=n_heads * hd * ds, ssm_dtype_bits=_SSM_BITS)
 
 
-def _mamba_spec(c: _Cfg, layer_type: str) -> MambaSpec:
+def _mamba_spec(c: ConfigView, layer_type: str) -> MambaSpec:
     """The recurrent state of one linear-attention layer, per family (read from each family's
     modeling file in transformers 5.x; tests/test_kvcache.py checks every one to the byte)."""
     mt = str(c.get("model_type", default="")).lower()
@@ -459,8 +459,8 @@ def layer_specs(
         raise ConfigError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if mla not in ("auto", "latent", "decompressed"):
         raise ConfigError(f"mla must be 'auto', 'latent' or 'decompressed', got {mla!r}")
-    cfg = _normalize(config, normalize)
-    c = _Cfg(cfg)
+    cfg = normalize_config(config, normalize)
+    c = ConfigView(cfg)
     n = _num_layers(c)
     types = _default_layer_types(c, n)
     kv_lora = c.get("kv_lora_rank")

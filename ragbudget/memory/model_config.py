@@ -18,14 +18,14 @@ from typing import Any
 
 from ..types import DTYPE_BITS, dtype_bits
 
-__all__ = ["ConfigLike", "model_dtype", "text_config"]
+__all__ = ["ConfigLike", "ConfigView", "model_dtype", "normalize_config", "text_config"]
 
 #: A config dict or a transformers config object (``Any``: transformers ships no usable types
 #: for its config classes, and it is imported lazily).
 ConfigLike = Mapping[str, Any] | Any
 
 
-class _Cfg:
+class ConfigView:
     """Uniform attribute access over a dict or a config object (missing → default)."""
 
     def __init__(self, obj: ConfigLike) -> None:
@@ -84,7 +84,7 @@ def model_dtype(config: ConfigLike, default: str = "float32") -> str:
     ('bfloat16', 'float16', 'float32')
     """
     for cfg in (config, text_config(config)):
-        value = _Cfg(cfg).get("dtype", "torch_dtype")
+        value = ConfigView(cfg).get("dtype", "torch_dtype")
         if value is not None:
             name = str(value).removeprefix("torch.")
             if name in DTYPE_BITS:
@@ -103,7 +103,7 @@ def _normalized_from_json(blob: str) -> ConfigLike:
     return AutoConfig.for_model(model_type, **d)
 
 
-def _normalize(config: ConfigLike, normalize: bool) -> ConfigLike:
+def normalize_config(config: ConfigLike, normalize: bool) -> ConfigLike:
     """Let transformers apply its per-family defaults (``layer_types``, ``head_dim``, windows) when
     it knows the model type; fall back to the raw dict (with ragbudget's own heuristics)."""
     if not normalize or not isinstance(config, Mapping) or "model_type" not in config:

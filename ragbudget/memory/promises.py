@@ -34,7 +34,7 @@ import contextvars
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from .schedule import _Job
+from .schedule import Job
 
 __all__ = ["Promise", "Promises", "returning"]
 
@@ -80,7 +80,7 @@ class Promise:
     """A client told to come back at ``due`` (the controller's clock)."""
 
     due: float
-    job: _Job | None = field(repr=False)  # None without a throughput (no time model to shape)
+    job: Job | None = field(repr=False)  # None without a throughput (no time model to shape)
     key: str | None = None  # the refused request's key: its return claims the promise
     held_until: float = float("-inf")  # seen back (hold): kept for its acquire until then
     made: float = float("-inf")  # when the refusal was made (see jobs_ahead)
@@ -114,7 +114,7 @@ class Promises:
             return ""
         return f"; it comes back behind the {len(self._items)} client(s) told to come back before it"
 
-    def make(self, job: _Job | None, retry: float, now: float) -> None:
+    def make(self, job: Job | None, retry: float, now: float) -> None:
         """Remember a refusal told to come back in ``retry`` seconds (under the key of
         :func:`returning`). Without a job (nothing measured) only a keyed refusal is remembered:
         its return is kept a place, and there is no time model for it to shape."""
@@ -140,12 +140,12 @@ class Promises:
         that never comes back stops shaping the others' Retry-After."""
         self._items = [p for p in self._items if max(p.due + grace, p.held_until) > now]
 
-    def jobs_ahead(self, before: float = float("inf")) -> list[_Job]:
+    def jobs_ahead(self, before: float = float("inf")) -> list[Job]:
         """The work of the clients sent back (refused before ``before``), in the order they are
         due, each ready no earlier than its time: for the simulator, so that the next refusal is
         told a time after theirs."""
         return [
-            _Job(prefill=p.job.prefill, decode=p.job.decode, cost=p.job.cost, tokens=p.job.tokens, ready=p.due)
+            Job(prefill=p.job.prefill, decode=p.job.decode, cost=p.job.cost, tokens=p.job.tokens, ready=p.due)
             for p in sorted(self._items, key=lambda p: p.due)
             if p.job is not None and p.made < before
         ]

@@ -35,7 +35,7 @@ from typing import Any
 
 from ..errors import BudgetError, ConfigError
 
-__all__ = ["Learning", "MemoryModel", "Throughput", "simulate"]
+__all__ = ["Job", "Learning", "MemoryModel", "Throughput", "first_token_if_started", "simulate"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -202,9 +202,10 @@ class Throughput:
 
 
 @dataclass(eq=False, kw_only=True)
-class _Job:
-    """One request in the model: its work in single-stream seconds, what it has received, its
-    memory, and (for a promise) the time it can arrive."""
+class Job:
+    """One request in the model (:func:`simulate` plays running and queued ones forward): its
+    work in single-stream seconds, what it has received, its memory, and (for a promise) the
+    time it can arrive."""
 
     prefill: float
     decode: float
@@ -223,7 +224,7 @@ class _Job:
         return self.served < self.prefill
 
 
-def _rates(running: Sequence[_Job], thr: Throughput) -> list[float]:
+def _rates(running: Sequence[Job], thr: Throughput) -> list[float]:
     """Single-stream seconds of work each running job receives per second of wall time.
 
     Unbatched: the cores are shared equally (each thread runs its own forward passes). Batched:
@@ -242,17 +243,17 @@ def _rates(running: Sequence[_Job], thr: Throughput) -> list[float]:
     return [(1.0 / shares if j.in_prefill() else dec_rate) / slow for j in running]
 
 
-def _first_token_if_started(job: _Job, running: Sequence[_Job], thr: Throughput) -> float:
+def first_token_if_started(job: Job, running: Sequence[Job], thr: Throughput) -> float:
     """Seconds to ``job``'s first token if it started now next to ``running`` (who keep
     running meanwhile: an upper bound when some of them end sooner)."""
-    probe = _Job(prefill=job.prefill, decode=job.decode, cost=job.cost)
+    probe = Job(prefill=job.prefill, decode=job.decode, cost=job.cost)
     rate = _rates([*running, probe], thr)[-1]
     return job.prefill / rate if rate > 0 else math.inf
 
 
 def _may_start(
-    job: _Job,
-    running: Sequence[_Job],
+    job: Job,
+    running: Sequence[Job],
     used: int,
     capacity: int,
     thr: Throughput | None,
@@ -274,13 +275,13 @@ def _may_start(
         # TTFT target — with the context capped so that a prefill alone takes the whole target,
         # that rule would never let a full-length request share a batch.
         bound = ttft_target if batched_bound is None else max(ttft_target, batched_bound)
-        return _first_token_if_started(job, running, thr) <= bound
-    return _first_token_if_started(job, running, thr) <= ttft_target
+        return first_token_if_started(job, running, thr) <= bound
+    return first_token_if_started(job, running, thr) <= ttft_target
 
 
 def simulate(
-    running: Sequence[_Job],
-    queued: Sequence[_Job],
+    running: Sequence[Job],
+    queued: Sequence[Job],
     *,
     throughput: Throughput,
     capacity: int,
@@ -297,8 +298,8 @@ def simulate(
     others, its first token comes within ``ttft_target``). Returns absolute
     times, one per queued job. Jobs are copied: the arguments are not changed.
     """
-    run = [_Job(prefill=j.prefill, decode=j.decode, cost=j.cost, tokens=j.tokens, served=j.served) for j in running]
-    wait = [_Job(prefill=j.prefill, decode=j.decode, cost=j.cost, tokens=j.tokens, ready=j.ready) for j in queued]
+    run = [Job(prefill=j.prefill, decode=j.decode, cost=j.cost, tokens=j.tokens, served=j.served) for j in running]
+    wait = [Job(prefill=j.prefill, decode=j.decode, cost=j.cost, tokens=j.tokens, ready=j.ready) for j in queued]
     index = {id(j): i for i, j in enumerate(wait)}
     first: list[float] = [math.inf] * len(wait)
     ids: dict[int, int] = {}  # running job -> queued index
@@ -346,7 +347,7 @@ def simulate(
             break
         step = max(step, 0.0)
         t += step
-        still: list[_Job] = []
+        still: list[Job] = []
         for job, rate in zip(run, rates, strict=True):
             was_prefill = job.in_prefill()
             job.served += rate * step

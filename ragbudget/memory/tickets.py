@@ -13,7 +13,7 @@ import threading
 from typing import Protocol
 
 from ..errors import ConfigError
-from .schedule import _Job
+from .schedule import Job
 
 __all__ = ["Reservation", "Ticket", "TicketOwner"]
 
@@ -28,7 +28,7 @@ class TicketOwner(Protocol):
 
     def _finish_wait(self, waiter: Ticket, wait: float | None) -> Reservation: ...
 
-    def _observe_job(self, job: _Job | None, *, done: int | None) -> None: ...
+    def _observe_job(self, job: Job | None, *, done: int | None) -> None: ...
 
     def _release(self, r: Reservation) -> None: ...
 
@@ -61,7 +61,7 @@ class Ticket:
         tokens: int,
         prompt_tokens: int,
         cost: int,
-        job: _Job | None,
+        job: Job | None,
         pool: int = 0,
         *,
         controller: TicketOwner | None = None,
@@ -122,7 +122,7 @@ class Reservation:
     (idempotent) gives them back."""
 
     def __init__(
-        self, controller: TicketOwner, tokens: int, *, nbytes: int = 0, job: _Job | None = None, pool: int = 0
+        self, controller: TicketOwner, tokens: int, *, nbytes: int = 0, job: Job | None = None, pool: int = 0
     ) -> None:
         self.controller = controller
         self.tokens = tokens

@@ -63,7 +63,7 @@ from typing import Any
 from ..errors import ConfigError, ModelError
 from ..types import WEIGHT_DTYPES as WEIGHT_DTYPES, dtype_bits
 from .layers import layer_specs
-from .model_config import ConfigLike, _Cfg, _normalize, model_dtype, text_config
+from .model_config import ConfigLike, ConfigView, model_dtype, normalize_config, text_config
 
 __all__ = [
     "COMM_RESERVE_BYTES",
@@ -160,7 +160,7 @@ def parameters(config: ConfigLike) -> tuple[Param, ...]:
     ...     "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2})][:3]
     ['model.embed_tokens.weight', 'model.layers.0.self_attn.q_proj.weight', 'model.layers.0.self_attn.k_proj.weight']
     """
-    c = _Cfg(text_config(config) if isinstance(config, Mapping) else _normalize(config, False))
+    c = ConfigView(text_config(config) if isinstance(config, Mapping) else normalize_config(config, False))
     mt = str(c.get("model_type", default="")).lower()
     if c.get("num_attention_heads", "n_head", "num_heads") is None or _has_recurrent(config):
         raise ModelError(
@@ -383,7 +383,7 @@ def _matches(module: str, pattern: str) -> bool:
 
 def _qconfig(config: ConfigLike) -> Mapping[str, Any] | None:
     for cfg in (config, text_config(config)):
-        qc = _Cfg(cfg).get("quantization_config")
+        qc = ConfigView(cfg).get("quantization_config")
         if qc is not None and not isinstance(qc, Mapping):
             qc = qc.to_dict() if hasattr(qc, "to_dict") else vars(qc)
         if isinstance(qc, Mapping) and qc:
@@ -607,7 +607,7 @@ def check_tensor_parallel(config: ConfigLike, tensor_parallel: int) -> None:
     attention heads, and the KV heads must divide it or be divisible by it."""
     if tensor_parallel <= 1:
         return
-    c = _Cfg(text_config(config) if isinstance(config, Mapping) else _normalize(config, False))
+    c = ConfigView(text_config(config) if isinstance(config, Mapping) else normalize_config(config, False))
     heads = int(c.get("num_attention_heads", "n_head", "num_heads", default=0) or 0)
     kv = int(c.get("num_key_value_heads", "num_kv_heads", default=heads) or heads)
     if heads and heads % tensor_parallel:
@@ -644,7 +644,7 @@ def weight_bytes(
         raise ConfigError("a GGUF's bytes are its file's tensor table: use ragbudget.memory.models.gguf_metadata")
     check_tensor_parallel(config, tensor_parallel)
     params = parameters(config) if params is None else params
-    c = _Cfg(text_config(config) if isinstance(config, Mapping) else _normalize(config, False))
+    c = ConfigView(text_config(config) if isinstance(config, Mapping) else normalize_config(config, False))
     heads = int(c.get("num_attention_heads", "n_head", "num_heads", default=1) or 1)
     kv_heads = int(c.get("num_key_value_heads", "num_kv_heads", default=heads) or heads)
     half = dtype_bits(fmt.dtype)
@@ -677,7 +677,7 @@ def rank_config(config: ConfigLike, tensor_parallel: int) -> ConfigLike:
         d.setdefault("model_type", getattr(config, "model_type", None))
         config = d
     d = dict(text_config(config))
-    c = _Cfg(d)
+    c = ConfigView(d)
     heads = int(c.get("num_attention_heads", "n_head", "num_heads"))
     kv = int(c.get("num_key_value_heads", "num_kv_heads", default=heads))
     hidden = int(c.get("hidden_size", "n_embd", "d_model"))

@@ -52,6 +52,7 @@ __all__ = [
     "Embedder",
     "HashEmbedder",
     "SentenceTransformerEmbedder",
+    "cuda_visible",
     "embedder_from_spec",
     "embedder_identity",
     "make_embedder",
@@ -357,7 +358,7 @@ class SentenceTransformerEmbedder(Embedder):
         # auto: ONNX only where it is known to hold (CPU, the covered layout, the runtime there).
         if (
             self.device in (None, "cpu")
-            and not _cuda_visible()
+            and not cuda_visible()
             and _onnx_available()
             and self._onnx_layout() is not None
         ):
@@ -408,6 +409,14 @@ class SentenceTransformerEmbedder(Embedder):
                 f"could not load embedding model {self.id!r} from {path!r}: {exc}; pass a "
                 "sentence-transformers model id or local folder (offline: a local folder)"
             ) from exc
+
+    @property
+    def loaded(self) -> bool:
+        """Whether a model is loaded: the ``SentenceTransformer`` (torch) or the ONNX Runtime
+        session. False until the first documents are embedded or :meth:`warm_up`: reading
+        ``dim``, ``max_tokens`` or ``spec()``, and embedding queries by the light path, load
+        nothing."""
+        return self._model is not None or self._onnx is not None
 
     @property
     def model(self) -> Any:
@@ -567,8 +576,9 @@ def _open_light(model: str | None) -> LightBert | None:
     return LightBert.open(path) if path and os.path.isdir(path) else None
 
 
-def _cuda_visible() -> bool:
-    """A cheap CUDA probe: importing torch to ask would cost seconds on every CPU run."""
+def cuda_visible() -> bool:
+    """Whether a CUDA device is visible, asked cheaply (importing torch to ask would cost seconds
+    on every CPU run): what ``backend="auto"`` decides by (a GPU: torch; none: ONNX Runtime)."""
     import os
     import sys
 

@@ -29,7 +29,7 @@ import logging
 import os
 import socket
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -263,9 +263,17 @@ class RayExecutor:
         self._owned = True
         return ray
 
-    def _pool(self, ray: Any) -> tuple[int, float | None, float | None]:
-        """Actors, and CPUs or GPUs per actor, for the cluster as it is now."""
-        res = ray.cluster_resources()
+    def pool(self, resources: Mapping[str, float]) -> tuple[int, float | None, float | None]:
+        """``(actors, CPUs per actor, GPUs per actor)`` this executor embeds with on a cluster
+        of ``resources`` (what ``ray.cluster_resources()`` returns; :meth:`embed` asks the
+        connected cluster as it is then). ``None``: not asked for (Ray's default).
+
+        >>> RayExecutor(workers=3).pool({"CPU": 8.0})
+        (3, 2.0, None)
+        >>> RayExecutor().pool({"CPU": 16.0, "GPU": 2.0})
+        (2, None, 1.0)
+        """
+        res = resources
         cpus, gpus = float(res.get("CPU", 1.0)), int(res.get("GPU", 0))
         if gpus:
             # A GPU each, CPUs left to Ray's default (Ray Data calls asking for both experimental).
@@ -281,7 +289,7 @@ class RayExecutor:
         if not texts:
             return
         ray = self._connect()
-        workers, cpus, gpus = self._pool(ray)
+        workers, cpus, gpus = self.pool(ray.cluster_resources())
         ctx = ray.data.DataContext.get_current()
         ctx.enable_progress_bars = False  # the builder reports progress per shard
         batch_size = max(1, batch_size)

@@ -146,6 +146,14 @@ class Index:
         self._manifest = data
         return data
 
+    @property
+    def generation(self) -> Generation:
+        """The generation in use, open on first access: its ``manifest``, its ``exact`` and
+        ``search`` vector stores and its ``catalog`` (:class:`~ragbudget.retrieval.storage.Generation`),
+        for tools that read an index's parts directly. Read it, never write it: a writing run
+        commits a new generation (:meth:`build`), which :meth:`reload` opens."""
+        return self._generation()
+
     def _generation(self) -> Generation:
         """The generation the manifest names, open (retrying if a writer just swapped it)."""
         if self._gen is not None:

@@ -117,6 +117,19 @@ class SentenceCache:
 
     # -- public ----------------------------------------------------------------------------------
 
+    def __len__(self) -> int:
+        """Sentence vectors the cache holds for this embedder (0: none, another embedder's, or a
+        cache that cannot be read)."""
+        with self._lock:
+            db = self._open()
+            if db is None or not self._matches:
+                return 0
+            try:
+                return int(db.execute("SELECT COUNT(*) FROM vectors").fetchone()[0])
+            except sqlite3.Error as exc:
+                self._give_up("be read", exc)
+                return 0
+
     def get(self, digests: Sequence[bytes]) -> dict[bytes, np.ndarray]:
         """The cached vectors (float32, ``(dim,)``) of those of ``digests`` the cache holds."""
         import numpy as np

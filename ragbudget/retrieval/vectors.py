@@ -224,6 +224,12 @@ class FlatStore:
             self._index = faiss.IndexIDMap2(faiss.IndexFlatIP(self.dim))
 
     @property
+    def loaded(self) -> bool:
+        """Whether the FAISS index is in memory: a store loaded with ``mmap=True`` reads rows by
+        id without it, until an exact search or the id list needs it."""
+        return self._index is not None
+
+    @property
     def index(self) -> Any:
         if self._index is None:
             import faiss

@@ -121,6 +121,7 @@ def create_app(
     expose_plan: bool = False,
     keepalive_s: float = 15.0,
     request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT,
+    engine_recheck_s: float = 1.0,
 ) -> Any:
     """Build the FastAPI app serving ``pipeline`` (a :class:`ragbudget.pipeline.Pipeline`, local
     or on a served engine).
@@ -156,6 +157,11 @@ def create_app(
     ``request_timeout``, or its stream ends with that error; a history over ``max_messages``
     or ``max_history_chars`` (``history``) is a 400 before any work.
 
+    On a served engine (``Pipeline(engine=...)``) the server re-reads the engine's health and load
+    (:class:`~ragbudget.server.engine_load.EngineLoad`) at most every ``engine_recheck_s`` seconds,
+    and an engine found gone is refused until that long after; 0 re-reads for every request and
+    every ``/health``, at the cost of one quick look at the engine each.
+
     ``trim_memory`` returns the heap freed by a burst of requests to the OS once the server is
     idle again (glibc ``malloc_trim``; see :func:`~ragbudget.server.malloc.release_memory`), so resident
     memory goes back to its baseline between bursts instead of ratcheting up.
@@ -186,11 +192,13 @@ def create_app(
         "history",
         {"history_share": history_share, "summary_max_tokens": summary_max_tokens, "recent_turns": recent_turns},
     )
+    if not engine_recheck_s >= 0:  # NaN included
+        raise ConfigError(f"engine_recheck_s must be >= 0 seconds (0: every request), got {engine_recheck_s}")
     if summary_cache_size < 0:
         raise ConfigError(f"summary_cache_size must be >= 0 (0: no cache), got {summary_cache_size}")
     # Asked before anything connects: an engine not connected yet is one without a reading of its
-    # figures (which the first request would then reuse for up to a second).
-    engine_load = EngineLoad(pipeline) if pipeline.served else None
+    # figures (which the first request would then reuse for up to engine_recheck_s).
+    engine_load = EngineLoad(pipeline, ttl=engine_recheck_s) if pipeline.served else None
     served = model_name or _default_model_name(pipeline)
     models = [served] if served == "ragbudget" else [served, "ragbudget"]
     metrics = Metrics()
@@ -290,7 +298,7 @@ def create_app(
         if engine_load is not None:
             # Generation on a served engine: say what admission is sized from, and that it is
             # open when the engine reports no capacity. The engine is looked at first (a quick
-            # look, at most once a second): while it is unavailable nothing else asks it.
+            # look, at most every engine_recheck_s): while it is unavailable nothing else asks it.
             load = await asyncio.to_thread(engine_load.read)
             if engine_load.error is None:
                 note = await admission.note()

@@ -7,7 +7,7 @@ and the chat endpoint.
 * :class:`IndexHealth` — whether the index can serve; what ``/health`` and the 503s say.
 * :class:`AdmissionView` — the pipeline's admission controller and its figures, built once.
 * :class:`~ragbudget.server.engine_load.EngineLoad` (re-exported here) — a served engine's health and
-  live load, read at most once a second.
+  live load, read at most once a second (``create_app(engine_recheck_s=...)``).
 * :class:`ChatEndpoint` — ``POST /v1/chat/completions``: early 429s, the conversation on the
   pool, the whole or streamed answer, cancellation when the client leaves or the request
   time-out passes (:class:`RequestCancel`).

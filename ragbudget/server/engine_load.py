@@ -97,7 +97,14 @@ class EngineLoad:
             self.url = getattr(backend, "url", None) or self.url
             self.kind = getattr(backend, "kind", None) or self.kind
             self._http = getattr(backend, "http", None)  # a ServedBackend's client (see sent)
-            cap = quick_look(self.pipeline, backend.capacity)
+            from ..generation.engines import ServedBackend
+
+            # Fresh: this look keeps its own interval (ttl), which a served backend's reuse of a
+            # recent reading (CAPACITY_TTL_S, for the calls within one request) must not lengthen.
+            if isinstance(backend, ServedBackend):
+                cap = quick_look(self.pipeline, lambda: backend.capacity(fresh=True))
+            else:
+                cap = quick_look(self.pipeline, backend.capacity)
         except EngineError as exc:
             if self.error is None:
                 log.error("the engine is unavailable: %s", exc)

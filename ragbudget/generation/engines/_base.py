@@ -433,14 +433,16 @@ class ServedBackend(ABC):
     #: as the engine's own metrics, which it updates on a similar interval. 0: read every time.
     CAPACITY_TTL_S = 1.0
 
-    def capacity(self, *, max_new_tokens: int | None = None) -> Capacity:
+    def capacity(self, *, max_new_tokens: int | None = None, fresh: bool = False) -> Capacity:
         """The engine's figures now (each with its source; a reading less than
-        :attr:`CAPACITY_TTL_S` old is reused); ``context_tokens=`` overrides the window when
-        given. They do not depend on ``max_new_tokens``: the engine reports what it holds, and
-        :func:`~ragbudget.generation.backend.per_request_tokens` takes the answer off it."""
+        :attr:`CAPACITY_TTL_S` old is reused unless ``fresh``); ``context_tokens=`` overrides
+        the window when given. They do not depend on ``max_new_tokens``: the engine reports what
+        it holds, and :func:`~ragbudget.generation.backend.per_request_tokens` takes the answer
+        off it. ``fresh`` is for a caller keeping its own interval (the server's look at the
+        engine, every ``engine_recheck_s``): the reading it gets is the one reused after it."""
         now = time.monotonic()
         recent = self._recent
-        if recent is not None and now - recent[0] < self.CAPACITY_TTL_S:
+        if not fresh and recent is not None and now - recent[0] < self.CAPACITY_TTL_S:
             return recent[1]
         cap = _replace(self._capacity(), url=self.url, detected=self.detection.how)
         if self.context_tokens is not None:

@@ -153,7 +153,10 @@ class HTTP:
     """A thread-safe client for one engine root (``http://host:port``, no ``/v1``).
 
     ``api_key`` is sent as ``Authorization: Bearer``; ``timeout`` bounds every read (a server
-    that stops answering raises after it), ``connect_timeout`` the connection.
+    that stops answering raises after it), ``connect_timeout`` the connection. ``sleep`` (also
+    the attribute :attr:`sleep`, settable on a connected backend's ``http``) waits out each
+    back-off ``retry`` decides: :func:`time.sleep` unless a caller wants to see, shorten or log
+    the waits.
     """
 
     def __init__(
@@ -173,7 +176,7 @@ class HTTP:
         self.timeout = timeout
         self.connect_timeout = connect_timeout
         self.retry = retry or Retry()
-        self._sleep = sleep
+        self.sleep = sleep  # the back-off's wait (see above)
         self._has_key = bool(api_key)
         self._probe = threading.local()  # .timeout set inside probing(): see there
         #: Requests sent, by route (``"/tokenize"``: how often the engine's tokenizer was asked).
@@ -252,7 +255,7 @@ class HTTP:
             data = _maybe_json(resp.text)
             if status in OVERLOAD_STATUSES:
                 delay = self._backoff(resp, attempt, waited, url, data)
-                self._sleep(delay)
+                self.sleep(delay)
                 waited += delay
                 continue
             raise self._status_error(status, url, data, resp.text)
@@ -297,7 +300,7 @@ class HTTP:
                             return
                         if status in OVERLOAD_STATUSES:
                             delay = self._backoff(resp, attempt, waited, url, data)
-                            self._sleep(delay)
+                            self.sleep(delay)
                             waited += delay
                             continue
                         raise self._status_error(status, url, data, resp.text)
