@@ -44,7 +44,6 @@ from ..settings import ChunkSettings, DedupSettings
 from ..types import Document, IndexSummary
 from .catalog import SourceRow
 from .changes import final_roots, plan_changes
-from .checkpoint import Checkpoint
 from .chunk_vectors import ChunkVectors
 from .roots import Root, Roots, check_roots
 from .storage import Manifest, sha256_file, stores_sentences
@@ -55,7 +54,7 @@ if TYPE_CHECKING:
     from ..tokens import Tokenizer
     from .embed import Embedder
     from .executors import EmbedExecutor
-    from .storage import CatalogWriter, Generation, GenerationWriter, Storage
+    from .storage import CatalogWriter, EmbedCheckpoint, Generation, GenerationWriter, Storage
     from .vectors import VectorStore
 
 __all__ = ["ProgressCallback", "build_index"]
@@ -262,7 +261,7 @@ class _Builder:
         self.old: Manifest | None = None  # the current generation's manifest
         self.base: Generation | None = None  # the current generation, open (None: none or damaged)
         self.writer: GenerationWriter | None = None
-        self.checkpoint: Checkpoint | None = None
+        self.checkpoint: EmbedCheckpoint | None = None
         self._vectors: ChunkVectors | None = None
         self.pending: list[tuple[int, str]] = []  # chunks added, waiting for their vectors
         self.dedup: Deduplicator | None = None  # loaded from the kept chunks on first use
@@ -363,9 +362,7 @@ class _Builder:
                     "dropping the sentence vectors from the index in %s (sentence_vectors off)", self.storage.where
                 )
             self.changed = True
-        scratch = self.storage.folder
-        assert scratch is not None  # a storage without a local folder keeps no checkpoint yet
-        self.checkpoint = Checkpoint(scratch, identity)
+        self.checkpoint = self.storage.checkpoint(identity)
         unchanged = (
             "No index was written"
             if self.old is None
