@@ -62,6 +62,8 @@ FIXTURE_MARKS = {
     "chat_server": "server",  # test_chat: the app under uvicorn
     "pg_server": "postgres",  # a PostgreSQL server with pgvector (pgserver), one per worker
     "pg_url": "postgres",
+    "pg_password_server": "postgres",
+    "pg_password_db": "postgres",
 }
 #: Needs whose tests run on one pytest-xdist worker (``make test``'s ``--dist loadgroup``): the
 #: session fixture behind each (a Ray cluster, a llama-server) is per worker and costs CPU seconds

@@ -41,7 +41,7 @@ import logging
 import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, unquote, urlsplit, urlunsplit
 
 from ..errors import ConfigError, IndexCorruptError, IndexLockedError, IndexNotFoundError, IndexStorageError
 from .postgres_catalog import PgCatalog, db_errors, first_line
@@ -93,22 +93,23 @@ def mask_url(url: str) -> str:
 
 
 def _split(url: str) -> tuple[str, str]:
-    """``(conninfo for libpq, schema)``: the ``ragbudget_schema`` parameter taken out."""
+    """``(conninfo for libpq, schema)``: the ``ragbudget_schema`` parameter taken out, every other
+    part of the URL left byte for byte as it was (libpq decodes it)."""
     parts = urlsplit(url)
-    params = parse_qsl(parts.query, keep_blank_values=True)
     schema = DEFAULT_SCHEMA
     kept = []
-    for k, v in params:
-        if k == _SCHEMA_PARAM:
-            schema = v
+    for piece in parts.query.split("&") if parts.query else []:
+        key, _, value = piece.partition("=")
+        if key == _SCHEMA_PARAM:
+            schema = unquote(value)
         else:
-            kept.append((k, v))
+            kept.append(piece)
     if not _SCHEMA_NAME.match(schema):
         raise ConfigError(
             f"{_SCHEMA_PARAM} must be a lower-case SQL name (letters, digits, _; at most 63), got {schema!r}; "
             f"e.g. ?{_SCHEMA_PARAM}=docs"
         )
-    return urlunsplit((parts.scheme, parts.netloc, parts.path, urlencode(kept), parts.fragment)), schema
+    return urlunsplit((parts.scheme, parts.netloc, parts.path, "&".join(kept), parts.fragment)), schema
 
 
 def _as_array(value: Any) -> NDArray[np.float32]:

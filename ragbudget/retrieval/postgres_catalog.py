@@ -107,8 +107,10 @@ def schema_sql(schema: str) -> list[str]:
 
 
 def first_line(exc: BaseException) -> str:
-    text = " ".join(line.strip() for line in str(exc).strip().splitlines() if line.strip())
-    return text or type(exc).__name__
+    """A database error as one line: its lines joined, each said once (libpq repeats its message
+    for every address it tried)."""
+    lines = dict.fromkeys(line.strip() for line in str(exc).strip().splitlines() if line.strip())
+    return " ".join(lines) or type(exc).__name__
 
 
 @contextlib.contextmanager
