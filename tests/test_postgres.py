@@ -259,3 +259,42 @@ def test_a_cli_search_in_another_process_reads_the_same_index(pg_url: str, tmp_p
     )
     assert out.returncode == 0, out.stderr
     assert "marker0zz" in out.stdout
+
+
+def test_hnsw_is_built_tuned_and_its_recall_recorded(pg_url: str, tmp_path: Path) -> None:
+    ix = Index(pg_url)
+    s = ix.build([str(DATA)], embedder=EMB, store="hnsw")
+    m = Index.open(pg_url).manifest
+    approx = m["approx"]
+    assert approx["kind"] == "hnsw" and approx["engine"] == "pgvector"
+    assert approx["ef_search"] in (40, 64, 100, 160, 250, 400, 640, 1000)
+    assert approx["recall_at_10"] >= 0.98 and approx["recall_queries"] == min(200, s.chunks_total)
+    assert m["store"]["kind"] == "hnsw" and m["store"]["recall_at_10"] == approx["recall_at_10"]
+    stats = Index.open(pg_url).stats()
+    assert stats["store"] == "hnsw" and stats["recall_at_10"] == approx["recall_at_10"]
+    # The search store really goes through the index (and the exact one really does not).
+    import psycopg
+
+    with psycopg.connect(pg_url) as conn:
+        conn.execute("SET enable_seqscan = off")
+        plan = " ".join(
+            r[0]
+            for r in conn.execute(
+                "EXPLAIN SELECT chunk_id FROM ragbudget.vectors WHERE vector_dims(embedding) = 256 "
+                "ORDER BY embedding::vector(256) <#> array_fill(0.1, ARRAY[256])::vector(256) LIMIT 5"
+            )
+        )
+    assert "vectors_hnsw_256" in plan
+    reader, exact = Index.open(pg_url), Index.open(pg_url, use_approx=False)
+    assert type(reader._generation().search).__name__ == "PgHnswStore"
+    assert type(exact._generation().search).__name__ == "PgExactStore"
+    same = sum(hits(reader, q)[0][0] == hits(exact, q)[0][0] for q in QUESTIONS)
+    assert same >= len(QUESTIONS) - 1
+    report = reader.verify()
+    assert report.ok, report.problems
+    assert report.checked["recall_at_10"] >= 0.98
+    # Back to exact search: the HNSW index is dropped (nothing maintains it for nothing).
+    again = Index(pg_url).build([str(DATA)], embedder=EMB, store="flat")
+    assert again.committed and Index.open(pg_url).manifest["approx"] is None
+    assert rows(pg_url, "SELECT COUNT(*) FROM pg_indexes WHERE indexname LIKE 'vectors_hnsw%%'") == [(0,)]
+    assert s.chunks_total == again.chunks_total

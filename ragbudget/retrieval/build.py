@@ -338,6 +338,11 @@ class _Builder:
             self.sig_dtype = old.get("dedup_signature_dtype")
         self.writer = writer = self.storage.begin(self.base, keep=old is not None)
         self.gen = writer.number
+        if writer.searches_in_place and self.store not in ("auto", "flat", "hnsw"):
+            raise ConfigError(
+                f"an index in {self.storage.where} searches exactly or with pgvector's HNSW: "
+                f"--store auto, flat or hnsw, not {self.store!r}"
+            )
         identity = embedder_identity(emb)
         # Only chunking/dedup changed: the old vectors are still valid for identical texts.
         same_vectors = self.base is not None and embedder_identity(self.base.manifest["embedder"]) == identity
@@ -640,6 +645,12 @@ class _Builder:
         self.store_report: dict[str, Any] = {"requested": self.store, "kind": kind, "recall_at_10": None}
         if kind == "flat":
             self.store_report["recall_at_10"] = 1.0
+            return None
+        assert self.writer is not None
+        if self.writer.searches_in_place:
+            # A database builds its own (pgvector's HNSW, the one approximate store it has) at
+            # commit and records the recall it measures there.
+            self.store_report["kind"] = "hnsw"
             return None
         store = make_store(kind, d, exact=exact)
         report = store.finalize()

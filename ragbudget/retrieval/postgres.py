@@ -39,6 +39,7 @@ import contextlib
 import json
 import logging
 import re
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl, unquote, urlsplit, urlunsplit
@@ -214,7 +215,11 @@ class PostgresStorage:
         g = int(manifest["generation"])
         catalog = PgCatalog(self.connect(), self._s, g, where=self.where)
         exact = PgExactStore(catalog, int(manifest["dim"]))
-        return Generation(manifest=manifest, exact=exact, search=exact, catalog=catalog)
+        search: VectorStore = exact
+        approx = manifest.get("approx") or {}
+        if search_store and approx.get("kind") == "hnsw":
+            search = PgHnswStore(catalog, int(manifest["dim"]), int(approx["ef_search"]))
+        return Generation(manifest=manifest, exact=exact, search=search, catalog=catalog)
 
     def open_for_writing(self, manifest: Manifest) -> Generation:
         import numpy as np
@@ -332,6 +337,9 @@ class PgWriter:
         if not keep:
             self._catalog.retire_all()
         self.lexical = "ok"
+        #: The database searches its own rows: the build makes no FAISS search store; the commit
+        #: builds pgvector's HNSW index when the store kind asks for one, and tunes it.
+        self.searches_in_place = True
         self._done = False
 
     @property
@@ -348,6 +356,8 @@ class PgWriter:
         progress: Callable[[int], None] | None = None,
     ) -> Manifest:
         import numpy as np
+
+        from .vectors import RECALL_TARGET
 
         step = progress or (lambda _: None)
         st, s, n = self.storage, self.storage._s, self.number
@@ -369,14 +379,34 @@ class PgWriter:
                         f"INSERT INTO {s}.vectors (chunk_id, gen_from, embedding) VALUES (%s, %s, %s)",
                         [(int(i), n, v) for i, v in zip(new.tolist(), vecs, strict=True)],
                     )
+            store = dict(fields.get("store") or {})
+            approx = None
+            if store.get("kind") == "hnsw":
+                t = time.perf_counter()
+                index = create_hnsw(self.conn, s, exact.dim)
+                tuned, recall, nq = tune_hnsw(self._catalog, exact, exact.dim)
+                hnsw = {"recall_at_10": round(recall, 4), "recall_queries": nq, "ef_search": tuned.ef_search}
+                approx = {"kind": "hnsw", "engine": "pgvector", "index": index, **hnsw}
+                store.update(hnsw, build_seconds=round(time.perf_counter() - t, 3))
+                if recall < RECALL_TARGET:
+                    log.warning(
+                        "pgvector's HNSW reaches recall@10 %.3f against exact search, below the %.2f target, "
+                        "at its largest ef_search (%d)",
+                        recall,
+                        RECALL_TARGET,
+                        tuned.ef_search,
+                    )
+            else:
+                create_hnsw(self.conn, s, None)
             step(2)
             manifest: Manifest = {
                 **fields,
+                "store": store,
                 "format": "ragbudget-index",
                 "format_version": FORMAT_VERSION,
                 "generation": n,
                 "storage": {"kind": "postgres", "schema": st.schema, "vectors": "pgvector", "table": "vectors"},
-                "approx": None,
+                "approx": approx,
                 "lexical": {"kind": "postgres-fts", "column": "tsv", "config": "english", "rank": "ts_rank_cd"},
             }
             from psycopg.types.json import Jsonb
@@ -415,12 +445,16 @@ class PgExactStore:
         self.dim = dim
         self._vis = "gen_from <= %(g)s AND (gen_to IS NULL OR gen_to > %(g)s)"
 
-    def _query(self, sql: str, params: Mapping[str, Any], *, exact_scan: bool = False) -> list[tuple[Any, ...]]:
+    def _query(
+        self, sql: str, params: Mapping[str, Any], *, exact_scan: bool = False, ef_search: int | None = None
+    ) -> list[tuple[Any, ...]]:
         cat = self.catalog
         with cat._lock, db_errors(cat.where), cat.conn.transaction():
             if exact_scan:
                 # A sequential scan even where an ANN index exists: this is the exact store.
                 cat.conn.execute("SET LOCAL enable_indexscan = off")
+            if ef_search is not None:
+                cat.conn.execute(f"SET LOCAL hnsw.ef_search = {int(ef_search)}")
             return cat.conn.execute(sql.replace("{s}", cat.s), {"g": self.g, **params}).fetchall()  # type: ignore[arg-type]
 
     @property
@@ -480,6 +514,82 @@ class PgExactStore:
 
     def save(self, path: Path) -> dict[str, Any]:
         raise self._read_only()
+
+
+class PgHnswStore(PgExactStore):
+    """pgvector's HNSW index over a generation's vectors: the search store of a database index
+    built with ``store="hnsw"`` (or ``auto`` past the flat size). ``ef_search`` is the one tuned
+    at build time (:func:`tune_hnsw`). HNSW in pgvector 0.6 filters *after* the graph search:
+    rows of other generations (the previous one, until the next commit collects it) take some
+    of the ``ef_search`` candidates, so a query may see fewer than ``ef_search`` of its own;
+    the recall recorded is measured under that same filter."""
+
+    kind = "hnsw"
+
+    def __init__(self, catalog: PgCatalog, dim: int, ef_search: int) -> None:
+        super().__init__(catalog, dim)
+        self.ef_search = int(ef_search)
+
+    def search(self, queries: ArrayLike, k: int) -> tuple[NDArray[np.float32], NDArray[np.int64]]:
+        import numpy as np
+
+        d = int(self.dim)  # an int, inlined: the partial index's predicate must be a constant
+        q = np.asarray(queries, dtype=np.float32).reshape(-1, d)
+        scores = np.full((len(q), k), -np.inf, dtype=np.float32)
+        ids = np.full((len(q), k), -1, dtype=np.int64)
+        for row, vec in enumerate(q):
+            found = self._query(
+                f"SELECT chunk_id, -(embedding::vector({d}) <#> %(q)s::vector({d})) FROM {{s}}.vectors "
+                f"WHERE vector_dims(embedding) = {d} AND {self._vis} "
+                f"ORDER BY embedding::vector({d}) <#> %(q)s::vector({d}) LIMIT %(k)s",
+                {"q": vec, "k": int(k)},
+                ef_search=self.ef_search,
+            )
+            for j, (cid, score) in enumerate(found):
+                ids[row, j], scores[row, j] = int(cid), float(score)
+        return scores, ids
+
+
+#: ``hnsw.ef_search`` values tried in order until the recall target is met (pgvector's maximum is 1000).
+EF_SEARCH_LADDER = (40, 64, 100, 160, 250, 400, 640, 1000)
+
+
+def create_hnsw(conn: psycopg.Connection[Any], schema: str, dim: int | None) -> str | None:
+    """Create (once) the HNSW index of ``dim``-dimensional vectors (a partial expression index:
+    the ``vector`` column has no fixed dimension, and an index of another embedder's dimension
+    may still cover the previous generation) and drop those of other dimensions; ``dim=None``
+    drops them all (an index searched exactly need not maintain one). Its name."""
+    d = int(dim or 0)
+    name = f"vectors_hnsw_{d}" if dim else None
+    for (other,) in conn.execute(
+        "SELECT indexname FROM pg_indexes WHERE schemaname = %s", (schema.strip('"'),)
+    ).fetchall():
+        if other.startswith("vectors_hnsw_") and other != name:
+            conn.execute(f'DROP INDEX {schema}."{other}"')
+    if name is None:
+        return None
+    conn.execute(
+        f"CREATE INDEX IF NOT EXISTS {name} ON {schema}.vectors USING hnsw ((embedding::vector({d})) vector_ip_ops) "
+        f"WHERE vector_dims(embedding) = {d}"
+    )
+    return name
+
+
+def tune_hnsw(catalog: PgCatalog, exact: VectorStore, dim: int) -> tuple[PgHnswStore, float, int]:
+    """The smallest ``ef_search`` of :data:`EF_SEARCH_LADDER` whose recall@10 against ``exact``
+    (on the index's own vectors, as :func:`~ragbudget.retrieval.vectors.measure_recall` samples
+    them for a local store) reaches :data:`~ragbudget.retrieval.vectors.RECALL_TARGET`, else the
+    largest. ``(store, recall, queries)``."""
+    from .vectors import RECALL_TARGET, measure_recall
+
+    store = PgHnswStore(catalog, dim, EF_SEARCH_LADDER[0])
+    recall, nq = 1.0, 0
+    for ef in EF_SEARCH_LADDER:
+        store.ef_search = ef
+        recall, nq = measure_recall(store, exact)
+        if recall >= RECALL_TARGET:
+            break
+    return store, recall, nq
 
 
 class PgCheckpoint:

@@ -300,6 +300,10 @@ class GenerationWriter(Protocol):
     number: int
     exact: FlatStore | None
     lexical: str
+    #: Whether the storage searches its own copy of the vectors (a database): the writer then
+    #: passes no search store to :meth:`commit`, which builds and tunes the storage's own for the
+    #: ``store`` kind recorded in ``fields``.
+    searches_in_place: bool
 
     @property
     def catalog(self) -> CatalogWriter:  # read-only here: a storage's writer holds its own kind
@@ -570,6 +574,7 @@ class LocalWriter:
         trusted = base is not None and bool(base.manifest.get("lexical"))
         #: ``"ok"``, ``"created"`` (this generation adds the FTS table) or ``"unavailable"``.
         self.lexical = self.catalog.ensure_lexical(trusted=trusted)
+        self.searches_in_place = False  # FAISS files derived from the exact store
 
     def _place(self, write: Callable[[Path], Mapping[str, Any]], name: str) -> dict[str, Any]:
         """Write a file through a temp name, fsync and rename it; its manifest entry."""
