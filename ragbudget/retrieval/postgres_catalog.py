@@ -202,6 +202,14 @@ class PgCatalog:
         )
         return (int(rows[0][0]), int(rows[0][1])) if rows else None
 
+    def chunk_keys(self, ids: Sequence[int]) -> dict[int, tuple[str, bytes | None]]:
+        rows = self._rows(
+            "SELECT c.id, c.content_hash, c.minhash FROM {s}.chunks c "
+            f"WHERE c.id = ANY(%(ids)s) AND {self._vis('c')}",
+            {"ids": [int(i) for i in ids]},
+        )
+        return {int(i): (str(h), None if b is None else bytes(b)) for i, h, b in rows}
+
     def chunk_ids(self) -> NDArray[np.int64]:
         import numpy as np
 

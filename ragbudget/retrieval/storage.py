@@ -135,6 +135,11 @@ class Catalog(Protocol):
 
     def chunk_ids(self) -> NDArray[np.int64]: ...
 
+    def chunk_keys(self, ids: Sequence[int]) -> dict[int, tuple[str, bytes | None]]:
+        """``{chunk id: (content hash, MinHash bytes)}`` of the chunks ``ids`` that exist (what a
+        copy of the index carries over so dedup and vector reuse keep working)."""
+        ...
+
     def files(self) -> list[FileRow]:
         """Every file the generation knows, indexed or skipped."""
         ...
