@@ -16,7 +16,7 @@ from typing import Any
 from urllib.parse import quote
 
 import pytest
-from _corpus import build, make_text, write_corpus
+from _corpus import EMB as EMB_, build, make_text, write_corpus
 from _postgres import PASSWORD
 
 from ragbudget.errors import IndexStorageError
@@ -177,3 +177,21 @@ def test_cli_index_search_stats_verify_on_a_url(pg_url: str, tmp_path: Path) -> 
     one_line_error(cli("search", "x", "--index", pg_url + "&ragbudget_schema=nothing_here"))
     line = one_line_error(cli("search", "x", "--index", pg_url + "&ragbudget_schema=Bad-Name"))
     assert "ragbudget_schema must be" in line
+
+
+def test_a_reader_whose_connection_is_cut_reconnects_once(pg_url: str, tmp_path: Path) -> None:
+    """A serving process outlives its connection (a server restart, an idle connection cut): the
+    next query opens a new one; the generation it reads is the same."""
+    import psycopg
+
+    build(Index(pg_url), write_corpus(tmp_path / "corpus", n=3))
+    reader = Index.open(pg_url)
+    before = [(h.chunk_id, h.score) for h in reader.search("marker1zz", k=3, embedder=EMB_)]
+    with psycopg.connect(pg_url, autocommit=True) as admin:
+        cut = admin.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+        ).fetchall()
+    assert cut
+    assert [(h.chunk_id, h.score) for h in reader.search("marker1zz", k=3, embedder=EMB_)] == before
+    assert reader.search_lexical("marker2zz", k=1)

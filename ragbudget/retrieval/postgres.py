@@ -213,7 +213,7 @@ class PostgresStorage:
     def open(self, manifest: Manifest, *, verify_checksums: bool = True, search_store: bool = True) -> Generation:
 
         g = int(manifest["generation"])
-        catalog = PgCatalog(self.connect(), self._s, g, where=self.where)
+        catalog = PgCatalog(self.connect(), self._s, g, where=self.where, reconnect=self.connect)
         exact = PgExactStore(catalog, int(manifest["dim"]))
         search: VectorStore = exact
         approx = manifest.get("approx") or {}
@@ -448,14 +448,19 @@ class PgExactStore:
     def _query(
         self, sql: str, params: Mapping[str, Any], *, exact_scan: bool = False, ef_search: int | None = None
     ) -> list[tuple[Any, ...]]:
-        cat = self.catalog
-        with cat._lock, db_errors(cat.where), cat.conn.transaction():
-            if exact_scan:
-                # A sequential scan even where an ANN index exists: this is the exact store.
-                cat.conn.execute("SET LOCAL enable_indexscan = off")
-            if ef_search is not None:
-                cat.conn.execute(f"SET LOCAL hnsw.ef_search = {int(ef_search)}")
-            return cat.conn.execute(sql.replace("{s}", cat.s), {"g": self.g, **params}).fetchall()  # type: ignore[arg-type]
+        query = sql.replace("{s}", self.catalog.s)
+        values = {"g": self.g, **params}
+
+        def run(conn: psycopg.Connection[Any]) -> list[tuple[Any, ...]]:
+            with conn.transaction():
+                if exact_scan:
+                    # A sequential scan even where an ANN index exists: this is the exact store.
+                    conn.execute("SET LOCAL enable_indexscan = off")
+                if ef_search is not None:
+                    conn.execute(f"SET LOCAL hnsw.ef_search = {int(ef_search)}")
+                return conn.execute(query, values).fetchall()  # type: ignore[arg-type]
+
+        return self.catalog.use(run)
 
     @property
     def ntotal(self) -> int:

@@ -22,8 +22,8 @@ import contextlib
 import json
 import logging
 import threading
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..errors import IndexStorageError
 from .catalog import ChunkRow, FileRow, FileState, SourceRow
@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 __all__ = ["PgCatalog", "PgCatalogWriter", "TS_CONFIG", "db_errors", "first_line", "schema_sql"]
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 #: The text search configuration of the ``tsv`` column (stemming English, as FTS5's porter).
 TS_CONFIG = "english"
@@ -143,20 +144,51 @@ class PgCatalog:
     each query sees committed rows, and the generation filter keeps it to one generation).
     Thread-safe: one connection, one lock, as :class:`~ragbudget.retrieval.catalog.SqliteCatalog`."""
 
-    def __init__(self, conn: psycopg.Connection[Any], schema: str, generation: int, *, where: str) -> None:
+    def __init__(
+        self,
+        conn: psycopg.Connection[Any],
+        schema: str,
+        generation: int,
+        *,
+        where: str,
+        reconnect: Callable[[], psycopg.Connection[Any]] | None = None,
+    ) -> None:
         self.conn = conn
         self.s = schema
         self.g = generation
         self.where = where
+        # A reader's queries are idempotent: a connection lost (a server restart, a failover, an
+        # idle connection cut) is opened again once, so a long-lived server keeps answering.
+        self._reconnect = reconnect
         self._lock = threading.RLock()
+
+    def use(self, fn: Callable[[psycopg.Connection[Any]], T]) -> T:
+        """``fn(connection)`` under the lock, a database error as one line; a reader whose
+        connection broke reconnects and runs ``fn`` once more."""
+        import psycopg
+
+        with self._lock:
+            try:
+                with db_errors(self.where):
+                    return fn(self.conn)
+            except IndexStorageError:
+                if self._reconnect is None or not (self.conn.closed or self.conn.broken):
+                    raise
+            log.info("the connection to %s was lost: reconnecting", self.where)
+            with contextlib.suppress(psycopg.Error):
+                self.conn.close()
+            with db_errors(self.where):
+                self.conn = self._reconnect()
+                return fn(self.conn)
 
     # The rows of table alias ``a`` this reader sees; ``%(g)s`` is the generation.
     def _vis(self, a: str) -> str:
         return f"({a}.gen_from <= %(g)s AND ({a}.gen_to IS NULL OR {a}.gen_to > %(g)s))"
 
     def _rows(self, sql: str, params: Mapping[str, Any] | None = None) -> list[tuple[Any, ...]]:
-        with self._lock, db_errors(self.where):
-            return self.conn.execute(sql.replace("{s}", self.s), {"g": self.g, **(params or {})}).fetchall()  # type: ignore[arg-type]
+        query = sql.replace("{s}", self.s)
+        values = {"g": self.g, **(params or {})}
+        return self.use(lambda conn: conn.execute(query, values).fetchall())  # type: ignore[arg-type]
 
     def _one(self, sql: str, params: Mapping[str, Any] | None = None) -> Any:
         rows = self._rows(sql, params)
