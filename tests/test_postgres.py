@@ -314,3 +314,33 @@ def test_the_ray_executor_writes_the_same_database_index(ray_cluster: Any, pg_ur
     assert np.array_equal(a.exact.vectors(ids), b.exact.vectors(ids))
     assert a.catalog.chunks(ids.tolist()) == b.catalog.chunks(ids.tolist())
     assert rows(pg_url, "SELECT COUNT(*) FROM ragbudget.pending_vectors") == [(0,)]
+
+
+def test_hnsw_ef_search_climbs_the_ladder_until_the_recall_target(pg_url: str) -> None:
+    """On vectors where HNSW's first setting misses (3,000 random directions in 64 dimensions:
+    no clusters to follow), the tuning takes the first ef_search that reaches the target, and the
+    one before it really was below."""
+    from ragbudget.retrieval.postgres import EF_SEARCH_LADDER, PgHnswStore
+    from ragbudget.retrieval.vectors import RECALL_TARGET, FlatStore, measure_recall
+
+    rng = np.random.default_rng(7)
+    vecs = rng.standard_normal((3000, 64)).astype(np.float32)
+    vecs /= np.linalg.norm(vecs, axis=1, keepdims=True)
+    flat = FlatStore(64)
+    flat.add(np.arange(1, 3001, dtype=np.int64), vecs)
+    storage = Index(pg_url).storage
+    with storage.lock():
+        writer = storage.begin(None, keep=False)
+        try:
+            m = writer.commit({"store": {"requested": "hnsw", "kind": "hnsw"}, "dim": 64}, exact=flat, search=None)
+        finally:
+            writer.close()
+    ef, recall = m["approx"]["ef_search"], m["approx"]["recall_at_10"]
+    assert ef > EF_SEARCH_LADDER[0] and recall >= RECALL_TARGET
+    catalog = storage.open(m).catalog
+    try:
+        below = EF_SEARCH_LADDER[EF_SEARCH_LADDER.index(ef) - 1]
+        assert measure_recall(PgHnswStore(catalog, 64, below), flat)[0] < RECALL_TARGET  # type: ignore[arg-type]
+        assert abs(measure_recall(PgHnswStore(catalog, 64, ef), flat)[0] - recall) < 1e-4  # type: ignore[arg-type]
+    finally:
+        catalog.close()
