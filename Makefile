@@ -60,10 +60,10 @@ lint: dev
 # pytest-xdist (each worker has its own session fixtures; `make test PYTEST_WORKERS=0` runs in one
 # process). `make test`: lint, then every test; the Ray tests and the real-engine tests each go to
 # one worker, so one Ray cluster and one llama-server start. `make test-fast`: the tests that need
-# no server, Ray, model, engine or GPU — the loop to run while editing; no lint (`make lint`), no
+# no server, database, Ray, model, engine or GPU — the loop to run while editing; no lint (`make lint`), no
 # build.
 PYTEST_WORKERS ?= auto
-FAST_TESTS := not (server or ray or model or engine or gpu)
+FAST_TESTS := not (server or ray or model or engine or gpu or postgres)
 
 test: dev lint
 	server="$$($(LLAMA_SERVER_BUILD) || $(LLAMA_SERVER_BUILD))" && \

@@ -14,6 +14,7 @@ into exit codes (1 for any ``RagBudgetError``); the library never calls ``sys.ex
     │   ├── IndexCorruptError            checksum mismatch, truncated or unreadable file
     │   ├── IndexLockedError             another writer holds the lock
     │   ├── IndexMismatchError           index built with another embedder / chunking settings
+    │   ├── IndexStorageError            the index's database unreachable, refusing or without pgvector
     │   └── IndexEmptyError              the index holds no chunks (an empty folder was indexed)
     ├── BudgetError                      the request cannot fit: ``limit`` names what binds
     ├── OverloadedError                  admission control: queue full or wait timed out
@@ -56,6 +57,7 @@ __all__ = [
     "IndexLockedError",
     "IndexMismatchError",
     "IndexNotFoundError",
+    "IndexStorageError",
     "InputPathError",
     "LoadError",
     "ModelError",
@@ -127,6 +129,12 @@ class IndexLockedError(SearchIndexError):
 
 class IndexMismatchError(SearchIndexError):
     """The index was built with settings incompatible with the ones asked for."""
+
+
+class IndexStorageError(SearchIndexError):
+    """The database holding an index could not be reached or refused a statement (server down,
+    wrong password, no pgvector, connection dropped): the message names the index by its URL with
+    the password masked."""
 
 
 class IndexEmptyError(SearchIndexError):

@@ -248,7 +248,11 @@ class Pipeline(Planning):
         )
         if self.engine.url is not None and generator is not None:
             raise ConfigError("pass engine= (generate on a served engine) or generator= (a local model), not both")
-        self.index_dir = Path(index_dir)
+        from .retrieval.postgres import is_db_url, mask_url
+
+        # A PostgreSQL URL stays a string (it is no folder); messages show it masked.
+        self.index_dir: Path | str = str(index_dir) if is_db_url(index_dir) else Path(index_dir)
+        self._index_shown = mask_url(str(index_dir)) if is_db_url(index_dir) else str(self.index_dir)
         self.model = model
         self.system_prompt = system_prompt
         self._span_scorer: Any = None
@@ -304,9 +308,9 @@ class Pipeline(Planning):
             from .generation.engines import root_url  # the URL without any credentials in it
 
             url = root_url(self.engine.url)
-            return f"Pipeline({str(self.index_dir)!r}, engine={url!r}, engine_kind={self.engine.kind!r})"
+            return f"Pipeline({self._index_shown!r}, engine={url!r}, engine_kind={self.engine.kind!r})"
         return (
-            f"Pipeline({str(self.index_dir)!r}, model={self.model!r}, gpu={self.memory.gpu!r}, "
+            f"Pipeline({self._index_shown!r}, model={self.model!r}, gpu={self.memory.gpu!r}, "
             f"concurrency={self.memory.concurrency})"
         )
 
@@ -347,7 +351,7 @@ class Pipeline(Planning):
                 # Counts persist next to the index (outside its generations: a cache); with
                 # no index folder yet (``budget --engine``), in memory.
                 cache: CountCache = MemoryCountCache()
-                if self.index_dir.is_dir():
+                if isinstance(self.index_dir, Path) and self.index_dir.is_dir():
                     cache = SQLiteCountCache(self.index_dir / "counts.sqlite")
                 self._backend = connect(self.engine, model=self.model, count_cache=cache)
             return self._backend
@@ -418,9 +422,9 @@ class Pipeline(Planning):
         if int(counts.get("chunks", 1)) == 0:
             files, skipped = counts.get("files", 0), counts.get("files_skipped", 0)
             raise IndexEmptyError(
-                f"the index in {self.index_dir} has no chunks ({files} file(s) indexed, "
+                f"the index in {self._index_shown} has no chunks ({files} file(s) indexed, "
                 f"{skipped} skipped): there is nothing to search; run `ragbudget index PATH "
-                f"--index-dir {self.index_dir}` on a folder with documents first"
+                f"--index-dir {self._index_shown}` on a folder with documents first"
             )
         return store
 
@@ -545,7 +549,12 @@ class Pipeline(Planning):
                 from .retrieval.sentence_cache import SentenceCache
 
                 store = self.store
-                persist = SentenceCache(store.path, identity=store.manifest["embedder"], dim=int(store.manifest["dim"]))
+                # Beside a local index; an index in a database has no folder: embedded per process.
+                persist = (
+                    SentenceCache(store.path, identity=store.manifest["embedder"], dim=int(store.manifest["dim"]))
+                    if store.path is not None
+                    else None
+                )
                 self._span_scorer = SpanScorer(
                     self.embedder or store.embedder, stored=store.sentence_vectors, persist=persist
                 )

@@ -44,7 +44,7 @@ from typing import Any
 import pytest
 
 #: The markers that say what a test needs beyond the Python process.
-NEEDS = ("server", "ray", "model", "engine", "gpu")
+NEEDS = ("server", "ray", "model", "engine", "gpu", "postgres")
 #: ``-m`` of ``make test-fast``: the tests that need none of them.
 FAST = "not (" + " or ".join(NEEDS) + ")"
 #: Fixtures that bring a need with them, and the marker each gives a test that uses it: the shared
@@ -60,6 +60,10 @@ FIXTURE_MARKS = {
     "minilm_index": "model",  # test_lazy_imports: an index built with it
     "real_pipeline": "model",  # test_chat: MiniLM and SmolLM2
     "chat_server": "server",  # test_chat: the app under uvicorn
+    "pg_server": "postgres",  # a PostgreSQL server with pgvector (pgserver), one per worker
+    "pg_url": "postgres",
+    "pg_password_server": "postgres",
+    "pg_password_db": "postgres",
 }
 #: Needs whose tests run on one pytest-xdist worker (``make test``'s ``--dist loadgroup``): the
 #: session fixture behind each (a Ray cluster, a llama-server) is per worker and costs CPU seconds

@@ -26,6 +26,14 @@ from _needs import (
     pytest_runtest_protocol as pytest_runtest_protocol,
 )
 
+# A real PostgreSQL server (pgserver) and a fresh database per test (tests/_postgres.py).
+from _postgres import (
+    pg_password_db as pg_password_db,
+    pg_password_server as pg_password_server,
+    pg_server as pg_server,
+    pg_url as pg_url,
+)
+
 # The embedded default models are installed packages; never wait on an unreachable hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

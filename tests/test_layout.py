@@ -413,6 +413,7 @@ TESTED_BY: dict[str, str] = {
     "server/app": "test_server.py",
     "cli/commands": "test_cli.py",
     "cli/options": "test_cli_options.py",
+    "retrieval/durable": "test_storage.py",  # the local index's durable writes, tested through its commits
 }
 
 

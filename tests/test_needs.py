@@ -151,7 +151,7 @@ def test_an_unmarked_server_or_model_fails_with_the_marker_to_add(tmp_path: Path
 
 
 def test_the_fast_tier_leaves_out_every_need_given_by_marker_fixture_or_alias(tmp_path: Path) -> None:
-    assert FAST == "not (server or ray or model or engine or gpu)"
+    assert FAST == "not (server or ray or model or engine or gpu or postgres)"
     run = _pytest(tmp_path, "-m", FAST, "--collect-only", "-q")
     selected = {line.split("::")[1] for line in run.stdout.splitlines() if "::" in line}
     assert selected == {

@@ -302,6 +302,26 @@ def stats(index_dir: str, as_json: bool) -> None:
         click.echo(f"{key}: {value}")
 
 
+@cli.command()
+@click.argument("source")
+@click.argument("dest")
+@click.option("--json", "as_json", is_flag=True)
+@user_errors
+def copy(source: str, dest: str, as_json: bool) -> None:
+    """Copy the index in SOURCE to DEST without re-embedding: a folder or a postgresql:// URL
+    each (docs/postgres.md). DEST keeps its previous generation for its readers; the copy
+    searches exactly (add --store on a later `index` run to derive another store)."""
+    from ..retrieval.copy import copy_index
+    from ..retrieval.index import open_storage
+
+    m = copy_index(open_storage(source), open_storage(dest))
+    data = {"generation": m["generation"], "chunks": m["counts"]["chunks"], "copied_from": m["copied_from"]}
+    if as_json:
+        echo_json(data)
+        return
+    click.echo(f"copied {data['chunks']} chunks into {open_storage(dest).where} (generation {data['generation']})")
+
+
 _QUIET_SKIPS = ("hidden", "ignored", "excluded")  # left out on purpose: counted, not listed
 
 

@@ -102,11 +102,13 @@ def given_on_command_line(name: str) -> bool:
 def index_dir_option(fn: Callable[..., Any]) -> Callable[..., Any]:
     return click.option(
         "--index-dir",
+        "--index",
+        "index_dir",
         default=DEFAULT_INDEX_DIR,
         show_default=True,
         envvar="RAGBUDGET_INDEX_DIR",
         type=click.Path(file_okay=False),
-        help="Folder holding the index.",
+        help="Folder holding the index, or a postgresql:// URL (docs/postgres.md).",
     )(fn)
 
 

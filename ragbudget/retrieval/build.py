@@ -44,7 +44,6 @@ from ..settings import ChunkSettings, DedupSettings
 from ..types import Document, IndexSummary
 from .catalog import SourceRow
 from .changes import final_roots, plan_changes
-from .checkpoint import Checkpoint
 from .chunk_vectors import ChunkVectors
 from .roots import Root, Roots, check_roots
 from .storage import Manifest, sha256_file, stores_sentences
@@ -55,7 +54,7 @@ if TYPE_CHECKING:
     from ..tokens import Tokenizer
     from .embed import Embedder
     from .executors import EmbedExecutor
-    from .storage import CatalogWriter, Generation, GenerationWriter, Storage
+    from .storage import CatalogWriter, EmbedCheckpoint, Generation, GenerationWriter, Storage
     from .vectors import VectorStore
 
 __all__ = ["ProgressCallback", "build_index"]
@@ -262,7 +261,7 @@ class _Builder:
         self.old: Manifest | None = None  # the current generation's manifest
         self.base: Generation | None = None  # the current generation, open (None: none or damaged)
         self.writer: GenerationWriter | None = None
-        self.checkpoint: Checkpoint | None = None
+        self.checkpoint: EmbedCheckpoint | None = None
         self._vectors: ChunkVectors | None = None
         self.pending: list[tuple[int, str]] = []  # chunks added, waiting for their vectors
         self.dedup: Deduplicator | None = None  # loaded from the kept chunks on first use
@@ -339,6 +338,11 @@ class _Builder:
             self.sig_dtype = old.get("dedup_signature_dtype")
         self.writer = writer = self.storage.begin(self.base, keep=old is not None)
         self.gen = writer.number
+        if writer.searches_in_place and self.store not in ("auto", "flat", "hnsw"):
+            raise ConfigError(
+                f"an index in {self.storage.where} searches exactly or with pgvector's HNSW: "
+                f"--store auto, flat or hnsw, not {self.store!r}"
+            )
         identity = embedder_identity(emb)
         # Only chunking/dedup changed: the old vectors are still valid for identical texts.
         same_vectors = self.base is not None and embedder_identity(self.base.manifest["embedder"]) == identity
@@ -363,9 +367,7 @@ class _Builder:
                     "dropping the sentence vectors from the index in %s (sentence_vectors off)", self.storage.where
                 )
             self.changed = True
-        scratch = self.storage.folder
-        assert scratch is not None  # a storage without a local folder keeps no checkpoint yet
-        self.checkpoint = Checkpoint(scratch, identity)
+        self.checkpoint = self.storage.checkpoint(identity)
         unchanged = (
             "No index was written"
             if self.old is None
@@ -645,6 +647,12 @@ class _Builder:
         self.store_report: dict[str, Any] = {"requested": self.store, "kind": kind, "recall_at_10": None}
         if kind == "flat":
             self.store_report["recall_at_10"] = 1.0
+            return None
+        assert self.writer is not None
+        if self.writer.searches_in_place:
+            # A database builds its own (pgvector's HNSW, the one approximate store it has) at
+            # commit and records the recall it measures there.
+            self.store_report["kind"] = "hnsw"
             return None
         store = make_store(kind, d, exact=exact)
         report = store.finalize()

@@ -249,6 +249,18 @@ class SqliteCatalog:
             ).fetchone()
         return None if row is None else (int(row[0]), int(row[1]))
 
+    def chunk_keys(self, ids: Sequence[int]) -> dict[int, tuple[str, bytes | None]]:
+        """``{chunk id: (content hash, MinHash bytes)}`` of the chunks ``ids`` that exist."""
+        out: dict[int, tuple[str, bytes | None]] = {}
+        with self._lock:
+            for lo in range(0, len(ids), _BATCH):
+                part = [int(i) for i in ids[lo : lo + _BATCH]]
+                for cid, h, blob in self.db.execute(
+                    f"SELECT id, content_hash, minhash FROM chunks WHERE id IN ({','.join('?' * len(part))})", part
+                ):
+                    out[int(cid)] = (str(h), blob)
+        return out
+
     def chunk_ids(self) -> NDArray[np.int64]:
         import numpy as np
 

@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .storage import fsync_dir
+from .durable import fsync_dir
 
 __all__ = ["CHECKPOINT", "Checkpoint"]
 

@@ -24,10 +24,9 @@ if TYPE_CHECKING:
     import numpy as np
     from numpy.typing import NDArray
 
-    from .checkpoint import Checkpoint
     from .embed import Embedder
     from .executors import EmbedExecutor
-    from .storage import CatalogWriter, Generation
+    from .storage import CatalogWriter, EmbedCheckpoint, Generation
 
 __all__ = ["ChunkVectors"]
 
@@ -49,7 +48,7 @@ class ChunkVectors:
         executor: EmbedExecutor,
         catalog: CatalogWriter,
         exact: FlatStore | None,
-        checkpoint: Checkpoint,
+        checkpoint: EmbedCheckpoint,
         reuse: Generation | None,
         stats: dict[str, int],
         progress: Callable[[str, int, int | None], None],

@@ -65,6 +65,7 @@ __all__ = [
     "fts5_available",
     "fts_match_query",
     "fuse_scores",
+    "open_storage",
 ]
 
 log = logging.getLogger(__name__)
@@ -100,9 +101,13 @@ class Index:
         search_threads: int | None = 1,
         absolute_paths: bool = False,
     ) -> None:
-        self.path = Path(path)
-        #: Where the index lives and how its generations are read and committed.
-        self.storage: Storage = LocalStorage(self.path)
+        #: Where the index lives and how its generations are read and committed: a folder, or a
+        #: PostgreSQL database for a ``postgresql://`` URL (:func:`~ragbudget.retrieval.storage.open_storage`).
+        self.storage: Storage = open_storage(path)
+        #: The index's folder (``None`` for an index in a database).
+        self.path: Path | None = self.storage.folder
+        #: Where the index lives, as messages show it (a URL's password masked).
+        self.where = self.storage.where
         self.absolute_paths = absolute_paths
         self.verify_checksums = verify_checksums
         self.use_approx = use_approx
@@ -118,7 +123,7 @@ class Index:
         self._lock = threading.RLock()
 
     def __repr__(self) -> str:
-        return f"Index({str(self.path)!r})"
+        return f"Index({self.where!r})"
 
     # -- opening -------------------------------------------------------------------------------
 
@@ -491,7 +496,7 @@ class Index:
         """Counts and settings, from the manifest (no file is read beyond it)."""
         m = self.manifest
         return {
-            "index_dir": str(self.path),
+            "index_dir": self.where,
             "generation": m["generation"],
             "updated": m.get("updated"),
             "embedder": m["embedder"].get("id"),
@@ -683,6 +688,23 @@ class Index:
             )
         finally:
             self.close()
+
+
+def open_storage(where: str | os.PathLike[str]) -> Storage:
+    """The storage ``where`` names: a ``postgresql://`` (or ``postgres://``) URL is an index in
+    PostgreSQL (:mod:`ragbudget.retrieval.postgres`), anything else a local folder. Here, in
+    the reader, so that neither storage module imports the other.
+
+    >>> open_storage(".ragbudget")
+    LocalStorage('.ragbudget')
+    >>> open_storage("postgresql://me:pw@db/rag")
+    PostgresStorage('postgresql://me:***@db/rag')
+    """
+    from .postgres import PostgresStorage, is_db_url  # psycopg itself is imported on first connect
+
+    if is_db_url(where):
+        return PostgresStorage(str(where))
+    return LocalStorage(where)
 
 
 def _recorded_recall(m: Manifest) -> float | None:

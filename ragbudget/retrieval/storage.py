@@ -42,7 +42,6 @@ so a truncated or bit-flipped file raises :class:`~ragbudget.errors.IndexCorrupt
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import re
@@ -53,6 +52,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from ..errors import IndexCorruptError, IndexLockedError, IndexNotFoundError
 from .catalog import SqliteCatalog, SqliteCatalogWriter
+from .durable import fsync_dir, fsync_file, sha256_file, write_json_atomic
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Iterator, Sequence
@@ -68,6 +68,7 @@ __all__ = [
     "FORMAT_VERSION",
     "Catalog",
     "CatalogWriter",
+    "EmbedCheckpoint",
     "MANIFEST",
     "Generation",
     "GenerationWriter",
@@ -104,42 +105,6 @@ def stores_sentences(m: Mapping[str, Any]) -> bool:
 
 
 # --------------------------------------------------------------------------------------------------
-# file helpers
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_dir(path: Path) -> None:
-    with contextlib.suppress(OSError):  # some filesystems refuse fsync on a directory
-        fsync_file(path)
-
-
-def write_json_atomic(path: Path, data: Mapping[str, Any]) -> None:
-    """Replace ``path`` with ``data`` so that a crash leaves the old file or the new one."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-
-
-# --------------------------------------------------------------------------------------------------
 # the contract
 
 
@@ -169,6 +134,11 @@ class Catalog(Protocol):
         ...
 
     def chunk_ids(self) -> NDArray[np.int64]: ...
+
+    def chunk_keys(self, ids: Sequence[int]) -> dict[int, tuple[str, bytes | None]]:
+        """``{chunk id: (content hash, MinHash bytes)}`` of the chunks ``ids`` that exist (what a
+        copy of the index carries over so dedup and vector reuse keep working)."""
+        ...
 
     def files(self) -> list[FileRow]:
         """Every file the generation knows, indexed or skipped."""
@@ -335,6 +305,10 @@ class GenerationWriter(Protocol):
     number: int
     exact: FlatStore | None
     lexical: str
+    #: Whether the storage searches its own copy of the vectors (a database): the writer then
+    #: passes no search store to :meth:`commit`, which builds and tunes the storage's own for the
+    #: ``store`` kind recorded in ``fields``.
+    searches_in_place: bool
 
     @property
     def catalog(self) -> CatalogWriter:  # read-only here: a storage's writer holds its own kind
@@ -357,6 +331,28 @@ class GenerationWriter(Protocol):
 
     def close(self) -> None:
         """Release the writer; an uncommitted generation's files are removed."""
+        ...
+
+
+class EmbedCheckpoint(Protocol):
+    """Vectors embedded by a writing run not yet committed, kept across a kill so a re-run
+    resumes (:class:`~ragbudget.retrieval.checkpoint.Checkpoint` in a local folder,
+    :class:`~ragbudget.retrieval.postgres.PgCheckpoint` in a database). ``vectors``: by key."""
+
+    vectors: dict[bytes, tuple[Any, int]]
+
+    def get(self, text: str) -> tuple[Any, int] | None:
+        """``(vector, windows)`` of ``text`` if a run embedded it."""
+        ...
+
+    def add(self, texts: Sequence[str], vectors: Any, windows: Sequence[int]) -> None:
+        """Keep one embedded batch, durably."""
+        ...
+
+    def close(self) -> None: ...
+
+    def remove(self) -> None:
+        """The run committed (or had nothing to commit): the checkpoint is spent."""
         ...
 
 
@@ -400,6 +396,11 @@ class Storage(Protocol):
     def open_for_writing(self, manifest: Manifest) -> Generation:
         """The generation ``manifest`` names, as a writer's base: the exact store loaded whole
         (to be edited), no search store (the writer derives its own)."""
+        ...
+
+    def checkpoint(self, identity: Mapping[str, Any]) -> EmbedCheckpoint:
+        """Under the lock: the embedding checkpoint for the embedder ``identity`` (what an
+        interrupted run left, for this embedder only)."""
         ...
 
 
@@ -491,6 +492,11 @@ class LocalStorage:
     def lock(self) -> _FolderLock:
         return _FolderLock(self.path)
 
+    def checkpoint(self, identity: Mapping[str, Any]) -> EmbedCheckpoint:
+        from .checkpoint import Checkpoint
+
+        return Checkpoint(self.path, identity)
+
     def _check_file(self, entry: Mapping[str, Any], *, checksum: bool) -> Path:
         p: Path = self.path / str(entry["file"])
         if not p.is_file():
@@ -573,6 +579,7 @@ class LocalWriter:
         trusted = base is not None and bool(base.manifest.get("lexical"))
         #: ``"ok"``, ``"created"`` (this generation adds the FTS table) or ``"unavailable"``.
         self.lexical = self.catalog.ensure_lexical(trusted=trusted)
+        self.searches_in_place = False  # FAISS files derived from the exact store
 
     def _place(self, write: Callable[[Path], Mapping[str, Any]], name: str) -> dict[str, Any]:
         """Write a file through a temp name, fsync and rename it; its manifest entry."""

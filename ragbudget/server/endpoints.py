@@ -244,7 +244,7 @@ class IndexHealth:
         try:
             store = self.store()
             if not store.exists:
-                raise IndexNotFoundError(f"the index in {store.path} is gone")
+                raise IndexNotFoundError(f"the index in {store.where} is gone")
         except RagBudgetError as exc:
             if self.problem is None or self.sticky:
                 log.error("the index is unavailable: %s", exc)

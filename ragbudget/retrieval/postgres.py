@@ -1,0 +1,651 @@
+"""An index in PostgreSQL with pgvector: the second storage, for many machines sharing one index.
+
+``Index("postgresql://user@host/db")`` (or ``--index-dir`` / ``--index`` with such a URL on the
+command line) keeps the whole index in a database: one schema per index (``ragbudget`` unless the
+URL says ``?ragbudget_schema=name``; that parameter is removed before connecting, everything else
+— ``sslmode``, ``connect_timeout``, a service name — goes to libpq untouched, and so does the
+password: from the URL, ``PGPASSWORD``, ``PGPASSFILE`` or a service file). The URL is shown only
+masked (``postgresql://user:***@host/db``): never a password in a message, a log or a manifest.
+
+**Generations as versioned rows.** Every row carries ``gen_from``/``gen_to``
+(:mod:`ragbudget.retrieval.postgres_catalog`): generations share rows instead of copying tables,
+so an incremental run writes only what changed. A writer fills generation ``n`` inside **one
+transaction** and its last statement, before ``COMMIT``, replaces the ``manifest`` row: the
+commit is the commit point. A writer killed, or whose connection drops, at any moment is rolled
+back by PostgreSQL: nothing of ``n`` is ever visible, the current generation is untouched (one
+transaction is simpler than many small ones plus a clean-up of a dead writer's rows, and MVCC keeps
+readers unblocked). A reader of generation ``g`` filters every query to ``g``'s rows, so a commit
+of ``g + 1`` does not change what it sees; rows no longer visible to the current or the previous
+generation are deleted after each commit (the previous is kept for a reader that just read the
+manifest, as a local index keeps its files).
+
+**Vectors.** A ``vectors`` table (``vector`` column, pgvector). Exact search is a scan ordered by
+``<#>`` (negative inner product) under the generation filter, inside a transaction that turns
+index scans off, so its scores equal a local flat index's (float32 inner products). The writer
+loads the base generation's vectors into a :class:`~ragbudget.retrieval.vectors.FlatStore` (what
+the build edits, as locally) and at commit inserts the ids that are new and retires the ids that
+are gone: an unchanged re-run writes no vector.
+
+**Lock and checkpoint.** One writer at a time: ``pg_try_advisory_lock`` on a key derived from the
+schema, held by a dedicated connection for the writer's life (released by the server if the
+process dies). The embedding checkpoint is the ``pending_vectors`` table, written through that
+connection as batches finish (outside the writer's transaction, so a kill keeps them) and read by
+the next run; the commit clears it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import re
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+from urllib.parse import parse_qsl, unquote, urlsplit, urlunsplit
+
+from ..errors import ConfigError, IndexCorruptError, IndexLockedError, IndexNotFoundError, IndexStorageError
+from .postgres_catalog import PgCatalog, db_errors, first_line
+from .storage import FORMAT_VERSION, Generation, Manifest
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    import numpy as np
+    import psycopg
+    from numpy.typing import ArrayLike, NDArray
+
+    from .postgres_catalog import PgCatalogWriter
+    from .vectors import FlatStore, StoreReport, VectorStore
+
+__all__ = ["DEFAULT_SCHEMA", "PgCheckpoint", "PgExactStore", "PostgresStorage", "db_errors", "is_db_url", "mask_url"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SCHEMA = "ragbudget"
+_SCHEMA_PARAM = "ragbudget_schema"
+_SCHEMA_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
+_SCHEMES = ("postgresql://", "postgres://")
+
+
+def is_db_url(where: object) -> bool:
+    """Whether ``where`` names a PostgreSQL index (a ``postgresql://`` or ``postgres://`` URL)."""
+    return isinstance(where, str) and where.lower().startswith(_SCHEMES)
+
+
+def mask_url(url: str) -> str:
+    """``url`` with any password replaced by ``***`` (in the user part and in a ``password=``
+    parameter): what messages, logs and manifests show.
+
+    >>> mask_url("postgresql://me:s3cret@db.example:5432/rag?sslmode=require&password=x")
+    'postgresql://me:***@db.example:5432/rag?sslmode=require&password=***'
+    """
+    parts = urlsplit(url)
+    netloc = parts.netloc
+    if "@" in netloc:
+        user, _, host = netloc.rpartition("@")
+        if ":" in user:
+            user = user.split(":", 1)[0] + ":***"
+        netloc = f"{user}@{host}"
+    query = "&".join(
+        f"{k}=***" if k.lower() == "password" else f"{k}={v}" for k, v in parse_qsl(parts.query, keep_blank_values=True)
+    )
+    return urlunsplit((parts.scheme, netloc, parts.path, query, ""))
+
+
+def _split(url: str) -> tuple[str, str]:
+    """``(conninfo for libpq, schema)``: the ``ragbudget_schema`` parameter taken out, every other
+    part of the URL left byte for byte as it was (libpq decodes it)."""
+    parts = urlsplit(url)
+    schema = DEFAULT_SCHEMA
+    kept = []
+    for piece in parts.query.split("&") if parts.query else []:
+        key, _, value = piece.partition("=")
+        if key == _SCHEMA_PARAM:
+            schema = unquote(value)
+        else:
+            kept.append(piece)
+    if not _SCHEMA_NAME.match(schema):
+        raise ConfigError(
+            f"{_SCHEMA_PARAM} must be a lower-case SQL name (letters, digits, _; at most 63), got {schema!r}; "
+            f"e.g. ?{_SCHEMA_PARAM}=docs"
+        )
+    return urlunsplit((parts.scheme, parts.netloc, parts.path, "&".join(kept), parts.fragment)), schema
+
+
+def _as_array(value: Any) -> NDArray[np.float32]:
+    """A ``vector`` value as pgvector's adapter returns it, as float32 numpy."""
+    import numpy as np
+
+    arr = value.to_numpy() if hasattr(value, "to_numpy") else value
+    return np.asarray(arr, dtype=np.float32)
+
+
+class PostgresStorage:
+    """An index in the PostgreSQL database ``url`` names (see the module docstring).
+
+    >>> PostgresStorage("postgresql://me:pw@db/rag?ragbudget_schema=docs").where
+    'postgresql://me:***@db/rag?ragbudget_schema=docs'
+    """
+
+    def __init__(self, url: str) -> None:
+        self._conninfo, self.schema = _split(url)
+        self.where = mask_url(url)
+        self.folder: Path | None = None
+        self._s = f'"{self.schema}"'  # checked against _SCHEMA_NAME: a safe identifier
+        #: The writer lock's connection while this storage holds it (the checkpoint writes through it).
+        self._held: psycopg.Connection[Any] | None = None
+
+    def __repr__(self) -> str:
+        return f"PostgresStorage({self.where!r})"
+
+    # -- connections -----------------------------------------------------------------------------
+
+    def connect(self, *, autocommit: bool = True, vectors: bool = True) -> psycopg.Connection[Any]:
+        """A new connection (``vectors``: with pgvector's types registered, so numpy arrays go
+        in and out as ``vector``)."""
+        import psycopg
+
+        with db_errors(self.where):
+            conn = psycopg.connect(self._conninfo, autocommit=autocommit)
+        if vectors:
+            try:
+                from pgvector.psycopg import register_vector
+
+                with db_errors(self.where):
+                    register_vector(conn)
+                    if not autocommit:
+                        conn.commit()
+            except (IndexStorageError, psycopg.ProgrammingError) as exc:
+                conn.close()
+                raise IndexStorageError(
+                    f"the index database {self.where} has no pgvector (`vector` type): "
+                    f"{first_line(exc)}; run `CREATE EXTENSION vector` as a user allowed to, or install pgvector"
+                ) from None
+        return conn
+
+    def _has_schema(self, conn: psycopg.Connection[Any]) -> bool:
+        row = conn.execute("SELECT to_regclass(%s)", (f"{self._s}.manifest",)).fetchone()
+        return row is not None and row[0] is not None
+
+    # -- the Storage protocol --------------------------------------------------------------------
+
+    def exists(self) -> bool:
+        conn = self.connect(vectors=False)
+        try:
+            with db_errors(self.where):
+                if not self._has_schema(conn):
+                    return False
+                return conn.execute(f"SELECT 1 FROM {self._s}.manifest WHERE id = 1").fetchone() is not None
+        finally:
+            conn.close()
+
+    def read_manifest(self) -> Manifest:
+        conn = self.connect(vectors=False)
+        try:
+            with db_errors(self.where):
+                row = (
+                    conn.execute(f"SELECT generation, body FROM {self._s}.manifest WHERE id = 1").fetchone()
+                    if self._has_schema(conn)
+                    else None
+                )
+        finally:
+            conn.close()
+        if row is None:
+            raise IndexNotFoundError(
+                f"no index in schema {self.schema} of {self.where}; build one with "
+                f"`ragbudget index PATH --index-dir '{self.where}'` (with the password given as for any libpq client)"
+            )
+        body = row[1]
+        if not isinstance(body, dict) or body.get("format") != "ragbudget-index" or body.get("generation") != row[0]:
+            raise IndexCorruptError(
+                f"the manifest row in schema {self.schema} of {self.where} is not a ragbudget manifest; "
+                "rebuild the index with `ragbudget index PATH --rebuild`"
+            )
+        version = int(body.get("format_version", 0))
+        if version != FORMAT_VERSION:
+            raise IndexCorruptError(
+                f"the index in {self.where} has format version {version}, this ragbudget reads {FORMAT_VERSION}; "
+                + ("upgrade ragbudget" if version > FORMAT_VERSION else "rebuild the index")
+            )
+        return body
+
+    def open(self, manifest: Manifest, *, verify_checksums: bool = True, search_store: bool = True) -> Generation:
+
+        g = int(manifest["generation"])
+        catalog = PgCatalog(self.connect(), self._s, g, where=self.where, reconnect=self.connect)
+        exact = PgExactStore(catalog, int(manifest["dim"]))
+        search: VectorStore = exact
+        approx = manifest.get("approx") or {}
+        if search_store and approx.get("kind") == "hnsw":
+            search = PgHnswStore(catalog, int(manifest["dim"]), int(approx["ef_search"]))
+        return Generation(manifest=manifest, exact=exact, search=search, catalog=catalog)
+
+    def open_for_writing(self, manifest: Manifest) -> Generation:
+        import numpy as np
+
+        from .vectors import FlatStore
+
+        g, dim = int(manifest["generation"]), int(manifest["dim"])
+        conn = self.connect()
+        flat = FlatStore(dim)
+        with db_errors(self.where):
+            rows = conn.execute(
+                f"SELECT chunk_id, embedding FROM {self._s}.vectors WHERE gen_from <= %(g)s "
+                "AND (gen_to IS NULL OR gen_to > %(g)s) ORDER BY chunk_id",
+                {"g": g},
+            ).fetchall()
+        if rows:
+            flat.add(np.array([r[0] for r in rows], dtype=np.int64), np.stack([_as_array(r[1]) for r in rows]))
+        return Generation(
+            manifest=manifest, exact=flat, search=flat, catalog=PgCatalog(conn, self._s, g, where=self.where)
+        )
+
+    def lock(self) -> _AdvisoryLock:
+        return _AdvisoryLock(self)
+
+    def begin(self, base: Generation | None, *, keep: bool) -> PgWriter:
+        return PgWriter(self, base, keep=keep)
+
+    def checkpoint(self, identity: Mapping[str, Any]) -> PgCheckpoint:
+        return PgCheckpoint(self, identity)
+
+    def _lock_conn(self) -> psycopg.Connection[Any]:
+        if self._held is None:
+            raise IndexStorageError(f"writing the index in {self.where} needs its writer lock")
+        return self._held
+
+    def ensure_schema(self, conn: psycopg.Connection[Any]) -> None:
+        """Create pgvector (when allowed and missing) and the index's tables, under the lock."""
+        import psycopg
+
+        with db_errors(self.where):
+            have = conn.execute("SELECT 1 FROM pg_type WHERE typname = 'vector'").fetchone()
+        if have is None:
+            try:
+                conn.execute("CREATE EXTENSION IF NOT EXISTS vector")
+            except psycopg.Error as exc:
+                raise IndexStorageError(
+                    f"the index database {self.where} has no pgvector and it could not be created "
+                    f"({first_line(exc)}); ask its administrator for `CREATE EXTENSION vector`"
+                ) from None
+        from .postgres_catalog import schema_sql
+
+        with db_errors(self.where):
+            for stmt in schema_sql(self._s):
+                conn.execute(stmt)
+
+
+class _AdvisoryLock:
+    """The writer lock: ``pg_try_advisory_lock`` held by a dedicated autocommit connection."""
+
+    def __init__(self, storage: PostgresStorage) -> None:
+        self.storage = storage
+        self.conn: psycopg.Connection[Any] | None = None
+
+    def __enter__(self) -> _AdvisoryLock:
+        st = self.storage
+        conn = st.connect(vectors=False)
+        with db_errors(st.where):
+            got = conn.execute(
+                "SELECT pg_try_advisory_lock(hashtextextended(%s, 0))", (f"ragbudget-index:{st.schema}",)
+            ).fetchone()
+        if not got or not got[0]:
+            conn.close()
+            raise IndexLockedError(
+                f"another process is writing the index in schema {st.schema} of {st.where}; wait for it to "
+                "finish or use another ragbudget_schema (readers are not blocked)"
+            )
+        st.ensure_schema(conn)
+        self.conn = conn
+        st._held = conn
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.conn is not None:
+            with contextlib.suppress(Exception):
+                self.conn.close()  # the session ends: the server releases the advisory lock
+            self.conn = None
+        self.storage._held = None
+
+
+class PgWriter:
+    """Generation ``n`` of a :class:`PostgresStorage`, written in one transaction (see
+    :class:`~ragbudget.retrieval.storage.GenerationWriter`)."""
+
+    def __init__(self, storage: PostgresStorage, base: Generation | None, *, keep: bool) -> None:
+        from .postgres_catalog import PgCatalogWriter
+        from .vectors import FlatStore
+
+        self.storage = storage
+        s = storage._s
+        self.conn = storage.connect(autocommit=False)
+        with db_errors(storage.where):
+            row = self.conn.execute(f"SELECT generation FROM {s}.manifest WHERE id = 1").fetchone()
+            current = int(row[0]) if row else 0
+            self.number = current + 1
+            # Rows of a generation never committed (none, with one transaction per writer; kept
+            # as a guard) are removed before this one reuses its number.
+            for table in ("chunks", "sources", "files", "roots", "sentence_vectors", "vectors"):
+                self.conn.execute(f"DELETE FROM {s}.{table} WHERE gen_from > %s", (current,))
+                self.conn.execute(f"UPDATE {s}.{table} SET gen_to = NULL WHERE gen_to > %s", (current,))
+            next_id = int(self.conn.execute(f"SELECT COALESCE(MAX(id), 0) + 1 FROM {s}.chunks").fetchone()[0])  # type: ignore[index]
+        self._catalog = PgCatalogWriter(self.conn, s, self.number, where=storage.where, next_id=next_id)
+        exact = base.exact if (keep and base is not None) else None
+        assert exact is None or isinstance(exact, FlatStore)
+        self.exact: FlatStore | None = exact
+        if not keep:
+            self._catalog.retire_all()
+        self.lexical = "ok"
+        #: The database searches its own rows: the build makes no FAISS search store; the commit
+        #: builds pgvector's HNSW index when the store kind asks for one, and tunes it.
+        self.searches_in_place = True
+        self._done = False
+
+    @property
+    def catalog(self) -> PgCatalogWriter:
+        return self._catalog
+
+    def commit(
+        self,
+        fields: Mapping[str, Any],
+        *,
+        exact: VectorStore,
+        search: VectorStore | None,
+        vacuum: bool = False,
+        progress: Callable[[int], None] | None = None,
+    ) -> Manifest:
+        import numpy as np
+
+        from .vectors import RECALL_TARGET
+
+        step = progress or (lambda _: None)
+        st, s, n = self.storage, self.storage._s, self.number
+        step(1)
+        with db_errors(st.where):
+            live = np.array(
+                [r[0] for r in self.conn.execute(f"SELECT chunk_id FROM {s}.vectors WHERE gen_to IS NULL").fetchall()],
+                dtype=np.int64,
+            )
+            ids = exact.ids()
+            gone = np.setdiff1d(live, ids)
+            new = np.setdiff1d(ids, live)
+            if len(gone):
+                self._catalog._drop("vectors", "chunk_id = ANY(%(ids)s)", {"ids": gone.tolist()})
+            if len(new):
+                vecs = exact.vectors(new)
+                with self.conn.cursor() as cur:
+                    cur.executemany(
+                        f"INSERT INTO {s}.vectors (chunk_id, gen_from, embedding) VALUES (%s, %s, %s)",
+                        [(int(i), n, v) for i, v in zip(new.tolist(), vecs, strict=True)],
+                    )
+            store = dict(fields.get("store") or {})
+            approx = None
+            if store.get("kind") == "hnsw":
+                t = time.perf_counter()
+                index = create_hnsw(self.conn, s, exact.dim)
+                tuned, recall, nq = tune_hnsw(self._catalog, exact, exact.dim)
+                hnsw = {"recall_at_10": round(recall, 4), "recall_queries": nq, "ef_search": tuned.ef_search}
+                approx = {"kind": "hnsw", "engine": "pgvector", "index": index, **hnsw}
+                store.update(hnsw, build_seconds=round(time.perf_counter() - t, 3))
+                if recall < RECALL_TARGET:
+                    log.warning(
+                        "pgvector's HNSW reaches recall@10 %.3f against exact search, below the %.2f target, "
+                        "at its largest ef_search (%d)",
+                        recall,
+                        RECALL_TARGET,
+                        tuned.ef_search,
+                    )
+            else:
+                create_hnsw(self.conn, s, None)
+            step(2)
+            manifest: Manifest = {
+                **fields,
+                "store": store,
+                "format": "ragbudget-index",
+                "format_version": FORMAT_VERSION,
+                "generation": n,
+                "storage": {"kind": "postgres", "schema": st.schema, "vectors": "pgvector", "table": "vectors"},
+                "approx": approx,
+                "lexical": {"kind": "postgres-fts", "column": "tsv", "config": "english", "rank": "ts_rank_cd"},
+            }
+            from psycopg.types.json import Jsonb
+
+            self.conn.execute(
+                f"INSERT INTO {s}.manifest (id, generation, body) VALUES (1, %s, %s) "
+                "ON CONFLICT (id) DO UPDATE SET generation = EXCLUDED.generation, body = EXCLUDED.body",
+                (n, Jsonb(json.loads(json.dumps(manifest)))),
+            )
+            self.conn.commit()  # the commit point
+            self._done = True
+            step(3)
+            # Rows neither the new generation nor the previous one sees.
+            for table in ("chunks", "sources", "files", "roots", "sentence_vectors", "vectors"):
+                self.conn.execute(f"DELETE FROM {s}.{table} WHERE gen_to IS NOT NULL AND gen_to <= %s", (n - 1,))
+            self.conn.commit()
+        return manifest
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            if not self._done:
+                self.conn.rollback()
+        with contextlib.suppress(Exception):
+            self.conn.close()
+
+
+class PgExactStore:
+    """A generation's vectors in the ``vectors`` table, searched exactly by SQL (read-only: a
+    writer edits a :class:`~ragbudget.retrieval.vectors.FlatStore` loaded from it)."""
+
+    kind = "flat"
+
+    def __init__(self, catalog: PgCatalog, dim: int) -> None:
+        self.catalog = catalog  # its connection and lock (closed with the generation's catalog)
+        self.g = catalog.g
+        self.dim = dim
+        self._vis = "gen_from <= %(g)s AND (gen_to IS NULL OR gen_to > %(g)s)"
+
+    def _query(
+        self, sql: str, params: Mapping[str, Any], *, exact_scan: bool = False, ef_search: int | None = None
+    ) -> list[tuple[Any, ...]]:
+        query = sql.replace("{s}", self.catalog.s)
+        values = {"g": self.g, **params}
+
+        def run(conn: psycopg.Connection[Any]) -> list[tuple[Any, ...]]:
+            with conn.transaction():
+                if exact_scan:
+                    # A sequential scan even where an ANN index exists: this is the exact store.
+                    conn.execute("SET LOCAL enable_indexscan = off")
+                if ef_search is not None:
+                    conn.execute(f"SET LOCAL hnsw.ef_search = {int(ef_search)}")
+                return conn.execute(query, values).fetchall()  # type: ignore[arg-type]
+
+        return self.catalog.use(run)
+
+    @property
+    def ntotal(self) -> int:
+        return int(self._query(f"SELECT COUNT(*) FROM {{s}}.vectors WHERE {self._vis}", {})[0][0])
+
+    def search(self, queries: ArrayLike, k: int) -> tuple[NDArray[np.float32], NDArray[np.int64]]:
+        import numpy as np
+
+        q = np.asarray(queries, dtype=np.float32).reshape(-1, self.dim)
+        scores = np.full((len(q), k), -np.inf, dtype=np.float32)
+        ids = np.full((len(q), k), -1, dtype=np.int64)
+        for row, vec in enumerate(q):
+            found = self._query(
+                f"SELECT chunk_id, -(embedding <#> %(q)s) FROM {{s}}.vectors WHERE {self._vis} "
+                "ORDER BY embedding <#> %(q)s, chunk_id LIMIT %(k)s",
+                {"q": vec, "k": int(k)},
+                exact_scan=True,
+            )
+            for j, (cid, score) in enumerate(found):
+                ids[row, j], scores[row, j] = int(cid), float(score)
+        return scores, ids
+
+    def vectors(self, ids: ArrayLike) -> NDArray[np.float32]:
+        import numpy as np
+
+        want = np.asarray(ids, dtype=np.int64).reshape(-1)
+        got = {
+            int(i): _as_array(v)
+            for i, v in self._query(
+                f"SELECT chunk_id, embedding FROM {{s}}.vectors WHERE chunk_id = ANY(%(ids)s) AND {self._vis}",
+                {"ids": want.tolist()},
+            )
+        }
+        missing = [int(i) for i in want if int(i) not in got]
+        if missing:
+            raise KeyError(f"no vector for chunk id(s) {missing[:5]}")
+        return np.stack([got[int(i)] for i in want]) if len(want) else np.zeros((0, self.dim), dtype=np.float32)
+
+    def ids(self) -> NDArray[np.int64]:
+        import numpy as np
+
+        rows = self._query(f"SELECT chunk_id FROM {{s}}.vectors WHERE {self._vis} ORDER BY chunk_id", {})
+        return np.array([r[0] for r in rows], dtype=np.int64)
+
+    def _read_only(self) -> IndexStorageError:
+        return IndexStorageError(f"the vectors of generation {self.g} in {self.catalog.where} are read-only")
+
+    def add(self, ids: ArrayLike, vectors: ArrayLike) -> None:
+        raise self._read_only()
+
+    def remove(self, ids: ArrayLike) -> int:
+        raise self._read_only()
+
+    def finalize(self) -> StoreReport:
+        raise self._read_only()
+
+    def save(self, path: Path) -> dict[str, Any]:
+        raise self._read_only()
+
+
+class PgHnswStore(PgExactStore):
+    """pgvector's HNSW index over a generation's vectors: the search store of a database index
+    built with ``store="hnsw"`` (or ``auto`` past the flat size). ``ef_search`` is the one tuned
+    at build time (:func:`tune_hnsw`). HNSW in pgvector 0.6 filters *after* the graph search:
+    rows of other generations (the previous one, until the next commit collects it) take some
+    of the ``ef_search`` candidates, so a query may see fewer than ``ef_search`` of its own;
+    the recall recorded is measured under that same filter."""
+
+    kind = "hnsw"
+
+    def __init__(self, catalog: PgCatalog, dim: int, ef_search: int) -> None:
+        super().__init__(catalog, dim)
+        self.ef_search = int(ef_search)
+
+    def search(self, queries: ArrayLike, k: int) -> tuple[NDArray[np.float32], NDArray[np.int64]]:
+        import numpy as np
+
+        d = int(self.dim)  # an int, inlined: the partial index's predicate must be a constant
+        q = np.asarray(queries, dtype=np.float32).reshape(-1, d)
+        scores = np.full((len(q), k), -np.inf, dtype=np.float32)
+        ids = np.full((len(q), k), -1, dtype=np.int64)
+        for row, vec in enumerate(q):
+            found = self._query(
+                f"SELECT chunk_id, -(embedding::vector({d}) <#> %(q)s::vector({d})) FROM {{s}}.vectors "
+                f"WHERE vector_dims(embedding) = {d} AND {self._vis} "
+                f"ORDER BY embedding::vector({d}) <#> %(q)s::vector({d}) LIMIT %(k)s",
+                {"q": vec, "k": int(k)},
+                ef_search=self.ef_search,
+            )
+            for j, (cid, score) in enumerate(found):
+                ids[row, j], scores[row, j] = int(cid), float(score)
+        return scores, ids
+
+
+#: ``hnsw.ef_search`` values tried in order until the recall target is met (pgvector's maximum is 1000).
+EF_SEARCH_LADDER = (40, 64, 100, 160, 250, 400, 640, 1000)
+
+
+def create_hnsw(conn: psycopg.Connection[Any], schema: str, dim: int | None) -> str | None:
+    """Create (once) the HNSW index of ``dim``-dimensional vectors (a partial expression index:
+    the ``vector`` column has no fixed dimension, and an index of another embedder's dimension
+    may still cover the previous generation) and drop those of other dimensions; ``dim=None``
+    drops them all (an index searched exactly need not maintain one). Its name."""
+    d = int(dim or 0)
+    name = f"vectors_hnsw_{d}" if dim else None
+    for (other,) in conn.execute(
+        "SELECT indexname FROM pg_indexes WHERE schemaname = %s", (schema.strip('"'),)
+    ).fetchall():
+        if other.startswith("vectors_hnsw_") and other != name:
+            conn.execute(f'DROP INDEX {schema}."{other}"')
+    if name is None:
+        return None
+    conn.execute(
+        f"CREATE INDEX IF NOT EXISTS {name} ON {schema}.vectors USING hnsw ((embedding::vector({d})) vector_ip_ops) "
+        f"WHERE vector_dims(embedding) = {d}"
+    )
+    return name
+
+
+def tune_hnsw(catalog: PgCatalog, exact: VectorStore, dim: int) -> tuple[PgHnswStore, float, int]:
+    """The smallest ``ef_search`` of :data:`EF_SEARCH_LADDER` whose recall@10 against ``exact``
+    (on the index's own vectors, as :func:`~ragbudget.retrieval.vectors.measure_recall` samples
+    them for a local store) reaches :data:`~ragbudget.retrieval.vectors.RECALL_TARGET`, else the
+    largest. ``(store, recall, queries)``."""
+    from .vectors import RECALL_TARGET, measure_recall
+
+    store = PgHnswStore(catalog, dim, EF_SEARCH_LADDER[0])
+    recall, nq = 1.0, 0
+    for ef in EF_SEARCH_LADDER:
+        store.ef_search = ef
+        recall, nq = measure_recall(store, exact)
+        if recall >= RECALL_TARGET:
+            break
+    return store, recall, nq
+
+
+class PgCheckpoint:
+    """The embedding checkpoint of a PostgreSQL index: ``pending_vectors`` rows keyed by the
+    text's sha256 (as :class:`~ragbudget.retrieval.checkpoint.Checkpoint`), written through the
+    lock's connection, each batch in its own transaction, so a killed writer keeps them."""
+
+    def __init__(self, storage: PostgresStorage, identity: Mapping[str, Any]) -> None:
+        import numpy as np
+
+        from .checkpoint import Checkpoint
+
+        self.storage = storage
+        self.key = Checkpoint.key
+        self.identity = json.dumps(identity, sort_keys=True)
+        self.vectors: dict[bytes, tuple[Any, int]] = {}
+        conn = storage._lock_conn()
+        s = storage._s
+        with db_errors(storage.where):
+            gone = conn.execute(f"DELETE FROM {s}.pending_vectors WHERE identity <> %s", (self.identity,)).rowcount
+            if gone:
+                log.info("removed %d checkpointed vectors written for another embedder", gone)
+            for key, windows, blob in conn.execute(
+                f"SELECT key, windows, vector FROM {s}.pending_vectors WHERE identity = %s", (self.identity,)
+            ):
+                self.vectors[bytes(key)] = (np.frombuffer(bytes(blob), dtype="<f4").copy(), int(windows))
+        if self.vectors:
+            log.info("resuming from %d embedded chunks checkpointed by an interrupted run", len(self.vectors))
+
+    def get(self, text: str) -> tuple[Any, int] | None:
+        return self.vectors.get(self.key(text))
+
+    def add(self, texts: Sequence[str], vectors: Any, windows: Sequence[int]) -> None:
+        import numpy as np
+
+        vecs = np.ascontiguousarray(vectors, dtype="<f4")
+        conn = self.storage._lock_conn()
+        rows = [(self.key(t), self.identity, int(w), v.tobytes()) for t, v, w in zip(texts, vecs, windows, strict=True)]
+        with db_errors(self.storage.where), conn.transaction(), conn.cursor() as cur:
+            cur.executemany(
+                f"INSERT INTO {self.storage._s}.pending_vectors (key, identity, windows, vector) "
+                "VALUES (%s, %s, %s, %s) ON CONFLICT (key) DO NOTHING",
+                rows,
+            )
+
+    def close(self) -> None:
+        """Nothing held: every batch was committed as it was added."""
+
+    def remove(self) -> None:
+        """The run committed (or had nothing to commit): the checkpoint is spent."""
+        conn = self.storage._lock_conn()
+        with db_errors(self.storage.where):
+            conn.execute(f"DELETE FROM {self.storage._s}.pending_vectors")
+        self.vectors = {}

@@ -1,0 +1,197 @@
+"""An index in PostgreSQL, the security side (issue #34 §5), on a real server (tests/_postgres.py):
+the password reaches libpq from the URL, PGPASSWORD or PGPASSFILE and nowhere else (no message,
+log, --json, stats or stored manifest shows it); a wrong password, an unreachable host, a
+database without pgvector and a connection dropped mid-run are one line and exit code 1, the
+previous generation intact."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import pytest
+from _corpus import EMB as EMB_, build, make_text, write_corpus
+from _postgres import PASSWORD
+
+from ragbudget.errors import IndexStorageError
+from ragbudget.retrieval.index import Index
+
+MASKED = "***"
+
+
+def with_password(url: str, password: str = PASSWORD) -> str:
+    user, rest = url.split("://", 1)[1].split("@", 1)
+    return f"postgresql://{user}:{quote(password, safe='')}@{rest}"
+
+
+def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "ragbudget", *args],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def one_line_error(run: subprocess.CompletedProcess[str]) -> str:
+    assert run.returncode == 1, (run.stdout, run.stderr)
+    assert "Traceback" not in run.stderr
+    lines = [line for line in run.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("Error: "), run.stderr
+    return lines[0]
+
+
+def test_password_from_the_url_is_never_shown(
+    pg_password_db: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    corpus = write_corpus(tmp_path / "corpus", n=2)
+    url = with_password(pg_password_db)
+    with caplog.at_level(logging.DEBUG):
+        s = build(Index(url), corpus)
+    assert s.committed
+    ix = Index.open(url)
+    assert PASSWORD not in repr(ix) and PASSWORD not in json.dumps(ix.stats())
+    assert ix.stats()["index_dir"].startswith(f"postgresql://pwuser:{MASKED}@/")
+    assert PASSWORD not in caplog.text and quote(PASSWORD, safe="") not in caplog.text
+    import psycopg
+
+    with psycopg.connect(url) as conn:
+        body = json.dumps(conn.execute("SELECT body FROM ragbudget.manifest").fetchone())
+    assert PASSWORD not in body and quote(PASSWORD, safe="") not in body and "pwuser" not in body
+    run = cli("stats", "--index", url, "--json")
+    assert run.returncode == 0, run.stderr
+    assert PASSWORD not in run.stdout + run.stderr and quote(PASSWORD, safe="") not in run.stdout + run.stderr
+    assert json.loads(run.stdout)["index_dir"].startswith(f"postgresql://pwuser:{MASKED}@/")
+
+
+def test_password_from_pgpassword_and_from_pgpassfile(pg_password_db: str, tmp_path: Path) -> None:
+    corpus = write_corpus(tmp_path / "corpus", n=2)
+    run = cli("index", str(corpus), "--index", pg_password_db, "--json", env={"PGPASSWORD": PASSWORD})
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout)["committed"] is True
+    passfile = tmp_path / "pgpass"
+    escaped = PASSWORD.replace("\\", "\\\\").replace(":", "\\:")
+    passfile.write_text(f"*:*:*:pwuser:{escaped}\n")
+    passfile.chmod(0o600)
+    run = cli("verify", "--index", pg_password_db, "--json", env={"PGPASSFILE": str(passfile)})
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout)["ok"] is True
+    assert PASSWORD not in run.stdout + run.stderr
+
+
+def test_a_wrong_password_is_one_line_and_exit_1(pg_password_db: str) -> None:
+    wrong = "Wr0ng-pass"
+    line = one_line_error(cli("search", "anything", "--index", with_password(pg_password_db, wrong)))
+    assert "password authentication failed" in line and wrong not in line and MASKED in line
+    line = one_line_error(cli("stats", "--index", pg_password_db, env={"PGPASSWORD": wrong}))
+    assert "password authentication failed" in line and wrong not in line
+    with pytest.raises(IndexStorageError, match="password authentication failed"):
+        Index.open(with_password(pg_password_db, wrong))
+
+
+def test_an_unreachable_host_is_one_line_and_exit_1() -> None:
+    line = one_line_error(cli("search", "anything", "--index", "postgresql://me:hunter2@127.0.0.1:1/x"))
+    assert "postgresql://me:***@127.0.0.1:1/x" in line and "hunter2" not in line
+    line = one_line_error(cli("index", ".", "--index", "postgresql://127.0.0.1:1/x?connect_timeout=2"))
+    assert "127.0.0.1" in line
+
+
+def test_libpq_options_pass_through(pg_url: str) -> None:
+    storage = Index(pg_url + "&application_name=rb_probe&options=-c%20statement_timeout%3D4321").storage
+    conn = storage.connect(vectors=False)  # type: ignore[attr-defined]
+    try:
+        assert conn.execute("SHOW application_name").fetchone()[0] == "rb_probe"
+        assert conn.execute("SHOW statement_timeout").fetchone()[0] == "4321ms"
+    finally:
+        conn.close()
+    # A libpq option libpq refuses is libpq's one-line message, not ours to guess.
+    with pytest.raises(IndexStorageError, match="sslmode"):
+        Index.open(pg_url + "&sslmode=bogus")
+
+
+def test_a_database_without_pgvector_whose_user_may_not_create_it(pg_server: Any, tmp_path: Path) -> None:
+    import psycopg
+    from _postgres import db_url
+
+    with psycopg.connect(pg_server.get_uri(), autocommit=True) as conn:
+        conn.execute("DROP DATABASE IF EXISTS novector")
+        conn.execute("CREATE DATABASE novector")
+        if conn.execute("SELECT 1 FROM pg_roles WHERE rolname = 'plainuser'").fetchone() is None:
+            conn.execute("CREATE ROLE plainuser LOGIN")
+    url = db_url(pg_server, "novector", user="plainuser")
+    corpus = write_corpus(tmp_path / "corpus", n=1)
+    line = one_line_error(cli("index", str(corpus), "--index", url))
+    assert "has no pgvector and it could not be created" in line and "CREATE EXTENSION vector" in line
+
+
+def test_a_connection_dropped_mid_run_leaves_the_previous_generation(pg_url: str, tmp_path: Path) -> None:
+    import psycopg
+
+    corpus = write_corpus(tmp_path / "corpus", n=6)
+    first = build(Index(pg_url), corpus)
+    for i in range(6):
+        (corpus / f"doc{i}.txt").write_text(make_text(700 + i, unique=f"new{i}zz"))
+    killed: list[int] = []
+
+    def drop_connections(phase: str, done: int, total: int | None) -> None:
+        if phase == "embed" and done > 0 and not killed:
+            with psycopg.connect(pg_url, autocommit=True) as admin:
+                killed.extend(
+                    r[0]
+                    for r in admin.execute(
+                        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                        "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+                    )
+                )
+
+    with pytest.raises(IndexStorageError) as err:
+        build(Index(pg_url), corpus, progress=drop_connections, embed_batch=4)
+    assert killed and "\n" not in str(err.value) and "failed" in str(err.value)
+    ix = Index.open(pg_url)
+    assert ix.manifest["generation"] == 1 and ix.stats()["chunks"] == first.chunks_total
+    assert ix.search_lexical("new0zz", k=1) == [] and ix.search_lexical("marker0zz", k=1)
+    assert ix.verify().ok
+    again = build(Index(pg_url), corpus)
+    assert again.committed and again.generation == 2
+
+
+def test_cli_index_search_stats_verify_on_a_url(pg_url: str, tmp_path: Path) -> None:
+    corpus = write_corpus(tmp_path / "corpus", n=3)
+    run = cli("index", str(corpus), "--index", pg_url, "--json", "--min-tokens", "20", "--max-tokens", "60")
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout)["generation"] == 1
+    run = cli("search", "marker2zz", "--index", pg_url, "--json", "-k", "1")
+    assert run.returncode == 0, run.stderr
+    assert "marker2zz" in run.stdout and "corpus/doc2.txt" in run.stdout
+    run = cli("stats", "--index-dir", pg_url, "--json")
+    assert run.returncode == 0 and json.loads(run.stdout)["lexical"] == "postgres-fts"
+    run = cli("verify", "--index", pg_url)
+    assert run.returncode == 0, run.stderr
+    one_line_error(cli("search", "x", "--index", pg_url + "&ragbudget_schema=nothing_here"))
+    line = one_line_error(cli("search", "x", "--index", pg_url + "&ragbudget_schema=Bad-Name"))
+    assert "ragbudget_schema must be" in line
+
+
+def test_a_reader_whose_connection_is_cut_reconnects_once(pg_url: str, tmp_path: Path) -> None:
+    """A serving process outlives its connection (a server restart, an idle connection cut): the
+    next query opens a new one; the generation it reads is the same."""
+    import psycopg
+
+    build(Index(pg_url), write_corpus(tmp_path / "corpus", n=3))
+    reader = Index.open(pg_url)
+    before = [(h.chunk_id, h.score) for h in reader.search("marker1zz", k=3, embedder=EMB_)]
+    with psycopg.connect(pg_url, autocommit=True) as admin:
+        cut = admin.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+        ).fetchall()
+    assert cut
+    assert [(h.chunk_id, h.score) for h in reader.search("marker1zz", k=3, embedder=EMB_)] == before
+    assert reader.search_lexical("marker2zz", k=1)
