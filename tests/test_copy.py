@@ -53,8 +53,8 @@ def test_a_copy_answers_as_the_original_and_embeds_nothing(direction: str, pg_ur
     assert [f.path for f in a.sources()] == [f.path for f in b.sources()] and a.roots() == b.roots()
     assert b.verify().ok and b.stats()["chunks"] == a.stats()["chunks"]
     assert b.has_sentence_vectors
-    ids_a = a._generation().catalog.chunk_ids()
-    assert sum(len(v[0]) for v in b.sentence_vectors(b._generation().catalog.chunk_ids()).values()) == sum(
+    ids_a = a.generation.catalog.chunk_ids()
+    assert sum(len(v[0]) for v in b.sentence_vectors(b.generation.catalog.chunk_ids()).values()) == sum(
         len(v[0]) for v in a.sentence_vectors(ids_a).values()
     )
     # The copy is a real index: an unchanged run over it embeds nothing and writes nothing.

@@ -208,7 +208,7 @@ def test_kill_9_mid_embedding_keeps_the_old_generation_and_the_rerun_resumes(pg_
     clean = Index(tmp_path / "clean")
     build(clean, a, embed_batch=8)
     build(clean, b, embed_batch=8)
-    got, want = Index.open(pg_url)._generation(), clean._generation()
+    got, want = Index.open(pg_url).generation, clean.generation
     ids = want.exact.ids()
     assert np.array_equal(np.sort(got.exact.ids()), np.sort(ids))
     assert np.allclose(got.exact.vectors(ids), want.exact.vectors(ids), atol=1e-6)
@@ -286,8 +286,8 @@ def test_hnsw_is_built_tuned_and_its_recall_recorded(pg_url: str, tmp_path: Path
         )
     assert "vectors_hnsw_256" in plan
     reader, exact = Index.open(pg_url), Index.open(pg_url, use_approx=False)
-    assert type(reader._generation().search).__name__ == "PgHnswStore"
-    assert type(exact._generation().search).__name__ == "PgExactStore"
+    assert type(reader.generation.search).__name__ == "PgHnswStore"
+    assert type(exact.generation.search).__name__ == "PgExactStore"
     same = sum(hits(reader, q)[0][0] == hits(exact, q)[0][0] for q in QUESTIONS)
     assert same >= len(QUESTIONS) - 1
     report = reader.verify()
@@ -307,7 +307,7 @@ def test_the_ray_executor_writes_the_same_database_index(ray_cluster: Any, pg_ur
     local = build(Index(tmp_path / "ix"), corpus, embed_batch=8)
     ray = build(Index(pg_url), corpus, embed_batch=8, executor=RayExecutor(workers=1, round_size=16))
     assert ray.committed and ray.chunks_embedded == local.chunks_embedded > 16
-    a, b = Index.open(tmp_path / "ix")._generation(), Index.open(pg_url)._generation()
+    a, b = Index.open(tmp_path / "ix").generation, Index.open(pg_url).generation
     ids = a.exact.ids()
     assert np.array_equal(np.sort(b.exact.ids()), np.sort(ids))
     # The hash embedder is deterministic per text: the same bits, wherever it ran.
