@@ -182,6 +182,15 @@ def main() -> None:
         tok = AutoTokenizer.from_pretrained(str(Path(model).parent), gguf_file=Path(model).name)
         backend = connect(url, kind="llamacpp", timeout=600)
         backend.warm_up()
+        # A prompt over the slot's window would be cut by the backend's one retry (its lowest
+        # passages dropped): the cell would no longer be the packer's. Refuse the run instead.
+        window = backend.capacity().max_context_tokens
+        need = max(budgets) + 200 + args.max_new_tokens  # the context, system prompt, question, answer
+        if window is not None and window < need:
+            raise SystemExit(
+                f"the engine's window is {window} tokens a request; budget {max(budgets)} needs about {need}: "
+                "start llama-server with larger slots (-c = slots × tokens a slot)"
+            )
         split = H.load_split(args.split, docs=args.docs, seed=args.seed)
         questions = H.sample_questions(split, args.questions, seed=args.seed)[args.start :]
         corpus = H.Corpus.build(split, questions)
