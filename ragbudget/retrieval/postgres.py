@@ -219,6 +219,21 @@ class PostgresStorage:
 
         return self._probe(run)
 
+    def size_bytes(self, manifest: Manifest) -> int:
+        """The schema's tables with their indexes and TOAST (``pg_total_relation_size``): every
+        generation the rows still hold, as a local index's files hold theirs."""
+        name = self.schema
+
+        def run(conn: psycopg.Connection[Any]) -> int:
+            row = conn.execute(
+                "SELECT COALESCE(SUM(pg_total_relation_size(c.oid)), 0) FROM pg_class c "
+                "JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = %s AND c.relkind IN ('r', 'p', 'm')",
+                (name,),
+            ).fetchone()
+            return int(row[0]) if row else 0
+
+        return self._probe(run)
+
     def read_manifest(self) -> Manifest:
         def run(conn: psycopg.Connection[Any]) -> tuple[Any, ...] | None:
             if not self._has_schema(conn):

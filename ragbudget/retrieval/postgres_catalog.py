@@ -252,10 +252,13 @@ class PgCatalog:
 
     def files(self) -> list[FileRow]:
         rows = self._rows(
-            "SELECT f.path, f.status, f.n_chunks, f.size, f.reason, f.detail, f.n_pages, f.warning "
+            "SELECT f.path, f.status, f.n_chunks, f.size, f.reason, f.detail, f.n_pages, f.warning, f.furniture "
             f"FROM {{s}}.files f WHERE {self._vis('f')}"
         )
-        return [FileRow(p, st, int(n or 0), int(size), r, d, pg, w) for p, st, n, size, r, d, pg, w in rows]
+        return [
+            FileRow(p, st, int(n or 0), int(size), r, d, pg, w, int(fu or 0))
+            for p, st, n, size, r, d, pg, w, fu in rows
+        ]
 
     def file_states(self) -> dict[str, FileState]:
         rows = self._rows(
