@@ -387,6 +387,13 @@ class PgWriter:
         if not keep:
             self._catalog.retire_all()
         self.lexical = "ok"
+        # Pipeline mode until the commit: the catalog's inserts (a chunk, its source, its
+        # sentence vectors) go out without waiting for each answer; a read syncs. Measured on
+        # 3,390 chunks: one round trip waited per statement was most of the database's cost.
+        # An error surfaces at the next sync, still as the one-line IndexStorageError.
+        self._pipeline = contextlib.ExitStack()
+        with db_errors(storage.where):
+            self._pipeline.enter_context(self.conn.pipeline())
         #: The database searches its own rows: the build makes no FAISS search store; the commit
         #: builds pgvector's HNSW index when the store kind asks for one, and tunes it.
         self.searches_in_place = True
@@ -413,6 +420,7 @@ class PgWriter:
         st, s, n = self.storage, self.storage._s, self.number
         step(1)
         with db_errors(st.where):
+            self._pipeline.close()  # every queued statement answered (or its error raised) first
             live = np.array(
                 [r[0] for r in self.conn.execute(f"SELECT chunk_id FROM {s}.vectors WHERE gen_to IS NULL").fetchall()],
                 dtype=np.int64,
@@ -476,6 +484,8 @@ class PgWriter:
         return manifest
 
     def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self._pipeline.close()
         with contextlib.suppress(Exception):
             if not self._done:
                 self.conn.rollback()
