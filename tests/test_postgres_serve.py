@@ -81,6 +81,7 @@ def test_serve_on_a_database_answers_citing_a_chunk_on_one_connection(pg_url: st
         assert answer["choices"][0]["message"]["content"].strip()
         cited = answer["sources"]
         assert cited and cited[0]["path"] and cited[0]["chunk_ids"], cited
+        assert answer["ragbudget"]["index"] == {"generation": 1}  # which generation it cites
         # The chunk it cites is a row of the database's current generation.
         import psycopg
 
