@@ -107,3 +107,77 @@ def test_serve_on_a_database_answers_citing_a_chunk_on_one_connection(pg_url: st
         err = stop_server(proc)
     assert proc.returncode == 0, err[-2000:]
     assert "Traceback" not in err
+
+
+def test_two_servers_answer_a_burst_while_a_third_process_reindexes(
+    pg_url: str, llama_server: str, tmp_path: Path
+) -> None:
+    """Two ``ragbudget serve`` processes on one database answer 16 concurrent chat requests while
+    ``ragbudget index`` commits a changed folder: no 5xx, and each answer's chunks are all rows of
+    the one generation it reports."""
+    import shutil
+    import threading
+
+    docs = tmp_path / "docs"
+    shutil.copytree(DATA / "squad", docs / "squad")
+    Index(pg_url).build([str(docs)], embedder=EMB)
+    ports = [free_port(), free_port()]
+    procs = [start_serve(pg_url, llama_server, p) for p in ports]
+    results: list[tuple[int, dict[str, Any]]] = []
+    lock = threading.Lock()
+    try:
+        for proc, port in zip(procs, ports, strict=True):
+            wait_up(proc, f"http://127.0.0.1:{port}")
+        go = threading.Barrier(17)
+
+        def client(i: int) -> None:
+            base = f"http://127.0.0.1:{ports[i % 2]}"
+            body = {"model": "ragbudget", "messages": [{"role": "user", "content": "Who discovered oxygen?"}]}
+            body["max_tokens"] = 4
+            go.wait()
+            r = httpx.post(base + "/v1/chat/completions", json=body, timeout=120)
+            for _ in range(8):
+                if r.status_code != 429:
+                    break
+                time.sleep(int(r.headers.get("retry-after", "1")))
+                r = httpx.post(base + "/v1/chat/completions", json=body, timeout=120)
+            with lock:
+                results.append((r.status_code, r.json() if r.status_code == 200 else {"text": r.text}))
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(16)]
+        for t in threads:
+            t.start()
+        (docs / "squad" / "added.md").write_text("# Added\n\nOxygen was also studied by Lavoisier in Paris.\n")
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+        go.wait()
+        indexer = subprocess.run(
+            [sys.executable, "-m", "ragbudget", "index", str(docs), "--index", pg_url, "--embedder", "hash:256"],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        for t in threads:
+            t.join(timeout=180)
+        assert indexer.returncode == 0, indexer.stderr[-2000:]
+    finally:
+        errs = [stop_server(p) for p in procs]
+    assert all("Traceback" not in e for e in errs), errs
+    assert len(results) == 16
+    assert not [s for s, _ in results if s >= 500], results
+    answers = [a for s, a in results if s == 200]
+    assert answers, results
+    import psycopg
+
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        assert conn.execute("SELECT generation FROM ragbudget.manifest").fetchone() == (2,)
+        for a in answers:
+            g = a["ragbudget"]["index"]["generation"]
+            ids = sorted({i for src in a["sources"] for i in src["chunk_ids"]})
+            seen = conn.execute(
+                "SELECT COUNT(DISTINCT id) FROM ragbudget.chunks WHERE id = ANY(%s) AND gen_from <= %s "
+                "AND (gen_to IS NULL OR gen_to > %s)",
+                (ids, g, g),
+            ).fetchone()
+            assert ids and seen == (len(ids),), (g, ids)
