@@ -192,6 +192,7 @@ def build_answer(
     cap: dict[str, Any] | None,
     *,
     sentence_vectors: str | None = None,
+    index: dict[str, Any] | None = None,
 ) -> Answer:
     sel = prompt.selection
     sources = []
@@ -251,6 +252,9 @@ def build_answer(
         "sentence_vectors": sentence_vectors if sel.pack == "spans" else None,
         "oom_steps": oom_steps,
         "timings": {k: round(v, 4) for k, v in timings.items()},
+        # The index generation the chunks come from (servers sharing a database index answer
+        # across a re-index's commit: a client can tell which one each answer cites).
+        "index": index,
     }
     return Answer(text=str(gen.text).strip(), sources=sources, report=report, finish_reason=str(gen.finish_reason))
 
@@ -264,6 +268,7 @@ def cancelled_answer(
     max_new_tokens: int,
     *,
     sentence_vectors: str | None = None,
+    index: dict[str, Any] | None = None,
 ) -> Answer:
     """The answer of a request left before generation began (while queued, or just as it was
     admitted): no text, ``finish_reason "cancelled"``, and the report of what it would have been."""
@@ -275,4 +280,5 @@ def cancelled_answer(
         timings,
         cap,
         sentence_vectors=sentence_vectors,
+        index=index,
     )

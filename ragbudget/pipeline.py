@@ -631,14 +631,16 @@ class Pipeline(Planning):
             history=history,
             retrieval_query=retrieval_query,
         )
-        reserve = prompt.n_tokens + new_tokens
-        vectors = self._sentence_vectors_path()
+        cited = {"generation": int(self._searchable().manifest["generation"])}  # kept until reload(): the one searched
+        reserve, vectors = prompt.n_tokens + new_tokens, self._sentence_vectors_path()
 
         def cancelled() -> Answer:
             # Left before generation began (while queued, or just as it was admitted): nothing to
             # generate, but the answer still says what the request would have been.
             timings["total_s"] = time.perf_counter() - t_start
-            return cancelled_answer(prompt, plan, reserve, timings, cap, new_tokens, sentence_vectors=vectors)
+            return cancelled_answer(
+                prompt, plan, reserve, timings, cap, new_tokens, sentence_vectors=vectors, index=cited
+            )
 
         if cancel is not None and cancel.is_set():
             return cancelled()
@@ -681,7 +683,7 @@ class Pipeline(Planning):
             record_measurement(gen.measurement)
         timings["total_s"] = time.perf_counter() - t_start
         final = gen.prompt if gen.prompt is not None else prompt
-        return build_answer(gen, final, plan, reserve, timings, cap, sentence_vectors=vectors)
+        return build_answer(gen, final, plan, reserve, timings, cap, sentence_vectors=vectors, index=cited)
 
     def stream(self, question: str, **options: Any) -> AnswerStream:
         """:meth:`ask`, as an iterator over the answer's text while it is generated; the

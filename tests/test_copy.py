@@ -85,3 +85,18 @@ def test_cli_copy_keeps_the_destinations_previous_generation(pg_url: str, tmp_pa
     assert out["generation"] == 2 and out["copied_from"]["generation"] == 1
     assert [f.path for f in reader.sources()] == before  # an open reader keeps generation 1
     assert [f.path for f in Index.open(pg_url).sources()] == ["corpus/doc0.txt", "corpus/doc1.txt", "corpus/doc2.txt"]
+
+
+@pytest.mark.parametrize("direction", ["to-db", "from-db"])
+def test_a_copy_keeps_each_files_furniture_count(direction: str, pg_url: str, tmp_path: Path) -> None:
+    """The man pages and the PDF of data/ lose header/footer lines to cleaning: their file rows
+    count them, and a copy carries each count over (it re-reads no file to count them again)."""
+    data = Path(__file__).resolve().parents[1] / "data"
+    local = tmp_path / "ix"
+    src, dst = (local, pg_url) if direction == "to-db" else (pg_url, str(tmp_path / "back"))
+    build(Index(src), data)
+    want = {f.path: f.furniture for f in Index.open(src).generation.catalog.files()}
+    assert sum(1 for n in want.values() if n > 0) >= 2, want
+    copy_index(open_storage(src), open_storage(dst))
+    got = {f.path: f.furniture for f in Index.open(dst).generation.catalog.files()}
+    assert got == want

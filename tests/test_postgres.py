@@ -344,3 +344,32 @@ def test_hnsw_ef_search_climbs_the_ladder_until_the_recall_target(pg_url: str) -
         assert abs(measure_recall(PgHnswStore(catalog, 64, ef), flat)[0] - recall) < 1e-4  # type: ignore[arg-type]
     finally:
         catalog.close()
+
+
+def test_stats_shows_the_bytes_the_database_holds(pg_url: str) -> None:
+    Index(pg_url).build([str(DATA)], embedder=EMB)
+    size = rows(
+        pg_url,
+        "SELECT SUM(pg_total_relation_size(c.oid)) FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+        "WHERE n.nspname = 'ragbudget' AND c.relkind = 'r'",
+    )[0][0]
+    assert Index.open(pg_url).stats()["bytes"] == int(size) > 100_000
+
+
+def test_auto_past_ivfs_size_is_hnsw_at_every_run_and_an_unchanged_rerun_writes_nothing(
+    pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--store auto`` on an index big enough that a folder would get IVF-PQ: a database has
+    only pgvector's HNSW, so auto means HNSW there at every run; the re-run sees the same store
+    and commits nothing. (The size thresholds are lowered: 106 vectors stand in for 400k.)"""
+    from ragbudget.retrieval import vectors
+
+    monkeypatch.setattr(vectors, "FLAT_MAX_BYTES", 1_000)
+    monkeypatch.setattr(vectors, "HNSW_MAX_BYTES", 10_000)
+    assert vectors.choose_store("auto", 106, 256) == "ivf-pq"
+    first = Index(pg_url).build([str(DATA)], embedder=EMB, store="auto")
+    m = Index.open(pg_url).manifest
+    assert first.committed and m["approx"]["kind"] == "hnsw" and m["store"]["kind"] == "hnsw"
+    again = Index(pg_url).build([str(DATA)], embedder=EMB, store="auto")
+    assert not again.committed and again.chunks_embedded == 0
+    assert Index.open(pg_url).manifest["generation"] == m["generation"]

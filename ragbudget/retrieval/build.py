@@ -347,8 +347,8 @@ class _Builder:
         # Only chunking/dedup changed: the old vectors are still valid for identical texts.
         same_vectors = self.base is not None and embedder_identity(self.base.manifest["embedder"]) == identity
         self.changed = bool(reason) or self.old is None
-        if self.old is not None and _store_kind(self.old) != choose_store(
-            self.store, int(self.old.get("counts", {}).get("vectors", 0)), int(self.old["dim"])
+        if self.old is not None and _store_kind(self.old) != self._store_for(
+            int(self.old.get("counts", {}).get("vectors", 0)), int(self.old["dim"])
         ):
             # Another search store: derived from the same vectors, so written without a rebuild.
             self.changed = True
@@ -639,20 +639,28 @@ class _Builder:
             progress=lambda step: self.progress("write", step, 3),
         )
 
+    def _store_for(self, n: int, dim: int) -> str:
+        """The search store kind ``store=`` means for ``n`` vectors of ``dim`` here: ``auto``'s
+        rule, except that a database's one approximate store is pgvector's HNSW, so every
+        approximate kind resolves to it — the same answer at each run, or an unchanged re-run
+        past IVF's size would see the recorded ``hnsw`` as a change and rewrite it."""
+        kind = choose_store(self.store, n, dim)
+        assert self.writer is not None
+        return "hnsw" if self.writer.searches_in_place and kind != "flat" else kind
+
     def _search_store(self, exact: FlatStore) -> VectorStore | None:
         """Build and tune the search store ``store=`` asks for (``None``: the exact one searches).
         Records the choice and the recall measured in :attr:`store_report`."""
         n, d = exact.ntotal, exact.dim
-        kind = choose_store(self.store, n, d)
+        kind = self._store_for(n, d)
         self.store_report: dict[str, Any] = {"requested": self.store, "kind": kind, "recall_at_10": None}
         if kind == "flat":
             self.store_report["recall_at_10"] = 1.0
             return None
         assert self.writer is not None
         if self.writer.searches_in_place:
-            # A database builds its own (pgvector's HNSW, the one approximate store it has) at
-            # commit and records the recall it measures there.
-            self.store_report["kind"] = "hnsw"
+            # A database builds its own (pgvector's HNSW) at commit and records the recall it
+            # measures there.
             return None
         store = make_store(kind, d, exact=exact)
         report = store.finalize()

@@ -140,6 +140,8 @@ class FileRow(NamedTuple):
     detail: str | None
     n_pages: int | None
     warning: str | None
+    #: Furniture and boilerplate lines its cleaning removed (a copy carries it over).
+    furniture: int = 0
 
 
 class FileState(NamedTuple):
@@ -271,10 +273,13 @@ class SqliteCatalog:
 
     def files(self) -> list[FileRow]:
         """Every file the generation knows, indexed or skipped."""
-        extra = ", ".join(c if self._has_column(c) else "NULL" for c in ("n_pages", "warning"))
+        extra = ", ".join(c if self._has_column(c) else "NULL" for c in ("n_pages", "warning", "furniture"))
         with self._lock:
             rows = self.db.execute(f"SELECT path, status, n_chunks, size, reason, detail, {extra} FROM files")
-            return [FileRow(p, st, int(n or 0), int(size), r, d, pages, w) for p, st, n, size, r, d, pages, w in rows]
+            return [
+                FileRow(p, st, int(n or 0), int(size), r, d, pages, w, int(fu or 0))
+                for p, st, n, size, r, d, pages, w, fu in rows
+            ]
 
     def file_states(self) -> dict[str, FileState]:
         """``{stored path: FileState}`` of every file row."""

@@ -493,7 +493,8 @@ class Index:
         return (got.get(prev) if prev is not None else None, got.get(nxt) if nxt is not None else None)
 
     def stats(self) -> dict[str, Any]:
-        """Counts and settings, from the manifest (no file is read beyond it)."""
+        """Counts and settings, from the manifest (no file is read beyond it; a database index
+        asks the database for its tables' size)."""
         m = self.manifest
         return {
             "index_dir": self.where,
@@ -512,7 +513,7 @@ class Index:
             "lexical": (m.get("lexical") or {}).get("kind"),
             "roots": [r.get("label") for r in m.get("roots") or ()],
             **m.get("counts", {}),
-            "bytes": sum(int((m.get(k) or {}).get("bytes", 0)) for k in ("faiss", "sqlite", "approx")),
+            "bytes": self.storage.size_bytes(m),
         }
 
     def verify(self) -> VerifyReport:

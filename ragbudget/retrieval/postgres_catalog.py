@@ -252,10 +252,13 @@ class PgCatalog:
 
     def files(self) -> list[FileRow]:
         rows = self._rows(
-            "SELECT f.path, f.status, f.n_chunks, f.size, f.reason, f.detail, f.n_pages, f.warning "
+            "SELECT f.path, f.status, f.n_chunks, f.size, f.reason, f.detail, f.n_pages, f.warning, f.furniture "
             f"FROM {{s}}.files f WHERE {self._vis('f')}"
         )
-        return [FileRow(p, st, int(n or 0), int(size), r, d, pg, w) for p, st, n, size, r, d, pg, w in rows]
+        return [
+            FileRow(p, st, int(n or 0), int(size), r, d, pg, w, int(fu or 0))
+            for p, st, n, size, r, d, pg, w, fu in rows
+        ]
 
     def file_states(self) -> dict[str, FileState]:
         rows = self._rows(
@@ -377,6 +380,11 @@ class PgCatalogWriter(PgCatalog):
         super().__init__(conn, schema, generation, where=where)
         self._next_id = next_id
         self._noted: set[str] = set()
+        # The content hashes an orphan may have: the live chunks' when the first chunk is added
+        # (read once, lazily, after a rebuild has retired them all). A chunk this run adds gets
+        # its source at once, so it is never an orphan; without this set every chunk cost one
+        # more round trip to ask (3 s of a 10.5 s build of 3,390 chunks).
+        self._revivable: set[str] | None = None
 
     def _vis(self, a: str) -> str:
         return f"({a}.gen_to IS NULL)"
@@ -489,6 +497,12 @@ class PgCatalogWriter(PgCatalog):
             yield int(cid), str(h), None if blob is None else bytes(blob)
 
     def revive(self, content_hash: str, headings: Sequence[str]) -> int | None:
+        if self._revivable is None:
+            self._revivable = {
+                str(r[0]) for r in self._rows("SELECT DISTINCT c.content_hash FROM {s}.chunks c WHERE c.gen_to IS NULL")
+            }
+        if content_hash not in self._revivable:
+            return None
         cid = self._one(
             "SELECT c.id FROM {s}.chunks c WHERE c.content_hash = %(h)s AND c.gen_to IS NULL AND NOT EXISTS "
             "(SELECT 1 FROM {s}.sources s WHERE s.chunk_id = c.id AND s.gen_to IS NULL) ORDER BY c.id LIMIT 1",

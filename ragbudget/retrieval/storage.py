@@ -371,6 +371,10 @@ class Storage(Protocol):
         """Whether an index has been committed here."""
         ...
 
+    def size_bytes(self, manifest: Manifest) -> int:
+        """What the generation ``manifest`` names takes where it is stored (``stats``' ``bytes``)."""
+        ...
+
     def read_manifest(self) -> Manifest:
         """The current manifest; :class:`~ragbudget.errors.IndexNotFoundError` when there is none,
         :class:`~ragbudget.errors.IndexCorruptError` when it is unreadable or of another format."""
@@ -464,6 +468,10 @@ class LocalStorage:
 
     def exists(self) -> bool:
         return (self.path / MANIFEST).is_file()
+
+    def size_bytes(self, manifest: Manifest) -> int:
+        # The sizes the writer recorded: stats reads no file beyond the manifest.
+        return sum(int((manifest.get(k) or {}).get("bytes", 0)) for k in ("faiss", "sqlite", "approx"))
 
     def read_manifest(self) -> Manifest:
         mpath = self.path / MANIFEST
