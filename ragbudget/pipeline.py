@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .answer import Answer, AnswerStream, build_answer, cancelled_answer
+from .calls import check_call, check_options, check_parts, check_paths, check_question, stream_options
 from .errors import (
     ArgumentTypeError,
     ConfigError,
@@ -88,14 +89,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-
-def _check_question(question: Any, name: str = "question") -> str:
-    text = check_text(name, question)
-    assert text is not None
-    if not text.strip():
-        raise ConfigError(f"the {name} is empty")
-    return text
 
 
 class Pipeline(Planning):
@@ -186,7 +179,7 @@ class Pipeline(Planning):
             )
         check_text("model", model, optional=True)
         check_text("system_prompt", system_prompt, optional=True)
-        _check_parts(embedder, generator, backend)
+        check_parts(embedder, generator, backend)
         self.retrieval = from_keywords(
             RetrievalSettings,
             retrieval,
@@ -407,7 +400,7 @@ class Pipeline(Planning):
         from .retrieval.index import Index
 
         paths = check_paths(paths)
-        _check_options("index", options, Index.build, taken=("paths", "embedder"))
+        check_options("index", options, Index.build, taken=("paths", "embedder"))
         with self._lock:
             if self._index is not None:
                 self._index.close()
@@ -432,9 +425,10 @@ class Pipeline(Planning):
         """The ``k`` chunks that best match ``query``, with all their sources: hybrid (dense +
         BM25, fused; ``score`` on the cosine scale) unless the pipeline has ``hybrid=False``.
         Raises :class:`~ragbudget.errors.IndexEmptyError` on an index without chunks."""
-        query = _check_question(query, "query")
+        query = check_question(query, "query")
         k = check_int("k", k, 1)  # type: ignore[assignment]
-        return self._search(query, k)[0]
+        with self.store.pinned():  # the newest committed generation, one for the whole call
+            return self._search(query, k)[0]
 
     def _search(self, query: str, k: int) -> tuple[list[Hit], Any]:
         """:meth:`search`, and the query's vector it searched with (for the span scorer)."""
@@ -458,7 +452,7 @@ class Pipeline(Planning):
         the cap set on the context (by ``context_tokens`` or by time), if any."""
         from .prompt.prompt import build_prompt
 
-        question = _check_question(question)
+        question = check_question(question)
         context_tokens = check_int("context_tokens", context_tokens, 0, optional=True)
         max_new_tokens = check_int("max_new_tokens", max_new_tokens, 1)  # type: ignore[assignment]
         check_text("retrieval_query", retrieval_query, optional=True)
@@ -474,7 +468,7 @@ class Pipeline(Planning):
         builder, allowance = self._allowance(question, context_tokens, max_new_tokens, history, timings)
         plan, max_prompt, cap = allowance.plan, allowance.max_prompt_tokens, allowance.limit
         t0 = time.perf_counter()
-        query = _check_question(retrieval_query or question, "query")
+        query = check_question(retrieval_query or question, "query")
         hits, vector = self._search(query, self.retrieval.fetch_k)
         timings["retrieve_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
@@ -584,13 +578,14 @@ class Pipeline(Planning):
         is the allowance in the generator's tokens, ``tokens_used`` what the chosen passages cost
         (labels included), ``dropped`` every candidate left out with its reason.
         """
-        prompt, _, _, _ = self._prompt(
-            question,
-            context_tokens=context_tokens,
-            max_new_tokens=self.memory.max_new_tokens if max_new_tokens is None else max_new_tokens,
-            history=history,
-            retrieval_query=retrieval_query,
-        )
+        with self.store.pinned():
+            prompt, _, _, _ = self._prompt(
+                question,
+                context_tokens=context_tokens,
+                max_new_tokens=self.memory.max_new_tokens if max_new_tokens is None else max_new_tokens,
+                history=history,
+                retrieval_query=retrieval_query,
+            )
         return prompt.selection
 
     def ask(
@@ -616,7 +611,7 @@ class Pipeline(Planning):
         # ``None`` means the pipeline's default; any other value is checked and honored (0 used to
         # fall back to the default silently).
         new_tokens = self.memory.max_new_tokens if max_new_tokens is None else max_new_tokens
-        _check_call(on_text, cancel)
+        check_call(on_text, cancel)
         from .generation.backend import check_generate_options, split_generate_options
 
         # Checked before anything runs: a misspelt option used to fail after retrieval.
@@ -624,14 +619,17 @@ class Pipeline(Planning):
         check_generate_options(self.backend, extra)
         t_start = time.perf_counter()
         self.refresh_speed()
-        prompt, plan, timings, cap = self._prompt(
-            question,
-            context_tokens=context_tokens,
-            max_new_tokens=new_tokens,
-            history=history,
-            retrieval_query=retrieval_query,
-        )
-        cited = {"generation": int(self._searchable().manifest["generation"])}  # kept until reload(): the one searched
+        # The newest committed generation (a writer elsewhere may have committed since the last
+        # question), one for the search, the chunks and the sentences: the one the answer cites.
+        with self.store.pinned() as searched:
+            prompt, plan, timings, cap = self._prompt(
+                question,
+                context_tokens=context_tokens,
+                max_new_tokens=new_tokens,
+                history=history,
+                retrieval_query=retrieval_query,
+            )
+        cited = {"generation": searched.number}
         reserve, vectors = prompt.n_tokens + new_tokens, self._sentence_vectors_path()
 
         def cancelled() -> Answer:
@@ -690,8 +688,8 @@ class Pipeline(Planning):
         :class:`Answer` is the stream's ``answer`` at the end. ``options`` are :meth:`ask`'s
         (but ``on_text`` and ``cancel``, which the stream owns). Breaking out of the loop or
         closing the stream cancels the generation."""
-        _check_question(question)
-        return AnswerStream(self.ask, question, _stream_options(options))
+        check_question(question)
+        return AnswerStream(self.ask, question, stream_options(options))
 
     def astream(self, question: str, **options: Any) -> AnswerStream:
         """:meth:`stream` for asyncio (``async for piece in rb.astream(q)``): the model runs in a
@@ -702,15 +700,15 @@ class Pipeline(Planning):
             raise ConfigError(
                 "astream() needs a running event loop (call it inside `async def`); use stream() from synchronous code"
             ) from None
-        _check_question(question)
-        return AnswerStream(self.ask, question, _stream_options(options), loop=loop)
+        check_question(question)
+        return AnswerStream(self.ask, question, stream_options(options), loop=loop)
 
     async def aask(self, question: str, **options: Any) -> Answer:
         """:meth:`ask` without blocking the event loop; cancelling the awaiting task cancels the
         generation (and frees its KV reservation)."""
-        _check_question(question)
+        check_question(question)
         cancel = threading.Event()
-        work = asyncio.ensure_future(asyncio.to_thread(self.ask, question, cancel=cancel, **_stream_options(options)))
+        work = asyncio.ensure_future(asyncio.to_thread(self.ask, question, cancel=cancel, **stream_options(options)))
         try:
             return await asyncio.shield(work)
         except asyncio.CancelledError:
@@ -720,81 +718,3 @@ class Pipeline(Planning):
             with contextlib.suppress(BaseException):
                 await work
             raise
-
-
-def check_paths(paths: Any) -> list[str | os.PathLike[str]]:
-    """``paths`` as a list of paths: one path (str or ``os.PathLike``) or a list/tuple of them."""
-    items = [paths] if isinstance(paths, (str, os.PathLike)) else paths
-    if isinstance(items, (list, tuple)):
-        for i, item in enumerate(items):
-            if not isinstance(item, (str, os.PathLike)):
-                raise ArgumentTypeError(
-                    "paths must be a path (str or os.PathLike) or a list of them, got item "
-                    f"{i}: {type(item).__name__} {shown(item)}"
-                )
-        return list(items)
-    raise ArgumentTypeError(
-        f"paths must be a path (str or os.PathLike) or a list of them, got {type(paths).__name__} {shown(paths)}"
-    )
-
-
-def _check_options(where: str, options: Mapping[str, Any], target: Callable[..., Any], *, taken: Sequence[str]) -> None:
-    """Refuse keyword options that ``target`` does not take (or that ``where`` sets itself), by
-    name, before any work: a bare ``TypeError`` from deep inside says neither where nor what."""
-    import inspect
-
-    accepted = [
-        n
-        for n, p in inspect.signature(target).parameters.items()
-        if p.kind is inspect.Parameter.KEYWORD_ONLY and n not in taken
-    ]
-    unknown = sorted(k for k in options if k not in accepted)
-    if unknown:
-        raise ConfigError(f"{', '.join(unknown)}: not an option of {where}(); it takes {', '.join(accepted)}")
-
-
-def _check_parts(embedder: Any, generator: Any, backend: Any) -> None:
-    """The pipeline's parts given as objects: each the kind it must be, checked when it is built
-    (not at first use, after an index was read)."""
-    from .retrieval.embed import Embedder
-
-    if embedder is not None and not isinstance(embedder, (str, Embedder)):
-        raise ArgumentTypeError(
-            "embedder must be a model name or path (str), 'hash' or a ragbudget.retrieval.embed.Embedder, got "
-            f"{type(embedder).__name__} {shown(embedder)}"
-        )
-    # A generator is duck-typed (tests and wrappers stand in for it); a name or a number is not one.
-    if generator is not None and isinstance(generator, (str, bytes, os.PathLike, int, float)):
-        raise ArgumentTypeError(
-            f"generator must be a ragbudget.generation.generate.Generator, got {type(generator).__name__} "
-            f"{shown(generator)}"
-            + ("; to name a model, pass model=" if isinstance(generator, (str, os.PathLike)) else "")
-        )
-    if backend is not None and isinstance(backend, (str, bytes, os.PathLike, int, float)):
-        raise ArgumentTypeError(
-            "backend must implement ragbudget.generation.backend.Backend (warm_up, render, count, capacity, "
-            f"generate, ...), got {type(backend).__name__} {shown(backend)}"
-            + ("; to generate on a served engine, pass engine=URL" if isinstance(backend, str) else "")
-        )
-
-
-def _check_call(on_text: Any, cancel: Any) -> None:
-    if on_text is not None and not callable(on_text):
-        raise ArgumentTypeError(
-            f"on_text must be a callable taking each piece of text, got {type(on_text).__name__} {shown(on_text)}"
-        )
-    # ``cancel`` is the caller's object, duck-typed on purpose (a threading.Event, an asyncio-side
-    # flag, a web framework's disconnect signal): probing it for ``is_set`` is the check.
-    if cancel is not None and not callable(getattr(cancel, "is_set", None)):
-        raise ArgumentTypeError(
-            f"cancel must be a threading.Event (anything with is_set()), got {type(cancel).__name__} {shown(cancel)}"
-        )
-
-
-def _stream_options(options: dict[str, Any]) -> dict[str, Any]:
-    taken = sorted(k for k in ("on_text", "cancel") if k in options)
-    if taken:
-        raise ConfigError(
-            f"a stream delivers the text and cancels itself; drop {', '.join(taken)} (use ask() to pass your own)"
-        )
-    return options

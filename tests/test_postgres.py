@@ -129,7 +129,7 @@ def test_a_second_writer_gets_index_locked(pg_url: str, tmp_path: Path) -> None:
     assert build(Index(pg_url), corpus).committed  # released with its session
 
 
-def test_a_reader_keeps_its_generation_while_a_writer_commits_the_next(pg_url: str, tmp_path: Path) -> None:
+def test_a_reader_keeps_a_pinned_generation_and_follows_commits_after_it(pg_url: str, tmp_path: Path) -> None:
     corpus = write_corpus(tmp_path / "corpus", n=4)
     build(Index(pg_url), corpus)
     reader = Index.open(pg_url)
@@ -137,17 +137,24 @@ def test_a_reader_keeps_its_generation_while_a_writer_commits_the_next(pg_url: s
     files_before = reader.sources()
     (corpus / "doc1.txt").write_text(make_text(501, unique="fresh1zz"))
     (corpus / "doc3.txt").unlink()
-    s = build(Index(pg_url), corpus)
-    assert s.committed and s.generation == 2
-    # The open reader still answers from generation 1: same hits, same files, same texts.
-    assert hits(reader, "marker1zz") == before
-    assert reader.sources() == files_before
-    assert reader.search_lexical("fresh1zz", k=2) == []
+    with reader.pinned() as gen:
+        s = build(Index(pg_url), corpus)
+        assert s.committed and s.generation == 2
+        # A call pinned to generation 1 still reads it: same hits, same files, same texts.
+        assert gen.number == 1
+        assert hits(reader, "marker1zz") == before
+        assert reader.sources() == files_before
+        assert reader.search_lexical("fresh1zz", k=2) == []
     assert reader.verify().checked["generation"] == 2  # verify re-opens: the newest one
-    reader.reload()
-    assert reader.manifest["generation"] == 2
+    # The next search follows the commit, with no reload().
     assert reader.search_lexical("fresh1zz", k=2)
+    assert reader.manifest["generation"] == 2
     assert len(reader.sources()) == 3
+    # And the one after that, though generation 1's rows are gone by then.
+    (corpus / "doc1.txt").write_text(make_text(502, unique="third1zz"))
+    assert build(Index(pg_url), corpus).generation == 3
+    assert reader.search_lexical("third1zz", k=2)
+    assert reader.manifest["generation"] == 3 and len(reader.sources()) == 3
 
 
 def test_nothing_of_a_rolled_back_generation_is_visible(pg_url: str, tmp_path: Path) -> None:

@@ -109,6 +109,40 @@ def test_serve_on_a_database_answers_citing_a_chunk_on_one_connection(pg_url: st
     assert "Traceback" not in err
 
 
+def test_a_server_follows_two_reindexes_without_a_restart(pg_url: str, llama_server: str, tmp_path: Path) -> None:
+    """A long-running server answers from each new commit: after two re-indexes (by which time
+    the rows of the generation it opened are deleted) it retrieves the newest text and its
+    answers cite the newest generation, with no error and no restart."""
+    import shutil
+
+    docs = tmp_path / "docs"
+    shutil.copytree(DATA / "squad", docs / "squad")
+    Index(pg_url).build([str(docs)], embedder=EMB)
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    proc = start_serve(pg_url, llama_server, port)
+    try:
+        wait_up(proc, base)
+        for generation, word in ((1, None), (2, "Zorblaxian"), (3, "Quentarine")):
+            if word is not None:
+                (docs / "squad" / "added.md").write_text(f"# Added\n\nThe {word} archive holds oxygen notes.\n")
+                Index(pg_url).build([str(docs)], embedder=EMB)
+            query = f"{word or 'oxygen'} archive"
+            got = httpx.post(base + "/v1/retrieve", json={"query": query, "k": 3}, timeout=60)
+            assert got.status_code == 200, got.text
+            if word is not None:
+                found = [h["text"] for h in got.json()["data"]]
+                assert any(word in t for t in found), (generation, found)
+            body = {"model": "ragbudget", "messages": [{"role": "user", "content": query}], "max_tokens": 4}
+            r = httpx.post(base + "/v1/chat/completions", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            assert r.json()["ragbudget"]["index"] == {"generation": generation}
+    finally:
+        err = stop_server(proc)
+    assert proc.returncode == 0, err[-2000:]
+    assert "Traceback" not in err
+
+
 def test_two_servers_answer_a_burst_while_a_third_process_reindexes(
     pg_url: str, llama_server: str, tmp_path: Path
 ) -> None:

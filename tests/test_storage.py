@@ -42,15 +42,20 @@ def ix(tmp_path: Path) -> Index:
     return Index(tmp_path / "ix")
 
 
-def test_reader_keeps_its_generation_while_a_writer_commits(ix: Index, corpus: Path) -> None:
+def test_reader_keeps_its_generation_while_pinned_and_follows_the_writer_after(ix: Index, corpus: Path) -> None:
     build(ix, corpus)
     reader = Index.open(ix.path)
     old = [h.chunk_id for h in reader.search("marker5zz", k=2)]
-    (corpus / "doc5.txt").unlink()
-    build(ix, corpus)
-    assert [h.chunk_id for h in reader.search("marker5zz", k=2)] == old  # still the old generation
-    reader.reload()
+    assert any("marker5zz" in h.text for h in reader.search("marker5zz", k=2))
+    with reader.pinned() as gen:
+        (corpus / "doc5.txt").unlink()
+        build(ix, corpus)
+        # Inside the block: the generation it pinned, whatever a writer commits meanwhile.
+        assert [h.chunk_id for h in reader.search("marker5zz", k=2)] == old
+        assert gen.number == reader.manifest["generation"] == 1
+    # After it: the next call follows the commit, without reload().
     assert not any("marker5zz" in h.text for h in reader.search("marker5zz", k=2))
+    assert reader.manifest["generation"] == 2
 
 
 def test_second_writer_fails_fast(ix: Index, corpus: Path) -> None:

@@ -6,7 +6,8 @@ checksums; a local folder today) and writes through :mod:`ragbudget.retrieval.bu
 (:meth:`Index.build`). A reader loads the generation the manifest names, checks every file
 against its sha256, keeps the vectors in memory (or, behind an approximate store, the exact
 matrix read by row) and the catalog open read-only; a writer committing a newer generation never
-disturbs it, and :meth:`Index.reload` picks that one up.
+disturbs it, and the reader's next search follows it (:meth:`Index.follow`), while a call in
+flight keeps the one it pinned (:meth:`Index.pinned`, :mod:`ragbudget.retrieval.reader`).
 
 **Hybrid search.** ``search(..., hybrid=True)`` fuses the dense candidates with BM25 candidates
 from the catalog's FTS5 table (normalized score fusion by default, or reciprocal rank fusion). An
@@ -23,6 +24,7 @@ searches dense only.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -36,6 +38,7 @@ from ..types import DEFAULT_INDEX_DIR, Hit, IndexedFile, IndexSummary, Source, V
 from .build import ProgressCallback
 from .changes import REMOVAL_GUARD_FILES, REMOVAL_GUARD_SHARE
 from .lexical import FUSIONS, fts5_available, fts_match_query, fuse_checked, fuse_scores
+from .reader import Opened, Reader
 from .roots import Roots, fallback_root
 from .storage import FORMAT_VERSION, LocalStorage, stores_sentences
 
@@ -116,9 +119,8 @@ class Index:
         # None leaves FAISS's global thread setting alone.
         self.search_threads = search_threads
         self._manifest: Manifest | None = None
-        self._gen: Generation | None = None  # the generation in use, open
-        self._roots: Roots | None = None
-        self._page_labels: dict[str, list[str]] | None = None
+        # The generations open: the newest, and older ones that calls in flight still pin.
+        self._reader = Reader(self.storage, self._open_current)
         self._embedder: Embedder | None = None
         self._lock = threading.RLock()
 
@@ -140,7 +142,11 @@ class Index:
 
     @property
     def manifest(self) -> Manifest:
-        """The manifest of the generation in use (read on first access)."""
+        """The manifest of the generation in use: this thread's pinned one (:meth:`pinned`), else
+        the one open, else the current one (read on first access)."""
+        opened = self._reader.held()
+        if opened is not None:
+            return opened.gen.manifest
         if self._manifest is None:
             self._read_manifest()
         assert self._manifest is not None
@@ -156,35 +162,57 @@ class Index:
         """The generation in use, open on first access: its ``manifest``, its ``exact`` and
         ``search`` vector stores and its ``catalog`` (:class:`~ragbudget.retrieval.storage.Generation`),
         for tools that read an index's parts directly. Read it, never write it: a writing run
-        commits a new generation (:meth:`build`), which :meth:`reload` opens."""
+        commits a new generation (:meth:`build`), which :meth:`follow`, :meth:`pinned` and
+        :meth:`reload` open."""
         return self._generation()
 
-    def _generation(self) -> Generation:
+    def _opened(self) -> Opened:
+        """This thread's pinned generation, else the one open, else the current one, opened."""
+        return self._reader.opened()
+
+    def _open_current(self) -> Opened:
         """The generation the manifest names, open (retrying if a writer just swapped it)."""
-        if self._gen is not None:
-            return self._gen
-        with self._lock:
-            for attempt in range(3):
-                if self._gen is not None:
-                    return self._gen
-                m = self._read_manifest()
-                try:
-                    gen = self.storage.open(m, verify_checksums=self.verify_checksums, search_store=self.use_approx)
-                except IndexCorruptError:
-                    # The writer may have committed a newer generation and removed this one
-                    # between our manifest read and the file opens; re-read once or twice.
-                    if attempt == 2 or self._read_manifest().get("generation") == m["generation"]:
-                        raise
-                    continue
-                self._roots = self._load_roots(gen)
-                self._page_labels = None
-                self._gen = gen
-            assert self._gen is not None
-            return self._gen
+        for attempt in range(3):
+            m = self.storage.read_manifest()
+            try:
+                gen = self.storage.open(m, verify_checksums=self.verify_checksums, search_store=self.use_approx)
+            except IndexCorruptError:
+                # The writer may have committed a newer generation and removed this one
+                # between our manifest read and the file opens; re-read once or twice.
+                if attempt == 2 or self.storage.read_manifest().get("generation") == m["generation"]:
+                    raise
+                continue
+            return Opened(gen, self._load_roots(gen))
+        raise AssertionError("unreachable")
+
+    def _generation(self) -> Generation:
+        return self._opened().gen
 
     def _load(self) -> None:
         """Open the generation in use now (it opens on first use anyway)."""
         self._generation()
+
+    def follow(self) -> bool:
+        """Open the newest committed generation if a writer committed one since this index opened
+        its own (one manifest read: a ``stat`` locally, one small row in a database), so that a
+        long-running reader — ``ragbudget serve``, a notebook — answers from what the last
+        ``ragbudget index`` wrote. Calls in flight keep the generation they pinned; the old one
+        closes when the last of them ends. Returns whether it moved. A generation written with
+        another embedder or dimension is not followed (logged once; :meth:`reload` opens it).
+        :meth:`search` and :meth:`pinned` call it (:mod:`ragbudget.retrieval.reader`)."""
+        return self._reader.follow()
+
+    def pinned(self) -> contextlib.AbstractContextManager[Generation]:
+        """Follow the newest commit (:meth:`follow`), then read that one generation for the whole
+        block in this thread, however many commits land meanwhile: what a request needs, so that
+        its search, its chunks and its sentence vectors all come from one generation (the answer
+        cites it). Nested blocks share the outer one's generation.
+
+        >>> with idx.pinned() as gen:                      # doctest: +SKIP
+        ...     hits = idx.search("delegate"); gen.number
+        3
+        """
+        return self._reader.pinned()
 
     def _load_roots(self, gen: Generation) -> Roots:
         roots = gen.catalog.roots()
@@ -202,9 +230,7 @@ class Index:
         return Roots(roots)
 
     def _paths(self) -> Roots:
-        self._generation()
-        assert self._roots is not None
-        return self._roots
+        return self._opened().roots
 
     def _show(self, path: str) -> str:
         return path if self.absolute_paths else self._paths().display(path)
@@ -242,17 +268,15 @@ class Index:
         return sorted(out, key=lambda f: f.path)
 
     def close(self) -> None:
-        """Release the generation in use (reopened on next use)."""
+        """Release the generation in use (reopened on next use; calls pinning it keep it until
+        they end)."""
         with self._lock:
-            if self._gen is not None:
-                self._gen.close()
-            self._gen = None
+            self._reader.release()
             self._manifest = None
-            self._roots = None
-            self._page_labels = None
 
     def reload(self) -> None:
-        """Pick up the newest committed generation."""
+        """Open the newest committed generation, whatever it was written with (:meth:`follow`
+        refuses another embedder's)."""
         self.close()
         self._generation()
 
@@ -300,6 +324,21 @@ class Index:
 
         >>> idx.search("who founded the guild?", k=5, hybrid=True)[0].score   # doctest: +SKIP
         """
+        with self.pinned():  # one generation for the dense, lexical and chunk reads alike
+            return self._search(query, k, embedder, retrieval, hybrid, lexical_weight, fusion, candidates, query_vector)
+
+    def _search(
+        self,
+        query: str,
+        k: int,
+        embedder: Embedder | None,
+        retrieval: RetrievalSettings | None,
+        hybrid: bool | None,
+        lexical_weight: float | None,
+        fusion: str | None,
+        candidates: int | None,
+        query_vector: ArrayLike | None,
+    ) -> list[Hit]:
         emb = embedder or self.embedder
         self._check_embedder(emb)
         if k < 1:
@@ -314,12 +353,12 @@ class Index:
         )
         vector = emb.embed_query(query) if query_vector is None else query_vector
         if not settings.hybrid or settings.lexical_weight == 0.0:
-            return self.search_vector(vector, k)
+            return self._search_vector(vector, k)
         pool = max(k, candidates or settings.fetch_k)
         lexical = dict(self._lexical(query, pool))
         if not lexical:  # no FTS5, or no query word in any chunk: the dense search, unchanged
-            return self.search_vector(vector, k)
-        dense_hits = self.search_vector(vector, pool)
+            return self._search_vector(vector, k)
+        dense_hits = self._search_vector(vector, pool)
         dense = {h.chunk_id: h.score for h in dense_hits}
         missing = [i for i in lexical if i not in dense]
         # A chunk found only by BM25 still gets its real cosine (vectors are in the exact store),
@@ -365,8 +404,9 @@ class Index:
         (:func:`fts_match_query`). ``[]`` without FTS5 (logged once)."""
         if k < 1:
             raise ConfigError(f"k must be >= 1, got {k}")
-        pairs = self._lexical(query, k)
-        by_id = {h.chunk_id: h for h in self.get_chunks([i for i, _ in pairs])}
+        with self.pinned():
+            pairs = self._lexical(query, k)
+            by_id = {h.chunk_id: h for h in self.get_chunks([i for i, _ in pairs])}
         return [_with_score(by_id[i], s) for i, s in pairs if i in by_id]
 
     @property
@@ -405,10 +445,14 @@ class Index:
 
     def search_vector(self, vector: ArrayLike, k: int = 5) -> list[Hit]:
         """Search with a ready query vector (unit length, the index's dimension)."""
-        import numpy as np
-
         if k < 1:
             raise ConfigError(f"k must be >= 1, got {k}")
+        with self.pinned():
+            return self._search_vector(vector, k)
+
+    def _search_vector(self, vector: ArrayLike, k: int) -> list[Hit]:
+        import numpy as np
+
         store = self._generation().search
         q = np.ascontiguousarray(np.asarray(vector, dtype=np.float32).reshape(1, -1))
         d = int(self.manifest["dim"])
@@ -471,9 +515,10 @@ class Index:
     def _labels_of(self) -> dict[str, list[str]]:
         """``{stored path: page labels}`` of the files whose format names its pages, read once
         per loaded generation (few files have them; the rest cost nothing)."""
-        if self._page_labels is None:
-            self._page_labels = self._generation().catalog.page_labels()
-        return self._page_labels
+        opened = self._opened()
+        if opened.page_labels is None:
+            opened.page_labels = opened.gen.catalog.page_labels()
+        return opened.page_labels
 
     def neighbors(self, chunk_id: int, *, path: str | None = None) -> tuple[Hit | None, Hit | None]:
         """The chunks just before and after ``chunk_id`` in the same document (its first source,

@@ -260,6 +260,22 @@ class PostgresStorage:
             )
         return body
 
+    def current_generation(self) -> int:
+        """One small row on the shared probe connection (not the manifest's body)."""
+
+        def run(conn: psycopg.Connection[Any]) -> tuple[Any, ...] | None:
+            import psycopg
+
+            try:
+                return conn.execute(f"SELECT generation FROM {self._s}.manifest WHERE id = 1").fetchone()
+            except psycopg.errors.UndefinedTable:  # no schema (autocommit: the connection is fine)
+                return None
+
+        row = self._probe(run)
+        if row is None:
+            return int(self.read_manifest()["generation"])  # raises the one-line error
+        return int(row[0])
+
     def open(self, manifest: Manifest, *, verify_checksums: bool = True, search_store: bool = True) -> Generation:
 
         g = int(manifest["generation"])

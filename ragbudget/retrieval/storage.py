@@ -380,6 +380,12 @@ class Storage(Protocol):
         :class:`~ragbudget.errors.IndexCorruptError` when it is unreadable or of another format."""
         ...
 
+    def current_generation(self) -> int:
+        """The number of the generation committed now, read as cheaply as the storage allows: a
+        reader asks before each request whether to follow a writer
+        (:meth:`~ragbudget.retrieval.index.Index.follow`). Raises as :meth:`read_manifest`."""
+        ...
+
     def open(self, manifest: Manifest, *, verify_checksums: bool = True, search_store: bool = True) -> Generation:
         """Open the generation ``manifest`` names for reading (``search_store=False``: the exact
         store searches). :class:`~ragbudget.errors.IndexCorruptError` names a damaged part."""
@@ -462,9 +468,25 @@ class LocalStorage:
         self.path = Path(path)
         self.folder: Path | None = self.path
         self.where = str(self.path)
+        # The manifest file's identity when last read, and its generation: a commit renames a new
+        # file into place, so an unchanged (inode, mtime, size) means an unchanged generation.
+        self._seen: tuple[tuple[int, int, int], int] | None = None
 
     def __repr__(self) -> str:
         return f"LocalStorage({self.where!r})"
+
+    def current_generation(self) -> int:
+        try:
+            st = os.stat(self.path / MANIFEST)
+        except OSError:
+            return int(self.read_manifest()["generation"])  # raises the one-line error
+        key = (st.st_ino, st.st_mtime_ns, st.st_size)
+        seen = self._seen
+        if seen is not None and seen[0] == key:
+            return seen[1]
+        number = int(self.read_manifest()["generation"])
+        self._seen = (key, number)
+        return number
 
     def exists(self) -> bool:
         return (self.path / MANIFEST).is_file()
