@@ -4,11 +4,13 @@ index check reusing one database connection instead of opening one per request."
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -63,13 +65,24 @@ def wait_up(proc: subprocess.Popen[str], base: str, timeout: float = 90) -> None
     pytest.fail("ragbudget serve did not become healthy in time: " + stop_server(proc)[-2000:])
 
 
-def test_serve_on_a_database_answers_citing_a_chunk_on_one_connection(pg_url: str, llama_server: str) -> None:
-    Index(pg_url).build([str(DATA)], embedder=EMB)
+@contextlib.contextmanager
+def serving(url: str, engine: str) -> Iterator[str]:
+    """One ``ragbudget serve`` on ``url``, healthy: its base URL; it must stop cleanly."""
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    proc = start_serve(pg_url, llama_server, port)
+    proc = start_serve(url, engine, port)
     try:
         wait_up(proc, base)
+        yield base
+    finally:
+        err = stop_server(proc)
+    assert proc.returncode == 0, err[-2000:]
+    assert "Traceback" not in err
+
+
+def test_serve_on_a_database_answers_citing_a_chunk_on_one_connection(pg_url: str, llama_server: str) -> None:
+    Index(pg_url).build([str(DATA)], embedder=EMB)
+    with serving(pg_url, llama_server) as base:
         body: dict[str, Any] = {
             "model": "ragbudget",
             "messages": [{"role": "user", "content": "Who discovered oxygen?"}],
@@ -103,10 +116,6 @@ def test_serve_on_a_database_answers_citing_a_chunk_on_one_connection(pg_url: st
         time.sleep(1.2)
         opened = sessions(pg_url) - before - 1  # less the probe's own connection
         assert opened <= 2, f"{2 * n_requests} requests opened {opened} database connections"
-    finally:
-        err = stop_server(proc)
-    assert proc.returncode == 0, err[-2000:]
-    assert "Traceback" not in err
 
 
 def test_a_server_follows_two_reindexes_without_a_restart(pg_url: str, llama_server: str, tmp_path: Path) -> None:
@@ -118,11 +127,7 @@ def test_a_server_follows_two_reindexes_without_a_restart(pg_url: str, llama_ser
     docs = tmp_path / "docs"
     shutil.copytree(DATA / "squad", docs / "squad")
     Index(pg_url).build([str(docs)], embedder=EMB)
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    proc = start_serve(pg_url, llama_server, port)
-    try:
-        wait_up(proc, base)
+    with serving(pg_url, llama_server) as base:
         for generation, word in ((1, None), (2, "Zorblaxian"), (3, "Quentarine")):
             if word is not None:
                 (docs / "squad" / "added.md").write_text(f"# Added\n\nThe {word} archive holds oxygen notes.\n")
@@ -137,10 +142,6 @@ def test_a_server_follows_two_reindexes_without_a_restart(pg_url: str, llama_ser
             r = httpx.post(base + "/v1/chat/completions", json=body, timeout=120)
             assert r.status_code == 200, r.text
             assert r.json()["ragbudget"]["index"] == {"generation": generation}
-    finally:
-        err = stop_server(proc)
-    assert proc.returncode == 0, err[-2000:]
-    assert "Traceback" not in err
 
 
 def test_two_servers_answer_a_burst_while_a_third_process_reindexes(
