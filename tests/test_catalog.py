@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from _corpus import (
 )
 
 from ragbudget.retrieval.index import Index
+from ragbudget.retrieval.lexical import set_fts5
 
 
 @pytest.fixture
@@ -70,13 +72,17 @@ def test_index_without_fts_table_opens_and_is_upgraded(
     assert o.verify().checked["lexical_rows"] == o.stats()["chunks"]
 
 
-def test_no_fts5_falls_back_to_dense(
-    ix: Index, corpus: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    import ragbudget.retrieval.lexical as mod
+@pytest.fixture
+def probe_again() -> Iterator[None]:
+    """The FTS5 probe overridden by a test (:func:`set_fts5`) is this Python's own again after it."""
+    yield
+    set_fts5(None)
 
-    monkeypatch.setattr(mod, "_fts5_ok", False)
-    monkeypatch.setattr(mod, "_fts5_warned", False)
+
+def test_no_fts5_falls_back_to_dense(
+    ix: Index, corpus: Path, probe_again: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    set_fts5(False)
     with caplog.at_level("WARNING", logger="ragbudget.retrieval.index"):
         build(ix, corpus)
     assert "has no FTS5" in caplog.text
@@ -89,18 +95,14 @@ def test_no_fts5_falls_back_to_dense(
     o.close()
 
 
-def test_index_updated_without_fts5_is_repaired_by_the_next_run(
-    ix: Index, corpus: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    import ragbudget.retrieval.lexical as mod
-
+def test_index_updated_without_fts5_is_repaired_by_the_next_run(ix: Index, corpus: Path, probe_again: None) -> None:
     build(ix, corpus)
-    monkeypatch.setattr(mod, "_fts5_ok", False)
+    set_fts5(False)
     (corpus / "doc0.txt").write_text(make_text(99, unique="fresh7zz"))
     (corpus / "doc1.txt").unlink()
     s = build(ix, corpus)  # a Python without FTS5: triggers dropped, the table goes stale
     assert s.committed and Index.open(ix.path).stats()["lexical"] is None
-    monkeypatch.setattr(mod, "_fts5_ok", True)
+    set_fts5(None)  # this Python's own SQLite again: FTS5
     o = Index.open(ix.path)
     assert not o.has_lexical  # the stale table is not trusted: built in memory instead
     assert "fresh7zz" in o.search_lexical("fresh7zz", k=1)[0].text

@@ -387,14 +387,14 @@ def test_the_gguf_conversion_bar_is_off_away_from_a_terminal(monkeypatch) -> Non
 
     import transformers.modeling_gguf_pytorch_utils as gguf_utils
 
-    from ragbudget.generation.generate import _gguf_bar_only_on_a_terminal
+    from ragbudget.generation.generate import gguf_bar_only_on_a_terminal
 
     # transformers' own conversion loop draws this bar with tqdm (not its own switch); off a
     # terminal it is hundreds of carriage-return redraws in a log.
     out = io.StringIO()
     monkeypatch.setattr(sys, "stderr", out)  # not a terminal
     original = gguf_utils.tqdm
-    with _gguf_bar_only_on_a_terminal():
+    with gguf_bar_only_on_a_terminal():
         for _ in gguf_utils.tqdm(range(50), desc="Converting and de-quantizing GGUF tensors...", file=out):
             pass
     assert out.getvalue() == "" and gguf_utils.tqdm is original  # quiet, and put back after

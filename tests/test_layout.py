@@ -475,18 +475,10 @@ PRIVATE_ALLOWED: dict[tuple[str, str], str] = {
     ("test_public_api.py", "_EXPORTS"): "ragbudget's lazy-export table is the subject",
 }
 
-#: Left from issue #33 §4 (each still touches a private name; the check lists them so that none
-#: is added): make each public or test it through public behaviour, then delete its line here
-#: (test_the_private_allow_lists_hold_no_stale_entry fails on a line no longer needed).
-PRIVATE_NOT_YET: dict[tuple[str, str], str] = {
-    # A SQLite without FTS5 is played by the module's probe result; index and catalog import
-    # fts5_available by name, so an override needs a public switch of its own.
-    ("test_catalog.py", "_fts5_ok"): "SQLite without FTS5 simulated by the module's probe result",
-    ("test_catalog.py", "_fts5_warned"): "the once-per-process warning reset so the test sees it",
-    # Its public behaviour (no bar when a GGUF loads off a terminal) needs a real GGUF
-    # conversion, which a cached conversion would skip: the helper is tested directly.
-    ("test_generate.py", "_gguf_bar_only_on_a_terminal"): "a private helper tested directly",
-}
+#: Left from issue #33 §4, now none: a test that needs a hook gets a public one (``set_fts5``,
+#: ``gguf_bar_only_on_a_terminal`` were the last). Keep it empty: a private use needs a reason in
+#: PRIVATE_ALLOWED (test_the_private_allow_lists_hold_no_stale_entry fails on a stale line).
+PRIVATE_NOT_YET: dict[tuple[str, str], str] = {}
 
 
 def private_names(sources: Iterable[str]) -> set[str]:

@@ -61,6 +61,7 @@ __all__ = [
     "Generator",
     "OOMStep",
     "PeakMeter",
+    "gguf_bar_only_on_a_terminal",
     "is_oom",
     "line_repeats",
     "quant_backend",
@@ -71,7 +72,7 @@ log = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
-def _gguf_bar_only_on_a_terminal() -> Iterator[None]:
+def gguf_bar_only_on_a_terminal() -> Iterator[None]:
     """transformers draws its one-off "Converting and de-quantizing GGUF tensors" bar with tqdm
     directly (its own progress-bar switch does not reach it): off the terminal (a log, a pipe)
     that bar is hundreds of carriage-return redraws, so it is turned off there for the call."""
@@ -375,7 +376,7 @@ class Generator:
             except (OSError, ValueError) as exc:
                 log.warning("converted cache %s unusable (%s); converting again", target, exc)
         t0 = time.perf_counter()
-        with _gguf_bar_only_on_a_terminal():
+        with gguf_bar_only_on_a_terminal():
             tok = AutoTokenizer.from_pretrained(ref.path, gguf_file=ref.gguf_file)
             model = AutoModelForCausalLM.from_pretrained(ref.path, gguf_file=ref.gguf_file, **kwargs)
         log.info("converted %s in %.1fs", gguf.name, time.perf_counter() - t0)

@@ -24,6 +24,7 @@ __all__ = [
     "fts_match_query",
     "fuse_checked",
     "fuse_scores",
+    "set_fts5",
     "warn_no_fts5",
 ]
 
@@ -72,6 +73,16 @@ def fts5_available() -> bool:
         except sqlite3.Error:
             _fts5_ok = False
     return _fts5_ok
+
+
+def set_fts5(available: bool | None) -> None:
+    """Override the FTS5 probe for this process: ``False`` indexes and searches as a SQLite
+    without FTS5 does (dense search only, no BM25 table written; for a SQLite whose FTS5 is
+    broken, and for tests of that path), ``None`` probes again. ``True`` trusts FTS5 without
+    probing — only where it is there. The once-per-process warning is said again after a change."""
+    global _fts5_ok, _fts5_warned
+    _fts5_ok = available
+    _fts5_warned = False
 
 
 def warn_no_fts5() -> None:
