@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import threading
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -122,7 +121,6 @@ class Index:
         # The generations open: the newest, and older ones that calls in flight still pin.
         self._reader = Reader(self.storage, self._open_current)
         self._embedder: Embedder | None = None
-        self._lock = threading.RLock()
 
     def __repr__(self) -> str:
         return f"Index({self.where!r})"
@@ -270,9 +268,8 @@ class Index:
     def close(self) -> None:
         """Release the generation in use (reopened on next use; calls pinning it keep it until
         they end)."""
-        with self._lock:
-            self._reader.release()
-            self._manifest = None
+        self._reader.release()  # under the reader's own lock
+        self._manifest = None
 
     def reload(self) -> None:
         """Open the newest committed generation, whatever it was written with (:meth:`follow`
