@@ -253,6 +253,34 @@ def test_hybrid_search_fuses_postgres_full_text_as_bm25_is_fused(pg_url: str, tm
     assert ix.search_lexical("marker4zz' OR 1=1; -- & | ! :* (", k=2)[0].text == lexical[0].text
 
 
+def test_full_text_ranks_by_bm25_as_the_local_index_does(pg_url: str, tmp_path: Path) -> None:
+    """A rare word outweighs a common one repeated (BM25's idf; ``ts_rank_cd`` weighs them
+    alike), the scores are on FTS5's scale, and after a
+    commit that makes the rare word common its weight falls (statistics per generation)."""
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    filler = "Tides shape the coast of the island and its harbours over many years. "
+    for i in range(9):
+        (docs / f"river{i}.md").write_text(f"# Notes {i}\n\n" + "The river flows past the river mill. " * 6 + filler)
+    (docs / "rare.md").write_text("# Spice\n\nZanzibar exported cloves. " + filler * 3)
+    local, pg = Index(str(tmp_path / "local")), Index(pg_url)
+    for ix in (local, pg):
+        build(ix, docs)
+    query = "river zanzibar"
+    want = [h.text for h in local.search_lexical(query, k=3)]
+    got = pg.search_lexical(query, k=3)
+    assert "Zanzibar" in want[0] and "Zanzibar" in got[0].text
+    assert [h.text for h in got] == want
+    ours = {h.text: h.score for h in got}
+    for h in local.search_lexical(query, k=3):  # the same formula: scores within token-count noise
+        assert ours[h.text] == pytest.approx(h.score, rel=0.25)
+    for i in range(9):
+        (docs / f"zanzibar{i}.md").write_text(f"# Zanzibar {i}\n\nZanzibar. " * 3 + filler)
+    build(pg, docs)
+    reader = Index.open(pg_url)
+    assert reader.search_lexical("zanzibar", k=1)[0].score < got[0].score
+
+
 def test_a_cli_search_in_another_process_reads_the_same_index(pg_url: str, tmp_path: Path) -> None:
     """Two processes' worth of readers on one database: a CLI search in a child process answers
     what this process's reader answers."""
@@ -326,9 +354,10 @@ def test_the_ray_executor_writes_the_same_database_index(ray_cluster: Any, pg_ur
 def test_hnsw_ef_search_climbs_the_ladder_until_the_recall_target(pg_url: str) -> None:
     """On vectors where HNSW's first setting misses (3,000 random directions in 64 dimensions:
     no clusters to follow), the tuning takes the first ef_search that reaches the target, and the
-    one before it really was below."""
+    one before it really was below. The target is the stricter tuning one a local store uses
+    (its own vectors are easier queries than questions), not the 0.98 questions must get."""
     from ragbudget.retrieval.postgres import EF_SEARCH_LADDER, PgHnswStore
-    from ragbudget.retrieval.vectors import RECALL_TARGET, FlatStore, measure_recall
+    from ragbudget.retrieval.vectors import TUNE_TARGET, FlatStore, measure_recall
 
     rng = np.random.default_rng(7)
     vecs = rng.standard_normal((3000, 64)).astype(np.float32)
@@ -343,11 +372,11 @@ def test_hnsw_ef_search_climbs_the_ladder_until_the_recall_target(pg_url: str) -
         finally:
             writer.close()
     ef, recall = m["approx"]["ef_search"], m["approx"]["recall_at_10"]
-    assert ef > EF_SEARCH_LADDER[0] and recall >= RECALL_TARGET
+    assert ef > EF_SEARCH_LADDER[0] and recall >= TUNE_TARGET
     catalog = storage.open(m).catalog
     try:
         below = EF_SEARCH_LADDER[EF_SEARCH_LADDER.index(ef) - 1]
-        assert measure_recall(PgHnswStore(catalog, 64, below), flat)[0] < RECALL_TARGET  # type: ignore[arg-type]
+        assert measure_recall(PgHnswStore(catalog, 64, below), flat)[0] < TUNE_TARGET  # type: ignore[arg-type]
         assert abs(measure_recall(PgHnswStore(catalog, 64, ef), flat)[0] - recall) < 1e-4  # type: ignore[arg-type]
     finally:
         catalog.close()

@@ -24,6 +24,7 @@ __all__ = [
     "fts_match_query",
     "fuse_checked",
     "fuse_scores",
+    "query_words",
     "set_fts5",
     "warn_no_fts5",
 ]
@@ -107,9 +108,19 @@ def fts_match_query(text: str, *, max_terms: int = _FTS_MAX_TERMS) -> str:
     >>> fts_match_query('Who founded "Apple" AND NOT Microsoft*?')
     '"founded" OR "apple" OR "microsoft"'
     """
+    return " OR ".join('"' + w.replace('"', '""') + '"' for w in query_words(text, max_terms=max_terms))
+
+
+def query_words(text: str, *, max_terms: int = _FTS_MAX_TERMS) -> list[str]:
+    """The words of free text a lexical search matches (any of them): lower-cased, each once,
+    stop words left out unless nothing else is left, at most ``max_terms``.
+
+    >>> query_words("Who founded Apple, and who founded IBM?")
+    ['founded', 'apple', 'ibm']
+    """
     words = list(dict.fromkeys(w.lower() for w in _FTS_WORD.findall(text)))
     kept = [w for w in words if w not in _STOP and w not in ("and", "or", "not", "near")] or words
-    return " OR ".join('"' + w.replace('"', '""') + '"' for w in kept[:max_terms])
+    return kept[:max_terms]
 
 
 def bm25(db: sqlite3.Connection, query: str, k: int, *, ids: Sequence[int] | None = None) -> list[tuple[int, float]]:
