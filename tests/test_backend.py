@@ -60,6 +60,20 @@ def test_per_request_tokens_errors_say_what_to_change() -> None:
     assert e.value.available == 10 and e.value.needed == 111
 
 
+def test_no_free_kv_now_is_overload_not_a_request_too_big() -> None:
+    """Every slot busy: the engine's free KV is 0 but its window holds the request, so it is
+    load (a server's 429, retried), not a BudgetError (a 400 telling the client to shorten);
+    a request the engine's whole KV could never hold stays a BudgetError."""
+    from ragbudget.errors import OverloadedError
+
+    busy = Capacity(max_context_tokens=2048, kv_tokens_free=0, kv_free_source="slots", kv_tokens_total=8192, running=4)
+    with pytest.raises(OverloadedError, match="once the engine drains"):
+        per_request_tokens(busy, max_new_tokens=16, overhead_tokens=98)
+    tiny = Capacity(max_context_tokens=2048, kv_tokens_free=0, kv_free_source="slots", kv_tokens_total=100)
+    with pytest.raises(BudgetError):
+        per_request_tokens(tiny, max_new_tokens=16, overhead_tokens=98)
+
+
 def test_prompt_messages_accepts_what_backends_take() -> None:
     assert prompt_messages(USER) == USER
     assert prompt_messages(RenderedPrompt(messages=tuple(USER), n_tokens=1, exact=True, source="s")) == USER

@@ -279,11 +279,13 @@ def test_a_429_or_503_message_says_the_number_its_retry_after_header_carries() -
     for err, status in (
         (overloaded("3 requests already wait", 2.1), 429),
         (error_from_exception(OverloadedError("queue full", retry_after=97.2)), 429),
-        # A served engine that kept refusing is the gateway's 503 (the engine is saturated, not the
-        # gateway's queue); its message says the same number as the header, once.
+        # A served engine that kept refusing is relayed in its own class (its 503: a 503, its
+        # 429: a 429); an engine whose own figures say it is saturated is load, a 429. Each
+        # message says the same number as the header, once.
         (error_from_exception(busy), 503),
+        (error_from_exception(EngineOverloadedError("busy", retry_after=0.5, status=429)), 429),
         (engine_unavailable(EngineConnectionError("refused", cause="refused"), retry_after=2.5), 503),
-        (engine_overloaded("llamacpp", "http://127.0.0.1:8080", "4 requests wait", 3.2), 503),
+        (engine_overloaded("llamacpp", "http://127.0.0.1:8080", "4 requests wait", 3.2), 429),
     ):
         assert err.status == status
         assert err.message.endswith(f"; retry after {err.headers['Retry-After']} s"), err.message

@@ -1456,11 +1456,11 @@ def _ask(client: Any) -> Any:
         ("llamacpp", {"busy_slots": 4}, "0 free KV tokens"),  # every slot is processing
     ],
 )
-def test_engine_with_a_queue_or_no_free_kv_is_503_before_any_work(
+def test_engine_with_a_queue_or_no_free_kv_is_429_before_any_work(
     tmp_path: Path, kind: str, options: dict[str, Any], why: str
 ) -> None:
-    """The engine's own figures say it is saturated: 503 with Retry-After (the engine's trouble,
-    as a gateway says it; 429 stays this server's own queue), naming the engine."""
+    """The engine's own figures say it is saturated: 429 with Retry-After, naming the engine —
+    load, as this server's own full queue is, not the 5xx of an engine that is down."""
     from _replay import Replay
 
     with Replay(kind, **options) as srv, _engine_app(srv, tmp_path) as client:
@@ -1468,7 +1468,7 @@ def test_engine_with_a_queue_or_no_free_kv_is_503_before_any_work(
         metrics = client.get("/metrics").text
         health = client.get("/health").json()
         sent = srv.calls("POST", "/v1/chat/completions")
-    assert r.status_code == 503, r.text
+    assert r.status_code == 429, r.text
     assert int(r.headers["retry-after"]) >= 1 and r.json()["error"]["code"] == "engine_overloaded"
     assert why in r.json()["error"]["message"] and f"the {kind} engine at {srv.url}" in r.json()["error"]["message"]
     assert r.json()["error"]["engine"] == {"url": srv.url, "kind": kind, "cause": "saturated"}
@@ -1513,7 +1513,7 @@ def test_engine_with_room_admits_and_figures_are_reread_once_engine_recheck_s_ha
     _, _, within, read_within = answered[3600.0]
     assert within.status_code == 200 and read_within == 0  # the last reading, the engine not asked
     _, _, refused, read_past = answered[0.0]
-    assert refused.status_code == 503 and "0 free KV tokens" in refused.json()["error"]["message"]
+    assert refused.status_code == 429 and "0 free KV tokens" in refused.json()["error"]["message"]
     assert read_past >= 1
 
 

@@ -57,7 +57,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Protocol, Union, runtime_checkable
 
-from ..errors import BudgetError, ConfigError
+from ..errors import BudgetError, ConfigError, OverloadedError
 
 if TYPE_CHECKING:  # pragma: no cover - the records these name are imported at first use
     from ..memory.admission import AdmissionController
@@ -262,7 +262,9 @@ def per_request_tokens(
 
     Raises :class:`~ragbudget.errors.ConfigError` when the window is unknown (pass
     ``context_tokens`` to :func:`ragbudget.generation.engines.connect`) and
-    :class:`~ragbudget.errors.BudgetError` when nothing is left for context.
+    :class:`~ragbudget.errors.BudgetError` when nothing is left for context;
+    :class:`~ragbudget.errors.OverloadedError` when only the engine's load now (its free KV)
+    leaves nothing, and the request fits once it drains.
     """
     if max_new_tokens < 1 or overhead_tokens < 0:
         raise ConfigError("max_new_tokens must be ≥ 1 and overhead_tokens ≥ 0")
@@ -296,6 +298,17 @@ def per_request_tokens(
         context, binding, binding_tokens, source = kv, "kv", kv_share or 0, kv_source
     else:
         context, binding, binding_tokens, source = window, "window", prompt_cap, window_source
+    drains = capacity.kv_tokens_total is None or capacity.kv_tokens_total - max_new_tokens - overhead_tokens >= 1
+    if context < 1 and binding == "kv" and capacity.kv_tokens_free is not None and window >= 1 and drains:
+        # Free KV is the engine's load now, not the request's size: the window holds it, so it
+        # fits once the engine drains. Load, answered as load (a server's 429), not a 400: two
+        # servers on one llama-server met this with every slot busy (bench/postgres.py --parts burst).
+        raise OverloadedError(
+            f"no free KV on the {capacity.engine_kind or 'engine'} now: {binding_tokens} tokens "
+            f"({source or 'unknown source'}) for {sharing} request(s), fewer than {max_new_tokens} new "
+            f"tokens and {overhead_tokens} of template and question; the {window}-token window holds "
+            "this request once the engine drains"
+        )
     if context < 1:
         raise BudgetError(
             f"no room for context on the {capacity.engine_kind or 'engine'}: the {binding} limit "

@@ -467,9 +467,10 @@ class ChatEndpoint:
     async def reject_if_overloaded(self, req: ChatRequest) -> bool:
         """Answer 429 before any retrieval work when admission's queue is already full, or when the
         first token of a request of the plan's per-request size would come past the queue
-        time-out (admission's time rule, :meth:`AdmissionController.would_refuse`); and 503 when
-        the served engine is unavailable (:class:`EngineLoad`) or says it is full (its own queue,
-        or no free KV for even the answer) — the engine's trouble, not this server's queue.
+        time-out (admission's time rule, :meth:`AdmissionController.would_refuse`); 429 too when
+        the served engine says it is full (its own queue, or no free KV for even the answer:
+        load, often a sibling server's on the same engine); 503 when it is unavailable
+        (:class:`EngineLoad`: down, loading or broken).
         Returns whether the request is a client back for a refusal's promise
         (:meth:`AdmissionController.hold_return`): it skips admission's early checks, and may
         take a worker past the pool's bound (:meth:`submit`).

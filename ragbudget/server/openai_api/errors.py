@@ -160,7 +160,9 @@ def engine_error(exc: EngineError, *, retry_after: float | None = None) -> APIEr
         status, code, cause = 502, "engine_unreachable", exc.cause
         text = f"{where} {EngineConnectionError.CAUSES[exc.cause]}; retry later"
     elif isinstance(exc, EngineOverloadedError):
-        status, code, cause = 503, "engine_overloaded", "overloaded"
+        # The engine's own class of refusal, relayed: its 429 (load: TGI's "overloaded") stays a
+        # 429 the client retries; a 503 (vLLM, or llama.cpp loading its model) stays a 503.
+        status, code, cause = (429 if exc.status == 429 else 503), "engine_overloaded", "overloaded"
         wait = exc.retry_after if retry_after is None else retry_after
         headers["Retry-After"] = _retry_after(wait)
         answered = f"answered {exc.status}" if exc.status is not None else "refused the request"
@@ -206,11 +208,18 @@ def engine_unavailable(exc: EngineError, retry_after: float = 2.0) -> APIError:
 
 
 def engine_overloaded(kind: str | None, url: str | None, why: str, retry_after: float) -> APIError:
-    """The 503 of a request refused before any work because the engine's own figures say it is
-    saturated (``why``: its queue, or no free KV for even the answer), with ``Retry-After``."""
+    """The 429 of a request refused before any work because the engine's own figures say it is
+    saturated (``why``: its queue, or no free KV for even the answer), with ``Retry-After``.
+
+    A 429, not a 503: the engine is up and busy — often with this server's own requests or a
+    sibling server's on the same engine — so the client is told to come back, as for this
+    server's own full queue, and a 5xx stays for an engine that is down, loading or broken
+    (:func:`engine_unavailable`). Two ``ragbudget serve`` on one ``llama-server`` answered 26 of
+    a 40-request burst with this refusal (``bench/postgres.py --parts burst``); as a 503, clients
+    that retry only 429s gave up on them."""
     where = f"the {kind or 'served'} engine at {url or 'its URL'}"
     return APIError(
-        503,
+        429,
         _scrub_text(_with_retry(f"{where} is saturated: {why}", retry_after)),
         type="server_error",
         code="engine_overloaded",
