@@ -115,6 +115,13 @@ def bootstrap_ci(values: Sequence[float], *, rounds: int = 2000, seed: int = 0) 
     return float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
 
 
+def mean_cell(cell: dict[str, Any], key: str, values: Sequence[float], *, ci_key: str | None = None) -> None:
+    """``cell[key]``: the mean of ``values`` (``None`` when there are none); ``cell[ci_key]``
+    (default ``key + "_ci95"``): its :func:`bootstrap_ci` — one summary cell of a per-question table."""
+    cell[key] = float(np.mean(values)) if len(values) else None
+    cell[ci_key or f"{key}_ci95"] = bootstrap_ci(values)
+
+
 # -- data -------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Question:

