@@ -56,8 +56,6 @@ def llama_server(
 ) -> Iterator[str]:
     """``llama-server -c slots×slot_tokens -np slots`` (``-t threads``), its log in ``folder``:
     its base URL while the block runs."""
-    import httpx
-
     port = free_port()
     cmd = [binary(), "-m", model or packaged_gguf(), "--host", "127.0.0.1", "--port", str(port)]
     cmd += ["-c", str(slots * slot_tokens), "-np", str(slots), "--no-webui"]
@@ -68,23 +66,38 @@ def llama_server(
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + HEALTHY_WITHIN_S
-        while True:
-            if proc.poll() is not None:
-                raise SystemExit(f"llama-server exited {proc.returncode}: {log.read_text(errors='replace')[-1500:]}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.time() > deadline:
-                raise SystemExit(f"llama-server not healthy after {HEALTHY_WITHIN_S} s; log in {log}")
-            time.sleep(0.5)
+        wait_healthy(proc, url, log, what="llama-server")
         yield url
     finally:
-        proc.terminate()
+        stop(proc)
+
+
+def wait_healthy(
+    proc: subprocess.Popen[bytes], url: str, log: Path, *, what: str, within: float = HEALTHY_WITHIN_S
+) -> None:
+    """Until ``url/health`` answers 200; a ``SystemExit`` naming ``what`` (with its log's tail)
+    when the process exits or ``within`` seconds pass."""
+    import httpx
+
+    deadline = time.time() + within
+    while True:
+        if proc.poll() is not None:
+            raise SystemExit(f"{what} exited {proc.returncode}: {log.read_text(errors='replace')[-1500:]}")
         try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=15)
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.time() > deadline:
+            raise SystemExit(f"{what} not healthy after {within:g} s; log in {log}")
+        time.sleep(0.5)
+
+
+def stop(proc: subprocess.Popen[bytes], wait: float = 30) -> None:
+    """Terminate, then kill after ``wait`` seconds."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=wait)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=wait)
