@@ -306,28 +306,23 @@ def minilm_vectors(texts: list[str], tag: str) -> tuple[Any, Any]:
     return model, vecs
 
 
-def sentence_mean_embedder() -> Any:
-    """Real MiniLM geometry at 100k chunks without embedding 100k chunks (about 25 minutes on
-    two cores): a chunk's vector is the normalised mean of the packaged MiniLM's vectors of its
-    whole sentences (each SQuAD sentence embedded once, cached in bench/out/), and a query is
-    embedded by MiniLM itself. Stated as such in the raw result."""
+def lookup_embedder(model: Any, table: dict[str, Any], pieces: Callable[[str], list[str]], name: str) -> Any:
+    """An embedder whose vector of a text is the normalised mean of ``table``'s vectors of its
+    ``pieces`` (a text with none keeps the hash embedder's vector: rare, a cut piece), and whose
+    query vector is ``model``'s own."""
     import numpy as np
 
     from ragbudget.retrieval.embed import HashEmbedder
 
-    sentences = sorted({x for art in squad_sentences() for x in art})
-    model, vecs = minilm_vectors(sentences, "scale_sentences")
-    table = dict(zip(sentences, vecs, strict=True))
-
-    class SentenceMean(HashEmbedder):
+    class Lookup(HashEmbedder):
         def __init__(self) -> None:
             super().__init__(dim=model.dim, pool_spans=False)
-            self.id = f"squad-sentence-mean:{model.id}"
+            self.id = name
 
         def _encode(self, texts: Any) -> Any:
-            out = super()._encode(texts)  # the rare text with no whole SQuAD sentence keeps its hash vector
+            out = super()._encode(texts)
             for i, text in enumerate(texts):
-                found = [table[x] for x in SENTENCE.split(text) if x in table]
+                found = [table[x] for x in pieces(text) if x in table]
                 if found:
                     v = np.mean(found, axis=0)
                     out[i] = v / np.linalg.norm(v)
@@ -336,7 +331,20 @@ def sentence_mean_embedder() -> Any:
         def embed_query(self, text: str) -> Any:
             return model.embed_query(text)
 
-    return SentenceMean()
+    return Lookup()
+
+
+def sentence_mean_embedder() -> Any:
+    """Real MiniLM geometry at 100k chunks without embedding 100k chunks (about 25 minutes on
+    two cores): a chunk's vector is the normalised mean of the packaged MiniLM's vectors of its
+    whole sentences (each SQuAD sentence embedded once, cached in bench/out/), and a query is
+    embedded by MiniLM itself. Stated as such in the raw result."""
+
+    sentences = sorted({x for art in squad_sentences() for x in art})
+    model, vecs = minilm_vectors(sentences, "scale_sentences")
+    table = dict(zip(sentences, vecs, strict=True))
+
+    return lookup_embedder(model, table, SENTENCE.split, f"squad-sentence-mean:{model.id}")
 
 
 def real_sentences(max_words: int = 24) -> list[str]:
@@ -356,8 +364,6 @@ def copies_corpus(folder: Path, chunks: int) -> tuple[Path, int, dict[str, Any]]
     vector plus Gaussian noise (sigma 0.0316 a dimension: cosine ≈ 0.85 to the original, as
     ``bench/index_scale.py`` fills its 100k and 1M indexes)."""
     import numpy as np
-
-    from ragbudget.retrieval.embed import HashEmbedder
 
     real = real_sentences()
     model, vecs = minilm_vectors(real, "scale_real_sentences")
@@ -381,25 +387,9 @@ def copies_corpus(folder: Path, chunks: int) -> tuple[Path, int, dict[str, Any]]
     for f in range(0, len(pieces), 500):
         (out / f"s{f // 500:05d}.md").write_text("\n\n".join(pieces[f : f + 500]) + "\n", encoding="utf-8")
 
-    class RealOrCopy(HashEmbedder):
-        def __init__(self) -> None:
-            super().__init__(dim=model.dim, pool_spans=False)
-            self.id = f"real-sentences-and-copies:{model.id}"
-
-        def _encode(self, texts: Any) -> Any:
-            out = super()._encode(texts)  # a text with no whole piece keeps its hash vector
-            for i, text in enumerate(texts):
-                found = [table[x] for x in text.split("\n\n") if x in table]
-                if found:
-                    v = np.mean(found, axis=0)
-                    out[i] = v / np.linalg.norm(v)
-            return out
-
-        def embed_query(self, text: str) -> Any:
-            return model.embed_query(text)
-
     info = {"real_sentences": len(real), "pieces": len(pieces), "copies_of_each": j}
-    return out, len(pieces), {"embedder": RealOrCopy(), **info}
+    emb = lookup_embedder(model, table, lambda text: text.split("\n\n"), f"real-sentences-and-copies:{model.id}")
+    return out, len(pieces), {"embedder": emb, **info}
 
 
 def recall_on_questions(approx: Any, exact: Any, vectors: list[Any], k: int = 10) -> float:
