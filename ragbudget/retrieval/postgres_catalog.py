@@ -12,8 +12,8 @@ Lexical search is PostgreSQL full-text search: a ``tsvector`` column generated f
 (``english`` configuration: stemming, as the local FTS5 table's porter tokenizer) with a GIN
 index, ranked by BM25 as FTS5 ranks it (:meth:`PgCatalog.lexical`) over the same OR-of-words query
 the local index builds (:func:`~ragbudget.retrieval.lexical.query_words`); the fusion with dense
-scores is the local one (``Index.search``). Every statement is parameterised; PostgreSQL text cannot hold a NUL byte,
-so NULs are removed from stored text (logged once per run).
+scores is the local one (``Index.search``). Every statement is parameterised; PostgreSQL text
+cannot hold a NUL byte, so NULs are removed from stored text (logged once per run).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -54,8 +55,6 @@ _WORD_QUERY = f"websearch_to_tsquery('{TS_CONFIG}', '\"' || replace(w.word, '\"'
 
 def _idf(n: int, df: int) -> float:
     """FTS5's idf: ``ln((N - df + 0.5) / (df + 0.5))``, at least 1e-6 (a word in most chunks)."""
-    import math
-
     return max(1e-6, math.log((n - df + 0.5) / (df + 0.5)))
 
 
