@@ -108,22 +108,31 @@ def ceiling_tail(best, c):
     return round(serial["wall_s"] / (prefill["wall_s"] + max(0.0, *decode)), 2)
 
 
+def warm_then_run(batcher, fn, prompts, new, concurrent):
+    """Start ``batcher``'s loop outside the clock, then :func:`run`."""
+    batcher.generate(prompts[0], max_new_tokens=4)
+    return run(fn, prompts, new, concurrent)
+
+
 def dense(fn):
-    """``fn`` with transformers' own SDPA for batched steps (the dense block mask)."""
+    """``fn`` with transformers' own SDPA for batched steps (the dense block mask, which the batch
+    processor then allocates again: ragbudget tells it none is needed)."""
     from transformers import AttentionInterface
+    from transformers.generation.continuous_batching import input_outputs
 
     def call(*a, **kw):
         AttentionInterface.register("sdpa", batching._installed["sdpa"])
+        ours, input_outputs.attn_mask_is_needed = (
+            input_outputs.attn_mask_is_needed,
+            batching._installed["attn_mask_is_needed"],
+        )
         try:
             return fn(*a, **kw)
         finally:
             AttentionInterface.register("sdpa", batching.per_request_sdpa)
+            input_outputs.attn_mask_is_needed = ours
 
     return call
-
-
-def dense_run(fn, prompts, new, concurrent):
-    return dense(run)(fn, prompts, new, concurrent)
 
 
 def main() -> None:
@@ -179,10 +188,15 @@ def main() -> None:
                 # closed, the batched ones with the batcher's loop the only such thread, started
                 # before the clock.
                 new = 1 if mode == "prefill_only" else args.new
-                if mode.startswith("batched"):
+                if mode == "batched_dense":
+                    # A loop started with ragbudget's attention has no dense mask: start one that
+                    # has (warmed, as the other batched runs, before run()'s clock).
+                    batcher.close()
+                    r = dense(warm_then_run)(batcher, fn, ps, new, conc)
+                elif mode.startswith("batched"):
                     if not batcher.running:
                         batcher.generate(prompts[0], max_new_tokens=4)
-                    r = (dense_run if mode == "batched_dense" else run)(fn, ps, new, conc)
+                    r = run(fn, ps, new, conc)
                 else:
                     batcher.close()
                     r = in_own_thread(run, fn, ps, new, conc)

@@ -186,6 +186,7 @@ def test_a_transformers_without_pages_is_not_batched(gen, monkeypatch) -> None:
 
 
 def test_admission_counts_the_paged_cache_when_the_backend_batches(gen, tmp_path, monkeypatch) -> None:
+    from ragbudget.memory.budget import CUBLAS_WORKSPACE_BYTES
     from ragbudget.pipeline import Pipeline
 
     monkeypatch.setenv("RAGBUDGET_CACHE", str(tmp_path / "cache"))  # the speed probe's record
@@ -195,9 +196,12 @@ def test_admission_counts_the_paged_cache_when_the_backend_batches(gen, tmp_path
         rb = Pipeline(tmp_path / "index", backend=backend, gpu="1GiB")
         ctl = rb.admission
         layout, plan = backend.batcher.layout, rb.plan
-        # Tokens against the paged cache; bytes: the memory beside the weights and the cache.
+        # Tokens against the paged cache; bytes: the memory beside the weights, the cache and
+        # the process's one cuBLAS workspace.
         assert ctl.token_capacity == layout.capacity_tokens == 256
-        assert ctl.memory.capacity_bytes == plan.usable_bytes - plan.weights_bytes - layout.total_bytes
+        assert ctl.memory.capacity_bytes == (
+            plan.usable_bytes - plan.weights_bytes - layout.total_bytes - CUBLAS_WORKSPACE_BYTES
+        )
         assert ctl.throughput is not None and ctl.throughput.batched
         assert ctl.memory.request_bytes(prompt_tokens=10, tokens=100) == ctl.memory.activation_bytes(10)
     finally:
@@ -298,6 +302,34 @@ def test_per_request_attention_equals_the_dense_block_mask(window) -> None:
     want = _dense_reference(q, k, v, cq.tolist(), ck.tolist(), window)
     assert got.shape == want.shape == (1, q.shape[2], q.shape[1], q.shape[3])
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_per_request_masks_are_made_on_the_queries_device(window) -> None:
+    """The first GPU run of the batched server failed every request: the per-request masks were
+    made on the CPU beside CUDA queries. The meta device reproduces that here (it refuses a CPU
+    tensor beside its own as CUDA does) without a GPU."""
+    import torch
+
+    from ragbudget.generation.batching import per_request_sdpa
+
+    q, k, v, cq, ck = _packed([(1, 9), (4, 11), (6, 6), (1, 1)])
+    cb = {"cu_seq_lens_q": cq, "cu_seq_lens_k": ck, "read_index": [torch.arange(1)], "write_index": [torch.arange(1)]}
+    got, _ = per_request_sdpa(_Layer(window), q.to("meta"), k.to("meta"), v.to("meta"), None, **cb)
+    assert got.device.type == "meta" and got.shape == (1, q.shape[2], q.shape[1], q.shape[3])
+
+
+def test_the_batch_loop_allocates_no_dense_mask_beside_the_paged_cache(gen, batcher) -> None:
+    """For SDPA, transformers' batch processor would hold a (step tokens) × (cache tokens + step
+    tokens) mask in the model's dtype for the whole loop (here 48 MiB beside a 6 MiB cache),
+    which per_request_sdpa never reads and no plan counts: none is allocated."""
+    import torch
+
+    assert batcher.generate([5] * 8, max_new_tokens=2).new_tokens == 2
+    # Everything the step buffers hold together is less than that mask alone would be.
+    itemsize = torch.empty(0, dtype=gen.model.dtype).element_size()
+    mask_bytes = batcher.max_batch_tokens * (batcher.layout.capacity_tokens + batcher.max_batch_tokens) * itemsize
+    assert 0 < batcher.step_buffer_bytes < mask_bytes
 
 
 def test_outside_a_batched_step_sdpa_is_transformers_own(gen, batcher) -> None:

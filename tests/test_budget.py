@@ -419,7 +419,12 @@ def test_config_without_dtype_plans_float32_and_says_so() -> None:
 
 
 def test_time_cap_on_the_plan_and_request_memory_with_its_own_activations() -> None:
-    from ragbudget.memory.budget import cap_plan_for_time, estimate_activation_bytes, request_memory
+    from ragbudget.memory.budget import (
+        CUBLAS_WORKSPACE_BYTES,
+        cap_plan_for_time,
+        estimate_activation_bytes,
+        request_memory,
+    )
 
     cfg = {
         "model_type": "llama",
@@ -444,12 +449,14 @@ def test_time_cap_on_the_plan_and_request_memory_with_its_own_activations() -> N
     assert loose.limited_by == "model" and loose.max_context_tokens == 8192
     assert loose.time_prompt_tokens == 2**18
 
-    # Per request: the memory beside the weights, KV per token, and the prefill activations of
-    # its own prompt with the plan's attention (eager holds the L×L scores: far more).
+    # Per request: the memory beside the weights and the process's one cuBLAS workspace, KV per
+    # token, and the prefill activations of its own prompt with the plan's attention (eager
+    # holds the L×L scores: far more), without a workspace of its own.
     mem = request_memory(plan, cfg)
-    assert mem.capacity_bytes == plan.usable_bytes - plan.weights_bytes
+    assert mem.capacity_bytes == plan.usable_bytes - plan.weights_bytes - CUBLAS_WORKSPACE_BYTES
     assert mem.kv_bytes_per_token == plan.kv_bytes_per_token_peak
-    assert mem.activation_bytes(1000) == estimate_activation_bytes(cfg, 1000, dtype="float32")
+    assert mem.activation_bytes(1000) == estimate_activation_bytes(cfg, 1000, dtype="float32", workspace_bytes=0)
+    assert estimate_activation_bytes(cfg, 1000, dtype="float32") == mem.activation_bytes(1000) + CUBLAS_WORKSPACE_BYTES
     eager = request_memory(plan_budget(config=cfg, gpu="8GiB", attn_implementation="eager"), cfg)
     assert eager.activation_bytes(4000) > 4 * mem.activation_bytes(4000)
     assert mem.request_bytes(prompt_tokens=1000, tokens=1256) == (
@@ -536,3 +543,31 @@ def test_the_measurements_keep_their_old_import_path() -> None:
 
     for name in calibration.__all__:
         assert getattr(budget, name) is getattr(calibration, name), name
+
+
+def test_the_cublas_workspace_is_counted_once_on_a_gpu_and_not_against_host_ram(monkeypatch) -> None:
+    from ragbudget import gpus
+    from ragbudget.memory.budget import CUBLAS_WORKSPACE_BYTES, estimate_activation_bytes
+
+    cfg = {
+        "model_type": "llama",
+        "vocab_size": 32000,
+        "hidden_size": 512,
+        "intermediate_size": 1024,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 8,
+        "max_position_embeddings": 4096,
+        "torch_dtype": "bfloat16",
+    }
+
+    def act(plan, workspace: int) -> int:
+        return estimate_activation_bytes(
+            cfg, plan.max_context_tokens, batch_size=plan.concurrency, dtype=plan.kv_dtype, workspace_bytes=workspace
+        )
+
+    on_gpu = plan_budget(config=cfg, gpu="8GiB", concurrency=2)
+    assert on_gpu.activation_bytes == act(on_gpu, CUBLAS_WORKSPACE_BYTES)  # once, not per request
+    monkeypatch.setattr(gpus, "cuda_free", lambda: None)  # a machine without CUDA: host RAM
+    in_ram = plan_budget(config=cfg, gpu="auto", concurrency=2)
+    assert in_ram.gpu_source.startswith("host RAM")
+    assert in_ram.activation_bytes == act(in_ram, 0)

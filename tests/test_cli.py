@@ -643,7 +643,7 @@ def test_budget_text_says_what_fits_for_llama_8b(runner: CliRunner) -> None:
     assert result.exit_code == 0, result.output
     assert "sliding" not in result.output  # Llama 3.1 has no sliding-window layers
     assert "max 0" not in result.output
-    assert "4 request(s) of 6,906 tokens each; one request of 131,072 tokens does not fit" in result.output
+    assert "4 request(s) of 7,084 tokens each; one request of 131,072 tokens does not fit" in result.output
 
 
 @pytest.mark.parametrize(

@@ -229,3 +229,34 @@ def test_load_check_runs_on_the_cpu(tmp_path):
     (b,) = result["bursts"]
     assert sum(b["first_try"].values()) == 4 and b["first_try"].get("200", 0) >= 1
     assert result["plan"]["usable_bytes"] > 0 and result["plan"]["batched"]
+
+
+def test_the_estimate_meets_every_tolerance_on_the_committed_h200_measurements() -> None:
+    """The predictions of today's code, graded against what an H200 measured (committed raw
+    result, bench/results/gpu_check_h200.json): weights, activations and total must pass, so a
+    change to the estimate that the GPU would reject fails here, on any machine. (Reserved is
+    the allocator's, not the estimate's: it is graded only on the GPU.)"""
+    import json
+
+    raw = json.loads((Path(__file__).resolve().parents[1] / "bench/results/gpu_check_h200.json").read_text())
+    archs = gpu_validate.architectures()
+    graded = 0
+    for measured in raw["final"]["validate"]["rows"]:
+        row = dict(measured) | gpu_validate.predict(archs[measured["model"]], measured["ctx"], "bfloat16")
+        comps = gpu_validate.components(row)
+        for name in ("weights", "activations", "total"):
+            assert comps[name]["ok"], (measured["model"], measured["ctx"], name, comps[name])
+            graded += 1
+    assert graded == 36
+
+
+def test_the_allocator_is_left_alone_without_cuda_or_when_the_user_configured_it(monkeypatch) -> None:
+    from ragbudget.gpus import ALLOC_CONF_VARS, prefer_expandable_segments
+
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
+    assert prefer_expandable_segments() is False  # the user's setting stands
+    for var in ALLOC_CONF_VARS:
+        monkeypatch.delenv(var, raising=False)
+    import torch
+
+    assert prefer_expandable_segments() is torch.cuda.is_available()

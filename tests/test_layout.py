@@ -414,6 +414,7 @@ TESTED_BY: dict[str, str] = {
     "cli/commands": "test_cli.py",
     "cli/options": "test_cli_options.py",
     "retrieval/durable": "test_storage.py",  # the local index's durable writes, tested through its commits
+    "memory/activations": "test_gpu_check.py",  # graded against an H200's measurements, on any machine
 }
 
 

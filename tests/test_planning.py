@@ -27,8 +27,8 @@ def test_any_backend_that_plans_its_memory_takes_the_local_path(indexed: Path) -
     # generator is — the plan per reserved answer length, the KV capacity, the memory report.
     from _fakes import FakeBackend
 
-    backend = FakeBackend(memory_plan={"gpu": "320MiB", "concurrency": 2})
-    pipe = Pipeline(indexed, backend=backend, gpu="320MiB", max_new_tokens=64)
+    backend = FakeBackend(memory_plan={"gpu": "357MiB", "concurrency": 2})
+    pipe = Pipeline(indexed, backend=backend, gpu="357MiB", max_new_tokens=64)
     assert not pipe.served
     plan = pipe.plan_for(64)
     assert plan is backend.plans[64] and plan.limited_by == "memory"

@@ -744,7 +744,7 @@ def test_real_models_through_the_openai_client(tmp_path: Path, repo_data: Path) 
 
     index_dir = tmp_path / "idx"
     Pipeline(index_dir).index([repo_data / "manpages"])  # packaged MiniLM; a small corpus
-    pipe = Pipeline(index_dir, gpu="0.6GiB", max_new_tokens=8)  # short CPU prefills
+    pipe = Pipeline(index_dir, gpu="651MiB", max_new_tokens=8)  # short CPU prefills
     with running(pipe) as url:
         models = [m.id for m in client(url).models.list()]
         resp = client(url).chat.completions.create(
@@ -791,7 +791,7 @@ def test_a_burst_on_the_real_model_gets_200_or_429_and_honoured_retries_get_in(t
 
     index_dir = tmp_path / "idx"
     Pipeline(index_dir).index([repo_data / "manpages"])
-    pipe = Pipeline(index_dir, gpu="0.6GiB", max_new_tokens=8, queue_timeout=2.0)
+    pipe = Pipeline(index_dir, gpu="651MiB", max_new_tokens=8, queue_timeout=2.0)
     pipe.generator.warm_up()  # as `serve` does before listening: the model, then admission
     pipe.admission_note()  # sized from the loaded model's plan and its measured speed
     assert pipe.admission.throughput is not None  # the time rule is on

@@ -184,12 +184,14 @@ def per_request_sdpa(
         k_len = k.shape[2]
         # The queries are the last q_len positions of the k_len keys (chunked prefill or decode).
         mask = None
+        # Built on the queries' device: a mask left on the CPU fails every CUDA step
+        # ("attn_bias is on cpu"), as the first GPU run of the batched server showed.
         if window is not None and k_len > window:
-            rows = torch.arange(k_len - q_len, k_len).unsqueeze(1)
-            cols = torch.arange(k_len).unsqueeze(0)
+            rows = torch.arange(k_len - q_len, k_len, device=query.device).unsqueeze(1)
+            cols = torch.arange(k_len, device=query.device).unsqueeze(0)
             mask = (cols <= rows) & (cols > rows - window)
         elif 1 < q_len < k_len:
-            mask = torch.ones(q_len, k_len, dtype=torch.bool).tril(k_len - q_len)
+            mask = torch.ones(q_len, k_len, dtype=torch.bool, device=query.device).tril(k_len - q_len)
         outs.append(sdpa(q, k, v, attn_mask=mask, is_causal=mask is None and q_len > 1, scale=scaling, enable_gqa=gqa))
     out = torch.cat(outs, dim=2) if outs else query[:, :, :0]
     # Pad slots (if any) keep the query row count the model expects.
@@ -205,11 +207,21 @@ def _install_per_request_sdpa() -> None:
     continuous-batching step the original function runs, so other models and the unbatched
     path see no change."""
     from transformers import AttentionInterface
+    from transformers.generation.continuous_batching import input_outputs
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     if "sdpa" not in _installed:
         _installed["sdpa"] = ALL_ATTENTION_FUNCTIONS["sdpa"]
         AttentionInterface.register("sdpa", per_request_sdpa)
+        # For SDPA, continuous batching allocates one dense additive mask of (the step's tokens)
+        # × (every cached token + the step's tokens) in the model's dtype, up front and for the
+        # life of the loop: 2,048 × 1.33M tokens × 2 B = 5.4 GB beside a 43 GB paged cache of
+        # Llama-3.2-1B on an H200, eight times the cache itself on a small one, and none of it in
+        # the plan. per_request_sdpa never reads it (each request's mask is built from its own
+        # lengths), so the batch processor is told none is needed, as for flash attention.
+        needed = input_outputs.attn_mask_is_needed
+        _installed["attn_mask_is_needed"] = needed
+        input_outputs.attn_mask_is_needed = lambda config: needed(config) and config._attn_implementation != "sdpa"
 
 
 class _Slot:
@@ -360,6 +372,23 @@ class Batcher:
         """The paged cache's one tensor while the manager runs (None otherwise)."""
         proc = getattr(self._manager, "batch_processor", None)
         return getattr(getattr(proc, "cache", None), "cache_tensor", None)
+
+    @property
+    def step_buffer_bytes(self) -> int:
+        """Bytes of the per-step tensors the loop holds beside the paged cache (token ids,
+        positions, indices, outputs; 0 while no manager runs): sized by ``max_batch_tokens``, not
+        by the cache, since no dense attention mask is kept (see :func:`_install_per_request_sdpa`)."""
+        import torch
+
+        proc = getattr(self._manager, "batch_processor", None)
+        io = getattr(proc, "inputs_and_outputs", None)
+        if io is None:
+            return 0
+        total = 0
+        for value in vars(io).values():
+            tensors = value.values() if isinstance(value, dict) else [value]
+            total += sum(t.nbytes for t in tensors if isinstance(t, torch.Tensor))
+        return total
 
     # -- the manager ----------------------------------------------------------------------------
     def _start(self) -> Any:

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..errors import BudgetError, ConfigError, ModelError
+from ..gpus import prefer_expandable_segments
 from ..memory.models import ModelRef, cache_dir, resolve_generator
 from ..tokens import HFTokenizer
 from ..types import CACHE_KINDS
@@ -348,6 +349,8 @@ class Generator:
                 "with a local transformers folder or .gguf file (the hub is only used when "
                 "reachable and HF_HUB_OFFLINE is unset)"
             ) from exc
+        if device.startswith("cuda"):
+            prefer_expandable_segments()  # before the weights: see its docstring
         model = model.to(device).eval()
         if ref.gguf_file:
             # A converted GGUF would otherwise be named after its cache folder in plans,

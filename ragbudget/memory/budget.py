@@ -32,6 +32,7 @@ from ..types import dtype_bits
 
 # The measurements lived here before the memory model was split along its seams (issue #32): their
 # public names keep this import path.
+from .activations import CUBLAS_WORKSPACE_BYTES, estimate_activation_bytes, workspace_for
 from .calibration import (
     CPU_TTFT_TARGET as CPU_TTFT_TARGET,
     PeakMeasurement as PeakMeasurement,
@@ -57,7 +58,9 @@ __all__ = [
     "PeakMeasurement",
     "cap_plan_for_time",
     "count_parameters",
+    "CUBLAS_WORKSPACE_BYTES",
     "estimate_activation_bytes",
+    "workspace_for",
     "estimate_weights_bytes",
     "context_tokens_for_time",
     "lookup_calibration",
@@ -152,66 +155,6 @@ def estimate_weights_bytes(config: ConfigLike, *, weight_dtype: str | None = Non
 def _module_bytes(model: Any) -> int:  # Any: a torch module (torch loads lazily)
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     return int(params + sum(b.numel() * b.element_size() for b in model.buffers()))
-
-
-# --------------------------------------------------------------------------------------------
-# Activations
-# --------------------------------------------------------------------------------------------
-
-
-def estimate_activation_bytes(
-    config: ConfigLike,
-    tokens: int,
-    *,
-    batch_size: int = 1,
-    dtype: str | None = None,
-    attn_implementation: str = "sdpa",
-    logits: str = "last",
-) -> int:
-    """Peak transient memory of one prefill forward of ``tokens`` tokens × ``batch_size``.
-
-    A layer-local model of what is alive at once: the residual stream and its normed copy, the
-    Q/K/V projections, either the attention scores (``"eager"`` materializes ``heads × L × L``
-    in the model dtype plus a float32 softmax; ``"sdpa"``/flash kernels do not) or the MLP
-    intermediates (gate, up, product), whichever is larger, plus the logits (``"last"``: one
-    float32 row per sequence, what ``generate`` keeps; ``"all"``: every position). It is an
-    estimate; :func:`record_calibration` replaces it with measurements.
-    """
-    c = ConfigView(normalize_config(config, True))
-    d = dtype_bits(dtype or model_dtype(config)) // 8 or 1
-    H = int(c.get("hidden_size", "n_embd", "d_model"))
-    # Pure recurrent models (Mamba) have no attention: their mixer is sized like an MLP below.
-    heads = int(c.get("num_attention_heads", "n_head", "num_heads", default=0))
-    kv = int(c.get("num_key_value_heads", "num_kv_heads", default=heads))
-    hd = c.get("head_dim")
-    hd = int(hd) if isinstance(hd, int) and hd > 0 else (H // heads if heads else 0)
-    inter = int(c.get("intermediate_size", "ffn_dim", default=0) or 4 * H)
-    experts = c.get("num_local_experts", "n_routed_experts", "num_experts")
-    if experts:
-        mI = int(c.get("moe_intermediate_size", default=inter))
-        topk = int(c.get("num_experts_per_tok", default=2))
-        inter = max(mI * topk, inter if c.get("first_k_dense_replace") else 0)
-    V = int(c.get("vocab_size", default=32000))
-    bt = batch_size * tokens
-    stream = 3 * bt * H * d  # residual, normed input, layer output
-    # Q/K/V projections, plus the new K/V copied into the cache by the first concatenation.
-    qkv = bt * (heads + 2 * kv) * hd * d + 2 * bt * kv * hd * d
-    sliding = any(s.kind == "sliding_attention" for s in layer_specs(c.obj, normalize=False))
-    l2 = batch_size * tokens * tokens
-    if attn_implementation == "eager":
-        # `softmax(scores, dtype=float32).to(dtype)` holds the scores, the float32 softmax and the
-        # cast copy at once; K/V are repeated to all heads (repeat_kv); the additive float masks
-        # (one per attention type: full, sliding) live for the whole forward.
-        attn = l2 * heads * (2 * d + 4) + 2 * bt * heads * hd * d
-        masks = l2 * d * (2 if sliding else 1)
-    else:
-        attn = bt * heads * hd * d  # output only; kernels tile the scores
-        # Causal full attention needs no mask (is_causal); sliding layers get a boolean one.
-        masks = l2 if sliding else 0
-    mlp = 3 * bt * inter * d
-    logit_rows = batch_size if logits == "last" else bt
-    logits_bytes = logit_rows * V * (d + 4)  # lm_head output + float32 copy in generate
-    return int(stream + qkv + max(attn, mlp) + masks + logits_bytes)
 
 
 # --------------------------------------------------------------------------------------------
@@ -412,7 +355,12 @@ def plan_budget(
         if cal is not None:
             return int(cal["activation_bytes_per_token"] * tokens * batch)
         return estimate_activation_bytes(
-            norm, tokens, batch_size=batch, dtype=kvd, attn_implementation=attn_implementation
+            norm,
+            tokens,
+            batch_size=batch,
+            dtype=kvd,
+            attn_implementation=attn_implementation,
+            workspace_bytes=workspace_for(info.source),
         )
 
     act_src = "calibrated (measured on this GPU)" if cal is not None else f"estimate ({attn_implementation} prefill)"
@@ -721,7 +669,8 @@ def request_memory(
             return 0
         if cal is not None:
             return int(cal["activation_bytes_per_token"] * tokens)
-        return estimate_activation_bytes(norm, tokens, dtype=plan.kv_dtype, attn_implementation=attn)
+        # The process's one cuBLAS workspace is taken out of the capacity below, not per request.
+        return estimate_activation_bytes(norm, tokens, dtype=plan.kv_dtype, attn_implementation=attn, workspace_bytes=0)
 
     source = (
         f"{plan.gpu_source}: {plan.usable_bytes / GiB:.2f} GiB usable − weights "
@@ -729,7 +678,7 @@ def request_memory(
         f"{plan.kv_bytes_per_token_peak:,} B/token + activations of its own prefill "
         f"({'calibrated' if cal is not None else f'{attn} estimate'})"
     )
-    free = plan.usable_bytes - plan.weights_bytes
+    free = plan.usable_bytes - plan.weights_bytes - (0 if cal is not None else workspace_for(plan.gpu_source))
     if paged is None:
         return MemoryModel(
             capacity_bytes=max(1, free),
