@@ -216,9 +216,17 @@ def serve_child(opts: dict[str, Any]) -> None:
     from ragbudget.server.app import serve
 
     generator = build_generator(opts["device"])
-    pipe = Pipeline(
-        opts["index_dir"], generator=generator, max_new_tokens=opts["max_new_tokens"], fetch_k=opts["fetch_k"]
-    )
+    if opts.get("batching") is False:  # --no-batching: the unbatched stack (one generate per request)
+        from ragbudget.generation.local import LocalBackend
+
+        backend = LocalBackend(generator, max_new_tokens=opts["max_new_tokens"], batching=False)
+        pipe = Pipeline(
+            opts["index_dir"], backend=backend, max_new_tokens=opts["max_new_tokens"], fetch_k=opts["fetch_k"]
+        )
+    else:
+        pipe = Pipeline(
+            opts["index_dir"], generator=generator, max_new_tokens=opts["max_new_tokens"], fetch_k=opts["fetch_k"]
+        )
     mon = threading.Thread(
         target=_monitor, args=(pipe, opts["port"], Path(opts["mem_file"]), opts["device"]), daemon=True
     )
@@ -246,6 +254,7 @@ def run(
     max_workers: int | None = None,
     budget_s: float = TIME_BUDGET_S,
     on_burst: Any = None,
+    batching: bool | None = None,
 ) -> dict[str, Any]:
     """Index, start the server, fire the bursts inside ``budget_s`` seconds; the raw result."""
     from load_defaults import burst
@@ -260,6 +269,7 @@ def run(
         "max_new_tokens": max_new_tokens,
         "fetch_k": fetch_k,
         "max_workers": max_workers or "default (64)",
+        "batching": "auto" if batching is None else batching,
         "budget_s": budget_s,
         "bursts_planned": list(bursts),
         "bursts": [],
@@ -307,6 +317,7 @@ def run(
             "max_new_tokens": max_new_tokens,
             "fetch_k": fetch_k,
             "max_workers": max_workers,
+            "batching": batching,
         }
         log_path = Path(tmp) / "serve.log"
         t = time.monotonic()
@@ -499,6 +510,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--results", default=None, metavar="NAME", help="also write bench/results/NAME.json (with provenance)"
     )
+    ap.add_argument(
+        "--no-batching", action="store_true", help="serve unbatched (one generate per request, the OOM ladder on)"
+    )
     ap.add_argument("--serve-child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.serve_child:
@@ -523,6 +537,7 @@ def main(argv: list[str] | None = None) -> int:
         max_workers=args.max_workers,
         budget_s=args.budget,
         on_burst=save,
+        batching=False if args.no_batching else None,
     )
     passed, problems, notes = verdict(result)
     result |= {"passed": passed, "problems": problems, "notes": notes}

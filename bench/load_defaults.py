@@ -98,6 +98,8 @@ def _one(client: Any, i: int, max_tokens: int | None) -> dict[str, Any]:
         out.update(status=exc.status_code, retry_after=exc.response.headers.get("retry-after"), message=str(exc)[:300])
     except openai.APIConnectionError as exc:
         out.update(status="connection_error", message=str(exc)[:300])
+    except openai.APIError as exc:  # an error event inside a 200 stream: the answer failed
+        out.update(status="stream_error", message=str(exc)[:300])
     out["latency_s"] = round(time.perf_counter() - t0, 3)
     return out
 
