@@ -281,6 +281,74 @@ def test_full_text_ranks_by_bm25_as_the_local_index_does(pg_url: str, tmp_path: 
     assert reader.search_lexical("zanzibar", k=1)[0].score < got[0].score
 
 
+def test_an_hnsw_build_gets_room_for_its_graph_for_its_own_transaction(pg_url: str) -> None:
+    """A graph larger than ``maintenance_work_mem`` is built on disk, several times slower: the
+    build raises the setting for its own transaction, never lowers one set higher, and the
+    session's value is back after the commit."""
+    import psycopg
+
+    from ragbudget.retrieval.postgres import create_hnsw
+
+    build(Index(pg_url), DATA)  # exact: no HNSW index yet
+    (dim,) = rows(pg_url, "SELECT vector_dims(embedding) FROM ragbudget.vectors LIMIT 1")[0]
+
+    def mem(conn: Any) -> str:
+        return str(conn.execute("SHOW maintenance_work_mem").fetchone()[0])
+
+    with psycopg.connect(pg_url) as conn:
+        conn.execute("SET maintenance_work_mem = '1MB'")
+        conn.commit()
+        create_hnsw(conn, '"ragbudget"', dim)
+        raised = mem(conn)
+        conn.rollback()  # the index is not kept; the setting goes with the transaction
+        assert raised != "1MB" and mem(conn) == "1MB"
+        conn.execute("SET maintenance_work_mem = '2GB'")
+        conn.commit()
+        create_hnsw(conn, '"ragbudget"', dim)
+        assert mem(conn) == "2GB"
+        conn.rollback()
+
+
+def test_lexical_search_leaves_out_common_words_only_when_they_cannot_change_the_top_k(
+    pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """MaxScore: the words that could not lift a chunk into the top k are not matched, and the
+    answers (ids, order, scores) equal one full pass over every matching chunk."""
+    from ragbudget.retrieval import postgres_catalog as pc
+
+    build(Index(pg_url), DATA)
+    reader = Index.open(pg_url)
+    queries = [
+        *QUESTIONS,
+        "the file is closed and the process reads the error",
+        "city river war history people",
+        "open read write close file descriptor signal",
+        "zzzunknownword oxygen",
+        "oxygen file",  # a rare word beside a common one: the common one cannot matter for the top 1
+        "poland process",
+    ]
+    monkeypatch.setattr(pc, "LEXICAL_FIRST_PASS_CHUNKS", 10**9)  # every word in the first pass
+    cases = [(q, k) for q in queries for k in (1, 3, 8)]
+    full = {(q, k): [(h.chunk_id, h.score) for h in reader.search_lexical(q, k=k)] for q, k in cases}
+    passes: list[bool] = []  # per pass: did it match fewer words than it scored?
+    real = pc.PgCatalog.bm25
+
+    def counting(self: Any, words: list[str], idf: list[float], match: list[str], k: int, avgdl: float) -> Any:
+        passes.append(len(match) < len(words))
+        return real(self, words, idf, match, k, avgdl)
+
+    monkeypatch.setattr(pc.PgCatalog, "bm25", counting)
+    monkeypatch.setattr(pc, "LEXICAL_FIRST_PASS_CHUNKS", 1)  # the rarest word only, then prune
+    answered_narrow = 0
+    for q, k in cases:
+        passes.clear()
+        got = [(h.chunk_id, h.score) for h in reader.search_lexical(q, k=k)]
+        assert [i for i, _ in got] == [i for i, _ in full[q, k]], (q, k)
+        assert [s for _, s in got] == pytest.approx([s for _, s in full[q, k]], rel=1e-9), (q, k)
+        answered_narrow += passes == [True]  # one pass that matched only the rarest word
+    assert answered_narrow >= 1 and all(full.values())
+
+
 def test_a_cli_search_in_another_process_reads_the_same_index(pg_url: str, tmp_path: Path) -> None:
     """Two processes' worth of readers on one database: a CLI search in a child process answers
     what this process's reader answers."""
@@ -319,7 +387,12 @@ def test_hnsw_is_built_tuned_and_its_recall_recorded(pg_url: str, tmp_path: Path
                 "ORDER BY embedding::vector(256) <#> array_fill(0.1, ARRAY[256])::vector(256) LIMIT 5"
             )
         )
-    assert "vectors_hnsw_256" in plan
+    assert approx["index"] in plan and approx["index"].startswith("vectors_hnsw_256")
+    with psycopg.connect(pg_url) as conn:
+        row = conn.execute("SELECT indexdef FROM pg_indexes WHERE indexname = %s", (approx["index"],)).fetchone()
+    definition = row[0]
+    # built with the local HNSW's graph, not pgvector's defaults (m 16, ef_construction 64)
+    assert "m='32'" in definition and "ef_construction='80'" in definition
     reader, exact = Index.open(pg_url), Index.open(pg_url, use_approx=False)
     assert type(reader.generation.search).__name__ == "PgHnswStore"
     assert type(exact.generation.search).__name__ == "PgExactStore"

@@ -108,7 +108,17 @@ def fts_match_query(text: str, *, max_terms: int = _FTS_MAX_TERMS) -> str:
     >>> fts_match_query('Who founded "Apple" AND NOT Microsoft*?')
     '"founded" OR "apple" OR "microsoft"'
     """
-    return " OR ".join('"' + w.replace('"', '""') + '"' for w in query_words(text, max_terms=max_terms))
+    return match_expression(query_words(text, max_terms=max_terms))
+
+
+def match_expression(words: Sequence[str]) -> str:
+    """``words`` (from :func:`query_words`) as the ``MATCH`` expression of :func:`fts_match_query`:
+    each quoted, joined by ``OR`` (PostgreSQL's ``websearch_to_tsquery`` reads it alike).
+
+    >>> match_expression(["say", 'a"b'])
+    '"say" OR "a""b"'
+    """
+    return " OR ".join('"' + w.replace('"', '""') + '"' for w in words)
 
 
 def query_words(text: str, *, max_terms: int = _FTS_MAX_TERMS) -> list[str]:

@@ -636,12 +636,17 @@ EF_SEARCH_LADDER = (40, 64, 100, 160, 250, 400, 640, 1000)
 
 
 def create_hnsw(conn: psycopg.Connection[Any], schema: str, dim: int | None) -> str | None:
-    """Create (once) the HNSW index of ``dim``-dimensional vectors (a partial expression index:
-    the ``vector`` column has no fixed dimension, and an index of another embedder's dimension
-    may still cover the previous generation) and drop those of other dimensions; ``dim=None``
-    drops them all (an index searched exactly need not maintain one). Its name."""
+    """Create (once) the HNSW index of ``dim``-dimensional vectors with the local store's graph
+    parameters (:data:`~ragbudget.retrieval.vectors.HNSW_M`, ``HNSW_EF_CONSTRUCTION``), a
+    partial expression index (the ``vector`` column has no fixed dimension, and an index of
+    another embedder's dimension may still cover the previous generation), and drop the others;
+    ``dim=None`` drops them all (an index searched exactly need not maintain one). Its name."""
+    from .vectors import HNSW_EF_CONSTRUCTION, HNSW_M
+
     d = int(dim or 0)
-    name = f"vectors_hnsw_{d}" if dim else None
+    # The graph's parameters are in the name: an index built with others (pgvector's defaults
+    # before) is dropped below and rebuilt with these.
+    name = f"vectors_hnsw_{d}_m{HNSW_M}_ef{HNSW_EF_CONSTRUCTION}" if dim else None
     for (other,) in conn.execute(
         "SELECT indexname FROM pg_indexes WHERE schemaname = %s", (schema.strip('"'),)
     ).fetchall():
@@ -649,11 +654,39 @@ def create_hnsw(conn: psycopg.Connection[Any], schema: str, dim: int | None) -> 
             conn.execute(f'DROP INDEX {schema}."{other}"')
     if name is None:
         return None
+    exists = conn.execute(
+        "SELECT 1 FROM pg_indexes WHERE schemaname = %s AND indexname = %s", (schema.strip('"'), name)
+    ).fetchone()
+    if not exists:
+        _room_for_the_graph(conn, schema, d)
     conn.execute(
         f"CREATE INDEX IF NOT EXISTS {name} ON {schema}.vectors USING hnsw ((embedding::vector({d})) vector_ip_ops) "
-        f"WHERE vector_dims(embedding) = {d}"
+        f"WITH (m = {HNSW_M}, ef_construction = {HNSW_EF_CONSTRUCTION}) WHERE vector_dims(embedding) = {d}"
     )
     return name
+
+
+#: The most ``maintenance_work_mem`` a build asks for, for its own transaction only.
+HNSW_BUILD_MEMORY_CAP = 1 << 30
+
+
+def _room_for_the_graph(conn: psycopg.Connection[Any], schema: str, dim: int) -> None:
+    """Raise ``maintenance_work_mem`` for this transaction to what the HNSW graph of the rows
+    to index needs (at most :data:`HNSW_BUILD_MEMORY_CAP`; never lowered): a graph that outgrows
+    it is built on disk, pgvector says so in a notice, and a 109k-chunk build took 505.8 s against
+    223.6 s with pgvector's sparser default graph (``bench/postgres.py --parts scale``). A value
+    set through the URL's ``options`` above it stands."""
+    from .vectors import HNSW_M
+
+    counted = conn.execute(f"SELECT COUNT(*) FROM {schema}.vectors WHERE vector_dims(embedding) = %s", (dim,))
+    rows = counted.fetchone()[0]  # type: ignore[index]  # COUNT(*) always returns its one row
+    # Per element: the vector, its tuple header and 2·m neighbours on layer 0 (m above, rarely).
+    need = int(rows) * (4 * dim + 64 + 2 * HNSW_M * 10) * 5 // 4
+    setting = conn.execute("SELECT setting::bigint * 1024 FROM pg_settings WHERE name = 'maintenance_work_mem'")
+    have = setting.fetchone()[0]  # type: ignore[index]  # a built-in setting: always there
+    if need > int(have):
+        kib = min(need, HNSW_BUILD_MEMORY_CAP) // 1024
+        conn.execute("SELECT set_config('maintenance_work_mem', %s, true)", (f"{kib}kB",))
 
 
 def tune_hnsw(catalog: PgCatalog, exact: VectorStore, dim: int) -> tuple[PgHnswStore, float, int]:

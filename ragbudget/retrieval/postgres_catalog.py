@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..errors import IndexStorageError
 from .catalog import ChunkRow, FileRow, FileState, SourceRow
-from .lexical import fts_match_query, query_words
+from .lexical import match_expression, query_words
 from .roots import Root
 
 if TYPE_CHECKING:
@@ -48,6 +48,10 @@ TS_CONFIG = "english"
 BM25_K1, BM25_B = 1.2, 0.75
 #: A reader's document frequencies remembered, by word, before the memory is cleared.
 DF_CACHE_WORDS = 50_000
+#: Chunks a lexical search's first pass may match: those holding its rarest words, as many of
+#: them as fit (at least one word); the rest are matched only when the scores found cannot
+#: rule them out (:meth:`PgCatalog.lexical`).
+LEXICAL_FIRST_PASS_CHUNKS = 2_000
 #: One query word as a tsquery: its lexemes (a phrase when it has several; empty for a stop word),
 #: never a syntax error, whatever the word holds.
 _WORD_QUERY = f"websearch_to_tsquery('{TS_CONFIG}', '\"' || replace(w.word, '\"', '') || '\"')"
@@ -366,7 +370,38 @@ class PgCatalog:
         if not words or k < 1:
             return []
         n, avgdl = self._lexical_stats()
-        idf = [_idf(n, df) for df in self._document_frequencies(words)]
+        dfs = self._document_frequencies(words)
+        idf = [_idf(n, df) for df in dfs]
+        # MaxScore (Turtle & Flood), exact: score the chunks holding the rarest words first; a
+        # chunk holding none of them scores less than the sum of its words' upper bounds
+        # (idf × (k1 + 1): BM25's term saturates below it), so once the k-th score found is above
+        # what the commonest words could add, they need not be matched at all. At 100k chunks
+        # the common words of a question match most of them, which is what a full pass reads.
+        order = sorted(range(len(words)), key=lambda i: (dfs[i], i))
+        first: list[int] = []
+        for i in order:
+            if first and sum(dfs[j] for j in first) + dfs[i] > LEXICAL_FIRST_PASS_CHUNKS:
+                break
+            first.append(i)
+        rows = self.bm25(words, idf, [words[i] for i in first], k, avgdl)
+        if len(first) == len(words):
+            return rows
+        theta = rows[-1][1] if len(rows) == k else 0.0
+        bound, skipped = 0.0, set()
+        for i in reversed(order):  # the commonest first, while their bounds stay below theta
+            if bound + idf[i] * (BM25_K1 + 1) >= theta:
+                break
+            bound += idf[i] * (BM25_K1 + 1)
+            skipped.add(i)
+        needed = [i for i in order if i not in skipped]
+        if set(needed) <= set(first):
+            return rows
+        return self.bm25(words, idf, [words[i] for i in needed], k, avgdl)
+
+    def bm25(
+        self, words: list[str], idf: list[float], match: list[str], k: int, avgdl: float
+    ) -> list[tuple[int, float]]:
+        """The top ``k`` by BM25 over all of ``words`` among the chunks holding any of ``match``."""
         rows = self._rows(
             # One pass over each matching chunk's tsvector for all the query's lexemes
             # (setweight marks them, ts_filter keeps them), not one a word: the tsvector is read
@@ -386,7 +421,7 @@ class PgCatalog:
             {
                 "words": words,
                 "idf": idf,
-                "q": fts_match_query(query),
+                "q": match_expression(match),
                 "k": int(k),
                 "k1": BM25_K1,
                 "k1p1": BM25_K1 + 1,

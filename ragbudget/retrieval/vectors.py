@@ -103,6 +103,12 @@ RECALL_TARGET = 0.98
 #: text (bench/index_scale.py, 20k chunks), HNSW at 0.984 on own vectors gave 0.923 on held-out
 #: questions, and 0.998 gave 0.991; IVF-PQ 0.9935 gave 0.987, 0.999 gave 0.995.
 TUNE_TARGET = 0.998
+#: HNSW graph parameters of every HNSW this package builds (FAISS locally, pgvector in a
+#: database: ragbudget.retrieval.postgres.create_hnsw): links per node and the candidate list
+#: while building. pgvector's defaults (16, 64) made a graph that needed ef_search 1000 to reach
+#: the tuning target on ~100k chunks (bench/postgres.py --parts scale).
+HNSW_M = 32
+HNSW_EF_CONSTRUCTION = 80
 #: Tuning queries are the index's own vectors moved away from themselves by this much noise
 #: (norm of the noise / norm of the vector; cosine ≈ 0.59 to the source), because questions lie
 #: far from every chunk: at 1M vectors IVF-PQ reached 0.999 on own vectors at nprobe 8 while
@@ -431,8 +437,8 @@ class HNSWStore(_Derived):
         dim: int,
         *,
         exact: FlatStore | None,
-        M: int = 32,
-        ef_construction: int = 80,
+        M: int = HNSW_M,
+        ef_construction: int = HNSW_EF_CONSTRUCTION,
         ef_search: int = 128,
         **kw: Any,
     ) -> None:
@@ -471,8 +477,8 @@ class HNSWStore(_Derived):
         s = cls(
             int(index.d),
             exact=exact,
-            M=entry.get("M", 32),
-            ef_construction=entry.get("ef_construction", 80),
+            M=entry.get("M", HNSW_M),
+            ef_construction=entry.get("ef_construction", HNSW_EF_CONSTRUCTION),
             ef_search=entry.get("ef_search", 128),
         )
         s.index = index
