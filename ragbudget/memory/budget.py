@@ -29,10 +29,10 @@ from ..errors import BudgetError, ConfigError, ModelError
 from ..gpus import GiB, GPUInfo, resolve_gpu
 from ..settings import MemorySettings, check_int, check_number
 from ..types import dtype_bits
+from .activations import CUBLAS_WORKSPACE_BYTES, estimate_activation_bytes, workspace_for
 
 # The measurements lived here before the memory model was split along its seams (issue #32): their
 # public names keep this import path.
-from .activations import CUBLAS_WORKSPACE_BYTES, estimate_activation_bytes, workspace_for
 from .calibration import (
     CPU_TTFT_TARGET as CPU_TTFT_TARGET,
     PeakMeasurement as PeakMeasurement,
