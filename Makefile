@@ -80,7 +80,7 @@ bench: dev
 	$(BIN)/python bench/run_all.py
 
 # Here, before a device call: wheels of what the GPU image lacks (fastapi, uvicorn, openai, faiss,
-# ...) for its CPython 3.12, pinned to this venv's versions, into the ignored .gpu_wheels/ (~25 MiB;
+# ...) for its CPython 3.12, pinned to this venv's versions, into the ignored .gpu_wheels/ (~44 MiB;
 # carried with the call: run(command="make gpu-check", carry=[".gpu_wheels"], ...)).
 gpu-wheels: dev
 	$(BIN)/python bench/gpu_wheels.py download
