@@ -16,6 +16,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 HEALTHY_WITHIN_S = 120
@@ -61,12 +62,18 @@ def llama_server(
     cmd += ["-c", str(slots * slot_tokens), "-np", str(slots), "--no-webui"]
     if threads:
         cmd += ["-t", str(threads)]
-    log = folder / "llama-server.log"
+    with healthy_process(cmd, f"http://127.0.0.1:{port}", folder / "llama-server.log", what="llama-server") as url:
+        yield url
+
+
+@contextlib.contextmanager
+def healthy_process(cmd: list[str], url: str, log: Path, *, what: str, **popen: Any) -> Iterator[str]:
+    """``cmd`` started with its output in ``log`` (``popen``: ``cwd``, ``env``, ...), ``url`` once
+    ``url/health`` answers (:func:`wait_healthy`), the process stopped after the block."""
     with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, **popen)
     try:
-        wait_healthy(proc, url, log, what="llama-server")
+        wait_healthy(proc, url, log, what=what)
         yield url
     finally:
         stop(proc)

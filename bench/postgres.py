@@ -57,7 +57,7 @@ sys.path.insert(0, str(REPO / "bench"))
 sys.path.insert(0, str(REPO))
 
 import _qa_harness as H  # noqa: E402  (sets the offline environment first)
-from _llama import free_port, llama_server, stop, wait_healthy  # noqa: E402
+from _llama import free_port, healthy_process, llama_server  # noqa: E402
 from _results import write  # noqa: E402
 
 PARTS = ("build", "equality", "scale", "burst")
@@ -483,14 +483,8 @@ def serve(url: str, engine: str, port: int, log: Path) -> Iterator[str]:
     # default to start answering a 1,500-token prompt when all its slots are busy.
     cmd = [sys.executable, "-m", "ragbudget", "serve", "--index", url, "--engine", engine, "--port", str(port)]
     cmd += ["--engine-timeout", "120"]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(proc, base, log, what="ragbudget serve")
+    with healthy_process(cmd, f"http://127.0.0.1:{port}", log, what="ragbudget serve", cwd=REPO, env=env) as base:
         yield base
-    finally:
-        stop(proc)
 
 
 def part_burst(args: argparse.Namespace, url: str, folder: Path) -> dict[str, Any]:

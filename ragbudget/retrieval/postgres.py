@@ -647,17 +647,14 @@ def create_hnsw(conn: psycopg.Connection[Any], schema: str, dim: int | None) -> 
     # The graph's parameters are in the name: an index built with others (pgvector's defaults
     # before) is dropped below and rebuilt with these.
     name = f"vectors_hnsw_{d}_m{HNSW_M}_ef{HNSW_EF_CONSTRUCTION}" if dim else None
-    for (other,) in conn.execute(
-        "SELECT indexname FROM pg_indexes WHERE schemaname = %s", (schema.strip('"'),)
-    ).fetchall():
+    listed = conn.execute("SELECT indexname FROM pg_indexes WHERE schemaname = %s", (schema.strip('"'),))
+    indexes = [i for (i,) in listed.fetchall()]
+    for other in indexes:
         if other.startswith("vectors_hnsw_") and other != name:
             conn.execute(f'DROP INDEX {schema}."{other}"')
     if name is None:
         return None
-    exists = conn.execute(
-        "SELECT 1 FROM pg_indexes WHERE schemaname = %s AND indexname = %s", (schema.strip('"'), name)
-    ).fetchone()
-    if not exists:
+    if name not in indexes:
         _room_for_the_graph(conn, schema, d)
     conn.execute(
         f"CREATE INDEX IF NOT EXISTS {name} ON {schema}.vectors USING hnsw ((embedding::vector({d})) vector_ip_ops) "

@@ -379,10 +379,12 @@ class PgCatalog:
         # the common words of a question match most of them, which is what a full pass reads.
         order = sorted(range(len(words)), key=lambda i: (dfs[i], i))
         first: list[int] = []
+        matched = 0  # chunks the first pass's words hold, at most
         for i in order:
-            if first and sum(dfs[j] for j in first) + dfs[i] > LEXICAL_FIRST_PASS_CHUNKS:
+            if first and matched + dfs[i] > LEXICAL_FIRST_PASS_CHUNKS:
                 break
             first.append(i)
+            matched += dfs[i]
         rows = self.bm25(words, idf, [words[i] for i in first], k, avgdl)
         if len(first) == len(words):
             return rows
