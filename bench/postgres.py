@@ -17,6 +17,9 @@ issue #34, each part on the same files with the same embedder in the same run:
   sentences' real MiniLM vectors: real chunk sizes, but 48 tight topic clusters), ``minilm-copies``
   (one-sentence chunks: real MiniLM vectors of every real sentence, then perturbed copies, as
   ``bench/index_scale.py`` fills its 100k index) or ``hash`` (the model-free hash embedder);
+  ``--ladder`` adds recall@10 and p50 at every rung of each store's search ladder, on noisy own
+  vectors, pseudo-questions of 8/12/16 words and squad-tune/squad-test/Amazon questions: what the
+  HNSW tuning target was chosen on (``ladder_copies.json``, ``ladder_mean.json``);
 * ``burst``: two ``ragbudget serve`` processes on one database, a real ``llama-server`` behind
   them, answer ``--burst`` concurrent chat requests (clients honour ``Retry-After``) while a third
   process, ``ragbudget index``, commits a changed folder: status counts, and for every answer
@@ -404,6 +407,65 @@ def recall_on_questions(approx: Any, exact: Any, vectors: list[Any], k: int = 10
     return round(found / total, 4)
 
 
+def store_recall(store: Any, exact: Any, q: Any, k: int = 10) -> float:
+    """recall@k of ``store`` against ``exact`` on the query matrix ``q``, tie-aware (as above)."""
+    import numpy as np
+
+    ts, truth = exact.search(q, k)
+    _, got = store.search(q, k)
+    found = total = 0
+    for i in range(len(q)):
+        keep = truth[i] >= 0
+        t = set(truth[i][keep].tolist())
+        g = [x for x in got[i].tolist() if x >= 0]
+        if not t:
+            continue
+        total += len(t)
+        gs = exact.vectors(np.array(g, dtype=np.int64)) @ q[i] if g else []
+        found += sum(1 for x, s in zip(g, gs, strict=True) if x in t or s >= ts[i][keep][-1] - 1e-6)
+    return round(found / total, 4) if total else 1.0
+
+
+def windows(ix: Any, emb: Any, words: int) -> Any:
+    """The library's pseudo-questions (what an HNSW graph tunes on: 12-word windows) of ``words`` words."""
+    from ragbudget.retrieval.build import pseudo_questions
+
+    gen = ix._generation()
+    return pseudo_questions(gen.catalog, gen.exact.ids(), emb, words=words)
+
+
+def ladder_sweep(ix: Any, queries: dict[str, Any], timing: list[Any], k: int = 10) -> list[dict[str, Any]]:
+    """At each rung of the search store's own ladder: recall@k against exact on every named query
+    set (own noisy vectors at each noise level, as the build's tuning measures; pseudo-questions;
+    the question splits) and the p50 of ``Index.search_vector`` on ``timing``."""
+    from ragbudget.retrieval.postgres import EF_SEARCH_LADDER, PgHnswStore
+    from ragbudget.retrieval.vectors import _EF_LADDER, measure_recall
+
+    gen = ix._generation()
+    store, exact = gen.search, gen.exact
+    pg = isinstance(store, PgHnswStore)
+    was = store.ef_search if pg else store.params["ef_search"]
+    rows = []
+    for ef in EF_SEARCH_LADDER if pg else _EF_LADDER:
+        if pg:
+            store.ef_search = ef
+        else:
+            store._set_param(ef)
+        row: dict[str, Any] = {"ef_search": ef}
+        for noise in (1.0, 1.37, 1.8):
+            row[f"own_noise_{noise}"] = round(measure_recall(store, exact, noise=noise)[0], 4)
+        for name, q in queries.items():
+            row[name] = store_recall(store, exact, q, k)
+        row["p50_ms"] = timed_searches(ix, timing, 2, k)["p50_ms"]
+        rows.append(row)
+        print(row, flush=True)
+    if pg:
+        store.ef_search = was
+    else:
+        store._set_param(was)
+    return rows
+
+
 def lexical(ix: Any, k: int, query: str) -> Any:
     return ix.search_lexical(query, k)
 
@@ -432,6 +494,14 @@ def part_scale(args: argparse.Namespace, url: str, folder: Path) -> dict[str, An
     qs = [q.text for q in H.sample_questions(H.load_split("squad-test", docs=24), args.scale_queries)]
     vectors = [emb.embed_query(q) for q in qs]
     k = 10
+    ladder_queries: dict[str, Any] = {}
+    if args.ladder:
+        import numpy as np
+
+        # The tuning split chooses the build's tuning rule; squad-test and amazon report it.
+        for split in ("squad-tune", "squad-test", "amazon"):
+            picked = H.sample_questions(H.load_split(split, docs=24), args.scale_queries, seed=1)
+            ladder_queries[f"questions_{split}"] = np.stack([emb.embed_query(q.text) for q in picked])
     out: dict[str, Any] = {
         "corpus": corpus,
         "embedder": emb.id,
@@ -458,7 +528,17 @@ def part_scale(args: argparse.Namespace, url: str, folder: Path) -> dict[str, An
             "chunks": s.chunks_total,
             "build_s": round(build_s, 1),
             "hnsw_as_built": {
-                key: built[key] for key in ("ef_search", "params", "recall_at_10", "recall_queries") if key in built
+                key: built[key]
+                for key in (
+                    "ef_search",
+                    "params",
+                    "tuned_on",
+                    "recall_at_10_questions",
+                    "recall_target",
+                    "recall_at_10",
+                    "recall_queries",
+                )
+                if key in built
             },
             "recall_at_10_on_questions": recall_on_questions(approx, exact, vectors, k),
             "search_hnsw_k10": timed_searches(approx, vectors, args.repeats, k),
@@ -468,6 +548,13 @@ def part_scale(args: argparse.Namespace, url: str, folder: Path) -> dict[str, An
                 functools.partial(hybrid, approx, emb, dict(zip(qs, vectors, strict=True)), k), qs
             ),
         }
+        if args.ladder:
+            out[name]["ladder"] = ladder_sweep(
+                approx,
+                {**ladder_queries, **{f"windows_{w}": windows(approx, emb, w) for w in (8, 12, 16)}},
+                vectors,
+                k,
+            )
         approx.close()
         exact.close()
         print(name, out[name], flush=True)
@@ -605,6 +692,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--scale-queries", type=int, default=200)
     ap.add_argument("--scale-embedder", choices=("minilm-copies", "minilm-mean", "hash"), default="minilm-mean")
+    ap.add_argument(
+        "--ladder", action="store_true", help="scale part: recall and p50 at every ef_search of each store's ladder"
+    )
     ap.add_argument("--burst", type=int, default=40, help="burst part: chat requests")
     ap.add_argument("--burst-spread", type=float, default=20, help="burst part: seconds over which they are sent")
     ap.add_argument("--name", default="postgres")

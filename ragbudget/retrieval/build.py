@@ -45,11 +45,15 @@ from ..types import Document, IndexSummary
 from .catalog import SourceRow
 from .changes import final_roots, plan_changes
 from .chunk_vectors import ChunkVectors
+from .recall import pseudo_questions, warn_below_target
 from .roots import Root, Roots, check_roots
 from .storage import Manifest, sha256_file, stores_sentences
-from .vectors import RECALL_TARGET, FlatStore, choose_store, make_store, store_names
+from .vectors import FlatStore, choose_store, make_store, store_names
 
 if TYPE_CHECKING:
+    import numpy as np
+    from numpy.typing import NDArray
+
     from ..input.dedup import Deduplicator
     from ..tokens import Tokenizer
     from .embed import Embedder
@@ -60,6 +64,7 @@ if TYPE_CHECKING:
 __all__ = ["ProgressCallback", "build_index"]
 
 log = logging.getLogger(__name__)
+
 
 #: ``progress(phase, done, total)``: phases ``"files"`` (files to (re)index) then ``"embed"``
 #: (chunks embedded; ``total`` grows as files are chunked), ``"sentences"`` (chunks whose sentence
@@ -637,6 +642,7 @@ class _Builder:
             search=search,
             vacuum=vacuum and not self.settings["sentences"],
             progress=lambda step: self.progress("write", step, 3),
+            questions=self.questions,
         )
 
     def _store_for(self, n: int, dim: int) -> str:
@@ -654,30 +660,29 @@ class _Builder:
         n, d = exact.ntotal, exact.dim
         kind = self._store_for(n, d)
         self.store_report: dict[str, Any] = {"requested": self.store, "kind": kind, "recall_at_10": None}
+        self.questions = None
         if kind == "flat":
             self.store_report["recall_at_10"] = 1.0
             return None
-        assert self.writer is not None
+        assert self.writer is not None and self.embedder is not None
         if self.writer.searches_in_place:
-            # A database builds its own (pgvector's HNSW) at commit and records the recall it
-            # measures there.
+            # A database builds its own (pgvector's HNSW) at commit, tunes it on these and
+            # records the recall it measures there.
+            self.questions = pseudo_questions(self.db, exact.ids(), self.embedder)
             return None
         store = make_store(kind, d, exact=exact)
-        report = store.finalize()
-        recall = report.to_dict()["recall_at_10"]
+        if getattr(store, "tunes_on_questions", False):
+            report = store.finalize(questions=pseudo_questions(self.db, exact.ids(), self.embedder))  # type: ignore[call-arg]
+        else:
+            report = store.finalize()
         self.store_report.update(
-            recall_at_10=recall, recall_queries=report.queries, build_seconds=round(report.seconds, 3)
+            {k: v for k, v in report.to_dict().items() if k.startswith(("recall", "tuned"))},
+            build_seconds=round(report.seconds, 3),
         )
-        if report.recall_at_10 is not None and report.recall_at_10 < RECALL_TARGET:
-            log.warning(
-                "the %s store reaches recall@10 %.3f against exact search, below the %.2f "
-                "target, at its largest search setting (%s)",
-                kind,
-                report.recall_at_10,
-                RECALL_TARGET,
-                report.params,
-            )
+        warn_below_target(report, f"the {kind} store", report.params)
         return store
+
+    questions: NDArray[np.float32] | None = None  # the pseudo-questions a database's HNSW tunes on
 
     def _summary(self, *, committed: bool) -> IndexSummary:
         if committed and self.counts is not None:

@@ -552,6 +552,9 @@ class Index:
             "store": (m.get("store") or {}).get("kind") or (m.get("approx") or {}).get("kind", "flat"),
             "store_requested": (m.get("store") or {}).get("requested"),
             "recall_at_10": _recorded_recall(m),
+            # What the search store was tuned on, and its recall there (pseudo-questions: HNSW).
+            "recall_tuned_on": (m.get("approx") or {}).get("tuned_on"),
+            "recall_at_10_questions": (m.get("approx") or {}).get("recall_at_10_questions"),
             "lexical": (m.get("lexical") or {}).get("kind"),
             "roots": [r.get("label") for r in m.get("roots") or ()],
             **m.get("counts", {}),
@@ -599,7 +602,7 @@ class Index:
 
     def _verify_search_store(self, gen: Generation, checked: dict[str, Any]) -> list[str]:
         """The search store holds every vector and still reaches the recall the manifest records."""
-        from .vectors import RECALL_TOLERANCE, measure_recall
+        from .recall import RECALL_TOLERANCE, measure_recall
 
         entry = gen.manifest["approx"]
         kind = entry.get("kind")
@@ -680,19 +683,18 @@ class Index:
         chunks it would re-embed) and changes nothing, unless ``rechunk=True`` (or
         ``rebuild=True``) says it is meant (:mod:`ragbudget.retrieval.index_settings`).
 
-        ``store`` picks the vector store
-        that answers searches (:mod:`ragbudget.retrieval.vectors`): ``"auto"`` (exact while the vectors are
-        small enough to scan within the latency target, then HNSW, then IVF-PQ; see
-        :func:`~ragbudget.retrieval.vectors.choose_store`), ``"flat"``, ``"hnsw"``, ``"ivf"`` (IVF-PQ with
-        exact rescoring) or ``"ivf-flat"``; an approximate store is tuned to recall@10
-        :data:`~ragbudget.retrieval.vectors.RECALL_TARGET` against exact search, measured on the index's
-        own vectors and recorded in the manifest; the name of a store another package registers in the
-        ``ragbudget.stores`` entry point group works the same way. ``executor`` says where chunks are embedded
-        (:mod:`ragbudget.retrieval.executors`): ``"local"`` (this process), ``"ray"`` (Ray Data on the
-        cluster ``RAY_ADDRESS`` names, or a local one) or an executor object such as
-        ``RayExecutor(address=..., workers=...)``; the index it writes is the same (vectors equal
-        within float rounding). Settings that change the vectors or the chunks (embedder,
-        chunking, dedup, cleaning) trigger a full rebuild, reported in ``rebuild_reason``.
+        ``store`` picks the vector store that answers searches (:mod:`ragbudget.retrieval.vectors`): ``"auto"`` (exact
+        while the vectors are small enough to scan within the latency target, then HNSW, then IVF-PQ; see
+        :func:`~ragbudget.retrieval.vectors.choose_store`), ``"flat"``, ``"hnsw"``, ``"ivf"`` (IVF-PQ with exact
+        rescoring) or ``"ivf-flat"``; an approximate store is tuned against exact search (HNSW on pseudo-questions
+        made from the chunks, IVF on the index's own vectors; see :mod:`ragbudget.retrieval.vectors`) and the recall
+        recorded in the manifest; the name of a store another package registers in the ``ragbudget.stores`` entry
+        point group works the same way. ``executor`` says where chunks are embedded
+        (:mod:`ragbudget.retrieval.executors`): ``"local"`` (this process), ``"ray"`` (Ray Data on the cluster
+        ``RAY_ADDRESS`` names, or a local one) or an executor object such as ``RayExecutor(address=...,
+        workers=...)``; the index it writes is the same (vectors equal within float rounding). Settings that change
+        the vectors or the chunks (embedder, chunking, dedup, cleaning) trigger a full rebuild, reported in
+        ``rebuild_reason``.
         Files stream through in batches of ``batch_files``; chunks are embedded ``embed_batch`` at a
         time, so memory grows with the batch, not the corpus — except for what every chunk keeps in
         memory during a build: its vector (4·dim bytes, 1.5 KB for MiniLM) and, with

@@ -57,7 +57,8 @@ if TYPE_CHECKING:
     from numpy.typing import ArrayLike, NDArray
 
     from .postgres_catalog import PgCatalogWriter
-    from .vectors import FlatStore, StoreReport, VectorStore
+    from .recall import StoreReport
+    from .vectors import FlatStore, VectorStore
 
 __all__ = ["DEFAULT_SCHEMA", "PgCheckpoint", "PgExactStore", "PostgresStorage", "db_errors", "is_db_url", "mask_url"]
 
@@ -427,10 +428,9 @@ class PgWriter:
         search: VectorStore | None,
         vacuum: bool = False,
         progress: Callable[[int], None] | None = None,
+        questions: NDArray[np.float32] | None = None,
     ) -> Manifest:
         import numpy as np
-
-        from .vectors import RECALL_TARGET
 
         step = progress or (lambda _: None)
         st, s, n = self.storage, self.storage._s, self.number
@@ -458,18 +458,19 @@ class PgWriter:
             if store.get("kind") == "hnsw":
                 t = time.perf_counter()
                 index = create_hnsw(self.conn, s, exact.dim)
-                tuned, recall, nq = tune_hnsw(self._catalog, exact, exact.dim)
-                hnsw = {"recall_at_10": round(recall, 4), "recall_queries": nq, "ef_search": tuned.ef_search}
+                from .recall import warn_below_target
+
+                tuned, report = tune_hnsw(self._catalog, exact, exact.dim, questions)
+                hnsw = {
+                    # an empty generation has nothing to miss
+                    "recall_at_10": 1.0 if report.recall_at_10 is None else round(report.recall_at_10, 4),
+                    "recall_queries": report.queries,
+                    **report.tuning(),
+                    "ef_search": tuned.ef_search,
+                }
                 approx = {"kind": "hnsw", "engine": "pgvector", "index": index, **hnsw}
                 store.update(hnsw, build_seconds=round(time.perf_counter() - t, 3))
-                if recall < RECALL_TARGET:
-                    log.warning(
-                        "pgvector's HNSW reaches recall@10 %.3f against exact search, below the %.2f target, "
-                        "at its largest ef_search (%d)",
-                        recall,
-                        RECALL_TARGET,
-                        tuned.ef_search,
-                    )
+                warn_below_target(report, "pgvector's HNSW", f"ef_search {tuned.ef_search}")
             else:
                 create_hnsw(self.conn, s, None)
             step(2)
@@ -686,24 +687,28 @@ def _room_for_the_graph(conn: psycopg.Connection[Any], schema: str, dim: int) ->
         conn.execute("SELECT set_config('maintenance_work_mem', %s, true)", (f"{kib}kB",))
 
 
-def tune_hnsw(catalog: PgCatalog, exact: VectorStore, dim: int) -> tuple[PgHnswStore, float, int]:
+def tune_hnsw(
+    catalog: PgCatalog, exact: VectorStore, dim: int, questions: NDArray[np.float32] | None = None
+) -> tuple[PgHnswStore, StoreReport]:
     """The smallest ``ef_search`` of :data:`EF_SEARCH_LADDER` whose recall@10 against ``exact``
-    (on the index's own vectors, as :func:`~ragbudget.retrieval.vectors.measure_recall` samples
-    them for a local store) reaches :data:`~ragbudget.retrieval.vectors.TUNE_TARGET`, else the
-    largest. ``(store, recall, queries)``.
+    reaches the target, as a local HNSW graph tunes (:func:`~ragbudget.retrieval.recall.tune`):
+    on the builder's pseudo-questions when given (0.99), else on noisy own vectors (0.998); the
+    largest when none does. ``(store, report)``.
 
-    The stricter tuning target, as a local store's: tuned to 0.98 on its own (noisy) vectors,
-    a 10k-chunk index gave 0.908 on held-out questions (``bench/postgres.py --parts scale``)."""
-    from .vectors import TUNE_TARGET, measure_recall
+    Tuned to 0.998 on noisy own vectors, pgvector climbed to ef_search 400 at ~109k chunks, 15.7
+    ms a search, where 64 (3.6 ms) already gave unseen questions 0.9875 (``bench/postgres.py
+    --ladder``)."""
+    from .recall import tune
 
     store = PgHnswStore(catalog, dim, EF_SEARCH_LADDER[0])
-    recall, nq = 1.0, 0
-    for ef in EF_SEARCH_LADDER:
+
+    def set_ef(ef: int) -> None:
         store.ef_search = ef
-        recall, nq = measure_recall(store, exact)
-        if recall >= TUNE_TARGET:
-            break
-    return store, recall, nq
+
+    if questions is not None and not len(questions):
+        questions = None
+    report = tune(EF_SEARCH_LADDER, set_ef, store, exact, questions)
+    return store, report
 
 
 class PgCheckpoint:

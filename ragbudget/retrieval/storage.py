@@ -322,11 +322,14 @@ class GenerationWriter(Protocol):
         search: VectorStore | None,
         vacuum: bool = False,
         progress: Callable[[int], None] | None = None,
+        questions: NDArray[np.float32] | None = None,
     ) -> Manifest:
         """Write everything, then the manifest naming it (the commit point); its manifest.
         ``fields`` is what the writer records (settings, embedder, counts, the last run); the
         storage adds the format, the generation and its files. ``search``: the search store,
-        ``None`` when the exact one searches. ``progress(step)`` after each of 3 steps."""
+        ``None`` when the exact one searches. ``progress(step)`` after each of 3 steps.
+        ``questions``: pseudo-questions (query vectors) for a storage that builds its own search
+        store at commit (:attr:`searches_in_place`) to tune it on; others ignore them."""
         ...
 
     def close(self) -> None:
@@ -628,7 +631,9 @@ class LocalWriter:
         search: VectorStore | None,
         vacuum: bool = False,
         progress: Callable[[int], None] | None = None,
+        questions: NDArray[np.float32] | None = None,
     ) -> Manifest:
+        del questions  # the search store came finalized, tuned on them
         step = progress or (lambda _: None)
         n = self.number
         self.catalog.finish(n, vacuum=vacuum)

@@ -13,9 +13,13 @@ too big to keep in memory twice), or the name of a store another package registe
 ``ragbudget.stores`` entry point group (:data:`STORES_GROUP`; loaded on first use, see
 :func:`store_names`). An approximate store tunes its search parameter at build time
 (:meth:`VectorStore.finalize`): the smallest ``efSearch``/``nprobe`` whose recall@10 against
-exact search, on queries sampled from the index's own vectors, reaches :data:`TUNE_TARGET` (stricter
-than :data:`RECALL_TARGET`: questions are harder queries than the chunks themselves); the recall
-measured is recorded in the manifest, shown by ``stats`` and re-measured by ``verify``.
+exact search reaches its target on tuning queries. An HNSW graph given pseudo-questions (a few
+words of sampled chunks embedded as queries, which the builder makes: see
+:func:`~ragbudget.retrieval.recall.pseudo_questions`) tunes on them to :data:`QUESTION_TUNE_TARGET`;
+otherwise a store tunes on the index's own vectors moved off by noise to :data:`TUNE_TARGET`.
+The recall on the noisy own vectors is recorded in the manifest either way (with what the store
+tuned on and its recall there), shown by ``stats`` and re-measured by ``verify``, which needs no
+embedder for it.
 
 faiss is imported when a store is first made or loaded, never by ``import ragbudget``.
 
@@ -40,12 +44,25 @@ import re
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, cast, runtime_checkable
 
 from ..errors import ConfigError, IndexCorruptError
 from .faiss_io import RowFile, read_index
+from .recall import (
+    PSEUDO_QUESTION_WORDS,
+    QUERY_NOISE,
+    QUESTION_TUNE_TARGET,
+    RECALL_QUERIES,
+    RECALL_TARGET,
+    RECALL_TOLERANCE,
+    TUNE_TARGET,
+    StoreReport,
+    measure_recall,
+    tune,
+    warn_below_target,
+)
 
 if TYPE_CHECKING:
     from importlib.metadata import EntryPoint
@@ -55,11 +72,15 @@ if TYPE_CHECKING:
 
 __all__ = [
     "APPROX_KINDS",
+    "EF_LADDER",
+    "PSEUDO_QUESTION_WORDS",
+    "RECALL_TOLERANCE",
     "FLAT_MAX_BYTES",
     "HNSW_MAX_BYTES",
     "RECALL_QUERIES",
     "RECALL_TARGET",
     "QUERY_NOISE",
+    "QUESTION_TUNE_TARGET",
     "STORES",
     "STORES_GROUP",
     "TUNE_TARGET",
@@ -74,6 +95,8 @@ __all__ = [
     "make_store",
     "measure_recall",
     "store_names",
+    "tune",
+    "warn_below_target",
 ]
 
 log = logging.getLogger(__name__)
@@ -96,32 +119,18 @@ FLAT_MAX_BYTES = 40_000_000
 #: IVF-PQ, whose codes take 1/32 of it, and rescores its candidates from the exact file mapped
 #: read-only (pages touched by rescoring only). 600 MB: 390k MiniLM vectors.
 HNSW_MAX_BYTES = 600_000_000
-#: The recall@10 an approximate store must give real queries (against exact search).
-RECALL_TARGET = 0.98
-#: The recall@10 on the tuning queries that finalize tunes to. Stricter than the target
-#: because the index's own vectors are easier queries than questions: on MiniLM vectors of real
-#: text (bench/index_scale.py, 20k chunks), HNSW at 0.984 on own vectors gave 0.923 on held-out
-#: questions, and 0.998 gave 0.991; IVF-PQ 0.9935 gave 0.987, 0.999 gave 0.995.
-TUNE_TARGET = 0.998
 #: HNSW graph parameters of every HNSW this package builds (FAISS locally, pgvector in a
 #: database: ragbudget.retrieval.postgres.create_hnsw): links per node and the candidate list
 #: while building. pgvector's defaults (16, 64) made a graph that needed ef_search 1000 to reach
 #: the tuning target on ~100k chunks (bench/postgres.py --parts scale).
 HNSW_M = 32
 HNSW_EF_CONSTRUCTION = 80
-#: Tuning queries are the index's own vectors moved away from themselves by this much noise
-#: (norm of the noise / norm of the vector; cosine ≈ 0.59 to the source), because questions lie
-#: far from every chunk: at 1M vectors IVF-PQ reached 0.999 on own vectors at nprobe 8 while
-#: held-out questions got 0.842; noisy own vectors tracked the questions more closely.
-QUERY_NOISE = 1.37
-#: How many of the index's own vectors are used as queries to measure recall.
-RECALL_QUERIES = 200
-#: ``verify`` reports a store whose recall, measured again, falls more than this below the record
-#: (the sample is the same, so only a changed or damaged store moves it).
-RECALL_TOLERANCE = 0.02
 
 # Search-parameter ladders tried by finalize, cheapest first.
-_EF_LADDER = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+# HNSW goes to 1024: on 107k chunks that are means of one article's sentences (tight clusters)
+# questions still gained at 512 (0.968 on squad-test), where a search took 1.3 ms against 13.5 ms
+# exact (bench/results/ladder_mean.json).
+EF_LADDER = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
 _NPROBE_LADDER = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 # IVF-PQ: the PQ codes propose _RESCORE × k candidates, the SQ8 copy keeps _EXACT_TOP × k of
 # them, and the exact cosines of those pick and order the final k. Many candidates because a
@@ -129,30 +138,6 @@ _NPROBE_LADDER = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 # 48-byte PQ codes can tell apart (1M vectors: recall 0.96 with 200 candidates, at any nprobe).
 _RESCORE = 100
 _EXACT_TOP = 10
-
-
-@dataclass(frozen=True)
-class StoreReport:
-    """What :meth:`VectorStore.finalize` did: the store ``kind``, its vector count ``n``, the
-    parameters it settled on, the recall@10 it measured against exact search on ``queries``
-    sampled vectors (``None`` for the exact store), and the seconds it took."""
-
-    kind: str
-    n: int
-    params: dict[str, Any] = field(default_factory=dict)
-    recall_at_10: float | None = None
-    queries: int = 0
-    seconds: float = 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "kind": self.kind,
-            "n": self.n,
-            "params": dict(self.params),
-            "recall_at_10": None if self.recall_at_10 is None else round(self.recall_at_10, 4),
-            "recall_queries": self.queries,
-            "seconds": round(self.seconds, 3),
-        }
 
 
 @runtime_checkable
@@ -164,7 +149,9 @@ class VectorStore(Protocol):
     returns the store's manifest fields (``kind`` among them); its class reads it back
     (``load(path, entry, exact=...)``, :class:`StoreClass`) with ``faiss.read_index`` or another
     reader that executes no code (no pickle). ``finalize()`` trains (IVF), builds (HNSW) and
-    tunes the store before it is saved, and reports the recall measured.
+    tunes the store before it is saved, and reports the recall measured. A store whose class
+    sets ``tunes_on_questions = True`` is called ``finalize(questions=...)`` with the builder's
+    pseudo-questions (query vectors) to tune on.
     """
 
     kind: str
@@ -324,6 +311,9 @@ class _Derived(ABC):
 
     kind = ""
     param = ""  # the search parameter finalize tunes
+    #: Whether :meth:`finalize` tunes on pseudo-questions when given them (chosen for HNSW on
+    #: measurements; IVF keeps its own-vector target, see TUNE_TARGET).
+    tunes_on_questions = False
 
     def __init__(
         self,
@@ -391,22 +381,20 @@ class _Derived(ABC):
         scores, ids = self.index.search(q, int(k))
         return scores, ids
 
-    def finalize(self) -> StoreReport:
+    def finalize(self, *, questions: ArrayLike | None = None) -> StoreReport:
         """Build the store from the exact one, then tune: the smallest search parameter whose
-        recall@10 on the index's own vectors reaches :data:`TUNE_TARGET` (the largest tried
-        when none does; below :data:`RECALL_TARGET` the builder warns)."""
+        recall@10 reaches its target (the largest tried when none does; the builder warns) —
+        on ``questions`` (pseudo-questions) to :data:`QUESTION_TUNE_TARGET` if this store
+        :attr:`tunes_on_questions`, else on noisy own vectors to ``tune_target``."""
         t = time.perf_counter()
         assert self.exact is not None
         self._build()
-        recall, nq = None, 0
-        if self.ntotal:
-            for value in self._ladder():
-                self._set_param(value)
-                recall, nq = measure_recall(self, self.exact)
-                if recall >= self.tune_target:
-                    break
-            self.params[self.param] = value
-        self.report = StoreReport(self.kind, self.ntotal, dict(self.params), recall, nq, time.perf_counter() - t)
+        if not self.tunes_on_questions or questions is None or not len(_as_rows(questions, self.dim)):
+            questions = None
+        tuned = tune(self._ladder(), self._set_param, self, self.exact, questions, self.tune_target)
+        if tuned.params:
+            self.params[self.param] = tuned.params["value"]
+        self.report = replace(tuned, kind=self.kind, params=dict(self.params), seconds=time.perf_counter() - t)
         return self.report
 
     def save(self, path: Path) -> dict[str, Any]:
@@ -419,7 +407,7 @@ class _Derived(ABC):
             entry.update(
                 recall_at_10=self.report.to_dict()["recall_at_10"],
                 recall_queries=self.report.queries,
-                recall_target=self.target,
+                **self.report.tuning(),
             )
         return entry
 
@@ -431,6 +419,7 @@ class HNSWStore(_Derived):
 
     kind = "hnsw"
     param = "ef_search"
+    tunes_on_questions = True
 
     def __init__(
         self,
@@ -447,7 +436,7 @@ class HNSWStore(_Derived):
         )
 
     def _ladder(self) -> tuple[int, ...]:
-        return _EF_LADDER
+        return EF_LADDER
 
     def _set_param(self, value: int) -> None:
         import faiss
@@ -748,50 +737,3 @@ def choose_store(store: str, n: int, dim: int) -> str:
     if size <= FLAT_MAX_BYTES:
         return "flat"
     return "hnsw" if size <= HNSW_MAX_BYTES else "ivf-pq"
-
-
-def measure_recall(
-    store: VectorStore,
-    exact: VectorStore,
-    *,
-    k: int = 10,
-    queries: int = RECALL_QUERIES,
-    seed: int = 0,
-    noise: float = QUERY_NOISE,
-) -> tuple[float, int]:
-    """recall@k of ``store`` against ``exact``, with ``queries`` of the stored vectors (a fixed
-    sample, seeded) as the queries; each query's own id is left out of both answers, so finding
-    a vector itself counts for nothing, and a hit scoring as high as the k-th true neighbour
-    counts (ties). The queries are moved off the vectors by Gaussian noise of relative norm
-    ``noise`` (seeded too), so they sit as far from the chunks as questions do. Returns
-    ``(recall, queries used)``."""
-    import numpy as np
-
-    n = exact.ntotal
-    if n < 2:
-        return 1.0, 0
-    all_ids = exact.ids()
-    pick = np.sort(np.random.default_rng(seed).choice(n, min(queries, n), replace=False))
-    qids = all_ids[pick]
-    q = exact.vectors(qids)
-    if noise:
-        g = np.random.default_rng(seed + 1).standard_normal(q.shape).astype(np.float32)
-        q = q + g * (noise / math.sqrt(q.shape[1]))
-        q /= np.linalg.norm(q, axis=1, keepdims=True)
-    kk = min(k, n - 1)
-    tscores, truth = exact.search(q, kk + 1)
-    _, got = store.search(q, kk + 1)
-    hits = total = 0
-    for i, qid in enumerate(qids):
-        keep = (truth[i] >= 0) & (truth[i] != qid)
-        t, ts = truth[i][keep][:kk], tscores[i][keep][:kk]
-        g = np.array([x for x in got[i] if x >= 0 and x != qid][:kk], dtype=np.int64)
-        if not len(t):
-            continue
-        total += len(t)
-        if len(g):
-            # Tie-aware: a returned vector as similar as the k-th true neighbour is as good as
-            # it (equal scores come back in any order; hash embeddings of short texts tie often).
-            gs = exact.vectors(g) @ q[i]
-            hits += min(len(t), int(np.count_nonzero(gs >= ts[-1] - 1e-6)))
-    return (hits / total if total else 1.0), len(qids)
