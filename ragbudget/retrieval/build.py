@@ -65,7 +65,6 @@ __all__ = ["ProgressCallback", "build_index"]
 
 log = logging.getLogger(__name__)
 
-
 #: ``progress(phase, done, total)``: phases ``"files"`` (files to (re)index) then ``"embed"``
 #: (chunks embedded; ``total`` grows as files are chunked), ``"sentences"`` (chunks whose sentence
 #: vectors are embedded, for span packing; only when some lack them), then ``"write"``.
@@ -213,6 +212,8 @@ def build_index(
 
 class _Builder:
     """One writer run: holds the generation being written (its catalog and exact store)."""
+
+    questions: NDArray[np.float32] | None = None  # the pseudo-questions a database's HNSW tunes on
 
     def __init__(
         self,
@@ -681,8 +682,6 @@ class _Builder:
         )
         warn_below_target(report, f"the {kind} store", report.params)
         return store
-
-    questions: NDArray[np.float32] | None = None  # the pseudo-questions a database's HNSW tunes on
 
     def _summary(self, *, committed: bool) -> IndexSummary:
         if committed and self.counts is not None:
