@@ -439,14 +439,14 @@ def ladder_sweep(ix: Any, queries: dict[str, Any], timing: list[Any], k: int = 1
     set (own noisy vectors at each noise level, as the build's tuning measures; pseudo-questions;
     the question splits) and the p50 of ``Index.search_vector`` on ``timing``."""
     from ragbudget.retrieval.postgres import EF_SEARCH_LADDER, PgHnswStore
-    from ragbudget.retrieval.vectors import _EF_LADDER, measure_recall
+    from ragbudget.retrieval.vectors import EF_LADDER, measure_recall
 
     gen = ix._generation()
     store, exact = gen.search, gen.exact
     pg = isinstance(store, PgHnswStore)
     was = store.ef_search if pg else store.params["ef_search"]
     rows = []
-    for ef in EF_SEARCH_LADDER if pg else _EF_LADDER:
+    for ef in EF_SEARCH_LADDER if pg else EF_LADDER:
         if pg:
             store.ef_search = ef
         else:

@@ -459,13 +459,20 @@ def test_hnsw_ef_search_climbs_the_ladder_until_the_recall_target(pg_url: str) -
         assert abs(measure_recall(PgHnswStore(catalog, 64, ef), flat)[0] - recall) < 1e-4  # type: ignore[arg-type]
     finally:
         catalog.close()
-    questions = rng.standard_normal((200, 64)).astype(np.float32)  # queries from elsewhere
+    # Questions: directions from elsewhere, in more dimensions, so that the first rung is well
+    # below 0.99 (in 64 it sat at 0.99 itself, and a rebuilt graph could stop there or not).
+    d = 256
+    vecs = rng.standard_normal((3000, d)).astype(np.float32)
+    vecs /= np.linalg.norm(vecs, axis=1, keepdims=True)
+    flat = FlatStore(d)
+    flat.add(np.arange(1, 3001, dtype=np.int64), vecs)
+    questions = rng.standard_normal((200, d)).astype(np.float32)
     questions /= np.linalg.norm(questions, axis=1, keepdims=True)
     with storage.lock():
         writer = storage.begin(None, keep=False)
         try:
             m2 = writer.commit(
-                {"store": {"requested": "hnsw", "kind": "hnsw"}, "dim": 64},
+                {"store": {"requested": "hnsw", "kind": "hnsw"}, "dim": d},
                 exact=flat,
                 search=None,
                 questions=questions,
@@ -479,10 +486,10 @@ def test_hnsw_ef_search_climbs_the_ladder_until_the_recall_target(pg_url: str) -
     catalog = storage.open(m2).catalog
     try:
         below = EF_SEARCH_LADDER[EF_SEARCH_LADDER.index(ef) - 1]
-        at = {e: measure_recall(PgHnswStore(catalog, 64, e), flat, questions=questions)[0] for e in (below, ef)}  # type: ignore[arg-type]
+        at = {e: measure_recall(PgHnswStore(catalog, d, e), flat, questions=questions)[0] for e in (below, ef)}  # type: ignore[arg-type]
         assert at[below] < 0.99 and abs(at[ef] - approx["recall_at_10_questions"]) < 1e-4
         # what verify re-measures: the noisy own vectors at the kept ef_search
-        assert abs(measure_recall(PgHnswStore(catalog, 64, ef), flat)[0] - approx["recall_at_10"]) < 1e-4  # type: ignore[arg-type]
+        assert abs(measure_recall(PgHnswStore(catalog, d, ef), flat)[0] - approx["recall_at_10"]) < 1e-4  # type: ignore[arg-type]
     finally:
         catalog.close()
 
