@@ -407,25 +407,6 @@ def recall_on_questions(approx: Any, exact: Any, vectors: list[Any], k: int = 10
     return round(found / total, 4)
 
 
-def store_recall(store: Any, exact: Any, q: Any, k: int = 10) -> float:
-    """recall@k of ``store`` against ``exact`` on the query matrix ``q``, tie-aware (as above)."""
-    import numpy as np
-
-    ts, truth = exact.search(q, k)
-    _, got = store.search(q, k)
-    found = total = 0
-    for i in range(len(q)):
-        keep = truth[i] >= 0
-        t = set(truth[i][keep].tolist())
-        g = [x for x in got[i].tolist() if x >= 0]
-        if not t:
-            continue
-        total += len(t)
-        gs = exact.vectors(np.array(g, dtype=np.int64)) @ q[i] if g else []
-        found += sum(1 for x, s in zip(g, gs, strict=True) if x in t or s >= ts[i][keep][-1] - 1e-6)
-    return round(found / total, 4) if total else 1.0
-
-
 def windows(ix: Any, emb: Any, words: int) -> Any:
     """The library's pseudo-questions (what an HNSW graph tunes on: 12-word windows) of ``words`` words."""
     from ragbudget.retrieval.build import pseudo_questions
@@ -455,7 +436,7 @@ def ladder_sweep(ix: Any, queries: dict[str, Any], timing: list[Any], k: int = 1
         for noise in (1.0, 1.37, 1.8):
             row[f"own_noise_{noise}"] = round(measure_recall(store, exact, noise=noise)[0], 4)
         for name, q in queries.items():
-            row[name] = store_recall(store, exact, q, k)
+            row[name] = round(measure_recall(store, exact, k=k, questions=q)[0], 4)
         row["p50_ms"] = timed_searches(ix, timing, 2, k)["p50_ms"]
         rows.append(row)
         print(row, flush=True)

@@ -705,8 +705,6 @@ def tune_hnsw(
     def set_ef(ef: int) -> None:
         store.ef_search = ef
 
-    if questions is not None and not len(questions):
-        questions = None
     report = tune(EF_SEARCH_LADDER, set_ef, store, exact, questions)
     return store, report
 

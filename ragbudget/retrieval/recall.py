@@ -176,12 +176,15 @@ def tune(
     the store is empty); FAISS stores and pgvector's HNSW share it."""
     if not store.ntotal:
         return StoreReport("", 0)
-    on_questions = questions is not None
+    import numpy as np
+
+    q = None if questions is None else np.asarray(questions, dtype=np.float32)
+    on_questions = q is not None and len(q) > 0  # no rows: tuned as without them
     value, recall, nq, qrecall = ladder[-1], 0.0, 0, None
     for value in ladder:
         set_param(value)
         if on_questions:
-            qrecall = measure_recall(store, exact, questions=questions)[0]
+            qrecall = measure_recall(store, exact, questions=q)[0]
             if qrecall >= QUESTION_TUNE_TARGET:
                 break
         else:

@@ -389,7 +389,7 @@ class _Derived(ABC):
         t = time.perf_counter()
         assert self.exact is not None
         self._build()
-        if not self.tunes_on_questions or questions is None or not len(_as_rows(questions, self.dim)):
+        if not self.tunes_on_questions:
             questions = None
         tuned = tune(self._ladder(), self._set_param, self, self.exact, questions, self.tune_target)
         if tuned.params:
