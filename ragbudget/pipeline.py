@@ -368,6 +368,25 @@ class Pipeline(Planning):
                 self._index = Index.open(self.index_dir)
             return self._index
 
+    def close(self) -> None:
+        """Stop what the pipeline started — the batching loop of a local model, an engine's
+        connections — and close the index. Idempotent; a later call opens them again. Also
+        ``with Pipeline(...) as rb:``. A process that exits without it is still safe (the batching
+        loop is stopped at exit), but a long-lived program that drops pipelines should close them."""
+        # Both keep their objects: a Backend and an Index reopen what they need on next use.
+        with self._lock:
+            backend, index = self._backend, self._index
+        if backend is not None:
+            backend.close()
+        if index is not None:
+            index.close()
+
+    def __enter__(self) -> Pipeline:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     CALIBRATION_QUESTION = "What is this about?"
 
     def calibrate(self, question: str = CALIBRATION_QUESTION, *, max_new_tokens: int = 16) -> Answer | None:

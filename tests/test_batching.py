@@ -422,3 +422,35 @@ def test_the_models_repetition_penalty_applies_batched_as_unbatched() -> None:
         b.close()
     assert together[0].text == alone.text
     assert together[1].text == penalized.generate("question 1?", max_new_tokens=9).text
+
+
+# A process that exits while the batching loop is inside a forward pass: before the loop was
+# stopped at exit, libstdc++ tore the runtime down under the running op and the process died with
+# "terminate called without an active exception" (exit status 134) — what `ragbudget ask` did
+# whenever an answer ended (a stop string, a repeated line) while the loop still ran (issue #42).
+_EXIT_WHILE_BUSY = """
+import sys, threading
+from ragbudget.generation.batching import Batcher
+from ragbudget.generation.generate import Generator
+
+batcher = Batcher(Generator(), kv_tokens=2048)
+flowing = threading.Event()
+threading.Thread(
+    target=lambda: batcher.generate(
+        "Tell me a long story about a lighthouse keeper.", max_new_tokens=500, on_text=lambda _: flowing.set()
+    ),
+    daemon=True,
+).start()
+if not flowing.wait(120):
+    sys.exit("no token in 120 s")
+"""
+
+
+def test_a_process_exiting_while_the_loop_runs_exits_cleanly() -> None:
+    import subprocess
+    import sys
+
+    for attempt in range(2):  # the race is nearly certain (500 tokens to go); twice to be sure
+        done = subprocess.run([sys.executable, "-c", _EXIT_WHILE_BUSY], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, (attempt, done.returncode, done.stderr[-2000:])
+        assert "terminate called" not in done.stderr

@@ -257,6 +257,43 @@ def test_demo_path_with_the_embedded_models(runner: CliRunner, tmp_path: Path, r
         assert b["context_tokens_allowed"] <= b["context_limit"]["tokens"]
 
 
+FAQ = (
+    "How do I share global variables across modules?\n\nThe canonical way to share information across "
+    "modules within a single program is to create a special module (often called config or cfg). Just "
+    "import the config module in all modules of your application; the module then becomes available "
+    "as a global name.\n"
+)
+
+
+@pytest.mark.model
+def test_ask_exits_0_when_the_answer_ends_by_itself(tmp_path: Path) -> None:
+    """The real command in its own process (issue #42): an answer that ends on its own — here at a
+    stop string the answer reaches, while the batching loop still runs — exits 0, not 134 with
+    "terminate called without an active exception" when the process tears down the running loop."""
+    import subprocess
+    import sys
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "faq.md").write_text(FAQ, encoding="utf-8")
+    index_dir = str(tmp_path / "idx")
+    run = [sys.executable, "-m", "ragbudget"]
+    built = subprocess.run([*run, "index", str(docs), "--index-dir", index_dir, "--embedder", "hash:64"], timeout=300)
+    assert built.returncode == 0
+    question = "How do I share global variables across modules?"
+    for stop in (["--stop", "module"], []):  # ended at a stop string; then at EOS or the cap
+        done = subprocess.run(
+            [*run, "ask", question, "--index-dir", index_dir, "--json", *stop],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert done.returncode == 0, (stop, done.returncode, done.stderr[-2000:])
+        answer = json.loads(done.stdout)
+        if stop:
+            assert answer["finish_reason"] == "stop", answer
+
+
 def test_search_retrieval_options(runner: CliRunner, tmp_path: Path) -> None:
     """`--retrieval dense` is the embedding search alone; the default fuses BM25 in; `--fusion`
     and `--lexical-weight` reach the pipeline."""

@@ -516,13 +516,15 @@ def ask(
     from ..pipeline import Pipeline
     from .display import format_report
 
-    pipe = Pipeline(index_dir, model=model, memory=memory, retrieval=retrieval, engine=engine)
     streaming = not as_json and not no_stream
     on_text = (lambda piece: click.echo(piece, nl=False)) if streaming else None
-    answer = pipe.ask(question, context_tokens=context_tokens, on_text=on_text, **sampling)
-    if absolute_paths:  # the prompt only ever saw display paths; the local user may want files
-        for src in answer.sources:
-            src["path"] = pipe.store.absolute_path(src["path"]) or src["path"]
+    # Closed before anything is printed after the answer: the batching loop stops here, not
+    # at interpreter exit (see ragbudget.generation.batching, "stopping at exit").
+    with Pipeline(index_dir, model=model, memory=memory, retrieval=retrieval, engine=engine) as pipe:
+        answer = pipe.ask(question, context_tokens=context_tokens, on_text=on_text, **sampling)
+        if absolute_paths:  # the prompt only ever saw display paths; the local user may want files
+            for src in answer.sources:
+                src["path"] = pipe.store.absolute_path(src["path"]) or src["path"]
     if as_json:
         echo_json(answer.to_dict())
         return
@@ -634,6 +636,7 @@ def chat(
     finally:
         if isinstance(lines, TerminalLines):
             lines.save()  # also when the loop ended on /exit, not only on Ctrl-D
+        pipe.close()
 
 
 @cli.command()
@@ -688,17 +691,17 @@ def serve(
     from ..pipeline import Pipeline
     from ..server.app import serve as run_server
 
-    pipe = Pipeline(index_dir, model=model, memory=memory, retrieval=retrieval, engine=engine)
-    run_server(
-        pipe,
-        host=host,
-        port=port,
-        api_key=api_key,
-        model_name=model_name,
-        history=history,
-        request_timeout=request_timeout,
-        expose_plan=expose_plan,
-    )
+    with Pipeline(index_dir, model=model, memory=memory, retrieval=retrieval, engine=engine) as pipe:
+        run_server(
+            pipe,
+            host=host,
+            port=port,
+            api_key=api_key,
+            model_name=model_name,
+            history=history,
+            request_timeout=request_timeout,
+            expose_plan=expose_plan,
+        )
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -32,6 +32,7 @@ What stays per request:
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import logging
 import math
@@ -39,6 +40,7 @@ import queue
 import random
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -121,6 +123,23 @@ def in_own_thread(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
     # Leaving the block joins the executor's one thread: the pool's owner is gone on return.
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ragbudget-apart") as one:
         return one.submit(fn, *args, **kwargs).result()
+
+
+# -- stopping at exit ------------------------------------------------------------------------------
+# The manager's loop is a daemon thread that spends its life inside torch with the GIL released.
+# A process that exits while that loop is still in a step (the answer has ended, but the loop has
+# not yet seen the request's cancel, or runs another request) has its C++ runtime torn down under
+# the running op: libstdc++ destroys a joinable thread and calls std::terminate ("terminate called
+# without an active exception", exit status 134). So every batcher with a running loop is stopped
+# (its loop joined) by an atexit hook, which runs before the interpreter finalizes and before any
+# static destructor; :meth:`Batcher.close` stops it earlier for callers that close what they open.
+_RUNNING: weakref.WeakSet[Batcher] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all_at_exit() -> None:
+    for batcher in list(_RUNNING):
+        batcher.close()
 
 
 def _dtype_name(model: Any) -> str:
@@ -438,6 +457,7 @@ class Batcher:
         starter.start()
         starter.join()
         threading.Thread(target=self._pump, args=(manager,), daemon=True, name="ragbudget-batch-results").start()
+        _RUNNING.add(self)
         return manager
 
     def _pump(self, manager: Any) -> None:
@@ -464,6 +484,7 @@ class Batcher:
         :meth:`generate` starts a new one."""
         with self._lock:
             manager, self._manager = self._manager, None
+        _RUNNING.discard(self)
         if manager is not None:
             self._stop(manager)
 
