@@ -612,6 +612,9 @@ def test_ask_and_search_on_an_empty_index_say_so(runner: CliRunner, tmp_path: Pa
         result = runner.invoke(cli, [*args, "--index-dir", index_dir])
         assert result.exit_code == 1, result.output
         assert "has no chunks" in result.output and "ragbudget index" in result.output
+    # The index run itself said that the folder held nothing (issue #42 §7).
+    again = runner.invoke(cli, ["index", str(tmp_path / "empty"), "--index-dir", index_dir])
+    assert "warning" in again.output and "no files found here: nothing to index" in again.output
 
 
 def _ask_curie(index_dir: str) -> list[str]:

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from ragbudget.cli.display import format_plan, format_report, format_sources, plot_plan
+from ragbudget.cli.display import SOURCES_ORDER, format_plan, format_report, format_sources, plot_plan
 from ragbudget.memory.budget import plan_budget
 
 
@@ -123,5 +123,8 @@ def test_sources_block_numbers_them_as_the_answer_cites_them() -> None:
         {"path": "/idx/docs/b.md", "page": 4, "start": 5, "end": 9},
     ]
     assert format_sources(sources, lambda p: p.removeprefix("/idx/")) == (
-        "Sources:\n  [1] docs/a.md, slide 2 [0:10] score 0.500\n  [2] docs/b.md, page 4 [5:9]"
+        f"Sources: {SOURCES_ORDER}\n  [1] docs/a.md, slide 2 [0:10] score 0.500\n  [2] docs/b.md, page 4 [5:9]"
     )
+    # The numbers are the prompt's order, not a ranking: the header says so (issue #42 §7).
+    assert "prompt order" in SOURCES_ORDER and "not sorted by score" in SOURCES_ORDER
+    assert format_sources(sources[:1]) == "Sources:\n  [1] /idx/docs/a.md, slide 2 [0:10] score 0.500"

@@ -424,6 +424,22 @@ def test_an_empty_index_is_an_error_not_an_answer_from_nothing(tmp_path: Path) -
     assert not gen.prompts
 
 
+def test_indexing_nothing_says_so(tmp_path: Path) -> None:
+    """Issue #42 §7: ``index([])`` was a silent no-op; an empty folder is a warning."""
+    from ragbudget.errors import ConfigError
+
+    pipe = Pipeline(tmp_path / "idx", embedder="hash:64")
+    with pytest.raises(ConfigError, match="nothing to index: no paths given"):
+        pipe.index([])
+    assert not (tmp_path / "idx").exists()  # refused before anything was written
+    (tmp_path / "empty").mkdir()
+    summary = pipe.index([tmp_path / "empty"])
+    assert [m for _p, m in summary.warnings] == ["no files found here: nothing to index"]
+    assert summary.warnings[0][0].endswith("empty")
+    # rebuild=True with no paths re-reads the recorded roots: that is a request, not a slip.
+    assert pipe.index([], rebuild=True).committed is not None
+
+
 def test_relevance_floor_stops_the_context_where_passages_stop_helping(indexed: Path) -> None:
     # Whole chunks: the floor shortens the context itself.
     floored, _ = _pipe(indexed, pack="chunks")  # the default floor

@@ -514,7 +514,7 @@ def ask(
 ) -> None:
     """Answer QUESTION from the index within the memory budget, citing sources."""
     from ..pipeline import Pipeline
-    from .display import format_report
+    from .display import format_report, format_sources
 
     streaming = not as_json and not no_stream
     on_text = (lambda piece: click.echo(piece, nl=False)) if streaming else None
@@ -538,10 +538,7 @@ def ask(
         reserved = answer.report.get("budget", {}).get("max_new_tokens") or memory.max_new_tokens
         click.echo(f"(answer cut at max_new_tokens={reserved}; raise --max-new-tokens)")
     click.echo()
-    click.echo("Sources:")
-    for i, src in enumerate(answer.sources, 1):
-        page = f", {src['label']}" if src.get("label") else f", page {src['page']}" if src.get("page") else ""
-        click.echo(f"  [{i}] {src['path']}{page} [{src['start']}:{src['end']}] score {src['score']:.3f}")
+    click.echo(format_sources(answer.sources))
     if explain:
         click.echo()
         click.echo(format_report(answer.report))

@@ -288,10 +288,15 @@ def _report_tail(report: dict[str, Any], lines: list[str], rows: list[tuple[str,
 # --- a chat turn (``ragbudget chat``) -----------------------------------------------------------
 
 
+#: Said above a list of several sources: their numbers are the prompt's order, not a ranking.
+SOURCES_ORDER = "(numbered in prompt order, as the answer cites them; not sorted by score)"
+
+
 def format_sources(sources: Sequence[dict[str, Any]], show_path: Callable[[str], str] = str) -> str:
     """The ``Sources:`` block of an answer (``[n]`` as the answer cites them); ``show_path`` turns
-    a stored path into the one printed."""
-    lines = ["Sources:"]
+    a stored path into the one printed. The order is the prompt's, which the numbers must keep,
+    so the header says the scores are not what orders the list."""
+    lines = [f"Sources: {SOURCES_ORDER}" if len(sources) > 1 else "Sources:"]
     for i, src in enumerate(sources, 1):
         page = f", {src['label']}" if src.get("label") else f", page {src['page']}" if src.get("page") else ""
         score = src.get("score")

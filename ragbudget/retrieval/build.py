@@ -433,6 +433,8 @@ class _Builder:
         )
         self.roots, self.todo, self.old_indexed, self.n_seen = plan.roots, plan.todo, plan.old_indexed, plan.seen
         self.skipped += plan.skipped
+        if not plan.seen:  # an empty folder (or one left wholly out): say so, not a silent no-op
+            self.warnings += [(real, "no files found here: nothing to index") for real, _kind in self.given]
         self.stats.update(files_unchanged=plan.unchanged, files_removed=plan.removed, files_kept=plan.kept)
         self.changed = self.changed or plan.changed
 

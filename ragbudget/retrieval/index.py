@@ -702,6 +702,12 @@ class Index:
         """
         from .build import build_index
 
+        if not rebuild and isinstance(paths, (list, tuple)) and not paths:
+            # An empty list is a caller's slip (a glob that matched nothing, a filter too tight),
+            # not a request: say so rather than return a summary of nothing done.
+            raise ConfigError(
+                "nothing to index: no paths given; pass files or folders (rebuild=True re-reads the recorded roots)"
+            )
         self.close()  # a writer reads the current generation itself
         try:
             return build_index(
