@@ -2,7 +2,7 @@
 
 The middleware alone first, on scripted ``receive`` calls (no server); then the app under uvicorn,
 where several stalled clients at once get their 408 within a bounded time while the others are
-answered.
+answered, and the ``serve`` command's options.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 import pytest
 from _fakes import corpus_index, fake_pipeline
+from click.testing import CliRunner
 
 from ragbudget.errors import ConfigError
 from ragbudget.server.app import background_server, create_app, http_protocol
@@ -228,6 +229,28 @@ def test_the_header_deadline_is_the_apps_and_zero_leaves_uvicorns_own(light_pipe
     assert http_protocol(create_app(light_pipeline, header_timeout=0)) == "auto"
     assert http_protocol(object()) == "auto"  # an app not built by create_app
     assert header_deadline_protocol(0, lambda: None) is H11Protocol
+
+
+def test_serve_takes_the_three_time_outs(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ragbudget.cli.commands import cli
+
+    class Pipe:
+        def __enter__(self) -> Pipe:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            pass
+
+    served: list[dict[str, Any]] = []
+    monkeypatch.setattr("ragbudget.pipeline.Pipeline", lambda *a, **kw: Pipe())
+    monkeypatch.setattr("ragbudget.server.app.serve", lambda pipe, **kw: served.append(kw))
+    assert CliRunner().invoke(cli, ["serve", "--port", "0"]).exit_code == 0
+    assert served[-1]["client_timeouts"] == ClientTimeoutSettings()
+    args = ["--header-timeout", "0", "--body-idle-timeout", "2", "--body-timeout", "5"]
+    result = CliRunner().invoke(cli, ["serve", "--port", "0", *args])
+    assert result.exit_code == 0, result.output
+    assert served[-1]["client_timeouts"] == ClientTimeoutSettings(header_timeout=0, body_idle_timeout=2, body_timeout=5)
+    assert CliRunner().invoke(cli, ["serve", "--body-timeout", "-1"]).exit_code == 2
 
 
 # --- under uvicorn ------------------------------------------------------------------------------------
