@@ -293,7 +293,7 @@ def test_stalled_clients_are_cut_off_with_408_while_the_others_are_answered(ligh
         for t in threads:
             t.start()
         time.sleep(0.2)  # every stalled client connected and sent what it will send
-        # Meanwhile the others are answered at once: all of them while the stalled ones are held.
+        # Meanwhile the others are answered, while the stalled ones are still held.
         answered = []
         with httpx.Client(base_url=url, timeout=10) as client:
             while time.monotonic() - t0 < limit - 0.5:
@@ -303,8 +303,9 @@ def test_stalled_clients_are_cut_off_with_408_while_the_others_are_answered(ligh
         for t in threads:
             t.join(timeout=20)
         metrics = httpx.get(url + "/metrics").text
-    assert {path for path, _, _ in answered} == {"/health", "/v1/retrieve"}
     assert all(status == 200 for _, status, _ in answered), answered
+    first_cut = min(out["closed_after"] or 15.0 for out in outs)
+    assert {path for path, _, at in answered if at < first_cut} == {"/health", "/v1/retrieve"}, (answered, first_cut)
     for data, out in zip(stalls, outs, strict=True):
         # Each cut off at its limit (not before), within a bounded time, not held forever.
         assert out["closed_after"] is not None, f"{data[:30]!r} was still held after 15 s"
