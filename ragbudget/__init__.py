@@ -62,6 +62,7 @@ _EXPORTS: dict[str, str] = {
     "QueueSettings": "settings",
     "EngineSettings": "settings",
     "HistorySettings": "settings",
+    "ClientTimeoutSettings": "settings",
     "ChunkSettings": "settings",
     "DedupSettings": "settings",
     "QuantizedCacheSettings": "settings",
@@ -181,6 +182,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from .retrieval.index import Index as Index
     from .settings import (
         ChunkSettings as ChunkSettings,
+        ClientTimeoutSettings as ClientTimeoutSettings,
         DedupSettings as DedupSettings,
         EngineSettings as EngineSettings,
         HistorySettings as HistorySettings,

@@ -8,6 +8,7 @@ in one place (vLLM's ``CacheConfig``/``SchedulerConfig`` pattern):
 * :class:`QueueSettings` — admission control's bounded queue;
 * :class:`EngineSettings` — generating on a served engine instead of a local model;
 * :class:`HistorySettings` — how a conversation's history shares the prompt;
+* :class:`ClientTimeoutSettings` — how long the server waits for a client's request to arrive;
 * :class:`ChunkSettings` and :class:`DedupSettings` — how :meth:`ragbudget.retrieval.index.Index.build`
   cuts and deduplicates;
 * :class:`QuantizedCacheSettings` — transformers' quantized KV cache, for
@@ -52,6 +53,7 @@ __all__ = [
     "QUANT_BACKENDS",
     "SUMMARY_ROLES",
     "ChunkSettings",
+    "ClientTimeoutSettings",
     "DedupSettings",
     "EngineSettings",
     "HistorySettings",
@@ -494,6 +496,41 @@ class HistorySettings:
                 f"{self.max_history_chars:,} (max_history_chars; serve --max-history-chars): send fewer "
                 "or shorter messages, e.g. with the older turns left out or summarized"
             )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClientTimeoutSettings:
+    """How long ``ragbudget serve`` waits for a client to send its request
+    (:mod:`ragbudget.server.deadlines`); past a limit the client gets 408 and its connection is
+    closed. 0 turns a limit off (for a server behind a proxy that enforces its own).
+
+    Attributes:
+        header_timeout: seconds from a connection's opening, or from the first byte of a
+            kept-alive connection's next request, to the end of the request's headers (nginx's
+            ``client_header_timeout``, Node's ``headersTimeout``).
+        body_idle_timeout: seconds the body may pause between two of its pieces (nginx's
+            ``client_body_timeout``).
+        body_timeout: seconds the whole body may take, from the end of the headers.
+
+    Without them a client announcing ``Content-Length: 1000`` that sends 5 bytes, or half a
+    request line, holds its connection for as long as it likes (issue #42).
+
+    >>> ClientTimeoutSettings(body_timeout=0).body_timeout
+    0.0
+    """
+
+    # A request's headers come in one packet; 10 s is a lost packet retransmitted three times
+    # (1 + 2 + 4 s at Linux's initial retransmission time-out) with room to spare.
+    header_timeout: float = 10.0
+    # The same reasoning for a pause inside a body.
+    body_idle_timeout: float = 10.0
+    # The largest body the server takes (1 MiB, create_app's max_body_bytes) in 30 s is 35 kB/s,
+    # slower than any link an API client calls from.
+    body_timeout: float = 30.0
+
+    def __post_init__(self) -> None:
+        for name in ("header_timeout", "body_idle_timeout", "body_timeout"):
+            _set(self, name, check_number(name, getattr(self, name), 0.0))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -23,6 +23,7 @@ from ragbudget.cli.options import (
 from ragbudget.errors import BudgetError
 from ragbudget.settings import (
     DEFAULT_RELEVANCE_FLOOR,
+    ClientTimeoutSettings,
     EngineSettings,
     HistorySettings,
     MemorySettings,
@@ -118,6 +119,7 @@ def test_missing_module_names_the_extra_of_a_submodule_or_the_package_itself() -
 SETTINGS_OPTIONS: dict[str, tuple[Any, ...]] = {
     **{n: (HistorySettings, n) for n in ("history_share", "summary_max_tokens", "recent_turns")},
     **{n: (HistorySettings, n) for n in ("max_messages", "max_history_chars")},
+    **{n: (ClientTimeoutSettings, n) for n in ("header_timeout", "body_idle_timeout", "body_timeout")},
     "retrieval": (RetrievalSettings, "hybrid", lambda v: v == "hybrid"),
     **{n: (RetrievalSettings, n) for n in ("lexical_weight", "fusion", "fetch_k", "order", "pack")},
     **{n: (RetrievalSettings, n) for n in ("fill_remainder", "relevance_floor")},

@@ -86,6 +86,16 @@ def test_counters_gauges_and_in_flight() -> None:
     assert got["ragbudget_rejected_total"] == "0"  # every counter is exposed from the start
 
 
+def test_slow_clients_cut_off_are_counted_apart() -> None:
+    m = Metrics()
+    m.add("body_timeouts")
+    m.add("body_timeouts")
+    m.add("header_timeouts")
+    got = samples(m.render({}))
+    assert got["ragbudget_request_body_timeouts_total"] == "2"
+    assert got["ragbudget_request_header_timeouts_total"] == "1"
+
+
 def test_counting_from_many_threads_loses_nothing() -> None:
     m = Metrics()
 

@@ -684,7 +684,7 @@ def test_serve_command_passes_options_and_env_key(monkeypatch: pytest.MonkeyPatc
     from click.testing import CliRunner
 
     from ragbudget.cli.commands import cli
-    from ragbudget.settings import HistorySettings
+    from ragbudget.settings import ClientTimeoutSettings, HistorySettings
 
     made: list[dict[str, Any]] = []
     served: list[dict[str, Any]] = []
@@ -717,6 +717,7 @@ def test_serve_command_passes_options_and_env_key(monkeypatch: pytest.MonkeyPatc
             "model_name": None,
             "history": HistorySettings(history_share=0.5, summary_max_tokens=128, recent_turns=1),
             "request_timeout": 300.0,
+            "client_timeouts": ClientTimeoutSettings(),
             "expose_plan": False,
         }
     ]

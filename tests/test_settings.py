@@ -13,6 +13,7 @@ import pytest
 from ragbudget.errors import ArgumentTypeError, ConfigError
 from ragbudget.settings import (
     ChunkSettings,
+    ClientTimeoutSettings,
     DedupSettings,
     EngineSettings,
     HistorySettings,
@@ -31,6 +32,7 @@ RECORDS = (
     ChunkSettings,
     DedupSettings,
     QuantizedCacheSettings,
+    ClientTimeoutSettings,
 )
 
 # (record, the one bad field, the error, what its message says)
@@ -71,6 +73,9 @@ BAD = [
     (HistorySettings, {"summary_role": "tool"}, ConfigError, "summary_role must be one of system, user"),
     (HistorySettings, {"max_messages": 0}, ConfigError, "max_messages must be ≥ 1"),
     (HistorySettings, {"max_history_chars": "1e6"}, ArgumentTypeError, "max_history_chars must be an int"),
+    (ClientTimeoutSettings, {"header_timeout": -1}, ConfigError, "header_timeout must be ≥ 0, got -1"),
+    (ClientTimeoutSettings, {"body_idle_timeout": float("nan")}, ConfigError, "body_idle_timeout must be ≥ 0"),
+    (ClientTimeoutSettings, {"body_timeout": "30"}, ArgumentTypeError, "body_timeout must be a number"),
     (ChunkSettings, {"max_tokens": 4}, ConfigError, "max_tokens must be an integer >= 8"),
     (ChunkSettings, {"min_tokens": 600}, ConfigError, "lower min_tokens or raise max_tokens"),
     (ChunkSettings, {"overlap": 300}, ConfigError, r"overlap must be between 0 and max_tokens // 2 \(250\)"),

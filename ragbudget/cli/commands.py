@@ -23,6 +23,7 @@ from ..settings import (
     DEFAULT_PORT,
     DEFAULT_REQUEST_TIMEOUT,
     ChunkSettings,
+    ClientTimeoutSettings,
     DedupSettings,
     EngineSettings,
     HistorySettings,
@@ -32,6 +33,7 @@ from ..settings import (
 from ..types import DEFAULT_INDEX_DIR, WEIGHT_DTYPES
 from .display import format_index_summary
 from .options import (
+    client_timeout_options,
     echo_json,
     engine_options,
     history_options,
@@ -659,6 +661,7 @@ def chat(
     type=click.FloatRange(min=0),
     help="Seconds one chat request may take in all (history, retrieval, queue, answer); then 503. 0: none.",
 )
+@client_timeout_options
 @click.option(
     "--expose-plan",
     is_flag=True,
@@ -677,6 +680,7 @@ def serve(
     model_name: str | None,
     history: HistorySettings,
     request_timeout: float,
+    client_timeouts: ClientTimeoutSettings,
     expose_plan: bool,
     retrieval: RetrievalSettings,
     engine: EngineSettings | None,
@@ -684,7 +688,8 @@ def serve(
     """OpenAI-compatible HTTP server (/v1/chat/completions, /v1/retrieve, /metrics) with KV admission.
 
     Refuses to start (exit 1) when the index is missing or damaged or the port cannot be bound.
-    A request's max_tokens above --max-new-tokens is answered 400, as on OpenAI past a model's limit."""
+    A request's max_tokens above --max-new-tokens is answered 400, as on OpenAI past a model's limit.
+    A client slower to send its request than the three time-outs allow is answered 408 and cut off."""
     from ..pipeline import Pipeline
     from ..server.app import serve as run_server
 
@@ -697,6 +702,7 @@ def serve(
             model_name=model_name,
             history=history,
             request_timeout=request_timeout,
+            client_timeouts=client_timeouts,
             expose_plan=expose_plan,
         )
 

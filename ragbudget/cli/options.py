@@ -22,7 +22,15 @@ import click
 from click.core import ParameterSource
 
 from ..errors import RagBudgetError
-from ..settings import ENGINE_KINDS, EngineSettings, HistorySettings, MemorySettings, RetrievalSettings, engine_kinds
+from ..settings import (
+    ENGINE_KINDS,
+    ClientTimeoutSettings,
+    EngineSettings,
+    HistorySettings,
+    MemorySettings,
+    RetrievalSettings,
+    engine_kinds,
+)
 from ..types import CACHE_KINDS, DEFAULT_INDEX_DIR, FUSIONS, ORDERS, PACKS
 
 if TYPE_CHECKING:
@@ -219,6 +227,40 @@ served_history_options = option_group(
         ),
     },
     HistorySettings,
+)
+
+
+#: ``serve``'s ``--header-timeout --body-idle-timeout --body-timeout``, handed to it as
+#: ``client_timeouts``: a :class:`~ragbudget.settings.ClientTimeoutSettings`.
+client_timeout_options = option_group(
+    "client_timeouts",
+    {
+        "header_timeout": click.option(
+            "--header-timeout",
+            default=setting(ClientTimeoutSettings, "header_timeout"),
+            show_default=True,
+            type=click.FloatRange(min=0),
+            metavar="SECONDS",
+            help="Seconds a request's line and headers may take to arrive; then 408, connection closed. 0: none.",
+        ),
+        "body_idle_timeout": click.option(
+            "--body-idle-timeout",
+            default=setting(ClientTimeoutSettings, "body_idle_timeout"),
+            show_default=True,
+            type=click.FloatRange(min=0),
+            metavar="SECONDS",
+            help="Seconds a request's body may pause between two pieces; then 408, connection closed. 0: none.",
+        ),
+        "body_timeout": click.option(
+            "--body-timeout",
+            default=setting(ClientTimeoutSettings, "body_timeout"),
+            show_default=True,
+            type=click.FloatRange(min=0),
+            metavar="SECONDS",
+            help="Seconds a request's whole body may take to arrive; then 408, connection closed. 0: none.",
+        ),
+    },
+    ClientTimeoutSettings,
 )
 
 

@@ -34,18 +34,21 @@ the cause (:class:`~ragbudget.server.engine_load.EngineLoad`). A malformed body,
 :data:`~ragbudget.server.openai_api.MAX_JSON_DEPTH`, is a 400; a client that leaves before its answer
 (even in the middle of its body) is counted as 499, without a traceback; an index that is missing
 or damaged is a 503, and ``/health`` then answers 503 too. :func:`serve` refuses to start on such
-an index or a port it cannot bind. Responses never carry an absolute path, nor host memory
+an index or a port it cannot bind. A client slow to send its request is cut off with a 408
+(:mod:`~ragbudget.server.deadlines`: ``--header-timeout``, ``--body-idle-timeout``,
+``--body-timeout``). Responses never carry an absolute path, nor host memory
 figures unless ``expose_plan``.
 
 >>> from ragbudget.pipeline import Pipeline                  # doctest: +SKIP
 >>> app = create_app(Pipeline(".ragbudget"), api_key="s3cret")  # doctest: +SKIP
->>> import uvicorn; uvicorn.run(app, host="127.0.0.1", port=8000)  # doctest: +SKIP
+>>> import uvicorn; uvicorn.run(app, host="127.0.0.1", port=8000, http=http_protocol(app))  # doctest: +SKIP
 
 The parts: the wire format is :mod:`ragbudget.server.openai_api` (pure parsing and shaping), the work
 behind the routes :mod:`ragbudget.server.endpoints` (worker pool, index health, admission figures, the
 served engine's load, the chat endpoint), the counters :mod:`ragbudget.server.metrics`, the allocator
-care :mod:`ragbudget.server.malloc`. Here: :func:`create_app` wiring them into FastAPI, the ASGI guard
-(API key, counting), and :func:`serve` / :func:`background_server`.
+care :mod:`ragbudget.server.malloc`, the slow clients' deadlines :mod:`ragbudget.server.deadlines`.
+Here: :func:`create_app` wiring them into FastAPI, the ASGI guard (API key, counting), and
+:func:`serve` / :func:`background_server`.
 
 ``fastapi`` and ``uvicorn`` are the ``serve`` extra; they are imported when :func:`create_app` or
 :func:`serve` is called, not when this module is imported.
@@ -67,7 +70,15 @@ from collections.abc import AsyncIterator, Iterator
 from typing import TYPE_CHECKING, Any  # Any: FastAPI/Starlette objects (the serve extra, imported lazily)
 
 from ..errors import ConfigError, EngineError, RagBudgetError, SearchIndexError
-from ..settings import DEFAULT_HOST, DEFAULT_PORT, DEFAULT_REQUEST_TIMEOUT, HistorySettings, from_keywords
+from ..settings import (
+    DEFAULT_HOST,
+    DEFAULT_PORT,
+    DEFAULT_REQUEST_TIMEOUT,
+    ClientTimeoutSettings,
+    HistorySettings,
+    from_keywords,
+)
+from .deadlines import BodyDeadline, header_deadline_protocol
 from .endpoints import CLIENT_LEFT, AdmissionView, ChatEndpoint, EngineLoad, IndexHealth, Workers, read_json
 from .malloc import DEFAULT_ARENAS, limit_malloc_arenas
 from .metrics import Metrics, admission_gauges
@@ -89,6 +100,7 @@ __all__ = [
     "LOOPBACK_HOSTS",
     "background_server",
     "create_app",
+    "http_protocol",
     "serve",
 ]
 
@@ -122,6 +134,10 @@ def create_app(
     keepalive_s: float = 15.0,
     request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT,
     engine_recheck_s: float = 1.0,
+    client_timeouts: ClientTimeoutSettings | None = None,
+    header_timeout: float | None = None,
+    body_idle_timeout: float | None = None,
+    body_timeout: float | None = None,
 ) -> Any:
     """Build the FastAPI app serving ``pipeline`` (a :class:`ragbudget.pipeline.Pipeline`, local
     or on a served engine).
@@ -162,6 +178,13 @@ def create_app(
     and an engine found gone is refused until that long after; 0 re-reads for every request and
     every ``/health``, at the cost of one quick look at the engine each.
 
+    A client gets a bounded time to send its request (``client_timeouts``, a
+    :class:`~ragbudget.settings.ClientTimeoutSettings`, or its flat keywords): its body may pause
+    at most ``body_idle_timeout`` seconds (10) and take ``body_timeout`` seconds (30) in all, then
+    it is answered 408 and its connection closed (:class:`~ragbudget.server.deadlines.BodyDeadline`);
+    ``header_timeout`` (10) bounds its headers when :func:`serve` or :func:`background_server`
+    runs the app. Each cut is counted in ``/metrics``; 0 turns a limit off.
+
     ``trim_memory`` returns the heap freed by a burst of requests to the OS once the server is
     idle again (glibc ``malloc_trim``; see :func:`~ragbudget.server.malloc.release_memory`), so resident
     memory goes back to its baseline between bursts instead of ratcheting up.
@@ -194,6 +217,12 @@ def create_app(
     )
     if not engine_recheck_s >= 0:  # NaN included
         raise ConfigError(f"engine_recheck_s must be >= 0 seconds (0: every request), got {engine_recheck_s}")
+    timeouts = from_keywords(
+        ClientTimeoutSettings,
+        client_timeouts,
+        "client_timeouts",
+        {"header_timeout": header_timeout, "body_idle_timeout": body_idle_timeout, "body_timeout": body_timeout},
+    )
     if summary_cache_size < 0:
         raise ConfigError(f"summary_cache_size must be >= 0 (0: no cache), got {summary_cache_size}")
     # Asked before anything connects: an engine not connected yet is one without a reading of its
@@ -251,6 +280,7 @@ def create_app(
     app.state.metrics = metrics
     app.state.executor = workers.executor
     app.state.trimmer = workers.trimmer
+    app.state.client_timeouts = timeouts  # the header deadline is the server's (serve, background_server)
 
     def error_response(err: APIError) -> Any:
         return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
@@ -278,6 +308,13 @@ def create_app(
         return error_response(to_api_error(exc))
 
     app.add_middleware(_Guard, api_key=api_key, metrics=metrics)
+    # Added last, so outermost: the 401 the guard answers before reading a body closes too.
+    app.add_middleware(
+        BodyDeadline,
+        body_idle_timeout=timeouts.body_idle_timeout,
+        body_timeout=timeouts.body_timeout,
+        metrics=metrics,
+    )
 
     # Open the index now, off any request: a later first /health then never waits on the
     # pipeline's lock (a worker may hold it for seconds while it loads the model).
@@ -525,7 +562,12 @@ def serve(
         app = create_app(pipeline, api_key=api_key, expose_plan=expose_plan, **app_options)
         # Bounded graceful shutdown: open streams are cancelled by the app's lifespan, not awaited forever.
         config = uvicorn.Config(
-            app, host=host, port=sock.getsockname()[1], log_level=log_level, timeout_graceful_shutdown=10
+            app,
+            host=host,
+            port=sock.getsockname()[1],
+            log_level=log_level,
+            timeout_graceful_shutdown=10,
+            http=http_protocol(app),
         )
         try:
             uvicorn.Server(config).run(sockets=[sock])
@@ -558,6 +600,18 @@ def _calibrate(pipeline: "Pipeline") -> None:
             time.perf_counter() - t0,
             stats.slowdown or 1.0,
         )
+
+
+def http_protocol(app: Any) -> Any:
+    """uvicorn's ``http`` option for ``app``: for an app of :func:`create_app`, h11 with the
+    deadline on a request's headers (:func:`~ragbudget.server.deadlines.header_deadline_protocol`),
+    even where httptools is installed; uvicorn's own choice for any other app, or with
+    ``header_timeout=0``."""
+    timeouts = getattr(getattr(app, "state", None), "client_timeouts", None)
+    if not isinstance(timeouts, ClientTimeoutSettings) or not timeouts.header_timeout:
+        return "auto"
+    metrics: Metrics = app.state.metrics
+    return header_deadline_protocol(timeouts.header_timeout, lambda: metrics.add("header_timeouts"))
 
 
 def _check_ready(pipeline: "Pipeline") -> None:
@@ -613,7 +667,15 @@ def background_server(
     """
     import uvicorn
 
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level="warning",
+        lifespan="on",
+        timeout_graceful_shutdown=5,
+        http=http_protocol(app),
+    )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name="ragbudget-uvicorn", daemon=True)
     thread.start()

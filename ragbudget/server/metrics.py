@@ -64,6 +64,8 @@ class Metrics:
         self.oom_steps = 0
         self.cancelled = 0
         self.timed_out = 0
+        self.body_timeouts = 0
+        self.header_timeouts = 0
         self.rejected = 0
         self.refused_early = 0  # of those, refused before their prompt was built
         self.tokens_prompt = 0
@@ -121,6 +123,16 @@ class Metrics:
                     "ragbudget_timed_out_total",
                     "Chat requests stopped at the request time-out (answered 503, or their stream ended).",
                     self.timed_out,
+                ),
+                (
+                    "ragbudget_request_body_timeouts_total",
+                    "Requests whose body paused or took too long to arrive (answered 408, connection closed).",
+                    self.body_timeouts,
+                ),
+                (
+                    "ragbudget_request_header_timeouts_total",
+                    "Connections whose request headers did not arrive in time (closed, with a 408 if any had come).",
+                    self.header_timeouts,
                 ),
                 ("ragbudget_oom_steps_total", "Steps taken down the OOM fallback ladder.", self.oom_steps),
                 ("ragbudget_prompt_tokens_total", "Prompt tokens processed.", self.tokens_prompt),
