@@ -17,12 +17,13 @@ from urllib.parse import quote
 
 import pytest
 from _corpus import EMB as EMB_, build, make_text, write_corpus
+from _fakes import FakeBackend
 from _postgres import PASSWORD, SECRET
 from click.testing import CliRunner
 
 from ragbudget import Pipeline
 from ragbudget.cli.commands import cli as ragbudget_cli
-from ragbudget.errors import IndexStorageError
+from ragbudget.errors import IndexStorageError, RagBudgetError
 from ragbudget.retrieval.index import Index
 
 MASKED = "***"
@@ -316,6 +317,14 @@ def test_no_password_in_any_output_log_file_or_folder_name(
                 seen.append(repr(make(where)))
             except Exception as exc:
                 seen.append(f"{exc!r} {exc}")
+        # The CLI's ask stops at its engine (not there); here a whole answer, report included.
+        try:
+            with Pipeline(where, backend=FakeBackend()) as pipe:
+                seen.append(json.dumps(pipe.ask("What is marker1zz?").to_dict(), default=str))
+            assert where in good
+        except RagBudgetError as exc:
+            assert where in bad
+            seen.append(f"{exc!r} {exc}")
     seen += [r.getMessage() for r in caplog.records] + [caplog.text]
     assert all(secret_free(text) for text in seen), next(t for t in seen if not secret_free(t))
     # A copy from the database records where it came from: masked. No file or folder has the
