@@ -99,7 +99,8 @@ class Pipeline(Planning):
     are admitted only while their summed KV reservations fit the plan's capacity.
 
     Args:
-        index_dir: folder of the index (created by :meth:`index`).
+        index_dir: folder of the index (created by :meth:`index`), or a PostgreSQL database: a
+            ``postgresql://`` URL or a libpq keyword/value string (docs/postgres.md).
         model: generator — HF id, local folder or ``.gguf`` (default: packaged SmolLM2-135M);
             with ``engine``, which of the engine's served models (default: the first listed).
         embedder: embedder for indexing (default: the index's own, else packaged MiniLM).
@@ -241,11 +242,14 @@ class Pipeline(Planning):
         )
         if self.engine.url is not None and generator is not None:
             raise ConfigError("pass engine= (generate on a served engine) or generator= (a local model), not both")
-        from .retrieval.postgres import is_db_url, mask_url
+        from .retrieval.locations import is_db_location, mask_location
 
-        # A PostgreSQL URL stays a string (it is no folder); messages show it masked.
-        self.index_dir: Path | str = str(index_dir) if is_db_url(index_dir) else Path(index_dir)
-        self._index_shown = mask_url(str(index_dir)) if is_db_url(index_dir) else str(self.index_dir)
+        # A PostgreSQL location (URL or keyword/value string) stays a string as given: it is no
+        # folder, and a path would collapse a URL's empty host (postgresql:///db) into
+        # postgresql:/db. Messages and the repr show it masked.
+        db = is_db_location(index_dir)
+        self.index_dir: Path | str = os.fspath(index_dir) if db else Path(index_dir)
+        self._index_shown = mask_location(index_dir) if db else str(self.index_dir)
         self.model = model
         self.system_prompt = system_prompt
         self._span_scorer: Any = None

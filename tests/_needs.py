@@ -64,6 +64,7 @@ FIXTURE_MARKS = {
     "pg_url": "postgres",
     "pg_password_server": "postgres",
     "pg_password_db": "postgres",
+    "pg_secret_db": "postgres",
 }
 #: Needs whose tests run on one pytest-xdist worker (``make test``'s ``--dist loadgroup``): the
 #: session fixture behind each (a Ray cluster, a llama-server) is per worker and costs CPU seconds

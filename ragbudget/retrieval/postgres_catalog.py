@@ -134,17 +134,21 @@ def first_line(exc: BaseException) -> str:
 
 
 @contextlib.contextmanager
-def db_errors(where: str) -> Iterator[None]:
+def db_errors(where: str, *, hide: Callable[[str], str] | None = None) -> Iterator[None]:
     """Turn a database error into one :class:`~ragbudget.errors.IndexStorageError` line naming
-    the (masked) index: never a traceback, never the password (libpq's messages hold none)."""
+    the (masked) index: never a traceback, never the password. ``hide`` masks the secrets of a
+    connection's location in libpq's message (which quotes a piece it cannot parse, password
+    and all); a query's messages hold none."""
     import psycopg
 
     try:
         yield
     except psycopg.Error as exc:
+        line = first_line(exc) if hide is None else hide(first_line(exc))
         raise IndexStorageError(
-            f"the index database {where} failed: {first_line(exc)}; check that the server is up, the URL "
-            "and credentials are right (password from the URL, PGPASSWORD or PGPASSFILE) and that pgvector is installed"
+            f"the index database {where} failed: {line}; check that the server is up, the location and "
+            "credentials are right (password from the location, PGPASSWORD or PGPASSFILE) and that pgvector is "
+            "installed"
         ) from None
 
 
