@@ -13,13 +13,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .errors import ConfigError
+from .evidence import DECLINED_TEXT, Evidence
 from .generation.allowance import EnginePlan
 
 if TYPE_CHECKING:
     from .memory.budget import BudgetPlan
     from .prompt.prompt import Prompt
 
-__all__ = ["Answer", "AnswerStream", "build_answer", "cancelled_answer"]
+__all__ = ["Answer", "AnswerStream", "build_answer", "cancelled_answer", "declined_answer"]
 
 
 @dataclass(frozen=True)
@@ -39,10 +40,18 @@ class Answer:
     report: dict[str, Any]
     finish_reason: str = "stop"
 
+    @property
+    def declined(self) -> bool:
+        """Whether the question was declined without generating: no retrieved sentence reached the
+        evidence floor (``report["evidence"]`` says by how much; :mod:`ragbudget.evidence`)."""
+        return bool((self.report.get("evidence") or {}).get("declined"))
+
     def to_dict(self) -> dict[str, Any]:
-        """The ``ask --json`` document: ``answer``, ``sources``, ``budget``, ``dropped``, ``report``."""
+        """The ``ask --json`` document: ``answer``, ``declined``, ``sources``, ``budget``,
+        ``dropped``, ``finish_reason``, ``report``."""
         return {
             "answer": self.text,
+            "declined": self.declined,
             "sources": self.sources,
             "budget": self.report.get("budget", {}),
             "dropped": self.report.get("dropped", []),
@@ -193,6 +202,7 @@ def build_answer(
     *,
     sentence_vectors: str | None = None,
     index: dict[str, Any] | None = None,
+    evidence: Evidence | None = None,
 ) -> Answer:
     sel = prompt.selection
     sources = []
@@ -255,6 +265,8 @@ def build_answer(
         # The index generation the chunks come from (servers sharing a database index answer
         # across a re-index's commit: a client can tell which one each answer cites).
         "index": index,
+        # How well the documents answer the question, against the floor it cleared.
+        "evidence": evidence.to_dict() if evidence is not None else None,
     }
     return Answer(text=str(gen.text).strip(), sources=sources, report=report, finish_reason=str(gen.finish_reason))
 
@@ -282,3 +294,30 @@ def cancelled_answer(
         sentence_vectors=sentence_vectors,
         index=index,
     )
+
+
+def declined_answer(
+    evidence: Evidence, max_new_tokens: int, timings: dict[str, float], *, index: dict[str, Any] | None = None
+) -> Answer:
+    """The answer to a question the documents do not hold (``evidence.declined``): the fixed
+    :data:`~ragbudget.evidence.DECLINED_TEXT`, no sources, and a report saying why — nothing was
+    admitted or generated, so every token figure is 0."""
+    budget = {
+        "context_tokens_allowed": 0,
+        "context_tokens_used": 0,
+        "prompt_tokens": 0,
+        "max_new_tokens": max_new_tokens,
+        "new_tokens": 0,
+        "kv_tokens_reserved": 0,
+        "limited_by": "evidence",
+    }
+    report: dict[str, Any] = {
+        "budget": budget,
+        "evidence": evidence.to_dict(),
+        "selection": [],
+        "dropped": [],
+        "oom_steps": [],
+        "timings": {k: round(v, 4) for k, v in timings.items()},
+        "index": index,
+    }
+    return Answer(text=DECLINED_TEXT, sources=[], report=report, finish_reason="stop")

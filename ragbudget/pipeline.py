@@ -37,7 +37,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .answer import Answer, AnswerStream, build_answer, cancelled_answer
+from .answer import Answer, AnswerStream, build_answer, cancelled_answer, declined_answer
 from .calls import check_call, check_options, check_parts, check_paths, check_question, stream_options
 from .errors import (
     ArgumentTypeError,
@@ -45,6 +45,7 @@ from .errors import (
     IndexEmptyError,
     RequestCancelled,
 )
+from .evidence import DECLINED_TEXT, Evidence
 from .generation.allowance import (
     Allowance,
     EnginePlan,
@@ -110,7 +111,7 @@ class Pipeline(Planning):
         backend: any :class:`~ragbudget.generation.backend.Backend` (overrides ``engine`` and ``generator``).
         retrieval: a :class:`~ragbudget.settings.RetrievalSettings` — ``fetch_k``, ``hybrid``,
             ``lexical_weight``, ``fusion``, ``order``, ``pack``, ``fill_remainder``,
-            ``relevance_floor``.
+            ``relevance_floor``, ``evidence_floor``.
         memory: a :class:`~ragbudget.settings.MemorySettings` — ``gpu``, ``concurrency``,
             ``max_new_tokens``, ``kv_dtype``, ``cache``, ``utilization``, ``ttft_target``.
             They do not apply on a served engine, which reports its own memory.
@@ -165,6 +166,7 @@ class Pipeline(Planning):
         pack: str | None = None,
         fill_remainder: bool | None = None,
         relevance_floor: float | None = None,
+        evidence_floor: float | None = None,
         queue_size: int | None = None,
         queue_timeout: float | None = None,
         engine_kind: str | None = None,
@@ -194,6 +196,7 @@ class Pipeline(Planning):
                 "pack": pack,
                 "fill_remainder": fill_remainder,
                 "relevance_floor": relevance_floor,
+                "evidence_floor": evidence_floor,
             },
         )
         self.memory = from_keywords(
@@ -290,6 +293,7 @@ class Pipeline(Planning):
     pack = RecordField("retrieval")
     fill_remainder = RecordField("retrieval")
     relevance_floor = RecordField("retrieval")
+    evidence_floor = RecordField("retrieval")
     gpu = RecordField("memory")
     concurrency = RecordField("memory")
     max_new_tokens = RecordField("memory")
@@ -470,9 +474,11 @@ class Pipeline(Planning):
         max_new_tokens: int,
         history: Sequence[dict[str, str]] | None,
         retrieval_query: str | None,
+        found: tuple[str, list[Hit], Any] | None = None,
     ) -> tuple[Prompt, RequestPlan, dict[str, float], dict[str, Any] | None]:
-        """Plan, retrieve, select and render: the prompt that fits, how long each step took, and
-        the cap set on the context (by ``context_tokens`` or by time), if any."""
+        """Plan, retrieve (unless ``found`` holds what :meth:`_found` found), select and render:
+        the prompt that fits, how long each step took, and the cap set on the context (by
+        ``context_tokens`` or by time), if any."""
         from .prompt.prompt import build_prompt
 
         question = check_question(question)
@@ -490,10 +496,7 @@ class Pipeline(Planning):
         self._searchable()
         builder, allowance = self._allowance(question, context_tokens, max_new_tokens, history, timings)
         plan, max_prompt, cap = allowance.plan, allowance.max_prompt_tokens, allowance.limit
-        t0 = time.perf_counter()
-        query = check_question(retrieval_query or question, "query")
-        hits, vector = self._search(query, self.retrieval.fetch_k)
-        timings["retrieve_s"] = time.perf_counter() - t0
+        query, hits, vector = found if found is not None else self._found(question, retrieval_query, timings)
         t0 = time.perf_counter()
         options = self._pack_options()
         scorer = options.get("span_scorer")
@@ -513,6 +516,34 @@ class Pipeline(Planning):
         )
         timings["select_s"] = time.perf_counter() - t0
         return prompt, plan, timings, cap
+
+    def _found(
+        self, question: str, retrieval_query: str | None, timings: dict[str, float]
+    ) -> tuple[str, list[Hit], Any]:
+        """The query searched (``retrieval_query`` or the question), its hits and its vector."""
+        t0 = time.perf_counter()
+        query = check_question(retrieval_query or question, "query")
+        hits, vector = self._search(query, self.retrieval.fetch_k)
+        timings["retrieve_s"] = time.perf_counter() - t0
+        return query, hits, vector
+
+    def evidence(self, question: str, *, hits: Sequence[Hit] | None = None) -> Evidence:
+        """How well the documents answer ``question`` (:mod:`ragbudget.evidence`): the best
+        sentence cosine of its top hits (``hits``: those of a search already made), against the
+        floor under which :meth:`ask` declines without generating."""
+        from .evidence import Evidence, measure_evidence
+
+        question = check_question(question)
+        if hits is None:
+            with self.store.pinned():
+                hits = self._search(question, self.retrieval.fetch_k)[0]
+        floor, source = self._evidence_floor()
+        return Evidence(score=measure_evidence(question, hits, self._scorer()), floor=floor, source=source)
+
+    def _evidence_floor(self) -> tuple[float | None, str]:
+        from .evidence import evidence_floor
+
+        return evidence_floor(self.retrieval.evidence_floor, self.store.embedder.id)
 
     def _allowance(
         self,
@@ -560,6 +591,11 @@ class Pipeline(Planning):
         processes (search already refused an embedder other than the index's)."""
         if self.retrieval.pack == "chunks":
             return {"fill_remainder": True} if self.retrieval.fill_remainder else {}
+        return {"pack": self.retrieval.pack, "span_scorer": self._scorer()}
+
+    def _scorer(self) -> SpanScorer:
+        """The pipeline's one :class:`~ragbudget.prompt.spans.SpanScorer` (see :meth:`_pack_options`):
+        span packing scores sentences with it, and :meth:`evidence` measures with it."""
         with self._lock:
             if self._span_scorer is None:
                 from .prompt.spans import SpanScorer
@@ -575,7 +611,8 @@ class Pipeline(Planning):
                 self._span_scorer = SpanScorer(
                     self.embedder or store.embedder, stored=store.sentence_vectors, persist=persist
                 )
-        return {"pack": self.retrieval.pack, "span_scorer": self._span_scorer}
+            scorer: SpanScorer = self._span_scorer
+            return scorer
 
     def _sentence_vectors_path(self) -> str | None:
         """Where span packing's sentence vectors come from, for the report: ``"stored"`` (the
@@ -644,15 +681,28 @@ class Pipeline(Planning):
         self.refresh_speed()
         # The newest committed generation (a writer elsewhere may have committed since the last
         # question), one for the search, the chunks and the sentences: the one the answer cites.
+        question = check_question(question)
         with self.store.pinned() as searched:
+            searching: dict[str, float] = {}
+            found = self._found(question, retrieval_query, searching)
+            cited = {"generation": searched.number}
+            # Measured only where a floor applies (embedding the top chunks' sentences, unless
+            # stored, is a cost a question should not pay for a figure nothing reads).
+            evidence = self.evidence(found[0], hits=found[1]) if self._evidence_floor()[0] is not None else None
+            if evidence is not None and evidence.declined:  # nothing to read: no model call, no prefill, no KV
+                if on_text is not None:
+                    on_text(DECLINED_TEXT)
+                searching["total_s"] = time.perf_counter() - t_start
+                return declined_answer(evidence, new_tokens, searching, index=cited)
             prompt, plan, timings, cap = self._prompt(
                 question,
                 context_tokens=context_tokens,
                 max_new_tokens=new_tokens,
                 history=history,
                 retrieval_query=retrieval_query,
+                found=found,
             )
-        cited = {"generation": searched.number}
+            timings["retrieve_s"] = searching["retrieve_s"]
         reserve, vectors = prompt.n_tokens + new_tokens, self._sentence_vectors_path()
 
         def cancelled() -> Answer:
@@ -704,7 +754,9 @@ class Pipeline(Planning):
             record_measurement(gen.measurement)
         timings["total_s"] = time.perf_counter() - t_start
         final = gen.prompt if gen.prompt is not None else prompt
-        return build_answer(gen, final, plan, reserve, timings, cap, sentence_vectors=vectors, index=cited)
+        return build_answer(
+            gen, final, plan, reserve, timings, cap, sentence_vectors=vectors, index=cited, evidence=evidence
+        )
 
     def stream(self, question: str, **options: Any) -> AnswerStream:
         """:meth:`ask`, as an iterator over the answer's text while it is generated; the

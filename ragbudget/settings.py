@@ -274,6 +274,9 @@ class RetrievalSettings:
             window of the best chunk left out.
         relevance_floor: leave out candidates scoring under this fraction of the best one's score
             (0 disables; :data:`DEFAULT_RELEVANCE_FLOOR`, measured in bench/floor.py).
+        evidence_floor: decline a question, without generating, when no sentence of the top
+            chunks reaches this cosine to it (:mod:`ragbudget.evidence`). ``None``: the floor
+            measured for the index's embedder (the packaged MiniLM's), none for another; 0: off.
     """
 
     fetch_k: int = 50
@@ -284,6 +287,7 @@ class RetrievalSettings:
     pack: str = DEFAULT_PACK
     fill_remainder: bool = False
     relevance_floor: float = DEFAULT_RELEVANCE_FLOOR
+    evidence_floor: float | None = None
 
     def __post_init__(self) -> None:
         check_int("fetch_k", self.fetch_k, 1)
@@ -301,6 +305,8 @@ class RetrievalSettings:
                 "pack='chunks' with it (CLI: --pack chunks --fill-remainder)"
             )
         _set(self, "relevance_floor", check_number("relevance_floor", self.relevance_floor, 0.0, 1.0))
+        if self.evidence_floor is not None:
+            _set(self, "evidence_floor", check_number("evidence_floor", self.evidence_floor, 0.0, 1.0))
 
 
 @dataclass(frozen=True, kw_only=True)

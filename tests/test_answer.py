@@ -36,6 +36,7 @@ def test_answer_document_keeps_budget_and_dropped_at_the_top() -> None:
     a = Answer(text="t", sources=[], report={"budget": {"n": 1}, "dropped": [{"r": 1}], "timings": {"x": 0.1}})
     assert a.to_dict() == {
         "answer": "t",
+        "declined": False,
         "sources": [],
         "budget": {"n": 1},
         "dropped": [{"r": 1}],

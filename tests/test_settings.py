@@ -48,6 +48,7 @@ BAD = [
     (RetrievalSettings, {"fill_remainder": True}, ConfigError, "pack='chunks'"),
     (RetrievalSettings, {"relevance_floor": 2}, ConfigError, r"relevance_floor must be in \[0, 1\], got 2"),
     (RetrievalSettings, {"relevance_floor": float("nan")}, ConfigError, "relevance_floor must be in"),
+    (RetrievalSettings, {"evidence_floor": 1.5}, ConfigError, r"evidence_floor must be in \[0, 1\], got 1.5"),
     (MemorySettings, {"gpu": ["24GiB"]}, ArgumentTypeError, "gpu must be 'auto', a GPU name"),
     (MemorySettings, {"gpu": "potato"}, ConfigError, "unknown GPU 'potato'"),
     (MemorySettings, {"gpu": 24}, ConfigError, r"gpu=24 has no unit, so it is bytes.*pass '24GiB'"),

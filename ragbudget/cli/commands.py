@@ -516,7 +516,7 @@ def ask(
 ) -> None:
     """Answer QUESTION from the index within the memory budget, citing sources."""
     from ..pipeline import Pipeline
-    from .display import format_report, format_sources
+    from .display import format_evidence, format_report, format_sources
 
     streaming = not as_json and not no_stream
     on_text = (lambda piece: click.echo(piece, nl=False)) if streaming else None
@@ -540,6 +540,9 @@ def ask(
         reserved = answer.report.get("budget", {}).get("max_new_tokens") or memory.max_new_tokens
         click.echo(f"(answer cut at max_new_tokens={reserved}; raise --max-new-tokens)")
     click.echo()
+    if answer.declined:  # nothing was retrieved well enough to read, and nothing generated
+        click.echo(format_report(answer.report) if explain else format_evidence(answer.report["evidence"]))
+        return
     click.echo(format_sources(answer.sources))
     if explain:
         click.echo()

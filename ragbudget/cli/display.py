@@ -158,10 +158,30 @@ def _where(plan: dict[str, Any]) -> str:
     return source if source.startswith(name) else f"{name} ({source})" if source else name
 
 
+def format_evidence(evidence: dict[str, Any]) -> str:
+    """One line on how well the documents answer the question (``Answer.report["evidence"]``).
+
+    >>> format_evidence({"score": 0.31, "floor": 0.45, "floor_source": "measured", "declined": True})[:72]
+    'declined without generating: the best retrieved sentence scores 0.31, un'
+    """
+    score, floor = evidence.get("score"), evidence.get("floor")
+    if evidence.get("declined"):
+        return (
+            f"declined without generating: the best retrieved sentence scores {score:.2f}, under the "
+            f"evidence floor {floor:g} ({evidence.get('floor_source')}); --evidence-floor 0 always generates"
+        )
+    where = f"the floor {floor:g}" if floor is not None else f"no floor ({evidence.get('floor_source')})"
+    return f"evidence: the best retrieved sentence scores {score:.2f}, against {where}"
+
+
 def format_report(report: dict[str, Any]) -> str:
-    """The ``ask --explain`` table: the plan, the budget arithmetic, and every selection decision."""
+    """The ``ask --explain`` table: the plan, the budget arithmetic, and every selection decision
+    (a declined question: the evidence against its floor, since nothing was planned)."""
     b = report.get("budget", {})
     p = report.get("plan", {})
+    evidence = report.get("evidence") or {}
+    if evidence.get("declined"):
+        return "\n".join(["Evidence", f"  {format_evidence(evidence)}"])
 
     def n(x: Any) -> str:
         return f"{x:,}" if isinstance(x, int) else str(x)

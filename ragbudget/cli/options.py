@@ -339,13 +339,21 @@ _PACKING_OPTIONS = {
         type=click.FloatRange(0.0, 1.0),
         help="Leave out passages scoring under this fraction of the best one's score (0: fill the allowance).",
     ),
+    "evidence_floor": click.option(
+        "--evidence-floor",
+        default=setting(RetrievalSettings, "evidence_floor"),
+        type=click.FloatRange(0.0, 1.0),
+        help="Say 'not in the documents' without generating when no retrieved sentence reaches this "
+        "cosine to the question (default: the floor measured for the packaged MiniLM, none for other "
+        "embedders; 0: off).",
+    ),
 }
 
 #: ``--retrieval --lexical-weight --fusion``, handed to ``search`` as ``retrieval``: a
 #: :class:`~ragbudget.settings.RetrievalSettings` of hybrid (BM25 + dense) or dense-only search.
 search_options = option_group("retrieval", _SEARCH_OPTIONS, search_choice)
 
-#: The same and ``--fetch-k --order --pack --fill-remainder --relevance-floor``, handed to ``ask``,
+#: The same and ``--fetch-k --order --pack --fill-remainder --relevance-floor --evidence-floor``, handed to ``ask``,
 #: ``chat`` and ``serve`` as ``retrieval``: the whole :class:`~ragbudget.settings.RetrievalSettings`.
 retrieval_options = option_group("retrieval", {**_SEARCH_OPTIONS, **_PACKING_OPTIONS}, search_choice)
 

@@ -584,6 +584,7 @@ class ChatEndpoint:
         self.metrics.add("tokens_prompt", usage["prompt_tokens"])
         self.metrics.add("tokens_completion", usage["completion_tokens"])
         self.metrics.add("oom_steps", len(report["oom_steps"]))
+        self.metrics.add("declined", int(answer.declined))
         if "queue_s" in report["timings"]:  # absent when the request never reached the queue
             self.metrics.observe("ragbudget_queue_wait_seconds", report["timings"]["queue_s"])
 

@@ -62,6 +62,7 @@ class Metrics:
         self._lock = threading.Lock()
         self.requests: dict[tuple[str, str], int] = {}
         self.oom_steps = 0
+        self.declined = 0
         self.cancelled = 0
         self.timed_out = 0
         self.body_timeouts = 0
@@ -135,6 +136,11 @@ class Metrics:
                     self.header_timeouts,
                 ),
                 ("ragbudget_oom_steps_total", "Steps taken down the OOM fallback ladder.", self.oom_steps),
+                (
+                    "ragbudget_declined_total",
+                    "Questions answered 'not in the documents' without generating (under the evidence floor).",
+                    self.declined,
+                ),
                 ("ragbudget_prompt_tokens_total", "Prompt tokens processed.", self.tokens_prompt),
                 ("ragbudget_completion_tokens_total", "Tokens generated.", self.tokens_completion),
                 (

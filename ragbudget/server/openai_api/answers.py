@@ -54,7 +54,7 @@ _PUBLIC_BUDGET = (
 # An OOM step's "reason" is the allocator's message (total, free and reserved bytes of the GPU).
 _PUBLIC_OOM_STEP = ("action", "prompt_tokens_before", "prompt_tokens_after", "cache", "use_cache")
 # "index": the generation of the index the answer's chunks come from (no host figure).
-_PUBLIC_REPORT = ("selection", "dropped", "timings", "memory", "history_summary", "index")
+_PUBLIC_REPORT = ("selection", "dropped", "timings", "memory", "history_summary", "index", "evidence")
 
 
 def public_report(report: dict[str, Any], *, expose_plan: bool) -> dict[str, Any]:

@@ -1,0 +1,110 @@
+"""The evidence floor under which ``ask`` declines without generating (issue #43 §3), chosen on a
+tuning split and reported on others.
+
+For each question of ``bench/answers.py``'s question sets (answerable: about an indexed article;
+unanswerable: about an article of the same split that is not indexed), the library's own
+``Pipeline.evidence(question)`` (the best sentence's cosine to the question among the top
+retrieved chunks; the top hit's own score beside it) on an index of the folder ``answers.py`` writes, with every
+default. A floor declines a question whose evidence is under it; for each candidate floor the
+share of unanswerable questions declined and of answerable ones wrongly declined.
+
+``--choose`` (on the tuning split only): the highest floor that wrongly declines at most
+``--max-wrong`` of the answerable questions. The other splits report the chosen floor's rates.
+
+    python bench/abstain.py --splits squad-tune,squad-test,amazon --choose squad-tune
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import numpy as np  # noqa: E402
+from answers import question_set, write_docs  # noqa: E402
+
+FLOORS = [round(x, 3) for x in np.arange(0.0, 0.701, 0.025)]
+
+
+def signals(split: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+    from ragbudget import Pipeline
+
+    pool, indexed, questions = question_set(split, args.docs, args.questions, args.unanswerable, args.seed)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="abstain-") as tmp:
+        docs = Path(tmp) / "docs"
+        write_docs(pool, indexed, docs)
+        with Pipeline(Path(tmp) / "index") as pipe:
+            pipe.index([docs])
+            t0 = time.perf_counter()
+            for q in questions:
+                rows.append({"qid": q["qid"], "answerable": q["answerable"], **evidence(pipe, q["text"])})
+            print(f"{split}: {len(rows)} questions, {time.perf_counter() - t0:.1f} s", flush=True)
+    return rows
+
+
+def evidence(pipe: Any, question: str) -> dict[str, float]:
+    """The library's evidence (``Pipeline.evidence``: the best sentence cosine among the top
+    hits) and, for comparison, the top hit's own score."""
+    hits = pipe.search(question, k=pipe.retrieval.fetch_k)
+    return {"hit": float(hits[0].score) if hits else 0.0, "sentence": pipe.evidence(question, hits=hits).score}
+
+
+def rates(rows: list[dict[str, Any]], key: str, floor: float) -> tuple[float, float]:
+    ans = [r[key] for r in rows if r["answerable"]]
+    una = [r[key] for r in rows if not r["answerable"]]
+    wrong = 100 * float(np.mean([v < floor for v in ans])) if ans else float("nan")
+    right = 100 * float(np.mean([v < floor for v in una])) if una else float("nan")
+    return right, wrong
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--splits", default="squad-tune,squad-test,amazon")
+    ap.add_argument("--choose", default="squad-tune", help="the split the floor is chosen on")
+    ap.add_argument("--docs", type=int, default=12)
+    ap.add_argument("--questions", type=int, default=200)
+    ap.add_argument("--unanswerable", type=int, default=200)
+    ap.add_argument("--max-wrong", type=float, default=2.0, help="percent of answerable questions wrongly declined")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    splits = [s for s in args.splits.split(",") if s]
+    data = {s: signals(s, args) for s in splits}
+    keys = ("sentence", "hit")
+    table: dict[str, Any] = {}
+    for s, rows in data.items():
+        table[s] = {k: {str(f): rates(rows, k, f) for f in FLOORS} for k in keys}
+    chosen: dict[str, float] = {}
+    for k in keys:
+        ok = [f for f in FLOORS if table[args.choose][k][str(f)][1] <= args.max_wrong]
+        chosen[k] = max(ok) if ok else 0.0
+    for k in keys:
+        f = chosen[k]
+        print(f"\n{k} floor {f} (chosen on {args.choose}: at most {args.max_wrong}% wrongly declined)")
+        for s in splits:
+            right, wrong = table[s][k][str(f)]
+            print(f"  {s:>10}: unanswerable declined {right:5.1f}%, answerable wrongly declined {wrong:5.1f}%")
+    from _results import write
+
+    write(
+        "abstain",
+        {
+            "splits": splits,
+            "chosen_on": args.choose,
+            "max_wrong_pct": args.max_wrong,
+            "chosen": chosen,
+            "rates": table,
+            "signals": data,
+            "args": vars(args),
+        },
+        packages=("sentence-transformers",),
+    )
+
+
+if __name__ == "__main__":
+    main()
