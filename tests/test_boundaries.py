@@ -100,3 +100,60 @@ def test_table_of_contents_lines_are_never_headings() -> None:
     assert "Chapter 2 Simple manipulations" in heads  # a real chapter heading still counts
     assert not [h for h in heads if "." * 2 in h.replace(" ", "") or "\u2026" in h or "Appendix" in h], heads
     assert all(c.headings == () for c in chunks if c.start < text.index("Chapter 2"))
+
+
+def test_comments_and_directives_in_code_are_not_markdown_headings() -> None:
+    # A PDF's text layer (and a plain-text export) drops a listing's fence and indentation: a C
+    # "# include", an R, shell or Make "# comment" reaches the margin among the code it annotates.
+    # Taken for headings they used to name every chunk after them, for dozens of pages.
+    listing = "\n".join(
+        [
+            "Memory is allocated on the stack with alloca.",
+            "# include <alloca.h>",
+            "# include <fcntl.h>",
+            "static void f(int n)",
+            "{",
+            "    char *buf = alloca(n);",
+            "}",
+            "A package can use rgl when it is installed:",
+            "if (require(rgl)) {",
+            "    plot3d(x)",
+            "} else {",
+            "    # do something else not involving rgl.",
+            "    plot(x)",
+            "}",
+            "> hist(eruptions)",
+            "## make the bins smaller, make a plot of density",
+            "> hist(eruptions, seq(1.6, 5.2, 0.2), prob=TRUE)",
+            "for i in /usr/bin/foo /usr/sbin/bar; do",
+            "# only do something when no setting exists",
+            "if ! dpkg-statoverride --list $i >/dev/null 2>&1; then",
+            "Here are its contents:",
+            "# watch control file for uscan",
+            "version=3",
+            "#!/bin/sh",
+            "# (C) 2011 Foo Bar, GPL2+",
+            'echo "Hello!"',
+        ]
+    )
+    markdown = "\n".join(
+        [
+            "# Guide",
+            "Read this first.",
+            "",
+            "## Install",
+            "",
+            "```bash",
+            "# Create a virtual env (you can use yours as well)",
+            "python -m venv .env",
+            "```",
+            "",
+            "## Why a budget?",
+            "Because a prompt has a size.",
+        ]
+    )
+    assert [h.title for h in find_boundaries(listing).headings] == []
+    assert [h.title for h in find_boundaries(markdown).headings] == ["Guide", "Install", "Why a budget?"]
+    prose = "The package compiles native code and registers its routines. " * 30
+    chunks = chunk_text("\n".join([prose, listing, prose, prose]), min_tokens=40, max_tokens=120)
+    assert {h for c in chunks for h in c.headings} == set()

@@ -1,7 +1,8 @@
 """Where a text may be cut: its headings (Markdown ``#``, reStructuredText underlines, numbered
-``1.2 Title``, ``Chapter 3``, ALL-CAPS lines; never a table-of-contents entry) and every
-structural cut point with its level — a heading, a blank-line paragraph break, a line break after
-a sentence or before a list item, a sentence end inside a line, any other line break.
+``1.2 Title``, ``Chapter 3``, ALL-CAPS lines; never a table-of-contents entry, nor a comment or a
+directive in code) and every structural cut point with its level — a heading, a blank-line
+paragraph break, a line break after a sentence or before a list item, a sentence end inside a
+line, any other line break.
 
 What the chunker (:mod:`ragbudget.input.chunking`) plans its cuts on, apart from the token
 arithmetic that makes the cuts exact. Found without a Python loop per line or per sentence: the
@@ -83,6 +84,30 @@ _CHAPTER_HEAD = re.compile(
     r"[ \t]{0,4}((?:Chapter|CHAPTER|Appendix|APPENDIX|Part|PART)[ \t]+[0-9IVXLA-Z]{1,6}\b[^\n]{0,90})(?=\n|\Z)"
 )
 _CAPS_HEAD = re.compile(r"([A-Z][A-Z0-9 /&(),'-]{2,40})[ \t]*(?=\n(?:[ \t]+\S|[ \t]*\n))")
+# What a "#" line's title or a neighbouring line looks like when it is code, not prose (see
+# _markdown_headings). Each alternative is a shape seen in the manuals' listings: C
+# preprocessor directives; statement, block and continuation ends; R, S and Python prompts
+# ("> f(x)", "S> n <- 3", ">>> "), shell prompts and variables; assignments ("CFLAGS += -O2",
+# "version=3", "x <- 1", "export A='b'"); a call alone on its line ("library(MASS) # attach");
+# shell and Make control lines; a "#" glued to its word ("#include", "#!/bin/sh", "#su -c").
+# Prose lines match none of these at their start, and a heading's title does not end in ; { \ ( [ ,.
+_CODE_TITLE = re.compile(
+    r"(?:include[ \t]*[<\"]|define[ \t]+[A-Za-z_]|(?:ifn?def|undef)[ \t]+\w+$|endif\b|pragma[ \t]|elif[ \t])"
+    r"|.*(?:[;{\\(\[,]$|==|!=|<-|&&|\|\|)"
+)
+_CODE_LINE = re.compile(
+    r"#[^\s#]"
+    r"|.*(?:[;{\\(\[]|(?<![%}])\})$"
+    r"|[A-Za-z]{0,8}>[ \t]*[\w.$]+(?:\(|[ \t]*<-|[ \t]*=(?!=))"
+    r"|>>>[ \t]|\$[ \t]+[a-z./]|\$[A-Za-z_{(]"
+    r"|(?:export|local|my|our|const|let|var|declare|set)[ \t]+[\w$@%-]+[ \t]*="
+    r"|[A-Za-z_][\w.]*(?:\[[^\]\n]*\])?[ \t]*(?:[-+*/.:?|&]?=(?!=)|<-)"
+    r"|[\w.$:]+\(.*[)};][ \t]*(?:(?:#|//).*)?$"
+    r"|(?:if|for|while|until|case|elif)\b.*;[ \t]*(?:then|do)$"
+    r"|(?:fi|done|esac|then|do|else|endif|endef)$"
+    r"|(?:ifeq|ifneq|ifdef|ifndef)[ \t]*\("
+    r"|(?:echo|sudo|apt-get|pip|git|mkdir|chmod|cd)[ \t]+\S"
+)
 # A table-of-contents entry ("Appendix A GNU Free Documentation License . . 76", "1.2 Scope .... 5",
 # "Preface ··· iii"): a dot leader (two or more dots, ellipses or middle dots, spaced or not) then
 # a page number, arabic or roman, at the end of the line. It names a section that starts pages
@@ -180,10 +205,8 @@ def _headings(text: str, lines: _Lines) -> list[Heading]:
         if num:  # "1.3.1. Early history": the number says the depth better than the style
             depth = num.group(1).count(".") + 1
         found[prev_start] = Heading(prev_start, depth, title)
-    for i in np.flatnonzero((c0 == 35) & (indent <= 3)):
-        m = _MD_HEAD.match(text, int(starts[i]))
-        if m:
-            found[m.start()] = Heading(m.start(), len(m.group(1)), m.group(2).strip())
+    for start, depth, title in _markdown_headings(text, lines, np.flatnonzero((c0 == 35) & (indent <= 3))):
+        found[start] = Heading(start, depth, title)
     numbered = (indent <= 4) & (digit0 | (upper0 & (c1 == 46)))
     for i in np.flatnonzero(numbered):
         start = int(starts[i])
@@ -214,6 +237,94 @@ def _headings(text: str, lines: _Lines) -> list[Heading]:
                 if m:
                     found[start] = Heading(start, 1, m.group(1).strip())
     return [found[k] for k in sorted(found) if not _NOT_A_HEADING.search(found[k].title)]
+
+
+def _line(text: str, lines: _Lines, i: int) -> str:
+    """Line ``i`` of ``text`` (without its newline); ``""`` past either end."""
+    if i < 0 or i >= len(lines.starts):
+        return ""
+    end = int(lines.nl[i]) if i < len(lines.nl) else lines.n
+    return text[int(lines.starts[i]) : end]
+
+
+def _markdown_headings(text: str, lines: _Lines, rows: IntArray) -> list[tuple[int, int, str]]:
+    """``(start, depth, title)`` of the ``#`` lines among ``rows`` that are Markdown headings.
+
+    A ``#`` line is also a comment in shell, R, Python, Perl and Make, and a C preprocessor line
+    (``# include <x.h>``, ``# define``). PDF text layers and plain-text exports drop a listing's
+    fence and indentation, so those lines reach the left margin inside the code they annotate;
+    taken for headings they named every chunk after them, for dozens of pages (one R comment in
+    "Writing R Extensions" headed 56 chunks). So a ``#`` line is a heading only when its title
+    reads like one (words, not a directive or a statement), it is outside any fenced block, and
+    the lines touching it (no blank line between) do not look like code. A run of ``#`` lines
+    stands or falls together: one comment among code condemns the comment block it belongs to.
+    """
+    if not rows.size:
+        return []
+    fences = _fenced_spans(text)
+    verdict: dict[int, tuple[int, int, str] | None] = {}
+    for i in rows.tolist():
+        m = _MD_HEAD.match(text, int(lines.starts[i]))
+        if m is None:
+            continue
+        title = m.group(2).strip()
+        ok = (
+            any(ch.isalnum() for ch in title)
+            and not _CODE_TITLE.match(title)
+            and not any(a <= m.start() < b for a, b in fences)
+            and not _looks_like_code(_line(text, lines, i - 1))
+            and not _looks_like_code(_line(text, lines, i + 1))
+        )
+        verdict[i] = (m.start(), len(m.group(1)), title) if ok else None
+    # A "#" line between two code lines was condemned above; the comment lines above or below
+    # it (touching it, no blank line between) go with it.
+    out = []
+    for i, heading in verdict.items():
+        if heading is None:
+            continue
+        run = [i]
+        for step in (-1, 1):
+            j = i + step
+            while j in verdict or _line(text, lines, j).lstrip().startswith("#"):
+                run.append(j)
+                j += step
+        if all(verdict.get(j, True) is not None for j in run):
+            out.append(heading)
+    return out
+
+
+def _fenced_spans(text: str) -> list[tuple[int, int]]:
+    """``(start, end)`` of each ```` ``` ```` / ``~~~`` fenced block (an unclosed one runs to the end)."""
+    # The runs of backticks or tildes are found with str.find, then checked for opening their
+    # line: a regular expression (a multiline "^", or an alternation) scans character by
+    # character and cost as much as the rest of this module.
+    runs = []
+    for mark in ("```", "~~~"):
+        at = text.find(mark)
+        while at >= 0:
+            end = at + 3
+            while end < len(text) and text[end] == mark[0]:
+                end += 1
+            line_start = text.rfind("\n", 0, at) + 1
+            if at - line_start <= 3 and not text[line_start:at].strip(" "):
+                runs.append((line_start, end, text[at:end]))
+            at = text.find(mark, end)
+    spans = []
+    open_at, fence = -1, ""
+    for line_start, end, run in sorted(runs):
+        if open_at < 0:
+            open_at, fence = line_start, run
+        elif run[0] == fence[0] and len(run) >= len(fence):
+            spans.append((open_at, end))
+            open_at = -1
+    if open_at >= 0:
+        spans.append((open_at, len(text)))
+    return spans
+
+
+def _looks_like_code(line: str) -> bool:
+    line = line.strip()
+    return bool(line) and _CODE_LINE.match(line) is not None
 
 
 def _cut_points(text: str, lines: _Lines, headings: Sequence[Heading]) -> tuple[IntArray, IntArray, IntArray]:
