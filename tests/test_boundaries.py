@@ -157,3 +157,48 @@ def test_comments_and_directives_in_code_are_not_markdown_headings() -> None:
     prose = "The package compiles native code and registers its routines. " * 30
     chunks = chunk_text("\n".join([prose, listing, prose, prose]), min_tokens=40, max_tokens=120)
     assert {h for c in chunks for h in c.headings} == set()
+
+
+def test_numbered_titles_of_a_pdf_text_layer_are_headings() -> None:
+    # pypdfium2 gives a typeset manual's section titles with no blank line around them, so the
+    # blank-line rule for "1.2 Title" finds none; their numbering, one continuing the last, does.
+    prose = "The environment evaluates each expression as it is typed and prints its value. " * 8
+    text = "\n".join(
+        [
+            "1 Introduction and preliminaries",
+            "1.1 The R environment",
+            prose,
+            "1.2 Related software and documentation",
+            prose,
+            "It has three steps:",
+            "1. Mix the flour",
+            "2. Add the water",
+            "3. Bake it",
+            "2 Simple manipulations; numbers and vectors",
+            "2.1 Vectors and assignment",
+            prose,
+            "12 Ordinary files are reset when the package is reinstalled",  # a footnote
+            "2.2 Vector arithmetic",
+            prose,
+            "1 Source: gentoo",  # a listing with line numbers
+            "2 Section: unknown",
+            "3 Priority: optional",
+            "2.3 Generating regular sequences",
+            prose,
+        ]
+    )
+    b = find_boundaries(text)
+    assert [(h.depth, h.title) for h in b.headings] == [
+        (1, "1 Introduction and preliminaries"),
+        (2, "1.1 The R environment"),
+        (2, "1.2 Related software and documentation"),
+        (1, "2 Simple manipulations; numbers and vectors"),
+        (2, "2.1 Vectors and assignment"),
+        (2, "2.2 Vector arithmetic"),
+        (2, "2.3 Generating regular sequences"),
+    ]
+    chunks = chunk_text(text, min_tokens=40, max_tokens=150)
+    last = chunks[-1]
+    assert last.headings == ("2 Simple manipulations; numbers and vectors", "2.3 Generating regular sequences")
+    # Lines that only look numbered, with nothing continuing them, stay body text.
+    assert find_boundaries("\n".join(["3 Apples were sold", prose, "7 Pears", prose])).headings == ()

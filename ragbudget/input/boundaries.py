@@ -1,8 +1,9 @@
 """Where a text may be cut: its headings (Markdown ``#``, reStructuredText underlines, numbered
-``1.2 Title``, ``Chapter 3``, ALL-CAPS lines; never a table-of-contents entry, nor a comment or a
-directive in code) and every structural cut point with its level — a heading, a blank-line
-paragraph break, a line break after a sentence or before a list item, a sentence end inside a
-line, any other line break.
+``1.2 Title`` between blank lines or continuing the numbering of the titles before it,
+``Chapter 3``, ALL-CAPS lines; never a table-of-contents entry, nor a comment or a directive in
+code) and every structural cut point with its level — a heading, a blank-line paragraph break, a
+line break after a sentence or before a list item, a sentence end inside a line, any other line
+break.
 
 What the chunker (:mod:`ragbudget.input.chunking`) plans its cuts on, apart from the token
 arithmetic that makes the cuts exact. Found without a Python loop per line or per sentence: the
@@ -108,6 +109,9 @@ _CODE_LINE = re.compile(
     r"|(?:ifeq|ifneq|ifdef|ifndef)[ \t]*\("
     r"|(?:echo|sudo|apt-get|pip|git|mkdir|chmod|cd)[ \t]+\S"
 )
+# A numbered title as a text layer gives it: at the margin, "4.9.2 debian/rules and Rules-Requires-Root",
+# "2 Simple manipulations; numbers and vectors", alone on its line (see _numbered_sequence).
+_SEQ_HEAD = re.compile(r"[ \t]{0,2}(\d{1,3}(?:\.\d{1,3})*)(\.?)[ \t]+([^\W\d_][^\n]{0,89})(?=\n|\Z)")
 # A table-of-contents entry ("Appendix A GNU Free Documentation License . . 76", "1.2 Scope .... 5",
 # "Preface ··· iii"): a dot leader (two or more dots, ellipses or middle dots, spaced or not) then
 # a page number, arabic or roman, at the end of the line. It names a section that starts pages
@@ -225,6 +229,8 @@ def _headings(text: str, lines: _Lines) -> list[Heading]:
             continue
         depth = m.group(1).rstrip(".").count(".") + 1
         found[start] = Heading(start, depth, f"{m.group(1)} {title}".strip())
+    for start, depth, title in _numbered_sequence(text, lines, np.flatnonzero((indent <= 2) & digit0)):
+        found.setdefault(start, Heading(start, depth, title))
     # "Chapter", "Appendix", "Part" (any case) and ALL-CAPS lines: check two characters
     # before running a regex (most lines of prose start with a capital too).
     chapter = (indent <= 4) & _is_chapter0(c0) & _is_chapter1(c1)
@@ -291,6 +297,71 @@ def _markdown_headings(text: str, lines: _Lines, rows: IntArray) -> list[tuple[i
         if all(verdict.get(j, True) is not None for j in run):
             out.append(heading)
     return out
+
+
+def _numbered_sequence(text: str, lines: _Lines, rows: IntArray) -> list[tuple[int, int, str]]:
+    """``(start, depth, title)`` of the numbered section titles that follow one another.
+
+    A PDF's text layer has no blank line around a heading ("1.5 Using R interactively" sits
+    between two lines of prose), so the blank-line test of the numbered pattern above misses
+    every section of a typeset manual. What marks them instead is their numbering: each one
+    continues the last (a next sibling, a first child, the next section of an ancestor). Among
+    the lines shaped like a numbered title, the longest chain that continues itself is taken,
+    if it has three or more and some of them are subsections ("2.1"): a page number, a footnote
+    or a table row that happens to start with a number breaks the chain, or sits outside it.
+    A number may skip one (a heading the text layer wrapped or lost), never more.
+    """
+    cands: list[tuple[int, tuple[int, ...], str]] = []
+    for i in rows.tolist():
+        m = _SEQ_HEAD.match(text, int(lines.starts[i]))
+        if m is None:
+            continue
+        number, dot, title = m.group(1), m.group(2), m.group(3).rstrip()
+        # "3. Mix the flour": a one-level number with a full stop is a list item's.
+        if (dot and "." not in number) or title[-1] in ",;:" or len(title.split()) > 14:
+            continue
+        if _NOT_A_HEADING.search(title):
+            continue
+        cands.append((m.start(), tuple(int(x) for x in number.split(".")), f"{number}{dot} {title}"))
+    if len(cands) < 3:
+        return []
+    # Longest chain by dynamic programming, O(depth^2) per candidate: the best chain ending at
+    # a line with a given number (a first child's parent), and at one with a given prefix (a
+    # later sibling of that prefix's last level, whatever depth the line before it had). Among
+    # chains of one length the one with fewer skipped numbers wins: "4.1 control" then
+    # "4.2 copyright", not the listing line "4 Maintainer: ..." between them.
+    score = [(1, 0)] * len(cands)  # (length, -numbers skipped)
+    back = [-1] * len(cands)
+    exact: dict[tuple[int, ...], int] = {}
+    prefix: dict[tuple[int, ...], int] = {}
+    for i, (_, q, _) in enumerate(cands):
+        preds: list[tuple[int, int]] = []  # (candidate, numbers skipped to reach q from it)
+        for lv in range(len(q)):
+            if not all(x == 1 for x in q[lv + 1 :]):
+                continue
+            if lv > 0 and 1 <= q[lv] <= 2:  # q is a first child of q[:lv] (or its second)
+                preds.append((exact.get(q[:lv], -1), q[lv] - 1))
+            for skip in (1, 2):  # q is a later sibling at level lv
+                preds.append((prefix.get((*q[:lv], q[lv] - skip), -1), skip - 1))
+        for j, skipped in preds:
+            if j >= 0:
+                key = (score[j][0] + 1, score[j][1] - skipped)
+                if (key, j) > (score[i], back[i]):
+                    score[i], back[i] = key, j
+        exact[q] = i
+        for k in range(1, len(q) + 1):
+            best = prefix.get(q[:k], -1)
+            if best < 0 or score[i] >= score[best]:
+                prefix[q[:k]] = i
+    # The longest chain; among equals the last (a contents list without page numbers comes first).
+    end = max(range(len(cands)), key=lambda i: (score[i], i))
+    chain = []
+    while end >= 0:
+        chain.append(cands[end])
+        end = back[end]
+    if len(chain) < 3 or all(len(q) == 1 for _, q, _ in chain):
+        return []
+    return [(start, len(q), title) for start, q, title in reversed(chain)]
 
 
 def _fenced_spans(text: str) -> list[tuple[int, int]]:
