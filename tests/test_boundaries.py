@@ -202,3 +202,15 @@ def test_numbered_titles_of_a_pdf_text_layer_are_headings() -> None:
     assert last.headings == ("2 Simple manipulations; numbers and vectors", "2.3 Generating regular sequences")
     # Lines that only look numbered, with nothing continuing them, stay body text.
     assert find_boundaries("\n".join(["3 Apples were sold", prose, "7 Pears", prose])).headings == ()
+
+
+def test_a_chapter_without_numbered_sections_does_not_break_the_numbering() -> None:
+    # policy.pdf: chapters 18 and 19 have no numbered section, so "20.1" follows "17.2" (the
+    # chapter titles themselves are spelled out, "CHAPTER / TWENTY"); the sections after them
+    # are headings still. Anything but a chapter's first section skips one number at most.
+    prose = "A maintainer script must not fail when it runs twice in a row on one system. " * 8
+    titles = ["17.1 Automatic handling", "17.2 Fully-featured handling", "20.1 Introduction", "20.2 Change Goals"]
+    text = "\n".join(line for t in titles for line in (t, prose))
+    assert [h.title for h in find_boundaries(text).headings] == titles
+    stray = "\n".join(["1.1 Scope", prose, "1.2 Terms", prose, "1.3 Authors", prose, "1.7 Translations", prose])
+    assert [h.title for h in find_boundaries(stray).headings] == ["1.1 Scope", "1.2 Terms", "1.3 Authors"]

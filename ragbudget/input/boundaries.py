@@ -309,7 +309,8 @@ def _numbered_sequence(text: str, lines: _Lines, rows: IntArray) -> list[tuple[i
     the lines shaped like a numbered title, the longest chain that continues itself is taken,
     if it has three or more and some of them are subsections ("2.1"): a page number, a footnote
     or a table row that happens to start with a number breaks the chain, or sits outside it.
-    A number may skip one (a heading the text layer wrapped or lost), never more.
+    A number may skip one (a heading the text layer wrapped or lost), never more, except that a
+    chapter's first section may follow a few chapters without numbered sections.
     """
     cands: list[tuple[int, tuple[int, ...], str]] = []
     for i in rows.tolist():
@@ -341,7 +342,10 @@ def _numbered_sequence(text: str, lines: _Lines, rows: IntArray) -> list[tuple[i
                 continue
             if lv > 0 and 1 <= q[lv] <= 2:  # q is a first child of q[:lv] (or its second)
                 preds.append((exact.get(q[:lv], -1), q[lv] - 1))
-            for skip in (1, 2):  # q is a later sibling at level lv
+            # q is a later sibling at level lv. A chapter may have no numbered section at all
+            # (policy.pdf's chapters 18 and 19), so "20.1" may follow "17.2": a first section
+            # may skip up to 9 chapters, anything else one number.
+            for skip in range(1, 10 if lv == 0 and len(q) > 1 else 3):
                 preds.append((prefix.get((*q[:lv], q[lv] - skip), -1), skip - 1))
         for j, skipped in preds:
             if j >= 0:
