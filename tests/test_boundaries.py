@@ -214,3 +214,18 @@ def test_a_chapter_without_numbered_sections_does_not_break_the_numbering() -> N
     assert [h.title for h in find_boundaries(text).headings] == titles
     stray = "\n".join(["1.1 Scope", prose, "1.2 Terms", prose, "1.3 Authors", prose, "1.7 Translations", prose])
     assert [h.title for h in find_boundaries(stray).headings] == ["1.1 Scope", "1.2 Terms", "1.3 Authors"]
+
+
+def test_appendix_sections_make_a_chain_of_their_own() -> None:
+    # R-intro.pdf's appendices: "Appendix B Invoking R" (a chapter heading), then "B.1 ...".
+    prose = "The command line takes options that set the size of the workspace and the memory. " * 8
+    titles = ["14.4 Compression and Archives", "B.1 Invoking R from the command line", "B.2 Invoking R under Windows"]
+    titles += ["C.1 Preliminaries", "C.2 Editing actions"]
+    text = "\n".join(["14.2 Filepaths", prose, "14.3 System commands", prose])
+    text += "\n" + "\n".join(line for t in titles for line in (t, prose))
+    heads = find_boundaries(text).headings
+    assert [(h.depth, h.title) for h in heads] == [
+        (2, "14.2 Filepaths"),
+        (2, "14.3 System commands"),
+        *((2, t) for t in titles),
+    ]

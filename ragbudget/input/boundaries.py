@@ -110,8 +110,9 @@ _CODE_LINE = re.compile(
     r"|(?:echo|sudo|apt-get|pip|git|mkdir|chmod|cd)[ \t]+\S"
 )
 # A numbered title as a text layer gives it: at the margin, "4.9.2 debian/rules and Rules-Requires-Root",
-# "2 Simple manipulations; numbers and vectors", alone on its line (see _numbered_sequence).
-_SEQ_HEAD = re.compile(r"[ \t]{0,2}(\d{1,3}(?:\.\d{1,3})*)(\.?)[ \t]+([^\W\d_][^\n]{0,89})(?=\n|\Z)")
+# "2 Simple manipulations; numbers and vectors", "B.1 Invoking R from the command line", alone on
+# its line (see _numbered_sequence).
+_SEQ_HEAD = re.compile(r"[ \t]{0,2}((?:\d{1,3}|[A-Z](?=\.\d))(?:\.\d{1,3})*)(\.?)[ \t]+([^\W\d_][^\n]{0,89})(?=\n|\Z)")
 # A table-of-contents entry ("Appendix A GNU Free Documentation License . . 76", "1.2 Scope .... 5",
 # "Preface ··· iii"): a dot leader (two or more dots, ellipses or middle dots, spaced or not) then
 # a page number, arabic or roman, at the end of the line. It names a section that starts pages
@@ -229,7 +230,8 @@ def _headings(text: str, lines: _Lines) -> list[Heading]:
             continue
         depth = m.group(1).rstrip(".").count(".") + 1
         found[start] = Heading(start, depth, f"{m.group(1)} {title}".strip())
-    for start, depth, title in _numbered_sequence(text, lines, np.flatnonzero((indent <= 2) & digit0)):
+    lead = digit0 | (upper0 & (c1 == 46))  # "2.1 Title", "B.1 Title"
+    for start, depth, title in _numbered_sequence(text, lines, np.flatnonzero((indent <= 2) & lead)):
         found.setdefault(start, Heading(start, depth, title))
     # "Chapter", "Appendix", "Part" (any case) and ALL-CAPS lines: check two characters
     # before running a regex (most lines of prose start with a capital too).
@@ -310,9 +312,11 @@ def _numbered_sequence(text: str, lines: _Lines, rows: IntArray) -> list[tuple[i
     if it has three or more and some of them are subsections ("2.1"): a page number, a footnote
     or a table row that happens to start with a number breaks the chain, or sits outside it.
     A number may skip one (a heading the text layer wrapped or lost), never more, except that a
-    chapter's first section may follow a few chapters without numbered sections.
+    chapter's first section may follow a few chapters without numbered sections. Appendix
+    sections ("B.1 Invoking R from the command line") make a chain of their own.
     """
-    cands: list[tuple[int, tuple[int, ...], str]] = []
+    arabic: list[tuple[int, tuple[int, ...], str]] = []
+    lettered: list[tuple[int, tuple[int, ...], str]] = []
     for i in rows.tolist():
         m = _SEQ_HEAD.match(text, int(lines.starts[i]))
         if m is None:
@@ -323,7 +327,17 @@ def _numbered_sequence(text: str, lines: _Lines, rows: IntArray) -> list[tuple[i
             continue
         if _NOT_A_HEADING.search(title):
             continue
-        cands.append((m.start(), tuple(int(x) for x in number.split(".")), f"{number}{dot} {title}"))
+        parts = number.split(".")
+        if parts[0].isdigit():
+            arabic.append((m.start(), tuple(int(x) for x in parts), f"{number}{dot} {title}"))
+        else:  # "B.1": appendix B's first section
+            lettered.append((m.start(), (ord(parts[0]) - 64, *(int(x) for x in parts[1:])), f"{number}{dot} {title}"))
+    return sorted(_longest_chain(arabic) + _longest_chain(lettered))
+
+
+def _longest_chain(cands: list[tuple[int, tuple[int, ...], str]]) -> list[tuple[int, int, str]]:
+    """The longest run of ``cands`` (start, number, title) whose numbers continue one another,
+    as ``(start, depth, title)``; empty when it is shorter than 3 or has no subsection."""
     if len(cands) < 3:
         return []
     # Longest chain by dynamic programming, O(depth^2) per candidate: the best chain ending at
