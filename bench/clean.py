@@ -12,7 +12,9 @@ pages of ``shared/data/manpages`` (260 pages). The PDFs are extracted twice:
 Ground truth: ``tests/_furniture_truth.py`` — per document, the furniture patterns read off the
 pages and written down as data (kinds: running head, running foot, section running head, page
 number; plus "page-number lines", those carrying the printed number). It imports nothing from
-ragbudget. Body lines: non-furniture lines of >= 40 characters.
+ragbudget. Body lines: non-furniture lines of >= 40 characters, outside the contents pages (tables
+of contents and indexes, listed in the truth too: their lines are neither furniture nor body; the
+loader removes them, ``strip_headers_footers`` does not).
 
 Cleaners, each given the same pages:
 
@@ -103,6 +105,7 @@ def summarize(c: Counter) -> dict:
         "page_number_lines_removed_pct": pct("page_number_lines_removed", "page_number_lines"),
         "body_lost_pct": pct("body_removed", "body", 3),
         "furniture_cut_pct": pct("furniture_cut", "furniture"),
+        "contents_removed_pct": pct("contents_removed", "contents"),
     }
     for kind in KINDS:
         out[f"{kind}_removed_pct"] = pct(f"{kind}_removed", kind)
@@ -218,7 +221,7 @@ def main() -> None:
 
     n_pages = sum(len(p) for p, _ in inputs.values())
     print(f"{len(inputs)} document extractions, {n_pages} pages; pdftotext: {poppler}")
-    cols = ["furniture", "page_number_lines", *KINDS, "body lost", "other lines"]
+    cols = ["furniture", "page_number_lines", *KINDS, "contents", "body lost", "other lines"]
     print(f"{'cleaner':31} {'group':20} " + " ".join(f"{c[:12]:>12}" for c in cols))
     for label, r in results.items():
         for g, s in r["groups"].items():
@@ -226,6 +229,7 @@ def main() -> None:
                 s["furniture_removed_pct"],
                 s["page_number_lines_removed_pct"],
                 *(s[f"{k}_removed_pct"] for k in KINDS),
+                s.get("contents_removed_pct"),
             ]
             body = s["body_lost_pct"]
             print(

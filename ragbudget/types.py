@@ -247,7 +247,9 @@ class IndexSummary:
     vectors not embedded again, ``chunks_resumed`` the part of them taken from the checkpoint of
     an interrupted run. ``sentences_embedded``/``sentences_reused``/``sentence_seconds``: the
     sentence vectors stored for span packing (only chunks without them: see
-    :meth:`Index.sentence_vectors`).
+    :meth:`Index.sentence_vectors`). ``furniture_lines_removed`` counts running heads, footers,
+    page numbers and corpus boilerplate; ``contents_lines_removed`` the lines of contents,
+    list-of-figures and index pages (:func:`ragbudget.input.clean.find_contents`).
     """
 
     files_seen: int = 0
@@ -279,6 +281,7 @@ class IndexSummary:
     sentences_embedded: int = 0
     sentences_reused: int = 0
     sentence_seconds: float = 0.0
+    contents_lines_removed: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

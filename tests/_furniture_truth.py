@@ -16,6 +16,10 @@ matrices 25``), ``page_number`` (the printed page number alone). Independently o
 line whose pattern has a ``(?P<n>…)`` group must carry the page's printed number there; those
 lines are the *page-number lines* (bare numbers, ``Guide 3 / 57``, section heads, man footers).
 
+Apart from the furniture, each document lists its *contents pages*: the table of contents, and
+the index (R-intro's two, policy.pdf's one page). Their non-furniture lines are *contents lines*:
+navigation, neither furniture nor body; a cleaner may remove them (``contents_removed``) or not.
+
 Lines are matched from each page edge inwards (at most :data:`EDGE` lines per edge), stopping at
 the first line no pattern of that edge matches, so a body line that happens to look like a head
 in the middle of a page is never furniture. Body lines: the non-furniture lines of at least
@@ -28,7 +32,18 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["BODY_MIN", "DOCS", "EDGE", "KINDS", "MANPAGE", "classify", "printed_number", "removed_lines", "score"]
+__all__ = [
+    "BODY_MIN",
+    "DOCS",
+    "EDGE",
+    "KINDS",
+    "MANPAGE",
+    "classify",
+    "contents_lines",
+    "printed_number",
+    "removed_lines",
+    "score",
+]
 
 EDGE = 3
 BODY_MIN = 40
@@ -74,6 +89,8 @@ DOCS: dict[str, dict] = {
     "policy.pdf": {
         # Printed numbers: pages 2-9 are i-viii (roman, index - 1), pages 10-192 are 1-183.
         "printed": [(range(2, 10), "roman", -1), (range(10, 193), "arabic", -9)],
+        # CONTENTS on pages 2-8 (i-vii; 9 is blank), the INDEX ("signaling, 91") on page 192.
+        "contents": [*range(2, 9), 192],
         "patterns": [
             (
                 "page_number",
@@ -131,6 +148,8 @@ DOCS: dict[str, dict] = {
     "maint-guide.en.pdf": {
         # Page 0 is the cover (title and authors, no furniture); pages 1-5 are ii-vi; 6-62 are 1-57.
         "printed": [(range(1, 6), "roman", 1), (range(6, 63), "arabic", -5)],
+        # "Contents" on pages 3-5 (iv-vi); no index.
+        "contents": [3, 4, 5],
         "patterns": [
             (
                 "running_head",
@@ -154,6 +173,9 @@ DOCS: dict[str, dict] = {
     "R-intro.pdf": {
         # Page 0 title page, page 1 copyright page (no furniture); 2-5 are i-iv; 6-112 are 1-107.
         "printed": [(range(2, 6), "roman", -1), (range(6, 113), "arabic", -5)],
+        # "Table of Contents" on pages 2-5; Appendix D (function and variable index) on 107-109
+        # and Appendix E (concept index) on 110-111, dot leaders to page numbers.
+        "contents": [2, 3, 4, 5, 107, 108, 109, 110, 111],
         "patterns": [
             ("page_number", "top", range(2, 6), True, r"(?P<n>[ivx]+)", "table of contents, top: roman number alone"),
             (
@@ -258,13 +280,28 @@ def classify(name: str, pages: list[str]) -> tuple[dict, set, list]:
         for p in on
         if every and p < len(pages) and (k, p) not in found
     ]
+    contents = set(spec.get("contents", ()))
     body = {
         (p, i)
         for p, page in enumerate(pages)
+        if p not in contents
         for i, line in enumerate(page.split("\n"))
         if (p, i) not in furniture and len(" ".join(line.split())) >= BODY_MIN
     }
     return furniture, body, misses
+
+
+def contents_lines(name: str, pages: list[str], furniture: dict) -> set:
+    """Positions of the contents lines of ``pages``: the non-empty, non-furniture lines of the
+    document's contents pages (a table of contents, an index)."""
+    on = set(_spec(name).get("contents", ()))
+    return {
+        (p, i)
+        for p, page in enumerate(pages)
+        if p in on
+        for i, line in enumerate(page.split("\n"))
+        if line.strip() and (p, i) not in furniture
+    }
 
 
 def removed_lines(before: list[str], after: list[str]) -> tuple[set, set]:
@@ -300,8 +337,10 @@ def score(name: str, before: list[str], after: list[str]) -> dict[str, int]:
     """Counts for one document: ``<kind>`` / ``<kind>_removed`` per kind, ``furniture``,
     ``page_number_lines`` (lines carrying the printed number), ``body`` and their ``_removed``;
     ``furniture_cut``: furniture lines only partly removed (not counted as removed);
-    ``other_removed``: removed or cut non-empty lines that are neither furniture nor body (short lines:
-    headings, list items, figure labels — wrongly removed, but not counted as body loss)."""
+    ``contents`` / ``contents_removed``: the lines of the contents pages (not furniture, not body);
+    ``other_removed``: removed or cut non-empty lines that are neither furniture, contents nor body
+    (short lines: headings, list items, figure labels — wrongly removed, but not counted as body
+    loss)."""
     furniture, body, misses = classify(name, before)
     if misses:
         raise AssertionError(f"{name}: the truth does not fit this extraction: {misses[:3]}")
@@ -320,6 +359,11 @@ def score(name: str, before: list[str], after: list[str]) -> dict[str, int]:
             out["page_number_lines_removed"] += hit
     out["body"] = len(body)
     out["body_removed"] = len(body & (gone | cut))
+    contents = contents_lines(name, before, furniture)
+    out["contents"] = len(contents)
+    out["contents_removed"] = len(contents & gone)
     lines = [page.split("\n") for page in before]
-    out["other_removed"] = sum(1 for p, i in (gone | cut) - body if (p, i) not in furniture and lines[p][i].strip())
+    out["other_removed"] = sum(
+        1 for p, i in (gone | cut) - body - contents if (p, i) not in furniture and lines[p][i].strip()
+    )
     return out

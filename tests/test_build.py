@@ -4,6 +4,7 @@ edit sequences that keep ids and rows one to one."""
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -142,6 +143,39 @@ def test_corpus_boilerplate_is_stripped_at_index_time(tmp_path: Path) -> None:
         texts = [h.text for h in idx.search("glaciers history", k=50)]
     assert texts and not any("Pricing" in t for t in texts)
     assert any("glaciers" in t for t in texts)
+
+
+@pytest.mark.shared_data
+def test_a_typeset_manual_is_indexed_by_its_sections_without_its_contents_pages(
+    shared_data: Path, tmp_path: Path
+) -> None:
+    """Issue #42 §6 on a real texinfo manual (R-intro.pdf, the R manual in the shared data; the
+    issue saw the same on "Writing R Extensions"): chunks are headed by the sections they are in,
+    never by a code comment; the table of contents and the indexes are not chunks, and a query
+    naming a section finds the section, not the contents line that lists it. Hash embedder with
+    BM25 (hybrid), no model."""
+    pdf = shared_data / "pdf" / "R-intro.pdf"
+    summary = Index(tmp_path / "idx").build([pdf], embedder=EMB)
+    assert summary.contents_lines_removed >= 450  # 4 contents pages, 5 index pages
+    with Index.open(tmp_path / "idx") as idx:
+        chunks = idx.get_chunks(cid for _, cid in idx.chunks_of(str(pdf)))
+        heads = [h for c in chunks for h in c.headings]
+        # Every heading is a numbered section or an appendix: no "# comment" of an R listing
+        # ("my personal functions" headed 39 chunks, "make the bins smaller, make a plot of
+        # density" 11), no "# include <...>".
+        odd = {h for h in heads if not re.match(r"(\d+(\.\d+)*|[A-F]\.\d+|Appendix [A-F]) \S", h)}
+        assert heads and not odd, sorted(odd)
+        section = {c.headings[-1] for c in chunks if c.source and c.source.page_start == 33 and c.headings}
+        assert "5.9 The concatenation function, c(), with arrays" in section
+        # No chunk is a contents or an index page: none holds a dot leader.
+        assert not [c.text[:80] for c in chunks if re.search(r"(\. ?){6,}\d", c.text)]
+        for query, title in [
+            ("data permanency and removing objects", "1.11 Data permanency and removing objects"),
+            ("recall and correction of previous commands", "1.9 Recall and correction of previous commands"),
+        ]:
+            top = idx.search(query, k=1, hybrid=True)[0]
+            assert top.headings[-1] == title, (query, top.headings, top.text[:80])
+            assert title in top.text
 
 
 def test_guessed_encoding_is_a_warning_in_the_summary(ix: Index, corpus: Path) -> None:

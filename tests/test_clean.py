@@ -1,5 +1,5 @@
-"""Header/footer stripping: exact cases, invariants (hypothesis), and measured quality on real
-documents (the shared PDFs and man pages)."""
+"""Header/footer stripping and contents pages: exact cases, invariants (hypothesis), and measured
+quality on real documents (the shared PDFs and man pages)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ from hypothesis import example, given, settings, strategies as st
 
 from ragbudget.input.clean import (
     StripReport,
+    apply_report,
+    find_contents,
     find_furniture,
     find_known,
     fold_line,
@@ -437,3 +439,64 @@ def test_docstring_examples():
     import ragbudget.input.clean
 
     assert doctest.testmod(ragbudget.input.clean).failed == 0
+
+
+# --------------------------------------------------------------------------------------------------
+# contents pages: a table of contents, a list of figures, an index
+
+
+def test_a_contents_page_is_removed_and_the_body_kept() -> None:
+    toc = "\n".join(
+        [
+            "Table of Contents",
+            "",
+            "Preface . . . . . . . . . . . . . . . . . . . . . . . . . 1",
+            "1 Introduction and preliminaries . . . . . . . . . . . . 2",
+            "1.1 The R environment. . . . . . . . . . . . . . . . . . 2",
+            "1.5 Registering native routines . . . . . . . . . . . . 27",
+            "5 Registering native routines in a package that wraps its entry",  # wrapped entry
+            "points over two lines . . . . . . . . . . . . . . . . . 31",
+            "Appendix A The command-line editor . . . . . . . . . . iv",
+        ]
+    )
+    figures = "List of Figures\nFigure 1 The pipeline ........ 3\nFigure 2 Memory …… 7\nFigure 3 Spans ···· 9"
+    index = "\n".join(["Concept index", "A", "Arrays . . . . . . 20", "Attributes . . . . 14, 15", "B"])
+    index += "\n" + "\n".join(["Box plots . . . . . 38", "C", "Contrasts . . . . 57"])
+    body = (
+        "1.5 Registering native routines\n"
+        "Routines are registered with R_registerRoutines... 27 of them in this package.\n"
+        "A sentence that trails off... 5\n"
+        "Counting on: 1, 2, 3... 4\n"
+        + "The rest of the section is prose, and there is more of it than contents.\n"
+        * 25
+    ).strip()
+    pages = [toc, figures, body, index]
+    report = find_contents(pages)
+    assert report.per_page == (8, 4, 0, 8)
+    cleaned = apply_report(pages, report)
+    assert cleaned == ["", "", body, ""]
+    # Three leader lines among prose are not a contents block; nor is prose around a short one.
+    prose = "This paragraph is long enough to be prose and not a contents label at all."
+    mixed = "\n".join([prose, "See . . . . . 3", prose, "And . . . . . 4", prose, "Or . . . . . 5", prose])
+    assert find_contents([mixed]).removed == 0
+    # A short line touching the prose above a block may end its paragraph: it stays.
+    page = "\n".join([prose, "as it was", *(f"Entry {i} . . . . . . {i}" for i in range(1, 6))])
+    assert apply_report([page, body], find_contents([page, body]))[0] == prose + "\nas it was"
+
+
+def test_a_document_that_is_a_list_is_not_emptied() -> None:
+    # A price list or a menu has the shape of a contents page from top to bottom: past half of
+    # the document's lines the "contents" are the document, and nothing is removed.
+    menu = "\n".join(f"Dish number {i} . . . . . . . . {i + 3}" for i in range(20))
+    assert find_contents([menu, "Opening hours: every day but Monday."]).removed == 0
+
+
+@pytest.mark.shared_data
+@pytest.mark.parametrize("extractor", ["pypdfium2", "pdftotext"])
+def test_real_documents_contents_pages_removed_body_kept(real_pages, extractor):
+    # The loader takes the contents pages out too (the truth lists them: tables of contents, and
+    # R-intro's and policy.pdf's indexes); not one body line, nor any other line, goes with them.
+    c = _measure(real_pages, extractor, _loader)
+    assert _pct(c, "contents_removed", "contents") >= {"pypdfium2": 0.99, "pdftotext": 0.98}[extractor], c
+    assert c["body_removed"] == 0, c
+    assert c["other_removed"] == 0, c

@@ -1,5 +1,5 @@
 """Presentation (:mod:`ragbudget.cli.display`): the plan table and plot, an answer's ``--explain``
-report, a chat turn's sources and memory line."""
+report, a chat turn's sources and memory line, an index run's summary."""
 
 from __future__ import annotations
 
@@ -7,7 +7,14 @@ import os
 
 import pytest
 
-from ragbudget.cli.display import SOURCES_ORDER, format_plan, format_report, format_sources, plot_plan
+from ragbudget.cli.display import (
+    SOURCES_ORDER,
+    format_index_summary,
+    format_plan,
+    format_report,
+    format_sources,
+    plot_plan,
+)
 from ragbudget.memory.budget import plan_budget
 
 
@@ -128,3 +135,13 @@ def test_sources_block_numbers_them_as_the_answer_cites_them() -> None:
     # The numbers are the prompt's order, not a ranking: the header says so (issue #42 §7).
     assert "prompt order" in SOURCES_ORDER and "not sorted by score" in SOURCES_ORDER
     assert format_sources(sources[:1]) == "Sources:\n  [1] /idx/docs/a.md, slide 2 [0:10] score 0.500"
+
+
+# --- an index run ---------------------------------------------------------------------------------
+
+
+def test_index_summary_says_what_the_cleaner_removed() -> None:
+    # Contents and index pages go like running heads, and the summary says how many lines.
+    lines = format_index_summary({"furniture_lines_removed": 522, "contents_lines_removed": 917}).splitlines()
+    assert "header/footer lines removed: 522; contents/index lines: 917" in lines
+    assert "header/footer lines removed: 5" in format_index_summary({"furniture_lines_removed": 5}).splitlines()

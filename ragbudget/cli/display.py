@@ -391,7 +391,8 @@ def format_index_summary(s: dict[str, Any]) -> str:
         + (f"; {resumed} taken from an interrupted run" if resumed else "")
         + ")",
         f"duplicates removed: {s.get('exact_duplicates', 0)} exact, {s.get('near_duplicates', 0)} near",
-        f"header/footer lines removed: {s.get('furniture_lines_removed', 0)}",
+        f"header/footer lines removed: {s.get('furniture_lines_removed', 0)}"
+        + (f"; contents/index lines: {s['contents_lines_removed']}" if s.get("contents_lines_removed") else ""),
         f"time: {s.get('seconds', 0.0):.1f} s",
     ]
     if s.get("rebuilt"):

@@ -1,7 +1,9 @@
 """Where a text may be cut: its headings (Markdown ``#``, reStructuredText underlines, numbered
-``1.2 Title``, ``Chapter 3``, ALL-CAPS lines; never a table-of-contents entry) and every
-structural cut point with its level — a heading, a blank-line paragraph break, a line break after
-a sentence or before a list item, a sentence end inside a line, any other line break.
+``1.2 Title`` between blank lines or continuing the numbering of the titles before it,
+``Chapter 3``, ALL-CAPS lines; never a table-of-contents entry, nor a comment or a directive in
+code) and every structural cut point with its level — a heading, a blank-line paragraph break, a
+line break after a sentence or before a list item, a sentence end inside a line, any other line
+break.
 
 What the chunker (:mod:`ragbudget.input.chunking`) plans its cuts on, apart from the token
 arithmetic that makes the cuts exact. Found without a Python loop per line or per sentence: the
@@ -83,6 +85,34 @@ _CHAPTER_HEAD = re.compile(
     r"[ \t]{0,4}((?:Chapter|CHAPTER|Appendix|APPENDIX|Part|PART)[ \t]+[0-9IVXLA-Z]{1,6}\b[^\n]{0,90})(?=\n|\Z)"
 )
 _CAPS_HEAD = re.compile(r"([A-Z][A-Z0-9 /&(),'-]{2,40})[ \t]*(?=\n(?:[ \t]+\S|[ \t]*\n))")
+# What a "#" line's title or a neighbouring line looks like when it is code, not prose (see
+# _markdown_headings). Each alternative is a shape seen in the manuals' listings: C
+# preprocessor directives; statement, block and continuation ends; R, S and Python prompts
+# ("> f(x)", "S> n <- 3", ">>> "), shell prompts and variables; assignments ("CFLAGS += -O2",
+# "version=3", "x <- 1", "export A='b'"); a call alone on its line ("library(MASS) # attach");
+# shell and Make control lines; a "#" glued to its word ("#include", "#!/bin/sh", "#su -c").
+# Prose lines match none of these at their start, and a heading's title does not end in ; { \ ( [ ,.
+_CODE_TITLE = re.compile(
+    r"(?:include[ \t]*[<\"]|define[ \t]+[A-Za-z_]|(?:ifn?def|undef)[ \t]+\w+$|endif\b|pragma[ \t]|elif[ \t])"
+    r"|.*(?:[;{\\(\[,]$|==|!=|<-|&&|\|\|)"
+)
+_CODE_LINE = re.compile(
+    r"#[^\s#]"
+    r"|.*(?:[;{\\(\[]|(?<![%}])\})$"
+    r"|[A-Za-z]{0,8}>[ \t]*[\w.$]+(?:\(|[ \t]*<-|[ \t]*=(?!=))"
+    r"|>>>[ \t]|\$[ \t]+[a-z./]|\$[A-Za-z_{(]"
+    r"|(?:export|local|my|our|const|let|var|declare|set)[ \t]+[\w$@%-]+[ \t]*="
+    r"|[A-Za-z_][\w.]*(?:\[[^\]\n]*\])?[ \t]*(?:[-+*/.:?|&]?=(?!=)|<-)"
+    r"|[\w.$:]+\(.*[)};][ \t]*(?:(?:#|//).*)?$"
+    r"|(?:if|for|while|until|case|elif)\b.*;[ \t]*(?:then|do)$"
+    r"|(?:fi|done|esac|then|do|else|endif|endef)$"
+    r"|(?:ifeq|ifneq|ifdef|ifndef)[ \t]*\("
+    r"|(?:echo|sudo|apt-get|pip|git|mkdir|chmod|cd)[ \t]+\S"
+)
+# A numbered title as a text layer gives it: at the margin, "4.9.2 debian/rules and Rules-Requires-Root",
+# "2 Simple manipulations; numbers and vectors", "B.1 Invoking R from the command line", alone on
+# its line (see _numbered_sequence).
+_SEQ_HEAD = re.compile(r"[ \t]{0,2}((?:\d{1,3}|[A-Z](?=\.\d))(?:\.\d{1,3})*)(\.?)[ \t]+([^\W\d_][^\n]{0,89})(?=\n|\Z)")
 # A table-of-contents entry ("Appendix A GNU Free Documentation License . . 76", "1.2 Scope .... 5",
 # "Preface ··· iii"): a dot leader (two or more dots, ellipses or middle dots, spaced or not) then
 # a page number, arabic or roman, at the end of the line. It names a section that starts pages
@@ -180,10 +210,8 @@ def _headings(text: str, lines: _Lines) -> list[Heading]:
         if num:  # "1.3.1. Early history": the number says the depth better than the style
             depth = num.group(1).count(".") + 1
         found[prev_start] = Heading(prev_start, depth, title)
-    for i in np.flatnonzero((c0 == 35) & (indent <= 3)):
-        m = _MD_HEAD.match(text, int(starts[i]))
-        if m:
-            found[m.start()] = Heading(m.start(), len(m.group(1)), m.group(2).strip())
+    for start, depth, title in _markdown_headings(text, lines, np.flatnonzero((c0 == 35) & (indent <= 3))):
+        found[start] = Heading(start, depth, title)
     numbered = (indent <= 4) & (digit0 | (upper0 & (c1 == 46)))
     for i in np.flatnonzero(numbered):
         start = int(starts[i])
@@ -202,6 +230,9 @@ def _headings(text: str, lines: _Lines) -> list[Heading]:
             continue
         depth = m.group(1).rstrip(".").count(".") + 1
         found[start] = Heading(start, depth, f"{m.group(1)} {title}".strip())
+    lead = digit0 | (upper0 & (c1 == 46))  # "2.1 Title", "B.1 Title"
+    for start, depth, title in _numbered_sequence(text, lines, np.flatnonzero((indent <= 2) & lead)):
+        found.setdefault(start, Heading(start, depth, title))
     # "Chapter", "Appendix", "Part" (any case) and ALL-CAPS lines: check two characters
     # before running a regex (most lines of prose start with a capital too).
     chapter = (indent <= 4) & _is_chapter0(c0) & _is_chapter1(c1)
@@ -214,6 +245,175 @@ def _headings(text: str, lines: _Lines) -> list[Heading]:
                 if m:
                     found[start] = Heading(start, 1, m.group(1).strip())
     return [found[k] for k in sorted(found) if not _NOT_A_HEADING.search(found[k].title)]
+
+
+def _line(text: str, lines: _Lines, i: int) -> str:
+    """Line ``i`` of ``text`` (without its newline); ``""`` past either end."""
+    if i < 0 or i >= len(lines.starts):
+        return ""
+    end = int(lines.nl[i]) if i < len(lines.nl) else lines.n
+    return text[int(lines.starts[i]) : end]
+
+
+def _markdown_headings(text: str, lines: _Lines, rows: IntArray) -> list[tuple[int, int, str]]:
+    """``(start, depth, title)`` of the ``#`` lines among ``rows`` that are Markdown headings.
+
+    A ``#`` line is also a comment in shell, R, Python, Perl and Make, and a C preprocessor line
+    (``# include <x.h>``, ``# define``). PDF text layers and plain-text exports drop a listing's
+    fence and indentation, so those lines reach the left margin inside the code they annotate;
+    taken for headings they named every chunk after them, for dozens of pages (one R comment in
+    "Writing R Extensions" headed 56 chunks). So a ``#`` line is a heading only when its title
+    reads like one (words, not a directive or a statement), it is outside any fenced block, and
+    the lines touching it (no blank line between) do not look like code. A run of ``#`` lines
+    stands or falls together: one comment among code condemns the comment block it belongs to.
+    """
+    if not rows.size:
+        return []
+    fences = _fenced_spans(text)
+    verdict: dict[int, tuple[int, int, str] | None] = {}
+    for i in rows.tolist():
+        m = _MD_HEAD.match(text, int(lines.starts[i]))
+        if m is None:
+            continue
+        title = m.group(2).strip()
+        ok = (
+            any(ch.isalnum() for ch in title)
+            and not _CODE_TITLE.match(title)
+            and not any(a <= m.start() < b for a, b in fences)
+            and not _looks_like_code(_line(text, lines, i - 1))
+            and not _looks_like_code(_line(text, lines, i + 1))
+        )
+        verdict[i] = (m.start(), len(m.group(1)), title) if ok else None
+    # A "#" line between two code lines was condemned above; the comment lines above or below
+    # it (touching it, no blank line between) go with it.
+    out = []
+    for i, heading in verdict.items():
+        if heading is None:
+            continue
+        run = [i]
+        for step in (-1, 1):
+            j = i + step
+            while j in verdict or _line(text, lines, j).lstrip().startswith("#"):
+                run.append(j)
+                j += step
+        if all(verdict.get(j, True) is not None for j in run):
+            out.append(heading)
+    return out
+
+
+def _numbered_sequence(text: str, lines: _Lines, rows: IntArray) -> list[tuple[int, int, str]]:
+    """``(start, depth, title)`` of the numbered section titles that follow one another.
+
+    A PDF's text layer has no blank line around a heading ("1.5 Using R interactively" sits
+    between two lines of prose), so the blank-line test of the numbered pattern above misses
+    every section of a typeset manual. What marks them instead is their numbering: each one
+    continues the last (a next sibling, a first child, the next section of an ancestor). Among
+    the lines shaped like a numbered title, the longest chain that continues itself is taken,
+    if it has three or more and some of them are subsections ("2.1"): a page number, a footnote
+    or a table row that happens to start with a number breaks the chain, or sits outside it.
+    A number may skip one (a heading the text layer wrapped or lost), never more, except that a
+    chapter's first section may follow a few chapters without numbered sections. Appendix
+    sections ("B.1 Invoking R from the command line") make a chain of their own.
+    """
+    arabic: list[tuple[int, tuple[int, ...], str]] = []
+    lettered: list[tuple[int, tuple[int, ...], str]] = []
+    for i in rows.tolist():
+        m = _SEQ_HEAD.match(text, int(lines.starts[i]))
+        if m is None:
+            continue
+        number, dot, title = m.group(1), m.group(2), m.group(3).rstrip()
+        # "3. Mix the flour": a one-level number with a full stop is a list item's.
+        if (dot and "." not in number) or title[-1] in ",;:" or len(title.split()) > 14:
+            continue
+        if _NOT_A_HEADING.search(title):
+            continue
+        parts = number.split(".")
+        if parts[0].isdigit():
+            arabic.append((m.start(), tuple(int(x) for x in parts), f"{number}{dot} {title}"))
+        else:  # "B.1": appendix B's first section
+            lettered.append((m.start(), (ord(parts[0]) - 64, *(int(x) for x in parts[1:])), f"{number}{dot} {title}"))
+    return sorted(_longest_chain(arabic) + _longest_chain(lettered))
+
+
+def _longest_chain(cands: list[tuple[int, tuple[int, ...], str]]) -> list[tuple[int, int, str]]:
+    """The longest run of ``cands`` (start, number, title) whose numbers continue one another,
+    as ``(start, depth, title)``; empty when it is shorter than 3 or has no subsection."""
+    if len(cands) < 3:
+        return []
+    # Longest chain by dynamic programming, O(depth^2) per candidate: the best chain ending at
+    # a line with a given number (a first child's parent), and at one with a given prefix (a
+    # later sibling of that prefix's last level, whatever depth the line before it had). Among
+    # chains of one length the one with fewer skipped numbers wins: "4.1 control" then
+    # "4.2 copyright", not the listing line "4 Maintainer: ..." between them.
+    score = [(1, 0)] * len(cands)  # (length, -numbers skipped)
+    back = [-1] * len(cands)
+    exact: dict[tuple[int, ...], int] = {}
+    prefix: dict[tuple[int, ...], int] = {}
+    for i, (_, q, _) in enumerate(cands):
+        preds: list[tuple[int, int]] = []  # (candidate, numbers skipped to reach q from it)
+        for lv in range(len(q)):
+            if not all(x == 1 for x in q[lv + 1 :]):
+                continue
+            if lv > 0 and 1 <= q[lv] <= 2:  # q is a first child of q[:lv] (or its second)
+                preds.append((exact.get(q[:lv], -1), q[lv] - 1))
+            # q is a later sibling at level lv. A chapter may have no numbered section at all
+            # (policy.pdf's chapters 18 and 19), so "20.1" may follow "17.2": a first section
+            # may skip up to 9 chapters, anything else one number.
+            for skip in range(1, 10 if lv == 0 and len(q) > 1 else 3):
+                preds.append((prefix.get((*q[:lv], q[lv] - skip), -1), skip - 1))
+        for j, skipped in preds:
+            if j >= 0:
+                key = (score[j][0] + 1, score[j][1] - skipped)
+                if (key, j) > (score[i], back[i]):
+                    score[i], back[i] = key, j
+        exact[q] = i
+        for k in range(1, len(q) + 1):
+            best = prefix.get(q[:k], -1)
+            if best < 0 or score[i] >= score[best]:
+                prefix[q[:k]] = i
+    # The longest chain; among equals the last (a contents list without page numbers comes first).
+    end = max(range(len(cands)), key=lambda i: (score[i], i))
+    chain = []
+    while end >= 0:
+        chain.append(cands[end])
+        end = back[end]
+    if len(chain) < 3 or all(len(q) == 1 for _, q, _ in chain):
+        return []
+    return [(start, len(q), title) for start, q, title in reversed(chain)]
+
+
+def _fenced_spans(text: str) -> list[tuple[int, int]]:
+    """``(start, end)`` of each ```` ``` ```` / ``~~~`` fenced block (an unclosed one runs to the end)."""
+    # The runs of backticks or tildes are found with str.find, then checked for opening their
+    # line: a regular expression (a multiline "^", or an alternation) scans character by
+    # character and cost as much as the rest of this module.
+    runs = []
+    for mark in ("```", "~~~"):
+        at = text.find(mark)
+        while at >= 0:
+            end = at + 3
+            while end < len(text) and text[end] == mark[0]:
+                end += 1
+            line_start = text.rfind("\n", 0, at) + 1
+            if at - line_start <= 3 and not text[line_start:at].strip(" "):
+                runs.append((line_start, end, text[at:end]))
+            at = text.find(mark, end)
+    spans = []
+    open_at, fence = -1, ""
+    for line_start, end, run in sorted(runs):
+        if open_at < 0:
+            open_at, fence = line_start, run
+        elif run[0] == fence[0] and len(run) >= len(fence):
+            spans.append((open_at, end))
+            open_at = -1
+    if open_at >= 0:
+        spans.append((open_at, len(text)))
+    return spans
+
+
+def _looks_like_code(line: str) -> bool:
+    line = line.strip()
+    return bool(line) and _CODE_LINE.match(line) is not None
 
 
 def _cut_points(text: str, lines: _Lines, headings: Sequence[Heading]) -> tuple[IntArray, IntArray, IntArray]:

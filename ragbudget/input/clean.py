@@ -1,4 +1,7 @@
-"""Running header / footer ("page furniture") removal.
+"""Running header / footer ("page furniture") removal, and contents pages.
+
+:func:`find_contents` finds the other navigation a book carries: its table of contents, lists of
+figures, indexes (entries ending in a dot leader and a page number); the loader removes both.
 
 :func:`strip_headers_footers` looks at the first and last few non-empty lines of every page (the
 *edge zones*), masks what changes from page to page (digits, roman numerals, runs of whitespace),
@@ -49,6 +52,7 @@ __all__ = [
     "StripReport",
     "apply_report",
     "edge_keys",
+    "find_contents",
     "find_known",
     "fold_line",
     "find_furniture",
@@ -343,6 +347,147 @@ def find_furniture(
         removed, per_page = [], [0] * n
     patterns = tuple(sorted({keys[loc] for loc in removed}))
     return StripReport(removed=len(removed), patterns=patterns, per_page=tuple(per_page), lines=tuple(removed))
+
+
+# Contents pages: a table of contents, a list of figures, an index. Their entries end in a dot
+# leader and a page reference ("1.5 Registering native routines . . . . 27", "c . . . 8, 11, 27");
+# three or more leader dots (or an ellipsis) so that a sentence ending in ".. 5" is not one.
+_PAGE_REF = r"(?:\d{1,4}|[ivxlcdm]{1,7}|[IVXLCDM]{1,7})(?:[ \t]*[,–-][ \t]*(?:\d{1,4}|[ivxlcdm]{1,7}))*"
+_LEADER_ENTRY = re.compile(rf"(?:(?:[.·][ \t]*){{3,}}|(?:…[ \t]*)+)[ \t]*{_PAGE_REF}[ \t]*$")
+# An entry without a leader: a chapter line set in bold ("1 About this manual 3"), an index term
+# ("signaling, 91"). Alone these are too common in prose and tables to mean anything; they go only
+# inside a block of leader entries.
+_LOOSE_ENTRY = re.compile(rf"\S.*?(?:[ \t]|,[ \t]*){_PAGE_REF}[ \t]*$")
+_LEADER_CHARS = ("..", ". .", "…", "·")
+_PAGE_REF_END = frozenset("0123456789ivxlcdmIVXLCDM")
+# Contents lines are at most this share of a document's non-blank lines; past it the "contents"
+# are the document (a price list, a menu) and nothing is removed.
+_MAX_CONTENTS = 0.5
+_CONTENTS_MIN = 3
+_LABEL_WORDS = 6
+_CONTINUATION_MAX = 120
+
+
+def find_contents(pages: Sequence[str]) -> StripReport:
+    """Find the contents, list-of-figures and index blocks of ``pages`` without changing them.
+
+    They are navigation, not text: a chunk of contents lines names every section, so it ranked
+    above the sections themselves for a query naming one, and the entries' titles read like
+    headings. A block is a run of lines on one page holding at least :data:`_CONTENTS_MIN`
+    entries that end in a dot leader and a page reference, where the entries (with those that
+    have no leader, ``1 About this manual 3``) make at least half the lines; between them may
+    stand short labels (``Table of Contents``, an index's letter ``R``), one or two lines of an
+    entry wrapped over several, and blank lines. Removed: the block from its first entry to its
+    last, the labels just above it (its title) when they start the page or follow a blank line,
+    and the labels after it when they end the page. Any other line stops a block and is never
+    removed; if the blocks would hold more than half the document's non-blank lines, nothing is
+    removed (the document is a list, a menu or a price list, not a book with a contents page).
+
+    ``StripReport.patterns`` is empty: contents lines differ from each other.
+
+    >>> toc = "Contents\\n1 Intro . . . . 1\\n1.1 Scope . . . . 1\\n1.2 Terms . . . . 2"
+    >>> body = "1 Intro\\n" + "A line of body text, long enough to be prose.\\n" * 5
+    >>> report = find_contents([toc, body])
+    >>> report.removed, report.per_page
+    (4, (4, 0))
+    """
+    removed: list[tuple[int, int]] = []
+    per_page = []
+    nonblank = 0
+    for p, page in enumerate(pages):
+        lines = page.split("\n")
+        nonblank += sum(1 for line in lines if line.strip())
+        # Most pages have no leader line at all: plain string tests per line find the few that
+        # may have one, and only those meet the regular expression (run over every line, it cost
+        # as much as the header/footer pass).
+        leaders = sum(
+            1
+            for line in lines
+            if line.rstrip()[-1:] in _PAGE_REF_END
+            and any(mark in line for mark in _LEADER_CHARS)
+            and _LEADER_ENTRY.search(" ".join(line.split()))
+        )
+        gone = _contents_lines(lines) if leaders >= _CONTENTS_MIN else []
+        per_page.append(len(gone))
+        removed.extend((p, i) for i in gone)
+    if len(removed) > _MAX_CONTENTS * nonblank:
+        removed, per_page = [], [0] * len(pages)
+    return StripReport(removed=len(removed), patterns=(), per_page=tuple(per_page), lines=tuple(removed))
+
+
+def _contents_lines(lines: list[str]) -> list[int]:
+    """Indices of the contents lines of one page (see :func:`find_contents`)."""
+    kinds = []
+    for line in lines:
+        # Collapsed: pdftotext -layout pads an entry's title from its page number with spaces.
+        text = " ".join(line.split())
+        if not text:
+            kinds.append("blank")
+        elif _LEADER_ENTRY.search(text):
+            kinds.append("entry")
+        elif text[-1] in _PAGE_REF_END and len(text) <= _PAGENO_MAX_LEN and _LOOSE_ENTRY.match(text):
+            kinds.append("loose")
+        elif (
+            len(text.split()) <= _LABEL_WORDS
+            and len(text) <= 60
+            and (
+                text[-1] not in ".!?;:," or not any(ch.isalpha() for ch in text)  # an index's "!" group
+            )
+        ):
+            kinds.append("label")
+        else:
+            kinds.append("other")
+    # One or two lines between two entries are part of the block: an entry wrapped over lines
+    # ("7.7 Relationships between source and binary packages - Build-Depends, ..." then the rest
+    # and its leader).
+    nonblank = [i for i, k in enumerate(kinds) if k != "blank"]
+    for n, i in enumerate(nonblank):
+        if kinds[i] not in ("entry", "loose"):
+            continue
+        for width in (1, 2):
+            run, after = nonblank[n + 1 : n + 1 + width], nonblank[n + 1 + width : n + 2 + width]
+            if (
+                len(run) == width
+                and after
+                and kinds[after[0]] in ("entry", "loose")
+                and all(kinds[k] == "other" and len(lines[k].strip()) <= _CONTINUATION_MAX for k in run)
+            ):
+                for k in run:
+                    kinds[k] = "wrapped"
+    out: list[int] = []
+    i = 0
+    while i < len(lines):
+        if kinds[i] == "other":
+            i += 1
+            continue
+        j = i
+        while j < len(lines) and kinds[j] != "other":
+            j += 1
+        block = range(i, j)
+        entries = [k for k in block if kinds[k] in ("entry", "loose")]
+        strong = sum(1 for k in block if kinds[k] == "entry")
+        filled = sum(1 for k in block if kinds[k] != "blank")
+        if strong >= _CONTENTS_MIN and 2 * len(entries) >= filled:
+            first, last = entries[0], entries[-1]
+            # Its title: the labels just above the first entry, if they start the page or
+            # follow a blank line; a label touching the line before the block may end that
+            # paragraph, and stays with the labels up to the next blank line.
+            top = first
+            while top > i and kinds[top - 1] in ("label", "blank"):
+                top -= 1
+            if any(k != "blank" for k in kinds[:top]) and kinds[top] != "blank":
+                blanks = [k for k in range(top, first) if kinds[k] == "blank"]
+                top = blanks[0] if blanks else first
+            while kinds[top] == "blank":
+                top += 1
+            # The labels after the last entry go when nothing follows them on the page: the
+            # index's next letter, whose entries start the next page.
+            bottom = last
+            if all(k in ("label", "blank") for k in kinds[last + 1 :]):
+                bottom = len(lines) - 1
+            out.extend(k for k in range(top, bottom + 1) if kinds[k] != "blank")
+        i = j
+    return out
 
 
 def fold_line(line: str) -> str:

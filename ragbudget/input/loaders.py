@@ -49,7 +49,7 @@ from typing import Any
 from ..errors import ConfigError, LoadError
 from ..types import Document
 from .boilerplate import BoilerplateFilter, strip_corpus_boilerplate
-from .clean import apply_report, find_furniture, find_known, trim_page
+from .clean import apply_report, find_contents, find_furniture, find_known, trim_page
 from .decode import decode, decode_bytes
 from .formats import FORMATS as CONTAINER_FORMATS, LoadOptions, current_options, read as read_format
 from .html import html_to_text
@@ -195,9 +195,12 @@ def load_document(
     (one page otherwise). With ``clean=True`` running headers, footers and page numbers are
     removed by :func:`~ragbudget.input.clean.strip_headers_footers` (``boilerplate``: corpus-wide
     line keys from :meth:`~ragbudget.input.boilerplate.BoilerplateFilter.patterns`, removed at
-    page edges too). ``meta`` holds
+    page edges too), then contents and index pages by :func:`~ragbudget.input.clean.find_contents`.
+    ``meta`` holds
     ``format``, ``encoding``, ``replaced_chars``, ``paginated``, ``n_pages``, ``size``, ``mtime``, ``mtime_ns``,
-    ``compressed``, ``furniture_removed``, ``furniture_patterns``, for HTML ``title``, and
+    ``compressed``, ``furniture_removed``, ``furniture_patterns``, ``contents_removed`` (the lines
+    of contents, list-of-figures and index pages, :func:`~ragbudget.input.clean.find_contents`),
+    for HTML ``title``, and
     ``encoding_warning`` when the text encoding was guessed or bytes had to be replaced.
     Formats read by :mod:`ragbudget.input.formats` add ``page_labels`` (one per page: ``slide 3``,
     ``cell 12``, ``rows 41-60``...), ``layout`` (False when pages are records that the
@@ -274,6 +277,11 @@ def load_document(
         report = find_furniture(pages, trust_page_numbers=trust_page_numbers)
         pages = apply_report(pages, report)
         removed, patterns = report.removed, report.patterns
+        # After the running heads are gone, so that a contents page's own "Contents  iii" head
+        # does not stand between its title and its first entry.
+        contents = find_contents(pages)
+        pages = apply_report(pages, contents)
+        meta["contents_removed"] = contents.removed
         if boilerplate:
             extra = find_known(pages, boilerplate)
             pages = apply_report(pages, extra)

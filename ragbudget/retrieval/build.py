@@ -81,6 +81,7 @@ _STATS = (
     "exact_duplicates",
     "near_duplicates",
     "furniture_lines_removed",
+    "contents_lines_removed",
     "windows_pooled",
     "windows_embedded",
     "files_added",
@@ -490,6 +491,7 @@ class _Builder:
 
         furniture = _count(doc.meta.get("furniture_removed", 0)) + _count(doc.meta.get("boilerplate_removed", 0))
         self.stats["furniture_lines_removed"] += furniture
+        self.stats["contents_lines_removed"] += _count(doc.meta.get("contents_removed", 0))
         ch = self.settings["chunking"]
         chunks = chunk_document(
             doc, min_tokens=ch["min_tokens"], max_tokens=ch["max_tokens"], overlap=ch["overlap"], tokenizer=self.tok
