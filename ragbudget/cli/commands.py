@@ -31,6 +31,7 @@ from ..settings import (
 )
 from ..types import DEFAULT_INDEX_DIR, WEIGHT_DTYPES
 from .display import format_index_summary
+from .models import models
 from .options import (
     echo_json,
     engine_options,
@@ -702,6 +703,9 @@ def serve(
             request_timeout=request_timeout,
             expose_plan=expose_plan,
         )
+
+
+cli.add_command(models)  # ragbudget models list|fetch|verify|path (cli/models.py)
 
 
 def main(argv: list[str] | None = None) -> None:
