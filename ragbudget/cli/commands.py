@@ -32,6 +32,7 @@ from ..settings import (
 )
 from ..types import DEFAULT_INDEX_DIR, WEIGHT_DTYPES
 from .display import format_index_summary
+from .models import models
 from .options import (
     client_timeout_options,
     echo_json,
@@ -708,6 +709,9 @@ def serve(
             client_timeouts=client_timeouts,
             expose_plan=expose_plan,
         )
+
+
+cli.add_command(models)  # ragbudget models list|fetch|verify|path (cli/models.py)
 
 
 def main(argv: list[str] | None = None) -> None:

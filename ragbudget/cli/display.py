@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 __all__ = [
     "chat_banner",
     "format_index_summary",
+    "format_models",
     "format_plan",
     "format_report",
     "format_sources",
@@ -413,3 +414,37 @@ def format_index_summary(s: dict[str, Any]) -> str:
     if not s.get("committed", True):
         lines.append("nothing changed: the index is as it was")
     return "\n".join(lines)
+
+
+# --- the packaged models (``ragbudget models list``) ---------------------------------------------
+
+
+def format_models(models: Sequence[dict[str, Any]]) -> str:
+    """``ragbudget models list``: one row a packaged model (``ModelStatus.to_dict()``), its name,
+    size, quantization, license, state and file, then what a missing one lacks and the command
+    that fetches it.
+
+    >>> print(format_models([{"name": "tiny", "size": 98_362_432, "quantization": "Q4_1", "license": "MIT",
+    ...     "state": "missing", "path": "/c/tiny.gguf", "problems": ["tiny-part1 0.1 is not installed"]}]))
+    name  size    quant  license  state    path
+    tiny  98.4 MB  Q4_1   MIT      missing  /c/tiny.gguf
+      tiny: tiny-part1 0.1 is not installed; `ragbudget models fetch tiny` gets it
+    """
+    header = ("name", "size", "quant", "license", "state", "path")
+    rows = [
+        (m["name"], _mb(int(m["size"])), m["quantization"], m["license"], m["state"], str(m["path"])) for m in models
+    ]
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header) - 1)]
+    # The path, last, is left ragged: padding it would only add trailing spaces.
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r[:-1], widths, strict=True)) + "  " + r[-1] for r in [header, *rows]]
+    for m in models:
+        problems = m.get("problems") or []
+        if problems:
+            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+            lines.append(f"  {m['name']}: {problems[0]}{more}; `ragbudget models fetch {m['name']}` gets it")
+    return "\n".join(lines)
+
+
+def _mb(n: int) -> str:
+    """Decimal megabytes and gigabytes, as pip and PyPI print a download's size."""
+    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"

@@ -455,7 +455,8 @@ def model_option(fn: Callable[..., Any]) -> Callable[..., Any]:
     return click.option(
         "--model",
         default=None,
-        help="Generator: HF id, local folder or .gguf (default: packaged SmolLM2-135M-Instruct).",
+        help="Generator: HF id, local folder, .gguf, or a packaged model (ragbudget models list; "
+        "default: packaged SmolLM2-135M-Instruct).",
     )(fn)
 
 

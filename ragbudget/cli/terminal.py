@@ -210,7 +210,8 @@ def run_chat(
 
 
 class Progress:
-    """``ragbudget index``'s progress, driven by the index's callback ``(phase, done, total)``.
+    """``ragbudget index``'s and ``ragbudget models``' progress, driven by the library's callback
+    ``(phase, done, total)``.
 
     On a terminal: one tqdm bar per phase (files read, chunks embedded, sentence vectors, writing)
     with its count, rate and ETA. Anywhere else (a log file, a pipe, CI): plain lines — when a
@@ -220,8 +221,22 @@ class Progress:
     """
 
     #: What each phase counts, and what it is called in a line.
-    UNITS = {"files": "file", "embed": "chunk", "sentences": "chunk", "write": "step"}
-    LABELS = {"files": "files", "embed": "embedding", "sentences": "sentence vectors", "write": "writing"}
+    UNITS = {
+        "files": "file",
+        "embed": "chunk",
+        "sentences": "chunk",
+        "write": "step",
+        "assemble": "byte",
+        "verify": "byte",
+    }
+    LABELS = {
+        "files": "files",
+        "embed": "embedding",
+        "sentences": "sentence vectors",
+        "write": "writing",
+        "assemble": "assembling",
+        "verify": "verifying",
+    }
 
     def __init__(self, *, enabled: bool, stream: IO[str] | None = None, every: float = 10.0) -> None:
         self.stream = stream if stream is not None else sys.stderr
@@ -253,8 +268,10 @@ class Progress:
         bar = self._bars.get(phase)
         if bar is None:
             unit = self.UNITS.get(phase, "")
+            # Bytes read best scaled (491M, 1.1G) in powers of 1024, as tqdm's download bars do.
+            scale = {"unit": "B", "unit_scale": True, "unit_divisor": 1024} if unit == "byte" else {"unit": unit}
             bar = self._bars[phase] = tqdm(
-                total=total, desc=self.LABELS.get(phase, phase), unit=unit, leave=True, file=self.stream
+                total=total, desc=self.LABELS.get(phase, phase), leave=True, file=self.stream, **scale
             )
         if total is not None and bar.total != total:
             bar.total = total
@@ -277,11 +294,21 @@ class Progress:
     def _write(self, phase: str, state: _Phase, now: float, *, end: bool = False) -> None:
         start, done, total = state.start, state.done, state.total
         unit = self.UNITS.get(phase, "item")
-        text = f"{self.LABELS.get(phase, phase)}: {done:,}" + (f"/{total:,}" if total else "") + f" {unit}s"
+        if unit == "byte":  # counted in bytes, read in megabytes
+            text = (
+                f"{self.LABELS.get(phase, phase)}: {done / 1e6:,.0f}"
+                + (f"/{total / 1e6:,.0f}" if total else "")
+                + " MB"
+            )
+        else:
+            text = f"{self.LABELS.get(phase, phase)}: {done:,}" + (f"/{total:,}" if total else "") + f" {unit}s"
         elapsed = now - start
         if done and elapsed > 0:
             rate = done / elapsed
-            text += f", {rate:.3g} {unit}/s" if rate >= 1 else f", {1 / rate:.3g} s/{unit}"
+            if unit == "byte":
+                text += f", {rate / 1e6:,.0f} MB/s"
+            else:
+                text += f", {rate:.3g} {unit}/s" if rate >= 1 else f", {1 / rate:.3g} s/{unit}"
             if total and done < total and not end:
                 text += f", about {_duration((total - done) / rate)} left"
             elif end:

