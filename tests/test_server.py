@@ -1609,6 +1609,32 @@ def test_an_engine_time_out_is_504_and_does_not_take_the_engine_out(tmp_path: Pa
     assert health.status_code == 200 and health.json()["engine"]["status"] == "ok"
 
 
+def test_a_hung_engine_is_504_with_cause_timeout_not_503(tmp_path: Path) -> None:
+    """Issue #42 §5: an engine that is up but gives no answer (a frozen process) was answered 503
+    ``cause: timeout`` once the server's look at it had timed out, while the docs said 504. It is
+    a 504 ``engine_timeout`` whichever way the time-out is met — the request's own call, or the
+    look before any work — and /health is 503 naming the cause (a load balancer takes it out)."""
+    from _replay import Replay, Resp
+
+    index_dir = tmp_path / "idx"
+    shutil.copytree(corpus_index(), index_dir)
+    with Replay("llamacpp") as srv:
+        pipe = Pipeline(index_dir, engine=srv.url, max_new_tokens=32, engine_timeout=1.0)
+        from fastapi.testclient import TestClient
+
+        with TestClient(create_app(pipe, engine_recheck_s=0)) as client:
+            assert _ask(client).status_code == 200
+            # Frozen: every look at the engine, and any request, waits past the time-out.
+            srv.push("GET", "/props", *[Resp(delay=3.0, json={})] * 4)
+            r = _ask(client)
+            health = client.get("/health")
+    assert r.status_code == 504, r.text
+    err = r.json()["error"]
+    assert err["code"] == "engine_timeout" and err["engine"]["cause"] == "timeout"
+    assert "gave no answer within 1 s" in err["message"]
+    assert health.status_code == 503 and health.json()["engine"]["cause"] == "timeout"
+
+
 def test_an_engine_loading_its_model_is_503_with_retry_after_and_health_503(tmp_path: Path) -> None:
     """llama-server answers 503 while it loads its model: the server's look at it says so at
     once (no back-off), /health is 503, and a request is 503 with Retry-After before any work."""
