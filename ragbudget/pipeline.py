@@ -275,6 +275,8 @@ class Pipeline(Planning):
         self._admission: AdmissionController | None = None
         self._admission_tuned = False
         self._lock = threading.RLock()
+        # Searches made by prime() for the ask that follows: (generation, query) -> hits, vector.
+        self._primed: dict[tuple[int, str], tuple[list[Hit], Any]] = {}
 
     # The flat names of the settings, read from their records (``pipe.fetch_k`` is
     # ``pipe.retrieval.fetch_k``); read-only: a pipeline's settings are fixed when it is built.
@@ -469,7 +471,7 @@ class Pipeline(Planning):
     ) -> tuple[Prompt, RequestPlan, dict[str, float], dict[str, Any] | None]:
         """Plan, retrieve, select and render: the prompt that fits, how long each step took, and
         the cap set on the context (by ``context_tokens`` or by time), if any."""
-        from .prompt.prompt import build_prompt
+        from .prompt.prompt import build_prompt, texts_to_count
 
         question = check_question(question)
         context_tokens = check_int("context_tokens", context_tokens, 0, optional=True)
@@ -484,12 +486,17 @@ class Pipeline(Planning):
         timings: dict[str, float] = {}
         # A missing, damaged or empty index fails fast, before any model loads.
         self._searchable()
-        builder, allowance = self._allowance(question, context_tokens, max_new_tokens, history, timings)
-        plan, max_prompt, cap = allowance.plan, allowance.max_prompt_tokens, allowance.limit
-        t0 = time.perf_counter()
+        builder = self._loaded_builder(max_new_tokens, history, timings)
         query = check_question(retrieval_query or question, "query")
-        hits, vector = self._search(query, self.retrieval.fetch_k)
-        timings["retrieve_s"] = time.perf_counter() - t0
+        found = None
+        if builder.batch_counts:
+            # Counting costs requests to the engine: the search first, so that the question's
+            # fixed part goes to the engine with its candidates, in one request (issue #42 §5).
+            found = self._timed_search(query, timings)
+            builder.prime(texts_to_count(found[0], builder=builder, pack=self.retrieval.pack), questions=[question])
+        allowance = self._allowance(builder, question, context_tokens, max_new_tokens, timings)
+        plan, max_prompt, cap = allowance.plan, allowance.max_prompt_tokens, allowance.limit
+        hits, vector = found if found is not None else self._timed_search(query, timings)
         t0 = time.perf_counter()
         options = self._pack_options()
         scorer = options.get("span_scorer")
@@ -510,34 +517,71 @@ class Pipeline(Planning):
         timings["select_s"] = time.perf_counter() - t0
         return prompt, plan, timings, cap
 
+    def _loaded_builder(
+        self, max_new_tokens: int, history: Sequence[dict[str, str]] | None, timings: dict[str, float]
+    ) -> PromptBuilder:
+        """The builder with the history, the backend connected or loaded first."""
+        t0 = time.perf_counter()
+        # Before any model loads, the capacity alone refuses a request the model's window or the
+        # memory can never hold (a local plan from the config), and connects to an engine.
+        self.backend.capacity(max_new_tokens=max_new_tokens)
+        builder = self.prompt_builder.with_history(history)  # loads a local generator first
+        timings["load_s"] = time.perf_counter() - t0
+        return builder
+
     def _allowance(
         self,
+        builder: PromptBuilder,
         question: str,
         context_tokens: int | None,
         max_new_tokens: int,
-        history: Sequence[dict[str, str]] | None,
         timings: dict[str, float],
-    ) -> tuple[PromptBuilder, Allowance]:
-        """The builder with the history, and what this question may hold: the plan, its prompt
-        tokens and the cap set on its context (``context_tokens``, or the time target)."""
+    ) -> Allowance:
+        """What this question may hold: the plan, its prompt tokens and the cap set on its
+        context (``context_tokens``, or the time target)."""
         t0 = time.perf_counter()
         backend = self.backend
-        # Before any model loads, the capacity alone refuses a request the model's window or the
-        # memory can never hold (a local plan from the config), and connects to an engine.
-        backend.capacity(max_new_tokens=max_new_tokens)
-        builder = self.prompt_builder.with_history(history)  # loads a local generator first
-        timings["load_s"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        fixed = builder.fixed_tokens(question)
         allowance = request_allowance(
             backend,
             backend.capacity(max_new_tokens=max_new_tokens),  # a loaded model's plan: its real size
-            fixed=fixed,
+            fixed=builder.fixed_tokens(question),
             max_new_tokens=max_new_tokens,
             context_tokens=context_tokens,
         )
         timings["plan_s"] = time.perf_counter() - t0
-        return builder, allowance
+        return allowance
+
+    def _timed_search(self, query: str, timings: dict[str, float]) -> tuple[list[Hit], Any]:
+        """:meth:`_search` for ``fetch_k`` candidates (the one :meth:`prime` made, when it made
+        it on this generation), its seconds in ``timings``."""
+        t0 = time.perf_counter()
+        with self.store.pinned() as gen, self._lock:
+            primed = self._primed.pop((gen.number, query), None)
+        found = primed if primed is not None else self._search(query, self.retrieval.fetch_k)
+        timings["retrieve_s"] = time.perf_counter() - t0
+        return found
+
+    def prime(self, question: str, *, retrieval_query: str | None = None) -> None:
+        """Count ahead, in one request to a served engine, what answering ``question`` will count
+        first: its prompt without passages and its candidates (searched now, on the newest
+        generation, by ``retrieval_query`` if given; the :meth:`ask` that follows on the same
+        generation takes this search). For a caller that needs the question's count before it
+        asks (:class:`~ragbudget.chat.Conversation` fits the history to it); nothing where
+        counting costs no request (a local tokenizer)."""
+        from .prompt.prompt import texts_to_count
+
+        question = check_question(question)
+        builder = self.prompt_builder
+        if not builder.batch_counts:
+            return
+        query = check_question(retrieval_query or question, "query")
+        with self.store.pinned() as gen:
+            found = self._search(query, self.retrieval.fetch_k)
+        with self._lock:
+            self._primed[(gen.number, query)] = found
+            while len(self._primed) > 16:  # primed, never asked (refused, cancelled): dropped
+                self._primed.pop(next(iter(self._primed)))
+        builder.prime(texts_to_count(found[0], builder=builder, pack=self.retrieval.pack), questions=[question])
 
     @property
     def span_scorer(self) -> SpanScorer | None:

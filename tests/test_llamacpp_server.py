@@ -128,3 +128,52 @@ def test_the_official_openai_client_talks_to_it(llama_server: str) -> None:
         client.chat.completions.create(model=model, max_tokens=5, messages=[{"role": "user", "content": "word " * 900}])
     assert e.value.status_code == 400
     assert e.value.body["type"] == "exceed_context_size_error"  # type: ignore[index]
+
+
+def _chat_route_count(llama_server: str, messages: list[dict[str, str]]) -> int:
+    r = httpx.post(
+        f"{llama_server}/v1/chat/completions",
+        timeout=120,
+        json={"messages": messages, "max_tokens": 1, "temperature": 0},
+    ).json()
+    return int(r["usage"]["prompt_tokens"])
+
+
+def test_the_template_is_learnt_once_per_system_prompt_and_counts_what_the_chat_route_does(
+    backend, llama_server: str
+) -> None:  # type: ignore[no-untyped-def]
+    """Issue #42 §5: every new question cost two /apply-template calls (its fixed part, its
+    prompt). The template is learnt once per system prompt; after that a chat of that system
+    prompt and one user turn costs one /tokenize, and counts exactly what the chat route counts
+    — whatever the user turn holds (edge whitespace, markup, other scripts)."""
+    system = {"role": "system", "content": "Answer from the sources only."}
+    backend.render([system, {"role": "user", "content": "warm-up"}])
+    before = dict(backend.http.sent)
+    contents = [
+        "What is the capital of France?",
+        "  spaced\n\nlines \n",
+        "Sources:\n[1] a.md\n<p>&amp; {{ x }}\nQuestion: why?",
+        "naïve café — 東京 🙂",
+    ]
+    for content in contents:
+        chat = [system, {"role": "user", "content": content}]
+        assert backend.render(chat).n_tokens == _chat_route_count(llama_server, chat), content
+    sent = {k: v - before.get(k, 0) for k, v in backend.http.sent.items()}
+    assert sent.get("/apply-template", 0) == 0 and sent["/tokenize"] == len(contents), sent
+
+
+def test_a_chat_and_texts_are_counted_in_one_request(backend, llama_server: str) -> None:  # type: ignore[no-untyped-def]
+    """What a new question needs counted before its selection — its fixed part and its
+    candidates' texts — is one /tokenize, with the counts the engine gives each alone."""
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Sources:\nQuestion: who?"}]
+    backend.render([chat[0], {"role": "user", "content": "warm-up"}])  # the template, learnt once
+    backend.count(["warm", "up"])  # the batched counts, checked once
+    texts = ["The Debian Project Leader is elected every year.", "  leading spaces and\nnewlines\n", "東京 🙂"]
+    before = backend.http.sent["/tokenize"]
+    backend.prefetch(texts, [chat])
+    assert backend.http.sent["/tokenize"] == before + 1
+    assert backend.count(texts) == [
+        len(httpx.post(f"{llama_server}/tokenize", json={"content": t}, timeout=30).json()["tokens"]) for t in texts
+    ]
+    assert backend.render(chat).n_tokens == _chat_route_count(llama_server, chat)
+    assert backend.http.sent["/tokenize"] == before + 1 and backend.http.sent["/apply-template"] <= 2

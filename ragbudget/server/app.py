@@ -330,8 +330,9 @@ def create_app(
             sent = engine_load.sent()
             if sent is not None:
                 gauges["ragbudget_engine_tokenizer_requests"] = (
-                    "Requests sent to the engine's tokenizer routes since start (counts are cached by text digest).",
-                    sum(n for route, n in sent.items() if "tokenize" in route),
+                    "Requests sent to the engine's tokenizer and chat-template routes since start "
+                    "(counts are cached by text digest).",
+                    sum(n for route, n in sent.items() if "tokenize" in route or "template" in route),
                 )
         return PlainTextResponse(metrics.render(gauges), media_type="text/plain; version=0.0.4; charset=utf-8")
 

@@ -1,7 +1,7 @@
 """Ollama: the trained window from ``/api/show``, the allocated one from ``/api/ps``, generation
 through the native ``/api/chat`` so ``num_ctx`` and ``truncate: false`` can be sent (an overflow
 is then an error, never a silent cut). Ollama has no tokenize route: counts come from a local
-tokenizer with a stated margin (:class:`~ragbudget.generation.engines._base.LocalCounter`).
+tokenizer with a stated margin (:class:`~ragbudget.generation.engines._counting.LocalCounter`).
 
 Field names, checked against Ollama's sources:
 
@@ -30,7 +30,8 @@ from typing import TYPE_CHECKING, Any
 
 from ...errors import EngineResponseError
 from ..backend import Capacity, RenderedPrompt, Sampling
-from ._base import LocalCounter, ServedBackend, TooLong, int_or_none, sampling_fields
+from ._base import ServedBackend, TooLong, int_or_none, sampling_fields
+from ._counting import LocalCounter
 from ._http import Reply, error_message
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -45,7 +46,7 @@ DEFAULT_NUM_CTX = 4096
 
 class OllamaBackend(ServedBackend):
     """An Ollama server. ``tokenizer`` is what counts locally (see
-    :class:`~ragbudget.generation.engines._base.LocalCounter`)."""
+    :class:`~ragbudget.generation.engines._counting.LocalCounter`)."""
 
     kind = "ollama"
     takes_tokenizer = True
