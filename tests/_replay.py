@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import select
+import socket
 import threading
 import time
 from collections import deque
@@ -567,9 +569,16 @@ class LlamaCpp(Engine):
 
     def slot_list(self) -> Any:
         # server_slot::to_json: id, n_ctx, speculative, is_processing (+ task fields)
+        # ``busy_slots`` are another client's (one task each, for ever); then this server's
+        # generations in progress, each in a slot of its own while there is one.
         busy = self.s.options.get("busy_slots", 1)
+        with self.s._lock:
+            tasks = sorted(self.s.tasks)
+        ids = [-1 - i for i in range(busy)] + tasks
         return [
-            {"id": i, "n_ctx": self.max_len, "speculative": False, "is_processing": i < busy} for i in range(self.slots)
+            {"id": i, "n_ctx": self.max_len, "speculative": False, "is_processing": i < len(ids)}
+            | ({"id_task": ids[i]} if i < len(ids) else {})
+            for i in range(self.slots)
         ]
 
     def tokenize(self, body: Any) -> Resp:
@@ -767,6 +776,8 @@ class Replay:
         self.script: dict[tuple[str, str], deque[Resp]] = {}
         self.log: list[tuple[str, str, Any]] = []
         self.aborted_streams = 0
+        self.tasks: set[int] = set()  # generations in progress (llama.cpp's processing slots)
+        self._next_task = 0
         self.authorization: list[str | None] = []  # each request's Authorization header
         self.dead = False
         self._connections: set[Any] = set()  # the sockets of the connections open now
@@ -817,11 +828,43 @@ class Replay:
                 if resp is None:
                     route = replay.routes.get((method, path))
                     resp = route(body) if route else replay.engine.error(404, "File Not Found")
-                self._write(resp)
+                if (method, path) != ("POST", "/v1/chat/completions"):
+                    self._write(resp)
+                    return
+                # A generation holds a task (llama.cpp's /slots shows it processing) until its
+                # answer is written or its client has gone.
+                with replay._lock:
+                    replay._next_task += 1
+                    task = replay._next_task
+                    replay.tasks.add(task)
+                try:
+                    self._write(resp)
+                finally:
+                    with replay._lock:
+                        replay.tasks.discard(task)
+
+            def _client_gone(self, seconds: float) -> bool:
+                """Wait ``seconds``, looking at the connection every 50 ms as an engine does (llama.cpp:
+                every second): True as soon as the client closed it."""
+                deadline = time.monotonic() + seconds
+                while True:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return False
+                    readable, _, _ = select.select([self.connection], [], [], min(0.05, left))
+                    if readable:
+                        try:
+                            if self.connection.recv(1, socket.MSG_PEEK) == b"":
+                                return True
+                        except OSError:
+                            return True
 
             def _write(self, r: Resp) -> None:
-                if r.delay:
-                    time.sleep(r.delay)
+                if r.delay and self._client_gone(r.delay):
+                    with replay._lock:
+                        replay.aborted_streams += 1
+                    self.close_connection = True
+                    return
                 try:
                     self.send_response(r.status)
                     self.send_header("Content-Type", "application/json" if r.json is not None else r.content_type)
@@ -835,8 +878,8 @@ class Replay:
                             payload = (line + "\n\n" if r.content_type == "text/event-stream" else line + "\n").encode()
                             self.wfile.write(b"%x\r\n%s\r\n" % (len(payload), payload))
                             self.wfile.flush()
-                            if r.gap:
-                                time.sleep(r.gap)
+                            if r.gap and self._client_gone(r.gap):
+                                raise ConnectionResetError("the client closed the stream")
                         self.wfile.write(b"0\r\n\r\n")
                         self.wfile.flush()
                         self.close_connection = True

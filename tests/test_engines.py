@@ -410,6 +410,24 @@ def test_cancel_closes_the_stream_and_frees_the_slot(kind: str) -> None:
         assert srv.aborted_streams >= 1
 
 
+def test_a_cancel_while_the_engine_is_silent_closes_the_request_there_at_once() -> None:
+    """Issue #42 §5: a request abandoned while the engine had sent nothing yet (reading a long
+    prompt, queueing it, or frozen) was closed at the engine's next byte only, and kept its slot
+    until then: the next request found "no free KV". Now the cancel closes the connection at
+    once, the engine sees it, and its slot is free before ``generate`` returns."""
+    with Replay("llamacpp", busy_slots=1) as srv, _connect(srv) as b:
+        b.capacity()  # the plan's look at the slots before a request: another client's task runs
+        srv.push("POST", "/v1/chat/completions", Resp(delay=20.0, json={}))  # silent for 20 s
+        cancel = threading.Event()
+        threading.Timer(0.5, cancel.set).start()
+        t0 = time.perf_counter()
+        g = b.generate(USER, max_new_tokens=32, cancel=cancel)
+        took = time.perf_counter() - t0
+        assert g.finish_reason == "cancelled" and took < 3.0, took
+        assert srv.aborted_streams == 1 and not srv.tasks  # the engine let go of it already
+        assert b.capacity().running == 1  # read afresh: only the other client's task is left
+
+
 def test_a_cancel_set_before_the_request_sends_nothing() -> None:
     with Replay("vllm") as srv, _connect(srv, model="m") as b:
         cancel = threading.Event()

@@ -316,6 +316,44 @@ def test_six_new_questions_ask_the_engines_tokenizer_at_most_twice_each_template
         assert again == [0] * len(SIX_NEW), (name, again)
 
 
+def test_a_frozen_engine_is_504_timeout_then_the_gateway_recovers(index_dir: Path, tmp_path: Path) -> None:
+    """Issue #42 §5: a frozen llama-server (SIGSTOP) was answered 503 ``cause: timeout``, the
+    docs said 504. A request that meets it, or that the gateway's look at it refuses before any
+    work, is a 504 ``engine_timeout`` naming the engine; /health is 503 (out of rotation); woken,
+    the engine serves again without restarting anything."""
+    import shutil
+    import signal
+
+    from _llama import own_server
+    from fastapi.testclient import TestClient
+
+    from ragbudget.server.app import create_app
+
+    index = tmp_path / "idx"
+    shutil.copytree(index_dir, index, ignore=shutil.ignore_patterns("counts.sqlite*"))
+    body = {"model": "ragbudget", "max_tokens": 8, "messages": [{"role": "user", "content": QUESTION}]}
+    with own_server(tmp_path, ctx=512, slots=1) as (proc, url):  # a short prompt: a quick answer
+        # The issue's 10 s: an answer of 8 tokens takes a fraction of it, even on a busy host.
+        pipe = Pipeline(index, engine=url, max_new_tokens=8, engine_timeout=10.0)
+        with TestClient(create_app(pipe, engine_recheck_s=0)) as client:
+            first = client.post("/v1/chat/completions", json=body)
+            assert first.status_code == 200, first.text
+            proc.send_signal(signal.SIGSTOP)
+            try:
+                frozen = [client.post("/v1/chat/completions", json=body)]
+                health = client.get("/health")
+            finally:
+                proc.send_signal(signal.SIGCONT)
+            back = client.post("/v1/chat/completions", json=body)
+    for r in frozen:
+        assert r.status_code == 504, r.text
+        err = r.json()["error"]
+        assert err["code"] == "engine_timeout" and err["engine"]["cause"] == "timeout"
+        assert "gave no answer within 10 s" in err["message"] and "the llamacpp engine at" in err["message"]
+    assert health.status_code == 503 and health.json()["engine"]["cause"] == "timeout"
+    assert back.status_code == 200, back.text
+
+
 def test_killing_the_engine_mid_run_is_502_or_503_then_the_gateway_recovers(index_dir: Path, tmp_path: Path) -> None:
     """A real llama-server killed while a request runs on it: that request is a 502 (its
     connection dropped), later ones a 503 with Retry-After before any work, /health 503 naming

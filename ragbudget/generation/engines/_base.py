@@ -11,10 +11,10 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from ...errors import ConfigError, EngineContextError, EngineError, EngineResponseError
+from ...errors import ConfigError, EngineContextError, EngineError, EngineResponseError, EngineTimeoutError
 from ..backend import (
     Capacity,
     CountCache,
@@ -491,8 +491,13 @@ class ServedBackend(ABC):
                 cache="served",
                 prompt=_keep(prompt),
             )
+        before = self._running_tasks()  # what ran before this request was sent (see _let_go)
         if not stream:
-            reply = self.http.post(path, body, allow=self.too_long_statuses)
+            try:
+                reply = self.http.post(path, body, allow=self.too_long_statuses)
+            except EngineTimeoutError:
+                self._let_go(before)  # the time-out closed the connection: the engine stops the task
+                raise
             if reply.status != 200:
                 return self._too_long_or_raise(reply, messages, max_new_tokens)
             data = reply.data
@@ -505,33 +510,56 @@ class ServedBackend(ABC):
             usage = data.get("usage") or {}
             return self._generation(text, finish, usage, messages, t0, prompt)
 
-        pieces: list[str] = []
-        finish, usage = None, {}
-        for event in self.http.stream(path, body, cancel=cancel, allow=self.too_long_statuses):
-            if isinstance(event, Reply):
-                return self._too_long_or_raise(event, messages, max_new_tokens)
-            if not isinstance(event, Mapping):
-                raise self._shape_error(path, event)
-            if "error" in event:  # an error after the stream began (vLLM, llama.cpp, TGI shapes)
-                raise EngineResponseError(
-                    f"{self.http.url(path)} failed mid-stream: {error_message(event)}",
-                    url=self.http.url(path),
-                    kind=self.kind,
-                    body=event,
-                )
-            if event.get("usage"):
-                usage = event["usage"]
-            for choice in event.get("choices") or ():
-                delta = (choice.get("delta") or {}).get("content")
-                if delta:
-                    pieces.append(delta)
-                    if on_text is not None:
-                        on_text(delta)
-                if choice.get("finish_reason"):
-                    finish = choice["finish_reason"]
+        got = _Streamed()
+        try:
+            for event in self.http.stream(path, body, cancel=cancel, allow=self.too_long_statuses):
+                if isinstance(event, Reply):
+                    return self._too_long_or_raise(event, messages, max_new_tokens)
+                self._streamed(event, path, got, on_text)
+        except EngineTimeoutError:
+            self._let_go(before)  # the time-out closed the connection: the engine stops the task
+            raise
+        finish = got.finish
         if cancel is not None and cancel.is_set() and finish is None:
             finish = "cancelled"
-        return self._generation("".join(pieces), finish or "stop", usage, messages, t0, prompt)
+            self._let_go(before)  # the stream was closed before its end: the engine stops the task
+        return self._generation("".join(got.pieces), finish or "stop", got.usage, messages, t0, prompt)
+
+    def _streamed(self, event: Any, path: str, got: _Streamed, on_text: Callable[[str], None] | None) -> None:
+        """One streamed event: its text added to ``got.pieces`` (and passed to ``on_text``), its
+        finish reason and usage kept."""
+        if not isinstance(event, Mapping):
+            raise self._shape_error(path, event)
+        if "error" in event:  # an error after the stream began (vLLM, llama.cpp, TGI shapes)
+            raise EngineResponseError(
+                f"{self.http.url(path)} failed mid-stream: {error_message(event)}",
+                url=self.http.url(path),
+                kind=self.kind,
+                body=event,
+            )
+        if event.get("usage"):
+            got.usage = event["usage"]
+        for choice in event.get("choices") or ():
+            delta = (choice.get("delta") or {}).get("content")
+            if delta:
+                got.pieces.append(delta)
+                if on_text is not None:
+                    on_text(delta)
+            if choice.get("finish_reason"):
+                got.finish = choice["finish_reason"]
+
+    def _running_tasks(self) -> frozenset[object] | None:
+        """The engine's tasks running as last read (before a request is sent), for
+        :meth:`_let_go`; ``None`` where the engine does not say (the default)."""
+        return None
+
+    def _let_go(self, before: frozenset[object] | None) -> None:
+        """A request was abandoned (cancelled, or past the time-out) and its connection closed,
+        which makes the engine stop it: forget the engine's figures read while it ran, so the
+        next request reads them afresh. An engine that frees its slot a moment later (llama.cpp)
+        waits here until it has — until no task runs there that did not run ``before`` — so
+        that the next request finds it free."""
+        self._recent = None
 
     def _generation(
         self, text: str, finish: str, usage: Mapping[str, Any], messages: list[dict[str, str]], t0: float, prompt: Any
@@ -602,6 +630,15 @@ class ServedBackend(ABC):
                 source=f"recount {self.kind} tokenizer vs max prompt {max_prompt}",
             )
         return None
+
+
+@dataclass
+class _Streamed:
+    """What a streamed answer brought so far: its text pieces, finish reason and usage."""
+
+    pieces: list[str] = field(default_factory=list)
+    finish: str | None = None
+    usage: Mapping[str, Any] = field(default_factory=dict)
 
 
 def _keep(prompt: Any) -> Any:

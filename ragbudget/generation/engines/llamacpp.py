@@ -40,11 +40,12 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ...errors import EngineResponseError
+from ...errors import EngineError, EngineResponseError
 from ..backend import Capacity, RenderedPrompt
 from ._base import ServedBackend, TooLong, int_or_none
 from ._http import HTTP, Reply
@@ -73,6 +74,8 @@ class LlamaCppBackend(ServedBackend):
         super().__init__(http, **kwargs)
         self._frames: OrderedDict[str, tuple[str, str] | None] = OrderedDict()
         self._frames_lock = threading.Lock()
+        # The tasks the last GET /slots showed processing (None: not read, or --no-slots).
+        self._tasks_seen: frozenset[object] | None = None
 
     def _tokenize(self, content: str, *, add_special: bool) -> list[int]:
         return self._tokens(content, add_special=add_special)
@@ -251,6 +254,40 @@ class LlamaCppBackend(ServedBackend):
             )
         return text
 
+    #: Seconds an abandoned request waits for llama.cpp to stop it: it looks at a request's
+    #: connection every second (``HTTP_POLLING_SECONDS``, server-context.cpp).
+    LET_GO_S = 3.0
+
+    def _running_tasks(self) -> frozenset[object] | None:
+        return self._tasks_seen
+
+    def _let_go(self, before: frozenset[object] | None) -> None:
+        """Wait (at most :attr:`LET_GO_S`) until every task running on the engine was running
+        before the abandoned request was sent — its own has left its slot, unless another
+        request began meanwhile — so that the next request does not find its slot still held
+        (issue #42 §5: "no free KV … 0 tokens" on a one-slot engine). Nothing to wait for when
+        the slots were never read (``--no-slots``, or no plan read them first)."""
+        super()._let_go(before)
+        if before is None:
+            return
+        deadline = time.monotonic() + self.LET_GO_S
+        while time.monotonic() < deadline:
+            now = self._busy()
+            if now is None or now <= before:
+                break
+            time.sleep(0.1)
+        self._recent = None
+
+    def _busy(self) -> frozenset[object] | None:
+        """``(slot, task)`` of every slot processing now, by ``GET /slots`` (a quick look);
+        ``None`` when it cannot be read."""
+        try:
+            with self.http.probing(timeout=2.0):
+                reply = self.http.get("/slots", allow={501})
+        except EngineError:
+            return None
+        return _processing(reply)
+
     def _capacity(self) -> Capacity:
         props = self.http.get("/props").data
         if not isinstance(props, Mapping):
@@ -271,6 +308,7 @@ class LlamaCppBackend(ServedBackend):
             "(--kv-unified, the default without -np) the slots share n_ctx tokens"
         ]
         reply = self.http.get("/slots", allow={501})
+        self._tasks_seen = _processing(reply)
         if reply.status == 200 and isinstance(reply.data, list):
             busy = [s for s in reply.data if isinstance(s, Mapping) and s.get("is_processing")]
             running = len(busy)
@@ -310,3 +348,13 @@ class LlamaCppBackend(ServedBackend):
                 source="llama.cpp exceed_context_size_error",
             )
         return None
+
+
+def _processing(reply: Reply) -> frozenset[object] | None:
+    """``(slot, task)`` of every slot a ``GET /slots`` reply shows processing (``None`` for a
+    reply without slots: ``--no-slots``)."""
+    if reply.status != 200 or not isinstance(reply.data, list):
+        return None
+    return frozenset(
+        (s.get("id"), s.get("id_task")) for s in reply.data if isinstance(s, Mapping) and s.get("is_processing")
+    )
