@@ -123,8 +123,13 @@ class Engine:
             return self.chat_stream(out, finish, usage, bool((body.get("stream_options") or {}).get("include_usage")))
         return Resp(json=self.chat_body(" ".join(out), finish, usage))
 
+    def final_fields(self, usage: dict[str, int]) -> dict[str, Any]:
+        """Fields an engine adds to its answer's last event (or whole answer) beside OpenAI's."""
+        return {}
+
     def chat_body(self, text: str, finish: str, usage: dict[str, int]) -> Any:
         return {
+            **self.final_fields(usage),
             "id": "chatcmpl-1",
             "object": "chat.completion",
             "created": CREATED,
@@ -152,7 +157,7 @@ class Engine:
     def chat_stream(self, out: list[str], finish: str, usage: dict[str, int], include_usage: bool) -> Resp:
         events = [self.chunk({"role": "assistant", "content": ""}, None)]
         events += [self.chunk({"content": (" " if i else "") + w}, None) for i, w in enumerate(out)]
-        events.append(self.chunk({}, finish))
+        events.append({**self.chunk({}, finish), **self.final_fields(usage)})
         if include_usage:  # an empty `choices` and the usage, as the OpenAI spec says
             events.append(
                 {
@@ -480,7 +485,30 @@ class TGI(Engine):
 
 class LlamaCpp(Engine):
     kind, model, max_len = "llamacpp", "SmolLM2-135M-Instruct-Q4_1.gguf", 512
-    slots = 4
+
+    @property
+    def slots(self) -> int:
+        """``-np``: 4, or the ``slots`` option."""
+        return int(self.s.options.get("slots", 4))
+
+    def final_fields(self, usage: dict[str, int]) -> dict[str, Any]:
+        # result_timings::to_json (server-task.cpp), on the final response and the stream's last
+        # chunk: the speed the options say (``prefill_ms``, ``decode_ms`` a token).
+        prefill, decode = float(self.s.options.get("prefill_ms", 1.0)), float(self.s.options.get("decode_ms", 10.0))
+        n, m = usage["prompt_tokens"], usage["completion_tokens"]
+        return {
+            "timings": {
+                "cache_n": 0,
+                "prompt_n": n,
+                "prompt_ms": n * prefill,
+                "prompt_per_token_ms": prefill,
+                "prompt_per_second": 1e3 / prefill,
+                "predicted_n": m,
+                "predicted_ms": m * decode,
+                "predicted_per_token_ms": decode,
+                "predicted_per_second": 1e3 / decode,
+            }
+        }
 
     def routes(self) -> dict[tuple[str, str], Callable[[Any], Resp]]:
         r = super().routes()

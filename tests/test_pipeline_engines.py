@@ -389,8 +389,9 @@ def test_every_command_with_engine_takes_engine_timeout(command: str) -> None:
 
     result = CliRunner().invoke(main, [command, "--help"])
     assert result.exit_code == 0 and "--engine URL" in result.output
-    # the default shown is the settings record's, not a second copy of it
-    assert "--engine-timeout" in result.output and f"[default: {EngineSettings().timeout:g}]" in result.output
+    # the default is the settings record's (None): drawn from the engine's speed, as the help says
+    assert EngineSettings().timeout is None and "--engine-timeout" in result.output
+    assert "[default: from the engine's measured speed" in " ".join(result.output.split())
 
 
 def test_engine_timeout_bounds_each_engine_reply(indexed: Path, tmp_path: Path) -> None:

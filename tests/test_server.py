@@ -1609,6 +1609,45 @@ def test_an_engine_time_out_is_504_and_does_not_take_the_engine_out(tmp_path: Pa
     assert health.status_code == 200 and health.json()["engine"]["status"] == "ok"
 
 
+def test_on_an_engine_admission_refuses_for_time_at_its_measured_speed_with_one_figure(tmp_path: Path) -> None:
+    """Issue #42 §5: on a CPU engine, admission knew nothing of its speed — the admitted
+    requests took 88 s against the targets — and the 429s' Retry-After disagreed with their
+    text. The engine's answers now give admission its speed (llama.cpp's timings), so a request
+    whose first token would come past the queue time-out behind the work on the engine is
+    refused at once, before any retrieval, not after waiting out the queue time-out; its
+    Retry-After comes from that speed and is the one figure of waiting its message states."""
+    import re
+
+    from _replay import Replay
+    from fastapi.testclient import TestClient
+
+    from ragbudget.errors import retry_after_seconds
+
+    index_dir = tmp_path / "idx"
+    shutil.copytree(corpus_index(), index_dir)
+    with Replay("llamacpp", busy_slots=0, prefill_ms=20.0, decode_ms=500.0) as srv:
+        pipe = Pipeline(index_dir, engine=srv.url, max_new_tokens=32, queue_timeout=4.0)
+        with TestClient(create_app(pipe)) as client:
+            assert _ask(client).status_code == 200  # its timings: 20 ms a prompt token, 0.5 s a new one
+            ctl = pipe.admission
+            assert ctl.throughput is not None and ctl.throughput.decode_s == pytest.approx(0.5)
+            assert ctl.throughput.prefill_a == pytest.approx(0.02) and "engine" in ctl.throughput.source
+            held = [ctl.acquire(512, prompt_tokens=480) for _ in range(4)]  # the engine's four slots
+            try:
+                t0 = time.perf_counter()
+                r = _ask(client)
+                took = time.perf_counter() - t0
+            finally:
+                for h in held:
+                    h.release()
+    assert r.status_code == 429, r.text
+    assert took < 2.0, took  # not the 4 s of the queue time-out
+    message, header = r.json()["error"]["message"], r.headers["retry-after"]
+    assert "measured speed" in message and message.endswith(f"; retry after {header} s")
+    assert sorted(re.findall(r"(\d+(?:\.\d+)?) s\b", message)) == sorted(["4", header]), message
+    assert int(header) == retry_after_seconds(float(header)) >= 10  # the work ahead: 4 × 16 s of answers
+
+
 def test_a_hung_engine_is_504_with_cause_timeout_not_503(tmp_path: Path) -> None:
     """Issue #42 §5: an engine that is up but gives no answer (a frozen process) was answered 503
     ``cause: timeout`` once the server's look at it had timed out, while the docs said 504. It is

@@ -26,10 +26,12 @@ from ..backend import (
 )
 from ._counting import BoundedLRU, LocalCounter as LocalCounter
 from ._http import HTTP, Reply, error_message
+from ._pacing import EngineSpeed
 from ._prometheus import int_or_none as int_or_none, parse_prometheus as parse_prometheus
 
 if TYPE_CHECKING:  # pragma: no cover
     from ...memory.admission import AdmissionController
+    from ...memory.schedule import Throughput
     from ...prompt.prompt import PromptBuilder
     from ..backend import PromptInput
     from ..generate import Generation
@@ -123,6 +125,10 @@ class ServedBackend(ABC):
         self._recent: tuple[float, Capacity] | None = None  # (monotonic time, figures)
         self._count_memo = BoundedLRU(self.COUNT_MEMO)
         self._render_memo = BoundedLRU(self.RENDER_MEMO_TOKENS)
+        #: The engine's speed, read off its answers: each generation's time-out and admission's
+        #: time model (:meth:`reply_timeout`, :meth:`tune`).
+        self.speed = EngineSpeed()
+        self._tuned: Throughput | None = None
         if context_tokens is not None and context_tokens < 2:
             raise ConfigError(f"context_tokens must be ≥ 2; got {context_tokens}")
 
@@ -303,10 +309,24 @@ class ServedBackend(ABC):
         return EnginePromptBuilder(self, system_prompt=system_prompt)
 
     def tune(self, admission: AdmissionController) -> bool:
-        return False  # the engine admits its own requests: nothing beyond their KV tokens to add
+        """Give admission the engine's speed, once its answers have shown it (its time model:
+        refusals for time and their ``Retry-After``); the engine holds its own memory, so nothing
+        beyond the KV tokens there. False before the speed is known."""
+        throughput = self.speed.throughput()
+        if throughput is None:
+            return False
+        admission.configure(throughput=throughput, ttft_target=admission.ttft_target)
+        self._tuned = throughput
+        return True
 
     def refresh_speed(self, *, idle: Callable[[], bool], recheck_s: float) -> bool:
-        return False  # nothing measured here: the engine paces itself
+        """True when the speed the engine's answers show has moved by more than a quarter since
+        admission was given it (:meth:`tune` then gives the new one); nothing is measured here."""
+        now, then = self.speed.throughput(), self._tuned
+        if now is None or then is None:
+            return False
+        moved = max(now.prefill_a / max(then.prefill_a, 1e-9), now.decode_s / then.decode_s)
+        return moved > 1.25 or moved < 0.8
 
     # -- capacity ---------------------------------------------------------------------------------
     #: Seconds a reading of the engine's figures answers :meth:`capacity` again. One request asks
@@ -491,10 +511,11 @@ class ServedBackend(ABC):
                 cache="served",
                 prompt=_keep(prompt),
             )
+        timeout = self.reply_timeout(prompt, max_new_tokens)
         before = self._running_tasks()  # what ran before this request was sent (see _let_go)
         if not stream:
             try:
-                reply = self.http.post(path, body, allow=self.too_long_statuses)
+                reply = self.http.post(path, body, allow=self.too_long_statuses, timeout=timeout)
             except EngineTimeoutError:
                 self._let_go(before)  # the time-out closed the connection: the engine stops the task
                 raise
@@ -508,11 +529,14 @@ class ServedBackend(ABC):
             except (KeyError, IndexError, TypeError, AttributeError):
                 raise self._shape_error(path, data) from None
             usage = data.get("usage") or {}
+            if isinstance(data.get("timings"), Mapping):  # llama.cpp's own figures
+                self.speed.observe(data["timings"])
             return self._generation(text, finish, usage, messages, t0, prompt)
 
         got = _Streamed()
         try:
-            for event in self.http.stream(path, body, cancel=cancel, allow=self.too_long_statuses):
+            events = self.http.stream(path, body, cancel=cancel, allow=self.too_long_statuses, timeout=timeout)
+            for event in events:
                 if isinstance(event, Reply):
                     return self._too_long_or_raise(event, messages, max_new_tokens)
                 self._streamed(event, path, got, on_text)
@@ -523,11 +547,31 @@ class ServedBackend(ABC):
         if cancel is not None and cancel.is_set() and finish is None:
             finish = "cancelled"
             self._let_go(before)  # the stream was closed before its end: the engine stops the task
+        elif got.first_at is not None:
+            self.speed.observe(
+                got.timings,
+                prompt_tokens=int(got.usage.get("prompt_tokens") or 0),
+                new_tokens=int(got.usage.get("completion_tokens") or 0),
+                first_s=got.first_at - t0,
+                total_s=time.perf_counter() - t0,
+            )
         return self._generation("".join(got.pieces), finish or "stop", got.usage, messages, t0, prompt)
+
+    def reply_timeout(self, prompt: Any, max_new_tokens: int) -> float | None:
+        """Seconds a generation of ``prompt`` may wait on the engine: ``None`` (the client's)
+        where a time-out was given (``--engine-timeout``), else drawn from the engine's measured
+        speed (:class:`~ragbudget.generation.engines._pacing.EngineSpeed`): long enough for a
+        slow engine's answer, short for a fast one's."""
+        if self.http.timeout_given:
+            return None
+        n = getattr(prompt, "n_tokens", None)
+        if not isinstance(n, int):  # chat messages or a string: counted by the window at most
+            n = self._window[0] if self._window is not None and self._window[0] is not None else 0
+        return self.speed.timeout(n, max_new_tokens)
 
     def _streamed(self, event: Any, path: str, got: _Streamed, on_text: Callable[[str], None] | None) -> None:
         """One streamed event: its text added to ``got.pieces`` (and passed to ``on_text``), its
-        finish reason and usage kept."""
+        finish reason, usage and timings kept."""
         if not isinstance(event, Mapping):
             raise self._shape_error(path, event)
         if "error" in event:  # an error after the stream began (vLLM, llama.cpp, TGI shapes)
@@ -539,9 +583,13 @@ class ServedBackend(ABC):
             )
         if event.get("usage"):
             got.usage = event["usage"]
+        if isinstance(event.get("timings"), Mapping):  # llama.cpp's own figures, on the last event
+            got.timings = event["timings"]
         for choice in event.get("choices") or ():
             delta = (choice.get("delta") or {}).get("content")
             if delta:
+                if got.first_at is None:
+                    got.first_at = time.perf_counter()
                 got.pieces.append(delta)
                 if on_text is not None:
                     on_text(delta)
@@ -634,11 +682,14 @@ class ServedBackend(ABC):
 
 @dataclass
 class _Streamed:
-    """What a streamed answer brought so far: its text pieces, finish reason and usage."""
+    """What a streamed answer brought so far: its text pieces, finish reason, usage, the
+    engine's timings, and when its first text came (``time.perf_counter``)."""
 
     pieces: list[str] = field(default_factory=list)
     finish: str | None = None
     usage: Mapping[str, Any] = field(default_factory=dict)
+    timings: Mapping[str, Any] | None = None
+    first_at: float | None = None
 
 
 def _keep(prompt: Any) -> Any:

@@ -59,6 +59,11 @@ from ...errors import (
 
 __all__ = ["HTTP", "Reply", "Retry", "error_message", "root_url"]
 
+#: Seconds a reply may take where no time-out was given: the routes that answer at once (counts,
+#: the template, figures, models); a generation's own time-out is drawn from the engine's speed
+#: (:mod:`ragbudget.generation.engines._pacing`).
+BASE_TIMEOUT_S = 30.0
+
 #: How often a stream's watcher looks at its cancel event (``threading.Event`` cannot wake on
 #: either of two events): a cancelled request is closed at the engine within this.
 CANCEL_POLL_S = 0.05
@@ -217,7 +222,8 @@ class HTTP:
     """A thread-safe client for one engine root (``http://host:port``, no ``/v1``).
 
     ``api_key`` is sent as ``Authorization: Bearer``; ``timeout`` bounds every read (a server
-    that stops answering raises after it), ``connect_timeout`` the connection. ``sleep`` (also
+    that stops answering raises after it) — ``None``: :data:`BASE_TIMEOUT_S`, unless a call gives
+    its own (``timeout_given`` says which) — ``connect_timeout`` the connection. ``sleep`` (also
     the attribute :attr:`sleep`, settable on a connected backend's ``http``) waits out each
     back-off ``retry`` decides: :func:`time.sleep` unless a caller wants to see, shorten or log
     the waits.
@@ -228,7 +234,7 @@ class HTTP:
         root: str,
         *,
         api_key: str | None = None,
-        timeout: float = 30.0,
+        timeout: float | None = 30.0,
         connect_timeout: float = 5.0,
         retry: Retry | None = None,
         kind: str = "",
@@ -237,7 +243,10 @@ class HTTP:
     ) -> None:
         self.root, auth = _split_url(root)
         self.kind = kind
-        self.timeout = timeout
+        #: Whether ``timeout`` was given (``--engine-timeout``): it then bounds every reply, a
+        #: generation's too, instead of the one drawn from the engine's speed.
+        self.timeout_given = timeout is not None
+        self.timeout = BASE_TIMEOUT_S if timeout is None else timeout
         self.connect_timeout = connect_timeout
         self.retry = retry or Retry()
         self.sleep = sleep  # the back-off's wait (see above)
