@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from .citations import attribute
 from .errors import ConfigError
 from .evidence import DECLINED_TEXT, Evidence
 from .generation.allowance import EnginePlan
@@ -268,7 +269,11 @@ def build_answer(
         # How well the documents answer the question, against the floor it cleared.
         "evidence": evidence.to_dict() if evidence is not None else None,
     }
-    return Answer(text=str(gen.text).strip(), sources=sources, report=report, finish_reason=str(gen.finish_reason))
+    # Citations checked against the passages and placed where the model left none
+    # (ragbudget.citations); a cancelled or empty answer cites nothing.
+    citations = attribute(str(gen.text).strip(), [p.text for p in prompt.passages], question=prompt.question)
+    report["citations"] = citations.to_dict()
+    return Answer(text=citations.text, sources=sources, report=report, finish_reason=str(gen.finish_reason))
 
 
 def cancelled_answer(

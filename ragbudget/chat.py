@@ -401,6 +401,10 @@ class Conversation:
         t_start = time.perf_counter()
         self._summary_s, self._fallback = 0.0, ""
         plan = self.pipeline.request_plan(self.max_new_tokens)
+        # The question's count and its candidates', in one request to a served engine: the
+        # question is measured first here, and the answer's prompt is built from the candidates
+        # (the turns are those before any fold; a fold that changes the query searches again).
+        self.pipeline.prime(question, retrieval_query=self._retrieval_query(question))
         output = plan.max_new_tokens
         system_tokens = self._meter.cost(self._state.system, question) if self._state.system else 0
         fixed = self._meter.fixed(question) + system_tokens
@@ -442,9 +446,7 @@ class Conversation:
             context_allowed = min(context_allowed, self.context_tokens)
         history_s = time.perf_counter() - t_start
 
-        previous = [t.retrieval_query or t.question for t in self._state.turns[-max(1, self.history.recent_turns) :]]
-        previous = [p for p in previous if p]
-        retrieval_query = expand_query(question, previous) if self.history.expand_follow_ups else question
+        retrieval_query = self._retrieval_query(question)
         answer = self.pipeline.ask(
             question,
             context_tokens=max(0, context_allowed),
@@ -502,6 +504,13 @@ class Conversation:
             summary=self._state.summary,
             cancelled=stopped,
         )
+
+    def _retrieval_query(self, question: str) -> str:
+        """What ``question`` is searched by: expanded by the recent turns' queries (a follow-up
+        names what it is about there), unless ``expand_follow_ups`` is off."""
+        previous = [t.retrieval_query or t.question for t in self._state.turns[-max(1, self.history.recent_turns) :]]
+        previous = [p for p in previous if p]
+        return expand_query(question, previous) if self.history.expand_follow_ups else question
 
     # -- folding --
 

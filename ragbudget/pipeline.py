@@ -34,6 +34,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -45,7 +46,7 @@ from .errors import (
     IndexEmptyError,
     RequestCancelled,
 )
-from .evidence import DECLINED_TEXT, Evidence
+from .evidence import DECLINED_TEXT, Evidence, evidence_floor
 from .generation.allowance import (
     Allowance,
     EnginePlan,
@@ -183,35 +184,13 @@ class Pipeline(Planning):
         check_text("model", model, optional=True)
         check_text("system_prompt", system_prompt, optional=True)
         check_parts(embedder, generator, backend)
+        # Every field of these two records has a flat keyword of its own name.
+        given = locals()
         self.retrieval = from_keywords(
-            RetrievalSettings,
-            retrieval,
-            "retrieval",
-            {
-                "fetch_k": fetch_k,
-                "hybrid": hybrid,
-                "lexical_weight": lexical_weight,
-                "fusion": fusion,
-                "order": order,
-                "pack": pack,
-                "fill_remainder": fill_remainder,
-                "relevance_floor": relevance_floor,
-                "evidence_floor": evidence_floor,
-            },
+            RetrievalSettings, retrieval, "retrieval", {f.name: given[f.name] for f in fields(RetrievalSettings)}
         )
         self.memory = from_keywords(
-            MemorySettings,
-            memory,
-            "memory",
-            {
-                "gpu": gpu,
-                "concurrency": concurrency,
-                "max_new_tokens": max_new_tokens,
-                "kv_dtype": kv_dtype,
-                "cache": cache,
-                "utilization": utilization,
-                "ttft_target": ttft_target,
-            },
+            MemorySettings, memory, "memory", {f.name: given[f.name] for f in fields(MemorySettings)}
         )
         self.queue = from_keywords(
             QueueSettings,
@@ -223,25 +202,14 @@ class Pipeline(Planning):
         # engine= is the URL (sugar, with engine_kind & co) or the whole record, as httpx's
         # timeout= takes a number or a Timeout.
         record = engine if isinstance(engine, EngineSettings) else None
+        renamed = {"engine": "url", "engine_kind": "kind", "engine_context_tokens": "context_tokens"}
+        flat = ("engine_kind", "api_key", "api_key_env", "tokenizer", "engine_context_tokens", "engine_timeout")
         self.engine = from_keywords(
             EngineSettings,
             record,
             "engine",
-            {
-                "engine": None if record is not None else engine,
-                "engine_kind": engine_kind,
-                "api_key": api_key,
-                "api_key_env": api_key_env,
-                "tokenizer": tokenizer,
-                "engine_context_tokens": engine_context_tokens,
-                "engine_timeout": engine_timeout,
-            },
-            {
-                "engine": "url",
-                "engine_kind": "kind",
-                "engine_context_tokens": "context_tokens",
-                "engine_timeout": "timeout",
-            },
+            {"engine": None if record is not None else engine, **{k: given[k] for k in flat}},
+            {**renamed, "engine_timeout": "timeout"},
         )
         if self.engine.url is not None and generator is not None:
             raise ConfigError("pass engine= (generate on a served engine) or generator= (a local model), not both")
@@ -282,6 +250,8 @@ class Pipeline(Planning):
         self._admission: AdmissionController | None = None
         self._admission_tuned = False
         self._lock = threading.RLock()
+        # Searches made by prime() for the ask that follows: (generation, query) -> hits, vector.
+        self._primed: dict[tuple[int, str], tuple[list[Hit], Any]] = {}
 
     # The flat names of the settings, read from their records (``pipe.fetch_k`` is
     # ``pipe.retrieval.fetch_k``); read-only: a pipeline's settings are fixed when it is built.
@@ -408,6 +378,8 @@ class Pipeline(Planning):
         (a served engine, a model not loaded): nothing to calibrate."""
         if self.admission.throughput is None:
             return None
+        if question == self.CALIBRATION_QUESTION:  # one the documents answer, past the evidence floor
+            question = " ".join(self.search(question, k=1)[0].text.split()[:40]) or question
         return self.ask(question, max_new_tokens=max_new_tokens, on_text=lambda _piece: None)
 
     # -- indexing and search ----------------------------------------------------------------------
@@ -476,10 +448,10 @@ class Pipeline(Planning):
         retrieval_query: str | None,
         found: tuple[str, list[Hit], Any] | None = None,
     ) -> tuple[Prompt, RequestPlan, dict[str, float], dict[str, Any] | None]:
-        """Plan, retrieve (unless ``found`` holds what :meth:`_found` found), select and render:
+        """Plan, retrieve (unless ``found`` holds the query searched, its hits and vector), select and render:
         the prompt that fits, how long each step took, and the cap set on the context (by
         ``context_tokens`` or by time), if any."""
-        from .prompt.prompt import build_prompt
+        from .prompt.prompt import build_prompt, texts_to_count
 
         question = check_question(question)
         context_tokens = check_int("context_tokens", context_tokens, 0, optional=True)
@@ -494,9 +466,20 @@ class Pipeline(Planning):
         timings: dict[str, float] = {}
         # A missing, damaged or empty index fails fast, before any model loads.
         self._searchable()
-        builder, allowance = self._allowance(question, context_tokens, max_new_tokens, history, timings)
+        builder = self._loaded_builder(max_new_tokens, history, timings)
+        query = check_question(retrieval_query or question, "query")
+        searched = (found[1], found[2]) if found is not None else None
+        if found is not None:
+            query = found[0]
+        if builder.batch_counts:
+            # Counting costs requests to the engine: the search first, so that the question's
+            # fixed part goes to the engine with its candidates, in one request (issue #42 §5).
+            if searched is None:
+                searched = self._timed_search(query, timings)
+            builder.prime(texts_to_count(searched[0], builder=builder, pack=self.retrieval.pack), questions=[question])
+        allowance = self._allowance(builder, question, context_tokens, max_new_tokens, timings)
         plan, max_prompt, cap = allowance.plan, allowance.max_prompt_tokens, allowance.limit
-        query, hits, vector = found if found is not None else self._found(question, retrieval_query, timings)
+        hits, vector = searched if searched is not None else self._timed_search(query, timings)
         t0 = time.perf_counter()
         options = self._pack_options()
         scorer = options.get("span_scorer")
@@ -517,20 +500,9 @@ class Pipeline(Planning):
         timings["select_s"] = time.perf_counter() - t0
         return prompt, plan, timings, cap
 
-    def _found(
-        self, question: str, retrieval_query: str | None, timings: dict[str, float]
-    ) -> tuple[str, list[Hit], Any]:
-        """The query searched (``retrieval_query`` or the question), its hits and its vector."""
-        t0 = time.perf_counter()
-        query = check_question(retrieval_query or question, "query")
-        hits, vector = self._search(query, self.retrieval.fetch_k)
-        timings["retrieve_s"] = time.perf_counter() - t0
-        return query, hits, vector
-
     def evidence(self, question: str, *, hits: Sequence[Hit] | None = None) -> Evidence:
-        """How well the documents answer ``question`` (:mod:`ragbudget.evidence`): the best
-        sentence cosine of its top hits (``hits``: those of a search already made), against the
-        floor under which :meth:`ask` declines without generating."""
+        """How well the documents answer ``question`` (:mod:`ragbudget.evidence`), against the
+        floor under which :meth:`ask` declines; ``hits``: a search already made."""
         from .evidence import Evidence, measure_evidence
 
         question = check_question(question)
@@ -541,38 +513,73 @@ class Pipeline(Planning):
         return Evidence(score=measure_evidence(question, hits, self._scorer()), floor=floor, source=source)
 
     def _evidence_floor(self) -> tuple[float | None, str]:
-        from .evidence import evidence_floor
-
         return evidence_floor(self.retrieval.evidence_floor, self.store.embedder.id)
+
+    def _loaded_builder(
+        self, max_new_tokens: int, history: Sequence[dict[str, str]] | None, timings: dict[str, float]
+    ) -> PromptBuilder:
+        """The builder with the history, the backend connected or loaded first."""
+        t0 = time.perf_counter()
+        # Before any model loads, the capacity alone refuses a request the model's window or the
+        # memory can never hold (a local plan from the config), and connects to an engine.
+        self.backend.capacity(max_new_tokens=max_new_tokens)
+        builder = self.prompt_builder.with_history(history)  # loads a local generator first
+        timings["load_s"] = time.perf_counter() - t0
+        return builder
 
     def _allowance(
         self,
+        builder: PromptBuilder,
         question: str,
         context_tokens: int | None,
         max_new_tokens: int,
-        history: Sequence[dict[str, str]] | None,
         timings: dict[str, float],
-    ) -> tuple[PromptBuilder, Allowance]:
-        """The builder with the history, and what this question may hold: the plan, its prompt
-        tokens and the cap set on its context (``context_tokens``, or the time target)."""
+    ) -> Allowance:
+        """What this question may hold: the plan, its prompt tokens and the cap set on its
+        context (``context_tokens``, or the time target)."""
         t0 = time.perf_counter()
         backend = self.backend
-        # Before any model loads, the capacity alone refuses a request the model's window or the
-        # memory can never hold (a local plan from the config), and connects to an engine.
-        backend.capacity(max_new_tokens=max_new_tokens)
-        builder = self.prompt_builder.with_history(history)  # loads a local generator first
-        timings["load_s"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        fixed = builder.fixed_tokens(question)
         allowance = request_allowance(
             backend,
             backend.capacity(max_new_tokens=max_new_tokens),  # a loaded model's plan: its real size
-            fixed=fixed,
+            fixed=builder.fixed_tokens(question),
             max_new_tokens=max_new_tokens,
             context_tokens=context_tokens,
         )
         timings["plan_s"] = time.perf_counter() - t0
-        return builder, allowance
+        return allowance
+
+    def _timed_search(self, query: str, timings: dict[str, float]) -> tuple[list[Hit], Any]:
+        """:meth:`_search` for ``fetch_k`` candidates (the one :meth:`prime` made, when it made
+        it on this generation), its seconds in ``timings``."""
+        t0 = time.perf_counter()
+        with self.store.pinned() as gen, self._lock:
+            primed = self._primed.pop((gen.number, query), None)
+        found = primed if primed is not None else self._search(query, self.retrieval.fetch_k)
+        timings["retrieve_s"] = time.perf_counter() - t0
+        return found
+
+    def prime(self, question: str, *, retrieval_query: str | None = None) -> None:
+        """Count ahead, in one request to a served engine, what answering ``question`` will count
+        first: its prompt without passages and its candidates (searched now, on the newest
+        generation, by ``retrieval_query`` if given; the :meth:`ask` that follows on the same
+        generation takes this search). For a caller that needs the question's count before it
+        asks (:class:`~ragbudget.chat.Conversation` fits the history to it); nothing where
+        counting costs no request (a local tokenizer)."""
+        from .prompt.prompt import texts_to_count
+
+        question = check_question(question)
+        builder = self.prompt_builder
+        if not builder.batch_counts:
+            return
+        query = check_question(retrieval_query or question, "query")
+        with self.store.pinned() as gen:
+            found = self._search(query, self.retrieval.fetch_k)
+        with self._lock:
+            self._primed[(gen.number, query)] = found
+            while len(self._primed) > 16:  # primed, never asked (refused, cancelled): dropped
+                self._primed.pop(next(iter(self._primed)))
+        builder.prime(texts_to_count(found[0], builder=builder, pack=self.retrieval.pack), questions=[question])
 
     @property
     def span_scorer(self) -> SpanScorer | None:
@@ -583,34 +590,19 @@ class Pipeline(Planning):
         return scorer
 
     def _pack_options(self) -> dict[str, Any]:
-        """``build_prompt``'s packing keywords: with ``pack="spans"``, one
-        :class:`~ragbudget.prompt.spans.SpanScorer` per pipeline over the index's embedder, so sentence
-        vectors are cached across questions, reading the sentence vectors the index stored at
-        build time first, then the :class:`~ragbudget.retrieval.sentence_cache.SentenceCache` beside the
-        index, which keeps every sentence embedded at question time for later questions and
-        processes (search already refused an embedder other than the index's)."""
+        """``build_prompt``'s packing keywords: with ``pack="spans"``, the pipeline's one
+        :class:`~ragbudget.prompt.spans.SpanScorer` (:meth:`_scorer`), so sentence vectors are
+        cached across questions."""
         if self.retrieval.pack == "chunks":
             return {"fill_remainder": True} if self.retrieval.fill_remainder else {}
         return {"pack": self.retrieval.pack, "span_scorer": self._scorer()}
 
     def _scorer(self) -> SpanScorer:
-        """The pipeline's one :class:`~ragbudget.prompt.spans.SpanScorer` (see :meth:`_pack_options`):
-        span packing scores sentences with it, and :meth:`evidence` measures with it."""
+        """The pipeline's one :class:`~ragbudget.prompt.spans.SpanScorer`: span packing scores
+        sentences with it, :meth:`evidence` measures with it; its cache serves both."""
         with self._lock:
             if self._span_scorer is None:
-                from .prompt.spans import SpanScorer
-                from .retrieval.sentence_cache import SentenceCache
-
-                store = self.store
-                # Beside a local index; an index in a database has no folder: embedded per process.
-                persist = (
-                    SentenceCache(store.path, identity=store.manifest["embedder"], dim=int(store.manifest["dim"]))
-                    if store.path is not None
-                    else None
-                )
-                self._span_scorer = SpanScorer(
-                    self.embedder or store.embedder, stored=store.sentence_vectors, persist=persist
-                )
+                self._span_scorer = self.store.span_scorer(self.embedder)
             scorer: SpanScorer = self._span_scorer
             return scorer
 
@@ -684,11 +676,13 @@ class Pipeline(Planning):
         question = check_question(question)
         with self.store.pinned() as searched:
             searching: dict[str, float] = {}
-            found = self._found(question, retrieval_query, searching)
+            query = check_question(retrieval_query or question, "query")
+            found = (query, *self._timed_search(query, searching))
             cited = {"generation": searched.number}
-            # Measured only where a floor applies (embedding the top chunks' sentences, unless
-            # stored, is a cost a question should not pay for a figure nothing reads).
-            evidence = self.evidence(found[0], hits=found[1]) if self._evidence_floor()[0] is not None else None
+            # Measured only where a floor applies (no question pays for a figure nothing reads),
+            # and not in a conversation: its history is something to read too.
+            floored = self._evidence_floor()[0] is not None and not history
+            evidence = self.evidence(found[0], hits=found[1]) if floored else None
             if evidence is not None and evidence.declined:  # nothing to read: no model call, no prefill, no KV
                 if on_text is not None:
                     on_text(DECLINED_TEXT)
@@ -754,9 +748,13 @@ class Pipeline(Planning):
             record_measurement(gen.measurement)
         timings["total_s"] = time.perf_counter() - t_start
         final = gen.prompt if gen.prompt is not None else prompt
-        return build_answer(
+        answer = build_answer(
             gen, final, plan, reserve, timings, cap, sentence_vectors=vectors, index=cited, evidence=evidence
         )
+        added = answer.report["citations"]["added"]  # a citation placed after the text: streamed too
+        if on_text is not None and added:
+            on_text(added.lstrip() if str(gen.text)[-1:].isspace() else added)
+        return answer
 
     def stream(self, question: str, **options: Any) -> AnswerStream:
         """:meth:`ask`, as an iterator over the answer's text while it is generated; the

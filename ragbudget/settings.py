@@ -395,7 +395,11 @@ class EngineSettings:
             Face tokenizer, folder or id counted with a 2% safety margin (default: tiktoken
             with 15%).
         context_tokens: the engine's window, for a server that does not report it.
-        timeout: seconds any one engine reply may take (a whole answer, when not streamed).
+        timeout: seconds any one engine reply may take (a whole answer, when not streamed);
+            ``None``: 30 s for the routes that answer at once, and for a generation what it
+            should take at the engine's measured speed, three times over, at least 30 s (300 s
+            before the engine's first answer; see
+            :mod:`ragbudget.generation.engines._pacing`).
     """
 
     url: str | None = None
@@ -404,7 +408,7 @@ class EngineSettings:
     api_key_env: str | None = None
     tokenizer: Any = None
     context_tokens: int | None = None
-    timeout: float = 30.0
+    timeout: float | None = None
 
     def __post_init__(self) -> None:
         check_text("engine", self.url, optional=True)
@@ -416,7 +420,7 @@ class EngineSettings:
         if self.api_key is not None and self.api_key_env is not None:
             raise ConfigError("pass api_key or api_key_env, not both")
         _set(self, "context_tokens", check_int("engine_context_tokens", self.context_tokens, 2, optional=True))
-        _set(self, "timeout", check_number("engine_timeout", self.timeout, 0.0, lo_open=True))
+        _set(self, "timeout", check_number("engine_timeout", self.timeout, 0.0, lo_open=True, optional=True))
 
     def __repr__(self) -> str:
         # As api_key: a password in the URL (http://user:pass@host) is never shown.

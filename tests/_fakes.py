@@ -455,12 +455,16 @@ def fake_pipeline(
     # The library's default packing (spans): the index stores every chunk's sentence vectors at
     # build time, so a question embeds no sentence and the server tests' short client time-outs
     # hold (they packed whole chunks while a chunk's first use embedded its sentences).
+    # The server tests ask placeholder questions ("runs", "waits") that the corpus does not
+    # answer: no evidence floor, so each reaches admission and the backend (declining is
+    # tests/test_evidence.py's subject).
     return _Pipeline(
         index_dir or corpus_index(),
         backend=backend,
         max_new_tokens=max_new_tokens,
         queue_size=max_queue,
         queue_timeout=timeout,
+        evidence_floor=0,
     )
 
 

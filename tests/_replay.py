@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import select
+import socket
 import threading
 import time
 from collections import deque
@@ -121,8 +123,13 @@ class Engine:
             return self.chat_stream(out, finish, usage, bool((body.get("stream_options") or {}).get("include_usage")))
         return Resp(json=self.chat_body(" ".join(out), finish, usage))
 
+    def final_fields(self, usage: dict[str, int]) -> dict[str, Any]:
+        """Fields an engine adds to its answer's last event (or whole answer) beside OpenAI's."""
+        return {}
+
     def chat_body(self, text: str, finish: str, usage: dict[str, int]) -> Any:
         return {
+            **self.final_fields(usage),
             "id": "chatcmpl-1",
             "object": "chat.completion",
             "created": CREATED,
@@ -150,7 +157,7 @@ class Engine:
     def chat_stream(self, out: list[str], finish: str, usage: dict[str, int], include_usage: bool) -> Resp:
         events = [self.chunk({"role": "assistant", "content": ""}, None)]
         events += [self.chunk({"content": (" " if i else "") + w}, None) for i, w in enumerate(out)]
-        events.append(self.chunk({}, finish))
+        events.append({**self.chunk({}, finish), **self.final_fields(usage)})
         if include_usage:  # an empty `choices` and the usage, as the OpenAI spec says
             events.append(
                 {
@@ -478,7 +485,30 @@ class TGI(Engine):
 
 class LlamaCpp(Engine):
     kind, model, max_len = "llamacpp", "SmolLM2-135M-Instruct-Q4_1.gguf", 512
-    slots = 4
+
+    @property
+    def slots(self) -> int:
+        """``-np``: 4, or the ``slots`` option."""
+        return int(self.s.options.get("slots", 4))
+
+    def final_fields(self, usage: dict[str, int]) -> dict[str, Any]:
+        # result_timings::to_json (server-task.cpp), on the final response and the stream's last
+        # chunk: the speed the options say (``prefill_ms``, ``decode_ms`` a token).
+        prefill, decode = float(self.s.options.get("prefill_ms", 1.0)), float(self.s.options.get("decode_ms", 10.0))
+        n, m = usage["prompt_tokens"], usage["completion_tokens"]
+        return {
+            "timings": {
+                "cache_n": 0,
+                "prompt_n": n,
+                "prompt_ms": n * prefill,
+                "prompt_per_token_ms": prefill,
+                "prompt_per_second": 1e3 / prefill,
+                "predicted_n": m,
+                "predicted_ms": m * decode,
+                "predicted_per_token_ms": decode,
+                "predicted_per_second": 1e3 / decode,
+            }
+        }
 
     def routes(self) -> dict[tuple[str, str], Callable[[Any], Resp]]:
         r = super().routes()
@@ -567,9 +597,16 @@ class LlamaCpp(Engine):
 
     def slot_list(self) -> Any:
         # server_slot::to_json: id, n_ctx, speculative, is_processing (+ task fields)
+        # ``busy_slots`` are another client's (one task each, for ever); then this server's
+        # generations in progress, each in a slot of its own while there is one.
         busy = self.s.options.get("busy_slots", 1)
+        with self.s._lock:
+            tasks = sorted(self.s.tasks)
+        ids = [-1 - i for i in range(busy)] + tasks
         return [
-            {"id": i, "n_ctx": self.max_len, "speculative": False, "is_processing": i < busy} for i in range(self.slots)
+            {"id": i, "n_ctx": self.max_len, "speculative": False, "is_processing": i < len(ids)}
+            | ({"id_task": ids[i]} if i < len(ids) else {})
+            for i in range(self.slots)
         ]
 
     def tokenize(self, body: Any) -> Resp:
@@ -767,6 +804,8 @@ class Replay:
         self.script: dict[tuple[str, str], deque[Resp]] = {}
         self.log: list[tuple[str, str, Any]] = []
         self.aborted_streams = 0
+        self.tasks: set[int] = set()  # generations in progress (llama.cpp's processing slots)
+        self._next_task = 0
         self.authorization: list[str | None] = []  # each request's Authorization header
         self.dead = False
         self._connections: set[Any] = set()  # the sockets of the connections open now
@@ -817,11 +856,43 @@ class Replay:
                 if resp is None:
                     route = replay.routes.get((method, path))
                     resp = route(body) if route else replay.engine.error(404, "File Not Found")
-                self._write(resp)
+                if (method, path) != ("POST", "/v1/chat/completions"):
+                    self._write(resp)
+                    return
+                # A generation holds a task (llama.cpp's /slots shows it processing) until its
+                # answer is written or its client has gone.
+                with replay._lock:
+                    replay._next_task += 1
+                    task = replay._next_task
+                    replay.tasks.add(task)
+                try:
+                    self._write(resp)
+                finally:
+                    with replay._lock:
+                        replay.tasks.discard(task)
+
+            def _client_gone(self, seconds: float) -> bool:
+                """Wait ``seconds``, looking at the connection every 50 ms as an engine does (llama.cpp:
+                every second): True as soon as the client closed it."""
+                deadline = time.monotonic() + seconds
+                while True:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return False
+                    readable, _, _ = select.select([self.connection], [], [], min(0.05, left))
+                    if readable:
+                        try:
+                            if self.connection.recv(1, socket.MSG_PEEK) == b"":
+                                return True
+                        except OSError:
+                            return True
 
             def _write(self, r: Resp) -> None:
-                if r.delay:
-                    time.sleep(r.delay)
+                if r.delay and self._client_gone(r.delay):
+                    with replay._lock:
+                        replay.aborted_streams += 1
+                    self.close_connection = True
+                    return
                 try:
                     self.send_response(r.status)
                     self.send_header("Content-Type", "application/json" if r.json is not None else r.content_type)
@@ -835,8 +906,8 @@ class Replay:
                             payload = (line + "\n\n" if r.content_type == "text/event-stream" else line + "\n").encode()
                             self.wfile.write(b"%x\r\n%s\r\n" % (len(payload), payload))
                             self.wfile.flush()
-                            if r.gap:
-                                time.sleep(r.gap)
+                            if r.gap and self._client_gone(r.gap):
+                                raise ConnectionResetError("the client closed the stream")
                         self.wfile.write(b"0\r\n\r\n")
                         self.wfile.flush()
                         self.close_connection = True

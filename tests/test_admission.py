@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import re
 import threading
 import time
 from typing import Any
@@ -323,6 +324,10 @@ def test_every_refusal_says_the_retry_after_it_carries() -> None:
     for e in refused:
         assert "past the queue time-out of 5 s" in str(e)
         assert str(e).endswith(f"; retry after {retry_after_seconds(e.retry_after)} s")
+        # Issue #42 §5: "about 34 s" beside a Retry-After of 280 s. The one figure of waiting a
+        # refusal states is its Retry-After (the other, the time-out it is measured against).
+        seconds = re.findall(r"(\d+(?:\.\d+)?) s\b", str(e))
+        assert sorted(seconds) == sorted(["5", str(retry_after_seconds(e.retry_after))]), str(e)
     assert "behind" not in str(refused[0])
     assert "; it comes back behind the 4 client(s) told to come back before it;" in str(refused[4])
     full = AdmissionController(10, max_queue=0, timeout=30)

@@ -90,7 +90,16 @@ def chat_pipeline(
         kv_total_source="fake" if kv_tokens else "",
     )
     backend = FakeBackend(WordCounter(), template=ChatTemplate(), reply=reply, capacity=capacity)
-    return Pipeline(corpus_index(), backend=backend, max_new_tokens=max_new, system_prompt=SYSTEM, relevance_floor=0)
+    # Placeholder questions ("Question number 3 about ...") the corpus answers loosely: no evidence
+    # floor, so every first turn reaches the backend (declining: tests/test_evidence.py).
+    return Pipeline(
+        corpus_index(),
+        backend=backend,
+        max_new_tokens=max_new,
+        system_prompt=SYSTEM,
+        relevance_floor=0,
+        evidence_floor=0,
+    )
 
 
 def fake(pipe: Pipeline) -> FakeBackend:
@@ -268,7 +277,10 @@ def test_a_conversation_on_a_backend_that_plans_its_memory_fits_each_turn_to_tha
     from ragbudget.cli.display import chat_banner
 
     backend = FakeBackend(WordCounter(), template=ChatTemplate(), memory_plan={"gpu": "357MiB"})
-    pipe = Pipeline(corpus_index(), backend=backend, gpu="357MiB", max_new_tokens=40, relevance_floor=0)
+    # "Warsaw" is not in the corpus: no evidence floor, since the plan is what this test reads.
+    pipe = Pipeline(
+        corpus_index(), backend=backend, gpu="357MiB", max_new_tokens=40, relevance_floor=0, evidence_floor=0
+    )
     chat = Conversation(pipe)
     turn = chat.ask("What is Warsaw known for?")
     plan = backend.plans[40]

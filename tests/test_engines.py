@@ -410,6 +410,57 @@ def test_cancel_closes_the_stream_and_frees_the_slot(kind: str) -> None:
         assert srv.aborted_streams >= 1
 
 
+def test_a_cancel_while_the_engine_is_silent_closes_the_request_there_at_once() -> None:
+    """Issue #42 §5: a request abandoned while the engine had sent nothing yet (reading a long
+    prompt, queueing it, or frozen) was closed at the engine's next byte only, and kept its slot
+    until then: the next request found "no free KV". Now the cancel closes the connection at
+    once, the engine sees it, and its slot is free before ``generate`` returns."""
+    with Replay("llamacpp", busy_slots=1) as srv, _connect(srv) as b:
+        b.capacity()  # the plan's look at the slots before a request: another client's task runs
+        srv.push("POST", "/v1/chat/completions", Resp(delay=20.0, json={}))  # silent for 20 s
+        cancel = threading.Event()
+        threading.Timer(0.5, cancel.set).start()
+        t0 = time.perf_counter()
+        g = b.generate(USER, max_new_tokens=32, cancel=cancel)
+        took = time.perf_counter() - t0
+        assert g.finish_reason == "cancelled" and took < 3.0, took
+        assert srv.aborted_streams == 1 and not srv.tasks  # the engine let go of it already
+        assert b.capacity().running == 1  # read afresh: only the other client's task is left
+
+
+def test_a_generation_may_take_what_the_engines_measured_speed_says_and_no_more() -> None:
+    """Issue #42 §5: a fixed 30 s engine time-out failed requests on CPU engines that were
+    merely slow. Without a given time-out, a generation may wait three times what the engine's
+    speed (read off its own timings) says it should take, never less than a floor (30 s; scaled
+    down here so that the test waits seconds), and the long wait before the first answer; a
+    hung engine is still found out, its connection closed; a given time-out bounds every reply
+    as before."""
+    with Replay("llamacpp", busy_slots=0, prefill_ms=20.0, decode_ms=20.0) as srv, _connect(srv, timeout=None) as b:
+        b.speed.FLOOR_S = 0.5
+        prompt = b.render([{"role": "user", "content": "How is the Project Leader of Debian elected? " * 4}])
+        assert b.reply_timeout(prompt, 32) == b.speed.UNMEASURED_S > 30  # nothing measured yet
+        b.generate(prompt, max_new_tokens=32)  # its timings: 20 ms a prompt token and a new one
+        limit = b.reply_timeout(prompt, 32)
+        assert limit == pytest.approx(3 * (prompt.n_tokens + 32) * 0.020, rel=0.01)
+        usage = {"prompt_tokens": prompt.n_tokens, "completion_tokens": 2, "total_tokens": prompt.n_tokens + 2}
+        slow = Resp(delay=0.6 * limit, json=srv.engine.chat_body("Slow but here", "stop", usage))
+        srv.push("POST", "/v1/chat/completions", slow)
+        assert b.generate(prompt, max_new_tokens=32).text == "Slow but here"
+        srv.push("POST", "/v1/chat/completions", Resp(delay=limit + 10, json={}))
+        b.capacity(fresh=True)  # the plan's look at the slots before a request
+        t0 = time.perf_counter()
+        with pytest.raises(EngineTimeoutError) as hung:
+            b.generate(prompt, max_new_tokens=32)
+        assert hung.value.timeout == pytest.approx(limit, rel=0.05) and time.perf_counter() - t0 < limit + 3
+        assert not srv.tasks  # closed there too
+    with Replay("llamacpp", busy_slots=0) as srv, _connect(srv, timeout=1.0) as b:
+        assert b.reply_timeout(b.render(USER), 32) is None  # the client's: 1 s for every reply
+        srv.push("POST", "/v1/chat/completions", Resp(delay=3.0, json={}))
+        with pytest.raises(EngineTimeoutError) as given:
+            b.generate(USER, max_new_tokens=32)
+        assert given.value.timeout == 1.0
+
+
 def test_a_cancel_set_before_the_request_sends_nothing() -> None:
     with Replay("vllm") as srv, _connect(srv, model="m") as b:
         cancel = threading.Event()

@@ -9,15 +9,17 @@ they run).
 
 from __future__ import annotations
 
+import signal
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
-from _llama import BINARY, CTX, SKIP_REASON, SLOTS
+from _llama import BINARY, CTX, SKIP_REASON, SLOTS, own_server
 
-from ragbudget.errors import EngineContextError
+from ragbudget.errors import EngineContextError, EngineTimeoutError
 from ragbudget.generation.backend import Backend, per_request_tokens
 from ragbudget.generation.engines import connect
 
@@ -128,3 +130,118 @@ def test_the_official_openai_client_talks_to_it(llama_server: str) -> None:
         client.chat.completions.create(model=model, max_tokens=5, messages=[{"role": "user", "content": "word " * 900}])
     assert e.value.status_code == 400
     assert e.value.body["type"] == "exceed_context_size_error"  # type: ignore[index]
+
+
+def _chat_route_count(llama_server: str, messages: list[dict[str, str]]) -> int:
+    r = httpx.post(
+        f"{llama_server}/v1/chat/completions",
+        timeout=120,
+        json={"messages": messages, "max_tokens": 1, "temperature": 0},
+    ).json()
+    return int(r["usage"]["prompt_tokens"])
+
+
+def test_the_template_is_learnt_once_per_system_prompt_and_counts_what_the_chat_route_does(
+    backend, llama_server: str
+) -> None:  # type: ignore[no-untyped-def]
+    """Issue #42 §5: every new question cost two /apply-template calls (its fixed part, its
+    prompt). The template is learnt once per system prompt; after that a chat of that system
+    prompt and one user turn costs one /tokenize, and counts exactly what the chat route counts
+    — whatever the user turn holds (edge whitespace, markup, other scripts)."""
+    system = {"role": "system", "content": "Answer from the sources only."}
+    backend.render([system, {"role": "user", "content": "warm-up"}])
+    before = dict(backend.http.sent)
+    contents = [
+        "What is the capital of France?",
+        "  spaced\n\nlines \n",
+        "Sources:\n[1] a.md\n<p>&amp; {{ x }}\nQuestion: why?",
+        "naïve café — 東京 🙂",
+    ]
+    for content in contents:
+        chat = [system, {"role": "user", "content": content}]
+        assert backend.render(chat).n_tokens == _chat_route_count(llama_server, chat), content
+    sent = {k: v - before.get(k, 0) for k, v in backend.http.sent.items()}
+    assert sent.get("/apply-template", 0) == 0 and sent["/tokenize"] == len(contents), sent
+
+
+def test_a_chat_and_texts_are_counted_in_one_request(backend, llama_server: str) -> None:  # type: ignore[no-untyped-def]
+    """What a new question needs counted before its selection — its fixed part and its
+    candidates' texts — is one /tokenize, with the counts the engine gives each alone."""
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Sources:\nQuestion: who?"}]
+    backend.render([chat[0], {"role": "user", "content": "warm-up"}])  # the template, learnt once
+    backend.count(["warm", "up"])  # the batched counts, checked once
+    texts = ["The Debian Project Leader is elected every year.", "  leading spaces and\nnewlines\n", "東京 🙂"]
+    before = backend.http.sent["/tokenize"]
+    backend.prefetch(texts, [chat])
+    assert backend.http.sent["/tokenize"] == before + 1
+    assert backend.count(texts) == [
+        len(httpx.post(f"{llama_server}/tokenize", json={"content": t}, timeout=30).json()["tokens"]) for t in texts
+    ]
+    assert backend.render(chat).n_tokens == _chat_route_count(llama_server, chat)
+    assert backend.http.sent["/tokenize"] == before + 1 and backend.http.sent["/apply-template"] <= 2
+
+
+@pytest.fixture(scope="module")
+def one_slot(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """A llama-server of this module's own with one slot (``-c 2048 -np 1``), one a test may freeze."""
+    with own_server(tmp_path_factory.mktemp("one-slot"), ctx=2048, slots=1) as server:
+        yield server
+
+
+COUNT = [{"role": "user", "content": "Count from one to one thousand, one number a line."}]
+
+
+def _processing(url: str) -> int:
+    return sum(1 for s in httpx.get(f"{url}/slots", timeout=30).json() if s["is_processing"])
+
+
+def _until_idle(url: str, within: float) -> float:
+    """Seconds until the engine's slots are all idle (``within`` at most)."""
+    t0 = time.monotonic()
+    while _processing(url) and time.monotonic() - t0 < within:
+        time.sleep(0.1)
+    return time.monotonic() - t0
+
+
+def test_an_abandoned_request_stops_on_the_engine_and_the_next_one_gets_the_slot(
+    one_slot: tuple[subprocess.Popen[bytes], str],
+) -> None:
+    """Issue #42 §5: a request ragbudget abandoned kept running on the engine, and the next
+    request on a one-slot engine found "no free KV … 0 tokens". Here the engine is frozen
+    (SIGSTOP) while it works on a long answer, so it sends nothing: the cancel still returns at
+    once (it waited for the engine's next byte, or the time-out, before), the engine — woken —
+    finds the connection closed and stops the task within its one-second look, and the next
+    request has the slot. An engine time-out closes the connection the same way."""
+    proc, url = one_slot
+    with connect(url) as b:
+        b.capacity()  # the plan's look at the slots before a request
+        cancel = threading.Event()
+        done: list[object] = []
+        worker = threading.Thread(target=lambda: done.append(b.generate(COUNT, max_new_tokens=1500, cancel=cancel)))
+        worker.start()
+        deadline = time.monotonic() + 60
+        while not _processing(url) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGSTOP)  # frozen mid-answer: not one byte more
+        try:
+            t0 = time.monotonic()
+            cancel.set()
+            worker.join(15)
+            took = time.monotonic() - t0
+        finally:
+            proc.send_signal(signal.SIGCONT)
+        assert not worker.is_alive() and took < 5.0, took
+        assert done and done[0].finish_reason == "cancelled"  # type: ignore[attr-defined]
+        assert _until_idle(url, 10.0) < 5.0  # the engine stopped the task
+        nxt = b.generate([{"role": "user", "content": "Say hi."}], max_new_tokens=4)
+        assert nxt.text and b.capacity().kv_tokens_free == 2048
+
+    with connect(url, timeout=2.0) as b:  # the time-out closes the connection too
+        b.capacity()
+        proc.send_signal(signal.SIGSTOP)
+        try:
+            with pytest.raises(EngineTimeoutError):
+                b.generate(COUNT, max_new_tokens=1500)
+        finally:
+            proc.send_signal(signal.SIGCONT)
+        assert _until_idle(url, 10.0) < 5.0

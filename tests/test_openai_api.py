@@ -370,6 +370,17 @@ def test_engine_errors_are_answered_as_a_gateway_answers_them(
         assert err.headers["Retry-After"] == "3"
 
 
+def test_an_engine_known_hung_is_504_and_one_known_down_503_before_any_work() -> None:
+    """Issue #42 §5: the server's look at the engine timed out (a frozen process): requests
+    refused before any work are 504 ``engine_timeout``, as a request that timed out itself is
+    (:func:`engine_error`), not 503; an engine that refuses connections stays a 503."""
+    hung = engine_unavailable(EngineTimeoutError("… no answer", url=URL, kind="llamacpp", timeout=10.0))
+    down = engine_unavailable(EngineConnectionError("… refused", url=URL, kind="llamacpp", cause="refused"))
+    assert (hung.status, hung.code, hung.body()["error"]["engine"]["cause"]) == (504, "engine_timeout", "timeout")
+    assert "gave no answer within 10 s" in hung.message
+    assert (down.status, down.code, down.body()["error"]["engine"]["cause"]) == (503, "engine_unavailable", "refused")
+
+
 def test_an_engine_context_error_stays_a_400() -> None:
     from ragbudget.errors import EngineContextError
 

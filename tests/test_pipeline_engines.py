@@ -160,6 +160,60 @@ def test_a_new_question_over_counted_chunks_asks_the_tokenizer_at_most_twice(ind
             assert answer.report["pack"] == "spans" and answer.report["selection"]
 
 
+#: Six questions as the issue's user asked them (#42 §5), each retrieving chunks none before it did
+#: among its candidates.
+SIX = (
+    QUESTION,
+    "What does the dup2 system call do?",
+    "Where is Warsaw's old town?",
+    "What was Maria Curie the first female recipient of?",
+    "What is oxygen?",
+    "What is packet switching?",
+)
+
+
+@pytest.mark.parametrize("through", ["ask", "conversation"])
+def test_a_new_question_asks_the_engines_tokenizer_at_most_twice_template_included(
+    indexed: Path, tmp_path: Path, through: str
+) -> None:
+    """Issue #42 §5: in front of llama.cpp, 5 requests to its tokenizer for the first question,
+    then 3 ``/tokenize`` and 2 ``/apply-template`` for each new one. Now, after the first, a new
+    question — with candidates never counted — asks at most twice, ``/apply-template`` counted
+    (its fixed part goes with its candidates, the template is learnt once per system prompt),
+    and a repeated one not at all; through ``Pipeline.ask`` and through a conversation, as
+    ``serve`` asks. Exact all the same: the engine's count of what it was sent is ours."""
+    from ragbudget.chat import Conversation
+
+    index_dir = _index_copy(indexed, tmp_path)
+    with Replay("llamacpp") as srv:
+        pipe = _pipe(index_dir, srv)
+
+        def tokenizer() -> int:
+            return len(srv.calls("POST", "/tokenize")) + len(srv.calls("POST", "/apply-template"))
+
+        def ask(q: str) -> Any:
+            return pipe.ask(q) if through == "ask" else Conversation(pipe).ask(q).answer
+
+        def asked(q: str) -> int:
+            before = tokenizer()
+            answer = ask(q)
+            b = answer.report["budget"]
+            assert b["prompt_tokens"] == b["engine_prompt_tokens"] <= b["max_prompt_tokens"], q
+            return tokenizer() - before
+
+        searcher = Pipeline(index_dir)
+        seen: set[object] = set()
+        for i, q in enumerate(SIX):
+            fresh = {h.chunk_id for h in searcher.search(q, pipe.retrieval.fetch_k)}
+            assert i == 0 or fresh - seen, q  # each new question brings candidates never counted
+            seen |= fresh
+        first = [asked(q) for q in SIX]
+        again = [asked(q) for q in SIX]
+    print(f"requests to the tokenizer, /apply-template included: {first} new, {again} repeated")
+    assert max(first[1:]) <= 2, first
+    assert again == [0] * len(SIX), again
+
+
 def test_the_local_path_has_no_engine_plan(indexed: Path) -> None:
     from _fakes import GeneratorStub
 
@@ -335,8 +389,9 @@ def test_every_command_with_engine_takes_engine_timeout(command: str) -> None:
 
     result = CliRunner().invoke(main, [command, "--help"])
     assert result.exit_code == 0 and "--engine URL" in result.output
-    # the default shown is the settings record's, not a second copy of it
-    assert "--engine-timeout" in result.output and f"[default: {EngineSettings().timeout:g}]" in result.output
+    # the default is the settings record's (None): drawn from the engine's speed, as the help says
+    assert EngineSettings().timeout is None and "--engine-timeout" in result.output
+    assert "[default: from the engine's measured speed" in " ".join(result.output.split())
 
 
 def test_engine_timeout_bounds_each_engine_reply(indexed: Path, tmp_path: Path) -> None:

@@ -261,6 +261,99 @@ def test_new_questions_ask_the_engines_tokenizer_at_most_twice_once_their_chunks
     assert sent <= 2 * len(NEW), sent
 
 
+#: Six questions no other test here asks (issue #42 §5 counted six).
+SIX_NEW = (
+    "What does the pipe system call create?",
+    "What happens when the read end of a pipe is closed?",
+    "Which element is the most abundant in the Earth's crust by mass?",
+    "Who first proposed packet switching?",
+    "When did Warsaw become the capital of Poland?",
+    "What does a Debian maintainer do?",
+)
+
+
+def test_six_new_questions_ask_the_engines_tokenizer_at_most_twice_each_template_included(
+    gateway: str, index_dir: Path, llama_server: str, tmp_path: Path
+) -> None:
+    """Issue #42 §5, counted as its user counted (a proxy's six questions): 5 /tokenize for the
+    first question, then 3 /tokenize and 2 /apply-template per new one, 0 for a repeated one.
+    After the first, each new question now asks the engine's tokenizer at most twice,
+    /apply-template included, and a repeated one not at all: through ``Pipeline.ask`` (a fresh
+    count cache: every candidate new to it) and through the gateway (its /metrics counts both
+    routes)."""
+    import shutil
+
+    index = tmp_path / "idx"
+    shutil.copytree(index_dir, index, ignore=shutil.ignore_patterns("counts.sqlite*"))
+    pipe = Pipeline(index, engine=llama_server, max_new_tokens=4, engine_timeout=300)
+
+    def tokenizer() -> int:
+        sent = pipe.backend.http.sent  # type: ignore[attr-defined]  # a served backend's client
+        return int(sent["/tokenize"] + sent["/apply-template"])
+
+    def by_pipeline(q: str) -> int:
+        before = tokenizer()
+        b = pipe.ask(q).report["budget"]
+        assert b["prompt_tokens"] == b["engine_prompt_tokens"], q  # exact: what was sent was counted
+        return tokenizer() - before
+
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{gateway}/v1", api_key="unused", max_retries=0, timeout=300)
+
+    def by_gateway(q: str) -> int:
+        before = _tokenizer_requests(gateway)
+        r = client.chat.completions.create(model="ragbudget", max_tokens=4, messages=[{"role": "user", "content": q}])
+        assert r.choices[0].message.content is not None
+        return _tokenizer_requests(gateway) - before
+
+    asked = {
+        name: ([ask(q) for q in SIX_NEW], [ask(q) for q in SIX_NEW])
+        for name, ask in (("pipeline", by_pipeline), ("gateway", by_gateway))
+    }
+    print(f"requests to the engine's tokenizer, /apply-template included (new, repeated): {asked}")
+    for name, (new, again) in asked.items():
+        assert max(new[1:]) <= 2, (name, new)
+        assert again == [0] * len(SIX_NEW), (name, again)
+
+
+def test_a_frozen_engine_is_504_timeout_then_the_gateway_recovers(index_dir: Path, tmp_path: Path) -> None:
+    """Issue #42 §5: a frozen llama-server (SIGSTOP) was answered 503 ``cause: timeout``, the
+    docs said 504. A request that meets it, or that the gateway's look at it refuses before any
+    work, is a 504 ``engine_timeout`` naming the engine; /health is 503 (out of rotation); woken,
+    the engine serves again without restarting anything."""
+    import shutil
+    import signal
+
+    from _llama import own_server
+    from fastapi.testclient import TestClient
+
+    from ragbudget.server.app import create_app
+
+    index = tmp_path / "idx"
+    shutil.copytree(index_dir, index, ignore=shutil.ignore_patterns("counts.sqlite*"))
+    body = {"model": "ragbudget", "max_tokens": 8, "messages": [{"role": "user", "content": QUESTION}]}
+    with own_server(tmp_path, ctx=512, slots=1) as (proc, url):  # a short prompt: a quick answer
+        # The issue's 10 s: an answer of 8 tokens takes a fraction of it, even on a busy host.
+        pipe = Pipeline(index, engine=url, max_new_tokens=8, engine_timeout=10.0)
+        with TestClient(create_app(pipe, engine_recheck_s=0)) as client:
+            first = client.post("/v1/chat/completions", json=body)
+            assert first.status_code == 200, first.text
+            proc.send_signal(signal.SIGSTOP)
+            try:
+                frozen = [client.post("/v1/chat/completions", json=body)]
+                health = client.get("/health")
+            finally:
+                proc.send_signal(signal.SIGCONT)
+            back = client.post("/v1/chat/completions", json=body)
+    for r in frozen:
+        assert r.status_code == 504, r.text
+        err = r.json()["error"]
+        assert err["code"] == "engine_timeout" and err["engine"]["cause"] == "timeout"
+        assert "gave no answer within 10 s" in err["message"] and "the llamacpp engine at" in err["message"]
+    assert health.status_code == 503 and health.json()["engine"]["cause"] == "timeout"
+    assert back.status_code == 200, back.text
+
+
 def test_killing_the_engine_mid_run_is_502_or_503_then_the_gateway_recovers(index_dir: Path, tmp_path: Path) -> None:
     """A real llama-server killed while a request runs on it: that request is a 502 (its
     connection dropped), later ones a 503 with Retry-After before any work, /health 503 naming

@@ -753,7 +753,11 @@ def test_real_models_through_the_openai_client(tmp_path: Path, repo_data: Path) 
         )
         chunks = list(
             client(url).chat.completions.create(
-                model=models[0], messages=[{"role": "user", "content": "What does dup2 do?"}], stream=True, max_tokens=8
+                # A question the two man pages answer (dup2's is not among them: it is declined).
+                model=models[0],
+                messages=[{"role": "user", "content": "What does close do?"}],
+                stream=True,
+                max_tokens=8,
             )
         )
         metrics = httpx.get(url + "/metrics").text
@@ -1608,6 +1612,71 @@ def test_an_engine_time_out_is_504_and_does_not_take_the_engine_out(tmp_path: Pa
     assert err["code"] == "engine_timeout" and "gave no answer within 1.5 s" in err["message"]
     assert err["engine"] == {"url": f"{srv.url}/v1/chat/completions", "kind": "llamacpp", "cause": "timeout"}
     assert health.status_code == 200 and health.json()["engine"]["status"] == "ok"
+
+
+def test_on_an_engine_admission_refuses_for_time_at_its_measured_speed_with_one_figure(tmp_path: Path) -> None:
+    """Issue #42 §5: on a CPU engine, admission knew nothing of its speed — the admitted
+    requests took 88 s against the targets — and the 429s' Retry-After disagreed with their
+    text. The engine's answers now give admission its speed (llama.cpp's timings), so a request
+    whose first token would come past the queue time-out behind the work on the engine is
+    refused at once, before any retrieval, not after waiting out the queue time-out; its
+    Retry-After comes from that speed and is the one figure of waiting its message states."""
+    import re
+
+    from _replay import Replay
+    from fastapi.testclient import TestClient
+
+    from ragbudget.errors import retry_after_seconds
+
+    index_dir = tmp_path / "idx"
+    shutil.copytree(corpus_index(), index_dir)
+    with Replay("llamacpp", busy_slots=0, prefill_ms=20.0, decode_ms=500.0) as srv:
+        pipe = Pipeline(index_dir, engine=srv.url, max_new_tokens=32, queue_timeout=4.0)
+        with TestClient(create_app(pipe)) as client:
+            assert _ask(client).status_code == 200  # its timings: 20 ms a prompt token, 0.5 s a new one
+            ctl = pipe.admission
+            assert ctl.throughput is not None and ctl.throughput.decode_s == pytest.approx(0.5)
+            assert ctl.throughput.prefill_a == pytest.approx(0.02) and "engine" in ctl.throughput.source
+            held = [ctl.acquire(512, prompt_tokens=480) for _ in range(4)]  # the engine's four slots
+            try:
+                t0 = time.perf_counter()
+                r = _ask(client)
+                took = time.perf_counter() - t0
+            finally:
+                for h in held:
+                    h.release()
+    assert r.status_code == 429, r.text
+    assert took < 2.0, took  # not the 4 s of the queue time-out
+    message, header = r.json()["error"]["message"], r.headers["retry-after"]
+    assert "measured speed" in message and message.endswith(f"; retry after {header} s")
+    assert sorted(re.findall(r"(\d+(?:\.\d+)?) s\b", message)) == sorted(["4", header]), message
+    assert int(header) == retry_after_seconds(float(header)) >= 10  # the work ahead: 4 × 16 s of answers
+
+
+def test_a_hung_engine_is_504_with_cause_timeout_not_503(tmp_path: Path) -> None:
+    """Issue #42 §5: an engine that is up but gives no answer (a frozen process) was answered 503
+    ``cause: timeout`` once the server's look at it had timed out, while the docs said 504. It is
+    a 504 ``engine_timeout`` whichever way the time-out is met — the request's own call, or the
+    look before any work — and /health is 503 naming the cause (a load balancer takes it out)."""
+    from _replay import Replay, Resp
+
+    index_dir = tmp_path / "idx"
+    shutil.copytree(corpus_index(), index_dir)
+    with Replay("llamacpp") as srv:
+        pipe = Pipeline(index_dir, engine=srv.url, max_new_tokens=32, engine_timeout=1.0)
+        from fastapi.testclient import TestClient
+
+        with TestClient(create_app(pipe, engine_recheck_s=0)) as client:
+            assert _ask(client).status_code == 200
+            # Frozen: every look at the engine, and any request, waits past the time-out.
+            srv.push("GET", "/props", *[Resp(delay=3.0, json={})] * 4)
+            r = _ask(client)
+            health = client.get("/health")
+    assert r.status_code == 504, r.text
+    err = r.json()["error"]
+    assert err["code"] == "engine_timeout" and err["engine"]["cause"] == "timeout"
+    assert "gave no answer within 1 s" in err["message"]
+    assert health.status_code == 503 and health.json()["engine"]["cause"] == "timeout"
 
 
 def test_an_engine_loading_its_model_is_503_with_retry_after_and_health_503(tmp_path: Path) -> None:

@@ -21,7 +21,12 @@ SYSTEM = "Answer from the documents and cite them"
 def chat_pipeline(backend: FakeBackend | None = None) -> Pipeline:
     """A real Pipeline over the corpus index on a FakeBackend (a 4096-token window)."""
     return Pipeline(
-        corpus_index(), backend=backend or FakeBackend(), max_new_tokens=40, system_prompt=SYSTEM, relevance_floor=0
+        corpus_index(),
+        backend=backend or FakeBackend(),
+        max_new_tokens=40,
+        system_prompt=SYSTEM,
+        relevance_floor=0,
+        evidence_floor=0,  # placeholder questions; declining is tests/test_evidence.py's subject
     )
 
 

@@ -441,10 +441,9 @@ engine_options = option_group(
             default=setting(EngineSettings, "timeout"),
             type=click.FloatRange(min=0.0, min_open=True),
             metavar="SECONDS",
-            # Stated in the help, not by show_default: click shows a float as "30.0", or a string in
-            # parentheses.
             help="Seconds any one engine reply may take (a whole answer, when not streamed) before it counts as "
-            f"an engine time-out [default: {setting(EngineSettings, 'timeout'):g}].",
+            "an engine time-out [default: from the engine's measured speed — three times what a generation "
+            "should take, at least 30 s; 300 s before its first answer].",
         ),
     },
     engine,

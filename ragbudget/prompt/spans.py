@@ -94,6 +94,7 @@ __all__ = [
     "SpanScorer",
     "VectorCache",
     "bm25",
+    "content_terms",
     "needs_previous",
     "select_spans",
     "sentence_digest",
@@ -146,7 +147,13 @@ def _stem(word: str) -> str:
     return word[:6]
 
 
-def _term_list(text: str) -> list[str]:
+def content_terms(text: str) -> list[str]:
+    """``text``'s content words, stemmed as span packing compares them (stop words and short
+    words out, digits kept).
+
+    >>> content_terms("The boats were founded in 1932")
+    ['boat', 'found', '1932']
+    """
     return [_stem(w) for w in _WORD.findall(text.lower()) if w not in _STOP and (len(w) > 2 or w.isdigit())]
 
 
@@ -157,8 +164,8 @@ def bm25(question: str, docs: Sequence[str], *, k1: float = 1.2, b: float = 0.75
     >>> [round(x, 3) for x in bm25("capital of France", ["Paris is the capital.", "Lyon is big."])]
     [0.693, 0.0]
     """
-    q = set(_term_list(question))
-    terms = [_term_list(d) for d in docs]
+    q = set(content_terms(question))
+    terms = [content_terms(d) for d in docs]
     if not q or not docs:
         return [0.0] * len(docs)
     n = len(docs)

@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from numpy.typing import ArrayLike, NDArray
     from typing_extensions import Self
 
+    from ..prompt.spans import SpanScorer
     from .catalog import SourceRow
     from .embed import Embedder
     from .executors import EmbedExecutor
@@ -387,6 +388,18 @@ class Index:
         m = self.manifest
         dtype = str((m.get("sentences") or {}).get("dtype", "float16"))
         return self._generation().catalog.sentence_vectors(want, dim=int(m["dim"]), dtype=dtype)
+
+    def span_scorer(self, embedder: Embedder | None = None) -> SpanScorer:
+        """A :class:`~ragbudget.prompt.spans.SpanScorer` over this index's sentences: the vectors
+        stored at build time first, then the :class:`~ragbudget.retrieval.sentence_cache.SentenceCache`
+        beside a local index (sentences embedded at question time, kept for later questions and
+        processes; an index in a database has no folder: embedded per process)."""
+        from ..prompt.spans import SpanScorer
+        from .sentence_cache import SentenceCache
+
+        m = self.manifest
+        persist = SentenceCache(self.path, identity=m["embedder"], dim=int(m["dim"])) if self.path is not None else None
+        return SpanScorer(embedder or self.embedder, stored=self.sentence_vectors, persist=persist)
 
     @property
     def has_sentence_vectors(self) -> bool:

@@ -28,7 +28,8 @@ which stops generation and frees the reservation at once.
 Only the server's own faults, and a served engine's, are 5xx. An engine's are answered as a gateway
 answers its upstream's (:func:`~ragbudget.server.openai_api.engine_error`): 502 for an engine that refused
 or dropped the connection or answered what is not its API, 504 for no answer within the engine
-time-out, 503 with ``Retry-After`` while it is down, loading or overloaded — then ``/health`` is 503
+time-out (a hung engine, whether the request or the server's look at the engine met it), 503 with
+``Retry-After`` while it is down, loading or overloaded — then ``/health`` is 503
 as well (what a load balancer reads as "out of rotation"), with an ``engine`` section naming it and
 the cause (:class:`~ragbudget.server.engine_load.EngineLoad`). A malformed body, or one nested deeper than
 :data:`~ragbudget.server.openai_api.MAX_JSON_DEPTH`, is a 400; a client that leaves before its answer
@@ -366,8 +367,9 @@ def create_app(
             sent = engine_load.sent()
             if sent is not None:
                 gauges["ragbudget_engine_tokenizer_requests"] = (
-                    "Requests sent to the engine's tokenizer routes since start (counts are cached by text digest).",
-                    sum(n for route, n in sent.items() if "tokenize" in route),
+                    "Requests sent to the engine's tokenizer and chat-template routes since start "
+                    "(counts are cached by text digest).",
+                    sum(n for route, n in sent.items() if "tokenize" in route or "template" in route),
                 )
         return PlainTextResponse(metrics.render(gauges), media_type="text/plain; version=0.0.4; charset=utf-8")
 

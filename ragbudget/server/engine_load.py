@@ -54,8 +54,9 @@ class EngineLoad:
     Health: a reading that fails (the engine refused the connection, timed out, answered 503
     while loading, or answered what is not its API) makes the engine *unavailable* (:attr:`error`)
     until a reading succeeds again; so does a request that finds it gone (:meth:`failed`) — until
-    the next reading, one ``ttl`` later. Meanwhile chat requests are answered 503 with
-    ``Retry-After`` before any work, and /health answers 503 (what a load balancer reads as "take
+    the next reading, one ``ttl`` later. Meanwhile chat requests are answered before any work, with
+    ``Retry-After``: 504 when the engine gave no answer within the engine time-out (hung), 503
+    otherwise (down, loading, broken); /health answers 503 (what a load balancer reads as "take
     this one out of rotation"), naming the engine and the cause.
 
     Load fails open: an engine that reports neither its queue nor its free KV is not limited here

@@ -219,7 +219,8 @@ def connect(
     ``tokenizer`` counts locally for engines that cannot (Ollama, generic OpenAI): a Hugging Face
     tokenizer, a folder or hub id; ``None`` uses tiktoken with a 15% margin. ``context_tokens``
     overrides the window the engine advertises (needed for a server that does not say).
-    ``timeout`` bounds every read; ``retry`` the back-off on 429/503. ``count_cache`` persists
+    ``timeout`` bounds every read (``None``: a generation's is drawn from the engine's measured
+    speed, :mod:`~ragbudget.generation.engines._pacing`); ``retry`` the back-off on 429/503. ``count_cache`` persists
     token counts by (model, text digest). ``url`` may be an
     :class:`~ragbudget.settings.EngineSettings` instead, holding the URL, ``kind``, the key (or
     the variable holding it), ``tokenizer``, ``context_tokens`` and ``timeout``, checked where

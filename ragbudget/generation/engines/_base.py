@@ -6,17 +6,15 @@ count. Engine modules subclass :class:`ServedBackend` and fill in the engine's o
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from ...errors import ConfigError, EngineContextError, EngineError, EngineResponseError
+from ...errors import ConfigError, EngineContextError, EngineError, EngineResponseError, EngineTimeoutError
 from ..backend import (
     Capacity,
     CountCache,
@@ -26,10 +24,14 @@ from ..backend import (
     render_overhead,
     text_digest,
 )
+from ._counting import BoundedLRU, LocalCounter as LocalCounter
 from ._http import HTTP, Reply, error_message
+from ._pacing import EngineSpeed
+from ._prometheus import int_or_none as int_or_none, parse_prometheus as parse_prometheus
 
 if TYPE_CHECKING:  # pragma: no cover
     from ...memory.admission import AdmissionController
+    from ...memory.schedule import Throughput
     from ...prompt.prompt import PromptBuilder
     from ..backend import PromptInput
     from ..generate import Generation
@@ -64,166 +66,6 @@ class TooLong:
     source: str
     status: int
     body: Any
-
-
-def parse_prometheus(text: str) -> list[tuple[str, dict[str, str], float]]:
-    """Samples of a Prometheus text exposition as ``(name, labels, value)``.
-
-    Label values may hold commas and escaped quotes; lines that do not parse are skipped.
-
-    >>> parse_prometheus('vllm:cache_config_info{block_size="16",num_gpu_blocks="None"} 1.0')
-    [('vllm:cache_config_info', {'block_size': '16', 'num_gpu_blocks': 'None'}, 1.0)]
-    """
-    out = []
-    for raw in text.splitlines():
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        labels: dict[str, str] = {}
-        if "{" in line:
-            name, rest = line.split("{", 1)
-            i = 0
-            while i < len(rest) and rest[i] != "}":
-                eq = rest.find("=", i)
-                if eq < 0 or eq + 1 >= len(rest) or rest[eq + 1] != '"':
-                    break
-                key = rest[i:eq].strip().lstrip(",").strip()
-                j, val = eq + 2, []
-                while j < len(rest) and rest[j] != '"':
-                    if rest[j] == "\\" and j + 1 < len(rest):
-                        val.append({"n": "\n"}.get(rest[j + 1], rest[j + 1]))
-                        j += 2
-                        continue
-                    val.append(rest[j])
-                    j += 1
-                labels[key] = "".join(val)
-                i = j + 1
-                while i < len(rest) and rest[i] in ", ":
-                    i += 1
-            if i >= len(rest) or rest[i] != "}":
-                continue
-            value_part = rest[i + 1 :].split()
-        else:
-            name, *value_part = line.split()
-        try:
-            out.append((name.strip(), labels, float(value_part[0])))
-        except (IndexError, ValueError):
-            continue
-    return out
-
-
-def int_or_none(value: Any) -> int | None:
-    """``value`` as an int (a float or a numeric string too), or ``None`` when it is none.
-
-    >>> int_or_none("16"), int_or_none(2.0), int_or_none("None")
-    (16, 2, None)
-    """
-    # vLLM stringifies unset CacheConfig fields as "None" (vllm/config/cache.py metrics_info).
-    try:
-        return int(float(value))
-    except (TypeError, ValueError):
-        return None
-
-
-class LocalCounter:
-    """Counts for engines that cannot count (Ollama, a generic OpenAI server): a local tokenizer
-    plus a stated safety ``margin`` (a fraction added to every count, rounded up).
-
-    ``tokenizer``: ``None`` → tiktoken ``cl100k_base`` with a 15% margin (another model's
-    vocabulary: Llama-family models count 3–30% differently); a Hugging Face tokenizer object or a
-    local folder / hub id (loaded with transformers on first use) → that tokenizer, its chat
-    template, and a 2% margin (the server may render the template differently).
-    """
-
-    def __init__(self, tokenizer: Any = None, *, margin: float | None = None) -> None:
-        self._spec = tokenizer
-        self._tok: Any = None
-        self._hf: Any = None
-        self.margin = margin if margin is not None else (0.15 if tokenizer is None else 0.02)
-        self.name = (
-            "tiktoken cl100k_base" if tokenizer is None else str(getattr(tokenizer, "name_or_path", None) or tokenizer)
-        )
-        #: What its counts are kept under (with the model): another tokenizer or margin counts
-        #: differently, so counts made with one are never reused for the other.
-        self.key = f"{self.name} +{self.margin:g}"
-
-    def _load(self) -> Any:
-        if self._tok is None:
-            from ...tokens import HFTokenizer, get_tokenizer
-
-            spec = self._spec
-            if isinstance(spec, str):
-                from transformers import AutoTokenizer
-
-                spec = AutoTokenizer.from_pretrained(spec)
-            self._tok = get_tokenizer(spec)
-            if isinstance(self._tok, HFTokenizer):
-                self._hf = self._tok.hf
-        return self._tok
-
-    def _pad(self, n: int) -> int:
-        return math.ceil(n * (1 + self.margin))
-
-    def count(self, texts: Sequence[str]) -> list[int]:
-        tok = self._load()
-        return [self._pad(tok.count(t)) for t in texts]
-
-    def render(self, messages: Sequence[Mapping[str, str]]) -> RenderedPrompt:
-        tok = self._load()
-        msgs = tuple(dict(m) for m in messages)
-        if self._hf is not None and getattr(self._hf, "chat_template", None):
-            text = self._hf.apply_chat_template(list(msgs), tokenize=False, add_generation_prompt=True)
-            n = len(self._hf.encode(text, add_special_tokens=False))
-            how = f"local chat template of {self.name}"
-        else:
-            # No template known: content plus a generous 8 tokens per message for role markup.
-            text = None
-            n = sum(tok.count(m["content"]) + 8 for m in msgs) + 4
-            how = f"local count with {self.name}, 8 tokens per message for the template"
-        return RenderedPrompt(
-            messages=msgs,
-            n_tokens=self._pad(n),
-            exact=False,
-            text=text,
-            source=f"{how}, +{self.margin:.0%} safety margin",
-            margin=self.margin,
-        )
-
-
-class _LRU:
-    """A thread-safe least-recently-used map with a bound on its total ``size`` (an entry's
-    size is 1 unless given): what a long-running server may keep in memory of an engine's
-    answers without growing for ever."""
-
-    def __init__(self, max_size: int) -> None:
-        self.max_size = max_size
-        self._data: OrderedDict[Any, tuple[Any, int]] = OrderedDict()
-        self._size = 0
-        self._lock = threading.Lock()
-
-    def get(self, key: Any) -> Any:
-        with self._lock:
-            hit = self._data.get(key)
-            if hit is None:
-                return None
-            self._data.move_to_end(key)
-            return hit[0]
-
-    def put(self, key: Any, value: Any, size: int = 1) -> None:
-        if size > self.max_size:
-            return  # would evict everything else
-        with self._lock:
-            old = self._data.pop(key, None)
-            if old is not None:
-                self._size -= old[1]
-            self._data[key] = (value, size)
-            self._size += size
-            while self._size > self.max_size:
-                _, (_, gone) = self._data.popitem(last=False)
-                self._size -= gone
-
-    def __len__(self) -> int:
-        return len(self._data)
 
 
 class ServedBackend(ABC):
@@ -281,8 +123,12 @@ class ServedBackend(ABC):
         self._overheads: dict[tuple[str, ...], int] = {}
         self._window: tuple[int | None, int | None] | None = None  # (max_context, max_prompt)
         self._recent: tuple[float, Capacity] | None = None  # (monotonic time, figures)
-        self._count_memo = _LRU(self.COUNT_MEMO)
-        self._render_memo = _LRU(self.RENDER_MEMO_TOKENS)
+        self._count_memo = BoundedLRU(self.COUNT_MEMO)
+        self._render_memo = BoundedLRU(self.RENDER_MEMO_TOKENS)
+        #: The engine's speed, read off its answers: each generation's time-out and admission's
+        #: time model (:meth:`reply_timeout`, :meth:`tune`).
+        self.speed = EngineSpeed()
+        self._tuned: Throughput | None = None
         if context_tokens is not None and context_tokens < 2:
             raise ConfigError(f"context_tokens must be ≥ 2; got {context_tokens}")
 
@@ -342,6 +188,14 @@ class ServedBackend(ABC):
         memory, then ``count_cache``) by text digest and :attr:`count_key`."""
         texts = list(texts)
         digests = [text_digest(t) for t in texts]
+        known, todo = self._known(texts, digests)
+        if todo:
+            known.update(self._keep_counts(todo, self._count_uncached(list(todo.values()))))
+        return [known[d] for d in digests]
+
+    def _known(self, texts: list[str], digests: list[str]) -> tuple[dict[str, int], dict[str, str]]:
+        """The counts of ``texts`` kept (in memory, then in ``count_cache``) by digest, and the
+        distinct texts still to count, by digest."""
         key = self.count_key
         known: dict[str, int] = {}
         for d in digests:
@@ -358,15 +212,44 @@ class ServedBackend(ABC):
         for d, t in zip(digests, texts, strict=True):
             if d not in known:
                 todo.setdefault(d, t)  # each distinct text once
-        if todo:
-            fresh = self._count_uncached(list(todo.values()))
-            new = dict(zip(todo, fresh, strict=True))
-            known.update(new)
-            for d, n in new.items():
-                self._count_memo.put((key, d), n)
-            if self.count_cache is not None:
-                self.count_cache.put_many(key, new)
-        return [known[d] for d in digests]
+        return known, todo
+
+    def _keep_counts(self, todo: Mapping[str, str], counts: Sequence[int]) -> dict[str, int]:
+        """Keep fresh counts of ``todo``'s texts (in memory and in ``count_cache``); by digest."""
+        key = self.count_key
+        new = dict(zip(todo, counts, strict=True))
+        for d, n in new.items():
+            self._count_memo.put((key, d), n)
+        if self.count_cache is not None:
+            self.count_cache.put_many(key, new)
+        return new
+
+    def prefetch(self, texts: Sequence[str], chats: Sequence[Sequence[Mapping[str, str]]] = ()) -> None:
+        """Count ``texts`` and render ``chats`` ahead — what :meth:`count` and :meth:`render`
+        answer then from memory — in as few engine requests as the engine allows: a new
+        question's prompt without passages (its fixed part) and its candidates' texts, counted
+        before the selection needs them (llama.cpp: one ``/tokenize`` for one chat and every
+        text not counted yet). The counts are the engine's own, as :meth:`count` and
+        :meth:`render` would have them."""
+        texts = list(texts)
+        _, todo = self._known(texts, [text_digest(t) for t in texts])
+        pending = [list(c) for c in chats if self._render_memo.get(self._render_key(c)) is None]
+        if pending and todo:
+            rendered, counts = self._render_and_count(pending.pop(0), list(todo.values()))
+            self._keep_render(rendered)
+            self._keep_counts(todo, counts)
+        elif todo:
+            self._keep_counts(todo, self._count_uncached(list(todo.values())))
+        for chat in pending:
+            self.render(chat)
+
+    def _render_and_count(
+        self, messages: Sequence[Mapping[str, str]], texts: list[str]
+    ) -> tuple[RenderedPrompt, list[int]]:
+        """:meth:`_render` of ``messages`` and :meth:`_count_uncached` of ``texts`` (distinct,
+        none counted yet): one request where the engine can do both at once (llama.cpp), two
+        otherwise."""
+        return self._render(messages), self._count_uncached(texts)
 
     @abstractmethod
     def _count_uncached(self, texts: list[str]) -> list[int]:
@@ -386,16 +269,21 @@ class ServedBackend(ABC):
         """The prompt after the engine's chat template, with its token count (the same messages
         rendered before are answered from memory: the engine's template and tokenizer give the
         same prompt every time)."""
-        import json
-
-        msgs = [{"role": str(m.get("role")), "content": str(m.get("content"))} for m in messages]
-        key = (self.count_key, text_digest(json.dumps(msgs, ensure_ascii=False)))
-        hit = self._render_memo.get(key)
+        hit = self._render_memo.get(self._render_key(messages))
         if isinstance(hit, RenderedPrompt):
             return hit
         rendered = self._render(messages)
-        self._render_memo.put(key, rendered, size=max(1, rendered.n_tokens))
+        self._keep_render(rendered)
         return rendered
+
+    def _render_key(self, messages: Sequence[Mapping[str, str]]) -> tuple[str, str]:
+        import json
+
+        msgs = [{"role": str(m.get("role")), "content": str(m.get("content"))} for m in messages]
+        return (self.count_key, text_digest(json.dumps(msgs, ensure_ascii=False)))
+
+    def _keep_render(self, rendered: RenderedPrompt) -> None:
+        self._render_memo.put(self._render_key(rendered.messages), rendered, size=max(1, rendered.n_tokens))
 
     @abstractmethod
     def _render(self, messages: Sequence[Mapping[str, str]]) -> RenderedPrompt:
@@ -421,10 +309,24 @@ class ServedBackend(ABC):
         return EnginePromptBuilder(self, system_prompt=system_prompt)
 
     def tune(self, admission: AdmissionController) -> bool:
-        return False  # the engine admits its own requests: nothing beyond their KV tokens to add
+        """Give admission the engine's speed, once its answers have shown it (its time model:
+        refusals for time and their ``Retry-After``); the engine holds its own memory, so nothing
+        beyond the KV tokens there. False before the speed is known."""
+        throughput = self.speed.throughput()
+        if throughput is None:
+            return False
+        admission.configure(throughput=throughput, ttft_target=admission.ttft_target)
+        self._tuned = throughput
+        return True
 
     def refresh_speed(self, *, idle: Callable[[], bool], recheck_s: float) -> bool:
-        return False  # nothing measured here: the engine paces itself
+        """True when the speed the engine's answers show has moved by more than a quarter since
+        admission was given it (:meth:`tune` then gives the new one); nothing is measured here."""
+        now, then = self.speed.throughput(), self._tuned
+        if now is None or then is None:
+            return False
+        moved = max(now.prefill_a / max(then.prefill_a, 1e-9), now.decode_s / then.decode_s)
+        return moved > 1.25 or moved < 0.8
 
     # -- capacity ---------------------------------------------------------------------------------
     #: Seconds a reading of the engine's figures answers :meth:`capacity` again. One request asks
@@ -609,8 +511,14 @@ class ServedBackend(ABC):
                 cache="served",
                 prompt=_keep(prompt),
             )
+        timeout = self.reply_timeout(prompt, max_new_tokens)
+        before = self._running_tasks()  # what ran before this request was sent (see _let_go)
         if not stream:
-            reply = self.http.post(path, body, allow=self.too_long_statuses)
+            try:
+                reply = self.http.post(path, body, allow=self.too_long_statuses, timeout=timeout)
+            except EngineTimeoutError:
+                self._let_go(before)  # the time-out closed the connection: the engine stops the task
+                raise
             if reply.status != 200:
                 return self._too_long_or_raise(reply, messages, max_new_tokens)
             data = reply.data
@@ -621,35 +529,85 @@ class ServedBackend(ABC):
             except (KeyError, IndexError, TypeError, AttributeError):
                 raise self._shape_error(path, data) from None
             usage = data.get("usage") or {}
+            if isinstance(data.get("timings"), Mapping):  # llama.cpp's own figures
+                self.speed.observe(data["timings"])
             return self._generation(text, finish, usage, messages, t0, prompt)
 
-        pieces: list[str] = []
-        finish, usage = None, {}
-        for event in self.http.stream(path, body, cancel=cancel, allow=self.too_long_statuses):
-            if isinstance(event, Reply):
-                return self._too_long_or_raise(event, messages, max_new_tokens)
-            if not isinstance(event, Mapping):
-                raise self._shape_error(path, event)
-            if "error" in event:  # an error after the stream began (vLLM, llama.cpp, TGI shapes)
-                raise EngineResponseError(
-                    f"{self.http.url(path)} failed mid-stream: {error_message(event)}",
-                    url=self.http.url(path),
-                    kind=self.kind,
-                    body=event,
-                )
-            if event.get("usage"):
-                usage = event["usage"]
-            for choice in event.get("choices") or ():
-                delta = (choice.get("delta") or {}).get("content")
-                if delta:
-                    pieces.append(delta)
-                    if on_text is not None:
-                        on_text(delta)
-                if choice.get("finish_reason"):
-                    finish = choice["finish_reason"]
+        got = _Streamed()
+        try:
+            events = self.http.stream(path, body, cancel=cancel, allow=self.too_long_statuses, timeout=timeout)
+            for event in events:
+                if isinstance(event, Reply):
+                    return self._too_long_or_raise(event, messages, max_new_tokens)
+                self._streamed(event, path, got, on_text)
+        except EngineTimeoutError:
+            self._let_go(before)  # the time-out closed the connection: the engine stops the task
+            raise
+        finish = got.finish
         if cancel is not None and cancel.is_set() and finish is None:
             finish = "cancelled"
-        return self._generation("".join(pieces), finish or "stop", usage, messages, t0, prompt)
+            self._let_go(before)  # the stream was closed before its end: the engine stops the task
+        elif got.first_at is not None:
+            self.speed.observe(
+                got.timings,
+                prompt_tokens=int(got.usage.get("prompt_tokens") or 0),
+                new_tokens=int(got.usage.get("completion_tokens") or 0),
+                first_s=got.first_at - t0,
+                total_s=time.perf_counter() - t0,
+            )
+        return self._generation("".join(got.pieces), finish or "stop", got.usage, messages, t0, prompt)
+
+    def reply_timeout(self, prompt: Any, max_new_tokens: int) -> float | None:
+        """Seconds a generation of ``prompt`` may wait on the engine: ``None`` (the client's)
+        where a time-out was given (``--engine-timeout``), else drawn from the engine's measured
+        speed (:class:`~ragbudget.generation.engines._pacing.EngineSpeed`): long enough for a
+        slow engine's answer, short for a fast one's."""
+        if self.http.timeout_given:
+            return None
+        n = getattr(prompt, "n_tokens", None)
+        if not isinstance(n, int):  # chat messages or a string: counted by the window at most
+            n = self._window[0] if self._window is not None and self._window[0] is not None else 0
+        return self.speed.timeout(n, max_new_tokens)
+
+    def _streamed(self, event: Any, path: str, got: _Streamed, on_text: Callable[[str], None] | None) -> None:
+        """One streamed event: its text added to ``got.pieces`` (and passed to ``on_text``), its
+        finish reason, usage and timings kept."""
+        if not isinstance(event, Mapping):
+            raise self._shape_error(path, event)
+        if "error" in event:  # an error after the stream began (vLLM, llama.cpp, TGI shapes)
+            raise EngineResponseError(
+                f"{self.http.url(path)} failed mid-stream: {error_message(event)}",
+                url=self.http.url(path),
+                kind=self.kind,
+                body=event,
+            )
+        if event.get("usage"):
+            got.usage = event["usage"]
+        if isinstance(event.get("timings"), Mapping):  # llama.cpp's own figures, on the last event
+            got.timings = event["timings"]
+        for choice in event.get("choices") or ():
+            delta = (choice.get("delta") or {}).get("content")
+            if delta:
+                if got.first_at is None:
+                    got.first_at = time.perf_counter()
+                got.pieces.append(delta)
+                if on_text is not None:
+                    on_text(delta)
+            if choice.get("finish_reason"):
+                got.finish = choice["finish_reason"]
+
+    def _running_tasks(self) -> frozenset[object] | None:
+        """The engine's tasks running as last read (before a request is sent), for
+        :meth:`_let_go`; ``None`` where the engine does not say (the default)."""
+        return None
+
+    def _let_go(self, before: frozenset[object] | None) -> None:
+        """A request was abandoned (cancelled, or past the time-out) and its connection closed,
+        which makes the engine stop it: forget the engine's figures read while it ran, so the
+        next request reads them afresh. An engine that frees its slot a moment later (llama.cpp)
+        waits here until it has — until no task runs there that did not run ``before`` — so
+        that the next request finds it free."""
+        self._recent = None
 
     def _generation(
         self, text: str, finish: str, usage: Mapping[str, Any], messages: list[dict[str, str]], t0: float, prompt: Any
@@ -722,6 +680,18 @@ class ServedBackend(ABC):
         return None
 
 
+@dataclass
+class _Streamed:
+    """What a streamed answer brought so far: its text pieces, finish reason, usage, the
+    engine's timings, and when its first text came (``time.perf_counter``)."""
+
+    pieces: list[str] = field(default_factory=list)
+    finish: str | None = None
+    usage: Mapping[str, Any] = field(default_factory=dict)
+    timings: Mapping[str, Any] | None = None
+    first_at: float | None = None
+
+
 def _keep(prompt: Any) -> Any:
     return prompt if hasattr(prompt, "input_ids") else None
 
@@ -730,19 +700,6 @@ def _replace(cap: Capacity, **changes: Any) -> Capacity:
     import dataclasses
 
     return dataclasses.replace(cap, **changes)
-
-
-def iter_samples(text: str, name: str) -> Iterator[tuple[dict[str, str], float]]:
-    """``(labels, value)`` of every sample of metric ``name``."""
-    for n, labels, value in parse_prometheus(text):
-        if n == name:
-            yield labels, value
-
-
-def metric_sum(text: str, name: str) -> float | None:
-    """The sum of a metric over its label sets (engines publish one series per DP engine)."""
-    vals = [v for _, v in iter_samples(text, name)]
-    return sum(vals) if vals else None
 
 
 def sampling_fields(sampling: Sampling, stop: Sequence[str] | None) -> dict[str, Any]:
@@ -760,17 +717,3 @@ def sampling_fields(sampling: Sampling, stop: Sequence[str] | None) -> dict[str,
     if stop:
         fields["stop"] = list(stop)
     return fields
-
-
-def queue_load(text: str, running: str, waiting: str) -> tuple[int | None, int | None, str]:
-    """``(running, waiting, source)`` from an engine's Prometheus gauges of requests running and
-    queued (each ``None`` when the engine does not publish it; ``source`` empty when neither).
-
-    >>> queue_load('r{engine="0"} 2\\nr{engine="1"} 1\\nw 0\\n', "r", "w")
-    (3, 0, 'GET /metrics r / w')
-    >>> queue_load("", "r", "w")
-    (None, None, '')
-    """
-    r, w = metric_sum(text, running), metric_sum(text, waiting)
-    source = f"GET /metrics {running} / {waiting}" if r is not None or w is not None else ""
-    return (None if r is None else int(r)), (None if w is None else int(w)), source

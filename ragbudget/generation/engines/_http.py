@@ -21,10 +21,18 @@ Credentials in the URL (``http://user:pass@host``) are sent as HTTP basic auth a
 ``root``, a message or an error's ``url``: those reach logs, reports and the server's clients.
 :meth:`HTTP.probing` makes the calls inside it quick looks (no back-off, a shorter time-out), for
 the server's reading of the engine's health and load.
+
+A stream given a ``cancel`` event is abandoned the moment it is set, not at the engine's next
+byte: its socket is shut down from a watching thread, so a request cancelled while the engine
+reads its prompt — or queues it, or hangs — is closed there at once, and the engine stops its
+task (llama.cpp looks at the connection every second; vLLM aborts on disconnect). Issue #42 §5:
+the stream was closed at the next byte only, and a request abandoned during a long prefill kept
+its slot until then.
 """
 
 from __future__ import annotations
 
+import contextlib
 import email.utils
 import json
 import random
@@ -34,7 +42,6 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote, urlsplit
@@ -51,6 +58,15 @@ from ...errors import (
 )
 
 __all__ = ["HTTP", "Reply", "Retry", "error_message", "root_url"]
+
+#: Seconds a reply may take where no time-out was given: the routes that answer at once (counts,
+#: the template, figures, models); a generation's own time-out is drawn from the engine's speed
+#: (:mod:`ragbudget.generation.engines._pacing`).
+BASE_TIMEOUT_S = 30.0
+
+#: How often a stream's watcher looks at its cancel event (``threading.Event`` cannot wake on
+#: either of two events): a cancelled request is closed at the engine within this.
+CANCEL_POLL_S = 0.05
 
 #: Statuses that mean "busy, come back": TGI answers 429 when its queue is full; vLLM, SGLang and
 #: Ollama 503 (Ollama's ErrMaxQueue, server/routes.go handleScheduleError); llama.cpp 503 while
@@ -140,6 +156,59 @@ def error_message(data: Any, text: str = "") -> str:
     return text.strip()[:200]
 
 
+class _Abandon:
+    """The connection of one stream, and whether it was abandoned: :meth:`abandon` shuts its
+    socket down from another thread (a blocked read then returns at once), before the connection
+    is made too (it is shut down as soon as it is)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sock: socket.socket | None = None
+        self.abandoned = False
+
+    def trace(self, event: str, info: Mapping[str, Any]) -> None:
+        """httpcore's ``trace`` extension: the new connection's network stream."""
+        if event != "connection.connect_tcp.complete":
+            return
+        stream = info.get("return_value")
+        sock = stream.get_extra_info("socket") if stream is not None else None
+        with self._lock:
+            self._sock = sock if isinstance(sock, socket.socket) else None
+            if self.abandoned:
+                self._shut()
+
+    def abandon(self) -> None:
+        with self._lock:
+            self.abandoned = True
+            self._shut()
+
+    def _shut(self) -> None:
+        if self._sock is not None:
+            with contextlib.suppress(OSError):  # already closed: nothing left to stop
+                self._sock.shutdown(socket.SHUT_RDWR)
+
+    @contextlib.contextmanager
+    def watching(self, cancel: threading.Event | None) -> Iterator[None]:
+        """While the block runs, abandon the stream once ``cancel`` is set."""
+        if cancel is None:
+            yield
+            return
+        done = threading.Event()
+
+        def watch() -> None:
+            while not done.is_set():
+                if cancel.wait(CANCEL_POLL_S):
+                    self.abandon()
+                    return
+
+        watcher = threading.Thread(target=watch, name="ragbudget-engine-cancel", daemon=True)
+        watcher.start()
+        try:
+            yield
+        finally:
+            done.set()
+
+
 def _chain(exc: BaseException) -> Iterator[BaseException]:
     seen: set[int] = set()
     cur: BaseException | None = exc
@@ -153,7 +222,8 @@ class HTTP:
     """A thread-safe client for one engine root (``http://host:port``, no ``/v1``).
 
     ``api_key`` is sent as ``Authorization: Bearer``; ``timeout`` bounds every read (a server
-    that stops answering raises after it), ``connect_timeout`` the connection. ``sleep`` (also
+    that stops answering raises after it) — ``None``: :data:`BASE_TIMEOUT_S`, unless a call gives
+    its own (``timeout_given`` says which) — ``connect_timeout`` the connection. ``sleep`` (also
     the attribute :attr:`sleep`, settable on a connected backend's ``http``) waits out each
     back-off ``retry`` decides: :func:`time.sleep` unless a caller wants to see, shorten or log
     the waits.
@@ -164,7 +234,7 @@ class HTTP:
         root: str,
         *,
         api_key: str | None = None,
-        timeout: float = 30.0,
+        timeout: float | None = 30.0,
         connect_timeout: float = 5.0,
         retry: Retry | None = None,
         kind: str = "",
@@ -173,7 +243,10 @@ class HTTP:
     ) -> None:
         self.root, auth = _split_url(root)
         self.kind = kind
-        self.timeout = timeout
+        #: Whether ``timeout`` was given (``--engine-timeout``): it then bounds every reply, a
+        #: generation's too, instead of the one drawn from the engine's speed.
+        self.timeout_given = timeout is not None
+        self.timeout = BASE_TIMEOUT_S if timeout is None else timeout
         self.connect_timeout = connect_timeout
         self.retry = retry or Retry()
         self.sleep = sleep  # the back-off's wait (see above)
@@ -185,21 +258,31 @@ class HTTP:
         headers = {"User-Agent": "ragbudget", "Accept": "application/json"}
         if api_key:
             headers["Authorization"] = f"Bearer {api_key}"
+        basic = httpx.BasicAuth(*auth) if auth is not None and not api_key else None
+        timeouts = httpx.Timeout(self.timeout, connect=connect_timeout)
         self._client = httpx.Client(
+            headers=headers, timeout=timeouts, transport=transport, follow_redirects=False, auth=basic
+        )
+        # Streams get a connection of their own each (none is kept alive): its socket, seen as it
+        # is made, is what a cancel shuts down (see the module docstring). One connection setup
+        # a generation costs nothing beside the generation.
+        self._streams = httpx.Client(
             headers=headers,
-            timeout=httpx.Timeout(timeout, connect=connect_timeout),
+            timeout=timeouts,
             transport=transport,
             follow_redirects=False,
-            auth=httpx.BasicAuth(*auth) if auth is not None and not api_key else None,
+            auth=basic,
+            limits=httpx.Limits(max_keepalive_connections=0),
         )
 
     def close(self) -> None:
         self._client.close()
+        self._streams.close()
 
     def url(self, path: str) -> str:
         return self.root + path
 
-    @contextmanager
+    @contextlib.contextmanager
     def probing(self, timeout: float | None = None) -> Iterator[None]:
         """Calls made inside the block (in this thread) are quick looks at the engine: an
         overload answer (429/503, or llama.cpp loading its model) raises at once instead of
@@ -275,22 +358,35 @@ class HTTP:
         mode: str = "sse",
         cancel: threading.Event | None = None,
         allow: frozenset[int] | set[int] = frozenset(),
+        timeout: float | None = None,
     ) -> Iterator[Any]:
         """POST ``body`` and yield each event's JSON: ``mode="sse"`` reads ``data:`` lines until
         ``[DONE]`` (OpenAI streaming), ``"ndjson"`` one JSON object per line (Ollama).
 
         A status in ``allow`` yields one :class:`Reply` and stops (so the caller can read a
         too-long error). Overload before the first byte is retried like :meth:`call`. When
-        ``cancel`` is set the stream is closed at the next event, which makes the engine abort
-        the request and free its slot. A read that outlasts the timeout raises.
+        ``cancel`` is set the stream is closed at once, even while the engine has sent nothing
+        yet (see the module docstring), which makes the engine abort the request and free its
+        slot; the stream then just ends. A read that outlasts ``timeout`` (default: the
+        client's) raises, and closes the connection too.
         """
         url = self.url(path)
         waited, attempt = 0.0, 0
         while True:
             attempt += 1
             self._note_sent(path)
+            conn = _Abandon()
             try:
-                with self._client.stream("POST", url, json=body) as resp:
+                with (
+                    conn.watching(cancel),
+                    self._streams.stream(
+                        "POST",
+                        url,
+                        json=body,
+                        timeout=httpx.USE_CLIENT_DEFAULT if timeout is None else self._timeouts(timeout),
+                        extensions={"trace": conn.trace},
+                    ) as resp,
+                ):
                     status = resp.status_code
                     if status != 200:
                         resp.read()
@@ -329,7 +425,9 @@ class HTTP:
                             ) from None
                     return
             except httpx.HTTPError as exc:
-                raise self._transport_error(exc, url, None) from None
+                if conn.abandoned:
+                    return  # cancelled: the connection was shut down on purpose
+                raise self._transport_error(exc, url, timeout) from None
 
     # -- helpers -----------------------------------------------------------------------------------
     def _note_sent(self, path: str) -> None:

@@ -1,7 +1,7 @@
 """Ollama: the trained window from ``/api/show``, the allocated one from ``/api/ps``, generation
 through the native ``/api/chat`` so ``num_ctx`` and ``truncate: false`` can be sent (an overflow
 is then an error, never a silent cut). Ollama has no tokenize route: counts come from a local
-tokenizer with a stated margin (:class:`~ragbudget.generation.engines._base.LocalCounter`).
+tokenizer with a stated margin (:class:`~ragbudget.generation.engines._counting.LocalCounter`).
 
 Field names, checked against Ollama's sources:
 
@@ -30,7 +30,8 @@ from typing import TYPE_CHECKING, Any
 
 from ...errors import EngineResponseError
 from ..backend import Capacity, RenderedPrompt, Sampling
-from ._base import LocalCounter, ServedBackend, TooLong, int_or_none, sampling_fields
+from ._base import ServedBackend, TooLong, int_or_none, sampling_fields
+from ._counting import LocalCounter
 from ._http import Reply, error_message
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -45,7 +46,7 @@ DEFAULT_NUM_CTX = 4096
 
 class OllamaBackend(ServedBackend):
     """An Ollama server. ``tokenizer`` is what counts locally (see
-    :class:`~ragbudget.generation.engines._base.LocalCounter`)."""
+    :class:`~ragbudget.generation.engines._counting.LocalCounter`)."""
 
     kind = "ollama"
     takes_tokenizer = True
@@ -138,10 +139,11 @@ class OllamaBackend(ServedBackend):
         stream = on_text is not None or cancel is not None
         body = {"model": self.model_id, "messages": messages, "stream": stream, "options": options, "truncate": False}
         path = "/api/chat"
+        timeout = self.reply_timeout(prompt, max_new_tokens)
         if stream:
-            events = self.http.stream(path, body, mode="ndjson", cancel=cancel, allow={400})
+            events = self.http.stream(path, body, mode="ndjson", cancel=cancel, allow={400}, timeout=timeout)
         else:
-            reply = self.http.post(path, body, allow={400})
+            reply = self.http.post(path, body, allow={400}, timeout=timeout)
             events = iter([reply if reply.status != 200 else reply.data])
         pieces: list[str] = []
         last: Mapping[str, Any] = {}
@@ -169,6 +171,16 @@ class OllamaBackend(ServedBackend):
         text = "".join(pieces)
         prompt_tokens = int_or_none(last.get("prompt_eval_count"))
         new_tokens = int_or_none(last.get("eval_count"))
+        if last.get("done"):  # its own figures, in nanoseconds (api/types.go Metrics)
+            ns = {k: int_or_none(last.get(k)) or 0 for k in ("prompt_eval_duration", "eval_duration")}
+            self.speed.observe(
+                {
+                    "prompt_n": prompt_tokens,
+                    "prompt_ms": ns["prompt_eval_duration"] / 1e6,
+                    "predicted_n": new_tokens,
+                    "predicted_ms": ns["eval_duration"] / 1e6,
+                }
+            )
         return Generation(
             text=text,
             prompt_tokens=prompt_tokens if prompt_tokens is not None else self.render(messages).n_tokens,

@@ -15,7 +15,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..backend import Capacity, RenderedPrompt
-from ._base import LocalCounter, ServedBackend, int_or_none
+from ._base import ServedBackend, int_or_none
+from ._counting import LocalCounter
 
 __all__ = ["OpenAIBackend"]
 

@@ -29,7 +29,8 @@ from collections.abc import Mapping, Sequence
 
 from ...errors import EngineResponseError
 from ..backend import Capacity, RenderedPrompt
-from ._base import ServedBackend, int_or_none, iter_samples, metric_sum, queue_load
+from ._base import ServedBackend
+from ._prometheus import int_or_none, iter_samples, metric_sum, queue_load
 
 __all__ = ["VLLMBackend"]
 

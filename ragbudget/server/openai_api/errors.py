@@ -182,12 +182,18 @@ def engine_error(exc: EngineError, *, retry_after: float | None = None) -> APIEr
 
 
 def engine_unavailable(exc: EngineError, retry_after: float = 2.0) -> APIError:
-    """The 503 of a request made while the server knows its engine is unavailable (gone,
-    overloaded, or answering wrongly: see :class:`ragbudget.server.engine_load.EngineLoad`), answered
-    before any work, with ``Retry-After`` (the engine's own hint when it gave one)."""
+    """The answer to a request made while the server knows its engine is unavailable (gone,
+    overloaded, hung, or answering wrongly: see :class:`ragbudget.server.engine_load.EngineLoad`),
+    before any work, with ``Retry-After`` (the engine's own hint when it gave one): 504 for an
+    engine that gave no answer within the engine time-out (up but hung: a frozen process, a full
+    accept queue), as :func:`engine_error` answers a request it timed out on — what a gateway
+    answers for an upstream that did not answer in time — and 503 for one that is down,
+    unreachable, loading or broken."""
     where, info = _engine_named(exc)
-    if isinstance(exc, EngineTimeoutError) and exc.timeout is not None:
-        cause, why = "timeout", f"gave no answer within {exc.timeout:g} s"
+    status, code = 503, "engine_unavailable"
+    if isinstance(exc, EngineTimeoutError):
+        status, code, cause = 504, "engine_timeout", "timeout"
+        why = f"gave no answer within {exc.timeout:g} s" if exc.timeout is not None else "gave no answer in time"
     elif isinstance(exc, EngineConnectionError):
         cause, why = exc.cause, EngineConnectionError.CAUSES[exc.cause]
     elif isinstance(exc, EngineOverloadedError):
@@ -198,10 +204,10 @@ def engine_unavailable(exc: EngineError, retry_after: float = 2.0) -> APIError:
     else:
         cause, why = "bad_response", "answers with something that is not its API"
     return APIError(
-        503,
+        status,
         _scrub_text(_with_retry(f"{where} is unavailable: it {why}", retry_after)),
         type="server_error",
-        code="engine_unavailable",
+        code=code,
         headers={"Retry-After": _retry_after(retry_after)},
         extra={"engine": {**info, "cause": cause}},
     )
