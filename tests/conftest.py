@@ -39,6 +39,10 @@ from _postgres import (
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The tests that answer with "the default model" answer with the tiny packaged one (135M
+# parameters: seconds a test, not a minute); child processes inherit it. A test of the real
+# default (the demo's, Qwen2.5-Coder-0.5B) names it.
+os.environ.setdefault("RAGBUDGET_MODEL", "smollm2-135m-instruct")
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "data"

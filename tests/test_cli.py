@@ -201,8 +201,14 @@ def test_index_survives_a_hostile_folder(runner: CliRunner, tmp_path: Path, monk
 
 
 @pytest.mark.model
-def test_demo_path_with_the_embedded_models(runner: CliRunner, tmp_path: Path, repo_data: Path) -> None:
-    """`make demo`: index data/ with MiniLM, answer with SmolLM2, cite the right article."""
+def test_demo_path_with_the_embedded_models(
+    runner: CliRunner, tmp_path: Path, repo_data: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`make demo`: index data/ with MiniLM, answer with the default model (Qwen2.5-Coder-0.5B;
+    the suite's tiny stand-in is set aside here), cite the right article."""
+    from ragbudget.memory.models import DEFAULT_GENERATOR, MODEL_ENV
+
+    monkeypatch.delenv(MODEL_ENV, raising=False)
     index_dir = str(tmp_path / "idx")
     result = runner.invoke(cli, ["index", str(repo_data), "--index-dir", index_dir, "--json"])
     assert result.exit_code == 0, result.output
@@ -224,6 +230,7 @@ def test_demo_path_with_the_embedded_models(runner: CliRunner, tmp_path: Path, r
     doc = json.loads(result.stdout)
     assert "nobel" in doc["answer"].lower()
     assert doc["sources"][0]["path"].endswith("Warsaw.md")
+    assert doc["report"]["plan"]["model"].lower().startswith(DEFAULT_GENERATOR)
     b = doc["budget"]
     # An explicit --context-tokens pins the context whatever the time cap, never past what memory
     # and the window allow (the plan keeps that figure apart when it is capped for time).

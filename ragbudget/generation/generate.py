@@ -254,7 +254,8 @@ class CudaPeak:
 class Generator:
     """A local causal LM that answers prompts under a token cap.
 
-    ``model``: ``None``/``"default"`` for the packaged SmolLM2-135M-Instruct, a local folder, a
+    ``model``: ``None``/``"default"`` for the default packaged model (Qwen2.5-Coder-0.5B-Instruct,
+    or ``$RAGBUDGET_MODEL``), a local folder, a
     ``.gguf`` file, a hub id (only when the hub is reachable), or a :class:`ModelRef`.
     ``device``: ``"cuda"``, ``"cpu"``, ``"cuda:1"``… (default: CUDA when available).
     ``dtype``: default float32 on CPU, bfloat16 on CUDA.
