@@ -743,7 +743,7 @@ class Pipeline(Planning):
         if gen.measurement is not None:
             # A CUDA run measured its peak: the plan's owner keeps it, so the next plan for this
             # GPU and model uses the measured activations (the generator itself writes nothing).
-            from .memory.budget import record_measurement
+            from .memory.calibration import record_measurement
 
             record_measurement(gen.measurement)
         timings["total_s"] = time.perf_counter() - t_start

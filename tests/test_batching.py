@@ -388,7 +388,7 @@ def test_the_speed_probe_runs_in_a_thread_of_its_own(gen, tmp_path, monkeypatch)
     """The warm-up's prefill/decode probe (forward passes) must not run in the caller's thread,
     the server's main thread, whose OpenMP pool would then slow the batching loop for the
     server's life."""
-    import ragbudget.memory.budget
+    import ragbudget.memory.calibration
     from ragbudget.generation.pacing import Pacing
 
     monkeypatch.setenv("RAGBUDGET_CACHE", str(tmp_path / "cache"))
@@ -398,7 +398,7 @@ def test_the_speed_probe_runs_in_a_thread_of_its_own(gen, tmp_path, monkeypatch)
         ran.append(threading.get_ident())
         return {"a": 1e-3, "b": 0.0, "decode_s": 0.01}
 
-    monkeypatch.setattr(ragbudget.memory.budget, "measure_prefill_speed", probe)
+    monkeypatch.setattr(ragbudget.memory.calibration, "measure_prefill_speed", probe)
     speed = Pacing(None).measure(gen.warm_up(), "tiny")
     assert speed == {"a": 1e-3, "b": 0.0, "decode_s": 0.01}
     assert ran and ran[0] != threading.get_ident()

@@ -103,10 +103,10 @@ class _OnCPU(GeneratorStub):
 
 
 def test_the_plan_is_capped_for_time_with_its_speed_in_the_record(monkeypatch: pytest.MonkeyPatch) -> None:
-    import ragbudget.memory.budget as budget
+    import ragbudget.memory.calibration as calibration
 
     # 2 ms per prompt token: a 3 s target allows 1,500 prompt tokens.
-    monkeypatch.setattr(budget, "lookup_prefill_speed", lambda model, device: {"a": 0.002, "b": 0.0})
+    monkeypatch.setattr(calibration, "lookup_prefill_speed", lambda model, device: {"a": 0.002, "b": 0.0})
     cap = LocalBackend(_OnCPU(), gpu="16GiB", ttft_target=3.0).capacity()  # type: ignore[arg-type]
     assert cap.plan is not None and cap.plan.limited_by == "time" and cap.plan.max_prompt_tokens == 1500
     assert cap.device == "cpu" and cap.speed == {"a": 0.002, "b": 0.0}

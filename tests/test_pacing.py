@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ragbudget.generation.pacing import Pacing
-from ragbudget.memory.budget import CPU_TTFT_TARGET
+from ragbudget.memory.calibration import CPU_TTFT_TARGET
 
 
 @dataclass

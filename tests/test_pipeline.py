@@ -493,10 +493,10 @@ class CPUGenerator(FakeGenerator):
 
 
 def test_cpu_default_context_is_capped_by_measured_prefill_time(indexed: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import ragbudget.memory.budget as budget
+    import ragbudget.memory.calibration as calibration
 
     # 2 ms per prompt token: a 3 s target allows 1,500 prompt tokens.
-    monkeypatch.setattr(budget, "lookup_prefill_speed", lambda model, device: {"a": 0.002, "b": 0.0})
+    monkeypatch.setattr(calibration, "lookup_prefill_speed", lambda model, device: {"a": 0.002, "b": 0.0})
     pipe, _ = _pipe(indexed, generator=CPUGenerator(), ttft_target=3.0, relevance_floor=0)
     answer = pipe.ask(QUESTION)
     b = answer.report["budget"]
@@ -509,7 +509,7 @@ def test_cpu_default_context_is_capped_by_measured_prefill_time(indexed: Path, m
     # The default target applies on a CPU with no ttft_target given; context_tokens overrides it;
     # 0 disables it; a GPU generator is not capped by default.
     default, _ = _pipe(indexed, generator=CPUGenerator())
-    assert default.ask(QUESTION).report["budget"]["context_limit"]["ttft_target_s"] == budget.CPU_TTFT_TARGET
+    assert default.ask(QUESTION).report["budget"]["context_limit"]["ttft_target_s"] == calibration.CPU_TTFT_TARGET
     given = pipe.ask(QUESTION, context_tokens=2000).report["budget"]["context_limit"]
     assert given == {"limit": "context_tokens", "tokens": 2000}
     off, _ = _pipe(indexed, generator=CPUGenerator(), ttft_target=0)

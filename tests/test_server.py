@@ -1751,12 +1751,14 @@ def test_time_capped_plan_is_named_in_memory_and_a_long_question_is_answered_by_
     from _tiny_lm import tiny_model, tiny_tokenizer
     from fastapi.testclient import TestClient
 
-    import ragbudget.memory.budget
+    import ragbudget.memory.calibration
     from ragbudget.chat import Conversation
     from ragbudget.generation.generate import Generator
 
     monkeypatch.setattr(
-        ragbudget.memory.budget, "lookup_prefill_speed", lambda model, device: {"a": 0.001, "b": 0.0, "decode_s": 0.01}
+        ragbudget.memory.calibration,
+        "lookup_prefill_speed",
+        lambda model, device: {"a": 0.001, "b": 0.0, "decode_s": 0.01},
     )
     pipe = Pipeline(
         corpus_index("hash:256"),

@@ -53,7 +53,7 @@ from .decoding import (
 )
 
 if TYPE_CHECKING:
-    from ..memory.budget import PeakMeasurement
+    from ..memory.calibration import PeakMeasurement
 
 __all__ = [
     "REPEATED_LINE_STOP",
@@ -129,7 +129,7 @@ class Generation:
     (hit ``max_new_tokens``) or ``"cancelled"`` (its ``cancel`` event was set). ``prompt`` is the
     prompt finally used (fewer passages if the OOM ladder dropped some), when one was given.
     ``measurement``: on CUDA, the measured peak and its parts, for the caller that owns the memory
-    plan to record (:func:`ragbudget.memory.budget.record_measurement`); the generator records nothing."""
+    plan to record (:func:`ragbudget.memory.calibration.record_measurement`); the generator records nothing."""
 
     text: str
     prompt_tokens: int
@@ -757,7 +757,7 @@ class Generator:
             import torch
 
             from ..memory import kvcache
-            from ..memory.budget import PeakMeasurement
+            from ..memory.calibration import PeakMeasurement
 
             model = self._model
             tokens = gen.prompt_tokens + gen.new_tokens

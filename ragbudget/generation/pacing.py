@@ -1,9 +1,9 @@
 """How fast the local generator runs on this host, and what follows from it.
 
 The prefill and decode speed is measured once per model and machine
-(:func:`~ragbudget.memory.budget.measure_prefill_speed`, cached in ``cache_dir()/prefill.json``). From it
+(:func:`~ragbudget.memory.calibration.measure_prefill_speed`, cached in ``cache_dir()/prefill.json``). From it
 :class:`Pacing` gives the time-to-first-token target in force (``ttft_target``, else
-:data:`~ragbudget.memory.budget.CPU_TTFT_TARGET` on a CPU and none on an accelerator), the memory plan
+:data:`~ragbudget.memory.calibration.CPU_TTFT_TARGET` on a CPU and none on an accelerator), the memory plan
 capped for that target, and admission control's memory and time rules
 (:meth:`~ragbudget.memory.admission.AdmissionController.configure`). A speed measured on a busy host is
 ``provisional``: :meth:`Pacing.due` says when to look again.
@@ -32,7 +32,7 @@ class Pacing:
 
     ``ttft_target``: seconds of prefill a request may take (``None``: the default for the
     device; 0: no target). ``entry`` is the speed in use (``{"a", "b", "decode_s", …}``, as
-    :func:`~ragbudget.memory.budget.lookup_prefill_speed` records it), ``None`` before it is known.
+    :func:`~ragbudget.memory.calibration.lookup_prefill_speed` records it), ``None`` before it is known.
     """
 
     def __init__(self, ttft_target: float | None) -> None:
@@ -56,7 +56,7 @@ class Pacing:
         """The time-to-first-token target in force: ``ttft_target`` when given (0: none), else
         ``CPU_TTFT_TARGET`` for a generator on the CPU and none on an accelerator; ``None`` too
         while the generator's device is not known without loading it."""
-        from ..memory.budget import CPU_TTFT_TARGET
+        from ..memory.calibration import CPU_TTFT_TARGET
 
         device = self.device(gen)
         if not device:
@@ -69,7 +69,7 @@ class Pacing:
         """The generator's prefill and decode speed on its device: recorded once per model and
         machine, measured now when missing (a few seconds; ``serve`` does it at warm-up).
         ``None`` when there is nothing to measure."""
-        from ..memory.budget import lookup_prefill_speed, measure_prefill_speed
+        from ..memory.calibration import lookup_prefill_speed, measure_prefill_speed
         from .batching import in_own_thread
 
         device = self.device(gen)
@@ -116,7 +116,8 @@ class Pacing:
         ``paged``: generation is batched over this paged cache, allocated up front — running
         requests share forward passes, their tokens count against the cache, and only their
         activations against the memory left beside the weights and the cache."""
-        from ..memory.budget import request_memory, throughput_from_speed
+        from ..memory.budget import request_memory
+        from ..memory.calibration import throughput_from_speed
 
         speed = self.entry = self.entry or self.measure(gen, plan.model)
         throughput = throughput_from_speed(speed, batched=paged is not None) if speed else None
@@ -136,9 +137,9 @@ class Pacing:
 
     def remeasure(self, gen: Any, plan: BudgetPlan, *, before: Callable[[], None] | None = None) -> bool:
         """Measure again now, unless the host still looks busy (the lookup keeps the provisional
-        entry, :func:`~ragbudget.memory.budget.lookup_prefill_speed`); ``before`` runs first when it
+        entry, :func:`~ragbudget.memory.calibration.lookup_prefill_speed`); ``before`` runs first when it
         will measure. True when it measured."""
-        from ..memory.budget import lookup_prefill_speed
+        from ..memory.calibration import lookup_prefill_speed
 
         device = self.device(gen)
         if not device or lookup_prefill_speed(plan.model, device) is not None:

@@ -29,25 +29,46 @@ from ..errors import BudgetError, ConfigError, ModelError
 from ..gpus import GiB, GPUInfo, resolve_gpu
 from ..settings import MemorySettings, check_int, check_number
 from ..types import dtype_bits
+from . import calibration as _calibration
 from .activations import CUBLAS_WORKSPACE_BYTES, estimate_activation_bytes, workspace_for
-
-# The measurements lived here before the memory model was split along its seams (issue #32): their
-# public names keep this import path.
-from .calibration import (
-    CPU_TTFT_TARGET as CPU_TTFT_TARGET,
-    PeakMeasurement as PeakMeasurement,
-    context_tokens_for_time as context_tokens_for_time,
-    lookup_calibration as lookup_calibration,
-    lookup_prefill_speed as lookup_prefill_speed,
-    measure_prefill_speed as measure_prefill_speed,
-    record_calibration as record_calibration,
-    record_measurement as record_measurement,
-    throughput_from_speed as throughput_from_speed,
-)
 from .kvcache import estimate_kv, kv_bytes_per_token
 from .layers import layer_specs
 from .model_config import ConfigLike, ConfigView, model_dtype, normalize_config, text_config
 from .schedule import MemoryModel
+
+# The measurements lived here before the memory model was split along its seams (issue #32).
+# The package imports them from their owner, ragbudget.memory.calibration; code outside that
+# imported them from here still gets the very same objects, with a DeprecationWarning (as
+# ragbudget/_compat.py does for moved modules).
+_MOVED_TO_CALIBRATION = frozenset(
+    (
+        "CPU_TTFT_TARGET",
+        "PeakMeasurement",
+        "context_tokens_for_time",
+        "lookup_calibration",
+        "lookup_prefill_speed",
+        "measure_prefill_speed",
+        "record_calibration",
+        "record_measurement",
+        "throughput_from_speed",
+    )
+)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _MOVED_TO_CALIBRATION:
+        import warnings
+
+        from . import calibration
+
+        warnings.warn(
+            f"ragbudget.memory.budget.{name} moved to ragbudget.memory.calibration.{name}; import it from there",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(calibration, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 if TYPE_CHECKING:
     from .paged import PagedCacheLayout
@@ -55,22 +76,14 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BudgetPlan",
-    "PeakMeasurement",
     "cap_plan_for_time",
     "count_parameters",
     "CUBLAS_WORKSPACE_BYTES",
     "estimate_activation_bytes",
     "workspace_for",
     "estimate_weights_bytes",
-    "context_tokens_for_time",
-    "lookup_calibration",
-    "lookup_prefill_speed",
-    "measure_prefill_speed",
     "plan_budget",
-    "record_calibration",
-    "record_measurement",
     "request_memory",
-    "throughput_from_speed",
 ]
 
 # --------------------------------------------------------------------------------------------
@@ -349,7 +362,7 @@ def plan_budget(
     model_max = _model_max(cfg)
 
     # A calibration was measured on one GPU holding the whole model: not a shard's activations.
-    cal = lookup_calibration(info.name, name, kvd, cache) if tp == 1 else None
+    cal = _calibration.lookup_calibration(info.name, name, kvd, cache) if tp == 1 else None
 
     def act(tokens: int, batch: int) -> int:
         if cal is not None:
@@ -621,7 +634,7 @@ def cap_plan_for_time(plan: BudgetPlan, speed: Mapping[str, Any], ttft_target: f
 
     if ttft_target <= 0:
         return plan
-    prompt = context_tokens_for_time(speed, float(ttft_target))
+    prompt = _calibration.context_tokens_for_time(speed, float(ttft_target))
     if prompt >= plan.max_prompt_tokens:  # the target does not bind: memory or the window does
         return replace(plan, ttft_target_s=float(ttft_target), time_prompt_tokens=prompt)
     rate = prompt / ttft_target
@@ -661,7 +674,7 @@ def request_memory(
 
         cfg = load_model_config(plan.model)
     norm = normalize_config(cfg, True)
-    cal = lookup_calibration(plan.gpu_name, plan.model, plan.kv_dtype, plan.cache)
+    cal = _calibration.lookup_calibration(plan.gpu_name, plan.model, plan.kv_dtype, plan.cache)
     attn = plan.attn_implementation
 
     def activation(tokens: int) -> int:

@@ -139,7 +139,7 @@ class MemoryModel:
 
 @dataclass(frozen=True, kw_only=True)
 class Throughput:
-    """Measured speed of the loaded model (:func:`ragbudget.memory.budget.measure_prefill_speed`):
+    """Measured speed of the loaded model (:func:`ragbudget.memory.calibration.measure_prefill_speed`):
     a prefill of ``n`` tokens takes ``prefill_a·n + prefill_b·n²`` seconds, one decode step of
     one sequence ``decode_s``. ``batched``: the backend shares forward passes between running
     requests, and a step of ``k`` sequences then costs ``decode_s + (k-1)·decode_extra_s``;
