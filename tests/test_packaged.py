@@ -343,3 +343,13 @@ def test_the_real_small_model_assembles_to_its_pin_plans_its_kv_and_answers() ->
         sum(p.numel() for p in gen.model.parameters()) * 4
         == plan_budget("qwen2.5-coder-0.5b-instruct", gpu="8GiB").weights_bytes
     )
+    # The KV model against this real GQA model's real cache (2 of 14 heads keep K/V), to the byte.
+    import torch
+
+    from ragbudget.memory.kvcache import kv_cache_bytes
+
+    ids = torch.tensor([gen.tokenizer.encode("The capital of Freedonia is Zorbton, a city of bridges.")])
+    with torch.inference_mode():
+        cache = gen.model(ids, use_cache=True).past_key_values
+    held = sum(getattr(layer, name).nbytes for layer in cache.layers for name in ("keys", "values"))
+    assert held == kv_cache_bytes(gen.config, ids.shape[1], kv_dtype="float32") == ids.shape[1] * 24 * 2 * 2 * 64 * 4
