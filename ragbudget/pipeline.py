@@ -378,7 +378,8 @@ class Pipeline(Planning):
         (a served engine, a model not loaded): nothing to calibrate."""
         if self.admission.throughput is None:
             return None
-        if question == self.CALIBRATION_QUESTION:  # one the documents answer, past the evidence floor
+        if self._evidence_floor()[0] is not None and self.evidence(question).declined:
+            # Declined, it would measure nothing: the opening words of the passage it finds instead.
             question = " ".join(self.search(question, k=1)[0].text.split()[:40]) or question
         return self.ask(question, max_new_tokens=max_new_tokens, on_text=lambda _piece: None)
 

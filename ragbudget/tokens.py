@@ -9,12 +9,12 @@ counts 3–30% differently from cl100k.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, cast, runtime_checkable
 
 from .errors import ConfigError, ModelError
 
-__all__ = ["DEFAULT_ENCODING", "HFTokenizer", "TiktokenTokenizer", "Tokenizer", "get_tokenizer"]
+__all__ = ["DEFAULT_ENCODING", "HFTokenizer", "TiktokenTokenizer", "Tokenizer", "get_tokenizer", "render_chat"]
 
 DEFAULT_ENCODING = "cl100k_base"
 
@@ -78,6 +78,35 @@ class HFTokenizer:
 
     def __repr__(self) -> str:
         return f"HFTokenizer({self.name!r})"
+
+
+def render_chat(tokenizer: Any, messages: Sequence[Mapping[str, str]]) -> tuple[str, bool]:
+    """The text a local chat model reads for ``messages`` (generation prompt added), and whether a
+    system turn had to be folded into the first user turn. The one renderer of the package: the
+    prompt builder and the local backend both render through it, so what is counted is what runs.
+
+    ``tokenizer``: a Hugging Face tokenizer or an :class:`HFTokenizer`. Its own chat template
+    when it has one; a template that refuses a system turn (Gemma's, Mistral v1's) gets the system
+    text folded into the first user turn (``True`` returned); a tokenizer without a template (a
+    base model) the plain layout ``"System: …\\n\\nUser: …\\n\\nAssistant:"``.
+
+    >>> render_chat(object(), [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
+    ('System: Be brief.\\n\\nUser: Hi\\n\\nAssistant:', False)
+    """
+    hf = tokenizer.hf if isinstance(tokenizer, HFTokenizer) else tokenizer
+    msgs = [dict(m) for m in messages]
+    if not getattr(hf, "chat_template", None):
+        return "\n\n".join(f"{m['role'].capitalize()}: {m['content']}" for m in msgs) + "\n\nAssistant:", False
+    try:
+        return str(hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)), False
+    except Exception as exc:
+        if len(msgs) > 1 and msgs[0]["role"] == "system":
+            folded = [
+                {"role": msgs[1]["role"], "content": f"{msgs[0]['content']}\n\n{msgs[1]['content']}"},
+                *msgs[2:],
+            ]
+            return render_chat(hf, folded)[0], True
+        raise ConfigError(f"the tokenizer's chat template failed: {exc}") from exc
 
 
 class _CallableTokenizer:

@@ -117,3 +117,15 @@ def test_the_server_answers_a_declined_question_and_says_why(indexed: Path) -> N
     assert (chunks[-1].model_extra or {})["ragbudget"]["evidence"]["declined"] is True
     assert not backend.calls  # the model was never asked
     assert "ragbudget_declined_total 2" in metrics
+
+
+def test_calibration_asks_past_the_floor(indexed: Path) -> None:
+    """serve's warm-up calibration asks a question whose answer it reads: a declined one would
+    measure nothing (no prefill, no decode)."""
+    from ragbudget.memory.admission import Throughput
+
+    pipe, gen = _pipe(indexed, evidence_floor=0.5)
+    assert pipe.evidence(Pipeline.CALIBRATION_QUESTION).declined  # the fixed question would be
+    pipe.admission.configure(throughput=Throughput(prefill_a=1e-5, decode_s=0.005))
+    answer = pipe.calibrate()
+    assert answer is not None and not answer.declined and gen.prompts

@@ -148,7 +148,9 @@ def test_prompt_has_numbered_plain_blocks_with_short_labels_and_no_markup(tiny) 
     for markup in ("<source", "</source", "&lt;", "&gt;", "&amp;", "&quot;", "id=", "path=", "/home/u", "docs\\"):
         assert markup not in rendered, markup
     assert [q.chunk_id for q in p.passages] == ["a", "b", "c"]  # [n] is passages[n - 1]
-    assert "[1]" in p.messages[0]["content"] and "number" in p.messages[0]["content"]
+    # The rules ask for the answer, not for citations (small models then answered a bare "[1]"):
+    # the numbers are placed and checked after generation (ragbudget.citations, issue #43 §4).
+    assert "[1]" not in p.messages[0]["content"] and "using only the sources" in p.messages[0]["content"]
 
 
 def check_injection(tok) -> None:

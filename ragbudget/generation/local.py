@@ -63,9 +63,6 @@ class LocalBackend:
     """
 
     kind = "local"
-    #: Tokens a message costs around its content when the tokenizer has no chat template (a base
-    #: model): ChatML-style wrappers cost about 4-6, so 8 errs on the safe side.
-    FALLBACK_OVERHEAD = 8
 
     def __init__(
         self,
@@ -161,29 +158,22 @@ class LocalBackend:
 
     # -- counting -------------------------------------------------------------------------------
     def render(self, messages: Sequence[Mapping[str, str]]) -> RenderedPrompt:
-        """The model's own chat template, counted in its own tokenizer (exact); a tokenizer
-        without a template counts each message's content plus :attr:`FALLBACK_OVERHEAD`."""
-        from ..tokens import HFTokenizer
+        """The prompt as the generator will read it (:func:`~ragbudget.tokens.render_chat`: the
+        model's own chat template, or the plain layout of a model without one), counted in its own
+        tokenizer: exact either way."""
+        from ..tokens import render_chat
 
         msgs = tuple(prompt_messages(list(messages)))
-        hf = self.generator.tokenizer
-        hf = hf.hf if isinstance(hf, HFTokenizer) else hf
-        counter = self.generator.token_counter
-        if getattr(hf, "chat_template", None):  # a transformers tokenizer attribute, may be unset
-            text = hf.apply_chat_template(list(msgs), tokenize=False, add_generation_prompt=True)
-            return RenderedPrompt(
-                messages=msgs,
-                n_tokens=counter.count(text),
-                exact=True,
-                source=f"chat template of {self.model_id}",
-                text=text,
-            )
-        n = sum(counter.count(m["content"]) + self.FALLBACK_OVERHEAD for m in msgs)
+        text, _folded = render_chat(self.generator.tokenizer, msgs)
+        template = getattr(getattr(self.generator.tokenizer, "hf", self.generator.tokenizer), "chat_template", None)
         return RenderedPrompt(
             messages=msgs,
-            n_tokens=n,
-            exact=False,
-            source=f"{self.model_id} has no chat template: content + {self.FALLBACK_OVERHEAD} tokens per message",
+            n_tokens=self.generator.token_counter.count(text),
+            exact=True,
+            source=f"chat template of {self.model_id}"
+            if template
+            else f"{self.model_id}: plain layout (no chat template)",
+            text=text,
         )
 
     def count(self, texts: Sequence[str]) -> list[int]:

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from ..errors import BudgetError, ConfigError
-from ..tokens import HFTokenizer
+from ..tokens import HFTokenizer, render_chat
 from .select import Dropped, Retrieved, SelectedChunk, Selection, select_chunks
 
 if TYPE_CHECKING:
@@ -272,25 +272,10 @@ class PromptBuilder:
         return [{"role": "system", "content": self.system_prompt}, *history, {"role": "user", "content": user}]
 
     def render_text(self, messages: Sequence[dict[str, str]]) -> str:
-        hf = self.tokenizer.hf
-        if getattr(hf, "chat_template", None):
-            try:
-                return str(hf.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True))
-            except Exception as exc:
-                # Some templates (Gemma, Mistral v1) reject a system turn: fold it into the user's.
-                if self._system_role and messages and messages[0]["role"] == "system":
-                    self._system_role = False
-                    merged = [
-                        {
-                            "role": messages[1]["role"],
-                            "content": f"{messages[0]['content']}\n\n{messages[1]['content']}",
-                        },
-                        *messages[2:],
-                    ]
-                    return self.render_text(merged)
-                raise ConfigError(f"the tokenizer's chat template failed: {exc}") from exc
-        parts = [f"{m['role'].capitalize()}: {m['content']}" for m in messages]
-        return "\n\n".join(parts) + "\n\nAssistant:"
+        text, folded = render_chat(self.tokenizer, messages)
+        if folded:  # the template refuses a system turn: later prompts fold it in from the start
+            self._system_role = False
+        return text
 
     def assemble(
         self,
