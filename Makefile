@@ -12,7 +12,7 @@ export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install dev demo lint test test-fast llama-server bench gpu-wheels gpu-check clean
+.PHONY: install dev demo lint docs test test-fast llama-server bench gpu-wheels gpu-check clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -62,6 +62,14 @@ lint: dev
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
+# The docs site (mkdocs.yml, docs/): the generated reference pages (CLI, settings, /metrics) must
+# match the code (`python tools/docs_reference.py --write` rewrites them), then the site is built
+# into the ignored site/ with every warning an error (a broken link or anchor, a docstring mkdocstrings
+# cannot read). A few seconds; `make test` runs it.
+docs: dev
+	$(BIN)/python tools/docs_reference.py --check
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+
 # Two tiers of tests (tests/_needs.py says what each marker means), both on every core with
 # pytest-xdist (each worker has its own session fixtures; `make test PYTEST_WORKERS=0` runs in one
 # process). `make test`: lint, then every test; the Ray tests and the real-engine tests each go to
@@ -71,7 +79,7 @@ lint: dev
 PYTEST_WORKERS ?= auto
 FAST_TESTS := not (server or ray or model or engine or gpu or postgres)
 
-test: dev lint
+test: dev lint docs
 	server="$$($(LLAMA_SERVER_BUILD) || $(LLAMA_SERVER_BUILD))" && \
 	RAGBUDGET_LLAMA_SERVER="$$server" $(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup
 
@@ -98,4 +106,4 @@ gpu-check:
 	$(GPU_PY) bench/gpu_check.py
 
 clean:
-	rm -rf $(VENV) .ragbudget .pytest_cache .hypothesis
+	rm -rf $(VENV) .ragbudget .pytest_cache .hypothesis site

@@ -103,7 +103,8 @@ class Pipeline(Planning):
     Args:
         index_dir: folder of the index (created by :meth:`index`), or a PostgreSQL database: a
             ``postgresql://`` URL or a libpq keyword/value string (docs/postgres.md).
-        model: generator — HF id, local folder or ``.gguf`` (default: packaged SmolLM2-135M);
+        model: generator — HF id, local folder or ``.gguf`` (default: the packaged
+            Qwen2.5-Coder-0.5B-Instruct, or ``$RAGBUDGET_MODEL``);
             with ``engine``, which of the engine's served models (default: the first listed).
         embedder: embedder for indexing (default: the index's own, else packaged MiniLM).
         system_prompt: the chat's system prompt (default:

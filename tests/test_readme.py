@@ -154,7 +154,7 @@ def _anchors(page: Path) -> set[str]:
 
 
 def test_links_between_the_readme_benchmarks_and_docs_resolve() -> None:
-    pages = [README, REPO / "BENCHMARKS.md", REPO / "CONTRIBUTING.md", *sorted((REPO / "docs").glob("*.md"))]
+    pages = [README, REPO / "BENCHMARKS.md", REPO / "CONTRIBUTING.md", *sorted((REPO / "docs").rglob("*.md"))]
     broken = []
     for page in pages:
         text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)

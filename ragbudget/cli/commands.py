@@ -253,11 +253,11 @@ def index(
 @cli.command()
 @click.argument("query")
 @index_dir_option
-@click.option("-k", "k", default=5, show_default=True, type=click.IntRange(min=1))
+@click.option("-k", "k", default=5, show_default=True, type=click.IntRange(min=1), help="How many hits to show.")
 @click.option(
     "--absolute-paths", is_flag=True, help="Show absolute file paths instead of paths relative to the indexed roots."
 )
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the hits as JSON.")
 @search_options
 @user_errors
 def search(
@@ -291,7 +291,7 @@ def search(
 
 @cli.command()
 @index_dir_option
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the statistics as JSON.")
 @user_errors
 def stats(index_dir: str, as_json: bool) -> None:
     """Counts and settings of the index."""
@@ -308,7 +308,7 @@ def stats(index_dir: str, as_json: bool) -> None:
 @cli.command()
 @click.argument("source")
 @click.argument("dest")
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the copy's summary as JSON.")
 @user_errors
 def copy(source: str, dest: str, as_json: bool) -> None:
     """Copy the index in SOURCE to DEST without re-embedding: a folder or a postgresql:// URL
@@ -334,7 +334,7 @@ _QUIET_SKIPS = ("hidden", "ignored", "excluded")  # left out on purpose: counted
 @click.option(
     "--absolute-paths", is_flag=True, help="Show absolute file paths instead of paths relative to the indexed roots."
 )
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the list as JSON.")
 @user_errors
 def sources(index_dir: str, show_all: bool, absolute_paths: bool, as_json: bool) -> None:
     """List the files the index holds: path, status, chunks and pages, one line each."""
@@ -364,7 +364,7 @@ def sources(index_dir: str, show_all: bool, absolute_paths: bool, as_json: bool)
 
 @cli.command()
 @index_dir_option
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON (exit code 1 still means a problem).")
 @user_errors
 def verify(index_dir: str, as_json: bool) -> None:
     """Check checksums and id mappings of the index; exit 1 when it is damaged."""
@@ -408,7 +408,7 @@ def verify(index_dir: str, as_json: bool) -> None:
     type=click.IntRange(min=1),
     help="Split the model over N identical GPUs as vLLM does (same as --gpu NxNAME); figures in bytes are per GPU.",
 )
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 @click.option(
     "--index-dir",
     default=DEFAULT_INDEX_DIR,
@@ -496,7 +496,7 @@ def budget(
 @click.option(
     "--absolute-paths", is_flag=True, help="Show absolute file paths instead of paths relative to the indexed roots."
 )
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the answer, its sources and its report as JSON.")
 @sampling_options
 @retrieval_options
 @engine_options
@@ -647,7 +647,9 @@ def chat(
 @model_option
 @memory_options
 @click.option("--host", default=DEFAULT_HOST, show_default=True, help="Address to bind (loopback by default).")
-@click.option("--port", default=DEFAULT_PORT, show_default=True, type=click.IntRange(0, 65535))
+@click.option(
+    "--port", default=DEFAULT_PORT, show_default=True, type=click.IntRange(0, 65535), help="Port to listen on."
+)
 @click.option(
     "--api-key",
     default=None,

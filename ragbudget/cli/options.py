@@ -317,7 +317,12 @@ _PACKING_OPTIONS = {
         help="Candidates fetched from the index.",
     ),
     "order": click.option(
-        "--order", default=setting(RetrievalSettings, "order"), show_default=True, type=click.Choice(ORDERS)
+        "--order",
+        default=setting(RetrievalSettings, "order"),
+        show_default=True,
+        type=click.Choice(ORDERS),
+        help="Order of the passages in the prompt: by relevance, in document order, or the best at both ends "
+        "(lost_in_middle).",
     ),
     "pack": click.option(
         "--pack",

@@ -148,7 +148,7 @@ def resolve_generator(model: str | None = None) -> ModelRef:
             if model.lower() == packaged.hf_id.lower():
                 return ModelRef(id=packaged.hf_id)  # transformers tries the hub (when reachable)
             raise
-        # The default is shown by its model's own name (SmolLM2-135M-Instruct), a named one as named.
+        # The default is shown by its model's own name (Qwen2.5-Coder-0.5B-Instruct), a named one as named.
         default = model is None or model.lower() == "default"
         name = packaged.hf_id.rsplit("/", 1)[-1] if default else packaged.name
         return ModelRef(id=name, path=str(gguf.parent), gguf_file=gguf.name)
@@ -346,7 +346,7 @@ def _read_config(path: Path) -> dict[str, Any]:
 def load_model_config(model: str | None = None) -> dict[str, Any]:
     """The config dict of a model, without loading weights (no network unless needed).
 
-    Resolution order: a packaged generator (``None``/``"default"`` → SmolLM2-135M-Instruct; a
+    Resolution order: a packaged generator (``None``/``"default"`` → :func:`default_generator`; a
     name or alias of :mod:`ragbudget.memory.packaged`) → the shipped snapshot of its hub id if there
     is one, else its GGUF's metadata (assembled from its parts on first use); a shipped snapshot
     (hub id, name without org, or without ``-Instruct``/``-it``; case-insensitive); a local folder

@@ -82,7 +82,7 @@ from ..settings import (
 from .deadlines import BodyDeadline, header_deadline_protocol
 from .endpoints import CLIENT_LEFT, AdmissionView, ChatEndpoint, EngineLoad, IndexHealth, Workers, read_json
 from .malloc import DEFAULT_ARENAS, limit_malloc_arenas
-from .metrics import Metrics, admission_gauges
+from .metrics import Metrics, admission_gauges, metric_help
 from .openai_api import (
     CLIENT_CLOSED,
     APIError,
@@ -361,14 +361,13 @@ def create_app(
         if engine_load is not None:
             gauges.update(engine_load.gauges(await asyncio.to_thread(engine_load.read)))
             gauges["ragbudget_engine_up"] = (
-                "1: the served engine answers; 0: it is unavailable (gone, loading, overloaded or broken).",
+                metric_help("ragbudget_engine_up"),
                 0 if engine_load.error is not None else 1,
             )
             sent = engine_load.sent()
             if sent is not None:
                 gauges["ragbudget_engine_tokenizer_requests"] = (
-                    "Requests sent to the engine's tokenizer and chat-template routes since start "
-                    "(counts are cached by text digest).",
+                    metric_help("ragbudget_engine_tokenizer_requests"),
                     sum(n for route, n in sent.items() if "tokenize" in route or "template" in route),
                 )
         return PlainTextResponse(metrics.render(gauges), media_type="text/plain; version=0.0.4; charset=utf-8")

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar  # Any: JSON for /health, a served backend's HTTP client
 
 from ..errors import EngineConnectionError, EngineError, EngineOverloadedError, EngineTimeoutError
+from .metrics import metric_help
 from .openai_api import engine_unavailable
 
 if TYPE_CHECKING:
@@ -181,19 +182,18 @@ class EngineLoad:
     def gauges(cls, figures: tuple[Capacity | None, str]) -> dict[str, tuple[str, float]]:
         """What /metrics shows of the figures (:meth:`ragbudget.server.metrics.Metrics.render` gauges)."""
         cap, _ = figures
-        help_open = (
-            "1: the served engine reports neither its queue nor its free KV (or they cannot be "
-            "read), so requests are not refused for its load (fail open); 0: they are."
-        )
         out: dict[str, tuple[str, float]] = {
-            "ragbudget_engine_admission_open": (help_open, 1 if cls.describe(figures)["open"] else 0)
+            "ragbudget_engine_admission_open": (
+                metric_help("ragbudget_engine_admission_open"),
+                1 if cls.describe(figures)["open"] else 0,
+            )
         }
         if cap is not None:
-            for name, value, help_ in (
-                ("ragbudget_engine_running_requests", cap.running, "Requests the engine runs (its metrics)."),
-                ("ragbudget_engine_waiting_requests", cap.waiting, "Requests the engine queues (its metrics)."),
-                ("ragbudget_engine_kv_free_tokens", cap.kv_tokens_free, "Free KV tokens the engine reports."),
+            for name, value in (
+                ("ragbudget_engine_running_requests", cap.running),
+                ("ragbudget_engine_waiting_requests", cap.waiting),
+                ("ragbudget_engine_kv_free_tokens", cap.kv_tokens_free),
             ):
                 if value is not None:
-                    out[name] = (help_, value)
+                    out[name] = (metric_help(name), value)
         return out
