@@ -63,9 +63,12 @@ class Citations:
         }
 
 
-def attribute(text: str, passages: Sequence[str], *, question: str = "") -> Citations:
+def attribute(text: str, passages: Sequence[str], *, question: str = "", place: bool = True) -> Citations:
     """Check the ``[n]`` markers of ``text`` against ``passages`` (source ``n`` is
-    ``passages[n - 1]``) and cite the best-supporting passage where none holds (module docstring)."""
+    ``passages[n - 1]``) and cite the best-supporting passage where none holds (module docstring).
+
+    ``place=False`` appends nothing: a caller that passed stop strings decides where the text
+    ends (an OpenAI client expects the text cut right before its stop, with nothing after it)."""
     from .prompt.spans import content_terms
 
     claim = [w for w in content_terms(_MARKER.sub(" ", text))]
@@ -81,7 +84,7 @@ def attribute(text: str, passages: Sequence[str], *, question: str = "") -> Cita
         bad = {n for n, _ in dropped}
         text = _MARKER.sub(lambda m: "" if int(m.group(1)) in bad else m.group(0), text)
     added = ""
-    if not kept and support and max(support) >= MIN_SUPPORT:
+    if place and not kept and support and max(support) >= MIN_SUPPORT:
         best = max(range(len(support)), key=lambda i: support[i]) + 1
         kept, added = (best,), f" [{best}]"
         text = text.rstrip() + added

@@ -751,7 +751,16 @@ class Pipeline(Planning):
         timings["total_s"] = time.perf_counter() - t_start
         final = gen.prompt if gen.prompt is not None else prompt
         answer = build_answer(
-            gen, final, plan, reserve, timings, cap, sentence_vectors=vectors, index=cited, evidence=evidence
+            gen,
+            final,
+            plan,
+            reserve,
+            timings,
+            cap,
+            sentence_vectors=vectors,
+            index=cited,
+            evidence=evidence,
+            place_citation=not stop,
         )
         added = answer.report["citations"]["added"]  # a citation placed after the text: streamed too
         if on_text is not None and added:

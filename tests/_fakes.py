@@ -359,11 +359,16 @@ _CORPUS_INDEX: dict[str | None, Any] = {}
 
 
 def printable_stop(text: str) -> str:
-    """Two ASCII letters/digits from the middle of ``text`` (the byte-level tiny model also emits
-    replacement characters, which no tokenizer can stop on)."""
-    for i in range(3, len(text) - 1):
-        if text[i : i + 2].isascii() and text[i : i + 2].isalnum():
-            return text[i : i + 2]
+    """Two printable characters from the middle of ``text``, ASCII letters/digits first (the
+    byte-level tiny model also emits control and replacement characters, which no stop string
+    can hold; what it emits depends on the prompt, so any other printable pair will do)."""
+    pairs = [text[i : i + 2] for i in range(3, len(text) - 1)]
+    for pair in pairs:
+        if pair.isascii() and pair.isalnum():
+            return pair
+    for pair in pairs:
+        if pair.isprintable() and not any(c.isspace() or c == "\ufffd" for c in pair):
+            return pair
     raise AssertionError(f"no printable pair in {text!r}")
 
 

@@ -18,6 +18,12 @@ from pathlib import Path
 
 import pytest
 
+# torch.utils.cpp_extension (optimum-quanto's kernels, tests/test_kvcache.py) imports setuptools,
+# whose distutils shim asserts when the standard library's distutils was loaded first in the same
+# worker (an earlier test's imports can do that under xdist): setuptools goes first, as its own
+# warning asks, so the shim runs once on a clean slate.
+import setuptools  # noqa: F401
+
 # The hooks that give tests their markers and hold them to them (tests/_needs.py).
 from _needs import (
     pytest_collection_modifyitems as pytest_collection_modifyitems,

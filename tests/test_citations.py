@@ -80,3 +80,17 @@ def _passage_text(answer: object, n: int) -> str:
     return (
         Path(src["path"]).read_text(encoding="utf-8")[src["start"] : src["end"]] if Path(src["path"]).is_file() else ""
     )
+
+
+def test_an_answer_cut_by_the_callers_stop_strings_gets_nothing_after_its_stop(indexed: Path) -> None:
+    # An OpenAI client's `stop` ends the text right before the stop: no marker is appended there,
+    # while the markers the model wrote are still checked.
+    c = attribute("The Vince Lombardi Trophy.", PASSAGES, question="Which trophy?", place=False)
+    assert (c.text, c.cited, c.added) == ("The Vince Lombardi Trophy.", (), "")
+    assert attribute("24-10 [1]", PASSAGES, question="Score?", place=False).text == "24-10"
+    gen = FakeGenerator(answer="She was the first female recipient of the Nobel Prize.")
+    pipe = Pipeline(indexed, generator=gen, gpu="16GiB")
+    pieces: list[str] = []
+    answer = pipe.ask("What was Maria Curie the first female recipient of?", on_text=pieces.append, stop=["zzz"])
+    assert "[" not in answer.text and "[" not in "".join(pieces)
+    assert answer.report["citations"]["added"] == ""
