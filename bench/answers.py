@@ -1,0 +1,408 @@
+"""What a user gets: answers from ``ragbudget``'s own ``ask`` path against a LangChain "stuff" chain
+and a LlamaIndex query engine, at the same context budgets, on one real engine and model (#43 §2-4).
+
+Ground (each system as its users run it, on the same documents, engine, model and answer cap):
+
+* **Documents**: ``--docs`` articles of the split written as Markdown files (``# title`` then the
+  paragraphs) into one folder; each system indexes that folder its own way. **Unanswerable
+  questions** (``--unanswerable``): questions about other articles of the same split, which are not
+  in the folder — a system should decline them.
+* **ragbudget**: ``Pipeline(index, engine=URL)``: ``index(folder)`` with every default (chunking,
+  packaged MiniLM, BM25), then ``ask(q, context_tokens=B, max_new_tokens=N)`` — its own prompt,
+  labels, packing, relevance floor, abstention and engine handling. ``ragbudget_chunks``: the same
+  with ``pack="chunks"``.
+* **peers** (``bench/answers_peers.py``, in a virtual environment of their own: ``--peers-python``):
+  ``langchain`` (the RAG tutorial's stuff chain: 400-token splitter, MiniLM, FAISS, top 4, the
+  tutorial's prompt, the context cut to B tokens) and ``llamaindex`` (``VectorStoreIndex`` defaults,
+  ``compact`` synthesizer, its window set so it packs B tokens of context).
+* **Engine**: one ``llama-server`` (``--slots`` slots, ``-t --threads``) serving ``--model`` (a
+  packaged model name, e.g. ``qwen2.5-coder-1.5b-instruct``, or a GGUF path), greedy, at most
+  ``--max-new-tokens`` new tokens; requests one at a time unless ``--slots`` says otherwise.
+
+Scores, on answerable questions: SQuAD v1.1 EM and token F1 (max over gold answers; ``[n]``
+citation markers removed first) with paired bootstrap 95% intervals of ragbudget's row minus each
+peer's (``_qa_harness.bootstrap_ci``); the wrongly-declined rate. On unanswerable questions: the
+declined rate. A reply *declines* when it says the sources do not hold the answer
+(:data:`DECLINE`, a pattern written for this benchmark, applied alike to every system). **Citation
+precision** (ragbudget's rows; the peers do not cite): of the ``[n]`` markers in answers to
+answerable questions, the share whose passage (the cited source's text, read back from the file by
+its offsets) contains a gold answer. Failed requests are counted per system.
+
+    python bench/answers.py --split squad-tune --docs 12 --questions 60 --unanswerable 15 \\
+        --model qwen2.5-coder-0.5b-instruct --budgets 256,1024,2048 --peers-python /path/to/venv/bin/python
+
+Writes ``bench/results/answers_<split>_<model>.json`` with every answer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import _qa_harness as H  # noqa: E402  (sets the offline environment first)
+import numpy as np  # noqa: E402
+from _llama import llama_server  # noqa: E402
+
+RAGBUDGET_ROWS = {"ragbudget": {}, "ragbudget_chunks": {"pack": "chunks"}}
+PEER_ROWS = ("langchain", "llamaindex")
+#: A reply that says the sources do not hold the answer. Written for this benchmark from how
+#: instruct models decline ("I don't know", "the context does not mention …", "not provided"),
+#: applied to every system alike; it is not the library's own test.
+DECLINE = re.compile(
+    r"\b(?:i\s+(?:do\s*n[o']t|don't|cannot|can't|am\s+unable\s+to)\s+(?:know|find|answer|determine|say)"
+    r"|(?:does|do)\s*n[o']t\s+(?:contain|mention|include|provide|say|specify|state|have)"
+    r"|(?:is|are)\s+not\s+(?:mentioned|provided|given|stated|specified|included|available|found|in\s+the)"
+    r"|no\s+(?:information|mention|answer|relevant)"
+    r"|not\s+(?:in|found\s+in)\s+the\s+(?:documents?|sources?|context|provided)"
+    r"|unable\s+to\s+(?:find|answer|determine)|cannot\s+be\s+(?:answered|determined|found))",
+    re.IGNORECASE,
+)
+CITATION = re.compile(r"\[(\d+)\]")
+
+
+def declines(text: str) -> bool:
+    return bool(DECLINE.search(text)) or not text.strip()
+
+
+def clean(text: str) -> str:
+    return " ".join(CITATION.sub(" ", text).split())
+
+
+def best(fn: Any, pred: str, answers: tuple[str, ...]) -> float:
+    return max(fn(pred, a) for a in answers) if answers else 0.0
+
+
+def question_set(
+    split: str, docs: int, n_answerable: int, n_unanswerable: int, seed: int = 0
+) -> tuple[H.Split, list[int], list[dict[str, Any]]]:
+    """The split's article pool, the ``docs`` articles indexed (a seeded draw) and the questions:
+    ``n_answerable`` about indexed articles, then ``n_unanswerable`` about the others."""
+    import random
+
+    pool = H.load_split(split, docs=24 if split.startswith("squad") else 60, seed=seed)
+    order = list(range(len(pool.titles)))
+    random.Random(seed).shuffle(order)
+    indexed, held_out = sorted(order[:docs]), set(order[docs:])
+    qs = H.sample_questions(pool, 0, seed=seed)
+    answerable = [q for q in qs if q.doc in indexed][:n_answerable]
+    unanswerable = [q for q in qs if q.doc in held_out][:n_unanswerable]
+    questions = [
+        {"qid": q.qid, "text": q.text, "answers": list(q.answers), "answerable": i < len(answerable)}
+        for i, q in enumerate(answerable + unanswerable)
+    ]
+    return pool, indexed, questions
+
+
+def write_docs(split: H.Split, indexed: list[int], folder: Path) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    for d in indexed:
+        name = re.sub(r"[^A-Za-z0-9_.-]+", "_", split.titles[d])[:80] or f"doc{d}"
+        (folder / f"{name}.md").write_text(f"# {split.titles[d].replace('_', ' ')}\n\n{split.texts[d]}\n", "utf-8")
+
+
+def source_text(src: dict[str, Any], files: dict[str, str]) -> str:
+    """The text a cited source holds, read back from its file by the offsets the answer gives."""
+    text = files.get(Path(str(src.get("path"))).name, "")
+    spans = src.get("spans") or [src]
+    return " ".join(text[int(s["start"]) : int(s["end"])] for s in spans if s.get("start") is not None)
+
+
+def ragbudget_cells(
+    args: argparse.Namespace, url: str, docs: Path, questions: list[dict[str, Any]], budgets: list[int], rows: list[str]
+) -> list[dict[str, Any]]:
+    from ragbudget import Pipeline
+
+    files = {p.name: p.read_text(encoding="utf-8") for p in docs.glob("*.md")}
+    index_dir = docs.parent / "ragbudget-index"
+    t0 = time.perf_counter()
+    Pipeline(index_dir).index([docs])
+    print(f"ragbudget index: {time.perf_counter() - t0:.1f} s", flush=True)
+    out = []
+    for row in rows:
+        with Pipeline(index_dir, engine=url, engine_timeout=args.timeout, **RAGBUDGET_ROWS[row]) as pipe:
+            for b in budgets:
+                for q in questions:
+                    cell: dict[str, Any] = {"system": row, "budget": b, "qid": q["qid"]}
+                    t = time.perf_counter()
+                    try:
+                        a = pipe.ask(q["text"], context_tokens=b, max_new_tokens=args.max_new_tokens)
+                        cell["answer"] = a.text
+                        cell["finish_reason"] = a.finish_reason
+                        cell["contexts"] = [source_text(s, files) for s in a.sources]
+                        cell["context_tokens"] = a.report["budget"].get("context_tokens_used")
+                        cell["prompt_tokens"] = a.report["budget"].get("prompt_tokens")
+                        cell["declined_by_library"] = bool(a.report.get("declined"))
+                    except Exception as exc:  # noqa: BLE001 - a failed request is a result
+                        cell["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                    cell["seconds"] = round(time.perf_counter() - t, 2)
+                    out.append(cell)
+                    _progress(out)
+    return out
+
+
+def peer_cells(
+    args: argparse.Namespace, url: str, docs: Path, gguf: str, questions: list[dict[str, Any]], budgets: list[int]
+) -> list[dict[str, Any]]:
+    systems = [s for s in args.systems if s in PEER_ROWS]
+    if not systems:
+        return []
+    if not args.peers_python:
+        raise SystemExit("--peers-python: the peers run in their own virtual environment (see answers_peers.py)")
+    # The peers' answers depend on nothing ragbudget changes: kept per split, model, documents
+    # and cap (bench/out/), so a run that changes only ragbudget asks the engine only for it.
+    key = hashlib.sha256(
+        json.dumps([sorted(p.name for p in docs.glob("*.md")), Path(gguf).name, args.max_new_tokens]).encode()
+    ).hexdigest()[:12]
+    cache = H.OUT / f"answers_peers_{key}.jsonl"
+    known = {}
+    if cache.is_file() and not args.fresh_peers:
+        for line in cache.read_text(encoding="utf-8").splitlines():
+            c = json.loads(line)
+            if "error" not in c:
+                known[(c["system"], c["budget"], c["qid"])] = c
+    out = [known[(s, b, q["qid"])] for s in systems for b in budgets for q in questions if (s, b, q["qid"]) in known]
+    todo = [q for q in questions if any((s, b, q["qid"]) not in known for s in systems for b in budgets)]
+    if not todo:
+        return out
+    job = {
+        "docs": str(docs),
+        "engine": url,
+        "gguf": gguf,
+        "systems": systems,
+        "budgets": budgets,
+        "questions": todo,
+        "max_new_tokens": args.max_new_tokens,
+        "timeout_s": args.timeout,
+    }
+    H.OUT.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.Popen(
+        [args.peers_python, str(HERE / "answers_peers.py")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write(json.dumps(job))
+    proc.stdin.close()
+    out: list[dict[str, Any]] = []
+    with cache.open("a", encoding="utf-8") as kept:
+        for line in proc.stdout:
+            if line.startswith("{"):
+                c = json.loads(line)
+                if (c["system"], c["budget"], c["qid"]) in known:
+                    continue
+                out.append(c)
+                kept.write(json.dumps(c) + "\n")
+                kept.flush()
+                _progress(out)
+    if proc.wait():
+        raise SystemExit(f"the peers' process failed ({proc.returncode}); answered {len(out)} cells")
+    return out
+
+
+def _progress(cells: list[dict[str, Any]]) -> None:
+    if len(cells) % 20 == 0:
+        c = cells[-1]
+        print(f"  {c['system']} @{c['budget']}: {len(cells)} cells", flush=True)
+
+
+def score_cell(cell: dict[str, Any], q: dict[str, Any]) -> dict[str, Any]:
+    answer = cell.get("answer")
+    if answer is None:
+        return {"failed": True}
+    out: dict[str, Any] = {"failed": False, "declined": declines(answer)}
+    if q["answerable"]:
+        pred = clean(answer)
+        out["em"] = best(H.exact_match, pred, tuple(q["answers"]))
+        out["f1"] = best(H.f1_score, pred, tuple(q["answers"]))
+        out["in_context"] = any(H.contains_answer(c, q["answers"]) for c in cell.get("contexts", []))
+        cited = [int(n) for n in CITATION.findall(answer)]
+        contexts = cell.get("contexts", [])
+        if cited and cell["system"] in RAGBUDGET_ROWS:
+            holds = [1 <= n <= len(contexts) and H.contains_answer(contexts[n - 1], q["answers"]) for n in cited]
+            out["citations"], out["citations_holding"] = len(holds), sum(holds)
+    return out
+
+
+def summarize(cells: list[dict[str, Any]], questions: list[dict[str, Any]], systems: list[str], budgets: list[int]):
+    by_q = {q["qid"]: q for q in questions}
+    table: dict[tuple[str, int], dict[str, dict[str, Any]]] = {}
+    for c in cells:
+        table.setdefault((c["system"], c["budget"]), {})[c["qid"]] = score_cell(c, by_q[c["qid"]])
+    answerable = [q["qid"] for q in questions if q["answerable"]]
+    unanswerable = [q["qid"] for q in questions if not q["answerable"]]
+    summary: dict[str, Any] = {}
+    for (s, b), got in sorted(table.items()):
+        cell: dict[str, Any] = {"n_answerable": len(answerable), "n_unanswerable": len(unanswerable)}
+        ok = [got[qid] for qid in answerable if qid in got]
+        cell["failed"] = sum(1 for g in got.values() if g["failed"])
+        # A failed request scores 0 (the user got no answer): every row is over the same questions.
+        H.mean_cell(cell, "f1", [100 * g.get("f1", 0.0) for g in ok])
+        H.mean_cell(cell, "em", [100 * g.get("em", 0.0) for g in ok])
+        H.mean_cell(cell, "in_context", [100 * g.get("in_context", False) for g in ok])
+        cell["wrongly_declined_pct"] = 100 * np.mean([g.get("declined", False) for g in ok]) if ok else None
+        un = [got[qid] for qid in unanswerable if qid in got]
+        cell["declined_unanswerable_pct"] = 100 * np.mean([g.get("declined", False) for g in un]) if un else None
+        cites = sum(g.get("citations", 0) for g in ok)
+        cell["citations"] = cites
+        cell["citation_precision_pct"] = 100 * sum(g.get("citations_holding", 0) for g in ok) / cites if cites else None
+        cell["answers_citing_pct"] = 100 * np.mean([bool(g.get("citations")) for g in ok]) if ok else None
+        summary[f"{s}@{b}"] = cell
+    # Paired differences on answerable questions: ragbudget at each budget minus each peer row.
+    diffs: dict[str, Any] = {}
+    for s in (r for r in systems if r in RAGBUDGET_ROWS):
+        for b in budgets:
+            for p in systems:
+                if p == s or (s, b) not in table:
+                    continue
+                for pb in budgets:
+                    if (p, pb) not in table or (p in RAGBUDGET_ROWS and pb != b):
+                        continue
+                    a, z = table[(s, b)], table[(p, pb)]
+                    vals = [100 * (a[q].get("f1", 0.0) - z[q].get("f1", 0.0)) for q in answerable if q in a and q in z]
+                    if vals:
+                        lo, hi = H.bootstrap_ci(vals)
+                        diffs[f"{s}@{b} - {p}@{pb}"] = {
+                            "f1_diff": float(np.mean(vals)),
+                            "ci95": [lo, hi],
+                            "n": len(vals),
+                        }
+    return summary, diffs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--split", choices=("squad-tune", "squad-test", "amazon"), default="squad-tune")
+    ap.add_argument("--docs", type=int, default=12, help="articles indexed")
+    ap.add_argument("--questions", type=int, default=60, help="answerable questions (seeded sample)")
+    ap.add_argument("--unanswerable", type=int, default=15, help="questions about articles not indexed")
+    ap.add_argument("--budgets", default="256,1024,2048")
+    ap.add_argument("--systems", default="ragbudget,ragbudget_chunks,langchain,llamaindex")
+    ap.add_argument("--model", default="qwen2.5-coder-0.5b-instruct", help="packaged model name or GGUF path")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--slots", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--timeout", type=float, default=600, help="engine time-out a request, every system")
+    ap.add_argument("--peers-python", default=None)
+    ap.add_argument("--fresh-peers", action="store_true", help="ask the peers again (their answers are kept)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--plot", type=Path, nargs=2, metavar=("RAW", "PNG"), help="draw a raw result; nothing is run")
+    args = ap.parse_args()
+    if args.plot:
+        plot(*args.plot)
+        return
+    budgets = [int(b) for b in args.budgets.split(",")]
+    args.systems = [s for s in args.systems.split(",") if s]
+    unknown = [s for s in args.systems if s not in RAGBUDGET_ROWS and s not in PEER_ROWS]
+    if unknown:
+        raise SystemExit(f"--systems: unknown {', '.join(unknown)}")
+    gguf = gguf_path(args.model)
+    t_start = time.time()
+
+    pool, indexed, questions = question_set(args.split, args.docs, args.questions, args.unanswerable, args.seed)
+    answerable = [q for q in questions if q["answerable"]]
+    unanswerable = [q for q in questions if not q["answerable"]]
+    print(f"{args.split}: {len(indexed)} articles indexed, {len(answerable)} + {len(unanswerable)} questions")
+    with tempfile.TemporaryDirectory(prefix="answers-") as tmp:
+        docs = Path(tmp) / "docs"
+        write_docs(pool, indexed, docs)
+        slot = max(budgets) + 1024 + args.max_new_tokens  # the largest context, templates, question, answer
+        with llama_server(Path(tmp), model=gguf, slots=args.slots, slot_tokens=slot, threads=args.threads) as url:
+            print(f"llama-server at {url} ({Path(gguf).name})", flush=True)
+            ours = [s for s in args.systems if s in RAGBUDGET_ROWS]
+            cells = ragbudget_cells(args, url, docs, questions, budgets, ours)
+            H.OUT.mkdir(parents=True, exist_ok=True)
+            (H.OUT / "answers_last_ragbudget.json").write_text(json.dumps(cells), encoding="utf-8")
+            cells += peer_cells(args, url, docs, gguf, questions, budgets)
+    summary, diffs = summarize(cells, questions, args.systems, budgets)
+    for key, c in summary.items():
+        print(
+            f"{key:>24}: F1 {c['f1']:.1f} EM {c['em']:.1f} in-context {c['in_context']:.0f}% "
+            f"declined(unans) {c['declined_unanswerable_pct']}% wrongly-declined {c['wrongly_declined_pct']:.1f}% "
+            f"cite-prec {c['citation_precision_pct']} failed {c['failed']}"
+        )
+    for key, d in diffs.items():
+        print(f"{key:>40}: {d['f1_diff']:+.1f} ({d['ci95'][0]:+.1f}, {d['ci95'][1]:+.1f})")
+    from _results import write
+
+    model_name = Path(gguf).stem.lower().replace("-", "_").replace(".", "_")
+    result = {
+        "split": args.split,
+        "documents_indexed": [pool.titles[d] for d in indexed],
+        "questions_answerable": len(answerable),
+        "questions_unanswerable": len(unanswerable),
+        "budgets": budgets,
+        "systems": args.systems,
+        "model": Path(gguf).name,
+        "engine": {"server": "llama.cpp llama-server", "slots": args.slots, "threads": args.threads},
+        "max_new_tokens": args.max_new_tokens,
+        "summary": summary,
+        "paired_f1_differences": diffs,
+        "questions": questions,
+        "cells": cells,
+        "seconds": round(time.time() - t_start, 1),
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+    }
+    out = args.out or (H.ROOT / "bench" / "results" / f"answers_{args.split.replace('-', '_')}_{model_name}.json")
+    write(out.stem, result, folder=out.parent, packages=("sentence-transformers", "tokenizers"))
+
+
+def plot(raw: Path, out: Path) -> None:
+    """F1 against context tokens, one line per system (with its 95% interval as a band), from a
+    raw result: ``python bench/answers.py --plot bench/results/answers_<...>.json docs/answers_f1.png``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    result = json.loads(raw.read_text(encoding="utf-8"))
+    summary, budgets = result["summary"], result["budgets"]
+    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=120)
+    for system in result["systems"]:
+        cells = [summary.get(f"{system}@{b}") for b in budgets]
+        if not all(cells):
+            continue
+        f1 = [c["f1"] for c in cells]
+        ax.plot(budgets, f1, marker="o", label=system)
+        ax.fill_between(budgets, [c["f1_ci95"][0] for c in cells], [c["f1_ci95"][1] for c in cells], alpha=0.15)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(budgets, [str(b) for b in budgets])
+    ax.set_xlabel("context tokens per request (KV bytes scale with them)")
+    ax.set_ylabel("answer F1 (SQuAD v1.1)")
+    n = result["questions_answerable"]
+    ax.set_title(f"{result['split']}, {n} answerable questions, {result['model']}", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out)
+    print(f"wrote {out}")
+
+
+def gguf_path(model: str) -> str:
+    if Path(model).is_file():
+        return model
+    try:
+        from ragbudget.memory.models import resolve_generator
+
+        ref = resolve_generator(model)
+        path = Path(ref.path) / (ref.gguf_file or "")
+        if path.is_file():
+            return str(path)
+    except Exception as exc:  # noqa: BLE001 - said below
+        raise SystemExit(f"--model {model}: {exc}") from None
+    raise SystemExit(f"--model {model}: no GGUF file found")
+
+
+if __name__ == "__main__":
+    main()
