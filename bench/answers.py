@@ -117,10 +117,43 @@ def source_text(src: dict[str, Any], files: dict[str, str]) -> str:
     return " ".join(text[int(s["start"]) : int(s["end"])] for s in spans if s.get("start") is not None)
 
 
+def reused_cells(raw: Path, args: argparse.Namespace, questions: list[dict[str, Any]], budgets: list[int]) -> list:
+    """ragbudget's cells from an earlier raw result, when nothing they depend on changed: the
+    library's code (``git diff`` from the result's commit to HEAD, and the working tree, both
+    empty under ragbudget/), the questions, budgets, model and answer cap. Otherwise a one-line
+    exit: re-run without ``--reuse``."""
+    import subprocess
+
+    old = json.loads(raw.read_text(encoding="utf-8"))
+    commit = str(old["versions"]["ragbudget_commit"])
+    same_code = (
+        not commit.endswith("+dirty")
+        and not subprocess.run(
+            ["git", "diff", "--name-only", commit, "--", "ragbudget"], cwd=H.ROOT, capture_output=True, text=True
+        ).stdout.strip()
+    )
+    same_run = (
+        [q["qid"] for q in old["questions"]] == [q["qid"] for q in questions]
+        and old["budgets"] == budgets
+        and Path(old["model"]).name == Path(gguf_path(args.model)).name
+        and old["max_new_tokens"] == args.max_new_tokens
+    )
+    if not (same_code and same_run):
+        why = "ragbudget/ changed since " + commit if not same_code else "another question set, budget, model or cap"
+        raise SystemExit(f"--reuse {raw}: {why}; run without --reuse")
+    rows = [s for s in args.systems if s in RAGBUDGET_ROWS]
+    cells = [c for c in old["cells"] if c["system"] in rows]
+    print(f"ragbudget: {len(cells)} cells reused from {raw.name} (commit {commit}, the same library code)")
+    return cells
+
+
 def ragbudget_cells(
     args: argparse.Namespace, url: str, docs: Path, questions: list[dict[str, Any]], budgets: list[int], rows: list[str]
 ) -> list[dict[str, Any]]:
     from ragbudget import Pipeline
+
+    if args.reuse:
+        return reused_cells(args.reuse, args, questions, budgets)
 
     files = {p.name: p.read_text(encoding="utf-8") for p in docs.glob("*.md")}
     index_dir = docs.parent / "ragbudget-index"
@@ -194,20 +227,20 @@ def peer_cells(
     assert proc.stdin is not None and proc.stdout is not None
     proc.stdin.write(json.dumps(job))
     proc.stdin.close()
-    out: list[dict[str, Any]] = []
+    fresh: list[dict[str, Any]] = []
     with cache.open("a", encoding="utf-8") as kept:
         for line in proc.stdout:
             if line.startswith("{"):
                 c = json.loads(line)
                 if (c["system"], c["budget"], c["qid"]) in known:
                     continue
-                out.append(c)
+                fresh.append(c)
                 kept.write(json.dumps(c) + "\n")
                 kept.flush()
-                _progress(out)
+                _progress(fresh)
     if proc.wait():
-        raise SystemExit(f"the peers' process failed ({proc.returncode}); answered {len(out)} cells")
-    return out
+        raise SystemExit(f"the peers' process failed ({proc.returncode}); answered {len(fresh)} cells")
+    return out + fresh
 
 
 def _progress(cells: list[dict[str, Any]]) -> None:
@@ -295,12 +328,25 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=600, help="engine time-out a request, every system")
     ap.add_argument("--peers-python", default=None)
     ap.add_argument("--fresh-peers", action="store_true", help="ask the peers again (their answers are kept)")
+    ap.add_argument(
+        "--reuse",
+        type=Path,
+        default=None,
+        metavar="RAW",
+        help="ragbudget's cells from RAW when its library code is HEAD's",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--plot", type=Path, nargs=2, metavar=("RAW", "PNG"), help="draw a raw result; nothing is run")
+    ap.add_argument(
+        "--table", type=Path, metavar="RAW", help="print a raw result as BENCHMARKS.md's table; nothing is run"
+    )
     args = ap.parse_args()
     if args.plot:
         plot(*args.plot)
+        return
+    if args.table:
+        print(table(json.loads(args.table.read_text(encoding="utf-8"))))
         return
     budgets = [int(b) for b in args.budgets.split(",")]
     args.systems = [s for s in args.systems.split(",") if s]
@@ -356,6 +402,45 @@ def main() -> None:
     }
     out = args.out or (H.ROOT / "bench" / "results" / f"answers_{args.split.replace('-', '_')}_{model_name}.json")
     write(out.stem, result, folder=out.parent, packages=("sentence-transformers", "tokenizers"))
+
+
+LABELS = {
+    "ragbudget": "`ragbudget ask` (span packing, the default)",
+    "ragbudget_chunks": "`ragbudget ask --pack chunks`",
+    "langchain": "LangChain stuff chain (tutorial setup)",
+    "llamaindex": "LlamaIndex query engine (`compact`)",
+}
+
+
+def table(result: dict[str, Any]) -> str:
+    """The per-system table of a raw result: F1 and EM with 95% intervals, the answer in the
+    context, declining, citation precision and failures, one row per system and budget."""
+    lines = [
+        "| system | context tokens | F1 (95% interval) | EM | answer in context | unanswerable declined "
+        "| answerable wrongly declined | citation precision | failed |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+
+    def pct(x: float | None) -> str:
+        return "—" if x is None else f"{x:.1f}%"
+
+    for system in result["systems"]:
+        for b in result["budgets"]:
+            c = result["summary"].get(f"{system}@{b}")
+            if c is None or c["f1"] is None:
+                continue
+            lo, hi = c["f1_ci95"]
+            cite = (
+                "—"
+                if c["citation_precision_pct"] is None
+                else f"{c['citation_precision_pct']:.1f}% of {c['citations']}"
+            )
+            lines.append(
+                f"| {LABELS.get(system, system)} | {b:,} | {c['f1']:.1f} ({lo:.1f}–{hi:.1f}) | {c['em']:.1f} "
+                f"| {pct(c['in_context'])} | {pct(c['declined_unanswerable_pct'])} | {pct(c['wrongly_declined_pct'])} "
+                f"| {cite} | {c['failed']} |"
+            )
+    return "\n".join(lines)
 
 
 def plot(raw: Path, out: Path) -> None:

