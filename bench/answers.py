@@ -207,6 +207,8 @@ def peer_cells(
     todo = [q for q in questions if any((s, b, q["qid"]) not in known for s in systems for b in budgets)]
     if not todo:
         return out
+    # Only the systems with a cell missing are asked again (their known cells are skipped below).
+    systems = [s for s in systems if any((s, b, q["qid"]) not in known for b in budgets for q in todo)]
     job = {
         "docs": str(docs),
         "engine": url,
