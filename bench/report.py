@@ -8,6 +8,7 @@ hand, so a row can only say what its raw result holds::
     python bench/report.py --headline           # print the README's headline rows
     python bench/report.py --write              # rewrite both blocks in BENCHMARKS.md and README.md
     python bench/report.py --check BENCHMARKS.md README.md   # exit 1 when a figure is not in its raw result
+    python bench/report.py --check BENCHMARKS.md --stale     # ...or when a row's result is older than its code
 
 ``--check`` reads each table row of a page that carries a row id (``<a id="sum-...">`` in
 BENCHMARKS.md, a link to ``BENCHMARKS.md#sum-...`` in the README), rebuilds the row from its raw
@@ -65,6 +66,9 @@ class Row:
     data: str
     scale: dict[str, float] = field(default_factory=dict)
     headline: bool = False
+    #: The library paths (and bench scripts) the figure measures: a change to one of them after
+    #: the raw result's commit makes the figure stale until its benchmark is re-run (`--stale`).
+    exercises: tuple[str, ...] = ("ragbudget",)
 
 
 ROWS: tuple[Row, ...] = (
@@ -74,12 +78,26 @@ ROWS: tuple[Row, ...] = (
         short="Answer in the prompt at 512 tokens, SQuAD (span packing)",
         section="span-packing",
         raw="qa_spans_squad_test.json",
-        values={"rb": "/table/ragbudget_spans/512/recall", "peer": "/table/greedy_fill/512/recall"},
-        rb="{rb:.1f}%",
-        peer="{peer:.1f}% (greedy fill in rank order; top-4 then truncate the same)",
-        ratio="rb/peer",
+        values={
+            "rb": "/table/ragbudget_spans/512/recall",
+            "peer": "/table/greedy_fill/512/recall",
+            "small": "qa_squad_test_small_chunks.json#/table/greedy_fill/512/recall",
+            "small_n": "qa_squad_test_small_chunks.json#/questions",
+            "rb256": "/table/ragbudget_spans/256/recall",
+            "small256": "qa_squad_test_small_chunks.json#/table/greedy_fill/256/recall",
+        },
+        rb="{rb:.1f}% (at 256: {rb256:.1f}%)",
+        peer="{peer:.1f}% (greedy fill in rank order over the same 300–500-token chunks; over 40–160-token "
+        "chunks, its strongest setting, {small:.1f}%, at 256: {small256:.1f}%, in a run of its own, "
+        "{small_n} questions)",
+        ratio="rb/small",
         data="squad-test, 150 questions: reporting split, never tuned on",
-        headline=True,
+        exercises=(
+            "ragbudget/prompt",
+            "ragbudget/retrieval",
+            "ragbudget/input/chunking.py",
+            "ragbudget/input/boundaries.py",
+        ),
     ),
     Row(
         id="sum-spans-amazon",
@@ -93,6 +111,12 @@ ROWS: tuple[Row, ...] = (
         peer="{peer:.1f}% (greedy fill in rank order; top-4 then truncate the same)",
         ratio="rb/peer",
         data="SQuADShifts Amazon, 150 questions: reporting split, never tuned on",
+        exercises=(
+            "ragbudget/prompt",
+            "ragbudget/retrieval",
+            "ragbudget/input/chunking.py",
+            "ragbudget/input/boundaries.py",
+        ),
     ),
     Row(
         id="sum-spans-f1",
@@ -139,9 +163,32 @@ ROWS: tuple[Row, ...] = (
     ),
     Row(
         id="sum-chat",
-        figure="Answer in the context for CoQA follow-up questions, "
+        figure="Answer in the context for CoQA follow-up questions through a real `llama-server`, "
         "768 tokens per request for history, context and answer",
         short="Answer in the context for chat follow-ups, 768 tokens a turn",
+        section="conversations",
+        raw="coqa_chat_engine.json",
+        values={
+            "rb": "/summary/ragbudget_in_context",
+            "peer": "/summary/last_n_in_context",
+            "n": "/summary/n",
+            "last": "/args/last_n",
+            "d": "/summary/in_context_diff_ragbudget_minus_last_n",
+            "lo": "/summary/in_context_diff_ci95/0",
+            "hi": "/summary/in_context_diff_ci95/1",
+        },
+        rb="{rb:.1f}% ({n} follow-ups; paired difference {d:+.1f} points, 95% interval {lo:+.1f} to {hi:+.1f})",
+        peer="{peer:.1f}% (the last {last} turns kept verbatim, as LangChain's window memory)",
+        ratio="rb/peer",
+        data="CoQA test stories 31–60 of the seed-0 sample, whose follow-ups no earlier run asked: reporting split",
+        headline=True,
+        exercises=("ragbudget/prompt", "ragbudget/chat.py", "ragbudget/retrieval", "ragbudget/generation/engines"),
+    ),
+    Row(
+        id="sum-chat-tune",
+        figure="Answer in the context for CoQA follow-up questions, 768 tokens per request, "
+        "on the stories the history policy was built on",
+        short="Answer in the context for chat follow-ups (tuning stories)",
         section="conversations",
         raw="coqa_chat.json",
         values={
@@ -153,8 +200,8 @@ ROWS: tuple[Row, ...] = (
         rb="{rb:.1f}% ({n} follow-ups)",
         peer="{peer:.1f}% (the last {last} turns kept verbatim, as LangChain's window memory)",
         ratio="rb/peer",
-        data="CoQA test stories, a seeded sample of 60; not a tuning split",
-        headline=True,
+        data="CoQA test stories 1–30 of the seed-0 sample: the policy was built on them (a tuning set)",
+        exercises=("ragbudget/prompt", "ragbudget/chat.py", "ragbudget/retrieval"),
     ),
     Row(
         id="sum-chat-f1",
@@ -179,6 +226,7 @@ ROWS: tuple[Row, ...] = (
         peer="{peer:.1f} (the last {last} turns kept verbatim, as LangChain's window memory)",
         ratio=None,
         data="CoQA test stories whose follow-ups no earlier run asked; not a tuning split",
+        exercises=("ragbudget/prompt", "ragbudget/chat.py", "ragbudget/retrieval", "ragbudget/generation/engines"),
     ),
     Row(
         id="sum-clean",
@@ -197,6 +245,7 @@ ROWS: tuple[Row, ...] = (
         ratio=None,
         data="369 pages of 3 Debian/R manuals; the rules were changed against this truth (a tuning set)",
         headline=True,
+        exercises=("ragbudget/input/clean.py", "ragbudget/input/boilerplate.py", "ragbudget/input/pdf.py"),
     ),
     Row(
         id="sum-index",
@@ -217,6 +266,7 @@ ROWS: tuple[Row, ...] = (
         ratio="x",
         data="man pages, SQuAD articles and R-intro.pdf; speed, no split",
         headline=True,
+        exercises=("ragbudget/input", "ragbudget/retrieval"),
     ),
     Row(
         id="sum-chunking",
@@ -233,6 +283,7 @@ ROWS: tuple[Row, ...] = (
         peer="{peer:.2f} MB/s (chonkie `RecursiveChunker`)",
         ratio="x",
         data="93 documents (manuals, man pages, SQuAD); speed, no split",
+        exercises=("ragbudget/input/chunking.py", "ragbudget/input/boundaries.py", "ragbudget/tokens.py"),
     ),
     Row(
         id="sum-dedup-speed",
@@ -249,6 +300,7 @@ ROWS: tuple[Row, ...] = (
         peer="{peer:.2f} s (datasketch `MinHash.bulk`)",
         ratio="x",
         data="SQuAD dev paragraphs and Disfl-QA contexts; speed, no split",
+        exercises=("ragbudget/input/dedup.py",),
     ),
     Row(
         id="sum-dedup-recall",
@@ -270,6 +322,7 @@ ROWS: tuple[Row, ...] = (
         peer="{peer:.1f}% (datasketch, same shingles, threshold, bands and Jaccard check; as documented {doc:.1f}%)",
         ratio="rb/peer",
         data="squad-test, 5 levels × 300 edited copies among its 978 paragraphs: reporting split, never tuned on",
+        exercises=("ragbudget/input/dedup.py",),
     ),
     Row(
         id="sum-dedup-10",
@@ -288,6 +341,7 @@ ROWS: tuple[Row, ...] = (
         peer="{peer:.1f}% (datasketch, same shingles, threshold, bands and Jaccard check; as documented {doc:.1f}%)",
         ratio="rb/peer",
         data="squad-test, 300 edited copies among its 978 paragraphs: reporting split, never tuned on",
+        exercises=("ragbudget/input/dedup.py",),
     ),
     Row(
         id="sum-search",
@@ -305,6 +359,7 @@ ROWS: tuple[Row, ...] = (
         peer="{peer:.2f} ms (ragbudget's exact flat store; no peer run)",
         ratio="peer/rb",
         data="real MiniLM vectors of 42,008 texts plus 57,992 perturbed copies; held-out questions",
+        exercises=("ragbudget/retrieval/vectors.py", "ragbudget/retrieval/recall.py"),
     ),
     Row(
         id="sum-batching",
@@ -321,6 +376,7 @@ ROWS: tuple[Row, ...] = (
         peer="{peer:.2f} tok/s (one request at a time; no peer run)",
         ratio="x",
         data="short questions, 48 new tokens; speed, no split",
+        exercises=("ragbudget/generation/batching.py", "ragbudget/memory/paged.py"),
     ),
     Row(
         id="sum-batching-long",
@@ -338,6 +394,7 @@ ROWS: tuple[Row, ...] = (
         peer="{peer:.2f} tok/s (one request at a time; no peer run)",
         ratio="x",
         data="1,200-token prompts, 48 new tokens; speed, no split",
+        exercises=("ragbudget/generation/batching.py", "ragbudget/memory/paged.py"),
     ),
     Row(
         id="sum-pg-exact",
@@ -357,6 +414,7 @@ ROWS: tuple[Row, ...] = (
         peer="{peer:.1f}% (the local index's FTS5 BM25; hybrid {hyb_local:.1f}%)",
         ratio="rb/peer",
         data="squad-test, 24 articles, 200 questions: reporting split, never tuned on",
+        exercises=("ragbudget/retrieval/postgres.py", "ragbudget/retrieval/postgres_catalog.py"),
     ),
     Row(
         id="sum-pg-scale",
@@ -378,6 +436,7 @@ ROWS: tuple[Row, ...] = (
         ratio=None,
         data="chunks of shuffled SQuAD sentences, vectors the mean of their sentences' MiniLM vectors; "
         "squad-test questions",
+        exercises=("ragbudget/retrieval/postgres.py", "ragbudget/retrieval/postgres_catalog.py"),
     ),
     Row(
         id="sum-pg-scale-real",
@@ -399,6 +458,7 @@ ROWS: tuple[Row, ...] = (
         peer="{peer:.4f}, p50 {lp50:.2f} ms (the local index's FAISS HNSW; no peer run)",
         ratio=None,
         data="one- or two-sentence chunks of SQuAD, SQuADShifts and CoQA sentences; squad-test questions",
+        exercises=("ragbudget/retrieval/postgres.py", "ragbudget/retrieval/postgres_catalog.py"),
     ),
     Row(
         id="sum-pg-burst",
@@ -417,6 +477,7 @@ ROWS: tuple[Row, ...] = (
         peer="— (no peer run)",
         ratio=None,
         data="data/; no split",
+        exercises=("ragbudget/retrieval/postgres.py", "ragbudget/retrieval/postgres_catalog.py", "ragbudget/server"),
     ),
     Row(
         id="sum-load",
@@ -430,6 +491,7 @@ ROWS: tuple[Row, ...] = (
         peer="— (no peer run)",
         ratio=None,
         data="six man pages, six questions repeated; no split",
+        exercises=("ragbudget/server", "ragbudget/memory/admission.py", "ragbudget/memory/schedule.py"),
     ),
 )
 
@@ -456,13 +518,15 @@ def resolve(data: Any, pointer: str) -> Any:
 
 def values(row: Row) -> dict[str, Any]:
     """The row's figures from its raw file, scaled, plus ``ratio`` when the row has one."""
-    data = _raw(row.raw)
     out: dict[str, Any] = {}
-    for name, pointer in row.values.items():
+    for name, where in row.values.items():
+        # "/pointer" reads the row's raw file; "other.json#/pointer" another one (a peer's
+        # strongest configuration measured in a run of its own, named as such in the row).
+        raw, _, pointer = where.rpartition("#") if "#" in where else (row.raw, "", where)
         try:
-            value = resolve(data, pointer)
+            value = resolve(_raw(raw), pointer)
         except (KeyError, IndexError, ValueError, TypeError) as exc:
-            raise LookupError(f"{row.id}: bench/results/{row.raw} has no {pointer}") from exc
+            raise LookupError(f"{row.id}: bench/results/{raw} has no {pointer}") from exc
         out[name] = value * row.scale[name] if name in row.scale else value
     if row.ratio is not None:
         if "/" in row.ratio:
@@ -660,8 +724,20 @@ def _replace_block(text: str, begin: str, end: str, body: str) -> str:
     return head + begin + "\n" + body + "\n" + end + rest.split(end, 1)[1]
 
 
+def split_problems() -> list[str]:
+    """A row's data-set cell must name the split its raw result says it ran on (the split label
+    is read from the raw file, not trusted as typed)."""
+    out = []
+    for row in ROWS:
+        data = _raw(row.raw)
+        split = data.get("split") or (data.get("args") or {}).get("split")
+        if isinstance(split, str) and split.lower() not in row.data.lower():
+            out.append(f"{row.id}: bench/results/{row.raw} ran on split {split!r}, the row says {row.data!r}")
+    return out
+
+
 def check(paths: Iterable[Path]) -> list[str]:
-    problems: list[str] = []
+    problems: list[str] = split_problems()
     for path in paths:
         text = path.read_text()
         problems += check_text(text, path.name)
@@ -687,19 +763,63 @@ def write(paths: Iterable[Path]) -> None:
             print(f"updated {path.relative_to(REPO) if path.is_relative_to(REPO) else path}")
 
 
+def _git(*args: str) -> str | None:
+    import subprocess
+
+    try:
+        done = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=30, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout
+
+
+def staleness(row: Row) -> str | None:
+    """Why the row's raw result may not describe today's code, or ``None`` when it does: no
+    commit or date recorded, measured on uncommitted changes (``+dirty``), a commit this clone
+    does not have, or files the row exercises (:attr:`Row.exercises`) changed since its commit."""
+    data = _raw(row.raw)
+    commit = str((data.get("versions") or {}).get("ragbudget_commit") or "")
+    if not commit or not data.get("date"):
+        return "no commit or no date recorded: re-run it"
+    base = commit.removesuffix("+dirty")
+    if _git("cat-file", "-e", f"{base}^{{commit}}") is None:
+        return f"commit {base} is not in this clone's history"
+    scripts = re.findall(r"\bbench/\w+\.py\b", str(data.get("command") or ""))[:1]
+    changed = (_git("diff", "--name-only", base, "HEAD", "--", *row.exercises, *scripts) or "").split()
+    notes = ["measured with uncommitted changes"] if commit.endswith("+dirty") else []
+    if changed:
+        shown = ", ".join(c.removeprefix("ragbudget/") for c in changed[:4]) + (" …" if len(changed) > 4 else "")
+        notes.append(f"{len(changed)} file(s) it measures changed since {base} ({shown})")
+    return "; ".join(notes) or None
+
+
+def stale_report() -> list[str]:
+    """One line per row whose figure is older than the code it measures (:func:`staleness`)."""
+    return [f"stale: {r.id} (bench/results/{r.raw}): {why}" for r in ROWS if (why := staleness(r))]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--headline", action="store_true", help="print the README's headline rows")
     parser.add_argument("--write", action="store_true", help="rewrite the blocks in BENCHMARKS.md and README.md")
     parser.add_argument("--check", nargs="+", type=Path, metavar="PAGE", help="check the pages' summary rows")
+    parser.add_argument(
+        "--stale",
+        action="store_true",
+        help="with --check: also fail on a row whose raw result is older than the code it measures "
+        "(without it, such rows are listed as warnings)",
+    )
     args = parser.parse_args(argv)
     if args.check:
         problems = check(args.check)
-        for p in problems:
+        stale = stale_report()
+        for p in problems + stale:
             print(p, file=sys.stderr)
         if not problems:
             print(f"ok: every figure checked in {', '.join(map(str, args.check))} is in its raw result")
-        return 1 if problems else 0
+        if stale:
+            print(f"{len(stale)} of {len(ROWS)} rows were measured on older code (listed above): re-run them")
+        return 1 if problems or (args.stale and stale) else 0
     if args.write:
         write([REPO / "BENCHMARKS.md", REPO / "README.md"])
         return 0

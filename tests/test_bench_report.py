@@ -4,6 +4,7 @@ BENCHMARKS.md or the README that its raw result does not hold fails the check.""
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -63,7 +64,7 @@ def _page_with(tmp_path: Path, old: str, new: str) -> Path:
 
 def test_a_figure_not_in_its_raw_result_fails(tmp_path: Path) -> None:
     # 97.333... is shown as 97.3; 97.4 is outside the rounding shown.
-    page = _page_with(tmp_path, "| **97.3%** |", "| **97.4%** |")
+    page = _page_with(tmp_path, "| **97.3% (at 256: 91.3%)** |", "| **97.4% (at 256: 91.3%)** |")
     problems = report.check([page])
     assert any(
         "sum-spans-squad" in p and "97.4" in p and "qa_spans_squad_test.json" in p and "/table/ragbudget_spans/512" in p
@@ -73,14 +74,14 @@ def test_a_figure_not_in_its_raw_result_fails(tmp_path: Path) -> None:
 
 
 def test_a_ratio_rounded_differently_passes_the_figure_check_but_not_the_generated_block(tmp_path: Path) -> None:
-    page = _page_with(tmp_path, "| 1.19× |", "| 1.2× |")
+    page = _page_with(tmp_path, "| 1.00× |", "| 1.0× |")
     problems = report.check([page])
-    assert not [p for p in problems if "column" in p], problems  # 1.187 rounds to 1.2: a true figure
+    assert not [p for p in problems if "column" in p], problems  # 0.998 rounds to 1.0: a true figure
     assert any("is not what `--write` writes" in p for p in problems)  # but the table is generated
 
 
 def test_a_ratio_that_is_wrong_fails(tmp_path: Path) -> None:
-    page = _page_with(tmp_path, "| 1.19× |", "| 1.3× |")
+    page = _page_with(tmp_path, "| 1.00× |", "| 1.3× |")
     assert any("sum-spans-squad, column 'ratio'" in p for p in report.check([page]))
 
 
@@ -94,7 +95,9 @@ def test_an_unknown_or_missing_row_fails(tmp_path: Path) -> None:
 def test_a_readme_figure_is_checked_too(tmp_path: Path) -> None:
     text = (REPO / "README.md").read_text()
     page = tmp_path / "README.md"
-    page.write_text(text.replace("| **91.5% (117 follow-ups)** |", "| **95.0% (117 follow-ups)** |", 1))
+    old = "| **88.3% (120 follow-ups;"
+    assert old in text
+    page.write_text(text.replace(old, "| **95.0% (120 follow-ups;", 1))
     assert any("sum-chat, column 'ragbudget'" in p for p in report.check([page]))
 
 
@@ -121,3 +124,70 @@ def test_a_number_in_the_sections_that_no_raw_result_holds_fails(tmp_path: Path)
     # a percentage of a share and a byte count in MB are found as such
     assert report._in_some_result(93.5, 1)  # engines.json: recall_in_prompt 0.935
     assert report._in_some_result(1729, 0)  # load.json: predicted_peak_rss_bytes 1,728,606,208
+
+
+def _git(*args: str) -> str:
+    import subprocess
+
+    return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
+
+
+@pytest.mark.skipif(not (REPO / ".git").exists(), reason="needs the repository's history")
+def test_a_result_older_than_the_code_it_measures_is_flagged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """#45 §3: a row whose raw result was measured before a change to the files it exercises is
+    listed by --check (and fails it with --stale); one measured at today's code is not."""
+    head = _git("rev-parse", "--short", "HEAD")
+    # The commit before the last one that changed bench/report.py: report.py changed since.
+    last = _git("log", "-n", "1", "--format=%H", "--", "bench/report.py")
+    before = _git("rev-parse", "--short", last + "~1")
+    monkeypatch.setattr(report, "RESULTS", tmp_path)
+    report._raw.cache_clear()
+    try:
+        for name, commit in (("now.json", head), ("old.json", before), ("dirty.json", head + "+dirty")):
+            raw = {"date": "2026-12-06", "command": "python bench/x.py", "versions": {"ragbudget_commit": commit}}
+            (tmp_path / name).write_text(json.dumps(raw))
+        (tmp_path / "undated.json").write_text(json.dumps({"versions": {"ragbudget_commit": head}}))
+
+        def row(raw: str) -> object:
+            return report.Row(
+                id="sum-t",
+                figure="",
+                short="",
+                section="",
+                raw=raw,
+                values={},
+                rb="",
+                peer="",
+                ratio=None,
+                data="",
+                exercises=("bench/report.py",),
+            )
+
+        assert report.staleness(row("now.json")) is None  # measured at HEAD: current
+        assert "changed since " + before in (report.staleness(row("old.json")) or "")
+        assert "bench/report.py" in (report.staleness(row("old.json")) or "")
+        assert "uncommitted" in (report.staleness(row("dirty.json")) or "")
+        assert "no commit or no date" in (report.staleness(row("undated.json")) or "")
+        rows = (row("old.json"),)
+        monkeypatch.setattr(report, "ROWS", rows)
+        monkeypatch.setattr(report, "check", lambda paths: [])
+        assert report.main(["--check", "X.md"]) == 0  # listed, not failed
+        assert "stale: sum-t" in capsys.readouterr().err
+        assert report.main(["--check", "X.md", "--stale"]) == 1
+    finally:
+        report._raw.cache_clear()
+
+
+def test_a_row_whose_data_cell_names_another_split_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    # #45 §3: split labels are read from the raw file, not trusted as typed.
+    row = next(r for r in report.ROWS if r.id == "sum-spans-squad")
+    assert report.split_problems() == []
+    from dataclasses import replace
+
+    wrong = replace(row, data=row.data.replace("squad-test", "squad-tune"))
+    monkeypatch.setattr(report, "ROWS", (wrong,))
+    assert report.split_problems() == [
+        f"sum-spans-squad: bench/results/{row.raw} ran on split 'squad-test', the row says {wrong.data!r}"
+    ]
