@@ -204,7 +204,7 @@ def build_answer(
     sentence_vectors: str | None = None,
     index: dict[str, Any] | None = None,
     evidence: Evidence | None = None,
-    place_citation: bool = True,
+    cite: bool = True,
 ) -> Answer:
     sel = prompt.selection
     sources = []
@@ -274,7 +274,7 @@ def build_answer(
     # (ragbudget.citations); a cancelled or empty answer cites nothing, and an answer the caller's
     # stop strings ended gets nothing after its stop.
     citations = attribute(
-        str(gen.text).strip(), [p.text for p in prompt.passages], question=prompt.question, place=place_citation
+        str(gen.text).strip(), [p.text for p in prompt.passages], question=prompt.question, place=cite
     )
     report["citations"] = citations.to_dict()
     return Answer(text=citations.text, sources=sources, report=report, finish_reason=str(gen.finish_reason))

@@ -40,20 +40,9 @@ from typing import TYPE_CHECKING, Any
 
 from .answer import Answer, AnswerStream, build_answer, cancelled_answer, declined_answer
 from .calls import check_call, check_options, check_parts, check_paths, check_question, stream_options
-from .errors import (
-    ArgumentTypeError,
-    ConfigError,
-    IndexEmptyError,
-    RequestCancelled,
-)
+from .errors import ArgumentTypeError, ConfigError, IndexEmptyError, RequestCancelled
 from .evidence import DECLINED_TEXT, Evidence, evidence_floor
-from .generation.allowance import (
-    Allowance,
-    EnginePlan,
-    RequestPlan,
-    prompt_room,
-    request_allowance,
-)
+from .generation.allowance import Allowance, EnginePlan, RequestPlan, prompt_room, request_allowance
 from .planning import Planning
 from .retrieval.embed import make_embedder
 from .settings import (
@@ -760,7 +749,7 @@ class Pipeline(Planning):
             sentence_vectors=vectors,
             index=cited,
             evidence=evidence,
-            place_citation=not stop,
+            cite=not stop,
         )
         added = answer.report["citations"]["added"]  # a citation placed after the text: streamed too
         if on_text is not None and added:

@@ -45,6 +45,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..errors import BudgetError, ConfigError, ModelError
+from ..settings import MemorySettings
 
 if TYPE_CHECKING:  # pragma: no cover - torch and transformers load at first use
     from ..memory.kvcache import PagedCacheLayout
@@ -95,7 +96,7 @@ def batching_unsupported(generator: Generator) -> str | None:
     from ..memory.kvcache import paged_cache_layout
 
     try:
-        paged_cache_layout(model.config, num_blocks=1, kv_dtype=_dtype_name(model))
+        paged_cache_layout(model.config, num_blocks=1, kv_dtype=dtype_name(model))
     except (ConfigError, ModelError) as exc:
         return str(exc)
     return None
@@ -142,7 +143,7 @@ def _stop_all_at_exit() -> None:
         batcher.close()
 
 
-def _dtype_name(model: Any) -> str:
+def dtype_name(model: Any) -> str:
     return str(model.dtype).removeprefix("torch.")
 
 
@@ -382,7 +383,7 @@ class Batcher:
                 model.config,
                 num_blocks=math.ceil(self.kv_tokens / self.page_size),
                 page_size=self.page_size,
-                kv_dtype=_dtype_name(model),
+                kv_dtype=dtype_name(model),
             )
         return self._layout
 
@@ -493,7 +494,7 @@ class Batcher:
         self,
         prompt: Any,
         *,
-        max_new_tokens: int = 256,
+        max_new_tokens: int = MemorySettings.max_new_tokens,
         do_sample: bool | None = None,
         temperature: float | None = None,
         top_p: float | None = None,

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from ..errors import BudgetError, ConfigError, ModelError
 from ..gpus import prefer_expandable_segments
 from ..memory.models import ModelRef, cache_dir, resolve_generator
+from ..settings import MemorySettings
 from ..tokens import HFTokenizer
 from ..types import CACHE_KINDS
 from .decoding import (
@@ -137,7 +138,7 @@ class Generation:
     finish_reason: str
     seconds: float
     oom_steps: tuple[OOMStep, ...] = ()
-    cache: str = "dynamic"
+    cache: str = MemorySettings.cache
     peak_memory_bytes: int | None = None
     prompt: Any = field(default=None, repr=False, compare=False)
     measurement: PeakMeasurement | None = field(default=None, repr=False)
@@ -467,8 +468,8 @@ class Generator:
         self,
         prompt: Any,
         *,
-        max_new_tokens: int = 256,
-        cache: str = "dynamic",
+        max_new_tokens: int = MemorySettings.max_new_tokens,
+        cache: str = MemorySettings.cache,
         kv_dtype: str | None = None,
         do_sample: bool | None = None,
         temperature: float | None = None,

@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError
+from ..settings import MemorySettings
 from .backend import Capacity, RenderedPrompt, Sampling, prompt_messages, render_overhead
 from .pacing import Pacing
 
@@ -70,9 +71,9 @@ class LocalBackend:
         *,
         model: str | None = None,
         gpu: Any = None,
-        concurrency: int = 1,
-        max_new_tokens: int = 256,
-        cache: str = "dynamic",
+        concurrency: int = MemorySettings.concurrency,
+        max_new_tokens: int = MemorySettings.max_new_tokens,
+        cache: str = MemorySettings.cache,
         kv_dtype: str | None = None,
         batching: bool | None = None,
         batch_kv_tokens: int | None = None,
@@ -405,12 +406,12 @@ def paged_tokens_within(generator: Generator, tokens: int, budget_bytes: int, pa
     what a caller building a :class:`~ragbudget.generation.batching.Batcher` itself may pass as
     its ``kv_tokens``."""
     from ..memory.kvcache import paged_cache_layout
-    from .batching import _dtype_name
+    from .batching import dtype_name
 
     model = generator.model
     blocks = max(1, tokens // page_size)
     while blocks > 1:
-        layout = paged_cache_layout(model.config, num_blocks=blocks, page_size=page_size, kv_dtype=_dtype_name(model))
+        layout = paged_cache_layout(model.config, num_blocks=blocks, page_size=page_size, kv_dtype=dtype_name(model))
         if layout.total_bytes <= budget_bytes:
             break
         blocks = max(1, min(blocks - 1, int(blocks * budget_bytes / max(1, layout.total_bytes))))

@@ -48,8 +48,8 @@ from .schedule import (
     Learning,
     MemoryModel as MemoryModel,
     Throughput as Throughput,
-    _may_start,
-    _rates,
+    job_rates,
+    may_start,
     simulate as simulate,
 )
 from .tickets import Reservation as Reservation, Ticket as Ticket
@@ -528,7 +528,7 @@ class AdmissionController:
     def _may_start_locked(self, waiter: Ticket) -> bool:
         """The start rule for ``waiter`` now: both resources fit, and time (see the module)."""
         probe = waiter.job or Job(prefill=0, decode=0, cost=waiter.cost, tokens=waiter.pool)
-        return _may_start(
+        return may_start(
             probe,
             self._running_jobs if waiter.job is not None else [],
             self._admitted_cost_locked(),
@@ -547,7 +547,7 @@ class AdmissionController:
         thr = self.throughput
         if thr is None or not self._running_jobs or dt == 0:
             return
-        for job, rate in zip(self._running_jobs, _rates(self._running_jobs, thr), strict=True):
+        for job, rate in zip(self._running_jobs, job_rates(self._running_jobs, thr), strict=True):
             # A job the model thinks is done while it still runs (it decodes slower than
             # measured) keeps one decode step of work: it is still there.
             job.served = min(job.served + rate * dt, max(job.prefill, job.work - thr.decode_s))

@@ -135,10 +135,10 @@ def count_parameters(config: ConfigLike) -> int:
     ...     "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32})
     6738415616
     """
-    from .weights import _has_recurrent, parameters
+    from .weights import has_recurrent, parameters
 
     c = ConfigView(text_config(config) if isinstance(config, Mapping) else normalize_config(config, False))
-    if c.get("num_attention_heads", "n_head", "num_heads") is None or _has_recurrent(config):
+    if c.get("num_attention_heads", "n_head", "num_heads") is None or has_recurrent(config):
         # Recurrent and hybrid families (Mamba, Jamba, Falcon-H1, Nemotron-H, …) have mixers
         # the role list does not know: count what transformers would build.
         return _meta_parameter_count(config)
@@ -155,10 +155,10 @@ def estimate_weights_bytes(config: ConfigLike, *, weight_dtype: str | None = Non
     >>> round(estimate_weights_bytes(load_model_config("openai/gpt-oss-20b")) / 2**30, 2)  # MXFP4 experts
     12.82
     """
-    from .weights import _has_recurrent, weight_bytes, weight_format
+    from .weights import has_recurrent, weight_bytes, weight_format
 
     fmt = weight_format(config, weight_dtype)
-    if _has_recurrent(config):  # no role list: every parameter at the format's unquantized width
+    if has_recurrent(config):  # no role list: every parameter at the format's unquantized width
         if tensor_parallel > 1:
             raise ConfigError("tensor-parallel planning covers attention models; this one has recurrent layers")
         return (count_parameters(config) * dtype_bits(fmt.dtype) + 7) // 8

@@ -55,10 +55,10 @@ from .layers import (
     MLAAttentionSpec as MLAAttentionSpec,
     NoCacheSpec as NoCacheSpec,
     SlidingWindowSpec as SlidingWindowSpec,
-    _ceil_bytes,
+    ceil_bytes,
     layer_specs as layer_specs,
 )
-from .model_config import ConfigLike, _dtype_for, model_dtype as model_dtype, text_config as text_config
+from .model_config import ConfigLike, dtype_for, model_dtype as model_dtype, text_config as text_config
 from .paged import PagedCacheLayout as PagedCacheLayout, paged_cache_layout as paged_cache_layout
 
 if TYPE_CHECKING:
@@ -126,7 +126,7 @@ def _layer_bytes(
     if sz.backend in ("vllm", "sglang") and sz.block_size > 1:
         # Paged caches allocate whole blocks of `block_size` tokens per sequence.
         held = math.ceil(held / sz.block_size) * sz.block_size
-    return state + sz.batch_size * _ceil_bytes(spec.elements_per_token * held, sz.bits)
+    return state + sz.batch_size * ceil_bytes(spec.elements_per_token * held, sz.bits)
 
 
 def _quantized_tensor_bytes(
@@ -146,7 +146,7 @@ def _quantized_tensor_bytes(
     if elements == 0:
         return 0
     groups = math.ceil(elements / q_group_size)
-    meta = 2 * groups * _ceil_bytes(1, bits)
+    meta = 2 * groups * ceil_bytes(1, bits)
     if backend == "quanto":
         per_row = 8 // nbits
         if axis == 0:
@@ -216,7 +216,7 @@ def _quantized_layer_bytes(
     return (
         tensor_bytes(k_per_token * quantized * batch_size)
         + tensor_bytes(v_per_token * quantized * batch_size)
-        + _ceil_bytes((k_per_token + v_per_token) * residual * batch_size, bits)
+        + ceil_bytes((k_per_token + v_per_token) * residual * batch_size, bits)
     )
 
 
@@ -314,7 +314,7 @@ def estimate_kv(
     if cache == "static" and max_cache_len is not None and tokens > max_cache_len:
         raise ConfigError(f"{tokens} tokens do not fit a static cache of max_cache_len={max_cache_len}")
     specs = layer_specs(config, backend=backend, mla=mla, normalize=normalize)
-    name, bits = _dtype_for(config, kv_dtype)
+    name, bits = dtype_for(config, kv_dtype)
     sz = _Sizing(bits=bits, batch_size=batch_size, max_cache_len=max_cache_len, backend=backend, block_size=block_size)
     q = from_keywords(
         QuantizedCacheSettings,
@@ -347,7 +347,7 @@ def estimate_kv(
         # in full precision (two full-precision copies of one layer at once); fp8 dequantizes once.
         copies = 1 if quant_backend == "fp8" else 2
         transient = copies * max(
-            (batch_size * _ceil_bytes(s.elements_per_token * tokens, bits) for s in specs), default=0
+            (batch_size * ceil_bytes(s.elements_per_token * tokens, bits) for s in specs), default=0
         )
         return KVEstimate(sum(per), worst + transient, per, f"int{q.nbits}" if quant_backend != "fp8" else "fp8", cache)
     base = "static" if cache == "static" else "dynamic"
@@ -431,11 +431,11 @@ def kv_bytes_per_token(
     131072
     """
     specs = layer_specs(config, backend=backend, mla=mla, normalize=normalize)
-    _, bits = _dtype_for(config, kv_dtype)
+    _, bits = dtype_for(config, kv_dtype)
     total = 0
     for s in specs:
         attention = s.attention if isinstance(s, HybridSpec) else s
         if isinstance(attention, SlidingWindowSpec) and not include_sliding:
             continue
         total += s.elements_per_token
-    return _ceil_bytes(total, bits)
+    return ceil_bytes(total, bits)

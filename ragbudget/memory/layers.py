@@ -33,6 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import ConfigError, ModelError
+from ..settings import MemorySettings
 from .model_config import ConfigLike, ConfigView, normalize_config
 
 __all__ = [
@@ -50,7 +51,7 @@ __all__ = [
 BACKENDS = ("transformers", "vllm", "sglang")
 
 
-def _ceil_bytes(elements: int, bits: int) -> int:
+def ceil_bytes(elements: int, bits: int) -> int:
     # Sub-byte dtypes pack several elements per byte; a partial byte still costs a whole one.
     return (elements * bits + 7) // 8
 
@@ -81,7 +82,7 @@ class FullAttentionSpec:
         self,
         tokens: int,
         *,
-        cache: str = "dynamic",
+        cache: str = MemorySettings.cache,
         max_cache_len: int | None = None,
         peak: bool = False,
         prefill_tokens: int | None = None,
@@ -109,7 +110,7 @@ class SlidingWindowSpec(FullAttentionSpec):
         self,
         tokens: int,
         *,
-        cache: str = "dynamic",
+        cache: str = MemorySettings.cache,
         max_cache_len: int | None = None,
         peak: bool = False,
         prefill_tokens: int | None = None,
@@ -153,7 +154,7 @@ class MLAAttentionSpec:
         self,
         tokens: int,
         *,
-        cache: str = "dynamic",
+        cache: str = MemorySettings.cache,
         max_cache_len: int | None = None,
         peak: bool = False,
         prefill_tokens: int | None = None,
@@ -186,7 +187,7 @@ class MambaSpec:
 
     def state_bytes(self, bits: int) -> int:
         ssm_bits = self.ssm_dtype_bits or bits
-        return _ceil_bytes(self.conv_elements, bits) + _ceil_bytes(self.ssm_elements, ssm_bits)
+        return ceil_bytes(self.conv_elements, bits) + ceil_bytes(self.ssm_elements, ssm_bits)
 
 
 @dataclass(frozen=True)
@@ -212,7 +213,7 @@ class HybridSpec:
         self,
         tokens: int,
         *,
-        cache: str = "dynamic",
+        cache: str = MemorySettings.cache,
         max_cache_len: int | None = None,
         peak: bool = False,
         prefill_tokens: int | None = None,

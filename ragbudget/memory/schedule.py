@@ -224,7 +224,7 @@ class Job:
         return self.served < self.prefill
 
 
-def _rates(running: Sequence[Job], thr: Throughput) -> list[float]:
+def job_rates(running: Sequence[Job], thr: Throughput) -> list[float]:
     """Single-stream seconds of work each running job receives per second of wall time.
 
     Unbatched: the cores are shared equally (each thread runs its own forward passes). Batched:
@@ -247,11 +247,11 @@ def first_token_if_started(job: Job, running: Sequence[Job], thr: Throughput) ->
     """Seconds to ``job``'s first token if it started now next to ``running`` (who keep
     running meanwhile: an upper bound when some of them end sooner)."""
     probe = Job(prefill=job.prefill, decode=job.decode, cost=job.cost)
-    rate = _rates([*running, probe], thr)[-1]
+    rate = job_rates([*running, probe], thr)[-1]
     return job.prefill / rate if rate > 0 else math.inf
 
 
-def _may_start(
+def may_start(
     job: Job,
     running: Sequence[Job],
     used: int,
@@ -293,7 +293,7 @@ def simulate(
     """Play the model forward from ``now`` with no further arrivals: when does each queued job
     (in FIFO order; a promise no earlier than its ``ready`` time) produce its first token?
 
-    Running jobs share the host by :func:`_rates`; the head of the queue starts by the start rule
+    Running jobs share the host by :func:`job_rates`; the head of the queue starts by the start rule
     (its bytes fit ``capacity``, its pool tokens ``token_capacity`` when given, and, next to
     others, its first token comes within ``ttft_target``). Returns absolute
     times, one per queued job. Jobs are copied: the arguments are not changed.
@@ -310,7 +310,7 @@ def simulate(
         while (
             wait
             and wait[0].ready <= t
-            and _may_start(
+            and may_start(
                 wait[0],
                 run,
                 used,
@@ -334,7 +334,7 @@ def simulate(
                 break
             t = max(t, wait[0].ready)  # idle until the next promise can arrive
             continue
-        rates = _rates(run, throughput)
+        rates = job_rates(run, throughput)
         # The next event: a job ends its prefill or its work, or the head's promise arrives.
         step = math.inf
         for job, rate in zip(run, rates, strict=True):

@@ -140,7 +140,7 @@ class Param:
 _NON_GATED = ("gpt2", "gpt_neox", "opt", "bloom", "gptj", "falcon", "phi", "starcoder2")
 
 
-def _has_recurrent(config: ConfigLike) -> bool:
+def has_recurrent(config: ConfigLike) -> bool:
     try:
         specs = layer_specs(config, normalize=False)
     except (ModelError, ConfigError):
@@ -162,7 +162,7 @@ def parameters(config: ConfigLike) -> tuple[Param, ...]:
     """
     c = ConfigView(text_config(config) if isinstance(config, Mapping) else normalize_config(config, False))
     mt = str(c.get("model_type", default="")).lower()
-    if c.get("num_attention_heads", "n_head", "num_heads") is None or _has_recurrent(config):
+    if c.get("num_attention_heads", "n_head", "num_heads") is None or has_recurrent(config):
         raise ModelError(
             f"a {mt or 'model'} config with recurrent (Mamba-style) layers: its parameters are "
             "counted by building it (ragbudget.memory.budget.count_parameters), not listed by role"

@@ -225,7 +225,7 @@ class Selection:
 
 
 @dataclass(eq=False)
-class _Item:
+class PackItem:
     ids: tuple[ChunkId, ...]
     text: str
     score: float
@@ -243,7 +243,7 @@ _WORD = re.compile(r"\w+")
 _SENTENCE_END = re.compile(r"(?<=[.!?。！？])[\"')\]]*\s+|\n\s*")
 
 
-def _words(text: str) -> frozenset[str]:
+def long_words(text: str) -> frozenset[str]:
     # Words of 4+ characters (and numbers): a cheap, language-agnostic stand-in for dropping
     # stop words, so "the/of/and" do not make every pair of chunks look redundant.
     return frozenset(w for w in _WORD.findall(text.lower()) if len(w) > 3 or w.isdigit())
@@ -312,17 +312,17 @@ def select_chunks(
     >>> [c.chunk_id for c in sel.chunks], sel.tokens_used, [d.reason for d in sel.dropped]
     (['a'], 6, ['over_budget'])
     """
-    _check_options(
+    check_select_options(
         order=order,
         budget_tokens=budget_tokens,
         temperature=temperature,
         lambda_=lambda_,
         relevance_floor=relevance_floor,
     )
-    overhead_of = _overhead_of(chunk_overhead)
+    overhead_of = block_overhead(chunk_overhead)
 
     cands = list(candidates)
-    kept, dropped = _prepare(
+    kept, dropped = prepare_items(
         cands,
         count_tokens,
         overhead_of,
@@ -334,11 +334,11 @@ def select_chunks(
         similarity=similarity,
     )
 
-    chosen: list[_Item] = []
+    chosen: list[PackItem] = []
     if kept:
         best = kept[0]
         if best.cost > budget_tokens and truncate_oversize:
-            cut = _truncate(best, budget_tokens, count_tokens, overhead_of, question)
+            cut = truncate_item(best, budget_tokens, count_tokens, overhead_of, question)
             if cut is not None:
                 chosen, rest = [cut], kept[1:]
             else:
@@ -362,7 +362,7 @@ def select_chunks(
             room = budget_tokens - sum(c.cost for c in chosen)
             chosen_ids = {cid for c in chosen for cid in c.ids}
             nxt = next((it for it in kept if it.ids[0] not in chosen_ids), None)
-            cut = _truncate(nxt, room, count_tokens, overhead_of, question) if nxt and room > 0 else None
+            cut = truncate_item(nxt, room, count_tokens, overhead_of, question) if nxt and room > 0 else None
             if cut is not None:
                 chosen.append(cut)
 
@@ -374,7 +374,7 @@ def select_chunks(
     used = sum(c.cost for c in chosen)
     # The invariant the whole library rests on; a violation is a bug here, not a user error.
     assert used <= budget_tokens, (used, budget_tokens)
-    passages = tuple(_as_chunk(c) for c in _order(chosen, order))
+    passages = tuple(_as_chunk(c) for c in order_items(chosen, order))
     return Selection(
         chunks=passages,
         tokens_used=used,
@@ -385,7 +385,7 @@ def select_chunks(
     )
 
 
-def _overhead_of(chunk_overhead: int | Callable[[SelectedChunk], int]) -> Callable[[SelectedChunk], int]:
+def block_overhead(chunk_overhead: int | Callable[[SelectedChunk], int]) -> Callable[[SelectedChunk], int]:
     # The per-passage overhead as one function of the chunk, whether given as a function or a number.
     if callable(chunk_overhead):
         return chunk_overhead
@@ -393,7 +393,7 @@ def _overhead_of(chunk_overhead: int | Callable[[SelectedChunk], int]) -> Callab
     return lambda _chunk: fixed
 
 
-def _check_options(
+def check_select_options(
     *, order: str, budget_tokens: int, temperature: float, lambda_: float, relevance_floor: float
 ) -> None:
     """The settings :func:`select_chunks` and span packing share, checked once."""
@@ -416,7 +416,7 @@ def _check_options(
         )
 
 
-def _prepare(
+def prepare_items(
     cands: Sequence[Retrieved],
     count_tokens: Callable[[str], int],
     overhead_of: Callable[[SelectedChunk], int],
@@ -427,14 +427,14 @@ def _prepare(
     relevance_floor: float,
     redundancy: float,
     similarity: Callable[[SelectedChunk, SelectedChunk], float] | None,
-) -> tuple[list[_Item], list[Dropped]]:
+) -> tuple[list[PackItem], list[Dropped]]:
     """Steps 1-2 of :func:`select_chunks`: the candidates worth packing, best first, each with its
     exact cost and MMR value, and the ones left out with their reasons. Span packing
     (:mod:`ragbudget.prompt.spans`) starts from the same list."""
     # Stable sort by score: ties keep retrieval order, so results are deterministic.
     ranked = sorted(range(len(cands)), key=lambda i: -float(cands[i].score))
     dropped: list[Dropped] = []
-    items: list[_Item] = []
+    items: list[PackItem] = []
     seen_text: set[str] = set()
     for rank, i in enumerate(ranked):
         c = cands[i]
@@ -450,7 +450,7 @@ def _prepare(
             dropped.append(Dropped(cid, "duplicate", score, n))
             continue
         seen_text.add(key)
-        item = _Item((cid,), text, score, sources, headings, n, 0, rank, words=_words(text))
+        item = PackItem((cid,), text, score, sources, headings, n, 0, rank, words=long_words(text))
         item.cost = n + int(overhead_of(_as_chunk(item)))
         items.append(item)
 
@@ -468,7 +468,7 @@ def _prepare(
         for it in [it for it in items if it.score < floor]:
             dropped.append(Dropped(it.ids[0], "below_relevance_floor", it.score, it.n_tokens))
         items = [it for it in items if it.score >= floor]
-    kept: list[_Item] = []
+    kept: list[PackItem] = []
     for it in items:
         rel = math.exp(max(-50.0, (it.score - hi) / temperature))
         red = 0.0
@@ -484,7 +484,7 @@ def _prepare(
     return kept, dropped
 
 
-def _as_chunk(it: _Item) -> SelectedChunk:
+def _as_chunk(it: PackItem) -> SelectedChunk:
     return SelectedChunk(
         chunk_ids=it.ids,
         text=it.text,
@@ -497,7 +497,7 @@ def _as_chunk(it: _Item) -> SelectedChunk:
     )
 
 
-def _knapsack(items: Sequence[_Item], capacity: int) -> list[_Item]:
+def _knapsack(items: Sequence[PackItem], capacity: int) -> list[PackItem]:
     """Exact 0/1 knapsack over integer token costs (numpy DP), greedy by density when too big."""
     fits = [it for it in items if it.cost <= capacity]
     if not fits or capacity <= 0:
@@ -537,7 +537,7 @@ def _knapsack(items: Sequence[_Item], capacity: int) -> list[_Item]:
     return out
 
 
-def _greedy(items: Sequence[_Item], capacity: int) -> list[_Item]:
+def _greedy(items: Sequence[PackItem], capacity: int) -> list[PackItem]:
     out, room = [], capacity
     for it in sorted(items, key=lambda x: (-x.value / max(1, x.cost), x.rank)):
         if it.cost <= room:
@@ -555,13 +555,13 @@ def _terms(text: str) -> set[str]:
     return {w[:6] for w in _WORD.findall(text.lower()) if w not in _QSTOP and (len(w) > 2 or w.isdigit())}
 
 
-def _truncate(
-    it: _Item,
+def truncate_item(
+    it: PackItem,
     budget: int,
     count_tokens: Callable[[str], int],
     overhead_of: Callable[[SelectedChunk], int],
     question: str = "",
-) -> _Item | None:
+) -> PackItem | None:
     """The window of whole sentences of ``it`` (else of words) that fits ``budget`` and best covers
     the question's words; ties (and a question sharing no word) keep the earliest window.
 
@@ -571,7 +571,7 @@ def _truncate(
     """
 
     def cost_of(piece: str) -> int:
-        probe = _Item(it.ids, piece, it.score, it.sources, it.headings, 0, 0, it.rank)
+        probe = PackItem(it.ids, piece, it.score, it.sources, it.headings, 0, 0, it.rank)
         return count_tokens(piece) + int(overhead_of(_as_chunk(probe)))
 
     text = it.text
@@ -624,7 +624,7 @@ def _truncate(
         kept = piece(i, j)
         offset = units[i][0] + (len(text[units[i][0] :]) - len(text[units[i][0] :].lstrip()))
         src = tuple(_shorten(s, offset, len(kept)) for s in it.sources[:1]) + it.sources[1:]
-        cut = _Item(
+        cut = PackItem(
             it.ids,
             kept,
             it.score,
@@ -650,17 +650,17 @@ def _shorten(s: Source, offset: int, length: int) -> Source:
 
 
 def _merge(
-    chosen: list[_Item],
+    chosen: list[PackItem],
     count_tokens: Callable[[str], int],
     overhead_of: Callable[[SelectedChunk], int],
     max_gap: int,
-) -> list[_Item]:
+) -> list[PackItem]:
     """Merge passages whose (single-source) spans touch in the same file; recount exactly and keep
     a merge only if it does not cost more than the two passages apart."""
     mergeable = [c for c in chosen if len(c.sources) == 1 and not c.truncated]
     others = [c for c in chosen if len(c.sources) != 1 or c.truncated]
     mergeable.sort(key=lambda c: (c.sources[0].path, c.sources[0].start))
-    out: list[_Item] = []
+    out: list[PackItem] = []
     for c in mergeable:
         prev = out[-1] if out else None
         if prev is not None:
@@ -676,7 +676,7 @@ def _merge(
                     b.page_end if b.page_end is not None else a.page_end,
                     join_labels(a.label, b.label),
                 )
-                merged = _Item(
+                merged = PackItem(
                     prev.ids + c.ids,
                     text,
                     max(prev.score, c.score),
@@ -697,13 +697,13 @@ def _merge(
     return out + others
 
 
-def _order(chosen: list[_Item], order: str) -> list[_Item]:
+def order_items(chosen: list[PackItem], order: str) -> list[PackItem]:
     by_rel = sorted(chosen, key=lambda c: (-c.score, c.rank))
     if order == "relevance":
         return by_rel
     if order == "document":
 
-        def key(c: _Item) -> tuple[str, int, int]:
+        def key(c: PackItem) -> tuple[str, int, int]:
             s = c.sources[0] if c.sources else None
             return (s.path if s else "\uffff", s.start if s else 0, c.rank)
 

@@ -60,17 +60,17 @@ from .pieces import JOINER, composed_tokens, label_tokens, span_pieces, unit_edg
 from .select import (
     ChunkId,
     Dropped,
+    PackItem,
     Retrieved,
     SelectedChunk,
     Selection,
     Span,
-    _check_options,
-    _Item,
-    _order,
-    _overhead_of,
-    _prepare,
-    _truncate,
-    _words,
+    block_overhead,
+    check_select_options,
+    long_words,
+    order_items,
+    prepare_items,
+    truncate_item,
 )
 from .sentences import NEEDS_PREVIOUS, needs_previous, sentence_digest, sentence_texts, split_sentences
 
@@ -409,7 +409,7 @@ def select_spans(
     >>> sel.chunks[0].text, [s.why for s in sel.chunks[0].spans]
     ('Paris is the capital of France. It has 2 million people.', ['neighbour', 'question'])
     """
-    _check_options(
+    check_select_options(
         order=order,
         budget_tokens=budget_tokens,
         temperature=temperature,
@@ -424,9 +424,9 @@ def select_spans(
         raise ConfigError(f"weights must be three numbers ≥ 0 (dense, lexical, chunk), not all 0; got {weights!r}")
     if not isinstance(composed, bool):
         raise ConfigError(f"composed must be True or False; got {composed!r}")
-    overhead_of = _overhead_of(chunk_overhead)
+    overhead_of = block_overhead(chunk_overhead)
     cands = list(candidates)
-    kept, dropped = _prepare(
+    kept, dropped = prepare_items(
         cands,
         count_tokens,
         overhead_of,
@@ -439,7 +439,7 @@ def select_spans(
     )
 
     # The pool: the best chunks, until their whole text is a few budgets' worth.
-    chunks: list[_Item] = []
+    chunks: list[PackItem] = []
     total = 0
     for it in kept:
         if len(chunks) >= max_chunks or (chunks and total >= pool * budget_tokens):
@@ -462,14 +462,14 @@ def select_spans(
     _score(question, chunks, units, scorer, weights)
     chosen = _pack(units, chunks, budget_tokens, count_tokens, overhead_of, lambda_, redundancy, compose=compose)
 
-    passages: list[tuple[_Item, SelectedChunk]] = []
+    passages: list[tuple[PackItem, SelectedChunk]] = []
     for ci, it in enumerate(chunks):
         mine = [u for u in units if u.chunk == ci and u.pos in chosen.get(ci, ())]
         if mine:
             passages.append((it, _passage(it, mine, count_tokens, overhead_of, compose[ci] if compose else None)))
     if not passages and chunks and budget_tokens > 0 and truncate_oversize:
         # Not even one sentence fits: the oversize-chunk cut (a window of words) of the best one.
-        cut = _truncate(chunks[0], budget_tokens, count_tokens, overhead_of, question)
+        cut = truncate_item(chunks[0], budget_tokens, count_tokens, overhead_of, question)
         if cut is not None:
             passages.append((chunks[0], _cut_passage(chunks[0], cut)))
             for u in units:
@@ -501,7 +501,7 @@ def select_spans(
 
 
 def _units(
-    chunks: Sequence[_Item],
+    chunks: Sequence[PackItem],
     count_tokens: Callable[[str], int],
     prime: Callable[[Sequence[str]], object] | None,
     *,
@@ -522,7 +522,7 @@ def _units(
         mine: list[_Unit] = []
         for pos, (a, b, item) in enumerate(parts):
             text = it.text[a:b]
-            u = _Unit(ci, pos, a, b, text, item, count_tokens(text), words=_words(text), leans=needs_previous(text))
+            u = _Unit(ci, pos, a, b, text, item, count_tokens(text), words=long_words(text), leans=needs_previous(text))
             key = " ".join(text.split()).lower()
             if key in seen:
                 u.why = "duplicate"
@@ -562,7 +562,7 @@ def _deps(units: Sequence[_Unit], pos: int) -> tuple[int, ...]:
 
 def _score(
     question: str,
-    chunks: Sequence[_Item],
+    chunks: Sequence[PackItem],
     units: list[_Unit],
     scorer: SpanScorer | None,
     weights: tuple[float, float, float],
@@ -597,7 +597,7 @@ def _score(
 
 def _pack(
     units: list[_Unit],
-    chunks: Sequence[_Item],
+    chunks: Sequence[PackItem],
     budget: int,
     count_tokens: Callable[[str], int],
     overhead_of: Callable[[SelectedChunk], int],
@@ -667,7 +667,7 @@ def _containment(a: frozenset[str], b: frozenset[str]) -> float:
 
 
 def _passage(
-    it: _Item,
+    it: PackItem,
     units: Sequence[_Unit],
     count_tokens: Callable[[str], int],
     overhead_of: Callable[[SelectedChunk], int],
@@ -700,7 +700,7 @@ def _passage(
     return SelectedChunk(it.ids, text, it.score, n, n + int(overhead_of(probe)), sources, it.headings, spans=spans)
 
 
-def _cut_passage(it: _Item, cut: _Item) -> SelectedChunk:
+def _cut_passage(it: PackItem, cut: PackItem) -> SelectedChunk:
     """The oversize cut of :func:`~ragbudget.prompt.select._truncate` as a passage with its one span."""
     if it.sources and cut.sources:
         start = cut.sources[0].start - it.sources[0].start
@@ -721,7 +721,7 @@ def _cut_passage(it: _Item, cut: _Item) -> SelectedChunk:
     )
 
 
-def _span(it: _Item, u: _Unit, why: str) -> Span:
+def _span(it: PackItem, u: _Unit, why: str) -> Span:
     src = _narrow(it.sources[0], u.start, u.end) if it.sources else None
     return Span(it.ids[0], u.start, u.end, u.text, u.score, u.n_tokens, src, why)
 
@@ -732,9 +732,9 @@ def _narrow(s: Source, start: int, end: int) -> Source:
     return Source(s.path, a, min(s.end, s.start + end), s.page_start, s.page_end, s.label)
 
 
-def _ordered(passages: list[tuple[_Item, SelectedChunk]], order: str) -> list[SelectedChunk]:
+def _ordered(passages: list[tuple[PackItem, SelectedChunk]], order: str) -> list[SelectedChunk]:
     """``order`` over files (a file ranks by its best passage), document order inside a file."""
-    groups: dict[str, list[tuple[_Item, SelectedChunk]]] = {}
+    groups: dict[str, list[tuple[PackItem, SelectedChunk]]] = {}
     for it, p in passages:
         key = p.sources[0].path if p.sources else f"\x00{it.rank}"
         groups.setdefault(key, []).append((it, p))
@@ -743,7 +743,7 @@ def _ordered(passages: list[tuple[_Item, SelectedChunk]], order: str) -> list[Se
         members.sort(key=lambda m: (m[1].sources[0].start if m[1].sources else 0, m[0].rank))
         best = min(members, key=lambda m: m[0].rank)[0]
         heads.append(
-            _Item(
+            PackItem(
                 best.ids,
                 "",
                 max(m[0].score for m in members),
@@ -756,6 +756,6 @@ def _ordered(passages: list[tuple[_Item, SelectedChunk]], order: str) -> list[Se
         )
     out: list[SelectedChunk] = []
     by_head = dict(zip((id(h) for h in heads), groups.values(), strict=True))
-    for h in _order(heads, order):
+    for h in order_items(heads, order):
         out += [p for _, p in by_head[id(h)]]
     return out

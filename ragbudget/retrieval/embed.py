@@ -588,9 +588,9 @@ def cuda_visible() -> bool:
 
 
 def _model_id(model: str | None) -> str:
-    from ..memory.models import _EMBEDDER_ALIASES, DEFAULT_EMBEDDER
+    from ..memory.models import DEFAULT_EMBEDDER, EMBEDDER_ALIASES
 
-    if model is None or model.lower() in _EMBEDDER_ALIASES:
+    if model is None or model.lower() in EMBEDDER_ALIASES:
         return DEFAULT_EMBEDDER
     return model
 

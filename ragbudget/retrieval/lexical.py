@@ -13,6 +13,7 @@ import sqlite3
 from collections.abc import Sequence
 from typing import Any
 
+from ..settings import RetrievalSettings
 from ..types import FUSIONS, QUESTION_STOPWORDS
 
 __all__ = [
@@ -190,8 +191,8 @@ def fuse_scores(
     dense: dict[Any, float],
     lexical: dict[Any, float],
     *,
-    method: str = "score",
-    lexical_weight: float = 0.5,
+    method: str = RetrievalSettings.fusion,
+    lexical_weight: float = RetrievalSettings.lexical_weight,
 ) -> list[tuple[Any, float]]:
     """Fuse dense and lexical scores of the same items; ``(id, score)`` best first.
 
