@@ -139,13 +139,17 @@ def test_chat_json_mode_has_no_banner(monkeypatch: pytest.MonkeyPatch) -> None:
 class _Terminal:
     """A child process on a pseudo-terminal: what a user at a keyboard sees and types."""
 
-    def __init__(self, argv: list[str], env: dict[str, str]) -> None:
+    def __init__(self, argv: list[str], env: dict[str, str], *, sigint_ignored: bool = False) -> None:
         import os
         import pty
+        import signal
 
         self.pid, self.fd = pty.fork()
         if self.pid == 0:  # the child: the pty is its controlling terminal (Ctrl-C = SIGINT)
             try:
+                # An ignored SIGINT survives exec (a shell's `&` starts programs so): the chat must
+                # take Ctrl-C all the same.
+                signal.signal(signal.SIGINT, signal.SIG_IGN if sigint_ignored else signal.SIG_DFL)
                 os.execve(argv[0], argv, env)
             finally:
                 os._exit(127)
@@ -199,7 +203,10 @@ class _Terminal:
 
 
 @pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs a POSIX pseudo-terminal")
-def test_chat_at_a_terminal_has_history_editing_and_ctrl_c_cancels_an_answer(tmp_path: Any) -> None:
+@pytest.mark.parametrize("sigint_ignored", [False, True], ids=["sigint-default", "sigint-ignored-at-start"])
+def test_chat_at_a_terminal_has_history_editing_and_ctrl_c_cancels_an_answer(
+    tmp_path: Any, sigint_ignored: bool
+) -> None:
     import json
     import os
     import sys
@@ -214,7 +221,8 @@ def test_chat_at_a_terminal_has_history_editing_and_ctrl_c_cancels_an_answer(tmp
         "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
         "INPUTRC": "/dev/null",
     }
-    term = _Terminal([sys.executable, str(driver), "chat", "--index-dir", str(tmp_path / "idx")], env)
+    argv = [sys.executable, str(driver), "chat", "--index-dir", str(tmp_path / "idx")]
+    term = _Terminal(argv, env, sigint_ignored=sigint_ignored)
     at = term.expect("/help for commands")
     at = term.expect("> ", after=at)
     term.send("What is MinHash?\r")

@@ -83,6 +83,11 @@ class TerminalLines:
             self._readline.write_history_file(self.history_file)
 
     def __iter__(self) -> Iterator[str]:
+        # Ctrl-C at the prompt must drop the typed line even in a process started with SIGINT
+        # ignored (a non-interactive shell's `&`, some IDE runners and test harnesses pass that on
+        # through exec): the prompt raises KeyboardInterrupt while it waits, as an interactive
+        # Python does, and the disposition it found is put back when the chat ends.
+        previous = _interruptible()
         try:
             while True:
                 try:
@@ -95,7 +100,23 @@ class TerminalLines:
                     return
                 yield line
         finally:
+            if previous is not None:
+                import signal
+
+                signal.signal(signal.SIGINT, previous)
             self.save()
+
+
+def _interruptible() -> Callable[[int, FrameType | None], Any] | int | None:
+    """SIGINT raises KeyboardInterrupt from here on (main thread only); returns the handler it
+    replaced, or None when nothing was changed."""
+    import signal
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        return None
+    return signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 class _CtrlC:
