@@ -117,11 +117,14 @@ def source_text(src: dict[str, Any], files: dict[str, str]) -> str:
     return " ".join(text[int(s["start"]) : int(s["end"])] for s in spans if s.get("start") is not None)
 
 
-def reused_cells(raw: Path, args: argparse.Namespace, questions: list[dict[str, Any]], budgets: list[int]) -> list:
+def reused_cells(
+    raw: Path, args: argparse.Namespace, documents: list[str], questions: list[dict[str, Any]], budgets: list[int]
+) -> list[dict[str, Any]]:
     """ragbudget's cells from an earlier raw result, when nothing they depend on changed: the
     library's code (``git diff`` from the result's commit to HEAD, and the working tree, both
-    empty under ragbudget/), the questions, budgets, model and answer cap. Otherwise a one-line
-    exit: re-run without ``--reuse``."""
+    empty under ragbudget/), the model and answer cap. Only the cells of this run's questions and
+    budgets are kept; the caller asks for the rest (a larger sample of the same seeded draw asks
+    only its new questions). Otherwise a one-line exit: re-run without ``--reuse``."""
     import subprocess
 
     old = json.loads(raw.read_text(encoding="utf-8"))
@@ -133,38 +136,53 @@ def reused_cells(raw: Path, args: argparse.Namespace, questions: list[dict[str, 
         ).stdout.strip()
     )
     same_run = (
-        [q["qid"] for q in old["questions"]] == [q["qid"] for q in questions]
-        and old["budgets"] == budgets
+        old["split"] == args.split
+        and old["documents_indexed"] == [str(t) for t in documents]
         and Path(old["model"]).name == Path(gguf_path(args.model)).name
         and old["max_new_tokens"] == args.max_new_tokens
     )
     if not (same_code and same_run):
-        why = "ragbudget/ changed since " + commit if not same_code else "another question set, budget, model or cap"
+        why = "ragbudget/ changed since " + commit if not same_code else "other documents, model or cap"
         raise SystemExit(f"--reuse {raw}: {why}; run without --reuse")
     rows = [s for s in args.systems if s in RAGBUDGET_ROWS]
-    cells = [c for c in old["cells"] if c["system"] in rows]
+    qids = {q["qid"] for q in questions}
+    cells = [
+        c
+        for c in old["cells"]
+        if c["system"] in rows and c["budget"] in budgets and c["qid"] in qids and "error" not in c
+    ]
     print(f"ragbudget: {len(cells)} cells reused from {raw.name} (commit {commit}, the same library code)")
     return cells
 
 
 def ragbudget_cells(
-    args: argparse.Namespace, url: str, docs: Path, questions: list[dict[str, Any]], budgets: list[int], rows: list[str]
+    args: argparse.Namespace,
+    url: str,
+    docs: Path,
+    documents: list[str],
+    questions: list[dict[str, Any]],
+    budgets: list[int],
+    rows: list[str],
 ) -> list[dict[str, Any]]:
     from ragbudget import Pipeline
 
-    if args.reuse:
-        return reused_cells(args.reuse, args, questions, budgets)
+    known = reused_cells(args.reuse, args, documents, questions, budgets) if args.reuse else []
+    done = {(c["system"], c["budget"], c["qid"]) for c in known}
+    if all((r, b, q["qid"]) in done for r in rows for b in budgets for q in questions):
+        return known
 
     files = {p.name: p.read_text(encoding="utf-8") for p in docs.glob("*.md")}
     index_dir = docs.parent / "ragbudget-index"
     t0 = time.perf_counter()
     Pipeline(index_dir).index([docs])
     print(f"ragbudget index: {time.perf_counter() - t0:.1f} s", flush=True)
-    out = []
+    out = list(known)
     for row in rows:
         with Pipeline(index_dir, engine=url, engine_timeout=args.timeout, **RAGBUDGET_ROWS[row]) as pipe:
             for b in budgets:
                 for q in questions:
+                    if (row, b, q["qid"]) in done:
+                        continue
                     cell: dict[str, Any] = {"system": row, "budget": b, "qid": q["qid"]}
                     t = time.perf_counter()
                     try:
@@ -335,7 +353,7 @@ def main() -> None:
         type=Path,
         default=None,
         metavar="RAW",
-        help="ragbudget's cells from RAW when its library code is HEAD's",
+        help="ragbudget's cells from RAW when its library code is HEAD's (only the missing cells are asked)",
     )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None)
@@ -369,7 +387,8 @@ def main() -> None:
         with llama_server(Path(tmp), model=gguf, slots=args.slots, slot_tokens=slot, threads=args.threads) as url:
             print(f"llama-server at {url} ({Path(gguf).name})", flush=True)
             ours = [s for s in args.systems if s in RAGBUDGET_ROWS]
-            cells = ragbudget_cells(args, url, docs, questions, budgets, ours)
+            titles = [pool.titles[d] for d in indexed]
+            cells = ragbudget_cells(args, url, docs, titles, questions, budgets, ours)
             H.OUT.mkdir(parents=True, exist_ok=True)
             (H.OUT / "answers_last_ragbudget.json").write_text(json.dumps(cells), encoding="utf-8")
             cells += peer_cells(args, url, docs, gguf, questions, budgets)
