@@ -11,6 +11,13 @@ share of unanswerable questions declined and of answerable ones wrongly declined
 ``--choose`` (on the tuning split only): the highest floor that wrongly declines at most
 ``--max-wrong`` of the answerable questions. The other splits report the chosen floor's rates.
 
+**A floor per index** (``probe`` beside the fixed floors): an index of informal text (product
+reviews) scores every question lower than an encyclopedia does, so one fixed cosine declines too
+many of its answerable questions. The probe rule measures each index's own scale: the evidence of
+60 off-topic questions written by hand for this benchmark (``abstain_probes.txt``, no benchmark
+question among them) on that index, and declines under their median plus a margin; the margin is
+chosen on the tuning split by the same rule as the fixed floor.
+
     python bench/abstain.py --splits squad-tune,squad-test,amazon --choose squad-tune
 """
 
@@ -29,6 +36,11 @@ import numpy as np  # noqa: E402
 from answers import question_set, write_docs  # noqa: E402
 
 FLOORS = [round(x, 3) for x in np.arange(0.0, 0.701, 0.025)]
+#: Off-topic questions whose evidence on an index gives that index's own scale (the probe rule).
+PROBES = [q for q in (HERE / "abstain_probes.txt").read_text(encoding="utf-8").splitlines() if q.strip()]
+#: The probe signal is shifted by this so its floors read on the same grid as the fixed ones:
+#: a probe floor f declines under the index's probe median + (f - PROBE_ORIGIN).
+PROBE_ORIGIN = 0.3
 
 
 def signals(split: str, args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -45,7 +57,12 @@ def signals(split: str, args: argparse.Namespace) -> list[dict[str, Any]]:
             for q in questions:
                 rows.append({"qid": q["qid"], "answerable": q["answerable"], **evidence(pipe, q["text"])})
             print(f"{split}: {len(rows)} questions, {time.perf_counter() - t0:.1f} s", flush=True)
-    return rows
+            probes = [pipe.evidence(p).score for p in PROBES]
+    # The probe rule's signal: the question's evidence above its index's off-topic median.
+    median = float(np.median(probes))
+    for r in rows:
+        r["probe"] = round(r["sentence"] - median + PROBE_ORIGIN, 6)
+    return rows, probes
 
 
 def evidence(pipe: Any, question: str) -> dict[str, float]:
@@ -74,8 +91,10 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     splits = [s for s in args.splits.split(",") if s]
-    data = {s: signals(s, args) for s in splits}
-    keys = ("sentence", "hit")
+    data, probes = {}, {}
+    for s in splits:
+        data[s], probes[s] = signals(s, args)
+    keys = ("sentence", "hit", "probe")
     table: dict[str, Any] = {}
     for s, rows in data.items():
         table[s] = {k: {str(f): rates(rows, k, f) for f in FLOORS} for k in keys}
@@ -88,7 +107,8 @@ def main() -> None:
         print(f"\n{k} floor {f} (chosen on {args.choose}: at most {args.max_wrong}% wrongly declined)")
         for s in splits:
             right, wrong = table[s][k][str(f)]
-            print(f"  {s:>10}: unanswerable declined {right:5.1f}%, answerable wrongly declined {wrong:5.1f}%")
+            at = f" (floor {np.median(probes[s]) + f - PROBE_ORIGIN:.3f})" if k == "probe" else ""
+            print(f"  {s:>10}: unanswerable declined {right:5.1f}%, answerable wrongly declined {wrong:5.1f}%{at}")
     from _results import write
 
     write(
@@ -100,6 +120,9 @@ def main() -> None:
             "chosen": chosen,
             "rates": table,
             "signals": data,
+            "probe_origin": PROBE_ORIGIN,
+            "probe_evidence": {s: [round(v, 6) for v in probes[s]] for s in splits},
+            "probe_median": {s: round(float(np.median(probes[s])), 6) for s in splits},
             "args": vars(args),
         },
         packages=("sentence-transformers",),
