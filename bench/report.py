@@ -1,4 +1,5 @@
-"""BENCHMARKS.md's summary table (and the README's headline rows), built from ``bench/results/*.json``.
+"""BENCHMARKS.md's summary table (and the README's headline rows), built from ``bench/results/*.json``,
+and the check that every figure on the pages is its raw result's.
 
 Every row below names one raw result and the JSON pointers (RFC 6901: ``/table/greedy_fill/512/recall``)
 of the figures it shows; the page's date and command are the raw file's own. Nothing is typed in by
@@ -7,23 +8,24 @@ hand, so a row can only say what its raw result holds::
     python bench/report.py                      # print the summary table
     python bench/report.py --headline           # print the README's headline rows
     python bench/report.py --write              # rewrite both blocks in BENCHMARKS.md and README.md
-    python bench/report.py --check BENCHMARKS.md README.md   # exit 1 when a figure is not in its raw result
-    python bench/report.py --check BENCHMARKS.md --stale     # ...or when a row's result is older than its code
+    python bench/report.py --check BENCHMARKS.md README.md docs   # exit 1 when a figure is not its raw result's
+    python bench/report.py --check BENCHMARKS.md --stale          # ...or when a row's result is older than its code
 
 ``--check`` reads each table row of a page that carries a row id (``<a id="sum-...">`` in
 BENCHMARKS.md, a link to ``BENCHMARKS.md#sum-...`` in the README), rebuilds the row from its raw
 file, and compares them number by number, column by column: a number on the page must equal the raw
 figure within the rounding the page shows (``97.3`` for 97.333 passes, ``97.4`` fails). A row id the
 script does not know, a missing summary row, or a summary block that is not what ``--write`` would
-write also fail. The sections below BENCHMARKS.md's summary get a looser check (:func:`check_prose`):
-every number there must be a figure of some raw result. Adding a row: add a :class:`Row` to
-:data:`ROWS` and run ``--write``.
+write also fail. Everything else the pages say in figures (BENCHMARKS.md outside its summary, the
+README outside its headline rows, every page under docs/, a folder standing for its ``*.md``) names
+its raw file and pointer in an HTML comment after the figure, ``84.7%<!-- /rates/squad-test/sentence/0.45/0 -->``,
+and a number that looks measured but names none fails; the syntax and the rule are in
+``bench/_figures.py``. Adding a row: add a :class:`Row` to :data:`ROWS` and run ``--write``.
 """
 
 from __future__ import annotations
 
 import argparse
-import bisect
 import json
 import re
 import sys
@@ -35,6 +37,8 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
+sys.path.insert(0, str(REPO / "bench"))
+import _figures  # noqa: E402  (bench/_figures.py: the figures in prose)
 
 #: The summary table's columns, in order (BENCHMARKS.md); the README's headline table shows
 #: ``HEADLINE_COLUMNS``. ``--check`` compares any column whose header is one of these names.
@@ -742,51 +746,6 @@ def _compare(name: str, n: int, row: Row, column: str, page: str, built: str) ->
     return out
 
 
-def _leaves(data: Any) -> Iterable[float]:
-    if isinstance(data, dict):
-        for v in data.values():
-            yield from _leaves(v)
-    elif isinstance(data, list):
-        for v in data:
-            yield from _leaves(v)
-    elif isinstance(data, (int, float)) and not isinstance(data, bool):
-        yield float(data)
-
-
-@cache
-def _all_figures() -> tuple[float, ...]:
-    return tuple(sorted({x for path in RESULTS.glob("*.json") for x in _leaves(_raw(path.name))}))
-
-
-def _in_some_result(x: float, decimals: int) -> bool:
-    figures = _all_figures()
-    # As written, as a percentage of a share (94.5% of 0.945), or in MB/MiB/GB/GiB of a byte count.
-    for scale in (1, 0.01, 1e6, 2**20, 1e9, 2**30):
-        value, tol = x * scale, 0.5 * 10**-decimals * scale
-        i = bisect.bisect_left(figures, value - tol - 1e-9)
-        if i < len(figures) and figures[i] <= value + tol + 1e-9:
-            return True
-    return False
-
-
-def check_prose(text: str, name: str) -> list[str]:
-    """The looser check for the rest of BENCHMARKS.md, below the summary: every number written in
-    the sections (outside code spans, link targets and the archive's tables) must be some figure
-    of some raw result, within the rounding shown (or that figure as a percentage, or a byte count
-    in MB, MiB, GB or GiB). It cannot tell
-    which figure a number claims to be, only that the raw results hold it: a typo or a figure from
-    an uncommitted run fails; a true figure put in the wrong place does not."""
-    body = text.split(SUMMARY_END, 1)[1] if SUMMARY_END in text else text
-    body = re.sub(r"`[^`\n]*`", "", body)  # commands, file names, options
-    body = re.sub(r"\]\([^)]*\)", "]", body)  # link targets
-    problems = []
-    for n, line in enumerate(body.splitlines(), text.split(SUMMARY_END, 1)[0].count("\n") + 1):
-        for x, decimals in numbers(line):
-            if not _in_some_result(abs(x), decimals):
-                problems.append(f"{name}:{n}: {x:g} is in no raw result in bench/results/ ({line.strip()[:80]!r})")
-    return problems
-
-
 def _block(text: str, begin: str, end: str) -> str | None:
     if begin not in text or end not in text:
         return None
@@ -810,20 +769,45 @@ def split_problems() -> list[str]:
     return out
 
 
-def check(paths: Iterable[Path]) -> list[str]:
-    problems: list[str] = split_problems()
+def pages(paths: Iterable[Path]) -> list[Path]:
+    """The pages to check: each path, a folder standing for every ``*.md`` under it."""
+    out: list[Path] = []
     for path in paths:
-        text = path.read_text()
+        out += sorted(path.rglob("*.md")) if path.is_dir() else [path]
+    return out
+
+
+def _name(path: Path) -> str:
+    path = path.resolve()
+    return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
+
+
+def check_pages(paths: Iterable[Path]) -> tuple[list[str], dict[str, _figures.PageReport]]:
+    """Every problem on the pages, and what each page's figure check found (figures, not-measured)."""
+    problems: list[str] = split_problems()
+    reports: dict[str, _figures.PageReport] = {}
+    for path in pages(paths):
+        text, name = path.read_text(), _name(path)
+        if _figures.GENERATED in text:
+            continue  # generated from the code, and checked against it (tools/docs_reference.py --check)
+        if path.name in _figures.ARCHIVE:
+            problems += _figures.check_archive(text, name, _figures.ARCHIVE[path.name])
+            continue
         problems += check_text(text, path.name)
         for begin, end, build in ((SUMMARY_BEGIN, SUMMARY_END, summary), (HEADLINE_BEGIN, HEADLINE_END, headline)):
             block = _block(text, begin, end)
             if block is not None and block != build():
                 problems.append(f"{path.name}: the block after {begin!r} is not what `--write` writes; run it")
-        if path.name == "BENCHMARKS.md":
-            if _block(text, SUMMARY_BEGIN, SUMMARY_END) is None:
-                problems.append(f"{path.name}: no summary block ({SUMMARY_BEGIN} ... {SUMMARY_END})")
-            problems += check_prose(text, path.name)
-    return problems
+        if path.name == "BENCHMARKS.md" and _block(text, SUMMARY_BEGIN, SUMMARY_END) is None:
+            problems.append(f"{path.name}: no summary block ({SUMMARY_BEGIN} ... {SUMMARY_END})")
+        report = _figures.check_page(text, name, skip=((SUMMARY_BEGIN, SUMMARY_END), (HEADLINE_BEGIN, HEADLINE_END)))
+        reports[name] = report
+        problems += report.problems
+    return problems, reports
+
+
+def check(paths: Iterable[Path]) -> list[str]:
+    return check_pages(paths)[0]
 
 
 def write(paths: Iterable[Path]) -> None:
@@ -876,7 +860,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--headline", action="store_true", help="print the README's headline rows")
     parser.add_argument("--write", action="store_true", help="rewrite the blocks in BENCHMARKS.md and README.md")
-    parser.add_argument("--check", nargs="+", type=Path, metavar="PAGE", help="check the pages' summary rows")
+    parser.add_argument(
+        "--check", nargs="+", type=Path, metavar="PAGE", help="check the pages' figures (a folder: its *.md pages)"
+    )
+    parser.add_argument(
+        "--fingerprint", type=Path, metavar="PAGE", help="print the fingerprint of an archive page's numbers"
+    )
     parser.add_argument(
         "--stale",
         action="store_true",
@@ -884,13 +873,21 @@ def main(argv: list[str] | None = None) -> int:
         "(without it, such rows are listed as warnings)",
     )
     args = parser.parse_args(argv)
+    if args.fingerprint:
+        print(_figures.fingerprint(args.fingerprint.read_text()))
+        return 0
     if args.check:
-        problems = check(args.check)
+        problems, reports = check_pages(args.check)
         stale = stale_report()
         for p in problems + stale:
             print(p, file=sys.stderr)
         if not problems:
-            print(f"ok: every figure checked in {', '.join(map(str, args.check))} is in its raw result")
+            marked = sum(len(r.figures) for r in reports.values())
+            unmeasured = sum(r.not_measured for r in reports.values())
+            print(
+                f"ok: the summary rows and {marked} marked figures on {len(reports)} pages are their raw results' "
+                f"({unmeasured} numbers marked not measured)"
+            )
         if stale:
             print(f"{len(stale)} of {len(ROWS)} rows were measured on older code (listed above): re-run them")
         return 1 if problems or (args.stale and stale) else 0

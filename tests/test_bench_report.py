@@ -1,5 +1,7 @@
 """bench/report.py: BENCHMARKS.md's summary table is generated from the raw results, and a figure on
-BENCHMARKS.md or the README that its raw result does not hold fails the check."""
+BENCHMARKS.md, the README or a docs page that is not its raw result's fails the check: a summary row
+against its row's pointers, any other figure against the pointer in the comment beside it
+(bench/_figures.py), and a measured-looking number with no pointer fails too."""
 
 from __future__ import annotations
 
@@ -26,9 +28,16 @@ def _load_report() -> ModuleType:
 report = _load_report()
 
 
+#: What CI runs: `python bench/report.py --check BENCHMARKS.md README.md`.
+CHECKED = [REPO / "BENCHMARKS.md", REPO / "README.md"]
+
+
 def test_the_committed_pages_pass_the_check(capsys: pytest.CaptureFixture[str]) -> None:
-    # What CI runs: `python bench/report.py --check BENCHMARKS.md README.md`.
-    assert report.main(["--check", str(REPO / "BENCHMARKS.md"), str(REPO / "README.md")]) == 0, capsys.readouterr().err
+    assert report.main(["--check", *map(str, CHECKED)]) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert "marked figures on" in out
+    _, reports = report.check_pages(CHECKED)
+    assert len(reports["BENCHMARKS.md"].figures) > 500
 
 
 def test_benchmarks_first_table_is_the_generated_summary() -> None:
@@ -116,14 +125,92 @@ def test_pointers_and_numbers() -> None:
     ]
 
 
-def test_a_number_in_the_sections_that_no_raw_result_holds_fails(tmp_path: Path) -> None:
-    # The relevance floor's 2,275 context tokens are in floor_test.json; 2,274 is in no raw result.
-    page = _page_with(tmp_path, "(7,677 → 2,275)", "(7,677 → 2,274)")
+def test_a_mutated_figure_in_the_sections_fails(tmp_path: Path) -> None:
+    # "70% fewer context tokens" is 1 - 2,275 / 7,677 (floor_test.json), 70.4%: 80% is not it.
+    page = _page_with(tmp_path, "**70%<!--", "**80%<!--")
     problems = report.check([page])
-    assert any("2274 is in no raw result" in p for p in problems), problems
-    # a percentage of a share and a byte count in MB are found as such
-    assert report._in_some_result(93.5, 1)  # engines.json: recall_in_prompt 0.935
-    assert report._in_some_result(1729, 0)  # load.json: predicted_peak_rss_bytes 1,728,606,208
+    assert any("the page says 80, its raw result 70.3" in p for p in problems), problems
+    # a ratio and a table cell read through a relative pointer, each one digit off
+    page = _page_with(tmp_path, "**3.83×**<!--", "**4.83×**<!--")
+    problems = report.check([page])
+    assert any(
+        "the page says 4.83, its raw result 3.83 (batching_own_threads.json#/rows/2/batched_vs_serial)" in p
+        for p in problems
+    ), problems
+    page = _page_with(tmp_path, "| 85.3%<!-- /rates/squad-tune", "| 85.4%<!-- /rates/squad-tune")
+    assert any("the page says 85.4, its raw result 85.33" in p for p in report.check([page]))
+    # within the rounding shown passes: 84.666... is 84.7 and 85 (97.3 stands for [97.25, 97.35])
+    page = _page_with(tmp_path, "**84.7%**<!-- /rates/squad-test", "**85%**<!-- /rates/squad-test")
+    assert report.check([page]) == []
+
+
+def test_an_unmarked_measured_looking_number_fails(tmp_path: Path) -> None:
+    page = _page_with(tmp_path, "**84.7%**<!-- /rates/squad-test/sentence/0.45/0 -->", "**84.7%**")
+    problems = report.check([page])
+    assert any("84.7 is not marked" in p for p in problems), problems
+    # what counts as measured-looking: decimals, %, ×, a unit of time, size or throughput;
+    # not a plain integer, a name's number, a code span, a link target, a confidence level
+    text = (
+        "A run took 12 s on 3 files (4 MB), 2× the other, at 95% interval, "
+        "with Qwen2.5-Coder-0.5B, Llama-3.1-8B, p50, `--top-k 0.5`, [x](a/1.5.md) and 7 questions.\n"
+    )
+    found = [p.split(": ")[1] for p in report._figures.check_page(text, "x.md").problems]
+    assert found == [f"{x} is not marked" for x in ("12", "4", "2")], found
+
+
+def test_a_pointer_that_does_not_resolve_fails(tmp_path: Path) -> None:
+    page = _page_with(
+        tmp_path, "<!-- /rates/squad-test/sentence/0.45/1 -->", "<!-- /rates/squad-test/sentence/0.46/1 -->"
+    )
+    problems = report.check([page])
+    assert any("bench/results/abstain.json has no /rates/squad-test/sentence/0.46/1" in p for p in problems), problems
+    page = _page_with(tmp_path, "<!-- raw: abstain.json -->", "<!-- raw: abstain2.json -->")
+    assert any("bench/results/abstain2.json does not exist" in p for p in report.check([page]))
+    # a pointer at something that is not a number, a marker after no number, '--' in a marker
+    f = report._figures
+    assert "not a number" in f.check_page("on 12<!-- abstain.json#/command --> splits", "x.md").problems[0]
+    assert "follows no number" in f.check_page("a `x`<!-- abstain.json#/max_wrong_pct --> b", "x.md").problems[0]
+    assert "holds '--'" in f.check_page("2%<!-- not measured: see --max-wrong -->", "x.md").problems[0]
+
+
+def test_the_not_measured_marker_passes_with_its_reason(tmp_path: Path) -> None:
+    f = report._figures
+    ok = f.check_page("a floor of 0.5<!-- not measured: the default --> and 2 s<!-- not measured: a target -->", "x.md")
+    assert ok.problems == [] and ok.not_measured == 2 and ok.figures == []
+    bare = f.check_page("a floor of 0.5<!-- not measured -->", "x.md")
+    assert "needs its reason" in bare.problems[0]
+
+
+def test_scales_formulas_and_bases() -> None:
+    f = report._figures
+    text = (
+        "<!-- raw: engines_1024.json#/summary -->"
+        "94.5%<!-- ragbudget/recall_in_prompt as % --> and 59.5%<!-- llamaindex/recall_in_prompt as % -->; "
+        "1,729 MB<!-- load.json#/bursts/1/predicted_peak_rss_bytes as MB -->; "
+        "1.59×<!-- = {ragbudget/recall_in_prompt} / {llamaindex/recall_in_prompt} -->; "
+        "200<!-- /settings/questions --> questions"
+    )
+    result = f.check_page(text, "x.md")
+    assert result.problems == [] and len(result.figures) == 5, result.problems
+    wrong = f.check_page(text.replace("94.5%<!--", "0.945%<!--"), "x.md")
+    assert any("the page says 0.945, its raw result 94.5" in p for p in wrong.problems), wrong.problems
+
+
+def test_the_archive_is_held_to_its_fingerprint(tmp_path: Path) -> None:
+    text = (REPO / "docs" / "benchmark-history.md").read_text()
+    page = tmp_path / "benchmark-history.md"
+    page.write_text(text)
+    assert report.check([page]) == []
+    page.write_text(text.replace("99.62%", "99.63%", 1))
+    assert any("a number on the archive changed" in p for p in report.check([page]))
+    page.write_text(text.replace("Historical record", "A historical record", 1))  # words may change
+    assert report.check([page]) == []
+
+
+def test_generated_reference_pages_are_left_to_their_own_check() -> None:
+    generated = [p for p in (REPO / "docs" / "reference").glob("*.md") if report._figures.GENERATED in p.read_text()]
+    assert {p.name for p in generated} >= {"cli.md", "settings.md", "metrics.md"}
+    assert report.check(generated) == []
 
 
 def _git(*args: str) -> str:
@@ -177,7 +264,7 @@ def test_a_result_older_than_the_code_it_measures_is_flagged(
         assert "no commit or no date" in (report.staleness(row("undated.json")) or "")
         rows = (row("old.json"),)
         monkeypatch.setattr(report, "ROWS", rows)
-        monkeypatch.setattr(report, "check", lambda paths: [])
+        monkeypatch.setattr(report, "check_pages", lambda paths: ([], {}))
         assert report.main(["--check", "X.md"]) == 0  # listed, not failed
         assert "stale: sum-t" in capsys.readouterr().err
         assert report.main(["--check", "X.md", "--stale"]) == 1
