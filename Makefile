@@ -68,6 +68,7 @@ lint: dev
 # cannot read). A few seconds; `make test` runs it.
 docs: dev
 	$(BIN)/python tools/docs_reference.py --check
+	$(BIN)/python bench/report.py --check BENCHMARKS.md README.md docs
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
 # Two tiers of tests (tests/_needs.py says what each marker means), both on every core with

@@ -87,7 +87,8 @@ UNIT = re.compile(rf"\s{_UNITS}|{_GLUED}")
 _NUM = r"([-−+]?)((?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+(?:e[-+]?\d+)?)?)"
 NUMBER = re.compile(r"(?<![\w.@$#\\])(?<![A-Za-z_]/)" + _NUM)
 _COMMENT = re.compile(r"<!--(.*?)-->")
-_CODE = re.compile(r"(`+)(?:(?!\1).)+?\1")
+#: A code span, which may run over lines of one paragraph (not over a blank line).
+_CODE = re.compile(r"(`+)(?:(?!\1)[^\n]|\n(?![ \t]*\n))+?\1")
 _MASKED = (
     re.compile(r"\]\([^)]*\)"),  # link targets
     re.compile(r"<[A-Za-z/][^>]*>"),  # HTML tags and autolinks
@@ -223,12 +224,15 @@ def _parse_number(sign: str, digits: str) -> tuple[float, float]:
     return (-value if sign in ("-", "−") else value), 0.5 * 10.0 ** (exp - decimals)
 
 
+def _blank(m: re.Match[str]) -> str:
+    return re.sub(r"[^\n]", " ", m.group())
+
+
 def _mask(line: str) -> tuple[str, list[tuple[int, str]]]:
-    """The line with code spans, comments, tags and link targets blanked (positions kept), and
-    its comments as (start, text)."""
+    """The line (code spans already blanked) with comments, tags and link targets blanked too,
+    positions kept, and its comments as (start, text)."""
     comments = [(m.start(), m.group(1)) for m in _COMMENT.finditer(line)]
-    masked = _COMMENT.sub(lambda m: " " * len(m.group()), line)
-    masked = _CODE.sub(lambda m: " " * len(m.group()), masked)
+    masked = _COMMENT.sub(_blank, line)
     for pattern in _MASKED:
         masked = pattern.sub(lambda m: m.group()[0] + " " * (len(m.group()) - 1), masked)
     return masked, comments
@@ -263,13 +267,16 @@ def _measured_looking(masked: str, start: int, end: int, digits: str) -> bool:
     return False
 
 
-def prose_lines(text: str, skip: tuple[tuple[str, str], ...] = ()) -> Iterator[tuple[int, str]]:
-    """(line number, line) of a page outside fenced code and the generated blocks in ``skip``
-    (begin line, end line); headings included (they may hold a ``raw:`` comment)."""
+def prose_lines(text: str, skip: tuple[tuple[str, str], ...] = ()) -> Iterator[tuple[int, str, str]]:
+    """(line number, line, line with its code spans blanked) of a page outside fenced code and the
+    generated blocks in ``skip`` (begin line, end line); headings included (they may hold a ``raw:``)."""
+    lines = text.split("\n")
+    keep: list[bool] = []
     fence: str | None = None
     block_end: str | None = None
-    for n, line in enumerate(text.splitlines(), 1):
+    for line in lines:
         stripped = line.strip()
+        keep.append(False)
         if block_end is not None:
             block_end = None if block_end in line else block_end
         elif begin_end := next(((b, e) for b, e in skip if b in line), None):
@@ -279,7 +286,11 @@ def prose_lines(text: str, skip: tuple[tuple[str, str], ...] = ()) -> Iterator[t
         elif m := re.match(r"(```+|~~~+)", stripped):
             fence = m.group(1)
         else:
-            yield n, line
+            keep[-1] = True
+    prose = "\n".join(line if kept else "" for line, kept in zip(lines, keep, strict=True))
+    for n, (line, masked) in enumerate(zip(lines, _CODE.sub(_blank, prose).split("\n"), strict=True), 1):
+        if keep[n - 1]:
+            yield n, line, masked
 
 
 _DIRECTIVE = re.compile(r"\s*raw:\s*([^#\s]*)(?:#(/.*?))?\s*")
@@ -291,10 +302,17 @@ def check_page(text: str, name: str, skip: tuple[tuple[str, str], ...] = (), res
     number; ``skip``: generated blocks (begin line, end line) left out (they are checked row by row)."""
     report = PageReport()
     current = Raw()  # the raw file and base set by the last <!-- raw: NAME.json#/base -->
-    for n, line in prose_lines(text, skip):
+    previous = ""
+    for n, line, code_blanked in prose_lines(text, skip):
         at = f"{name}:{n}"
-        masked, comments = _mask(line)
-        markers: list[tuple[int, str]] = []
+        masked, comments = _mask(code_blanked)
+        if line.lstrip().startswith("<!--") and previous.strip() and not previous.lstrip().startswith(("#", "|", "<")):
+            report.problems.append(
+                f"{at}: a line that starts with '<!--' starts an HTML block, which splits the paragraph or list "
+                f"above on GitHub: put the comment at the end of the line before"
+            )
+        previous = line
+        markers: list[tuple[int, str, Raw]] = []  # each with the raw file it reads (the last directive before it)
         for start, body in comments:
             if "--" in body and (_DIRECTIVE.fullmatch(body) or _attached(masked, start)):
                 report.problems.append(f"{at}: <!--{body}--> holds '--', which ends the comment early on GitHub")
@@ -303,34 +321,35 @@ def check_page(text: str, name: str, skip: tuple[tuple[str, str], ...] = (), res
                 if not current.name or not (results / current.name).is_file():
                     report.problems.append(f"{at}: <!--{body}-->: bench/results/{current.name} does not exist")
             else:
-                markers.append((start, body))
+                markers.append((start, body, current))
         if re.match(r"\s{0,3}#{1,6}\s", line):
             continue  # a heading: its numbers are names ("## Issue 45")
         numbers = [m for m in NUMBER.finditer(masked) if not _is_name_part(masked, m.start(), m.end())]
-        attached: dict[int, str] = {}
-        for start, body in markers:
+        attached: dict[int, tuple[str, Raw]] = {}
+        for start, body, raw_at in markers:
             owner = next((m for m in reversed(numbers) if m.end() <= start), None)
             if owner is not None and _GAP.match(masked[owner.end() : start]):
-                attached[owner.start()] = body
+                attached[owner.start()] = (body, raw_at)
             elif _looks_like_marker(body):
                 report.problems.append(f"{at}: <!--{body}--> follows no number")
         for m in numbers:
             sign, digits = m.group(1), m.group(2)
-            body = attached.get(m.start())
-            if body is None:
+            if m.start() not in attached:
                 if _measured_looking(masked, m.start(), m.end(), digits):
                     report.problems.append(
                         f"{at}: {sign}{digits} is not marked: follow it with <!-- POINTER --> (its raw "
                         f"result) or <!-- not measured: WHY --> ({_context(line, m.start())!r})"
                     )
-            elif nm := _NOT_MEASURED.fullmatch(body):
+                continue
+            body, raw_at = attached[m.start()]
+            if nm := _NOT_MEASURED.fullmatch(body):
                 if nm.group(1):
                     report.not_measured += 1
                 else:
                     report.problems.append(f"{at}: <!-- not measured --> after {digits} needs its reason")
             else:
                 report.figures.append(Figure(n, sign + digits, body.strip()))
-                report.problems += _compare(at, sign, digits, body, current, results)
+                report.problems += _compare(at, sign, digits, body, raw_at, results)
     return report
 
 

@@ -28,15 +28,18 @@ def _load_report() -> ModuleType:
 report = _load_report()
 
 
-#: What CI runs: `python bench/report.py --check BENCHMARKS.md README.md`.
-CHECKED = [REPO / "BENCHMARKS.md", REPO / "README.md"]
+#: What `make docs` (so `make test`) runs: `python bench/report.py --check BENCHMARKS.md README.md docs`.
+CHECKED = [REPO / "BENCHMARKS.md", REPO / "README.md", REPO / "docs"]
 
 
 def test_the_committed_pages_pass_the_check(capsys: pytest.CaptureFixture[str]) -> None:
     assert report.main(["--check", *map(str, CHECKED)]) == 0, capsys.readouterr().err
     out = capsys.readouterr().out
     assert "marked figures on" in out
+    # every docs page but the generated ones and the archive is read for figures
     _, reports = report.check_pages(CHECKED)
+    assert "docs/answers.md" in reports and "docs/engines.md" in reports and "README.md" in reports
+    assert "docs/benchmark-history.md" not in reports and "docs/reference/cli.md" not in reports
     assert len(reports["BENCHMARKS.md"].figures) > 500
 
 
@@ -194,6 +197,33 @@ def test_scales_formulas_and_bases() -> None:
     assert result.problems == [] and len(result.figures) == 5, result.problems
     wrong = f.check_page(text.replace("94.5%<!--", "0.945%<!--"), "x.md")
     assert any("the page says 0.945, its raw result 94.5" in p for p in wrong.problems), wrong.problems
+
+
+def test_a_raw_directive_applies_from_where_it_stands() -> None:
+    f = report._figures
+    answers = "answers_squad_test_qwen2_5_coder_0_5b_instruct_q4_k_m.json"
+    # on one line: the first marker reads the answers run, the second abstain.json
+    text = (
+        f"<!-- raw: {answers} -->12<!-- /args/docs --> articles, "
+        "then <!-- raw: abstain.json -->150<!-- /args/questions -->"
+    )
+    assert f.check_page(text, "x.md").problems == []
+    # a directive on a line of its own inside a paragraph would split it on GitHub (an HTML block)
+    split = f.check_page("a line of prose\n<!-- raw: abstain.json -->\nwith 150<!-- /args/questions -->", "x.md")
+    assert any("starts an HTML block" in p for p in split.problems), split.problems
+    assert f.check_page("a paragraph\n\n<!-- raw: abstain.json -->\n150<!-- /args/questions -->", "x.md").problems == []
+
+
+def test_a_docs_page_is_checked(tmp_path: Path) -> None:
+    page = tmp_path / "engines.md"
+    text = (REPO / "docs" / "engines.md").read_text()
+    page.write_text(text)
+    assert [p for p in report.check([tmp_path]) if "engines.md" in p] == []
+    marked = next(m for m in ("93.5%<!--", "2.08<!--") if m in text)
+    page.write_text(text.replace(marked, "9" + marked, 1))
+    assert any("engines.md" in p and "the page says 9" in p for p in report.check([tmp_path]))
+    page.write_text(text.replace(marked, marked.split("<")[0] + " <!-- -->", 1))
+    assert any("engines.md" in p and "is not marked" in p for p in report.check([tmp_path]))
 
 
 def test_the_archive_is_held_to_its_fingerprint(tmp_path: Path) -> None:
