@@ -1,38 +1,45 @@
 """Figures in prose, each read through a named JSON pointer into a raw result (``bench/report.py --check``).
 
-The summary table of BENCHMARKS.md and the README's headline rows are generated (``bench/report.py``);
-this module checks everything else a page says in figures: BENCHMARKS.md below its summary, the
-README outside its headline block, and the docs pages. A figure names where it comes from in an
-HTML comment right after it, which neither GitHub nor MkDocs shows::
+BENCHMARKS.md's summary table and the README's headline rows are generated and checked row by row
+(``bench/report.py``). Everything else the pages say in figures (BENCHMARKS.md outside the summary,
+the README outside its headline rows, the docs pages) is checked here: a figure names the raw file
+in ``bench/results/`` and the RFC 6901 pointer (``~1`` is ``/``, ``~0`` is ``~``) it comes from, in
+an HTML comment right after it, which neither GitHub nor MkDocs shows::
 
-    <!-- raw: abstain.json -->                       the page's raw file from here on (bench/results/)
-    84.7%<!-- /rates/squad-test/sentence/0.45/0 -->  the value at that pointer in the page's raw file
-    0.0%<!-- answers_x.json#/summary/langchain@2048/declined_unanswerable_pct -->   ...or in another file
-    93.5%<!-- engines.json#/summary/ragbudget/recall_in_prompt as % -->  a share (0.935) shown as a percentage
-    1,729 MB<!-- load.json#/bursts/1/predicted_peak_rss_bytes as MB -->  a byte count (MB, MiB, GB, GiB, KB, KiB)
-    54 s<!-- /bursts/0/latency_ms/p50 as s -->       milliseconds shown in seconds (``as ms``: seconds in ms)
-    70%<!-- = 1 - {/a/tokens} / {/b/tokens} as % --> a figure computed from others: ``=``, pointers in braces,
-                                                     numbers, + - * / and parentheses
-    0.45<!-- not measured: the default floor -->     a number that is no measurement (a default, a target, a
-                                                     threshold quoted, a setting), with the reason
+    <!-- raw: abstain.json -->                   the raw file a bare /pointer reads, from here on
+    84.7%<!-- /rates/squad-test/sentence/0.45/0 -->          the value at that pointer of that file
+    0.0%<!-- answers_x.json#/summary/langchain@2048/f1 -->   ...or of another file, named
+    <!-- raw: answers_x.json#/summary/ragbudget@256 -->      a file and a base: a pointer without a
+    29.4<!-- f1 --> (19.7<!-- f1_ci95/0 -->–40.3<!-- f1_ci95/1 -->)   leading / reads under the base
+    <!-- raw: #/summary/langchain@256 -->        another base in the same file (a table row each)
+    93.5%<!-- /summary/ragbudget/recall_in_prompt as % -->   a share (0.935) shown as a percentage
+    1,729 MB<!-- /bursts/1/predicted_peak_rss_bytes as MB --> bytes shown in MB (KB, MiB, GB, GiB, KiB);
+                                                 ``as ms``: seconds shown in ms, ``as s``: ms in seconds
+    70%<!-- = 1 - {/results/a/tokens} / {/results/b/tokens} as % -->   a figure computed from others:
+                                                 ``=``, pointers in braces, numbers, + - * / ( )
+    0.45<!-- not measured: the default floor --> a number that is no measurement (a default, a target,
+                                                 a limit, a version, a worked example), and why
 
-A pointer is RFC 6901 (``~1`` is ``/``, ``~0`` is ``~``), and a comment is a marker when it follows
-the number directly (or its unit, ``%``, ``×`` or closing ``**``). The number must equal the pointed
-value, scaled, within the rounding the page shows: ``97.3`` stands for anything in [97.25, 97.35]
-and ``70%`` for [69.5, 70.5]; ``−2.0`` is -2.0 (``= -{/x}`` when the page states a difference the
-other way round). A marker whose pointer does not resolve, whose value is not a number, or that
-follows no number fails.
+A comment is a figure's marker when it follows the number directly, or after its unit, ``%``, ``×``
+and closing ``**``. The number must equal the pointed value, scaled, within the rounding the page
+shows: ``97.3`` stands for anything in [97.25, 97.35], ``70%`` for [69.5, 70.5]; ``−2.0`` is -2.0
+(``= -{/x}`` when the page states a difference the other way round). A marker that does not
+resolve, points at what is not a number, follows no number or lacks its reason fails, and so does
+a ``raw:`` naming no file. A ``raw:`` comment applies to the markers after it, on its own line or
+at the end of a line (a line that *starts* with ``<!--`` inside a paragraph or list starts an HTML
+block on GitHub, which splits the paragraph: the check refuses one), and a comment may not hold
+``--``, which GitHub reads as its end.
 
-**Measured-looking** numbers must be marked: outside fenced code, code spans, link targets, HTML
-tags and comments, and headings, any number written with a decimal point, followed by ``%`` or
-``×``, or followed by a unit of time (ns, µs, ms, s, min, h and their words), size (B, KB, KiB,
-MB, MiB, GB, GiB, TB, bytes) or throughput (tok/s, MB/s, req/s, ...), and the first number of a
-range whose second one is (``20–25%``). A number that is part of a name is not a figure: one
-glued to a letter (``Qwen2.5``, ``0.5B``, ``p50``, ``H200``), after ``word-`` (``Llama-3.1``), a
-dotted version (``3.11.7``). Plain integers ("150 questions") are not forced, but one that states a
-measured run's size or count is marked like any figure (``/args/questions``). Numbers that no
-run measured are marked ``not measured`` with their reason; it is for what truly is no
-measurement, not for a figure whose raw result is missing (such a figure is taken off the page).
+**Measured-looking** numbers must be marked. Outside fenced code, code spans, link targets, HTML
+tags, comments and headings, that is any number written with a decimal point, followed by ``%`` or
+``×``, or followed by a unit of time (ns, µs, ms, s, min, h and their words), size (B, KB, KiB, MB,
+MiB, GB, GiB, TB, bytes) or throughput (tok/s, MB/s, req/s, ...), and the first number of a range
+whose second one is (``20–25%``). Not figures: a number that is part of a name (glued to a letter:
+``Qwen2.5``, ``0.5B``, ``p50``, ``H200``, ``429s``; after ``word-``: ``Llama-3.1``, ``top-4``; a
+dotted version ``3.11.7``) and an interval's confidence level (``95% interval``). A plain integer
+("150 questions") is not forced, but one that states a measured run's size or count is marked like
+any figure (``/args/questions``). ``not measured`` is for what truly is no measurement, never for a
+figure whose raw result is missing: such a figure is taken off the page, or the run is committed.
 
 ``docs/benchmark-history.md`` is the archive of the page as it stood on 2026-12-03, kept as written:
 its figures come from raw results since re-run, so they cannot point into today's files. Its
