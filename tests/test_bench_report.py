@@ -140,17 +140,17 @@ def test_a_mutated_figure_in_the_sections_fails(tmp_path: Path) -> None:
         "the page says 4.83, its raw result 3.83 (batching_own_threads.json#/rows/2/batched_vs_serial)" in p
         for p in problems
     ), problems
-    page = _page_with(tmp_path, "| 85.3%<!-- /rates/squad-tune", "| 85.4%<!-- /rates/squad-tune")
-    assert any("the page says 85.4, its raw result 85.33" in p for p in report.check([page]))
-    # within the rounding shown passes: 84.666... is 84.7 and 85 (97.3 stands for [97.25, 97.35])
-    page = _page_with(tmp_path, "**84.7%**<!-- /rates/squad-test", "**85%**<!-- /rates/squad-test")
+    page = _page_with(tmp_path, "| 73.3<!-- ragbudget_chunks/128/recall", "| 74.3<!-- ragbudget_chunks/128/recall")
+    assert any("the page says 74.3, its raw result 73.33" in p for p in report.check([page]))
+    # within the rounding shown passes: 91.45... is 91.5 and 91 (97.3 stands for [97.25, 97.35])
+    page = _page_with(tmp_path, "**91.5%**<!-- ragbudget_in_context", "**91%**<!-- ragbudget_in_context")
     assert report.check([page]) == []
 
 
 def test_an_unmarked_measured_looking_number_fails(tmp_path: Path) -> None:
-    page = _page_with(tmp_path, "**84.7%**<!-- /rates/squad-test/sentence/0.45/0 -->", "**84.7%**")
+    page = _page_with(tmp_path, "**91.5%**<!-- ragbudget_in_context -->", "**91.5%**")
     problems = report.check([page])
-    assert any("84.7 is not marked" in p for p in problems), problems
+    assert any("91.5 is not marked" in p for p in problems), problems
     # what counts as measured-looking: decimals, %, ×, a unit of time, size or throughput;
     # not a plain integer, a name's number, a code span, a link target, a confidence level
     text = (
@@ -162,13 +162,11 @@ def test_an_unmarked_measured_looking_number_fails(tmp_path: Path) -> None:
 
 
 def test_a_pointer_that_does_not_resolve_fails(tmp_path: Path) -> None:
-    page = _page_with(
-        tmp_path, "<!-- /rates/squad-test/sentence/0.45/1 -->", "<!-- /rates/squad-test/sentence/0.46/1 -->"
-    )
+    page = _page_with(tmp_path, "<!-- semchunk/ragbudget_x -->", "<!-- semchunk/ragbudget_y -->")
     problems = report.check([page])
-    assert any("bench/results/abstain.json has no /rates/squad-test/sentence/0.46/1" in p for p in problems), problems
-    page = _page_with(tmp_path, "<!-- raw: abstain.json -->", "<!-- raw: abstain2.json -->")
-    assert any("bench/results/abstain2.json does not exist" in p for p in report.check([page]))
+    assert any("bench/results/chunking.json has no /results/1 thread/semchunk/ragbudget_y" in p for p in problems)
+    page = _page_with(tmp_path, "<!-- raw: chunking.json#", "<!-- raw: chunking2.json#")
+    assert any("bench/results/chunking2.json does not exist" in p for p in report.check([page]))
     # a pointer at something that is not a number, a marker after no number, '--' in a marker
     f = report._figures
     assert "not a number" in f.check_page("on 12<!-- abstain.json#/command --> splits", "x.md").problems[0]
@@ -176,7 +174,7 @@ def test_a_pointer_that_does_not_resolve_fails(tmp_path: Path) -> None:
     assert "holds '--'" in f.check_page("2%<!-- not measured: see --max-wrong -->", "x.md").problems[0]
 
 
-def test_the_not_measured_marker_passes_with_its_reason(tmp_path: Path) -> None:
+def test_the_not_measured_marker_passes_with_its_reason() -> None:
     f = report._figures
     ok = f.check_page("a floor of 0.5<!-- not measured: the default --> and 2 s<!-- not measured: a target -->", "x.md")
     assert ok.problems == [] and ok.not_measured == 2 and ok.figures == []
