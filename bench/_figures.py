@@ -125,6 +125,9 @@ class Figure:
 
 @dataclass
 class PageReport:
+    """What the check found on one page: its marked figures, how many numbers are marked not
+    measured, and its problems (one line each, ``page:line: ...``)."""
+
     figures: list[Figure] = field(default_factory=list)
     not_measured: int = 0
     problems: list[str] = field(default_factory=list)
