@@ -435,15 +435,18 @@ LABELS = {
 
 def table(result: dict[str, Any]) -> str:
     """The per-system table of a raw result: F1 and EM with 95% intervals, the answer in the
-    context, declining, citation precision and failures, one row per system and budget."""
+    context, declining, citation precision and failures, one row per system and budget — each
+    figure followed by its pointer into the raw result (``bench/_figures.py``: the row's
+    ``<!-- raw: #/summary/SYSTEM@BUDGET -->``, then ``<!-- f1 -->`` …), so the table pasted into
+    BENCHMARKS.md is checked by ``bench/report.py --check``."""
     lines = [
         "| system | context tokens | F1 (95% interval) | EM | answer in context | unanswerable declined "
         "| answerable wrongly declined | citation precision | failed |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
 
-    def pct(x: float | None) -> str:
-        return "—" if x is None else f"{x:.1f}%"
+    def pct(x: float | None, key: str) -> str:
+        return "—" if x is None else f"{x:.1f}%<!-- {key} -->"
 
     for system in result["systems"]:
         for b in result["budgets"]:
@@ -454,12 +457,14 @@ def table(result: dict[str, Any]) -> str:
             cite = (
                 "—"
                 if c["citation_precision_pct"] is None
-                else f"{c['citation_precision_pct']:.1f}% of {c['citations']}"
+                else pct(c["citation_precision_pct"], "citation_precision_pct") + f" of {c['citations']}<!-- citations -->"
             )
             lines.append(
-                f"| {LABELS.get(system, system)} | {b:,} | {c['f1']:.1f} ({lo:.1f}–{hi:.1f}) | {c['em']:.1f} "
-                f"| {pct(c['in_context'])} | {pct(c['declined_unanswerable_pct'])} | {pct(c['wrongly_declined_pct'])} "
-                f"| {cite} | {c['failed']} |"
+                f"| <!-- raw: #/summary/{system}@{b} -->{LABELS.get(system, system)} | {b:,} "
+                f"| {c['f1']:.1f}<!-- f1 --> ({lo:.1f}<!-- f1_ci95/0 -->–{hi:.1f}<!-- f1_ci95/1 -->) "
+                f"| {c['em']:.1f}<!-- em --> | {pct(c['in_context'], 'in_context')} "
+                f"| {pct(c['declined_unanswerable_pct'], 'declined_unanswerable_pct')} "
+                f"| {pct(c['wrongly_declined_pct'], 'wrongly_declined_pct')} | {cite} | {c['failed']}<!-- failed --> |"
             )
     return "\n".join(lines)
 
