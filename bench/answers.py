@@ -454,11 +454,9 @@ def table(result: dict[str, Any]) -> str:
             if c is None or c["f1"] is None:
                 continue
             lo, hi = c["f1_ci95"]
-            cite = (
-                "—"
-                if c["citation_precision_pct"] is None
-                else pct(c["citation_precision_pct"], "citation_precision_pct") + f" of {c['citations']}<!-- citations -->"
-            )
+            cite = pct(c["citation_precision_pct"], "citation_precision_pct")
+            if c["citation_precision_pct"] is not None:
+                cite += f" of {c['citations']}<!-- citations -->"
             lines.append(
                 f"| <!-- raw: #/summary/{system}@{b} -->{LABELS.get(system, system)} | {b:,} "
                 f"| {c['f1']:.1f}<!-- f1 --> ({lo:.1f}<!-- f1_ci95/0 -->–{hi:.1f}<!-- f1_ci95/1 -->) "
