@@ -30,6 +30,8 @@ from ._pacing import EngineSpeed
 from ._prometheus import int_or_none as int_or_none, parse_prometheus as parse_prometheus
 
 if TYPE_CHECKING:  # pragma: no cover
+    from contextlib import AbstractContextManager
+
     from ...memory.admission import AdmissionController
     from ...memory.schedule import Throughput
     from ...prompt.prompt import PromptBuilder
@@ -154,6 +156,13 @@ class ServedBackend(ABC):
     @property
     def url(self) -> str:
         return self.http.root
+
+    def probing(self) -> AbstractContextManager[None]:
+        """What is asked of the engine within is a quick look (:meth:`HTTP.probing`)."""
+        return self.http.probing()
+
+    def requests_sent(self) -> Mapping[str, int] | None:
+        return dict(self.http.sent)
 
     # -- model ------------------------------------------------------------------------------------
     @property
