@@ -220,20 +220,9 @@ class Pipeline(Planning):
             # The settings ask for the local generator: built now (nothing loads until first
             # use), so its memory settings are checked with the rest. An engine is connected to
             # on first use (:attr:`backend`).
-            from .generation.local import LocalBackend
+            from .generation.local import local_backend
 
-            m = self.memory
-            backend = LocalBackend(
-                generator,
-                model=model,
-                gpu=m.gpu,
-                concurrency=m.concurrency,
-                max_new_tokens=m.max_new_tokens,
-                cache=m.cache,
-                kv_dtype=m.kv_dtype,
-                utilization=m.utilization,
-                ttft_target=m.ttft_target,
-            )
+            backend = local_backend(generator, model=model, memory=self.memory)
         self._backend: Backend | None = backend
         self._index: Index | None = None
         self._builder: PromptBuilder | None = None
@@ -289,9 +278,10 @@ class Pipeline(Planning):
         """The local generator (loaded on first use; the packaged SmolLM2 by default). A
         pipeline that generates on a served engine, or on a given backend without one, has
         none: :attr:`backend` is what generates."""
-        # A backend over a local generator (LocalBackend) shares it; no other has one.
+        from .generation.local import local_generator
+
         backend = self.backend
-        gen: Generator | None = getattr(backend, "generator", None)
+        gen = local_generator(backend)  # a backend over a local generator shares it; no other has one
         if gen is None:
             raise ConfigError(
                 f"this pipeline generates on {backend!r}: it has no local generator (use pipeline.backend)"
@@ -300,8 +290,8 @@ class Pipeline(Planning):
 
     @property
     def backend(self) -> Backend:
-        """What generates: the :class:`~ragbudget.generation.local.LocalBackend` over the local
-        generator, a given ``backend=``, or the served engine's
+        """What generates: the local generator's backend
+        (:func:`~ragbudget.generation.local.local_backend`), a given ``backend=``, or the served engine's
         :class:`~ragbudget.generation.backend.Backend` (connected on first use; token counts
         cached in ``<index_dir>/counts.sqlite``)."""
         with self._lock:

@@ -35,6 +35,7 @@ from __future__ import annotations
 import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, TypeVar
 
 from .errors import ArgumentTypeError, ConfigError
@@ -48,6 +49,7 @@ __all__ = [
     "DEFAULT_PORT",
     "DEFAULT_RELEVANCE_FLOOR",
     "DEFAULT_REQUEST_TIMEOUT",
+    "BUILT_IN_ENGINES",
     "ENGINE_GROUP",
     "ENGINE_KINDS",
     "QUANT_BACKENDS",
@@ -72,11 +74,24 @@ __all__ = [
 #: on, while the context shrinks from 7,667 to 2,689 tokens.
 DEFAULT_RELEVANCE_FLOOR = 0.5
 
-#: Served engines ragbudget knows by name (``"auto"`` probes and says which).
-ENGINE_KINDS = ("vllm", "sglang", "tgi", "llamacpp", "ollama", "openai")
 #: The entry-point group through which an installed package adds an engine kind: the entry's name
 #: is the kind, its value a :class:`~ragbudget.generation.engines.ServedBackend` subclass.
 ENGINE_GROUP = "ragbudget.engines"
+#: The built-in engines, in the form a package registers one in :data:`ENGINE_GROUP` (kind →
+#: ``"module:Class"``) and loaded the same way (:func:`ragbudget.generation.engines.backend_class`):
+#: one table, read by the settings' checks and by the loader alike.
+BUILT_IN_ENGINES: Mapping[str, str] = MappingProxyType(
+    {
+        "vllm": "ragbudget.generation.engines.vllm:VLLMBackend",
+        "sglang": "ragbudget.generation.engines.sglang:SGLangBackend",
+        "tgi": "ragbudget.generation.engines.tgi:TGIBackend",
+        "llamacpp": "ragbudget.generation.engines.llamacpp:LlamaCppBackend",
+        "ollama": "ragbudget.generation.engines.ollama:OllamaBackend",
+        "openai": "ragbudget.generation.engines.openai:OpenAIBackend",
+    }
+)
+#: Served engines ragbudget knows by name (``"auto"`` probes and says which).
+ENGINE_KINDS = tuple(BUILT_IN_ENGINES)
 
 
 def engine_kinds() -> tuple[str, ...]:

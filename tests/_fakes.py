@@ -164,8 +164,14 @@ class FakeBackend:
     * what it saw: ``calls`` (``messages``, ``question``, ``max_new_tokens``, ``sampling``,
       ``stop``), ``cancelled`` (questions stopped by ``cancel``), ``running``/``peak_running``
       (answers being written at once), ``overruns`` (prompts that, with their ``max_new_tokens``,
-      did not fit ``capacity.max_context_tokens``), ``counted`` (count and render calls).
+      did not fit ``capacity.max_context_tokens``), ``counted`` (count and render calls),
+      ``prefetched`` (prefetch calls);
+    * where it runs: an engine elsewhere (``url`` ``http://fake.invalid``, whose health and load
+      the server watches), or in this process with ``memory_plan`` (``url`` ``""``), as the
+      built-in backends of each kind; ``url=`` sets it.
     """
+
+    kind = "fake"
 
     def __init__(
         self,
@@ -178,6 +184,7 @@ class FakeBackend:
         token_delay: float = 0.0,
         fail: BaseException | None = None,
         memory_plan: dict[str, Any] | None = None,
+        url: str | None = None,
     ) -> None:
         import threading
 
@@ -194,6 +201,8 @@ class FakeBackend:
         self.cancelled: list[str] = []
         self.running = self.peak_running = self.overruns = 0
         self.counted = 0  # count() and render() calls: the work of building a prompt
+        self.prefetched = 0
+        self.url = url if url is not None else ("" if memory_plan is not None else "http://fake.invalid")
         self._lock = threading.Lock()
 
     def count(self, texts: Any) -> list[int]:
@@ -213,7 +222,18 @@ class FakeBackend:
         n = sum(self.counter.count(m["content"]) + 8 for m in msgs)
         return RenderedPrompt(messages=msgs, n_tokens=n, exact=False, source="fake, 8 per message")
 
-    def capacity(self, *, max_new_tokens: int | None = None) -> Any:
+    def probing(self) -> Any:
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def requests_sent(self) -> Any:
+        return None
+
+    def prefetch(self, texts: Any, chats: Any = ()) -> None:
+        self.prefetched += 1
+
+    def capacity(self, *, max_new_tokens: int | None = None, fresh: bool = False) -> Any:
         from ragbudget.generation.backend import Capacity
 
         if self.memory_plan is None:

@@ -33,14 +33,38 @@ broken = "tiny_engine:NOT_A_BACKEND"
 """
 
 MODULE = '''\
-"""A third-party engine: a generic OpenAI server under its own kind name."""
-from ragbudget.generation.engines.openai import OpenAIBackend
+"""A third-party engine, written only against ragbudget's public engine contract (the names
+``ragbudget.generation.engines`` exports; docs/engines.md, "Another engine"): a generic
+OpenAI-compatible server under its own kind name, counting with a local stand-in."""
+from ragbudget.generation.engines import Capacity, LocalCounter, ServedBackend, int_or_none
 
 NOT_A_BACKEND = object()
 
 
-class TinyBackend(OpenAIBackend):
+class TinyBackend(ServedBackend):
     kind = "tiny"
+    takes_tokenizer = True
+
+    def __init__(self, http, *, tokenizer=None, **kw):
+        super().__init__(http, **kw)
+        self.counter = LocalCounter(tokenizer)
+
+    @property
+    def count_key(self):
+        return f"{self.model_id} @ {self.counter.key}"
+
+    def engine_count(self, texts):
+        return self.counter.count(texts)
+
+    def engine_render(self, messages):
+        return self.counter.render(messages)
+
+    def engine_capacity(self):
+        window = None
+        for card in self.http.get("/v1/models").data.get("data", []):
+            window = int_or_none(card.get("max_model_len")) or window
+        source = "GET /v1/models max_model_len" if window else ""
+        return Capacity(max_context_tokens=window, max_context_source=source, engine_kind=self.kind)
 '''
 
 # What the fresh interpreter does with the installed plugin: nothing of it is imported until its
@@ -55,8 +79,10 @@ from ragbudget.settings import EngineSettings
 out = {"kinds": list(kinds()), "imported_early": "tiny_engine" in sys.modules}
 EngineSettings(url=sys.argv[1], kind="tiny")  # accepted by the settings record
 backend = connect(sys.argv[1], kind="tiny", context_tokens=2048)
-answer = backend.generate("How is the Project Leader elected?", max_new_tokens=8)
-out.update(cls=type(backend).__name__, kind=backend.capacity().engine_kind, text=answer.text)
+from _engine_contract import check_engine  # the checks every built-in kind passes too
+
+seen = check_engine(backend, kind="tiny", url=sys.argv[1])
+out.update(cls=type(backend).__name__, kind=backend.capacity().engine_kind, text=seen["text"])
 try:
     connect(sys.argv[1], kind="broken")
 except ConfigError as exc:
@@ -86,7 +112,7 @@ def plugin(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _env(plugin: Path) -> dict[str, str]:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(plugin), str(ROOT), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(plugin), str(ROOT), str(ROOT / "tests"), env.get("PYTHONPATH", "")])
     return env
 
 
@@ -101,7 +127,7 @@ def test_an_installed_package_adds_an_engine_kind(plugin: Path) -> None:
     assert {"tiny", "broken"} <= set(out["kinds"])
     assert out["imported_early"] is False  # named by its entry point, imported on use only
     assert out["cls"] == "TinyBackend" and out["kind"] == "tiny"
-    assert out["text"].startswith("The Project Leader")
+    assert out["text"].startswith("The Project Leader")  # and the whole contract held (_engine_contract)
     # A plugin that registers something else is its package's fault, said in one line.
     assert "not a ragbudget.generation.engines.ServedBackend subclass" in out["broken"]
     assert "tiny_engine:NOT_A_BACKEND" in out["broken"]

@@ -56,6 +56,21 @@ def _connect(srv: Replay, **kw: Any) -> Any:
     return connect(srv.url, **kw)
 
 
+# -- the contract ---------------------------------------------------------------------------------
+def test_every_built_in_kind_keeps_the_engine_contract_a_plugin_keeps(kind: str) -> None:
+    # The same checks an installed plugin passes (tests/test_engine_plugins.py): the built-ins
+    # are loaded through the one table a plugin's entry point joins (settings.BUILT_IN_ENGINES).
+    from _engine_contract import check_engine
+
+    from ragbudget.generation.engines import backend_class
+    from ragbudget.settings import BUILT_IN_ENGINES
+
+    assert backend_class(kind).__module__ + ":" + backend_class(kind).__name__ == BUILT_IN_ENGINES[kind]
+    with Replay(kind) as srv:
+        seen = check_engine(_connect(srv, kind=kind, context_tokens=2048), kind=kind, url=srv.url)
+    assert seen["text"] and seen["window"] == 2048
+
+
 # -- detection ------------------------------------------------------------------------------------
 def test_auto_detection_names_each_engine_and_how(kind: str) -> None:
     with Replay(kind) as srv, _connect(srv) as b:

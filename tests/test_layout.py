@@ -471,7 +471,6 @@ PRIVATE_ALLOWED: dict[tuple[str, str], str] = {
     ("_replay.py", "_lock"): "the test helper Replay's own lock",
     # A module's doctests are the module's own: running those of the engines' private modules
     # needs the modules themselves.
-    ("test_engines.py", "_http"): "doctest.testmod of ragbudget.generation.engines._http",
     # The lazy-export table *is* what the test checks (each name from the module defining it).
     ("test_public_api.py", "_EXPORTS"): "ragbudget's lazy-export table is the subject",
 }
@@ -584,3 +583,63 @@ def test_the_private_check_sees_attributes_patches_and_imports(tmp_path: Path) -
         "test_a.py:10",
     ]
     assert private_findings(tmp_path, private, {("test_a.py", "_hook"): "why", ("test_a.py", "_x"): "why"}) == []
+
+
+# -- local or served: one contract (issue #44 §2) -----------------------------------------------------
+def backend_classes(sources: dict[Path, str]) -> set[str]:
+    """The concrete backends generation/ defines: LocalBackend, ServedBackend and every class
+    of generation/engines/ built on a backend."""
+    names = {"LocalBackend", "ServedBackend"}
+    for path, text in sources.items():
+        if "engines" in path.parts:
+            for node in ast.walk(ast.parse(text)):
+                if isinstance(node, ast.ClassDef) and any("Backend" in ast.unparse(b) for b in node.bases):
+                    names.add(node.name)
+    return names
+
+
+def kind_questions(path: Path, text: str, classes: set[str]) -> list[str]:
+    """Where a module asks which kind of backend it has: names a concrete backend class, asks a
+    pipeline whether it is ``served``, or looks for an attribute on a backend by ``getattr``."""
+    found = []
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.Name) and node.id in classes:
+            found.append(f"{path.name}:{node.lineno} names {node.id}")
+        elif isinstance(node, ast.alias) and node.name.rsplit(".", 1)[-1] in classes:
+            found.append(f"{path.name}:{node.lineno} imports {node.name}")
+        elif isinstance(node, ast.Attribute) and node.attr in classes:
+            found.append(f"{path.name}:{node.lineno} names {node.attr}")
+        elif isinstance(node, ast.Attribute) and node.attr == "served" and "memory" not in path.parts:
+            found.append(f"{path.name}:{node.lineno} asks .served")  # memory/'s Job.served is work done
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "hasattr")
+            and node.args
+            and "backend" in ast.unparse(node.args[0]).lower()
+        ):
+            found.append(f"{path.name}:{node.lineno} {ast.unparse(node)[:60]}")
+    return found
+
+
+def test_no_module_outside_generation_asks_which_backend_it_has() -> None:
+    # The Backend protocol (generation/backend.py) is the contract: the pipeline, chat, prompt,
+    # the server and the CLI call it and never ask which kind of backend answers.
+    sources = package_sources()
+    classes = backend_classes(sources)
+    assert {"LocalBackend", "ServedBackend", "VLLMBackend"} <= classes, classes
+    outside = {p: t for p, t in sources.items() if "generation" not in p.parts}
+    assert [q for p, t in sorted(outside.items()) for q in kind_questions(p, t, classes)] == []
+
+
+def test_the_backend_kind_check_sees_names_imports_served_and_getattr() -> None:
+    text = (
+        "from ragbudget.generation.engines import ServedBackend\n"
+        "def f(pipeline, backend):\n"
+        "    if isinstance(pipeline.backend, ServedBackend) or pipeline.served:\n"
+        "        return getattr(pipeline.backend, 'http', None)\n"
+        "    return hasattr(backend, 'prefetch')\n"
+    )
+    found = kind_questions(Path("ragbudget/server/x.py"), text, {"ServedBackend"})
+    assert len(found) == 5, found
+    assert kind_questions(Path("ragbudget/memory/schedule.py"), "job.served += 1\n", set()) == []

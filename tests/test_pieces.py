@@ -82,6 +82,9 @@ class CountingBackend:
     def render(self, messages):
         return self.fake.render(messages)
 
+    def prefetch(self, texts, chats=()):
+        pass  # every count is asked where it is used: `batches` shows each request
+
 
 @pytest.mark.parametrize("which", ["smol", "cl100k"])
 def test_composed_costs_are_the_tokenizers_own_counts_from_one_batch(which, request, squad_chunks) -> None:

@@ -242,6 +242,9 @@ def test_a_render_over_the_composed_costs_packs_again_tighter() -> None:
             n = sum(words(m["content"]) + 8 + 2 * m["content"].count("\n[") for m in messages)
             return RenderedPrompt(messages=tuple(messages), n_tokens=n, exact=True, source="surcharged")
 
+        def prefetch(self, texts, chats=()):
+            pass
+
     class Recording(EnginePromptBuilder):
         asked: list[int] = []
 

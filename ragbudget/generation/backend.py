@@ -21,7 +21,13 @@ CLI ask it, and never which kind it is:
   cost beyond its KV tokens (the local generator's activations and measured speed; an engine
   admits its own requests and adds nothing);
 * ``generate(prompt, max_new_tokens=…)`` — the answer, as the same
-  :class:`~ragbudget.generation.generate.Generation` record the local generator returns.
+  :class:`~ragbudget.generation.generate.Generation` record the local generator returns;
+* ``kind`` / ``url`` — what generates, in a word, and where its engine answers (``""``: in this
+  process, so the server has no engine health or load to watch); ``probing()`` — a block in
+  which what is asked of the engine is a quick look (the server's health look);
+  ``requests_sent()`` — requests sent so far by route (``/metrics``); ``prefetch(texts, chats)``
+  — counts and renders fetched ahead in one request (an engine) or nothing (in process);
+  ``capacity(fresh=True)`` reads the figures now instead of reusing a recent reading.
 
 :func:`per_request_tokens` turns an engine's :class:`Capacity` into the context allowance of one
 request::
@@ -60,6 +66,8 @@ from typing import TYPE_CHECKING, Any, Protocol, Union, runtime_checkable
 from ..errors import BudgetError, ConfigError, OverloadedError
 
 if TYPE_CHECKING:  # pragma: no cover - the records these name are imported at first use
+    from contextlib import AbstractContextManager
+
     from ..memory.admission import AdmissionController
     from ..memory.budget import BudgetPlan
     from ..prompt.prompt import Prompt, PromptBuilder
@@ -489,6 +497,31 @@ class Backend(Protocol):
     @property
     def model_id(self) -> str: ...
 
+    @property
+    def kind(self) -> str:
+        """What generates, in a word (``"local"``, ``"vllm"``, ``"llamacpp"``, …), for messages,
+        ``/health`` and logs; callers never branch on it."""
+
+    @property
+    def url(self) -> str:
+        """Where the engine answers (its root URL, without credentials); ``""`` for a backend
+        that generates in this process. A backend with a URL is one whose health and live load
+        the server watches (:class:`~ragbudget.server.engine_load.EngineLoad`)."""
+
+    def probing(self) -> AbstractContextManager[None]:
+        """A block in which what this backend asks its engine is a quick look: an engine that is
+        loading or overloaded says so at once, without the back-off a request gets (what the
+        server's health look and early refusals need). A backend in this process: nothing."""
+
+    def requests_sent(self) -> Mapping[str, int] | None:
+        """Requests sent to the engine so far, by route (``/metrics``); ``None`` where there is
+        no engine to send to. Never waits on a connection."""
+
+    def prefetch(self, texts: Sequence[str], chats: Sequence[Sequence[Mapping[str, str]]] = ()) -> None:
+        """Count ``texts`` and render ``chats`` ahead of the calls that will ask for them, in as
+        few requests as the backend can (a served engine: one); a backend whose counts cost
+        nothing to ask does nothing."""
+
     def warm_up(self) -> None:
         """Load the model or probe the engine, so the first request pays for neither
         (idempotent)."""
@@ -506,7 +539,9 @@ class Backend(Protocol):
     def prompt_builder(self, system_prompt: str | None = None) -> PromptBuilder:
         """The builder that renders and counts prompts as this backend will see them."""
 
-    def capacity(self, *, max_new_tokens: int | None = None) -> Capacity: ...
+    def capacity(self, *, max_new_tokens: int | None = None, fresh: bool = False) -> Capacity:
+        """The figures for requests reserving ``max_new_tokens``; ``fresh``: read them now, not
+        a recent reading reused (for a caller that keeps its own interval)."""
 
     def tune(self, admission: AdmissionController) -> bool:
         """Tell ``admission`` what this backend knows of a request's cost beyond its KV tokens

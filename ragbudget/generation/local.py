@@ -16,6 +16,7 @@ memory a request pins beside its KV cache and the measured speed from :meth:`Loc
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -27,6 +28,8 @@ from .backend import Capacity, RenderedPrompt, Sampling, prompt_messages, render
 from .pacing import Pacing
 
 if TYPE_CHECKING:  # pragma: no cover - generate.py and batching.py load at first use
+    from contextlib import AbstractContextManager
+
     from ..memory.admission import AdmissionController
     from ..memory.budget import BudgetPlan
     from ..prompt.prompt import PromptBuilder
@@ -34,9 +37,34 @@ if TYPE_CHECKING:  # pragma: no cover - generate.py and batching.py load at firs
     from .batching import Batcher
     from .generate import Generation, Generator
 
-__all__ = ["LocalBackend", "paged_tokens_within"]
+__all__ = ["LocalBackend", "local_backend", "local_generator", "paged_tokens_within"]
 
 log = logging.getLogger(__name__)
+
+
+def local_backend(generator: Generator | None, *, model: str | None, memory: MemorySettings) -> LocalBackend:
+    """The backend a pipeline generates on when it names no engine: ``generator`` (or one built
+    for ``model`` on first use), planned by ``memory``'s settings. Nothing loads here."""
+    return LocalBackend(
+        generator,
+        model=model,
+        gpu=memory.gpu,
+        concurrency=memory.concurrency,
+        max_new_tokens=memory.max_new_tokens,
+        cache=memory.cache,
+        kv_dtype=memory.kv_dtype,
+        utilization=memory.utilization,
+        ttft_target=memory.ttft_target,
+    )
+
+
+def local_generator(backend: object) -> Generator | None:
+    """The local generator ``backend`` runs (a :class:`LocalBackend`'s, or a given backend's
+    ``generator`` attribute), or ``None`` for one that generates elsewhere."""
+    if isinstance(backend, LocalBackend):
+        return backend.generator
+    gen: Generator | None = getattr(backend, "generator", None)
+    return gen
 
 
 class LocalBackend:
@@ -136,6 +164,20 @@ class LocalBackend:
     def model_id(self) -> str:
         return str(self.generator.model_ref.id)
 
+    # -- where it runs: here ------------------------------------------------------------------------
+    #: No engine elsewhere: nothing for the server to watch, nothing sent, nothing to fetch ahead
+    #: (the tokenizer counts in this process).
+    url = ""
+
+    def probing(self) -> AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def requests_sent(self) -> Mapping[str, int] | None:
+        return None
+
+    def prefetch(self, texts: Sequence[str], chats: Sequence[Sequence[Mapping[str, str]]] = ()) -> None:
+        return None
+
     # -- the model --------------------------------------------------------------------------------
     def warm_up(self) -> None:
         """Load the model, plan for it, measure its speed (once per model and machine: cached)
@@ -226,10 +268,11 @@ class LocalBackend:
             **self._plan_args,
         )
 
-    def capacity(self, *, max_new_tokens: int | None = None) -> Capacity:
+    def capacity(self, *, max_new_tokens: int | None = None, fresh: bool = False) -> Capacity:
         """The plan for ``max_new_tokens`` as the one record every backend answers: the window of
         one request is the plan's (memory, the model's window or time, whichever binds), the KV
-        figures the plan's, or the paged cache's once the batching decision is made."""
+        figures the plan's, or the paged cache's once the batching decision is made. Always
+        current (``fresh`` changes nothing: nothing is read from elsewhere)."""
         plan = self.plan(max_new_tokens)
         src = f"plan_budget ({plan.gpu_name}: {plan.gpu_source})"
         kv, kv_src = plan.kv_capacity_tokens, src

@@ -36,37 +36,21 @@ from .layers import layer_specs
 from .model_config import ConfigLike, ConfigView, model_dtype, normalize_config, text_config
 from .schedule import MemoryModel
 
+
 # The measurements lived here before the memory model was split along its seams (issue #32).
 # The package imports them from their owner, ragbudget.memory.calibration; code outside that
 # imported them from here still gets the very same objects, with a DeprecationWarning (as
 # ragbudget/_compat.py does for moved modules).
-_MOVED_TO_CALIBRATION = frozenset(
-    (
-        "CPU_TTFT_TARGET",
-        "PeakMeasurement",
-        "context_tokens_for_time",
-        "lookup_calibration",
-        "lookup_prefill_speed",
-        "measure_prefill_speed",
-        "record_calibration",
-        "record_measurement",
-        "throughput_from_speed",
-    )
-)
-
-
 def __getattr__(name: str) -> Any:
-    if name in _MOVED_TO_CALIBRATION:
+    if name in _calibration.__all__:  # the names that lived here are calibration's public ones
         import warnings
-
-        from . import calibration
 
         warnings.warn(
             f"ragbudget.memory.budget.{name} moved to ragbudget.memory.calibration.{name}; import it from there",
             DeprecationWarning,
             stacklevel=2,
         )
-        return getattr(calibration, name)
+        return getattr(_calibration, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

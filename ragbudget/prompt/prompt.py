@@ -351,11 +351,13 @@ class Rendered(Protocol):
 
 class CountingBackend(Protocol):
     """What :class:`EnginePromptBuilder` asks of a :class:`~ragbudget.generation.backend.Backend`
-    (generation sits above this package, so the two methods are spelled out here)."""
+    (generation sits above this package, so the three methods are spelled out here)."""
 
     def count(self, texts: Sequence[str]) -> Sequence[int]: ...
 
     def render(self, messages: Sequence[Mapping[str, str]]) -> Rendered: ...
+
+    def prefetch(self, texts: Sequence[str], chats: Sequence[Sequence[Mapping[str, str]]] = ()) -> None: ...
 
 
 class EnginePromptBuilder(PromptBuilder):
@@ -387,11 +389,10 @@ class EnginePromptBuilder(PromptBuilder):
 
     def prime(self, texts: Sequence[str], questions: Sequence[str] = ()) -> None:
         todo = [t for t in dict.fromkeys(texts) if t not in self._counts]
-        prefetch = getattr(self.backend, "prefetch", None)  # a served engine's (ServedBackend.prefetch)
-        if questions and prefetch is not None:
-            # The questions' fixed parts go with the texts: one request to the engine, where the
+        if questions:
+            # The questions' fixed parts go with the texts: one request to an engine, where the
             # render for the allowance and the count of the candidates were two.
-            prefetch(todo, [self.messages(q, ()) for q in questions])
+            self.backend.prefetch(todo, [self.messages(q, ()) for q in questions])
         if todo:
             for t, n in zip(todo, self.backend.count(todo), strict=True):
                 if len(self._counts) < 50_000:

@@ -228,7 +228,7 @@ def create_app(
         raise ConfigError(f"summary_cache_size must be >= 0 (0: no cache), got {summary_cache_size}")
     # Asked before anything connects: an engine not connected yet is one without a reading of its
     # figures (which the first request would then reuse for up to engine_recheck_s).
-    engine_load = EngineLoad(pipeline, ttl=engine_recheck_s) if pipeline.served else None
+    engine_load = EngineLoad.watching(pipeline, ttl=engine_recheck_s)
     served = model_name or _default_model_name(pipeline)
     models = [served] if served == "ragbudget" else [served, "ragbudget"]
     metrics = Metrics()

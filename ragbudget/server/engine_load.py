@@ -8,20 +8,19 @@ take a request now — up (and how loaded) or unavailable (and why).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar  # Any: JSON for /health, a served backend's HTTP client
+from typing import TYPE_CHECKING, Any, TypeVar  # Any: JSON for /health
 
 from ..errors import EngineConnectionError, EngineError, EngineOverloadedError, EngineTimeoutError
 from .metrics import metric_help
 from .openai_api import engine_unavailable
 
 if TYPE_CHECKING:
-    from ..generation.backend import Capacity
+    from ..generation.backend import Backend, Capacity
     from ..pipeline import Pipeline
 
 __all__ = ["EngineLoad", "quick_look"]
@@ -33,12 +32,11 @@ T = TypeVar("T")
 
 
 def quick_look(pipeline: Pipeline, fn: Callable[[], T]) -> T:
-    """``fn()``, with what it asks a served engine asked as a quick look (:meth:`HTTP.probing
-    <ragbudget.generation.engines.HTTP.probing>`: an overloaded or loading engine says so at once, without
-    the back-off a request gets). For what /health and the early refusals read: they must answer
-    now. Blocks: call it off the event loop."""
-    http = getattr(pipeline.backend, "http", None)  # a served engine's client; a local backend has none
-    with http.probing() if http is not None else contextlib.nullcontext():
+    """``fn()``, with what it asks the engine asked as a quick look (:meth:`Backend.probing
+    <ragbudget.generation.backend.Backend.probing>`: an overloaded or loading engine says so at once,
+    without the back-off a request gets). For what /health and the early refusals read: they must
+    answer now. Blocks: call it off the event loop."""
+    with pipeline.backend.probing():
         return fn()
 
 
@@ -70,8 +68,8 @@ class EngineLoad:
         self._read_at = -math.inf
         self._figures: tuple[Capacity | None, str] = (None, "not read yet")
         self.error: EngineError | None = None  # why the engine is unavailable now (None: it is not)
-        # A ServedBackend's HTTP client, found by duck typing (the Backend protocol names none).
-        self._http: Any = None
+        # The backend of the last reading: /metrics reads its counters without ever connecting.
+        self._backend: Backend | None = None
         # Which engine, for /health, before the first connection names it: the URL as given
         # (credentials dropped) and the kind asked for.
         from ..generation.engines import root_url
@@ -96,17 +94,11 @@ class EngineLoad:
     def _read(self) -> None:
         try:
             backend = self.pipeline.backend  # connects on first use: a server down then fails here
-            self.url = getattr(backend, "url", None) or self.url
-            self.kind = getattr(backend, "kind", None) or self.kind
-            self._http = getattr(backend, "http", None)  # a ServedBackend's client (see sent)
-            from ..generation.engines import ServedBackend
-
-            # Fresh: this look keeps its own interval (ttl), which a served backend's reuse of a
-            # recent reading (CAPACITY_TTL_S, for the calls within one request) must not lengthen.
-            if isinstance(backend, ServedBackend):
-                cap = quick_look(self.pipeline, lambda: backend.capacity(fresh=True))
-            else:
-                cap = quick_look(self.pipeline, backend.capacity)
+            self.url, self.kind, self._backend = backend.url or self.url, backend.kind or self.kind, backend
+            # Fresh: this look keeps its own interval (ttl), which a backend's reuse of a recent
+            # reading (for the calls within one request) must not lengthen.
+            with backend.probing():
+                cap = backend.capacity(fresh=True)
         except EngineError as exc:
             if self.error is None:
                 log.error("the engine is unavailable: %s", exc)
@@ -131,9 +123,20 @@ class EngineLoad:
 
     def sent(self) -> dict[str, int] | None:
         """Requests sent to the engine so far, by route (``None`` before it is connected, or for
-        a backend that is not a served engine's HTTP client)."""
-        http = self._http  # the one the last reading used: /metrics never waits on a connection
-        return dict(http.sent) if http is not None else None
+        a backend with no engine to send to)."""
+        backend = self._backend  # the one the last reading used: /metrics never waits on a connection
+        sent = backend.requests_sent() if backend is not None else None
+        return dict(sent) if sent is not None else None
+
+    @classmethod
+    def watching(cls, pipeline: Pipeline, ttl: float = 1.0) -> EngineLoad | None:
+        """An :class:`EngineLoad` for a pipeline that generates on an engine elsewhere — one it
+        is configured to connect to (``engine=``), or a given backend with a :attr:`url
+        <ragbudget.generation.backend.Backend.url>` — else ``None``: a backend in this process
+        has no health or load of its own to watch."""
+        if pipeline.engine.url is None and not pipeline.backend.url:
+            return None
+        return cls(pipeline, ttl=ttl)
 
     def state(self) -> dict[str, Any]:
         """What /health shows of the engine: its kind and URL, and whether it is available (with

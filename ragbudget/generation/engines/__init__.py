@@ -38,36 +38,44 @@ from ...errors import (
     EngineError,
     EngineResponseError,
 )
-from ...settings import ENGINE_GROUP, ENGINE_KINDS, EngineSettings, engine_kinds, from_keywords
-from ..backend import CountCache
-from ._base import Detection, ServedBackend
-from ._http import HTTP, Retry, root_url
+from ...settings import BUILT_IN_ENGINES, ENGINE_GROUP, ENGINE_KINDS, EngineSettings, engine_kinds, from_keywords
+from ..backend import Capacity, CountCache, RenderedPrompt
+from ._base import Detection, ServedBackend, TooLong, sampling_fields
+from ._counting import LocalCounter
+from ._http import HTTP, Reply, Retry, error_message, root_url
+from ._prometheus import int_or_none, iter_samples, metric_sum, parse_prometheus, queue_load
 
 __all__ = [
+    # connecting
     "KINDS",
     "Detection",
     "Retry",
-    "ServedBackend",
     "api_key_from_env",
     "backend_class",
     "connect",
     "detect",
     "kinds",
     "root_url",
+    # the engine contract (docs/engines.md, "Another engine"): what a plugin builds on
+    "HTTP",
+    "Capacity",
+    "LocalCounter",
+    "RenderedPrompt",
+    "Reply",
+    "ServedBackend",
+    "TooLong",
+    "error_message",
+    "int_or_none",
+    "iter_samples",
+    "metric_sum",
+    "parse_prometheus",
+    "queue_load",
+    "sampling_fields",
 ]
 
-#: The built-in engine kinds (:func:`kinds` adds those installed packages register).
+#: The built-in engine kinds (:func:`kinds` adds those installed packages register); where each
+#: one's class lives is :data:`ragbudget.settings.BUILT_IN_ENGINES`, in entry-point form.
 KINDS = ENGINE_KINDS  # defined once, beside EngineSettings which checks it
-
-#: Where each built-in kind's class lives: ``(module of this package, class)``, imported on use.
-_BUILT_IN = {
-    "vllm": ("vllm", "VLLMBackend"),
-    "sglang": ("sglang", "SGLangBackend"),
-    "tgi": ("tgi", "TGIBackend"),
-    "llamacpp": ("llamacpp", "LlamaCppBackend"),
-    "ollama": ("ollama", "OllamaBackend"),
-    "openai": ("openai", "OpenAIBackend"),
-}
 
 
 def kinds() -> tuple[str, ...]:
@@ -110,25 +118,23 @@ def api_key_from_env(var: str | None) -> str | None:
 
 
 def backend_class(kind: str) -> type[ServedBackend]:
-    """The :class:`ServedBackend` subclass for an engine kind: a built-in one, or the one an
-    installed package registers under that name in the ``ragbudget.engines`` entry-point group
-    (loaded now, on its first use).
+    """The :class:`ServedBackend` subclass for an engine kind, loaded now (on its first use) the
+    one way for every kind: a built-in one from :data:`~ragbudget.settings.BUILT_IN_ENGINES`, or
+    the one an installed package registers under that name in the ``ragbudget.engines``
+    entry-point group — both as entry points, with the same checks.
 
     >>> backend_class("vllm").__name__
     'VLLMBackend'
     """
-    import importlib
+    from importlib.metadata import EntryPoint, entry_points
 
-    if kind in _BUILT_IN:
-        module, name = _BUILT_IN[kind]
-        built_in: type[ServedBackend] = getattr(importlib.import_module(f".{module}", __name__), name)
-        return built_in
-    from importlib.metadata import entry_points
-
-    found = [ep for ep in entry_points(group=ENGINE_GROUP) if ep.name == kind]
-    if not found:
-        raise ConfigError(f"engine kind must be auto or one of {', '.join(kinds())}; got {kind!r}")
-    entry = found[0]
+    if kind in BUILT_IN_ENGINES:
+        entry = EntryPoint(name=kind, value=BUILT_IN_ENGINES[kind], group=ENGINE_GROUP)
+    else:
+        found = [ep for ep in entry_points(group=ENGINE_GROUP) if ep.name == kind]
+        if not found:
+            raise ConfigError(f"engine kind must be auto or one of {', '.join(kinds())}; got {kind!r}")
+        entry = found[0]
     try:
         cls = entry.load()
     except Exception as exc:  # noqa: BLE001 - a broken plugin is its package's fault: say which

@@ -30,6 +30,8 @@ from ._pacing import EngineSpeed
 from ._prometheus import int_or_none as int_or_none, parse_prometheus as parse_prometheus
 
 if TYPE_CHECKING:  # pragma: no cover
+    from contextlib import AbstractContextManager
+
     from ...memory.admission import AdmissionController
     from ...memory.schedule import Throughput
     from ...prompt.prompt import PromptBuilder
@@ -71,12 +73,21 @@ class TooLong:
 class ServedBackend(ABC):
     """A :class:`~ragbudget.generation.backend.Backend` over a served engine's HTTP API.
 
-    Subclasses set ``kind`` and implement :meth:`_capacity`, :meth:`_render` and
-    :meth:`_count_uncached` (a batch route, or one request per text through :meth:`_each`).
-    Generation goes to ``POST /v1/chat/completions`` with ``max_tokens`` always set. A subclass
-    that counts with a local stand-in sets :attr:`takes_tokenizer` and takes ``tokenizer=``.
+    **The engine contract** (what a built-in engine and a plugin alike implement, all public):
+    set ``kind`` and implement :meth:`engine_capacity` (the engine's figures as a
+    :class:`~ragbudget.generation.backend.Capacity`), :meth:`engine_render` (messages after the
+    engine's chat template, counted) and :meth:`engine_count` (a batch route, or one request per
+    text through :meth:`each_text`). Optional: :meth:`too_long` (which error replies mean a
+    too-long prompt; :attr:`too_long_statuses`), :meth:`running_tasks` / :meth:`let_go` (free
+    an abandoned request's slot), :attr:`takes_tokenizer` with ``tokenizer=`` for an engine that
+    cannot count (:class:`~ragbudget.generation.engines.LocalCounter` stands in). Helpers:
+    :attr:`http` (the engine's client: ``get``, ``call``, ``stream``), :meth:`route_version`,
+    and what :mod:`ragbudget.generation.engines` exports for reading replies and Prometheus
+    metrics. Generation goes to ``POST /v1/chat/completions`` with ``max_tokens`` always set.
     Another package adds an engine kind by registering its subclass in the
-    ``ragbudget.engines`` entry-point group (:func:`ragbudget.generation.engines.backend_class`).
+    ``ragbudget.engines`` entry-point group (:func:`ragbudget.generation.engines.backend_class`);
+    the built-ins are registered the same way (:data:`ragbudget.settings.BUILT_IN_ENGINES`), and
+    ``tests/_engine_contract.py`` holds the checks both pass.
 
     The engine holds its own memory: :meth:`capacity` is its report (no memory plan), and it
     admits its own requests (:meth:`tune` and :meth:`refresh_speed` add nothing).
@@ -155,6 +166,13 @@ class ServedBackend(ABC):
     def url(self) -> str:
         return self.http.root
 
+    def probing(self) -> AbstractContextManager[None]:
+        """What is asked of the engine within is a quick look (:meth:`HTTP.probing`)."""
+        return self.http.probing()
+
+    def requests_sent(self) -> Mapping[str, int] | None:
+        return dict(self.http.sent)
+
     # -- model ------------------------------------------------------------------------------------
     @property
     def model_id(self) -> str:
@@ -190,7 +208,7 @@ class ServedBackend(ABC):
         digests = [text_digest(t) for t in texts]
         known, todo = self._known(texts, digests)
         if todo:
-            known.update(self._keep_counts(todo, self._count_uncached(list(todo.values()))))
+            known.update(self._keep_counts(todo, self.engine_count(list(todo.values()))))
         return [known[d] for d in digests]
 
     def _known(self, texts: list[str], digests: list[str]) -> tuple[dict[str, int], dict[str, str]]:
@@ -235,28 +253,28 @@ class ServedBackend(ABC):
         _, todo = self._known(texts, [text_digest(t) for t in texts])
         pending = [list(c) for c in chats if self._render_memo.get(self._render_key(c)) is None]
         if pending and todo:
-            rendered, counts = self._render_and_count(pending.pop(0), list(todo.values()))
+            rendered, counts = self.render_and_count(pending.pop(0), list(todo.values()))
             self._keep_render(rendered)
             self._keep_counts(todo, counts)
         elif todo:
-            self._keep_counts(todo, self._count_uncached(list(todo.values())))
+            self._keep_counts(todo, self.engine_count(list(todo.values())))
         for chat in pending:
             self.render(chat)
 
-    def _render_and_count(
+    def render_and_count(
         self, messages: Sequence[Mapping[str, str]], texts: list[str]
     ) -> tuple[RenderedPrompt, list[int]]:
-        """:meth:`_render` of ``messages`` and :meth:`_count_uncached` of ``texts`` (distinct,
+        """:meth:`engine_render` of ``messages`` and :meth:`engine_count` of ``texts`` (distinct,
         none counted yet): one request where the engine can do both at once (llama.cpp), two
         otherwise."""
-        return self._render(messages), self._count_uncached(texts)
+        return self.engine_render(messages), self.engine_count(texts)
 
     @abstractmethod
-    def _count_uncached(self, texts: list[str]) -> list[int]:
+    def engine_count(self, texts: list[str]) -> list[int]:
         """Counts of distinct ``texts`` the cache does not hold, by the engine (or its stated
         local estimate), in order."""
 
-    def _each(self, count_one: Callable[[str], int], texts: list[str]) -> list[int]:
+    def each_text(self, count_one: Callable[[str], int], texts: list[str]) -> list[int]:
         """``count_one`` over ``texts`` for an engine with one text per request: concurrently,
         ``workers`` at a time."""
         if len(texts) == 1:
@@ -272,7 +290,7 @@ class ServedBackend(ABC):
         hit = self._render_memo.get(self._render_key(messages))
         if isinstance(hit, RenderedPrompt):
             return hit
-        rendered = self._render(messages)
+        rendered = self.engine_render(messages)
         self._keep_render(rendered)
         return rendered
 
@@ -286,7 +304,7 @@ class ServedBackend(ABC):
         self._render_memo.put(self._render_key(rendered.messages), rendered, size=max(1, rendered.n_tokens))
 
     @abstractmethod
-    def _render(self, messages: Sequence[Mapping[str, str]]) -> RenderedPrompt:
+    def engine_render(self, messages: Sequence[Mapping[str, str]]) -> RenderedPrompt:
         """:meth:`render`, asked of the engine (or its local stand-in)."""
 
     def template_overhead(self, system_prompt: str | None = None) -> int:
@@ -346,7 +364,7 @@ class ServedBackend(ABC):
         recent = self._recent
         if not fresh and recent is not None and now - recent[0] < self.CAPACITY_TTL_S:
             return recent[1]
-        cap = _replace(self._capacity(), url=self.url, detected=self.detection.how)
+        cap = _replace(self.engine_capacity(), url=self.url, detected=self.detection.how)
         if self.context_tokens is not None:
             notes = cap.notes
             if cap.max_context_tokens is not None and cap.max_context_tokens != self.context_tokens:
@@ -361,7 +379,7 @@ class ServedBackend(ABC):
         self._recent = (now, cap)
         return cap
 
-    def _version(self, path: str) -> str | None:
+    def route_version(self, path: str) -> str | None:
         """The ``version`` a route reports, or ``None`` when it has none (a figure for the plan,
         never a reason to fail)."""
         try:
@@ -371,7 +389,7 @@ class ServedBackend(ABC):
         return data.get("version") if isinstance(data, Mapping) else None
 
     @abstractmethod
-    def _capacity(self) -> Capacity:
+    def engine_capacity(self) -> Capacity:
         """The engine's own figures (before ``context_tokens`` overrides the window)."""
 
     def _window_figures(self) -> tuple[int | None, int | None]:
@@ -512,15 +530,15 @@ class ServedBackend(ABC):
                 prompt=_keep(prompt),
             )
         timeout = self.reply_timeout(prompt, max_new_tokens)
-        before = self._running_tasks()  # what ran before this request was sent (see _let_go)
+        before = self.running_tasks()  # what ran before this request was sent (see let_go)
         if not stream:
             try:
                 reply = self.http.post(path, body, allow=self.too_long_statuses, timeout=timeout)
             except EngineTimeoutError:
-                self._let_go(before)  # the time-out closed the connection: the engine stops the task
+                self.let_go(before)  # the time-out closed the connection: the engine stops the task
                 raise
             if reply.status != 200:
-                return self._too_long_or_raise(reply, messages, max_new_tokens)
+                return self.too_long_or_raise(reply, messages, max_new_tokens)
             data = reply.data
             try:
                 choice = data["choices"][0]
@@ -538,15 +556,15 @@ class ServedBackend(ABC):
             events = self.http.stream(path, body, cancel=cancel, allow=self.too_long_statuses, timeout=timeout)
             for event in events:
                 if isinstance(event, Reply):
-                    return self._too_long_or_raise(event, messages, max_new_tokens)
+                    return self.too_long_or_raise(event, messages, max_new_tokens)
                 self._streamed(event, path, got, on_text)
         except EngineTimeoutError:
-            self._let_go(before)  # the time-out closed the connection: the engine stops the task
+            self.let_go(before)  # the time-out closed the connection: the engine stops the task
             raise
         finish = got.finish
         if cancel is not None and cancel.is_set() and finish is None:
             finish = "cancelled"
-            self._let_go(before)  # the stream was closed before its end: the engine stops the task
+            self.let_go(before)  # the stream was closed before its end: the engine stops the task
         elif got.first_at is not None:
             self.speed.observe(
                 got.timings,
@@ -596,12 +614,12 @@ class ServedBackend(ABC):
             if choice.get("finish_reason"):
                 got.finish = choice["finish_reason"]
 
-    def _running_tasks(self) -> frozenset[object] | None:
+    def running_tasks(self) -> frozenset[object] | None:
         """The engine's tasks running as last read (before a request is sent), for
-        :meth:`_let_go`; ``None`` where the engine does not say (the default)."""
+        :meth:`let_go`; ``None`` where the engine does not say (the default)."""
         return None
 
-    def _let_go(self, before: frozenset[object] | None) -> None:
+    def let_go(self, before: frozenset[object] | None) -> None:
         """A request was abandoned (cancelled, or past the time-out) and its connection closed,
         which makes the engine stop it: forget the engine's figures read while it ran, so the
         next request reads them afresh. An engine that frees its slot a moment later (llama.cpp)
@@ -639,8 +657,8 @@ class ServedBackend(ABC):
             body=data,
         )
 
-    def _too_long_or_raise(self, reply: Reply, messages: list[dict[str, str]], max_new_tokens: int) -> TooLong:
-        t = self._too_long(reply, messages, max_new_tokens)
+    def too_long_or_raise(self, reply: Reply, messages: list[dict[str, str]], max_new_tokens: int) -> TooLong:
+        t = self.too_long(reply, messages, max_new_tokens)
         if t is None:
             url = self.http.url("/v1/chat/completions")
             raise EngineResponseError(
@@ -652,7 +670,7 @@ class ServedBackend(ABC):
             )
         return t
 
-    def _too_long(self, reply: Reply, messages: list[dict[str, str]], max_new_tokens: int) -> TooLong | None:
+    def too_long(self, reply: Reply, messages: list[dict[str, str]], max_new_tokens: int) -> TooLong | None:
         """Whether an error reply is a too-long prompt. Default (engines whose error bodies carry
         no figures: vLLM, SGLang, TGI): recount the prompt with the server's own tokenizer and
         compare with its advertised window — structured figures, not the message text."""

@@ -18,7 +18,7 @@ vendors (the version CI builds):
   ``content`` may be an array of strings and token ids (``tokenize_mixed`` in
   ``server-common.cpp``): each string is tokenized on its own, exactly as if sent alone, and
   each id is passed through as is. So many texts are counted in one request, separated by the
-  id -1 (no tokenizer yields it): see :meth:`LlamaCppBackend._count_uncached`.
+  id -1 (no tokenizer yields it): see :meth:`LlamaCppBackend.engine_count`.
 * The chat template, learnt once per system prompt: ``/apply-template`` renders the system turn
   and a user turn holding a sentinel, which splits the text into the template's head and tail;
   a second render, of a probe with edge whitespace, markup and quotes, checks that the template
@@ -97,7 +97,7 @@ class LlamaCppBackend(ServedBackend):
     # Whether batched counting holds on this server: None until checked on first use.
     _batched: bool | None = None
 
-    def _count_uncached(self, texts: list[str]) -> list[int]:
+    def engine_count(self, texts: list[str]) -> list[int]:
         """Counts of ``texts``: many in one ``/tokenize`` request (see the module docstring),
         one request per text on a server that does not take an array (an older llama.cpp) or
         whose batched counts differ from the single ones — checked once, on first use."""
@@ -113,7 +113,7 @@ class LlamaCppBackend(ServedBackend):
             except EngineResponseError as exc:
                 self._batched = False
                 log.warning("llama.cpp: /tokenize takes no array here (%s): one text a request", exc)
-        return self._each(self._count_one, texts)
+        return self.each_text(self._count_one, texts)
 
     def _count_batched(self, texts: list[str]) -> list[int]:
         out: list[int] = []
@@ -148,22 +148,22 @@ class LlamaCppBackend(ServedBackend):
     def _count_one(self, text: str) -> int:
         return len(self._tokenize(text, add_special=False))
 
-    def _render(self, messages: Sequence[Mapping[str, str]]) -> RenderedPrompt:
+    def engine_render(self, messages: Sequence[Mapping[str, str]]) -> RenderedPrompt:
         msgs = tuple(dict(m) for m in messages)
         text = self._template(msgs)
         return self._rendered(msgs, text, self._tokenize(text, add_special=True))
 
-    def _render_and_count(
+    def render_and_count(
         self, messages: Sequence[Mapping[str, str]], texts: list[str]
     ) -> tuple[RenderedPrompt, list[int]]:
         """One ``/tokenize`` for the chat and the texts: the rendered chat first (the only part
         ``add_special`` applies to, as the chat route tokenizes it), then each text after a
         separator (see the module docstring). The batch's counts are checked against single ones
-        once, as :meth:`_count_uncached` does; a server that fails it renders and counts apart."""
+        once, as :meth:`engine_count` does; a server that fails it renders and counts apart."""
         msgs = tuple(dict(m) for m in messages)
         text = self._template(msgs)
         if self._batched is False:
-            return self._rendered(msgs, text, self._tokenize(text, add_special=True)), self._count_uncached(texts)
+            return self._rendered(msgs, text, self._tokenize(text, add_special=True)), self.engine_count(texts)
         content: list[str | int] = [text]
         for t in texts:
             content += [_SEPARATOR, t]
@@ -172,7 +172,7 @@ class LlamaCppBackend(ServedBackend):
         except EngineResponseError as exc:
             self._batched = False
             log.warning("llama.cpp: /tokenize takes no array here (%s): one text a request", exc)
-            return self._render(msgs), self._count_uncached(texts)
+            return self.engine_render(msgs), self.engine_count(texts)
         parts: list[list[int]] = [[]]
         for token in ids:
             if token == _SEPARATOR:
@@ -190,7 +190,7 @@ class LlamaCppBackend(ServedBackend):
             self._batched = counts[0] == self._count_one(texts[0])
             if not self._batched:
                 log.warning("llama.cpp: batched /tokenize counts differ from single ones: one text a request")
-                return self._render(msgs), self._count_uncached(texts)
+                return self.engine_render(msgs), self.engine_count(texts)
         return self._rendered(msgs, text, parts[0]), counts
 
     def _rendered(self, msgs: tuple[dict[str, str], ...], text: str, ids: Sequence[int]) -> RenderedPrompt:
@@ -258,16 +258,16 @@ class LlamaCppBackend(ServedBackend):
     #: connection every second (``HTTP_POLLING_SECONDS``, server-context.cpp).
     LET_GO_S = 3.0
 
-    def _running_tasks(self) -> frozenset[object] | None:
+    def running_tasks(self) -> frozenset[object] | None:
         return self._tasks_seen
 
-    def _let_go(self, before: frozenset[object] | None) -> None:
+    def let_go(self, before: frozenset[object] | None) -> None:
         """Wait (at most :attr:`LET_GO_S`) until every task running on the engine was running
         before the abandoned request was sent — its own has left its slot, unless another
         request began meanwhile — so that the next request does not find its slot still held
         (issue #42 §5: "no free KV … 0 tokens" on a one-slot engine). Nothing to wait for when
         the slots were never read (``--no-slots``, or no plan read them first)."""
-        super()._let_go(before)
+        super().let_go(before)
         if before is None:
             return
         deadline = time.monotonic() + self.LET_GO_S
@@ -288,7 +288,7 @@ class LlamaCppBackend(ServedBackend):
             return None
         return _processing(reply)
 
-    def _capacity(self) -> Capacity:
+    def engine_capacity(self) -> Capacity:
         props = self.http.get("/props").data
         if not isinstance(props, Mapping):
             raise EngineResponseError(
@@ -337,7 +337,7 @@ class LlamaCppBackend(ServedBackend):
             notes=tuple(notes),
         )
 
-    def _too_long(self, reply: Reply, messages: list[dict[str, str]], max_new_tokens: int) -> TooLong | None:
+    def too_long(self, reply: Reply, messages: list[dict[str, str]], max_new_tokens: int) -> TooLong | None:
         err = reply.data.get("error") if isinstance(reply.data, Mapping) else None
         if isinstance(err, Mapping) and err.get("type") == "exceed_context_size_error":
             return TooLong(

@@ -61,10 +61,10 @@ class OllamaBackend(ServedBackend):
         # Counted by the local stand-in, not the engine: kept under both (see LocalCounter.key).
         return f"{self.model_id} @ {self.counter.key}"
 
-    def _count_uncached(self, texts: list[str]) -> list[int]:
+    def engine_count(self, texts: list[str]) -> list[int]:
         return self.counter.count(texts)
 
-    def _render(self, messages: Sequence[Mapping[str, str]]) -> RenderedPrompt:
+    def engine_render(self, messages: Sequence[Mapping[str, str]]) -> RenderedPrompt:
         return self.counter.render(messages)
 
     def num_ctx(self) -> int:
@@ -74,9 +74,9 @@ class OllamaBackend(ServedBackend):
         assert self._num_ctx is not None
         return self._num_ctx
 
-    def _capacity(self) -> Capacity:
+    def engine_capacity(self) -> Capacity:
         notes: list[str] = []
-        version = self._version("/api/version")
+        version = self.route_version("/api/version")
         trained = None
         show = self.http.post("/api/show", {"model": self.model_id}).data
         info = (show or {}).get("model_info") if isinstance(show, Mapping) else None
@@ -149,7 +149,7 @@ class OllamaBackend(ServedBackend):
         last: Mapping[str, Any] = {}
         for event in events:
             if isinstance(event, Reply):
-                return self._too_long_or_raise(event, messages, max_new_tokens)
+                return self.too_long_or_raise(event, messages, max_new_tokens)
             if not isinstance(event, Mapping):
                 raise EngineResponseError(
                     f"{self.http.url(path)} answered a non-object", url=self.http.url(path), kind=self.kind, body=event
@@ -191,7 +191,7 @@ class OllamaBackend(ServedBackend):
             prompt=prompt if hasattr(prompt, "input_ids") else None,
         )
 
-    def _too_long(self, reply: Reply, messages: list[dict[str, str]], max_new_tokens: int) -> TooLong | None:
+    def too_long(self, reply: Reply, messages: list[dict[str, str]], max_new_tokens: int) -> TooLong | None:
         # With truncate:false a prompt over num_ctx is a 400. Ollama's body has no figures, so
         # the local (margin-padded) estimate must agree that it does not fit before we say so.
         n_ctx = self.num_ctx()

@@ -36,13 +36,13 @@ class OpenAIBackend(ServedBackend):
         # Counted by the local stand-in, not the engine: kept under both (see LocalCounter.key).
         return f"{self.model_id} @ {self.counter.key}"
 
-    def _count_uncached(self, texts: list[str]) -> list[int]:
+    def engine_count(self, texts: list[str]) -> list[int]:
         return self.counter.count(texts)
 
-    def _render(self, messages: Sequence[Mapping[str, str]]) -> RenderedPrompt:
+    def engine_render(self, messages: Sequence[Mapping[str, str]]) -> RenderedPrompt:
         return self.counter.render(messages)
 
-    def _capacity(self) -> Capacity:
+    def engine_capacity(self) -> Capacity:
         window, src = None, ""
         data = self.http.get("/v1/models").data
         for card in (data or {}).get("data", []) if isinstance(data, Mapping) else []:

@@ -38,7 +38,7 @@ class SGLangBackend(ServedBackend):
 
     kind = "sglang"
 
-    def _count_uncached(self, texts: list[str]) -> list[int]:
+    def engine_count(self, texts: list[str]) -> list[int]:
         body = {"model": self.model_id, "prompt": texts, "add_special_tokens": False}
         reply = self.http.post("/v1/tokenize", body, allow={404})
         if reply.status == 404:  # older servers route it without the /v1 prefix
@@ -81,7 +81,7 @@ class SGLangBackend(ServedBackend):
             self._overheads[key] = n
         return n
 
-    def _render(self, messages: Sequence[Mapping[str, str]]) -> RenderedPrompt:
+    def engine_render(self, messages: Sequence[Mapping[str, str]]) -> RenderedPrompt:
         msgs = tuple(dict(m) for m in messages)
         content = sum(self.count([m["content"] for m in msgs]))
         n = content + self._role_overhead(tuple(m["role"] for m in msgs))
@@ -92,7 +92,7 @@ class SGLangBackend(ServedBackend):
             source="POST /v1/tokenize per message + template overhead from a usage probe",
         )
 
-    def _capacity(self) -> Capacity:
+    def engine_capacity(self) -> Capacity:
         info = self.http.get("/get_server_info").data or {}
         if not isinstance(info, Mapping):
             raise EngineResponseError(

@@ -37,8 +37,8 @@ class TGIBackend(ServedBackend):
     kind = "tgi"
     too_long_statuses = frozenset({422})
 
-    def _count_uncached(self, texts: list[str]) -> list[int]:
-        return self._each(self._count_one, texts)
+    def engine_count(self, texts: list[str]) -> list[int]:
+        return self.each_text(self._count_one, texts)
 
     def _count_one(self, text: str) -> int:
         data = self.http.post("/tokenize", {"inputs": text}).data
@@ -51,7 +51,7 @@ class TGIBackend(ServedBackend):
             )
         return len(data)
 
-    def _render(self, messages: Sequence[Mapping[str, str]]) -> RenderedPrompt:
+    def engine_render(self, messages: Sequence[Mapping[str, str]]) -> RenderedPrompt:
         msgs = tuple(dict(m) for m in messages)
         data = self.http.post("/chat_tokenize", {"model": self.model_id, "messages": list(msgs)}).data
         toks = data.get("tokenize_response") if isinstance(data, Mapping) else None
@@ -71,7 +71,7 @@ class TGIBackend(ServedBackend):
             token_ids=tuple(int(t["id"]) for t in toks if "id" in t),
         )
 
-    def _capacity(self) -> Capacity:
+    def engine_capacity(self) -> Capacity:
         info = self.http.get("/info").data
         if not isinstance(info, Mapping):
             raise EngineResponseError(

@@ -40,8 +40,8 @@ class VLLMBackend(ServedBackend):
 
     kind = "vllm"
 
-    def _count_uncached(self, texts: list[str]) -> list[int]:
-        return self._each(self._count_one, texts)
+    def engine_count(self, texts: list[str]) -> list[int]:
+        return self.each_text(self._count_one, texts)
 
     def _count_one(self, text: str) -> int:
         data = self.http.post("/tokenize", {"model": self.model_id, "prompt": text, "add_special_tokens": False}).data
@@ -55,7 +55,7 @@ class VLLMBackend(ServedBackend):
             )
         return n
 
-    def _render(self, messages: Sequence[Mapping[str, str]]) -> RenderedPrompt:
+    def engine_render(self, messages: Sequence[Mapping[str, str]]) -> RenderedPrompt:
         msgs = tuple(dict(m) for m in messages)
         data = self.http.post(
             "/tokenize", {"model": self.model_id, "messages": list(msgs), "add_generation_prompt": True}
@@ -77,14 +77,14 @@ class VLLMBackend(ServedBackend):
             token_ids=tuple(tokens) if isinstance(tokens, list) else None,
         )
 
-    def _capacity(self) -> Capacity:
+    def engine_capacity(self) -> Capacity:
         models = self.http.get("/v1/models").data
         max_len, src = None, ""
         for card in (models or {}).get("data", []) if isinstance(models, Mapping) else []:
             if card.get("id") == self.model_id or max_len is None:
                 max_len = int_or_none(card.get("max_model_len"))
                 src = "GET /v1/models max_model_len"
-        version = self._version("/version")
+        version = self.route_version("/version")
         notes: list[str] = []
         kv_total = kv_free = running = waiting = None
         kv_total_src = kv_free_src = load_src = ""
