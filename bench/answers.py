@@ -155,6 +155,24 @@ def reused_cells(
     return cells
 
 
+def answer_fields(a: Any, files: dict[str, str]) -> dict[str, Any]:
+    """A cell's fields from a ragbudget ``Answer``: the reply, the text of each source it was
+    given (read back from ``files``), the context and prompt tokens, and whether it declined."""
+    return {
+        "answer": a.text,
+        "finish_reason": a.finish_reason,
+        "contexts": [source_text(s, files) for s in a.sources],
+        "context_tokens": a.report["budget"].get("context_tokens_used"),
+        "prompt_tokens": a.report["budget"].get("prompt_tokens"),
+        "declined_by_library": bool(a.report.get("declined")),
+    }
+
+
+def ask_once(pipe: Any, q: dict[str, Any], budget: int, max_new_tokens: int, files: dict[str, str]) -> dict[str, Any]:
+    """``ragbudget ask``: one question, ``budget`` tokens of context, the answer cap."""
+    return answer_fields(pipe.ask(q["text"], context_tokens=budget, max_new_tokens=max_new_tokens), files)
+
+
 def ragbudget_cells(
     args: argparse.Namespace,
     url: str,
@@ -163,8 +181,14 @@ def ragbudget_cells(
     questions: list[dict[str, Any]],
     budgets: list[int],
     rows: list[str],
+    ask: Any = None,
 ) -> list[dict[str, Any]]:
+    """ragbudget's cells: each row's pipeline on the engine, each question asked at each budget
+    by ``ask(pipe, question, budget, max_new_tokens, files)`` (the cell's fields; default
+    :func:`ask_once`, ``Pipeline.ask``), after the cells ``--reuse`` takes from an earlier run."""
     from ragbudget import Pipeline
+
+    ask = ask or ask_once
 
     known = reused_cells(args.reuse, args, documents, questions, budgets) if args.reuse else []
     done = {(c["system"], c["budget"], c["qid"]) for c in known}
@@ -186,13 +210,7 @@ def ragbudget_cells(
                     cell: dict[str, Any] = {"system": row, "budget": b, "qid": q["qid"]}
                     t = time.perf_counter()
                     try:
-                        a = pipe.ask(q["text"], context_tokens=b, max_new_tokens=args.max_new_tokens)
-                        cell["answer"] = a.text
-                        cell["finish_reason"] = a.finish_reason
-                        cell["contexts"] = [source_text(s, files) for s in a.sources]
-                        cell["context_tokens"] = a.report["budget"].get("context_tokens_used")
-                        cell["prompt_tokens"] = a.report["budget"].get("prompt_tokens")
-                        cell["declined_by_library"] = bool(a.report.get("declined"))
+                        cell.update(ask(pipe, q, b, args.max_new_tokens, files))
                     except Exception as exc:  # noqa: BLE001 - a failed request is a result
                         cell["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
                     cell["seconds"] = round(time.perf_counter() - t, 2)
@@ -202,8 +220,18 @@ def ragbudget_cells(
 
 
 def peer_cells(
-    args: argparse.Namespace, url: str, docs: Path, gguf: str, questions: list[dict[str, Any]], budgets: list[int]
+    args: argparse.Namespace,
+    url: str,
+    docs: Path,
+    gguf: str,
+    questions: list[dict[str, Any]],
+    budgets: list[int],
+    *,
+    chat: bool = False,
 ) -> list[dict[str, Any]]:
+    """The peers' cells, from their cache (``bench/out/``) or asked of ``answers_peers.py``;
+    ``chat``: each question carries its ``history`` and the peers answer through their chat
+    setups (kept in a cache of their own)."""
     systems = [s for s in args.systems if s in PEER_ROWS]
     if not systems:
         return []
@@ -211,9 +239,8 @@ def peer_cells(
         raise SystemExit("--peers-python: the peers run in their own virtual environment (see answers_peers.py)")
     # The peers' answers depend on nothing ragbudget changes: kept per split, model, documents
     # and cap (bench/out/), so a run that changes only ragbudget asks the engine only for it.
-    key = hashlib.sha256(
-        json.dumps([sorted(p.name for p in docs.glob("*.md")), Path(gguf).name, args.max_new_tokens]).encode()
-    ).hexdigest()[:12]
+    material: list[Any] = [sorted(p.name for p in docs.glob("*.md")), Path(gguf).name, args.max_new_tokens]
+    key = hashlib.sha256(json.dumps(material + (["chat"] if chat else [])).encode()).hexdigest()[:12]
     cache = H.OUT / f"answers_peers_{key}.jsonl"
     known = {}
     if cache.is_file() and not args.fresh_peers:
@@ -236,6 +263,7 @@ def peer_cells(
         "questions": todo,
         "max_new_tokens": args.max_new_tokens,
         "timeout_s": args.timeout,
+        "chat": chat,
     }
     H.OUT.mkdir(parents=True, exist_ok=True)
     proc = subprocess.Popen(
@@ -433,7 +461,7 @@ LABELS = {
 }
 
 
-def table(result: dict[str, Any]) -> str:
+def table(result: dict[str, Any], labels: dict[str, str] = LABELS) -> str:
     """The per-system table of a raw result: F1 and EM with 95% intervals, the answer in the
     context, declining, citation precision and failures, one row per system and budget — each
     figure followed by its pointer into the raw result (``bench/_figures.py``: the row's
@@ -458,7 +486,7 @@ def table(result: dict[str, Any]) -> str:
             if c["citation_precision_pct"] is not None:
                 cite += f" of {c['citations']}<!-- citations -->"
             lines.append(
-                f"| <!-- raw: #/summary/{system}@{b} -->{LABELS.get(system, system)} | {b:,} "
+                f"| <!-- raw: #/summary/{system}@{b} -->{labels.get(system, system)} | {b:,} "
                 f"| {c['f1']:.1f}<!-- f1 --> ({lo:.1f}<!-- f1_ci95/0 -->–{hi:.1f}<!-- f1_ci95/1 -->) "
                 f"| {c['em']:.1f}<!-- em --> | {pct(c['in_context'], 'in_context')} "
                 f"| {pct(c['declined_unanswerable_pct'], 'declined_unanswerable_pct')} "

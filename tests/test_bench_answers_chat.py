@@ -1,0 +1,159 @@
+"""bench/answers_chat.py: which CoQA follow-ups are asked (with the gold conversation before each),
+and the peers' chat answers kept apart from their single-question ones, so that a rerun asks them
+only what is missing. No model, no engine, no peers' environment: the peers' process is faked."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import io
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _load() -> ModuleType:
+    # bench/ puts itself on sys.path and has a _llama module of its own, as tests/ does: both are
+    # put back as they were once the module is loaded.
+    path, llama = list(sys.path), sys.modules.pop("_llama", None)
+    try:
+        spec = importlib.util.spec_from_file_location("bench_answers_chat", REPO / "bench" / "answers_chat.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path[:] = path
+        sys.modules.pop("_llama", None)
+        if llama is not None:
+            sys.modules["_llama"] = llama
+    return module
+
+
+chat = _load()
+
+STORY = {
+    "source": "mctest",
+    "id": "3abcdefghijklmnop",
+    "story": "Anna has a red ball. She plays in the park every morning with Tom.",
+    "questions": [
+        {"turn_id": 1, "input_text": "Who has a ball?"},
+        {"turn_id": 2, "input_text": "What color is it?"},
+        {"turn_id": 3, "input_text": "Does she play with it?"},
+        {"turn_id": 4, "input_text": "Where?"},
+        {"turn_id": 5, "input_text": "With whom?"},
+    ],
+    "answers": [
+        {"turn_id": 1, "input_text": "Anna"},
+        {"turn_id": 2, "input_text": "red"},
+        {"turn_id": 3, "input_text": "yes"},
+        {"turn_id": 4, "input_text": "in the garden"},
+        {"turn_id": 5, "input_text": "Tom"},
+    ],
+    "additional_answers": {"0": [{"turn_id": 4, "input_text": "the park"}]},
+}
+
+
+def test_the_follow_ups_asked_carry_the_gold_conversation_before_them() -> None:
+    qs = chat.chat_questions([STORY], turns=2)
+    # Turn 1 stands alone (answers.py asks such questions); turn 3's answer is "yes"; turn 4's
+    # main answer is not in the story, its additional one is.
+    assert [q["turn"] for q in qs] == [2, 4]
+    assert qs[0]["qid"] == "3abcdefghijklmnop:2" and qs[0]["story"] == "mctest_3abcdefghi.md"
+    assert qs[0]["answers"] == ["red"] and qs[1]["answers"] == ["the park"]
+    assert qs[0]["history"] == [
+        {"role": "user", "content": "Who has a ball?"},
+        {"role": "assistant", "content": "Anna"},
+    ]
+    assert len(qs[1]["history"]) == 6 and qs[1]["history"][-1] == {"role": "assistant", "content": "yes"}
+    assert all(q["answerable"] for q in qs)
+    assert [q["turn"] for q in chat.chat_questions([STORY], turns=5)] == [2, 4, 5]
+    assert len(chat.chat_questions([STORY], turns=5, limit=1)) == 1
+
+
+class _Sink(io.StringIO):
+    def __init__(self, proc: FakePeers) -> None:
+        super().__init__()
+        self.proc = proc
+
+    def close(self) -> None:
+        self.proc.read_job(self.getvalue())
+        super().close()
+
+
+class FakePeers:
+    """``subprocess.Popen`` of answers_peers.py: reads the job, answers every cell it asks."""
+
+    jobs: list[dict[str, Any]] = []
+
+    def __init__(self, cmd: list[str], **kwargs: Any) -> None:
+        self.stdin = _Sink(self)
+        self.stdout = self._lines()  # read once the job is written
+        self.returncode = 0
+
+    def read_job(self, text: str) -> None:
+        self.job = json.loads(text)
+        FakePeers.jobs.append(self.job)
+
+    def _lines(self) -> Any:
+        job = self.job
+        for s in job["systems"]:
+            for b in job["budgets"]:
+                for q in job["questions"]:
+                    cell = {"system": s, "budget": b, "qid": q["qid"], "answer": q["answers"][0], "contexts": []}
+                    yield json.dumps(cell) + "\n"
+
+    def wait(self) -> int:
+        return 0
+
+
+def test_the_peers_chat_answers_are_kept_apart_and_asked_only_when_missing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(chat.H, "OUT", tmp_path / "out")
+    monkeypatch.setattr(chat.A.subprocess, "Popen", FakePeers)
+    FakePeers.jobs = []
+    docs = tmp_path / "docs"
+    chat.write_stories([STORY], docs)
+    args = argparse.Namespace(
+        systems=["ragbudget", "langchain", "llamaindex"],
+        peers_python="python",
+        fresh_peers=False,
+        max_new_tokens=64,
+        timeout=60,
+    )
+    qs = chat.chat_questions([STORY], turns=5)
+
+    def cells(questions: list[dict[str, Any]], *, chat_mode: bool = True) -> list[dict[str, Any]]:
+        return chat.A.peer_cells(args, "http://x", docs, "/m/model.gguf", questions, [256], chat=chat_mode)
+
+    assert len(cells(qs[:2])) == 4
+    (job,) = FakePeers.jobs
+    assert job["chat"] is True and job["systems"] == ["langchain", "llamaindex"]
+    assert [q["history"] for q in job["questions"]] == [q["history"] for q in qs[:2]]
+    # A larger sample asks only its new question; the same sample asks nothing.
+    got = cells(qs)
+    assert len(got) == 6 and {c["qid"] for c in got} == {q["qid"] for q in qs}
+    assert [q["qid"] for q in FakePeers.jobs[-1]["questions"]] == [qs[2]["qid"]]
+    assert len(cells(qs)) == 6 and len(FakePeers.jobs) == 2
+    # The same questions asked one at a time (answers.py's path) are not taken from the chat cache.
+    cells(qs, chat_mode=False)
+    assert len(FakePeers.jobs) == 3 and FakePeers.jobs[-1]["chat"] is False
+    assert len(list((tmp_path / "out").glob("answers_peers_*.jsonl"))) == 2
+
+
+def test_seconds_per_question_is_each_rows_mean() -> None:
+    summary: dict[str, dict[str, Any]] = {"ragbudget@256": {}, "langchain@256": {}}
+    cells = [
+        {"system": "ragbudget", "budget": 256, "seconds": 2.0},
+        {"system": "ragbudget", "budget": 256, "seconds": 4.0},
+        {"system": "ragbudget", "budget": 2048, "seconds": 9.0},
+    ]
+    chat.seconds_per_question(cells, summary)
+    assert summary["ragbudget@256"]["seconds_per_question"] == 3.0
+    assert summary["langchain@256"]["seconds_per_question"] is None
