@@ -35,8 +35,11 @@ answers, ``[n]`` citation markers removed), paired bootstrap 95% intervals of ra
 peer, the answer in the context a system was given (a gold answer inside it), the wrongly-declined
 rate, ragbudget's citation precision, failed requests; and seconds per question.
 
-    python bench/answers_chat.py --stories 30 --turns 4 --budgets 256,2048 \\
-        --model qwen2.5-coder-0.5b-instruct --peers-python /work/peers-venv/bin/python
+    python bench/answers_chat.py --stories 60 --skip-stories 30 --turns 4 --budgets 256,2048 \\
+        --model qwen2.5-coder-0.5b-instruct --peers-python /path/to/peers-venv/bin/python
+
+``--skip-stories 30`` asks only the stories the chat policy was not built on (``bench/coqa_chat.py``
+chose its defaults on the first 30 of the same seeded sample; all 60 are indexed, as there).
 
 Writes ``bench/results/answers_coqa_<model>.json`` with every answer (and, per cell, what each
 system searched for). The peers' answers are kept in ``bench/out/`` (a cache of their own,
@@ -153,6 +156,13 @@ def peer_versions(python: str) -> dict[str, str | None]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--stories", type=int, default=30, help="CoQA stories indexed (seeded sample)")
+    ap.add_argument(
+        "--skip-stories",
+        type=int,
+        default=0,
+        help="ask no follow-up of the first N stories (all are indexed): the held-out stories of "
+        "bench/coqa_chat.py are --stories 60 --skip-stories 30, the first 30 having built the chat policy",
+    )
     ap.add_argument("--turns", type=int, default=4, help="follow-up questions per story (at most)")
     ap.add_argument("--questions", type=int, default=0, help="follow-up questions in all (0: every one)")
     ap.add_argument("--budgets", default="256,1024,2048")
@@ -188,7 +198,7 @@ def main() -> None:
     t_start = time.time()
 
     stories = load_stories(args.stories, args.seed)
-    questions = chat_questions(stories, args.turns, args.questions)
+    questions = chat_questions(stories[args.skip_stories :], args.turns, args.questions)
     files = [story_file(s) for s in stories]
     asked = sorted({q["story"] for q in questions})
     print(f"{SPLIT}: {len(stories)} stories indexed, {len(questions)} follow-ups of {len(asked)} of them")
