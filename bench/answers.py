@@ -361,14 +361,11 @@ def summarize(cells: list[dict[str, Any]], questions: list[dict[str, Any]], syst
     return summary, diffs
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--split", choices=("squad-tune", "squad-test", "amazon"), default="squad-tune")
-    ap.add_argument("--docs", type=int, default=12, help="articles indexed")
-    ap.add_argument("--questions", type=int, default=60, help="answerable questions (seeded sample)")
-    ap.add_argument("--unanswerable", type=int, default=15, help="questions about articles not indexed")
+def add_run_options(ap: argparse.ArgumentParser, *, systems: str) -> None:
+    """The options every answers benchmark takes (this one and ``answers_chat.py``): budgets,
+    systems, model and engine, the peers' environment and cache, reuse, seed and output."""
     ap.add_argument("--budgets", default="256,1024,2048")
-    ap.add_argument("--systems", default="ragbudget,ragbudget_chunks,langchain,llamaindex")
+    ap.add_argument("--systems", default=systems)
     ap.add_argument("--model", default="qwen2.5-coder-0.5b-instruct", help="packaged model name or GGUF path")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--slots", type=int, default=1)
@@ -385,6 +382,15 @@ def main() -> None:
     )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--split", choices=("squad-tune", "squad-test", "amazon"), default="squad-tune")
+    ap.add_argument("--docs", type=int, default=12, help="articles indexed")
+    ap.add_argument("--questions", type=int, default=60, help="answerable questions (seeded sample)")
+    ap.add_argument("--unanswerable", type=int, default=15, help="questions about articles not indexed")
+    add_run_options(ap, systems="ragbudget,ragbudget_chunks,langchain,llamaindex")
     ap.add_argument("--plot", type=Path, nargs=2, metavar=("RAW", "PNG"), help="draw a raw result; nothing is run")
     ap.add_argument(
         "--table", type=Path, metavar="RAW", help="print a raw result as BENCHMARKS.md's table; nothing is run"

@@ -165,24 +165,7 @@ def main() -> None:
     )
     ap.add_argument("--turns", type=int, default=4, help="follow-up questions per story (at most)")
     ap.add_argument("--questions", type=int, default=0, help="follow-up questions in all (0: every one)")
-    ap.add_argument("--budgets", default="256,1024,2048")
-    ap.add_argument("--systems", default=",".join(SYSTEMS))
-    ap.add_argument("--model", default="qwen2.5-coder-0.5b-instruct", help="packaged model name or GGUF path")
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--slots", type=int, default=1)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--timeout", type=float, default=600, help="engine time-out a request, every system")
-    ap.add_argument("--peers-python", default=None)
-    ap.add_argument("--fresh-peers", action="store_true", help="ask the peers again (their answers are kept)")
-    ap.add_argument(
-        "--reuse",
-        type=Path,
-        default=None,
-        metavar="RAW",
-        help="ragbudget's cells from RAW when its library code is HEAD's (only the missing cells are asked)",
-    )
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, default=None)
+    A.add_run_options(ap, systems=",".join(SYSTEMS))
     ap.add_argument("--table", type=Path, metavar="RAW", help="print a raw result's table; nothing is run")
     args = ap.parse_args()
     if args.table:
