@@ -361,6 +361,21 @@ def summarize(cells: list[dict[str, Any]], questions: list[dict[str, Any]], syst
     return summary, diffs
 
 
+def print_summary(summary: dict[str, Any], diffs: dict[str, Any]) -> None:
+    """A run's figures on the console, a line per system and budget, then the paired differences
+    (both answers benchmarks; seconds per question where the summary has them)."""
+    for key, c in summary.items():
+        declined = "" if c.get("n_unanswerable") == 0 else f"declined(unans) {c['declined_unanswerable_pct']}% "
+        pace = f" {c['seconds_per_question']:.1f} s/question" if "seconds_per_question" in c else ""
+        print(
+            f"{key:>24}: F1 {c['f1']:.1f} EM {c['em']:.1f} in-context {c['in_context']:.0f}% {declined}"
+            f"wrongly-declined {c['wrongly_declined_pct']:.1f}% cite-prec {c['citation_precision_pct']} "
+            f"failed {c['failed']}{pace}"
+        )
+    for key, d in diffs.items():
+        print(f"{key:>40}: {d['f1_diff']:+.1f} ({d['ci95'][0]:+.1f}, {d['ci95'][1]:+.1f})")
+
+
 def add_run_options(ap: argparse.ArgumentParser, *, systems: str) -> None:
     """The options every answers benchmark takes (this one and ``answers_chat.py``): budgets,
     systems, model and engine, the peers' environment and cache, reuse, seed and output."""
@@ -427,14 +442,7 @@ def main() -> None:
             (H.OUT / "answers_last_ragbudget.json").write_text(json.dumps(cells), encoding="utf-8")
             cells += peer_cells(args, url, docs, gguf, questions, budgets)
     summary, diffs = summarize(cells, questions, args.systems, budgets)
-    for key, c in summary.items():
-        print(
-            f"{key:>24}: F1 {c['f1']:.1f} EM {c['em']:.1f} in-context {c['in_context']:.0f}% "
-            f"declined(unans) {c['declined_unanswerable_pct']}% wrongly-declined {c['wrongly_declined_pct']:.1f}% "
-            f"cite-prec {c['citation_precision_pct']} failed {c['failed']}"
-        )
-    for key, d in diffs.items():
-        print(f"{key:>40}: {d['f1_diff']:+.1f} ({d['ci95'][0]:+.1f}, {d['ci95'][1]:+.1f})")
+    print_summary(summary, diffs)
     from _results import write
 
     model_name = Path(gguf).stem.lower().replace("-", "_").replace(".", "_")

@@ -198,14 +198,7 @@ def main() -> None:
             cells += A.peer_cells(args, url, docs, gguf, questions, budgets, chat=True)
     summary, diffs = A.summarize(cells, questions, args.systems, budgets)
     seconds_per_question(cells, summary)
-    for key, c in summary.items():
-        print(
-            f"{key:>16}: F1 {c['f1']:.1f} EM {c['em']:.1f} in-context {c['in_context']:.0f}% "
-            f"wrongly-declined {c['wrongly_declined_pct']:.1f}% cite-prec {c['citation_precision_pct']} "
-            f"failed {c['failed']} {c['seconds_per_question']:.1f} s/question"
-        )
-    for key, d in diffs.items():
-        print(f"{key:>32}: {d['f1_diff']:+.1f} ({d['ci95'][0]:+.1f}, {d['ci95'][1]:+.1f})")
+    A.print_summary(summary, diffs)
     from _results import write
 
     model_name = Path(gguf).stem.lower().replace("-", "_").replace(".", "_")

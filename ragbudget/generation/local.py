@@ -61,9 +61,7 @@ def local_backend(generator: Generator | None, *, model: str | None, memory: Mem
 def local_generator(backend: object) -> Generator | None:
     """The local generator ``backend`` runs (a :class:`LocalBackend`'s, or a given backend's
     ``generator`` attribute), or ``None`` for one that generates elsewhere."""
-    if isinstance(backend, LocalBackend):
-        return backend.generator
-    gen: Generator | None = getattr(backend, "generator", None)
+    gen: Generator | None = getattr(backend, "generator", None)  # LocalBackend.generator among them
     return gen
 
 
