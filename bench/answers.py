@@ -191,7 +191,9 @@ def ragbudget_cells(
     ask = ask or ask_once
 
     known = reused_cells(args.reuse, args, documents, questions, budgets) if args.reuse else []
+    left = left_cells(args)
     done = {(c["system"], c["budget"], c["qid"]) for c in known}
+    done |= {(r, b, q["qid"]) for r, b in left for q in questions}
     if all((r, b, q["qid"]) in done for r in rows for b in budgets for q in questions):
         return known
 
@@ -248,18 +250,20 @@ def peer_cells(
             c = json.loads(line)
             if "error" not in c:
                 known[(c["system"], c["budget"], c["qid"])] = c
-    out = [known[(s, b, q["qid"])] for s in systems for b in budgets for q in questions if (s, b, q["qid"]) in known]
-    todo = [q for q in questions if any((s, b, q["qid"]) not in known for s in systems for b in budgets)]
+    left = left_cells(args)
+    wanted = [(s, b) for s in systems for b in budgets if (s, b) not in left]
+    out = [known[(s, b, q["qid"])] for s, b in wanted for q in questions if (s, b, q["qid"]) in known]
+    todo = [q for q in questions if any((s, b, q["qid"]) not in known for s, b in wanted)]
     if not todo:
         return out
-    # Only the systems with a cell missing are asked again (their known cells are skipped below).
-    systems = [s for s in systems if any((s, b, q["qid"]) not in known for b in budgets for q in todo)]
     job = {
         "docs": str(docs),
         "engine": url,
         "gguf": gguf,
-        "systems": systems,
-        "budgets": budgets,
+        # The cells to ask: each (system, budget) with a question missing; the peers' process
+        # asks question by question, so a run cut short leaves whole questions for --questions N.
+        "cells": [[s, b] for s, b in wanted if any((s, b, q["qid"]) not in known for q in todo)],
+        "known": sorted({f"{s}@{b}@{q['qid']}" for s, b in wanted for q in todo if (s, b, q["qid"]) in known}),
         "questions": todo,
         "max_new_tokens": args.max_new_tokens,
         "timeout_s": args.timeout,
@@ -395,8 +399,25 @@ def add_run_options(ap: argparse.ArgumentParser, *, systems: str) -> None:
         metavar="RAW",
         help="ragbudget's cells from RAW when its library code is HEAD's (only the missing cells are asked)",
     )
+    ap.add_argument(
+        "--leave",
+        default="",
+        metavar="SYSTEM@BUDGET,...",
+        help="cells not asked (e.g. a slow peer at a budget no comparison needs); the tables leave them out",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None)
+
+
+def left_cells(args: argparse.Namespace) -> set[tuple[str, int]]:
+    """``--leave``'s (system, budget) pairs; a one-line exit on a malformed entry."""
+    out = set()
+    for item in (x.strip() for x in args.leave.split(",") if x.strip()):
+        system, _, budget = item.partition("@")
+        if not budget.isdigit():
+            raise SystemExit(f"--leave {item!r}: want SYSTEM@BUDGET, e.g. llamaindex@256")
+        out.add((system, int(budget)))
+    return out
 
 
 def main() -> None:

@@ -4,8 +4,9 @@ the same ``llama-server`` (the same model, greedy, the same answer cap) as ragbu
 Run by ``bench/answers.py`` in a virtual environment of the peers' own (``--peers-python``): their
 integration packages pin versions of huggingface-hub, transformers and openai that the project's
 environment has outgrown, so they never share one. Input: a JSON job on stdin (documents folder,
-engine URL, GGUF path for the tokenizer, questions, budgets, the answer cap); output: one JSON line
-per answered cell on stdout, so a crash loses nothing already answered.
+engine URL, GGUF path for the tokenizer, questions, the (system, budget) cells to ask and the cells
+already known, the answer cap); output: one JSON line per answered cell on stdout, so a crash loses
+nothing already answered.
 
 * ``langchain``: the "stuff" chain of LangChain's RAG tutorial — ``RecursiveCharacterTextSplitter``
   measured in tokens (400, no overlap given: the issue's setup), MiniLM through
@@ -343,19 +344,23 @@ def main() -> None:
     docs = load_docs(Path(job["docs"]))
     tokens = Tokens(job["gguf"])
     chat = bool(job.get("chat"))
-    for system in job["systems"]:
-        for budget in job["budgets"]:
-            answer = asker(system, chat, docs, job, tokens, budget)
-            for q in job["questions"]:
-                t0 = time.perf_counter()
-                row: dict[str, Any] = {"system": system, "budget": budget, "qid": q["qid"]}
-                try:
-                    row.update(answer(q))
-                    row["context_tokens"] = sum(len(tokens.encode(c)) for c in row["contexts"])
-                except Exception as exc:  # noqa: BLE001 - a failed request is a result, recorded
-                    row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-                row["seconds"] = time.perf_counter() - t0
-                print(json.dumps(row), flush=True)
+    known = set(job.get("known", ()))
+    # Every (system, budget) asker first (each indexes once), then question by question: a run cut
+    # short has whole questions, which a smaller ``--questions`` of the same seeded draw reuses.
+    askers = {(s, b): asker(s, chat, docs, job, tokens, b) for s, b in job["cells"]}
+    for q in job["questions"]:
+        for (system, budget), answer in askers.items():
+            if f"{system}@{budget}@{q['qid']}" in known:
+                continue
+            t0 = time.perf_counter()
+            row: dict[str, Any] = {"system": system, "budget": budget, "qid": q["qid"]}
+            try:
+                row.update(answer(q))
+                row["context_tokens"] = sum(len(tokens.encode(c)) for c in row["contexts"])
+            except Exception as exc:  # noqa: BLE001 - a failed request is a result, recorded
+                row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            row["seconds"] = time.perf_counter() - t0
+            print(json.dumps(row), flush=True)
 
 
 if __name__ == "__main__":

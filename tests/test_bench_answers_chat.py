@@ -102,11 +102,12 @@ class FakePeers:
 
     def _lines(self) -> Any:
         job = self.job
-        for s in job["systems"]:
-            for b in job["budgets"]:
-                for q in job["questions"]:
-                    cell = {"system": s, "budget": b, "qid": q["qid"], "answer": q["answers"][0], "contexts": []}
-                    yield json.dumps(cell) + "\n"
+        for q in job["questions"]:
+            for s, b in job["cells"]:
+                if f"{s}@{b}@{q['qid']}" in job["known"]:
+                    continue
+                cell = {"system": s, "budget": b, "qid": q["qid"], "answer": q["answers"][0], "contexts": []}
+                yield json.dumps(cell) + "\n"
 
     def wait(self) -> int:
         return 0
@@ -126,6 +127,7 @@ def test_the_peers_chat_answers_are_kept_apart_and_asked_only_when_missing(
         fresh_peers=False,
         max_new_tokens=64,
         timeout=60,
+        leave="",
     )
     qs = chat.chat_questions([STORY], turns=5)
 
@@ -134,7 +136,7 @@ def test_the_peers_chat_answers_are_kept_apart_and_asked_only_when_missing(
 
     assert len(cells(qs[:2])) == 4
     (job,) = FakePeers.jobs
-    assert job["chat"] is True and job["systems"] == ["langchain", "llamaindex"]
+    assert job["chat"] is True and job["cells"] == [["langchain", 256], ["llamaindex", 256]]
     assert [q["history"] for q in job["questions"]] == [q["history"] for q in qs[:2]]
     # A larger sample asks only its new question; the same sample asks nothing.
     got = cells(qs)
@@ -145,6 +147,43 @@ def test_the_peers_chat_answers_are_kept_apart_and_asked_only_when_missing(
     cells(qs, chat_mode=False)
     assert len(FakePeers.jobs) == 3 and FakePeers.jobs[-1]["chat"] is False
     assert len(list((tmp_path / "out").glob("answers_peers_*.jsonl"))) == 2
+
+
+def test_cells_left_out_are_not_asked_and_known_cells_are_not_asked_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(chat.H, "OUT", tmp_path / "out")
+    monkeypatch.setattr(chat.A.subprocess, "Popen", FakePeers)
+    FakePeers.jobs = []
+    docs = tmp_path / "docs"
+    chat.write_stories([STORY], docs)
+    args = argparse.Namespace(
+        systems=["langchain", "llamaindex"],
+        peers_python="python",
+        fresh_peers=False,
+        max_new_tokens=64,
+        timeout=60,
+        leave="llamaindex@256",
+    )
+    qs = chat.chat_questions([STORY], turns=5)
+    got = chat.A.peer_cells(args, "http://x", docs, "/m/model.gguf", qs[:1], [256, 2048], chat=True)
+    assert sorted((c["system"], c["budget"]) for c in got) == [
+        ("langchain", 256),
+        ("langchain", 2048),
+        ("llamaindex", 2048),
+    ]
+    assert FakePeers.jobs[-1]["known"] == []
+    # A new budget for one peer: the known cells of that question are named, not asked again.
+    args.leave = "llamaindex@256,llamaindex@512"
+    got = chat.A.peer_cells(args, "http://x", docs, "/m/model.gguf", qs[:1], [256, 512, 2048], chat=True)
+    job = FakePeers.jobs[-1]
+    assert job["cells"] == [["langchain", 512]]
+    assert len(got) == 4 and job["known"] == sorted(
+        f"{s}@{b}@{qs[0]['qid']}" for s, b in (("langchain", 256), ("langchain", 2048), ("llamaindex", 2048))
+    )
+    args.leave = "llamaindex"
+    with pytest.raises(SystemExit, match="want SYSTEM@BUDGET"):
+        chat.A.peer_cells(args, "http://x", docs, "/m/model.gguf", qs[:1], [256], chat=True)
 
 
 def test_seconds_per_question_is_each_rows_mean() -> None:
