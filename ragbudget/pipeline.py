@@ -90,8 +90,9 @@ class Pipeline(Planning):
     are admitted only while their summed KV reservations fit the plan's capacity.
 
     Args:
-        index_dir: folder of the index (created by :meth:`index`), or a PostgreSQL database: a
-            ``postgresql://`` URL or a libpq keyword/value string (docs/postgres.md).
+        index_dir: folder of the index (created by :meth:`index`), a PostgreSQL database (a
+            ``postgresql://`` URL or a libpq keyword/value string: docs/postgres.md), or a URL
+            of an installed storage's scheme (docs/storage.md).
         model: generator — HF id, local folder or ``.gguf`` (default: the packaged
             Qwen2.5-Coder-0.5B-Instruct, or ``$RAGBUDGET_MODEL``);
             with ``engine``, which of the engine's served models (default: the first listed).
@@ -203,14 +204,16 @@ class Pipeline(Planning):
         )
         if self.engine.url is not None and generator is not None:
             raise ConfigError("pass engine= (generate on a served engine) or generator= (a local model), not both")
-        from .retrieval.locations import is_db_location, mask_location
+        from .retrieval.locations import mask_location
+        from .retrieval.storage import LOCAL, storage_name
 
-        # A PostgreSQL location (URL or keyword/value string) stays a string as given: it is no
-        # folder, and a path would collapse a URL's empty host (postgresql:///db) into
-        # postgresql:/db. Messages and the repr show it masked.
-        db = is_db_location(index_dir)
-        self.index_dir: Path | str = os.fspath(index_dir) if db else Path(index_dir)
-        self._index_shown = mask_location(index_dir) if db else str(self.index_dir)
+        # A location other than a folder (a PostgreSQL URL or keyword/value string, another
+        # storage's URL) stays a string as given: a path would collapse a URL's empty host
+        # (postgresql:///db) into postgresql:/db. Messages and the repr show it masked. A URL no
+        # storage takes is refused here, before anything is built.
+        folder = storage_name(index_dir) == LOCAL
+        self.index_dir: Path | str = Path(index_dir) if folder else os.fspath(index_dir)
+        self._index_shown = str(self.index_dir) if folder else mask_location(index_dir)
         self.model = model
         self.system_prompt = system_prompt
         self._span_scorer: Any = None

@@ -14,7 +14,8 @@ from _corpus import EMB, build, write_corpus
 
 from ragbudget.retrieval.copy import copy_index
 from ragbudget.retrieval.embed import HashEmbedder
-from ragbudget.retrieval.index import Index, open_storage
+from ragbudget.retrieval.index import Index
+from ragbudget.retrieval.storage import open_storage
 
 QUESTIONS = ["marker1zz", "marker4zz ka", "lolo suba zefi", "the unique marker appears"]
 

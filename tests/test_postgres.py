@@ -15,8 +15,8 @@ import pytest
 from _corpus import EMB, build, make_text, write_corpus
 
 from ragbudget.errors import IndexLockedError, IndexNotFoundError
-from ragbudget.retrieval.index import Index, open_storage
-from ragbudget.retrieval.storage import LocalStorage
+from ragbudget.retrieval.index import Index
+from ragbudget.retrieval.storage import LocalStorage, open_storage
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "data"

@@ -315,7 +315,7 @@ def copy(source: str, dest: str, as_json: bool) -> None:
     each (docs/postgres.md). DEST keeps its previous generation for its readers; the copy
     searches exactly (add --store on a later `index` run to derive another store)."""
     from ..retrieval.copy import copy_index
-    from ..retrieval.index import open_storage
+    from ..retrieval.storage import open_storage
 
     m = copy_index(open_storage(source), open_storage(dest))
     data = {"generation": m["generation"], "chunks": m["counts"]["chunks"], "copied_from": m["copied_from"]}

@@ -110,14 +110,19 @@ def given_on_command_line(name: str) -> bool:
 
 
 class IndexLocation(click.Path):
-    """``--index``: a folder (checked as click checks a folder), or a PostgreSQL location — a URL
-    or a libpq keyword/value string — passed on as given: no path check, whose message would
-    quote it, password and all."""
+    """``--index``: a folder (checked as click checks a folder), or another storage's location —
+    a PostgreSQL URL or libpq keyword/value string, an installed storage's URL — passed on as
+    given: no path check, whose message would quote it, password and all."""
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
-        from ..retrieval.locations import is_db_location
+        from ..errors import ConfigError
+        from ..retrieval.storage import LOCAL, storage_name
 
-        if is_db_location(value):
+        try:
+            folder = storage_name(value) == LOCAL
+        except ConfigError as exc:  # a URL no installed storage takes
+            self.fail(str(exc), param, ctx)
+        if not folder:
             return value
         return super().convert(value, param, ctx)
 

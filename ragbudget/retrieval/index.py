@@ -39,7 +39,7 @@ from .changes import REMOVAL_GUARD_FILES, REMOVAL_GUARD_SHARE
 from .lexical import FUSIONS, fts5_available, fts_match_query, fuse_checked, fuse_scores
 from .reader import Opened, Reader
 from .roots import Roots, fallback_root
-from .storage import FORMAT_VERSION, LocalStorage, stores_sentences
+from .storage import FORMAT_VERSION, open_storage, stores_sentences
 
 if TYPE_CHECKING:
     import numpy as np
@@ -68,7 +68,6 @@ __all__ = [
     "fts5_available",
     "fts_match_query",
     "fuse_scores",
-    "open_storage",
 ]
 
 log = logging.getLogger(__name__)
@@ -104,10 +103,11 @@ class Index:
         search_threads: int | None = 1,
         absolute_paths: bool = False,
     ) -> None:
-        #: Where the index lives and how its generations are read and committed: a folder, or a
-        #: PostgreSQL database for a URL or keyword/value string (:func:`open_storage`).
+        #: Where the index lives and how its generations are read and committed: a folder, a
+        #: PostgreSQL database for a URL or keyword/value string, or an installed storage for a
+        #: URL of its scheme (:func:`~ragbudget.retrieval.storage.open_storage`).
         self.storage: Storage = open_storage(path)
-        #: The index's folder (``None`` for an index in a database).
+        #: The index's folder (``None`` for an index in a database or another storage without one).
         self.path: Path | None = self.storage.folder
         #: Where the index lives, as messages show it (a URL's password masked).
         self.where = self.storage.where
@@ -752,28 +752,6 @@ class Index:
             )
         finally:
             self.close()
-
-
-def open_storage(where: str | os.PathLike[str]) -> Storage:
-    """The storage ``where`` names: a PostgreSQL location — a ``postgresql://`` (or
-    ``postgres://``) URL or a libpq keyword/value string
-    (:func:`~ragbudget.retrieval.locations.is_db_location`) — is an index in PostgreSQL
-    (:mod:`ragbudget.retrieval.postgres`), anything else a local folder. Here, in the reader, so
-    that neither storage module imports the other.
-
-    >>> open_storage(".ragbudget")
-    LocalStorage('.ragbudget')
-    >>> open_storage("postgresql://me:pw@db/rag")
-    PostgresStorage('postgresql://me:***@db/rag')
-    >>> open_storage("host=db dbname=rag user=me password=pw")
-    PostgresStorage('host=db dbname=rag user=me password=***')
-    """
-    from .locations import is_db_location
-    from .postgres import PostgresStorage  # psycopg itself is imported on first connect
-
-    if is_db_location(where):
-        return PostgresStorage(os.fspath(where))
-    return LocalStorage(where)
 
 
 def _recorded_recall(m: Manifest) -> float | None:

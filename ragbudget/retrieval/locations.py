@@ -42,6 +42,8 @@ _SCHEMA_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
 #: A URL's scheme and the slashes after it (``postgresql:/rag``, a URL a path library collapsed,
 #: is caught here too and refused with the form to use rather than taken for a folder).
 _SCHEME = re.compile(r"postgres(?:ql)?:(//)?", re.IGNORECASE)
+#: Any URL (an installed storage's: ``scratch://…``, ``s3://…``): masked as a PostgreSQL one.
+_ANY_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
 MASK = "***"
 
 #: libpq's connection keywords (PostgreSQL 17's list; a newer libpq's own are recognised through
@@ -102,7 +104,11 @@ _KEYWORDS = frozenset(
     )
 ) | {SCHEMA_PARAM}
 #: The keywords whose values are secrets: never shown.
-_SECRETS = frozenset({"password", "sslpassword", "oauth_client_secret", "scram_client_key", "scram_server_key"})
+_SECRETS = frozenset(
+    {"password", "sslpassword", "oauth_client_secret", "scram_client_key", "scram_server_key"}
+    # No libpq keyword: what another storage's URL may carry (an object store's, a service's).
+    | {"token", "secret", "api_key", "apikey", "access_key", "secret_key", "signature"}
+)
 
 # libpq's keyword/value grammar (fe-connect.c, conninfo_parse): a keyword, optional blanks, '=',
 # optional blanks, then a value: single-quoted (backslash escapes any character, the closing
@@ -130,7 +136,7 @@ def _is_url(text: str) -> bool:
 
 
 def _authority_start(url: str) -> int:
-    m = _SCHEME.match(url)
+    m = _SCHEME.match(url) or _ANY_URL.match(url)
     return 0 if m is None else m.end()
 
 
@@ -240,11 +246,13 @@ def mask_location(where: str | os.PathLike[str]) -> str:
     'postgresql://me:***@db.example:5432/rag?sslmode=require&password=***'
     >>> mask_location("host=/run/postgresql user=rag password='s3 cret' dbname=rag")
     'host=/run/postgresql user=rag password=*** dbname=rag'
+    >>> mask_location("objects://me:s3cret@store.example/rag?token=x")
+    'objects://me:***@store.example/rag?token=***'
     """
     text = _text(where)
     if text is None:
         return str(where)
-    if _is_url(text):
+    if _is_url(text) or _ANY_URL.match(text):  # another storage's URL: the same parts are secret
         return _mask_url(text)
     if is_db_location(text):
         return _mask_keywords(text)

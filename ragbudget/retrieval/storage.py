@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ..errors import IndexCorruptError, IndexLockedError, IndexNotFoundError
+from ..errors import ConfigError, IndexCorruptError, IndexLockedError, IndexNotFoundError
 from .catalog import SqliteCatalog, SqliteCatalogWriter
 from .durable import fsync_dir, fsync_file, sha256_file, write_json_atomic
 
@@ -65,6 +65,7 @@ if TYPE_CHECKING:
     from .vectors import FlatStore, VectorStore
 
 __all__ = [
+    "BUILT_IN_STORAGES",
     "FORMAT_VERSION",
     "Catalog",
     "CatalogWriter",
@@ -75,10 +76,15 @@ __all__ = [
     "LocalStorage",
     "LocalWriter",
     "Manifest",
+    "STORAGES_GROUP",
     "Storage",
     "fsync_dir",
     "fsync_file",
+    "open_storage",
     "sha256_file",
+    "storage_class",
+    "storage_name",
+    "storage_names",
     "stores_sentences",
     "write_json_atomic",
 ]
@@ -675,3 +681,118 @@ class LocalWriter:
             with contextlib.suppress(OSError):
                 self._tmp.unlink()
             self._tmp = None
+
+
+# --------------------------------------------------------------------------------------------------
+# the registry: which storage a location names
+
+#: The entry-point group another package registers a storage in (``[project.entry-points.
+#: "ragbudget.storages"] scratch = "my_pkg:ScratchStorage"``): the entry's name is the URL scheme
+#: it takes (``scratch://…``), its object a class called with the location string that fulfils
+#: :class:`Storage` (docs/storage.md, "Another storage").
+STORAGES_GROUP = "ragbudget.storages"
+#: The built-in storages besides a local folder, in the form an entry point takes (loaded the
+#: same way as an installed one, so PostgreSQL's module is imported only for its locations):
+#: PostgreSQL takes ``postgresql://`` and ``postgres://`` URLs and libpq keyword/value strings
+#: (:func:`~ragbudget.retrieval.locations.is_db_location`).
+BUILT_IN_STORAGES = {"postgresql": "ragbudget.retrieval.postgres:PostgresStorage"}
+#: A local folder: every location that is neither a URL nor a PostgreSQL string.
+LOCAL = "local"
+_URL_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+#: What a class must have to be taken as a storage (:class:`Storage`'s members).
+_STORAGE_MEMBERS = (
+    "exists size_bytes read_manifest current_generation open lock begin open_for_writing checkpoint".split()
+)
+
+
+def _installed_storages() -> dict[str, Any]:
+    """The ``ragbudget.storages`` entry points by name (lower-cased: URL schemes are)."""
+    from importlib.metadata import entry_points
+
+    return {ep.name.lower(): ep for ep in entry_points(group=STORAGES_GROUP)}
+
+
+def storage_names() -> list[str]:
+    """Every storage this installation can open: ``local``, the built-ins, then the installed
+    ones (by the URL scheme each takes).
+
+    >>> storage_names()[:2]
+    ['local', 'postgresql']
+    """
+    return [LOCAL, *BUILT_IN_STORAGES, *sorted(n for n in _installed_storages() if n not in BUILT_IN_STORAGES)]
+
+
+def storage_name(where: str | os.PathLike[str]) -> str:
+    """Which storage holds the index at ``where``: ``"postgresql"`` for a PostgreSQL URL or
+    keyword/value string, an installed storage's name for a URL of its scheme, ``"local"`` for
+    anything else (a folder). A URL that no storage takes is refused in one line rather than
+    taken for a folder named ``scheme:``.
+
+    >>> storage_name(".ragbudget"), storage_name("postgresql:///rag"), storage_name("host=db dbname=rag")
+    ('local', 'postgresql', 'postgresql')
+    """
+    from .locations import is_db_location, mask_location
+
+    if is_db_location(where):
+        return "postgresql"
+    m = _URL_SCHEME.match(os.fspath(where)) if isinstance(where, (str, os.PathLike)) else None
+    if m is None:
+        return LOCAL
+    scheme = m.group(1).lower()
+    if scheme in _installed_storages():
+        return scheme
+    raise ConfigError(
+        f"the index location {mask_location(where)} is a {scheme}:// URL and no installed storage takes it "
+        f"(installed: {', '.join(storage_names())}); install the package that registers {scheme!r} in the "
+        f"{STORAGES_GROUP} entry points, or write a folder of that name as ./NAME"
+    )
+
+
+def storage_class(name: str) -> type[Storage]:
+    """The class of the storage ``name`` (:func:`storage_name`): a built-in one from
+    :data:`BUILT_IN_STORAGES`, or the one an installed package registers under that name in the
+    ``ragbudget.storages`` entry points. A registration that does not load or names no storage
+    class is refused in one line naming its package."""
+    from importlib.metadata import EntryPoint
+
+    if name == LOCAL:
+        return LocalStorage
+    if name in BUILT_IN_STORAGES:
+        entry = EntryPoint(name=name, value=BUILT_IN_STORAGES[name], group=STORAGES_GROUP)
+    else:
+        found = _installed_storages().get(name)
+        if found is None:
+            raise ConfigError(f"no storage {name!r}: installed are {', '.join(storage_names())}")
+        entry = found
+    package = getattr(getattr(entry, "dist", None), "name", None) or entry.value.partition(":")[0]
+    try:
+        cls = entry.load()
+    except Exception as exc:  # noqa: BLE001 - any import failure of a plugin is the plugin's, said in one line
+        raise ConfigError(
+            f"the storage {name!r} (registered by {package}) failed to load: {type(exc).__name__}: {exc}"
+        ) from None
+    missing = [m for m in _STORAGE_MEMBERS if not callable(getattr(cls, m, None))]
+    if not isinstance(cls, type) or missing:
+        raise ConfigError(
+            f"the storage {name!r} (registered by {package}) is {entry.value}, which is not a storage class"
+            + (f" (it lacks {', '.join(missing)})" if isinstance(cls, type) else "")
+            + f"; a {STORAGES_GROUP} entry point names a class that fulfils ragbudget.retrieval.storage.Storage"
+        )
+    return cls  # type: ignore[no-any-return]
+
+
+def open_storage(where: str | os.PathLike[str]) -> Storage:
+    """The storage ``where`` names (:func:`storage_name`), opened: nothing is read or connected
+    to yet.
+
+    >>> open_storage(".ragbudget")
+    LocalStorage('.ragbudget')
+    >>> open_storage("postgresql://me:pw@db/rag")
+    PostgresStorage('postgresql://me:***@db/rag')
+    >>> open_storage("host=db dbname=rag user=me password=pw")
+    PostgresStorage('host=db dbname=rag user=me password=***')
+    """
+    name = storage_name(where)
+    if name == LOCAL:
+        return LocalStorage(where)
+    return storage_class(name)(os.fspath(where))  # type: ignore[call-arg]
