@@ -399,11 +399,9 @@ print(json.dumps({"names": list(store_names()), "stats": o.stats(), "ok": o.veri
 """
 
 
-def test_a_store_from_another_package_is_found_through_its_entry_point(docs: Path, tmp_path: Path) -> None:
-    """A package installed with a ``ragbudget.stores`` entry point (pip install --target into a
-    folder of this test, put on the path of child processes only) is a store like the built-in
-    ones: ``store="tiny"`` builds it, a reader loads it back, ``verify`` checks it; without the
-    package, the index still opens on its exact store and says what is missing."""
+def _install_tiny(tmp_path: Path) -> dict[str, str]:
+    """The tiny store's package pip-installed into a folder of this test; the environment of a
+    child process that sees it."""
     import os
     import subprocess
     import sys
@@ -416,7 +414,48 @@ def test_a_store_from_another_package_is_found_through_its_entry_point(docs: Pat
     pip = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation", "--no-index"]
     out = subprocess.run([*pip, "--target", str(site), str(pkg)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
+
+
+def test_a_store_from_another_package_is_held_by_postgresql(docs: Path, tmp_path: Path, pg_url: str) -> None:
+    """The same store on an index in PostgreSQL: built by the writer, its saved bytes kept in the
+    database with their checksum, loaded back by a reader in another process; damaged bytes are
+    refused in one line."""
+    import subprocess
+    import sys
+
+    import psycopg
+
+    env = _install_tiny(tmp_path)
+
+    def child(*args: str) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, "-c", _USE_TINY, pg_url, str(docs), *args]
+        return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+
+    built = child("build")
+    assert built.returncode == 0, built.stderr
+    got = json.loads(built.stdout)
+    assert got["ok"] and got["store"] == "TinyStore" and got["stats"]["store"] == "tiny"
+    reread = child("read")
+    assert reread.returncode == 0 and json.loads(reread.stdout)["store"] == "TinyStore", reread.stderr
+    with psycopg.connect(pg_url.replace("postgresql://postgres:@", "postgresql://postgres@"), autocommit=True) as conn:
+        (n,) = conn.execute("SELECT count(*) FROM ragbudget.search_stores").fetchone()  # type: ignore[misc]
+        assert n == 1
+        conn.execute("UPDATE ragbudget.search_stores SET data = data || '\\x00'::bytea")
+    damaged = child("read")
+    assert damaged.returncode != 0 and "tiny store of generation 1" in damaged.stderr
+    assert "fails its sha256 checksum" in damaged.stderr
+
+
+def test_a_store_from_another_package_is_found_through_its_entry_point(docs: Path, tmp_path: Path) -> None:
+    """A package installed with a ``ragbudget.stores`` entry point (pip install --target into a
+    folder of this test, put on the path of child processes only) is a store like the built-in
+    ones: ``store="tiny"`` builds it, a reader loads it back, ``verify`` checks it; without the
+    package, the index still opens on its exact store and says what is missing."""
+    import subprocess
+    import sys
+
+    env = _install_tiny(tmp_path)
     ix = tmp_path / "ix"
 
     def child(*args: str, with_env: dict[str, str] = env) -> subprocess.CompletedProcess[str]:

@@ -48,7 +48,7 @@ from .chunk_vectors import ChunkVectors
 from .recall import pseudo_questions, warn_below_target
 from .roots import Root, Roots, check_roots
 from .storage import Manifest, sha256_file, stores_sentences
-from .vectors import FlatStore, choose_store, make_store, store_names
+from .vectors import APPROX_KINDS, STORES_GROUP, FlatStore, choose_store, is_installed_store, make_store, store_names
 
 if TYPE_CHECKING:
     import numpy as np
@@ -345,10 +345,14 @@ class _Builder:
             self.sig_dtype = old.get("dedup_signature_dtype")
         self.writer = writer = self.storage.begin(self.base, keep=old is not None)
         self.gen = writer.number
-        if writer.searches_in_place and self.store not in ("auto", "flat", "hnsw"):
+        if (
+            writer.searches_in_place
+            and self.store not in ("auto", "flat", "hnsw")
+            and not is_installed_store(self.store)
+        ):
             raise ConfigError(
-                f"an index in {self.storage.where} searches exactly or with pgvector's HNSW: "
-                f"--store auto, flat or hnsw, not {self.store!r}"
+                f"an index in {self.storage.where} searches exactly, with pgvector's HNSW or with an installed "
+                f"store ({STORES_GROUP} entry points): --store auto, flat, hnsw or one of those, not {self.store!r}"
             )
         identity = embedder_identity(emb)
         # Only chunking/dedup changed: the old vectors are still valid for identical texts.
@@ -657,7 +661,7 @@ class _Builder:
         past IVF's size would see the recorded ``hnsw`` as a change and rewrite it."""
         kind = choose_store(self.store, n, dim)
         assert self.writer is not None
-        return "hnsw" if self.writer.searches_in_place and kind != "flat" else kind
+        return "hnsw" if self.writer.searches_in_place and kind in APPROX_KINDS else kind
 
     def _search_store(self, exact: FlatStore) -> VectorStore | None:
         """Build and tune the search store ``store=`` asks for (``None``: the exact one searches).
@@ -670,9 +674,10 @@ class _Builder:
             self.store_report["recall_at_10"] = 1.0
             return None
         assert self.writer is not None and self.embedder is not None
-        if self.writer.searches_in_place:
+        if self.writer.searches_in_place and kind == "hnsw":
             # A database builds its own (pgvector's HNSW) at commit, tunes it on these and
-            # records the recall it measures there.
+            # records the recall it measures there. An installed store is built here, as for a
+            # folder, and the database holds what it saves.
             self.questions = pseudo_questions(self.db, exact.ids(), self.embedder)
             return None
         store = make_store(kind, d, exact=exact)

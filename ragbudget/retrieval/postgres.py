@@ -45,6 +45,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..errors import IndexCorruptError, IndexLockedError, IndexNotFoundError, IndexStorageError
@@ -53,8 +54,6 @@ from .postgres_catalog import PgCatalog, db_errors, first_line
 from .storage import FORMAT_VERSION, Generation, Manifest
 
 if TYPE_CHECKING:
-    from pathlib import Path
-
     import numpy as np
     import psycopg
     from numpy.typing import ArrayLike, NDArray
@@ -243,9 +242,36 @@ class PostgresStorage:
         exact = PgExactStore(catalog, int(manifest["dim"]))
         search: VectorStore = exact
         approx = manifest.get("approx") or {}
-        if search_store and approx.get("kind") == "hnsw":
+        if search_store and approx.get("held"):
+            search = self._held_store(catalog, exact, approx, g, verify_checksums)
+        elif search_store and approx.get("kind") == "hnsw":
             search = PgHnswStore(catalog, int(manifest["dim"]), int(approx["ef_search"]))
         return Generation(manifest=manifest, exact=exact, search=search, catalog=catalog)
+
+    def _held_store(
+        self, catalog: PgCatalog, exact: PgExactStore, entry: Mapping[str, Any], generation: int, checksum: bool
+    ) -> VectorStore:
+        """The installed store generation ``generation`` keeps as bytes, loaded as its class
+        loads it from a file; it gets the exact vectors in memory (a store may read them)."""
+        import hashlib
+        import tempfile
+
+        from .vectors import FlatStore, load_store
+
+        with db_errors(self.where):
+            row = catalog.conn.execute(
+                f"SELECT data, sha256 FROM {self._s}.search_stores WHERE generation = %s", (generation,)
+            ).fetchone()
+        if row is None or (checksum and hashlib.sha256(bytes(row[0])).hexdigest() != entry["sha256"]):
+            what = "is missing" if row is None else "fails its sha256 checksum"
+            raise IndexCorruptError(
+                f"the {entry['kind']} store of generation {generation} in {self.where} {what}; "
+                "rebuild the index (--rebuild) or search the exact store (use_approx=False)"
+            )
+        with tempfile.TemporaryDirectory(prefix="rb-store-") as tmp:
+            path = Path(tmp) / f"{entry['kind']}.index"
+            path.write_bytes(bytes(row[0]))
+            return load_store(path, entry, exact=FlatStore.of(exact))
 
     def open_for_writing(self, manifest: Manifest) -> Generation:
         import numpy as np
@@ -357,9 +383,7 @@ class PgWriter:
                 self.conn.execute(f"UPDATE {s}.{table} SET gen_to = NULL WHERE gen_to > %s", (current,))
             next_id = int(self.conn.execute(f"SELECT COALESCE(MAX(id), 0) + 1 FROM {s}.chunks").fetchone()[0])  # type: ignore[index]
         self._catalog = PgCatalogWriter(self.conn, s, self.number, where=storage.where, next_id=next_id)
-        exact = base.exact if (keep and base is not None) else None
-        assert exact is None or isinstance(exact, FlatStore)
-        self.exact: FlatStore | None = exact
+        self.exact: FlatStore | None = FlatStore.of(base.exact) if (keep and base is not None) else None
         if not keep:
             self._catalog.retire_all()
         self.lexical = "ok"
@@ -404,7 +428,7 @@ class PgWriter:
             gone = np.setdiff1d(live, ids)
             new = np.setdiff1d(ids, live)
             if len(gone):
-                self._catalog._drop("vectors", "chunk_id = ANY(%(ids)s)", {"ids": gone.tolist()})
+                self._catalog.retire_rows("vectors", "chunk_id = ANY(%(ids)s)", {"ids": gone.tolist()})
             if len(new):
                 vecs = exact.vectors(new)
                 with self.conn.cursor() as cur:
@@ -432,6 +456,8 @@ class PgWriter:
                 warn_below_target(report, "pgvector's HNSW", f"ef_search {tuned.ef_search}")
             else:
                 create_hnsw(self.conn, s, None)
+            if search is not None:  # an installed store (ragbudget.stores): held as its saved bytes
+                approx = self._hold_store(search)
             step(2)
             manifest: Manifest = {
                 **fields,
@@ -456,8 +482,26 @@ class PgWriter:
             # Rows neither the new generation nor the previous one sees.
             for table in ("chunks", "sources", "files", "roots", "sentence_vectors", "vectors"):
                 self.conn.execute(f"DELETE FROM {s}.{table} WHERE gen_to IS NOT NULL AND gen_to <= %s", (n - 1,))
+            self.conn.execute(f"DELETE FROM {s}.search_stores WHERE generation < %s", (n - 1,))
             self.conn.commit()
         return manifest
+
+    def _hold_store(self, search: VectorStore) -> dict[str, Any]:
+        """Save ``search`` (a store another package provides) and keep its bytes in this
+        generation's row of ``search_stores``; its manifest entry, checksum included."""
+        import hashlib
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="rb-store-") as tmp:
+            path = Path(tmp) / f"{search.kind}.index"
+            entry = dict(search.save(path))
+            data = path.read_bytes()
+        digest = hashlib.sha256(data).hexdigest()
+        self.conn.execute(
+            f"INSERT INTO {self.storage._s}.search_stores (generation, kind, data, sha256) VALUES (%s, %s, %s, %s)",
+            (self.number, search.kind, data, digest),
+        )
+        return {**entry, "kind": search.kind, "held": "search_stores", "bytes": len(data), "sha256": digest}
 
     def close(self) -> None:
         with contextlib.suppress(Exception):

@@ -311,9 +311,10 @@ class GenerationWriter(Protocol):
     number: int
     exact: FlatStore | None
     lexical: str
-    #: Whether the storage searches its own copy of the vectors (a database): the writer then
-    #: passes no search store to :meth:`commit`, which builds and tunes the storage's own for the
-    #: ``store`` kind recorded in ``fields``.
+    #: Whether the storage searches its own copy of the vectors (a database): for the built-in
+    #: approximate kinds the writer then passes no search store to :meth:`commit`, which builds
+    #: and tunes the storage's own for the ``store`` kind recorded in ``fields``; a store another
+    #: package provides is built by the writer and passed, and the storage holds what it saves.
     searches_in_place: bool
 
     @property
@@ -611,9 +612,7 @@ class LocalWriter:
         self._tmp: Path | None = storage.path / f"meta.{number}.sqlite.tmp"
         copy_of = storage.path / str(base.manifest["sqlite"]["file"]) if base is not None else None
         self.catalog = SqliteCatalogWriter.create(self._tmp, copy_of=copy_of)
-        exact = base.exact if base is not None else None
-        assert exact is None or isinstance(exact, FlatStore)  # a local generation's exact store
-        self.exact: FlatStore | None = exact
+        self.exact: FlatStore | None = FlatStore.of(base.exact) if base is not None else None
         # A table the previous writer did not vouch for in its manifest may be stale: rebuilt.
         trusted = base is not None and bool(base.manifest.get("lexical"))
         #: ``"ok"``, ``"created"`` (this generation adds the FTS table) or ``"unavailable"``.
@@ -699,10 +698,8 @@ BUILT_IN_STORAGES = {"postgresql": "ragbudget.retrieval.postgres:PostgresStorage
 #: A local folder: every location that is neither a URL nor a PostgreSQL string.
 LOCAL = "local"
 _URL_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
-#: What a class must have to be taken as a storage (:class:`Storage`'s members).
-_STORAGE_MEMBERS = (
-    "exists size_bytes read_manifest current_generation open lock begin open_for_writing checkpoint".split()
-)
+#: What a class must have to be taken as a storage: :class:`Storage`'s methods.
+_STORAGE_MEMBERS = tuple(n for n, v in vars(Storage).items() if callable(v) and not n.startswith("_"))
 
 
 def _installed_storages() -> dict[str, Any]:

@@ -216,6 +216,24 @@ class FlatStore:
 
             self._index = faiss.IndexIDMap2(faiss.IndexFlatIP(self.dim))
 
+    @classmethod
+    def of(cls, store: VectorStore) -> FlatStore:
+        """``store`` as an exact store a writer can edit: itself when it is one, else a new one
+        holding its every vector (what another storage's exact store gives a writer).
+
+        >>> import numpy as np
+        >>> flat = FlatStore(2); flat.add(np.array([7]), np.array([[0.6, 0.8]], dtype="float32"))
+        >>> FlatStore.of(flat) is flat
+        True
+        """
+        if isinstance(store, cls):
+            return store
+        ids = store.ids()
+        flat = cls(store.dim)
+        if len(ids):
+            flat.add(ids, store.vectors(ids))
+        return flat
+
     @property
     def loaded(self) -> bool:
         """Whether the FAISS index is in memory: a store loaded with ``mmap=True`` reads rows by
@@ -665,6 +683,17 @@ def store_names() -> tuple[str, ...]:
     ('auto', 'flat', 'hnsw', 'ivf', 'ivf-flat', 'ivf-pq')
     """
     return STORES + tuple(sorted(_entry_points()))
+
+
+def is_installed_store(kind: str) -> bool:
+    """Whether ``kind`` is a store another package registers (a ``ragbudget.stores`` entry point,
+    not one of :data:`STORES`): a storage that searches its own rows (a database) still holds
+    such a store, as the bytes its ``save`` writes.
+
+    >>> is_installed_store("hnsw")
+    False
+    """
+    return kind not in STORES and kind in _entry_points()
 
 
 def _plugin(kind: str) -> StoreClass | None:
