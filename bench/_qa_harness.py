@@ -54,10 +54,11 @@ if str(ROOT) not in sys.path:
 
 import numpy as np  # noqa: E402
 
+from ragbudget.fitting import build_prompt  # noqa: E402
 from ragbudget.input.chunking import chunk_text  # noqa: E402
+from ragbudget.packing.select import Candidate, SelectedChunk, Selection  # noqa: E402
 from ragbudget.pipeline import DEFAULT_RELEVANCE_FLOOR  # noqa: E402
-from ragbudget.prompt.prompt import DEFAULT_SYSTEM_PROMPT, PromptBuilder, build_prompt  # noqa: E402
-from ragbudget.prompt.select import Candidate, SelectedChunk, Selection  # noqa: E402
+from ragbudget.prompt.prompt import DEFAULT_SYSTEM_PROMPT, PromptBuilder  # noqa: E402
 from ragbudget.retrieval.lexical import FTS_TOKENIZE, bm25, fuse_scores  # noqa: E402
 from ragbudget.types import Source  # noqa: E402
 
@@ -271,13 +272,13 @@ class Corpus:
         return cls(split, texts, docs, sources, vecs, db, {q.qid: qv[i] for i, q in enumerate(questions)}, model)
 
     def sentence_embedder(self, *, cached: bool = True) -> IndexEmbedder:
-        """The index's embedder for :class:`ragbudget.prompt.spans.SpanScorer`. ``cached``: the vectors
+        """The index's embedder for :class:`ragbudget.packing.spans.SpanScorer`. ``cached``: the vectors
         of every sentence of every chunk (as ``split_sentences`` cuts them) and of the questions
         come from ``bench/out/`` (computed once per split), so sweeps do not re-embed; ``False``:
         every text goes to the model, for timing what span packing costs the first time."""
         if not cached:
             return IndexEmbedder(self.model)
-        from ragbudget.prompt.spans import split_sentences
+        from ragbudget.packing.spans import split_sentences
 
         sents = sorted({t[a:b] for t in self.texts for a, b, _ in split_sentences(t)})
         vecs = embed_cached(sents, "sentences", self.model)
@@ -304,7 +305,7 @@ class Corpus:
 
 class IndexEmbedder:
     """The split index's sentence-transformers model behind the two methods of ragbudget's
-    ``Embedder`` that :class:`~ragbudget.prompt.spans.SpanScorer` calls (unit vectors, documents and
+    ``Embedder`` that :class:`~ragbudget.packing.spans.SpanScorer` calls (unit vectors, documents and
     queries alike: MiniLM has no query prefix); texts in ``known`` are not re-embedded."""
 
     def __init__(self, model: Any, known: dict[str, np.ndarray] | None = None) -> None:
@@ -344,7 +345,7 @@ class Packer:
     def __init__(self, tokenizer: Any, *, system_prompt: str = QA_SYSTEM, span_scorer: Any = None) -> None:
         self.tok = tokenizer
         self.builder = PromptBuilder(tokenizer, system_prompt=system_prompt)
-        self.span_scorer = span_scorer  # a ragbudget.prompt.spans.SpanScorer, for ragbudget_spans
+        self.span_scorer = span_scorer  # a ragbudget.packing.spans.SpanScorer, for ragbudget_spans
 
     def cost(self, c: Any, max_id: int) -> int:
         return self.builder.count(c.text) + self.builder.overhead(c, max_id=max_id)
@@ -447,7 +448,7 @@ class Packer:
         sel = Selection(chunks=chunks, tokens_used=packed.used, tokens_allowed=packed.allowed)
         fixed = self.builder.fixed_tokens(question)
         # Numbering is by position here, as in ragbudget's prompt; allow the label slack (max_id).
-        return self.builder.assemble(question, sel, max_prompt_tokens=fixed + packed.allowed + 8)
+        return self.builder.render(question, sel, max_prompt_tokens=fixed + packed.allowed + 8, fixed_tokens=fixed)
 
 
 def score(corpus: Corpus, q: Question, packed: Packed) -> dict[str, float]:

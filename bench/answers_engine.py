@@ -125,7 +125,7 @@ def main() -> None:
     from ragbudget.generation.backend import Sampling
     from ragbudget.generation.engines import connect
     from ragbudget.memory.models import resolve_generator
-    from ragbudget.prompt.spans import SpanScorer
+    from ragbudget.packing.spans import SpanScorer
 
     ref = resolve_generator()
     model = args.model or str(Path(ref.path) / (ref.gguf_file or ""))

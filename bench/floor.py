@@ -34,9 +34,10 @@ sys.path.insert(0, str(HERE))
 import numpy as np  # noqa: E402
 from qa import OUT, ROOT, SQUAD, contains_answer, embed  # noqa: E402  (sets the offline env)
 
+from ragbudget.fitting import build_prompt  # noqa: E402
 from ragbudget.input.chunking import chunk_text  # noqa: E402
-from ragbudget.prompt.prompt import PromptBuilder, build_prompt  # noqa: E402
-from ragbudget.prompt.select import Candidate  # noqa: E402
+from ragbudget.packing.select import Candidate  # noqa: E402
+from ragbudget.prompt.prompt import PromptBuilder  # noqa: E402
 from ragbudget.retrieval.lexical import FTS_TOKENIZE, bm25, fuse_scores  # noqa: E402
 from ragbudget.types import Source  # noqa: E402
 

@@ -45,29 +45,27 @@ import _qa_harness as H  # noqa: E402  (sets the offline environment first)
 from _llama import llama_server  # noqa: E402
 from _results import write  # noqa: E402
 
+from ragbudget.fitting import build_prompt  # noqa: E402
 from ragbudget.generation.engines import connect  # noqa: E402
+from ragbudget.packing.select import Selection  # noqa: E402
+from ragbudget.packing.spans import SpanScorer  # noqa: E402
 from ragbudget.pipeline import DEFAULT_RELEVANCE_FLOOR  # noqa: E402
-from ragbudget.prompt.prompt import EnginePromptBuilder, Prompt, build_prompt  # noqa: E402
-from ragbudget.prompt.select import Selection  # noqa: E402
-from ragbudget.prompt.spans import SpanScorer  # noqa: E402
+from ragbudget.prompt.prompt import EnginePromptBuilder, Prompt  # noqa: E402
 
 BUDGETS = (256, 512, 1024)
 
 
 class Composed(EnginePromptBuilder):
-    """The library's engine builder, noting how often a rendered prompt was packed anew."""
+    """The library's engine builder, noting how often a prompt was rendered: each render after a
+    question's first is a repack (the packer asked for less after a render came out over)."""
 
-    repacks = 0
+    renders = 0
 
-    def assemble(self, question: str, selection: Selection, *, max_prompt_tokens: int, repack: Any = None) -> Prompt:
-        if repack is None:
-            return super().assemble(question, selection, max_prompt_tokens=max_prompt_tokens)
-
-        def counted(budget: int) -> Selection:
-            self.repacks += 1
-            return repack(budget)
-
-        return super().assemble(question, selection, max_prompt_tokens=max_prompt_tokens, repack=counted)
+    def render(
+        self, question: str, selection: Selection, *, max_prompt_tokens: int, fixed_tokens: int | None = None
+    ) -> Prompt:
+        self.renders += 1
+        return super().render(question, selection, max_prompt_tokens=max_prompt_tokens, fixed_tokens=fixed_tokens)
 
 
 class Exact(EnginePromptBuilder):
@@ -140,7 +138,7 @@ def main() -> None:
             row: dict[str, Any] = {"qid": q.qid, "budget": budget, "warm": warm}
             prompts = {}
             for way, b in (("composed", composed), ("exact", exact)):
-                before, repacks = tokenizer_requests(b.backend), getattr(b, "repacks", 0)
+                before, renders = tokenizer_requests(b.backend), getattr(b, "renders", 0)
                 t0 = time.perf_counter()
                 # One request: the question's render (the allowance), then packing and the check.
                 max_prompt = b.fixed_tokens(q.text) + budget
@@ -152,7 +150,7 @@ def main() -> None:
                 row[f"{way}_prompt_tokens"] = p.n_tokens
                 row["max_prompt_tokens"] = max_prompt
                 if way == "composed":
-                    row["repacks"] = composed.repacks - repacks
+                    row["repacks"] = composed.renders - renders - 1  # the first render is no repack
                 prompts[way] = p
             pc, pe = prompts["composed"], prompts["exact"]
             row["same"] = [(c.text, c.cost) for c in pc.selection.chunks] == [

@@ -102,7 +102,7 @@ def main() -> None:
     import torch
 
     from ragbudget.generation.generate import Generator
-    from ragbudget.prompt.spans import SpanScorer
+    from ragbudget.packing.spans import SpanScorer
 
     torch.set_num_threads(args.threads)
     gen = Generator()

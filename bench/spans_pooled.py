@@ -4,7 +4,7 @@ time, on each embedder backend, everything else of ``build_prompt(pack="spans")`
 
 The QA harness of ``bench/spans_qa.py`` (``bench/_qa_harness.py``): one index per split, the same
 hybrid candidate list per question for every variant, answer in context at 128 … 1,024 tokens.
-Each variant gives the :class:`~ragbudget.prompt.spans.SpanScorer` every chunk's sentence vectors as an
+Each variant gives the :class:`~ragbudget.packing.spans.SpanScorer` every chunk's sentence vectors as an
 index stores them (``stored=``, float16) and embeds the question with the same backend:
 
 * ``separate@torch`` — each sentence embedded alone by sentence-transformers on torch: the
@@ -58,7 +58,7 @@ class QueryEmbedder:
 def sentence_vectors(corpus: H.Corpus, kind: str, backend: str) -> tuple[dict, object, float]:
     """``{chunk id: (digests, float16-rounded vectors)}`` of every chunk, the scorer's embedder,
     and the seconds the vectors took."""
-    from ragbudget.prompt.spans import sentence_digest, split_sentences
+    from ragbudget.packing.spans import sentence_digest, split_sentences
     from ragbudget.retrieval.embed import SentenceTransformerEmbedder
 
     spans = [[(a, b) for a, b, _ in split_sentences(t)] for t in corpus.texts]
@@ -118,7 +118,7 @@ def main() -> None:
     t_start = time.time()
 
     from ragbudget.generation.generate import Generator
-    from ragbudget.prompt.spans import SpanScorer
+    from ragbudget.packing.spans import SpanScorer
 
     gen = Generator()
     split = H.load_split(args.split, docs=args.docs, seed=args.seed)

@@ -1,5 +1,5 @@
 """Where the cold time of span packing goes: cProfile over ``build_prompt(pack="spans")`` with a
-fresh :class:`ragbudget.prompt.spans.SpanScorer` (every pool sentence embedded, as for a chunk seen the
+fresh :class:`ragbudget.packing.spans.SpanScorer` (every pool sentence embedded, as for a chunk seen the
 first time), per embedder backend.
 
 The QA harness's split, index and hybrid candidates (``bench/_qa_harness.py``) for the first
@@ -70,7 +70,7 @@ def main() -> None:
     load_start = os.getloadavg()[0]
 
     from ragbudget.generation.generate import Generator
-    from ragbudget.prompt.spans import SpanScorer
+    from ragbudget.packing.spans import SpanScorer
     from ragbudget.retrieval.embed import SentenceTransformerEmbedder
 
     gen = Generator()

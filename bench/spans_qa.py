@@ -100,7 +100,7 @@ def timing(
 ) -> dict:
     """Seconds ``build_prompt`` takes per question: chunks vs spans cold (fresh scorer, every
     sentence embedded) and warm (the same scorer again), and the generator's prefill for scale."""
-    from ragbudget.prompt.spans import SpanScorer
+    from ragbudget.packing.spans import SpanScorer
 
     rows = []
     for q in questions:
@@ -184,7 +184,7 @@ def main() -> None:
     t_start = time.time()
 
     from ragbudget.generation.generate import Generator
-    from ragbudget.prompt.spans import SpanScorer
+    from ragbudget.packing.spans import SpanScorer
 
     gen = Generator()
     split = H.load_split(args.split, docs=args.docs, seed=args.seed)

@@ -5,7 +5,7 @@ packing's *ranking* on the tuning split only (issue #18: recall at 256 tokens).
 BM25 over the pool's sentences and the chunk's retrieval value, then packs greedily. This script
 keeps everything else of ``build_prompt(pack="spans")`` as ``bench/spans_qa.py`` runs it (same
 index, candidates, costs, pool, neighbour rule, exact counts and greedy packer) and replaces only
-the sentence scores, by patching ``ragbudget.prompt.spans._score`` here (the library is not changed), to
+the sentence scores, by patching ``ragbudget.packing.spans._score`` here (the library is not changed), to
 measure scoring variants that need no new model:
 
 * fusion: min-max or z-scored dense and lexical, reciprocal-rank fusion;
@@ -58,7 +58,7 @@ sys.path.insert(0, str(HERE))
 import _qa_harness as H  # noqa: E402  (sets the offline environment first)
 import numpy as np  # noqa: E402
 
-import ragbudget.prompt.spans as S  # noqa: E402
+import ragbudget.packing.spans as S  # noqa: E402
 
 BUDGETS = (128, 256, 512, 1024)
 VARIANTS = [
@@ -395,7 +395,7 @@ def main() -> None:
         "questions": len(questions),
         "setup": (
             "bench/spans_qa.py's index, candidates and build_prompt(pack='spans') (library defaults: pool 8, "
-            "relevance floor 0.5); only the sentence scores replaced per variant (ragbudget.prompt.spans._score "
+            "relevance floor 0.5); only the sentence scores replaced per variant (ragbudget.packing.spans._score "
             "patched "
             "in this script); scores min-max scaled into (0.01, 1] before the packer; logistic regression: "
             "sklearn defaults over 15 features, trained on answer-holding sentences of the 256-token pools, "

@@ -9,7 +9,7 @@ the top ``--fetch-k`` chunks by cosine (``Index.search``). For each context budg
 built with :func:`ragbudget.prompt.prompt.build_prompt` — ``pack="chunks"``, then ``pack="spans"`` four
 ways:
 
-* *cold*: a fresh :class:`ragbudget.prompt.spans.SpanScorer` over an empty sentence cache, so every pool
+* *cold*: a fresh :class:`ragbudget.packing.spans.SpanScorer` over an empty sentence cache, so every pool
   sentence is embedded (and written to the cache): the first question on these chunks of an
   index built with the defaults (no stored sentence vectors);
 * *cached*: a fresh scorer over that cache, as a later question — in another process too — takes:
@@ -51,9 +51,10 @@ sys.path.insert(0, str(ROOT / "bench"))
 from _results import write  # noqa: E402
 from qa import normalize_answer  # noqa: E402
 
+from ragbudget.fitting import build_prompt  # noqa: E402
 from ragbudget.memory.models import resolve_generator  # noqa: E402
-from ragbudget.prompt.prompt import PromptBuilder, build_prompt  # noqa: E402
-from ragbudget.prompt.spans import SpanScorer  # noqa: E402
+from ragbudget.packing.spans import SpanScorer  # noqa: E402
+from ragbudget.prompt.prompt import PromptBuilder  # noqa: E402
 from ragbudget.retrieval.embed import SentenceTransformerEmbedder  # noqa: E402
 from ragbudget.retrieval.index import Index  # noqa: E402
 from ragbudget.retrieval.sentence_cache import SentenceCache  # noqa: E402

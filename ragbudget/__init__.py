@@ -79,9 +79,9 @@ _EXPORTS: dict[str, str] = {
     "kv_cache_bytes": "memory.kvcache",
     "plan_budget": "memory.budget",
     "BudgetPlan": "memory.budget",
-    "select_chunks": "prompt.select",
-    "Selection": "prompt.select",
-    "select_spans": "prompt.spans",
+    "select_chunks": "packing.select",
+    "Selection": "packing.select",
+    "select_spans": "packing.spans",
     # stateful nouns
     "Index": "retrieval.index",
     "Embedder": "retrieval.embed",
@@ -168,12 +168,12 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
         plan_budget as plan_budget,
     )
     from .memory.kvcache import kv_cache_bytes as kv_cache_bytes
-    from .pipeline import Pipeline as Pipeline
-    from .prompt.select import (
+    from .packing.select import (
         Selection as Selection,
         select_chunks as select_chunks,
     )
-    from .prompt.spans import select_spans as select_spans
+    from .packing.spans import select_spans as select_spans
+    from .pipeline import Pipeline as Pipeline
     from .retrieval.embed import (
         Embedder as Embedder,
         HashEmbedder as HashEmbedder,

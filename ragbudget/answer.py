@@ -8,7 +8,7 @@ by (local memory or a served engine's figures) and the generation.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -203,6 +203,7 @@ def build_answer(
     *,
     sentence_vectors: str | None = None,
     index: dict[str, Any] | None = None,
+    stages: Sequence[str] = (),
     evidence: Evidence | None = None,
     cite: bool = True,
 ) -> Answer:
@@ -264,6 +265,7 @@ def build_answer(
         "sentence_vectors": sentence_vectors if sel.pack == "spans" else None,
         "oom_steps": oom_steps,
         "timings": {k: round(v, 4) for k, v in timings.items()},
+        "stages": list(stages),
         # The index generation the chunks come from (servers sharing a database index answer
         # across a re-index's commit: a client can tell which one each answer cites).
         "index": index,
@@ -290,6 +292,7 @@ def cancelled_answer(
     *,
     sentence_vectors: str | None = None,
     index: dict[str, Any] | None = None,
+    stages: Sequence[str] = (),
 ) -> Answer:
     """The answer of a request left before generation began (while queued, or just as it was
     admitted): no text, ``finish_reason "cancelled"``, and the report of what it would have been."""
@@ -302,11 +305,17 @@ def cancelled_answer(
         cap,
         sentence_vectors=sentence_vectors,
         index=index,
+        stages=stages,
     )
 
 
 def declined_answer(
-    evidence: Evidence, max_new_tokens: int, timings: dict[str, float], *, index: dict[str, Any] | None = None
+    evidence: Evidence,
+    max_new_tokens: int,
+    timings: dict[str, float],
+    *,
+    index: dict[str, Any] | None = None,
+    stages: Sequence[str] = (),
 ) -> Answer:
     """The answer to a question the documents do not hold (``evidence.declined``): the fixed
     :data:`~ragbudget.evidence.DECLINED_TEXT`, no sources, and a report saying why — nothing was
@@ -327,6 +336,7 @@ def declined_answer(
         "dropped": [],
         "oom_steps": [],
         "timings": {k: round(v, 4) for k, v in timings.items()},
+        "stages": list(stages),
         "index": index,
     }
     return Answer(text=DECLINED_TEXT, sources=[], report=report, finish_reason="stop")

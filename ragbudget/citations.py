@@ -69,7 +69,7 @@ def attribute(text: str, passages: Sequence[str], *, question: str = "", place: 
 
     ``place=False`` appends nothing: a caller that passed stop strings decides where the text
     ends (an OpenAI client expects the text cut right before its stop, with nothing after it)."""
-    from .prompt.spans import content_terms
+    from .packing.spans import content_terms
 
     claim = [w for w in content_terms(_MARKER.sub(" ", text))]
     asked = set(content_terms(question))

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .prompt.spans import SpanScorer
+    from .packing.spans import SpanScorer
     from .types import Hit
 
 __all__ = ["CALIBRATED_FLOORS", "DECLINED_TEXT", "TOP_HITS", "Evidence", "evidence_floor", "measure_evidence"]
@@ -84,7 +84,7 @@ def evidence_floor(setting: float | None, embedder_id: str) -> tuple[float | Non
 def measure_evidence(question: str, hits: Sequence[Hit], scorer: SpanScorer) -> float:
     """The best cosine between ``question`` and a sentence of the top :data:`TOP_HITS` hits (0.0
     when nothing was retrieved)."""
-    from .prompt.sentences import sentence_texts
+    from .packing.sentences import sentence_texts
 
     sentences = [s for h in hits[:TOP_HITS] for s in sentence_texts(h.text)]
     if not sentences:

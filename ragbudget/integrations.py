@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from .errors import ConfigError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .prompt.select import SelectedChunk, Selection
+    from .packing.select import SelectedChunk, Selection
 
 __all__ = ["haystack_retriever", "langchain_retriever", "llamaindex_retriever", "passages"]
 

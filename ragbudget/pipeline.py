@@ -42,8 +42,10 @@ from .answer import Answer, AnswerStream, build_answer, cancelled_answer, declin
 from .calls import check_call, check_options, check_parts, check_paths, check_question, stream_options
 from .errors import ArgumentTypeError, ConfigError, IndexEmptyError, RequestCancelled
 from .evidence import DECLINED_TEXT, Evidence, evidence_floor
-from .generation.allowance import Allowance, EnginePlan, RequestPlan, prompt_room, request_allowance
+from .generation.allowance import EnginePlan, prompt_room, request_allowance
+from .packing.packer import Packer, SpanPacker, make_packer
 from .planning import Planning
+from .request import RequestContext
 from .retrieval.embed import make_embedder
 from .settings import (
     DEFAULT_RELEVANCE_FLOOR,
@@ -63,9 +65,9 @@ if TYPE_CHECKING:
     from .generation.backend import Backend
     from .generation.generate import Generator
     from .memory.admission import AdmissionController
+    from .packing.select import Selection
+    from .packing.spans import SpanScorer
     from .prompt.prompt import Prompt, PromptBuilder
-    from .prompt.select import Selection
-    from .prompt.spans import SpanScorer
     from .retrieval.embed import Embedder
     from .retrieval.index import Hit, Index, IndexSummary
 
@@ -217,6 +219,7 @@ class Pipeline(Planning):
         self.model = model
         self.system_prompt = system_prompt
         self._span_scorer: Any = None
+        self._packer_made: Packer | None = None
         self._embedder_spec = embedder
         self._embedder: Embedder | None = None
         if backend is None and self.engine.url is None:
@@ -422,7 +425,7 @@ class Pipeline(Planning):
 
     # -- budgeted retrieval -------------------------------------------------------------------------
 
-    def _prompt(
+    def _request(
         self,
         question: str,
         *,
@@ -430,16 +433,11 @@ class Pipeline(Planning):
         max_new_tokens: int,
         history: Sequence[dict[str, str]] | None,
         retrieval_query: str | None,
-        found: tuple[str, list[Hit], Any] | None = None,
-    ) -> tuple[Prompt, RequestPlan, dict[str, float], dict[str, Any] | None]:
-        """Plan, retrieve (unless ``found`` holds the query searched, its hits and vector), select and render:
-        the prompt that fits, how long each step took, and the cap set on the context (by
-        ``context_tokens`` or by time), if any."""
-        from .prompt.prompt import build_prompt, texts_to_count
-
+    ) -> RequestContext:
+        """A new request's context, once what the caller passed is checked (before anything runs)."""
         question = check_question(question)
-        context_tokens = check_int("context_tokens", context_tokens, 0, optional=True)
-        max_new_tokens = check_int("max_new_tokens", max_new_tokens, 1)  # type: ignore[assignment]
+        check_int("context_tokens", context_tokens, 0, optional=True)
+        check_int("max_new_tokens", max_new_tokens, 1)
         check_text("retrieval_query", retrieval_query, optional=True)
         if history is not None and (
             isinstance(history, (str, bytes)) or not all(isinstance(m, Mapping) for m in history)
@@ -447,42 +445,60 @@ class Pipeline(Planning):
             raise ArgumentTypeError(
                 f"history must be a list of {{'role': ..., 'content': ...}} dicts or None, got {shown(history)}"
             )
-        timings: dict[str, float] = {}
+        query = check_question(retrieval_query or question, "query")
+        return RequestContext(question=question, query=query, max_new_tokens=max_new_tokens)
+
+    def _to_prompt(
+        self,
+        ctx: RequestContext,
+        *,
+        context_tokens: int | None,
+        history: Sequence[dict[str, str]] | None,
+        found: tuple[list[Hit], Any] | None = None,
+    ) -> Prompt:
+        """A question's way up to its prompt, each stage once: search (unless ``found`` holds it)
+        → plan (the backend ready, its capacity read once, the fixed part of the prompt counted
+        once, the allowance) → pack → render (:func:`~ragbudget.fitting.fit_prompt`: pack and
+        render again only when a render came out over)."""
+        from .fitting import fit_prompt
+
         # A missing, damaged or empty index fails fast, before any model loads.
         self._searchable()
-        builder = self._loaded_builder(max_new_tokens, history, timings)
-        query = check_question(retrieval_query or question, "query")
-        searched = (found[1], found[2]) if found is not None else None
-        if found is not None:
-            query = found[0]
-        if builder.batch_counts:
-            # Counting costs requests to the engine: the search first, so that the question's
-            # fixed part goes to the engine with its candidates, in one request (issue #42 §5).
-            if searched is None:
-                searched = self._timed_search(query, timings)
-            builder.prime(texts_to_count(searched[0], builder=builder, pack=self.retrieval.pack), questions=[question])
-        allowance = self._allowance(builder, question, context_tokens, max_new_tokens, timings)
-        plan, max_prompt, cap = allowance.plan, allowance.max_prompt_tokens, allowance.limit
-        hits, vector = searched if searched is not None else self._timed_search(query, timings)
+        hits, vector = found if found is not None else self._timed_search(ctx)
+        packer = self._packer()
+        with ctx.timed("plan", "plan_s"):
+            builder = self._loaded_builder(ctx, history)
+            if builder.batch_counts:
+                # Counting costs requests to the engine: the candidates and the question's fixed
+                # part go in one request (issue #42 §5).
+                builder.prime(packer.texts_to_count(hits, builder), questions=[ctx.question])
+            ctx.capacity = self.backend.capacity(max_new_tokens=ctx.max_new_tokens)
+            ctx.fixed_tokens = builder.fixed_tokens(ctx.question)
+            allowance = request_allowance(
+                self.backend,
+                ctx.capacity,
+                fixed=ctx.fixed_tokens,
+                max_new_tokens=ctx.max_new_tokens,
+                context_tokens=context_tokens,
+            )
+            ctx.plan, ctx.limit = allowance.plan, allowance.limit
         t0 = time.perf_counter()
-        options = self._pack_options()
-        scorer = options.get("span_scorer")
-        if scorer is not None and query == question:
+        if isinstance(packer, SpanPacker) and packer.scorer is not None and ctx.query == ctx.question:
             # The search embedded this very text with the index's embedder, as the scorer would:
             # one embedder call per question, not two. (A rewritten retrieval query is not the
             # question the sentences are scored against: the scorer embeds that one itself.)
-            scorer.remember_query(question, vector)
-        prompt = build_prompt(
-            question,
+            packer.scorer.remember_query(ctx.question, vector)
+        prompt = fit_prompt(
+            ctx.question,
             hits,
-            max_prompt_tokens=max_prompt,
+            packer=packer,
             builder=builder,
-            order=self.retrieval.order,
-            relevance_floor=self.retrieval.relevance_floor,
-            **options,
+            max_prompt_tokens=allowance.max_prompt_tokens,
+            fixed_tokens=ctx.fixed_tokens,
+            on_step=ctx.enter,
         )
-        timings["select_s"] = time.perf_counter() - t0
-        return prompt, plan, timings, cap
+        ctx.timings["select_s"] = time.perf_counter() - t0
+        return prompt
 
     def evidence(self, question: str, *, hits: Sequence[Hit] | None = None) -> Evidence:
         """How well the documents answer ``question`` (:mod:`ragbudget.evidence`), against the
@@ -499,49 +515,25 @@ class Pipeline(Planning):
     def _evidence_floor(self) -> tuple[float | None, str]:
         return evidence_floor(self.retrieval.evidence_floor, self.store.embedder.id)
 
-    def _loaded_builder(
-        self, max_new_tokens: int, history: Sequence[dict[str, str]] | None, timings: dict[str, float]
-    ) -> PromptBuilder:
+    def _loaded_builder(self, ctx: RequestContext, history: Sequence[dict[str, str]] | None) -> PromptBuilder:
         """The builder with the history, the backend connected or loaded first."""
         t0 = time.perf_counter()
-        # Before any model loads, the capacity alone refuses a request the model's window or the
-        # memory can never hold (a local plan from the config), and connects to an engine.
-        self.backend.capacity(max_new_tokens=max_new_tokens)
+        if self._builder is None:
+            # The first request: before any model loads, the capacity alone refuses a request
+            # the model's window or the memory can never hold (a local plan from the config),
+            # and connects to an engine. Later requests read it once, in the plan.
+            self.backend.capacity(max_new_tokens=ctx.max_new_tokens)
         builder = self.prompt_builder.with_history(history)  # loads a local generator first
-        timings["load_s"] = time.perf_counter() - t0
+        ctx.timings["load_s"] = time.perf_counter() - t0
         return builder
 
-    def _allowance(
-        self,
-        builder: PromptBuilder,
-        question: str,
-        context_tokens: int | None,
-        max_new_tokens: int,
-        timings: dict[str, float],
-    ) -> Allowance:
-        """What this question may hold: the plan, its prompt tokens and the cap set on its
-        context (``context_tokens``, or the time target)."""
-        t0 = time.perf_counter()
-        backend = self.backend
-        allowance = request_allowance(
-            backend,
-            backend.capacity(max_new_tokens=max_new_tokens),  # a loaded model's plan: its real size
-            fixed=builder.fixed_tokens(question),
-            max_new_tokens=max_new_tokens,
-            context_tokens=context_tokens,
-        )
-        timings["plan_s"] = time.perf_counter() - t0
-        return allowance
-
-    def _timed_search(self, query: str, timings: dict[str, float]) -> tuple[list[Hit], Any]:
-        """:meth:`_search` for ``fetch_k`` candidates (the one :meth:`prime` made, when it made
-        it on this generation), its seconds in ``timings``."""
-        t0 = time.perf_counter()
-        with self.store.pinned() as gen, self._lock:
-            primed = self._primed.pop((gen.number, query), None)
-        found = primed if primed is not None else self._search(query, self.retrieval.fetch_k)
-        timings["retrieve_s"] = time.perf_counter() - t0
-        return found
+    def _timed_search(self, ctx: RequestContext) -> tuple[list[Hit], Any]:
+        """The ``search`` stage: :meth:`_search` for ``fetch_k`` candidates (the one :meth:`prime`
+        made, when it made it on this generation), its seconds in ``retrieve_s``."""
+        with ctx.timed("search", "retrieve_s"):
+            with self.store.pinned() as gen, self._lock:
+                primed = self._primed.pop((gen.number, ctx.query), None)
+            return primed if primed is not None else self._search(ctx.query, self.retrieval.fetch_k)
 
     def prime(self, question: str, *, retrieval_query: str | None = None) -> None:
         """Count ahead, in one request to a served engine, what answering ``question`` will count
@@ -550,8 +542,6 @@ class Pipeline(Planning):
         generation takes this search). For a caller that needs the question's count before it
         asks (:class:`~ragbudget.chat.Conversation` fits the history to it); nothing where
         counting costs no request (a local tokenizer)."""
-        from .prompt.prompt import texts_to_count
-
         question = check_question(question)
         builder = self.prompt_builder
         if not builder.batch_counts:
@@ -563,26 +553,36 @@ class Pipeline(Planning):
             self._primed[(gen.number, query)] = found
             while len(self._primed) > 16:  # primed, never asked (refused, cancelled): dropped
                 self._primed.pop(next(iter(self._primed)))
-        builder.prime(texts_to_count(found[0], builder=builder, pack=self.retrieval.pack), questions=[question])
+        builder.prime(self._packer().texts_to_count(found[0], builder), questions=[question])
 
     @property
     def span_scorer(self) -> SpanScorer | None:
-        """The :class:`~ragbudget.prompt.spans.SpanScorer` this pipeline packs spans with (made
+        """The :class:`~ragbudget.packing.spans.SpanScorer` this pipeline packs spans with (made
         on first use, shared by every question: its sentence vectors are cached across them);
         ``None`` when whole chunks are packed."""
-        scorer: SpanScorer | None = self._pack_options().get("span_scorer")
-        return scorer
+        packer = self._packer()
+        return packer.scorer if isinstance(packer, SpanPacker) else None
 
-    def _pack_options(self) -> dict[str, Any]:
-        """``build_prompt``'s packing keywords: with ``pack="spans"``, the pipeline's one
-        :class:`~ragbudget.prompt.spans.SpanScorer` (:meth:`_scorer`), so sentence vectors are
-        cached across questions."""
-        if self.retrieval.pack == "chunks":
-            return {"fill_remainder": True} if self.retrieval.fill_remainder else {}
-        return {"pack": self.retrieval.pack, "span_scorer": self._scorer()}
+    def _packer(self) -> Packer:
+        """The pipeline's one packer (:mod:`ragbudget.packing.packer`), from its settings: whole
+        chunks, or spans with the pipeline's one :class:`~ragbudget.packing.spans.SpanScorer`
+        (:meth:`_scorer`), so sentence vectors are cached across questions."""
+        with self._lock:
+            if self._packer_made is None:
+                options: dict[str, Any] = {
+                    "order": self.retrieval.order,
+                    "relevance_floor": self.retrieval.relevance_floor,
+                }
+                if self.retrieval.pack == "chunks":
+                    if self.retrieval.fill_remainder:
+                        options["fill_remainder"] = True
+                    self._packer_made = make_packer("chunks", **options)
+                else:
+                    self._packer_made = make_packer(self.retrieval.pack, scorer=self._scorer(), **options)
+            return self._packer_made
 
     def _scorer(self) -> SpanScorer:
-        """The pipeline's one :class:`~ragbudget.prompt.spans.SpanScorer`: span packing scores
+        """The pipeline's one :class:`~ragbudget.packing.spans.SpanScorer`: span packing scores
         sentences with it, :meth:`evidence` measures with it; its cache serves both."""
         with self._lock:
             if self._span_scorer is None:
@@ -614,14 +614,15 @@ class Pipeline(Planning):
         is the allowance in the generator's tokens, ``tokens_used`` what the chosen passages cost
         (labels included), ``dropped`` every candidate left out with its reason.
         """
+        ctx = self._request(
+            question,
+            context_tokens=context_tokens,
+            max_new_tokens=self.memory.max_new_tokens if max_new_tokens is None else max_new_tokens,
+            history=history,
+            retrieval_query=retrieval_query,
+        )
         with self.store.pinned():
-            prompt, _, _, _ = self._prompt(
-                question,
-                context_tokens=context_tokens,
-                max_new_tokens=self.memory.max_new_tokens if max_new_tokens is None else max_new_tokens,
-                history=history,
-                retrieval_query=retrieval_query,
-            )
+            prompt = self._to_prompt(ctx, context_tokens=context_tokens, history=history)
         return prompt.selection
 
     def ask(
@@ -653,53 +654,57 @@ class Pipeline(Planning):
         # Checked before anything runs: a misspelt option used to fail after retrieval.
         sampling, stop, extra = split_generate_options(generate_options)
         check_generate_options(self.backend, extra)
-        t_start = time.perf_counter()
         self.refresh_speed()
+        ctx = self._request(
+            question,
+            context_tokens=context_tokens,
+            max_new_tokens=new_tokens,
+            history=history,
+            retrieval_query=retrieval_query,
+        )
         # The newest committed generation (a writer elsewhere may have committed since the last
         # question), one for the search, the chunks and the sentences: the one the answer cites.
-        question = check_question(question)
         with self.store.pinned() as searched:
-            searching: dict[str, float] = {}
-            query = check_question(retrieval_query or question, "query")
-            found = (query, *self._timed_search(query, searching))
+            found = self._timed_search(ctx)
             cited = {"generation": searched.number}
             # Measured only where a floor applies (no question pays for a figure nothing reads),
             # and not in a conversation: its history is something to read too.
             floored = self._evidence_floor()[0] is not None and not history
-            evidence = self.evidence(found[0], hits=found[1]) if floored else None
+            evidence = self.evidence(ctx.query, hits=found[0]) if floored else None
             if evidence is not None and evidence.declined:  # nothing to read: no model call, no prefill, no KV
+                ctx.enter("answer")
                 if on_text is not None:
                     on_text(DECLINED_TEXT)
-                searching["total_s"] = time.perf_counter() - t_start
-                return declined_answer(evidence, new_tokens, searching, index=cited)
-            prompt, plan, timings, cap = self._prompt(
-                question,
-                context_tokens=context_tokens,
-                max_new_tokens=new_tokens,
-                history=history,
-                retrieval_query=retrieval_query,
-                found=found,
-            )
-            timings["retrieve_s"] = searching["retrieve_s"]
+                return declined_answer(evidence, new_tokens, ctx.finish(), index=cited, stages=ctx.stages)
+            prompt = self._to_prompt(ctx, context_tokens=context_tokens, history=history, found=found)
+        assert ctx.plan is not None and ctx.capacity is not None  # the plan stage sets both
+        plan, timings, cap = ctx.plan, ctx.timings, ctx.limit
         reserve, vectors = prompt.n_tokens + new_tokens, self._sentence_vectors_path()
 
         def cancelled() -> Answer:
             # Left before generation began (while queued, or just as it was admitted): nothing to
             # generate, but the answer still says what the request would have been.
-            timings["total_s"] = time.perf_counter() - t_start
             return cancelled_answer(
-                prompt, plan, reserve, timings, cap, new_tokens, sentence_vectors=vectors, index=cited
+                prompt,
+                plan,
+                reserve,
+                ctx.finish(),
+                cap,
+                new_tokens,
+                sentence_vectors=vectors,
+                index=cited,
+                stages=ctx.stages,
             )
 
         if cancel is not None and cancel.is_set():
             return cancelled()
+        ctx.enter("admit")
         t0 = time.perf_counter()
         backend = self.backend
         # On an engine of fixed request slots a request holds a whole slot: admission then lets
         # no more requests through than the engine has slots, and the rest wait here, bounded by
         # the queue, instead of inside the engine, bounded only by the engine time-out.
-        slot = backend.capacity(max_new_tokens=new_tokens).slot_tokens
-        held = max(reserve, slot or 0)
+        held = max(reserve, ctx.capacity.slot_tokens or 0)
         try:
             reservation = self.admission.acquire(held, prompt_tokens=prompt.n_tokens, cancel=cancel)
         except RequestCancelled:
@@ -709,6 +714,7 @@ class Pipeline(Planning):
             timings["queue_s"] = time.perf_counter() - t0
             if cancel is not None and cancel.is_set():
                 return cancelled()
+            ctx.enter("generate")
             t0 = time.perf_counter()
             emit = on_text
             if on_text is not None:
@@ -730,7 +736,8 @@ class Pipeline(Planning):
             from .memory.calibration import record_measurement
 
             record_measurement(gen.measurement)
-        timings["total_s"] = time.perf_counter() - t_start
+        ctx.enter("answer")
+        ctx.finish()
         final = gen.prompt if gen.prompt is not None else prompt
         answer = build_answer(
             gen,
@@ -741,6 +748,7 @@ class Pipeline(Planning):
             cap,
             sentence_vectors=vectors,
             index=cited,
+            stages=ctx.stages,
             evidence=evidence,
             cite=not stop,
         )

@@ -80,8 +80,8 @@ FUSIONS = ("rrf", "score")
 #: models attend most (Liu et al. 2023, "Lost in the Middle").
 ORDERS = ("relevance", "document", "lost_in_middle")
 
-#: Packing modes: whole chunks (:func:`~ragbudget.prompt.select.select_chunks`) or the question's
-#: sentences inside the best chunks (:func:`~ragbudget.prompt.spans.select_spans`).
+#: Packing modes: whole chunks (:func:`~ragbudget.packing.select.select_chunks`) or the question's
+#: sentences inside the best chunks (:func:`~ragbudget.packing.spans.select_spans`).
 PACKS = ("chunks", "spans")
 
 #: What :class:`~ragbudget.pipeline.Pipeline` (and so ``ask``, ``chat`` and ``serve``) packs

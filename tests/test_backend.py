@@ -84,8 +84,8 @@ def test_prompt_messages_accepts_what_backends_take() -> None:
 def test_prompt_messages_of_a_real_prompt_are_its_rendered_messages() -> None:
     from _fakes import WordTokenizer
 
-    from ragbudget.prompt.prompt import build_prompt
-    from ragbudget.prompt.select import Candidate
+    from ragbudget.fitting import build_prompt
+    from ragbudget.packing.select import Candidate
 
     prompt = build_prompt(
         "Who leads?", [Candidate("c0", "The leader is elected.", 0.9)], tokenizer=WordTokenizer(), max_prompt_tokens=500

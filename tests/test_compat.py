@@ -84,7 +84,7 @@ def test_an_old_module_that_is_a_package_now_keeps_its_names() -> None:
         "out = {}\n"
         "from ragbudget.prompt import Prompt, select\n"
         "import ragbudget.prompt.prompt as new\n"
-        "out['same'] = Prompt is new.Prompt and select is sys.modules['ragbudget.prompt.select']\n"
+        "out['same'] = Prompt is new.Prompt and select is sys.modules['ragbudget.packing.select']\n"
         "from ragbudget.cli import main\n"
         "import ragbudget.cli.commands as commands\n"
         "out['main'] = main is commands.main\n"
@@ -99,7 +99,13 @@ def test_an_old_module_that_is_a_package_now_keeps_its_names() -> None:
             "DeprecationWarning",
             "ragbudget.prompt.Prompt is ragbudget.prompt.prompt.Prompt now; the old path works until the next release",
             "<string>",
-        ]
+        ],
+        [
+            # Packing left the prompt package (issue #44): its old module path warns the same way.
+            "DeprecationWarning",
+            "ragbudget.prompt.select is ragbudget.packing.select now; the old path works until the next release",
+            "<string>",
+        ],
     ]
 
 

@@ -210,7 +210,7 @@ def _report_keys() -> set[str]:
     from ragbudget.citations import attribute
     from ragbudget.evidence import Evidence
     from ragbudget.generation.generate import OOMStep
-    from ragbudget.prompt.select import DROP_REASONS
+    from ragbudget.packing.select import DROP_REASONS
 
     keys |= set(Evidence(score=0.5, floor=0.45, source="x").to_dict())
     keys |= set(attribute("x [1]", ["x"]).to_dict())

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from ragbudget.memory.models import resolve_embedder
-from ragbudget.prompt.spans import split_sentences
+from ragbudget.packing.spans import split_sentences
 from ragbudget.retrieval.embed import HashEmbedder, SentenceTransformerEmbedder
 from ragbudget.retrieval.encoders import LightBert, Runner, schedule
 

@@ -27,6 +27,7 @@ from ragbudget.errors import (
     EngineTimeoutError,
     OverloadedError,
 )
+from ragbudget.fitting import build_prompt
 from ragbudget.generation.backend import (
     Backend,
     MemoryCountCache,
@@ -37,8 +38,8 @@ from ragbudget.generation.backend import (
 from ragbudget.generation.engines import KINDS, Retry, connect
 from ragbudget.generation.engines._base import parse_prometheus
 from ragbudget.generation.engines._http import HTTP, root_url
-from ragbudget.prompt.prompt import Prompt, build_prompt
-from ragbudget.prompt.select import Candidate
+from ragbudget.packing.select import Candidate
+from ragbudget.prompt.prompt import Prompt
 from ragbudget.settings import EngineSettings
 
 FAST = Retry(attempts=4, base_delay=0.01, max_delay=0.05, max_wait=2.0)
@@ -814,7 +815,7 @@ class _Hit:
 def test_a_real_prompt_is_rebuilt_with_fewer_passages_on_too_long() -> None:
     from _fakes import WordTokenizer
 
-    from ragbudget.prompt.prompt import build_prompt
+    from ragbudget.fitting import build_prompt
 
     hits = [_Hit(f"c{i}", " ".join(f"t{i}x{j}" for j in range(150)), s) for i, s in enumerate((0.9, 0.8, 0.7, 0.6))]
     prompt = build_prompt("Who leads?", hits, tokenizer=WordTokenizer(chatml=True), max_prompt_tokens=5000)

@@ -9,10 +9,10 @@ from _fakes import printable_stop
 from _tiny_lm import CUDA_NAME, CUDA_PEAK, as_on_cuda, tiny_model, tiny_tokenizer
 
 from ragbudget.errors import BudgetError, ConfigError
+from ragbudget.fitting import build_prompt
 from ragbudget.generation import generate as generate_mod
 from ragbudget.generation.generate import Generation, Generator, is_oom, quant_backend, smaller_cache
-from ragbudget.prompt.prompt import build_prompt
-from ragbudget.prompt.select import Candidate
+from ragbudget.packing.select import Candidate
 from ragbudget.types import Source
 
 # Nearly every test generates with the tiny random Llama (tests/_needs.py).

@@ -323,7 +323,7 @@ def test_a_lazy_typing_or_importlib_import_of_a_higher_layer_is_caught(layout: l
     # The check itself: a stage reaching up to the pipeline inside a function body, a record
     # module naming a stage only for typing, and a stage naming a face to importlib are reported.
     sources = package_sources()
-    select, types = PACKAGE / "prompt" / "select.py", PACKAGE / "types.py"
+    select, types = PACKAGE / "packing" / "select.py", PACKAGE / "types.py"
     sources[select] += (
         "\n\ndef _peek():\n    from ..pipeline import Pipeline\n    return Pipeline\n"
         "\n\ndef _face():\n    return importlib.import_module('ragbudget.server.app')\n"
@@ -332,9 +332,9 @@ def test_a_lazy_typing_or_importlib_import_of_a_higher_layer_is_caught(layout: l
     rank = layers(layout)
     found = violations(sources, layout)
     assert found == [
-        f"ragbudget/prompt/select.py (layer {rank['prompt/select']}, prompt/select) imports ragbudget.pipeline "
+        f"ragbudget/packing/select.py (layer {rank['packing/select']}, packing/select) imports ragbudget.pipeline "
         f"(layer {rank['pipeline']}, pipeline)",
-        f"ragbudget/prompt/select.py (layer {rank['prompt/select']}, prompt/select) imports ragbudget.server.app "
+        f"ragbudget/packing/select.py (layer {rank['packing/select']}, packing/select) imports ragbudget.server.app "
         f"(layer {rank['server/app']}, server/app)",
         f"ragbudget/types.py (layer {rank['types']}, types) imports ragbudget.retrieval.index "
         f"(layer {rank['retrieval/index']}, retrieval/index)",
@@ -358,10 +358,10 @@ def test_the_cycle_check_sees_lazy_imports_and_sub_packages(layout: list[tuple[s
     # spans imports select; select importing spans back inside a function is a cycle, and so is a
     # served engine's module imported by the backend protocol (generation/ holds engines/).
     sources = package_sources()
-    sources[PACKAGE / "prompt" / "select.py"] += "\n\ndef _back():\n    from .spans import select_spans\n"
+    sources[PACKAGE / "packing" / "select.py"] += "\n\ndef _back():\n    from .spans import select_spans\n"
     sources[PACKAGE / "generation" / "backend.py"] += "\n\ndef _back():\n    from .engines import _base\n"
     found = cycle_findings(sources, layout, KNOWN_CYCLES)
-    assert "ragbudget/prompt/: cycle between prompt/select, prompt/spans" in found
+    assert "ragbudget/packing/: cycle between packing/select, packing/spans" in found
     backend_cycle = "ragbudget/generation/: cycle between generation/backend, generation/engines/"
     assert any(f.startswith(backend_cycle) for f in found)
     # an allowance that closes nothing is reported, so that the list only shrinks

@@ -23,8 +23,8 @@ from ragbudget.errors import (
     EngineTimeoutError,
     OverloadedError,
 )
+from ragbudget.packing.select import Dropped, SelectedChunk, Selection
 from ragbudget.pipeline import Answer
-from ragbudget.prompt.select import Dropped, SelectedChunk, Selection
 from ragbudget.server.openai_api import (
     CLIENT_CLOSED,
     MAX_JSON_DEPTH,

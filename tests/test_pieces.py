@@ -1,4 +1,4 @@
-"""Composed costs (ragbudget/prompt/pieces.py): span packing on a served engine costs trial
+"""Composed costs (ragbudget/packing/pieces.py): span packing on a served engine costs trial
 passages from pieces counted in one batch, and those costs are the tokenizer's own counts."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import pytest
 from test_spans import LIGHTHOUSE  # the hand-written 24-sentence article span packing is tested on
 
 from ragbudget.errors import ConfigError
-from ragbudget.prompt.pieces import JOINER, span_pieces
-from ragbudget.prompt.prompt import build_prompt
-from ragbudget.prompt.select import Candidate
-from ragbudget.prompt.spans import select_spans
+from ragbudget.fitting import build_prompt
+from ragbudget.packing.pieces import JOINER, span_pieces
+from ragbudget.packing.select import Candidate
+from ragbudget.packing.spans import select_spans
 from ragbudget.types import Source
 
 
@@ -55,7 +55,7 @@ def squad_chunks() -> list[Candidate]:
 
 def ranked(question: str, chunks: list[Candidate]) -> list[Candidate]:
     """``chunks`` scored for ``question`` (BM25, as a search would rank them), best first."""
-    from ragbudget.prompt.spans import bm25
+    from ragbudget.packing.spans import bm25
 
     scores = bm25(question, [c.text for c in chunks])
     top = max(scores) or 1.0
@@ -182,7 +182,7 @@ def test_span_pieces_are_everything_composed_packing_counts() -> None:
 
 def test_the_pieces_names_resolve_in_spans() -> None:
     # JOINER was defined in spans before pieces.py took it; both names resolve there too.
-    import ragbudget.prompt.spans as spans
+    import ragbudget.packing.spans as spans
 
     assert spans.JOINER is JOINER and spans.span_pieces is span_pieces
     assert {"JOINER", "span_pieces"} <= set(spans.__all__)

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import random
 import re
+from typing import ClassVar
 
 import pytest
 from _tiny_lm import tiny_tokenizer
 
 from ragbudget.errors import BudgetError
-from ragbudget.prompt.prompt import PromptBuilder, build_prompt, escape_data
-from ragbudget.prompt.select import Candidate
+from ragbudget.fitting import build_prompt, fit_prompt
+from ragbudget.packing.packer import SpanPacker
+from ragbudget.packing.select import Candidate
+from ragbudget.prompt.prompt import PromptBuilder, escape_data
 from ragbudget.types import Source
 
 INJECTION = (
@@ -245,16 +248,12 @@ def test_a_render_over_the_composed_costs_packs_again_tighter() -> None:
         def prefetch(self, texts, chats=()):
             pass
 
-    class Recording(EnginePromptBuilder):
-        asked: list[int] = []
+    class Recording(SpanPacker):
+        asked: ClassVar[list[int]] = []
 
-        def assemble(self, question, selection, *, max_prompt_tokens, repack=None):
-            def tighter(budget: int):
-                self.asked.append(budget)
-                return repack(budget)
-
-            more = {"repack": tighter} if repack else {}
-            return super().assemble(question, selection, max_prompt_tokens=max_prompt_tokens, **more)
+        def pack(self, question, candidates, *, budget_tokens, counter):
+            self.asked.append(budget_tokens)
+            return super().pack(question, candidates, budget_tokens=budget_tokens, counter=counter)
 
     facts = [
         "The lighthouse was lit in 1847. It used a paraffin lamp. The lens came from Paris. Keepers served in shifts.",
@@ -264,12 +263,13 @@ def test_a_render_over_the_composed_costs_packs_again_tighter() -> None:
     cands = [
         Candidate(f"c{i}", t, 0.9 - i / 10, sources=(Source(f"f{i}.txt", 0, len(t)),)) for i, t in enumerate(facts)
     ]
-    b = Recording(Engine())
+    b = EnginePromptBuilder(Engine())
     q = "When was the lighthouse lit and the foghorn added?"
     fixed = b.fixed_tokens(q)
-    p = build_prompt(q, cands, builder=b, max_prompt_tokens=fixed + 40, pack="spans")
+    p = fit_prompt(q, cands, packer=Recording(), builder=b, max_prompt_tokens=fixed + 40)
     assert p.n_tokens <= fixed + 40
-    assert len(b.asked) == 1 and b.asked[0] < 40  # packed again once, on the passages' cost less the excess
+    # Packed into 40, rendered over, packed again once on the passages' cost less the excess.
+    assert Recording.asked[0] == 40 and len(Recording.asked) == 2 and Recording.asked[1] < 40
     assert p.selection.pack == "spans" and p.selection.tokens_allowed == 40
     assert "lit in 1847" in p.selection.text and "added in 1902" in p.selection.text
     assert p.n_tokens == fixed + p.selection.tokens_used + 2 * len(p.passages)

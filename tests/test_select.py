@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from ragbudget.errors import ConfigError
-from ragbudget.prompt.select import DROP_REASONS, Candidate, select_chunks
+from ragbudget.packing.select import DROP_REASONS, Candidate, select_chunks
 from ragbudget.types import Source
 
 

@@ -151,7 +151,7 @@ def test_processes_write_the_same_cache_at_once(tmp_path: Path) -> None:
 
 
 def test_a_question_scores_the_same_whether_its_sentences_were_just_embedded_or_cached(ix: Index) -> None:
-    from ragbudget.prompt.spans import SpanScorer, sentence_digest
+    from ragbudget.packing.spans import SpanScorer, sentence_digest
 
     m = json.loads((ix.path / "manifest.json").read_text())
     sentences = ["Harbour tides move the ships at dawn.", "Marker two sits in the third document.", "x"]

@@ -1,6 +1,6 @@
 """Sentence vectors stored at index build time for span packing (issue #18's cold cost): written in
 the same generation as the chunk vectors, kept in step by incremental runs, read by
-:class:`~ragbudget.prompt.spans.SpanScorer` so a question embeds no sentence; an index without them still
+:class:`~ragbudget.packing.spans.SpanScorer` so a question embeds no sentence; an index without them still
 works (sentences embedded on first use) and gains them on its next write.
 
 Model-free: :class:`HashEmbedder`, small chunks.
@@ -19,9 +19,9 @@ from _corpus import OPTS, make_text, write_corpus
 from _fakes import FakeBackend
 from _tiny_lm import tiny_tokenizer
 
+from ragbudget.fitting import build_prompt
+from ragbudget.packing.spans import SpanScorer, sentence_digest, sentence_texts
 from ragbudget.pipeline import Pipeline
-from ragbudget.prompt.prompt import build_prompt
-from ragbudget.prompt.spans import SpanScorer, sentence_digest, sentence_texts
 from ragbudget.retrieval.embed import HashEmbedder
 from ragbudget.retrieval.index import Index
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from hypothesis import given, strategies as st
 
-from ragbudget.prompt.sentences import (
+from ragbudget.packing.sentences import (
     NEEDS_PREVIOUS,
     needs_previous,
     sentence_digest,

@@ -17,14 +17,15 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from ragbudget.cli.display import format_report
 from ragbudget.errors import ConfigError
-from ragbudget.prompt.prompt import PromptBuilder, build_prompt
-from ragbudget.prompt.select import Candidate
-from ragbudget.prompt.spans import (
+from ragbudget.fitting import build_prompt
+from ragbudget.packing.select import Candidate
+from ragbudget.packing.spans import (
     JOINER,
     SpanScorer,
     needs_previous,
     select_spans,
 )
+from ragbudget.prompt.prompt import PromptBuilder
 from ragbudget.retrieval.embed import HashEmbedder
 from ragbudget.types import Source
 
@@ -411,8 +412,8 @@ def test_options_not_adopted_are_gone() -> None:
 
 def test_the_sentence_names_still_resolve_here() -> None:
     # They were defined in spans until sentences.py took them (issue #32).
-    import ragbudget.prompt.sentences as sentences
-    import ragbudget.prompt.spans as spans
+    import ragbudget.packing.sentences as sentences
+    import ragbudget.packing.spans as spans
 
     for name in sentences.__all__:
         assert getattr(spans, name) is getattr(sentences, name) and name in spans.__all__, name
@@ -485,8 +486,8 @@ def test_cli_chat_and_serve_take_pack(tmp_path: Path, repo_data: Path) -> None:
     from _replay import Replay
 
     from ragbudget.cli.commands import cli as main
+    from ragbudget.packing.spans import DEFAULT_PACK
     from ragbudget.pipeline import Pipeline
-    from ragbudget.prompt.spans import DEFAULT_PACK
 
     index_dir = tmp_path / "idx"
     Pipeline(index_dir, embedder="hash:256").index([repo_data])

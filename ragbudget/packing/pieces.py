@@ -1,8 +1,8 @@
 """Composed costs: a span passage's token count added up from pieces counted beforehand, in one batch.
 
-Span packing (:func:`~ragbudget.prompt.spans.select_spans`) tries many passages per question. A
+Span packing (:func:`~ragbudget.packing.spans.select_spans`) tries many passages per question. A
 local tokenizer counts each trial in microseconds; on a served engine each count is a request.
-With ``composed=True`` (:func:`~ragbudget.prompt.prompt.build_prompt` asks for it when counting is
+With ``composed=True`` (:class:`~ragbudget.packing.packer.SpanPacker` asks for it when counting is
 a request, :attr:`~ragbudget.prompt.prompt.PromptBuilder.batch_counts`) a trial passage is not
 counted; its cost is composed from pieces counted beforehand, all in one batch
 (:func:`span_pieces`): every unit (sentence or list item) alone, plus what each boundary adds —
@@ -14,13 +14,13 @@ chunk's label.
 It rests on one property of the pre-tokenizers of byte-level BPEs (GPT-2, SmolLM2, Llama 3, Qwen,
 tiktoken's): no pre-token holds whitespace but at its start, so tokens never span a word boundary
 and the pieces add up to the passage's own count. On the real llama-server that held for every
-passage packed for 120 SQuAD questions (371 passages, bench/results/spans_counts.json). It is not
-a proof for every tokenizer: the caller renders the prompt and, in the rare case it is over,
-packs again on a budget smaller by the excess (``PromptBuilder.assemble``). A request then asks a
-served engine's tokenizer for the question's render, the counts of candidates and pieces not
-counted before (kept by digest: none once a candidate has been seen) and the final render — never
-once per trial passage. (One path still counts trial by trial: a budget no sentence fits, where
-the best chunk is cut to a window of words.)
+passage packed for 120 SQuAD questions (371 passages, bench/results/spans_counts.json). It is not a
+proof for every tokenizer: the caller renders the prompt and, in the rare case it is over, packs
+again on a budget smaller by the excess (``SpanPacker.shrink``, from
+:func:`~ragbudget.fitting.fit_prompt`). A request then asks a served engine's tokenizer for the
+question's render, the counts of candidates and pieces not counted before (kept by digest: none once
+a candidate has been seen) and the final render — never once per trial passage. (One path still
+counts trial by trial: a budget no sentence fits, where the best chunk is cut to a window of words.)
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ class Costed(Protocol):
 
 
 def span_pieces(candidates: Iterable[HasText]) -> list[str]:
-    """The texts :func:`~ragbudget.prompt.spans.select_spans` counts with ``composed=True`` when
+    """The texts :func:`~ragbudget.packing.spans.select_spans` counts with ``composed=True`` when
     ``candidates`` are in its pool (see the module's docstring): the joiner's ``" …"``; each
     candidate's text without its outer whitespace, and its last word alone and before the block's
     closing newline; each unit (sentence or list item) alone, its first word alone and after a
@@ -73,7 +73,7 @@ def span_pieces(candidates: Iterable[HasText]) -> list[str]:
     one, the gap and the first word of the other. Counted in one batch with the candidates
     (``build_prompt`` does), they leave packing nothing to ask a served engine.
 
-    >>> from ragbudget.prompt.select import Candidate
+    >>> from ragbudget.packing.select import Candidate
     >>> span_pieces([Candidate("c", "It rained.\\nWe stayed in.", 1.0)])  # doctest: +NORMALIZE_WHITESPACE
     [' …', 'It rained.\\nWe stayed in.', ' in.', ' in.\\n', 'It rained.', 'It', ' It', ' rained.', ' rained.\\n',
      'We stayed in.', 'We', ' We', ' rained.\\nWe']

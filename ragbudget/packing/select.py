@@ -109,7 +109,7 @@ class SelectedChunk:
     sources: tuple[Source, ...] = ()
     headings: tuple[str, ...] = ()
     truncated: bool = False
-    #: With span packing (:mod:`ragbudget.prompt.spans`): the sentences of the chunk(s) that went in, in
+    #: With span packing (:mod:`ragbudget.packing.spans`): the sentences of the chunk(s) that went in, in
     #: document order, each a :class:`Span` with its exact offsets and cost. Empty for a whole chunk.
     spans: tuple[Span, ...] = ()
 
@@ -139,7 +139,7 @@ class Span:
     ``source`` is the same text's place in its file (offsets and page(s)). ``score`` is the
     question's evidence for it (0–1), ``n_tokens`` its own count in the generator's tokens.
     ``why``: ``question`` (chosen on its own evidence) or ``neighbour`` (kept for a chosen
-    sentence that needs it, see :mod:`ragbudget.prompt.spans`' neighbour rule); for a span left out,
+    sentence that needs it, see :mod:`ragbudget.packing.spans`' neighbour rule); for a span left out,
     ``over_budget``, ``redundant`` or ``duplicate``.
     """
 
@@ -430,7 +430,7 @@ def prepare_items(
 ) -> tuple[list[PackItem], list[Dropped]]:
     """Steps 1-2 of :func:`select_chunks`: the candidates worth packing, best first, each with its
     exact cost and MMR value, and the ones left out with their reasons. Span packing
-    (:mod:`ragbudget.prompt.spans`) starts from the same list."""
+    (:mod:`ragbudget.packing.spans`) starts from the same list."""
     # Stable sort by score: ties keep retrieval order, so results are deterministic.
     ranked = sorted(range(len(cands)), key=lambda i: -float(cands[i].score))
     dropped: list[Dropped] = []

@@ -2,7 +2,7 @@
 on the one before it, and the digest its vector is kept under.
 
 What an index embeds per chunk at build time (:func:`sentence_texts`, :func:`sentence_digest`:
-:mod:`ragbudget.retrieval.build`) and what span packing (:mod:`ragbudget.prompt.spans`) scores
+:mod:`ragbudget.retrieval.build`) and what span packing (:mod:`ragbudget.packing.spans`) scores
 and packs, cut the same way in both places, so a question finds every vector the build stored.
 
 >>> t = "Dr. Smith met J. K. Rowling. She left.\\nSteps:\\n- mix\\n- bake"

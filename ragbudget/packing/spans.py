@@ -4,10 +4,10 @@ A 300–500-token chunk does not fit a 256-token allowance at all, and in a larg
 chunk is not about the question. :func:`select_spans` keeps chunks as the unit of retrieval and
 provenance but packs at sentence granularity inside the best of them:
 
-1. the chunks are filtered exactly as :func:`~ragbudget.prompt.select.select_chunks` filters them (cut-off,
+1. the chunks are filtered exactly as :func:`~ragbudget.packing.select.select_chunks` filters them (cut-off,
    duplicates, relevance floor, redundancy), and the best few — until their whole text is
    ``pool`` × the budget — are split into sentences (and list items) with exact offsets
-   (:mod:`ragbudget.prompt.sentences`, as the index split them to store their vectors);
+   (:mod:`ragbudget.packing.sentences`, as the index split them to store their vectors);
 2. each sentence gets evidence for the question: BM25 over the pool's sentences (lexical), cosine
    to the question with the index's embedder (dense; vectors cached by content hash, see
    :class:`SpanScorer`), and its chunk's retrieval value (a sentence of the best chunk starts
@@ -16,9 +16,9 @@ provenance but packs at sentence granularity inside the best of them:
    (word overlap ≥ ``redundancy`` drops a sentence as ``redundant``), each admission counted
    exactly: the passage it joins is re-rendered and re-counted in the generator's tokens, label
    included, so the sum of passage costs never exceeds the budget — the same contract as whole
-   chunks, which :func:`~ragbudget.prompt.prompt.build_prompt` then checks on the rendered chat template
+   chunks, which :func:`~ragbudget.fitting.fit_prompt` then checks on the rendered chat template
    (on a served engine the passage's cost is composed from counted pieces instead:
-   ``composed=True``, :mod:`ragbudget.prompt.pieces`);
+   ``composed=True``, :mod:`ragbudget.packing.pieces`);
 4. a sentence that cannot stand alone brings its neighbour (the *neighbour rule*, below);
 5. one passage per chunk: its chosen sentences in document order, consecutive ones as the document
    has them, gaps shown as `` … ``; passages of one file stay in document order.
@@ -36,7 +36,7 @@ part that costs (the embedder's forward pass: 78–95% of a cold call, bench/spa
 chunk's sentences at build time (:meth:`ragbudget.retrieval.index.Index.sentence_vectors`) and
 :class:`SpanScorer` reads them first: a question then embeds no sentence and span packing adds a
 few milliseconds (bench/spans_speed.py). On a served engine, costs are composed
-(:mod:`ragbudget.prompt.pieces`): no admission asks the engine anything.
+(:mod:`ragbudget.packing.pieces`): no admission asks the engine anything.
 
 Citations stay exact: every :class:`Span` has its offsets in the chunk's text (``chunk.text[start:
 end] == span.text``) and in its file (``span.source``), and the page(s) of the chunk it came from
@@ -391,16 +391,16 @@ def select_spans(
 ) -> Selection:
     """Pack the question's sentences from the best ``candidates`` under a hard token cap.
 
-    Takes what :func:`~ragbudget.prompt.select.select_chunks` takes (same filtering, same costs:
+    Takes what :func:`~ragbudget.packing.select.select_chunks` takes (same filtering, same costs:
     ``count_tokens(text) + chunk_overhead`` per passage, ``tokens_used <= budget_tokens``), and:
     ``scorer`` (a :class:`SpanScorer`; ``None``: lexical and chunk evidence only), ``pool`` (the
     chunks considered, in score order, stop once their summed cost reaches ``pool`` × the budget;
     at most ``max_chunks``), ``weights`` (dense, lexical, chunk) of the evidence and ``prime`` (a
     batch counter to warm ``count_tokens``, e.g. a served engine's), ``composed`` (cost trial
-    passages from their pieces, :func:`~ragbudget.prompt.pieces.span_pieces`, counted in one
-    ``prime`` batch, instead of counting each: see :mod:`ragbudget.prompt.pieces`; the caller
+    passages from their pieces, :func:`~ragbudget.packing.pieces.span_pieces`, counted in one
+    ``prime`` batch, instead of counting each: see :mod:`ragbudget.packing.pieces`; the caller
     checks the rendered prompt). Passages are one per chunk: adjacent chunks are not merged as
-    :func:`~ragbudget.prompt.select.select_chunks` merges them.
+    :func:`~ragbudget.packing.select.select_chunks` merges them.
 
     >>> hits = [type("H", (), dict(chunk_id=1, score=0.9, sources=(), text=(
     ...     "Paris is the capital of France. It has 2 million people. Bread is cheap there.")))()]
@@ -509,7 +509,7 @@ def _units(
 ) -> list[_Unit]:
     """Every chunk's sentences with their neighbour dependencies; a sentence repeated from a better
     chunk (chunk overlap, quoted text) is marked ``duplicate`` and never packed. ``composed``: each
-    unit's pieces are counted too (:func:`~ragbudget.prompt.pieces.span_pieces`, in one ``prime``
+    unit's pieces are counted too (:func:`~ragbudget.packing.pieces.span_pieces`, in one ``prime``
     batch)."""
     split = [split_sentences(it.text) for it in chunks]
     if prime is not None and composed:
@@ -676,7 +676,7 @@ def _passage(
     """The passage of chunk ``it`` holding ``units`` (document order): consecutive units as the
     chunk has them, runs joined by :data:`JOINER`; counted exactly, label included. With
     ``compose`` (the chunk's label tokens and the joiner's ``" …"``), costed from the units'
-    pieces instead (:func:`~ragbudget.prompt.pieces.composed_tokens`), nothing counted here: the
+    pieces instead (:func:`~ragbudget.packing.pieces.composed_tokens`), nothing counted here: the
     label and the block's closing newline after the last unit are added."""
     units = sorted(units, key=lambda u: u.pos)
     runs: list[tuple[int, int]] = []
@@ -701,7 +701,7 @@ def _passage(
 
 
 def _cut_passage(it: PackItem, cut: PackItem) -> SelectedChunk:
-    """The oversize cut of :func:`~ragbudget.prompt.select._truncate` as a passage with its one span."""
+    """The oversize cut of :func:`~ragbudget.packing.select._truncate` as a passage with its one span."""
     if it.sources and cut.sources:
         start = cut.sources[0].start - it.sources[0].start
     else:

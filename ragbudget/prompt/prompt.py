@@ -20,8 +20,9 @@ each source block then costs exactly ``count(block)``, measured on the block str
 start with ``[`` after a single newline and end with a single newline followed by ``[`` or
 ``Question``, never by more whitespace, so byte-level BPE pre-tokenizers (GPT-2's ``\\s+(?!\\S)`` as
 well as Llama 3's ``\\s*[\r\n]+``) split at block boundaries and the sum is exact;
-:func:`build_prompt` still renders the final prompt, counts it, and drops the lowest-scored passage
-if a boundary merge ever pushed it over.
+:meth:`PromptBuilder.render` still renders the final prompt and counts it; if a boundary merge
+ever pushed it over, the pipeline asks the packer for less (:func:`ragbudget.fitting.fit_prompt`).
+This module renders and counts; it never selects (:mod:`ragbudget.packing` does).
 
 Prompt-injection hygiene: retrieved text is labeled as data and the system prompt says to ignore
 instructions inside it; chat-turn markup (``<|im_start|>``-style special tokens) is broken up so it
@@ -33,31 +34,24 @@ written ``(7) …``, so the labels the model sees are exactly the sources. (A da
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Protocol
 
 from ..errors import BudgetError, ConfigError
+from ..packing.packer import without_lowest
+from ..packing.select import Retrieved, SelectedChunk, Selection
 from ..tokens import HFTokenizer, render_chat
-from .select import Dropped, Retrieved, SelectedChunk, Selection, select_chunks
-
-if TYPE_CHECKING:
-    from .spans import SpanScorer
 
 __all__ = [
     "DEFAULT_SYSTEM_PROMPT",
     "EnginePromptBuilder",
     "Prompt",
     "PromptBuilder",
-    "build_prompt",
     "escape_data",
+    "prompt_too_small",
     "source_label",
-    "texts_to_count",
 ]
-
-#: How many times :meth:`PromptBuilder.assemble` packs anew, each on a budget smaller by what the
-#: render was over, before it drops whole passages (each try is one render).
-_REPACKS = 2
 
 #: The rules of the system turn. They ask for the answer, not for citations: small instruct
 #: models told to cite by number answered a bare "[1]" or copied a source's label and text instead
@@ -93,7 +87,7 @@ def source_label(passage: Retrieved) -> str:
     """The short label of a passage in the prompt: its file's name and page(s), no folders.
 
     >>> from ragbudget.types import Source
-    >>> from ragbudget.prompt.select import Candidate
+    >>> from ragbudget.packing.select import Candidate
     >>> source_label(Candidate("c", "t", 1.0, sources=(Source("/a/b/guide.pdf", 0, 9, page_start=3),)))
     'guide.pdf, page 3'
     >>> source_label(Candidate("c", "t", 1.0, sources=(Source("deck.pptx", 0, 9, 2, 3, "slides 2-3"),)))
@@ -119,9 +113,11 @@ def source_label(passage: Retrieved) -> str:
 
 @dataclass(frozen=True)
 class Prompt:
-    """A rendered prompt that fits its budget: chat ``messages``, their ``input_ids`` (chat
-    template applied, generation prompt added) and the :class:`~ragbudget.prompt.select.Selection` behind
-    it. ``passages[i]`` is source ``[i + 1]``. ``n_tokens == len(input_ids) <= max_prompt_tokens``.
+    """A rendered prompt: chat ``messages``, their ``input_ids`` (chat template applied,
+    generation prompt added) and the :class:`~ragbudget.packing.select.Selection` behind it.
+    ``passages[i]`` is source ``[i + 1]``; ``n_tokens`` is ``len(input_ids)`` (or the engine's
+    count). One that :func:`ragbudget.fitting.fit_prompt` returns :attr:`fits`:
+    ``n_tokens <= max_prompt_tokens``.
     """
 
     question: str
@@ -140,26 +136,21 @@ class Prompt:
     def n_tokens(self) -> int:
         return len(self.input_ids) if self.token_count is None else self.token_count
 
+    @property
+    def fits(self) -> bool:
+        """Whether the rendered prompt is within ``max_prompt_tokens``."""
+        return self.n_tokens <= self.max_prompt_tokens
+
     def without_lowest(self, n: int = 1) -> Prompt | None:
-        """The same prompt with the ``n`` lowest-scored passages removed (``None`` when there is
-        nothing left to drop). Used by the generator's OOM ladder."""
+        """The same prompt with the ``n`` lowest-scored passages removed, rendered again (``None``
+        when there is nothing left to drop). Used by the generator's OOM ladder."""
         if not self.passages or self.builder is None:
             return None
-        keep_n = max(0, len(self.passages) - max(1, n))
-        ranked = sorted(range(len(self.passages)), key=lambda i: -self.passages[i].score)
-        keep = sorted(ranked[:keep_n])  # keep the configured order of the survivors
-        kept = tuple(self.passages[i] for i in keep)
-        gone = [self.passages[i] for i in ranked[keep_n:]]
-        dropped = self.selection.dropped + tuple(
-            Dropped(cid, "over_budget", p.score, p.n_tokens) for p in gone for cid in p.chunk_ids
-        )
-        sel = replace(
-            self.selection,
-            chunks=kept,
-            tokens_used=sum(p.cost for p in kept),
-            dropped=dropped,
-        )
-        return self.builder.assemble(self.question, sel, max_prompt_tokens=self.max_prompt_tokens)
+        again = {"max_prompt_tokens": self.max_prompt_tokens, "fixed_tokens": self.fixed_tokens}
+        prompt = self.builder.render(self.question, without_lowest(self.selection, n), **again)
+        while not prompt.fits and prompt.passages:  # a boundary merge: one passage less again
+            prompt = self.builder.render(self.question, without_lowest(prompt.selection), **again)
+        return prompt
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -182,7 +173,7 @@ class PromptBuilder:
     """
 
     #: Whether a count costs a request (a served engine's tokenizer): span packing then composes
-    #: passage costs from pieces counted in one batch (:func:`~ragbudget.prompt.pieces.span_pieces`)
+    #: passage costs from pieces counted in one batch (:func:`~ragbudget.packing.pieces.span_pieces`)
     #: instead of counting each trial passage, and the render checks the result. A local
     #: tokenizer counts each trial exactly: it costs microseconds.
     batch_counts: ClassVar[bool] = False
@@ -277,59 +268,25 @@ class PromptBuilder:
             self._system_role = False
         return text
 
-    def assemble(
-        self,
-        question: str,
-        selection: Selection,
-        *,
-        max_prompt_tokens: int,
-        repack: Callable[[int], Selection] | None = None,
+    def render(
+        self, question: str, selection: Selection, *, max_prompt_tokens: int, fixed_tokens: int | None = None
     ) -> Prompt:
-        """Render ``selection`` and verify the count; drop lowest-scored passages while over.
-
-        ``repack(budget)`` (a selection packed anew on a smaller budget) is tried first, up to
-        two times (:data:`_REPACKS`), each on the passages' cost less the tokens the render was over:
-        for span packing on composed costs, where it keeps the best sentences rather than drop
-        a whole passage, and costs one render (the pieces are counted already)."""
-        fixed = self.fixed_tokens(question)
-        passages = list(selection.chunks)
-        extra: list[Dropped] = []
-        repacks = _REPACKS if repack is not None else 0
-        while True:
-            msgs = self.messages(question, passages)
-            ids, n = self.measure(msgs)
-            if n <= max_prompt_tokens or not passages:
-                break
-            if repack is not None and repacks > 0:
-                repacks -= 1
-                allowed = selection.tokens_allowed
-                selection = replace(
-                    repack(max(0, selection.tokens_used - (n - max_prompt_tokens))), tokens_allowed=allowed
-                )
-                passages = list(selection.chunks)
-                continue
-            # A BPE merge across a block boundary cost a token more than measured: give up the
-            # least relevant passage rather than cut anything.
-            worst = min(range(len(passages)), key=lambda i: passages[i].score)
-            p = passages.pop(worst)
-            extra += [Dropped(cid, "over_budget", p.score, p.n_tokens) for cid in p.chunk_ids]
-        if n > max_prompt_tokens:
-            raise _too_small(fixed, max_prompt_tokens)
-        if extra or len(passages) != len(selection.chunks):
-            selection = replace(
-                selection,
-                chunks=tuple(passages),
-                tokens_used=sum(p.cost for p in passages),
-                dropped=selection.dropped + tuple(extra),
-            )
+        """``selection``'s passages (source ``[i + 1]`` is ``selection.chunks[i]``) in the chat
+        prompt, rendered with the template and counted, once (``fixed_tokens``: the
+        :meth:`fixed_tokens` of ``question`` when the caller has it). The prompt may come out
+        over ``max_prompt_tokens`` (:attr:`Prompt.fits`): what to leave out then is the packer's
+        call (:func:`ragbudget.fitting.fit_prompt`), not the renderer's."""
+        passages = tuple(selection.chunks)
+        msgs = self.messages(question, passages)
+        ids, n = self.measure(msgs)
         return Prompt(
             question=question,
             messages=tuple(msgs),
             input_ids=tuple(ids),
             selection=selection,
-            passages=tuple(passages),
+            passages=passages,
             max_prompt_tokens=max_prompt_tokens,
-            fixed_tokens=fixed,
+            fixed_tokens=self.fixed_tokens(question) if fixed_tokens is None else fixed_tokens,
             builder=self,
             token_count=None if len(ids) == n else n,
         )
@@ -407,108 +364,11 @@ class EnginePromptBuilder(PromptBuilder):
         return tuple(rendered.token_ids or ()), int(rendered.n_tokens)
 
 
-def _too_small(fixed: int, have: int) -> BudgetError:
+def prompt_too_small(fixed: int, have: int) -> BudgetError:
+    """The error of a prompt budget that the system prompt and question alone exceed."""
     return BudgetError(
         f"the system prompt and question alone take {fixed} tokens but the prompt budget is {have}; "
         "shorten the question, lower max_new_tokens or concurrency, or use a GPU with more memory",
         needed=fixed,
         available=have,
     )
-
-
-def texts_to_count(candidates: Sequence[Retrieved], *, builder: PromptBuilder, pack: str = "chunks") -> list[str]:
-    """What :func:`build_prompt` counts of ``candidates`` before it selects (in one batch where a
-    count costs a request, :meth:`PromptBuilder.prime`): each text and its numbered block, and,
-    when spans are packed on an engine's counts, every piece span packing may use.
-
-    A candidate counted once (by any question) costs no request again, so a new question asks
-    the tokenizer for its render and the final one only."""
-    max_id = max(9, len(candidates))
-    texts = [c.text for c in candidates] + [builder.block(c, max_id) for c in candidates]
-    if pack == "spans" and builder.batch_counts:
-        from .pieces import span_pieces
-
-        texts += span_pieces(candidates)
-    return texts
-
-
-def build_prompt(
-    question: str,
-    candidates: Iterable[Retrieved],
-    *,
-    tokenizer: Any = None,  # a Hugging Face tokenizer (third-party, untyped here), as PromptBuilder's
-    max_prompt_tokens: int,
-    system_prompt: str | None = None,
-    safety_margin: int = 0,
-    builder: PromptBuilder | None = None,
-    pack: str = "chunks",
-    span_scorer: SpanScorer | None = None,
-    # Any: forwarded to select_chunks or select_spans, whose own signatures check them.
-    **select_options: Any,
-) -> Prompt:
-    """Select the ``candidates`` that fit and render the prompt, ≤ ``max_prompt_tokens`` exactly.
-
-    The prompt is counted and rendered by ``builder``, or by a :class:`PromptBuilder` over
-    ``tokenizer`` when no builder is given.
-
-    ``select_options`` go to :func:`~ragbudget.prompt.select.select_chunks` (``order``, ``lambda_``,
-    ``min_score``, ...). The system prompt and question are never cut: if they alone exceed the
-    budget, :class:`~ragbudget.errors.BudgetError` says by how much.
-
-    ``pack="spans"`` packs the question's sentences inside the best chunks instead of whole chunks
-    (:func:`~ragbudget.prompt.spans.select_spans`; ``span_scorer``, a
-    :class:`~ragbudget.prompt.spans.SpanScorer`, adds embedding evidence). The accounting is the same:
-    every passage is a labeled block counted exactly, and the rendered prompt is checked.
-
-    >>> p = build_prompt("Who?", index.search("Who?", 50), tokenizer=gen.tokenizer,
-    ...                  max_prompt_tokens=plan.max_prompt_tokens)   # doctest: +SKIP
-    >>> p.n_tokens <= plan.max_prompt_tokens                         # doctest: +SKIP
-    True
-    """
-    if builder is None and tokenizer is None:
-        raise ConfigError("build_prompt needs a tokenizer (or a builder that counts): got neither")
-    b = builder or PromptBuilder(tokenizer, system_prompt=system_prompt)
-    from .spans import PACKS
-
-    if pack not in PACKS:
-        raise ConfigError(f"pack must be one of {', '.join(PACKS)}; got {pack!r}")
-    cands = list(candidates)
-    max_id = max(9, len(cands))
-    composed = pack == "spans" and b.batch_counts
-    # The question's fixed part is counted with the candidates (one request to an engine).
-    b.prime(texts_to_count(cands, builder=b, pack=pack), questions=[question])
-    fixed = b.fixed_tokens(question)
-    if fixed > max_prompt_tokens:
-        raise _too_small(fixed, max_prompt_tokens)
-    budget = max(0, max_prompt_tokens - fixed - safety_margin)
-    if pack == "spans":
-        from .spans import select_spans
-
-        def pack_spans(budget: int) -> Selection:
-            return select_spans(
-                question,
-                cands,
-                budget_tokens=budget,
-                count_tokens=b.count,
-                chunk_overhead=lambda p: b.overhead(p, max_id=max_id),
-                scorer=span_scorer,
-                prime=b.prime,
-                composed=composed,
-                **select_options,
-            )
-
-        selection = pack_spans(budget)
-        if composed:
-            # Composed costs are checked by the render: on the rare prompt a merge made longer
-            # than its pieces, the sentences are packed again a little tighter.
-            return b.assemble(question, selection, max_prompt_tokens=max_prompt_tokens, repack=pack_spans)
-    else:
-        selection = select_chunks(
-            question,
-            cands,
-            budget_tokens=budget,
-            count_tokens=b.count,
-            chunk_overhead=lambda p: b.overhead(p, max_id=max_id),
-            **select_options,
-        )
-    return b.assemble(question, selection, max_prompt_tokens=max_prompt_tokens)

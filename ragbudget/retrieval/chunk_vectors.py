@@ -203,7 +203,7 @@ class ChunkVectors:
         killed run — is not embedded again."""
         import numpy as np
 
-        from ..prompt.spans import sentence_digest, sentence_texts
+        from ..packing.spans import sentence_digest, sentence_texts
 
         todo = self.catalog.chunks_without_sentence_vectors()
         if not todo:

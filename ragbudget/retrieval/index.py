@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from numpy.typing import ArrayLike, NDArray
     from typing_extensions import Self
 
-    from ..prompt.spans import SpanScorer
+    from ..packing.spans import SpanScorer
     from .catalog import SourceRow
     from .embed import Embedder
     from .executors import EmbedExecutor
@@ -377,9 +377,9 @@ class Index:
 
     def sentence_vectors(self, ids: Iterable[int]) -> dict[int, tuple[list[bytes], NDArray[np.float32]]]:
         """The stored sentence vectors of chunks ``ids``: ``{chunk_id: (digests, vectors)}``,
-        one :func:`~ragbudget.prompt.spans.sentence_digest` and one float32 row per sentence of the
-        chunk (as :func:`~ragbudget.prompt.spans.split_sentences` cuts it at build time), embedded with
-        the index's embedder. What :class:`~ragbudget.prompt.spans.SpanScorer` reads (``stored=``) so a
+        one :func:`~ragbudget.packing.spans.sentence_digest` and one float32 row per sentence of the
+        chunk (as :func:`~ragbudget.packing.spans.split_sentences` cuts it at build time), embedded with
+        the index's embedder. What :class:`~ragbudget.packing.spans.SpanScorer` reads (``stored=``) so a
         question embeds no sentence. Chunks without them (an index written before they were
         stored, or by an older writer) are left out: the scorer embeds those on first use."""
         want = [int(i) for i in ids]
@@ -390,11 +390,11 @@ class Index:
         return self._generation().catalog.sentence_vectors(want, dim=int(m["dim"]), dtype=dtype)
 
     def span_scorer(self, embedder: Embedder | None = None) -> SpanScorer:
-        """A :class:`~ragbudget.prompt.spans.SpanScorer` over this index's sentences: the vectors
+        """A :class:`~ragbudget.packing.spans.SpanScorer` over this index's sentences: the vectors
         stored at build time first, then the :class:`~ragbudget.retrieval.sentence_cache.SentenceCache`
         beside a local index (sentences embedded at question time, kept for later questions and
         processes; an index in a database has no folder: embedded per process)."""
-        from ..prompt.spans import SpanScorer
+        from ..packing.spans import SpanScorer
         from .sentence_cache import SentenceCache
 
         m = self.manifest

@@ -1,6 +1,6 @@
 """Sentence vectors embedded at question time, kept beside the index for every later question.
 
-A small on-disk map from a sentence's digest (:func:`ragbudget.prompt.spans.sentence_digest`)
+A small on-disk map from a sentence's digest (:func:`ragbudget.packing.spans.sentence_digest`)
 to its vector, so that span packing embeds each sentence of the corpus at most once — in this
 process or in any other that asks the same index (``ragbudget ask`` runs one process per
 question) — without the index having to embed every chunk's sentences at build time.

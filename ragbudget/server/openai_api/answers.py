@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any  # Any: JSON values (what json.loads gives, json.dumps takes)
 
 if TYPE_CHECKING:
+    from ...packing.select import Selection
     from ...pipeline import Answer
-    from ...prompt.select import Selection
     from ...types import Hit
 
 __all__ = [
