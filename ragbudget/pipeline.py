@@ -64,7 +64,6 @@ from .types import DEFAULT_INDEX_DIR
 if TYPE_CHECKING:
     from .generation.backend import Backend
     from .generation.generate import Generator
-    from .memory.admission import AdmissionController
     from .packing.select import Selection
     from .packing.spans import SpanScorer
     from .prompt.prompt import Prompt, PromptBuilder
@@ -217,7 +216,7 @@ class Pipeline(Planning):
         self.index_dir: Path | str = Path(index_dir) if folder else os.fspath(index_dir)
         self._index_shown = str(self.index_dir) if folder else mask_location(index_dir)
         self.model = model
-        self.system_prompt = system_prompt
+        super().__init__(memory=self.memory, queue=self.queue, system_prompt=system_prompt)
         self._span_scorer: Any = None
         self._packer_made: Packer | None = None
         self._embedder_spec = embedder
@@ -231,9 +230,6 @@ class Pipeline(Planning):
             backend = local_backend(generator, model=model, memory=self.memory)
         self._backend: Backend | None = backend
         self._index: Index | None = None
-        self._builder: PromptBuilder | None = None
-        self._admission: AdmissionController | None = None
-        self._admission_tuned = False
         self._lock = threading.RLock()
         # Searches made by prime() for the ask that follows: (generation, query) -> hits, vector.
         self._primed: dict[tuple[int, str], tuple[list[Hit], Any]] = {}
@@ -312,6 +308,11 @@ class Pipeline(Planning):
                     cache = SQLiteCountCache(self.index_dir / "counts.sqlite")
                 self._backend = connect(self.engine, model=self.model, count_cache=cache)
             return self._backend
+
+    def backend_if_ready(self) -> Backend | None:
+        """The backend when it is built or connected already (``None``: an engine not connected
+        yet); connects to nothing."""
+        return self._backend
 
     def warm_up(self) -> None:
         """Load the model or connect to the engine (:meth:`Backend.warm_up
@@ -518,7 +519,7 @@ class Pipeline(Planning):
     def _loaded_builder(self, ctx: RequestContext, history: Sequence[dict[str, str]] | None) -> PromptBuilder:
         """The builder with the history, the backend connected or loaded first."""
         t0 = time.perf_counter()
-        if self._builder is None:
+        if not self.builder_ready:
             # The first request: before any model loads, the capacity alone refuses a request
             # the model's window or the memory can never hold (a local plan from the config),
             # and connects to an engine. Later requests read it once, in the plan.

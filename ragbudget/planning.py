@@ -33,31 +33,43 @@ log = logging.getLogger("ragbudget.pipeline")
 
 
 class Planning(abc.ABC):
-    """The plans and admission control of a :class:`~ragbudget.pipeline.Pipeline` (its base:
-    the attributes below are the pipeline's, set in its ``__init__``)."""
+    """The plans and admission control of a :class:`~ragbudget.pipeline.Pipeline` (its base). It
+    keeps its own state — the prompt builder and the admission controller, made on first use,
+    under a lock of its own — and asks the pipeline for two things only: :attr:`backend` (built or
+    connected on first use) and :meth:`backend_if_ready` (the one there is, connecting to nothing)."""
 
-    memory: MemorySettings
-    queue: QueueSettings
-    system_prompt: str | None
-    _backend: Backend | None
-    _builder: PromptBuilder | None
-    _admission: AdmissionController | None
-    _admission_tuned: bool
-    _lock: threading.RLock
+    def __init__(self, *, memory: MemorySettings, queue: QueueSettings, system_prompt: str | None) -> None:
+        self.memory = memory
+        self.queue = queue
+        self.system_prompt = system_prompt
+        self._planning_lock = threading.RLock()
+        self._builder: PromptBuilder | None = None
+        self._admission: AdmissionController | None = None
+        self._admission_tuned = False
 
     @property
     @abc.abstractmethod
     def backend(self) -> Backend:
         """What generates (the pipeline builds or connects it)."""
 
+    @abc.abstractmethod
+    def backend_if_ready(self) -> Backend | None:
+        """The backend when one is built or connected already, else ``None``; connects to nothing."""
+
+    @property
+    def builder_ready(self) -> bool:
+        """Whether :attr:`prompt_builder` was made (a local model is loaded by then)."""
+        return self._builder is not None
+
     @property
     def served(self) -> bool:
         """Whether generation runs on an engine that holds its own memory and reports it (its
         capacity has no memory plan: :meth:`engine_plan` applies, not :meth:`plan_for`). Asked of
         the backend; an engine not connected yet is one without connecting."""
-        if self._backend is None:
+        backend = self.backend_if_ready()
+        if backend is None:
             return True  # only an engine (engine=) is connected to on first use
-        return self._backend.capacity(max_new_tokens=self.memory.max_new_tokens).plan is None
+        return backend.capacity(max_new_tokens=self.memory.max_new_tokens).plan is None
 
     # -- plans --------------------------------------------------------------------------------------
 
@@ -124,10 +136,10 @@ class Planning(abc.ABC):
         measures only with nothing running or queued (a few seconds, paid by the request that
         finds the host idle), so requests never compete with the probe. A backend that measures
         nothing (an engine) never does."""
-        backend = self._backend
+        backend = self.backend_if_ready()
         if backend is None:  # not connected yet: nothing was measured
             return False
-        with self._lock:
+        with self._planning_lock:
             ctl = self._admission
 
             def idle() -> bool:
@@ -148,7 +160,7 @@ class Planning(abc.ABC):
         the engine queues and refuses itself). The backend then adds what it knows of a
         request's cost beyond its KV tokens (the local model's activations and measured speed,
         once it is loaded)."""
-        with self._lock:
+        with self._planning_lock:
             if self._admission is None:
                 from .memory.admission import AdmissionController
 
@@ -200,7 +212,7 @@ class Planning(abc.ABC):
     def prompt_builder(self) -> PromptBuilder:
         """The builder that renders and counts this pipeline's prompts as its backend will see
         them (the local model's tokenizer, or the engine's)."""
-        with self._lock:
+        with self._planning_lock:
             if self._builder is None:
                 self._builder = self.backend.prompt_builder(self.system_prompt)
             return self._builder

@@ -168,6 +168,7 @@ class AdmissionController:
         self.throughput = throughput
         self.ttft_target = ttft_target
         self._clock = clock
+        self._desk = _Desk(self)
         self._lock = threading.Lock()
         self._queue: collections.deque[Ticket] = collections.deque()
         self._running_jobs: list[Job] = []
@@ -632,7 +633,7 @@ class AdmissionController:
         with self._lock:
             self._advance_locked()
             job = self._job(tokens, prompt, cost, pool)
-            waiter = Ticket(tokens, prompt, cost, job, pool, controller=self)
+            waiter = Ticket(tokens, prompt, cost, job, pool, controller=self._desk)
             promise = self._promise_for_locked(current_key())
             if promise is not None:  # a client back when it was told: its promise is kept
                 self._promises.claim(promise)
@@ -758,3 +759,28 @@ class AdmissionController:
         # Roughly: one mean hold time per queued request ahead, spread over the running ones.
         per = self._hold * (len(self._queue) + 1) / max(1, self._running)
         return float(min(self.retry_after_max, max(0.1, round(per, 2))))
+
+
+class _Desk:
+    """The controller's side of :class:`~ragbudget.memory.tickets.TicketOwner`: what a ticket or a
+    reservation may ask of the controller that made it, and nothing else."""
+
+    __slots__ = ("_ctl",)
+
+    def __init__(self, ctl: AdmissionController) -> None:
+        self._ctl = ctl
+
+    def clock(self) -> float:
+        return self._ctl._clock()
+
+    def wait_for(self, waiter: Ticket, timeout: float | None) -> float:
+        return self._ctl._wait_for(waiter, timeout)
+
+    def finish_wait(self, waiter: Ticket, wait: float | None) -> Reservation:
+        return self._ctl._finish_wait(waiter, wait)
+
+    def observe_job(self, job: Job | None, *, done: int | None) -> None:
+        self._ctl._observe_job(job, done=done)
+
+    def release(self, r: Reservation) -> None:
+        self._ctl._release(r)

@@ -19,18 +19,29 @@ __all__ = ["Reservation", "Ticket", "TicketOwner"]
 
 
 class TicketOwner(Protocol):
-    """What a :class:`Ticket` and a :class:`Reservation` ask of the controller that made them
-    (:class:`~ragbudget.memory.admission.AdmissionController`)."""
+    """What a :class:`Ticket` and a :class:`Reservation` ask of the controller that made them: the
+    controller hands each one its desk (``ragbudget.memory.admission``), which answers these
+    calls and nothing else, so neither reaches into the controller's private state."""
 
-    def _clock(self) -> float: ...
+    def clock(self) -> float:
+        """The controller's clock now."""
+        ...
 
-    def _wait_for(self, waiter: Ticket, timeout: float | None) -> float: ...
+    def wait_for(self, waiter: Ticket, timeout: float | None) -> float:
+        """Wait until ``waiter`` is admitted or ``timeout`` passes; the seconds waited."""
+        ...
 
-    def _finish_wait(self, waiter: Ticket, wait: float | None) -> Reservation: ...
+    def finish_wait(self, waiter: Ticket, wait: float | None) -> Reservation:
+        """Settle a wait: the reservation of an admitted ``waiter``, else the refusal raised."""
+        ...
 
-    def _observe_job(self, job: Job | None, *, done: int | None) -> None: ...
+    def observe_job(self, job: Job | None, *, done: int | None) -> None:
+        """A request's first token (``done`` None) or its end (``done`` new tokens) came now."""
+        ...
 
-    def _release(self, r: Reservation) -> None: ...
+    def release(self, r: Reservation) -> None:
+        """``r`` is given back."""
+        ...
 
 
 class Ticket:
@@ -89,7 +100,7 @@ class Ticket:
     def max_wait(self) -> float | None:
         """Seconds :meth:`wait` waits by default: the queue time-out, or for a returning client
         (one that claimed a refusal's promise) :attr:`AdmissionController.return_wait`."""
-        return self._owner()._wait_for(self, None)
+        return self._owner().wait_for(self, None)
 
     def reservation(self) -> Reservation:
         """What this admitted request holds (the same :class:`Reservation` on every call;
@@ -112,9 +123,9 @@ class Ticket:
         if self.granted:
             return self.reservation()
         ctl = self._owner()
-        wait = ctl._wait_for(self, timeout)
+        wait = ctl.wait_for(self, timeout)
         self.event.wait(wait)
-        return ctl._finish_wait(self, wait)
+        return ctl.finish_wait(self, wait)
 
 
 class Reservation:
@@ -129,7 +140,7 @@ class Reservation:
         self.nbytes = nbytes
         self.pool = pool
         self.job = job
-        self.started = controller._clock()
+        self.started = controller.clock()
         self._released = False
         self._first_seen = False
 
@@ -138,18 +149,18 @@ class Reservation:
         (idempotent; see :meth:`AdmissionController.observe`)."""
         if not self._first_seen and not self._released:
             self._first_seen = True
-            self.controller._observe_job(self.job, done=None)
+            self.controller.observe_job(self.job, done=None)
 
     def finish(self, new_tokens: int) -> None:
         """It ended having generated ``new_tokens`` (call before :meth:`release`): lets the
         controller compare the whole request with the model."""
         if not self._released:
-            self.controller._observe_job(self.job, done=int(new_tokens))
+            self.controller.observe_job(self.job, done=int(new_tokens))
 
     def release(self) -> None:
         if not self._released:
             self._released = True
-            self.controller._release(self)
+            self.controller.release(self)
 
     def __enter__(self) -> Reservation:
         return self
