@@ -113,22 +113,27 @@ class FakePeers:
         return 0
 
 
-def test_the_peers_chat_answers_are_kept_apart_and_asked_only_when_missing(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def _faked_peers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The peers' process faked, its cache in ``tmp_path``; the stories' folder."""
     monkeypatch.setattr(chat.H, "OUT", tmp_path / "out")
     monkeypatch.setattr(chat.A.subprocess, "Popen", FakePeers)
     FakePeers.jobs = []
     docs = tmp_path / "docs"
     chat.write_stories([STORY], docs)
-    args = argparse.Namespace(
-        systems=["ragbudget", "langchain", "llamaindex"],
-        peers_python="python",
-        fresh_peers=False,
-        max_new_tokens=64,
-        timeout=60,
-        leave="",
+    return docs
+
+
+def _args(systems: list[str], *, leave: str) -> argparse.Namespace:
+    return argparse.Namespace(
+        systems=systems, peers_python="python", fresh_peers=False, max_new_tokens=64, timeout=60, leave=leave
     )
+
+
+def test_the_peers_chat_answers_are_kept_apart_and_asked_only_when_missing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    docs = _faked_peers(tmp_path, monkeypatch)
+    args = _args(["ragbudget", "langchain", "llamaindex"], leave="")
     qs = chat.chat_questions([STORY], turns=5)
 
     def cells(questions: list[dict[str, Any]], *, chat_mode: bool = True) -> list[dict[str, Any]]:
@@ -152,19 +157,8 @@ def test_the_peers_chat_answers_are_kept_apart_and_asked_only_when_missing(
 def test_cells_left_out_are_not_asked_and_known_cells_are_not_asked_again(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(chat.H, "OUT", tmp_path / "out")
-    monkeypatch.setattr(chat.A.subprocess, "Popen", FakePeers)
-    FakePeers.jobs = []
-    docs = tmp_path / "docs"
-    chat.write_stories([STORY], docs)
-    args = argparse.Namespace(
-        systems=["langchain", "llamaindex"],
-        peers_python="python",
-        fresh_peers=False,
-        max_new_tokens=64,
-        timeout=60,
-        leave="llamaindex@256",
-    )
+    docs = _faked_peers(tmp_path, monkeypatch)
+    args = _args(["langchain", "llamaindex"], leave="llamaindex@256")
     qs = chat.chat_questions([STORY], turns=5)
     got = chat.A.peer_cells(args, "http://x", docs, "/m/model.gguf", qs[:1], [256, 2048], chat=True)
     assert sorted((c["system"], c["budget"]) for c in got) == [

@@ -7,13 +7,13 @@ and the CLI's ``--engine-kind`` — against a replay engine, with no edit in rag
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from _plugins import install_plugin, plugin_env
 from _replay import Replay
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -94,26 +94,12 @@ print(json.dumps(out))
 @pytest.fixture(scope="module")
 def plugin(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The plugin package, built and installed into a folder of its own (its ``sys.path``)."""
-    src = tmp_path_factory.mktemp("plugin-src")
-    (src / "pyproject.toml").write_text(PYPROJECT, encoding="utf-8")
-    (src / "tiny_engine.py").write_text(MODULE, encoding="utf-8")
-    target = tmp_path_factory.mktemp("plugin-site")
-    done = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation", "--no-index"]
-        + ["--target", str(target), str(src)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    if done.returncode != 0:
-        pytest.fail(f"pip could not install the plugin: {done.stderr[-2000:]}")
-    return target
+    files = {"pyproject.toml": PYPROJECT, "tiny_engine.py": MODULE}
+    return install_plugin(tmp_path_factory.mktemp("plugin-src"), tmp_path_factory.mktemp("plugin-site"), files)
 
 
 def _env(plugin: Path) -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(plugin), str(ROOT), str(ROOT / "tests"), env.get("PYTHONPATH", "")])
-    return env
+    return plugin_env(plugin)
 
 
 def test_an_installed_package_adds_an_engine_kind(plugin: Path) -> None:

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _plugins import install_plugin, plugin_env
 from _storage_contract import check_storage
 
 from ragbudget.errors import ConfigError
@@ -100,6 +101,7 @@ import json, sys
 from pathlib import Path
 from ragbudget.errors import ConfigError
 from ragbudget.retrieval.storage import open_storage, storage_name, storage_names
+from _plugins import install_plugin, plugin_env
 from _storage_contract import check_storage
 
 out = {"names": storage_names(), "imported_early": "scratch_storage" in sys.modules}
@@ -118,27 +120,13 @@ print(json.dumps(out))
 @pytest.fixture(scope="module")
 def plugin(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The plugin package, built and installed into a folder of its own (its ``sys.path``)."""
-    src = tmp_path_factory.mktemp("storage-plugin-src")
-    (src / "pyproject.toml").write_text(PYPROJECT, encoding="utf-8")
-    (src / "scratch_storage.py").write_text(MODULE, encoding="utf-8")
-    target = tmp_path_factory.mktemp("storage-plugin-site")
-    done = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation", "--no-index"]
-        + ["--target", str(target), str(src)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    if done.returncode != 0:
-        pytest.fail(f"pip could not install the plugin: {done.stderr[-2000:]}")
-    return target
+    files = {"pyproject.toml": PYPROJECT, "scratch_storage.py": MODULE}
+    src, site = tmp_path_factory.mktemp("storage-plugin-src"), tmp_path_factory.mktemp("storage-plugin-site")
+    return install_plugin(src, site, files)
 
 
 def _env(plugin: Path, scratch: Path) -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(plugin), str(ROOT), str(ROOT / "tests"), env.get("PYTHONPATH", "")])
-    env["SCRATCH_STORAGE_ROOT"] = str(scratch)
-    return env
+    return plugin_env(plugin, SCRATCH_STORAGE_ROOT=str(scratch))
 
 
 @pytest.mark.model

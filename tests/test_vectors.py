@@ -402,19 +402,10 @@ print(json.dumps({"names": list(store_names()), "stats": o.stats(), "ok": o.veri
 def _install_tiny(tmp_path: Path) -> dict[str, str]:
     """The tiny store's package pip-installed into a folder of this test; the environment of a
     child process that sees it."""
-    import os
-    import subprocess
-    import sys
+    from _plugins import install_plugin, plugin_env
 
-    pkg = tmp_path / "pkg"
-    (pkg / "tinystore").mkdir(parents=True)
-    (pkg / "pyproject.toml").write_text(_PYPROJECT)
-    (pkg / "tinystore" / "__init__.py").write_text(_TINY)
-    site = tmp_path / "site"
-    pip = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation", "--no-index"]
-    out = subprocess.run([*pip, "--target", str(site), str(pkg)], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stdout + out.stderr
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
+    files = {"pyproject.toml": _PYPROJECT, "tinystore/__init__.py": _TINY}
+    return plugin_env(install_plugin(tmp_path / "pkg", tmp_path / "site", files))
 
 
 def test_a_store_from_another_package_is_held_by_postgresql(docs: Path, tmp_path: Path, pg_url: str) -> None:
