@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from ..errors import IndexCorruptError
 from .lexical import FTS_TOKENIZE, bm25, ensure_fts, fts5_available, warn_no_fts5
 from .roots import Root
+from .rows import decode_page_labels, decode_sentence_rows, encode_page_labels, sentence_vectors_by_digest
 
 if TYPE_CHECKING:
     import numpy as np
@@ -294,15 +295,7 @@ class SqliteCatalog:
             return {}
         with self._lock:
             rows = self.db.execute("SELECT path, page_labels FROM files WHERE page_labels IS NOT NULL").fetchall()
-        labels: dict[str, list[str]] = {}
-        for path, blob in rows:
-            try:
-                value = json.loads(blob)
-            except ValueError:
-                continue  # a damaged row loses its labels, never the source
-            if isinstance(value, list):
-                labels[path] = [str(x) for x in value]
-        return labels
+        return decode_page_labels(rows)
 
     def roots(self) -> list[Root]:
         """The recorded roots (``[]`` for a generation written before they were recorded)."""
@@ -322,7 +315,6 @@ class SqliteCatalog:
         self, ids: Sequence[int], *, dim: int, dtype: str
     ) -> dict[int, tuple[list[bytes], NDArray[np.float32]]]:
         """``{chunk_id: (digests, float32 rows)}`` of the chunks ``ids`` that have them."""
-        import numpy as np
 
         out: dict[int, tuple[list[bytes], NDArray[np.float32]]] = {}
         with self._lock:
@@ -334,28 +326,20 @@ class SqliteCatalog:
                         f"WHERE chunk_id IN ({','.join('?' * len(part))})",
                         part,
                     ):
-                        n = len(digests) // 16
-                        vecs = np.frombuffer(blob, dtype=dtype).reshape(n, dim).astype(np.float32)
-                        out[int(cid)] = ([digests[16 * j : 16 * j + 16] for j in range(n)], vecs)
+                        out[int(cid)] = decode_sentence_rows(digests, blob, dim=dim, dtype=dtype)
             except sqlite3.OperationalError:  # no such table: a generation from before they were stored
                 return {}
         return out
 
     def all_sentence_vectors(self, dim: int) -> dict[bytes, NDArray[np.float32]]:
         """Every stored sentence vector by digest (what a rebuild with the same embedder reuses)."""
-        import numpy as np
 
-        out: dict[bytes, NDArray[np.float32]] = {}
         with self._lock:
             try:
-                for digests, blob in self.db.execute("SELECT digests, vectors FROM sentence_vectors"):
-                    n = len(digests) // 16
-                    mat = np.frombuffer(blob, dtype="<f2").reshape(n, dim).astype(np.float32)
-                    for j in range(n):
-                        out[digests[16 * j : 16 * j + 16]] = mat[j]
+                rows = self.db.execute("SELECT digests, vectors FROM sentence_vectors").fetchall()
             except sqlite3.OperationalError:  # written before sentence vectors were stored
                 return {}
-        return out
+        return sentence_vectors_by_digest(rows, dim)
 
     # -- lexical ---------------------------------------------------------------------------------
 
@@ -501,7 +485,7 @@ class SqliteCatalogWriter(SqliteCatalog):
         page_labels: Sequence[str] | None = None,
         needs: str | None = None,
     ) -> None:
-        labels = json.dumps(list(page_labels)) if page_labels else None
+        labels = encode_page_labels(page_labels)
         with self._lock:
             self.db.execute(
                 "INSERT OR REPLACE INTO files (path, size, mtime_ns, sha256, status, reason, detail, "

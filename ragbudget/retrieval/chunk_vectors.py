@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from ..errors import ConfigError, ExecutorError
+from .rows import encode_sentence_rows
 from .vectors import FlatStore
 
 if TYPE_CHECKING:
@@ -241,7 +242,7 @@ class ChunkVectors:
             rows = []
             for (cid, _), ks in zip(part, keys, strict=True):
                 mat = np.stack([known[k] for k in ks]) if ks else np.zeros((0, dim or 0), dtype=np.float32)
-                rows.append((cid, b"".join(ks), mat.astype("<f2").tobytes()))
+                rows.append((cid, *encode_sentence_rows(ks, mat)))
             self.catalog.put_sentence_vectors(rows)
             self.progress("sentences", min(lo + step, total), total)
         self.sentence_seconds += time.perf_counter() - t

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ..errors import IndexCorruptError, IndexNotFoundError
+from .rows import encode_sentence_rows
 
 if TYPE_CHECKING:
     from .storage import Generation, Manifest, Storage
@@ -86,7 +87,7 @@ def copy_index(source: Storage, dest: Storage, *, progress: Callable[[int, int],
                     exact.add(np.array([new[i] for i in part], dtype=np.int64), src.exact.vectors(part))
                     stored = src.catalog.sentence_vectors(part, dim=dim, dtype=dtype)
                     cat.put_sentence_vectors(
-                        (new[i], b"".join(d), v.astype(dtype).tobytes()) for i, (d, v) in stored.items()
+                        (new[i], *encode_sentence_rows(d, v, dtype)) for i, (d, v) in stored.items()
                     )
                     if progress is not None:
                         progress(min(lo + _ROUND, len(ids)), len(ids))

@@ -30,6 +30,7 @@ from ..errors import IndexStorageError
 from .catalog import ChunkRow, FileRow, FileState, SourceRow
 from .lexical import match_expression, query_words
 from .roots import Root
+from .rows import decode_page_labels, decode_sentence_rows, encode_page_labels, sentence_vectors_by_digest
 
 if TYPE_CHECKING:
     import numpy as np
@@ -301,17 +302,11 @@ class PgCatalog:
         return {r[0]: FileState(int(r[1]), int(r[2]), *r[3:]) for r in rows}
 
     def page_labels(self) -> dict[str, list[str]]:
-        labels: dict[str, list[str]] = {}
-        for path, blob in self._rows(
-            f"SELECT f.path, f.page_labels FROM {{s}}.files f WHERE f.page_labels IS NOT NULL AND {self._vis('f')}"
-        ):
-            try:
-                value = json.loads(blob)
-            except ValueError:
-                continue  # a damaged row loses its labels, never the source
-            if isinstance(value, list):
-                labels[path] = [str(x) for x in value]
-        return labels
+        return decode_page_labels(
+            self._rows(
+                f"SELECT f.path, f.page_labels FROM {{s}}.files f WHERE f.page_labels IS NOT NULL AND {self._vis('f')}"
+            )
+        )
 
     def roots(self) -> list[Root]:
         return [
@@ -327,7 +322,6 @@ class PgCatalog:
     def sentence_vectors(
         self, ids: Sequence[int], *, dim: int, dtype: str
     ) -> dict[int, tuple[list[bytes], NDArray[np.float32]]]:
-        import numpy as np
 
         out: dict[int, tuple[list[bytes], NDArray[np.float32]]] = {}
         for cid, digests, blob in self._rows(
@@ -335,25 +329,13 @@ class PgCatalog:
             f"WHERE v.chunk_id = ANY(%(ids)s) AND {self._vis('v')}",
             {"ids": [int(i) for i in ids]},
         ):
-            digests, blob = bytes(digests), bytes(blob)
-            n = len(digests) // 16
-            vecs = np.frombuffer(blob, dtype=dtype).reshape(n, dim).astype(np.float32)
-            out[int(cid)] = ([digests[16 * j : 16 * j + 16] for j in range(n)], vecs)
+            out[int(cid)] = decode_sentence_rows(digests, blob, dim=dim, dtype=dtype)
         return out
 
     def all_sentence_vectors(self, dim: int) -> dict[bytes, NDArray[np.float32]]:
-        import numpy as np
 
-        out: dict[bytes, NDArray[np.float32]] = {}
-        for digests, blob in self._rows(
-            f"SELECT v.digests, v.vectors FROM {{s}}.sentence_vectors v WHERE {self._vis('v')}"
-        ):
-            digests = bytes(digests)
-            n = len(digests) // 16
-            mat = np.frombuffer(bytes(blob), dtype="<f2").reshape(n, dim).astype(np.float32)
-            for j in range(n):
-                out[digests[16 * j : 16 * j + 16]] = mat[j]
-        return out
+        rows = self._rows(f"SELECT v.digests, v.vectors FROM {{s}}.sentence_vectors v WHERE {self._vis('v')}")
+        return sentence_vectors_by_digest(rows, dim)
 
     # -- lexical ---------------------------------------------------------------------------------
 
@@ -573,7 +555,7 @@ class PgCatalogWriter(PgCatalog):
         page_labels: Sequence[str] | None = None,
         needs: str | None = None,
     ) -> None:
-        labels = json.dumps(list(page_labels)) if page_labels else None
+        labels = encode_page_labels(page_labels)
         self.retire_rows("files", "path = %(p)s", {"p": path})
         clean = None if detail is None else _no_nul(detail, "skip detail", self._noted)
         self._run(
