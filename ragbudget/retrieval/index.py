@@ -37,9 +37,10 @@ from ..types import DEFAULT_INDEX_DIR, Hit, IndexedFile, IndexSummary, Source, V
 from .build import ProgressCallback
 from .changes import REMOVAL_GUARD_FILES, REMOVAL_GUARD_SHARE
 from .lexical import FUSIONS, fts5_available, fts_match_query, fuse_checked, fuse_scores
+from .manifest import FORMAT_VERSION
 from .reader import Opened, Reader
 from .roots import Roots, fallback_root
-from .storage import FORMAT_VERSION, open_storage, stores_sentences
+from .storage import open_storage, stores_sentences
 
 if TYPE_CHECKING:
     import numpy as np

@@ -50,8 +50,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..errors import IndexCorruptError, IndexLockedError, IndexNotFoundError, IndexStorageError
 from .locations import DEFAULT_SCHEMA, hide_secrets, mask_location, split_location
+from .manifest import check_manifest, new_manifest
 from .postgres_catalog import PgCatalog, db_errors, first_line
-from .storage import FORMAT_VERSION, Generation, Manifest
+from .storage import Generation, Manifest
 
 if TYPE_CHECKING:
     import numpy as np
@@ -205,19 +206,7 @@ class PostgresStorage:
                 f"no index in schema {self.schema} of {self.where}; build one with "
                 f"`ragbudget index PATH --index-dir '{self.where}'` (with the password given as for any libpq client)"
             )
-        body = row[1]
-        if not isinstance(body, dict) or body.get("format") != "ragbudget-index" or body.get("generation") != row[0]:
-            raise IndexCorruptError(
-                f"the manifest row in schema {self.schema} of {self.where} is not a ragbudget manifest; "
-                "rebuild the index with `ragbudget index PATH --rebuild`"
-            )
-        version = int(body.get("format_version", 0))
-        if version != FORMAT_VERSION:
-            raise IndexCorruptError(
-                f"the index in {self.where} has format version {version}, this ragbudget reads {FORMAT_VERSION}; "
-                + ("upgrade ragbudget" if version > FORMAT_VERSION else "rebuild the index")
-            )
-        return body
+        return check_manifest(row[1], f"the manifest row in schema {self.schema} of {self.where}", generation=row[0])
 
     def current_generation(self) -> int:
         """One small row on the shared probe connection (not the manifest's body)."""
@@ -459,16 +448,13 @@ class PgWriter:
             if search is not None:  # an installed store (ragbudget.stores): held as its saved bytes
                 approx = self._hold_store(search)
             step(2)
-            manifest: Manifest = {
-                **fields,
-                "store": store,
-                "format": "ragbudget-index",
-                "format_version": FORMAT_VERSION,
-                "generation": n,
-                "storage": {"kind": "postgres", "schema": st.schema, "vectors": "pgvector", "table": "vectors"},
-                "approx": approx,
-                "lexical": {"kind": "postgres-fts", "column": "tsv", "config": "english", "rank": "bm25"},
-            }
+            manifest: Manifest = new_manifest(
+                {**fields, "store": store},
+                generation=n,
+                storage={"kind": "postgres", "schema": st.schema, "vectors": "pgvector", "table": "vectors"},
+                approx=approx,
+                lexical={"kind": "postgres-fts", "column": "tsv", "config": "english", "rank": "bm25"},
+            )
             from psycopg.types.json import Jsonb
 
             self.conn.execute(

@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from ..errors import ConfigError, IndexCorruptError, IndexLockedError, IndexNotFoundError
 from .catalog import SqliteCatalog, SqliteCatalogWriter
 from .durable import fsync_dir, fsync_file, sha256_file, write_json_atomic
+from .manifest import check_manifest, new_manifest
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Iterator, Sequence
@@ -66,7 +67,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BUILT_IN_STORAGES",
-    "FORMAT_VERSION",
     "Catalog",
     "CatalogWriter",
     "EmbedCheckpoint",
@@ -89,9 +89,6 @@ __all__ = [
     "write_json_atomic",
 ]
 
-#: The on-disk format this version reads and writes. A manifest of another version is refused
-#: (a newer one: upgrade ragbudget; an older one never existed).
-FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 LOCK = "lock"
 #: Files of one generation: ``<part>.<generation>.<index|sqlite>``, the part naming the catalog,
@@ -514,20 +511,11 @@ class LocalStorage:
             )
         try:
             data = json.loads(mpath.read_text(encoding="utf-8"))
-            if not isinstance(data, dict) or data.get("format") != "ragbudget-index":
-                raise ValueError("not a ragbudget manifest")
-            int(data["generation"])
-            version = int(data["format_version"])
-        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+        except (ValueError, UnicodeDecodeError) as exc:
             raise IndexCorruptError(
                 f"index manifest {mpath} is unreadable ({exc}); rebuild the index with `ragbudget index PATH --rebuild`"
             ) from exc
-        if version != FORMAT_VERSION:
-            raise IndexCorruptError(
-                f"{mpath} has format version {version}, this ragbudget reads {FORMAT_VERSION}; "
-                + ("upgrade ragbudget" if version > FORMAT_VERSION else "rebuild the index")
-            )
-        return data
+        return check_manifest(data, f"index manifest {mpath}")
 
     def lock(self) -> _FolderLock:
         return _FolderLock(self.path)
@@ -654,20 +642,18 @@ class LocalWriter:
         step(2)
         from .lexical import FTS_TOKENIZE
 
-        manifest: Manifest = {
-            **fields,
-            "format": "ragbudget-index",
-            "format_version": FORMAT_VERSION,
-            "generation": n,
-            "faiss": faiss_entry,
-            "approx": approx,
-            "sqlite": sqlite_entry,
-            "lexical": (
+        manifest: Manifest = new_manifest(
+            fields,
+            generation=n,
+            faiss=faiss_entry,
+            approx=approx,
+            sqlite=sqlite_entry,
+            lexical=(
                 {"kind": "sqlite-fts5", "table": "chunks_fts", "tokenize": FTS_TOKENIZE}
                 if self.lexical != "unavailable"
                 else None
             ),
-        }
+        )
         fsync_dir(self.storage.path)
         write_json_atomic(self.storage.path / MANIFEST, manifest)  # the commit point
         step(3)
