@@ -15,10 +15,9 @@ from typing import TYPE_CHECKING, Any
 from .citations import attribute
 from .errors import ConfigError
 from .evidence import DECLINED_TEXT, Evidence
-from .generation.allowance import EnginePlan
+from .generation.allowance import RequestPlan, plan_report
 
 if TYPE_CHECKING:
-    from .memory.budget import BudgetPlan
     from .prompt.prompt import Prompt
 
 __all__ = ["Answer", "AnswerStream", "build_answer", "cancelled_answer", "declined_answer"]
@@ -196,7 +195,7 @@ class AnswerStream:
 def build_answer(
     gen: Any,
     prompt: Prompt,
-    plan: BudgetPlan | EnginePlan,
+    plan: RequestPlan,
     reserved: int,
     timings: dict[str, float],
     cap: dict[str, Any] | None,
@@ -222,20 +221,10 @@ def build_answer(
         sources.append(src)
     # The same budget keys wherever they mean the same thing; what only one kind of plan knows
     # (the local memory plan's bytes, or the engine's figures with sources and ages) besides.
-    if isinstance(plan, EnginePlan):
-        b = plan.budget
-        memory: dict[str, Any] = {}
-        counted = {"engine_prompt_tokens": gen.prompt_tokens or None}
-        max_new, limited_by, oom_steps = b.max_new_tokens, b.binding, []
-        plan_part = {"engine": plan.to_dict()}
-    else:
-        memory = {"kv_bytes_per_token": plan.kv_bytes_per_token, "kv_capacity_tokens": plan.kv_capacity_tokens}
-        counted = {}
-        max_new, limited_by = plan.max_new_tokens, plan.limited_by
-        oom_steps = [s.to_dict() for s in gen.oom_steps]
-        plan_part = {"plan": plan.to_dict()}
+    part = plan_report(plan, engine_prompt_tokens=gen.prompt_tokens)
+    oom_steps = [s.to_dict() for s in gen.oom_steps] if part.oom_ladder else []
     budget = {
-        **memory,
+        **part.before,
         "max_context_tokens": plan.max_context_tokens,
         "max_prompt_tokens": plan.max_prompt_tokens,
         "context_tokens_allowed": sel.tokens_allowed,
@@ -246,16 +235,16 @@ def build_answer(
         "context_limit": cap,
         "fixed_prompt_tokens": prompt.fixed_tokens,
         "prompt_tokens": prompt.n_tokens,
-        **counted,
-        "max_new_tokens": max_new,
+        **part.after,
+        "max_new_tokens": part.max_new_tokens,
         "new_tokens": gen.new_tokens,
         "kv_tokens_reserved": reserved,
-        "limited_by": limited_by,
+        "limited_by": part.limited_by,
         "fill": round(sel.fill, 4),
     }
     report = {
         "budget": budget,
-        **plan_part,
+        **part.entry,
         "selection": [p.to_dict() | {"text": None} for p in prompt.passages],
         "dropped": [d.to_dict() for d in sel.dropped],
         "pack": sel.pack,
@@ -284,7 +273,7 @@ def build_answer(
 
 def cancelled_answer(
     prompt: Prompt,
-    plan: BudgetPlan | EnginePlan,
+    plan: RequestPlan,
     reserved: int,
     timings: dict[str, float],
     cap: dict[str, Any] | None,

@@ -30,6 +30,7 @@ __all__ = [
     "UNLIMITED_TOKENS",
     "Allowance",
     "EnginePlan",
+    "PlanReport",
     "RequestPlan",
     "admission_size",
     "engine_admission",
@@ -37,6 +38,7 @@ __all__ = [
     "memory_max_prompt",
     "model_name",
     "plan_lines",
+    "plan_report",
     "prompt_room",
     "question_room",
     "question_too_long",
@@ -317,6 +319,44 @@ def request_allowance(
     if limit is not None:
         max_prompt = min(max_prompt, fixed + limit["tokens"])
     return Allowance(plan=plan, max_prompt_tokens=max_prompt, limit=limit)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanReport:
+    """What an answer's report takes from the plan it was budgeted by, whichever kind it is, so
+    that no caller asks: the budget keys only that kind knows (``before``: a memory plan's KV
+    figures; ``after``: the engine's own count of the prompt), the plan's own entry (``{"plan":
+    …}`` or ``{"engine": …}``), the tokens reserved for the answer, the limit that binds, and
+    whether the out-of-memory ladder's steps belong to the report (ragbudget ran the model)."""
+
+    before: dict[str, Any]
+    after: dict[str, Any]
+    entry: dict[str, Any]
+    max_new_tokens: int
+    limited_by: str
+    oom_ladder: bool
+
+
+def plan_report(plan: RequestPlan, *, engine_prompt_tokens: int | None = None) -> PlanReport:
+    """:class:`PlanReport` of ``plan`` (``engine_prompt_tokens``: what a served engine counted)."""
+    if isinstance(plan, EnginePlan):
+        b = plan.budget
+        return PlanReport(
+            before={},
+            after={"engine_prompt_tokens": engine_prompt_tokens or None},
+            entry={"engine": plan.to_dict()},
+            max_new_tokens=b.max_new_tokens,
+            limited_by=b.binding,
+            oom_ladder=False,
+        )
+    return PlanReport(
+        before={"kv_bytes_per_token": plan.kv_bytes_per_token, "kv_capacity_tokens": plan.kv_capacity_tokens},
+        after={},
+        entry={"plan": plan.to_dict()},
+        max_new_tokens=plan.max_new_tokens,
+        limited_by=plan.limited_by,
+        oom_ladder=True,
+    )
 
 
 def question_room(plan: RequestPlan, fixed: int, max_new_tokens: int) -> int:
