@@ -46,6 +46,7 @@ from answers import question_set, write_docs  # noqa: E402
 # What one version runs, on its own code (PYTHONPATH): index, then ask every question.
 CHILD = """
 import json, sys, time
+import ragbudget
 from ragbudget import Pipeline
 docs, index_dir, url, budget, cap = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
 questions = json.loads(sys.stdin.read())
@@ -60,7 +61,7 @@ with Pipeline(index_dir, engine=url) as pipe:
         a = pipe.ask(q, context_tokens=budget, max_new_tokens=cap)
         asks.append(time.perf_counter() - t)
         own.append(asks[-1] - a.report["timings"].get("generate_s", 0.0))
-print(json.dumps({"index_s": index_s, "ask_s": asks, "library_s": own}))
+print(json.dumps({"index_s": index_s, "ask_s": asks, "library_s": own, "code": ragbudget.__file__}))
 """
 
 
@@ -70,10 +71,17 @@ def run_version(
     env = {**os.environ, "PYTHONPATH": str(tree)}
     index_dir = Path(tempfile.mkdtemp(prefix="idx-", dir=work))
     cmd = [sys.executable, "-c", CHILD, str(docs), str(index_dir), url, str(args.budget), str(args.max_new_tokens)]
-    done = subprocess.run(cmd, input=json.dumps(questions), capture_output=True, text=True, env=env, timeout=3600)
+    # Run from the work folder: ``python -c`` puts the current folder ahead of PYTHONPATH, so
+    # from the repository root both versions would import the working tree's code.
+    done = subprocess.run(
+        cmd, input=json.dumps(questions), capture_output=True, text=True, env=env, cwd=work, timeout=3600
+    )
     if done.returncode:
         raise SystemExit(f"{tree}: {done.stderr[-2000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    got: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    if not Path(got["code"]).resolve().is_relative_to(tree.resolve()):
+        raise SystemExit(f"the {tree} run imported ragbudget from {got['code']}")
+    return got
 
 
 def run_peer(docs: Path, url: str, gguf: str, questions: list[dict[str, Any]], args: argparse.Namespace) -> list[float]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from .errors import ConfigError
+from .errors import BudgetError, ConfigError
 from .packing.packer import Packer, make_packer
 from .prompt.prompt import Prompt, PromptBuilder, prompt_too_small
 
@@ -21,11 +21,11 @@ if TYPE_CHECKING:
     from .packing.select import Retrieved
     from .packing.spans import SpanScorer
 
-__all__ = ["build_prompt", "fit_prompt"]
+__all__ = ["MAX_RENDERS", "build_prompt", "fit_prompt", "texts_to_count"]
 
 #: Renders after the first before a prompt that still comes out over gives up a passage for good:
 #: each shrink takes at least one passage out or packs on a smaller budget, so this is a guard.
-_MAX_RENDERS = 64
+MAX_RENDERS = 64
 
 
 def fit_prompt(
@@ -58,7 +58,7 @@ def fit_prompt(
     step("render")
     prompt = builder.render(question, selection, max_prompt_tokens=max_prompt_tokens, fixed_tokens=fixed)
     attempt = 0
-    while not prompt.fits and prompt.passages and attempt < _MAX_RENDERS:
+    while not prompt.fits and prompt.passages and attempt < MAX_RENDERS:
         step("pack")
         selection = packer.shrink(
             question, cands, selection, over=prompt.n_tokens - max_prompt_tokens, attempt=attempt, counter=builder
@@ -66,6 +66,13 @@ def fit_prompt(
         attempt += 1
         step("render")
         prompt = builder.render(question, selection, max_prompt_tokens=max_prompt_tokens, fixed_tokens=fixed)
+    if not prompt.fits and prompt.passages:
+        raise BudgetError(
+            f"the prompt still rendered {prompt.n_tokens} tokens, over the budget of {max_prompt_tokens}, after "
+            f"{attempt} smaller selections; report it with the question: a tokenizer whose counts do not add up",
+            needed=prompt.n_tokens,
+            available=max_prompt_tokens,
+        )
     if not prompt.fits:
         raise prompt_too_small(fixed, max_prompt_tokens)
     return prompt
@@ -111,3 +118,9 @@ def build_prompt(
     return fit_prompt(
         question, cands, packer=packer, builder=b, max_prompt_tokens=max_prompt_tokens, safety_margin=safety_margin
     )
+
+
+def texts_to_count(candidates: Sequence[Retrieved], *, builder: PromptBuilder, pack: str = "chunks") -> list[str]:
+    """What packing ``candidates`` with ``pack`` will count (:meth:`Packer.texts_to_count`): to
+    count ahead in one batch where a count costs a request (:meth:`PromptBuilder.prime`)."""
+    return make_packer(pack).texts_to_count(list(candidates), builder)

@@ -467,12 +467,13 @@ class Pipeline(Planning):
         self._searchable()
         hits, vector = found if found is not None else self._timed_search(ctx)
         packer = self._packer()
-        with ctx.timed("plan", "plan_s"):
-            builder = self._loaded_builder(ctx, history)
-            if builder.batch_counts:
-                # Counting costs requests to the engine: the candidates and the question's fixed
-                # part go in one request (issue #42 §5).
-                builder.prime(packer.texts_to_count(hits, builder), questions=[ctx.question])
+        ctx.enter("plan")
+        builder = self._loaded_builder(ctx, history)  # its own load_s
+        if builder.batch_counts:
+            # Counting costs requests to the engine: the candidates and the question's fixed part
+            # go in one request (issue #42 §5).
+            builder.prime(packer.texts_to_count(hits, builder), questions=[ctx.question])
+        with ctx.timed(None, "plan_s"):
             ctx.capacity = self.backend.capacity(max_new_tokens=ctx.max_new_tokens)
             ctx.fixed_tokens = builder.fixed_tokens(ctx.question)
             allowance = request_allowance(
@@ -655,6 +656,7 @@ class Pipeline(Planning):
         # Checked before anything runs: a misspelt option used to fail after retrieval.
         sampling, stop, extra = split_generate_options(generate_options)
         check_generate_options(self.backend, extra)
+        started = time.perf_counter()
         self.refresh_speed()
         ctx = self._request(
             question,
@@ -663,6 +665,7 @@ class Pipeline(Planning):
             history=history,
             retrieval_query=retrieval_query,
         )
+        ctx.started = started
         # The newest committed generation (a writer elsewhere may have committed since the last
         # question), one for the search, the chunks and the sentences: the one the answer cites.
         with self.store.pinned() as searched:

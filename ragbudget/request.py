@@ -53,9 +53,11 @@ class RequestContext:
         self.stages.append(stage)
 
     @contextmanager
-    def timed(self, stage: str, key: str) -> Iterator[None]:
-        """Enter ``stage`` and record its seconds under ``timings[key]``."""
-        self.enter(stage)
+    def timed(self, stage: str | None, key: str) -> Iterator[None]:
+        """Enter ``stage`` (``None``: a step of the stage entered last) and record the block's
+        seconds under ``timings[key]``."""
+        if stage is not None:
+            self.enter(stage)
         t0 = time.perf_counter()
         try:
             yield

@@ -127,3 +127,23 @@ def test_every_alias_names_a_module_that_exists_and_none_hides_one() -> None:
         assert importlib.util.find_spec(new) is not None, new
         path = ROOT.joinpath(*old.split("."))
         assert not path.with_suffix(".py").exists() and not path.is_dir(), f"{old} is a real module: no alias"
+
+
+def test_the_names_packing_took_from_the_prompt_module_still_resolve_with_a_warning() -> None:
+    out = run(
+        "out = {}\n"
+        "from ragbudget.prompt.prompt import build_prompt, texts_to_count, select_chunks\n"
+        "import ragbudget.fitting, ragbudget.packing.select\n"
+        "out['same'] = build_prompt is ragbudget.fitting.build_prompt\n"
+        "out['same'] &= select_chunks is ragbudget.packing.select.select_chunks\n"
+        "from ragbudget.retrieval.storage import FORMAT_VERSION\n"
+        "out['version'] = FORMAT_VERSION\n"
+    )
+    assert out["same"] and out["version"] == 1
+    said = [w[1].split(" is ")[0] for w in out["warnings"]]
+    assert said == [
+        "ragbudget.prompt.prompt.build_prompt",
+        "ragbudget.prompt.prompt.texts_to_count",
+        "ragbudget.prompt.prompt.select_chunks",
+        "ragbudget.retrieval.storage.FORMAT_VERSION",
+    ]

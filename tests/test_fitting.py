@@ -79,3 +79,14 @@ def test_build_prompt_takes_a_tokenizer_or_a_builder_and_a_known_pack() -> None:
         build_prompt(Q, CANDS, max_prompt_tokens=400)
     with pytest.raises(ConfigError, match="pack must be one of"):
         build_prompt(Q, CANDS, tokenizer=WordTokenizer(), max_prompt_tokens=400, pack="sentences")
+
+
+def test_a_render_that_stays_over_is_said_apart_from_a_question_too_long(monkeypatch: pytest.MonkeyPatch) -> None:
+    import ragbudget.fitting as fitting
+
+    monkeypatch.setattr(fitting, "MAX_RENDERS", 1)
+    b = Merging(surcharge=500)  # every render with a passage is far over
+    fixed = b.fixed_tokens(Q)
+    with pytest.raises(BudgetError, match="still rendered .* after 1 smaller selections") as exc:
+        fit_prompt(Q, CANDS, packer=make_packer("chunks"), builder=b, max_prompt_tokens=fixed + 200)
+    assert "alone take" not in str(exc.value)

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import random
 import re
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import pytest
 from _tiny_lm import tiny_tokenizer
 
 from ragbudget.errors import BudgetError
 from ragbudget.fitting import build_prompt, fit_prompt
-from ragbudget.packing.packer import SpanPacker
+from ragbudget.packing.packer import SpanPacker, make_packer
 from ragbudget.packing.select import Candidate
 from ragbudget.prompt.prompt import PromptBuilder, escape_data
 from ragbudget.types import Source
@@ -273,3 +273,12 @@ def test_a_render_over_the_composed_costs_packs_again_tighter() -> None:
     assert p.selection.pack == "spans" and p.selection.tokens_allowed == 40
     assert "lit in 1847" in p.selection.text and "added in 1902" in p.selection.text
     assert p.n_tokens == fixed + p.selection.tokens_used + 2 * len(p.passages)
+
+
+def test_the_deprecated_assemble_still_fits_a_selection(tiny: Any) -> None:
+    b = PromptBuilder(tiny)
+    fixed = b.fixed_tokens("Why?")
+    sel = make_packer("chunks").pack("Why?", corpus(0), budget_tokens=400, counter=b)
+    with pytest.warns(DeprecationWarning, match="assemble is deprecated"):
+        p = b.assemble("Why?", sel, max_prompt_tokens=fixed + sel.tokens_used - 1)  # one token short
+    assert p.fits and len(p.passages) < len(sel.chunks)

@@ -47,7 +47,6 @@ import re
 import tempfile
 from pathlib import Path
 
-from ragbudget.errors import ConfigError
 from ragbudget.retrieval.storage import LocalStorage
 
 NOT_A_STORAGE = object()
@@ -56,8 +55,8 @@ NOT_A_STORAGE = object()
 class ScratchStorage:
     def __init__(self, where):
         name = where.split("://", 1)[1].strip("/")
-        if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", name):
-            raise ConfigError(f"scratch://NAME: NAME is 1 to 64 letters, digits, _ or -, got {name!r}")
+        if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", name):  # a plugin's own exception: said in one line
+            raise ValueError(f"scratch://NAME: NAME is 1 to 64 letters, digits, _ or -, got {name!r}")
         root = Path(os.environ.get("SCRATCH_STORAGE_ROOT") or tempfile.gettempdir())
         self._files = LocalStorage(root / f"ragbudget-scratch-{os.getuid()}" / name)
         self.where = where
@@ -183,7 +182,9 @@ def test_an_installed_package_adds_a_storage(plugin: Path, tmp_path: Path) -> No
     assert (tmp_path / "scratch" / f"ragbudget-scratch-{os.getuid()}" / "notes" / "manifest.json").is_file()
     assert "registered by ragbudget-scratch-storage" in out["broken://x"]
     assert "not a storage class" in out["broken://x"] and "\n" not in out["broken://x"]
-    assert "NAME is 1 to 64 letters" in out["scratch://no/slashes"]
+    refused = out["scratch://no/slashes"]
+    assert refused.startswith("the storage 'scratch' refused scratch://no/slashes: ValueError: scratch://NAME: NAME")
+    assert "\n" not in refused
 
 
 @pytest.mark.model

@@ -1,6 +1,7 @@
 """One interface for packing: whole chunks or the question's sentences, into an allowance.
 
-A question's way is search → pack → render → admit → generate (the pipeline calls each once).
+A question's way is search → plan → pack → render → admit → generate → answer (the pipeline
+calls each once; pack and render again only after a render that came out over).
 The packer is the *pack* step: it takes the candidates the search found and the tokens the
 context may hold, and returns the :class:`~ragbudget.packing.select.Selection` that fits, each
 passage costed exactly by the counter it is given (the prompt builder's: its tokenizer or the

@@ -34,10 +34,11 @@ written ``(7) …``, so the labels the model sees are exactly the sources. (A da
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, Protocol
 
+from .._compat import moved_attribute
 from ..errors import BudgetError, ConfigError
 from ..packing.packer import without_lowest
 from ..packing.select import Retrieved, SelectedChunk, Selection
@@ -291,6 +292,39 @@ class PromptBuilder:
             token_count=None if len(ids) == n else n,
         )
 
+    def assemble(
+        self,
+        question: str,
+        selection: Selection,
+        *,
+        max_prompt_tokens: int,
+        repack: Callable[[int], Selection] | None = None,
+    ) -> Prompt:
+        """Deprecated (issue #44): :meth:`render`, then what
+        :func:`ragbudget.fitting.fit_prompt` does while the render is over — ``repack(budget)``
+        up to twice, then the lowest-scored passage dropped. Works until the next release."""
+        import warnings
+
+        warnings.warn(
+            "PromptBuilder.assemble is deprecated: render once with PromptBuilder.render, fit with "
+            "ragbudget.fitting.fit_prompt (the packer shrinks, the prompt never selects)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        prompt, repacks = self.render(question, selection, max_prompt_tokens=max_prompt_tokens), 2
+        while not prompt.fits and prompt.passages:
+            over = prompt.n_tokens - max_prompt_tokens
+            if repack is not None and repacks > 0:
+                repacks -= 1
+                smaller = repack(max(0, prompt.selection.tokens_used - over))
+                selection = replace(smaller, tokens_allowed=prompt.selection.tokens_allowed)
+            else:
+                selection = without_lowest(prompt.selection)
+            prompt = self.render(question, selection, max_prompt_tokens=max_prompt_tokens)
+        if not prompt.fits:
+            raise prompt_too_small(prompt.fixed_tokens, max_prompt_tokens)
+        return prompt
+
 
 class Rendered(Protocol):
     """A chat rendered by a backend (:class:`~ragbudget.generation.backend.RenderedPrompt`): its
@@ -372,3 +406,19 @@ def prompt_too_small(fixed: int, have: int) -> BudgetError:
         needed=fixed,
         available=have,
     )
+
+
+#: Names this module held before packing left it (issue #44), and where each lives now: they
+#: resolve here for one release, with a DeprecationWarning.
+_MOVED = {
+    "build_prompt": "ragbudget.fitting",
+    "texts_to_count": "ragbudget.fitting",
+    "select_chunks": "ragbudget.packing.select",
+    "Dropped": "ragbudget.packing.select",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _MOVED:
+        return moved_attribute(__name__, _MOVED[name], name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

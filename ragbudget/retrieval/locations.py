@@ -107,7 +107,8 @@ _KEYWORDS = frozenset(
 _SECRETS = frozenset(
     {"password", "sslpassword", "oauth_client_secret", "scram_client_key", "scram_server_key"}
     # No libpq keyword: what another storage's URL may carry (an object store's, a service's).
-    | {"token", "secret", "api_key", "apikey", "access_key", "secret_key", "signature"}
+    | {"token", "access_token", "secret", "api_key", "apikey", "access_key", "secret_key", "signature", "sig"}
+    | {"x-amz-signature", "x-amz-credential", "x-amz-security-token"}
 )
 
 # libpq's keyword/value grammar (fe-connect.c, conninfo_parse): a keyword, optional blanks, '=',
@@ -213,6 +214,9 @@ def _mask_url(url: str) -> str:
     if at >= 0 and ":" in url[start:at]:
         user = url[start:at].partition(":")[0]
         url = f"{url[:start]}{user}:{MASK}{url[at:]}"
+    elif at >= 0 and _SCHEME.match(url) is None:
+        # Another storage's URL with a user part and no password: a token (scheme://TOKEN@host).
+        url = f"{url[:start]}{MASK}{url[at:]}"
     head, q, query = url.partition("?")
     if not q:
         return url
@@ -248,6 +252,8 @@ def mask_location(where: str | os.PathLike[str]) -> str:
     'host=/run/postgresql user=rag password=*** dbname=rag'
     >>> mask_location("objects://me:s3cret@store.example/rag?token=x")
     'objects://me:***@store.example/rag?token=***'
+    >>> mask_location("objects://T0KEN@store.example/rag?X-Amz-Signature=abc")
+    'objects://***@store.example/rag?X-Amz-Signature=***'
     """
     text = _text(where)
     if text is None:

@@ -232,7 +232,11 @@ class PostgresStorage:
         search: VectorStore = exact
         approx = manifest.get("approx") or {}
         if search_store and approx.get("held"):
-            search = self._held_store(catalog, exact, approx, g, verify_checksums)
+            try:
+                search = self._held_store(catalog, exact, approx, g, verify_checksums)
+            except BaseException:
+                catalog.close()  # the generation is not handed out: its connection goes back
+                raise
         elif search_store and approx.get("kind") == "hnsw":
             search = PgHnswStore(catalog, int(manifest["dim"]), int(approx["ef_search"]))
         return Generation(manifest=manifest, exact=exact, search=search, catalog=catalog)
@@ -241,7 +245,9 @@ class PostgresStorage:
         self, catalog: PgCatalog, exact: PgExactStore, entry: Mapping[str, Any], generation: int, checksum: bool
     ) -> VectorStore:
         """The installed store generation ``generation`` keeps as bytes, loaded as its class
-        loads it from a file; it gets the exact vectors in memory (a store may read them)."""
+        loads it from a file; it gets the exact vectors in memory (a store may read them). The
+        file is removed once ``load`` returns: a store's ``load`` reads what it needs then (the
+        ``ragbudget.stores`` contract: no mapping of the file kept past ``load``)."""
         import hashlib
         import tempfile
 
@@ -370,6 +376,7 @@ class PgWriter:
             for table in ("chunks", "sources", "files", "roots", "sentence_vectors", "vectors"):
                 self.conn.execute(f"DELETE FROM {s}.{table} WHERE gen_from > %s", (current,))
                 self.conn.execute(f"UPDATE {s}.{table} SET gen_to = NULL WHERE gen_to > %s", (current,))
+            self.conn.execute(f"DELETE FROM {s}.search_stores WHERE generation > %s", (current,))
             next_id = int(self.conn.execute(f"SELECT COALESCE(MAX(id), 0) + 1 FROM {s}.chunks").fetchone()[0])  # type: ignore[index]
         self._catalog = PgCatalogWriter(self.conn, s, self.number, where=storage.where, next_id=next_id)
         self.exact: FlatStore | None = FlatStore.of(base.exact) if (keep and base is not None) else None

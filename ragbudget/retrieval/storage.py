@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ..errors import ConfigError, IndexCorruptError, IndexLockedError, IndexNotFoundError
+from ..errors import ConfigError, IndexCorruptError, IndexLockedError, IndexNotFoundError, RagBudgetError
 from .catalog import SqliteCatalog, SqliteCatalogWriter
 from .durable import fsync_dir, fsync_file, sha256_file, write_json_atomic
 from .manifest import check_manifest, new_manifest
@@ -778,4 +778,22 @@ def open_storage(where: str | os.PathLike[str]) -> Storage:
     name = storage_name(where)
     if name == LOCAL:
         return LocalStorage(where)
-    return storage_class(name)(os.fspath(where))  # type: ignore[call-arg]
+    cls = storage_class(name)
+    try:
+        return cls(os.fspath(where))  # type: ignore[call-arg]
+    except RagBudgetError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a plugin's constructor failing is said in one line, masked
+        from .locations import mask_location
+
+        raise ConfigError(
+            f"the storage {name!r} refused {mask_location(where)}: {type(exc).__name__}: {mask_location(str(exc))}"
+        ) from None
+
+
+def __getattr__(name: str) -> Any:  # FORMAT_VERSION lived here: one release more, with a warning
+    from .._compat import moved_attribute
+
+    if name != "FORMAT_VERSION":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return moved_attribute(__name__, "ragbudget.retrieval.manifest", name)
