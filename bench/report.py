@@ -77,6 +77,8 @@ class Row:
 
 #: The answers run (bench/answers.py) that several rows read.
 _ANSWERS = "answers_squad_test_qwen2_5_coder_0_5b_instruct_q4_k_m.json"
+#: The same run with the 1.5B model (40 questions; the peers at 2,048, ragbudget at 256).
+_ANSWERS_15B = "answers_squad_test_qwen2_5_coder_1_5b_instruct_q4_k_m.json"
 
 ROWS: tuple[Row, ...] = (
     Row(
@@ -129,6 +131,37 @@ ROWS: tuple[Row, ...] = (
         rb="{rb:.1f} (paired difference {d:+.1f}, 95% interval {lo:+.1f} to {hi:+.1f}; {n} questions)",
         peer="{peer:.1f} (LangChain stuff chain; LlamaIndex `compact` {li:.1f})",
         ratio="rb/peer",
+        data="squad-test: reporting split, never tuned on",
+        headline=True,
+    ),
+    Row(
+        id="sum-answers-1-5b",
+        figure="Answer F1 of `ragbudget ask` at 256 context tokens against each peer at 2,048, "
+        "Qwen2.5-Coder-1.5B-Instruct on one `llama-server`, each system's own prompt",
+        short="Answer F1 with the 1.5B model: `ragbudget ask` at 256 context tokens vs the best peer at 2,048",
+        section="the-15b-model",
+        raw=_ANSWERS_15B,
+        values={
+            "rb": "/summary/ragbudget@256/f1",
+            # The best peer at 2,048 in this run: LangChain (44.8 against LlamaIndex's 41.6).
+            "peer": "/summary/langchain@2048/f1",
+            "li": "/summary/llamaindex@2048/f1",
+            "d": "/paired_f1_differences/ragbudget@256 - langchain@2048/f1_diff",
+            "lo": "/paired_f1_differences/ragbudget@256 - langchain@2048/ci95/0",
+            "hi": "/paired_f1_differences/ragbudget@256 - langchain@2048/ci95/1",
+            "dli": "/paired_f1_differences/ragbudget@256 - llamaindex@2048/f1_diff",
+            "loli": "/paired_f1_differences/ragbudget@256 - llamaindex@2048/ci95/0",
+            "hili": "/paired_f1_differences/ragbudget@256 - llamaindex@2048/ci95/1",
+            "n": "/questions_answerable",
+            "cp": "/summary/ragbudget@256/citation_precision_pct",
+            "failed": "/summary/ragbudget@256/failed",
+        },
+        rb="{rb:.1f} at 256 tokens (paired difference {d:+.1f}, 95% interval {lo:+.1f} to {hi:+.1f}; against "
+        "LlamaIndex {dli:+.1f}, {loli:+.1f} to {hili:+.1f}; {n} questions; citations holding a gold answer "
+        "{cp:.1f}%; {failed} failed)",
+        peer="{peer:.1f} at 2,048 tokens (LangChain stuff chain; LlamaIndex `compact`, its window set to the "
+        "budget, {li:.1f})",
+        ratio=None,
         data="squad-test: reporting split, never tuned on",
         headline=True,
     ),
