@@ -410,7 +410,7 @@ def prompt_too_small(fixed: int, have: int) -> BudgetError:
 
 #: Names this module held before packing left it (issue #44), and where each lives now: they
 #: resolve here for one release, with a DeprecationWarning.
-_MOVED = {
+MOVED = {
     "build_prompt": "ragbudget.fitting",
     "texts_to_count": "ragbudget.fitting",
     "select_chunks": "ragbudget.packing.select",
@@ -419,6 +419,6 @@ _MOVED = {
 
 
 def __getattr__(name: str) -> Any:
-    if name in _MOVED:
-        return moved_attribute(__name__, _MOVED[name], name)
+    if name in MOVED:
+        return moved_attribute(__name__, MOVED[name], name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
