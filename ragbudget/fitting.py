@@ -11,6 +11,7 @@ calls both, for the pipeline's ``ask`` and for callers who hold their own candid
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from .errors import BudgetError, ConfigError
@@ -45,7 +46,9 @@ def fit_prompt(
     :meth:`PromptBuilder.render`, and :meth:`Packer.shrink` then render again while it is over.
     ``on_step(name)`` is told each ``"pack"`` and ``"render"`` as it starts (the pipeline's
     record of a question's way). The system prompt and question are never cut: if they alone
-    exceed the budget, :class:`~ragbudget.errors.BudgetError` says by how much."""
+    exceed the budget, :class:`~ragbudget.errors.BudgetError` says by how much. The prompt's
+    :meth:`~ragbudget.prompt.prompt.Prompt.fewer` packs the candidates again with ``packer``
+    into a smaller allowance (what generation asks after an OOM or an engine's "too long")."""
     step = on_step or (lambda name: None)
     cands = list(candidates)
     fixed = builder.fixed_tokens(question) if fixed_tokens is None else fixed_tokens
@@ -75,7 +78,16 @@ def fit_prompt(
         )
     if not prompt.fits:
         raise prompt_too_small(fixed, max_prompt_tokens)
-    return prompt
+
+    def refit(smaller: int) -> Prompt:
+        # Asked once generation has begun (the OOM ladder, an engine that counted the prompt
+        # over its window): the same candidates, packed by the same packer into the smaller
+        # allowance and rendered once more, so generation never drops passages itself.
+        return fit_prompt(
+            question, cands, packer=packer, builder=builder, max_prompt_tokens=smaller, fixed_tokens=fixed
+        )
+
+    return replace(prompt, refit=refit)
 
 
 def build_prompt(

@@ -535,7 +535,20 @@ class Pipeline(Planning):
         with ctx.timed("search", "retrieve_s"):
             with self.store.pinned() as gen, self._lock:
                 primed = self._primed.pop((gen.number, ctx.query), None)
-            return primed if primed is not None else self._search(ctx.query, self.retrieval.fetch_k)
+            found = primed if primed is not None else self._search(ctx.query, self.retrieval.fetch_k)
+            self._read_sentence_vectors(found[0])
+            return found
+
+    def _read_sentence_vectors(self, hits: Sequence[Hit]) -> None:
+        """Part of the search: the candidates' sentence vectors stored at build time, read from
+        the index in one lookup while its generation is pinned, into the scorer's cache — so
+        neither the evidence measure nor span packing reaches back into the index. Nothing when
+        the index stores none (the default: sentences are embedded at question time) or nothing
+        scores sentences (whole chunks, no evidence floor)."""
+        if not self.store.has_sentence_vectors:
+            return
+        if self.retrieval.pack == "spans" or self._evidence_floor()[0] is not None:
+            self._scorer().preload(h.chunk_id for h in hits)
 
     def prime(self, question: str, *, retrieval_query: str | None = None) -> None:
         """Count ahead, in one request to a served engine, what answering ``question`` will count

@@ -184,10 +184,29 @@ def test_prompt_injection_stays_in_data_smollm2(smol) -> None:
     check_injection(smol)
 
 
+def test_fewer_packs_again_with_the_packer_into_a_smaller_allowance(tiny) -> None:
+    # What the OOM ladder and an engine's too-long retry ask (issue #44): the packer that chose the
+    # passages packs the same candidates into fewer tokens and the prompt is rendered once more.
+    p = build_prompt("Q?", corpus(2), tokenizer=tiny, max_prompt_tokens=2500, order="document")
+    assert len(p.passages) >= 3
+    target = p.fixed_tokens + (p.n_tokens - p.fixed_tokens) // 2
+    q = p.fewer(target)
+    assert q is not None and q.fits and q.n_tokens <= target and 0 < len(q.passages) < len(p.passages)
+    assert list(q.input_ids) == ids_of(tiny, q.messages)
+    assert {c.chunk_ids for c in q.passages} <= {c.chunk_ids for c in p.passages}
+    # Never below the fixed part: asked for nothing, it keeps the question and no passage.
+    bare = p.fewer(0)
+    assert bare is not None and bare.passages == () and bare.n_tokens == p.fixed_tokens
+    assert bare.fewer(10) is None  # nothing left to take out
+    # A prompt rendered outside fit_prompt has no packer to ask.
+    assert PromptBuilder(tiny).render("Q?", p.selection, max_prompt_tokens=2500).fewer(target) is None
+
+
 def test_without_lowest_rebuilds_smaller(tiny) -> None:
     p = build_prompt("Q?", corpus(2), tokenizer=tiny, max_prompt_tokens=2500, order="document")
     assert len(p.passages) >= 3
-    q = p.without_lowest(2)
+    with pytest.deprecated_call():
+        q = p.without_lowest(2)
     assert q is not None and len(q.passages) == len(p.passages) - 2 and q.n_tokens < p.n_tokens
     lowest = sorted(p.passages, key=lambda x: x.score)[:2]
     assert all(x not in q.passages for x in lowest)

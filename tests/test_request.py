@@ -29,16 +29,20 @@ def indexed(tmp_path_factory: pytest.TempPathFactory, repo_data: Path) -> Path:
     return index_dir
 
 
+def _spy(calls: list[str], name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        calls.append(name)
+        return fn(*args, **kwargs)
+
+    return wrapped
+
+
 def _watch(pipe: Pipeline, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Every call the walk makes into a stage's component, in order."""
     calls: list[str] = []
 
     def spy(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        def wrapped(*args: Any, **kwargs: Any) -> Any:
-            calls.append(name)
-            return fn(*args, **kwargs)
-
-        return wrapped
+        return _spy(calls, name, fn)
 
     store, backend, builder, admission = pipe.store, pipe.backend, pipe.prompt_builder, pipe.admission
     monkeypatch.setattr(store, "search", spy("search", store.search))
@@ -78,6 +82,27 @@ def test_on_a_served_engine_the_walk_is_the_same(
     assert answer.text.startswith("The Project Leader")
     assert calls == ["search", "capacity", "pack", "render", "admit", "generate"]
     assert answer.report["stages"] == list(STAGES)
+
+
+def test_stored_sentence_vectors_are_read_in_the_search_not_while_packing(
+    repo_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An index that stores its sentences' vectors: the search stage reads the candidates' vectors
+    # (one lookup, the generation pinned); neither the evidence measure nor span packing reaches
+    # back into the index for them.
+    index_dir = tmp_path / "idx"
+    Pipeline(index_dir, embedder="hash:256").index([repo_data], sentence_vectors=True)
+    pipe = Pipeline(index_dir, generator=FakeGenerator(), gpu="16GiB", pack="spans", evidence_floor=0.01)
+    pipe.ask("Who may vote?")
+    calls = _watch(pipe, monkeypatch)
+    scorer = pipe.span_scorer
+    assert scorer is not None and scorer.stored is not None
+    monkeypatch.setattr(scorer, "stored", _spy(calls, "sentence vectors", scorer.stored))
+    embedded = scorer.embedded
+    pipe.ask(QUESTION)
+    assert calls[:2] == ["search", "sentence vectors"] and calls.count("sentence vectors") == 1
+    assert calls[2:] == ["capacity", "pack", "render", "admit", "generate"]
+    assert scorer.embedded == embedded  # every sentence scored came from the index
 
 
 def test_a_declined_question_stops_after_the_search(indexed: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -548,13 +548,16 @@ class Generator:
                 _free_memory()
                 reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
                 before = len(ids)
-                # Rung 1: fewer passages (if the prompt can be rebuilt).
-                from ..prompt.prompt import Prompt  # lazy: prompts are built outside the generator
+                # Rung 1: half the context, packed again by the packer that chose it (a prompt
+                # from ragbudget.fitting; plain ids or messages cannot be packed again).
+                from .backend import Refittable
 
                 smaller = None
-                if drops < MAX_DROP_STEPS and isinstance(current, Prompt):
-                    n = len(current.passages)
-                    smaller = current.without_lowest(max(1, (n + 1) // 2)) if n else None
+                if drops < MAX_DROP_STEPS and isinstance(current, Refittable):
+                    context = current.n_tokens - current.fixed_tokens
+                    smaller = current.fewer(current.fixed_tokens + context // 2) if context > 0 else None
+                    if smaller is not None and smaller.n_tokens >= current.n_tokens:
+                        smaller = None  # nothing came out: the next rung
                 if smaller is not None:
                     drops += 1
                     current, ids = smaller, self._ids_of(smaller)

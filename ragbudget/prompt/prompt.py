@@ -132,6 +132,10 @@ class Prompt:
     #: The prompt's size when a served engine counted it without returning ids (``input_ids``
     #: is then empty); ``None``: ``len(input_ids)``.
     token_count: int | None = None
+    #: Packs the same candidates again into fewer tokens and renders once more: set by
+    #: :func:`ragbudget.fitting.fit_prompt`, which holds the packer that chose these passages
+    #: (:meth:`fewer`). ``None`` on a prompt rendered outside it.
+    refit: Callable[[int], Prompt] | None = field(default=None, repr=False, compare=False)
 
     @property
     def n_tokens(self) -> int:
@@ -142,9 +146,28 @@ class Prompt:
         """Whether the rendered prompt is within ``max_prompt_tokens``."""
         return self.n_tokens <= self.max_prompt_tokens
 
+    def fewer(self, max_prompt_tokens: int) -> Prompt | None:
+        """This prompt's candidates packed again into at most ``max_prompt_tokens`` (never below
+        the fixed part) by the packer that chose its passages, and rendered once more: what the
+        OOM ladder and a served engine's too-long retry ask for
+        (:class:`~ragbudget.generation.backend.Refittable`). ``None`` when there is no passage to
+        take out, or the prompt was rendered outside :func:`ragbudget.fitting.fit_prompt`."""
+        if not self.passages or self.refit is None:
+            return None
+        return self.refit(max(self.fixed_tokens, int(max_prompt_tokens)))
+
     def without_lowest(self, n: int = 1) -> Prompt | None:
-        """The same prompt with the ``n`` lowest-scored passages removed, rendered again (``None``
-        when there is nothing left to drop). Used by the generator's OOM ladder."""
+        """Deprecated (issue #44: the prompt never selects): the same prompt with the ``n``
+        lowest-scored passages removed, rendered again (``None`` when there is nothing left to
+        drop). Use :meth:`fewer`, which asks the packer. Works until the next release."""
+        import warnings
+
+        warnings.warn(
+            "Prompt.without_lowest is deprecated: Prompt.fewer(max_prompt_tokens) packs again with the "
+            "packer that chose the passages",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         if not self.passages or self.builder is None:
             return None
         again = {"max_prompt_tokens": self.max_prompt_tokens, "fixed_tokens": self.fixed_tokens}

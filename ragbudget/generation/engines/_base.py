@@ -18,6 +18,7 @@ from ...errors import ConfigError, EngineContextError, EngineError, EngineRespon
 from ..backend import (
     Capacity,
     CountCache,
+    Refittable,
     RenderedPrompt,
     Sampling,
     prompt_messages,
@@ -413,8 +414,9 @@ class ServedBackend(ABC):
         ``max_tokens``). Streams when ``on_text`` or ``cancel`` is given.
 
         A too-long prompt gets one retry with the budget cut by the server's own figures: a
-        :class:`ragbudget.prompt.prompt.Prompt` loses its lowest-scored passages until it fits the
-        server's count; any other prompt that fits alone gets ``max_new_tokens`` cut to what the
+        :class:`ragbudget.prompt.prompt.Prompt` is packed again by the packer that chose its
+        passages (:meth:`~ragbudget.prompt.prompt.Prompt.fewer`) into what the server's count
+        leaves; any other prompt that fits alone gets ``max_new_tokens`` cut to what the
         window leaves. If that is impossible or the retry is refused too,
         :class:`~ragbudget.errors.EngineContextError` carries the server's numbers.
         """
@@ -467,17 +469,15 @@ class ServedBackend(ABC):
         if t.n_ctx is None:
             return None
         room = t.n_ctx - max_new_tokens  # prompt tokens the server can take
-        from ...prompt.prompt import Prompt  # lazy: only a prompt that is too long gets here
-
-        if isinstance(prompt, Prompt) and prompt.passages:
-            # Scale our local count to the server's (its tokenizer may count differently), then
-            # drop the lowest-scored passages until the scaled count fits.
+        if isinstance(prompt, Refittable):
+            # Scale our count to the server's (its tokenizer may count differently), then ask the
+            # packer that chose the passages for a prompt whose scaled count fits the window.
             local = max(1, prompt.n_tokens)
             ratio = (t.n_prompt_tokens or local) / local
-            p: Prompt | None = prompt
-            while p is not None and p.n_tokens * ratio > room:
-                p = p.without_lowest(1) if p.passages else None
-            return (p, max_new_tokens) if p is not None else None
+            smaller = prompt.fewer(int(room / ratio))
+            if smaller is not None:  # None: no passage to take out (the answer may still be cut)
+                fits = smaller.n_tokens < prompt.n_tokens and smaller.n_tokens * ratio <= room
+                return (smaller, max_new_tokens) if fits else None  # not even the fixed part fits: no retry
         if t.n_prompt_tokens is not None and t.n_prompt_tokens < t.n_ctx:
             return prompt, t.n_ctx - t.n_prompt_tokens  # the answer gets what the window leaves
         return None
