@@ -240,6 +240,7 @@ def build_answer(
         "new_tokens": gen.new_tokens,
         "kv_tokens_reserved": reserved,
         "limited_by": part.limited_by,
+        "planned_by": part.planned_by,
         "fill": round(sel.fill, 4),
     }
     report = {
@@ -317,6 +318,7 @@ def declined_answer(
         "new_tokens": 0,
         "kv_tokens_reserved": 0,
         "limited_by": "evidence",
+        "planned_by": "the evidence floor (nothing generated)",
     }
     report: dict[str, Any] = {
         "budget": budget,

@@ -69,7 +69,7 @@ class Planning(abc.ABC):
         backend = self.backend_if_ready()
         if backend is None:
             return True  # only an engine (engine=) is connected to on first use
-        return backend.capacity(max_new_tokens=self.memory.max_new_tokens).plan is None
+        return not backend.capacity(max_new_tokens=self.memory.max_new_tokens).memory_planned
 
     # -- plans --------------------------------------------------------------------------------------
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -660,6 +661,16 @@ def test_ask_paths_are_relative_unless_asked(runner: CliRunner, small_index: str
     path = Path(absolute["sources"][0]["path"])
     assert path.is_absolute() and path == (tmp_path / "docs" / "curie.txt").resolve()
     assert str(path) in runner.invoke(cli, [*args, "--absolute-paths"]).output
+
+
+def test_ask_prints_one_budget_line_from_the_memory_plan(runner: CliRunner, small_index: str) -> None:
+    # The same line as on a served engine (test_pipeline_engines), led by the memory plan's KV
+    # bytes a token.
+    result = runner.invoke(cli, ["ask", "Maria Curie Nobel Prize", "--index-dir", small_index, "--gpu", "24GiB"])
+    assert result.exit_code == 0, result.output
+    line = [x for x in result.output.splitlines() if x.startswith("budget: ")]
+    assert len(line) == 1 and re.match(r"budget: \d+ KV bytes/token, context \d+/\d+ tokens \(limited by \w+", line[0])
+    assert line[0].endswith("--explain for every figure and its source")
 
 
 def test_ask_relevance_floor_option(runner: CliRunner, small_index: str) -> None:

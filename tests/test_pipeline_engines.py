@@ -303,6 +303,19 @@ def test_cli_ask_engine_explain(indexed: Path, tmp_path: Path) -> None:
         assert "Engine" in result.output and "engine: tgi" in result.output
 
 
+def test_cli_ask_prints_one_budget_line_for_an_engine(indexed: Path, tmp_path: Path) -> None:
+    # The same line as on a local model (test_cli), led by what set the allowance (issue #44 §2:
+    # the CLI does not ask which kind of backend answered).
+    index_dir = _index_copy(indexed, tmp_path)
+    with Replay("vllm") as srv:
+        args = ["ask", QUESTION, "--engine", srv.url, "--index-dir", str(index_dir), "--max-new-tokens", "16"]
+        result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    line = [x for x in result.output.splitlines() if x.startswith("budget: ")]
+    assert len(line) == 1 and line[0].startswith(f"budget: vllm at {srv.url}, context ")
+    assert "tokens (limited by " in line[0] and line[0].endswith("--explain for every figure and its source")
+
+
 def test_cli_engine_errors_are_one_line(indexed: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import socket
 

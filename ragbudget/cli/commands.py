@@ -517,7 +517,7 @@ def ask(
 ) -> None:
     """Answer QUESTION from the index within the memory budget, citing sources."""
     from ..pipeline import Pipeline
-    from .display import format_evidence, format_report, format_sources
+    from .display import budget_line, format_evidence, format_report, format_sources
 
     streaming = not as_json and not no_stream
     on_text = (lambda piece: click.echo(piece, nl=False)) if streaming else None
@@ -548,29 +548,8 @@ def ask(
     if explain:
         click.echo()
         click.echo(format_report(answer.report))
-    elif "engine" in answer.report:
-        b = answer.report["budget"]
-        e = answer.report["engine"]
-        click.echo(
-            f"\nbudget: {e['engine']['kind']} at {e['engine']['url']}, context "
-            f"{b['context_tokens_used']}/{b['context_tokens_allowed']} tokens (limited by "
-            f"{b['limited_by']}), prompt {b['prompt_tokens']} tokens, max_new_tokens "
-            f"{b['max_new_tokens']}; --explain for every figure and its source"
-        )
     else:
-        b = answer.report["budget"]
-        limit = b.get("context_limit") or {}
-        capped = (
-            f" (capped for time: {limit['ttft_target_s']:g} s to the first token on "
-            f"{limit.get('device', 'cpu')}; --context-tokens or --ttft-target to change)"
-            if limit.get("limit") == "time"
-            else ""
-        )
-        click.echo(
-            f"\nbudget: {b['kv_bytes_per_token']} KV bytes/token, context {b['context_tokens_used']}"
-            f"/{b['context_tokens_allowed']} tokens{capped}, prompt {b['prompt_tokens']} tokens, "
-            f"max_new_tokens {b['max_new_tokens']}"
-        )
+        click.echo(f"\n{budget_line(answer.report['budget'])}")
 
 
 # --- chat / serve ----------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from ..memory.budget import BudgetPlan
 
 __all__ = [
+    "budget_line",
     "chat_banner",
     "format_index_summary",
     "format_models",
@@ -157,6 +158,29 @@ def _where(plan: dict[str, Any]) -> str:
     """``RTX 4090 (table)``, ``host RAM (no GPU)``: the name, and where it came from if that adds."""
     name, source = str(plan.get("gpu_name", "")), str(plan.get("gpu_source", ""))
     return source if source.startswith(name) else f"{name} ({source})" if source else name
+
+
+def budget_line(budget: dict[str, Any]) -> str:
+    """The one line ``ask`` prints under an answer without ``--explain``
+    (``Answer.report["budget"]``): the same line whether a memory plan or a served engine set
+    the allowance (``planned_by`` says which).
+
+    >>> print(budget_line({"planned_by": "llama.cpp at http://127.0.0.1:8080", "context_tokens_used": 250,
+    ...     "context_tokens_allowed": 256, "limited_by": "window", "prompt_tokens": 380, "max_new_tokens": 64}))
+    budget: llama.cpp at http://127.0.0.1:8080, context 250/256 tokens (limited by window), prompt 380 tokens, max_new_tokens 64; --explain for every figure and its source
+    """
+    limit = budget.get("context_limit") or {}
+    capped = (
+        f", capped for time: {limit['ttft_target_s']:g} s to the first token on {limit.get('device', 'cpu')}"
+        " (--context-tokens or --ttft-target to change)"
+        if limit.get("limit") == "time"
+        else ""
+    )
+    return (
+        f"budget: {budget['planned_by']}, context {budget['context_tokens_used']}/{budget['context_tokens_allowed']} "
+        f"tokens (limited by {budget['limited_by']}){capped}, prompt {budget['prompt_tokens']} tokens, "
+        f"max_new_tokens {budget['max_new_tokens']}; --explain for every figure and its source"
+    )
 
 
 def format_evidence(evidence: dict[str, Any]) -> str:

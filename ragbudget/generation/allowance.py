@@ -335,6 +335,9 @@ class PlanReport:
     max_new_tokens: int
     limited_by: str
     oom_ladder: bool
+    #: What set the allowance, in words a one-line summary shows whatever the kind: the served
+    #: engine (``"vllm at http://…"``) or the memory plan (``"2048 KV bytes/token"``).
+    planned_by: str
 
 
 def plan_report(plan: RequestPlan, *, engine_prompt_tokens: int | None = None) -> PlanReport:
@@ -348,6 +351,7 @@ def plan_report(plan: RequestPlan, *, engine_prompt_tokens: int | None = None) -
             max_new_tokens=b.max_new_tokens,
             limited_by=b.binding,
             oom_ladder=False,
+            planned_by=f"{plan.kind} at {plan.url}",
         )
     return PlanReport(
         before={"kv_bytes_per_token": plan.kv_bytes_per_token, "kv_capacity_tokens": plan.kv_capacity_tokens},
@@ -356,6 +360,7 @@ def plan_report(plan: RequestPlan, *, engine_prompt_tokens: int | None = None) -
         max_new_tokens=plan.max_new_tokens,
         limited_by=plan.limited_by,
         oom_ladder=True,
+        planned_by=f"{plan.kv_bytes_per_token} KV bytes/token",
     )
 
 

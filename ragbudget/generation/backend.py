@@ -192,6 +192,13 @@ class Capacity:
     # A mapping: not hashed or compared (it is the record the speed probe wrote).
     speed: Mapping[str, Any] | None = field(default=None, repr=False, compare=False)
 
+    @property
+    def memory_planned(self) -> bool:
+        """Whether ragbudget planned this backend's memory (a local generator: :attr:`plan` is its
+        memory plan); ``False``: an engine that holds its own memory, whose reported figures
+        these are. What a caller reads instead of asking which kind of backend it has."""
+        return self.plan is not None
+
     def age(self, now: float | None = None) -> float:
         """Seconds since the figures were read."""
         return max(0.0, (time.time() if now is None else now) - self.measured_at)
