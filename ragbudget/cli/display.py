@@ -165,9 +165,11 @@ def budget_line(budget: dict[str, Any]) -> str:
     (``Answer.report["budget"]``): the same line whether a memory plan or a served engine set
     the allowance (``planned_by`` says which).
 
-    >>> print(budget_line({"planned_by": "llama.cpp at http://127.0.0.1:8080", "context_tokens_used": 250,
-    ...     "context_tokens_allowed": 256, "limited_by": "window", "prompt_tokens": 380, "max_new_tokens": 64}))
-    budget: llama.cpp at http://127.0.0.1:8080, context 250/256 tokens (limited by window), prompt 380 tokens, max_new_tokens 64; --explain for every figure and its source
+    >>> line = budget_line({"planned_by": "llama.cpp at http://127.0.0.1:8080", "context_tokens_used": 250,
+    ...     "context_tokens_allowed": 256, "limited_by": "window", "prompt_tokens": 380, "max_new_tokens": 64})
+    >>> print(line)  # doctest: +NORMALIZE_WHITESPACE
+    budget: llama.cpp at http://127.0.0.1:8080, context 250/256 tokens (limited by window),
+    prompt 380 tokens, max_new_tokens 64; --explain for every figure and its source
     """
     limit = budget.get("context_limit") or {}
     capped = (
