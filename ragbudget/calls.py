@@ -6,12 +6,31 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import fields
+from pathlib import Path
 from typing import Any
 
 from .errors import ArgumentTypeError, ConfigError
-from .settings import check_text, shown
+from .settings import (
+    EngineSettings,
+    MemorySettings,
+    QueueSettings,
+    RetrievalSettings,
+    check_text,
+    from_keywords,
+    shown,
+)
 
-__all__ = ["check_call", "check_options", "check_parts", "check_paths", "check_question", "stream_options"]
+__all__ = [
+    "check_call",
+    "check_options",
+    "check_parts",
+    "check_paths",
+    "check_question",
+    "index_location",
+    "settings_records",
+    "stream_options",
+]
 
 
 def check_question(question: Any, name: str = "question") -> str:
@@ -98,3 +117,61 @@ def stream_options(options: dict[str, Any]) -> dict[str, Any]:
             f"a stream delivers the text and cancels itself; drop {', '.join(taken)} (use ask() to pass your own)"
         )
     return options
+
+
+def settings_records(
+    given: Mapping[str, Any],
+) -> tuple[RetrievalSettings, MemorySettings, QueueSettings, EngineSettings]:
+    """The four settings records :class:`Pipeline` runs by, from its keywords (``given``: its
+    ``__init__``'s locals): each record passed whole, or built from the flat keywords that are
+    sugar for its fields — never both (:func:`~ragbudget.settings.from_keywords` says which)."""
+    # Every field of these two records has a flat keyword of its own name.
+    retrieval = from_keywords(
+        RetrievalSettings,
+        given["retrieval"],
+        "retrieval",
+        {f.name: given[f.name] for f in fields(RetrievalSettings)},
+    )
+    memory = from_keywords(
+        MemorySettings, given["memory"], "memory", {f.name: given[f.name] for f in fields(MemorySettings)}
+    )
+    queue = from_keywords(
+        QueueSettings,
+        given["queue"],
+        "queue",
+        {"queue_size": given["queue_size"], "queue_timeout": given["queue_timeout"]},
+        {"queue_size": "size", "queue_timeout": "timeout"},
+    )
+    # engine= is the URL (sugar, with engine_kind & co) or the whole record, as httpx's
+    # timeout= takes a number or a Timeout.
+    engine = given["engine"]
+    record = engine if isinstance(engine, EngineSettings) else None
+    renamed = {"engine": "url", "engine_kind": "kind", "engine_context_tokens": "context_tokens"}
+    flat = ("engine_kind", "api_key", "api_key_env", "tokenizer", "engine_context_tokens", "engine_timeout")
+    engine_settings = from_keywords(
+        EngineSettings,
+        record,
+        "engine",
+        {"engine": None if record is not None else engine, **{k: given[k] for k in flat}},
+        {**renamed, "engine_timeout": "timeout"},
+    )
+    return retrieval, memory, queue, engine_settings
+
+
+def index_location(index_dir: Any) -> tuple[Path | str, str]:
+    """Where the index lives as :class:`Pipeline` keeps it, and as its messages show it.
+
+    A location other than a folder (a PostgreSQL URL or keyword/value string, another storage's
+    URL) stays a string as given: a path would collapse a URL's empty host (postgresql:///db)
+    into postgresql:/db. Messages and the repr show it masked. A URL no storage takes is refused
+    here, before anything is built."""
+    if not isinstance(index_dir, (str, os.PathLike)):
+        raise ArgumentTypeError(
+            f"index_dir must be a path (str or os.PathLike), got {type(index_dir).__name__} {shown(index_dir)}"
+        )
+    from .retrieval.locations import mask_location
+    from .retrieval.storage import LOCAL, storage_name
+
+    if storage_name(index_dir) == LOCAL:
+        return Path(index_dir), str(Path(index_dir))
+    return os.fspath(index_dir), mask_location(index_dir)

@@ -34,12 +34,20 @@ import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .answer import Answer, AnswerStream, build_answer, cancelled_answer, declined_answer
-from .calls import check_call, check_options, check_parts, check_paths, check_question, stream_options
+from .calls import (
+    check_call,
+    check_options,
+    check_parts,
+    check_paths,
+    check_question,
+    index_location,
+    settings_records,
+    stream_options,
+)
 from .errors import ArgumentTypeError, ConfigError, IndexEmptyError, RequestCancelled
 from .evidence import DECLINED_TEXT, Evidence, evidence_floor
 from .generation.allowance import EnginePlan, prompt_room, request_allowance
@@ -56,14 +64,13 @@ from .settings import (
     RetrievalSettings,
     check_int,
     check_text,
-    from_keywords,
     shown,
 )
 from .types import DEFAULT_INDEX_DIR
 
 if TYPE_CHECKING:
     from .generation.backend import Backend
-    from .generation.generate import Generator
+    from .generation.generate import Generation, Generator
     from .packing.select import Selection
     from .packing.spans import SpanScorer
     from .prompt.prompt import Prompt, PromptBuilder
@@ -169,52 +176,13 @@ class Pipeline(Planning):
         engine_context_tokens: int | None = None,
         engine_timeout: float | None = None,
     ) -> None:
-        if not isinstance(index_dir, (str, os.PathLike)):
-            raise ArgumentTypeError(
-                f"index_dir must be a path (str or os.PathLike), got {type(index_dir).__name__} {shown(index_dir)}"
-            )
         check_text("model", model, optional=True)
         check_text("system_prompt", system_prompt, optional=True)
         check_parts(embedder, generator, backend)
-        # Every field of these two records has a flat keyword of its own name.
-        given = locals()
-        self.retrieval = from_keywords(
-            RetrievalSettings, retrieval, "retrieval", {f.name: given[f.name] for f in fields(RetrievalSettings)}
-        )
-        self.memory = from_keywords(
-            MemorySettings, memory, "memory", {f.name: given[f.name] for f in fields(MemorySettings)}
-        )
-        self.queue = from_keywords(
-            QueueSettings,
-            queue,
-            "queue",
-            {"queue_size": queue_size, "queue_timeout": queue_timeout},
-            {"queue_size": "size", "queue_timeout": "timeout"},
-        )
-        # engine= is the URL (sugar, with engine_kind & co) or the whole record, as httpx's
-        # timeout= takes a number or a Timeout.
-        record = engine if isinstance(engine, EngineSettings) else None
-        renamed = {"engine": "url", "engine_kind": "kind", "engine_context_tokens": "context_tokens"}
-        flat = ("engine_kind", "api_key", "api_key_env", "tokenizer", "engine_context_tokens", "engine_timeout")
-        self.engine = from_keywords(
-            EngineSettings,
-            record,
-            "engine",
-            {"engine": None if record is not None else engine, **{k: given[k] for k in flat}},
-            {**renamed, "engine_timeout": "timeout"},
-        )
+        self.retrieval, self.memory, self.queue, self.engine = settings_records(locals())
         if self.engine.url is not None and generator is not None:
             raise ConfigError("pass engine= (generate on a served engine) or generator= (a local model), not both")
-        from .retrieval.locations import mask_location
-        from .retrieval.storage import LOCAL, storage_name
-
-        # A location other than a folder (a PostgreSQL URL or keyword/value string, another
-        # storage's URL) stays a string as given: a path would collapse a URL's empty host
-        # (postgresql:///db) into postgresql:/db. Messages and the repr show it masked. A URL no
-        # storage takes is refused here, before anything is built.
-        folder = storage_name(index_dir) == LOCAL
-        self.index_dir: Path | str = Path(index_dir) if folder else os.fspath(index_dir)
-        self._index_shown = str(self.index_dir) if folder else mask_location(index_dir)
+        self.index_dir, self._index_shown = index_location(index_dir)
         self.model = model
         super().__init__(memory=self.memory, queue=self.queue, system_prompt=system_prompt)
         self._span_scorer: Any = None
@@ -669,8 +637,6 @@ class Pipeline(Planning):
         # Checked before anything runs: a misspelt option used to fail after retrieval.
         sampling, stop, extra = split_generate_options(generate_options)
         check_generate_options(self.backend, extra)
-        started = time.perf_counter()
-        self.refresh_speed()
         ctx = self._request(
             question,
             context_tokens=context_tokens,
@@ -678,16 +644,13 @@ class Pipeline(Planning):
             history=history,
             retrieval_query=retrieval_query,
         )
-        ctx.started = started
+        self.refresh_speed()
         # The newest committed generation (a writer elsewhere may have committed since the last
         # question), one for the search, the chunks and the sentences: the one the answer cites.
         with self.store.pinned() as searched:
             found = self._timed_search(ctx)
             cited = {"generation": searched.number}
-            # Measured only where a floor applies (no question pays for a figure nothing reads),
-            # and not in a conversation: its history is something to read too.
-            floored = self._evidence_floor()[0] is not None and not history
-            evidence = self.evidence(ctx.query, hits=found[0]) if floored else None
+            evidence = self._floored_evidence(ctx, found[0], history)
             if evidence is not None and evidence.declined:  # nothing to read: no model call, no prefill, no KV
                 ctx.enter("answer")
                 if on_text is not None:
@@ -695,29 +658,54 @@ class Pipeline(Planning):
                 return declined_answer(evidence, new_tokens, ctx.finish(), index=cited, stages=ctx.stages)
             prompt = self._to_prompt(ctx, context_tokens=context_tokens, history=history, found=found)
         assert ctx.plan is not None and ctx.capacity is not None  # the plan stage sets both
-        plan, timings, cap = ctx.plan, ctx.timings, ctx.limit
-        reserve, vectors = prompt.n_tokens + new_tokens, self._sentence_vectors_path()
-
-        def cancelled() -> Answer:
+        reserve = prompt.n_tokens + new_tokens
+        said: dict[str, Any] = {"sentence_vectors": self._sentence_vectors_path(), "index": cited, "stages": ctx.stages}
+        gen = self._admit_and_generate(
+            ctx, prompt, reserve, sampling=sampling, stop=stop, on_text=on_text, cancel=cancel, **extra
+        )
+        if gen is None:
             # Left before generation began (while queued, or just as it was admitted): nothing to
             # generate, but the answer still says what the request would have been.
-            return cancelled_answer(
-                prompt,
-                plan,
-                reserve,
-                ctx.finish(),
-                cap,
-                new_tokens,
-                sentence_vectors=vectors,
-                index=cited,
-                stages=ctx.stages,
-            )
+            return cancelled_answer(prompt, ctx.plan, reserve, ctx.finish(), ctx.limit, new_tokens, **said)
+        ctx.enter("answer")
+        ctx.finish()
+        final = gen.prompt if gen.prompt is not None else prompt  # smaller after an OOM or "too long"
+        answer = build_answer(
+            gen, final, ctx.plan, reserve, ctx.timings, ctx.limit, evidence=evidence, cite=not stop, **said
+        )
+        added = answer.report["citations"]["added"]  # a citation placed after the text: streamed too
+        if on_text is not None and added:
+            on_text(added.lstrip() if str(gen.text)[-1:].isspace() else added)
+        return answer
 
+    def _floored_evidence(
+        self, ctx: RequestContext, hits: Sequence[Hit], history: Sequence[dict[str, str]] | None
+    ) -> Evidence | None:
+        """The evidence the search found for the question, where a floor applies: measured only
+        then (no question pays for a figure nothing reads), and not in a conversation (its
+        history is something to read too)."""
+        if self._evidence_floor()[0] is None or history:
+            return None
+        return self.evidence(ctx.query, hits=hits)
+
+    def _admit_and_generate(
+        self,
+        ctx: RequestContext,
+        prompt: Prompt,
+        reserve: int,
+        *,
+        on_text: Callable[[str], Any] | None,
+        cancel: threading.Event | None,
+        **options: Any,
+    ) -> Generation | None:
+        """The ``admit`` and ``generate`` stages: a reservation of ``reserve`` KV tokens (a whole
+        slot on an engine of fixed slots), the generation inside it, and what it measured kept;
+        ``None`` when the request was cancelled before generation began."""
+        assert ctx.capacity is not None  # the plan stage read it
         if cancel is not None and cancel.is_set():
-            return cancelled()
+            return None
         ctx.enter("admit")
         t0 = time.perf_counter()
-        backend = self.backend
         # On an engine of fixed request slots a request holds a whole slot: admission then lets
         # no more requests through than the engine has slots, and the rest wait here, bounded by
         # the queue, instead of inside the engine, bounded only by the engine time-out.
@@ -725,12 +713,12 @@ class Pipeline(Planning):
         try:
             reservation = self.admission.acquire(held, prompt_tokens=prompt.n_tokens, cancel=cancel)
         except RequestCancelled:
-            timings["queue_s"] = time.perf_counter() - t0
-            return cancelled()
+            ctx.timings["queue_s"] = time.perf_counter() - t0
+            return None
         with reservation:  # released however generation ends
-            timings["queue_s"] = time.perf_counter() - t0
+            ctx.timings["queue_s"] = time.perf_counter() - t0
             if cancel is not None and cancel.is_set():
-                return cancelled()
+                return None
             ctx.enter("generate")
             t0 = time.perf_counter()
             emit = on_text
@@ -741,38 +729,19 @@ class Pipeline(Planning):
                     reservation.first_token()
                     return on_text(piece)
 
-            gen = backend.generate(
-                prompt, max_new_tokens=new_tokens, sampling=sampling, stop=stop, on_text=emit, cancel=cancel, **extra
+            gen = self.backend.generate(
+                prompt, max_new_tokens=ctx.max_new_tokens, on_text=emit, cancel=cancel, **options
             )
             # And the whole request how fast it decoded: the time model follows the host.
             reservation.finish(gen.new_tokens)
-            timings["generate_s"] = time.perf_counter() - t0
+            ctx.timings["generate_s"] = time.perf_counter() - t0
         if gen.measurement is not None:
             # A CUDA run measured its peak: the plan's owner keeps it, so the next plan for this
             # GPU and model uses the measured activations (the generator itself writes nothing).
             from .memory.calibration import record_measurement
 
             record_measurement(gen.measurement)
-        ctx.enter("answer")
-        ctx.finish()
-        final = gen.prompt if gen.prompt is not None else prompt
-        answer = build_answer(
-            gen,
-            final,
-            plan,
-            reserve,
-            timings,
-            cap,
-            sentence_vectors=vectors,
-            index=cited,
-            stages=ctx.stages,
-            evidence=evidence,
-            cite=not stop,
-        )
-        added = answer.report["citations"]["added"]  # a citation placed after the text: streamed too
-        if on_text is not None and added:
-            on_text(added.lstrip() if str(gen.text)[-1:].isspace() else added)
-        return answer
+        return gen
 
     def stream(self, question: str, **options: Any) -> AnswerStream:
         """:meth:`ask`, as an iterator over the answer's text while it is generated; the

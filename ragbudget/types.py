@@ -1,14 +1,15 @@
 """Small frozen records passed between the pipeline stages.
 
 Stages are functions (``load_document``, ``strip_headers_footers``, ``chunk_text``, ``dedup``,
-``select``) and these are what they exchange. Nothing here imports a heavy library.
+``select``) and these are what they exchange (and :class:`Refittable`, the one thing generation
+asks of a prompt besides its text: a smaller one). Nothing here imports a heavy library.
 """
 
 from __future__ import annotations
 
 import bisect
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from .errors import ConfigError
 
@@ -28,6 +29,7 @@ __all__ = [
     "Hit",
     "IndexSummary",
     "IndexedFile",
+    "Refittable",
     "Source",
     "VerifyReport",
     "dtype_bits",
@@ -323,3 +325,25 @@ class VerifyReport:
 
     def to_dict(self) -> dict[str, Any]:
         return {"ok": self.ok, "problems": list(self.problems), "checked": dict(self.checked)}
+
+
+@runtime_checkable
+class Refittable(Protocol):
+    """A prompt that whoever packed it can pack again into fewer tokens: what the local OOM
+    ladder and a served engine's too-long retry ask for, so that generation never drops
+    passages or renders a prompt itself. :class:`ragbudget.prompt.prompt.Prompt` is one; its
+    :meth:`fewer` goes back to the packer that chose its passages (:mod:`ragbudget.fitting`),
+    which packs into the smaller allowance and renders once more."""
+
+    @property
+    def n_tokens(self) -> int: ...
+
+    @property
+    def fixed_tokens(self) -> int:
+        """The tokens no refit can take out (system prompt, history, question)."""
+        ...
+
+    def fewer(self, max_prompt_tokens: int) -> Refittable | None:
+        """The prompt packed again into at most ``max_prompt_tokens`` (never below the fixed
+        part); ``None`` when it has no passage to take out or no packer to ask."""
+        ...

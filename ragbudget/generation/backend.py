@@ -80,7 +80,6 @@ __all__ = [
     "LOCAL_GENERATE_OPTIONS",
     "MemoryCountCache",
     "PromptInput",
-    "Refittable",
     "RenderedPrompt",
     "RequestBudget",
     "SQLiteCountCache",
@@ -483,30 +482,8 @@ class SQLiteCountCache:
 
 #: What ``generate`` takes as its prompt: chat messages, a plain user string, a
 #: :class:`RenderedPrompt`, or a :class:`ragbudget.prompt.prompt.Prompt` (which a backend may
-#: ask for a smaller one, :class:`Refittable`, when the engine says it is too long or memory ran out).
+#: ask for a smaller one, :class:`~ragbudget.types.Refittable`, when the engine says it is too long or memory ran out).
 PromptInput = Union["Prompt", RenderedPrompt, Sequence[Message], str]
-
-
-@runtime_checkable
-class Refittable(Protocol):
-    """A prompt that whoever packed it can pack again into fewer tokens: what the local OOM
-    ladder and a served engine's too-long retry ask for, so that generation never drops
-    passages or renders a prompt itself. :class:`ragbudget.prompt.prompt.Prompt` is one; its
-    :meth:`fewer` goes back to the packer that chose its passages (:mod:`ragbudget.fitting`),
-    which packs into the smaller allowance and renders once more."""
-
-    @property
-    def n_tokens(self) -> int: ...
-
-    @property
-    def fixed_tokens(self) -> int:
-        """The tokens no refit can take out (system prompt, history, question)."""
-        ...
-
-    def fewer(self, max_prompt_tokens: int) -> Refittable | None:
-        """The prompt packed again into at most ``max_prompt_tokens`` (never below the fixed
-        part); ``None`` when it has no passage to take out or no packer to ask."""
-        ...
 
 
 @runtime_checkable

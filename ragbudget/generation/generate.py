@@ -42,7 +42,7 @@ from ..gpus import prefer_expandable_segments
 from ..memory.models import ModelRef, cache_dir, resolve_generator
 from ..settings import MemorySettings
 from ..tokens import HFTokenizer
-from ..types import CACHE_KINDS
+from ..types import CACHE_KINDS, Refittable
 from .decoding import (
     REPEATED_LINE_STOP,
     CallbackStreamer,
@@ -550,8 +550,6 @@ class Generator:
                 before = len(ids)
                 # Rung 1: half the context, packed again by the packer that chose it (a prompt
                 # from ragbudget.fitting; plain ids or messages cannot be packed again).
-                from .backend import Refittable
-
                 smaller = None
                 if drops < MAX_DROP_STEPS and isinstance(current, Refittable):
                     context = current.n_tokens - current.fixed_tokens

@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from ...errors import ConfigError, EngineContextError, EngineError, EngineResponseError, EngineTimeoutError
+from ...types import Refittable
 from ..backend import (
     Capacity,
     CountCache,
-    Refittable,
     RenderedPrompt,
     Sampling,
     prompt_messages,
