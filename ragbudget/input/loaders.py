@@ -180,6 +180,110 @@ def _read(path: str, max_bytes: int) -> tuple[bytes, os.stat_result, bool]:
     return data, st, gz
 
 
+def _format_or_raise(spath: str) -> str:
+    """The format name of ``spath``, or a ``LoadError`` (``unsupported``) naming the supported endings."""
+    kind = format_of(os.path.basename(spath))
+    if kind is None:
+        raise LoadError(
+            f"{spath}: unsupported file type; supported: "
+            + ", ".join(sorted(SUPPORTED_EXTENSIONS))
+            + " (optionally .gz)",
+            path=spath,
+            reason="unsupported",
+        )
+    fmt, _ = kind
+    return fmt
+
+
+def _container_pages(
+    fmt: str, data: bytes, spath: str, opts: LoadOptions, max_bytes: int, meta: dict[str, Any], warnings: list[str]
+) -> tuple[list[str], bool, int]:
+    """Pages of a :mod:`ragbudget.input.formats` file, with its layout flag and furniture count."""
+    loaded = read_format(fmt, data, spath, options=opts, max_bytes=max_bytes)
+    raw_pages, layout, furniture_by_format = loaded.pages, loaded.clean, loaded.furniture
+    warnings.extend(loaded.warnings)
+    meta.update(loaded.meta)
+    meta.update(paginated=True, page_labels=list(loaded.labels), layout=layout)
+    meta.setdefault("encoding", "utf-8")
+    meta.setdefault("replaced_chars", 0)
+    return raw_pages, layout, furniture_by_format
+
+
+def _text_pages(fmt: str, data: bytes, spath: str, meta: dict[str, Any]) -> list[str]:
+    """Pages of a text, Markdown, reStructuredText or HTML file, noting its encoding in ``meta``."""
+    decoded = decode(data, path=spath, html=fmt == "html")
+    text = decoded.text
+    meta.update(encoding=decoded.encoding, replaced_chars=decoded.replaced)
+    notes = []
+    if decoded.guessed:
+        notes.append(f"not UTF-8: decoded as {decoded.encoding} (a guess; save it as UTF-8 to be sure)")
+    if decoded.replaced:
+        notes.append(f"{decoded.replaced} undecodable byte(s) replaced by U+FFFD")
+    if notes:
+        meta["encoding_warning"] = "; ".join(notes)
+    if fmt == "html":
+        text, title = html_to_text(text, spath)
+        meta["title"] = title
+        raw_pages, meta["paginated"] = [text], False
+    else:
+        raw_pages, meta["paginated"] = paginate_text(text)
+    return raw_pages
+
+
+def _raw_pages(
+    fmt: str, data: bytes, spath: str, opts: LoadOptions, max_bytes: int, meta: dict[str, Any], warnings: list[str]
+) -> tuple[list[str], bool, int]:
+    """The file's pages before cleaning, whether they are layout pages, and furniture its format removed."""
+    if fmt == "pdf":
+        raw_pages = pdf_pages(data, spath)
+        meta.update(encoding="pdf", replaced_chars=0, paginated=True)
+        return text_layer_check(raw_pages, data, spath, opts, meta, warnings), True, 0
+    if fmt in CONTAINER_FORMATS.values():
+        return _container_pages(fmt, data, spath, opts, max_bytes, meta, warnings)
+    return _text_pages(fmt, data, spath, meta), True, 0
+
+
+def _clean_pages(
+    pages: list[str], boilerplate: Collection[str], trust_page_numbers: bool, meta: dict[str, Any]
+) -> tuple[list[str], int, tuple[str, ...]]:
+    """Pages without running heads, contents pages and known boilerplate; furniture removed and its patterns."""
+    report = find_furniture(pages, trust_page_numbers=trust_page_numbers)
+    pages = apply_report(pages, report)
+    # After the running heads are gone, so that a contents page's own "Contents  iii" head
+    # does not stand between its title and its first entry.
+    contents = find_contents(pages)
+    pages = apply_report(pages, contents)
+    meta["contents_removed"] = contents.removed
+    if boilerplate:
+        extra = find_known(pages, boilerplate)
+        pages = apply_report(pages, extra)
+        meta["boilerplate_removed"] = extra.removed
+        meta["boilerplate_patterns"] = list(extra.patterns)
+    return pages, report.removed, report.patterns
+
+
+def _no_text_error(spath: str, fmt: str, n_pages: int) -> LoadError:
+    """The ``empty`` error for a file whose pages hold no text (a scanned PDF says how to OCR it)."""
+    if fmt == "pdf":
+        detail = (
+            f"no text layer on any of its {n_pages} page(s): a scanned PDF; index it "
+            "with OCR (ragbudget index --ocr, needs ragbudget[ocr] and tesseract-ocr)"
+        )
+    else:
+        detail = "no text"
+    return LoadError(f"{spath}: {detail}", path=spath, reason="empty")
+
+
+def _add_warnings(meta: dict[str, Any], warnings: list[str]) -> None:
+    """Put load ``warnings`` in ``meta``, joined into ``encoding_warning`` too."""
+    meta["warnings"] = warnings
+    # The index surfaces ``encoding_warning`` as the file's one warning today; until it reads
+    # ``warnings`` too, load warnings ride along there so the summary shows them.
+    meta["encoding_warning"] = "; ".join(
+        ([meta["encoding_warning"]] if meta.get("encoding_warning") else []) + warnings
+    )
+
+
 def load_document(
     path: str | os.PathLike[str],
     *,
@@ -221,16 +325,7 @@ def load_document(
     (['page one', 'page two'], True, 'utf-8')
     """
     spath = os.fspath(path)
-    kind = format_of(os.path.basename(spath))
-    if kind is None:
-        raise LoadError(
-            f"{spath}: unsupported file type; supported: "
-            + ", ".join(sorted(SUPPORTED_EXTENSIONS))
-            + " (optionally .gz)",
-            path=spath,
-            reason="unsupported",
-        )
-    fmt, _ = kind
+    fmt = _format_or_raise(spath)
     data, st, gz = _read(spath, max_bytes)
     if not data.strip():
         raise LoadError(f"{spath}: the file is empty", path=spath, reason="empty")
@@ -238,65 +333,17 @@ def load_document(
     opts = options if options is not None else current_options()
     meta: dict[str, Any] = {"format": fmt, "compressed": gz}
     warnings: list[str] = []
-    furniture_by_format = 0
-    layout = True  # pages are layout pages: run the repeated-line (furniture) detector on them
-    if fmt == "pdf":
-        raw_pages = pdf_pages(data, spath)
-        meta.update(encoding="pdf", replaced_chars=0, paginated=True)
-        raw_pages = text_layer_check(raw_pages, data, spath, opts, meta, warnings)
-    elif fmt in CONTAINER_FORMATS.values():
-        loaded = read_format(fmt, data, spath, options=opts, max_bytes=max_bytes)
-        raw_pages, layout, furniture_by_format = loaded.pages, loaded.clean, loaded.furniture
-        warnings.extend(loaded.warnings)
-        meta.update(loaded.meta)
-        meta.update(paginated=True, page_labels=list(loaded.labels), layout=layout)
-        meta.setdefault("encoding", "utf-8")
-        meta.setdefault("replaced_chars", 0)
-    else:
-        decoded = decode(data, path=spath, html=fmt == "html")
-        text = decoded.text
-        meta.update(encoding=decoded.encoding, replaced_chars=decoded.replaced)
-        notes = []
-        if decoded.guessed:
-            notes.append(f"not UTF-8: decoded as {decoded.encoding} (a guess; save it as UTF-8 to be sure)")
-        if decoded.replaced:
-            notes.append(f"{decoded.replaced} undecodable byte(s) replaced by U+FFFD")
-        if notes:
-            meta["encoding_warning"] = "; ".join(notes)
-        if fmt == "html":
-            text, title = html_to_text(text, spath)
-            meta["title"] = title
-            raw_pages, meta["paginated"] = [text], False
-        else:
-            raw_pages, meta["paginated"] = paginate_text(text)
+    # layout: whether pages are layout pages, to run the repeated-line (furniture) detector on
+    raw_pages, layout, furniture_by_format = _raw_pages(fmt, data, spath, opts, max_bytes, meta, warnings)
 
     pages = [_normalise(p) for p in raw_pages]
     removed: int = 0
     patterns: tuple[str, ...] = ()
     if clean and layout:
-        report = find_furniture(pages, trust_page_numbers=trust_page_numbers)
-        pages = apply_report(pages, report)
-        removed, patterns = report.removed, report.patterns
-        # After the running heads are gone, so that a contents page's own "Contents  iii" head
-        # does not stand between its title and its first entry.
-        contents = find_contents(pages)
-        pages = apply_report(pages, contents)
-        meta["contents_removed"] = contents.removed
-        if boilerplate:
-            extra = find_known(pages, boilerplate)
-            pages = apply_report(pages, extra)
-            meta["boilerplate_removed"] = extra.removed
-            meta["boilerplate_patterns"] = list(extra.patterns)
+        pages, removed, patterns = _clean_pages(pages, boilerplate, trust_page_numbers, meta)
     pages = [trim_page(p) for p in pages]
     if not any(p.strip() for p in pages):
-        if fmt == "pdf":
-            detail = (
-                f"no text layer on any of its {len(pages)} page(s): a scanned PDF; index it "
-                "with OCR (ragbudget index --ocr, needs ragbudget[ocr] and tesseract-ocr)"
-            )
-        else:
-            detail = "no text"
-        raise LoadError(f"{spath}: {detail}", path=spath, reason="empty")
+        raise _no_text_error(spath, fmt, len(pages))
     meta.update(
         n_pages=len(pages),
         size=st.st_size,
@@ -306,12 +353,7 @@ def load_document(
         furniture_patterns=list(patterns),
     )
     if warnings:
-        meta["warnings"] = warnings
-        # The index surfaces ``encoding_warning`` as the file's one warning today; until it reads
-        # ``warnings`` too, load warnings ride along there so the summary shows them.
-        meta["encoding_warning"] = "; ".join(
-            ([meta["encoding_warning"]] if meta.get("encoding_warning") else []) + warnings
-        )
+        _add_warnings(meta, warnings)
     return Document(path=spath, pages=pages, meta=meta)
 
 

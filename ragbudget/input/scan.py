@@ -189,6 +189,194 @@ def _inside(path: str, st: os.stat_result, folders: set[tuple[int, int]]) -> boo
                 return True
 
 
+@dataclass
+class _ScanState:
+    """One :func:`scan` call's options and what its walk has found so far."""
+
+    include: list[str] | None
+    exclude: list[str]
+    max_bytes: int
+    follow_symlinks: bool
+    own: set[tuple[int, int]]
+    files: list[FileInfo] = field(default_factory=list)
+    skipped: list[Skipped] = field(default_factory=list)
+    seen_files: set[str] = field(default_factory=set)
+    visited_dirs: set[str] = field(default_factory=set)
+
+    def skip(self, path: str, rel: str, reason: str, detail: str = "") -> None:
+        """Record ``path`` as skipped for ``reason``."""
+        self.skipped.append(Skipped(path=path, reason=reason, detail=detail, rel=rel))
+
+
+def _own_folders(leave_out: Iterable[str | os.PathLike[str]]) -> set[tuple[int, int]]:
+    """The (device, inode) of each folder in ``leave_out`` that can be stat'ed."""
+    # Folders are told apart by (device, inode): no spelling of the path, relative or through a
+    # link, reaches them. One stat per folder met, none per file.
+    own: set[tuple[int, int]] = set()
+    for folder in leave_out:
+        with contextlib.suppress(OSError):
+            st = os.stat(folder)
+            own.add((st.st_dev, st.st_ino))
+    return own
+
+
+def _is_left_out(entry: os.DirEntry[str], own: set[tuple[int, int]]) -> bool:
+    """Whether ``entry`` is a folder among ``own`` (by device, inode)."""
+    try:
+        if not entry.is_dir():
+            return False
+        st = entry.stat()
+    except OSError:
+        return False
+    return (st.st_dev, st.st_ino) in own
+
+
+def _consider_file(state: _ScanState, path: str, rel: str, st: os.stat_result) -> None:
+    """List a regular file as loadable, or skip it (include/exclude, format, size, duplicate)."""
+    if state.include is not None and not _matches(rel, state.include):
+        state.skip(path, rel, "excluded", "matches no include pattern")
+        return
+    if state.exclude and _matches(rel, state.exclude):
+        state.skip(path, rel, "excluded", "matches an exclude pattern")
+        return
+    if format_of(os.path.basename(path)) is None:
+        ext = os.path.splitext(path)[1] or "(no extension)"
+        state.skip(path, rel, "unsupported", f"extension {ext}")
+        return
+    if st.st_size > state.max_bytes:
+        state.skip(path, rel, "too_large", f"{st.st_size} bytes > max_bytes={state.max_bytes}")
+        return
+    real = os.path.realpath(path)
+    if real in state.seen_files:
+        state.skip(path, rel, "duplicate", f"same file as {real}")
+        return
+    state.seen_files.add(real)
+    state.files.append(FileInfo(path=real, size=st.st_size, mtime_ns=st.st_mtime_ns, rel=rel))
+
+
+def _dropped_by_name(state: _ScanState, entry: os.DirEntry[str], path: str, rel: str) -> bool:
+    """Whether ``entry`` is passed over before any stat: left out, ignored, hidden or excluded."""
+    if state.own and _is_left_out(entry, state.own):
+        return True
+    if entry.name in IGNORED_DIRS:
+        state.skip(path, rel, "ignored", "VCS or cache folder")
+        return True
+    if entry.name.startswith("."):
+        state.skip(path, rel, "hidden")
+        return True
+    # An excluded name is dropped before anything else is asked of it (a link pointing
+    # outside the root that the user excluded is not worth a warning).
+    if state.exclude and (_matches(rel, state.exclude) or _matches(rel + "/", state.exclude)):
+        state.skip(path, rel, "excluded", "matches an exclude pattern")
+        return True
+    return False
+
+
+def _stat_entry(state: _ScanState, path: str, rel: str, is_link: bool) -> os.stat_result | None:
+    """``path``'s stat (links followed), or None after skipping it with the reason it failed."""
+    try:
+        return os.stat(path)  # follows links; never opens, so FIFOs cannot block
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            state.skip(path, rel, "symlink_loop", "link resolves to itself")
+        elif is_link:
+            state.skip(path, rel, "broken_link", f"target missing: {os.readlink(path)}")
+        else:
+            state.skip(path, rel, "unreadable", exc.strerror or str(exc))
+        return None
+
+
+def _link_rejected(
+    state: _ScanState, path: str, rel: str, st: os.stat_result, real_root: str, ancestors: tuple[str, ...]
+) -> bool:
+    """Whether a followed link is skipped: it leads outside the root or to an enclosing folder."""
+    real = os.path.realpath(path)
+    if not _within(real, real_root):
+        state.skip(path, rel, "outside_root", f"link to {real}")
+        return True
+    if stat.S_ISDIR(st.st_mode) and real in ancestors:
+        state.skip(path, rel, "symlink_loop", f"link to enclosing folder {real}")
+        return True
+    return False
+
+
+def _enter_folder(state: _ScanState, path: str, rel: str, real_root: str, ancestors: tuple[str, ...]) -> None:
+    """Walk a sub-folder unless it is excluded or was already walked."""
+    # A folder matching an exclude pattern ("build", "drafts/") is pruned whole
+    # instead of listing every file below it as excluded.
+    if state.exclude and (_matches(rel, state.exclude) or _matches(rel + "/", state.exclude)):
+        state.skip(path, rel, "excluded", "folder matches an exclude pattern")
+        return
+    real = os.path.realpath(path)
+    if real in state.visited_dirs:
+        state.skip(path, rel, "duplicate", f"folder already walked as {real}")
+        return
+    state.visited_dirs.add(real)
+    _walk(state, path, rel, real_root, ancestors + (real,))
+
+
+def _visit_entry(
+    state: _ScanState, entry: os.DirEntry[str], dir_path: str, rel_dir: str, real_root: str, ancestors: tuple[str, ...]
+) -> None:
+    """Take one folder entry: skip it with a reason, list it as a file, or walk into it."""
+    rel = f"{rel_dir}/{entry.name}" if rel_dir else entry.name
+    path = os.path.join(dir_path, entry.name)
+    if _dropped_by_name(state, entry, path, rel):
+        return
+    is_link = entry.is_symlink()
+    if is_link and not state.follow_symlinks:
+        state.skip(path, rel, "symlink", "follow_symlinks=False")
+        return
+    st = _stat_entry(state, path, rel, is_link)
+    if st is None:
+        return
+    if is_link and _link_rejected(state, path, rel, st, real_root, ancestors):
+        return
+    if stat.S_ISDIR(st.st_mode):
+        _enter_folder(state, path, rel, real_root, ancestors)
+    elif stat.S_ISREG(st.st_mode):
+        _consider_file(state, path, rel, st)
+    else:
+        state.skip(path, rel, "special", "FIFO, socket or device")
+
+
+def _walk(state: _ScanState, dir_path: str, rel_dir: str, real_root: str, ancestors: tuple[str, ...]) -> None:
+    """Walk one folder's entries in name order, unless it is unreadable or another index's folder."""
+    try:
+        with os.scandir(dir_path) as it:
+            entries = sorted(it, key=lambda e: e.name)
+    except OSError as exc:
+        state.skip(dir_path, rel_dir or ".", "unreadable", exc.strerror or str(exc))
+        return
+    if _is_index_folder(entries):
+        state.skip(dir_path, rel_dir or ".", "ignored", "a ragbudget index folder")
+        return
+    for entry in entries:
+        _visit_entry(state, entry, dir_path, rel_dir, real_root, ancestors)
+
+
+def _scan_root(state: _ScanState, root: str) -> None:
+    """Take one path given to :func:`scan`: walk a folder, consider a file, or skip it."""
+    try:
+        st = os.stat(root)
+    except OSError as exc:
+        reason = "symlink_loop" if exc.errno == errno.ELOOP else "missing"
+        state.skip(root, os.path.basename(root), reason, exc.strerror or str(exc))
+        return
+    if state.own and _inside(root, st, state.own):
+        return
+    if stat.S_ISDIR(st.st_mode):
+        real_root = os.path.realpath(root)
+        if real_root in state.visited_dirs:
+            return
+        state.visited_dirs.add(real_root)
+        _walk(state, root, "", real_root, (real_root,))
+    elif stat.S_ISREG(st.st_mode):
+        _consider_file(state, root, os.path.basename(root), st)
+    else:
+        state.skip(root, os.path.basename(root), "special", "FIFO, socket or device")
+
+
 def scan(
     paths: str | os.PathLike[str] | Iterable[str | os.PathLike[str]],
     *,
@@ -215,135 +403,13 @@ def scan(
     """
     if max_bytes <= 0:
         raise ConfigError(f"max_bytes must be positive, got {max_bytes}; pass e.g. 50*1024*1024")
-    include = list(include) if include else None
-    exclude = list(exclude or ())
-    files: list[FileInfo] = []
-    skipped: list[Skipped] = []
-    seen_files: set[str] = set()
-    # Folders are told apart by (device, inode): no spelling of the path, relative or through a
-    # link, reaches them. One stat per folder met, none per file.
-    own: set[tuple[int, int]] = set()
-    for folder in leave_out:
-        with contextlib.suppress(OSError):
-            st = os.stat(folder)
-            own.add((st.st_dev, st.st_ino))
-
-    def left_out(entry: os.DirEntry[str]) -> bool:
-        try:
-            if not entry.is_dir():
-                return False
-            st = entry.stat()
-        except OSError:
-            return False
-        return (st.st_dev, st.st_ino) in own
-
-    def skip(path: str, rel: str, reason: str, detail: str = "") -> None:
-        skipped.append(Skipped(path=path, reason=reason, detail=detail, rel=rel))
-
-    def consider_file(path: str, rel: str, st: os.stat_result) -> None:
-        if include is not None and not _matches(rel, include):
-            skip(path, rel, "excluded", "matches no include pattern")
-            return
-        if exclude and _matches(rel, exclude):
-            skip(path, rel, "excluded", "matches an exclude pattern")
-            return
-        if format_of(os.path.basename(path)) is None:
-            ext = os.path.splitext(path)[1] or "(no extension)"
-            skip(path, rel, "unsupported", f"extension {ext}")
-            return
-        if st.st_size > max_bytes:
-            skip(path, rel, "too_large", f"{st.st_size} bytes > max_bytes={max_bytes}")
-            return
-        real = os.path.realpath(path)
-        if real in seen_files:
-            skip(path, rel, "duplicate", f"same file as {real}")
-            return
-        seen_files.add(real)
-        files.append(FileInfo(path=real, size=st.st_size, mtime_ns=st.st_mtime_ns, rel=rel))
-
-    def walk(dir_path: str, rel_dir: str, real_root: str, ancestors: tuple[str, ...]) -> None:
-        try:
-            with os.scandir(dir_path) as it:
-                entries = sorted(it, key=lambda e: e.name)
-        except OSError as exc:
-            skip(dir_path, rel_dir or ".", "unreadable", exc.strerror or str(exc))
-            return
-        if _is_index_folder(entries):
-            skip(dir_path, rel_dir or ".", "ignored", "a ragbudget index folder")
-            return
-        for entry in entries:
-            rel = f"{rel_dir}/{entry.name}" if rel_dir else entry.name
-            path = os.path.join(dir_path, entry.name)
-            if own and left_out(entry):
-                continue
-            if entry.name in IGNORED_DIRS:
-                skip(path, rel, "ignored", "VCS or cache folder")
-                continue
-            if entry.name.startswith("."):
-                skip(path, rel, "hidden")
-                continue
-            # An excluded name is dropped before anything else is asked of it (a link pointing
-            # outside the root that the user excluded is not worth a warning).
-            if exclude and (_matches(rel, exclude) or _matches(rel + "/", exclude)):
-                skip(path, rel, "excluded", "matches an exclude pattern")
-                continue
-            is_link = entry.is_symlink()
-            if is_link and not follow_symlinks:
-                skip(path, rel, "symlink", "follow_symlinks=False")
-                continue
-            try:
-                st = os.stat(path)  # follows links; never opens, so FIFOs cannot block
-            except OSError as exc:
-                if exc.errno == errno.ELOOP:
-                    skip(path, rel, "symlink_loop", "link resolves to itself")
-                elif is_link:
-                    skip(path, rel, "broken_link", f"target missing: {os.readlink(path)}")
-                else:
-                    skip(path, rel, "unreadable", exc.strerror or str(exc))
-                continue
-            if is_link:
-                real = os.path.realpath(path)
-                if not _within(real, real_root):
-                    skip(path, rel, "outside_root", f"link to {real}")
-                    continue
-                if stat.S_ISDIR(st.st_mode) and real in ancestors:
-                    skip(path, rel, "symlink_loop", f"link to enclosing folder {real}")
-                    continue
-            if stat.S_ISDIR(st.st_mode):
-                # A folder matching an exclude pattern ("build", "drafts/") is pruned whole
-                # instead of listing every file below it as excluded.
-                if exclude and (_matches(rel, exclude) or _matches(rel + "/", exclude)):
-                    skip(path, rel, "excluded", "folder matches an exclude pattern")
-                    continue
-                real = os.path.realpath(path)
-                if real in visited_dirs:
-                    skip(path, rel, "duplicate", f"folder already walked as {real}")
-                    continue
-                visited_dirs.add(real)
-                walk(path, rel, real_root, ancestors + (real,))
-            elif stat.S_ISREG(st.st_mode):
-                consider_file(path, rel, st)
-            else:
-                skip(path, rel, "special", "FIFO, socket or device")
-
-    visited_dirs: set[str] = set()
+    state = _ScanState(
+        include=list(include) if include else None,
+        exclude=list(exclude or ()),
+        max_bytes=max_bytes,
+        follow_symlinks=follow_symlinks,
+        own=_own_folders(leave_out),
+    )
     for root in _as_list(paths):
-        try:
-            st = os.stat(root)
-        except OSError as exc:
-            reason = "symlink_loop" if exc.errno == errno.ELOOP else "missing"
-            skip(root, os.path.basename(root), reason, exc.strerror or str(exc))
-            continue
-        if own and _inside(root, st, own):
-            continue
-        if stat.S_ISDIR(st.st_mode):
-            real_root = os.path.realpath(root)
-            if real_root in visited_dirs:
-                continue
-            visited_dirs.add(real_root)
-            walk(root, "", real_root, (real_root,))
-        elif stat.S_ISREG(st.st_mode):
-            consider_file(root, os.path.basename(root), st)
-        else:
-            skip(root, os.path.basename(root), "special", "FIFO, socket or device")
-    return ScanResult(files=files, skipped=skipped)
+        _scan_root(state, root)
+    return ScanResult(files=state.files, skipped=state.skipped)
