@@ -56,7 +56,7 @@ Here: :func:`create_app` wiring them into FastAPI, the ASGI guard (API key, coun
 """
 
 # No ``from __future__ import annotations`` here: FastAPI reads the route functions' annotations
-# (``request: Request``) at runtime, and Request is imported lazily inside create_app.
+# (``request: Request``) at runtime, and Request is imported lazily inside the functions that add them.
 import asyncio
 import contextlib
 import errno
@@ -67,7 +67,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import TYPE_CHECKING, Any  # Any: FastAPI/Starlette objects (the serve extra, imported lazily)
 
 from ..errors import ConfigError, EngineError, RagBudgetError, SearchIndexError
@@ -94,6 +94,8 @@ from .openai_api import (
 )
 
 if TYPE_CHECKING:
+    from fastapi import FastAPI
+
     from ..pipeline import Pipeline
 
 __all__ = [
@@ -140,148 +142,299 @@ def create_app(
     body_idle_timeout: float | None = None,
     body_timeout: float | None = None,
 ) -> Any:
-    """Build the FastAPI app serving ``pipeline`` (a :class:`ragbudget.pipeline.Pipeline`, local
-    or on a served engine).
+    """Build the FastAPI app serving ``pipeline`` (a :class:`ragbudget.pipeline.Pipeline`, local or on a served engine).
 
     ``api_key`` (default ``$RAGBUDGET_API_KEY``) makes every endpoint but ``/health`` require
-    ``Authorization: Bearer <key>``. ``model_name`` is the id clients send as ``model`` (default:
-    the generator's model id, also accepted as ``"ragbudget"``). ``max_workers`` bounds the threads
-    doing model work: a request arriving when all are busy (running or queued for admission) is
-    answered 429 at once instead of waiting unboundedly, with admission's ``Retry-After`` and a
-    kept place for the client that honours it (which may then run on up to ``max_workers``
-    more threads).
+    ``Authorization: Bearer <key>``. ``model_name`` is the id clients send as ``model`` (default: the generator's model
+    id, also accepted as ``"ragbudget"``). ``max_workers`` bounds the threads doing model work: a request arriving when
+    all are busy (running or queued for admission) is answered 429 at once instead of waiting unboundedly, with
+    admission's ``Retry-After`` and a kept place for the client that honours it (which may then run on up to
+    ``max_workers`` more threads).
 
     A request's earlier messages are its history, budgeted exactly as ``ragbudget chat`` does it
-    (:meth:`ragbudget.chat.Conversation.from_messages`), by ``history`` (a
-    :class:`~ragbudget.settings.HistorySettings`, or its flat keywords): history may take
-    ``history_share`` of the prompt room (retrieval gets the rest); when the turns do not fit,
-    the older ones are folded into a summary of at most ``summary_max_tokens`` tokens written by the same generator, the
-    last ``recent_turns`` stay verbatim, system messages and the question are never cut, and a
-    follow-up question is expanded for retrieval. The response's ``ragbudget.memory`` gives the
-    tokens of summary, recent turns, context and output and the number of turns summarized.
-    Summaries are remembered across requests (:class:`ragbudget.chat.SummaryCache`, the
-    ``summary_cache_size`` most recent; 0 turns that off): a client resending its conversation
-    pays only for folding the turns that are new since its last request.
+    (:meth:`ragbudget.chat.Conversation.from_messages`), by ``history`` (a :class:`~ragbudget.settings.HistorySettings`,
+    or its flat keywords): history may take ``history_share`` of the prompt room (retrieval gets the rest); when the
+    turns do not fit, the older ones are folded into a summary of at most ``summary_max_tokens`` tokens written by the
+    same generator, the last ``recent_turns`` stay verbatim, system messages and the question are never cut, and a
+    follow-up question is expanded for retrieval. The response's ``ragbudget.memory`` gives the tokens of summary,
+    recent turns, context and output and the number of turns summarized. Summaries are remembered across requests
+    (:class:`ragbudget.chat.SummaryCache`, the ``summary_cache_size`` most recent; 0 turns that off): a client resending
+    its conversation pays only for folding the turns that are new since its last request.
 
-    A streamed answer that has to wait for its turn after its first chunk (a client back at its
-    ``Retry-After`` that claimed its place) gets an SSE comment every ``keepalive_s`` seconds, so
-    that neither the client's read time-out nor a proxy closes the connection meanwhile.
-
-    ``request_timeout`` (seconds; ``None`` or 0: none) bounds one chat request from its arrival to
-    its last token, whatever it does: counting and summarizing its history, retrieval, waiting
-    for admission, generating. Past it the request is stopped as a client that left would be
-    (its worker and memory free within one count or one token) and answered 503
-    ``request_timeout``, or its stream ends with that error; a history over ``max_messages``
-    or ``max_history_chars`` (``history``) is a 400 before any work.
+    ``request_timeout`` (seconds; ``None`` or 0: none) bounds one chat request from its arrival to its last token,
+    whatever it does: counting and summarizing its history, retrieval, waiting for admission, generating. Past it the
+    request is stopped as a client that left would be (its worker and memory free within one count or one token) and
+    answered 503 ``request_timeout``, or its stream ends with that error; a history over ``max_messages`` or
+    ``max_history_chars`` (``history``) is a 400 before any work. A streamed answer that has to wait for its turn after
+    its first chunk (a client back at its ``Retry-After`` that claimed its place) gets an SSE comment every
+    ``keepalive_s`` seconds, so that neither the client's read time-out nor a proxy closes the connection meanwhile.
 
     On a served engine (``Pipeline(engine=...)``) the server re-reads the engine's health and load
-    (:class:`~ragbudget.server.engine_load.EngineLoad`) at most every ``engine_recheck_s`` seconds,
-    and an engine found gone is refused until that long after; 0 re-reads for every request and
-    every ``/health``, at the cost of one quick look at the engine each.
+    (:class:`~ragbudget.server.engine_load.EngineLoad`) at most every ``engine_recheck_s`` seconds, and an engine found
+    gone is refused until that long after; 0 re-reads for every request and every ``/health``, at the cost of one quick
+    look at the engine each.
 
     A client gets a bounded time to send its request (``client_timeouts``, a
-    :class:`~ragbudget.settings.ClientTimeoutSettings`, or its flat keywords): its body may pause
-    at most ``body_idle_timeout`` seconds (10) and take ``body_timeout`` seconds (30) in all, then
-    it is answered 408 and its connection closed (:class:`~ragbudget.server.deadlines.BodyDeadline`);
-    ``header_timeout`` (10) bounds its headers when :func:`serve` or :func:`background_server`
-    runs the app. Each cut is counted in ``/metrics``; 0 turns a limit off.
+    :class:`~ragbudget.settings.ClientTimeoutSettings`, or its flat keywords): its body may pause at most
+    ``body_idle_timeout`` seconds (10) and take ``body_timeout`` seconds (30) in all, then it is answered 408 and its
+    connection closed (:class:`~ragbudget.server.deadlines.BodyDeadline`); ``header_timeout`` (10) bounds its headers
+    when :func:`serve` or :func:`background_server` runs the app. Each cut is counted in ``/metrics``; 0 turns a limit
+    off.
 
-    ``trim_memory`` returns the heap freed by a burst of requests to the OS once the server is
-    idle again (glibc ``malloc_trim``; see :func:`~ragbudget.server.malloc.release_memory`), so resident
-    memory goes back to its baseline between bursts instead of ratcheting up.
+    ``trim_memory`` returns the heap freed by a burst of requests to the OS once the server is idle again (glibc
+    ``malloc_trim``; see :func:`~ragbudget.server.malloc.release_memory`), so resident memory goes back to its baseline
+    between bursts instead of ratcheting up.
 
-    Responses carry no host memory figures (GPU name, free/total/usable bytes, weights, KV
-    capacity; budget errors in tokens only) unless ``expose_plan`` is set, and never an absolute
-    path: a source path is shown below the index's root, or as a file name. ``/health`` answers
-    503 while the index cannot be opened, and so do the requests that need it.
-
-    >>> app = create_app(pipeline)  # doctest: +SKIP
+    Responses carry no host memory figures (GPU name, free/total/usable bytes, weights, KV capacity; budget errors in
+    tokens only) unless ``expose_plan`` is set, and never an absolute path: a source path is shown below the index's
+    root, or as a file name. ``/health`` answers 503 while the index cannot be opened, as do the requests that need it.
     """
-    from fastapi import FastAPI, Request
-    from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse, PlainTextResponse
-    from starlette.exceptions import HTTPException as StarletteHTTPException
+    import fastapi  # noqa: F401  (first: without the serve extra, nothing is built or checked)
 
-    if api_key is None:
-        api_key = os.environ.get(API_KEY_ENV) or None
-    if max_body_bytes < 1:
-        raise ConfigError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
-    if max_workers < 1:
-        raise ConfigError(f"max_workers must be >= 1, got {max_workers}")
-    if request_timeout is not None and not request_timeout >= 0:
-        raise ConfigError(f"request_timeout must be >= 0 seconds (0: none), got {request_timeout}")
-    policy = from_keywords(
+    _check_limits(max_body_bytes=max_body_bytes, max_workers=max_workers, request_timeout=request_timeout)
+    policy = _history_settings(history, history_share, summary_max_tokens, recent_turns)
+    _check_limits(engine_recheck_s=engine_recheck_s)
+    timeouts = _client_timeouts(client_timeouts, header_timeout, body_idle_timeout, body_timeout)
+    _check_limits(summary_cache_size=summary_cache_size)
+    server = _Server(pipeline, engine_recheck_s, model_name, max_workers, max_body_bytes, trim_memory, expose_plan)
+    chat = server.chat_endpoint(policy, summary_cache_size, disconnect_poll_s, keepalive_s, request_timeout)
+    return _new_app(server, chat, api_key, timeouts)
+
+
+#: What :func:`create_app` accepts of its numeric options: ``{name: (out of range?, the range)}``.
+_LIMITS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "max_body_bytes": (lambda v: v < 1, ">= 1"),
+    "max_workers": (lambda v: v < 1, ">= 1"),
+    "request_timeout": (lambda v: v is not None and not v >= 0, ">= 0 seconds (0: none)"),
+    "engine_recheck_s": (lambda v: not v >= 0, ">= 0 seconds (0: every request)"),  # NaN included
+    "summary_cache_size": (lambda v: v < 0, ">= 0 (0: no cache)"),
+}
+
+
+def _check_limits(**values: Any) -> None:
+    """Raise a :class:`~ragbudget.errors.ConfigError` for the first of ``values`` outside its :data:`_LIMITS`."""
+    for name, value in values.items():
+        out_of_range, bound = _LIMITS[name]
+        if out_of_range(value):
+            raise ConfigError(f"{name} must be {bound}, got {value}")
+
+
+def _history_settings(
+    history: HistorySettings | None,
+    history_share: float | None,
+    summary_max_tokens: int | None,
+    recent_turns: int | None,
+) -> HistorySettings:
+    """The history policy: ``history``, or one built from its flat keywords."""
+    return from_keywords(
         HistorySettings,
         history,
         "history",
         {"history_share": history_share, "summary_max_tokens": summary_max_tokens, "recent_turns": recent_turns},
     )
-    if not engine_recheck_s >= 0:  # NaN included
-        raise ConfigError(f"engine_recheck_s must be >= 0 seconds (0: every request), got {engine_recheck_s}")
-    timeouts = from_keywords(
+
+
+def _client_timeouts(
+    client_timeouts: ClientTimeoutSettings | None,
+    header_timeout: float | None,
+    body_idle_timeout: float | None,
+    body_timeout: float | None,
+) -> ClientTimeoutSettings:
+    """The slow clients' deadlines: ``client_timeouts``, or one built from its flat keywords."""
+    return from_keywords(
         ClientTimeoutSettings,
         client_timeouts,
         "client_timeouts",
         {"header_timeout": header_timeout, "body_idle_timeout": body_idle_timeout, "body_timeout": body_timeout},
     )
-    if summary_cache_size < 0:
-        raise ConfigError(f"summary_cache_size must be >= 0 (0: no cache), got {summary_cache_size}")
-    # Asked before anything connects: an engine not connected yet is one without a reading of its
-    # figures (which the first request would then reuse for up to engine_recheck_s).
-    engine_load = EngineLoad.watching(pipeline, ttl=engine_recheck_s)
-    served = model_name or _default_model_name(pipeline)
-    models = [served] if served == "ragbudget" else [served, "ragbudget"]
-    metrics = Metrics()
-    workers = Workers(max_workers, metrics, trim_memory=trim_memory)
-    started = time.time()
-    health = IndexHealth(pipeline)
-    admission = AdmissionView(pipeline, expose_plan=expose_plan)
-    summary_cache = None
-    if summary_cache_size > 0:
-        from ..chat import SummaryCache
 
-        summary_cache = SummaryCache(summary_cache_size)
 
-    def to_api_error(exc: BaseException) -> APIError:
-        err = error_from_exception(exc, expose_plan=expose_plan)
+class _Server:
+    """The state the routes share: the pipeline, its workers, index health, admission, the engine's load, counters."""
+
+    def __init__(
+        self,
+        pipeline: "Pipeline",
+        engine_recheck_s: float,
+        model_name: str | None,
+        max_workers: int,
+        max_body_bytes: int,
+        trim_memory: bool,
+        expose_plan: bool,
+    ) -> None:
+        # Asked before anything connects: an engine not connected yet is one without a reading of its
+        # figures (which the first request would then reuse for up to engine_recheck_s).
+        self.engine_load = EngineLoad.watching(pipeline, ttl=engine_recheck_s)
+        self.pipeline = pipeline
+        self.model_id = model_name or _default_model_name(pipeline)
+        self.models = [self.model_id] if self.model_id == "ragbudget" else [self.model_id, "ragbudget"]
+        self.metrics = Metrics()
+        self.workers = Workers(max_workers, self.metrics, trim_memory=trim_memory)
+        self.started = time.time()
+        self.health = IndexHealth(pipeline)
+        self.admission = AdmissionView(pipeline, expose_plan=expose_plan)
+        self.max_body_bytes = max_body_bytes
+        self.expose_plan = expose_plan
+
+    def to_api_error(self, exc: BaseException) -> APIError:
+        """The API error answering ``exc``, noting a broken index or a gone engine for ``/health``."""
+        err = error_from_exception(exc, expose_plan=self.expose_plan)
         if isinstance(exc, SearchIndexError):  # /health says so until a request succeeds again
-            health.failed(err)
-        if engine_load is not None and isinstance(exc, EngineError):  # gone: 503 until it is back
-            engine_load.failed(exc)
+            self.health.failed(err)
+        if self.engine_load is not None and isinstance(exc, EngineError):  # gone: 503 until it is back
+            self.engine_load.failed(exc)
         return err
 
-    chat = ChatEndpoint(
-        pipeline,
-        models=models,
-        workers=workers,
-        health=health,
-        admission=admission,
-        engine_load=engine_load,
-        to_error=to_api_error,
-        max_body_bytes=max_body_bytes,
-        history=policy,
-        summary_cache=summary_cache,
-        disconnect_poll_s=disconnect_poll_s,
-        expose_plan=expose_plan,
-        keepalive_s=keepalive_s,
-        request_timeout=request_timeout,
-    )
+    def chat_endpoint(
+        self,
+        history: HistorySettings,
+        summary_cache_size: int,
+        disconnect_poll_s: float,
+        keepalive_s: float,
+        request_timeout: float | None,
+    ) -> ChatEndpoint:
+        """The ``/v1/chat/completions`` endpoint on this server's workers, with its summary cache."""
+        summary_cache = None
+        if summary_cache_size > 0:
+            from ..chat import SummaryCache
+
+            summary_cache = SummaryCache(summary_cache_size)
+        return ChatEndpoint(
+            self.pipeline,
+            models=self.models,
+            workers=self.workers,
+            health=self.health,
+            admission=self.admission,
+            engine_load=self.engine_load,
+            to_error=self.to_api_error,
+            max_body_bytes=self.max_body_bytes,
+            history=history,
+            summary_cache=summary_cache,
+            disconnect_poll_s=disconnect_poll_s,
+            expose_plan=self.expose_plan,
+            keepalive_s=keepalive_s,
+            request_timeout=request_timeout,
+        )
+
+    async def health_response(self) -> Any:
+        """The ``/health`` answer: status, model, uptime, admission figures, and a served engine's state."""
+        from fastapi.responses import JSONResponse
+
+        figures = await self.admission.figures()
+        problem = self.health.check()
+        body: dict[str, Any] = {
+            "status": "ok" if problem is None else "unavailable",
+            "model": self.model_id,
+            "uptime_s": round(time.time() - self.started, 3),
+            "in_flight": self.metrics.in_flight,
+            **figures,
+        }
+        engine_load = self.engine_load
+        if engine_load is not None:
+            # Generation on a served engine: say what admission is sized from, and that it is
+            # open when the engine reports no capacity. The engine is looked at first (a quick
+            # look, at most every engine_recheck_s): while it is unavailable nothing else asks it.
+            load = await asyncio.to_thread(engine_load.read)
+            if engine_load.error is None:
+                note = await self.admission.note()
+                body["admission"] = note
+                if note.startswith("open"):
+                    body.pop("capacity_tokens", None)
+            body["engine_load"] = engine_load.describe(load)
+            # The engine's own health: a gateway whose engine is gone cannot answer a question,
+            # so /health is 503 then, as for a missing index (a load balancer takes it out).
+            body["engine"] = engine_load.state()
+            if problem is None and engine_load.error is not None:
+                problem = body["engine"]["error"]
+                body["status"] = "unavailable"
+        if problem is not None:
+            body["error"] = problem
+            return JSONResponse(body, status_code=503)
+        return body
+
+    async def metrics_response(self) -> Any:
+        """The ``/metrics`` answer: the counters, with admission's and a served engine's gauges."""
+        from fastapi.responses import PlainTextResponse
+
+        gauges = admission_gauges(await self.admission.figures())
+        engine_load = self.engine_load
+        if engine_load is not None:
+            gauges.update(engine_load.gauges(await asyncio.to_thread(engine_load.read)))
+            gauges["ragbudget_engine_up"] = (
+                metric_help("ragbudget_engine_up"),
+                0 if engine_load.error is not None else 1,
+            )
+            sent = engine_load.sent()
+            if sent is not None:
+                gauges["ragbudget_engine_tokenizer_requests"] = (
+                    metric_help("ragbudget_engine_tokenizer_requests"),
+                    sum(n for route, n in sent.items() if "tokenize" in route or "template" in route),
+                )
+        return PlainTextResponse(self.metrics.render(gauges), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def retrieve(self, request: Any) -> Any:
+        """The ``/v1/retrieve`` answer: the ``k`` best hits when asked for, else the chunks that fit the budget."""
+        pipeline = self.pipeline
+        req = parse_retrieve(await read_json(request, limit=self.max_body_bytes, metrics=self.metrics))
+        self.health.require()
+        if req.k is not None:
+            k = req.k
+            hits = await self.workers.run(lambda: pipeline.search(req.query, k=k), self.to_api_error)
+            self.health.ok()
+            return hits_body(req.query, hits)
+        selection = await self.workers.run(
+            lambda: pipeline.retrieve(req.query, context_tokens=req.context_tokens), self.to_api_error
+        )
+        self.health.ok()
+        return selection_body(req.query, selection)
+
+
+def _new_app(server: _Server, chat: ChatEndpoint, api_key: str | None, timeouts: ClientTimeoutSettings) -> "FastAPI":
+    """The FastAPI app around ``server`` and ``chat``: lifespan, state, error handlers, middleware, routes."""
+    from fastapi import FastAPI
+
+    if api_key is None:
+        api_key = os.environ.get(API_KEY_ENV) or None
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Any) -> AsyncIterator[None]:
         yield
         # Shutting down: stop running generations (frees their reservations) and queued work.
         chat.cancel_all()
-        workers.shutdown()
+        server.workers.shutdown()
 
     app = FastAPI(
         title="ragbudget", version=_version(), docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan
     )
-    app.state.pipeline = pipeline
-    app.state.metrics = metrics
-    app.state.executor = workers.executor
-    app.state.trimmer = workers.trimmer
+    app.state.pipeline = server.pipeline
+    app.state.metrics = server.metrics
+    app.state.executor = server.workers.executor
+    app.state.trimmer = server.workers.trimmer
     app.state.client_timeouts = timeouts  # the header deadline is the server's (serve, background_server)
+    _add_error_handlers(app, server.to_api_error)
+    app.add_middleware(_Guard, api_key=api_key, metrics=server.metrics)
+    # Added last, so outermost: the 401 the guard answers before reading a body closes too.
+    app.add_middleware(
+        BodyDeadline,
+        body_idle_timeout=timeouts.body_idle_timeout,
+        body_timeout=timeouts.body_timeout,
+        metrics=server.metrics,
+    )
+
+    # Open the index now, off any request: a later first /health then never waits on the
+    # pipeline's lock (a worker may hold it for seconds while it loads the model).
+    with contextlib.suppress(RagBudgetError):
+        server.health.store()
+    _add_routes(app, server, chat)
+    return app
+
+
+def _add_error_handlers(app: "FastAPI", to_api_error: Callable[[BaseException], APIError]) -> None:
+    """Answer every error on ``app`` as an OpenAI-style JSON error."""
+    from fastapi import Request
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse
+    from starlette.exceptions import HTTPException as StarletteHTTPException
 
     def error_response(err: APIError) -> Any:
         return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
@@ -308,94 +461,30 @@ def create_app(
     async def _any_error(request: Request, exc: Exception) -> Any:  # last resort (ServerErrorMiddleware)
         return error_response(to_api_error(exc))
 
-    app.add_middleware(_Guard, api_key=api_key, metrics=metrics)
-    # Added last, so outermost: the 401 the guard answers before reading a body closes too.
-    app.add_middleware(
-        BodyDeadline,
-        body_idle_timeout=timeouts.body_idle_timeout,
-        body_timeout=timeouts.body_timeout,
-        metrics=metrics,
-    )
 
-    # Open the index now, off any request: a later first /health then never waits on the
-    # pipeline's lock (a worker may hold it for seconds while it loads the model).
-    with contextlib.suppress(RagBudgetError):
-        health.store()
+def _add_routes(app: "FastAPI", server: _Server, chat: ChatEndpoint) -> None:
+    """Route the five endpoints of ``app`` to ``server`` and ``chat``."""
+    from fastapi import Request
 
     @app.get("/health")
     async def health_endpoint() -> Any:
-        figures = await admission.figures()
-        problem = health.check()
-        body: dict[str, Any] = {
-            "status": "ok" if problem is None else "unavailable",
-            "model": served,
-            "uptime_s": round(time.time() - started, 3),
-            "in_flight": metrics.in_flight,
-            **figures,
-        }
-        if engine_load is not None:
-            # Generation on a served engine: say what admission is sized from, and that it is
-            # open when the engine reports no capacity. The engine is looked at first (a quick
-            # look, at most every engine_recheck_s): while it is unavailable nothing else asks it.
-            load = await asyncio.to_thread(engine_load.read)
-            if engine_load.error is None:
-                note = await admission.note()
-                body["admission"] = note
-                if note.startswith("open"):
-                    body.pop("capacity_tokens", None)
-            body["engine_load"] = engine_load.describe(load)
-            # The engine's own health: a gateway whose engine is gone cannot answer a question,
-            # so /health is 503 then, as for a missing index (a load balancer takes it out).
-            body["engine"] = engine_load.state()
-            if problem is None and engine_load.error is not None:
-                problem = body["engine"]["error"]
-                body["status"] = "unavailable"
-        if problem is not None:
-            body["error"] = problem
-            return JSONResponse(body, status_code=503)
-        return body
+        return await server.health_response()
 
     @app.get("/metrics")
     async def metrics_endpoint() -> Any:
-        gauges = admission_gauges(await admission.figures())
-        if engine_load is not None:
-            gauges.update(engine_load.gauges(await asyncio.to_thread(engine_load.read)))
-            gauges["ragbudget_engine_up"] = (
-                metric_help("ragbudget_engine_up"),
-                0 if engine_load.error is not None else 1,
-            )
-            sent = engine_load.sent()
-            if sent is not None:
-                gauges["ragbudget_engine_tokenizer_requests"] = (
-                    metric_help("ragbudget_engine_tokenizer_requests"),
-                    sum(n for route, n in sent.items() if "tokenize" in route or "template" in route),
-                )
-        return PlainTextResponse(metrics.render(gauges), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return await server.metrics_response()
 
     @app.get("/v1/models")
     async def list_models() -> Any:
-        return models_body(models, int(started))
+        return models_body(server.models, int(server.started))
 
     @app.post("/v1/retrieve")
     async def retrieve(request: Request) -> Any:
-        req = parse_retrieve(await read_json(request, limit=max_body_bytes, metrics=metrics))
-        health.require()
-        if req.k is not None:
-            k = req.k
-            hits = await workers.run(lambda: pipeline.search(req.query, k=k), to_api_error)
-            health.ok()
-            return hits_body(req.query, hits)
-        selection = await workers.run(
-            lambda: pipeline.retrieve(req.query, context_tokens=req.context_tokens), to_api_error
-        )
-        health.ok()
-        return selection_body(req.query, selection)
+        return await server.retrieve(request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
         return await chat(request)
-
-    return app
 
 
 _ENDPOINTS = {"/health", "/metrics", "/v1/models", "/v1/retrieve", "/v1/chat/completions"}
