@@ -10,6 +10,7 @@ knows about memory; ``torch`` is imported inside the functions that draw.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,9 +23,11 @@ __all__ = [
     "first_stop",
     "line_repeats",
     "partial_stop",
+    "sampling_kwargs",
     "sampling_wanted",
     "seeded_sampler",
     "stop_list",
+    "stopping_criteria",
 ]
 
 
@@ -229,3 +232,59 @@ def partial_stop(text: str, stop: Sequence[str]) -> int:
                 best = n
                 break
     return best
+
+
+def sampling_kwargs(
+    do_sample: bool, temperature: float | None, top_p: float | None, top_k: int | None, seed: int | None
+) -> dict[str, Any]:
+    """transformers ``generate`` keywords for greedy decoding or sampling (seeded or not)."""
+    if do_sample and seed is not None:
+        from transformers import LogitsProcessorList
+
+        # Sample in a logits processor with a generator private to this call, then let
+        # greedy decoding pick the one token left: reproducible per seed even while other
+        # threads sample (torch.manual_seed would reseed the process-wide RNG they share).
+        sampler = seeded_sampler(seed, temperature, top_p, top_k)
+        return {
+            "do_sample": False,
+            "temperature": None,
+            "top_p": None,
+            "top_k": None,
+            "logits_processor": LogitsProcessorList([sampler]),
+        }
+    if do_sample:
+        return {k: v for k, v in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k)) if v is not None}
+    # The model's generation_config may ship sampling defaults; greedy must not warn.
+    return {"temperature": None, "top_p": None, "top_k": None}
+
+
+def stopping_criteria(n_prompt: int, tok: Any, cancel: threading.Event | None) -> Any:
+    """The criteria that end a local generation early: ``cancel`` set, or a repeated line
+    (:data:`REPEATED_LINE_STOP` times in a row)."""
+    import torch
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    criteria: list[Any] = []
+    if cancel is not None:
+
+        class _Cancel(StoppingCriteria):
+            def __init__(self, event: threading.Event) -> None:
+                self.event = event
+
+            def __call__(self, input_ids: Any, scores: Any, **kwargs: Any) -> Any:
+                done = self.event.is_set()
+                return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
+
+        criteria.append(_Cancel(cancel))
+
+    class _RepeatedLine(StoppingCriteria):
+        """Ends the answer at a line produced REPEATED_LINE_STOP times in a row. A line ends
+        only at a newline: the answer is decoded again only when a token holds one."""
+
+        def __call__(self, input_ids: Any, scores: Any, **kwargs: Any) -> Any:
+            new = input_ids[0, n_prompt:].tolist()
+            done = bool(new) and "\n" in tok.decode(new[-1:]) and line_repeats(tok.decode(new))[0] is not None
+            return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
+
+    criteria.append(_RepeatedLine())
+    return StoppingCriteriaList(criteria)

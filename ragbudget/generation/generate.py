@@ -48,9 +48,10 @@ from .decoding import (
     CallbackStreamer,
     first_stop,
     line_repeats,
+    sampling_kwargs,
     sampling_wanted,
-    seeded_sampler,
     stop_list,
+    stopping_criteria,
 )
 
 if TYPE_CHECKING:
@@ -171,6 +172,58 @@ def is_oom(exc: BaseException) -> bool:
         if isinstance(exc, torch.cuda.OutOfMemoryError):
             return True
     return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
+
+
+@dataclass
+class _Ladder:
+    """The out-of-memory ladder of one :meth:`Generator.generate` call: the prompt it runs now,
+    its ids, the cache layout and the rungs stepped down so far."""
+
+    device: str
+    ids_of: Callable[[Any], list[int]]
+    current: Any
+    ids: list[int]
+    cache: str
+    use_cache: bool = True
+    drops: int = 0
+    steps: list[OOMStep] = field(default_factory=list)
+
+    def down(self, exc: BaseException, max_new_tokens: int) -> None:
+        """One rung down after ``exc`` (an out-of-memory error); a BudgetError when none is left."""
+        reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        before = len(self.ids)
+        # Rung 1: half the context, packed again by the packer that chose it (a prompt
+        # from ragbudget.fitting; plain ids or messages cannot be packed again).
+        smaller = None
+        if self.drops < MAX_DROP_STEPS and isinstance(self.current, Refittable):
+            context = self.current.n_tokens - self.current.fixed_tokens
+            smaller = self.current.fewer(self.current.fixed_tokens + context // 2) if context > 0 else None
+            if smaller is not None and smaller.n_tokens >= self.current.n_tokens:
+                smaller = None  # nothing came out: the next rung
+        if smaller is not None:
+            self.drops += 1
+            self.current, self.ids = smaller, self.ids_of(smaller)
+            self.steps.append(OOMStep("drop_chunks", reason, before, len(self.ids), self.cache, self.use_cache))
+            return
+        # Rung 2: a smaller KV cache.
+        smaller_kv = smaller_cache(self.device)
+        if self.use_cache and self.cache not in ("quantized", "offloaded") and smaller_kv:
+            self.cache = smaller_kv
+            self.steps.append(OOMStep(f"{self.cache}_cache", reason, before, before, self.cache))
+            return
+        # Rung 3: no KV cache at all.
+        if self.use_cache:
+            self.use_cache, self.cache = False, "dynamic"
+            self.steps.append(OOMStep("no_cache", reason, before, before, "none", False))
+            return
+        tried = ", ".join(s.action for s in self.steps) or "nothing"
+        raise BudgetError(
+            f"out of memory generating {max_new_tokens} tokens after a {before}-token "
+            f"prompt, even after the fallback ladder ({tried}): {reason}. Lower "
+            "max_new_tokens or the context budget, lower concurrency, or free GPU memory",
+            needed=before + max_new_tokens,
+            available=None,
+        ) from exc
 
 
 def _free_memory() -> None:
@@ -449,6 +502,22 @@ class Generator:
         return self.warm_up()._device or "cpu"
 
     # -- generation ---------------------------------------------------------------------------
+    def _check_cache(self, cache: str) -> None:
+        """A ConfigError when ``cache`` is no layout, or one this host cannot run."""
+        if cache not in CACHE_KINDS:
+            raise ConfigError(f"cache must be one of {', '.join(CACHE_KINDS)}; got {cache!r}")
+        if cache == "quantized" and quant_backend() is None:
+            raise ConfigError(
+                "cache='quantized' needs a quantization backend: "
+                "`pip install optimum-quanto` (or hqq), or use another cache"
+            )
+        if cache == "offloaded" and not self.device.startswith("cuda"):
+            raise ConfigError(
+                f"cache='offloaded' needs a CUDA device (transformers moves layers "
+                f"with CUDA streams); the model is on {self.device!r}: use the "
+                "dynamic, static or quantized cache there"
+            )
+
     def _ids_of(self, prompt: Any) -> list[int]:
         if hasattr(prompt, "input_ids") and not isinstance(prompt, dict):
             return list(prompt.input_ids)
@@ -500,99 +569,46 @@ class Generator:
         current token (``finish_reason="cancelled"``). Text already streamed is not taken back if
         an OOM retry restarts the answer.
         """
-        if cache not in CACHE_KINDS:
-            raise ConfigError(f"cache must be one of {', '.join(CACHE_KINDS)}; got {cache!r}")
+        self._check_cache(cache)
         if max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens must be ≥ 1; got {max_new_tokens}")
-        if cache == "quantized" and quant_backend() is None:
-            raise ConfigError(
-                "cache='quantized' needs a quantization backend: "
-                "`pip install optimum-quanto` (or hqq), or use another cache"
-            )
-        if cache == "offloaded" and not self.device.startswith("cuda"):
-            raise ConfigError(
-                f"cache='offloaded' needs a CUDA device (transformers moves layers "
-                f"with CUDA streams); the model is on {self.device!r}: use the "
-                "dynamic, static or quantized cache there"
-            )
         stop = stop_list(stop)
         do_sample = sampling_wanted(do_sample, temperature, top_p, top_k, seed)
         self.warm_up()
-        current = prompt
-        ids = self._ids_of(current)
-        steps: list[OOMStep] = []
-        use_cache, cur_cache, drops = True, cache, 0
+        ladder = _Ladder(device=self.device, ids_of=self._ids_of, current=prompt, ids=self._ids_of(prompt), cache=cache)
+        # What every rung's retry decodes with (the ladder changes the prompt and the cache only).
+        decoding: dict[str, Any] = {"kv_dtype": kv_dtype, "do_sample": do_sample, "temperature": temperature}
+        decoding |= {"top_p": top_p, "top_k": top_k, "seed": seed, "stop": stop}
+        decoding |= {"on_text": on_text, "streamer": streamer, "cancel": cancel}
         t0 = time.perf_counter()
         while True:
             try:
                 out, peak = self._run(
-                    ids,
+                    ladder.ids,
                     max_new_tokens=max_new_tokens,
-                    cache=cur_cache,
-                    kv_dtype=kv_dtype,
-                    use_cache=use_cache,
-                    do_sample=do_sample,
-                    temperature=temperature,
-                    top_p=top_p,
-                    top_k=top_k,
-                    seed=seed,
-                    stop=stop,
-                    on_text=on_text,
-                    streamer=streamer,
-                    cancel=cancel,
+                    cache=ladder.cache,
+                    use_cache=ladder.use_cache,
+                    **decoding,
                 )
                 break
             except Exception as exc:
                 if not (oom_ladder and is_oom(exc)):
                     raise
                 _free_memory()
-                reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-                before = len(ids)
-                # Rung 1: half the context, packed again by the packer that chose it (a prompt
-                # from ragbudget.fitting; plain ids or messages cannot be packed again).
-                smaller = None
-                if drops < MAX_DROP_STEPS and isinstance(current, Refittable):
-                    context = current.n_tokens - current.fixed_tokens
-                    smaller = current.fewer(current.fixed_tokens + context // 2) if context > 0 else None
-                    if smaller is not None and smaller.n_tokens >= current.n_tokens:
-                        smaller = None  # nothing came out: the next rung
-                if smaller is not None:
-                    drops += 1
-                    current, ids = smaller, self._ids_of(smaller)
-                    steps.append(OOMStep("drop_chunks", reason, before, len(ids), cur_cache, use_cache))
-                    continue
-                # Rung 2: a smaller KV cache.
-                smaller_kv = smaller_cache(self.device)
-                if use_cache and cur_cache not in ("quantized", "offloaded") and smaller_kv:
-                    cur_cache = smaller_kv
-                    steps.append(OOMStep(f"{cur_cache}_cache", reason, before, before, cur_cache))
-                    continue
-                # Rung 3: no KV cache at all.
-                if use_cache:
-                    use_cache, cur_cache = False, "dynamic"
-                    steps.append(OOMStep("no_cache", reason, before, before, "none", False))
-                    continue
-                tried = ", ".join(s.action for s in steps) or "nothing"
-                raise BudgetError(
-                    f"out of memory generating {max_new_tokens} tokens after a {before}-token "
-                    f"prompt, even after the fallback ladder ({tried}): {reason}. Lower "
-                    "max_new_tokens or the context budget, lower concurrency, or free GPU memory",
-                    needed=before + max_new_tokens,
-                    available=None,
-                ) from exc
+                ladder.down(exc, max_new_tokens)
         seconds = time.perf_counter() - t0
-        new = out[len(ids) :]
+        new = out[len(ladder.ids) :]
         text, finish = self._finish(new, max_new_tokens, stop, cancelled=cancel is not None and cancel.is_set())
         gen = Generation(
             text=text,
-            prompt_tokens=len(ids),
+            prompt_tokens=len(ladder.ids),
             new_tokens=len(new),
             finish_reason=finish,
             seconds=seconds,
-            oom_steps=tuple(steps),
-            cache=cur_cache if use_cache else "none",
+            oom_steps=tuple(ladder.steps),
+            cache=ladder.cache if ladder.use_cache else "none",
             peak_memory_bytes=peak,
-            prompt=current if hasattr(current, "input_ids") else None,
+            prompt=ladder.current if hasattr(ladder.current, "input_ids") else None,
         )
         if peak is not None:
             gen = replace(gen, measurement=self._measure(gen, peak, kv_dtype))
@@ -686,20 +702,7 @@ class Generator:
             "use_cache": use_cache,
             "pad_token_id": tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
         }
-        processors: list[Any] = []
-        if do_sample and seed is not None:
-            # Sample in a logits processor with a generator private to this call, then let
-            # greedy decoding pick the one token left: reproducible per seed even while other
-            # threads sample (torch.manual_seed would reseed the process-wide RNG they share).
-            processors.append(seeded_sampler(seed, temperature, top_p, top_k))
-            kw.update(do_sample=False, temperature=None, top_p=None, top_k=None)
-        elif do_sample:
-            kw.update(
-                {k: v for k, v in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k)) if v is not None}
-            )
-        else:
-            # The model's generation_config may ship sampling defaults; greedy must not warn.
-            kw.update(temperature=None, top_p=None, top_k=None)
+        kw.update(sampling_kwargs(do_sample, temperature, top_p, top_k, seed))
         if use_cache and cache != "dynamic":
             kw["cache_implementation"] = cache
             if cache == "quantized":
@@ -711,36 +714,7 @@ class Generator:
         if stop:
             kw["stop_strings"] = list(stop)
             kw["tokenizer"] = tok
-        if processors:
-            from transformers import LogitsProcessorList
-
-            kw["logits_processor"] = LogitsProcessorList(processors)
-        from transformers import StoppingCriteria, StoppingCriteriaList
-
-        criteria: list[Any] = []
-        if cancel is not None:
-
-            class _Cancel(StoppingCriteria):
-                def __init__(self, event: threading.Event) -> None:
-                    self.event = event
-
-                def __call__(self, input_ids: Any, scores: Any, **kwargs: Any) -> Any:
-                    done = self.event.is_set()
-                    return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
-
-            criteria.append(_Cancel(cancel))
-
-        class _RepeatedLine(StoppingCriteria):
-            """Ends the answer at a line produced REPEATED_LINE_STOP times in a row. A line ends
-            only at a newline: the answer is decoded again only when a token holds one."""
-
-            def __call__(self, input_ids: Any, scores: Any, **kwargs: Any) -> Any:
-                new = input_ids[0, len(ids) :].tolist()
-                done = bool(new) and "\n" in tok.decode(new[-1:]) and line_repeats(tok.decode(new))[0] is not None
-                return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
-
-        criteria.append(_RepeatedLine())
-        kw["stopping_criteria"] = StoppingCriteriaList(criteria)
+        kw["stopping_criteria"] = stopping_criteria(len(ids), tok, cancel)
         if on_text is not None:
             kw["streamer"] = CallbackStreamer(tok, on_text, len(ids), stop or ())
         elif streamer is not None:
