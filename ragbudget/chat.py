@@ -43,7 +43,7 @@ question verbatim, with the conversation as history.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -61,6 +61,7 @@ from .summaries import (
 )
 
 if TYPE_CHECKING:
+    from .generation.allowance import RequestPlan
     from .generation.backend import Backend
     from .pipeline import Answer, Pipeline
 
@@ -219,6 +220,28 @@ class _State:
     system: list[Message] = field(default_factory=list)  # the client's instructions, never folded
     # SummaryCache key of the current summary (None until the first fold looks it up).
     fold_key: str | None = None
+
+
+#: What :meth:`Conversation._fitted_history` returns when the client left while the history was
+#: being fitted: no history, nothing summarized anew.
+_LEFT: tuple[list[Message], int, int, bool] = ([], 0, 0, False)
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Room:
+    """One turn's room: the answer's reserve, the fixed part (question, template, the client's
+    system messages), the prompt allowed and the request's total; ``left`` is for history and
+    context together."""
+
+    output: int
+    system: int
+    fixed: int
+    prompt_allowed: int
+    total: int
+
+    @property
+    def left(self) -> int:
+        return self.prompt_allowed - self.fixed
 
 
 class Conversation:
@@ -405,43 +428,11 @@ class Conversation:
         # question is measured first here, and the answer's prompt is built from the candidates
         # (the turns are those before any fold; a fold that changes the query searches again).
         self.pipeline.prime(question, retrieval_query=self._retrieval_query(question))
-        output = plan.max_new_tokens
-        system_tokens = self._meter.cost(self._state.system, question) if self._state.system else 0
-        fixed = self._meter.fixed(question) + system_tokens
-        # The pipeline's own rule (Pipeline.ask decides by it too): memory and the window bound
-        # the question; a time cap never refuses one, it only shortens the context.
-        prompt_allowed = question_room(plan, fixed, output)
-        total = prompt_allowed + output
-        room = prompt_allowed - fixed
-        if room <= 0:
-            what = "the question and system messages" if system_tokens else "the question"
-            raise BudgetError(
-                f"{what} alone take {fixed} prompt tokens but the budget allows {prompt_allowed} "
-                f"({total} per request{limit_phrase(plan)} minus {output} reserved "
-                "for the answer); shorten the question, lower max_new_tokens, or plan for a larger "
-                "GPU",
-                needed=fixed + output,
-                available=total,
-            )
-        history_allowed = int(room * self.history.history_share)
-        try:
-            summary_updated = self._fit(question, history_allowed, cancel=cancel, started=t_start)
-            stopped_early = False
-        except RequestCancelled:
-            # Left while the history was being fitted: no history, no context, and the pipeline
-            # answers "cancelled" without generating (the conversation keeps its turns, or the
-            # summary of those a finished fold took).
-            summary_updated, stopped_early = False, True
-
-        if stopped_early:
-            history: list[Message] = []
-            summary_tokens = history_tokens = 0
-        else:
-            history = self.history_messages()
-            summary_tokens = self._history_cost(question, turns=[]) if self._state.summary else 0
-            history_tokens = self._history_cost(question)
-        recent_tokens = history_tokens - summary_tokens
-        context_allowed = 0 if stopped_early else room - history_tokens
+        room = self._room(question, plan)
+        history_allowed = int(room.left * self.history.history_share)
+        fitted = self._fitted_history(question, history_allowed, cancel=cancel, started=t_start)
+        history, summary_tokens, history_tokens, summary_updated = fitted
+        context_allowed = 0 if fitted is _LEFT else room.left - history_tokens
         if self.context_tokens is not None:
             context_allowed = min(context_allowed, self.context_tokens)
         history_s = time.perf_counter() - t_start
@@ -450,7 +441,7 @@ class Conversation:
         answer = self.pipeline.ask(
             question,
             context_tokens=max(0, context_allowed),
-            max_new_tokens=output,
+            max_new_tokens=room.output,
             history=history or None,
             on_text=on_text,
             cancel=cancel,
@@ -466,28 +457,14 @@ class Conversation:
         if self._summary_s:
             timings["summary_s"] = self._summary_s
         timings["total_s"] = float(timings.get("total_s") or 0.0) + history_s
-        b = report.get("budget") or {}
-        context_used = int(b.get("context_tokens_used") or 0)
-        prompt = int(b.get("prompt_tokens") or (fixed + history_tokens + context_used))
-        budget = TurnBudget(
-            total=total,
-            output=output,
-            prompt_allowed=prompt_allowed,
-            fixed=fixed,
+        budget = self._turn_budget(
+            report.get("budget") or {},
+            room,
             history_allowed=history_allowed,
-            summary=summary_tokens,
-            recent=recent_tokens,
+            summary_tokens=summary_tokens,
+            history_tokens=history_tokens,
             context_allowed=max(0, context_allowed),
-            context_used=context_used,
-            prompt=prompt,
-            turns_verbatim=len(self._state.turns),
-            turns_summarized=self._state.summarized,
             summary_updated=summary_updated,
-            summary_cached=self._cached_turns,
-            overrun=prompt + output > total or history_tokens > history_allowed,
-            system=system_tokens,
-            limited_by=str(b.get("limited_by") or ""),
-            summary_fallback=self._fallback,
         )
         report["memory"] = budget.to_dict()
         text = answer.text
@@ -503,6 +480,79 @@ class Conversation:
             budget=budget,
             summary=self._state.summary,
             cancelled=stopped,
+        )
+
+    def _fitted_history(
+        self, question: str, allowed: int, *, cancel: Any, started: float
+    ) -> tuple[list[Message], int, int, bool]:
+        """The history fitted into ``allowed`` tokens (older turns folded into the summary when it
+        overflows): its messages, the summary's tokens, the whole history's, and whether the
+        summary was written anew; :data:`_LEFT` when the client left meanwhile."""
+        try:
+            summary_updated = self._fit(question, allowed, cancel=cancel, started=started)
+        except RequestCancelled:
+            # Left while the history was being fitted: no history, no context, and the pipeline
+            # answers "cancelled" without generating (the conversation keeps its turns, or the
+            # summary of those a finished fold took).
+            return _LEFT
+        summary_tokens = self._history_cost(question, turns=[]) if self._state.summary else 0
+        return self.history_messages(), summary_tokens, self._history_cost(question), summary_updated
+
+    def _room(self, question: str, plan: RequestPlan) -> _Room:
+        """What one turn's prompt may hold once ``question`` (with the client's system messages)
+        is in; a BudgetError when it leaves nothing."""
+        output = plan.max_new_tokens
+        system_tokens = self._meter.cost(self._state.system, question) if self._state.system else 0
+        fixed = self._meter.fixed(question) + system_tokens
+        # The pipeline's own rule (Pipeline.ask decides by it too): memory and the window bound
+        # the question; a time cap never refuses one, it only shortens the context.
+        prompt_allowed = question_room(plan, fixed, output)
+        total = prompt_allowed + output
+        if prompt_allowed - fixed <= 0:
+            what = "the question and system messages" if system_tokens else "the question"
+            raise BudgetError(
+                f"{what} alone take {fixed} prompt tokens but the budget allows {prompt_allowed} "
+                f"({total} per request{limit_phrase(plan)} minus {output} reserved "
+                "for the answer); shorten the question, lower max_new_tokens, or plan for a larger "
+                "GPU",
+                needed=fixed + output,
+                available=total,
+            )
+        return _Room(output=output, system=system_tokens, fixed=fixed, prompt_allowed=prompt_allowed, total=total)
+
+    def _turn_budget(
+        self,
+        b: Mapping[str, Any],
+        room: _Room,
+        *,
+        history_allowed: int,
+        summary_tokens: int,
+        history_tokens: int,
+        context_allowed: int,
+        summary_updated: bool,
+    ) -> TurnBudget:
+        """The turn's :class:`TurnBudget`, from its room, its history and the answer's budget ``b``."""
+        context_used = int(b.get("context_tokens_used") or 0)
+        prompt = int(b.get("prompt_tokens") or (room.fixed + history_tokens + context_used))
+        return TurnBudget(
+            total=room.total,
+            output=room.output,
+            prompt_allowed=room.prompt_allowed,
+            fixed=room.fixed,
+            history_allowed=history_allowed,
+            summary=summary_tokens,
+            recent=history_tokens - summary_tokens,
+            context_allowed=context_allowed,
+            context_used=context_used,
+            prompt=prompt,
+            turns_verbatim=len(self._state.turns),
+            turns_summarized=self._state.summarized,
+            summary_updated=summary_updated,
+            summary_cached=self._cached_turns,
+            overrun=prompt + room.output > room.total or history_tokens > history_allowed,
+            system=room.system,
+            limited_by=str(b.get("limited_by") or ""),
+            summary_fallback=self._fallback,
         )
 
     def _retrieval_query(self, question: str) -> str:
