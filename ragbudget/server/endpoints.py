@@ -637,7 +637,6 @@ class ChatEndpoint:
     ) -> Any:
         from starlette.responses import Response
 
-        metrics = self.metrics
         # The answer runs on the worker pool (a full pool is a 429 from here); its text, its
         # "queued" (a returning client claimed its place), then its end reach this loop in order.
         try:
@@ -653,25 +652,45 @@ class ChatEndpoint:
         # ask(), so an overloaded server must still be able to answer 429 with Retry-After. A
         # client back at its Retry-After that claimed its place ("queued") is never refused for
         # time: its 200 starts now, kept alive while it waits for its turn.
-        getter = asyncio.ensure_future(relay.anext_event())
-        while True:
-            done, _ = await asyncio.wait({getter}, timeout=self.disconnect_poll_s)
-            if done:
-                first = getter.result()
-                break
-            if await request.is_disconnected():
-                cancel.set()
-                metrics.add("cancelled", 1)
-                getter.cancel()
-                await asyncio.wait({relay.started})
-                return Response(status_code=CLIENT_CLOSED)
+        first = await self._first_event(request, relay, cancel)
+        if first is None:  # the client left before anything was sent
+            return Response(status_code=CLIENT_CLOSED)
         if cancel.timed_out and (
             first.kind == "error" or (first.kind == "done" and first.value.finish_reason == "cancelled")
         ):
             raise self.timed_out()  # nothing sent yet: a plain 503
         if first.kind == "error":
             raise self.to_error(first.value)
+        return self._sse_response(request, req, cancel, t0, completion, relay, first)
 
+    async def _first_event(self, request: Any, relay: Relay[Answer], cancel: RequestCancel) -> Any:
+        """The answer's first event, polling for the client's leaving meanwhile (``None``: it
+        left; the answer is cancelled and its worker has started, so it frees what it holds)."""
+        getter = asyncio.ensure_future(relay.anext_event())
+        while True:
+            done, _ = await asyncio.wait({getter}, timeout=self.disconnect_poll_s)
+            if done:
+                return getter.result()
+            if await request.is_disconnected():
+                cancel.set()
+                self.metrics.add("cancelled", 1)
+                getter.cancel()
+                await asyncio.wait({relay.started})
+                return None
+
+    def _sse_response(
+        self,
+        request: Any,
+        req: ChatRequest,
+        cancel: RequestCancel,
+        t0: float,
+        completion: Completion,
+        relay: Relay[Answer],
+        first: Any,
+    ) -> Any:
+        """The 200 event stream of an answer whose ``first`` event came: its text as chunks,
+        keep-alive comments while it waits for its turn, then its end or its error."""
+        metrics = self.metrics
         finished = False
 
         def closed() -> None:
