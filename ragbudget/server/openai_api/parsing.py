@@ -241,6 +241,26 @@ def parse_chat(body: Any, models: Sequence[str], *, max_tokens_limit: int | None
     if not isinstance(body, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}", code="invalid_type")
     _check_fields(body, _CHAT_FIELDS)
+    model = _chat_model(body, models)
+    parsed = _chat_messages(body)
+    stream, include_usage = _stream_options(body)
+    sampling = parse_sampling(body)
+    _check_unsupported_values(body)
+    return ChatRequest(
+        model=model,
+        question=parsed[-1]["content"],
+        history=parsed[:-1],
+        stream=stream,
+        include_usage=include_usage,
+        max_tokens=_max_tokens(body, max_tokens_limit),
+        context_tokens=_opt_int(body, "context_tokens"),
+        sampling=sampling,
+        key=body_key(body),
+    )
+
+
+def _chat_model(body: dict[str, Any], models: Sequence[str]) -> str:
+    """The request's ``model``: one this server serves (a 404 names them), else a 400."""
     model = body.get("model")
     if model is None:
         raise APIError(400, "missing required parameter 'model'", param="model", code="missing_required_parameter")
@@ -253,6 +273,12 @@ def parse_chat(body: Any, models: Sequence[str], *, max_tokens_limit: int | None
             param="model",
             code="model_not_found",
         )
+    return model
+
+
+def _chat_messages(body: dict[str, Any]) -> list[dict[str, str]]:
+    """The request's ``messages`` as role/content pairs (``developer`` read as ``system``),
+    the last one the user's question."""
     messages = body.get("messages")
     if messages is None:
         raise APIError(
@@ -303,6 +329,11 @@ def parse_chat(body: Any, models: Sequence[str], *, max_tokens_limit: int | None
             param=f"messages[{len(parsed) - 1}].content",
             code="invalid_value",
         )
+    return parsed
+
+
+def _stream_options(body: dict[str, Any]) -> tuple[bool, bool]:
+    """``stream`` and ``stream_options.include_usage`` (and ``n``, which must be 1)."""
     stream = body.get("stream", False)
     if stream is None:
         stream = False
@@ -320,33 +351,26 @@ def parse_chat(body: Any, models: Sequence[str], *, max_tokens_limit: int | None
         raise APIError(
             400, "'stream_options.include_usage' must be a boolean", param="stream_options", code="invalid_type"
         )
-    sampling = parse_sampling(body)
-    _check_unsupported_values(body)
+    return stream, bool(options.get("include_usage", False))
+
+
+def _max_tokens(body: dict[str, Any], limit: int | None) -> int | None:
+    """``max_completion_tokens`` (or the older ``max_tokens``), never past ``limit``."""
     max_name = "max_completion_tokens"
     max_tokens = _opt_int(body, max_name)
     if max_tokens is None:
         max_name = "max_tokens"
         max_tokens = _opt_int(body, max_name)
-    if max_tokens is not None and max_tokens_limit is not None and max_tokens > max_tokens_limit:
+    if max_tokens is not None and limit is not None and max_tokens > limit:
         raise APIError(
             400,
-            f"'{max_name}' is {max_tokens} but this server generates at most {max_tokens_limit} "
+            f"'{max_name}' is {max_tokens} but this server generates at most {limit} "
             "tokens per answer (ragbudget serve --max-new-tokens); "
-            f"send at most {max_tokens_limit} or leave it out",
+            f"send at most {limit} or leave it out",
             param=max_name,
             code="invalid_value",
         )
-    return ChatRequest(
-        model=model,
-        question=last["content"],
-        history=parsed[:-1],
-        stream=stream,
-        include_usage=bool(options.get("include_usage", False)),
-        max_tokens=max_tokens,
-        context_tokens=_opt_int(body, "context_tokens"),
-        sampling=sampling,
-        key=body_key(body),
-    )
+    return max_tokens
 
 
 def body_key(body: dict[str, Any]) -> str:
