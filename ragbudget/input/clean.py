@@ -43,7 +43,7 @@ from __future__ import annotations
 import math
 import re
 from collections import defaultdict
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, overload
 
@@ -265,16 +265,46 @@ def find_furniture(
     pageno_keys: dict[str, set[int]] = defaultdict(set)
     for p, i in pageno:
         pageno_keys[keys[(p, i)]].add(p)
-    # The edge(s) where this document prints its page numbers: at least _PAGENO_MIN pages whose
-    # outermost line there carries the number.
+    furniture = _repeated_furniture(key_pages, n, known=known, outermost=outermost, pageno_keys=pageno_keys)
+    # Section running heads ("2.3. Copyright considerations  9", "Chapter 13: Packages  84",
+    # "2  CONTENTS") carry the current title, so their masked form is often on one page only.
+    # The page-number sequence vouches for them when the line is the outermost one of its page,
+    # on the edge where the document prints its numbers; the lone "1" under a man page's first
+    # page goes the same way. A line that repeats and carries the number was taken above.
+    # These go by position, not by key: a copy of the line elsewhere on the page stays.
+    number_edges = _number_edges(pageno)
+    pinned = {loc for loc, edge in pageno.items() if edge in number_edges}
+    if trust_page_numbers:
+        # Opt-in: the page-number sequence alone is enough, wherever in the edge zone the line
+        # sits (under a fixed footer, on the other edge).
+        pinned.update(pageno)
+    removed, per_page = _peel(split, zones, lambda p, i: (keys[(p, i)], p) in furniture or (p, i) in pinned)
+    patterns = tuple(sorted({keys[loc] for loc in removed}))
+    return StripReport(removed=len(removed), patterns=patterns, per_page=tuple(per_page), lines=tuple(removed))
+
+
+def _number_edges(pageno: Mapping[tuple[int, int], str | None]) -> set[str]:
+    """The edge(s) where a document prints its page numbers: at least _PAGENO_MIN pages whose
+    outermost line there carries the number."""
     edge_count: dict[str, int] = defaultdict(int)
     for edge in pageno.values():
         if edge:
             edge_count[edge] += 1
-    number_edges = {edge for edge, count in edge_count.items() if count >= _PAGENO_MIN}
+    return {edge for edge, count in edge_count.items() if count >= _PAGENO_MIN}
 
-    # (key, page) pairs judged furniture. Every rule in this loop needs the key on >= 2 pages of
-    # this document; the page-number rule after it vouches for single outermost lines.
+
+def _repeated_furniture(
+    key_pages: Mapping[str, set[int]],
+    n: int,
+    *,
+    known: Collection[str],
+    outermost: Sequence[set[str]],
+    pageno_keys: Mapping[str, set[int]],
+) -> set[tuple[str, int]]:
+    """The (key, page) pairs judged furniture because the key repeats: known across the corpus,
+    on most pages, on most pages of one parity, in a run of outermost lines, or with the page
+    number. Every rule but ``known`` needs the key on >= 2 pages of this document; the
+    page-number rule in :func:`find_furniture` vouches for single outermost lines."""
     furniture: set[tuple[str, int]] = set()
     n_parity = [len(range(0, n, 2)), len(range(1, n, 2))]
     for key, pset in key_pages.items():
@@ -307,18 +337,14 @@ def find_furniture(
         # Page-number evidence: the masked line repeats and its number follows the page sequence.
         if len(pageno_keys.get(key, ())) >= 2:
             furniture.update((key, p) for p in pageno_keys[key])
-    # Section running heads ("2.3. Copyright considerations  9", "Chapter 13: Packages  84",
-    # "2  CONTENTS") carry the current title, so their masked form is often on one page only.
-    # The page-number sequence vouches for them when the line is the outermost one of its page,
-    # on the edge where the document prints its numbers; the lone "1" under a man page's first
-    # page goes the same way. A line that repeats and carries the number was taken above.
-    # These go by position, not by key: a copy of the line elsewhere on the page stays.
-    pinned = {loc for loc, edge in pageno.items() if edge in number_edges}
-    if trust_page_numbers:
-        # Opt-in: the page-number sequence alone is enough, wherever in the edge zone the line
-        # sits (under a fixed footer, on the other edge).
-        pinned.update(pageno)
+    return furniture
 
+
+def _peel(
+    split: Sequence[list[str]], zones: Sequence[Sequence[int]], is_furniture: Callable[[int, int], bool]
+) -> tuple[list[tuple[int, int]], list[int]]:
+    """The lines to remove, peeled inwards from each page's edges while ``is_furniture(page,
+    line)`` holds, and their count per page — nothing at all when that would empty most pages."""
     removed: list[tuple[int, int]] = []
     per_page = []
     for p, lines in enumerate(split):
@@ -330,7 +356,7 @@ def find_furniture(
             for i in order:
                 if i in gone:
                     break
-                if (keys[(p, i)], p) in furniture or (p, i) in pinned:
+                if is_furniture(p, i):
                     gone.append(i)
                 else:
                     break
@@ -344,9 +370,8 @@ def find_furniture(
     n_lines = [sum(1 for line in lines if line.strip()) for lines in split]
     emptied = sum(1 for p in with_text if per_page[p] == n_lines[p])
     if with_text and emptied > _MAX_EMPTIED * len(with_text):
-        removed, per_page = [], [0] * n
-    patterns = tuple(sorted({keys[loc] for loc in removed}))
-    return StripReport(removed=len(removed), patterns=patterns, per_page=tuple(per_page), lines=tuple(removed))
+        return [], [0] * len(split)
+    return removed, per_page
 
 
 # Contents pages: a table of contents, a list of figures, an index. Their entries end in a dot
