@@ -82,6 +82,26 @@ def html_to_text(markup: str, path: str) -> tuple[str, str]:
     >>> html_to_text("<title>T</title><nav>Home</nav><h2>Hi</h2><p>Some <b>bold</b> text.</p>", "x.html")
     ('## Hi\\n\\nSome bold text.', 'T')
     """
+    root = _parse(markup, path)
+    title_el = root.find(".//title")
+    title = " ".join((title_el.text_content() if title_el is not None else "").split())
+    container = _main_container(root)
+    writer = _TextWriter()
+    try:
+        writer.walk(container, container.tag in ("article", "main"))
+    except RecursionError as exc:  # thousands of nested elements: hostile or broken markup
+        raise LoadError(f"{path}: HTML nested too deeply to read", path=path, reason="malformed") from exc
+    writer.flush()
+    lines = writer.lines
+    text = re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip()
+    if text and title and not any(line.startswith("#") for line in lines):
+        text = f"# {title}\n\n{text}"
+    return text, title
+
+
+# An lxml element or tree (lxml ships no type stubs: its values are Any here).
+def _parse(markup: str, path: str) -> Any:
+    """The parsed document; a LoadError when it is empty or cannot be parsed."""
     import lxml.etree
     import lxml.html
 
@@ -89,36 +109,47 @@ def html_to_text(markup: str, path: str) -> tuple[str, str]:
     if not markup.strip():
         raise LoadError(f"{path}: the HTML file has no content", path=path, reason="empty")
     try:
-        root = lxml.html.document_fromstring(markup)
+        return lxml.html.document_fromstring(markup)
     except (lxml.etree.ParserError, ValueError) as exc:
         raise LoadError(f"{path}: cannot parse HTML ({exc})", path=path, reason="malformed") from exc
-    title_el = root.find(".//title")
-    title = " ".join((title_el.text_content() if title_el is not None else "").split())
-    # Main content: the single <main>, else the single <article>, else <body>.
+
+
+def _main_container(root: Any) -> Any:
+    """Main content: the single <main>, else the single <article>, else <body>."""
     body = root.find(".//body")
     container = body if body is not None else root
     for tag in ("main", "article"):
         found = root.findall(f".//{tag}")
         if len(found) == 1:
-            container = found[0]
-            break
+            return found[0]
+    return container
 
-    lines: list[str] = []
-    buf: list[str] = []
 
-    def flush() -> None:
-        text = " ".join("".join(buf).split())
-        buf.clear()
+class _TextWriter:
+    """An element tree written out as Markdown-ish lines: headings, list items, paragraphs and
+    preformatted blocks, the page's chrome (navigation, hidden parts) left out."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self.buf: list[str] = []
+
+    def flush(self) -> None:
+        """End the line being written (a lone list dash is no line)."""
+        text = " ".join("".join(self.buf).split())
+        self.buf.clear()
         if text and text != "-":
-            lines.append(text)
+            self.lines.append(text)
 
-    def block_break() -> None:
-        flush()
-        if lines and lines[-1] != "":
-            lines.append("")
+    def block_break(self) -> None:
+        """End the line, and leave one blank line after it."""
+        self.flush()
+        if self.lines and self.lines[-1] != "":
+            self.lines.append("")
 
-    # el: an lxml element (lxml ships no type stubs: its values are Any here).
-    def walk(el: Any, in_article: bool) -> None:
+    def walk(self, el: Any, in_article: bool) -> None:
+        """Write ``el`` and what it holds (``in_article``: inside <article> or <main>, where
+        chrome tags hold content)."""
+        lines, buf = self.lines, self.buf
         tag = el.tag.lower() if isinstance(el.tag, str) else None
         hidden = tag is not None and (
             el.get("hidden") is not None
@@ -130,45 +161,35 @@ def html_to_text(markup: str, path: str) -> tuple[str, str]:
                 buf.append(el.tail)
             return
         if tag in _HEADINGS:
-            block_break()
+            self.block_break()
             text = " ".join(el.text_content().split())
             if text:
                 lines.append("#" * _HEADINGS[tag] + " " + text)
                 lines.append("")
         elif tag == "pre":
-            block_break()
+            self.block_break()
             lines.append(el.text_content().strip("\n"))
             lines.append("")
         elif tag == "br":
-            flush()
+            self.flush()
         elif tag in _BLOCK_TAGS:
             if tag == "li":  # list items stay on consecutive lines
-                flush()
+                self.flush()
                 buf.append("- ")
             else:
-                block_break()
+                self.block_break()
             if el.text:
                 buf.append(el.text)
             inner = in_article or tag in ("article", "main")
             for child in el:
-                walk(child, inner)
-            block_break() if tag != "li" else flush()
+                self.walk(child, inner)
+            self.block_break() if tag != "li" else self.flush()
         else:
             if tag in ("td", "th") and buf:
                 buf.append(" | ")
             if el.text:
                 buf.append(el.text)
             for child in el:
-                walk(child, in_article)
+                self.walk(child, in_article)
         if el.tail:
             buf.append(el.tail)
-
-    try:
-        walk(container, container.tag in ("article", "main"))
-    except RecursionError as exc:  # thousands of nested elements: hostile or broken markup
-        raise LoadError(f"{path}: HTML nested too deeply to read", path=path, reason="malformed") from exc
-    flush()
-    text = re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip()
-    if text and title and not any(line.startswith("#") for line in lines):
-        text = f"# {title}\n\n{text}"
-    return text, title
