@@ -418,7 +418,33 @@ def _looks_like_code(line: str) -> bool:
 
 def _cut_points(text: str, lines: _Lines, headings: Sequence[Heading]) -> tuple[IntArray, IntArray, IntArray]:
     """All structural cut points: (left end, next start, level), sorted by left end."""
-    n_text = len(text)
+    ends: list[int] = []
+    nexts: list[int] = []
+    levels: list[int] = []
+    for cuts in (_line_cuts(lines), _sentence_cuts(text, lines.pad), _heading_cuts(text, headings)):
+        ends += cuts[0]
+        nexts += cuts[1]
+        levels += cuts[2]
+    if not ends:
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty, empty
+    e = np.asarray(ends, dtype=np.int64)
+    nx = np.asarray(nexts, dtype=np.int64)
+    lv = np.asarray(levels, dtype=np.int64)
+    # One candidate per left end, keeping the best level (and its widest separator).
+    order = np.lexsort((-nx, lv, e))
+    e, nx, lv = e[order], nx[order], lv[order]
+    keep = np.ones(len(e), dtype=bool)
+    keep[1:] = e[1:] != e[:-1]
+    return e[keep], nx[keep], lv[keep]
+
+
+_Cuts = tuple[list[int], list[int], list[int]]
+
+
+def _line_cuts(lines: _Lines) -> _Cuts:
+    """Cut points at line breaks (a sentence or list item ending a line ranks higher) and at
+    blank lines."""
     ends: list[int] = []
     nexts: list[int] = []
     levels: list[int] = []
@@ -451,6 +477,11 @@ def _cut_points(text: str, lines: _Lines, headings: Sequence[Heading]) -> tuple[
     ends.extend(nl[para[para_ok]].tolist())
     nexts.extend(nxt[para_ok].tolist())
     levels.extend([PARAGRAPH] * int(para_ok.sum()))
+    return ends, nexts, levels
+
+
+def _sentence_cuts(text: str, pad: CodePoints) -> _Cuts:
+    """Cut points at sentence ends inside lines."""
     # Sentence ends inside lines, vectorised too: terminal punctuation, closing quotes,
     # spaces, then a capital or digit (optionally after an opening quote or bracket).
     punct = np.flatnonzero((pad == 46) | (pad == 33) | (pad == 63))
@@ -474,9 +505,15 @@ def _cut_points(text: str, lines: _Lines, headings: Sequence[Heading]) -> tuple[
         p0 = int(punct[k])
         if _ABBREV.search(text, max(0, p0 - 6), p0):
             ok[k] = False
-    ends.extend(after[ok].tolist())
-    nexts.extend(nxt[ok].tolist())
-    levels.extend([SENTENCE] * int(ok.sum()))
+    return after[ok].tolist(), nxt[ok].tolist(), [SENTENCE] * int(ok.sum())
+
+
+def _heading_cuts(text: str, headings: Sequence[Heading]) -> _Cuts:
+    """Cut points before each heading line."""
+    n_text = len(text)
+    ends: list[int] = []
+    nexts: list[int] = []
+    levels: list[int] = []
     for h in headings:
         # The heading line may be indented: the next chunk starts at its first character.
         first_char = h.start
@@ -489,18 +526,7 @@ def _cut_points(text: str, lines: _Lines, headings: Sequence[Heading]) -> tuple[
             ends.append(end)
             nexts.append(first_char)
             levels.append(HEADING)
-    if not ends:
-        empty = np.zeros(0, dtype=np.int64)
-        return empty, empty, empty
-    e = np.asarray(ends, dtype=np.int64)
-    nx = np.asarray(nexts, dtype=np.int64)
-    lv = np.asarray(levels, dtype=np.int64)
-    # One candidate per left end, keeping the best level (and its widest separator).
-    order = np.lexsort((-nx, lv, e))
-    e, nx, lv = e[order], nx[order], lv[order]
-    keep = np.ones(len(e), dtype=bool)
-    keep[1:] = e[1:] != e[:-1]
-    return e[keep], nx[keep], lv[keep]
+    return ends, nexts, levels
 
 
 # str.isspace for every code point up to U+3000 (nothing above it is a space).
