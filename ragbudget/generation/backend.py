@@ -289,51 +289,17 @@ def per_request_tokens(
             "context_tokens (Pipeline: engine_context_tokens=, CLI: --engine-context-tokens) "
             "with the window the server was started with"
         )
-    if sharing is None:
-        load = [x for x in (capacity.running, capacity.waiting) if x is not None]
-        sharing = sum(load) + 1 if load else 1
-    if sharing < 1:
-        raise ConfigError(f"sharing must be ≥ 1; got {sharing}")
-
-    limits = []  # (prompt tokens allowed, source)
-    if capacity.max_context_tokens is not None:
-        limits.append((capacity.max_context_tokens - max_new_tokens, capacity.max_context_source))
-    if capacity.max_prompt_tokens is not None:
-        limits.append((capacity.max_prompt_tokens, capacity.max_prompt_source))
-    prompt_cap, window_source = min(limits, key=lambda t: t[0])
+    sharing = _sharing(capacity, sharing)
+    prompt_cap, window_source = _prompt_cap(capacity, max_new_tokens)
     window = prompt_cap - overhead_tokens
-
-    kv_pool, kv_source = capacity.kv_tokens_free, capacity.kv_free_source
-    if kv_pool is None:
-        kv_pool, kv_source = capacity.kv_tokens_total, capacity.kv_total_source
-    kv_share = None if kv_pool is None else kv_pool // sharing
+    kv_share, kv_source = _kv_share(capacity, sharing)
     kv = None if kv_share is None else kv_share - max_new_tokens - overhead_tokens
 
     if kv is not None and kv < window:
         context, binding, binding_tokens, source = kv, "kv", kv_share or 0, kv_source
     else:
         context, binding, binding_tokens, source = window, "window", prompt_cap, window_source
-    drains = capacity.kv_tokens_total is None or capacity.kv_tokens_total - max_new_tokens - overhead_tokens >= 1
-    if context < 1 and binding == "kv" and capacity.kv_tokens_free is not None and window >= 1 and drains:
-        # Free KV is the engine's load now, not the request's size: the window holds it, so it
-        # fits once the engine drains. Load, answered as load (a server's 429), not a 400: two
-        # servers on one llama-server met this with every slot busy (bench/postgres.py --parts burst).
-        raise OverloadedError(
-            f"no free KV on the {capacity.engine_kind or 'engine'} now: {binding_tokens} tokens "
-            f"({source or 'unknown source'}) for {sharing} request(s), fewer than {max_new_tokens} new "
-            f"tokens and {overhead_tokens} of template and question; the {window}-token window holds "
-            "this request once the engine drains"
-        )
-    if context < 1:
-        raise BudgetError(
-            f"no room for context on the {capacity.engine_kind or 'engine'}: the {binding} limit "
-            f"({binding_tokens} tokens, {source or 'unknown source'}) minus {max_new_tokens} new "
-            f"tokens and {overhead_tokens} tokens of template and question leaves {context}. "
-            "Lower max_new_tokens, shorten the question, or wait for the engine to drain",
-            needed=max_new_tokens + overhead_tokens + 1,
-            available=binding_tokens,
-        )
-    return RequestBudget(
+    budget = RequestBudget(
         context_tokens=context,
         binding=binding,
         binding_tokens=binding_tokens,
@@ -345,6 +311,65 @@ def per_request_tokens(
         max_new_tokens=max_new_tokens,
         overhead_tokens=overhead_tokens,
         advisory=binding == "kv",
+    )
+    if context < 1:
+        raise _no_context(capacity, budget)
+    return budget
+
+
+def _sharing(capacity: Capacity, sharing: int | None) -> int:
+    """The requests one KV pool is divided among: ``sharing``, or the engine's load now plus this one."""
+    if sharing is None:
+        load = [x for x in (capacity.running, capacity.waiting) if x is not None]
+        sharing = sum(load) + 1 if load else 1
+    if sharing < 1:
+        raise ConfigError(f"sharing must be ≥ 1; got {sharing}")
+    return sharing
+
+
+def _prompt_cap(capacity: Capacity, max_new_tokens: int) -> tuple[int, str]:
+    """The prompt tokens the window allows (the tighter of the context window less the answer
+    and the engine's own prompt cap), with its source."""
+    limits = []  # (prompt tokens allowed, source)
+    if capacity.max_context_tokens is not None:
+        limits.append((capacity.max_context_tokens - max_new_tokens, capacity.max_context_source))
+    if capacity.max_prompt_tokens is not None:
+        limits.append((capacity.max_prompt_tokens, capacity.max_prompt_source))
+    return min(limits, key=lambda t: t[0])
+
+
+def _kv_share(capacity: Capacity, sharing: int) -> tuple[int | None, str]:
+    """One request's share of the engine's KV (free KV, else total), with its source; ``None``
+    when the engine does not say."""
+    kv_pool, kv_source = capacity.kv_tokens_free, capacity.kv_free_source
+    if kv_pool is None:
+        kv_pool, kv_source = capacity.kv_tokens_total, capacity.kv_total_source
+    return (None if kv_pool is None else kv_pool // sharing), kv_source
+
+
+def _no_context(capacity: Capacity, b: RequestBudget) -> Exception:
+    """Why ``b`` leaves no context: load (the engine's free KV now; it fits once the engine
+    drains) or the request itself (the window or the KV it could ever have)."""
+    new, overhead, source = b.max_new_tokens, b.overhead_tokens, b.binding_source or "unknown source"
+    engine = capacity.engine_kind or "engine"
+    drains = capacity.kv_tokens_total is None or capacity.kv_tokens_total - new - overhead >= 1
+    if b.binding == "kv" and capacity.kv_tokens_free is not None and b.window_tokens >= 1 and drains:
+        # Free KV is the engine's load now, not the request's size: the window holds it, so it
+        # fits once the engine drains. Load, answered as load (a server's 429), not a 400: two
+        # servers on one llama-server met this with every slot busy (bench/postgres.py --parts burst).
+        return OverloadedError(
+            f"no free KV on the {engine} now: {b.binding_tokens} tokens "
+            f"({source}) for {b.sharing} request(s), fewer than {new} new "
+            f"tokens and {overhead} of template and question; the {b.window_tokens}-token window holds "
+            "this request once the engine drains"
+        )
+    return BudgetError(
+        f"no room for context on the {engine}: the {b.binding} limit "
+        f"({b.binding_tokens} tokens, {source}) minus {new} new "
+        f"tokens and {overhead} tokens of template and question leaves {b.context_tokens}. "
+        "Lower max_new_tokens, shorten the question, or wait for the engine to drain",
+        needed=new + overhead + 1,
+        available=b.binding_tokens,
     )
 
 
