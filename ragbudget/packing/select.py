@@ -320,7 +320,6 @@ def select_chunks(
         relevance_floor=relevance_floor,
     )
     overhead_of = block_overhead(chunk_overhead)
-
     cands = list(candidates)
     kept, dropped = prepare_items(
         cands,
@@ -334,38 +333,72 @@ def select_chunks(
         similarity=similarity,
     )
 
-    chosen: list[PackItem] = []
-    if kept:
-        best = kept[0]
-        if best.cost > budget_tokens and truncate_oversize:
-            cut = truncate_item(best, budget_tokens, count_tokens, overhead_of, question)
-            if cut is not None:
-                chosen, rest = [cut], kept[1:]
-            else:
-                rest = kept
-        else:
-            rest = kept
-        room = budget_tokens - sum(c.cost for c in chosen)
-        chosen += _knapsack(rest, room)
-        if merge_adjacent and len(chosen) > 1:
-            chosen = _merge(chosen, count_tokens, overhead_of, max_merge_gap)
-            # Merging saves a label per pair: spend the freed tokens on the best leftovers.
-            chosen_ids = {cid for c in chosen for cid in c.ids}
-            room = budget_tokens - sum(c.cost for c in chosen)
-            for it in sorted(rest, key=lambda x: (-x.value / max(1, x.cost), x.rank)):
-                if it.ids[0] not in chosen_ids and it.cost <= room:
-                    chosen.append(it)
-                    chosen_ids.add(it.ids[0])
-                    room -= it.cost
-            chosen = _merge(chosen, count_tokens, overhead_of, max_merge_gap)
-        if fill_remainder:
-            room = budget_tokens - sum(c.cost for c in chosen)
-            chosen_ids = {cid for c in chosen for cid in c.ids}
-            nxt = next((it for it in kept if it.ids[0] not in chosen_ids), None)
-            cut = truncate_item(nxt, room, count_tokens, overhead_of, question) if nxt and room > 0 else None
-            if cut is not None:
-                chosen.append(cut)
+    chosen, rest = _cut_oversize(kept, budget_tokens, count_tokens, overhead_of, question, truncate_oversize)
+    chosen += _knapsack(rest, budget_tokens - sum(c.cost for c in chosen))
+    if merge_adjacent and len(chosen) > 1:
+        chosen = _merge_and_refill(chosen, rest, budget_tokens, count_tokens, overhead_of, max_merge_gap)
+    if fill_remainder:
+        chosen += _remainder_cut(chosen, kept, budget_tokens, count_tokens, overhead_of, question)
+    return _chunk_selection(chosen, kept, dropped, budget_tokens, order, len(cands))
 
+
+def _cut_oversize(
+    kept: list[PackItem],
+    budget: int,
+    count_tokens: Callable[[str], int],
+    overhead_of: Callable[[SelectedChunk], int],
+    question: str,
+    truncate_oversize: bool,
+) -> tuple[list[PackItem], list[PackItem]]:
+    """The best chunk cut to ``budget`` if it alone is larger (and may be cut), and the candidates left to pack."""
+    if kept and kept[0].cost > budget and truncate_oversize:
+        cut = truncate_item(kept[0], budget, count_tokens, overhead_of, question)
+        if cut is not None:
+            return [cut], kept[1:]
+    return [], kept
+
+
+def _merge_and_refill(
+    chosen: list[PackItem],
+    rest: Sequence[PackItem],
+    budget: int,
+    count_tokens: Callable[[str], int],
+    overhead_of: Callable[[SelectedChunk], int],
+    max_gap: int,
+) -> list[PackItem]:
+    """Merge adjacent passages, fill the room that frees with the best of ``rest``, and merge again."""
+    chosen = _merge(chosen, count_tokens, overhead_of, max_gap)
+    # Merging saves a label per pair: spend the freed tokens on the best leftovers.
+    chosen_ids = {cid for c in chosen for cid in c.ids}
+    room = budget - sum(c.cost for c in chosen)
+    for it in sorted(rest, key=lambda x: (-x.value / max(1, x.cost), x.rank)):
+        if it.ids[0] not in chosen_ids and it.cost <= room:
+            chosen.append(it)
+            chosen_ids.add(it.ids[0])
+            room -= it.cost
+    return _merge(chosen, count_tokens, overhead_of, max_gap)
+
+
+def _remainder_cut(
+    chosen: Sequence[PackItem],
+    kept: Sequence[PackItem],
+    budget: int,
+    count_tokens: Callable[[str], int],
+    overhead_of: Callable[[SelectedChunk], int],
+    question: str,
+) -> list[PackItem]:
+    """``fill_remainder``: the best chunk left out, cut to the room left (``[]`` if none or nothing fits)."""
+    room = budget - sum(c.cost for c in chosen)
+    chosen_ids = {cid for c in chosen for cid in c.ids}
+    nxt = next((it for it in kept if it.ids[0] not in chosen_ids), None)
+    cut = truncate_item(nxt, room, count_tokens, overhead_of, question) if nxt and room > 0 else None
+    return [cut] if cut is not None else []
+
+
+def _chunk_selection(
+    chosen: list[PackItem], kept: Sequence[PackItem], dropped: list[Dropped], budget: int, order: str, n_candidates: int
+) -> Selection:
+    """The :class:`Selection` of ``chosen`` in ``order``, every kept chunk not in it dropped as ``over_budget``."""
     used_ids = {cid for c in chosen for cid in c.ids}
     for it in kept:
         if it.ids[0] not in used_ids:
@@ -373,15 +406,15 @@ def select_chunks(
 
     used = sum(c.cost for c in chosen)
     # The invariant the whole library rests on; a violation is a bug here, not a user error.
-    assert used <= budget_tokens, (used, budget_tokens)
+    assert used <= budget, (used, budget)
     passages = tuple(_as_chunk(c) for c in order_items(chosen, order))
     return Selection(
         chunks=passages,
         tokens_used=used,
-        tokens_allowed=budget_tokens,
+        tokens_allowed=budget,
         dropped=tuple(dropped),
         order=order,
-        n_candidates=len(cands),
+        n_candidates=n_candidates,
     )
 
 
@@ -577,71 +610,85 @@ def truncate_item(
     text = it.text
     qterms = _terms(question)
     for pattern in (_SENTENCE_END, re.compile(r"\s+")):
-        # Units: the text between consecutive separators (a sentence, or a word).
-        seps = [m for m in pattern.finditer(text) if m.start() > 0 and m.end() < len(text)]
-        starts = [0] + [m.end() for m in seps]
-        ends = [m.start() for m in seps] + [len(text)]
-        units = [(a, b) for a, b in zip(starts, ends, strict=True) if text[a:b].strip()]
-        if not units:
+        units = _text_units(text, pattern)
+        window = _best_window(text, units, qterms, cost_of, budget) if units else None
+        if window is None:
             continue
-        unit_terms = [_terms(text[a:b]) & qterms for a, b in units]
-        df: dict[str, int] = {}
-        for ts in unit_terms:
-            for t in ts:
-                df[t] = df.get(t, 0) + 1
-        weight = {t: math.log(1.0 + len(units) / d) for t, d in df.items()}
-
-        fits: dict[tuple[int, int], int] = {}
-
-        def piece(i: int, j: int, units: list[tuple[int, int]] = units) -> str:
-            return text[units[i][0] : units[j][1]].strip()
-
-        def ok(i: int, j: int, fits: dict[tuple[int, int], int] = fits) -> bool:
-            if (i, j) not in fits:
-                fits[(i, j)] = cost_of(piece(i, j))
-            return fits[(i, j)] <= budget
-
-        # Two pointers: the longest fitting window for each start. The end never needs to move
-        # back by more than BPE noise, so this costs O(units) exact counts, not O(units²).
-        best: tuple[float, int, int] | None = None
-        j = 0
-        for i in range(len(units)):
-            j = max(j, i)
-            while j >= i and not ok(i, j):
-                j -= 1
-            if j < i:
-                j = i
-                continue
-            while j + 1 < len(units) and ok(i, j + 1):
-                j += 1
-            covered: set[str] = set().union(*unit_terms[i : j + 1])
-            value = sum(weight[t] for t in covered)
-            if best is None or value > best[0] + 1e-12:
-                best = (value, i, j)
-        if best is None:
-            continue
-        _, i, j = best
-        kept = piece(i, j)
-        offset = units[i][0] + (len(text[units[i][0] :]) - len(text[units[i][0] :].lstrip()))
-        src = tuple(_shorten(s, offset, len(kept)) for s in it.sources[:1]) + it.sources[1:]
-        cut = PackItem(
-            it.ids,
-            kept,
-            it.score,
-            src,
-            it.headings,
-            count_tokens(kept),
-            0,
-            it.rank,
-            value=it.value,
-            words=it.words,
-            truncated=True,
-        )
-        # Recount with the shortened source: a label that names offsets or pages may change.
-        cut.cost = cut.n_tokens + int(overhead_of(_as_chunk(cut)))
+        cut = _cut_window(it, units[window[0]][0], units[window[1]][1], count_tokens, overhead_of)
         if cut.cost <= budget:
             return cut
     return None
+
+
+def _text_units(text: str, pattern: re.Pattern[str]) -> list[tuple[int, int]]:
+    """Units: the text between consecutive separators (a sentence, or a word), as offsets; blank ones out."""
+    seps = [m for m in pattern.finditer(text) if m.start() > 0 and m.end() < len(text)]
+    starts = [0] + [m.end() for m in seps]
+    ends = [m.start() for m in seps] + [len(text)]
+    return [(a, b) for a, b in zip(starts, ends, strict=True) if text[a:b].strip()]
+
+
+def _best_window(
+    text: str, units: list[tuple[int, int]], qterms: set[str], cost_of: Callable[[str], int], budget: int
+) -> tuple[int, int] | None:
+    """The first and last unit of the window that fits ``budget`` and best covers ``qterms`` (ties: the earliest)."""
+    unit_terms = [_terms(text[a:b]) & qterms for a, b in units]
+    df: dict[str, int] = {}
+    for ts in unit_terms:
+        for t in ts:
+            df[t] = df.get(t, 0) + 1
+    weight = {t: math.log(1.0 + len(units) / d) for t, d in df.items()}
+    fits: dict[tuple[int, int], int] = {}
+
+    def ok(i: int, j: int) -> bool:
+        if (i, j) not in fits:
+            fits[(i, j)] = cost_of(text[units[i][0] : units[j][1]].strip())
+        return fits[(i, j)] <= budget
+
+    # Two pointers: the longest fitting window for each start. The end never needs to move
+    # back by more than BPE noise, so this costs O(units) exact counts, not O(units²).
+    best: tuple[float, int, int] | None = None
+    j = 0
+    for i in range(len(units)):
+        j = max(j, i)
+        while j >= i and not ok(i, j):
+            j -= 1
+        if j < i:
+            j = i
+            continue
+        while j + 1 < len(units) and ok(i, j + 1):
+            j += 1
+        covered: set[str] = set().union(*unit_terms[i : j + 1])
+        value = sum(weight[t] for t in covered)
+        if best is None or value > best[0] + 1e-12:
+            best = (value, i, j)
+    return None if best is None else (best[1], best[2])
+
+
+def _cut_window(
+    it: PackItem, start: int, end: int, count_tokens: Callable[[str], int], overhead_of: Callable[[SelectedChunk], int]
+) -> PackItem:
+    """``it`` cut to its text's ``[start, end)`` (stripped), its first source narrowed to match, counted exactly."""
+    text = it.text
+    kept = text[start:end].strip()
+    offset = start + (len(text[start:]) - len(text[start:].lstrip()))
+    src = tuple(_shorten(s, offset, len(kept)) for s in it.sources[:1]) + it.sources[1:]
+    cut = PackItem(
+        it.ids,
+        kept,
+        it.score,
+        src,
+        it.headings,
+        count_tokens(kept),
+        0,
+        it.rank,
+        value=it.value,
+        words=it.words,
+        truncated=True,
+    )
+    # Recount with the shortened source: a label that names offsets or pages may change.
+    cut.cost = cut.n_tokens + int(overhead_of(_as_chunk(cut)))
+    return cut
 
 
 def _shorten(s: Source, offset: int, length: int) -> Source:

@@ -416,14 +416,7 @@ def select_spans(
         lambda_=lambda_,
         relevance_floor=relevance_floor,
     )
-    if not (isinstance(pool, (int, float)) and not isinstance(pool, bool) and pool > 0):
-        raise ConfigError(f"pool must be a number > 0 (the budget multiple of chunk text to consider); got {pool!r}")
-    if isinstance(max_chunks, bool) or not isinstance(max_chunks, int) or max_chunks < 1:
-        raise ConfigError(f"max_chunks must be an integer ≥ 1; got {max_chunks!r}")
-    if len(weights) != 3 or any(w < 0 for w in weights) or not any(weights):
-        raise ConfigError(f"weights must be three numbers ≥ 0 (dense, lexical, chunk), not all 0; got {weights!r}")
-    if not isinstance(composed, bool):
-        raise ConfigError(f"composed must be True or False; got {composed!r}")
+    _check_span_options(pool, max_chunks, weights, composed)
     overhead_of = block_overhead(chunk_overhead)
     cands = list(candidates)
     kept, dropped = prepare_items(
@@ -438,46 +431,91 @@ def select_spans(
         similarity=similarity,
     )
 
-    # The pool: the best chunks, until their whole text is a few budgets' worth.
-    chunks: list[PackItem] = []
-    total = 0
-    for it in kept:
-        if len(chunks) >= max_chunks or (chunks and total >= pool * budget_tokens):
-            break
-        chunks.append(it)
-        total += it.cost
-    outside = kept[len(chunks) :]
-
+    chunks = _take_pool(kept, max_chunks, pool * budget_tokens)
     units = _units(chunks, count_tokens, prime, composed=composed)
-    # Composed costs: each chunk's label tokens and the joiner's " …" (_units counted them with
-    # the pieces).
-    compose = (
-        [(label_tokens(it.text, it.cost, count_tokens), count_tokens(JOINER.rstrip())) for it in chunks]
-        if composed
-        else None
-    )
+    compose = _composed_costs(chunks, count_tokens) if composed else None
     if scorer is not None and units:
         # Vectors stored at build time (an index's sentence vectors) before anything is embedded.
         scorer.preload(i for it in chunks for i in it.ids)
     _score(question, chunks, units, scorer, weights)
     chosen = _pack(units, chunks, budget_tokens, count_tokens, overhead_of, lambda_, redundancy, compose=compose)
+    passages = _passages(
+        question, chunks, units, chosen, budget_tokens, count_tokens, overhead_of, compose, truncate_oversize
+    )
+    return _span_selection(passages, kept, chunks, units, chosen, dropped, budget_tokens, order, len(cands))
 
+
+def _check_span_options(pool: float, max_chunks: int, weights: tuple[float, float, float], composed: bool) -> None:
+    """The settings of :func:`select_spans` that :func:`check_select_options` does not check."""
+    if not (isinstance(pool, (int, float)) and not isinstance(pool, bool) and pool > 0):
+        raise ConfigError(f"pool must be a number > 0 (the budget multiple of chunk text to consider); got {pool!r}")
+    if isinstance(max_chunks, bool) or not isinstance(max_chunks, int) or max_chunks < 1:
+        raise ConfigError(f"max_chunks must be an integer ≥ 1; got {max_chunks!r}")
+    if len(weights) != 3 or any(w < 0 for w in weights) or not any(weights):
+        raise ConfigError(f"weights must be three numbers ≥ 0 (dense, lexical, chunk), not all 0; got {weights!r}")
+    if not isinstance(composed, bool):
+        raise ConfigError(f"composed must be True or False; got {composed!r}")
+
+
+def _take_pool(kept: Sequence[PackItem], max_chunks: int, limit: float) -> list[PackItem]:
+    """The pool: the best chunks, until their whole text is ``limit`` tokens (a few budgets' worth)."""
+    chunks: list[PackItem] = []
+    total = 0
+    for it in kept:
+        if len(chunks) >= max_chunks or (chunks and total >= limit):
+            break
+        chunks.append(it)
+        total += it.cost
+    return chunks
+
+
+def _composed_costs(chunks: Sequence[PackItem], count_tokens: Callable[[str], int]) -> list[tuple[int, int]]:
+    """Each chunk's label tokens and the joiner's " …" (:func:`_units` counted them with the pieces)."""
+    return [(label_tokens(it.text, it.cost, count_tokens), count_tokens(JOINER.rstrip())) for it in chunks]
+
+
+def _passages(
+    question: str,
+    chunks: Sequence[PackItem],
+    units: Sequence[_Unit],
+    chosen: Mapping[int, set[int]],
+    budget: int,
+    count_tokens: Callable[[str], int],
+    overhead_of: Callable[[SelectedChunk], int],
+    compose: Sequence[tuple[int, int]] | None,
+    truncate_oversize: bool,
+) -> list[tuple[PackItem, SelectedChunk]]:
+    """One passage per chunk that has chosen units; if none has, the best chunk's oversize cut."""
     passages: list[tuple[PackItem, SelectedChunk]] = []
     for ci, it in enumerate(chunks):
         mine = [u for u in units if u.chunk == ci and u.pos in chosen.get(ci, ())]
         if mine:
             passages.append((it, _passage(it, mine, count_tokens, overhead_of, compose[ci] if compose else None)))
-    if not passages and chunks and budget_tokens > 0 and truncate_oversize:
+    if not passages and chunks and budget > 0 and truncate_oversize:
         # Not even one sentence fits: the oversize-chunk cut (a window of words) of the best one.
-        cut = truncate_item(chunks[0], budget_tokens, count_tokens, overhead_of, question)
+        cut = truncate_item(chunks[0], budget, count_tokens, overhead_of, question)
         if cut is not None:
             passages.append((chunks[0], _cut_passage(chunks[0], cut)))
             for u in units:
                 if u.chunk == 0:
                     u.why = "over_budget"
+    return passages
 
+
+def _span_selection(
+    passages: list[tuple[PackItem, SelectedChunk]],
+    kept: Sequence[PackItem],
+    chunks: Sequence[PackItem],
+    units: Sequence[_Unit],
+    chosen: Mapping[int, set[int]],
+    dropped: list[Dropped],
+    budget: int,
+    order: str,
+    n_candidates: int,
+) -> Selection:
+    """The :class:`Selection` of ``passages``, every kept chunk unused and every unit left out listed."""
     used_ids = {cid for _, p in passages for cid in p.chunk_ids}
-    for it in [*chunks, *outside]:
+    for it in kept:
         if it.ids[0] not in used_ids:
             dropped.append(Dropped(it.ids[0], "over_budget", it.score, it.n_tokens))
     left_out = tuple(
@@ -487,14 +525,14 @@ def select_spans(
     )
     used = sum(p.cost for _, p in passages)
     # The invariant the whole library rests on; a violation is a bug here, not a user error.
-    assert used <= budget_tokens, (used, budget_tokens)
+    assert used <= budget, (used, budget)
     return Selection(
         chunks=tuple(_ordered(passages, order)),
         tokens_used=used,
-        tokens_allowed=budget_tokens,
+        tokens_allowed=budget,
         dropped=tuple(dropped),
         order=order,
-        n_candidates=len(cands),
+        n_candidates=n_candidates,
         pack="spans",
         spans_dropped=left_out,
     )
@@ -701,7 +739,7 @@ def _passage(
 
 
 def _cut_passage(it: PackItem, cut: PackItem) -> SelectedChunk:
-    """The oversize cut of :func:`~ragbudget.packing.select._truncate` as a passage with its one span."""
+    """The oversize cut of :func:`~ragbudget.packing.select.truncate_item` as a passage with its one span."""
     if it.sources and cut.sources:
         start = cut.sources[0].start - it.sources[0].start
     else:
