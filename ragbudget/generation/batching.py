@@ -517,16 +517,7 @@ class Batcher:
         sample = sampling_wanted(do_sample, temperature, top_p, top_k, seed)
         gen = self.generator.warm_up()
         ids = gen._ids_of(prompt)
-        capacity = self.layout.capacity_tokens
-        if len(ids) + max_new_tokens > capacity:
-            raise BudgetError(
-                f"a {len(ids)}-token prompt and {max_new_tokens} new tokens need "
-                f"{len(ids) + max_new_tokens} tokens of KV, more than the whole paged cache "
-                f"({capacity} tokens); shorten the prompt or raise the batch cache "
-                "(LocalBackend(batch_kv_tokens=...))",
-                needed=len(ids) + max_new_tokens,
-                available=capacity,
-            )
+        self._check_fits(len(ids), max_new_tokens)
         manager = self._start()
         n = next(self._ids)
         rid = f"ragbudget-{n}"
@@ -548,26 +539,7 @@ class Batcher:
         try:
             if manager.add_request(ids, request_id=rid, max_new_tokens=max_new_tokens, streaming=True, **extra) is None:
                 raise ModelError("the batching worker refused the request (it is stopping); retry")
-            while True:
-                if cancel is not None and cancel.is_set():
-                    cancelled = True
-                    break
-                try:
-                    out = route.get(timeout=self.POLL_S)
-                except queue.Empty:
-                    if not manager.is_running():
-                        error = manager.background_thread_status.fatal_error
-                        raise ModelError(f"the batching worker stopped: {error or 'no reason given'}") from None
-                    continue
-                if out.error is not None:
-                    raise ModelError(f"batched generation failed: {out.error}")
-                new, tokens = out.generated_tokens[len(tokens) :], list(out.generated_tokens)
-                streamer.feed(new)
-                if out.is_finished():
-                    finished = True
-                    break
-                if streamer.stopped:  # a stop string or a repeated line: done here
-                    break
+            tokens, finished, cancelled = self._receive(manager, route, streamer, cancel)
         finally:
             self._routes.pop(rid, None)
             self._slots.pop(n, None)
@@ -584,3 +556,42 @@ class Batcher:
             cache="paged",
             prompt=prompt if hasattr(prompt, "input_ids") else None,
         )
+
+    def _check_fits(self, n_prompt: int, max_new_tokens: int) -> None:
+        """A BudgetError when one request would need more KV than the whole paged cache."""
+        capacity = self.layout.capacity_tokens
+        if n_prompt + max_new_tokens > capacity:
+            raise BudgetError(
+                f"a {n_prompt}-token prompt and {max_new_tokens} new tokens need "
+                f"{n_prompt + max_new_tokens} tokens of KV, more than the whole paged cache "
+                f"({capacity} tokens); shorten the prompt or raise the batch cache "
+                "(LocalBackend(batch_kv_tokens=...))",
+                needed=n_prompt + max_new_tokens,
+                available=capacity,
+            )
+
+    def _receive(
+        self, manager: Any, route: queue.Queue[Any], streamer: Any, cancel: threading.Event | None
+    ) -> tuple[list[int], bool, bool]:
+        """One request's tokens as the worker hands them over, fed to ``streamer``, until it
+        finishes, stops (a stop string or a repeated line) or is cancelled: the tokens, whether it
+        finished, whether it was cancelled. A worker that stopped or failed is a ModelError."""
+        tokens: list[int] = []
+        while True:
+            if cancel is not None and cancel.is_set():
+                return tokens, False, True
+            try:
+                out = route.get(timeout=self.POLL_S)
+            except queue.Empty:
+                if not manager.is_running():
+                    error = manager.background_thread_status.fatal_error
+                    raise ModelError(f"the batching worker stopped: {error or 'no reason given'}") from None
+                continue
+            if out.error is not None:
+                raise ModelError(f"batched generation failed: {out.error}")
+            new, tokens = out.generated_tokens[len(tokens) :], list(out.generated_tokens)
+            streamer.feed(new)
+            if out.is_finished():
+                return tokens, True, False
+            if streamer.stopped:  # a stop string or a repeated line: done here
+                return tokens, False, False
