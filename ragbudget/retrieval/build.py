@@ -154,7 +154,6 @@ def build_index(
     <ragbudget.retrieval.index.Index.build>` for every option (the defaults live there only:
     every option is passed here)."""
     from .executors import make_executor
-    from .index_settings import check_changes, resolve
 
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
@@ -170,22 +169,13 @@ def build_index(
         "num_perm": num_perm,
         "clean": clean,
     }
-    # Checked against the record before anything is written (a bad value creates no folder),
-    # and again under the lock below, where it counts: another writer may commit in between.
-    resolve(_recorded(storage), **wanted)
-    if store not in store_names():
-        raise ConfigError(
-            f"store must be one of {', '.join(store_names())}; got {store!r} (another store needs the package "
-            "that registers it under the ragbudget.stores entry points installed)"
-        )
+    _check_before_writing(storage, wanted, store)
     run_on = make_executor(executor)
     given = [os.fspath(p) for p in paths]
     # Before the folder or the lock file is created.
     roots = check_roots(given, where=storage.where, exists=storage.exists(), own_dir=storage.folder)
     with storage.lock():
-        recorded = _recorded(storage)
-        settings, tok = resolve(recorded, **wanted)
-        check_changes(recorded, settings, allowed=rechunk or rebuild)
+        settings, tok = _settings_to_write(storage, wanted, allowed=rechunk or rebuild)
         builder = _Builder(
             storage,
             given,
@@ -209,6 +199,31 @@ def build_index(
             return builder.run()
         finally:
             builder.cleanup()
+
+
+def _check_before_writing(storage: Storage, wanted: dict[str, Any], store: str) -> None:
+    """Check the settings against the record, and the store's name, before anything is written."""
+    from .index_settings import resolve
+
+    # Checked against the record before anything is written (a bad value creates no folder),
+    # and again under the lock (_settings_to_write), where it counts: another writer may commit
+    # in between.
+    resolve(_recorded(storage), **wanted)
+    if store not in store_names():
+        raise ConfigError(
+            f"store must be one of {', '.join(store_names())}; got {store!r} (another store needs the package "
+            "that registers it under the ragbudget.stores entry points installed)"
+        )
+
+
+def _settings_to_write(storage: Storage, wanted: dict[str, Any], *, allowed: bool) -> tuple[dict[str, Any], Tokenizer]:
+    """The settings (and tokenizer) this run writes, checked against the record read under the lock."""
+    from .index_settings import check_changes, resolve
+
+    recorded = _recorded(storage)
+    settings, tok = resolve(recorded, **wanted)
+    check_changes(recorded, settings, allowed=allowed)
+    return settings, tok
 
 
 class _Builder:
@@ -316,21 +331,10 @@ class _Builder:
     # -- open: the current generation, the embedder, the next generation -----------------------
 
     def _open(self) -> None:
+        """Open the current generation, pick the embedder and settings, begin the next generation."""
         from .embed import embedder_identity
 
-        damaged = ""
-        try:
-            self.old = self.storage.read_manifest()
-        except IndexNotFoundError:
-            self.old = None
-        except IndexCorruptError as exc:
-            damaged = f"previous index unreadable: {exc}"
-        if self.old is not None:
-            try:
-                self.base = self.storage.open_for_writing(self.old)
-            except IndexCorruptError as exc:
-                self.old = None
-                damaged = f"previous index damaged: {exc}"
+        damaged = self._open_base()
         emb, reason = self._resolve_embedder()
         self.reason = reason = reason or damaged
         if self.settings["sentences"] is None:
@@ -345,8 +349,38 @@ class _Builder:
             self.sig_dtype = old.get("dedup_signature_dtype")
         self.writer = writer = self.storage.begin(self.base, keep=old is not None)
         self.gen = writer.number
+        self._check_store_in_place()
+        identity = embedder_identity(emb)
+        # Only chunking/dedup changed: the old vectors are still valid for identical texts.
+        same_vectors = self.base is not None and embedder_identity(self.base.manifest["embedder"]) == identity
+        self.changed = bool(reason) or self.old is None
+        if self._rewrites_anyway(old):
+            self.changed = True
+        self.checkpoint = self.storage.checkpoint(identity)
+        self._vectors = self._chunk_vectors(emb, reuse=self.base if old is None and same_vectors else None)
+
+    def _open_base(self) -> str:
+        """Read the current manifest and open its generation; why it cannot be continued (``""``: it can)."""
+        damaged = ""
+        try:
+            self.old = self.storage.read_manifest()
+        except IndexNotFoundError:
+            self.old = None
+        except IndexCorruptError as exc:
+            damaged = f"previous index unreadable: {exc}"
+        if self.old is not None:
+            try:
+                self.base = self.storage.open_for_writing(self.old)
+            except IndexCorruptError as exc:
+                self.old = None
+                damaged = f"previous index damaged: {exc}"
+        return damaged
+
+    def _check_store_in_place(self) -> None:
+        """Refuse a store that an index searching in place (a database) cannot hold."""
+        assert self.writer is not None
         if (
-            writer.searches_in_place
+            self.writer.searches_in_place
             and self.store not in ("auto", "flat", "hnsw")
             and not is_installed_store(self.store)
         ):
@@ -354,19 +388,20 @@ class _Builder:
                 f"an index in {self.storage.where} searches exactly, with pgvector's HNSW or with an installed "
                 f"store ({STORES_GROUP} entry points): --store auto, flat, hnsw or one of those, not {self.store!r}"
             )
-        identity = embedder_identity(emb)
-        # Only chunking/dedup changed: the old vectors are still valid for identical texts.
-        same_vectors = self.base is not None and embedder_identity(self.base.manifest["embedder"]) == identity
-        self.changed = bool(reason) or self.old is None
+
+    def _rewrites_anyway(self, old: Manifest | None) -> bool:
+        """Whether this run writes a new generation even if no file changed (each check runs, and logs)."""
+        assert self.writer is not None
+        rewrite = False
         if self.old is not None and _store_kind(self.old) != self._store_for(
             int(self.old.get("counts", {}).get("vectors", 0)), int(self.old["dim"])
         ):
             # Another search store: derived from the same vectors, so written without a rebuild.
-            self.changed = True
-        if writer.lexical == "created" and old is not None:
+            rewrite = True
+        if self.writer.lexical == "created" and old is not None:
             # An index from before the FTS table: this run stores it even if no file changed.
             log.info("adding the lexical (FTS5) table to the index in %s", self.storage.where)
-            self.changed = True
+            rewrite = True
         if old is not None and self.settings["sentences"] != stores_sentences(old):
             # Turned on (or an index from before they were stored): this run embeds them for every
             # chunk, once, so span packing embeds no sentence at question time; turned off: this
@@ -377,20 +412,24 @@ class _Builder:
                 log.info(
                     "dropping the sentence vectors from the index in %s (sentence_vectors off)", self.storage.where
                 )
-            self.changed = True
-        self.checkpoint = self.storage.checkpoint(identity)
+            rewrite = True
+        return rewrite
+
+    def _chunk_vectors(self, emb: Embedder, *, reuse: Generation | None) -> ChunkVectors:
+        """The :class:`ChunkVectors` that embeds this run's chunks into the new generation."""
+        assert self.writer is not None and self.checkpoint is not None
         unchanged = (
             "No index was written"
             if self.old is None
             else f"The index was not changed (generation {self.gen - 1} stays)"
         )
-        self._vectors = ChunkVectors(
+        return ChunkVectors(
             embedder=emb,
             executor=self.executor,
-            catalog=writer.catalog,
-            exact=writer.exact,
+            catalog=self.writer.catalog,
+            exact=self.writer.exact,
             checkpoint=self.checkpoint,
-            reuse=self.base if old is None and same_vectors else None,
+            reuse=reuse,
             stats=self.stats,
             progress=self.progress,
             embed_batch=self.embed_batch,

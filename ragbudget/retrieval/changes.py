@@ -22,11 +22,15 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..errors import ConfigError, InputPathError
 from .catalog import FileState
 from .roots import Root, Roots, canonical_path, fallback_root, new_label
 from .storage import Catalog, CatalogWriter, sha256_file
+
+if TYPE_CHECKING:
+    from ..input.scan import FileInfo
 
 __all__ = ["REMOVAL_GUARD_FILES", "REMOVAL_GUARD_SHARE", "Plan", "final_roots", "plan_changes"]
 
@@ -176,7 +180,7 @@ class _Scan:
         ``before``: what the index held (removals are counted and guarded against it)."""
         from ..input.loaders import DEFAULT_MAX_BYTES, scan
 
-        plan, catalog = self.plan, self.catalog
+        plan = self.plan
         # The index never reads its own folder (manifest, SQLite, lock, temp files), wherever it is.
         found = scan(
             scan_paths,
@@ -192,52 +196,59 @@ class _Scan:
         seen: set[str] = set()
         plan.seen = len(found.files) + len(found.skipped)
         for s in found.skipped:
-            path, why, detail = canonical_path(str(s.path)), str(s.reason), s.detail
-            plan.skipped.append((path, why, detail))
+            path = canonical_path(str(s.path))
             seen.add(path)
-            prev = known.get(path)
-            if prev is None or prev.status != "skipped" or prev.reason != why:
-                if prev is not None and prev.status == "indexed":
-                    catalog.drop_sources(path)
-                catalog.record_file(path, -1, -1, None, "skipped", why, detail)
-                plan.changed = True
+            self._record_skip(path, str(s.reason), s.detail, known.get(path))
         retried = 0
         for f in found.files:
             path = str(f.path)
             seen.add(path)
-            prev = known.get(path)
-            if (
-                prev is not None
-                and prev.status == "skipped"
-                and prev.reason == "missing_dependency"
-                and self._back(prev)
-            ):
-                # Skipped for want of a library or program that is installed now: read it again,
-                # even unchanged (its size, mtime and hash say nothing about the dependency).
-                plan.todo.append((path, f.size, f.mtime_ns, None))
+            if self._compare_file(path, f, known.get(path)):
                 retried += 1
-                continue
-            if prev is not None and prev.size == f.size and prev.mtime_ns == f.mtime_ns:
-                self._unchanged(path, prev)
-                continue
-            if prev is not None and prev.size == f.size:
-                try:
-                    digest = sha256_file(Path(path))
-                except OSError as exc:
-                    plan.skipped.append((path, "unreadable", str(exc)))
-                    continue
-                if digest == prev.sha256:
-                    # Touched but identical: record the new mtime, re-read nothing.
-                    catalog.touch_file(path, f.mtime_ns)
-                    plan.changed = True
-                    self._unchanged(path, prev)
-                    continue
-                plan.todo.append((path, f.size, f.mtime_ns, digest))
-            else:
-                plan.todo.append((path, f.size, f.mtime_ns, None))
         if retried:
             log.info("retrying %d file(s) skipped for a missing dependency that is installed now", retried)
-        found_paths = {str(f.path) for f in found.files}
+        self._remove_vanished(known, seen, {str(f.path) for f in found.files})
+
+    def _record_skip(self, path: str, why: str, detail: str, prev: FileState | None) -> None:
+        """Note a skipped entry, and record it in the catalog unless its row already says so."""
+        self.plan.skipped.append((path, why, detail))
+        if prev is None or prev.status != "skipped" or prev.reason != why:
+            if prev is not None and prev.status == "indexed":
+                self.catalog.drop_sources(path)
+            self.catalog.record_file(path, -1, -1, None, "skipped", why, detail)
+            self.plan.changed = True
+
+    def _compare_file(self, path: str, f: FileInfo, prev: FileState | None) -> bool:
+        """Queue a found file to be read when new or changed; ``True`` when it is a dependency retry."""
+        plan = self.plan
+        if prev is not None and prev.status == "skipped" and prev.reason == "missing_dependency" and self._back(prev):
+            # Skipped for want of a library or program that is installed now: read it again,
+            # even unchanged (its size, mtime and hash say nothing about the dependency).
+            plan.todo.append((path, f.size, f.mtime_ns, None))
+            return True
+        if prev is not None and prev.size == f.size and prev.mtime_ns == f.mtime_ns:
+            self._unchanged(path, prev)
+            return False
+        if prev is not None and prev.size == f.size:
+            try:
+                digest = sha256_file(Path(path))
+            except OSError as exc:
+                plan.skipped.append((path, "unreadable", str(exc)))
+                return False
+            if digest == prev.sha256:
+                # Touched but identical: record the new mtime, re-read nothing.
+                self.catalog.touch_file(path, f.mtime_ns)
+                plan.changed = True
+                self._unchanged(path, prev)
+                return False
+            plan.todo.append((path, f.size, f.mtime_ns, digest))
+        else:
+            plan.todo.append((path, f.size, f.mtime_ns, None))
+        return False
+
+    def _remove_vanished(self, known: dict[str, FileState], seen: set[str], found_paths: set[str]) -> None:
+        """Guard and count the removals, drop the vanished files and the sources of files to re-read."""
+        plan, catalog = self.plan, self.catalog
         leaving = sorted(p for p in plan.old_indexed if p not in found_paths and self.in_scope(p))
         self._guard_removal(leaving)
         plan.removed = len(leaving)

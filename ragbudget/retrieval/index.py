@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import ConfigError, IndexCorruptError, IndexMismatchError, IndexNotFoundError
 from ..settings import DEDUP_MODES, ChunkSettings, DedupSettings, RetrievalSettings, from_keywords
 from ..types import DEFAULT_INDEX_DIR, Hit, IndexedFile, IndexSummary, Source, VerifyReport
-from .build import ProgressCallback
+from .build import ProgressCallback, build_index
 from .changes import REMOVAL_GUARD_FILES, REMOVAL_GUARD_SHARE
 from .lexical import FUSIONS, fts5_available, fts_match_query, fuse_checked, fuse_scores
 from .manifest import FORMAT_VERSION
@@ -90,6 +90,33 @@ class Index:
     prompt, a log or an HTTP client. ``absolute_paths=True`` (a local CLI's opt-in) returns the
     absolute paths instead; :meth:`absolute_path` maps one display path back. Methods taking a
     path accept either form.
+
+    **Building.** :meth:`build` reads files and folders into the index. ``chunking`` (a
+    :class:`~ragbudget.settings.ChunkSettings`, or its keywords ``min_tokens``, ``max_tokens``,
+    ``overlap``, ``sentence_vectors``) sizes the chunks and says whether every chunk's sentence vectors
+    are stored for span packing (by default what the index has, none for a new one: span packing then
+    embeds a sentence the first time a question needs it; turning it off drops them from the index,
+    turning it on embeds them for every chunk, with no file changed). ``dedup`` is ``"near"`` (content hash +
+    MinHash at ``near_threshold``), ``"exact"`` or ``"none"``, or a
+    :class:`~ragbudget.settings.DedupSettings` holding those and the MinHash ``shingle`` (words per
+    shingle; an index records it, and one built before it did keeps 3). ``clean`` strips page furniture
+    and corpus boilerplate (on by default). Settings that change the vectors or the chunks (embedder,
+    chunking, dedup, cleaning) trigger a full rebuild, reported in ``rebuild_reason``.
+
+    ``store`` picks the vector store that answers searches (:mod:`ragbudget.retrieval.vectors`):
+    ``"auto"`` (exact while the vectors are small enough to scan within the latency target, then HNSW,
+    then IVF-PQ; see :func:`~ragbudget.retrieval.vectors.choose_store`), ``"flat"``, ``"hnsw"``,
+    ``"ivf"`` (IVF-PQ with exact rescoring), ``"ivf-flat"``, or the name of a store another package
+    registers in the ``ragbudget.stores`` entry point group; an approximate store is tuned against exact
+    search (HNSW on pseudo-questions made from the chunks, IVF on the index's own vectors) and its recall
+    recorded in the manifest. ``executor`` says where chunks are embedded
+    (:mod:`ragbudget.retrieval.executors`): ``"local"`` (this process), ``"ray"`` (Ray Data on the
+    cluster ``RAY_ADDRESS`` names, or a local one) or an executor object such as
+    ``RayExecutor(address=..., workers=...)``; the index it writes is the same (vectors equal within
+    float rounding). Files stream through in batches of ``batch_files``; chunks are embedded
+    ``embed_batch`` at a time, so memory grows with the batch, not the corpus — except for what every
+    chunk keeps in memory during a build: its vector (4·dim bytes, 1.5 KB for MiniLM) and, with
+    ``dedup="near"``, its MinHash signature in the LSH index (4·num_perm bytes + buckets).
 
     >>> idx = Index.open(".ragbudget")            # doctest: +SKIP
     >>> [h.sources[0].path for h in idx.search("delegate", k=2)]  # doctest: +SKIP
@@ -666,62 +693,27 @@ class Index:
         progress: ProgressCallback | None = None,
         executor: str | EmbedExecutor = "local",
     ) -> IndexSummary:
-        """Index ``paths`` (files or folders), incrementally. Returns an :class:`IndexSummary`.
+        """Index ``paths`` (files or folders), incrementally. Returns an :class:`IndexSummary`; the options are
+        described under **Building** in the :class:`Index` docstring.
 
-        A run **adds and updates**: new and changed files under ``paths`` are (re)indexed, files
-        under other roots indexed earlier are kept, and only indexed files that vanished from
-        under one of ``paths`` (a folder: anything below it; a file: that file) are removed.
-        ``prune=True`` mirrors ``paths`` exactly: every indexed file not found under them now is
-        removed. Every path must exist and be readable, else :class:`InputPathError` is raised
-        before anything is written (a typo never empties an index). A run that would remove all
-        indexed files, or more than :data:`REMOVAL_GUARD_FILES` files and more than
-        :data:`REMOVAL_GUARD_SHARE` of them, raises :class:`ConfigError` and changes nothing,
-        unless ``allow_removal`` or ``prune`` says the removal is meant. ``rebuild=True`` re-reads
-        and re-embeds every file of every recorded root (and of ``paths``); with ``prune``, of
-        ``paths`` only. Embedded batches are checkpointed, so a run that was killed resumes
-        without embedding them again. ``chunking`` (a :class:`~ragbudget.settings.ChunkSettings`,
-        or its keywords ``min_tokens``, ``max_tokens``, ``overlap``, ``sentence_vectors``) sizes the
-        chunks and says whether every chunk's sentence vectors are stored for span packing (on by
-        default; turning it off drops them from the index, turning it on again embeds them for
-        every chunk, with no file changed). ``dedup``
-        is ``"near"`` (content hash + MinHash at ``near_threshold``), ``"exact"`` or ``"none"``,
-        or a :class:`~ragbudget.settings.DedupSettings` holding those and the MinHash ``shingle``
-        (words per shingle; an index records it, and one built before it did keeps 3). ``clean`` strips page
-        furniture and corpus boilerplate (on by default).
+        A run **adds and updates**: new and changed files under ``paths`` are (re)indexed, files under other roots
+        indexed earlier are kept, and only indexed files that vanished from under one of ``paths`` (a folder: anything
+        below it; a file: that file) are removed. ``prune=True`` mirrors ``paths`` exactly: every indexed file not found
+        under them now is removed. Every path must exist and be readable, else :class:`InputPathError` is raised before
+        anything is written (a typo never empties an index). A run that would remove all indexed files, or more than
+        :data:`REMOVAL_GUARD_FILES` files and more than :data:`REMOVAL_GUARD_SHARE` of them, raises :class:`ConfigError`
+        and changes nothing, unless ``allow_removal`` or ``prune`` says the removal is meant. ``rebuild=True`` re-reads
+        and re-embeds every file of every recorded root (and of ``paths``); with ``prune``, of ``paths`` only. Embedded
+        batches are checkpointed, so a run that was killed resumes without embedding them again.
 
-        **Recorded settings.** The index records its chunking (with ``tokenizer``), dedup and
-        cleaning settings and whether it stores sentence vectors; a setting left out (``None``)
-        is the recorded one, so a plain update keeps how the index was built. A given chunking,
-        dedup or cleaning setting that differs from the record re-chunks every file, so it raises
-        :class:`~ragbudget.errors.IndexMismatchError` (naming each change, old -> new, and the
-        chunks it would re-embed) and changes nothing, unless ``rechunk=True`` (or
-        ``rebuild=True``) says it is meant (:mod:`ragbudget.retrieval.index_settings`).
-
-        ``store`` picks the vector store that answers searches (:mod:`ragbudget.retrieval.vectors`): ``"auto"`` (exact
-        while the vectors are small enough to scan within the latency target, then HNSW, then IVF-PQ; see
-        :func:`~ragbudget.retrieval.vectors.choose_store`), ``"flat"``, ``"hnsw"``, ``"ivf"`` (IVF-PQ with exact
-        rescoring) or ``"ivf-flat"``; an approximate store is tuned against exact search (HNSW on pseudo-questions
-        made from the chunks, IVF on the index's own vectors; see :mod:`ragbudget.retrieval.vectors`) and the recall
-        recorded in the manifest; the name of a store another package registers in the ``ragbudget.stores`` entry
-        point group works the same way. ``executor`` says where chunks are embedded
-        (:mod:`ragbudget.retrieval.executors`): ``"local"`` (this process), ``"ray"`` (Ray Data on the cluster
-        ``RAY_ADDRESS`` names, or a local one) or an executor object such as ``RayExecutor(address=...,
-        workers=...)``; the index it writes is the same (vectors equal within float rounding). Settings that change
-        the vectors or the chunks (embedder, chunking, dedup, cleaning) trigger a full rebuild, reported in
-        ``rebuild_reason``.
-        Files stream through in batches of ``batch_files``; chunks are embedded ``embed_batch`` at a
-        time, so memory grows with the batch, not the corpus — except for what every chunk keeps in
-        memory during a build: its vector (4·dim bytes, 1.5 KB for MiniLM) and, with
-        ``dedup="near"``, its MinHash signature in the LSH index (4·num_perm bytes + buckets).
+        **Recorded settings** (:mod:`ragbudget.retrieval.index_settings`). The index records its chunking (with
+        ``tokenizer``), dedup and cleaning settings and whether it stores sentence vectors; a setting left out
+        (``None``) is the recorded one, so a plain update keeps how the index was built. A given chunking, dedup or
+        cleaning setting that differs from the record re-chunks every file, so it raises
+        :class:`~ragbudget.errors.IndexMismatchError` (naming each change, old -> new, and the chunks it would re-embed)
+        and changes nothing, unless ``rechunk=True`` (or ``rebuild=True``) says it is meant.
         """
-        from .build import build_index
-
-        if not rebuild and isinstance(paths, (list, tuple)) and not paths:
-            # An empty list is a caller's slip (a glob that matched nothing, a filter too tight),
-            # not a request: say so rather than return a summary of nothing done.
-            raise ConfigError(
-                "nothing to index: no paths given; pass files or folders (rebuild=True re-reads the recorded roots)"
-            )
+        _refuse_no_paths(paths, rebuild=rebuild)
         self.close()  # a writer reads the current generation itself
         try:
             return build_index(
@@ -753,6 +745,16 @@ class Index:
             )
         finally:
             self.close()
+
+
+def _refuse_no_paths(paths: Sequence[str | os.PathLike[str]] | str | os.PathLike[str], *, rebuild: bool) -> None:
+    """Refuse an empty list of paths to index (unless the run rebuilds the recorded roots)."""
+    if not rebuild and isinstance(paths, (list, tuple)) and not paths:
+        # An empty list is a caller's slip (a glob that matched nothing, a filter too tight),
+        # not a request: say so rather than return a summary of nothing done.
+        raise ConfigError(
+            "nothing to index: no paths given; pass files or folders (rebuild=True re-reads the recorded roots)"
+        )
 
 
 def _recorded_recall(m: Manifest) -> float | None:
