@@ -171,97 +171,139 @@ def parameters(config: ConfigLike) -> tuple[Param, ...]:
     n_layers = int(c.get("num_hidden_layers", "n_layer", "num_layers"))
     heads = int(c.get("num_attention_heads", "n_head", "num_heads"))
     V = int(c.get("vocab_size", default=32000))
-    inter = int(c.get("intermediate_size", "ffn_dim", "n_inner", default=0) or 4 * H)
-    kv = int(c.get("num_key_value_heads", "num_kv_heads", default=heads))
     hd = c.get("head_dim")
-    hd = int(hd) if isinstance(hd, int) and hd > 0 else H // heads
-    bias = bool(c.get("attention_bias", default=mt in ("qwen2", "qwen2_moe", "gpt_oss")))
-    gated = mt not in _NON_GATED
+    s = _Shape(
+        mt=mt,
+        H=H,
+        heads=heads,
+        kv=int(c.get("num_key_value_heads", "num_kv_heads", default=heads)),
+        hd=int(hd) if isinstance(hd, int) and hd > 0 else H // heads,
+        inter=int(c.get("intermediate_size", "ffn_dim", "n_inner", default=0) or 4 * H),
+        bias=bool(c.get("attention_bias", default=mt in ("qwen2", "qwen2_moe", "gpt_oss"))),
+        gated=mt not in _NON_GATED,
+    )
     experts = c.get("num_local_experts", "n_routed_experts", "num_experts")
     first_dense = int(c.get("first_k_dense_replace", default=0))
-    out: list[Param] = [Param("model.embed_tokens.weight", V, H, role="embedding", split="vocab")]
+    ps = _Params([Param("model.embed_tokens.weight", V, H, role="embedding", split="vocab")])
+    for layer in range(n_layers):
+        pre = f"model.layers.{layer}"
+        if c.get("kv_lora_rank") is not None:
+            _mla_attention(ps, c, f"{pre}.self_attn", s)
+        else:
+            _attention(ps, f"{pre}.self_attn", s)
+        if experts and layer >= first_dense:
+            _moe_mlp(ps, c, f"{pre}.mlp", s, int(experts))
+        else:
+            _mlp(ps.linear, f"{pre}.mlp", H, s.inter, s.gated, mt)
+        ps.vector(f"{pre}.input_layernorm.weight", H)
+        ps.vector(f"{pre}.post_attention_layernorm.weight", H)
+        if mt.startswith(("gemma2", "gemma3")):
+            ps.vector(f"{pre}.pre_feedforward_layernorm.weight", H)
+            ps.vector(f"{pre}.post_feedforward_layernorm.weight", H)
+    ps.vector("model.norm.weight", H)
+    if not c.get("tie_word_embeddings", default=mt.startswith("gemma")):
+        ps.out.append(Param("lm_head.weight", V, H, role="lm_head", split="vocab"))
+    return tuple(ps.out)
 
-    def linear(name: str, o: int, i: int, split: str, *, kv_rows: int = 0, experts: int = 1, role: str = "") -> None:
-        out.append(
+
+@dataclass(frozen=True, kw_only=True)
+class _Shape:
+    """What a decoder layer's parameters are sized by: the model type, hidden size, attention
+    and KV heads, head size, MLP width, and whether attention has biases and the MLP a gate."""
+
+    mt: str
+    H: int
+    heads: int
+    kv: int
+    hd: int
+    inter: int
+    bias: bool
+    gated: bool
+
+
+@dataclass
+class _Params:
+    """The parameter list :func:`parameters` builds, a linear layer's weight or a vector at a time."""
+
+    out: list[Param]
+
+    def linear(
+        self, name: str, o: int, i: int, split: str, *, kv_rows: int = 0, experts: int = 1, role: str = ""
+    ) -> None:
+        self.out.append(
             Param(f"{name}.weight", o, i, experts, role or ("expert" if experts > 1 else "linear"), split, kv_rows)
         )
 
-    def vector(name: str, n: int, split: str = "replicated", *, kv_rows: int = 0, experts: int = 1) -> None:
-        out.append(Param(name, n, 1, experts, "vector", split, kv_rows))
+    def vector(self, name: str, n: int, split: str = "replicated", *, kv_rows: int = 0, experts: int = 1) -> None:
+        self.out.append(Param(name, n, 1, experts, "vector", split, kv_rows))
 
-    for layer in range(n_layers):
-        pre = f"model.layers.{layer}"
-        a = f"{pre}.self_attn"
-        if c.get("kv_lora_rank") is not None:
-            q_lora = c.get("q_lora_rank")
-            nope, rope = int(c.get("qk_nope_head_dim")), int(c.get("qk_rope_head_dim"))
-            vhd, kvr = int(c.get("v_head_dim")), int(c.get("kv_lora_rank"))
-            # vLLM: the low-rank down projections are replicated, the per-head up projections split.
-            if q_lora is None:
-                linear(f"{a}.q_proj", heads * (nope + rope), H, "column")
-            else:
-                linear(f"{a}.q_a_proj", int(q_lora), H, "replicated")
-                vector(f"{a}.q_a_layernorm.weight", int(q_lora))
-                linear(f"{a}.q_b_proj", heads * (nope + rope), int(q_lora), "column")
-            linear(f"{a}.kv_a_proj_with_mqa", kvr + rope, H, "replicated")
-            vector(f"{a}.kv_a_layernorm.weight", kvr)
-            linear(f"{a}.kv_b_proj", heads * (nope + vhd), kvr, "column")
-            linear(f"{a}.o_proj", H, heads * vhd, "row")
-        else:
-            if mt == "gpt_oss":
-                vector(f"{a}.sinks", heads, "column")
-            if mt == "phi3":  # fused QKV
-                linear(f"{a}.qkv_proj", (heads + 2 * kv) * hd, H, "column", kv_rows=2 * kv * hd)
-            else:
-                linear(f"{a}.q_proj", heads * hd, H, "column")
-                if bias:
-                    vector(f"{a}.q_proj.bias", heads * hd, "column")
-                for name in ("k_proj", "v_proj"):
-                    linear(f"{a}.{name}", kv * hd, H, "column", kv_rows=kv * hd)
-                    if bias:
-                        vector(f"{a}.{name}.bias", kv * hd, "column", kv_rows=kv * hd)
-            linear(f"{a}.o_proj", H, heads * hd, "row")
-            if bias and mt == "gpt_oss":
-                vector(f"{a}.o_proj.bias", H)  # row-parallel: added once, kept whole
-            if mt in ("qwen3", "qwen3_moe", "gemma3", "gemma3_text"):
-                vector(f"{a}.q_norm.weight", hd)
-                vector(f"{a}.k_norm.weight", hd)
-            elif mt == "olmo2":  # OLMo 2 normalizes the whole projections
-                vector(f"{a}.q_norm.weight", heads * hd)
-                vector(f"{a}.k_norm.weight", kv * hd)
-        m = f"{pre}.mlp"
-        if experts and layer >= first_dense:
-            E = int(experts)
-            mI = int(c.get("moe_intermediate_size", default=inter))
-            router = "router" if mt == "gpt_oss" else "gate"
-            linear(f"{m}.{router}", E, H, "replicated", role="router")
-            if mt == "gpt_oss":
-                vector(f"{m}.router.bias", E)
-                out.append(Param(f"{m}.experts.gate_up_proj", 2 * mI, H, E, "expert", "column"))
-                vector(f"{m}.experts.gate_up_proj_bias", 2 * mI, "column", experts=E)
-                out.append(Param(f"{m}.experts.down_proj", H, mI, E, "expert", "row"))
-                vector(f"{m}.experts.down_proj_bias", H, experts=E)
-            else:
-                out.append(Param(f"{m}.experts.gate_up_proj", (2 if gated else 1) * mI, H, E, "expert", "column"))
-                out.append(Param(f"{m}.experts.down_proj", H, mI, E, "expert", "row"))
-            shared = c.get("n_shared_experts")
-            if shared:
-                _mlp(linear, f"{m}.shared_experts", H, mI * int(shared), gated, mt)
-            sh_i = c.get("shared_expert_intermediate_size")
-            if sh_i:
-                _mlp(linear, f"{m}.shared_expert", H, int(sh_i), gated, mt)
-                linear(f"{m}.shared_expert_gate", 1, H, "replicated", role="router")
-        else:
-            _mlp(linear, m, H, inter, gated, mt)
-        vector(f"{pre}.input_layernorm.weight", H)
-        vector(f"{pre}.post_attention_layernorm.weight", H)
-        if mt.startswith(("gemma2", "gemma3")):
-            vector(f"{pre}.pre_feedforward_layernorm.weight", H)
-            vector(f"{pre}.post_feedforward_layernorm.weight", H)
-    vector("model.norm.weight", H)
-    if not c.get("tie_word_embeddings", default=mt.startswith("gemma")):
-        out.append(Param("lm_head.weight", V, H, role="lm_head", split="vocab"))
-    return tuple(out)
+
+def _mla_attention(ps: _Params, c: ConfigView, a: str, s: _Shape) -> None:
+    """Multi-head latent attention (DeepSeek): low-rank query and key/value projections."""
+    q_lora = c.get("q_lora_rank")
+    nope, rope = int(c.get("qk_nope_head_dim")), int(c.get("qk_rope_head_dim"))
+    vhd, kvr = int(c.get("v_head_dim")), int(c.get("kv_lora_rank"))
+    # vLLM: the low-rank down projections are replicated, the per-head up projections split.
+    if q_lora is None:
+        ps.linear(f"{a}.q_proj", s.heads * (nope + rope), s.H, "column")
+    else:
+        ps.linear(f"{a}.q_a_proj", int(q_lora), s.H, "replicated")
+        ps.vector(f"{a}.q_a_layernorm.weight", int(q_lora))
+        ps.linear(f"{a}.q_b_proj", s.heads * (nope + rope), int(q_lora), "column")
+    ps.linear(f"{a}.kv_a_proj_with_mqa", kvr + rope, s.H, "replicated")
+    ps.vector(f"{a}.kv_a_layernorm.weight", kvr)
+    ps.linear(f"{a}.kv_b_proj", s.heads * (nope + vhd), kvr, "column")
+    ps.linear(f"{a}.o_proj", s.H, s.heads * vhd, "row")
+
+
+def _attention(ps: _Params, a: str, s: _Shape) -> None:
+    """Multi-head or grouped-query attention: projections, biases, sinks and QK norms."""
+    mt, H, heads, kv, hd, bias = s.mt, s.H, s.heads, s.kv, s.hd, s.bias
+    if mt == "gpt_oss":
+        ps.vector(f"{a}.sinks", heads, "column")
+    if mt == "phi3":  # fused QKV
+        ps.linear(f"{a}.qkv_proj", (heads + 2 * kv) * hd, H, "column", kv_rows=2 * kv * hd)
+    else:
+        ps.linear(f"{a}.q_proj", heads * hd, H, "column")
+        if bias:
+            ps.vector(f"{a}.q_proj.bias", heads * hd, "column")
+        for name in ("k_proj", "v_proj"):
+            ps.linear(f"{a}.{name}", kv * hd, H, "column", kv_rows=kv * hd)
+            if bias:
+                ps.vector(f"{a}.{name}.bias", kv * hd, "column", kv_rows=kv * hd)
+    ps.linear(f"{a}.o_proj", H, heads * hd, "row")
+    if bias and mt == "gpt_oss":
+        ps.vector(f"{a}.o_proj.bias", H)  # row-parallel: added once, kept whole
+    if mt in ("qwen3", "qwen3_moe", "gemma3", "gemma3_text"):
+        ps.vector(f"{a}.q_norm.weight", hd)
+        ps.vector(f"{a}.k_norm.weight", hd)
+    elif mt == "olmo2":  # OLMo 2 normalizes the whole projections
+        ps.vector(f"{a}.q_norm.weight", heads * hd)
+        ps.vector(f"{a}.k_norm.weight", kv * hd)
+
+
+def _moe_mlp(ps: _Params, c: ConfigView, m: str, s: _Shape, E: int) -> None:
+    """A mixture-of-experts MLP: router, experts, and shared experts where the model has them."""
+    mt, H = s.mt, s.H
+    mI = int(c.get("moe_intermediate_size", default=s.inter))
+    router = "router" if mt == "gpt_oss" else "gate"
+    ps.linear(f"{m}.{router}", E, H, "replicated", role="router")
+    if mt == "gpt_oss":
+        ps.vector(f"{m}.router.bias", E)
+        ps.out.append(Param(f"{m}.experts.gate_up_proj", 2 * mI, H, E, "expert", "column"))
+        ps.vector(f"{m}.experts.gate_up_proj_bias", 2 * mI, "column", experts=E)
+        ps.out.append(Param(f"{m}.experts.down_proj", H, mI, E, "expert", "row"))
+        ps.vector(f"{m}.experts.down_proj_bias", H, experts=E)
+    else:
+        ps.out.append(Param(f"{m}.experts.gate_up_proj", (2 if s.gated else 1) * mI, H, E, "expert", "column"))
+        ps.out.append(Param(f"{m}.experts.down_proj", H, mI, E, "expert", "row"))
+    shared = c.get("n_shared_experts")
+    if shared:
+        _mlp(ps.linear, f"{m}.shared_experts", H, mI * int(shared), s.gated, mt)
+    sh_i = c.get("shared_expert_intermediate_size")
+    if sh_i:
+        _mlp(ps.linear, f"{m}.shared_expert", H, int(sh_i), s.gated, mt)
+        ps.linear(f"{m}.shared_expert_gate", 1, H, "replicated", role="router")
 
 
 def _mlp(linear: Callable[..., None], m: str, H: int, inter: int, gated: bool, mt: str) -> None:
