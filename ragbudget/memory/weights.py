@@ -463,58 +463,11 @@ def weight_format(config: ConfigLike, weight_dtype: str | None = None) -> Weight
     method = str(qc.get("quant_method", "")).lower().replace("_", "-")
     src = "(quantization_config)"
     if method in ("gptq", "awq"):
-        bits, g = int(qc.get("bits", 4)), int(qc.get("group_size", 128))
-        group = f"groups of {g}" if g > 0 else "per output channel"
-        zeros = method == "gptq" or bool(qc.get("zero_point", True))
-        fmt = WeightFormat(
-            method=method,
-            dtype=base,
-            bits=bits,
-            group_size=max(g, 0),
-            zero_points=zeros,
-            quantize_lm_head=bool(qc.get("lm_head", False)),
-            skip=_skips(qc, "modules_to_not_convert"),
-            label=f"{method}: {bits}-bit, {group}, float16 scales"
-            + (" and zero points" if zeros else "")
-            + (", g_idx" if method == "gptq" else "")
-            + f"; the rest {base} {src}",
-        )
-        return fmt
+        return _gptq_awq(qc, method, base, src)
     if method == "bitsandbytes" or qc.get("load_in_4bit") or qc.get("load_in_8bit"):
-        if qc.get("load_in_8bit"):
-            return WeightFormat(
-                method="bnb",
-                dtype=base,
-                bits=8,
-                skip=_skips(qc, "llm_int8_skip_modules"),
-                label=f"bitsandbytes 8-bit (LLM.int8: int8 + a float32 scale per row); the rest {base} {src}",
-            )
-        double = bool(qc.get("bnb_4bit_use_double_quant", False))
-        kind = str(qc.get("bnb_4bit_quant_type", "fp4"))
-        return WeightFormat(
-            method="bnb",
-            dtype=base,
-            bits=4,
-            double_quant=double,
-            skip=_skips(qc, "llm_int8_skip_modules"),
-            label=f"bitsandbytes 4-bit {kind}, blocks of 64"
-            + (", double quantization" if double else "")
-            + f"; the rest {base} {src}",
-        )
+        return _bitsandbytes(qc, base, src)
     if method in ("fp8", "fbgemm-fp8"):
-        block = qc.get("weight_block_size")
-        blk = (int(block[0]), int(block[1])) if isinstance(block, Sequence) and len(block) == 2 else None
-        return WeightFormat(
-            method="fp8",
-            dtype=base,
-            bits=8,
-            block=blk,
-            static_input_scale=str(qc.get("activation_scheme", "dynamic")) == "static",
-            skip=_skips(qc, "modules_to_not_convert", "ignored_layers"),
-            label="fp8: 8-bit, float32 scales "
-            + (f"per {blk[0]}×{blk[1]} block" if blk else "per tensor")
-            + f"; the rest {base} {src}",
-        )
+        return _fp8(qc, base, src)
     if method == "compressed-tensors":
         return _compressed_tensors(qc, base, src)
     if method == "mxfp4":
@@ -531,6 +484,68 @@ def weight_format(config: ConfigLike, weight_dtype: str | None = None) -> Weight
         dtype=base,
         label=f"{base}: quant_method {method or '?'!r} is not modelled, planned unquantized (an over-estimate; "
         "pass weight_dtype / --weight-dtype for its storage)",
+    )
+
+
+def _gptq_awq(qc: Mapping[str, Any], method: str, base: str, src: str) -> WeightFormat:
+    """GPTQ or AWQ: n-bit weights in groups, float16 scales (and zero points)."""
+    bits, g = int(qc.get("bits", 4)), int(qc.get("group_size", 128))
+    group = f"groups of {g}" if g > 0 else "per output channel"
+    zeros = method == "gptq" or bool(qc.get("zero_point", True))
+    fmt = WeightFormat(
+        method=method,
+        dtype=base,
+        bits=bits,
+        group_size=max(g, 0),
+        zero_points=zeros,
+        quantize_lm_head=bool(qc.get("lm_head", False)),
+        skip=_skips(qc, "modules_to_not_convert"),
+        label=f"{method}: {bits}-bit, {group}, float16 scales"
+        + (" and zero points" if zeros else "")
+        + (", g_idx" if method == "gptq" else "")
+        + f"; the rest {base} {src}",
+    )
+    return fmt
+
+
+def _bitsandbytes(qc: Mapping[str, Any], base: str, src: str) -> WeightFormat:
+    """bitsandbytes: LLM.int8 or 4-bit (fp4/nf4, optionally double-quantized)."""
+    if qc.get("load_in_8bit"):
+        return WeightFormat(
+            method="bnb",
+            dtype=base,
+            bits=8,
+            skip=_skips(qc, "llm_int8_skip_modules"),
+            label=f"bitsandbytes 8-bit (LLM.int8: int8 + a float32 scale per row); the rest {base} {src}",
+        )
+    double = bool(qc.get("bnb_4bit_use_double_quant", False))
+    kind = str(qc.get("bnb_4bit_quant_type", "fp4"))
+    return WeightFormat(
+        method="bnb",
+        dtype=base,
+        bits=4,
+        double_quant=double,
+        skip=_skips(qc, "llm_int8_skip_modules"),
+        label=f"bitsandbytes 4-bit {kind}, blocks of 64"
+        + (", double quantization" if double else "")
+        + f"; the rest {base} {src}",
+    )
+
+
+def _fp8(qc: Mapping[str, Any], base: str, src: str) -> WeightFormat:
+    """fp8 weights, with float32 scales per tensor or per block."""
+    block = qc.get("weight_block_size")
+    blk = (int(block[0]), int(block[1])) if isinstance(block, Sequence) and len(block) == 2 else None
+    return WeightFormat(
+        method="fp8",
+        dtype=base,
+        bits=8,
+        block=blk,
+        static_input_scale=str(qc.get("activation_scheme", "dynamic")) == "static",
+        skip=_skips(qc, "modules_to_not_convert", "ignored_layers"),
+        label="fp8: 8-bit, float32 scales "
+        + (f"per {blk[0]}×{blk[1]} block" if blk else "per tensor")
+        + f"; the rest {base} {src}",
     )
 
 
