@@ -37,6 +37,7 @@ What transformers 5.x really keeps (read from ``transformers/cache_utils.py``):
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, TypedDict
@@ -329,27 +330,7 @@ def estimate_kv(
         },
     )
     if cache == "quantized":
-        quant_backend = q.quant_backend
-        layer_bytes = partial(
-            _quantized_layer_bytes,
-            bits=bits,
-            batch_size=batch_size,
-            nbits=q.nbits,
-            q_group_size=q.q_group_size,
-            residual_length=q.residual_length,
-            axis=q.q_axis,
-            quant_backend=quant_backend,
-            prefill_tokens=prefill_tokens,
-        )
-        per = tuple(layer_bytes(s, tokens) for s in specs)
-        worst = sum(layer_bytes(s, tokens, worst_residual=True) for s in specs)
-        # Each update dequantizes the layer and concatenates dequantized + residual + new states
-        # in full precision (two full-precision copies of one layer at once); fp8 dequantizes once.
-        copies = 1 if quant_backend == "fp8" else 2
-        transient = copies * max(
-            (batch_size * ceil_bytes(s.elements_per_token * tokens, bits) for s in specs), default=0
-        )
-        return KVEstimate(sum(per), worst + transient, per, f"int{q.nbits}" if quant_backend != "fp8" else "fp8", cache)
+        return _quantized_estimate(specs, tokens, q, bits=bits, batch_size=batch_size, prefill_tokens=prefill_tokens)
     base = "static" if cache == "static" else "dynamic"
     per = tuple(_layer_bytes(s, tokens, sz, cache=base, peak=False, prefill_tokens=prefill_tokens) for s in specs)
     per_peak = tuple(_layer_bytes(s, tokens, sz, cache=base, peak=True, prefill_tokens=prefill_tokens) for s in specs)
@@ -374,6 +355,40 @@ class _EstimateOptions(TypedDict, total=False):
     q_axis: int | None
     offload_only_non_sliding: bool
     normalize: bool
+
+
+def _quantized_estimate(
+    specs: Sequence[LayerSpec],
+    tokens: int,
+    q: QuantizedCacheSettings,
+    *,
+    bits: int,
+    batch_size: int,
+    prefill_tokens: int | None,
+) -> KVEstimate:
+    """:func:`estimate_kv` for transformers' ``QuantizedCache``: the quantized layers, and at the
+    peak the worst residual plus the full-precision copies an update makes of one layer."""
+    quant_backend = q.quant_backend
+    layer_bytes = partial(
+        _quantized_layer_bytes,
+        bits=bits,
+        batch_size=batch_size,
+        nbits=q.nbits,
+        q_group_size=q.q_group_size,
+        residual_length=q.residual_length,
+        axis=q.q_axis,
+        quant_backend=quant_backend,
+        prefill_tokens=prefill_tokens,
+    )
+    per = tuple(layer_bytes(s, tokens) for s in specs)
+    worst = sum(layer_bytes(s, tokens, worst_residual=True) for s in specs)
+    # Each update dequantizes the layer and concatenates dequantized + residual + new states
+    # in full precision (two full-precision copies of one layer at once); fp8 dequantizes once.
+    copies = 1 if quant_backend == "fp8" else 2
+    transient = copies * max((batch_size * ceil_bytes(s.elements_per_token * tokens, bits) for s in specs), default=0)
+    return KVEstimate(
+        sum(per), worst + transient, per, f"int{q.nbits}" if quant_backend != "fp8" else "fp8", "quantized"
+    )
 
 
 def kv_cache_bytes(
