@@ -335,29 +335,11 @@ def simulate(
             t = max(t, wait[0].ready)  # idle until the next promise can arrive
             continue
         rates = job_rates(run, throughput)
-        # The next event: a job ends its prefill or its work, or the head's promise arrives.
-        step = math.inf
-        for job, rate in zip(run, rates, strict=True):
-            edge = job.prefill if job.in_prefill() else job.work
-            if rate > 0:
-                step = min(step, (edge - job.served) / rate)
-        if wait and wait[0].ready > t:
-            step = min(step, wait[0].ready - t)
+        step = _next_event(run, rates, wait, t)
         if not math.isfinite(step):
             break
-        step = max(step, 0.0)
         t += step
-        still: list[Job] = []
-        for job, rate in zip(run, rates, strict=True):
-            was_prefill = job.in_prefill()
-            job.served += rate * step
-            if was_prefill and job.served >= job.prefill - 1e-9:
-                job.served = max(job.served, job.prefill)
-                if id(job) in ids and not math.isfinite(first[ids[id(job)]]):
-                    first[ids[id(job)]] = t
-            if job.served < job.work - 1e-9:
-                still.append(job)
-        run = still
+        run = _advance(run, rates, step, t, lambda job: ids.get(id(job)), first)
         if all(math.isfinite(x) for x in first):
             break
     return first
@@ -428,3 +410,40 @@ class Learning:
     def expected_new_tokens(self, new_max: int) -> int:
         """The new tokens a request of ``new_max`` is expected to generate (for its time)."""
         return math.ceil(new_max * self.answer_share)
+
+
+def _next_event(run: Sequence[Job], rates: Sequence[float], wait: Sequence[Job], t: float) -> float:
+    """Seconds to the next event: a running job ends its prefill or its work, or the queue
+    head's promise arrives (``inf``: nothing will happen)."""
+    step = math.inf
+    for job, rate in zip(run, rates, strict=True):
+        edge = job.prefill if job.in_prefill() else job.work
+        if rate > 0:
+            step = min(step, (edge - job.served) / rate)
+    if wait and wait[0].ready > t:
+        step = min(step, wait[0].ready - t)
+    return max(step, 0.0) if math.isfinite(step) else step
+
+
+def _advance(
+    run: Sequence[Job],
+    rates: Sequence[float],
+    step: float,
+    t: float,
+    queued_index: Callable[[Job], int | None],
+    first: list[float],
+) -> list[Job]:
+    """Serve each running job ``step`` seconds at its rate; a queued job (``queued_index``) that
+    ends its prefill has its first token at ``t``. Returns the jobs still running."""
+    still: list[Job] = []
+    for job, rate in zip(run, rates, strict=True):
+        was_prefill = job.in_prefill()
+        job.served += rate * step
+        if was_prefill and job.served >= job.prefill - 1e-9:
+            job.served = max(job.served, job.prefill)
+            k = queued_index(job)
+            if k is not None and not math.isfinite(first[k]):
+                first[k] = t
+        if job.served < job.work - 1e-9:
+            still.append(job)
+    return still
