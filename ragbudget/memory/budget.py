@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -32,7 +32,7 @@ from ..types import dtype_bits
 from . import calibration as _calibration
 from .activations import CUBLAS_WORKSPACE_BYTES, estimate_activation_bytes, workspace_for
 from .kvcache import estimate_kv, kv_bytes_per_token
-from .layers import layer_specs
+from .layers import LayerSpec, layer_specs
 from .model_config import ConfigLike, ConfigView, model_dtype, normalize_config, text_config
 from .schedule import MemoryModel
 
@@ -282,8 +282,6 @@ def plan_budget(
     >>> plan_budget("meta-llama/Llama-3.1-70B-Instruct", gpu="2xH100").tensor_parallel
     2
     """
-    from .weights import comm_reserve_bytes, rank_config, weight_format
-
     # The settings' own checks (one definition of each): a wrong type is a one-line
     # ArgumentTypeError naming the argument, not a comparison's TypeError, and a fractional
     # max_new_tokens is refused rather than planned with.
@@ -291,6 +289,66 @@ def plan_budget(
     c, m = check_int("concurrency", concurrency, 1), check_int("max_new_tokens", max_new_tokens, 1)
     assert u is not None and c is not None and m is not None  # None only where optional=True
     utilization, concurrency, max_new_tokens = u, c, m
+    s = _size_gpu(model, config, gpu, tensor_parallel, kv_dtype, weights_bytes, weight_dtype, utilization, backend)
+    # A calibration was measured on one GPU holding the whole model: not a shard's activations.
+    cal = _calibration.lookup_calibration(s.gpu.name, s.name, s.kv_dtype, cache) if s.tp == 1 else None
+    d = _Demand(s, cache, backend, attn_implementation, max_cache_len, cal)
+    if s.weights >= s.usable:
+        where = f"{s.gpu.name}" if s.tp == 1 else f"each of {s.tp} × {s.gpu.name} (tensor parallel)"
+        raise BudgetError(
+            f"{s.name}: the weights alone need {s.weights / GiB:.2f} GiB ({s.weights_source}) but only "
+            f"{s.usable / GiB:.2f} GiB is usable ({utilization:.0%} of {s.gpu.bytes / GiB:.2f} GiB on {where}"
+            + (f", less {s.reserve / GiB:.2f} GiB for NCCL" if s.reserve else "")
+            + "); plan quantized storage (weight_dtype='int4', 'fp8', 'nf4'; CLI --weight-dtype int4), "
+            "split it over several GPUs (tensor_parallel=2; CLI --gpu 2xNAME), or use a smaller model "
+            "or a larger GPU",
+            needed=s.weights,
+            available=max(0, s.usable),
+            unit="bytes",
+            limit="memory",
+        )
+    t_mem = d.max_tokens(concurrency, 1 << 24)
+    max_ctx = min(t_mem, s.model_max)
+    limited_by = "model" if t_mem >= s.model_max else "memory"
+    d.check_new_tokens_fit(concurrency, max_new_tokens, max_ctx)
+    return d.budget_plan(concurrency, max_new_tokens, context_tokens, max_ctx, limited_by)
+
+
+@dataclass(frozen=True)
+class _GpuSizing:
+    """One GPU's share of a plan: its memory (``gpu.bytes`` as planned against), weights, model, notes."""
+
+    name: str
+    config: ConfigLike
+    gpu: GPUInfo
+    utilization: float
+    reserve: int
+    usable: int
+    tp: int
+    weights: int
+    weights_source: str
+    weight_format: str
+    model_max: int
+    norm: ConfigLike
+    specs: tuple[LayerSpec, ...]
+    kv_dtype: str
+    notes: tuple[str, ...]
+
+
+def _size_gpu(
+    model: Any,  # as plan_budget's: a name, a path or a loaded transformers module
+    config: ConfigLike,
+    gpu: str | int | None,
+    tensor_parallel: int | None,
+    kv_dtype: str | None,
+    weights_bytes: int | None,
+    weight_dtype: str | None,
+    utilization: float,
+    backend: str,
+) -> _GpuSizing:
+    """Resolve the model and the GPU, and size one GPU's share: KV dtype, weights, usable memory."""
+    from .weights import comm_reserve_bytes, rank_config, weight_format
+
     name, cfg, module = _resolve_model(model, config)
     info: GPUInfo = resolve_gpu(gpu)
     tp = _tensor_parallel(tensor_parallel, info, module)
@@ -309,17 +367,39 @@ def plan_budget(
     # and its activations are those of that narrower model (the token figures stay the group's).
     norm = normalize_config(rank_config(cfg, tp), True)
     specs = layer_specs(norm, backend=backend, normalize=False)
-
-    # Weights
     fmt = weight_format(cfg, weight_dtype) if module is None or weight_dtype is not None else None
     if weights_bytes is not None:
-        wbytes = -(-int(weights_bytes) // tp)
-        wsrc = "explicit" if tp == 1 else f"explicit ÷ {tp} GPUs"
+        wbytes, wsrc = -(-int(weights_bytes) // tp), ("explicit" if tp == 1 else f"explicit ÷ {tp} GPUs")
     elif module is not None:
         wbytes, wsrc = _module_bytes(module), "loaded model (parameters + buffers)"
     else:
         assert fmt is not None
         wbytes, wsrc = _planned_weights(model, cfg, fmt, weight_dtype, tp, notes)
+    gpu_bytes = _gpu_bytes_with_model(info, module, notes)
+    # vLLM sizes its KV cache from utilization × memory less what its profile run saw outside
+    # PyTorch; with several GPUs that includes NCCL's and the custom all-reduce's buffers.
+    reserve = comm_reserve_bytes(tp)
+    return _GpuSizing(
+        name=name,
+        config=cfg,
+        gpu=replace(info, bytes=gpu_bytes),
+        utilization=utilization,
+        reserve=reserve,
+        usable=int(gpu_bytes * utilization) - reserve,
+        tp=tp,
+        weights=wbytes,
+        weights_source=wsrc,
+        weight_format="loaded model" if fmt is None or module is not None else fmt.label,
+        model_max=_model_max(cfg),
+        norm=norm,
+        specs=specs,
+        kv_dtype=kvd,
+        notes=tuple(notes),
+    )
+
+
+def _gpu_bytes_with_model(info: GPUInfo, module: Any, notes: list[str]) -> int:  # Any: torch module
+    """The GPU's bytes to plan against, a loaded model's own bytes added back where they were read."""
     gpu_bytes = info.bytes
     # Free CUDA memory, like available host RAM, was read with the model loaded: add its own
     # bytes on that device back, or they would be subtracted twice (as weights and as used).
@@ -339,189 +419,197 @@ def plan_budget(
             notes.append(
                 f"the loaded model's {loaded / GiB:.2f} GiB {where} counted as available to it ({figure} excludes them)"
             )
-    # vLLM sizes its KV cache from utilization × memory less what its profile run saw outside
-    # PyTorch; with several GPUs that includes NCCL's and the custom all-reduce's buffers.
-    reserve = comm_reserve_bytes(tp)
-    usable = int(gpu_bytes * utilization) - reserve
-    model_max = _model_max(cfg)
+    return gpu_bytes
 
-    # A calibration was measured on one GPU holding the whole model: not a shard's activations.
-    cal = _calibration.lookup_calibration(info.name, name, kvd, cache) if tp == 1 else None
 
-    def act(tokens: int, batch: int) -> int:
-        if cal is not None:
-            return int(cal["activation_bytes_per_token"] * tokens * batch)
+@dataclass(frozen=True)
+class _Demand:
+    """What requests need on a sized GPU (activation and KV bytes), what fits of them, and the plan."""
+
+    sizing: _GpuSizing
+    cache: str
+    backend: str
+    attn_implementation: str
+    max_cache_len: int | None
+    cal: dict[str, Any] | None
+
+    def act(self, tokens: int, batch: int) -> int:
+        """Activation bytes of a prefill of ``batch`` × ``tokens``: calibrated, else estimated."""
+        if self.cal is not None:
+            return int(self.cal["activation_bytes_per_token"] * tokens * batch)
         return estimate_activation_bytes(
-            norm,
+            self.sizing.norm,
             tokens,
             batch_size=batch,
-            dtype=kvd,
-            attn_implementation=attn_implementation,
-            workspace_bytes=workspace_for(info.source),
+            dtype=self.sizing.kv_dtype,
+            attn_implementation=self.attn_implementation,
+            workspace_bytes=workspace_for(self.sizing.gpu.source),
         )
 
-    act_src = "calibrated (measured on this GPU)" if cal is not None else f"estimate ({attn_implementation} prefill)"
-
-    def kv(tokens: int, batch: int) -> int:
-        mcl = max_cache_len if cache == "static" and max_cache_len else tokens
+    def kv(self, tokens: int, batch: int) -> int:
+        """Peak KV bytes of ``batch`` sequences of ``tokens``."""
+        mcl = self.max_cache_len if self.cache == "static" and self.max_cache_len else tokens
         return estimate_kv(
-            norm,
+            self.sizing.norm,
             tokens,
             batch_size=batch,
-            kv_dtype=kvd,
-            cache=cache,
-            backend=backend,
+            kv_dtype=self.sizing.kv_dtype,
+            cache=self.cache,
+            backend=self.backend,
             max_cache_len=mcl,
             normalize=False,
         ).peak_bytes
 
-    def needed(tokens: int, batch: int) -> int:
-        return wbytes + act(tokens, batch) + kv(tokens, batch)
+    def needed(self, tokens: int, batch: int) -> int:
+        """Weights, activations and KV of ``batch`` requests of ``tokens`` each."""
+        return self.sizing.weights + self.act(tokens, batch) + self.kv(tokens, batch)
 
-    def max_tokens(batch: int, cap: int) -> int:
-        if needed(1, batch) > usable:
+    def max_tokens(self, batch: int, cap: int) -> int:
+        """The most tokens per request, at most ``cap``, for ``batch`` requests (0: not one)."""
+        if self.needed(1, batch) > self.sizing.usable:
             return 0
         lo, hi = 1, cap
-        if needed(hi, batch) <= usable:
+        if self.needed(hi, batch) <= self.sizing.usable:
             return hi
         while lo < hi:  # largest t with needed(t) <= usable
             mid = (lo + hi + 1) // 2
-            if needed(mid, batch) <= usable:
+            if self.needed(mid, batch) <= self.sizing.usable:
                 lo = mid
             else:
                 hi = mid - 1
         return lo
 
-    if wbytes >= usable:
-        where = f"{info.name}" if tp == 1 else f"each of {tp} × {info.name} (tensor parallel)"
-        raise BudgetError(
-            f"{name}: the weights alone need {wbytes / GiB:.2f} GiB ({wsrc}) but only "
-            f"{usable / GiB:.2f} GiB is usable ({utilization:.0%} of {gpu_bytes / GiB:.2f} GiB on {where}"
-            + (f", less {reserve / GiB:.2f} GiB for NCCL" if reserve else "")
-            + "); plan quantized storage (weight_dtype='int4', 'fp8', 'nf4'; CLI --weight-dtype int4), "
-            "split it over several GPUs (tensor_parallel=2; CLI --gpu 2xNAME), or use a smaller model "
-            "or a larger GPU",
-            needed=wbytes,
-            available=max(0, usable),
-            unit="bytes",
-            limit="memory",
-        )
-    t_mem = max_tokens(concurrency, 1 << 24)
-    max_ctx = min(t_mem, model_max)
-    limited_by = "model" if t_mem >= model_max else "memory"
-    if max_new_tokens + 1 > model_max:
-        # The window binds whatever the memory: say so, and not "buy a bigger GPU".
-        raise BudgetError(
-            f"max_new_tokens {max_new_tokens:,} does not fit the model window: {name} reads at "
-            f"most {model_max:,} tokens (max_position_embeddings), prompt and answer together; "
-            f"lower max_new_tokens (--max-new-tokens) to at most {model_max - 1:,} minus the "
-            "prompt, or use a model with a longer window",
-            needed=max_new_tokens + 1,
-            available=model_max,
-            unit="tokens",
-            limit="window",
-        )
-    if max_ctx < max_new_tokens + 1:
-        need = needed(max_new_tokens + 1, concurrency)
-        raise BudgetError(
-            f"{name} on {info.name}: {concurrency} request(s) of {max_new_tokens + 1} tokens need "
-            f"{need / GiB:.2f} GiB (weights {wbytes / GiB:.2f} + activations "
-            f"{act(max_new_tokens + 1, concurrency) / GiB:.2f} + KV "
-            f"{kv(max_new_tokens + 1, concurrency) / GiB:.2f}) but {usable / GiB:.2f} GiB is "
-            f"usable, so memory holds {max_ctx:,} tokens per request; lower max_new_tokens or "
-            "concurrency, use kv_dtype='fp8' or a quantized/offloaded cache, or a smaller model",
-            needed=max_new_tokens + 1,
-            available=max_ctx,
-            unit="tokens",
-            limit="memory",
-        )
-    t_one = max_tokens(1, 1 << 24)
-
-    # Concurrency at the target context (or at the model maximum).
-    target = context_tokens if context_tokens is not None else model_max
-    max_conc = 0
-    if needed(target, 1) <= usable:
+    def max_concurrency(self, target: int) -> int:
+        """The most requests of ``target`` tokens each that fit together (0: not one)."""
+        if self.needed(target, 1) > self.sizing.usable:
+            return 0
         lo, hi = 1, 1
-        while needed(target, hi * 2) <= usable and hi < (1 << 20):
+        while self.needed(target, hi * 2) <= self.sizing.usable and hi < (1 << 20):
             hi *= 2
         lo, hi = hi, hi * 2
         while lo < hi - 1:
             mid = (lo + hi) // 2
-            if needed(target, mid) <= usable:
+            if self.needed(target, mid) <= self.sizing.usable:
                 lo = mid
             else:
                 hi = mid
-        max_conc = lo
+        return lo
 
-    curve = []
-    n = 1
-    while n <= max(concurrency, 1 << 10):
-        t = min(max_tokens(n, 1 << 24), model_max)
-        if t < max_new_tokens + 1:
-            break
-        curve.append((n, t))
-        n *= 2
+    def curve(self, concurrency: int, max_new_tokens: int) -> tuple[tuple[int, int], ...]:
+        """(requests, context tokens) at 1, 2, 4, … requests while ``max_new_tokens`` + 1 fit."""
+        curve = []
+        n = 1
+        while n <= max(concurrency, 1 << 10):
+            t = min(self.max_tokens(n, 1 << 24), self.sizing.model_max)
+            if t < max_new_tokens + 1:
+                break
+            curve.append((n, t))
+            n *= 2
+        return tuple(curve)
 
-    est_max = estimate_kv(
-        norm,
-        max_ctx,
-        batch_size=concurrency,
-        kv_dtype=kvd,
-        cache=cache,
-        backend=backend,
-        max_cache_len=max_cache_len or max_ctx,
-        normalize=False,
-    )
-    act_at_max = act(max_ctx, concurrency)
-    per_tok = kv_bytes_per_token(norm, kv_dtype=kvd, backend=backend, normalize=False)
-    per_tok_peak = kv_bytes_per_token(norm, kv_dtype=kvd, backend=backend, normalize=False, include_sliding=True)
-    fixed = estimate_kv(norm, 0, kv_dtype=kvd, cache="dynamic", backend=backend, normalize=False).steady_bytes
-    if any(s.kind == "sliding_attention" for s in specs) and cache == "dynamic":
-        notes.append(
-            "sliding-window layers pin the whole prefill until the first decode step "
-            "(transformers DynamicSlidingWindowLayer): the budget uses that peak"
+    def check_new_tokens_fit(self, concurrency: int, max_new_tokens: int, max_ctx: int) -> None:
+        """Raise :class:`BudgetError` when ``max_new_tokens`` + 1 exceed the window or the memory."""
+        s = self.sizing
+        if max_new_tokens + 1 > s.model_max:
+            # The window binds whatever the memory: say so, and not "buy a bigger GPU".
+            raise BudgetError(
+                f"max_new_tokens {max_new_tokens:,} does not fit the model window: {s.name} reads at "
+                f"most {s.model_max:,} tokens (max_position_embeddings), prompt and answer together; "
+                f"lower max_new_tokens (--max-new-tokens) to at most {s.model_max - 1:,} minus the "
+                "prompt, or use a model with a longer window",
+                needed=max_new_tokens + 1,
+                available=s.model_max,
+                unit="tokens",
+                limit="window",
+            )
+        if max_ctx < max_new_tokens + 1:
+            need = self.needed(max_new_tokens + 1, concurrency)
+            raise BudgetError(
+                f"{s.name} on {s.gpu.name}: {concurrency} request(s) of {max_new_tokens + 1} tokens need "
+                f"{need / GiB:.2f} GiB (weights {s.weights / GiB:.2f} + activations "
+                f"{self.act(max_new_tokens + 1, concurrency) / GiB:.2f} + KV "
+                f"{self.kv(max_new_tokens + 1, concurrency) / GiB:.2f}) but {s.usable / GiB:.2f} GiB is "
+                f"usable, so memory holds {max_ctx:,} tokens per request; lower max_new_tokens or "
+                "concurrency, use kv_dtype='fp8' or a quantized/offloaded cache, or a smaller model",
+                needed=max_new_tokens + 1,
+                available=max_ctx,
+                unit="tokens",
+                limit="memory",
+            )
+
+    def budget_plan(
+        self, concurrency: int, max_new_tokens: int, context_tokens: int | None, max_ctx: int, limited_by: str
+    ) -> BudgetPlan:
+        """The :class:`BudgetPlan` at ``max_ctx`` tokens per request: capacity, concurrency, KV, notes."""
+        s = self.sizing
+        t_one = self.max_tokens(1, 1 << 24)
+        # Concurrency at the target context (or at the model maximum).
+        target = context_tokens if context_tokens is not None else s.model_max
+        max_conc = self.max_concurrency(target)
+        curve = self.curve(concurrency, max_new_tokens)
+        norm, kvd, backend, attn = s.norm, s.kv_dtype, self.backend, self.attn_implementation
+        est_max = estimate_kv(
+            norm,
+            max_ctx,
+            batch_size=concurrency,
+            kv_dtype=kvd,
+            cache=self.cache,
+            backend=backend,
+            max_cache_len=self.max_cache_len or max_ctx,
+            normalize=False,
         )
-    if cache == "quantized":
-        notes.append("quantized cache (quanto/hqq): an upper bound, the residual window is counted full")
-    if limited_by == "model":
-        notes.append(f"context capped by the model's max_position_embeddings ({model_max})")
-    if tp > 1:
-        notes.append(_tp_note(cfg, tp, reserve))
-    return BudgetPlan(
-        model=name,
-        gpu_name=info.name,
-        gpu_source=info.source,
-        gpu_bytes=gpu_bytes,
-        usable_bytes=usable,
-        utilization=utilization,
-        weights_bytes=wbytes,
-        weights_source=wsrc,
-        activation_bytes=act_at_max,
-        activation_source=act_src,
-        kv_bytes_per_token=per_tok,
-        kv_bytes_per_token_peak=per_tok_peak,
-        kv_fixed_bytes_per_sequence=fixed,
-        kv_capacity_tokens=t_one,
-        max_context_tokens=max_ctx,
-        max_prompt_tokens=max_ctx - max_new_tokens,
-        max_new_tokens=max_new_tokens,
-        concurrency=concurrency,
-        max_concurrency=max_conc,
-        concurrency_context_tokens=target,
-        model_max_tokens=model_max,
-        limited_by=limited_by,
-        cache=cache,
-        kv_dtype=kvd,
-        backend=backend,
-        kv_bytes_at_max=est_max.peak_bytes,
-        free_bytes_at_max=max(0, usable - wbytes - act_at_max - est_max.peak_bytes),
-        concurrency_curve=tuple(curve),
-        notes=tuple(notes),
-        attn_implementation=attn_implementation,
-        tensor_parallel=tp,
-        comm_reserve_bytes=reserve,
-        weight_format="loaded model" if fmt is None or module is not None else fmt.label,
-    )
+        act_at_max = self.act(max_ctx, concurrency)
+        act_src = "calibrated (measured on this GPU)" if self.cal is not None else f"estimate ({attn} prefill)"
+        per_tok = kv_bytes_per_token(norm, kv_dtype=kvd, backend=backend, normalize=False)
+        per_tok_peak = kv_bytes_per_token(norm, kv_dtype=kvd, backend=backend, normalize=False, include_sliding=True)
+        fixed = estimate_kv(norm, 0, kv_dtype=kvd, cache="dynamic", backend=backend, normalize=False).steady_bytes
+        notes = list(s.notes)
+        if any(spec.kind == "sliding_attention" for spec in s.specs) and self.cache == "dynamic":
+            notes.append(
+                "sliding-window layers pin the whole prefill until the first decode step "
+                "(transformers DynamicSlidingWindowLayer): the budget uses that peak"
+            )
+        if self.cache == "quantized":
+            notes.append("quantized cache (quanto/hqq): an upper bound, the residual window is counted full")
+        if limited_by == "model":
+            notes.append(f"context capped by the model's max_position_embeddings ({s.model_max})")
+        if s.tp > 1:
+            notes.append(_tp_note(s.config, s.tp, s.reserve))
+        return BudgetPlan(
+            model=s.name,
+            gpu_name=s.gpu.name,
+            gpu_source=s.gpu.source,
+            gpu_bytes=s.gpu.bytes,
+            usable_bytes=s.usable,
+            utilization=s.utilization,
+            weights_bytes=s.weights,
+            weights_source=s.weights_source,
+            activation_bytes=act_at_max,
+            activation_source=act_src,
+            kv_bytes_per_token=per_tok,
+            kv_bytes_per_token_peak=per_tok_peak,
+            kv_fixed_bytes_per_sequence=fixed,
+            kv_capacity_tokens=t_one,
+            max_context_tokens=max_ctx,
+            max_prompt_tokens=max_ctx - max_new_tokens,
+            max_new_tokens=max_new_tokens,
+            concurrency=concurrency,
+            max_concurrency=max_conc,
+            concurrency_context_tokens=target,
+            model_max_tokens=s.model_max,
+            limited_by=limited_by,
+            cache=self.cache,
+            kv_dtype=kvd,
+            backend=backend,
+            kv_bytes_at_max=est_max.peak_bytes,
+            free_bytes_at_max=max(0, s.usable - s.weights - act_at_max - est_max.peak_bytes),
+            concurrency_curve=curve,
+            notes=tuple(notes),
+            attn_implementation=attn,
+            tensor_parallel=s.tp,
+            comm_reserve_bytes=s.reserve,
+            weight_format=s.weight_format,
+        )
 
 
 def _tensor_parallel(tensor_parallel: int | None, info: GPUInfo, module: Any) -> int:  # Any: torch module

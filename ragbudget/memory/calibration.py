@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -241,76 +242,112 @@ def measure_prefill_speed(
     measured again once the host is idle; of two measurements the faster is kept (other load is
     transient, the machine's speed is not).
     """
-    import time
-
     import torch  # lazy: heavy imports
 
     load = load_per_core()
     cfg = getattr(model, "config", None)
     vocab = int(getattr(cfg, "vocab_size", 32000) or 32000)
-    dev = next(model.parameters()).device
-    times: list[tuple[int, float]] = []
+    probe = _Probe(model, next(model.parameters()).device, vocab)
+    with torch.no_grad():
+        probe.forward(probe.ids(16))  # warm-up
+        times = probe.prefill_times(lengths)
+        decode = probe.decode_speed(decode_context, decode_steps) if decode_steps > 0 else {}
+    a, b = _prefill_fit(times)
+    load = max(load, load_per_core())
+    entry: dict[str, Any] = {
+        "a": a,
+        "b": b,
+        "probes": [[n, round(t, 4)] for n, t in times],
+        "tokens_per_second": round(lengths[-1] / times[-1][1], 1),
+        **decode,
+        "load_per_core": round(load, 2),
+        "provisional": device == "cpu" and load > _BUSY_LOAD,
+    }
+    return _merge_entry(_prefill_path(), _prefill_key(name, device), lambda old: _kept_speed(old, entry, decode))
 
-    # Any below: torch tensors and transformers caches (torch is imported inside this function).
-    def forward(ids: Any) -> None:
+
+@dataclass(frozen=True)
+class _Probe:
+    """Timed forwards of a causal LM on its own device, over synthetic token ids."""
+
+    # Any: torch tensors and devices, transformers models and caches (torch is imported lazily).
+    model: Any
+    device: Any
+    vocab: int
+
+    def ids(self, n: int, batch: int = 1) -> Any:
+        """``batch`` rows of ``n`` token ids on the model's device, none of them 0."""
+        import torch
+
+        return torch.arange(n, device=self.device).remainder(self.vocab - 1).add(1).unsqueeze(0).repeat(batch, 1)
+
+    def sync(self) -> None:
+        """Wait for the device's queued work, so that a timer reads the work done."""
+        if self.device.type == "cuda":
+            import torch
+
+            torch.cuda.synchronize(self.device)
+
+    def forward(self, ids: Any) -> None:
+        """One prefill forward of ``ids``, without the KV cache."""
         try:  # only the last position's logits, as generate computes them
-            model(ids, use_cache=False, logits_to_keep=1)
+            self.model(ids, use_cache=False, logits_to_keep=1)
         except TypeError:  # a model whose forward has no logits_to_keep
-            model(ids, use_cache=False)
+            self.model(ids, use_cache=False)
 
-    def ids_of(n: int, batch: int = 1) -> Any:
-        return torch.arange(n, device=dev).remainder(vocab - 1).add(1).unsqueeze(0).repeat(batch, 1)
-
-    def sync() -> None:
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-
-    def decode_step(batch: int) -> float:
-        """Seconds of one decode step of ``batch`` sequences after a ``decode_context`` prefill:
-        the fastest of ``decode_steps`` (a spike of other load is not the speed)."""
-        past = forward_cached(ids_of(decode_context, batch), None)
-        step = ids_of(1, batch)
-        best = float("inf")
-        for _ in range(decode_steps):
-            sync()
-            t0 = time.perf_counter()
-            past = forward_cached(step, past)
-            sync()
-            best = min(best, time.perf_counter() - t0)
-        return best
-
-    def forward_cached(ids: Any, past: Any) -> Any:
+    def forward_cached(self, ids: Any, past: Any) -> Any:
         """One forward with the KV cache, returning the cache (transformers 5 names it
         ``cache``, 4 ``past_key_values``)."""
         try:
-            out = model(ids, cache=past, use_cache=True, logits_to_keep=1)
+            out = self.model(ids, cache=past, use_cache=True, logits_to_keep=1)
         except TypeError:
-            out = model(ids, past_key_values=past, use_cache=True)
+            out = self.model(ids, past_key_values=past, use_cache=True)
         cache = getattr(out, "cache", None)
         return cache if cache is not None else out.past_key_values
 
-    with torch.no_grad():
-        forward(ids_of(16))  # warm-up
+    def prefill_times(self, lengths: tuple[int, ...]) -> list[tuple[int, float]]:
+        """``(tokens, seconds)`` of one prefill forward at each of ``lengths``."""
+        times: list[tuple[int, float]] = []
         for n in lengths:
-            ids = ids_of(n)
+            ids = self.ids(n)
             best = float("inf")
             for _ in range(2):  # the faster of two: a spike of other load is not the speed
-                sync()
+                self.sync()
                 t0 = time.perf_counter()
-                forward(ids)
-                sync()
+                self.forward(ids)
+                self.sync()
                 best = min(best, time.perf_counter() - t0)
             times.append((n, best))
-        decode: dict[str, Any] = {}
-        if decode_steps > 0:
-            one = decode_step(1)
-            many = decode_step(_DECODE_BATCH)
-            decode = {
-                "decode_s": one,
-                "decode_extra_s": max(0.0, (many - one) / (_DECODE_BATCH - 1)),
-                "decode_context": decode_context,
-                "decode_tokens_per_second": round(1 / one, 1) if one > 0 else None,
-            }
+        return times
+
+    def decode_step(self, batch: int, context: int, steps: int) -> float:
+        """Seconds of one decode step of ``batch`` sequences after a ``context`` prefill:
+        the fastest of ``steps`` (a spike of other load is not the speed)."""
+        past = self.forward_cached(self.ids(context, batch), None)
+        step = self.ids(1, batch)
+        best = float("inf")
+        for _ in range(steps):
+            self.sync()
+            t0 = time.perf_counter()
+            past = self.forward_cached(step, past)
+            self.sync()
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    def decode_speed(self, context: int, steps: int) -> dict[str, Any]:
+        """The entry's decode figures: a step of one sequence, and each further one in a batch."""
+        one = self.decode_step(1, context, steps)
+        many = self.decode_step(_DECODE_BATCH, context, steps)
+        return {
+            "decode_s": one,
+            "decode_extra_s": max(0.0, (many - one) / (_DECODE_BATCH - 1)),
+            "decode_context": context,
+            "decode_tokens_per_second": round(1 / one, 1) if one > 0 else None,
+        }
+
+
+def _prefill_fit(times: list[tuple[int, float]]) -> tuple[float, float]:
+    """``(a, b)`` of ``seconds = a·n + b·n²`` through the probe ``times``, neither negative."""
     # Least squares through the origin for (a, b); clamp at zero (noise can make one negative).
     import numpy as np
 
@@ -320,38 +357,30 @@ def measure_prefill_speed(
     if b < 0 or a < 0:
         # Noise (a busy host) made the curve bend the wrong way: the longest probe, linear.
         a, b = times[-1][1] / times[-1][0], 0.0
-    load = max(load, load_per_core())
-    entry = {
-        "a": a,
-        "b": b,
-        "probes": [[n, round(t, 4)] for n, t in times],
-        "tokens_per_second": round(lengths[-1] / times[-1][1], 1),
-        **decode,
-        "load_per_core": round(load, 2),
-        "provisional": device == "cpu" and load > _BUSY_LOAD,
-    }
+    return a, b
 
-    def merge(old: dict[str, Any] | None) -> dict[str, Any]:
-        if old and old.get("a", 0) * 1024 + old.get("b", 0) * 1024**2 < a * 1024 + b * 1024**2:
-            # The faster measurement stands; it stops being provisional once either was idle.
-            kept = dict(old, provisional=bool(old.get("provisional")) and entry["provisional"])
-            if "decode_s" in decode and decode["decode_s"] < old.get("decode_s", float("inf")):
-                kept.update(decode)  # and the faster decode, wherever it came from; taken on a
-                # busy host it is provisional too: measured again once the host is idle
-                kept["provisional"] = bool(kept["provisional"] or entry["provisional"])
-            return kept
-        if old and "decode_s" in old and old["decode_s"] < entry.get("decode_s", float("inf")):
-            return dict(
-                entry,
-                **{
-                    k: old[k]
-                    for k in ("decode_s", "decode_extra_s", "decode_context", "decode_tokens_per_second")
-                    if k in old
-                },
-            )
-        return entry
 
-    return _merge_entry(_prefill_path(), _prefill_key(name, device), merge)
+def _kept_speed(old: dict[str, Any] | None, entry: dict[str, Any], decode: dict[str, Any]) -> dict[str, Any]:
+    """What ``prefill.json`` keeps of the ``old`` entry and the new one: the faster of each figure."""
+    a, b = entry["a"], entry["b"]
+    if old and old.get("a", 0) * 1024 + old.get("b", 0) * 1024**2 < a * 1024 + b * 1024**2:
+        # The faster measurement stands; it stops being provisional once either was idle.
+        kept = dict(old, provisional=bool(old.get("provisional")) and entry["provisional"])
+        if "decode_s" in decode and decode["decode_s"] < old.get("decode_s", float("inf")):
+            kept.update(decode)  # and the faster decode, wherever it came from; taken on a
+            # busy host it is provisional too: measured again once the host is idle
+            kept["provisional"] = bool(kept["provisional"] or entry["provisional"])
+        return kept
+    if old and "decode_s" in old and old["decode_s"] < entry.get("decode_s", float("inf")):
+        return dict(
+            entry,
+            **{
+                k: old[k]
+                for k in ("decode_s", "decode_extra_s", "decode_context", "decode_tokens_per_second")
+                if k in old
+            },
+        )
+    return entry
 
 
 def throughput_from_speed(speed: Mapping[str, Any], *, batched: bool = False) -> Throughput | None:
