@@ -1,6 +1,6 @@
 """One real llama.cpp ``llama-server`` for a benchmark: the binary ``tools/build-llama-server``
 builds (``$RAGBUDGET_LLAMA_SERVER``, else the script's ``--cached`` build for this CPU), serving
-the packaged SmolLM2-135M-Instruct GGUF (or ``model``) on a free loopback port, up and healthy
+the packaged default generator's GGUF (or ``model``) on a free loopback port, up and healthy
 before it is handed out and stopped after.
 
     with llama_server(Path(tmp), slots=4, slot_tokens=2048) as url:
@@ -43,8 +43,8 @@ def binary() -> str:
 
 
 def packaged_gguf(name: str | None = None) -> str:
-    """The GGUF of a packaged model (``None``: the default SmolLM2; ``ragbudget models list`` names
-    the others), assembled from its parts on first use."""
+    """The GGUF of a packaged model (``None``: the packaged default generator; ``ragbudget models
+    list`` names the others), assembled from its parts on first use."""
     from ragbudget.errors import ModelError
     from ragbudget.memory.models import resolve_generator
 
@@ -53,7 +53,7 @@ def packaged_gguf(name: str | None = None) -> str:
     except ModelError as exc:
         raise SystemExit(str(exc)) from None
     if not (ref.path and ref.gguf_file):
-        raise SystemExit(f"the packaged model {name or 'SmolLM2-135M-Instruct'} is not installed")
+        raise SystemExit(f"the packaged model {name or 'default'} is not installed")
     return str(Path(ref.path) / ref.gguf_file)
 
 

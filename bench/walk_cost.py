@@ -4,7 +4,7 @@ the peer (issue #44: "the cost of the change is measured").
 
 Ground: squad-test's 12 seeded articles written as Markdown and ``--questions`` answerable
 questions of the same seeded draw (``bench/answers.py``'s); one ``llama-server`` serving the
-packaged SmolLM2-135M (a small engine, so the library's own time is not lost in generation), one
+packaged default model (Qwen2.5-Coder-0.5B), answers capped short so the library's own time is not lost in generation, one
 slot, ``--threads`` threads, greedy, ``--max-new-tokens`` new tokens, 256 context tokens.
 
 * **A version** is a git commit checked out as a worktree (``--before``: the commit before the
