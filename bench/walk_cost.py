@@ -4,8 +4,8 @@ the peer (issue #44: "the cost of the change is measured").
 
 Ground: squad-test's 12 seeded articles written as Markdown and ``--questions`` answerable
 questions of the same seeded draw (``bench/answers.py``'s); one ``llama-server`` serving the
-packaged default model (Qwen2.5-Coder-0.5B), answers capped short so the library's own time is not lost in generation, one
-slot, ``--threads`` threads, greedy, ``--max-new-tokens`` new tokens, 256 context tokens.
+packaged default model (Qwen2.5-Coder-0.5B; answers capped short so the library's own time is not
+lost in generation), one slot, ``--threads`` threads, greedy, ``--max-new-tokens`` new tokens, 256 context tokens.
 
 * **A version** is a git commit checked out as a worktree (``--before``: the commit before the
   change) or the working tree (``after``). Each runs in a process of its own on its own code: it
