@@ -31,7 +31,9 @@ its offsets) contains a gold answer. Failed requests are counted per system.
     python bench/answers.py --split squad-tune --docs 12 --questions 60 --unanswerable 15 \\
         --model qwen2.5-coder-0.5b-instruct --budgets 256,1024,2048 --peers-python /path/to/venv/bin/python
 
-Writes ``bench/results/answers_<split>_<model>.json`` with every answer.
+Writes ``bench/results/answers_<split>_<model>.json`` with every answer. Each system's cells are
+kept in ``bench/out/`` as they are asked, keyed by what they depend on (for ragbudget: its code's
+git tree, so only a clean ragbudget/ is kept), so that a cut run asks only what is missing.
 """
 
 from __future__ import annotations
@@ -194,6 +196,10 @@ def ragbudget_cells(
     left = left_cells(args)
     done = {(c["system"], c["budget"], c["qid"]) for c in known}
     done |= {(r, b, q["qid"]) for r, b in left for q in questions}
+    cache = ragbudget_cache(args, documents, ask)
+    for c in kept_cells(cache, rows, budgets, questions, done):
+        known.append(c)
+        done.add((c["system"], c["budget"], c["qid"]))
     if all((r, b, q["qid"]) in done for r in rows for b in budgets for q in questions):
         return known
 
@@ -217,8 +223,65 @@ def ragbudget_cells(
                         cell["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
                     cell["seconds"] = round(time.perf_counter() - t, 2)
                     out.append(cell)
+                    if cache is not None and "error" not in cell:
+                        with cache.open("a", encoding="utf-8") as kept:
+                            kept.write(json.dumps(cell) + "\n")
                     _progress(out)
     return out
+
+
+def ragbudget_cache(args: argparse.Namespace, documents: list[str], ask: Any) -> Path | None:
+    """Where ragbudget's cells are kept as they are asked (``bench/out/``), so that a cut run
+    asks only what is missing: keyed by everything an answer depends on — the library's code (the
+    git tree of ragbudget/ at HEAD), the rows' options and the asking function, the split's
+    documents, the model, the answer cap, the engine's threads and slots (greedy decoding's
+    arithmetic follows the thread count) and time-out. ``None`` (nothing kept) while ragbudget/
+    has uncommitted changes: no key would name that code."""
+    import inspect
+
+    def git(*cmd: str) -> str:
+        return subprocess.run(["git", *cmd], cwd=H.ROOT, capture_output=True, text=True).stdout.strip()
+
+    tree = git("rev-parse", "HEAD:ragbudget")
+    if not tree or git("status", "--porcelain", "--", "ragbudget"):
+        return None
+    material = [
+        tree,
+        json.dumps(RAGBUDGET_ROWS, sort_keys=True, default=str),
+        inspect.getsource(ask or ask_once),
+        args.split,
+        [str(d) for d in documents],
+        Path(gguf_path(args.model)).name,
+        args.max_new_tokens,
+        args.threads,
+        args.slots,
+        args.timeout,
+    ]
+    key = hashlib.sha256(json.dumps(material).encode()).hexdigest()[:12]
+    return H.OUT / f"answers_ragbudget_{key}.jsonl"
+
+
+def kept_cells(
+    cache: Path | None,
+    rows: list[str],
+    budgets: list[int],
+    questions: list[dict[str, Any]],
+    done: set[tuple[str, int, str]],
+) -> list[dict[str, Any]]:
+    """The cells ``cache`` holds for these rows, budgets and questions that ``done`` lacks (each
+    once; a failed request is asked again)."""
+    if cache is None or not cache.is_file():
+        return []
+    wanted = {(r, b, q["qid"]) for r in rows for b in budgets for q in questions} - done
+    out: dict[tuple[str, int, str], dict[str, Any]] = {}
+    for line in cache.read_text(encoding="utf-8").splitlines():
+        c = json.loads(line)
+        cell = (c["system"], c["budget"], c["qid"])
+        if cell in wanted and "error" not in c:
+            out[cell] = c
+    if out:
+        print(f"ragbudget: {len(out)} cells kept from an earlier run of the same code ({cache.name})", flush=True)
+    return list(out.values())
 
 
 def peer_cells(

@@ -190,3 +190,48 @@ def test_seconds_per_question_is_each_rows_mean() -> None:
     chat.seconds_per_question(cells, summary)
     assert summary["ragbudget@256"]["seconds_per_question"] == 3.0
     assert summary["langchain@256"]["seconds_per_question"] is None
+
+
+def test_ragbudget_cells_are_kept_by_the_code_that_answered_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A cut run keeps what ragbudget answered (bench/out/), under a key of everything an answer
+    # depends on; nothing is kept while ragbudget/ has uncommitted changes.
+    A = chat.A
+    monkeypatch.setattr(A.H, "OUT", tmp_path / "out")
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+    git = {"rev-parse": "tree1", "status": ""}
+
+    def run(cmd: list[str], **kwargs: Any) -> Any:
+        return argparse.Namespace(stdout=git[cmd[1]])
+
+    monkeypatch.setattr(A.subprocess, "run", run)
+    args = argparse.Namespace(
+        split="squad-test", model=str(model), max_new_tokens=64, threads=2, slots=1, timeout=600.0
+    )
+    cache = A.ragbudget_cache(args, ["Warsaw"], None)
+    assert cache is not None and cache.parent == tmp_path / "out"
+    assert A.ragbudget_cache(args, ["Warsaw"], None) == cache  # the same run, the same place
+    for change in ({"threads": 1}, {"max_new_tokens": 32}, {"split": "amazon"}):
+        assert A.ragbudget_cache(argparse.Namespace(**{**vars(args), **change}), ["Warsaw"], None) != cache
+    assert A.ragbudget_cache(args, ["Paris"], None) != cache
+    git["rev-parse"] = "tree2"  # other library code
+    assert A.ragbudget_cache(args, ["Warsaw"], None) != cache
+    git["status"] = " M ragbudget/pipeline.py"  # uncommitted: no key names it
+    assert A.ragbudget_cache(args, ["Warsaw"], None) is None
+
+    cache.parent.mkdir(parents=True)
+    cells = [
+        {"system": "ragbudget", "budget": 256, "qid": "q1", "answer": "old"},
+        {"system": "ragbudget", "budget": 256, "qid": "q1", "answer": "new"},
+        {"system": "ragbudget", "budget": 256, "qid": "q2", "error": "EngineTimeoutError: slow"},
+        {"system": "ragbudget", "budget": 512, "qid": "q1", "answer": "x"},
+        {"system": "ragbudget", "budget": 256, "qid": "q3", "answer": "y"},
+    ]
+    cache.write_text("".join(json.dumps(c) + "\n" for c in cells), encoding="utf-8")
+    questions = [{"qid": "q1"}, {"qid": "q2"}, {"qid": "q3"}]
+    kept = A.kept_cells(cache, ["ragbudget"], [256], questions, {("ragbudget", 256, "q3")})
+    # Each wanted cell once (the last kept), a failed one asked again, one already done not taken.
+    assert kept == [cells[1]]
+    assert A.kept_cells(None, ["ragbudget"], [256], questions, set()) == []
