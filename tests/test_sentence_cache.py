@@ -137,6 +137,24 @@ for i in range(40):
 """
 
 
+def test_two_writers_that_opened_a_new_cache_together_keep_each_others_vectors(tmp_path: Path) -> None:
+    # Both opened the file before either wrote (each saw no embedder recorded): the second writer
+    # must not start the cache over and delete what the first just wrote.
+    identity = {"kind": "hash", "id": "hash-8"}
+    a, b = (SentenceCache(tmp_path, identity=identity, dim=8) for _ in range(2))
+    assert len(a) == len(b) == 0  # both open, neither has written
+    assert a.put({b"a" * 16: np.ones(8)}) == 1
+    assert b.put({b"b" * 16: np.ones(8)}) == 1
+    assert sorted(SentenceCache(tmp_path, identity=identity, dim=8).get([b"a" * 16, b"b" * 16])) == [
+        b"a" * 16,
+        b"b" * 16,
+    ]
+    # A cache another embedder wrote is still started over by the first write under this one.
+    other = SentenceCache(tmp_path, identity={"kind": "hash", "id": "hash-other"}, dim=8)
+    assert other.put({b"c" * 16: np.ones(8)}) == 1
+    assert SentenceCache(tmp_path, identity=identity, dim=8).get([b"a" * 16]) == {}
+
+
 def test_processes_write_the_same_cache_at_once(tmp_path: Path) -> None:
     procs = [
         subprocess.Popen([sys.executable, "-c", _WRITER.format(folder=str(tmp_path), seed=s)], stderr=subprocess.PIPE)

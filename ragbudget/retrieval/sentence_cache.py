@@ -96,15 +96,18 @@ class SentenceCache:
                     return None
                 # A read-only index folder: read what earlier writers left, write nothing.
                 db = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, timeout=_BUSY_S, check_same_thread=False)
-            row = db.execute("SELECT value FROM meta WHERE key='identity'").fetchone()
-            self._matches = row is not None and row[0] == self.identity
-            dim = db.execute("SELECT value FROM meta WHERE key='dim'").fetchone()
-            self._matches = self._matches and dim is not None and int(dim[0]) == self.dim
+            self._matches = self._holds_this_embedder(db)
         except (sqlite3.Error, OSError, ValueError) as exc:
             self._give_up("open", exc)
             return None
         self._db = db
         return db
+
+    def _holds_this_embedder(self, db: sqlite3.Connection) -> bool:
+        """Whether the file holds this embedder's vectors (its identity and size recorded)."""
+        row = db.execute("SELECT value FROM meta WHERE key='identity'").fetchone()
+        dim = db.execute("SELECT value FROM meta WHERE key='dim'").fetchone()
+        return row is not None and row[0] == self.identity and dim is not None and int(dim[0]) == self.dim
 
     def _give_up(self, what: str, exc: BaseException) -> None:
         if not self._failed:
@@ -169,6 +172,12 @@ class SentenceCache:
             try:
                 with db:  # one transaction: a reader sees all of it or none
                     if not self._matches:
+                        # The write lock first, then a second look: another process may have
+                        # started this embedder's cache since this one opened the file, and
+                        # starting over then would delete what it just wrote.
+                        db.execute("BEGIN IMMEDIATE")
+                        self._matches = self._holds_this_embedder(db)
+                    if not self._matches:
                         # Another embedder's vectors (or a new file): start over under this one.
                         db.execute("DELETE FROM vectors")
                         db.executemany(
@@ -177,7 +186,7 @@ class SentenceCache:
                         )
                     db.executemany("INSERT OR IGNORE INTO vectors (digest, vector) VALUES (?, ?)", rows)
                 self._matches = True
-            except sqlite3.Error as exc:
+            except (sqlite3.Error, ValueError) as exc:
                 self._give_up("be written", exc)
                 return 0
         return len(rows)
