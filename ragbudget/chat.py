@@ -222,11 +222,6 @@ class _State:
     fold_key: str | None = None
 
 
-#: What :meth:`Conversation._fitted_history` returns when the client left while the history was
-#: being fitted: no history, nothing summarized anew.
-_LEFT: tuple[list[Message], int, int, bool] = ([], 0, 0, False)
-
-
 @dataclass(frozen=True, kw_only=True)
 class _Room:
     """One turn's room: the answer's reserve, the fixed part (question, template, the client's
@@ -431,8 +426,8 @@ class Conversation:
         room = self._room(question, plan)
         history_allowed = int(room.left * self.history.history_share)
         fitted = self._fitted_history(question, history_allowed, cancel=cancel, started=t_start)
-        history, summary_tokens, history_tokens, summary_updated = fitted
-        context_allowed = 0 if fitted is _LEFT else room.left - history_tokens
+        history, summary_tokens, history_tokens, summary_updated = fitted or ([], 0, 0, False)
+        context_allowed = 0 if fitted is None else room.left - history_tokens
         if self.context_tokens is not None:
             context_allowed = min(context_allowed, self.context_tokens)
         history_s = time.perf_counter() - t_start
@@ -484,17 +479,17 @@ class Conversation:
 
     def _fitted_history(
         self, question: str, allowed: int, *, cancel: Any, started: float
-    ) -> tuple[list[Message], int, int, bool]:
+    ) -> tuple[list[Message], int, int, bool] | None:
         """The history fitted into ``allowed`` tokens (older turns folded into the summary when it
         overflows): its messages, the summary's tokens, the whole history's, and whether the
-        summary was written anew; :data:`_LEFT` when the client left meanwhile."""
+        summary was written anew; ``None`` when the client left meanwhile."""
         try:
             summary_updated = self._fit(question, allowed, cancel=cancel, started=started)
         except RequestCancelled:
             # Left while the history was being fitted: no history, no context, and the pipeline
             # answers "cancelled" without generating (the conversation keeps its turns, or the
             # summary of those a finished fold took).
-            return _LEFT
+            return None
         summary_tokens = self._history_cost(question, turns=[]) if self._state.summary else 0
         return self.history_messages(), summary_tokens, self._history_cost(question), summary_updated
 

@@ -265,7 +265,8 @@ def _dropped_by_name(state: _ScanState, entry: os.DirEntry[str], path: str, rel:
         state.skip(path, rel, "hidden")
         return True
     # An excluded name is dropped before anything else is asked of it (a link pointing
-    # outside the root that the user excluded is not worth a warning).
+    # outside the root that the user excluded is not worth a warning), and a folder matching a
+    # pattern ("build", "drafts/") is pruned whole instead of listing every file below it.
     if state.exclude and (_matches(rel, state.exclude) or _matches(rel + "/", state.exclude)):
         state.skip(path, rel, "excluded", "matches an exclude pattern")
         return True
@@ -301,12 +302,7 @@ def _link_rejected(
 
 
 def _enter_folder(state: _ScanState, path: str, rel: str, real_root: str, ancestors: tuple[str, ...]) -> None:
-    """Walk a sub-folder unless it is excluded or was already walked."""
-    # A folder matching an exclude pattern ("build", "drafts/") is pruned whole
-    # instead of listing every file below it as excluded.
-    if state.exclude and (_matches(rel, state.exclude) or _matches(rel + "/", state.exclude)):
-        state.skip(path, rel, "excluded", "folder matches an exclude pattern")
-        return
+    """Walk a sub-folder unless it was already walked (an excluded one never gets here)."""
     real = os.path.realpath(path)
     if real in state.visited_dirs:
         state.skip(path, rel, "duplicate", f"folder already walked as {real}")
