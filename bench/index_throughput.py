@@ -15,7 +15,17 @@ index written, on the same cores with the same model (the packaged all-MiniLM-L6
   offline cl100k) → ``HuggingFaceEmbeddings`` (sentence-transformers on torch, the packaged
   MiniLM, batch 32, normalized) → ``FAISS.from_documents`` (flat) → ``save_local``. MiniLM
   **truncates every chunk at 256 word pieces**: what that drops is counted after the clock stops
-  and reported beside the peer's time.
+  and reported beside the peer's time;
+* ``langchain-onnx-int8``: the same chain for the user who tunes, as sentence-transformers' docs
+  say to speed up a CPU: ``HuggingFaceEmbeddings(model_kwargs={"backend": "onnx", "model_kwargs":
+  {"file_name": "onnx/model_q…_<isa>.onnx"}})`` on the model exported to ONNX and dynamically
+  quantized to int8 with ``export_dynamic_quantized_onnx_model`` (optimum; the quantization config
+  for this CPU: ``avx512_vnni``, ``avx512`` or ``avx2``, by its flags). The export, like
+  ragbudget's, is done once before the timed runs.
+
+The peers run in ``--peer-python`` (a virtual environment of their own: optimum pins transformers
+and sentence-transformers to other versions than ragbudget's; default: this interpreter), the
+peers' package versions recorded from it.
 
 Rounds interleave the systems (order reversed every other round) so that load from other users
 of a shared host falls on each alike; each corpus reports min and median wall seconds, CPU seconds
@@ -64,7 +74,8 @@ SHARED = Path(os.environ.get("RAGBUDGET_SHARED_DATA", REPO.parent / "shared" / "
 if not SHARED.is_dir():  # a worktree beside the main checkout: the data sits next to that
     SHARED = REPO.parents[1] / "shared" / "data"
 
-SYSTEMS = ("ragbudget", "ragbudget-stored", "langchain")
+SYSTEMS = ("ragbudget", "ragbudget-stored", "langchain", "langchain-onnx-int8")
+PEERS = ("langchain", "langchain-onnx-int8")
 CORPORA = ("manpages", "squad", "pdf50")
 PEER_CHUNK_TOKENS = 400
 PEER_BATCH = 32
@@ -113,8 +124,36 @@ def model_path() -> str:
     return resolve_embedder(None)
 
 
-def peer(corpus: Path, out: Path) -> list[str]:
-    """The LangChain pipeline; returns its chunk texts (for the truncation count, off the clock)."""
+def onnx_int8_config(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """sentence-transformers' quantization config for this CPU, as its docs choose one."""
+    flags = set()
+    with open(cpuinfo, encoding="utf-8") as f:
+        for line in f:
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    if "avx512_vnni" in flags:
+        return "avx512_vnni"
+    return "avx512" if "avx512f" in flags else "avx2"
+
+
+def export_onnx_int8(folder: Path) -> str:
+    """The tuning user's one-off step: a copy of the model with an int8 ONNX file; its file name."""
+    from sentence_transformers import SentenceTransformer, export_dynamic_quantized_onnx_model
+
+    shutil.copytree(model_path(), folder)
+    config = onnx_int8_config()
+    export_dynamic_quantized_onnx_model(
+        SentenceTransformer(str(folder), backend="onnx", device="cpu"), config, str(folder)
+    )
+    (name,) = [p.name for p in (folder / "onnx").glob(f"model_*{config}.onnx")]
+    return f"onnx/{name}"
+
+
+def peer(corpus: Path, out: Path, onnx_model: str = "") -> list[str]:
+    """The LangChain pipeline; returns its chunk texts (for the truncation count, off the clock).
+
+    ``onnx_model``: ``FOLDER:FILE`` of an exported int8 ONNX model to embed with instead of torch."""
     from langchain_community.document_loaders import PyPDFLoader, TextLoader
     from langchain_community.vectorstores import FAISS
     from langchain_huggingface import HuggingFaceEmbeddings
@@ -134,9 +173,13 @@ def peer(corpus: Path, out: Path) -> list[str]:
         length_function=lambda t: len(enc.encode(t, allowed_special=set(), disallowed_special="all")),
     )
     chunks = splitter.split_documents(docs)
+    folder, _, file_name = onnx_model.partition(":")
+    model_kwargs: dict = {"device": "cpu"}
+    if file_name:
+        model_kwargs.update(backend="onnx", model_kwargs={"file_name": file_name})
     embed = HuggingFaceEmbeddings(
-        model_name=model_path(),
-        model_kwargs={"device": "cpu"},
+        model_name=folder or model_path(),
+        model_kwargs=model_kwargs,
         encode_kwargs={"batch_size": PEER_BATCH, "normalize_embeddings": True},
     )
     FAISS.from_documents(chunks, embed).save_local(str(out))
@@ -163,11 +206,13 @@ def truncation(texts: list[str]) -> dict:
 # --- one timed run ---------------------------------------------------------------------------------
 
 
-def run(system: str, corpus: Path, out: Path) -> dict:
+def run(system: str, corpus: Path, out: Path, *, peer_python: str = sys.executable, onnx_model: str = "") -> dict:
     """One cold process; wall seconds until its index is written, and its CPU seconds."""
-    if system == "langchain":
+    if system in PEERS:
         report = out.with_suffix(".json")
-        argv = [sys.executable, __file__, "--peer", str(corpus), str(out), str(report)]
+        argv = [peer_python, __file__, "--peer", str(corpus), str(out), str(report)]
+        if system == "langchain-onnx-int8":
+            argv.append(onnx_model)
     else:
         argv = [sys.executable, "-m", "ragbudget", "index", str(corpus), "--index-dir", str(out), "--json"]
         if system == "ragbudget-stored":
@@ -188,7 +233,7 @@ def run(system: str, corpus: Path, out: Path) -> dict:
         "load_1m_before": round(load, 2),
         "load_1m_after": round(os.getloadavg()[0], 2),
     }
-    if system == "langchain":
+    if system in PEERS:
         row.update(json.loads(out.with_suffix(".json").read_text()))
     else:
         s = json.loads(proc.stdout)
@@ -227,27 +272,67 @@ def summarize(rows: dict[str, list[dict]]) -> dict:
             "median_seconds": round(statistics.median(secs), 2),
             "median_cpu_seconds": round(statistics.median(r["cpu_seconds"] for r in rs), 2),
         }
-    peer = out.get("langchain")
     for system in ("ragbudget", "ragbudget-stored"):
-        if peer and system in out:
-            # × the peer: the peer's seconds over ragbudget's (above 1: ragbudget is faster).
-            out[system]["x_peer_min"] = round(peer["min_seconds"] / out[system]["min_seconds"], 3)
-            out[system]["x_peer_median"] = round(peer["median_seconds"] / out[system]["median_seconds"], 3)
-            out[system]["x_peer_cpu"] = round(peer["median_cpu_seconds"] / out[system]["median_cpu_seconds"], 3)
+        # × a peer: the peer's seconds over ragbudget's (above 1: ragbudget is faster). ``x_peer``
+        # is the torch chain (LangChain's documented setup), ``x_onnx_peer`` the int8 ONNX one.
+        for peer_name, key in (("langchain", "x_peer"), ("langchain-onnx-int8", "x_onnx_peer")):
+            peer = out.get(peer_name)
+            if peer and system in out:
+                out[system][f"{key}_min"] = round(peer["min_seconds"] / out[system]["min_seconds"], 3)
+                out[system][f"{key}_median"] = round(peer["median_seconds"] / out[system]["median_seconds"], 3)
+                out[system][f"{key}_cpu"] = round(peer["median_cpu_seconds"] / out[system]["median_cpu_seconds"], 3)
     return out
+
+
+def peer_versions(python: str) -> dict:
+    """The peers' package versions, read from the interpreter that runs them."""
+    code = (
+        "import importlib.metadata as m, json\n"
+        "out = {}\n"
+        f"for p in {PEER_PACKAGES!r}:\n"
+        "    try: out[p] = m.version(p)\n"
+        "    except m.PackageNotFoundError: pass\n"
+        "print(json.dumps(out))"
+    )
+    return json.loads(subprocess.run([python, "-c", code], capture_output=True, text=True, check=True).stdout)
+
+
+PEER_PACKAGES = (
+    "torch",
+    "transformers",
+    "sentence-transformers",
+    "optimum",
+    "optimum-onnx",
+    "onnxruntime",
+    "langchain-core",
+    "langchain-community",
+    "langchain-huggingface",
+    "langchain-text-splitters",
+    "faiss-cpu",
+    "pypdf",
+)
 
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--peer":
         corpus, out, report = Path(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4])
-        texts = peer(corpus, out)
+        texts = peer(corpus, out, sys.argv[5] if len(sys.argv) > 5 else "")
         print("DONE", time.time(), flush=True)
         report.write_text(json.dumps(truncation(texts)))
+        return
+    if len(sys.argv) > 1 and sys.argv[1] == "--export-onnx-int8":
+        print(export_onnx_int8(Path(sys.argv[2])))
         return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--corpora", default=",".join(CORPORA))
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument(
+        "--peer-python",
+        default=sys.executable,
+        help="the interpreter that runs the peers (a virtual environment with LangChain, and optimum for "
+        "langchain-onnx-int8)",
+    )
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "index_throughput.json")
     ap.add_argument(
         "--background-load",
@@ -271,6 +356,18 @@ def main() -> None:
     default.warm_up()  # the one-off ONNX export `make install` does, off the clock
     export_s = time.perf_counter() - t
     tmp = Path(tempfile.mkdtemp(prefix="index_throughput_"))
+    onnx_model = ""
+    if "langchain-onnx-int8" in systems:
+        # The peer's one-off export, like ragbudget's above, off the clock.
+        folder = tmp / "minilm-onnx-int8"
+        t = time.perf_counter()
+        done = subprocess.run(
+            [args.peer_python, __file__, "--export-onnx-int8", str(folder)], capture_output=True, text=True
+        )
+        if done.returncode != 0:
+            raise SystemExit(f"the peer's ONNX export failed:\n{done.stderr[-4000:]}")
+        onnx_model = f"{folder}:{done.stdout.split()[-1]}"
+        print(f"peer's int8 ONNX model: {onnx_model} ({time.perf_counter() - t:.1f} s)", flush=True)
     # Each burner is a plain busy loop in its own process (one core's worth of demand each).
     burners = [
         subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(max(0, args.background_load))
@@ -279,6 +376,9 @@ def main() -> None:
         "background_load": args.background_load,
         "embedder": default.spec(),
         "export_seconds_if_not_cached": round(export_s, 1),
+        "peer_onnx_model": onnx_model.rpartition(":")[2] or None,
+        "peer_python": args.peer_python,
+        "peer_versions": peer_versions(args.peer_python),
         "cpus": len(os.sched_getaffinity(0)),
         "rounds": args.rounds,
         "corpora": {},
@@ -292,7 +392,7 @@ def main() -> None:
                 order = systems if r % 2 == 0 else list(reversed(systems))
                 for system in order:
                     out = tmp / f"out-{name}-{r}-{system}"
-                    row = run(system, tmp / name, out)
+                    row = run(system, tmp / name, out, peer_python=args.peer_python, onnx_model=onnx_model)
                     rows[system].append({"round": r, **row})
                     print(
                         f"  {system:<16} {row['seconds']:>7.1f} s  cpu {row['cpu_seconds']:>6.1f} s  "
