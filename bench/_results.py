@@ -39,6 +39,27 @@ def _git(*args: str) -> str:
     return out.stdout.strip() if out.returncode == 0 else ""
 
 
+#: Instruction sets that change a CPU figure several-fold (int8 inference above all): machines
+#: differ between runs, so a result says which the one that measured it had.
+ISA_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_tile", "amx_int8")
+
+
+def cpu() -> dict[str, Any]:
+    """The CPU's model name and which of :data:`ISA_FLAGS` it has (Linux; empty elsewhere)."""
+    model, flags = "", set()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and not model:
+                    model = value.strip()
+                elif key.strip() == "flags" and not flags:
+                    flags = set(value.split())
+    except OSError:
+        return {}
+    return {"cpu_model": model, "isa": [f for f in ISA_FLAGS if f in flags]}
+
+
 def provenance(packages: tuple[str, ...] = ()) -> dict[str, Any]:
     """Command, date, machine, versions and the library's commit (``+dirty`` when ragbudget/ has
     uncommitted changes, so a figure from unreleased code is marked as such)."""
@@ -54,6 +75,7 @@ def provenance(packages: tuple[str, ...] = ()) -> dict[str, Any]:
         "machine": {
             "platform": platform.platform(),
             "processor": platform.processor() or platform.machine(),
+            **cpu(),
             "cpus": os.cpu_count(),
             "python": platform.python_version(),
             "load_average_1m_at_end": load,
