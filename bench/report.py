@@ -75,8 +75,10 @@ class Row:
     exercises: tuple[str, ...] = ("ragbudget",)
 
 
-#: The answers run (bench/answers.py) that several rows read.
-_ANSWERS = "answers_squad_test_qwen2_5_coder_0_5b_instruct_q4_k_m.json"
+#: The answers run (bench/answers.py) that several rows read: ragbudget at 256 on the code of
+#: commit a0b359c, the peers at 256 and 2,048, 80 + 10 questions (the Answers section's full table
+#: of rows is the earlier run of the same draw, answers_squad_test_qwen2_5_coder_0_5b_instruct_q4_k_m.json).
+_ANSWERS = "answers_squad_test_0_5b_final_code.json"
 #: The same run with the 1.5B model (40 questions; the peers at 2,048, ragbudget at 256).
 _ANSWERS_15B = "answers_squad_test_qwen2_5_coder_1_5b_instruct_q4_k_m.json"
 
