@@ -12,7 +12,17 @@ all-MiniLM-L6-v2 embeddings) and the same engine, ``max_tokens`` = ``--max-new-t
 * ``llamaindex``  LlamaIndex's defaults, run by ``llama_index.core``: ``VectorStoreIndex`` over
                   the same chunks and embedder, ``as_query_engine()`` (top 2, "compact"
                   response synthesizer), the LLM a ``CustomLLM`` that calls the engine (its
-                  metadata left at LlamaIndex's defaults, as for any LLM without a known window).
+                  metadata left at LlamaIndex's defaults, as for any LLM without a known window);
+* ``langchain_window`` / ``llamaindex_window``: the same peers **configured for the slot**, as each
+                  one's docs say for a model with a known window: LangChain's stuffed context cut
+                  so the whole request fits the slot (counted, for the peer's benefit, with the
+                  engine's own tokenizer and chat template: ``/tokenize``, ``/apply-template``);
+                  LlamaIndex's LLM metadata ``context_window`` = the slot and ``num_output`` = the
+                  answer cap, ``Settings.tokenizer`` = the engine's tokenizer (its docs' advice for
+                  a non-OpenAI model), so its prompt helper packs what fits;
+* ``langchain_window_hybrid`` / ``llamaindex_window_hybrid``: the configured peers retrieving with
+                  ragbudget's own hybrid ranking (dense + BM25, top 4 / top 2), the ranking
+                  ragbudget gets, so a difference left is the fitting, not the retrieval.
 
 Per system: requests refused for context length (the engine's 400 ``exceed_context_size_error``),
 answers, answer recall in the prompt (a gold answer, SQuAD-normalized, inside the context sent),
@@ -123,10 +133,49 @@ def run_ragbudget(pipe: Any, q: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def run_langchain(pipe: Any, client: Any, model: str, q: dict[str, Any], max_new: int) -> dict[str, Any]:
+class EngineTokens:
+    """The served model's own counting, from the engine: what a careful peer user counts with."""
+
+    def __init__(self, url: str, slot_tokens: int, max_new: int) -> None:
+        import httpx
+
+        self.http = httpx.Client(base_url=url, timeout=60)
+        self.slot_tokens = slot_tokens
+        self.max_new = max_new
+        # The chat template's own tokens around one user message (the peers send one).
+        shell = self.http.post("/apply-template", json={"messages": [{"role": "user", "content": ""}]})
+        shell.raise_for_status()
+        self.template_tokens = len(self.encode(shell.json()["prompt"], special=True))
+
+    def encode(self, text: str, *, special: bool = False) -> list[int]:
+        r = self.http.post("/tokenize", json={"content": text, "add_special": special, "parse_special": special})
+        r.raise_for_status()
+        return list(r.json()["tokens"])
+
+    def room(self, message_without_context: str) -> int:
+        """Context tokens that still fit a slot once the message, template and answer are in."""
+        used = self.template_tokens + len(self.encode(message_without_context)) + self.max_new
+        return max(0, self.slot_tokens - used)
+
+    def cut(self, text: str, n: int) -> str:
+        ids = self.encode(text)
+        if len(ids) <= n:
+            return text
+        r = self.http.post("/detokenize", json={"tokens": ids[:n]})
+        r.raise_for_status()
+        return str(r.json()["content"])
+
+
+def run_langchain(
+    pipe: Any, client: Any, model: str, q: dict[str, Any], max_new: int, fit: EngineTokens | None = None
+) -> dict[str, Any]:
+    """The stuff chain: ``pipe``'s top 4 (dense for the defaults) joined; with ``fit``, cut to
+    what the slot leaves, as a user configuring LangChain for the window does."""
     t0 = time.perf_counter()
-    hits = pipe.search(q["question"], k=4)  # dense only (hybrid=False): a vector store's top 4
+    hits = pipe.search(q["question"], k=4)
     context = "\n\n".join(h.text for h in hits)
+    if fit is not None:
+        context = fit.cut(context, fit.room(STUFF_PROMPT.format(context="", question=q["question"])))
     try:
         r = client.chat.completions.create(
             model=model,
@@ -150,8 +199,21 @@ def run_langchain(pipe: Any, client: Any, model: str, q: dict[str, Any], max_new
     }
 
 
-def llamaindex_engine(texts: list[str], embedder: Any, client: Any, model: str, max_new: int) -> Any:
-    from llama_index.core import Settings, VectorStoreIndex
+def llamaindex_engine(
+    texts: list[str],
+    embedder: Any,
+    client: Any,
+    model: str,
+    max_new: int,
+    *,
+    fit: EngineTokens | None = None,
+    hybrid: Any = None,
+) -> Any:
+    """LlamaIndex's query engine (top 2, ``compact``) on the engine. Defaults: its LLM metadata
+    left as for any LLM without a known window. ``fit``: the window and tokenizer set as its docs
+    say. ``hybrid``: a pipeline whose hybrid search is the retriever (top 2) instead of its own
+    vector index over the same chunks."""
+    from llama_index.core import PromptHelper, Settings, VectorStoreIndex, get_response_synthesizer
     from llama_index.core.base.llms.types import CompletionResponse, LLMMetadata
     from llama_index.core.embeddings import BaseEmbedding
     from llama_index.core.llms import CustomLLM
@@ -171,10 +233,12 @@ def llamaindex_engine(texts: list[str], embedder: Any, client: Any, model: str, 
         async def _aget_query_embedding(self, query: str) -> list[float]:
             return self._get_query_embedding(query)
 
-    class Engine(CustomLLM):  # the served engine; metadata left at LlamaIndex's defaults
+    class Engine(CustomLLM):  # the served engine
         @property
         def metadata(self) -> LLMMetadata:
-            return LLMMetadata(num_output=max_new, model_name=model)
+            if fit is None:  # left at LlamaIndex's defaults
+                return LLMMetadata(num_output=max_new, model_name=model)
+            return LLMMetadata(context_window=fit.slot_tokens, num_output=max_new, model_name=model)
 
         @llm_completion_callback()
         def complete(self, prompt: str, formatted: bool = False, **kw: Any) -> CompletionResponse:
@@ -189,10 +253,25 @@ def llamaindex_engine(texts: list[str], embedder: Any, client: Any, model: str, 
             raise NotImplementedError
 
     Engine.last_prompts = []  # type: ignore[attr-defined]
-    Settings.llm = Engine()
+    llm = Engine()
     Settings.embed_model = SameEmbedder()
-    index = VectorStoreIndex([TextNode(text=t) for t in texts])
-    return index.as_query_engine(), Engine
+    # The defaults count with LlamaIndex's global tokenizer; the configured engines with the served
+    # model's, given to their own prompt helper (Settings are global, and the rows share a process).
+    helper = None if fit is None else PromptHelper.from_llm_metadata(llm.metadata, tokenizer=fit.encode)
+    synth = get_response_synthesizer(llm=llm, prompt_helper=helper, response_mode="compact")
+    if hybrid is None:
+        index = VectorStoreIndex([TextNode(text=t) for t in texts])
+        return index.as_query_engine(llm=llm, response_synthesizer=synth), Engine
+    from llama_index.core.query_engine import RetrieverQueryEngine
+    from llama_index.core.retrievers import BaseRetriever
+    from llama_index.core.schema import NodeWithScore, QueryBundle
+
+    class Hybrid(BaseRetriever):  # ragbudget's hybrid ranking, top 2 as LlamaIndex's default k
+        def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
+            hits = hybrid.search(query_bundle.query_str, k=2)
+            return [NodeWithScore(node=TextNode(text=h.text), score=h.score) for h in hits]
+
+    return RetrieverQueryEngine(Hybrid(), response_synthesizer=synth), Engine
 
 
 def run_llamaindex(qe: Any, llm: Any, q: dict[str, Any]) -> dict[str, Any]:
@@ -243,6 +322,17 @@ def summarize(rows: list[dict[str, Any]], answers: dict[str, list[str]]) -> dict
     }
 
 
+SYSTEMS = (
+    "ragbudget",
+    "langchain",
+    "llamaindex",
+    "langchain_window",
+    "llamaindex_window",
+    "langchain_window_hybrid",
+    "llamaindex_window_hybrid",
+)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--engine", required=True, help="llama-server URL")
@@ -251,7 +341,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--work", default="/tmp/ragbudget-bench-engines")
-    ap.add_argument("--systems", default="ragbudget,langchain,llamaindex")
+    ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "engines.json"))
     args = ap.parse_args()
 
@@ -277,12 +367,36 @@ def main() -> None:
     print("\n".join(plan.lines()), flush=True)
 
     systems = args.systems.split(",")
+    unknown = sorted(set(systems) - set(SYSTEMS))
+    if unknown:
+        raise SystemExit(f"unknown systems {unknown}; choose from {', '.join(SYSTEMS)}")
     rows: dict[str, list[dict[str, Any]]] = {s: [] for s in systems}
-    qe = llm = None
-    if "llamaindex" in systems:
-        store = dense.store
-        texts = [h.text for h in store.get_chunks(range(int(store.stats()["chunks"]) * 2))]
-        qe, llm = llamaindex_engine(texts, store.embedder, client, model, args.max_new_tokens)
+    slot_tokens = int(props.get("default_generation_settings", {}).get("n_ctx") or 0)
+    fit = EngineTokens(args.engine, slot_tokens, args.max_new_tokens) if any("window" in s for s in systems) else None
+    hybrid = Pipeline(index_dir)  # ragbudget's own ranking (dense + BM25), for the *_hybrid rows
+    store = dense.store
+    texts = [h.text for h in store.get_chunks(range(int(store.stats()["chunks"]) * 2))]
+    askers: dict[str, Any] = {}
+    for s in systems:
+        if s == "ragbudget":
+            askers[s] = lambda q: run_ragbudget(rb, q)
+        elif s.startswith("langchain"):
+            pipe = hybrid if s.endswith("_hybrid") else dense
+            window = fit if "window" in s else None
+            askers[s] = lambda q, pipe=pipe, window=window: run_langchain(
+                pipe, client, model, q, args.max_new_tokens, window
+            )
+        else:
+            qe, llm = llamaindex_engine(
+                texts,
+                store.embedder,
+                client,
+                model,
+                args.max_new_tokens,
+                fit=fit if "window" in s else None,
+                hybrid=hybrid if s.endswith("_hybrid") else None,
+            )
+            askers[s] = lambda q, qe=qe, llm=llm: run_llamaindex(qe, llm, q)
 
     def save(done: int) -> None:
         out = {
@@ -303,6 +417,9 @@ def main() -> None:
                 "chunks": summary.chunks_total,
             },
             "ragbudget_plan": plan.to_dict(),
+            "peer_fit": None
+            if fit is None
+            else {"slot_tokens": fit.slot_tokens, "template_tokens": fit.template_tokens, "max_new": fit.max_new},
             "summary": {s: summarize(r, answers) for s, r in rows.items()},
             "rows": {s: [{k: v for k, v in r.items() if k != "context"} for r in rs] for s, rs in rows.items()},
         }
@@ -315,12 +432,7 @@ def main() -> None:
 
     for i, q in enumerate(qs, 1):
         for s in systems:
-            if s == "ragbudget":
-                r = run_ragbudget(rb, q)
-            elif s == "langchain":
-                r = run_langchain(dense, client, model, q, args.max_new_tokens)
-            else:
-                r = run_llamaindex(qe, llm, q)
+            r = askers[s](q)
             r["id"] = q["id"]
             rows[s].append(r)
         if i % 10 == 0 or i == len(qs):
