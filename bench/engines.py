@@ -129,7 +129,8 @@ def run_ragbudget(pipe: Any, q: dict[str, Any]) -> dict[str, Any]:
         "answer": a.text,
         "context": context,
         "seconds": time.perf_counter() - t0,
-        "prompt_tokens": b["engine_prompt_tokens"] or b["prompt_tokens"],
+        # A declined question never reached the engine: its report has no engine count.
+        "prompt_tokens": b.get("engine_prompt_tokens") or b.get("prompt_tokens"),
     }
 
 
