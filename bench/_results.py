@@ -44,11 +44,11 @@ def _git(*args: str) -> str:
 ISA_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_tile", "amx_int8")
 
 
-def cpu() -> dict[str, Any]:
+def cpu(cpuinfo: str = "/proc/cpuinfo") -> dict[str, Any]:
     """The CPU's model name and which of :data:`ISA_FLAGS` it has (Linux; empty elsewhere)."""
     model, flags = "", set()
     try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
+        with open(cpuinfo, encoding="utf-8") as f:
             for line in f:
                 key, _, value = line.partition(":")
                 if key.strip() == "model name" and not model:

@@ -374,9 +374,14 @@ def main() -> None:
     rows: dict[str, list[dict[str, Any]]] = {s: [] for s in systems}
     slot_tokens = int(props.get("default_generation_settings", {}).get("n_ctx") or 0)
     fit = EngineTokens(args.engine, slot_tokens, args.max_new_tokens) if any("window" in s for s in systems) else None
-    hybrid = Pipeline(index_dir)  # ragbudget's own ranking (dense + BM25), for the *_hybrid rows
+    # ragbudget's own ranking (dense + BM25), for the *_hybrid rows; every chunk's text for LlamaIndex's.
+    hybrid = Pipeline(index_dir) if any(s.endswith("_hybrid") for s in systems) else None
     store = dense.store
-    texts = [h.text for h in store.get_chunks(range(int(store.stats()["chunks"]) * 2))]
+    texts = (
+        [h.text for h in store.get_chunks(range(int(store.stats()["chunks"]) * 2))]
+        if any(s.startswith("llamaindex") for s in systems)
+        else []
+    )
     askers: dict[str, Any] = {}
     for s in systems:
         if s == "ragbudget":
