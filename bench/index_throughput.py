@@ -126,9 +126,12 @@ def model_path() -> str:
 
 def onnx_int8_config(cpuinfo: str = "/proc/cpuinfo") -> str:
     """sentence-transformers' quantization config for this CPU, as its docs choose one."""
-    from _results import cpu  # the instruction sets every raw result records
-
-    flags = cpu(cpuinfo).get("isa", [])
+    flags = set()
+    with open(cpuinfo, encoding="utf-8") as f:
+        for line in f:
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
     if "avx512_vnni" in flags:
         return "avx512_vnni"
     return "avx512" if "avx512f" in flags else "avx2"
