@@ -516,7 +516,7 @@ class Batcher:
         stops = stop_list(stop)
         sample = sampling_wanted(do_sample, temperature, top_p, top_k, seed)
         gen = self.generator.warm_up()
-        ids = gen._ids_of(prompt)
+        ids = gen.prompt_ids(prompt)
         self._check_fits(len(ids), max_new_tokens)
         manager = self._start()
         n = next(self._ids)
@@ -546,7 +546,7 @@ class Batcher:
             if not finished:  # cancelled, stopped, or failed: free its blocks at the next step
                 manager.cancel_request(rid)
         streamer.end()
-        text, finish = gen._finish(tokens, max_new_tokens, stops, cancelled=cancelled)
+        text, finish = gen.finish_answer(tokens, max_new_tokens, stops, cancelled=cancelled)
         return Generation(
             text=text,
             prompt_tokens=len(ids),

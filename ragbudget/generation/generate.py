@@ -518,7 +518,11 @@ class Generator:
                 "dynamic, static or quantized cache there"
             )
 
-    def _ids_of(self, prompt: Any) -> list[int]:
+    def prompt_ids(self, prompt: Any) -> list[int]:
+        """The token ids a prompt is run as: a rendered prompt's own ids, chat messages (or a
+        string, as one user message) through the model's chat template, or ids as given. The
+        batcher (:mod:`ragbudget.generation.batching`) feeds requests through this, as
+        :meth:`generate` does."""
         if hasattr(prompt, "input_ids") and not isinstance(prompt, dict):
             return list(prompt.input_ids)
         if isinstance(prompt, str):
@@ -575,7 +579,9 @@ class Generator:
         stop = stop_list(stop)
         do_sample = sampling_wanted(do_sample, temperature, top_p, top_k, seed)
         self.warm_up()
-        ladder = _Ladder(device=self.device, ids_of=self._ids_of, current=prompt, ids=self._ids_of(prompt), cache=cache)
+        ladder = _Ladder(
+            device=self.device, ids_of=self.prompt_ids, current=prompt, ids=self.prompt_ids(prompt), cache=cache
+        )
         # What every rung's retry decodes with (the ladder changes the prompt and the cache only).
         decoding: dict[str, Any] = {"kv_dtype": kv_dtype, "do_sample": do_sample, "temperature": temperature}
         decoding |= {"top_p": top_p, "top_k": top_k, "seed": seed, "stop": stop}
@@ -598,7 +604,7 @@ class Generator:
                 ladder.down(exc, max_new_tokens)
         seconds = time.perf_counter() - t0
         new = out[len(ladder.ids) :]
-        text, finish = self._finish(new, max_new_tokens, stop, cancelled=cancel is not None and cancel.is_set())
+        text, finish = self.finish_answer(new, max_new_tokens, stop, cancelled=cancel is not None and cancel.is_set())
         gen = Generation(
             text=text,
             prompt_tokens=len(ladder.ids),
@@ -640,11 +646,12 @@ class Generator:
         finally:
             relay.close()
 
-    def _finish(
+    def finish_answer(
         self, new: list[int], max_new_tokens: int, stop: Sequence[str] | None, cancelled: bool = False
     ) -> tuple[str, str]:
         """The answer's text and why it ended: EOS or a stop string (``"stop"``), the cap
-        (``"length"``), else a cancellation (``"cancelled"``) when ``cancelled``."""
+        (``"length"``), else a cancellation (``"cancelled"``) when ``cancelled``. One place for
+        both ways to generate (:meth:`generate` and the batcher), so their answers end alike."""
         tok = self._tokenizer
         eos = self.eos_ids()
         text = tok.decode(new, skip_special_tokens=True)
