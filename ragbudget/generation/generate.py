@@ -587,21 +587,7 @@ class Generator:
         decoding |= {"top_p": top_p, "top_k": top_k, "seed": seed, "stop": stop}
         decoding |= {"on_text": on_text, "streamer": streamer, "cancel": cancel}
         t0 = time.perf_counter()
-        while True:
-            try:
-                out, peak = self._run(
-                    ladder.ids,
-                    max_new_tokens=max_new_tokens,
-                    cache=ladder.cache,
-                    use_cache=ladder.use_cache,
-                    **decoding,
-                )
-                break
-            except Exception as exc:
-                if not (oom_ladder and is_oom(exc)):
-                    raise
-                _free_memory()
-                ladder.down(exc, max_new_tokens)
+        out, peak = self._run_on_ladder(ladder, max_new_tokens, oom_ladder, decoding)
         seconds = time.perf_counter() - t0
         new = out[len(ladder.ids) :]
         text, finish = self.finish_answer(new, max_new_tokens, stop, cancelled=cancel is not None and cancel.is_set())
@@ -619,6 +605,26 @@ class Generator:
         if peak is not None:
             gen = replace(gen, measurement=self._measure(gen, peak, kv_dtype))
         return gen
+
+    def _run_on_ladder(
+        self, ladder: _Ladder, max_new_tokens: int, oom_ladder: bool, decoding: dict[str, Any]
+    ) -> tuple[list[int], int | None]:
+        """Run the ladder's current prompt; on an out-of-memory error step one rung down (fewer
+        passages, a leaner cache) and retry, until it fits or no rung is left."""
+        while True:
+            try:
+                return self._run(
+                    ladder.ids,
+                    max_new_tokens=max_new_tokens,
+                    cache=ladder.cache,
+                    use_cache=ladder.use_cache,
+                    **decoding,
+                )
+            except Exception as exc:
+                if not (oom_ladder and is_oom(exc)):
+                    raise
+                _free_memory()
+                ladder.down(exc, max_new_tokens)
 
     def stream(self, prompt: Any, **options: Any) -> Iterator[str | Generation]:
         """Yield text pieces as they are generated, then the final :class:`Generation`.
