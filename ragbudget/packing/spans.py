@@ -534,7 +534,7 @@ def _span_selection(
     # The invariant the whole library rests on; a violation is a bug here, not a user error.
     assert used <= budget, (used, budget)
     return Selection(
-        chunks=tuple(_ordered(passages, order, _evidence(passages, chunks, units, chosen))),
+        chunks=tuple(_ordered(passages, order)),
         tokens_used=used,
         tokens_allowed=budget,
         dropped=tuple(dropped),
@@ -783,35 +783,8 @@ def _narrow(s: Source, start: int, end: int) -> Source:
     return Source(s.path, a, min(s.end, s.start + end), s.page_start, s.page_end, s.label)
 
 
-def _evidence(
-    passages: list[tuple[PackItem, SelectedChunk]],
-    chunks: Sequence[PackItem],
-    units: Sequence[_Unit],
-    chosen: Mapping[int, set[int]],
-) -> dict[int, float]:
-    """Each passage's evidence for the question: the best of its chosen units' (id of the pool
-    item -> score); an oversize cut, which has no chosen unit, gets its chunk's value."""
-    of_item = {id(it): ci for ci, it in enumerate(chunks)}
-    best: dict[int, float] = {}
-    for u in units:
-        if u.pos in chosen.get(u.chunk, ()):
-            best[u.chunk] = max(best.get(u.chunk, 0.0), u.score)
-    return {id(it): best.get(of_item.get(id(it), -1), it.value) for it, _ in passages}
-
-
-def _ordered(
-    passages: list[tuple[PackItem, SelectedChunk]], order: str, evidence: Mapping[int, float]
-) -> list[SelectedChunk]:
-    """The passages in ``order``. ``relevance``: the passage holding the best evidence first, then
-    by each passage's best sentence — a small model answers from what it reads first, and grouping
-    a file's passages in document order put the answer's passage third or later in half the
-    questions at 512 tokens (bench/answers.py on squad-tune). ``lost_in_middle``: that order with
-    the weaker half reversed at the back. ``document``: files by their best passage, each file's
-    passages in document order. Sentences inside a passage stay in document order in every case."""
-    if order != "document":
-        items = [PackItem(it.ids, "", evidence[id(it)], (), (), 0, 0, it.rank) for it, _ in passages]
-        by_item = {id(x): p for x, (_, p) in zip(items, passages, strict=True)}
-        return [by_item[id(x)] for x in order_items(items, order)]
+def _ordered(passages: list[tuple[PackItem, SelectedChunk]], order: str) -> list[SelectedChunk]:
+    """``order`` over files (a file ranks by its best passage), document order inside a file."""
     groups: dict[str, list[tuple[PackItem, SelectedChunk]]] = {}
     for it, p in passages:
         key = p.sources[0].path if p.sources else f"\x00{it.rank}"
@@ -820,7 +793,18 @@ def _ordered(
     for members in groups.values():
         members.sort(key=lambda m: (m[1].sources[0].start if m[1].sources else 0, m[0].rank))
         best = min(members, key=lambda m: m[0].rank)[0]
-        heads.append(PackItem(best.ids, "", max(m[0].score for m in members), best.sources, (), 0, 0, best.rank))
+        heads.append(
+            PackItem(
+                best.ids,
+                "",
+                max(m[0].score for m in members),
+                best.sources if order == "document" else (),
+                (),
+                0,
+                0,
+                best.rank,
+            )
+        )
     out: list[SelectedChunk] = []
     by_head = dict(zip((id(h) for h in heads), groups.values(), strict=True))
     for h in order_items(heads, order):
