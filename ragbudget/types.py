@@ -18,6 +18,7 @@ __all__ = [
     "DTYPE_BITS",
     "DEFAULT_INDEX_DIR",
     "DEFAULT_PACK",
+    "DEFAULT_SPAN_FLOOR",
     "FUSIONS",
     "ORDERS",
     "PACKS",
@@ -93,6 +94,10 @@ PACKS = ("chunks", "spans")
 #: stage functions (``build_prompt``, ``select_chunks``) keep whole chunks: without the index's
 #: embedder a span scorer has only BM25, which was not measured.
 DEFAULT_PACK = "spans"
+#: Default ``span_floor``: span packing leaves out a sentence whose evidence is under this
+#: fraction of the best sentence's, whatever room is left; the allowance is a cap, not a quota
+#: (chosen on squad-tune: :data:`ragbudget.packing.spans.DEFAULT_SPAN_FLOOR` says how).
+DEFAULT_SPAN_FLOOR = 0.5
 
 #: The index folder when none is named (the CLI's ``--index-dir``, ``Index``, ``Pipeline``); the
 #: loaders never walk into a folder of this name.

@@ -140,7 +140,8 @@ class Span:
     question's evidence for it (0–1), ``n_tokens`` its own count in the generator's tokens.
     ``why``: ``question`` (chosen on its own evidence) or ``neighbour`` (kept for a chosen
     sentence that needs it, see :mod:`ragbudget.packing.spans`' neighbour rule); for a span left out,
-    ``over_budget``, ``redundant`` or ``duplicate``.
+    ``over_budget``, ``redundant``, ``duplicate`` or ``below_span_floor`` (its evidence under
+    ``span_floor`` × the best sentence's).
     """
 
     chunk_id: ChunkId
@@ -197,7 +198,8 @@ class Selection:
     #: ``"chunks"`` (whole chunks) or ``"spans"`` (sentences inside the best chunks).
     pack: str = "chunks"
     #: With span packing: the sentences of the considered chunks that were left out, each a
-    #: :class:`Span` whose ``why`` says why (``over_budget``, ``redundant``, ``duplicate``).
+    #: :class:`Span` whose ``why`` says why (``over_budget``, ``redundant``, ``duplicate``,
+    #: ``below_span_floor``).
     spans_dropped: tuple[Span, ...] = ()
 
     @property

@@ -55,7 +55,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from ..errors import ConfigError
-from ..types import DEFAULT_PACK, PACKS, QUESTION_STOPWORDS, Source
+from ..types import DEFAULT_PACK, DEFAULT_SPAN_FLOOR, PACKS, QUESTION_STOPWORDS, Source
 from .pieces import JOINER, composed_tokens, label_tokens, span_pieces, unit_edges
 from .select import (
     ChunkId,
@@ -120,10 +120,9 @@ _W_DENSE, _W_LEXICAL, _W_CHUNK = 0.4, 0.4, 0.2
 #: 95.3, 8: 81.3/90.0/94.7/95.3 — at the price of more sentences embedded the first time.
 #: ``max_chunks`` (12) caps it at large budgets; 6 (pool 3) or 20 (pool 5) changed nothing.
 DEFAULT_POOL = 8.0
-#: Default ``span_floor`` of :func:`select_spans`: a sentence whose evidence is under this fraction
-#: of the best sentence's is not packed, whatever room is left — the allowance is a cap, not a
-#: quota. (Experimental: being measured on squad-tune.)
-DEFAULT_SPAN_FLOOR = 0.5
+#: Default ``span_floor`` of :func:`select_spans` (:data:`ragbudget.types.DEFAULT_SPAN_FLOOR`): a
+#: sentence whose evidence is under this fraction of the best sentence's is not packed, whatever
+#: room is left. (Experimental: being measured on squad-tune.)
 # A sentence's own token count ± the BPE merge at each end and the joiner: an admission whose
 # estimate is further over the room than this is not counted exactly (it cannot fit).
 _SLACK = 4
@@ -404,7 +403,9 @@ def select_spans(
     batch counter to warm ``count_tokens``, e.g. a served engine's), ``composed`` (cost trial
     passages from their pieces, :func:`~ragbudget.packing.pieces.span_pieces`, counted in one
     ``prime`` batch, instead of counting each: see :mod:`ragbudget.packing.pieces`; the caller
-    checks the rendered prompt). Passages are one per chunk: adjacent chunks are not merged as
+    checks the rendered prompt), ``span_floor`` (a sentence whose evidence is under this fraction of
+    the best sentence's is left out as ``below_span_floor``, however much room is left; 0 fills the
+    budget). Passages are one per chunk: adjacent chunks are not merged as
     :func:`~ragbudget.packing.select.select_chunks` merges them.
 
     >>> hits = [type("H", (), dict(chunk_id=1, score=0.9, sources=(), text=(
@@ -421,7 +422,7 @@ def select_spans(
         lambda_=lambda_,
         relevance_floor=relevance_floor,
     )
-    _check_span_options(pool, max_chunks, weights, composed)
+    _check_span_options(pool, max_chunks, weights, composed, span_floor)
     overhead_of = block_overhead(chunk_overhead)
     cands = list(candidates)
     kept, dropped = prepare_items(
@@ -452,7 +453,9 @@ def select_spans(
     return _span_selection(passages, kept, chunks, units, chosen, dropped, budget_tokens, order, len(cands))
 
 
-def _check_span_options(pool: float, max_chunks: int, weights: tuple[float, float, float], composed: bool) -> None:
+def _check_span_options(
+    pool: float, max_chunks: int, weights: tuple[float, float, float], composed: bool, span_floor: float
+) -> None:
     """The settings of :func:`select_spans` that :func:`check_select_options` does not check."""
     if not (isinstance(pool, (int, float)) and not isinstance(pool, bool) and pool > 0):
         raise ConfigError(f"pool must be a number > 0 (the budget multiple of chunk text to consider); got {pool!r}")
@@ -462,6 +465,10 @@ def _check_span_options(pool: float, max_chunks: int, weights: tuple[float, floa
         raise ConfigError(f"weights must be three numbers ≥ 0 (dense, lexical, chunk), not all 0; got {weights!r}")
     if not isinstance(composed, bool):
         raise ConfigError(f"composed must be True or False; got {composed!r}")
+    if isinstance(span_floor, bool) or not isinstance(span_floor, (int, float)) or not 0 <= span_floor <= 1:
+        raise ConfigError(
+            f"span_floor must be a number from 0 to 1 (a fraction of the best sentence's evidence); got {span_floor!r}"
+        )
 
 
 def _take_pool(kept: Sequence[PackItem], max_chunks: int, limit: float) -> list[PackItem]:
