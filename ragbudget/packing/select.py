@@ -52,7 +52,7 @@ __all__ = [
     "select_chunks",
 ]
 
-DROP_REASONS = ("duplicate", "below_cutoff", "below_relevance_floor", "redundant", "over_budget")
+DROP_REASONS = ("duplicate", "below_cutoff", "below_relevance_floor", "redundant", "below_span_floor", "over_budget")
 
 # Above this many budget tokens the exact DP table (items x tokens booleans) gets large; the greedy
 # density pass alone is used instead (its gap to optimal is at most one chunk's value).
@@ -169,7 +169,8 @@ class Span:
 @dataclass(frozen=True)
 class Dropped:
     """A candidate left out, and why: one of ``duplicate``, ``below_cutoff``,
-    ``below_relevance_floor``, ``redundant``, ``over_budget``."""
+    ``below_relevance_floor``, ``redundant``, ``below_span_floor`` (span packing: none of its
+    sentences reached the span floor), ``over_budget``."""
 
     chunk_id: ChunkId
     reason: str
