@@ -27,7 +27,7 @@ from ragbudget.packing.spans import (
 )
 from ragbudget.prompt.prompt import PromptBuilder
 from ragbudget.retrieval.embed import HashEmbedder
-from ragbudget.types import Source
+from ragbudget.types import DEFAULT_SPAN_FLOOR, Source
 
 # A hand-written article of 24 sentences (about 400 SmolLM2 tokens): one chunk that can never fit
 # a 128- or 256-token context whole.
@@ -518,13 +518,13 @@ def test_span_floor_leaves_weak_sentences_out_however_much_room_is_left() -> Non
     floored = select_spans(q, [cand], budget_tokens=400, count_tokens=words)
     assert "A foghorn was added in 1902" in floored.text
     # Fewer tokens than the room allows, and every sentence packed on its own evidence clears
-    # half the best one's; each one left out for it says so.
+    # the default floor × the best one's; each one left out for it says so.
     assert floored.tokens_used < filled.tokens_used <= 400
     chosen = [s for c in floored.chunks for s in c.spans if s.why == "question"]
     best = max(s.score for s in chosen)
-    assert all(s.score >= 0.5 * best for s in chosen)
+    assert all(s.score >= DEFAULT_SPAN_FLOOR * best for s in chosen)
     below = [s for s in floored.spans_dropped if s.why == "below_span_floor"]
-    assert below and all(s.score < 0.5 * best for s in below)
+    assert below and all(s.score < DEFAULT_SPAN_FLOOR * best for s in below)
     assert not [s for s in filled.spans_dropped if s.why == "below_span_floor"]
     # --explain says why each was left out.
     report = {"budget": {}, "plan": {}, "pack": floored.pack, "selection": [p.to_dict() for p in floored.chunks]}
