@@ -13,7 +13,8 @@ provenance but packs at sentence granularity inside the best of them:
    :class:`SpanScorer`), and its chunk's retrieval value (a sentence of the best chunk starts
    ahead);
 3. sentences are taken greedily by that evidence, discounted by MMR against what is already in
-   (word overlap ≥ ``redundancy`` drops a sentence as ``redundant``), each admission counted
+   (word overlap ≥ ``redundancy`` drops a sentence as ``redundant``; evidence under ``span_floor``
+   × the best sentence's, ``below_span_floor``, however much room is left), each admission counted
    exactly: the passage it joins is re-rendered and re-counted in the generator's tokens, label
    included, so the sum of passage costs never exceeds the budget — the same contract as whole
    chunks, which :func:`~ragbudget.fitting.fit_prompt` then checks on the rendered chat template
@@ -116,9 +117,7 @@ _W_DENSE, _W_LEXICAL, _W_CHUNK = 0.4, 0.4, 0.2
 #: 95.3, 8: 81.3/90.0/94.7/95.3 — at the price of more sentences embedded the first time.
 #: ``max_chunks`` (12) caps it at large budgets; 6 (pool 3) or 20 (pool 5) changed nothing.
 DEFAULT_POOL = 8.0
-#: Default ``span_floor`` of :func:`select_spans` (:data:`ragbudget.types.DEFAULT_SPAN_FLOOR`): a
-#: sentence whose evidence is under this fraction of the best sentence's is not packed, whatever
-#: room is left. (Experimental: being measured on squad-tune.)
+# Default ``span_floor`` of select_spans: ragbudget.types.DEFAULT_SPAN_FLOOR (how it was chosen).
 # A sentence's own token count ± the BPE merge at each end and the joiner: an admission whose
 # estimate is further over the room than this is not counted exactly (it cannot fit).
 _SLACK = 4
