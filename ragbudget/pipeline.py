@@ -111,7 +111,7 @@ class Pipeline(Planning):
         backend: any :class:`~ragbudget.generation.backend.Backend` (overrides ``engine`` and ``generator``).
         retrieval: a :class:`~ragbudget.settings.RetrievalSettings` — ``fetch_k``, ``hybrid``,
             ``lexical_weight``, ``fusion``, ``order``, ``pack``, ``fill_remainder``,
-            ``relevance_floor``, ``evidence_floor``.
+            ``relevance_floor``, ``span_floor``, ``evidence_floor``.
         memory: a :class:`~ragbudget.settings.MemorySettings` — ``gpu``, ``concurrency``,
             ``max_new_tokens``, ``kv_dtype``, ``cache``, ``utilization``, ``ttft_target``.
             They do not apply on a served engine, which reports its own memory.
@@ -166,6 +166,7 @@ class Pipeline(Planning):
         pack: str | None = None,
         fill_remainder: bool | None = None,
         relevance_floor: float | None = None,
+        span_floor: float | None = None,
         evidence_floor: float | None = None,
         queue_size: int | None = None,
         queue_timeout: float | None = None,
@@ -212,6 +213,7 @@ class Pipeline(Planning):
     pack = RecordField("retrieval")
     fill_remainder = RecordField("retrieval")
     relevance_floor = RecordField("retrieval")
+    span_floor = RecordField("retrieval")
     evidence_floor = RecordField("retrieval")
     gpu = RecordField("memory")
     concurrency = RecordField("memory")
@@ -561,6 +563,7 @@ class Pipeline(Planning):
                         options["fill_remainder"] = True
                     self._packer_made = make_packer("chunks", **options)
                 else:
+                    options["span_floor"] = self.retrieval.span_floor
                     self._packer_made = make_packer(self.retrieval.pack, scorer=self._scorer(), **options)
             return self._packer_made
 

@@ -39,7 +39,7 @@ from types import MappingProxyType
 from typing import Any, TypeVar
 
 from .errors import ArgumentTypeError, ConfigError
-from .types import CACHE_KINDS, DEFAULT_PACK, FUSIONS, ORDERS, PACKS, dtype_bits
+from .types import CACHE_KINDS, DEFAULT_PACK, DEFAULT_SPAN_FLOOR, FUSIONS, ORDERS, PACKS, dtype_bits
 
 __all__ = [
     "DEDUP_MODES",
@@ -289,6 +289,9 @@ class RetrievalSettings:
             window of the best chunk left out.
         relevance_floor: leave out candidates scoring under this fraction of the best one's score
             (0 disables; :data:`DEFAULT_RELEVANCE_FLOOR`, measured in bench/floor.py).
+        span_floor: with ``pack="spans"``, leave out sentences whose evidence is under this
+            fraction of the best sentence's, however much room is left (0 fills the allowance;
+            :data:`~ragbudget.types.DEFAULT_SPAN_FLOOR`).
         evidence_floor: decline a question, without generating, when no sentence of the top
             chunks reaches this cosine to it (:mod:`ragbudget.evidence`). ``None``: the floor
             measured for the index's embedder (the packaged MiniLM's), none for another; 0: off.
@@ -302,6 +305,7 @@ class RetrievalSettings:
     pack: str = DEFAULT_PACK
     fill_remainder: bool = False
     relevance_floor: float = DEFAULT_RELEVANCE_FLOOR
+    span_floor: float = DEFAULT_SPAN_FLOOR
     evidence_floor: float | None = None
 
     def __post_init__(self) -> None:
@@ -320,6 +324,7 @@ class RetrievalSettings:
                 "pack='chunks' with it (CLI: --pack chunks --fill-remainder)"
             )
         _set(self, "relevance_floor", check_number("relevance_floor", self.relevance_floor, 0.0, 1.0))
+        _set(self, "span_floor", check_number("span_floor", self.span_floor, 0.0, 1.0))
         if self.evidence_floor is not None:
             _set(self, "evidence_floor", check_number("evidence_floor", self.evidence_floor, 0.0, 1.0))
 

@@ -122,7 +122,7 @@ SETTINGS_OPTIONS: dict[str, tuple[Any, ...]] = {
     **{n: (ClientTimeoutSettings, n) for n in ("header_timeout", "body_idle_timeout", "body_timeout")},
     "retrieval": (RetrievalSettings, "hybrid", lambda v: v == "hybrid"),
     **{n: (RetrievalSettings, n) for n in ("lexical_weight", "fusion", "fetch_k", "order", "pack")},
-    **{n: (RetrievalSettings, n) for n in ("fill_remainder", "relevance_floor")},
+    **{n: (RetrievalSettings, n) for n in ("fill_remainder", "relevance_floor", "span_floor")},
     "engine": (EngineSettings, "url"),
     "engine_kind": (EngineSettings, "kind"),
     "api_key_env": (EngineSettings, "api_key_env"),

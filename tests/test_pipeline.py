@@ -39,7 +39,13 @@ QUESTION = "What was Maria Curie the first female recipient of?"
 
 @pytest.mark.parametrize("hybrid", [True, False])
 def test_retrieve_fits_the_context_cap_exactly(indexed: Path, hybrid: bool) -> None:
+    # The default span floor leaves weak sentences out whatever room is left: never over the cap.
     pipe, _ = _pipe(indexed, hybrid=hybrid)
+    for cap in (50, 300, 1200):
+        sel = pipe.retrieve(QUESTION, context_tokens=cap)
+        assert sel.chunks and sel.tokens_used <= sel.tokens_allowed <= cap
+    # With span_floor=0 the allowance is filled.
+    pipe, _ = _pipe(indexed, hybrid=hybrid, span_floor=0)
     for cap in (50, 300, 1200):
         sel = pipe.retrieve(QUESTION, context_tokens=cap)
         assert sel.tokens_allowed <= cap
@@ -73,7 +79,14 @@ def test_ask_prompt_fits_the_plan_and_keeps_the_question(indexed: Path) -> None:
     # The Warsaw article holds the answer; the hash embedder shares its words with the question.
     assert any("Warsaw" in s["path"] for s in doc["sources"])
     for d in doc["dropped"]:
-        assert d["reason"] in {"duplicate", "below_cutoff", "below_relevance_floor", "redundant", "over_budget"}
+        assert d["reason"] in {
+            "duplicate",
+            "below_cutoff",
+            "below_relevance_floor",
+            "redundant",
+            "below_span_floor",
+            "over_budget",
+        }
 
 
 def test_small_gpu_shrinks_the_context(indexed: Path) -> None:

@@ -81,7 +81,7 @@ def test_ask_on_each_engine_fits_its_window_and_says_why(indexed: Path, tmp_path
 def test_the_window_binds_the_prompt(indexed: Path, tmp_path: Path) -> None:
     index_dir = _index_copy(indexed, tmp_path)
     with Replay("llamacpp") as srv:  # 2048 per slot in the replay
-        pipe = _pipe(index_dir, srv, relevance_floor=0)
+        pipe = _pipe(index_dir, srv, relevance_floor=0, span_floor=0)
         plan = pipe.engine_plan(question=QUESTION)
         assert isinstance(plan, EnginePlan)
         assert plan.max_context_tokens <= 2048

@@ -285,7 +285,8 @@ def test_a_render_over_the_composed_costs_packs_again_tighter() -> None:
     b = EnginePromptBuilder(Engine())
     q = "When was the lighthouse lit and the foghorn added?"
     fixed = b.fixed_tokens(q)
-    p = fit_prompt(q, cands, packer=Recording(), builder=b, max_prompt_tokens=fixed + 40)
+    # span_floor=0: the allowance filled, so the surcharge puts the render over it.
+    p = fit_prompt(q, cands, packer=Recording(options={"span_floor": 0.0}), builder=b, max_prompt_tokens=fixed + 40)
     assert p.n_tokens <= fixed + 40
     # Packed into 40, rendered over, packed again once on the passages' cost less the excess.
     assert Recording.asked[0] == 40 and len(Recording.asked) == 2 and Recording.asked[1] < 40

@@ -42,7 +42,9 @@ def _run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
 
 
 def test_pipeline_on_the_engine_fits_a_slot_and_counts_exactly(index_dir: Path, llama_server: str) -> None:
-    pipe = Pipeline(index_dir, engine=llama_server, max_new_tokens=32, relevance_floor=0, engine_timeout=300)
+    pipe = Pipeline(
+        index_dir, engine=llama_server, max_new_tokens=32, relevance_floor=0, span_floor=0, engine_timeout=300
+    )
     plan = pipe.engine_plan(question=QUESTION)
     assert plan.kind == "llamacpp" and plan.max_context_tokens <= SLOT
     answer = pipe.ask(QUESTION)

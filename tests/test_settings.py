@@ -48,6 +48,7 @@ BAD = [
     (RetrievalSettings, {"fill_remainder": True}, ConfigError, "pack='chunks'"),
     (RetrievalSettings, {"relevance_floor": 2}, ConfigError, r"relevance_floor must be in \[0, 1\], got 2"),
     (RetrievalSettings, {"relevance_floor": float("nan")}, ConfigError, "relevance_floor must be in"),
+    (RetrievalSettings, {"span_floor": -0.5}, ConfigError, r"span_floor must be in \[0, 1\], got -0.5"),
     (RetrievalSettings, {"evidence_floor": 1.5}, ConfigError, r"evidence_floor must be in \[0, 1\], got 1.5"),
     (MemorySettings, {"gpu": ["24GiB"]}, ArgumentTypeError, "gpu must be 'auto', a GPU name"),
     (MemorySettings, {"gpu": "potato"}, ConfigError, "unknown GPU 'potato'"),

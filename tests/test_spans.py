@@ -27,7 +27,7 @@ from ragbudget.packing.spans import (
 )
 from ragbudget.prompt.prompt import PromptBuilder
 from ragbudget.retrieval.embed import HashEmbedder
-from ragbudget.types import Source
+from ragbudget.types import DEFAULT_SPAN_FLOOR, Source
 
 # A hand-written article of 24 sentences (about 400 SmolLM2 tokens): one chunk that can never fit
 # a 128- or 256-token context whole.
@@ -106,7 +106,10 @@ def test_exact_fit_after_chat_template_where_the_chunk_never_fits(which, context
     )
     assert b.count(b.block(cand, 9)) > 256 + 100  # the whole chunk could never fit
     fixed = b.fixed_tokens(q)
-    p = build_prompt(q, [cand, other], tokenizer=tok, max_prompt_tokens=fixed + context, builder=b, pack="spans")
+    # span_floor=0: the allowance filled (the default leaves weak sentences out, below).
+    p = build_prompt(
+        q, [cand, other], tokenizer=tok, max_prompt_tokens=fixed + context, builder=b, pack="spans", span_floor=0.0
+    )
     ref = ids_of(tok, p.messages)
     assert list(p.input_ids) == ref and len(ref) <= fixed + context
     # Fixed cost + each block's own count is the rendered length, exactly, and what was charged
@@ -193,7 +196,11 @@ def test_spans_in_document_order_within_a_passage_and_a_file() -> None:
     b = Candidate("b", second, 0.75, sources=(Source("f.txt", 500, 500 + len(second)),))
     c = Candidate("c", "Boat trips to the lens museum run in July.", 0.72, sources=(Source("g.txt", 0, 42),))
     sel = select_spans(
-        "Where was the lens made and where is the lens shown?", [a, b, c], budget_tokens=60, count_tokens=words
+        "Where was the lens made and where is the lens shown?",
+        [a, b, c],
+        budget_tokens=60,
+        count_tokens=words,
+        span_floor=0.0,  # all three passages in, to see their order
     )
     # File f.txt ranks first (its best chunk, b, scores highest) but its passages go in file
     # order: a (offset 0) before b (offset 500); g.txt after.
@@ -342,21 +349,6 @@ def packaged_scorer():
     return SpanScorer(SentenceTransformerEmbedder())
 
 
-def test_span_scorer_caches_vectors_by_content() -> None:
-    class Counting(HashEmbedder):
-        calls = 0
-
-        def embed_documents(self, texts):
-            Counting.calls += len(texts)
-            return super().embed_documents(texts)
-
-    s = SpanScorer(Counting(dim=32))
-    first = s.similarities("q", ["one", "two"])
-    again = s.similarities("q", ["two", "one", "three"])
-    assert again[:2] == [first[1], first[0]]
-    assert Counting.calls == 3  # "one", "two", then only "three"
-
-
 def test_stored_vectors_are_asked_by_index_row_id_only() -> None:
     # Stored sentence vectors are an index's, keyed by its integer row ids: a caller's own string
     # ids are never passed to ``stored`` (an index would look them up as rows), and each row id
@@ -432,7 +424,9 @@ def test_oversize_sentence_falls_back_to_a_cut_window() -> None:
 
 def test_explain_shows_spans_costs_and_what_was_left_out() -> None:
     _, cand = doc_with(LIGHTHOUSE, at=1000)
-    sel = select_spans("When was the foghorn added?", [cand], budget_tokens=40, count_tokens=words, chunk_overhead=3)
+    sel = select_spans(
+        "When was the foghorn added?", [cand], budget_tokens=40, count_tokens=words, chunk_overhead=3, span_floor=0.0
+    )
     report = {
         "budget": {},
         "plan": {},
@@ -512,3 +506,33 @@ def test_cli_chat_and_serve_take_pack(tmp_path: Path, repo_data: Path) -> None:
     for command in ("ask", "chat", "serve"):
         (opt,) = [p for p in main.commands[command].params if p.name == "pack"]
         assert opt.default == DEFAULT_PACK and list(opt.type.choices) == ["chunks", "spans"]
+
+
+# -- the span floor: the allowance is a cap, not a quota -----------------------------------------
+
+
+def test_span_floor_leaves_weak_sentences_out_however_much_room_is_left() -> None:
+    q = "When was the foghorn added to the lighthouse?"
+    _, cand = doc_with(LIGHTHOUSE)
+    filled = select_spans(q, [cand], budget_tokens=400, count_tokens=words, span_floor=0.0)
+    floored = select_spans(q, [cand], budget_tokens=400, count_tokens=words)
+    assert "A foghorn was added in 1902" in floored.text
+    # Fewer tokens than the room allows, and every sentence packed on its own evidence clears
+    # the default floor × the best one's; each one left out for it says so.
+    assert floored.tokens_used < filled.tokens_used <= 400
+    chosen = [s for c in floored.chunks for s in c.spans if s.why == "question"]
+    best = max(s.score for s in chosen)
+    assert all(s.score >= DEFAULT_SPAN_FLOOR * best for s in chosen)
+    below = [s for s in floored.spans_dropped if s.why == "below_span_floor"]
+    assert below and all(s.score < DEFAULT_SPAN_FLOOR * best for s in below)
+    assert not [s for s in filled.spans_dropped if s.why == "below_span_floor"]
+    # --explain says why each was left out.
+    report = {"budget": {}, "plan": {}, "pack": floored.pack, "selection": [p.to_dict() for p in floored.chunks]}
+    report |= {"dropped": [], "spans_dropped": [s.to_dict() | {"text": None} for s in floored.spans_dropped]}
+    assert f"{len(below)} below_span_floor" in format_report(report)
+
+
+@pytest.mark.parametrize("bad", [-0.1, 1.5, "0.5", True])
+def test_span_floor_out_of_range_is_one_clear_error(bad: object) -> None:
+    with pytest.raises(ConfigError, match="span_floor must be a number from 0 to 1"):
+        select_spans("q", [Candidate("c", "A b c.", 0.9)], budget_tokens=10, count_tokens=words, span_floor=bad)  # type: ignore[arg-type]

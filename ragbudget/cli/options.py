@@ -349,6 +349,14 @@ _PACKING_OPTIONS = {
         type=click.FloatRange(0.0, 1.0),
         help="Leave out passages scoring under this fraction of the best one's score (0: fill the allowance).",
     ),
+    "span_floor": click.option(
+        "--span-floor",
+        default=setting(RetrievalSettings, "span_floor"),
+        show_default=True,
+        type=click.FloatRange(0.0, 1.0),
+        help="With span packing: leave out sentences whose evidence is under this fraction of the best "
+        "sentence's, however much room is left (0: fill the allowance).",
+    ),
     "evidence_floor": click.option(
         "--evidence-floor",
         default=setting(RetrievalSettings, "evidence_floor"),

@@ -52,7 +52,7 @@ __all__ = [
     "select_chunks",
 ]
 
-DROP_REASONS = ("duplicate", "below_cutoff", "below_relevance_floor", "redundant", "over_budget")
+DROP_REASONS = ("duplicate", "below_cutoff", "below_relevance_floor", "redundant", "below_span_floor", "over_budget")
 
 # Above this many budget tokens the exact DP table (items x tokens booleans) gets large; the greedy
 # density pass alone is used instead (its gap to optimal is at most one chunk's value).
@@ -140,7 +140,8 @@ class Span:
     question's evidence for it (0–1), ``n_tokens`` its own count in the generator's tokens.
     ``why``: ``question`` (chosen on its own evidence) or ``neighbour`` (kept for a chosen
     sentence that needs it, see :mod:`ragbudget.packing.spans`' neighbour rule); for a span left out,
-    ``over_budget``, ``redundant`` or ``duplicate``.
+    ``over_budget``, ``redundant``, ``duplicate`` or ``below_span_floor`` (its evidence under
+    ``span_floor`` × the best sentence's).
     """
 
     chunk_id: ChunkId
@@ -168,7 +169,8 @@ class Span:
 @dataclass(frozen=True)
 class Dropped:
     """A candidate left out, and why: one of ``duplicate``, ``below_cutoff``,
-    ``below_relevance_floor``, ``redundant``, ``over_budget``."""
+    ``below_relevance_floor``, ``redundant``, ``below_span_floor`` (span packing: none of its
+    sentences reached the span floor), ``over_budget``."""
 
     chunk_id: ChunkId
     reason: str
@@ -197,7 +199,8 @@ class Selection:
     #: ``"chunks"`` (whole chunks) or ``"spans"`` (sentences inside the best chunks).
     pack: str = "chunks"
     #: With span packing: the sentences of the considered chunks that were left out, each a
-    #: :class:`Span` whose ``why`` says why (``over_budget``, ``redundant``, ``duplicate``).
+    #: :class:`Span` whose ``why`` says why (``over_budget``, ``redundant``, ``duplicate``,
+    #: ``below_span_floor``).
     spans_dropped: tuple[Span, ...] = ()
 
     @property

@@ -13,7 +13,8 @@ provenance but packs at sentence granularity inside the best of them:
    :class:`SpanScorer`), and its chunk's retrieval value (a sentence of the best chunk starts
    ahead);
 3. sentences are taken greedily by that evidence, discounted by MMR against what is already in
-   (word overlap ≥ ``redundancy`` drops a sentence as ``redundant``), each admission counted
+   (word overlap ≥ ``redundancy`` drops a sentence as ``redundant``; evidence under ``span_floor``
+   × the best sentence's, ``below_span_floor``, however much room is left), each admission counted
    exactly: the passage it joins is re-rendered and re-counted in the generator's tokens, label
    included, so the sum of passage costs never exceeds the budget — the same contract as whole
    chunks, which :func:`~ragbudget.fitting.fit_prompt` then checks on the rendered chat template
@@ -46,19 +47,15 @@ over a page break gives its page range).
 
 from __future__ import annotations
 
-import math
-import re
-import threading
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from ..errors import ConfigError
-from ..types import DEFAULT_PACK, PACKS, QUESTION_STOPWORDS, Source
+from ..types import DEFAULT_PACK, DEFAULT_SPAN_FLOOR, PACKS, Source
 from .pieces import JOINER, composed_tokens, label_tokens, span_pieces, unit_edges
+from .scoring import SentenceEmbedder, SpanScorer, VectorCache, bm25, content_terms
 from .select import (
-    ChunkId,
     Dropped,
     PackItem,
     Retrieved,
@@ -120,228 +117,13 @@ _W_DENSE, _W_LEXICAL, _W_CHUNK = 0.4, 0.4, 0.2
 #: 95.3, 8: 81.3/90.0/94.7/95.3 — at the price of more sentences embedded the first time.
 #: ``max_chunks`` (12) caps it at large budgets; 6 (pool 3) or 20 (pool 5) changed nothing.
 DEFAULT_POOL = 8.0
+# Default ``span_floor`` of select_spans: ragbudget.types.DEFAULT_SPAN_FLOOR (how it was chosen).
 # A sentence's own token count ± the BPE merge at each end and the joiner: an admission whose
 # estimate is further over the room than this is not counted exactly (it cannot fit).
 _SLACK = 4
 # Word sets this small say nothing about redundancy ("He died." is not a repeat of every other
 # sentence with "died" in it).
 _MIN_REDUNDANCY_WORDS = 3
-
-_WORD = re.compile(r"\w+")
-# Question words that say nothing about where the answer is (as select's _QSTOP, plus a few).
-_STOP = QUESTION_STOPWORDS | {"he", "her", "his", "our", "she", "we"}
-
-
-def _stem(word: str) -> str:
-    # A crude stemmer: plural and -ed/-ing endings off, then a 6-character prefix (as select's
-    # oversize-chunk cut), so "supplies"/"supply", "boats"/"boat", "founded"/"founding" meet.
-    if len(word) > 4:
-        if word.endswith("ies"):
-            word = word[:-3] + "y"
-        elif word.endswith("s") and not word.endswith(("ss", "us", "is")):
-            word = word[:-1]
-        elif word.endswith("ing") and len(word) > 5:
-            word = word[:-3]
-        elif word.endswith("ed") and len(word) > 5:
-            word = word[:-2]
-    return word[:6]
-
-
-def content_terms(text: str) -> list[str]:
-    """``text``'s content words, stemmed as span packing compares them (stop words and short
-    words out, digits kept).
-
-    >>> content_terms("The boats were founded in 1932")
-    ['boat', 'found', '1932']
-    """
-    return [_stem(w) for w in _WORD.findall(text.lower()) if w not in _STOP and (len(w) > 2 or w.isdigit())]
-
-
-def bm25(question: str, docs: Sequence[str], *, k1: float = 1.2, b: float = 0.75) -> list[float]:
-    """Okapi BM25 of ``question`` against each of ``docs``, the docs themselves the collection
-    (so a word in every sentence of the pool weighs almost nothing).
-
-    >>> [round(x, 3) for x in bm25("capital of France", ["Paris is the capital.", "Lyon is big."])]
-    [0.693, 0.0]
-    """
-    q = set(content_terms(question))
-    terms = [content_terms(d) for d in docs]
-    if not q or not docs:
-        return [0.0] * len(docs)
-    n = len(docs)
-    avg = max(1e-9, sum(len(t) for t in terms) / n)
-    df = {w: sum(1 for t in terms if w in t) for w in q}
-    idf = {w: math.log(1.0 + (n - d + 0.5) / (d + 0.5)) for w, d in df.items()}
-    out = []
-    for t in terms:
-        s = 0.0
-        for w in q:
-            tf = t.count(w)
-            if tf:
-                s += idf[w] * tf * (k1 + 1) / (tf + k1 * (1 - b + b * len(t) / avg))
-        out.append(s)
-    return out
-
-
-class SentenceEmbedder(Protocol):
-    """What :class:`SpanScorer` asks of an embedder: any
-    :class:`~ragbudget.retrieval.embed.Embedder` (retrieval sits above this package, so the two
-    methods are spelled out here). Vectors are unit length."""
-
-    def embed_query(self, text: str) -> Vector: ...
-
-    def embed_documents(self, texts: Sequence[str]) -> Vector: ...
-
-
-class VectorCache(Protocol):
-    """Sentence vectors kept across processes, by :func:`sentence_digest`: a
-    :class:`~ragbudget.retrieval.sentence_cache.SentenceCache`."""
-
-    def get(self, digests: Sequence[bytes]) -> Mapping[bytes, Vector]: ...
-
-    def put(self, vectors: Mapping[bytes, Vector]) -> object: ...
-
-
-class SpanScorer:
-    """Dense evidence for sentences: cosine to the question with ``embedder`` (any
-    :class:`~ragbudget.retrieval.embed.Embedder`), the sentences embedded in one batch per question and
-    their vectors kept by content hash (up to ``cache_size``), so a chunk seen by an earlier
-    question costs nothing again. Thread-safe.
-
-    ``stored`` (e.g. :meth:`ragbudget.retrieval.index.Index.sentence_vectors`, which an index built with
-    ``sentence_vectors=True`` holds for every chunk) maps chunk ids to ``(digests, vectors)`` —
-    each sentence's :func:`sentence_digest` and its vector, embedded at build time with the same
-    embedder — and is asked first (:meth:`preload`): a sentence found there is never embedded at
-    question time. It must come from the same embedder as ``embedder`` (the caller's check: the
-    pipeline passes the index's own). A chunk it does not know (an index built without them, the
-    default) falls back to embedding on first use, through ``persist`` when given (the
-    :class:`~ragbudget.retrieval.sentence_cache.SentenceCache` beside the index: a sentence any earlier
-    question embedded, in any process, is read from there).
-
-    >>> from ragbudget.retrieval.embed import HashEmbedder
-    >>> s = SpanScorer(HashEmbedder())
-    >>> sims = s.similarities("where is Paris", ["Paris is in France.", "Bread is baked."])
-    >>> len(sims), s.cached, s.embedded
-    (2, 3, 2)
-    """
-
-    def __init__(
-        self,
-        embedder: SentenceEmbedder | None,
-        *,
-        cache_size: int = 50_000,
-        stored: Callable[[list[int]], Mapping[int, tuple[Sequence[bytes], npt.ArrayLike]]] | None = None,
-        persist: VectorCache | None = None,
-    ) -> None:
-        if embedder is None:
-            raise ConfigError("SpanScorer needs an embedder (e.g. the index's own: Index.embedder)")
-        self.embedder: SentenceEmbedder = embedder
-        self.cache_size = int(cache_size)
-        self.stored = stored
-        #: Vectors kept across processes (a :class:`~ragbudget.retrieval.sentence_cache.SentenceCache`:
-        #: ``get(digests)`` and ``put({digest: vector})``): asked before a sentence is embedded,
-        #: given every sentence embedded.
-        self.persist = persist
-        #: Sentences sent to the embedder so far (questions not counted): 0 when every sentence
-        #: came from ``stored`` or a cache.
-        self.embedded = 0
-        #: Sentences found in ``persist`` instead of being embedded.
-        self.persisted = 0
-        self._cache: OrderedDict[bytes, Vector] = OrderedDict()
-        # Chunk ids already asked of ``stored`` (cleared when the cache evicts: their vectors may
-        # be gone, so they are asked again rather than embedded).
-        self._asked: set[int] = set()
-        self._lock = threading.Lock()
-
-    @property
-    def cached(self) -> int:
-        """Vectors held."""
-        return len(self._cache)
-
-    def preload(self, chunk_ids: Iterable[ChunkId]) -> int:
-        """Take the sentence vectors of ``chunk_ids`` from ``stored`` into the cache (one lookup
-        per chunk per scorer); returns how many vectors came in. No ``stored``: nothing. Stored
-        vectors are an index's, by its integer row ids: a caller's own (string) ids are never
-        asked."""
-        import numpy as np
-
-        if self.stored is None:
-            return 0
-        with self._lock:
-            ids = [i for i in dict.fromkeys(chunk_ids) if isinstance(i, int) and i not in self._asked]
-        if not ids:
-            return 0
-        got = self.stored(ids)
-        n = 0
-        with self._lock:
-            self._asked.update(ids)
-            for digests, vectors in got.values():
-                mat = np.asarray(vectors, dtype=np.float32)
-                for d, v in zip(digests, mat, strict=True):
-                    key = b"d" + bytes(d)
-                    if key not in self._cache:
-                        self._cache[key] = v
-                        n += 1
-            self._evict()
-        return n
-
-    def _evict(self) -> None:
-        if len(self._cache) > self.cache_size:
-            while len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
-            self._asked.clear()
-
-    def remember_query(self, question: str, vector: npt.ArrayLike) -> None:
-        """Keep ``question``'s vector, embedded by the caller with the same embedder (the search's
-        query vector), so :meth:`similarities` does not embed the question again."""
-        import numpy as np
-
-        key = b"q" + sentence_digest(question)
-        with self._lock:
-            self._cache[key] = np.asarray(vector, dtype=np.float32).reshape(-1)
-            self._cache.move_to_end(key)  # the newest entry: the last one eviction reaches
-            self._evict()
-
-    def similarities(self, question: str, texts: Sequence[str]) -> list[float]:
-        """Cosine of each of ``texts`` to ``question`` (vectors are unit length)."""
-        import numpy as np
-
-        keys = [b"q" + sentence_digest(question)] + [b"d" + sentence_digest(t) for t in texts]
-        with self._lock:
-            have = {k: self._cache[k] for k in keys if k in self._cache}
-        todo = [i for i, k in enumerate(keys) if k not in have]
-        if todo:
-            qi = [i for i in todo if i == 0]
-            di = list(dict.fromkeys(i for i in todo if i > 0 and keys[i] not in have))
-            if qi:
-                have[keys[0]] = np.asarray(self.embedder.embed_query(question), dtype=np.float32)
-            # One text per digest: a sentence repeated in the pool is embedded once.
-            first: dict[bytes, int] = {}
-            for i in di:
-                first.setdefault(keys[i], i)
-            if first and self.persist is not None:
-                # Embedded by an earlier question, maybe in another process: taken from there.
-                found = self.persist.get([k[1:] for k in first])
-                for k in [k for k in first if k[1:] in found]:
-                    have[k] = found[k[1:]]
-                    del first[k]
-                self.persisted += len(found)
-            if first:
-                # Documents, not queries: the same side of the embedder the index's chunks used.
-                vecs = self.embedder.embed_documents([texts[i - 1] for i in first.values()])
-                self.embedded += len(first)
-                for k, v in zip(first, vecs, strict=True):
-                    # Rounded as an index and the cache keep them (float16), so a question scores
-                    # the same whether its sentences were just embedded, cached or stored.
-                    have[k] = np.asarray(v, dtype=np.float16).astype(np.float32)
-                if self.persist is not None:
-                    self.persist.put({k[1:]: have[k] for k in first})
-            with self._lock:
-                for i in todo:
-                    self._cache[keys[i]] = have[keys[i]]
-                self._evict()
-        qv = have[keys[0]]
-        return [float(np.dot(qv, have[k])) for k in keys[1:]]
 
 
 @dataclass(eq=False)
@@ -388,6 +170,7 @@ def select_spans(
     redundancy: float = 0.9,
     similarity: Callable[[SelectedChunk, SelectedChunk], float] | None = None,
     truncate_oversize: bool = True,
+    span_floor: float = DEFAULT_SPAN_FLOOR,
 ) -> Selection:
     """Pack the question's sentences from the best ``candidates`` under a hard token cap.
 
@@ -399,7 +182,9 @@ def select_spans(
     batch counter to warm ``count_tokens``, e.g. a served engine's), ``composed`` (cost trial
     passages from their pieces, :func:`~ragbudget.packing.pieces.span_pieces`, counted in one
     ``prime`` batch, instead of counting each: see :mod:`ragbudget.packing.pieces`; the caller
-    checks the rendered prompt). Passages are one per chunk: adjacent chunks are not merged as
+    checks the rendered prompt), ``span_floor`` (a sentence whose evidence is under this fraction of
+    the best sentence's is left out as ``below_span_floor``, however much room is left; 0 fills the
+    budget). Passages are one per chunk: adjacent chunks are not merged as
     :func:`~ragbudget.packing.select.select_chunks` merges them.
 
     >>> hits = [type("H", (), dict(chunk_id=1, score=0.9, sources=(), text=(
@@ -416,7 +201,7 @@ def select_spans(
         lambda_=lambda_,
         relevance_floor=relevance_floor,
     )
-    _check_span_options(pool, max_chunks, weights, composed)
+    _check_span_options(pool, max_chunks, weights, composed, span_floor)
     overhead_of = block_overhead(chunk_overhead)
     cands = list(candidates)
     kept, dropped = prepare_items(
@@ -430,7 +215,6 @@ def select_spans(
         redundancy=redundancy,
         similarity=similarity,
     )
-
     chunks = _take_pool(kept, max_chunks, pool * budget_tokens)
     units = _units(chunks, count_tokens, prime, composed=composed)
     compose = _composed_costs(chunks, count_tokens) if composed else None
@@ -438,14 +222,18 @@ def select_spans(
         # Vectors stored at build time (an index's sentence vectors) before anything is embedded.
         scorer.preload(i for it in chunks for i in it.ids)
     _score(question, chunks, units, scorer, weights)
-    chosen = _pack(units, chunks, budget_tokens, count_tokens, overhead_of, lambda_, redundancy, compose=compose)
+    chosen = _pack(
+        units, chunks, budget_tokens, count_tokens, overhead_of, lambda_, redundancy, span_floor, compose=compose
+    )
     passages = _passages(
         question, chunks, units, chosen, budget_tokens, count_tokens, overhead_of, compose, truncate_oversize
     )
     return _span_selection(passages, kept, chunks, units, chosen, dropped, budget_tokens, order, len(cands))
 
 
-def _check_span_options(pool: float, max_chunks: int, weights: tuple[float, float, float], composed: bool) -> None:
+def _check_span_options(
+    pool: float, max_chunks: int, weights: tuple[float, float, float], composed: bool, span_floor: float
+) -> None:
     """The settings of :func:`select_spans` that :func:`check_select_options` does not check."""
     if not (isinstance(pool, (int, float)) and not isinstance(pool, bool) and pool > 0):
         raise ConfigError(f"pool must be a number > 0 (the budget multiple of chunk text to consider); got {pool!r}")
@@ -455,6 +243,10 @@ def _check_span_options(pool: float, max_chunks: int, weights: tuple[float, floa
         raise ConfigError(f"weights must be three numbers ≥ 0 (dense, lexical, chunk), not all 0; got {weights!r}")
     if not isinstance(composed, bool):
         raise ConfigError(f"composed must be True or False; got {composed!r}")
+    if isinstance(span_floor, bool) or not isinstance(span_floor, (int, float)) or not 0 <= span_floor <= 1:
+        raise ConfigError(
+            f"span_floor must be a number from 0 to 1 (a fraction of the best sentence's evidence); got {span_floor!r}"
+        )
 
 
 def _take_pool(kept: Sequence[PackItem], max_chunks: int, limit: float) -> list[PackItem]:
@@ -515,9 +307,14 @@ def _span_selection(
 ) -> Selection:
     """The :class:`Selection` of ``passages``, every kept chunk unused and every unit left out listed."""
     used_ids = {cid for _, p in passages for cid in p.chunk_ids}
+    # A pooled chunk none of whose sentences cleared the span floor was left out for that, not
+    # for want of room.
+    weak = {chunks[ci].ids[0] for ci in {u.chunk for u in units}}
+    weak -= {chunks[u.chunk].ids[0] for u in units if u.why not in ("below_span_floor", "duplicate")}
     for it in kept:
         if it.ids[0] not in used_ids:
-            dropped.append(Dropped(it.ids[0], "over_budget", it.score, it.n_tokens))
+            why = "below_span_floor" if it.ids[0] in weak else "over_budget"
+            dropped.append(Dropped(it.ids[0], why, it.score, it.n_tokens))
     left_out = tuple(
         _span(chunks[u.chunk], u, u.why)
         for u in units
@@ -641,6 +438,7 @@ def _pack(
     overhead_of: Callable[[SelectedChunk], int],
     lambda_: float,
     redundancy: float,
+    span_floor: float,
     *,
     compose: Sequence[tuple[int, int]] | None = None,
 ) -> dict[int, set[int]]:
@@ -656,6 +454,11 @@ def _pack(
     cost: dict[int, int] = {}
     room = budget
     todo = [u for u in units if u.why != "duplicate"]
+    floor = span_floor * max((u.score for u in todo), default=0.0)
+    for u in todo:
+        if u.score < floor:
+            u.why = "below_span_floor"
+    todo = [u for u in todo if u.why != "below_span_floor"]
     while todo:
         # The MMR value: evidence, less a share of the overlap with what is already chosen.
         def value(u: _Unit) -> tuple[float, int, int]:
