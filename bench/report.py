@@ -215,6 +215,8 @@ ROWS: tuple[Row, ...] = (
         data="squad-test, 150 questions: reporting split, never tuned on",
         exercises=(
             "ragbudget/prompt",
+            "ragbudget/packing",
+            "ragbudget/fitting.py",
             "ragbudget/retrieval",
             "ragbudget/input/chunking.py",
             "ragbudget/input/boundaries.py",
@@ -234,6 +236,8 @@ ROWS: tuple[Row, ...] = (
         data="SQuADShifts Amazon, 150 questions: reporting split, never tuned on",
         exercises=(
             "ragbudget/prompt",
+            "ragbudget/packing",
+            "ragbudget/fitting.py",
             "ragbudget/retrieval",
             "ragbudget/input/chunking.py",
             "ragbudget/input/boundaries.py",
@@ -308,7 +312,14 @@ ROWS: tuple[Row, ...] = (
         ratio="rb/peer",
         data="CoQA test stories 31–60 of the seed-0 sample, whose follow-ups no earlier run asked: reporting split",
         headline=True,
-        exercises=("ragbudget/prompt", "ragbudget/chat.py", "ragbudget/retrieval", "ragbudget/generation/engines"),
+        exercises=(
+            "ragbudget/prompt",
+            "ragbudget/packing",
+            "ragbudget/fitting.py",
+            "ragbudget/chat.py",
+            "ragbudget/retrieval",
+            "ragbudget/generation/engines",
+        ),
     ),
     Row(
         id="sum-chat-tune",
@@ -327,7 +338,13 @@ ROWS: tuple[Row, ...] = (
         peer="{peer:.1f}% (the last {last} turns kept verbatim, as LangChain's window memory)",
         ratio="rb/peer",
         data="CoQA test stories 1–30 of the seed-0 sample: the policy was built on them (a tuning set)",
-        exercises=("ragbudget/prompt", "ragbudget/chat.py", "ragbudget/retrieval"),
+        exercises=(
+            "ragbudget/prompt",
+            "ragbudget/packing",
+            "ragbudget/fitting.py",
+            "ragbudget/chat.py",
+            "ragbudget/retrieval",
+        ),
     ),
     Row(
         id="sum-chat-f1",
@@ -352,7 +369,14 @@ ROWS: tuple[Row, ...] = (
         peer="{peer:.1f} (the last {last} turns kept verbatim, as LangChain's window memory)",
         ratio=None,
         data="CoQA test stories whose follow-ups no earlier run asked; not a tuning split",
-        exercises=("ragbudget/prompt", "ragbudget/chat.py", "ragbudget/retrieval", "ragbudget/generation/engines"),
+        exercises=(
+            "ragbudget/prompt",
+            "ragbudget/packing",
+            "ragbudget/fitting.py",
+            "ragbudget/chat.py",
+            "ragbudget/retrieval",
+            "ragbudget/generation/engines",
+        ),
     ),
     Row(
         id="sum-clean",
