@@ -10,7 +10,7 @@ Ground (each system as its users run it, on the same documents, engine, model an
 * **ragbudget**: ``Pipeline(index, engine=URL)``: ``index(folder)`` with every default (chunking,
   packaged MiniLM, BM25), then ``ask(q, context_tokens=B, max_new_tokens=N)`` — its own prompt,
   labels, packing, relevance floor, abstention and engine handling. ``ragbudget_chunks``: the same
-  with ``pack="chunks"``.
+  with ``pack="chunks"``; ``ragbudget_fill``: with ``span_floor=0`` (the allowance filled).
 * **peers** (``bench/answers_peers.py``, in a virtual environment of their own: ``--peers-python``):
   ``langchain`` (the RAG tutorial's stuff chain: 400-token splitter, MiniLM, FAISS, top 4, the
   tutorial's prompt, the context cut to B tokens) and ``llamaindex`` (``VectorStoreIndex`` defaults,
@@ -55,7 +55,9 @@ import _qa_harness as H  # noqa: E402  (sets the offline environment first)
 import numpy as np  # noqa: E402
 from _llama import llama_server  # noqa: E402
 
-RAGBUDGET_ROWS = {"ragbudget": {}, "ragbudget_chunks": {"pack": "chunks"}}
+#: ``ragbudget_fill``: span packing filling the allowance (``span_floor=0``, the default before commit
+#: 90df21d), to show what the span floor changes on a split.
+RAGBUDGET_ROWS = {"ragbudget": {}, "ragbudget_chunks": {"pack": "chunks"}, "ragbudget_fill": {"span_floor": 0.0}}
 PEER_ROWS = ("langchain", "llamaindex")
 #: A reply that says the sources do not hold the answer. Written for this benchmark from how
 #: instruct models decline ("I don't know", "the context does not mention …", "not provided"),
@@ -554,6 +556,7 @@ def main() -> None:
 LABELS = {
     "ragbudget": "`ragbudget ask` (span packing, the default)",
     "ragbudget_chunks": "`ragbudget ask --pack chunks`",
+    "ragbudget_fill": "`ragbudget ask --span-floor 0` (the allowance filled)",
     "langchain": "LangChain stuff chain (tutorial setup)",
     "llamaindex": "LlamaIndex query engine (`compact`)",
 }
