@@ -75,25 +75,25 @@ def _page_with(tmp_path: Path, old: str, new: str) -> Path:
 
 
 def test_a_figure_not_in_its_raw_result_fails(tmp_path: Path) -> None:
-    # 97.333... is shown as 97.3; 97.4 is outside the rounding shown.
-    page = _page_with(tmp_path, "| **97.3% (at 256: 91.3%)** |", "| **97.4% (at 256: 91.3%)** |")
+    # 94.0 is shown as 94.0; 94.1 is outside the rounding shown.
+    page = _page_with(tmp_path, "| **94.0% (at 256: 89.3%)** |", "| **94.1% (at 256: 89.3%)** |")
     problems = report.check([page])
     assert any(
-        "sum-spans-squad" in p and "97.4" in p and "qa_spans_squad_test.json" in p and "/table/ragbudget_spans/512" in p
+        "sum-spans-squad" in p and "94.1" in p and "qa_spans_squad_test.json" in p and "/table/ragbudget_spans/512" in p
         for p in problems
     ), problems
     assert report.main(["--check", str(page)]) == 1
 
 
 def test_a_ratio_rounded_differently_passes_the_figure_check_but_not_the_generated_block(tmp_path: Path) -> None:
-    page = _page_with(tmp_path, "| 1.00× |", "| 1.0× |")
+    page = _page_with(tmp_path, "| 0.96× |", "| 1.0× |")
     problems = report.check([page])
-    assert not [p for p in problems if "column" in p], problems  # 0.998 rounds to 1.0: a true figure
+    assert not [p for p in problems if "column" in p], problems  # 0.964 rounds to 1.0: a true figure
     assert any("is not what `--write` writes" in p for p in problems)  # but the table is generated
 
 
 def test_a_ratio_that_is_wrong_fails(tmp_path: Path) -> None:
-    page = _page_with(tmp_path, "| 1.00× |", "| 1.3× |")
+    page = _page_with(tmp_path, "| 0.96× |", "| 1.3× |")
     assert any("sum-spans-squad, column 'ratio'" in p for p in report.check([page]))
 
 
