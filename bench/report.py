@@ -82,6 +82,11 @@ _ANSWERS = "answers_squad_test_0_5b_final_code.json"
 #: The same run with the 1.5B model (40 questions; the peers at 2,048, ragbudget at 256).
 _ANSWERS_15B = "answers_squad_test_qwen2_5_coder_1_5b_instruct_q4_k_m.json"
 
+#: What packs a question's context (prompt rendering, span and chunk packing, fitting): the rows
+#: whose figure comes from a selection exercise all of it.
+_SELECTION = ("ragbudget/prompt", "ragbudget/packing", "ragbudget/fitting.py")
+_CHAT = (*_SELECTION, "ragbudget/chat.py", "ragbudget/retrieval")
+
 ROWS: tuple[Row, ...] = (
     Row(
         id="sum-answers",
@@ -214,9 +219,7 @@ ROWS: tuple[Row, ...] = (
         ratio="rb/small",
         data="squad-test, 150 questions: reporting split, never tuned on",
         exercises=(
-            "ragbudget/prompt",
-            "ragbudget/packing",
-            "ragbudget/fitting.py",
+            *_SELECTION,
             "ragbudget/retrieval",
             "ragbudget/input/chunking.py",
             "ragbudget/input/boundaries.py",
@@ -235,9 +238,7 @@ ROWS: tuple[Row, ...] = (
         ratio="rb/peer",
         data="SQuADShifts Amazon, 150 questions: reporting split, never tuned on",
         exercises=(
-            "ragbudget/prompt",
-            "ragbudget/packing",
-            "ragbudget/fitting.py",
+            *_SELECTION,
             "ragbudget/retrieval",
             "ragbudget/input/chunking.py",
             "ragbudget/input/boundaries.py",
@@ -312,14 +313,7 @@ ROWS: tuple[Row, ...] = (
         ratio="rb/peer",
         data="CoQA test stories 31–60 of the seed-0 sample, whose follow-ups no earlier run asked: reporting split",
         headline=True,
-        exercises=(
-            "ragbudget/prompt",
-            "ragbudget/packing",
-            "ragbudget/fitting.py",
-            "ragbudget/chat.py",
-            "ragbudget/retrieval",
-            "ragbudget/generation/engines",
-        ),
+        exercises=(*_CHAT, "ragbudget/generation/engines"),
     ),
     Row(
         id="sum-chat-tune",
@@ -338,13 +332,7 @@ ROWS: tuple[Row, ...] = (
         peer="{peer:.1f}% (the last {last} turns kept verbatim, as LangChain's window memory)",
         ratio="rb/peer",
         data="CoQA test stories 1–30 of the seed-0 sample: the policy was built on them (a tuning set)",
-        exercises=(
-            "ragbudget/prompt",
-            "ragbudget/packing",
-            "ragbudget/fitting.py",
-            "ragbudget/chat.py",
-            "ragbudget/retrieval",
-        ),
+        exercises=_CHAT,
     ),
     Row(
         id="sum-chat-f1",
@@ -369,14 +357,7 @@ ROWS: tuple[Row, ...] = (
         peer="{peer:.1f} (the last {last} turns kept verbatim, as LangChain's window memory)",
         ratio=None,
         data="CoQA test stories whose follow-ups no earlier run asked; not a tuning split",
-        exercises=(
-            "ragbudget/prompt",
-            "ragbudget/packing",
-            "ragbudget/fitting.py",
-            "ragbudget/chat.py",
-            "ragbudget/retrieval",
-            "ragbudget/generation/engines",
-        ),
+        exercises=(*_CHAT, "ragbudget/generation/engines"),
     ),
     Row(
         id="sum-clean",
