@@ -60,11 +60,30 @@ def cpu(cpuinfo: str = "/proc/cpuinfo") -> dict[str, Any]:
     return {"cpu_model": model, "isa": [f for f in ISA_FLAGS if f in flags]}
 
 
+def _started() -> float:
+    """When this process began (Unix time): its /proc entry's time, else now."""
+    try:
+        return os.stat(f"/proc/{os.getpid()}").st_ctime
+    except OSError:
+        return time.time()
+
+
+def commits(started: float | None = None) -> tuple[str, str]:
+    """The library's commit when the run began and now, ``+dirty`` when ragbudget/ has
+    uncommitted changes now. A long run outlives commits made beside it: its figures are the
+    code's it started on (the last commit of HEAD's history made before the process began), not
+    the code's when the result is written."""
+    dirty = "+dirty" if _git("status", "--porcelain", "ragbudget") else ""
+    now = _git("rev-parse", "--short", "HEAD")
+    before = _git("rev-list", "-1", "--abbrev-commit", f"--before={int(started or _started())}", "HEAD") or now
+    return before + dirty, now + dirty
+
+
 def provenance(packages: tuple[str, ...] = ()) -> dict[str, Any]:
-    """Command, date, machine, versions and the library's commit (``+dirty`` when ragbudget/ has
-    uncommitted changes, so a figure from unreleased code is marked as such)."""
-    commit = _git("rev-parse", "--short", "HEAD")
-    dirty = bool(_git("status", "--porcelain", "ragbudget"))
+    """Command, date, machine, versions and the library's commit when the run began (``+dirty``
+    when ragbudget/ had uncommitted changes, so a figure from unreleased code is marked as such;
+    ``ragbudget_commit_at_end`` too when the tree changed during the run)."""
+    at_start, at_end = commits()
     try:
         load = round(os.getloadavg()[0], 2)
     except (AttributeError, OSError):
@@ -81,7 +100,8 @@ def provenance(packages: tuple[str, ...] = ()) -> dict[str, Any]:
             "load_average_1m_at_end": load,
         },
         "versions": {
-            "ragbudget_commit": commit + ("+dirty" if dirty else ""),
+            "ragbudget_commit": at_start,
+            **({"ragbudget_commit_at_end": at_end} if at_end != at_start else {}),
             **{p: _version(p) for p in (*BASE_PACKAGES, *packages)},
         },
     }

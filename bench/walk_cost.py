@@ -17,11 +17,20 @@ lost in generation), one slot, ``--threads`` threads, greedy, ``--max-new-tokens
   MiniLM, FAISS, top 4, its prompt, the context cut to 256 tokens) on the same engine and
   questions, in the peers' environment (``--peers-python``), each question timed.
 
-``--rounds`` rounds, the versions' order alternating from round to round, the peer after them.
+``--rounds`` rounds, the versions' order alternating from round to round, the peer after them;
+each round asks questions of its own (``--questions`` split between the rounds), so every figure
+is a first-time question's. A repeated question is not what it costs a user: llama-server keeps
+past prompts' KV in RAM (``--cache-ram``, 8 GiB by default) and serves an identical prompt again
+without prefill -- but it saves a slot's prompt there only when the next request would discard
+more than half of it, so whether a repeat is served from the cache depends on how much of a
+prompt the next one shares (the system prompt's share of a short prompt is over half). Runs up to
+commit 5c64467 asked the same questions every round; their medians were mostly repeats'.
+
+Per question the seconds, the library's share, and the prompt and new tokens the report gives.
 Writes ``bench/results/walk_cost.json``: per round, version and peer the seconds; the medians and
 the ratios after/before and each against LangChain.
 
-    python bench/walk_cost.py --before fe67e78 --questions 40 --rounds 3 --peers-python /path/to/venv/bin/python
+    python bench/walk_cost.py --before fe67e78 --questions 72 --rounds 3 --peers-python /path/to/venv/bin/python
 """
 
 from __future__ import annotations
@@ -43,6 +52,10 @@ import _qa_harness as H  # noqa: E402  (sets the offline environment first)
 from _llama import llama_server, packaged_gguf  # noqa: E402
 from answers import question_set, write_docs  # noqa: E402
 
+#: Not one of the questions: a question asked twice is a repeat that llama-server may serve from
+#: its prompt cache (below), which no first-time question gets.
+WARM_UP = "What are these documents about?"
+
 # What one version runs, on its own code (PYTHONPATH): index, then ask every question.
 CHILD = """
 import json, sys, time
@@ -53,15 +66,18 @@ questions = json.loads(sys.stdin.read())
 t = time.perf_counter()
 Pipeline(index_dir).index([docs])
 index_s = time.perf_counter() - t
-asks, own = [], []
+asks, own, prompt, new = [], [], [], []
 with Pipeline(index_dir, engine=url) as pipe:
-    pipe.ask(questions[0], context_tokens=budget, max_new_tokens=cap)  # warm-up: embedder, engine figures
+    pipe.ask(WARM_UP, context_tokens=budget, max_new_tokens=cap)  # warm-up: embedder, engine figures
     for q in questions:
         t = time.perf_counter()
         a = pipe.ask(q, context_tokens=budget, max_new_tokens=cap)
         asks.append(time.perf_counter() - t)
         own.append(asks[-1] - a.report["timings"].get("generate_s", 0.0))
-print(json.dumps({"index_s": index_s, "ask_s": asks, "library_s": own, "code": ragbudget.__file__}))
+        prompt.append(a.report["budget"].get("prompt_tokens"))
+        new.append(a.report["budget"].get("new_tokens"))
+print(json.dumps({"index_s": index_s, "ask_s": asks, "library_s": own, "prompt_tokens": prompt, "new_tokens": new,
+                  "code": ragbudget.__file__}))
 """
 
 
@@ -70,7 +86,8 @@ def run_version(
 ) -> dict[str, Any]:
     env = {**os.environ, "PYTHONPATH": str(tree)}
     index_dir = Path(tempfile.mkdtemp(prefix="idx-", dir=work))
-    cmd = [sys.executable, "-c", CHILD, str(docs), str(index_dir), url, str(args.budget), str(args.max_new_tokens)]
+    child = CHILD.replace("WARM_UP", repr(WARM_UP))
+    cmd = [sys.executable, "-c", child, str(docs), str(index_dir), url, str(args.budget), str(args.max_new_tokens)]
     # Run from the work folder: ``python -c`` puts the current folder ahead of PYTHONPATH, so
     # from the repository root both versions would import the working tree's code.
     done = subprocess.run(
@@ -113,6 +130,8 @@ def run_peer(docs: Path, url: str, gguf: str, questions: list[dict[str, Any]], a
 
 
 def _stats(xs: list[float]) -> dict[str, float]:
+    if not xs:
+        return {}
     xs = sorted(xs)
     return {"median": statistics.median(xs), "p90": xs[int(0.9 * (len(xs) - 1))], "mean": statistics.fmean(xs)}
 
@@ -120,7 +139,7 @@ def _stats(xs: list[float]) -> dict[str, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--before", required=True, help="the commit before the change (checked out as a worktree)")
-    ap.add_argument("--questions", type=int, default=40)
+    ap.add_argument("--questions", type=int, default=72, help="in all, split between the rounds")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--budget", type=int, default=256)
     ap.add_argument("--max-new-tokens", type=int, default=16)
@@ -133,7 +152,10 @@ def main() -> None:
     ).stdout.strip()
     pool, indexed, qs = question_set("squad-test", 12, args.questions, 0)
     questions = [q for q in qs if q["answerable"]]
-    texts = [q["text"] for q in questions]
+    per_round = len(questions) // args.rounds
+    if per_round < 1:
+        raise SystemExit(f"--questions {args.questions} gives no question to each of {args.rounds} rounds")
+    rounds_qs = [questions[r * per_round : (r + 1) * per_round] for r in range(args.rounds)]
     gguf = packaged_gguf()
     rounds: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="walk-cost-") as tmp:
@@ -150,9 +172,10 @@ def main() -> None:
                     got: dict[str, Any] = {"order": order}
                     for name in order:
                         t = time.perf_counter()
+                        texts = [q["text"] for q in rounds_qs[r]]
                         got[name] = run_version(trees[name], docs, work, url, texts, args)
                         print(f"round {r + 1} {name}: {time.perf_counter() - t:.0f} s", flush=True)
-                    got["langchain"] = {"ask_s": run_peer(docs, url, gguf, questions, args)}
+                    got["langchain"] = {"ask_s": run_peer(docs, url, gguf, rounds_qs[r], args)}
                     rounds.append(got)
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(old)], cwd=H.ROOT, check=False)
@@ -162,6 +185,8 @@ def main() -> None:
             "index_s": _stats([r[name]["index_s"] for r in rounds]),
             "ask_s": _stats([x for r in rounds for x in r[name]["ask_s"]]),
             "library_s": _stats([x for r in rounds for x in r[name]["library_s"]]),
+            "prompt_tokens": _stats([x for r in rounds for x in r[name]["prompt_tokens"] if x is not None]),
+            "new_tokens": _stats([x for r in rounds for x in r[name]["new_tokens"] if x is not None]),
         }
     summary["langchain"] = {"ask_s": _stats([x for r in rounds for x in r["langchain"]["ask_s"]])}
     med = {k: summary[k]["ask_s"]["median"] for k in summary}
@@ -178,7 +203,8 @@ def main() -> None:
 
     result = {
         "before": before,
-        "questions": len(questions),
+        "questions": per_round * args.rounds,
+        "questions_per_round": per_round,
         "rounds": args.rounds,
         "budget": args.budget,
         "max_new_tokens": args.max_new_tokens,
