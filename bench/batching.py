@@ -1,4 +1,7 @@
-"""Batched generation vs one request at a time, on the packaged SmolLM2-135M on this CPU.
+"""Batched generation vs one request at a time, on a packaged model on this CPU.
+
+``--model``: the generator (default: the library's default local model, Qwen2.5-Coder-0.5B-Instruct
+since issue #43; the summary rows measure ``--model smollm2-135m-instruct``, as they always have).
 
 For each concurrency c in {1, 4, 8}, c requests (distinct short chat questions, greedy,
 ``--new`` tokens each, EOS allowed) are sent and the wall time until the last one finishes is
@@ -26,7 +29,8 @@ batched answers are checked to be the same text as the serial ones (greedy decod
 then dominates, which is where batching on a CPU helps least.
 
 Run: ``nice -n 10 .venv/bin/python bench/batching.py``; writes bench/results/batching.json
-(``batching_ctxN.json`` with ``--context-tokens N``, ``_newK`` appended with ``--new K`` other than 48).
+(``batching_ctxN.json`` with ``--context-tokens N``, ``_newK`` appended with ``--new K`` other than 48,
+the model's name with ``--model``).
 
 Each way runs with no other thread of the process holding an OpenMP pool from forward passes
 (the unbatched ways in a thread of their own, with the batcher closed): before 2026-12-03 the
@@ -146,11 +150,16 @@ def main() -> None:
         default=0,
         help="tokens of man page before each question (0: short questions alone)",
     )
+    ap.add_argument(
+        "--model",
+        default=None,
+        help="the generator: a packaged name (smollm2-135m-instruct), an HF id or a path; default: the library's",
+    )
     ap.add_argument("--dtype", default=None, help="the generator's dtype (default: the library's, float32 on a CPU)")
     args = ap.parse_args()
     import torch
 
-    gen = Generator(dtype=args.dtype).warm_up()
+    gen = Generator(args.model, dtype=args.dtype).warm_up()
     batcher = Batcher(gen, kv_tokens=8192)
     prompts = [[{"role": "user", "content": f"In two sentences, what are {t}?"}] for t in TOPICS]
     if args.context_tokens:
@@ -232,6 +241,8 @@ def main() -> None:
         name += f"_new{args.new}"
     if args.dtype:
         name += f"_{args.dtype}"
+    if args.model:
+        name += "_" + "".join(c if c.isalnum() else "_" for c in Path(args.model).name.lower())
     write(
         name,
         {
