@@ -502,7 +502,7 @@ ROWS: tuple[Row, ...] = (
         figure="Generation tokens/s, 8 concurrent short questions, SmolLM2-135M on 2 CPU cores, batched",
         short="Batched generation, 8 short requests",
         section="batched-generation",
-        raw="batching_own_threads.json",
+        raw="batching_smollm2_135m_instruct.json",
         values={
             "rb": "/rows/2/batched/tokens_per_s",
             "peer": "/rows/2/serial/tokens_per_s",
@@ -519,7 +519,7 @@ ROWS: tuple[Row, ...] = (
         figure="Generation tokens/s, 8 concurrent 1,200-token prompts, batched: the prefill cannot be shared on a CPU",
         short="Batched generation, 8 long prompts",
         section="batched-generation",
-        raw="batching_ctx1200_batch2048.json",
+        raw="batching_ctx1200_smollm2_135m_instruct.json",
         values={
             "rb": "/rows/0/batched/tokens_per_s",
             "peer": "/rows/0/serial/tokens_per_s",

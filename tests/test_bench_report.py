@@ -134,10 +134,10 @@ def test_a_mutated_figure_in_the_sections_fails(tmp_path: Path) -> None:
     problems = report.check([page])
     assert any("the page says 80, its raw result 70.3" in p for p in problems), problems
     # a ratio and a table cell read through a relative pointer, each one digit off
-    page = _page_with(tmp_path, "**3.83×**<!--", "**4.83×**<!--")
+    page = _page_with(tmp_path, "**2.47×**<!--", "**3.47×**<!--")
     problems = report.check([page])
     assert any(
-        "the page says 4.83, its raw result 3.83 (batching_own_threads.json#/rows/2/batched_vs_serial)" in p
+        "the page says 3.47, its raw result 2.47 (batching_smollm2_135m_instruct.json#/rows/2/batched_vs_serial)" in p
         for p in problems
     ), problems
     page = _page_with(tmp_path, "| 74.0<!-- ragbudget_chunks/128/recall", "| 75.0<!-- ragbudget_chunks/128/recall")
@@ -162,9 +162,14 @@ def test_an_unmarked_measured_looking_number_fails(tmp_path: Path) -> None:
 
 
 def test_a_pointer_that_does_not_resolve_fails(tmp_path: Path) -> None:
-    page = _page_with(tmp_path, "<!-- semchunk/ragbudget_x -->", "<!-- semchunk/ragbudget_y -->")
+    page = _page_with(
+        tmp_path, "<!-- LlamaIndex SentenceSplitter/ragbudget_x -->", "<!-- LlamaIndex SentenceSplitter/ragbudget_y -->"
+    )
     problems = report.check([page])
-    assert any("bench/results/chunking.json has no /results/1 thread/semchunk/ragbudget_y" in p for p in problems)
+    assert any(
+        "bench/results/chunking.json has no /results/1 thread/LlamaIndex SentenceSplitter/ragbudget_y" in p
+        for p in problems
+    )
     page = _page_with(tmp_path, "<!-- raw: chunking.json#", "<!-- raw: chunking2.json#")
     assert any("bench/results/chunking2.json does not exist" in p for p in report.check([page]))
     # a pointer at something that is not a number, a marker after no number, '--' in a marker
