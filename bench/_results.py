@@ -60,7 +60,7 @@ def cpu(cpuinfo: str = "/proc/cpuinfo") -> dict[str, Any]:
     return {"cpu_model": model, "isa": [f for f in ISA_FLAGS if f in flags]}
 
 
-def _started() -> float:
+def process_started() -> float:
     """When this process began (Unix time): its /proc entry's time, else now."""
     try:
         return os.stat(f"/proc/{os.getpid()}").st_ctime
@@ -75,7 +75,7 @@ def commits(started: float | None = None) -> tuple[str, str]:
     the code's when the result is written."""
     dirty = "+dirty" if _git("status", "--porcelain", "ragbudget") else ""
     now = _git("rev-parse", "--short", "HEAD")
-    before = _git("rev-list", "-1", "--abbrev-commit", f"--before={int(started or _started())}", "HEAD") or now
+    before = _git("rev-list", "-1", "--abbrev-commit", f"--before={int(started or process_started())}", "HEAD") or now
     return before + dirty, now + dirty
 
 

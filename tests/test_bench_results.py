@@ -68,7 +68,7 @@ def test_uncommitted_library_changes_mark_both(repo: Path) -> None:
 
 def test_provenance_records_the_end_commit_only_when_it_moved(repo: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     first = _commit(repo, "a.py", 1_700_000_000)
-    monkeypatch.setattr(results, "_started", lambda: 1_700_000_300.0)
+    monkeypatch.setattr(results, "process_started", lambda: 1_700_000_300.0)
     versions = results.provenance()["versions"]
     assert versions["ragbudget_commit"] == first and "ragbudget_commit_at_end" not in versions
     second = _commit(repo, "b.py", 1_700_000_600)
