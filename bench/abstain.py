@@ -18,6 +18,12 @@ many of its answerable questions. The probe rule measures each index's own scale
 question among them) on that index, and declines under their median plus a margin; the margin is
 chosen on the tuning split by the same rule as the fixed floor.
 
+**A floor scaled per index** (``scaled``): the same probes, but the index's scale multiplies the
+floor instead of shifting it — a question is declined under ``floor × (probe median ÷
+PROBE_ORIGIN)``, read here as the signal ``sentence × PROBE_ORIGIN ÷ probe median`` on the fixed
+floors' grid. An index whose every question scores lower (reviews) gets a proportionally lower
+floor. Not the library's rule (yet): measured here to decide whether it should be.
+
     python bench/abstain.py --splits squad-tune,squad-test,amazon --choose squad-tune
 """
 
@@ -62,6 +68,7 @@ def signals(split: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     median = float(np.median(probes))
     for r in rows:
         r["probe"] = round(r["sentence"] - median + PROBE_ORIGIN, 6)
+        r["scaled"] = round(r["sentence"] * PROBE_ORIGIN / median, 6)
     return rows, probes
 
 
@@ -94,7 +101,7 @@ def main() -> None:
     data, probes = {}, {}
     for s in splits:
         data[s], probes[s] = signals(s, args)
-    keys = ("sentence", "hit", "probe")
+    keys = ("sentence", "hit", "probe", "scaled")
     table: dict[str, Any] = {}
     for s, rows in data.items():
         table[s] = {k: {str(f): rates(rows, k, f) for f in FLOORS} for k in keys}
@@ -107,7 +114,9 @@ def main() -> None:
         print(f"\n{k} floor {f} (chosen on {args.choose}: at most {args.max_wrong}% wrongly declined)")
         for s in splits:
             right, wrong = table[s][k][str(f)]
-            at = f" (floor {np.median(probes[s]) + f - PROBE_ORIGIN:.3f})" if k == "probe" else ""
+            median = float(np.median(probes[s]))
+            floors = {"probe": median + f - PROBE_ORIGIN, "scaled": f * median / PROBE_ORIGIN}
+            at = f" (floor {floors[k]:.3f})" if k in floors else ""
             print(f"  {s:>10}: unanswerable declined {right:5.1f}%, answerable wrongly declined {wrong:5.1f}%{at}")
     from _results import write
 
