@@ -192,7 +192,7 @@ def test_scales_formulas_and_bases() -> None:
     text = (
         "<!-- raw: engines_1024.json#/summary -->"
         "94.5%<!-- ragbudget/recall_in_prompt as % --> and 59.5%<!-- llamaindex/recall_in_prompt as % -->; "
-        "1,729 MB<!-- load.json#/bursts/1/predicted_peak_rss_bytes as MB -->; "
+        "1,729 MB<!-- load_bdfe804.json#/bursts/1/predicted_peak_rss_bytes as MB -->; "
         "1.59×<!-- = {ragbudget/recall_in_prompt} / {llamaindex/recall_in_prompt} -->; "
         "200<!-- /settings/questions --> questions"
     )
