@@ -141,6 +141,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (see bench/spans_f1.py)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--engine", default=None, help="a served engine's URL (llama-server) to generate on")
+    ap.add_argument(
+        "--model",
+        default=None,
+        help="in process: the generator (a packaged name such as smollm2-135m-instruct; default: the library's)",
+    )
     ap.add_argument("--out-dir", type=Path, default=H.ROOT / "bench" / "results", help="where the raw result goes")
     ap.add_argument("--workers", type=int, default=4, help="questions in flight on --engine")
     ap.add_argument(
@@ -187,7 +192,7 @@ def main() -> None:
     else:
         # The plan of a loaded generator counts its real weights (float32 on a CPU): size the memory
         # against that one, and share it.
-        kwargs["generator"] = Generator().warm_up()
+        kwargs["generator"] = Generator(args.model).warm_up()
         gpu, total = gpu_for_total(kwargs, args.total, args.max_new_tokens)
         pipe = Pipeline(**kwargs, gpu=gpu)
     cache = SummaryCache()
