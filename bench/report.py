@@ -87,6 +87,14 @@ _ANSWERS_15B = "answers_squad_test_qwen2_5_coder_1_5b_instruct_q4_k_m.json"
 _SELECTION = ("ragbudget/prompt", "ragbudget/packing", "ragbudget/fitting.py")
 _CHAT = (*_SELECTION, "ragbudget/chat.py", "ragbudget/retrieval")
 
+
+def _paired(against: str, suffix: str = "") -> dict[str, str]:
+    """The pointers of one paired F1 difference of an answers run, ``ragbudget@256 - against``:
+    ``d{suffix}`` (the difference), ``lo{suffix}`` and ``hi{suffix}`` (its 95% interval)."""
+    pair = f"/paired_f1_differences/ragbudget@256 - {against}"
+    return {f"d{suffix}": f"{pair}/f1_diff", f"lo{suffix}": f"{pair}/ci95/0", f"hi{suffix}": f"{pair}/ci95/1"}
+
+
 ROWS: tuple[Row, ...] = (
     Row(
         id="sum-answers",
@@ -100,12 +108,8 @@ ROWS: tuple[Row, ...] = (
             # The best peer at 2,048 in this run: LlamaIndex (19.6 against LangChain's 19.5).
             "peer": "/summary/llamaindex@2048/f1",
             "lc": "/summary/langchain@2048/f1",
-            "d": "/paired_f1_differences/ragbudget@256 - llamaindex@2048/f1_diff",
-            "lo": "/paired_f1_differences/ragbudget@256 - llamaindex@2048/ci95/0",
-            "hi": "/paired_f1_differences/ragbudget@256 - llamaindex@2048/ci95/1",
-            "dlc": "/paired_f1_differences/ragbudget@256 - langchain@2048/f1_diff",
-            "lolc": "/paired_f1_differences/ragbudget@256 - langchain@2048/ci95/0",
-            "hilc": "/paired_f1_differences/ragbudget@256 - langchain@2048/ci95/1",
+            **_paired("llamaindex@2048"),
+            **_paired("langchain@2048", "lc"),
             "n": "/questions_answerable",
             "cp": "/summary/ragbudget@256/citation_precision_pct",
             "failed": "/summary/ragbudget@256/failed",
@@ -130,9 +134,7 @@ ROWS: tuple[Row, ...] = (
             "rb": "/summary/ragbudget@256/f1",
             "peer": "/summary/llamaindex@2048/f1",
             "lc": "/summary/langchain@2048/f1",
-            "d": "/paired_f1_differences/ragbudget@256 - llamaindex@2048/f1_diff",
-            "lo": "/paired_f1_differences/ragbudget@256 - llamaindex@2048/ci95/0",
-            "hi": "/paired_f1_differences/ragbudget@256 - llamaindex@2048/ci95/1",
+            **_paired("llamaindex@2048"),
             "n": "/questions_answerable",
             "wrong": "/summary/ragbudget@256/wrongly_declined_pct",
         },
@@ -154,9 +156,7 @@ ROWS: tuple[Row, ...] = (
             "rb": "/summary/ragbudget@256/f1",
             "peer": "/summary/langchain@256/f1",
             "li": "/summary/llamaindex@256/f1",
-            "d": "/paired_f1_differences/ragbudget@256 - langchain@256/f1_diff",
-            "lo": "/paired_f1_differences/ragbudget@256 - langchain@256/ci95/0",
-            "hi": "/paired_f1_differences/ragbudget@256 - langchain@256/ci95/1",
+            **_paired("langchain@256"),
             "n": "/questions_answerable",
         },
         rb="{rb:.1f} (paired difference {d:+.1f}, 95% interval {lo:+.1f} to {hi:+.1f}; {n} questions)",
@@ -177,12 +177,8 @@ ROWS: tuple[Row, ...] = (
             # The best peer at 2,048 in this run: LangChain (44.8 against LlamaIndex's 41.6).
             "peer": "/summary/langchain@2048/f1",
             "li": "/summary/llamaindex@2048/f1",
-            "d": "/paired_f1_differences/ragbudget@256 - langchain@2048/f1_diff",
-            "lo": "/paired_f1_differences/ragbudget@256 - langchain@2048/ci95/0",
-            "hi": "/paired_f1_differences/ragbudget@256 - langchain@2048/ci95/1",
-            "dli": "/paired_f1_differences/ragbudget@256 - llamaindex@2048/f1_diff",
-            "loli": "/paired_f1_differences/ragbudget@256 - llamaindex@2048/ci95/0",
-            "hili": "/paired_f1_differences/ragbudget@256 - llamaindex@2048/ci95/1",
+            **_paired("langchain@2048"),
+            **_paired("llamaindex@2048", "li"),
             "n": "/questions_answerable",
             "cp": "/summary/ragbudget@256/citation_precision_pct",
             "failed": "/summary/ragbudget@256/failed",

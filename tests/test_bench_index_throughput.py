@@ -4,23 +4,9 @@ and the quantization config follows the CPU's flags as sentence-transformers' do
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
+from _bench import load_bench
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("bench_index_throughput", REPO / "bench" / "index_throughput.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-it = _load()
+it = load_bench("index_throughput.py", "bench_index_throughput")
 
 
 def _rows(*seconds: float) -> list[dict]:

@@ -5,27 +5,16 @@ against its row's pointers, any other figure against the pointer in the comment 
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
+from _bench import load_bench
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _load_report() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_report", REPO / "bench" / "report.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
-
-
-report = _load_report()
+report = load_bench("report.py", "bench_report")
 
 
 #: What `make docs` (so `make test`) runs: `python bench/report.py --check BENCHMARKS.md README.md docs`.

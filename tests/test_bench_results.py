@@ -4,28 +4,17 @@ decides from that commit whether a figure is older than the code it measures."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
+from _bench import load_bench
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _load_results() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_results", REPO / "bench" / "_results.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-results = _load_results()
+results = load_bench("_results.py", "bench_results")
 
 
 def _commit(repo: Path, name: str, when: int) -> str:
