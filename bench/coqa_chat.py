@@ -105,18 +105,20 @@ def follow_ups(story: dict, max_turns: int) -> list[tuple[int, str, tuple[str, .
 
 
 def gpu_for_total(pipe_kwargs: dict, total: int, max_new_tokens: int) -> tuple[int, int]:
-    """The smallest memory size (bytes) whose plan allows at least ``total`` tokens per request."""
+    """The smallest memory size (bytes) whose plan allows at least ``total`` tokens per request.
+    Passed as ``"<n>B"``: the library reads a bare number as bytes only from 1 GiB up (a smaller
+    one is refused as a likely missing unit), and the sizes searched here are smaller."""
     from ragbudget.pipeline import Pipeline
 
     lo, hi = 1 << 20, 64 << 30
     while hi - lo > 4096:
         mid = (lo + hi) // 2
         try:
-            got = Pipeline(**pipe_kwargs, gpu=mid).plan_for(max_new_tokens).max_context_tokens
+            got = Pipeline(**pipe_kwargs, gpu=f"{mid}B").plan_for(max_new_tokens).max_context_tokens
         except Exception:  # too small for the weights: a BudgetError
             got = 0
         lo, hi = (mid, hi) if got < total else (lo, mid)
-    return hi, Pipeline(**pipe_kwargs, gpu=hi).plan_for(max_new_tokens).max_context_tokens
+    return hi, Pipeline(**pipe_kwargs, gpu=f"{hi}B").plan_for(max_new_tokens).max_context_tokens
 
 
 def in_context(answer: object, story_path: str, texts: dict[str, str], answers: tuple[str, ...]) -> bool:
@@ -194,7 +196,7 @@ def main() -> None:
         # against that one, and share it.
         kwargs["generator"] = Generator(args.model).warm_up()
         gpu, total = gpu_for_total(kwargs, args.total, args.max_new_tokens)
-        pipe = Pipeline(**kwargs, gpu=gpu)
+        pipe = Pipeline(**kwargs, gpu=f"{gpu}B")
     cache = SummaryCache()
     asked = stories[args.skip_conversations : args.skip_conversations + args.conversations]
     items = [(s, *f) for s in asked for f in follow_ups(s, args.turns)]
