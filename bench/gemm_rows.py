@@ -46,11 +46,13 @@ def main() -> None:
             x = torch.randn(m, inp)
             batched = _ms(lambda x=x, w=w: F.linear(x, w), n)
             one_by_one = _ms(lambda x=x, m=m, w=w: [F.linear(x[j : j + 1], w) for j in range(m)], n)
-            rows[name][str(m)] = {"batched_ms": batched, "rows_one_by_one_ms": one_by_one, "batched_over_one_row": None}
+            one = rows[name]["1"]["batched_ms"] if m > 1 else batched  # ROWS starts at one row
+            rows[name][str(m)] = {
+                "batched_ms": batched,
+                "rows_one_by_one_ms": one_by_one,
+                "batched_over_one_row": batched / one,
+            }
             print(f"{name} M={m}: one product {batched:.2f} ms, {m} one-row products {one_by_one:.2f} ms", flush=True)
-        one = rows[name]["1"]["batched_ms"]
-        for m in ROWS:
-            rows[name][str(m)]["batched_over_one_row"] = rows[name][str(m)]["batched_ms"] / one
     from _results import write
 
     write(
