@@ -22,6 +22,8 @@ matches ``answers.DECLINE``, the pattern every system is graded by), answerable 
 declined, F1 over the answerable questions (a decline scores 0, as in ``answers.py``), and the
 model calls the floor saves. ``--choose`` (a tuning split): the floor with the best F1 among those
 that wrongly decline at most ``--max-wrong`` percent; the other splits report it.
+``--system-prompt`` puts another system turn in place of the library's (``Pipeline(system_prompt=
+...)``): whether other words make the model decline what its passages do not hold.
 
     python bench/abstain_answers.py --splits squad-tune,squad-test,amazon --choose squad-tune \\
         --questions 60 --unanswerable 30 --model qwen2.5-coder-0.5b-instruct
@@ -60,7 +62,8 @@ def split_cells(split: str, args: argparse.Namespace, url: str, tmp: Path) -> di
     Pipeline(index_dir).index([docs])
     cells = []
     t0 = time.perf_counter()
-    with Pipeline(index_dir, engine=url, engine_timeout=args.timeout, evidence_floor=0.0) as pipe:
+    prompt = {"system_prompt": args.system_prompt} if args.system_prompt else {}
+    with Pipeline(index_dir, engine=url, engine_timeout=args.timeout, evidence_floor=0.0, **prompt) as pipe:
         for q in questions:
             evidence = pipe.evidence(q["text"]).score
             a = pipe.ask(q["text"], context_tokens=args.budget, max_new_tokens=args.max_new_tokens)
@@ -68,7 +71,7 @@ def split_cells(split: str, args: argparse.Namespace, url: str, tmp: Path) -> di
             if len(cells) % 20 == 0:
                 print(f"  {split}: {len(cells)} of {len(questions)} ({time.perf_counter() - t0:.0f} s)", flush=True)
     checked = []
-    with Pipeline(index_dir, engine=url, engine_timeout=args.timeout) as pipe:
+    with Pipeline(index_dir, engine=url, engine_timeout=args.timeout, **prompt) as pipe:
         floor = pipe.evidence(questions[0]["text"]).floor
         over = [c for c in cells if floor is not None and c["evidence"] >= floor][: args.check]
         for c in over:
@@ -116,6 +119,9 @@ def main() -> None:
     ap.add_argument("--check", type=int, default=10, help="questions asked again with every default")
     ap.add_argument("--model", default="qwen2.5-coder-0.5b-instruct", help="packaged model name or GGUF path")
     ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument(
+        "--system-prompt", default=None, help="the chat's system prompt (default: the library's, DEFAULT_SYSTEM_PROMPT)"
+    )
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--seed", type=int, default=0)
