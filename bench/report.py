@@ -909,6 +909,31 @@ def _git(*args: str) -> str | None:
     return done.stdout
 
 
+_IMPORT = re.compile(r"^\s*(?:from|import)\s+([a-z]\w*)\b", re.MULTILINE)
+
+
+def bench_scripts(scripts: Iterable[str]) -> list[str]:
+    """``scripts`` (``bench/<name>.py``) and the bench scripts they import by name, transitively:
+    a run of ``bench/answers_floor.py`` measures with ``bench/answers.py``'s code. The
+    ``_``-prefixed helpers (provenance, engines started, the harness's data loading) are left out:
+    they set a run up and record it, and a change to them does not make every result older.
+
+    >>> bench_scripts(["bench/answers_floor.py"])
+    ['bench/answers_floor.py', 'bench/answers.py']
+    """
+    out: list[str] = []
+    todo = list(scripts)
+    while todo:
+        script = todo.pop(0)
+        if script in out or not (REPO / script).is_file():
+            continue
+        out.append(script)
+        for name in _IMPORT.findall((REPO / script).read_text(encoding="utf-8")):
+            if (REPO / "bench" / f"{name}.py").is_file():
+                todo.append(f"bench/{name}.py")
+    return out
+
+
 def staleness(row: Row) -> str | None:
     """Why the row's raw result may not describe today's code, or ``None`` when it does: no
     commit or date recorded, measured on uncommitted changes (``+dirty``), a commit this clone
@@ -920,7 +945,7 @@ def staleness(row: Row) -> str | None:
     base = commit.removesuffix("+dirty")
     if _git("cat-file", "-e", f"{base}^{{commit}}") is None:
         return f"commit {base} is not in this clone's history"
-    scripts = re.findall(r"\bbench/\w+\.py\b", str(data.get("command") or ""))[:1]
+    scripts = bench_scripts(re.findall(r"\bbench/\w+\.py\b", str(data.get("command") or ""))[:1])
     changed = (_git("diff", "--name-only", base, "HEAD", "--", *row.exercises, *scripts) or "").split()
     notes = ["measured with uncommitted changes"] if commit.endswith("+dirty") else []
     if changed:

@@ -305,3 +305,32 @@ def test_a_row_whose_data_cell_names_another_split_fails(monkeypatch: pytest.Mon
     assert report.split_problems() == [
         f"sum-spans-squad: bench/results/{row.raw} ran on split 'squad-test', the row says {wrong.data!r}"
     ]
+
+
+def test_a_script_is_as_old_as_the_bench_scripts_it_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run of bench/answers_floor.py measures with bench/answers.py's code: a change to
+    answers.py after the run's commit flags it, though the command names only answers_floor.py.
+    The _-prefixed helpers (provenance, engines) are not followed."""
+    import subprocess
+
+    assert report.bench_scripts(["bench/answers_floor.py"]) == ["bench/answers_floor.py", "bench/answers.py"]
+    followed = report.bench_scripts(["bench/abstain_answers.py"])
+    assert "bench/answers.py" in followed and not any("/_" in s for s in followed)
+    try:
+        last = _git("log", "-n", "1", "--format=%H", "--", "bench/answers.py")
+        before = _git("rev-parse", "--short", last + "~1")
+    except subprocess.CalledProcessError:
+        pytest.skip("a shallow clone: no commit before bench/answers.py's last change")
+    monkeypatch.setattr(report, "RESULTS", tmp_path)
+    report._raw.cache_clear()
+    try:
+        command = "python bench/answers_floor.py"
+        raw = {"date": "2026-12-07", "command": command, "versions": {"ragbudget_commit": before}}
+        (tmp_path / "floor.json").write_text(json.dumps(raw))
+        row = report.Row(
+            id="sum-f", figure="", short="", section="", raw="floor.json", values={}, rb="", peer="",
+            ratio=None, data="", exercises=(),
+        )  # fmt: skip
+        assert "bench/answers.py" in (report.staleness(row) or "")
+    finally:
+        report._raw.cache_clear()
