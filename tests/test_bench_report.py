@@ -241,6 +241,17 @@ def _git(*args: str) -> str:
     return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
 
 
+def _commit_before_change(path: str) -> str:
+    """The commit before the last one that changed ``path`` (the test skips in a shallow clone)."""
+    import subprocess
+
+    try:
+        last = _git("log", "-n", "1", "--format=%H", "--", path)
+        return _git("rev-parse", "--short", last + "~1")
+    except subprocess.CalledProcessError:
+        pytest.skip(f"a shallow clone: no commit before {path}'s last change")
+
+
 @pytest.mark.skipif(not (REPO / ".git").exists(), reason="needs the repository's history")
 def test_a_result_older_than_the_code_it_measures_is_flagged(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
@@ -248,14 +259,7 @@ def test_a_result_older_than_the_code_it_measures_is_flagged(
     """#45 §3: a row whose raw result was measured before a change to the files it exercises is
     listed by --check (and fails it with --stale); one measured at today's code is not."""
     head = _git("rev-parse", "--short", "HEAD")
-    # The commit before the last one that changed bench/report.py: report.py changed since.
-    import subprocess
-
-    try:
-        last = _git("log", "-n", "1", "--format=%H", "--", "bench/report.py")
-        before = _git("rev-parse", "--short", last + "~1")
-    except subprocess.CalledProcessError:
-        pytest.skip("a shallow clone: no commit before bench/report.py's last change")
+    before = _commit_before_change("bench/report.py")  # report.py changed since
     monkeypatch.setattr(report, "RESULTS", tmp_path)
     report._raw.cache_clear()
     try:
@@ -307,20 +311,15 @@ def test_a_row_whose_data_cell_names_another_split_fails(monkeypatch: pytest.Mon
     ]
 
 
+@pytest.mark.skipif(not (REPO / ".git").exists(), reason="needs the repository's history")
 def test_a_script_is_as_old_as_the_bench_scripts_it_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A run of bench/answers_floor.py measures with bench/answers.py's code: a change to
     answers.py after the run's commit flags it, though the command names only answers_floor.py.
     The _-prefixed helpers (provenance, engines) are not followed."""
-    import subprocess
-
     assert report.bench_scripts(["bench/answers_floor.py"]) == ["bench/answers_floor.py", "bench/answers.py"]
     followed = report.bench_scripts(["bench/abstain_answers.py"])
     assert "bench/answers.py" in followed and not any("/_" in s for s in followed)
-    try:
-        last = _git("log", "-n", "1", "--format=%H", "--", "bench/answers.py")
-        before = _git("rev-parse", "--short", last + "~1")
-    except subprocess.CalledProcessError:
-        pytest.skip("a shallow clone: no commit before bench/answers.py's last change")
+    before = _commit_before_change("bench/answers.py")
     monkeypatch.setattr(report, "RESULTS", tmp_path)
     report._raw.cache_clear()
     try:
