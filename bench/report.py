@@ -125,8 +125,9 @@ ROWS: tuple[Row, ...] = (
     ),
     Row(
         id="sum-answers-amazon",
-        figure="Answer F1 on product reviews (SQuADShifts Amazon): `ragbudget ask` at 256 context tokens, by default "
-        "and with the evidence floor off, against each peer at 2,048, Qwen2.5-Coder-0.5B-Instruct on one `llama-server`",
+        figure="Answer F1 on product reviews (SQuADShifts Amazon): `ragbudget ask` at 256 context tokens, by "
+        "default and with the evidence floor off, against each peer at 2,048, Qwen2.5-Coder-0.5B-Instruct on one "
+        "`llama-server`",
         short="Answer F1 on product reviews: `ragbudget ask` at 256 tokens (by default, and with the floor off) vs the "
         "best peer at 2,048",
         section="reviews-against-the-peers",
@@ -980,6 +981,14 @@ def main(argv: list[str] | None = None) -> int:
         "(without it, such rows are listed as warnings)",
     )
     args = parser.parse_args(argv)
+    try:
+        return _run(args)
+    except FileNotFoundError as exc:  # a raw result a row or a page names is not there
+        print(f"error: {exc.filename}: no such file (a row or a page points at it: re-run it)", file=sys.stderr)
+        return 1
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.fingerprint:
         print(_figures.fingerprint(args.fingerprint.read_text()))
         return 0

@@ -333,3 +333,18 @@ def test_a_script_is_as_old_as_the_bench_scripts_it_runs(tmp_path: Path, monkeyp
         assert "bench/answers.py" in (report.staleness(row) or "")
     finally:
         report._raw.cache_clear()
+
+
+def test_a_missing_raw_result_is_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A page or row pointing at a raw file that is not there (moved before its re-run wrote it)
+    fails the check with one line naming the file, not a traceback."""
+    monkeypatch.setattr(report, "RESULTS", tmp_path)  # no raw result in it
+    report._raw.cache_clear()
+    try:
+        assert report.main(["--check", str(REPO / "BENCHMARKS.md")]) == 1
+    finally:
+        report._raw.cache_clear()
+    err = capsys.readouterr().err
+    assert "no such file" in err and str(tmp_path) in err and "Traceback" not in err
