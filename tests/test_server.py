@@ -1728,9 +1728,7 @@ def test_a_request_on_an_engine_of_slots_holds_a_whole_slot(tmp_path: Path, monk
 
     monkeypatch.setattr(AdmissionController, "acquire", spy)
     with Replay("llamacpp") as srv, _engine_app(srv, tmp_path) as client:
-        r = client.post(
-            "/v1/chat/completions", json={"model": "ragbudget", "max_tokens": 8, "messages": user("Who elects?")}
-        )
+        r = client.post("/v1/chat/completions", json={"model": "ragbudget", "max_tokens": 8, "messages": user()})
         ctl = client.app.state.pipeline.admission
     assert r.status_code == 200, r.text
     prompt = r.json()["usage"]["prompt_tokens"]
