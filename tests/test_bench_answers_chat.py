@@ -5,37 +5,15 @@ only what is missing. No model, no engine, no peers' environment: the peers' pro
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import io
 import json
-import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
+from _bench import load_bench
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-def _load() -> ModuleType:
-    # bench/ puts itself on sys.path and has a _llama module of its own, as tests/ does: both are
-    # put back as they were once the module is loaded.
-    path, llama = list(sys.path), sys.modules.pop("_llama", None)
-    try:
-        spec = importlib.util.spec_from_file_location("bench_answers_chat", REPO / "bench" / "answers_chat.py")
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path[:] = path
-        sys.modules.pop("_llama", None)
-        if llama is not None:
-            sys.modules["_llama"] = llama
-    return module
-
-
-chat = _load()
+chat = load_bench("answers_chat.py", "bench_answers_chat", shadowed=("_llama",))
 
 STORY = {
     "source": "mctest",
