@@ -10,7 +10,7 @@ import pytest
 
 from ragbudget.memory.models import resolve_embedder
 from ragbudget.retrieval.embed import SentenceTransformerEmbedder
-from ragbudget.retrieval.onnx import available, cache_root, model_digest
+from ragbudget.retrieval.onnx import INT8_FILE, available, cache_root, model_digest
 
 
 def test_available_needs_both_the_runtime_and_the_quantizers_package() -> None:
@@ -61,7 +61,7 @@ def test_a_damaged_cached_export_is_a_model_error(tmp_path, monkeypatch) -> None
     folder = resolve_embedder(None)  # the packaged MiniLM, whose export the embedder caches
     cache = tmp_path / "onnx" / model_digest(folder)
     cache.mkdir(parents=True)
-    (cache / "model.int8.onnx").write_bytes(b"not an onnx file")
+    (cache / INT8_FILE).write_bytes(b"not an onnx file")
     with pytest.raises(ModelError, match="delete it"):
         e.warm_up()
-    assert os.listdir(cache) == ["model.int8.onnx"]  # no export attempted over a present file
+    assert os.listdir(cache) == [INT8_FILE]  # no export attempted over a present file

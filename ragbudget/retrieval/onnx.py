@@ -21,6 +21,16 @@ take turns.
 int8 runs one text per run (``max_rows=1``): dynamic quantization scales activations per tensor,
 so padded neighbours would move a text's vector; one at a time, a vector is a function of its
 text alone (a query equals the same text indexed).
+
+int8 weights use 7 bits (``reduce_range``), so a vector does not depend on the CPU either. ONNX
+Runtime multiplies uint8 activations by int8 weights; without VNNI (AVX2, AVX-512 before Cascade
+Lake) its kernel adds each pair of products in 16 bits, which saturates at 8-bit weights
+(255 × 127 × 2 > 32,767), while VNNI and AMX add in 32 bits. With full-range weights the same text got
+vectors 0.993 apart (cosine) on AVX2 and on AVX-512 VNNI, and a question's best sentence cosine,
+which the evidence floor compares, moved by up to 0.045; with 7 bits (255 × 64 × 2 < 32,767) the
+sums are exact on both and the vectors agree to 0.9999, for 0.001 of cosine to the float vectors
+(0.9939 against 0.9947 on VNNI; AVX2 had 0.9929) at the same speed (bench/int8_isa.py, AVX2 under
+``qemu-x86_64 -cpu Haswell``).
 """
 
 from __future__ import annotations
@@ -37,7 +47,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["WORKERS_PER_CORE", "OnnxBert", "available", "cache_root", "model_digest", "onnx_file"]
+__all__ = ["INT8_FILE", "WORKERS_PER_CORE", "OnnxBert", "available", "cache_root", "model_digest", "onnx_file"]
 
 #: Threads running batches per core this process may use (see the module docstring).
 WORKERS_PER_CORE = 2
@@ -57,6 +67,9 @@ def available() -> bool:
 #: Bumped when the export below changes, so an old cached file is not reused. 2: the graph also
 #: outputs the token states (``token_states``); its ``embedding`` output is unchanged.
 _EXPORT_VERSION = "2"
+#: The int8 export's file name; a new name for each change to the quantization, so a cached file
+#: quantized the old way is never reused (``model.int8.onnx``: 8-bit weights, before ``reduce_range``).
+INT8_FILE = "model.int8.r7.onnx"
 #: Checksums of model folders already hashed in this process (hashing 90 MB costs ~0.2 s).
 _DIGESTS: dict[tuple[str, int, int], str] = {}
 
@@ -146,12 +159,18 @@ def _quantize_onnx(src: str, out: str) -> None:
     # Per-channel int8 weights on the weight MatMuls only: per-tensor scales, or quantizing the
     # attention products (both inputs dynamic), cost ~0.05 of cosine to the float vectors on
     # SQuAD paragraphs; this keeps ~0.994 (bench/embed_speed.py measures what that does to recall).
+    # 7-bit weights (reduce_range): the same sums on every x86-64 (see the module docstring).
     root = logging.getLogger()
     level = root.level
     root.setLevel(logging.ERROR)  # the quantizer logs a "consider pre-processing" hint to root
     try:
         quantize_dynamic(
-            src, out, weight_type=QuantType.QInt8, per_channel=True, extra_options={"MatMulConstBOnly": True}
+            src,
+            out,
+            weight_type=QuantType.QInt8,
+            per_channel=True,
+            reduce_range=True,
+            extra_options={"MatMulConstBOnly": True},
         )
     finally:
         root.setLevel(level)
@@ -165,7 +184,7 @@ def onnx_file(folder: str, *, quantized: bool) -> str:
 
     cache = os.path.join(cache_root(), model_digest(folder))
     fp32 = os.path.join(cache, "model.onnx")
-    want = os.path.join(cache, "model.int8.onnx") if quantized else fp32
+    want = os.path.join(cache, INT8_FILE) if quantized else fp32
     if os.path.isfile(want):
         return want
     try:
