@@ -168,7 +168,7 @@ def answer_fields(a: Any, files: dict[str, str]) -> dict[str, Any]:
         "contexts": [source_text(s, files) for s in a.sources],
         "context_tokens": a.report["budget"].get("context_tokens_used"),
         "prompt_tokens": a.report["budget"].get("prompt_tokens"),
-        "declined_by_library": bool(a.report.get("declined")),
+        "declined_by_library": a.declined,
     }
 
 
@@ -199,6 +199,8 @@ def ragbudget_cells(
     done = {(c["system"], c["budget"], c["qid"]) for c in known}
     done |= {(r, b, q["qid"]) for r, b in left for q in questions}
     cache = ragbudget_cache(args, documents, ask)
+    if cache is not None:
+        cache.parent.mkdir(parents=True, exist_ok=True)  # a fresh clone has no bench/out/ yet
     for c in kept_cells(cache, rows, budgets, questions, done):
         known.append(c)
         done.add((c["system"], c["budget"], c["qid"]))

@@ -60,3 +60,15 @@ def test_the_floor_off_row_is_registered_and_paired_against_the_peers() -> None:
     assert summary["ragbudget_floor_off@256"]["f1"] == 100.0
     assert diffs["ragbudget_floor_off@256 - langchain@2048"]["f1_diff"] == 100.0
     assert "the floor off" in answers.LABELS["ragbudget_floor_off"]
+
+
+def test_a_cell_records_a_decline_by_the_library() -> None:
+    from ragbudget.answer import declined_answer
+    from ragbudget.evidence import Evidence
+
+    answers = floor_off.answers
+    low = Evidence(score=0.3, floor=0.45, source="calibrated")
+    got = answers.answer_fields(declined_answer(low, 64, {}), {})
+    assert got["declined_by_library"] is True and got["contexts"] == [] and got["context_tokens"] == 0
+    high = Evidence(score=0.6, floor=0.45, source="calibrated")
+    assert answers.answer_fields(declined_answer(high, 64, {}), {})["declined_by_library"] is False
