@@ -24,13 +24,14 @@ text alone (a query equals the same text indexed).
 
 int8 weights use 7 bits (``reduce_range``), so a vector does not depend on the CPU either. ONNX
 Runtime multiplies uint8 activations by int8 weights; without VNNI (AVX2, AVX-512 before Cascade
-Lake) its kernel adds each pair of products in 16 bits, which saturates at 8-bit weights
-(255 × 127 × 2 > 32,767), while VNNI and AMX add in 32 bits. With full-range weights the same text got
-vectors 0.993 apart (cosine) on AVX2 and on AVX-512 VNNI, and a question's best sentence cosine,
-which the evidence floor compares, moved by up to 0.045; with 7 bits (255 × 64 × 2 < 32,767) the
-sums are exact on both and the vectors agree to 0.9999, for 0.001 of cosine to the float vectors
-(0.9939 against 0.9947 on VNNI; AVX2 had 0.9929) at the same speed (bench/int8_isa.py, AVX2 under
-``qemu-x86_64 -cpu Haswell``).
+Lake) its kernel adds each pair of products in 16 bits, which saturates with 8-bit weights
+(255 × 127 × 2 > 32,767), while VNNI and AMX add in 32 bits. With 8-bit weights the same text's
+vectors on AVX2 and on AVX-512 VNNI had a cosine of 0.9934 (mean), and a question's cosine to
+its paragraph, what the evidence floor compares, moved by up to 0.033; with 7 bits
+(255 × 64 × 2 < 32,767) they agree to 0.99995 (half of them bit for bit; the rest differ in
+rounding) and that cosine moves by 0.0003 on average, for 0.0008 of cosine to the float vectors
+on VNNI (0.9941 against 0.9949; AVX2 gains 0.0008) at the same speed (bench/int8_isa.py, AVX2
+under ``qemu-x86_64 -cpu Haswell``; bench/results/int8_isa.json).
 """
 
 from __future__ import annotations
