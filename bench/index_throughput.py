@@ -126,15 +126,12 @@ def model_path() -> str:
 
 def onnx_int8_config(cpuinfo: str = "/proc/cpuinfo") -> str:
     """sentence-transformers' quantization config for this CPU, as its docs choose one."""
-    flags = set()
-    with open(cpuinfo, encoding="utf-8") as f:
-        for line in f:
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    if "avx512_vnni" in flags:
+    from _results import cpu
+
+    isa = set(cpu(cpuinfo).get("isa", []))
+    if "avx512_vnni" in isa:
         return "avx512_vnni"
-    return "avx512" if "avx512f" in flags else "avx2"
+    return "avx512" if "avx512f" in isa else "avx2"
 
 
 def export_onnx_int8(folder: Path) -> str:
