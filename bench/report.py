@@ -407,7 +407,7 @@ ROWS: tuple[Row, ...] = (
         id="sum-index",
         figure=(
             "Whole-index wall seconds, cold process to index written, 50 files with a 113-page PDF (1.60 MB), "
-            "2 idle cores (AVX2, no VNNI)"
+            "2 idle cores (AVX-512 VNNI)"
         ),
         short="Indexing a 50-file folder with a 113-page PDF, wall time (every token embedded)",
         section="indexing",
