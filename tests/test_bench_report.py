@@ -94,11 +94,16 @@ def test_an_unknown_or_missing_row_fails(tmp_path: Path) -> None:
 
 
 def test_a_readme_figure_is_checked_too(tmp_path: Path) -> None:
+    import re
+
     text = (REPO / "README.md").read_text()
     page = tmp_path / "README.md"
-    old = "| **75.0% (120 follow-ups;"
-    assert old in text
-    page.write_text(text.replace(old, "| **95.0% (120 follow-ups;", 1))
+    # The chat row's bold figure as the page shows it today, moved by 20 points.
+    row = next(line for line in text.splitlines() if "(BENCHMARKS.md#sum-chat)" in line)
+    found = re.search(r"\| \*\*(\d+\.\d)% \(", row)
+    assert found, row
+    old = found.group(0)
+    page.write_text(text.replace(old, f"| **{(float(found.group(1)) + 20) % 100:.1f}% (", 1))
     assert any("sum-chat, column 'ragbudget'" in p for p in report.check([page]))
 
 
