@@ -246,11 +246,11 @@ def part_speed(n_articles: int, rounds: int) -> dict:
     print("corpus", {k: v for k, v in corpus_info.items() if k != "articles"}, flush=True)
     # The one-off ONNX exports, cached before the timed runs.
     from ragbudget.retrieval.embed import SentenceTransformerEmbedder
-    from ragbudget.retrieval.onnx import cache_root, model_digest
+    from ragbudget.retrieval.onnx import INT8_FILE, cache_root, model_digest
 
     export = {}
     cache = Path(cache_root()) / model_digest(model_path())
-    for backend, name in (("onnx", "model.onnx"), ("onnx-int8", "model.int8.onnx")):
+    for backend, name in (("onnx", "model.onnx"), ("onnx-int8", INT8_FILE)):
         cached = (cache / name).is_file()
         t = time.perf_counter()
         SentenceTransformerEmbedder(backend=backend).warm_up()
