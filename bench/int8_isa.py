@@ -147,7 +147,8 @@ def main() -> None:
     import numpy as np
     from _results import cpu, write
 
-    if "avx512_vnni" not in cpu().get("isa", []) and "amx_int8" not in cpu().get("isa", []):
+    isa = cpu().get("isa", [])
+    if "avx512_vnni" not in isa and "amx_int8" not in isa:
         print("note: this CPU has no VNNI: native and emulated runs take the same kernel path")
     items = texts(args.texts)
     started = time.perf_counter()
