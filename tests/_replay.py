@@ -788,6 +788,15 @@ def overloaded(kind: str, *, retry_after: float | None = None) -> Resp:
 
 
 # -- the server -----------------------------------------------------------------------------------
+class _Server(ThreadingHTTPServer):
+    # socketserver listens with a backlog of 5: the client's 8 concurrent /tokenize connections
+    # (``Backend.each_text``) overflow it while the accepting thread waits for a busy CPU, and
+    # Linux answered the overflow with a reset ("Connection reset by peer": one flaky CLI test;
+    # 17 of 4,800 requests in 16-way bursts on a busy 2-core host, none at 2,048). The engines
+    # that are asked one text a request serve through uvicorn, whose backlog is 2,048.
+    request_queue_size = 2048
+
+
 class Replay:
     """An engine replay on ``127.0.0.1`` (a free port), serving in a daemon thread."""
 
@@ -927,7 +936,7 @@ class Replay:
             def do_POST(self) -> None:  # noqa: N802
                 self._serve("POST")
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        self._server = _Server(("127.0.0.1", port), Handler)
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
 
