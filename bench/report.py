@@ -319,8 +319,7 @@ ROWS: tuple[Row, ...] = (
         "its window and tokenizer set, the same ranking, {li:.1f}%; on their own dense ranking {lw:.1f}% / {liw:.1f}%; "
         "left at their defaults, {lc_refused} / {li_refused} refused)",
         ratio="rb/peer",
-        data="8 SQuAD v1.1 dev articles (seed 0), the first 30 of 60 questions (the run stopped there); "
-        "not a tuning split",
+        data="8 SQuAD v1.1 dev articles (seed 0), 60 questions; not a tuning split",
     ),
     Row(
         id="sum-chat",
