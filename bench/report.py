@@ -567,7 +567,7 @@ ROWS: tuple[Row, ...] = (
         "on SQuAD questions, and lexical search (BM25 over PostgreSQL full-text search vs SQLite FTS5)",
         short="Index in PostgreSQL: the local index's exact results, lexical within 2 points",
         section="many-machines-postgresql",
-        raw="postgres.json",
+        raw="postgres_1207.json",
         values={
             "same": "/equality/vector_exact/top10_ids_equal",
             "rb": "/equality/lexical/postgres_fts@1/mean",
@@ -631,7 +631,7 @@ ROWS: tuple[Row, ...] = (
         "while a third process re-indexes",
         short="Two servers on one database, a burst during a re-index",
         section="many-machines-postgresql",
-        raw="postgres.json",
+        raw="postgres_1207.json",
         values={
             "rb": "/burst/statuses/200",
             "n": "/burst/requests",
