@@ -147,9 +147,9 @@ ROWS: tuple[Row, ...] = (
             "failed": "/summary/ragbudget@256/failed",
         },
         rb="{rb:.1f} at 256 tokens by default (paired difference {d:+.1f}, 95% interval {lo:+.1f} to {hi:+.1f}, the "
-        "target a lower bound of -1 or above; against LlamaIndex {dli:+.1f}, {loli:+.1f} to {hili:+.1f}; {n} questions; "
-        "{wrong:.1f}% of them declined by the evidence floor; {failed} failed); {off:.1f} with the floor off, "
-        "`--evidence-floor 0` ({do:+.1f}, {loo:+.1f} to {hio:+.1f})",
+        "target a lower bound of -1 or above; against LlamaIndex {dli:+.1f}, {loli:+.1f} to {hili:+.1f}; "
+        "{n} questions; {wrong:.1f}% of them declined by the evidence floor; {failed} failed); {off:.1f} with the "
+        "floor off, `--evidence-floor 0` ({do:+.1f}, {loo:+.1f} to {hio:+.1f})",
         peer="{peer:.1f} at 2,048 tokens (LangChain stuff chain; LlamaIndex `compact` {li:.1f})",
         ratio=None,
         data="SQuADShifts Amazon: reporting split, never tuned on",
