@@ -67,7 +67,7 @@ def main() -> None:
     write(
         args.name,
         {
-            "source": str(args.raw.relative_to(HERE.parent) if args.raw.is_absolute() else args.raw),
+            "source": str(args.raw.resolve().relative_to(HERE.parent)),
             "source_commit": (raw.get("versions") or {}).get("ragbudget_commit"),
             "truth": str(args.truth.resolve().relative_to(HERE.parent)),
             "forms": forms,

@@ -135,8 +135,8 @@ ROWS: tuple[Row, ...] = (
         values={
             "rb": "/summary/ragbudget@256/f1",
             "off": "/summary/ragbudget_floor_off@256/f1",
-            # The best peer at 2,048 over these 120 questions: LangChain (12.5 against LlamaIndex's
-            # 10.7; over the first 40 alone LlamaIndex led, 12.2 against 8.8).
+            # The best peer at 2,048 over these 120 questions: LangChain (over the first 40 alone,
+            # LlamaIndex led: which peer is best moves with the sample).
             "peer": "/summary/langchain@2048/f1",
             "li": "/summary/llamaindex@2048/f1",
             **_paired("langchain@2048"),

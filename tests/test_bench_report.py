@@ -6,6 +6,7 @@ against its row's pointers, any other figure against the pointer in the comment 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -94,8 +95,6 @@ def test_an_unknown_or_missing_row_fails(tmp_path: Path) -> None:
 
 
 def test_a_readme_figure_is_checked_too(tmp_path: Path) -> None:
-    import re
-
     text = (REPO / "README.md").read_text()
     page = tmp_path / "README.md"
     # The chat row's bold figure as the page shows it today, moved by 20 points.
