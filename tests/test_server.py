@@ -1653,6 +1653,46 @@ def test_on_an_engine_admission_refuses_for_time_at_its_measured_speed_with_one_
     assert int(header) == retry_after_seconds(float(header)) >= 10  # the work ahead: 4 × 16 s of answers
 
 
+def test_early_refusals_price_a_request_at_the_prompts_answered_not_the_whole_window(tmp_path: Path) -> None:
+    """The burst of 2026-12-07 (BENCHMARKS, PostgreSQL burst): before its prompt is built, the
+    early time check priced each request at the whole window (2,032 of llama-server's 2,048
+    tokens) while the prompts the engine evaluated had a median of 114 tokens; every refusal's
+    promise stacked one more whole-window prefill, and clients were told to come back after
+    1,300-1,570 s while the engine idled. The early checks now price a request at the mean
+    prompt answered here: ten refusals in a row are spaced by that prompt's prefill."""
+    from _replay import Replay
+    from fastapi.testclient import TestClient
+
+    index_dir = tmp_path / "idx"
+    shutil.copytree(corpus_index(), index_dir)
+    with Replay("llamacpp", busy_slots=0, prefill_ms=20.0, decode_ms=1.0) as srv:
+        srv.engine.max_len = 4096  # one slot's window: the most one request may hold
+        pipe = Pipeline(index_dir, engine=srv.url, max_new_tokens=32, queue_timeout=4.0)
+        with TestClient(create_app(pipe)) as client:
+            first = _ask(client)
+            assert first.status_code == 200, first.text
+            answered = first.json()["usage"]["prompt_tokens"]
+            ctl = pipe.admission
+            most = pipe.admission_estimate(32)[1]
+            assert 0 < answered * 4 < most, (answered, most)  # the window is far above a real prompt
+            # The engine's four slots held by long requests: 4 x 40 s of modelled prefill ahead.
+            held = [ctl.acquire(4096, prompt_tokens=2000) for _ in range(4)]
+            try:
+                refused = [_ask(client) for _ in range(10)]
+            finally:
+                for h in held:
+                    h.release()
+    assert [r.status_code for r in refused] == [429] * 10, [r.text for r in refused]
+    message = refused[0].json()["error"]["message"]
+    assert f"a {answered}-token prompt (the mean answered here)" in message, message
+    waits = [int(r.headers["retry-after"]) for r in refused]
+    assert waits == sorted(waits) and waits[0] < waits[-1]  # each sent back behind the one before
+    # Behind the held work (4 x ~42 s) each return adds its own prefill: at the mean prompt
+    # 20 ms x answered tokens (~2 s); at the window it would be ~80 s each (over 700 s for ten).
+    step = (waits[-1] - waits[0]) / 9
+    assert step < 0.02 * most / 4, (waits, answered, most)
+
+
 def test_a_hung_engine_is_504_with_cause_timeout_not_503(tmp_path: Path) -> None:
     """Issue #42 §5: an engine that is up but gives no answer (a frozen process) was answered 503
     ``cause: timeout`` once the server's look at it had timed out, while the docs said 504. It is

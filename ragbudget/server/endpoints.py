@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import math
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -365,8 +366,9 @@ class RequestCancel(threading.Event):
 class ChatEndpoint:
     """``POST /v1/chat/completions``: parse, refuse early when overloaded, run the conversation
     on the worker pool (admission happens inside ``pipeline.ask``), answer whole or streamed.
-    Keeps the cancel events of the requests in progress (``active``) and the moving average of
-    answered requests' duration (``hold_s``) that an early 429's Retry-After suggests."""
+    Keeps the cancel events of the requests in progress (``active``), the moving average of
+    answered requests' duration (``hold_s``) that an early 429's Retry-After suggests, and that of
+    their prompts (``prompt_mean``) that the early checks price a request at."""
 
     def __init__(
         self,
@@ -403,6 +405,9 @@ class ChatEndpoint:
         self.expose_plan = expose_plan
         self.max_tokens_limit = pipeline.memory.max_new_tokens
         self.hold_s = 1.0  # EWMA of answered chat requests' duration, for Retry-After
+        # EWMA of answered requests' prompt tokens (a declined one's 0: it reached no engine);
+        # None until one is answered. The early checks judge a request before its prompt exists.
+        self.prompt_mean: float | None = None
         self.active: set[RequestCancel] = set()  # cancel events of the requests in progress
 
     async def __call__(self, request: Any) -> Any:
@@ -511,8 +516,9 @@ class ChatEndpoint:
         late = ctl.would_refuse(tokens, prompt_tokens=prompt, refuse=True)
         if late is not None:
             self.metrics.add("refused_early", 1)
+            basis = "the most one request may hold" if self.prompt_mean is None else "the mean answered here"
             raise self.overloaded(
-                f"the first token of a {prompt}-token prompt would come past the queue "
+                f"the first token of a {prompt}-token prompt ({basis}) would come past the queue "
                 f"time-out of {ctl.timeout:g} s at the measured speed",
                 late,
             )
@@ -522,12 +528,31 @@ class ChatEndpoint:
         return self.pipeline.memory.max_new_tokens if req.max_tokens is None else req.max_tokens
 
     async def _estimate(self, ctl: AdmissionController, req: ChatRequest) -> tuple[int, int] | None:
-        """``(tokens, prompt_tokens)`` admission expects of ``req`` (the plan's per-request
-        size), or ``None`` without a measured speed, where no time model would use it (planning
-        a new ``max_tokens`` is work an overloaded server should not do)."""
+        """``(tokens, prompt_tokens)`` admission expects of ``req`` before its prompt is built:
+        its answer, and the mean prompt of the requests answered so far (:meth:`expected`); or
+        ``None`` without a measured speed, where no time model would use it (planning a new
+        ``max_tokens`` is work an overloaded server should not do)."""
         if ctl.throughput is None:
             return None
-        return await asyncio.to_thread(self.pipeline.admission_estimate, self._max_new(req))
+        tokens, prompt = await asyncio.to_thread(self.pipeline.admission_estimate, self._max_new(req))
+        return self.expected(tokens, prompt)
+
+    def expected(self, tokens: int, prompt: int) -> tuple[int, int]:
+        """``(tokens, prompt_tokens)`` of a request whose prompt may hold at most ``prompt`` of
+        its ``tokens``, priced at the mean prompt answered here (``prompt_mean``), never more
+        than that most; the most until a request is answered.
+
+        Why not the most: the span packer and the evidence floor fill a prompt only with what is
+        relevant, so real prompts are a fraction of the window. A burst priced at the window
+        (2026-12-07: 40 clients, two servers on one CPU engine with a 2,048-token window, real
+        prompts a median of 114 tokens) stacked 40 whole-window prefills into the refusals'
+        promises and told clients to come back after 1,300-1,570 s while the engine idled. Only
+        these early looks (and their Retry-After and promises) use the mean: memory and time are
+        decided on the real prompt when it is admitted."""
+        if self.prompt_mean is None:
+            return tokens, prompt
+        typical = min(prompt, math.ceil(self.prompt_mean))
+        return tokens - prompt + typical, typical
 
     @staticmethod
     def _refuse_busy(ctl: AdmissionController, estimate: tuple[int, int] | None) -> float:
@@ -581,6 +606,8 @@ class ChatEndpoint:
         report = answer.report
         self.hold_s = 0.8 * self.hold_s + 0.2 * float(report["timings"]["total_s"])
         usage = usage_of(answer)
+        prompt = float(usage["prompt_tokens"])
+        self.prompt_mean = prompt if self.prompt_mean is None else 0.8 * self.prompt_mean + 0.2 * prompt
         self.metrics.add("tokens_prompt", usage["prompt_tokens"])
         self.metrics.add("tokens_completion", usage["completion_tokens"])
         self.metrics.add("oom_steps", len(report["oom_steps"]))
