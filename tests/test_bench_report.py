@@ -353,3 +353,34 @@ def test_a_missing_raw_result_is_one_line(
         report._raw.cache_clear()
     err = capsys.readouterr().err
     assert "no such file" in err and str(tmp_path) in err and "Traceback" not in err
+
+
+def test_a_question_asked_through_pipeline_ask_never_imports_the_server_or_the_cli(tmp_path: Path) -> None:
+    """The answers, abstention and engine rows exercise ``_ASK``: the library but the server and
+    the CLI. That holds while ``Pipeline.ask`` (on an engine, as those benchmarks ask) imports
+    neither: a change there then leaves their figures current, and one anywhere else stales them."""
+    import shutil
+    import subprocess
+    import sys
+
+    from _fakes import corpus_index
+    from _replay import Replay
+
+    assert {r.id: r.exercises for r in report.ROWS}["sum-answers"] == report._ASK
+    index_dir = tmp_path / "idx"
+    shutil.copytree(corpus_index("hash:256"), index_dir)
+    code = (
+        "import sys, ragbudget\n"
+        "p = ragbudget.Pipeline(sys.argv[1], engine=sys.argv[2], max_new_tokens=16)\n"
+        "a = p.ask('How do I reset my password?')\n"
+        "print(sorted({m for m in sys.modules if m.startswith(('ragbudget.server', 'ragbudget.cli'))}))\n"
+        "print(a.text != '')\n"
+    )
+    with Replay("llamacpp") as srv:
+        out = subprocess.run(
+            [sys.executable, "-c", code, str(index_dir), srv.url], capture_output=True, text=True, timeout=120
+        )
+        asked = srv.calls("POST", "/v1/chat/completions")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.splitlines() == ["[]", "True"], out.stdout
+    assert asked  # the engine answered: the whole way, not a declined question
