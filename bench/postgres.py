@@ -60,7 +60,7 @@ sys.path.insert(0, str(REPO / "bench"))
 sys.path.insert(0, str(REPO))
 
 import _qa_harness as H  # noqa: E402  (sets the offline environment first)
-from _llama import free_port, healthy_process, llama_server  # noqa: E402
+from _llama import free_port, healthy_process, llama_server, packaged_gguf  # noqa: E402
 from _results import write  # noqa: E402
 
 PARTS = ("build", "equality", "scale", "burst")
@@ -590,18 +590,28 @@ def part_burst(args: argparse.Namespace, url: str, folder: Path) -> dict[str, An
             body = {"model": "ragbudget", "messages": [{"role": "user", "content": questions[i]}], "max_tokens": 16}
             go.wait()
             time.sleep(i * args.burst_spread / args.burst)  # arrivals spread so some come after the commit
-            t, retries = time.perf_counter(), 0
+            t, refusals = time.perf_counter(), []
             r = httpx.post(bases[i % 2] + "/v1/chat/completions", json=body, timeout=300)
             while r.status_code == 429 and time.perf_counter() - t < 600:  # a client's 10-minute deadline
-                retries += 1
-                time.sleep(float(r.headers.get("retry-after", "1")))
+                # Each refusal as the client met it: when, what it was told to wait, and why (the
+                # run of 2026-12-07 had Retry-After values of over 1,300 s with the engine idle).
+                wait = float(r.headers.get("retry-after", "1"))
+                why = r.json().get("error", {}).get("message", "")
+                refusals.append({"at_s": round(time.perf_counter() - t, 1), "retry_after_s": wait, "why": why[:200]})
+                time.sleep(wait)
                 r = httpx.post(bases[i % 2] + "/v1/chat/completions", json=body, timeout=300)
-            row: dict[str, Any] = {"status": r.status_code, "retries": retries, "seconds": time.perf_counter() - t}
+            row: dict[str, Any] = {
+                "status": r.status_code,
+                "retries": len(refusals),
+                "seconds": time.perf_counter() - t,
+                "refusals": refusals,
+            }
             if r.status_code != 200:
                 row["error"] = r.text[:300]
             if r.status_code == 200:
                 a = r.json()
                 row["generation"] = a["ragbudget"]["index"]["generation"]
+                row["declined"] = bool(a["ragbudget"].get("declined"))
                 row["chunk_ids"] = sorted({c for src in a["sources"] for c in src["chunk_ids"]})
             with lock:
                 results.append(row)
@@ -637,6 +647,9 @@ def part_burst(args: argparse.Namespace, url: str, folder: Path) -> dict[str, An
                 (ids, g, g),
             ).fetchone()
             row["all_cited_chunks_in_its_generation"] = bool(ids) and seen == (len(ids),)
+            # Why an answer is not counted: it cites nothing (a declined answer has no source),
+            # or it cites a chunk its generation does not hold (a mixed read: the defect).
+            row["cited_in_its_generation"] = f"{seen[0] if seen else 0}/{len(ids)}"
             one_generation += row["all_cited_chunks_in_its_generation"]
     statuses: dict[str, int] = {}
     for row in results:
@@ -648,7 +661,8 @@ def part_burst(args: argparse.Namespace, url: str, folder: Path) -> dict[str, An
     return {
         "setup": "data/ indexed with the packaged MiniLM; 2 x `ragbudget serve --index URL --engine <llama-server> "
         "--engine-timeout 120` "
-        "(SmolLM2-135M GGUF, -np 4); clients: one chat request each, max_tokens 16, "
+        f"({Path(packaged_gguf()).name}, the packaged default generator, -np 4, 2,048 tokens a slot); "
+        "clients: one chat request each, max_tokens 16, "
         "Retry-After honoured until a 10-minute deadline; "
         f"requests sent over {args.burst_spread:g} s; `ragbudget index` of the folder with one file added, "
         f"started {args.burst_spread / 4:g} s in",
@@ -659,6 +673,24 @@ def part_burst(args: argparse.Namespace, url: str, folder: Path) -> dict[str, An
         "answers_by_generation": gens,
         "errors": sorted({r["error"] for r in results if "error" in r}),
         "answers_citing_one_generation": f"{one_generation}/{len(answered)}",
+        # The answers not counted above, each with why: declined (no source) or chunks cited
+        # outside its generation.
+        "answers_not_citing_one_generation": [
+            {k: r[k] for k in ("generation", "declined", "cited_in_its_generation")}
+            for r in answered
+            if not r.get("all_cited_chunks_in_its_generation")
+        ],
+        "retry_after_s": {
+            "refusals": sum(len(r["refusals"]) for r in results),
+            "max": max((f["retry_after_s"] for r in results for f in r["refusals"]), default=None),
+            "p50": statistics.median(f["retry_after_s"] for r in results for f in r["refusals"])
+            if any(r["refusals"] for r in results)
+            else None,
+        },
+        "clients": [
+            {k: r.get(k) for k in ("status", "seconds", "refusals", "declined", "cited_in_its_generation")}
+            for r in results
+        ],
         "latency_s": {
             "p50": round(statistics.median(r["seconds"] for r in answered), 1) if answered else None,
             "max": round(max(r["seconds"] for r in answered), 1) if answered else None,
