@@ -714,7 +714,9 @@ class Pipeline(Planning):
         # the queue, instead of inside the engine, bounded only by the engine time-out.
         held = max(reserve, ctx.capacity.slot_tokens or 0)
         try:
-            reservation = self.admission.acquire(held, prompt_tokens=prompt.n_tokens, cancel=cancel)
+            reservation = self.admission.acquire(
+                held, prompt_tokens=prompt.n_tokens, new_tokens=reserve - prompt.n_tokens, cancel=cancel
+            )
         except RequestCancelled:
             ctx.timings["queue_s"] = time.perf_counter() - t0
             return None

@@ -815,3 +815,33 @@ def test_the_models_keep_their_old_import_path() -> None:
         assert name in admission.__all__ and getattr(admission, name) is getattr(schedule, name)
     with AdmissionController.returning("k"):
         assert promises.current_key() == "k"
+
+
+def test_a_request_holding_a_whole_engine_slot_is_timed_by_its_answer_not_the_slot() -> None:
+    """On an engine of fixed slots a request reserves a whole slot (2,048 tokens) for a prompt of
+    200 and an answer of at most 16: its decode is 16 tokens of work, not 1,848. Priced by the
+    slot, four such requests were over 1,100 s of work ahead on a 2-core llama-server
+    (2026-12-07, the PostgreSQL burst), and the clients refused behind them were told to come
+    back after up to 1,800 s while the engine went idle."""
+    thr = Throughput(prefill_a=0.01, decode_s=0.05)
+    by_answer = AdmissionController(8192, timeout=30.0, throughput=thr)
+    by_slot = AdmissionController(8192, timeout=30.0, throughput=thr)
+    held = [by_answer.acquire(2048, prompt_tokens=200, new_tokens=16) for _ in range(4)]
+    held += [by_slot.acquire(2048, prompt_tokens=200) for _ in range(4)]
+    ahead, slot_ahead = by_answer.stats().work_ahead_s, by_slot.stats().work_ahead_s
+    assert ahead is not None and slot_ahead is not None
+    assert ahead == pytest.approx(4 * (200 * 0.01 + 16 * 0.05), abs=0.5)  # ~11 s
+    assert slot_ahead > 30 * ahead  # 4 x (2 s + 1,848 x 0.05 s): ~378 s
+    assert by_answer.stats().admitted_tokens == by_slot.stats().admitted_tokens == 4 * 2048  # memory: the slots
+    # A fifth request finds every slot held: told to come back when the answers are done.
+    waits = []
+    for ctl in (by_answer, by_slot):
+        with pytest.raises(OverloadedError) as refused:
+            ctl.acquire(2048, prompt_tokens=200, new_tokens=16, timeout=0.01)
+        waits.append(refused.value.retry_after)
+    assert waits[0] is not None and waits[1] is not None
+    assert waits[0] <= 15 < 300 < waits[1], waits
+    for h in held:
+        h.release()
+    with pytest.raises(ConfigError):
+        by_answer.acquire(100, prompt_tokens=200)  # a prompt larger than what is reserved

@@ -1693,6 +1693,29 @@ def test_early_refusals_price_a_request_at_the_prompts_answered_not_the_whole_wi
     assert step < 0.02 * most / 4, (waits, answered, most)
 
 
+def test_on_an_engine_of_fixed_slots_a_request_holds_the_slot_and_is_timed_by_its_answer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """llama.cpp's slots: a request holds a whole slot in admission (no more in flight than the
+    engine has slots), while the time model prices its decode by the answer it may generate,
+    not by the rest of the slot (tests/test_admission.py has the figures)."""
+    from _replay import Replay
+
+    index_dir = tmp_path / "idx"
+    shutil.copytree(corpus_index(), index_dir)
+    with Replay("llamacpp", busy_slots=0) as srv:
+        pipe = Pipeline(index_dir, engine=srv.url, max_new_tokens=32)
+        ctl = pipe.admission
+        calls: list[tuple[int, dict[str, Any]]] = []
+        acquire = ctl.acquire
+        monkeypatch.setattr(ctl, "acquire", lambda tokens, **kw: calls.append((tokens, kw)) or acquire(tokens, **kw))
+        answer = pipe.ask("How is the KV cache budget computed?")
+    assert not answer.declined and len(calls) == 1
+    tokens, kw = calls[0]
+    assert tokens == 512  # the replayed llama-server's slot
+    assert kw["new_tokens"] == 32 and kw["prompt_tokens"] == answer.report["budget"]["prompt_tokens"]
+
+
 def test_a_hung_engine_is_504_with_cause_timeout_not_503(tmp_path: Path) -> None:
     """Issue #42 §5: an engine that is up but gives no answer (a frozen process) was answered 503
     ``cause: timeout`` once the server's look at it had timed out, while the docs said 504. It is

@@ -38,8 +38,6 @@ import math
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass
-from typing import Any
 
 from ..errors import BudgetError, ConfigError, OverloadedError, RequestCancelled
 from .promises import Promise, Promises, claimed, current_key, returning
@@ -52,7 +50,7 @@ from .schedule import (
     may_start,
     simulate as simulate,
 )
-from .tickets import Reservation as Reservation, Ticket as Ticket
+from .tickets import AdmissionStats as AdmissionStats, Reservation as Reservation, Ticket as Ticket
 
 # How often a waiter with a cancel event looks at it: threading.Event cannot wake on either of two
 # events, and 50 ms is well below the latency of any request that has to queue.
@@ -72,46 +70,6 @@ __all__ = [
 # --------------------------------------------------------------------------------------------
 # The controller
 # --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class AdmissionStats:
-    """A snapshot of the controller: what runs, what waits, and what was refused."""
-
-    capacity_tokens: int
-    running: int  # admitted reservations not yet released
-    queued: int  # waiters
-    admitted_tokens: int  # tokens held by running reservations
-    admitted_total: int
-    rejected_total: int  # queue full
-    timed_out_total: int
-    refused_for_time_total: int = 0  # expected first token past the queue time-out
-    capacity_bytes: int | None = None  # with a memory model: KV + activations of all requests
-    admitted_bytes: int | None = None
-    peak_admitted_bytes: int | None = None
-    work_ahead_s: float | None = None  # with a throughput: single-stream seconds still to do
-    slowdown: float | None = None  # with a throughput: wall s per measured s, learnt (observe)
-
-    @property
-    def free_tokens(self) -> int:
-        return self.capacity_tokens - self.admitted_tokens
-
-    def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "capacity_tokens": self.capacity_tokens,
-            "running": self.running,
-            "queued": self.queued,
-            "admitted_tokens": self.admitted_tokens,
-            "free_tokens": self.free_tokens,
-            "admitted_total": self.admitted_total,
-            "rejected_total": self.rejected_total,
-            "timed_out_total": self.timed_out_total,
-            "refused_for_time_total": self.refused_for_time_total,
-        }
-        for key in ("capacity_bytes", "admitted_bytes", "peak_admitted_bytes", "work_ahead_s", "slowdown"):
-            if getattr(self, key) is not None:
-                out[key] = getattr(self, key)
-        return out
 
 
 def _resolve(fut: asyncio.Future[None]) -> None:
@@ -269,12 +227,12 @@ class AdmissionController:
                 slowdown=(round(self.throughput.slowdown, 3) if self.throughput is not None else None),
             )
 
-    def enqueue(self, tokens: int, *, prompt_tokens: int | None = None) -> Ticket:
-        """Take a place for ``tokens`` (``prompt_tokens`` of prompt; default: all) without
-        waiting: admitted at once when nothing waits and it fits (``ticket.granted``), else
-        queued — or refused at once, as :meth:`acquire` refuses it (``OverloadedError``: a full
-        queue, or a first token past the time-out; ``BudgetError``: more than the whole
-        capacity). The :class:`Ticket`'s ``wait()`` then waits for its turn.
+    def enqueue(self, tokens: int, *, prompt_tokens: int | None = None, new_tokens: int | None = None) -> Ticket:
+        """Take a place for ``tokens`` (``prompt_tokens`` of prompt; default: all; ``new_tokens``
+        as :meth:`acquire` takes it) without waiting: admitted at once when nothing waits and it
+        fits (``ticket.granted``), else queued — or refused at once, as :meth:`acquire` refuses
+        it (``OverloadedError``: a full queue, or a first token past the time-out;
+        ``BudgetError``: more than the whole capacity). The :class:`Ticket`'s ``wait()`` then waits for its turn.
 
         >>> ctl = AdmissionController(1000, timeout=0.01)
         >>> first, second = ctl.enqueue(800), ctl.enqueue(800)
@@ -284,7 +242,7 @@ class AdmissionController:
         >>> second.granted
         True
         """
-        return self._enqueue(tokens, prompt_tokens)
+        return self._enqueue(tokens, prompt_tokens, new_tokens=new_tokens)
 
     def promises(self) -> list[tuple[str | None, float]]:
         """The refusals still expected back, earliest first: each one's key (see
@@ -307,16 +265,20 @@ class AdmissionController:
         tokens: int,
         *,
         prompt_tokens: int | None = None,
+        new_tokens: int | None = None,
         timeout: float | None = None,
         cancel: threading.Event | None = None,
     ) -> Reservation:
         """Block until ``tokens`` (prompt + output, of which ``prompt_tokens`` are the prompt;
-        default: all) fit, in arrival order; return the :class:`Reservation`.
+        default: all) fit, in arrival order; return the :class:`Reservation`. ``new_tokens``:
+        the most the answer may generate, for time (default: the rest of ``tokens``) — less
+        where a request holds more memory than it can fill (a whole slot of an engine of fixed
+        slots: its decode is priced by its answer, not by the slot).
 
         Setting ``cancel`` while waiting leaves the queue at once (within
         ``CANCEL_POLL_S``) and raises :class:`~ragbudget.errors.RequestCancelled`: a client
         that went away must not keep its place, nor keep its thread until the timeout."""
-        waiter = self.enqueue(tokens, prompt_tokens=prompt_tokens)
+        waiter = self.enqueue(tokens, prompt_tokens=prompt_tokens, new_tokens=new_tokens)
         if waiter.granted:
             return self._reservation(waiter)
         if waiter.returning:
@@ -346,21 +308,27 @@ class AdmissionController:
         tokens: int,
         *,
         prompt_tokens: int | None = None,
+        new_tokens: int | None = None,
         timeout: float | None = None,
         cancel: threading.Event | None = None,
     ) -> Iterator[Reservation]:
         """``with ctl.reserve(n):`` — hold ``n`` tokens for the duration of the block."""
-        r = self.acquire(tokens, prompt_tokens=prompt_tokens, timeout=timeout, cancel=cancel)
+        r = self.acquire(tokens, prompt_tokens=prompt_tokens, new_tokens=new_tokens, timeout=timeout, cancel=cancel)
         try:
             yield r
         finally:
             r.release()
 
     async def aacquire(
-        self, tokens: int, *, prompt_tokens: int | None = None, timeout: float | None = None
+        self,
+        tokens: int,
+        *,
+        prompt_tokens: int | None = None,
+        new_tokens: int | None = None,
+        timeout: float | None = None,
     ) -> Reservation:
         """Async :meth:`acquire`: waits on a future, not a thread."""
-        waiter = self._enqueue(tokens, prompt_tokens, loop=asyncio.get_running_loop())
+        waiter = self._enqueue(tokens, prompt_tokens, loop=asyncio.get_running_loop(), new_tokens=new_tokens)
         if waiter.granted:
             return self._reservation(waiter)
         if waiter.returning:
@@ -380,10 +348,15 @@ class AdmissionController:
 
     @contextlib.asynccontextmanager
     async def areserve(
-        self, tokens: int, *, prompt_tokens: int | None = None, timeout: float | None = None
+        self,
+        tokens: int,
+        *,
+        prompt_tokens: int | None = None,
+        new_tokens: int | None = None,
+        timeout: float | None = None,
     ) -> AsyncIterator[Reservation]:
         """``async with ctl.areserve(n):`` — the asyncio twin of :meth:`reserve`."""
-        r = await self.aacquire(tokens, prompt_tokens=prompt_tokens, timeout=timeout)
+        r = await self.aacquire(tokens, prompt_tokens=prompt_tokens, new_tokens=new_tokens, timeout=timeout)
         try:
             yield r
         finally:
@@ -512,12 +485,17 @@ class AdmissionController:
             return tokens
         return self.memory.request_bytes(prompt_tokens=prompt_tokens, tokens=tokens)
 
-    def _job(self, tokens: int, prompt_tokens: int, cost: int, pool: int = 0) -> Job | None:
+    def _job(
+        self, tokens: int, prompt_tokens: int, cost: int, pool: int = 0, new_tokens: int | None = None
+    ) -> Job | None:
         thr = self.throughput
         if thr is None:
             return None
-        # Time counts the answer's expected length, memory all of it (see Learning).
-        new = tokens - prompt_tokens
+        # Time counts the answer's expected length, memory all of it (see Learning). A request
+        # holding a whole engine slot generates no more than its answer: pricing the rest of the
+        # slot as decode (2026-12-07: 1,848 of 2,048 tokens where answers were capped at 16) made
+        # the work ahead of four running requests over 1,100 s with the engine idle soon after.
+        new = tokens - prompt_tokens if new_tokens is None else min(max(0, new_tokens), tokens - prompt_tokens)
         return Job(
             prefill=thr.prefill_seconds(prompt_tokens),
             decode=thr.decode_seconds(self._learning.expected_new_tokens(new)),
@@ -611,7 +589,14 @@ class AdmissionController:
         )
         return first[-1] - now
 
-    def _enqueue(self, tokens: int, prompt_tokens: int | None, loop: asyncio.AbstractEventLoop | None = None) -> Ticket:
+    def _enqueue(
+        self,
+        tokens: int,
+        prompt_tokens: int | None,
+        loop: asyncio.AbstractEventLoop | None = None,
+        *,
+        new_tokens: int | None = None,
+    ) -> Ticket:
         tokens = int(tokens)
         if tokens < 0:
             raise ConfigError(f"cannot reserve a negative number of tokens ({tokens})")
@@ -632,7 +617,7 @@ class AdmissionController:
             self.memory.check_fits(prompt_tokens=prompt, tokens=tokens)
         with self._lock:
             self._advance_locked()
-            job = self._job(tokens, prompt, cost, pool)
+            job = self._job(tokens, prompt, cost, pool, new_tokens)
             waiter = Ticket(tokens, prompt, cost, job, pool, controller=self._desk)
             promise = self._promise_for_locked(current_key())
             if promise is not None:  # a client back when it was told: its promise is kept

@@ -2,20 +2,62 @@
 
 :class:`Ticket` is a place in :class:`~ragbudget.memory.admission.AdmissionController`'s queue
 (admitted at once or waiting), :class:`Reservation` the memory an admitted request holds until it
-is released. They live apart from the controller so that its module stays one job (the decisions);
-they reach the controller only through :class:`TicketOwner`, the few calls a place makes on it.
+is released, :class:`AdmissionStats` what the controller reports of them. They live apart from
+the controller so that its module stays one job (the decisions); they reach the controller only
+through :class:`TicketOwner`, the few calls a place makes on it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from ..errors import ConfigError
 from .schedule import Job
 
-__all__ = ["Reservation", "Ticket", "TicketOwner"]
+__all__ = ["AdmissionStats", "Reservation", "Ticket", "TicketOwner"]
+
+
+@dataclass(frozen=True)
+class AdmissionStats:
+    """A snapshot of the controller: what runs, what waits, and what was refused."""
+
+    capacity_tokens: int
+    running: int  # admitted reservations not yet released
+    queued: int  # waiters
+    admitted_tokens: int  # tokens held by running reservations
+    admitted_total: int
+    rejected_total: int  # queue full
+    timed_out_total: int
+    refused_for_time_total: int = 0  # expected first token past the queue time-out
+    capacity_bytes: int | None = None  # with a memory model: KV + activations of all requests
+    admitted_bytes: int | None = None
+    peak_admitted_bytes: int | None = None
+    work_ahead_s: float | None = None  # with a throughput: single-stream seconds still to do
+    slowdown: float | None = None  # with a throughput: wall s per measured s, learnt (observe)
+
+    @property
+    def free_tokens(self) -> int:
+        return self.capacity_tokens - self.admitted_tokens
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "capacity_tokens": self.capacity_tokens,
+            "running": self.running,
+            "queued": self.queued,
+            "admitted_tokens": self.admitted_tokens,
+            "free_tokens": self.free_tokens,
+            "admitted_total": self.admitted_total,
+            "rejected_total": self.rejected_total,
+            "timed_out_total": self.timed_out_total,
+            "refused_for_time_total": self.refused_for_time_total,
+        }
+        for key in ("capacity_bytes", "admitted_bytes", "peak_admitted_bytes", "work_ahead_s", "slowdown"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        return out
 
 
 class TicketOwner(Protocol):
