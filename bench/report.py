@@ -29,7 +29,7 @@ import argparse
 import json
 import re
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -73,6 +73,11 @@ class Row:
     #: The library paths (and bench scripts) the figure measures: a change to one of them after
     #: the raw result's commit makes the figure stale until its benchmark is re-run (`--stale`).
     exercises: tuple[str, ...] = ("ragbudget",)
+    #: Commits after the raw result's that change files the row exercises but cannot move its
+    #: figure, each with why (a commit id, 7 or more hex digits → the reason): :func:`staleness`
+    #: passes over them. For a change whose path the benchmark provably does not take; every
+    #: other change makes the figure stale until re-run.
+    unaffected_by: Mapping[str, str] = field(default_factory=dict)
 
 
 #: The answers run (bench/answers.py) that several rows read: ragbudget at 256 on the code of
@@ -90,6 +95,13 @@ _CHAT = (*_SELECTION, "ragbudget/chat.py", "ragbudget/retrieval")
 #: and the CLI, which that path never imports (tests/test_bench_report.py checks it in a fresh
 #: process): the answers, abstention and engine rows call the Pipeline directly.
 _ASK = ("ragbudget", ":(exclude)ragbudget/server", ":(exclude)ragbudget/cli")
+#: cd94cb1 changed only admission's time model (a request holding a whole engine slot is timed by
+#: its answer) and the keyword the admit stage passes it: what it prices is when a request may
+#: start beside others and what a refusal's Retry-After says. A benchmark that never reaches
+#: admission, or asks one question at a time (an idle controller admits at once whatever the
+#: model says: AdmissionController never refuses idle), gets the same prompts and answers. The
+#: answers rows were re-run on it all the same (their ragbudget cells; the peers' are cached).
+_SLOT_TIMING = "cd94cb1"
 
 
 def _paired(against: str, suffix: str = "", row: str = "ragbudget@256") -> dict[str, str]:
@@ -236,6 +248,7 @@ ROWS: tuple[Row, ...] = (
         data="squad-test and SQuADShifts Amazon: reporting splits; the floor chosen on squad-tune",
         headline=True,
         exercises=_ASK,
+        unaffected_by={_SLOT_TIMING: "bench/abstain.py reads Pipeline.evidence, which neither admits nor generates"},
     ),
     Row(
         id="sum-spans-squad",
@@ -304,6 +317,10 @@ ROWS: tuple[Row, ...] = (
         ratio=None,
         data="squad-test: reporting split, never tuned on",
         exercises=_ASK,
+        unaffected_by={
+            _SLOT_TIMING: "bench/answers_engine.py builds each prompt and calls the engine client itself: "
+            "no Pipeline.ask, no admission"
+        },
     ),
     Row(
         id="sum-engine",
@@ -331,6 +348,7 @@ ROWS: tuple[Row, ...] = (
         ratio="rb/peer",
         data="8 SQuAD v1.1 dev articles (seed 0), 60 questions; not a tuning split",
         exercises=_ASK,
+        unaffected_by={_SLOT_TIMING: "bench/engines.py asks one question at a time: each request is admitted at once"},
     ),
     Row(
         id="sum-chat",
@@ -578,7 +596,7 @@ ROWS: tuple[Row, ...] = (
         "on SQuAD questions, and lexical search (BM25 over PostgreSQL full-text search vs SQLite FTS5)",
         short="Index in PostgreSQL: the local index's exact results, lexical within 2 points",
         section="many-machines-postgresql",
-        raw="postgres_1207.json",
+        raw="postgres_1207b.json",
         values={
             "same": "/equality/vector_exact/top10_ids_equal",
             "rb": "/equality/lexical/postgres_fts@1/mean",
@@ -642,14 +660,17 @@ ROWS: tuple[Row, ...] = (
         "while a third process re-indexes",
         short="Two servers on one database, a burst during a re-index",
         section="many-machines-postgresql",
-        raw="postgres_1207.json",
+        raw="postgres_1207b.json",
         values={
             "rb": "/burst/statuses/200",
             "n": "/burst/requests",
             "x5": "/burst/5xx",
             "one": "/burst/answers_citing_one_generation",
+            "last": "/burst/latency_s/max",
+            "before": "postgres_1207.json#/burst/latency_s/max",
         },
-        rb="{rb} of {n} answered, {x5} 5xx; answers citing one generation: {one}",
+        rb="{rb} of {n} answered, {x5} 5xx, the last after {last:.1f} s (before two admission fixes: {before:,.1f} s); "
+        "answers citing one generation: {one}",
         peer="— (no peer run)",
         ratio=None,
         data="data/; no split",
@@ -967,6 +988,11 @@ def staleness(row: Row) -> str | None:
         return f"commit {base} is not in this clone's history"
     scripts = bench_scripts(re.findall(r"\bbench/\w+\.py\b", str(data.get("command") or ""))[:1])
     changed = (_git("diff", "--name-only", base, "HEAD", "--", *row.exercises, *scripts) or "").split()
+    if changed and row.unaffected_by:
+        # Only the commits the row declares harmless (with why) changed them: still current.
+        commits = (_git("log", "--format=%H", f"{base}..HEAD", "--", *row.exercises, *scripts) or "").split()
+        if commits and all(any(c.startswith(k) for k in row.unaffected_by) for c in commits):
+            changed = []
     notes = ["measured with uncommitted changes"] if commit.endswith("+dirty") else []
     if changed:
         shown = ", ".join(c.removeprefix("ragbudget/") for c in changed[:4]) + (" …" if len(changed) > 4 else "")

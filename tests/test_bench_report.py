@@ -293,6 +293,17 @@ def test_a_result_older_than_the_code_it_measures_is_flagged(
         assert "bench/report.py" in (report.staleness(row("old.json")) or "")
         assert "uncommitted" in (report.staleness(row("dirty.json")) or "")
         assert "no commit or no date" in (report.staleness(row("undated.json")) or "")
+        # A row declares the commits that cannot move its figure (with why): only those since
+        # its commit changed what it exercises → current; one undeclared → stale again.
+        from dataclasses import replace
+
+        since = _git("log", "--format=%H", f"{before}..HEAD", "--", "bench/report.py").split()
+        assert since
+        declared = replace(row("old.json"), unaffected_by={c[:10]: "why" for c in since})
+        assert report.staleness(declared) is None
+        if len(since) > 1:
+            partly = replace(row("old.json"), unaffected_by={c[:10]: "why" for c in since[1:]})
+            assert "changed since " + before in (report.staleness(partly) or "")
         rows = (row("old.json"),)
         monkeypatch.setattr(report, "ROWS", rows)
         monkeypatch.setattr(report, "check_pages", lambda paths: ([], {}))
