@@ -347,6 +347,7 @@ ROWS: tuple[Row, ...] = (
         "left at their defaults, {lc_refused} / {li_refused} refused)",
         ratio="rb/peer",
         data="8 SQuAD v1.1 dev articles (seed 0), 60 questions; not a tuning split",
+        headline=True,
         exercises=_ASK,
         unaffected_by={_SLOT_TIMING: "bench/engines.py asks one question at a time: each request is admitted at once"},
     ),
@@ -433,7 +434,9 @@ ROWS: tuple[Row, ...] = (
         peer="{peer:.2f}% (Haystack `DocumentCleaner`; {peer_cut:.2f}% cut in part)",
         ratio=None,
         data="369 pages of 3 Debian/R manuals; the rules were changed against this truth (a tuning set)",
-        headline=True,
+        # Not a headline: its truth is the set the rules were tuned on (#45: a headline comes from a
+        # reporting split), and no held-out truth exists yet.
+        headline=False,
         exercises=("ragbudget/input/clean.py", "ragbudget/input/boilerplate.py", "ragbudget/input/pdf.py"),
     ),
     Row(
@@ -683,8 +686,13 @@ ROWS: tuple[Row, ...] = (
         short="Server burst: refused requests answered on retry",
         section="server-under-load",
         raw="load.json",
-        values={"rb": "/bursts/1/honoured_retry_got_200", "n": "/bursts/1/honoured_retries"},
-        rb="{rb} of {n}",
+        values={
+            "rb": "/bursts/1/honoured_retry_got_200",
+            "n": "/bursts/1/honoured_retries",
+            "wall": "/bursts/1/wall_s",
+        },
+        rb="{rb} of {n}; the burst over after {wall:.1f} s, some clients told to wait minutes while the host "
+        "idled: a miss",
         peer="— (no peer run)",
         ratio=None,
         data="six man pages, six questions repeated; no split",
