@@ -80,8 +80,9 @@ class Row:
     unaffected_by: Mapping[str, str] = field(default_factory=dict)
 
 
-#: The answers run (bench/answers.py) that several rows read: ragbudget at 256 on the code of
-#: commit a0b359c, the peers at 256 and 2,048, 80 + 10 questions (the Answers section's full table
+#: The answers run (bench/answers.py) that several rows read: ragbudget at 256 (re-run on c297379,
+#: after the admission changes: all 90 answers as on a0b359c's code), the peers at 256 and 2,048
+#: (their cache), 80 + 10 questions (the Answers section's full table
 #: of rows is the earlier run of the same draw, answers_squad_test_qwen2_5_coder_0_5b_instruct_q4_k_m.json).
 _ANSWERS = "answers_squad_test_0_5b_final_code.json"
 #: The same run with the 1.5B model (40 questions; the peers at 2,048, ragbudget at 256).
@@ -100,7 +101,8 @@ _ASK = ("ragbudget", ":(exclude)ragbudget/server", ":(exclude)ragbudget/cli")
 #: start beside others and what a refusal's Retry-After says. A benchmark that never reaches
 #: admission, or asks one question at a time (an idle controller admits at once whatever the
 #: model says: AdmissionController never refuses idle), gets the same prompts and answers. The
-#: answers rows were re-run on it all the same (their ragbudget cells; the peers' are cached).
+#: answers rows were re-run on it all the same (their ragbudget cells; the peers' are cached):
+#: on squad-test all 90 of ragbudget's answers came out as before, word for word.
 _SLOT_TIMING = "cd94cb1"
 
 
