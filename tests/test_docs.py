@@ -330,7 +330,7 @@ def test_every_runnable_docs_block_runs_and_prints_what_the_page_says(tmp_path: 
         if page.name in UNCHECKED:
             continue
         for block in blocks(page.read_text()):
-            if block.mark != "runnable":
+            if block.mark != "runnable" or block.reason == POSTGRES:
                 continue
             where = f"{page.relative_to(REPO)}:{block.line}"
             ran += 1
@@ -342,3 +342,31 @@ def test_every_runnable_docs_block_runs_and_prints_what_the_page_says(tmp_path: 
                 problems.append(f"{where} failed:\n{block.code}\n{out.stdout[-2000:]}{out.stderr[-2000:]}")
     assert problems == [], "\n\n".join(problems)
     assert ran >= 15
+
+
+#: The marker reason of a block that needs a PostgreSQL database in ``$DB`` (``<!-- runnable:
+#: postgres -->``): run by the test below, on a fresh database of the test server.
+POSTGRES = "postgres"
+
+
+@pytest.mark.postgres
+@pytest.mark.model
+def test_the_guides_database_commands_run_as_written(tmp_path: Path, pg_url: str) -> None:
+    """The deployment guide's commands on a database run as a reader pastes them, with ``$DB`` a
+    fresh database of the test's PostgreSQL server (tests/_postgres.py) and ``$DOCS`` a folder of
+    documents (the variables the guide's first block sets): the index is built, an unchanged
+    run commits nothing, and stats reads it back."""
+    root = _fixture(tmp_path)
+    env = {"DB": pg_url, "DOCS": str(root / "data" / "manpages")}
+    found = [
+        (page, block)
+        for page in pages()
+        for block in blocks(page.read_text())
+        if block.mark == "runnable" and block.reason == POSTGRES
+    ]
+    assert any(page.name == "deployment.md" for page, _ in found)
+    for page, block in found:
+        out = run_block(block, root, env=env)
+        assert out.returncode == 0, f"{page.relative_to(REPO)}:{block.line}\n{out.stdout[-2000:]}{out.stderr[-2000:]}"
+        if page.name == "deployment.md":
+            assert "generation" in (out.stdout + out.stderr).lower()

@@ -69,14 +69,17 @@ def _env() -> dict[str, str]:
     }
 
 
-def run_block(block: Block, cwd: Path, timeout: float = 900) -> subprocess.CompletedProcess[str]:
-    """Run one block as a reader would paste it; a failing line stops a bash block (``set -e``)."""
+def run_block(
+    block: Block, cwd: Path, timeout: float = 900, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run one block as a reader would paste it; a failing line stops a bash block (``set -e``).
+    ``env``: variables an earlier, not runnable block of the page sets (``DB``, ``DOCS``)."""
     if block.lang in {"python", "py"}:
         args = [sys.executable, "-c", block.code]
     else:
         prelude = f'set -euo pipefail\nragbudget() {{ "{sys.executable}" -m ragbudget "$@"; }}\n'
         args = ["bash", "-c", prelude + block.code]
-    return subprocess.run(args, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(args, cwd=cwd, env={**_env(), **(env or {})}, capture_output=True, text=True, timeout=timeout)
 
 
 def _fixture(tmp_path: Path) -> Path:
