@@ -843,3 +843,18 @@ def test_docstring_examples_run() -> None:
         ragbudget.generation.engines._http,
     ):
         assert doctest.testmod(module).failed == 0, module.__name__
+
+
+def test_a_closed_backend_says_so_in_a_ragbudget_error_not_httpx_runtime_error() -> None:
+    """After close(), asking the engine anything is an EngineError naming the engine and what to
+    do, as every other engine failure is: httpx's "client has been closed" RuntimeError escaped
+    every caller's handling (found when a test read capacity() after check_engine closed it)."""
+    with Replay("llamacpp") as srv:
+        backend = connect(srv.url)
+        assert backend.capacity(fresh=True).max_context_tokens
+        backend.close()
+        with pytest.raises(EngineError, match=r"closed .*connect again") as closed:
+            backend.capacity(fresh=True)
+        assert srv.url in str(closed.value) and closed.value.kind == "llamacpp"
+        with pytest.raises(EngineError, match="closed"):
+            list(backend.http.stream("/v1/chat/completions", {"messages": []}))

@@ -52,6 +52,7 @@ from ...errors import (
     ConfigError,
     EngineAuthError,
     EngineConnectionError,
+    EngineError,
     EngineOverloadedError,
     EngineResponseError,
     EngineTimeoutError,
@@ -255,6 +256,7 @@ class HTTP:
         #: Requests sent, by route (``"/tokenize"``: how often the engine's tokenizer was asked).
         self.sent: Counter[str] = Counter()
         self._sent_lock = threading.Lock()
+        self.closed = False
         headers = {"User-Agent": "ragbudget", "Accept": "application/json"}
         if api_key:
             headers["Authorization"] = f"Bearer {api_key}"
@@ -276,8 +278,20 @@ class HTTP:
         )
 
     def close(self) -> None:
+        self.closed = True
         self._client.close()
         self._streams.close()
+
+    def _check_open(self, url: str) -> None:
+        """A request after :meth:`close` is a ragbudget error naming what to do (httpx's own is a
+        bare ``RuntimeError`` that no caller catches as an engine failure)."""
+        if self.closed:
+            raise EngineError(
+                f"the connection to the engine at {self.root} was closed (close() ran on this backend "
+                "or its pipeline); connect again: a new Pipeline(engine=...) or connect(...)",
+                url=url,
+                kind=self.kind,
+            )
 
     def url(self, path: str) -> str:
         return self.root + path
@@ -312,6 +326,7 @@ class HTTP:
         A status in ``allow`` is returned as is, with its JSON parsed when it parses.
         """
         url = self.url(path)
+        self._check_open(url)
         waited, attempt = 0.0, 0
         probe = getattr(self._probe, "timeout", None)
         if timeout is None and probe is not None:
@@ -371,6 +386,7 @@ class HTTP:
         client's) raises, and closes the connection too.
         """
         url = self.url(path)
+        self._check_open(url)
         waited, attempt = 0.0, 0
         while True:
             attempt += 1
