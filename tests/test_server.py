@@ -1656,10 +1656,11 @@ def test_on_an_engine_admission_refuses_for_time_at_its_measured_speed_with_one_
 def test_early_refusals_price_a_request_at_the_prompts_answered_not_the_whole_window(tmp_path: Path) -> None:
     """The burst of 2026-12-07 (BENCHMARKS, PostgreSQL burst): before its prompt is built, the
     early time check priced each request at the whole window (2,032 of llama-server's 2,048
-    tokens) while the prompts the engine evaluated had a median of 114 tokens; every refusal's
-    promise stacked one more whole-window prefill, and clients were told to come back after
-    1,300-1,570 s while the engine idled. The early checks now price a request at the mean
-    prompt answered here: ten refusals in a row are spaced by that prompt's prefill."""
+    tokens) while the prompts the engine evaluated had a median of 114 tokens, so every
+    refusal's promise stacked one more whole-window prefill (the rest of that burst's long waits
+    came from the slot pricing that test_on_an_engine_of_fixed_slots_... covers). The early
+    checks now price a request at the mean prompt answered here: ten refusals in a row are
+    spaced by that prompt's prefill."""
     from _replay import Replay
     from fastapi.testclient import TestClient
 

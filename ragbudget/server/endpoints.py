@@ -543,12 +543,13 @@ class ChatEndpoint:
         than that most; the most until a request is answered.
 
         Why not the most: the span packer and the evidence floor fill a prompt only with what is
-        relevant, so real prompts are a fraction of the window. A burst priced at the window
-        (2026-12-07: 40 clients, two servers on one CPU engine with a 2,048-token window, real
-        prompts a median of 114 tokens) stacked 40 whole-window prefills into the refusals'
-        promises and told clients to come back after 1,300-1,570 s while the engine idled. Only
-        these early looks (and their Retry-After and promises) use the mean: memory and time are
-        decided on the real prompt when it is admitted."""
+        relevant, so real prompts are a fraction of the window (2026-12-07: two servers on one
+        CPU engine with a 2,048-token window, real prompts a median of 114 tokens); each early
+        refusal's promise priced a whole-window prefill. (The long Retry-Afters of that burst
+        came mostly from admission pricing a whole engine slot as the answer: see
+        ``AdmissionController.acquire``'s ``new_tokens``.) Only these early looks (and their
+        Retry-After and promises) use the mean: memory and time are decided on the real prompt
+        when it is admitted."""
         if self.prompt_mean is None:
             return tokens, prompt
         typical = min(prompt, math.ceil(self.prompt_mean))
