@@ -107,10 +107,15 @@ def question_set(
     return pool, indexed, questions
 
 
+def doc_stem(title: str) -> str:
+    """The file name (without ``.md``) an article's title is written under."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", title)[:80]
+
+
 def write_docs(split: H.Split, indexed: list[int], folder: Path) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     for d in indexed:
-        name = re.sub(r"[^A-Za-z0-9_.-]+", "_", split.titles[d])[:80] or f"doc{d}"
+        name = doc_stem(split.titles[d]) or f"doc{d}"
         (folder / f"{name}.md").write_text(f"# {split.titles[d].replace('_', ' ')}\n\n{split.texts[d]}\n", "utf-8")
 
 
@@ -317,6 +322,9 @@ def peer_cells(
             c = json.loads(line)
             if "error" not in c:
                 known[(c["system"], c["budget"], c["qid"])] = c
+    if args.peers_from:
+        for c in earlier_peer_cells(args.peers_from, args, docs, gguf, chat=chat):
+            known.setdefault((c["system"], c["budget"], c["qid"]), c)
     left = left_cells(args)
     wanted = [(s, b) for s in systems for b in budgets if (s, b) not in left]
     out = [known[(s, b, q["qid"])] for s, b in wanted for q in questions if (s, b, q["qid"]) in known]
@@ -360,6 +368,43 @@ def peer_cells(
     if proc.wait():
         raise SystemExit(f"the peers' process failed ({proc.returncode}); answered {len(fresh)} cells")
     return out + fresh
+
+
+#: What the peers' answers depend on in this repository: their script and their pinned environment.
+PEER_CODE = ("bench/answers_peers.py", "bench/peers/answers.txt")
+
+
+def earlier_peer_cells(
+    raw: Path, args: argparse.Namespace, docs: Path, gguf: str, *, chat: bool = False
+) -> list[dict[str, Any]]:
+    """The peers' cells of an earlier raw result (``--peers-from``), when nothing they depend on
+    changed since: the peers' script and pinned environment (:data:`PEER_CODE`, ``git diff`` from
+    the result's commit and the working tree both empty), the split, the documents, the model, the
+    answer cap and chat or not. They are what ``bench/out/``'s cache would hold had the run been on
+    this machine: the peers call nothing of ragbudget. Otherwise a one-line exit."""
+    old = json.loads(raw.read_text(encoding="utf-8"))
+    commit = str(old["versions"]["ragbudget_commit"])
+    if commit.endswith("+dirty"):  # the peers' code may have been among the uncommitted changes
+        raise SystemExit(f"--peers-from {raw}: measured with uncommitted changes ({commit}); run without it")
+    changed = subprocess.run(
+        ["git", "diff", "--name-only", commit, "--", *PEER_CODE], cwd=H.ROOT, capture_output=True, text=True
+    )
+    if changed.returncode or changed.stdout.strip():
+        why = changed.stdout.strip().replace("\n", ", ") or changed.stderr.strip()
+        raise SystemExit(f"--peers-from {raw}: the peers' code changed since {commit} ({why}); run without it")
+    indexed = sorted(p.stem for p in docs.glob("*.md"))
+    same = (
+        old.get("split") == args.split
+        and sorted(doc_stem(str(t)) for t in old.get("documents_indexed", [])) == indexed
+        and Path(old.get("model", "")).name == Path(gguf).name
+        and old.get("max_new_tokens") == args.max_new_tokens
+        and bool(old.get("chat")) == chat
+    )
+    if not same:
+        raise SystemExit(f"--peers-from {raw}: other split, documents, model, answer cap or chat; run without it")
+    cells = [c for c in old["cells"] if c["system"] in PEER_ROWS and "error" not in c and c.get("answer") is not None]
+    print(f"peers: {len(cells)} cells taken from {raw.name} (asked at {commit}; their code unchanged)", flush=True)
+    return cells
 
 
 def _progress(cells: list[dict[str, Any]]) -> None:
@@ -465,6 +510,13 @@ def add_run_options(ap: argparse.ArgumentParser, *, systems: str) -> None:
         default=None,
         metavar="RAW",
         help="ragbudget's cells from RAW when its library code is HEAD's (only the missing cells are asked)",
+    )
+    ap.add_argument(
+        "--peers-from",
+        type=Path,
+        default=None,
+        metavar="RAW",
+        help="the peers' cells from RAW when their code, documents, model and cap are the same (the rest asked)",
     )
     ap.add_argument(
         "--leave",
