@@ -9,9 +9,11 @@ import base64
 import socket
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+import httpx
 import pytest
 from _replay import Replay, Resp, overloaded, render_count
 
@@ -858,3 +860,62 @@ def test_a_closed_backend_says_so_in_a_ragbudget_error_not_httpx_runtime_error()
         assert srv.url in str(closed.value) and closed.value.kind == "llamacpp"
         with pytest.raises(EngineError, match="closed"):
             list(backend.http.stream("/v1/chat/completions", {"messages": []}))
+
+
+def _resetting(resets: dict[str, int], error: type[httpx.HTTPError] = httpx.ReadError) -> httpx.MockTransport:
+    """A transport whose first ``resets[path]`` requests to ``path`` fail as a reset connection
+    does (the rest answer 200 with a token list); ``resets`` counts down, and ``transport.seen``
+    counts what was sent."""
+    seen: Counter[str] = Counter()
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        seen[path] += 1
+        if resets.get(path, 0) > 0:
+            resets[path] -= 1
+            raise error("connection reset by peer", request=request)
+        return httpx.Response(200, json={"tokens": [1, 2, 3]})
+
+    transport = httpx.MockTransport(handler)
+    transport.seen = seen  # type: ignore[attr-defined]
+    return transport
+
+
+@pytest.mark.parametrize("error", [httpx.ReadError, httpx.RemoteProtocolError, httpx.WriteError])
+def test_a_reset_count_is_sent_again_but_never_a_generation(error: type[httpx.HTTPError]) -> None:
+    """llama.cpp's HTTP server listens with a backlog of 5: a burst of token counts on a busy
+    host can find its connection reset. A request that changes nothing on the engine is sent
+    again (up to RESET_RETRIES times, after a short pause); a generation is not — the engine may
+    have started it, and a second one would generate twice."""
+    from ragbudget.generation.engines import _http
+
+    pauses: list[float] = []
+    transport = _resetting({"/tokenize": _http.RESET_RETRIES}, error)
+    http = HTTP("http://engine.test", transport=transport, sleep=pauses.append, kind="llamacpp")
+    assert http.call("POST", "/tokenize", {"content": "hi"}).data == {"tokens": [1, 2, 3]}
+    assert transport.seen["/tokenize"] == _http.RESET_RETRIES + 1  # type: ignore[attr-defined]
+    assert pauses == [_http.RESET_PAUSE_S * 2**i for i in range(_http.RESET_RETRIES)]
+
+    # One reset more than it retries: the error reaches the caller, a typed engine error.
+    transport = _resetting({"/tokenize": _http.RESET_RETRIES + 1}, error)
+    http = HTTP("http://engine.test", transport=transport, sleep=lambda s: None, kind="llamacpp")
+    with pytest.raises(EngineError):
+        http.call("POST", "/tokenize", {"content": "hi"})
+    assert transport.seen["/tokenize"] == _http.RESET_RETRIES + 1  # type: ignore[attr-defined]
+
+    # A generation reset once is not sent again.
+    transport = _resetting({"/v1/chat/completions": 1}, error)
+    http = HTTP("http://engine.test", transport=transport, sleep=lambda s: None, kind="llamacpp")
+    with pytest.raises(EngineError):
+        http.call("POST", "/v1/chat/completions", {"messages": []})
+    assert transport.seen["/v1/chat/completions"] == 1  # type: ignore[attr-defined]
+
+
+def test_a_timed_out_count_is_not_sent_again() -> None:
+    """A time-out is not a reset: the engine may be busy with the request still, and sending it
+    again would only queue a second copy behind the first."""
+    transport = _resetting({"/tokenize": 1}, httpx.ReadTimeout)
+    http = HTTP("http://engine.test", transport=transport, sleep=lambda s: None, kind="llamacpp")
+    with pytest.raises(EngineError):
+        http.call("POST", "/tokenize", {"content": "hi"})
+    assert transport.seen["/tokenize"] == 1  # type: ignore[attr-defined]

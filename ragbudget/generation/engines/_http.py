@@ -74,6 +74,17 @@ CANCEL_POLL_S = 0.05
 #: its model loads (tools/server/server-http.cpp, "Loading model") and for "no slot available".
 OVERLOAD_STATUSES = frozenset({429, 503})
 
+#: POST routes that change nothing on the engine (token counts, chat templates, model facts): like
+#: a GET, sent again when their connection was reset or dropped. A generation never is: the
+#: engine may have started it.
+IDEMPOTENT_POSTS = frozenset(
+    {"/tokenize", "/v1/tokenize", "/detokenize", "/apply-template", "/chat_tokenize", "/api/show"}
+)
+#: How many times such a request is sent again after a reset or dropped connection, and the pause
+#: before each (seconds; doubled each time): a listen queue drains in milliseconds.
+RESET_RETRIES = 2
+RESET_PAUSE_S = 0.05
+
 
 @dataclass(frozen=True, kw_only=True)
 class Retry:
@@ -327,7 +338,7 @@ class HTTP:
         """
         url = self.url(path)
         self._check_open(url)
-        waited, attempt = 0.0, 0
+        waited, attempt, resets = 0.0, 0, 0
         probe = getattr(self._probe, "timeout", None)
         if timeout is None and probe is not None:
             timeout = probe
@@ -342,6 +353,10 @@ class HTTP:
                     timeout=httpx.USE_CLIENT_DEFAULT if timeout is None else self._timeouts(timeout),
                 )
             except httpx.HTTPError as exc:
+                if _was_reset(exc) and resets < RESET_RETRIES and _idempotent(method, path):
+                    self.sleep(RESET_PAUSE_S * 2**resets)
+                    resets += 1
+                    continue
                 raise self._transport_error(exc, url, timeout) from None
             status = resp.status_code
             if status in allow:
@@ -554,6 +569,20 @@ class HTTP:
             cause = "unreachable"
             msg = f"cannot reach {url} ({type(exc).__name__}: {exc}): check the URL"
         return EngineConnectionError(msg, url=url, kind=self.kind, cause=cause)
+
+
+def _was_reset(exc: httpx.HTTPError) -> bool:
+    """Whether the connection was reset or dropped (not a time-out, a refusal, DNS or TLS)."""
+    if isinstance(exc, httpx.TimeoutException):
+        return False
+    if isinstance(exc, (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)):
+        return True
+    return any(isinstance(e, (ConnectionResetError, BrokenPipeError)) for e in _chain(exc))
+
+
+def _idempotent(method: str, path: str) -> bool:
+    """Whether a request changes nothing on the engine, so a reset one may be sent again."""
+    return method in ("GET", "HEAD") or path in IDEMPOTENT_POSTS
 
 
 def _maybe_json(text: str) -> Any:
