@@ -277,9 +277,20 @@ def test_a_request_whose_activations_alone_exceed_memory_is_a_budget_error() -> 
 THR = Throughput(prefill_a=0.001, decode_s=0.01)
 
 
+def _whole_answers_seen(ctl: AdmissionController, tokens: int = 1100, prompt: int = 1000) -> None:
+    """One answer that used its whole max_new_tokens, seen before the test (no time passes, so
+    the speed learns nothing): the time model then prices a refused client's return by whole
+    answers too (Learning.expected_new_tokens prices it at the floor share until answers as
+    long as its own were allowed: tests/test_admission_answers.py)."""
+    r = ctl.acquire(tokens, prompt_tokens=prompt)
+    r.finish(new_tokens=tokens - prompt)
+    r.release()
+
+
 def test_time_refusal_with_retry_after_that_gets_in_when_honoured() -> None:
     clock = Clock()
     ctl = AdmissionController(10**6, max_queue=64, timeout=5.0, throughput=THR, ttft_target=1.5, clock=clock)
+    _whole_answers_seen(ctl)
     admitted, refused = [], []
     for _ in range(8):
         try:
@@ -381,11 +392,13 @@ def test_with_a_paged_cache_tokens_count_against_it_and_activations_against_memo
 
 
 def test_retry_after_is_the_honest_estimate_up_to_half_an_hour() -> None:
-    # A 100-token answer at 10 s a token is 1,000 s of work: a client told less only comes back
-    # to be refused again, so Retry-After says when the work ahead leaves room.
+    # A 100-token answer at 10 s a token is 1,000 s of work: once answers that long were seen,
+    # Retry-After says when the work ahead leaves room (a client told less would wait for its
+    # place past its HTTP time-out).
     slow = Throughput(prefill_a=0.001, decode_s=10.0)
     clock = Clock()
     ctl = AdmissionController(10**6, max_queue=1, timeout=5.0, throughput=slow, ttft_target=0.5, clock=clock)
+    _whole_answers_seen(ctl)
     assert ctl.retry_after_max == 1800.0 and ctl.return_wait == 1800.0
     ctl.acquire(1100, prompt_tokens=1000)
     # A second cannot start next to it (its prefill would pass 0.5 s); its first token comes
@@ -409,6 +422,7 @@ def test_retry_after_is_the_honest_estimate_up_to_half_an_hour() -> None:
 def test_would_refuse_looks_without_changing_anything() -> None:
     clock = Clock()
     ctl = AdmissionController(10**6, max_queue=64, timeout=5.0, throughput=THR, ttft_target=1.5, clock=clock)
+    _whole_answers_seen(ctl)
     assert ctl.would_refuse(1100, prompt_tokens=1000) is None  # idle: it would start at once
     for _ in range(3):  # first tokens at 1, 3, 5 s
         ctl.enqueue(1100, prompt_tokens=1000)
@@ -586,6 +600,7 @@ def _claims(ctl: AdmissionController, key: str | None) -> bool:
 def test_a_client_back_at_its_retry_after_is_queued_even_when_the_host_ran_slow() -> None:
     clock = Clock()
     ctl = AdmissionController(10**6, max_queue=64, timeout=5.0, throughput=THR, ttft_target=1.5, clock=clock)
+    _whole_answers_seen(ctl)
     out = {k: _keyed(ctl, k) for k in "abcdefgh"}
     refused = {k: v.retry_after for k, v in out.items() if isinstance(v, OverloadedError)}
     assert list(refused) == ["d", "e", "f", "g", "h"] and refused["d"] == 2.0
@@ -606,6 +621,7 @@ def test_a_client_back_at_its_retry_after_is_queued_even_when_the_host_ran_slow(
 def test_a_promise_is_claimed_only_in_its_window_and_once_per_refusal() -> None:
     clock = Clock()
     ctl = AdmissionController(10**6, max_queue=64, timeout=5.0, throughput=THR, ttft_target=1.5, clock=clock)
+    _whole_answers_seen(ctl)
     for k in ("a", "b", "c", "same", "same", "late"):
         _keyed(ctl, k)
     assert sorted({key for key, _ in ctl.promises()}) == ["late", "same"]
@@ -733,6 +749,7 @@ def test_refuse_busy_says_when_by_the_model_and_keeps_the_returning_clients_plac
     refuse newcomers — the queue limit included."""
     clock = Clock()
     ctl = AdmissionController(10**6, max_queue=1, timeout=60.0, throughput=THR, ttft_target=1.5, clock=clock)
+    _whole_answers_seen(ctl)
     running = ctl.enqueue(1100, prompt_tokens=1000)  # 1 s prefill + 1 s decode, alone
     queued = ctl.enqueue(1100, prompt_tokens=1000)  # starts when the first ends (2 s)
     assert running.granted and not queued.granted
@@ -785,6 +802,7 @@ def test_a_queue_time_out_is_not_sent_behind_the_clients_refused_while_it_waited
     theirs)."""
     clock = Clock()
     ctl = AdmissionController(10**6, max_queue=64, timeout=5.0, throughput=THR, ttft_target=1.5, clock=clock)
+    _whole_answers_seen(ctl)
     first = ctl.enqueue(1100, prompt_tokens=1000)  # runs: first token at 1 s, ends at 2 s
     second = ctl.enqueue(1100, prompt_tokens=1000)  # queued: starts at 2 s
     third = ctl.enqueue(1100, prompt_tokens=1000)  # queued: starts at 4 s, first token at 5 s
@@ -826,6 +844,8 @@ def test_a_request_holding_a_whole_engine_slot_is_timed_by_its_answer_not_the_sl
     thr = Throughput(prefill_a=0.01, decode_s=0.05)
     by_answer = AdmissionController(8192, timeout=30.0, throughput=thr)
     by_slot = AdmissionController(8192, timeout=30.0, throughput=thr)
+    _whole_answers_seen(by_answer, 2048, 2032)  # answers of 16 used whole
+    _whole_answers_seen(by_slot, 2048, 200)  # and slot-long ones
     held = [by_answer.acquire(2048, prompt_tokens=200, new_tokens=16) for _ in range(4)]
     held += [by_slot.acquire(2048, prompt_tokens=200) for _ in range(4)]
     ahead, slot_ahead = by_answer.stats().work_ahead_s, by_slot.stats().work_ahead_s

@@ -103,7 +103,13 @@ def _faked_peers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 def _args(systems: list[str], *, leave: str) -> argparse.Namespace:
     return argparse.Namespace(
-        systems=systems, peers_python="python", fresh_peers=False, max_new_tokens=64, timeout=60, leave=leave
+        systems=systems,
+        peers_python="python",
+        fresh_peers=False,
+        peers_from=None,
+        max_new_tokens=64,
+        timeout=60,
+        leave=leave,
     )
 
 

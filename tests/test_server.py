@@ -884,6 +884,9 @@ def test_a_request_whose_first_token_would_miss_the_timeout_is_429_before_retrie
     # One running request with ~14 s of work left: a 3,840-token prompt (the 4,096 window less
     # 256 of answer) cannot start next to it within the 1 s target, nor get its first token
     # within 5 s after it.
+    seen = ctl.acquire(4096, prompt_tokens=4086)  # an answer that used its whole 10 tokens: the
+    seen.finish(new_tokens=10)  # Retry-After then prices answers whole (Learning.expected_new_tokens)
+    seen.release()
     held = ctl.acquire(4096, prompt_tokens=4086)
     with running(pipe) as url:
         n_counts, t0 = fake(pipe).counted, time.perf_counter()

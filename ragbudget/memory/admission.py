@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import math
 import threading
 import time
@@ -46,6 +47,7 @@ from .schedule import (
     Learning,
     MemoryModel as MemoryModel,
     Throughput as Throughput,
+    decode_now,
     job_rates,
     may_start,
     simulate as simulate,
@@ -85,8 +87,9 @@ class AdmissionController:
 
     Every ``retry_after`` is the model's estimate of when the work ahead (running, queued, and
     the clients already sent back) leaves room, at the speed learnt from the requests that ran:
-    a burst on a slow host honestly takes minutes to drain, and a client told less than that
-    only comes back to be refused again. It is at least 1 s and at most ``RETRY_AFTER_MAX_S``
+    a burst on a slow host honestly takes minutes to drain. Until answers as long as the refused
+    one's were seen, every answer is priced at the floor share (``Learning.expected_new_tokens``:
+    a client told too soon waits for its kept place). It is at least 1 s and at most ``RETRY_AFTER_MAX_S``
     (past half an hour the estimate says more about a speed measured on a busy host than about
     when there will be room, and a client told an hour has been refused for good). A client back
     at its time claims its place (:mod:`ragbudget.memory.promises`) and waits for it up to
@@ -447,7 +450,7 @@ class AdmissionController:
         self._refused_time += 1
         # Whole seconds, as Retry-After carries them: the client comes back when, by the model,
         # the work ahead (and that of the clients sent back before it) has drained enough.
-        later = self._first_token_locked(job, promised_first=True)
+        later = self._first_token_locked(job, promised_first=True, soonest=True)
         retry = float(min(self.retry_after_max, max(1, math.ceil(later - self.timeout))))
         self._promises.make(job, retry, self._clock())
         return retry
@@ -557,28 +560,51 @@ class AdmissionController:
             thr = self.throughput
             if done is not None:
                 self._learning.answered(done, job.new_max)
+                self._reprice_locked()
             real = job.prefill if done is None else job.prefill + thr.decode_seconds(done)
             if real <= 0 or job.credit <= 0:
                 return
             self._observe_locked(job.credit / real)
 
+    def _reprice_locked(self) -> None:
+        """An answer ended and the expected share moved: every answer not yet ended (running,
+        queued, promised) is priced again at it. Priced once at arrival, the first requests of a
+        burst kept the worst case (the whole max_new_tokens) until they ended, and the work ahead
+        read 775 s while the host drained it in about a minute (2026-12-07)."""
+        if self.throughput is None:
+            return
+        jobs = [*self._running_jobs, *(w.job for w in self._queue), *(p.job for p in self._promises)]
+        for job in jobs:
+            if job is not None:
+                job.decode = decode_now(job, self.throughput, self._learning)
+
     def _first_token_locked(
-        self, job: Job, *, promised_first: bool = False, promised_before: float = float("inf")
+        self, job: Job, *, promised_first: bool = False, promised_before: float = float("inf"), soonest: bool = False
     ) -> float:
         """Seconds to ``job``'s first token if it arrived now. ``promised_first``: behind the
         refused requests told to come back later too (for a refusal's Retry-After: the next
         one is sent back after them, not at the same second) — those refused before
-        ``promised_before`` only, when given."""
+        ``promised_before`` only, when given. ``soonest``: every answer priced as a Retry-After
+        prices it (:func:`~ragbudget.memory.schedule.decode_now`), for when to tell a refused client to come back."""
         assert self.throughput is not None
         now = self._clock()
         self._promises.prune(now, self._promise_grace)
+        running = self._running_jobs
         queued = [w.job for w in self._queue if w.job is not None]
         # Admission judges every new arrival by the real work only (an unkeyed returning client
         # cannot be told from a new one); promises space out the refusals, and a keyed return
         # claims its own (ragbudget.memory.promises).
         promised = self._promises.jobs_ahead(promised_before) if promised_first else []
+        if soonest:
+            running, queued, promised, (job,) = (
+                [
+                    dataclasses.replace(j, decode=decode_now(j, self.throughput, self._learning, soonest=True))
+                    for j in jobs
+                ]
+                for jobs in (running, queued, promised, [job])
+            )
         first = simulate(
-            self._running_jobs,
+            running,
             [*queued, *promised, job],
             throughput=self.throughput,
             capacity=self.capacity,
@@ -739,7 +765,9 @@ class AdmissionController:
             # the clients refused before it ``arrived`` (a queue time-out waited since then:
             # sending it behind every client refused while it waited puts the one that waited
             # longest last).
-            start = self._first_token_locked(job, promised_first=True, promised_before=arrived) - job.prefill
+            start = (
+                self._first_token_locked(job, promised_first=True, promised_before=arrived, soonest=True) - job.prefill
+            )
             return float(min(self.retry_after_max, max(1.0, math.ceil(start))))
         # Roughly: one mean hold time per queued request ahead, spread over the running ones.
         per = self._hold * (len(self._queue) + 1) / max(1, self._running)

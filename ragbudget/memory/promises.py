@@ -145,7 +145,14 @@ class Promises:
         due, each ready no earlier than its time: for the simulator, so that the next refusal is
         told a time after theirs."""
         return [
-            Job(prefill=p.job.prefill, decode=p.job.decode, cost=p.job.cost, tokens=p.job.tokens, ready=p.due)
+            Job(
+                prefill=p.job.prefill,
+                decode=p.job.decode,
+                cost=p.job.cost,
+                tokens=p.job.tokens,
+                ready=p.due,
+                new_max=p.job.new_max,
+            )
             for p in sorted(self._items, key=lambda p: p.due)
             if p.job is not None and p.made < before
         ]

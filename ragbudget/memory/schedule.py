@@ -359,14 +359,19 @@ class Learning:
 
     Time counts an answer's expected length (memory still reserves all of it): a burst judged by
     ``max_new_tokens`` when answers stop at a third of it sends clients back late and leaves the
-    host idle meanwhile. The share starts at 1 (the worst case until answers are seen).
+    host idle meanwhile. The share is the new tokens answers generated over the ``max_new_tokens``
+    they were allowed, both moving averages: an answer allowed 16 tokens (the server's warm-up)
+    weighs a sixteenth of one allowed 256. Before any answer it is 1 (the worst case, for the
+    start rule); :meth:`expected_new_tokens` prices a refused client's return at the floor until
+    the answers seen were allowed, in all, as many tokens as its own (see there).
 
     >>> learnt, thr = Learning(), Throughput(prefill_a=0.001, decode_s=0.02)
     >>> learnt.slowed(thr, 8.0).slowdown                 # provisional: a slower request is taken whole
     8.0
-    >>> learnt.answered(10, 100)                          # an answer used a tenth of its max_new_tokens
-    >>> round(learnt.answer_share, 2)
-    0.82
+    >>> learnt.answered(16, 16)                           # the warm-up used its 16 tokens
+    >>> learnt.answered(10, 256)                          # a real answer used 10 of its 256
+    >>> round(learnt.answer_share, 3)
+    0.085
     """
 
     #: How far one finished answer moves the expected share of max_new_tokens, and its floor.
@@ -379,7 +384,10 @@ class Learning:
     PROVISIONAL_OBSERVATIONS = 3
 
     def __init__(self) -> None:
-        self.answer_share = 1.0  # EWMA of done / max_new_tokens over the finished answers
+        self.answer_share = 1.0  # generated / allowed new tokens, moving averages of both
+        self._generated = 0.0
+        self._allowed = 0.0
+        self.allowed_seen = 0  # max_new_tokens of every answer seen, summed (not averaged)
         self.observed = 0  # observations of the speed in use
 
     def measured(self) -> None:
@@ -403,13 +411,35 @@ class Learning:
     def answered(self, done: int, new_max: int) -> None:
         """An answer ended after ``done`` of its ``new_max`` new tokens."""
         if new_max > 0:
-            share = min(1.0, max(0, done) / new_max)
             w = self.ANSWER_WEIGHT
-            self.answer_share = max(self.MIN_ANSWER_SHARE, (1 - w) * self.answer_share + w * share)
+            self._generated = (1 - w) * self._generated + w * min(new_max, max(0, done))
+            self._allowed = (1 - w) * self._allowed + w * new_max
+            self.allowed_seen += new_max
+            self.answer_share = max(self.MIN_ANSWER_SHARE, self._generated / self._allowed)
 
-    def expected_new_tokens(self, new_max: int) -> int:
-        """The new tokens a request of ``new_max`` is expected to generate (for its time)."""
-        return math.ceil(new_max * self.answer_share)
+    def expected_new_tokens(self, new_max: int, *, soonest: bool = False) -> int:
+        """The new tokens a request of ``new_max`` is expected to generate (for its time).
+
+        ``soonest``: for when a refused client is told to come back, the fewest the model can
+        defend — the floor share while the answers seen were allowed fewer tokens in all than
+        ``new_max`` (the warm-up's 16 say nothing of a 256-token answer). A Retry-After cannot be
+        taken back: a client told too soon claims its kept place and waits in the queue, one told
+        too late waits while the host idles (2026-12-07: 64 clients, the first answers 6 tokens
+        of 256, clients told to come back after 674 s of a burst that drained in about a minute)."""
+        share = self.answer_share
+        if soonest and self.allowed_seen < new_max:
+            share = self.MIN_ANSWER_SHARE
+        return math.ceil(new_max * share)
+
+
+def decode_now(job: Job, thr: Throughput, learning: Learning, *, soonest: bool = False) -> float:
+    """``job``'s decode as the model prices it now: its answer's expected length
+    (:meth:`Learning.expected_new_tokens`, ``soonest`` as there), and a started job never below
+    the decode already credited plus one step (it is still there)."""
+    expected = thr.decode_seconds(learning.expected_new_tokens(job.new_max, soonest=soonest))
+    if job.served <= 0:
+        return expected
+    return max(expected, max(0.0, job.served - job.prefill) + thr.decode_s)
 
 
 def _next_event(run: Sequence[Job], rates: Sequence[float], wait: Sequence[Job], t: float) -> float:
