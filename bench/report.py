@@ -110,6 +110,19 @@ _CLOSED_BACKEND = "a158802"
 _CLOSED_WHY = "only the error a closed engine backend raises: no benchmark asks after closing it"
 #: 236caa4 changed a docstring of the server's early check and nothing else.
 _DOCSTRING_ONLY = "236caa4"
+#: 652d86e added ``--peers-from`` to bench/answers.py (the peers' cells of an earlier raw result)
+#: and named the documents' files through one function that writes the same names.
+_PEERS_FROM = "652d86e"
+_PEERS_FROM_WHY = "adds --peers-from, which this run did not use; the documents' files are named as before"
+#: 51bb741: the engine client sends a count (not a generation) again after a reset connection.
+#: A run whose every request was answered met no reset: its figures cannot move.
+_RESET_RETRY = "51bb741"
+_RESET_WHY = "a count is sent again only after a reset connection: every request of this run was answered"
+#: 2bf917b changed admission's time model only: what a refusal's Retry-After says before answers
+#: were seen, and the pricing of answers still running when one ends. A run that asks one
+#: question at a time is admitted at once (the controller never refuses idle), as cd94cb1.
+_ANSWER_PRICING = "2bf917b"
+_ONE_AT_A_TIME = "one question at a time: each request is admitted at once, whatever admission's time model says"
 
 
 def _paired(against: str, suffix: str = "", row: str = "ragbudget@256") -> dict[str, str]:
@@ -147,7 +160,12 @@ ROWS: tuple[Row, ...] = (
         data="squad-test: reporting split, never tuned on",
         headline=True,
         exercises=_ASK,
-        unaffected_by={_CLOSED_BACKEND: _CLOSED_WHY},
+        unaffected_by={
+            _CLOSED_BACKEND: _CLOSED_WHY,
+            _PEERS_FROM: _PEERS_FROM_WHY,
+            _RESET_RETRY: _RESET_WHY,
+            _ANSWER_PRICING: _ONE_AT_A_TIME,
+        },
     ),
     Row(
         id="sum-answers-amazon",
@@ -181,7 +199,12 @@ ROWS: tuple[Row, ...] = (
         data="SQuADShifts Amazon: reporting split, never tuned on",
         headline=True,
         exercises=_ASK,
-        unaffected_by={_CLOSED_BACKEND: _CLOSED_WHY},
+        unaffected_by={
+            _CLOSED_BACKEND: _CLOSED_WHY,
+            _PEERS_FROM: _PEERS_FROM_WHY,
+            _RESET_RETRY: _RESET_WHY,
+            _ANSWER_PRICING: _ONE_AT_A_TIME,
+        },
     ),
     Row(
         id="sum-answers-256",
@@ -203,7 +226,12 @@ ROWS: tuple[Row, ...] = (
         data="squad-test: reporting split, never tuned on",
         headline=False,  # the README shows six rows: the 1.5B model took this one's place
         exercises=_ASK,
-        unaffected_by={_CLOSED_BACKEND: _CLOSED_WHY},
+        unaffected_by={
+            _CLOSED_BACKEND: _CLOSED_WHY,
+            _PEERS_FROM: _PEERS_FROM_WHY,
+            _RESET_RETRY: _RESET_WHY,
+            _ANSWER_PRICING: _ONE_AT_A_TIME,
+        },
     ),
     Row(
         id="sum-answers-1-5b",
@@ -261,6 +289,9 @@ ROWS: tuple[Row, ...] = (
         headline=True,
         exercises=_ASK,
         unaffected_by={
+            _PEERS_FROM: _PEERS_FROM_WHY,
+            _RESET_RETRY: "bench/abstain.py reads Pipeline.evidence: no engine request",
+            _ANSWER_PRICING: "bench/abstain.py reads Pipeline.evidence, which neither admits nor generates",
             _CLOSED_BACKEND: _CLOSED_WHY,
             _SLOT_TIMING: "bench/abstain.py reads Pipeline.evidence, which neither admits nor generates",
         },
@@ -333,6 +364,8 @@ ROWS: tuple[Row, ...] = (
         data="squad-test: reporting split, never tuned on",
         exercises=_ASK,
         unaffected_by={
+            _RESET_RETRY: _RESET_WHY,
+            _ANSWER_PRICING: "bench/answers_engine.py calls the engine client itself: no admission",
             _CLOSED_BACKEND: _CLOSED_WHY,
             _SLOT_TIMING: "bench/answers_engine.py builds each prompt and calls the engine client itself: "
             "no Pipeline.ask, no admission",
@@ -366,6 +399,8 @@ ROWS: tuple[Row, ...] = (
         headline=True,
         exercises=_ASK,
         unaffected_by={
+            _RESET_RETRY: "ragbudget's every request was answered (the 72 errors are the peers' 400s)",
+            _ANSWER_PRICING: _ONE_AT_A_TIME,
             _CLOSED_BACKEND: _CLOSED_WHY,
             _SLOT_TIMING: "bench/engines.py asks one question at a time: each request is admitted at once",
         },
@@ -392,7 +427,10 @@ ROWS: tuple[Row, ...] = (
         data="CoQA test stories 31–60 of the seed-0 sample, whose follow-ups no earlier run asked: reporting split",
         headline=True,
         exercises=(*_CHAT, "ragbudget/generation/engines"),
-        unaffected_by={_CLOSED_BACKEND: _CLOSED_WHY},
+        unaffected_by={
+            _CLOSED_BACKEND: _CLOSED_WHY,
+            _RESET_RETRY: _RESET_WHY,
+        },
     ),
     Row(
         id="sum-chat-tune",
@@ -437,7 +475,10 @@ ROWS: tuple[Row, ...] = (
         ratio=None,
         data="CoQA test stories whose follow-ups no earlier run asked; not a tuning split",
         exercises=(*_CHAT, "ragbudget/generation/engines"),
-        unaffected_by={_CLOSED_BACKEND: _CLOSED_WHY},
+        unaffected_by={
+            _CLOSED_BACKEND: _CLOSED_WHY,
+            _RESET_RETRY: _RESET_WHY,
+        },
     ),
     Row(
         id="sum-clean",
