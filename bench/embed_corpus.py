@@ -9,6 +9,7 @@ split into paragraphs. Duplicated texts are embedded once. Writes ``bench/out/re
 cached.
 
     python bench/embed_corpus.py --seconds 600
+    python bench/embed_corpus.py --seconds 3600 --texts 43008   # index_scale.json's corpus
 """
 
 from __future__ import annotations
@@ -76,6 +77,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seconds", type=float, default=600)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--texts", type=int, default=None, help="stop after this many texts (a corpus of a known size on any host)"
+    )
     args = ap.parse_args()
     import torch
     from sentence_transformers import SentenceTransformer
@@ -84,7 +88,7 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     OUT.mkdir(exist_ok=True)
-    all_texts = texts()
+    all_texts = texts()[: args.texts]
     vec_path, txt_path = OUT / "real_vectors.npy", OUT / "real_texts.json"
     done = np.load(vec_path) if vec_path.exists() else np.zeros((0, 384), np.float32)
     print(f"{len(all_texts)} distinct texts; {len(done)} cached", flush=True)

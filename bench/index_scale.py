@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import subprocess
 import sys
 import time
@@ -166,15 +164,10 @@ def main() -> None:
     args.work.mkdir(parents=True, exist_ok=True)
     qpath = args.work / "queries.npy"
     np.save(qpath, queries)
+    sys.path.insert(0, str(HERE))
+    from _results import write
+
     results: dict = {
-        "command": "python " + " ".join(sys.argv),
-        "machine": {
-            "platform": platform.platform(),
-            "cpus": os.cpu_count(),
-            "python": platform.python_version(),
-            "faiss": faiss.__version__,
-            "numpy": np.__version__,
-        },
         "vectors": {
             "model": "all-MiniLM-L6-v2",
             "dim": int(real.shape[1]),
@@ -185,9 +178,7 @@ def main() -> None:
         },
         "sizes": {},
     }
-    if args.out.exists():
-        old = json.loads(args.out.read_text())
-        results["sizes"] = old.get("sizes", {})
+    # Every size and store is measured by this run (a raw result carries one commit and date).
     for n in args.sizes:
         x = perturbed(base, n)
         flat = FlatStore(x.shape[1])
@@ -208,8 +199,7 @@ def main() -> None:
             "auto_picks": auto,
             "flat_fp32_mb": round(n * x.shape[1] * 4 / 1e6, 1),
             "truth_s": round(truth_s, 1),
-            # stores measured by an earlier run of this command are kept
-            "stores": results["sizes"].get(str(n), {}).get("stores", {}),
+            "stores": {},
         }
         for kind in args.stores:
             if kind == "hnsw" and n > args.hnsw_max:
@@ -231,13 +221,12 @@ def main() -> None:
             row["stores"][kind] = r
             print(f"n={n} {kind}: {r}", flush=True)
             results["sizes"][str(n)] = row
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps(results, indent=1))
+            write(args.out.stem, results, packages=("faiss-cpu",), folder=args.out.parent)  # a cut run keeps its rows
             import shutil
 
             shutil.rmtree(folder)
         results["sizes"][str(n)] = row
-        args.out.write_text(json.dumps(results, indent=1))
+    write(args.out.stem, results, packages=("faiss-cpu",), folder=args.out.parent)
 
 
 def plot(results: Path, png: Path) -> None:
