@@ -123,9 +123,6 @@ _RESET_WHY = "a count is sent again only after a reset connection: every request
 #: question at a time is admitted at once (the controller never refuses idle), as cd94cb1.
 _ANSWER_PRICING = "2bf917b"
 _ONE_AT_A_TIME = "one question at a time: each request is admitted at once, whatever admission's time model says"
-#: d22e858: admission learns a batched slowdown beside the lone one, used only while several run.
-_BATCH_SLOWDOWN = "d22e858"
-_ALONE = "one question at a time: each request runs alone and is admitted at once (the batched figure is unused)"
 
 
 def _paired(against: str, suffix: str = "", row: str = "ragbudget@256") -> dict[str, str]:
@@ -164,7 +161,6 @@ ROWS: tuple[Row, ...] = (
         headline=True,
         exercises=_ASK,
         unaffected_by={
-            _BATCH_SLOWDOWN: _ALONE,
             _CLOSED_BACKEND: _CLOSED_WHY,
             _PEERS_FROM: _PEERS_FROM_WHY,
             _RESET_RETRY: _RESET_WHY,
@@ -204,7 +200,6 @@ ROWS: tuple[Row, ...] = (
         headline=True,
         exercises=_ASK,
         unaffected_by={
-            _BATCH_SLOWDOWN: _ALONE,
             _CLOSED_BACKEND: _CLOSED_WHY,
             _PEERS_FROM: _PEERS_FROM_WHY,
             _RESET_RETRY: _RESET_WHY,
@@ -232,7 +227,6 @@ ROWS: tuple[Row, ...] = (
         headline=False,  # the README shows six rows: the 1.5B model took this one's place
         exercises=_ASK,
         unaffected_by={
-            _BATCH_SLOWDOWN: _ALONE,
             _CLOSED_BACKEND: _CLOSED_WHY,
             _PEERS_FROM: _PEERS_FROM_WHY,
             _RESET_RETRY: _RESET_WHY,
@@ -266,10 +260,7 @@ ROWS: tuple[Row, ...] = (
         data="squad-test: reporting split, never tuned on",
         headline=False,  # the README shows the reviews row instead: one model's win, the other domain's miss
         exercises=_ASK,
-        unaffected_by={
-            _CLOSED_BACKEND: _CLOSED_WHY,
-            _BATCH_SLOWDOWN: _ALONE,
-        },
+        unaffected_by={_CLOSED_BACKEND: _CLOSED_WHY},
     ),
     Row(
         id="sum-abstain",
@@ -298,7 +289,6 @@ ROWS: tuple[Row, ...] = (
         headline=True,
         exercises=_ASK,
         unaffected_by={
-            _BATCH_SLOWDOWN: "bench/abstain.py reads Pipeline.evidence, which neither admits nor generates",
             _PEERS_FROM: _PEERS_FROM_WHY,
             _RESET_RETRY: "bench/abstain.py reads Pipeline.evidence: no engine request",
             _ANSWER_PRICING: "bench/abstain.py reads Pipeline.evidence, which neither admits nor generates",
@@ -374,7 +364,6 @@ ROWS: tuple[Row, ...] = (
         data="squad-test: reporting split, never tuned on",
         exercises=_ASK,
         unaffected_by={
-            _BATCH_SLOWDOWN: "bench/answers_engine.py calls the engine client itself: no admission",
             _RESET_RETRY: _RESET_WHY,
             _ANSWER_PRICING: "bench/answers_engine.py calls the engine client itself: no admission",
             _CLOSED_BACKEND: _CLOSED_WHY,
@@ -410,7 +399,6 @@ ROWS: tuple[Row, ...] = (
         headline=True,
         exercises=_ASK,
         unaffected_by={
-            _BATCH_SLOWDOWN: _ALONE,
             _RESET_RETRY: "ragbudget's every request was answered (the 72 errors are the peers' 400s)",
             _ANSWER_PRICING: _ONE_AT_A_TIME,
             _CLOSED_BACKEND: _CLOSED_WHY,
