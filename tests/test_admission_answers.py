@@ -6,8 +6,6 @@ project's 2-core host measured them; a fake clock, no model."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 
 from ragbudget.errors import OverloadedError
@@ -93,41 +91,3 @@ def test_an_answer_that_ends_prices_every_answer_still_running_again() -> None:
     reservation.release()
     after = ctl.stats().work_ahead_s
     assert after is not None and after < ahead / 5, (ahead, after)
-
-
-def _ran(ctl: AdmissionController, clock: Clock, n: int, speed: float) -> None:
-    """``n`` requests run at once and end together ``speed`` times as fast as the model says
-    (the clock runs until the model has credited each 1/``speed`` of its work)."""
-    held = [ctl.acquire(PROMPT + NEW, prompt_tokens=PROMPT) for _ in range(n)]
-    job = held[0].job
-    assert job is not None and ctl.throughput is not None
-    while job.credit < (job.prefill + ctl.throughput.decode_seconds(NEW)) / speed:
-        clock.t += 0.1
-        ctl.stats()  # the model credits the running work
-    for h in held:
-        h.finish(new_tokens=NEW)
-        h.release()
-
-
-def test_a_burst_that_ran_batched_prices_the_next_one_at_its_batched_speed() -> None:
-    """Requests that ran beside others three times faster than the batch-4 slope says, then
-    lone ones 1.3 times slower than the probe: the lone slowdown is 1.3, the batched one a third,
-    and the clients refused in the next burst are told a time at the batched speed. With one
-    figure for both (the lone requests' came last) they were told more than twice as long."""
-    clock = Clock()
-    ctl = _warmed(clock)
-    for _ in range(6):
-        _ran(ctl, clock, 8, speed=3.0)
-    for _ in range(6):
-        _ran(ctl, clock, 1, speed=1 / 1.3)
-    thr = ctl.throughput
-    assert thr is not None and thr.batch_slowdown is not None
-    assert thr.slowdown == pytest.approx(1.3, rel=0.1) and thr.batch_slowdown == pytest.approx(1 / 3, rel=0.15)
-    _, batched = _burst(ctl, 64)
-    other = Clock()
-    one_figure = AdmissionController(
-        20 * (PROMPT + NEW), max_queue=64, timeout=30.0, throughput=replace(thr, batch_slowdown=None), clock=other
-    )
-    _ran(one_figure, other, 1, speed=1e9)  # a whole answer seen, as the other saw them (at once)
-    _, lone = _burst(one_figure, 64)
-    assert batched and lone and max(batched) * 2 < max(lone), (batched, lone)

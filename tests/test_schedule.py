@@ -9,15 +9,7 @@ import math
 import pytest
 
 from ragbudget.errors import BudgetError, ConfigError
-from ragbudget.memory.schedule import (
-    Job,
-    Learning,
-    MemoryModel,
-    Throughput,
-    first_token_if_started,
-    job_rates,
-    simulate,
-)
+from ragbudget.memory.schedule import Job, Learning, MemoryModel, Throughput, first_token_if_started, simulate
 
 # 1 ms per prompt token, 10 ms per generated token: a 1,000 + 100 request is 2 s of work.
 THR = Throughput(prefill_a=0.001, decode_s=0.01)
@@ -120,25 +112,3 @@ def test_learning_expects_the_share_of_max_new_tokens_answers_used() -> None:
     assert learnt.answer_share == Learning.MIN_ANSWER_SHARE  # never below the floor
     learnt.answered(100, 0)  # no max_new_tokens: nothing to learn
     assert learnt.expected_new_tokens(100) == 5
-
-
-def test_requests_run_beside_others_teach_the_batched_slowdown_only() -> None:
-    """A batched backend's steps and a lone request's run at different speeds against the model
-    (a burst's batched steps 2-6 times faster than the batch-4 slope extrapolates, the lone tail
-    1.3 times slower than the probe): each kind of observation moves its own figure."""
-    learnt = Learning()
-    thr = Throughput(prefill_a=0.001, decode_s=0.02, batched=True, decode_extra_s=0.01)
-    for _ in range(Learning.PROVISIONAL_OBSERVATIONS):
-        thr = learnt.slowed(thr, 1.3)  # the warm-up's lone request
-    assert thr.slowdown == pytest.approx(1.3) and thr.batch_slowdown is None
-    assert thr.slowdown_for(4) == thr.slowdown  # nothing learnt beside others yet: one figure
-    for _ in range(12):
-        thr = learnt.slowed(thr, 0.3, batched=True)
-    assert thr.batch_slowdown == pytest.approx(0.3, rel=0.01) and thr.slowdown == pytest.approx(1.3)
-    assert thr.slowdown_for(1) == pytest.approx(1.3) and thr.slowdown_for(4) == pytest.approx(0.3, rel=0.01)
-    # Two running: each job's rate is the batched one, divided by the batched slowdown.
-    one, two = Job(prefill=0.0, decode=1.0, cost=1), Job(prefill=0.0, decode=1.0, cost=1)
-    assert job_rates([one, two], thr)[0] == pytest.approx(0.02 / 0.03 / thr.batch_slowdown)
-    # An unbatched backend has one figure: a request beside others shares the cores, as measured.
-    plain = Throughput(prefill_a=0.001, decode_s=0.02)
-    assert learnt.slowed(plain, 0.5, batched=True).batch_slowdown is None

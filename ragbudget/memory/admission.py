@@ -529,14 +529,14 @@ class AdmissionController:
         thr = self.throughput
         if thr is None or not self._running_jobs or dt == 0:
             return
-        k = len(self._running_jobs)
         for job, rate in zip(self._running_jobs, job_rates(self._running_jobs, thr), strict=True):
             # A job the model thinks is done while it still runs (it decodes slower than
-            # measured) keeps one decode step of work: it is still there. Credit at slowdown 1:
-            # the job's own slowdown is then credit / work done, whatever was learnt meanwhile.
+            # measured) keeps one decode step of work: it is still there.
             job.served = min(job.served + rate * dt, max(job.prefill, job.work - thr.decode_s))
-            job.credit += rate * dt * thr.slowdown_for(k)
-            job.lived, job.beside = job.lived + dt, job.beside + (dt if k > 1 else 0.0)
+            # At slowdown 1: the job's own slowdown is then credit / work done, whatever the
+            # learnt slowdown was while it ran (applying a ratio to a slowdown learnt since would
+            # overshoot when many long requests end together).
+            job.credit += rate * dt * thr.slowdown
 
     def observe(self, slowdown: float) -> None:
         """Learn from one request: ``slowdown`` is the wall time it took over what the measured
@@ -546,9 +546,9 @@ class AdmissionController:
         with self._lock:
             self._observe_locked(slowdown)
 
-    def _observe_locked(self, sample: float, *, batched: bool = False) -> None:
+    def _observe_locked(self, sample: float) -> None:
         if self.throughput is not None:
-            self.throughput = self._learning.slowed(self.throughput, sample, batched=batched)
+            self.throughput = self._learning.slowed(self.throughput, sample)
 
     def _observe_job(self, job: Job | None, *, done: int | None) -> None:
         """A running job's first token (``done`` None: its prefill is over) or its end with
@@ -564,7 +564,7 @@ class AdmissionController:
             real = job.prefill if done is None else job.prefill + thr.decode_seconds(done)
             if real <= 0 or job.credit <= 0:
                 return
-            self._observe_locked(job.credit / real, batched=job.beside > job.lived / 2)
+            self._observe_locked(job.credit / real)
 
     def _reprice_locked(self) -> None:
         """An answer ended and the expected share moved: every answer not yet ended (running,

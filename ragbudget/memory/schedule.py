@@ -148,10 +148,6 @@ class Throughput:
     ``slowdown``: wall seconds per modelled second now, learnt from the requests that ran (the
     controller's :meth:`~AdmissionController.observe`): a host busy with other work runs the
     model slower than it was measured, and the time rules must see the speed it has now.
-    ``batch_slowdown``: the same, learnt from requests that ran mostly beside others on a batched
-    backend (``None``: none yet, ``slowdown`` stands for both). One figure cannot hold both: a
-    burst's batched steps ran 2-6 times faster than the step measured at batch 4 extrapolates,
-    the lone requests of its tail 1.3 times slower than the probe (2026-12-07, 0.5B on 2 cores).
 
     >>> t = Throughput(prefill_a=0.001, prefill_b=0.0, decode_s=0.02)
     >>> t.prefill_seconds(1000), t.decode_seconds(100), t.step_seconds(4)   # s: 1,000-token prefill, 100 steps
@@ -165,11 +161,10 @@ class Throughput:
     decode_extra_s: float | None = None
     source: str = ""
     slowdown: float = 1.0
-    batch_slowdown: float | None = None
 
     def __post_init__(self) -> None:
-        if not self.slowdown > 0 or not (self.batch_slowdown is None or self.batch_slowdown > 0):
-            raise ConfigError(f"slowdown must be > 0; got {self.slowdown} (batched: {self.batch_slowdown})")
+        if not self.slowdown > 0:
+            raise ConfigError(f"slowdown must be > 0; got {self.slowdown}")
         if self.prefill_a < 0 or self.prefill_b < 0 or self.decode_s <= 0:
             raise ConfigError(
                 f"throughput must be positive: prefill a={self.prefill_a}, "
@@ -183,13 +178,6 @@ class Throughput:
     def decode_seconds(self, tokens: int) -> float:
         """Single-stream seconds for ``tokens`` decode steps (the work they add)."""
         return self.decode_s * max(0, int(tokens))
-
-    def slowdown_for(self, sequences: int) -> float:
-        """The slowdown of ``sequences`` running at once: the batched one when several share
-        forward passes and it has been learnt, else :attr:`slowdown`."""
-        if self.batched and sequences > 1 and self.batch_slowdown is not None:
-            return self.batch_slowdown
-        return self.slowdown
 
     def step_seconds(self, sequences: int) -> float:
         """Seconds of one batched decode step over ``sequences`` sequences."""
@@ -205,7 +193,6 @@ class Throughput:
             "decode_extra_s": self.decode_extra_s,
             "source": self.source,
             "slowdown": self.slowdown,
-            "batch_slowdown": self.batch_slowdown,
         }
 
 
@@ -226,8 +213,6 @@ class Job:
     tokens: int = 0  # KV tokens held in a pool (counted only against a token capacity)
     served: float = 0.0
     credit: float = 0.0  # work the model would have credited at slowdown 1, uncapped (observe)
-    lived: float = 0.0  # wall seconds it ran, and of those ``beside`` others (observe: which slowdown)
-    beside: float = 0.0
     ready: float = float("-inf")
     new_max: int = 0  # the answer's max_new_tokens (its decode above is the expected share)
 
@@ -249,7 +234,7 @@ def job_rates(running: Sequence[Job], thr: Throughput) -> list[float]:
     k = len(running)
     if k == 0:
         return []
-    slow = thr.slowdown_for(k)
+    slow = thr.slowdown
     if not thr.batched:
         return [1.0 / (k * slow)] * k
     decoding = sum(1 for j in running if not j.in_prefill())
@@ -403,31 +388,23 @@ class Learning:
         self._generated = 0.0
         self._allowed = 0.0
         self.allowed_seen = 0  # max_new_tokens of every answer seen, summed (not averaged)
-        self.observed = 0  # observations of the speed in use (``batched_observed``: beside others)
-        self.batched_observed = 0
+        self.observed = 0  # observations of the speed in use
 
     def measured(self) -> None:
         """A new speed was measured: the next observations are provisional again."""
-        self.observed = self.batched_observed = 0
+        self.observed = 0
 
-    def slowed(self, thr: Throughput, sample: float, *, batched: bool = False) -> Throughput:
+    def slowed(self, thr: Throughput, sample: float) -> Throughput:
         """``thr`` with its slowdown moved by one observed ``sample`` (wall seconds per modelled
-        second); ``thr`` itself when the sample means nothing (zero, negative, not finite).
-        ``batched``: the request ran mostly beside others on a batched backend, and moves
-        ``batch_slowdown`` (starting from ``slowdown``) instead."""
+        second); ``thr`` itself when the sample means nothing (zero, negative, not finite)."""
         if not (sample > 0 and math.isfinite(sample)):
             return thr
         lo, hi = self.SLOWDOWN_RANGE
-        batched = batched and thr.batched
-        now = (thr.batch_slowdown or thr.slowdown) if batched else thr.slowdown
-        if (self.batched_observed if batched else self.observed) < self.PROVISIONAL_OBSERVATIONS:
-            slow = min(hi, max(lo, now, sample))
+        if self.observed < self.PROVISIONAL_OBSERVATIONS:
+            slow = min(hi, max(lo, thr.slowdown, sample))
         else:
             w = self.OBSERVE_WEIGHT
-            slow = min(hi, max(lo, now ** (1 - w) * sample**w))
-        if batched:
-            self.batched_observed += 1
-            return dataclasses.replace(thr, batch_slowdown=slow)
+            slow = min(hi, max(lo, thr.slowdown ** (1 - w) * sample**w))
         self.observed += 1
         return dataclasses.replace(thr, slowdown=slow)
 
