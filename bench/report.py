@@ -1012,6 +1012,21 @@ def write(paths: Iterable[Path]) -> None:
             print(f"updated {path.relative_to(REPO) if path.is_relative_to(REPO) else path}")
 
 
+def _unreverted(log: str | None) -> list[str]:
+    """The commits of ``git log --format=%H%x00%B%x01`` output, less each commit reverted within
+    them and its revert (``git revert``'s "This reverts commit <sha>"): together they change
+    nothing a row measures, and need no declaration."""
+    entries = [e.strip().split("\0", 1) for e in (log or "").split("\1") if e.strip()]
+    commits = [e[0] for e in entries]
+    gone: set[str] = set()
+    for sha, body in ((e[0], e[1] if len(e) > 1 else "") for e in entries):
+        for undone in re.findall(r"This reverts commit ([0-9a-f]{7,40})", body):
+            match = [c for c in commits if c.startswith(undone)]
+            if match:
+                gone.update([sha, *match])
+    return [c for c in commits if c not in gone]
+
+
 def _git(*args: str) -> str | None:
     import subprocess
 
@@ -1062,7 +1077,7 @@ def staleness(row: Row) -> str | None:
     changed = (_git("diff", "--name-only", base, "HEAD", "--", *row.exercises, *scripts) or "").split()
     if changed and row.unaffected_by:
         # Only the commits the row declares harmless (with why) changed them: still current.
-        commits = (_git("log", "--format=%H", f"{base}..HEAD", "--", *row.exercises, *scripts) or "").split()
+        commits = _unreverted(_git("log", "--format=%H%x00%B%x01", f"{base}..HEAD", "--", *row.exercises, *scripts))
         if commits and all(any(c.startswith(k) for k in row.unaffected_by) for c in commits):
             changed = []
     notes = ["measured with uncommitted changes"] if commit.endswith("+dirty") else []

@@ -395,3 +395,20 @@ def test_a_question_asked_through_pipeline_ask_never_imports_the_server_or_the_c
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.splitlines() == ["[]", "True"], out.stdout
     assert asked  # the engine answered: the whole way, not a declined question
+
+
+def test_a_commit_reverted_in_the_range_and_its_revert_need_no_declaration() -> None:
+    """A row's staleness passes over commits it declares harmless; a commit undone by a revert
+    in the same range changes nothing the row measures, so neither it nor its revert counts.
+    A revert whose commit is older than the range still counts (it changed the code since)."""
+    log = "".join(
+        f"{sha}\0{body}\1"
+        for sha, body in (
+            ("c" * 40, "Revert the change\n\nThis reverts commit " + "a" * 40 + ".\n"),
+            ("b" * 40, "Something else\n"),
+            ("a" * 40, "The change\n"),
+            ("d" * 40, "Revert an older one\n\nThis reverts commit " + "e" * 12 + ".\n"),
+        )
+    )
+    assert report._unreverted(log) == ["b" * 40, "d" * 40]
+    assert report._unreverted(None) == [] and report._unreverted("") == []
