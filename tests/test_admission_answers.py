@@ -57,8 +57,21 @@ def test_learning_prices_a_return_at_the_floor_until_answers_as_long_were_allowe
     assert learnt.expected_new_tokens(NEW, soonest=True) == 13  # 5% of 256: nothing says more
     learnt.answered(6, NEW)  # a real answer: 6 of its 256
     # Tokens generated over tokens allowed: the warm-up's 16 weigh a sixteenth of the real one's.
-    assert learnt.answer_share == pytest.approx((0.8 * 3.2 + 0.2 * 6) / (0.8 * 3.2 + 0.2 * NEW))
-    assert learnt.expected_new_tokens(NEW, soonest=True) == learnt.expected_new_tokens(NEW) == 18
+    assert learnt.answer_share == pytest.approx((16 + 6) / (16 + NEW))
+    assert learnt.expected_new_tokens(NEW, soonest=True) == learnt.expected_new_tokens(NEW) == 21
+
+
+def test_the_longest_answers_ending_last_do_not_make_the_share() -> None:
+    """A burst's long answers end last: 25 answers of 10 tokens, then 5 that ran to the cap.
+    Every answer of the window weighs alike (0.2), where a moving average weighted to the latest
+    read 0.69 at the next burst (the probe of 2026-12-07) and priced its answers 3.5 times long."""
+    learnt = Learning()
+    for done in [10] * 25 + [NEW] * 5:
+        learnt.answered(done, NEW)
+    assert learnt.answer_share == pytest.approx((25 * 10 + 5 * NEW) / (30 * NEW))
+    for _ in range(Learning.ANSWER_WINDOW):  # the window moves on: old answers leave it
+        learnt.answered(NEW, NEW)
+    assert learnt.answer_share == 1.0
 
 
 def test_a_burst_before_any_answer_ends_is_not_sent_back_for_the_worst_case() -> None:

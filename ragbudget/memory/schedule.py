@@ -27,6 +27,7 @@ to tell when each queued request would produce its first token.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
@@ -359,11 +360,14 @@ class Learning:
 
     Time counts an answer's expected length (memory still reserves all of it): a burst judged by
     ``max_new_tokens`` when answers stop at a third of it sends clients back late and leaves the
-    host idle meanwhile. The share is the new tokens answers generated over the ``max_new_tokens``
-    they were allowed, both moving averages: an answer allowed 16 tokens (the server's warm-up)
-    weighs a sixteenth of one allowed 256. Before any answer it is 1 (the worst case, for the
-    start rule); :meth:`expected_new_tokens` prices a refused client's return at the floor until
-    the answers seen were allowed, in all, as many tokens as its own (see there).
+    host idle meanwhile. The share is the new tokens the last ``ANSWER_WINDOW`` answers generated
+    over the ``max_new_tokens`` they were allowed: an answer allowed 16 tokens (the server's
+    warm-up) weighs a sixteenth of one allowed 256, and every answer of a burst alike — in a burst
+    the longest answers end last, and a moving average weighted to the latest took the five of
+    30 that ran to 256 tokens for the rule (0.69, where the burst's was 0.2: 2026-12-07). Before any
+    answer it is 1 (the worst case, for the start rule); :meth:`expected_new_tokens` prices a
+    refused client's return at the floor until the answers seen were allowed, in all, as many
+    tokens as its own (see there).
 
     >>> learnt, thr = Learning(), Throughput(prefill_a=0.001, decode_s=0.02)
     >>> learnt.slowed(thr, 8.0).slowdown                 # provisional: a slower request is taken whole
@@ -371,11 +375,11 @@ class Learning:
     >>> learnt.answered(16, 16)                           # the warm-up used its 16 tokens
     >>> learnt.answered(10, 256)                          # a real answer used 10 of its 256
     >>> round(learnt.answer_share, 3)
-    0.085
+    0.096
     """
 
-    #: How far one finished answer moves the expected share of max_new_tokens, and its floor.
-    ANSWER_WEIGHT = 0.2
+    #: How many of the latest answers the expected share of max_new_tokens is taken over, and its floor.
+    ANSWER_WINDOW = 64
     MIN_ANSWER_SHARE = 0.05
     #: How far one observation moves the learnt slowdown (in log space), and its bounds.
     OBSERVE_WEIGHT = 0.5
@@ -385,8 +389,7 @@ class Learning:
 
     def __init__(self) -> None:
         self.answer_share = 1.0  # generated / allowed new tokens, moving averages of both
-        self._generated = 0.0
-        self._allowed = 0.0
+        self._answers: collections.deque[tuple[int, int]] = collections.deque(maxlen=self.ANSWER_WINDOW)
         self.allowed_seen = 0  # max_new_tokens of every answer seen, summed (not averaged)
         self.observed = 0  # observations of the speed in use
 
@@ -411,11 +414,10 @@ class Learning:
     def answered(self, done: int, new_max: int) -> None:
         """An answer ended after ``done`` of its ``new_max`` new tokens."""
         if new_max > 0:
-            w = self.ANSWER_WEIGHT
-            self._generated = (1 - w) * self._generated + w * min(new_max, max(0, done))
-            self._allowed = (1 - w) * self._allowed + w * new_max
+            self._answers.append((min(new_max, max(0, done)), new_max))
+            generated, allowed = (sum(x) for x in zip(*self._answers, strict=True))
             self.allowed_seen += new_max
-            self.answer_share = max(self.MIN_ANSWER_SHARE, self._generated / self._allowed)
+            self.answer_share = max(self.MIN_ANSWER_SHARE, generated / allowed)
 
     def expected_new_tokens(self, new_max: int, *, soonest: bool = False) -> int:
         """The new tokens a request of ``new_max`` is expected to generate (for its time).
