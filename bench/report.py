@@ -125,6 +125,14 @@ _ANSWER_PRICING = "2bf917b"
 _ONE_AT_A_TIME = "one question at a time: each request is admitted at once, whatever admission's time model says"
 #: 43f9127 changed how admission's time model averages answer lengths (the last 64 alike).
 _ANSWER_WINDOW = "43f9127"
+#: What the 0.5B answers runs (bench/answers.py, one question at a time) are unaffected by.
+_ANSWERS_UNAFFECTED = {
+    _CLOSED_BACKEND: _CLOSED_WHY,
+    _PEERS_FROM: _PEERS_FROM_WHY,
+    _RESET_RETRY: _RESET_WHY,
+    _ANSWER_PRICING: _ONE_AT_A_TIME,
+    _ANSWER_WINDOW: _ONE_AT_A_TIME,
+}
 
 
 def _paired(against: str, suffix: str = "", row: str = "ragbudget@256") -> dict[str, str]:
@@ -162,13 +170,7 @@ ROWS: tuple[Row, ...] = (
         data="squad-test: reporting split, never tuned on",
         headline=True,
         exercises=_ASK,
-        unaffected_by={
-            _ANSWER_WINDOW: _ONE_AT_A_TIME,
-            _CLOSED_BACKEND: _CLOSED_WHY,
-            _PEERS_FROM: _PEERS_FROM_WHY,
-            _RESET_RETRY: _RESET_WHY,
-            _ANSWER_PRICING: _ONE_AT_A_TIME,
-        },
+        unaffected_by=_ANSWERS_UNAFFECTED,
     ),
     Row(
         id="sum-answers-amazon",
@@ -202,13 +204,7 @@ ROWS: tuple[Row, ...] = (
         data="SQuADShifts Amazon: reporting split, never tuned on",
         headline=True,
         exercises=_ASK,
-        unaffected_by={
-            _ANSWER_WINDOW: _ONE_AT_A_TIME,
-            _CLOSED_BACKEND: _CLOSED_WHY,
-            _PEERS_FROM: _PEERS_FROM_WHY,
-            _RESET_RETRY: _RESET_WHY,
-            _ANSWER_PRICING: _ONE_AT_A_TIME,
-        },
+        unaffected_by=_ANSWERS_UNAFFECTED,
     ),
     Row(
         id="sum-answers-256",
@@ -230,13 +226,7 @@ ROWS: tuple[Row, ...] = (
         data="squad-test: reporting split, never tuned on",
         headline=False,  # the README shows six rows: the 1.5B model took this one's place
         exercises=_ASK,
-        unaffected_by={
-            _ANSWER_WINDOW: _ONE_AT_A_TIME,
-            _CLOSED_BACKEND: _CLOSED_WHY,
-            _PEERS_FROM: _PEERS_FROM_WHY,
-            _RESET_RETRY: _RESET_WHY,
-            _ANSWER_PRICING: _ONE_AT_A_TIME,
-        },
+        unaffected_by=_ANSWERS_UNAFFECTED,
     ),
     Row(
         id="sum-answers-1-5b",
