@@ -1014,6 +1014,44 @@ def write(paths: Iterable[Path]) -> None:
             print(f"updated {path.relative_to(REPO) if path.is_relative_to(REPO) else path}")
 
 
+def _same_code(commit: str, paths: Iterable[str]) -> bool:
+    """Whether ``commit`` leaves the code under ``paths`` as it was: every file it changes there is
+    Python whose syntax tree, docstrings dropped, is the same before and after (a comment or a
+    docstring cannot move a figure). Anything else, or git failing, counts as a change."""
+    import ast
+
+    def tree(rev: str, path: str) -> str | None:
+        source = _git("show", f"{rev}:{path}")
+        if source is None:
+            return None
+        try:
+            module = ast.parse(source)
+        except SyntaxError:
+            return None
+        for node in ast.walk(module):
+            body = getattr(node, "body", None)
+            if (
+                isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                and body
+                and isinstance(body[0], ast.Expr)
+                and isinstance(body[0].value, ast.Constant)
+                and isinstance(body[0].value.value, str)
+            ):
+                node.body = body[1:] or [ast.Pass()]
+        return ast.dump(module)
+
+    files = (_git("diff-tree", "--no-commit-id", "--name-only", "-r", commit, "--", *paths) or "").split()
+    if not files:
+        return False
+    for path in files:
+        if not path.endswith(".py"):
+            return False
+        before, after = tree(f"{commit}^", path), tree(commit, path)
+        if before is None or before != after:
+            return False
+    return True
+
+
 def _unreverted(log: str | None) -> list[str]:
     """The commits of ``git log --format=%H%x00%B%x01`` output, less each commit reverted within
     them and its revert (``git revert``'s "This reverts commit <sha>"): together they change
@@ -1077,10 +1115,13 @@ def staleness(row: Row) -> str | None:
         return f"commit {base} is not in this clone's history"
     scripts = bench_scripts(re.findall(r"\bbench/\w+\.py\b", str(data.get("command") or ""))[:1])
     changed = (_git("diff", "--name-only", base, "HEAD", "--", *row.exercises, *scripts) or "").split()
-    if changed and row.unaffected_by:
-        # Only the commits the row declares harmless (with why) changed them: still current.
-        commits = _unreverted(_git("log", "--format=%H%x00%B%x01", f"{base}..HEAD", "--", *row.exercises, *scripts))
-        if commits and all(any(c.startswith(k) for k in row.unaffected_by) for c in commits):
+    if changed:
+        # Only commits that change no code the row runs (comments and docstrings aside), or that
+        # the row declares harmless (with why), changed them: still current.
+        paths = (*row.exercises, *scripts)
+        commits = _unreverted(_git("log", "--format=%H%x00%B%x01", f"{base}..HEAD", "--", *paths))
+        code = [c for c in commits if not _same_code(c, paths)]
+        if commits and all(any(c.startswith(k) for k in row.unaffected_by) for c in code):
             changed = []
     notes = ["measured with uncommitted changes"] if commit.endswith("+dirty") else []
     if changed:

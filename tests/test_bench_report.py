@@ -412,3 +412,42 @@ def test_a_commit_reverted_in_the_range_and_its_revert_need_no_declaration() -> 
     )
     assert report._unreverted(log) == ["b" * 40, "d" * 40]
     assert report._unreverted(None) == [] and report._unreverted("") == []
+
+
+def test_a_commit_that_changes_only_comments_and_docstrings_changes_no_code(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A row's figure cannot move with a comment or a docstring: such a commit is passed over
+    without a declaration. A change to the code, a new file, or a file that is not Python is a
+    change."""
+    import subprocess
+
+    def git(*args: str) -> str:
+        done = subprocess.run(
+            ["git", "-c", "user.name=t", "-c", "user.email=t@t", *args],
+            cwd=tmp_path,
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+        return done.stdout.strip()
+
+    def commit(path: str, text: str) -> str:
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text(text, encoding="utf-8")
+        git("add", path)
+        git("commit", "-q", "-m", path)
+        return git("rev-parse", "HEAD")
+
+    git("init", "-q")
+    commit("pkg/a.py", 'def f(x):\n    """Twice."""\n    return 2 * x  # doubled\n')
+    monkeypatch.setattr(report, "REPO", tmp_path)
+    words = commit("pkg/a.py", 'def f(x):\n    """Twice x, said otherwise."""\n    # why: doubled\n    return 2 * x\n')
+    code = commit("pkg/a.py", 'def f(x):\n    """Twice x, said otherwise."""\n    return 3 * x\n')
+    new = commit("pkg/b.py", "X = 1\n")
+    data = commit("pkg/c.json", "{}\n")
+    assert report._same_code(words, ("pkg",))
+    assert not report._same_code(code, ("pkg",))
+    assert not report._same_code(new, ("pkg",))  # no parent version: new code
+    assert not report._same_code(data, ("pkg",))
+    assert not report._same_code(words, ("elsewhere",))  # nothing under the paths: not a proof
