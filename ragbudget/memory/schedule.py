@@ -388,7 +388,7 @@ class Learning:
     PROVISIONAL_OBSERVATIONS = 3
 
     def __init__(self) -> None:
-        self.answer_share = 1.0  # generated / allowed new tokens, moving averages of both
+        self.answer_share = 1.0  # generated / allowed new tokens over the last ANSWER_WINDOW answers
         self._answers: collections.deque[tuple[int, int]] = collections.deque(maxlen=self.ANSWER_WINDOW)
         self.allowed_seen = 0  # max_new_tokens of every answer seen, summed (not averaged)
         self.observed = 0  # observations of the speed in use
