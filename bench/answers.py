@@ -126,6 +126,15 @@ def source_text(src: dict[str, Any], files: dict[str, str]) -> str:
     return " ".join(text[int(s["start"]) : int(s["end"])] for s in spans if s.get("start") is not None)
 
 
+def changed_since(commit: str, paths: tuple[str, ...]) -> str:
+    """What under ``paths`` differs from ``commit`` (``git diff`` to the working tree: the files,
+    or git's error for a commit it does not know), "" when nothing does."""
+    diff = subprocess.run(
+        ["git", "diff", "--name-only", commit, "--", *paths], cwd=H.ROOT, capture_output=True, text=True
+    )
+    return diff.stdout.strip().replace("\n", ", ") or (diff.stderr.strip() if diff.returncode else "")
+
+
 def reused_cells(
     raw: Path, args: argparse.Namespace, documents: list[str], questions: list[dict[str, Any]], budgets: list[int]
 ) -> list[dict[str, Any]]:
@@ -134,16 +143,9 @@ def reused_cells(
     empty under ragbudget/), the model and answer cap. Only the cells of this run's questions and
     budgets are kept; the caller asks for the rest (a larger sample of the same seeded draw asks
     only its new questions). Otherwise a one-line exit: re-run without ``--reuse``."""
-    import subprocess
-
     old = json.loads(raw.read_text(encoding="utf-8"))
     commit = str(old["versions"]["ragbudget_commit"])
-    same_code = (
-        not commit.endswith("+dirty")
-        and not subprocess.run(
-            ["git", "diff", "--name-only", commit, "--", "ragbudget"], cwd=H.ROOT, capture_output=True, text=True
-        ).stdout.strip()
-    )
+    same_code = not commit.endswith("+dirty") and not changed_since(commit, ("ragbudget",))
     same_run = (
         old["split"] == args.split
         and old["documents_indexed"] == [str(t) for t in documents]
@@ -386,11 +388,7 @@ def earlier_peer_cells(
     commit = str(old["versions"]["ragbudget_commit"])
     if commit.endswith("+dirty"):  # the peers' code may have been among the uncommitted changes
         raise SystemExit(f"--peers-from {raw}: measured with uncommitted changes ({commit}); run without it")
-    changed = subprocess.run(
-        ["git", "diff", "--name-only", commit, "--", *PEER_CODE], cwd=H.ROOT, capture_output=True, text=True
-    )
-    if changed.returncode or changed.stdout.strip():
-        why = changed.stdout.strip().replace("\n", ", ") or changed.stderr.strip()
+    if why := changed_since(commit, PEER_CODE):
         raise SystemExit(f"--peers-from {raw}: the peers' code changed since {commit} ({why}); run without it")
     indexed = sorted(p.stem for p in docs.glob("*.md"))
     same = (
