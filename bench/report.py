@@ -125,8 +125,12 @@ _ANSWER_PRICING = "2bf917b"
 _ONE_AT_A_TIME = "one question at a time: each request is admitted at once, whatever admission's time model says"
 #: 43f9127 changed how admission's time model averages answer lengths (the last 64 alike).
 _ANSWER_WINDOW = "43f9127"
+#: 79dbff5 folded how bench/answers.py's --reuse and --peers-from ask git into one function.
+_GIT_CHECK = "79dbff5"
+_GIT_CHECK_WHY = "only how --reuse and --peers-from ask git what changed; the cells are asked as before"
 #: What the 0.5B answers runs (bench/answers.py, one question at a time) are unaffected by.
 _ANSWERS_UNAFFECTED = {
+    _GIT_CHECK: _GIT_CHECK_WHY,
     _CLOSED_BACKEND: _CLOSED_WHY,
     _PEERS_FROM: _PEERS_FROM_WHY,
     _RESET_RETRY: _RESET_WHY,
@@ -256,6 +260,7 @@ ROWS: tuple[Row, ...] = (
         headline=False,  # the README shows the reviews row instead: one model's win, the other domain's miss
         exercises=_ASK,
         unaffected_by={
+            _GIT_CHECK: _GIT_CHECK_WHY,
             _CLOSED_BACKEND: _CLOSED_WHY,
             _ANSWER_WINDOW: _ONE_AT_A_TIME,
         },
@@ -287,6 +292,7 @@ ROWS: tuple[Row, ...] = (
         headline=True,
         exercises=_ASK,
         unaffected_by={
+            _GIT_CHECK: _GIT_CHECK_WHY,
             _ANSWER_WINDOW: "bench/abstain.py reads Pipeline.evidence, which neither admits nor generates",
             _PEERS_FROM: _PEERS_FROM_WHY,
             _RESET_RETRY: "bench/abstain.py reads Pipeline.evidence: no engine request",
