@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, Any
 from .errors import BudgetError, ConfigError, RequestCancelled
 from .generation.allowance import limit_phrase, question_room
 from .prompt.followup import expand_query
+from .retrieval.scope import Sources, source_patterns
 from .settings import HistorySettings, RecordField, from_keywords
 from .summaries import (
     SUMMARY_PREFIX,
@@ -252,7 +253,8 @@ class Conversation:
     :class:`~ragbudget.settings.HistorySettings`, given whole or as flat keywords (not both).
     :meth:`from_messages` starts from an existing history (what an HTTP
     request carries); a shared ``summary_cache`` (:class:`SummaryCache`) lets such one-request
-    conversations reuse the summaries earlier requests wrote for the same older turns.
+    conversations reuse the summaries earlier requests wrote for the same older turns. ``sources``
+    scopes every question to some files, as :meth:`Pipeline.ask <ragbudget.pipeline.Pipeline.ask>` does.
 
     >>> chat = Conversation(pipeline, history_share=0.3, recent_turns=2)  # doctest: +SKIP
     >>> chat.ask("What does the footer contain?").budget.summary          # doctest: +SKIP
@@ -273,6 +275,7 @@ class Conversation:
         summarizer: Summarizer | None = None,
         summary_role: str | None = None,
         summary_cache: SummaryCache | None = None,
+        sources: Sources | None = None,
     ) -> None:
         # The history policy is one record (checked where it is built); its flat keywords are sugar.
         self.history = from_keywords(
@@ -290,6 +293,8 @@ class Conversation:
         self.pipeline = pipeline
         self.max_new_tokens = max_new_tokens
         self.context_tokens = context_tokens
+        # Every question of the conversation is scoped to these files (Pipeline.ask's ``sources``).
+        self.sources = None if sources is None else source_patterns(sources)
         self._summarizer = summarizer
         self.summary_cache = summary_cache
         self._cached_turns = 0
@@ -422,7 +427,7 @@ class Conversation:
         # The question's count and its candidates', in one request to a served engine: the
         # question is measured first here, and the answer's prompt is built from the candidates
         # (the turns are those before any fold; a fold that changes the query searches again).
-        self.pipeline.prime(question, retrieval_query=self._retrieval_query(question))
+        self.pipeline.prime(question, retrieval_query=self._retrieval_query(question), sources=self.sources)
         room = self._room(question, plan)
         history_allowed = int(room.left * self.history.history_share)
         fitted = self._fitted_history(question, history_allowed, cancel=cancel, started=t_start)
@@ -441,6 +446,7 @@ class Conversation:
             on_text=on_text,
             cancel=cancel,
             retrieval_query=retrieval_query if retrieval_query != question else None,
+            sources=self.sources,
             **generate_options,
         )
 

@@ -55,6 +55,7 @@ from .packing.packer import Packer, SpanPacker, make_packer
 from .planning import Planning
 from .request import RequestContext
 from .retrieval.embed import make_embedder
+from .retrieval.scope import Sources, source_patterns
 from .settings import (
     DEFAULT_RELEVANCE_FLOOR,
     EngineSettings,
@@ -200,8 +201,8 @@ class Pipeline(Planning):
         self._backend: Backend | None = backend
         self._index: Index | None = None
         self._lock = threading.RLock()
-        # Searches made by prime() for the ask that follows: (generation, query) -> hits, vector.
-        self._primed: dict[tuple[int, str], tuple[list[Hit], Any]] = {}
+        # Searches made by prime() for the ask that follows: (generation, query, scope) -> hits, vector.
+        self._primed: dict[tuple[int, str, tuple[str, ...] | None], tuple[list[Hit], Any]] = {}
 
     # The flat names of the settings, read from their records (``pipe.fetch_k`` is
     # ``pipe.retrieval.fetch_k``); read-only: a pipeline's settings are fixed when it is built.
@@ -378,20 +379,24 @@ class Pipeline(Planning):
             )
         return store
 
-    def search(self, query: str, k: int = 5) -> list[Hit]:
+    def search(self, query: str, k: int = 5, *, sources: Sources | None = None) -> list[Hit]:
         """The ``k`` chunks that best match ``query``, with all their sources: hybrid (dense +
-        BM25, fused; ``score`` on the cosine scale) unless the pipeline has ``hybrid=False``.
-        Raises :class:`~ragbudget.errors.IndexEmptyError` on an index without chunks."""
+        BM25, fused; ``score`` on the cosine scale) unless the pipeline has ``hybrid=False``;
+        ``sources`` as in :meth:`ask`. Raises :class:`~ragbudget.errors.IndexEmptyError` on an
+        index without chunks."""
         query = check_question(query, "query")
         k = check_int("k", k, 1)  # type: ignore[assignment]
+        scope = None if sources is None else source_patterns(sources)
         with self.store.pinned():  # the newest committed generation, one for the whole call
-            return self._search(query, k)[0]
+            return self._search(query, k, scope)[0]
 
-    def _search(self, query: str, k: int) -> tuple[list[Hit], Any]:
+    def _search(self, query: str, k: int, sources: tuple[str, ...] | None = None) -> tuple[list[Hit], Any]:
         """:meth:`search`, and the query's vector it searched with (for the span scorer)."""
         store = self._searchable()
         vector = store.embed_query(query, embedder=self.embedder)
-        hits = store.search(query, k=k, embedder=self.embedder, retrieval=self.retrieval, query_vector=vector)
+        hits = store.search(
+            query, k=k, embedder=self.embedder, retrieval=self.retrieval, query_vector=vector, sources=sources
+        )
         return hits, vector
 
     # -- budgeted retrieval -------------------------------------------------------------------------
@@ -404,6 +409,7 @@ class Pipeline(Planning):
         max_new_tokens: int,
         history: Sequence[dict[str, str]] | None,
         retrieval_query: str | None,
+        sources: Sources | None = None,
     ) -> RequestContext:
         """A new request's context, once what the caller passed is checked (before anything runs)."""
         question = check_question(question)
@@ -417,7 +423,8 @@ class Pipeline(Planning):
                 f"history must be a list of {{'role': ..., 'content': ...}} dicts or None, got {shown(history)}"
             )
         query = check_question(retrieval_query or question, "query")
-        return RequestContext(question=question, query=query, max_new_tokens=max_new_tokens)
+        scope = None if sources is None else source_patterns(sources)
+        return RequestContext(question=question, query=query, max_new_tokens=max_new_tokens, sources=scope)
 
     def _to_prompt(
         self,
@@ -504,8 +511,8 @@ class Pipeline(Planning):
         made, when it made it on this generation), its seconds in ``retrieve_s``."""
         with ctx.timed("search", "retrieve_s"):
             with self.store.pinned() as gen, self._lock:
-                primed = self._primed.pop((gen.number, ctx.query), None)
-            found = primed if primed is not None else self._search(ctx.query, self.retrieval.fetch_k)
+                primed = self._primed.pop((gen.number, ctx.query, ctx.sources), None)
+            found = primed if primed is not None else self._search(ctx.query, self.retrieval.fetch_k, ctx.sources)
             self._read_sentence_vectors(found[0])
             return found
 
@@ -520,7 +527,7 @@ class Pipeline(Planning):
         if self.retrieval.pack == "spans" or self._evidence_floor()[0] is not None:
             self._scorer().preload(h.chunk_id for h in hits)
 
-    def prime(self, question: str, *, retrieval_query: str | None = None) -> None:
+    def prime(self, question: str, *, retrieval_query: str | None = None, sources: Sources | None = None) -> None:
         """Count ahead, in one request to a served engine, what answering ``question`` will count
         first: its prompt without passages and its candidates (searched now, on the newest
         generation, by ``retrieval_query`` if given; the :meth:`ask` that follows on the same
@@ -532,10 +539,11 @@ class Pipeline(Planning):
         if not builder.batch_counts:
             return
         query = check_question(retrieval_query or question, "query")
+        scope = None if sources is None else source_patterns(sources)
         with self.store.pinned() as gen:
-            found = self._search(query, self.retrieval.fetch_k)
+            found = self._search(query, self.retrieval.fetch_k, scope)
         with self._lock:
-            self._primed[(gen.number, query)] = found
+            self._primed[(gen.number, query, scope)] = found
             while len(self._primed) > 16:  # primed, never asked (refused, cancelled): dropped
                 self._primed.pop(next(iter(self._primed)))
         builder.prime(self._packer().texts_to_count(found[0], builder), questions=[question])
@@ -593,19 +601,20 @@ class Pipeline(Planning):
         max_new_tokens: int | None = None,
         history: Sequence[dict[str, str]] | None = None,
         retrieval_query: str | None = None,
+        sources: Sources | None = None,
     ) -> Selection:
         """The chunks that best answer ``question`` and fit this request's context allowance.
 
         ``context_tokens`` caps the context below what memory allows. ``Selection.tokens_allowed``
         is the allowance in the generator's tokens, ``tokens_used`` what the chosen passages cost
-        (labels included), ``dropped`` every candidate left out with its reason.
-        """
+        (labels included), ``dropped`` every candidate left out with its reason; ``sources`` as in :meth:`ask`."""
         ctx = self._request(
             question,
             context_tokens=context_tokens,
             max_new_tokens=self.memory.max_new_tokens if max_new_tokens is None else max_new_tokens,
             history=history,
             retrieval_query=retrieval_query,
+            sources=sources,
         )
         with self.store.pinned():
             prompt = self._to_prompt(ctx, context_tokens=context_tokens, history=history)
@@ -619,6 +628,7 @@ class Pipeline(Planning):
         max_new_tokens: int | None = None,
         history: Sequence[dict[str, str]] | None = None,
         retrieval_query: str | None = None,
+        sources: Sources | None = None,
         on_text: Callable[[str], Any] | None = None,
         cancel: threading.Event | None = None,
         **generate_options: Any,
@@ -626,7 +636,9 @@ class Pipeline(Planning):
         """Retrieve, select within the budget, and generate an answer citing its sources.
 
         ``on_text`` receives the answer as it streams; setting ``cancel`` stops generation early
-        (and frees the KV reservation). ``generate_options`` (``do_sample``, ``temperature``,
+        (and frees the KV reservation). ``sources`` scopes the question to some files (display paths,
+        folders or globs: :mod:`ragbudget.retrieval.scope`); only their chunks are searched, packed,
+        cited and weighed by the evidence floor. ``generate_options`` (``do_sample``, ``temperature``,
         ``top_p``, …) go to :meth:`ragbudget.generation.generate.Generator.generate`.
         Raises :class:`~ragbudget.errors.BudgetError` when the question cannot fit, and
         :class:`~ragbudget.errors.OverloadedError` when admission control's queue is full.
@@ -646,13 +658,16 @@ class Pipeline(Planning):
             max_new_tokens=new_tokens,
             history=history,
             retrieval_query=retrieval_query,
+            sources=sources,
         )
         self.refresh_speed()
         # The newest committed generation (a writer elsewhere may have committed since the last
         # question), one for the search, the chunks and the sentences: the one the answer cites.
         with self.store.pinned() as searched:
             found = self._timed_search(ctx)
-            cited = {"generation": searched.number}
+            cited: dict[str, Any] = {"generation": searched.number}
+            if ctx.sources is not None:  # resolved by the search just made (kept per generation)
+                cited.update(sources=list(ctx.sources), chunks_in_scope=len(self.store.chunks_in(ctx.sources)))
             evidence = self._floored_evidence(ctx, found[0], history)
             if evidence is not None and evidence.declined:  # nothing to read: no model call, no prefill, no KV
                 ctx.enter("answer")

@@ -34,6 +34,8 @@ class RequestContext:
     #: What the search was made with (the question, or a rewritten retrieval query).
     query: str
     max_new_tokens: int
+    #: The source patterns the search is scoped to (:mod:`ragbudget.retrieval.scope`), if any.
+    sources: tuple[str, ...] | None = None
     #: The backend's capacity record, read once in the ``plan`` stage.
     capacity: Capacity | None = None
     #: The plan the request is budgeted by (a memory plan locally, the engine's figures served).

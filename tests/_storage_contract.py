@@ -5,7 +5,7 @@ with that package installed). Written against the public API only — ``open_sto
 author can run it on theirs: ``check_storage(location, folder)``.
 
 An empty location is no index (one-line errors, nothing created by a reader); an index builds,
-searches and names its sources; a second run adds a file as a new generation that a reader
+searches (scoped to a file too) and names its sources; a second run adds a file as a new generation that a reader
 follows while a reader pinned before keeps its own; an unchanged run commits nothing; one writer
 at a time.
 """
@@ -58,6 +58,10 @@ def check_storage(where: str, folder: Path) -> dict[str, Any]:
         assert int(manifest["generation"]) == 1
         assert _top(pipe, "Who keeps the lighthouse?") == "harbour.md"
         assert _top(pipe, "When does the pear ripen?") == "orchard.md"
+        # Scoped to one file, a search reads only that file's chunks (the storage's catalog
+        # resolves the pattern; its exact rows score them).
+        scoped = pipe.search("Who keeps the lighthouse?", k=3, sources="orchard.md")
+        assert scoped and {Path(s.path).name for h in scoped for s in h.sources} == {"orchard.md"}
 
     reader = Index(where)
     with reader.pinned() as pinned:

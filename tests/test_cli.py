@@ -663,6 +663,27 @@ def test_ask_paths_are_relative_unless_asked(runner: CliRunner, small_index: str
     assert str(path) in runner.invoke(cli, [*args, "--absolute-paths"]).output
 
 
+def test_source_scopes_ask_search_and_explain(runner: CliRunner, small_index: str) -> None:
+    args = _ask_curie(small_index)
+    doc = json.loads(runner.invoke(cli, [*args, "--json", "--source", "tides.txt", "--evidence-floor", "0"]).stdout)
+    assert {s["path"] for s in doc["sources"]} == {"docs/tides.txt"}
+    assert doc["report"]["index"]["sources"] == ["tides.txt"] and doc["report"]["index"]["chunks_in_scope"] >= 1
+    explained = runner.invoke(cli, [*args, "--explain", "--source", "docs/tides*", "--evidence-floor", "0"])
+    assert explained.exit_code == 0, explained.output
+    assert re.search(r"searched only docs/tides\*: \d+ chunk\(s\)", explained.output)
+    hits = runner.invoke(cli, ["search", "Curie", "--index-dir", small_index, "--source", "tides.txt", "--json"])
+    assert hits.exit_code == 0 and {h["sources"][0]["path"] for h in json.loads(hits.stdout)} == {"docs/tides.txt"}
+    both = runner.invoke(
+        cli, ["search", "Curie", "--index-dir", small_index, "--source", "tides.txt", "--source", "curie.txt"]
+    )
+    assert "docs/curie.txt" in both.output and "docs/tides.txt" in both.output
+    for command in (["search", "Curie"], args):
+        bad = runner.invoke(cli, [*command, "--index-dir", small_index, "--source", "nothere.txt"])
+        assert bad.exit_code == 1 and "Traceback" not in bad.output, bad.output
+        (line,) = [x for x in bad.output.splitlines() if x.strip()]
+        assert line.startswith("Error: no indexed file matches the source 'nothere.txt' (2 files, roots: docs)")
+
+
 def test_ask_prints_one_budget_line_from_the_memory_plan(runner: CliRunner, small_index: str) -> None:
     # The same line as on a served engine (test_pipeline_engines), led by the memory plan's KV
     # bytes a token.

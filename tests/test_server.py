@@ -136,6 +136,28 @@ def test_openai_client_non_streaming_with_sources() -> None:
     ]
 
 
+def test_sources_in_the_request_scope_the_answer_and_the_retrieval() -> None:
+    pipe = fake_pipeline()
+    with running(pipe) as url:
+        resp = client(url).chat.completions.create(
+            model=MODEL, messages=user(), max_tokens=4, extra_body={"sources": ["leader.md"]}
+        )
+        retrieved = httpx.post(url + "/v1/retrieve", json={"query": "footers", "k": 3, "sources": "docs/pdf-*"}).json()
+        fitted = httpx.post(
+            url + "/v1/retrieve", json={"query": "footers", "context_tokens": 100, "sources": "html-footer.md"}
+        ).json()
+        typo = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": user(), "sources": "nope.md"})
+        wrong = httpx.post(url + "/v1/retrieve", json={"query": "footers", "k": 3, "sources": [1]})
+    extra = resp.model_extra or {}
+    assert {s["path"] for s in extra["sources"]} == {"docs/leader.md"}  # the question is about the KV budget
+    assert extra["ragbudget"]["index"]["sources"] == ["leader.md"]
+    assert {h["sources"][0]["path"] for h in retrieved["data"]} == {"docs/pdf-headers.md", "docs/pdf-footer.md"}
+    assert fitted["data"] and {h["sources"][0]["path"] for h in fitted["data"]} == {"docs/html-footer.md"}
+    assert typo.status_code == 400 and typo.json()["error"]["code"] == "invalid_value"
+    assert "no indexed file matches the source 'nope.md'" in typo.json()["error"]["message"]
+    assert wrong.status_code == 400 and wrong.json()["error"]["param"] == "sources"
+
+
 def test_openai_client_streaming_with_sources_in_final_chunk() -> None:
     pipe = fake_pipeline(words=5)
     with running(pipe) as url:

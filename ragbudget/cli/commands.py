@@ -47,6 +47,7 @@ from .options import (
     search_options,
     served_history_options,
     setting,
+    source_option,
     user_errors,
 )
 
@@ -258,16 +259,23 @@ def index(
     "--absolute-paths", is_flag=True, help="Show absolute file paths instead of paths relative to the indexed roots."
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the hits as JSON.")
+@source_option
 @search_options
 @user_errors
 def search(
-    query: str, index_dir: str, k: int, absolute_paths: bool, as_json: bool, retrieval: RetrievalSettings
+    query: str,
+    index_dir: str,
+    k: int,
+    absolute_paths: bool,
+    as_json: bool,
+    sources: tuple[str, ...],
+    retrieval: RetrievalSettings,
 ) -> None:
     """Show the chunks closest to QUERY, with score, source, offsets and page."""
     from ..pipeline import Pipeline
 
     pipe = Pipeline(index_dir, retrieval=retrieval)
-    hits = pipe.search(query, k=k)
+    hits = pipe.search(query, k=k, sources=sources or None)
 
     def where(path: str) -> str:
         # Sources carry display paths (root label + path below it); the local opt-in maps them back.
@@ -497,6 +505,7 @@ def budget(
     "--absolute-paths", is_flag=True, help="Show absolute file paths instead of paths relative to the indexed roots."
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the answer, its sources and its report as JSON.")
+@source_option
 @sampling_options
 @retrieval_options
 @engine_options
@@ -511,6 +520,7 @@ def ask(
     no_stream: bool,
     absolute_paths: bool,
     as_json: bool,
+    sources: tuple[str, ...],
     sampling: dict[str, Any],
     retrieval: RetrievalSettings,
     engine: EngineSettings | None,
@@ -524,7 +534,7 @@ def ask(
     # Closed before anything is printed after the answer: the batching loop stops here, not
     # at interpreter exit (see ragbudget.generation.batching, "stopping at exit").
     with Pipeline(index_dir, model=model, memory=memory, retrieval=retrieval, engine=engine) as pipe:
-        answer = pipe.ask(question, context_tokens=context_tokens, on_text=on_text, **sampling)
+        answer = pipe.ask(question, context_tokens=context_tokens, sources=sources or None, on_text=on_text, **sampling)
         if absolute_paths:  # the prompt only ever saw display paths; the local user may want files
             for src in answer.sources:
                 src["path"] = pipe.store.absolute_path(src["path"]) or src["path"]
@@ -568,6 +578,7 @@ def ask(
 )
 @click.option("--no-stream", is_flag=True, help="Print each answer at the end instead of streaming it.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per turn.")
+@source_option
 @sampling_options
 @retrieval_options
 @engine_options
@@ -580,6 +591,7 @@ def chat(
     context_tokens: int | None,
     no_stream: bool,
     as_json: bool,
+    sources: tuple[str, ...],
     sampling: dict[str, Any],
     retrieval: RetrievalSettings,
     engine: EngineSettings | None,
@@ -593,7 +605,7 @@ def chat(
     from .terminal import TerminalLines, run_chat
 
     pipe = Pipeline(index_dir, model=model, memory=memory, retrieval=retrieval, engine=engine)
-    conversation = Conversation(pipe, history=history, context_tokens=context_tokens)
+    conversation = Conversation(pipe, history=history, context_tokens=context_tokens, sources=sources or None)
 
     def write(text: str) -> None:
         click.echo(text, nl=False)

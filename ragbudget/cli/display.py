@@ -208,7 +208,7 @@ def format_report(report: dict[str, Any]) -> str:
     p = report.get("plan", {})
     evidence = report.get("evidence") or {}
     if evidence.get("declined"):
-        return "\n".join(["Evidence", f"  {format_evidence(evidence)}"])
+        return "\n".join(["Evidence", f"  {format_evidence(evidence)}", *_scope_lines(report)])
 
     def n(x: Any) -> str:
         return f"{x:,}" if isinstance(x, int) else str(x)
@@ -280,6 +280,14 @@ def _span_line(sp: dict[str, Any]) -> str:
     )
 
 
+def _scope_lines(report: dict[str, Any]) -> list[str]:
+    """The files the question was scoped to (``ask --source``), if it was."""
+    index = report.get("index") or {}
+    if not index.get("sources"):
+        return []
+    return [f"  searched only {', '.join(index['sources'])}: {index.get('chunks_in_scope', '?'):,} chunk(s)"]
+
+
 def _report_tail(report: dict[str, Any], lines: list[str], rows: list[tuple[str, str]]) -> str:
     width = max(len(k) for k, _ in rows)
     lines = [*lines, "Budget", *(f"  {k.ljust(width)}  {v}" for k, v in rows)]
@@ -295,6 +303,7 @@ def _report_tail(report: dict[str, Any], lines: list[str], rows: list[tuple[str,
     else:
         how = ""
     lines.append(f"Context: {len(sel)} passage(s){how}")
+    lines += _scope_lines(report)
     for i, s in enumerate(sel, 1):
         src = (s.get("sources") or [{}])[0]
         page = f" ({src['label']})" if src.get("label") else f" p.{src.get('page')}" if src.get("page") else ""

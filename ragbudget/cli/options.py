@@ -141,6 +141,20 @@ def index_dir_option(fn: Callable[..., Any]) -> Callable[..., Any]:
     )(fn)
 
 
+def source_option(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``--source PATTERN`` (repeatable): the files a question or a search is scoped to
+    (:mod:`ragbudget.retrieval.scope`). Reaches the command as ``sources``: a tuple, empty when
+    not given (every file)."""
+    return click.option(
+        "--source",
+        "sources",
+        multiple=True,
+        metavar="PATTERN",
+        help="Only search these files: a path as the sources show it (reviews/B00X.txt), a folder, "
+        "or a glob such as 'reviews/*.txt'. Repeat for several (`ragbudget sources` lists them).",
+    )(fn)
+
+
 def option_group(dest: str, options: dict[str, Any], build: Callable[..., Any]) -> Callable[..., Any]:
     """A decorator adding click ``options`` (parameter name -> option) that reach the command as
     one keyword ``dest``: ``build(**their values)`` — a settings record, checked as it is built

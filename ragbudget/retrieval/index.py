@@ -40,6 +40,7 @@ from .lexical import FUSIONS, fts5_available, fts_match_query, fuse_checked, fus
 from .manifest import FORMAT_VERSION
 from .reader import Opened, Reader
 from .roots import Roots, fallback_root
+from .scope import Sources, cached_scope, dense_in, in_scope_first, lexical_in, source_patterns
 from .storage import open_storage, stores_sentences
 
 if TYPE_CHECKING:
@@ -335,6 +336,7 @@ class Index:
         fusion: str | None = None,
         candidates: int | None = None,
         query_vector: ArrayLike | None = None,
+        sources: Sources | None = None,
     ) -> list[Hit]:
         """The ``k`` chunks that best match ``query``, best first.
 
@@ -346,12 +348,19 @@ class Index:
         returns the dense hits. ``retrieval`` (a :class:`~ragbudget.settings.RetrievalSettings`)
         gives ``hybrid``, ``lexical_weight``, ``fusion`` and ``fetch_k`` at once, instead of the
         keywords. ``query_vector``: ``query`` already embedded by the caller (:meth:`embed_query`),
-        so that it is not embedded again (a pipeline reuses it to score sentences).
+        so that it is not embedded again (a pipeline reuses it to score sentences). ``sources``
+        scopes the search to some files: a display path, a folder or a glob over them, or a list
+        of those (:mod:`ragbudget.retrieval.scope`); only chunks from those files are returned.
 
         >>> idx.search("who founded the guild?", k=5, hybrid=True)[0].score   # doctest: +SKIP
+        >>> idx.search("is it loud?", sources="reviews/B00X*.txt")            # doctest: +SKIP
         """
+        scope = None if sources is None else source_patterns(sources)
         with self.pinned():  # one generation for the dense, lexical and chunk reads alike
-            return self._search(query, k, embedder, retrieval, hybrid, lexical_weight, fusion, candidates, query_vector)
+            hits = self._search(
+                query, k, embedder, retrieval, hybrid, lexical_weight, fusion, candidates, query_vector, scope
+            )
+            return hits if scope is None else in_scope_first(hits, scope, self._paths())
 
     def _search(
         self,
@@ -364,6 +373,7 @@ class Index:
         fusion: str | None,
         candidates: int | None,
         query_vector: ArrayLike | None,
+        patterns: tuple[str, ...] | None = None,
     ) -> list[Hit]:
         emb = embedder or self.embedder
         self._check_embedder(emb)
@@ -378,13 +388,14 @@ class Index:
             {"hybrid": hybrid, "lexical_weight": lexical_weight, "fusion": fusion},
         )
         vector = emb.embed_query(query) if query_vector is None else query_vector
+        scope = None if patterns is None else cached_scope(self._opened(), patterns)
         if not settings.hybrid or settings.lexical_weight == 0.0:
-            return self._search_vector(vector, k)
+            return self._dense(vector, k, scope)
         pool = max(k, candidates or settings.fetch_k)
-        lexical = dict(self._lexical(query, pool))
+        lexical = dict(self._lexical(query, pool, scope))
         if not lexical:  # no FTS5, or no query word in any chunk: the dense search, unchanged
-            return self._search_vector(vector, k)
-        dense_hits = self._search_vector(vector, pool)
+            return self._dense(vector, k, scope)
+        dense_hits = self._dense(vector, pool, scope)
         dense = {h.chunk_id: h.score for h in dense_hits}
         missing = [i for i in lexical if i not in dense]
         # A chunk found only by BM25 still gets its real cosine (vectors are in the exact store),
@@ -454,9 +465,28 @@ class Index:
         gen = self._generation()
         return bool(gen.manifest.get("lexical")) and gen.catalog.has_lexical()
 
-    def _lexical(self, query: str, k: int) -> list[tuple[int, float]]:
+    def _lexical(self, query: str, k: int, scope: frozenset[int] | None = None) -> list[tuple[int, float]]:
         gen = self._generation()
+        if scope is not None:
+            return lexical_in(gen, query, k, scope)
         return gen.catalog.lexical(query, k, trusted=bool(gen.manifest.get("lexical")))
+
+    def chunks_in(self, sources: Sources) -> frozenset[int]:
+        """The ids of the chunks located in the files ``sources`` names (a display path, a
+        folder or a glob over them, or a list of those: :mod:`ragbudget.retrieval.scope`), what a
+        search with ``sources=`` is limited to. Raises :class:`~ragbudget.errors.ConfigError`
+        when a pattern names no indexed file."""
+        patterns = source_patterns(sources)
+        with self.pinned():
+            return cached_scope(self._opened(), patterns)
+
+    def _dense(self, vector: ArrayLike, k: int, scope: frozenset[int] | None) -> list[Hit]:
+        """The dense search, within ``scope`` when there is one."""
+        if scope is None:
+            return self._search_vector(vector, k)
+        pairs = dense_in(self._generation(), vector, k, scope)
+        by_id = {h.chunk_id: h for h in self.get_chunks([i for i, _ in pairs])}
+        return [_with_score(by_id[i], s) for i, s in pairs if i in by_id]
 
     def _cosines(self, vector: ArrayLike, ids: Sequence[int]) -> dict[int, float]:
         import numpy as np

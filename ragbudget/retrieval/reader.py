@@ -17,7 +17,7 @@ import contextlib
 import logging
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -37,6 +37,8 @@ class Opened:
     gen: Generation
     roots: Roots
     page_labels: dict[str, list[str]] | None = None
+    #: ``{source patterns: chunk ids}`` of the scopes searched in this generation (:mod:`.scope`).
+    scopes: dict[tuple[str, ...], frozenset[int]] = field(default_factory=dict)
     users: int = 0
     retired: bool = False
 

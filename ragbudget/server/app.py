@@ -378,12 +378,13 @@ class _Server:
         req = parse_retrieve(await read_json(request, limit=self.max_body_bytes, metrics=self.metrics))
         self.health.require()
         if req.k is not None:
-            k = req.k
-            hits = await self.workers.run(lambda: pipeline.search(req.query, k=k), self.to_api_error)
+            k, scope = req.k, req.sources
+            hits = await self.workers.run(lambda: pipeline.search(req.query, k=k, sources=scope), self.to_api_error)
             self.health.ok()
             return hits_body(req.query, hits)
         selection = await self.workers.run(
-            lambda: pipeline.retrieve(req.query, context_tokens=req.context_tokens), self.to_api_error
+            lambda: pipeline.retrieve(req.query, context_tokens=req.context_tokens, sources=req.sources),
+            self.to_api_error,
         )
         self.health.ok()
         return selection_body(req.query, selection)

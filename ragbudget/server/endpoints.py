@@ -593,6 +593,7 @@ class ChatEndpoint:
             max_new_tokens=req.max_tokens,
             context_tokens=req.context_tokens,
             summary_cache=self.summary_cache,
+            sources=req.sources,
         )
         # In this worker thread: the reservation made inside claims a promise under this key.
         with AdmissionController.returning(req.key or None, on_claim=on_claim):

@@ -78,7 +78,7 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 }
 # Fields with no effect on the answer (bookkeeping on OpenAI's side), accepted and not used.
 _NO_EFFECT = {"user", "metadata", "store", "service_tier"}
-# Everything /v1/chat/completions reads; ``context_tokens`` is ragbudget's own extra.
+# Everything /v1/chat/completions reads; ``context_tokens`` and ``sources`` are ragbudget's own extras.
 _CHAT_FIELDS = (
     {
         "model",
@@ -93,11 +93,15 @@ _CHAT_FIELDS = (
         "max_tokens",
         "max_completion_tokens",
         "context_tokens",
+        "sources",
     }
     | set(_UNSUPPORTED)
     | _NO_EFFECT
 )
-_RETRIEVE_FIELDS = {"query", "k", "context_tokens"}
+_RETRIEVE_FIELDS = {"query", "k", "context_tokens", "sources"}
+#: The most source patterns one request may scope its search to, and the longest one: each is
+#: matched against every indexed file's path once per generation.
+MAX_SOURCES, MAX_SOURCE_CHARS = 64, 1024
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -116,6 +120,8 @@ class ChatRequest:
     # The body's digest: a client retrying after a 429 sends the same body again, and admission
     # keeps the place it promised that client (AdmissionController.returning).
     key: str = ""
+    #: The files the question is scoped to (``Pipeline.ask``'s ``sources``), if the body names any.
+    sources: tuple[str, ...] | None = None
 
 
 def _content_text(content: Any, where: str) -> str:
@@ -152,6 +158,32 @@ def _opt_int(body: dict[str, Any], name: str, *, minimum: int = 1) -> int | None
     if value < minimum:
         raise APIError(400, f"'{name}' must be >= {minimum}, got {value}", param=name, code="invalid_value")
     return value
+
+
+def _sources(body: dict[str, Any]) -> tuple[str, ...] | None:
+    """The body's ``sources``: a path pattern or a list of them (:mod:`ragbudget.retrieval.scope`)."""
+    from ...errors import ConfigError
+    from ...retrieval.scope import source_patterns
+
+    value = body.get("sources")
+    if value is None:
+        return None
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not all(isinstance(v, str) for v in items):
+        raise APIError(
+            400, "'sources' must be a path pattern or a list of them (strings)", param="sources", code="invalid_type"
+        )
+    if len(items) > MAX_SOURCES or any(len(v) > MAX_SOURCE_CHARS for v in items):
+        raise APIError(
+            400,
+            f"'sources' takes at most {MAX_SOURCES} patterns of at most {MAX_SOURCE_CHARS} characters",
+            param="sources",
+            code="invalid_value",
+        )
+    try:
+        return source_patterns(items)
+    except ConfigError as exc:
+        raise APIError(400, str(exc), param="sources", code="invalid_value") from None
 
 
 def _number(body: dict[str, Any], name: str, low: float, high: float) -> float | None:
@@ -256,6 +288,7 @@ def parse_chat(body: Any, models: Sequence[str], *, max_tokens_limit: int | None
         context_tokens=_opt_int(body, "context_tokens"),
         sampling=sampling,
         key=body_key(body),
+        sources=_sources(body),
     )
 
 
@@ -459,11 +492,12 @@ class RetrieveRequest:
     query: str
     k: int | None  # the k best hits; None: the chunks that fit the budget
     context_tokens: int | None
+    sources: tuple[str, ...] | None = None  # the files searched (every one: None)
 
 
 def parse_retrieve(body: Any) -> RetrieveRequest:
     """Validate a retrieve request: a non-empty ``query``, and optionally ``k`` (at most
-    :data:`MAX_RETRIEVE_K`) or ``context_tokens``."""
+    :data:`MAX_RETRIEVE_K`) or ``context_tokens``, and ``sources`` (the files searched)."""
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object", code="invalid_type")
     _check_fields(body, _RETRIEVE_FIELDS)
@@ -479,4 +513,4 @@ def parse_retrieve(body: Any) -> RetrieveRequest:
     if k is not None and k > MAX_RETRIEVE_K:
         # The search allocates k scores up front: a huge k is a memory error, not an answer.
         raise APIError(400, f"'k' must be <= {MAX_RETRIEVE_K}, got {k}", param="k", code="invalid_value")
-    return RetrieveRequest(query=query, k=k, context_tokens=_opt_int(body, "context_tokens"))
+    return RetrieveRequest(query=query, k=k, context_tokens=_opt_int(body, "context_tokens"), sources=_sources(body))
