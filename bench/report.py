@@ -128,6 +128,15 @@ _ANSWER_WINDOW = "43f9127"
 #: 79dbff5 folded how bench/answers.py's --reuse and --peers-from ask git into one function.
 _GIT_CHECK = "79dbff5"
 _GIT_CHECK_WHY = "only how --reuse and --peers-from ask git what changed; the cells are asked as before"
+#: 4e1a3bd added a question's scope (``sources=``, ``--source``, the server's ``"sources"``). Without
+#: one every path is the one before (a ``None`` check where the scope would apply; the server
+#: parses one more absent field) and no benchmark passes one.
+_SCOPE = "4e1a3bd"
+#: Commits that cannot move any row's figure (each with why), on top of each row's own.
+_EVERY_ROW_UNAFFECTED: Mapping[str, str] = {
+    _SCOPE: "adds sources= (a question's scope): without one the path is the same but for a None check, "
+    "and no benchmark passes one",
+}
 #: What the 0.5B answers runs (bench/answers.py, one question at a time) are unaffected by.
 _ANSWERS_UNAFFECTED = {
     _GIT_CHECK: _GIT_CHECK_WHY,
@@ -1127,7 +1136,8 @@ def staleness(row: Row) -> str | None:
         paths = (*row.exercises, *scripts)
         commits = _unreverted(_git("log", "--format=%H%x00%B%x01", f"{base}..HEAD", "--", *paths))
         code = [c for c in commits if not _same_code(c, paths)]
-        if commits and all(any(c.startswith(k) for k in row.unaffected_by) for c in code):
+        declared = {**_EVERY_ROW_UNAFFECTED, **row.unaffected_by}
+        if commits and all(any(c.startswith(k) for k in declared) for c in code):
             changed = []
     notes = ["measured with uncommitted changes"] if commit.endswith("+dirty") else []
     if changed:
