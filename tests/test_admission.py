@@ -734,6 +734,9 @@ def test_time_counts_the_expected_answer_length_memory_the_whole() -> None:
         r.finish(new_tokens=20)
         r.release()
     assert ctl.answer_share == pytest.approx(0.2, abs=0.01)
+    # What /health and /metrics show of it (ragbudget_admission_answer_share).
+    assert ctl.stats().answer_share == ctl.stats().to_dict()["answer_share"] == pytest.approx(0.2, abs=0.01)
+    assert AdmissionController(1100).stats().answer_share is None  # no time model, nothing to show
     busy = ctl.acquire(1100, prompt_tokens=1000)
     assert busy.job is not None and busy.job.decode == pytest.approx(0.2, abs=0.011)
     assert ctl.stats().admitted_tokens == 1100  # memory: the whole answer

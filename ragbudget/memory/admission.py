@@ -228,6 +228,7 @@ class AdmissionController:
                 peak_admitted_bytes=self._peak_bytes if mem else None,
                 work_ahead_s=ahead,
                 slowdown=(round(self.throughput.slowdown, 3) if self.throughput is not None else None),
+                answer_share=(round(self._learning.answer_share, 3) if self.throughput is not None else None),
             )
 
     def enqueue(self, tokens: int, *, prompt_tokens: int | None = None, new_tokens: int | None = None) -> Ticket:
@@ -257,9 +258,9 @@ class AdmissionController:
 
     @property
     def answer_share(self) -> float:
-        """The share of ``max_new_tokens`` that finished answers generated (a moving average
-        from 1, the worst case, until answers are seen): the decode work the time model expects
-        of a request (memory still reserves its whole ``max_new_tokens``)."""
+        """The share of ``max_new_tokens`` that finished answers generated (over the last
+        ``Learning.ANSWER_WINDOW``; 1, the worst case, until answers are seen): the decode work the
+        time model expects of a request (memory still reserves its whole ``max_new_tokens``)."""
         with self._lock:
             return self._learning.answer_share
 

@@ -37,6 +37,9 @@ class AdmissionStats:
     peak_admitted_bytes: int | None = None
     work_ahead_s: float | None = None  # with a throughput: single-stream seconds still to do
     slowdown: float | None = None  # with a throughput: wall s per measured s, learnt (observe)
+    #: With a throughput: generated over allowed new tokens of the last answers (schedule.Learning),
+    #: the decode work the time model expects of a request.
+    answer_share: float | None = None
 
     @property
     def free_tokens(self) -> int:
@@ -54,7 +57,8 @@ class AdmissionStats:
             "timed_out_total": self.timed_out_total,
             "refused_for_time_total": self.refused_for_time_total,
         }
-        for key in ("capacity_bytes", "admitted_bytes", "peak_admitted_bytes", "work_ahead_s", "slowdown"):
+        timed = ("work_ahead_s", "slowdown", "answer_share")
+        for key in ("capacity_bytes", "admitted_bytes", "peak_admitted_bytes", *timed):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
         return out

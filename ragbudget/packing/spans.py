@@ -49,7 +49,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from ..errors import ConfigError
 from ..types import DEFAULT_PACK, DEFAULT_SPAN_FLOOR, PACKS, Source
@@ -70,12 +69,6 @@ from .select import (
     truncate_item,
 )
 from .sentences import NEEDS_PREVIOUS, needs_previous, sentence_digest, sentence_texts, split_sentences
-
-if TYPE_CHECKING:  # numpy is imported where vectors are handled, not with the module
-    import numpy as np
-    import numpy.typing as npt
-
-    Vector = npt.NDArray[np.float32]
 
 # Span (a record of a Selection: select.py's) and the sentence names (split_sentences,
 # needs_previous, sentence_digest...) were defined here until issue #32: they resolve here too,

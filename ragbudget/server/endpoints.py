@@ -88,6 +88,7 @@ _ADMISSION_FIGURES = (
     "refused_for_time_total",
     "work_ahead_s",
     "slowdown",
+    "answer_share",
 )
 # Of those, the host memory figures (the memory left beside the weights, and how much of it
 # requests hold): shown only with ``expose_plan``, like the plan itself.
@@ -337,6 +338,12 @@ CLIENT_LEFT = "ragbudget.client_left"
 
 
 # --- the chat endpoint ----------------------------------------------------------------------------
+
+
+def _moving(previous: float | None, value: float) -> float:
+    """An average of answered requests weighted to the recent ones (a fifth to the newest), as
+    the early checks and Retry-After read a request's duration and prompt."""
+    return value if previous is None else 0.8 * previous + 0.2 * value
 
 
 class RequestCancel(threading.Event):
@@ -606,10 +613,9 @@ class ChatEndpoint:
 
     def record_answer(self, answer: Answer) -> None:
         report = answer.report
-        self.hold_s = 0.8 * self.hold_s + 0.2 * float(report["timings"]["total_s"])
+        self.hold_s = _moving(self.hold_s, float(report["timings"]["total_s"]))
         usage = usage_of(answer)
-        prompt = float(usage["prompt_tokens"])
-        self.prompt_mean = prompt if self.prompt_mean is None else 0.8 * self.prompt_mean + 0.2 * prompt
+        self.prompt_mean = _moving(self.prompt_mean, float(usage["prompt_tokens"]))
         self.metrics.add("tokens_prompt", usage["prompt_tokens"])
         self.metrics.add("tokens_completion", usage["completion_tokens"])
         self.metrics.add("oom_steps", len(report["oom_steps"]))

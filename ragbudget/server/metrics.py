@@ -91,6 +91,11 @@ METRICS: dict[str, Metric] = {
         "Wall seconds per measured second of model work, learnt from the requests that ran.",
         shown=_TIMED,
     ),
+    "ragbudget_admission_answer_share": Metric(
+        "gauge",
+        "Generated over allowed new tokens of the last answers: the decode work admission expects of a request.",
+        shown=_TIMED,
+    ),
     "ragbudget_engine_up": Metric(
         "gauge",
         "1: the served engine answers; 0: it is unavailable (gone, loading, overloaded or broken).",
@@ -284,6 +289,7 @@ _ADMISSION_GAUGES = {
     "refused_for_time_total": "ragbudget_refused_for_time_total",
     "work_ahead_s": "ragbudget_work_ahead_seconds",
     "slowdown": "ragbudget_admission_slowdown",
+    "answer_share": "ragbudget_admission_answer_share",
 }
 
 
