@@ -132,10 +132,15 @@ _GIT_CHECK_WHY = "only how --reuse and --peers-from ask git what changed; the ce
 #: one every path is the one before (a ``None`` check where the scope would apply; the server
 #: parses one more absent field) and no benchmark passes one.
 _SCOPE = "4e1a3bd"
+#: 60cdaeb added admission's answer share to its stats snapshot (/health, /metrics) and computed
+#: the server's two moving averages through one function (the same arithmetic); spans.py lost an
+#: alias only type checkers read.
+_ANSWER_SHARE_SHOWN = "60cdaeb"
 #: Commits that cannot move any row's figure (each with why), on top of each row's own.
 _EVERY_ROW_UNAFFECTED: Mapping[str, str] = {
     _SCOPE: "adds sources= (a question's scope): without one the path is the same but for a None check, "
     "and no benchmark passes one",
+    _ANSWER_SHARE_SHOWN: "one more figure in admission's stats snapshot; the moving averages as before",
 }
 #: What the 0.5B answers runs (bench/answers.py, one question at a time) are unaffected by.
 _ANSWERS_UNAFFECTED = {
