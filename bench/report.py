@@ -212,11 +212,17 @@ ROWS: tuple[Row, ...] = (
             "n": "/questions_answerable",
             "wrong": "/summary/ragbudget@256/wrongly_declined_pct",
             "failed": "/summary/ragbudget@256/failed",
+            # The same comparison with the 1.5B model (its own row: sum-answers-amazon-1-5b), a miss.
+            **{
+                f"{k}15": "answers_amazon_1_5b.json#" + v
+                for k, v in {**_paired("langchain@2048"), "n": "/questions_answerable"}.items()
+            },
         },
         rb="{rb:.1f} at 256 tokens by default (paired difference {d:+.1f}, 95% interval {lo:+.1f} to {hi:+.1f}, the "
         "target a lower bound of -1 or above; against LlamaIndex {dli:+.1f}, {loli:+.1f} to {hili:+.1f}; "
         "{n} questions; {wrong:.1f}% of them declined by the evidence floor; {failed} failed); {off:.1f} with the "
-        "floor off, `--evidence-floor 0` ({do:+.1f}, {loo:+.1f} to {hio:+.1f})",
+        "floor off, `--evidence-floor 0` ({do:+.1f}, {loo:+.1f} to {hio:+.1f}); with the 1.5B model {d15:+.1f} "
+        "({lo15:+.1f} to {hi15:+.1f}, {n15} questions): a miss",
         peer="{peer:.1f} at 2,048 tokens (LangChain stuff chain; LlamaIndex `compact` {li:.1f})",
         ratio=None,
         data="SQuADShifts Amazon: reporting split, never tuned on",
@@ -278,6 +284,32 @@ ROWS: tuple[Row, ...] = (
             _CLOSED_BACKEND: _CLOSED_WHY,
             _ANSWER_WINDOW: _ONE_AT_A_TIME,
         },
+    ),
+    Row(
+        id="sum-answers-amazon-1-5b",
+        figure="Answer F1 on product reviews (SQuADShifts Amazon) with Qwen2.5-Coder-1.5B-Instruct: `ragbudget ask` "
+        "at 256 context tokens, by default and with the evidence floor off, against LangChain at 2,048 (a miss)",
+        short="Answer F1 on product reviews with the 1.5B model: `ragbudget ask` at 256 tokens vs LangChain at 2,048",
+        section="the-15b-model",
+        raw="answers_amazon_1_5b.json",
+        values={
+            "rb": "/summary/ragbudget@256/f1",
+            "off": "/summary/ragbudget_floor_off@256/f1",
+            "peer": "/summary/langchain@2048/f1",
+            "p256": "/summary/langchain@256/f1",
+            **_paired("langchain@2048"),
+            **_paired("langchain@2048", "o", row="ragbudget_floor_off@256"),
+            "n": "/questions_answerable",
+            "failed": "/summary/ragbudget@256/failed",
+        },
+        rb="{rb:.1f} at 256 tokens by default (paired difference {d:+.1f}, 95% interval {lo:+.1f} to {hi:+.1f}: "
+        "under the target's lower bound of -1; {n} questions; {failed} failed); {off:.1f} with the floor off "
+        "({do:+.1f}, {loo:+.1f} to {hio:+.1f})",
+        peer="{peer:.1f} at 2,048 tokens (LangChain stuff chain; at 256 {p256:.1f}; LlamaIndex not run)",
+        ratio=None,
+        data="SQuADShifts Amazon: reporting split, never tuned on",
+        headline=False,
+        exercises=_ASK,
     ),
     Row(
         id="sum-abstain",
