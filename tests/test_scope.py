@@ -55,10 +55,24 @@ def test_patterns_are_checked_and_normalized() -> None:
         ("/data/corpus", True),
         ("/data/other/reviews/B001.txt", False),
         ("/reviews/B001.txt", False),  # absolute patterns never read the display path
+        ("reviews/B00[12].txt", True),
+        ("reviews/B00[!1].txt", False),
+        ("reviews/B00?.txt", True),
+        ("re*/B001.txt", True),
+        ("**/B001.txt", True),  # ** is one part, as PurePath.match reads it
+        ("reviews/**", True),
+        ("r.views", False),  # a dot is a dot
     ],
 )
 def test_what_a_pattern_names(pattern: str, named: bool) -> None:
     assert matches(pattern, "/data/corpus/reviews/B001.txt", "reviews/B001.txt") is named
+
+
+@pytest.mark.parametrize(
+    ("pattern", "named"), [("C:/data/corpus", True), ("C:/data/corpus/reviews/*.txt", True), ("C:/other", False)]
+)
+def test_windows_absolute_patterns_read_the_stored_path(pattern: str, named: bool) -> None:
+    assert matches(pattern, "C:\\data\\corpus\\reviews\\B001.txt", "reviews/B001.txt") is named
 
 
 # --- the index -------------------------------------------------------------------------------------
@@ -141,6 +155,70 @@ def test_a_wide_scope_searches_the_store_then_falls_back_to_exact(
     # A store that returns too few of the scope's chunks: the exact scores answer instead.
     monkeypatch.setattr(store, "search", lambda q, k: real(q, 1))
     assert [h.chunk_id for h in ix.search("tag2qq marker", k=6, sources="kitchen")] == exact
+
+
+def test_bm25_in_a_scope_reads_past_the_matches_outside_it(tmp_path: Path) -> None:
+    """A word common outside the scope fills the top of the whole index's BM25 ranking: the scoped
+    read goes deeper until it finds the scope's own matches (it used to stop at the first depth)."""
+    for folder in ("a", "b"):
+        (tmp_path / "c" / folder).mkdir(parents=True)
+        for i in range(30):
+            # a/: short, the word three times (BM25's best); b/: the word once in a longer text.
+            text = (
+                "The zebra zebra zebra grazes. " if folder == "a" else make_text(700 + i, n_paragraphs=1) + " A zebra. "
+            )
+            (tmp_path / "c" / folder / f"f{i}.txt").write_text(text + f"Item {folder}{i}.\n")
+    build(Index(tmp_path / "ix"), tmp_path / "c")
+    ix = Index.open(tmp_path / "ix")
+    gen = ix.generation
+    top = gen.catalog.lexical("zebra", 20, trusted=True)
+    assert not any(i in ix.chunks_in("b") for i, _ in top)  # the premise: the first read holds none of b's
+    found = scope_mod.lexical_in(gen, "zebra", 5, ix.chunks_in("b"))
+    assert len(found) == 5 and all(i in ix.chunks_in("b") for i, _ in found)
+
+
+def test_scopes_resolved_from_many_threads_at_once_never_fail(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Many requests resolving and evicting kept patterns of one generation at once (a server
+    asked about many products): no error from the eviction, and never more kept than the limit.
+    The catalog answers at once, so that the threads meet in the cache."""
+    import sys
+    import threading
+    from types import SimpleNamespace
+
+    files = [f"/r/p{n}" for n in range(200)]
+    catalog = SimpleNamespace(file_paths=lambda: files, sources_in=lambda path: [(int(path[4:]), None)])
+    gen = SimpleNamespace(catalog=catalog)
+    roots = SimpleNamespace(display=lambda path: path[1:], labels=lambda: ["r"])
+    monkeypatch.setattr(scope_mod, "SCOPES_KEPT", 8)
+    kept: dict = {}
+    errors: list[BaseException] = []
+
+    def ask_many(seed: int) -> None:
+        try:
+            for i in range(400):
+                n = (seed * 37 + i) % 200
+                assert scope_mod.resolve(gen, roots, (f"p{n}",), kept=kept) == {n}  # type: ignore[arg-type]
+        except BaseException as exc:  # noqa: BLE001 (the test's subject: any failure)
+            errors.append(exc)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch as often as they can: a race shows
+    try:
+        threads = [threading.Thread(target=ask_many, args=(t,)) for t in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert errors == [] and 0 < len(kept) <= 8
+
+
+def test_a_wrong_query_vector_is_a_config_error_scoped_too(products: Path) -> None:
+    ix = Index.open(products / "ix")
+    for scope in (None, "item01.txt"):
+        with pytest.raises(ConfigError, match="dimension 10"):
+            ix.search("x", query_vector=np.ones(10, dtype=np.float32), sources=scope)
 
 
 def test_a_pattern_that_names_nothing_is_a_one_line_error(products: Path) -> None:
@@ -251,6 +329,8 @@ def test_the_server_reads_sources_as_a_pattern_or_a_list() -> None:
         ([""], "invalid_value"),
         (["a"] * (MAX_SOURCES + 1), "invalid_value"),
         ("x" * 2000, "invalid_value"),
+        ("/home/someone/reviews", "invalid_value"),  # a client never probes the server's own paths
+        (["reviews", "C:\\Users"], "invalid_value"),
     ):
         with pytest.raises(APIError) as e:
             parse_chat(_chat(sources=bad), ["m"])

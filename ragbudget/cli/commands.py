@@ -606,6 +606,8 @@ def chat(
 
     pipe = Pipeline(index_dir, model=model, memory=memory, retrieval=retrieval, engine=engine)
     conversation = Conversation(pipe, history=history, context_tokens=context_tokens, sources=sources or None)
+    if sources:  # a pattern that names no file: one error now, not one at every turn
+        pipe.store.chunks_in(sources)
 
     def write(text: str) -> None:
         click.echo(text, nl=False)

@@ -285,7 +285,7 @@ def _scope_lines(report: dict[str, Any]) -> list[str]:
     index = report.get("index") or {}
     if not index.get("sources"):
         return []
-    return [f"  searched only {', '.join(index['sources'])}: {index.get('chunks_in_scope', '?'):,} chunk(s)"]
+    return [f"  searched only {', '.join(index['sources'])}: {index.get('chunks_in_scope', '?')} chunk(s)"]
 
 
 def _report_tail(report: dict[str, Any], lines: list[str], rows: list[tuple[str, str]]) -> str:

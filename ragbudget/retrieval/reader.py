@@ -37,8 +37,8 @@ class Opened:
     gen: Generation
     roots: Roots
     page_labels: dict[str, list[str]] | None = None
-    #: ``{source patterns: chunk ids}`` of the scopes searched in this generation (:mod:`.scope`).
-    scopes: dict[tuple[str, ...], frozenset[int]] = field(default_factory=dict)
+    #: ``{source pattern: (chunk ids, files named)}`` of the scopes searched in this generation (:mod:`.scope`).
+    scopes: dict[str, tuple[frozenset[int], int]] = field(default_factory=dict)
     users: int = 0
     retired: bool = False
 

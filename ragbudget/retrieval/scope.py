@@ -21,10 +21,13 @@ several files lists its sources in scope first, so that it is cited from the fil
 
 from __future__ import annotations
 
+import functools
 import math
+import re
+import threading
 from collections.abc import Sequence
 from dataclasses import replace
-from pathlib import PurePosixPath
+from pathlib import PureWindowsPath
 from typing import TYPE_CHECKING
 
 from ..errors import ArgumentTypeError, ConfigError
@@ -45,7 +48,8 @@ Sources = str | Sequence[str]
 #: ~15 MB of float32 MiniLM vectors, a few milliseconds), whatever store the index searches with.
 EXACT_SCOPE_MAX = 10_000
 
-#: Scopes kept per open generation (a server answering questions about a few products at a time).
+#: Patterns whose resolution is kept per open generation (a server answering questions about a
+#: few products at a time).
 SCOPES_KEPT = 64
 
 
@@ -67,54 +71,105 @@ def source_patterns(sources: Sources) -> tuple[str, ...]:
     return tuple(dict.fromkeys(out))
 
 
+def is_absolute(pattern: str) -> bool:
+    """Whether ``pattern`` (slashes normalized) names absolute paths: ``/...`` or ``C:/...``."""
+    return pattern.startswith("/") or PureWindowsPath(pattern).is_absolute()
+
+
+def _part(glob: str) -> str:
+    """One path part of a glob as a regular expression: ``*`` and ``?`` stay within the part."""
+    out, i = [], 0
+    while i < len(glob):
+        c = glob[i]
+        close = glob.find("]", i + 2) if c == "[" else -1
+        if c == "*":
+            out.append("[^/]*")
+        elif c == "?":
+            out.append("[^/]")
+        elif close != -1:
+            body = glob[i + 1 : close].replace("\\", "\\\\")
+            body = "^" + body[1:] if body.startswith("!") else "\\" + body if body.startswith("^") else body
+            out.append("[" + body + "]")
+            i = close
+        else:
+            out.append(re.escape(c))
+        i += 1
+    return "".join(out)
+
+
+@functools.lru_cache(maxsize=256)
+def _pattern_re(pattern: str) -> re.Pattern[str]:
+    """``pattern`` as a regular expression over a path: the file itself or any folder above it,
+    whole parts only, as :meth:`PurePath.match` reads a pattern (a relative one from the right,
+    an absolute one from the root); ``**`` is one part, like ``*``."""
+    body = "/".join(_part(p) for p in pattern.split("/"))
+    return re.compile(("^" if is_absolute(pattern) else "(?:^|/)") + body + "(?:/|$)")
+
+
 def matches(pattern: str, stored: str, shown: str) -> bool:
     """Whether ``pattern`` names the file ``stored`` (its absolute path), shown as ``shown`` (its
-    display path): the file itself or any folder above it, by :meth:`PurePath.match`."""
-    target = PurePosixPath(stored.replace("\\", "/") if pattern.startswith("/") else shown)
-    if str(target) == pattern:
-        return True
-    try:
-        return any(p.match(pattern) for p in (target, *target.parents) if str(p) not in (".", "/"))
-    except ValueError:  # a pattern PurePath cannot read ("a//b" is normalized, but be safe)
-        return False
+    display path): the file itself or any folder above it."""
+    target = stored.replace("\\", "/") if is_absolute(pattern) else shown
+    return _pattern_re(pattern).search(target) is not None
 
 
-def resolve(gen: Generation, roots: Roots, patterns: tuple[str, ...]) -> frozenset[int]:
+def _resolve_one(gen: Generation, roots: Roots, pattern: str, paths: list[str]) -> Resolved:
+    """The chunk ids of the files ``pattern`` names, and how many files it names."""
+    named = [p for p in paths if matches(pattern, p, roots.display(p))]
+    if len(named) == len(paths):  # every file (``*``, a root): every chunk, in one read
+        return frozenset(int(i) for i in gen.catalog.chunk_ids().tolist()), len(named)
+    return frozenset(cid for path in named for cid, _ in gen.catalog.sources_in(path)), len(named)
+
+
+#: Each pattern's resolution: its chunk ids, and how many files it names.
+Resolved = tuple[frozenset[int], int]
+
+
+def resolve(
+    gen: Generation, roots: Roots, patterns: tuple[str, ...], kept: dict[str, Resolved] | None = None
+) -> frozenset[int]:
     """The ids of every chunk with a source in a file ``patterns`` names. Raises
-    :class:`~ragbudget.errors.ConfigError` for a pattern that names no file the index knows, and
-    for files that hold no indexed text (all skipped), so that a typo is not read as "the
-    documents do not say"."""
-    catalog = gen.catalog
-    paths = catalog.file_paths()
-    chosen: dict[str, None] = {}
+    :class:`~ragbudget.errors.ConfigError` for a pattern that names no file the index knows, or
+    only files that hold no indexed text (all skipped), so that a typo is not read as "the
+    documents do not say". ``kept``: each pattern's resolution, read and filled (a generation's)."""
+    paths: list[str] | None = None
+    found: list[frozenset[int]] = []
     for pattern in patterns:
-        named = [p for p in paths if matches(pattern, p, roots.display(p))]
-        if not named:
+        got = kept.get(pattern) if kept is not None else None
+        if got is None:
+            paths = gen.catalog.file_paths() if paths is None else paths
+            got = _resolve_one(gen, roots, pattern, paths)
+            if kept is not None:
+                with _KEPT_LOCK:  # requests in other threads resolve and evict too
+                    while len(kept) >= SCOPES_KEPT:
+                        kept.pop(next(iter(kept)), None)
+                    kept[pattern] = got
+        ids, files = got
+        if not files:
             shown = ", ".join(sorted(roots.labels())) or "none recorded"
+            total = len(paths) if paths is not None else len(gen.catalog.file_paths())
             raise ConfigError(
-                f"no indexed file matches the source {pattern!r} ({len(paths)} files, roots: {shown}); "
+                f"no indexed file matches the source {pattern!r} ({total} files, roots: {shown}); "
                 "name a display path as the answers' sources show it, a folder, or a glob such as "
                 "'reviews/*.txt' (`ragbudget sources` lists the files)"
             )
-        chosen.update(dict.fromkeys(named))
-    ids = frozenset(cid for path in chosen for cid, _ in catalog.sources_in(path))
-    if not ids:
-        raise ConfigError(
-            f"the {len(chosen)} file(s) matching {', '.join(map(repr, patterns))} hold no indexed text "
-            "(skipped when the index was built: `ragbudget sources` says why)"
-        )
-    return ids
+        if not ids:
+            raise ConfigError(
+                f"the {files} file(s) matching {pattern!r} hold no indexed text "
+                "(skipped when the index was built: `ragbudget sources` says why)"
+            )
+        found.append(ids)
+    return found[0] if len(found) == 1 else frozenset().union(*found)
+
+
+#: Guards the eviction and insertion of kept resolutions (resolving itself runs outside it).
+_KEPT_LOCK = threading.Lock()
 
 
 def cached_scope(opened: Opened, patterns: tuple[str, ...]) -> frozenset[int]:
-    """:func:`resolve` in the generation ``opened``, kept there (a generation never changes)."""
-    got = opened.scopes.get(patterns)
-    if got is None:
-        got = resolve(opened.gen, opened.roots, patterns)
-        if len(opened.scopes) >= SCOPES_KEPT:
-            opened.scopes.pop(next(iter(opened.scopes)))
-        opened.scopes[patterns] = got
-    return got
+    """:func:`resolve` in the generation ``opened``, each pattern's resolution kept there (a
+    generation never changes; a request scoped to several patterns reuses each one's)."""
+    return resolve(opened.gen, opened.roots, patterns, kept=opened.scopes)
 
 
 def _total(gen: Generation) -> int:
@@ -144,13 +199,16 @@ def dense_in(gen: Generation, vector: ArrayLike, k: int, scope: frozenset[int]) 
 
     total = _total(gen)
     q = np.asarray(vector, dtype=np.float32).reshape(1, -1)
+    dim = int(gen.manifest["dim"])
+    if q.shape[1] != dim:
+        raise ConfigError(f"query vector has dimension {q.shape[1]}, the index has {dim}")
     if len(scope) > EXACT_SCOPE_MAX and total > 0:
         # A wide scope: the store's own (fast, maybe approximate) search, for as many more
         # candidates as the scope is rarer than the index, twice over.
         want = min(total, k * 2 * math.ceil(total / len(scope)))
         scores, ids = gen.search.search(np.ascontiguousarray(q), want)
         found = [(int(i), float(s)) for i, s in zip(ids[0], scores[0], strict=True) if i >= 0 and int(i) in scope]
-        if len(found) >= k or want >= total:
+        if len(found) >= min(k, len(scope)):  # else too few (an IVF or pgvector store stops short)
             return found[:k]
     return _exact_top(gen, q[0], sorted(scope), k)
 
@@ -176,8 +234,15 @@ def _exact_top(gen: Generation, q: NDArray[np.float32], ids: list[int], k: int) 
 
 def lexical_in(gen: Generation, query: str, k: int, scope: frozenset[int]) -> list[tuple[int, float]]:
     """``(chunk_id, bm25)`` of the ``k`` best BM25 chunks of ``scope``: the catalog's ranking over
-    the whole index (so the scores are the index's), read deep enough to find ``k`` in the scope."""
+    the whole index (so the scores are the index's), read deeper (four times, each time) until
+    ``k`` of the scope are found or every match was read: a query word more common outside the
+    scope than in it pushes the scope's matches down the ranking."""
     total = _total(gen)
-    want = min(max(total, k), k * 2 * math.ceil(max(total, 1) / max(len(scope), 1)))
-    pairs = gen.catalog.lexical(query, want, trusted=bool(gen.manifest.get("lexical")))
-    return [(i, s) for i, s in pairs if i in scope][:k]
+    want = max(k, min(total, k * 2 * math.ceil(max(total, 1) / max(len(scope), 1))))
+    trusted = bool(gen.manifest.get("lexical"))
+    while True:
+        pairs = gen.catalog.lexical(query, want, trusted=trusted)
+        found = [(i, s) for i, s in pairs if i in scope]
+        if len(found) >= k or len(pairs) < want or want >= total:
+            return found[:k]
+        want = min(total, want * 4)

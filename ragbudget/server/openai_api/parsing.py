@@ -101,7 +101,7 @@ _CHAT_FIELDS = (
 _RETRIEVE_FIELDS = {"query", "k", "context_tokens", "sources"}
 #: The most source patterns one request may scope its search to, and the longest one: each is
 #: matched against every indexed file's path once per generation.
-MAX_SOURCES, MAX_SOURCE_CHARS = 64, 1024
+MAX_SOURCES, MAX_SOURCE_CHARS = 16, 1024
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -163,7 +163,7 @@ def _opt_int(body: dict[str, Any], name: str, *, minimum: int = 1) -> int | None
 def _sources(body: dict[str, Any]) -> tuple[str, ...] | None:
     """The body's ``sources``: a path pattern or a list of them (:mod:`ragbudget.retrieval.scope`)."""
     from ...errors import ConfigError
-    from ...retrieval.scope import source_patterns
+    from ...retrieval.scope import is_absolute, source_patterns
 
     value = body.get("sources")
     if value is None:
@@ -181,9 +181,20 @@ def _sources(body: dict[str, Any]) -> tuple[str, ...] | None:
             code="invalid_value",
         )
     try:
-        return source_patterns(items)
+        patterns = source_patterns(items)
     except ConfigError as exc:
         raise APIError(400, str(exc), param="sources", code="invalid_value") from None
+    if any(is_absolute(p) for p in patterns):
+        # Matched against the server's own paths, an absolute pattern would tell a client which
+        # folders exist there (a 200 or a 400): a client names files as the answers show them.
+        raise APIError(
+            400,
+            "'sources' takes display paths as the answers' sources show them (reviews/B00X.txt), "
+            "folders or globs over them, never an absolute path",
+            param="sources",
+            code="invalid_value",
+        )
+    return patterns
 
 
 def _number(body: dict[str, Any], name: str, low: float, high: float) -> float | None:
