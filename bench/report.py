@@ -141,6 +141,9 @@ _EVERY_ROW_UNAFFECTED: Mapping[str, str] = {
     _SCOPE: "adds sources= (a question's scope): without one the path is the same but for a None check, "
     "and no benchmark passes one",
     _ANSWER_SHARE_SHOWN: "one more figure in admission's stats snapshot; the moving averages as before",
+    # 46b5026 mended the scoped search and the patterns' resolution (review of 4e1a3bd): nothing
+    # an unscoped question runs.
+    "46b5026": "the scoped search and its patterns only: an unscoped question runs none of it",
 }
 #: What the 0.5B answers runs (bench/answers.py, one question at a time) are unaffected by.
 _ANSWERS_UNAFFECTED = {
