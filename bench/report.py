@@ -315,6 +315,32 @@ ROWS: tuple[Row, ...] = (
         exercises=_ASK,
     ),
     Row(
+        id="sum-answers-coqa-1-5b",
+        figure="Answer F1 for CoQA follow-ups through each system's chat (ragbudget's `Conversation`, LangChain's "
+        "history-aware chain, LlamaIndex's `condense_plus_context`), Qwen2.5-Coder-1.5B-Instruct on one "
+        "`llama-server`: ragbudget at 256 context tokens against each peer at 2,048 (a miss)",
+        short="Answer F1 for chat follow-ups with the 1.5B model: ragbudget at 256 tokens vs the best peer at 2,048",
+        section="the-15b-model",
+        raw="answers_coqa_1_5b.json",
+        values={
+            "rb": "/summary/ragbudget@256/f1",
+            "peer": "/summary/llamaindex@2048/f1",
+            "lc": "/summary/langchain@2048/f1",
+            **_paired("llamaindex@2048"),
+            **_paired("langchain@2048", "lc"),
+            "n": "/questions_answerable",
+            "failed": "/summary/ragbudget@256/failed",
+        },
+        rb="{rb:.1f} at 256 tokens (paired difference {d:+.1f}, 95% interval {lo:+.1f} to {hi:+.1f}: under the "
+        "target's lower bound of -1; against LangChain {dlc:+.1f}, {lolc:+.1f} to {hilc:+.1f}; {n} follow-ups; "
+        "{failed} failed)",
+        peer="{peer:.1f} at 2,048 tokens (LlamaIndex `condense_plus_context`; LangChain {lc:.1f})",
+        ratio=None,
+        data="CoQA test stories 31-60 of the seed-0 sample, whose follow-ups chose no default: reporting split",
+        headline=False,
+        exercises=_ASK,
+    ),
+    Row(
         id="sum-abstain",
         figure="Questions the documents do not answer, declined without calling the model (the evidence floor "
         "0.45, chosen on squad-tune), and answerable ones wrongly declined",
