@@ -152,6 +152,11 @@ def test_a_wide_scope_searches_the_store_then_falls_back_to_exact(
     assert calls and calls[0] >= 6 * 2  # over-fetched by how rare the scope is
     # The same chunks (the hash embedder ties some scores, which FAISS and numpy order apart).
     assert set(through_store) == set(exact) == set(want) and len(want) == 6
+    # Past the limit but under a tenth of the index: scored exactly, the store not asked.
+    before = len(calls)
+    assert len(ix.chunks_in("item07.txt")) * 10 < len(ix.generation.catalog.chunk_ids())
+    ix.search("tag2qq marker", k=3, sources="item07.txt")
+    assert len(calls) == before
     # A store that returns too few of the scope's chunks: the exact scores answer instead.
     monkeypatch.setattr(store, "search", lambda q, k: real(q, 1))
     assert [h.chunk_id for h in ix.search("tag2qq marker", k=6, sources="kitchen")] == exact
@@ -212,6 +217,21 @@ def test_scopes_resolved_from_many_threads_at_once_never_fail(monkeypatch: pytes
     finally:
         sys.setswitchinterval(interval)
     assert errors == [] and 0 < len(kept) <= 8
+
+
+def test_kept_resolutions_are_bounded_by_their_ids_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    files = [f"/r/p{n}" for n in range(10)]
+    catalog = SimpleNamespace(
+        file_paths=lambda: files, sources_in=lambda path: [(int(path[4:]) * 100 + j, None) for j in range(100)]
+    )
+    roots = SimpleNamespace(display=lambda path: path[1:], labels=lambda: ["r"])
+    monkeypatch.setattr(scope_mod, "SCOPE_IDS_KEPT", 250)  # room for two files' 100 chunks each
+    kept: dict = {}
+    for n in range(6):
+        assert len(scope_mod.resolve(SimpleNamespace(catalog=catalog), roots, (f"p{n}",), kept=kept)) == 100  # type: ignore[arg-type]
+    assert list(kept) == ["p4", "p5"]  # the oldest dropped first
 
 
 def test_a_wrong_query_vector_is_a_config_error_scoped_too(products: Path) -> None:

@@ -49,8 +49,14 @@ Sources = str | Sequence[str]
 EXACT_SCOPE_MAX = 10_000
 
 #: Patterns whose resolution is kept per open generation (a server answering questions about a
-#: few products at a time).
+#: few products at a time), and the chunk ids they may hold in all (a set of a million ids is
+#: about 40 MB: a few wide scopes, or many narrow ones).
 SCOPES_KEPT = 64
+SCOPE_IDS_KEPT = 2_000_000
+
+#: A scope over EXACT_SCOPE_MAX chunks is searched through the index's store when it holds at
+#: least one chunk in this many of the index; a rarer one is scored exactly.
+WIDE_SHARE = 10
 
 
 def source_patterns(sources: Sources) -> tuple[str, ...]:
@@ -141,8 +147,10 @@ def resolve(
             got = _resolve_one(gen, roots, pattern, paths)
             if kept is not None:
                 with _KEPT_LOCK:  # requests in other threads resolve and evict too
-                    while len(kept) >= SCOPES_KEPT:
-                        kept.pop(next(iter(kept)), None)
+                    held = sum(len(ids) for ids, _ in kept.values())
+                    while kept and (len(kept) >= SCOPES_KEPT or held + len(got[0]) > SCOPE_IDS_KEPT):
+                        dropped = kept.pop(next(iter(kept)), None)
+                        held -= len(dropped[0]) if dropped is not None else 0
                     kept[pattern] = got
         ids, files = got
         if not files:
@@ -202,9 +210,10 @@ def dense_in(gen: Generation, vector: ArrayLike, k: int, scope: frozenset[int]) 
     dim = int(gen.manifest["dim"])
     if q.shape[1] != dim:
         raise ConfigError(f"query vector has dimension {q.shape[1]}, the index has {dim}")
-    if len(scope) > EXACT_SCOPE_MAX and total > 0:
+    if len(scope) > EXACT_SCOPE_MAX and len(scope) * WIDE_SHARE >= total > 0:
         # A wide scope: the store's own (fast, maybe approximate) search, for as many more
-        # candidates as the scope is rarer than the index, twice over.
+        # candidates as the scope is rarer than the index, twice over (at most 2 x WIDE_SHARE x k:
+        # a rarer scope is scored exactly, in batches, rather than asking the store for thousands).
         want = min(total, k * 2 * math.ceil(total / len(scope)))
         scores, ids = gen.search.search(np.ascontiguousarray(q), want)
         found = [(int(i), float(s)) for i, s in zip(ids[0], scores[0], strict=True) if i >= 0 and int(i) in scope]
