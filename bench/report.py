@@ -144,7 +144,7 @@ _EVERY_ROW_UNAFFECTED: Mapping[str, str] = {
     # 46b5026 mended the scoped search and the patterns' resolution (review of 4e1a3bd): nothing
     # an unscoped question runs.
     "46b5026": "the scoped search and its patterns only: an unscoped question runs none of it",
-    "SCOPE_BOUNDS": "the scoped search's cache bound and exact/store choice only: an unscoped question runs none of it",
+    "a7451d0": "the scoped search's cache bound and exact/store choice only: an unscoped question runs none of it",
 }
 #: What the 0.5B answers runs (bench/answers.py, one question at a time) are unaffected by.
 _ANSWERS_UNAFFECTED = {
