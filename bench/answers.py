@@ -393,10 +393,12 @@ def earlier_peer_cells(
     indexed = sorted(p.stem for p in docs.glob("*.md"))
     same = (
         old.get("split") == args.split
-        and sorted(doc_stem(str(t)) for t in old.get("documents_indexed", [])) == indexed
+        # articles' titles here, story files (``*.md``) in answers_chat.py's
+        and sorted(doc_stem(str(t)).removesuffix(".md") for t in old.get("documents_indexed", [])) == indexed
         and Path(old.get("model", "")).name == Path(gguf).name
         and old.get("max_new_tokens") == args.max_new_tokens
-        and bool(old.get("chat")) == chat
+        # answers_chat.py's raw results say so in "mode" (and, since, in "chat" too)
+        and (bool(old.get("chat")) or str(old.get("mode", "")).startswith("chat")) == chat
     )
     if not same:
         raise SystemExit(f"--peers-from {raw}: other split, documents, model, answer cap or chat; run without it")

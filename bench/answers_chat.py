@@ -205,6 +205,7 @@ def main() -> None:
     result = {
         "split": SPLIT,
         "mode": "chat: CoQA follow-ups (turn >= 2), the gold conversation before each as history",
+        "chat": True,
         "documents_indexed": files,
         "stories_asked": asked,
         "questions_answerable": len(questions),

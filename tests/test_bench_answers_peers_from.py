@@ -80,6 +80,11 @@ def test_changed_peer_code_or_other_material_is_refused(repo: Path, tmp_path: Pa
             answers.earlier_peer_cells(_raw(tmp_path, commit, **other), ARGS, docs, "/models/qwen.gguf")
     with pytest.raises(SystemExit, match="other split"):  # a chat run's peers answer with history
         answers.earlier_peer_cells(_raw(tmp_path, commit), ARGS, docs, "/models/qwen.gguf", chat=True)
+    # answers_chat.py's raw result: its documents are story files, its mode says chat
+    chat_raw = _raw(tmp_path, commit, mode="chat: CoQA follow-ups", documents_indexed=["Warsaw.md", "Nobel_Prize.md"])
+    with pytest.raises(SystemExit, match="other split"):
+        answers.earlier_peer_cells(chat_raw, ARGS, docs, "/models/qwen.gguf")
+    assert answers.earlier_peer_cells(chat_raw, ARGS, docs, "/models/qwen.gguf", chat=True)  # was always refused
     with pytest.raises(SystemExit, match="uncommitted changes"):
         answers.earlier_peer_cells(_raw(tmp_path, commit + "+dirty"), ARGS, docs, "/models/qwen.gguf")
     (repo / answers.PEER_CODE[0]).write_text("peers v2\n", encoding="utf-8")  # changed, not committed
