@@ -145,6 +145,8 @@ _EVERY_ROW_UNAFFECTED: Mapping[str, str] = {
     # an unscoped question runs.
     "46b5026": "the scoped search and its patterns only: an unscoped question runs none of it",
     "a7451d0": "the scoped search's cache bound and exact/store choice only: an unscoped question runs none of it",
+    "1d63298": "only --peers-from's check of a chat raw result, and one more key in answers_chat.py's raw: "
+    "no cell is asked or scored otherwise",
 }
 #: What the 0.5B answers runs (bench/answers.py, one question at a time) are unaffected by.
 _ANSWERS_UNAFFECTED = {
