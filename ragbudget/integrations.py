@@ -33,7 +33,7 @@ __all__ = ["haystack_retriever", "langchain_retriever", "llamaindex_retriever", 
 # The metadata a LlamaIndex synthesizer shows its LLM with each passage (a citation needs these).
 _LLM_VISIBLE = ("path", "page", "label", "citation")
 # What retrieve() takes; anything else is a typo better caught when the adapter is built.
-_RETRIEVE_OPTIONS = frozenset({"context_tokens", "max_new_tokens", "history"})
+_RETRIEVE_OPTIONS = frozenset({"context_tokens", "max_new_tokens", "history", "sources"})
 
 
 def passages(selection: Selection) -> list[tuple[str, dict[str, Any]]]:
@@ -120,7 +120,7 @@ def _langchain_class() -> type:
 def langchain_retriever(pipeline: Any, **options: Any) -> Any:
     """A LangChain ``BaseRetriever`` (``.invoke(query) -> list[Document]``, usable in LCEL
     chains) returning the passages ragbudget selects for the budget. ``options``:
-    ``context_tokens``, ``max_new_tokens``, ``history`` (as :meth:`Pipeline.retrieve`)."""
+    ``context_tokens``, ``max_new_tokens``, ``history``, ``sources`` (as :meth:`Pipeline.retrieve`)."""
     return _langchain_class()(pipeline=pipeline, options=_check_options(options))
 
 

@@ -112,6 +112,12 @@ def test_haystack_component_in_a_pipeline(pipe: Pipeline) -> None:
     _check_metadata([d.meta for d in docs], sel)
 
 
+def test_retrievers_take_a_scope(pipe: Pipeline) -> None:
+    pytest.importorskip("langchain_core")
+    docs = langchain_retriever(pipe, context_tokens=CAP, sources="committee.md").invoke(QUESTION)
+    assert docs and {Path(d.metadata["path"]).name for d in docs} == {"committee.md"}
+
+
 def test_bad_options_and_missing_frameworks_are_config_errors(pipe: Pipeline) -> None:
     import subprocess
     import sys
