@@ -304,6 +304,10 @@ def test_a_result_older_than_the_code_it_measures_is_flagged(
         if len(since) > 1:
             partly = replace(row("old.json"), unaffected_by={c[:10]: "why" for c in since[1:]})
             assert "changed since " + before in (report.staleness(partly) or "")
+            # Declared for every row (_EVERY_ROW_UNAFFECTED), together with the row's own.
+            monkeypatch.setattr(report, "_EVERY_ROW_UNAFFECTED", {since[0][:10]: "why"})
+            assert report.staleness(partly) is None
+            monkeypatch.setattr(report, "_EVERY_ROW_UNAFFECTED", {})
         rows = (row("old.json"),)
         monkeypatch.setattr(report, "ROWS", rows)
         monkeypatch.setattr(report, "check_pages", lambda paths: ([], {}))
@@ -337,6 +341,7 @@ def test_a_script_is_as_old_as_the_bench_scripts_it_runs(tmp_path: Path, monkeyp
     assert "bench/answers.py" in followed and not any("/_" in s for s in followed)
     before = _commit_before_change("bench/answers.py")
     monkeypatch.setattr(report, "RESULTS", tmp_path)
+    monkeypatch.setattr(report, "_EVERY_ROW_UNAFFECTED", {})  # whatever that change was declared
     report._raw.cache_clear()
     try:
         command = "python bench/answers_floor.py"
