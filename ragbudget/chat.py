@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any
 from .errors import BudgetError, ConfigError, RequestCancelled
 from .generation.allowance import limit_phrase, question_room
 from .prompt.followup import expand_query
-from .retrieval.scope import Sources, source_patterns
+from .retrieval.scope import Sources, scope_of
 from .settings import HistorySettings, RecordField, from_keywords
 from .summaries import (
     SUMMARY_PREFIX,
@@ -294,7 +294,7 @@ class Conversation:
         self.max_new_tokens = max_new_tokens
         self.context_tokens = context_tokens
         # Every question of the conversation is scoped to these files (Pipeline.ask's ``sources``).
-        self.sources = None if sources is None else source_patterns(sources)
+        self.sources = scope_of(sources)
         self._summarizer = summarizer
         self.summary_cache = summary_cache
         self._cached_turns = 0

@@ -55,7 +55,7 @@ from .packing.packer import Packer, SpanPacker, make_packer
 from .planning import Planning
 from .request import RequestContext
 from .retrieval.embed import make_embedder
-from .retrieval.scope import Sources, source_patterns
+from .retrieval.scope import Sources, scope_of
 from .settings import (
     DEFAULT_RELEVANCE_FLOOR,
     EngineSettings,
@@ -386,7 +386,7 @@ class Pipeline(Planning):
         index without chunks."""
         query = check_question(query, "query")
         k = check_int("k", k, 1)  # type: ignore[assignment]
-        scope = None if sources is None else source_patterns(sources)
+        scope = scope_of(sources)
         with self.store.pinned():  # the newest committed generation, one for the whole call
             return self._search(query, k, scope)[0]
 
@@ -423,7 +423,7 @@ class Pipeline(Planning):
                 f"history must be a list of {{'role': ..., 'content': ...}} dicts or None, got {shown(history)}"
             )
         query = check_question(retrieval_query or question, "query")
-        scope = None if sources is None else source_patterns(sources)
+        scope = scope_of(sources)
         return RequestContext(question=question, query=query, max_new_tokens=max_new_tokens, sources=scope)
 
     def _to_prompt(
@@ -539,7 +539,7 @@ class Pipeline(Planning):
         if not builder.batch_counts:
             return
         query = check_question(retrieval_query or question, "query")
-        scope = None if sources is None else source_patterns(sources)
+        scope = scope_of(sources)
         with self.store.pinned() as gen:
             found = self._search(query, self.retrieval.fetch_k, scope)
         with self._lock:

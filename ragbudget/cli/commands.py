@@ -268,14 +268,14 @@ def search(
     k: int,
     absolute_paths: bool,
     as_json: bool,
-    sources: tuple[str, ...],
+    sources: tuple[str, ...] | None,
     retrieval: RetrievalSettings,
 ) -> None:
     """Show the chunks closest to QUERY, with score, source, offsets and page."""
     from ..pipeline import Pipeline
 
     pipe = Pipeline(index_dir, retrieval=retrieval)
-    hits = pipe.search(query, k=k, sources=sources or None)
+    hits = pipe.search(query, k=k, sources=sources)
 
     def where(path: str) -> str:
         # Sources carry display paths (root label + path below it); the local opt-in maps them back.
@@ -520,7 +520,7 @@ def ask(
     no_stream: bool,
     absolute_paths: bool,
     as_json: bool,
-    sources: tuple[str, ...],
+    sources: tuple[str, ...] | None,
     sampling: dict[str, Any],
     retrieval: RetrievalSettings,
     engine: EngineSettings | None,
@@ -534,7 +534,7 @@ def ask(
     # Closed before anything is printed after the answer: the batching loop stops here, not
     # at interpreter exit (see ragbudget.generation.batching, "stopping at exit").
     with Pipeline(index_dir, model=model, memory=memory, retrieval=retrieval, engine=engine) as pipe:
-        answer = pipe.ask(question, context_tokens=context_tokens, sources=sources or None, on_text=on_text, **sampling)
+        answer = pipe.ask(question, context_tokens=context_tokens, sources=sources, on_text=on_text, **sampling)
         if absolute_paths:  # the prompt only ever saw display paths; the local user may want files
             for src in answer.sources:
                 src["path"] = pipe.store.absolute_path(src["path"]) or src["path"]
@@ -591,7 +591,7 @@ def chat(
     context_tokens: int | None,
     no_stream: bool,
     as_json: bool,
-    sources: tuple[str, ...],
+    sources: tuple[str, ...] | None,
     sampling: dict[str, Any],
     retrieval: RetrievalSettings,
     engine: EngineSettings | None,
@@ -605,7 +605,7 @@ def chat(
     from .terminal import TerminalLines, run_chat
 
     pipe = Pipeline(index_dir, model=model, memory=memory, retrieval=retrieval, engine=engine)
-    conversation = Conversation(pipe, history=history, context_tokens=context_tokens, sources=sources or None)
+    conversation = Conversation(pipe, history=history, context_tokens=context_tokens, sources=sources)
     if sources:  # a pattern that names no file: one error now, not one at every turn
         pipe.store.chunks_in(sources)
 

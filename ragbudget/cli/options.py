@@ -143,13 +143,14 @@ def index_dir_option(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def source_option(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``--source PATTERN`` (repeatable): the files a question or a search is scoped to
-    (:mod:`ragbudget.retrieval.scope`). Reaches the command as ``sources``: a tuple, empty when
-    not given (every file)."""
+    (:mod:`ragbudget.retrieval.scope`). Reaches the command as ``sources``: a tuple, or ``None``
+    when not given (every file), as the library takes it."""
     return click.option(
         "--source",
         "sources",
         multiple=True,
         metavar="PATTERN",
+        callback=lambda ctx, param, value: value or None,
         help="Only search these files: a path as the sources show it (reviews/B00X.txt), a folder, "
         "or a glob such as 'reviews/*.txt'. Repeat for several (`ragbudget sources` lists them).",
     )(fn)

@@ -40,7 +40,7 @@ from .lexical import FUSIONS, fts5_available, fts_match_query, fuse_checked, fus
 from .manifest import FORMAT_VERSION
 from .reader import Opened, Reader
 from .roots import Roots, fallback_root
-from .scope import Sources, cached_scope, dense_in, in_scope_first, lexical_in, source_patterns
+from .scope import Sources, cached_scope, dense_in, in_scope_first, lexical_in, scope_of, source_patterns
 from .storage import open_storage, stores_sentences
 
 if TYPE_CHECKING:
@@ -355,7 +355,7 @@ class Index:
         >>> idx.search("who founded the guild?", k=5, hybrid=True)[0].score   # doctest: +SKIP
         >>> idx.search("is it loud?", sources="reviews/B00X*.txt")            # doctest: +SKIP
         """
-        scope = None if sources is None else source_patterns(sources)
+        scope = scope_of(sources)
         with self.pinned():  # one generation for the dense, lexical and chunk reads alike
             hits = self._search(
                 query, k, embedder, retrieval, hybrid, lexical_weight, fusion, candidates, query_vector, scope

@@ -77,6 +77,11 @@ def source_patterns(sources: Sources) -> tuple[str, ...]:
     return tuple(dict.fromkeys(out))
 
 
+def scope_of(sources: Sources | None) -> tuple[str, ...] | None:
+    """:func:`source_patterns` of ``sources``, or ``None`` (no scope: every file) for ``None``."""
+    return None if sources is None else source_patterns(sources)
+
+
 def is_absolute(pattern: str) -> bool:
     """Whether ``pattern`` (slashes normalized) names absolute paths: ``/...`` or ``C:/...``."""
     return pattern.startswith("/") or PureWindowsPath(pattern).is_absolute()
