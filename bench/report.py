@@ -148,6 +148,7 @@ _EVERY_ROW_UNAFFECTED: Mapping[str, str] = {
     "1d63298": "only --peers-from's check of a chat raw result, and one more key in answers_chat.py's raw: "
     "no cell is asked or scored otherwise",
     "384584f": "the framework retrievers accept sources=; no benchmark uses them",
+    "42bfcaa": "a refactor of how the scope's patterns are passed: no path without a scope changed",
 }
 #: What the 0.5B answers runs (bench/answers.py, one question at a time) are unaffected by.
 _ANSWERS_UNAFFECTED = {
