@@ -179,8 +179,11 @@ def answer_fields(a: Any, files: dict[str, str]) -> dict[str, Any]:
     }
 
 
-def ask_once(pipe: Any, q: dict[str, Any], budget: int, max_new_tokens: int, files: dict[str, str]) -> dict[str, Any]:
-    """``ragbudget ask``: one question, ``budget`` tokens of context, the answer cap."""
+def ask_once(
+    pipe: Any, q: dict[str, Any], budget: int, max_new_tokens: int, files: dict[str, str], row: str
+) -> dict[str, Any]:
+    """``ragbudget ask``: one question, ``budget`` tokens of context, the answer cap (``row``'s
+    options are its pipeline's, :data:`RAGBUDGET_ROWS`)."""
     return answer_fields(pipe.ask(q["text"], context_tokens=budget, max_new_tokens=max_new_tokens), files)
 
 
@@ -195,7 +198,7 @@ def ragbudget_cells(
     ask: Any = None,
 ) -> list[dict[str, Any]]:
     """ragbudget's cells: each row's pipeline on the engine, each question asked at each budget
-    by ``ask(pipe, question, budget, max_new_tokens, files)`` (the cell's fields; default
+    by ``ask(pipe, question, budget, max_new_tokens, files, row)`` (the cell's fields; default
     :func:`ask_once`, ``Pipeline.ask``), after the cells ``--reuse`` takes from an earlier run."""
     from ragbudget import Pipeline
 
@@ -229,7 +232,7 @@ def ragbudget_cells(
                     cell: dict[str, Any] = {"system": row, "budget": b, "qid": q["qid"]}
                     t = time.perf_counter()
                     try:
-                        cell.update(ask(pipe, q, b, args.max_new_tokens, files))
+                        cell.update(ask(pipe, q, b, args.max_new_tokens, files, row))
                     except Exception as exc:  # noqa: BLE001 - a failed request is a result
                         cell["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
                     cell["seconds"] = round(time.perf_counter() - t, 2)
@@ -244,7 +247,7 @@ def ragbudget_cells(
 def ragbudget_cache(args: argparse.Namespace, documents: list[str], ask: Any) -> Path | None:
     """Where ragbudget's cells are kept as they are asked (``bench/out/``), so that a cut run
     asks only what is missing: keyed by everything an answer depends on — the library's code (the
-    git tree of ragbudget/ at HEAD), the rows' options and the asking function, the split's
+    git tree of ragbudget/ at HEAD), the rows' options and the asking function's module, the split's
     documents, the model, the answer cap, the engine's threads and slots (greedy decoding's
     arithmetic follows the thread count) and time-out. ``None`` (nothing kept) while ragbudget/
     has uncommitted changes: no key would name that code."""
@@ -259,7 +262,8 @@ def ragbudget_cache(args: argparse.Namespace, documents: list[str], ask: Any) ->
     material = [
         tree,
         json.dumps(RAGBUDGET_ROWS, sort_keys=True, default=str),
-        inspect.getsource(ask or ask_once),
+        # The asking function's whole module: the options it gives each row live there too.
+        inspect.getsource(inspect.getmodule(ask or ask_once)),  # type: ignore[arg-type]
         args.split,
         [str(d) for d in documents],
         Path(gguf_path(args.model)).name,

@@ -66,11 +66,22 @@ from _llama import llama_server  # noqa: E402
 from coqa_chat import follow_ups, load_stories  # noqa: E402
 
 SPLIT = "coqa"
-SYSTEMS = ("ragbudget", "langchain", "llamaindex")
+#: ragbudget's rows: the conversation's options (its defaults for ``ragbudget``); the rewrite of
+#: follow-ups was chosen between the two others on the tuning stories.
+CONVERSATION_ROWS: dict[str, dict[str, Any]] = {
+    "ragbudget": {},
+    "ragbudget_terms": {"rewrite_with_model": False},
+    "ragbudget_rewrite": {"rewrite_with_model": True},
+}
+for _row in CONVERSATION_ROWS:
+    A.RAGBUDGET_ROWS.setdefault(_row, {})  # the same pipeline for each
+SYSTEMS = (*CONVERSATION_ROWS, "langchain", "llamaindex")
 #: Tokens of the engine's window per slot set aside for the conversation's history.
 HISTORY_ROOM = 1024
 LABELS = {
     "ragbudget": "ragbudget `Conversation` (span packing, its history policy)",
+    "ragbudget_terms": "ragbudget `Conversation`, follow-ups expanded by terms",
+    "ragbudget_rewrite": "ragbudget `Conversation`, follow-ups rewritten by the model",
     "langchain": "LangChain conversational RAG (history-aware retriever, stuff chain)",
     "llamaindex": "LlamaIndex chat engine (`condense_plus_context`)",
 }
@@ -117,16 +128,20 @@ def write_stories(stories: list[dict[str, Any]], folder: Path) -> None:
 
 
 def ask_in_conversation(
-    pipe: Any, q: dict[str, Any], budget: int, max_new_tokens: int, files: dict[str, str]
+    pipe: Any, q: dict[str, Any], budget: int, max_new_tokens: int, files: dict[str, str], row: str
 ) -> dict[str, Any]:
-    """ragbudget's cell: a conversation loaded from the gold history, asked the follow-up."""
+    """ragbudget's cell: a conversation loaded from the gold history, asked the follow-up (with
+    ``row``'s options, :data:`CONVERSATION_ROWS`)."""
     from ragbudget.chat import Conversation
 
-    conv = Conversation.from_messages(pipe, q["history"], context_tokens=budget, max_new_tokens=max_new_tokens)
+    conv = Conversation.from_messages(
+        pipe, q["history"], context_tokens=budget, max_new_tokens=max_new_tokens, **CONVERSATION_ROWS[row]
+    )
     turn = conv.ask(q["text"])
     return {
         **A.answer_fields(turn.answer, files),
         "retrieval_query": turn.retrieval_query,
+        "follow_up": turn.answer.report.get("follow_up"),
         "memory": turn.budget.to_dict(),
     }
 
@@ -163,9 +178,16 @@ def main() -> None:
         help="ask no follow-up of the first N stories (all are indexed): the held-out stories of "
         "bench/coqa_chat.py are --stories 60 --skip-stories 30, the first 30 having built the chat policy",
     )
+    ap.add_argument(
+        "--ask-stories",
+        type=int,
+        default=0,
+        help="ask the follow-ups of only N stories after the skipped ones (0: all): the tuning stories are "
+        "--stories 60 --ask-stories 30",
+    )
     ap.add_argument("--turns", type=int, default=4, help="follow-up questions per story (at most)")
     ap.add_argument("--questions", type=int, default=0, help="follow-up questions in all (0: every one)")
-    A.add_run_options(ap, systems=",".join(SYSTEMS))
+    A.add_run_options(ap, systems="ragbudget,langchain,llamaindex")
     ap.add_argument("--table", type=Path, metavar="RAW", help="print a raw result's table; nothing is run")
     args = ap.parse_args()
     if args.table:
@@ -181,7 +203,8 @@ def main() -> None:
     t_start = time.time()
 
     stories = load_stories(args.stories, args.seed)
-    questions = chat_questions(stories[args.skip_stories :], args.turns, args.questions)
+    asked_stories = stories[args.skip_stories :][: args.ask_stories or None]
+    questions = chat_questions(asked_stories, args.turns, args.questions)
     files = [story_file(s) for s in stories]
     asked = sorted({q["story"] for q in questions})
     print(f"{SPLIT}: {len(stories)} stories indexed, {len(questions)} follow-ups of {len(asked)} of them")

@@ -42,6 +42,7 @@ question verbatim, with the conversation as history.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -49,7 +50,8 @@ from typing import TYPE_CHECKING, Any
 
 from .errors import BudgetError, ConfigError, RequestCancelled
 from .generation.allowance import limit_phrase, question_room
-from .prompt.followup import expand_query
+from .meter import Meter
+from .prompt.followup import expand_query, is_follow_up, standalone_messages, standalone_query
 from .retrieval.scope import Sources, scope_of
 from .settings import HistorySettings, RecordField, from_keywords
 from .summaries import (
@@ -63,7 +65,6 @@ from .summaries import (
 
 if TYPE_CHECKING:
     from .generation.allowance import RequestPlan
-    from .generation.backend import Backend
     from .pipeline import Answer, Pipeline
 
 __all__ = [
@@ -150,66 +151,6 @@ class ChatTurn:
         }
 
 
-# --- token accounting -----------------------------------------------------------------------------
-
-
-class _Meter:
-    """Token counts of chat messages after the chat template, by the pipeline's generation
-    backend (:class:`~ragbudget.generation.backend.Backend`: the local model's own tokenizer, or the served
-    engine's — exact where the engine counts, a stated estimate where it cannot) and its prompt
-    builder: measuring with the builder *is* measuring the prompt the model will get (same system
-    prompt, layout and template).
-    """
-
-    def __init__(self, pipeline: Pipeline) -> None:
-        self.backend: Backend = pipeline.backend
-        self._builder = pipeline.prompt_builder
-
-    def fixed(self, question: str) -> int:
-        """Prompt tokens of ``question`` with no history and no context: the part never cut (the
-        prompt builder's own count: system prompt, sources wrapper, question, template)."""
-        return int(self._builder.fixed_tokens(question))
-
-    def count(self, text: str) -> int:
-        """Tokens of ``text`` alone."""
-        return int(self.backend.count([text])[0])
-
-    def render(self, messages: Sequence[Message]) -> int:
-        """Tokens of ``messages`` as the model sees them, with the generation prompt."""
-        return int(self.backend.render(list(messages)).n_tokens)
-
-    def cost(self, messages: Sequence[Message], question: str) -> int:
-        """Exact tokens ``messages`` add when placed before ``question`` (0 for none)."""
-        if not messages:
-            return 0
-        return int(self._builder.with_history(list(messages)).fixed_tokens(question)) - self.fixed(question)
-
-    def truncate(self, text: str, max_tokens: int) -> str:
-        """``text`` cut to at most ``max_tokens`` tokens (at a token boundary; whole text if it fits)."""
-        if max_tokens <= 0:
-            return ""
-        # A token is rarely longer than 16 characters: when the first max_tokens * 16 characters
-        # already hold more tokens than that, the cut lies inside them, and the search below
-        # counts prefixes of that head instead of the whole text (a 100,000-character message
-        # would otherwise be counted whole ~17 times).
-        head = max_tokens * 16
-        if len(text) > head and self.count(text[:head]) > max_tokens:
-            text = text[:head]
-        elif self.count(text) <= max_tokens:
-            return text
-        # At a word boundary: the protocol counts, it does not decode (a served engine's ids are
-        # not ours to decode), and a word prefix keeps the text readable.
-        words = text.split()
-        lo, hi = 0, len(words)  # largest word prefix that fits
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if self.count(" ".join(words[:mid])) <= max_tokens:
-                lo = mid
-            else:
-                hi = mid - 1
-        return " ".join(words[:lo])
-
-
 # --- the conversation -----------------------------------------------------------------------------
 
 
@@ -272,6 +213,7 @@ class Conversation:
         max_new_tokens: int | None = None,
         context_tokens: int | None = None,
         expand_follow_ups: bool | None = None,
+        rewrite_with_model: bool | None = None,
         summarizer: Summarizer | None = None,
         summary_role: str | None = None,
         summary_cache: SummaryCache | None = None,
@@ -287,6 +229,7 @@ class Conversation:
                 "summary_max_tokens": summary_max_tokens,
                 "recent_turns": recent_turns,
                 "expand_follow_ups": expand_follow_ups,
+                "rewrite_with_model": rewrite_with_model,
                 "summary_role": summary_role,
             },
         )
@@ -298,17 +241,20 @@ class Conversation:
         self._summarizer = summarizer
         self.summary_cache = summary_cache
         self._cached_turns = 0
-        self._meter = _Meter(pipeline)
+        self._meter = Meter(pipeline)
         self._state = _State()
         # Per turn (ask): the seconds spent writing summaries, why a fold fell back to the
         # extractive summary, and when the turn started (the summary's time budget).
         self._summary_s, self._fallback, self._started = 0.0, "", 0.0
+        # Per turn: the seconds the follow-up's rewrite took, and why the terms stood in for it.
+        self._rewrite_s, self._rewrite_fallback = 0.0, ""
 
     # The history settings by their flat names, read from ``history`` (read-only).
     history_share = RecordField("history")
     summary_max_tokens = RecordField("history")
     recent_turns = RecordField("history")
     expand_follow_ups = RecordField("history")
+    rewrite_with_model = RecordField("history")
     summary_role = RecordField("history")
 
     @classmethod
@@ -421,13 +367,19 @@ class Conversation:
         says why)."""
         if not isinstance(question, str) or not question.strip():
             raise ConfigError("the question is empty")
-        t_start = time.perf_counter()
-        self._summary_s, self._fallback = 0.0, ""
+        t_start = self._started = time.perf_counter()
+        self._summary_s, self._fallback, self._rewrite_s, self._rewrite_fallback = 0.0, "", 0.0, ""
         plan = self.pipeline.request_plan(self.max_new_tokens)
+        # Written before any fold, from the turns the user saw: kept for the whole turn.
+        try:
+            rewritten = self._rewritten(question, cancel=cancel)
+        except RequestCancelled:
+            rewritten = ""  # the fit below sees it too, and the pipeline answers "cancelled"
         # The question's count and its candidates', in one request to a served engine: the
         # question is measured first here, and the answer's prompt is built from the candidates
         # (the turns are those before any fold; a fold that changes the query searches again).
-        self.pipeline.prime(question, retrieval_query=self._retrieval_query(question), sources=self.sources)
+        query = rewritten or self._retrieval_query(question)
+        self.pipeline.prime(question, retrieval_query=query, sources=self.sources)
         room = self._room(question, plan)
         history_allowed = int(room.left * self.history.history_share)
         fitted = self._fitted_history(question, history_allowed, cancel=cancel, started=t_start)
@@ -435,9 +387,9 @@ class Conversation:
         context_allowed = 0 if fitted is None else room.left - history_tokens
         if self.context_tokens is not None:
             context_allowed = min(context_allowed, self.context_tokens)
-        history_s = time.perf_counter() - t_start
+        history_s = time.perf_counter() - t_start - self._rewrite_s
 
-        retrieval_query = self._retrieval_query(question)
+        retrieval_query = rewritten or self._retrieval_query(question)
         answer = self.pipeline.ask(
             question,
             context_tokens=max(0, context_allowed),
@@ -451,13 +403,7 @@ class Conversation:
         )
 
         report = answer.report
-        # The turn's time from its start: the history's share was spent before the pipeline's
-        # own clock started.
-        timings = report.setdefault("timings", {})
-        timings["history_s"] = history_s
-        if self._summary_s:
-            timings["summary_s"] = self._summary_s
-        timings["total_s"] = float(timings.get("total_s") or 0.0) + history_s
+        self._report_turn(report, history_s, retrieval_query if retrieval_query != question else "", bool(rewritten))
         budget = self._turn_budget(
             report.get("budget") or {},
             room,
@@ -482,6 +428,21 @@ class Conversation:
             summary=self._state.summary,
             cancelled=stopped,
         )
+
+    def _report_turn(self, report: dict[str, Any], history_s: float, query: str, rewritten: bool) -> None:
+        """The turn's time from its start in ``report`` (the history's share and the rewrite were
+        spent before the pipeline's own clock started), and how a follow-up was searched."""
+        timings = report.setdefault("timings", {})
+        timings["history_s"] = history_s
+        if self._summary_s:
+            timings["summary_s"] = self._summary_s
+        if self._rewrite_s:
+            timings["rewrite_s"] = self._rewrite_s
+        timings["total_s"] = float(timings.get("total_s") or 0.0) + history_s + self._rewrite_s
+        if query or self._rewrite_fallback:
+            report["follow_up"] = {"retrieval_query": query, "written_by": "model" if rewritten else "terms"}
+            if self._rewrite_fallback:
+                report["follow_up"]["fallback"] = self._rewrite_fallback
 
     def _fitted_history(
         self, question: str, allowed: int, *, cancel: Any, started: float
@@ -557,8 +518,9 @@ class Conversation:
         )
 
     def _retrieval_query(self, question: str) -> str:
-        """What ``question`` is searched by: expanded by the recent turns' queries (a follow-up
-        names what it is about there), unless ``expand_follow_ups`` is off."""
+        """What ``question`` is searched by when the model did not rewrite it: expanded by the
+        recent turns' queries (a follow-up names what it is about there), unless
+        ``expand_follow_ups`` is off."""
         previous = [t.retrieval_query or t.question for t in self._state.turns[-max(1, self.history.recent_turns) :]]
         previous = [p for p in previous if p]
         return expand_query(question, previous) if self.history.expand_follow_ups else question
@@ -711,69 +673,78 @@ class Conversation:
         ``""`` leaves the fold to the extractive summary. Raises
         :class:`~ragbudget.errors.RequestCancelled` when ``cancel`` is set before it generates."""
         _check_cancel(cancel)
-        # The tokens one request may hold by the plan it is budgeted by now (memory, or the
-        # engine's window or KV share): the summary's request gets them too.
-        total = self.pipeline.request_plan(self.max_new_tokens).max_context_tokens
-        prompt_room = total - cap
-        meter = self._meter
-        # The newest exchanges that fit the summarization prompt, each cut short (the summary
-        # needs their gist, not their length): walking back from the newest and stopping once the
-        # room is full, older ones are never counted (counting every turn of a 10,000-message
-        # history and dropping the oldest two lines at a time took minutes).
-        frame = meter.render(summary_messages(previous, [], cap))
-        pairs: list[tuple[str, str]] = []
-        used = frame
-        for t in reversed(turns):
-            _check_cancel(cancel)
-            pair = (f"User: {meter.truncate(t.question, 192)}", f"Assistant: {meter.truncate(t.answer, 96)}")
-            pairs.append(pair)
-            used += meter.count(pair[0]) + meter.count(pair[1]) + 2  # a newline each
-            if used > prompt_room:
-                break
-        pairs.reverse()
-
-        def lines_of(k: int) -> list[str]:
-            return [line for pair in pairs[len(pairs) - k :] for line in pair]
-
-        # The estimate above is close: the exact render decides, by bisection on the exchanges kept
-        # (at least one; when even one does not fit, the extractive summary takes over).
-        lo, hi = 1, len(pairs)
-        while lo < hi:
-            _check_cancel(cancel)
-            mid = (lo + hi + 1) // 2
-            if meter.render(summary_messages(previous, lines_of(mid), cap)) <= prompt_room:
-                lo = mid
-            else:
-                hi = mid - 1
-        messages = summary_messages(previous, lines_of(lo), cap)
-        n_prompt = meter.render(messages)
-        if n_prompt > prompt_room:
+        build = functools.partial(summary_messages, previous, cap=cap)
+        room = self._side_room(cap)
+        messages, n_prompt = self._meter.exchanges(turns, build, room, check=lambda: _check_cancel(cancel))
+        if n_prompt > room:
             self._fallback = self._fallback or "not even one exchange fits the summarization prompt"
             return "", True
-        slow = self._summary_too_slow(n_prompt, cap)
+        text, complete, slow = self._side_request("summary", messages, n_prompt, cap, cancel=cancel)
         if slow:
             self._fallback = slow
-            return "", True
+        return text, complete
+
+    def _rewritten(self, question: str, *, cancel: Any = None) -> str:
+        """The follow-up ``question`` as the generator rewrites it to stand alone (LlamaIndex's
+        condense step), from the summary and the recent turns; ``""`` when it is not asked to
+        (``rewrite_with_model`` off, no history, a question that already stands alone) or wrote no
+        usable question (``_rewrite_fallback`` says why; the terms stand in)."""
+        state = self._state
+        if not (self.history.rewrite_with_model and self.history.expand_follow_ups):
+            return ""
+        if not (state.turns or state.summary) or not is_follow_up(question):
+            return ""
+        cap, question = 64, self._meter.truncate(question, 192)  # a question, and room for the names it gains
+        build = functools.partial(standalone_messages, question=question, summary=state.summary)
+        recent, room = state.turns[-max(1, self.history.recent_turns) :], self._side_room(cap)
+        messages, n_prompt = self._meter.exchanges(recent, build, room, check=lambda: _check_cancel(cancel))
+        if n_prompt > room:
+            self._rewrite_fallback = "the rewrite's prompt does not fit the request"
+            return ""
+        text, complete, slow = self._side_request("rewrite", messages, n_prompt, cap, cancel=cancel, stop=["\n"])
+        _check_cancel(cancel)
+        query = standalone_query(text, question) if complete else ""
+        if not query:
+            self._rewrite_fallback = slow or f"the model wrote no standalone question ({text.strip()[:80]!r})"
+        return query
+
+    def _side_room(self, cap: int) -> int:
+        """The prompt a side request writing ``cap`` tokens may hold: what one request may hold by
+        the plan it is budgeted by now (memory, or the engine's window or KV share), less ``cap``."""
+        return self.pipeline.request_plan(self.max_new_tokens).max_context_tokens - cap
+
+    def _side_request(
+        self, what: str, messages: list[Message], n_prompt: int, cap: int, *, cancel: Any, stop: list[str] | None = None
+    ) -> tuple[str, bool, str]:
+        """One short greedy request of the turn before its answer (the summary, the rewrite),
+        admitted like any request: its text, whether it was written to the end (not stopped by
+        ``cancel``), and why it was not asked at all (too slow; then ``""`` text)."""
+        slow = self._too_slow(what, n_prompt, cap)
+        if slow:
+            return "", True, slow
         _check_cancel(cancel)
         t0 = time.perf_counter()
         try:
-            # A client leaving while the summary waits for KV memory leaves the queue too.
+            # A client leaving while the request waits for KV memory leaves the queue too.
             with self.pipeline.admission.reserve(n_prompt + cap, prompt_tokens=n_prompt, cancel=cancel):
-                result = meter.backend.generate(messages, max_new_tokens=cap, cancel=cancel)
+                result = self._meter.backend.generate(messages, max_new_tokens=cap, stop=stop, cancel=cancel)
         except RequestCancelled:
-            return "", False
+            return "", False, ""
         finally:
-            self._summary_s += time.perf_counter() - t0
+            if what == "summary":
+                self._summary_s += time.perf_counter() - t0
+            else:
+                self._rewrite_s += time.perf_counter() - t0
         stopped = result.finish_reason == "cancelled" or (cancel is not None and cancel.is_set())
-        return str(result.text or ""), not stopped
+        return str(result.text or ""), not stopped, ""
 
-    def _summary_too_slow(self, prompt_tokens: int, cap: int) -> str:
-        """Why writing a summary of ``prompt_tokens`` of prompt and ``cap`` tokens would not end
-        within the queue time-out of the turn's start by admission's time model (its wait
-        behind the work running, its prefill, ``cap`` decode steps, at the speed learnt), or
-        ``""``: the summary comes before the answer's first token, which admission wants within
-        that time. Nothing measured (a served engine): ``""``, and the time-out the caller sets
-        (``cancel``) is the bound."""
+    def _too_slow(self, what: str, prompt_tokens: int, cap: int) -> str:
+        """Why writing a ``what`` (the summary, the rewrite) of ``prompt_tokens`` of prompt and
+        ``cap`` tokens would not end within the queue time-out of the turn's start by admission's
+        time model (its wait behind the work running, its prefill, ``cap`` decode steps, at the
+        speed learnt), or ``""``: it comes before the answer's first token, which admission wants
+        within that time. Nothing measured (a served engine): ``""``, and the time-out the caller
+        sets (``cancel``) is the bound."""
         ctl = self.pipeline.admission
         thr, timeout = ctl.throughput, ctl.timeout
         if thr is None or timeout is None:
@@ -784,7 +755,7 @@ class Conversation:
         if expected <= left:
             return ""
         return (
-            f"a {cap}-token summary of a {prompt_tokens}-token prompt would take about {expected:.1f} s at the "
+            f"a {cap}-token {what} of a {prompt_tokens}-token prompt would take about {expected:.1f} s at the "
             f"measured speed, past the {max(0.0, left):.1f} s left of the queue time-out of {timeout:g} s"
         )
 

@@ -478,6 +478,10 @@ class HistorySettings:
         recent_turns: turns kept verbatim when they fit.
         expand_follow_ups: rewrite follow-up questions for retrieval
             (:func:`~ragbudget.chat.expand_query`).
+        rewrite_with_model: have the generator rewrite a follow-up into a question that stands
+            alone, and search by that (one more short request a follow-up, in the same budget);
+            the terms of ``expand_follow_ups`` when it writes no usable question. Needs
+            ``expand_follow_ups``.
         summary_role: the role the summary is sent as (one of :data:`SUMMARY_ROLES`).
         max_messages: the most messages a history loaded from a client may hold, the question
             included (:data:`DEFAULT_MAX_MESSAGES`).
@@ -497,6 +501,7 @@ class HistorySettings:
     summary_max_tokens: int = 128
     recent_turns: int = 2
     expand_follow_ups: bool = True
+    rewrite_with_model: bool = False
     summary_role: str = "system"
     max_messages: int = DEFAULT_MAX_MESSAGES
     max_history_chars: int = DEFAULT_MAX_HISTORY_CHARS
@@ -507,6 +512,7 @@ class HistorySettings:
         _set(self, "summary_max_tokens", check_int("summary_max_tokens", self.summary_max_tokens, 1))
         _set(self, "recent_turns", check_int("recent_turns", self.recent_turns, 0))
         check_bool("expand_follow_ups", self.expand_follow_ups)
+        check_bool("rewrite_with_model", self.rewrite_with_model)
         check_choice("summary_role", self.summary_role, SUMMARY_ROLES)
         _set(self, "max_messages", check_int("max_messages", self.max_messages, 1))
         _set(self, "max_history_chars", check_int("max_history_chars", self.max_history_chars, 0))

@@ -56,8 +56,16 @@ SYSTEM = "Answer from the documents and cite them"
 SUMMARY_SYSTEM = "You keep a running summary"
 
 
+#: ... and of the follow-up's rewrite.
+REWRITE_SYSTEM = "You rewrite the user's latest question"
+
+
 def _is_summary(messages: list[dict[str, str]]) -> bool:
     return messages[0]["content"].startswith(SUMMARY_SYSTEM)
+
+
+def _is_rewrite(messages: list[dict[str, str]]) -> bool:
+    return messages[0]["content"].startswith(REWRITE_SYSTEM)
 
 
 def chat_pipeline(
@@ -67,15 +75,19 @@ def chat_pipeline(
     answer_words: int = 40,
     summary_words: int = 500,
     summary: Any = None,
+    rewrite: Any = None,
     kv_tokens: int | None = None,
 ) -> Pipeline:
     """A real Pipeline whose FakeBackend has a ``total``-token window (and ``kv_tokens`` of KV, the
     admission capacity, when given). Answers are ``answer<n>-word<i>`` × ``answer_words``;
     summaries are the words of the transcript, ``summary_words`` of them (more than the cap
-    allows: the cap is what keeps them short), or what ``summary(messages)`` returns."""
+    allows: the cap is what keeps them short), or what ``summary(messages)`` returns; a
+    follow-up's rewrite is what ``rewrite(messages)`` returns (a string)."""
     n = {"answers": 0}
 
     def reply(messages: list[dict[str, str]], max_new_tokens: int) -> Any:
+        if _is_rewrite(messages):
+            return str(rewrite(messages) if rewrite else "").split()[:max_new_tokens]
         if _is_summary(messages):
             if summary is not None:
                 return summary(messages)
@@ -109,8 +121,12 @@ def fake(pipe: Pipeline) -> FakeBackend:
 
 
 def answers(pipe: Pipeline) -> list[dict[str, Any]]:
-    """The answer generations the "model" got (not the summaries)."""
-    return [c for c in fake(pipe).calls if not _is_summary(c["messages"])]
+    """The answer generations the "model" got (not the summaries nor the rewrites)."""
+    return [c for c in fake(pipe).calls if not _is_summary(c["messages"]) and not _is_rewrite(c["messages"])]
+
+
+def rewrites(pipe: Pipeline) -> list[dict[str, Any]]:
+    return [c for c in fake(pipe).calls if _is_rewrite(c["messages"])]
 
 
 def summaries(pipe: Pipeline) -> list[dict[str, Any]]:
@@ -326,6 +342,81 @@ def test_follow_up_retrieves_the_right_chunks() -> None:
     chat2 = Conversation(plain, expand_follow_ups=False)
     chat2.ask(FIRST)
     assert chunks(chat2.ask("what about its footer?"))[0] != "html-footer"
+
+
+STANDALONE = "How does trafilatura treat the footer of an HTML page?"
+
+
+def test_the_model_rewrites_a_follow_up_and_retrieval_searches_by_it() -> None:
+    pipe = chat_pipeline(total=400, max_new=40, rewrite=lambda m: f"Standalone question: {STANDALONE}")
+    chat = Conversation(pipe, rewrite_with_model=True)
+    first = chat.ask(FIRST)
+    assert rewrites(pipe) == [] and "follow_up" not in first.answer.report  # nothing before it to lean on
+    turn = chat.ask("what about its footer?")
+    [request] = rewrites(pipe)
+    asked = request["messages"][-1]["content"]
+    assert FIRST in asked and "answer1-word0" in asked and asked.index(FIRST) < asked.index("what about its footer?")
+    assert request["max_new_tokens"] == 64 and request["stop"] == ["\n"]
+    assert turn.retrieval_query == STANDALONE
+    assert answers(pipe)[-1]["question"] == "what about its footer?"  # the generator gets it verbatim
+    assert chunks(turn)[0] == "html-footer"
+    assert turn.answer.report["follow_up"] == {"retrieval_query": STANDALONE, "written_by": "model"}
+    assert turn.answer.report["timings"]["rewrite_s"] > 0
+    assert fake(pipe).overruns == 0
+    # A question that stands alone is searched as it is: no rewrite asked.
+    alone = chat.ask("How does the PDF cleaner strip repeated page headers from the text layer?")
+    assert len(rewrites(pipe)) == 1 and alone.retrieval_query == alone.question
+
+
+def test_a_rewrite_that_answers_instead_falls_back_to_the_terms() -> None:
+    pipe = chat_pipeline(total=400, max_new=40, rewrite=lambda m: "The footer is removed with the boilerplate.")
+    chat = Conversation(pipe, rewrite_with_model=True)
+    chat.ask(FIRST)
+    turn = chat.ask("what about its footer?")
+    assert len(rewrites(pipe)) == 1
+    assert "trafilatura" in turn.retrieval_query and turn.retrieval_query.startswith("what about its footer?")
+    follow_up = turn.answer.report["follow_up"]
+    assert follow_up["written_by"] == "terms" and "no standalone question" in follow_up["fallback"]
+    assert chunks(turn)[0] == "html-footer"
+
+
+def test_the_rewrite_is_off_by_default_and_with_expansion_off() -> None:
+    for options in ({}, {"rewrite_with_model": True, "expand_follow_ups": False}):
+        pipe = chat_pipeline(total=400, max_new=40, rewrite=lambda m: STANDALONE)
+        chat = Conversation(pipe, **options)
+        chat.ask(FIRST)
+        chat.ask("what about its footer?")
+        assert rewrites(pipe) == [], options
+
+
+def test_the_rewrite_sees_the_newest_exchanges_that_fit_its_request() -> None:
+    pipe = chat_pipeline(total=400, max_new=40, rewrite=lambda m: STANDALONE)
+    history: list[dict[str, str]] = []
+    for i in range(4):
+        history += [
+            {"role": "user", "content": f"Question {i} about trafilatura and HTML pages?"},
+            {"role": "assistant", "content": " ".join(f"a{i}-{k}" for k in range(150))},
+        ]
+    chat = Conversation.from_messages(pipe, history, rewrite_with_model=True, recent_turns=4)
+    turn = chat.ask("what about its footer?")
+    [request] = rewrites(pipe)
+    asked = request["messages"][-1]["content"]
+    # Each answer cut to 96 tokens, and only the newest exchanges that fit 400 - 64 tokens.
+    assert "a3-95" in asked and "a3-96" not in asked and "Question 3" in asked and "Question 0" not in asked
+    assert prompt_tokens(pipe, request["messages"]) + 64 <= 400
+    assert fake(pipe).overruns == 0 and turn.retrieval_query == STANDALONE
+
+
+def test_a_client_gone_before_the_rewrite_leaves_nothing_asked() -> None:
+    import threading
+
+    pipe = chat_pipeline(total=400, max_new=40, rewrite=lambda m: STANDALONE)
+    chat = Conversation(pipe, rewrite_with_model=True)
+    chat.ask(FIRST)
+    cancel = threading.Event()
+    cancel.set()
+    turn = chat.ask("what about its footer?", cancel=cancel)
+    assert turn.cancelled and rewrites(pipe) == [] and len(answers(pipe)) == 1
 
 
 # --- the chat command (the CLI) --------------------------------------------------------------------

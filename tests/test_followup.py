@@ -1,12 +1,13 @@
 """Follow-up questions (:mod:`ragbudget.prompt.followup`): which questions lean on earlier turns, and
-the retrieval query they get. The whole conversation path is in tests/test_chat.py."""
+the retrieval query they get (terms added, or the model's standalone question read back). The whole
+conversation path is in tests/test_chat.py."""
 
 from __future__ import annotations
 
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from ragbudget.prompt.followup import expand_query, is_follow_up
+from ragbudget.prompt.followup import expand_query, is_follow_up, standalone_messages, standalone_query
 
 
 @pytest.mark.parametrize(
@@ -40,3 +41,31 @@ def test_expand_query_keeps_the_question_intact(question: str, previous: list[st
     out = expand_query(question, previous, max_terms=10)
     assert out.startswith(question)
     assert len(out.split()) <= len(question.split()) + 10
+
+
+@pytest.mark.parametrize(
+    ("written", "question", "expected"),
+    [
+        ("When was Jane Austen born?", "When was she born?", "When was Jane Austen born?"),
+        ('Standalone question: "When was Jane Austen born?"', "When was she born?", "When was Jane Austen born?"),
+        ("**Rewritten question:** When was Jane Austen born?", "When was she born?", "When was Jane Austen born?"),
+        ("\n\nWhen was Jane Austen born?\nShe was born in 1775.", "When was she born?", "When was Jane Austen born?"),
+        ("  ", "When was she born?", ""),
+        # An answer, not a question: refused (the terms stand in).
+        ("Jane Austen was born in 1775.", "When was she born?", ""),
+        ("Why " + "very " * 30 + "long?", "Why?", ""),
+        # A request without a question mark may be rewritten without one.
+        ("Tell me about Jane Austen's birth", "tell me about her birth", "Tell me about Jane Austen's birth"),
+    ],
+)
+def test_standalone_query_reads_the_models_question_back_or_refuses_it(
+    written: str, question: str, expected: str
+) -> None:
+    assert standalone_query(written, question) == expected
+
+
+def test_standalone_messages_carry_the_summary_the_turns_and_the_question() -> None:
+    system, user = standalone_messages(["User: Who wrote Emma?", "Assistant: Jane Austen."], "When?", summary="Books.")
+    assert system["role"] == "system" and "Do not answer" in system["content"]
+    text = user["content"]
+    assert text.index("Books.") < text.index("Who wrote Emma?") < text.index("Jane Austen.") < text.index("When?")

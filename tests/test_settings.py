@@ -72,6 +72,7 @@ BAD = [
     (HistorySettings, {"summary_max_tokens": 0}, ConfigError, "summary_max_tokens must be ≥ 1"),
     (HistorySettings, {"recent_turns": -1}, ConfigError, "recent_turns must be ≥ 0"),
     (HistorySettings, {"expand_follow_ups": 1}, ArgumentTypeError, "expand_follow_ups must be True or False"),
+    (HistorySettings, {"rewrite_with_model": "yes"}, ArgumentTypeError, "rewrite_with_model must be True or False"),
     (HistorySettings, {"summary_role": "tool"}, ConfigError, "summary_role must be one of system, user"),
     (HistorySettings, {"max_messages": 0}, ConfigError, "max_messages must be ≥ 1"),
     (HistorySettings, {"max_history_chars": "1e6"}, ArgumentTypeError, "max_history_chars must be an int"),

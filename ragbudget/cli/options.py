@@ -235,9 +235,17 @@ _HISTORY_OPTIONS = {
         type=click.IntRange(min=0),
         help="Turns kept verbatim when they fit.",
     ),
+    "rewrite_with_model": click.option(
+        "--rewrite-follow-ups/--expand-follow-ups",
+        "rewrite_with_model",
+        default=setting(HistorySettings, "rewrite_with_model"),
+        show_default=True,
+        help="Have the model rewrite a follow-up into a question that stands alone and search by it "
+        "(one more short request a follow-up), or add the earlier questions' terms to it.",
+    ),
 }
 
-#: ``--history-share --summary-max-tokens --recent-turns``, handed to ``chat`` as ``history``: a
+#: ``--history-share --summary-max-tokens --recent-turns --rewrite-follow-ups``, handed to ``chat`` as ``history``: a
 #: :class:`~ragbudget.settings.HistorySettings`.
 history_options = option_group("history", _HISTORY_OPTIONS, HistorySettings)
 

@@ -3,9 +3,12 @@
 "what about its footer?" means nothing to an index on its own. :func:`is_follow_up` tells such a
 question (a pronoun or demonstrative, an opener like "what about", or three content words or
 fewer); :func:`expand_query` appends the salient terms of the previous questions to it, so
-retrieval sees what "its" refers to. The generator still gets the question verbatim (with the
-conversation as history, see :mod:`ragbudget.chat`); only the index sees the expansion.
-Pure functions of their text: no tokenizer, no model.
+retrieval sees what "its" refers to. :func:`standalone_messages` is the request that has the
+generator write the follow-up as a question that stands alone instead (what LlamaIndex's
+``condense_plus_context`` and LangChain's history-aware retriever do), and
+:func:`standalone_query` reads its answer back, or refuses it. The generator still gets the
+question verbatim (with the conversation as history, see :mod:`ragbudget.chat`); only the index
+sees the expansion or the rewrite. Pure functions of their text: no tokenizer, no model.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-__all__ = ["expand_query", "is_follow_up"]
+__all__ = ["expand_query", "is_follow_up", "standalone_messages", "standalone_query"]
 
 _WORD = re.compile(r"[\w][\w'-]*")
 # Words that point back at something said before; a question using them, or a very short one, is
@@ -234,3 +237,58 @@ def expand_query(question: str, previous: Sequence[str], *, max_terms: int = 24)
         if len(terms) >= max_terms:
             break
     return f"{question} {' '.join(terms)}" if terms else question
+
+
+# Written after the peers' own prompts (LlamaIndex's condense prompt, LangChain's
+# contextualize-question prompt): name what the pronouns point at, never answer.
+_STANDALONE_SYSTEM = (
+    "You rewrite the user's latest question so that it can be understood without the conversation: "
+    "replace pronouns and vague references (it, they, he, she, that, there, the first one) with the "
+    "names and things they refer to in the conversation. Do not answer the question. If it already "
+    "stands alone, repeat it. Reply with the rewritten question only, on one line."
+)
+_LABEL = re.compile(r"^\s*(?:standalone|rewritten|reformulated|new)?\s*question\s*:\s*", re.IGNORECASE)
+
+
+def standalone_messages(lines: Sequence[str], question: str, *, summary: str = "") -> list[dict[str, str]]:
+    """The chat messages asking the generator to rewrite ``question`` as a standalone question,
+    given the conversation before it as ``lines`` ("User: ...", "Assistant: ...", oldest first)
+    after the ``summary`` of older turns, if there is one.
+
+    >>> system, user = standalone_messages(["User: Who wrote Emma?", "Assistant: Jane Austen."], "When was she born?")
+    >>> print(user["content"])
+    Conversation:
+    User: Who wrote Emma?
+    Assistant: Jane Austen.
+    <BLANKLINE>
+    Latest question: When was she born?
+    <BLANKLINE>
+    Standalone question:
+    """
+    head = [f"Summary of the earlier conversation: {summary}"] if summary else []
+    user = "Conversation:\n" + "\n".join([*head, *lines]) + f"\n\nLatest question: {question}\n\nStandalone question:"
+    return [{"role": "system", "content": _STANDALONE_SYSTEM}, {"role": "user", "content": user}]
+
+
+def standalone_query(text: str, question: str) -> str:
+    """The standalone question the generator wrote (``text``) for ``question``, or ``""`` when it
+    is not one: empty, far longer than a question, or a statement where a question was asked (the
+    model answered or explained instead; the caller then falls back to :func:`expand_query`).
+
+    >>> standalone_query('Standalone question: "When was Jane Austen born?"', "When was she born?")
+    'When was Jane Austen born?'
+    >>> standalone_query("Jane Austen was born in 1775.", "When was she born?")
+    ''
+    """
+    line = next((ln for ln in text.strip().splitlines() if ln.strip()), "")
+    for _ in range(2):  # a label inside markup ("**Rewritten question:** ..."), then quotes around the question
+        line = _LABEL.sub("", line.strip().strip("\"'`*").strip())
+    if not line:
+        return ""
+    # A standalone question names a few more things than the follow-up: twenty words past it is
+    # an answer or an explanation; so is a statement written for a question asked with a "?".
+    if len(_words(line)) > len(_words(question)) + 20:
+        return ""
+    if question.rstrip().endswith("?") and "?" not in line:
+        return ""
+    return line

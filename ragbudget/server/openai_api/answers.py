@@ -53,8 +53,9 @@ _PUBLIC_BUDGET = (
 )
 # An OOM step's "reason" is the allocator's message (total, free and reserved bytes of the GPU).
 _PUBLIC_OOM_STEP = ("action", "prompt_tokens_before", "prompt_tokens_after", "cache", "use_cache")
-# "index": the generation of the index the answer's chunks come from (no host figure).
-_PUBLIC_REPORT = ("selection", "dropped", "timings", "memory", "history_summary", "index", "evidence")
+# "index": the generation of the index the answer's chunks come from (no host figure);
+# "follow_up": what a follow-up was searched by (the client's own words, rewritten).
+_PUBLIC_REPORT = ("selection", "dropped", "timings", "memory", "history_summary", "index", "evidence", "follow_up")
 
 
 def public_report(report: dict[str, Any], *, expose_plan: bool) -> dict[str, Any]:
