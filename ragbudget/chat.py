@@ -521,9 +521,11 @@ class Conversation:
         """What ``question`` is searched by when the model did not rewrite it: expanded by the
         recent turns' queries (a follow-up names what it is about there), unless
         ``expand_follow_ups`` is off."""
+        return expand_query(question, self._previous_queries()) if self.history.expand_follow_ups else question
+
+    def _previous_queries(self) -> list[str]:
         previous = [t.retrieval_query or t.question for t in self._state.turns[-max(1, self.history.recent_turns) :]]
-        previous = [p for p in previous if p]
-        return expand_query(question, previous) if self.history.expand_follow_ups else question
+        return [p for p in previous if p]
 
     # -- folding --
 
@@ -706,7 +708,8 @@ class Conversation:
         query = standalone_query(text, question) if complete else ""
         if not query:
             self._rewrite_fallback = slow or f"the model wrote no standalone question ({text.strip()[:80]!r})"
-        return query
+            return ""
+        return expand_query(question, self._previous_queries(), standalone=query)
 
     def _side_room(self, cap: int) -> int:
         """The prompt a side request writing ``cap`` tokens may hold: what one request may hold by

@@ -357,10 +357,11 @@ def test_the_model_rewrites_a_follow_up_and_retrieval_searches_by_it() -> None:
     asked = request["messages"][-1]["content"]
     assert FIRST in asked and "answer1-word0" in asked and asked.index(FIRST) < asked.index("what about its footer?")
     assert request["max_new_tokens"] == 64 and request["stop"] == ["\n"]
-    assert turn.retrieval_query == STANDALONE
+    # The model's question, then the terms of the earlier one it lacks.
+    assert turn.retrieval_query == f"{STANDALONE} remove boilerplate"
     assert answers(pipe)[-1]["question"] == "what about its footer?"  # the generator gets it verbatim
     assert chunks(turn)[0] == "html-footer"
-    assert turn.answer.report["follow_up"] == {"retrieval_query": STANDALONE, "written_by": "model"}
+    assert turn.answer.report["follow_up"] == {"retrieval_query": turn.retrieval_query, "written_by": "model"}
     assert turn.answer.report["timings"]["rewrite_s"] > 0
     assert fake(pipe).overruns == 0
     # A question that stands alone is searched as it is: no rewrite asked.
@@ -404,7 +405,7 @@ def test_the_rewrite_sees_the_newest_exchanges_that_fit_its_request() -> None:
     # Each answer cut to 96 tokens, and only the newest exchanges that fit 400 - 64 tokens.
     assert "a3-95" in asked and "a3-96" not in asked and "Question 3" in asked and "Question 0" not in asked
     assert prompt_tokens(pipe, request["messages"]) + 64 <= 400
-    assert fake(pipe).overruns == 0 and turn.retrieval_query == STANDALONE
+    assert fake(pipe).overruns == 0 and turn.retrieval_query.startswith(STANDALONE)
 
 
 def test_a_client_gone_before_the_rewrite_leaves_nothing_asked() -> None:
@@ -447,6 +448,17 @@ def test_chat_command_with_piped_stdin(monkeypatch: pytest.MonkeyPatch) -> None:
     assert '"memory"' in result.output
     result = CliRunner().invoke(cli, ["chat", "--history-share", "1.5"], input="")
     assert result.exit_code == 2
+    # --rewrite-follow-ups: the follow-up is searched by the model's standalone question.
+    made.clear()
+    monkeypatch.setattr(
+        "ragbudget.pipeline.Pipeline",
+        lambda *a, **kw: made.append(chat_pipeline(rewrite=lambda m: STANDALONE)) or made[-1],
+    )
+    result = CliRunner().invoke(
+        cli, ["chat", "--rewrite-follow-ups", "--json"], input=f"{FIRST}\nwhat about its footer?\n"
+    )
+    assert result.exit_code == 0, result.output
+    assert len(rewrites(made[0])) == 1 and f'"retrieval_query": "{STANDALONE} remove boilerplate"' in result.output
 
 
 def test_sampling_flags_reach_the_pipeline_from_ask_and_chat(monkeypatch: pytest.MonkeyPatch) -> None:

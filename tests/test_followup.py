@@ -35,6 +35,18 @@ def test_expand_query_uses_newest_previous_question_first() -> None:
     assert expand_query("what about it?", []) == "what about it?"
 
 
+def test_a_standalone_rewrite_leads_and_keeps_the_terms_neither_holds() -> None:
+    previous = ["Are lions and tigers the same genus?"]
+    # The model only repeated the question: the earlier question's terms still reach the index.
+    assert expand_query("Which is?", previous, standalone="Which is?") == "Which is? lions tigers genus"
+    got = expand_query("Where do they live?", previous, standalone="Where do lions and tigers live?")
+    assert got == "Where do lions and tigers live? genus"
+    # A rewrite is used even when the question alone would not be taken for a follow-up.
+    assert expand_query("Where do lions and tigers live in the wild?", [], standalone="Where do wild lions live?") == (
+        "Where do wild lions live?"
+    )
+
+
 @settings(max_examples=80, deadline=None)
 @given(st.text(min_size=1, max_size=80), st.lists(st.text(max_size=80), max_size=3))
 def test_expand_query_keeps_the_question_intact(question: str, previous: list[str]) -> None:

@@ -214,17 +214,26 @@ def is_follow_up(question: str) -> bool:
     return len([w for w in words if w not in _STOPWORDS]) <= 3
 
 
-def expand_query(question: str, previous: Sequence[str], *, max_terms: int = 24) -> str:
+def expand_query(question: str, previous: Sequence[str], *, max_terms: int = 24, standalone: str = "") -> str:
     """The retrieval query for ``question``: itself when it stands alone, else itself followed by
     the salient terms (content words, first occurrence order, newest question first) of the
-    ``previous`` retrieval queries that it does not already contain.
+    ``previous`` retrieval queries that it does not already contain. With ``standalone`` (the
+    model's rewrite of the follow-up, :func:`standalone_query`), that question followed by the
+    terms neither holds: the rewrite names what "it" is, the terms keep the topic where the model
+    only repeated the question or dropped a word the passage has.
 
     >>> expand_query("what about its footer?", ["How are page headers stripped from PDFs?"])
     'what about its footer? page headers stripped pdfs'
+    >>> expand_query("what about its footer?", ["How are page headers stripped from PDFs?"],
+    ...              standalone="How are page footers stripped from PDFs?")
+    'How are page footers stripped from PDFs? headers'
     """
-    if not previous or not is_follow_up(question):
+    if standalone:
+        question, seen = standalone, set(_words(standalone)) | set(_words(question))
+    elif not previous or not is_follow_up(question):
         return question
-    seen = set(_words(question))
+    else:
+        seen = set(_words(question))
     terms: list[str] = []
     for prev in reversed(previous):  # newest first: the most likely referent
         for w in _words(prev):
