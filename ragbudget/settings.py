@@ -501,7 +501,7 @@ class HistorySettings:
     summary_max_tokens: int = 128
     recent_turns: int = 2
     expand_follow_ups: bool = True
-    rewrite_with_model: bool = False
+    rewrite_with_model: bool = True
     summary_role: str = "system"
     max_messages: int = DEFAULT_MAX_MESSAGES
     max_history_chars: int = DEFAULT_MAX_HISTORY_CHARS

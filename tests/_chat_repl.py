@@ -6,7 +6,7 @@ line of ``ragbudget``; only ``ragbudget.pipeline.Pipeline`` is replaced, by a re
 FakeBackend that streams its answer a word at a time, checks ``cancel`` before each word as a real
 engine does, and takes its time when the question says "slowly", so a test can press Ctrl-C in
 the middle. When the
-command exits, the questions the "model" received are printed as ``ASKED: [...]`` (JSON).
+command exits, the questions the "model" was asked to answer are printed as ``ASKED: [...]`` (JSON).
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def SlowPipeline(*args: Any, **kwargs: Any) -> Any:  # noqa: N802 - stands in fo
 
 
 def _report() -> None:
-    asked = [c["question"] for b in BACKENDS for c in b.calls]
+    asked = [c["question"] for b in BACKENDS for c in b.answer_calls]
     sys.stdout.write("\nASKED: " + json.dumps(asked) + "\n")
     sys.stdout.flush()
 

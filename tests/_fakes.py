@@ -161,8 +161,9 @@ class FakeBackend:
       apart, ``cancel`` is looked at before each (``finish_reason "cancelled"``), a ``stop``
       string ends the answer before it; ``"length"`` when the answer took all ``max_new_tokens``.
       ``fail`` (settable) is raised instead of answering;
-    * what it saw: ``calls`` (``messages``, ``question``, ``max_new_tokens``, ``sampling``,
-      ``stop``), ``cancelled`` (questions stopped by ``cancel``), ``running``/``peak_running``
+    * what it saw: ``calls`` (``messages``, ``question``, ``answer`` (not a conversation's side
+      request: ``answer_calls``), ``max_new_tokens``, ``sampling``, ``stop``), ``cancelled``
+      (questions stopped by ``cancel``), ``running``/``peak_running``
       (answers being written at once), ``overruns`` (prompts that, with their ``max_new_tokens``,
       did not fit ``capacity.max_context_tokens``), ``counted`` (count and render calls),
       ``prefetched`` (prefetch calls);
@@ -204,6 +205,11 @@ class FakeBackend:
         self.prefetched = 0
         self.url = url if url is not None else ("" if memory_plan is not None else "http://fake.invalid")
         self._lock = threading.Lock()
+
+    @property
+    def answer_calls(self) -> list[dict[str, Any]]:
+        """The ``calls`` that asked for an answer (not a conversation's summary or rewrite)."""
+        return [c for c in self.calls if c["answer"]]
 
     def count(self, texts: Any) -> list[int]:
         self.counted += 1
@@ -297,6 +303,9 @@ class FakeBackend:
                 {
                     "messages": messages,
                     "question": question,
+                    # The pipeline's answer comes as a built Prompt; a side request of a
+                    # conversation (its summary, a follow-up's rewrite) as bare chat messages.
+                    "answer": isinstance(prompt, Prompt),
                     "sampling": sampling,
                     "stop": stop,
                     "max_new_tokens": max_new_tokens,
@@ -423,10 +432,22 @@ class FakeGenerator:
     def warm_up(self) -> FakeGenerator:
         return self  # nothing to load
 
+    @property
+    def token_counter(self) -> Any:
+        """Its tokenizer as the real generator's counter (what the local backend renders side
+        requests, a summary or a follow-up's rewrite, with)."""
+        from ragbudget.tokens import HFTokenizer
+
+        return HFTokenizer(self.tokenizer)
+
     def generate(
         self, prompt: Any, *, max_new_tokens: int, on_text: Any = None, cancel: Any = None, **_: Any
     ) -> FakeGeneration:
         self.prompts.append(prompt)
+        # A side request (a summary, a follow-up's rewrite) comes as chat messages, not rendered.
+        n_prompt = getattr(prompt, "n_tokens", None)
+        if n_prompt is None:
+            n_prompt = sum(len(self.tokenizer.encode(m["content"])) for m in prompt)
         if self.delay:
             time.sleep(self.delay)
         # Like the real generator, cancel is checked at every token, streamed or not.
@@ -434,13 +455,13 @@ class FakeGenerator:
             if cancel is not None and cancel.is_set():
                 self.cancelled += 1
                 return FakeGeneration(
-                    self.answer, prompt.n_tokens, 0, max_new_tokens, finish_reason="cancelled", prompt=prompt
+                    self.answer, n_prompt, 0, max_new_tokens, finish_reason="cancelled", prompt=prompt
                 )
             if on_text:
                 on_text(word + " ")
             if self.word_delay:
                 time.sleep(self.word_delay)
-        return FakeGeneration(self.answer, prompt.n_tokens, len(self.answer.split()), max_new_tokens, prompt=prompt)
+        return FakeGeneration(self.answer, n_prompt, len(self.answer.split()), max_new_tokens, prompt=prompt)
 
 
 # --- a real Pipeline on the FakeBackend, and a real server in front of it (test_server, test_examples)

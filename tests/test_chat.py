@@ -381,13 +381,18 @@ def test_a_rewrite_that_answers_instead_falls_back_to_the_terms() -> None:
     assert chunks(turn)[0] == "html-footer"
 
 
-def test_the_rewrite_is_off_by_default_and_with_expansion_off() -> None:
-    for options in ({}, {"rewrite_with_model": True, "expand_follow_ups": False}):
+def test_the_rewrite_is_the_default_and_off_with_either_switch() -> None:
+    for options, asked in (
+        ({}, 1),
+        ({"rewrite_with_model": False}, 0),
+        ({"rewrite_with_model": True, "expand_follow_ups": False}, 0),
+    ):
         pipe = chat_pipeline(total=400, max_new=40, rewrite=lambda m: STANDALONE)
         chat = Conversation(pipe, **options)
         chat.ask(FIRST)
-        chat.ask("what about its footer?")
-        assert rewrites(pipe) == [], options
+        turn = chat.ask("what about its footer?")
+        assert len(rewrites(pipe)) == asked, options
+        assert turn.retrieval_query.startswith(STANDALONE) == bool(asked), options
 
 
 def test_the_rewrite_sees_the_newest_exchanges_that_fit_its_request() -> None:
@@ -448,7 +453,8 @@ def test_chat_command_with_piped_stdin(monkeypatch: pytest.MonkeyPatch) -> None:
     assert '"memory"' in result.output
     result = CliRunner().invoke(cli, ["chat", "--history-share", "1.5"], input="")
     assert result.exit_code == 2
-    # --rewrite-follow-ups: the follow-up is searched by the model's standalone question.
+    # --rewrite-follow-ups (the default): the follow-up is searched by the model's standalone
+    # question; --expand-follow-ups: by the earlier question's terms.
     made.clear()
     monkeypatch.setattr(
         "ragbudget.pipeline.Pipeline",
@@ -459,6 +465,11 @@ def test_chat_command_with_piped_stdin(monkeypatch: pytest.MonkeyPatch) -> None:
     )
     assert result.exit_code == 0, result.output
     assert len(rewrites(made[0])) == 1 and f'"retrieval_query": "{STANDALONE} remove boilerplate"' in result.output
+    result = CliRunner().invoke(
+        cli, ["chat", "--expand-follow-ups", "--json"], input=f"{FIRST}\nwhat about its footer?\n"
+    )
+    assert result.exit_code == 0, result.output
+    assert len(rewrites(made[1])) == 0 and '"retrieval_query": "what about its footer? trafilatura' in result.output
 
 
 def test_sampling_flags_reach_the_pipeline_from_ask_and_chat(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -660,7 +671,10 @@ def test_a_summary_waiting_for_memory_leaves_the_queue_when_the_client_leaves() 
     assert isinstance(pipe.admission, AdmissionController) and pipe.admission.capacity_tokens == 1000
     held = pipe.admission.acquire(1000)  # the GPU is busy
     cache, cancel, done = SummaryCache(), threading.Event(), []
-    chat = Conversation.from_messages(pipe, _messages(8), summary_max_tokens=30, summary_cache=cache)
+    # The rewrite off: the summary is the request that waits (the rewrite's wait: the test below).
+    chat = Conversation.from_messages(
+        pipe, _messages(8), summary_max_tokens=30, summary_cache=cache, rewrite_with_model=False
+    )
     t = threading.Thread(target=lambda: done.append(chat.ask("Next?", cancel=cancel)))
     t.start()
     while pipe.admission.stats().queued == 0:
@@ -670,6 +684,31 @@ def test_a_summary_waiting_for_memory_leaves_the_queue_when_the_client_leaves() 
     held.release()
     assert done and not summaries(pipe) and len(cache) == 0
     assert done[0].summary.startswith("Asked:")  # the extractive fallback, for this request only
+
+
+def test_a_rewrite_waiting_for_memory_leaves_the_queue_when_the_client_leaves() -> None:
+    import threading
+
+    pipe = Pipeline(
+        corpus_index(),
+        backend=fake(chat_pipeline(kv_tokens=1000, rewrite=lambda m: STANDALONE)),
+        max_new_tokens=40,
+        system_prompt=SYSTEM,
+        relevance_floor=0,
+        queue_timeout=60.0,
+    )
+    held = pipe.admission.acquire(1000)  # the GPU is busy
+    cancel, done = threading.Event(), []
+    chat = Conversation.from_messages(pipe, _messages(2))
+    t = threading.Thread(target=lambda: done.append(chat.ask("what about its footer?", cancel=cancel)))
+    t.start()
+    while pipe.admission.stats().queued == 0:
+        threading.Event().wait(0.005)
+    cancel.set()
+    t.join(timeout=10)  # not the 60 s admission timeout
+    held.release()
+    assert done and done[0].cancelled and not rewrites(pipe) and not answers(pipe)
+    assert chat.turns == Conversation.from_messages(pipe, _messages(2)).turns  # nothing kept of it
 
 
 # --- a hostile history: bounded, counted, cancellable ---------------------------------------------

@@ -31,10 +31,10 @@ def chat_pipeline(backend: FakeBackend | None = None) -> Pipeline:
 
 
 def calls(pipe: Pipeline) -> list[dict[str, Any]]:
-    """What the "model" was asked, in order."""
+    """What the "model" was asked to answer, in order (not the chat's side requests)."""
     backend = pipe.backend
     assert isinstance(backend, FakeBackend)
-    return backend.calls
+    return backend.answer_calls
 
 
 def history_of(call: dict[str, Any]) -> list[dict[str, str]]:
@@ -67,7 +67,7 @@ def test_run_chat_a_cancelled_answer_is_not_kept_in_the_history() -> None:
     class Cancelling(FakeBackend):
         def generate(self, prompt: Any, **kwargs: Any) -> Any:
             generation = super().generate(prompt, **kwargs)
-            if "cancel me" in prompt.question:
+            if "cancel me" in getattr(prompt, "question", ""):  # the answer, not a rewrite
                 kwargs["cancel"].set()  # as a Ctrl-C in the middle of the answer does
             return generation
 
@@ -92,7 +92,7 @@ def _slow_pipeline_cli(monkeypatch: pytest.MonkeyPatch) -> Any:
 
     _chat_repl.BACKENDS.clear()
     monkeypatch.setattr("ragbudget.pipeline.Pipeline", _chat_repl.SlowPipeline)
-    return lambda: [c["question"] for b in _chat_repl.BACKENDS for c in b.calls]
+    return lambda: [c["question"] for b in _chat_repl.BACKENDS for c in b.answer_calls]
 
 
 def test_chat_slash_commands_are_handled_locally_and_never_reach_the_model(monkeypatch: pytest.MonkeyPatch) -> None:
