@@ -78,6 +78,9 @@ class Row:
     #: passes over them. For a change whose path the benchmark provably does not take; every
     #: other change makes the figure stale until re-run.
     unaffected_by: Mapping[str, str] = field(default_factory=dict)
+    #: The figure comes from conversations with history (a follow-up after earlier turns): the
+    #: commits of :data:`_UNLESS_A_CONVERSATION` may move it.
+    converses: bool = False
 
 
 #: The answers run (bench/answers.py) that several rows read: ragbudget at 256 (re-run on c297379,
@@ -149,6 +152,15 @@ _EVERY_ROW_UNAFFECTED: Mapping[str, str] = {
     "no cell is asked or scored otherwise",
     "384584f": "the framework retrievers accept sources=; no benchmark uses them",
     "42bfcaa": "a refactor of how the scope's patterns are passed: no path without a scope changed",
+    "08b5f51": "the follow-up's rewrite added off by default; Meter moved and the summary's walk over the "
+    "exchanges shared with it (the same prompt, counts and bisection); answers.py's ask gets its row",
+    "8b0b8d1": "the rewrite's query (off by default then) and the --rewrite-follow-ups option",
+}
+#: Commits that change only what a follow-up in a conversation with history runs: every row but
+#: those that converse (:attr:`Row.converses`) passes over them; those are re-run after.
+_UNLESS_A_CONVERSATION: Mapping[str, str] = {
+    "f51b9ed": "the follow-up's rewrite on by default: a question with no earlier turn asks no rewrite, and "
+    "only the chat rows ask one after a history (the server benchmarks send a single message)",
 }
 #: What the 0.5B answers runs (bench/answers.py, one question at a time) are unaffected by.
 _ANSWERS_UNAFFECTED = {
@@ -326,7 +338,7 @@ ROWS: tuple[Row, ...] = (
         "`llama-server`: ragbudget at 256 context tokens against each peer at 2,048 (a miss)",
         short="Answer F1 for chat follow-ups with the 1.5B model: ragbudget at 256 tokens vs the best peer at 2,048",
         section="the-15b-model",
-        raw="answers_coqa_1_5b.json",
+        raw="answers_coqa_1_5b_rewrite.json",
         values={
             "rb": "/summary/ragbudget@256/f1",
             "peer": "/summary/llamaindex@2048/f1",
@@ -344,6 +356,7 @@ ROWS: tuple[Row, ...] = (
         data="CoQA test stories 31-60 of the seed-0 sample, whose follow-ups chose no default: reporting split",
         headline=False,
         exercises=_ASK,
+        converses=True,
     ),
     Row(
         id="sum-abstain",
@@ -518,6 +531,7 @@ ROWS: tuple[Row, ...] = (
             _CLOSED_BACKEND: _CLOSED_WHY,
             _RESET_RETRY: _RESET_WHY,
         },
+        converses=True,
     ),
     Row(
         id="sum-chat-tune",
@@ -537,6 +551,7 @@ ROWS: tuple[Row, ...] = (
         ratio="rb/peer",
         data="CoQA test stories 1–30 of the seed-0 sample: the policy was built on them (a tuning set)",
         exercises=_CHAT,
+        converses=True,
     ),
     Row(
         id="sum-chat-f1",
@@ -566,6 +581,7 @@ ROWS: tuple[Row, ...] = (
             _CLOSED_BACKEND: _CLOSED_WHY,
             _RESET_RETRY: _RESET_WHY,
         },
+        converses=True,
     ),
     Row(
         id="sum-clean",
@@ -1207,7 +1223,7 @@ def staleness(row: Row) -> str | None:
         paths = (*row.exercises, *scripts)
         commits = _unreverted(_git("log", "--format=%H%x00%B%x01", f"{base}..HEAD", "--", *paths))
         code = [c for c in commits if not _same_code(c, paths)]
-        declared = {**_EVERY_ROW_UNAFFECTED, **row.unaffected_by}
+        declared = {**_EVERY_ROW_UNAFFECTED, **({} if row.converses else _UNLESS_A_CONVERSATION), **row.unaffected_by}
         if commits and all(any(c.startswith(k) for k in declared) for c in code):
             changed = []
     notes = ["measured with uncommitted changes"] if commit.endswith("+dirty") else []

@@ -308,6 +308,11 @@ def test_a_result_older_than_the_code_it_measures_is_flagged(
             monkeypatch.setattr(report, "_EVERY_ROW_UNAFFECTED", {since[0][:10]: "why"})
             assert report.staleness(partly) is None
             monkeypatch.setattr(report, "_EVERY_ROW_UNAFFECTED", {})
+            # Declared for every row but those that converse (_UNLESS_A_CONVERSATION).
+            monkeypatch.setattr(report, "_UNLESS_A_CONVERSATION", {since[0][:10]: "why"})
+            assert report.staleness(partly) is None
+            assert "changed since " + before in (report.staleness(replace(partly, converses=True)) or "")
+            monkeypatch.setattr(report, "_UNLESS_A_CONVERSATION", {})
         rows = (row("old.json"),)
         monkeypatch.setattr(report, "ROWS", rows)
         monkeypatch.setattr(report, "check_pages", lambda paths: ([], {}))

@@ -117,7 +117,7 @@ def test_missing_module_names_the_extra_of_a_submodule_or_the_package_itself() -
 #: The options that set a field of a settings record (by parameter name): ``(record, field)``, or
 #: ``(record, field, CLI value -> field value)``. Their default must be the field's.
 SETTINGS_OPTIONS: dict[str, tuple[Any, ...]] = {
-    **{n: (HistorySettings, n) for n in ("history_share", "summary_max_tokens", "recent_turns")},
+    **{n: (HistorySettings, n) for n in ("history_share", "summary_max_tokens", "recent_turns", "rewrite_with_model")},
     **{n: (HistorySettings, n) for n in ("max_messages", "max_history_chars")},
     **{n: (ClientTimeoutSettings, n) for n in ("header_timeout", "body_idle_timeout", "body_timeout")},
     "retrieval": (RetrievalSettings, "hybrid", lambda v: v == "hybrid"),
