@@ -87,10 +87,12 @@ def best(fn: Any, pred: str, answers: tuple[str, ...]) -> float:
 
 
 def question_set(
-    split: str, docs: int, n_answerable: int, n_unanswerable: int, seed: int = 0
+    split: str, docs: int, n_answerable: int, n_unanswerable: int, seed: int = 0, *, scoped: bool = False
 ) -> tuple[H.Split, list[int], list[dict[str, Any]]]:
     """The split's article pool, the ``docs`` articles indexed (a seeded draw) and the questions:
-    ``n_answerable`` about indexed articles, then ``n_unanswerable`` about the others."""
+    ``n_answerable`` about indexed articles, then ``n_unanswerable`` about the others. ``scoped``:
+    each answerable question carries its article's file as ``source`` (what every system is
+    limited to), and none about the others is drawn (no file of theirs to limit them to)."""
     import random
 
     pool = H.load_split(split, docs=24 if split.startswith("squad") else 60, seed=seed)
@@ -100,8 +102,11 @@ def question_set(
     qs = H.sample_questions(pool, 0, seed=seed)
     answerable = [q for q in qs if q.doc in indexed][:n_answerable]
     unanswerable = [q for q in qs if q.doc in held_out][:n_unanswerable]
+    if scoped:
+        unanswerable = []
     questions = [
         {"qid": q.qid, "text": q.text, "answers": list(q.answers), "answerable": i < len(answerable)}
+        | ({"source": f"{doc_stem(pool.titles[q.doc]) or f'doc{q.doc}'}.md"} if scoped else {})
         for i, q in enumerate(answerable + unanswerable)
     ]
     return pool, indexed, questions
@@ -183,8 +188,10 @@ def ask_once(
     pipe: Any, q: dict[str, Any], budget: int, max_new_tokens: int, files: dict[str, str], row: str
 ) -> dict[str, Any]:
     """``ragbudget ask``: one question, ``budget`` tokens of context, the answer cap (``row``'s
-    options are its pipeline's, :data:`RAGBUDGET_ROWS`)."""
-    return answer_fields(pipe.ask(q["text"], context_tokens=budget, max_new_tokens=max_new_tokens), files)
+    options are its pipeline's, :data:`RAGBUDGET_ROWS`), limited to the question's ``source``
+    file when it names one (``--scoped``: ``ragbudget ask --source FILE``)."""
+    answer = pipe.ask(q["text"], context_tokens=budget, max_new_tokens=max_new_tokens, sources=q.get("source"))
+    return answer_fields(answer, files)
 
 
 def ragbudget_cells(
@@ -272,6 +279,8 @@ def ragbudget_cache(args: argparse.Namespace, documents: list[str], ask: Any) ->
         args.slots,
         args.timeout,
     ]
+    if getattr(args, "scoped", False):  # a question asked of its own file is another cell
+        material.append("scoped")
     key = hashlib.sha256(json.dumps(material).encode()).hexdigest()[:12]
     return H.OUT / f"answers_ragbudget_{key}.jsonl"
 
@@ -320,7 +329,9 @@ def peer_cells(
     # The peers' answers depend on nothing ragbudget changes: kept per split, model, documents
     # and cap (bench/out/), so a run that changes only ragbudget asks the engine only for it.
     material: list[Any] = [sorted(p.name for p in docs.glob("*.md")), Path(gguf).name, args.max_new_tokens]
-    key = hashlib.sha256(json.dumps(material + (["chat"] if chat else [])).encode()).hexdigest()[:12]
+    material += ["chat"] if chat else []
+    material += ["scoped"] if getattr(args, "scoped", False) else []
+    key = hashlib.sha256(json.dumps(material).encode()).hexdigest()[:12]
     cache = H.OUT / f"answers_peers_{key}.jsonl"
     known = {}
     if cache.is_file() and not args.fresh_peers:
@@ -403,9 +414,10 @@ def earlier_peer_cells(
         and old.get("max_new_tokens") == args.max_new_tokens
         # answers_chat.py's raw results say so in "mode" (and, since, in "chat" too)
         and (bool(old.get("chat")) or str(old.get("mode", "")).startswith("chat")) == chat
+        and bool(old.get("scoped")) == bool(getattr(args, "scoped", False))
     )
     if not same:
-        raise SystemExit(f"--peers-from {raw}: other split, documents, model, answer cap or chat; run without it")
+        raise SystemExit(f"--peers-from {raw}: another split, documents, model, cap, chat or scope; run without it")
     cells = [c for c in old["cells"] if c["system"] in PEER_ROWS and "error" not in c and c.get("answer") is not None]
     print(f"peers: {len(cells)} cells taken from {raw.name} (asked at {commit}; their code unchanged)", flush=True)
     return cells
@@ -549,6 +561,13 @@ def main() -> None:
     ap.add_argument("--docs", type=int, default=12, help="articles indexed")
     ap.add_argument("--questions", type=int, default=60, help="answerable questions (seeded sample)")
     ap.add_argument("--unanswerable", type=int, default=15, help="questions about articles not indexed")
+    ap.add_argument(
+        "--scoped",
+        action="store_true",
+        help="ask each question of its own article only, as a product page asks of its product's reviews: "
+        "ragbudget with sources= (ask --source), LangChain and LlamaIndex with their metadata filters; "
+        "no unanswerable questions (no file of theirs to scope to)",
+    )
     add_run_options(ap, systems="ragbudget,ragbudget_chunks,langchain,llamaindex")
     ap.add_argument("--plot", type=Path, nargs=2, metavar=("RAW", "PNG"), help="draw a raw result; nothing is run")
     ap.add_argument(
@@ -569,7 +588,9 @@ def main() -> None:
     gguf = gguf_path(args.model)
     t_start = time.time()
 
-    pool, indexed, questions = question_set(args.split, args.docs, args.questions, args.unanswerable, args.seed)
+    pool, indexed, questions = question_set(
+        args.split, args.docs, args.questions, args.unanswerable, args.seed, scoped=args.scoped
+    )
     answerable = [q for q in questions if q["answerable"]]
     unanswerable = [q for q in questions if not q["answerable"]]
     print(f"{args.split}: {len(indexed)} articles indexed, {len(answerable)} + {len(unanswerable)} questions")
@@ -592,6 +613,7 @@ def main() -> None:
     model_name = Path(gguf).stem.lower().replace("-", "_").replace(".", "_")
     result = {
         "split": args.split,
+        "scoped": args.scoped,
         "documents_indexed": [pool.titles[d] for d in indexed],
         "questions_answerable": len(answerable),
         "questions_unanswerable": len(unanswerable),

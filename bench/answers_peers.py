@@ -22,6 +22,11 @@ nothing already answered.
   calls, each within the same window: LlamaIndex's own answer to a small window.
   Its tokenizer is the generator's own, so it counts what the engine counts.
 
+A question with a ``source`` (``answers.py --scoped``) is asked of that file only, through each
+peer's own metadata filter on the ``source`` every chunk carries: LangChain's FAISS
+``similarity_search(filter=..., fetch_k=<every chunk>)`` (FAISS filters the ``fetch_k`` nearest),
+LlamaIndex's ``as_query_engine(filters=MetadataFilters(...))``.
+
 With ``"chat": true`` in the job (``bench/answers_chat.py``), each question carries the gold
 conversation before it (``history``: OpenAI-style messages) and each peer answers through its
 conversational setup, on the same store, index, engine and budgets:
@@ -232,7 +237,7 @@ def _llamaindex_window(budget: int, prompts: list[Any], probe: Any) -> int:
 
 
 def llamaindex_engine(
-    docs: list[tuple[str, str]], job: dict[str, Any], tokens: Tokens, budget: int, question: str
+    docs: list[tuple[str, str]], job: dict[str, Any], tokens: Tokens, budget: int, question: str, source: str | None
 ) -> Any:
     from llama_index.core.prompts.default_prompt_selectors import (
         DEFAULT_REFINE_PROMPT_SEL,
@@ -247,7 +252,13 @@ def llamaindex_engine(
         for sel in (DEFAULT_TEXT_QA_PROMPT_SEL, DEFAULT_REFINE_PROMPT_SEL)
     ]
     llm = _llamaindex_llm(job, _llamaindex_window(budget, prompts, probe))
-    return index.as_query_engine(llm=llm, response_mode="compact")
+    if not source:
+        return index.as_query_engine(llm=llm, response_mode="compact")
+    # A scoped question: LlamaIndex's metadata filters on the document's file name.
+    from llama_index.core.vector_stores import MetadataFilter, MetadataFilters
+
+    only = MetadataFilters(filters=[MetadataFilter(key="source", value=source)])
+    return index.as_query_engine(llm=llm, response_mode="compact", filters=only)
 
 
 def llamaindex_chat_engine(
@@ -295,9 +306,17 @@ def asker(system: str, chat: bool, docs: list[tuple[str, str]], job: dict[str, A
     was given and, in a conversation, what it searched for."""
     if system == "langchain" and not chat:
         retriever, chain = langchain_chain(docs, job, tokens)
+        store = _langchain_store(docs, tokens)
 
         def answer(q: dict[str, Any]) -> dict[str, Any]:
-            found = retriever.invoke(q["text"])
+            if q.get("source"):
+                # The vector store's own metadata filter (scoped questions); FAISS filters the
+                # fetch_k nearest (20 by default), so every chunk is fetched: exact, at its best.
+                found = store.similarity_search(
+                    q["text"], k=4, filter={"source": q["source"]}, fetch_k=store.index.ntotal
+                )
+            else:
+                found = retriever.invoke(q["text"])
             context = tokens.cut("\n\n".join(d.page_content for d in found), budget)
             return {"answer": chain.invoke({"context": context, "input": q["text"]}), "contexts": [context]}
 
@@ -319,7 +338,7 @@ def asker(system: str, chat: bool, docs: list[tuple[str, str]], job: dict[str, A
     elif not chat:
 
         def answer(q: dict[str, Any]) -> dict[str, Any]:
-            resp = llamaindex_engine(docs, job, tokens, budget, q["text"]).query(q["text"])
+            resp = llamaindex_engine(docs, job, tokens, budget, q["text"], q.get("source")).query(q["text"])
             return {"answer": str(resp), "contexts": [n.node.get_content() for n in resp.source_nodes]}
 
     else:

@@ -95,3 +95,20 @@ def test_changed_peer_code_or_other_material_is_refused(repo: Path, tmp_path: Pa
         answers.earlier_peer_cells(_raw(tmp_path, commit), ARGS, docs, "/models/qwen.gguf")
     with pytest.raises(SystemExit, match="peers' code changed"):  # a commit git does not know
         answers.earlier_peer_cells(_raw(tmp_path, "0000000"), ARGS, docs, "/models/qwen.gguf")
+
+
+def test_a_scoped_run_and_an_unscoped_one_never_share_answers(repo: Path, tmp_path: Path) -> None:
+    # --scoped asks each question of its own file: the peers' (and ragbudget's) answers differ.
+    commit = _git(repo, "rev-parse", "--short", "HEAD")
+    docs = _docs(tmp_path)
+    scoped = argparse.Namespace(**vars(ARGS), scoped=True)
+    with pytest.raises(SystemExit, match="scope"):
+        answers.earlier_peer_cells(_raw(tmp_path, commit), scoped, docs, "/models/qwen.gguf")
+    with pytest.raises(SystemExit, match="scope"):
+        answers.earlier_peer_cells(_raw(tmp_path, commit, scoped=True), ARGS, docs, "/models/qwen.gguf")
+    assert answers.earlier_peer_cells(_raw(tmp_path, commit, scoped=True), scoped, docs, "/models/qwen.gguf")
+    gguf = tmp_path / "qwen.gguf"
+    gguf.write_bytes(b"GGUF")
+    run = {"split": "amazon", "model": str(gguf), "max_new_tokens": 64, "threads": 2, "slots": 1, "timeout": 600}
+    keys = {answers.ragbudget_cache(argparse.Namespace(**run, scoped=flag), ["a"], answers.ask_once) for flag in (0, 1)}
+    assert len(keys) == 2 or keys == {None}  # None: ragbudget/ has uncommitted changes, nothing kept
