@@ -94,7 +94,16 @@ _ANSWERS_15B = "answers_squad_test_qwen2_5_coder_1_5b_instruct_q4_k_m.json"
 #: What packs a question's context (prompt rendering, span and chunk packing, fitting): the rows
 #: whose figure comes from a selection exercise all of it.
 _SELECTION = ("ragbudget/prompt", "ragbudget/packing", "ragbudget/fitting.py")
-_CHAT = (*_SELECTION, "ragbudget/chat.py", "ragbudget/retrieval")
+#: A conversation's turn: those, the history's policy (its defaults live in settings.py), its
+#: counts and summaries.
+_CHAT = (
+    *_SELECTION,
+    "ragbudget/chat.py",
+    "ragbudget/meter.py",
+    "ragbudget/summaries.py",
+    "ragbudget/settings.py",
+    "ragbudget/retrieval",
+)
 #: What a question asked through :meth:`Pipeline.ask` runs: the whole library but the HTTP server
 #: and the CLI, which that path never imports (tests/test_bench_report.py checks it in a fresh
 #: process): the answers, abstention and engine rows call the Pipeline directly.
@@ -155,6 +164,8 @@ _EVERY_ROW_UNAFFECTED: Mapping[str, str] = {
     "08b5f51": "the follow-up's rewrite added off by default; Meter moved and the summary's walk over the "
     "exchanges shared with it (the same prompt, counts and bisection); answers.py's ask gets its row",
     "8b0b8d1": "the rewrite's query (off by default then) and the --rewrite-follow-ups option",
+    "8007f2d": "answers.py --scoped: without it no question carries a source (ask gets sources=None, as "
+    "before) and the caches' keys are as before",
 }
 #: Commits that change only what a follow-up in a conversation with history runs: every row but
 #: those that converse (:attr:`Row.converses`) passes over them; those are re-run after.

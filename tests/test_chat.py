@@ -655,59 +655,56 @@ def test_a_summary_cut_short_by_a_leaving_client_is_never_cached() -> None:
     assert len(cache) > 0
 
 
-def test_a_summary_waiting_for_memory_leaves_the_queue_when_the_client_leaves() -> None:
-    import threading
-
-    from ragbudget.memory.admission import AdmissionController
-
-    pipe = Pipeline(
+def _busy_pipeline(**chat_options: Any) -> Pipeline:
+    """A pipeline whose admission holds 1,000 KV tokens (a 60 s queue time-out)."""
+    return Pipeline(
         corpus_index(),
-        backend=fake(chat_pipeline(kv_tokens=1000)),
+        backend=fake(chat_pipeline(kv_tokens=1000, **chat_options)),
         max_new_tokens=40,
         system_prompt=SYSTEM,
         relevance_floor=0,
         queue_timeout=60.0,
     )
-    assert isinstance(pipe.admission, AdmissionController) and pipe.admission.capacity_tokens == 1000
+
+
+def _left_while_queued(pipe: Pipeline, chat: Conversation, question: str) -> Any:
+    """The turn of ``question`` asked while the GPU is busy, its client leaving once a request
+    of the turn waits in admission's queue."""
+    import threading
+
     held = pipe.admission.acquire(1000)  # the GPU is busy
-    cache, cancel, done = SummaryCache(), threading.Event(), []
+    cancel, done = threading.Event(), []
+    t = threading.Thread(target=lambda: done.append(chat.ask(question, cancel=cancel)))
+    t.start()
+    while pipe.admission.stats().queued == 0:
+        threading.Event().wait(0.005)
+    cancel.set()
+    t.join(timeout=10)  # not the 60 s admission timeout
+    held.release()
+    assert done
+    return done[0]
+
+
+def test_a_summary_waiting_for_memory_leaves_the_queue_when_the_client_leaves() -> None:
+    from ragbudget.memory.admission import AdmissionController
+
+    pipe = _busy_pipeline()
+    assert isinstance(pipe.admission, AdmissionController) and pipe.admission.capacity_tokens == 1000
+    cache = SummaryCache()
     # The rewrite off: the summary is the request that waits (the rewrite's wait: the test below).
     chat = Conversation.from_messages(
         pipe, _messages(8), summary_max_tokens=30, summary_cache=cache, rewrite_with_model=False
     )
-    t = threading.Thread(target=lambda: done.append(chat.ask("Next?", cancel=cancel)))
-    t.start()
-    while pipe.admission.stats().queued == 0:
-        threading.Event().wait(0.005)
-    cancel.set()
-    t.join(timeout=10)  # not the 60 s admission timeout
-    held.release()
-    assert done and not summaries(pipe) and len(cache) == 0
-    assert done[0].summary.startswith("Asked:")  # the extractive fallback, for this request only
+    turn = _left_while_queued(pipe, chat, "Next?")
+    assert not summaries(pipe) and len(cache) == 0
+    assert turn.summary.startswith("Asked:")  # the extractive fallback, for this request only
 
 
 def test_a_rewrite_waiting_for_memory_leaves_the_queue_when_the_client_leaves() -> None:
-    import threading
-
-    pipe = Pipeline(
-        corpus_index(),
-        backend=fake(chat_pipeline(kv_tokens=1000, rewrite=lambda m: STANDALONE)),
-        max_new_tokens=40,
-        system_prompt=SYSTEM,
-        relevance_floor=0,
-        queue_timeout=60.0,
-    )
-    held = pipe.admission.acquire(1000)  # the GPU is busy
-    cancel, done = threading.Event(), []
+    pipe = _busy_pipeline(rewrite=lambda m: STANDALONE)
     chat = Conversation.from_messages(pipe, _messages(2))
-    t = threading.Thread(target=lambda: done.append(chat.ask("what about its footer?", cancel=cancel)))
-    t.start()
-    while pipe.admission.stats().queued == 0:
-        threading.Event().wait(0.005)
-    cancel.set()
-    t.join(timeout=10)  # not the 60 s admission timeout
-    held.release()
-    assert done and done[0].cancelled and not rewrites(pipe) and not answers(pipe)
+    turn = _left_while_queued(pipe, chat, "what about its footer?")
+    assert turn.cancelled and not rewrites(pipe) and not answers(pipe)
     assert chat.turns == Conversation.from_messages(pipe, _messages(2)).turns  # nothing kept of it
 
 
