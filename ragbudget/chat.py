@@ -705,7 +705,7 @@ class Conversation:
             return ""
         text, complete, slow = self._side_request("rewrite", messages, n_prompt, cap, cancel=cancel, stop=["\n"])
         _check_cancel(cancel)
-        query = standalone_query(text, question) if complete else ""
+        query = standalone_query(text, question, [t.question for t in recent]) if complete else ""
         if not query:
             self._rewrite_fallback = slow or f"the model wrote no standalone question ({text.strip()[:80]!r})"
             return ""

@@ -381,6 +381,15 @@ def test_a_rewrite_that_answers_instead_falls_back_to_the_terms() -> None:
     assert chunks(turn)[0] == "html-footer"
 
 
+def test_a_rewrite_repeating_the_earlier_question_falls_back_to_the_terms() -> None:
+    pipe = chat_pipeline(total=400, max_new=40, rewrite=lambda m: FIRST)
+    chat = Conversation(pipe)
+    chat.ask(FIRST)
+    turn = chat.ask("what about its footer?")
+    assert turn.retrieval_query.startswith("what about its footer?") and "trafilatura" in turn.retrieval_query
+    assert "no standalone question" in turn.answer.report["follow_up"]["fallback"]
+
+
 def test_the_rewrite_is_the_default_and_off_with_either_switch() -> None:
     for options, asked in (
         ({}, 1),

@@ -76,6 +76,18 @@ def test_standalone_query_reads_the_models_question_back_or_refuses_it(
     assert standalone_query(written, question) == expected
 
 
+def test_a_rewrite_that_copies_the_transcript_or_an_earlier_question_is_refused() -> None:
+    earlier = ["What connects them?", "Who wrote Emma?"]
+    for written in ("User: How old was he?", "The user asked: Did she like school?", "assistant: Yes."):
+        assert standalone_query(written, "Who did they find upstairs?", earlier) == ""
+    # The previous question back, instead of this one (what small models often write).
+    assert standalone_query("What connects them?", "Where were they in the afternoon?", earlier) == ""
+    assert standalone_query("who wrote  EMMA?", "When was she born?", earlier) == ""
+    # This question itself repeated is kept (the terms are added to it); so is a new question.
+    assert standalone_query("What connects them?", "What connects them?", earlier) == "What connects them?"
+    assert standalone_query("When was Jane Austen born?", "When was she born?", earlier) == "When was Jane Austen born?"
+
+
 def test_standalone_messages_carry_the_summary_the_turns_and_the_question() -> None:
     system, user = standalone_messages(["User: Who wrote Emma?", "Assistant: Jane Austen."], "When?", summary="Books.")
     assert system["role"] == "system" and "Do not answer" in system["content"]

@@ -257,6 +257,8 @@ _STANDALONE_SYSTEM = (
     "stands alone, repeat it. Reply with the rewritten question only, on one line."
 )
 _LABEL = re.compile(r"^\s*(?:standalone|rewritten|reformulated|new)?\s*question\s*:\s*", re.IGNORECASE)
+# A line of the transcript copied back ("User: ...", "The user asked: ..."), not a rewrite.
+_TRANSCRIPT = re.compile(r"^\s*(?:user|assistant|the user(?:\s+asked)?)\s*:", re.IGNORECASE)
 
 
 def standalone_messages(lines: Sequence[str], question: str, *, summary: str = "") -> list[dict[str, str]]:
@@ -279,17 +281,23 @@ def standalone_messages(lines: Sequence[str], question: str, *, summary: str = "
     return [{"role": "system", "content": _STANDALONE_SYSTEM}, {"role": "user", "content": user}]
 
 
-def standalone_query(text: str, question: str) -> str:
+def standalone_query(text: str, question: str, earlier: Sequence[str] = ()) -> str:
     """The standalone question the generator wrote (``text``) for ``question``, or ``""`` when it
-    is not one: empty, far longer than a question, or a statement where a question was asked (the
-    model answered or explained instead; the caller then falls back to :func:`expand_query`).
+    is not one: empty, far longer than a question, a statement where a question was asked (the
+    model answered or explained instead), a line of the transcript copied back, or one of the
+    ``earlier`` questions of the conversation repeated (small models often write the previous
+    question instead of this one). The caller then falls back to :func:`expand_query`.
 
     >>> standalone_query('Standalone question: "When was Jane Austen born?"', "When was she born?")
     'When was Jane Austen born?'
     >>> standalone_query("Jane Austen was born in 1775.", "When was she born?")
     ''
+    >>> standalone_query("Who wrote Emma?", "When was she born?", earlier=["Who wrote Emma?"])
+    ''
     """
     line = next((ln for ln in text.strip().splitlines() if ln.strip()), "")
+    if _TRANSCRIPT.match(line):
+        return ""
     for _ in range(2):  # a label inside markup ("**Rewritten question:** ..."), then quotes around the question
         line = _LABEL.sub("", line.strip().strip("\"'`*").strip())
     if not line:
@@ -299,5 +307,8 @@ def standalone_query(text: str, question: str) -> str:
     if len(_words(line)) > len(_words(question)) + 20:
         return ""
     if question.rstrip().endswith("?") and "?" not in line:
+        return ""
+    words = _words(line)
+    if words != _words(question) and any(words == _words(e) for e in earlier):
         return ""
     return line
