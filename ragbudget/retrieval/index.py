@@ -40,7 +40,16 @@ from .lexical import FUSIONS, fts5_available, fts_match_query, fuse_checked, fus
 from .manifest import FORMAT_VERSION
 from .reader import Opened, Reader
 from .roots import Roots, fallback_root
-from .scope import Sources, cached_scope, dense_in, in_scope_first, lexical_in, scope_of, source_patterns
+from .scope import (
+    Sources,
+    cached_scope,
+    dense_in,
+    in_scope_first,
+    lexical_in,
+    query_row,
+    scope_of,
+    source_patterns,
+)
 from .storage import open_storage, stores_sentences
 
 if TYPE_CHECKING:
@@ -519,13 +528,8 @@ class Index:
             return self._search_vector(vector, k)
 
     def _search_vector(self, vector: ArrayLike, k: int) -> list[Hit]:
-        import numpy as np
-
         store = self._generation().search
-        q = np.ascontiguousarray(np.asarray(vector, dtype=np.float32).reshape(1, -1))
-        d = int(self.manifest["dim"])
-        if q.shape[1] != d:
-            raise ConfigError(f"query vector has dimension {q.shape[1]}, the index has {d}")
+        q = query_row(vector, self.manifest)
         if self.search_threads:
             import faiss
 

@@ -25,10 +25,10 @@ import functools
 import math
 import re
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import PureWindowsPath
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..errors import ArgumentTypeError, ConfigError
 
@@ -206,21 +206,29 @@ def _named(patterns: tuple[str, ...], path: str, roots: Roots) -> bool:
     return any(matches(p, stored, roots.display(stored)) for p in patterns)
 
 
-def dense_in(gen: Generation, vector: ArrayLike, k: int, scope: frozenset[int]) -> list[tuple[int, float]]:
-    """``(chunk_id, cosine)`` of the ``k`` chunks of ``scope`` nearest ``vector``, best first."""
+def query_row(vector: ArrayLike, manifest: Mapping[str, Any]) -> NDArray[np.float32]:
+    """``vector`` as the one-row float32 matrix a store searches with; a one-line error when its
+    dimension is not the index's (``manifest["dim"]``), before any store sees it."""
     import numpy as np
 
-    total = _total(gen)
-    q = np.asarray(vector, dtype=np.float32).reshape(1, -1)
-    dim = int(gen.manifest["dim"])
+    q = np.ascontiguousarray(np.asarray(vector, dtype=np.float32).reshape(1, -1))
+    dim = int(manifest["dim"])
     if q.shape[1] != dim:
         raise ConfigError(f"query vector has dimension {q.shape[1]}, the index has {dim}")
+    return q
+
+
+def dense_in(gen: Generation, vector: ArrayLike, k: int, scope: frozenset[int]) -> list[tuple[int, float]]:
+    """``(chunk_id, cosine)`` of the ``k`` chunks of ``scope`` nearest ``vector``, best first."""
+
+    total = _total(gen)
+    q = query_row(vector, gen.manifest)
     if len(scope) > EXACT_SCOPE_MAX and len(scope) * WIDE_SHARE >= total > 0:
         # A wide scope: the store's own (fast, maybe approximate) search, for as many more
         # candidates as the scope is rarer than the index, twice over (at most 2 x WIDE_SHARE x k:
         # a rarer scope is scored exactly, in batches, rather than asking the store for thousands).
         want = min(total, k * 2 * math.ceil(total / len(scope)))
-        scores, ids = gen.search.search(np.ascontiguousarray(q), want)
+        scores, ids = gen.search.search(q, want)
         found = [(int(i), float(s)) for i, s in zip(ids[0], scores[0], strict=True) if i >= 0 and int(i) in scope]
         if len(found) >= min(k, len(scope)):  # else too few (an IVF or pgvector store stops short)
             return found[:k]
