@@ -173,6 +173,8 @@ _EVERY_ROW_UNAFFECTED: Mapping[str, str] = {
 _UNLESS_A_CONVERSATION: Mapping[str, str] = {
     "f51b9ed": "the follow-up's rewrite on by default: a question with no earlier turn asks no rewrite, and "
     "only the chat rows ask one after a history (the server benchmarks send a single message)",
+    "b1509aa": "which rewrites of a follow-up are refused (a repeat of an earlier question, a transcript line): "
+    "only a question after a history is rewritten",
 }
 #: What the 0.5B answers runs (bench/answers.py, one question at a time) are unaffected by.
 _ANSWERS_UNAFFECTED = {
