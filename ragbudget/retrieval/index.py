@@ -40,16 +40,7 @@ from .lexical import FUSIONS, fts5_available, fts_match_query, fuse_checked, fus
 from .manifest import FORMAT_VERSION
 from .reader import Opened, Reader
 from .roots import Roots, fallback_root
-from .scope import (
-    Sources,
-    cached_scope,
-    dense_in,
-    in_scope_first,
-    lexical_in,
-    query_row,
-    scope_of,
-    source_patterns,
-)
+from .scope import Sources, cached_scope, dense_in, in_scope_first, lexical_in, query_row, scope_of, source_patterns
 from .storage import open_storage, stores_sentences
 
 if TYPE_CHECKING:
@@ -492,8 +483,9 @@ class Index:
     def _dense(self, vector: ArrayLike, k: int, scope: frozenset[int] | None) -> list[Hit]:
         """The dense search, within ``scope`` when there is one."""
         if scope is None:
-            return self._search_vector(vector, k)
-        pairs = dense_in(self._generation(), vector, k, scope)
+            pairs = self._store_top(query_row(vector, self.manifest), k)
+        else:
+            pairs = dense_in(self._generation(), vector, k, scope)
         by_id = {h.chunk_id: h for h in self.get_chunks([i for i, _ in pairs])}
         return [_with_score(by_id[i], s) for i, s in pairs if i in by_id]
 
@@ -525,11 +517,12 @@ class Index:
         if k < 1:
             raise ConfigError(f"k must be >= 1, got {k}")
         with self.pinned():
-            return self._search_vector(vector, k)
+            return self._dense(vector, k, None)
 
-    def _search_vector(self, vector: ArrayLike, k: int) -> list[Hit]:
+    def _store_top(self, q: NDArray[np.float32], k: int) -> list[tuple[int, float]]:
+        """``(chunk_id, score)`` of the store's own top ``k`` for the one-row query ``q``, on
+        ``search_threads`` threads when set."""
         store = self._generation().search
-        q = query_row(vector, self.manifest)
         if self.search_threads:
             import faiss
 
@@ -541,9 +534,7 @@ class Index:
                 faiss.omp_set_num_threads(before)
         else:
             scores, ids = store.search(q, k)
-        pairs = [(int(i), float(s)) for i, s in zip(ids[0], scores[0], strict=True) if i >= 0]
-        by_id = {h.chunk_id: h for h in self.get_chunks([i for i, _ in pairs])}
-        return [_with_score(by_id[i], s) for i, s in pairs if i in by_id]
+        return [(int(i), float(s)) for i, s in zip(ids[0], scores[0], strict=True) if i >= 0]
 
     def get_chunks(self, ids: Iterable[int]) -> list[Hit]:
         """Chunks by id, in the order given (unknown ids are left out); ``score`` is 0."""
