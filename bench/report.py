@@ -167,6 +167,7 @@ _EVERY_ROW_UNAFFECTED: Mapping[str, str] = {
     "8007f2d": "answers.py --scoped: without it no question carries a source (ask gets sources=None, as "
     "before) and the caches' keys are as before",
     "9417a2c": "a refactor: the query vector's dimension check and conversion, the same as before, in one place",
+    "c98164c": "a refactor: the dense search's ids turned to hits in one place, the store searched as before",
 }
 #: Commits that change only what a follow-up in a conversation with history runs: every row but
 #: those that converse (:attr:`Row.converses`) passes over them; those are re-run after.
