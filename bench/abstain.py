@@ -24,7 +24,14 @@ PROBE_ORIGIN)``, read here as the signal ``sentence × PROBE_ORIGIN ÷ probe med
 floors' grid. An index whose every question scores lower (reviews) gets a proportionally lower
 floor. Not the library's rule (yet): measured here to decide whether it should be.
 
+**Scoped** (``--scoped``, written to ``abstain_scoped.json``): each question asked of one file, as
+a product page asks of its product's reviews (``Pipeline.search(..., sources=FILE)``). Answerable:
+the question limited to its own article's file; unanswerable: the same question limited to
+another indexed article's file (the next one in the indexed order), which does not hold its
+answer. The fixed floors' rates only (the probes are not scoped).
+
     python bench/abstain.py --splits squad-tune,squad-test,amazon --choose squad-tune
+    python bench/abstain.py --splits squad-tune,squad-test,amazon --choose squad-tune --scoped
 """
 
 from __future__ import annotations
@@ -52,7 +59,9 @@ PROBE_ORIGIN = 0.3
 def signals(split: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     from ragbudget import Pipeline
 
-    pool, indexed, questions = question_set(split, args.docs, args.questions, args.unanswerable, args.seed)
+    pool, indexed, questions = question_set(
+        split, args.docs, args.questions, args.unanswerable, args.seed, scoped=args.scoped
+    )
     rows = []
     with tempfile.TemporaryDirectory(prefix="abstain-") as tmp:
         docs = Path(tmp) / "docs"
@@ -61,7 +70,12 @@ def signals(split: str, args: argparse.Namespace) -> list[dict[str, Any]]:
             pipe.index([docs])
             t0 = time.perf_counter()
             for q in questions:
-                rows.append({"qid": q["qid"], "answerable": q["answerable"], **evidence(pipe, q["text"])})
+                if args.scoped:
+                    for answerable, source in ((True, q["source"]), (False, other_file(q["source"], docs))):
+                        got = evidence(pipe, q["text"], sources=source)
+                        rows.append({"qid": q["qid"], "answerable": answerable, "source": source, **got})
+                else:
+                    rows.append({"qid": q["qid"], "answerable": q["answerable"], **evidence(pipe, q["text"])})
             print(f"{split}: {len(rows)} questions, {time.perf_counter() - t0:.1f} s", flush=True)
             probes = [pipe.evidence(p).score for p in PROBES]
     # The probe rule's signal: the question's evidence above its index's off-topic median.
@@ -72,11 +86,18 @@ def signals(split: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows, probes
 
 
-def evidence(pipe: Any, question: str) -> dict[str, float]:
+def evidence(pipe: Any, question: str, sources: str | None = None) -> dict[str, float]:
     """The library's evidence (``Pipeline.evidence``: the best sentence cosine among the top
-    hits) and, for comparison, the top hit's own score."""
-    hits = pipe.search(question, k=pipe.retrieval.fetch_k)
+    hits, within ``sources`` when given) and, for comparison, the top hit's own score."""
+    hits = pipe.search(question, k=pipe.retrieval.fetch_k, sources=sources)
     return {"hit": float(hits[0].score) if hits else 0.0, "sentence": pipe.evidence(question, hits=hits).score}
+
+
+def other_file(source: str, docs: Path) -> str:
+    """The indexed file after ``source`` in name order (the first after the last): a scope that
+    does not hold the answer to a question about ``source``."""
+    names = sorted(p.name for p in docs.glob("*.md"))
+    return names[(names.index(source) + 1) % len(names)]
 
 
 def rates(rows: list[dict[str, Any]], key: str, floor: float) -> tuple[float, float]:
@@ -96,12 +117,14 @@ def main() -> None:
     ap.add_argument("--unanswerable", type=int, default=200)
     ap.add_argument("--max-wrong", type=float, default=2.0, help="percent of answerable questions wrongly declined")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--scoped", action="store_true", help="each question asked of one file (see the docstring)")
     args = ap.parse_args()
     splits = [s for s in args.splits.split(",") if s]
     data, probes = {}, {}
     for s in splits:
         data[s], probes[s] = signals(s, args)
-    keys = ("sentence", "hit", "probe", "scaled")
+    # The probes are asked of the whole index, so their rules do not apply to a scoped question.
+    keys = ("sentence", "hit") if args.scoped else ("sentence", "hit", "probe", "scaled")
     table: dict[str, Any] = {}
     for s, rows in data.items():
         table[s] = {k: {str(f): rates(rows, k, f) for f in FLOORS} for k in keys}
@@ -121,7 +144,7 @@ def main() -> None:
     from _results import write
 
     write(
-        "abstain",
+        "abstain_scoped" if args.scoped else "abstain",
         {
             "splits": splits,
             "chosen_on": args.choose,
