@@ -391,9 +391,14 @@ ROWS: tuple[Row, ...] = (
             "li": _ANSWERS + "#/summary/llamaindex@2048/declined_unanswerable_pct",
             "ours": _ANSWERS + "#/summary/ragbudget@256/declined_unanswerable_pct",
             "pn": _ANSWERS + "#/questions_unanswerable",
+            "sc": "abstain_scoped.json#/rates/squad-test/sentence/0.45/0",
+            "scw": "abstain_scoped.json#/rates/squad-test/sentence/0.45/1",
+            "sca": "abstain_scoped.json#/rates/amazon/sentence/0.45/0",
+            "scaw": "abstain_scoped.json#/rates/amazon/sentence/0.45/1",
         },
         rb="{rb:.1f}% declined, {w:.1f}% wrongly ({n} + {n} questions; on SQuADShifts Amazon reviews {am:.1f}% "
-        "and {amw:.1f}% wrongly: a miss)",
+        "and {amw:.1f}% wrongly: a miss; asked within one file, another article's question {sc:.1f}% declined and "
+        "{scw:.1f}% wrongly, on reviews {sca:.1f}% and {scaw:.1f}% wrongly)",
         peer="{peer:.1f}% (LangChain stuff chain; LlamaIndex {li:.1f}%; `ask` {ours:.1f}%) on the answer run's "
         "{pn} unanswerable questions",
         ratio=None,
