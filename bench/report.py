@@ -354,7 +354,7 @@ ROWS: tuple[Row, ...] = (
         "`llama-server`: ragbudget at 256 context tokens against each peer at 2,048 (a miss)",
         short="Answer F1 for chat follow-ups with the 1.5B model: ragbudget at 256 tokens vs the best peer at 2,048",
         section="the-15b-model",
-        raw="answers_coqa_1_5b_rewrite.json",
+        raw="answers_coqa_1_5b_rewrite_60.json",
         values={
             "rb": "/summary/ragbudget@256/f1",
             "peer": "/summary/llamaindex@2048/f1",
