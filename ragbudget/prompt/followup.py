@@ -302,13 +302,13 @@ def standalone_query(text: str, question: str, earlier: Sequence[str] = ()) -> s
         line = _LABEL.sub("", line.strip().strip("\"'`*").strip())
     if not line:
         return ""
+    words, asked = _words(line), _words(question)
     # A standalone question names a few more things than the follow-up: twenty words past it is
     # an answer or an explanation; so is a statement written for a question asked with a "?".
-    if len(_words(line)) > len(_words(question)) + 20:
+    if len(words) > len(asked) + 20:
         return ""
     if question.rstrip().endswith("?") and "?" not in line:
         return ""
-    words = _words(line)
-    if words != _words(question) and any(words == _words(e) for e in earlier):
+    if words != asked and any(words == _words(e) for e in earlier):
         return ""
     return line

@@ -220,7 +220,6 @@ def query_row(vector: ArrayLike, manifest: Mapping[str, Any]) -> NDArray[np.floa
 
 def dense_in(gen: Generation, vector: ArrayLike, k: int, scope: frozenset[int]) -> list[tuple[int, float]]:
     """``(chunk_id, cosine)`` of the ``k`` chunks of ``scope`` nearest ``vector``, best first."""
-
     total = _total(gen)
     q = query_row(vector, gen.manifest)
     if len(scope) > EXACT_SCOPE_MAX and len(scope) * WIDE_SHARE >= total > 0:
