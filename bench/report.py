@@ -169,6 +169,7 @@ _EVERY_ROW_UNAFFECTED: Mapping[str, str] = {
     "9417a2c": "a refactor: the query vector's dimension check and conversion, the same as before, in one place",
     "c98164c": "a refactor: the dense search's ids turned to hits in one place, the store searched as before",
     "d07f954": "abstain.py --scoped added: without it the same questions, searches and signals",
+    "02eea44": "a refactor: the rewrite's checks read each text's words once, the same checks",
 }
 #: Commits that change only what a follow-up in a conversation with history runs: every row but
 #: those that converse (:attr:`Row.converses`) passes over them; those are re-run after.
